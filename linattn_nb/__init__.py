@@ -1,0 +1,27 @@
+"""linattn_nb: Numba-accelerated kernel-based linear attention.
+
+Public API (stable names)::
+
+    linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto", device="auto", ...)
+    softmax_attention(q, k, v, *, causal=False, scale=None)
+    feature_maps            # FeatureMap base, registry: get / available / register
+    LinearState             # (S, z, position) returned by linear_attention(return_state=True)
+
+Nothing is compiled at import; Numba compiles each kernel on first use and
+caches it on disk.
+"""
+from __future__ import annotations
+
+from . import config, feature_maps
+from .attention import LinearState, linear_attention, softmax_attention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "config",
+    "feature_maps",
+    "linear_attention",
+    "softmax_attention",
+    "LinearState",
+]

@@ -1,0 +1,119 @@
+"""Input checks shared by every public function.
+
+The dtype rule, stated once for the whole package:
+
+* float16, float32 and float64 inputs are accepted;
+* inputs of different floating dtypes are promoted to the widest of them
+  (``np.result_type``), and the result has that dtype;
+* integer, boolean, complex, long-double and object inputs are rejected with a
+  ``TypeError`` that names the argument: cast explicitly (``x.astype(np.float32)``)
+  so that the precision of the computation is a decision, not an accident.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def check_float_dtype(name: str, dtype) -> np.dtype:
+    """Raise TypeError unless ``dtype`` is float16/32/64."""
+    dtype = np.dtype(dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        if dtype.kind in "iub":
+            hint = f"; cast it explicitly, e.g. {name}.astype(np.float32)"
+        else:
+            hint = ""
+        raise TypeError(
+            f"{name} must have dtype float16, float32 or float64, got {dtype}{hint}"
+        )
+    return dtype
+
+
+def as_host_array(name: str, x) -> np.ndarray:
+    """``np.asarray`` with a clear error for things that are not arrays."""
+    if isinstance(x, np.ndarray):
+        return x
+    if x is None:
+        raise TypeError(f"{name} must be an array, got None")
+    try:
+        arr = np.asarray(x)
+    except Exception as exc:  # pragma: no cover - exotic inputs
+        raise TypeError(f"{name} could not be converted to an array: {exc}") from exc
+    if arr.dtype == object:
+        raise TypeError(f"{name} must be a numeric array, got an object array (ragged or non-numeric input?)")
+    return arr
+
+
+def check_finite(name: str, x: np.ndarray) -> None:
+    """Raise ValueError if ``x`` holds NaN or infinity."""
+    if x.size and not np.isfinite(x).all():
+        bad = int(x.size - np.count_nonzero(np.isfinite(x)))
+        raise ValueError(
+            f"{name} contains {bad} non-finite value(s) (NaN or inf); "
+            "pass check_finite=False to skip this check"
+        )
+
+
+def check_qkv(q, k, v, *, names: Sequence[str] = ("q", "k", "v")):
+    """Validate the shapes of q, k, v and return the common batch shape etc.
+
+    Returns
+    -------
+    batch_shape : tuple
+    n, d, m : int
+    dtype : numpy.dtype
+        The promoted floating dtype.
+    """
+    qn, kn, vn = names
+    for name, x in zip(names, (q, k, v)):
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 dimensions (..., N, features), got shape {tuple(x.shape)}")
+        check_float_dtype(name, x.dtype)
+    if not (q.ndim == k.ndim == v.ndim):
+        raise ValueError(
+            f"{qn}, {kn}, {vn} must have the same number of dimensions, got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if not (tuple(q.shape[:-2]) == tuple(k.shape[:-2]) == tuple(v.shape[:-2])):
+        raise ValueError(
+            f"{qn}, {kn}, {vn} must have equal leading batch dimensions, got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if not (q.shape[-2] == k.shape[-2] == v.shape[-2]):
+        raise ValueError(
+            f"{qn}, {kn}, {vn} must have the same sequence length N (axis -2), got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"{qn} and {kn} must have the same feature dimension D (axis -1), got shapes "
+            f"{tuple(q.shape)} and {tuple(k.shape)}"
+        )
+    if q.shape[-1] == 0 or v.shape[-1] == 0:
+        raise ValueError(
+            f"feature dimensions must be at least 1, got D={q.shape[-1]} and M={v.shape[-1]}"
+        )
+    dtype = np.result_type(q.dtype, k.dtype, v.dtype)
+    return tuple(q.shape[:-2]), int(q.shape[-2]), int(q.shape[-1]), int(v.shape[-1]), np.dtype(dtype)
+
+
+def check_out(out, shape, dtype) -> np.ndarray:
+    """Validate a user-supplied output buffer."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy.ndarray for CPU inputs, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.dtype != dtype:
+        raise TypeError(f"out must have dtype {dtype}, got {out.dtype}")
+    if not out.flags.writeable:
+        raise ValueError("out is read-only")
+    return out
+
+
+def flatten_batch(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``(..., N, F)`` -> C-contiguous ``(B, N, F)`` of ``dtype`` (a view where possible)."""
+    x = np.ascontiguousarray(x, dtype=dtype)
+    return x.reshape((-1,) + x.shape[-2:])

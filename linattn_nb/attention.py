@@ -1,0 +1,351 @@
+"""Public attention functions: validation, shape handling, dispatch.
+
+The kernels live in :mod:`linattn_nb.ops`; this module validates inputs,
+flattens the leading batch dimensions, chooses the implementation through the
+method table (:mod:`linattn_nb.ops.registry`) and restores shapes.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _validate as V
+from . import config
+from . import feature_maps as fm
+from .device import resolve_device
+from .ops import methods as _methods  # noqa: F401  (registers the built-in methods)
+from .ops.registry import get_method, select_auto
+from .ops.softmax.cpu import softmax_blocked
+from .ops.softmax.naive import softmax_attention_quadratic
+
+__all__ = ["linear_attention", "softmax_attention", "LinearState"]
+
+
+class LinearState(NamedTuple):
+    """Recurrent state of linear attention after a sequence (or a prefix).
+
+    Attributes
+    ----------
+    S : ndarray, shape (..., D_phi, M)
+        ``sum_j phi(k_j) v_j^T`` over the tokens seen.
+    z : ndarray, shape (..., D_phi)
+        ``sum_j phi(k_j)``.
+    position : int
+        Number of tokens absorbed, i.e. the position of the next token
+        (used by position-dependent feature maps).
+    """
+
+    S: np.ndarray
+    z: np.ndarray
+    position: int = 0
+
+
+def _check_eps(eps):
+    if eps is None:
+        return None
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer, np.floating)):
+        raise TypeError(f"eps must be a non-negative float or None, got {type(eps).__name__}")
+    eps = float(eps)
+    if not (eps >= 0.0) or math.isinf(eps):
+        raise ValueError(f"eps must be a finite non-negative float or None, got {eps}")
+    return eps
+
+
+def _check_state(initial_state, batch_shape, f, m, check_finite):
+    """Validate an initial state; return float64 copies flattened to (B, F, M), (B, F) and the position."""
+    if isinstance(initial_state, LinearState) or (
+        isinstance(initial_state, tuple) and len(initial_state) in (2, 3)
+    ):
+        S0, z0 = initial_state[0], initial_state[1]
+        position = int(initial_state[2]) if len(initial_state) == 3 else 0
+    elif hasattr(initial_state, "S") and hasattr(initial_state, "z"):
+        S0, z0 = initial_state.S, initial_state.z
+        position = int(getattr(initial_state, "position", 0))
+    else:
+        raise TypeError(
+            "initial_state must be a LinearState (or a tuple (S, z[, position])), "
+            f"got {type(initial_state).__name__}"
+        )
+    S0 = V.as_host_array("initial_state.S", S0)
+    z0 = V.as_host_array("initial_state.z", z0)
+    V.check_float_dtype("initial_state.S", S0.dtype)
+    V.check_float_dtype("initial_state.z", z0.dtype)
+    want_S = tuple(batch_shape) + (f, m)
+    want_z = tuple(batch_shape) + (f,)
+    if tuple(S0.shape) != want_S or tuple(z0.shape) != want_z:
+        raise ValueError(
+            f"initial_state must have S of shape {want_S} and z of shape {want_z} "
+            f"(batch shape, feature dimension D_phi={f}, value dimension M={m}), "
+            f"got {tuple(S0.shape)} and {tuple(z0.shape)}"
+        )
+    if position < 0:
+        raise ValueError(f"initial_state.position must be >= 0, got {position}")
+    if check_finite:
+        V.check_finite("initial_state.S", S0)
+        V.check_finite("initial_state.z", z0)
+    S = np.array(S0, dtype=np.float64, order="C").reshape((-1, f, m))
+    z = np.array(z0, dtype=np.float64, order="C").reshape((-1, f))
+    return S, z, position
+
+
+def linear_attention(
+    q,
+    k,
+    v,
+    *,
+    feature_map="elu",
+    causal=False,
+    method="auto",
+    device="auto",
+    eps=config.DEFAULT_EPS,
+    check_finite=True,
+    out=None,
+    initial_state=None,
+    return_state=False,
+):
+    r"""Kernel-based linear attention.
+
+    Computes, for every query ``i``,
+
+    .. math:: o_i = \frac{\phi(q_i)^\top S}{\max(\phi(q_i)^\top z, \epsilon)},
+       \quad S = \sum_j \phi(k_j) v_j^\top,\quad z = \sum_j \phi(k_j),
+
+    with the sums over all tokens (``causal=False``) or over ``j <= i``
+    (``causal=True``: the prefix states include token ``i``; Katharopoulos et
+    al. 2020, Eqs. 7 and 10-12).  The ``N x N`` matrix is never formed except
+    by ``method="quadratic"``.
+
+    Parameters
+    ----------
+    q, k : array_like, shape (..., N, D)
+    v : array_like, shape (..., N, M)
+        Equal leading batch dimensions, any number of them (``(N, D)``,
+        ``(B, H, N, D)``, ...).  float16, float32 or float64; mixed floating
+        dtypes are promoted to the widest; integer, boolean and complex inputs
+        raise TypeError.  Any memory layout (non-contiguous, Fortran-ordered
+        and read-only inputs are accepted; a contiguous copy is made only when
+        needed).
+    feature_map : str, FeatureMap or None, default "elu"
+        A registered name (see :func:`linattn_nb.feature_maps.available`), a
+        :class:`~linattn_nb.feature_maps.FeatureMap`, or None when ``q`` and
+        ``k`` already are features.
+    causal : bool, default False
+    method : {"auto", "quadratic", "scan", "chunked", "aggregate"}
+        ``"quadratic"``: the naive N x N reference (float64 inside);
+        ``"scan"``: the per-token recurrence; ``"chunked"``: the
+        chunkwise-parallel kernel (when registered); ``"auto"``: the fastest
+        for the shape, from the measured table in :mod:`linattn_nb.config`.
+        Non-causal attention has no recurrence: ``"scan"``, ``"chunked"`` and
+        ``"aggregate"`` all run the aggregate-then-query kernel.
+    device : {"auto", "cpu", "cuda"}
+        Where to run; ``"auto"`` follows the data.
+    eps : float or None, default 1e-8
+        Floor of the normaliser: ``den = max(phi(q)^T z, eps)`` (the seed's
+        ``clip(1e-8)``).  With positive feature maps the normaliser is > 0 and
+        the floor only guards underflow.  With signed maps ("identity", random
+        Fourier features) a normaliser <= eps is replaced by ``eps``, which
+        keeps the output finite but large; ``eps=None`` divides by the raw
+        signed normaliser instead (a zero normaliser then gives inf/NaN).
+    check_finite : bool, default True
+        Raise ValueError when an input holds NaN or inf.  With False, NaN
+        propagates to the affected outputs.
+    out : ndarray, optional
+        Output buffer of shape (..., N, M) and the result dtype.
+    initial_state : LinearState or tuple (S, z[, position]), optional
+        State to start from: context absorbed before token 0 (for
+        segment-wise processing).  Never modified.
+    return_state : bool, default False
+        Also return the final :class:`LinearState` (float64).
+
+    Returns
+    -------
+    out : ndarray, shape (..., N, M)
+        In the (promoted) input dtype.
+    state : LinearState
+        Only when ``return_state`` is True.
+
+    Raises
+    ------
+    ValueError
+        Mismatched N or D, batch dimensions, fewer than 2 dimensions,
+        non-finite inputs (``check_finite``), unknown ``method``/``device``,
+        badly shaped ``out`` or ``initial_state``.
+    TypeError
+        Non-floating inputs, a bad ``feature_map`` or ``out`` dtype.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from linattn_nb import linear_attention
+    >>> rng = np.random.default_rng(0)
+    >>> q, k = rng.normal(size=(2, 2, 4, 16, 8))   # (B=2, H=4, N=16, D=8) each
+    >>> v = rng.normal(size=(2, 4, 16, 6))
+    >>> o = linear_attention(q, k, v, causal=True)
+    >>> o.shape
+    (2, 4, 16, 6)
+    >>> ref = linear_attention(q, k, v, causal=True, method="quadratic")
+    >>> bool(np.allclose(o, ref))
+    True
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be one of 'auto', 'cpu', 'cuda', got {device!r}")
+    dev = resolve_device(device, q, k, v, out, names=("q", "k", "v", "out"))
+    if dev == "cuda":
+        from . import _cuda_dispatch
+
+        return _cuda_dispatch.linear_attention_cuda(
+            q, k, v, feature_map=feature_map, causal=causal, method=method, eps=eps,
+            check_finite=check_finite, out=out, initial_state=initial_state,
+            return_state=return_state, host_inputs=not any(map(_is_dev, (q, k, v))),
+        )
+
+    fmap = fm.resolve(feature_map)
+    eps = _check_eps(eps)
+    causal = bool(causal)
+    q = V.as_host_array("q", q)
+    k = V.as_host_array("k", k)
+    v = V.as_host_array("v", v)
+    batch_shape, n, d, m, dtype = V.check_qkv(q, k, v)
+    if check_finite:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            V.check_finite(name, x)
+    f = int(fmap.output_dim(d))
+    out_shape = batch_shape + (n, m)
+    if out is not None:
+        V.check_out(out, out_shape, dtype)
+
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a string, got {type(method).__name__}")
+    b = int(np.prod(batch_shape, dtype=np.int64))
+    name = method
+    if method == "auto":
+        name = select_auto(causal=causal, device="cpu", batch=b, n=n, d=d, m=m, dtype=dtype)
+    impl = get_method(name, causal=causal, device="cpu")
+
+    if initial_state is not None:
+        S, z, position = _check_state(initial_state, batch_shape, f, m, check_finite)
+    else:
+        S = np.zeros((b, f, m))
+        z = np.zeros((b, f))
+        position = 0
+
+    work_dtype = dtype if dtype in impl.native_dtypes else np.dtype(np.float32)
+    result = out if out is not None else np.empty(out_shape, dtype=dtype)
+    if n > 0 and b > 0:
+        vf = V.flatten_batch(v, work_dtype)
+        if impl.inline_features and fmap.kernel_code is not None:
+            code = int(fmap.kernel_code)
+            qf = V.flatten_batch(q, work_dtype)
+            kf = V.flatten_batch(k, work_dtype)
+        else:
+            code = 0
+            kw = dict(causal=causal, offset=position, total_length=position + n)
+            qf = V.flatten_batch(fmap.apply(np.asarray(q, dtype=work_dtype), role="query", **kw), work_dtype)
+            kf = V.flatten_batch(fmap.apply(np.asarray(k, dtype=work_dtype), role="key", **kw), work_dtype)
+            if qf.shape[-1] != f or kf.shape[-1] != f:
+                raise ValueError(
+                    f"feature map {fmap.name!r} returned {qf.shape[-1]} features for D={d}, "
+                    f"but output_dim({d}) says {f}"
+                )
+        direct = (
+            result.dtype == work_dtype and result.flags.c_contiguous and result.flags.writeable
+        )
+        target = result.reshape((b, n, m)) if direct else np.empty((b, n, m), dtype=work_dtype)
+        impl.launcher(qf, kf, vf, S, z, target, code=code, eps=eps)
+        if not direct:
+            result[...] = target.reshape(out_shape)
+    if not return_state:
+        return result
+    state = LinearState(S.reshape(batch_shape + (f, m)), z.reshape(batch_shape + (f,)), position + n)
+    return result, state
+
+
+def _is_dev(x) -> bool:
+    from .device import is_device_array
+
+    return is_device_array(x)
+
+
+def softmax_attention(q, k, v, *, causal=False, scale=None, device="auto", check_finite=True,
+                      method="blocked"):
+    r"""Softmax attention, numerically stable, in bounded memory.
+
+    .. math:: o_i = \sum_j \operatorname{softmax}_j(\text{scale}\; q_i^\top k_j)\, v_j
+
+    over all ``j`` or, with ``causal=True``, over ``j <= i``.  The default
+    ``method="blocked"`` is a Numba kernel, parallel over (batch entry, query
+    block) tasks, that streams over key blocks with a running maximum and
+    never holds more than one ``block_q x block_k`` block of scores
+    (:mod:`linattn_nb.config`), so causal N = 65,536 runs in bounded memory.
+
+    Parameters
+    ----------
+    q, k : array_like, shape (..., N, D)
+    v : array_like, shape (..., N, M)
+        Same rules as :func:`linear_attention` (dtype promotion, batch dims).
+        float16 inputs are computed in float32 and returned as float16.
+    causal : bool, default False
+    scale : float, optional
+        Defaults to ``1 / sqrt(D)``.
+    device : {"auto", "cpu"}
+        Only a CPU kernel exists; GPU inputs raise ValueError.
+    check_finite : bool, default True
+    method : {"blocked", "quadratic"}
+        ``"quadratic"`` is the naive float64 reference (explicit N x N).
+
+    Returns
+    -------
+    ndarray, shape (..., N, M), in the input dtype.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from linattn_nb import softmax_attention
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.normal(size=(3, 2, 32, 8))
+    >>> o = softmax_attention(q, k, v, causal=True)
+    >>> bool(np.allclose(o, softmax_attention(q, k, v, causal=True, method="quadratic")))
+    True
+    """
+    dev = resolve_device(device if device != "cuda" else "auto", q, k, v, names=("q", "k", "v"))
+    if device == "cuda" or dev == "cuda":
+        raise ValueError(
+            "softmax_attention has a CPU kernel only; pass host arrays (device='cpu'). "
+            "GPU inputs: copy them to the host first."
+        )
+    q = V.as_host_array("q", q)
+    k = V.as_host_array("k", k)
+    v = V.as_host_array("v", v)
+    batch_shape, n, d, m, dtype = V.check_qkv(q, k, v)
+    if check_finite:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            V.check_finite(name, x)
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    else:
+        if isinstance(scale, (bool, np.bool_)) or not np.isscalar(scale):
+            raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+        scale = float(scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale}")
+    if method not in ("blocked", "quadratic"):
+        raise ValueError(f"unknown method {method!r} for softmax_attention; choose 'blocked' or 'quadratic'")
+    out_shape = batch_shape + (n, m)
+    result = np.empty(out_shape, dtype=dtype)
+    b = int(np.prod(batch_shape, dtype=np.int64))
+    if n == 0 or b == 0:
+        return result
+    work = np.dtype(np.float32) if dtype == np.float16 else dtype
+    qf, kf, vf = (V.flatten_batch(x, work) for x in (q, k, v))
+    if method == "quadratic":
+        res = softmax_attention_quadratic(qf, kf, vf, causal=bool(causal), scale=scale)
+        result[...] = res.reshape(out_shape)
+        return result
+    direct = work == dtype
+    target = result.reshape((b, n, m)) if direct else np.empty((b, n, m), dtype=work)
+    softmax_blocked(qf, kf, vf, target, causal=bool(causal), scale=scale)
+    if not direct:
+        result[...] = target.reshape(out_shape)
+    return result

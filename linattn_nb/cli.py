@@ -1,0 +1,138 @@
+"""The ``linattn`` command line.
+
+``linattn info``  versions, threading, CUDA, cache directory.
+``linattn demo``  a short run of every CPU method against the reference.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+
+def _info_lines() -> list[str]:
+    import numba
+    import numpy as np
+    import scipy
+
+    import linattn_nb
+    from linattn_nb.device import cuda_status
+    from linattn_nb.ops.causal.cpu import causal_scan_kernel
+
+    # A tiny call (loaded from the on-disk cache when warm) starts Numba's
+    # thread pool so that the threading layer can be reported.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 4, 2))
+    linattn_nb.linear_attention(x, x, x, causal=True, method="scan")
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # pragma: no cover - pool not started
+        layer = "not started"
+    status = cuda_status()
+    if status == "gpu":
+        from numba import cuda
+
+        dev = cuda.get_current_device()
+        name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+        cuda_line = f"GPU: {name} (compute capability {'.'.join(map(str, dev.compute_capability))})"
+    elif status == "simulator":
+        cuda_line = "simulator (NUMBA_ENABLE_CUDASIM=1; kernels run on the CPU, slowly)"
+    else:
+        cuda_line = "none (no usable CUDA GPU)"
+    try:
+        import numba_cuda  # noqa: F401
+
+        nbcuda = getattr(numba_cuda, "__version__", "installed")
+    except Exception:
+        nbcuda = "not installed"
+    try:
+        cache_dir = causal_scan_kernel._cache._cache_path
+    except Exception:  # pragma: no cover - caching disabled
+        cache_dir = "(caching disabled)"
+    writable = os.access(cache_dir, os.W_OK) if os.path.isdir(cache_dir) else False
+    return [
+        f"linattn_nb   {linattn_nb.__version__}",
+        f"python       {platform.python_version()} ({sys.executable})",
+        f"platform     {platform.platform()}",
+        f"numba        {numba.__version__}",
+        f"numba-cuda   {nbcuda}",
+        f"numpy        {np.__version__}",
+        f"scipy        {scipy.__version__}",
+        f"threading    {layer} layer, {numba.get_num_threads()} threads (NUMBA_NUM_THREADS={numba.config.NUMBA_NUM_THREADS})",
+        f"cuda         {cuda_line}",
+        f"cache dir    {cache_dir} ({'writable' if writable else 'not writable'}; "
+        f"NUMBA_CACHE_DIR={os.environ.get('NUMBA_CACHE_DIR', '(unset)')})",
+        f"feature maps {', '.join(linattn_nb.feature_maps.available())}",
+    ]
+
+
+def cmd_info(args) -> int:
+    for line in _info_lines():
+        print(line)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    import numpy as np
+
+    from linattn_nb import linear_attention, softmax_attention
+    from linattn_nb.ops.registry import available_methods
+
+    rng = np.random.default_rng(args.seed)
+    shape = (args.batch, args.heads, args.length, args.dim)
+    print(f"demo: q, k, v of shape {shape}, float32, feature map 'elu'")
+    q = rng.standard_normal(shape, dtype=np.float32)
+    k = rng.standard_normal(shape, dtype=np.float32)
+    v = rng.standard_normal(shape, dtype=np.float32)
+    print(f"{'causal':>7} {'method':>10} {'time [ms]':>10} {'rel. error vs float64 reference':>32}")
+    for causal in (False, True):
+        ref = linear_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                               causal=causal, method="quadratic")
+        for method in ["auto"] + [m for m in available_methods(causal=causal) if m != "quadratic"]:
+            linear_attention(q, k, v, causal=causal, method=method)  # compile / load from cache
+            t0 = time.perf_counter()
+            out = linear_attention(q, k, v, causal=causal, method=method)
+            dt = time.perf_counter() - t0
+            err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+            print(f"{str(causal):>7} {method:>10} {dt * 1e3:10.2f} {err:32.2e}")
+    softmax_attention(q, k, v, causal=True)
+    t0 = time.perf_counter()
+    softmax_attention(q, k, v, causal=True)
+    print(f"softmax_attention causal: {(time.perf_counter() - t0) * 1e3:.2f} ms")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from linattn_nb import __version__
+
+    parser = argparse.ArgumentParser(prog="linattn", description="linattn_nb: Numba-accelerated linear attention")
+    parser.add_argument("--version", action="version", version=f"linattn_nb {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("info", help="versions, threading layer, CUDA status, cache directory")
+    p.set_defaults(func=cmd_info)
+    p = sub.add_parser("demo", help="run every CPU method on a small problem against the reference")
+    p.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
+    p.add_argument("--heads", type=int, default=4, help="heads (default 4)")
+    p.add_argument("--length", type=int, default=1024, help="sequence length N (default 1024)")
+    p.add_argument("--dim", type=int, default=64, help="D = M (default 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    for name in ("batch", "heads", "length", "dim"):
+        if getattr(args, name, 1) < 1:
+            parser.error(f"--{name} must be >= 1")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

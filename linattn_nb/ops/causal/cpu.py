@@ -1,0 +1,60 @@
+"""Numba CPU kernel of causal linear attention: the per-token scan.
+
+Kernel: :func:`causal_scan_kernel`; launcher: :func:`causal_scan`.  The state
+``S`` (F x M) and ``z`` (F) are carried in the dtype of the state arrays the
+launcher passes (float64 by default), so float32 inputs do not lose accuracy
+over long sequences.  Token ``t`` updates the state first and then reads it
+(prefix states include token t; Katharopoulos et al. 2020, Eqs. 18-19).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ... import config
+from .._common import phi
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def causal_scan_kernel(q, k, v, S, z, out, code, eps, clip):
+    """Per-token recurrence, parallel over the flattened batch (axis 0).
+
+    q, k : (B, N, F) inputs (``code`` > 0: raw, the map is applied inline;
+    code 0: already features).  v : (B, N, M).  S : (B, F, M), z : (B, F):
+    the initial state on entry, the final state on return.  out : (B, N, M).
+    ``clip``: floor the normaliser at ``eps``; else divide raw.
+    """
+    B, N, F = q.shape
+    M = v.shape[2]
+    for b in prange(B):
+        Sb = S[b]
+        zb = z[b]
+        fq = np.empty(F, dtype=S.dtype)
+        fk = np.empty(F, dtype=S.dtype)
+        num = np.empty(M, dtype=S.dtype)
+        for t in range(N):
+            for i in range(F):
+                fq[i] = phi(q[b, t, i], code)
+                fk[i] = phi(k[b, t, i], code)
+            num[:] = 0.0
+            den = 0.0
+            for i in range(F):
+                a = fk[i]
+                c = fq[i]
+                zb[i] += a
+                den += c * zb[i]
+                for m in range(M):
+                    s = Sb[i, m] + a * v[b, t, m]
+                    Sb[i, m] = s
+                    num[m] += c * s
+            if clip and den < eps:
+                den = eps
+            for m in range(M):
+                out[b, t, m] = num[m] / den
+
+
+def causal_scan(q, k, v, S, z, out, *, code, eps):
+    """Launcher: q, k (B, N, F); v (B, N, M); state S, z updated in place; writes out."""
+    clip = eps is not None
+    causal_scan_kernel(q, k, v, S, z, out, np.int64(code), float(eps if clip else 0.0), clip)
+    return out

@@ -1,0 +1,35 @@
+"""Naive NumPy reference of non-causal linear attention (the seed's ``pairwise``).
+
+Every query attends to every key through the explicit ``N x N`` kernel matrix
+``phi(Q) phi(K)^T`` (Katharopoulos et al. 2020, Eq. 7), computed in float64.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def noncausal_linear_quadratic(qf, kf, v, *, eps, S0=None, z0=None):
+    """Non-causal linear attention from explicit weights.
+
+    Parameters and returns as :func:`linattn_nb.ops.causal.naive.causal_linear_quadratic`;
+    the initial state, when given, is context seen by every query.
+    """
+    qf = np.asarray(qf, dtype=np.float64)
+    kf = np.asarray(kf, dtype=np.float64)
+    v = np.asarray(v, dtype=np.float64)
+    B, N, F = qf.shape
+    M = v.shape[-1]
+    S = np.zeros((B, F, M)) if S0 is None else np.array(S0, dtype=np.float64)
+    z = np.zeros((B, F)) if z0 is None else np.array(z0, dtype=np.float64)
+    out = np.empty((B, N, M))
+    for b in range(B):
+        A = qf[b] @ kf[b].T
+        num = A @ v[b] + qf[b] @ S[b]
+        den = A.sum(axis=-1) + qf[b] @ z[b]
+        if eps is not None:
+            den = np.maximum(den, eps)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out[b] = num / den[:, None]
+        S[b] += kf[b].T @ v[b]
+        z[b] += kf[b].sum(axis=0)
+    return out, S, z

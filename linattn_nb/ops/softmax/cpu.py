@@ -1,0 +1,83 @@
+"""Numba CPU kernel of softmax attention, blocked with a running max.
+
+Kernel: :func:`softmax_kernel`; launcher: :func:`softmax_blocked`.  Work is
+split into (batch entry, query block) tasks run in parallel; each task streams
+over key blocks, keeping a running row maximum ``m``, a running normaliser
+``l`` and an unnormalised accumulator (the online softmax of Milakov &
+Gimelshein 2018, as used by FlashAttention).  Memory per task is
+O(block_q * (block_k + M)); the ``N x N`` matrix is never formed.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ... import config
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def softmax_kernel(q, k, v, out, scale, causal, block_q, block_k):
+    """q (B, N, D), k (B, N, D), v (B, N, M) -> out (B, N, M)."""
+    B, N, D = q.shape
+    M = v.shape[2]
+    nqb = (N + block_q - 1) // block_q
+    ntask = B * nqb
+    for task in prange(ntask):
+        # Interleave cheap and expensive query blocks so that the contiguous
+        # ranges prange hands each thread carry similar causal work.
+        b = task // nqb
+        r = task % nqb
+        if r % 2 == 0:
+            qb = r // 2
+        else:
+            qb = nqb - 1 - r // 2
+        q0 = qb * block_q
+        q1 = min(N, q0 + block_q)
+        nq = q1 - q0
+        qs = np.empty((nq, D), dtype=q.dtype)
+        for i in range(nq):
+            for d in range(D):
+                qs[i, d] = q[b, q0 + i, d] * scale
+        mrow = np.full(nq, -np.inf)
+        lrow = np.zeros(nq)
+        acc = np.zeros((nq, M), dtype=q.dtype)
+        kend = q1 if causal else N
+        for k0 in range(0, kend, block_k):
+            k1 = min(kend, k0 + block_k)
+            s = np.dot(qs, k[b, k0:k1].T)
+            nk = k1 - k0
+            for i in range(nq):
+                lim = nk
+                if causal:
+                    lim = max(0, min(nk, q0 + i + 1 - k0))
+                mx = mrow[i]
+                for j in range(lim):
+                    if s[i, j] > mx:
+                        mx = s[i, j]
+                alpha = np.exp(mrow[i] - mx) if mrow[i] > -np.inf else 0.0
+                tot = 0.0
+                for j in range(lim):
+                    p = np.exp(s[i, j] - mx)
+                    s[i, j] = p
+                    tot += p
+                for j in range(lim, nk):
+                    s[i, j] = 0.0
+                lrow[i] = lrow[i] * alpha + tot
+                mrow[i] = mx
+                for mm in range(M):
+                    acc[i, mm] *= alpha
+            acc += np.dot(s, v[b, k0:k1])
+        for i in range(nq):
+            inv = 1.0 / lrow[i]
+            for mm in range(M):
+                out[b, q0 + i, mm] = acc[i, mm] * inv
+
+
+def softmax_blocked(q, k, v, out, *, causal, scale, block_q=None, block_k=None):
+    """Launcher for :func:`softmax_kernel`; block sizes default to config."""
+    block_q = int(block_q or config.SOFTMAX_BLOCK_Q)
+    block_k = int(block_k or config.SOFTMAX_BLOCK_K)
+    if block_q < 1 or block_k < 1:
+        raise ValueError(f"block sizes must be >= 1, got block_q={block_q}, block_k={block_k}")
+    softmax_kernel(q, k, v, out, float(scale), bool(causal), np.int64(block_q), np.int64(block_k))
+    return out
