@@ -64,6 +64,41 @@ DEFAULT_EPS = _env_float("LINATTN_EPS", 1e-8)
 #: phase both work on blocks of this many rows, GEMM-shaped through BLAS).
 CPU_NONCAUSAL_BLOCK = _env_int("LINATTN_CPU_NONCAUSAL_BLOCK", 256)
 
+#: Pin the BLAS that ``np.dot`` calls inside Numba kernels to one thread while
+#: a parallel CPU kernel runs (OpenBLAS otherwise multithreads GEMMs of about
+#: 64**3 and up from inside every Numba thread: oversubscription, measured
+#: 12x slower; see linattn_nb/ops/_blas.py).
+CPU_BLAS_SINGLE_THREAD = os.environ.get("LINATTN_BLAS_SINGLE_THREAD", "1") not in ("0", "false", "no")
+
+#: Chunk size C of ``method="chunked"`` (causal, CPU).  0 (default) picks it
+#: from :data:`CPU_CHUNK_TABLE` through :func:`cpu_chunk_size`.
+CPU_CHUNK_SIZE = _env_int("LINATTN_CPU_CHUNK_SIZE", 0)
+
+#: Measured best chunk size per working dtype (benchmarks/causal_cpu.py
+#: ``--sweep-chunk``): ``dtype name -> [(max F*M, C), ...]``, first row whose
+#: bound admits F*M wins.
+CPU_CHUNK_TABLE = {
+    "float32": [(None, 64)],
+    "float64": [(None, 64)],
+}
+
+#: Sequence parallelism of ``method="chunked"`` (batch*heads below the thread
+#: count) splits a sequence into segments of at least this many chunks.
+CPU_CHUNKED_MIN_SEGMENT_CHUNKS = _env_int("LINATTN_CPU_CHUNKED_MIN_SEGMENT_CHUNKS", 8)
+
+def cpu_chunk_size(n: int, f: int, m: int, dtype) -> int:
+    """Chunk size for ``method="chunked"`` on the CPU (``CPU_CHUNK_SIZE`` if set, else the table)."""
+    if CPU_CHUNK_SIZE > 0:
+        return int(CPU_CHUNK_SIZE)
+    import numpy as np
+
+    name = "float64" if np.dtype(dtype) == np.float64 else "float32"
+    for max_fm, c in CPU_CHUNK_TABLE.get(name, ()):
+        if max_fm is None or f * m <= max_fm:
+            return int(c)
+    return 64
+
+
 #: Query rows and key columns per block in the CPU softmax kernel.  Memory is
 #: O(block_q * block_k) per thread; the N x N matrix is never formed.
 SOFTMAX_BLOCK_Q = _env_int("LINATTN_SOFTMAX_BLOCK_Q", 128)
@@ -80,6 +115,6 @@ QUADRATIC_MAX_ELEMENTS = _env_int("LINATTN_QUADRATIC_MAX_ELEMENTS", 1 << 26)
 #: ``max_n`` (inclusive; None = unbounded) admits the sequence length wins.
 #: The rows must come from measurements (benchmarks/), not guesses.
 AUTO_METHODS = {
-    (True, "cpu"): [(None, "scan")],
+    (True, "cpu"): [(None, "chunked")],
     (False, "cpu"): [(None, "aggregate")],
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import config
+from .causal.chunked import causal_chunked
 from .causal.cpu import causal_scan
 from .causal.naive import causal_linear_quadratic
 from .noncausal.cpu import noncausal_aggregate
@@ -39,6 +40,7 @@ register_method(Method("quadratic", True, "cpu", _quadratic_launcher(causal_line
 register_method(Method("quadratic", False, "cpu", _quadratic_launcher(noncausal_linear_quadratic),
                        inline_features=False, native_dtypes=_ALL_FLOATS))
 register_method(Method("scan", True, "cpu", causal_scan))
+register_method(Method("chunked", True, "cpu", causal_chunked, native_dtypes=_ALL_FLOATS))
 # Non-causal attention has no recurrence: every linear method runs the
 # aggregate-then-query kernel (the names are accepted so that sweeps over
 # (causal, method) need no special case).
