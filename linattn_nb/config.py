@@ -86,6 +86,11 @@ CPU_CHUNK_TABLE = {
 #: count) splits a sequence into segments of at least this many chunks.
 CPU_CHUNKED_MIN_SEGMENT_CHUNKS = _env_int("LINATTN_CPU_CHUNKED_MIN_SEGMENT_CHUNKS", 8)
 
+#: Below this much work (B * N * D_phi * M) ``method="chunked"`` runs on the
+#: calling thread: entering a parallel region costs more than the work there.
+CPU_CHUNKED_SERIAL_MAX_WORK = _env_int("LINATTN_CPU_CHUNKED_SERIAL_MAX_WORK", 1 << 21)
+
+
 def cpu_chunk_size(n: int, f: int, m: int, dtype) -> int:
     """Chunk size for ``method="chunked"`` on the CPU (``CPU_CHUNK_SIZE`` if set, else the table)."""
     if CPU_CHUNK_SIZE > 0:

@@ -185,6 +185,19 @@ def test_feature_maps(rng, dtype, fmap):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_parallel_and_serial_kernels_agree(rng, dtype, monkeypatch):
+    """The prange kernel (B above the thread count) gives the serial kernel's numbers, bit for bit."""
+    q, k, v = _inputs(rng, THREADS + 1, 37, 5, 3, dtype)
+    monkeypatch.setattr(cfg, "CPU_CHUNKED_SERIAL_MAX_WORK", 1 << 40)
+    o_ser, S_ser, _ = _run(q, k, v, chunk=4, seq_parallel=False)
+    monkeypatch.setattr(cfg, "CPU_CHUNKED_SERIAL_MAX_WORK", 0)
+    o_par, S_par, _ = _run(q, k, v, chunk=4, seq_parallel=False)
+    assert np.array_equal(o_ser, o_par) and np.array_equal(S_ser, S_par)
+    ref, _, _ = _reference(q, k, v, "elu")
+    _assert_close(o_par, ref, dtype, "parallel")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_sequence_parallel_equals_batch_parallel(rng, dtype, monkeypatch):
     """B below the thread count: segments from a prefix over state sums, initial state included."""
     monkeypatch.setattr(cfg, "CPU_CHUNKED_MIN_SEGMENT_CHUNKS", 1)
@@ -321,3 +334,38 @@ def test_property_against_reference(B, N, D, M, C, dtype, fmap, seq, init, seed)
     _assert_close(out, ref, dtype, f"B={B} N={N} C={C}")
     np.testing.assert_allclose(S, S_ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(z, z_ref, rtol=1e-5, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# the other fast CPU paths touched here: non-causal kernel, float16 in the scan
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_noncausal_kernel_pieces_and_dtypes(rng, dtype, monkeypatch):
+    """Aggregate-then-query kernel (blocks, pieces of one sequence, initial state) against the reference."""
+    from linattn_nb.ops.noncausal.cpu import noncausal_aggregate
+    from linattn_nb.ops.noncausal.naive import noncausal_linear_quadratic
+
+    B, D, M = 2, 5, 3
+    for N, pieces, serial in ((0, None, True), (1, None, True), (37, None, True), (41, 3, dtype == np.float64)):
+        monkeypatch.setattr(cfg, "CPU_CHUNKED_SERIAL_MAX_WORK", 1 << 40 if serial else 0)
+        q, k, v = _inputs(rng, B, N, D, M, dtype)
+        S0 = rng.standard_normal((B, D, M))
+        z0 = rng.uniform(1, 2, size=(B, D))
+        S, z = S0.copy(), z0.copy()
+        out = np.full((B, N, M), np.nan, dtype)
+        noncausal_aggregate(q, k, v, S, z, out, code=1, eps=1e-8, block=8, pieces=pieces)
+        f = fm.get("elu")
+        ref, S_ref, z_ref = noncausal_linear_quadratic(
+            f(q.astype(np.float64)), f(k.astype(np.float64)), v.astype(np.float64), eps=1e-8, S0=S0, z0=z0)
+        _assert_close(out, ref, dtype, f"non-causal N={N} pieces={pieces}")
+        np.testing.assert_allclose(S, S_ref, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(z, z_ref, rtol=1e-6)
+
+
+def test_scan_takes_float16(rng):
+    """The per-token scan reads float16 bits directly (no float32 copy) and returns float16."""
+    q, k, v = _inputs(rng, 2, 23, 4, 3, np.float16)
+    o = linear_attention(q, k, v, causal=True, method="scan")
+    assert o.dtype == np.float16
+    ref, _, _ = _reference(q, k, v, "elu")
+    _assert_close(o, ref, np.float16, "scan float16")

@@ -39,10 +39,10 @@ register_method(Method("quadratic", True, "cpu", _quadratic_launcher(causal_line
                        inline_features=False, native_dtypes=_ALL_FLOATS))
 register_method(Method("quadratic", False, "cpu", _quadratic_launcher(noncausal_linear_quadratic),
                        inline_features=False, native_dtypes=_ALL_FLOATS))
-register_method(Method("scan", True, "cpu", causal_scan))
+register_method(Method("scan", True, "cpu", causal_scan, native_dtypes=_ALL_FLOATS))
 register_method(Method("chunked", True, "cpu", causal_chunked, native_dtypes=_ALL_FLOATS))
 # Non-causal attention has no recurrence: every linear method runs the
 # aggregate-then-query kernel (the names are accepted so that sweeps over
 # (causal, method) need no special case).
 for _name in ("aggregate", "scan", "chunked"):
-    register_method(Method(_name, False, "cpu", noncausal_aggregate))
+    register_method(Method(_name, False, "cpu", noncausal_aggregate, native_dtypes=_ALL_FLOATS))

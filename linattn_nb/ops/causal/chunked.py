@@ -33,92 +33,20 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import njit, prange, types
-from numba.extending import overload
+from numba import njit, prange
 
 from ... import config
 from .._blas import single_threaded_blas
-from .._vec import as_kernel_array, elu1, f16_to_f32, put3, relu, relu2, to_work, work_dtype
+from .._blocks import all_finite as _all_finite
+from .._blocks import features as _features
+from .._blocks import state_sums as _state_sums
+from .._blocks import values as _values
+from .._vec import as_kernel_array, put3, work_dtype
 
 
 # ---------------------------------------------------------------------------
 # per-chunk helpers (inlined into the kernel by LLVM)
 # ---------------------------------------------------------------------------
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _features(src, b, s0, n, dst, code):
-    """dst[:n] = phi(src[b, s0:s0+n]) in the working dtype (one loop per map, so each vectorises)."""
-    F = src.shape[2]
-    if code == 1:
-        for t in range(n):
-            for i in range(F):
-                dst[t, i] = elu1(to_work(src[b, s0 + t, i]))
-    elif code == 2:
-        for t in range(n):
-            for i in range(F):
-                dst[t, i] = relu(to_work(src[b, s0 + t, i]))
-    elif code == 3:
-        for t in range(n):
-            for i in range(F):
-                dst[t, i] = relu2(to_work(src[b, s0 + t, i]))
-    else:
-        for t in range(n):
-            for i in range(F):
-                dst[t, i] = to_work(src[b, s0 + t, i])
-
-
-def _values(v, b, s0, n, buf):  # pragma: no cover - replaced inside Numba
-    """The value block v[b, s0:s0+n] in the working dtype (a view, or converted into buf)."""
-    return v[b, s0:s0 + n]
-
-
-@overload(_values)
-def _values_ov(v, b, s0, n, buf):
-    if isinstance(v.dtype, types.Integer):  # float16 bits
-        def impl(v, b, s0, n, buf):
-            M = v.shape[2]
-            for t in range(n):
-                for m in range(M):
-                    buf[t, m] = f16_to_f32(v[b, s0 + t, m])
-            return buf[:n]
-
-        return impl
-
-    def impl_view(v, b, s0, n, buf):
-        return v[b, s0:s0 + n]
-
-    return impl_view
-
-
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _all_finite(a):
-    """True when the 2-D block holds no NaN or inf (x * 0 is NaN exactly for those)."""
-    acc = a.dtype.type(0.0)
-    for t in range(a.shape[0]):
-        for m in range(a.shape[1]):
-            acc += a[t, m] * a.dtype.type(0.0)
-    return acc == acc
-
-
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _state_sums(k, v, b, s_begin, s_end, S64, z64, code, fk, vb, part):
-    """S64 += sum phi(K)^T V and z64 += sum phi(K) over tokens [s_begin, s_end), in blocks of fk.shape[0]."""
-    F = k.shape[2]
-    M = v.shape[2]
-    blk = fk.shape[0]
-    for s0 in range(s_begin, s_end, blk):
-        n = min(blk, s_end - s0)
-        fkn = fk[:n]
-        _features(k, b, s0, n, fkn, code)
-        vc = _values(v, b, s0, n, vb)
-        np.dot(fkn.T, vc, part)
-        for i in range(F):
-            for m in range(M):
-                S64[i, m] += part[i, m]
-        for t in range(n):
-            for i in range(F):
-                z64[i] += fkn[t, i]
-
-
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def _span(q, k, v, out, b, s_begin, s_end, S64, z64, code, eps, clip,
           fq, fk, vb, Ab, o1, o2, Sw, part, rden):
@@ -139,14 +67,17 @@ def _span(q, k, v, out, b, s_begin, s_end, S64, z64, code, eps, clip,
         A = Ab[:n * n].reshape((n, n))
         np.dot(fqn, fkn.T, A)
         # causal mask (diagonal kept), intra + inter normaliser
+        zero = rden[0] * 0.0
         for t in range(n):
+            intra = zero
+            for j in range(n):
+                a = A[t, j] if j <= t else zero
+                A[t, j] = a
+                intra += a
             acc = 0.0
-            for j in range(t + 1):
-                acc += A[t, j]
-            for j in range(t + 1, n):
-                A[t, j] = 0.0
             for i in range(F):
                 acc += fqn[t, i] * z64[i]
+            acc += intra
             if clip and acc < eps:
                 acc = eps
             rden[t] = 1.0 / acc
@@ -259,6 +190,21 @@ def chunked_kernel(mode, q, k, v, Sst, zst, out, proto, code, eps, clip, C, sub)
             _span_item(it, q, k, v, Sst, zst, out, wt, code, eps, clip, C)
 
 
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def chunked_kernel_serial(mode, q, k, v, Sst, zst, out, proto, code, eps, clip, C, sub):
+    """:func:`chunked_kernel` on the calling thread only (small problems: a
+    parallel region costs more than the work; measured 18 ms per call under
+    load with the OpenMP layer against 0.1 ms of work at N = 128)."""
+    B = q.shape[0]
+    wt = proto.dtype
+    nitems = B * Sst.shape[1]
+    for it in range(nitems):
+        if mode == 0:
+            _sum_item(it, k, v, Sst, zst, wt, code, C, Sst.shape[1] // sub + 1, sub)
+        else:
+            _span_item(it, q, k, v, Sst, zst, out, wt, code, eps, clip, C)
+
+
 # ---------------------------------------------------------------------------
 # launcher
 # ---------------------------------------------------------------------------
@@ -313,6 +259,8 @@ def causal_chunked(q, k, v, S, z, out, *, code, eps, chunk=None, seq_parallel=No
     if C < 1:
         raise ValueError(f"chunk must be >= 1, got {C}")
     P, sub = plan(B, N, chunk=C, seq_parallel=seq_parallel)
+    small = B * P == 1 or B * N * F * M < int(config.CPU_CHUNKED_SERIAL_MAX_WORK)
+    kernel = chunked_kernel_serial if small and seq_parallel is not True else chunked_kernel
     wt = work_dtype(q.dtype)
     clip = eps is not None
     qk, kk, vk = (as_kernel_array(np.ascontiguousarray(x)) for x in (q, k, v))
@@ -324,7 +272,7 @@ def causal_chunked(q, k, v, S, z, out, *, code, eps, chunk=None, seq_parallel=No
             # batch-parallel: the state arrays are the segment states
             S4 = np.ascontiguousarray(S).reshape(B, 1, F, M)
             z3 = np.ascontiguousarray(z).reshape(B, 1, F)
-            chunked_kernel(np.int64(1), qk, kk, vk, S4, z3, ok, proto, *args)
+            kernel(np.int64(1), qk, kk, vk, S4, z3, ok, proto, *args)
             if not np.shares_memory(S4, S):
                 S[...] = S4.reshape(B, F, M)
             if not np.shares_memory(z3, z):
@@ -333,7 +281,7 @@ def causal_chunked(q, k, v, S, z, out, *, code, eps, chunk=None, seq_parallel=No
         # pass 1: state sums of the pieces before the last segment
         Sp = np.empty((B, (P - 1) * sub, F, M))
         zp = np.empty((B, (P - 1) * sub, F))
-        chunked_kernel(np.int64(0), qk, kk, vk, Sp, zp, ok, proto, *args)
+        kernel(np.int64(0), qk, kk, vk, Sp, zp, ok, proto, *args)
         # prefix over segments, starting from the initial state
         Sst = np.empty((B, P, F, M))
         zst = np.empty((B, P, F))
@@ -345,7 +293,7 @@ def causal_chunked(q, k, v, S, z, out, *, code, eps, chunk=None, seq_parallel=No
             Sst[:, p] = Sst[:, p - 1] + Sseg[:, p - 1]
             zst[:, p] = zst[:, p - 1] + zseg[:, p - 1]
         # pass 2: all segments in parallel
-        chunked_kernel(np.int64(1), qk, kk, vk, Sst, zst, ok, proto, *args)
+        kernel(np.int64(1), qk, kk, vk, Sst, zst, ok, proto, *args)
     S[...] = Sst[:, P - 1]
     z[...] = zst[:, P - 1]
     return out

@@ -1,0 +1,212 @@
+"""Causal forward on the CPU: every method side by side, against this machine's limits.
+
+Run::
+
+    python benchmarks/causal_cpu.py                 # full table (a few minutes on 2 cores)
+    python benchmarks/causal_cpu.py --quick         # N = 512 and 4096 only
+    python benchmarks/causal_cpu.py --sweep-chunk   # chunk sizes for config.CPU_CHUNK_TABLE
+    python benchmarks/causal_cpu.py --sweep-auto    # scan vs chunked at small N (config.AUTO_METHODS)
+
+Shape: B*H = 16 sequences, D = M = 64, feature map "elu", N from 512 to
+65,536, float32 and float64.  In the same run: the sgemm rate of this machine
+(np.dot of two 2048 x 2048 float32 matrices) as the ceiling, softmax_attention
+(causal, blocked Numba kernel) and torch's scaled_dot_product_attention
+(is_causal=True) when torch is importable.
+
+For each cell: the median wall time, the effective rate
+4 * B*H * N * D * M / time (GFLOP/s; the useful work of linear attention, the
+same formula for every method so that the rates compare times), that rate over
+the sgemm rate, and speed-ups of "chunked" over "scan" and over torch SDPA.
+Calls go through the public functions with check_finite=False (the same for
+every method).  Results: a table on stdout and benchmarks/results/causal_cpu.json.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import numpy as np
+
+from _common import machine, median_time, sgemm_gflops, table, write_json
+
+import linattn_nb  # noqa: E402  (path set by _common)
+from linattn_nb import linear_attention, softmax_attention  # noqa: E402
+
+BH, D, M = 16, 64, 64
+
+
+def _torch():
+    try:
+        import torch  # noqa: F401
+        import torch.nn.functional as tf
+    except Exception:
+        return None, None
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    return torch, tf
+
+
+def _inputs(n, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal((BH, n, d), dtype=np.float32).astype(dtype, copy=False)
+                 for d in (D, D, M))
+
+
+def run_table(args):
+    torch, tf = _torch()
+    info = machine()
+    info["torch"] = torch.__version__ if torch is not None else None
+    ns = [int(x) for x in args.ns.split(",")]
+    dtypes = [np.dtype(x) for x in args.dtypes.split(",")]
+    print(f"# causal forward, B*H={BH}, D=M={D}, feature map elu -- {info['date']}, {info['cpu']}, "
+          f"{info['logical_cpus']} logical CPUs, numba threads {info['numba_threads']}")
+    sg0 = sgemm_gflops()
+    print(f"sgemm (np.dot 2048^2 float32): {sg0:.1f} GFLOP/s")
+    rows = []
+    for dtype in dtypes:
+        for n in ns:
+            q, k, v = _inputs(n, dtype)
+            flops = 4.0 * BH * n * D * M
+            cell = {}
+            methods = ["chunked", "scan"]
+            if n <= args.quadratic_max_n:
+                methods.append("quadratic")
+            for meth in methods:
+                if meth == "scan" and n > args.scan_max_n:
+                    continue
+                fn = lambda meth=meth: linear_attention(q, k, v, causal=True, method=meth, check_finite=False)
+                cell[meth] = median_time(fn, repeats=args.repeats, budget_s=args.budget)[0]
+            if n <= args.softmax_max_n:
+                fn = lambda: softmax_attention(q, k, v, causal=True, check_finite=False)
+                cell["softmax"] = median_time(fn, repeats=args.repeats, budget_s=args.budget)[0]
+            if torch is not None and n <= args.torch_max_n:
+                tdt = torch.float32 if dtype == np.float32 else torch.float64
+                tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(x)).to(tdt)[None] for x in (q, k, v))
+
+                def sdpa():
+                    with torch.no_grad():
+                        return tf.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+
+                cell["torch_sdpa"] = median_time(sdpa, repeats=args.repeats, budget_s=args.budget)[0]
+            for meth, t in cell.items():
+                row = {
+                    "dtype": dtype.name, "N": n, "method": meth, "median_ms": t * 1e3,
+                    "gflops": flops / t / 1e9, "x_sgemm": flops / t / 1e9 / sg0,
+                    "chunked_speedup": cell["chunked"] and t / cell["chunked"],
+                }
+                rows.append(row)
+            print(table([r for r in rows if r["dtype"] == dtype.name and r["N"] == n],
+                        ["dtype", "N", "method", "median_ms", "gflops", "x_sgemm", "chunked_speedup"],
+                        {"median_ms": "{:.2f}", "gflops": "{:.1f}", "x_sgemm": "{:.3f}",
+                         "chunked_speedup": "{:.2f}"}))
+            sys.stdout.flush()
+    sg1 = sgemm_gflops()
+    print(f"sgemm again at the end: {sg1:.1f} GFLOP/s (start {sg0:.1f})")
+
+    # summary against the targets (float32, N = 4096 and 65,536)
+    def t_of(dt, n, meth):
+        for r in rows:
+            if r["dtype"] == dt and r["N"] == n and r["method"] == meth:
+                return r["median_ms"] / 1e3
+        return None
+
+    summary = {}
+    c4 = t_of("float32", 4096, "chunked")
+    if c4:
+        eff = 4.0 * BH * 4096 * D * M / c4 / 1e9
+        summary["headline_gflops"] = eff
+        summary["headline_x_sgemm"] = eff / sg0
+        summary["headline_x_sgemm_end"] = eff / sg1
+        s4 = t_of("float32", 4096, "scan")
+        summary["speedup_vs_scan"] = s4 / c4 if s4 else None
+        p4 = t_of("float32", 4096, "torch_sdpa")
+        summary["speedup_vs_torch_sdpa"] = p4 / c4 if p4 else None
+        m4 = t_of("float32", 4096, "softmax")
+        summary["speedup_vs_softmax_blocked"] = m4 / c4 if m4 else None
+        c64 = t_of("float32", 65536, "chunked")
+        summary["scaling_65536_over_4096"] = c64 / c4 if c64 else None
+    print("\nsummary (float32, N = 4096):")
+    targets = {"headline_x_sgemm": ">= 0.40", "speedup_vs_scan": ">= 2.5", "speedup_vs_torch_sdpa": ">= 25",
+               "scaling_65536_over_4096": "<= 17"}
+    for key, val in summary.items():
+        print(f"  {key:30s} {'-' if val is None else f'{val:.3f}':>10s}   {targets.get(key, '')}")
+    path = write_json("causal_cpu", {"machine": info, "sgemm_gflops_start": sg0, "sgemm_gflops_end": sg1,
+                                     "shape": {"BH": BH, "D": D, "M": M, "feature_map": "elu"},
+                                     "rows": rows, "summary": summary}, args.out)
+    print(f"wrote {path}")
+
+
+def run_sweep_chunk(args):
+    from linattn_nb import config
+
+    info = machine()
+    sg = sgemm_gflops()
+    print(f"# chunk-size sweep, B*H={BH}, D=M={D} -- {info['date']}, sgemm {sg:.1f} GFLOP/s")
+    rows = []
+    for dtype in [np.dtype(x) for x in args.dtypes.split(",")]:
+        for n in (4096, 65536) if not args.quick else (4096,):
+            q, k, v = _inputs(n, dtype)
+            for c in (16, 24, 32, 48, 64, 96, 128):
+                config.CPU_CHUNK_SIZE = c
+                fn = lambda: linear_attention(q, k, v, causal=True, method="chunked", check_finite=False)
+                t = median_time(fn, repeats=args.repeats, budget_s=args.budget)[0]
+                rows.append({"dtype": dtype.name, "N": n, "chunk": c, "median_ms": t * 1e3,
+                             "gflops": 4.0 * BH * n * D * M / t / 1e9})
+            config.CPU_CHUNK_SIZE = 0
+            sub = [r for r in rows if r["dtype"] == dtype.name and r["N"] == n]
+            best = min(sub, key=lambda r: r["median_ms"])
+            for r in sub:
+                r["x_best"] = r["median_ms"] / best["median_ms"]
+            print(table(sub, ["dtype", "N", "chunk", "median_ms", "gflops", "x_best"],
+                        {"median_ms": "{:.2f}", "gflops": "{:.1f}", "x_best": "{:.3f}"}))
+    path = write_json("causal_cpu_chunk_sweep", {"machine": info, "sgemm_gflops": sg, "rows": rows})
+    print(f"wrote {path}")
+
+
+def run_sweep_auto(args):
+    info = machine()
+    print(f"# scan vs chunked at small N, B*H={BH}, D=M={D} -- {info['date']}")
+    rows = []
+    for dtype in [np.dtype(x) for x in args.dtypes.split(",")]:
+        for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
+            q, k, v = _inputs(n, dtype)
+            cell = {}
+            for meth in ("scan", "chunked"):
+                fn = lambda meth=meth: linear_attention(q, k, v, causal=True, method=meth, check_finite=False)
+                cell[meth] = median_time(fn, repeats=max(args.repeats, 15), budget_s=args.budget)[0]
+            rows.append({"dtype": dtype.name, "N": n, "scan_us": cell["scan"] * 1e6,
+                         "chunked_us": cell["chunked"] * 1e6, "scan_over_chunked": cell["scan"] / cell["chunked"]})
+        print(table([r for r in rows if r["dtype"] == dtype.name],
+                    ["dtype", "N", "scan_us", "chunked_us", "scan_over_chunked"],
+                    {"scan_us": "{:.1f}", "chunked_us": "{:.1f}", "scan_over_chunked": "{:.2f}"}))
+    path = write_json("causal_cpu_auto_sweep", {"machine": info, "rows": rows})
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="N = 512 and 4096 only (float32 only with sweeps)")
+    ap.add_argument("--ns", default=None, help="comma-separated sequence lengths")
+    ap.add_argument("--dtypes", default="float32,float64")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--budget", type=float, default=4.0, help="seconds per cell before repeats are cut to 3")
+    ap.add_argument("--scan-max-n", type=int, default=65536)
+    ap.add_argument("--quadratic-max-n", type=int, default=2048)
+    ap.add_argument("--softmax-max-n", type=int, default=16384)
+    ap.add_argument("--torch-max-n", type=int, default=16384)
+    ap.add_argument("--sweep-chunk", action="store_true")
+    ap.add_argument("--sweep-auto", action="store_true")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/causal_cpu.json)")
+    args = ap.parse_args(argv)
+    if args.ns is None:
+        args.ns = "512,4096" if args.quick else ",".join(str(2**p) for p in range(9, 17))
+    if args.sweep_chunk:
+        return run_sweep_chunk(args)
+    if args.sweep_auto:
+        return run_sweep_auto(args)
+    return run_table(args)
+
+
+if __name__ == "__main__":
+    main()
