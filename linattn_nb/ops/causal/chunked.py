@@ -67,7 +67,7 @@ def _span(q, k, v, out, b, s_begin, s_end, S64, z64, code, eps, clip,
         A = Ab[:n * n].reshape((n, n))
         np.dot(fqn, fkn.T, A)
         # causal mask (diagonal kept), intra + inter normaliser
-        zero = rden[0] * 0.0
+        zero = rden.dtype.type(0.0)
         for t in range(n):
             intra = zero
             for j in range(n):
