@@ -18,18 +18,19 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
 
-def median_time(fn, *, repeats=5, budget_s=3.0, min_repeats=3, warmup=True):
-    """Median wall time of ``fn()`` over ``repeats`` calls (fewer, but at least
-    ``min_repeats``, when one call takes longer than ``budget_s / repeats``).
-    The first call (compilation, page faults) is not timed when ``warmup``."""
+def median_time(fn, *, repeats=5, budget_s=3.0, min_repeats=3, warmup=True, clock=time.perf_counter):
+    """Median time of ``fn()`` over ``repeats`` calls (fewer, but at least
+    ``min_repeats``, when the calls exceed ``budget_s`` seconds of wall time).
+    The first call (compilation, page faults) is not timed when ``warmup``.
+    ``clock``: wall time by default; ``time.process_time`` for CPU seconds."""
     if warmup:
         fn()
     times = []
     t0 = time.perf_counter()
     while True:
-        t = time.perf_counter()
+        t = clock()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
         spent = time.perf_counter() - t0
         if len(times) >= repeats or (len(times) >= min_repeats and spent > budget_s):
             break

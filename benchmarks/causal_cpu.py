@@ -23,9 +23,9 @@ every method).  Results: a table on stdout and benchmarks/results/causal_cpu.jso
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -138,29 +138,39 @@ def run_table(args):
 
 
 def run_sweep_chunk(args):
+    global D, M
     from linattn_nb import config
 
     info = machine()
     sg = sgemm_gflops()
     print(f"# chunk-size sweep, B*H={BH}, D=M={D} -- {info['date']}, sgemm {sg:.1f} GFLOP/s")
     rows = []
-    for dtype in [np.dtype(x) for x in args.dtypes.split(",")]:
-        for n in (4096, 65536) if not args.quick else (4096,):
+    dims = [int(x) for x in args.dims.split(",")]
+    for dtype, dim, n in [(np.dtype(t), dm, n) for t in args.dtypes.split(",") for dm in dims
+                          for n in ((4096, 65536) if not args.quick else (4096,))]:
+        D = M = dim
+        if True:
             q, k, v = _inputs(n, dtype)
-            for c in (16, 24, 32, 48, 64, 96, 128):
+            for c in (8, 16, 24, 32, 48, 64, 96, 128):
                 config.CPU_CHUNK_SIZE = c
                 fn = lambda: linear_attention(q, k, v, causal=True, method="chunked", check_finite=False)
                 t = median_time(fn, repeats=args.repeats, budget_s=args.budget)[0]
-                rows.append({"dtype": dtype.name, "N": n, "chunk": c, "median_ms": t * 1e3,
-                             "gflops": 4.0 * BH * n * D * M / t / 1e9})
+                # CPU seconds too: less sensitive than wall time to other load on a shared machine
+                tc = median_time(fn, repeats=args.repeats, budget_s=args.budget, clock=time.process_time)[0]
+                rows.append({"dtype": dtype.name, "D=M": dim, "N": n, "chunk": c, "median_ms": t * 1e3,
+                             "gflops": 4.0 * BH * n * D * M / t / 1e9, "cpu_ms": tc * 1e3})
             config.CPU_CHUNK_SIZE = 0
-            sub = [r for r in rows if r["dtype"] == dtype.name and r["N"] == n]
+            sub = [r for r in rows if r["dtype"] == dtype.name and r["N"] == n and r["D=M"] == dim]
             best = min(sub, key=lambda r: r["median_ms"])
+            best_cpu = min(sub, key=lambda r: r["cpu_ms"])
             for r in sub:
                 r["x_best"] = r["median_ms"] / best["median_ms"]
-            print(table(sub, ["dtype", "N", "chunk", "median_ms", "gflops", "x_best"],
-                        {"median_ms": "{:.2f}", "gflops": "{:.1f}", "x_best": "{:.3f}"}))
-    path = write_json("causal_cpu_chunk_sweep", {"machine": info, "sgemm_gflops": sg, "rows": rows})
+                r["cpu_x_best"] = r["cpu_ms"] / best_cpu["cpu_ms"]
+            print(table(sub, ["dtype", "D=M", "N", "chunk", "median_ms", "gflops", "x_best", "cpu_ms", "cpu_x_best"],
+                        {"median_ms": "{:.2f}", "gflops": "{:.1f}", "x_best": "{:.3f}", "cpu_ms": "{:.2f}",
+                         "cpu_x_best": "{:.3f}"}))
+    D = M = 64
+    path = write_json("causal_cpu_chunk_sweep", {"machine": info, "sgemm_gflops": sg, "rows": rows}, args.out)
     print(f"wrote {path}")
 
 
@@ -196,6 +206,7 @@ def main(argv=None):
     ap.add_argument("--softmax-max-n", type=int, default=16384)
     ap.add_argument("--torch-max-n", type=int, default=16384)
     ap.add_argument("--sweep-chunk", action="store_true")
+    ap.add_argument("--dims", default="64", help="D = M values of the chunk sweep, comma-separated")
     ap.add_argument("--sweep-auto", action="store_true")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/causal_cpu.json)")
     args = ap.parse_args(argv)

@@ -74,12 +74,16 @@ CPU_BLAS_SINGLE_THREAD = os.environ.get("LINATTN_BLAS_SINGLE_THREAD", "1") not i
 #: from :data:`CPU_CHUNK_TABLE` through :func:`cpu_chunk_size`.
 CPU_CHUNK_SIZE = _env_int("LINATTN_CPU_CHUNK_SIZE", 0)
 
-#: Measured best chunk size per working dtype (benchmarks/causal_cpu.py
-#: ``--sweep-chunk``): ``dtype name -> [(max F*M, C), ...]``, first row whose
-#: bound admits F*M wins.
+#: Measured best chunk size per working dtype: ``dtype name -> [(max F*M, C),
+#: ...]``, the first row whose bound admits F*M (None = any) wins.  From
+#: ``NUMBA_NUM_THREADS=1 python benchmarks/causal_cpu.py --sweep-chunk --quick
+#: --dims 16,32,64,128`` (CPU seconds, B*H = 16, N = 4096; 2026-11-29, 2-core
+#: AMD EPYC, shared): float32 best at C = 16 for D = M <= 32 and 24-32 above
+#: (within 1%); float64 best at 16 for D = M <= 32 and 24 above.  Times are
+#: flat within ~5% from 16 to 32, 20-30% worse at 64, 60-80% worse at 128.
 CPU_CHUNK_TABLE = {
-    "float32": [(None, 64)],
-    "float64": [(None, 64)],
+    "float32": [(1024, 16), (None, 32)],
+    "float64": [(1024, 16), (None, 24)],
 }
 
 #: Sequence parallelism of ``method="chunked"`` (batch*heads below the thread
