@@ -124,6 +124,9 @@ QUADRATIC_MAX_ELEMENTS = _env_int("LINATTN_QUADRATIC_MAX_ELEMENTS", 1 << 26)
 #: ``max_n`` (inclusive; None = unbounded) admits the sequence length wins.
 #: The rows must come from measurements (benchmarks/), not guesses.
 AUTO_METHODS = {
+    # causal CPU: "chunked" measured faster than "scan" at every N from 1 to
+    # 65,536 (B*H = 16, D = M = 64, float32 and float64; benchmarks/causal_cpu.py
+    # --sweep-auto and the main table, 2026-11-29): 3-4x at N >= 4096.
     (True, "cpu"): [(None, "chunked")],
     (False, "cpu"): [(None, "aggregate")],
 }

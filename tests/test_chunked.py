@@ -269,6 +269,16 @@ def test_public_api_dtypes_and_state(rng):
     np.testing.assert_allclose(np.concatenate([o1, o2], axis=-2), full, rtol=1e-12, atol=1e-13)
 
 
+def test_float16_with_numpy_side_map(rng):
+    """float16 inputs with a map applied in NumPy (dpfp, F != D): features in float32, output float16."""
+    q, k, v = _inputs(rng, 2, 29, 4, 3, np.float16)
+    o = linear_attention(q, k, v, causal=True, method="chunked", feature_map="dpfp")
+    assert o.dtype == np.float16
+    ref = linear_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), causal=True,
+                           method="quadratic", feature_map="dpfp")
+    _assert_close(o, ref, np.float16, "dpfp float16")
+
+
 def test_nan_propagates_causally(rng):
     """A NaN in q at token t poisons row t only; in k or v, rows >= t (check_finite=False)."""
     q, k, v = _inputs(rng, 1, 20, 4, 3, np.float32)
