@@ -263,9 +263,9 @@ def linear_attention(
 
 
 def _is_dev(x) -> bool:
-    from .device import is_device_array
+    from .device import on_device  # GPU arrays, and the simulator's device arrays
 
-    return is_device_array(x)
+    return on_device(x)
 
 
 def softmax_attention(q, k, v, *, causal=False, scale=None, device="auto", check_finite=True,
