@@ -7,6 +7,7 @@ method table (:mod:`linattn_nb.ops.registry`) and restores shapes.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 import numpy as np
@@ -325,7 +326,7 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, device="auto", check
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     else:
-        if isinstance(scale, (bool, np.bool_)) or not np.isscalar(scale):
+        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
             raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
         scale = float(scale)
         if not math.isfinite(scale):
