@@ -180,7 +180,7 @@ def select_method_cuda(method, *, causal, batch, n, f, m, dtype) -> str:
         return method
     if causal:
         K = _kernels()
-        _, _, MB, _ = K.seq_config(f, m, np.dtype(K.acc_name(dtype)).itemsize)
+        MB = K.seq_config(f, m, np.dtype(K.acc_name(dtype)).itemsize)[3]
         blocks = batch * -(-m // MB)
         if blocks >= int(config.CUDA_AUTO_SCAN_BLOCKS_PER_SM) * multiprocessor_count():
             return "scan"

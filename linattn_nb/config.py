@@ -88,13 +88,20 @@ AUTO_METHODS = {
 # CUDA kernels (linattn_nb/ops/_cuda_kernels.py).  Read at every launch.
 # --------------------------------------------------------------------------
 #: Value columns per block of the sequence kernel (a block also carries one
-#: column for the normaliser, so it runs G * (CUDA_VALUE_COLS + 1) threads).
+#: column for the normaliser: G row groups x ceil((CUDA_VALUE_COLS + 1) / C)
+#: column groups of threads).
 #: Blocks over the value dimension M run side by side (grid axis y).
 CUDA_VALUE_COLS = _env_int("LINATTN_CUDA_VALUE_COLS", 64)
-#: State rows kept in registers per thread (a compile-time constant of the
-#: kernel); doubled up to CUDA_MAX_ROWS_PER_THREAD when D_phi / rows row
-#: groups would exceed CUDA_MAX_THREADS threads per block.
-CUDA_ROWS_PER_THREAD = _env_int("LINATTN_CUDA_ROWS_PER_THREAD", 16)
+#: Register tile of a thread: CUDA_ROWS_PER_THREAD state rows x
+#: CUDA_COLS_PER_THREAD state columns (compile-time constants of the kernel).
+#: Per token a thread reads R + R + C values from shared memory for 2 R C
+#: fused multiply-adds, so C = 1 is bound by shared-memory loads at a quarter
+#: of the fp32 rate and larger tiles approach it.  Rows are doubled up to
+#: CUDA_MAX_ROWS_PER_THREAD when a block would exceed CUDA_MAX_THREADS
+#: threads.  PROVISIONAL (8 x 4 chosen by that count, not measured):
+#: benchmarks/gpu_bench.py sweeps them.
+CUDA_ROWS_PER_THREAD = _env_int("LINATTN_CUDA_ROWS_PER_THREAD", 8)
+CUDA_COLS_PER_THREAD = _env_int("LINATTN_CUDA_COLS_PER_THREAD", 4)
 CUDA_MAX_ROWS_PER_THREAD = _env_int("LINATTN_CUDA_MAX_ROWS_PER_THREAD", 64)
 #: Upper bound on threads per block of the sequence kernel.
 CUDA_MAX_THREADS = _env_int("LINATTN_CUDA_MAX_THREADS", 1024)

@@ -3,9 +3,10 @@
 Runs everywhere: without a CUDA driver, tests/conftest.py switches the Numba
 CUDA simulator on, and ``device="cuda"`` runs the kernels there (slowly: the
 shapes are tiny, and the launch configuration is shrunk so that several
-blocks and partial blocks run: 3 value columns per block, 2 state rows per
-thread, 2 tokens per shared-memory tile, chunks of 3 tokens, 32 threads per
-helper block).  The simulator checks no types, so ``test_kernels_compile_to_ptx``
+blocks and partial blocks run: 3 value columns per block (+ the normaliser
+column, padded to 6 = 2 column groups of 3), 2 x 3 state tiles per thread,
+2 tokens per shared-memory tile, chunks of 3 tokens, 32 threads per helper
+block).  The simulator checks no types, so ``test_kernels_compile_to_ptx``
 compiles every kernel for sm_90 in a subprocess with the simulator off.
 Tests marked ``gpu`` need a real GPU and skip without one.
 
@@ -25,7 +26,6 @@ import pytest
 
 import linattn_nb as la
 from linattn_nb import config
-from linattn_nb import feature_maps as fm
 from linattn_nb.device import cuda_status
 from linattn_nb.ops.causal.naive import causal_linear_quadratic
 from linattn_nb.ops.noncausal.naive import noncausal_linear_quadratic
@@ -43,7 +43,7 @@ TOL = {np.float16: (4e-3, 4e-3), np.float32: (2e-5, 2e-6), np.float64: (1e-11, 1
 STATE_TOL = {np.float16: (1e-5, 1e-5), np.float32: (1e-5, 1e-6), np.float64: (1e-11, 1e-12)}
 
 
-SMALL_LAUNCH = {"CUDA_VALUE_COLS": 3, "CUDA_ROWS_PER_THREAD": 2, "CUDA_MAX_ROWS_PER_THREAD": 4,
+SMALL_LAUNCH = {"CUDA_VALUE_COLS": 3, "CUDA_ROWS_PER_THREAD": 2, "CUDA_COLS_PER_THREAD": 3, "CUDA_MAX_ROWS_PER_THREAD": 4,
                 "CUDA_TILE_TOKENS": 2, "CUDA_CHUNK_SIZE": 3, "CUDA_THREADS_PER_BLOCK": 32}
 DEFAULT_LAUNCH = {name: getattr(config, name) for name in SMALL_LAUNCH}
 
@@ -116,6 +116,19 @@ def test_launcher_matches_reference(rng, method, causal, dtype):
     rtol, atol = STATE_TOL[dtype]
     np.testing.assert_allclose(S, S_ref, rtol=rtol, atol=atol)
     np.testing.assert_allclose(z, z_ref, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("method,causal", [("scan", True), ("chunked", True), ("aggregate", False)])
+def test_one_column_per_thread(rng, monkeypatch, method, causal):
+    """Register tile of 1 column (CUDA_COLS_PER_THREAD=1): no padded columns, 4 column groups."""
+    monkeypatch.setattr(config, "CUDA_COLS_PER_THREAD", 1)
+    q, k, v = data(rng, 2, 7, 5, 4)
+    S0, z0 = rng.random((2, 5, 4)), rng.random((2, 5))
+    out, S, z = run_launcher(method, causal, q, k, v, S0, z0)
+    ref, S_ref, z_ref = reference(q, k, v, causal=causal, S0=S0, z0=z0)
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(S, S_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(z, z_ref, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 4])
@@ -373,7 +386,7 @@ _PTX_SCRIPT = textwrap.dedent(
         text, _ = cuda.compile_ptx(fn.py_func, sig, cc=cc)
         return text
     for acc, dts in (("float32", ("float16", "float32")), ("float64", ("float64",))):
-        kern = K.seq_kernel(8, 4, 64, 16, acc)
+        kern = K.seq_kernel(8, 4, 8, 64, 16, acc)
         H = types.Array(getattr(types, acc), 3, "C")
         for dt in dts:
             a4 = types.Array(getattr(types, dt), 4, "A")

@@ -21,26 +21,31 @@ launchers in :mod:`linattn_nb.ops.causal.cuda` and
 
 Thread layout of the sequence kernel.  A block owns ``MB`` value columns
 ``m0 .. m0 + MB - 1`` plus one more column for the normaliser ``z`` (a value
-column of ones), ``MB1 = MB + 1`` in all, and splits the ``F`` feature rows of
-the state into ``G`` groups of ``R`` consecutive rows: thread ``(g, c)`` keeps
-``S[g R : (g + 1) R, c]`` in registers (a local array of compile-time size
-``R``, fully unrolled, no local-memory traffic: checked in the PTX test).
-Tokens are staged through shared memory in tiles of ``T`` tokens: ``phi(q)``
-and ``phi(k)`` (feature map applied while staging, in the accumulation
-dtype), ``v``.  For each token every thread updates its rows of the state and
-writes its partial ``phi(q)^T S`` into shared memory; after the tile the block
-sums the ``G`` partials per column and divides by the normaliser column.  Two
-``syncthreads`` per tile.
+column of ones), ``MB + 1`` columns padded to ``MBP``, a multiple of ``C``.
+The ``F`` feature rows of the state are split into ``G`` groups of ``R``
+consecutive rows and the columns into groups of ``C``: each thread keeps an
+``R x C`` tile of the state in registers (local arrays of compile-time size,
+fully unrolled, no local-memory traffic: checked in the PTX test).  Tokens
+are staged through shared memory in tiles of ``T`` tokens: ``phi(q)`` and
+``phi(k)`` (feature map applied while staging, in the accumulation dtype),
+``v`` and the column of ones.  For each token a thread reads ``R`` values of
+``phi(k)``, ``R`` of ``phi(q)`` and ``C`` of ``v`` from shared memory for
+``2 R C`` fused multiply-adds (with ``C = 1`` the loads, one warp-wide load
+per clock and multiprocessor, cap the rate at a quarter of the fp32 peak),
+updates its tile and writes its partial ``phi(q)^T S`` for its ``C`` columns
+into shared memory; after the tile the block sums the ``G`` partials per
+column and divides by the normaliser column.  Two ``syncthreads`` per tile.
 
 Accumulation dtype: float32 for float16 and float32 inputs, float64 when any
 input is float64 (the state is carried in registers in that dtype).  States
 that leave a kernel (the final state, the per-chunk states) are summed across
 chunks in float64 and handed back in float64.
 
-Kernels are specialised on ``(R, G, MB, T, accumulation dtype)``, compile-time
+Kernels are specialised on ``(R, C, G, MB, T, accumulation dtype)``, compile-time
 constants for the register and shared-memory arrays, and compiled lazily on
-first use (nothing compiles at import).  They are closures and therefore not
-cached on disk; the small helper kernels are.
+first use (nothing compiles at import).  All are cached on disk
+(``config.CACHE``; numba-cuda keys a closure's cache entry on its cell
+contents as well); the simulator caches nothing.
 """
 from __future__ import annotations
 
@@ -77,11 +82,15 @@ _ACC_TYPES = {"float32": float32, "float64": float64}
 _SEQ_KERNELS: dict = {}
 
 
-def seq_kernel(R: int, G: int, MB: int, T: int, acc: str):
+def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str):
     """The sequence kernel specialised on its compile-time constants.
 
-    Call signature (launch with ``grid=(n_segments, n_column_blocks)``,
-    ``block=G * (MB + 1)``)::
+    ``R`` x ``C``: state rows x state columns per thread (a register tile);
+    ``G``: row groups (``G R >= F``); ``MB``: value columns per block; ``T``:
+    tokens per shared-memory tile; ``acc``: accumulation dtype name.  The
+    block's ``MB + 1`` columns (values, then the normaliser) are padded to
+    ``MBP``, a multiple of ``C``.  Launch with ``grid=(n_segments,
+    n_column_blocks)``, ``block=G * MBP // C`` threads (:func:`seq_config`)::
 
         kernel(q, k, v, out, H, Hout, n, seg_len, nseg_per_b, state_div, b2n,
                code, eps, clip, read_state, update, write_out, write_state)
@@ -89,39 +98,43 @@ def seq_kernel(R: int, G: int, MB: int, T: int, acc: str):
     q, k : (B1, B2, N, F); v, out : (B1, B2, N, M), any strides; batch entry
     ``b = b1 * B2 + b2`` (``b2n`` = B2).  Segment ``s = blockIdx.x`` is chunk
     ``s % nseg_per_b`` of batch entry ``s // nseg_per_b``: tokens
-    ``[c * seg_len, min(N, (c + 1) * seg_len))``.  H : (n_states, F, M + 1)
-    states, column M holds z; the block starts from ``H[s // state_div]``
+    ``[c * seg_len, min(N, (c + 1) * seg_len))``.  H, Hout : (n_states, F,
+    M + 1) states, column M holds z; the block starts from ``H[s // state_div]``
     (``read_state``, else zero) and writes its final state to
     ``Hout[s // state_div]`` (``write_state``).  H and Hout must be distinct
     arrays when both are used: the blocks over value columns all read the
     normaliser column, and only the first one writes it.
     """
-    key = (int(R), int(G), int(MB), int(T), str(acc))
+    key = (int(R), int(C), int(G), int(MB), int(T), str(acc))
     kern = _SEQ_KERNELS.get(key)
     if kern is not None:
         return kern
-    R, G, MB, T = key[:4]
+    R, C, G, MB, T = key[:5]
     acc_t = _ACC_TYPES[acc]
     FP = G * R  # padded feature rows
-    MB1 = MB + 1  # value columns + normaliser column
-    NTH = G * MB1  # threads per block
+    MBP = -(-(MB + 1) // C) * C  # value columns + normaliser column, padded
+    NCG = MBP // C  # column groups
+    NTH = G * NCG  # threads per block
+    RC = R * C
     zero = acc_t(0.0)
     one = acc_t(1.0)
 
-    @cuda.jit
+    @cuda.jit(cache=_CACHE)
     def kernel(q, k, v, out, H, Hout, n, seg_len, nseg_per_b, state_div, b2n,
                code, eps, clip, read_state, update, write_out, write_state):
         sq = cuda.shared.array((T, FP), acc_t)
         sk = cuda.shared.array((T, FP), acc_t)
-        sv = cuda.shared.array((T, MB), acc_t)
-        part = cuda.shared.array((T, G, MB1), acc_t)
-        st = cuda.local.array(R, acc_t)
+        sv = cuda.shared.array((T, MBP), acc_t)
+        part = cuda.shared.array((T, G, MBP), acc_t)
+        st = cuda.local.array(RC, acc_t)  # st[r * C + j]: row row0 + r, column c0 + j
+        vt = cuda.local.array(C, acc_t)
+        ac = cuda.local.array(C, acc_t)
 
         F = q.shape[3]
         M = v.shape[3]
         tid = cuda.threadIdx.x
-        tg = tid // MB1
-        tm = tid - tg * MB1
+        tg = tid // NCG
+        c0 = (tid - tg * NCG) * C
         seg = cuda.blockIdx.x
         b = seg // nseg_per_b
         c = seg - b * nseg_per_b
@@ -130,25 +143,25 @@ def seq_kernel(R: int, G: int, MB: int, T: int, acc: str):
         sidx = seg // state_div
         m0 = cuda.blockIdx.y * MB
         row0 = tg * R
-        # this thread's state column: a value column, or z (tm == MB)
-        col = M
-        col_ok = True
-        if tm < MB:
-            col = m0 + tm
-            col_ok = col < M
         epsa = acc_t(eps)
 
-        for r in range(R):
-            x = zero
-            if read_state and col_ok and row0 + r < F:
-                x = acc_t(H[sidx, row0 + r, col])
-            st[r] = x
+        # block column j < MB is value column m0 + j, j == MB the normaliser
+        # (state column M), j > MB padding
+        for j in range(C):
+            jj = c0 + j
+            col = M if jj == MB else m0 + jj
+            ok = read_state and (jj == MB or (jj < MB and m0 + jj < M))
+            for r in range(R):
+                x = zero
+                if ok and row0 + r < F:
+                    x = acc_t(H[sidx, row0 + r, col])
+                st[r * C + j] = x
 
         t_begin = c * seg_len
         t_end = min(n, t_begin + seg_len)
         for t0 in range(t_begin, t_end, T):
             nt = min(T, t_end - t0)
-            # ---- stage the tile: phi(q), phi(k) (zero-padded rows), v
+            # ---- stage the tile: phi(q), phi(k) (zero-padded rows), v and 1
             for idx in range(tid, nt * FP, NTH):
                 t = idx // FP
                 i = idx - t * FP
@@ -179,60 +192,77 @@ def seq_kernel(R: int, G: int, MB: int, T: int, acc: str):
                 sq[t, i] = xq
                 sk[t, i] = xk
             if update:
-                for idx in range(tid, nt * MB, NTH):
-                    t = idx // MB
-                    cc = idx - t * MB
+                for idx in range(tid, nt * MBP, NTH):
+                    t = idx // MBP
+                    jj = idx - t * MBP
                     x = zero
-                    if m0 + cc < M:
-                        x = acc_t(v[b1, b2, t0 + t, m0 + cc])
-                    sv[t, cc] = x
+                    if jj < MB:
+                        if m0 + jj < M:
+                            x = acc_t(v[b1, b2, t0 + t, m0 + jj])
+                    elif jj == MB:
+                        x = one
+                    sv[t, jj] = x
             cuda.syncthreads()
-            # ---- per token: update the state rows, partial phi(q)^T S
+            # ---- per token: update the R x C state tile, partial phi(q)^T S
             if update and write_out:
                 for t in range(nt):
-                    vt = one
-                    if tm < MB:
-                        vt = sv[t, tm]
-                    a = zero
+                    for j in range(C):
+                        vt[j] = sv[t, c0 + j]
+                        ac[j] = zero
                     for r in range(R):
-                        s = st[r] + sk[t, row0 + r] * vt
-                        st[r] = s
-                        a += sq[t, row0 + r] * s
-                    part[t, tg, tm] = a
+                        kr = sk[t, row0 + r]
+                        qr = sq[t, row0 + r]
+                        for j in range(C):
+                            s = st[r * C + j] + kr * vt[j]
+                            st[r * C + j] = s
+                            ac[j] += qr * s
+                    for j in range(C):
+                        part[t, tg, c0 + j] = ac[j]
             elif update:
                 for t in range(nt):
-                    vt = one
-                    if tm < MB:
-                        vt = sv[t, tm]
+                    for j in range(C):
+                        vt[j] = sv[t, c0 + j]
                     for r in range(R):
-                        st[r] += sk[t, row0 + r] * vt
+                        kr = sk[t, row0 + r]
+                        for j in range(C):
+                            st[r * C + j] += kr * vt[j]
             else:
                 for t in range(nt):
-                    a = zero
+                    for j in range(C):
+                        ac[j] = zero
                     for r in range(R):
-                        a += sq[t, row0 + r] * st[r]
-                    part[t, tg, tm] = a
+                        qr = sq[t, row0 + r]
+                        for j in range(C):
+                            ac[j] += qr * st[r * C + j]
+                    for j in range(C):
+                        part[t, tg, c0 + j] = ac[j]
             cuda.syncthreads()
             # ---- sum the G partials per column, divide by the normaliser
             # (part is rewritten only after the next tile's first sync)
             if write_out:
                 for idx in range(tid, nt * MB, NTH):
                     t = idx // MB
-                    cc = idx - t * MB
-                    if m0 + cc < M:
+                    jj = idx - t * MB
+                    if m0 + jj < M:
                         num = zero
                         den = zero
                         for g in range(G):
-                            num += part[t, g, cc]
+                            num += part[t, g, jj]
                             den += part[t, g, MB]
                         if clip and den < epsa:
                             den = epsa
-                        out[b1, b2, t0 + t, m0 + cc] = num / den
+                        out[b1, b2, t0 + t, m0 + jj] = num / den
 
-        if write_state and col_ok and (tm < MB or cuda.blockIdx.y == 0):
-            for r in range(R):
-                if row0 + r < F:
-                    Hout[sidx, row0 + r, col] = st[r]
+        if write_state:
+            for j in range(C):
+                jj = c0 + j
+                col = M if jj == MB else m0 + jj
+                # the normaliser column is written by the first column block only
+                ok = (jj == MB and cuda.blockIdx.y == 0) or (jj < MB and m0 + jj < M)
+                if ok:
+                    for r in range(R):
+                        if row0 + r < F:
+                            Hout[sidx, row0 + r, col] = st[r * C + j]
 
     _SEQ_KERNELS[key] = kernel
     return kernel
@@ -361,15 +391,16 @@ def helper_grid(total: int) -> tuple[int, int]:
     return blocks, tpb
 
 
-def seq_config(F: int, M: int, acc_itemsize: int) -> tuple[int, int, int, int]:
-    """Choose ``(R, G, MB, T)`` for feature dimension ``F``, value dimension ``M``.
+def seq_config(F: int, M: int, acc_itemsize: int) -> tuple[int, int, int, int, int]:
+    """Choose ``(R, C, G, MB, T)`` for feature dimension ``F``, value dimension ``M``.
 
     ``MB`` = min(M, ``config.CUDA_VALUE_COLS``) value columns per block;
-    ``R`` = ``config.CUDA_ROWS_PER_THREAD`` state rows per thread, doubled (up
-    to ``config.CUDA_MAX_ROWS_PER_THREAD``) and then ``MB`` halved while the
-    block would exceed ``config.CUDA_MAX_THREADS`` threads; ``T`` tokens per
-    shared-memory tile, at most ``config.CUDA_TILE_TOKENS``, within
-    ``config.CUDA_SHARED_BYTES``.
+    ``C`` = ``config.CUDA_COLS_PER_THREAD`` and ``R`` =
+    ``config.CUDA_ROWS_PER_THREAD`` the register tile of a thread, ``R``
+    doubled (up to ``config.CUDA_MAX_ROWS_PER_THREAD``) and then ``MB`` halved
+    while the block would exceed ``config.CUDA_MAX_THREADS`` threads; ``T``
+    tokens per shared-memory tile, at most ``config.CUDA_TILE_TOKENS``,
+    within ``config.CUDA_SHARED_BYTES``.
 
     Raises
     ------
@@ -385,28 +416,38 @@ def seq_config(F: int, M: int, acc_itemsize: int) -> tuple[int, int, int, int]:
         )
     max_threads = max(2, int(config.CUDA_MAX_THREADS))
     MB = max(1, min(M, int(config.CUDA_VALUE_COLS)))
+    C = max(1, int(config.CUDA_COLS_PER_THREAD))
     R = max(1, int(config.CUDA_ROWS_PER_THREAD))
     r_max = max(R, int(config.CUDA_MAX_ROWS_PER_THREAD))
-    G = -(-F // R)
-    while G * (MB + 1) > max_threads and R < r_max:
+
+    def threads(R, MB):
+        return -(-F // R) * (-(-(MB + 1) // C))
+
+    while threads(R, MB) > max_threads and R < r_max:
         R = min(2 * R, r_max)
-        G = -(-F // R)
-    while G * (MB + 1) > max_threads and MB > 1:
+    while threads(R, MB) > max_threads and MB > 1:
         MB = max(1, MB // 2)
-    if G * (MB + 1) > max_threads:
+    G = -(-F // R)
+    if threads(R, MB) > max_threads:
         raise ValueError(
             f"no CUDA launch configuration for D_phi={F}: {G} row groups of {R} rows exceed "
             f"config.CUDA_MAX_THREADS={max_threads} threads per block; raise "
             "config.CUDA_MAX_ROWS_PER_THREAD or use device='cpu'"
         )
-    per_token = int(acc_itemsize) * (2 * G * R + MB + G * (MB + 1))
+    MBP = -(-(MB + 1) // C) * C
+    per_token = int(acc_itemsize) * (2 * G * R + MBP + G * MBP)
     T = min(int(config.CUDA_TILE_TOKENS), int(config.CUDA_SHARED_BYTES) // per_token)
     if T < 1:
         raise ValueError(
             f"D_phi={F}, M={M}: one token needs {per_token} bytes of shared memory, more than "
             f"config.CUDA_SHARED_BYTES={config.CUDA_SHARED_BYTES}; use device='cpu'"
         )
-    return R, G, MB, T
+    return R, C, G, MB, T
+
+
+def threads_per_block(R: int, C: int, G: int, MB: int) -> int:
+    """Threads per block of :func:`seq_kernel` for a configuration."""
+    return G * (-(-(MB + 1) // C))
 
 
 def is_sim_array(x) -> bool:

@@ -50,8 +50,9 @@ def _prepare(q, k, v, S, z, out):
 
 
 def _seq(F, M, acc):
-    R, G, MB, T = K.seq_config(F, M, np.dtype(acc).itemsize)
-    return K.seq_kernel(R, G, MB, T, acc), G * (MB + 1), -(-M // MB)
+    """(kernel, threads per block, column blocks) for the launch configuration in config."""
+    R, C, G, MB, T = K.seq_config(F, M, np.dtype(acc).itemsize)
+    return K.seq_kernel(R, C, G, MB, T, acc), K.threads_per_block(R, C, G, MB), -(-M // MB)
 
 
 def causal_scan_cuda(q, k, v, S, z, out, *, code, eps):
