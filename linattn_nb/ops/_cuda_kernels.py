@@ -15,7 +15,8 @@ launchers in :mod:`linattn_nb.ops.causal.cuda` and
   al. 2024, GLA, Sec. 2.2); inside a chunk the kernel keeps the recurrence
   rather than the masked ``(Q K^T) V`` product, because without tensor-core
   matrix instructions (Numba exposes none) the recurrence is the cheaper of
-  the two: ``4 F M`` FLOPs per token against ``2 C (F + M) + 4 F M``.
+  the two: ``4 F M`` FLOPs per token against ``2 L (F + M) + 4 F M`` for
+  chunks of ``L`` tokens.
 * **query** (non-causal, phase 3): the state is fixed; every token reads it
   (``write_out`` only).
 
@@ -37,9 +38,11 @@ into shared memory; after the tile the block sums the ``G`` partials per
 column and divides by the normaliser column.  Two ``syncthreads`` per tile.
 
 Accumulation dtype: float32 for float16 and float32 inputs, float64 when any
-input is float64 (the state is carried in registers in that dtype).  States
-that leave a kernel (the final state, the per-chunk states) are summed across
-chunks in float64 and handed back in float64.
+input is float64; the state lives in registers in that dtype (float64 would
+double the registers of the tile and run at half the fp32 rate on H100/H200,
+1/64 on consumer GPUs).  The initial and final states are float64 arrays (the
+LinearState contract); the per-chunk sums of ``chunked``/``aggregate`` are
+stored in the accumulation dtype and combined across chunks in float64.
 
 Kernels are specialised on ``(R, C, G, MB, T, accumulation dtype)``, compile-time
 constants for the register and shared-memory arrays, and compiled lazily on
