@@ -130,3 +130,49 @@ AUTO_METHODS = {
     (True, "cpu"): [(None, "chunked")],
     (False, "cpu"): [(None, "aggregate")],
 }
+
+# --------------------------------------------------------------------------
+# CUDA kernels (linattn_nb/ops/_cuda_kernels.py).  Read at every launch.
+# --------------------------------------------------------------------------
+#: Value columns per block of the sequence kernel (a block also carries one
+#: column for the normaliser: G row groups x ceil((CUDA_VALUE_COLS + 1) / C)
+#: column groups of threads).
+#: Blocks over the value dimension M run side by side (grid axis y).
+CUDA_VALUE_COLS = _env_int("LINATTN_CUDA_VALUE_COLS", 64)
+#: Register tile of a thread: CUDA_ROWS_PER_THREAD state rows x
+#: CUDA_COLS_PER_THREAD state columns (compile-time constants of the kernel).
+#: Per token a thread reads R + R + C values from shared memory for 2 R C
+#: fused multiply-adds, so C = 1 is bound by shared-memory loads at a quarter
+#: of the fp32 rate and larger tiles approach it.  Rows are doubled up to
+#: CUDA_MAX_ROWS_PER_THREAD when a block would exceed CUDA_MAX_THREADS
+#: threads.  PROVISIONAL (8 x 4 chosen by that count, not measured):
+#: benchmarks/gpu_bench.py sweeps them.
+CUDA_ROWS_PER_THREAD = _env_int("LINATTN_CUDA_ROWS_PER_THREAD", 8)
+CUDA_COLS_PER_THREAD = _env_int("LINATTN_CUDA_COLS_PER_THREAD", 4)
+CUDA_MAX_ROWS_PER_THREAD = _env_int("LINATTN_CUDA_MAX_ROWS_PER_THREAD", 64)
+#: Upper bound on threads per block of the sequence kernel.
+CUDA_MAX_THREADS = _env_int("LINATTN_CUDA_MAX_THREADS", 1024)
+#: Tokens staged through shared memory per tile (fewer when the tile would
+#: exceed CUDA_SHARED_BYTES; static shared memory is limited to 48 KiB).
+CUDA_TILE_TOKENS = _env_int("LINATTN_CUDA_TILE_TOKENS", 32)
+CUDA_SHARED_BYTES = _env_int("LINATTN_CUDA_SHARED_BYTES", 40960)
+#: Tokens per chunk of method="chunked" (causal) and of the non-causal
+#: aggregate phase: chunks are processed in parallel.
+CUDA_CHUNK_SIZE = _env_int("LINATTN_CUDA_CHUNK_SIZE", 256)
+#: Threads per block and a cap on blocks of the grid-stride helper kernels
+#: (state packing, prefix over chunks, finiteness check, copies).
+CUDA_THREADS_PER_BLOCK = _env_int("LINATTN_CUDA_THREADS_PER_BLOCK", 256)
+CUDA_MAX_HELPER_BLOCKS = _env_int("LINATTN_CUDA_MAX_HELPER_BLOCKS", 4096)
+#: Largest feature dimension D_phi the CUDA kernels accept (the value
+#: dimension M is not limited: blocks over M).  Beyond it, a ValueError
+#: suggests device="cpu".
+CUDA_MAX_FEATURES = _env_int("LINATTN_CUDA_MAX_FEATURES", 1024)
+#: method="auto" on CUDA, causal: "scan" when its blocks (batch x column
+#: blocks) fill the GPU, i.e. at least CUDA_AUTO_SCAN_BLOCKS_PER_SM blocks per
+#: multiprocessor; otherwise the AUTO_METHODS rows below by sequence length.
+#: PROVISIONAL: chosen by reasoning, not measured (no GPU was lent to the
+#: session that wrote them); benchmarks/gpu_bench.py times both methods and
+#: prints the crossover to put here.
+CUDA_AUTO_SCAN_BLOCKS_PER_SM = _env_int("LINATTN_CUDA_AUTO_SCAN_BLOCKS_PER_SM", 4)
+AUTO_METHODS[(True, "cuda")] = [(2 * 256, "scan"), (None, "chunked")]
+AUTO_METHODS[(False, "cuda")] = [(None, "aggregate")]

@@ -126,7 +126,7 @@ def noncausal_aggregate(q, k, v, S, z, out, *, code, eps, block=None, pieces=Non
     """
     B, N, F = q.shape
     M = v.shape[2]
-    block = int(block or config.CPU_NONCAUSAL_BLOCK)
+    block = int(config.CPU_NONCAUSAL_BLOCK if block is None else block)
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     if N == 0 or B == 0:

@@ -76,8 +76,8 @@ def softmax_kernel(q, k, v, out, scale, causal, block_q, block_k):
 
 def softmax_blocked(q, k, v, out, *, causal, scale, block_q=None, block_k=None):
     """Launcher for :func:`softmax_kernel`; block sizes default to config."""
-    block_q = int(block_q or config.SOFTMAX_BLOCK_Q)
-    block_k = int(block_k or config.SOFTMAX_BLOCK_K)
+    block_q = int(config.SOFTMAX_BLOCK_Q if block_q is None else block_q)
+    block_k = int(config.SOFTMAX_BLOCK_K if block_k is None else block_k)
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block sizes must be >= 1, got block_q={block_q}, block_k={block_k}")
     with single_threaded_blas():  # np.dot inside prange: keep OpenBLAS off its own threads
