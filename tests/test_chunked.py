@@ -301,6 +301,16 @@ def test_raw_division_eps_none(rng):
     np.testing.assert_allclose(out, ref, rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_zero_normaliser_raw_division(rng, causal):
+    """eps=None and a normaliser exactly 0 (zero queries, identity map): inf/NaN like the reference, no exception."""
+    q, k, v = _inputs(rng, 2, 12, 3, 2, np.float32)
+    q[:, 5] = 0.0
+    o = linear_attention(q, k, v, causal=causal, method="chunked", feature_map="identity", eps=None)
+    assert np.isnan(o[:, 5]).all()  # 0 / 0
+    assert np.isfinite(np.delete(o, 5, axis=1)).all()
+
+
 def test_auto_uses_chunked_and_blas_threads_restored(rng):
     from linattn_nb.ops.registry import select_auto
 

@@ -47,7 +47,7 @@ from .._vec import as_kernel_array, put3, work_dtype
 # ---------------------------------------------------------------------------
 # per-chunk helpers (inlined into the kernel by LLVM)
 # ---------------------------------------------------------------------------
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, not an exception
 def _span(q, k, v, out, b, s_begin, s_end, S64, z64, code, eps, clip,
           fq, fk, vb, Ab, o1, o2, Sw, part, rden):
     """Chunked recurrence over tokens [s_begin, s_end) of sequence b from state (S64, z64), in place."""

@@ -51,7 +51,7 @@ def _aggregate_item(it, k, v, Sp, zp, wt, code, block):
     state_sums(k, v, b, lo, hi, Sp[b, j], zp[b, j], code, fk, vb, part)
 
 
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, not an exception
 def _query_item(it, q, S, z, out, wt, code, eps, clip, block, pieces):
     N, F = q.shape[1], q.shape[2]
     M = S.shape[2]
