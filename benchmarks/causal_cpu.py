@@ -63,8 +63,8 @@ def run_table(args):
     torch, tf = _torch()
     info = machine()
     info["torch"] = torch.__version__ if torch is not None else None
-    ns = [int(x) for x in args.ns.split(",")]
-    dtypes = [np.dtype(x) for x in args.dtypes.split(",")]
+    ns = [int(x) for x in args.ns.split(",") if x]
+    dtypes = [np.dtype(x) for x in args.dtypes.split(",") if x]
     print(f"# causal forward, B*H={BH}, D=M={D}, feature map elu -- {info['date']}, {info['cpu']}, "
           f"{info['logical_cpus']} logical CPUs, numba threads {info['numba_threads']}")
     sg0 = sgemm_gflops()
@@ -186,6 +186,9 @@ def headline(args, torch, tf):
     times = {name: [] for name in calls}
     for _ in range(args.headline_rounds):
         for name, fn in calls.items():
+            # let the previous call's thread pools (OpenBLAS, torch's OpenMP)
+            # stop spin-waiting before the next is timed
+            time.sleep(args.pause)
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
@@ -275,6 +278,8 @@ def main(argv=None):
     ap.add_argument("--torch-max-n", type=int, default=8192)
     ap.add_argument("--headline-rounds", type=int, default=9,
                     help="interleaved rounds for the target ratios (0: take them from the table)")
+    ap.add_argument("--pause", type=float, default=0.3, help="seconds of rest before each interleaved call")
+    ap.add_argument("--headline-only", action="store_true", help="only the interleaved target ratios")
     ap.add_argument("--sweep-chunk", action="store_true")
     ap.add_argument("--dims", default="64", help="D = M values of the chunk sweep, comma-separated")
     ap.add_argument("--sweep-auto", action="store_true")
@@ -286,6 +291,9 @@ def main(argv=None):
         return run_sweep_chunk(args)
     if args.sweep_auto:
         return run_sweep_auto(args)
+    if args.headline_only:
+        args.ns = ""
+        args.dtypes = ""
     return run_table(args)
 
 
