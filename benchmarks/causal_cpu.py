@@ -29,7 +29,9 @@ alike.  Results: a table on stdout and benchmarks/results/causal_cpu.json.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -43,14 +45,51 @@ from linattn_nb import linear_attention, softmax_attention  # noqa: E402
 BH, D, M = 16, 64, 64
 
 
-def _torch():
-    try:
-        import torch  # noqa: F401
-        import torch.nn.functional as tf
-    except Exception:
-        return None, None
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    return torch, tf
+TORCH_CHILD = r"""
+import json, statistics, sys, time
+import numpy as np
+import torch
+import torch.nn.functional as tf
+torch.set_num_threads({threads})
+BH, D, M = {BH}, {D}, {M}
+out = {{}}
+for n, dtype, repeats in {jobs!r}:
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((BH, n, d), dtype=np.float32).astype(dtype, copy=False) for d in (D, D, M))
+    tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(x))[None] for x in (q, k, v))
+    with torch.no_grad():
+        tf.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+        ts = []
+        t0 = time.perf_counter()
+        while len(ts) < repeats and not (len(ts) >= 3 and time.perf_counter() - t0 > {budget}):
+            t = time.perf_counter()
+            tf.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+            ts.append(time.perf_counter() - t)
+    out[f"{{n}}:{{dtype}}"] = statistics.median(ts)
+print(json.dumps(out))
+"""
+
+
+def torch_version():
+    """torch's version when it is importable (checked in a subprocess), else None."""
+    proc = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
+                          capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def torch_sdpa_times(jobs, budget):
+    """Median times of torch's scaled_dot_product_attention(is_causal=True) for
+    ``jobs`` = [(n, dtype name, repeats), ...], measured in a subprocess: torch's
+    OpenMP workers keep spinning after a call and would slow every measurement
+    that follows in the same process (seen here: sgemm and the Numba kernels
+    2x slower once SDPA had run)."""
+    code = TORCH_CHILD.format(threads=max(1, os.cpu_count() or 1), BH=BH, D=D, M=M, jobs=list(jobs),
+                              budget=budget)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"torch SDPA failed, skipped:\n{proc.stderr[-2000:]}")
+        return {}
+    return {tuple(key.split(":")): t for key, t in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
 
 
 def _inputs(n, dtype, seed=0):
@@ -60,9 +99,8 @@ def _inputs(n, dtype, seed=0):
 
 
 def run_table(args):
-    torch, tf = _torch()
     info = machine()
-    info["torch"] = torch.__version__ if torch is not None else None
+    info["torch"] = torch_version()
     ns = [int(x) for x in args.ns.split(",") if x]
     dtypes = [np.dtype(x) for x in args.dtypes.split(",") if x]
     print(f"# causal forward, B*H={BH}, D=M={D}, feature map elu -- {info['date']}, {info['cpu']}, "
@@ -93,15 +131,10 @@ def run_table(args):
             if n <= args.softmax_max_n:
                 fn = lambda: softmax_attention(q, k, v, causal=True, check_finite=False)
                 cell["softmax"] = timed(("softmax", dtype), fn)
-            if torch is not None and n <= args.torch_max_n:
-                tdt = torch.float32 if dtype == np.float32 else torch.float64
-                tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(x)).to(tdt)[None] for x in (q, k, v))
-
-                def sdpa():
-                    with torch.no_grad():
-                        return tf.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
-
-                cell["torch_sdpa"] = timed(("torch", dtype), sdpa)
+            if info["torch"] and n <= args.torch_max_n:
+                res = torch_sdpa_times([(n, dtype.name, args.repeats)], args.budget)
+                if res:
+                    cell["torch_sdpa"] = res[(str(n), dtype.name)]
             for meth, t in cell.items():
                 row = {
                     "dtype": dtype.name, "N": n, "method": meth, "median_ms": t * 1e3,
@@ -126,7 +159,7 @@ def run_table(args):
 
     summary = {}
     if args.headline_rounds > 0:
-        summary = headline(args, torch, tf)
+        summary = headline(args, info["torch"])
         summary["table_sgemm_gflops"] = sg0
         c4t, m4 = t_of("float32", 4096, "chunked"), t_of("float32", 4096, "softmax")
         summary["table_speedup_vs_softmax_blocked"] = m4 / c4t if (m4 and c4t) else None
@@ -157,11 +190,12 @@ def run_table(args):
     print(f"wrote {path}")
 
 
-def headline(args, torch, tf):
-    """The target ratios from interleaved rounds: sgemm, chunked and scan at N = 4096,
-    chunked at N = 65,536 and torch SDPA at N = 4096 are timed in turn, round after
-    round, and each ratio is taken between medians -- on a shared machine the load
-    then changes under all of them alike."""
+def headline(args, have_torch):
+    """The target ratios from interleaved rounds: sgemm, chunked and scan at N = 4096
+    and chunked at N = 65,536 are timed in turn, round after round, and each ratio
+    is taken between medians -- on a shared machine the load then changes under
+    all of them alike.  torch SDPA (N = 4096) runs in a subprocess just before
+    and just after the rounds (median over both)."""
     q, k, v = _inputs(4096, np.float32)
     qL, kL, vL = _inputs(65536, np.float32)
     rng = np.random.default_rng(0)
@@ -173,26 +207,26 @@ def headline(args, torch, tf):
         "scan": lambda: linear_attention(q, k, v, causal=True, method="scan", check_finite=False),
         "chunked_65536": lambda: linear_attention(qL, kL, vL, causal=True, method="chunked", check_finite=False),
     }
-    if torch is not None:
-        tq, tk, tv = (torch.from_numpy(x)[None] for x in (q, k, v))
-
-        def sdpa():
-            with torch.no_grad():
-                return tf.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
-
-        calls["torch_sdpa"] = sdpa
+    sdpa = []
+    if have_torch:
+        sdpa.append(torch_sdpa_times([(4096, "float32", args.headline_rounds)], 60.0).get(("4096", "float32")))
     for fn in calls.values():
         fn()
     times = {name: [] for name in calls}
     for _ in range(args.headline_rounds):
         for name, fn in calls.items():
-            # let the previous call's thread pools (OpenBLAS, torch's OpenMP)
-            # stop spin-waiting before the next is timed
+            # let the previous call's thread pool (OpenBLAS) stop spin-waiting
+            # before the next is timed
             time.sleep(args.pause)
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
+    if have_torch:
+        sdpa.append(torch_sdpa_times([(4096, "float32", args.headline_rounds)], 60.0).get(("4096", "float32")))
     med = {name: float(np.median(ts)) for name, ts in times.items()}
+    sdpa = [t for t in sdpa if t]
+    if sdpa:
+        med["torch_sdpa"] = float(np.mean(sdpa))
     sg = 2.0 * 2048**3 / med["sgemm"] / 1e9
     eff = 4.0 * BH * 4096 * D * M / med["chunked"] / 1e9
     print(f"\ninterleaved headline ({args.headline_rounds} rounds, medians): "
