@@ -1,0 +1,2 @@
+"""Analysis tools: spectra and ranks of attention, state rank, recall capacity."""
+from .spectral import cumulative_spectrum, effective_rank, numerical_rank, singular_values, stable_rank
