@@ -41,6 +41,7 @@ from numba import njit, prange
 from .. import _validate as V
 from .. import config
 from .. import feature_maps as fm
+from ..ops._common import phi
 from .spectral import _check_rtol, rank_from_singular_values
 
 __all__ = ["attention_rank", "semiseparable_rank", "state_rank_profile", "StateRankProfile"]
@@ -116,11 +117,31 @@ def _prepare_pair(q, k, names, *, same_n, check_finite, last_dims_equal=True):
     return (np.asarray(q, dtype=np.float64), np.asarray(k, dtype=np.float64), tuple(q.shape[:-2]))
 
 
+def _inline_code(fmap, d):
+    """The Numba kernel code of an elementwise map (as linear_attention's kernels use it), else None."""
+    code = fmap.kernel_code
+    if code is None or int(fmap.output_dim(d)) != d:
+        return None
+    return int(code)
+
+
 def _features(fmap, x, *, role, causal, name):
-    """Features of x (..., N, D) as linear_attention computes them, float64, flattened to (B, N, F)."""
+    """Features of x (..., N, D) as linear_attention computes them, float64, flattened to (B, N, F).
+
+    Maps with a kernel code are applied by a parallel Numba loop (the same
+    ``phi`` as the attention kernels); the others through ``fmap.apply``.
+    """
     n, d = x.shape[-2], x.shape[-1]
     f = int(fmap.output_dim(d))
-    out = np.asarray(fmap.apply(x, role=role, causal=causal, offset=0, total_length=n), dtype=np.float64)
+    code = _inline_code(fmap, d)
+    if code is not None:
+        x2 = np.ascontiguousarray(x, dtype=np.float64).reshape((-1, d))
+        out = np.empty_like(x2)
+        if x2.size:
+            _inline_features(x2, code, out)
+        out = out.reshape(x.shape)
+    else:
+        out = np.asarray(fmap.apply(x, role=role, causal=causal, offset=0, total_length=n), dtype=np.float64)
     if out.shape != x.shape[:-1] + (f,):
         raise ValueError(
             f"feature map {fmap.name!r} returned features of shape {out.shape} for {name} of shape "
@@ -138,19 +159,34 @@ def _floor(den, eps):
     return den if eps is None else np.maximum(den, eps)
 
 
-def _normalised_query_features(fq, fk, *, causal, eps):
-    """phi(q_i) / den_i with den_i = phi(q_i) . sum_{j (<= i)} phi(k_j) (floored like linear_attention)."""
-    if causal:
-        z = np.cumsum(fk, axis=0)
-        den = np.einsum("nf,nf->n", fq, z)
-    else:
-        den = fq @ fk.sum(axis=0)
-    den = _floor(den, eps)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = fq / den[:, None]
-    if out.size and not np.isfinite(out).all():
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _causal_normalise_kernel(fq, fk, eps, clip, out):
+    """out[i] = fq[i] / max(fq[i] . sum_{j <= i} fk[j], eps); returns the number of bad normalisers."""
+    n, f = fq.shape
+    z = np.zeros(f)
+    bad = 0
+    for i in range(n):
+        den = 0.0
+        for j in range(f):
+            z[j] += fk[i, j]
+            den += fq[i, j] * z[j]
+        if clip and den < eps:
+            den = eps
+        if den == 0.0 or not math.isfinite(den):
+            bad += 1
+        for j in range(f):
+            out[i, j] = fq[i, j] / den
+    return bad
+
+
+def _causal_normalised_query_features(fq, fk, *, eps):
+    """phi(q_i) / den_i with den_i = phi(q_i) . sum_{j <= i} phi(k_j), floored like linear_attention."""
+    out = np.empty_like(fq)
+    bad = _causal_normalise_kernel(np.ascontiguousarray(fq), np.ascontiguousarray(fk),
+                                   0.0 if eps is None else float(eps), eps is not None, out)
+    if bad:
         raise ValueError(
-            "a normaliser phi(q_i) . z_i is zero (signed feature map with eps=None?): "
+            f"{bad} normaliser(s) phi(q_i) . z_i are zero (signed feature map with eps=None?): "
             "the attention weights are undefined; pass eps > 0"
         )
     return out
@@ -254,33 +290,100 @@ def _qr_append(R, X, block):
 
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def _qr_rows_parallel(X, nchunks, block):
-    """R factor of X (n x F): TSQR, one chunk of rows per thread, then the chunk factors combined."""
+def _stream_r_kernel(X, code, z, eps, clip, normalise, nchunks, block):
+    """TSQR of the rows ``y_t = phi(X[t], code)`` -- divided by ``max(y_t . z, eps)`` when ``normalise``.
+
+    One chunk of rows per thread, each streamed into its own R factor block
+    by block, then the chunk factors are combined.  Returns ``(R, colsum, bad)``:
+    the F x F factor, the column sums of the (unnormalised) features (``z``
+    for keys) and the number of rows whose normaliser was zero or not finite.
+    The features are never stored: memory O(threads F^2 + block F).
+    """
     n, F = X.shape
     Rs = np.zeros((nchunks, F, F))
+    sums = np.zeros((nchunks, F))
+    bad = np.zeros(nchunks, dtype=np.int64)
     for c in prange(nchunks):
-        _qr_append(Rs[c], X[c * n // nchunks:(c + 1) * n // nchunks], block)
+        a = c * n // nchunks
+        b = (c + 1) * n // nchunks
+        lb = max(1, min(block, b - a))
+        XT = np.empty((F, lb))
+        row = np.empty(F)
+        for s0 in range(a, b, lb):
+            L = min(lb, b - s0)
+            for t in range(L):
+                den = 0.0
+                for j in range(F):
+                    y = phi(X[s0 + t, j], code)
+                    row[j] = y
+                    sums[c, j] += y
+                    den += y * z[j]
+                if normalise:
+                    if clip and den < eps:
+                        den = eps
+                    if den == 0.0 or not math.isfinite(den):
+                        bad[c] += 1
+                    for j in range(F):
+                        XT[j, t] = row[j] / den
+                else:
+                    for j in range(F):
+                        XT[j, t] = row[j]
+            _householder_update(Rs[c], XT, L)
     R = Rs[0].copy()
     for c in range(1, nchunks):
         _qr_append(R, Rs[c], block)
-    return R
+    colsum = np.zeros(F)
+    for c in range(nchunks):
+        for j in range(F):
+            colsum[j] += sums[c, j]
+    return R, colsum, bad.sum()
+
+
+def _stream_r(X, code=0, z=None, eps=None):
+    """R factor of phi(X) (rows divided by max(phi(x).z, eps) when z is given) and the feature column sums."""
+    n, f = X.shape
+    if n == 0:
+        return np.zeros((f, f)), np.zeros(f)
+    X = np.ascontiguousarray(X, dtype=np.float64)
+    nchunks = max(1, min(numba.get_num_threads(), n // max(4 * f, 1)))
+    normalise = z is not None
+    zz = np.zeros(f) if z is None else np.ascontiguousarray(z, dtype=np.float64)
+    R, colsum, bad = _stream_r_kernel(X, int(code), zz, 0.0 if eps is None else float(eps), eps is not None,
+                                      normalise, nchunks, int(config.ANALYSIS_QR_BLOCK))
+    if bad:
+        raise ValueError(
+            f"{int(bad)} normaliser(s) phi(q_i) . z are zero (signed feature map with eps=None?): "
+            "the attention weights are undefined; pass eps > 0"
+        )
+    return R, colsum
 
 
 def _append_rows(R, X):
-    """R (F x F, upper triangular) <- R factor of [R; X] (streamed Householder): O(n F^2)."""
-    if X.shape[0]:
-        _qr_append(R, np.ascontiguousarray(X, dtype=np.float64), int(config.ANALYSIS_QR_BLOCK))
+    """R (F x F, upper triangular) <- R factor of [R; X] (streamed Householder): O(n F^2).
+
+    Long segments go through the parallel TSQR first (their own factor, then
+    merged into R); short ones are streamed serially.
+    """
+    n, f = X.shape
+    if n == 0:
+        return R
+    if n >= 64 * max(f, 1) and numba.get_num_threads() > 1:
+        X = _r_factor(X)
+    _qr_append(R, np.ascontiguousarray(X, dtype=np.float64), int(config.ANALYSIS_QR_BLOCK))
     return R
 
 
 def _r_factor(X):
     """R (F x F) with R^T R = X^T X: parallel TSQR, O(N F^2) flops, scratch O(threads F^2 + block F)."""
-    n, f = X.shape
-    if n == 0:
-        return np.zeros((f, f))
-    X = np.ascontiguousarray(X, dtype=np.float64)
-    nchunks = max(1, min(numba.get_num_threads(), n // max(4 * f, 1)))
-    return _qr_rows_parallel(X, nchunks, int(config.ANALYSIS_QR_BLOCK))
+    return _stream_r(X)[0]
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def _inline_features(x, code, out):
+    """out[i, j] = phi(x[i, j], code) for the elementwise maps the Numba kernels know."""
+    for i in prange(x.shape[0]):
+        for j in range(x.shape[1]):
+            out[i, j] = phi(x[i, j], code)
 
 
 def _span_changes(X, tau, block=1024):
@@ -418,15 +521,22 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
     use_factor = factor_ok and method != "explicit"
     if not use_factor:
         _check_explicit_n(max(nq, nk), "ANALYSIS_EXPLICIT_MAX_N", config.ANALYSIS_EXPLICIT_MAX_N)
+    code = None if fmap is None else _inline_code(fmap, d)
     if fmap is None:
         scale = _check_scale(scale, d)
         fq = q.reshape((b, nq, d))
         fk = k.reshape((b, nk, d))
         f = None
+    elif use_factor and code is not None:
+        # elementwise map: the streamed QR applies it on the fly, features never stored
+        fq = q.reshape((b, nq, d))
+        fk = k.reshape((b, nk, d))
+        f = d
     else:
         fq = _features(fmap, q, role="query", causal=causal, name="q")
         fk = _features(fmap, k, role="key", causal=causal, name="k")
         f = fq.shape[-1]
+        code = 0
     nsv = min(f, nq, nk) if use_factor else min(nq, nk)
     ranks = np.zeros(b, dtype=np.int64)
     spectra = np.zeros((b, nsv))
@@ -434,9 +544,9 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
         if nq == 0 or nk == 0:
             continue
         if use_factor:
-            pq = _normalised_query_features(fq[i], fk[i], causal=False, eps=eps)
-            core = _r_factor(pq) @ _r_factor(fk[i]).T
-            s = _svals(core)[:nsv]
+            r_k, z = _stream_r(fk[i], code)
+            r_q, _ = _stream_r(fq[i], code, z=z, eps=eps)
+            s = _svals(r_q @ r_k.T)[:nsv]
         else:
             if fmap is None:
                 w = _softmax_weights(fq[i], fk[i], causal=causal, scale=scale)
@@ -667,7 +777,7 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
             w = _kernel_weights(fq[i], fk[i], causal=True, eps=eps)
             ranks[i], splits[i] = _semiseparable_explicit(w, rtol)
         else:
-            pq = _normalised_query_features(fq[i], fk[i], causal=True, eps=eps)
+            pq = _causal_normalised_query_features(fq[i], fk[i], eps=eps)
             ranks[i], splits[i] = _semiseparable_factor(pq, fk[i], rtol, config.ANALYSIS_MEMORY_BUDGET)
     if batch_shape == ():
         rank, split = int(ranks[0]), int(splits[0])
