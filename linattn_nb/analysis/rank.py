@@ -440,10 +440,15 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
 
     For kernel attention the weights are ``A = D^{-1} phi(Q) phi(K)^T`` with
     ``D = diag(phi(Q) z)`` (non-causal) -- rank at most ``D_phi``.  With thin
-    R factors ``D^{-1} phi(Q) = Q_1 R_1`` and ``phi(K) = Q_2 R_2`` (streamed
-    Householder QR, memory O(block x D_phi) beyond the features) the non-zero
+    R factors ``D^{-1} phi(Q) = Q_1 R_1`` and ``phi(K) = Q_2 R_2`` the non-zero
     singular values of ``A`` are those of the ``D_phi x D_phi`` matrix
-    ``R_1 R_2^T``: cost O(N D_phi^2 + D_phi^3), so it runs at N = 10^6.
+    ``R_1 R_2^T``: cost O(N D_phi^2 + D_phi^3), so it runs at N = 10^6
+    (about 5 s at D = 64 on 2 shared cores; benchmarks/analysis_rank.py).
+    The R factors come from a parallel streamed Householder QR (TSQR, a Numba
+    kernel, backward stable like LAPACK's); elementwise maps with a kernel
+    code (ELU+1, ReLU, ...) are applied inside it, so no ``N x D_phi``
+    feature matrix is stored; other maps are applied first through
+    ``FeatureMap.apply``.
 
     Causal kernel weights ``D^{-1} tril(phi(Q) phi(K)^T)`` are not low rank
     (positive features make the diagonal non-zero, so the matrix is usually
