@@ -129,3 +129,26 @@ CUDA_MAX_FEATURES = _env_int("LINATTN_CUDA_MAX_FEATURES", 1024)
 CUDA_AUTO_SCAN_BLOCKS_PER_SM = _env_int("LINATTN_CUDA_AUTO_SCAN_BLOCKS_PER_SM", 4)
 AUTO_METHODS[(True, "cuda")] = [(2 * 256, "scan"), (None, "chunked")]
 AUTO_METHODS[(False, "cuda")] = [(None, "aggregate")]
+
+# --------------------------------------------------------------------------
+# linattn_nb.analysis (rank and capacity tools)
+# --------------------------------------------------------------------------
+#: Largest N for which the analysis tools form an explicit N x N attention
+#: matrix (softmax weights, causal kernel weights, method="explicit").  At
+#: 8192 the matrix takes 512 MiB in float64 and its SVD minutes.
+ANALYSIS_EXPLICIT_MAX_N = _env_int("LINATTN_ANALYSIS_EXPLICIT_MAX_N", 8192)
+
+#: Largest N for the explicit semiseparable rank (one SVD per split; the
+#: splits are visited in decreasing order of min(i, N - i) and the scan stops
+#: once no remaining split can beat the best rank found).
+ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N = _env_int("LINATTN_ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N", 2048)
+
+#: Rows per block of the streamed Householder QR (R factors of the N x D_phi
+#: feature matrices): each block is transposed into a D_phi x block scratch
+#: that should stay in cache.
+ANALYSIS_QR_BLOCK = _env_int("LINATTN_ANALYSIS_QR_BLOCK", 128)
+
+#: Bytes the factor-based semiseparable rank may spend on stored D_phi x D_phi
+#: R factors (one per candidate split); above it the candidates are processed
+#: in several groups, one extra pair of sweeps over the sequence per group.
+ANALYSIS_MEMORY_BUDGET = _env_int("LINATTN_ANALYSIS_MEMORY_BUDGET", 256 << 20)
