@@ -156,7 +156,13 @@ class FeatureMap:
         default ignores all of these and returns ``self(x)``; maps whose
         features depend on the role (a stabilising shift) or on the position
         (cosFormer) override it.
+
+        Raises
+        ------
+        ValueError
+            If ``role`` is not ``"query"`` or ``"key"``.
         """
+        _check_role(self.name, role)
         return self(x)
 
     def kernel(self, x, y) -> np.ndarray:
@@ -328,11 +334,12 @@ def _check_count(what: str, value, *, allow_none: bool = True):
 
 def _cast_features(name: str, feats: np.ndarray, x: np.ndarray) -> np.ndarray:
     """Cast float64 features to the input dtype; raise if finite inputs overflow it."""
-    out = feats.astype(x.dtype, copy=False)
-    inf = np.isinf(out)
-    if inf.any():
+    with np.errstate(over="ignore"):
+        out = feats.astype(x.dtype, copy=False)
+    bad = ~np.isfinite(out)
+    if bad.any():
         finite_rows = np.isfinite(x).all(axis=-1)
-        if (inf & finite_rows[..., None]).any():
+        if (bad & finite_rows[..., None]).any():
             raise ValueError(
                 f"feature map {name!r}: features of finite inputs overflow {x.dtype} "
                 f"(input shape {x.shape}); use float64 inputs or smaller inputs"
@@ -591,7 +598,8 @@ class FavorPlusFeatureMap(RandomFeatureMap):
 
     def transform(self, x):
         u, half_sq = self._logits(x)
-        feats = np.exp(u - half_sq[..., None]) / math.sqrt(u.shape[-1])
+        with np.errstate(over="ignore"):  # overflow is reported by _cast_features
+            feats = np.exp(u - half_sq[..., None]) / math.sqrt(u.shape[-1])
         return _cast_features(self.name, feats, x)
 
     def apply(self, x, *, role, causal=False, offset=0, total_length=None):
@@ -668,7 +676,8 @@ class RandomFourierFeatureMap(RandomFeatureMap):
     def transform(self, x):
         xs, feats = self._trig(x)
         if self.target == "softmax":
-            feats = feats * np.exp(0.5 * np.einsum("...i,...i->...", xs, xs))[..., None]
+            with np.errstate(over="ignore"):  # overflow is reported by _cast_features
+                feats = feats * np.exp(0.5 * np.einsum("...i,...i->...", xs, xs))[..., None]
         return _cast_features(self.name, feats, x)
 
     def apply(self, x, *, role, causal=False, offset=0, total_length=None):
@@ -928,7 +937,9 @@ class HedgehogFeatureMap(FeatureMap):
         return np.concatenate([u, -u], axis=-1)
 
     def transform(self, x):
-        return _cast_features(self.name, np.exp(self._logits(x)), x)
+        with np.errstate(over="ignore"):  # overflow is reported by _cast_features
+            feats = np.exp(self._logits(x))
+        return _cast_features(self.name, feats, x)
 
     def apply(self, x, *, role, causal=False, offset=0, total_length=None):
         _check_role(self.name, role)
