@@ -544,6 +544,10 @@ class FavorPlusFeatureMap(RandomFeatureMap):
       ``|x' - w_i|^2/2`` exceeds about 100 (float32) or 740 (float64) for all
       ``i``; the features then are 0 and the key gets zero weight.
 
+    A map is drawn once and kept until :meth:`redraw`; pass the same map
+    object (not the name, which builds a new unseeded map per call) to every
+    call that must share ``W``, e.g. segments linked by ``initial_state``.
+
     Parameters
     ----------
     dim, num_features, orthogonal, row_norm, seed, scale

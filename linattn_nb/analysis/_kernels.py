@@ -267,7 +267,7 @@ def error_rows(q, k, fq, fk, *, scale, causal, softmax_mode, eps, block=None):
     ``q, k`` (B, N, D) and ``fq, fk`` (B, N, F) C-contiguous float64
     (``fq, fk`` may be ``(B, N, 0)`` dummies in softmax mode).
     """
-    block = int(block or config.ANALYSIS_BLOCK_Q)
+    block = int(config.ANALYSIS_BLOCK_Q if block is None else block)
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     B, N, _ = q.shape

@@ -149,6 +149,12 @@ def _features(fmap, x, *, role, causal, n):
     return np.ascontiguousarray(f.reshape((-1,) + f.shape[-2:]))
 
 
+def _flat64(x, batch_shape):
+    """``(..., N, F)`` -> C-contiguous float64 ``(B, N, F)``; explicit B (``-1`` is ambiguous for empty arrays)."""
+    b = int(np.prod(batch_shape, dtype=np.int64))
+    return np.ascontiguousarray(x, dtype=np.float64).reshape((b,) + tuple(x.shape[-2:]))
+
+
 def _prepare(q, k, v, check_finite):
     q = V.as_host_array("q", q)
     k = V.as_host_array("k", k)
@@ -219,8 +225,8 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
     scale = _resolve_scale(scale, d)
     eps = _resolve_eps(eps)
     fmap = _resolve_map(feature_map, d, scale)
-    q64 = V.flatten_batch(q, np.float64)
-    k64 = V.flatten_batch(k, np.float64)
+    q64 = _flat64(q, batch_shape)
+    k64 = _flat64(k, batch_shape)
     mask = np.tril(np.ones((n, n), dtype=bool)) if causal else None
     if fmap is None:
         s = scale * np.einsum("bid,bjd->bij", q64, k64)
@@ -308,7 +314,10 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     eps = _resolve_eps(eps)
     fmap = _resolve_map(feature_map, d, scale)
     causal = bool(causal)
-    q64, k64, v64 = (V.flatten_batch(x, np.float64) for x in (q, k, v))
+    if block is not None and (isinstance(block, (bool, np.bool_)) or not isinstance(block, (int, np.integer))
+                              or block < 1):
+        raise ValueError(f"block must be an integer >= 1 or None, got {block!r}")
+    q64, k64, v64 = (_flat64(x, batch_shape) for x in (q, k, v))
     b = q64.shape[0]
     rows = b * n
     if rows == 0:
@@ -372,7 +381,7 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
     scale = _resolve_scale(scale, d)
     eps = _resolve_eps(eps)
     fmap = _resolve_map(feature_map, d, scale)
-    q64, k64, v64 = (V.flatten_batch(x, np.float64) for x in (q, k, v))
+    q64, k64, v64 = (_flat64(x, batch_shape) for x in (q, k, v))
     b = q64.shape[0]
     rows = b * n
     if rows == 0:
