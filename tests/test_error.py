@@ -39,7 +39,8 @@ def _map(name):
 # kernel against the naive reference, on edge shapes
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("name", ["softmax", "elu", "relu", "favor+", "rff", "identity", "cosformer"])
+@pytest.mark.parametrize("name", ["softmax", "elu", "relu", "favor+", "rff", "identity", "cosformer", "taylor2",
+                                  "hedgehog", "dpfp"])
 @pytest.mark.parametrize("n", [1, 2, 7, 8, 9, 37])
 def test_kernel_matches_naive(name, causal, n, rng):
     """Block 8: N = 7, 8, 9 are block - 1, block, block + 1; relu gives tied and zero weights."""
@@ -97,6 +98,26 @@ def test_long_rows_use_the_radix_ranks(rng):
     got = approximation_error(q, k2, v, "identity", eps=None)
     want = approximation_error_naive(q, k2, v, "identity", eps=None)
     _assert_same(got, want)
+
+
+def test_radix_ranks_against_rankdata():
+    """The radix ranking on its own: ties, signed zeros, clustered, tiny and huge values, as rankdata - 1."""
+    from scipy.stats import rankdata
+
+    from linattn_nb.analysis._kernels import _RADIX_PASSES, _RADIX_SIZE, _average_ranks
+
+    rng = np.random.default_rng(3)
+    n = 3000
+    cases = [rng.normal(size=n), np.round(rng.normal(size=n), 1), 1 + 1e-12 * rng.random(n),
+             np.exp(rng.uniform(-700, 700, n)) * rng.choice([-1.0, 1.0], n),
+             np.where(rng.random(n) < 0.5, -0.0, 0.0), np.full(n, 2.5), rng.normal(size=30)]
+    for x in cases:
+        m = x.size
+        bufs = (np.empty(m), np.empty(m, np.uint64), np.empty(m, np.uint64), np.empty(m, np.int64),
+                np.empty(m, np.int64), np.empty((_RADIX_PASSES, _RADIX_SIZE), np.int64))
+        ranks = np.full(m, np.nan)
+        _average_ranks(x, m, *bufs, ranks)
+        np.testing.assert_array_equal(ranks, rankdata(x) - 1)
 
 
 def test_empty_and_batch_shapes(rng):
