@@ -260,8 +260,10 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     :func:`linattn_nb.linear_attention` themselves.  The row statistics are
     computed by a Numba kernel over blocks of ``block`` query rows, in
     parallel over (batch entry, block): memory O(block * N) per thread, never
-    the ``N x N`` matrix, so long sequences fit (N = 16,384 at D = 64 on one
-    head: about 10 s on 2 cores).
+    the ``N x N`` matrix, so long sequences fit: N = 16,384 at D = 64 on one
+    head takes 26 s of CPU time non-causal and 11.5 s causal (FAVOR+ with
+    m = 256; 2 threads), about 13 s and 6 s of wall time on two free cores
+    (``benchmarks/bench_approximation_error.py``).
 
     Parameters
     ----------
