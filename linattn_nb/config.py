@@ -74,6 +74,24 @@ SOFTMAX_BLOCK_K = _env_int("LINATTN_SOFTMAX_BLOCK_K", 256)
 QUADRATIC_MAX_ELEMENTS = _env_int("LINATTN_QUADRATIC_MAX_ELEMENTS", 1 << 26)
 
 # --------------------------------------------------------------------------
+# Feature maps and analysis
+# --------------------------------------------------------------------------
+#: FAVOR+ key features are shifted by ``max(0, max_i |w_i|^2/2 - headroom)``,
+#: a constant computed from the random matrix only (never from the data, so
+#: it is causal-safe and identical across segments).  Because
+#: ``w.x - |x|^2/2 <= |w|^2/2``, key features are then at most
+#: ``exp(headroom)``: 40 keeps them and their products with values far below
+#: the float32 maximum (exp(88.7)) while wasting as little of the float32
+#: range below as possible.  Read when a map is built (stored on the map, so
+#: that a carried state stays consistent).
+FAVOR_KEY_HEADROOM = _env_float("LINATTN_FAVOR_KEY_HEADROOM", 40.0)
+
+#: Query rows per task in the approximation-error kernels
+#: (:mod:`linattn_nb.analysis.error`).  Memory per task is about
+#: ``block * N`` float64 numbers times four; the N x N matrix is never formed.
+ANALYSIS_BLOCK_Q = _env_int("LINATTN_ANALYSIS_BLOCK_Q", 64)
+
+# --------------------------------------------------------------------------
 # method="auto"
 # --------------------------------------------------------------------------
 #: ``(causal, device) -> [(max_n, method), ...]``: the first row whose
