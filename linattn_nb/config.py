@@ -83,3 +83,29 @@ AUTO_METHODS = {
     (True, "cpu"): [(None, "scan")],
     (False, "cpu"): [(None, "aggregate")],
 }
+
+# --------------------------------------------------------------------------
+# Recurrent state and KV cache (linattn_nb.state, linattn_nb.ops.step)
+# --------------------------------------------------------------------------
+#: ``LinearAttentionState.step`` runs its Numba kernel in parallel over the
+#: batch*heads only when ``batch * tokens * D_phi * M`` reaches this many
+#: multiply-adds; below it the serial kernel wins (a parallel region costs
+#: microseconds to open, a whole decode step of H=16, D=M=64 is ~5 us).
+STEP_PARALLEL_MIN_WORK = _env_int("LINATTN_STEP_PARALLEL_MIN_WORK", 1 << 20)
+
+#: Tokens per block in ``LinearAttentionState.prefill`` (GEMM-shaped blocks
+#: through BLAS; scratch O(block * (D_phi + M)) per thread).
+PREFILL_BLOCK = _env_int("LINATTN_PREFILL_BLOCK", 256)
+
+#: Keys per block in the KV-cache step (online softmax over key blocks;
+#: scratch O(block) per thread).
+KV_BLOCK = _env_int("LINATTN_KV_BLOCK", 2048)
+
+#: Initial capacity (tokens) of a ``KVCache`` and its growth factor: when an
+#: append does not fit, the buffers grow to ``max(needed, GROWTH * capacity)``
+#: (amortised O(1) append).
+KV_INITIAL_CAPACITY = _env_int("LINATTN_KV_INITIAL_CAPACITY", 256)
+KV_GROWTH = _env_float("LINATTN_KV_GROWTH", 2.0)
+
+#: Threads per block of the CUDA step, query and prefill kernels.
+CUDA_STEP_THREADS = _env_int("LINATTN_CUDA_STEP_THREADS", 128)
