@@ -349,15 +349,17 @@ class LinearAttentionState:
         self._device = dev
 
     def _resolve(self, arrays, names):
-        """The state's device, fixing it on first use; refuse inputs from the other side."""
+        """The device these inputs run on (the state's, or for "auto" the data's); refuses
+        inputs from the other side.  Does not fix an undecided device: :meth:`_prepare`
+        does that once the inputs are valid."""
         gpu = [n for n, a in zip(names, arrays) if _on_gpu(a)]
         if self._device is None:
             if gpu and len(gpu) != len(arrays):
                 host = [n for n in names if n not in gpu]
                 raise ValueError(f"inputs live on different devices: {', '.join(gpu)} on the GPU, "
                                  f"{', '.join(host)} on the host; move them to one device first")
-            self._set_device(resolve_device("cuda") if gpu else "cpu")
-        elif self._device == "cpu" and gpu:
+            return resolve_device("cuda") if gpu else "cpu"
+        if self._device == "cpu" and gpu:
             raise ValueError(f"this state lives on the host (device='cpu') but {', '.join(gpu)} live on "
                              "the GPU; copy them to the host first (or build the state with device='cuda')")
         return self._device
@@ -445,6 +447,12 @@ class LinearAttentionState:
         """Validate and flatten inputs; return an _Inputs (host or device arrays of (B, T, *))."""
         names = [n for n, _, _ in pairs]
         dev = self._resolve([x for _, x, _ in pairs], names)
+        res = self._prepare_on(dev, pairs, names, check_finite, roles)
+        if self._device is None:
+            self._set_device(dev)
+        return res
+
+    def _prepare_on(self, dev, pairs, names, check_finite, roles):
         res = _Inputs()
         if dev == "cuda" and any(_on_gpu(x) for _, x, _ in pairs):
             if not all(_on_gpu(x) for _, x, _ in pairs):
@@ -576,8 +584,6 @@ class LinearAttentionState:
                     and len(shp) == self._nb + 2 and shp[-1] == self._d and shp[:-2] == self._bs
                     and v.shape == shp[:-1] + self._vtail and q.flags.c_contiguous
                     and k.flags.c_contiguous and v.flags.c_contiguous):
-                if self._device is None:
-                    self._set_device("cpu")
                 T = shp[-2]
                 if self._nb == 1:
                     q3, k3, v3 = q, k, v
@@ -596,6 +602,8 @@ class LinearAttentionState:
                 if bad:
                     self._raise_nonfinite(("q", "k", "v")[bad - 1])
                 self._position += T
+                if self._device is None:
+                    self._device = "cpu"
                 return res
         inp = self._prepare([("q", q, self._d), ("k", k, self._d), ("v", v, self._m)], check_finite,
                             ("query", "key", None))
