@@ -101,6 +101,13 @@ PREFILL_BLOCK = _env_int("LINATTN_PREFILL_BLOCK", 256)
 #: scratch O(block) per thread).
 KV_BLOCK = _env_int("LINATTN_KV_BLOCK", 2048)
 
+#: The KV-cache step runs in parallel over the batch*heads from this many
+#: multiply-adds (``batch * tokens * context * (D + M)``) on; 2**24 is ~4 ms
+#: of serial work.  (A parallel region waits for all its threads: on a busy
+#: machine a late thread costs a scheduler time slice, measured ~20 ms on the
+#: shared 2-core development VM, so small steps stay serial.)
+KV_PARALLEL_MIN_WORK = _env_int("LINATTN_KV_PARALLEL_MIN_WORK", 1 << 24)
+
 #: Initial capacity (tokens) of a ``KVCache`` and its growth factor: when an
 #: append does not fit, the buffers grow to ``max(needed, GROWTH * capacity)``
 #: (amortised O(1) append).

@@ -178,6 +178,41 @@ def test_step_by_step_equals_causal_kernel(feature_map):
     np.testing.assert_allclose(st_.z, z_ref, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("batch_shape,dtype,state_dtype", [((4,), np.float32, np.float32),
+                                                           ((2, 3), np.float64, np.float64),
+                                                           ((), np.float32, np.float64)])
+def test_fast_decode_path(batch_shape, dtype, state_dtype, monkeypatch):
+    """Contiguous tokens of one native dtype take the lean path (compiled entry point, no
+    validation helper), for T = 1 and T > 1: same outputs as the causal kernel, NaN refused
+    with the state untouched, the float16 and mixed-dtype cases left to the general path."""
+    rng = np.random.default_rng(12)
+    q, k, v = qkv(rng, batch_shape, 10, 5, 3, dtype)
+    ref = la.linear_attention(q, k, v, causal=True)
+    st_ = LinearAttentionState(5, 3, batch_shape=batch_shape, dtype=state_dtype)
+    real_prepare = LinearAttentionState._prepare
+
+    def boom(*a, **kw):
+        raise AssertionError("the decode step left the fast path")
+
+    monkeypatch.setattr(LinearAttentionState, "_prepare", boom)
+    toks = [tuple(np.ascontiguousarray(x[..., t:t + 1, :]) for x in (q, k, v)) for t in range(7)]
+    outs = [st_.step(*tk) for tk in toks]
+    assert all(o.dtype == dtype and o.shape == batch_shape + (1, 3) for o in outs)
+    outs.append(st_.step(*(np.ascontiguousarray(x[..., 7:, :]) for x in (q, k, v))))
+    tol = np.float32 if np.float32 in (dtype, state_dtype) else np.float64
+    assert_close(np.concatenate(outs, axis=-2), ref, tol)
+    assert st_.device == "cpu" and st_.position == 10 and np.dtype(dtype) in st_._entry
+    S0 = st_.S.copy()
+    bad = toks[0][1].copy()
+    bad.flat[-1] = np.inf
+    with pytest.raises(ValueError, match="k contains"):
+        st_.step(toks[0][0], bad, toks[0][2])
+    assert np.array_equal(st_.S, S0) and st_.position == 10
+    monkeypatch.setattr(LinearAttentionState, "_prepare", real_prepare)
+    half = st_.copy().step(*(x.astype(np.float16) for x in toks[0]))
+    assert half.dtype == np.float16
+
+
 @pytest.mark.parametrize("dtype,state_dtype", [(np.float32, np.float32), (np.float32, np.float64),
                                                (np.float16, np.float32)])
 def test_step_dtypes(dtype, state_dtype):
@@ -586,24 +621,27 @@ def test_unregistered_feature_map_needs_feature_map_on_load(tmp_path):
 # ---------------------------------------------------------------------------
 # KVCache: the softmax baseline
 # ---------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_kv_cache_steps_equal_softmax_causal_rows(dtype, monkeypatch):
+@pytest.mark.parametrize("dtype,block,n", [(np.float64, 5, 29), (np.float32, 5, 29), (np.float32, 130, 300)])
+def test_kv_cache_steps_equal_softmax_causal_rows(dtype, block, n, monkeypatch):
     """Prefill, then steps of 1 and several tokens (from an empty cache too), with key blocks
-    smaller than the cache: the outputs are the causal softmax rows."""
-    monkeypatch.setattr(config, "KV_BLOCK", 5)
+    smaller than the cache (short blocks as loops, >= 128 keys through BLAS, mixed in one
+    online softmax): the outputs are the causal softmax rows."""
+    monkeypatch.setattr(config, "KV_BLOCK", block)
     rng = np.random.default_rng(4)
-    q, k, v = qkv(rng, (2, 3), 29, 6, 4, dtype, scale=2.0)
+    q, k, v = qkv(rng, (2, 3), n, 6, 4, dtype, scale=2.0)
     ref = la.softmax_attention(q, k, v, causal=True, method="quadratic")
     cache = KVCache(6, 4, batch_shape=(2, 3), dtype=dtype, capacity=2)
     outs = [cache.step(q[..., :1, :], k[..., :1, :], v[..., :1, :])]
     cache.prefill(k[..., 1:9, :], v[..., 1:9, :])
-    for a, b in ((9, 10), (10, 11), (11, 20), (20, 20), (20, 29)):
+    a = 9
+    for b in (10, 11, 20, 20, n - 1, n):
         outs.append(cache.step(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :]))
-    got = np.concatenate([outs[0]] + outs[1:], axis=-2)
+        a = b
+    got = np.concatenate(outs, axis=-2)
     want = np.concatenate([ref[..., :1, :], ref[..., 9:, :]], axis=-2)
     assert got.dtype == dtype
     assert_close(got, want, dtype)
-    assert cache.length == 29 and cache.position == 29
+    assert cache.length == n and cache.position == n
     assert np.array_equal(cache.keys, k.astype(dtype)) and np.array_equal(cache.values, v.astype(dtype))
     # query attends to all cached tokens without appending.
     res = cache.query(q[..., :3, :])
@@ -611,7 +649,31 @@ def test_kv_cache_steps_equal_softmax_causal_rows(dtype, monkeypatch):
     w = np.exp(s - s.max(-1, keepdims=True))
     w /= w.sum(-1, keepdims=True)
     assert_close(res, w @ v.astype(np.float64), dtype)
-    assert cache.length == 29
+    assert cache.length == n
+
+
+@pytest.mark.parametrize("batch_shape", [(), (3,), (2, 2)])
+def test_kv_fast_decode_path(batch_shape, monkeypatch):
+    """Contiguous single tokens of the cache dtype take the lean path (no validation helper)
+    and give the same rows; NaN is still refused there, nothing appended."""
+    rng = np.random.default_rng(8)
+    q, k, v = qkv(rng, batch_shape, 12, 4, 3, np.float32)
+    ref = la.softmax_attention(q, k, v, causal=True, method="quadratic")
+    cache = KVCache(4, 3, batch_shape=batch_shape, dtype=np.float32, capacity=1)
+    cache.prefill(k[..., :5, :], v[..., :5, :])
+
+    def boom(*a, **kw):
+        raise AssertionError("the decode step left the fast path")
+
+    monkeypatch.setattr(KVCache, "_prepare", boom)
+    toks = [tuple(np.ascontiguousarray(x[..., t:t + 1, :]) for x in (q, k, v)) for t in range(5, 12)]
+    got = np.concatenate([cache.step(*tk) for tk in toks], axis=-2)
+    assert_close(got, ref[..., 5:, :], np.float32)
+    bad = toks[0][2].copy()
+    bad.flat[0] = np.nan
+    with pytest.raises(ValueError, match="v contains"):
+        cache.step(toks[0][0], toks[0][1], bad)
+    assert cache.length == 12
 
 
 def test_kv_cache_grows_geometrically_and_reports_memory():
@@ -628,6 +690,10 @@ def test_kv_cache_grows_geometrically_and_reports_memory():
     twin = cache.copy()
     twin.step(np.zeros((4, 1, 2)), np.zeros((4, 1, 2)), np.ones((4, 1, 3)))
     assert cache.length == 40 and twin.length == 41
+    twin.truncate(10)
+    assert twin.length == 10 and twin.keys.shape == (4, 10, 2)
+    with pytest.raises(ValueError, match=r"length must be in \[0, 10\]"):
+        twin.truncate(11)
     cache.reset()
     assert cache.length == 0
 
