@@ -188,7 +188,27 @@ def _advance(v, St, z, out, fa, fc, b, t, eps):
         den += fc[i] * zi
     if den < eps:  # eps < 0 when there is no floor
         den = eps
-    for m in range(M):
+    M2 = M - M % 2
+    for m in range(0, M2, 2):
+        # Two rows per pass share the loads of phi(k) and phi(q).
+        w0 = v[b, t, m]
+        w1 = v[b, t, m + 1]
+        r0 = Sb[m]
+        r1 = Sb[m + 1]
+        acc0 = zero
+        acc1 = zero
+        for i in range(F):
+            a = fa[i]
+            c = fc[i]
+            s0 = r0[i] + a * w0
+            s1 = r1[i] + a * w1
+            r0[i] = s0
+            r1[i] = s1
+            acc0 += c * s0
+            acc1 += c * s1
+        out[b, t, m] = acc0 / den
+        out[b, t, m + 1] = acc1 / den
+    for m in range(M2, M):
         w = v[b, t, m]
         row = Sb[m]
         acc = zero
