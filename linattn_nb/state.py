@@ -781,6 +781,7 @@ class LinearAttentionState:
         new._init_fields(self._d, self._m, self._f, self._bs, self._fmap, self._dtype, self._eps)
         new._position = self._position
         new._device = self._device
+        new._fast = self._fast
         if self._device == "cuda":
             from numba import cuda
 

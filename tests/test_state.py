@@ -287,6 +287,13 @@ def test_prefill_equals_causal_final_state():
     st32 = LinearAttentionState(4, 5, batch_shape=(2, 2), dtype=np.float32)
     st32.prefill(k.astype(np.float32), v.astype(np.float32))
     np.testing.assert_allclose(st32.S, ref.S, rtol=2e-5, atol=2e-5)
+    # From a non-zero state, against the NumPy reference S0 + phi(K)^T V.
+    kf = fm.get("elu")(k).reshape(4, 33, 4)
+    S_ref, z_ref = step_naive.state_prefill_reference(kf, v.reshape(4, 33, 5), ref.S.reshape(4, 4, 5),
+                                                      ref.z.reshape(4, 4))
+    st_.prefill(k, v)
+    np.testing.assert_allclose(st_.S, S_ref.reshape(2, 2, 4, 5), rtol=1e-12)
+    np.testing.assert_allclose(st_.z, z_ref.reshape(2, 2, 4), rtol=1e-12)
 
 
 def test_query_reads_without_updating(rng):
@@ -641,6 +648,9 @@ def test_kv_cache_steps_equal_softmax_causal_rows(dtype, block, n, monkeypatch):
     want = np.concatenate([ref[..., :1, :], ref[..., 9:, :]], axis=-2)
     assert got.dtype == dtype
     assert_close(got, want, dtype)
+    last = step_naive.kv_step_reference(q[..., n - 1:, :].reshape(6, 1, 6), k.reshape(6, n, 6),
+                                        v.reshape(6, n, 4), scale=1 / np.sqrt(6))
+    assert_close(got[..., -1:, :], last.reshape(2, 3, 1, 4), dtype)
     assert cache.length == n and cache.position == n
     assert np.array_equal(cache.keys, k.astype(dtype)) and np.array_equal(cache.values, v.astype(dtype))
     # query attends to all cached tokens without appending.

@@ -106,6 +106,8 @@ def test_cuda_device_inputs_stay_on_the_device(threads):
     twin = g.copy()
     twin.step(dq, dk, dv)
     assert np.array_equal(host(g.S), S0) and twin.position == 8
+    again = twin.step(q, k, v)  # host inputs to a copied GPU state: host outputs
+    assert isinstance(again, np.ndarray) and twin.position == 12 and twin.device == "cuda"
 
 
 def test_cuda_state_save_load_and_reset(tmp_path, threads):
