@@ -170,3 +170,35 @@ ANALYSIS_QR_BLOCK = _env_int("LINATTN_ANALYSIS_QR_BLOCK", 128)
 #: R factors (one per candidate split); above it the candidates are processed
 #: in several groups, one extra pair of sweeps over the sequence per group.
 ANALYSIS_MEMORY_BUDGET = _env_int("LINATTN_ANALYSIS_MEMORY_BUDGET", 256 << 20)
+
+# Recurrent state and KV cache (linattn_nb.state, linattn_nb.ops.step)
+# --------------------------------------------------------------------------
+#: ``LinearAttentionState.step`` runs its Numba kernel in parallel over the
+#: batch*heads only when ``batch * tokens * D_phi * M`` reaches this many
+#: multiply-adds; below it the serial kernel wins (a parallel region costs
+#: microseconds to open, a whole decode step of H=16, D=M=64 is ~5 us).
+STEP_PARALLEL_MIN_WORK = _env_int("LINATTN_STEP_PARALLEL_MIN_WORK", 1 << 20)
+
+#: Tokens per block in ``LinearAttentionState.prefill`` (GEMM-shaped blocks
+#: through BLAS; scratch O(block * (D_phi + M)) per thread).
+PREFILL_BLOCK = _env_int("LINATTN_PREFILL_BLOCK", 256)
+
+#: Keys per block in the KV-cache step (online softmax over key blocks;
+#: scratch O(block) per thread).
+KV_BLOCK = _env_int("LINATTN_KV_BLOCK", 2048)
+
+#: The KV-cache step runs in parallel over the batch*heads from this many
+#: multiply-adds (``batch * tokens * context * (D + M)``) on; 2**24 is ~4 ms
+#: of serial work.  (A parallel region waits for all its threads: on a busy
+#: machine a late thread costs a scheduler time slice, measured ~20 ms on the
+#: shared 2-core development VM, so small steps stay serial.)
+KV_PARALLEL_MIN_WORK = _env_int("LINATTN_KV_PARALLEL_MIN_WORK", 1 << 24)
+
+#: Initial capacity (tokens) of a ``KVCache`` and its growth factor: when an
+#: append does not fit, the buffers grow to ``max(needed, GROWTH * capacity)``
+#: (amortised O(1) append).
+KV_INITIAL_CAPACITY = _env_int("LINATTN_KV_INITIAL_CAPACITY", 256)
+KV_GROWTH = _env_float("LINATTN_KV_GROWTH", 2.0)
+
+#: Threads per block of the CUDA step, query and prefill kernels.
+CUDA_STEP_THREADS = _env_int("LINATTN_CUDA_STEP_THREADS", 128)
