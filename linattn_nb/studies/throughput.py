@@ -1,0 +1,165 @@
+"""Study: causal throughput against sequence length, linear against softmax attention.
+
+Every registered causal linear-attention method (not the quadratic reference)
+and softmax_attention's blocked kernel, on the CPU (and on the GPU when one is
+present), at ``B*H`` sequences of length N, ``D = M``, float32, feature map
+ELU+1.  Each point is timed after a warm-up call (which compiles or loads the
+kernel from the cache): the median of at least three calls, more while the
+total stays below ``min_time``.  Effective GFLOP/s of linear attention counts
+``4 * B*H * N * D * M`` floating-point operations (the two rank-1 updates of
+the recurrence, the convention of the project's benchmarks).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from ._study import Rendered, Study, fmt, markdown_table, register_study
+
+
+def _sizes(ctx):
+    """(B*H, D, Ns, largest softmax N, min_time) for the profile."""
+    return ctx.pick(
+        tiny=(2, 16, [64, 256], 256, 0.005),
+        quick=(8, 64, [256, 1024, 4096], 4096, 0.1),
+        full=(16, 64, [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536], 8192, 0.5),
+    )
+
+
+def points(ctx) -> list[dict]:
+    from ..ops import methods as _methods  # noqa: F401 - registers the built-in methods
+    from ..ops.registry import available_methods
+
+    bh, d, ns, softmax_max, min_time = _sizes(ctx)
+    common = dict(batch=bh, d=d, m=d, dtype="float32", feature_map="elu", min_time=min_time)
+    pts = []
+    for device in ctx.devices:
+        for method in available_methods(causal=True, device=device):
+            if method == "quadratic":
+                continue
+            pts += [dict(kind="linear", device=device, method=method, n=n, **common) for n in ns]
+    pts += [dict(kind="softmax", device="cpu", method="blocked", n=n, **common) for n in ns if n <= softmax_max]
+    return pts
+
+
+def run(kind, device, method, n, batch, d, m, dtype, feature_map, min_time, seed=0) -> dict:
+    """Time one causal forward; returns the median and derived rates."""
+    import numba
+
+    from .. import linear_attention, softmax_attention
+
+    rng = np.random.default_rng(seed)
+    q, k = (rng.standard_normal((batch, n, d)).astype(dtype) for _ in range(2))
+    v = rng.standard_normal((batch, n, m)).astype(dtype)
+    sync = None
+    if device == "cuda":
+        from numba import cuda
+
+        q, k, v = (cuda.to_device(x) for x in (q, k, v))
+        sync = cuda.synchronize
+    if kind == "linear":
+        def call():
+            linear_attention(q, k, v, feature_map=feature_map, causal=True, method=method, device=device)
+    elif kind == "softmax":
+        def call():
+            softmax_attention(q, k, v, causal=True, method=method)
+    else:
+        raise ValueError(f"unknown kind {kind!r}")
+
+    def timed():
+        t0 = time.perf_counter()
+        call()
+        if sync is not None:
+            sync()
+        return time.perf_counter() - t0
+
+    first = timed()  # compiles, or loads from Numba's cache
+    times = [timed()]
+    want = 3 if times[0] < 2.0 else 1  # calls of seconds: one timed call after the warm-up
+    while len(times) < want or (sum(times) < min_time and len(times) < 200):
+        times.append(timed())
+    med = statistics.median(times)
+    res = {"median_s": med, "min_s": min(times), "repeats": len(times), "first_call_s": first,
+           "tokens_per_s": batch * n / med, "numba_threads": numba.get_num_threads()}
+    if kind == "linear":
+        res["gflops"] = 4.0 * batch * n * d * m / med / 1e9
+    return res
+
+
+def _label(p) -> str:
+    name = "softmax" if p["kind"] == "softmax" else f"linear {p['method']}"
+    return f"{name} ({p['device']})"
+
+
+def render(records, ctx) -> Rendered:
+    ok = [r for r in records if r.get("status") == "ok"]
+    failed = [r for r in records if r.get("status") != "ok"]
+    series: dict = {}
+    for r in ok:
+        series.setdefault(_label(r["params"]), {})[r["params"]["n"]] = (r["params"], r["result"])
+    ns = sorted({r["params"]["n"] for r in ok})
+    labels = list(series)
+    lin = [lab for lab in labels if lab.startswith("linear")]
+    soft = [lab for lab in labels if lab.startswith("softmax")]
+    rows = []
+    for n in ns:
+        row = [n]
+        for lab in labels:
+            pr = series[lab].get(n)
+            row.append(fmt(pr[1]["median_s"] * 1e3) if pr else "–")
+        best_lin = min((series[lab][n][1]["median_s"] for lab in lin if n in series[lab]), default=None)
+        best_soft = min((series[lab][n][1]["median_s"] for lab in soft if n in series[lab]), default=None)
+        row.append(fmt(best_soft / best_lin) + "×" if best_lin and best_soft else "–")
+        rows.append(row)
+    md = []
+    if ok:
+        p0 = ok[0]["params"]
+        threads = ok[0]["result"].get("numba_threads")
+        md.append(
+            f"Causal forward, B·H = {p0['batch']}, D = M = {p0['d']}, {p0['dtype']}, feature map "
+            f"`{p0['feature_map']}`; median of >= 3 timed calls after a warm-up call "
+            f"(more while the total stays under {p0['min_time']} s); Numba threads: {threads}. "
+            "Times in milliseconds; the last column is softmax time over the fastest linear method."
+        )
+        md += ["", markdown_table(["N", *[f"{lab} [ms]" for lab in labels], "linear speed-up"], rows)]
+        if lin:
+            grows = [[n] + [fmt(series[lab][n][1]["gflops"]) if n in series[lab] else "–" for lab in lin]
+                     for n in ns]
+            md += ["", "Effective GFLOP/s of linear attention (4·B·H·N·D·M per forward):", "",
+                   markdown_table(["N", *lin], grows)]
+        if ctx.plots and ns:
+            fig, (ax1, ax2) = ctx.figure(ncols=2)
+            for lab in labels:
+                xs = sorted(series[lab])
+                ax1.loglog(xs, [series[lab][x][1]["median_s"] * 1e3 for x in xs], "o-", label=lab)
+                ax2.loglog(xs, [series[lab][x][1]["tokens_per_s"] for x in xs], "o-", label=lab)
+            ax1.set(xlabel="sequence length N", ylabel="time per forward [ms]", title="Causal forward time")
+            ax2.set(xlabel="sequence length N", ylabel="tokens / s", title="Throughput")
+            ax1.legend(fontsize="small")
+            ax1.grid(True, which="both", alpha=0.3)
+            ax2.grid(True, which="both", alpha=0.3)
+            md += ["", ctx.savefig(fig, "throughput", "causal forward time and throughput against N")]
+    if failed:
+        md += ["", "Points that failed:", ""] + [f"- `{r['params']}`: {r.get('error')}" for r in failed]
+    summary = ""
+    if ns and lin and soft:
+        n_top = max(n for n in ns if any(n in series[lab] for lab in soft))
+        best_lin = min(series[lab][n_top][1]["median_s"] for lab in lin if n_top in series[lab])
+        best_soft = min(series[lab][n_top][1]["median_s"] for lab in soft if n_top in series[lab])
+        summary = f"linear {fmt(best_soft / best_lin)}× faster than softmax at N = {n_top}"
+    problems = [f"throughput: point {r['params']} failed: {r.get('error')}" for r in failed]
+    return Rendered("\n".join(md), summary, problems)
+
+
+STUDY = register_study(Study(
+    name="throughput",
+    title="Causal throughput against N",
+    command="bench",
+    help="causal throughput against N: every linear method and softmax attention",
+    points=points,
+    run=run,
+    render=render,
+    timing=True,
+))
