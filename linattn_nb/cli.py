@@ -114,11 +114,10 @@ def cmd_demo(args) -> int:
 def _study_options(p, *, default_out: str) -> None:
     p.add_argument("--out", metavar="DIR", default=default_out,
                    help=f"report folder: report.md, PNG plots, raw <study>.jsonl (default: {default_out})")
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--quick", dest="profile", action="store_const", const="quick", default="full",
-                      help="small problem sizes: about 2 minutes on 2 cores (same as --profile quick)")
-    size.add_argument("--profile", choices=("tiny", "quick", "full"), default="full",
-                      help="problem sizes: full (default; <= 15 min on 2 cores), quick, or tiny (a smoke test)")
+    p.add_argument("--quick", action="store_true",
+                   help="small problem sizes: about 2 minutes on 2 cores (same as --profile quick)")
+    p.add_argument("--profile", choices=("tiny", "quick", "full"), default=None,
+                   help="problem sizes: full (default; <= 15 min on 2 cores), quick, or tiny (a smoke test)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto (default): the CPU, plus the GPU when a real one is present; cpu; cuda (GPU only)")
     p.add_argument("--scheduler", metavar="ADDR", default=None,
@@ -216,6 +215,11 @@ def main(argv=None) -> int:
         if getattr(args, name, 1) < 1:
             parser.error(f"--{name} must be >= 1")
     if getattr(args, "wants_argv", False):
+        # Checked here, not by an argparse group: argparse does not see
+        # "--quick --profile full" as a conflict when "full" is the default.
+        if args.quick and args.profile not in (None, "quick"):
+            parser.error(f"--quick and --profile {args.profile} contradict each other")
+        args.profile = "quick" if args.quick else (args.profile or "full")
         return int(args.func(args, argv) or 0)
     return int(args.func(args) or 0)
 

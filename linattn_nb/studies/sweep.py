@@ -327,12 +327,6 @@ def _run_point(fn, params: dict, threads=None) -> dict:
     return payload
 
 
-def _init_pool_worker(threads: int) -> None:
-    """Process-pool initializer: size Numba's pool before numba is imported there."""
-    if threads and "numba" not in sys.modules:
-        os.environ["NUMBA_NUM_THREADS"] = str(int(threads))
-
-
 # ---------------------------------------------------------------------------
 # The results file
 # ---------------------------------------------------------------------------
@@ -598,9 +592,10 @@ def sweep(
     numba_threads : int, optional
         Numba threads per worker.  Default: this process keeps its setting when
         it runs the points itself; otherwise the cores of a host divided by the
-        task slots on it, so that workers do not oversubscribe the cores.  On an
-        embedded LocalCluster and in a local pool, ``NUMBA_NUM_THREADS`` is also
-        set in the workers' environment.
+        task slots on it, so that workers do not oversubscribe the cores.  It is
+        applied with ``numba.set_num_threads`` around every point; an embedded
+        LocalCluster also gets ``NUMBA_NUM_THREADS`` in its workers' environment
+        (the size of their thread pools).
     errors : {"raise", "record"}
         An exception in ``fn``: ``"raise"`` stops the sweep (finished points
         stay in the file) and raises :class:`SweepError` from it;
@@ -776,8 +771,7 @@ def _run_pool(fn, todo, state: _RunState, *, workers: int, max_retries: int, num
     attempts = {key: 0 for key, _ in todo}
     queue = deque(todo)
     while queue:
-        pool = ProcessPoolExecutor(max_workers=min(workers, len(queue)), mp_context=ctx,
-                                   initializer=_init_pool_worker, initargs=(numba_threads,))
+        pool = ProcessPoolExecutor(max_workers=min(workers, len(queue)), mp_context=ctx)
         inflight: dict = {}
         broken = False
         retry = []
