@@ -22,8 +22,11 @@ def attention_point(n, method, causal, seed):
 
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal((3, n, 8)) for _ in range(3))
+    import numba
+
     out = linear_attention(q, k, v, causal=causal, method=method)
-    return {"sum": float(out.sum()), "row0": out[0, 0], "norm": float(np.linalg.norm(out))}
+    return {"sum": float(out.sum()), "row0": out[0, 0], "norm": float(np.linalg.norm(out)),
+            "threads": numba.get_num_threads(), "env": os.environ.get("NUMBA_NUM_THREADS")}
 
 
 def kill_once(x, marker, delay=0.0):

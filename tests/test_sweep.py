@@ -96,6 +96,7 @@ def test_point_key_is_stable_and_canonical():
     (dict(errors="ignore"), ValueError, "errors must be"),
     (dict(max_retries=-1), ValueError, "max_retries"),
     (dict(resume="yes"), TypeError, "resume must be a bool"),
+    (dict(backend="dask", scheduler="tcp://127.0.0.1:1", workers=2), ValueError, "one or the other"),
 ])
 def test_bad_arguments_are_refused(kwargs, exc, match, tmp_path):
     with pytest.raises(exc, match=match):
@@ -357,7 +358,8 @@ ATTN_GRID = {"n": [1, 17, 64], "method": ["scan", "aggregate"], "causal": [True,
 
 
 def _numbers(recs):
-    return [(r["params"], r["result"]) for r in recs]
+    """The numerical results; the thread count differs by backend and is checked separately."""
+    return [(r["params"], {k: v for k, v in r["result"].items() if k not in ("threads", "env")}) for r in recs]
 
 
 @pytest.fixture(scope="module")
@@ -398,6 +400,10 @@ def test_dask_embedded_cluster_gives_identical_results(tmp_path, reference_resul
     assert _numbers(recs) == _numbers(ref)
     pids = {r["pid"] for r in recs}
     assert os.getpid() not in pids and len(pids) <= 2
+    # Numba threads per worker: the cores shared by the two workers, in the
+    # workers' environment (their thread pools) and for each point.
+    per = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert {(r["result"]["threads"], r["result"]["env"]) for r in recs} == {(int(per), per)}
 
 
 @pytest.fixture(scope="module")

@@ -128,6 +128,10 @@ def machine_info() -> list[tuple[str, str]]:
         ("NumPy / SciPy / Numba", f"{np.__version__} / {scipy_v} / {numba.__version__}"),
         ("Numba threads", f"{numba.get_num_threads()} ({layer} threading layer)"),
         ("CUDA", cuda),
+        # np.dot inside Numba's parallel kernels calls a BLAS that may start threads
+        # of its own: the settings that decide it belong beside the timings.
+        ("BLAS / OpenMP threads", ", ".join(f"{v}={os.environ.get(v, '(unset)')}" for v in
+                                            ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS"))),
     ]
 
 
@@ -335,7 +339,7 @@ def _write_markdown(result: ReportResult, ctx: Context, selected, timings, comma
         lines.append("")
     if result.problems:
         lines += ["## Problems", ""] + [f"- {p}" for p in result.problems] + [""]
-    text = "\n".join(lines)
+    text = "\n".join(lines) + "\n"
     tmp = result.path.with_name(result.path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, result.path)

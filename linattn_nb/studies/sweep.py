@@ -648,6 +648,9 @@ def sweep(
         raise ValueError(f"errors must be 'raise' or 'record', got {errors!r}")
     if scheduler is not None and backend != "dask":
         raise ValueError(f"scheduler= is given but backend={backend!r}; pass backend='dask' to use a Dask cluster")
+    if scheduler is not None and workers is not None:
+        raise ValueError("workers= sizes the embedded LocalCluster or the local pool; an existing "
+                         "scheduler= brings its own workers: pass one or the other")
     if out is None or not isinstance(out, (str, os.PathLike)):
         raise TypeError(f"out must be a path (str or os.PathLike), got {type(out).__name__}")
     workers = _check_int("workers", workers, minimum=1)
