@@ -7,6 +7,7 @@ method table (:mod:`linattn_nb.ops.registry`) and restores shapes.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 import numpy as np
@@ -140,7 +141,15 @@ def linear_attention(
         Non-causal attention has no recurrence: ``"scan"``, ``"chunked"`` and
         ``"aggregate"`` all run the aggregate-then-query kernel.
     device : {"auto", "cpu", "cuda"}
-        Where to run; ``"auto"`` follows the data.
+        Where to run; ``"auto"`` follows the data: GPU arrays (anything with
+        ``__cuda_array_interface__`` or a CUDA ``__dlpack__``: Numba device
+        arrays, CuPy arrays, PyTorch CUDA tensors) run on the GPU zero-copy,
+        host arrays on the CPU; mixing them raises ValueError.  ``"cuda"``
+        with NumPy inputs copies them over and the result back.  On the GPU,
+        ``method`` is ``"scan"``, ``"chunked"`` (causal) or ``"aggregate"``;
+        feature maps without an inline form (``kernel_code`` None) are
+        applied on the host for host inputs and refused for GPU inputs.
+        See :mod:`linattn_nb._cuda_dispatch`.
     eps : float or None, default 1e-8
         Floor of the normaliser: ``den = max(phi(q)^T z, eps)`` (the seed's
         ``clip(1e-8)``).  With positive feature maps the normaliser is > 0 and
@@ -162,9 +171,11 @@ def linear_attention(
     Returns
     -------
     out : ndarray, shape (..., N, M)
-        In the (promoted) input dtype.
+        In the (promoted) input dtype.  For GPU inputs a Numba device array
+        (or the caller's ``out``).
     state : LinearState
-        Only when ``return_state`` is True.
+        Only when ``return_state`` is True.  For GPU inputs ``S`` and ``z``
+        are float64 Numba device arrays.
 
     Raises
     ------
@@ -263,9 +274,9 @@ def linear_attention(
 
 
 def _is_dev(x) -> bool:
-    from .device import is_device_array
+    from .device import on_device  # GPU arrays, and the simulator's device arrays
 
-    return is_device_array(x)
+    return on_device(x)
 
 
 def softmax_attention(q, k, v, *, causal=False, scale=None, device="auto", check_finite=True,
@@ -325,7 +336,7 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, device="auto", check
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     else:
-        if isinstance(scale, (bool, np.bool_)) or not np.isscalar(scale):
+        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
             raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
         scale = float(scale)
         if not math.isfinite(scale):

@@ -74,6 +74,24 @@ SOFTMAX_BLOCK_K = _env_int("LINATTN_SOFTMAX_BLOCK_K", 256)
 QUADRATIC_MAX_ELEMENTS = _env_int("LINATTN_QUADRATIC_MAX_ELEMENTS", 1 << 26)
 
 # --------------------------------------------------------------------------
+# Feature maps and analysis
+# --------------------------------------------------------------------------
+#: FAVOR+ key features are shifted by ``max(0, max_i |w_i|^2/2 - headroom)``,
+#: a constant computed from the random matrix only (never from the data, so
+#: it is causal-safe and identical across segments).  Because
+#: ``w.x - |x|^2/2 <= |w|^2/2``, key features are then at most
+#: ``exp(headroom)``: 40 keeps them and their products with values far below
+#: the float32 maximum (exp(88.7)) while wasting as little of the float32
+#: range below as possible.  Read when a map is built (stored on the map, so
+#: that a carried state stays consistent).
+FAVOR_KEY_HEADROOM = _env_float("LINATTN_FAVOR_KEY_HEADROOM", 40.0)
+
+#: Query rows per task in the approximation-error kernels
+#: (:mod:`linattn_nb.analysis.error`).  Memory per task is about
+#: ``block * N`` float64 numbers times four; the N x N matrix is never formed.
+ANALYSIS_BLOCK_Q = _env_int("LINATTN_ANALYSIS_BLOCK_Q", 64)
+
+# --------------------------------------------------------------------------
 # method="auto"
 # --------------------------------------------------------------------------
 #: ``(causal, device) -> [(max_n, method), ...]``: the first row whose
@@ -83,3 +101,72 @@ AUTO_METHODS = {
     (True, "cpu"): [(None, "scan")],
     (False, "cpu"): [(None, "aggregate")],
 }
+
+# --------------------------------------------------------------------------
+# CUDA kernels (linattn_nb/ops/_cuda_kernels.py).  Read at every launch.
+# --------------------------------------------------------------------------
+#: Value columns per block of the sequence kernel (a block also carries one
+#: column for the normaliser: G row groups x ceil((CUDA_VALUE_COLS + 1) / C)
+#: column groups of threads).
+#: Blocks over the value dimension M run side by side (grid axis y).
+CUDA_VALUE_COLS = _env_int("LINATTN_CUDA_VALUE_COLS", 64)
+#: Register tile of a thread: CUDA_ROWS_PER_THREAD state rows x
+#: CUDA_COLS_PER_THREAD state columns (compile-time constants of the kernel).
+#: Per token a thread reads R + R + C values from shared memory for 2 R C
+#: fused multiply-adds, so C = 1 is bound by shared-memory loads at a quarter
+#: of the fp32 rate and larger tiles approach it.  Rows are doubled up to
+#: CUDA_MAX_ROWS_PER_THREAD when a block would exceed CUDA_MAX_THREADS
+#: threads.  PROVISIONAL (8 x 4 chosen by that count, not measured):
+#: benchmarks/gpu_bench.py sweeps them.
+CUDA_ROWS_PER_THREAD = _env_int("LINATTN_CUDA_ROWS_PER_THREAD", 8)
+CUDA_COLS_PER_THREAD = _env_int("LINATTN_CUDA_COLS_PER_THREAD", 4)
+CUDA_MAX_ROWS_PER_THREAD = _env_int("LINATTN_CUDA_MAX_ROWS_PER_THREAD", 64)
+#: Upper bound on threads per block of the sequence kernel.
+CUDA_MAX_THREADS = _env_int("LINATTN_CUDA_MAX_THREADS", 1024)
+#: Tokens staged through shared memory per tile (fewer when the tile would
+#: exceed CUDA_SHARED_BYTES; static shared memory is limited to 48 KiB).
+CUDA_TILE_TOKENS = _env_int("LINATTN_CUDA_TILE_TOKENS", 32)
+CUDA_SHARED_BYTES = _env_int("LINATTN_CUDA_SHARED_BYTES", 40960)
+#: Tokens per chunk of method="chunked" (causal) and of the non-causal
+#: aggregate phase: chunks are processed in parallel.
+CUDA_CHUNK_SIZE = _env_int("LINATTN_CUDA_CHUNK_SIZE", 256)
+#: Threads per block and a cap on blocks of the grid-stride helper kernels
+#: (state packing, prefix over chunks, finiteness check, copies).
+CUDA_THREADS_PER_BLOCK = _env_int("LINATTN_CUDA_THREADS_PER_BLOCK", 256)
+CUDA_MAX_HELPER_BLOCKS = _env_int("LINATTN_CUDA_MAX_HELPER_BLOCKS", 4096)
+#: Largest feature dimension D_phi the CUDA kernels accept (the value
+#: dimension M is not limited: blocks over M).  Beyond it, a ValueError
+#: suggests device="cpu".
+CUDA_MAX_FEATURES = _env_int("LINATTN_CUDA_MAX_FEATURES", 1024)
+#: method="auto" on CUDA, causal: "scan" when its blocks (batch x column
+#: blocks) fill the GPU, i.e. at least CUDA_AUTO_SCAN_BLOCKS_PER_SM blocks per
+#: multiprocessor; otherwise the AUTO_METHODS rows below by sequence length.
+#: PROVISIONAL: chosen by reasoning, not measured (no GPU was lent to the
+#: session that wrote them); benchmarks/gpu_bench.py times both methods and
+#: prints the crossover to put here.
+CUDA_AUTO_SCAN_BLOCKS_PER_SM = _env_int("LINATTN_CUDA_AUTO_SCAN_BLOCKS_PER_SM", 4)
+AUTO_METHODS[(True, "cuda")] = [(2 * 256, "scan"), (None, "chunked")]
+AUTO_METHODS[(False, "cuda")] = [(None, "aggregate")]
+
+# --------------------------------------------------------------------------
+# linattn_nb.analysis (rank and capacity tools)
+# --------------------------------------------------------------------------
+#: Largest N for which the analysis tools form an explicit N x N attention
+#: matrix (softmax weights, causal kernel weights, method="explicit").  At
+#: 8192 the matrix takes 512 MiB in float64 and its SVD minutes.
+ANALYSIS_EXPLICIT_MAX_N = _env_int("LINATTN_ANALYSIS_EXPLICIT_MAX_N", 8192)
+
+#: Largest N for the explicit semiseparable rank (one SVD per split; the
+#: splits are visited in decreasing order of min(i, N - i) and the scan stops
+#: once no remaining split can beat the best rank found).
+ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N = _env_int("LINATTN_ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N", 2048)
+
+#: Rows per block of the streamed Householder QR (R factors of the N x D_phi
+#: feature matrices): each block is transposed into a D_phi x block scratch
+#: that should stay in cache.
+ANALYSIS_QR_BLOCK = _env_int("LINATTN_ANALYSIS_QR_BLOCK", 128)
+
+#: Bytes the factor-based semiseparable rank may spend on stored D_phi x D_phi
+#: R factors (one per candidate split); above it the candidates are processed
+#: in several groups, one extra pair of sweeps over the sequence per group.
+ANALYSIS_MEMORY_BUDGET = _env_int("LINATTN_ANALYSIS_MEMORY_BUDGET", 256 << 20)

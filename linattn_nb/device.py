@@ -4,9 +4,17 @@
 exposes ``__cuda_array_interface__``, or a ``__dlpack__`` whose device is a
 CUDA device) run on the GPU; NumPy (and other host) inputs run on the CPU.
 Mixing host and device inputs is an error.  ``device="cpu"`` and
-``device="cuda"`` force the backend.
+``device="cuda"`` force the backend; ``"cuda"`` with NumPy inputs copies them
+to the GPU and the result back.
+
+The Numba CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) never counts as a GPU for
+``"auto"``: its device arrays hold host memory and run on the CPU path.
+``device="cuda"`` runs the CUDA kernels on the simulator (slowly), which is how
+the tests reach them on machines without a GPU.
 """
 from __future__ import annotations
+
+import numpy as np
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -16,16 +24,34 @@ _DLPACK_CUDA = 2
 _DLPACK_CUDA_MANAGED = 13
 
 
+def is_simulator_array(x) -> bool:
+    """True for a device array of the Numba CUDA simulator (``FakeCUDAArray``).
+
+    Its data is a NumPy array in host memory: ``device="auto"`` treats it as a
+    host array, ``device="cuda"`` as a device array (that is how the tests
+    reach the device path of the dispatcher without a GPU).
+    """
+    t = type(x)
+    return t.__name__ == "FakeCUDAArray" and t.__module__.startswith("numba.cuda.simulator")
+
+
 def is_device_array(x) -> bool:
-    """True when ``x`` lives in GPU memory (CUDA array interface or CUDA DLPack)."""
-    if x is None:
+    """True when ``x`` lives in GPU memory.
+
+    Anything whose ``__cuda_array_interface__`` can be read (Numba device
+    arrays, CuPy arrays, PyTorch CUDA tensors), or whose ``__dlpack_device__``
+    names a CUDA device (also a PyTorch CUDA tensor that requires grad, whose
+    array interface refuses access).  The simulator's arrays are not GPU
+    arrays (see :func:`is_simulator_array`).
+    """
+    if x is None or isinstance(x, np.ndarray) or is_simulator_array(x):
         return False
-    if hasattr(x, "__cuda_array_interface__"):
+    if hasattr(type(x), "__cuda_array_interface__") or hasattr(x, "__cuda_array_interface__"):
         try:
             x.__cuda_array_interface__
-        except Exception:  # e.g. torch raises for CPU tensors on access
-            return False
-        return True
+            return True
+        except Exception:  # e.g. torch raises for CPU tensors (and for requires_grad)
+            pass
     dev = getattr(x, "__dlpack_device__", None)
     if dev is not None:
         try:
@@ -34,6 +60,18 @@ def is_device_array(x) -> bool:
             return False
         return kind in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED)
     return False
+
+
+def array_location(x) -> str:
+    """``"cuda"`` (GPU memory), ``"simulator"`` (a simulator device array) or ``"host"``."""
+    if is_simulator_array(x):
+        return "simulator"
+    return "cuda" if is_device_array(x) else "host"
+
+
+def on_device(x) -> bool:
+    """A GPU array or a simulator device array: what ``device="cuda"`` runs zero-copy."""
+    return array_location(x) != "host"
 
 
 def check_device_arg(device) -> str:
@@ -45,20 +83,38 @@ def check_device_arg(device) -> str:
 def resolve_device(device: str, *arrays, names=None) -> str:
     """Return ``"cpu"`` or ``"cuda"`` for ``device`` and the given inputs.
 
-    ``None`` entries are ignored.  Raises ValueError when host and device
-    inputs are mixed, naming the arguments on each side.
+    ``None`` entries are ignored.  ``"auto"`` returns ``"cuda"`` when the
+    inputs live on a GPU and ``"cpu"`` otherwise (simulator arrays count as
+    host arrays: the simulator never counts as a GPU for ``"auto"``).
+    ``"cuda"`` requires a usable GPU or the simulator.
+
+    Raises
+    ------
+    ValueError
+        When host and device inputs are mixed (naming the arguments on each
+        side), or when ``device="cpu"`` is given GPU inputs.
+    RuntimeError
+        When ``"cuda"`` is asked for (or GPU inputs are given) and neither a
+        GPU nor the simulator can run kernels.
     """
     check_device_arg(device)
     names = list(names) if names is not None else [f"argument {i}" for i in range(len(arrays))]
-    on_gpu = [n for n, a in zip(names, arrays) if a is not None and is_device_array(a)]
-    on_host = [n for n, a in zip(names, arrays) if a is not None and not is_device_array(a)]
-    if on_gpu and on_host:
+    where = [(n, array_location(a)) for n, a in zip(names, arrays) if a is not None]
+    on_gpu = [n for n, w in where if w == "cuda"]
+    on_sim = [n for n, w in where if w == "simulator"]
+    on_host = [n for n, w in where if w == "host"]
+    dev_side = on_gpu + (on_sim if device == "cuda" else [])
+    host_side = on_host + ([] if device == "cuda" else on_sim)
+    if dev_side and host_side:
         raise ValueError(
-            f"inputs live on different devices: {', '.join(on_gpu)} on the GPU, "
-            f"{', '.join(on_host)} on the host; move them to one device first"
+            f"inputs live on different devices: {', '.join(dev_side)} on the GPU, "
+            f"{', '.join(host_side)} on the host; move them to one device first"
         )
     if device == "auto":
-        return "cuda" if on_gpu else "cpu"
+        if on_gpu:
+            require_cuda()
+            return "cuda"
+        return "cpu"
     if device == "cpu" and on_gpu:
         raise ValueError(
             f"device='cpu' but {', '.join(on_gpu)} live on the GPU; copy them to the host "
@@ -91,7 +147,8 @@ def require_cuda() -> None:
     status = cuda_status()
     if status == "none":
         raise RuntimeError(
-            "device='cuda' but no usable CUDA GPU was found (numba.cuda.is_available() is False). "
+            "the CUDA kernels need a usable CUDA GPU and none was found "
+            "(numba.cuda.is_available() is False). "
             "Install the 'cuda' extra on a machine with an NVIDIA driver, or set "
             "NUMBA_ENABLE_CUDASIM=1 before importing numba to run the kernels on the simulator."
         )

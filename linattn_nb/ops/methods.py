@@ -44,3 +44,29 @@ register_method(Method("scan", True, "cpu", causal_scan))
 # (causal, method) need no special case).
 for _name in ("aggregate", "scan", "chunked"):
     register_method(Method(_name, False, "cpu", noncausal_aggregate))
+
+
+# CUDA launchers (linattn_nb/ops/causal/cuda.py, noncausal/cuda.py): registered
+# here so the method table lists them, imported on first call so that the
+# package imports without numba-cuda and compiles nothing at import.
+def _cuda_launcher(module: str, attr: str):
+    def launcher(q, k, v, S, z, out, *, code, eps):
+        import importlib
+
+        fn = getattr(importlib.import_module(module, __package__), attr)
+        return fn(q, k, v, S, z, out, code=code, eps=eps)
+
+    launcher.__name__ = attr
+    launcher.__qualname__ = attr
+    launcher.__doc__ = f"{module}.{attr}, imported on first call (device arrays in and out)."
+    return launcher
+
+
+register_method(Method("scan", True, "cuda", _cuda_launcher(".causal.cuda", "causal_scan_cuda"),
+                       native_dtypes=_ALL_FLOATS))
+register_method(Method("chunked", True, "cuda", _cuda_launcher(".causal.cuda", "causal_chunked_cuda"),
+                       native_dtypes=_ALL_FLOATS))
+for _name in ("aggregate", "scan", "chunked"):
+    register_method(Method(_name, False, "cuda",
+                           _cuda_launcher(".noncausal.cuda", "noncausal_aggregate_cuda"),
+                           native_dtypes=_ALL_FLOATS))

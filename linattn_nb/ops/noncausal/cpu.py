@@ -60,7 +60,7 @@ def noncausal_kernel(q, k, v, S, z, out, code, eps, clip, block):
 def noncausal_aggregate(q, k, v, S, z, out, *, code, eps, block=None):
     """Launcher for :func:`noncausal_kernel`."""
     clip = eps is not None
-    block = int(block or config.CPU_NONCAUSAL_BLOCK)
+    block = int(config.CPU_NONCAUSAL_BLOCK if block is None else block)
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     noncausal_kernel(q, k, v, S, z, out, np.int64(code), float(eps if clip else 0.0), clip, np.int64(block))

@@ -75,8 +75,8 @@ def softmax_kernel(q, k, v, out, scale, causal, block_q, block_k):
 
 def softmax_blocked(q, k, v, out, *, causal, scale, block_q=None, block_k=None):
     """Launcher for :func:`softmax_kernel`; block sizes default to config."""
-    block_q = int(block_q or config.SOFTMAX_BLOCK_Q)
-    block_k = int(block_k or config.SOFTMAX_BLOCK_K)
+    block_q = int(config.SOFTMAX_BLOCK_Q if block_q is None else block_q)
+    block_k = int(config.SOFTMAX_BLOCK_K if block_k is None else block_k)
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block sizes must be >= 1, got block_q={block_q}, block_k={block_k}")
     softmax_kernel(q, k, v, out, float(scale), bool(causal), np.int64(block_q), np.int64(block_k))

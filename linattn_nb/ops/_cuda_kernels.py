@@ -1,0 +1,522 @@
+"""CUDA kernels shared by the causal and non-causal launchers (Numba, ``numba-cuda``).
+
+One sequence kernel does all the work of linear attention on the GPU; the
+launchers in :mod:`linattn_nb.ops.causal.cuda` and
+:mod:`linattn_nb.ops.noncausal.cuda` run it in different modes:
+
+* **scan** (causal): one block per (batch entry, block of value columns)
+  walks the whole sequence token by token, updating the state and reading it
+  (``update`` and ``write_out``), Katharopoulos et al. 2020, Eqs. 18-19.
+* **chunk sums**: one block per (batch entry, chunk, column block) sums
+  ``phi(k_j) v_j^T`` over its chunk only (``update``, no output).
+* **chunk scan** (causal chunked, phase 3): like *scan*, but every chunk
+  starts from its own state, the exclusive prefix over earlier chunks.  The
+  inter-chunk state passing is that of the chunkwise-parallel form (Yang et
+  al. 2024, GLA, Sec. 2.2); inside a chunk the kernel keeps the recurrence
+  rather than the masked ``(Q K^T) V`` product, because without tensor-core
+  matrix instructions (Numba exposes none) the recurrence is the cheaper of
+  the two: ``4 F M`` FLOPs per token against ``2 L (F + M) + 4 F M`` for
+  chunks of ``L`` tokens.
+* **query** (non-causal, phase 3): the state is fixed; every token reads it
+  (``write_out`` only).
+
+Thread layout of the sequence kernel.  A block owns ``MB`` value columns
+``m0 .. m0 + MB - 1`` plus one more column for the normaliser ``z`` (a value
+column of ones), ``MB + 1`` columns padded to ``MBP``, a multiple of ``C``.
+The ``F`` feature rows of the state are split into ``G`` groups of ``R``
+consecutive rows and the columns into groups of ``C``: each thread keeps an
+``R x C`` tile of the state in registers (local arrays of compile-time size,
+fully unrolled, no local-memory traffic: checked in the PTX test).  Tokens
+are staged through shared memory in tiles of ``T`` tokens: ``phi(q)`` and
+``phi(k)`` (feature map applied while staging, in the accumulation dtype),
+``v`` and the column of ones.  For each token a thread reads ``R`` values of
+``phi(k)``, ``R`` of ``phi(q)`` and ``C`` of ``v`` from shared memory for
+``2 R C`` fused multiply-adds (with ``C = 1`` the loads, one warp-wide load
+per clock and multiprocessor, cap the rate at a quarter of the fp32 peak),
+updates its tile and writes its partial ``phi(q)^T S`` for its ``C`` columns
+into shared memory; after the tile the block sums the ``G`` partials per
+column and divides by the normaliser column.  Two ``syncthreads`` per tile.
+
+Accumulation dtype: float32 for float16 and float32 inputs, float64 when any
+input is float64; the state lives in registers in that dtype (float64 would
+double the registers of the tile and run at half the fp32 rate on H100/H200,
+1/64 on consumer GPUs).  The initial and final states are float64 arrays (the
+LinearState contract); the per-chunk sums of ``chunked``/``aggregate`` are
+stored in the accumulation dtype and combined across chunks in float64.
+
+Kernels are specialised on ``(R, C, G, MB, T, accumulation dtype)``, compile-time
+constants for the register and shared-memory arrays, and compiled lazily on
+first use (nothing compiles at import).  All are cached on disk
+(``config.CACHE``; numba-cuda keys a closure's cache entry on its cell
+contents as well); the simulator caches nothing.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import config as _nbconfig
+from numba import cuda, float32, float64
+
+from .. import config
+
+# Simulator: kernels are Python; no on-disk cache (and no PTX) there.
+_SIM = bool(getattr(_nbconfig, "ENABLE_CUDASIM", 0))
+_CACHE = bool(config.CACHE) and not _SIM
+
+_ACC_TYPES = {"float32": float32, "float64": float64}
+
+
+# ---------------------------------------------------------------------------
+# The feature map
+# ---------------------------------------------------------------------------
+# The sequence kernel applies the elementwise feature map inline while it
+# stages q and k, with the codes and formulas of linattn_nb.ops._common.phi:
+# 0 identity, 1 ELU+1 (exp only sees negative arguments), 2 ReLU, 3 squared
+# ReLU; NaN propagates through every branch.  It is written out in the kernel
+# (twice, for q and k) rather than as a cuda.jit(device=True) function because
+# numba-cuda compiles device functions only with a GPU present, which would
+# stop the PTX test from type-checking the kernels on machines without one.
+
+
+# ---------------------------------------------------------------------------
+# The sequence kernel
+# ---------------------------------------------------------------------------
+_SEQ_KERNELS: dict = {}
+
+
+def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str):
+    """The sequence kernel specialised on its compile-time constants.
+
+    ``R`` x ``C``: state rows x state columns per thread (a register tile);
+    ``G``: row groups (``G R >= F``); ``MB``: value columns per block; ``T``:
+    tokens per shared-memory tile; ``acc``: accumulation dtype name.  The
+    block's ``MB + 1`` columns (values, then the normaliser) are padded to
+    ``MBP``, a multiple of ``C``.  Launch with ``grid=(n_segments,
+    n_column_blocks)``, ``block=G * MBP // C`` threads (:func:`seq_config`)::
+
+        kernel(q, k, v, out, H, Hout, n, seg_len, nseg_per_b, state_div, b2n,
+               code, eps, clip, read_state, update, write_out, write_state)
+
+    q, k : (B1, B2, N, F); v, out : (B1, B2, N, M), any strides; batch entry
+    ``b = b1 * B2 + b2`` (``b2n`` = B2).  Segment ``s = blockIdx.x`` is chunk
+    ``s % nseg_per_b`` of batch entry ``s // nseg_per_b``: tokens
+    ``[c * seg_len, min(N, (c + 1) * seg_len))``.  H, Hout : (n_states, F,
+    M + 1) states, column M holds z; the block starts from ``H[s // state_div]``
+    (``read_state``, else zero) and writes its final state to
+    ``Hout[s // state_div]`` (``write_state``).  H and Hout must be distinct
+    arrays when both are used: the blocks over value columns all read the
+    normaliser column, and only the first one writes it.
+    """
+    key = (int(R), int(C), int(G), int(MB), int(T), str(acc))
+    kern = _SEQ_KERNELS.get(key)
+    if kern is not None:
+        return kern
+    R, C, G, MB, T = key[:5]
+    acc_t = _ACC_TYPES[acc]
+    FP = G * R  # padded feature rows
+    MBP = -(-(MB + 1) // C) * C  # value columns + normaliser column, padded
+    NCG = MBP // C  # column groups
+    NTH = G * NCG  # threads per block
+    RC = R * C
+    zero = acc_t(0.0)
+    one = acc_t(1.0)
+
+    @cuda.jit(cache=_CACHE)
+    def kernel(q, k, v, out, H, Hout, n, seg_len, nseg_per_b, state_div, b2n,
+               code, eps, clip, read_state, update, write_out, write_state):
+        sq = cuda.shared.array((T, FP), acc_t)
+        sk = cuda.shared.array((T, FP), acc_t)
+        sv = cuda.shared.array((T, MBP), acc_t)
+        part = cuda.shared.array((T, G, MBP), acc_t)
+        st = cuda.local.array(RC, acc_t)  # st[r * C + j]: row row0 + r, column c0 + j
+        vt = cuda.local.array(C, acc_t)
+        ac = cuda.local.array(C, acc_t)
+
+        F = q.shape[3]
+        M = v.shape[3]
+        tid = cuda.threadIdx.x
+        tg = tid // NCG
+        c0 = (tid - tg * NCG) * C
+        seg = cuda.blockIdx.x
+        b = seg // nseg_per_b
+        c = seg - b * nseg_per_b
+        b1 = b // b2n
+        b2 = b - b1 * b2n
+        sidx = seg // state_div
+        m0 = cuda.blockIdx.y * MB
+        row0 = tg * R
+        epsa = acc_t(eps)
+
+        # block column j < MB is value column m0 + j, j == MB the normaliser
+        # (state column M), j > MB padding
+        for j in range(C):
+            jj = c0 + j
+            col = M if jj == MB else m0 + jj
+            ok = read_state and (jj == MB or (jj < MB and m0 + jj < M))
+            for r in range(R):
+                x = zero
+                if ok and row0 + r < F:
+                    x = acc_t(H[sidx, row0 + r, col])
+                st[r * C + j] = x
+
+        t_begin = c * seg_len
+        t_end = min(n, t_begin + seg_len)
+        for t0 in range(t_begin, t_end, T):
+            nt = min(T, t_end - t0)
+            # ---- stage the tile: phi(q), phi(k) (zero-padded rows), v and 1
+            for idx in range(tid, nt * FP, NTH):
+                t = idx // FP
+                i = idx - t * FP
+                xq = zero
+                xk = zero
+                if i < F:
+                    # the feature map, inline (see "The feature map" above)
+                    if write_out:
+                        x = acc_t(q[b1, b2, t0 + t, i])
+                        if code == 1:
+                            xq = x + one if x >= zero else acc_t(math.exp(x))
+                        elif code == 2:
+                            xq = x if (x > zero or x != x) else zero
+                        elif code == 3:
+                            xq = x * x if (x > zero or x != x) else zero
+                        else:
+                            xq = x
+                    if update:
+                        x = acc_t(k[b1, b2, t0 + t, i])
+                        if code == 1:
+                            xk = x + one if x >= zero else acc_t(math.exp(x))
+                        elif code == 2:
+                            xk = x if (x > zero or x != x) else zero
+                        elif code == 3:
+                            xk = x * x if (x > zero or x != x) else zero
+                        else:
+                            xk = x
+                sq[t, i] = xq
+                sk[t, i] = xk
+            if update:
+                for idx in range(tid, nt * MBP, NTH):
+                    t = idx // MBP
+                    jj = idx - t * MBP
+                    x = zero
+                    if jj < MB:
+                        if m0 + jj < M:
+                            x = acc_t(v[b1, b2, t0 + t, m0 + jj])
+                    elif jj == MB:
+                        x = one
+                    sv[t, jj] = x
+            cuda.syncthreads()
+            # ---- per token: update the R x C state tile, partial phi(q)^T S
+            if update and write_out:
+                for t in range(nt):
+                    for j in range(C):
+                        vt[j] = sv[t, c0 + j]
+                        ac[j] = zero
+                    for r in range(R):
+                        kr = sk[t, row0 + r]
+                        qr = sq[t, row0 + r]
+                        for j in range(C):
+                            s = st[r * C + j] + kr * vt[j]
+                            st[r * C + j] = s
+                            ac[j] += qr * s
+                    for j in range(C):
+                        part[t, tg, c0 + j] = ac[j]
+            elif update:
+                for t in range(nt):
+                    for j in range(C):
+                        vt[j] = sv[t, c0 + j]
+                    for r in range(R):
+                        kr = sk[t, row0 + r]
+                        for j in range(C):
+                            st[r * C + j] += kr * vt[j]
+            else:
+                for t in range(nt):
+                    for j in range(C):
+                        ac[j] = zero
+                    for r in range(R):
+                        qr = sq[t, row0 + r]
+                        for j in range(C):
+                            ac[j] += qr * st[r * C + j]
+                    for j in range(C):
+                        part[t, tg, c0 + j] = ac[j]
+            cuda.syncthreads()
+            # ---- sum the G partials per column, divide by the normaliser
+            # (part is rewritten only after the next tile's first sync)
+            if write_out:
+                for idx in range(tid, nt * MB, NTH):
+                    t = idx // MB
+                    jj = idx - t * MB
+                    if m0 + jj < M:
+                        num = zero
+                        den = zero
+                        for g in range(G):
+                            num += part[t, g, jj]
+                            den += part[t, g, MB]
+                        if clip and den < epsa:
+                            den = epsa
+                        out[b1, b2, t0 + t, m0 + jj] = num / den
+
+        if write_state:
+            for j in range(C):
+                jj = c0 + j
+                col = M if jj == MB else m0 + jj
+                # the normaliser column is written by the first column block only
+                ok = (jj == MB and cuda.blockIdx.y == 0) or (jj < MB and m0 + jj < M)
+                if ok:
+                    for r in range(R):
+                        if row0 + r < F:
+                            Hout[sidx, row0 + r, col] = st[r * C + j]
+
+    _SEQ_KERNELS[key] = kernel
+    return kernel
+
+
+# ---------------------------------------------------------------------------
+# Helper kernels (plain arrays: cached on disk)
+# ---------------------------------------------------------------------------
+@cuda.jit(cache=_CACHE)
+def pack_state_kernel(S, z, H):
+    """H[b, :, :M] = S[b], H[b, :, M] = z[b] (cast to H's dtype)."""
+    B, F, M = S.shape
+    M1 = M + 1
+    total = B * F * M1
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for idx in range(start, total, stride):
+        b = idx // (F * M1)
+        rem = idx - b * (F * M1)
+        i = rem // M1
+        col = rem - i * M1
+        if col < M:
+            H[b, i, col] = S[b, i, col]
+        else:
+            H[b, i, col] = z[b, i]
+
+
+@cuda.jit(cache=_CACHE)
+def unpack_state_kernel(H, S, z):
+    """Inverse of :func:`pack_state_kernel` (into float64 S, z)."""
+    B, F, M = S.shape
+    M1 = M + 1
+    total = B * F * M1
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for idx in range(start, total, stride):
+        b = idx // (F * M1)
+        rem = idx - b * (F * M1)
+        i = rem // M1
+        col = rem - i * M1
+        if col < M:
+            S[b, i, col] = H[b, i, col]
+        else:
+            z[b, i] = H[b, i, col]
+
+
+@cuda.jit(cache=_CACHE)
+def chunk_scan_states_kernel(Hc, S, z, Htot, nchunks, exclusive, write_tot):
+    """Combine per-chunk sums with the initial state, in float64.
+
+    Hc : (B * nchunks, F, M + 1) chunk sums.  With ``exclusive`` they are
+    replaced by the state before each chunk (initial state + earlier chunks).
+    S, z (float64) receive the final state; with ``write_tot`` Htot
+    (B, F, M + 1) receives it too, in Htot's dtype (non-causal query phase).
+    """
+    B, F, M = S.shape
+    M1 = M + 1
+    total = B * F * M1
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for idx in range(start, total, stride):
+        b = idx // (F * M1)
+        rem = idx - b * (F * M1)
+        i = rem // M1
+        col = rem - i * M1
+        if col < M:
+            run = float64(S[b, i, col])
+        else:
+            run = float64(z[b, i])
+        for c in range(nchunks):
+            h = float64(Hc[b * nchunks + c, i, col])
+            if exclusive:
+                Hc[b * nchunks + c, i, col] = run
+            run += h
+        if col < M:
+            S[b, i, col] = run
+        else:
+            z[b, i] = run
+        if write_tot:
+            Htot[b, i, col] = run
+
+
+@cuda.jit(cache=_CACHE)
+def count_nonfinite_kernel(x, counter):
+    """counter[0] += number of NaN/inf entries of the 4-d array ``x`` (any strides)."""
+    A, Bn, N, F = x.shape
+    total = A * Bn * N * F
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for idx in range(start, total, stride):
+        i = idx % F
+        rest = idx // F
+        t = rest % N
+        rest = rest // N
+        b2 = rest % Bn
+        b1 = rest // Bn
+        val = float64(x[b1, b2, t, i])
+        if not (val - val == 0.0):
+            cuda.atomic.add(counter, 0, 1)
+
+
+@cuda.jit(cache=_CACHE)
+def copy4d_kernel(src, dst):
+    """dst[...] = src[...] for 4-d arrays of equal shape, any strides and dtypes."""
+    A, Bn, N, F = src.shape
+    total = A * Bn * N * F
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for idx in range(start, total, stride):
+        i = idx % F
+        rest = idx // F
+        t = rest % N
+        rest = rest // N
+        b2 = rest % Bn
+        b1 = rest // Bn
+        dst[b1, b2, t, i] = src[b1, b2, t, i]
+
+
+# ---------------------------------------------------------------------------
+# Launch configuration
+# ---------------------------------------------------------------------------
+def helper_grid(total: int) -> tuple[int, int]:
+    """(blocks, threads) for the grid-stride helper kernels."""
+    tpb = max(1, int(config.CUDA_THREADS_PER_BLOCK))
+    blocks = max(1, min(int(config.CUDA_MAX_HELPER_BLOCKS), -(-int(total) // tpb)))
+    return blocks, tpb
+
+
+def seq_config(F: int, M: int, acc_itemsize: int) -> tuple[int, int, int, int, int]:
+    """Choose ``(R, C, G, MB, T)`` for feature dimension ``F``, value dimension ``M``.
+
+    ``MB`` = min(M, ``config.CUDA_VALUE_COLS``) value columns per block;
+    ``C`` = ``config.CUDA_COLS_PER_THREAD`` and ``R`` =
+    ``config.CUDA_ROWS_PER_THREAD`` the register tile of a thread, ``R``
+    doubled (up to ``config.CUDA_MAX_ROWS_PER_THREAD``) and then ``MB`` halved
+    while the block would exceed ``config.CUDA_MAX_THREADS`` threads; ``T``
+    tokens per shared-memory tile, at most ``config.CUDA_TILE_TOKENS``,
+    within ``config.CUDA_SHARED_BYTES``.
+
+    Raises
+    ------
+    ValueError
+        When ``F`` exceeds ``config.CUDA_MAX_FEATURES`` or no configuration fits.
+    """
+    F = int(F)
+    M = int(M)
+    if F > int(config.CUDA_MAX_FEATURES):
+        raise ValueError(
+            f"the CUDA kernels support a feature dimension D_phi up to config.CUDA_MAX_FEATURES="
+            f"{config.CUDA_MAX_FEATURES}, got {F}; use device='cpu' for larger feature maps"
+        )
+    max_threads = max(2, int(config.CUDA_MAX_THREADS))
+    MB = max(1, min(M, int(config.CUDA_VALUE_COLS)))
+    C = max(1, int(config.CUDA_COLS_PER_THREAD))
+    R = max(1, int(config.CUDA_ROWS_PER_THREAD))
+    r_max = max(R, int(config.CUDA_MAX_ROWS_PER_THREAD))
+
+    def threads(R, MB):
+        return -(-F // R) * (-(-(MB + 1) // C))
+
+    while threads(R, MB) > max_threads and R < r_max:
+        R = min(2 * R, r_max)
+    while threads(R, MB) > max_threads and MB > 1:
+        MB = max(1, MB // 2)
+    G = -(-F // R)
+    if threads(R, MB) > max_threads:
+        raise ValueError(
+            f"no CUDA launch configuration for D_phi={F}: {G} row groups of {R} rows exceed "
+            f"config.CUDA_MAX_THREADS={max_threads} threads per block; raise "
+            "config.CUDA_MAX_ROWS_PER_THREAD or use device='cpu'"
+        )
+    MBP = -(-(MB + 1) // C) * C
+    per_token = int(acc_itemsize) * (2 * G * R + MBP + G * MBP)
+    T = min(int(config.CUDA_TILE_TOKENS), int(config.CUDA_SHARED_BYTES) // per_token)
+    if T < 1:
+        raise ValueError(
+            f"D_phi={F}, M={M}: one token needs {per_token} bytes of shared memory, more than "
+            f"config.CUDA_SHARED_BYTES={config.CUDA_SHARED_BYTES}; use device='cpu'"
+        )
+    return R, C, G, MB, T
+
+
+def threads_per_block(R: int, C: int, G: int, MB: int) -> int:
+    """Threads per block of :func:`seq_kernel` for a configuration."""
+    return G * (-(-(MB + 1) // C))
+
+
+def is_sim_array(x) -> bool:
+    return type(x).__name__ == "FakeCUDAArray" and type(x).__module__.startswith("numba.cuda.simulator")
+
+
+def strided_view(x, shape, strides):
+    """A view of device array ``x`` (element 0 kept) with new shape and byte strides."""
+    shape = tuple(int(s) for s in shape)
+    strides = tuple(int(s) for s in strides)
+    if is_sim_array(x):
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        base = x._ary
+        return FakeCUDAArray(np.lib.stride_tricks.as_strided(base, shape, strides))
+    cai = x.__cuda_array_interface__
+    desc = {
+        "shape": shape,
+        "strides": strides,
+        "data": (cai["data"][0], False),
+        "typestr": np.dtype(x.dtype).str,
+        "version": 2,
+    }
+    return cuda.from_cuda_array_interface(desc, owner=x, sync=False)
+
+
+def as_4d(x):
+    """View a device array of shape (..., N, F) as (B1, B2, N, F) without copying.
+
+    The last leading dimension becomes B2 and the ones before it are merged
+    into B1, which needs their strides to be nested (true for any contiguous
+    array and for the usual transposes such as (B, N, H, D) -> (B, H, N, D)).
+    Returns None when they cannot be merged.
+
+    Raises
+    ------
+    ValueError
+        For negative strides.
+    """
+    shape = tuple(int(s) for s in x.shape)
+    strides = tuple(int(s) for s in x.strides)
+    if any(s < 0 for s in strides):
+        raise ValueError(
+            "device arrays with negative strides are not supported; make a contiguous copy first"
+        )
+    if len(shape) < 2:
+        raise ValueError(f"expected at least 2 dimensions, got shape {shape}")
+    n, f = shape[-2:]
+    sn, sf = strides[-2:]
+    # dimensions of size 1 take no part in addressing: drop them
+    lead = [(d, s) for d, s in zip(shape[:-2], strides[:-2]) if d != 1]
+    if len(shape) == 4 and len(lead) == 2:
+        return x
+    b2, s2 = lead[-1] if lead else (1, n * sn)
+    rest = lead[:-1]
+    for (d0, s0), (d1, s1) in zip(rest[:-1], rest[1:]):
+        if s0 != s1 * d1:
+            return None
+    if rest:
+        b1 = int(np.prod([d for d, _ in rest]))
+        s1 = rest[-1][1]
+    else:
+        b1, s1 = 1, b2 * s2
+    return strided_view(x, (b1, b2, n, f), (s1, s2, sn, sf))
+
+
+def acc_name(*dtypes) -> str:
+    """Accumulation dtype: float64 if any input is float64, else float32."""
+    return "float64" if any(np.dtype(d) == np.float64 for d in dtypes) else "float32"

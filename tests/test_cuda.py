@@ -1,0 +1,490 @@
+"""CUDA kernels and the device path of linear_attention.
+
+Runs everywhere: without a CUDA driver, tests/conftest.py switches the Numba
+CUDA simulator on, and ``device="cuda"`` runs the kernels there (slowly: the
+shapes are tiny, and the launch configuration is shrunk so that several
+blocks and partial blocks run: 3 value columns per block (+ the normaliser
+column, padded to 6 = 2 column groups of 3), 2 x 3 state tiles per thread,
+2 tokens per shared-memory tile, chunks of 3 tokens, 32 threads per helper
+block).  The simulator checks no types, so ``test_kernels_compile_to_ptx``
+compiles every kernel for sm_90 in a subprocess with the simulator off.
+Tests marked ``gpu`` need a real GPU and skip without one.
+
+Ground truth: the float64 quadratic references of ops/causal/naive.py and
+ops/noncausal/naive.py (Katharopoulos et al. 2020, Eqs. 7 and 10-12).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import linattn_nb as la
+from linattn_nb import config
+from linattn_nb.device import cuda_status
+from linattn_nb.ops.causal.naive import causal_linear_quadratic
+from linattn_nb.ops.noncausal.naive import noncausal_linear_quadratic
+
+cuda = pytest.importorskip("numba.cuda")
+
+STATUS = cuda_status()
+ON_GPU = STATUS == "gpu"
+pytestmark = pytest.mark.skipif(STATUS == "none", reason="neither a CUDA GPU nor the simulator is available")
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a real CUDA GPU")
+
+# out: rtol/atol per input dtype (float16 output is rounded to 11 bits)
+TOL = {np.float16: (4e-3, 4e-3), np.float32: (2e-5, 2e-6), np.float64: (1e-11, 1e-12)}
+# state: always float64, accumulated in float32 for float16/32 inputs
+STATE_TOL = {np.float16: (1e-5, 1e-5), np.float32: (1e-5, 1e-6), np.float64: (1e-11, 1e-12)}
+
+
+SMALL_LAUNCH = {"CUDA_VALUE_COLS": 3, "CUDA_ROWS_PER_THREAD": 2, "CUDA_COLS_PER_THREAD": 3, "CUDA_MAX_ROWS_PER_THREAD": 4,
+                "CUDA_TILE_TOKENS": 2, "CUDA_CHUNK_SIZE": 3, "CUDA_THREADS_PER_BLOCK": 32}
+DEFAULT_LAUNCH = {name: getattr(config, name) for name in SMALL_LAUNCH}
+
+
+@pytest.fixture(autouse=True)
+def small_launch(monkeypatch):
+    """Shrink the launch configuration so tiny shapes still span several blocks."""
+    for name, value in SMALL_LAUNCH.items():
+        monkeypatch.setattr(config, name, value)
+
+
+def phi_ref(x, code):
+    x = np.asarray(x, dtype=np.float64)
+    if code == 1:
+        return np.where(x >= 0, x + 1, np.exp(np.minimum(x, 0)))
+    if code == 2:
+        return np.maximum(x, 0)
+    if code == 3:
+        return np.maximum(x, 0) ** 2
+    return x
+
+
+def reference(q, k, v, *, causal, code=1, eps=1e-8, S0=None, z0=None):
+    """float64 quadratic reference on (B, N, F) arrays."""
+    ref = causal_linear_quadratic if causal else noncausal_linear_quadratic
+    return ref(phi_ref(q, code), phi_ref(k, code), np.asarray(v, np.float64), eps=eps, S0=S0, z0=z0)
+
+
+def launcher(method, causal):
+    from linattn_nb.ops.registry import get_method
+
+    return get_method(method, causal=causal, device="cuda").launcher
+
+
+def nan_device(shape, dtype):
+    return cuda.to_device(np.full(shape, np.nan, dtype=dtype))
+
+
+def run_launcher(method, causal, q, k, v, S0, z0, *, code=1, eps=1e-8):
+    dS, dz = cuda.to_device(S0.copy()), cuda.to_device(z0.copy())
+    out = nan_device(q.shape[:2] + v.shape[-1:], np.result_type(q, k, v))
+    launcher(method, causal)(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), dS, dz, out,
+                             code=code, eps=eps)
+    return out.copy_to_host(), dS.copy_to_host(), dz.copy_to_host()
+
+
+def data(rng, B, N, F, M, dtype=np.float32):
+    q = rng.normal(size=(B, N, F)).astype(dtype)
+    k = rng.normal(size=(B, N, F)).astype(dtype)
+    v = rng.normal(size=(B, N, M)).astype(dtype)
+    return q, k, v
+
+
+# ---------------------------------------------------------------------------
+# Kernels against the reference
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("method,causal", [("scan", True), ("chunked", True), ("aggregate", False)])
+def test_launcher_matches_reference(rng, method, causal, dtype):
+    """B=2, N=7 (tiles 2+2+2+1, chunks 3+3+1), F=5 (3 row groups, 1 padded row),
+    M=4 (column blocks 3+1), random initial state, NaN-filled output."""
+    q, k, v = data(rng, 2, 7, 5, 4, dtype)
+    S0 = rng.random((2, 5, 4))
+    z0 = rng.random((2, 5))
+    out, S, z = run_launcher(method, causal, q, k, v, S0, z0)
+    ref, S_ref, z_ref = reference(q, k, v, causal=causal, S0=S0, z0=z0)
+    assert out.dtype == dtype
+    rtol, atol = TOL[dtype]
+    np.testing.assert_allclose(out.astype(np.float64), ref, rtol=rtol, atol=atol)
+    rtol, atol = STATE_TOL[dtype]
+    np.testing.assert_allclose(S, S_ref, rtol=rtol, atol=atol)
+    np.testing.assert_allclose(z, z_ref, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("method,causal", [("scan", True), ("chunked", True), ("aggregate", False)])
+def test_one_column_per_thread(rng, monkeypatch, method, causal):
+    """Register tile of 1 column (CUDA_COLS_PER_THREAD=1): no padded columns, 4 column groups."""
+    monkeypatch.setattr(config, "CUDA_COLS_PER_THREAD", 1)
+    q, k, v = data(rng, 2, 7, 5, 4)
+    S0, z0 = rng.random((2, 5, 4)), rng.random((2, 5))
+    out, S, z = run_launcher(method, causal, q, k, v, S0, z0)
+    ref, S_ref, z_ref = reference(q, k, v, causal=causal, S0=S0, z0=z0)
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(S, S_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(z, z_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("method,causal", [("scan", True), ("chunked", True), ("aggregate", False)])
+def test_edge_lengths(rng, method, causal, n):
+    """N = 0, 1, tile size, chunk - 1, chunk, chunk + 1 (tile 2, chunk 3); D != M; one batch
+    entry and one value-column block below the block width (M=2 < 3)."""
+    q, k, v = data(rng, 1, n, 3, 2)
+    S0 = rng.random((1, 3, 2))
+    z0 = rng.random((1, 3))
+    out, S, z = run_launcher(method, causal, q, k, v, S0, z0)
+    ref, S_ref, z_ref = reference(q, k, v, causal=causal, S0=S0, z0=z0)
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(S, S_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(z, z_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("code", [0, 1, 2, 3])
+def test_inline_feature_maps(rng, code):
+    """Every inline map code; identity (code 0) with signed features and eps=None (raw division)."""
+    q, k, v = data(rng, 2, 5, 4, 3, np.float64)
+    eps = None if code == 0 else 1e-8
+    if code == 0:  # keep the signed normaliser away from zero
+        q, k = q + 3.0, k + 3.0
+    zeros = np.zeros((2, 4, 3)), np.zeros((2, 4))
+    out, _, _ = run_launcher("scan", True, q, k, v, *zeros, code=code, eps=eps)
+    ref, _, _ = reference(q, k, v, causal=True, code=code, eps=eps)
+    np.testing.assert_allclose(out, ref, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the simulator divides 0/0
+def test_eps_floor_and_raw_division():
+    """ReLU features of negative inputs give a zero normaliser: eps floors it (output 0),
+    eps=None divides raw (0/0 = NaN), as on the CPU path."""
+    q = -np.ones((1, 3, 2))
+    k = np.ones((1, 3, 2))
+    v = np.ones((1, 3, 2))
+    zeros = np.zeros((1, 2, 2)), np.zeros((1, 2))
+    out, _, _ = run_launcher("scan", True, q, k, v, *zeros, code=2, eps=1e-8)
+    np.testing.assert_array_equal(out, 0.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out, _, _ = run_launcher("scan", True, q, k, v, *zeros, code=2, eps=None)
+    assert np.isnan(out).all()
+
+
+def test_chunked_matches_scan_across_chunk_sizes(rng):
+    """Chunkwise form = recurrence for every chunk size (Yang et al. 2024, GLA Sec. 2.2:
+    chunk size N is the quadratic form, 1 the recurrence)."""
+    from linattn_nb.ops.causal.cuda import causal_chunked_cuda
+
+    q, k, v = data(rng, 1, 6, 3, 2, np.float64)
+    ref, S_ref, _ = reference(q, k, v, causal=True)
+    for L in (1, 2, 4, 6):
+        dS, dz = cuda.to_device(np.zeros((1, 3, 2))), cuda.to_device(np.zeros((1, 3)))
+        out = nan_device((1, 6, 2), np.float64)
+        causal_chunked_cuda(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), dS, dz, out,
+                            code=1, eps=1e-8, chunk_size=L)
+        np.testing.assert_allclose(out.copy_to_host(), ref, rtol=1e-12, atol=1e-13)
+        np.testing.assert_allclose(dS.copy_to_host(), S_ref, rtol=1e-12, atol=1e-13)
+
+
+# ---------------------------------------------------------------------------
+# The public function on the CUDA path
+# ---------------------------------------------------------------------------
+def test_host_inputs_copy_over_and_back(rng):
+    """device='cuda' with NumPy inputs: NumPy out, mixed dtypes promoted, batch dims kept,
+    state and position as on the CPU path; a map without an inline form (DPFP) is applied
+    on the host."""
+    q = rng.normal(size=(2, 1, 5, 3)).astype(np.float16)
+    k = rng.normal(size=(2, 1, 5, 3)).astype(np.float32)
+    v = rng.normal(size=(2, 1, 5, 4)).astype(np.float32)
+    o, st = la.linear_attention(q, k, v, causal=True, device="cuda", return_state=True)
+    r, rs = la.linear_attention(q, k, v, causal=True, device="cpu", method="quadratic", return_state=True)
+    assert isinstance(o, np.ndarray) and o.dtype == np.float32 and o.shape == (2, 1, 5, 4)
+    np.testing.assert_allclose(o, r, rtol=2e-5, atol=2e-6)
+    assert isinstance(st.S, np.ndarray) and st.S.shape == (2, 1, 3, 4) and st.position == 5
+    np.testing.assert_allclose(st.S, rs.S, rtol=1e-5, atol=1e-6)
+    out = np.full((2, 1, 5, 4), np.nan, np.float32)
+    got = la.linear_attention(q, k, v, feature_map="dpfp", device="cuda", method="aggregate", out=out)
+    assert got is out
+    np.testing.assert_allclose(out, la.linear_attention(q, k, v, feature_map="dpfp", method="quadratic"),
+                               rtol=2e-5, atol=2e-6)
+
+
+def test_device_inputs_zero_copy_and_out(rng):
+    """Device inputs give a device result of the batch shape; out= is written and returned."""
+    q, k, v = data(rng, 3, 5, 4, 3)
+    dq, dk, dv = (cuda.to_device(x.reshape(3, 1, *x.shape[1:])) for x in (q, k, v))
+    o = la.linear_attention(dq, dk, dv, causal=True, device="cuda")
+    assert not isinstance(o, np.ndarray) and tuple(o.shape) == (3, 1, 5, 3)
+    ref, _, _ = reference(q, k, v, causal=True)
+    np.testing.assert_allclose(o.copy_to_host().reshape(3, 5, 3), ref, rtol=2e-5, atol=2e-6)
+    out = nan_device((3, 1, 5, 3), np.float32)
+    got = la.linear_attention(dq, dk, dv, causal=False, device="cuda", out=out)
+    assert got is out
+    ref, _, _ = reference(q, k, v, causal=False)
+    np.testing.assert_allclose(out.copy_to_host().reshape(3, 5, 3), ref, rtol=2e-5, atol=2e-6)
+
+
+def test_strided_device_inputs(rng):
+    """(B, N, H, D) memory read as (B, H, N, D) without a copy; a 5-d layout whose batch dims
+    cannot be merged (copied on the device); a strided out."""
+    from linattn_nb.ops._cuda_kernels import strided_view
+
+    B, N, H, D, M = 2, 4, 2, 3, 2
+
+    def bhnd(x):  # device view (B, H, N, F) of (B, N, H, F) memory
+        d = cuda.to_device(x.transpose(0, 2, 1, 3).copy())
+        s = d.strides
+        return strided_view(d, (B, H, N, x.shape[-1]), (s[0], s[2], s[1], s[3]))
+
+    q, k = (rng.normal(size=(B, H, N, D)) for _ in range(2))
+    v = rng.normal(size=(B, H, N, M))
+    o = la.linear_attention(bhnd(q), bhnd(k), bhnd(v), causal=True, device="cuda")
+    ref, _, _ = reference(q.reshape(-1, N, D), k.reshape(-1, N, D), v.reshape(-1, N, M), causal=True)
+    np.testing.assert_allclose(o.copy_to_host().reshape(-1, N, M), ref, rtol=1e-11, atol=1e-12)
+
+    # 5-d (A, B, H, N, F) stored as (B, A, H, N, F): A and B cannot be merged
+    def swapped(x):
+        d = cuda.to_device(np.ascontiguousarray(x.swapaxes(0, 1)))
+        s = d.strides
+        return strided_view(d, x.shape, (s[1], s[0]) + tuple(s[2:]))
+
+    q5, k5 = (rng.normal(size=(2, 2, 1, N, D)) for _ in range(2))
+    v5 = rng.normal(size=(2, 2, 1, N, M))
+    outd = cuda.to_device(np.full((2, 2, 1, N, M), np.nan).swapaxes(0, 1).copy())
+    s = outd.strides
+    out5 = strided_view(outd, (2, 2, 1, N, M), (s[1], s[0]) + tuple(s[2:]))
+    got = la.linear_attention(swapped(q5), swapped(k5), swapped(v5), causal=False, device="cuda", out=out5)
+    assert got is out5
+    ref, _, _ = reference(q5.reshape(-1, N, D), k5.reshape(-1, N, D), v5.reshape(-1, N, M), causal=False)
+    res = outd.copy_to_host().swapaxes(0, 1).reshape(-1, N, M)
+    np.testing.assert_allclose(res, ref, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["scan", "chunked"])
+def test_state_carries_across_segments(rng, method):
+    """Two segments chained through the device state equal one pass (the contract the
+    segment-wise processing of issue 5 builds on); the state stays on the device."""
+    q, k, v = data(rng, 2, 7, 3, 2, np.float64)
+    dev = [cuda.to_device(x) for x in (q, k, v)]
+    full, st_full = la.linear_attention(*dev, causal=True, method=method, device="cuda", return_state=True)
+    a, st = la.linear_attention(*(x[:, :4] for x in dev), causal=True, method=method, device="cuda",
+                                return_state=True)
+    assert not isinstance(st.S, np.ndarray) and st.S.dtype == np.float64 and st.position == 4
+    b, st2 = la.linear_attention(*(x[:, 4:] for x in dev), causal=True, method=method, device="cuda",
+                                 initial_state=st, return_state=True)
+    assert st2.position == 7
+    np.testing.assert_allclose(np.concatenate([a.copy_to_host(), b.copy_to_host()], axis=1),
+                               full.copy_to_host(), rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(st2.S.copy_to_host(), st_full.S.copy_to_host(), rtol=1e-12)
+    # a host float32 state works too, and the caller's state is never modified
+    S0 = np.asarray(st.S.copy_to_host(), np.float32)
+    z0 = np.asarray(st.z.copy_to_host(), np.float32)
+    keep = S0.copy()
+    b2 = la.linear_attention(*(x[:, 4:] for x in dev), causal=True, method=method, device="cuda",
+                             initial_state=(S0, z0, 4))
+    np.testing.assert_array_equal(S0, keep)
+    np.testing.assert_allclose(b2.copy_to_host(), b.copy_to_host(), rtol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the simulator computes inf - inf
+def test_check_finite_on_device(rng):
+    """check_finite counts non-finite device values; with check_finite=False NaN in token t
+    reaches the causal outputs from t on only."""
+    q, k, v = data(rng, 1, 5, 3, 2)
+    v[0, 2, 1] = np.nan
+    k[0, 3, 0] = np.inf
+    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+    with pytest.raises(ValueError, match=r"v contains 1 non-finite"):
+        la.linear_attention(dq, cuda.to_device(data(rng, 1, 5, 3, 2)[1]), dv, device="cuda")
+    with pytest.raises(ValueError, match=r"k contains 1 non-finite"):
+        la.linear_attention(dq, dk, dv, device="cuda")
+    with np.errstate(invalid="ignore"):
+        o = la.linear_attention(dq, cuda.to_device(data(rng, 1, 5, 3, 2)[1]), dv, causal=True,
+                                device="cuda", check_finite=False).copy_to_host()
+    assert np.isfinite(o[0, :2]).all() and np.isnan(o[0, 2:]).any()
+
+
+def test_errors(rng, monkeypatch):
+    q, k, v = data(rng, 1, 4, 3, 2)
+    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+    with pytest.raises(ValueError, match="different devices"):
+        la.linear_attention(dq, k, dv, device="cuda")
+    with pytest.raises(ValueError, match="no inline CUDA form"):
+        la.linear_attention(dq, dk, dv, feature_map="dpfp", device="cuda")
+    with pytest.raises(ValueError, match="not available for causal=True on device 'cuda'"):
+        la.linear_attention(dq, dk, dv, causal=True, method="quadratic", device="cuda")
+    with pytest.raises(ValueError, match="out must have shape"):
+        la.linear_attention(dq, dk, dv, device="cuda", out=nan_device((1, 4, 3), np.float32))
+    with pytest.raises(TypeError, match="out must have dtype"):
+        la.linear_attention(dq, dk, dv, device="cuda", out=nan_device((1, 4, 2), np.float64))
+    with pytest.raises(ValueError, match="initial_state must have S of shape"):
+        la.linear_attention(dq, dk, dv, causal=True, device="cuda",
+                            initial_state=(cuda.to_device(np.zeros((1, 2, 2))), cuda.to_device(np.zeros((1, 3)))))
+    monkeypatch.setattr(config, "CUDA_MAX_FEATURES", 2)
+    with pytest.raises(ValueError, match="CUDA_MAX_FEATURES"):
+        la.linear_attention(dq, dk, dv, device="cuda")
+    with pytest.raises(ValueError, match="CUDA_MAX_FEATURES"):
+        la.linear_attention(q, k, v, device="cuda")
+
+
+def test_no_gpu_is_a_clear_error(rng, monkeypatch):
+    import linattn_nb.device as device
+
+    monkeypatch.setattr(device, "cuda_status", lambda: "none")
+    x = rng.normal(size=(3, 2))
+    with pytest.raises(RuntimeError, match="need a usable CUDA GPU"):
+        la.linear_attention(x, x, x, device="cuda")
+    assert device.resolve_device("auto", x, x, x) == "cpu"
+
+
+@pytest.mark.skipif(ON_GPU, reason="simulator semantics")
+def test_simulator_never_counts_as_gpu_for_auto(rng):
+    """Simulator device arrays run on the CPU path with device='auto' (NumPy result)."""
+    q, k, v = data(rng, 1, 4, 3, 2)
+    o = la.linear_attention(*(cuda.to_device(x) for x in (q, k, v)), causal=True)
+    assert isinstance(o, np.ndarray)
+    np.testing.assert_allclose(o, reference(q, k, v, causal=True)[0], rtol=2e-5, atol=2e-6)
+
+
+def test_auto_method_selection(monkeypatch):
+    from linattn_nb import _cuda_dispatch as D
+
+    monkeypatch.setattr(config, "CUDA_VALUE_COLS", 64)
+    monkeypatch.setattr(config, "CUDA_ROWS_PER_THREAD", 16)
+    monkeypatch.setattr(config, "CUDA_MAX_ROWS_PER_THREAD", 64)
+    monkeypatch.setattr(D, "multiprocessor_count", lambda: 132)
+    kw = dict(causal=True, f=64, m=64, dtype=np.float32)
+    assert D.select_method_cuda("auto", batch=128, n=65536, **kw) == "chunked"  # 128 blocks < 4 * 132
+    assert D.select_method_cuda("auto", batch=1024, n=65536, **kw) == "scan"
+    assert D.select_method_cuda("auto", batch=8, n=100, **kw) == "scan"  # short: AUTO_METHODS row
+    assert D.select_method_cuda("auto", batch=8, n=100, causal=False, f=64, m=64, dtype=np.float32) == "aggregate"
+    assert D.select_method_cuda("scan", batch=8, n=10**6, **kw) == "scan"
+
+
+def test_registered_cuda_methods():
+    from linattn_nb.ops.registry import available_methods
+
+    assert available_methods(causal=True, device="cuda") == ["chunked", "scan"]
+    assert available_methods(causal=False, device="cuda") == ["aggregate", "chunked", "scan"]
+
+
+# ---------------------------------------------------------------------------
+# Type-checking: compile every kernel to PTX for sm_90
+# ---------------------------------------------------------------------------
+_PTX_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from numba import cuda, types
+    from linattn_nb.ops import _cuda_kernels as K
+    res = {}
+    cc = (9, 0)
+    def ptx(fn, sig):
+        text, _ = cuda.compile_ptx(fn.py_func, sig, cc=cc)
+        return text
+    for acc, dts in (("float32", ("float16", "float32")), ("float64", ("float64",))):
+        kern = K.seq_kernel(8, 4, 8, 64, 16, acc)
+        H = types.Array(getattr(types, acc), 3, "C")
+        for dt in dts:
+            a4 = types.Array(getattr(types, dt), 4, "A")
+            i = types.int64
+            b = types.boolean
+            sig = (a4, a4, a4, a4, H, H, i, i, i, i, i, i, types.float64, b, b, b, b, b)
+            text = ptx(kern, sig)
+            res[dt] = {"target": ".target sm_90" in text, "local": ("ld.local" in text) or ("st.local" in text),
+                       "entry": ".entry" in text}
+    f64 = types.float64
+    S = types.Array(f64, 3, "C")
+    z = types.Array(f64, 2, "C")
+    for acc in ("float32", "float64"):
+        H = types.Array(getattr(types, acc), 3, "C")
+        for name, sig in (("pack_state_kernel", (S, z, H)), ("unpack_state_kernel", (H, S, z)),
+                          ("chunk_scan_states_kernel", (H, S, z, H, types.int64, types.boolean, types.boolean))):
+            res[name + "/" + acc] = {"entry": ".entry" in ptx(getattr(K, name), sig)}
+    cnt = types.Array(types.int64, 1, "C")
+    for dt in ("float16", "float32", "float64"):
+        a4 = types.Array(getattr(types, dt), 4, "A")
+        res["count_nonfinite/" + dt] = {"entry": ".entry" in ptx(K.count_nonfinite_kernel, (a4, cnt))}
+        res["copy4d/" + dt] = {"entry": ".entry" in ptx(K.copy4d_kernel, (a4, types.Array(f64, 4, "C")))}
+    print(json.dumps(res))
+    """
+)
+
+
+def test_kernels_compile_to_ptx():
+    """Every CUDA kernel type-checks and compiles for sm_90 (float16, float32, float64 inputs);
+    the register-resident state of the sequence kernel does not spill to local memory."""
+    try:
+        from numba.cuda.cudadrv import nvvm  # noqa: F401
+    except Exception as exc:  # pragma: no cover
+        pytest.skip(f"numba-cuda NVVM not importable: {exc}")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(la.__file__)))] + sys.path))
+    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=600)
+    if proc.returncode != 0 and ("NvvmSupportError" in proc.stderr or "libnvvm" in proc.stderr.lower()):
+        pytest.skip("the CUDA toolkit's NVVM is not installed (install the 'cuda' extra)")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    for dt in ("float16", "float32", "float64"):
+        assert res[dt] == {"target": True, "local": False, "entry": True}, (dt, res[dt])
+    assert all(v["entry"] for v in res.values())
+    assert len(res) == 3 + 6 + 6
+
+
+# ---------------------------------------------------------------------------
+# Real GPU only
+# ---------------------------------------------------------------------------
+@gpu_only
+@pytest.mark.parametrize("causal,method", [(True, "scan"), (True, "chunked"), (False, "aggregate")])
+def test_gpu_default_launch_config(causal, method, monkeypatch):
+    """Default launch configuration (undo the tiny one) on a realistic shape (D=64, M=80: two
+    column blocks) vs the float64 reference."""
+    for name, value in DEFAULT_LAUNCH.items():
+        monkeypatch.setattr(config, name, value)
+    rng = np.random.default_rng(1)
+    q, k = (rng.normal(size=(2, 3, 1000, 64)).astype(np.float32) for _ in range(2))
+    v = rng.normal(size=(2, 3, 1000, 80)).astype(np.float32)
+    o = la.linear_attention(*(cuda.to_device(x) for x in (q, k, v)), causal=causal, method=method)
+    r = la.linear_attention(q, k, v, causal=causal, device="cpu", method="quadratic")  # NumPy, no compile
+    np.testing.assert_allclose(o.copy_to_host(), r, rtol=1e-4, atol=1e-5)
+
+
+@gpu_only
+def test_gpu_torch_and_cupy_interop(rng):
+    """PyTorch CUDA tensors and CuPy arrays run zero-copy with device='auto'; out= is the
+    caller's tensor; (B, N, H, D) -> (B, H, N, D) transposes are read in place."""
+    q, k, v = data(rng, 2, 9, 4, 3)
+    ref, _, _ = reference(q, k, v, causal=True)
+    ran = 0
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None and torch.cuda.is_available():
+        tq, tk, tv = (torch.from_numpy(x).cuda() for x in (q, k, v))
+        o = la.linear_attention(tq, tk, tv, causal=True)
+        np.testing.assert_allclose(o.copy_to_host(), ref, rtol=1e-4, atol=1e-5)
+        tout = torch.full((2, 9, 3), float("nan"), device="cuda")
+        assert la.linear_attention(tq, tk, tv, causal=True, out=tout) is tout
+        np.testing.assert_allclose(tout.cpu().numpy(), ref, rtol=1e-4, atol=1e-5)
+        t4 = [torch.from_numpy(x.reshape(1, 2, 9, -1)).cuda().permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+              for x in (q, k, v)]
+        o = la.linear_attention(*t4, causal=True)
+        np.testing.assert_allclose(o.copy_to_host().reshape(2, 9, 3), ref, rtol=1e-4, atol=1e-5)
+        with pytest.raises(TypeError, match="detach"):
+            la.linear_attention(tq.clone().requires_grad_(True), tk, tv, device="cuda")
+        ran += 1
+    try:
+        import cupy
+    except ImportError:
+        cupy = None
+    if cupy is not None:
+        o = la.linear_attention(*(cupy.asarray(x) for x in (q, k, v)), causal=True)
+        np.testing.assert_allclose(o.copy_to_host(), ref, rtol=1e-4, atol=1e-5)
+        ran += 1
+    if not ran:
+        pytest.skip("neither PyTorch with CUDA nor CuPy is installed")
