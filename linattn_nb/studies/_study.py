@@ -79,6 +79,11 @@ class Context:
         axes = fig.subplots(1, ncols, squeeze=False)[0]
         return fig, list(axes)
 
+    @staticmethod
+    def style(i: int) -> dict:
+        """Line style of the i-th series: ten colours, then the same colours dashed, dotted."""
+        return {"color": f"C{i % 10}", "linestyle": ("-", "--", ":")[(i // 10) % 3]}
+
     def savefig(self, fig, name: str, alt: str) -> str:
         """Save ``fig`` as ``<out>/<name>.png``; return the markdown that shows it."""
         path = Path(self.out) / f"{name}.png"

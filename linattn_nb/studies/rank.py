@@ -29,11 +29,15 @@ def requires():
 
 
 def _sizes(ctx):
-    """(d, M, Ns, m of random maps, largest N for explicit softmax / causal weights)."""
+    """(d, M, Ns, m of random maps, largest N for explicit softmax weights).
+
+    M = 2d, so that the state rank saturates at D_φ for maps with D_φ < M and at
+    M for the others: both sides of min(D_φ, M) show.
+    """
     return ctx.pick(
-        tiny=(4, 4, [16, 48], 8, 64),
-        quick=(8, 8, [64, 256, 1024], 16, 1024),
-        full=(16, 16, [128, 512, 2048, 8192], 32, 4096),
+        tiny=(4, 8, [16, 48], 8, 64),
+        quick=(8, 16, [64, 256, 1024], 16, 1024),
+        full=(16, 32, [128, 512, 2048, 8192], 32, 4096),
     )
 
 
@@ -45,8 +49,7 @@ def points(ctx) -> list[dict]:
         for n in ns:
             if name == SOFTMAX and n > explicit_max:
                 continue
-            pts.append(dict(feature_map=name, num_features=nf, n=n, d=d, m=m, seed=0,
-                            semiseparable=n <= explicit_max or name != SOFTMAX))
+            pts.append(dict(feature_map=name, num_features=nf, n=n, d=d, m=m, seed=0))
     return pts
 
 
@@ -54,7 +57,7 @@ def _as_int(x):
     return int(np.asarray(x).reshape(-1)[0])
 
 
-def run(feature_map, num_features, n, d, m, seed=0, semiseparable=True) -> dict:
+def run(feature_map, num_features, n, d, m, seed=0) -> dict:
     """Ranks for one map on Gaussian (q, k, v) of shape (n, d), (n, m)."""
     from ..analysis import attention_rank, semiseparable_rank, state_rank_profile
 
@@ -65,7 +68,7 @@ def run(feature_map, num_features, n, d, m, seed=0, semiseparable=True) -> dict:
     v = rng.standard_normal((n, m))
     res = {"d_phi": None if fmap == SOFTMAX else int(fmap.output_dim(d)),
            "attention_rank": _as_int(attention_rank(q, k, fmap, causal=False))}
-    res["semiseparable_rank"] = _as_int(semiseparable_rank(q, k, fmap)) if semiseparable else None
+    res["semiseparable_rank"] = _as_int(semiseparable_rank(q, k, fmap))
     if fmap != SOFTMAX:
         positions = np.unique(np.geomspace(1, n, num=min(n, 24)).astype(int))
         prof = state_rank_profile(k, v, fmap, positions=positions)
@@ -107,17 +110,20 @@ def render(records, ctx) -> Rendered:
                markdown_table(["feature map", "D_φ", *[f"N = {n}" for n in ns]], rows)]
         if ctx.plots:
             fig, (ax1, ax2) = ctx.figure(ncols=2)
-            for (name, m), by_n in series.items():
+            for i, ((name, m), by_n) in enumerate(series.items()):
                 xs = sorted(by_n)
-                ax1.loglog(xs, [max(by_n[x]["attention_rank"], 1) for x in xs], "o-", label=map_label(name, m))
+                ax1.loglog(xs, [max(by_n[x]["attention_rank"], 1) for x in xs], marker="o", label=map_label(name, m),
+                           **ctx.style(i))
             ax1.set(xlabel="sequence length N", ylabel="numerical rank", title="Rank of non-causal weights")
             ax1.legend(fontsize="x-small")
             n_top = ns[-1]
-            for (name, m), by_n in series.items():
+            for i, ((name, m), by_n) in enumerate(series.items()):
                 res = by_n.get(n_top)
                 if res and res.get("state_positions"):
-                    ax2.semilogx(res["state_positions"], res["state_rank"], label=map_label(name, m))
-            ax2.set(xlabel="tokens absorbed t", ylabel="rank of S_t", title=f"State rank (N = {n_top})")
+                    ax2.semilogx(res["state_positions"], res["state_rank"], label=map_label(name, m),
+                                 **ctx.style(i))
+            ax2.set(xlabel="tokens absorbed t", ylabel="rank of S_t",
+                    title=f"State rank (N = {n_top}, M = {p0['m']}): saturates at min(D_φ, M)")
             if ax2.lines:
                 ax2.legend(fontsize="x-small")
             for ax in (ax1, ax2):

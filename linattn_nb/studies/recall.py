@@ -82,20 +82,22 @@ def render(records, ctx) -> Rendered:
                          fmt(float(below[0])) if below.size else f"> {int(n[-1])}",
                          int(n[at]), fmt(float(res["mse"][at])), fmt(float(res["optimal_mse"][at])),
                          fmt(float(res["softmax_mse"][at]))])
-        md += ["", markdown_table(["feature map", "D_φ", "first n with accuracy < 0.9", "n ≈ 2 D_φ",
-                                   "error", "optimal error", "softmax error"], rows)]
+        md += ["", "Errors at the measured n closest to 2·D_φ:", "",
+               markdown_table(["feature map", "D_φ", "first n with accuracy < 0.9", "n",
+                               "error", "optimal error", "softmax error"], rows)]
         if ctx.plots:
             fig, (ax1, ax2) = ctx.figure(ncols=2)
-            for r in ok:
+            for i, r in enumerate(ok):
                 p, res = r["params"], r["result"]
                 x = np.asarray(res["n_pairs"], dtype=float) / res["d_phi"]
                 label = map_label(p["feature_map"], p["num_features"], p["map_params"])
-                line, = ax1.plot(x, res["mse"], "o-", ms=3, label=label)
-                ax1.plot(x, res["optimal_mse"], "--", color=line.get_color(), lw=1)
-                ax2.plot(x, res["accuracy"], "o-", ms=3, color=line.get_color(), label=label)
+                color = ctx.style(i)["color"]
+                ax1.plot(x, res["mse"], "o-", ms=3, label=label, color=color)
+                ax1.plot(x, res["optimal_mse"], "--", color=color, lw=1)
+                ax2.plot(x, res["accuracy"], "o-", ms=3, color=color, label=label)
             res = ok[0]["result"]
             x = np.asarray(res["n_pairs"], dtype=float) / res["d_phi"]
-            ax1.plot(x, res["softmax_mse"], "k:", label=f"softmax (x: n / {res['d_phi']})")
+            ax1.plot(x, res["softmax_mse"], "k:", label=f"softmax, KV cache (x = n / {res['d_phi']})")
             ax1.set(xlabel="n / D_φ", ylabel="relative retrieval error",
                     title="Recall error (dashed: optimal state)")
             ax2.set(xlabel="n / D_φ", ylabel="argmax accuracy", title="Recall accuracy")

@@ -136,10 +136,10 @@ def render(records, ctx) -> Rendered:
                    markdown_table(["N", *lin], grows)]
         if ctx.plots and ns:
             fig, (ax1, ax2) = ctx.figure(ncols=2)
-            for lab in labels:
+            for i, lab in enumerate(labels):
                 xs = sorted(series[lab])
-                ax1.loglog(xs, [series[lab][x][1]["median_s"] * 1e3 for x in xs], "o-", label=lab)
-                ax2.loglog(xs, [series[lab][x][1]["tokens_per_s"] for x in xs], "o-", label=lab)
+                ax1.loglog(xs, [series[lab][x][1]["median_s"] * 1e3 for x in xs], marker="o", label=lab, **ctx.style(i))
+                ax2.loglog(xs, [series[lab][x][1]["tokens_per_s"] for x in xs], marker="o", label=lab, **ctx.style(i))
             ax1.set(xlabel="sequence length N", ylabel="time per forward [ms]", title="Causal forward time")
             ax2.set(xlabel="sequence length N", ylabel="tokens / s", title="Throughput")
             ax1.legend(fontsize="small")
