@@ -290,3 +290,20 @@ def test_plug_in_studies_run_when_their_functions_exist(tmp_path, monkeypatch):
     for png in ("error_noncausal.png", "rank.png", "recall.png"):
         assert (tmp_path / "r" / png).read_bytes()[:8] == PNG_MAGIC
     assert "| elu | 4 |" in text  # the rank table: ELU+1 at d = 4 has D_phi = 4
+
+
+@pytest.mark.skipif(cuda_status() == "none", reason="neither a GPU nor the CUDA simulator")
+def test_gpu_paths_of_the_studies_run_on_the_simulator():
+    """The report's GPU points (a real GPU only) use these paths; the simulator checks them here."""
+    from linattn_nb.ops import methods as _methods  # noqa: F401
+    from linattn_nb.ops.registry import available_methods
+    from linattn_nb.studies import correctness, throughput
+
+    methods = [m for m in available_methods(causal=True, device="cuda") if m != "quadratic"]
+    if not methods:
+        pytest.skip("no CUDA methods registered")
+    res = correctness.run("linear", "cuda", True, "elu", methods, ["float32"], [[1, 0, 4, 4], [2, 9, 6, 5]])
+    assert [c["method"] for c in res["checks"]] == methods
+    assert all(c["passed"] and c["error"] is None for c in res["checks"]), res["checks"]
+    res = throughput.run("linear", "cuda", methods[0], 8, 1, 4, 4, "float32", "elu", 0.0)
+    assert res["median_s"] > 0 and res["repeats"] >= 3
