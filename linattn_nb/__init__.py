@@ -6,6 +6,8 @@ Public API (stable names)::
     softmax_attention(q, k, v, *, causal=False, scale=None)
     feature_maps            # FeatureMap base, registry: get / available / register
     LinearState             # (S, z, position) returned by linear_attention(return_state=True)
+    LinearAttentionState    # recurrent state for decoding: prefill / step / query / save / load
+    KVCache                 # the softmax baseline with the same prefill / step API
 
 Nothing is compiled at import; Numba compiles each kernel on first use and
 caches it on disk.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 from . import config, feature_maps
 from .attention import LinearState, linear_attention, softmax_attention
+from .state import KVCache, LinearAttentionState
 
 __version__ = "0.1.0"
 
@@ -24,4 +27,6 @@ __all__ = [
     "linear_attention",
     "softmax_attention",
     "LinearState",
+    "LinearAttentionState",
+    "KVCache",
 ]

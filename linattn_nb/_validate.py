@@ -116,4 +116,5 @@ def check_out(out, shape, dtype) -> np.ndarray:
 def flatten_batch(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``(..., N, F)`` -> C-contiguous ``(B, N, F)`` of ``dtype`` (a view where possible)."""
     x = np.ascontiguousarray(x, dtype=dtype)
-    return x.reshape((-1,) + x.shape[-2:])
+    b = int(np.prod(x.shape[:-2], dtype=np.int64))
+    return x.reshape((b,) + x.shape[-2:])  # explicit b: (-1) is ambiguous when N or F is 0

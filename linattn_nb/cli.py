@@ -1,7 +1,14 @@
 """The ``linattn`` command line.
 
-``linattn info``  versions, threading, CUDA, cache directory.
-``linattn demo``  a short run of every CPU method against the reference.
+``linattn info``    versions, threading, CUDA, cache directory.
+``linattn demo``    a short run of every CPU method against the reference.
+``linattn report``  run every built-in study; write report.md, plots and raw JSONL.
+``linattn check``, ``bench``, ``error``, ``rank``, ``recall``: one study each.
+
+Exit status: 0 success; 1 a check failed or a study raised (the report is
+still written); 2 usage errors (bad arguments, a non-empty --out without
+--force); 3 the study cannot run in this installation (e.g. its analysis
+functions are not installed).
 """
 from __future__ import annotations
 
@@ -104,6 +111,62 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _study_options(p, *, default_out: str) -> None:
+    p.add_argument("--out", metavar="DIR", default=default_out,
+                   help=f"report folder: report.md, PNG plots, raw <study>.jsonl (default: {default_out})")
+    p.add_argument("--quick", action="store_true",
+                   help="small problem sizes: about 2 minutes on 2 cores (same as --profile quick)")
+    p.add_argument("--profile", choices=("tiny", "quick", "full"), default=None,
+                   help="problem sizes: full (default; <= 15 min on 2 cores), quick, or tiny (a smoke test)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto (default): the CPU, plus the GPU when a real one is present; cpu; cuda (GPU only)")
+    p.add_argument("--scheduler", metavar="ADDR", default=None,
+                   help="run the points of untimed studies on this Dask scheduler (e.g. tcp://host:8786); "
+                        "timed studies always run here, one point at a time")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="without --scheduler: run untimed studies in N local worker processes")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--force", action="store_true",
+                       help="replace the report in a non-empty DIR (deletes its previous report files only)")
+    again.add_argument("--resume", action="store_true",
+                       help="continue an interrupted report in DIR, keeping the finished points")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+
+
+def _run_studies(args, names, argv) -> int:
+    from linattn_nb.studies import get_study, run_report
+    from linattn_nb.studies.report import command_line
+
+    if args.workers is not None and args.workers < 1:
+        print(f"linattn {args.command}: error: --workers must be >= 1, got {args.workers}", file=sys.stderr)
+        return 2
+    if names is not None:
+        study = get_study(names[0])
+        reason = study.requires()
+        if reason:
+            print(f"linattn {args.command}: the {study.title.lower()} study cannot run here: {reason}",
+                  file=sys.stderr)
+            return 3
+    try:
+        res = run_report(args.out, profile=args.profile, device=args.device, scheduler=args.scheduler,
+                         workers=args.workers, force=args.force, resume=args.resume, studies=names,
+                         progress=args.progress, command=command_line(argv))
+    except (FileExistsError, NotADirectoryError, ValueError, RuntimeError) as exc:
+        print(f"linattn {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    if names is not None:
+        for name in names:
+            section = res.sections.get(get_study(name).name)
+            if section is not None:
+                print(section.markdown)
+    if res.problems:
+        print(f"linattn {args.command}: {len(res.problems)} problem(s):", file=sys.stderr)
+        for p in res.problems:
+            print(f"  - {p}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from linattn_nb import __version__
 
@@ -119,10 +182,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dim", type=int, default=64, help="D = M (default 64)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser(
+        "report", help="run every built-in study; write DIR/report.md with tables, plots and raw JSONL",
+        description="Run the built-in studies (correctness self-check, causal throughput against N, "
+                    "approximation error, rank limits, recall capacity; those whose analysis functions "
+                    "are not installed are listed as not run) and write DIR/report.md with tables and "
+                    "PNG plots beside the raw results (one JSON Lines file per study).")
+    _study_options(p, default_out="report")
+    p.set_defaults(func=lambda args, argv: _run_studies(args, None, argv), wants_argv=True)
+
+    from linattn_nb.studies import STUDIES
+    from linattn_nb.studies import _builtin  # noqa: F401  (registers the built-in studies)
+
+    for study in STUDIES:
+        p = sub.add_parser(study.command, help=study.help,
+                           description=f"{study.title}: {study.help}. Writes DIR/report.md with this study "
+                                       "alone and prints its tables.")
+        _study_options(p, default_out=f"report-{study.command}")
+        p.set_defaults(func=lambda args, argv, _n=study.name: _run_studies(args, [_n], argv), wants_argv=True)
     return parser
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
@@ -131,6 +214,13 @@ def main(argv=None) -> int:
     for name in ("batch", "heads", "length", "dim"):
         if getattr(args, name, 1) < 1:
             parser.error(f"--{name} must be >= 1")
+    if getattr(args, "wants_argv", False):
+        # Checked here, not by an argparse group: argparse does not see
+        # "--quick --profile full" as a conflict when "full" is the default.
+        if args.quick and args.profile not in (None, "quick"):
+            parser.error(f"--quick and --profile {args.profile} contradict each other")
+        args.profile = "quick" if args.quick else (args.profile or "full")
+        return int(args.func(args, argv) or 0)
     return int(args.func(args) or 0)
 
 

@@ -120,6 +120,24 @@ SOFTMAX_BLOCK_K = _env_int("LINATTN_SOFTMAX_BLOCK_K", 256)
 QUADRATIC_MAX_ELEMENTS = _env_int("LINATTN_QUADRATIC_MAX_ELEMENTS", 1 << 26)
 
 # --------------------------------------------------------------------------
+# Feature maps and analysis
+# --------------------------------------------------------------------------
+#: FAVOR+ key features are shifted by ``max(0, max_i |w_i|^2/2 - headroom)``,
+#: a constant computed from the random matrix only (never from the data, so
+#: it is causal-safe and identical across segments).  Because
+#: ``w.x - |x|^2/2 <= |w|^2/2``, key features are then at most
+#: ``exp(headroom)``: 40 keeps them and their products with values far below
+#: the float32 maximum (exp(88.7)) while wasting as little of the float32
+#: range below as possible.  Read when a map is built (stored on the map, so
+#: that a carried state stays consistent).
+FAVOR_KEY_HEADROOM = _env_float("LINATTN_FAVOR_KEY_HEADROOM", 40.0)
+
+#: Query rows per task in the approximation-error kernels
+#: (:mod:`linattn_nb.analysis.error`).  Memory per task is about
+#: ``block * N`` float64 numbers times four; the N x N matrix is never formed.
+ANALYSIS_BLOCK_Q = _env_int("LINATTN_ANALYSIS_BLOCK_Q", 64)
+
+# --------------------------------------------------------------------------
 # method="auto"
 # --------------------------------------------------------------------------
 #: ``(causal, device) -> [(max_n, method), ...]``: the first row whose
@@ -178,3 +196,58 @@ CUDA_MAX_FEATURES = _env_int("LINATTN_CUDA_MAX_FEATURES", 1024)
 CUDA_AUTO_SCAN_BLOCKS_PER_SM = _env_int("LINATTN_CUDA_AUTO_SCAN_BLOCKS_PER_SM", 4)
 AUTO_METHODS[(True, "cuda")] = [(2 * 256, "scan"), (None, "chunked")]
 AUTO_METHODS[(False, "cuda")] = [(None, "aggregate")]
+
+# --------------------------------------------------------------------------
+# linattn_nb.analysis (rank and capacity tools)
+# --------------------------------------------------------------------------
+#: Largest N for which the analysis tools form an explicit N x N attention
+#: matrix (softmax weights, causal kernel weights, method="explicit").  At
+#: 8192 the matrix takes 512 MiB in float64 and its SVD minutes.
+ANALYSIS_EXPLICIT_MAX_N = _env_int("LINATTN_ANALYSIS_EXPLICIT_MAX_N", 8192)
+
+#: Largest N for the explicit semiseparable rank (one SVD per split; the
+#: splits are visited in decreasing order of min(i, N - i) and the scan stops
+#: once no remaining split can beat the best rank found).
+ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N = _env_int("LINATTN_ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N", 2048)
+
+#: Rows per block of the streamed Householder QR (R factors of the N x D_phi
+#: feature matrices): each block is transposed into a D_phi x block scratch
+#: that should stay in cache.
+ANALYSIS_QR_BLOCK = _env_int("LINATTN_ANALYSIS_QR_BLOCK", 128)
+
+#: Bytes the factor-based semiseparable rank may spend on stored D_phi x D_phi
+#: R factors (one per candidate split); above it the candidates are processed
+#: in several groups, one extra pair of sweeps over the sequence per group.
+ANALYSIS_MEMORY_BUDGET = _env_int("LINATTN_ANALYSIS_MEMORY_BUDGET", 256 << 20)
+
+# Recurrent state and KV cache (linattn_nb.state, linattn_nb.ops.step)
+# --------------------------------------------------------------------------
+#: ``LinearAttentionState.step`` runs its Numba kernel in parallel over the
+#: batch*heads only when ``batch * tokens * D_phi * M`` reaches this many
+#: multiply-adds; below it the serial kernel wins (a parallel region costs
+#: microseconds to open, a whole decode step of H=16, D=M=64 is ~5 us).
+STEP_PARALLEL_MIN_WORK = _env_int("LINATTN_STEP_PARALLEL_MIN_WORK", 1 << 20)
+
+#: Tokens per block in ``LinearAttentionState.prefill`` (GEMM-shaped blocks
+#: through BLAS; scratch O(block * (D_phi + M)) per thread).
+PREFILL_BLOCK = _env_int("LINATTN_PREFILL_BLOCK", 256)
+
+#: Keys per block in the KV-cache step (online softmax over key blocks;
+#: scratch O(block) per thread).
+KV_BLOCK = _env_int("LINATTN_KV_BLOCK", 2048)
+
+#: The KV-cache step runs in parallel over the batch*heads from this many
+#: multiply-adds (``batch * tokens * context * (D + M)``) on; 2**24 is ~4 ms
+#: of serial work.  (A parallel region waits for all its threads: on a busy
+#: machine a late thread costs a scheduler time slice, measured ~20 ms on the
+#: shared 2-core development VM, so small steps stay serial.)
+KV_PARALLEL_MIN_WORK = _env_int("LINATTN_KV_PARALLEL_MIN_WORK", 1 << 24)
+
+#: Initial capacity (tokens) of a ``KVCache`` and its growth factor: when an
+#: append does not fit, the buffers grow to ``max(needed, GROWTH * capacity)``
+#: (amortised O(1) append).
+KV_INITIAL_CAPACITY = _env_int("LINATTN_KV_INITIAL_CAPACITY", 256)
+KV_GROWTH = _env_float("LINATTN_KV_GROWTH", 2.0)
+
+#: Threads per block of the CUDA step, query and prefill kernels.
+CUDA_STEP_THREADS = _env_int("LINATTN_CUDA_STEP_THREADS", 128)

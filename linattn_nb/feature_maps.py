@@ -8,11 +8,35 @@ and ``z = sum phi(k)`` and never forms the ``N x N`` matrix.
 Built-in maps are looked up by name::
 
     >>> from linattn_nb import feature_maps
-    >>> sorted(feature_maps.available())[:3]
-    ['elu', 'identity', 'relu']
+    >>> feature_maps.available()  # doctest: +NORMALIZE_WHITESPACE
+    ['cosformer', 'dpfp', 'elu', 'favor+', 'hedgehog', 'identity', 'relu', 'rff',
+     'squared_relu', 'taylor2']
     >>> phi = feature_maps.get("elu")
     >>> phi.output_dim(64)
     64
+    >>> feature_maps.get("favor+", dim=64, num_features=256, orthogonal=True, seed=0).output_dim(64)
+    256
+
+============  =========================================  ===============  ==============================
+name          kernel ``phi(q) . phi(k)``                 ``D_phi``        source
+============  =========================================  ===============  ==============================
+elu           ``(elu(q)+1) . (elu(k)+1)``                ``d``            Katharopoulos et al. 2020
+relu          ``relu(q) . relu(k)``                      ``d``
+squared_relu  ``relu(q)^2 . relu(k)^2``                  ``d``
+identity      ``q . k`` (signed)                         ``d``
+dpfp          DPFP(nu) products of rectified coords      ``2 d nu``       Schlag et al. 2021, §5.4
+favor+        estimates ``exp(scale q.k)``, positive     ``m`` / ``2m``   Choromanski et al. 2021
+rff           estimates ``exp(scale q.k)`` (signed)      ``2m``           Performer Lemma 2; RFA
+taylor2       ``1 + t + t^2/2``, ``t = scale q.k``       ``1+d+d(d+1)/2`` Arora et al. 2024 (Based)
+cosformer     ``relu.relu * cos(pi/2 (i-j)/M)``          ``2d``           Qin et al. 2022
+hedgehog      ``[e^(Wq+b), e^-(Wq+b)] . [...]``          ``2 d_out``      Zhang et al. 2024
+============  =========================================  ===============  ==============================
+
+One temperature convention: every map that estimates the softmax kernel
+(``estimates_softmax``) estimates ``exp(scale q . k)`` with the default
+``scale = 1/sqrt(D)`` of :func:`linattn_nb.softmax_attention`, so attention-
+level comparisons need no extra scaling.  Random maps take ``dim``,
+``num_features``, ``orthogonal``, ``seed`` and have ``redraw()``.
 
 Users register their own maps (a :class:`FeatureMap` subclass, or any callable
 returning one)::
@@ -34,6 +58,7 @@ is applied in NumPy by the dispatcher before the kernel runs.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, Union
 
 import numpy as np
@@ -46,6 +71,13 @@ __all__ = [
     "SquaredReluFeatureMap",
     "IdentityFeatureMap",
     "DpfpFeatureMap",
+    "RandomFeatureMap",
+    "FavorPlusFeatureMap",
+    "RandomFourierFeatureMap",
+    "Taylor2FeatureMap",
+    "CosformerFeatureMap",
+    "HedgehogFeatureMap",
+    "draw_projection",
     "register",
     "get",
     "available",
@@ -91,6 +123,10 @@ class FeatureMap:
     kernel_code: int | None = None
     is_positive: bool = False
     position_dependent: bool = False
+    #: True when ``phi(q) . phi(k)`` estimates or approximates the softmax
+    #: kernel ``exp(scale q . k)`` (such maps take ``scale``, default
+    #: ``1/sqrt(D)``, the temperature of :func:`linattn_nb.softmax_attention`).
+    estimates_softmax: bool = False
 
     # -- to implement -------------------------------------------------------
     def transform(self, x: np.ndarray) -> np.ndarray:
@@ -120,8 +156,25 @@ class FeatureMap:
         default ignores all of these and returns ``self(x)``; maps whose
         features depend on the role (a stabilising shift) or on the position
         (cosFormer) override it.
+
+        Raises
+        ------
+        ValueError
+            If ``role`` is not ``"query"`` or ``"key"``.
         """
+        _check_role(self.name, role)
         return self(x)
+
+    def kernel(self, x, y) -> np.ndarray:
+        """The kernel ``k(x, y)`` these features compute, for pairs of rows.
+
+        ``x`` and ``y`` of shape ``(..., D)`` (broadcast) give ``(...,)``.  For
+        deterministic maps this is ``phi(x) . phi(y)``; random maps override it
+        with the expectation over the draw (the kernel they estimate).
+        """
+        x = np.asarray(x, dtype=np.float64)
+        y = np.asarray(y, dtype=np.float64)
+        return np.sum(self(x) * self(y), axis=-1)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -142,7 +195,7 @@ class EluFeatureMap(ElementwiseFeatureMap):
 
     Kernel: ``phi(q) . phi(k)``, a positive similarity used as a stand-in for
     ``exp(q . k)`` (Katharopoulos et al. 2020, "Transformers are RNNs", Eq. 7).
-    Overflow-safe as in the seed: ``exp`` only ever sees ``min(x, 0)``.
+    Overflow-safe as in the seed: ``exp`` only ever sees non-positive numbers.
     """
 
     name = "elu"
@@ -150,7 +203,9 @@ class EluFeatureMap(ElementwiseFeatureMap):
     is_positive = True
 
     def _f(self, x):
-        return np.where(x >= 0, x + 1, np.exp(np.minimum(x, 0)))
+        # exp(-|x|) equals exp(x) where it is used (x < 0), never overflows, and
+        # avoids NumPy's slow exp path on the many exact zeros of minimum(x, 0).
+        return np.where(x >= 0, x + 1, np.exp(-np.abs(x)))
 
 
 class ReluFeatureMap(ElementwiseFeatureMap):
@@ -237,6 +292,672 @@ class DpfpFeatureMap(FeatureMap):
 
     def __repr__(self) -> str:
         return f"DpfpFeatureMap(nu={self.nu})"
+
+
+# ---------------------------------------------------------------------------
+# Helpers shared by the maps below
+# ---------------------------------------------------------------------------
+_ROLES = ("query", "key")
+
+
+def _check_input(name: str, x) -> np.ndarray:
+    """The checks of :meth:`FeatureMap.__call__`, for :meth:`FeatureMap.apply` overrides."""
+    x = np.asarray(x)
+    if x.ndim < 1:
+        raise ValueError(f"feature map {name!r}: input must have at least 1 dimension, got shape {x.shape}")
+    if not np.issubdtype(x.dtype, np.floating):
+        raise TypeError(f"feature map {name!r}: input must be floating point, got dtype {x.dtype}")
+    return x
+
+
+def _check_role(name: str, role) -> None:
+    if role not in _ROLES:
+        raise ValueError(f"feature map {name!r}: role must be 'query' or 'key', got {role!r}")
+
+
+def _check_scale(scale):
+    if scale is None:
+        return None
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scale must be a positive number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not (scale > 0.0) or math.isinf(scale):
+        raise ValueError(f"scale must be a finite positive number or None, got {scale}")
+    return scale
+
+
+def _check_count(what: str, value, *, allow_none: bool = True):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{what} must be an integer >= 1{' or None' if allow_none else ''}, got {value!r}")
+    return int(value)
+
+
+def _cast_features(name: str, feats: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Cast float64 features to the input dtype; raise if finite inputs overflow it."""
+    with np.errstate(over="ignore"):
+        out = feats.astype(x.dtype, copy=False)
+    bad = ~np.isfinite(out)
+    if bad.any():
+        finite_rows = np.isfinite(x).all(axis=-1)
+        if (bad & finite_rows[..., None]).any():
+            raise ValueError(
+                f"feature map {name!r}: features of finite inputs overflow {x.dtype} "
+                f"(input shape {x.shape}); use float64 inputs or smaller inputs"
+            )
+    return out
+
+
+def draw_projection(rng: np.random.Generator, num_features: int, dim: int, *,
+                    orthogonal: bool, row_norm: str = "chi") -> np.ndarray:
+    """Draw the random projection ``W`` (``num_features x dim``) of a random feature map.
+
+    Parameters
+    ----------
+    rng : numpy.random.Generator
+    num_features, dim : int
+        ``m`` rows of dimension ``d``.
+    orthogonal : bool
+        True: rows orthogonal within each block of ``d`` rows, each block the
+        ``Q`` factor of the QR decomposition of a ``d x d`` Gaussian matrix
+        with the signs fixed by ``diag(R)`` (so that ``Q`` is Haar-distributed
+        and every row direction uniform on the sphere); blocks are independent
+        and stacked for ``m > d`` (Performer §3, Choromanski et al. 2021;
+        Yu et al. 2016).  False: i.i.d. ``N(0, I_d)`` rows.
+    row_norm : {"chi", "fixed"}
+        ``"chi"``: row norms distributed as the norm of a ``N(0, I_d)``
+        vector, so that every row is marginally ``N(0, I_d)`` and the
+        estimators stay unbiased; ``"fixed"``: every row has norm ``sqrt(d)``.
+
+    Returns
+    -------
+    ndarray, shape (num_features, dim), float64
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> W = draw_projection(np.random.default_rng(0), 3, 4, orthogonal=True, row_norm="fixed")
+    >>> bool(np.allclose(W @ W.T, 4 * np.eye(3)))
+    True
+    """
+    m = _check_count("num_features", num_features, allow_none=False)
+    d = _check_count("dim", dim, allow_none=False)
+    if row_norm not in ("chi", "fixed"):
+        raise ValueError(f"row_norm must be 'chi' or 'fixed', got {row_norm!r}")
+    if orthogonal:
+        blocks = []
+        left = m
+        while left > 0:
+            qm, r = np.linalg.qr(rng.standard_normal((d, d)))
+            signs = np.where(np.diag(r) < 0, -1.0, 1.0)
+            blocks.append((qm * signs).T[: min(d, left)])
+            left -= d
+        w = np.concatenate(blocks, axis=0)
+        if row_norm == "chi":
+            norms = np.linalg.norm(rng.standard_normal((m, d)), axis=1)
+        else:
+            norms = np.full(m, math.sqrt(d))
+        return np.ascontiguousarray(w * norms[:, None])
+    w = rng.standard_normal((m, d))
+    if row_norm == "fixed":
+        w *= math.sqrt(d) / np.linalg.norm(w, axis=1, keepdims=True)
+    return w
+
+
+# ---------------------------------------------------------------------------
+# Random feature maps
+# ---------------------------------------------------------------------------
+class RandomFeatureMap(FeatureMap):
+    """Base of the maps built on a random projection ``W`` (``m x d``).
+
+    Inputs are first scaled by ``sqrt(scale)`` (default ``scale = 1/sqrt(d)``,
+    the temperature of :func:`linattn_nb.softmax_attention`), so that
+    ``phi(q) . phi(k)`` estimates a kernel of ``scale q . k``.
+
+    Parameters
+    ----------
+    dim : int, optional
+        Input dimension ``d``.  When omitted, ``W`` is drawn at the first call
+        from the input's last axis (then fixed: later inputs must match).
+    num_features : int, optional
+        Number ``m`` of random projections (rows of ``W``).  Default
+        ``max(1, int(d ln d))``, Performer's default.
+    orthogonal : bool
+        Orthogonal (block-QR) rows instead of i.i.d. Gaussian rows
+        (see :func:`draw_projection`).
+    row_norm : {"chi", "fixed"}, default "chi"
+        Row norms of ``W`` (see :func:`draw_projection`).
+    seed : int, numpy.random.Generator or None
+        Seed of the map's own generator: a given seed gives the same ``W``
+        and the same sequence of :meth:`redraw` results.
+    scale : float, optional
+        Temperature; default ``1/sqrt(d)``.
+
+    Attributes
+    ----------
+    W : ndarray (m, d) or None
+        The current projection (None until drawn).
+    """
+
+    default_orthogonal = True
+
+    def __init__(self, dim=None, num_features=None, *, orthogonal=None, row_norm="chi", seed=None,
+                 scale=None):
+        self.dim = _check_count("dim", dim)
+        self.num_features = _check_count("num_features", num_features)
+        if orthogonal is None:
+            orthogonal = self.default_orthogonal
+        if not isinstance(orthogonal, (bool, np.bool_)):
+            raise TypeError(f"orthogonal must be a bool, got {type(orthogonal).__name__}")
+        self.orthogonal = bool(orthogonal)
+        if row_norm not in ("chi", "fixed"):
+            raise ValueError(f"row_norm must be 'chi' or 'fixed', got {row_norm!r}")
+        self.row_norm = row_norm
+        self.scale = _check_scale(scale)
+        self.seed = seed
+        self._rng = np.random.default_rng(seed)
+        self.W = None
+        if self.dim is not None:
+            self._draw(self.dim)
+
+    # -- projection ----------------------------------------------------------
+    def num_projections(self, d: int) -> int:
+        """``m`` for input dimension ``d``."""
+        if self.num_features is not None:
+            return self.num_features
+        return max(1, int(d * math.log(d))) if d > 1 else 1
+
+    def effective_scale(self, d: int) -> float:
+        """The temperature used for inputs of dimension ``d``."""
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(d)
+
+    def _draw(self, d: int) -> None:
+        self.W = draw_projection(self._rng, self.num_projections(d), d, orthogonal=self.orthogonal,
+                                 row_norm=self.row_norm)
+        self.dim = d
+
+    def redraw(self, seed=None) -> None:
+        """Draw a new projection ``W`` (from the map's generator, or from ``seed``).
+
+        Before ``W`` was ever drawn (``dim`` unknown) the next call draws it.
+        """
+        if seed is not None:
+            self.seed = seed
+            self._rng = np.random.default_rng(seed)
+        if self.dim is not None:
+            self._draw(self.dim)
+
+    def weights(self, d: int) -> np.ndarray:
+        """The projection for inputs of dimension ``d`` (drawn now if needed)."""
+        if self.W is None:
+            self._draw(int(d))
+        elif d != self.dim:
+            raise ValueError(
+                f"feature map {self.name!r} was drawn for dim={self.dim}, got inputs of dimension {d}"
+            )
+        return self.W
+
+    def _project(self, x: np.ndarray):
+        """Scaled inputs ``xs`` (float64) and projections ``u = xs W^T``."""
+        d = x.shape[-1]
+        w = self.weights(d)
+        xs = np.asarray(x, dtype=np.float64) * math.sqrt(self.effective_scale(d))
+        return xs, xs @ w.T
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(dim={self.dim}, num_features={self.num_features}, "
+                f"orthogonal={self.orthogonal}, row_norm={self.row_norm!r}, seed={self.seed!r}, "
+                f"scale={self.scale})")
+
+
+class FavorPlusFeatureMap(RandomFeatureMap):
+    r"""FAVOR+ positive random features (Choromanski et al., ICLR 2021, Lemma 1, §2.3-3).
+
+    With ``x' = sqrt(scale) x`` and rows ``w_i`` of ``W``:
+
+    * ``kind="positive"``: ``phi(x) = exp(W x' - |x'|^2/2) / sqrt(m)``, output ``m``;
+    * ``kind="hyperbolic"``: ``phi(x) = exp([W x', -W x'] - |x'|^2/2) / sqrt(2m)``, output ``2m``.
+
+    ``E[phi(x) . phi(y)] = exp(scale x . y)``, the softmax kernel at the
+    temperature of :func:`linattn_nb.softmax_attention`; every feature is
+    positive, so normalisers are positive (no sign cancellation, unlike
+    :class:`RandomFourierFeatureMap`).  Mean squared error: Lemma 2 (i.i.d.)
+    and Theorem 2 (orthogonal), see :mod:`linattn_nb.analysis.theory`.
+
+    Calling the map (``phi(x)``, :meth:`transform`) returns the estimator's
+    features exactly as above.  Attention goes through :meth:`apply`, which
+    stabilises them with shifts inside ``exp`` that cancel between numerator
+    and normaliser:
+
+    * queries (``role="query"``): each token's own maximum logit is
+      subtracted, so query features lie in ``(0, 1]``.  A per-query factor
+      cancels in ``phi(q)^T S / phi(q)^T z`` row by row, causal or not.
+    * keys (``role="key"``): one constant ``c = max(0, max_i |w_i|^2/2 - H)``
+      (``H`` = ``config.FAVOR_KEY_HEADROOM``, 40) is subtracted for every key.
+      Since ``w.x' - |x'|^2/2 = |w|^2/2 - |x' - w|^2/2 <= |w|^2/2``, key
+      features are at most ``exp(H)``: nothing can overflow, for any input.
+      ``c`` depends on ``W`` only, never on the data, so it is the same scalar
+      for every key a query sees, it uses no future token in causal
+      attention (a max over the sequence would: performer-pytorch issue #82),
+      and it is the same in every segment of a sequence processed with
+      ``initial_state``.  The price of a data-independent shift is that keys
+      far from every ``w_i`` underflow: a key's features vanish when
+      ``|x' - w_i|^2/2`` exceeds about 100 (float32) or 740 (float64) for all
+      ``i``; the features then are 0 and the key gets zero weight.
+
+    A map is drawn once and kept until :meth:`redraw`; pass the same map
+    object (not the name, which builds a new unseeded map per call) to every
+    call that must share ``W``, e.g. segments linked by ``initial_state``.
+
+    Parameters
+    ----------
+    dim, num_features, orthogonal, row_norm, seed, scale
+        See :class:`RandomFeatureMap`; ``orthogonal`` defaults to True
+        (the "O" of FAVOR+).
+    kind : {"positive", "hyperbolic"}, default "positive"
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from linattn_nb import feature_maps
+    >>> phi = feature_maps.get("favor+", dim=8, num_features=4096, seed=0, scale=1.0)
+    >>> x, y = np.full(8, 0.1), np.full(8, -0.05)
+    >>> est = float(phi(x) @ phi(y)); exact = float(np.exp(x @ y))
+    >>> abs(est - exact) < 0.02
+    True
+    """
+
+    name = "favor+"
+    is_positive = True
+    estimates_softmax = True
+    default_orthogonal = True
+
+    def __init__(self, dim=None, num_features=None, *, kind="positive", orthogonal=True, row_norm="chi",
+                 seed=None, scale=None):
+        if kind not in ("positive", "hyperbolic"):
+            raise ValueError(f"kind must be 'positive' or 'hyperbolic', got {kind!r}")
+        self.kind = kind
+        from . import config
+
+        self.key_headroom = float(config.FAVOR_KEY_HEADROOM)
+        super().__init__(dim, num_features, orthogonal=orthogonal, row_norm=row_norm, seed=seed, scale=scale)
+
+    def output_dim(self, d: int) -> int:
+        m = self.num_projections(int(d))
+        return 2 * m if self.kind == "hyperbolic" else m
+
+    @property
+    def key_shift(self) -> float:
+        """The constant subtracted from every key logit (0 before ``W`` is drawn)."""
+        if self.W is None:
+            return 0.0
+        bound = 0.5 * float(np.max(np.einsum("ij,ij->i", self.W, self.W)))
+        return max(0.0, bound - self.key_headroom)
+
+    def _logits(self, x):
+        xs, u = self._project(x)
+        if self.kind == "hyperbolic":
+            u = np.concatenate([u, -u], axis=-1)
+        half_sq = 0.5 * np.einsum("...i,...i->...", xs, xs)
+        return u, half_sq
+
+    def transform(self, x):
+        u, half_sq = self._logits(x)
+        with np.errstate(over="ignore"):  # overflow is reported by _cast_features
+            feats = np.exp(u - half_sq[..., None]) / math.sqrt(u.shape[-1])
+        return _cast_features(self.name, feats, x)
+
+    def apply(self, x, *, role, causal=False, offset=0, total_length=None):
+        _check_role(self.name, role)
+        x = _check_input(self.name, x)
+        u, half_sq = self._logits(x)
+        if role == "query":
+            u = u - np.max(u, axis=-1, keepdims=True)
+        else:
+            u = u - (half_sq[..., None] + self.key_shift)
+        return _cast_features(self.name, np.exp(u) / math.sqrt(u.shape[-1]), x)
+
+    def kernel(self, x, y):
+        """``exp(scale x . y)``, the kernel the features estimate."""
+        x = np.asarray(x, dtype=np.float64)
+        y = np.asarray(y, dtype=np.float64)
+        return np.exp(self.effective_scale(x.shape[-1]) * np.sum(x * y, axis=-1))
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", kind={self.kind!r})"
+
+
+class RandomFourierFeatureMap(RandomFeatureMap):
+    r"""Trigonometric random Fourier features (Rahimi & Recht 2007; Performer Lemma 2; RFA).
+
+    With ``x' = sqrt(scale) x`` and ``u = W x'`` (``m`` projections, output ``2m``):
+
+    * ``target="softmax"`` (Performer's trigonometric estimator):
+      ``phi(x) = exp(|x'|^2/2) / sqrt(m) [sin u, cos u]``, so that
+      ``E[phi(x) . phi(y)] = exp(scale x . y)``;
+    * ``target="gaussian"`` (Random Feature Attention, Peng et al. 2021):
+      ``phi(x) = [sin u, cos u] / sqrt(m)``, estimating
+      ``exp(-scale |x - y|^2 / 2)``.
+
+    Features are signed: the normaliser ``phi(q) . z`` can be zero or
+    negative (see the ``eps`` parameter of :func:`linattn_nb.linear_attention`
+    and ``nonpositive_normalizer_rate`` of
+    :func:`linattn_nb.analysis.approximation_error`).
+
+    In attention (:meth:`apply`) queries drop the factor ``exp(|q'|^2/2)``
+    (positive, per query: it cancels row by row, causal or not, and keeps
+    the normaliser's sign).  Keys keep ``exp(|k'|^2/2)``: it is unbounded, so
+    no data-independent shift can bound it; keys with ``|k'|^2/2`` above
+    ~88 (float32) raise ValueError instead of overflowing silently.
+
+    Parameters
+    ----------
+    dim, num_features, orthogonal, row_norm, seed, scale
+        See :class:`RandomFeatureMap`; ``orthogonal`` defaults to False
+        (i.i.d. frequencies, as in RFA).
+    target : {"softmax", "gaussian"}, default "softmax"
+    """
+
+    name = "rff"
+    is_positive = False
+    default_orthogonal = False
+
+    def __init__(self, dim=None, num_features=None, *, target="softmax", orthogonal=False, row_norm="chi",
+                 seed=None, scale=None):
+        if target not in ("softmax", "gaussian"):
+            raise ValueError(f"target must be 'softmax' or 'gaussian', got {target!r}")
+        self.target = target
+        self.estimates_softmax = target == "softmax"
+        super().__init__(dim, num_features, orthogonal=orthogonal, row_norm=row_norm, seed=seed, scale=scale)
+
+    def output_dim(self, d: int) -> int:
+        return 2 * self.num_projections(int(d))
+
+    def _trig(self, x):
+        xs, u = self._project(x)
+        m = u.shape[-1]
+        return xs, np.concatenate([np.sin(u), np.cos(u)], axis=-1) / math.sqrt(m)
+
+    def transform(self, x):
+        xs, feats = self._trig(x)
+        if self.target == "softmax":
+            with np.errstate(over="ignore"):  # overflow is reported by _cast_features
+                feats = feats * np.exp(0.5 * np.einsum("...i,...i->...", xs, xs))[..., None]
+        return _cast_features(self.name, feats, x)
+
+    def apply(self, x, *, role, causal=False, offset=0, total_length=None):
+        _check_role(self.name, role)
+        x = _check_input(self.name, x)
+        if role == "key":
+            return self.transform(x)
+        return _cast_features(self.name, self._trig(x)[1], x)
+
+    def kernel(self, x, y):
+        """``exp(scale x . y)`` (softmax target) or ``exp(-scale |x - y|^2 / 2)`` (gaussian)."""
+        x = np.asarray(x, dtype=np.float64)
+        y = np.asarray(y, dtype=np.float64)
+        s = self.effective_scale(x.shape[-1])
+        if self.target == "softmax":
+            return np.exp(s * np.sum(x * y, axis=-1))
+        return np.exp(-0.5 * s * np.sum((x - y) ** 2, axis=-1))
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", target={self.target!r})"
+
+
+# ---------------------------------------------------------------------------
+# Deterministic maps
+# ---------------------------------------------------------------------------
+class Taylor2FeatureMap(FeatureMap):
+    r"""Second-order Taylor features of ``exp(scale q . k)`` (Based; Arora et al. 2024, Eq. 4).
+
+    With ``x' = sqrt(scale) x`` (default ``scale = 1/sqrt(d)``)::
+
+        phi(x) = [1, x', (x'_i^2 / sqrt(2))_i, (x'_i x'_j)_{i<j}]
+
+    in the symmetric form of output dimension ``1 + d + d(d+1)/2`` (153 at
+    d = 16), so that exactly
+
+    .. math:: \phi(q)\cdot\phi(k) = 1 + t + t^2/2,\quad t = \text{scale}\; q\cdot k,
+
+    the second-order Taylor polynomial of ``exp(t)``.  The kernel is at least
+    1/2 for every pair (``1 + t + t^2/2 = (1 + (1 + t)^2)/2``), so normalisers
+    are positive even though single features are signed.
+
+    Parameters
+    ----------
+    scale : float, optional
+        Default ``1/sqrt(d)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from linattn_nb import feature_maps
+    >>> phi = feature_maps.get("taylor2", scale=1.0)
+    >>> x, y = np.array([0.3, -0.2]), np.array([0.5, 0.4])
+    >>> t = x @ y
+    >>> bool(np.isclose(phi(x) @ phi(y), 1 + t + t * t / 2))
+    True
+    """
+
+    name = "taylor2"
+    is_positive = False
+    estimates_softmax = True
+
+    def __init__(self, scale=None):
+        self.scale = _check_scale(scale)
+
+    def effective_scale(self, d: int) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(d)
+
+    def output_dim(self, d: int) -> int:
+        d = int(d)
+        return 1 + d + d * (d + 1) // 2
+
+    def transform(self, x):
+        d = x.shape[-1]
+        xs = np.asarray(x, dtype=np.float64) * math.sqrt(self.effective_scale(d))
+        i, j = np.triu_indices(d)
+        w = np.where(i == j, 1.0 / math.sqrt(2.0), 1.0)
+        quad = xs[..., i] * xs[..., j] * w
+        ones = np.ones(xs.shape[:-1] + (1,))
+        return np.concatenate([ones, xs, quad], axis=-1).astype(x.dtype, copy=False)
+
+    def kernel(self, x, y):
+        """``1 + t + t^2/2`` with ``t = scale x . y`` (closed form)."""
+        x = np.asarray(x, dtype=np.float64)
+        y = np.asarray(y, dtype=np.float64)
+        t = self.effective_scale(x.shape[-1]) * np.sum(x * y, axis=-1)
+        return 1.0 + t + 0.5 * t * t
+
+    def __repr__(self) -> str:
+        return f"Taylor2FeatureMap(scale={self.scale})"
+
+
+class CosformerFeatureMap(FeatureMap):
+    r"""cosFormer: ReLU features with cos/sin position reweighting (Qin et al., ICLR 2022, §3.3).
+
+    The kernel between a query at position ``i`` and a key at position ``j``
+    is ``relu(q) . relu(k) * cos(pi/2 * (i - j) / M)``.  Because
+    ``cos(a - b) = cos a cos b + sin a sin b`` it factorises into
+
+    .. math:: \phi(x_i) = [\,\mathrm{relu}(x_i)\cos\theta_i,\ \mathrm{relu}(x_i)\sin\theta_i\,],
+       \quad \theta_i = \frac{\pi}{2}\frac{i}{M},
+
+    output dimension ``2d``, so attention stays linear.  Positions run over
+    ``0..M-1``; with ``|i - j| < M`` the weight is positive and every feature
+    is non-negative.
+
+    How positions enter attention (``position_dependent = True``): the
+    dispatcher passes ``offset`` (position of the first token of ``x``; the
+    ``position`` of an ``initial_state``) and ``total_length``.  Token ``t`` of
+    ``x`` sits at position ``offset + t``, for queries and keys alike.
+
+    * Non-causal: every query ``i`` sums over all keys ``j`` with weight
+      ``cos(pi/2 (i - j)/M)``; ``M`` defaults to the sequence length
+      (``total_length``, else ``N``), the paper's choice.
+    * Causal: the same kernel restricted to ``j <= i``, computed by the
+      recurrence over ``phi(k_j) v_j^T`` with the position-weighted features;
+      the features of a token depend on its own position only, so the state
+      carries no future information.
+    * Segment-wise processing (``offset > 0``) needs the same ``M`` in every
+      segment: give ``max_length``; without it, ``offset > 0`` raises
+      ValueError.  A position ``>= M`` raises ValueError too (the weight would
+      turn negative).
+
+    Parameters
+    ----------
+    max_length : int, optional
+        ``M``; at least the length of the whole sequence.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from linattn_nb import feature_maps
+    >>> phi = feature_maps.get("cosformer")
+    >>> f = phi(np.ones((4, 2)))           # positions 0..3, M = 4
+    >>> f.shape
+    (4, 4)
+    >>> bool(np.isclose(f[0] @ f[2], 2 * np.cos(np.pi / 2 * 2 / 4)))
+    True
+    """
+
+    name = "cosformer"
+    is_positive = True
+    position_dependent = True
+
+    def __init__(self, max_length=None):
+        self.max_length = _check_count("max_length", max_length)
+
+    def output_dim(self, d: int) -> int:
+        return 2 * int(d)
+
+    def _length(self, offset: int, n: int, total_length) -> int:
+        offset = int(offset)
+        if offset < 0:
+            raise ValueError(f"cosformer: offset must be >= 0, got {offset}")
+        big_m = self.max_length
+        if big_m is None:
+            if offset > 0:
+                raise ValueError(
+                    f"cosformer: offset={offset} (segment-wise processing) needs a fixed max_length, "
+                    "the same in every segment; build the map with "
+                    "feature_maps.get('cosformer', max_length=...)"
+                )
+            big_m = int(total_length) if total_length is not None else n
+        if offset + n > big_m:
+            raise ValueError(
+                f"cosformer: positions {offset}..{offset + n - 1} exceed max_length M={big_m}; "
+                "cos(pi/2 (i - j)/M) needs M >= sequence length"
+            )
+        return big_m
+
+    def _features(self, x, offset, total_length):
+        if x.ndim < 2:
+            raise ValueError(f"cosformer: input must have shape (..., N, D), got {x.shape}")
+        n = x.shape[-2]
+        big_m = self._length(offset, n, total_length)
+        theta = (0.5 * np.pi / max(big_m, 1)) * (int(offset) + np.arange(n, dtype=np.float64))
+        r = np.maximum(np.asarray(x, dtype=np.float64), 0.0)
+        r = np.where(np.isnan(x), np.nan, r)
+        feats = np.concatenate([r * np.cos(theta)[:, None], r * np.sin(theta)[:, None]], axis=-1)
+        return feats.astype(x.dtype, copy=False)
+
+    def transform(self, x):
+        return self._features(x, 0, None)
+
+    def apply(self, x, *, role, causal=False, offset=0, total_length=None):
+        _check_role(self.name, role)
+        return self._features(_check_input(self.name, x), offset, total_length)
+
+    def kernel(self, x, y, *, pos_x=0, pos_y=0, max_length=None):
+        """``relu(x) . relu(y) cos(pi/2 (pos_x - pos_y) / M)``, ``M = max_length`` (or the map's)."""
+        big_m = max_length if max_length is not None else self.max_length
+        if big_m is None:
+            big_m = max(int(np.max(pos_x)), int(np.max(pos_y))) + 1
+        x = np.maximum(np.asarray(x, dtype=np.float64), 0.0)
+        y = np.maximum(np.asarray(y, dtype=np.float64), 0.0)
+        return np.sum(x * y, axis=-1) * np.cos(0.5 * np.pi * (np.asarray(pos_x) - np.asarray(pos_y)) / big_m)
+
+    def __repr__(self) -> str:
+        return f"CosformerFeatureMap(max_length={self.max_length})"
+
+
+class HedgehogFeatureMap(FeatureMap):
+    r"""Hedgehog features ``phi(x) = [exp(W x + b), exp(-W x - b)]`` (Zhang et al., ICLR 2024, §4.1).
+
+    ``W`` (``d_out x d``) and ``b`` (``d_out``) are supplied by the user (in the
+    paper they are trained so that the linear weights match softmax weights);
+    the defaults, ``W = I`` and ``b = 0``, give
+    ``phi(q) . phi(k) = sum_i 2 cosh(q_i + k_i)``.  Output dimension
+    ``2 d_out``; every feature is positive.  Not an estimator of the softmax
+    kernel (no ``scale``): how close it gets is what
+    :func:`linattn_nb.analysis.approximation_error` measures.
+
+    In attention (:meth:`apply`) query features are divided by their own
+    largest value (a per-query factor: it cancels row by row, causal or not).
+    Key features have no data-independent bound; keys whose features overflow
+    the dtype raise ValueError.
+
+    Parameters
+    ----------
+    W : array_like, shape (d_out, d), optional
+    b : array_like, shape (d_out,), optional
+    """
+
+    name = "hedgehog"
+    is_positive = True
+
+    def __init__(self, W=None, b=None):
+        if W is not None:
+            W = np.array(W, dtype=np.float64)
+            if W.ndim != 2 or W.size == 0:
+                raise ValueError(f"hedgehog: W must be a non-empty 2-D array (d_out, d), got shape {W.shape}")
+            if not np.isfinite(W).all():
+                raise ValueError("hedgehog: W must be finite")
+        if b is not None:
+            b = np.array(b, dtype=np.float64)
+            if b.ndim != 1 or (W is not None and b.shape[0] != W.shape[0]):
+                want = f"({W.shape[0]},)" if W is not None else "(d,)"
+                raise ValueError(f"hedgehog: b must have shape {want}, got {b.shape}")
+            if not np.isfinite(b).all():
+                raise ValueError("hedgehog: b must be finite")
+        self.W = W
+        self.b = b
+
+    def output_dim(self, d: int) -> int:
+        return 2 * (self.W.shape[0] if self.W is not None else int(d))
+
+    def _logits(self, x):
+        d = x.shape[-1]
+        u = np.asarray(x, dtype=np.float64)
+        if self.W is not None:
+            if self.W.shape[1] != d:
+                raise ValueError(f"hedgehog: W has shape {self.W.shape}, inputs have dimension {d}")
+            u = u @ self.W.T
+        if self.b is not None:
+            if self.b.shape[0] != u.shape[-1]:
+                raise ValueError(f"hedgehog: b has shape {self.b.shape}, projections have dimension {u.shape[-1]}")
+            u = u + self.b
+        return np.concatenate([u, -u], axis=-1)
+
+    def transform(self, x):
+        with np.errstate(over="ignore"):  # overflow is reported by _cast_features
+            feats = np.exp(self._logits(x))
+        return _cast_features(self.name, feats, x)
+
+    def apply(self, x, *, role, causal=False, offset=0, total_length=None):
+        _check_role(self.name, role)
+        x = _check_input(self.name, x)
+        if role == "key":
+            return self.transform(x)
+        u = self._logits(x)
+        return _cast_features(self.name, np.exp(u - np.max(u, axis=-1, keepdims=True)), x)
+
+    def __repr__(self) -> str:
+        shape = None if self.W is None else self.W.shape
+        return f"HedgehogFeatureMap(W shape={shape}, b={'set' if self.b is not None else None})"
 
 
 # ---------------------------------------------------------------------------
@@ -327,3 +1048,8 @@ register("relu", ReluFeatureMap)
 register("squared_relu", SquaredReluFeatureMap)
 register("identity", IdentityFeatureMap)
 register("dpfp", DpfpFeatureMap)
+register("favor+", FavorPlusFeatureMap)
+register("rff", RandomFourierFeatureMap)
+register("taylor2", Taylor2FeatureMap)
+register("cosformer", CosformerFeatureMap)
+register("hedgehog", HedgehogFeatureMap)

@@ -1,0 +1,14 @@
+"""Analysis tools for expressivity studies of linear attention.
+
+* how far linear attention is from softmax attention: approximation error at
+  the attention level (:mod:`.error`) and kernel-level theory (:mod:`.theory`);
+* the limits of the fixed-size state: spectra and ranks of attention
+  (:mod:`.spectral`, :mod:`.rank`) and recall capacity (:mod:`.capacity`).
+
+Importing compiles nothing.
+"""
+from .error import ApproximationError, approximation_error, approximation_error_naive, attention_weights
+from .theory import KernelEstimate, favor_mse, kernel_estimate_mse, orthogonal_mse_bound
+from .spectral import cumulative_spectrum, effective_rank, numerical_rank, singular_values, stable_rank
+from .rank import StateRankProfile, attention_rank, semiseparable_rank, state_rank_profile
+from .capacity import MQAR, RecallCapacity, mqar, recall_capacity, state_size

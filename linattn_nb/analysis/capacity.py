@@ -1,0 +1,427 @@
+r"""Associative-recall capacity of the fixed-size state, training-free.
+
+Linear attention stores key-value pairs in a ``D_phi x M`` state
+``S = sum_j phi(k_j) v_j^T``; at most ``D_phi`` keys can be mutually
+orthogonal in feature space, so storing more pairs than that must cause
+retrieval errors (Schlag, Irie & Schmidhuber 2021, "Linear Transformers Are
+Secretly Fast Weight Programmers", §4.1).  :func:`recall_capacity` measures it
+without training: it stores ``n`` random pairs, queries every key, and reports
+the argmax accuracy and the relative error of linear attention's read-out, the
+least-squares floor of any state of the same size, and softmax attention over
+the same pairs (a KV cache, whose memory grows with ``n``).
+
+:func:`mqar` generates Zoology's multi-query associative recall sequences
+(Arora et al. 2023) for training one's own models, and :func:`state_size`
+counts the state as Zoology does.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from .. import config
+from .. import feature_maps as fm
+from ..attention import _check_eps, linear_attention, softmax_attention
+
+__all__ = ["RecallCapacity", "recall_capacity", "MQAR", "mqar", "state_size"]
+
+
+def _check_int(name, x, minimum):
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {type(x).__name__}")
+    if x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return int(x)
+
+
+def _check_positive_float(name, x):
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a positive real number, got {type(x).__name__}")
+    x = float(x)
+    if not (x > 0) or math.isinf(x):
+        raise ValueError(f"{name} must be finite and > 0, got {x}")
+    return x
+
+
+@dataclass(frozen=True)
+class RecallCapacity:
+    """Result of :func:`recall_capacity`: one entry per number of stored pairs.
+
+    All metric arrays are means over the trials.
+
+    Attributes
+    ----------
+    feature_map : str
+        ``repr`` of the feature map.
+    d, d_phi : int
+        Key dimension and feature dimension ``D_phi``.
+    value_dim : int or None
+        ``None`` for one-hot values (``M = n``).
+    key_scale : float
+    trials : int
+    n_pairs : ndarray of int64
+    accuracy : ndarray
+        Fraction of queries whose linear-attention read-out is nearest (in
+        Euclidean distance) to the right stored value; for one-hot values,
+        the argmax of the read-out.
+    mse : ndarray
+        ``||V_hat - V||_F^2 / ||V||_F^2`` of linear attention's normalised
+        read-out (the sum update rule).
+    optimal_mse : ndarray
+        The same error for the best state of size ``D_phi x M``:
+        ``min_W ||phi(K) W - V||_F^2 / ||V||_F^2`` (least squares).  For one-hot
+        values it equals ``1 - rank(phi(K))/n``, the Eckart-Young floor of any
+        read-out of rank <= D_phi (normalised or not).
+    softmax_accuracy, softmax_mse : ndarray
+        Softmax attention over the same pairs (the KV cache baseline).
+    """
+
+    feature_map: str
+    d: int
+    d_phi: int
+    value_dim: Optional[int]
+    key_scale: float
+    trials: int
+    n_pairs: np.ndarray
+    accuracy: np.ndarray
+    mse: np.ndarray
+    optimal_mse: np.ndarray
+    softmax_accuracy: np.ndarray
+    softmax_mse: np.ndarray
+    softmax_scale: float = field(default=float("nan"))
+
+    def to_dict(self) -> dict:
+        """Plain-Python dict (lists instead of arrays), for JSON."""
+        out = {}
+        for name in self.__dataclass_fields__:
+            val = getattr(self, name)
+            out[name] = val.tolist() if isinstance(val, np.ndarray) else val
+        return out
+
+    def table(self) -> str:
+        """A plain-text table, one row per ``n``."""
+        head = (f"feature_map={self.feature_map} d={self.d} D_phi={self.d_phi} "
+                f"values={'one-hot' if self.value_dim is None else f'gaussian M={self.value_dim}'} "
+                f"key_scale={self.key_scale:g} trials={self.trials}")
+        cols = ("n", "acc", "mse", "opt_mse", "smax_acc", "smax_mse")
+        lines = [head, "".join(f"{c:>10}" for c in cols)]
+        for i, n in enumerate(self.n_pairs):
+            vals = (self.accuracy[i], self.mse[i], self.optimal_mse[i], self.softmax_accuracy[i], self.softmax_mse[i])
+            lines.append(f"{int(n):>10}" + "".join(f"{v:>10.4f}" for v in vals))
+        return "\n".join(lines)
+
+
+def _nearest_accuracy(vhat, v):
+    """Fraction of rows i of vhat whose nearest row of v (Euclidean) is row i."""
+    # ||vhat_i - v_j||^2 = ||vhat_i||^2 - 2 vhat_i . v_j + ||v_j||^2: argmin over j
+    score = 2.0 * (vhat @ v.T) - np.einsum("jm,jm->j", v, v)[None, :]
+    return float(np.mean(np.argmax(score, axis=1) == np.arange(v.shape[0])))
+
+
+def _rel_err(vhat, v):
+    return float(np.sum((vhat - v) ** 2) / np.sum(v * v))
+
+
+def _optimal_rel_err(phi, v):
+    """min_W ||phi W - v||_F^2 / ||v||_F^2 via an orthonormal basis of range(phi) (numerical rank)."""
+    u, s, _ = np.linalg.svd(phi, full_matrices=False)
+    if s.size == 0:
+        return 1.0
+    r = int(np.count_nonzero(s > s.max() * max(phi.shape) * np.finfo(np.float64).eps))
+    proj = u[:, :r].T @ v
+    total = float(np.sum(v * v))
+    return max(0.0, total - float(np.sum(proj * proj))) / total
+
+
+def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, trials=8, seed=0,
+                    softmax_scale=None, eps=config.DEFAULT_EPS):
+    r"""Training-free associative recall through linear attention's state.
+
+    For each ``n`` in ``n_pairs`` and each trial: draw keys ``K`` (n x d),
+    i.i.d. ``N(0, 1)`` times ``key_scale``, and values ``V`` -- one-hot
+    (``V = I_n``, so ``M = n``) or, with ``value_dim``, i.i.d. ``N(0, 1)`` in
+    ``R^value_dim``; store all pairs and query every key (non-causal
+    attention with ``q = k``; Schlag et al. 2021, §4.1, setting 1).  Reported
+    per ``n`` (means over trials):
+
+    * ``accuracy`` / ``mse`` of linear attention's normalised read-out
+      ``V_hat = D^{-1} phi(K) phi(K)^T V`` (:func:`linattn_nb.linear_attention`);
+    * ``optimal_mse``: the least-squares best state ``W`` of the same size
+      (``min ||phi(K) W - V||^2``) -- zero up to ``n = D_phi`` for keys in
+      general position and, for one-hot values, exactly ``1 - D_phi/n``
+      beyond (Eckart-Young): no update rule with this feature map does better;
+    * ``softmax_accuracy`` / ``softmax_mse`` of softmax attention over the
+      same pairs (:func:`linattn_nb.softmax_attention`).
+
+    Argmax accuracy can hide the capacity limit (a read-out can have the
+    right argmax and a large error): look at all three.
+
+    Parameters
+    ----------
+    feature_map : str or FeatureMap
+        A registered feature map (``"softmax"`` is the baseline, always reported).
+    d : int
+        Key dimension (>= 1).
+    n_pairs : int or sequence of int
+        Numbers of stored pairs (each >= 1).
+    value_dim : int, optional
+        Gaussian values of this dimension; default one-hot values (memory
+        O(n^2) per trial: keep n <= a few thousand).
+    key_scale : float, default 1.0
+        Keys are ``key_scale * N(0, I_d)``; ``1/sqrt(d)`` gives keys of norm ~1.
+    trials : int, default 8
+        Independent draws per ``n`` (each ``(seed, n, trial)`` has its own
+        random stream, so a result does not depend on the other ``n``).
+    seed : int, default 0
+    softmax_scale : float, optional
+        Temperature of the softmax baseline, default ``1/sqrt(d)``.
+    eps : float or None, default 1e-8
+        Normaliser floor of the linear read-out (:func:`linattn_nb.linear_attention`).
+
+    Returns
+    -------
+    RecallCapacity
+
+    Raises
+    ------
+    ValueError
+        Non-positive sizes, ``key_scale`` or ``softmax_scale``; ``feature_map="softmax"``.
+    TypeError
+        Non-integer sizes, a bad ``feature_map``.
+
+    Examples
+    --------
+    >>> from linattn_nb.analysis import recall_capacity
+    >>> res = recall_capacity("elu", 16, [8, 64], trials=2)
+    >>> res.d_phi, res.n_pairs.tolist()
+    (16, [8, 64])
+    >>> res.optimal_mse.round(3).tolist()             # 0 below D_phi, 1 - 16/64 above
+    [0.0, 0.75]
+    >>> bool(res.mse[1] >= res.optimal_mse[1])
+    True
+    """
+    if isinstance(feature_map, str) and feature_map == "softmax":
+        raise ValueError("feature_map='softmax' is the baseline (softmax_accuracy, softmax_mse); pass a feature map")
+    fmap = fm.resolve(feature_map)
+    d = _check_int("d", d, 1)
+    ns = np.atleast_1d(np.asarray(n_pairs))
+    if ns.ndim != 1 or ns.dtype.kind not in "iu":
+        raise TypeError(f"n_pairs must be an integer or a 1-D sequence of integers, got {n_pairs!r}")
+    if ns.size == 0 or ns.min() < 1:
+        raise ValueError(f"n_pairs must be non-empty and every entry >= 1, got {n_pairs!r}")
+    ns = ns.astype(np.int64)
+    if value_dim is not None:
+        value_dim = _check_int("value_dim", value_dim, 1)
+    key_scale = _check_positive_float("key_scale", key_scale)
+    trials = _check_int("trials", trials, 1)
+    seed = _check_int("seed", seed, 0)
+    softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else _check_positive_float("softmax_scale", softmax_scale)
+    eps = _check_eps(eps)
+    d_phi = int(fmap.output_dim(d))
+
+    metrics = np.zeros((5, ns.size, trials))
+    for a, n in enumerate(ns):
+        n = int(n)
+        for t in range(trials):
+            rng = np.random.default_rng([seed, n, t])
+            keys = key_scale * rng.standard_normal((n, d))
+            vals = np.eye(n) if value_dim is None else rng.standard_normal((n, value_dim))
+            vhat = linear_attention(keys, keys, vals, feature_map=fmap, causal=False, eps=eps)
+            phi = np.asarray(fmap.apply(keys, role="key", causal=False, offset=0, total_length=n), dtype=np.float64)
+            vs = softmax_attention(keys, keys, vals, scale=softmax_scale)
+            metrics[:, a, t] = (
+                _nearest_accuracy(vhat, vals),
+                _rel_err(vhat, vals),
+                _optimal_rel_err(phi, vals),
+                _nearest_accuracy(vs, vals),
+                _rel_err(vs, vals),
+            )
+    acc, mse, opt, sacc, smse = metrics.mean(axis=-1)
+    return RecallCapacity(
+        feature_map=repr(fmap), d=d, d_phi=d_phi, value_dim=value_dim, key_scale=key_scale,
+        trials=trials, n_pairs=ns, accuracy=acc, mse=mse, optimal_mse=opt,
+        softmax_accuracy=sacc, softmax_mse=smse, softmax_scale=softmax_scale,
+    )
+
+
+# ---------------------------------------------------------------------------
+# MQAR (Zoology)
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MQAR:
+    """A batch of multi-query associative recall sequences (:func:`mqar`).
+
+    Attributes
+    ----------
+    inputs : ndarray of int64, shape (n_examples, seq_len)
+        Token ids.
+    labels : ndarray of int64, shape (n_examples, seq_len)
+        ``-100`` (ignored by cross-entropy) everywhere except at each query
+        position, where it is the value to predict as the next token.
+    keys, values : ndarray of int64, shape (n_examples, n_kv)
+        The pairs, in the order they appear in the context.
+    query_positions : ndarray of int64, shape (n_examples, n_kv)
+        Position of the query of ``keys[:, j]``.
+    """
+
+    inputs: np.ndarray
+    labels: np.ndarray
+    keys: np.ndarray
+    values: np.ndarray
+    query_positions: np.ndarray
+
+
+def mqar(n_examples, seq_len, n_kv, *, vocab_size=8192, power_a=0.01, random_non_queries=True, seed=None):
+    r"""Multi-query associative recall sequences (Zoology; Arora et al. 2023, §3 and App.).
+
+    Each example starts with ``n_kv`` key-value pairs ``k_1 v_1 ... k_n v_n``
+    (keys distinct, drawn from ``[1, V/2)``; values distinct, from
+    ``[V/2, V)``).  The remaining ``seq_len - 2 n_kv`` positions form
+    ``(seq_len - 2 n_kv)/2`` two-token slots; every key is queried exactly
+    once, at the first position of a slot, the slots drawn without
+    replacement with the power law ``p(i) ∝ a i^(a-1)`` over the slot index
+    ``i = 1, 2, ...`` (small ``a`` puts most queries close to the context).
+    The label at a query position is the key's value (to be predicted as the
+    next token), ``-100`` elsewhere.  Every other position holds a random
+    token (``random_non_queries``) or 0.
+
+    One deliberate difference from Zoology's generator: the random filler
+    never uses the example's own keys, so each key occurs exactly twice (in
+    its pair and at its query) and a filler token cannot be mistaken for an
+    unlabelled query.
+
+    Parameters
+    ----------
+    n_examples : int
+    seq_len : int
+        Even, at least ``4 n_kv``, smaller than ``vocab_size``.
+    n_kv : int
+        Key-value pairs per example (>= 1).
+    vocab_size : int, default 8192
+    power_a : float, default 0.01
+        Exponent ``a`` of the query-position power law (0 < a).
+    random_non_queries : bool, default True
+    seed : int or numpy.random.Generator, optional
+
+    Returns
+    -------
+    MQAR
+        ``inputs``, ``labels`` and, for convenience, ``keys``, ``values``,
+        ``query_positions``.
+
+    Raises
+    ------
+    ValueError
+        When Zoology's constraints fail: ``seq_len`` odd, ``vocab_size <=
+        seq_len``, ``4 n_kv > seq_len``; non-positive sizes or ``power_a``.
+
+    Examples
+    --------
+    >>> from linattn_nb.analysis import mqar
+    >>> batch = mqar(2, 16, 2, vocab_size=32, seed=0)
+    >>> batch.inputs.shape, batch.labels.shape
+    ((2, 16), (2, 16))
+    >>> bool(((batch.labels == -100).sum(axis=1) == 14).all())
+    True
+    """
+    n_examples = _check_int("n_examples", n_examples, 0)
+    seq_len = _check_int("seq_len", seq_len, 2)
+    n_kv = _check_int("n_kv", n_kv, 1)
+    vocab_size = _check_int("vocab_size", vocab_size, 4)
+    power_a = _check_positive_float("power_a", power_a)
+    if seq_len % 2:
+        raise ValueError(f"seq_len must be even (Zoology's MQAR), got {seq_len}")
+    if vocab_size <= seq_len:
+        raise ValueError(f"vocab_size must be larger than seq_len, got vocab_size={vocab_size}, seq_len={seq_len}")
+    if 4 * n_kv > seq_len:
+        raise ValueError(f"4 * n_kv must be <= seq_len, got n_kv={n_kv}, seq_len={seq_len}")
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+
+    half = vocab_size // 2
+    context = 2 * n_kv
+    slots = (seq_len - context) // 2
+    idx = np.arange(1, slots + 1, dtype=np.float64)
+    p = power_a * idx ** (power_a - 1.0)
+    p /= p.sum()
+
+    inputs = np.zeros((n_examples, seq_len), dtype=np.int64)
+    labels = np.full((n_examples, seq_len), -100, dtype=np.int64)
+    keys = np.empty((n_examples, n_kv), dtype=np.int64)
+    values = np.empty((n_examples, n_kv), dtype=np.int64)
+    qpos = np.empty((n_examples, n_kv), dtype=np.int64)
+    for e in range(n_examples):
+        ks = rng.choice(np.arange(1, half), size=n_kv, replace=False)
+        vs = rng.choice(np.arange(half, vocab_size), size=n_kv, replace=False)
+        chosen = rng.choice(slots, size=n_kv, replace=False, p=p)
+        pos = context + 2 * chosen
+        row = inputs[e]
+        row[0:context:2] = ks
+        row[1:context:2] = vs
+        if random_non_queries:
+            # uniform over the vocabulary minus this example's keys
+            free = np.ones(seq_len, dtype=bool)
+            free[:context] = False
+            free[pos] = False
+            u = rng.integers(0, vocab_size - n_kv, size=int(free.sum()))
+            for kk in np.sort(ks):
+                u += u >= kk
+            row[free] = u
+        row[pos] = ks
+        labels[e, pos] = vs
+        keys[e], values[e], qpos[e] = ks, vs, pos
+    return MQAR(inputs, labels, keys, values, qpos)
+
+
+# ---------------------------------------------------------------------------
+# State size
+# ---------------------------------------------------------------------------
+def state_size(feature_map, d, value_dim, heads=1, *, dtype=np.float64, seq_len=None):
+    """Recurrent state size in bytes, counted as Zoology counts it.
+
+    Linear attention keeps, per head, ``S`` (``D_phi x M``) and ``z``
+    (``D_phi``): ``heads * (M * D_phi + D_phi)`` numbers (Arora et al. 2023,
+    Zoology; Based, Arora et al. 2024), times the item size of ``dtype``.
+    For ``feature_map="softmax"`` the KV cache of ``seq_len`` tokens:
+    ``heads * seq_len * (d + M)`` numbers.
+
+    Parameters
+    ----------
+    feature_map : str or FeatureMap
+        Its ``output_dim(d)`` is ``D_phi``; or ``"softmax"``.
+    d : int
+        Query/key dimension per head.
+    value_dim : int
+        Value dimension per head ``M`` (Zoology's ``head_dim``).
+    heads : int, default 1
+    dtype : numpy dtype, default float64
+        The dtype the state is held in (:class:`linattn_nb.LinearState` is float64).
+    seq_len : int, optional
+        Required for ``"softmax"``.
+
+    Returns
+    -------
+    int
+        Bytes.
+
+    Examples
+    --------
+    >>> from linattn_nb.analysis import state_size
+    >>> state_size("elu", 64, 64, heads=8)                 # 8 * (64*64 + 64) * 8 bytes
+    266240
+    >>> state_size("softmax", 64, 64, heads=8, seq_len=1024, dtype="float16")
+    2097152
+    """
+    d = _check_int("d", d, 1)
+    value_dim = _check_int("value_dim", value_dim, 1)
+    heads = _check_int("heads", heads, 1)
+    itemsize = np.dtype(dtype).itemsize
+    if isinstance(feature_map, str) and feature_map == "softmax":
+        if seq_len is None:
+            raise ValueError("feature_map='softmax': the KV cache grows with the sequence; pass seq_len")
+        seq_len = _check_int("seq_len", seq_len, 0)
+        return heads * seq_len * (d + value_dim) * itemsize
+    d_phi = int(fm.resolve(feature_map).output_dim(d))
+    return heads * (value_dim * d_phi + d_phi) * itemsize

@@ -1,0 +1,897 @@
+r"""Rank of attention weights and of the recurrent state, without forming N x N.
+
+Linear attention with a feature map :math:`\phi` of dimension ``D_phi``
+mixes tokens through
+
+.. math:: A = D^{-1} \phi(Q) \phi(K)^\top, \qquad D = \operatorname{diag}(\phi(Q) z),
+
+a matrix of rank at most ``D_phi`` however long the sequence; its causal
+version ``D^{-1} \operatorname{tril}(\phi(Q)\phi(K)^\top)`` is usually full
+rank, but every strictly-lower block ``A[i:, :i]`` still has rank at most
+``D_phi`` (it is *semiseparable*).  Softmax weights have neither bound.  The
+functions here measure these ranks from the ``N x D_phi`` factors, so they
+run at sequence lengths where the explicit matrix would not fit in memory:
+
+* :func:`attention_rank` -- numerical rank (and spectrum) of the weights;
+* :func:`semiseparable_rank` -- the largest rank over the strictly-lower blocks;
+* :func:`state_rank_profile` -- the rank of the state ``S_t`` as ``t`` grows.
+
+Everything is computed in float64.  Ranks are numerical ranks with the
+conventions of :func:`numpy.linalg.matrix_rank` applied to the matrix being
+ranked (the default relative tolerance is ``max(rows, cols) * eps``), so a
+factor-based result equals what ``matrix_rank`` says about the explicit
+matrix, up to singular values within rounding of the tolerance.
+
+References
+----------
+Katharopoulos et al. 2020, "Transformers are RNNs", Eqs. 7 and 10-12 (the
+factorised weights and the state).  The semiseparable structure of causal
+linear attention: e.g. Dao & Gu 2024, "Transformers are SSMs" (state space
+duality), §3-4.  See also /work/shared/REFERENCES.md, "Rank and spectra".
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import numba
+from numba import njit, prange
+
+from .. import _validate as V
+from .. import config
+from .. import feature_maps as fm
+from ..ops._common import phi
+from .spectral import _check_rtol, rank_from_singular_values
+
+__all__ = ["attention_rank", "semiseparable_rank", "state_rank_profile", "StateRankProfile"]
+
+_EPS64 = float(np.finfo(np.float64).eps)
+
+
+# ---------------------------------------------------------------------------
+# Argument handling
+# ---------------------------------------------------------------------------
+def _is_softmax(feature_map) -> bool:
+    return isinstance(feature_map, str) and feature_map == "softmax"
+
+
+def _resolve_map(feature_map):
+    """``"softmax"`` -> None (explicit softmax weights), else a FeatureMap."""
+    if _is_softmax(feature_map):
+        return None
+    return fm.resolve(feature_map)
+
+
+def _check_eps(eps):
+    from ..attention import _check_eps as check
+
+    return check(eps)
+
+
+def _check_scale(scale, d):
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, (bool, np.bool_)) or not np.isscalar(scale):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def _check_method(method, allowed):
+    if not isinstance(method, str) or method not in allowed:
+        raise ValueError(f"method must be one of {', '.join(map(repr, allowed))}, got {method!r}")
+    return method
+
+
+def _prepare_pair(q, k, names, *, same_n, check_finite, last_dims_equal=True):
+    """Validate two (..., N, X) arrays; return float64 copies, batch shape, sizes."""
+    qn, kn = names
+    q = V.as_host_array(qn, q)
+    k = V.as_host_array(kn, k)
+    for name, x in ((qn, q), (kn, k)):
+        V.check_float_dtype(name, x.dtype)
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 dimensions (..., N, D), got shape {tuple(x.shape)}")
+    if q.ndim != k.ndim or tuple(q.shape[:-2]) != tuple(k.shape[:-2]):
+        raise ValueError(
+            f"{qn} and {kn} must have equal leading batch dimensions, got shapes {tuple(q.shape)} and {tuple(k.shape)}"
+        )
+    if same_n and q.shape[-2] != k.shape[-2]:
+        raise ValueError(
+            f"{qn} and {kn} must have the same sequence length N (axis -2), got shapes "
+            f"{tuple(q.shape)} and {tuple(k.shape)}"
+        )
+    if last_dims_equal and q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"{qn} and {kn} must have the same feature dimension D (axis -1), got shapes "
+            f"{tuple(q.shape)} and {tuple(k.shape)}"
+        )
+    if q.shape[-1] == 0 or k.shape[-1] == 0:
+        raise ValueError(f"feature dimensions must be at least 1, got shapes {tuple(q.shape)} and {tuple(k.shape)}")
+    if check_finite:
+        V.check_finite(qn, q)
+        V.check_finite(kn, k)
+    return (np.asarray(q, dtype=np.float64), np.asarray(k, dtype=np.float64), tuple(q.shape[:-2]))
+
+
+def _inline_code(fmap, d):
+    """The Numba kernel code of an elementwise map (as linear_attention's kernels use it), else None."""
+    code = fmap.kernel_code
+    if code is None or int(fmap.output_dim(d)) != d:
+        return None
+    return int(code)
+
+
+def _features(fmap, x, *, role, causal, name):
+    """Features of x (..., N, D) as linear_attention computes them, float64, flattened to (B, N, F).
+
+    Maps with a kernel code are applied by a parallel Numba loop (the same
+    ``phi`` as the attention kernels); the others through ``fmap.apply``.
+    """
+    n, d = x.shape[-2], x.shape[-1]
+    f = int(fmap.output_dim(d))
+    code = _inline_code(fmap, d)
+    if code is not None:
+        x2 = np.ascontiguousarray(x, dtype=np.float64).reshape((-1, d))
+        out = np.empty_like(x2)
+        if x2.size:
+            _inline_features(x2, code, out)
+        out = out.reshape(x.shape)
+    else:
+        out = np.asarray(fmap.apply(x, role=role, causal=causal, offset=0, total_length=n), dtype=np.float64)
+    if out.shape != x.shape[:-1] + (f,):
+        raise ValueError(
+            f"feature map {fmap.name!r} returned features of shape {out.shape} for {name} of shape "
+            f"{x.shape}, expected {x.shape[:-1] + (f,)} (output_dim({d}) = {f})"
+        )
+    if out.size and not np.isfinite(out).all():
+        raise ValueError(
+            f"feature map {fmap.name!r} produced non-finite features of {name} (overflow?); "
+            "rescale the inputs"
+        )
+    return out.reshape((int(np.prod(x.shape[:-2], dtype=np.int64)), n, f))
+
+
+def _floor(den, eps):
+    return den if eps is None else np.maximum(den, eps)
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _causal_normalise_kernel(fq, fk, eps, clip, out):
+    """out[i] = fq[i] / max(fq[i] . sum_{j <= i} fk[j], eps); returns the number of bad normalisers."""
+    n, f = fq.shape
+    z = np.zeros(f)
+    bad = 0
+    for i in range(n):
+        den = 0.0
+        for j in range(f):
+            z[j] += fk[i, j]
+            den += fq[i, j] * z[j]
+        if clip and den < eps:
+            den = eps
+        if den == 0.0 or not math.isfinite(den):
+            bad += 1
+        for j in range(f):
+            out[i, j] = fq[i, j] / den
+    return bad
+
+
+def _causal_normalised_query_features(fq, fk, *, eps):
+    """phi(q_i) / den_i with den_i = phi(q_i) . sum_{j <= i} phi(k_j), floored like linear_attention."""
+    out = np.empty_like(fq)
+    bad = _causal_normalise_kernel(np.ascontiguousarray(fq), np.ascontiguousarray(fk),
+                                   0.0 if eps is None else float(eps), eps is not None, out)
+    if bad:
+        raise ValueError(
+            f"{bad} normaliser(s) phi(q_i) . z_i are zero (signed feature map with eps=None?): "
+            "the attention weights are undefined; pass eps > 0"
+        )
+    return out
+
+
+def _check_explicit_n(n, limit_name, limit):
+    if n > limit:
+        raise ValueError(
+            f"N = {n} is above the limit for explicit N x N weights ({limit}, "
+            f"linattn_nb.config.{limit_name}); raise it if you have the memory and time"
+        )
+
+
+def _kernel_weights(fq, fk, *, causal, eps):
+    """Explicit linear-attention weights (N x N), normalised, float64."""
+    w = fq @ fk.T
+    if causal:
+        w = np.tril(w)
+    den = _floor(w.sum(axis=-1), eps)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        w = w / den[:, None]
+    if w.size and not np.isfinite(w).all():
+        raise ValueError("a normaliser is zero (signed feature map with eps=None?): pass eps > 0")
+    return w
+
+
+def _softmax_weights(q, k, *, causal, scale):
+    s = scale * (q @ k.T)
+    if causal:
+        n = s.shape[0]
+        s = np.where(np.tril(np.ones((n, s.shape[1]), dtype=bool)), s, -np.inf)
+    s = s - s.max(axis=-1, keepdims=True)
+    w = np.exp(s)
+    w /= w.sum(axis=-1, keepdims=True)
+    return w
+
+
+def _svals(a):
+    if a.size == 0:
+        return np.zeros(min(a.shape))
+    return np.linalg.svd(a, compute_uv=False)
+
+
+# ---------------------------------------------------------------------------
+# Streamed R factors
+# ---------------------------------------------------------------------------
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _householder_update(R, XT, L):
+    """R (F x F upper triangular) <- R factor of [R; X] with X = XT[:, :L].T; XT is overwritten.
+
+    One Householder reflection per column; the reflector of column j lives on
+    row j of R and the L rows of X only (R is already triangular), so a
+    block costs ~2 L F^2 flops (backward stable, like LAPACK's dgeqrf).  XT holds the block transposed so that the
+    inner loops run over contiguous memory (SIMD).
+    """
+    F = R.shape[0]
+    for j in range(F):
+        # LAPACK dlarfg-style reflector H = I - tau u u^T, u = [1; x / (a - alpha)],
+        # computed on values scaled by their largest magnitude (no over/underflow).
+        m = abs(R[j, j])
+        for t in range(L):
+            m = max(m, abs(XT[j, t]))
+        if m == 0.0:
+            continue
+        s = 0.0
+        for t in range(L):
+            y = XT[j, t] / m
+            s += y * y
+        if s == 0.0:  # nothing to eliminate (or below m * 1e-154: negligible)
+            continue
+        a = R[j, j] / m
+        nrm = math.sqrt(a * a + s)
+        alpha = -nrm if a > 0 else nrm
+        d = a - alpha          # |d| >= nrm > 0
+        tau = -d / alpha       # in [1, 2]
+        for t in range(L):
+            XT[j, t] = (XT[j, t] / m) / d   # u_t, |u_t| <= 1
+        R[j, j] = alpha * m
+        for c in range(j + 1, F):
+            w = R[j, c]
+            for t in range(L):
+                w += XT[j, t] * XT[c, t]
+            w *= tau
+            R[j, c] -= w
+            for t in range(L):
+                XT[c, t] -= w * XT[j, t]
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _qr_append(R, X, block):
+    """Stream the rows of X (n x F) into the R factor R (F x F), ``block`` rows at a time."""
+    n, F = X.shape
+    lb = max(1, min(block, n))
+    XT = np.empty((F, lb))
+    for s0 in range(0, n, lb):
+        L = min(lb, n - s0)
+        for t in range(L):
+            for j in range(F):
+                XT[j, t] = X[s0 + t, j]
+        _householder_update(R, XT, L)
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def _stream_r_kernel(X, code, z, eps, clip, normalise, nchunks, block):
+    """TSQR of the rows ``y_t = phi(X[t], code)`` -- divided by ``max(y_t . z, eps)`` when ``normalise``.
+
+    One chunk of rows per thread, each streamed into its own R factor block
+    by block, then the chunk factors are combined.  Returns ``(R, colsum, bad)``:
+    the F x F factor, the column sums of the (unnormalised) features (``z``
+    for keys) and the number of rows whose normaliser was zero or not finite.
+    The features are never stored: memory O(threads F^2 + block F).
+    """
+    n, F = X.shape
+    Rs = np.zeros((nchunks, F, F))
+    sums = np.zeros((nchunks, F))
+    bad = np.zeros(nchunks, dtype=np.int64)
+    for c in prange(nchunks):
+        a = c * n // nchunks
+        b = (c + 1) * n // nchunks
+        lb = max(1, min(block, b - a))
+        XT = np.empty((F, lb))
+        row = np.empty(F)
+        for s0 in range(a, b, lb):
+            L = min(lb, b - s0)
+            for t in range(L):
+                den = 0.0
+                for j in range(F):
+                    y = phi(X[s0 + t, j], code)
+                    row[j] = y
+                    sums[c, j] += y
+                    den += y * z[j]
+                if normalise:
+                    if clip and den < eps:
+                        den = eps
+                    if den == 0.0 or not math.isfinite(den):
+                        bad[c] += 1
+                    for j in range(F):
+                        XT[j, t] = row[j] / den
+                else:
+                    for j in range(F):
+                        XT[j, t] = row[j]
+            _householder_update(Rs[c], XT, L)
+    R = Rs[0].copy()
+    for c in range(1, nchunks):
+        _qr_append(R, Rs[c], block)
+    colsum = np.zeros(F)
+    for c in range(nchunks):
+        for j in range(F):
+            colsum[j] += sums[c, j]
+    return R, colsum, bad.sum()
+
+
+def _stream_r(X, code=0, z=None, eps=None):
+    """R factor of phi(X) (rows divided by max(phi(x).z, eps) when z is given) and the feature column sums."""
+    n, f = X.shape
+    if n == 0:
+        return np.zeros((f, f)), np.zeros(f)
+    X = np.ascontiguousarray(X, dtype=np.float64)
+    nchunks = max(1, min(numba.get_num_threads(), n // max(4 * f, 1)))
+    normalise = z is not None
+    zz = np.zeros(f) if z is None else np.ascontiguousarray(z, dtype=np.float64)
+    R, colsum, bad = _stream_r_kernel(X, int(code), zz, 0.0 if eps is None else float(eps), eps is not None,
+                                      normalise, nchunks, int(config.ANALYSIS_QR_BLOCK))
+    if bad:
+        raise ValueError(
+            f"{int(bad)} normaliser(s) phi(q_i) . z are zero (signed feature map with eps=None?): "
+            "the attention weights are undefined; pass eps > 0"
+        )
+    return R, colsum
+
+
+def _append_rows(R, X):
+    """R (F x F, upper triangular) <- R factor of [R; X] (streamed Householder): O(n F^2).
+
+    Long segments go through the parallel TSQR first (their own factor, then
+    merged into R); short ones are streamed serially.
+    """
+    n, f = X.shape
+    if n == 0:
+        return R
+    if n >= 64 * max(f, 1) and numba.get_num_threads() > 1:
+        X = _r_factor(X)
+    _qr_append(R, np.ascontiguousarray(X, dtype=np.float64), int(config.ANALYSIS_QR_BLOCK))
+    return R
+
+
+def _r_factor(X):
+    """R (F x F) with R^T R = X^T X: parallel TSQR, O(N F^2) flops, scratch O(threads F^2 + block F)."""
+    return _stream_r(X)[0]
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def _inline_features(x, code, out):
+    """out[i, j] = phi(x[i, j], code) for the elementwise maps the Numba kernels know."""
+    for i in prange(x.shape[0]):
+        for j in range(x.shape[1]):
+            out[i, j] = phi(x[i, j], code)
+
+
+def _span_changes(X, tau, block=1024):
+    """Prefix lengths at which ``dim span(X[:i])`` grows (incremental Gram-Schmidt).
+
+    A row counts as new when its residual against the current orthonormal
+    basis (projected twice, "twice is enough") exceeds ``tau * ||row||``.
+    Returns a sorted int64 array of at most F entries.  Blocked so that the
+    projections are matrix products: O(N F r) with r the final rank; the scan
+    stops as soon as the span is the whole space.
+    """
+    n, f = X.shape
+    basis = np.zeros((f, f))
+    r = 0
+    changes = []
+    pos = 0
+    while pos < n and r < f:
+        blk = X[pos:pos + block]
+        nx = np.sqrt(np.einsum("ij,ij->i", blk, blk))
+        b = basis[:r]
+        y = blk - (blk @ b.T) @ b
+        y -= (y @ b.T) @ b
+        ny = np.sqrt(np.einsum("ij,ij->i", y, y))
+        j = 0
+        while r < f:
+            hits = np.flatnonzero(ny[j:] > tau * nx[j:])
+            if hits.size == 0:
+                break
+            t = j + int(hits[0])
+            row = blk[t].copy()
+            for _ in range(2):
+                row -= basis[:r].T @ (basis[:r] @ row)
+            nr = math.sqrt(float(row @ row))
+            if nr > tau * nx[t]:
+                e = row / nr
+                basis[r] = e
+                r += 1
+                changes.append(pos + t + 1)
+                if t + 1 < len(blk):
+                    rest = y[t + 1:]
+                    rest -= np.outer(rest @ e, e)
+                    ny[t + 1:] = np.sqrt(np.einsum("ij,ij->i", rest, rest))
+            j = t + 1
+        pos += len(blk)
+    return np.asarray(changes, dtype=np.int64)
+
+
+# ---------------------------------------------------------------------------
+# attention_rank
+# ---------------------------------------------------------------------------
+def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=config.DEFAULT_EPS,
+                   rtol=None, method="auto", return_spectrum=False, check_finite=True):
+    r"""Numerical rank of attention weights, from the factors when they are low rank.
+
+    For kernel attention the weights are ``A = D^{-1} phi(Q) phi(K)^T`` with
+    ``D = diag(phi(Q) z)`` (non-causal) -- rank at most ``D_phi``.  With thin
+    R factors ``D^{-1} phi(Q) = Q_1 R_1`` and ``phi(K) = Q_2 R_2`` the non-zero
+    singular values of ``A`` are those of the ``D_phi x D_phi`` matrix
+    ``R_1 R_2^T``: cost O(N D_phi^2 + D_phi^3), so it runs at N = 10^6
+    (about 5 s at D = 64 on 2 shared cores; benchmarks/analysis_rank.py).
+    The R factors come from a parallel streamed Householder QR (TSQR, a Numba
+    kernel, backward stable like LAPACK's); elementwise maps with a kernel
+    code (ELU+1, ReLU, ...) are applied inside it, so no ``N x D_phi``
+    feature matrix is stored; other maps are applied first through
+    ``FeatureMap.apply``.
+
+    Causal kernel weights ``D^{-1} tril(phi(Q) phi(K)^T)`` are not low rank
+    (positive features make the diagonal non-zero, so the matrix is usually
+    full rank; the structured quantity is :func:`semiseparable_rank`), and
+    softmax weights have no factors: both are formed explicitly, for
+    ``N <= config.ANALYSIS_EXPLICIT_MAX_N`` (8192), in O(N^2 D + N^3).
+
+    Parameters
+    ----------
+    q : array_like, shape (..., Nq, D)
+    k : array_like, shape (..., Nk, D)
+        Equal leading batch dimensions; ``Nq == Nk`` when ``causal``.
+        float16/32/64 (computed in float64).
+    feature_map : str, FeatureMap or None, default "elu"
+        A registered feature map (as in :func:`linattn_nb.linear_attention`),
+        or ``"softmax"`` for softmax weights ``softmax(scale q k^T)``.
+    causal : bool, default False
+    scale : float, optional
+        Softmax temperature, default ``1 / sqrt(D)``; ignored by kernel maps.
+    eps : float or None, default 1e-8
+        Floor of the normaliser, exactly as in :func:`linattn_nb.linear_attention`.
+    rtol : float or array_like, optional
+        Relative tolerance of the numerical rank; default
+        ``max(Nq, Nk) * eps64`` (:func:`numpy.linalg.matrix_rank` on the explicit matrix).
+    method : {"auto", "factor", "explicit"}
+        ``"factor"``: from the R factors (non-causal kernel weights only);
+        ``"explicit"``: form the matrix and take its SVD (the reference);
+        ``"auto"``: ``"factor"`` where it applies, else ``"explicit"``.
+    return_spectrum : bool, default False
+        Also return the singular values, descending: the ``min(D_phi, Nq, Nk)``
+        that can be non-zero for ``"factor"`` (the others are exactly zero),
+        all ``min(Nq, Nk)`` for ``"explicit"``.  Feed them to
+        :func:`~linattn_nb.analysis.effective_rank` etc. with ``spectrum=True``.
+    check_finite : bool, default True
+
+    Returns
+    -------
+    rank : int or ndarray of int64, shape (...)
+    spectrum : ndarray, shape (..., K)
+        Only with ``return_spectrum``.
+
+    Raises
+    ------
+    ValueError
+        Shape mismatches, non-finite inputs or features, a zero normaliser with
+        ``eps=None``, N above the explicit limit, ``method="factor"`` where
+        there are no low-rank factors.
+    TypeError
+        Non-floating inputs, a bad ``feature_map``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from linattn_nb.analysis import attention_rank
+    >>> rng = np.random.default_rng(0)
+    >>> q, k = rng.normal(size=(2, 4096, 16))
+    >>> attention_rank(q, k, "elu")                      # 4096 x 4096 weights of rank D_phi
+    16
+    >>> attention_rank(q[:512], k[:512], "softmax", scale=2.0) > 16
+    True
+    """
+    fmap = _resolve_map(feature_map)
+    eps = _check_eps(eps)
+    causal = bool(causal)
+    method = _check_method(method, ("auto", "factor", "explicit"))
+    q, k, batch_shape = _prepare_pair(q, k, ("q", "k"), same_n=causal, check_finite=check_finite)
+    nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    b = int(np.prod(batch_shape, dtype=np.int64))
+    if rtol is not None:
+        rtol = np.broadcast_to(_check_rtol(rtol, batch_shape), batch_shape).reshape(-1)
+    factor_ok = fmap is not None and not causal
+    if method == "factor" and not factor_ok:
+        why = "softmax weights have no low-rank factors" if fmap is None else "causal weights are not low rank"
+        raise ValueError(f"method='factor' does not apply here ({why}); use method='explicit'")
+    use_factor = factor_ok and method != "explicit"
+    if not use_factor:
+        _check_explicit_n(max(nq, nk), "ANALYSIS_EXPLICIT_MAX_N", config.ANALYSIS_EXPLICIT_MAX_N)
+    code = None if fmap is None else _inline_code(fmap, d)
+    if fmap is None:
+        scale = _check_scale(scale, d)
+        fq = q.reshape((b, nq, d))
+        fk = k.reshape((b, nk, d))
+        f = None
+    elif use_factor and code is not None:
+        # elementwise map: the streamed QR applies it on the fly, features never stored
+        fq = q.reshape((b, nq, d))
+        fk = k.reshape((b, nk, d))
+        f = d
+    else:
+        fq = _features(fmap, q, role="query", causal=causal, name="q")
+        fk = _features(fmap, k, role="key", causal=causal, name="k")
+        f = fq.shape[-1]
+        code = 0
+    nsv = min(f, nq, nk) if use_factor else min(nq, nk)
+    ranks = np.zeros(b, dtype=np.int64)
+    spectra = np.zeros((b, nsv))
+    for i in range(b):
+        if nq == 0 or nk == 0:
+            continue
+        if use_factor:
+            r_k, z = _stream_r(fk[i], code)
+            r_q, _ = _stream_r(fq[i], code, z=z, eps=eps)
+            s = _svals(r_q @ r_k.T)[:nsv]
+        else:
+            if fmap is None:
+                w = _softmax_weights(fq[i], fk[i], causal=causal, scale=scale)
+            else:
+                w = _kernel_weights(fq[i], fk[i], causal=causal, eps=eps)
+            s = _svals(w)
+        spectra[i] = s
+        ranks[i] = rank_from_singular_values(s, max(nq, nk), None if rtol is None else rtol[i])
+    rank = int(ranks[0]) if batch_shape == () else ranks.reshape(batch_shape)
+    if return_spectrum:
+        return rank, spectra.reshape(batch_shape + (nsv,))
+    return rank
+
+
+# ---------------------------------------------------------------------------
+# semiseparable_rank
+# ---------------------------------------------------------------------------
+def _block_rank(s, rows, cols, rtol):
+    return int(rank_from_singular_values(s, max(rows, cols), rtol))
+
+
+def _semiseparable_explicit(w, rtol):
+    """Largest numerical rank of w[i:, :i] over 1 <= i < N; splits by decreasing min(i, N - i)."""
+    n = w.shape[0]
+    if n < 2:
+        return 0, 0
+    splits = np.arange(1, n)
+    bounds = np.minimum(splits, n - splits)
+    order = np.lexsort((splits, -bounds))
+    best, best_i = -1, 0
+    for i in splits[order]:
+        i = int(i)
+        if min(i, n - i) < best:
+            break
+        r = _block_rank(_svals(w[i:, :i]), n - i, i, rtol)
+        if r > best or (r == best and i < best_i):
+            best, best_i = r, i
+    return best, best_i
+
+
+def _semiseparable_factor(pq, fk, rtol, budget):
+    """Largest numerical rank of B_i = pq[i:] fk[:i]^T over the splits, from the factors.
+
+    ``dim span(fk[:i])`` and ``dim span(pq[i:])`` change at most F times each
+    (:func:`_span_changes`); between changes both spans are fixed and so is
+    ``rank B_i`` (in exact arithmetic).  The candidates -- split 1 and every
+    change -- are at most 2F + 1.  Each is bounded by min(u_i, w_i) (the two
+    span dimensions); the candidates are evaluated in decreasing order of that
+    bound, ``sigma(B_i) = sigma(R_S(i) R_P(i)^T)`` from streamed R factors of
+    the suffix ``pq[i:]`` and the prefix ``fk[:i]``, and the scan stops once
+    no remaining bound can reach the best rank found.
+    """
+    n, f = fk.shape
+    if n < 2:
+        return 0, 0
+    tau = f * _EPS64
+    cu = _span_changes(fk, tau)                     # prefix lengths where dim span(fk[:i]) grows
+    cw = _span_changes(pq[::-1], tau)               # suffix lengths where dim span(pq[n-l:]) grows
+    cand = {1}
+    cand.update(int(i) for i in cu if 1 <= i <= n - 1)
+    cand.update(int(n - l + 1) for l in cw if 1 <= n - l + 1 <= n - 1)
+    cand = np.array(sorted(cand), dtype=np.int64)
+    u = np.searchsorted(cu, cand, side="right")     # dim span(fk[:i])
+    w = np.searchsorted(cw, n - cand, side="right")  # dim span(pq[i:])
+    bound = np.minimum(u, w)
+    order = np.lexsort((cand, -bound))
+    cand, bound = cand[order], bound[order]
+    group_size = max(1, int(budget // (16 * f * f)))
+    best, best_i = -1, 0
+    pos = 0
+    while pos < len(cand) and bound[pos] >= best:
+        group = cand[pos:pos + group_size]
+        gbound = bound[pos:pos + group_size]
+        pos += len(group)
+        todo = np.sort(group[gbound >= best])
+        # forward sweep: R factors of the key prefixes at the group's splits
+        r = np.zeros((f, f))
+        at = 0
+        r_p = {}
+        for i in todo:
+            i = int(i)
+            _append_rows(r, fk[at:i])
+            at = i
+            r_p[i] = r.copy()
+        # backward sweep: R factors of the query suffixes
+        r = np.zeros((f, f))
+        at = n
+        r_s = {}
+        for i in todo[::-1]:
+            i = int(i)
+            _append_rows(r, pq[i:at])
+            at = i
+            r_s[i] = r.copy()
+        # core SVDs in decreasing order of the bound, while a bound can still reach the best rank
+        for i, bnd in zip(group, gbound):
+            if bnd < best:
+                break
+            i = int(i)
+            rk = _block_rank(_svals(r_s.pop(i) @ r_p.pop(i).T), n - i, i, rtol)
+            if rk > best or (rk == best and i < best_i):
+                best, best_i = rk, i
+    return best, best_i
+
+
+def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAULT_EPS, rtol=None,
+                       method="auto", return_split=False, check_finite=True):
+    r"""Largest rank of the strictly-lower blocks ``A[i:, :i]`` of causal attention weights.
+
+    For causal linear attention every such block is
+    ``diag(1/den[i:]) phi(Q[i:]) phi(K[:i])^T`` -- rank at most ``D_phi``
+    whatever N (the matrix is *semiseparable*), although the whole matrix is
+    usually full rank.  Causal softmax weights have no such bound: their
+    semiseparable rank grows with N.
+
+    Algorithm (kernel maps, ``method="factor"``).  The rank of block ``i`` is
+    ``rank(R_S(i) R_P(i)^T)`` for R factors of the normalised query suffix
+    ``S_i = D^{-1} phi(Q)[i:]`` and the key prefix ``P_i = phi(K)[:i]``.  The
+    spans of the prefixes only grow and those of the suffixes only shrink,
+    each at most ``D_phi`` times, and between two changes the block rank is
+    constant; so only split 1 and the change points -- at most
+    ``2 D_phi + 1`` candidates, found by one incremental Gram-Schmidt pass in
+    each direction -- need a rank.  Candidates are visited in decreasing
+    order of their bound ``min(dim span P_i, dim span S_i)`` and the search
+    stops once no remaining bound can beat the best rank found; R factors at
+    the visited splits come from one forward and one backward streamed QR
+    sweep per group of candidates (a group holds as many ``D_phi x D_phi``
+    factors as ``config.ANALYSIS_MEMORY_BUDGET`` allows), and the SVD of the
+    ``D_phi x D_phi`` core is only taken for candidates whose bound can still
+    reach the best rank.
+
+    Cost: O(N D_phi r) for the Gram-Schmidt passes (r = the span dimension
+    reached; they stop once the span is everything), O(N D_phi^2) per sweep,
+    O(D_phi^2) per candidate to store its two R factors, O(D_phi^3) per
+    visited candidate (core product and SVD).  Typically one group and a handful of
+    visited candidates: O(N D_phi^2 + D_phi^3).  Worst case (every candidate
+    visited, G groups, ``G = 1`` while ``(2 D_phi + 1) 16 D_phi^2`` bytes fit
+    the budget, i.e. up to ``D_phi`` ~ 200 at 256 MiB): O(G N D_phi^2 + D_phi^4).
+    Memory: the features (O(N D_phi)) plus O(min(D_phi^3, budget)).
+
+    The result equals the explicit computation (``method="explicit"``:
+    ``max_i matrix_rank(A[i:, :i])``) whenever the block ranks are the exact
+    ranks, i.e. except for singular values within rounding of the tolerance
+    -- the tests check this on small N, generic and degenerate inputs.
+
+    Parameters
+    ----------
+    q, k : array_like, shape (..., N, D)
+        float16/32/64 (computed in float64).
+    feature_map : str, FeatureMap or None, default "elu"
+        A registered map, or ``"softmax"`` for causal softmax weights (always explicit).
+    scale : float, optional
+        Softmax temperature, default ``1 / sqrt(D)``.
+    eps : float or None, default 1e-8
+        Normaliser floor, as in :func:`linattn_nb.linear_attention`.
+    rtol : float, optional
+        Relative tolerance for every block; default ``max(N - i, i) * eps64``
+        for block ``i`` (:func:`numpy.linalg.matrix_rank` on the block).
+    method : {"auto", "factor", "explicit"}
+        ``"explicit"`` forms the N x N weights (``N <=
+        config.ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N``, 2048) and takes one
+        SVD per split, in decreasing order of ``min(i, N - i)``, stopping when
+        no remaining split can beat the best rank (worst case O(N^4)).
+        ``"auto"``: ``"factor"`` for kernel maps, ``"explicit"`` for softmax.
+    return_split : bool, default False
+        Also return the smallest split ``i`` at which the largest rank is
+        reached (0 when N < 2).
+    check_finite : bool, default True
+
+    Returns
+    -------
+    rank : int or ndarray of int64, shape (...)
+        0 when N < 2 (no strictly-lower block).
+    split : int or ndarray of int64, shape (...)
+        Only with ``return_split``.
+
+    Raises
+    ------
+    ValueError
+        Shape mismatches, non-finite inputs, a zero normaliser with
+        ``eps=None``, N above the explicit limit, ``method="factor"`` with softmax.
+    TypeError
+        Non-floating inputs, a bad ``feature_map``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from linattn_nb.analysis import semiseparable_rank
+    >>> rng = np.random.default_rng(0)
+    >>> q, k = rng.normal(size=(2, 2000, 8))
+    >>> semiseparable_rank(q, k, "elu")                  # <= D_phi = 8 at any N
+    8
+    >>> semiseparable_rank(q[:64], k[:64], "softmax", scale=4.0) > 8
+    True
+    """
+    fmap = _resolve_map(feature_map)
+    eps = _check_eps(eps)
+    method = _check_method(method, ("auto", "factor", "explicit"))
+    q, k, batch_shape = _prepare_pair(q, k, ("q", "k"), same_n=True, check_finite=check_finite)
+    n, d = q.shape[-2], q.shape[-1]
+    if rtol is not None:
+        rtol = _check_rtol(rtol, ())
+        if rtol.ndim:
+            raise ValueError("rtol of semiseparable_rank must be a scalar")
+        rtol = float(rtol)
+    if fmap is None and method == "factor":
+        raise ValueError("method='factor' does not apply to softmax weights (no low-rank factors); use 'explicit'")
+    explicit = fmap is None or method == "explicit"
+    if explicit:
+        _check_explicit_n(n, "ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N", config.ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N)
+    if fmap is None:
+        scale = _check_scale(scale, d)
+        b = int(np.prod(batch_shape, dtype=np.int64))
+        fq = q.reshape((b, n, d))
+        fk = k.reshape((b, n, d))
+    else:
+        fq = _features(fmap, q, role="query", causal=True, name="q")
+        fk = _features(fmap, k, role="key", causal=True, name="k")
+    b = fq.shape[0]
+    ranks = np.zeros(b, dtype=np.int64)
+    splits = np.zeros(b, dtype=np.int64)
+    for i in range(b):
+        if n < 2:
+            continue
+        if fmap is None:
+            w = _softmax_weights(fq[i], fk[i], causal=True, scale=scale)
+            ranks[i], splits[i] = _semiseparable_explicit(w, rtol)
+        elif explicit:
+            w = _kernel_weights(fq[i], fk[i], causal=True, eps=eps)
+            ranks[i], splits[i] = _semiseparable_explicit(w, rtol)
+        else:
+            pq = _causal_normalised_query_features(fq[i], fk[i], eps=eps)
+            ranks[i], splits[i] = _semiseparable_factor(pq, fk[i], rtol, config.ANALYSIS_MEMORY_BUDGET)
+    if batch_shape == ():
+        rank, split = int(ranks[0]), int(splits[0])
+    else:
+        rank, split = ranks.reshape(batch_shape), splits.reshape(batch_shape)
+    return (rank, split) if return_split else rank
+
+
+# ---------------------------------------------------------------------------
+# state_rank_profile
+# ---------------------------------------------------------------------------
+class StateRankProfile(NamedTuple):
+    """Numerical rank of the state ``S_t = sum_{j<t} phi(k_j) v_j^T`` after ``t`` tokens.
+
+    Attributes
+    ----------
+    positions : ndarray of int64, shape (P,)
+        Token counts ``t`` (ascending).
+    rank : ndarray of int64, shape (..., P)
+        ``rank(S_t)`` per batch entry.
+    max_rank : int
+        ``min(D_phi, M)``, the size bound the rank saturates at.
+    """
+
+    positions: np.ndarray
+    rank: np.ndarray
+    max_rank: int
+
+
+def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, check_finite=True):
+    r"""Numerical rank of the linear-attention state ``S_t`` as the sequence grows.
+
+    ``S_t = sum_{j < t} phi(k_j) v_j^T`` is the ``D_phi x M`` state after
+    ``t`` tokens (:class:`linattn_nb.LinearState`, Katharopoulos et al. 2020,
+    Eqs. 10-12).  Its rank grows with ``t`` and saturates at
+    ``min(D_phi, M)``: past that point every new token overwrites.
+
+    Parameters
+    ----------
+    k : array_like, shape (..., N, D)
+    v : array_like, shape (..., N, M)
+        Equal leading batch dimensions and N; float16/32/64 (computed in float64).
+    feature_map : str, FeatureMap or None, default "elu"
+        Applied to the keys as causal linear attention applies it.
+        ``"softmax"`` is refused (its cache grows, it has no fixed state).
+    positions : array_like of int, optional
+        Token counts ``t`` in ``[0, N]`` to report (sorted, duplicates
+        dropped); default every ``t = 1..N``.  The states are accumulated
+        between positions (O(N D_phi M)) and each is ranked by an SVD
+        (O(D_phi M min(D_phi, M)) per position).
+    rtol : float, optional
+        Default ``max(D_phi, M) * eps64`` (:func:`numpy.linalg.matrix_rank`).
+    check_finite : bool, default True
+
+    Returns
+    -------
+    StateRankProfile
+        ``positions``, ``rank`` (batch shape + (P,)) and ``max_rank``.
+
+    Raises
+    ------
+    ValueError
+        Shape mismatches, non-finite inputs, positions outside ``[0, N]``,
+        ``feature_map="softmax"``.
+    TypeError
+        Non-floating inputs, non-integer positions.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from linattn_nb.analysis import state_rank_profile
+    >>> rng = np.random.default_rng(0)
+    >>> k, v = rng.normal(size=(2, 40, 8))
+    >>> prof = state_rank_profile(k, v, "elu", positions=[1, 4, 8, 20, 40])
+    >>> prof.rank.tolist(), prof.max_rank
+    ([1, 4, 8, 8, 8], 8)
+    """
+    if _is_softmax(feature_map):
+        raise ValueError("feature_map='softmax' has no fixed-size state (its KV cache grows with N)")
+    fmap = fm.resolve(feature_map)
+    k, v, batch_shape = _prepare_pair(k, v, ("k", "v"), same_n=True, check_finite=check_finite,
+                                      last_dims_equal=False)
+    n, d, m = k.shape[-2], k.shape[-1], v.shape[-1]
+    if positions is None:
+        pos = np.arange(1, n + 1, dtype=np.int64)
+    else:
+        raw = np.asarray(positions)
+        if raw.dtype.kind not in "iu" or raw.ndim > 1:
+            raise TypeError(f"positions must be a 1-D sequence of integers, got dtype {raw.dtype} and shape {raw.shape}")
+        pos = np.unique(raw.astype(np.int64))
+        if pos.size and (pos[0] < 0 or pos[-1] > n):
+            raise ValueError(f"positions must lie in [0, N] = [0, {n}], got {pos[0]}..{pos[-1]}")
+    if rtol is not None:
+        rtol = _check_rtol(rtol, ())
+        if rtol.ndim:
+            raise ValueError("rtol of state_rank_profile must be a scalar")
+        rtol = float(rtol)
+    fk = _features(fmap, k, role="key", causal=True, name="k")
+    f = fk.shape[-1]
+    vf = v.reshape((fk.shape[0], n, m))
+    b = fk.shape[0]
+    ranks = np.zeros((b, pos.size), dtype=np.int64)
+    for i in range(b):
+        state = np.zeros((f, m))
+        at = 0
+        for j, t in enumerate(pos):
+            t = int(t)
+            if t > at:
+                state += fk[i, at:t].T @ vf[i, at:t]
+                at = t
+            ranks[i, j] = _block_rank(_svals(state), f, m, rtol)
+    return StateRankProfile(pos, ranks.reshape(batch_shape + (pos.size,)), int(min(f, m)))

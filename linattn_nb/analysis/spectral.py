@@ -1,0 +1,310 @@
+"""Spectral summaries of matrices: singular values, numerical, effective and stable rank.
+
+All functions take a stack of matrices ``A`` of shape ``(..., m, n)`` and
+return one value (or one vector) per matrix, so attention weights of shape
+``(B, H, N, N)`` are summarised per batch entry and head in one call.
+
+Conventions
+-----------
+* dtype: float16, float32 and float64 are accepted (the package-wide rule of
+  :mod:`linattn_nb._validate`); LAPACK has no half precision, so float16 is
+  computed in float32.  Integer, boolean and complex inputs raise TypeError.
+* :func:`numerical_rank` follows :func:`numpy.linalg.matrix_rank`: the
+  singular values strictly above ``rtol * sigma_max`` count, with the default
+  ``rtol = max(m, n) * eps`` and ``eps`` the machine epsilon of the working
+  dtype.
+* An all-zero matrix (or an empty one) has rank 0, effective rank 0, stable
+  rank 0 and a cumulative spectrum of zeros.
+
+References
+----------
+Roy & Vetterli 2007, "The effective rank: a measure of effective
+dimensionality" (EUSIPCO): ``erank(A) = exp(H(p))`` with ``p_i = sigma_i /
+sum(sigma)``.  Stable rank ``||A||_F^2 / ||A||_2^2`` (Rudelson & Vershynin
+2007).  Wang et al. 2020, "Linformer", Fig. 1: normalised cumulative singular
+values of softmax attention weights.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _validate as V
+
+__all__ = [
+    "singular_values",
+    "numerical_rank",
+    "effective_rank",
+    "stable_rank",
+    "cumulative_spectrum",
+]
+
+
+def _work_dtype(dtype: np.dtype) -> np.dtype:
+    return np.dtype(np.float32) if dtype == np.float16 else np.dtype(dtype)
+
+
+def _as_matrices(name: str, A, check_finite: bool) -> np.ndarray:
+    A = V.as_host_array(name, A)
+    V.check_float_dtype(name, A.dtype)
+    if A.ndim < 2:
+        raise ValueError(f"{name} must have at least 2 dimensions (..., m, n), got shape {tuple(A.shape)}")
+    if check_finite:
+        V.check_finite(name, A)
+    return np.asarray(A, dtype=_work_dtype(A.dtype))
+
+
+def _as_spectrum(name: str, s, check_finite: bool) -> np.ndarray:
+    s = V.as_host_array(name, s)
+    V.check_float_dtype(name, s.dtype)
+    if s.ndim < 1:
+        raise ValueError(f"{name} must have at least 1 dimension (..., k) of singular values, got a scalar")
+    if check_finite:
+        V.check_finite(name, s)
+    s = np.asarray(s, dtype=_work_dtype(s.dtype))
+    if s.size and np.any(s < 0):
+        raise ValueError(f"{name}: singular values must be >= 0 (spectrum=True), got a negative entry")
+    # descending order, as returned by singular_values
+    return -np.sort(-s, axis=-1)
+
+
+def _svals(A: np.ndarray) -> np.ndarray:
+    k = min(A.shape[-2], A.shape[-1])
+    if A.size == 0 or k == 0:
+        return np.zeros(A.shape[:-2] + (k,), dtype=A.dtype)
+    return np.linalg.svd(A, compute_uv=False)
+
+
+def _spectrum(A, spectrum: bool, check_finite: bool, name: str = "A") -> np.ndarray:
+    if spectrum:
+        return _as_spectrum(name, A, check_finite)
+    return _svals(_as_matrices(name, A, check_finite))
+
+
+def rank_from_singular_values(s: np.ndarray, max_dim: int, rtol=None, eps=None) -> np.ndarray:
+    """Count ``s > rtol * s.max()`` along the last axis (NumPy's ``matrix_rank`` rule).
+
+    ``s`` holds (some of) the singular values of matrices whose larger
+    dimension is ``max_dim``; the default ``rtol`` is ``max_dim * eps`` with
+    ``eps`` the machine epsilon of ``s``'s dtype (or the one given).  Returns
+    an int64 array of the batch shape.  Used by :mod:`linattn_nb.analysis.rank`
+    to rank big matrices from their factors.
+    """
+    s = np.asarray(s)
+    if eps is None:
+        eps = np.finfo(s.dtype).eps
+    if rtol is None:
+        rtol = max(int(max_dim), 1) * eps
+    else:
+        rtol = _check_rtol(rtol, s.shape[:-1])
+    smax = s.max(axis=-1, keepdims=True, initial=0.0)
+    tol = smax * np.asarray(rtol)[..., None] if np.ndim(rtol) else smax * rtol
+    return np.count_nonzero(s > tol, axis=-1).astype(np.int64)
+
+
+def _check_rtol(rtol, batch_shape):
+    if isinstance(rtol, (bool, np.bool_)):
+        raise TypeError("rtol must be a non-negative real number (or an array of them), got a bool")
+    try:
+        r = np.asarray(rtol, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"rtol must be a non-negative real number (or an array of them), got {rtol!r}") from None
+    if r.size and (not np.all(np.isfinite(r)) or np.any(r < 0)):
+        raise ValueError(f"rtol must be finite and >= 0, got {rtol!r}")
+    if r.ndim:
+        try:
+            np.broadcast_shapes(r.shape, tuple(batch_shape))
+        except ValueError:
+            raise ValueError(
+                f"rtol of shape {r.shape} does not broadcast to the batch shape {tuple(batch_shape)}"
+            ) from None
+    return r
+
+
+def singular_values(A, *, check_finite=True):
+    """Singular values of a stack of matrices, in descending order.
+
+    Parameters
+    ----------
+    A : array_like, shape (..., m, n)
+        float16, float32 or float64 (float16 is computed in float32).
+    check_finite : bool, default True
+        Raise ValueError on NaN or inf (LAPACK would return garbage or fail).
+
+    Returns
+    -------
+    ndarray, shape (..., min(m, n))
+        In the working dtype (float32 or float64).
+
+    Raises
+    ------
+    ValueError
+        Fewer than 2 dimensions, or non-finite entries.
+    TypeError
+        A non-floating dtype.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from linattn_nb.analysis import singular_values
+    >>> singular_values(np.diag([1.0, 3.0, 2.0])).tolist()
+    [3.0, 2.0, 1.0]
+    >>> singular_values(np.zeros((5, 2, 3))).shape
+    (5, 2)
+    """
+    return _svals(_as_matrices("A", A, check_finite))
+
+
+def numerical_rank(A, rtol=None, *, check_finite=True):
+    """Numerical rank of a stack of matrices (NumPy/LAPACK conventions).
+
+    The number of singular values ``sigma_i > rtol * sigma_max``, as
+    :func:`numpy.linalg.matrix_rank` counts them.
+
+    Parameters
+    ----------
+    A : array_like, shape (..., m, n)
+    rtol : float or array_like, optional
+        Relative tolerance; an array broadcasts against the batch shape.
+        Default ``max(m, n) * eps`` with ``eps`` the machine epsilon of the
+        working dtype (float32 for float16 input).
+    check_finite : bool, default True
+
+    Returns
+    -------
+    int or ndarray of int64, shape (...)
+        A Python int for a single matrix.
+
+    Raises
+    ------
+    ValueError
+        Fewer than 2 dimensions, non-finite entries, a negative ``rtol``.
+    TypeError
+        A non-floating dtype.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from linattn_nb.analysis import numerical_rank
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(50, 3))
+    >>> numerical_rank(x @ x.T)          # a 50 x 50 matrix of rank 3
+    3
+    >>> numerical_rank(np.stack([np.eye(4), np.zeros((4, 4))])).tolist()
+    [4, 0]
+    """
+    A = _as_matrices("A", A, check_finite)
+    if rtol is not None:
+        rtol = _check_rtol(rtol, A.shape[:-2])
+    s = _svals(A)
+    r = rank_from_singular_values(s, max(A.shape[-2:]), rtol)
+    return int(r) if r.ndim == 0 else r
+
+
+def effective_rank(A, *, spectrum=False, check_finite=True):
+    """Effective rank ``exp(H(p))``, ``p_i = sigma_i / sum_j sigma_j`` (Roy & Vetterli 2007).
+
+    A real number between 1 (one non-zero singular value) and the number of
+    singular values (all equal); ``0 * log 0 = 0``.  0 for an all-zero matrix.
+
+    Parameters
+    ----------
+    A : array_like, shape (..., m, n)
+        Matrices, or with ``spectrum=True`` singular values of shape (..., k)
+        (non-negative, any order), e.g. from
+        :func:`linattn_nb.analysis.attention_rank` with ``return_spectrum=True``.
+    spectrum : bool, default False
+    check_finite : bool, default True
+
+    Returns
+    -------
+    float or ndarray, shape (...)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from linattn_nb.analysis import effective_rank
+    >>> round(effective_rank(np.eye(5)), 12)
+    5.0
+    >>> round(effective_rank(np.array([3.0, 0.0, 0.0]), spectrum=True), 12)
+    1.0
+    """
+    s = _spectrum(A, spectrum, check_finite)
+    total = s.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(total > 0, s / np.where(total > 0, total, 1), 0.0)
+        plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
+    h = -plogp.sum(axis=-1)
+    out = np.where(total[..., 0] > 0, np.exp(h), 0.0)
+    return float(out) if out.ndim == 0 else out
+
+
+def stable_rank(A, *, spectrum=False, check_finite=True):
+    """Stable rank ``||A||_F^2 / ||A||_2^2 = sum sigma_i^2 / sigma_max^2``.
+
+    Between 1 and the rank; insensitive to tiny singular values.  0 for an
+    all-zero matrix.
+
+    Parameters
+    ----------
+    A : array_like, shape (..., m, n)
+        Matrices, or singular values (..., k) with ``spectrum=True``.
+    spectrum : bool, default False
+    check_finite : bool, default True
+
+    Returns
+    -------
+    float or ndarray, shape (...)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from linattn_nb.analysis import stable_rank
+    >>> stable_rank(np.diag([2.0, 1.0, 1.0]))
+    1.5
+    """
+    s = _spectrum(A, spectrum, check_finite).astype(np.float64)
+    smax = s.max(axis=-1, initial=0.0)
+    energy = (s * s).sum(axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(smax > 0, energy / np.where(smax > 0, smax * smax, 1.0), 0.0)
+    return float(out) if out.ndim == 0 else out
+
+
+def cumulative_spectrum(A, *, squared=False, spectrum=False, check_finite=True):
+    """Normalised cumulative singular values (Linformer, Wang et al. 2020, Fig. 1).
+
+    ``c_k = (sigma_1 + ... + sigma_k) / sum_i sigma_i`` with the singular
+    values in descending order; ``c`` rises to 1, and the faster it does the
+    closer the matrix is to low rank.  With ``squared=True`` the energies
+    ``sigma_i^2`` are accumulated instead (the fraction of ``||A||_F^2``
+    captured by the best rank-k approximation, Eckart-Young).
+
+    Parameters
+    ----------
+    A : array_like, shape (..., m, n)
+        Matrices, or singular values (..., k) with ``spectrum=True``.
+    squared : bool, default False
+    spectrum : bool, default False
+    check_finite : bool, default True
+
+    Returns
+    -------
+    ndarray, shape (..., min(m, n))  (or (..., k))
+        Zeros for an all-zero matrix.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from linattn_nb.analysis import cumulative_spectrum
+    >>> cumulative_spectrum(np.diag([3.0, 1.0])).tolist()
+    [0.75, 1.0]
+    >>> cumulative_spectrum(np.diag([3.0, 1.0]), squared=True).tolist()
+    [0.9, 1.0]
+    """
+    s = _spectrum(A, spectrum, check_finite).astype(np.float64)
+    if squared:
+        s = s * s
+    c = np.cumsum(s, axis=-1)
+    total = c[..., -1:] if c.shape[-1] else np.zeros(c.shape[:-1] + (1,))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(total > 0, c / np.where(total > 0, total, 1.0), 0.0)

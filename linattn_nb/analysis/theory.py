@@ -1,0 +1,240 @@
+"""Kernel-level theory of random-feature estimators of the softmax kernel.
+
+* :func:`kernel_estimate_mse` - Monte-Carlo mean squared error of
+  ``phi(x) . phi(y)`` as an estimate of the map's kernel, redrawing the map's
+  random projection for every draw.
+* :func:`favor_mse` - Performer's closed forms (Choromanski et al., ICLR 2021,
+  Lemma 2) of the MSE of the positive, trigonometric and hyperbolic
+  estimators of ``SM(x, y) = exp(x . y)`` with ``m`` i.i.d. Gaussian
+  projections.
+* :func:`orthogonal_mse_bound` - Performer's Theorem 2: the upper bound on
+  the MSE of the positive estimator with ``m <= d`` orthogonal projections.
+
+The closed forms are for the kernel ``exp(x . y)`` (no temperature).  A map
+with ``scale = s`` estimates ``exp(s x . y)``: compare it with
+``favor_mse(sqrt(s) x, sqrt(s) y, ...)``.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import feature_maps as fm
+
+__all__ = ["KernelEstimate", "kernel_estimate_mse", "favor_mse", "orthogonal_mse_bound"]
+
+
+@dataclass(frozen=True)
+class KernelEstimate:
+    """Monte-Carlo result of :func:`kernel_estimate_mse` (arrays over the pairs).
+
+    Attributes
+    ----------
+    mse : ndarray
+        Mean over draws of ``(phi(x) . phi(y) - target)^2``.
+    stderr : ndarray
+        Standard error of ``mse`` (sample standard deviation of the squared
+        errors over ``sqrt(draws)``).
+    mean : ndarray
+        Mean estimate over draws (its distance to ``target`` is the bias,
+        within ``sqrt(mse / draws)``).
+    target : ndarray
+        The kernel values estimated.
+    draws : int
+    """
+
+    mse: np.ndarray
+    stderr: np.ndarray
+    mean: np.ndarray
+    target: np.ndarray
+    draws: int
+
+
+def _pairs(x, y):
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    if x.ndim < 1 or y.ndim < 1:
+        raise ValueError(f"x and y must have at least 1 dimension (..., d), got shapes {x.shape} and {y.shape}")
+    if x.shape[-1] != y.shape[-1]:
+        raise ValueError(f"x and y must have the same last dimension, got shapes {x.shape} and {y.shape}")
+    try:
+        x, y = np.broadcast_arrays(x, y)
+    except ValueError:
+        raise ValueError(f"x and y do not broadcast: shapes {x.shape} and {y.shape}") from None
+    if not (np.isfinite(x).all() and np.isfinite(y).all()):
+        raise ValueError("x and y must be finite")
+    return x, y
+
+
+def _check_m(num_features):
+    if isinstance(num_features, (bool, np.bool_)) or not isinstance(num_features, (int, np.integer)) \
+            or num_features < 1:
+        raise ValueError(f"num_features must be an integer >= 1, got {num_features!r}")
+    return int(num_features)
+
+
+def kernel_estimate_mse(feature_map, x, y, draws, *, target=None):
+    r"""Monte-Carlo MSE of the kernel estimate ``phi(x) . phi(y)``.
+
+    The map is copied (the caller's map is left as it is) and, for random
+    maps, its projection is redrawn before every draw from the copy's
+    generator: the result is reproducible for a seeded map.  Deterministic
+    maps (no ``redraw``) give their squared bias with a zero standard error.
+
+    Parameters
+    ----------
+    feature_map : FeatureMap or str
+        E.g. ``feature_maps.get("favor+", dim=16, num_features=8, seed=0, scale=1.0)``.
+    x, y : array_like, shape (..., d)
+        Pairs (broadcast against each other).
+    draws : int
+        Number of independent draws (>= 2).
+    target : array_like, optional
+        Values to estimate; default ``feature_map.kernel(x, y)`` (for the
+        softmax estimators ``exp(scale x . y)``).
+
+    Returns
+    -------
+    KernelEstimate
+        ``mse``, ``stderr``, ``mean`` and ``target`` of the broadcast pair
+        shape.
+
+    Raises
+    ------
+    ValueError
+        Mismatched shapes, non-finite pairs, ``draws < 2``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from linattn_nb import feature_maps
+    >>> from linattn_nb.analysis import kernel_estimate_mse, favor_mse
+    >>> phi = feature_maps.get("favor+", num_features=4, orthogonal=False, seed=0, scale=1.0)
+    >>> x, y = np.array([0.3, -0.2, 0.1]), np.array([0.1, 0.4, -0.3])
+    >>> r = kernel_estimate_mse(phi, x, y, draws=4000)
+    >>> bool(abs(r.mse - favor_mse(x, y, 4)) < 4 * r.stderr)
+    True
+    """
+    if isinstance(draws, (bool, np.bool_)) or not isinstance(draws, (int, np.integer)) or draws < 2:
+        raise ValueError(f"draws must be an integer >= 2, got {draws!r}")
+    draws = int(draws)
+    fmap = copy.deepcopy(fm.resolve(feature_map) if not isinstance(feature_map, fm.FeatureMap) else feature_map)
+    x, y = _pairs(x, y)
+    shape = x.shape[:-1]
+    xf = x.reshape(-1, x.shape[-1])
+    yf = y.reshape(-1, y.shape[-1])
+    if target is None:
+        tgt = np.asarray(fmap.kernel(xf, yf), dtype=np.float64)
+    else:
+        tgt = np.broadcast_to(np.asarray(target, dtype=np.float64), shape).reshape(-1)
+    both = np.concatenate([xf, yf], axis=0)
+    p = xf.shape[0]
+    redraw = getattr(fmap, "redraw", None)
+    est = np.empty((draws, p))
+    for r in range(draws):
+        if redraw is not None:
+            redraw()
+        elif r > 0:
+            est[r] = est[0]
+            continue
+        f = np.asarray(fmap(both), dtype=np.float64)
+        est[r] = np.einsum("pf,pf->p", f[:p], f[p:])
+    err2 = (est - tgt) ** 2
+    mse = err2.mean(axis=0)
+    stderr = err2.std(axis=0, ddof=1) / math.sqrt(draws)
+    return KernelEstimate(mse=mse.reshape(shape), stderr=stderr.reshape(shape), mean=est.mean(axis=0).reshape(shape),
+                          target=tgt.reshape(shape), draws=draws)
+
+
+def favor_mse(x, y, num_features, kind="positive"):
+    r"""Closed-form MSE of Performer's estimators of ``SM(x, y) = exp(x . y)`` (Lemma 2).
+
+    With ``m`` i.i.d. ``N(0, I_d)`` projections (Choromanski et al., ICLR
+    2021, Lemma 2):
+
+    .. math::
+       \mathrm{MSE}_{trig} &= \tfrac{1}{2m} e^{\|x+y\|^2} SM^{-2} (1 - e^{-\|x-y\|^2})^2 \\
+       \mathrm{MSE}_{pos} &= \tfrac{1}{m} e^{\|x+y\|^2} SM^{2} (1 - e^{-\|x+y\|^2}) \\
+       \mathrm{MSE}_{hyp} &= \tfrac12 (1 - e^{-\|x+y\|^2})\, \mathrm{MSE}_{pos}
+
+    ``m`` counts projections: the trigonometric and hyperbolic estimators
+    have ``2m`` features (as ``rff`` and ``favor+`` with ``kind="hyperbolic"``).
+
+    Parameters
+    ----------
+    x, y : array_like, shape (..., d)
+    num_features : int
+        ``m``.
+    kind : {"positive", "trig", "hyperbolic"}
+
+    Returns
+    -------
+    ndarray or float
+        Broadcast pair shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.array([1.0, 0.0]); y = -x
+    >>> float(favor_mse(x, y, 10)), round(float(favor_mse(x, y, 10, "trig")), 4)
+    (0.0, 0.356)
+    """
+    x, y = _pairs(x, y)
+    m = _check_m(num_features)
+    xy = np.sum(x * y, axis=-1)
+    u2 = np.sum((x + y) ** 2, axis=-1)
+    if kind == "positive" or kind == "hyperbolic":
+        pos = np.exp(2.0 * xy) * np.expm1(u2) / m
+        if kind == "positive":
+            return pos
+        return -0.5 * np.expm1(-u2) * pos
+    if kind == "trig":
+        v2 = np.sum((x - y) ** 2, axis=-1)
+        nx2 = np.sum(x * x, axis=-1) + np.sum(y * y, axis=-1)
+        return np.exp(nx2) * np.expm1(-v2) ** 2 / (2.0 * m)
+    raise ValueError(f"kind must be 'positive', 'trig' or 'hyperbolic', got {kind!r}")
+
+
+def orthogonal_mse_bound(x, y, num_features):
+    r"""Performer's Theorem 2: MSE bound of the positive estimator with orthogonal projections.
+
+    For ``m <= d`` orthogonal projections whose rows are marginally
+    ``N(0, I_d)`` (``feature_maps.get("favor+", orthogonal=True,
+    row_norm="chi")``), Choromanski et al. (ICLR 2021, Theorem 2):
+
+    .. math:: \mathrm{MSE}_{ort} \le \mathrm{MSE}_{pos} - \frac{2(m-1)}{m(d+2)}
+       \left(SM(x, y) - e^{-(\|x\|^2 + \|y\|^2)/2}\right)^2
+
+    Parameters
+    ----------
+    x, y : array_like, shape (..., d)
+    num_features : int
+        ``m``, at most ``d``.
+
+    Returns
+    -------
+    ndarray or float
+
+    Raises
+    ------
+    ValueError
+        If ``m > d`` (the theorem covers one orthogonal block).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x, y = np.full(8, 0.2), np.full(8, 0.1)
+    >>> bool(orthogonal_mse_bound(x, y, 8) < favor_mse(x, y, 8))
+    True
+    """
+    x, y = _pairs(x, y)
+    m = _check_m(num_features)
+    d = x.shape[-1]
+    if m > d:
+        raise ValueError(f"orthogonal_mse_bound: Theorem 2 needs num_features <= d, got m={m} > d={d}")
+    sm = np.exp(np.sum(x * y, axis=-1))
+    gap = sm - np.exp(-0.5 * (np.sum(x * x, axis=-1) + np.sum(y * y, axis=-1)))
+    return favor_mse(x, y, m, "positive") - 2.0 * (m - 1) / (m * (d + 2.0)) * gap ** 2

@@ -1,0 +1,546 @@
+"""Numba CPU kernels of recurrent decoding: state step, query, prefill; KV-cache step.
+
+State layout (see the package docstring): ``St`` of shape (B, M, F) holds
+``S^T`` per batch entry, ``z`` (B, F); both in the state dtype.  Inputs q, k
+(B, T, D) are raw (``code`` > 0, the elementwise map is applied inline by
+:func:`linattn_nb.ops._common.phi`) or already features (code 0); v is
+(B, T, M).  Every kernel takes all batch*heads in one call.
+
+Step semantics are those of the causal scan (:mod:`linattn_nb.ops.causal.cpu`):
+token t first updates the state, then reads it; the normaliser is
+accumulated in float64 and floored at ``eps`` (``-inf``: no floor, raw division).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+from ... import config
+
+# ---------------------------------------------------------------------------
+# Feature rows with a vectorisable exp
+# ---------------------------------------------------------------------------
+# ELU+1 needs exp(x) for x < 0.  Numba calls libm's scalar exp, ~1.5 ns per
+# value: 2 * H * D_phi of them per decode step (2048 at H=16, D=64), which was
+# a third of the step.  Below, exp is Cody-Waite range reduction
+# (x = n ln2 + r, |r| <= ln2/2) and a Taylor polynomial (degree 7 in float32,
+# 13 in float64: truncation < 2^-24 resp. 2^-53), with 2^n built from the
+# exponent bits in an integer scratch row viewed as floats; every loop is
+# branch-free, so LLVM vectorises it.  Measured error against NumPy's exp:
+# <= 1 ulp in float64, <= 2 ulp in float32 (tests/test_state.py).  Results
+# that would be subnormal (x < -87.3 in
+# float32, x < -708.3 in float64) are flushed to 0.  Compiled with only the
+# "contract" fast-math flag: reassociation would fold the two-constant
+# reduction back into one and lose ~200 ulp.
+_LOG2E = 1.4426950408889634
+# float64: ln2 split so that n * _HI64 is exact for |n| < 2^10; subnormal results flushed below _LIM64.
+_HI64, _LO64, _LIM64 = 0.693145751953125, 1.4286068203094173e-06, -708.3
+(_D0, _D1, _D2, _D3, _D4, _D5, _D6, _D7, _D8, _D9, _D10, _D11, _D12, _D13) = (
+    1.0 / math.factorial(j) for j in range(14))
+# float32: the same in single precision (typed NumPy scalars keep the arithmetic in float32).
+_HI32, _LO32, _LIM32 = np.float32(0.693359375), np.float32(-2.12194440e-4), np.float32(-87.3)
+(_S0, _S1, _S2, _S3, _S4, _S5, _S6, _S7) = (np.float32(1.0 / math.factorial(j)) for j in range(8))
+_LOG2E_F = np.float32(_LOG2E)
+_HALF_F = np.float32(0.5)
+_ZERO_F = np.float32(0.0)
+_ONE_F = np.float32(1.0)
+
+
+def elu_row(x, out, pb, ib):  # pragma: no cover - replaced by the overload inside Numba
+    """out[:] = ELU(x) + 1 with the vectorisable exp; pb (F,) float64 and ib (F,) int64 scratch."""
+    raise NotImplementedError
+
+
+@overload(elu_row, jit_options={"fastmath": {"contract"}})
+def _elu_row_impl(x, out, pb, ib):
+    if isinstance(x, types.Array) and x.dtype == types.float32:
+        def impl32(x, out, pb, ib):
+            n = x.shape[0]
+            p = pb.view(np.float32)
+            bits = ib.view(np.int32)
+            for i in range(n):
+                xi = x[i]
+                xc = xi if not (xi < _LIM32) else _LIM32
+                xc = xc if xc < _ZERO_F else _ZERO_F
+                nn = math.floor(xc * _LOG2E_F + _HALF_F)
+                nn = nn if nn == nn else _ZERO_F
+                r = (xc - nn * _HI32) - nn * _LO32
+                e = _S7
+                e = e * r + _S6
+                e = e * r + _S5
+                e = e * r + _S4
+                e = e * r + _S3
+                e = e * r + _S2
+                e = e * r + _S1
+                e = e * r + _S0
+                p[i] = e
+                bits[i] = (np.int32(nn) + np.int32(127)) << np.int32(23)
+            sc = bits.view(np.float32)
+            for i in range(n):
+                xi = x[i]
+                e = p[i] * sc[i]
+                e = e if not (xi < _LIM32) else _ZERO_F
+                out[i] = xi + _ONE_F if xi >= _ZERO_F else (e if xi == xi else xi)
+        return impl32
+
+    def impl64(x, out, pb, ib):
+        n = x.shape[0]
+        for i in range(n):
+            xi = np.float64(x[i])
+            xc = xi if not (xi < _LIM64) else _LIM64
+            xc = xc if xc < 0.0 else 0.0
+            nn = math.floor(xc * _LOG2E + 0.5)
+            nn = nn if nn == nn else 0.0
+            r = (xc - nn * _HI64) - nn * _LO64
+            e = _D13
+            e = e * r + _D12
+            e = e * r + _D11
+            e = e * r + _D10
+            e = e * r + _D9
+            e = e * r + _D8
+            e = e * r + _D7
+            e = e * r + _D6
+            e = e * r + _D5
+            e = e * r + _D4
+            e = e * r + _D3
+            e = e * r + _D2
+            e = e * r + _D1
+            e = e * r + _D0
+            pb[i] = e
+            ib[i] = (np.int64(nn) + 1023) << 52
+        sc = ib.view(np.float64)
+        for i in range(n):
+            xi = np.float64(x[i])
+            e = pb[i] * sc[i]
+            e = e if not (xi < _LIM64) else 0.0
+            out[i] = xi + 1.0 if xi >= 0.0 else (e if xi == xi else xi)
+    return impl64
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def phi_row(x, out, code, pb, ib):
+    """out[:] = phi(x[:]) for the map ``code`` (as ops._common.phi; ELU+1 through elu_row)."""
+    n = x.shape[0]
+    if code == 1:
+        elu_row(x, out, pb, ib)
+    elif code == 2:
+        for i in range(n):
+            xi = x[i]
+            out[i] = xi if (xi > 0 or xi != xi) else 0.0
+    elif code == 3:
+        for i in range(n):
+            xi = x[i]
+            out[i] = xi * xi if (xi > 0 or xi != xi) else 0.0
+    else:
+        for i in range(n):
+            out[i] = x[i]
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def first_nonfinite(q, k, v):
+    """0 when q, k, v (3-D) are all finite, else 1, 2 or 3 for the first bad one.
+
+    ``x * 0`` is 0 for finite x and NaN for NaN or inf; the sums vectorise.
+    """
+    acc = 0.0
+    for b in range(q.shape[0]):
+        for t in range(q.shape[1]):
+            for i in range(q.shape[2]):
+                acc += q[b, t, i] * 0.0
+    if acc != 0.0:
+        return 1
+    for b in range(k.shape[0]):
+        for t in range(k.shape[1]):
+            for i in range(k.shape[2]):
+                acc += k[b, t, i] * 0.0
+    if acc != 0.0:
+        return 2
+    for b in range(v.shape[0]):
+        for t in range(v.shape[1]):
+            for i in range(v.shape[2]):
+                acc += v[b, t, i] * 0.0
+    if acc != 0.0:
+        return 3
+    return 0
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _advance(v, St, z, out, fa, fc, b, t, eps):
+    """Token t of batch entry b, features fa = phi(k_t), fc = phi(q_t) given: update, then read.
+
+    The row loop is the whole cost of a decode step: each row ``St[b, m]``
+    (D_phi contiguous values) is updated and dotted with phi(q) in one pass.
+    """
+    F = St.shape[2]
+    M = St.shape[1]
+    zero = St.dtype.type(0)
+    Sb = St[b]
+    zb = z[b]
+    den = 0.0
+    for i in range(F):
+        zi = zb[i] + fa[i]
+        zb[i] = zi
+        den += fc[i] * zi
+    if den < eps:  # eps < 0 when there is no floor
+        den = eps
+    M2 = M - M % 2
+    for m in range(0, M2, 2):
+        # Two rows per pass share the loads of phi(k) and phi(q).
+        w0 = v[b, t, m]
+        w1 = v[b, t, m + 1]
+        r0 = Sb[m]
+        r1 = Sb[m + 1]
+        acc0 = zero
+        acc1 = zero
+        for i in range(F):
+            a = fa[i]
+            c = fc[i]
+            s0 = r0[i] + a * w0
+            s1 = r1[i] + a * w1
+            r0[i] = s0
+            r1[i] = s1
+            acc0 += c * s0
+            acc1 += c * s1
+        out[b, t, m] = acc0 / den
+        out[b, t, m + 1] = acc1 / den
+    for m in range(M2, M):
+        w = v[b, t, m]
+        row = Sb[m]
+        acc = zero
+        for i in range(F):
+            s = row[i] + fa[i] * w
+            row[i] = s
+            acc += fc[i] * s
+        out[b, t, m] = acc / den
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _features_all(x, t, xs, dst, code, pb, ib):
+    """dst (B*F,) = phi(x[:, t, :]) for every batch entry in one vectorised pass."""
+    B = x.shape[0]
+    F = x.shape[2]
+    for b in range(B):
+        for i in range(F):
+            xs[b * F + i] = x[b, t, i]
+    phi_row(xs, dst, code, pb, ib)
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def state_step_serial(q, k, v, St, z, out, feat, work, code, eps, check):
+    """Serial over the batch (a decode step is a few microseconds of work).
+
+    Per token: the features of all batch entries in two vectorised passes,
+    then the row pass of each entry.  ``feat`` (2, B, F) is scratch in the
+    state dtype, ``work`` (2, B*F) float64 scratch of the vectorised exp
+    (preallocated by the caller: no allocation in a decode step).  Returns 0, or 1/2/3 (nothing modified) when ``check`` finds
+    q/k/v non-finite.
+    """
+    if check:
+        bad = first_nonfinite(q, k, v)
+        if bad:
+            return bad
+    B, T, _ = q.shape
+    F = St.shape[2]
+    n = B * F
+    xs = np.empty(n if T > 1 else 0, dtype=q.dtype)
+    pb = work[0]
+    ib = work[1].view(np.int64)
+    fa = feat[0].reshape(n)
+    fc = feat[1].reshape(n)
+    for t in range(T):
+        if T == 1:  # x[:, 0, :] is contiguous: no copy
+            phi_row(k.reshape(n), fa, code, pb, ib)
+            phi_row(q.reshape(n), fc, code, pb, ib)
+        else:
+            _features_all(k, t, xs, fa, code, pb, ib)
+            _features_all(q, t, xs, fc, code, pb, ib)
+        for b in range(B):
+            _advance(v, St, z, out, feat[0, b], feat[1, b], b, t, eps)
+    return 0
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def state_step_parallel(q, k, v, St, z, out, feat, work, code, eps, check):
+    """As :func:`state_step_serial`, the row passes of the batch entries in parallel.
+
+    One parallel region per token (each thread owns its entries' rows).
+    """
+    if check:
+        bad = first_nonfinite(q, k, v)
+        if bad:
+            return bad
+    B, T, _ = q.shape
+    F = St.shape[2]
+    n = B * F
+    xs = np.empty(n if T > 1 else 0, dtype=q.dtype)
+    pb = work[0]
+    ib = work[1].view(np.int64)
+    fa = feat[0].reshape(n)
+    fc = feat[1].reshape(n)
+    for t in range(T):
+        if T == 1:
+            phi_row(k.reshape(n), fa, code, pb, ib)
+            phi_row(q.reshape(n), fc, code, pb, ib)
+        else:
+            _features_all(k, t, xs, fa, code, pb, ib)
+            _features_all(q, t, xs, fc, code, pb, ib)
+        for b in prange(B):
+            _advance(v, St, z, out, feat[0, b], feat[1, b], b, t, eps)
+    return 0
+
+
+def pick_step_kernel(b, t, m, f):
+    """The serial kernel below ``config.STEP_PARALLEL_MIN_WORK`` multiply-adds, else the parallel one."""
+    if b > 1 and b * t * m * f >= config.STEP_PARALLEL_MIN_WORK:
+        return state_step_parallel
+    return state_step_serial
+
+
+def state_step(q, k, v, St, z, out, feat, *, code, eps, check, work=None):
+    """Launcher of the step kernels; returns 0, or 1/2/3 when q/k/v is not finite.
+
+    Nothing is modified when it returns non-zero.  q, k (B, T, D); v, out
+    (B, T, M); St (B, M, F), z (B, F), feat (2, B, F) scratch, in the state
+    dtype; q, k, v, out of one float32/float64 dtype.
+    """
+    kern = pick_step_kernel(q.shape[0], q.shape[1], St.shape[1], St.shape[2])
+    if work is None:
+        work = np.empty((2, St.shape[0] * St.shape[2]))
+    return int(kern(q, k, v, St, z, out, feat, work, np.int64(code), eps_arg(eps), bool(check)))
+
+
+def eps_arg(eps):
+    """The kernels' ``eps`` argument: the floor, or -inf for none (``den < -inf`` never holds)."""
+    return -math.inf if eps is None else float(eps)
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def state_query_kernel(q, St, z, out, feat, code, eps):
+    """out[b, t] = phi(q_t)^T S_b / max(phi(q_t)^T z_b, eps); the state is read only."""
+    B, T, _ = q.shape
+    M = St.shape[1]
+    F = St.shape[2]
+    for b in prange(B):
+        Sb = St[b]
+        zb = z[b]
+        fc = feat[1, b]
+        pb = np.empty(F)
+        ib = np.empty(F, dtype=np.int64)
+        for t in range(T):
+            phi_row(q[b, t], fc, code, pb, ib)
+            den = 0.0
+            for i in range(F):
+                den += fc[i] * zb[i]
+            if den < eps:
+                den = eps
+            for m in range(M):
+                row = Sb[m]
+                acc = St.dtype.type(0)
+                for i in range(F):
+                    acc += fc[i] * row[i]
+                out[b, t, m] = acc / den
+
+
+def state_query(q, St, z, out, feat, *, code, eps):
+    state_query_kernel(q, St, z, out, feat, np.int64(code), eps_arg(eps))
+    return out
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def state_prefill_kernel(k, v, St, z, code, block):
+    """St[b] += V_b^T phi(K_b), z[b] += sum_t phi(k_t): blocks of ``block`` tokens through BLAS.
+
+    z is accumulated token by token (the scan's order); S per block as a GEMM
+    in the state dtype.
+    """
+    B, T, _ = k.shape
+    M = St.shape[1]
+    F = St.shape[2]
+    for b in prange(B):
+        Sb = St[b]
+        zb = z[b]
+        fk = np.empty((block, F), dtype=St.dtype)
+        vb = np.empty((block, M), dtype=St.dtype)
+        pb = np.empty(F)
+        ib = np.empty(F, dtype=np.int64)
+        for s0 in range(0, T, block):
+            n = min(block, T - s0)
+            for t in range(n):
+                phi_row(k[b, s0 + t], fk[t], code, pb, ib)
+                for i in range(F):
+                    zb[i] += fk[t, i]
+                for m in range(M):
+                    vb[t, m] = v[b, s0 + t, m]
+            part = np.dot(vb[:n].T, fk[:n])
+            for m in range(M):
+                for i in range(F):
+                    Sb[m, i] += part[m, i]
+
+
+def state_prefill(k, v, St, z, *, code, block=None):
+    block = int(config.PREFILL_BLOCK if block is None else block)
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    state_prefill_kernel(k, v, St, z, code, np.int64(block))
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _kv_one(q, K, V, length, causal_new, out, scale, block, b):
+    """Every query of batch entry b against its cached keys: online softmax over key blocks.
+
+    Scores ``K_blk q`` and the weighted sum ``p^T V_blk`` are GEMVs: through BLAS
+    for blocks of at least 128 keys, as plain loops below (a BLAS call costs
+    more than a short block; measured 7.7 vs 4.8 us for a 4-token, 16-head step).
+    """
+    T, D = q.shape[1], q.shape[2]
+    M = V.shape[2]
+    zero = K.dtype.type(0)
+    qs = np.empty(D, dtype=K.dtype)
+    acc = np.empty(M)
+    accb = np.empty(M, dtype=K.dtype)
+    sbuf = np.empty(block, dtype=K.dtype)
+    pb = np.empty(block)
+    ib = np.empty(block, dtype=np.int64)
+    Kb = K[b]
+    Vb = V[b]
+    for t in range(T):
+        n = length - T + t + 1 if causal_new else length
+        for d in range(D):
+            qs[d] = q[b, t, d] * scale
+        mx = -np.inf
+        tot = 0.0
+        acc[:] = 0.0
+        for k0 in range(0, n, block):
+            k1 = min(n, k0 + block)
+            nk = k1 - k0
+            small = nk < 128
+            if small:
+                s = sbuf[:nk]
+                for j in range(nk):
+                    row = Kb[k0 + j]
+                    a = zero
+                    for d in range(D):
+                        a += row[d] * qs[d]
+                    s[j] = a
+            else:
+                s = np.dot(Kb[k0:k1], qs)
+            bm = mx
+            for j in range(nk):
+                if s[j] > bm:
+                    bm = s[j]
+            alpha = np.exp(mx - bm) if mx > -np.inf else 0.0
+            for j in range(nk):
+                s[j] -= bm
+            # exp of the (non-positive) shifted scores: ELU+1 is exp there (exp(0) = 0 + 1),
+            # through the vectorised exp of the state kernels.
+            elu_row(s, s, pb, ib)
+            part = 0.0
+            for j in range(nk):
+                part += s[j]
+            tot = tot * alpha + part
+            mx = bm
+            if small:
+                accb[:] = zero
+                for j in range(nk):
+                    pj = s[j]
+                    row = Vb[k0 + j]
+                    for m in range(M):
+                        accb[m] += pj * row[m]
+                pv = accb
+            else:
+                pv = np.dot(s, Vb[k0:k1])
+            for m in range(M):
+                acc[m] = acc[m] * alpha + pv[m]
+        for m in range(M):
+            out[b, t, m] = acc[m] / tot
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def kv_attend_serial(q, K, V, length, causal_new, out, scale, block):
+    """Softmax of each query against the cached keys, blocked with a running max.
+
+    q (B, T, D) and the cache K (B, cap, D), V (B, cap, M) share one dtype; the
+    first ``length`` cache rows are valid.  With ``causal_new`` the T queries
+    are the last T cached tokens and query t sees keys ``< length - T + t + 1``;
+    else every query sees all ``length`` keys.  Scores and probabilities are
+    in the cache dtype (GEMV through BLAS per key block), the running
+    normaliser and accumulator in float64.
+    """
+    for b in range(q.shape[0]):
+        _kv_one(q, K, V, length, causal_new, out, scale, block, b)
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def kv_attend_parallel(q, K, V, length, causal_new, out, scale, block):
+    """:func:`kv_attend_serial`, parallel over the batch."""
+    for b in prange(q.shape[0]):
+        _kv_one(q, K, V, length, causal_new, out, scale, block, b)
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _kv_append(k, v, K, V, length):
+    B, T, D = k.shape
+    M = v.shape[2]
+    for b in range(B):
+        for t in range(T):
+            for d in range(D):
+                K[b, length + t, d] = k[b, t, d]
+            for m in range(M):
+                V[b, length + t, m] = v[b, t, m]
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def kv_step_serial(q, k, v, K, V, length, out, scale, block, check):
+    """Check, append the T new tokens at ``length``, attend (the cache has room).
+
+    Returns 0, or 1/2/3 (nothing appended) when ``check`` finds q/k/v non-finite.
+    """
+    if check:
+        bad = first_nonfinite(q, k, v)
+        if bad:
+            return bad
+    _kv_append(k, v, K, V, length)
+    n = length + q.shape[1]
+    for b in range(q.shape[0]):
+        _kv_one(q, K, V, n, True, out, scale, block, b)
+    return 0
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def kv_step_parallel(q, k, v, K, V, length, out, scale, block, check):
+    """:func:`kv_step_serial`, attending in parallel over the batch."""
+    if check:
+        bad = first_nonfinite(q, k, v)
+        if bad:
+            return bad
+    _kv_append(k, v, K, V, length)
+    n = length + q.shape[1]
+    for b in prange(q.shape[0]):
+        _kv_one(q, K, V, n, True, out, scale, block, b)
+    return 0
+
+
+def pick_kv_kernel(b, t, length, d, m):
+    """Serial below ``config.KV_PARALLEL_MIN_WORK`` multiply-adds, else parallel."""
+    if b > 1 and b * t * length * (d + m) >= config.KV_PARALLEL_MIN_WORK:
+        return kv_step_parallel
+    return kv_step_serial
+
+
+def kv_attend(q, K, V, length, out, *, scale, causal_new, block=None):
+    """Launcher: the parallel kernel from ``config.KV_PARALLEL_MIN_WORK`` multiply-adds on.
+
+    (A parallel region waits for every thread: on a busy machine that can cost a
+    scheduler time slice, milliseconds, which would swamp short contexts.)
+    """
+    block = int(config.KV_BLOCK if block is None else block)
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    B, T, D = q.shape
+    work = B * T * int(length) * (D + V.shape[2])
+    kern = kv_attend_parallel if (B > 1 and work >= config.KV_PARALLEL_MIN_WORK) else kv_attend_serial
+    kern(q, K, V, np.int64(length), bool(causal_new), out, float(scale), np.int64(block))
+    return out

@@ -1,0 +1,63 @@
+"""Building feature maps from JSON sweep parameters (a name plus numbers).
+
+Sweep points hold only JSON values, so a study names a map and its
+parameters, and builds the map inside ``run`` -- one instance shared by every
+call of that point, so that a random map is drawn once per point.
+"""
+from __future__ import annotations
+
+import inspect
+
+
+def factory_params(name: str) -> set:
+    """Keyword parameters the registered factory of ``name`` accepts (empty if unknown)."""
+    from .. import feature_maps as fm
+
+    factory = getattr(fm, "_REGISTRY", {}).get(name)
+    if factory is None:
+        return set()
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return set()
+    return {p.name for p in sig.parameters.values()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"}
+
+
+def is_random(name: str) -> bool:
+    """True for maps with random features (their factory takes ``num_features``)."""
+    return "num_features" in factory_params(name)
+
+
+def build_map(name: str, *, dim=None, num_features=None, seed=None, **params):
+    """``feature_maps.get(name, ...)`` passing ``dim``, ``num_features``, ``seed`` where accepted."""
+    from .. import feature_maps as fm
+
+    accepted = factory_params(name)
+    kw = dict(params)
+    for key, value in (("dim", dim), ("num_features", num_features), ("seed", seed)):
+        if value is not None and key in accepted:
+            kw[key] = value
+    return fm.get(name, **kw)
+
+
+def buildable_maps(*, positive_only: bool = False) -> list[str]:
+    """Registered maps that build with at most ``dim``/``num_features``/``seed`` given."""
+    from .. import feature_maps as fm
+
+    names = []
+    for name in fm.available():
+        try:
+            fmap = build_map(name, seed=0)
+        except Exception:  # the map needs parameters a study cannot guess
+            continue
+        if positive_only and not fmap.is_positive:
+            continue
+        names.append(name)
+    return names
+
+
+def map_label(name: str, num_features=None, params=None) -> str:
+    extra = [f"m={num_features}"] if num_features is not None else []
+    extra += [f"{k}={v}" for k, v in (params or {}).items()]
+    return f"{name} ({', '.join(extra)})" if extra else name

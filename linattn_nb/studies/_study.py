@@ -1,0 +1,217 @@
+"""The study abstraction: what a built-in study is, and the list they live in.
+
+A study is four functions and a few names (:class:`Study`):
+
+* ``points(ctx) -> list[dict]`` -- the sweep grid for a profile
+  (``ctx.profile`` is ``"tiny"``, ``"quick"`` or ``"full"``) and the devices
+  in ``ctx.devices``;
+* ``run(**point) -> dict`` -- one point; a module-level function, so that
+  worker processes and Dask workers can import it;
+* ``render(records, ctx) -> Rendered`` -- markdown (tables; plots saved with
+  :meth:`Context.savefig`) from the sweep's records, plus the problems the
+  results show (a failed self-check), which make the command exit non-zero;
+* ``requires() -> str | None`` -- None when the study can run here, else why
+  not (e.g. an analysis function that is not installed).
+
+Adding a study is one module that builds a :class:`Study` and one call to
+:func:`register_study`; ``linattn report`` runs every registered study in
+registration order and a ``linattn <command>`` subcommand runs one.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+__all__ = [
+    "Study",
+    "Context",
+    "Rendered",
+    "STUDIES",
+    "register_study",
+    "get_study",
+    "PROFILES",
+    "markdown_table",
+    "fmt",
+]
+
+PROFILES = ("tiny", "quick", "full")
+
+
+@dataclass
+class Context:
+    """What a study knows about the run it is part of.
+
+    Attributes
+    ----------
+    out : Path
+        The report folder (plots go here).
+    profile : {"tiny", "quick", "full"}
+        ``"tiny"`` is a smoke test (seconds; the test suite), ``"quick"`` a
+        first look (``linattn report --quick``, <= 2 minutes on 2 cores),
+        ``"full"`` the default.
+    devices : tuple of str
+        ``("cpu",)`` or ``("cpu", "cuda")`` (a real GPU is present).
+    plots : bool
+        False when matplotlib is not installed; studies then write tables only.
+    """
+
+    out: Path
+    profile: str = "full"
+    devices: tuple = ("cpu",)
+    plots: bool = True
+    _saved: list = field(default_factory=list)
+
+    def pick(self, tiny, quick, full):
+        """The value for this context's profile."""
+        return {"tiny": tiny, "quick": quick, "full": full}[self.profile]
+
+    def figure(self, *, ncols: int = 1, width: float = 5.2, height: float = 3.6):
+        """A matplotlib Figure with ``ncols`` axes, drawn off-screen (Agg).
+
+        No pyplot and no global backend switch, so a caller's interactive
+        backend (a notebook) is left alone.
+        """
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(width * ncols, height), layout="constrained")
+        axes = fig.subplots(1, ncols, squeeze=False)[0]
+        return fig, list(axes)
+
+    @staticmethod
+    def style(i: int) -> dict:
+        """Line style of the i-th series: ten colours, then the same colours dashed, dotted."""
+        return {"color": f"C{i % 10}", "linestyle": ("-", "--", ":")[(i // 10) % 3]}
+
+    def savefig(self, fig, name: str, alt: str) -> str:
+        """Save ``fig`` as ``<out>/<name>.png``; return the markdown that shows it."""
+        path = Path(self.out) / f"{name}.png"
+        fig.savefig(path, dpi=110)
+        self._saved.append(path)
+        return f"![{alt}]({path.name})"
+
+
+@dataclass
+class Rendered:
+    """A study's section of the report.
+
+    Attributes
+    ----------
+    markdown : str
+        The section body (without its heading).
+    summary : str
+        One line for the report's table of contents.
+    problems : list of str
+        What the results show to be wrong (a failed self-check); the command
+        exits non-zero when any study reports one.
+    """
+
+    markdown: str
+    summary: str = ""
+    problems: list = field(default_factory=list)
+
+
+def _always_available():
+    return None
+
+
+@dataclass(frozen=True)
+class Study:
+    """A built-in study (see the module docstring).
+
+    Attributes
+    ----------
+    name : str
+        Identifier; the results file is ``<name>.jsonl`` in the report folder.
+    title : str
+        Section heading.
+    command : str
+        The ``linattn`` subcommand that runs this study alone.
+    help : str
+        One line for ``linattn --help``.
+    points, run, render, requires : callable
+    timing : bool
+        The study measures time: its points always run one at a time in the
+        reporting process, never concurrently on shared cores (timings taken
+        side by side on a busy machine mean nothing).
+    """
+
+    name: str
+    title: str
+    command: str
+    help: str
+    points: Callable
+    run: Callable
+    render: Callable
+    requires: Callable = _always_available
+    timing: bool = False
+
+
+STUDIES: list[Study] = []
+
+
+def register_study(study: Study, *, overwrite: bool = False) -> Study:
+    """Add ``study`` to :data:`STUDIES` (the report runs them in this order).
+
+    Raises
+    ------
+    ValueError
+        A study of the same name or command is registered and ``overwrite`` is False.
+    TypeError
+        ``study`` is not a :class:`Study`.
+    """
+    if not isinstance(study, Study):
+        raise TypeError(f"register_study takes a Study, got {type(study).__name__}")
+    for i, s in enumerate(STUDIES):
+        if s.name == study.name or s.command == study.command:
+            if not overwrite:
+                raise ValueError(f"a study named {s.name!r} (command {s.command!r}) is already registered")
+            STUDIES[i] = study
+            return study
+    STUDIES.append(study)
+    return study
+
+
+def get_study(name: str) -> Study:
+    """The registered study with this name or command."""
+    for s in STUDIES:
+        if name in (s.name, s.command):
+            return s
+    raise KeyError(f"no study {name!r}; registered: {', '.join(s.name for s in STUDIES)}")
+
+
+# ---------------------------------------------------------------------------
+# Formatting helpers
+# ---------------------------------------------------------------------------
+def fmt(x, digits: int = 3) -> str:
+    """A number for a markdown table: ints as they are, floats in 3 significant digits."""
+    if x is None:
+        return "–"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return str(x)
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "nan"
+        if math.isinf(x):
+            return "inf" if x > 0 else "-inf"
+        if x == 0:
+            return "0"
+        if 1e-3 <= abs(x) < 1e5:
+            return f"{x:.{digits}g}"
+        return f"{x:.{max(digits - 1, 0)}e}"
+    return str(x)
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence], *, align: str | None = None) -> str:
+    """A GitHub-flavoured markdown table; ``align`` is one letter per column (l, r, c)."""
+    headers = [str(h) for h in headers]
+    body = [[c if isinstance(c, str) else fmt(c) for c in row] for row in rows]
+    align = align or ("l" + "r" * (len(headers) - 1))
+    sep = {"l": ":---", "r": "---:", "c": ":---:"}
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(sep[a] for a in align) + " |"]
+    for row in body:
+        lines.append("| " + " | ".join(s.replace("|", "\\|") for s in row) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,350 @@
+"""``linattn report``: run the built-in studies and write a readable report.
+
+:func:`run_report` runs every registered study (:data:`linattn_nb.studies.STUDIES`)
+through :func:`~linattn_nb.studies.sweep`, one JSON Lines file per study in the
+report folder, renders each study's tables and plots, and writes
+``report.md`` beside them.  Studies that cannot run here (an analysis
+function that is not installed) are listed under "Not run" with the reason.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ._study import PROFILES, STUDIES, Context, Rendered, get_study, markdown_table
+from .sweep import sweep
+
+__all__ = ["run_report", "ReportResult", "resolve_devices", "machine_info"]
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class ReportResult:
+    """What :func:`run_report` did.
+
+    Attributes
+    ----------
+    path : Path
+        The written ``report.md``.
+    problems : list of str
+        Failed checks, failed points, studies that raised.  Empty when all is well.
+    skipped : list of (str, str)
+        ``(study name, reason)`` for studies that could not run here.
+    sections : dict
+        Study name -> :class:`~linattn_nb.studies.Rendered`.
+    elapsed_s : float
+    """
+
+    path: Path
+    problems: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)
+    sections: dict = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+
+def resolve_devices(device: str) -> tuple:
+    """The devices the studies run on: "auto" adds the GPU when a real one is present.
+
+    Raises
+    ------
+    ValueError
+        Unknown ``device``.
+    RuntimeError
+        ``device="cuda"`` without a real GPU (the CUDA simulator does not count:
+        its timings mean nothing).
+    """
+    from ..device import cuda_status
+
+    if device not in DEVICE_CHOICES:
+        raise ValueError(f"device must be one of {', '.join(map(repr, DEVICE_CHOICES))}, got {device!r}")
+    if device == "cpu":
+        return ("cpu",)
+    status = cuda_status()
+    if device == "cuda":
+        if status != "gpu":
+            raise RuntimeError(
+                f"device='cuda' but no usable CUDA GPU was found (CUDA status: {status}); "
+                "the report's GPU studies need a real GPU. Use --device cpu or auto."
+            )
+        return ("cuda",)
+    return ("cpu", "cuda") if status == "gpu" else ("cpu",)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> list[tuple[str, str]]:
+    """(name, value) rows describing this machine and the software versions."""
+    import numba
+    import numpy as np
+
+    import linattn_nb
+    from ..device import cuda_status
+
+    try:
+        layer = numba.threading_layer()
+    except ValueError:
+        layer = "not started"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover
+        cores = os.cpu_count()
+    status = cuda_status()
+    cuda = {"gpu": "GPU", "simulator": "CUDA simulator only (no GPU timings)", "none": "no GPU"}[status]
+    if status == "gpu":
+        try:
+            from numba import cuda as nbcuda
+
+            dev = nbcuda.get_current_device()
+            name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+            cuda = f"{name} (compute capability {'.'.join(map(str, dev.compute_capability))})"
+        except Exception:  # pragma: no cover
+            pass
+    try:
+        import scipy
+
+        scipy_v = scipy.__version__
+    except ImportError:  # pragma: no cover
+        scipy_v = "not installed"
+    return [
+        ("linattn_nb", linattn_nb.__version__),
+        ("CPU", f"{_cpu_model()}, {cores} usable cores"),
+        ("platform", platform.platform()),
+        ("Python", platform.python_version()),
+        ("NumPy / SciPy / Numba", f"{np.__version__} / {scipy_v} / {numba.__version__}"),
+        ("Numba threads", f"{numba.get_num_threads()} ({layer} threading layer)"),
+        ("CUDA", cuda),
+        # np.dot inside Numba's parallel kernels calls a BLAS that may start threads
+        # of its own: the settings that decide it belong beside the timings.
+        ("BLAS / OpenMP threads", ", ".join(f"{v}={os.environ.get(v, '(unset)')}" for v in
+                                            ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS"))),
+    ]
+
+
+def _prepare_out(out: Path, *, force: bool, resume: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--out {str(out)!r} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not (force or resume):
+            raise FileExistsError(
+                f"the report folder {str(out)!r} is not empty; pass --force to replace the report "
+                "there, --resume to continue an interrupted report, or choose another --out"
+            )
+        if force:
+            # Remove only what a report writes; anything else in the folder stays.
+            owned = [out / "report.md"]
+            for s in STUDIES:
+                owned.append(out / f"{s.name}.jsonl")
+                owned += list(out.glob(f"{s.name}*.png"))
+            for p in owned:
+                if p.is_file():
+                    p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _anchor(title: str) -> str:
+    keep = [c for c in title.lower() if c.isalnum() or c in " -_"]
+    return "".join(keep).replace(" ", "-")
+
+
+def run_report(
+    out="report",
+    *,
+    profile: str = "full",
+    device: str = "auto",
+    scheduler=None,
+    workers: int | None = None,
+    force: bool = False,
+    resume: bool = False,
+    studies=None,
+    progress: bool = True,
+    log=None,
+    command: str | None = None,
+) -> ReportResult:
+    """Run the built-in studies and write ``<out>/report.md``.
+
+    Parameters
+    ----------
+    out : str or Path, default "report"
+        The report folder: ``report.md``, one ``<study>.jsonl`` of raw results
+        and the PNG plots per study.  Created if missing.
+    profile : {"full", "quick", "tiny"}
+        Problem sizes: ``"full"`` (<= 15 minutes on 2 cores), ``"quick"``
+        (<= 2 minutes), ``"tiny"`` (a smoke test in seconds).
+    device : {"auto", "cpu", "cuda"}
+        ``"auto"``: the CPU, and the GPU when a real one is present.
+    scheduler : str or distributed.Client, optional
+        Run the points of studies that do not measure time on this Dask
+        cluster.  Timing studies always run here, one point at a time.
+    workers : int, optional
+        Without a scheduler: run the non-timing studies in this many local
+        worker processes.
+    force : bool
+        Replace the report in a non-empty ``out`` (its previous report files
+        are deleted; other files are left alone).
+    resume : bool
+        Continue an interrupted report in ``out``: finished points are kept.
+    studies : list of str, optional
+        Names (or commands) of the studies to run; default all registered.
+    progress : bool
+        Progress bars on a terminal.
+    log : callable, optional
+        Called with one line of status text at a time (default: stderr).
+    command : str, optional
+        The command line to quote in the report.
+
+    Returns
+    -------
+    ReportResult
+
+    Raises
+    ------
+    FileExistsError
+        ``out`` is not empty and neither ``force`` nor ``resume`` is set.
+    ValueError
+        Bad ``profile``, ``device`` or study name, or ``force`` with ``resume``.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> res = run_report(tempfile.mkdtemp(), profile="tiny", studies=["correctness"],
+    ...                  progress=False, log=lambda line: None)
+    >>> res.path.name, res.problems
+    ('report.md', [])
+    """
+    t_start = time.perf_counter()
+    if profile not in PROFILES:
+        raise ValueError(f"profile must be one of {', '.join(map(repr, PROFILES))}, got {profile!r}")
+    if force and resume:
+        raise ValueError("force (start afresh) and resume (continue) exclude each other")
+    if log is None:
+        def log(line):
+            print(line, file=sys.stderr, flush=True)
+    # Importing the built-in studies registers them.
+    from . import _builtin  # noqa: F401
+
+    selected = list(STUDIES) if studies is None else [get_study(s) for s in studies]
+    devices = resolve_devices(device)
+    out = Path(out)
+    _prepare_out(out, force=force, resume=resume)
+    try:
+        import matplotlib  # noqa: F401
+
+        plots = True
+    except ImportError:
+        plots = False
+        log("matplotlib is not installed: the report has tables but no plots (pip install 'linattn_nb[plot]')")
+    ctx = Context(out=out, profile=profile, devices=devices, plots=plots)
+
+    client = None
+    if scheduler is not None and isinstance(scheduler, str):
+        try:
+            from distributed import Client
+        except ImportError as exc:
+            raise ImportError("--scheduler needs dask.distributed: pip install 'linattn_nb[dask]'") from exc
+        client = Client(scheduler, timeout="30s")
+    result = ReportResult(path=out / "report.md")
+    timings = {}
+    try:
+        for i, study in enumerate(selected, 1):
+            reason = study.requires()
+            if reason:
+                result.skipped.append((study.name, reason))
+                log(f"[{i}/{len(selected)}] {study.name}: not run: {reason}")
+                continue
+            t0 = time.perf_counter()
+            try:
+                pts = study.points(ctx)
+                if study.timing or (scheduler is None and not workers):
+                    kw = dict(backend="local")
+                elif scheduler is not None:
+                    kw = dict(backend="dask", scheduler=client or scheduler)
+                else:
+                    kw = dict(backend="local", workers=workers)
+                log(f"[{i}/{len(selected)}] {study.name}: {len(pts)} points"
+                    f"{' (timed, one at a time)' if study.timing else ''}")
+                records = sweep(study.run, pts, out=out / f"{study.name}.jsonl", resume=True,
+                                errors="record", progress=progress, **kw)
+                rendered = study.render(records, ctx)
+            except Exception as exc:  # noqa: BLE001 - the report goes on; the failure is shown
+                import traceback
+
+                rendered = Rendered(
+                    f"This study failed:\n\n```\n{traceback.format_exc()}```", "**failed**",
+                    [f"{study.name}: {type(exc).__name__}: {exc}"],
+                )
+            timings[study.name] = time.perf_counter() - t0
+            result.sections[study.name] = rendered
+            result.problems += rendered.problems
+            log(f"[{i}/{len(selected)}] {study.name}: {rendered.summary or 'done'} "
+                f"({timings[study.name]:.1f} s)")
+    finally:
+        if client is not None:
+            client.close()
+    result.elapsed_s = time.perf_counter() - t_start
+    _write_markdown(result, ctx, selected, timings, command)
+    log(f"wrote {result.path} ({result.elapsed_s:.1f} s)")
+    return result
+
+
+def _write_markdown(result: ReportResult, ctx: Context, selected, timings, command) -> None:
+    import datetime as dt
+
+    now = dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    cmd = command or "linattn_nb.studies.run_report(...)"
+    lines = [
+        "# linattn_nb report",
+        "",
+        f"Generated {now} by `{cmd}` in {result.elapsed_s:.0f} s; profile `{ctx.profile}`, "
+        f"devices: {', '.join(ctx.devices)}.",
+        "",
+    ]
+    if result.problems:
+        lines += [f"**{len(result.problems)} problem(s) found** -- see [Problems](#problems).", ""]
+    lines += ["## Machine", "", markdown_table(["", ""], machine_info()), "", "## Contents", ""]
+    for study in selected:
+        if study.name in result.sections:
+            r = result.sections[study.name]
+            lines.append(f"- [{study.title}](#{_anchor(study.title)})"
+                         + (f" -- {r.summary}" if r.summary else ""))
+    for name, _ in result.skipped:
+        lines.append(f"- {get_study(name).title}: not run (see [Not run](#not-run))")
+    lines.append("")
+    for study in selected:
+        r = result.sections.get(study.name)
+        if r is None:
+            continue
+        raw = f"{study.name}.jsonl"
+        lines += [f"## {study.title}", "", r.markdown.strip(), "",
+                  f"Raw results: [{raw}]({raw}); {timings.get(study.name, 0):.1f} s; "
+                  f"rerun alone with `linattn {study.command}`.", ""]
+    if result.skipped:
+        lines += ["## Not run", ""]
+        lines += [f"- **{get_study(name).title}** (`linattn {get_study(name).command}`): {reason}"
+                  for name, reason in result.skipped]
+        lines.append("")
+    if result.problems:
+        lines += ["## Problems", ""] + [f"- {p}" for p in result.problems] + [""]
+    text = "\n".join(lines) + "\n"
+    tmp = result.path.with_name(result.path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, result.path)
+
+
+def command_line(argv) -> str:
+    """``linattn`` plus the arguments, quoted for a shell."""
+    return "linattn " + " ".join(shlex.quote(a) for a in argv)

@@ -1,0 +1,901 @@
+"""Parameter sweeps that stream results to an append-only JSON Lines file.
+
+:func:`sweep` runs ``fn(**point)`` for every point of a parameter grid and
+appends one JSON line per finished point to ``out``.  The file is the sweep's
+only state: a rerun with the same file skips the points it already holds, so an
+interrupted sweep (Ctrl-C, a crash, a killed worker, a lost cluster) is resumed
+by running the same call again.
+
+File format (one JSON object per line)::
+
+    {"type": "header", "format": 1, "fn": "module:qualname", "created": "...", ...}
+    {"type": "result", "key": "3f0c...", "params": {...}, "status": "ok",
+     "result": {...}, "elapsed_s": 0.12, "host": "...", "pid": 1234, "finished": "..."}
+    {"type": "result", "key": "...", "params": {...}, "status": "error",
+     "error": "ValueError: ...", "traceback": "..."}
+
+Guarantees, and how they are kept:
+
+* **Only the parent process writes the file.**  Workers (processes of a local
+  pool, Dask workers) return results; the parent appends them one line at a
+  time, each line a single ``write`` followed by ``flush``.  A worker that is
+  killed therefore cannot leave half a line, and a point is written when, and
+  only when, its result reached the parent -- never twice (the parent keeps the
+  set of finished keys and checks it before each write).
+* **Flushed per line, not fsynced per line** (``fsync=False``, the default).
+  After ``flush`` a line is in the operating system's page cache, which
+  survives the end of the process however it ends (Ctrl-C, an exception,
+  SIGKILL); only a kernel crash or power loss can lose it, and a sweep point
+  usually takes far less time than a disk sync costs on a busy machine.  The
+  file is fsynced once when the sweep ends; pass ``fsync=True`` to sync every
+  line when the machine itself is at risk.
+* **A truncated last line is detected and dropped.**  A line without its
+  newline (a crash in the middle of a ``write``) or a final line that is not
+  valid JSON is reported with a warning and cut off the file before anything
+  is appended, so the point is computed again and appears exactly once.  A
+  damaged line *before* the last one is not something this module writes; it
+  raises an error instead of being skipped silently.
+* **One writer per file**: the file is locked (``fcntl.flock``, where
+  available) for the duration of a sweep; a second sweep on the same file
+  fails at once instead of interleaving lines.
+
+A point's identity is its *key*: a hash of the canonical JSON of its
+parameters (sorted keys, no whitespace), so the key does not depend on the
+order of the grid, on the process, or on the Python version.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import hashlib
+import itertools
+import json
+import math
+import os
+import pickle
+import socket
+import sys
+import time
+import traceback
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+
+__all__ = [
+    "sweep",
+    "grid_points",
+    "point_key",
+    "load_results",
+    "rows",
+    "SweepError",
+    "FORMAT_VERSION",
+]
+
+FORMAT_VERSION = 1
+BACKENDS = ("local", "dask")
+ERROR_MODES = ("raise", "record")
+
+
+class SweepError(RuntimeError):
+    """A point of a sweep failed (``errors="raise"``) or a worker kept dying.
+
+    Attributes
+    ----------
+    params : dict
+        The parameters of the point that failed.
+    worker_traceback : str
+        The traceback formatted where the point ran (possibly another process).
+    """
+
+    def __init__(self, message: str, params: dict | None = None, worker_traceback: str = ""):
+        super().__init__(message)
+        self.params = params
+        self.worker_traceback = worker_traceback
+
+
+# ---------------------------------------------------------------------------
+# Parameters: validation, canonical form, keys
+# ---------------------------------------------------------------------------
+def _canonical_value(value, where: str):
+    """Return ``value`` as plain JSON data (numpy scalars unwrapped) or raise TypeError."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"{where} is {value}: parameters must be finite numbers")
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_canonical_value(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{where} has a non-string key {k!r}; parameter dicts need string keys")
+            out[k] = _canonical_value(v, f"{where}[{k!r}]")
+        return out
+    raise TypeError(
+        f"{where} = {value!r} has type {type(value).__name__}; sweep parameters must be JSON "
+        "values (None, bool, int, float, str, and lists / dicts of them) so that a point has a "
+        "stable identity in the results file. Pass a name or a number and build the object inside fn."
+    )
+
+
+def _canonical_point(point, where: str) -> dict:
+    if not isinstance(point, Mapping):
+        raise TypeError(f"{where} must be a dict of parameters, got {type(point).__name__}")
+    if not point:
+        raise ValueError(f"{where} is an empty dict; a point needs at least one parameter")
+    out = {}
+    for name, value in point.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{where}: parameter names must be non-empty strings, got {name!r}")
+        out[name] = _canonical_value(value, f"{where}[{name!r}]")
+    return out
+
+
+def _canonical_json(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def point_key(params: Mapping) -> str:
+    """Stable identity of a point: SHA-1 of its canonical JSON, 16 hex digits.
+
+    Parameters
+    ----------
+    params : dict
+        The point's parameters (JSON values; numpy scalars are unwrapped,
+        tuples count as lists).
+
+    Returns
+    -------
+    str
+
+    Examples
+    --------
+    >>> point_key({"n": 1, "method": "scan"}) == point_key({"method": "scan", "n": 1})
+    True
+    >>> point_key({"n": 1}) == point_key({"n": 2})
+    False
+    """
+    canon = _canonical_point(params, "point")
+    return hashlib.sha1(_canonical_json(canon).encode("ascii")).hexdigest()[:16]
+
+
+def grid_points(grid) -> list[dict]:
+    """Expand and validate a parameter grid.
+
+    Parameters
+    ----------
+    grid : dict of lists, or list of dicts
+        ``{"n": [256, 1024], "method": ["scan", "chunked"]}`` gives the
+        cartesian product (the last name varies fastest); a list of dicts
+        gives exactly those points, in that order.
+
+    Returns
+    -------
+    list of dict
+        The points, in canonical form (numpy scalars unwrapped, tuples as
+        lists).
+
+    Raises
+    ------
+    TypeError
+        ``grid`` is neither a dict nor a list; a dict value is not a list of
+        values (e.g. a bare number or string); a point is not a dict; a
+        parameter is not a JSON value (an array, an object, a set...).
+    ValueError
+        An empty grid, an empty list of values, a non-finite float, or two
+        equal points (the message names them).
+
+    Examples
+    --------
+    >>> grid_points({"n": [1, 2], "m": ["a"]})
+    [{'n': 1, 'm': 'a'}, {'n': 2, 'm': 'a'}]
+    >>> grid_points([{"n": 1}, {"n": 5, "m": "b"}])
+    [{'n': 1}, {'n': 5, 'm': 'b'}]
+    """
+    if isinstance(grid, Mapping):
+        if not grid:
+            raise ValueError("grid is an empty dict; give at least one parameter with a list of values")
+        names, values = [], []
+        for name, vals in grid.items():
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"grid: parameter names must be non-empty strings, got {name!r}")
+            if isinstance(vals, np.ndarray) and vals.ndim == 1:
+                vals = vals.tolist()
+            if isinstance(vals, range):
+                vals = list(vals)
+            if not isinstance(vals, (list, tuple)):
+                raise TypeError(
+                    f"grid[{name!r}] must be a list of values, got {type(vals).__name__} {vals!r}; "
+                    f"write [{vals!r}] for a single value"
+                )
+            if len(vals) == 0:
+                raise ValueError(f"grid[{name!r}] is an empty list: the grid would have no points")
+            names.append(name)
+            values.append([_canonical_value(v, f"grid[{name!r}][{i}]") for i, v in enumerate(vals)])
+        points = [dict(zip(names, combo)) for combo in itertools.product(*values)]
+    elif isinstance(grid, (list, tuple)):
+        if len(grid) == 0:
+            raise ValueError("grid is an empty list of points")
+        points = [_canonical_point(p, f"grid[{i}]") for i, p in enumerate(grid)]
+    else:
+        raise TypeError(f"grid must be a dict of lists or a list of dicts, got {type(grid).__name__}")
+    seen: dict[str, int] = {}
+    for i, p in enumerate(points):
+        key = _canonical_json(p)
+        if key in seen:
+            raise ValueError(
+                f"grid has duplicate points: #{seen[key]} and #{i} are both {p}; "
+                "each point must be unique (it is the point's identity in the results file)"
+            )
+        seen[key] = i
+    return points
+
+
+# ---------------------------------------------------------------------------
+# Results: JSON conversion
+# ---------------------------------------------------------------------------
+def _to_json(obj, where: str = "result"):
+    """Plain JSON data from a result: numpy arrays/scalars, dataclasses and tuples allowed."""
+    if obj is None or isinstance(obj, (bool, str, int, float)):
+        return obj
+    if isinstance(obj, np.bool_):
+        return bool(obj)
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj)
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind not in "biuf":
+            raise TypeError(f"{where} is an array of dtype {obj.dtype}; only numeric arrays can be stored")
+        return obj.tolist()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _to_json(getattr(obj, f.name), f"{where}.{f.name}") for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        out = {}
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{where} has a non-string key {k!r}; results must be JSON objects")
+            out[k] = _to_json(v, f"{where}[{k!r}]")
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [_to_json(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    raise TypeError(f"{where} has type {type(obj).__name__}, which cannot be stored as JSON")
+
+
+def _fn_name(fn) -> str:
+    inner = getattr(fn, "func", None)  # functools.partial
+    if inner is not None and not hasattr(fn, "__qualname__"):
+        return f"partial({_fn_name(inner)})"
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+# ---------------------------------------------------------------------------
+# What runs on a worker
+# ---------------------------------------------------------------------------
+def _set_numba_threads(threads) -> None:
+    """Limit Numba's threads for the calling thread (Numba's setting is thread-local)."""
+    if isinstance(threads, dict):
+        try:
+            from distributed import get_worker
+
+            threads = threads.get(get_worker().address)
+        except Exception:
+            threads = None
+    if not threads:
+        return
+    import numba
+
+    numba.set_num_threads(max(1, min(int(threads), int(numba.config.NUMBA_NUM_THREADS))))
+
+
+def _run_point(fn, params: dict, threads=None) -> dict:
+    """Run one point; never raises for an exception of ``fn`` (it is returned)."""
+    _set_numba_threads(threads)
+    t0 = time.perf_counter()
+    try:
+        result = _to_json(fn(**params))
+        payload = {"status": "ok", "result": result}
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        try:
+            pickle.dumps(exc)
+            exc_obj = exc
+        except Exception:
+            exc_obj = None
+        payload = {
+            "status": "error",
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc(),
+            "exception": exc_obj,
+        }
+    payload["elapsed_s"] = time.perf_counter() - t0
+    payload["host"] = socket.gethostname()
+    payload["pid"] = os.getpid()
+    return payload
+
+
+# ---------------------------------------------------------------------------
+# The results file
+# ---------------------------------------------------------------------------
+def _parse_lines(data: bytes, path) -> tuple[list[dict], int, str | None]:
+    """Parse the file's bytes.
+
+    Returns the records, the byte length of the valid prefix, and a message
+    describing a dropped damaged tail (None when the file is intact).
+    """
+    records: list[dict] = []
+    pos = 0
+    n = len(data)
+    lineno = 0
+    while pos < n:
+        nl = data.find(b"\n", pos)
+        lineno += 1
+        if nl < 0:
+            return records, pos, (
+                f"{path}: the last line ({n - pos} bytes, line {lineno}) has no newline: "
+                "a write was interrupted; it is ignored and its point will run again"
+            )
+        raw = data[pos:nl]
+        if raw.strip():
+            try:
+                rec = json.loads(raw.decode("utf-8"))
+                if not isinstance(rec, dict):
+                    raise ValueError("not a JSON object")
+            except (ValueError, UnicodeDecodeError) as exc:
+                if nl + 1 >= n:
+                    return records, pos, (
+                        f"{path}: the last line (line {lineno}) is not valid JSON ({exc}); "
+                        "it is ignored and its point will run again"
+                    )
+                raise ValueError(
+                    f"{path}: line {lineno} is not valid JSON ({exc}) and is not the last line; "
+                    "the file was damaged by something other than an interrupted sweep. Repair or "
+                    "remove that line (or use a new results file)."
+                ) from None
+            records.append(rec)
+        pos = nl + 1
+    return records, pos, None
+
+
+def _latest(records: Iterable[dict]) -> dict[str, dict]:
+    """The last record per key, an ``ok`` record never replaced by a later error."""
+    latest: dict[str, dict] = {}
+    for rec in records:
+        if rec.get("type") != "result" or "key" not in rec:
+            continue
+        prev = latest.get(rec["key"])
+        if prev is not None and prev.get("status") == "ok" and rec.get("status") != "ok":
+            continue
+        latest[rec["key"]] = rec
+    return latest
+
+
+def load_results(path, *, status: str | None = None) -> list[dict]:
+    """Read the records of a sweep file (one per point, in file order).
+
+    A damaged last line is ignored (with a warning); for a point recorded
+    more than once (an error, then a successful rerun) the successful record
+    wins, else the latest.
+
+    Parameters
+    ----------
+    path : str or Path
+    status : {"ok", "error"}, optional
+        Keep only records with this status.
+
+    Returns
+    -------
+    list of dict
+
+    Raises
+    ------
+    FileNotFoundError
+    ValueError
+        A damaged line before the last one.
+
+    Examples
+    --------
+    >>> import tempfile, os
+    >>> def square(x):
+    ...     return {"y": x * x}
+    >>> path = os.path.join(tempfile.mkdtemp(), "demo.jsonl")
+    >>> _ = sweep(square, {"x": [1, 2, 3]}, out=path, progress=False)
+    >>> [(r["params"]["x"], r["result"]["y"]) for r in load_results(path)]
+    [(1, 1), (2, 4), (3, 9)]
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    records, _, problem = _parse_lines(data, path)
+    if problem:
+        warnings.warn(problem, RuntimeWarning, stacklevel=2)
+    out = list(_latest(records).values())
+    if status is not None:
+        out = [r for r in out if r.get("status") == status]
+    return out
+
+
+def rows(records: Iterable[dict]) -> list[dict]:
+    """Flatten ok records to ``{**params, **result}`` dicts (for tables and plots).
+
+    Examples
+    --------
+    >>> rows([{"status": "ok", "params": {"n": 2}, "result": {"t": 0.5}}])
+    [{'n': 2, 't': 0.5}]
+    """
+    out = []
+    for rec in records:
+        if rec.get("status") != "ok":
+            continue
+        res = rec.get("result")
+        row = dict(rec.get("params", {}))
+        if isinstance(res, dict):
+            row.update(res)
+        else:
+            row["result"] = res
+        out.append(row)
+    return out
+
+
+class _ResultsFile:
+    """The append-only JSONL file, locked, repaired, written by this process only."""
+
+    def __init__(self, path: Path, fn_name: str, *, resume: bool, fsync: bool):
+        self.path = path
+        self.fsync = fsync
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.fh = open(path, "a+b")
+        try:
+            self._lock()
+            self.fh.seek(0)
+            data = self.fh.read()
+            if data and not resume:
+                raise FileExistsError(
+                    f"{path} already holds results; pass resume=True to continue that sweep, "
+                    "or choose another file (nothing was changed)"
+                )
+            records, valid, problem = _parse_lines(data, path)
+            if problem:
+                warnings.warn(problem, RuntimeWarning, stacklevel=3)
+                self.fh.truncate(valid)
+                self.fh.flush()
+            header = next((r for r in records if r.get("type") == "header"), None)
+            if header is not None and header.get("fn") != fn_name:
+                raise ValueError(
+                    f"{path} holds results of {header.get('fn')!r}, not of {fn_name!r}; "
+                    "use another results file for another function"
+                )
+            if header is not None and header.get("format") != FORMAT_VERSION:
+                raise ValueError(
+                    f"{path} has format {header.get('format')!r}; this version reads format {FORMAT_VERSION}"
+                )
+            self.latest = _latest(records)
+            if header is None:
+                from .. import __version__
+
+                self.write({"type": "header", "format": FORMAT_VERSION, "fn": fn_name,
+                            "created": _now(), "linattn_nb": __version__,
+                            "python": sys.version.split()[0], "host": socket.gethostname()})
+        except BaseException:
+            self.fh.close()
+            raise
+
+    def _lock(self):
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows: no advisory lock
+            return
+        try:
+            fcntl.flock(self.fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise RuntimeError(
+                f"{self.path} is being written by another sweep (it is locked); "
+                "wait for it to finish or use another results file"
+            ) from None
+
+    def write(self, record: dict) -> None:
+        line = json.dumps(record, separators=(",", ":"), allow_nan=True) + "\n"
+        self.fh.seek(0, os.SEEK_END)
+        self.fh.write(line.encode("utf-8"))  # one write per line: a crash cuts at most this line
+        self.fh.flush()
+        if self.fsync:
+            os.fsync(self.fh.fileno())
+
+    def close(self):
+        if self.fh.closed:
+            return
+        try:
+            self.fh.flush()
+            os.fsync(self.fh.fileno())
+        except OSError:  # pragma: no cover
+            pass
+        self.fh.close()  # closing releases the flock
+
+
+# ---------------------------------------------------------------------------
+# sweep
+# ---------------------------------------------------------------------------
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS, Windows
+        return os.cpu_count() or 1
+
+
+def _check_int(name, value, *, minimum, allow_none=True):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer{' or None' if allow_none else ''}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def sweep(
+    fn: Callable[..., Any],
+    grid,
+    *,
+    out,
+    backend: str = "local",
+    scheduler=None,
+    resume: bool = True,
+    progress: bool = True,
+    workers: int | None = None,
+    numba_threads: int | None = None,
+    errors: str = "raise",
+    max_retries: int = 2,
+    fsync: bool = False,
+) -> list[dict]:
+    """Run ``fn(**point)`` over a grid, streaming results to a JSON Lines file.
+
+    Parameters
+    ----------
+    fn : callable
+        Called as ``fn(**point)``; returns a JSON-storable result (dict,
+        list, number, string; numpy arrays and scalars and dataclasses are
+        converted).  With worker processes it must be importable by them (a
+        module-level function; Dask also ships lambdas and closures).
+    grid : dict of lists or list of dicts
+        See :func:`grid_points`.
+    out : str or Path
+        The results file (JSON Lines, appended to; created with its folder).
+    backend : {"local", "dask"}
+        ``"local"``: in this process (``workers`` None or 1) or a pool of
+        ``workers`` spawned processes (``spawn``, never ``fork``: a fork after
+        Numba's OpenMP/TBB pool has started can hang).  ``"dask"``: on a
+        dask.distributed cluster (extra ``dask``).
+    scheduler : str, distributed.Client or cluster, optional
+        With ``backend="dask"``: the address of a running scheduler
+        (``"tcp://host:8786"``), a Client, or a cluster object.  None starts a
+        LocalCluster of ``workers`` processes (default 2) on loopback for the
+        duration of the sweep.
+    resume : bool, default True
+        Skip points already finished in ``out``.  With False an existing,
+        non-empty ``out`` is an error (results are never overwritten).
+    progress : bool, default True
+        A tqdm progress bar on stderr when it is a terminal.
+    workers : int, optional
+        Worker processes (see ``backend``).
+    numba_threads : int, optional
+        Numba threads per worker.  Default: this process keeps its setting when
+        it runs the points itself; otherwise the cores of a host divided by the
+        task slots on it, so that workers do not oversubscribe the cores.  It is
+        applied with ``numba.set_num_threads`` around every point; an embedded
+        LocalCluster also gets ``NUMBA_NUM_THREADS`` in its workers' environment
+        (the size of their thread pools).
+    errors : {"raise", "record"}
+        An exception in ``fn``: ``"raise"`` stops the sweep (finished points
+        stay in the file) and raises :class:`SweepError` from it;
+        ``"record"`` writes an error record and goes on.  Error records do not
+        count as finished: a resumed sweep runs those points again.
+    max_retries : int, default 2
+        How often a point is retried when its worker process dies (killed,
+        out of memory, a segfault).  On Dask, the scheduler's own
+        ``distributed.scheduler.allowed-failures`` applies instead.
+    fsync : bool, default False
+        ``os.fsync`` after every line (see the module docstring); the file is
+        always flushed per line and fsynced at the end.
+
+    Returns
+    -------
+    list of dict
+        One record per grid point, in grid order (see the module docstring
+        for the fields); points recorded as errors have ``status == "error"``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad grid (see :func:`grid_points`) or arguments.
+    FileExistsError
+        ``resume=False`` and ``out`` already holds results.
+    RuntimeError
+        ``out`` is being written by another sweep.
+    SweepError
+        A point failed with ``errors="raise"``, or its worker died more than
+        ``max_retries`` times.
+
+    Examples
+    --------
+    >>> import os, tempfile
+    >>> def power(x, p):
+    ...     return {"y": x ** p}
+    >>> path = os.path.join(tempfile.mkdtemp(), "powers.jsonl")
+    >>> recs = sweep(power, {"x": [2, 3], "p": [2]}, out=path, progress=False)
+    >>> [r["result"]["y"] for r in recs]
+    [4, 9]
+    >>> recs = sweep(power, {"x": [2, 3, 4], "p": [2]}, out=path, progress=False)  # resumes
+    >>> [r["result"]["y"] for r in recs]
+    [4, 9, 16]
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    if errors not in ERROR_MODES:
+        raise ValueError(f"errors must be 'raise' or 'record', got {errors!r}")
+    if scheduler is not None and backend != "dask":
+        raise ValueError(f"scheduler= is given but backend={backend!r}; pass backend='dask' to use a Dask cluster")
+    if scheduler is not None and workers is not None:
+        raise ValueError("workers= sizes the embedded LocalCluster or the local pool; an existing "
+                         "scheduler= brings its own workers: pass one or the other")
+    if out is None or not isinstance(out, (str, os.PathLike)):
+        raise TypeError(f"out must be a path (str or os.PathLike), got {type(out).__name__}")
+    workers = _check_int("workers", workers, minimum=1)
+    numba_threads = _check_int("numba_threads", numba_threads, minimum=1)
+    max_retries = _check_int("max_retries", max_retries, minimum=0, allow_none=False)
+    for flag_name, flag in (("resume", resume), ("progress", progress), ("fsync", fsync)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{flag_name} must be a bool, got {flag!r}")
+    points = grid_points(grid)
+    keys = [point_key(p) for p in points]
+    path = Path(out)
+    if path.is_dir():
+        raise ValueError(f"out={str(path)!r} is a directory; give a file path such as {str(path / 'results.jsonl')!r}")
+    if backend == "local" and workers and workers > 1:
+        try:
+            pickle.dumps(fn)
+        except Exception as exc:
+            raise TypeError(
+                f"fn {_fn_name(fn)} cannot be sent to worker processes ({exc}); define it at module "
+                "level in an importable module, or run with workers=None (in this process)"
+            ) from None
+
+    rf = _ResultsFile(path, _fn_name(fn), resume=bool(resume), fsync=bool(fsync))
+    try:
+        done = {k for k, r in rf.latest.items() if r.get("status") == "ok"}
+        todo = [(k, p) for k, p in zip(keys, points) if k not in done]
+        bar = _progress_bar(bool(progress), total=len(points), initial=len(points) - len(todo), fn=fn)
+        state = _RunState(rf, done, bar, errors)
+        try:
+            if todo:
+                if backend == "dask":
+                    _run_dask(fn, todo, state, scheduler=scheduler, workers=workers,
+                              numba_threads=numba_threads)
+                elif workers and workers > 1:
+                    _run_pool(fn, todo, state, workers=workers, max_retries=max_retries,
+                              numba_threads=numba_threads or max(1, _cpu_count() // workers))
+                else:
+                    for key, params in todo:
+                        state.finish(key, params, _run_point(fn, params, numba_threads))
+        finally:
+            if bar is not None:
+                bar.close()
+        latest = rf.latest
+    finally:
+        rf.close()
+    return [latest[k] for k in keys if k in latest]
+
+
+def _progress_bar(progress: bool, *, total: int, initial: int, fn):
+    if not progress:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        return None
+    name = getattr(fn, "__name__", "sweep")
+    # disable=None: tqdm shows the bar only when stderr is a terminal.
+    return tqdm(total=total, initial=initial, desc=name, unit="pt", disable=None, file=sys.stderr,
+                dynamic_ncols=True)
+
+
+class _RunState:
+    """What the parent knows while a sweep runs: the file, finished keys, the bar."""
+
+    def __init__(self, rf: _ResultsFile, done: set, bar, errors: str):
+        self.rf = rf
+        self.done = done
+        self.bar = bar
+        self.errors = errors
+
+    def finish(self, key: str, params: dict, payload: dict) -> None:
+        if key in self.done:  # a duplicate delivery (never expected): write nothing twice
+            return
+        exc = payload.pop("exception", None)
+        record = {"type": "result", "key": key, "params": params, **payload, "finished": _now()}
+        if payload["status"] == "ok":
+            self.rf.write(record)
+            self.rf.latest[key] = record
+            self.done.add(key)
+            if self.bar is not None:
+                self.bar.update(1)
+            return
+        if self.errors == "raise":
+            raise SweepError(
+                f"point {params} failed: {payload['error']}\n\nTraceback where it ran "
+                f"(host {payload.get('host')}, pid {payload.get('pid')}):\n{payload.get('traceback', '')}",
+                params, payload.get("traceback", ""),
+            ) from exc
+        self.rf.write(record)
+        self.rf.latest[key] = record
+        if self.bar is not None:
+            self.bar.update(1)
+
+
+def _worker_died(attempts: int) -> dict:
+    return {
+        "status": "error",
+        "error": f"WorkerDied: the worker process running this point died {attempts} time(s) "
+                 "(killed, out of memory, or crashed)",
+        "traceback": "",
+        "elapsed_s": float("nan"),
+        "host": socket.gethostname(),
+        "pid": None,
+    }
+
+
+def _run_pool(fn, todo, state: _RunState, *, workers: int, max_retries: int, numba_threads: int):
+    """A spawned process pool with at most ``workers`` points in flight.
+
+    A worker that dies breaks a ProcessPoolExecutor: every point in flight then
+    fails with BrokenProcessPool, whichever of them killed it.  Those points are
+    retried first, each *alone* in a fresh pool, so that only the point that
+    really kills its worker uses up its ``max_retries``.
+    """
+    import multiprocessing
+    from collections import deque
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
+
+    ctx = multiprocessing.get_context("spawn")
+    attempts = {key: 0 for key, _ in todo}
+    queue = deque(todo)
+    while queue:
+        pool = ProcessPoolExecutor(max_workers=min(workers, len(queue)), mp_context=ctx)
+        inflight: dict = {}
+        broken = False
+        retry = []
+        try:
+            while queue or inflight:
+                while queue and not broken and len(inflight) < workers:
+                    key, params = queue[0]
+                    suspect = attempts[key] > 0
+                    if inflight and (suspect or any(attempts[k] > 0 for k, _ in inflight.values())):
+                        break  # a suspect runs alone
+                    queue.popleft()
+                    inflight[pool.submit(_run_point, fn, params, numba_threads)] = (key, params)
+                if not inflight:
+                    break
+                finished, _ = wait(list(inflight), return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    key, params = inflight.pop(fut)
+                    try:
+                        payload = fut.result()
+                    except BrokenProcessPool:
+                        broken = True
+                        attempts[key] += 1
+                        if attempts[key] > max_retries:
+                            state.finish(key, params, _worker_died(attempts[key]))
+                        else:
+                            retry.append((key, params))
+                        continue
+                    state.finish(key, params, payload)
+                if broken and not inflight:
+                    break
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
+        queue.extendleft(reversed(retry))
+
+
+def _dask_threads_per_worker(client) -> dict:
+    """Numba threads for each worker of an existing cluster: host cores / task slots on the host."""
+    info = client.scheduler_info(n_workers=-1) if _accepts_n_workers(client) else client.scheduler_info()
+    wk = info.get("workers", {})
+    cores = client.run(_cpu_count)
+    slots: dict[str, int] = {}
+    host_of = {}
+    for addr, w in wk.items():
+        host = w.get("host") or addr.rsplit(":", 1)[0]
+        host_of[addr] = host
+        slots[host] = slots.get(host, 0) + int(w.get("nthreads", 1) or 1)
+    return {addr: max(1, int(cores.get(addr, 1)) // max(1, slots[host_of[addr]])) for addr in wk}
+
+
+def _accepts_n_workers(client) -> bool:
+    import inspect
+
+    try:
+        return "n_workers" in inspect.signature(client.scheduler_info).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return False
+
+
+def _run_dask(fn, todo, state: _RunState, *, scheduler, workers, numba_threads):
+    try:
+        import distributed
+    except ImportError as exc:
+        raise ImportError(
+            "backend='dask' needs dask.distributed: pip install 'linattn_nb[dask]'"
+        ) from exc
+    from distributed import Client, LocalCluster, as_completed
+
+    cluster = None
+    own_client = True
+    if scheduler is None:
+        n = workers or 2
+        threads = numba_threads or max(1, _cpu_count() // n)
+        import logging
+
+        cluster = LocalCluster(
+            n_workers=n, threads_per_worker=1, processes=True, host="127.0.0.1",
+            dashboard_address=None, silence_logs=logging.ERROR,
+            env={"NUMBA_NUM_THREADS": str(threads)},
+        )
+        client = Client(cluster)
+        per_worker = threads
+    else:
+        if isinstance(scheduler, Client):
+            client, own_client = scheduler, False
+        elif isinstance(scheduler, str):
+            client = Client(scheduler, timeout="30s")
+        elif hasattr(scheduler, "scheduler_address"):
+            client = Client(scheduler)
+        else:
+            raise TypeError(
+                f"scheduler must be an address string, a distributed.Client or a cluster, got {type(scheduler).__name__}"
+            )
+        per_worker = numba_threads or _dask_threads_per_worker(client)
+    token = uuid.uuid4().hex[:8]
+    futures = {}
+    try:
+        for key, params in todo:
+            fut = client.submit(_run_point, fn, params, per_worker, key=f"linattn-sweep-{key}-{token}", pure=False)
+            futures[fut] = (key, params)
+        for fut in as_completed(list(futures)):
+            key, params = futures[fut]
+            try:
+                payload = fut.result()
+            except distributed.scheduler.KilledWorker as exc:
+                payload = _worker_died(0)
+                payload["error"] = f"KilledWorker: {exc}"
+            except Exception as exc:  # noqa: BLE001 - infrastructure failure for this point
+                payload = {"status": "error", "error": f"{type(exc).__name__}: {exc}",
+                           "traceback": traceback.format_exc(), "elapsed_s": float("nan"),
+                           "host": None, "pid": None, "exception": exc}
+            state.finish(key, params, payload)
+    finally:
+        pending = [f for f in futures if not f.done()]
+        if pending:
+            try:
+                client.cancel(pending)
+            except Exception:  # pragma: no cover - cluster already gone
+                pass
+        if own_client:
+            client.close()
+        if cluster is not None:
+            cluster.close()

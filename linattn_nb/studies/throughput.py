@@ -1,0 +1,170 @@
+"""Study: causal throughput against sequence length, linear against softmax attention.
+
+Every registered causal linear-attention method (not the quadratic reference)
+and softmax_attention's blocked kernel, on the CPU (and on the GPU when one is
+present), at ``B*H`` sequences of length N, ``D = M``, float32, feature map
+ELU+1.  Each point is timed after a warm-up call (which compiles or loads the
+kernel from the cache; at N <= 64, since Numba compiles per dtype signature,
+not per N): the median of at least three calls (one for calls over two
+seconds), more while the total stays below ``min_time``.  Effective GFLOP/s of linear attention counts
+``4 * B*H * N * D * M`` floating-point operations (the two rank-1 updates of
+the recurrence, the convention of the project's benchmarks).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from ._study import Rendered, Study, fmt, markdown_table, register_study
+
+
+def _sizes(ctx):
+    """(B*H, D, Ns, largest softmax N, min_time) for the profile."""
+    return ctx.pick(
+        tiny=(2, 16, [64, 256], 256, 0.005),
+        quick=(8, 64, [256, 1024, 4096], 4096, 0.1),
+        full=(16, 64, [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536], 8192, 0.5),
+    )
+
+
+def points(ctx) -> list[dict]:
+    from ..ops import methods as _methods  # noqa: F401 - registers the built-in methods
+    from ..ops.registry import available_methods
+
+    bh, d, ns, softmax_max, min_time = _sizes(ctx)
+    common = dict(batch=bh, d=d, m=d, dtype="float32", feature_map="elu", min_time=min_time)
+    pts = []
+    for device in ctx.devices:
+        for method in available_methods(causal=True, device=device):
+            if method == "quadratic":
+                continue
+            pts += [dict(kind="linear", device=device, method=method, n=n, **common) for n in ns]
+    pts += [dict(kind="softmax", device="cpu", method="blocked", n=n, **common) for n in ns if n <= softmax_max]
+    return pts
+
+
+def run(kind, device, method, n, batch, d, m, dtype, feature_map, min_time, seed=0) -> dict:
+    """Time one causal forward; returns the median and derived rates."""
+    import numba
+
+    from .. import linear_attention, softmax_attention
+
+    if kind not in ("linear", "softmax"):
+        raise ValueError(f"unknown kind {kind!r}")
+    rng = np.random.default_rng(seed)
+    sync = None
+    if device == "cuda":
+        from numba import cuda
+
+        sync = cuda.synchronize
+
+    def inputs(length):
+        q, k = (rng.standard_normal((batch, length, d)).astype(dtype) for _ in range(2))
+        v = rng.standard_normal((batch, length, m)).astype(dtype)
+        if device == "cuda":
+            q, k, v = (cuda.to_device(x) for x in (q, k, v))
+        return q, k, v
+
+    def timed(q, k, v):
+        t0 = time.perf_counter()
+        if kind == "linear":
+            linear_attention(q, k, v, feature_map=feature_map, causal=True, method=method, device=device)
+        else:
+            softmax_attention(q, k, v, causal=True, method=method)
+        if sync is not None:
+            sync()
+        return time.perf_counter() - t0
+
+    # Warm-up on a short sequence: Numba compiles (or loads from its cache) per
+    # dtype signature, not per N, so a long warm-up call would only cost time.
+    first = timed(*inputs(min(n, 64)))
+    q, k, v = inputs(n)
+    times = [timed(q, k, v)]
+    want = 3 if times[0] < 2.0 else 1  # a call of seconds is timed once
+    while len(times) < want or (sum(times) < min_time and len(times) < 200):
+        times.append(timed(q, k, v))
+    med = statistics.median(times)
+    res = {"median_s": med, "min_s": min(times), "repeats": len(times), "warmup_s": first,
+           "tokens_per_s": batch * n / med, "numba_threads": numba.get_num_threads()}
+    if kind == "linear":
+        res["gflops"] = 4.0 * batch * n * d * m / med / 1e9
+    return res
+
+
+def _label(p) -> str:
+    name = "softmax" if p["kind"] == "softmax" else f"linear {p['method']}"
+    return f"{name} ({p['device']})"
+
+
+def render(records, ctx) -> Rendered:
+    ok = [r for r in records if r.get("status") == "ok"]
+    failed = [r for r in records if r.get("status") != "ok"]
+    series: dict = {}
+    for r in ok:
+        series.setdefault(_label(r["params"]), {})[r["params"]["n"]] = (r["params"], r["result"])
+    ns = sorted({r["params"]["n"] for r in ok})
+    labels = list(series)
+    lin = [lab for lab in labels if lab.startswith("linear")]
+    soft = [lab for lab in labels if lab.startswith("softmax")]
+    rows = []
+    for n in ns:
+        row = [n]
+        for lab in labels:
+            pr = series[lab].get(n)
+            row.append(fmt(pr[1]["median_s"] * 1e3) if pr else "–")
+        best_lin = min((series[lab][n][1]["median_s"] for lab in lin if n in series[lab]), default=None)
+        best_soft = min((series[lab][n][1]["median_s"] for lab in soft if n in series[lab]), default=None)
+        row.append(fmt(best_soft / best_lin) + "×" if best_lin and best_soft else "–")
+        rows.append(row)
+    md = []
+    if ok:
+        p0 = ok[0]["params"]
+        threads = ok[0]["result"].get("numba_threads")
+        md.append(
+            f"Causal forward, B·H = {p0['batch']}, D = M = {p0['d']}, {p0['dtype']}, feature map "
+            f"`{p0['feature_map']}`; median of >= 3 timed calls (one for calls over 2 s; more while the "
+            f"total stays under {p0['min_time']} s) after a short warm-up call; Numba threads: {threads}. "
+            "Times in milliseconds; the last column is softmax time over the fastest linear method."
+        )
+        md += ["", markdown_table(["N", *[f"{lab} [ms]" for lab in labels], "linear speed-up"], rows)]
+        if lin:
+            grows = [[n] + [fmt(series[lab][n][1]["gflops"]) if n in series[lab] else "–" for lab in lin]
+                     for n in ns]
+            md += ["", "Effective GFLOP/s of linear attention (4·B·H·N·D·M per forward):", "",
+                   markdown_table(["N", *lin], grows)]
+        if ctx.plots and ns:
+            fig, (ax1, ax2) = ctx.figure(ncols=2)
+            for i, lab in enumerate(labels):
+                xs = sorted(series[lab])
+                ax1.loglog(xs, [series[lab][x][1]["median_s"] * 1e3 for x in xs], marker="o", label=lab, **ctx.style(i))
+                ax2.loglog(xs, [series[lab][x][1]["tokens_per_s"] for x in xs], marker="o", label=lab, **ctx.style(i))
+            ax1.set(xlabel="sequence length N", ylabel="time per forward [ms]", title="Causal forward time")
+            ax2.set(xlabel="sequence length N", ylabel="tokens / s", title="Throughput")
+            ax1.legend(fontsize="small")
+            ax1.grid(True, which="both", alpha=0.3)
+            ax2.grid(True, which="both", alpha=0.3)
+            md += ["", ctx.savefig(fig, "throughput", "causal forward time and throughput against N")]
+    if failed:
+        md += ["", "Points that failed:", ""] + [f"- `{r['params']}`: {r.get('error')}" for r in failed]
+    summary = ""
+    if ns and lin and soft:
+        n_top = max(n for n in ns if any(n in series[lab] for lab in soft))
+        best_lin = min(series[lab][n_top][1]["median_s"] for lab in lin if n_top in series[lab])
+        best_soft = min(series[lab][n_top][1]["median_s"] for lab in soft if n_top in series[lab])
+        summary = f"linear {fmt(best_soft / best_lin)}× faster than softmax at N = {n_top}"
+    problems = [f"throughput: point {r['params']} failed: {r.get('error')}" for r in failed]
+    return Rendered("\n".join(md), summary, problems)
+
+
+STUDY = register_study(Study(
+    name="throughput",
+    title="Causal throughput against N",
+    command="bench",
+    help="causal throughput against N: every linear method and softmax attention",
+    points=points,
+    run=run,
+    render=render,
+    timing=True,
+))

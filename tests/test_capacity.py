@@ -1,0 +1,182 @@
+"""Recall capacity of the fixed-size state, MQAR sequences, state size."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from linattn_nb import feature_maps
+from linattn_nb.analysis import mqar, recall_capacity, state_size
+from linattn_nb.feature_maps import DpfpFeatureMap
+
+
+# ---------------------------------------------------------------------------
+# recall_capacity
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("fmap,d", [("elu", 16), (DpfpFeatureMap(1), 32), (DpfpFeatureMap(2), 16),
+                                    (DpfpFeatureMap(3), 16)])
+def test_optimal_mse_is_the_eckart_young_floor(fmap, d):
+    """Schlag, Irie & Schmidhuber 2021, §4.1: a D_phi x M state holds at most D_phi orthogonal keys, so
+    beyond n = D_phi pairs retrieval must err.  With one-hot values the least-squares state attains the
+    Eckart-Young floor: relative error 0 for n <= D_phi (keys in general position) and 1 - D_phi/n beyond.
+    ELU+1: D_phi = d; DPFP(nu): D_phi = 2 d nu (§5.4).  DPFP features are sparse products, so at small d
+    n = D_phi random keys are often *not* in general position (rank-deficient in ~25% of draws at d = 8,
+    nu = 1; 0.5% at d = 16; none seen at d = 32 in 200 draws): d is chosen where they are."""
+    f = feature_maps.resolve(fmap).output_dim(d)
+    assert f == (d if fmap == "elu" else 2 * d * fmap.nu)
+    ns = [4, f // 2, f, 2 * f, 3 * f]
+    res = recall_capacity(fmap, d, ns, trials=2, seed=3)
+    assert res.d_phi == f
+    want = [max(0.0, 1 - f / n) for n in ns]
+    np.testing.assert_allclose(res.optimal_mse, want, atol=1e-9)
+    # the sum rule never beats the floor (its read-out D^-1 phi phi^T has rank <= D_phi)
+    assert np.all(res.mse >= res.optimal_mse - 1e-12)
+
+
+@pytest.mark.parametrize("fmap", sorted(feature_maps.available()))
+def test_sum_rule_never_below_floor_and_softmax_wins(fmap):
+    """With one-hot values the sum rule's error is never below optimal_mse (Eckart-Young: its read-out
+    has rank <= D_phi), and at n >> D_phi softmax over the same pairs (a KV cache, which grows with n)
+    errs less than every linear feature map (REFERENCES.md, "Rank and spectra"; Schlag et al. 2021, §4.1)."""
+    d = 8
+    f = feature_maps.get(fmap).output_dim(d)
+    n_big = 8 * f
+    res = recall_capacity(fmap, d, [f // 2, f, n_big], trials=2, seed=1)
+    assert np.all(res.mse >= res.optimal_mse - 1e-12)
+    assert res.optimal_mse[-1] == pytest.approx(1 - f / n_big, abs=1e-9)
+    assert res.softmax_mse[-1] < res.mse[-1]
+    assert 0.0 <= res.accuracy.min() and res.accuracy.max() <= 1.0
+
+
+def test_argmax_hides_the_capacity_limit():
+    """The planning note of the capacity issue: with unit-norm keys ELU+1's argmax recall already fails at
+    n = 8 (its features share a large positive mean), while with N(0, 1) keys it stays above 80% far past
+    D_phi -- yet the error is close to 1 and the optimal floor says most of the information is gone."""
+    d = 64
+    unit = recall_capacity("elu", d, [8], key_scale=1 / np.sqrt(d), trials=4, seed=0)
+    assert unit.accuracy[0] < 0.6
+    gauss = recall_capacity("elu", d, [8, 512], trials=2, seed=0)
+    assert gauss.accuracy[0] == 1.0
+    assert gauss.accuracy[1] > 0.8
+    assert gauss.mse[1] > 0.95 and gauss.optimal_mse[1] == pytest.approx(1 - 64 / 512, abs=1e-9)
+    assert gauss.softmax_accuracy[1] == 1.0
+
+
+def test_gaussian_values_and_result_object():
+    res = recall_capacity("elu", 8, [4, 8, 64], value_dim=5, trials=3, seed=2)
+    assert res.value_dim == 5 and res.d_phi == 8
+    np.testing.assert_allclose(res.optimal_mse[:2], 0.0, atol=1e-12)  # n <= D_phi: exact storage possible
+    assert 0.5 < res.optimal_mse[2] < 1.0
+    assert np.all(res.mse >= res.optimal_mse - 1e-12)  # least squares is the floor of any linear read-out
+    d = json.loads(json.dumps(res.to_dict()))
+    assert d["n_pairs"] == [4, 8, 64] and len(d["mse"]) == 3
+    table = res.table()
+    assert "D_phi=8" in table and len(table.splitlines()) == 2 + 3
+
+
+def test_recall_capacity_reproducible_and_independent_of_other_n():
+    a = recall_capacity("relu", 6, [10, 20], trials=2, seed=5)
+    b = recall_capacity("relu", 6, [20], trials=2, seed=5)
+    c = recall_capacity("relu", 6, [20], trials=2, seed=6)
+    assert a.mse[1] == b.mse[0] and a.softmax_mse[1] == b.softmax_mse[0]
+    assert c.mse[0] != b.mse[0]
+
+
+def test_recall_capacity_errors():
+    with pytest.raises(ValueError, match="softmax"):
+        recall_capacity("softmax", 8, [4])
+    with pytest.raises(ValueError, match="n_pairs"):
+        recall_capacity("elu", 8, [0, 4])
+    with pytest.raises(TypeError, match="n_pairs"):
+        recall_capacity("elu", 8, [1.5])
+    with pytest.raises(TypeError, match="d must be an integer"):
+        recall_capacity("elu", 8.0, [4])
+    with pytest.raises(ValueError, match="key_scale"):
+        recall_capacity("elu", 8, [4], key_scale=0)
+    with pytest.raises(ValueError, match="trials"):
+        recall_capacity("elu", 8, [4], trials=0)
+    with pytest.raises(ValueError, match="feature_map"):
+        recall_capacity("nope", 8, [4])
+
+
+# ---------------------------------------------------------------------------
+# mqar
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("seq_len,n_kv", [(64, 4), (128, 8), (256, 16), (16, 4)])
+def test_mqar_satisfies_zoology_constraints(seq_len, n_kv):
+    """Arora et al. 2023 (Zoology), MQAR: keys distinct from [1, V/2), values distinct from [V/2, V), the
+    context k1 v1 ... kn vn first, every key queried exactly once later, label = its value at the query
+    position and -100 elsewhere.  Sweeps (seq, kv) in {(64, 4), (128, 8), (256, 16)} and the tightest 4 kv = seq."""
+    vocab = 8192 if seq_len > 16 else 20
+    b = mqar(50, seq_len, n_kv, vocab_size=vocab, seed=0)
+    assert b.inputs.shape == b.labels.shape == (50, seq_len)
+    assert b.inputs.dtype == b.labels.dtype == np.int64
+    half = vocab // 2
+    for e in range(50):
+        x, y, ks, vs, qp = b.inputs[e], b.labels[e], b.keys[e], b.values[e], b.query_positions[e]
+        assert len(set(ks)) == n_kv and len(set(vs)) == n_kv
+        assert ks.min() >= 1 and ks.max() < half
+        assert vs.min() >= half and vs.max() < vocab
+        np.testing.assert_array_equal(x[0:2 * n_kv:2], ks)
+        np.testing.assert_array_equal(x[1:2 * n_kv:2], vs)
+        assert np.all(qp >= 2 * n_kv) and np.all((qp - 2 * n_kv) % 2 == 0) and len(set(qp)) == n_kv
+        np.testing.assert_array_equal(x[qp], ks)
+        np.testing.assert_array_equal(y[qp], vs)
+        assert np.count_nonzero(y != -100) == n_kv
+        for kk in ks:  # each key occurs exactly twice: in its pair and at its query
+            assert np.count_nonzero(x == kk) == 2
+        assert x.min() >= 0 and x.max() < vocab
+
+
+def test_mqar_power_law_query_slots():
+    """Query slots follow p(i) ∝ a i^(a-1) (Zoology, power_a = 0.01): with one pair per example the
+    empirical slot frequencies match p (binomial 5-sigma band)."""
+    seq_len, n_ex, a = 32, 4000, 0.01
+    b = mqar(n_ex, seq_len, 1, vocab_size=64, power_a=a, seed=1)
+    slots = (b.query_positions[:, 0] - 2) // 2
+    idx = np.arange(1, (seq_len - 2) // 2 + 1)
+    p = a * idx ** (a - 1.0)
+    p /= p.sum()
+    freq = np.bincount(slots, minlength=p.size) / n_ex
+    band = 5 * np.sqrt(p * (1 - p) / n_ex)
+    assert np.all(np.abs(freq - p) <= band)
+    assert freq[0] > 5 * freq[-1]  # ~ i^-0.99: queries crowd towards the context
+    flat = mqar(n_ex, seq_len, 1, vocab_size=64, power_a=1.0, seed=1)  # a = 1: uniform slots
+    assert np.bincount((flat.query_positions[:, 0] - 2) // 2).max() / n_ex < 0.1
+
+
+def test_mqar_options_and_errors():
+    b = mqar(3, 16, 2, vocab_size=32, random_non_queries=False, seed=4)
+    filler = np.ones(16, dtype=bool)
+    filler[:4] = False
+    for e in range(3):
+        f = filler.copy()
+        f[b.query_positions[e]] = False
+        assert np.all(b.inputs[e, f] == 0)
+    g = mqar(3, 16, 2, vocab_size=32, seed=np.random.default_rng(4))
+    np.testing.assert_array_equal(g.keys, mqar(3, 16, 2, vocab_size=32, seed=4).keys)
+    assert mqar(0, 16, 2, vocab_size=32).inputs.shape == (0, 16)
+    with pytest.raises(ValueError, match="even"):
+        mqar(1, 15, 2, vocab_size=32)
+    with pytest.raises(ValueError, match="vocab_size must be larger"):
+        mqar(1, 16, 2, vocab_size=16)
+    with pytest.raises(ValueError, match="4 \\* n_kv"):
+        mqar(1, 16, 5, vocab_size=64)
+    with pytest.raises(ValueError, match="power_a"):
+        mqar(1, 16, 2, vocab_size=64, power_a=0.0)
+
+
+# ---------------------------------------------------------------------------
+# state_size
+# ---------------------------------------------------------------------------
+def test_state_size_counts_like_zoology():
+    """Zoology / Based: heads * head_dim * D_phi + heads * D_phi numbers (S and z)."""
+    assert state_size("elu", 64, 64, heads=8) == 8 * (64 * 64 + 64) * 8
+    assert state_size("elu", 16, 64, heads=2, dtype=np.float32) == 2 * (64 * 16 + 16) * 4
+    assert state_size(DpfpFeatureMap(3), 16, 32) == (32 * 96 + 96) * 8
+    assert state_size("softmax", 64, 32, heads=4, seq_len=100, dtype="float16") == 4 * 100 * 96 * 2
+    with pytest.raises(ValueError, match="seq_len"):
+        state_size("softmax", 64, 64)
+    with pytest.raises(ValueError, match="heads"):
+        state_size("elu", 64, 64, heads=0)

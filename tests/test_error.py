@@ -1,0 +1,270 @@
+"""approximation_error / attention_weights: Numba row-block kernel against the naive reference, and claims."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from linattn_nb import config, linear_attention, softmax_attention
+from linattn_nb import feature_maps as fm
+from linattn_nb.analysis import ApproximationError, approximation_error, approximation_error_naive, attention_weights
+
+FIELDS = ("output_rel_error", "kl_mean", "kl_max", "tv_mean", "tv_max", "entropy_softmax", "entropy_linear",
+          "monotonicity", "nonpositive_normalizer_rate", "kl_infinite_rate")
+
+
+def _assert_same(got: ApproximationError, want: ApproximationError, rtol=1e-9):
+    assert got.n_rows == want.n_rows
+    for f in FIELDS:
+        a, b = getattr(got, f), getattr(want, f)
+        if math.isnan(b) or math.isinf(b):
+            assert (math.isnan(a) and math.isnan(b)) or a == b, (f, a, b)
+        else:
+            assert math.isclose(a, b, rel_tol=rtol, abs_tol=1e-12), (f, a, b)
+
+
+def _map(name):
+    if name == "favor+":
+        return fm.get("favor+", num_features=16, seed=0)
+    if name == "rff":
+        return fm.get("rff", num_features=6, seed=0)
+    return name
+
+
+# ---------------------------------------------------------------------------
+# kernel against the naive reference, on edge shapes
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", ["softmax", "elu", "relu", "favor+", "rff", "identity", "cosformer", "taylor2",
+                                  "hedgehog", "dpfp"])
+@pytest.mark.parametrize("n", [1, 2, 7, 8, 9, 37])
+def test_kernel_matches_naive(name, causal, n, rng):
+    """Block 8: N = 7, 8, 9 are block - 1, block, block + 1; relu gives tied and zero weights."""
+    q, k = rng.normal(size=(2, 3, n, 5))
+    v = rng.normal(size=(3, n, 4))                  # D != M, 3 batch entries (above 2 threads)
+    got = approximation_error(q, k, v, _map(name), causal=causal, block=8)
+    want = approximation_error_naive(q, k, v, _map(name), causal=causal)
+    _assert_same(got, want)
+
+
+@pytest.mark.parametrize("eps", [None, 1e-8, 0.5])
+def test_eps_conventions_match_naive(eps, rng):
+    """Signed maps: raw division (eps=None, zero normalisers give inf) and floors, as linear_attention."""
+    q, k = rng.normal(size=(2, 2, 16, 3))
+    v = rng.normal(size=(2, 16, 2))
+    for name in ("rff", "identity", "relu"):
+        got = approximation_error(q, k, v, _map(name), causal=True, eps=eps, block=5)
+        want = approximation_error_naive(q, k, v, _map(name), causal=True, eps=eps)
+        _assert_same(got, want)
+    # an exactly zero normaliser with eps=None: relu features with disjoint supports
+    q = np.array([[1.0, -1.0], [1.0, 1.0]])
+    k = np.array([[-1.0, 1.0], [1.0, 1.0]])
+    v = np.ones((2, 1))
+    got = approximation_error(q, k, v, "relu", causal=True, eps=None)
+    want = approximation_error_naive(q, k, v, "relu", causal=True, eps=None)
+    assert got.nonpositive_normalizer_rate == 0.5 and got.tv_max == math.inf
+    _assert_same(got, want)
+
+
+@settings(max_examples=12)
+@given(n=st.integers(1, 20), d=st.integers(1, 4), batch=st.sampled_from([(), (1,), (2, 3)]),
+       causal=st.booleans(), block=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_kernel_matches_naive_property(n, d, batch, causal, block, seed):
+    rng = np.random.default_rng(seed)
+    q, k = rng.normal(size=(2,) + batch + (n, d))
+    v = rng.normal(size=batch + (n, 2))
+    for name in ("elu", "favor+"):
+        got = approximation_error(q, k, v, _map(name), causal=causal, block=block)
+        want = approximation_error_naive(q, k, v, _map(name), causal=causal)
+        _assert_same(got, want)
+
+
+def test_long_rows_use_the_radix_ranks(rng):
+    """Rows of >= 24 keys are ranked by the radix sort: ties (ReLU zeros) and signs against scipy's rankdata."""
+    n = 300
+    q, k = rng.normal(size=(2, n, 4))
+    v = rng.normal(size=(n, 2))
+    for name, causal in (("relu", False), ("identity", True), ("softmax", False)):
+        got = approximation_error(q, k, v, name, causal=causal)
+        want = approximation_error_naive(q, k, v, name, causal=causal)
+        _assert_same(got, want)
+    # negative zeros tie with positive zeros
+    k2 = k.copy()
+    k2[: n // 2] = -0.0
+    got = approximation_error(q, k2, v, "identity", eps=None)
+    want = approximation_error_naive(q, k2, v, "identity", eps=None)
+    _assert_same(got, want)
+
+
+def test_radix_ranks_against_rankdata():
+    """The radix ranking on its own: ties, signed zeros, clustered, tiny and huge values, as rankdata - 1."""
+    from scipy.stats import rankdata
+
+    from linattn_nb.analysis._kernels import _RADIX_PASSES, _RADIX_SIZE, _average_ranks
+
+    rng = np.random.default_rng(3)
+    n = 3000
+    cases = [rng.normal(size=n), np.round(rng.normal(size=n), 1), 1 + 1e-12 * rng.random(n),
+             np.exp(rng.uniform(-700, 700, n)) * rng.choice([-1.0, 1.0], n),
+             np.where(rng.random(n) < 0.5, -0.0, 0.0), np.full(n, 2.5), rng.normal(size=30)]
+    for x in cases:
+        m = x.size
+        bufs = (np.empty(m), np.empty(m, np.uint64), np.empty(m, np.uint64), np.empty(m, np.int64),
+                np.empty(m, np.int64), np.empty((_RADIX_PASSES, _RADIX_SIZE), np.int64))
+        ranks = np.full(m, np.nan)
+        _average_ranks(x, m, *bufs, ranks)
+        np.testing.assert_array_equal(ranks, rankdata(x) - 1)
+
+
+def test_empty_and_batch_shapes(rng):
+    q = np.zeros((2, 0, 3))
+    r = approximation_error(q, q, np.zeros((2, 0, 1)), "elu")
+    assert r.n_rows == 0 and all(math.isnan(getattr(r, f)) for f in FIELDS)
+    q = np.zeros((0, 4, 3))
+    assert approximation_error(q, q, np.zeros((0, 4, 1)), "elu").n_rows == 0
+    q, k = rng.normal(size=(2, 2, 3, 10, 4))
+    v = rng.normal(size=(2, 3, 10, 2))
+    r = approximation_error(q, k, v, "elu", causal=True)
+    assert r.n_rows == 60
+    _assert_same(approximation_error(q.reshape(6, 10, 4), k.reshape(6, 10, 4), v.reshape(6, 10, 2), "elu",
+                                     causal=True), r)
+
+
+def test_dtypes_and_layouts(rng):
+    q, k = rng.normal(size=(2, 12, 3))
+    v = rng.normal(size=(12, 2))
+    want = approximation_error(q, k, v, "elu")
+    _assert_same(approximation_error(q.astype(np.float32), k.astype(np.float16), v, "elu"),
+                 approximation_error_naive(q.astype(np.float32), k.astype(np.float16), v, "elu"))
+    qf = np.asfortranarray(q)
+    _assert_same(approximation_error(qf, k[::1], v, "elu"), want)
+
+
+def test_bad_inputs(rng):
+    q = rng.normal(size=(5, 3))
+    v = rng.normal(size=(5, 2))
+    with pytest.raises(ValueError, match="same sequence length"):
+        approximation_error(q, q[:4], v, "elu")
+    with pytest.raises(TypeError, match="float"):
+        approximation_error(q.astype(int), q, v, "elu")
+    bad = q.copy()
+    bad[0, 0] = np.nan
+    with pytest.raises(ValueError, match="non-finite"):
+        approximation_error(bad, q, v, "elu")
+    with pytest.raises(ValueError, match="unknown feature map"):
+        approximation_error(q, q, v, "nope")
+    with pytest.raises(ValueError, match="eps"):
+        approximation_error(q, q, v, "elu", eps=-1.0)
+    with pytest.raises(ValueError, match="block"):
+        approximation_error(q, q, v, "elu", block=0)
+    with pytest.warns(UserWarning, match="scale"):
+        approximation_error(q, q, v, fm.get("favor+", num_features=4, seed=0), scale=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        approximation_error(q, q, v, fm.get("favor+", num_features=4, seed=0, scale=1.0), scale=1.0)
+
+
+# ---------------------------------------------------------------------------
+# attention_weights
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_weights_reproduce_the_outputs(causal, rng):
+    q, k = rng.normal(size=(2, 2, 11, 4))
+    v = rng.normal(size=(2, 11, 3))
+    w = attention_weights(q, k, "softmax", causal=causal)
+    np.testing.assert_allclose(w @ v, softmax_attention(q, k, v, causal=causal), rtol=1e-10)
+    np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-12)
+    for name in ("elu", "favor+", "dpfp", "taylor2"):
+        w = attention_weights(q, k, _map(name), causal=causal)
+        np.testing.assert_allclose(w @ v, linear_attention(q, k, v, feature_map=_map(name), causal=causal),
+                                   rtol=1e-9, atol=1e-12)
+        sums = w.sum(-1)   # 1, or 0 where every feature product vanishes (DPFP's sparse features)
+        assert (np.isclose(sums, 1.0, rtol=1e-10) | (sums == 0)).all()
+        assert np.isclose(sums, 1.0).mean() > 0.5
+        if causal:
+            assert (np.triu(w, 1) == 0).all()
+
+
+def test_attention_weights_refuses_huge_n(monkeypatch):
+    monkeypatch.setattr(config, "QUADRATIC_MAX_ELEMENTS", 100)
+    x = np.zeros((11, 2))
+    with pytest.raises(ValueError, match="QUADRATIC_MAX_ELEMENTS"):
+        attention_weights(x, x, "elu")
+
+
+# ---------------------------------------------------------------------------
+# published claims
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("causal", [False, True])
+def test_softmax_against_itself_is_zero(causal, rng):
+    """Self-check of the metric definitions (issue 6): softmax against itself differs by exactly 0.
+
+    KL(p || p) = 0, TV(p, p) = 0, equal outputs and entropies, no sign failure;
+    the weights are monotone in q.k, so the Spearman correlation is 1.
+    """
+    q, k = rng.normal(size=(2, 2, 3, 70, 8))
+    v = rng.normal(size=(2, 3, 70, 5))
+    r = approximation_error(q, k, v, "softmax", causal=causal)
+    for f in ("output_rel_error", "kl_mean", "kl_max", "tv_mean", "tv_max", "nonpositive_normalizer_rate",
+              "kl_infinite_rate"):
+        assert getattr(r, f) == 0.0, f
+    assert r.entropy_softmax == r.entropy_linear > 0
+    assert r.monotonicity == pytest.approx(1.0, abs=1e-12)
+
+
+def test_trig_features_give_nonpositive_normalisers_positive_never(rng):
+    """Signed trigonometric features give normalisers <= 0 at a measurable rate; positive ones never.
+
+    Choromanski et al. (ICLR 2021) §2.3 / Fig. 1: the trigonometric estimator
+    takes negative values and its normaliser can vanish, the reason for
+    positive random features; Peng et al. (RFA, ICLR 2021) §2 note the same.
+    """
+    q, k = rng.normal(size=(2, 4, 128, 16))
+    v = rng.normal(size=(4, 128, 8))
+    for causal in (False, True):
+        trig = approximation_error(q, k, v, fm.get("rff", num_features=16, seed=0), causal=causal)
+        assert trig.nonpositive_normalizer_rate > 0.02, trig
+        assert trig.kl_infinite_rate > 0
+        for pos in (fm.get("favor+", num_features=16, seed=0), fm.get("favor+", num_features=4, seed=1,
+                                                                      kind="hyperbolic"), "elu"):
+            r = approximation_error(q, k, v, pos, causal=causal)
+            assert r.nonpositive_normalizer_rate == 0.0
+            assert r.kl_infinite_rate == 0.0 and math.isfinite(r.kl_max)
+
+
+def test_favor_output_error_falls_like_inverse_sqrt_m(rng):
+    """FAVOR+ attention error falls like 1/sqrt(m).
+
+    Performer (Choromanski et al., ICLR 2021): the positive estimator's MSE is
+    O(1/m) (Lemma 2), so the kernel's and, to first order, the attention
+    output's RMS error scale like m^(-1/2) (Fig. 4: error against m).  Fit of
+    log(error) against log(m) over m = 16..1024, RMS over 6 draws; inputs of
+    moderate norm keep the estimator in its asymptotic regime (measured
+    slope -0.47).
+    """
+    q, k = rng.normal(size=(2, 2, 64, 16)) * 0.3
+    v = rng.normal(size=(2, 64, 8))
+    ms = np.array([16, 64, 256, 1024])
+    errs = []
+    for m in ms:
+        e = [approximation_error(q, k, v, fm.get("favor+", num_features=int(m), seed=s, orthogonal=False))
+             .output_rel_error for s in range(6)]
+        errs.append(np.sqrt(np.mean(np.square(e))))
+    slope = np.polyfit(np.log(ms), np.log(errs), 1)[0]
+    assert -0.6 < slope < -0.4, (slope, errs)
+
+
+def test_elu_weights_are_flatter_than_softmax(rng):
+    """Hedgehog (Zhang et al., ICLR 2024, §3.2, Fig. 2): earlier maps lack low-entropy "spiky" weights
+    and monotonicity in q.k; softmax weights are spiky and monotone.
+    """
+    q, k = rng.normal(size=(2, 2, 96, 16)) * 2.0
+    v = rng.normal(size=(2, 96, 4))
+    r = approximation_error(q, k, v, "elu")
+    assert r.entropy_linear > r.entropy_softmax + 0.5
+    assert r.monotonicity < 0.9
+    assert approximation_error(q, k, v, "softmax").monotonicity == pytest.approx(1.0)

@@ -1,0 +1,309 @@
+"""Tests of ``linattn report`` and the one-study subcommands (linattn_nb.studies.report, cli).
+
+The report runs with ``--profile tiny`` (the smallest sizes, seconds): the
+same code path as ``--quick`` and the default, on smaller grids.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from linattn_nb import cli
+from linattn_nb.device import cuda_status
+from linattn_nb.studies import STUDIES, get_study, load_results, run_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _available(name):
+    return get_study(name).requires() is None
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tmp_path_factory):
+    """One `linattn report --profile tiny` run shared by the tests that only read it."""
+    out = tmp_path_factory.mktemp("rep") / "report"
+    rc = cli.main(["report", "--profile", "tiny", "--out", str(out), "--no-progress", "--device", "cpu"])
+    return out, rc
+
+
+def test_report_writes_markdown_plots_and_raw_results(tiny_report):
+    out, rc = tiny_report
+    assert rc == 0
+    text = (out / "report.md").read_text()
+    assert text.startswith("# linattn_nb report")
+    assert "`linattn report --profile tiny --out" in text
+    assert "## Machine" in text and "## Correctness self-check" in text and "## Causal throughput against N" in text
+    assert "checks passed" in text and "FAIL" not in text
+    # every registered study is either a section or listed as not run, with its reason
+    for study in STUDIES:
+        if study.requires() is None:
+            assert f"## {study.title}" in text
+            assert f"[{study.name}.jsonl]({study.name}.jsonl)" in text
+            recs = load_results(out / f"{study.name}.jsonl")
+            assert recs and all(r["status"] == "ok" for r in recs)
+        else:
+            assert f"**{study.title}** (`linattn {study.command}`): {study.requires()}" in text
+    # plots: every image the markdown shows exists and is a PNG
+    images = [line.split("](")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
+    assert "throughput.png" in images
+    for name in images:
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC
+    # the throughput table has every N of the tiny grid for linear and softmax
+    rows = [json.loads(line) for line in (out / "throughput.jsonl").read_text().splitlines()[1:]]
+    assert {(r["params"]["kind"], r["params"]["n"]) for r in rows} >= {("linear", 64), ("linear", 256),
+                                                                       ("softmax", 64), ("softmax", 256)}
+    assert all(r["result"]["median_s"] > 0 and r["result"]["repeats"] >= 3 for r in rows)
+
+
+def test_non_empty_dir_is_refused_unless_force(tiny_report, tmp_path, capsys):
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "throughput.png").write_bytes(b"stale")
+    rc = cli.main(["bench", "--profile", "tiny", "--out", str(out), "--no-progress"])
+    assert rc == 2
+    assert "is not empty; pass --force" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "throughput.png"]
+    rc = cli.main(["bench", "--profile", "tiny", "--out", str(out), "--no-progress", "--force"])
+    assert rc == 0
+    assert (out / "notes.txt").read_text() == "mine"  # not ours: kept
+    assert (out / "throughput.png").read_bytes()[:8] == PNG_MAGIC  # ours: replaced
+    printed = capsys.readouterr().out
+    assert "| N | linear scan (cpu) [ms]" in printed  # a one-study command prints its tables
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "--out", str(tmp_path / "never"), "--force", "--resume"])
+    assert info.value.code == 2
+
+
+def test_resume_keeps_finished_points(tmp_path):
+    out = tmp_path / "r"
+    assert cli.main(["check", "--profile", "tiny", "--out", str(out), "--no-progress"]) == 0
+    raw = (out / "correctness.jsonl").read_bytes()
+    (out / "report.md").unlink()
+    assert cli.main(["check", "--profile", "tiny", "--out", str(out), "--no-progress", "--resume"]) == 0
+    assert (out / "correctness.jsonl").read_bytes() == raw  # nothing recomputed, nothing appended
+    assert "## Correctness self-check" in (out / "report.md").read_text()
+
+
+def test_bad_arguments(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert cli.main(["bench", "--out", str(tmp_path / "file"), "--profile", "tiny"]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert cli.main(["bench", "--out", str(tmp_path / "w"), "--profile", "tiny", "--workers", "0"]) == 2
+    assert "--workers must be >= 1" in capsys.readouterr().err
+    never = str(tmp_path / "never")
+    for argv in (["report", "--profile", "huge"], ["report", "--device", "tpu"], ["report", "--quick", "--profile", "full"],
+                 ["bench", "--quick", "--profile", "tiny"], ["report", "--workers", "two"], ["rank", "--bogus"]):
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv + ["--out", never])
+        assert info.value.code == 2
+    assert "--quick and --profile tiny contradict" in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()
+    with pytest.raises(ValueError, match="profile must be one of"):
+        run_report(tmp_path / "x", profile="huge")
+    with pytest.raises(KeyError, match="no study 'nope'"):
+        run_report(tmp_path / "y", studies=["nope"], profile="tiny")
+
+
+@pytest.mark.skipif(cuda_status() == "gpu", reason="a real GPU is present")
+def test_device_cuda_without_a_gpu_is_a_clear_error(tmp_path, capsys):
+    assert cli.main(["bench", "--device", "cuda", "--out", str(tmp_path / "r"), "--profile", "tiny"]) == 2
+    assert "no usable CUDA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_every_command_has_help(capsys):
+    commands = ["info", "demo", "report"] + [s.command for s in STUDIES]
+    assert {"report", "bench", "error", "rank", "recall"} <= set(commands)
+    for cmd in commands:
+        with pytest.raises(SystemExit) as info:
+            cli.main([cmd, "--help"])
+        assert info.value.code == 0
+        assert f"usage: linattn {cmd}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["error", "rank", "recall"])
+def test_unavailable_study_exits_non_zero(command, tmp_path, capsys, monkeypatch):
+    """Without its analysis functions a study says why and exits 3; the report lists it as not run."""
+    monkeypatch.setitem(sys.modules, "linattn_nb.analysis", None)  # import fails as if not installed
+    assert not _available(command)
+    rc = cli.main([command, "--out", str(tmp_path / "r"), "--profile", "tiny"])
+    assert rc == 3
+    assert "cannot run here: needs linattn_nb.analysis" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+    res = run_report(tmp_path / "all", profile="tiny", studies=["correctness", command], progress=False,
+                     log=lambda line: None)
+    assert res.problems == [] and [name for name, _ in res.skipped] == [get_study(command).name]
+    assert "## Not run" in (tmp_path / "all" / "report.md").read_text()
+
+
+def test_a_broken_kernel_fails_the_self_check(tmp_path, monkeypatch, capsys):
+    """The self-check can fail: a registered method that leaves one output row unwritten."""
+    from linattn_nb.ops import methods as _methods  # noqa: F401
+    from linattn_nb.ops import registry
+    from linattn_nb.ops.causal.cpu import causal_scan
+
+    def launcher(q, k, v, S, z, out, *, code, eps):
+        causal_scan(q, k, v, S, z, out, code=code, eps=eps)
+        if out.shape[1] > 5:
+            out[:, 5] = np.nan if out.dtype.kind == "f" else 0  # as if the kernel skipped a row
+        return out
+
+    monkeypatch.setitem(registry._METHODS, ("broken", True, "cpu"),
+                        registry.Method("broken", True, "cpu", launcher))
+    rc = cli.main(["check", "--profile", "tiny", "--out", str(tmp_path / "r"), "--no-progress"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "linear causal cpu broken elu float32: relative error inf" in err
+    text = (tmp_path / "r" / "report.md").read_text()
+    assert "**FAIL**" in text and "## Problems" in text
+    assert "| linear | causal | cpu | scan | elu |" in text and "FAIL" not in text.split("| scan | elu |")[1].split("\n")[0]
+
+
+def test_report_on_a_dask_scheduler(tmp_path):
+    """--scheduler: untimed studies run on the cluster and give the same self-check as a local run.
+
+    Compared check by check: the same verdicts, and errors that agree to
+    within BLAS rounding (the softmax kernel's np.dot rounds differently with
+    another OpenBLAS thread count, and the workers run single-threaded); the
+    bit-for-bit comparison of the backends is tests/test_sweep.py's.
+    """
+    distributed = pytest.importorskip("distributed")
+    import logging
+
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                                  dashboard_address=None, silence_logs=logging.CRITICAL) as cluster:
+        res = run_report(tmp_path / "d", profile="tiny", studies=["correctness"], progress=False,
+                         scheduler=cluster.scheduler_address, log=lambda line: None)
+    assert res.problems == []
+    dask_recs = {r["key"]: r for r in load_results(tmp_path / "d" / "correctness.jsonl")}
+    res = run_report(tmp_path / "l", profile="tiny", studies=["correctness"], progress=False,
+                     log=lambda line: None)
+    local_recs = {r["key"]: r for r in load_results(tmp_path / "l" / "correctness.jsonl")}
+    assert dask_recs.keys() == local_recs.keys()
+    assert {r["pid"] for r in dask_recs.values()}.isdisjoint({r["pid"] for r in local_recs.values()})
+    for key, rec in dask_recs.items():
+        for a, b in zip(rec["result"]["checks"], local_recs[key]["result"]["checks"]):
+            assert (a["method"], a["dtype"], a["passed"], a["error"]) == (b["method"], b["dtype"], b["passed"], b["error"])
+            for field in ("max_rel_error", "state_rel_error"):
+                assert a[field] == pytest.approx(b[field], rel=0.5, abs=a["tol"] / 100)
+
+
+# ---------------------------------------------------------------------------
+# The plug-in studies, with stand-in analysis functions
+# ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class _FakeError:
+    output_rel_error: float
+    kl_mean: float
+    kl_max: float
+    tv_mean: float
+    tv_max: float
+    entropy_softmax: float
+    entropy_linear: float
+    monotonicity: float
+    nonpositive_normalizer_rate: float
+
+
+@dataclasses.dataclass
+class _FakeRecall:
+    n_pairs: np.ndarray
+    accuracy: np.ndarray
+    mse: np.ndarray
+    optimal_mse: np.ndarray
+    softmax_accuracy: np.ndarray
+    softmax_mse: np.ndarray
+
+
+def _fake_analysis():
+    """Minimal stand-ins with the signatures and return types the analysis issues specify.
+
+    They compute real (small, explicit) quantities so the studies' tables and
+    plots have something to show, but this only tests the plumbing: the
+    science is tested with the real functions.
+    """
+    from linattn_nb import feature_maps as fm
+    from linattn_nb import linear_attention, softmax_attention
+
+    def approximation_error(q, k, v, feature_map, *, causal=False, scale=None):
+        o_lin = linear_attention(q, k, v, feature_map=feature_map, causal=causal)
+        o_sm = softmax_attention(q, k, v, causal=causal)
+        err = float(np.linalg.norm(o_lin - o_sm) / np.linalg.norm(o_sm))
+        return _FakeError(err, 0.1, 0.2, 0.1, 0.2, 1.0, 1.1, 0.5, 0.0)
+
+    def _weights(q, k, feature_map):
+        if feature_map == "softmax":
+            s = q @ k.T / np.sqrt(q.shape[-1])
+            w = np.exp(s - s.max(axis=-1, keepdims=True))
+        else:
+            fmap = fm.resolve(feature_map)
+            w = fmap(q) @ fmap(k).T
+        return w / np.maximum(w.sum(axis=-1, keepdims=True), 1e-12)  # ReLU rows can be all zero
+
+    def attention_rank(q, k, feature_map, *, causal=False):
+        return int(np.linalg.matrix_rank(_weights(q, k, feature_map)))
+
+    def semiseparable_rank(q, k, feature_map):
+        w = np.tril(_weights(q, k, feature_map))
+        return max(int(np.linalg.matrix_rank(w[i:, :i])) for i in range(1, len(w)))
+
+    StateRankProfile = types.SimpleNamespace
+
+    def state_rank_profile(k, v, feature_map, *, positions=None):
+        fk = fm.resolve(feature_map)(k)
+        ranks = [int(np.linalg.matrix_rank(fk[:t].T @ v[:t])) for t in positions]
+        return StateRankProfile(positions=np.asarray(positions), rank=np.asarray(ranks),
+                                max_rank=min(fk.shape[1], v.shape[1]))
+
+    def recall_capacity(feature_map, d, n_pairs, *, trials=1, seed=0):
+        n = np.asarray(n_pairs, dtype=float)
+        dphi = feature_map.output_dim(d)
+        opt = np.clip(1 - dphi / n, 0, None)
+        return _FakeRecall(n.astype(int), 1 - opt / 2, opt + 0.05, opt, np.ones_like(n), np.zeros_like(n))
+
+    mod = types.ModuleType("linattn_nb.analysis")
+    for f in (approximation_error, attention_rank, semiseparable_rank, state_rank_profile, recall_capacity):
+        setattr(mod, f.__name__, f)
+    return mod
+
+
+def test_plug_in_studies_run_when_their_functions_exist(tmp_path, monkeypatch):
+    """error, rank and recall plug in through the study list: points, sweep, tables, plots."""
+    monkeypatch.setitem(sys.modules, "linattn_nb.analysis", _fake_analysis())
+    for name in ("error", "rank", "recall"):
+        assert get_study(name).requires() is None
+    res = run_report(tmp_path / "r", profile="tiny", studies=["error", "rank", "recall"], progress=False,
+                     log=lambda line: None)
+    assert res.problems == [] and res.skipped == []
+    text = (tmp_path / "r" / "report.md").read_text()
+    for name in ("error", "rank", "recall"):
+        study = get_study(name)
+        assert f"## {study.title}" in text
+        recs = load_results(tmp_path / "r" / f"{name}.jsonl")
+        assert recs and all(r["status"] == "ok" for r in recs)
+    for png in ("error_noncausal.png", "rank.png", "recall.png"):
+        assert (tmp_path / "r" / png).read_bytes()[:8] == PNG_MAGIC
+    assert "| elu | 4 |" in text  # the rank table: ELU+1 at d = 4 has D_phi = 4
+
+
+@pytest.mark.skipif(cuda_status() == "none", reason="neither a GPU nor the CUDA simulator")
+def test_gpu_paths_of_the_studies_run_on_the_simulator():
+    """The report's GPU points (a real GPU only) use these paths; the simulator checks them here."""
+    from linattn_nb.ops import methods as _methods  # noqa: F401
+    from linattn_nb.ops.registry import available_methods
+    from linattn_nb.studies import correctness, throughput
+
+    methods = [m for m in available_methods(causal=True, device="cuda") if m != "quadratic"]
+    if not methods:
+        pytest.skip("no CUDA methods registered")
+    res = correctness.run("linear", "cuda", True, "elu", methods, ["float32"], [[1, 0, 4, 4], [2, 9, 6, 5]])
+    assert [c["method"] for c in res["checks"]] == methods
+    assert all(c["passed"] and c["error"] is None for c in res["checks"]), res["checks"]
+    res = throughput.run("linear", "cuda", methods[0], 8, 1, 4, 4, "float32", "elu", 0.0)
+    assert res["median_s"] > 0 and res["repeats"] >= 3

@@ -1,0 +1,167 @@
+"""Spectral tools: singular values, numerical / effective / stable rank, cumulative spectrum."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from linattn_nb.analysis import (
+    cumulative_spectrum,
+    effective_rank,
+    numerical_rank,
+    singular_values,
+    stable_rank,
+)
+
+
+def _low_rank(rng, batch, m, n, r, dtype=np.float64):
+    a = rng.normal(size=batch + (m, r)) @ rng.normal(size=batch + (r, n))
+    return a.astype(dtype)
+
+
+# ---------------------------------------------------------------------------
+# singular_values
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(5, 3), (3, 5), (1, 1), (2, 4, 6, 6), (3, 1, 7)])
+def test_singular_values_match_numpy(rng, shape):
+    a = rng.normal(size=shape)
+    s = singular_values(a)
+    assert s.shape == shape[:-2] + (min(shape[-2:]),)
+    np.testing.assert_allclose(s, np.linalg.svd(a, compute_uv=False), rtol=1e-12, atol=1e-12)
+    assert np.all(np.diff(s, axis=-1) <= 0)  # descending
+
+
+def test_singular_values_empty_and_dtypes(rng):
+    assert singular_values(np.zeros((3, 0, 4))).shape == (3, 0)
+    assert singular_values(np.zeros((0, 2, 2))).shape == (0, 2)
+    a = rng.normal(size=(6, 4))
+    assert singular_values(a.astype(np.float32)).dtype == np.float32
+    s16 = singular_values(a.astype(np.float16))  # LAPACK has no half: computed in float32
+    assert s16.dtype == np.float32
+    np.testing.assert_allclose(s16, np.linalg.svd(a, compute_uv=False), rtol=2e-3, atol=2e-3)
+    # read-only, non-contiguous input
+    b = np.asfortranarray(rng.normal(size=(5, 7)))[:, ::2]
+    b.flags.writeable = False
+    np.testing.assert_allclose(singular_values(b), np.linalg.svd(b, compute_uv=False))
+
+
+def test_singular_values_errors():
+    with pytest.raises(TypeError, match="A must have dtype"):
+        singular_values(np.eye(3, dtype=np.int64))
+    with pytest.raises(TypeError, match="A must have dtype"):
+        singular_values(np.eye(3, dtype=np.complex128))
+    with pytest.raises(ValueError, match="at least 2 dimensions"):
+        singular_values(np.ones(3))
+    a = np.eye(3)
+    a[1, 2] = np.nan
+    with pytest.raises(ValueError, match="non-finite"):
+        singular_values(a)
+
+
+# ---------------------------------------------------------------------------
+# numerical_rank
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_numerical_rank_matches_matrix_rank(rng, dtype):
+    """NumPy/LAPACK convention: sigma > max(m, n) * eps * sigma_max, eps of the working dtype."""
+    mats = [_low_rank(rng, (), 20, 12, r, dtype) for r in (0, 1, 5, 12)]
+    mats.append((np.eye(7) * np.array([1, 1, 1, 1e-30, 1, 1, 0])).astype(dtype))
+    for a in mats:
+        assert numerical_rank(a) == np.linalg.matrix_rank(a)
+    batch = _low_rank(rng, (2, 3), 9, 9, 4, dtype)
+    got = numerical_rank(batch)
+    assert got.shape == (2, 3) and got.dtype == np.int64
+    np.testing.assert_array_equal(got, np.linalg.matrix_rank(batch))
+    assert set(np.unique(got)) == {4}
+
+
+def test_numerical_rank_rtol(rng):
+    a = np.diag([1.0, 1e-3, 1e-6, 0.0])
+    assert numerical_rank(a) == 3
+    assert numerical_rank(a, 1e-4) == 2
+    assert numerical_rank(a, 1e-2) == 1
+    np.testing.assert_array_equal(numerical_rank(np.stack([a, a, a]), np.array([1e-2, 1e-4, 1e-9])), [1, 2, 3])
+    assert numerical_rank(a, 0.0) == 3  # strict inequality: the zero never counts
+    with pytest.raises(ValueError, match="rtol"):
+        numerical_rank(a, -1.0)
+    with pytest.raises(ValueError, match="broadcast"):
+        numerical_rank(np.stack([a, a]), np.ones(3))
+    with pytest.raises(TypeError, match="rtol"):
+        numerical_rank(a, True)
+
+
+def test_numerical_rank_edges():
+    assert numerical_rank(np.zeros((4, 4))) == 0
+    assert numerical_rank(np.zeros((0, 3))) == 0
+    assert numerical_rank(np.ones((1, 1))) == 1
+    assert numerical_rank(np.ones((5, 3))) == 1
+
+
+# ---------------------------------------------------------------------------
+# effective, stable rank, cumulative spectrum
+# ---------------------------------------------------------------------------
+def test_effective_rank_definition(rng):
+    """Roy & Vetterli 2007, Def. 1: erank = exp(-sum p_i log p_i), p_i = sigma_i / ||sigma||_1."""
+    assert effective_rank(np.eye(6)) == pytest.approx(6.0)
+    assert effective_rank(np.outer(np.arange(1.0, 5), np.ones(3))) == pytest.approx(1.0)
+    assert effective_rank(np.diag([1.0, 1.0, 0.0])) == pytest.approx(2.0)
+    assert effective_rank(np.zeros((3, 3))) == 0.0
+    a = rng.normal(size=(4, 10, 7))
+    s = np.linalg.svd(a, compute_uv=False)
+    p = s / s.sum(-1, keepdims=True)
+    want = np.exp(-(p * np.log(p)).sum(-1))
+    np.testing.assert_allclose(effective_rank(a), want, rtol=1e-12)
+    # spectrum=True: any order, same result
+    np.testing.assert_allclose(effective_rank(s[..., ::-1], spectrum=True), want, rtol=1e-12)
+    with pytest.raises(ValueError, match=">= 0"):
+        effective_rank(np.array([1.0, -1.0]), spectrum=True)
+    with pytest.raises(ValueError, match="at least 1 dimension"):
+        effective_rank(np.float64(1.0), spectrum=True)
+
+
+@settings(max_examples=25)
+@given(m=st.integers(1, 8), n=st.integers(1, 8), r=st.integers(0, 8), seed=st.integers(0, 2**31))
+def test_rank_measures_are_ordered(m, n, r, seed):
+    """Effective and stable rank lie in [1, rank] (Roy & Vetterli 2007, §2: 1 <= erank <= rank); 0 for A = 0."""
+    rng = np.random.default_rng(seed)
+    a = _low_rank(rng, (), m, n, min(r, m, n))
+    rk = numerical_rank(a)
+    er, sr = effective_rank(a), stable_rank(a)
+    if rk == 0:
+        assert er == 0.0 and sr == 0.0
+    else:
+        assert 1.0 - 1e-9 <= er <= rk + 1e-9
+        assert 1.0 - 1e-9 <= sr <= rk + 1e-9
+
+
+def test_stable_rank(rng):
+    a = rng.normal(size=(3, 8, 5))
+    want = np.linalg.norm(a, axis=(-2, -1)) ** 2 / np.linalg.norm(a, ord=2, axis=(-2, -1)) ** 2
+    np.testing.assert_allclose(stable_rank(a), want, rtol=1e-12)
+    assert stable_rank(np.zeros((2, 2))) == 0.0
+    assert stable_rank(np.array([2.0, 2.0, 0.0]), spectrum=True) == pytest.approx(2.0)
+
+
+def test_cumulative_spectrum(rng):
+    """Linformer (Wang et al. 2020), Fig. 1: normalised cumulative singular values, rising to 1."""
+    a = rng.normal(size=(2, 12, 9))
+    c = cumulative_spectrum(a)
+    assert c.shape == (2, 9)
+    assert np.all(np.diff(c, axis=-1) >= 0)
+    np.testing.assert_allclose(c[..., -1], 1.0)
+    s = np.linalg.svd(a, compute_uv=False)
+    np.testing.assert_allclose(c, np.cumsum(s, -1) / s.sum(-1, keepdims=True), rtol=1e-12)
+    # squared=True: fraction of ||A||_F^2 kept by the best rank-k approximation (Eckart-Young)
+    u, s0, vt = np.linalg.svd(a[0])
+    cs = cumulative_spectrum(a[0], squared=True)
+    for k in (1, 4, 9):
+        ak = (u[:, :k] * s0[:k]) @ vt[:k]
+        kept = 1 - np.linalg.norm(a[0] - ak) ** 2 / np.linalg.norm(a[0]) ** 2
+        assert cs[k - 1] == pytest.approx(kept, rel=1e-10)
+    # a rank-2 matrix reaches 1 after two values
+    c2 = cumulative_spectrum(_low_rank(rng, (), 10, 10, 2))
+    np.testing.assert_allclose(c2[1:], 1.0, rtol=1e-12)
+    assert c2[0] < 1.0
+    np.testing.assert_array_equal(cumulative_spectrum(np.zeros((3, 3))), 0.0)
+    assert cumulative_spectrum(np.zeros((2, 0, 3))).shape == (2, 0)

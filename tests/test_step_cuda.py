@@ -1,0 +1,213 @@
+"""CUDA side of recurrent decoding: the step/query/prefill kernels against the CPU state.
+
+Without a GPU these run on the Numba CUDA simulator (tests/conftest.py), with a tiny
+launch configuration so that the thread loops stride (fewer threads than features
+and values) and idle threads exist (more threads than either).  The kernels are
+also compiled to PTX for sm_90 in a subprocess (type-checking what the simulator
+does not).  The segment-wise ``linear_attention(device="cuda")`` tests run when
+the CUDA dispatcher (linattn_nb._cuda_dispatch) is present.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import linattn_nb as la
+from linattn_nb import config
+from linattn_nb.device import cuda_status
+from linattn_nb.state import LinearAttentionState
+
+pytestmark = pytest.mark.skipif(cuda_status() == "none", reason="no CUDA GPU and the simulator is off")
+
+TOL = {np.float64: 1e-11, np.float32: 3e-5}
+
+
+def assert_close(actual, expected, dtype):
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    assert actual.shape == expected.shape
+    scale = max(float(np.max(np.abs(expected))), 1.0) if expected.size else 1.0
+    err = float(np.max(np.abs(actual - expected))) if expected.size else 0.0
+    assert err <= TOL[np.dtype(dtype).type] * scale, f"max abs error {err:.3e}"
+
+
+def host(x):
+    return x.copy_to_host() if hasattr(x, "copy_to_host") else np.asarray(x)
+
+
+@pytest.fixture(params=[3, 16], ids=["threads3", "threads16"])
+def threads(request, monkeypatch):
+    monkeypatch.setattr(config, "CUDA_STEP_THREADS", request.param)
+    return request.param
+
+
+def qkv(rng, batch, n, d, m, dtype):
+    return (rng.standard_normal(batch + (n, d)).astype(dtype), rng.standard_normal(batch + (n, d)).astype(dtype),
+            rng.standard_normal(batch + (n, m)).astype(dtype))
+
+
+@pytest.mark.parametrize("dtype,feature_map", [(np.float64, "elu"), (np.float32, "relu"),
+                                               (np.float64, "dpfp"), (np.float32, "identity")])
+def test_cuda_state_matches_cpu_state(dtype, feature_map, threads):
+    """prefill, 1-token and multi-token steps, query: the GPU state equals the CPU state
+    (host inputs in, NumPy out); D_phi != M, batch (2, 1)."""
+    rng = np.random.default_rng(1)
+    q, k, v = qkv(rng, (2, 1), 7, 5, 4, dtype)
+    eps = None if feature_map == "identity" else 1e-8
+    g = LinearAttentionState(5, 4, batch_shape=(2, 1), feature_map=feature_map, dtype=dtype, device="cuda",
+                             eps=eps)
+    c = LinearAttentionState(5, 4, batch_shape=(2, 1), feature_map=feature_map, dtype=dtype, eps=eps)
+    assert g.device == "cuda"
+    for st in (g, c):
+        st.prefill(k[..., :2, :], v[..., :2, :])
+    for a, b in ((2, 3), (3, 7)):
+        og = g.step(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :])
+        oc = c.step(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :])
+        assert isinstance(og, np.ndarray) and og.dtype == dtype and og.shape == (2, 1, b - a, 4)
+        assert_close(og, oc, dtype)
+    assert_close(g.query(q[..., :3, :]), c.query(q[..., :3, :]), dtype)
+    assert_close(host(g.S), c.S, dtype)
+    assert_close(host(g.z), c.z, dtype)
+    assert g.position == c.position == 7 and g.nbytes == c.nbytes
+    ref = la.linear_attention(q, k, v, causal=True, feature_map=feature_map, eps=eps)
+    c2 = LinearAttentionState(5, 4, batch_shape=(2, 1), feature_map=feature_map, dtype=np.float64,
+                              device="cuda", eps=eps)
+    c2.prefill(k[..., :2, :], v[..., :2, :])
+    assert_close(c2.step(q[..., 2:, :], k[..., 2:, :], v[..., 2:, :]), ref[..., 2:, :], dtype)
+
+
+def test_cuda_device_inputs_stay_on_the_device(threads):
+    """GPU inputs give GPU outputs (zero-copy); auto follows the data; NaN is refused
+    before the state changes; a host copy of a GPU state saves and loads back."""
+    from numba import cuda
+
+    rng = np.random.default_rng(2)
+    q, k, v = qkv(rng, (3,), 4, 2, 3, np.float32)
+    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+    g = LinearAttentionState(2, 3, batch_shape=(3,), dtype=np.float32, device="cuda")
+    c = LinearAttentionState(2, 3, batch_shape=(3,), dtype=np.float32)
+    out = g.step(dq, dk, dv)
+    assert hasattr(out, "copy_to_host") and out.shape == (3, 4, 3)
+    assert_close(out.copy_to_host(), c.step(q, k, v), np.float32)
+    S0 = host(g.S).copy()
+    bad = v.copy()
+    bad[1, 2, 0] = np.nan
+    with pytest.raises(ValueError, match="v contains"):
+        g.step(dq, dk, cuda.to_device(bad))
+    assert np.array_equal(host(g.S), S0) and g.position == 4
+    with pytest.raises(TypeError, match="one dtype"):
+        g.step(cuda.to_device(q.astype(np.float64)), dk, dv)
+    twin = g.copy()
+    twin.step(dq, dk, dv)
+    assert np.array_equal(host(g.S), S0) and twin.position == 8
+    again = twin.step(q, k, v)  # host inputs to a copied GPU state: host outputs
+    assert isinstance(again, np.ndarray) and twin.position == 12 and twin.device == "cuda"
+
+
+def test_cuda_state_save_load_and_reset(tmp_path, threads):
+    rng = np.random.default_rng(3)
+    q, k, v = qkv(rng, (2,), 3, 4, 2, np.float64)
+    g = LinearAttentionState(4, 2, batch_shape=(2,), device="cuda")
+    g.prefill(k, v)
+    path = tmp_path / "g.npz"
+    g.save(path)
+    back = LinearAttentionState.load(path, device="cuda")
+    assert back.device == "cuda" and back.position == 3
+    assert np.array_equal(host(back.S), host(g.S))
+    assert np.array_equal(back.step(q, k, v), g.step(q, k, v))
+    cpu = LinearAttentionState.load(path)
+    assert np.array_equal(cpu.S, LinearAttentionState.load(path, device="cuda").to_linear_state().S)
+    g.reset()
+    assert g.position == 0 and not host(g.S).any()
+
+
+# ---------------------------------------------------------------------------
+# linear_attention(device="cuda"): segment-wise == one call (when the CUDA path exists)
+# ---------------------------------------------------------------------------
+def _cuda_methods():
+    try:
+        from linattn_nb import _cuda_dispatch  # noqa: F401
+    except ImportError:
+        return []
+    from linattn_nb.ops.registry import available_methods
+
+    return available_methods(causal=True, device="cuda")
+
+
+@pytest.mark.parametrize("method", _cuda_methods() or [pytest.param("none", marks=pytest.mark.skip(
+    reason="linear_attention has no CUDA path in this build (linattn_nb._cuda_dispatch)"))])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_cuda_segmentwise_equals_one_shot(method, dtype):
+    """Random split points (empty segments included) on the GPU: the outputs and the final
+    state of one call; the state also continues on the CPU."""
+    rng = np.random.default_rng(4)
+    q, k, v = qkv(rng, (2, 2), 37, 4, 3, dtype)
+    full, st_full = la.linear_attention(q, k, v, causal=True, method=method, device="cuda", return_state=True)
+    cpu_full = la.linear_attention(q, k, v, causal=True)
+    assert_close(host(full), cpu_full, dtype)
+    for trial in range(2):
+        cuts = [0, 0] + sorted(rng.integers(0, 38, size=3 + trial).tolist()) + [37, 37]
+        state, outs = None, []
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            o, state = la.linear_attention(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :], causal=True,
+                                           method=method, device="cuda", initial_state=state,
+                                           return_state=True)
+            outs.append(host(o))
+        assert_close(np.concatenate(outs, axis=-2), cpu_full, dtype)
+        np.testing.assert_allclose(host(state.S), host(st_full.S), rtol=1e-9, atol=1e-9)
+        assert state.position == 37
+
+
+# ---------------------------------------------------------------------------
+# PTX for sm_90: type-checks the real kernels (the simulator checks no types)
+# ---------------------------------------------------------------------------
+_PTX_SCRIPT = textwrap.dedent(
+    """
+    import json
+    from numba import cuda, types
+    from linattn_nb.ops.step import cuda as C
+    res = {}
+    for sdt, idt in (("float32", "float32"), ("float64", "float32"), ("float64", "float64")):
+        st = getattr(types, sdt)
+        S3 = types.Array(st, 3, "C")
+        z2 = types.Array(st, 2, "C")
+        a3 = types.Array(getattr(types, idt), 3, "C")
+        sigs = {
+            "state_step": (a3, a3, a3, S3, z2, a3, S3, types.int64, types.float64, st),
+            "state_query": (a3, S3, z2, a3, S3, types.int64, types.float64, st),
+            "state_prefill": (a3, a3, S3, z2, types.int64, st),
+            "first_nonfinite": (a3, types.Array(types.int64, 1, "C"), types.int64),
+        }
+        for name, sig in sigs.items():
+            ptx, _ = cuda.compile_ptx(C.PYTHON_KERNELS[name], sig, cc=(9, 0))
+            res[f"{name}/{sdt}/{idt}"] = {"entry": ".entry" in ptx, "target": ".target sm_90" in ptx,
+                                          "local": ("ld.local" in ptx) or ("st.local" in ptx)}
+    print(json.dumps(res))
+    """
+)
+
+
+def test_step_kernels_compile_to_ptx():
+    """Every step kernel compiles for sm_90 (float32 and float64 states, float32/float64
+    inputs) without spilling to local memory."""
+    try:
+        from numba.cuda.cudadrv import nvvm  # noqa: F401
+    except Exception as exc:  # pragma: no cover
+        pytest.skip(f"numba-cuda NVVM not importable: {exc}")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(la.__file__)))] + sys.path))
+    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=600)
+    if proc.returncode != 0 and ("NvvmSupportError" in proc.stderr or "libnvvm" in proc.stderr.lower()):
+        pytest.skip("the CUDA toolkit's NVVM is not installed (install the 'cuda' extra)")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(res) == 12
+    for key, val in res.items():
+        assert val == {"entry": True, "target": True, "local": False}, (key, val)

@@ -1,0 +1,440 @@
+"""Tests of the sweep runner (linattn_nb.studies.sweep).
+
+The file is the sweep's state: these tests read it back line by line and
+check that every grid point appears exactly once after interruptions, killed
+workers, truncated lines and reruns, on the in-process, process-pool and Dask
+backends.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+import _sweep_helpers as H
+from linattn_nb.studies import SweepError, grid_points, load_results, point_key, rows, sweep
+
+
+def _lines(path):
+    """Parsed records of the file, header excluded; asserts every line is complete JSON."""
+    data = open(path, "rb").read()
+    assert data.endswith(b"\n")
+    recs = [json.loads(line) for line in data.decode().splitlines()]
+    assert recs[0]["type"] == "header"
+    return recs[1:]
+
+
+def _assert_exactly_once(path, points):
+    recs = _lines(path)
+    keys = [r["key"] for r in recs]
+    assert len(keys) == len(set(keys)), "a point was written twice"
+    assert sorted(keys) == sorted(point_key(p) for p in points)
+    return recs
+
+
+# ---------------------------------------------------------------------------
+# Grids
+# ---------------------------------------------------------------------------
+def test_grid_product_order_and_list_of_dicts():
+    pts = grid_points({"a": [1, 2], "b": ["x", "y"]})
+    assert pts == [{"a": 1, "b": "x"}, {"a": 1, "b": "y"}, {"a": 2, "b": "x"}, {"a": 2, "b": "y"}]
+    assert grid_points([{"n": 1}, {"n": 2, "m": None}]) == [{"n": 1}, {"n": 2, "m": None}]
+    # numpy scalars, ranges and 1-D arrays are accepted and unwrapped
+    pts = grid_points({"n": np.arange(2), "r": range(1), "f": [np.float32(0.5)], "t": [(1, 2)]})
+    assert pts == [{"n": 0, "r": 0, "f": 0.5, "t": [1, 2]}, {"n": 1, "r": 0, "f": 0.5, "t": [1, 2]}]
+    assert type(pts[0]["n"]) is int
+
+
+@pytest.mark.parametrize("grid, exc, match", [
+    ({}, ValueError, "empty dict"),
+    ([], ValueError, "empty list"),
+    ({"n": []}, ValueError, r"grid\['n'\] is an empty list"),
+    ({"n": 5}, TypeError, r"grid\['n'\] must be a list.*\[5\]"),
+    ({"n": "abc"}, TypeError, r"grid\['n'\] must be a list"),
+    ({"n": [1, 1]}, ValueError, "duplicate points"),
+    ([{"n": 1}, {"n": 1}], ValueError, "duplicate points: #0 and #1"),
+    ({"n": [1], "x": [np.zeros(3)]}, TypeError, r"grid\['x'\]\[0\].*ndarray.*JSON"),
+    ({"n": [{1, 2}]}, TypeError, "set"),
+    ({"n": [object()]}, TypeError, "object"),
+    ({"n": [float("nan")]}, ValueError, "finite"),
+    ([{"n": 1}, 5], TypeError, r"grid\[1\] must be a dict"),
+    ([{}], ValueError, "empty dict"),
+    ({1: [1]}, TypeError, "non-empty strings"),
+    ({"n": [{"a": {2: 1}}]}, TypeError, "non-string key"),
+    ("n=1", TypeError, "dict of lists or a list of dicts"),
+])
+def test_bad_grids_are_refused_clearly(grid, exc, match, tmp_path):
+    with pytest.raises(exc, match=match):
+        grid_points(grid)
+    out = tmp_path / "r.jsonl"
+    with pytest.raises(exc, match=match):
+        sweep(H.square, grid, out=out, progress=False)
+    assert not out.exists(), "a bad grid must not create the results file"
+
+
+def test_point_key_is_stable_and_canonical():
+    canon = json.dumps({"a": 1, "b": [1, 2]}, sort_keys=True, separators=(",", ":"))
+    assert point_key({"b": (1, 2), "a": np.int64(1)}) == hashlib.sha1(canon.encode()).hexdigest()[:16]
+    assert point_key({"a": 1}) != point_key({"a": 1.0}) != point_key({"a": True})
+    assert point_key({"a": 1, "b": 2}) == point_key({"b": 2, "a": 1})
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(backend="spark"), ValueError, "backend must be one of"),
+    (dict(scheduler="tcp://127.0.0.1:1"), ValueError, "backend='dask'"),
+    (dict(workers=0), ValueError, "workers must be >= 1"),
+    (dict(workers="2"), TypeError, "workers must be an integer"),
+    (dict(workers=True), TypeError, "workers must be an integer"),
+    (dict(numba_threads=0), ValueError, "numba_threads"),
+    (dict(errors="ignore"), ValueError, "errors must be"),
+    (dict(max_retries=-1), ValueError, "max_retries"),
+    (dict(resume="yes"), TypeError, "resume must be a bool"),
+    (dict(backend="dask", scheduler="tcp://127.0.0.1:1", workers=2), ValueError, "one or the other"),
+])
+def test_bad_arguments_are_refused(kwargs, exc, match, tmp_path):
+    with pytest.raises(exc, match=match):
+        sweep(H.square, {"x": [1]}, out=tmp_path / "r.jsonl", progress=False, **kwargs)
+    assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_bad_fn_and_out(tmp_path):
+    with pytest.raises(TypeError, match="fn must be callable"):
+        sweep(5, {"x": [1]}, out=tmp_path / "r.jsonl")
+    with pytest.raises(TypeError, match="out must be a path"):
+        sweep(H.square, {"x": [1]}, out=None)
+    with pytest.raises(ValueError, match="is a directory"):
+        sweep(H.square, {"x": [1]}, out=tmp_path)
+    with pytest.raises(TypeError, match="cannot be sent to worker processes"):
+        sweep(lambda x: x, {"x": [1]}, out=tmp_path / "r.jsonl", workers=2)
+
+
+# ---------------------------------------------------------------------------
+# In-process: the file, resume, truncation, errors
+# ---------------------------------------------------------------------------
+def test_results_stream_in_grid_order_and_load_back(tmp_path):
+    out = tmp_path / "sub" / "r.jsonl"
+    recs = sweep(H.square, {"x": [3, 1, 2]}, out=out, progress=False)
+    assert [r["result"]["y"] for r in recs] == [9, 1, 4]
+    assert all(r["status"] == "ok" and r["elapsed_s"] >= 0 for r in recs)
+    header = json.loads(out.read_text().splitlines()[0])
+    assert header["fn"] == "_sweep_helpers:square" and header["format"] == 1
+    _assert_exactly_once(out, grid_points({"x": [3, 1, 2]}))
+    assert [r["params"]["x"] for r in load_results(out)] == [3, 1, 2]
+    assert rows(recs) == [{"x": 3, "y": 9}, {"x": 1, "y": 1}, {"x": 2, "y": 4}]
+
+
+def test_each_line_is_flushed_before_the_next_point_runs(tmp_path):
+    out = tmp_path / "r.jsonl"
+    seen = []
+
+    def fn(x):
+        # What another process would read now: every earlier point, complete.
+        seen.append(len(out.read_bytes().decode().splitlines()) - 1)
+        return {"x": x}
+
+    sweep(fn, {"x": [0, 1, 2, 3]}, out=out, progress=False)
+    assert seen == [0, 1, 2, 3]
+
+
+def test_resume_skips_finished_points(tmp_path):
+    out = tmp_path / "r.jsonl"
+    calls = []
+
+    def fn(x):
+        calls.append(x)
+        return {"y": -x}
+
+    first = sweep(fn, {"x": [1, 2, 3]}, out=out, progress=False)
+    recs = sweep(fn, {"x": [1, 2, 3, 4, 5]}, out=out, progress=False)
+    assert calls == [1, 2, 3, 4, 5]
+    assert [r["result"]["y"] for r in recs] == [-1, -2, -3, -4, -5]
+    assert recs[:3] == first  # the finished records come back unchanged
+    _assert_exactly_once(out, grid_points({"x": [1, 2, 3, 4, 5]}))
+    # A rerun of a finished sweep calls nothing and writes nothing.
+    size = out.stat().st_size
+    sweep(fn, {"x": [5, 4]}, out=out, progress=False)
+    assert calls == [1, 2, 3, 4, 5] and out.stat().st_size == size
+
+
+def test_resume_false_never_overwrites(tmp_path):
+    out = tmp_path / "r.jsonl"
+    sweep(H.square, {"x": [1]}, out=out, progress=False)
+    before = out.read_bytes()
+    with pytest.raises(FileExistsError, match="resume=True"):
+        sweep(H.square, {"x": [1, 2]}, out=out, resume=False, progress=False)
+    assert out.read_bytes() == before
+
+
+def test_another_function_cannot_append_to_the_file(tmp_path):
+    out = tmp_path / "r.jsonl"
+    sweep(H.square, {"x": [1]}, out=out, progress=False)
+    with pytest.raises(ValueError, match="holds results of '_sweep_helpers:square'"):
+        sweep(H.kill_always, {"x": [1]}, out=out, progress=False)
+
+
+@pytest.mark.parametrize("damage", ["cut", "cut_at_newline", "garbage_line"])
+def test_truncated_last_line_is_ignored_and_not_duplicated(tmp_path, damage):
+    out = tmp_path / "r.jsonl"
+    grid = {"x": [1, 2, 3, 4]}
+    sweep(H.square, {"x": [1, 2, 3]}, out=out, progress=False)
+    data = out.read_bytes()
+    last_start = data.rstrip(b"\n").rfind(b"\n") + 1
+    if damage == "cut":  # a crash in the middle of the last write
+        out.write_bytes(data[: last_start + 25])
+    elif damage == "cut_at_newline":  # the whole line but its newline
+        out.write_bytes(data[:-1])
+    else:  # a final line that is not JSON
+        out.write_bytes(data + b'{"type": "result", "key": "abc"\n')
+    with pytest.warns(RuntimeWarning, match="ignored"):
+        assert len(load_results(out)) == (3 if damage == "garbage_line" else 2)
+    with pytest.warns(RuntimeWarning, match="will run again"):
+        recs = sweep(H.square, grid, out=out, progress=False)
+    assert [r["result"]["y"] for r in recs] == [1, 4, 9, 16]
+    _assert_exactly_once(out, grid_points(grid))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_results(out)  # the file is clean again
+
+
+def test_damaged_middle_line_is_an_error(tmp_path):
+    out = tmp_path / "r.jsonl"
+    sweep(H.square, {"x": [1, 2]}, out=out, progress=False)
+    lines = out.read_bytes().split(b"\n")
+    lines[1] = lines[1][:10]
+    out.write_bytes(b"\n".join(lines))
+    with pytest.raises(ValueError, match="line 2 is not valid JSON"):
+        sweep(H.square, {"x": [1, 2]}, out=out, progress=False)
+
+
+def test_errors_raise_keeps_finished_points_and_resumes(tmp_path):
+    out = tmp_path / "r.jsonl"
+    fail = {"on": True}
+
+    def fn(x):
+        if x == 2 and fail["on"]:
+            raise ZeroDivisionError("boom at 2")
+        return {"y": x}
+
+    with pytest.raises(SweepError, match=r"point \{'x': 2\} failed: ZeroDivisionError: boom at 2") as info:
+        sweep(fn, {"x": [1, 2, 3]}, out=out, progress=False)
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    assert info.value.params == {"x": 2} and "boom at 2" in info.value.worker_traceback
+    assert [r["params"]["x"] for r in _lines(out)] == [1]
+    fail["on"] = False
+    recs = sweep(fn, {"x": [1, 2, 3]}, out=out, progress=False)
+    assert [r["result"]["y"] for r in recs] == [1, 2, 3]
+    _assert_exactly_once(out, grid_points({"x": [1, 2, 3]}))
+
+
+def test_errors_record_then_retry_on_resume(tmp_path):
+    out = tmp_path / "r.jsonl"
+    fail = {"on": True}
+
+    def fn(x):
+        if x == 2 and fail["on"]:
+            raise ValueError("bad point")
+        return {"y": x}
+
+    recs = sweep(fn, {"x": [1, 2, 3]}, out=out, progress=False, errors="record")
+    assert [r["status"] for r in recs] == ["ok", "error", "ok"]
+    assert recs[1]["error"] == "ValueError: bad point" and "bad point" in recs[1]["traceback"]
+    fail["on"] = False
+    recs = sweep(fn, {"x": [1, 2, 3]}, out=out, progress=False, errors="record")
+    assert [r["status"] for r in recs] == ["ok", "ok", "ok"]
+    assert [r["status"] for r in load_results(out)] == ["ok", "ok", "ok"]
+    ok_keys = [r["key"] for r in _lines(out) if r["status"] == "ok"]
+    assert len(ok_keys) == len(set(ok_keys)) == 3  # the error line stays; no ok record twice
+
+
+def test_interrupted_run_keeps_finished_points(tmp_path):
+    out = tmp_path / "r.jsonl"
+    interrupt = {"on": True}
+    calls = []
+
+    def fn(x):
+        calls.append(x)
+        if x == 3 and interrupt["on"]:
+            raise KeyboardInterrupt  # Ctrl-C while point 3 runs
+        return {"y": x}
+
+    with pytest.raises(KeyboardInterrupt):
+        sweep(fn, {"x": [0, 1, 2, 3, 4]}, out=out, progress=False)
+    assert [r["params"]["x"] for r in _lines(out)] == [0, 1, 2]
+    interrupt["on"] = False
+    recs = sweep(fn, {"x": [0, 1, 2, 3, 4]}, out=out, progress=False)
+    assert calls == [0, 1, 2, 3, 3, 4]
+    assert [r["result"]["y"] for r in recs] == [0, 1, 2, 3, 4]
+    _assert_exactly_once(out, grid_points({"x": [0, 1, 2, 3, 4]}))
+
+
+def test_killed_parent_process_then_resume(tmp_path):
+    """SIGKILL the process running a sweep (a crash), then resume: every point exactly once."""
+    import signal
+    import subprocess
+    import time
+
+    out = tmp_path / "r.jsonl"
+    grid = {"x": list(range(40)), "delay": [0.05]}
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); import _sweep_helpers as H; "
+            "from linattn_nb.studies import sweep; "
+            f"sweep(H.slow, {grid!r}, out=sys.argv[1], progress=False)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-c", code, str(out), os.path.dirname(H.__file__)], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if out.exists() and out.read_bytes().count(b"\n") >= 6:
+                break
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(30)
+    done_before = len(_lines(out))
+    assert 5 <= done_before < 40, "the sweep was not killed mid-way: the test tested nothing"
+    recs = sweep(H.slow, grid, out=out, progress=False)
+    assert [r["result"]["y"] for r in recs] == list(range(40))
+    _assert_exactly_once(out, grid_points(grid))
+
+
+def test_results_are_converted_to_json(tmp_path):
+    @dataclasses.dataclass
+    class Res:
+        a: np.ndarray
+        b: np.float32
+
+    def fn(x):
+        return {"arr": np.arange(3) * x, "dc": Res(np.ones(2), np.float32(0.5)), "t": (np.int8(1), None),
+                "nan": float("nan")}
+
+    rec = sweep(fn, {"x": [2]}, out=tmp_path / "r.jsonl", progress=False)[0]
+    assert rec["result"]["arr"] == [0, 2, 4] and rec["result"]["dc"] == {"a": [1.0, 1.0], "b": 0.5}
+    assert rec["result"]["t"] == [1, None] and np.isnan(rec["result"]["nan"])
+
+    def bad(x):
+        return {"obj": object()}
+
+    rec = sweep(bad, {"x": [1]}, out=tmp_path / "s.jsonl", progress=False, errors="record")[0]
+    assert rec["status"] == "error" and "cannot be stored as JSON" in rec["error"]
+
+
+def test_one_writer_per_file(tmp_path):
+    out = tmp_path / "r.jsonl"
+
+    def nested(x):
+        return sweep(H.square, {"x": [x]}, out=out, progress=False)
+
+    with pytest.raises(SweepError, match="locked") as info:
+        sweep(nested, {"x": [1]}, out=out, progress=False)
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_progress_bar_only_on_a_terminal(tmp_path, monkeypatch):
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    for tty, expect in ((True, True), (False, False)):
+        stream = Tty() if tty else io.StringIO()
+        monkeypatch.setattr(sys, "stderr", stream)
+        sweep(H.square, {"x": [1, 2, 3]}, out=tmp_path / f"{tty}.jsonl")
+        assert ("3/3" in stream.getvalue()) is expect
+    stream = Tty()
+    monkeypatch.setattr(sys, "stderr", stream)
+    sweep(H.square, {"x": [1, 2, 4]}, out=tmp_path / "True.jsonl", progress=False)
+    assert stream.getvalue() == ""
+
+
+# ---------------------------------------------------------------------------
+# Worker processes: spawned local pool and Dask
+# ---------------------------------------------------------------------------
+ATTN_GRID = {"n": [1, 17, 64], "method": ["scan", "aggregate"], "causal": [True, False], "seed": [0]}
+
+
+def _numbers(recs):
+    """The numerical results; the thread count differs by backend and is checked separately."""
+    return [(r["params"], {k: v for k, v in r["result"].items() if k not in ("threads", "env")}) for r in recs]
+
+
+@pytest.fixture(scope="module")
+def reference_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "inproc.jsonl"
+    grid = [p for p in grid_points(ATTN_GRID) if not (p["causal"] and p["method"] == "aggregate")]
+    return grid, sweep(H.attention_point, grid, out=out, progress=False)
+
+
+def test_local_pool_kill_and_identical_results(tmp_path, reference_results):
+    """A spawned pool: same numbers as in-process; a killed worker loses nothing, duplicates nothing."""
+    grid, ref = reference_results
+    recs = sweep(H.attention_point, grid, out=tmp_path / "pool.jsonl", workers=2, progress=False)
+    assert _numbers(recs) == _numbers(ref)
+    assert {r["pid"] for r in recs}.isdisjoint({os.getpid()})
+
+    marker = tmp_path / "killed"
+    kgrid = {"x": list(range(8)), "marker": [str(marker)]}
+    recs = sweep(H.kill_once, kgrid, out=tmp_path / "kill.jsonl", workers=2, progress=False)
+    assert marker.exists(), "the worker was not killed: the test tested nothing"
+    assert [r["result"]["y"] for r in recs] == [10 * x for x in range(8)]
+    _assert_exactly_once(tmp_path / "kill.jsonl", grid_points(kgrid))
+
+    # A point that kills its worker every time: recorded as an error after the
+    # retries, and only that point (it is retried alone).
+    recs = sweep(H.kill_always, {"x": [0, 1, 2, 3]}, out=tmp_path / "always.jsonl", workers=2,
+                 max_retries=1, errors="record", progress=False)
+    assert [r["status"] for r in recs] == ["ok", "ok", "error", "ok"]
+    assert "died 2 time(s)" in recs[2]["error"]
+
+
+def test_dask_embedded_cluster_gives_identical_results(tmp_path, reference_results):
+    """backend="dask" with no scheduler: an embedded LocalCluster of two worker processes on loopback."""
+    pytest.importorskip("distributed")
+    grid, ref = reference_results
+    recs = sweep(H.attention_point, grid, out=tmp_path / "dask.jsonl", backend="dask", workers=2,
+                 progress=False)
+    assert _numbers(recs) == _numbers(ref)
+    pids = {r["pid"] for r in recs}
+    assert os.getpid() not in pids and len(pids) <= 2
+    # Numba threads per worker: the cores shared by the two workers, in the
+    # workers' environment (their thread pools) and for each point.
+    per = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert {(r["result"]["threads"], r["result"]["env"]) for r in recs} == {(int(per), per)}
+
+
+@pytest.fixture(scope="module")
+def dask_cluster():
+    distributed = pytest.importorskip("distributed")
+    import logging
+
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                                       dashboard_address=None, silence_logs=logging.CRITICAL)
+    yield cluster
+    cluster.close()
+
+
+def test_dask_killed_worker_every_point_exactly_once(tmp_path, dask_cluster):
+    """A worker of an existing cluster (given by address) is SIGKILLed mid-sweep."""
+    marker = tmp_path / "killed"
+    grid = {"x": list(range(10)), "marker": [str(marker)], "delay": [0.05]}
+    out = tmp_path / "kill.jsonl"
+    recs = sweep(H.kill_once, grid, out=out, backend="dask", scheduler=dask_cluster.scheduler_address,
+                 progress=False)
+    assert marker.exists(), "the worker was not killed: the test tested nothing"
+    assert [r["status"] for r in recs] == ["ok"] * 10
+    assert [r["result"]["y"] for r in recs] == [10 * x for x in range(10)]
+    _assert_exactly_once(out, grid_points(grid))
+
+
+def test_dask_numba_threads_do_not_oversubscribe(tmp_path, dask_cluster):
+    recs = sweep(H.numba_threads, {"x": list(range(4))}, out=tmp_path / "t.jsonl", backend="dask",
+                 scheduler=dask_cluster, progress=False)
+    cores = len(os.sched_getaffinity(0))
+    slots = sum(w["nthreads"] for w in dask_cluster.scheduler_info["workers"].values())
+    assert {r["result"]["threads"] for r in recs} == {max(1, cores // slots)}
+    recs = sweep(H.numba_threads, {"x": [0]}, out=tmp_path / "u.jsonl", workers=2, progress=False)
+    assert recs[0]["result"]["threads"] == max(1, cores // 2)
