@@ -253,8 +253,12 @@ def linear_attention(
         else:
             code = 0
             kw = dict(causal=causal, offset=position, total_length=position + n)
-            qf = V.flatten_batch(fmap.apply(np.asarray(q, dtype=work_dtype), role="query", **kw), work_dtype)
-            kf = V.flatten_batch(fmap.apply(np.asarray(k, dtype=work_dtype), role="key", **kw), work_dtype)
+            # NumPy-side maps of float16 inputs run in float32 (no float16 overflow
+            # or rounding of the features); the kernels take float32 features
+            # next to float16 values.
+            feat_dtype = np.dtype(np.float32) if work_dtype == np.float16 else work_dtype
+            qf = V.flatten_batch(fmap.apply(np.asarray(q, dtype=feat_dtype), role="query", **kw), feat_dtype)
+            kf = V.flatten_batch(fmap.apply(np.asarray(k, dtype=feat_dtype), role="key", **kw), feat_dtype)
             if qf.shape[-1] != f or kf.shape[-1] != f:
                 raise ValueError(
                     f"feature map {fmap.name!r} returned {qf.shape[-1]} features for D={d}, "

@@ -62,7 +62,53 @@ DEFAULT_EPS = _env_float("LINATTN_EPS", 1e-8)
 # --------------------------------------------------------------------------
 #: Tokens per block in the non-causal CPU kernel (aggregate phase and query
 #: phase both work on blocks of this many rows, GEMM-shaped through BLAS).
-CPU_NONCAUSAL_BLOCK = _env_int("LINATTN_CPU_NONCAUSAL_BLOCK", 256)
+#: Measured (one thread, CPU seconds, B*H = 16, N = 4096, D = M = 64, float32,
+#: 2026-11-29): 32: 56, 64: 62, 128: 66, 256: 51, 512: 51 GFLOP/s.
+CPU_NONCAUSAL_BLOCK = _env_int("LINATTN_CPU_NONCAUSAL_BLOCK", 128)
+
+#: Pin the BLAS that ``np.dot`` calls inside Numba kernels to one thread while
+#: a parallel CPU kernel runs (OpenBLAS otherwise multithreads GEMMs of about
+#: 64**3 and up from inside every Numba thread: oversubscription, measured
+#: 12x slower; see linattn_nb/ops/_blas.py).
+CPU_BLAS_SINGLE_THREAD = os.environ.get("LINATTN_BLAS_SINGLE_THREAD", "1") not in ("0", "false", "no")
+
+#: Chunk size C of ``method="chunked"`` (causal, CPU).  0 (default) picks it
+#: from :data:`CPU_CHUNK_TABLE` through :func:`cpu_chunk_size`.
+CPU_CHUNK_SIZE = _env_int("LINATTN_CPU_CHUNK_SIZE", 0)
+
+#: Measured best chunk size per working dtype: ``dtype name -> [(max F*M, C),
+#: ...]``, the first row whose bound admits F*M (None = any) wins.  From
+#: ``NUMBA_NUM_THREADS=1 python benchmarks/causal_cpu.py --sweep-chunk --quick
+#: --dims 16,32,64,128`` (CPU seconds, B*H = 16, N = 4096; 2026-11-29, 2-core
+#: AMD EPYC, shared): float32 best at C = 16 for D = M <= 32 and 24-32 above
+#: (within 1%); float64 best at 16 for D = M <= 32 and 24 above.  Times are
+#: flat within ~5% from 16 to 32, 20-30% worse at 64, 60-80% worse at 128.
+CPU_CHUNK_TABLE = {
+    "float32": [(1024, 16), (None, 32)],
+    "float64": [(1024, 16), (None, 24)],
+}
+
+#: Sequence parallelism of ``method="chunked"`` (batch*heads below the thread
+#: count) splits a sequence into segments of at least this many chunks.
+CPU_CHUNKED_MIN_SEGMENT_CHUNKS = _env_int("LINATTN_CPU_CHUNKED_MIN_SEGMENT_CHUNKS", 8)
+
+#: Below this much work (B * N * D_phi * M) ``method="chunked"`` runs on the
+#: calling thread: entering a parallel region costs more than the work there.
+CPU_CHUNKED_SERIAL_MAX_WORK = _env_int("LINATTN_CPU_CHUNKED_SERIAL_MAX_WORK", 1 << 21)
+
+
+def cpu_chunk_size(n: int, f: int, m: int, dtype) -> int:
+    """Chunk size for ``method="chunked"`` on the CPU (``CPU_CHUNK_SIZE`` if set, else the table)."""
+    if CPU_CHUNK_SIZE > 0:
+        return int(CPU_CHUNK_SIZE)
+    import numpy as np
+
+    name = "float64" if np.dtype(dtype) == np.float64 else "float32"
+    for max_fm, c in CPU_CHUNK_TABLE.get(name, ()):
+        if max_fm is None or f * m <= max_fm:
+            return int(c)
+    return 64
+
 
 #: Query rows and key columns per block in the CPU softmax kernel.  Memory is
 #: O(block_q * block_k) per thread; the N x N matrix is never formed.
@@ -98,7 +144,10 @@ ANALYSIS_BLOCK_Q = _env_int("LINATTN_ANALYSIS_BLOCK_Q", 64)
 #: ``max_n`` (inclusive; None = unbounded) admits the sequence length wins.
 #: The rows must come from measurements (benchmarks/), not guesses.
 AUTO_METHODS = {
-    (True, "cpu"): [(None, "scan")],
+    # causal CPU: "chunked" measured faster than "scan" at every N from 1 to
+    # 65,536 (B*H = 16, D = M = 64, float32 and float64; benchmarks/causal_cpu.py
+    # --sweep-auto and the main table, 2026-11-29): 3-4x at N >= 4096.
+    (True, "cpu"): [(None, "chunked")],
     (False, "cpu"): [(None, "aggregate")],
 }
 

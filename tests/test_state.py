@@ -118,8 +118,12 @@ def test_segmentwise_equals_one_shot(method, dtype, feature_map):
             outs.append(o)
         seg = np.concatenate(outs, axis=-2)
         assert_close(seg, full, dtype)
-        np.testing.assert_allclose(state.S, st_full.S, rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(state.z, st_full.z, rtol=1e-12, atol=1e-12)
+        # "chunked" sums float32 GEMM parts per chunk (in float64): other split
+        # points give other chunks, so float32/float16 states agree to float32
+        # round-off; the per-token scan multiplies in float64 and agrees to 1e-12.
+        st_tol = 1e-12 if (dtype == np.float64 or method != "chunked") else 2e-6
+        np.testing.assert_allclose(state.S, st_full.S, rtol=st_tol, atol=st_tol)
+        np.testing.assert_allclose(state.z, st_full.z, rtol=st_tol, atol=st_tol)
         np.testing.assert_allclose(state.S, S_ref, rtol=1e-5 if dtype != np.float64 else 1e-12, atol=1e-6)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import config
+from .causal.chunked import causal_chunked
 from .causal.cpu import causal_scan
 from .causal.naive import causal_linear_quadratic
 from .noncausal.cpu import noncausal_aggregate
@@ -38,12 +39,13 @@ register_method(Method("quadratic", True, "cpu", _quadratic_launcher(causal_line
                        inline_features=False, native_dtypes=_ALL_FLOATS))
 register_method(Method("quadratic", False, "cpu", _quadratic_launcher(noncausal_linear_quadratic),
                        inline_features=False, native_dtypes=_ALL_FLOATS))
-register_method(Method("scan", True, "cpu", causal_scan))
+register_method(Method("scan", True, "cpu", causal_scan, native_dtypes=_ALL_FLOATS))
+register_method(Method("chunked", True, "cpu", causal_chunked, native_dtypes=_ALL_FLOATS))
 # Non-causal attention has no recurrence: every linear method runs the
 # aggregate-then-query kernel (the names are accepted so that sweeps over
 # (causal, method) need no special case).
 for _name in ("aggregate", "scan", "chunked"):
-    register_method(Method(_name, False, "cpu", noncausal_aggregate))
+    register_method(Method(_name, False, "cpu", noncausal_aggregate, native_dtypes=_ALL_FLOATS))
 
 
 # CUDA launchers (linattn_nb/ops/causal/cuda.py, noncausal/cuda.py): registered

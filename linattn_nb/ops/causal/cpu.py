@@ -3,7 +3,9 @@
 Kernel: :func:`causal_scan_kernel`; launcher: :func:`causal_scan`.  The state
 ``S`` (F x M) and ``z`` (F) are carried in the dtype of the state arrays the
 launcher passes (float64 by default), so float32 inputs do not lose accuracy
-over long sequences.  Token ``t`` updates the state first and then reads it
+over long sequences.  float16 inputs are passed as ``uint16`` bits and
+converted per element (no full-size float32 copy); the output is rounded to
+float16 (from the float64 result, through float32).  Token ``t`` updates the state first and then reads it
 (prefix states include token t; Katharopoulos et al. 2020, Eqs. 18-19).
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ from numba import njit, prange
 
 from ... import config
 from .._common import phi
+from .._vec import as_kernel_array, put3, to_work
 
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
@@ -32,10 +35,13 @@ def causal_scan_kernel(q, k, v, S, z, out, code, eps, clip):
         fq = np.empty(F, dtype=S.dtype)
         fk = np.empty(F, dtype=S.dtype)
         num = np.empty(M, dtype=S.dtype)
+        vrow = np.empty(M, dtype=S.dtype)
         for t in range(N):
+            for m in range(M):
+                vrow[m] = to_work(v[b, t, m])
             for i in range(F):
-                fq[i] = phi(q[b, t, i], code)
-                fk[i] = phi(k[b, t, i], code)
+                fq[i] = phi(to_work(q[b, t, i]), code)
+                fk[i] = phi(to_work(k[b, t, i]), code)
             num[:] = 0.0
             den = 0.0
             for i in range(F):
@@ -44,17 +50,18 @@ def causal_scan_kernel(q, k, v, S, z, out, code, eps, clip):
                 zb[i] += a
                 den += c * zb[i]
                 for m in range(M):
-                    s = Sb[i, m] + a * v[b, t, m]
+                    s = Sb[i, m] + a * vrow[m]
                     Sb[i, m] = s
                     num[m] += c * s
             if clip and den < eps:
                 den = eps
             for m in range(M):
-                out[b, t, m] = num[m] / den
+                put3(out, b, t, m, num[m] / den)
 
 
 def causal_scan(q, k, v, S, z, out, *, code, eps):
     """Launcher: q, k (B, N, F); v (B, N, M); state S, z updated in place; writes out."""
     clip = eps is not None
-    causal_scan_kernel(q, k, v, S, z, out, np.int64(code), float(eps if clip else 0.0), clip)
+    q, k, v, o = (as_kernel_array(x) for x in (q, k, v, out))  # float16: uint16 bits, converted per element
+    causal_scan_kernel(q, k, v, S, z, o, np.int64(code), float(eps if clip else 0.0), clip)
     return out

@@ -1,67 +1,152 @@
 """Numba CPU kernel of non-causal linear attention: aggregate, then query.
 
-Kernel: :func:`noncausal_kernel`; launcher: :func:`noncausal_aggregate`.
-Both phases work on blocks of ``config.CPU_NONCAUSAL_BLOCK`` tokens so the
-inner work is GEMM-shaped (``np.dot`` -> BLAS) and the feature map is applied
-per block (scratch O(block * F), no full-size copy of phi(q) or phi(k)).
-Block partial sums are accumulated into the state in the state's dtype
-(float64 by default).
+Kernels: :func:`noncausal_kernel` (parallel) and :func:`noncausal_kernel_serial`;
+launcher: :func:`noncausal_aggregate`.  Both phases work on blocks of
+``config.CPU_NONCAUSAL_BLOCK`` tokens so the inner work is GEMM-shaped
+(``np.dot(a, b, out)`` -> BLAS, no allocation per block) and the feature map is
+applied per block with the vectorised maps of :mod:`linattn_nb.ops._vec`
+(scratch O(block * (F + M) + F * M) per thread, no full-size copy of phi(q) or
+phi(k)).  Block sums are accumulated into the state in float64.
+
+Work items are (sequence, piece): when the flattened batch is smaller than
+the thread count each sequence is split into pieces, so one long sequence
+still uses every core -- the aggregate phase sums each piece (the sums are
+added to the state afterwards), the query phase reads the final state.
+float16 inputs are read as ``uint16`` bits and computed in float32.
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numba import njit, prange
 
 from ... import config
-from .._common import phi
+from .._blas import single_threaded_blas
+from .._blocks import features, state_sums
+from .._vec import as_kernel_array, put3, work_dtype
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _piece(j, pieces, N, block):
+    """Token range [lo, hi) of piece j of ``pieces`` (whole blocks)."""
+    nblk = (N + block - 1) // block
+    lo = (j * nblk // pieces) * block
+    hi = min(((j + 1) * nblk // pieces) * block, N)
+    return lo, hi
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _aggregate_item(it, k, v, Sp, zp, wt, code, block):
+    N, F = k.shape[1], k.shape[2]
+    M = v.shape[2]
+    pieces = Sp.shape[1]
+    b = it // pieces
+    j = it % pieces
+    lo, hi = _piece(j, pieces, N, block)
+    fk = np.empty((block, F), wt)
+    vb = np.empty((block, M), wt)
+    part = np.empty((F, M), wt)
+    Sp[b, j] = 0.0
+    zp[b, j] = 0.0
+    state_sums(k, v, b, lo, hi, Sp[b, j], zp[b, j], code, fk, vb, part)
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, not an exception
+def _query_item(it, q, S, z, out, wt, code, eps, clip, block, pieces):
+    N, F = q.shape[1], q.shape[2]
+    M = S.shape[2]
+    b = it // pieces
+    j = it % pieces
+    lo, hi = _piece(j, pieces, N, block)
+    Sw = np.empty((F, M), wt)
+    for i in range(F):
+        for m in range(M):
+            Sw[i, m] = S[b, i, m]
+    fq = np.empty((block, F), wt)
+    num = np.empty((block, M), wt)
+    rden = np.empty(block, wt)
+    for s0 in range(lo, hi, block):
+        n = min(block, hi - s0)
+        fqn = fq[:n]
+        numn = num[:n]
+        features(q, b, s0, n, fqn, code)
+        np.dot(fqn, Sw, numn)
+        for t in range(n):
+            den = 0.0
+            for i in range(F):
+                den += fqn[t, i] * z[b, i]
+            if clip and den < eps:
+                den = eps
+            rden[t] = 1.0 / den
+        for t in range(n):
+            r = rden[t]
+            for m in range(M):
+                put3(out, b, s0 + t, m, numn[t, m] * r)
 
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def noncausal_kernel(q, k, v, S, z, out, code, eps, clip, block):
-    """q, k (B, N, F); v (B, N, M); S (B, F, M), z (B, F) in/out; out (B, N, M)."""
+def noncausal_kernel(mode, q, k, v, Sp, zp, S, z, out, proto, code, eps, clip, block):
+    """One parallel phase over (sequence, piece) items.
+
+    mode 0 (aggregate): ``Sp`` (B, P, F, M), ``zp`` (B, P, F) float64 receive
+    the sums of phi(K)^T V and phi(K) over each of the P pieces of every
+    sequence.  mode 1 (query): ``out`` (B, N, M) from the final state ``S``
+    (B, F, M), ``z`` (B, F) float64; ``Sp.shape[1]`` gives P.  q, k (B, N, F)
+    and v (B, N, M): float32/float64, or uint16 (float16 bits); raw inputs when
+    ``code`` > 0.  proto: empty array of the working dtype.
+    """
+    B = q.shape[0]
+    pieces = Sp.shape[1]
+    wt = proto.dtype
+    for it in prange(B * pieces):
+        if mode == 0:
+            _aggregate_item(it, k, v, Sp, zp, wt, code, block)
+        else:
+            _query_item(it, q, S, z, out, wt, code, eps, clip, block, pieces)
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def noncausal_kernel_serial(mode, q, k, v, Sp, zp, S, z, out, proto, code, eps, clip, block):
+    """:func:`noncausal_kernel` on the calling thread (small problems)."""
+    B = q.shape[0]
+    pieces = Sp.shape[1]
+    wt = proto.dtype
+    for it in range(B * pieces):
+        if mode == 0:
+            _aggregate_item(it, k, v, Sp, zp, wt, code, block)
+        else:
+            _query_item(it, q, S, z, out, wt, code, eps, clip, block, pieces)
+
+
+def noncausal_aggregate(q, k, v, S, z, out, *, code, eps, block=None, pieces=None):
+    """Launcher (uniform method-table signature): S, z updated in place, ``out`` written.
+
+    ``pieces`` (per sequence) defaults to 1 when the flattened batch fills the
+    threads and to ceil(threads / B) otherwise (at least ``block`` tokens each).
+    """
     B, N, F = q.shape
     M = v.shape[2]
-    for b in prange(B):
-        Sb = S[b]
-        zb = z[b]
-        buf = np.empty((block, F), dtype=q.dtype)
-        # aggregate: S += phi(K_c)^T V_c, z += colsum phi(K_c)
-        for s0 in range(0, N, block):
-            n = min(block, N - s0)
-            fk = buf[:n]
-            for t in range(n):
-                for i in range(F):
-                    x = phi(k[b, s0 + t, i], code)
-                    fk[t, i] = x
-                    zb[i] += x
-            part = np.dot(fk.T, v[b, s0:s0 + n])
-            for i in range(F):
-                for m in range(M):
-                    Sb[i, m] += part[i, m]
-        # query: out_c = phi(Q_c) S / phi(Q_c) z
-        Sc = Sb.astype(q.dtype)
-        for s0 in range(0, N, block):
-            n = min(block, N - s0)
-            fq = buf[:n]
-            for t in range(n):
-                for i in range(F):
-                    fq[t, i] = phi(q[b, s0 + t, i], code)
-            num = np.dot(fq, Sc)
-            for t in range(n):
-                den = 0.0
-                for i in range(F):
-                    den += fq[t, i] * zb[i]
-                if clip and den < eps:
-                    den = eps
-                for m in range(M):
-                    out[b, s0 + t, m] = num[t, m] / den
-
-
-def noncausal_aggregate(q, k, v, S, z, out, *, code, eps, block=None):
-    """Launcher for :func:`noncausal_kernel`."""
-    clip = eps is not None
     block = int(config.CPU_NONCAUSAL_BLOCK if block is None else block)
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
-    noncausal_kernel(q, k, v, S, z, out, np.int64(code), float(eps if clip else 0.0), clip, np.int64(block))
+    if N == 0 or B == 0:
+        return out
+    T = numba.get_num_threads()
+    if pieces is None:
+        pieces = 1 if B >= T else max(1, min(-(-T // B), -(-N // block)))
+    pieces = int(pieces)
+    small = B * pieces == 1 or B * N * F * M < int(config.CPU_CHUNKED_SERIAL_MAX_WORK)
+    kernel = noncausal_kernel_serial if small else noncausal_kernel
+    wt = work_dtype(q.dtype)
+    clip = eps is not None
+    qk, kk, vk = (as_kernel_array(np.ascontiguousarray(x)) for x in (q, k, v))
+    Sp = np.empty((B, pieces, F, M))
+    zp = np.empty((B, pieces, F))
+    args = (as_kernel_array(out), np.empty(0, wt), np.int64(code), float(eps if clip else 0.0), clip,
+            np.int64(block))
+    with single_threaded_blas():
+        kernel(np.int64(0), qk, kk, vk, Sp, zp, S, z, *args)
+        S += Sp.sum(axis=1)
+        z += zp.sum(axis=1)
+        kernel(np.int64(1), qk, kk, vk, Sp, zp, S, z, *args)
     return out

@@ -13,6 +13,7 @@ import numpy as np
 from numba import njit, prange
 
 from ... import config
+from .._blas import single_threaded_blas
 
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
@@ -79,5 +80,6 @@ def softmax_blocked(q, k, v, out, *, causal, scale, block_q=None, block_k=None):
     block_k = int(config.SOFTMAX_BLOCK_K if block_k is None else block_k)
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block sizes must be >= 1, got block_q={block_q}, block_k={block_k}")
-    softmax_kernel(q, k, v, out, float(scale), bool(causal), np.int64(block_q), np.int64(block_k))
+    with single_threaded_blas():  # np.dot inside prange: keep OpenBLAS off its own threads
+        softmax_kernel(q, k, v, out, float(scale), bool(causal), np.int64(block_q), np.int64(block_k))
     return out

@@ -1,0 +1,335 @@
+"""Causal forward on the CPU: every method side by side, against this machine's limits.
+
+Run::
+
+    python benchmarks/causal_cpu.py                 # full table (a few minutes on 2 cores)
+    python benchmarks/causal_cpu.py --quick         # N = 512 and 4096 only
+    python benchmarks/causal_cpu.py --sweep-chunk   # chunk sizes for config.CPU_CHUNK_TABLE
+    python benchmarks/causal_cpu.py --sweep-auto    # scan vs chunked at small N (config.AUTO_METHODS)
+
+Shape: B*H = 16 sequences, D = M = 64, feature map "elu", N from 512 to
+65,536, float32 and float64.  In the same run: the sgemm rate of this machine
+(np.dot of two 2048 x 2048 float32 matrices) as the ceiling, softmax_attention
+(causal, blocked Numba kernel) and torch's scaled_dot_product_attention
+(is_causal=True) when torch is importable.
+
+For each cell: the median wall time, the effective rate
+4 * B*H * N * D * M / time (GFLOP/s; the useful work of linear attention, the
+same formula for every method so that the rates compare times), that rate over
+the sgemm rate, and speed-ups of "chunked" over "scan" and over torch SDPA.
+Calls go through the public functions with check_finite=False (the same for
+every method).
+
+The target ratios (chunked vs sgemm, scan and torch SDPA at N = 4096;
+time(65,536) / time(4096)) are then measured once more in interleaved rounds
+(``--headline-rounds``, default 9): each call in turn, round after round,
+ratios of medians -- on a shared machine the load changes under all of them
+alike.  Results: a table on stdout and benchmarks/results/causal_cpu.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from _common import machine, median_time, sgemm_gflops, table, write_json
+
+import linattn_nb  # noqa: E402  (path set by _common)
+from linattn_nb import linear_attention, softmax_attention  # noqa: E402
+
+BH, D, M = 16, 64, 64
+
+
+TORCH_CHILD = r"""
+import json, statistics, sys, time
+import numpy as np
+import torch
+import torch.nn.functional as tf
+torch.set_num_threads({threads})
+BH, D, M = {BH}, {D}, {M}
+out = {{}}
+for n, dtype, repeats in {jobs!r}:
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((BH, n, d), dtype=np.float32).astype(dtype, copy=False) for d in (D, D, M))
+    tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(x))[None] for x in (q, k, v))
+    with torch.no_grad():
+        tf.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+        ts = []
+        t0 = time.perf_counter()
+        while len(ts) < repeats and not (len(ts) >= 3 and time.perf_counter() - t0 > {budget}):
+            t = time.perf_counter()
+            tf.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+            ts.append(time.perf_counter() - t)
+    out[f"{{n}}:{{dtype}}"] = statistics.median(ts)
+print(json.dumps(out))
+"""
+
+
+def torch_version():
+    """torch's version when it is importable (checked in a subprocess), else None."""
+    proc = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
+                          capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def torch_sdpa_times(jobs, budget):
+    """Median times of torch's scaled_dot_product_attention(is_causal=True) for
+    ``jobs`` = [(n, dtype name, repeats), ...], measured in a subprocess: torch's
+    OpenMP workers keep spinning after a call and would slow every measurement
+    that follows in the same process (seen here: sgemm and the Numba kernels
+    2x slower once SDPA had run)."""
+    code = TORCH_CHILD.format(threads=max(1, os.cpu_count() or 1), BH=BH, D=D, M=M, jobs=list(jobs),
+                              budget=budget)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"torch SDPA failed, skipped:\n{proc.stderr[-2000:]}")
+        return {}
+    return {tuple(key.split(":")): t for key, t in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+
+
+def _inputs(n, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal((BH, n, d), dtype=np.float32).astype(dtype, copy=False)
+                 for d in (D, D, M))
+
+
+def run_table(args):
+    info = machine()
+    info["torch"] = torch_version()
+    ns = [int(x) for x in args.ns.split(",") if x]
+    dtypes = [np.dtype(x) for x in args.dtypes.split(",") if x]
+    print(f"# causal forward, B*H={BH}, D=M={D}, feature map elu -- {info['date']}, {info['cpu']}, "
+          f"{info['logical_cpus']} logical CPUs, numba threads {info['numba_threads']}")
+    sg0 = sgemm_gflops()
+    print(f"sgemm (np.dot 2048^2 float32): {sg0:.1f} GFLOP/s")
+    rows = []
+    seen = set()  # (method, dtype) already run once: compiled, no untimed warm-up needed
+
+    def timed(key, fn):
+        warm = key not in seen
+        seen.add(key)
+        return median_time(fn, repeats=args.repeats, budget_s=args.budget, warmup=warm)[0]
+
+    for dtype in dtypes:
+        for n in ns:
+            q, k, v = _inputs(n, dtype)
+            flops = 4.0 * BH * n * D * M
+            cell = {}
+            methods = ["chunked", "scan"]
+            if n <= args.quadratic_max_n:
+                methods.append("quadratic")
+            for meth in methods:
+                if meth == "scan" and n > args.scan_max_n:
+                    continue
+                fn = lambda meth=meth: linear_attention(q, k, v, causal=True, method=meth, check_finite=False)
+                cell[meth] = timed((meth, dtype), fn)
+            if n <= args.softmax_max_n:
+                fn = lambda: softmax_attention(q, k, v, causal=True, check_finite=False)
+                cell["softmax"] = timed(("softmax", dtype), fn)
+            if info["torch"] and n <= args.torch_max_n:
+                res = torch_sdpa_times([(n, dtype.name, args.repeats)], args.budget)
+                if res:
+                    cell["torch_sdpa"] = res[(str(n), dtype.name)]
+            for meth, t in cell.items():
+                row = {
+                    "dtype": dtype.name, "N": n, "method": meth, "median_ms": t * 1e3,
+                    "gflops": flops / t / 1e9, "x_sgemm": flops / t / 1e9 / sg0,
+                    "chunked_speedup": cell["chunked"] and t / cell["chunked"],
+                }
+                rows.append(row)
+            print(table([r for r in rows if r["dtype"] == dtype.name and r["N"] == n],
+                        ["dtype", "N", "method", "median_ms", "gflops", "x_sgemm", "chunked_speedup"],
+                        {"median_ms": "{:.2f}", "gflops": "{:.1f}", "x_sgemm": "{:.3f}",
+                         "chunked_speedup": "{:.2f}"}))
+            sys.stdout.flush()
+    sg1 = sgemm_gflops()
+    print(f"sgemm again at the end: {sg1:.1f} GFLOP/s (start {sg0:.1f})")
+
+    # summary against the targets (float32, N = 4096 and 65,536)
+    def t_of(dt, n, meth):
+        for r in rows:
+            if r["dtype"] == dt and r["N"] == n and r["method"] == meth:
+                return r["median_ms"] / 1e3
+        return None
+
+    summary = {}
+    if args.headline_rounds > 0:
+        summary = headline(args, info["torch"])
+        summary["table_sgemm_gflops"] = sg0
+        c4t, m4 = t_of("float32", 4096, "chunked"), t_of("float32", 4096, "softmax")
+        summary["table_speedup_vs_softmax_blocked"] = m4 / c4t if (m4 and c4t) else None
+    c4 = None if summary else t_of("float32", 4096, "chunked")
+    if c4:
+        eff = 4.0 * BH * 4096 * D * M / c4 / 1e9
+        summary["headline_gflops"] = eff
+        summary["headline_x_sgemm"] = eff / sg0
+        summary["headline_x_sgemm_end"] = eff / sg1
+        s4 = t_of("float32", 4096, "scan")
+        summary["speedup_vs_scan"] = s4 / c4 if s4 else None
+        p4 = t_of("float32", 4096, "torch_sdpa")
+        summary["speedup_vs_torch_sdpa"] = p4 / c4 if p4 else None
+        m4 = t_of("float32", 4096, "softmax")
+        summary["speedup_vs_softmax_blocked"] = m4 / c4 if m4 else None
+        c64 = t_of("float32", 65536, "chunked")
+        summary["scaling_65536_over_4096"] = c64 / c4 if c64 else None
+    print("\nsummary (float32, N = 4096; interleaved rounds when headline_rounds > 0):")
+    targets = {"headline_x_sgemm": ">= 0.40", "speedup_vs_scan": ">= 2.5", "speedup_vs_torch_sdpa": ">= 25",
+               "scaling_65536_over_4096": "<= 17"}
+    for key, val in summary.items():
+        if isinstance(val, dict):
+            continue
+        print(f"  {key:30s} {'-' if val is None else f'{val:.3f}':>10s}   {targets.get(key, '')}")
+    path = write_json("causal_cpu", {"machine": info, "sgemm_gflops_start": sg0, "sgemm_gflops_end": sg1,
+                                     "shape": {"BH": BH, "D": D, "M": M, "feature_map": "elu"},
+                                     "rows": rows, "summary": summary}, args.out)
+    print(f"wrote {path}")
+
+
+def headline(args, have_torch):
+    """The target ratios from interleaved rounds: sgemm, chunked and scan at N = 4096
+    and chunked at N = 65,536 are timed in turn, round after round, and each ratio
+    is taken between medians -- on a shared machine the load then changes under
+    all of them alike.  torch SDPA (N = 4096) runs in a subprocess just before
+    and just after the rounds (median over both)."""
+    q, k, v = _inputs(4096, np.float32)
+    qL, kL, vL = _inputs(65536, np.float32)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((2048, 2048), dtype=np.float32)
+    b = rng.standard_normal((2048, 2048), dtype=np.float32)
+    calls = {
+        "sgemm": lambda: np.dot(a, b),
+        "chunked": lambda: linear_attention(q, k, v, causal=True, method="chunked", check_finite=False),
+        "scan": lambda: linear_attention(q, k, v, causal=True, method="scan", check_finite=False),
+        "chunked_65536": lambda: linear_attention(qL, kL, vL, causal=True, method="chunked", check_finite=False),
+    }
+    sdpa = []
+    if have_torch:
+        sdpa.append(torch_sdpa_times([(4096, "float32", args.headline_rounds)], 60.0).get(("4096", "float32")))
+    for fn in calls.values():
+        fn()
+    times = {name: [] for name in calls}
+    for _ in range(args.headline_rounds):
+        for name, fn in calls.items():
+            # let the previous call's thread pool (OpenBLAS) stop spin-waiting
+            # before the next is timed
+            time.sleep(args.pause)
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    if have_torch:
+        sdpa.append(torch_sdpa_times([(4096, "float32", args.headline_rounds)], 60.0).get(("4096", "float32")))
+    med = {name: float(np.median(ts)) for name, ts in times.items()}
+    sdpa = [t for t in sdpa if t]
+    if sdpa:
+        med["torch_sdpa"] = float(np.mean(sdpa))
+    sg = 2.0 * 2048**3 / med["sgemm"] / 1e9
+    eff = 4.0 * BH * 4096 * D * M / med["chunked"] / 1e9
+    print(f"\ninterleaved headline ({args.headline_rounds} rounds, medians): "
+          + ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in med.items()))
+    return {
+        "headline_gflops": eff,
+        "sgemm_gflops": sg,
+        "headline_x_sgemm": eff / sg,
+        "speedup_vs_scan": med["scan"] / med["chunked"],
+        "speedup_vs_torch_sdpa": med["torch_sdpa"] / med["chunked"] if "torch_sdpa" in med else None,
+        "scaling_65536_over_4096": med["chunked_65536"] / med["chunked"],
+        "interleaved_medians_ms": {n: t * 1e3 for n, t in med.items()},
+    }
+
+
+def run_sweep_chunk(args):
+    global D, M
+    from linattn_nb import config
+
+    info = machine()
+    sg = sgemm_gflops()
+    print(f"# chunk-size sweep, B*H={BH}, D=M={D} -- {info['date']}, sgemm {sg:.1f} GFLOP/s")
+    rows = []
+    dims = [int(x) for x in args.dims.split(",")]
+    for dtype, dim, n in [(np.dtype(t), dm, n) for t in args.dtypes.split(",") for dm in dims
+                          for n in ((4096, 65536) if not args.quick else (4096,))]:
+        D = M = dim
+        if True:
+            q, k, v = _inputs(n, dtype)
+            for c in (8, 16, 24, 32, 48, 64, 96, 128):
+                config.CPU_CHUNK_SIZE = c
+                fn = lambda: linear_attention(q, k, v, causal=True, method="chunked", check_finite=False)
+                t = median_time(fn, repeats=args.repeats, budget_s=args.budget)[0]
+                # CPU seconds too: less sensitive than wall time to other load on a shared machine
+                tc = median_time(fn, repeats=args.repeats, budget_s=args.budget, clock=time.process_time)[0]
+                rows.append({"dtype": dtype.name, "D=M": dim, "N": n, "chunk": c, "median_ms": t * 1e3,
+                             "gflops": 4.0 * BH * n * D * M / t / 1e9, "cpu_ms": tc * 1e3})
+            config.CPU_CHUNK_SIZE = 0
+            sub = [r for r in rows if r["dtype"] == dtype.name and r["N"] == n and r["D=M"] == dim]
+            best = min(sub, key=lambda r: r["median_ms"])
+            best_cpu = min(sub, key=lambda r: r["cpu_ms"])
+            for r in sub:
+                r["x_best"] = r["median_ms"] / best["median_ms"]
+                r["cpu_x_best"] = r["cpu_ms"] / best_cpu["cpu_ms"]
+            print(table(sub, ["dtype", "D=M", "N", "chunk", "median_ms", "gflops", "x_best", "cpu_ms", "cpu_x_best"],
+                        {"median_ms": "{:.2f}", "gflops": "{:.1f}", "x_best": "{:.3f}", "cpu_ms": "{:.2f}",
+                         "cpu_x_best": "{:.3f}"}))
+    D = M = 64
+    path = write_json("causal_cpu_chunk_sweep", {"machine": info, "sgemm_gflops": sg, "rows": rows}, args.out)
+    print(f"wrote {path}")
+
+
+def run_sweep_auto(args):
+    info = machine()
+    print(f"# scan vs chunked at small N, B*H={BH}, D=M={D} -- {info['date']}")
+    rows = []
+    for dtype in [np.dtype(x) for x in args.dtypes.split(",")]:
+        for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
+            q, k, v = _inputs(n, dtype)
+            cell = {}
+            for meth in ("scan", "chunked"):
+                fn = lambda meth=meth: linear_attention(q, k, v, causal=True, method=meth, check_finite=False)
+                cell[meth] = median_time(fn, repeats=max(args.repeats, 15), budget_s=args.budget)[0]
+            rows.append({"dtype": dtype.name, "N": n, "scan_us": cell["scan"] * 1e6,
+                         "chunked_us": cell["chunked"] * 1e6, "scan_over_chunked": cell["scan"] / cell["chunked"]})
+        print(table([r for r in rows if r["dtype"] == dtype.name],
+                    ["dtype", "N", "scan_us", "chunked_us", "scan_over_chunked"],
+                    {"scan_us": "{:.1f}", "chunked_us": "{:.1f}", "scan_over_chunked": "{:.2f}"}))
+    path = write_json("causal_cpu_auto_sweep", {"machine": info, "rows": rows})
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="N = 512 and 4096 only (float32 only with sweeps)")
+    ap.add_argument("--ns", default=None, help="comma-separated sequence lengths")
+    ap.add_argument("--dtypes", default="float32,float64")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--budget", type=float, default=4.0, help="seconds per cell before repeats are cut to 3")
+    ap.add_argument("--scan-max-n", type=int, default=65536)
+    ap.add_argument("--quadratic-max-n", type=int, default=2048)
+    ap.add_argument("--softmax-max-n", type=int, default=8192)
+    ap.add_argument("--torch-max-n", type=int, default=8192)
+    ap.add_argument("--headline-rounds", type=int, default=9,
+                    help="interleaved rounds for the target ratios (0: take them from the table)")
+    ap.add_argument("--pause", type=float, default=0.3, help="seconds of rest before each interleaved call")
+    ap.add_argument("--headline-only", action="store_true", help="only the interleaved target ratios")
+    ap.add_argument("--sweep-chunk", action="store_true")
+    ap.add_argument("--dims", default="64", help="D = M values of the chunk sweep, comma-separated")
+    ap.add_argument("--sweep-auto", action="store_true")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/causal_cpu.json)")
+    args = ap.parse_args(argv)
+    if args.ns is None:
+        args.ns = "512,4096" if args.quick else ",".join(str(2**p) for p in range(9, 17))
+    if args.sweep_chunk:
+        return run_sweep_chunk(args)
+    if args.sweep_auto:
+        return run_sweep_auto(args)
+    if args.headline_only:
+        args.ns = ""
+        args.dtypes = ""
+    return run_table(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Block helpers shared by the blocked CPU kernels (chunked causal, non-causal).
+
+Each works on a block of rows ``[s0, s0 + n)`` of one sequence ``b`` of a
+``(B, N, F)`` input and writes the working dtype (float32 for float16 bits and
+float32, float64 for float64).  They are small ``@njit`` functions that LLVM
+inlines into the kernels' loops; as with ``_common.py``, kernels cached on disk
+do not see edits made here: clear the ``__pycache__`` folders after changing it.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+from .. import config
+from ._vec import elu1, f16_to_f32, relu, relu2, to_work
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def features(src, b, s0, n, dst, code):
+    """dst[:n] = phi(src[b, s0:s0+n]) in the working dtype (one loop per map, so each vectorises)."""
+    F = src.shape[2]
+    if code == 1:
+        for t in range(n):
+            for i in range(F):
+                dst[t, i] = elu1(to_work(src[b, s0 + t, i]))
+    elif code == 2:
+        for t in range(n):
+            for i in range(F):
+                dst[t, i] = relu(to_work(src[b, s0 + t, i]))
+    elif code == 3:
+        for t in range(n):
+            for i in range(F):
+                dst[t, i] = relu2(to_work(src[b, s0 + t, i]))
+    else:
+        for t in range(n):
+            for i in range(F):
+                dst[t, i] = to_work(src[b, s0 + t, i])
+
+
+def values(v, b, s0, n, buf):  # pragma: no cover - replaced inside Numba
+    """The value block v[b, s0:s0+n] in the working dtype (a view, or converted into buf)."""
+    return v[b, s0:s0 + n]
+
+
+@overload(values)
+def _values_ov(v, b, s0, n, buf):
+    if isinstance(v.dtype, types.Integer):  # float16 bits
+        def impl(v, b, s0, n, buf):
+            M = v.shape[2]
+            for t in range(n):
+                for m in range(M):
+                    buf[t, m] = f16_to_f32(v[b, s0 + t, m])
+            return buf[:n]
+
+        return impl
+
+    def impl_view(v, b, s0, n, buf):
+        return v[b, s0:s0 + n]
+
+    return impl_view
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def all_finite(a):
+    """True when the 2-D block holds no NaN or inf (x * 0 is NaN exactly for those)."""
+    acc = a.dtype.type(0.0)
+    for t in range(a.shape[0]):
+        for m in range(a.shape[1]):
+            acc += a[t, m] * a.dtype.type(0.0)
+    return acc == acc
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def state_sums(k, v, b, s_begin, s_end, S64, z64, code, fk, vb, part):
+    """S64 += sum phi(K)^T V and z64 += sum phi(K) over tokens [s_begin, s_end), in blocks of fk.shape[0]."""
+    F = k.shape[2]
+    M = v.shape[2]
+    blk = fk.shape[0]
+    for s0 in range(s_begin, s_end, blk):
+        n = min(blk, s_end - s0)
+        fkn = fk[:n]
+        features(k, b, s0, n, fkn, code)
+        vc = values(v, b, s0, n, vb)
+        np.dot(fkn.T, vc, part)
+        for i in range(F):
+            for m in range(M):
+                S64[i, m] += part[i, m]
+        for t in range(n):
+            for i in range(F):
+                z64[i] += fkn[t, i]

@@ -1,0 +1,310 @@
+"""Chunkwise-parallel causal linear attention on the CPU (``method="chunked"``).
+
+For each chunk of ``C`` tokens (Yang et al. 2024, GLA, Sec. 2.2 and Alg. 1;
+Sun et al. 2023, RetNet), with ``Q_c = phi(q)``, ``K_c = phi(k)`` of the chunk
+and the state ``(S, z)`` of everything before it::
+
+    A   = tril(Q_c K_c^T)                      (C x C, diagonal included)
+    out = (Q_c S + A V_c) / (Q_c z + rowsum(A))
+    S  += K_c^T V_c,   z += colsum(K_c)
+
+The four products are GEMM-shaped and go to BLAS through ``np.dot(a, b, out)``
+inside ``@njit`` (no allocation per call).  Measured on one core here
+(2026-11-29, float32, a 32 x 64 by 64 x 64 product in a loop): OpenBLAS
+through ``np.dot`` 110 GFLOP/s, a 4-row register-blocked Numba loop 47, the
+plain i-k-j loop 29 -- so BLAS it is.  The BLAS is pinned to one thread while
+the kernel runs (:mod:`linattn_nb.ops._blas`): OpenBLAS otherwise starts its
+own threads inside every Numba thread.  The feature map is applied per
+chunk into per-thread scratch, so memory beyond the inputs and the output is
+O(C^2 + C (F + M) + F M) per thread: no N x N matrix, no per-token state, no
+full-size phi(q), phi(k).
+
+Precision: the products run in the working dtype (float32 for float16 and
+float32 inputs, float64 for float64) while ``S`` and ``z`` are carried across
+chunks in float64 (the state arrays the launcher is given), so the error does
+not grow with the sequence length.  float16 inputs are read as ``uint16``
+bits and converted per chunk (hardware F16C through :mod:`linattn_nb.ops._vec`);
+the output is rounded to float16 once, from the float32 result.
+
+Kernels cached on disk do not see edits to the helper modules they inline
+(``_blocks.py``, ``_vec.py``, ``_common.py``): clear ``__pycache__`` after
+changing those.
+
+Parallelism: over the flattened batch (``B`` = batch x heads) when ``B`` is at
+least the thread count.  Below that the sequence is split too: each sequence
+into ``P`` segments; a first pass sums ``phi(K)^T V`` over the pieces before
+the last segment (in parallel), a prefix over those sums -- starting from the
+initial state -- gives every segment its starting state, and a second pass runs
+all ``B * P`` segments in parallel.  The result equals the batch-parallel one
+to float64 round-off in the state.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from ... import config
+from .._blas import single_threaded_blas
+from .._blocks import all_finite as _all_finite
+from .._blocks import features as _features
+from .._blocks import state_sums as _state_sums
+from .._blocks import values as _values
+from .._vec import as_kernel_array, put3, work_dtype
+
+
+# ---------------------------------------------------------------------------
+# per-chunk helpers (inlined into the kernel by LLVM)
+# ---------------------------------------------------------------------------
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, not an exception
+def _span(q, k, v, out, b, s_begin, s_end, S64, z64, code, eps, clip,
+          fq, fk, vb, Ab, o1, o2, Sw, part, rden):
+    """Chunked recurrence over tokens [s_begin, s_end) of sequence b from state (S64, z64), in place."""
+    F = q.shape[2]
+    M = v.shape[2]
+    C = fq.shape[0]
+    for i in range(F):
+        for m in range(M):
+            Sw[i, m] = S64[i, m]
+    for s0 in range(s_begin, s_end, C):
+        n = min(C, s_end - s0)
+        fqn = fq[:n]
+        fkn = fk[:n]
+        _features(q, b, s0, n, fqn, code)
+        _features(k, b, s0, n, fkn, code)
+        vc = _values(v, b, s0, n, vb)
+        A = Ab[:n * n].reshape((n, n))
+        np.dot(fqn, fkn.T, A)
+        # causal mask (diagonal kept), intra + inter normaliser
+        zero = rden.dtype.type(0.0)
+        for t in range(n):
+            intra = zero
+            for j in range(n):
+                a = A[t, j] if j <= t else zero
+                A[t, j] = a
+                intra += a
+            acc = 0.0
+            for i in range(F):
+                acc += fqn[t, i] * z64[i]
+            acc += intra
+            if clip and acc < eps:
+                acc = eps
+            rden[t] = 1.0 / acc
+        o1n = o1[:n]
+        o2n = o2[:n]
+        np.dot(fqn, Sw, o1n)  # inter-chunk: phi(Q_c) S
+        if _all_finite(vc):
+            np.dot(A, vc, o2n)  # intra-chunk: tril(phi(Q_c) phi(K_c)^T) V_c
+        else:
+            # a NaN/inf value must not reach earlier rows through 0 * NaN in the
+            # masked upper triangle: skip it (only with check_finite=False)
+            for t in range(n):
+                for m in range(M):
+                    o2n[t, m] = 0.0
+                for j in range(t + 1):
+                    a = A[t, j]
+                    for m in range(M):
+                        o2n[t, m] += a * vc[j, m]
+        for t in range(n):
+            r = rden[t]
+            for m in range(M):
+                put3(out, b, s0 + t, m, (o1n[t, m] + o2n[t, m]) * r)
+        # state update, carried in float64
+        np.dot(fkn.T, vc, part)
+        for i in range(F):
+            for m in range(M):
+                s = S64[i, m] + part[i, m]
+                S64[i, m] = s
+                Sw[i, m] = s
+        for t in range(n):
+            for i in range(F):
+                z64[i] += fkn[t, i]
+
+
+# ---------------------------------------------------------------------------
+# kernel
+# ---------------------------------------------------------------------------
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _sum_item(it, k, v, Sp, zp, wt, code, C, P, sub):
+    """Pass 1, work item ``it``: piece ``j`` of sequence ``b`` (pieces split segments 0..P-2)."""
+    N, F = k.shape[1], k.shape[2]
+    M = v.shape[2]
+    npc = Sp.shape[1]
+    b = it // npc
+    j = it % npc
+    p = j // sub
+    r = j % sub
+    nch = (N + C - 1) // C
+    c0 = p * nch // P
+    c1 = (p + 1) * nch // P
+    lo = c0 + r * (c1 - c0) // sub
+    hi = c0 + (r + 1) * (c1 - c0) // sub
+    # blocks of C tokens, as in pass 2, so the float32 parts are the same numbers
+    fk = np.empty((C, F), wt)
+    vb = np.empty((C, M), wt)
+    part = np.empty((F, M), wt)
+    Sp[b, j] = 0.0
+    zp[b, j] = 0.0
+    _state_sums(k, v, b, lo * C, min(hi * C, N), Sp[b, j], zp[b, j], code, fk, vb, part)
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _span_item(it, q, k, v, Sst, zst, out, wt, code, eps, clip, C):
+    """Pass 2, work item ``it``: segment ``p`` of sequence ``b`` from state (Sst[b, p], zst[b, p])."""
+    N, F = q.shape[1], q.shape[2]
+    M = v.shape[2]
+    P = Sst.shape[1]
+    b = it // P
+    p = it % P
+    nch = (N + C - 1) // C
+    lo = (p * nch // P) * C
+    hi = min(((p + 1) * nch // P) * C, N)
+    fq = np.empty((C, F), wt)
+    fk = np.empty((C, F), wt)
+    vb = np.empty((C, M), wt)
+    Ab = np.empty(C * C, wt)
+    o1 = np.empty((C, M), wt)
+    o2 = np.empty((C, M), wt)
+    Sw = np.empty((F, M), wt)
+    part = np.empty((F, M), wt)
+    rden = np.empty(C, wt)
+    _span(q, k, v, out, b, lo, hi, Sst[b, p], zst[b, p], code, eps, clip,
+          fq, fk, vb, Ab, o1, o2, Sw, part, rden)
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def chunked_kernel(mode, q, k, v, Sst, zst, out, proto, code, eps, clip, C, sub):
+    """One parallel pass of the chunked causal kernel.
+
+    q, k : (B, N, F) float32/float64, or uint16 (float16 bits); raw inputs when
+    ``code`` > 0, features when 0 (float32 features may come with float16
+    values).  v : (B, N, M), out : (B, N, M) of the value type (uint16 for
+    float16).  proto : empty
+    array of the working dtype.  C : chunk size.
+
+    ``mode`` 0 (pass 1): ``Sst`` (B, (P-1)*sub, F, M) and ``zst`` (B, (P-1)*sub, F)
+    float64 receive the sums of phi(K)^T V and phi(K) over each piece of the
+    segments 0..P-2 (``P`` = pieces // sub + 1).
+    ``mode`` 1 (pass 2): ``Sst`` (B, P, F, M) and ``zst`` (B, P, F) float64 hold
+    the state at the start of each of the P segments of every sequence; each
+    segment's outputs are written and its state is advanced in place to the
+    segment's end (so ``Sst[:, P-1]`` ends as the final state).
+    """
+    B = q.shape[0]
+    wt = proto.dtype
+    nitems = B * Sst.shape[1]
+    for it in prange(nitems):
+        if mode == 0:
+            _sum_item(it, k, v, Sst, zst, wt, code, C, Sst.shape[1] // sub + 1, sub)
+        else:
+            _span_item(it, q, k, v, Sst, zst, out, wt, code, eps, clip, C)
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def chunked_kernel_serial(mode, q, k, v, Sst, zst, out, proto, code, eps, clip, C, sub):
+    """:func:`chunked_kernel` on the calling thread only (small problems: a
+    parallel region costs more than the work; measured 18 ms per call under
+    load with the OpenMP layer against 0.1 ms of work at N = 128)."""
+    B = q.shape[0]
+    wt = proto.dtype
+    nitems = B * Sst.shape[1]
+    for it in range(nitems):
+        if mode == 0:
+            _sum_item(it, k, v, Sst, zst, wt, code, C, Sst.shape[1] // sub + 1, sub)
+        else:
+            _span_item(it, q, k, v, Sst, zst, out, wt, code, eps, clip, C)
+
+
+# ---------------------------------------------------------------------------
+# launcher
+# ---------------------------------------------------------------------------
+def plan(batch: int, n: int, *, chunk: int, threads: int | None = None, seq_parallel=None):
+    """Segments per sequence ``P`` and pass-1 pieces per segment ``sub`` for a call.
+
+    Sequence parallelism is used when the flattened batch is smaller than the
+    thread count (``seq_parallel=None``), and only when every segment gets at
+    least ``config.CPU_CHUNKED_MIN_SEGMENT_CHUNKS`` chunks.
+    """
+    T = int(threads if threads is not None else numba.get_num_threads())
+    nch = -(-n // chunk) if n > 0 else 0
+    if seq_parallel is None:
+        seq_parallel = batch < T
+    if not seq_parallel or batch <= 0 or nch == 0:
+        return 1, 1
+    P = max(2, -(-T // batch))
+    P = min(P, nch // max(1, int(config.CPU_CHUNKED_MIN_SEGMENT_CHUNKS)))
+    if P < 2:
+        return 1, 1
+    sub = max(1, -(-T // (batch * (P - 1))))
+    return P, sub
+
+
+def causal_chunked(q, k, v, S, z, out, *, code, eps, chunk=None, seq_parallel=None):
+    """Launcher of :func:`chunked_kernel` (uniform method-table signature).
+
+    Parameters
+    ----------
+    q, k : ndarray (B, N, F)
+    v : ndarray (B, N, M)
+        float16, float32 or float64, all of one dtype (or float32 features
+        ``q``, ``k`` with float16 ``v``).
+    S, z : ndarray (B, F, M), (B, F) float64
+        Initial state, overwritten with the final state.
+    out : ndarray (B, N, M)
+        Same dtype as the inputs; written.
+    code : int
+        Inline feature map (0 = inputs already are features).
+    eps : float or None
+        Normaliser floor (None: raw division).
+    chunk : int, optional
+        Chunk size; default from :func:`linattn_nb.config.cpu_chunk_size`.
+    seq_parallel : bool, optional
+        Force (True) or forbid (False) splitting sequences across threads;
+        default: split when B is below the thread count.
+    """
+    B, N, F = q.shape
+    M = v.shape[2]
+    if N == 0 or B == 0:
+        return out
+    C = int(chunk if chunk is not None else config.cpu_chunk_size(N, F, M, q.dtype))
+    if C < 1:
+        raise ValueError(f"chunk must be >= 1, got {C}")
+    P, sub = plan(B, N, chunk=C, seq_parallel=seq_parallel)
+    small = B * P == 1 or B * N * F * M < int(config.CPU_CHUNKED_SERIAL_MAX_WORK)
+    kernel = chunked_kernel_serial if small and seq_parallel is not True else chunked_kernel
+    wt = work_dtype(q.dtype)
+    clip = eps is not None
+    qk, kk, vk = (as_kernel_array(np.ascontiguousarray(x)) for x in (q, k, v))
+    ok = as_kernel_array(out)
+    proto = np.empty(0, wt)
+    args = (np.int64(code), float(eps if clip else 0.0), clip, np.int64(C), np.int64(sub))
+    with single_threaded_blas():
+        if P == 1:
+            # batch-parallel: the state arrays are the segment states
+            S4 = np.ascontiguousarray(S).reshape(B, 1, F, M)
+            z3 = np.ascontiguousarray(z).reshape(B, 1, F)
+            kernel(np.int64(1), qk, kk, vk, S4, z3, ok, proto, *args)
+            if not np.shares_memory(S4, S):
+                S[...] = S4.reshape(B, F, M)
+            if not np.shares_memory(z3, z):
+                z[...] = z3.reshape(B, F)
+            return out
+        # pass 1: state sums of the pieces before the last segment
+        Sp = np.empty((B, (P - 1) * sub, F, M))
+        zp = np.empty((B, (P - 1) * sub, F))
+        kernel(np.int64(0), qk, kk, vk, Sp, zp, ok, proto, *args)
+        # prefix over segments, starting from the initial state
+        Sst = np.empty((B, P, F, M))
+        zst = np.empty((B, P, F))
+        Sst[:, 0] = S
+        zst[:, 0] = z
+        Sseg = Sp.reshape(B, P - 1, sub, F, M).sum(axis=2)
+        zseg = zp.reshape(B, P - 1, sub, F).sum(axis=2)
+        for p in range(1, P):
+            Sst[:, p] = Sst[:, p - 1] + Sseg[:, p - 1]
+            zst[:, p] = zst[:, p - 1] + zseg[:, p - 1]
+        # pass 2: all segments in parallel
+        kernel(np.int64(1), qk, kk, vk, Sst, zst, ok, proto, *args)
+    S[...] = Sst[:, P - 1]
+    z[...] = zst[:, P - 1]
+    return out
