@@ -18,7 +18,7 @@ from numba import njit
 import linattn_nb.config as cfg
 from linattn_nb import feature_maps as fm
 from linattn_nb import linear_attention
-from linattn_nb.ops import _blas
+from linattn_nb import _blas
 from linattn_nb.ops._vec import elu1, f16_to_f32, f32_to_f16
 from linattn_nb.ops.causal.chunked import causal_chunked, plan
 from linattn_nb.ops.causal.naive import causal_linear_quadratic

@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit, prange
 
 from .. import config
-from ._blas import single_threaded_blas
+from .._blas import single_threaded_blas
 
 _RADIX_BITS = 8
 _RADIX_PASSES = 8          # 8 * 8 = 64 bits

@@ -31,7 +31,7 @@ from .. import _validate as V
 from .. import config
 from .. import feature_maps as fm
 from ..attention import linear_attention, softmax_attention
-from ._blas import single_threaded_blas
+from .._blas import single_threaded_blas
 from ._kernels import error_rows
 
 __all__ = [

@@ -45,7 +45,7 @@ import numpy as np
 from numba import njit, prange
 
 from ... import config
-from .._blas import single_threaded_blas
+from ..._blas import single_threaded_blas
 from .._blocks import all_finite as _all_finite
 from .._blocks import features as _features
 from .._blocks import state_sums as _state_sums

@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from ... import config
-from .._blas import single_threaded_blas
+from ..._blas import single_threaded_blas
 from .._blocks import features, state_sums
 from .._vec import as_kernel_array, put3, work_dtype
 

@@ -13,7 +13,7 @@ import numpy as np
 from numba import njit, prange
 
 from ... import config
-from .._blas import single_threaded_blas
+from ..._blas import single_threaded_blas
 
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
