@@ -20,6 +20,18 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 def test_notebooks_exist():
     assert any(p.name.startswith("01_quickstart") for p in NOTEBOOKS)
+    for prefix in ("02_approximation_error", "03_rank_and_recall", "04_gpu_and_interop"):
+        assert any(p.name.startswith(prefix) for p in NOTEBOOKS), prefix
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_stored_without_outputs(path):
+    """Notebooks are committed clean: no outputs, no execution counts (small diffs, no stale results)."""
+    nbformat = pytest.importorskip("nbformat")
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code
+    assert all(not c.get("outputs") and c.get("execution_count") is None for c in code)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
