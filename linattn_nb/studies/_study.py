@@ -86,6 +86,14 @@ class Context:
 
     def savefig(self, fig, name: str, alt: str) -> str:
         """Save ``fig`` as ``<out>/<name>.png``; return the markdown that shows it."""
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+        for ax in fig.axes:  # log axes: compact labels at 1, 2, 5 x 10^k (the default minor labels overlap)
+            for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
+                if scale == "log":
+                    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+                    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+                    axis.set_minor_formatter(NullFormatter())
         path = Path(self.out) / f"{name}.png"
         fig.savefig(path, dpi=110)
         self._saved.append(path)
