@@ -15,9 +15,9 @@ loop calling them compiles to SIMD code:
   degree-13 (float64) polynomial on ``|r| <= ln2/2`` and the power of two
   built from its exponent bits (an LLVM bitcast).  Measured error: <= 1.5 ulp
   (float32) over [-87, 0], 0.34 ns per element on one core here (libm
-  ``math.exp`` in the same loop: 2.6 ns); NaN propagates; inputs below -87 (float32) / -708 (float64) give
-  the smallest normal exponential instead of a subnormal (an absolute error
-  below 2e-38 / 3e-308).
+  ``math.exp`` in the same loop: 2.6 ns); NaN propagates; inputs below -87 (float32) / -708 (float64), whose
+  exponential would be subnormal, give 0 (an absolute error below 2e-38 /
+  3e-308).
 * :func:`relu` / :func:`relu2` with constants of the input's own type (a
   float64 literal would promote a float32 loop).
 * :func:`to_work` converts an input element to the working dtype: ``uint16``
@@ -126,7 +126,9 @@ def _elu1_f32(x):
     p = p * r + np.float32(_EXP_F32_COEFFS[0])
     # 2**k from its exponent bits: (k + 127) << 23, k in [-126, 0]
     p = p * _bits_f32(kf * np.float32(8388608.0) + np.float32(127.0 * 8388608.0))
-    # NaN fails x < 0 and comes out as x + 1 = NaN
+    # exp(x) below -87 would be subnormal: flush it to 0 (the clamp above kept
+    # the exponent bits valid).  NaN fails x < 0 and comes out as x + 1 = NaN.
+    p = p if x > np.float32(-87.0) else np.float32(0.0)
     return p if x < np.float32(0.0) else x + np.float32(1.0)
 
 
@@ -153,6 +155,7 @@ def _elu1_f64(x):
     p = p * r + 1.0
     p = p * r + 1.0
     p = p * _bits_f64(kf * 4503599627370496.0 + 1023.0 * 4503599627370496.0)
+    p = p if x > -708.0 else 0.0  # subnormal range: flushed to 0
     return p if x < 0.0 else x + 1.0
 
 

@@ -15,109 +15,25 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange, types
-from numba.extending import overload
+from numba import njit, prange
 
 from ... import config
+from .._vec import elu1
 
 # ---------------------------------------------------------------------------
 # Feature rows with a vectorisable exp
 # ---------------------------------------------------------------------------
 # ELU+1 needs exp(x) for x < 0.  Numba calls libm's scalar exp, ~1.5 ns per
 # value: 2 * H * D_phi of them per decode step (2048 at H=16, D=64), which was
-# a third of the step.  Below, exp is Cody-Waite range reduction
-# (x = n ln2 + r, |r| <= ln2/2) and a Taylor polynomial (degree 7 in float32,
-# 13 in float64: truncation < 2^-24 resp. 2^-53), with 2^n built from the
-# exponent bits in an integer scratch row viewed as floats; every loop is
-# branch-free, so LLVM vectorises it.  Measured error against NumPy's exp:
-# <= 1 ulp in float64, <= 2 ulp in float32 (tests/test_state.py).  Results
-# that would be subnormal (x < -87.3 in
-# float32, x < -708.3 in float64) are flushed to 0.  Compiled with only the
-# "contract" fast-math flag: reassociation would fold the two-constant
-# reduction back into one and lose ~200 ulp.
-_LOG2E = 1.4426950408889634
-# float64: ln2 split so that n * _HI64 is exact for |n| < 2^10; subnormal results flushed below _LIM64.
-_HI64, _LO64, _LIM64 = 0.693145751953125, 1.4286068203094173e-06, -708.3
-(_D0, _D1, _D2, _D3, _D4, _D5, _D6, _D7, _D8, _D9, _D10, _D11, _D12, _D13) = (
-    1.0 / math.factorial(j) for j in range(14))
-# float32: the same in single precision (typed NumPy scalars keep the arithmetic in float32).
-_HI32, _LO32, _LIM32 = np.float32(0.693359375), np.float32(-2.12194440e-4), np.float32(-87.3)
-(_S0, _S1, _S2, _S3, _S4, _S5, _S6, _S7) = (np.float32(1.0 / math.factorial(j)) for j in range(8))
-_LOG2E_F = np.float32(_LOG2E)
-_HALF_F = np.float32(0.5)
-_ZERO_F = np.float32(0.0)
-_ONE_F = np.float32(1.0)
+# a third of the step.  ops._vec.elu1 is branch-free (Cody-Waite reduction, a
+# polynomial, 2^n from exponent bits), so these loops vectorise.
 
 
-def elu_row(x, out, pb, ib):  # pragma: no cover - replaced by the overload inside Numba
-    """out[:] = ELU(x) + 1 with the vectorisable exp; pb (F,) float64 and ib (F,) int64 scratch."""
-    raise NotImplementedError
-
-
-@overload(elu_row, jit_options={"fastmath": {"contract"}})
-def _elu_row_impl(x, out, pb, ib):
-    if isinstance(x, types.Array) and x.dtype == types.float32:
-        def impl32(x, out, pb, ib):
-            n = x.shape[0]
-            p = pb.view(np.float32)
-            bits = ib.view(np.int32)
-            for i in range(n):
-                xi = x[i]
-                xc = xi if not (xi < _LIM32) else _LIM32
-                xc = xc if xc < _ZERO_F else _ZERO_F
-                nn = math.floor(xc * _LOG2E_F + _HALF_F)
-                nn = nn if nn == nn else _ZERO_F
-                r = (xc - nn * _HI32) - nn * _LO32
-                e = _S7
-                e = e * r + _S6
-                e = e * r + _S5
-                e = e * r + _S4
-                e = e * r + _S3
-                e = e * r + _S2
-                e = e * r + _S1
-                e = e * r + _S0
-                p[i] = e
-                bits[i] = (np.int32(nn) + np.int32(127)) << np.int32(23)
-            sc = bits.view(np.float32)
-            for i in range(n):
-                xi = x[i]
-                e = p[i] * sc[i]
-                e = e if not (xi < _LIM32) else _ZERO_F
-                out[i] = xi + _ONE_F if xi >= _ZERO_F else (e if xi == xi else xi)
-        return impl32
-
-    def impl64(x, out, pb, ib):
-        n = x.shape[0]
-        for i in range(n):
-            xi = np.float64(x[i])
-            xc = xi if not (xi < _LIM64) else _LIM64
-            xc = xc if xc < 0.0 else 0.0
-            nn = math.floor(xc * _LOG2E + 0.5)
-            nn = nn if nn == nn else 0.0
-            r = (xc - nn * _HI64) - nn * _LO64
-            e = _D13
-            e = e * r + _D12
-            e = e * r + _D11
-            e = e * r + _D10
-            e = e * r + _D9
-            e = e * r + _D8
-            e = e * r + _D7
-            e = e * r + _D6
-            e = e * r + _D5
-            e = e * r + _D4
-            e = e * r + _D3
-            e = e * r + _D2
-            e = e * r + _D1
-            e = e * r + _D0
-            pb[i] = e
-            ib[i] = (np.int64(nn) + 1023) << 52
-        sc = ib.view(np.float64)
-        for i in range(n):
-            xi = np.float64(x[i])
-            e = pb[i] * sc[i]
-            e = e if not (xi < _LIM64) else 0.0
-            out[i] = xi + 1.0 if xi >= 0.0 else (e if xi == xi else xi)
-    return impl64
+@njit(fastmath={"contract"}, cache=config.CACHE)
+def elu_row(x, out, pb, ib):
+    """out[:] = ELU(x) + 1 through the vectorisable ``_vec.elu1`` (pb, ib: unused scratch, kept for callers)."""
+    for i in range(x.shape[0]):
+        out[i] = elu1(x[i])
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
