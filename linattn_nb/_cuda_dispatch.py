@@ -304,18 +304,7 @@ def _device_state(initial_state, batch_shape, b, f, m, check_finite):
         return cuda.to_device(S), cuda.to_device(z), position
     S0 = _wrap("initial_state.S", S0)
     z0 = _wrap("initial_state.z", z0)
-    V.check_float_dtype("initial_state.S", S0.dtype)
-    V.check_float_dtype("initial_state.z", z0.dtype)
-    want_S = tuple(batch_shape) + (f, m)
-    want_z = tuple(batch_shape) + (f,)
-    if tuple(S0.shape) != want_S or tuple(z0.shape) != want_z:
-        raise ValueError(
-            f"initial_state must have S of shape {want_S} and z of shape {want_z} "
-            f"(batch shape, feature dimension D_phi={f}, value dimension M={m}), "
-            f"got {tuple(S0.shape)} and {tuple(z0.shape)}"
-        )
-    if position < 0:
-        raise ValueError(f"initial_state.position must be >= 0, got {position}")
+    position = V.check_state_arrays(S0, z0, position, batch_shape, f, m)
     S = _contiguous(S0, np.float64).reshape((b, f, m))
     z = _contiguous(z0, np.float64).reshape((b, f))
     if check_finite and b > 0:

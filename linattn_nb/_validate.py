@@ -11,6 +11,8 @@ The dtype rule, stated once for the whole package:
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Sequence
 
 import numpy as np
@@ -118,3 +120,49 @@ def flatten_batch(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=dtype)
     b = int(np.prod(x.shape[:-2], dtype=np.int64))
     return x.reshape((b,) + x.shape[-2:])  # explicit b: (-1) is ambiguous when N or F is 0
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def check_scale(scale, d: int) -> float:
+    """The softmax temperature: ``1/sqrt(d)`` for None, else a finite real number."""
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if not _is_real(scale):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def check_eps(eps):
+    """The normaliser floor: None (raw division) or a finite number >= 0."""
+    if eps is None:
+        return None
+    if not _is_real(eps):
+        raise TypeError(f"eps must be a non-negative float or None, got {type(eps).__name__}")
+    eps = float(eps)
+    if not (eps >= 0.0) or math.isinf(eps):
+        raise ValueError(f"eps must be a finite non-negative float or None, got {eps}")
+    return eps
+
+
+def check_state_arrays(S0, z0, position, batch_shape, f: int, m: int) -> int:
+    """Dtype, shape and position checks of an initial state (host or device arrays)."""
+    check_float_dtype("initial_state.S", S0.dtype)
+    check_float_dtype("initial_state.z", z0.dtype)
+    want_S = tuple(batch_shape) + (f, m)
+    want_z = tuple(batch_shape) + (f,)
+    if tuple(S0.shape) != want_S or tuple(z0.shape) != want_z:
+        raise ValueError(
+            f"initial_state must have S of shape {want_S} and z of shape {want_z} "
+            f"(batch shape, feature dimension D_phi={f}, value dimension M={m}), "
+            f"got {tuple(S0.shape)} and {tuple(z0.shape)}"
+        )
+    position = int(position)
+    if position < 0:
+        raise ValueError(f"initial_state.position must be >= 0, got {position}")
+    return position

@@ -6,8 +6,6 @@ method table (:mod:`linattn_nb.ops.registry`) and restores shapes.
 """
 from __future__ import annotations
 
-import math
-import numbers
 from typing import NamedTuple
 
 import numpy as np
@@ -43,15 +41,8 @@ class LinearState(NamedTuple):
     position: int = 0
 
 
-def _check_eps(eps):
-    if eps is None:
-        return None
-    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer, np.floating)):
-        raise TypeError(f"eps must be a non-negative float or None, got {type(eps).__name__}")
-    eps = float(eps)
-    if not (eps >= 0.0) or math.isinf(eps):
-        raise ValueError(f"eps must be a finite non-negative float or None, got {eps}")
-    return eps
+# kept under its old name: state.py, analysis and the CUDA dispatcher import it
+_check_eps = V.check_eps
 
 
 def _check_state(initial_state, batch_shape, f, m, check_finite):
@@ -71,18 +62,7 @@ def _check_state(initial_state, batch_shape, f, m, check_finite):
         )
     S0 = V.as_host_array("initial_state.S", S0)
     z0 = V.as_host_array("initial_state.z", z0)
-    V.check_float_dtype("initial_state.S", S0.dtype)
-    V.check_float_dtype("initial_state.z", z0.dtype)
-    want_S = tuple(batch_shape) + (f, m)
-    want_z = tuple(batch_shape) + (f,)
-    if tuple(S0.shape) != want_S or tuple(z0.shape) != want_z:
-        raise ValueError(
-            f"initial_state must have S of shape {want_S} and z of shape {want_z} "
-            f"(batch shape, feature dimension D_phi={f}, value dimension M={m}), "
-            f"got {tuple(S0.shape)} and {tuple(z0.shape)}"
-        )
-    if position < 0:
-        raise ValueError(f"initial_state.position must be >= 0, got {position}")
+    position = V.check_state_arrays(S0, z0, position, batch_shape, f, m)
     if check_finite:
         V.check_finite("initial_state.S", S0)
         V.check_finite("initial_state.z", z0)
@@ -337,14 +317,7 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, device="auto", check
     if check_finite:
         for name, x in (("q", q), ("k", k), ("v", v)):
             V.check_finite(name, x)
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    else:
-        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
-        scale = float(scale)
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale}")
+    scale = V.check_scale(scale, d)
     if method not in ("blocked", "quadratic"):
         raise ValueError(f"unknown method {method!r} for softmax_attention; choose 'blocked' or 'quadratic'")
     out_shape = batch_shape + (n, m)

@@ -97,28 +97,13 @@ class ApproximationError:
 # ---------------------------------------------------------------------------
 # input handling
 # ---------------------------------------------------------------------------
-def _resolve_scale(scale, d):
-    if scale is None:
-        return 1.0 / math.sqrt(d)
-    if isinstance(scale, (bool, np.bool_)) or not np.isscalar(scale):
-        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return scale
+_resolve_scale = V.check_scale
 
 
 def _resolve_eps(eps):
     if eps is _DEFAULT:
         return config.DEFAULT_EPS
-    if eps is None:
-        return None
-    if isinstance(eps, (bool, np.bool_)) or not np.isscalar(eps):
-        raise TypeError(f"eps must be a non-negative float or None, got {type(eps).__name__}")
-    eps = float(eps)
-    if not (eps >= 0.0) or math.isinf(eps):
-        raise ValueError(f"eps must be a finite non-negative float or None, got {eps}")
-    return eps
+    return V.check_eps(eps)
 
 
 def _resolve_map(feature_map, d, scale):

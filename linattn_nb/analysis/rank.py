@@ -63,21 +63,8 @@ def _resolve_map(feature_map):
     return fm.resolve(feature_map)
 
 
-def _check_eps(eps):
-    from ..attention import _check_eps as check
-
-    return check(eps)
-
-
-def _check_scale(scale, d):
-    if scale is None:
-        return 1.0 / math.sqrt(d)
-    if isinstance(scale, (bool, np.bool_)) or not np.isscalar(scale):
-        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return scale
+_check_eps = V.check_eps
+_check_scale = V.check_scale
 
 
 def _check_method(method, allowed):
@@ -865,7 +852,7 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
     fmap = fm.resolve(feature_map)
     k, v, batch_shape = _prepare_pair(k, v, ("k", "v"), same_n=True, check_finite=check_finite,
                                       last_dims_equal=False)
-    n, d, m = k.shape[-2], k.shape[-1], v.shape[-1]
+    n, m = k.shape[-2], v.shape[-1]
     if positions is None:
         pos = np.arange(1, n + 1, dtype=np.int64)
     else:
