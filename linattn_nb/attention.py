@@ -111,12 +111,16 @@ def linear_attention(
     feature_map : str, FeatureMap or None, default "elu"
         A registered name (see :func:`linattn_nb.feature_maps.available`), a
         :class:`~linattn_nb.feature_maps.FeatureMap`, or None when ``q`` and
-        ``k`` already are features.
+        ``k`` already are features.  A random map given by name ("favor+",
+        "rff") is drawn afresh, unseeded, on every call: to compare calls or
+        carry a state across segments, pass one instance
+        (``feature_maps.get("favor+", dim=D, num_features=m, seed=0)``).
     causal : bool, default False
     method : {"auto", "quadratic", "scan", "chunked", "aggregate"}
         ``"quadratic"``: the naive N x N reference (float64 inside);
         ``"scan"``: the per-token recurrence; ``"chunked"``: the
-        chunkwise-parallel kernel (when registered); ``"auto"``: the fastest
+        chunkwise-parallel kernel (GEMM-shaped chunks, the default causal
+        path on CPU and for long sequences on CUDA); ``"auto"``: the fastest
         for the shape, from the measured table in :mod:`linattn_nb.config`.
         Non-causal attention has no recurrence: ``"scan"``, ``"chunked"`` and
         ``"aggregate"`` all run the aggregate-then-query kernel.

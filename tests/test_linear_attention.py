@@ -465,3 +465,14 @@ def test_initial_state_errors_and_not_mutated(rng):
     bad[0, 0, 0] = np.nan
     with pytest.raises(ValueError, match="initial_state.S contains"):
         la.linear_attention(q, q, q, causal=True, initial_state=(bad, z0))
+
+
+def test_nan_in_a_value_stays_in_its_own_and_later_rows():
+    """check_finite=False: a NaN in v[t] reaches rows >= t only (causality holds for NaN too)."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 12, 3)) for _ in range(3))
+    v[0, 7, 1] = np.nan
+    for method in cpu_methods(True):
+        out = la.linear_attention(q, k, v, causal=True, method=method, check_finite=False)
+        assert np.isfinite(out[0, :7]).all(), method
+        assert np.isnan(out[0, 7:, 1]).all(), method

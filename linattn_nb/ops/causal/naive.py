@@ -37,7 +37,11 @@ def causal_linear_quadratic(qf, kf, v, *, eps, S0=None, z0=None):
     out = np.empty((B, N, M))
     for b in range(B):
         A = np.tril(qf[b] @ kf[b].T)
-        num = A @ v[b] + qf[b] @ S[b]
+        if np.isfinite(v[b]).all():
+            num = A @ v[b]
+        else:  # row by row: in A @ v a NaN/inf of a later token leaks into earlier rows as 0 * NaN
+            num = np.array([A[t, : t + 1] @ v[b, : t + 1] for t in range(N)]).reshape(N, M)
+        num = num + qf[b] @ S[b]
         den = A.sum(axis=-1) + qf[b] @ z[b]
         if eps is not None:
             den = np.maximum(den, eps)
