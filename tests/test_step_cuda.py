@@ -179,9 +179,9 @@ _PTX_SCRIPT = textwrap.dedent(
         z2 = types.Array(st, 2, "C")
         a3 = types.Array(getattr(types, idt), 3, "C")
         sigs = {
-            "state_step": (a3, a3, a3, S3, z2, a3, S3, types.int64, types.float64, st),
-            "state_query": (a3, S3, z2, a3, S3, types.int64, types.float64, st),
-            "state_prefill": (a3, a3, S3, z2, types.int64, st),
+            "state_step": (a3, a3, a3, S3, z2, a3, S3, types.int64, types.float64, st, st),
+            "state_query": (a3, S3, z2, a3, S3, types.int64, types.float64, st, st),
+            "state_prefill": (a3, a3, S3, z2, types.int64, st, st),
             "first_nonfinite": (a3, types.Array(types.int64, 1, "C"), types.int64),
         }
         for name, sig in sigs.items():

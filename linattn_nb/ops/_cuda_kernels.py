@@ -52,11 +52,11 @@ contents as well); the simulator caches nothing.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import config as _nbconfig
 from numba import cuda, float32, float64
+
+from ._cuda_common import phi
 
 from .. import config
 
@@ -69,6 +69,12 @@ _ACC_TYPES = {"float32": float32, "float64": float64}
 
 # ---------------------------------------------------------------------------
 # The feature map
+# ---------------------------------------------------------------------------
+# The sequence kernel applies the elementwise feature map while it stages q
+# and k: linattn_nb.ops._cuda_common.phi, an inlined device function with the
+# codes and formulas of linattn_nb.ops._common.phi.
+
+
 # ---------------------------------------------------------------------------
 # The sequence kernel applies the elementwise feature map inline while it
 # stages q and k, with the codes and formulas of linattn_nb.ops._common.phi:
@@ -171,27 +177,11 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str):
                 xq = zero
                 xk = zero
                 if i < F:
-                    # the feature map, inline (see "The feature map" above)
+                    # the feature map (ops._cuda_common.phi, inlined)
                     if write_out:
-                        x = acc_t(q[b1, b2, t0 + t, i])
-                        if code == 1:
-                            xq = x + one if x >= zero else acc_t(math.exp(x))
-                        elif code == 2:
-                            xq = x if (x > zero or x != x) else zero
-                        elif code == 3:
-                            xq = x * x if (x > zero or x != x) else zero
-                        else:
-                            xq = x
+                        xq = phi(acc_t(q[b1, b2, t0 + t, i]), code, zero, one)
                     if update:
-                        x = acc_t(k[b1, b2, t0 + t, i])
-                        if code == 1:
-                            xk = x + one if x >= zero else acc_t(math.exp(x))
-                        elif code == 2:
-                            xk = x if (x > zero or x != x) else zero
-                        elif code == 3:
-                            xk = x * x if (x > zero or x != x) else zero
-                        else:
-                            xk = x
+                        xk = phi(acc_t(k[b1, b2, t0 + t, i]), code, zero, one)
                 sq[t, i] = xq
                 sk[t, i] = xk
             if update:

@@ -30,17 +30,14 @@ import numpy as np
 from numba import cuda
 
 from ... import config
+from .._cuda_common import phi
 
 
-# The elementwise map (codes of linattn_nb.ops._common.phi: 0 identity, 1 ELU+1
-# with exp only on negative arguments, 2 ReLU, 3 squared ReLU; NaN propagates)
-# is written out in each kernel rather than called as a device function:
-# numba-cuda compiles device functions (cuda.jit(device=True), and
-# register_jitable on the CUDA target) only with a GPU present, which would
-# stop the PTX test from type-checking the kernels on machines without one.
+# The elementwise map: linattn_nb.ops._cuda_common.phi (inlined device
+# function; ``zero``/``one`` of the state dtype keep float32 kernels in float32).
 
 
-def state_step_py(q, k, v, S, z, out, feat, code, eps, zero):
+def state_step_py(q, k, v, S, z, out, feat, code, eps, zero, one):
     """One block per batch entry b; per token: features (strided over i), barrier, columns m."""
     b = cuda.blockIdx.x
     tid = cuda.threadIdx.x
@@ -50,24 +47,8 @@ def state_step_py(q, k, v, S, z, out, feat, code, eps, zero):
     M = S.shape[2]
     for t in range(T):
         for i in range(tid, F, nt):
-            x = k[b, t, i]
-            if code == 1:
-                a = x + 1 if x >= 0 else math.exp(x)
-            elif code == 2:
-                a = x if (x > 0 or x != x) else x * 0
-            elif code == 3:
-                a = x * x if (x > 0 or x != x) else x * 0
-            else:
-                a = x
-            x = q[b, t, i]
-            if code == 1:
-                c = x + 1 if x >= 0 else math.exp(x)
-            elif code == 2:
-                c = x if (x > 0 or x != x) else x * 0
-            elif code == 3:
-                c = x * x if (x > 0 or x != x) else x * 0
-            else:
-                c = x
+            a = phi(k[b, t, i], code, zero, one)
+            c = phi(q[b, t, i], code, zero, one)
             feat[b, 0, i] = a
             feat[b, 1, i] = c
             zi = z[b, i] + feat[b, 0, i]
@@ -90,7 +71,7 @@ def state_step_py(q, k, v, S, z, out, feat, code, eps, zero):
         cuda.syncthreads()
 
 
-def state_query_py(q, S, z, out, feat, code, eps, zero):
+def state_query_py(q, S, z, out, feat, code, eps, zero, one):
     """As the step, without the update: every query reads the same state."""
     b = cuda.blockIdx.x
     tid = cuda.threadIdx.x
@@ -100,15 +81,7 @@ def state_query_py(q, S, z, out, feat, code, eps, zero):
     M = S.shape[2]
     for t in range(T):
         for i in range(tid, F, nt):
-            x = q[b, t, i]
-            if code == 1:
-                c = x + 1 if x >= 0 else math.exp(x)
-            elif code == 2:
-                c = x if (x > 0 or x != x) else x * 0
-            elif code == 3:
-                c = x * x if (x > 0 or x != x) else x * 0
-            else:
-                c = x
+            c = phi(q[b, t, i], code, zero, one)
             feat[b, 1, i] = c
             feat[b, 2, i] = feat[b, 1, i] * z[b, i]
         cuda.syncthreads()
@@ -125,7 +98,7 @@ def state_query_py(q, S, z, out, feat, code, eps, zero):
         cuda.syncthreads()
 
 
-def state_prefill_py(k, v, S, z, code, zero):
+def state_prefill_py(k, v, S, z, code, zero, one):
     """Thread (b, i, m): S[b, i, m] += sum_t phi(k[b, t, i]) v[b, t, m]; z by the m = 0 threads."""
     b = cuda.blockIdx.x
     i = cuda.blockIdx.y
@@ -135,29 +108,13 @@ def state_prefill_py(k, v, S, z, code, zero):
     if m < M:
         acc = zero
         for t in range(T):
-            x = k[b, t, i]
-            if code == 1:
-                a = x + 1 if x >= 0 else math.exp(x)
-            elif code == 2:
-                a = x if (x > 0 or x != x) else x * 0
-            elif code == 3:
-                a = x * x if (x > 0 or x != x) else x * 0
-            else:
-                a = x
+            a = phi(k[b, t, i], code, zero, one)
             acc += a * v[b, t, m]
         S[b, i, m] += acc
     if m == 0:
         zi = z[b, i]
         for t in range(T):
-            x = k[b, t, i]
-            if code == 1:
-                a = x + 1 if x >= 0 else math.exp(x)
-            elif code == 2:
-                a = x if (x > 0 or x != x) else x * 0
-            elif code == 3:
-                a = x * x if (x > 0 or x != x) else x * 0
-            else:
-                a = x
+            a = phi(k[b, t, i], code, zero, one)
             zi += a
         z[b, i] = zi
 
@@ -224,7 +181,7 @@ def state_step(q, k, v, S, z, out, feat, *, code, eps):
     if B == 0 or q.shape[1] == 0:
         return out
     kernels()["state_step"][B, _threads()](q, k, v, S, z, out, feat, np.int64(code), _eps(eps),
-                                            S.dtype.type(0))
+                                            S.dtype.type(0), S.dtype.type(1))
     return out
 
 
@@ -233,7 +190,7 @@ def state_query(q, S, z, out, feat, *, code, eps):
     if B == 0 or q.shape[1] == 0:
         return out
     kernels()["state_query"][B, _threads()](q, S, z, out, feat, np.int64(code), _eps(eps),
-                                             S.dtype.type(0))
+                                             S.dtype.type(0), S.dtype.type(1))
     return out
 
 
@@ -245,4 +202,4 @@ def state_prefill(k, v, S, z, *, code):
         return
     nt = min(_threads(), max(32, M))
     grid = (B, F, (M + nt - 1) // nt)
-    kernels()["state_prefill"][grid, nt](k, v, S, z, np.int64(code), S.dtype.type(0))
+    kernels()["state_prefill"][grid, nt](k, v, S, z, np.int64(code), S.dtype.type(0), S.dtype.type(1))
