@@ -213,13 +213,7 @@ def _run_host(q, k, v, fmap, causal, method, eps, check_finite, out, initial_sta
 
     cuda = _cuda()
     K = _kernels()
-    q = V.as_host_array("q", q)
-    k = V.as_host_array("k", k)
-    v = V.as_host_array("v", v)
-    batch_shape, n, d, m, dtype = V.check_qkv(q, k, v)
-    if check_finite:
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            V.check_finite(name, x)
+    q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_finite)
     f = int(fmap.output_dim(d))
     K.seq_config(f, m, np.dtype(K.acc_name(dtype)).itemsize)  # F limit: fail before any work
     out_shape = batch_shape + (n, m)

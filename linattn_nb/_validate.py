@@ -49,7 +49,7 @@ def as_host_array(name: str, x) -> np.ndarray:
     return arr
 
 
-def check_finite(name: str, x: np.ndarray) -> None:
+def check_finite_values(name: str, x: np.ndarray) -> None:
     """Raise ValueError if ``x`` holds NaN or infinity."""
     if x.size and not np.isfinite(x).all():
         bad = int(x.size - np.count_nonzero(np.isfinite(x)))
@@ -57,6 +57,9 @@ def check_finite(name: str, x: np.ndarray) -> None:
             f"{name} contains {bad} non-finite value(s) (NaN or inf); "
             "pass check_finite=False to skip this check"
         )
+
+
+check_finite = check_finite_values  # the name the callers use
 
 
 def check_qkv(q, k, v, *, names: Sequence[str] = ("q", "k", "v")):
@@ -100,6 +103,19 @@ def check_qkv(q, k, v, *, names: Sequence[str] = ("q", "k", "v")):
         )
     dtype = np.result_type(q.dtype, k.dtype, v.dtype)
     return tuple(q.shape[:-2]), int(q.shape[-2]), int(q.shape[-1]), int(v.shape[-1]), np.dtype(dtype)
+
+
+def host_qkv(q, k, v, *, check_finite: bool):
+    """``as_host_array`` + :func:`check_qkv` + (optionally) :func:`check_finite` on q, k, v.
+
+    Returns ``(q, k, v, (batch_shape, n, d, m, dtype))``.
+    """
+    q, k, v = as_host_array("q", q), as_host_array("k", k), as_host_array("v", v)
+    info = check_qkv(q, k, v)
+    if check_finite:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            check_finite_values(name, x)
+    return q, k, v, info
 
 
 def check_out(out, shape, dtype) -> np.ndarray:

@@ -199,13 +199,7 @@ def linear_attention(
     fmap = fm.resolve(feature_map)
     eps = _check_eps(eps)
     causal = bool(causal)
-    q = V.as_host_array("q", q)
-    k = V.as_host_array("k", k)
-    v = V.as_host_array("v", v)
-    batch_shape, n, d, m, dtype = V.check_qkv(q, k, v)
-    if check_finite:
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            V.check_finite(name, x)
+    q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_finite)
     f = int(fmap.output_dim(d))
     out_shape = batch_shape + (n, m)
     if out is not None:
@@ -314,13 +308,7 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, device="auto", check
             "softmax_attention has a CPU kernel only; pass host arrays (device='cpu'). "
             "GPU inputs: copy them to the host first."
         )
-    q = V.as_host_array("q", q)
-    k = V.as_host_array("k", k)
-    v = V.as_host_array("v", v)
-    batch_shape, n, d, m, dtype = V.check_qkv(q, k, v)
-    if check_finite:
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            V.check_finite(name, x)
+    q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_finite)
     scale = V.check_scale(scale, d)
     if method not in ("blocked", "quadratic"):
         raise ValueError(f"unknown method {method!r} for softmax_attention; choose 'blocked' or 'quadratic'")
