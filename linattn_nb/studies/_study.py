@@ -192,6 +192,21 @@ def get_study(name: str) -> Study:
 # ---------------------------------------------------------------------------
 # Formatting helpers
 # ---------------------------------------------------------------------------
+def split_failed(name: str, records) -> tuple:
+    """``(ok, failed, problems, markdown_lines)`` of a study's records.
+
+    ``failed`` are the records whose status is not ``"ok"``; ``problems`` one
+    line each for the report's problem list; ``markdown_lines`` the section's
+    "Points that failed" list (empty when none failed).
+    """
+    ok = [r for r in records if r.get("status") == "ok"]
+    failed = [r for r in records if r.get("status") != "ok"]
+    problems = [f"{name}: point {r['params']} failed: {r.get('error')}" for r in failed]
+    lines = (["", "Points that failed:", ""] + [f"- `{r['params']}`: {r.get('error')}" for r in failed]
+             if failed else [])
+    return ok, failed, problems, lines
+
+
 def fmt(x, digits: int = 3) -> str:
     """A number for a markdown table: ints as they are, floats in 3 significant digits."""
     if x is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._maps import build_map, buildable_maps, is_random, map_label
-from ._study import Rendered, Study, fmt, markdown_table, register_study
+from ._study import Rendered, Study, fmt, markdown_table, register_study, split_failed
 from .sweep import _to_json
 
 #: q and k are N(0, 1) times this: logits q.k/sqrt(d) of variance QK_SCALE**4, the regime
@@ -74,8 +74,7 @@ def run(feature_map, num_features, n, d, causal, qk_scale=QK_SCALE, seed=0) -> d
 
 
 def render(records, ctx) -> Rendered:
-    ok = [r for r in records if r.get("status") == "ok"]
-    failed = [r for r in records if r.get("status") != "ok"]
+    ok, failed, problems, failed_md = split_failed("error", records)
     md = []
     if ok:
         d, s = ok[0]["params"]["d"], ok[0]["params"].get("qk_scale", 1.0)
@@ -138,9 +137,7 @@ def render(records, ctx) -> Rendered:
                 md += ["", f"Not plotted (error above {fmt(PLOT_MAX_ERROR)} or not finite: signed features "
                            f"whose normaliser can be <= 0, see `nonpositive_normalizer_rate`): "
                            f"{', '.join(left_out)}."]
-    if failed:
-        md += ["", "Points that failed:", ""] + [f"- `{r['params']}`: {r.get('error')}" for r in failed]
-    problems = [f"error: point {r['params']} failed: {r.get('error')}" for r in failed]
+    md += failed_md
     return Rendered("\n".join(md), f"{len(ok)} points", problems)
 
 

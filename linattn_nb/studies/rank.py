@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._maps import build_map, buildable_maps, is_random, map_label
-from ._study import Rendered, Study, fmt, markdown_table, register_study
+from ._study import Rendered, Study, fmt, markdown_table, register_study, split_failed
 
 SOFTMAX = "softmax"
 
@@ -79,14 +79,12 @@ def run(feature_map, num_features, n, d, m, seed=0) -> dict:
 
 
 def render(records, ctx) -> Rendered:
-    ok = [r for r in records if r.get("status") == "ok"]
-    failed = [r for r in records if r.get("status") != "ok"]
+    ok, failed, problems, failed_md = split_failed("rank", records)
     series: dict = {}
     for r in ok:
         p = r["params"]
         series.setdefault((p["feature_map"], p["num_features"]), {})[p["n"]] = r["result"]
     ns = sorted({r["params"]["n"] for r in ok})
-    problems = [f"rank: point {r['params']} failed: {r.get('error')}" for r in failed]
     md = []
     if ok:
         p0 = ok[0]["params"]
@@ -129,8 +127,7 @@ def render(records, ctx) -> Rendered:
             for ax in (ax1, ax2):
                 ax.grid(True, which="both", alpha=0.3)
             md += ["", ctx.savefig(fig, "rank", "attention rank against N and state rank profile")]
-    if failed:
-        md += ["", "Points that failed:", ""] + [f"- `{r['params']}`: {r.get('error')}" for r in failed]
+    md += failed_md
     return Rendered("\n".join(md), f"{len(ok)} points", problems)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._maps import build_map, is_random, map_label
-from ._study import Rendered, Study, fmt, markdown_table, register_study
+from ._study import Rendered, Study, fmt, markdown_table, register_study, split_failed
 from .sweep import _to_json
 
 
@@ -61,10 +61,8 @@ def run(feature_map, num_features, map_params, d, n_pairs, trials, seed=0) -> di
 
 
 def render(records, ctx) -> Rendered:
-    ok = [r for r in records if r.get("status") == "ok"]
-    failed = [r for r in records if r.get("status") != "ok"]
+    ok, failed, problems, failed_md = split_failed("recall", records)
     md = []
-    problems = [f"recall: point {r['params']} failed: {r.get('error')}" for r in failed]
     if ok:
         p0 = ok[0]["params"]
         md.append(f"Keys i.i.d. N(0, 1) in R^{p0['d']}, one-hot values, {p0['trials']} trial(s) per n. "
@@ -105,8 +103,7 @@ def render(records, ctx) -> Rendered:
             for ax in (ax1, ax2):
                 ax.grid(True, alpha=0.3)
             md += ["", ctx.savefig(fig, "recall", "recall error and accuracy against n / D_phi")]
-    if failed:
-        md += ["", "Points that failed:", ""] + [f"- `{r['params']}`: {r.get('error')}" for r in failed]
+    md += failed_md
     return Rendered("\n".join(md), f"{len(ok)} feature maps", problems)
 
 

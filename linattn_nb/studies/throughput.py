@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from ._study import Rendered, Study, fmt, markdown_table, register_study
+from ._study import Rendered, Study, fmt, markdown_table, register_study, split_failed
 
 
 def _sizes(ctx):
@@ -99,8 +99,7 @@ def _label(p) -> str:
 
 
 def render(records, ctx) -> Rendered:
-    ok = [r for r in records if r.get("status") == "ok"]
-    failed = [r for r in records if r.get("status") != "ok"]
+    ok, failed, problems, failed_md = split_failed("throughput", records)
     series: dict = {}
     for r in ok:
         series.setdefault(_label(r["params"]), {})[r["params"]["n"]] = (r["params"], r["result"])
@@ -146,15 +145,13 @@ def render(records, ctx) -> Rendered:
             ax1.grid(True, which="both", alpha=0.3)
             ax2.grid(True, which="both", alpha=0.3)
             md += ["", ctx.savefig(fig, "throughput", "causal forward time and throughput against N")]
-    if failed:
-        md += ["", "Points that failed:", ""] + [f"- `{r['params']}`: {r.get('error')}" for r in failed]
+    md += failed_md
     summary = ""
     if ns and lin and soft:
         n_top = max(n for n in ns if any(n in series[lab] for lab in soft))
         best_lin = min(series[lab][n_top][1]["median_s"] for lab in lin if n_top in series[lab])
         best_soft = min(series[lab][n_top][1]["median_s"] for lab in soft if n_top in series[lab])
         summary = f"linear {fmt(best_soft / best_lin)}× faster than softmax at N = {n_top}"
-    problems = [f"throughput: point {r['params']} failed: {r.get('error')}" for r in failed]
     return Rendered("\n".join(md), summary, problems)
 
 
