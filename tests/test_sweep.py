@@ -431,6 +431,12 @@ def test_dask_killed_worker_every_point_exactly_once(tmp_path, dask_cluster):
 
 
 def test_dask_numba_threads_do_not_oversubscribe(tmp_path, dask_cluster):
+    # The killed-worker test shares this cluster: wait for its restarted worker,
+    # or the sweep would size threads for the one worker it sees.
+    import distributed
+
+    with distributed.Client(dask_cluster) as c:
+        c.wait_for_workers(2, timeout=60)
     recs = sweep(H.numba_threads, {"x": list(range(4))}, out=tmp_path / "t.jsonl", backend="dask",
                  scheduler=dask_cluster, progress=False)
     cores = len(os.sched_getaffinity(0))
@@ -438,3 +444,19 @@ def test_dask_numba_threads_do_not_oversubscribe(tmp_path, dask_cluster):
     assert {r["result"]["threads"] for r in recs} == {max(1, cores // slots)}
     recs = sweep(H.numba_threads, {"x": [0]}, out=tmp_path / "u.jsonl", workers=2, progress=False)
     assert recs[0]["result"]["threads"] == max(1, cores // 2)
+
+
+def test_dask_worker_on_unlisted_host_sizes_its_own_threads(dask_cluster):
+    """A worker whose host joined after the sweep sized threads (or came back
+    from a restart elsewhere) divides its host's cores by its own task slots."""
+    import distributed
+
+    from linattn_nb.studies.sweep import _run_point
+
+    with distributed.Client(dask_cluster) as c:
+        c.wait_for_workers(2, timeout=60)
+        known = c.submit(_run_point, H.numba_threads, {"x": 0}, {"127.0.0.1": 1}, pure=False).result()
+        other = c.submit(_run_point, H.numba_threads, {"x": 1}, {"10.255.255.1": 1}, pure=False).result()
+    assert known["result"]["threads"] == 1
+    cores = len(os.sched_getaffinity(0))
+    assert other["result"]["threads"] == max(1, cores)  # one task slot per worker in this cluster

@@ -287,12 +287,23 @@ def _now() -> str:
 # What runs on a worker
 # ---------------------------------------------------------------------------
 def _set_numba_threads(threads) -> None:
-    """Limit Numba's threads for the calling thread (Numba's setting is thread-local)."""
+    """Limit Numba's threads for the calling thread (Numba's setting is thread-local).
+
+    ``threads`` is an int, None (leave as is) or, on a Dask worker, a dict
+    ``{host: threads}``. It is keyed by host, not by worker address, because a
+    worker restarted by its nanny comes back at a new address on the same host.
+    A worker on a host that joined after the sweep started divides its host's
+    cores by its own task slots.
+    """
     if isinstance(threads, dict):
         try:
             from distributed import get_worker
+            from distributed.comm import get_address_host
 
-            threads = threads.get(get_worker().address)
+            worker = get_worker()
+            threads = threads.get(get_address_host(worker.address))
+            if not threads:
+                threads = max(1, _cpu_count() // max(1, int(worker.state.nthreads)))
         except Exception:
             threads = None
     if not threads:
@@ -813,17 +824,17 @@ def _run_pool(fn, todo, state: _RunState, *, workers: int, max_retries: int, num
 
 
 def _dask_threads_per_worker(client) -> dict:
-    """Numba threads for each worker of an existing cluster: host cores / task slots on the host."""
+    """Numba threads per task on each host of an existing cluster: host cores / task slots on the host."""
     info = client.scheduler_info(n_workers=-1) if _accepts_n_workers(client) else client.scheduler_info()
     wk = info.get("workers", {})
     cores = client.run(_cpu_count)
     slots: dict[str, int] = {}
-    host_of = {}
+    host_cores: dict[str, int] = {}
     for addr, w in wk.items():
         host = w.get("host") or addr.rsplit(":", 1)[0]
-        host_of[addr] = host
         slots[host] = slots.get(host, 0) + int(w.get("nthreads", 1) or 1)
-    return {addr: max(1, int(cores.get(addr, 1)) // max(1, slots[host_of[addr]])) for addr in wk}
+        host_cores[host] = int(cores.get(addr, host_cores.get(host, 1)))
+    return {host: max(1, host_cores[host] // max(1, n)) for host, n in slots.items()}
 
 
 def _accepts_n_workers(client) -> bool:
