@@ -76,17 +76,30 @@ CPU_BLAS_SINGLE_THREAD = os.environ.get("LINATTN_BLAS_SINGLE_THREAD", "1") not i
 #: from :data:`CPU_CHUNK_TABLE` through :func:`cpu_chunk_size`.
 CPU_CHUNK_SIZE = _env_int("LINATTN_CPU_CHUNK_SIZE", 0)
 
-#: Measured best chunk size per working dtype: ``dtype name -> [(max F*M, C),
-#: ...]``, the first row whose bound admits F*M (None = any) wins.  From
-#: ``NUMBA_NUM_THREADS=1 python benchmarks/causal_cpu.py --sweep-chunk --quick
-#: --dims 16,32,64,128`` (CPU seconds, B*H = 16, N = 4096; 2026-11-29, 2-core
-#: AMD EPYC, shared): float32 best at C = 16 for D = M <= 32 and 24-32 above
-#: (within 1%); float64 best at 16 for D = M <= 32 and 24 above.  Times are
-#: flat within ~5% from 16 to 32, 20-30% worse at 64, 60-80% worse at 128.
+#: Measured best (chunk size, row block) per working dtype: ``dtype name ->
+#: [(max F*M, C, block), ...]``, the first row whose bound admits F*M (None =
+#: any) wins.  From ``python benchmarks/causal_cpu.py --sweep-chunk`` (one
+#: thread, B*H = 16, N = 4096, combinations timed in interleaved rounds,
+#: medians; 2026-11-29, 2-core AMD EPYC 9R14-class VM, shared):
+#:
+#: * float32, D = M = 16: (16, 16) best; (32, 16), (32, 32) +4%.
+#: * float32, D = M = 32: (16, 8), (24, 8), (32, 8) within 0.3%.
+#: * float32, D = M = 64: (24, 8) best, (32, 8) +0.5%, (32, 16) +4%, (32, 32)
+#:   (no row blocks) +9%, (64, 32) +13%; two threads: the same order.
+#: * float32, D = M = 128: (32, 8) best, (48, 16) +3%, (16, 16) +14%.
+#: * float64, D = M = 64: (32, 8) best, (24, 8) +1%, (64, 32) +19%.
 CPU_CHUNK_TABLE = {
-    "float32": [(1024, 16), (None, 32)],
-    "float64": [(1024, 16), (None, 24)],
+    "float32": [(256, 16, 16), (4096, 24, 8), (None, 32, 8)],
+    "float64": [(256, 16, 16), (None, 32, 8)],
 }
+
+#: Row block of the intra-chunk products of ``method="chunked"``: the chunk's
+#: rows are taken ``block`` at a time, and rows [r, r + block) need the
+#: products with keys and values [0, r + block) only, so a chunk of C = 2 *
+#: block computes 3/4 of the full C x C triangle product.  0 (default) takes
+#: the third entry of the :data:`CPU_CHUNK_TABLE` row; values are clipped to
+#: [1, C].
+CPU_CHUNK_BLOCK = _env_int("LINATTN_CPU_CHUNK_BLOCK", 0)
 
 #: Sequence parallelism of ``method="chunked"`` (batch*heads below the thread
 #: count) splits a sequence into segments of at least this many chunks.
@@ -103,11 +116,23 @@ def cpu_chunk_size(n: int, f: int, m: int, dtype) -> int:
         return int(CPU_CHUNK_SIZE)
     import numpy as np
 
+    return int(_chunk_row(f, m, dtype)[1])
+
+
+def cpu_chunk_block(c: int, f: int, m: int, dtype) -> int:
+    """Row block for a chunk of ``c`` tokens (``CPU_CHUNK_BLOCK`` if set, else the table), in [1, c]."""
+    blk = CPU_CHUNK_BLOCK if CPU_CHUNK_BLOCK > 0 else _chunk_row(f, m, dtype)[2]
+    return max(1, min(int(c), int(blk)))
+
+
+def _chunk_row(f, m, dtype):
+    import numpy as np
+
     name = "float64" if np.dtype(dtype) == np.float64 else "float32"
-    for max_fm, c in CPU_CHUNK_TABLE.get(name, ()):
-        if max_fm is None or f * m <= max_fm:
-            return int(c)
-    return 64
+    for row in CPU_CHUNK_TABLE.get(name, ()):
+        if row[0] is None or f * m <= row[0]:
+            return row
+    return (None, 32, 16)
 
 
 #: Query rows and key columns per block in the CPU softmax kernel.  Memory is

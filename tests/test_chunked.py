@@ -47,7 +47,7 @@ def _reference(q, k, v, fmap, S0=None, z0=None, eps=1e-8):
     return causal_linear_quadratic(qf, kf, v.astype(np.float64), eps=eps, S0=S0, z0=z0)
 
 
-def _run(q, k, v, fmap="elu", chunk=4, seq_parallel=None, S0=None, z0=None, eps=1e-8):
+def _run(q, k, v, fmap="elu", chunk=4, seq_parallel=None, S0=None, z0=None, eps=1e-8, block=None):
     """Launcher called directly, output pre-filled with NaN, state in/out."""
     B, N, D = q.shape
     M = v.shape[2]
@@ -62,7 +62,7 @@ def _run(q, k, v, fmap="elu", chunk=4, seq_parallel=None, S0=None, z0=None, eps=
     S = np.zeros((B, F, M)) if S0 is None else S0.copy()
     z = np.zeros((B, F)) if z0 is None else z0.copy()
     out = np.full((B, N, M), np.nan, dtype=q.dtype)
-    causal_chunked(q, k, v, S, z, out, code=code, eps=eps, chunk=chunk, seq_parallel=seq_parallel)
+    causal_chunked(q, k, v, S, z, out, code=code, eps=eps, chunk=chunk, block=block, seq_parallel=seq_parallel)
     return out, S, z
 
 
@@ -159,15 +159,16 @@ def test_elu1_accuracy_and_specials(dtype, ulps):
 # the kernel against the quadratic reference
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("chunk", [1, 4, 7])
-def test_chunk_boundaries(rng, dtype, chunk):
-    """N = 0, 1, C-1, C, C+1, 3C, odd; D != M; B above the thread count."""
+@pytest.mark.parametrize("chunk, block", [(1, 1), (4, 4), (7, 3), (8, 2), (6, 1), (5, 9)])
+def test_chunk_boundaries(rng, dtype, chunk, block):
+    """N = 0, 1, C-1, C, C+1, 3C, odd; D != M; B above the thread count; row
+    blocks that divide the chunk, that do not, of one row, and wider than it."""
     B, D, M = THREADS + 1, 5, 3
     for N in sorted({0, 1, max(chunk - 1, 0), chunk, chunk + 1, 3 * chunk, 3 * chunk + 2, 13}):
         q, k, v = _inputs(rng, B, N, D, M, dtype)
-        out, S, z = _run(q, k, v, chunk=chunk, seq_parallel=False)
+        out, S, z = _run(q, k, v, chunk=chunk, block=block, seq_parallel=False)
         ref, S_ref, z_ref = _reference(q, k, v, "elu")
-        _assert_close(out, ref, dtype, f"N={N} C={chunk}")
+        _assert_close(out, ref, dtype, f"N={N} C={chunk} block={block}")
         np.testing.assert_allclose(S, S_ref, rtol=1e-5 if dtype != np.float64 else 1e-12, atol=1e-6)
         np.testing.assert_allclose(z, z_ref, rtol=1e-6 if dtype != np.float64 else 1e-12)
 
@@ -331,13 +332,14 @@ def test_auto_uses_chunked_and_blas_threads_restored(rng):
     D=st.integers(1, 6),
     M=st.integers(1, 5),
     C=st.integers(1, 9),
+    block=st.integers(1, 10),
     dtype=st.sampled_from(DTYPES),
     fmap=st.sampled_from(["elu", "relu", "squared_relu"]),
     seq=st.sampled_from([None, True, False]),
     init=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_property_against_reference(B, N, D, M, C, dtype, fmap, seq, init, seed):
+def test_property_against_reference(B, N, D, M, C, block, dtype, fmap, seq, init, seed):
     rng = np.random.default_rng(seed)
     q, k, v = _inputs(rng, B, N, D, M, dtype)
     if fmap != "elu":  # keep normalisers away from the eps floor
@@ -347,7 +349,7 @@ def test_property_against_reference(B, N, D, M, C, dtype, fmap, seq, init, seed)
     old = cfg.CPU_CHUNKED_MIN_SEGMENT_CHUNKS
     cfg.CPU_CHUNKED_MIN_SEGMENT_CHUNKS = 1
     try:
-        out, S, z = _run(q, k, v, fmap=fmap, chunk=C, seq_parallel=seq, S0=S0, z0=z0)
+        out, S, z = _run(q, k, v, fmap=fmap, chunk=C, block=block, seq_parallel=seq, S0=S0, z0=z0)
     finally:
         cfg.CPU_CHUNKED_MIN_SEGMENT_CHUNKS = old
     ref, S_ref, z_ref = _reference(q, k, v, fmap, S0=S0, z0=z0)

@@ -17,25 +17,35 @@ from ._vec import elu1, f16_to_f32, relu, relu2, to_work
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def features(src, b, s0, n, dst, code):
-    """dst[:n] = phi(src[b, s0:s0+n]) in the working dtype (one loop per map, so each vectorises)."""
+def features_at(src, b, s0, n, dst, col0, code):
+    """dst[:n, col0:col0+F] = phi(src[b, s0:s0+n]) in the working dtype (one loop per map, so each vectorises).
+
+    ``dst`` may be wider than F: the chunked kernel writes phi(q) into the
+    left columns of its ``[phi(Q_c) | A]`` scratch.
+    """
     F = src.shape[2]
     if code == 1:
         for t in range(n):
             for i in range(F):
-                dst[t, i] = elu1(to_work(src[b, s0 + t, i]))
+                dst[t, col0 + i] = elu1(to_work(src[b, s0 + t, i]))
     elif code == 2:
         for t in range(n):
             for i in range(F):
-                dst[t, i] = relu(to_work(src[b, s0 + t, i]))
+                dst[t, col0 + i] = relu(to_work(src[b, s0 + t, i]))
     elif code == 3:
         for t in range(n):
             for i in range(F):
-                dst[t, i] = relu2(to_work(src[b, s0 + t, i]))
+                dst[t, col0 + i] = relu2(to_work(src[b, s0 + t, i]))
     else:
         for t in range(n):
             for i in range(F):
-                dst[t, i] = to_work(src[b, s0 + t, i])
+                dst[t, col0 + i] = to_work(src[b, s0 + t, i])
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def features(src, b, s0, n, dst, code):
+    """dst[:n] = phi(src[b, s0:s0+n]) in the working dtype."""
+    features_at(src, b, s0, n, dst, 0, code)
 
 
 def values(v, b, s0, n, buf):  # pragma: no cover - replaced inside Numba
@@ -59,16 +69,6 @@ def _values_ov(v, b, s0, n, buf):
         return v[b, s0:s0 + n]
 
     return impl_view
-
-
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def all_finite(a):
-    """True when the 2-D block holds no NaN or inf (x * 0 is NaN exactly for those)."""
-    acc = a.dtype.type(0.0)
-    for t in range(a.shape[0]):
-        for m in range(a.shape[1]):
-            acc += a[t, m] * a.dtype.type(0.0)
-    return acc == acc
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)

@@ -8,15 +8,28 @@ and the state ``(S, z)`` of everything before it::
     out = (Q_c S + A V_c) / (Q_c z + rowsum(A))
     S  += K_c^T V_c,   z += colsum(K_c)
 
-The four products are GEMM-shaped and go to BLAS through ``np.dot(a, b, out)``
-inside ``@njit`` (no allocation per call).  Measured on one core here
-(2026-11-29, float32, a 32 x 64 by 64 x 64 product in a loop): OpenBLAS
-through ``np.dot`` 110 GFLOP/s, a 4-row register-blocked Numba loop 47, the
-plain i-k-j loop 29 -- so BLAS it is.  The BLAS is pinned to one thread while
-the kernel runs (:mod:`linattn_nb.ops._blas`): OpenBLAS otherwise starts its
-own threads inside every Numba thread.  The feature map is applied per
-chunk into per-thread scratch, so memory beyond the inputs and the output is
-O(C^2 + C (F + M) + F M) per thread: no N x N matrix, no per-token state, no
+How the products are laid out (each is one BLAS ?gemm call, made directly on
+scratch sub-blocks through :mod:`linattn_nb.ops._gemm`):
+
+* ``X = [Q_c | A]`` (C x (F + C)) and ``R = [S z ; V_c 1]`` ((F + C) x
+  (M + 1)): one product ``X R`` gives the numerators (first M columns) and
+  the normalisers (last column: ``Q_c z + rowsum(A)``) together.
+* The chunk's rows are taken ``block`` at a time: rows ``[r, r + block)``
+  need ``A`` and ``V_c`` only up to row ``r + block``, so the products skip
+  most of the masked upper triangle (a chunk of 24 in blocks of 8 computes
+  2/3 of the full C x C work).
+* ``K_c^T [V_c 1]`` gives the state and normaliser increments at once.
+
+Measured on one core here (2026-11-29, float32, B*H = 16, N = 4096, D = M =
+64, interleaved medians): this layout 24.7 ms against 26.8 ms for the previous
+four ``np.dot`` calls per chunk (separate products, full triangle, normaliser
+in a Numba loop) -- 8% faster; products of these sizes run at 105-115
+GFLOP/s per core through OpenBLAS, against 47 for a 4-row register-blocked
+Numba loop.  The BLAS is pinned to one thread while the kernel runs
+(:mod:`linattn_nb.ops._blas`): OpenBLAS otherwise starts its own threads
+inside every Numba thread.  The feature map is applied per chunk into
+per-thread scratch, so memory beyond the inputs and the output is O(C^2 +
+C (F + M) + F M) per thread: no N x N matrix, no per-token state, no
 full-size phi(q), phi(k).
 
 Precision: the products run in the working dtype (float32 for float16 and
@@ -24,11 +37,14 @@ float32 inputs, float64 for float64) while ``S`` and ``z`` are carried across
 chunks in float64 (the state arrays the launcher is given), so the error does
 not grow with the sequence length.  float16 inputs are read as ``uint16``
 bits and converted per chunk (hardware F16C through :mod:`linattn_nb.ops._vec`);
-the output is rounded to float16 once, from the float32 result.
+the output is rounded to float16 once, from the float32 result.  A value
+block holding NaN or inf (possible with ``check_finite=False``) takes an
+explicit loop that sums over ``j <= t`` only, so that ``0 * NaN`` in the
+masked triangle does not reach earlier rows.
 
 Kernels cached on disk do not see edits to the helper modules they inline
-(``_blocks.py``, ``_vec.py``, ``_common.py``): clear ``__pycache__`` after
-changing those.
+(``_blocks.py``, ``_vec.py``, ``_common.py``, ``_gemm.py``): clear
+``__pycache__`` after changing those.
 
 Parallelism: over the flattened batch (``B`` = batch x heads) when ``B`` is at
 least the thread count.  Below that the sequence is split too: each sequence
@@ -46,79 +62,122 @@ from numba import njit, prange
 
 from ... import config
 from ..._blas import single_threaded_blas
-from .._blocks import all_finite as _all_finite
-from .._blocks import features as _features
-from .._blocks import state_sums as _state_sums
-from .._blocks import values as _values
-from .._vec import as_kernel_array, put3, work_dtype
+from .._blocks import features_at
+from .._gemm import gemm
+from .._vec import as_kernel_array, put3, to_work, work_dtype
 
 
 # ---------------------------------------------------------------------------
 # per-chunk helpers (inlined into the kernel by LLVM)
 # ---------------------------------------------------------------------------
-@njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, not an exception
-def _span(q, k, v, out, b, s_begin, s_end, S64, z64, code, eps, clip,
-          fq, fk, vb, Ab, o1, o2, Sw, part, rden):
-    """Chunked recurrence over tokens [s_begin, s_end) of sequence b from state (S64, z64), in place."""
-    F = q.shape[2]
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _load_values(v, b, s0, n, R, row0):
+    """R[row0 + t, :M] = v[b, s0 + t] in the working dtype; True when all are finite."""
     M = v.shape[2]
-    C = fq.shape[0]
+    zero = R.dtype.type(0.0)
+    acc = zero
+    for t in range(n):
+        for m in range(M):
+            x = to_work(v[b, s0 + t, m])
+            R[row0 + t, m] = x
+            acc += x * zero  # NaN exactly for NaN / inf
+    return acc == acc
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _init_scratch(S64, z64, R, F, M):
+    """R = [S z ; . 1]: the state (working dtype) over the value rows' column of ones."""
+    one = R.dtype.type(1.0)
     for i in range(F):
         for m in range(M):
-            Sw[i, m] = S64[i, m]
+            R[i, m] = S64[i, m]
+        R[i, M] = z64[i]
+    for t in range(F, R.shape[0]):
+        R[t, M] = one
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _absorb(S64, z64, part, R, F, M):
+    """(S64, z64) += part = phi(K_c)^T [V_c 1], in float64; R's state rows follow."""
+    for i in range(F):
+        for m in range(M):
+            s = S64[i, m] + part[i, m]
+            S64[i, m] = s
+            R[i, m] = s
+        zz = z64[i] + part[i, M]
+        z64[i] = zz
+        R[i, M] = zz
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, not an exception
+def _span(q, k, v, out, b, s_begin, s_end, S64, z64, code, eps, clip, bs, X, R, fk, o, part):
+    """Chunked recurrence over tokens [s_begin, s_end) of sequence b from state (S64, z64), in place.
+
+    Scratch (working dtype), for chunk size C = fk.shape[0]:
+    X (C, F + C) = [phi(Q_c) | A], R (F + C, M + 1) = [S z ; V_c 1],
+    fk (C, F) = phi(K_c), o (C, M + 1), part (F, M + 1).
+    """
+    F = q.shape[2]
+    M = v.shape[2]
+    C = fk.shape[0]
+    LX = F + C
+    M1 = M + 1
+    zero = X.dtype.type(0.0)
+    _init_scratch(S64, z64, R, F, M)
     for s0 in range(s_begin, s_end, C):
         n = min(C, s_end - s0)
-        fqn = fq[:n]
-        fkn = fk[:n]
-        _features(q, b, s0, n, fqn, code)
-        _features(k, b, s0, n, fkn, code)
-        vc = _values(v, b, s0, n, vb)
-        A = Ab[:n * n].reshape((n, n))
-        np.dot(fqn, fkn.T, A)
-        # causal mask (diagonal kept), intra + inter normaliser
-        zero = rden.dtype.type(0.0)
-        for t in range(n):
-            intra = zero
-            for j in range(n):
-                a = A[t, j] if j <= t else zero
-                A[t, j] = a
-                intra += a
-            acc = 0.0
-            for i in range(F):
-                acc += fqn[t, i] * z64[i]
-            acc += intra
-            if clip and acc < eps:
-                acc = eps
-            rden[t] = 1.0 / acc
-        o1n = o1[:n]
-        o2n = o2[:n]
-        np.dot(fqn, Sw, o1n)  # inter-chunk: phi(Q_c) S
-        if _all_finite(vc):
-            np.dot(A, vc, o2n)  # intra-chunk: tril(phi(Q_c) phi(K_c)^T) V_c
-        else:
+        features_at(q, b, s0, n, X, 0, code)
+        features_at(k, b, s0, n, fk, 0, code)
+        finite = _load_values(v, b, s0, n, R, F)
+        # Row blocks of bs: block r needs A and V_c only up to its own last
+        # row, so the upper triangle is computed for the diagonal blocks only.
+        for r0 in range(0, n, bs):
+            ce = min(r0 + bs, n)
+            # A[r0:ce, :ce] = phi(Q) phi(K)^T, then the causal mask (diagonal kept)
+            gemm(0, 1, ce - r0, ce, F, 1.0, X, r0 * LX, LX, fk, 0, F, 0.0, X, r0 * LX + F, LX)
+            for t in range(r0, ce):
+                for j in range(t + 1, ce):
+                    X[t, F + j] = zero
+            if finite:
+                # [phi(Q) | A] [S z ; V 1]: numerators and normalisers at once
+                gemm(0, 0, ce - r0, M1, F + ce, 1.0, X, r0 * LX, LX, R, 0, M1, 0.0, o, r0 * M1, M1)
+        if not finite:
             # a NaN/inf value must not reach earlier rows through 0 * NaN in the
-            # masked upper triangle: skip it (only with check_finite=False)
+            # masked upper triangle: sum over j <= t only (check_finite=False)
             for t in range(n):
-                for m in range(M):
-                    o2n[t, m] = 0.0
-                for j in range(t + 1):
-                    a = A[t, j]
-                    for m in range(M):
-                        o2n[t, m] += a * vc[j, m]
+                for m in range(M1):
+                    acc = zero
+                    for i in range(F):
+                        acc += X[t, i] * R[i, m]
+                    for j in range(t + 1):
+                        acc += X[t, F + j] * R[F + j, m]
+                    o[t, m] = acc
         for t in range(n):
-            r = rden[t]
+            den = o[t, M]
+            if clip and den < eps:
+                den = eps
+            r = 1.0 / den
             for m in range(M):
-                put3(out, b, s0 + t, m, (o1n[t, m] + o2n[t, m]) * r)
-        # state update, carried in float64
-        np.dot(fkn.T, vc, part)
-        for i in range(F):
-            for m in range(M):
-                s = S64[i, m] + part[i, m]
-                S64[i, m] = s
-                Sw[i, m] = s
-        for t in range(n):
-            for i in range(F):
-                z64[i] += fkn[t, i]
+                put3(out, b, s0 + t, m, o[t, m] * r)
+        # state update: the product in the working dtype, the sum in float64
+        gemm(1, 0, F, M1, n, 1.0, fk, 0, F, R, F * M1, M1, 0.0, part, 0, M1)
+        _absorb(S64, z64, part, R, F, M)
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _sum_span(k, v, b, s_begin, s_end, S64, z64, code, R, fk, part):
+    """(S64, z64) += sum of phi(K)^T [V 1] over [s_begin, s_end), chunk by chunk exactly as :func:`_span`."""
+    F = k.shape[2]
+    M = v.shape[2]
+    C = fk.shape[0]
+    M1 = M + 1
+    _init_scratch(S64, z64, R, F, M)
+    for s0 in range(s_begin, s_end, C):
+        n = min(C, s_end - s0)
+        features_at(k, b, s0, n, fk, 0, code)
+        _load_values(v, b, s0, n, R, F)
+        gemm(1, 0, F, M1, n, 1.0, fk, 0, F, R, F * M1, M1, 0.0, part, 0, M1)
+        _absorb(S64, z64, part, R, F, M)
 
 
 # ---------------------------------------------------------------------------
@@ -139,17 +198,17 @@ def _sum_item(it, k, v, Sp, zp, wt, code, C, P, sub):
     c1 = (p + 1) * nch // P
     lo = c0 + r * (c1 - c0) // sub
     hi = c0 + (r + 1) * (c1 - c0) // sub
-    # blocks of C tokens, as in pass 2, so the float32 parts are the same numbers
+    # chunks of C tokens, as in pass 2, so the working-dtype parts are the same numbers
+    R = np.empty((F + C, M + 1), wt)
     fk = np.empty((C, F), wt)
-    vb = np.empty((C, M), wt)
-    part = np.empty((F, M), wt)
+    part = np.empty((F, M + 1), wt)
     Sp[b, j] = 0.0
     zp[b, j] = 0.0
-    _state_sums(k, v, b, lo * C, min(hi * C, N), Sp[b, j], zp[b, j], code, fk, vb, part)
+    _sum_span(k, v, b, lo * C, min(hi * C, N), Sp[b, j], zp[b, j], code, R, fk, part)
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _span_item(it, q, k, v, Sst, zst, out, wt, code, eps, clip, C):
+def _span_item(it, q, k, v, Sst, zst, out, wt, code, eps, clip, C, bs):
     """Pass 2, work item ``it``: segment ``p`` of sequence ``b`` from state (Sst[b, p], zst[b, p])."""
     N, F = q.shape[1], q.shape[2]
     M = v.shape[2]
@@ -159,21 +218,16 @@ def _span_item(it, q, k, v, Sst, zst, out, wt, code, eps, clip, C):
     nch = (N + C - 1) // C
     lo = (p * nch // P) * C
     hi = min(((p + 1) * nch // P) * C, N)
-    fq = np.empty((C, F), wt)
+    X = np.zeros((C, F + C), wt)
+    R = np.empty((F + C, M + 1), wt)
     fk = np.empty((C, F), wt)
-    vb = np.empty((C, M), wt)
-    Ab = np.empty(C * C, wt)
-    o1 = np.empty((C, M), wt)
-    o2 = np.empty((C, M), wt)
-    Sw = np.empty((F, M), wt)
-    part = np.empty((F, M), wt)
-    rden = np.empty(C, wt)
-    _span(q, k, v, out, b, lo, hi, Sst[b, p], zst[b, p], code, eps, clip,
-          fq, fk, vb, Ab, o1, o2, Sw, part, rden)
+    o = np.empty((C, M + 1), wt)
+    part = np.empty((F, M + 1), wt)
+    _span(q, k, v, out, b, lo, hi, Sst[b, p], zst[b, p], code, eps, clip, bs, X, R, fk, o, part)
 
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def chunked_kernel(mode, q, k, v, Sst, zst, out, proto, code, eps, clip, C, sub):
+def chunked_kernel(mode, q, k, v, Sst, zst, out, proto, code, eps, clip, C, sub, bs):
     """One parallel pass of the chunked causal kernel.
 
     q, k : (B, N, F) float32/float64, or uint16 (float16 bits); raw inputs when
@@ -197,11 +251,11 @@ def chunked_kernel(mode, q, k, v, Sst, zst, out, proto, code, eps, clip, C, sub)
         if mode == 0:
             _sum_item(it, k, v, Sst, zst, wt, code, C, Sst.shape[1] // sub + 1, sub)
         else:
-            _span_item(it, q, k, v, Sst, zst, out, wt, code, eps, clip, C)
+            _span_item(it, q, k, v, Sst, zst, out, wt, code, eps, clip, C, bs)
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def chunked_kernel_serial(mode, q, k, v, Sst, zst, out, proto, code, eps, clip, C, sub):
+def chunked_kernel_serial(mode, q, k, v, Sst, zst, out, proto, code, eps, clip, C, sub, bs):
     """:func:`chunked_kernel` on the calling thread only (small problems: a
     parallel region costs more than the work; measured 18 ms per call under
     load with the OpenMP layer against 0.1 ms of work at N = 128)."""
@@ -212,7 +266,7 @@ def chunked_kernel_serial(mode, q, k, v, Sst, zst, out, proto, code, eps, clip, 
         if mode == 0:
             _sum_item(it, k, v, Sst, zst, wt, code, C, Sst.shape[1] // sub + 1, sub)
         else:
-            _span_item(it, q, k, v, Sst, zst, out, wt, code, eps, clip, C)
+            _span_item(it, q, k, v, Sst, zst, out, wt, code, eps, clip, C, bs)
 
 
 # ---------------------------------------------------------------------------
@@ -239,7 +293,7 @@ def plan(batch: int, n: int, *, chunk: int, threads: int | None = None, seq_para
     return P, sub
 
 
-def causal_chunked(q, k, v, S, z, out, *, code, eps, chunk=None, seq_parallel=None):
+def causal_chunked(q, k, v, S, z, out, *, code, eps, chunk=None, block=None, seq_parallel=None):
     """Launcher of :func:`chunked_kernel` (uniform method-table signature).
 
     Parameters
@@ -258,6 +312,9 @@ def causal_chunked(q, k, v, S, z, out, *, code, eps, chunk=None, seq_parallel=No
         Normaliser floor (None: raw division).
     chunk : int, optional
         Chunk size; default from :func:`linattn_nb.config.cpu_chunk_size`.
+    block : int, optional
+        Row block of the intra-chunk products (clipped to [1, chunk]);
+        default from :func:`linattn_nb.config.cpu_chunk_block`.
     seq_parallel : bool, optional
         Force (True) or forbid (False) splitting sequences across threads;
         default: split when B is below the thread count.
@@ -269,6 +326,7 @@ def causal_chunked(q, k, v, S, z, out, *, code, eps, chunk=None, seq_parallel=No
     C = int(chunk if chunk is not None else config.cpu_chunk_size(N, F, M, q.dtype))
     if C < 1:
         raise ValueError(f"chunk must be >= 1, got {C}")
+    bs = max(1, min(C, int(block if block is not None else config.cpu_chunk_block(C, F, M, q.dtype))))
     P, sub = plan(B, N, chunk=C, seq_parallel=seq_parallel)
     small = B * P == 1 or B * N * F * M < int(config.CPU_CHUNKED_SERIAL_MAX_WORK)
     kernel = chunked_kernel_serial if small and seq_parallel is not True else chunked_kernel
@@ -277,7 +335,7 @@ def causal_chunked(q, k, v, S, z, out, *, code, eps, chunk=None, seq_parallel=No
     qk, kk, vk = (as_kernel_array(np.ascontiguousarray(x)) for x in (q, k, v))
     ok = as_kernel_array(out)
     proto = np.empty(0, wt)
-    args = (np.int64(code), float(eps if clip else 0.0), clip, np.int64(C), np.int64(sub))
+    args = (np.int64(code), float(eps if clip else 0.0), clip, np.int64(C), np.int64(sub), np.int64(bs))
     with single_threaded_blas():
         if P == 1:
             # batch-parallel: the state arrays are the segment states
