@@ -4,7 +4,7 @@ Run::
 
     python benchmarks/causal_cpu.py                 # full table (a few minutes on 2 cores)
     python benchmarks/causal_cpu.py --quick         # N = 512 and 4096 only
-    python benchmarks/causal_cpu.py --sweep-chunk   # chunk sizes for config.CPU_CHUNK_TABLE
+    NUMBA_NUM_THREADS=1 python benchmarks/causal_cpu.py --sweep-chunk   # config.CPU_CHUNK_TABLE
     python benchmarks/causal_cpu.py --sweep-auto    # scan vs chunked at small N (config.AUTO_METHODS)
 
 Shape: B*H = 16 sequences, D = M = 64, feature map "elu", N from 512 to
@@ -179,7 +179,7 @@ def run_table(args):
         summary["scaling_65536_over_4096"] = c64 / c4 if c64 else None
     print("\nsummary (float32, N = 4096; interleaved rounds when headline_rounds > 0):")
     targets = {"headline_x_sgemm": ">= 0.40", "speedup_vs_scan": ">= 2.5", "speedup_vs_torch_sdpa": ">= 25",
-               "scaling_65536_over_4096": "<= 17"}
+               "scaling_65536_over_4096": "<= 17", "scaling_65536_over_4096_out": "(out= given)"}
     for key, val in summary.items():
         if isinstance(val, dict):
             continue
@@ -194,10 +194,18 @@ def headline(args, have_torch):
     """The target ratios from interleaved rounds: sgemm, chunked and scan at N = 4096
     and chunked at N = 65,536 are timed in turn, round after round, and each ratio
     is taken between medians -- on a shared machine the load then changes under
-    all of them alike.  torch SDPA (N = 4096) runs in a subprocess just before
-    and just after the rounds (median over both)."""
+    all of them alike.  Within a round every call runs twice back to back and
+    the second run is timed: the first absorbs what the previous call left
+    behind (OpenBLAS threads spin-waiting after sgemm, a cold thread pool, a
+    clock that dropped during a pause).  torch SDPA (N = 4096) runs in a
+    subprocess just before and just after the rounds (median over both).
+
+    ``chunked_65536_out`` is the same call writing into a preallocated
+    ``out=``: the difference to ``chunked_65536`` is the operating system
+    mapping 256 MiB of fresh output pages, not the kernel."""
     q, k, v = _inputs(4096, np.float32)
     qL, kL, vL = _inputs(65536, np.float32)
+    oL = np.empty_like(vL)
     rng = np.random.default_rng(0)
     a = rng.standard_normal((2048, 2048), dtype=np.float32)
     b = rng.standard_normal((2048, 2048), dtype=np.float32)
@@ -206,6 +214,8 @@ def headline(args, have_torch):
         "chunked": lambda: linear_attention(q, k, v, causal=True, method="chunked", check_finite=False),
         "scan": lambda: linear_attention(q, k, v, causal=True, method="scan", check_finite=False),
         "chunked_65536": lambda: linear_attention(qL, kL, vL, causal=True, method="chunked", check_finite=False),
+        "chunked_65536_out": lambda: linear_attention(qL, kL, vL, causal=True, method="chunked",
+                                                      check_finite=False, out=oL),
     }
     sdpa = []
     if have_torch:
@@ -215,9 +225,9 @@ def headline(args, have_torch):
     times = {name: [] for name in calls}
     for _ in range(args.headline_rounds):
         for name, fn in calls.items():
-            # let the previous call's thread pool (OpenBLAS) stop spin-waiting
-            # before the next is timed
-            time.sleep(args.pause)
+            if args.pause:
+                time.sleep(args.pause)
+            fn()  # untimed: settles what the previous call left behind
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
@@ -238,42 +248,59 @@ def headline(args, have_torch):
         "speedup_vs_scan": med["scan"] / med["chunked"],
         "speedup_vs_torch_sdpa": med["torch_sdpa"] / med["chunked"] if "torch_sdpa" in med else None,
         "scaling_65536_over_4096": med["chunked_65536"] / med["chunked"],
+        "scaling_65536_over_4096_out": med["chunked_65536_out"] / med["chunked"],
         "interleaved_medians_ms": {n: t * 1e3 for n, t in med.items()},
+        "interleaved_ms_all": {n: [t * 1e3 for t in ts] for n, ts in times.items()},
     }
 
 
+SWEEP_COMBOS = [(16, 16), (16, 8), (24, 12), (24, 8), (32, 16), (32, 8), (32, 32), (48, 16), (48, 24),
+                (64, 16), (64, 32)]
+
+
 def run_sweep_chunk(args):
+    """(chunk, row block) pairs for config.CPU_CHUNK_TABLE: every pair timed in
+    interleaved rounds (``--repeats`` rounds, at least 9), medians and the
+    ratio to the best.  Run it single-threaded (``NUMBA_NUM_THREADS=1``): the
+    table is per core, and one thread is less disturbed by other load."""
     global D, M
     from linattn_nb import config
 
     info = machine()
     sg = sgemm_gflops()
-    print(f"# chunk-size sweep, B*H={BH}, D=M={D} -- {info['date']}, sgemm {sg:.1f} GFLOP/s")
+    print(f"# chunk / row-block sweep, B*H={BH} -- {info['date']}, sgemm {sg:.1f} GFLOP/s, "
+          f"numba threads {info['numba_threads']}")
     rows = []
     dims = [int(x) for x in args.dims.split(",")]
     for dtype, dim, n in [(np.dtype(t), dm, n) for t in args.dtypes.split(",") for dm in dims
                           for n in ((4096, 65536) if not args.quick else (4096,))]:
         D = M = dim
-        if True:
-            q, k, v = _inputs(n, dtype)
-            for c in (8, 16, 24, 32, 48, 64, 96, 128):
-                config.CPU_CHUNK_SIZE = c
-                fn = lambda: linear_attention(q, k, v, causal=True, method="chunked", check_finite=False)
-                t = median_time(fn, repeats=args.repeats, budget_s=args.budget)[0]
-                # CPU seconds too: less sensitive than wall time to other load on a shared machine
-                tc = median_time(fn, repeats=args.repeats, budget_s=args.budget, clock=time.process_time)[0]
-                rows.append({"dtype": dtype.name, "D=M": dim, "N": n, "chunk": c, "median_ms": t * 1e3,
-                             "gflops": 4.0 * BH * n * D * M / t / 1e9, "cpu_ms": tc * 1e3})
-            config.CPU_CHUNK_SIZE = 0
-            sub = [r for r in rows if r["dtype"] == dtype.name and r["N"] == n and r["D=M"] == dim]
-            best = min(sub, key=lambda r: r["median_ms"])
-            best_cpu = min(sub, key=lambda r: r["cpu_ms"])
-            for r in sub:
-                r["x_best"] = r["median_ms"] / best["median_ms"]
-                r["cpu_x_best"] = r["cpu_ms"] / best_cpu["cpu_ms"]
-            print(table(sub, ["dtype", "D=M", "N", "chunk", "median_ms", "gflops", "x_best", "cpu_ms", "cpu_x_best"],
-                        {"median_ms": "{:.2f}", "gflops": "{:.1f}", "x_best": "{:.3f}", "cpu_ms": "{:.2f}",
-                         "cpu_x_best": "{:.3f}"}))
+        q, k, v = _inputs(n, dtype)
+        out = np.empty_like(v)
+
+        def call(c, blk):
+            config.CPU_CHUNK_SIZE, config.CPU_CHUNK_BLOCK = c, blk
+            linear_attention(q, k, v, causal=True, method="chunked", check_finite=False, out=out)
+
+        times = {cb: [] for cb in SWEEP_COMBOS}
+        for cb in SWEEP_COMBOS:
+            call(*cb)
+        for _ in range(max(args.repeats, 9)):
+            for cb in SWEEP_COMBOS:
+                t = time.perf_counter()
+                call(*cb)
+                times[cb].append(time.perf_counter() - t)
+        config.CPU_CHUNK_SIZE = config.CPU_CHUNK_BLOCK = 0
+        best = min(float(np.median(ts)) for ts in times.values())
+        sub = []
+        for (c, blk), ts in times.items():
+            t = float(np.median(ts))
+            sub.append({"dtype": dtype.name, "D=M": dim, "N": n, "chunk": c, "block": blk, "median_ms": t * 1e3,
+                        "gflops": 4.0 * BH * n * D * M / t / 1e9, "x_best": t / best})
+        rows += sub
+        print(table(sub, ["dtype", "D=M", "N", "chunk", "block", "median_ms", "gflops", "x_best"],
+                    {"median_ms": "{:.2f}", "gflops": "{:.1f}", "x_best": "{:.3f}"}))
+        sys.stdout.flush()
     D = M = 64
     path = write_json("causal_cpu_chunk_sweep", {"machine": info, "sgemm_gflops": sg, "rows": rows}, args.out)
     print(f"wrote {path}")
@@ -312,7 +339,7 @@ def main(argv=None):
     ap.add_argument("--torch-max-n", type=int, default=8192)
     ap.add_argument("--headline-rounds", type=int, default=9,
                     help="interleaved rounds for the target ratios (0: take them from the table)")
-    ap.add_argument("--pause", type=float, default=0.3, help="seconds of rest before each interleaved call")
+    ap.add_argument("--pause", type=float, default=0.0, help="seconds of rest before each interleaved call")
     ap.add_argument("--headline-only", action="store_true", help="only the interleaved target ratios")
     ap.add_argument("--sweep-chunk", action="store_true")
     ap.add_argument("--dims", default="64", help="D = M values of the chunk sweep, comma-separated")
