@@ -196,8 +196,11 @@ def headline(args, have_torch):
     is taken between medians -- on a shared machine the load then changes under
     all of them alike.  Within a round every call runs twice back to back and
     the second run is timed: the first absorbs what the previous call left
-    behind (OpenBLAS threads spin-waiting after sgemm, a cold thread pool, a
-    clock that dropped during a pause).  torch SDPA (N = 4096) runs in a
+    behind (a cold thread pool, caches).  After sgemm the round rests for
+    ``--pause`` seconds: OpenBLAS's threads spin-wait after a product and
+    took one of the two cores from the next call (measured: chunked 28 ms
+    instead of 13 ms without the rest; a rest before every call instead made
+    the N = 65,536 call 17% slower).  torch SDPA (N = 4096) runs in a
     subprocess just before and just after the rounds (median over both).
 
     ``chunked_65536_out`` is the same call writing into a preallocated
@@ -225,12 +228,12 @@ def headline(args, have_torch):
     times = {name: [] for name in calls}
     for _ in range(args.headline_rounds):
         for name, fn in calls.items():
-            if args.pause:
-                time.sleep(args.pause)
             fn()  # untimed: settles what the previous call left behind
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
+            if name == "sgemm" and args.pause:
+                time.sleep(args.pause)  # let OpenBLAS's threads stop spinning
     if have_torch:
         sdpa.append(torch_sdpa_times([(4096, "float32", args.headline_rounds)], 60.0).get(("4096", "float32")))
     med = {name: float(np.median(ts)) for name, ts in times.items()}
@@ -339,7 +342,8 @@ def main(argv=None):
     ap.add_argument("--torch-max-n", type=int, default=8192)
     ap.add_argument("--headline-rounds", type=int, default=9,
                     help="interleaved rounds for the target ratios (0: take them from the table)")
-    ap.add_argument("--pause", type=float, default=0.0, help="seconds of rest before each interleaved call")
+    ap.add_argument("--pause", type=float, default=0.5,
+                    help="seconds of rest after sgemm in each interleaved round (OpenBLAS threads spin-wait)")
     ap.add_argument("--headline-only", action="store_true", help="only the interleaved target ratios")
     ap.add_argument("--sweep-chunk", action="store_true")
     ap.add_argument("--dims", default="64", help="D = M values of the chunk sweep, comma-separated")
