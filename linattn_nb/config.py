@@ -169,10 +169,13 @@ ANALYSIS_BLOCK_Q = _env_int("LINATTN_ANALYSIS_BLOCK_Q", 64)
 #: ``max_n`` (inclusive; None = unbounded) admits the sequence length wins.
 #: The rows must come from measurements (benchmarks/), not guesses.
 AUTO_METHODS = {
-    # causal CPU: "chunked" measured faster than "scan" at every N from 1 to
-    # 65,536 (B*H = 16, D = M = 64, float32 and float64; benchmarks/causal_cpu.py
-    # --sweep-auto and the main table, 2026-11-29): 3-4x at N >= 4096.
-    (True, "cpu"): [(None, "chunked")],
+    # causal CPU (B*H = 16, D = M = 64; benchmarks/causal_cpu.py --sweep-auto
+    # --repeats 41 and the main table, 2026-11-29, after the chunked rework):
+    # "scan" is faster up to N = 8 (float32: 50 against 110 us at N = 1, 0.87x
+    # the chunked time at N = 8; float64: 0.4-0.8x up to 8, 0.96x at 16);
+    # "chunked" from N = 16 (float32 1.15-1.4x, float64 about equal) and by
+    # 2.3-5x from N = 32 to 65,536.
+    (True, "cpu"): [(8, "scan"), (None, "chunked")],
     (False, "cpu"): [(None, "aggregate")],
 }
 

@@ -316,8 +316,16 @@ def test_auto_uses_chunked_and_blas_threads_restored(rng):
     from linattn_nb.ops.registry import select_auto
 
     assert select_auto(causal=True, device="cpu", batch=16, n=4096, d=64, m=64, dtype=np.float32) == "chunked"
+    # measured rows (config.AUTO_METHODS): the scan up to N = 8, chunked above
+    assert select_auto(causal=True, device="cpu", batch=16, n=8, d=64, m=64, dtype=np.float32) == "scan"
+    assert select_auto(causal=True, device="cpu", batch=16, n=9, d=64, m=64, dtype=np.float32) == "chunked"
     before = _blas.blas_threads()
-    q, k, v = _inputs(rng, 2, 300, 8, 8, np.float32)
+    # large enough for the parallel kernel, which pins the BLAS while it runs
+    q, k, v = _inputs(rng, 4, 600, 32, 32, np.float32)
+    assert 4 * 600 * 32 * 32 >= cfg.CPU_CHUNKED_SERIAL_MAX_WORK
+    linear_attention(q, k, v, causal=True, method="chunked")
+    assert _blas.blas_threads() == before
+    q, k, v = _inputs(rng, 2, 30, 8, 8, np.float32)  # the serial kernel: no pinning
     linear_attention(q, k, v, causal=True, method="chunked")
     assert _blas.blas_threads() == before
     with _blas.single_threaded_blas():

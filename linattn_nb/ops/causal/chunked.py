@@ -56,6 +56,8 @@ to float64 round-off in the state.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numba
 import numpy as np
 from numba import njit, prange
@@ -324,6 +326,7 @@ def causal_chunked(q, k, v, S, z, out, *, code, eps, chunk=None, block=None, seq
     if N == 0 or B == 0:
         return out
     C = int(chunk if chunk is not None else config.cpu_chunk_size(N, F, M, q.dtype))
+    C = min(C, N) if C >= 1 else C  # no scratch beyond the sequence
     if C < 1:
         raise ValueError(f"chunk must be >= 1, got {C}")
     bs = max(1, min(C, int(block if block is not None else config.cpu_chunk_block(C, F, M, q.dtype))))
@@ -336,7 +339,10 @@ def causal_chunked(q, k, v, S, z, out, *, code, eps, chunk=None, block=None, seq
     ok = as_kernel_array(out)
     proto = np.empty(0, wt)
     args = (np.int64(code), float(eps if clip else 0.0), clip, np.int64(C), np.int64(sub), np.int64(bs))
-    with single_threaded_blas():
+    # BLAS pinned to one thread inside the parallel kernel only: there, its own
+    # threads would oversubscribe the cores; on the calling thread alone they
+    # may help, and the pinning costs 10-20 us, a tenth of a small call.
+    with single_threaded_blas() if kernel is chunked_kernel else contextlib.nullcontext():
         if P == 1:
             # batch-parallel: the state arrays are the segment states
             S4 = np.ascontiguousarray(S).reshape(B, 1, F, M)
