@@ -105,8 +105,10 @@ CPU_CHUNK_BLOCK = _env_int("LINATTN_CPU_CHUNK_BLOCK", 0)
 #: count) splits a sequence into segments of at least this many chunks.
 CPU_CHUNKED_MIN_SEGMENT_CHUNKS = _env_int("LINATTN_CPU_CHUNKED_MIN_SEGMENT_CHUNKS", 8)
 
-#: Below this much work (B * N * D_phi * M) ``method="chunked"`` runs on the
-#: calling thread: entering a parallel region costs more than the work there.
+#: Below this much work (B * N * D_phi * M) ``method="chunked"``, the scan and
+#: the non-causal kernel run on the calling thread: entering a parallel region
+#: costs more than the work there (up to 16-20 ms under load with the OpenMP
+#: layer, measured here, against 0.1 ms of work at N = 128).
 CPU_CHUNKED_SERIAL_MAX_WORK = _env_int("LINATTN_CPU_CHUNKED_SERIAL_MAX_WORK", 1 << 21)
 
 
@@ -114,8 +116,6 @@ def cpu_chunk_size(n: int, f: int, m: int, dtype) -> int:
     """Chunk size for ``method="chunked"`` on the CPU (``CPU_CHUNK_SIZE`` if set, else the table)."""
     if CPU_CHUNK_SIZE > 0:
         return int(CPU_CHUNK_SIZE)
-    import numpy as np
-
     return int(_chunk_row(f, m, dtype)[1])
 
 
@@ -134,6 +134,10 @@ def _chunk_row(f, m, dtype):
             return row
     return (None, 32, 16)
 
+
+#: Below this much work (B * N * N * (D + M), halved when causal) the CPU
+#: softmax kernel runs on the calling thread (see CPU_CHUNKED_SERIAL_MAX_WORK).
+SOFTMAX_SERIAL_MAX_WORK = _env_int("LINATTN_SOFTMAX_SERIAL_MAX_WORK", 1 << 21)
 
 #: Query rows and key columns per block in the CPU softmax kernel.  Memory is
 #: O(block_q * block_k) per thread; the N x N matrix is never formed.

@@ -66,6 +66,7 @@ from ... import config
 from ..._blas import single_threaded_blas
 from .._blocks import features_at
 from .._gemm import gemm
+from .._twins import serial_and_parallel
 from .._vec import as_kernel_array, put3, to_work, work_dtype
 
 
@@ -228,15 +229,14 @@ def _span_item(it, q, k, v, Sst, zst, out, wt, code, eps, clip, C, bs):
     _span(q, k, v, out, b, lo, hi, Sst[b, p], zst[b, p], code, eps, clip, bs, X, R, fk, o, part)
 
 
-@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def chunked_kernel(mode, q, k, v, Sst, zst, out, proto, code, eps, clip, C, sub, bs):
-    """One parallel pass of the chunked causal kernel.
+def _chunked_pass(mode, q, k, v, Sst, zst, out, proto, code, eps, clip, C, sub, bs):
+    """One pass of the chunked causal kernel over its work items.
 
     q, k : (B, N, F) float32/float64, or uint16 (float16 bits); raw inputs when
     ``code`` > 0, features when 0 (float32 features may come with float16
     values).  v : (B, N, M), out : (B, N, M) of the value type (uint16 for
-    float16).  proto : empty
-    array of the working dtype.  C : chunk size.
+    float16).  proto : empty array of the working dtype.  C : chunk size,
+    bs : row block of the intra-chunk products.
 
     ``mode`` 0 (pass 1): ``Sst`` (B, (P-1)*sub, F, M) and ``zst`` (B, (P-1)*sub, F)
     float64 receive the sums of phi(K)^T V and phi(K) over each piece of the
@@ -245,6 +245,12 @@ def chunked_kernel(mode, q, k, v, Sst, zst, out, proto, code, eps, clip, C, sub,
     the state at the start of each of the P segments of every sequence; each
     segment's outputs are written and its state is advanced in place to the
     segment's end (so ``Sst[:, P-1]`` ends as the final state).
+
+    Compiled twice (:mod:`linattn_nb.ops._twins`): :data:`chunked_kernel`
+    runs the items in parallel, :data:`chunked_kernel_serial` on the calling
+    thread (small problems: a parallel region costs more than the work there;
+    measured 18 ms per call under load with the OpenMP layer against 0.1 ms of
+    work at N = 128).
     """
     B = q.shape[0]
     wt = proto.dtype
@@ -256,19 +262,8 @@ def chunked_kernel(mode, q, k, v, Sst, zst, out, proto, code, eps, clip, C, sub,
             _span_item(it, q, k, v, Sst, zst, out, wt, code, eps, clip, C, bs)
 
 
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def chunked_kernel_serial(mode, q, k, v, Sst, zst, out, proto, code, eps, clip, C, sub, bs):
-    """:func:`chunked_kernel` on the calling thread only (small problems: a
-    parallel region costs more than the work; measured 18 ms per call under
-    load with the OpenMP layer against 0.1 ms of work at N = 128)."""
-    B = q.shape[0]
-    wt = proto.dtype
-    nitems = B * Sst.shape[1]
-    for it in range(nitems):
-        if mode == 0:
-            _sum_item(it, k, v, Sst, zst, wt, code, C, Sst.shape[1] // sub + 1, sub)
-        else:
-            _span_item(it, q, k, v, Sst, zst, out, wt, code, eps, clip, C, bs)
+chunked_kernel_serial, chunked_kernel = serial_and_parallel(_chunked_pass, fastmath=config.FASTMATH,
+                                                            cache=config.CACHE)
 
 
 # ---------------------------------------------------------------------------

@@ -11,21 +11,23 @@ float16 (from the float64 result, through float32).  Token ``t`` updates the sta
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from ... import config
 from .._common import phi
+from .._twins import serial_and_parallel
 from .._vec import as_kernel_array, put3, to_work
 
 
-@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def causal_scan_kernel(q, k, v, S, z, out, code, eps, clip):
-    """Per-token recurrence, parallel over the flattened batch (axis 0).
+def _scan(q, k, v, S, z, out, code, eps, clip):
+    """Per-token recurrence over each sequence of the flattened batch (axis 0).
 
     q, k : (B, N, F) inputs (``code`` > 0: raw, the map is applied inline;
     code 0: already features).  v : (B, N, M).  S : (B, F, M), z : (B, F):
     the initial state on entry, the final state on return.  out : (B, N, M).
-    ``clip``: floor the normaliser at ``eps``; else divide raw.
+    ``clip``: floor the normaliser at ``eps``; else divide raw.  Compiled
+    twice (:mod:`linattn_nb.ops._twins`): :data:`causal_scan_kernel`, parallel
+    over the batch, and :data:`causal_scan_kernel_serial` for small problems.
     """
     B, N, F = q.shape
     M = v.shape[2]
@@ -59,9 +61,18 @@ def causal_scan_kernel(q, k, v, S, z, out, code, eps, clip):
                 put3(out, b, t, m, num[m] / den)
 
 
+# error_model="numpy": raw division (eps=None) by a zero normaliser gives inf
+# or NaN, as in every other kernel, not ZeroDivisionError
+causal_scan_kernel_serial, causal_scan_kernel = serial_and_parallel(_scan, fastmath=config.FASTMATH,
+                                                                    cache=config.CACHE, error_model="numpy")
+
+
 def causal_scan(q, k, v, S, z, out, *, code, eps):
     """Launcher: q, k (B, N, F); v (B, N, M); state S, z updated in place; writes out."""
     clip = eps is not None
     q, k, v, o = (as_kernel_array(x) for x in (q, k, v, out))  # float16: uint16 bits, converted per element
-    causal_scan_kernel(q, k, v, S, z, o, np.int64(code), float(eps if clip else 0.0), clip)
+    B, N, F = q.shape
+    small = B == 1 or B * N * F * v.shape[2] < int(config.CPU_CHUNKED_SERIAL_MAX_WORK)
+    kernel = causal_scan_kernel_serial if small else causal_scan_kernel
+    kernel(q, k, v, S, z, o, np.int64(code), float(eps if clip else 0.0), clip)
     return out

@@ -1,6 +1,6 @@
 """Numba CPU kernel of non-causal linear attention: aggregate, then query.
 
-Kernels: :func:`noncausal_kernel` (parallel) and :func:`noncausal_kernel_serial`;
+Kernels: :data:`noncausal_kernel` (parallel) and :data:`noncausal_kernel_serial`;
 launcher: :func:`noncausal_aggregate`.  Both phases work on blocks of
 ``config.CPU_NONCAUSAL_BLOCK`` tokens so the inner work is GEMM-shaped
 (``np.dot(a, b, out)`` -> BLAS, no allocation per block) and the feature map is
@@ -16,6 +16,8 @@ float16 inputs are read as ``uint16`` bits and computed in float32.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numba
 import numpy as np
 from numba import njit, prange
@@ -23,6 +25,7 @@ from numba import njit, prange
 from ... import config
 from ..._blas import single_threaded_blas
 from .._blocks import features, state_sums
+from .._twins import serial_and_parallel
 from .._vec import as_kernel_array, put3, work_dtype
 
 
@@ -84,9 +87,8 @@ def _query_item(it, q, S, z, out, wt, code, eps, clip, block, pieces):
                 put3(out, b, s0 + t, m, numn[t, m] * r)
 
 
-@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def noncausal_kernel(mode, q, k, v, Sp, zp, S, z, out, proto, code, eps, clip, block):
-    """One parallel phase over (sequence, piece) items.
+def _noncausal_phase(mode, q, k, v, Sp, zp, S, z, out, proto, code, eps, clip, block):
+    """One phase over (sequence, piece) items.
 
     mode 0 (aggregate): ``Sp`` (B, P, F, M), ``zp`` (B, P, F) float64 receive
     the sums of phi(K)^T V and phi(K) over each of the P pieces of every
@@ -94,6 +96,10 @@ def noncausal_kernel(mode, q, k, v, Sp, zp, S, z, out, proto, code, eps, clip, b
     (B, F, M), ``z`` (B, F) float64; ``Sp.shape[1]`` gives P.  q, k (B, N, F)
     and v (B, N, M): float32/float64, or uint16 (float16 bits); raw inputs when
     ``code`` > 0.  proto: empty array of the working dtype.
+
+    Compiled twice (:mod:`linattn_nb.ops._twins`): :data:`noncausal_kernel`
+    (items in parallel) and :data:`noncausal_kernel_serial` (calling thread,
+    small problems).
     """
     B = q.shape[0]
     pieces = Sp.shape[1]
@@ -105,17 +111,8 @@ def noncausal_kernel(mode, q, k, v, Sp, zp, S, z, out, proto, code, eps, clip, b
             _query_item(it, q, S, z, out, wt, code, eps, clip, block, pieces)
 
 
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def noncausal_kernel_serial(mode, q, k, v, Sp, zp, S, z, out, proto, code, eps, clip, block):
-    """:func:`noncausal_kernel` on the calling thread (small problems)."""
-    B = q.shape[0]
-    pieces = Sp.shape[1]
-    wt = proto.dtype
-    for it in range(B * pieces):
-        if mode == 0:
-            _aggregate_item(it, k, v, Sp, zp, wt, code, block)
-        else:
-            _query_item(it, q, S, z, out, wt, code, eps, clip, block, pieces)
+noncausal_kernel_serial, noncausal_kernel = serial_and_parallel(_noncausal_phase, fastmath=config.FASTMATH,
+                                                                cache=config.CACHE)
 
 
 def noncausal_aggregate(q, k, v, S, z, out, *, code, eps, block=None, pieces=None):
@@ -144,7 +141,8 @@ def noncausal_aggregate(q, k, v, S, z, out, *, code, eps, block=None, pieces=Non
     zp = np.empty((B, pieces, F))
     args = (as_kernel_array(out), np.empty(0, wt), np.int64(code), float(eps if clip else 0.0), clip,
             np.int64(block))
-    with single_threaded_blas():
+    # BLAS pinned inside the parallel kernel only (see causal/chunked.py)
+    with single_threaded_blas() if kernel is noncausal_kernel else contextlib.nullcontext():
         kernel(np.int64(0), qk, kk, vk, Sp, zp, S, z, *args)
         S += Sp.sum(axis=1)
         z += zp.sum(axis=1)

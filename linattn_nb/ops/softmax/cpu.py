@@ -10,15 +10,19 @@ O(block_q * (block_k + M)); the ``N x N`` matrix is never formed.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from ... import config
 from ..._blas import single_threaded_blas
+from .._twins import serial_and_parallel
 
 
-@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def softmax_kernel(q, k, v, out, scale, causal, block_q, block_k):
-    """q (B, N, D), k (B, N, D), v (B, N, M) -> out (B, N, M)."""
+def _softmax(q, k, v, out, scale, causal, block_q, block_k):
+    """q (B, N, D), k (B, N, D), v (B, N, M) -> out (B, N, M).
+
+    Compiled twice (:mod:`linattn_nb.ops._twins`): :data:`softmax_kernel`,
+    tasks in parallel, and :data:`softmax_kernel_serial` for small problems.
+    """
     B, N, D = q.shape
     M = v.shape[2]
     nqb = (N + block_q - 1) // block_q
@@ -74,12 +78,25 @@ def softmax_kernel(q, k, v, out, scale, causal, block_q, block_k):
                 out[b, q0 + i, mm] = acc[i, mm] * inv
 
 
+softmax_kernel_serial, softmax_kernel = serial_and_parallel(_softmax, fastmath=config.FASTMATH, cache=config.CACHE)
+
+
 def softmax_blocked(q, k, v, out, *, causal, scale, block_q=None, block_k=None):
-    """Launcher for :func:`softmax_kernel`; block sizes default to config."""
+    """Launcher for :data:`softmax_kernel`; block sizes default to config.
+
+    Below ``config.SOFTMAX_SERIAL_MAX_WORK`` (B * N * N * (D + M), halved when
+    causal) or with a single task the serial kernel runs on the calling thread.
+    """
     block_q = int(config.SOFTMAX_BLOCK_Q if block_q is None else block_q)
     block_k = int(config.SOFTMAX_BLOCK_K if block_k is None else block_k)
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block sizes must be >= 1, got block_q={block_q}, block_k={block_k}")
+    B, N, D = q.shape
+    work = B * N * N * (D + v.shape[2]) // (2 if causal else 1)
+    ntask = B * -(-N // block_q)
+    if ntask <= 1 or work < int(config.SOFTMAX_SERIAL_MAX_WORK):
+        softmax_kernel_serial(q, k, v, out, float(scale), bool(causal), np.int64(block_q), np.int64(block_k))
+        return out
     with single_threaded_blas():  # np.dot inside prange: keep OpenBLAS off its own threads
         softmax_kernel(q, k, v, out, float(scale), bool(causal), np.int64(block_q), np.int64(block_k))
     return out

@@ -18,6 +18,7 @@ import numpy as np
 from numba import njit, prange
 
 from ... import config
+from .._twins import serial_and_parallel
 from .._vec import elu1
 
 # ---------------------------------------------------------------------------
@@ -144,15 +145,19 @@ def _features_all(x, t, xs, dst, code, pb, ib):
     phi_row(xs, dst, code, pb, ib)
 
 
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def state_step_serial(q, k, v, St, z, out, feat, work, code, eps, check):
-    """Serial over the batch (a decode step is a few microseconds of work).
+def _state_step(q, k, v, St, z, out, feat, work, code, eps, check):
+    """T tokens through the state of every batch entry.
 
     Per token: the features of all batch entries in two vectorised passes,
     then the row pass of each entry.  ``feat`` (2, B, F) is scratch in the
     state dtype, ``work`` (2, B*F) float64 scratch of the vectorised exp
-    (preallocated by the caller: no allocation in a decode step).  Returns 0, or 1/2/3 (nothing modified) when ``check`` finds
-    q/k/v non-finite.
+    (preallocated by the caller: no allocation in a decode step).  Returns 0,
+    or 1/2/3 (nothing modified) when ``check`` finds q/k/v non-finite.
+
+    Compiled twice (:mod:`linattn_nb.ops._twins`): :data:`state_step_serial`
+    (a decode step is a few microseconds of work) and
+    :data:`state_step_parallel`, the row passes of the batch entries in
+    parallel, one parallel region per token.
     """
     if check:
         bad = first_nonfinite(q, k, v)
@@ -173,39 +178,13 @@ def state_step_serial(q, k, v, St, z, out, feat, work, code, eps, check):
         else:
             _features_all(k, t, xs, fa, code, pb, ib)
             _features_all(q, t, xs, fc, code, pb, ib)
-        for b in range(B):
-            _advance(v, St, z, out, feat[0, b], feat[1, b], b, t, eps)
-    return 0
-
-
-@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def state_step_parallel(q, k, v, St, z, out, feat, work, code, eps, check):
-    """As :func:`state_step_serial`, the row passes of the batch entries in parallel.
-
-    One parallel region per token (each thread owns its entries' rows).
-    """
-    if check:
-        bad = first_nonfinite(q, k, v)
-        if bad:
-            return bad
-    B, T, _ = q.shape
-    F = St.shape[2]
-    n = B * F
-    xs = np.empty(n if T > 1 else 0, dtype=q.dtype)
-    pb = work[0]
-    ib = work[1].view(np.int64)
-    fa = feat[0].reshape(n)
-    fc = feat[1].reshape(n)
-    for t in range(T):
-        if T == 1:
-            phi_row(k.reshape(n), fa, code, pb, ib)
-            phi_row(q.reshape(n), fc, code, pb, ib)
-        else:
-            _features_all(k, t, xs, fa, code, pb, ib)
-            _features_all(q, t, xs, fc, code, pb, ib)
         for b in prange(B):
             _advance(v, St, z, out, feat[0, b], feat[1, b], b, t, eps)
     return 0
+
+
+state_step_serial, state_step_parallel = serial_and_parallel(_state_step, fastmath=config.FASTMATH,
+                                                             cache=config.CACHE)
 
 
 def pick_step_kernel(b, t, m, f):
@@ -374,8 +353,7 @@ def _kv_one(q, K, V, length, causal_new, out, scale, block, b):
             out[b, t, m] = acc[m] / tot
 
 
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def kv_attend_serial(q, K, V, length, causal_new, out, scale, block):
+def _kv_attend(q, K, V, length, causal_new, out, scale, block):
     """Softmax of each query against the cached keys, blocked with a running max.
 
     q (B, T, D) and the cache K (B, cap, D), V (B, cap, M) share one dtype; the
@@ -383,17 +361,15 @@ def kv_attend_serial(q, K, V, length, causal_new, out, scale, block):
     are the last T cached tokens and query t sees keys ``< length - T + t + 1``;
     else every query sees all ``length`` keys.  Scores and probabilities are
     in the cache dtype (GEMV through BLAS per key block), the running
-    normaliser and accumulator in float64.
+    normaliser and accumulator in float64.  Compiled serial and parallel over
+    the batch (:data:`kv_attend_serial`, :data:`kv_attend_parallel`).
     """
-    for b in range(q.shape[0]):
-        _kv_one(q, K, V, length, causal_new, out, scale, block, b)
-
-
-@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def kv_attend_parallel(q, K, V, length, causal_new, out, scale, block):
-    """:func:`kv_attend_serial`, parallel over the batch."""
     for b in prange(q.shape[0]):
         _kv_one(q, K, V, length, causal_new, out, scale, block, b)
+
+
+kv_attend_serial, kv_attend_parallel = serial_and_parallel(_kv_attend, fastmath=config.FASTMATH,
+                                                           cache=config.CACHE)
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -408,26 +384,13 @@ def _kv_append(k, v, K, V, length):
                 V[b, length + t, m] = v[b, t, m]
 
 
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def kv_step_serial(q, k, v, K, V, length, out, scale, block, check):
+def _kv_step(q, k, v, K, V, length, out, scale, block, check):
     """Check, append the T new tokens at ``length``, attend (the cache has room).
 
-    Returns 0, or 1/2/3 (nothing appended) when ``check`` finds q/k/v non-finite.
+    Returns 0, or 1/2/3 (nothing appended) when ``check`` finds q/k/v
+    non-finite.  Compiled serial and parallel over the batch
+    (:data:`kv_step_serial`, :data:`kv_step_parallel`).
     """
-    if check:
-        bad = first_nonfinite(q, k, v)
-        if bad:
-            return bad
-    _kv_append(k, v, K, V, length)
-    n = length + q.shape[1]
-    for b in range(q.shape[0]):
-        _kv_one(q, K, V, n, True, out, scale, block, b)
-    return 0
-
-
-@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def kv_step_parallel(q, k, v, K, V, length, out, scale, block, check):
-    """:func:`kv_step_serial`, attending in parallel over the batch."""
     if check:
         bad = first_nonfinite(q, k, v)
         if bad:
@@ -437,6 +400,9 @@ def kv_step_parallel(q, k, v, K, V, length, out, scale, block, check):
     for b in prange(q.shape[0]):
         _kv_one(q, K, V, n, True, out, scale, block, b)
     return 0
+
+
+kv_step_serial, kv_step_parallel = serial_and_parallel(_kv_step, fastmath=config.FASTMATH, cache=config.CACHE)
 
 
 def pick_kv_kernel(b, t, length, d, m):
