@@ -401,7 +401,7 @@ _PTX_SCRIPT = textwrap.dedent(
     z = types.Array(f64, 2, "C")
     for acc in ("float32", "float64"):
         H = types.Array(getattr(types, acc), 3, "C")
-        for name, sig in (("pack_state_kernel", (S, z, H)), ("unpack_state_kernel", (H, S, z)),
+        for name, sig in (("state_copy_kernel", (S, z, H, types.boolean)),
                           ("chunk_scan_states_kernel", (H, S, z, H, types.int64, types.boolean, types.boolean))):
             res[name + "/" + acc] = {"entry": ".entry" in ptx(getattr(K, name), sig)}
     cnt = types.Array(types.int64, 1, "C")
@@ -432,7 +432,7 @@ def test_kernels_compile_to_ptx():
     for dt in ("float16", "float32", "float64"):
         assert res[dt] == {"target": True, "local": False, "entry": True}, (dt, res[dt])
     assert all(v["entry"] for v in res.values())
-    assert len(res) == 3 + 6 + 6
+    assert len(res) == 3 + 4 + 6  # sequence kernel; state copy and chunk scan x 2 accumulators; helpers
 
 
 # ---------------------------------------------------------------------------

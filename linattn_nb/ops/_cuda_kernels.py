@@ -265,8 +265,9 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str):
 # Helper kernels (plain arrays: cached on disk)
 # ---------------------------------------------------------------------------
 @cuda.jit(cache=_CACHE)
-def pack_state_kernel(S, z, H):
-    """H[b, :, :M] = S[b], H[b, :, M] = z[b] (cast to H's dtype)."""
+def state_copy_kernel(S, z, H, pack):
+    """``pack``: H[b, :, :M] = S[b], H[b, :, M] = z[b] (cast to H's dtype);
+    else the inverse, into float64 S, z."""
     B, F, M = S.shape
     M1 = M + 1
     total = B * F * M1
@@ -277,26 +278,12 @@ def pack_state_kernel(S, z, H):
         rem = idx - b * (F * M1)
         i = rem // M1
         col = rem - i * M1
-        if col < M:
-            H[b, i, col] = S[b, i, col]
-        else:
-            H[b, i, col] = z[b, i]
-
-
-@cuda.jit(cache=_CACHE)
-def unpack_state_kernel(H, S, z):
-    """Inverse of :func:`pack_state_kernel` (into float64 S, z)."""
-    B, F, M = S.shape
-    M1 = M + 1
-    total = B * F * M1
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for idx in range(start, total, stride):
-        b = idx // (F * M1)
-        rem = idx - b * (F * M1)
-        i = rem // M1
-        col = rem - i * M1
-        if col < M:
+        if pack:
+            if col < M:
+                H[b, i, col] = S[b, i, col]
+            else:
+                H[b, i, col] = z[b, i]
+        elif col < M:
             S[b, i, col] = H[b, i, col]
         else:
             z[b, i] = H[b, i, col]

@@ -65,10 +65,10 @@ def causal_scan_cuda(q, k, v, S, z, out, *, code, eps):
     H = cuda.device_array((B, F, M + 1), dtype=np.dtype(acc))
     Hout = cuda.device_array((B, F, M + 1), dtype=np.dtype(acc))
     grid = K.helper_grid(B * F * (M + 1))
-    K.pack_state_kernel[grid](S, z, H)
+    K.state_copy_kernel[grid](S, z, H, True)
     kern[(B, nmb), nth](q4, k4, v4, o4, H, Hout, N, N, 1, 1, B2, int(code),
                         float(eps if clip else 0.0), clip, True, True, True, True)
-    K.unpack_state_kernel[grid](Hout, S, z)
+    K.state_copy_kernel[grid](S, z, Hout, False)
     return out
 
 
