@@ -325,6 +325,16 @@ def chunk_scan_states_kernel(Hc, S, z, Htot, nchunks, exclusive, write_tot):
             Htot[b, i, col] = run
 
 
+@cuda.jit(device=True, inline=True)  # inlined: no device-function compile, which needs a GPU
+def _unravel4(idx, Bn, N, F):
+    """C-order index -> (b1, b2, t, i) of a 4-d array with trailing shape (Bn, N, F)."""
+    i = idx % F
+    rest = idx // F
+    t = rest % N
+    rest = rest // N
+    return rest // Bn, rest % Bn, t, i
+
+
 @cuda.jit(cache=_CACHE)
 def count_nonfinite_kernel(x, counter):
     """counter[0] += number of NaN/inf entries of the 4-d array ``x`` (any strides)."""
@@ -333,12 +343,7 @@ def count_nonfinite_kernel(x, counter):
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     for idx in range(start, total, stride):
-        i = idx % F
-        rest = idx // F
-        t = rest % N
-        rest = rest // N
-        b2 = rest % Bn
-        b1 = rest // Bn
+        b1, b2, t, i = _unravel4(idx, Bn, N, F)
         val = float64(x[b1, b2, t, i])
         if not (val - val == 0.0):
             cuda.atomic.add(counter, 0, 1)
@@ -352,12 +357,7 @@ def copy4d_kernel(src, dst):
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     for idx in range(start, total, stride):
-        i = idx % F
-        rest = idx // F
-        t = rest % N
-        rest = rest // N
-        b2 = rest % Bn
-        b1 = rest // Bn
+        b1, b2, t, i = _unravel4(idx, Bn, N, F)
         dst[b1, b2, t, i] = src[b1, b2, t, i]
 
 
