@@ -264,6 +264,15 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str):
 # ---------------------------------------------------------------------------
 # Helper kernels (plain arrays: cached on disk)
 # ---------------------------------------------------------------------------
+@cuda.jit(device=True, inline=True)  # inlined: no device-function compile, which needs a GPU
+def _state_index(idx, F, M1):
+    """C-order index -> (b, i, col) of a (B, F, M + 1) packed state."""
+    b = idx // (F * M1)
+    rem = idx - b * (F * M1)
+    i = rem // M1
+    return b, i, rem - i * M1
+
+
 @cuda.jit(cache=_CACHE)
 def state_copy_kernel(S, z, H, pack):
     """``pack``: H[b, :, :M] = S[b], H[b, :, M] = z[b] (cast to H's dtype);
@@ -274,10 +283,7 @@ def state_copy_kernel(S, z, H, pack):
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     for idx in range(start, total, stride):
-        b = idx // (F * M1)
-        rem = idx - b * (F * M1)
-        i = rem // M1
-        col = rem - i * M1
+        b, i, col = _state_index(idx, F, M1)
         if pack:
             if col < M:
                 H[b, i, col] = S[b, i, col]
@@ -304,10 +310,7 @@ def chunk_scan_states_kernel(Hc, S, z, Htot, nchunks, exclusive, write_tot):
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     for idx in range(start, total, stride):
-        b = idx // (F * M1)
-        rem = idx - b * (F * M1)
-        i = rem // M1
-        col = rem - i * M1
+        b, i, col = _state_index(idx, F, M1)
         if col < M:
             run = float64(S[b, i, col])
         else:

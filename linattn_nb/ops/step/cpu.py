@@ -57,29 +57,24 @@ def phi_row(x, out, code, pb, ib):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def first_nonfinite(q, k, v):
-    """0 when q, k, v (3-D) are all finite, else 1, 2 or 3 for the first bad one.
-
-    ``x * 0`` is 0 for finite x and NaN for NaN or inf; the sums vectorise.
-    """
+def _finite3(x):
+    """True when the 3-D array holds no NaN or inf (``x * 0`` is NaN exactly for those; the sum vectorises)."""
     acc = 0.0
-    for b in range(q.shape[0]):
-        for t in range(q.shape[1]):
-            for i in range(q.shape[2]):
-                acc += q[b, t, i] * 0.0
-    if acc != 0.0:
+    for b in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            for i in range(x.shape[2]):
+                acc += x[b, t, i] * 0.0
+    return acc == 0.0
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def first_nonfinite(q, k, v):
+    """0 when q, k, v (3-D) are all finite, else 1, 2 or 3 for the first bad one."""
+    if not _finite3(q):
         return 1
-    for b in range(k.shape[0]):
-        for t in range(k.shape[1]):
-            for i in range(k.shape[2]):
-                acc += k[b, t, i] * 0.0
-    if acc != 0.0:
+    if not _finite3(k):
         return 2
-    for b in range(v.shape[0]):
-        for t in range(v.shape[1]):
-            for i in range(v.shape[2]):
-                acc += v[b, t, i] * 0.0
-    if acc != 0.0:
+    if not _finite3(v):
         return 3
     return 0
 
