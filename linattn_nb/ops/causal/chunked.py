@@ -321,9 +321,9 @@ def causal_chunked(q, k, v, S, z, out, *, code, eps, chunk=None, block=None, seq
     if N == 0 or B == 0:
         return out
     C = int(chunk if chunk is not None else config.cpu_chunk_size(N, F, M, q.dtype))
-    C = min(C, N) if C >= 1 else C  # no scratch beyond the sequence
     if C < 1:
         raise ValueError(f"chunk must be >= 1, got {C}")
+    C = min(C, N)  # no scratch beyond the sequence
     bs = max(1, min(C, int(block if block is not None else config.cpu_chunk_block(C, F, M, q.dtype))))
     P, sub = plan(B, N, chunk=C, seq_parallel=seq_parallel)
     small = B * P == 1 or B * N * F * M < int(config.CPU_CHUNKED_SERIAL_MAX_WORK)
