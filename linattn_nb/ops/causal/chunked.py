@@ -19,11 +19,16 @@ scratch sub-blocks through :mod:`linattn_nb.ops._gemm`):
   most of the masked upper triangle (a chunk of 24 in blocks of 8 computes
   2/3 of the full C x C work).
 * ``K_c^T [V_c 1]`` gives the state and normaliser increments at once.
+* The chunk's q, k and v rows are read in one token-by-token pass
+  (:func:`linattn_nb.ops._blocks.load_chunk`) that applies the feature map
+  and fills ``X``, ``phi(K_c)`` and the value rows of ``R`` together.
 
 Measured on one core here (2026-11-29, float32, B*H = 16, N = 4096, D = M =
 64, interleaved medians): this layout 24.7 ms against 26.8 ms for the previous
 four ``np.dot`` calls per chunk (separate products, full triangle, normaliser
-in a Numba loop) -- 8% faster; products of these sizes run at 105-115
+in a Numba loop) -- 8% faster; reading q, k and v in one pass then took it
+to 22.0 ms (24.1 ms for separate passes, interleaved in one process, outputs
+bit-identical); products of these sizes run at 105-115
 GFLOP/s per core through OpenBLAS, against 47 for a 4-row register-blocked
 Numba loop.  The BLAS is pinned to one thread while the kernel runs
 (:mod:`linattn_nb.ops._blas`): OpenBLAS otherwise starts its own threads
