@@ -174,12 +174,13 @@ ANALYSIS_BLOCK_Q = _env_int("LINATTN_ANALYSIS_BLOCK_Q", 64)
 #: The rows must come from measurements (benchmarks/), not guesses.
 AUTO_METHODS = {
     # causal CPU (B*H = 16, D = M = 64; benchmarks/causal_cpu.py --sweep-auto
-    # --repeats 41 and the main table, 2026-11-29, after the chunked rework):
-    # "scan" is faster up to N = 8 (float32: 50 against 110 us at N = 1, 0.87x
-    # the chunked time at N = 8; float64: 0.4-0.8x up to 8, 0.96x at 16);
-    # "chunked" from N = 16 (float32 1.15-1.4x, float64 about equal) and by
-    # 2.3-5x from N = 32 to 65,536.
-    (True, "cpu"): [(8, "scan"), (None, "chunked")],
+    # --repeats 41, twice, 2026-11-29 17:10 UTC, after the one-pass input
+    # read of the chunked kernel): "scan" is faster up to N = 2 (float32:
+    # 0.63-0.70x the chunked time at N = 1, 0.82-0.85x at 2; float64 0.56-0.76x);
+    # at N = 4 the scan takes 1.10-1.16x the chunked time in float32 and
+    # 0.84-1.03x in float64; chunked is faster by 1.2-1.7x at N = 8 and by
+    # 1.5-5x from N = 16 to 65,536.
+    (True, "cpu"): [(2, "scan"), (None, "chunked")],
     (False, "cpu"): [(None, "aggregate")],
 }
 

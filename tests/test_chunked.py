@@ -316,9 +316,12 @@ def test_auto_uses_chunked_and_blas_threads_restored(rng):
     from linattn_nb.ops.registry import select_auto
 
     assert select_auto(causal=True, device="cpu", batch=16, n=4096, d=64, m=64, dtype=np.float32) == "chunked"
-    # measured rows (config.AUTO_METHODS): the scan up to N = 8, chunked above
-    assert select_auto(causal=True, device="cpu", batch=16, n=8, d=64, m=64, dtype=np.float32) == "scan"
-    assert select_auto(causal=True, device="cpu", batch=16, n=9, d=64, m=64, dtype=np.float32) == "chunked"
+    # the measured rows of config.AUTO_METHODS: the scan up to their boundary, chunked above
+    rows = cfg.AUTO_METHODS[(True, "cpu")]
+    assert rows[0][1] == "scan" and rows[-1] == (None, "chunked")
+    edge = rows[0][0]
+    assert select_auto(causal=True, device="cpu", batch=16, n=edge, d=64, m=64, dtype=np.float32) == "scan"
+    assert select_auto(causal=True, device="cpu", batch=16, n=edge + 1, d=64, m=64, dtype=np.float32) == "chunked"
     before = _blas.blas_threads()
     # large enough for the parallel kernel, which pins the BLAS while it runs
     q, k, v = _inputs(rng, 4, 600, 32, 32, np.float32)
