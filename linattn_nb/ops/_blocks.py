@@ -17,32 +17,6 @@ from ._vec import elu1, f16_to_f32, relu, relu2, to_work
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def features_at(src, b, s0, n, dst, col0, code):
-    """dst[:n, col0:col0+F] = phi(src[b, s0:s0+n]) in the working dtype (one loop per map, so each vectorises).
-
-    ``dst`` may be wider than F: the chunked kernel writes phi(q) into the
-    left columns of its ``[phi(Q_c) | A]`` scratch.
-    """
-    F = src.shape[2]
-    if code == 1:
-        for t in range(n):
-            for i in range(F):
-                dst[t, col0 + i] = elu1(to_work(src[b, s0 + t, i]))
-    elif code == 2:
-        for t in range(n):
-            for i in range(F):
-                dst[t, col0 + i] = relu(to_work(src[b, s0 + t, i]))
-    elif code == 3:
-        for t in range(n):
-            for i in range(F):
-                dst[t, col0 + i] = relu2(to_work(src[b, s0 + t, i]))
-    else:
-        for t in range(n):
-            for i in range(F):
-                dst[t, col0 + i] = to_work(src[b, s0 + t, i])
-
-
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def phi_vec(x, code):
     """Feature map ``code`` on one element, through the vectorisable forms of :mod:`._vec`.
 
@@ -69,9 +43,9 @@ def load_chunk(q, k, v, b, s0, n, fq, fk, R, row0, code, with_q):
 
     One pass over the three inputs rather than one per input: measured on one
     core here (2026-11-29, float32, D = M = 64, chunks of 24, inside the
-    chunked kernel, 21 interleaved rounds) 25-31 ns per token less than
-    :func:`features_at` twice and a separate value copy (357-360 -> 325-335
-    ns per token), as the three input streams are read side by side.
+    chunked kernel, 21 interleaved rounds) 25-31 ns per token less than a
+    feature pass over q, one over k and a separate value copy (357-360 ->
+    325-335 ns per token), as the three input streams are read side by side.
     """
     F = k.shape[2]
     M = v.shape[2]
@@ -93,7 +67,10 @@ def load_chunk(q, k, v, b, s0, n, fq, fk, R, row0, code, with_q):
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def features(src, b, s0, n, dst, code):
     """dst[:n] = phi(src[b, s0:s0+n]) in the working dtype."""
-    features_at(src, b, s0, n, dst, 0, code)
+    F = src.shape[2]
+    for t in range(n):
+        for i in range(F):
+            dst[t, i] = phi_vec(to_work(src[b, s0 + t, i]), code)
 
 
 def values(v, b, s0, n, buf):  # pragma: no cover - replaced inside Numba
