@@ -1,74 +1,16 @@
-"""Public attention functions: validation, shape handling, dispatch.
+"""Public attention functions: their documentation, then one call into the front end.
 
-The kernels live in :mod:`linattn_nb.ops`; this module validates inputs,
-flattens the leading batch dimensions, chooses the implementation through the
-method table (:mod:`linattn_nb.ops.registry`) and restores shapes.
+Validation, batch flattening, featurisation, the initial state, the method
+choice and the device routing are in :mod:`linattn_nb._frontend`; the kernels
+in :mod:`linattn_nb.ops`.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import numpy as np
-
-from . import _validate as V
+from . import _frontend
 from . import config
-from . import feature_maps as fm
-from .device import resolve_device
-from .ops import methods as _methods  # noqa: F401  (registers the built-in methods)
-from .ops.registry import get_method, select_auto
-from .ops.softmax.cpu import softmax_blocked
-from .ops.softmax.naive import softmax_attention_quadratic
+from ._frontend import LinearState
 
 __all__ = ["linear_attention", "softmax_attention", "LinearState"]
-
-
-class LinearState(NamedTuple):
-    """Recurrent state of linear attention after a sequence (or a prefix).
-
-    Attributes
-    ----------
-    S : ndarray, shape (..., D_phi, M)
-        ``sum_j phi(k_j) v_j^T`` over the tokens seen.
-    z : ndarray, shape (..., D_phi)
-        ``sum_j phi(k_j)``.
-    position : int
-        Number of tokens absorbed, i.e. the position of the next token
-        (used by position-dependent feature maps).
-    """
-
-    S: np.ndarray
-    z: np.ndarray
-    position: int = 0
-
-
-# kept under its old name: state.py, analysis and the CUDA dispatcher import it
-_check_eps = V.check_eps
-
-
-def _check_state(initial_state, batch_shape, f, m, check_finite):
-    """Validate an initial state; return float64 copies flattened to (B, F, M), (B, F) and the position."""
-    if isinstance(initial_state, LinearState) or (
-        isinstance(initial_state, tuple) and len(initial_state) in (2, 3)
-    ):
-        S0, z0 = initial_state[0], initial_state[1]
-        position = int(initial_state[2]) if len(initial_state) == 3 else 0
-    elif hasattr(initial_state, "S") and hasattr(initial_state, "z"):
-        S0, z0 = initial_state.S, initial_state.z
-        position = int(getattr(initial_state, "position", 0))
-    else:
-        raise TypeError(
-            "initial_state must be a LinearState (or a tuple (S, z[, position])), "
-            f"got {type(initial_state).__name__}"
-        )
-    S0 = V.as_host_array("initial_state.S", S0)
-    z0 = V.as_host_array("initial_state.z", z0)
-    position = V.check_state_arrays(S0, z0, position, batch_shape, f, m)
-    if check_finite:
-        V.check_finite("initial_state.S", S0)
-        V.check_finite("initial_state.z", z0)
-    S = np.array(S0, dtype=np.float64, order="C").reshape((-1, f, m))
-    z = np.array(z0, dtype=np.float64, order="C").reshape((-1, f))
-    return S, z, position
 
 
 def linear_attention(
@@ -133,7 +75,6 @@ def linear_attention(
         ``method`` is ``"scan"``, ``"chunked"`` (causal) or ``"aggregate"``;
         feature maps without an inline form (``kernel_code`` None) are
         applied on the host for host inputs and refused for GPU inputs.
-        See :mod:`linattn_nb._cuda_dispatch`.
     eps : float or None, default 1e-8
         Floor of the normaliser: ``den = max(phi(q)^T z, eps)`` (the seed's
         ``clip(1e-8)``).  With positive feature maps the normaliser is > 0 and
@@ -184,81 +125,10 @@ def linear_attention(
     >>> bool(np.allclose(o, ref))
     True
     """
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device must be one of 'auto', 'cpu', 'cuda', got {device!r}")
-    dev = resolve_device(device, q, k, v, out, names=("q", "k", "v", "out"))
-    if dev == "cuda":
-        from . import _cuda_dispatch
-
-        return _cuda_dispatch.linear_attention_cuda(
-            q, k, v, feature_map=feature_map, causal=causal, method=method, eps=eps,
-            check_finite=check_finite, out=out, initial_state=initial_state,
-            return_state=return_state, host_inputs=not any(map(_is_dev, (q, k, v))),
-        )
-
-    fmap = fm.resolve(feature_map)
-    eps = _check_eps(eps)
-    causal = bool(causal)
-    q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_finite)
-    f = int(fmap.output_dim(d))
-    out_shape = batch_shape + (n, m)
-    if out is not None:
-        V.check_out(out, out_shape, dtype)
-
-    if not isinstance(method, str):
-        raise TypeError(f"method must be a string, got {type(method).__name__}")
-    b = int(np.prod(batch_shape, dtype=np.int64))
-    name = method
-    if method == "auto":
-        name = select_auto(causal=causal, device="cpu", batch=b, n=n, d=d, m=m, dtype=dtype)
-    impl = get_method(name, causal=causal, device="cpu")
-
-    if initial_state is not None:
-        S, z, position = _check_state(initial_state, batch_shape, f, m, check_finite)
-    else:
-        S = np.zeros((b, f, m))
-        z = np.zeros((b, f))
-        position = 0
-
-    work_dtype = dtype if dtype in impl.native_dtypes else np.dtype(np.float32)
-    result = out if out is not None else np.empty(out_shape, dtype=dtype)
-    if n > 0 and b > 0:
-        vf = V.flatten_batch(v, work_dtype)
-        if impl.inline_features and fmap.kernel_code is not None:
-            code = int(fmap.kernel_code)
-            qf = V.flatten_batch(q, work_dtype)
-            kf = V.flatten_batch(k, work_dtype)
-        else:
-            code = 0
-            kw = dict(causal=causal, offset=position, total_length=position + n)
-            # NumPy-side maps of float16 inputs run in float32 (no float16 overflow
-            # or rounding of the features); the kernels take float32 features
-            # next to float16 values.
-            feat_dtype = np.dtype(np.float32) if work_dtype == np.float16 else work_dtype
-            qf = V.flatten_batch(fmap.apply(np.asarray(q, dtype=feat_dtype), role="query", **kw), feat_dtype)
-            kf = V.flatten_batch(fmap.apply(np.asarray(k, dtype=feat_dtype), role="key", **kw), feat_dtype)
-            if qf.shape[-1] != f or kf.shape[-1] != f:
-                raise ValueError(
-                    f"feature map {fmap.name!r} returned {qf.shape[-1]} features for D={d}, "
-                    f"but output_dim({d}) says {f}"
-                )
-        direct = (
-            result.dtype == work_dtype and result.flags.c_contiguous and result.flags.writeable
-        )
-        target = result.reshape((b, n, m)) if direct else np.empty((b, n, m), dtype=work_dtype)
-        impl.launcher(qf, kf, vf, S, z, target, code=code, eps=eps)
-        if not direct:
-            result[...] = target.reshape(out_shape)
-    if not return_state:
-        return result
-    state = LinearState(S.reshape(batch_shape + (f, m)), z.reshape(batch_shape + (f,)), position + n)
-    return result, state
-
-
-def _is_dev(x) -> bool:
-    from .device import on_device  # GPU arrays, and the simulator's device arrays
-
-    return on_device(x)
+    return _frontend.linear_attention(
+        q, k, v, feature_map=feature_map, causal=causal, method=method, device=device, eps=eps,
+        check_finite=check_finite, out=out, initial_state=initial_state, return_state=return_state,
+    )
 
 
 def softmax_attention(q, k, v, *, causal=False, scale=None, device="auto", check_finite=True,
@@ -302,30 +172,5 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, device="auto", check
     >>> bool(np.allclose(o, softmax_attention(q, k, v, causal=True, method="quadratic")))
     True
     """
-    dev = resolve_device(device if device != "cuda" else "auto", q, k, v, names=("q", "k", "v"))
-    if device == "cuda" or dev == "cuda":
-        raise ValueError(
-            "softmax_attention has a CPU kernel only; pass host arrays (device='cpu'). "
-            "GPU inputs: copy them to the host first."
-        )
-    q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_finite)
-    scale = V.check_scale(scale, d)
-    if method not in ("blocked", "quadratic"):
-        raise ValueError(f"unknown method {method!r} for softmax_attention; choose 'blocked' or 'quadratic'")
-    out_shape = batch_shape + (n, m)
-    result = np.empty(out_shape, dtype=dtype)
-    b = int(np.prod(batch_shape, dtype=np.int64))
-    if n == 0 or b == 0:
-        return result
-    work = np.dtype(np.float32) if dtype == np.float16 else dtype
-    qf, kf, vf = (V.flatten_batch(x, work) for x in (q, k, v))
-    if method == "quadratic":
-        res = softmax_attention_quadratic(qf, kf, vf, causal=bool(causal), scale=scale)
-        result[...] = res.reshape(out_shape)
-        return result
-    direct = work == dtype
-    target = result.reshape((b, n, m)) if direct else np.empty((b, n, m), dtype=work)
-    softmax_blocked(qf, kf, vf, target, causal=bool(causal), scale=scale)
-    if not direct:
-        result[...] = target.reshape(out_shape)
-    return result
+    return _frontend.softmax_attention(q, k, v, causal=causal, scale=scale, device=device,
+                                       check_finite=check_finite, method=method)

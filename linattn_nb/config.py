@@ -169,7 +169,8 @@ ANALYSIS_BLOCK_Q = _env_int("LINATTN_ANALYSIS_BLOCK_Q", 64)
 # --------------------------------------------------------------------------
 # method="auto"
 # --------------------------------------------------------------------------
-#: ``(causal, device) -> [(max_n, method), ...]``: the first row whose
+#: ``(rule, causal, device) -> [(max_n, method), ...]``, one table per
+#: update rule (:mod:`linattn_nb.ops.registry`): the first row whose
 #: ``max_n`` (inclusive; None = unbounded) admits the sequence length wins.
 #: The rows must come from measurements (benchmarks/), not guesses.
 AUTO_METHODS = {
@@ -180,8 +181,8 @@ AUTO_METHODS = {
     # at N = 4 the scan takes 1.10-1.16x the chunked time in float32 and
     # 0.84-1.03x in float64; chunked is faster by 1.2-1.7x at N = 8 and by
     # 1.5-5x from N = 16 to 65,536.
-    (True, "cpu"): [(2, "scan"), (None, "chunked")],
-    (False, "cpu"): [(None, "aggregate")],
+    ("additive", True, "cpu"): [(2, "scan"), (None, "chunked")],
+    ("additive", False, "cpu"): [(None, "aggregate")],
 }
 
 # --------------------------------------------------------------------------
@@ -227,8 +228,8 @@ CUDA_MAX_FEATURES = _env_int("LINATTN_CUDA_MAX_FEATURES", 1024)
 #: session that wrote them); benchmarks/gpu_bench.py times both methods and
 #: prints the crossover to put here.
 CUDA_AUTO_SCAN_BLOCKS_PER_SM = _env_int("LINATTN_CUDA_AUTO_SCAN_BLOCKS_PER_SM", 4)
-AUTO_METHODS[(True, "cuda")] = [(2 * 256, "scan"), (None, "chunked")]
-AUTO_METHODS[(False, "cuda")] = [(None, "aggregate")]
+AUTO_METHODS[("additive", True, "cuda")] = [(2 * 256, "scan"), (None, "chunked")]
+AUTO_METHODS[("additive", False, "cuda")] = [(None, "aggregate")]
 
 # --------------------------------------------------------------------------
 # linattn_nb.analysis (rank and capacity tools)

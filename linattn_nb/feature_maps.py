@@ -82,18 +82,20 @@ __all__ = [
     "get",
     "available",
     "resolve",
+    "inline_maps",
     "KERNEL_CODE_NONE",
     "KERNEL_CODE_ELU",
     "KERNEL_CODE_RELU",
     "KERNEL_CODE_SQUARED_RELU",
 ]
 
-# Codes understood by the Numba kernels (see linattn_nb.ops._phi).  0 means
+# Codes understood by the Numba kernels (see linattn_nb.ops._common.phi).  0 means
 # "the inputs already are features": the kernel uses them as they are.
 KERNEL_CODE_NONE = 0
 KERNEL_CODE_ELU = 1
 KERNEL_CODE_RELU = 2
 KERNEL_CODE_SQUARED_RELU = 3
+KERNEL_CODES = (KERNEL_CODE_NONE, KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU)
 
 
 class FeatureMap:
@@ -989,6 +991,12 @@ def register(name: str, factory: Factory, *, overwrite: bool = False) -> None:
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if isinstance(factory, FeatureMap):
+        raise TypeError(
+            f"register({name!r}, ...) needs a FeatureMap class or a factory that builds one, got an instance "
+            f"of {type(factory).__name__}; register the class (register({name!r}, {type(factory).__name__})) "
+            "or pass the instance itself as feature_map="
+        )
     if not callable(factory):
         raise TypeError(f"factory for {name!r} must be callable, got {type(factory).__name__}")
     if name in _REGISTRY and not overwrite:
@@ -1031,16 +1039,40 @@ def resolve(feature_map: Union[str, FeatureMap, None]) -> FeatureMap:
     if feature_map is None:
         return IdentityFeatureMap()
     if isinstance(feature_map, FeatureMap):
-        return feature_map
+        return _check_kernel_code(feature_map)
     if isinstance(feature_map, str):
         try:
-            return get(feature_map)
+            return _check_kernel_code(get(feature_map))
         except KeyError as exc:
             raise ValueError(f"feature_map: {exc.args[0]}") from None
     raise TypeError(
         "feature_map must be a registered name, a FeatureMap instance or None, "
         f"got {type(feature_map).__name__}"
     )
+
+
+def _check_kernel_code(fmap: FeatureMap) -> FeatureMap:
+    code = fmap.kernel_code
+    if code is not None and (isinstance(code, bool) or not isinstance(code, (int, np.integer))
+                             or int(code) not in KERNEL_CODES):
+        raise ValueError(
+            f"feature map {fmap.name!r} has kernel_code {code!r}; the kernels know "
+            f"{', '.join(map(str, KERNEL_CODES))} (identity, ELU+1, ReLU, squared ReLU) or None "
+            "(the map is applied in NumPy)"
+        )
+    return fmap
+
+
+def inline_maps() -> list[str]:
+    """Names of the registered maps with an inline kernel form (``kernel_code`` not None)."""
+    names = []
+    for nm in available():
+        try:
+            if get(nm).kernel_code is not None:
+                names.append(nm)
+        except Exception:  # maps that need parameters
+            continue
+    return names
 
 
 register("elu", EluFeatureMap)

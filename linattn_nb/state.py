@@ -25,7 +25,7 @@ import numpy as np
 from . import _validate as V
 from . import config
 from . import feature_maps as fm
-from .attention import LinearState, _check_eps
+from ._frontend import LinearState
 from .device import check_device_arg, is_device_array, resolve_device
 from .ops.step import cpu as _cpu
 
@@ -319,7 +319,7 @@ class LinearAttentionState:
         bs = _check_batch_shape(batch_shape)
         fmap = fm.resolve(feature_map)
         dt = _check_state_dtype(dtype)
-        eps = _check_eps(eps)
+        eps = V.check_eps(eps)
         check_device_arg(device)
         f = int(fmap.output_dim(d))
         if f < 1:

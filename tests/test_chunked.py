@@ -317,7 +317,7 @@ def test_auto_uses_chunked_and_blas_threads_restored(rng):
 
     assert select_auto(causal=True, device="cpu", batch=16, n=4096, d=64, m=64, dtype=np.float32) == "chunked"
     # the measured rows of config.AUTO_METHODS: the scan up to their boundary, chunked above
-    rows = cfg.AUTO_METHODS[(True, "cpu")]
+    rows = cfg.AUTO_METHODS[("additive", True, "cpu")]
     assert rows[0][1] == "scan" and rows[-1] == (None, "chunked")
     edge = rows[0][0]
     assert select_auto(causal=True, device="cpu", batch=16, n=edge, d=64, m=64, dtype=np.float32) == "scan"

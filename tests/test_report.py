@@ -147,16 +147,16 @@ def test_a_broken_kernel_fails_the_self_check(tmp_path, monkeypatch, capsys):
     """The self-check can fail: a registered method that leaves one output row unwritten."""
     from linattn_nb.ops import methods as _methods  # noqa: F401
     from linattn_nb.ops import registry
-    from linattn_nb.ops.causal.cpu import causal_scan
+    scan = registry.get_method("scan", causal=True, device="cpu").forward
 
-    def launcher(q, k, v, S, z, out, *, code, eps):
-        causal_scan(q, k, v, S, z, out, code=code, eps=eps)
+    def launcher(q, k, v, H, out, *, code, eps, inputs=None):
+        scan(q, k, v, H, out, code=code, eps=eps)
         if out.shape[1] > 5:
             out[:, 5] = np.nan if out.dtype.kind == "f" else 0  # as if the kernel skipped a row
         return out
 
-    monkeypatch.setitem(registry._METHODS, ("broken", True, "cpu"),
-                        registry.Method("broken", True, "cpu", launcher))
+    monkeypatch.setitem(registry._METHODS, ("additive", True, "broken", "cpu"),
+                        registry.Method("additive", "broken", True, "cpu", launcher))
     rc = cli.main(["check", "--profile", "tiny", "--out", str(tmp_path / "r"), "--no-progress"])
     assert rc == 1
     err = capsys.readouterr().err

@@ -24,7 +24,8 @@ import numpy as np
 
 from .. import config
 from .. import feature_maps as fm
-from ..attention import _check_eps, linear_attention, softmax_attention
+from .. import _validate as V
+from ..attention import linear_attention, softmax_attention
 
 __all__ = ["RecallCapacity", "recall_capacity", "MQAR", "mqar", "state_size"]
 
@@ -219,7 +220,7 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     trials = _check_int("trials", trials, 1)
     seed = _check_int("seed", seed, 0)
     softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else _check_positive_float("softmax_scale", softmax_scale)
-    eps = _check_eps(eps)
+    eps = V.check_eps(eps)
     d_phi = int(fmap.output_dim(d))
 
     metrics = np.zeros((5, ns.size, trials))

@@ -1,4 +1,4 @@
-"""Registration of the built-in implementations in the method table.
+"""Registration of the built-in rules and implementations in the method table.
 
 Importing this module compiles nothing (Numba compiles on first call).
 """
@@ -12,13 +12,16 @@ from .causal.cpu import causal_scan
 from .causal.naive import causal_linear_quadratic
 from .noncausal.cpu import noncausal_aggregate
 from .noncausal.naive import noncausal_linear_quadratic
-from .registry import Method, register_method
+from .registry import Method, Rule, register_method, register_rule
 
 _ALL_FLOATS = frozenset({np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)})
 
+#: The additive rule (Katharopoulos et al. 2020): S_t = S_{t-1} + phi(k_t) v_t^T.
+ADDITIVE = register_rule(Rule("additive", code=0))
+
 
 def _quadratic_launcher(reference):
-    def launcher(q, k, v, S, z, out, *, code, eps):
+    def forward(q, k, v, H, out, *, code, eps, inputs=None):
         B, N, _ = q.shape
         if N * N > config.QUADRATIC_MAX_ELEMENTS:
             raise ValueError(
@@ -26,49 +29,79 @@ def _quadratic_launcher(reference):
                 f"config.QUADRATIC_MAX_ELEMENTS={config.QUADRATIC_MAX_ELEMENTS} elements. "
                 "Use method='auto' (or raise the limit in linattn_nb.config)."
             )
-        res, S_new, z_new = reference(q, k, v, eps=eps, S0=S, z0=z)
+        M = H.shape[2] - 1
+        res, S_new, z_new = reference(q, k, v, eps=eps, S0=H[:, :, :M], z0=H[:, :, M])
         out[...] = res
-        S[...] = S_new
-        z[...] = z_new
+        H[:, :, :M] = S_new
+        H[:, :, M] = z_new
         return out
 
-    return launcher
+    return forward
 
 
-register_method(Method("quadratic", True, "cpu", _quadratic_launcher(causal_linear_quadratic),
-                       inline_features=False, native_dtypes=_ALL_FLOATS))
-register_method(Method("quadratic", False, "cpu", _quadratic_launcher(noncausal_linear_quadratic),
-                       inline_features=False, native_dtypes=_ALL_FLOATS))
-register_method(Method("scan", True, "cpu", causal_scan, native_dtypes=_ALL_FLOATS))
-register_method(Method("chunked", True, "cpu", causal_chunked, native_dtypes=_ALL_FLOATS))
+def _sz_launcher(fn):
+    """A launcher on (S, z) seen through the H contract (the state split before, joined after)."""
+    def forward(q, k, v, H, out, *, code, eps, inputs=None):
+        M = H.shape[2] - 1
+        S = np.ascontiguousarray(H[:, :, :M])
+        z = np.ascontiguousarray(H[:, :, M])
+        fn(q, k, v, S, z, out, code=code, eps=eps)
+        H[:, :, :M] = S
+        H[:, :, M] = z
+        return out
+
+    forward.__name__ = forward.__qualname__ = fn.__name__
+    return forward
+
+
+def _cpu(name, causal, forward, **kw):
+    register_method(Method("additive", name, causal, "cpu", forward, native_dtypes=_ALL_FLOATS, **kw))
+
+
+_cpu("quadratic", True, _quadratic_launcher(causal_linear_quadratic), inline_features=False)
+_cpu("quadratic", False, _quadratic_launcher(noncausal_linear_quadratic), inline_features=False)
+_cpu("scan", True, _sz_launcher(causal_scan))
+_cpu("chunked", True, _sz_launcher(causal_chunked))
 # Non-causal attention has no recurrence: every linear method runs the
 # aggregate-then-query kernel (the names are accepted so that sweeps over
 # (causal, method) need no special case).
 for _name in ("aggregate", "scan", "chunked"):
-    register_method(Method(_name, False, "cpu", noncausal_aggregate, native_dtypes=_ALL_FLOATS))
+    _cpu(_name, False, _sz_launcher(noncausal_aggregate))
 
 
-# CUDA launchers (linattn_nb/ops/causal/cuda.py, noncausal/cuda.py): registered
-# here so the method table lists them, imported on first call so that the
-# package imports without numba-cuda and compiles nothing at import.
+# CUDA launchers (ops/causal/cuda.py, ops/noncausal/cuda.py): registered here
+# so the method table lists them, imported on first call so that the package
+# imports without numba-cuda and compiles nothing at import.
 def _cuda_launcher(module: str, attr: str):
-    def launcher(q, k, v, S, z, out, *, code, eps):
+    def forward(q, k, v, H, out, *, code, eps, inputs=None):
         import importlib
 
+        from numba import cuda
+
+        from . import _cuda_kernels as K
+
         fn = getattr(importlib.import_module(module, __package__), attr)
-        return fn(q, k, v, S, z, out, code=code, eps=eps)
+        B, F, M1 = H.shape
+        S = cuda.device_array((B, F, M1 - 1), dtype=np.float64)
+        z = cuda.device_array((B, F), dtype=np.float64)
+        grid = K.helper_grid(B * F * M1)
+        if B * F:
+            K.state_copy_kernel[grid](S, z, H, False)
+        fn(q, k, v, S, z, out, code=code, eps=eps)
+        if B * F:
+            K.state_copy_kernel[grid](S, z, H, True)
+        return out
 
-    launcher.__name__ = attr
-    launcher.__qualname__ = attr
-    launcher.__doc__ = f"{module}.{attr}, imported on first call (device arrays in and out)."
-    return launcher
+    forward.__name__ = forward.__qualname__ = attr
+    forward.__doc__ = f"{module}.{attr}, imported on first call (device arrays in and out)."
+    return forward
 
 
-register_method(Method("scan", True, "cuda", _cuda_launcher(".causal.cuda", "causal_scan_cuda"),
-                       native_dtypes=_ALL_FLOATS))
-register_method(Method("chunked", True, "cuda", _cuda_launcher(".causal.cuda", "causal_chunked_cuda"),
-                       native_dtypes=_ALL_FLOATS))
+def _gpu(name, causal, forward):
+    register_method(Method("additive", name, causal, "cuda", forward, native_dtypes=_ALL_FLOATS))
+
+
+_gpu("scan", True, _cuda_launcher(".causal.cuda", "causal_scan_cuda"))
+_gpu("chunked", True, _cuda_launcher(".causal.cuda", "causal_chunked_cuda"))
 for _name in ("aggregate", "scan", "chunked"):
-    register_method(Method(_name, False, "cuda",
-                           _cuda_launcher(".noncausal.cuda", "noncausal_aggregate_cuda"),
-                           native_dtypes=_ALL_FLOATS))
+    _gpu(_name, False, _cuda_launcher(".noncausal.cuda", "noncausal_aggregate_cuda"))

@@ -1,21 +1,40 @@
-"""The method table: which launcher runs which (method, causal, device).
+"""The method table: which launcher runs which (rule, causal, method, device).
 
-Every implementation of linear attention registers itself here with
-:func:`register_method`; the public function :func:`linattn_nb.linear_attention`
-looks methods up through :func:`get_method` and resolves ``method="auto"``
-through :func:`select_auto`.  A launcher has the uniform signature::
+Two axes describe a computation: the **update rule** of the state (how token
+``t`` changes ``S_t``; today the additive rule of Katharopoulos et al. 2020,
+``S_t = S_{t-1} + phi(k_t) v_t^T``) and the **method** that evaluates it
+(``quadratic``, ``scan``, ``chunked``, ``aggregate``; ``step`` for decoding).
+A rule is data (:class:`Rule`); every implementation registers itself here
+with :func:`register_method` under ``(rule, causal, method, device)``, and the
+front end (:mod:`linattn_nb._frontend`) looks it up with :func:`get_method`
+and resolves ``method="auto"`` with :func:`select_auto` from the per-rule
+tables ``config.AUTO_METHODS[(rule, causal, device)]``.
 
-    launcher(q, k, v, S, z, out, *, code, eps) -> out
+The forward launcher of a sequence method has one signature for every rule
+and device::
 
-with ``q, k`` of shape (B, N, F) (raw inputs when ``code`` > 0 and the method
-applies maps inline, else features), ``v`` (B, N, M), the state ``S`` (B, F, M)
-and ``z`` (B, F) updated in place from the initial to the final state, and
-``out`` (B, N, M) written.
+    forward(q, k, v, H, out, *, code, eps, inputs=None) -> out
+
+``q, k`` (B, N, F): raw inputs when ``code`` > 0 (the method applies the
+elementwise map itself, :attr:`Method.inline_features`), else features.
+``v`` (B, N, M).  ``H`` (B, F, M + 1) float64, C-contiguous: the state
+``[S | z]``, updated in place from the initial to the final state.  Its last
+column is the normaliser ``z``: the state of **one more value column of
+ones**, so a rule's kernels produce the normaliser without code of their own.
+``out`` (B, N, M) is written.  ``eps``: normaliser floor (None: raw division).
+``inputs``: the rule's extra per-token inputs (:attr:`Rule.inputs`),
+flattened to the batch, None for the additive rule.  On CUDA the arrays are
+device arrays (``q, k, v, out`` may be 4-d ``(B1, B2, N, ·)`` views).
+
+A method may register a ``backward`` launcher next to its forward one (None
+until gradients land).  Decode-step kernels are registered the same way under
+``method="step"`` with their own contract (:attr:`Method.kind` ``"step"``, see
+:mod:`linattn_nb.state`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -25,79 +44,156 @@ METHOD_NAMES = ("auto", "quadratic", "scan", "chunked", "aggregate")
 
 
 @dataclass(frozen=True)
+class Rule:
+    """A state-update rule.
+
+    Attributes
+    ----------
+    name : str
+        The registry name (``"additive"``).
+    code : int
+        The integer the kernels' per-rule hooks branch on (0 for additive).
+    inputs : tuple of str
+        Extra per-token inputs the rule takes besides q, k, v (e.g. a decay);
+        the front end validates and flattens them and passes them to the
+        launcher as ``inputs``.
+    state_fields : tuple of str
+        Names of the state's parts: ``("S", "z")`` -- ``z`` is the state of
+        the value column of ones, i.e. column M of ``H``.
+    normalize : bool
+        Whether outputs are divided by the normaliser by default.
+    """
+
+    name: str
+    code: int = 0
+    inputs: Tuple[str, ...] = ()
+    state_fields: Tuple[str, ...] = ("S", "z")
+    normalize: bool = True
+
+
+@dataclass(frozen=True)
 class Method:
     """One registered implementation.
 
     Attributes
     ----------
+    rule : str
+        The :class:`Rule` it implements.
     name : str
         The ``method=`` name.
     causal : bool
     device : str
         ``"cpu"`` or ``"cuda"``.
-    launcher : callable
-        See the module docstring.
+    forward : callable
+        The forward launcher (contract in the module docstring).
+    backward : callable or None
+        The backward launcher, when the method has one.
     inline_features : bool
         The launcher applies elementwise maps itself (``code`` > 0).
     native_dtypes : frozenset of numpy.dtype
         Dtypes the launcher takes as they are; inputs of other supported
         dtypes are computed in float32 and cast back.
+    kind : str
+        ``"sequence"`` (the contract above) or ``"step"`` (decoding).
     """
 
+    rule: str
     name: str
     causal: bool
     device: str
-    launcher: Callable
+    forward: Callable
+    backward: Optional[Callable] = None
     inline_features: bool = True
     native_dtypes: frozenset = field(
         default_factory=lambda: frozenset({np.dtype(np.float32), np.dtype(np.float64)})
     )
+    kind: str = "sequence"
+
+    @property
+    def key(self) -> tuple:
+        return (self.rule, self.causal, self.name, self.device)
+
+    @property
+    def launcher(self) -> Callable:
+        """The forward launcher (its name before backward launchers existed)."""
+        return self.forward
 
 
-_METHODS: Dict[Tuple[str, bool, str], Method] = {}
+_RULES: Dict[str, Rule] = {}
+_METHODS: Dict[Tuple[str, bool, str, str], Method] = {}
+
+
+def register_rule(rule: Rule, *, overwrite: bool = False) -> Rule:
+    """Add an update rule to the table."""
+    if rule.name in _RULES and not overwrite:
+        raise ValueError(f"rule {rule.name!r} already registered")
+    _RULES[rule.name] = rule
+    return rule
+
+
+def get_rule(name: str) -> Rule:
+    """The registered :class:`Rule` called ``name``."""
+    if not isinstance(name, str):
+        raise TypeError(f"rule must be a string, got {type(name).__name__}")
+    try:
+        return _RULES[name]
+    except KeyError:
+        raise ValueError(f"unknown rule {name!r}; registered: {', '.join(map(repr, sorted(_RULES)))}") from None
+
+
+def available_rules() -> list[str]:
+    return sorted(_RULES)
 
 
 def register_method(method: Method, *, overwrite: bool = False) -> None:
-    key = (method.name, method.causal, method.device)
-    if key in _METHODS and not overwrite:
-        raise ValueError(f"method {key} already registered")
-    _METHODS[key] = method
+    """Add an implementation under ``(rule, causal, method, device)``."""
+    if method.rule not in _RULES:
+        raise ValueError(f"method {method.key} names an unregistered rule {method.rule!r}")
+    if method.key in _METHODS and not overwrite:
+        raise ValueError(f"method {method.key} already registered")
+    _METHODS[method.key] = method
 
 
-def available_methods(*, causal: bool, device: str = "cpu") -> list[str]:
-    return sorted(name for (name, c, d) in _METHODS if c == causal and d == device)
+def available_methods(*, causal: bool, device: str = "cpu", rule: str = "additive",
+                      kind: str = "sequence") -> list[str]:
+    """Names of the registered methods for a rule, causality and device."""
+    return sorted(m.name for m in _METHODS.values()
+                  if m.rule == rule and m.causal == causal and m.device == device and m.kind == kind)
 
 
-def get_method(name: str, *, causal: bool, device: str) -> Method:
+def get_method(name: str, *, causal: bool, device: str, rule: str = "additive") -> Method:
+    """The :class:`Method` registered under ``(rule, causal, name, device)``."""
     if not isinstance(name, str):
         raise TypeError(f"method must be a string, got {type(name).__name__}")
-    key = (name, causal, device)
+    key = (rule, causal, name, device)
     if key not in _METHODS:
-        if name not in METHOD_NAMES:
+        get_rule(rule)
+        if name not in METHOD_NAMES and name != "step":
             raise ValueError(
                 f"unknown method {name!r}; choose one of {', '.join(repr(m) for m in METHOD_NAMES)}"
             )
-        avail = available_methods(causal=causal, device=device)
+        avail = available_methods(causal=causal, device=device, rule=rule)
         raise ValueError(
-            f"method {name!r} is not available for causal={causal} on device {device!r}; "
-            f"available: {', '.join(repr(m) for m in ['auto'] + avail)}"
+            f"method {name!r} is not available for rule {rule!r} with causal={causal} on device "
+            f"{device!r}; available: {', '.join(repr(m) for m in ['auto'] + avail)}"
         )
     return _METHODS[key]
 
 
-def select_auto(*, causal: bool, device: str, batch: int, n: int, d: int, m: int, dtype) -> str:
+def select_auto(*, causal: bool, device: str, batch: int, n: int, d: int, m: int, dtype,
+                rule: str = "additive") -> str:
     """Resolve ``method="auto"`` from the measured table in :mod:`linattn_nb.config`.
 
-    ``config.AUTO_METHODS[(causal, device)]`` is a list of ``(max_n, method)``
-    rows, the first row with ``n <= max_n`` wins (``None`` = no limit); rows
-    naming a method that is not registered are skipped.
+    ``config.AUTO_METHODS[(rule, causal, device)]`` is a list of ``(max_n,
+    method)`` rows; the first row with ``n <= max_n`` wins (``None`` = no
+    limit); rows naming a method that is not registered are skipped.
     """
-    table = config.AUTO_METHODS.get((bool(causal), device), ())
+    table = config.AUTO_METHODS.get((rule, bool(causal), device), ())
     for max_n, name in table:
-        if (max_n is None or n <= max_n) and (name, causal, device) in _METHODS:
+        if (max_n is None or n <= max_n) and (rule, causal, name, device) in _METHODS:
             return name
-    avail = available_methods(causal=causal, device=device)
+    avail = available_methods(causal=causal, device=device, rule=rule)
     for fallback in ("chunked", "scan", "aggregate", "quadratic"):
         if fallback in avail:
             return fallback
-    raise ValueError(f"no method registered for causal={causal} on device {device!r}")
+    raise ValueError(f"no method registered for rule {rule!r} with causal={causal} on device {device!r}")

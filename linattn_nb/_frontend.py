@@ -1,0 +1,333 @@
+"""The front end: every public entry point goes through here, once.
+
+A request flows downward only::
+
+    public module (attention.py, state, analysis)
+      -> front end (this module): validate, flatten the batch, featurise,
+         parse the initial state, choose the method, route the device
+        -> method table (ops/registry.py) -> launcher -> kernel
+
+:func:`linear_attention` and :func:`softmax_attention` are the whole request
+path of the public functions of the same name; :func:`featurise`,
+:func:`feature_dim`, :func:`parse_state`, :func:`host_state` and
+:func:`check_causal` are the pieces that :class:`linattn_nb.LinearAttentionState`
+and the analysis functions share with them.  The CUDA side of a request
+(device arrays, copies, device states) is in :mod:`linattn_nb._cuda_dispatch`,
+which this module calls and which imports nothing from it.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _cuda_dispatch as CD
+from . import _validate as V
+from . import feature_maps as fm
+from .device import on_device, resolve_device
+from .ops import methods  # noqa: F401  (registers the built-in rules and methods)
+from .ops.registry import get_method, get_rule, select_auto
+from .ops.softmax.cpu import softmax_blocked
+from .ops.softmax.naive import softmax_attention_quadratic
+
+_F16 = np.dtype(np.float16)
+_F32 = np.dtype(np.float32)
+
+
+class LinearState(NamedTuple):
+    """Recurrent state of linear attention after a sequence (or a prefix).
+
+    What :func:`linattn_nb.linear_attention` returns with
+    ``return_state=True`` and takes as ``initial_state`` (for segment-wise
+    processing); :class:`linattn_nb.LinearAttentionState` is the decoding
+    object built on the same numbers.
+
+    Attributes
+    ----------
+    S : ndarray, shape (..., D_phi, M)
+        ``sum_j phi(k_j) v_j^T`` over the tokens seen.
+    z : ndarray, shape (..., D_phi)
+        ``sum_j phi(k_j)``.
+    position : int
+        Number of tokens absorbed, i.e. the position of the next token
+        (used by position-dependent feature maps).
+    """
+
+    S: np.ndarray
+    z: np.ndarray
+    position: int = 0
+
+
+# ---------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------
+def check_causal(causal) -> bool:
+    """``causal`` as a bool; anything but a bool or NumPy bool raises TypeError."""
+    if isinstance(causal, (bool, np.bool_)):
+        return bool(causal)
+    raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+
+
+def check_method_name(method) -> str:
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a string, got {type(method).__name__}")
+    return method
+
+
+def check_position(position, name: str = "initial_state.position") -> int:
+    """A token position: a non-negative integer (an integral float is accepted)."""
+    if isinstance(position, (bool, np.bool_)) or position is None:
+        raise TypeError(f"{name} must be a non-negative integer, got {position!r}")
+    if isinstance(position, numbers.Integral):
+        position = int(position)
+    elif isinstance(position, numbers.Real):
+        p = float(position)
+        if not math.isfinite(p) or p != int(p):
+            raise ValueError(f"{name} must be a non-negative integer, got {position!r}")
+        position = int(p)
+    else:
+        raise TypeError(f"{name} must be a non-negative integer, got {type(position).__name__} {position!r}")
+    if position < 0:
+        raise ValueError(f"{name} must be >= 0, got {position}")
+    return position
+
+
+# ---------------------------------------------------------------------------
+# Feature maps
+# ---------------------------------------------------------------------------
+def feature_dim(fmap, d: int) -> int:
+    """``fmap.output_dim(d)``, checked to be an integer >= 1."""
+    f = fmap.output_dim(d)
+    if isinstance(f, (bool, np.bool_)) or not isinstance(f, numbers.Integral) or int(f) < 1:
+        raise ValueError(
+            f"feature map {getattr(fmap, 'name', type(fmap).__name__)!r} has output_dim({d}) = {f!r}; "
+            "it must be an integer >= 1"
+        )
+    return int(f)
+
+
+def featurise(fmap, x, *, role: str, causal: bool, offset: int = 0, total_length=None,
+              dtype=None, name: str = "x") -> np.ndarray:
+    """Features ``fmap.apply(x)`` of ``x`` (..., N, D), checked to have shape (..., N, output_dim(D)).
+
+    ``dtype``: the dtype ``x`` is cast to before the map (default: as it is).
+    A map that returns another shape (rows dropped or added, a batch entry
+    missing, the wrong feature count) raises ValueError naming the map and
+    both shapes before any kernel sees the array.
+    """
+    x = np.asarray(x) if dtype is None else np.asarray(x, dtype=dtype)
+    d = int(x.shape[-1])
+    f = feature_dim(fmap, d)
+    n = int(x.shape[-2])
+    if total_length is None:
+        total_length = offset + n
+    feats = np.asarray(fmap.apply(x, role=role, causal=causal, offset=offset, total_length=total_length))
+    want = tuple(x.shape[:-1]) + (f,)
+    if tuple(feats.shape) != want:
+        raise ValueError(
+            f"feature map {fmap.name!r} returned features of shape {tuple(feats.shape)} for {name} of shape "
+            f"{tuple(x.shape)}; expected {want} (the input's leading dimensions and N, then "
+            f"output_dim({d}) = {f})"
+        )
+    if feats.dtype.kind != "f":
+        raise TypeError(f"feature map {fmap.name!r} returned {feats.dtype} features for {name}; "
+                        "expected a floating dtype")
+    return feats
+
+
+def _host_features(fmap, impl, q, k, v, work, causal, position, n):
+    """Flattened (B, N, ·) kernel inputs and the map code for a CPU or CUDA-host launcher."""
+    vf = V.flatten_batch(v, work)
+    if impl.inline_features and fmap.kernel_code is not None:
+        return V.flatten_batch(q, work), V.flatten_batch(k, work), vf, int(fmap.kernel_code)
+    # NumPy-side maps of float16 inputs run in float32 (no float16 overflow or
+    # rounding of the features); the kernels take float32 features next to
+    # float16 values.
+    feat = _F32 if work == _F16 else work
+    kw = dict(causal=causal, offset=position, total_length=position + n, dtype=feat)
+    qf = V.flatten_batch(featurise(fmap, q, role="query", name="q", **kw), feat)
+    kf = V.flatten_batch(featurise(fmap, k, role="key", name="k", **kw), feat)
+    return qf, kf, vf, 0
+
+
+# ---------------------------------------------------------------------------
+# States
+# ---------------------------------------------------------------------------
+def parse_state(initial_state):
+    """``(S, z, position)`` of a LinearState, a tuple ``(S, z[, position])`` or an object with .S, .z."""
+    if isinstance(initial_state, tuple) and len(initial_state) in (2, 3):
+        S0, z0 = initial_state[0], initial_state[1]
+        position = initial_state[2] if len(initial_state) == 3 else 0
+    elif hasattr(initial_state, "S") and hasattr(initial_state, "z"):
+        S0, z0 = initial_state.S, initial_state.z
+        position = getattr(initial_state, "position", 0)
+    else:
+        raise TypeError(
+            "initial_state must be a LinearState (or a tuple (S, z[, position])), "
+            f"got {type(initial_state).__name__}"
+        )
+    return S0, z0, check_position(position)
+
+
+def host_state(initial_state, batch_shape, f: int, m: int, *, check_finite: bool):
+    """The initial state as a float64 host ``H`` (B, F, M + 1) = [S | z], and its position.
+
+    ``None`` gives zeros at position 0.  Device arrays in the state are copied
+    to the host.
+    """
+    b = int(np.prod(batch_shape, dtype=np.int64))
+    H = np.zeros((b, f, m + 1))
+    if initial_state is None:
+        return H, 0
+    S0, z0, position = parse_state(initial_state)
+    S0 = CD.to_host("initial_state.S", S0) if on_device(S0) else V.as_host_array("initial_state.S", S0)
+    z0 = CD.to_host("initial_state.z", z0) if on_device(z0) else V.as_host_array("initial_state.z", z0)
+    V.check_state_arrays(S0, z0, position, batch_shape, f, m)
+    if check_finite:
+        V.check_finite("initial_state.S", S0)
+        V.check_finite("initial_state.z", z0)
+    H[:, :, :m] = np.reshape(S0, (b, f, m))
+    H[:, :, m] = np.reshape(z0, (b, f))
+    return H, position
+
+
+def state_from_H(H, batch_shape, f: int, m: int, position: int) -> LinearState:
+    """The :class:`LinearState` of a host ``H`` (B, F, M + 1): C-contiguous float64 S and z."""
+    S = np.ascontiguousarray(H[:, :, :m]).reshape(tuple(batch_shape) + (f, m))
+    z = np.ascontiguousarray(H[:, :, m]).reshape(tuple(batch_shape) + (f,))
+    return LinearState(S, z, int(position))
+
+
+# ---------------------------------------------------------------------------
+# Method choice
+# ---------------------------------------------------------------------------
+def choose_method(method: str, *, rule: str, causal: bool, device: str, batch: int, n: int, f: int, m: int,
+                  dtype):
+    """The registered :class:`~linattn_nb.ops.registry.Method` for a request (``"auto"`` resolved)."""
+    name = check_method_name(method)
+    if name == "auto":
+        if device == "cuda":
+            name = CD.select_auto_cuda(rule=rule, causal=causal, batch=batch, n=n, f=f, m=m, dtype=dtype)
+        else:
+            name = select_auto(rule=rule, causal=causal, device=device, batch=batch, n=n, d=f, m=m, dtype=dtype)
+    return get_method(name, causal=causal, device=device, rule=rule)
+
+
+# ---------------------------------------------------------------------------
+# linear attention
+# ---------------------------------------------------------------------------
+def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check_finite, out, initial_state,
+                     return_state, rule="additive"):
+    """The request path of :func:`linattn_nb.linear_attention` (arguments and results as there)."""
+    dev = resolve_device(device, q, k, v, out, names=("q", "k", "v", "out"))
+    fmap = fm.resolve(feature_map)
+    eps = V.check_eps(eps)
+    causal = check_causal(causal)
+    check_method_name(method)
+    rule = get_rule(rule).name
+    if dev == "cuda" and any(on_device(x) for x in (q, k, v)):
+        return _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initial_state,
+                              return_state, rule)
+
+    q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_finite)
+    f = feature_dim(fmap, d)
+    if dev == "cuda":
+        CD.check_limits(f, m, dtype)  # fail before any work
+    out_shape = batch_shape + (n, m)
+    if out is not None:
+        V.check_out(out, out_shape, dtype)
+    b = int(np.prod(batch_shape, dtype=np.int64))
+    impl = choose_method(method, rule=rule, causal=causal, device=dev, batch=b, n=n, f=f, m=m, dtype=dtype)
+    H, position = host_state(initial_state, batch_shape, f, m, check_finite=check_finite)
+    work = dtype if dtype in impl.native_dtypes else _F32
+    result = out if out is not None else np.empty(out_shape, dtype=dtype)
+    if n > 0 and b > 0:
+        qf, kf, vf, code = _host_features(fmap, impl, q, k, v, work, causal, position, n)
+        if dev == "cuda":
+            CD.run_host(impl, qf, kf, vf, H, result, code=code, eps=eps)
+        else:
+            direct = result.dtype == work and result.flags.c_contiguous and result.flags.writeable
+            target = result.reshape((b, n, m)) if direct else np.empty((b, n, m), dtype=work)
+            impl.forward(qf, kf, vf, H, target, code=code, eps=eps, inputs=None)
+            if not direct:
+                result[...] = target.reshape(out_shape)
+    if not return_state:
+        return result
+    return result, state_from_H(H, batch_shape, f, m, position + n)
+
+
+def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initial_state, return_state, rule):
+    """GPU inputs: zero-copy views, the kernels on the device, a device result (and state)."""
+    dq, dk, dv = CD.wrap("q", q), CD.wrap("k", k), CD.wrap("v", v)
+    batch_shape, n, d, m, dtype = V.check_qkv(CD.meta(dq), CD.meta(dk), CD.meta(dv))
+    if fmap.kernel_code is None:
+        raise ValueError(
+            f"feature map {fmap.name!r} has no inline CUDA form (only maps with a kernel_code: "
+            f"{', '.join(repr(x) for x in fm.inline_maps())}); for GPU inputs compute the features "
+            "yourself and pass feature_map=None, or pass host (NumPy) arrays with device='cuda'"
+        )
+    f = d
+    CD.check_limits(f, m, dtype)
+    out_shape = batch_shape + (n, m)
+    dout = CD.device_out(out, out_shape, dtype)
+    b = int(np.prod(batch_shape, dtype=np.int64))
+    impl = choose_method(method, rule=rule, causal=causal, device="cuda", batch=b, n=n, f=f, m=m, dtype=dtype)
+    empty = n == 0 or b == 0
+    if not empty:
+        q4, k4, v4 = CD.input_4d(dq), CD.input_4d(dk), CD.input_4d(dv)
+        if check_finite:
+            for nm, x4 in (("q", q4), ("k", k4), ("v", v4)):
+                CD.check_finite_device(nm, x4)
+    if initial_state is None:
+        H, position = CD.zeros((b, f, m + 1)), 0
+    else:
+        S0, z0, position = parse_state(initial_state)
+        if on_device(S0) and on_device(z0):
+            H = CD.pack_state(S0, z0, position, batch_shape, b, f, m, check_finite=check_finite)
+        else:
+            Hh, position = host_state(initial_state, batch_shape, f, m, check_finite=check_finite)
+            H = CD.to_device(Hh)
+    if not empty:
+        CD.run_device(impl, q4, k4, v4, H, dout, out_shape, code=int(fmap.kernel_code), eps=eps)
+    result = out if out is not None else dout
+    if not return_state:
+        return result
+    S, z = CD.unpack_state(H, batch_shape, f, m)
+    return result, LinearState(S, z, position + n)
+
+
+# ---------------------------------------------------------------------------
+# softmax attention
+# ---------------------------------------------------------------------------
+def softmax_attention(q, k, v, *, causal, scale, device, check_finite, method):
+    """The request path of :func:`linattn_nb.softmax_attention` (arguments and results as there)."""
+    dev = resolve_device(device if device != "cuda" else "auto", q, k, v, names=("q", "k", "v"))
+    if device == "cuda" or dev == "cuda":
+        raise ValueError(
+            "softmax_attention has a CPU kernel only; pass host arrays (device='cpu'). "
+            "GPU inputs: copy them to the host first."
+        )
+    causal = check_causal(causal)
+    q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_finite)
+    scale = V.check_scale(scale, d)
+    if method not in ("blocked", "quadratic"):
+        raise ValueError(f"unknown method {method!r} for softmax_attention; choose 'blocked' or 'quadratic'")
+    out_shape = batch_shape + (n, m)
+    result = np.empty(out_shape, dtype=dtype)
+    b = int(np.prod(batch_shape, dtype=np.int64))
+    if n == 0 or b == 0:
+        return result
+    work = _F32 if dtype == _F16 else dtype
+    qf, kf, vf = (V.flatten_batch(x, work) for x in (q, k, v))
+    if method == "quadratic":
+        res = softmax_attention_quadratic(qf, kf, vf, causal=causal, scale=scale)
+        result[...] = res.reshape(out_shape)
+        return result
+    direct = work == dtype
+    target = result.reshape((b, n, m)) if direct else np.empty((b, n, m), dtype=work)
+    softmax_blocked(qf, kf, vf, target, causal=causal, scale=scale)
+    if not direct:
+        result[...] = target.reshape(out_shape)
+    return result
