@@ -55,8 +55,13 @@ def _cuda_launcher(module: str, attr: str):
     def launcher(q, k, v, S, z, out, *, code, eps):
         import importlib
 
+        from . import _cuda_launch
+
         fn = getattr(importlib.import_module(module, __package__), attr)
-        return fn(q, k, v, S, z, out, code=code, eps=eps)
+        H = _cuda_launch.pack_state(S, z)
+        fn(q, k, v, H, out, code=code, eps=eps)
+        _cuda_launch.unpack_state(H, S, z)
+        return out
 
     launcher.__name__ = attr
     launcher.__qualname__ = attr
