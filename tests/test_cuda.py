@@ -73,21 +73,35 @@ def reference(q, k, v, *, causal, code=1, eps=1e-8, S0=None, z0=None):
 
 
 def launcher(method, causal):
-    from linattn_nb.ops.registry import get_method
+    """The CUDA launcher of the additive rule (contract: q, k, v, H, out, *, code, eps, inputs)."""
+    from linattn_nb.ops.causal.cuda import causal_chunked_cuda, causal_scan_cuda
+    from linattn_nb.ops.noncausal.cuda import noncausal_aggregate_cuda
 
-    return get_method(method, causal=causal, device="cuda").launcher
+    return {("scan", True): causal_scan_cuda, ("chunked", True): causal_chunked_cuda,
+            ("aggregate", False): noncausal_aggregate_cuda}[(method, causal)]
 
 
 def nan_device(shape, dtype):
     return cuda.to_device(np.full(shape, np.nan, dtype=dtype))
 
 
+def state_h(S0, z0):
+    """The launcher state H = [S | z] (float64, C-contiguous) on the device."""
+    return cuda.to_device(np.concatenate([S0, z0[..., None]], axis=-1).astype(np.float64))
+
+
+def split_h(H):
+    h = H.copy_to_host()
+    return h[..., :-1], h[..., -1]
+
+
 def run_launcher(method, causal, q, k, v, S0, z0, *, code=1, eps=1e-8):
-    dS, dz = cuda.to_device(S0.copy()), cuda.to_device(z0.copy())
+    H = state_h(S0, z0)
     out = nan_device(q.shape[:2] + v.shape[-1:], np.result_type(q, k, v))
-    launcher(method, causal)(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), dS, dz, out,
-                             code=code, eps=eps)
-    return out.copy_to_host(), dS.copy_to_host(), dz.copy_to_host()
+    got = launcher(method, causal)(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), H, out,
+                                   code=code, eps=eps)
+    assert got is out
+    return (out.copy_to_host(),) + split_h(H)
 
 
 def data(rng, B, N, F, M, dtype=np.float32):
@@ -182,12 +196,53 @@ def test_chunked_matches_scan_across_chunk_sizes(rng):
     q, k, v = data(rng, 1, 6, 3, 2, np.float64)
     ref, S_ref, _ = reference(q, k, v, causal=True)
     for L in (1, 2, 4, 6):
-        dS, dz = cuda.to_device(np.zeros((1, 3, 2))), cuda.to_device(np.zeros((1, 3)))
+        H = cuda.to_device(np.zeros((1, 3, 3)))
         out = nan_device((1, 6, 2), np.float64)
-        causal_chunked_cuda(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), dS, dz, out,
+        causal_chunked_cuda(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), H, out,
                             code=1, eps=1e-8, chunk_size=L)
         np.testing.assert_allclose(out.copy_to_host(), ref, rtol=1e-12, atol=1e-13)
-        np.testing.assert_allclose(dS.copy_to_host(), S_ref, rtol=1e-12, atol=1e-13)
+        np.testing.assert_allclose(split_h(H)[0], S_ref, rtol=1e-12, atol=1e-13)
+
+
+def test_state_pack_unpack_and_launcher_errors(rng):
+    """pack_state/unpack_state convert (S, z) <-> H (any float dtype and strides in); the
+    launchers name a wrong H and refuse extra inputs for the additive rule."""
+    from linattn_nb.ops._cuda_kernels import strided_view
+    from linattn_nb.ops._cuda_launch import pack_state, unpack_state
+    from linattn_nb.ops.causal.cuda import causal_scan_cuda
+
+    S0 = rng.random((2, 3, 4))
+    z0 = rng.random((2, 3))
+    H = pack_state(cuda.to_device(S0.astype(np.float32)), cuda.to_device(z0))
+    assert H.dtype == np.float64 and tuple(H.shape) == (2, 3, 5) and H.is_c_contiguous()
+    S, z = split_h(H)
+    np.testing.assert_allclose(S, S0, rtol=1e-7)
+    np.testing.assert_array_equal(z, z0)
+    S, z = unpack_state(H)
+    assert S.is_c_contiguous() and z.is_c_contiguous() and S.dtype == z.dtype == np.float64
+    np.testing.assert_array_equal(S.copy_to_host(), split_h(H)[0])
+    dS, dz = cuda.to_device(np.zeros((2, 3, 4))), cuda.to_device(np.zeros((2, 3)))
+    S2, z2 = unpack_state(H, dS, dz)
+    assert S2 is dS and z2 is dz
+    np.testing.assert_array_equal(dz.copy_to_host(), z0)
+    with pytest.raises(ValueError, match="does not split"):
+        unpack_state(H, dS, cuda.to_device(np.zeros((2, 4))))
+    with pytest.raises(ValueError, match=r"S must be \(B, F, M\)"):
+        pack_state(dS, cuda.to_device(np.zeros((2, 4))))
+
+    q, k, v = (cuda.to_device(x) for x in data(rng, 2, 3, 3, 4))
+    out = nan_device((2, 3, 4), np.float32)
+    with pytest.raises(ValueError, match=r"H must have shape \(B, F, M \+ 1\)"):
+        causal_scan_cuda(q, k, v, cuda.to_device(np.zeros((2, 3, 4))), out, code=1, eps=1e-8)
+    with pytest.raises(TypeError, match="H must be float64"):
+        causal_scan_cuda(q, k, v, cuda.to_device(np.zeros((2, 3, 5), np.float32)), out, code=1, eps=1e-8)
+    with pytest.raises(ValueError, match="H must be C-contiguous"):
+        wide = cuda.to_device(np.zeros((2, 3, 10)))
+        causal_scan_cuda(q, k, v, strided_view(wide, (2, 3, 5), (240, 80, 8)), out, code=1, eps=1e-8)
+    with pytest.raises(ValueError, match="inputs: the additive rule takes no extra inputs"):
+        causal_scan_cuda(q, k, v, H, out, code=1, eps=1e-8, inputs={"decay": q})
+    causal_scan_cuda(q, k, v, H, out, code=1, eps=1e-8, inputs={})  # empty inputs are fine
+    assert np.isfinite(out.copy_to_host()).all()
 
 
 # ---------------------------------------------------------------------------
@@ -266,8 +321,8 @@ def test_strided_device_inputs(rng):
 
 @pytest.mark.parametrize("method", ["scan", "chunked"])
 def test_state_carries_across_segments(rng, method):
-    """Two segments chained through the device state equal one pass (the contract the
-    segment-wise processing of issue 5 builds on); the state stays on the device."""
+    """Two segments chained through the device state equal one pass (what segment-wise
+    processing builds on); the state stays on the device."""
     q, k, v = data(rng, 2, 7, 3, 2, np.float64)
     dev = [cuda.to_device(x) for x in (q, k, v)]
     full, st_full = la.linear_attention(*dev, causal=True, method=method, device="cuda", return_state=True)
@@ -399,11 +454,16 @@ _PTX_SCRIPT = textwrap.dedent(
     f64 = types.float64
     S = types.Array(f64, 3, "C")
     z = types.Array(f64, 2, "C")
+    H64 = types.Array(f64, 3, "C")
+    b = types.boolean
+    res["state_copy_kernel"] = {"entry": ".entry" in ptx(K.state_copy_kernel, (S, z, H64, b))}
     for acc in ("float32", "float64"):
         H = types.Array(getattr(types, acc), 3, "C")
-        for name, sig in (("state_copy_kernel", (S, z, H, types.boolean)),
-                          ("chunk_scan_states_kernel", (H, S, z, H, types.int64, types.boolean, types.boolean))):
-            res[name + "/" + acc] = {"entry": ".entry" in ptx(getattr(K, name), sig)}
+        sig = (H, H64, H, types.int64, b, b, types.int64)
+        res["chunk_scan_states_kernel/" + acc] = {"entry": ".entry" in ptx(K.chunk_scan_states_kernel, sig)}
+        for src, dst in ((H64, H), (H, H64)):
+            key = "cast_copy_kernel/%s->%s" % (src.dtype, dst.dtype)
+            res[key] = {"entry": ".entry" in ptx(K.cast_copy_kernel, (src, dst))}
     cnt = types.Array(types.int64, 1, "C")
     for dt in ("float16", "float32", "float64"):
         a4 = types.Array(getattr(types, dt), 4, "A")
@@ -432,7 +492,9 @@ def test_kernels_compile_to_ptx():
     for dt in ("float16", "float32", "float64"):
         assert res[dt] == {"target": True, "local": False, "entry": True}, (dt, res[dt])
     assert all(v["entry"] for v in res.values())
-    assert len(res) == 3 + 4 + 6  # sequence kernel; state copy and chunk scan x 2 accumulators; helpers
+    # sequence kernel x 3 input dtypes; state pack; chunk scan x 2 accumulators; cast copies
+    # float64 <-> float32 and float64 -> float64; non-finite count and 4-d copy x 3 dtypes
+    assert len(res) == 3 + 1 + 2 + 3 + 6
 
 
 # ---------------------------------------------------------------------------

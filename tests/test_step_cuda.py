@@ -4,8 +4,8 @@ Without a GPU these run on the Numba CUDA simulator (tests/conftest.py), with a 
 launch configuration so that the thread loops stride (fewer threads than features
 and values) and idle threads exist (more threads than either).  The kernels are
 also compiled to PTX for sm_90 in a subprocess (type-checking what the simulator
-does not).  The segment-wise ``linear_attention(device="cuda")`` tests run when
-the CUDA dispatcher (linattn_nb._cuda_dispatch) is present.
+does not).  The segment-wise ``linear_attention(device="cuda")`` tests run every
+registered causal CUDA method.
 """
 from __future__ import annotations
 
@@ -128,20 +128,15 @@ def test_cuda_state_save_load_and_reset(tmp_path, threads):
 
 
 # ---------------------------------------------------------------------------
-# linear_attention(device="cuda"): segment-wise == one call (when the CUDA path exists)
+# linear_attention(device="cuda"): segment-wise == one call
 # ---------------------------------------------------------------------------
 def _cuda_methods():
-    try:
-        from linattn_nb import _cuda_dispatch  # noqa: F401
-    except ImportError:
-        return []
     from linattn_nb.ops.registry import available_methods
 
     return available_methods(causal=True, device="cuda")
 
 
-@pytest.mark.parametrize("method", _cuda_methods() or [pytest.param("none", marks=pytest.mark.skip(
-    reason="linear_attention has no CUDA path in this build (linattn_nb._cuda_dispatch)"))])
+@pytest.mark.parametrize("method", _cuda_methods())
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_cuda_segmentwise_equals_one_shot(method, dtype):
     """Random split points (empty segments included) on the GPU: the outputs and the final

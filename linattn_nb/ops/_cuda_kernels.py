@@ -2,7 +2,8 @@
 
 One sequence kernel does all the work of linear attention on the GPU; the
 launchers in :mod:`linattn_nb.ops.causal.cuda` and
-:mod:`linattn_nb.ops.noncausal.cuda` run it in different modes:
+:mod:`linattn_nb.ops.noncausal.cuda` run it in different modes, through the
+launch plans of :mod:`linattn_nb.ops._cuda_launch`:
 
 * **scan** (causal): one block per (batch entry, block of value columns)
   walks the whole sequence token by token, updating the state and reading it
@@ -40,9 +41,11 @@ column and divides by the normaliser column.  Two ``syncthreads`` per tile.
 Accumulation dtype: float32 for float16 and float32 inputs, float64 when any
 input is float64; the state lives in registers in that dtype (float64 would
 double the registers of the tile and run at half the fp32 rate on H100/H200,
-1/64 on consumer GPUs).  The initial and final states are float64 arrays (the
-LinearState contract); the per-chunk sums of ``chunked``/``aggregate`` are
-stored in the accumulation dtype and combined across chunks in float64.
+1/64 on consumer GPUs).  The caller's state ``H`` = ``[S | z]`` is float64 (the
+launcher contract); the per-chunk sums of ``chunked``/``aggregate`` are
+stored in the accumulation dtype and combined across chunks in float64 by
+:func:`chunk_scan_states_kernel`, whose per-rule step is
+:func:`linattn_nb.ops._cuda_common.carry`.
 
 Kernels are specialised on ``(R, C, G, MB, T, accumulation dtype)``, compile-time
 constants for the register and shared-memory arrays, and compiled lazily on
@@ -56,33 +59,14 @@ import numpy as np
 from numba import config as _nbconfig
 from numba import cuda, float32, float64
 
-from ._cuda_common import phi
-
 from .. import config
+from ._cuda_common import carry, phi
 
 # Simulator: kernels are Python; no on-disk cache (and no PTX) there.
 _SIM = bool(getattr(_nbconfig, "ENABLE_CUDASIM", 0))
 _CACHE = bool(config.CACHE) and not _SIM
 
 _ACC_TYPES = {"float32": float32, "float64": float64}
-
-
-# ---------------------------------------------------------------------------
-# The feature map
-# ---------------------------------------------------------------------------
-# The sequence kernel applies the elementwise feature map while it stages q
-# and k: linattn_nb.ops._cuda_common.phi, an inlined device function with the
-# codes and formulas of linattn_nb.ops._common.phi.
-
-
-# ---------------------------------------------------------------------------
-# The sequence kernel applies the elementwise feature map inline while it
-# stages q and k, with the codes and formulas of linattn_nb.ops._common.phi:
-# 0 identity, 1 ELU+1 (exp only sees negative arguments), 2 ReLU, 3 squared
-# ReLU; NaN propagates through every branch.  It is written out in the kernel
-# (twice, for q and k) rather than as a cuda.jit(device=True) function because
-# numba-cuda compiles device functions only with a GPU present, which would
-# stop the PTX test from type-checking the kernels on machines without one.
 
 
 # ---------------------------------------------------------------------------
@@ -108,11 +92,12 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str):
     ``b = b1 * B2 + b2`` (``b2n`` = B2).  Segment ``s = blockIdx.x`` is chunk
     ``s % nseg_per_b`` of batch entry ``s // nseg_per_b``: tokens
     ``[c * seg_len, min(N, (c + 1) * seg_len))``.  H, Hout : (n_states, F,
-    M + 1) states, column M holds z; the block starts from ``H[s // state_div]``
-    (``read_state``, else zero) and writes its final state to
-    ``Hout[s // state_div]`` (``write_state``).  H and Hout must be distinct
-    arrays when both are used: the blocks over value columns all read the
-    normaliser column, and only the first one writes it.
+    M + 1) states in the accumulation dtype, column M holds z; the block
+    starts from ``H[s // state_div]`` (``read_state``, else zero) and writes
+    its final state to ``Hout[s // state_div]`` (``write_state``).  H and Hout
+    may be one array only when the launch has one column block: the blocks
+    over value columns all read the normaliser column, and only the first one
+    writes it.
     """
     key = (int(R), int(C), int(G), int(MB), int(T), str(acc))
     kern = _SEQ_KERNELS.get(key)
@@ -276,7 +261,7 @@ def _state_index(idx, F, M1):
 @cuda.jit(cache=_CACHE)
 def state_copy_kernel(S, z, H, pack):
     """``pack``: H[b, :, :M] = S[b], H[b, :, M] = z[b] (cast to H's dtype);
-    else the inverse, into float64 S, z."""
+    else the inverse, into S, z (cast to their dtype)."""
     B, F, M = S.shape
     M1 = M + 1
     total = B * F * M1
@@ -296,34 +281,43 @@ def state_copy_kernel(S, z, H, pack):
 
 
 @cuda.jit(cache=_CACHE)
-def chunk_scan_states_kernel(Hc, S, z, Htot, nchunks, exclusive, write_tot):
-    """Combine per-chunk sums with the initial state, in float64.
+def cast_copy_kernel(src, dst):
+    """dst[...] = src[...] (cast to dst's dtype) for (n, F, M + 1) states of equal shape:
+    the caller's float64 state to and from a float32 accumulation state."""
+    n, F, M1 = src.shape
+    total = n * F * M1
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for idx in range(start, total, stride):
+        b, i, col = _state_index(idx, F, M1)
+        dst[b, i, col] = src[b, i, col]
 
-    Hc : (B * nchunks, F, M + 1) chunk sums.  With ``exclusive`` they are
-    replaced by the state before each chunk (initial state + earlier chunks).
-    S, z (float64) receive the final state; with ``write_tot`` Htot
-    (B, F, M + 1) receives it too, in Htot's dtype (non-causal query phase).
+
+@cuda.jit(cache=_CACHE)
+def chunk_scan_states_kernel(Hc, H, Htot, nchunks, exclusive, write_tot, rule):
+    """Combine per-chunk contributions with the initial state, in float64.
+
+    Hc : (B * nchunks, F, M + 1) per-chunk contributions (each chunk's state
+    from zero), accumulation dtype.  H : (B, F, M + 1) float64, the initial
+    state, replaced by the final state.  Per state element, the running state
+    goes through the chunks with :func:`linattn_nb.ops._cuda_common.carry` of
+    ``rule``.  With ``exclusive`` Hc is replaced by the state before each
+    chunk (causal chunked); with ``write_tot`` Htot (B, F, M + 1) receives the
+    final state too, in Htot's dtype (non-causal query phase).
     """
-    B, F, M = S.shape
-    M1 = M + 1
+    B, F, M1 = H.shape
     total = B * F * M1
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     for idx in range(start, total, stride):
         b, i, col = _state_index(idx, F, M1)
-        if col < M:
-            run = float64(S[b, i, col])
-        else:
-            run = float64(z[b, i])
+        run = float64(H[b, i, col])
         for c in range(nchunks):
             h = float64(Hc[b * nchunks + c, i, col])
             if exclusive:
                 Hc[b * nchunks + c, i, col] = run
-            run += h
-        if col < M:
-            S[b, i, col] = run
-        else:
-            z[b, i] = run
+            run = carry(rule, run, h)
+        H[b, i, col] = run
         if write_tot:
             Htot[b, i, col] = run
 
@@ -368,7 +362,7 @@ def copy4d_kernel(src, dst):
 # Launch configuration
 # ---------------------------------------------------------------------------
 def helper_grid(total: int) -> tuple[int, int]:
-    """(blocks, threads) for the grid-stride helper kernels."""
+    """(blocks, threads) for the grid-stride helper kernels over ``total`` elements."""
     tpb = max(1, int(config.CUDA_THREADS_PER_BLOCK))
     blocks = max(1, min(int(config.CUDA_MAX_HELPER_BLOCKS), -(-int(total) // tpb)))
     return blocks, tpb
@@ -434,6 +428,7 @@ def threads_per_block(R: int, C: int, G: int, MB: int) -> int:
 
 
 def is_sim_array(x) -> bool:
+    """True for the simulator's device arrays (``FakeCUDAArray``)."""
     return type(x).__name__ == "FakeCUDAArray" and type(x).__module__.startswith("numba.cuda.simulator")
 
 

@@ -163,8 +163,6 @@ def check_nonfinite(*arrays):
 
     One counting kernel per array and one device-to-host copy (a sync).
     """
-    from numba import cuda
-
     K = kernels()["first_nonfinite"]
     flag = cuda.to_device(np.zeros(1, dtype=np.int64))
     nt = _threads()
@@ -186,6 +184,7 @@ def state_step(q, k, v, S, z, out, feat, *, code, eps):
 
 
 def state_query(q, S, z, out, feat, *, code, eps):
+    """Launch the query kernel: one block per batch entry, the state unchanged."""
     B = q.shape[0]
     if B == 0 or q.shape[1] == 0:
         return out
@@ -195,6 +194,7 @@ def state_query(q, S, z, out, feat, *, code, eps):
 
 
 def state_prefill(k, v, S, z, *, code):
+    """Launch the prefill kernel: one thread per (batch entry, feature, value column)."""
     B, T, _ = k.shape
     F = S.shape[1]
     M = S.shape[2]

@@ -1,0 +1,275 @@
+"""Launch machinery shared by the CUDA sequence launchers, written once.
+
+The launchers of :mod:`linattn_nb.ops.causal.cuda` and
+:mod:`linattn_nb.ops.noncausal.cuda` are compositions of the passes below:
+
+* :func:`plan`: checks the arguments of the launcher contract, views the
+  inputs as 4-d (B1, B2, N, ·) arrays, picks the accumulation dtype and the
+  sequence kernel, and lays out the chunks (chunk length, chunks per
+  sequence, column blocks): a :class:`SeqPlan`.
+* :func:`scan`: every sequence walked from its initial state ``H`` to its
+  final state, outputs written (grid: batch entries x column blocks).
+* :func:`chunk_sums`: every chunk's own contribution, the chunk's state when
+  started from zero (grid: batch entries x chunks x column blocks).
+* :func:`chunk_prefix`: the per-rule combine over chunks, in float64
+  (:func:`linattn_nb.ops._cuda_kernels.chunk_scan_states_kernel` with the rule hook
+  :func:`linattn_nb.ops._cuda_common.carry`): the state before every chunk
+  (causal) or the final state alone (non-causal); the final state lands in
+  ``H``.
+* :func:`chunk_outputs`: every chunk's outputs from its starting state
+  (causal: its own, from the prefix; non-causal: the final state).
+
+The state ``H`` (B, F, M + 1) float64 is the caller's: with a float64
+accumulation dtype the kernels read and write it directly; with float32 a
+cast-copy kernel moves it to and from a float32 state around :func:`scan`
+(the chunk passes read and write it in float64 anyway).
+
+:func:`pack_state` and :func:`unpack_state` convert between the ``(S, z)``
+device arrays of a ``LinearState`` and ``H``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+from .. import config
+from . import _cuda_kernels as K
+from ._cuda_common import RULE_ADDITIVE, RULES
+
+_F64 = np.dtype(np.float64)
+
+
+@dataclass(frozen=True)
+class SeqPlan:
+    """One launch of a sequence launcher: views, sizes, kernel and chunk layout.
+
+    Attributes
+    ----------
+    q, k, v, out
+        4-d (B1, B2, N, ·) views of the launcher's arrays.
+    B, B2, N, F, M : int
+        Batch entries (B = B1 B2), inner batch size, tokens, features, values.
+    acc : numpy.dtype
+        Accumulation dtype (float32, or float64 when an input is float64).
+    kernel, threads, col_blocks
+        The specialised sequence kernel, its threads per block and the
+        number of blocks over the value columns.
+    chunk, chunks : int
+        Tokens per chunk and chunks per sequence (``chunks`` = 1 for a scan).
+    rule : int
+        Rule code of :mod:`linattn_nb.ops._cuda_common`.
+    """
+
+    q: object
+    k: object
+    v: object
+    out: object
+    B: int
+    B2: int
+    N: int
+    F: int
+    M: int
+    acc: np.dtype
+    kernel: object
+    threads: int
+    col_blocks: int
+    chunk: int
+    chunks: int
+    rule: int
+
+    @property
+    def empty(self) -> bool:
+        """No tokens or no batch entries: nothing to launch, the state is unchanged."""
+        return self.N == 0 or self.B == 0
+
+
+def chunk_length(chunk_size) -> int:
+    """Tokens per chunk: ``chunk_size``, or ``config.CUDA_CHUNK_SIZE`` when None."""
+    L = int(config.CUDA_CHUNK_SIZE if chunk_size is None else chunk_size)
+    if L < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {L}")
+    return L
+
+
+def check_rule_inputs(rule: int, inputs) -> None:
+    """The extra per-token inputs of ``rule``: none for the additive rule.
+
+    Raises
+    ------
+    ValueError
+        For an unknown rule code, or for inputs the rule does not take.
+    """
+    if rule not in RULES:
+        raise ValueError(f"rule code {rule} has no CUDA kernels (known: {sorted(RULES)})")
+    if rule == RULE_ADDITIVE and inputs:
+        raise ValueError(f"inputs: the additive rule takes no extra inputs, got {sorted(inputs)}")
+
+
+def plan(q, k, v, H, out, *, rule=RULE_ADDITIVE, inputs=None, chunk=None) -> SeqPlan:
+    """Check the launcher arguments and lay out the launch.
+
+    ``chunk`` None plans a scan (one chunk per sequence); otherwise
+    sequences are cut into chunks of ``chunk`` tokens (see :func:`chunk_length`).
+
+    Raises
+    ------
+    ValueError
+        For arrays whose leading dimensions cannot be viewed as 4-d, an ``H``
+        of the wrong shape or layout, or a feature dimension the kernels do
+        not support (:func:`linattn_nb.ops._cuda_kernels.seq_config`).
+    TypeError
+        For an ``H`` that is not float64.
+    """
+    check_rule_inputs(rule, inputs)
+    views = []
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
+        x4 = K.as_4d(x)
+        if x4 is None:
+            raise ValueError(f"{name}: the leading dimensions of shape {tuple(x.shape)} cannot be merged "
+                             "into one batch axis without a copy")
+        views.append(x4)
+    q4, k4, v4, o4 = views
+    B1, B2, N, F = (int(s) for s in q4.shape)
+    M = int(v4.shape[3])
+    B = B1 * B2
+    if np.dtype(H.dtype) != _F64:
+        raise TypeError(f"H must be float64, got {np.dtype(H.dtype)}")
+    if tuple(int(s) for s in H.shape) != (B, F, M + 1):
+        raise ValueError(f"H must have shape (B, F, M + 1) = {(B, F, M + 1)}, got {tuple(H.shape)}")
+    if not H.is_c_contiguous():
+        raise ValueError("H must be C-contiguous")
+    acc = np.dtype(K.acc_name(q.dtype, k.dtype, v.dtype))
+    R, C, G, MB, T = K.seq_config(F, M, acc.itemsize)
+    if chunk is None:
+        L, nc = max(N, 1), 1
+    else:
+        L = chunk_length(chunk)
+        nc = max(-(-N // L), 1)
+    return SeqPlan(q4, k4, v4, o4, B, B2, N, F, M, acc, K.seq_kernel(R, C, G, MB, T, acc.name),
+                   K.threads_per_block(R, C, G, MB), -(-M // MB), L, nc, rule)
+
+
+def _run(p: SeqPlan, Hin, Hout, seg_len, nseg_per_b, state_div, code, eps, *,
+         read_state, update, write_out, write_state):
+    """One launch of the sequence kernel over ``B * nseg_per_b`` segments x column blocks."""
+    clip = eps is not None
+    p.kernel[(p.B * nseg_per_b, p.col_blocks), p.threads](
+        p.q, p.k, p.v, p.out, Hin, Hout, p.N, seg_len, nseg_per_b, state_div, p.B2, int(code),
+        float(eps if clip else 0.0), clip, read_state, update, write_out, write_state)
+
+
+def cast_copy(src, dst):
+    """dst[...] = src[...] for (n, F, M + 1) device states (any float dtypes); returns dst."""
+    K.cast_copy_kernel[K.helper_grid(src.size)](src, dst)
+    return dst
+
+
+def _acc_state(p: SeqPlan, n: int):
+    return cuda.device_array((n, p.F, p.M + 1), dtype=p.acc)
+
+
+def scan(p: SeqPlan, H, *, code, eps) -> None:
+    """Every sequence from its state ``H[b]`` (updated to the final state), outputs written.
+
+    float64 accumulation with one column block runs in place on ``H``.  With
+    several column blocks every block reads the initial normaliser column and
+    the first writes the final one, so the kernel reads a copy; float32
+    accumulation reads and writes a float32 cast of ``H``.
+    """
+    if p.empty:
+        return
+    split = p.col_blocks > 1
+    if p.acc == _F64 and not split:
+        Hin = Hout = H
+    else:
+        Hin = cast_copy(H, _acc_state(p, p.B))
+        Hout = H if p.acc == _F64 else (_acc_state(p, p.B) if split else Hin)
+    _run(p, Hin, Hout, p.N, 1, 1, code, eps, read_state=True, update=True, write_out=True, write_state=True)
+    if Hout is not H:
+        cast_copy(Hout, H)
+
+
+def chunk_sums(p: SeqPlan, *, code, eps):
+    """(B * chunks, F, M + 1) accumulation-dtype array: every chunk's state from zero."""
+    Hc = _acc_state(p, p.B * p.chunks)
+    _run(p, Hc, Hc, p.chunk, p.chunks, 1, code, eps, read_state=False, update=True, write_out=False,
+         write_state=True)
+    return Hc
+
+
+def chunk_prefix(p: SeqPlan, Hc, H, *, exclusive: bool):
+    """Combine the chunk sums ``Hc`` with the initial state ``H`` (float64, per rule).
+
+    ``H`` becomes the final state.  ``exclusive``: ``Hc`` is replaced by the
+    state before each chunk (returns ``Hc``).  Otherwise returns the final
+    state in the accumulation dtype: ``H`` itself for float64, a float32 copy
+    written by the same launch otherwise.
+    """
+    tot = None if exclusive or p.acc == _F64 else _acc_state(p, p.B)
+    K.chunk_scan_states_kernel[K.helper_grid(p.B * p.F * (p.M + 1))](
+        Hc, H, Hc if tot is None else tot, p.chunks, exclusive, tot is not None, p.rule)
+    if exclusive:
+        return Hc
+    return H if tot is None else tot
+
+
+def chunk_outputs(p: SeqPlan, Hs, *, code, eps, causal: bool) -> None:
+    """Every chunk's outputs.
+
+    ``causal``: chunk ``c`` of entry ``b`` scans from ``Hs[b * chunks + c]``
+    (the exclusive prefix); else every token reads the final state ``Hs[b]``.
+    """
+    if causal:
+        _run(p, Hs, Hs, p.chunk, p.chunks, 1, code, eps, read_state=True, update=True, write_out=True,
+             write_state=False)
+    else:
+        _run(p, Hs, Hs, p.chunk, p.chunks, p.chunks, code, eps, read_state=True, update=False,
+             write_out=True, write_state=False)
+
+
+# ---------------------------------------------------------------------------
+# (S, z) <-> H
+# ---------------------------------------------------------------------------
+def pack_state(S, z):
+    """The launcher state ``H`` = ``[S | z]`` of device arrays ``S`` (B, F, M) and ``z`` (B, F).
+
+    ``S`` and ``z`` may have any float dtype and strides; returns a new
+    C-contiguous float64 (B, F, M + 1) device array (one kernel launch).
+
+    Raises
+    ------
+    ValueError
+        When the shapes do not match.
+    """
+    if len(S.shape) != 3 or tuple(z.shape) != tuple(S.shape[:2]):
+        raise ValueError(f"S must be (B, F, M) and z (B, F), got {tuple(S.shape)} and {tuple(z.shape)}")
+    B, F, M = (int(s) for s in S.shape)
+    H = cuda.device_array((B, F, M + 1), dtype=_F64)
+    if H.size:
+        K.state_copy_kernel[K.helper_grid(H.size)](S, z, H, True)
+    return H
+
+
+def unpack_state(H, S=None, z=None):
+    """Split the launcher state ``H`` (B, F, M + 1) into ``S`` (B, F, M) and ``z`` (B, F).
+
+    Writes into the device arrays ``S``, ``z`` when given (any float dtype
+    and strides), else into new C-contiguous float64 ones; returns ``(S, z)``.
+
+    Raises
+    ------
+    ValueError
+        When the shapes do not match.
+    """
+    B, F, M1 = (int(s) for s in H.shape)
+    if S is None:
+        S = cuda.device_array((B, F, M1 - 1), dtype=_F64)
+    if z is None:
+        z = cuda.device_array((B, F), dtype=_F64)
+    if tuple(S.shape) != (B, F, M1 - 1) or tuple(z.shape) != (B, F):
+        raise ValueError(f"H {tuple(H.shape)} does not split into S {tuple(S.shape)} and z {tuple(z.shape)}")
+    if H.size:
+        K.state_copy_kernel[K.helper_grid(H.size)](S, z, H, False)
+    return S, z
