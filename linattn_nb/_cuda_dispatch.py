@@ -232,23 +232,23 @@ def device_out(out, shape, dtype):
 
 def pack_state(S0, z0, position, batch_shape, b, f, m, *, check_finite):
     """A float64 device ``H`` (B, F, M + 1) = [S | z] from device arrays S (..., F, M), z (..., F)."""
+    from .ops import _cuda_launch
+
     S0 = wrap("initial_state.S", S0)
     z0 = wrap("initial_state.z", z0)
     V.check_state_arrays(S0, z0, position, batch_shape, f, m)
-    H = _cuda().device_array((b, f, m + 1), dtype=np.float64)
-    if b > 0:
-        copy_device(contiguous(S0).reshape((b, f, m)), H[:, :, :m])
-        copy_device(contiguous(z0).reshape((b, f)), H[:, :, m])
-        if check_finite:
-            check_finite_device("initial_state.S", view4(H[:, :, :m]))
-            check_finite_device("initial_state.z", view4(H[:, :, m]))
+    H = _cuda_launch.pack_state(contiguous(S0).reshape((b, f, m)), contiguous(z0).reshape((b, f)))
+    if check_finite and b > 0:
+        check_finite_device("initial_state.S", view4(H[:, :, :m]))
+        check_finite_device("initial_state.z", view4(H[:, :, m]))
     return H
 
 
 def unpack_state(H, batch_shape, f, m):
     """C-contiguous float64 device arrays S (..., F, M) and z (..., F) of a device ``H``."""
-    S = contiguous(H[:, :, :m], np.float64)
-    z = contiguous(H[:, :, m], np.float64)
+    from .ops import _cuda_launch
+
+    S, z = _cuda_launch.unpack_state(H)
     return S.reshape(tuple(batch_shape) + (f, m)), z.reshape(tuple(batch_shape) + (f,))
 
 

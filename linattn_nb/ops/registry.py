@@ -174,8 +174,8 @@ def get_method(name: str, *, causal: bool, device: str, rule: str = "additive") 
             )
         avail = available_methods(causal=causal, device=device, rule=rule)
         raise ValueError(
-            f"method {name!r} is not available for rule {rule!r} with causal={causal} on device "
-            f"{device!r}; available: {', '.join(repr(m) for m in ['auto'] + avail)}"
+            f"method {name!r} is not available for causal={causal} on device {device!r} "
+            f"(rule {rule!r}); available: {', '.join(repr(m) for m in ['auto'] + avail)}"
         )
     return _METHODS[key]
 
