@@ -460,3 +460,18 @@ def test_dask_worker_on_unlisted_host_sizes_its_own_threads(dask_cluster):
     assert known["result"]["threads"] == 1
     cores = len(os.sched_getaffinity(0))
     assert other["result"]["threads"] == max(1, cores)  # one task slot per worker in this cluster
+
+
+def test_to_json_is_public_and_the_studies_import_no_private_name_from_sweep():
+    import ast
+    import importlib
+
+    sweep_module = importlib.import_module("linattn_nb.studies.sweep")  # the package's `sweep` is the function
+    assert "to_json" in sweep_module.__all__
+    assert sweep_module.to_json({"a": np.arange(2), "b": (np.float32(0.5),)}) == {"a": [0, 1], "b": [0.5]}
+    for name in ("error", "recall"):
+        mod = importlib.import_module(f"linattn_nb.studies.{name}")
+        tree = ast.parse(open(mod.__file__).read())
+        imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    and node.module == "sweep" for alias in node.names]
+        assert "to_json" in imported and not [n for n in imported if n.startswith("_")], (name, imported)

@@ -70,6 +70,7 @@ __all__ = [
     "point_key",
     "load_results",
     "rows",
+    "to_json",
     "SweepError",
     "FORMAT_VERSION",
 ]
@@ -244,8 +245,37 @@ def grid_points(grid) -> list[dict]:
 # ---------------------------------------------------------------------------
 # Results: JSON conversion
 # ---------------------------------------------------------------------------
-def _to_json(obj, where: str = "result"):
-    """Plain JSON data from a result: numpy arrays/scalars, dataclasses and tuples allowed."""
+def to_json(obj, where: str = "result"):
+    """Convert a result to plain JSON data (what a sweep stores for a point).
+
+    Parameters
+    ----------
+    obj : object
+        None, bool, int, float, str; numpy scalars and numeric arrays;
+        dataclass instances; dicts with string keys; lists and tuples; nested
+        in any way.
+    where : str, default "result"
+        How ``obj`` is named in error messages (nested values extend it, e.g.
+        ``result['a'][2]``).
+
+    Returns
+    -------
+    object
+        The same data as dicts, lists and Python scalars.  Non-finite floats
+        stay floats; the results file stores them as strict JSON (see the
+        module docstring).
+
+    Raises
+    ------
+    TypeError
+        A value of another type, a non-numeric array, or a dict key that is
+        not a string; the message names where it is.
+
+    Examples
+    --------
+    >>> to_json({"a": np.arange(3), "b": (np.float32(0.5), None)})
+    {'a': [0, 1, 2], 'b': [0.5, None]}
+    """
     if obj is None or isinstance(obj, (bool, str, int, float)):
         return obj
     if isinstance(obj, np.bool_):
@@ -259,16 +289,16 @@ def _to_json(obj, where: str = "result"):
             raise TypeError(f"{where} is an array of dtype {obj.dtype}; only numeric arrays can be stored")
         return obj.tolist()
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: _to_json(getattr(obj, f.name), f"{where}.{f.name}") for f in dataclasses.fields(obj)}
+        return {f.name: to_json(getattr(obj, f.name), f"{where}.{f.name}") for f in dataclasses.fields(obj)}
     if isinstance(obj, Mapping):
         out = {}
         for k, v in obj.items():
             if not isinstance(k, str):
                 raise TypeError(f"{where} has a non-string key {k!r}; results must be JSON objects")
-            out[k] = _to_json(v, f"{where}[{k!r}]")
+            out[k] = to_json(v, f"{where}[{k!r}]")
         return out
     if isinstance(obj, (list, tuple)):
-        return [_to_json(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return [to_json(v, f"{where}[{i}]") for i, v in enumerate(obj)]
     raise TypeError(f"{where} has type {type(obj).__name__}, which cannot be stored as JSON")
 
 
@@ -318,7 +348,7 @@ def _run_point(fn, params: dict, threads=None) -> dict:
     _set_numba_threads(threads)
     t0 = time.perf_counter()
     try:
-        result = _to_json(fn(**params))
+        result = to_json(fn(**params))
         payload = {"status": "ok", "result": result}
     except Exception as exc:  # noqa: BLE001 - reported to the parent
         try:
