@@ -54,3 +54,21 @@ def numba_threads(x):
 def slow(x, delay):
     time.sleep(delay)
     return {"y": x}
+
+
+class TwoArgError(Exception):
+    """An exception that pickles but cannot be rebuilt: unpickling calls ``TwoArgError(message)``."""
+
+    def __init__(self, code, detail):
+        super().__init__(f"code {code}: {detail}")
+        self.code = code
+        self.detail = detail
+
+
+def raise_two_arg(x, log):
+    """Append x to the file ``log`` (one line per call), then raise TwoArgError for x == 1."""
+    with open(log, "a") as fh:
+        fh.write(f"{x}\n")
+    if x == 1:
+        raise TwoArgError(x, "cannot be rebuilt")
+    return {"y": x}

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import math
 import os
 import sys
 import warnings
@@ -324,6 +325,134 @@ def test_results_are_converted_to_json(tmp_path):
     assert rec["status"] == "error" and "cannot be stored as JSON" in rec["error"]
 
 
+def _strict_loads(line):
+    """json.loads that refuses NaN, Infinity and -Infinity (as strict JSON parsers do)."""
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def _nan_safe(obj):
+    """obj with every NaN replaced by a marker string, so that == compares NaN as equal."""
+    if isinstance(obj, float) and math.isnan(obj):
+        return "<nan>"
+    if isinstance(obj, dict):
+        return {k: _nan_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_nan_safe(v) for v in obj]
+    return obj
+
+
+def _nonfinite_result(x):
+    return {"nan": float("nan"), "inf": np.float32(np.inf), "ninf": -math.inf,
+            "arr": np.array([1.0, np.nan, np.inf, -np.inf]) * x,
+            "nested": {"m": [[np.nan, 2.0], [3.0, -np.inf]], "t": (np.float64(np.nan),)},
+            "words": ["nan", "inf", "-inf", "NaN"], "none": None, "x": x}
+
+
+def _check_nonfinite(res, x):
+    assert math.isnan(res["nan"]) and res["inf"] == math.inf and res["ninf"] == -math.inf
+    assert res["arr"][0] == x and math.isnan(res["arr"][1]) and res["arr"][2:] == [math.inf, -math.inf]
+    assert all(type(v) is float for v in res["arr"])
+    assert math.isnan(res["nested"]["m"][0][0]) and res["nested"]["m"][0][1] == 2.0
+    assert res["nested"]["m"][1] == [3.0, -math.inf] and math.isnan(res["nested"]["t"][0])
+    assert res["words"] == ["nan", "inf", "-inf", "NaN"] and res["none"] is None and res["x"] == x
+
+
+def test_nonfinite_results_are_strict_json_and_read_back_as_floats(tmp_path):
+    out = tmp_path / "r.jsonl"
+    returned = sweep(_nonfinite_result, {"x": [1, 2]}, out=out, progress=False)
+    lines = out.read_text().splitlines()
+    assert len(lines) == 3
+    raw = [_strict_loads(line) for line in lines]  # a strict parser reads every line
+    for rec in raw:
+        json.dumps(rec, allow_nan=False)
+    loaded = load_results(out)
+    for recs in (returned, loaded):
+        assert [r["params"]["x"] for r in recs] == [1, 2]
+        for r in recs:
+            _check_nonfinite(r["result"], r["params"]["x"])
+    assert _nan_safe(loaded) == _nan_safe(returned)  # no marker left in what the loader returns
+    # rows() gives floats back, from loaded records and from records a plain parser read
+    for table in (rows(loaded), rows(raw[1:])):
+        assert [row["x"] for row in table] == [1, 2]
+        for row in table:
+            _check_nonfinite(row, row["x"])
+    # a resumed sweep keeps the finished records as they were and appends strict JSON
+    more = sweep(_nonfinite_result, {"x": [1, 2, 3]}, out=out, progress=False)
+    assert _nan_safe(more[:2]) == _nan_safe(returned)
+    _check_nonfinite(more[2]["result"], 3)
+    for line in out.read_text().splitlines():
+        json.dumps(_strict_loads(line), allow_nan=False)
+
+
+def test_a_damaged_nonfinite_marker_is_a_damaged_line(tmp_path):
+    out = tmp_path / "r.jsonl"
+    sweep(_nonfinite_result, {"x": [1, 2]}, out=out, progress=False)
+    lines = out.read_text().splitlines(keepends=True)
+    rec = json.loads(lines[1])
+    rec["nonfinite"][0][0] = ["result", "x"]  # names a value that is not null
+    lines[1] = json.dumps(rec) + "\n"
+    out.write_text("".join(lines))
+    with pytest.raises(ValueError, match=r"line 2 is not a valid record \(its 'nonfinite' marker names"):
+        load_results(out)
+    out.write_text("".join(lines[:1] + lines[2:] + lines[1:2]))  # the same line last: dropped, run again
+    with pytest.warns(RuntimeWarning, match=r"last line \(line 3\) is not a valid record"):
+        assert [r["params"]["x"] for r in load_results(out)] == [2]
+    with pytest.warns(RuntimeWarning, match="will run again"):
+        recs = sweep(_nonfinite_result, {"x": [1, 2]}, out=out, progress=False)
+    for r in recs:
+        _check_nonfinite(r["result"], r["params"]["x"])
+
+
+@pytest.mark.parametrize("tail", [b"\n\n", b"\n\n\n\n", b"\n \t\r\n  \n", b"\n   "])
+def test_blank_lines_after_a_truncated_last_record(tmp_path, tail):
+    """A crash mid-write, then blank lines (an editor, a shell's echo >>): still a truncated last record."""
+    out = tmp_path / "r.jsonl"
+    sweep(H.square, {"x": [1, 2, 3]}, out=out, progress=False)
+    data = out.read_bytes()
+    last_start = data.rstrip(b"\n").rfind(b"\n") + 1
+    out.write_bytes(data[: last_start + 25] + tail)
+    with pytest.warns(RuntimeWarning, match="ignored"):
+        loaded = load_results(out)
+    assert rows(loaded) == [{"x": 1, "y": 1}, {"x": 2, "y": 4}]
+    with pytest.warns(RuntimeWarning, match="will run again"):
+        recs = sweep(H.square, {"x": [1, 2, 3, 4]}, out=out, progress=False)
+    assert [r["result"]["y"] for r in recs] == [1, 4, 9, 16]
+    _assert_exactly_once(out, grid_points({"x": [1, 2, 3, 4]}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert rows(load_results(out)) == [{"x": x, "y": x * x} for x in (1, 2, 3, 4)]
+
+
+def test_a_later_error_never_replaces_an_ok_record(tmp_path):
+    """A results file as written by hand: for each point an ok record and error records around it."""
+    out = tmp_path / "r.jsonl"
+
+    def rec(x, status, **fields):
+        return {"type": "result", "key": point_key({"x": x}), "params": {"x": x}, "status": status, **fields}
+
+    lines = [
+        {"type": "header", "format": 1, "fn": "_sweep_helpers:square"},
+        rec(1, "ok", result={"y": 1}),
+        rec(1, "error", error="ValueError: a later failure", traceback=""),
+        rec(2, "error", error="ValueError: an earlier failure", traceback=""),
+        rec(2, "ok", result={"y": 4}),
+        rec(2, "error", error="WorkerDied: a later failure", traceback=""),
+        rec(3, "error", error="ValueError: only failures", traceback=""),
+    ]
+    out.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    loaded = load_results(out)
+    assert [(r["params"]["x"], r["status"]) for r in loaded] == [(1, "ok"), (2, "ok"), (3, "error")]
+    assert rows(loaded) == [{"x": 1, "y": 1}, {"x": 2, "y": 4}]
+    assert [r["error"] for r in load_results(out, status="error")] == ["ValueError: only failures"]
+    # A resumed sweep counts points 1 and 2 as finished: it runs and writes only point 3.
+    recs = sweep(H.square, {"x": [1, 2, 3]}, out=out, progress=False)
+    assert [(r["status"], r["result"]["y"]) for r in recs] == [("ok", 1), ("ok", 4), ("ok", 9)]
+    assert len(out.read_text().splitlines()) == len(lines) + 1
+
+
 def test_one_writer_per_file(tmp_path):
     out = tmp_path / "r.jsonl"
 
@@ -389,6 +518,32 @@ def test_local_pool_kill_and_identical_results(tmp_path, reference_results):
                  max_retries=1, errors="record", progress=False)
     assert [r["status"] for r in recs] == ["ok", "ok", "error", "ok"]
     assert "died 2 time(s)" in recs[2]["error"]
+    # Its elapsed time is NaN: written as strict JSON, read back as a float.
+    assert math.isnan(recs[2]["elapsed_s"])
+    for line in (tmp_path / "always.jsonl").read_text().splitlines():
+        _strict_loads(line)
+    died = [r for r in load_results(tmp_path / "always.jsonl") if r["params"]["x"] == 2]
+    assert len(died) == 1 and math.isnan(died[0]["elapsed_s"])
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_exception_that_cannot_be_rebuilt_is_recorded_not_retried(tmp_path, workers):
+    """An exception that pickles but fails to unpickle (a two-argument __init__) is the point's
+    error, in a spawned pool as in this process: not a dead worker, not retried."""
+    log = tmp_path / "calls"
+    grid = {"x": [0, 1, 2], "log": [str(log)]}
+    recs = sweep(H.raise_two_arg, grid, out=tmp_path / "r.jsonl", workers=workers, errors="record",
+                 max_retries=2, progress=False)
+    assert [r["status"] for r in recs] == ["ok", "error", "ok"]
+    assert recs[1]["error"] == "TwoArgError: code 1: cannot be rebuilt"
+    assert "raise_two_arg" in recs[1]["traceback"] and "TwoArgError" in recs[1]["traceback"]
+    assert sorted(log.read_text().split()) == ["0", "1", "2"], "a point ran more than once"
+    log.unlink()
+    with pytest.raises(SweepError, match=r"point \{'x': 1, 'log': .*\} failed: TwoArgError: code 1") as info:
+        sweep(H.raise_two_arg, {"x": [1], "log": [str(log)]}, out=tmp_path / "s.jsonl", workers=workers,
+              progress=False)
+    assert "raise_two_arg" in info.value.worker_traceback
+    assert log.read_text().split() == ["1"]
 
 
 def test_dask_embedded_cluster_gives_identical_results(tmp_path, reference_results):
@@ -460,3 +615,28 @@ def test_dask_worker_on_unlisted_host_sizes_its_own_threads(dask_cluster):
     assert known["result"]["threads"] == 1
     cores = len(os.sched_getaffinity(0))
     assert other["result"]["threads"] == max(1, cores)  # one task slot per worker in this cluster
+
+
+def test_dask_exception_that_cannot_be_rebuilt_is_recorded(tmp_path, dask_cluster):
+    log = tmp_path / "calls"
+    recs = sweep(H.raise_two_arg, {"x": [0, 1], "log": [str(log)]}, out=tmp_path / "r.jsonl", backend="dask",
+                 scheduler=dask_cluster.scheduler_address, errors="record", progress=False)
+    assert [r["status"] for r in recs] == ["ok", "error"]
+    assert recs[1]["error"] == "TwoArgError: code 1: cannot be rebuilt"
+    assert "raise_two_arg" in recs[1]["traceback"]
+    assert sorted(log.read_text().split()) == ["0", "1"]
+
+
+def test_to_json_is_public_and_the_studies_import_no_private_name_from_sweep():
+    import ast
+    import importlib
+
+    sweep_module = importlib.import_module("linattn_nb.studies.sweep")  # the package's `sweep` is the function
+    assert "to_json" in sweep_module.__all__
+    assert sweep_module.to_json({"a": np.arange(2), "b": (np.float32(0.5),)}) == {"a": [0, 1], "b": [0.5]}
+    for name in ("error", "recall"):
+        mod = importlib.import_module(f"linattn_nb.studies.{name}")
+        tree = ast.parse(open(mod.__file__).read())
+        imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    and node.module == "sweep" for alias in node.names]
+        assert "to_json" in imported and not [n for n in imported if n.startswith("_")], (name, imported)

@@ -13,7 +13,7 @@ import numpy as np
 
 from ._maps import build_map, buildable_maps, is_random, map_label
 from ._study import Rendered, Study, fmt, markdown_table, register_study, split_failed
-from .sweep import _to_json
+from .sweep import to_json as _to_json
 
 #: q and k are N(0, 1) times this: logits q.k/sqrt(d) of variance QK_SCALE**4, the regime
 #: where the random-feature estimators of exp(q.k/sqrt(d)) have usable variance.

@@ -15,7 +15,7 @@ import numpy as np
 
 from ._maps import build_map, is_random, map_label
 from ._study import Rendered, Study, fmt, markdown_table, register_study, split_failed
-from .sweep import _to_json
+from .sweep import to_json as _to_json
 
 
 def requires():

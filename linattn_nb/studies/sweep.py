@@ -13,6 +13,15 @@ File format (one JSON object per line)::
      "result": {...}, "elapsed_s": 0.12, "host": "...", "pid": 1234, "finished": "..."}
     {"type": "result", "key": "...", "params": {...}, "status": "error",
      "error": "ValueError: ...", "traceback": "..."}
+    {"type": "result", ..., "result": {"loss": null, "x": [1.0, null]},
+     "nonfinite": [[["result", "loss"], "nan"], [["result", "x", 1], "inf"]]}
+
+Every line is strict JSON (no ``NaN`` or ``Infinity`` tokens): a NaN or
+infinite float anywhere in a record is written as ``null`` and listed in the
+record's ``"nonfinite"`` marker (its path from the record, and ``"nan"``,
+``"inf"`` or ``"-inf"``).  :func:`load_results` and :func:`rows` put the
+floats back; a ``null`` that is not listed is a real None.  Files written
+before the marker existed (with bare ``NaN`` tokens) still load.
 
 Guarantees, and how they are kept:
 
@@ -31,10 +40,19 @@ Guarantees, and how they are kept:
   line when the machine itself is at risk.
 * **A truncated last line is detected and dropped.**  A line without its
   newline (a crash in the middle of a ``write``) or a final line that is not
-  valid JSON is reported with a warning and cut off the file before anything
-  is appended, so the point is computed again and appears exactly once.  A
-  damaged line *before* the last one is not something this module writes; it
-  raises an error instead of being skipped silently.
+  valid JSON (blank lines after it count as nothing) is reported with a
+  warning and cut off the file before anything is appended, so the point is
+  computed again and appears exactly once.  A damaged line *before* the last
+  one is not something this module writes; it raises an error instead of
+  being skipped silently.
+* **An exception of ``fn`` is the point's error, whatever it is.**  A worker
+  sends it back as text (type name, message, traceback) plus its pickle; one
+  that cannot be rebuilt in the parent (e.g. a class whose ``__init__`` takes
+  other arguments than its ``args``) is still recorded or raised as that
+  point's error, never mistaken for a dead worker.
+* **A point's ok record is final.**  When a file holds several records for a
+  point, the ok one is used even if an error record follows it; otherwise
+  the latest.
 * **One writer per file**: the file is locked (``fcntl.flock``, where
   available) for the duration of a sweep; a second sweep on the same file
   fails at once instead of interleaving lines.
@@ -45,6 +63,7 @@ order of the grid, on the process, or on the Python version.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime as _dt
 import hashlib
@@ -70,6 +89,7 @@ __all__ = [
     "point_key",
     "load_results",
     "rows",
+    "to_json",
     "SweepError",
     "FORMAT_VERSION",
 ]
@@ -244,8 +264,37 @@ def grid_points(grid) -> list[dict]:
 # ---------------------------------------------------------------------------
 # Results: JSON conversion
 # ---------------------------------------------------------------------------
-def _to_json(obj, where: str = "result"):
-    """Plain JSON data from a result: numpy arrays/scalars, dataclasses and tuples allowed."""
+def to_json(obj, where: str = "result"):
+    """Convert a result to plain JSON data (what a sweep stores for a point).
+
+    Parameters
+    ----------
+    obj : object
+        None, bool, int, float, str; numpy scalars and numeric arrays;
+        dataclass instances; dicts with string keys; lists and tuples; nested
+        in any way.
+    where : str, default "result"
+        How ``obj`` is named in error messages (nested values extend it, e.g.
+        ``result['a'][2]``).
+
+    Returns
+    -------
+    object
+        The same data as dicts, lists and Python scalars.  Non-finite floats
+        stay floats; the results file stores them as strict JSON (see the
+        module docstring).
+
+    Raises
+    ------
+    TypeError
+        A value of another type, a non-numeric array, or a dict key that is
+        not a string; the message names where it is.
+
+    Examples
+    --------
+    >>> to_json({"a": np.arange(3), "b": (np.float32(0.5), None)})
+    {'a': [0, 1, 2], 'b': [0.5, None]}
+    """
     if obj is None or isinstance(obj, (bool, str, int, float)):
         return obj
     if isinstance(obj, np.bool_):
@@ -259,16 +308,16 @@ def _to_json(obj, where: str = "result"):
             raise TypeError(f"{where} is an array of dtype {obj.dtype}; only numeric arrays can be stored")
         return obj.tolist()
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: _to_json(getattr(obj, f.name), f"{where}.{f.name}") for f in dataclasses.fields(obj)}
+        return {f.name: to_json(getattr(obj, f.name), f"{where}.{f.name}") for f in dataclasses.fields(obj)}
     if isinstance(obj, Mapping):
         out = {}
         for k, v in obj.items():
             if not isinstance(k, str):
                 raise TypeError(f"{where} has a non-string key {k!r}; results must be JSON objects")
-            out[k] = _to_json(v, f"{where}[{k!r}]")
+            out[k] = to_json(v, f"{where}[{k!r}]")
         return out
     if isinstance(obj, (list, tuple)):
-        return [_to_json(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return [to_json(v, f"{where}[{i}]") for i, v in enumerate(obj)]
     raise TypeError(f"{where} has type {type(obj).__name__}, which cannot be stored as JSON")
 
 
@@ -313,24 +362,61 @@ def _set_numba_threads(threads) -> None:
     numba.set_num_threads(max(1, min(int(threads), int(numba.config.NUMBA_NUM_THREADS))))
 
 
-def _run_point(fn, params: dict, threads=None) -> dict:
-    """Run one point; never raises for an exception of ``fn`` (it is returned)."""
+def _describe(exc: BaseException) -> str:
+    """``"TypeName: message"``, even for an exception whose ``str`` fails."""
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not hide the error itself
+        message = "<str() of the exception failed>"
+    return f"{type(exc).__name__}: {message}"
+
+
+def _pickled_exception(exc: BaseException) -> bytes | None:
+    """The exception as pickle bytes, or None when it cannot be pickled."""
+    try:
+        return pickle.dumps(exc)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _rebuilt_exception(exc) -> BaseException | None:
+    """The exception shipped by a worker (pickle bytes), or None when it cannot be rebuilt here.
+
+    Unpickling calls the exception's class with its ``args``; a class whose
+    ``__init__`` takes other arguments, or one this process cannot import,
+    fails there.  The point's record does not need the object (its type name,
+    message and traceback are text), so such a failure only drops the
+    ``__cause__`` of a :class:`SweepError`.
+    """
+    if exc is None or isinstance(exc, BaseException):
+        return exc
+    try:
+        obj = pickle.loads(exc)
+    except Exception:  # noqa: BLE001 - any failure to rebuild
+        return None
+    return obj if isinstance(obj, BaseException) else None
+
+
+def _run_point(fn, params: dict, threads=None, *, keep_exception: bool = False) -> dict:
+    """Run one point; never raises for an exception of ``fn`` (it is returned).
+
+    The exception travels as pickle bytes (``keep_exception=False``, for
+    worker processes), so that one which cannot be rebuilt in the parent
+    does not break the channel that carries the result; the parent rebuilds
+    it if it can (:func:`_rebuilt_exception`).  ``keep_exception=True`` (the
+    point runs in the parent) keeps the object itself, traceback included.
+    """
     _set_numba_threads(threads)
     t0 = time.perf_counter()
     try:
-        result = _to_json(fn(**params))
+        result = to_json(fn(**params))
         payload = {"status": "ok", "result": result}
     except Exception as exc:  # noqa: BLE001 - reported to the parent
-        try:
-            pickle.dumps(exc)
-            exc_obj = exc
-        except Exception:
-            exc_obj = None
         payload = {
             "status": "error",
-            "error": f"{type(exc).__name__}: {exc}",
+            "error": _describe(exc),
             "traceback": traceback.format_exc(),
-            "exception": exc_obj,
+            "exception": exc if keep_exception else _pickled_exception(exc),
         }
     payload["elapsed_s"] = time.perf_counter() - t0
     payload["host"] = socket.gethostname()
@@ -361,24 +447,92 @@ def _parse_lines(data: bytes, path) -> tuple[list[dict], int, str | None]:
             )
         raw = data[pos:nl]
         if raw.strip():
+            what = "is not valid JSON"
             try:
                 rec = json.loads(raw.decode("utf-8"))
                 if not isinstance(rec, dict):
                     raise ValueError("not a JSON object")
+                what = "is not a valid record"
+                rec = _decode_nonfinite(rec)
             except (ValueError, UnicodeDecodeError) as exc:
-                if nl + 1 >= n:
+                # Only whitespace after it (blank lines added after a crash): still the last record.
+                if not data[nl + 1:].strip():
                     return records, pos, (
-                        f"{path}: the last line (line {lineno}) is not valid JSON ({exc}); "
-                        "it is ignored and its point will run again"
+                        f"{path}: the last line (line {lineno}) {what} ({exc}); "
+                        "it is ignored (with any blank lines after it) and its point will run again"
                     )
                 raise ValueError(
-                    f"{path}: line {lineno} is not valid JSON ({exc}) and is not the last line; "
+                    f"{path}: line {lineno} {what} ({exc}) and is not the last line; "
                     "the file was damaged by something other than an interrupted sweep. Repair or "
                     "remove that line (or use a new results file)."
                 ) from None
             records.append(rec)
         pos = nl + 1
     return records, pos, None
+
+
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _encode_nonfinite(record: dict) -> dict:
+    """A copy of ``record`` with every NaN/inf float replaced by null and listed in ``"nonfinite"``.
+
+    ``"nonfinite"`` is a list of ``[path, value]``: ``path`` the keys and list
+    indices from the record down to the null, ``value`` one of ``"nan"``,
+    ``"inf"``, ``"-inf"``.  A null that is not listed stays None, and a string
+    ``"nan"`` in a result stays a string.
+    """
+    marks: list = []
+
+    def walk(obj, path):
+        if isinstance(obj, float) and not math.isfinite(obj):
+            marks.append([path, "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")])
+            return None
+        if isinstance(obj, dict):
+            return {k: walk(v, path + [k]) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [walk(v, path + [i]) for i, v in enumerate(obj)]
+        return obj
+
+    out = walk({k: v for k, v in record.items() if k != "nonfinite"}, [])
+    if marks:
+        out["nonfinite"] = marks
+    return out
+
+
+def _decode_nonfinite(record: dict) -> dict:
+    """``record`` with the floats listed in its ``"nonfinite"`` marker put back (the marker removed).
+
+    Mutates and returns ``record``; a record without a marker is returned as
+    it is.  Raises ValueError for a marker that does not match the record.
+    """
+    marks = record.pop("nonfinite", None)
+    if marks is None:
+        return record
+    if not isinstance(marks, list):
+        raise ValueError(f"its 'nonfinite' marker is a {type(marks).__name__}, not a list")
+    for mark in marks:
+        if (not isinstance(mark, list) or len(mark) != 2 or not isinstance(mark[0], list) or not mark[0]
+                or mark[1] not in _NONFINITE):
+            raise ValueError(f"its 'nonfinite' marker has a bad entry {mark!r}; "
+                             "expected [path, 'nan' | 'inf' | '-inf']")
+        container = record
+        path = mark[0]
+        for depth, step in enumerate(path):
+            if isinstance(container, dict) and isinstance(step, str) and step in container:
+                pass
+            elif (isinstance(container, list) and isinstance(step, int) and not isinstance(step, bool)
+                  and 0 <= step < len(container)):
+                pass
+            else:
+                raise ValueError(f"its 'nonfinite' marker names {path!r}, which is not in the record")
+            if depth == len(path) - 1:
+                if container[step] is not None:
+                    raise ValueError(f"its 'nonfinite' marker names {path!r}, which is not null")
+                container[step] = _NONFINITE[mark[1]]
+            else:
+                container = container[step]
+    return record
 
 
 def _latest(records: Iterable[dict]) -> dict[str, dict]:
@@ -441,6 +595,11 @@ def load_results(path, *, status: str | None = None) -> list[dict]:
 def rows(records: Iterable[dict]) -> list[dict]:
     """Flatten ok records to ``{**params, **result}`` dicts (for tables and plots).
 
+    Records as :func:`load_results` or :func:`sweep` return them, or as a
+    plain JSON parser reads them from the file: non-finite floats listed in a
+    record's ``"nonfinite"`` marker come back as floats (the records passed in
+    are not changed).
+
     Examples
     --------
     >>> rows([{"status": "ok", "params": {"n": 2}, "result": {"t": 0.5}}])
@@ -450,6 +609,8 @@ def rows(records: Iterable[dict]) -> list[dict]:
     for rec in records:
         if rec.get("status") != "ok":
             continue
+        if "nonfinite" in rec:  # a record read from the file by a plain JSON parser
+            rec = _decode_nonfinite(copy.deepcopy(rec))
         res = rec.get("result")
         row = dict(rec.get("params", {}))
         if isinstance(res, dict):
@@ -517,7 +678,11 @@ class _ResultsFile:
             ) from None
 
     def write(self, record: dict) -> None:
-        line = json.dumps(record, separators=(",", ":"), allow_nan=True) + "\n"
+        try:
+            line = json.dumps(record, separators=(",", ":"), allow_nan=False)
+        except ValueError:  # NaN or inf somewhere: null plus a "nonfinite" marker (strict JSON)
+            line = json.dumps(_encode_nonfinite(record), separators=(",", ":"), allow_nan=False)
+        line += "\n"
         self.fh.seek(0, os.SEEK_END)
         self.fh.write(line.encode("utf-8"))  # one write per line: a crash cuts at most this line
         self.fh.flush()
@@ -609,9 +774,12 @@ def sweep(
         (the size of their thread pools).
     errors : {"raise", "record"}
         An exception in ``fn``: ``"raise"`` stops the sweep (finished points
-        stay in the file) and raises :class:`SweepError` from it;
-        ``"record"`` writes an error record and goes on.  Error records do not
-        count as finished: a resumed sweep runs those points again.
+        stay in the file) and raises :class:`SweepError` from it (its
+        ``__cause__`` is the exception, or None where a worker's exception
+        cannot be rebuilt in this process; the message and
+        ``worker_traceback`` always name it); ``"record"`` writes an error
+        record and goes on.  Error records do not count as finished: a
+        resumed sweep runs those points again.
     max_retries : int, default 2
         How often a point is retried when its worker process dies (killed,
         out of memory, a segfault).  On Dask, the scheduler's own
@@ -700,7 +868,8 @@ def sweep(
                               numba_threads=numba_threads or max(1, _cpu_count() // workers))
                 else:
                     for key, params in todo:
-                        state.finish(key, params, _run_point(fn, params, numba_threads))
+                        state.finish(key, params,
+                                     _run_point(fn, params, numba_threads, keep_exception=True))
         finally:
             if bar is not None:
                 bar.close()
@@ -735,7 +904,7 @@ class _RunState:
     def finish(self, key: str, params: dict, payload: dict) -> None:
         if key in self.done:  # a duplicate delivery (never expected): write nothing twice
             return
-        exc = payload.pop("exception", None)
+        exc = _rebuilt_exception(payload.pop("exception", None))
         record = {"type": "result", "key": key, "params": params, **payload, "finished": _now()}
         if payload["status"] == "ok":
             self.rf.write(record)
@@ -895,7 +1064,7 @@ def _run_dask(fn, todo, state: _RunState, *, scheduler, workers, numba_threads):
                 payload = _worker_died(0)
                 payload["error"] = f"KilledWorker: {exc}"
             except Exception as exc:  # noqa: BLE001 - infrastructure failure for this point
-                payload = {"status": "error", "error": f"{type(exc).__name__}: {exc}",
+                payload = {"status": "error", "error": _describe(exc),
                            "traceback": traceback.format_exc(), "elapsed_s": float("nan"),
                            "host": None, "pid": None, "exception": exc}
             state.finish(key, params, payload)
