@@ -248,7 +248,9 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
         if dev == "cuda":
             CD.run_host(impl, qf, kf, vf, H, result, code=code, eps=eps)
         else:
-            direct = result.dtype == work and result.flags.c_contiguous and result.flags.writeable
+            # an out= that overlaps an input is written last, from a scratch result
+            direct = (result.dtype == work and result.flags.c_contiguous and result.flags.writeable
+                      and not any(np.may_share_memory(result, x) for x in (q, k, v)))
             target = result.reshape((b, n, m)) if direct else np.empty((b, n, m), dtype=work)
             impl.forward(qf, kf, vf, H, target, code=code, eps=eps, inputs=None)
             if not direct:
