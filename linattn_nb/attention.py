@@ -76,8 +76,8 @@ def linear_attention(
         feature maps without an inline form (``kernel_code`` None) are
         applied on the host for host inputs and refused for GPU inputs.
     eps : float or None, default 1e-8
-        Floor of the normaliser: ``den = max(phi(q)^T z, eps)`` (the seed's
-        ``clip(1e-8)``).  With positive feature maps the normaliser is > 0 and
+        Floor of the normaliser: ``den = max(phi(q)^T z, eps)`` (the
+        ``clip(1e-8)`` of the original NumPy reference).  With positive feature maps the normaliser is > 0 and
         the floor only guards underflow.  With signed maps ("identity", random
         Fourier features) a normaliser <= eps is replaced by ``eps``, which
         keeps the output finite but large; ``eps=None`` divides by the raw

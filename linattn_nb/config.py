@@ -53,7 +53,8 @@ CACHE = os.environ.get("LINATTN_NO_CACHE", "") not in ("1", "true", "yes")
 # --------------------------------------------------------------------------
 # Numerics
 # --------------------------------------------------------------------------
-#: Default floor of the normaliser phi(q)^T z (the seed's ``clip(1e-8)``).
+#: Default floor of the normaliser phi(q)^T z (``clip(1e-8)`` of the NumPy
+#: reference the package started from).
 #: ``linear_attention(eps=None)`` disables the floor (raw signed division).
 DEFAULT_EPS = _env_float("LINATTN_EPS", 1e-8)
 
@@ -62,14 +63,13 @@ DEFAULT_EPS = _env_float("LINATTN_EPS", 1e-8)
 # --------------------------------------------------------------------------
 #: Tokens per block in the non-causal CPU kernel (aggregate phase and query
 #: phase both work on blocks of this many rows, GEMM-shaped through BLAS).
-#: Measured (one thread, CPU seconds, B*H = 16, N = 4096, D = M = 64, float32,
-#: 2026-11-29): 32: 56, 64: 62, 128: 66, 256: 51, 512: 51 GFLOP/s.
+#: Chosen by measurement (figures: docs/measurements.md, "CPU_NONCAUSAL_BLOCK").
 CPU_NONCAUSAL_BLOCK = _env_int("LINATTN_CPU_NONCAUSAL_BLOCK", 128)
 
 #: Pin the BLAS that ``np.dot`` calls inside Numba kernels to one thread while
 #: a parallel CPU kernel runs (OpenBLAS otherwise multithreads GEMMs of about
-#: 64**3 and up from inside every Numba thread: oversubscription, measured
-#: 12x slower; see linattn_nb/ops/_blas.py).
+#: 64**3 and up from inside every Numba thread: oversubscription, many times
+#: slower; see linattn_nb/_blas.py).
 CPU_BLAS_SINGLE_THREAD = os.environ.get("LINATTN_BLAS_SINGLE_THREAD", "1") not in ("0", "false", "no")
 
 #: Chunk size C of ``method="chunked"`` (causal, CPU).  0 (default) picks it
@@ -79,15 +79,8 @@ CPU_CHUNK_SIZE = _env_int("LINATTN_CPU_CHUNK_SIZE", 0)
 #: Measured best (chunk size, row block) per working dtype: ``dtype name ->
 #: [(max F*M, C, block), ...]``, the first row whose bound admits F*M (None =
 #: any) wins.  From ``python benchmarks/causal_cpu.py --sweep-chunk`` (one
-#: thread, B*H = 16, N = 4096, combinations timed in interleaved rounds,
-#: medians; 2026-11-29, 2-core AMD EPYC 9R14-class VM, shared):
-#:
-#: * float32, D = M = 16: (16, 16) best; (32, 16), (32, 32) +4%.
-#: * float32, D = M = 32: (16, 8), (24, 8), (32, 8) within 0.3%.
-#: * float32, D = M = 64: (24, 8) best, (32, 8) +0.5%, (32, 16) +4%, (32, 32)
-#:   (no row blocks) +9%, (64, 32) +13%; two threads: the same order.
-#: * float32, D = M = 128: (32, 8) best, (48, 16) +3%, (16, 16) +14%.
-#: * float64, D = M = 64: (32, 8) best, (24, 8) +1%, (64, 32) +19%.
+#: thread, B*H = 16, N = 4096, combinations timed in interleaved rounds;
+#: figures: docs/measurements.md, "CPU_CHUNK_TABLE").
 CPU_CHUNK_TABLE = {
     "float32": [(256, 16, 16), (4096, 24, 8), (None, 32, 8)],
     "float64": [(256, 16, 16), (None, 32, 8)],
@@ -107,8 +100,8 @@ CPU_CHUNKED_MIN_SEGMENT_CHUNKS = _env_int("LINATTN_CPU_CHUNKED_MIN_SEGMENT_CHUNK
 
 #: Below this much work (B * N * D_phi * M) ``method="chunked"``, the scan and
 #: the non-causal kernel run on the calling thread: entering a parallel region
-#: costs more than the work there (up to 16-20 ms under load with the OpenMP
-#: layer, measured here, against 0.1 ms of work at N = 128).
+#: costs more than the work there under load (docs/measurements.md,
+#: "Serial or parallel").
 CPU_CHUNKED_SERIAL_MAX_WORK = _env_int("LINATTN_CPU_CHUNKED_SERIAL_MAX_WORK", 1 << 21)
 
 
@@ -174,13 +167,8 @@ ANALYSIS_BLOCK_Q = _env_int("LINATTN_ANALYSIS_BLOCK_Q", 64)
 #: ``max_n`` (inclusive; None = unbounded) admits the sequence length wins.
 #: The rows must come from measurements (benchmarks/), not guesses.
 AUTO_METHODS = {
-    # causal CPU (B*H = 16, D = M = 64; benchmarks/causal_cpu.py --sweep-auto
-    # --repeats 41, twice, 2026-11-29 17:10 UTC, after the one-pass input
-    # read of the chunked kernel): "scan" is faster up to N = 2 (float32:
-    # 0.63-0.70x the chunked time at N = 1, 0.82-0.85x at 2; float64 0.56-0.76x);
-    # at N = 4 the scan takes 1.10-1.16x the chunked time in float32 and
-    # 0.84-1.03x in float64; chunked is faster by 1.2-1.7x at N = 8 and by
-    # 1.5-5x from N = 16 to 65,536.
+    # causal CPU: benchmarks/causal_cpu.py --sweep-auto (figures:
+    # docs/measurements.md, "AUTO_METHODS"): the scan wins up to N = 2.
     ("additive", True, "cpu"): [(2, "scan"), (None, "chunked")],
     ("additive", False, "cpu"): [(None, "aggregate")],
 }
@@ -199,8 +187,8 @@ CUDA_VALUE_COLS = _env_int("LINATTN_CUDA_VALUE_COLS", 64)
 #: fused multiply-adds, so C = 1 is bound by shared-memory loads at a quarter
 #: of the fp32 rate and larger tiles approach it.  Rows are doubled up to
 #: CUDA_MAX_ROWS_PER_THREAD when a block would exceed CUDA_MAX_THREADS
-#: threads.  PROVISIONAL (8 x 4 chosen by that count, not measured):
-#: benchmarks/gpu_bench.py sweeps them.
+#: threads.  PROVISIONAL (8 x 4 chosen by that count, not yet measured on a
+#: GPU): benchmarks/gpu_bench.py sweeps them.
 CUDA_ROWS_PER_THREAD = _env_int("LINATTN_CUDA_ROWS_PER_THREAD", 8)
 CUDA_COLS_PER_THREAD = _env_int("LINATTN_CUDA_COLS_PER_THREAD", 4)
 CUDA_MAX_ROWS_PER_THREAD = _env_int("LINATTN_CUDA_MAX_ROWS_PER_THREAD", 64)
@@ -224,9 +212,9 @@ CUDA_MAX_FEATURES = _env_int("LINATTN_CUDA_MAX_FEATURES", 1024)
 #: method="auto" on CUDA, causal: "scan" when its blocks (batch x column
 #: blocks) fill the GPU, i.e. at least CUDA_AUTO_SCAN_BLOCKS_PER_SM blocks per
 #: multiprocessor; otherwise the AUTO_METHODS rows below by sequence length.
-#: PROVISIONAL: chosen by reasoning, not measured (no GPU was lent to the
-#: session that wrote them); benchmarks/gpu_bench.py times both methods and
-#: prints the crossover to put here.
+#: PROVISIONAL: chosen by reasoning, not yet measured on a GPU;
+#: benchmarks/gpu_bench.py times both methods and prints the crossover to put
+#: here.
 CUDA_AUTO_SCAN_BLOCKS_PER_SM = _env_int("LINATTN_CUDA_AUTO_SCAN_BLOCKS_PER_SM", 4)
 AUTO_METHODS[("additive", True, "cuda")] = [(2 * 256, "scan"), (None, "chunked")]
 AUTO_METHODS[("additive", False, "cuda")] = [(None, "aggregate")]
@@ -273,8 +261,8 @@ KV_BLOCK = _env_int("LINATTN_KV_BLOCK", 2048)
 #: The KV-cache step runs in parallel over the batch*heads from this many
 #: multiply-adds (``batch * tokens * context * (D + M)``) on; 2**24 is ~4 ms
 #: of serial work.  (A parallel region waits for all its threads: on a busy
-#: machine a late thread costs a scheduler time slice, measured ~20 ms on the
-#: shared 2-core development VM, so small steps stay serial.)
+#: machine a late thread costs a scheduler time slice, so small steps stay
+#: serial; docs/measurements.md, "Serial or parallel".)
 KV_PARALLEL_MIN_WORK = _env_int("LINATTN_KV_PARALLEL_MIN_WORK", 1 << 24)
 
 #: Initial capacity (tokens) of a ``KVCache`` and its growth factor: when an

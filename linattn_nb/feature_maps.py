@@ -197,7 +197,7 @@ class EluFeatureMap(ElementwiseFeatureMap):
 
     Kernel: ``phi(q) . phi(k)``, a positive similarity used as a stand-in for
     ``exp(q . k)`` (Katharopoulos et al. 2020, "Transformers are RNNs", Eq. 7).
-    Overflow-safe as in the seed: ``exp`` only ever sees non-positive numbers.
+    Overflow-safe: ``exp`` only ever sees non-positive numbers.
     """
 
     name = "elu"
