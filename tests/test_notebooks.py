@@ -59,8 +59,8 @@ def _installed_package(tmp_path, monkeypatch):
     try:
         _run(nb, tmp_path, monkeypatch)
     except nbclient.exceptions.CellExecutionError as exc:
-        pytest.fail("`import linattn_nb` fails in a notebook: the installation is broken "
-                    f"(reinstall with `pip install -e .`):\n{exc}")
+        pytest.fail("`import linattn_nb` fails in a notebook kernel: the installed package is broken or "
+                    f"older than this checkout (reinstall with `pip install -e .`):\n{exc}")
     out = "".join(o.get("text", "") for o in nb.cells[0].outputs if o.get("output_type") == "stream")
     return json.loads(out.strip().splitlines()[-1])
 
