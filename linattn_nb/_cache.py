@@ -297,7 +297,8 @@ def install(version: str) -> str | None:
     Returns
     -------
     str or None
-        The folder, or None when caching is off.
+        The folder; None when caching is off, or when the sources are not
+        plain files (then Numba's own locators apply).
     """
     global _folder, _origin
     if not config.CACHE:
@@ -314,7 +315,11 @@ def install(version: str) -> str | None:
         return _folder
     origin = "LINATTN_CACHE_DIR" if root else "default"
     root = os.path.abspath(os.path.expanduser(root)) if root else user_cache_root()
-    name = f"{version}-{source_hash()}"
+    try:
+        name = f"{version}-{source_hash()}"
+    except OSError:  # sources not in plain files (zip import, frozen application)
+        _folder, _origin = None, "Numba's default locators (the package sources are not plain files)"
+        return None
     folder = os.path.join(root, name)
     try:
         _prepare(folder)

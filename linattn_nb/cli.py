@@ -61,7 +61,7 @@ def _info_lines() -> list[str]:
 
     cache_dir, origin = _cache.cache_folder()
     if cache_dir is None:
-        cache_line = f"(caching {origin})"
+        cache_line = f"(caching {origin})" if origin.startswith("off") else f"({origin})"
     else:
         writable = os.path.isdir(cache_dir) and os.access(cache_dir, os.W_OK)
         cache_line = f"{cache_dir} ({'writable' if writable else 'not writable'}; from {origin})"
