@@ -10,15 +10,20 @@ Public API (stable names)::
     KVCache                 # the softmax baseline with the same prefill / step API
 
 Nothing is compiled at import; Numba compiles each kernel on first use and
-caches it on disk.
+caches it on disk, outside the package (see ``linattn_nb._cache``).
 """
 from __future__ import annotations
 
-from . import config, feature_maps
-from .attention import LinearState, linear_attention, softmax_attention
-from .state import KVCache, LinearAttentionState
-
 __version__ = "0.1.0"
+
+# First: Numba picks a kernel's cache folder when the kernel is decorated.
+from . import _cache, config  # noqa: E402
+
+_cache.install(__version__)
+
+from . import feature_maps  # noqa: E402
+from .attention import LinearState, linear_attention, softmax_attention  # noqa: E402
+from .state import KVCache, LinearAttentionState  # noqa: E402
 
 __all__ = [
     "__version__",

@@ -7,15 +7,19 @@
 
 Exit status: 0 success; 1 a check failed or a study raised (the report is
 still written); 2 usage errors (bad arguments, a non-empty --out without
---force); 3 the study cannot run in this installation (e.g. its analysis
-functions are not installed).
+--force, an --out that cannot be created or written); 3 the study cannot run
+in this installation (e.g. its analysis functions are not installed); 130
+interrupted (Ctrl-C): the finished points stay in the report folder and the
+same command with ``--resume`` continues.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import platform
+import shlex
 import sys
+import tempfile
 import time
 
 
@@ -26,7 +30,6 @@ def _info_lines() -> list[str]:
 
     import linattn_nb
     from linattn_nb.device import cuda_status
-    from linattn_nb.ops.causal.cpu import causal_scan_kernel
 
     # A tiny call (loaded from the on-disk cache when warm) starts Numba's
     # thread pool so that the threading layer can be reported.
@@ -54,11 +57,14 @@ def _info_lines() -> list[str]:
         nbcuda = getattr(numba_cuda, "__version__", "installed")
     except Exception:
         nbcuda = "not installed"
-    try:
-        cache_dir = causal_scan_kernel._cache._cache_path
-    except Exception:  # pragma: no cover - caching disabled
-        cache_dir = "(caching disabled)"
-    writable = os.access(cache_dir, os.W_OK) if os.path.isdir(cache_dir) else False
+    from linattn_nb import _cache
+
+    cache_dir, origin = _cache.cache_folder()
+    if cache_dir is None:
+        cache_line = f"(caching {origin})" if origin.startswith("off") else f"({origin})"
+    else:
+        writable = os.path.isdir(cache_dir) and os.access(cache_dir, os.W_OK)
+        cache_line = f"{cache_dir} ({'writable' if writable else 'not writable'}; from {origin})"
     return [
         f"linattn_nb   {linattn_nb.__version__}",
         f"python       {platform.python_version()} ({sys.executable})",
@@ -69,8 +75,7 @@ def _info_lines() -> list[str]:
         f"scipy        {scipy.__version__}",
         f"threading    {layer} layer, {numba.get_num_threads()} threads (NUMBA_NUM_THREADS={numba.config.NUMBA_NUM_THREADS})",
         f"cuda         {cuda_line}",
-        f"cache dir    {cache_dir} ({'writable' if writable else 'not writable'}; "
-        f"NUMBA_CACHE_DIR={os.environ.get('NUMBA_CACHE_DIR', '(unset)')})",
+        f"cache dir    {cache_line}",
         f"feature maps {', '.join(linattn_nb.feature_maps.available())}",
     ]
 
@@ -133,6 +138,41 @@ def _study_options(p, *, default_out: str) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
 
+def _os_error(exc: OSError) -> str:
+    """``exc`` in one line: the reason and the path it concerns."""
+    what = exc.strerror or str(exc) or type(exc).__name__
+    return f"{what}: {exc.filename!r}" if exc.filename else what
+
+
+def _first_missing(path: str) -> str | None:
+    """The outermost folder that creating ``path`` would make (None when ``path`` exists)."""
+    top, p = None, os.path.abspath(path)
+    while not os.path.exists(p):
+        top, parent = p, os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return top
+
+
+def _unwritable(out: str) -> str | None:
+    """Why the report folder ``out`` cannot be created or written (None when it can).
+
+    Creates the folder (as the report would) and writes and removes a
+    temporary file in it, so that a bad ``--out`` is refused before any study
+    runs (running as root, permission bits alone say nothing).
+    """
+    if os.path.exists(out) and not os.path.isdir(out):
+        return "exists and is not a directory"
+    try:
+        os.makedirs(out, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename and os.path.abspath(exc.filename) != os.path.abspath(out) else ""
+        return f"cannot be created or written: {exc.strerror or exc}{where}"
+    return None
+
+
 def _run_studies(args, names, argv) -> int:
     from linattn_nb.studies import get_study, run_report
     from linattn_nb.studies.report import command_line
@@ -147,13 +187,39 @@ def _run_studies(args, names, argv) -> int:
             print(f"linattn {args.command}: the {study.title.lower()} study cannot run here: {reason}",
                   file=sys.stderr)
             return 3
+    created = _first_missing(args.out)
+    problem = _unwritable(args.out)
+    if problem:
+        print(f"linattn {args.command}: error: --out {args.out!r}: {problem}", file=sys.stderr)
+        return 2
+
+    def usage_error(message: str) -> int:
+        print(f"linattn {args.command}: error: {message}", file=sys.stderr)
+        # the folders made by the check above, if nothing was written there
+        path = os.path.abspath(args.out)
+        while created is not None:
+            try:
+                os.rmdir(path)
+            except OSError:
+                break
+            if path == created:
+                break
+            path = os.path.dirname(path)
+        return 2
+
     try:
         res = run_report(args.out, profile=args.profile, device=args.device, scheduler=args.scheduler,
                          workers=args.workers, force=args.force, resume=args.resume, studies=names,
                          progress=args.progress, command=command_line(argv))
+    except KeyboardInterrupt:
+        again = [a for a in argv if a != "--force"] + ([] if args.resume else ["--resume"])
+        print(f"linattn {args.command}: interrupted; the finished points are kept in {args.out!r}: "
+              f"`linattn {shlex.join(again)}` continues", file=sys.stderr)
+        return 130
     except (FileExistsError, NotADirectoryError, ValueError, RuntimeError) as exc:
-        print(f"linattn {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return usage_error(str(exc))
+    except OSError as exc:
+        return usage_error(f"cannot write the report to {args.out!r}: {_os_error(exc)}")
     if names is not None:
         for name in names:
             section = res.sections.get(get_study(name).name)
@@ -220,8 +286,11 @@ def main(argv=None) -> int:
         if args.quick and args.profile not in (None, "quick"):
             parser.error(f"--quick and --profile {args.profile} contradict each other")
         args.profile = "quick" if args.quick else (args.profile or "full")
-        return int(args.func(args, argv) or 0)
-    return int(args.func(args) or 0)
+    try:
+        return int((args.func(args, argv) if getattr(args, "wants_argv", False) else args.func(args)) or 0)
+    except KeyboardInterrupt:
+        print(f"linattn {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

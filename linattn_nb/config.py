@@ -45,10 +45,23 @@ def _env_float(name: str, default: float) -> float:
 #: multiply-adds; ``nsz`` and ``arcp`` are harmless for this arithmetic.
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
-#: ``cache=True`` for kernels that take plain arrays (on-disk cache, keyed on
-#: the source file).  Set ``LINATTN_NO_CACHE=1`` to disable, e.g. on a
-#: read-only installation without NUMBA_CACHE_DIR.
+#: ``cache=True`` for kernels that take plain arrays: Numba's on-disk cache,
+#: read when a kernel is decorated (at import of its module).  The cache lives
+#: outside the package, never in site-packages: see :mod:`linattn_nb._cache`
+#: (``LINATTN_CACHE_DIR``, ``NUMBA_CACHE_DIR``, else a per-user folder keyed on
+#: the version and a hash of the sources).  ``LINATTN_NO_CACHE=1`` disables it.
 CACHE = os.environ.get("LINATTN_NO_CACHE", "") not in ("1", "true", "yes")
+
+#: The folder linattn_nb's kernels are cached in, set at import of the package
+#: by :func:`linattn_nb._cache.install` (None when caching is off).  Read-only:
+#: assigning it moves nothing.  ``linattn info`` shows it; deleting the folder
+#: clears the cache.
+CACHE_DIR = None
+
+#: Cache folders of other versions or sources (``<version>-<hash>`` beside the
+#: one in use) unused for this many days are removed at import; negative keeps
+#: them all.
+CACHE_PRUNE_DAYS = _env_float("LINATTN_CACHE_PRUNE_DAYS", 14.0)
 
 # --------------------------------------------------------------------------
 # Numerics

@@ -1,7 +1,8 @@
 """Test-suite set-up.
 
-Both settings below must be in the environment before numba is first
-imported, so they are made here, at the top of the first module pytest loads.
+Both settings below (the CUDA simulator and the kernel cache folder) must be
+made before numba and linattn_nb are first imported, so they are made here,
+at the top of the first module pytest loads.
 
 The CUDA kernels are tested everywhere: when no CUDA driver is present, the
 Numba CUDA simulator is switched on here, before numba is first imported
@@ -11,7 +12,6 @@ the real GPU is used and the simulator stays off.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import pathlib
 import shutil
@@ -31,33 +31,26 @@ if "NUMBA_ENABLE_CUDASIM" not in os.environ and not _cuda_driver_present():
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 
 
-def _source_keyed_cache_dir() -> str:
-    """A Numba cache directory keyed by a hash of the package's sources.
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-    Numba keys a cached kernel on its own source file only, so a kernel that
-    inlines a helper from another module (ops/_vec.py, ops/_common.py, ...)
-    is not recompiled when that helper changes, and the tests would run stale
-    machine code.  Keying the directory on every source file makes each test
-    run compile against the sources it sees; directories of older sources are
-    removed.
-    """
-    root = pathlib.Path(__file__).resolve().parents[1]
-    digest = hashlib.sha1()
-    for path in sorted((root / "linattn_nb").rglob("*.py")):
-        digest.update(path.relative_to(root).as_posix().encode())
-        digest.update(path.read_bytes())
-    base = root / ".numba_cache"
-    target = base / digest.hexdigest()[:16]
-    if base.is_dir():
-        for old in base.iterdir():
-            if old != target and old.is_dir():
-                shutil.rmtree(old, ignore_errors=True)
-    target.mkdir(parents=True, exist_ok=True)
-    return str(target)
+# The package keys its kernel cache on a hash of its sources (linattn_nb/_cache.py):
+# Numba keys a cached kernel on its own source file only, so a kernel that inlines
+# a helper from another module (ops/_vec.py, ops/_common.py, ...) would run stale
+# machine code after an edit of that helper.  The tests use the same mechanism with
+# the root in the checkout (.numba_cache/<version>-<hash>, subprocesses included),
+# and remove the folders of other sources at once.  A NUMBA_CACHE_DIR or
+# LINATTN_CACHE_DIR set by the caller is left alone.
+_OWN_CACHE = "NUMBA_CACHE_DIR" not in os.environ and "LINATTN_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["LINATTN_CACHE_DIR"] = str(ROOT / ".numba_cache")
 
+from linattn_nb import _cache  # noqa: E402  (installs the cache locator: after the settings above)
 
-if "NUMBA_CACHE_DIR" not in os.environ:
-    os.environ["NUMBA_CACHE_DIR"] = _source_keyed_cache_dir()
+if _OWN_CACHE and _cache.cache_folder()[0] is not None:
+    _keep = pathlib.Path(_cache.cache_folder()[0])
+    for _old in _keep.parent.iterdir():
+        if _old != _keep and _old.is_dir():
+            shutil.rmtree(_old, ignore_errors=True)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

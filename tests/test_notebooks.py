@@ -1,7 +1,11 @@
 """Execute every notebook in notebooks/ (nbclient + ipykernel, the `test` extra).
 
-Each runs top to bottom in a fresh kernel started in the repository root, so
-it imports this checkout of linattn_nb; a cell that raises fails the test.
+Each runs top to bottom in a fresh kernel started in an empty temporary
+folder, so it imports the *installed* linattn_nb, as a user's notebook would
+(the README's test command installs this checkout editable): a broken
+installation fails here instead of being hidden by the checkout on the path
+(no PYTHONPATH, and not the repository root as working directory, which
+Jupyter kernels put on sys.path).  A cell that raises fails the test.
 The kernel inherits this process's environment, so NUMBA_ENABLE_CUDASIM
 (set by conftest.py on machines without a GPU) reaches the GPU notebook.
 Notebooks are sized to run in well under a minute; the per-cell timeout only
@@ -9,7 +13,7 @@ catches hangs.
 """
 from __future__ import annotations
 
-import os
+import json
 from pathlib import Path
 
 import pytest
@@ -34,17 +38,49 @@ def test_notebook_stored_without_outputs(path):
     assert all(not c.get("outputs") and c.get("execution_count") is None for c in code)
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path, monkeypatch):
-    nbformat = pytest.importorskip("nbformat")
+def _run(nb, tmp_path, monkeypatch):
+    """Execute ``nb`` in a fresh kernel whose working directory is ``tmp_path``."""
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=180, kernel_name="python3",
-                                     resources={"metadata": {"path": str(ROOT)}})
+                                     resources={"metadata": {"path": str(tmp_path)}})
     client.execute()
+
+
+def _installed_package(tmp_path, monkeypatch):
+    """What ``import linattn_nb`` finds in a notebook kernel: [file, version, source hash]."""
+    nbformat = pytest.importorskip("nbformat")
+    code = ("import json, linattn_nb, linattn_nb._cache as c\n"
+            "print(json.dumps([linattn_nb.__file__, linattn_nb.__version__, c.source_hash()]))")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)])
+    nbclient = pytest.importorskip("nbclient")
+    try:
+        _run(nb, tmp_path, monkeypatch)
+    except nbclient.exceptions.CellExecutionError as exc:
+        pytest.fail("`import linattn_nb` fails in a notebook kernel: the installed package is broken or "
+                    f"older than this checkout (reinstall with `pip install -e .`):\n{exc}")
+    out = "".join(o.get("text", "") for o in nb.cells[0].outputs if o.get("output_type") == "stream")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_installed_package_is_this_checkout(tmp_path, monkeypatch):
+    """The notebooks below test the installed package: it must be importable and hold these sources."""
+    from linattn_nb._cache import source_hash
+
+    path, _version, digest = _installed_package(tmp_path, monkeypatch)
+    assert path is not None, "linattn_nb is installed as an empty namespace package (stale site-packages folder)"
+    assert digest == source_hash(str(ROOT / "linattn_nb")), (
+        f"the installed linattn_nb ({path}) does not hold this checkout's sources: install it with "
+        "`pip install -e .` (in a virtual environment when another checkout is installed)")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs(path, monkeypatch, tmp_path):
+    nbformat = pytest.importorskip("nbformat")
+    nb = nbformat.read(path, as_version=4)
+    _run(nb, tmp_path, monkeypatch)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
     assert not errors

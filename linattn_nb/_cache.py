@@ -1,0 +1,345 @@
+"""Where Numba's on-disk cache of linattn_nb's kernels lives.
+
+By default Numba writes a cached kernel next to its source file, into the
+package's own ``__pycache__`` folders.  For an installed package that is
+site-packages: a read-only installation cannot cache at all, and pip does not
+remove the cache files on uninstall, so a reinstall leaves machine code of
+other sources behind, and the leftover folders become an empty namespace
+package that hides a later editable install (``import linattn_nb`` then finds
+no ``__version__``).
+
+:func:`install`, called by ``linattn_nb/__init__.py`` before any kernel module
+is imported (Numba chooses a kernel's cache folder when the kernel is
+decorated), sends the cache of linattn_nb's kernels elsewhere.  The folder is,
+first match wins:
+
+1. ``$LINATTN_CACHE_DIR/<version>-<hash>``;
+2. Numba's own rule when ``NUMBA_CACHE_DIR`` is set (``numba.config.CACHE_DIR``
+   non-empty at import of linattn_nb): nothing is changed, the kernels go
+   where Numba puts every cached function then (without the source key);
+3. the per-user cache folder ``<user cache>/linattn_nb/<version>-<hash>``,
+   where ``<user cache>`` is ``$XDG_CACHE_HOME`` or ``~/.cache`` on Linux,
+   ``~/Library/Caches`` on macOS and ``%LOCALAPPDATA%`` on Windows.
+
+``<hash>`` is a hash of every ``.py`` file of the package (:func:`source_hash`):
+Numba keys a cached kernel on its own source file only, so a kernel that
+inlines a helper from another module would otherwise load machine code
+compiled against the helper's old source after an upgrade or an edit.
+Folders of other versions or sources under the same root that have not been
+used for ``config.CACHE_PRUNE_DAYS`` days are removed at import.  If the
+folder cannot be created or written, caching is switched off
+(``config.CACHE = False``, with a warning); the package folder is never
+written.  ``LINATTN_NO_CACHE=1`` switches caching off.
+
+Scope: only functions defined in linattn_nb's own source files are
+redirected.  A cache locator that declines every other file is put first in
+Numba's list of locators (of ``numba.core.caching`` for the CPU kernels, and of
+numba-cuda's ``numba.cuda.core.caching`` as soon as that module is imported,
+for the CUDA kernels), so the caching of other code in the process is
+untouched and ``numba.config.CACHE_DIR`` is not modified.  These are Numba
+internals; if a Numba version lacks them, caching is switched off instead.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import os
+import re
+import shutil
+import sys
+import time
+import warnings
+
+from . import config
+
+#: The package folder (absolute, with a trailing separator): files under it are ours.
+_PACKAGE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+
+#: Name of the file whose modification time records the last use of a cache folder.
+MARKER = ".last_used"
+
+_KEYED_NAME = re.compile(r"^[^\s/\\]+-[0-9a-f]{16}$")
+
+#: The cache folder of linattn_nb's kernels in this process (None before
+#: :func:`install` or when caching is off) and where it came from.
+_folder: str | None = None
+_origin: str = "not installed"
+
+
+def source_hash(package_dir: str = _PACKAGE_DIR) -> str:
+    """Hash (16 hex digits) of the names and contents of every ``.py`` file under ``package_dir``.
+
+    Parameters
+    ----------
+    package_dir : str
+        Folder of the package (default: the folder of this installed copy).
+
+    Returns
+    -------
+    str
+        The first 16 hex digits of a SHA-1 over the sorted relative paths and
+        the file contents (``__pycache__`` and hidden folders skipped).
+    """
+    root = os.path.abspath(package_dir)
+    files = []
+    stack = [root]
+    while stack:
+        top = stack.pop()
+        with os.scandir(top) as it:
+            for entry in it:
+                if entry.is_dir(follow_symlinks=False):
+                    if entry.name != "__pycache__" and not entry.name.startswith("."):
+                        stack.append(entry.path)
+                elif entry.name.endswith(".py"):
+                    files.append(os.path.relpath(entry.path, root).replace(os.sep, "/"))
+    digest = hashlib.sha1()
+    for rel in sorted(files):
+        with open(os.path.join(root, rel), "rb") as fh:
+            data = fh.read()
+        digest.update(f"{rel}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()[:16]
+
+
+def user_cache_root() -> str:
+    """The per-user root of linattn_nb's caches (before the ``<version>-<hash>`` folder).
+
+    Returns
+    -------
+    str
+        ``$XDG_CACHE_HOME/linattn_nb`` (``~/.cache/linattn_nb`` when unset) on
+        Linux and other POSIX systems, ``~/Library/Caches/linattn_nb`` on
+        macOS, ``%LOCALAPPDATA%\\linattn_nb\\Cache`` on Windows.
+    """
+    if sys.platform == "win32":
+        base = os.environ.get("LOCALAPPDATA") or os.path.join(os.path.expanduser("~"), "AppData", "Local")
+        return os.path.join(base, "linattn_nb", "Cache")
+    if sys.platform == "darwin":
+        return os.path.join(os.path.expanduser("~/Library/Caches"), "linattn_nb")
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "linattn_nb")
+
+
+def cache_folder() -> tuple[str | None, str]:
+    """The cache folder of linattn_nb's kernels in this process and where the setting came from.
+
+    Returns
+    -------
+    folder : str or None
+        None when caching is off.
+    origin : str
+        ``"LINATTN_CACHE_DIR"``, ``"NUMBA_CACHE_DIR"``, ``"default"``, or why caching is off.
+    """
+    return _folder, _origin
+
+
+def prune(root: str, keep: str | None, max_age_days: float) -> list[str]:
+    """Remove ``<version>-<hash>`` folders under ``root`` unused for ``max_age_days`` days.
+
+    Parameters
+    ----------
+    root : str
+        Folder holding the keyed cache folders.
+    keep : str or None
+        Name of a folder never removed (the one in use).
+    max_age_days : float
+        Age of the folder's last-use marker (its own modification time when
+        it has none) from which it is removed; 0 removes every other folder.
+        Negative: nothing is removed.
+
+    Returns
+    -------
+    list of str
+        The folders removed.
+    """
+    if max_age_days < 0:
+        return []
+    removed = []
+    cutoff = time.time() - max_age_days * 86400.0
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for entry in entries:
+        if entry.name == keep or not _KEYED_NAME.match(entry.name) or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            used = os.stat(os.path.join(entry.path, MARKER)).st_mtime
+        except OSError:
+            try:
+                used = entry.stat(follow_symlinks=False).st_mtime
+            except OSError:
+                continue
+        if used <= cutoff:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+def _prepare(folder: str) -> None:
+    """Create ``folder`` and record its use; raises OSError when it cannot be written."""
+    os.makedirs(folder, exist_ok=True)
+    marker = os.path.join(folder, MARKER)
+    with open(marker, "a"):
+        pass
+    os.utime(marker)
+
+
+def _locator_class(caching):
+    """A Numba cache locator (for the ``caching`` module given) that serves linattn_nb's files only."""
+    base = getattr(caching, "UserProvidedCacheLocator", None) or getattr(caching, "_UserProvidedCacheLocator", None)
+    if base is None:
+        return None
+
+    class LinattnCacheLocator(base):
+        """Caches a function of linattn_nb's sources into ``linattn_nb._cache._folder``."""
+
+        def __init__(self, py_func, py_file):
+            self._py_file = py_file
+            self._lineno = py_func.__code__.co_firstlineno
+            self._cache_path = os.path.join(_folder, self.get_suitable_cache_subpath(py_file))
+
+        def get_cache_path(self):
+            return self._cache_path
+
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            if _folder is None or not os.path.abspath(py_file).startswith(_PACKAGE_DIR):
+                return None
+            # skip the base's test of numba.config.CACHE_DIR: the source-file
+            # mixin checks that the file exists and the folder is writable
+            return super(base, cls).from_function(py_func, py_file)
+
+    LinattnCacheLocator._linattn = True
+    return LinattnCacheLocator
+
+
+def _add_locator(caching) -> bool:
+    """Put the linattn_nb locator first in ``caching.CacheImpl._locator_classes``; False if impossible."""
+    impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl", None)
+    classes = getattr(impl, "_locator_classes", None)
+    if not isinstance(classes, list):
+        return False
+    if any(getattr(c, "_linattn", False) for c in classes):
+        return True
+    cls = _locator_class(caching)
+    if cls is None:
+        return False
+    classes.insert(0, cls)
+    return True
+
+
+_CUDA_CACHING = "numba.cuda.core.caching"
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Adds the locator to numba-cuda's caching module right after that module is imported.
+
+    Importing ``numba.cuda`` at import of linattn_nb would cost about 0.3 s, so
+    the CUDA side is set up when the CUDA kernels first import it.
+    """
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _CUDA_CACHING:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _ThenAddLocator(spec.loader)
+        return spec
+
+
+class _ThenAddLocator(importlib.abc.Loader):
+    def __init__(self, inner):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        _add_locator(module)
+
+    def __getattr__(self, name):  # get_source, get_filename, ... of the real loader
+        return getattr(self._inner, name)
+
+
+def _hook_cuda() -> None:
+    module = sys.modules.get(_CUDA_CACHING)
+    if module is not None:
+        _add_locator(module)
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
+
+
+def install(version: str) -> str | None:
+    """Choose the cache folder of linattn_nb's kernels and make Numba use it.
+
+    Must run before any kernel module is imported.  Process-wide for
+    linattn_nb's own kernels only; ``numba.config.CACHE_DIR`` and the caching
+    of other code are left alone (see the module docstring).  Sets
+    ``config.CACHE_DIR`` (and ``config.CACHE = False`` when no folder can be
+    written).
+
+    Parameters
+    ----------
+    version : str
+        The package version, the first part of the folder's name.
+
+    Returns
+    -------
+    str or None
+        The folder; None when caching is off, or when the sources are not
+        plain files (then Numba's own locators apply).
+    """
+    global _folder, _origin
+    if not config.CACHE:
+        _folder, _origin = None, "off (LINATTN_NO_CACHE)"
+        config.CACHE_DIR = None
+        return None
+    from numba.core import caching
+    from numba.core import config as nbconfig
+
+    root = os.environ.get("LINATTN_CACHE_DIR", "")
+    if not root and nbconfig.CACHE_DIR:
+        _folder, _origin = str(nbconfig.CACHE_DIR), "NUMBA_CACHE_DIR"
+        config.CACHE_DIR = _folder
+        return _folder
+    origin = "LINATTN_CACHE_DIR" if root else "default"
+    root = os.path.abspath(os.path.expanduser(root)) if root else user_cache_root()
+    try:
+        name = f"{version}-{source_hash()}"
+    except OSError:  # sources not in plain files (zip import, frozen application)
+        _folder, _origin = None, "Numba's default locators (the package sources are not plain files)"
+        return None
+    folder = os.path.join(root, name)
+    try:
+        _prepare(folder)
+    except OSError as exc:
+        warnings.warn(f"linattn_nb: cannot write the kernel cache folder {folder} ({exc}); caching is off, "
+                      "kernels compile in every process (set LINATTN_CACHE_DIR to a writable folder)",
+                      RuntimeWarning, stacklevel=2)
+        return _off("off (cache folder not writable)")
+    _folder, _origin = folder, origin
+    if not _add_locator(caching):
+        return _off("off (this Numba version has no cache locator list)")
+    _hook_cuda()
+    prune(root, keep=name, max_age_days=config.CACHE_PRUNE_DAYS)
+    config.CACHE_DIR = folder
+    return folder
+
+
+def _off(why: str) -> None:
+    global _folder, _origin
+    _folder, _origin = None, why
+    config.CACHE = False
+    config.CACHE_DIR = None
+    return None
