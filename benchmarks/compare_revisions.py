@@ -24,7 +24,9 @@ round each case runs once in each checkout (the order old/new alternates
 between rounds), ``--inner`` calls per measurement, of which the median
 counts.  Per case it prints the median over the rounds of each checkout and
 ``new / old`` -- the ratio of the medians and the median of the per-round
-ratios.  On a shared machine the load changes under both alike.
+ratios.  On a shared machine the load changes under both alike; ``--clock
+cpu --threads 1`` (the workers' CPU time on one thread) is steadier still,
+as time spent preempted does not count.
 
 Cases (B*H = 16, D = M = 64, feature map "elu", ``check_finite=False``,
 through :func:`linattn_nb.linear_attention`): chunked float32 at N = 4096 and
@@ -171,11 +173,12 @@ def worker(root: str) -> None:
             if fn is None:
                 fn = made[req["case"]] = _make_case(la, np, req["case"])
                 fn()  # compile / load from the cache, fault the pages in
+            clock = time.process_time if req.get("clock") == "cpu" else time.perf_counter
             ts = []
             for _ in range(int(req["inner"])):
-                t = time.perf_counter()
+                t = clock()
                 fn()
-                ts.append(time.perf_counter() - t)
+                ts.append(clock() - t)
             reply = {"t": statistics.median(ts)}
         elif req["op"] == "check":
             np.savez(req["path"], **_check_outputs(la, np))
@@ -271,13 +274,13 @@ def check(old: Worker, new: Worker, tmp: Path) -> bool:
     return not rows
 
 
-def bench(old: Worker, new: Worker, cases, rounds: int, inner: int):
+def bench(old: Worker, new: Worker, cases, rounds: int, inner: int, clock: str = "wall"):
     times = {c: {"old": [], "new": []} for c in cases}
     for r in range(rounds):
         order = (("old", old), ("new", new)) if r % 2 == 0 else (("new", new), ("old", old))
         for c in cases:
             for name, w in order:
-                times[c][name].append(w.ask(op="time", case=c, inner=inner)["t"])
+                times[c][name].append(w.ask(op="time", case=c, inner=inner, clock=clock)["t"])
     rows = []
     for c in cases:
         o, n = times[c]["old"], times[c]["new"]
@@ -298,6 +301,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--inner", type=int, default=3, help="calls per measurement (their median counts)")
     ap.add_argument("--threads", type=int, default=0, help="NUMBA_NUM_THREADS of the workers (0: Numba's default)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="wall time, or the worker's CPU time (all its threads; steadier on a shared machine)")
     ap.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES), metavar="CASE")
     args = ap.parse_args(argv)
     if args.worker:
@@ -317,11 +322,11 @@ def main(argv=None):
         if args.check:
             ok = check(old, new, Path(os.environ.get("TMPDIR", "/tmp")))
             sys.exit(0 if ok else 1)
-        rows, times = bench(old, new, args.cases, args.rounds, args.inner)
+        rows, times = bench(old, new, args.cases, args.rounds, args.inner, args.clock)
     finally:
         old.close()
         new.close()
-    print(f"# {args.rounds} interleaved rounds, median of {args.inner} calls per measurement")
+    print(f"# {args.rounds} interleaved rounds, median of {args.inner} calls per measurement, {args.clock} time")
     w = max(len(r["case"]) for r in rows)
     print(f"{'case':<{w}}  {'old ms':>9}  {'new ms':>9}  {'new/old (medians)':>17}  {'median of ratios':>16}")
     for r in rows:
@@ -332,7 +337,8 @@ def main(argv=None):
 
     write_json("compare_revisions", {"machine": {**machine(), "lscpu_model": _cpu_model()},
                                      "old": str(old_root), "new": str(new_root), "rounds": args.rounds,
-                                     "inner": args.inner, "rows": rows, "times_s": times})
+                                     "inner": args.inner, "clock": args.clock, "threads": args.threads,
+                                     "rows": rows, "times_s": times})
 
 
 if __name__ == "__main__":
