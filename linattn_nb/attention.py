@@ -213,11 +213,13 @@ def linear_attention(
         name = select_auto(causal=causal, device="cpu", batch=b, n=n, d=d, m=m, dtype=dtype)
     impl = get_method(name, causal=causal, device="cpu")
 
+    # (scaffolding until the front end is rewritten: the launchers take the state H = [S | z])
+    H = np.zeros((b, f, m + 1))
     if initial_state is not None:
         S, z, position = _check_state(initial_state, batch_shape, f, m, check_finite)
+        H[..., :m] = S.reshape(b, f, m)
+        H[..., m] = z.reshape(b, f)
     else:
-        S = np.zeros((b, f, m))
-        z = np.zeros((b, f))
         position = 0
 
     work_dtype = dtype if dtype in impl.native_dtypes else np.dtype(np.float32)
@@ -246,11 +248,12 @@ def linear_attention(
             result.dtype == work_dtype and result.flags.c_contiguous and result.flags.writeable
         )
         target = result.reshape((b, n, m)) if direct else np.empty((b, n, m), dtype=work_dtype)
-        impl.launcher(qf, kf, vf, S, z, target, code=code, eps=eps)
+        impl.launcher(qf, kf, vf, H, target, code=code, eps=eps, inputs=None)
         if not direct:
             result[...] = target.reshape(out_shape)
     if not return_state:
         return result
+    S, z = np.ascontiguousarray(H[..., :m]), np.ascontiguousarray(H[..., m])
     state = LinearState(S.reshape(batch_shape + (f, m)), z.reshape(batch_shape + (f,)), position + n)
     return result, state
 

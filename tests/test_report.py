@@ -149,8 +149,8 @@ def test_a_broken_kernel_fails_the_self_check(tmp_path, monkeypatch, capsys):
     from linattn_nb.ops import registry
     from linattn_nb.ops.causal.cpu import causal_scan
 
-    def launcher(q, k, v, S, z, out, *, code, eps):
-        causal_scan(q, k, v, S, z, out, code=code, eps=eps)
+    def launcher(q, k, v, H, out, *, code, eps, inputs=None):
+        causal_scan(q, k, v, H, out, code=code, eps=eps, inputs=inputs)
         if out.shape[1] > 5:
             out[:, 5] = np.nan if out.dtype.kind == "f" else 0  # as if the kernel skipped a row
         return out

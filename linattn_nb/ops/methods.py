@@ -18,18 +18,19 @@ _ALL_FLOATS = frozenset({np.dtype(np.float16), np.dtype(np.float32), np.dtype(np
 
 
 def _quadratic_launcher(reference):
-    def launcher(q, k, v, S, z, out, *, code, eps):
+    def launcher(q, k, v, H, out, *, code, eps, inputs=None):
         B, N, _ = q.shape
+        M = v.shape[2]
         if N * N > config.QUADRATIC_MAX_ELEMENTS:
             raise ValueError(
                 f"method='quadratic' builds an N x N matrix per batch entry; N={N} exceeds "
                 f"config.QUADRATIC_MAX_ELEMENTS={config.QUADRATIC_MAX_ELEMENTS} elements. "
                 "Use method='auto' (or raise the limit in linattn_nb.config)."
             )
-        res, S_new, z_new = reference(q, k, v, eps=eps, S0=S, z0=z)
+        res, S_new, z_new = reference(q, k, v, eps=eps, S0=H[..., :M], z0=H[..., M])
         out[...] = res
-        S[...] = S_new
-        z[...] = z_new
+        H[..., :M] = S_new
+        H[..., M] = z_new
         return out
 
     return launcher
