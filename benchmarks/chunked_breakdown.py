@@ -14,9 +14,10 @@ runs alone over the same chunks, through the kernel's own helpers and with
 its scratch shapes:
 
 * ``products``: the three BLAS products of every chunk (``A = phi(Q) phi(K)^T``
-  and ``[phi(Q) | A] [S z ; V 1]`` per row block, ``phi(K)^T [V 1]``);
+  and ``[phi(Q) | A] [H ; V 1]`` per row block, ``phi(K)^T [V 1]``);
 * ``read q, k, v + features``: :func:`linattn_nb.ops._blocks.load_chunk`;
-* ``state update``: the float64 state sum and its working-dtype copy;
+* ``state update``: the float64 state sum and its working-dtype copy
+  (:func:`linattn_nb.ops._rules.absorb`);
 * ``normalise + write output``: the division by the normaliser and the store.
 
 The whole kernel (its launcher, ``causal_chunked``: no input checks) is timed
@@ -42,11 +43,13 @@ from numba import njit
 from linattn_nb import config
 from linattn_nb._blas import single_threaded_blas
 from linattn_nb.ops._blocks import load_chunk
+from linattn_nb.ops._codes import KERNEL_CODE_ELU
 from linattn_nb.ops._gemm import gemm
-from linattn_nb.ops.causal.chunked import _absorb, causal_chunked
+from linattn_nb.ops._rules import absorb
+from linattn_nb.ops.causal.chunked import causal_chunked
 
 BH, D, M = 16, 64, 64
-ELU = 1  # kernel code of the "elu" feature map
+ELU = KERNEL_CODE_ELU
 
 
 def _scratch(C):
@@ -89,12 +92,10 @@ def _read(q, k, v, X, R, fk):
 
 @njit(cache=False)
 def _state(B, N, C, R, part):
-    F, M = part.shape[0], part.shape[1] - 1
     for b in range(B):
-        S64 = np.zeros((F, M))
-        z64 = np.zeros(F)
+        H = np.zeros(part.shape)
         for _ in range(0, N, C):
-            _absorb(S64, z64, part, R, F, M)
+            absorb(H, part, R)
 
 
 @njit(cache=False, error_model="numpy")
@@ -142,9 +143,8 @@ def main(argv=None):
 
     def kernel(q, k, v, out):
         # the launcher of method="chunked", without the public function's checks
-        S = np.zeros((q.shape[0], D, M))
-        z = np.zeros((q.shape[0], D))
-        causal_chunked(q, k, v, S, z, out, code=ELU, eps=config.DEFAULT_EPS, chunk=C, block=bs)
+        H = np.zeros((q.shape[0], D, M + 1))
+        causal_chunked(q, k, v, H, out, code=ELU, eps=config.DEFAULT_EPS, chunk=C, block=bs)
 
     def cached():
         for _ in range(BH):

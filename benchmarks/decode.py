@@ -166,10 +166,10 @@ def kernel_only(st, tokens, steps, warmup):
     """The Numba step kernel alone (no validation, preallocated output): the Python-overhead baseline."""
     out = np.empty(tokens[0][2].shape, dtype=tokens[0][2].dtype)
     kern = st._kern1
-    S, z, feat, work, code, eps = st._S, st._z, st._feat, st._work, st._c_code, st._eps_f
+    S, z, feat, code, eps = st._S, st._z, st._feat, st._c_code, st._eps_f
 
     def call(q, k, v):
-        kern(q, k, v, S, z, out, feat, work, code, eps, True)
+        kern(q, k, v, S, z, out, feat, code, eps, True)
 
     return time_steps(call, tokens, steps, warmup)
 

@@ -3,11 +3,9 @@
 ``np.dot`` inside ``@njit`` calls the BLAS that SciPy links (with the PyPI
 wheels a pthreads OpenBLAS).  OpenBLAS multithreads a GEMM once it is large
 enough, and when every Numba thread does that at once the cores are
-oversubscribed and OpenBLAS's idle threads spin.  Measured on the 2-core
-development machine: the chunked causal kernel at B*H = 16, N = 4096,
-D = M = 64 ran 6-12x slower, causal softmax at N = 1024 about 20x slower, and
-the approximation-error kernel used 3x the CPU time, until BLAS was pinned to
-one thread for the duration of the call.
+oversubscribed and OpenBLAS's idle threads spin: the kernels that call BLAS
+from parallel loops ran several times slower (docs/measurements-cpu.md) until
+BLAS was pinned to one thread for the duration of the call.
 
 :func:`single_threaded_blas` does that pinning through ``threadpoolctl`` (the
 maintained library for exactly this) and restores the previous limits on
@@ -40,14 +38,17 @@ def _blas_controller():
 
 
 @contextlib.contextmanager
-def single_threaded_blas():
+def single_threaded_blas(when: bool = True):
     """Context manager: the process's BLAS libraries run one thread inside it.
 
     This changes a process-wide setting: NumPy matrix products run at the same
     time in other Python threads are single-threaded while a kernel runs.
+    ``when=False`` makes it do nothing (a launcher that runs its serial
+    kernel on the calling thread, where BLAS's own threads may help, passes
+    ``kernel is parallel_kernel``).
     """
     global _depth, _limiter
-    if not config.CPU_BLAS_SINGLE_THREAD:
+    if not when or not config.CPU_BLAS_SINGLE_THREAD:
         yield
         return
     with _lock:

@@ -63,6 +63,8 @@ from typing import Callable, Dict, Union
 
 import numpy as np
 
+from .ops._codes import KERNEL_CODE_ELU, KERNEL_CODE_NONE, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU
+
 __all__ = [
     "FeatureMap",
     "ElementwiseFeatureMap",
@@ -89,12 +91,9 @@ __all__ = [
     "KERNEL_CODE_SQUARED_RELU",
 ]
 
-# Codes understood by the Numba kernels (see linattn_nb.ops._common.phi).  0 means
-# "the inputs already are features": the kernel uses them as they are.
-KERNEL_CODE_NONE = 0
-KERNEL_CODE_ELU = 1
-KERNEL_CODE_RELU = 2
-KERNEL_CODE_SQUARED_RELU = 3
+# KERNEL_CODE_*: the codes understood by the Numba kernels, defined once in
+# linattn_nb.ops._codes (applied by linattn_nb.ops._common.phi on the CPU).
+# 0 means "the inputs already are features": the kernel uses them as they are.
 KERNEL_CODES = (KERNEL_CODE_NONE, KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU)
 
 

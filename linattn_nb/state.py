@@ -329,7 +329,6 @@ class LinearAttentionState:
         self._S = _aligned_zeros((B, m, f), dt)
         self._z = _aligned_zeros((B, f), dt)
         self._feat = _aligned_zeros((2, B, f), dt)
-        self._work = _aligned_zeros((2, B * f), np.float64)
         self._position = 0
         self._device = None
         if device != "auto":
@@ -611,7 +610,7 @@ class LinearAttentionState:
                     ep = self._entry.get(dt)
                     if ep is None:
                         ep = self._entry_point(dt, (q, k, v, out))
-                    bad = ep(q, k, v, self._S, self._z, out, self._feat, self._work, self._c_code,
+                    bad = ep(q, k, v, self._S, self._z, out, self._feat, self._c_code,
                              self._eps_f, check_finite)
                 elif (len(shp) == self._nb + 2 and shp[-1] == self._d and shp[:-2] == self._bs
                         and v.shape == shp[:-1] + self._vtail):
@@ -621,7 +620,7 @@ class LinearAttentionState:
                     out = res.reshape(B, T, self._m)
                     kern = _cpu.pick_step_kernel(B, T, self._m, self._f)
                     bad = kern(q.reshape(B, T, self._d), k.reshape(B, T, self._d), v.reshape(B, T, self._m),
-                               self._S, self._z, out, self._feat, self._work, self._c_code, self._eps_f,
+                               self._S, self._z, out, self._feat, self._c_code, self._eps_f,
                                check_finite)
                 else:
                     T = -1
@@ -650,7 +649,7 @@ class LinearAttentionState:
         else:
             out = np.empty((self._B, T, self._m), dtype=inp.work)
             kern = _cpu.pick_step_kernel(self._B, T, self._m, self._f)
-            bad = kern(qf, kf, vf, self._S, self._z, out, self._feat, self._work, self._c_code,
+            bad = kern(qf, kf, vf, self._S, self._z, out, self._feat, self._c_code,
                        self._eps_f, bool(check_finite and self._code is not None))
             if bad:
                 self._raise_nonfinite(("q", "k", "v")[bad - 1])
@@ -665,7 +664,7 @@ class LinearAttentionState:
         from numba import typeof
 
         q, k, v, out = arrays
-        sig = tuple(typeof(a) for a in (q, k, v, self._S, self._z, out, self._feat, self._work,
+        sig = tuple(typeof(a) for a in (q, k, v, self._S, self._z, out, self._feat,
                                         self._c_code, self._eps_f, True))
         ep = self._kern1.compile(sig)  # loads from the on-disk cache, or compiles once
         self._entry[dt] = ep
@@ -795,7 +794,6 @@ class LinearAttentionState:
             new._S[...] = self._S
             new._z = self._z.copy()
             new._feat = _aligned_zeros(self._feat.shape, self._dtype)
-            new._work = _aligned_zeros(self._work.shape, np.float64)
         return new
 
     def to_linear_state(self) -> LinearState:

@@ -59,11 +59,13 @@ def _run(q, k, v, fmap="elu", chunk=4, seq_parallel=None, S0=None, z0=None, eps=
         q = np.ascontiguousarray(f.apply(q, role="query", **kw), dtype=q.dtype)
         k = np.ascontiguousarray(f.apply(k, role="key", **kw), dtype=k.dtype)
         code = 0
-    S = np.zeros((B, F, M)) if S0 is None else S0.copy()
-    z = np.zeros((B, F)) if z0 is None else z0.copy()
+    H = np.zeros((B, F, M + 1))  # the state [S | z]
+    if S0 is not None:
+        H[..., :M] = S0
+        H[..., M] = z0
     out = np.full((B, N, M), np.nan, dtype=q.dtype)
-    causal_chunked(q, k, v, S, z, out, code=code, eps=eps, chunk=chunk, block=block, seq_parallel=seq_parallel)
-    return out, S, z
+    causal_chunked(q, k, v, H, out, code=code, eps=eps, chunk=chunk, block=block, seq_parallel=seq_parallel)
+    return out, H[..., :M], H[..., M]
 
 
 def _assert_close(out, ref, dtype, what=""):
@@ -384,9 +386,10 @@ def test_noncausal_kernel_pieces_and_dtypes(rng, dtype, monkeypatch):
         q, k, v = _inputs(rng, B, N, D, M, dtype)
         S0 = rng.standard_normal((B, D, M))
         z0 = rng.uniform(1, 2, size=(B, D))
-        S, z = S0.copy(), z0.copy()
+        H = np.concatenate([S0, z0[..., None]], axis=-1)
         out = np.full((B, N, M), np.nan, dtype)
-        noncausal_aggregate(q, k, v, S, z, out, code=1, eps=1e-8, block=8, pieces=pieces)
+        noncausal_aggregate(q, k, v, H, out, code=1, eps=1e-8, block=8, pieces=pieces)
+        S, z = H[..., :M], H[..., M]
         f = fm.get("elu")
         ref, S_ref, z_ref = noncausal_linear_quadratic(
             f(q.astype(np.float64)), f(k.astype(np.float64)), v.astype(np.float64), eps=1e-8, S0=S0, z0=z0)

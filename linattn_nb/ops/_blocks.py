@@ -3,8 +3,9 @@
 Each works on a block of rows ``[s0, s0 + n)`` of one sequence ``b`` of a
 ``(B, N, F)`` input and writes the working dtype (float32 for float16 bits and
 float32, float64 for float64).  They are small ``@njit`` functions that LLVM
-inlines into the kernels' loops; as with ``_common.py``, kernels cached on disk
-do not see edits made here: clear the ``__pycache__`` folders after changing it.
+inlines into the kernels' loops; the feature map is :func:`linattn_nb.ops._common.phi`.
+As with ``_common.py``, kernels cached on disk do not see edits made here:
+clear the ``__pycache__`` folders after changing it.
 """
 from __future__ import annotations
 
@@ -13,24 +14,8 @@ from numba import njit, types
 from numba.extending import overload
 
 from .. import config
-from ._vec import elu1, f16_to_f32, relu, relu2, to_work
-
-
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def phi_vec(x, code):
-    """Feature map ``code`` on one element, through the vectorisable forms of :mod:`._vec`.
-
-    Codes as :func:`linattn_nb.ops._common.phi` (0 identity, 1 ELU+1, 2 ReLU,
-    3 squared ReLU); the branch on ``code`` is loop-invariant, so LLVM takes
-    it out of the caller's loop and each map's loop still vectorises.
-    """
-    if code == 1:
-        return elu1(x)
-    if code == 2:
-        return relu(x)
-    if code == 3:
-        return relu2(x)
-    return x
+from ._common import phi
+from ._vec import f16_to_f32, to_work
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -41,11 +26,9 @@ def load_chunk(q, k, v, b, s0, n, fq, fk, R, row0, code, with_q):
     phi(k[b, s0 + t])`` and ``R[row0 + t, :M] = v[b, s0 + t]``.  Returns True
     when every value is finite.
 
-    One pass over the three inputs rather than one per input: measured on one
-    core here (2026-11-29, float32, D = M = 64, chunks of 24, inside the
-    chunked kernel, 21 interleaved rounds) 25-31 ns per token less than a
-    feature pass over q, one over k and a separate value copy (357-360 ->
-    325-335 ns per token), as the three input streams are read side by side.
+    One pass over the three inputs rather than one per input: the three input
+    streams are read side by side, which is faster than a feature pass over
+    q, one over k and a separate value copy (docs/measurements-cpu.md).
     """
     F = k.shape[2]
     M = v.shape[2]
@@ -54,9 +37,9 @@ def load_chunk(q, k, v, b, s0, n, fq, fk, R, row0, code, with_q):
     for t in range(n):
         if with_q:
             for i in range(F):
-                fq[t, i] = phi_vec(to_work(q[b, s0 + t, i]), code)
+                fq[t, i] = phi(to_work(q[b, s0 + t, i]), code)
         for i in range(F):
-            fk[t, i] = phi_vec(to_work(k[b, s0 + t, i]), code)
+            fk[t, i] = phi(to_work(k[b, s0 + t, i]), code)
         for m in range(M):
             x = to_work(v[b, s0 + t, m])
             R[row0 + t, m] = x
@@ -70,7 +53,18 @@ def features(src, b, s0, n, dst, code):
     F = src.shape[2]
     for t in range(n):
         for i in range(F):
-            dst[t, i] = phi_vec(to_work(src[b, s0 + t, i]), code)
+            dst[t, i] = phi(to_work(src[b, s0 + t, i]), code)
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def feature_row(src, b, t, dst, code):
+    """dst[:] = phi(src[b, t]) in dst's dtype.
+
+    A function of its own (not a loop inside a larger kernel) so that LLVM
+    takes the branch on ``code`` out of the loop and vectorises each map.
+    """
+    for i in range(dst.shape[0]):
+        dst[i] = phi(to_work(src[b, t, i]), code)
 
 
 def values(v, b, s0, n, buf):  # pragma: no cover - replaced inside Numba
@@ -97,8 +91,13 @@ def _values_ov(v, b, s0, n, buf):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def state_sums(k, v, b, s_begin, s_end, S64, z64, code, fk, vb, part):
-    """S64 += sum phi(K)^T V and z64 += sum phi(K) over tokens [s_begin, s_end), in blocks of fk.shape[0]."""
+def state_sums(k, v, b, s_begin, s_end, H, code, fk, vb, part):
+    """H += sum of phi(K)^T [V 1] over tokens [s_begin, s_end), in blocks of fk.shape[0].
+
+    ``H`` (F, M + 1) float64: ``H[:, :M] += phi(K)^T V`` through BLAS per block
+    (``part`` (F, M) scratch of the working dtype), the normaliser column
+    ``H[:, M] += colsum(phi(K))`` token by token in float64.
+    """
     F = k.shape[2]
     M = v.shape[2]
     blk = fk.shape[0]
@@ -110,7 +109,7 @@ def state_sums(k, v, b, s_begin, s_end, S64, z64, code, fk, vb, part):
         np.dot(fkn.T, vc, part)
         for i in range(F):
             for m in range(M):
-                S64[i, m] += part[i, m]
+                H[i, m] += part[i, m]
         for t in range(n):
             for i in range(F):
-                z64[i] += fkn[t, i]
+                H[i, M] += fkn[t, i]

@@ -1,8 +1,9 @@
 """Vectorisable scalar helpers for the CPU kernels: float16 bits, fast exp, feature maps.
 
 Numba's CPU target has no float16 type, and ``math.exp`` in a loop is a
-scalar libm call (about 3-5 ns per element here, without Intel SVML) that also
-stops LLVM from vectorising the loop.  The helpers below are written so that a
+scalar libm call (without Intel SVML) that also stops LLVM from vectorising
+the loop, several times slower than the polynomial below
+(docs/measurements-cpu.md).  The helpers below are written so that a
 loop calling them compiles to SIMD code:
 
 * :func:`f16_to_f32` / :func:`f32_to_f16` reinterpret ``uint16`` bits as an
@@ -13,15 +14,17 @@ loop calling them compiles to SIMD code:
 * :func:`elu1` is ELU+1 with a branch-free ``exp`` of the non-positive part:
   Cody-Waite range reduction, a fitted degree-6 (float32) / Taylor
   degree-13 (float64) polynomial on ``|r| <= ln2/2`` and the power of two
-  built from its exponent bits (an LLVM bitcast).  Measured error: <= 1.5 ulp
-  (float32) over [-87, 0], 0.34 ns per element on one core here (libm
-  ``math.exp`` in the same loop: 2.6 ns); NaN propagates; inputs below -87.3 (float32) / -708.3 (float64), whose
+  built from its exponent bits (an LLVM bitcast).  Error: <= 1.5 ulp
+  (float32) over [-87, 0] (tested); NaN propagates; inputs below -87.3 (float32) / -708.3 (float64), whose
   exponential is subnormal or within 6% of the smallest normal, give 0 (an
   absolute error below 1.3e-38 / 2.5e-308).
 * :func:`relu` / :func:`relu2` with constants of the input's own type (a
   float64 literal would promote a float32 loop).
 * :func:`to_work` converts an input element to the working dtype: ``uint16``
   (float16 bits) -> float32, floats unchanged.
+
+The feature map the CPU kernels apply, built from these, is
+:func:`linattn_nb.ops._common.phi`.
 
 These are ``@overload`` s / intrinsics resolved at compile time, so a kernel
 that uses them and is cached on disk does not see edits made here: clear the

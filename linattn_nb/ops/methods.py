@@ -12,12 +12,13 @@ from .causal.cpu import causal_scan
 from .causal.naive import causal_linear_quadratic
 from .noncausal.cpu import noncausal_aggregate
 from .noncausal.naive import noncausal_linear_quadratic
+from ._codes import RULE_ADDITIVE
 from .registry import Method, Rule, register_method, register_rule
 
 _ALL_FLOATS = frozenset({np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)})
 
 #: The additive rule (Katharopoulos et al. 2020): S_t = S_{t-1} + phi(k_t) v_t^T.
-ADDITIVE = register_rule(Rule("additive", code=0))
+ADDITIVE = register_rule(Rule("additive", code=RULE_ADDITIVE))
 
 
 def _quadratic_launcher(reference):
@@ -29,7 +30,7 @@ def _quadratic_launcher(reference):
                 f"config.QUADRATIC_MAX_ELEMENTS={config.QUADRATIC_MAX_ELEMENTS} elements. "
                 "Use method='auto' (or raise the limit in linattn_nb.config)."
             )
-        M = H.shape[2] - 1
+        M = v.shape[2]
         res, S_new, z_new = reference(q, k, v, eps=eps, S0=H[:, :, :M], z0=H[:, :, M])
         out[...] = res
         H[:, :, :M] = S_new
@@ -39,34 +40,19 @@ def _quadratic_launcher(reference):
     return forward
 
 
-def _sz_launcher(fn):
-    """A launcher on (S, z) seen through the H contract (the state split before, joined after)."""
-    def forward(q, k, v, H, out, *, code, eps, inputs=None):
-        M = H.shape[2] - 1
-        S = np.ascontiguousarray(H[:, :, :M])
-        z = np.ascontiguousarray(H[:, :, M])
-        fn(q, k, v, S, z, out, code=code, eps=eps)
-        H[:, :, :M] = S
-        H[:, :, M] = z
-        return out
-
-    forward.__name__ = forward.__qualname__ = fn.__name__
-    return forward
-
-
 def _cpu(name, causal, forward, **kw):
     register_method(Method("additive", name, causal, "cpu", forward, native_dtypes=_ALL_FLOATS, **kw))
 
 
 _cpu("quadratic", True, _quadratic_launcher(causal_linear_quadratic), inline_features=False)
 _cpu("quadratic", False, _quadratic_launcher(noncausal_linear_quadratic), inline_features=False)
-_cpu("scan", True, _sz_launcher(causal_scan))
-_cpu("chunked", True, _sz_launcher(causal_chunked))
+_cpu("scan", True, causal_scan)
+_cpu("chunked", True, causal_chunked)
 # Non-causal attention has no recurrence: every linear method runs the
 # aggregate-then-query kernel (the names are accepted so that sweeps over
 # (causal, method) need no special case).
 for _name in ("aggregate", "scan", "chunked"):
-    _cpu(_name, False, _sz_launcher(noncausal_aggregate))
+    _cpu(_name, False, noncausal_aggregate)
 
 
 # CUDA launchers (ops/causal/cuda.py, ops/noncausal/cuda.py): registered here

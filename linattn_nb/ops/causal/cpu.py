@@ -1,12 +1,14 @@
 """Numba CPU kernel of causal linear attention: the per-token scan.
 
-Kernel: :func:`causal_scan_kernel`; launcher: :func:`causal_scan`.  The state
-``S`` (F x M) and ``z`` (F) are carried in the dtype of the state arrays the
-launcher passes (float64 by default), so float32 inputs do not lose accuracy
-over long sequences.  float16 inputs are passed as ``uint16`` bits and
-converted per element (no full-size float32 copy); the output is rounded to
-float16 (from the float64 result, through float32).  Token ``t`` updates the state first and then reads it
-(prefix states include token t; Katharopoulos et al. 2020, Eqs. 18-19).
+Kernel: :data:`causal_scan_kernel`; launcher: :func:`causal_scan`.  The state
+``H = [S | z]`` (F x (M + 1)) is carried in float64 (the state array the
+launcher is given), so float32 inputs do not lose accuracy over long
+sequences; the normaliser ``z`` is the state of value column M, whose value
+is always 1.  float16 inputs are passed as ``uint16`` bits and converted per
+element (no full-size float32 copy); the output is rounded to float16 (from
+the float64 result, through float32).  Token ``t`` updates the state first and
+then reads it (prefix states include token t; Katharopoulos et al. 2020,
+Eqs. 18-19).
 """
 from __future__ import annotations
 
@@ -14,42 +16,55 @@ import numpy as np
 from numba import prange
 
 from ... import config
-from .._common import phi
-from .._twins import serial_and_parallel
+from .._blocks import feature_row
+from .._codes import RULE_ADDITIVE
+from .._rules import check_rule, check_state
+from .._twins import pick, serial_and_parallel
 from .._vec import as_kernel_array, put3, to_work
 
 
-def _scan(q, k, v, S, z, out, code, eps, clip):
+def _scan(q, k, v, H, out, code, eps, clip):
     """Per-token recurrence over each sequence of the flattened batch (axis 0).
 
     q, k : (B, N, F) inputs (``code`` > 0: raw, the map is applied inline;
-    code 0: already features).  v : (B, N, M).  S : (B, F, M), z : (B, F):
-    the initial state on entry, the final state on return.  out : (B, N, M).
-    ``clip``: floor the normaliser at ``eps``; else divide raw.  Compiled
-    twice (:mod:`linattn_nb.ops._twins`): :data:`causal_scan_kernel`, parallel
-    over the batch, and :data:`causal_scan_kernel_serial` for small problems.
+    code 0: already features).  v : (B, N, M).  H : (B, F, M + 1) float64:
+    the initial state ``[S | z]`` on entry, the final state on return.
+    out : (B, N, M).  ``clip``: floor the normaliser at ``eps``; else divide
+    raw.  Compiled twice (:mod:`linattn_nb.ops._twins`):
+    :data:`causal_scan_kernel`, parallel over the batch, and
+    :data:`causal_scan_kernel_serial` for small problems.
+
+    Each sequence's state is copied into a contiguous ``S`` block and ``z``
+    vector for the scan and back at the end: the inner loop over rows of
+    length M runs faster than over the (M + 1)-long rows of ``H``
+    (docs/measurements-cpu.md).  The features of a token come from
+    :func:`linattn_nb.ops._blocks.feature_row`, a loop of its own that
+    vectorises.
     """
     B, N, F = q.shape
     M = v.shape[2]
     for b in prange(B):
-        Sb = S[b]
-        zb = z[b]
-        fq = np.empty(F, dtype=S.dtype)
-        fk = np.empty(F, dtype=S.dtype)
-        num = np.empty(M, dtype=S.dtype)
-        vrow = np.empty(M, dtype=S.dtype)
+        Sb = np.empty((F, M), dtype=H.dtype)
+        zb = np.empty(F, dtype=H.dtype)
+        for i in range(F):
+            for m in range(M):
+                Sb[i, m] = H[b, i, m]
+            zb[i] = H[b, i, M]
+        fq = np.empty(F, dtype=H.dtype)
+        fk = np.empty(F, dtype=H.dtype)
+        num = np.empty(M, dtype=H.dtype)
+        vrow = np.empty(M, dtype=H.dtype)
         for t in range(N):
             for m in range(M):
                 vrow[m] = to_work(v[b, t, m])
-            for i in range(F):
-                fq[i] = phi(to_work(q[b, t, i]), code)
-                fk[i] = phi(to_work(k[b, t, i]), code)
+            feature_row(q, b, t, fq, code)
+            feature_row(k, b, t, fk, code)
             num[:] = 0.0
             den = 0.0
             for i in range(F):
                 a = fk[i]
                 c = fq[i]
-                zb[i] += a
+                zb[i] += a  # the normaliser: value column M, whose value is 1
                 den += c * zb[i]
                 for m in range(M):
                     s = Sb[i, m] + a * vrow[m]
@@ -59,6 +74,10 @@ def _scan(q, k, v, S, z, out, code, eps, clip):
                 den = eps
             for m in range(M):
                 put3(out, b, t, m, num[m] / den)
+        for i in range(F):
+            for m in range(M):
+                H[b, i, m] = Sb[i, m]
+            H[b, i, M] = zb[i]
 
 
 # error_model="numpy": raw division (eps=None) by a zero normaliser gives inf
@@ -67,12 +86,24 @@ causal_scan_kernel_serial, causal_scan_kernel = serial_and_parallel(_scan, fastm
                                                                     cache=config.CACHE, error_model="numpy")
 
 
-def causal_scan(q, k, v, S, z, out, *, code, eps):
-    """Launcher: q, k (B, N, F); v (B, N, M); state S, z updated in place; writes out."""
+def causal_scan(q, k, v, H, out, *, code, eps, inputs=None, rule=RULE_ADDITIVE):
+    """Launcher (the method table's forward signature).
+
+    q, k (B, N, F); v (B, N, M); H (B, F, M + 1) float64 C-contiguous, the
+    state ``[S | z]`` updated in place; ``out`` (B, N, M) written.  ``code``:
+    inline feature map; ``eps``: normaliser floor or None; ``inputs``: the
+    rule's per-token inputs (none for the additive rule, the only one the
+    scan implements).
+    """
+    B, N, F = q.shape
+    M = v.shape[2]
+    check_state(H, B, F, M)
+    check_rule(rule, inputs)
+    if rule != RULE_ADDITIVE:  # pragma: no cover - no other rule is registered yet
+        raise ValueError(f"the scan implements the additive rule only, got rule={rule}")
     clip = eps is not None
     q, k, v, o = (as_kernel_array(x) for x in (q, k, v, out))  # float16: uint16 bits, converted per element
-    B, N, F = q.shape
-    small = B == 1 or B * N * F * v.shape[2] < int(config.CPU_CHUNKED_SERIAL_MAX_WORK)
-    kernel = causal_scan_kernel_serial if small else causal_scan_kernel
-    kernel(q, k, v, S, z, o, np.int64(code), float(eps if clip else 0.0), clip)
+    kernel = pick(causal_scan_kernel_serial, causal_scan_kernel, items=B, work=B * N * F * M,
+                  limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
+    kernel(q, k, v, H, o, np.int64(code), float(eps if clip else 0.0), clip)
     return out

@@ -6,17 +6,16 @@ launcher: :func:`noncausal_aggregate`.  Both phases work on blocks of
 (``np.dot(a, b, out)`` -> BLAS, no allocation per block) and the feature map is
 applied per block with the vectorised maps of :mod:`linattn_nb.ops._vec`
 (scratch O(block * (F + M) + F * M) per thread, no full-size copy of phi(q) or
-phi(k)).  Block sums are accumulated into the state in float64.
+phi(k)).  Block sums are accumulated into the state ``H = [S | z]`` in float64.
 
 Work items are (sequence, piece): when the flattened batch is smaller than
-the thread count each sequence is split into pieces, so one long sequence
-still uses every core -- the aggregate phase sums each piece (the sums are
-added to the state afterwards), the query phase reads the final state.
-float16 inputs are read as ``uint16`` bits and computed in float32.
+the thread count each sequence is split into pieces
+(:mod:`linattn_nb.ops._chunks`), so one long sequence still uses every core --
+the aggregate phase sums each piece, the pieces are combined into the final
+state, and the query phase reads it.  float16 inputs are read as ``uint16``
+bits and computed in float32.
 """
 from __future__ import annotations
-
-import contextlib
 
 import numba
 import numpy as np
@@ -25,46 +24,48 @@ from numba import njit, prange
 from ... import config
 from ..._blas import single_threaded_blas
 from .._blocks import features, state_sums
-from .._twins import serial_and_parallel
+from .._chunks import part_range, segment_states, segments, token_range
+from .._codes import RULE_ADDITIVE
+from .._rules import check_rule, check_state
+from .._twins import pick, serial_and_parallel
 from .._vec import as_kernel_array, put3, work_dtype
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def _piece(j, pieces, N, block):
     """Token range [lo, hi) of piece j of ``pieces`` (whole blocks)."""
-    nblk = (N + block - 1) // block
-    lo = (j * nblk // pieces) * block
-    hi = min(((j + 1) * nblk // pieces) * block, N)
-    return lo, hi
+    lo, hi = part_range(j, pieces, 0, (N + block - 1) // block)
+    return token_range(lo, hi, block, N)
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _aggregate_item(it, k, v, Sp, zp, wt, code, block):
+def _aggregate_item(it, k, v, Hp, wt, code, block):
     N, F = k.shape[1], k.shape[2]
     M = v.shape[2]
-    pieces = Sp.shape[1]
+    pieces = Hp.shape[1]
     b = it // pieces
     j = it % pieces
     lo, hi = _piece(j, pieces, N, block)
     fk = np.empty((block, F), wt)
     vb = np.empty((block, M), wt)
     part = np.empty((F, M), wt)
-    Sp[b, j] = 0.0
-    zp[b, j] = 0.0
-    state_sums(k, v, b, lo, hi, Sp[b, j], zp[b, j], code, fk, vb, part)
+    Hp[b, j] = 0.0
+    state_sums(k, v, b, lo, hi, Hp[b, j], code, fk, vb, part)
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, not an exception
-def _query_item(it, q, S, z, out, wt, code, eps, clip, block, pieces):
+def _query_item(it, q, H, out, wt, code, eps, clip, block, pieces):
     N, F = q.shape[1], q.shape[2]
-    M = S.shape[2]
+    M = H.shape[2] - 1
     b = it // pieces
     j = it % pieces
     lo, hi = _piece(j, pieces, N, block)
     Sw = np.empty((F, M), wt)
+    zb = np.empty(F)  # the normaliser column, contiguous for the dot products below
     for i in range(F):
         for m in range(M):
-            Sw[i, m] = S[b, i, m]
+            Sw[i, m] = H[b, i, m]
+        zb[i] = H[b, i, M]
     fq = np.empty((block, F), wt)
     num = np.empty((block, M), wt)
     rden = np.empty(block, wt)
@@ -77,7 +78,7 @@ def _query_item(it, q, S, z, out, wt, code, eps, clip, block, pieces):
         for t in range(n):
             den = 0.0
             for i in range(F):
-                den += fqn[t, i] * z[b, i]
+                den += fqn[t, i] * zb[i]
             if clip and den < eps:
                 den = eps
             rden[t] = 1.0 / den
@@ -87,64 +88,71 @@ def _query_item(it, q, S, z, out, wt, code, eps, clip, block, pieces):
                 put3(out, b, s0 + t, m, numn[t, m] * r)
 
 
-def _noncausal_phase(mode, q, k, v, Sp, zp, S, z, out, proto, code, eps, clip, block):
+def _noncausal_phase(mode, q, k, v, parts, H, out, proto, code, eps, clip, block):
     """One phase over (sequence, piece) items.
 
-    mode 0 (aggregate): ``Sp`` (B, P, F, M), ``zp`` (B, P, F) float64 receive
-    the sums of phi(K)^T V and phi(K) over each of the P pieces of every
-    sequence.  mode 1 (query): ``out`` (B, N, M) from the final state ``S``
-    (B, F, M), ``z`` (B, F) float64; ``Sp.shape[1]`` gives P.  q, k (B, N, F)
-    and v (B, N, M): float32/float64, or uint16 (float16 bits); raw inputs when
-    ``code`` > 0.  proto: empty array of the working dtype.
+    mode 0 (aggregate): ``parts`` (B, P, F, M+1) float64 receives the
+    contribution ``phi(K)^T [V 1]`` of each of the P pieces of every
+    sequence.  mode 1 (query): ``out`` (B, N, M) from the final state ``H``
+    (B, F, M+1) float64; ``parts.shape[1]`` gives P.  q, k (B, N, F) and v (B, N, M): float32/float64, or uint16
+    (float16 bits); raw inputs when ``code`` > 0.  proto: empty array of the
+    working dtype.
 
     Compiled twice (:mod:`linattn_nb.ops._twins`): :data:`noncausal_kernel`
     (items in parallel) and :data:`noncausal_kernel_serial` (calling thread,
     small problems).
     """
     B = q.shape[0]
-    pieces = Sp.shape[1]
+    pieces = parts.shape[1]
     wt = proto.dtype
     for it in prange(B * pieces):
         if mode == 0:
-            _aggregate_item(it, k, v, Sp, zp, wt, code, block)
+            _aggregate_item(it, k, v, parts, wt, code, block)
         else:
-            _query_item(it, q, S, z, out, wt, code, eps, clip, block, pieces)
+            _query_item(it, q, H, out, wt, code, eps, clip, block, pieces)
 
 
 noncausal_kernel_serial, noncausal_kernel = serial_and_parallel(_noncausal_phase, fastmath=config.FASTMATH,
                                                                 cache=config.CACHE)
 
 
-def noncausal_aggregate(q, k, v, S, z, out, *, code, eps, block=None, pieces=None):
-    """Launcher (uniform method-table signature): S, z updated in place, ``out`` written.
+def noncausal_aggregate(q, k, v, H, out, *, code, eps, inputs=None, block=None, pieces=None,
+                        rule=RULE_ADDITIVE):
+    """Launcher (the method table's forward signature): H updated in place, ``out`` written.
 
-    ``pieces`` (per sequence) defaults to 1 when the flattened batch fills the
-    threads and to ceil(threads / B) otherwise (at least ``block`` tokens each).
+    q, k (B, N, F); v (B, N, M); H (B, F, M + 1) float64 C-contiguous, the
+    state ``[S | z]`` (context seen by every query), updated to include the
+    N tokens.  ``code``: inline feature map; ``eps``: normaliser floor or
+    None; ``inputs``: the rule's per-token inputs (none for the additive
+    rule, the only non-causal one).  ``pieces`` (per sequence) defaults to 1
+    when the flattened batch fills the threads and to ceil(threads / B)
+    otherwise (at least ``block`` tokens each).
     """
     B, N, F = q.shape
     M = v.shape[2]
+    check_state(H, B, F, M)
+    rule = check_rule(rule, inputs)
+    if rule != RULE_ADDITIVE:  # pragma: no cover - no other rule is registered yet
+        raise ValueError(f"the non-causal kernel implements the additive rule only, got rule={rule}")
     block = int(config.CPU_NONCAUSAL_BLOCK if block is None else block)
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     if N == 0 or B == 0:
         return out
-    T = numba.get_num_threads()
     if pieces is None:
-        pieces = 1 if B >= T else max(1, min(-(-T // B), -(-N // block)))
+        pieces = segments(B, -(-N // block), threads=numba.get_num_threads())
     pieces = int(pieces)
-    small = B * pieces == 1 or B * N * F * M < int(config.CPU_CHUNKED_SERIAL_MAX_WORK)
-    kernel = noncausal_kernel_serial if small else noncausal_kernel
+    kernel = pick(noncausal_kernel_serial, noncausal_kernel, items=B * pieces, work=B * N * F * M,
+                  limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
     wt = work_dtype(q.dtype)
     clip = eps is not None
     qk, kk, vk = (as_kernel_array(np.ascontiguousarray(x)) for x in (q, k, v))
-    Sp = np.empty((B, pieces, F, M))
-    zp = np.empty((B, pieces, F))
+    parts = np.empty((B, pieces, F, M + 1))
     args = (as_kernel_array(out), np.empty(0, wt), np.int64(code), float(eps if clip else 0.0), clip,
             np.int64(block))
     # BLAS pinned inside the parallel kernel only (see causal/chunked.py)
-    with single_threaded_blas() if kernel is noncausal_kernel else contextlib.nullcontext():
-        kernel(np.int64(0), qk, kk, vk, Sp, zp, S, z, *args)
-        S += Sp.sum(axis=1)
-        z += zp.sum(axis=1)
-        kernel(np.int64(1), qk, kk, vk, Sp, zp, S, z, *args)
+    with single_threaded_blas(kernel is noncausal_kernel):
+        kernel(np.int64(0), qk, kk, vk, parts, H, *args)
+        H[...] = segment_states(rule, H, parts, pieces, 2)[:, 1]
+        kernel(np.int64(1), qk, kk, vk, parts, H, *args)
     return out

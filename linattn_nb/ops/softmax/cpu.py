@@ -14,7 +14,7 @@ from numba import prange
 
 from ... import config
 from ..._blas import single_threaded_blas
-from .._twins import serial_and_parallel
+from .._twins import pick, serial_and_parallel
 
 
 def _softmax(q, k, v, out, scale, causal, block_q, block_k):
@@ -93,10 +93,8 @@ def softmax_blocked(q, k, v, out, *, causal, scale, block_q=None, block_k=None):
         raise ValueError(f"block sizes must be >= 1, got block_q={block_q}, block_k={block_k}")
     B, N, D = q.shape
     work = B * N * N * (D + v.shape[2]) // (2 if causal else 1)
-    ntask = B * -(-N // block_q)
-    if ntask <= 1 or work < int(config.SOFTMAX_SERIAL_MAX_WORK):
-        softmax_kernel_serial(q, k, v, out, float(scale), bool(causal), np.int64(block_q), np.int64(block_k))
-        return out
-    with single_threaded_blas():  # np.dot inside prange: keep OpenBLAS off its own threads
-        softmax_kernel(q, k, v, out, float(scale), bool(causal), np.int64(block_q), np.int64(block_k))
+    kernel = pick(softmax_kernel_serial, softmax_kernel, items=B * -(-N // block_q), work=work,
+                  limit=config.SOFTMAX_SERIAL_MAX_WORK)
+    with single_threaded_blas(kernel is softmax_kernel):  # np.dot inside prange: OpenBLAS off its own threads
+        kernel(q, k, v, out, float(scale), bool(causal), np.int64(block_q), np.int64(block_k))
     return out

@@ -3,8 +3,9 @@
 State layout (see the package docstring): ``St`` of shape (B, M, F) holds
 ``S^T`` per batch entry, ``z`` (B, F); both in the state dtype.  Inputs q, k
 (B, T, D) are raw (``code`` > 0, the elementwise map is applied inline by
-:func:`linattn_nb.ops._common.phi`) or already features (code 0); v is
-(B, T, M).  Every kernel takes all batch*heads in one call.
+:func:`linattn_nb.ops._common.phi`, through :func:`phi_row`) or already
+features (code 0); v is (B, T, M).  Every kernel takes all batch*heads in one
+call.
 
 Step semantics are those of the causal scan (:mod:`linattn_nb.ops.causal.cpu`):
 token t first updates the state, then reads it; the normaliser is
@@ -18,42 +19,24 @@ import numpy as np
 from numba import njit, prange
 
 from ... import config
-from .._twins import serial_and_parallel
-from .._vec import elu1
+from .._codes import KERNEL_CODE_ELU
+from .._common import phi
+from .._twins import pick, serial_and_parallel
+
 
 # ---------------------------------------------------------------------------
-# Feature rows with a vectorisable exp
+# Feature rows
 # ---------------------------------------------------------------------------
-# ELU+1 needs exp(x) for x < 0.  Numba calls libm's scalar exp, ~1.5 ns per
-# value: 2 * H * D_phi of them per decode step (2048 at H=16, D=64), which was
-# a third of the step.  ops._vec.elu1 is branch-free (Cody-Waite reduction, a
-# polynomial, 2^n from exponent bits), so these loops vectorise.
-
-
-@njit(fastmath={"contract"}, cache=config.CACHE)
-def elu_row(x, out, pb, ib):
-    """out[:] = ELU(x) + 1 through the vectorisable ``_vec.elu1`` (pb, ib: unused scratch, kept for callers)."""
-    for i in range(x.shape[0]):
-        out[i] = elu1(x[i])
-
-
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def phi_row(x, out, code, pb, ib):
-    """out[:] = phi(x[:]) for the map ``code`` (as ops._common.phi; ELU+1 through elu_row)."""
-    n = x.shape[0]
-    if code == 1:
-        elu_row(x, out, pb, ib)
-    elif code == 2:
-        for i in range(n):
-            xi = x[i]
-            out[i] = xi if (xi > 0 or xi != xi) else 0.0
-    elif code == 3:
-        for i in range(n):
-            xi = x[i]
-            out[i] = xi * xi if (xi > 0 or xi != xi) else 0.0
-    else:
-        for i in range(n):
-            out[i] = x[i]
+def phi_row(x, out, code):
+    """out[:] = phi(x[:]) for the map ``code`` (:func:`linattn_nb.ops._common.phi`).
+
+    The map's ELU+1 is a branch-free ``exp`` (:func:`linattn_nb.ops._vec.elu1`),
+    so the loop vectorises: libm's scalar ``exp`` would cost a large share of
+    a decode step, which evaluates 2 * H * D_phi of them.
+    """
+    for i in range(x.shape[0]):
+        out[i] = phi(x[i], code)
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -130,24 +113,24 @@ def _advance(v, St, z, out, fa, fc, b, t, eps):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _features_all(x, t, xs, dst, code, pb, ib):
+def _features_all(x, t, xs, dst, code):
     """dst (B*F,) = phi(x[:, t, :]) for every batch entry in one vectorised pass."""
     B = x.shape[0]
     F = x.shape[2]
     for b in range(B):
         for i in range(F):
             xs[b * F + i] = x[b, t, i]
-    phi_row(xs, dst, code, pb, ib)
+    phi_row(xs, dst, code)
 
 
-def _state_step(q, k, v, St, z, out, feat, work, code, eps, check):
+def _state_step(q, k, v, St, z, out, feat, code, eps, check):
     """T tokens through the state of every batch entry.
 
     Per token: the features of all batch entries in two vectorised passes,
     then the row pass of each entry.  ``feat`` (2, B, F) is scratch in the
-    state dtype, ``work`` (2, B*F) float64 scratch of the vectorised exp
-    (preallocated by the caller: no allocation in a decode step).  Returns 0,
-    or 1/2/3 (nothing modified) when ``check`` finds q/k/v non-finite.
+    state dtype (preallocated by the caller: no allocation in a decode step).
+    Returns 0, or 1/2/3 (nothing modified) when ``check`` finds q/k/v
+    non-finite.
 
     Compiled twice (:mod:`linattn_nb.ops._twins`): :data:`state_step_serial`
     (a decode step is a few microseconds of work) and
@@ -162,17 +145,15 @@ def _state_step(q, k, v, St, z, out, feat, work, code, eps, check):
     F = St.shape[2]
     n = B * F
     xs = np.empty(n if T > 1 else 0, dtype=q.dtype)
-    pb = work[0]
-    ib = work[1].view(np.int64)
     fa = feat[0].reshape(n)
     fc = feat[1].reshape(n)
     for t in range(T):
         if T == 1:  # x[:, 0, :] is contiguous: no copy
-            phi_row(k.reshape(n), fa, code, pb, ib)
-            phi_row(q.reshape(n), fc, code, pb, ib)
+            phi_row(k.reshape(n), fa, code)
+            phi_row(q.reshape(n), fc, code)
         else:
-            _features_all(k, t, xs, fa, code, pb, ib)
-            _features_all(q, t, xs, fc, code, pb, ib)
+            _features_all(k, t, xs, fa, code)
+            _features_all(q, t, xs, fc, code)
         for b in prange(B):
             _advance(v, St, z, out, feat[0, b], feat[1, b], b, t, eps)
     return 0
@@ -183,13 +164,16 @@ state_step_serial, state_step_parallel = serial_and_parallel(_state_step, fastma
 
 
 def pick_step_kernel(b, t, m, f):
-    """The serial kernel below ``config.STEP_PARALLEL_MIN_WORK`` multiply-adds, else the parallel one."""
-    if b > 1 and b * t * m * f >= config.STEP_PARALLEL_MIN_WORK:
-        return state_step_parallel
-    return state_step_serial
+    """The serial kernel below ``config.STEP_PARALLEL_MIN_WORK`` multiply-adds, else the parallel one.
+
+    Call it as ``kern(q, k, v, St, z, out, feat, code, eps, check)`` (see
+    :func:`state_step`; ``code`` int64, ``eps`` from :func:`eps_arg`).
+    """
+    return pick(state_step_serial, state_step_parallel, items=b, work=b * t * m * f,
+                limit=config.STEP_PARALLEL_MIN_WORK)
 
 
-def state_step(q, k, v, St, z, out, feat, *, code, eps, check, work=None):
+def state_step(q, k, v, St, z, out, feat, *, code, eps, check):
     """Launcher of the step kernels; returns 0, or 1/2/3 when q/k/v is not finite.
 
     Nothing is modified when it returns non-zero.  q, k (B, T, D); v, out
@@ -197,9 +181,7 @@ def state_step(q, k, v, St, z, out, feat, *, code, eps, check, work=None):
     dtype; q, k, v, out of one float32/float64 dtype.
     """
     kern = pick_step_kernel(q.shape[0], q.shape[1], St.shape[1], St.shape[2])
-    if work is None:
-        work = np.empty((2, St.shape[0] * St.shape[2]))
-    return int(kern(q, k, v, St, z, out, feat, work, np.int64(code), eps_arg(eps), bool(check)))
+    return int(kern(q, k, v, St, z, out, feat, np.int64(code), eps_arg(eps), bool(check)))
 
 
 def eps_arg(eps):
@@ -217,10 +199,8 @@ def state_query_kernel(q, St, z, out, feat, code, eps):
         Sb = St[b]
         zb = z[b]
         fc = feat[1, b]
-        pb = np.empty(F)
-        ib = np.empty(F, dtype=np.int64)
         for t in range(T):
-            phi_row(q[b, t], fc, code, pb, ib)
+            phi_row(q[b, t], fc, code)
             den = 0.0
             for i in range(F):
                 den += fc[i] * zb[i]
@@ -254,12 +234,10 @@ def state_prefill_kernel(k, v, St, z, code, block):
         zb = z[b]
         fk = np.empty((block, F), dtype=St.dtype)
         vb = np.empty((block, M), dtype=St.dtype)
-        pb = np.empty(F)
-        ib = np.empty(F, dtype=np.int64)
         for s0 in range(0, T, block):
             n = min(block, T - s0)
             for t in range(n):
-                phi_row(k[b, s0 + t], fk[t], code, pb, ib)
+                phi_row(k[b, s0 + t], fk[t], code)
                 for i in range(F):
                     zb[i] += fk[t, i]
                 for m in range(M):
@@ -283,7 +261,7 @@ def _kv_one(q, K, V, length, causal_new, out, scale, block, b):
 
     Scores ``K_blk q`` and the weighted sum ``p^T V_blk`` are GEMVs: through BLAS
     for blocks of at least 128 keys, as plain loops below (a BLAS call costs
-    more than a short block; measured 7.7 vs 4.8 us for a 4-token, 16-head step).
+    more than a short block; docs/measurements-cpu.md).
     """
     T, D = q.shape[1], q.shape[2]
     M = V.shape[2]
@@ -292,8 +270,6 @@ def _kv_one(q, K, V, length, causal_new, out, scale, block, b):
     acc = np.empty(M)
     accb = np.empty(M, dtype=K.dtype)
     sbuf = np.empty(block, dtype=K.dtype)
-    pb = np.empty(block)
-    ib = np.empty(block, dtype=np.int64)
     Kb = K[b]
     Vb = V[b]
     for t in range(T):
@@ -325,8 +301,8 @@ def _kv_one(q, K, V, length, causal_new, out, scale, block, b):
             for j in range(nk):
                 s[j] -= bm
             # exp of the (non-positive) shifted scores: ELU+1 is exp there (exp(0) = 0 + 1),
-            # through the vectorised exp of the state kernels.
-            elu_row(s, s, pb, ib)
+            # through the vectorised exp of the feature maps.
+            phi_row(s, s, KERNEL_CODE_ELU)
             part = 0.0
             for j in range(nk):
                 part += s[j]
@@ -402,9 +378,8 @@ kv_step_serial, kv_step_parallel = serial_and_parallel(_kv_step, fastmath=config
 
 def pick_kv_kernel(b, t, length, d, m):
     """Serial below ``config.KV_PARALLEL_MIN_WORK`` multiply-adds, else parallel."""
-    if b > 1 and b * t * length * (d + m) >= config.KV_PARALLEL_MIN_WORK:
-        return kv_step_parallel
-    return kv_step_serial
+    return pick(kv_step_serial, kv_step_parallel, items=b, work=b * t * length * (d + m),
+                limit=config.KV_PARALLEL_MIN_WORK)
 
 
 def kv_attend(q, K, V, length, out, *, scale, causal_new, block=None):
@@ -417,7 +392,7 @@ def kv_attend(q, K, V, length, out, *, scale, causal_new, block=None):
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     B, T, D = q.shape
-    work = B * T * int(length) * (D + V.shape[2])
-    kern = kv_attend_parallel if (B > 1 and work >= config.KV_PARALLEL_MIN_WORK) else kv_attend_serial
+    kern = pick(kv_attend_serial, kv_attend_parallel, items=B, work=B * T * int(length) * (D + V.shape[2]),
+                limit=config.KV_PARALLEL_MIN_WORK)
     kern(q, K, V, np.int64(length), bool(causal_new), out, float(scale), np.int64(block))
     return out

@@ -1,0 +1,106 @@
+"""Chunk plan, segment prefix and cross-segment combine of the blocked CPU kernels, written once.
+
+Both blocked CPU kernels -- the chunked causal kernel
+(:mod:`linattn_nb.ops.causal.chunked`) and the non-causal kernel
+(:mod:`linattn_nb.ops.noncausal.cpu`) -- work on each sequence of the
+flattened batch in whole *units* (chunks, blocks) and, when the batch is
+smaller than the thread count, split each sequence into *segments* so that
+one long sequence still uses every core:
+
+1. the state contribution of every piece of the segments is summed, in
+   parallel, each from a zero state (:func:`part_range` /
+   :func:`token_range` give the pieces' tokens);
+2. :func:`segment_states` combines them in order, from the initial state:
+   the state at the start of every segment (causal) or the final state
+   (non-causal), through the rule's :func:`linattn_nb.ops._rules.carry`;
+3. the outputs of all segments are computed in parallel from those states.
+
+:func:`segments` and :func:`plan` decide how many segments and pieces a call
+gets.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit
+
+from .. import config
+from ._rules import carry
+
+
+def segments(batch: int, units: int, *, threads=None, min_units: int = 1, split=None) -> int:
+    """Segments per sequence for ``batch`` sequences of ``units`` units each.
+
+    With ``split`` None, sequences are split when the batch is smaller than
+    the thread count (``threads``, default Numba's): into ``ceil(threads /
+    batch)`` segments (at least 2 when ``split`` is True), but no more than
+    leaves every segment ``min_units`` units; 1 when that leaves fewer than 2.
+    """
+    T = int(threads if threads is not None else numba.get_num_threads())
+    if split is None:
+        split = batch < T
+    if not split or batch <= 0 or units <= 0:
+        return 1
+    P = max(2, -(-T // batch))
+    P = min(P, units // max(1, int(min_units)))
+    return P if P >= 2 else 1
+
+
+def plan(batch: int, n: int, *, chunk: int, threads=None, seq_parallel=None):
+    """Segments per sequence ``P`` and pass-1 pieces per segment ``sub`` of a chunked causal call.
+
+    Sequence parallelism is used when the flattened batch is smaller than the
+    thread count (``seq_parallel=None``), and only when every segment gets at
+    least ``config.CPU_CHUNKED_MIN_SEGMENT_CHUNKS`` chunks.  The segments
+    before the last are summed in ``(P - 1) * sub`` pieces, enough to give
+    every thread one.
+    """
+    T = int(threads if threads is not None else numba.get_num_threads())
+    nch = -(-n // chunk) if n > 0 else 0
+    P = segments(batch, nch, threads=T, min_units=config.CPU_CHUNKED_MIN_SEGMENT_CHUNKS, split=seq_parallel)
+    if P == 1:
+        return 1, 1
+    return P, max(1, -(-T // (batch * (P - 1))))
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def part_range(j, parts, u0, u1):
+    """Units [lo, hi) of part ``j`` when units [u0, u1) are split into ``parts`` near-equal parts."""
+    return u0 + j * (u1 - u0) // parts, u0 + (j + 1) * (u1 - u0) // parts
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def token_range(lo, hi, unit, n):
+    """Tokens [lo * unit, min(hi * unit, n)) of units [lo, hi)."""
+    return lo * unit, min(hi * unit, n)
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _prefix(rule, parts, sub, Hst):
+    """Hst[b, p] for p >= 1 from Hst[b, 0] and the pieces' contributions, ``sub`` pieces per segment."""
+    B, P, F, M1 = Hst.shape
+    seg = np.empty((F, M1))
+    for b in range(B):
+        for p in range(1, P):
+            j0 = (p - 1) * sub
+            seg[:, :] = parts[b, j0]
+            for r in range(1, sub):
+                carry(rule, seg, parts[b, j0 + r])
+            Hst[b, p] = Hst[b, p - 1]
+            carry(rule, Hst[b, p], seg)
+
+
+def segment_states(rule, H, parts, sub: int, nseg: int) -> np.ndarray:
+    """States at the start of ``nseg`` consecutive segments: ``Hst`` (B, nseg, F, M + 1) float64.
+
+    ``Hst[:, 0] = H`` (B, F, M + 1), the state before the first segment;
+    segment ``p`` (p < nseg - 1) contributed the ``sub`` pieces
+    ``parts[:, p * sub:(p + 1) * sub]`` (each from a zero state, in order),
+    and ``Hst[:, p + 1]`` is the state after it.  With ``nseg = 2`` and all
+    the pieces of a sequence, ``Hst[:, 1]`` is the final state.
+    """
+    B, F, M1 = H.shape
+    Hst = np.empty((B, nseg, F, M1))
+    Hst[:, 0] = H
+    _prefix(np.int64(rule), parts, np.int64(sub), Hst)
+    return Hst
