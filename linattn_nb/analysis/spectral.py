@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _validate as V
+from . import _common as C
 
 __all__ = [
     "singular_values",
@@ -95,29 +96,10 @@ def rank_from_singular_values(s: np.ndarray, max_dim: int, rtol=None, eps=None) 
     if rtol is None:
         rtol = max(int(max_dim), 1) * eps
     else:
-        rtol = _check_rtol(rtol, s.shape[:-1])
+        rtol = C.check_rtol(rtol, s.shape[:-1])
     smax = s.max(axis=-1, keepdims=True, initial=0.0)
     tol = smax * np.asarray(rtol)[..., None] if np.ndim(rtol) else smax * rtol
     return np.count_nonzero(s > tol, axis=-1).astype(np.int64)
-
-
-def _check_rtol(rtol, batch_shape):
-    if isinstance(rtol, (bool, np.bool_)):
-        raise TypeError("rtol must be a non-negative real number (or an array of them), got a bool")
-    try:
-        r = np.asarray(rtol, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise TypeError(f"rtol must be a non-negative real number (or an array of them), got {rtol!r}") from None
-    if r.size and (not np.all(np.isfinite(r)) or np.any(r < 0)):
-        raise ValueError(f"rtol must be finite and >= 0, got {rtol!r}")
-    if r.ndim:
-        try:
-            np.broadcast_shapes(r.shape, tuple(batch_shape))
-        except ValueError:
-            raise ValueError(
-                f"rtol of shape {r.shape} does not broadcast to the batch shape {tuple(batch_shape)}"
-            ) from None
-    return r
 
 
 def singular_values(A, *, check_finite=True):
@@ -194,7 +176,7 @@ def numerical_rank(A, rtol=None, *, check_finite=True):
     """
     A = _as_matrices("A", A, check_finite)
     if rtol is not None:
-        rtol = _check_rtol(rtol, A.shape[:-2])
+        rtol = C.check_rtol(rtol, A.shape[:-2])
     s = _svals(A)
     r = rank_from_singular_values(s, max(A.shape[-2:]), rtol)
     return int(r) if r.ndim == 0 else r
