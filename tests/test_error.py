@@ -271,7 +271,7 @@ def test_elu_weights_are_flatter_than_softmax(rng):
 
 
 # ---------------------------------------------------------------------------
-# feature maps of the wrong shape, causal
+# feature maps of the wrong shape, causal, KL round-off
 # ---------------------------------------------------------------------------
 class _BadShapeMap(fm.FeatureMap):
     """ReLU features with one thing wrong: ``how`` in drop_row, extra_row, drop_batch, features."""
@@ -345,3 +345,19 @@ def test_causal_must_be_a_bool(causal, rng):
     # NumPy bools are bools
     np.testing.assert_array_equal(attention_weights(q, k, "elu", causal=np.bool_(True)),
                                   attention_weights(q, k, "elu", causal=True))
+
+
+@pytest.mark.parametrize("n", [3, 10, 11, 33, 100])
+@pytest.mark.parametrize("causal", [False, True])
+def test_kl_is_never_negative(n, causal):
+    """Issue 12 point 5: KL >= 0; linear weights equal to the softmax weights up to round-off give 0, not -4e-16.
+
+    q = k = 1 (D = 1) with the identity map: every score is equal, so both
+    weight rows are uniform, and ``log(1/L)`` against ``-log(L)`` differs in
+    the last bit for some L (e.g. L = 10).
+    """
+    q = np.ones((2, n, 1))
+    for fn in (approximation_error, approximation_error_naive):
+        res = fn(q, q, q, None, causal=causal)
+        assert res.kl_mean >= 0.0 and res.kl_max >= 0.0, (fn.__name__, res.kl_mean, res.kl_max)
+        assert res.kl_max < 1e-14 and res.tv_max < 1e-14

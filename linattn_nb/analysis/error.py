@@ -17,8 +17,10 @@ Conventions shared by all three.  Softmax weights are
 ``den_i = sum_j a_ij`` (``eps=None``: raw division), the features being
 ``feature_map.apply(x, role=..., causal=..., offset=0, total_length=N)``
 exactly as ``linear_attention`` computes them (a map that returns another
-shape than ``(..., N, output_dim(D))`` raises ValueError).  Everything is
-float64: these functions measure the approximation, not round-off.
+shape than ``(..., N, output_dim(D))`` raises ValueError).  KL divergences
+are clipped at 0 (round-off can make a sum of ``p (log p - log w)`` with
+``w ~ p`` slightly negative).  Everything is float64: these functions
+measure the approximation, not round-off.
 """
 from __future__ import annotations
 
@@ -372,8 +374,8 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
                 pos = p > 0
                 if np.any(w[pos] <= 0):
                     st["kl"][bb, i] = np.inf
-                else:
-                    st["kl"][bb, i] = np.sum(p[pos] * (np.log(p[pos]) - np.log(w[pos])))
+                else:  # >= 0 in exact arithmetic: clip the round-off
+                    st["kl"][bb, i] = max(0.0, float(np.sum(p[pos] * (np.log(p[pos]) - np.log(w[pos])))))
                 st["hw"][bb, i] = -np.sum(w[w > 0] * np.log(w[w > 0]))
             else:
                 st["kl"][bb, i] = np.inf
