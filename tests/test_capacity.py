@@ -180,3 +180,32 @@ def test_state_size_counts_like_zoology():
         state_size("softmax", 64, 64)
     with pytest.raises(ValueError, match="heads"):
         state_size("elu", 64, 64, heads=0)
+
+
+class _DropRow(feature_maps.FeatureMap):
+    name = "drop-row"
+    is_positive = True
+
+    def transform(self, x):
+        return np.maximum(x, 0.0)[..., :-1, :]
+
+
+class _NoFeatures(feature_maps.FeatureMap):
+    name = "no-features"
+
+    def output_dim(self, d):
+        return 0
+
+    def transform(self, x):
+        return x[..., :0]
+
+
+def test_maps_of_the_wrong_shape_raise_naming_them():
+    """Issue 12 point 1: the features recall_capacity reads are shape-checked like linear_attention's."""
+    with pytest.raises(ValueError, match=r"feature map 'drop-row' returned features of shape \(7, 4\) for keys "
+                                         r"of shape \(8, 4\); expected \(8, 4\)"):
+        recall_capacity(_DropRow(), 4, [8], trials=1)
+    with pytest.raises(ValueError, match=r"feature map 'no-features' has output_dim\(4\) = 0"):
+        recall_capacity(_NoFeatures(), 4, [8], trials=1)
+    with pytest.raises(ValueError, match=r"feature map 'no-features' has output_dim\(4\) = 0"):
+        state_size(_NoFeatures(), 4, 4)

@@ -268,3 +268,96 @@ def test_elu_weights_are_flatter_than_softmax(rng):
     assert r.entropy_linear > r.entropy_softmax + 0.5
     assert r.monotonicity < 0.9
     assert approximation_error(q, k, v, "softmax").monotonicity == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------------------
+# feature maps of the wrong shape, causal, KL round-off
+# ---------------------------------------------------------------------------
+class _BadShapeMap(fm.FeatureMap):
+    """ReLU features with one thing wrong: ``how`` in drop_row, extra_row, drop_batch, features."""
+
+    is_positive = True
+
+    def __init__(self, how):
+        self.how = how
+        self.name = f"bad-{how}"
+
+    def transform(self, x):
+        f = np.maximum(x, 0.0)
+        if self.how == "drop_row":
+            return f[..., :-1, :]
+        if self.how == "extra_row":
+            return np.concatenate([f, f[..., -1:, :]], axis=-2)
+        if self.how == "drop_batch":
+            return f[1:] if f.ndim >= 3 else f[None]
+        return np.concatenate([f, f], axis=-1)  # "features": 2D columns, output_dim says D
+
+
+class _BadDimMap(fm.FeatureMap):
+    name = "bad-output-dim"
+
+    def __init__(self, dim):
+        self.dim = dim
+
+    def output_dim(self, d):
+        return self.dim
+
+    def transform(self, x):
+        return x
+
+
+BAD_SHAPES = ["drop_row", "extra_row", "drop_batch", "features"]
+
+
+@pytest.mark.parametrize("how", BAD_SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_map_of_the_wrong_shape_raises_naming_it(how, causal, rng):
+    """Issue 12 point 1: every shape a map returns is checked; the error names the map and both shapes."""
+    q, k, v = rng.normal(size=(3, 2, 6, 4))
+    bad = _BadShapeMap(how)
+    match = rf"feature map 'bad-{how}' returned features of shape \(.*\) for [qk] of shape \(2, 6, 4\); expected \(2, 6, 4\)"
+    for call in (lambda: attention_weights(q, k, bad, causal=causal),
+                 lambda: approximation_error(q, k, v, bad, causal=causal),
+                 lambda: approximation_error_naive(q, k, v, bad, causal=causal)):
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+@pytest.mark.parametrize("dim", [0, -1, 2.5])
+def test_a_map_with_a_bad_output_dim_raises_naming_it(dim, rng):
+    q, k, v = rng.normal(size=(3, 5, 4))
+    for call in (lambda: attention_weights(q, k, _BadDimMap(dim)),
+                 lambda: approximation_error(q, k, v, _BadDimMap(dim))):
+        with pytest.raises(ValueError, match=r"feature map 'bad-output-dim' has output_dim\(4\)"):
+            call()
+
+
+@pytest.mark.parametrize("causal", ["False", "True", 2.5, 0, 1, [1], None, np.array(True), np.array([False])])
+def test_causal_must_be_a_bool(causal, rng):
+    """Issue 12 point 2: causal="False" must not run causal attention; non-bools raise TypeError naming causal."""
+    q, k, v = rng.normal(size=(3, 5, 4))
+    for call in (lambda: attention_weights(q, k, "elu", causal=causal),
+                 lambda: attention_weights(q, k, "softmax", causal=causal),
+                 lambda: approximation_error(q, k, v, "elu", causal=causal),
+                 lambda: approximation_error_naive(q, k, v, "elu", causal=causal)):
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            call()
+    # NumPy bools are bools
+    np.testing.assert_array_equal(attention_weights(q, k, "elu", causal=np.bool_(True)),
+                                  attention_weights(q, k, "elu", causal=True))
+
+
+@pytest.mark.parametrize("n", [3, 10, 11, 33, 100])
+@pytest.mark.parametrize("causal", [False, True])
+def test_kl_is_never_negative(n, causal):
+    """Issue 12 point 5: KL >= 0; linear weights equal to the softmax weights up to round-off give 0, not -4e-16.
+
+    q = k = 1 (D = 1) with the identity map: every score is equal, so both
+    weight rows are uniform, and ``log(1/L)`` against ``-log(L)`` differs in
+    the last bit for some L (e.g. L = 10).
+    """
+    q = np.ones((2, n, 1))
+    for fn in (approximation_error, approximation_error_naive):
+        res = fn(q, q, q, None, causal=causal)
+        assert res.kl_mean >= 0.0 and res.kl_max >= 0.0, (fn.__name__, res.kl_mean, res.kl_max)
+        assert res.kl_max < 1e-14 and res.tv_max < 1e-14

@@ -313,3 +313,71 @@ def test_state_rank_profile_positions_batch_errors(rng):
         state_rank_profile(k, v, positions=[1.5])
     with pytest.raises(ValueError, match="same sequence length"):
         state_rank_profile(k, v[..., :5, :])
+
+
+# ---------------------------------------------------------------------------
+# Feature maps of the wrong shape, causal
+# ---------------------------------------------------------------------------
+class _BadShapeMap(feature_maps.FeatureMap):
+    """ReLU features with one thing wrong: ``how`` in drop_row, extra_row, drop_batch, features."""
+
+    is_positive = True
+
+    def __init__(self, how):
+        self.how = how
+        self.name = f"bad-{how}"
+
+    def transform(self, x):
+        f = np.maximum(x, 0.0)
+        if self.how == "drop_row":
+            return f[..., :-1, :]
+        if self.how == "extra_row":
+            return np.concatenate([f, f[..., -1:, :]], axis=-2)
+        if self.how == "drop_batch":
+            return f[1:] if f.ndim >= 3 else f[None]
+        return np.concatenate([f, f], axis=-1)  # "features": 2D columns, output_dim says D
+
+
+@pytest.mark.parametrize("how", ["drop_row", "extra_row", "drop_batch", "features"])
+def test_a_map_of_the_wrong_shape_raises_naming_it(how, rng):
+    """Issue 12 point 1: every shape a map returns is checked; the error names the map and both shapes."""
+    q, k = rng.normal(size=(2, 2, 12, 4))
+    v = rng.normal(size=(2, 12, 3))
+    bad = _BadShapeMap(how)
+    match = rf"feature map 'bad-{how}' returned features of shape \(.*\) for [qk] of shape \(2, 12, 4\); expected \(2, 12, 4\)"
+    for call in (lambda: attention_rank(q, k, bad),
+                 lambda: attention_rank(q, k, bad, method="explicit"),
+                 lambda: attention_rank(q, k, bad, causal=True),
+                 lambda: semiseparable_rank(q, k, bad),
+                 lambda: semiseparable_rank(q, k, bad, method="explicit"),
+                 lambda: state_rank_profile(k, v, bad)):
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+@pytest.mark.parametrize("dim", [0, -3])
+def test_a_map_with_a_bad_output_dim_raises_naming_it(dim, rng):
+    class BadDim(feature_maps.FeatureMap):
+        name = "bad-output-dim"
+
+        def output_dim(self, d):
+            return dim
+
+        def transform(self, x):
+            return x
+
+    q, k = rng.normal(size=(2, 10, 4))
+    for call in (lambda: attention_rank(q, k, BadDim()), lambda: semiseparable_rank(q, k, BadDim()),
+                 lambda: state_rank_profile(k, q, BadDim())):
+        with pytest.raises(ValueError, match=r"feature map 'bad-output-dim' has output_dim\(4\)"):
+            call()
+
+
+@pytest.mark.parametrize("causal", ["False", "True", 2.5, 1, [1], None, np.array(True)])
+def test_causal_must_be_a_bool(causal, rng):
+    """Issue 12 point 2: attention_rank(causal="False") must not rank causal weights."""
+    q, k = rng.normal(size=(2, 10, 4))
+    for fmap in ("elu", "softmax"):
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            attention_rank(q, k, fmap, causal=causal)
+    assert attention_rank(q, k, "elu", causal=np.bool_(True)) == attention_rank(q, k, "elu", causal=True)

@@ -15,7 +15,7 @@ import pytest
 
 from linattn_nb import cli
 from linattn_nb.device import cuda_status
-from linattn_nb.studies import STUDIES, get_study, load_results, run_report
+from linattn_nb.studies import STUDIES, get_study, load_results, register_study, requires_modules, run_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -130,17 +130,37 @@ def test_every_command_has_help(capsys):
 
 @pytest.mark.parametrize("command", ["error", "rank", "recall"])
 def test_unavailable_study_exits_non_zero(command, tmp_path, capsys, monkeypatch):
-    """Without its analysis functions a study says why and exits 3; the report lists it as not run."""
-    monkeypatch.setitem(sys.modules, "linattn_nb.analysis", None)  # import fails as if not installed
-    assert not _available(command)
-    rc = cli.main([command, "--out", str(tmp_path / "r"), "--profile", "tiny"])
-    assert rc == 3
-    assert "cannot run here: needs linattn_nb.analysis" in capsys.readouterr().err
-    assert not (tmp_path / "r").exists()
-    res = run_report(tmp_path / "all", profile="tiny", studies=["correctness", command], progress=False,
-                     log=lambda line: None)
-    assert res.problems == [] and [name for name, _ in res.skipped] == [get_study(command).name]
-    assert "## Not run" in (tmp_path / "all" / "report.md").read_text()
+    """Without an optional package it needs a study says why and exits 3; the report lists it as not run."""
+    study = get_study(command)
+    needy = dataclasses.replace(study, requires=requires_modules("matplotlib", install="pip install 'linattn_nb[plot]'"))
+    register_study(needy, overwrite=True)
+    try:
+        monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+        assert not _available(command)
+        rc = cli.main([command, "--out", str(tmp_path / "r"), "--profile", "tiny"])
+        assert rc == 3
+        assert ("cannot run here: needs the optional package 'matplotlib', not installed here "
+                "(pip install 'linattn_nb[plot]')") in capsys.readouterr().err
+        assert not (tmp_path / "r").exists()
+        res = run_report(tmp_path / "all", profile="tiny", studies=["correctness", command], progress=False,
+                         log=lambda line: None)
+        assert res.problems == [] and [name for name, _ in res.skipped] == [get_study(command).name]
+        assert "## Not run" in (tmp_path / "all" / "report.md").read_text()
+    finally:
+        register_study(study, overwrite=True)
+    assert get_study(command) is study
+
+
+def test_requires_modules_and_no_guards_on_the_package_itself(monkeypatch):
+    """requires() checks optional third-party packages only: the package's own modules are always there."""
+    assert requires_modules("numpy", "json")() is None
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert requires_modules("numpy", "matplotlib")() == "needs the optional package 'matplotlib', not installed here"
+    with pytest.raises(TypeError, match="module names"):
+        requires_modules("")
+    # no built-in study guards an in-package module: hiding one changes nothing
+    monkeypatch.setitem(sys.modules, "linattn_nb.analysis", None)
+    assert all(study.requires() is None for study in STUDIES)
 
 
 def test_a_broken_kernel_fails_the_self_check(tmp_path, monkeypatch, capsys):
@@ -222,7 +242,7 @@ class _FakeRecall:
 
 
 def _fake_analysis():
-    """Minimal stand-ins with the signatures and return types the analysis issues specify.
+    """Minimal stand-ins with the signatures and return types of the analysis functions.
 
     They compute real (small, explicit) quantities so the studies' tables and
     plots have something to show, but this only tests the plumbing: the

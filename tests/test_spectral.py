@@ -165,3 +165,53 @@ def test_cumulative_spectrum(rng):
     assert c2[0] < 1.0
     np.testing.assert_array_equal(cumulative_spectrum(np.zeros((3, 3))), 0.0)
     assert cumulative_spectrum(np.zeros((2, 0, 3))).shape == (2, 0)
+
+
+# ---------------------------------------------------------------------------
+# Scale invariance (issue 12 point 5)
+# ---------------------------------------------------------------------------
+SCALES = [1e-300, 1e-170, 1e-30, 1.0, 1e30, 1e200, 1e300]
+
+
+@pytest.mark.parametrize("c", SCALES)
+def test_scale_invariant_measures_are_finite_at_any_scale(c):
+    """stable_rank(1e-170 * I3) == stable_rank(1e200 * I3) == 3: no NaN from squares that under- or overflow."""
+    eye = c * np.eye(3)
+    assert stable_rank(eye) == 3.0
+    assert effective_rank(eye) == pytest.approx(3.0, rel=1e-12)
+    assert numerical_rank(eye) == 3
+    np.testing.assert_allclose(cumulative_spectrum(eye), [1 / 3, 2 / 3, 1.0], rtol=1e-12)
+    np.testing.assert_allclose(cumulative_spectrum(eye, squared=True), [1 / 3, 2 / 3, 1.0], rtol=1e-12)
+    # the same as spectra
+    s = np.full(3, c)
+    assert stable_rank(s, spectrum=True) == 3.0
+    assert effective_rank(s, spectrum=True) == pytest.approx(3.0, rel=1e-12)
+    np.testing.assert_allclose(cumulative_spectrum(s, spectrum=True, squared=True), [1 / 3, 2 / 3, 1.0], rtol=1e-12)
+
+
+def test_scale_invariance_on_general_matrices(rng):
+    """Entries near the float limits, where the singular values themselves would overflow."""
+    a = rng.normal(size=(4, 6, 5))
+    want = (stable_rank(a), effective_rank(a), numerical_rank(a), cumulative_spectrum(a),
+            cumulative_spectrum(a, squared=True))
+    for c in (2.0 ** -1000, 2.0 ** -560, 2.0 ** 600, 2.0 ** 1018):
+        got = (stable_rank(c * a), effective_rank(c * a), numerical_rank(c * a), cumulative_spectrum(c * a),
+               cumulative_spectrum(c * a, squared=True))
+        for g, w in zip(got, want):
+            assert np.all(np.isfinite(g))
+            np.testing.assert_allclose(g, w, rtol=1e-12)
+    # all-ones at 1e308: sigma_max = 6e308 overflows, the rank-1 structure does not
+    big = np.full((6, 5), 1e308)
+    assert stable_rank(big) == pytest.approx(1.0) and numerical_rank(big) == 1
+    assert effective_rank(big) == pytest.approx(1.0)
+    np.testing.assert_allclose(cumulative_spectrum(big), 1.0)
+    # float32 near its limits
+    a32 = a.astype(np.float32)
+    for c in (np.float32(1e-30), np.float32(1e30)):
+        np.testing.assert_allclose(stable_rank(a32 * c), stable_rank(a32), rtol=1e-5)
+        np.testing.assert_allclose(cumulative_spectrum(a32 * c, squared=True),
+                                   cumulative_spectrum(a32, squared=True), rtol=1e-5)
+    # huge spectra given directly
+    s = np.array([1e308, 1e308, 1e300])
+    assert stable_rank(s, spectrum=True) == pytest.approx(2.0)
+    np.testing.assert_allclose(cumulative_spectrum(s, spectrum=True), [0.5, 1.0, 1.0], rtol=1e-7)

@@ -150,3 +150,17 @@ def test_closed_forms_special_values():
     # Theorem 2 with m = 1 is Lemma 2 (no orthogonality to exploit)
     y = np.array([0.1, 0.3])
     np.testing.assert_allclose(orthogonal_mse_bound(x, y, 1), favor_mse(x, y, 1))
+
+
+def test_a_map_of_the_wrong_shape_raises_naming_it():
+    """Issue 12 point 1: the features of the kernel estimate are shape-checked, naming the map."""
+    class DropRow(fm.FeatureMap):
+        name = "drop-row"
+
+        def transform(self, x):
+            return np.exp(x)[..., :-1, :]
+
+    x = np.full((2, 3), 0.1)
+    with pytest.raises(ValueError, match=r"feature map 'drop-row' returned features of shape \(3, 3\) for the "
+                                         r"stacked pairs \[x; y\] of shape \(4, 3\); expected \(4, 3\)"):
+        kernel_estimate_mse(DropRow(), x, x, draws=2, target=np.ones(2))

@@ -10,9 +10,9 @@ formed.  Everything is float64.
 Ranks for the Spearman correlations are computed with an LSD radix sort on
 the IEEE bit patterns (8 passes of 8 bits, passes where every key shares the
 digit skipped), insertion sort for very short rows; ties get their average
-rank.  Measured at N = 16,384: 0.27 ms per row against 2.1 ms for Numba's
-``np.argsort`` (quicksort), which would make the two sorts per row the
-dominant cost; 11-bit digits (6 passes) were no faster.
+rank.  A radix sort keeps the two sorts per row from dominating the cost,
+as Numba's ``np.argsort`` (quicksort) would at long N (measurement in
+``docs/measurements-analysis.md``).
 """
 from __future__ import annotations
 
@@ -135,7 +135,8 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
     when ``softmax_mode``: the "linear" weights are then the softmax weights
     themselves, the self-check).  Writes, per row (B, N): ``kl`` =
     KL(softmax || linear) (inf when the linear weights put zero or negative
-    mass where softmax does not, or the normaliser is <= 0), ``tv`` total
+    mass where softmax does not, or the normaliser is <= 0; round-off below
+    0 clipped to 0), ``tv`` total
     variation, ``hp``/``hw`` entropies (``hw`` NaN when the linear weights are
     not a distribution), ``rho`` Spearman correlation between scores and
     linear weights (NaN when undefined), ``den_out`` the raw normaliser.
@@ -247,6 +248,8 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
                                 kl_i += p[j] * (lp[j] - lw)
                         elif p[j] > 0.0:
                             kl_i = np.inf
+                    if kl_i < 0.0:
+                        kl_i = 0.0  # >= 0 in exact arithmetic: clip the round-off
                     kl[b, i] = kl_i
                     hw[b, i] = hw_i
                 else:

@@ -23,28 +23,11 @@ from typing import Optional
 import numpy as np
 
 from .. import config
-from .. import feature_maps as fm
 from .. import _validate as V
 from ..attention import linear_attention, softmax_attention
+from . import _common as C
 
 __all__ = ["RecallCapacity", "recall_capacity", "MQAR", "mqar", "state_size"]
-
-
-def _check_int(name, x, minimum):
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {type(x).__name__}")
-    if x < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {x}")
-    return int(x)
-
-
-def _check_positive_float(name, x):
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a positive real number, got {type(x).__name__}")
-    x = float(x)
-    if not (x > 0) or math.isinf(x):
-        raise ValueError(f"{name} must be finite and > 0, got {x}")
-    return x
 
 
 @dataclass(frozen=True)
@@ -189,7 +172,8 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     Raises
     ------
     ValueError
-        Non-positive sizes, ``key_scale`` or ``softmax_scale``; ``feature_map="softmax"``.
+        Non-positive sizes, ``key_scale`` or ``softmax_scale``; ``feature_map="softmax"``;
+        a feature map whose features do not have shape ``(n, output_dim(d))``.
     TypeError
         Non-integer sizes, a bad ``feature_map``.
 
@@ -204,10 +188,10 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     >>> bool(res.mse[1] >= res.optimal_mse[1])
     True
     """
-    if isinstance(feature_map, str) and feature_map == "softmax":
+    if C.is_softmax(feature_map):
         raise ValueError("feature_map='softmax' is the baseline (softmax_accuracy, softmax_mse); pass a feature map")
-    fmap = fm.resolve(feature_map)
-    d = _check_int("d", d, 1)
+    fmap = C.resolve_map(feature_map)
+    d = C.check_int("d", d, 1)
     ns = np.atleast_1d(np.asarray(n_pairs))
     if ns.ndim != 1 or ns.dtype.kind not in "iu":
         raise TypeError(f"n_pairs must be an integer or a 1-D sequence of integers, got {n_pairs!r}")
@@ -215,13 +199,13 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
         raise ValueError(f"n_pairs must be non-empty and every entry >= 1, got {n_pairs!r}")
     ns = ns.astype(np.int64)
     if value_dim is not None:
-        value_dim = _check_int("value_dim", value_dim, 1)
-    key_scale = _check_positive_float("key_scale", key_scale)
-    trials = _check_int("trials", trials, 1)
-    seed = _check_int("seed", seed, 0)
-    softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else _check_positive_float("softmax_scale", softmax_scale)
+        value_dim = C.check_int("value_dim", value_dim, 1)
+    key_scale = C.check_positive_float("key_scale", key_scale)
+    trials = C.check_int("trials", trials, 1)
+    seed = C.check_int("seed", seed, 0)
+    softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else C.check_positive_float("softmax_scale", softmax_scale)
     eps = V.check_eps(eps)
-    d_phi = int(fmap.output_dim(d))
+    d_phi = C.feature_dim(fmap, d)
 
     metrics = np.zeros((5, ns.size, trials))
     for a, n in enumerate(ns):
@@ -230,8 +214,8 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
             rng = np.random.default_rng([seed, n, t])
             keys = key_scale * rng.standard_normal((n, d))
             vals = np.eye(n) if value_dim is None else rng.standard_normal((n, value_dim))
+            phi = C.features(fmap, keys, role="key", causal=False, name="keys")[0]
             vhat = linear_attention(keys, keys, vals, feature_map=fmap, causal=False, eps=eps)
-            phi = np.asarray(fmap.apply(keys, role="key", causal=False, offset=0, total_length=n), dtype=np.float64)
             vs = softmax_attention(keys, keys, vals, scale=softmax_scale)
             metrics[:, a, t] = (
                 _nearest_accuracy(vhat, vals),
@@ -328,11 +312,11 @@ def mqar(n_examples, seq_len, n_kv, *, vocab_size=8192, power_a=0.01, random_non
     >>> bool(((batch.labels == -100).sum(axis=1) == 14).all())
     True
     """
-    n_examples = _check_int("n_examples", n_examples, 0)
-    seq_len = _check_int("seq_len", seq_len, 2)
-    n_kv = _check_int("n_kv", n_kv, 1)
-    vocab_size = _check_int("vocab_size", vocab_size, 4)
-    power_a = _check_positive_float("power_a", power_a)
+    n_examples = C.check_int("n_examples", n_examples, 0)
+    seq_len = C.check_int("seq_len", seq_len, 2)
+    n_kv = C.check_int("n_kv", n_kv, 1)
+    vocab_size = C.check_int("vocab_size", vocab_size, 4)
+    power_a = C.check_positive_float("power_a", power_a)
     if seq_len % 2:
         raise ValueError(f"seq_len must be even (Zoology's MQAR), got {seq_len}")
     if vocab_size <= seq_len:
@@ -415,14 +399,14 @@ def state_size(feature_map, d, value_dim, heads=1, *, dtype=np.float64, seq_len=
     >>> state_size("softmax", 64, 64, heads=8, seq_len=1024, dtype="float16")
     2097152
     """
-    d = _check_int("d", d, 1)
-    value_dim = _check_int("value_dim", value_dim, 1)
-    heads = _check_int("heads", heads, 1)
+    d = C.check_int("d", d, 1)
+    value_dim = C.check_int("value_dim", value_dim, 1)
+    heads = C.check_int("heads", heads, 1)
     itemsize = np.dtype(dtype).itemsize
-    if isinstance(feature_map, str) and feature_map == "softmax":
+    if C.is_softmax(feature_map):
         if seq_len is None:
             raise ValueError("feature_map='softmax': the KV cache grows with the sequence; pass seq_len")
-        seq_len = _check_int("seq_len", seq_len, 0)
+        seq_len = C.check_int("seq_len", seq_len, 0)
         return heads * seq_len * (d + value_dim) * itemsize
-    d_phi = int(fm.resolve(feature_map).output_dim(d))
+    d_phi = C.feature_dim(C.resolve_map(feature_map), d)
     return heads * (value_dim * d_phi + d_phi) * itemsize

@@ -16,22 +16,23 @@ Conventions shared by all three.  Softmax weights are
 ``a_ij / max(den_i, eps)`` with ``a_ij = phi(q_i) . phi(k_j)`` and
 ``den_i = sum_j a_ij`` (``eps=None``: raw division), the features being
 ``feature_map.apply(x, role=..., causal=..., offset=0, total_length=N)``
-exactly as the dispatcher computes them.  Everything is float64: these
-functions measure the approximation, not round-off.
+exactly as ``linear_attention`` computes them (a map that returns another
+shape than ``(..., N, output_dim(D))`` raises ValueError).  KL divergences
+are clipped at 0 (round-off can make a sum of ``p (log p - log w)`` with
+``w ~ p`` slightly negative).  Everything is float64: these functions
+measure the approximation, not round-off.
 """
 from __future__ import annotations
 
-import math
-import warnings
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from .. import _validate as V
 from .. import config
-from .. import feature_maps as fm
 from ..attention import linear_attention, softmax_attention
 from .._blas import single_threaded_blas
+from . import _common as C
 from ._kernels import error_rows
 
 __all__ = [
@@ -41,7 +42,7 @@ __all__ = [
     "attention_weights",
 ]
 
-_DEFAULT = object()
+_DEFAULT = C.DEFAULT
 
 
 @dataclass(frozen=True)
@@ -97,49 +98,6 @@ class ApproximationError:
 # ---------------------------------------------------------------------------
 # input handling
 # ---------------------------------------------------------------------------
-_resolve_scale = V.check_scale
-
-
-def _resolve_eps(eps):
-    if eps is _DEFAULT:
-        return config.DEFAULT_EPS
-    return V.check_eps(eps)
-
-
-def _resolve_map(feature_map, d, scale):
-    """``None`` for softmax, else the FeatureMap; warns on a temperature mismatch."""
-    if isinstance(feature_map, str) and feature_map == "softmax":
-        return None
-    fmap = fm.resolve(feature_map)
-    if getattr(fmap, "estimates_softmax", False) and hasattr(fmap, "effective_scale"):
-        s_map = float(fmap.effective_scale(d))
-        if not math.isclose(s_map, scale, rel_tol=1e-12):
-            warnings.warn(
-                f"feature map {fmap.name!r} estimates exp({s_map:g} q.k) but softmax uses scale={scale:g}; "
-                "pass the same scale to both (feature_maps.get(..., scale=...))",
-                stacklevel=3,
-            )
-    return fmap
-
-
-def _features(fmap, x, *, role, causal, n):
-    f = fmap.apply(x, role=role, causal=causal, offset=0, total_length=n)
-    f = np.asarray(f, dtype=np.float64)
-    want = fmap.output_dim(x.shape[-1])
-    if f.shape[-1] != want:
-        raise ValueError(
-            f"feature map {fmap.name!r} returned {f.shape[-1]} features for D={x.shape[-1]}, "
-            f"but output_dim says {want}"
-        )
-    return np.ascontiguousarray(f.reshape((-1,) + f.shape[-2:]))
-
-
-def _flat64(x, batch_shape):
-    """``(..., N, F)`` -> C-contiguous float64 ``(B, N, F)``; explicit B (``-1`` is ambiguous for empty arrays)."""
-    b = int(np.prod(batch_shape, dtype=np.int64))
-    return np.ascontiguousarray(x, dtype=np.float64).reshape((b,) + tuple(x.shape[-2:]))
-
-
 def _prepare(q, k, v, check_finite):
     q = V.as_host_array("q", q)
     k = V.as_host_array("k", k)
@@ -185,8 +143,11 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
     Raises
     ------
     ValueError
-        Bad shapes, non-finite inputs, or ``N * N`` above
-        ``config.QUADRATIC_MAX_ELEMENTS``.
+        Bad shapes, non-finite inputs, ``N * N`` above
+        ``config.QUADRATIC_MAX_ELEMENTS``, or a feature map whose features
+        do not have shape ``(..., N, output_dim(D))``.
+    TypeError
+        Non-floating inputs, ``causal`` not a bool.
 
     Examples
     --------
@@ -207,11 +168,12 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
             f"config.QUADRATIC_MAX_ELEMENTS={config.QUADRATIC_MAX_ELEMENTS} elements. "
             "Use approximation_error for statistics at long N."
         )
-    scale = _resolve_scale(scale, d)
-    eps = _resolve_eps(eps)
-    fmap = _resolve_map(feature_map, d, scale)
-    q64 = _flat64(q, batch_shape)
-    k64 = _flat64(k, batch_shape)
+    causal = C.check_causal(causal)
+    scale = V.check_scale(scale, d)
+    eps = C.resolve_eps(eps)
+    fmap = C.resolve_map(feature_map, d=d, scale=scale)
+    q64 = C.flatten64(q, batch_shape)
+    k64 = C.flatten64(k, batch_shape)
     mask = np.tril(np.ones((n, n), dtype=bool)) if causal else None
     if fmap is None:
         s = scale * np.einsum("bid,bjd->bij", q64, k64)
@@ -221,8 +183,8 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
         w = np.exp(s)
         w /= w.sum(axis=-1, keepdims=True)
     else:
-        fq = _features(fmap, q64, role="query", causal=causal, n=n)
-        fk = _features(fmap, k64, role="key", causal=causal, n=n)
+        fq = C.features(fmap, q64, role="query", causal=causal, name="q")
+        fk = C.features(fmap, k64, role="key", causal=causal, name="k")
         a = np.einsum("bif,bjf->bij", fq, fk)
         if causal:
             a = np.where(mask, a, 0.0)
@@ -245,10 +207,8 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     :func:`linattn_nb.linear_attention` themselves.  The row statistics are
     computed by a Numba kernel over blocks of ``block`` query rows, in
     parallel over (batch entry, block): memory O(block * N) per thread, never
-    the ``N x N`` matrix, so long sequences fit: N = 16,384 at D = 64 on one
-    head takes 26 s of CPU time non-causal and 11.5 s causal (FAVOR+ with
-    m = 256; 2 threads), about 13 s and 6 s of wall time on two free cores
-    (``benchmarks/bench_approximation_error.py``).
+    the ``N x N`` matrix, so long sequences fit (time O(N^2 (D + D_phi)) per
+    batch entry; ``benchmarks/bench_approximation_error.py`` measures it).
 
     Parameters
     ----------
@@ -281,7 +241,9 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     Raises
     ------
     ValueError, TypeError
-        As :func:`linattn_nb.linear_attention` for bad inputs.
+        As :func:`linattn_nb.linear_attention` for bad inputs (shapes,
+        dtypes, non-finite values, ``causal`` not a bool, a feature map whose
+        features do not have shape ``(..., N, output_dim(D))``).
 
     Examples
     --------
@@ -297,32 +259,33 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     (0.0, True, True)
     """
     q, k, v, batch_shape, n, d = _prepare(q, k, v, check_finite)
-    scale = _resolve_scale(scale, d)
-    eps = _resolve_eps(eps)
-    fmap = _resolve_map(feature_map, d, scale)
-    causal = bool(causal)
+    causal = C.check_causal(causal)
+    scale = V.check_scale(scale, d)
+    eps = C.resolve_eps(eps)
+    fmap = C.resolve_map(feature_map, d=d, scale=scale)
     if block is not None and (isinstance(block, (bool, np.bool_)) or not isinstance(block, (int, np.integer))
                               or block < 1):
         raise ValueError(f"block must be an integer >= 1 or None, got {block!r}")
-    q64, k64, v64 = (_flat64(x, batch_shape) for x in (q, k, v))
+    q64, k64, v64 = (C.flatten64(x, batch_shape) for x in (q, k, v))
     b = q64.shape[0]
     rows = b * n
     if rows == 0:
         nan = float("nan")
         return ApproximationError(nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, 0)
-    # The kernels call np.dot inside prange: keep OpenBLAS to one thread per
-    # call (see linattn_nb.analysis._blas; 27x less CPU for softmax_attention
-    # at N = 16,384 on 2 cores).
+    if fmap is None:
+        fq = fk = np.zeros((b, n, 0))
+    else:
+        fq = C.features(fmap, q64, role="query", causal=causal, name="q")
+        fk = C.features(fmap, k64, role="key", causal=causal, name="k")
+    # The kernels call np.dot inside prange: keep the BLAS to one thread per
+    # call (linattn_nb._blas), or its threads compete with Numba's.
     with single_threaded_blas():
         o_sm = softmax_attention(q64, k64, v64, causal=causal, scale=scale, check_finite=False)
         if fmap is None:
             o_lin = o_sm
-            fq = fk = np.zeros((b, n, 0))
         else:
             o_lin = linear_attention(q64, k64, v64, feature_map=fmap, causal=causal, eps=eps,
                                      check_finite=False)
-            fq = _features(fmap, q64, role="query", causal=causal, n=n)
-            fk = _features(fmap, k64, role="key", causal=causal, n=n)
         st = error_rows(q64, k64, fq, fk, scale=scale, causal=causal, softmax_mode=fmap is None, eps=eps,
                         block=block)
     return _summarise(st, o_lin, o_sm, rows)
@@ -365,10 +328,11 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
     from scipy.stats import rankdata
 
     q, k, v, batch_shape, n, d = _prepare(q, k, v, True)
-    scale = _resolve_scale(scale, d)
-    eps = _resolve_eps(eps)
-    fmap = _resolve_map(feature_map, d, scale)
-    q64, k64, v64 = (_flat64(x, batch_shape) for x in (q, k, v))
+    causal = C.check_causal(causal)
+    scale = V.check_scale(scale, d)
+    eps = C.resolve_eps(eps)
+    fmap = C.resolve_map(feature_map, d=d, scale=scale)
+    q64, k64, v64 = (C.flatten64(x, batch_shape) for x in (q, k, v))
     b = q64.shape[0]
     rows = b * n
     if rows == 0:
@@ -381,8 +345,8 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
         den_all = np.ones((b, n))
         a_all = p_all
     else:
-        fq = _features(fmap, q64, role="query", causal=causal, n=n)
-        fk = _features(fmap, k64, role="key", causal=causal, n=n)
+        fq = C.features(fmap, q64, role="query", causal=causal, name="q")
+        fk = C.features(fmap, k64, role="key", causal=causal, name="k")
         a_all = np.einsum("bif,bjf->bij", fq, fk)
         if causal:
             a_all = np.where(np.tril(np.ones((n, n), dtype=bool)), a_all, 0.0)
@@ -410,8 +374,8 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
                 pos = p > 0
                 if np.any(w[pos] <= 0):
                     st["kl"][bb, i] = np.inf
-                else:
-                    st["kl"][bb, i] = np.sum(p[pos] * (np.log(p[pos]) - np.log(w[pos])))
+                else:  # >= 0 in exact arithmetic: clip the round-off
+                    st["kl"][bb, i] = max(0.0, float(np.sum(p[pos] * (np.log(p[pos]) - np.log(w[pos])))))
                 st["hw"][bb, i] = -np.sum(w[w > 0] * np.log(w[w > 0]))
             else:
                 st["kl"][bb, i] = np.inf

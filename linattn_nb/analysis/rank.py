@@ -27,7 +27,7 @@ References
 Katharopoulos et al. 2020, "Transformers are RNNs", Eqs. 7 and 10-12 (the
 factorised weights and the state).  The semiseparable structure of causal
 linear attention: e.g. Dao & Gu 2024, "Transformers are SSMs" (state space
-duality), §3-4.  See also /work/shared/REFERENCES.md, "Rank and spectra".
+duality), §3-4.
 """
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ from numba import njit, prange
 
 from .. import _validate as V
 from .. import config
-from .. import feature_maps as fm
 from ..ops._common import phi
-from .spectral import _check_rtol, rank_from_singular_values
+from . import _common as C
+from .spectral import rank_from_singular_values
 
 __all__ = ["attention_rank", "semiseparable_rank", "state_rank_profile", "StateRankProfile"]
 
@@ -52,21 +52,6 @@ _EPS64 = float(np.finfo(np.float64).eps)
 # ---------------------------------------------------------------------------
 # Argument handling
 # ---------------------------------------------------------------------------
-def _is_softmax(feature_map) -> bool:
-    return isinstance(feature_map, str) and feature_map == "softmax"
-
-
-def _resolve_map(feature_map):
-    """``"softmax"`` -> None (explicit softmax weights), else a FeatureMap."""
-    if _is_softmax(feature_map):
-        return None
-    return fm.resolve(feature_map)
-
-
-_check_eps = V.check_eps
-_check_scale = V.check_scale
-
-
 def _check_method(method, allowed):
     if not isinstance(method, str) or method not in allowed:
         raise ValueError(f"method must be one of {', '.join(map(repr, allowed))}, got {method!r}")
@@ -107,7 +92,7 @@ def _prepare_pair(q, k, names, *, same_n, check_finite, last_dims_equal=True):
 def _inline_code(fmap, d):
     """The Numba kernel code of an elementwise map (as linear_attention's kernels use it), else None."""
     code = fmap.kernel_code
-    if code is None or int(fmap.output_dim(d)) != d:
+    if code is None or C.feature_dim(fmap, d) != d:
         return None
     return int(code)
 
@@ -116,30 +101,24 @@ def _features(fmap, x, *, role, causal, name):
     """Features of x (..., N, D) as linear_attention computes them, float64, flattened to (B, N, F).
 
     Maps with a kernel code are applied by a parallel Numba loop (the same
-    ``phi`` as the attention kernels); the others through ``fmap.apply``.
+    ``phi`` as the attention kernels); the others through
+    :func:`linattn_nb.analysis._common.features` (``fmap.apply``, shape-checked).
+    Non-finite features raise ValueError.
     """
     n, d = x.shape[-2], x.shape[-1]
-    f = int(fmap.output_dim(d))
     code = _inline_code(fmap, d)
-    if code is not None:
-        x2 = np.ascontiguousarray(x, dtype=np.float64).reshape((-1, d))
-        out = np.empty_like(x2)
-        if x2.size:
-            _inline_features(x2, code, out)
-        out = out.reshape(x.shape)
-    else:
-        out = np.asarray(fmap.apply(x, role=role, causal=causal, offset=0, total_length=n), dtype=np.float64)
-    if out.shape != x.shape[:-1] + (f,):
-        raise ValueError(
-            f"feature map {fmap.name!r} returned features of shape {out.shape} for {name} of shape "
-            f"{x.shape}, expected {x.shape[:-1] + (f,)} (output_dim({d}) = {f})"
-        )
+    if code is None:
+        return C.features(fmap, x, role=role, causal=causal, name=name, check_finite=True)
+    x2 = np.ascontiguousarray(x, dtype=np.float64).reshape((-1, d))
+    out = np.empty_like(x2)
+    if x2.size:
+        _inline_features(x2, code, out)
     if out.size and not np.isfinite(out).all():
         raise ValueError(
             f"feature map {fmap.name!r} produced non-finite features of {name} (overflow?); "
             "rescale the inputs"
         )
-    return out.reshape((int(np.prod(x.shape[:-2], dtype=np.int64)), n, f))
+    return out.reshape((int(np.prod(x.shape[:-2], dtype=np.int64)), n, d))
 
 
 def _floor(den, eps):
@@ -430,7 +409,7 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
     R factors ``D^{-1} phi(Q) = Q_1 R_1`` and ``phi(K) = Q_2 R_2`` the non-zero
     singular values of ``A`` are those of the ``D_phi x D_phi`` matrix
     ``R_1 R_2^T``: cost O(N D_phi^2 + D_phi^3), so it runs at N = 10^6
-    (about 5 s at D = 64 on 2 shared cores; benchmarks/analysis_rank.py).
+    (``benchmarks/analysis_rank.py`` measures it).
     The R factors come from a parallel streamed Householder QR (TSQR, a Numba
     kernel, backward stable like LAPACK's); elementwise maps with a kernel
     code (ELU+1, ReLU, ...) are applied inside it, so no ``N x D_phi``
@@ -482,9 +461,10 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
     ValueError
         Shape mismatches, non-finite inputs or features, a zero normaliser with
         ``eps=None``, N above the explicit limit, ``method="factor"`` where
-        there are no low-rank factors.
+        there are no low-rank factors, a feature map whose features do not
+        have shape ``(..., N, output_dim(D))``.
     TypeError
-        Non-floating inputs, a bad ``feature_map``.
+        Non-floating inputs, a bad ``feature_map``, ``causal`` not a bool.
 
     Examples
     --------
@@ -497,15 +477,15 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
     >>> attention_rank(q[:512], k[:512], "softmax", scale=2.0) > 16
     True
     """
-    fmap = _resolve_map(feature_map)
-    eps = _check_eps(eps)
-    causal = bool(causal)
+    fmap = C.resolve_map(feature_map)
+    eps = V.check_eps(eps)
+    causal = C.check_causal(causal)
     method = _check_method(method, ("auto", "factor", "explicit"))
     q, k, batch_shape = _prepare_pair(q, k, ("q", "k"), same_n=causal, check_finite=check_finite)
     nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     b = int(np.prod(batch_shape, dtype=np.int64))
     if rtol is not None:
-        rtol = np.broadcast_to(_check_rtol(rtol, batch_shape), batch_shape).reshape(-1)
+        rtol = np.broadcast_to(C.check_rtol(rtol, batch_shape), batch_shape).reshape(-1)
     factor_ok = fmap is not None and not causal
     if method == "factor" and not factor_ok:
         why = "softmax weights have no low-rank factors" if fmap is None else "causal weights are not low rank"
@@ -515,7 +495,7 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
         _check_explicit_n(max(nq, nk), "ANALYSIS_EXPLICIT_MAX_N", config.ANALYSIS_EXPLICIT_MAX_N)
     code = None if fmap is None else _inline_code(fmap, d)
     if fmap is None:
-        scale = _check_scale(scale, d)
+        scale = V.check_scale(scale, d)
         fq = q.reshape((b, nq, d))
         fk = k.reshape((b, nk, d))
         f = None
@@ -718,7 +698,9 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
     ------
     ValueError
         Shape mismatches, non-finite inputs, a zero normaliser with
-        ``eps=None``, N above the explicit limit, ``method="factor"`` with softmax.
+        ``eps=None``, N above the explicit limit, ``method="factor"`` with
+        softmax, a feature map whose features do not have shape
+        ``(..., N, output_dim(D))``.
     TypeError
         Non-floating inputs, a bad ``feature_map``.
 
@@ -733,13 +715,13 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
     >>> semiseparable_rank(q[:64], k[:64], "softmax", scale=4.0) > 8
     True
     """
-    fmap = _resolve_map(feature_map)
-    eps = _check_eps(eps)
+    fmap = C.resolve_map(feature_map)
+    eps = V.check_eps(eps)
     method = _check_method(method, ("auto", "factor", "explicit"))
     q, k, batch_shape = _prepare_pair(q, k, ("q", "k"), same_n=True, check_finite=check_finite)
     n, d = q.shape[-2], q.shape[-1]
     if rtol is not None:
-        rtol = _check_rtol(rtol, ())
+        rtol = C.check_rtol(rtol, ())
         if rtol.ndim:
             raise ValueError("rtol of semiseparable_rank must be a scalar")
         rtol = float(rtol)
@@ -749,7 +731,7 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
     if explicit:
         _check_explicit_n(n, "ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N", config.ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N)
     if fmap is None:
-        scale = _check_scale(scale, d)
+        scale = V.check_scale(scale, d)
         b = int(np.prod(batch_shape, dtype=np.int64))
         fq = q.reshape((b, n, d))
         fk = k.reshape((b, n, d))
@@ -833,7 +815,8 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
     ------
     ValueError
         Shape mismatches, non-finite inputs, positions outside ``[0, N]``,
-        ``feature_map="softmax"``.
+        ``feature_map="softmax"``, a feature map whose features do not have
+        shape ``(..., N, output_dim(D))``.
     TypeError
         Non-floating inputs, non-integer positions.
 
@@ -847,9 +830,9 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
     >>> prof.rank.tolist(), prof.max_rank
     ([1, 4, 8, 8, 8], 8)
     """
-    if _is_softmax(feature_map):
+    if C.is_softmax(feature_map):
         raise ValueError("feature_map='softmax' has no fixed-size state (its KV cache grows with N)")
-    fmap = fm.resolve(feature_map)
+    fmap = C.resolve_map(feature_map)
     k, v, batch_shape = _prepare_pair(k, v, ("k", "v"), same_n=True, check_finite=check_finite,
                                       last_dims_equal=False)
     n, m = k.shape[-2], v.shape[-1]
@@ -863,7 +846,7 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
         if pos.size and (pos[0] < 0 or pos[-1] > n):
             raise ValueError(f"positions must lie in [0, N] = [0, {n}], got {pos[0]}..{pos[-1]}")
     if rtol is not None:
-        rtol = _check_rtol(rtol, ())
+        rtol = C.check_rtol(rtol, ())
         if rtol.ndim:
             raise ValueError("rtol of state_rank_profile must be a scalar")
         rtol = float(rtol)

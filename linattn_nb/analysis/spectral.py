@@ -15,6 +15,10 @@ Conventions
   dtype.
 * An all-zero matrix (or an empty one) has rank 0, effective rank 0, stable
   rank 0 and a cumulative spectrum of zeros.
+* The numerical, effective and stable rank and the cumulative spectrum do not
+  depend on the scale of ``A``: each matrix (or spectrum) is first multiplied
+  by a power of two that brings its largest entry near 1 (exact), so they are
+  finite for any finite input, at 1e-300 as at 1e300.
 
 References
 ----------
@@ -29,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _validate as V
+from . import _common as C
 
 __all__ = [
     "singular_values",
@@ -74,10 +79,35 @@ def _svals(A: np.ndarray) -> np.ndarray:
     return np.linalg.svd(A, compute_uv=False)
 
 
+def _scaled_svals(A: np.ndarray) -> np.ndarray:
+    """Singular values of each matrix of ``A`` times a power of two that brings its largest entry into [0.5, 1).
+
+    The scaling is exact (up to entries that underflow relative to the
+    largest) and keeps the SVD clear of overflow and underflow, so measures
+    that do not depend on the scale (ranks, spectra normalised by their
+    largest value) are right at any magnitude.
+    """
+    if A.size == 0:
+        return _svals(A)
+    amax = np.abs(A).max(axis=(-2, -1), keepdims=True)
+    return _svals(np.ldexp(A, -np.frexp(amax)[1]))
+
+
 def _spectrum(A, spectrum: bool, check_finite: bool, name: str = "A") -> np.ndarray:
+    """Descending float64 singular values, times a power of two that brings the largest into [0.5, 1).
+
+    Every scale-invariant measure starts here: the scaling is exact, and no
+    square or sum of the returned values can overflow, nor can the largest
+    square underflow, for finite input.
+    """
     if spectrum:
-        return _as_spectrum(name, A, check_finite)
-    return _svals(_as_matrices(name, A, check_finite))
+        s = _as_spectrum(name, A, check_finite)
+    else:
+        s = _scaled_svals(_as_matrices(name, A, check_finite))
+    s = s.astype(np.float64)
+    if s.shape[-1] == 0:
+        return s
+    return np.ldexp(s, -np.frexp(s[..., :1])[1])
 
 
 def rank_from_singular_values(s: np.ndarray, max_dim: int, rtol=None, eps=None) -> np.ndarray:
@@ -95,29 +125,10 @@ def rank_from_singular_values(s: np.ndarray, max_dim: int, rtol=None, eps=None) 
     if rtol is None:
         rtol = max(int(max_dim), 1) * eps
     else:
-        rtol = _check_rtol(rtol, s.shape[:-1])
+        rtol = C.check_rtol(rtol, s.shape[:-1])
     smax = s.max(axis=-1, keepdims=True, initial=0.0)
     tol = smax * np.asarray(rtol)[..., None] if np.ndim(rtol) else smax * rtol
     return np.count_nonzero(s > tol, axis=-1).astype(np.int64)
-
-
-def _check_rtol(rtol, batch_shape):
-    if isinstance(rtol, (bool, np.bool_)):
-        raise TypeError("rtol must be a non-negative real number (or an array of them), got a bool")
-    try:
-        r = np.asarray(rtol, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise TypeError(f"rtol must be a non-negative real number (or an array of them), got {rtol!r}") from None
-    if r.size and (not np.all(np.isfinite(r)) or np.any(r < 0)):
-        raise ValueError(f"rtol must be finite and >= 0, got {rtol!r}")
-    if r.ndim:
-        try:
-            np.broadcast_shapes(r.shape, tuple(batch_shape))
-        except ValueError:
-            raise ValueError(
-                f"rtol of shape {r.shape} does not broadcast to the batch shape {tuple(batch_shape)}"
-            ) from None
-    return r
 
 
 def singular_values(A, *, check_finite=True):
@@ -194,8 +205,8 @@ def numerical_rank(A, rtol=None, *, check_finite=True):
     """
     A = _as_matrices("A", A, check_finite)
     if rtol is not None:
-        rtol = _check_rtol(rtol, A.shape[:-2])
-    s = _svals(A)
+        rtol = C.check_rtol(rtol, A.shape[:-2])
+    s = _scaled_svals(A)
     r = rank_from_singular_values(s, max(A.shape[-2:]), rtol)
     return int(r) if r.ndim == 0 else r
 
@@ -205,6 +216,7 @@ def effective_rank(A, *, spectrum=False, check_finite=True):
 
     A real number between 1 (one non-zero singular value) and the number of
     singular values (all equal); ``0 * log 0 = 0``.  0 for an all-zero matrix.
+    Scale-invariant and finite for any finite input.
 
     Parameters
     ----------
@@ -242,7 +254,8 @@ def stable_rank(A, *, spectrum=False, check_finite=True):
     """Stable rank ``||A||_F^2 / ||A||_2^2 = sum sigma_i^2 / sigma_max^2``.
 
     Between 1 and the rank; insensitive to tiny singular values.  0 for an
-    all-zero matrix.
+    all-zero matrix.  Scale-invariant and finite for any finite input (the
+    singular values are rescaled exactly before they are squared).
 
     Parameters
     ----------
@@ -262,7 +275,7 @@ def stable_rank(A, *, spectrum=False, check_finite=True):
     >>> stable_rank(np.diag([2.0, 1.0, 1.0]))
     1.5
     """
-    s = _spectrum(A, spectrum, check_finite).astype(np.float64)
+    s = _spectrum(A, spectrum, check_finite)
     smax = s.max(axis=-1, initial=0.0)
     energy = (s * s).sum(axis=-1)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -277,7 +290,9 @@ def cumulative_spectrum(A, *, squared=False, spectrum=False, check_finite=True):
     values in descending order; ``c`` rises to 1, and the faster it does the
     closer the matrix is to low rank.  With ``squared=True`` the energies
     ``sigma_i^2`` are accumulated instead (the fraction of ``||A||_F^2``
-    captured by the best rank-k approximation, Eckart-Young).
+    captured by the best rank-k approximation, Eckart-Young).  Scale-invariant
+    and finite for any finite input (the singular values are rescaled
+    exactly before they are summed or squared).
 
     Parameters
     ----------
@@ -301,7 +316,7 @@ def cumulative_spectrum(A, *, squared=False, spectrum=False, check_finite=True):
     >>> cumulative_spectrum(np.diag([3.0, 1.0]), squared=True).tolist()
     [0.9, 1.0]
     """
-    s = _spectrum(A, spectrum, check_finite).astype(np.float64)
+    s = _spectrum(A, spectrum, check_finite)
     if squared:
         s = s * s
     c = np.cumsum(s, axis=-1)

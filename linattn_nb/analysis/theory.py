@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import feature_maps as fm
+from . import _common as C
 
 __all__ = ["KernelEstimate", "kernel_estimate_mse", "favor_mse", "orthogonal_mse_bound"]
 
@@ -105,7 +106,8 @@ def kernel_estimate_mse(feature_map, x, y, draws, *, target=None):
     Raises
     ------
     ValueError
-        Mismatched shapes, non-finite pairs, ``draws < 2``.
+        Mismatched shapes, non-finite pairs, ``draws < 2``, a map whose
+        features do not have shape (P, output_dim(d)).
 
     Examples
     --------
@@ -121,7 +123,7 @@ def kernel_estimate_mse(feature_map, x, y, draws, *, target=None):
     if isinstance(draws, (bool, np.bool_)) or not isinstance(draws, (int, np.integer)) or draws < 2:
         raise ValueError(f"draws must be an integer >= 2, got {draws!r}")
     draws = int(draws)
-    fmap = copy.deepcopy(fm.resolve(feature_map) if not isinstance(feature_map, fm.FeatureMap) else feature_map)
+    fmap = copy.deepcopy(fm.resolve(feature_map))
     x, y = _pairs(x, y)
     shape = x.shape[:-1]
     xf = x.reshape(-1, x.shape[-1])
@@ -140,7 +142,7 @@ def kernel_estimate_mse(feature_map, x, y, draws, *, target=None):
         elif r > 0:
             est[r] = est[0]
             continue
-        f = np.asarray(fmap(both), dtype=np.float64)
+        f = C.called_features(fmap, both, name="the stacked pairs [x; y]")
         est[r] = np.einsum("pf,pf->p", f[:p], f[p:])
     err2 = (est - tgt) ** 2
     mse = err2.mean(axis=0)

@@ -11,7 +11,8 @@
 
 Importing this package imports neither Dask nor matplotlib and compiles nothing.
 """
-from ._study import PROFILES, STUDIES, Context, Rendered, Study, get_study, markdown_table, register_study
+from ._study import (PROFILES, STUDIES, Context, Rendered, Study, get_study, markdown_table, register_study,
+                     requires_modules)
 from .sweep import SweepError, grid_points, load_results, point_key, rows, sweep
 from . import _builtin  # noqa: F401  (registers the built-in studies)
 from .report import ReportResult, run_report
@@ -30,6 +31,7 @@ __all__ = [
     "PROFILES",
     "register_study",
     "get_study",
+    "requires_modules",
     "markdown_table",
     "run_report",
     "ReportResult",

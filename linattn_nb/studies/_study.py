@@ -11,7 +11,9 @@ A study is four functions and a few names (:class:`Study`):
   :meth:`Context.savefig`) from the sweep's records, plus the problems the
   results show (a failed self-check), which make the command exit non-zero;
 * ``requires() -> str | None`` -- None when the study can run here, else why
-  not (e.g. an analysis function that is not installed).
+  not: an optional third-party package it needs is missing
+  (:func:`requires_modules` builds one).  The default says the study can
+  always run; modules of this package are always there and need no check.
 
 Adding a study is one module that builds a :class:`Study` and one call to
 :func:`register_study`; ``linattn report`` runs every registered study in
@@ -19,6 +21,7 @@ registration order and a ``linattn <command>`` subcommand runs one.
 """
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +34,7 @@ __all__ = [
     "STUDIES",
     "register_study",
     "get_study",
+    "requires_modules",
     "PROFILES",
     "markdown_table",
     "fmt",
@@ -122,6 +126,41 @@ class Rendered:
 
 def _always_available():
     return None
+
+
+def requires_modules(*modules: str, install: str | None = None) -> Callable[[], str | None]:
+    """A ``requires`` for a study that needs optional third-party packages.
+
+    Parameters
+    ----------
+    *modules : str
+        Importable names, e.g. ``"matplotlib"``.
+    install : str, optional
+        How to install them, appended to the reason (e.g.
+        ``"pip install 'linattn_nb[plot]'"``).
+
+    Returns
+    -------
+    callable
+        ``requires()``: None when every module imports, else one line naming
+        the first that does not.  The report lists the study under "Not run"
+        with that line, and its ``linattn`` command exits 3.
+    """
+    names = tuple(modules)
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"requires_modules takes module names (non-empty strings), got {name!r}")
+
+    def requires():
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                return (f"needs the optional package {name!r}, not installed here"
+                        + (f" ({install})" if install else ""))
+        return None
+
+    return requires
 
 
 @dataclass(frozen=True)

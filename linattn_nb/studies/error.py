@@ -13,7 +13,7 @@ import numpy as np
 
 from ._maps import build_map, buildable_maps, is_random, map_label
 from ._study import Rendered, Study, fmt, markdown_table, register_study, split_failed
-from .sweep import to_json as _to_json
+from .sweep import to_json
 
 #: q and k are N(0, 1) times this: logits q.k/sqrt(d) of variance QK_SCALE**4, the regime
 #: where the random-feature estimators of exp(q.k/sqrt(d)) have usable variance.
@@ -23,14 +23,6 @@ PLOT_MAX_ERROR = 10.0
 
 FIELDS = ("output_rel_error", "kl_mean", "tv_mean", "entropy_softmax", "entropy_linear",
           "monotonicity", "nonpositive_normalizer_rate")
-
-
-def requires():
-    try:
-        from ..analysis import approximation_error  # noqa: F401
-    except ImportError:
-        return "needs linattn_nb.analysis.approximation_error (the approximation-error issue), not installed here"
-    return None
 
 
 def _sizes(ctx):
@@ -66,7 +58,7 @@ def run(feature_map, num_features, n, d, causal, qk_scale=QK_SCALE, seed=0) -> d
     rng = np.random.default_rng([seed, n, d])
     q, k, v = (rng.standard_normal((1, n, d)) for _ in range(3))
     q, k = q * qk_scale, k * qk_scale
-    res = _to_json(approximation_error(q, k, v, fmap, causal=causal))
+    res = to_json(approximation_error(q, k, v, fmap, causal=causal))
     if not isinstance(res, dict):
         res = {"output_rel_error": res}
     res["d_phi"] = int(fmap.output_dim(d))
@@ -149,5 +141,4 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
-    requires=requires,
 ))

@@ -19,15 +19,6 @@ from ._study import Rendered, Study, fmt, markdown_table, register_study, split_
 SOFTMAX = "softmax"
 
 
-def requires():
-    try:
-        from ..analysis import attention_rank, semiseparable_rank, state_rank_profile  # noqa: F401
-    except ImportError:
-        return ("needs linattn_nb.analysis.attention_rank, semiseparable_rank and state_rank_profile "
-                "(the rank issue), not installed here")
-    return None
-
-
 def _sizes(ctx):
     """(d, M, Ns, m of random maps, largest N for explicit softmax weights).
 
@@ -139,5 +130,4 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
-    requires=requires,
 ))

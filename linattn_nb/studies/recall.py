@@ -15,15 +15,7 @@ import numpy as np
 
 from ._maps import build_map, is_random, map_label
 from ._study import Rendered, Study, fmt, markdown_table, register_study, split_failed
-from .sweep import to_json as _to_json
-
-
-def requires():
-    try:
-        from ..analysis import recall_capacity  # noqa: F401
-    except ImportError:
-        return "needs linattn_nb.analysis.recall_capacity (the recall-capacity issue), not installed here"
-    return None
+from .sweep import to_json
 
 
 def _sizes(ctx):
@@ -55,7 +47,7 @@ def run(feature_map, num_features, map_params, d, n_pairs, trials, seed=0) -> di
     from ..analysis import recall_capacity
 
     fmap = build_map(feature_map, dim=d, num_features=num_features, seed=seed, **map_params)
-    res = _to_json(recall_capacity(fmap, d, np.asarray(n_pairs), trials=trials, seed=seed))
+    res = to_json(recall_capacity(fmap, d, np.asarray(n_pairs), trials=trials, seed=seed))
     res["d_phi"] = int(fmap.output_dim(d))
     return res
 
@@ -115,5 +107,4 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
-    requires=requires,
 ))

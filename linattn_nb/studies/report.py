@@ -3,8 +3,9 @@
 :func:`run_report` runs every registered study (:data:`linattn_nb.studies.STUDIES`)
 through :func:`~linattn_nb.studies.sweep`, one JSON Lines file per study in the
 report folder, renders each study's tables and plots, and writes
-``report.md`` beside them.  Studies that cannot run here (an analysis
-function that is not installed) are listed under "Not run" with the reason.
+``report.md`` beside them.  Studies that cannot run here (an optional
+package they need is missing, see :func:`~linattn_nb.studies.requires_modules`)
+are listed under "Not run" with the reason.
 """
 from __future__ import annotations
 

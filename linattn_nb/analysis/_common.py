@@ -1,0 +1,164 @@
+"""Argument handling and featurisation shared by the analysis functions.
+
+Every analysis function that takes a feature map gets its features here,
+through :func:`linattn_nb._frontend.featurise` -- the same call, with the same
+shape check, as :func:`linattn_nb.linear_attention` -- so a map that returns
+the wrong shape raises the same ``ValueError`` (naming the map and both
+shapes) wherever it is used.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+
+import numpy as np
+
+from .. import _frontend as FE
+from .. import _validate as V
+from .. import config
+from .. import feature_maps as fm
+
+__all__ = [
+    "DEFAULT",
+    "SOFTMAX",
+    "is_softmax",
+    "resolve_map",
+    "resolve_eps",
+    "check_causal",
+    "feature_dim",
+    "features",
+    "called_features",
+    "flatten64",
+    "check_rtol",
+    "check_int",
+    "check_positive_float",
+]
+
+#: Default marker of an ``eps`` argument: ``config.DEFAULT_EPS`` read at call time.
+DEFAULT = object()
+#: The ``feature_map`` value that asks for softmax weights instead of a map.
+SOFTMAX = "softmax"
+
+check_causal = FE.check_causal
+feature_dim = FE.feature_dim
+
+
+def is_softmax(feature_map) -> bool:
+    """True for ``feature_map="softmax"`` (softmax weights, no feature map)."""
+    return isinstance(feature_map, str) and feature_map == SOFTMAX
+
+
+def resolve_map(feature_map, *, d=None, scale=None, stacklevel=3):
+    """``None`` for ``"softmax"``, else the :class:`~linattn_nb.feature_maps.FeatureMap`.
+
+    With ``d`` and ``scale`` given, a map that estimates the softmax kernel at
+    another temperature than ``scale`` warns (``stacklevel`` as for
+    :func:`warnings.warn`; the default points at the caller of the public
+    function that calls this one).
+    """
+    if is_softmax(feature_map):
+        return None
+    fmap = fm.resolve(feature_map)
+    if d is not None and scale is not None and getattr(fmap, "estimates_softmax", False) \
+            and hasattr(fmap, "effective_scale"):
+        s_map = float(fmap.effective_scale(d))
+        if not math.isclose(s_map, scale, rel_tol=1e-12):
+            warnings.warn(
+                f"feature map {fmap.name!r} estimates exp({s_map:g} q.k) but softmax uses scale={scale:g}; "
+                "pass the same scale to both (feature_maps.get(..., scale=...))",
+                stacklevel=stacklevel,
+            )
+    return fmap
+
+
+def resolve_eps(eps):
+    """The normaliser floor: ``config.DEFAULT_EPS`` for :data:`DEFAULT`, else checked as in linear_attention."""
+    if eps is DEFAULT:
+        return config.DEFAULT_EPS
+    return V.check_eps(eps)
+
+
+def features(fmap, x, *, role: str, causal: bool, name: str, check_finite: bool = False) -> np.ndarray:
+    """Features of ``x`` (..., N, D) as linear attention computes them: float64, flattened to (B, N, F).
+
+    ``fmap.apply(x, role=role, causal=causal, offset=0, total_length=N)`` on
+    ``x`` in float64, through :func:`linattn_nb._frontend.featurise`: a map
+    that returns another shape than (..., N, output_dim(D)) raises ValueError
+    naming the map and both shapes.  ``check_finite``: features that
+    overflowed to inf or NaN raise ValueError too.
+    """
+    x = np.asarray(x)
+    n = int(x.shape[-2])
+    feats = FE.featurise(fmap, x, role=role, causal=causal, offset=0, total_length=n, dtype=np.float64,
+                         name=name)
+    if check_finite and feats.size and not np.isfinite(feats).all():
+        raise ValueError(
+            f"feature map {fmap.name!r} produced non-finite features of {name} (overflow?); "
+            "rescale the inputs"
+        )
+    b = int(np.prod(x.shape[:-2], dtype=np.int64))
+    return np.ascontiguousarray(feats, dtype=np.float64).reshape((b, n, feats.shape[-1]))
+
+
+def called_features(fmap, x, *, name: str) -> np.ndarray:
+    """``fmap(x)`` for rows ``x`` (P, D) in float64, checked to have shape (P, output_dim(D)).
+
+    The plain call (no role, no position), as the kernel estimates of
+    :mod:`linattn_nb.analysis.theory` use it.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    f = feature_dim(fmap, int(x.shape[-1]))
+    out = np.asarray(fmap(x), dtype=np.float64)
+    want = tuple(x.shape[:-1]) + (f,)
+    if tuple(out.shape) != want:
+        raise ValueError(
+            f"feature map {fmap.name!r} returned features of shape {tuple(out.shape)} for {name} of shape "
+            f"{tuple(x.shape)}; expected {want} (output_dim({x.shape[-1]}) = {f})"
+        )
+    return out
+
+
+def flatten64(x, batch_shape) -> np.ndarray:
+    """``(..., N, F)`` -> C-contiguous float64 ``(B, N, F)``; explicit B (``-1`` is ambiguous for empty arrays)."""
+    b = int(np.prod(batch_shape, dtype=np.int64))
+    return np.ascontiguousarray(x, dtype=np.float64).reshape((b,) + tuple(x.shape[-2:]))
+
+
+def check_rtol(rtol, batch_shape) -> np.ndarray:
+    """A relative tolerance: a real number >= 0 or an array of them broadcasting to ``batch_shape``."""
+    if isinstance(rtol, (bool, np.bool_)):
+        raise TypeError("rtol must be a non-negative real number (or an array of them), got a bool")
+    try:
+        r = np.asarray(rtol, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"rtol must be a non-negative real number (or an array of them), got {rtol!r}") from None
+    if r.size and (not np.all(np.isfinite(r)) or np.any(r < 0)):
+        raise ValueError(f"rtol must be finite and >= 0, got {rtol!r}")
+    if r.ndim:
+        try:
+            np.broadcast_shapes(r.shape, tuple(batch_shape))
+        except ValueError:
+            raise ValueError(
+                f"rtol of shape {r.shape} does not broadcast to the batch shape {tuple(batch_shape)}"
+            ) from None
+    return r
+
+
+def check_int(name: str, x, minimum: int) -> int:
+    """An integer (not a bool) >= ``minimum``."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {type(x).__name__}")
+    if x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return int(x)
+
+
+def check_positive_float(name: str, x) -> float:
+    """A finite real number > 0 (not a bool)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a positive real number, got {type(x).__name__}")
+    x = float(x)
+    if not (x > 0) or math.isinf(x):
+        raise ValueError(f"{name} must be finite and > 0, got {x}")
+    return x
