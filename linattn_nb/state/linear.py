@@ -22,12 +22,12 @@ import zipfile
 
 import numpy as np
 
-from . import _validate as V
-from . import config
-from . import feature_maps as fm
-from ._frontend import LinearState
-from .device import check_device_arg, is_device_array, resolve_device
-from .ops.step import cpu as _cpu
+from .. import _validate as V
+from .. import config
+from .. import feature_maps as fm
+from .._frontend import LinearState
+from ..device import check_device_arg, is_device_array, resolve_device
+from ..ops.step import cpu as _cpu
 
 __all__ = ["LinearAttentionState", "KVCache", "StateFileError"]
 
@@ -87,7 +87,7 @@ def _work_dtype(dtype: np.dtype) -> np.dtype:
 
 
 def _cuda_mod():
-    from .ops.step import cuda as _scuda
+    from ..ops.step import cuda as _scuda
 
     return _scuda
 
