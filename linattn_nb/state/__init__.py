@@ -10,9 +10,17 @@ Softmax attention keeps every key and value instead (:class:`KVCache`), so a
 step costs ``O(L * (D + M))`` at context length L.  Both objects share the
 ``prefill`` / ``step`` / ``query`` / ``nbytes`` API so that studies compare
 like with like (``benchmarks/decode.py``).
+
+Modules: :mod:`~linattn_nb.state.linear` (:class:`LinearAttentionState`),
+:mod:`~linattn_nb.state.kvcache` (:class:`KVCache`),
+:mod:`~linattn_nb.state.fileformat` (save/load, :class:`StateFileError`) and
+:mod:`~linattn_nb.state.launchers` (the decode-step launchers registered in
+the method table, and their contract).
 """
 from __future__ import annotations
 
-from .linear import KVCache, LinearAttentionState, StateFileError
+from .fileformat import StateFileError
+from .kvcache import KVCache
+from .linear import LinearAttentionState
 
 __all__ = ["LinearAttentionState", "KVCache", "StateFileError"]

@@ -1,152 +1,35 @@
-"""Recurrent decoding: the linear-attention state and the softmax KV cache.
+"""The linear-attention state: :class:`LinearAttentionState`.
 
-Causal linear attention is an RNN (Katharopoulos et al. 2020, "Transformers
-are RNNs", Eqs. 18-19): generation keeps a fixed-size state
-
-.. math:: S = \\sum_j \\phi(k_j) v_j^\\top, \\qquad z = \\sum_j \\phi(k_j),
-
-and each new token costs ``O(D_phi * M)`` whatever the context length.
-Softmax attention keeps every key and value instead (:class:`KVCache`), so a
-step costs ``O(L * (D + M))`` at context length L.  Both objects share the
-``prefill`` / ``step`` / ``query`` / ``nbytes`` API so that studies compare
-like with like (``benchmarks/decode.py``).
+Its inputs go through the shared front end (:mod:`linattn_nb._frontend`:
+feature maps and their shape check, positions; :mod:`linattn_nb._cuda_dispatch`:
+GPU arrays), its kernels are the decode-step launchers of the method table
+(:mod:`linattn_nb.state.launchers`) and its files the format of
+:mod:`linattn_nb.state.fileformat`.
 """
 from __future__ import annotations
 
-import inspect
-import json
 import math
-import os
-import tempfile
-import zipfile
 
 import numpy as np
 
+from .. import _cuda_dispatch as CD
+from .. import _frontend as FE
 from .. import _validate as V
 from .. import config
 from .. import feature_maps as fm
 from .._frontend import LinearState
-from ..device import check_device_arg, is_device_array, resolve_device
-from ..ops.step import cpu as _cpu
+from ..device import check_device_arg, on_device, resolve_device
+from ..ops.registry import get_method
+from . import fileformat
+from . import launchers  # noqa: F401  (registers the step launchers)
+from ._checks import (F32, F64, STATE_DTYPES, check_batch_shape, check_dim, check_shapes, check_state_dtype,
+                      raise_nonfinite, work_dtype)
+from .fileformat import StateFileError
 
-__all__ = ["LinearAttentionState", "KVCache", "StateFileError"]
+__all__ = ["LinearAttentionState", "StateFileError"]
 
-FORMAT_NAME = "linattn_nb.LinearAttentionState"
-FORMAT_VERSION = 1
-_STATE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-_F16 = np.dtype(np.float16)
-_F32 = np.dtype(np.float32)
-_F64 = np.dtype(np.float64)
-_REQUIRED_KEYS = ("format", "version", "S", "z", "position", "key_dim", "value_dim", "batch_shape",
-                  "eps", "feature_map", "feature_map_params", "feature_map_rebuild_error",
-                  "feature_map_probe")
-
-
-class StateFileError(ValueError):
-    """A saved state that cannot be loaded: corrupted, truncated, from another
-    format version, inconsistent, or not what the caller expected."""
-
-
-# ---------------------------------------------------------------------------
-# Argument checks
-# ---------------------------------------------------------------------------
-def _check_dim(name, x) -> int:
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer >= 1, got {type(x).__name__}")
-    if x < 1:
-        raise ValueError(f"{name} must be >= 1, got {x}")
-    return int(x)
-
-
-def _check_batch_shape(batch_shape) -> tuple:
-    if isinstance(batch_shape, (int, np.integer)) and not isinstance(batch_shape, (bool, np.bool_)):
-        batch_shape = (batch_shape,)
-    try:
-        bs = tuple(batch_shape)
-    except TypeError:
-        raise TypeError(f"batch_shape must be a tuple of integers, got {type(batch_shape).__name__}") from None
-    for x in bs:
-        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < 0:
-            raise ValueError(f"batch_shape must hold non-negative integers, got {bs}")
-    return tuple(int(x) for x in bs)
-
-
-def _check_state_dtype(dtype) -> np.dtype:
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
-    if dt not in _STATE_DTYPES:
-        raise TypeError(f"dtype must be float32 or float64 (the state's accumulation precision), got {dt}")
-    return dt
-
-
-def _work_dtype(dtype: np.dtype) -> np.dtype:
-    """float16 inputs are computed in float32 (Numba has no float16 on the CPU)."""
-    return np.dtype(np.float32) if dtype == _F16 else dtype
-
-
-def _cuda_mod():
-    from ..ops.step import cuda as _scuda
-
-    return _scuda
-
-
-def _is_sim_array(x) -> bool:
-    return "simulator" in type(x).__module__ and hasattr(x, "copy_to_host")
-
-
-def _on_gpu(x) -> bool:
-    return is_device_array(x) or _is_sim_array(x)
-
-
-def _as_device_array(name, x):
-    """A Numba device array viewing ``x`` (zero copy)."""
-    if _is_sim_array(x) or type(x).__module__.startswith("numba.cuda"):
-        return x
-    from numba import cuda
-
-    try:
-        return cuda.as_cuda_array(x)
-    except Exception as exc:
-        raise TypeError(f"{name}: cannot view this GPU array through __cuda_array_interface__ ({exc})") from exc
-
-
-def _check_shapes(batch_shape, pairs):
-    """pairs: [(name, array, last_dim)]: batch shape, last dims and equal T (axis -2). Returns T."""
-    nb = len(batch_shape)
-    T = None
-    for name, x, last in pairs:
-        shp = tuple(x.shape)
-        if len(shp) != nb + 2 or shp[:nb] != batch_shape or shp[-1] != last:
-            label = "value_dim" if name == "v" else "key_dim"
-            raise ValueError(
-                f"{name} must have shape {batch_shape + ('T', last)} (batch_shape {batch_shape}, "
-                f"T tokens, {label} {last}), got {shp}"
-            )
-        if T is None:
-            T = shp[-2]
-        elif shp[-2] != T:
-            raise ValueError(
-                f"{', '.join(n for n, _, _ in pairs)} must have the same number of tokens T (axis -2), "
-                f"got shapes {', '.join(str(tuple(a.shape)) for _, a, _ in pairs)}"
-            )
-    return int(T)
-
-
-def _aligned_zeros(shape, dtype, align=64):
-    """Zeros whose data starts on a cache-line boundary (NumPy only guarantees 16 bytes):
-    a decode step streams every row of S, and unaligned 256-byte rows touch five lines, not four."""
-    dtype = np.dtype(dtype)
-    n = int(np.prod(shape, dtype=np.int64))
-    buf = np.zeros(n * dtype.itemsize + align, dtype=np.uint8)
-    off = (-buf.ctypes.data) % align
-    return buf[off:off + n * dtype.itemsize].view(dtype).reshape(shape)
-
-
-def _flat(x, dtype, shape):
-    """C-contiguous ``dtype`` copy (or view) of ``x`` reshaped to ``shape`` (B, T, F)."""
-    return np.ascontiguousarray(x, dtype=dtype).reshape(shape)
+#: The update rule whose step launcher the state looks up.
+RULE = "additive"
 
 
 class _Inputs:
@@ -155,99 +38,6 @@ class _Inputs:
     __slots__ = ("arrays", "T", "dtype", "work", "device_inputs")
 
 
-# ---------------------------------------------------------------------------
-# Feature-map description for save/load
-# ---------------------------------------------------------------------------
-def _probe(d: int) -> np.ndarray:
-    """A fixed input on which a rebuilt feature map must reproduce the saved one."""
-    return np.linspace(-2.0, 2.0, 3 * d).reshape(3, d)
-
-
-def _probe_features(fmap, d: int) -> np.ndarray:
-    x = _probe(d)
-    return np.asarray(fmap.apply(x, role="key", causal=True, offset=0, total_length=3), dtype=np.float64)
-
-
-def _feature_map_spec(fmap, d: int):
-    """(params_json, arrays, rebuild_error): how to rebuild ``fmap`` through the registry."""
-    cls = type(fmap)
-    name = getattr(fmap, "name", "")
-    if not name:
-        return "", {}, f"{cls.__name__} has no registry name"
-    params, arrays = {}, {}
-    try:
-        sig = inspect.signature(cls.__init__)
-    except (TypeError, ValueError):
-        sig = None
-    if sig is not None:
-        for p in list(sig.parameters.values())[1:]:
-            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-                continue
-            for attr in (p.name, "_" + p.name):
-                if hasattr(fmap, attr):
-                    val = getattr(fmap, attr)
-                    break
-            else:
-                return "", {}, (f"parameter {p.name!r} of {cls.__name__} is not stored as an attribute "
-                                f"({p.name!r} or '_{p.name}')")
-            if isinstance(val, np.ndarray):
-                if val.dtype.kind not in "biuf":
-                    return "", {}, f"parameter {p.name!r} is a {val.dtype} array"
-                arrays[p.name] = val
-                continue
-            if isinstance(val, np.generic):
-                val = val.item()
-            if isinstance(val, tuple):
-                val = list(val)
-            try:
-                json.dumps(val, allow_nan=False)
-            except (TypeError, ValueError):
-                return "", {}, f"parameter {p.name!r} ({type(val).__name__}) cannot be written to a file"
-            params[p.name] = val
-    try:
-        rebuilt = fm.get(name, **params, **arrays)
-    except Exception as exc:
-        return "", {}, f"feature_maps.get({name!r}, ...) failed: {type(exc).__name__}: {exc}"
-    if type(rebuilt) is not cls:
-        return "", {}, (f"the registry builds {type(rebuilt).__name__} for {name!r}, "
-                        f"not {cls.__name__}")
-    try:
-        same = np.array_equal(_probe_features(rebuilt, d), _probe_features(fmap, d), equal_nan=True)
-    except Exception as exc:
-        return "", {}, f"the rebuilt map fails on a probe input: {type(exc).__name__}: {exc}"
-    if not same:
-        return "", {}, "the map rebuilt from its parameters gives different features (hidden state?)"
-    return json.dumps(params, allow_nan=False, sort_keys=True), arrays, ""
-
-
-def _atomic_savez(path, arrays: dict) -> None:
-    """``np.savez`` into a temporary file in the target's directory, then ``os.replace``."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    base = os.path.basename(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
-            os.chmod(tmp, mode)
-        except OSError:  # pragma: no cover - exotic file systems
-            pass
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-# ---------------------------------------------------------------------------
-# The linear-attention state
-# ---------------------------------------------------------------------------
 class LinearAttentionState:
     r"""Recurrent state of causal linear attention, for decoding and segment-wise processing.
 
@@ -297,6 +87,10 @@ class LinearAttentionState:
     contiguous pass (:mod:`linattn_nb.ops.step`); :attr:`S` shows the
     canonical ``(D_phi, M)`` view.
 
+    The kernels are the decode-step launcher registered in the method table
+    under ``("additive", causal=True, "step", device)``, looked up once when
+    the device is fixed (the contract: :mod:`linattn_nb.state.launchers`).
+
     Examples
     --------
     >>> import numpy as np
@@ -314,26 +108,19 @@ class LinearAttentionState:
 
     def __init__(self, key_dim, value_dim, *, batch_shape=(), feature_map="elu", dtype=np.float64,
                  device="auto", eps=config.DEFAULT_EPS):
-        d = _check_dim("key_dim", key_dim)
-        m = _check_dim("value_dim", value_dim)
-        bs = _check_batch_shape(batch_shape)
+        d = check_dim("key_dim", key_dim)
+        m = check_dim("value_dim", value_dim)
+        bs = check_batch_shape(batch_shape)
         fmap = fm.resolve(feature_map)
-        dt = _check_state_dtype(dtype)
+        dt = check_state_dtype(dtype)
         eps = V.check_eps(eps)
         check_device_arg(device)
-        f = int(fmap.output_dim(d))
-        if f < 1:
-            raise ValueError(f"feature map {fmap.name!r} has output_dim({d}) = {f}; it must be >= 1")
+        f = FE.feature_dim(fmap, d)
         self._init_fields(d, m, f, bs, fmap, dt, eps)
-        B = self._B
-        self._S = _aligned_zeros((B, m, f), dt)
-        self._z = _aligned_zeros((B, f), dt)
-        self._feat = _aligned_zeros((2, B, f), dt)
-        self._work = _aligned_zeros((2, B * f), np.float64)
         self._position = 0
-        self._device = None
-        if device != "auto":
-            self._set_device(resolve_device(device))
+        dev = None if device == "auto" else resolve_device(device)
+        self._attach(dev or "cpu")
+        self._device = dev
 
     def _init_fields(self, d, m, f, bs, fmap, dt, eps):
         self._d, self._m, self._f = d, m, f
@@ -344,35 +131,45 @@ class LinearAttentionState:
         self._code = None if fmap.kernel_code is None else int(fmap.kernel_code)
         self._dtype = dt
         self._eps = eps
-        self._eps_f = _cpu.eps_arg(eps)
+        self._eps_f = -math.inf if eps is None else float(eps)  # the kernels' "no floor"
         self._c_code = np.int64(self._code if self._code is not None else 0)
         self._vtail = (m,)
-        self._kern1 = _cpu.pick_step_kernel(self._B, 1, m, f)
         self._q1 = bs + (1, d)
         self._v1 = bs + (1, m)
         self._qk3 = (self._B, 1, d)
         self._o1 = (self._B, 1, m)
+        self._rule = RULE
+
+    def _attach(self, dev):
+        """Look the step launcher for ``dev`` up in the method table and allocate a zero state there.
+
+        Runs once per device decision (construction, or the first inputs of
+        an "auto" state), never per token.
+        """
+        launch = get_method("step", causal=True, device=dev, rule=self._rule).forward
+        S, z, scratch = launch.zeros(self._B, self._f, self._m, self._dtype)
+        self._launch, self._S, self._z, self._scratch = launch, S, z, scratch
+        self._kern1 = None if launch.kernel is None else launch.kernel(self._B, 1, self._m, self._f)
+        # The single-token fast path calls the kernel's compiled entry point with a two-part scratch.
+        self._fast = self._code is not None and self._kern1 is not None and len(scratch) == 2
+        if self._fast:
+            self._feat, self._work = scratch
         self._entry = {}
-        self._fast = self._code is not None
 
     # -- device ---------------------------------------------------------------
     def _set_device(self, dev):
         """Fix the device; move the (host) state to the GPU for "cuda"."""
-        if dev == "cuda":
-            from numba import cuda
-
-            S = np.ascontiguousarray(self._S.transpose(0, 2, 1))
-            self._S = cuda.to_device(S)
-            self._z = cuda.to_device(self._z)
-            self._feat = cuda.device_array((self._B, 3, self._f), dtype=self._dtype)
-            self._fast = False
+        if dev != self._launch.device:
+            S, z = self._launch.view(self._S, self._z)
+            self._attach(dev)
+            self._launch.put(self._S, self._z, S, z)
         self._device = dev
 
     def _resolve(self, arrays, names):
         """The device these inputs run on (the state's, or for "auto" the data's); refuses
         inputs from the other side.  Does not fix an undecided device: :meth:`_prepare`
         does that once the inputs are valid."""
-        gpu = [n for n, a in zip(names, arrays) if _on_gpu(a)]
+        gpu = [n for n, a in zip(names, arrays) if on_device(a)]
         if self._device is None:
             if gpu and len(gpu) != len(arrays):
                 host = [n for n in names if n not in gpu]
@@ -432,29 +229,26 @@ class LinearAttentionState:
     @property
     def S(self):
         """``sum_j phi(k_j) v_j^T``, shape ``(*batch_shape, D_phi, M)`` (a read-only view on the host)."""
-        if self._device == "cuda":
-            return self._S.reshape(self._bs + (self._f, self._m))
-        view = self._S.transpose(0, 2, 1).reshape(self._bs + (self._f, self._m))
-        view.flags.writeable = False
-        return view
+        S = self._launch.view(self._S, self._z)[0].reshape(self._bs + (self._f, self._m))
+        if isinstance(S, np.ndarray):
+            S.flags.writeable = False
+        return S
 
     @property
     def z(self):
         """``sum_j phi(k_j)``, shape ``(*batch_shape, D_phi)``."""
-        if self._device == "cuda":
-            return self._z.reshape(self._bs + (self._f,))
-        view = self._z.reshape(self._bs + (self._f,))
-        view.flags.writeable = False
-        return view
+        z = self._launch.view(self._S, self._z)[1].reshape(self._bs + (self._f,))
+        if isinstance(z, np.ndarray):
+            z.flags.writeable = False
+        return z
 
     def _host_arrays(self):
         """Canonical host copies: S (*bs, F, M), z (*bs, F)."""
-        if self._device == "cuda":
-            S = self._S.copy_to_host()
-            z = self._z.copy_to_host()
+        S, z = self._launch.view(self._S, self._z)
+        if on_device(S):
+            S, z = CD.to_host("S", S), CD.to_host("z", z)
         else:
-            S = np.ascontiguousarray(self._S.transpose(0, 2, 1))
-            z = self._z.copy()
+            S, z = np.ascontiguousarray(S), z.copy()
         return S.reshape(self._bs + (self._f, self._m)), z.reshape(self._bs + (self._f,))
 
     def __repr__(self) -> str:
@@ -474,14 +268,14 @@ class LinearAttentionState:
 
     def _prepare_on(self, dev, pairs, names, check_finite, roles):
         res = _Inputs()
-        if dev == "cuda" and any(_on_gpu(x) for _, x, _ in pairs):
-            if not all(_on_gpu(x) for _, x, _ in pairs):
-                host = [n for n, x, _ in pairs if not _on_gpu(x)]
+        if dev == "cuda" and any(on_device(x) for _, x, _ in pairs):
+            if not all(on_device(x) for _, x, _ in pairs):
+                host = [n for n, x, _ in pairs if not on_device(x)]
                 raise ValueError(f"inputs live on different devices: {', '.join(host)} on the host")
-            arrs = [(n, _as_device_array(n, x), last) for n, x, last in pairs]
-            T = _check_shapes(self._bs, arrs)
+            arrs = [(n, CD.wrap(n, x), last) for n, x, last in pairs]
+            T = check_shapes(self._bs, arrs)
             dts = {np.dtype(a.dtype) for _, a, _ in arrs}
-            if len(dts) != 1 or next(iter(dts)) not in _STATE_DTYPES:
+            if len(dts) != 1 or next(iter(dts)) not in STATE_DTYPES:
                 raise TypeError(
                     "GPU inputs must share one dtype, float32 or float64 (no conversion on the device), "
                     f"got {', '.join(f'{n}: {a.dtype}' for n, a, _ in arrs)}"
@@ -499,40 +293,29 @@ class LinearAttentionState:
                     f"feature map {self._fmap.name!r} has no inline (elementwise) form for the GPU "
                     "kernels; pass host arrays, or compute the features and use feature_map=None"
                 )
-            if check_finite:
-                bad = _cuda_mod().check_nonfinite(*out)
-                if bad:
-                    self._raise_nonfinite(names[bad - 1])
             return res
         arrs = []
         for n, x, last in pairs:
             x = V.as_host_array(n, x)
             V.check_float_dtype(n, x.dtype)
             arrs.append((n, x, last))
-        T = _check_shapes(self._bs, arrs)
+        T = check_shapes(self._bs, arrs)
         dtype = np.dtype(np.result_type(*[a.dtype for _, a, _ in arrs]))
-        work = _work_dtype(dtype)
+        work = work_dtype(dtype)
         flat = []
         if self._code is None:
+            # NumPy-side features: the raw inputs are checked here, the kernels see features.
             if check_finite:
                 for n, a, _ in arrs:
                     V.check_finite(n, a)
-            kw = dict(causal=True, offset=self._position, total_length=self._position + T)
+            kw = dict(causal=True, offset=self._position, total_length=self._position + T, dtype=work)
             for (n, a, last), role in zip(arrs, roles):
-                if role is None:
-                    flat.append(_flat(a, work, (self._B, T, last)))
-                    continue
-                feats = self._fmap.apply(np.asarray(a, dtype=work), role=role, **kw)
-                feats = np.asarray(feats)
-                if feats.shape != a.shape[:-1] + (self._f,):
-                    raise ValueError(
-                        f"feature map {self._fmap.name!r} returned features of shape {feats.shape} for "
-                        f"{n} of shape {a.shape}; output_dim({self._d}) says {self._f}"
-                    )
-                flat.append(_flat(feats, work, (self._B, T, self._f)))
+                if role is not None:
+                    a = FE.featurise(self._fmap, a, role=role, name=n, **kw)
+                flat.append(V.flatten_batch(a, work))
         else:
             for n, a, last in arrs:
-                flat.append(_flat(a, work, (self._B, T, last)))
+                flat.append(V.flatten_batch(a, work))
         res.arrays, res.T, res.dtype, res.work = flat, T, dtype, work
         res.device_inputs = False
         return res
@@ -549,10 +332,17 @@ class LinearAttentionState:
             out = out.astype(inp.dtype)
         return out
 
-    def _to_dev(self, arrays):
-        from numba import cuda
+    def _on_state_device(self, inp):
+        """The flattened inputs where the state lives (host inputs copied to a GPU state)."""
+        if self._device == "cuda" and not inp.device_inputs:
+            return [CD.to_device(a) for a in inp.arrays]
+        return inp.arrays
 
-        return [cuda.to_device(np.ascontiguousarray(a)) for a in arrays]
+    def _new_out(self, T, dtype):
+        shape = (self._B, T, self._m)
+        if self._device == "cuda":
+            return CD.device_out(None, shape, dtype)
+        return np.empty(shape, dtype=dtype)
 
     # -- the API ------------------------------------------------------------------------
     def step(self, q, k, v, *, check_finite=True):
@@ -600,7 +390,7 @@ class LinearAttentionState:
         if self._fast and type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray:
             dt = q.dtype
             shp = q.shape
-            if (k.dtype is dt and v.dtype is dt and (dt is _F32 or dt is _F64) and k.shape == shp
+            if (k.dtype is dt and v.dtype is dt and (dt is F32 or dt is F64) and k.shape == shp
                     and q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous):
                 if shp == self._q1 and v.shape == self._v1:
                     T = 1
@@ -619,7 +409,7 @@ class LinearAttentionState:
                     B = self._B
                     res = np.empty(shp[:-1] + self._vtail, dtype=dt)
                     out = res.reshape(B, T, self._m)
-                    kern = _cpu.pick_step_kernel(B, T, self._m, self._f)
+                    kern = self._launch.kernel(B, T, self._m, self._f)
                     bad = kern(q.reshape(B, T, self._d), k.reshape(B, T, self._d), v.reshape(B, T, self._m),
                                self._S, self._z, out, self._feat, self._work, self._c_code, self._eps_f,
                                check_finite)
@@ -627,34 +417,20 @@ class LinearAttentionState:
                     T = -1
                 if T >= 0:
                     if bad:
-                        self._raise_nonfinite(("q", "k", "v")[bad - 1])
+                        raise_nonfinite(("q", "k", "v")[bad - 1])
                     self._position += T
                     if self._device is None:
                         self._device = "cpu"
                     return res
         inp = self._prepare([("q", q, self._d), ("k", k, self._d), ("v", v, self._m)], check_finite,
                             ("query", "key", None))
-        qf, kf, vf = inp.arrays
-        T = inp.T
-        if self._device == "cuda":
-            from numba import cuda
-
-            if not inp.device_inputs:
-                if check_finite and self._code is not None:
-                    for n, a in zip("qkv", (qf, kf, vf)):
-                        V.check_finite(n, a)
-                qf, kf, vf = self._to_dev((qf, kf, vf))
-            out = cuda.device_array((self._B, T, self._m), dtype=inp.work)
-            _cuda_mod().state_step(qf, kf, vf, self._S, self._z, out, self._feat,
-                                   code=self._c_code, eps=self._eps)
-        else:
-            out = np.empty((self._B, T, self._m), dtype=inp.work)
-            kern = _cpu.pick_step_kernel(self._B, T, self._m, self._f)
-            bad = kern(qf, kf, vf, self._S, self._z, out, self._feat, self._work, self._c_code,
-                       self._eps_f, bool(check_finite and self._code is not None))
-            if bad:
-                self._raise_nonfinite(("q", "k", "v")[bad - 1])
-        self._position += T
+        qf, kf, vf = self._on_state_device(inp)
+        out = self._new_out(inp.T, inp.work)
+        bad = self._launch(qf, kf, vf, self._S, self._z, out, self._scratch, code=self._c_code, eps=self._eps,
+                           check=bool(check_finite and self._code is not None))
+        if bad:
+            raise_nonfinite(("q", "k", "v")[bad - 1])
+        self._position += inp.T
         return self._finish(out, inp)
 
     def _entry_point(self, dt, arrays):
@@ -670,11 +446,6 @@ class LinearAttentionState:
         ep = self._kern1.compile(sig)  # loads from the on-disk cache, or compiles once
         self._entry[dt] = ep
         return ep
-
-    @staticmethod
-    def _raise_nonfinite(name):
-        raise ValueError(f"{name} contains non-finite values (NaN or inf); nothing was changed. "
-                         "Pass check_finite=False to skip this check")
 
     def query(self, q, *, check_finite=True):
         """Read the state for T queries without changing it.
@@ -703,21 +474,11 @@ class LinearAttentionState:
         ([[1.0, 2.0]], 1)
         """
         inp = self._prepare([("q", q, self._d)], check_finite, ("query",))
-        (qf,) = inp.arrays
-        if self._device == "cuda":
-            from numba import cuda
-
-            if not inp.device_inputs:
-                if check_finite and self._code is not None:
-                    V.check_finite("q", qf)
-                (qf,) = self._to_dev((qf,))
-            out = cuda.device_array((self._B, inp.T, self._m), dtype=inp.work)
-            _cuda_mod().state_query(qf, self._S, self._z, out, self._feat, code=self._c_code, eps=self._eps)
-        else:
-            if check_finite and self._code is not None:
-                V.check_finite("q", qf)
-            out = np.empty((self._B, inp.T, self._m), dtype=inp.work)
-            _cpu.state_query(qf, self._S, self._z, out, self._feat, code=self._c_code, eps=self._eps)
+        (qf,) = self._on_state_device(inp)
+        out = self._new_out(inp.T, inp.work)
+        if self._launch.query(qf, self._S, self._z, out, self._scratch, code=self._c_code, eps=self._eps,
+                              check=bool(check_finite and self._code is not None)):
+            raise_nonfinite("q")
         return self._finish(out, inp)
 
     def prefill(self, k, v, *, check_finite=True):
@@ -747,32 +508,17 @@ class LinearAttentionState:
         (True, True, 50)
         """
         inp = self._prepare([("k", k, self._d), ("v", v, self._m)], check_finite, ("key", None))
-        kf, vf = inp.arrays
-        if self._device == "cuda":
-            if not inp.device_inputs:
-                if check_finite and self._code is not None:
-                    for n, a in (("k", kf), ("v", vf)):
-                        V.check_finite(n, a)
-                kf, vf = self._to_dev((kf, vf))
-            _cuda_mod().state_prefill(kf, vf, self._S, self._z, code=self._c_code)
-        else:
-            if check_finite and self._code is not None:
-                bad = _cpu.first_nonfinite(kf, kf, vf)
-                if bad:
-                    self._raise_nonfinite("k" if bad < 3 else "v")
-            _cpu.state_prefill(kf, vf, self._S, self._z, code=self._c_code)
+        kf, vf = self._on_state_device(inp)
+        bad = self._launch.prefill(kf, vf, self._S, self._z, code=self._c_code,
+                                   check=bool(check_finite and self._code is not None))
+        if bad:
+            raise_nonfinite(("k", "v")[bad - 1])
         self._position += inp.T
 
     def reset(self) -> None:
         """Back to the zero state at position 0 (device and buffers kept)."""
-        if self._device == "cuda":
-            from numba import cuda
-
-            self._S = cuda.to_device(np.zeros((self._B, self._f, self._m), dtype=self._dtype))
-            self._z = cuda.to_device(np.zeros((self._B, self._f), dtype=self._dtype))
-        else:
-            self._S[...] = 0
-            self._z[...] = 0
+        self._launch.put(self._S, self._z, np.zeros((self._B, self._f, self._m), dtype=self._dtype),
+                         np.zeros((self._B, self._f), dtype=self._dtype))
         self._position = 0
 
     def copy(self) -> "LinearAttentionState":
@@ -781,21 +527,9 @@ class LinearAttentionState:
         new._init_fields(self._d, self._m, self._f, self._bs, self._fmap, self._dtype, self._eps)
         new._position = self._position
         new._device = self._device
-        new._fast = self._fast
-        if self._device == "cuda":
-            from numba import cuda
-
-            new._S = cuda.device_array_like(self._S)
-            new._S.copy_to_device(self._S)
-            new._z = cuda.device_array_like(self._z)
-            new._z.copy_to_device(self._z)
-            new._feat = cuda.device_array((self._B, 3, self._f), dtype=self._dtype)
-        else:
-            new._S = _aligned_zeros(self._S.shape, self._dtype)
-            new._S[...] = self._S
-            new._z = self._z.copy()
-            new._feat = _aligned_zeros(self._feat.shape, self._dtype)
-            new._work = _aligned_zeros(self._work.shape, np.float64)
+        new._attach(self._launch.device)
+        S, z = self._launch.view(self._S, self._z)
+        new._launch.put(new._S, new._z, S, z)
         return new
 
     def to_linear_state(self) -> LinearState:
@@ -811,10 +545,37 @@ class LinearAttentionState:
         The batch shape and value dimension come from ``state.S``; the feature
         map must be the one that produced it (its ``output_dim(key_dim)`` must
         equal ``S.shape[-2]``).
+
+        Parameters
+        ----------
+        state : LinearState or tuple (S, z[, position])
+            ``position`` (default 0) must be a non-negative integer.
+        key_dim : int
+        feature_map, dtype, device, eps
+            As for the constructor.
+
+        Raises
+        ------
+        TypeError
+            ``state`` is not a state, or its position is not an integer
+            (None, a string).
+        ValueError
+            Shapes that do not fit the feature map, non-finite values, a
+            negative, NaN or non-integral position.
         """
-        S = V.as_host_array("state.S", state[0] if isinstance(state, tuple) else state.S)
-        z = V.as_host_array("state.z", state[1] if isinstance(state, tuple) else state.z)
-        position = int(state[2] if isinstance(state, tuple) and len(state) > 2 else getattr(state, "position", 0))
+        check_device_arg(device)
+        if isinstance(state, tuple) and len(state) in (2, 3):
+            S, z = state[0], state[1]
+            position = state[2] if len(state) == 3 else 0
+        elif hasattr(state, "S") and hasattr(state, "z"):
+            S, z = state.S, state.z
+            position = getattr(state, "position", 0)
+        else:
+            raise TypeError("state must be a LinearState (or a tuple (S, z[, position])), "
+                            f"got {type(state).__name__}")
+        position = FE.check_position(position, "state.position")
+        S = CD.to_host("state.S", S) if on_device(S) else V.as_host_array("state.S", S)
+        z = CD.to_host("state.z", z) if on_device(z) else V.as_host_array("state.z", z)
         if S.ndim < 2:
             raise ValueError(f"state.S must have shape (..., D_phi, M), got {S.shape}")
         new = cls(key_dim, S.shape[-1], batch_shape=S.shape[:-2], feature_map=feature_map, dtype=dtype,
@@ -836,15 +597,14 @@ class LinearAttentionState:
         V.check_float_dtype(f"{what}.z", z.dtype)
         V.check_finite(f"{what}.S", S)
         V.check_finite(f"{what}.z", z)
-        if position < 0:
-            raise ValueError(f"{what}: position must be >= 0, got {position}")
-        self._S[...] = np.asarray(S).reshape((self._B, self._f, self._m)).transpose(0, 2, 1)
-        self._z[...] = np.asarray(z).reshape((self._B, self._f))
-        self._position = int(position)
+        position = FE.check_position(position, f"{what}.position")
+        self._launch.put(self._S, self._z, np.asarray(S).reshape((self._B, self._f, self._m)),
+                         np.asarray(z).reshape((self._B, self._f)))
+        self._position = position
 
     # -- files ---------------------------------------------------------------------------
     def save(self, path) -> None:
-        """Write the state to ``path`` (.npz, format version :data:`FORMAT_VERSION`).
+        """Write the state to ``path`` (.npz, the format of :mod:`linattn_nb.state.fileformat`).
 
         The file holds S and z bit for bit, the position, the dimensions, eps,
         and the feature map's registry name and parameters (with the features
@@ -868,30 +628,8 @@ class LinearAttentionState:
         (5, dtype('float32'), True)
         """
         S, z = self._host_arrays()
-        params, parrays, err = _feature_map_spec(self._fmap, self._d)
-        try:
-            probe = _probe_features(self._fmap, self._d)
-        except Exception:  # pragma: no cover - a map that cannot featurise the probe
-            probe = np.zeros((0, self._f))
-        arrays = {
-            "format": np.array(FORMAT_NAME),
-            "version": np.array(FORMAT_VERSION, dtype=np.int64),
-            "S": S,
-            "z": z,
-            "position": np.array(self._position, dtype=np.int64),
-            "key_dim": np.array(self._d, dtype=np.int64),
-            "value_dim": np.array(self._m, dtype=np.int64),
-            "batch_shape": np.array(self._bs, dtype=np.int64).reshape(-1),
-            "eps": np.array(np.nan if self._eps is None else self._eps, dtype=np.float64),
-            "feature_map": np.array(getattr(self._fmap, "name", "") or ""),
-            "feature_map_class": np.array(f"{type(self._fmap).__module__}.{type(self._fmap).__qualname__}"),
-            "feature_map_params": np.array(params),
-            "feature_map_rebuild_error": np.array(err),
-            "feature_map_probe": probe,
-        }
-        for name, arr in parrays.items():
-            arrays["feature_map_param__" + name] = arr
-        _atomic_savez(path, arrays)
+        fileformat.write(path, S=S, z=z, position=self._position, key_dim=self._d, value_dim=self._m,
+                         batch_shape=self._bs, eps=self._eps, feature_map=self._fmap)
 
     @classmethod
     def load(cls, path, *, feature_map=None, device="auto", key_dim=None, value_dim=None, batch_shape=None,
@@ -922,370 +660,15 @@ class LinearAttentionState:
         FileNotFoundError
             No file at ``path``.
         """
-        path = os.fspath(path)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"no state file at {path!r}")
-        try:
-            with np.load(path, allow_pickle=False) as npz:
-                keys = set(npz.files)
-                if "format" not in keys or "version" not in keys:
-                    raise StateFileError(f"{path}: not a LinearAttentionState file (no format/version entries; "
-                                         f"entries: {sorted(keys)})")
-                data = {name: npz[name] for name in keys}
-        except StateFileError:
-            raise
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError, KeyError, RuntimeError) as exc:
-            raise StateFileError(f"{path}: cannot read the state file, it is corrupted or truncated "
-                                 f"({type(exc).__name__}: {exc})") from exc
-        except Exception as exc:  # zlib.error and friends
-            raise StateFileError(f"{path}: cannot read the state file ({type(exc).__name__}: {exc})") from exc
-        return cls._from_file_data(path, data, feature_map=feature_map, device=device,
-                                   expect=dict(key_dim=key_dim, value_dim=value_dim,
-                                               batch_shape=batch_shape, dtype=dtype))
-
-    @classmethod
-    def _from_file_data(cls, path, data, *, feature_map, device, expect):
-        def bad(msg):
-            return StateFileError(f"{path}: {msg}")
-
-        def scalar(name, kind):
-            a = data[name]
-            if a.shape != () or a.dtype.kind not in kind:
-                raise bad(f"entry {name!r} must be a scalar of kind {kind!r}, got dtype {a.dtype} shape {a.shape}")
-            return a.item()
-
-        fmt = data["format"]
-        if fmt.dtype.kind != "U" or fmt.shape != () or str(fmt) != FORMAT_NAME:
-            raise bad(f"not a LinearAttentionState file (format {fmt!r})")
-        version = scalar("version", "iu")
-        if version > FORMAT_VERSION:
-            raise bad(f"format version {version} was written by a newer linattn_nb; this one reads "
-                      f"versions up to {FORMAT_VERSION}")
-        if version < 1:
-            raise bad(f"invalid format version {version}")
-        missing = [k for k in _REQUIRED_KEYS if k not in data]
-        if missing:
-            raise bad(f"missing entries {missing} (truncated or hand-edited file?)")
-        d = scalar("key_dim", "iu")
-        m = scalar("value_dim", "iu")
-        position = scalar("position", "iu")
-        eps = scalar("eps", "f")
-        bs_arr = data["batch_shape"]
-        if bs_arr.ndim != 1 or bs_arr.dtype.kind not in "iu" or (bs_arr < 0).any():
-            raise bad(f"entry 'batch_shape' must be a 1-d array of non-negative integers, got {bs_arr!r}")
-        bs = tuple(int(x) for x in bs_arr)
-        if d < 1 or m < 1 or position < 0:
-            raise bad(f"invalid dimensions key_dim={d}, value_dim={m}, position={position}")
-        if not (math.isnan(eps) or (eps >= 0 and math.isfinite(eps))):
-            raise bad(f"invalid eps {eps}")
-        S, z = data["S"], data["z"]
-        if S.dtype not in _STATE_DTYPES or z.dtype != S.dtype:
-            raise bad(f"S and z must both be float32 or float64, got {S.dtype} and {z.dtype}")
-        # The feature map.
-        name = str(data["feature_map"])
-        rebuild_error = str(data["feature_map_rebuild_error"])
-        probe = data["feature_map_probe"]
-        if feature_map is None:
-            if rebuild_error:
-                raise bad(f"its feature map {name!r} cannot be rebuilt from the file ({rebuild_error}); "
-                          "pass feature_map= to load()")
-            try:
-                params = json.loads(str(data["feature_map_params"]))
-                if not isinstance(params, dict):
-                    raise ValueError("parameters are not a JSON object")
-            except ValueError as exc:
-                raise bad(f"unreadable feature-map parameters ({exc})") from exc
-            for key in data:
-                if key.startswith("feature_map_param__"):
-                    params[key[len("feature_map_param__"):]] = data[key]
-            try:
-                fmap = fm.get(name, **params)
-            except Exception as exc:
-                raise bad(f"cannot rebuild feature map {name!r} with {sorted(params)}: "
-                          f"{type(exc).__name__}: {exc}") from exc
-        else:
-            fmap = fm.resolve(feature_map)
-        f = int(fmap.output_dim(d))
-        if S.shape != bs + (f, m) or z.shape != bs + (f,):
-            raise bad(f"S has shape {S.shape} and z {z.shape}, expected {bs + (f, m)} and {bs + (f,)} "
-                      f"(batch_shape {bs}, feature map {fmap.name!r} with D_phi={f}, value_dim {m})")
-        if probe.size:
-            try:
-                same = np.array_equal(_probe_features(fmap, d), probe, equal_nan=True)
-            except Exception as exc:
-                raise bad(f"feature map {fmap.name!r} fails on the probe input: {exc}") from exc
-            if not same:
-                raise bad(f"feature map {fmap.name!r} gives other features than the map this state was "
-                          "saved with")
-        if not (np.isfinite(S).all() and np.isfinite(z).all()):
-            raise bad("S or z holds non-finite values")
-        # The caller's expectations.
-        for key, got in (("key_dim", d), ("value_dim", m)):
-            if expect[key] is not None and int(expect[key]) != got:
-                raise bad(f"{key} is {got}, expected {expect[key]}")
-        if expect["batch_shape"] is not None and _check_batch_shape(expect["batch_shape"]) != bs:
-            raise bad(f"batch_shape is {bs}, expected {_check_batch_shape(expect['batch_shape'])}")
-        if expect["dtype"] is not None and _check_state_dtype(expect["dtype"]) != S.dtype:
-            raise bad(f"dtype is {S.dtype}, expected {np.dtype(expect['dtype'])}")
-        new = cls(d, m, batch_shape=bs, feature_map=fmap, dtype=S.dtype, device="cpu",
-                  eps=None if math.isnan(eps) else eps)
-        new._S[...] = S.reshape((new._B, f, m)).transpose(0, 2, 1)
-        new._z[...] = z.reshape((new._B, f))
-        new._position = int(position)
         check_device_arg(device)
+        sf = fileformat.read(path, feature_map=feature_map, key_dim=key_dim, value_dim=value_dim,
+                             batch_shape=batch_shape, dtype=dtype)
+        new = cls(sf.key_dim, sf.value_dim, batch_shape=sf.batch_shape, feature_map=sf.feature_map,
+                  dtype=sf.S.dtype, device="cpu", eps=sf.eps)
+        new._launch.put(new._S, new._z, sf.S.reshape((new._B, new._f, new._m)), sf.z.reshape((new._B, new._f)))
+        new._position = sf.position
         if device != "cpu":
             new._device = None
             if device == "cuda":
                 new._set_device(resolve_device("cuda"))
-        return new
-
-
-# ---------------------------------------------------------------------------
-# The softmax baseline
-# ---------------------------------------------------------------------------
-def _kv_block() -> int:
-    block = int(config.KV_BLOCK)
-    if block < 1:
-        raise ValueError(f"config.KV_BLOCK must be >= 1, got {block}")
-    return block
-
-
-class KVCache:
-    r"""Softmax attention's decoding cache: every key and value, grown geometrically.
-
-    The baseline :class:`LinearAttentionState` replaces: same ``prefill`` /
-    ``step`` / ``query`` / ``nbytes`` API; a step attends to the whole cache,
-    so its cost grows linearly with the context (Katharopoulos et al. 2020,
-    §3.4 and Fig. 1).  Appends are amortised O(1): when the buffers are full
-    they grow to ``max(needed, config.KV_GROWTH * capacity)``.
-
-    Parameters
-    ----------
-    key_dim, value_dim : int
-    batch_shape : tuple of int, default ()
-    dtype : {numpy.float64, numpy.float32}
-        Dtype of the cached keys and values (and of the scores).
-    scale : float, optional
-        Score scale, default ``1 / sqrt(key_dim)`` (as
-        :func:`linattn_nb.softmax_attention`).
-    capacity : int, optional
-        Tokens to allocate up front (default ``config.KV_INITIAL_CAPACITY``).
-    device : {"auto", "cpu"}
-        A CPU kernel only; GPU inputs raise ValueError.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from linattn_nb import KVCache, softmax_attention
-    >>> rng = np.random.default_rng(0)
-    >>> q, k, v = rng.normal(size=(3, 2, 12, 4))         # (heads=2, T=12, D=4)
-    >>> cache = KVCache(4, 4, batch_shape=(2,))
-    >>> cache.prefill(k[:, :10], v[:, :10])
-    >>> out = cache.step(q[:, 10:], k[:, 10:], v[:, 10:])
-    >>> bool(np.allclose(out, softmax_attention(q, k, v, causal=True)[:, 10:])), cache.length
-    (True, 12)
-    """
-
-    def __init__(self, key_dim, value_dim, *, batch_shape=(), dtype=np.float64, scale=None, capacity=None,
-                 device="auto"):
-        self._d = _check_dim("key_dim", key_dim)
-        self._m = _check_dim("value_dim", value_dim)
-        self._bs = _check_batch_shape(batch_shape)
-        self._nb = len(self._bs)
-        self._B = int(np.prod(self._bs, dtype=np.int64))
-        self._dtype = _check_state_dtype(dtype)
-        check_device_arg(device)
-        if device == "cuda":
-            raise ValueError("KVCache has a CPU kernel only (like softmax_attention); use device='cpu'")
-        if scale is None:
-            scale = 1.0 / math.sqrt(self._d)
-        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
-            raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
-        if not math.isfinite(float(scale)):
-            raise ValueError(f"scale must be finite, got {scale}")
-        self._scale = float(scale)
-        cap = config.KV_INITIAL_CAPACITY if capacity is None else capacity
-        if isinstance(cap, (bool, np.bool_)) or not isinstance(cap, (int, np.integer)) or cap < 0:
-            raise ValueError(f"capacity must be a non-negative integer, got {cap!r}")
-        self._len = 0
-        self._K = np.empty((self._B, int(cap), self._d), dtype=self._dtype)
-        self._V = np.empty((self._B, int(cap), self._m), dtype=self._dtype)
-        self._q1 = self._bs + (1, self._d)
-        self._v1 = self._bs + (1, self._m)
-        self._qk3 = (self._B, 1, self._d)
-        self._o1 = (self._B, 1, self._m)
-
-    # -- properties -------------------------------------------------------------------
-    key_dim = property(lambda self: self._d)
-    value_dim = property(lambda self: self._m)
-    batch_shape = property(lambda self: self._bs)
-    dtype = property(lambda self: self._dtype)
-    scale = property(lambda self: self._scale)
-
-    @property
-    def length(self) -> int:
-        """Tokens cached."""
-        return self._len
-
-    position = length
-
-    @property
-    def capacity(self) -> int:
-        """Tokens the buffers hold before the next growth."""
-        return self._K.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the allocated key and value buffers (capacity, not just length)."""
-        return self._K.nbytes + self._V.nbytes
-
-    @property
-    def keys(self) -> np.ndarray:
-        """The cached keys, ``(*batch_shape, length, key_dim)`` (read-only view)."""
-        view = self._K[:, :self._len].reshape(self._bs + (self._len, self._d))
-        view.flags.writeable = False
-        return view
-
-    @property
-    def values(self) -> np.ndarray:
-        """The cached values, ``(*batch_shape, length, value_dim)`` (read-only view)."""
-        view = self._V[:, :self._len].reshape(self._bs + (self._len, self._m))
-        view.flags.writeable = False
-        return view
-
-    def __repr__(self) -> str:
-        return (f"KVCache(key_dim={self._d}, value_dim={self._m}, batch_shape={self._bs}, "
-                f"dtype={self._dtype.name}, length={self._len}, capacity={self.capacity}, nbytes={self.nbytes})")
-
-    # -- buffers -----------------------------------------------------------------------
-    def reserve(self, tokens) -> None:
-        """Make room for ``tokens`` cached tokens in total (no growth until then)."""
-        tokens = int(tokens)
-        if tokens > self.capacity:
-            self._grow_to(tokens)
-
-    def _grow_to(self, cap):
-        K = np.empty((self._B, cap, self._d), dtype=self._dtype)
-        Vb = np.empty((self._B, cap, self._m), dtype=self._dtype)
-        K[:, :self._len] = self._K[:, :self._len]
-        Vb[:, :self._len] = self._V[:, :self._len]
-        self._K, self._V = K, Vb
-
-    def _append(self, k3, v3):
-        T = k3.shape[1]
-        need = self._len + T
-        if need > self.capacity:
-            self._grow_to(max(need, int(math.ceil(self.capacity * max(config.KV_GROWTH, 1.0)))))
-        self._K[:, self._len:need] = k3
-        self._V[:, self._len:need] = v3
-        self._len = need
-
-    def _prepare(self, pairs, check_finite):
-        names = [n for n, _, _ in pairs]
-        if any(_on_gpu(x) for _, x, _ in pairs):
-            raise ValueError("KVCache has a CPU kernel only; copy the GPU inputs "
-                             f"({', '.join(n for n, x, _ in pairs if _on_gpu(x))}) to the host first")
-        resolve_device("cpu", *[x for _, x, _ in pairs], names=names)
-        arrs = []
-        for n, x, last in pairs:
-            x = V.as_host_array(n, x)
-            V.check_float_dtype(n, x.dtype)
-            arrs.append((n, x, last))
-        T = _check_shapes(self._bs, arrs)
-        dtype = np.dtype(np.result_type(*[a.dtype for _, a, _ in arrs]))
-        if check_finite:
-            for n, a, _ in arrs:
-                V.check_finite(n, a)
-        flat = [_flat(a, self._dtype, (self._B, T, last)) for _, a, last in arrs]
-        return flat, T, dtype
-
-    def _attend(self, q3, T, causal_new, dtype):
-        out = np.empty((self._B, T, self._m), dtype=self._dtype)
-        if T and self._B:
-            _cpu.kv_attend(q3, self._K, self._V, self._len, out, scale=self._scale, causal_new=causal_new)
-        out = out.reshape(self._bs + (T, self._m))
-        return out if out.dtype == dtype else out.astype(dtype)
-
-    # -- the API --------------------------------------------------------------------
-    def prefill(self, k, v, *, check_finite=True) -> None:
-        """Append a prompt's keys and values (no outputs).
-
-        Parameters
-        ----------
-        k : array_like, shape (*batch_shape, T, key_dim)
-        v : array_like, shape (*batch_shape, T, value_dim)
-        check_finite : bool, default True
-        """
-        (k3, v3), _, _ = self._prepare([("k", k, self._d), ("v", v, self._m)], check_finite)
-        self._append(k3, v3)
-
-    def step(self, q, k, v, *, check_finite=True):
-        """Append T tokens and return their outputs: row t attends to the cache and new tokens <= t.
-
-        Equals the last T rows of ``softmax_attention(..., causal=True)`` over
-        the whole sequence.
-
-        Parameters
-        ----------
-        q, k : array_like, shape (*batch_shape, T, key_dim)
-        v : array_like, shape (*batch_shape, T, value_dim)
-        check_finite : bool, default True
-
-        Returns
-        -------
-        ndarray, shape (*batch_shape, T, value_dim), in the promoted input dtype.
-        """
-        dt = self._dtype
-        if (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray and q.dtype is dt
-                and k.dtype is dt and v.dtype is dt and q.shape == self._q1 and k.shape == self._q1
-                and v.shape == self._v1 and q.flags.c_contiguous and k.flags.c_contiguous
-                and v.flags.c_contiguous):
-            # Fast path (the decode loop), as lean as LinearAttentionState.step's.
-            if self._nb != 1:
-                q, k, v = q.reshape(self._qk3), k.reshape(self._qk3), v.reshape(self._o1)
-            T = 1
-            res = None
-        else:
-            (q, k, v), T, dtype = self._prepare([("q", q, self._d), ("k", k, self._d), ("v", v, self._m)],
-                                                check_finite)
-            res = dtype
-        if self._len + T > self.capacity:
-            self._grow_to(max(self._len + T, int(math.ceil(self.capacity * max(config.KV_GROWTH, 1.0)))))
-        out = np.empty((self._B, T, self._m), dtype=dt)
-        if self._B:
-            kern = _cpu.pick_kv_kernel(self._B, T, self._len + T, self._d, self._m)
-            bad = kern(q, k, v, self._K, self._V, np.int64(self._len), out, self._scale,
-                       np.int64(_kv_block()), bool(check_finite and res is None))
-            if bad:
-                LinearAttentionState._raise_nonfinite(("q", "k", "v")[bad - 1])
-        self._len += T
-        out = out.reshape(self._bs + (T, self._m))
-        if res is not None and out.dtype != res:
-            out = out.astype(res)
-        return out
-
-    def query(self, q, *, check_finite=True):
-        """Attend T queries to every cached token without appending anything."""
-        (q3,), T, dtype = self._prepare([("q", q, self._d)], check_finite)
-        if self._len == 0:
-            raise ValueError("the cache is empty: a softmax over no keys is undefined")
-        return self._attend(q3, T, False, dtype)
-
-    def truncate(self, length) -> None:
-        """Keep the first ``length`` tokens (e.g. to roll back rejected draft tokens); buffers kept."""
-        if isinstance(length, (bool, np.bool_)) or not isinstance(length, (int, np.integer)):
-            raise TypeError(f"length must be an integer, got {type(length).__name__}")
-        if not 0 <= length <= self._len:
-            raise ValueError(f"length must be in [0, {self._len}], got {length}")
-        self._len = int(length)
-
-    def reset(self) -> None:
-        """Forget every token (buffers kept)."""
-        self._len = 0
-
-    def copy(self) -> "KVCache":
-        new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
-        new._K = self._K[:, :self._len].copy()
-        new._V = self._V[:, :self._len].copy()
         return new
