@@ -225,7 +225,13 @@ def read(path, *, feature_map=None, key_dim=None, value_dim=None, batch_shape=No
             if "format" not in keys or "version" not in keys:
                 raise StateFileError(f"{path}: not a LinearAttentionState file (no format/version entries; "
                                      f"entries: {sorted(keys)})")
-            data = {name: npz[name] for name in keys}
+            data = {}
+            for name in sorted(keys):
+                try:
+                    data[name] = npz[name]
+                except Exception as exc:  # a damaged member, or a pickled object array
+                    raise StateFileError(f"{path}: cannot read the state file, it is corrupted or truncated "
+                                         f"(entry {name!r}: {type(exc).__name__}: {exc})") from exc
     except StateFileError:
         raise
     except (zipfile.BadZipFile, OSError, EOFError, ValueError, KeyError, RuntimeError) as exc:
