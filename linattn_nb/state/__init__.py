@@ -19,7 +19,7 @@ the method table, and their contract).
 """
 from __future__ import annotations
 
-from .fileformat import StateFileError
+from .fileformat import FORMAT_VERSION, StateFileError  # noqa: F401  (FORMAT_VERSION: the old module-level name)
 from .kvcache import KVCache
 from .linear import LinearAttentionState
 
