@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import linattn_nb as la
 from linattn_nb import config
 from linattn_nb import feature_maps as fm
-from linattn_nb import state as state_mod
+from linattn_nb.state import fileformat as state_mod
 from linattn_nb.ops.causal.naive import causal_linear_quadratic
 from linattn_nb.ops.registry import available_methods
 from linattn_nb.ops.step import cpu as step_cpu

@@ -29,7 +29,7 @@ device arrays (``q, k, v, out`` may be 4-d ``(B1, B2, N, ·)`` views).
 A method may register a ``backward`` launcher next to its forward one (None
 until gradients land).  Decode-step kernels are registered the same way under
 ``method="step"`` with their own contract (:attr:`Method.kind` ``"step"``, see
-:mod:`linattn_nb.state`).
+:mod:`linattn_nb.state.launchers`).
 """
 from __future__ import annotations
 

@@ -1,0 +1,271 @@
+"""Softmax attention's decoding cache (:class:`KVCache`), the baseline of the linear state.
+
+Same ``prefill`` / ``step`` / ``query`` / ``nbytes`` API as
+:class:`linattn_nb.LinearAttentionState`, so that studies compare like with
+like (``benchmarks/decode.py``); a step costs ``O(L * (D + M))`` at context
+length L where the state's costs ``O(D_phi * M)``.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import _validate as V
+from .. import config
+from ..device import check_device_arg, on_device, resolve_device
+from ..ops.step import cpu as _cpu
+from ._checks import check_batch_shape, check_dim, check_shapes, check_state_dtype, raise_nonfinite
+
+__all__ = ["KVCache"]
+
+
+# ---------------------------------------------------------------------------
+# The softmax baseline
+# ---------------------------------------------------------------------------
+def _kv_block() -> int:
+    block = int(config.KV_BLOCK)
+    if block < 1:
+        raise ValueError(f"config.KV_BLOCK must be >= 1, got {block}")
+    return block
+
+
+class KVCache:
+    r"""Softmax attention's decoding cache: every key and value, grown geometrically.
+
+    The baseline :class:`LinearAttentionState` replaces: same ``prefill`` /
+    ``step`` / ``query`` / ``nbytes`` API; a step attends to the whole cache,
+    so its cost grows linearly with the context (Katharopoulos et al. 2020,
+    §3.4 and Fig. 1).  Appends are amortised O(1): when the buffers are full
+    they grow to ``max(needed, config.KV_GROWTH * capacity)``.
+
+    Parameters
+    ----------
+    key_dim, value_dim : int
+    batch_shape : tuple of int, default ()
+    dtype : {numpy.float64, numpy.float32}
+        Dtype of the cached keys and values (and of the scores).
+    scale : float, optional
+        Score scale, default ``1 / sqrt(key_dim)`` (as
+        :func:`linattn_nb.softmax_attention`).
+    capacity : int, optional
+        Tokens to allocate up front (default ``config.KV_INITIAL_CAPACITY``).
+    device : {"auto", "cpu"}
+        A CPU kernel only; GPU inputs raise ValueError.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from linattn_nb import KVCache, softmax_attention
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.normal(size=(3, 2, 12, 4))         # (heads=2, T=12, D=4)
+    >>> cache = KVCache(4, 4, batch_shape=(2,))
+    >>> cache.prefill(k[:, :10], v[:, :10])
+    >>> out = cache.step(q[:, 10:], k[:, 10:], v[:, 10:])
+    >>> bool(np.allclose(out, softmax_attention(q, k, v, causal=True)[:, 10:])), cache.length
+    (True, 12)
+    """
+
+    def __init__(self, key_dim, value_dim, *, batch_shape=(), dtype=np.float64, scale=None, capacity=None,
+                 device="auto"):
+        self._d = check_dim("key_dim", key_dim)
+        self._m = check_dim("value_dim", value_dim)
+        self._bs = check_batch_shape(batch_shape)
+        self._nb = len(self._bs)
+        self._B = int(np.prod(self._bs, dtype=np.int64))
+        self._dtype = check_state_dtype(dtype)
+        check_device_arg(device)
+        if device == "cuda":
+            raise ValueError("KVCache has a CPU kernel only (like softmax_attention); use device='cpu'")
+        if scale is None:
+            scale = 1.0 / math.sqrt(self._d)
+        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+            raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+        if not math.isfinite(float(scale)):
+            raise ValueError(f"scale must be finite, got {scale}")
+        self._scale = float(scale)
+        cap = config.KV_INITIAL_CAPACITY if capacity is None else capacity
+        if isinstance(cap, (bool, np.bool_)) or not isinstance(cap, (int, np.integer)) or cap < 0:
+            raise ValueError(f"capacity must be a non-negative integer, got {cap!r}")
+        self._len = 0
+        self._K = np.empty((self._B, int(cap), self._d), dtype=self._dtype)
+        self._V = np.empty((self._B, int(cap), self._m), dtype=self._dtype)
+        self._q1 = self._bs + (1, self._d)
+        self._v1 = self._bs + (1, self._m)
+        self._qk3 = (self._B, 1, self._d)
+        self._o1 = (self._B, 1, self._m)
+
+    # -- properties -------------------------------------------------------------------
+    key_dim = property(lambda self: self._d)
+    value_dim = property(lambda self: self._m)
+    batch_shape = property(lambda self: self._bs)
+    dtype = property(lambda self: self._dtype)
+    scale = property(lambda self: self._scale)
+
+    @property
+    def length(self) -> int:
+        """Tokens cached."""
+        return self._len
+
+    position = length
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the buffers hold before the next growth."""
+        return self._K.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the allocated key and value buffers (capacity, not just length)."""
+        return self._K.nbytes + self._V.nbytes
+
+    @property
+    def keys(self) -> np.ndarray:
+        """The cached keys, ``(*batch_shape, length, key_dim)`` (read-only view)."""
+        view = self._K[:, :self._len].reshape(self._bs + (self._len, self._d))
+        view.flags.writeable = False
+        return view
+
+    @property
+    def values(self) -> np.ndarray:
+        """The cached values, ``(*batch_shape, length, value_dim)`` (read-only view)."""
+        view = self._V[:, :self._len].reshape(self._bs + (self._len, self._m))
+        view.flags.writeable = False
+        return view
+
+    def __repr__(self) -> str:
+        return (f"KVCache(key_dim={self._d}, value_dim={self._m}, batch_shape={self._bs}, "
+                f"dtype={self._dtype.name}, length={self._len}, capacity={self.capacity}, nbytes={self.nbytes})")
+
+    # -- buffers -----------------------------------------------------------------------
+    def reserve(self, tokens) -> None:
+        """Make room for ``tokens`` cached tokens in total (no growth until then)."""
+        tokens = int(tokens)
+        if tokens > self.capacity:
+            self._grow_to(tokens)
+
+    def _grow_to(self, cap):
+        K = np.empty((self._B, cap, self._d), dtype=self._dtype)
+        Vb = np.empty((self._B, cap, self._m), dtype=self._dtype)
+        K[:, :self._len] = self._K[:, :self._len]
+        Vb[:, :self._len] = self._V[:, :self._len]
+        self._K, self._V = K, Vb
+
+    def _append(self, k3, v3):
+        T = k3.shape[1]
+        need = self._len + T
+        if need > self.capacity:
+            self._grow_to(max(need, int(math.ceil(self.capacity * max(config.KV_GROWTH, 1.0)))))
+        self._K[:, self._len:need] = k3
+        self._V[:, self._len:need] = v3
+        self._len = need
+
+    def _prepare(self, pairs, check_finite):
+        names = [n for n, _, _ in pairs]
+        if any(on_device(x) for _, x, _ in pairs):
+            raise ValueError("KVCache has a CPU kernel only; copy the GPU inputs "
+                             f"({', '.join(n for n, x, _ in pairs if on_device(x))}) to the host first")
+        resolve_device("cpu", *[x for _, x, _ in pairs], names=names)
+        arrs = []
+        for n, x, last in pairs:
+            x = V.as_host_array(n, x)
+            V.check_float_dtype(n, x.dtype)
+            arrs.append((n, x, last))
+        T = check_shapes(self._bs, arrs)
+        dtype = np.dtype(np.result_type(*[a.dtype for _, a, _ in arrs]))
+        if check_finite:
+            for n, a, _ in arrs:
+                V.check_finite(n, a)
+        flat = [V.flatten_batch(a, self._dtype) for _, a, _ in arrs]
+        return flat, T, dtype
+
+    def _attend(self, q3, T, causal_new, dtype):
+        out = np.empty((self._B, T, self._m), dtype=self._dtype)
+        if T and self._B:
+            _cpu.kv_attend(q3, self._K, self._V, self._len, out, scale=self._scale, causal_new=causal_new)
+        out = out.reshape(self._bs + (T, self._m))
+        return out if out.dtype == dtype else out.astype(dtype)
+
+    # -- the API --------------------------------------------------------------------
+    def prefill(self, k, v, *, check_finite=True) -> None:
+        """Append a prompt's keys and values (no outputs).
+
+        Parameters
+        ----------
+        k : array_like, shape (*batch_shape, T, key_dim)
+        v : array_like, shape (*batch_shape, T, value_dim)
+        check_finite : bool, default True
+        """
+        (k3, v3), _, _ = self._prepare([("k", k, self._d), ("v", v, self._m)], check_finite)
+        self._append(k3, v3)
+
+    def step(self, q, k, v, *, check_finite=True):
+        """Append T tokens and return their outputs: row t attends to the cache and new tokens <= t.
+
+        Equals the last T rows of ``softmax_attention(..., causal=True)`` over
+        the whole sequence.
+
+        Parameters
+        ----------
+        q, k : array_like, shape (*batch_shape, T, key_dim)
+        v : array_like, shape (*batch_shape, T, value_dim)
+        check_finite : bool, default True
+
+        Returns
+        -------
+        ndarray, shape (*batch_shape, T, value_dim), in the promoted input dtype.
+        """
+        dt = self._dtype
+        if (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray and q.dtype is dt
+                and k.dtype is dt and v.dtype is dt and q.shape == self._q1 and k.shape == self._q1
+                and v.shape == self._v1 and q.flags.c_contiguous and k.flags.c_contiguous
+                and v.flags.c_contiguous):
+            # Fast path (the decode loop), as lean as LinearAttentionState.step's.
+            if self._nb != 1:
+                q, k, v = q.reshape(self._qk3), k.reshape(self._qk3), v.reshape(self._o1)
+            T = 1
+            res = None
+        else:
+            (q, k, v), T, dtype = self._prepare([("q", q, self._d), ("k", k, self._d), ("v", v, self._m)],
+                                                check_finite)
+            res = dtype
+        if self._len + T > self.capacity:
+            self._grow_to(max(self._len + T, int(math.ceil(self.capacity * max(config.KV_GROWTH, 1.0)))))
+        out = np.empty((self._B, T, self._m), dtype=dt)
+        if self._B:
+            kern = _cpu.pick_kv_kernel(self._B, T, self._len + T, self._d, self._m)
+            bad = kern(q, k, v, self._K, self._V, np.int64(self._len), out, self._scale,
+                       np.int64(_kv_block()), bool(check_finite and res is None))
+            if bad:
+                raise_nonfinite(("q", "k", "v")[bad - 1])
+        self._len += T
+        out = out.reshape(self._bs + (T, self._m))
+        if res is not None and out.dtype != res:
+            out = out.astype(res)
+        return out
+
+    def query(self, q, *, check_finite=True):
+        """Attend T queries to every cached token without appending anything."""
+        (q3,), T, dtype = self._prepare([("q", q, self._d)], check_finite)
+        if self._len == 0:
+            raise ValueError("the cache is empty: a softmax over no keys is undefined")
+        return self._attend(q3, T, False, dtype)
+
+    def truncate(self, length) -> None:
+        """Keep the first ``length`` tokens (e.g. to roll back rejected draft tokens); buffers kept."""
+        if isinstance(length, (bool, np.bool_)) or not isinstance(length, (int, np.integer)):
+            raise TypeError(f"length must be an integer, got {type(length).__name__}")
+        if not 0 <= length <= self._len:
+            raise ValueError(f"length must be in [0, {self._len}], got {length}")
+        self._len = int(length)
+
+    def reset(self) -> None:
+        """Forget every token (buffers kept)."""
+        self._len = 0
+
+    def copy(self) -> "KVCache":
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new._K = self._K[:, :self._len].copy()
+        new._V = self._V[:, :self._len].copy()
+        return new

@@ -1,0 +1,199 @@
+"""Decode-step launchers: the method table's ``method="step"`` entries.
+
+Recurrent decoding is registered in the method table
+(:mod:`linattn_nb.ops.registry`) like the sequence methods, under
+``(rule, causal=True, "step", device)`` with ``Method.kind == "step"``.
+:class:`linattn_nb.LinearAttentionState` looks its launcher up once, when its
+device is fixed (at construction for ``device="cpu"``/``"cuda"``, at the first
+inputs for ``"auto"``)::
+
+    launcher = get_method("step", causal=True, device=device, rule=rule).forward
+
+and never again per token.  A new rule plugs its decode kernels in the same
+way: register a :class:`StepLauncher` for its rule and devices.
+
+The step launcher contract
+--------------------------
+A step launcher is a :class:`StepLauncher`: calling it runs the step, its
+other fields are the operations a recurrent state needs besides.  Shapes:
+B batch entries (the batch dimensions flattened), T tokens, D the key
+dimension, F = D_phi the feature dimension, M the value dimension.  All
+arrays are host NumPy arrays for ``device="cpu"`` and device arrays for
+``device="cuda"``.
+
+``zeros(B, F, M, dtype) -> (S, z, scratch)``
+    A zero state in the launcher's own layout (``S`` may be stored
+    transposed; ``z`` is (B, F)), in ``dtype`` (float32 or float64, the
+    accumulation precision), and the scratch its kernels need.  Nothing else
+    in the state touches ``scratch``.
+``launcher(q, k, v, S, z, out, scratch, *, code, eps, check) -> int``
+    Absorb T tokens and write their outputs: token t first updates the state,
+    then reads it (its output includes itself), exactly as the causal
+    sequence methods.  ``q, k`` (B, T, D): raw inputs when ``code`` > 0 (the
+    elementwise map of that code is applied inside), else features (D = F).
+    ``v`` (B, T, M); ``out`` (B, T, M) is written; q, k, v and out are
+    C-contiguous and share one dtype, float32 or float64.  ``S``, ``z`` are
+    updated in place.  ``eps``: floor of the normaliser, None for raw
+    division.  ``check``: when true and q, k or v holds NaN or inf, return
+    1, 2 or 3 (the first bad one) with nothing modified; otherwise return 0.
+``query(q, S, z, out, scratch, *, code, eps, check) -> int``
+    ``out`` (B, T, M) = the state read by T queries, the state unchanged;
+    1 when ``check`` finds q not finite (nothing written), else 0.
+``prefill(k, v, S, z, *, code, check) -> int``
+    Absorb T tokens without outputs (the state the causal methods end
+    with); 1 or 2 when ``check`` finds k or v not finite (nothing modified),
+    else 0.
+``put(S, z, S_src, z_src)``
+    Set the state from ``S_src`` (B, F, M) and ``z_src`` (B, F) in the
+    canonical layout: host arrays, or device arrays of the same device.
+``view(S, z) -> (S, z)``
+    The state in the canonical layout (B, F, M) and (B, F), without a copy.
+``kernel(B, T, M, F) -> dispatcher or None``
+    Optional (CPU).  The Numba dispatcher the launcher runs for this size,
+    with the signature ``(q, k, v, S, z, out, *scratch, code, eps, check) ->
+    int`` (``code`` an int64, ``eps`` a float64, -inf for no floor, ``check``
+    a bool).  When given, :class:`~linattn_nb.LinearAttentionState` calls the
+    compiled entry point of this dispatcher directly on its single-token
+    decode path (a step is a few microseconds: no Python in between).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from .. import _cuda_dispatch as CD
+from ..ops import methods  # noqa: F401  (registers the additive rule before its step methods)
+from ..ops.registry import Method, register_method
+from ..ops.step import cpu as _cpu
+from ._checks import aligned_zeros
+
+__all__ = ["StepLauncher", "CPU_STEP", "CUDA_STEP", "register_step_methods"]
+
+_NATIVE = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+
+
+@dataclass(frozen=True)
+class StepLauncher:
+    """A decode-step launcher (the contract is in the module docstring)."""
+
+    device: str
+    step: Callable
+    query: Callable
+    prefill: Callable
+    zeros: Callable
+    put: Callable
+    view: Callable
+    kernel: Optional[Callable] = None
+
+    def __call__(self, q, k, v, S, z, out, scratch, *, code, eps, check) -> int:
+        return self.step(q, k, v, S, z, out, scratch, code=code, eps=eps, check=check)
+
+
+# ---------------------------------------------------------------------------
+# CPU: S stored transposed, one (M, F) block per batch entry (ops/step/cpu.py)
+# ---------------------------------------------------------------------------
+def _cpu_zeros(B, F, M, dtype):
+    scratch = (aligned_zeros((2, B, F), dtype),)
+    return aligned_zeros((B, M, F), dtype), aligned_zeros((B, F), dtype), scratch
+
+
+def _cpu_step(q, k, v, S, z, out, scratch, *, code, eps, check):
+    return _cpu.state_step(q, k, v, S, z, out, scratch[0], code=code, eps=eps, check=check)
+
+
+def _cpu_query(q, S, z, out, scratch, *, code, eps, check):
+    if check and q.size and not np.isfinite(q).all():
+        return 1
+    _cpu.state_query(q, S, z, out, scratch[0], code=code, eps=eps)
+    return 0
+
+
+def _cpu_prefill(k, v, S, z, *, code, check):
+    if check:
+        bad = _cpu.first_nonfinite(k, k, v)
+        if bad:
+            return 1 if bad < 3 else 2
+    _cpu.state_prefill(k, v, S, z, code=code)
+    return 0
+
+
+def _cpu_put(S, z, S_src, z_src):
+    B, M, F = S.shape
+    S[...] = np.asarray(S_src).reshape((B, F, M)).transpose(0, 2, 1)
+    z[...] = np.asarray(z_src).reshape((B, F))
+
+
+def _cpu_view(S, z):
+    return S.transpose(0, 2, 1), z
+
+
+CPU_STEP = StepLauncher("cpu", _cpu_step, _cpu_query, _cpu_prefill, _cpu_zeros, _cpu_put, _cpu_view,
+                        kernel=_cpu.pick_step_kernel)
+
+
+# ---------------------------------------------------------------------------
+# CUDA: S in the canonical (B, F, M) layout (ops/step/cuda.py, imported on first use)
+# ---------------------------------------------------------------------------
+def _kernels():
+    from ..ops.step import cuda as _scuda
+
+    return _scuda
+
+
+def _cuda_zeros(B, F, M, dtype):
+    return CD.zeros((B, F, M), dtype), CD.zeros((B, F), dtype), (CD.zeros((B, 3, F), dtype),)
+
+
+def _cuda_step(q, k, v, S, z, out, scratch, *, code, eps, check):
+    K = _kernels()
+    if check:
+        bad = K.check_nonfinite(q, k, v)
+        if bad:
+            return bad
+    K.state_step(q, k, v, S, z, out, scratch[0], code=code, eps=eps)
+    return 0
+
+
+def _cuda_query(q, S, z, out, scratch, *, code, eps, check):
+    K = _kernels()
+    if check and K.check_nonfinite(q):
+        return 1
+    K.state_query(q, S, z, out, scratch[0], code=code, eps=eps)
+    return 0
+
+
+def _cuda_prefill(k, v, S, z, *, code, check):
+    K = _kernels()
+    if check:
+        bad = K.check_nonfinite(k, v)
+        if bad:
+            return bad
+    K.state_prefill(k, v, S, z, code=code)
+    return 0
+
+
+def _cuda_put(S, z, S_src, z_src):
+    for dst, src in ((S, S_src), (z, z_src)):
+        if isinstance(src, np.ndarray):
+            dst.copy_to_device(np.ascontiguousarray(src, dtype=dst.dtype).reshape(dst.shape))
+        else:
+            CD.copy_device(src.reshape(dst.shape), dst)
+
+
+def _cuda_view(S, z):
+    return S, z
+
+
+CUDA_STEP = StepLauncher("cuda", _cuda_step, _cuda_query, _cuda_prefill, _cuda_zeros, _cuda_put, _cuda_view)
+
+
+def register_step_methods() -> None:
+    """Register the additive rule's step launchers (CPU and CUDA) in the method table."""
+    for dev, launcher in (("cpu", CPU_STEP), ("cuda", CUDA_STEP)):
+        register_method(Method("additive", "step", True, dev, launcher, native_dtypes=_NATIVE, kind="step"),
+                        overwrite=True)
+
+
+register_step_methods()

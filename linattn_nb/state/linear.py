@@ -1,0 +1,674 @@
+"""The linear-attention state: :class:`LinearAttentionState`.
+
+Its inputs go through the shared front end (:mod:`linattn_nb._frontend`:
+feature maps and their shape check, positions; :mod:`linattn_nb._cuda_dispatch`:
+GPU arrays), its kernels are the decode-step launchers of the method table
+(:mod:`linattn_nb.state.launchers`) and its files the format of
+:mod:`linattn_nb.state.fileformat`.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import _cuda_dispatch as CD
+from .. import _frontend as FE
+from .. import _validate as V
+from .. import config
+from .. import feature_maps as fm
+from .._frontend import LinearState
+from ..device import check_device_arg, on_device, resolve_device
+from ..ops.registry import get_method
+from . import fileformat
+from . import launchers  # noqa: F401  (registers the step launchers)
+from ._checks import (F32, F64, STATE_DTYPES, check_batch_shape, check_dim, check_shapes, check_state_dtype,
+                      raise_nonfinite, work_dtype)
+from .fileformat import StateFileError
+
+__all__ = ["LinearAttentionState", "StateFileError"]
+
+#: The update rule whose step launcher the state looks up.
+RULE = "additive"
+
+
+class _Inputs:
+    """Validated, flattened inputs of one call."""
+
+    __slots__ = ("arrays", "T", "dtype", "work", "device_inputs")
+
+
+class LinearAttentionState:
+    r"""Recurrent state of causal linear attention, for decoding and segment-wise processing.
+
+    Holds ``S = sum_j phi(k_j) v_j^T`` (shape ``(*batch_shape, D_phi, M)``),
+    ``z = sum_j phi(k_j)`` (``(*batch_shape, D_phi)``) and the number of
+    tokens absorbed (``position``), for the feature map it was built with.
+    Memory and time per token are constant in the context length
+    (Katharopoulos et al. 2020, §3.4).
+
+    Parameters
+    ----------
+    key_dim : int
+        D, the last dimension of queries and keys.
+    value_dim : int
+        M, the last dimension of values.
+    batch_shape : tuple of int, default ()
+        Leading dimensions of every input, e.g. ``(batch, heads)``.
+    feature_map : str, FeatureMap or None, default "elu"
+        As in :func:`linattn_nb.linear_attention`; ``None`` when queries and
+        keys already are features.
+    dtype : {numpy.float64, numpy.float32}
+        Precision of the state and of the kernels' accumulation.  float64
+        reproduces :func:`linattn_nb.linear_attention` (whose state is
+        float64) to round-off; float32 halves memory and time.
+    device : {"auto", "cpu", "cuda"}
+        Where the state lives.  ``"auto"`` is decided by the first inputs
+        (:mod:`linattn_nb.device`): GPU arrays move the state to the GPU,
+        anything else keeps it on the host; it is then fixed.
+    eps : float or None, default 1e-8
+        Floor of the normaliser, as in :func:`linattn_nb.linear_attention`.
+
+    Attributes
+    ----------
+    S, z : ndarray
+        Read-only views of the state (device arrays on the GPU).
+    position : int
+        Tokens absorbed so far (the position of the next token; position-
+        dependent feature maps use it as the offset).
+    nbytes : int
+        Bytes of ``S`` and ``z``: constant in the context length.
+
+    Notes
+    -----
+    Every method takes all batch entries and heads in one Numba kernel call.
+    On the CPU, ``S`` is stored transposed (one ``(M, D_phi)`` block per batch
+    entry) so that a decode step fuses the update and the read into one
+    contiguous pass (:mod:`linattn_nb.ops.step`); :attr:`S` shows the
+    canonical ``(D_phi, M)`` view.
+
+    The kernels are the decode-step launcher registered in the method table
+    under ``("additive", causal=True, "step", device)``, looked up once when
+    the device is fixed (the contract: :mod:`linattn_nb.state.launchers`).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from linattn_nb import LinearAttentionState, linear_attention
+    >>> rng = np.random.default_rng(0)
+    >>> q, k = rng.normal(size=(2, 4, 10, 8))          # (heads=4, T=10, D=8)
+    >>> v = rng.normal(size=(4, 10, 6))
+    >>> st = LinearAttentionState(8, 6, batch_shape=(4,))
+    >>> st.prefill(k[:, :7], v[:, :7])                  # a prompt of 7 tokens
+    >>> out = st.step(q[:, 7:], k[:, 7:], v[:, 7:])     # then 3 more
+    >>> ref = linear_attention(q, k, v, causal=True)
+    >>> bool(np.allclose(out, ref[:, 7:])), st.position
+    (True, 10)
+    """
+
+    def __init__(self, key_dim, value_dim, *, batch_shape=(), feature_map="elu", dtype=np.float64,
+                 device="auto", eps=config.DEFAULT_EPS):
+        d = check_dim("key_dim", key_dim)
+        m = check_dim("value_dim", value_dim)
+        bs = check_batch_shape(batch_shape)
+        fmap = fm.resolve(feature_map)
+        dt = check_state_dtype(dtype)
+        eps = V.check_eps(eps)
+        check_device_arg(device)
+        f = FE.feature_dim(fmap, d)
+        self._init_fields(d, m, f, bs, fmap, dt, eps)
+        self._position = 0
+        dev = None if device == "auto" else resolve_device(device)
+        self._attach(dev or "cpu")
+        self._device = dev
+
+    def _init_fields(self, d, m, f, bs, fmap, dt, eps):
+        self._d, self._m, self._f = d, m, f
+        self._bs = bs
+        self._nb = len(bs)
+        self._B = int(np.prod(bs, dtype=np.int64))
+        self._fmap = fmap
+        self._code = None if fmap.kernel_code is None else int(fmap.kernel_code)
+        self._dtype = dt
+        self._eps = eps
+        self._eps_f = -math.inf if eps is None else float(eps)  # the kernels' "no floor"
+        self._c_code = np.int64(self._code if self._code is not None else 0)
+        self._vtail = (m,)
+        self._q1 = bs + (1, d)
+        self._v1 = bs + (1, m)
+        self._qk3 = (self._B, 1, d)
+        self._o1 = (self._B, 1, m)
+        self._rule = RULE
+
+    def _attach(self, dev):
+        """Look the step launcher for ``dev`` up in the method table and allocate a zero state there.
+
+        Runs once per device decision (construction, or the first inputs of
+        an "auto" state), never per token.
+        """
+        launch = get_method("step", causal=True, device=dev, rule=self._rule).forward
+        S, z, scratch = launch.zeros(self._B, self._f, self._m, self._dtype)
+        self._launch, self._S, self._z, self._scratch = launch, S, z, scratch
+        self._kern1 = None if launch.kernel is None else launch.kernel(self._B, 1, self._m, self._f)
+        # The single-token fast path calls the CPU kernel's compiled entry point with its scratch.
+        self._fast = self._code is not None and self._kern1 is not None
+        if self._fast:
+            (self._feat,) = scratch
+        self._entry = {}
+
+    # -- device ---------------------------------------------------------------
+    def _set_device(self, dev):
+        """Fix the device; move the (host) state to the GPU for "cuda"."""
+        if dev != self._launch.device:
+            S, z = self._launch.view(self._S, self._z)
+            self._attach(dev)
+            self._launch.put(self._S, self._z, S, z)
+        self._device = dev
+
+    def _resolve(self, arrays, names):
+        """The device these inputs run on (the state's, or for "auto" the data's); refuses
+        inputs from the other side.  Does not fix an undecided device: :meth:`_prepare`
+        does that once the inputs are valid."""
+        gpu = [n for n, a in zip(names, arrays) if on_device(a)]
+        if self._device is None:
+            if gpu and len(gpu) != len(arrays):
+                host = [n for n in names if n not in gpu]
+                raise ValueError(f"inputs live on different devices: {', '.join(gpu)} on the GPU, "
+                                 f"{', '.join(host)} on the host; move them to one device first")
+            return resolve_device("cuda") if gpu else "cpu"
+        if self._device == "cpu" and gpu:
+            raise ValueError(f"this state lives on the host (device='cpu') but {', '.join(gpu)} live on "
+                             "the GPU; copy them to the host first (or build the state with device='cuda')")
+        return self._device
+
+    # -- properties -------------------------------------------------------------
+    @property
+    def key_dim(self) -> int:
+        return self._d
+
+    @property
+    def value_dim(self) -> int:
+        return self._m
+
+    @property
+    def feature_dim(self) -> int:
+        """D_phi = feature_map.output_dim(key_dim)."""
+        return self._f
+
+    @property
+    def batch_shape(self) -> tuple:
+        return self._bs
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def feature_map(self):
+        return self._fmap
+
+    @property
+    def eps(self):
+        return self._eps
+
+    @property
+    def device(self) -> str:
+        """"cpu", "cuda", or "auto" while no input has decided it."""
+        return self._device or "auto"
+
+    @property
+    def position(self) -> int:
+        return self._position
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by S and z (scratch excluded): independent of the context length."""
+        item = self._dtype.itemsize
+        return self._B * self._f * (self._m + 1) * item
+
+    @property
+    def S(self):
+        """``sum_j phi(k_j) v_j^T``, shape ``(*batch_shape, D_phi, M)`` (a read-only view on the host)."""
+        S = self._launch.view(self._S, self._z)[0].reshape(self._bs + (self._f, self._m))
+        if isinstance(S, np.ndarray):
+            S.flags.writeable = False
+        return S
+
+    @property
+    def z(self):
+        """``sum_j phi(k_j)``, shape ``(*batch_shape, D_phi)``."""
+        z = self._launch.view(self._S, self._z)[1].reshape(self._bs + (self._f,))
+        if isinstance(z, np.ndarray):
+            z.flags.writeable = False
+        return z
+
+    def _host_arrays(self):
+        """Canonical host copies: S (*bs, F, M), z (*bs, F)."""
+        S, z = self._launch.view(self._S, self._z)
+        if on_device(S):
+            S, z = CD.to_host("S", S), CD.to_host("z", z)
+        else:
+            S, z = np.ascontiguousarray(S), z.copy()
+        return S.reshape(self._bs + (self._f, self._m)), z.reshape(self._bs + (self._f,))
+
+    def __repr__(self) -> str:
+        return (f"LinearAttentionState(key_dim={self._d}, value_dim={self._m}, batch_shape={self._bs}, "
+                f"feature_map={self._fmap!r}, dtype={self._dtype.name}, device={self.device!r}, "
+                f"position={self._position}, nbytes={self.nbytes})")
+
+    # -- input handling ----------------------------------------------------------
+    def _prepare(self, pairs, check_finite, roles):
+        """Validate and flatten inputs; return an _Inputs (host or device arrays of (B, T, *))."""
+        names = [n for n, _, _ in pairs]
+        dev = self._resolve([x for _, x, _ in pairs], names)
+        res = self._prepare_on(dev, pairs, names, check_finite, roles)
+        if self._device is None:
+            self._set_device(dev)
+        return res
+
+    def _prepare_on(self, dev, pairs, names, check_finite, roles):
+        res = _Inputs()
+        if dev == "cuda" and any(on_device(x) for _, x, _ in pairs):
+            if not all(on_device(x) for _, x, _ in pairs):
+                host = [n for n, x, _ in pairs if not on_device(x)]
+                raise ValueError(f"inputs live on different devices: {', '.join(host)} on the host")
+            arrs = [(n, CD.wrap(n, x), last) for n, x, last in pairs]
+            T = check_shapes(self._bs, arrs)
+            dts = {np.dtype(a.dtype) for _, a, _ in arrs}
+            if len(dts) != 1 or next(iter(dts)) not in STATE_DTYPES:
+                raise TypeError(
+                    "GPU inputs must share one dtype, float32 or float64 (no conversion on the device), "
+                    f"got {', '.join(f'{n}: {a.dtype}' for n, a, _ in arrs)}"
+                )
+            out = []
+            for n, a, last in arrs:
+                if not a.is_c_contiguous():
+                    raise ValueError(f"{n} must be C-contiguous on the GPU")
+                out.append(a.reshape((self._B, T, last)))
+            res.arrays, res.T = out, T
+            res.dtype = res.work = next(iter(dts))
+            res.device_inputs = True
+            if self._code is None:
+                raise ValueError(
+                    f"feature map {self._fmap.name!r} has no inline (elementwise) form for the GPU "
+                    "kernels; pass host arrays, or compute the features and use feature_map=None"
+                )
+            return res
+        arrs = []
+        for n, x, last in pairs:
+            x = V.as_host_array(n, x)
+            V.check_float_dtype(n, x.dtype)
+            arrs.append((n, x, last))
+        T = check_shapes(self._bs, arrs)
+        dtype = np.dtype(np.result_type(*[a.dtype for _, a, _ in arrs]))
+        work = work_dtype(dtype)
+        flat = []
+        if self._code is None:
+            # NumPy-side features: the raw inputs are checked here, the kernels see features.
+            if check_finite:
+                for n, a, _ in arrs:
+                    V.check_finite(n, a)
+            kw = dict(causal=True, offset=self._position, total_length=self._position + T, dtype=work)
+            for (n, a, last), role in zip(arrs, roles):
+                if role is not None:
+                    a = FE.featurise(self._fmap, a, role=role, name=n, **kw)
+                flat.append(V.flatten_batch(a, work))
+        else:
+            for n, a, last in arrs:
+                flat.append(V.flatten_batch(a, work))
+        res.arrays, res.T, res.dtype, res.work = flat, T, dtype, work
+        res.device_inputs = False
+        return res
+
+    def _finish(self, out, inp):
+        """Reshape (B, T, M) to the batch shape; cast float16 back; host copy for host inputs."""
+        shape = self._bs + (inp.T, self._m)
+        if self._device == "cuda" and not inp.device_inputs:
+            out = out.copy_to_host()
+        if inp.device_inputs:
+            return out.reshape(shape)
+        out = out.reshape(shape)
+        if out.dtype != inp.dtype:
+            out = out.astype(inp.dtype)
+        return out
+
+    def _on_state_device(self, inp):
+        """The flattened inputs where the state lives (host inputs copied to a GPU state)."""
+        if self._device == "cuda" and not inp.device_inputs:
+            return [CD.to_device(a) for a in inp.arrays]
+        return inp.arrays
+
+    def _new_out(self, T, dtype):
+        shape = (self._B, T, self._m)
+        if self._device == "cuda":
+            return CD.device_out(None, shape, dtype)
+        return np.empty(shape, dtype=dtype)
+
+    # -- the API ------------------------------------------------------------------------
+    def step(self, q, k, v, *, check_finite=True):
+        """Absorb T new tokens and return their outputs, exactly as the causal kernel would.
+
+        Token t first updates the state, then reads it (its output includes
+        itself), as in :func:`linattn_nb.linear_attention` with
+        ``causal=True``.
+
+        Parameters
+        ----------
+        q, k : array_like, shape (*batch_shape, T, key_dim)
+        v : array_like, shape (*batch_shape, T, value_dim)
+            float16/32/64 (mixed dtypes promote to the widest), host or GPU
+            arrays (GPU arrays: one dtype, float32 or float64).  T >= 0.
+        check_finite : bool, default True
+            Raise ValueError, leaving the state untouched, when an input
+            holds NaN or inf.  On the CPU the check runs inside the kernel
+            (a few hundred nanoseconds per decode step).
+
+        Returns
+        -------
+        ndarray, shape (*batch_shape, T, value_dim)
+            In the promoted input dtype (a device array for GPU inputs).
+
+        Raises
+        ------
+        ValueError
+            Shapes that do not match the state, non-finite inputs, inputs on
+            another device than the state.
+        TypeError
+            Non-floating inputs.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from linattn_nb import LinearAttentionState
+        >>> st = LinearAttentionState(4, 3, dtype=np.float32)
+        >>> x = np.ones((1, 4), dtype=np.float32)
+        >>> st.step(x, x, np.ones((1, 3), dtype=np.float32)).tolist()
+        [[1.0, 1.0, 1.0]]
+        """
+        # Fast path (the decode loop): host NumPy arrays of one native dtype, C-contiguous,
+        # an elementwise map, a host state.  A few tuple compares, one allocation, one call.
+        if self._fast and type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray:
+            dt = q.dtype
+            shp = q.shape
+            if (k.dtype is dt and v.dtype is dt and (dt is F32 or dt is F64) and k.shape == shp
+                    and q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous):
+                if shp == self._q1 and v.shape == self._v1:
+                    T = 1
+                    res = out = np.empty(self._o1, dt)
+                    if self._nb != 1:
+                        q, k, v = q.reshape(self._qk3), k.reshape(self._qk3), v.reshape(self._o1)
+                        res = out.reshape(self._v1)
+                    ep = self._entry.get(dt)
+                    if ep is None:
+                        ep = self._entry_point(dt, (q, k, v, out))
+                    bad = ep(q, k, v, self._S, self._z, out, self._feat, self._c_code,
+                             self._eps_f, check_finite)
+                elif (len(shp) == self._nb + 2 and shp[-1] == self._d and shp[:-2] == self._bs
+                        and v.shape == shp[:-1] + self._vtail):
+                    T = shp[-2]
+                    B = self._B
+                    res = np.empty(shp[:-1] + self._vtail, dtype=dt)
+                    out = res.reshape(B, T, self._m)
+                    kern = self._launch.kernel(B, T, self._m, self._f)
+                    bad = kern(q.reshape(B, T, self._d), k.reshape(B, T, self._d), v.reshape(B, T, self._m),
+                               self._S, self._z, out, self._feat, self._c_code, self._eps_f,
+                               check_finite)
+                else:
+                    T = -1
+                if T >= 0:
+                    if bad:
+                        raise_nonfinite(("q", "k", "v")[bad - 1])
+                    self._position += T
+                    if self._device is None:
+                        self._device = "cpu"
+                    return res
+        inp = self._prepare([("q", q, self._d), ("k", k, self._d), ("v", v, self._m)], check_finite,
+                            ("query", "key", None))
+        qf, kf, vf = self._on_state_device(inp)
+        out = self._new_out(inp.T, inp.work)
+        bad = self._launch(qf, kf, vf, self._S, self._z, out, self._scratch, code=self._c_code, eps=self._eps,
+                           check=bool(check_finite and self._code is not None))
+        if bad:
+            raise_nonfinite(("q", "k", "v")[bad - 1])
+        self._position += inp.T
+        return self._finish(out, inp)
+
+    def _entry_point(self, dt, arrays):
+        """The compiled single-token kernel for input dtype ``dt``, called without Numba's
+        dispatch (about 0.3 us of a ~10 us decode step).  Only used on the fast path, whose
+        checks fix every argument type (C-contiguous 3-D arrays of ``dt``, the state's own
+        arrays, int64, float64, bool)."""
+        from numba import typeof
+
+        q, k, v, out = arrays
+        sig = tuple(typeof(a) for a in (q, k, v, self._S, self._z, out, self._feat,
+                                        self._c_code, self._eps_f, True))
+        ep = self._kern1.compile(sig)  # loads from the on-disk cache, or compiles once
+        self._entry[dt] = ep
+        return ep
+
+    def query(self, q, *, check_finite=True):
+        """Read the state for T queries without changing it.
+
+        Every query sees the same state (the tokens absorbed so far); for
+        position-dependent maps the queries take positions from
+        :attr:`position` on, like the next tokens would.
+
+        Parameters
+        ----------
+        q : array_like, shape (*batch_shape, T, key_dim)
+        check_finite : bool, default True
+
+        Returns
+        -------
+        ndarray, shape (*batch_shape, T, value_dim)
+            ``phi(q)^T S / max(phi(q)^T z, eps)`` in the input dtype.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from linattn_nb import LinearAttentionState
+        >>> st = LinearAttentionState(2, 2)
+        >>> st.prefill(np.zeros((1, 2)), np.array([[1.0, 2.0]]))
+        >>> st.query(np.zeros((1, 2))).tolist(), st.position
+        ([[1.0, 2.0]], 1)
+        """
+        inp = self._prepare([("q", q, self._d)], check_finite, ("query",))
+        (qf,) = self._on_state_device(inp)
+        out = self._new_out(inp.T, inp.work)
+        if self._launch.query(qf, self._S, self._z, out, self._scratch, code=self._c_code, eps=self._eps,
+                              check=bool(check_finite and self._code is not None)):
+            raise_nonfinite("q")
+        return self._finish(out, inp)
+
+    def prefill(self, k, v, *, check_finite=True):
+        """Absorb a prompt: afterwards the state equals the causal kernels' final state.
+
+        Parameters
+        ----------
+        k : array_like, shape (*batch_shape, T, key_dim)
+        v : array_like, shape (*batch_shape, T, value_dim)
+        check_finite : bool, default True
+            Raise ValueError (state untouched) on NaN or inf.
+
+        Returns
+        -------
+        None
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from linattn_nb import LinearAttentionState, linear_attention
+        >>> rng = np.random.default_rng(1)
+        >>> k, v = rng.normal(size=(2, 50, 4))
+        >>> st = LinearAttentionState(4, 4)
+        >>> st.prefill(k, v)
+        >>> _, ref = linear_attention(k, k, v, causal=True, return_state=True)
+        >>> bool(np.allclose(st.S, ref.S)), bool(np.allclose(st.z, ref.z)), st.position
+        (True, True, 50)
+        """
+        inp = self._prepare([("k", k, self._d), ("v", v, self._m)], check_finite, ("key", None))
+        kf, vf = self._on_state_device(inp)
+        bad = self._launch.prefill(kf, vf, self._S, self._z, code=self._c_code,
+                                   check=bool(check_finite and self._code is not None))
+        if bad:
+            raise_nonfinite(("k", "v")[bad - 1])
+        self._position += inp.T
+
+    def reset(self) -> None:
+        """Back to the zero state at position 0 (device and buffers kept)."""
+        self._launch.put(self._S, self._z, np.zeros((self._B, self._f, self._m), dtype=self._dtype),
+                         np.zeros((self._B, self._f), dtype=self._dtype))
+        self._position = 0
+
+    def copy(self) -> "LinearAttentionState":
+        """An independent copy (same device)."""
+        new = object.__new__(type(self))
+        new._init_fields(self._d, self._m, self._f, self._bs, self._fmap, self._dtype, self._eps)
+        new._position = self._position
+        new._device = self._device
+        new._attach(self._launch.device)
+        S, z = self._launch.view(self._S, self._z)
+        new._launch.put(new._S, new._z, S, z)
+        return new
+
+    def to_linear_state(self) -> LinearState:
+        """The state as a float64 host :class:`~linattn_nb.LinearState` (for ``initial_state=``)."""
+        S, z = self._host_arrays()
+        return LinearState(np.asarray(S, dtype=np.float64), np.asarray(z, dtype=np.float64), self._position)
+
+    @classmethod
+    def from_linear_state(cls, state, key_dim, *, feature_map="elu", dtype=np.float64, device="auto",
+                          eps=config.DEFAULT_EPS) -> "LinearAttentionState":
+        """Build a state from ``linear_attention(..., return_state=True)``'s result.
+
+        The batch shape and value dimension come from ``state.S``; the feature
+        map must be the one that produced it (its ``output_dim(key_dim)`` must
+        equal ``S.shape[-2]``).
+
+        Parameters
+        ----------
+        state : LinearState or tuple (S, z[, position])
+            ``position`` (default 0) must be a non-negative integer.
+        key_dim : int
+        feature_map, dtype, device, eps
+            As for the constructor.
+
+        Raises
+        ------
+        TypeError
+            ``state`` is not a state, or its position is not an integer
+            (None, a string).
+        ValueError
+            Shapes that do not fit the feature map, non-finite values, a
+            negative, NaN or non-integral position.
+        """
+        check_device_arg(device)
+        if isinstance(state, tuple) and len(state) in (2, 3):
+            S, z = state[0], state[1]
+            position = state[2] if len(state) == 3 else 0
+        elif hasattr(state, "S") and hasattr(state, "z"):
+            S, z = state.S, state.z
+            position = getattr(state, "position", 0)
+        else:
+            raise TypeError("state must be a LinearState (or a tuple (S, z[, position])), "
+                            f"got {type(state).__name__}")
+        position = FE.check_position(position, "state.position")
+        S = CD.to_host("state.S", S) if on_device(S) else V.as_host_array("state.S", S)
+        z = CD.to_host("state.z", z) if on_device(z) else V.as_host_array("state.z", z)
+        if S.ndim < 2:
+            raise ValueError(f"state.S must have shape (..., D_phi, M), got {S.shape}")
+        new = cls(key_dim, S.shape[-1], batch_shape=S.shape[:-2], feature_map=feature_map, dtype=dtype,
+                  device="cpu", eps=eps)
+        new._load_arrays(S, z, position, "state")
+        if device != "cpu":
+            new._device = None
+            if device == "cuda":
+                new._set_device(resolve_device("cuda"))
+        return new
+
+    def _load_arrays(self, S, z, position, what):
+        want_S = self._bs + (self._f, self._m)
+        want_z = self._bs + (self._f,)
+        if tuple(S.shape) != want_S or tuple(z.shape) != want_z:
+            raise ValueError(f"{what}: S must have shape {want_S} and z {want_z} (feature map "
+                             f"{self._fmap.name!r}, D_phi={self._f}), got {tuple(S.shape)} and {tuple(z.shape)}")
+        V.check_float_dtype(f"{what}.S", S.dtype)
+        V.check_float_dtype(f"{what}.z", z.dtype)
+        V.check_finite(f"{what}.S", S)
+        V.check_finite(f"{what}.z", z)
+        position = FE.check_position(position, f"{what}.position")
+        self._launch.put(self._S, self._z, np.asarray(S).reshape((self._B, self._f, self._m)),
+                         np.asarray(z).reshape((self._B, self._f)))
+        self._position = position
+
+    # -- files ---------------------------------------------------------------------------
+    def save(self, path) -> None:
+        """Write the state to ``path`` (.npz, the format of :mod:`linattn_nb.state.fileformat`).
+
+        The file holds S and z bit for bit, the position, the dimensions, eps,
+        and the feature map's registry name and parameters (with the features
+        of a fixed probe input, so that :meth:`load` can check the rebuilt
+        map).  A map that cannot be rebuilt from the registry is recorded as
+        such; loading then needs ``feature_map=``.  The write is atomic: a
+        temporary file in the same directory, fsync'ed, then ``os.replace``,
+        so an interrupted save never leaves a half-written file at ``path``.
+
+        Examples
+        --------
+        >>> import os, tempfile
+        >>> import numpy as np
+        >>> from linattn_nb import LinearAttentionState
+        >>> st = LinearAttentionState(4, 2, batch_shape=(3,), dtype=np.float32)
+        >>> st.prefill(np.ones((3, 5, 4)), np.ones((3, 5, 2)))
+        >>> path = os.path.join(tempfile.mkdtemp(), "state.npz")
+        >>> st.save(path)
+        >>> back = LinearAttentionState.load(path)
+        >>> back.position, back.dtype, bool(np.array_equal(back.S, st.S))
+        (5, dtype('float32'), True)
+        """
+        S, z = self._host_arrays()
+        fileformat.write(path, S=S, z=z, position=self._position, key_dim=self._d, value_dim=self._m,
+                         batch_shape=self._bs, eps=self._eps, feature_map=self._fmap)
+
+    @classmethod
+    def load(cls, path, *, feature_map=None, device="auto", key_dim=None, value_dim=None, batch_shape=None,
+             dtype=None) -> "LinearAttentionState":
+        """Read a state written by :meth:`save`.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+        feature_map : str or FeatureMap, optional
+            Use this map instead of rebuilding the saved one; it must give the
+            saved features on the probe input.
+        device : {"auto", "cpu", "cuda"}
+        key_dim, value_dim, batch_shape, dtype : optional
+            When given, the file must match them.
+
+        Returns
+        -------
+        LinearAttentionState
+
+        Raises
+        ------
+        StateFileError (a ValueError)
+            The file is not a readable .npz (corrupted or truncated), is not a
+            state file, has another format version, misses entries, holds
+            inconsistent shapes or dtypes or non-finite values, its feature
+            map cannot be rebuilt, or it does not match the expectations.
+        FileNotFoundError
+            No file at ``path``.
+        """
+        check_device_arg(device)
+        sf = fileformat.read(path, feature_map=feature_map, key_dim=key_dim, value_dim=value_dim,
+                             batch_shape=batch_shape, dtype=dtype)
+        new = cls(sf.key_dim, sf.value_dim, batch_shape=sf.batch_shape, feature_map=sf.feature_map,
+                  dtype=sf.S.dtype, device="cpu", eps=sf.eps)
+        new._launch.put(new._S, new._z, sf.S.reshape((new._B, new._f, new._m)), sf.z.reshape((new._B, new._f)))
+        new._position = sf.position
+        if device != "cpu":
+            new._device = None
+            if device == "cuda":
+                new._set_device(resolve_device("cuda"))
+        return new
