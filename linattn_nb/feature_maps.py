@@ -85,6 +85,7 @@ __all__ = [
     "available",
     "resolve",
     "inline_maps",
+    "factory",
     "KERNEL_CODE_NONE",
     "KERNEL_CODE_ELU",
     "KERNEL_CODE_RELU",
@@ -1006,6 +1007,20 @@ def register(name: str, factory: Factory, *, overwrite: bool = False) -> None:
 def available() -> list[str]:
     """Names of the registered feature maps, sorted."""
     return sorted(_REGISTRY)
+
+
+def factory(name: str) -> Factory:
+    """The class or factory registered under ``name``.
+
+    Raises
+    ------
+    KeyError
+        If no map of that name is registered (the message lists those that are).
+    """
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise KeyError(f"unknown feature map {name!r}; available: {', '.join(available())}") from None
 
 
 def get(name: str, **params) -> FeatureMap:

@@ -13,8 +13,9 @@ def factory_params(name: str) -> set:
     """Keyword parameters the registered factory of ``name`` accepts (empty if unknown)."""
     from .. import feature_maps as fm
 
-    factory = getattr(fm, "_REGISTRY", {}).get(name)
-    if factory is None:
+    try:
+        factory = fm.factory(name)
+    except KeyError:
         return set()
     try:
         sig = inspect.signature(factory)
