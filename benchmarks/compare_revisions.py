@@ -23,14 +23,14 @@ Without ``--check`` it times the cases below in interleaved rounds: in every
 round each case runs once in each checkout (the order old/new alternates
 between rounds), ``--inner`` calls per measurement, of which the median
 counts.  Per case it prints the median over the rounds of each checkout and
-``new / old`` -- the ratio of the medians and the median of the per-round
-ratios.  On a shared machine the load changes under both alike; ``--clock
+``new / old`` -- the ratio of the medians, the median of the per-round
+ratios and the ratio of the fastest rounds.  On a shared machine the load changes under both alike; ``--clock
 cpu --threads 1`` (the workers' CPU time on one thread) is steadier still,
 as time spent preempted does not count.
 
 Cases (B*H = 16, D = M = 64, feature map "elu", ``check_finite=False``,
-through :func:`linattn_nb.linear_attention`): chunked float32 at N = 4096 and
-N = 512, chunked float64 at N = 4096, the scan at N = 4096 (float32), the
+through :func:`linattn_nb.linear_attention`): chunked float32 at N = 4096,
+N = 512 and N = 64 (where the per-call overhead shows), chunked float64 at N = 4096, the scan at N = 4096 (float32), the
 non-causal kernel at N = 4096 (float32), and a decode step of
 :class:`linattn_nb.LinearAttentionState` (H = 16, one token, float32).
 Results: a table on stdout and ``benchmarks/results/compare_revisions.json``.
@@ -54,6 +54,7 @@ CASES = {
     # name: (kind, N, dtype)
     "chunked f32 N=4096": ("chunked", 4096, "float32"),
     "chunked f32 N=512": ("chunked", 512, "float32"),
+    "chunked f32 N=64": ("chunked", 64, "float32"),
     "chunked f64 N=4096": ("chunked", 4096, "float64"),
     "scan f32 N=4096": ("scan", 4096, "float32"),
     "noncausal f32 N=4096": ("noncausal", 4096, "float32"),
@@ -288,6 +289,7 @@ def bench(old: Worker, new: Worker, cases, rounds: int, inner: int, clock: str =
             "case": c, "old_ms": statistics.median(o) * 1e3, "new_ms": statistics.median(n) * 1e3,
             "ratio_of_medians": statistics.median(n) / statistics.median(o),
             "median_ratio": statistics.median(b / a for a, b in zip(o, n)),
+            "ratio_of_minima": min(n) / min(o),
         })
     return rows, times
 
@@ -328,10 +330,11 @@ def main(argv=None):
         new.close()
     print(f"# {args.rounds} interleaved rounds, median of {args.inner} calls per measurement, {args.clock} time")
     w = max(len(r["case"]) for r in rows)
-    print(f"{'case':<{w}}  {'old ms':>9}  {'new ms':>9}  {'new/old (medians)':>17}  {'median of ratios':>16}")
+    print(f"{'case':<{w}}  {'old ms':>9}  {'new ms':>9}  {'new/old (medians)':>17}  {'median of ratios':>16}  "
+          f"{'minima':>6}")
     for r in rows:
         print(f"{r['case']:<{w}}  {r['old_ms']:9.3f}  {r['new_ms']:9.3f}  {r['ratio_of_medians']:17.3f}  "
-              f"{r['median_ratio']:16.3f}")
+              f"{r['median_ratio']:16.3f}  {r['ratio_of_minima']:6.3f}")
     sys.path.insert(0, str(HERE))
     from _common import machine, write_json
 

@@ -96,11 +96,15 @@ def state_sums(k, v, b, s_begin, s_end, H, code, fk, vb, part):
 
     ``H`` (F, M + 1) float64: ``H[:, :M] += phi(K)^T V`` through BLAS per block
     (``part`` (F, M) scratch of the working dtype), the normaliser column
-    ``H[:, M] += colsum(phi(K))`` token by token in float64.
+    ``H[:, M] += colsum(phi(K))`` token by token in float64 (in a contiguous
+    copy of the column while the blocks run, so that the sum vectorises).
     """
     F = k.shape[2]
     M = v.shape[2]
     blk = fk.shape[0]
+    z = np.empty(F)
+    for i in range(F):
+        z[i] = H[i, M]
     for s0 in range(s_begin, s_end, blk):
         n = min(blk, s_end - s0)
         fkn = fk[:n]
@@ -112,4 +116,6 @@ def state_sums(k, v, b, s_begin, s_end, H, code, fk, vb, part):
                 H[i, m] += part[i, m]
         for t in range(n):
             for i in range(F):
-                H[i, M] += fkn[t, i]
+                z[i] += fkn[t, i]
+    for i in range(F):
+        H[i, M] = z[i]

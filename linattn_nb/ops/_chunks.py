@@ -10,9 +10,10 @@ one long sequence still uses every core:
 1. the state contribution of every piece of the segments is summed, in
    parallel, each from a zero state (:func:`part_range` /
    :func:`token_range` give the pieces' tokens);
-2. :func:`segment_states` combines them in order, from the initial state:
-   the state at the start of every segment (causal) or the final state
-   (non-causal), through the rule's :func:`linattn_nb.ops._rules.carry`;
+2. the pieces are combined in order, from the initial state, through the
+   rule's :func:`linattn_nb.ops._rules.carry`: :func:`segment_states` gives
+   the state at the start of every segment (causal), :func:`absorb_parts`
+   the final state (non-causal);
 3. the outputs of all segments are computed in parallel from those states.
 
 :func:`segments` and :func:`plan` decide how many segments and pieces a call
@@ -76,18 +77,35 @@ def token_range(lo, hi, unit, n):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _combine(rule, parts, j0, sub, acc, seg):
+    """acc <- the state after the ``sub`` consecutive pieces ``parts[j0:j0 + sub]`` (seg: scratch).
+
+    The pieces are combined with each other first, in order, then carried
+    into ``acc`` (for the additive rule: ``acc + (p0 + p1 + ...)``).
+    """
+    seg[:, :] = parts[j0]
+    for r in range(1, sub):
+        carry(rule, seg, parts[j0 + r])
+    carry(rule, acc, seg)
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def _prefix(rule, parts, sub, Hst):
     """Hst[b, p] for p >= 1 from Hst[b, 0] and the pieces' contributions, ``sub`` pieces per segment."""
     B, P, F, M1 = Hst.shape
     seg = np.empty((F, M1))
     for b in range(B):
         for p in range(1, P):
-            j0 = (p - 1) * sub
-            seg[:, :] = parts[b, j0]
-            for r in range(1, sub):
-                carry(rule, seg, parts[b, j0 + r])
             Hst[b, p] = Hst[b, p - 1]
-            carry(rule, Hst[b, p], seg)
+            _combine(rule, parts[b], (p - 1) * sub, sub, Hst[b, p], seg)
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _absorb_all(rule, H, parts):
+    B, F, M1 = H.shape
+    seg = np.empty((F, M1))
+    for b in range(B):
+        _combine(rule, parts[b], 0, parts.shape[1], H[b], seg)
 
 
 def segment_states(rule, H, parts, sub: int, nseg: int) -> np.ndarray:
@@ -96,11 +114,15 @@ def segment_states(rule, H, parts, sub: int, nseg: int) -> np.ndarray:
     ``Hst[:, 0] = H`` (B, F, M + 1), the state before the first segment;
     segment ``p`` (p < nseg - 1) contributed the ``sub`` pieces
     ``parts[:, p * sub:(p + 1) * sub]`` (each from a zero state, in order),
-    and ``Hst[:, p + 1]`` is the state after it.  With ``nseg = 2`` and all
-    the pieces of a sequence, ``Hst[:, 1]`` is the final state.
+    and ``Hst[:, p + 1]`` is the state after it.
     """
     B, F, M1 = H.shape
     Hst = np.empty((B, nseg, F, M1))
     Hst[:, 0] = H
     _prefix(np.int64(rule), parts, np.int64(sub), Hst)
     return Hst
+
+
+def absorb_parts(rule, H, parts) -> None:
+    """H (B, F, M + 1) <- the state after all the pieces ``parts`` (B, P, F, M + 1), in order, in place."""
+    _absorb_all(np.int64(rule), H, parts)

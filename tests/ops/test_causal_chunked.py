@@ -252,6 +252,63 @@ def test_plan():
     assert plan(1, 4096, chunk=64, threads=2, seq_parallel=False) == (1, 1)
 
 
+def test_segments_and_part_ranges():
+    from linattn_nb.ops._chunks import part_range, segments, token_range
+
+    assert segments(16, 64, threads=2) == 1  # the batch fills the threads
+    assert segments(1, 64, threads=4) == 4
+    assert segments(1, 64, threads=4, min_units=32) == 2
+    assert segments(1, 64, threads=4, min_units=33) == 1  # fewer than two segments: no split
+    assert segments(8, 64, threads=2, split=True) == 2
+    assert segments(1, 64, threads=4, split=False) == 1
+    for parts, u0, u1 in ((3, 0, 10), (4, 5, 6), (5, 2, 2)):
+        rng_ = [part_range(j, parts, u0, u1) for j in range(parts)]
+        assert rng_[0][0] == u0 and rng_[-1][1] == u1
+        assert all(a[1] == b[0] and a[0] <= a[1] for a, b in zip(rng_, rng_[1:]))
+    assert token_range(3, 5, 8, 37) == (24, 37)
+
+
+def test_segment_prefix_and_absorb(rng):
+    """The prefix over segments and the combine of pieces: sums of the pieces in order, from H."""
+    from linattn_nb.ops._chunks import absorb_parts, segment_states
+    from linattn_nb.ops._codes import RULE_ADDITIVE
+
+    B, P, sub, F, M1 = 2, 4, 3, 3, 5
+    H = rng.standard_normal((B, F, M1))
+    parts = rng.standard_normal((B, (P - 1) * sub, F, M1))
+    Hst = segment_states(RULE_ADDITIVE, H, parts, sub, P)
+    seg = parts.reshape(B, P - 1, sub, F, M1).sum(axis=2)
+    want = H[:, None] + np.concatenate([np.zeros((B, 1, F, M1)), np.cumsum(seg, axis=1)], axis=1)
+    np.testing.assert_allclose(Hst, want, rtol=1e-14, atol=1e-14)
+    H2 = H.copy()
+    absorb_parts(RULE_ADDITIVE, H2, parts)
+    np.testing.assert_allclose(H2, H + parts.sum(axis=1), rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("launcher", ["chunked", "scan", "noncausal"])
+def test_launchers_check_state_and_inputs(rng, launcher):
+    """The contract's H and inputs= are checked, with errors that name them."""
+    from linattn_nb.ops.causal.cpu import causal_scan
+    from linattn_nb.ops.noncausal.cpu import noncausal_aggregate
+
+    fn = {"chunked": causal_chunked, "scan": causal_scan, "noncausal": noncausal_aggregate}[launcher]
+    q, k, v = _inputs(rng, 2, 5, 3, 2, np.float64)
+    out = np.full((2, 5, 2), np.nan)
+    frozen = np.zeros((2, 3, 3))
+    frozen.setflags(write=False)
+    for bad in (np.zeros((2, 3, 2)), np.zeros((2, 3, 3), np.float32), np.zeros((2, 3, 3), order="F"), frozen,
+                [[[0.0] * 3] * 3] * 2):
+        with pytest.raises(ValueError, match="H must be"):
+            fn(q, k, v, bad, out, code=1, eps=1e-8)
+    with pytest.raises(ValueError, match="inputs"):
+        fn(q, k, v, np.zeros((2, 3, 3)), out, code=1, eps=1e-8, inputs={"g": np.zeros((2, 5))})
+    with pytest.raises(ValueError, match="rule"):
+        fn(q, k, v, np.zeros((2, 3, 3)), out, code=1, eps=1e-8, rule=7)
+    H = np.zeros((2, 3, 3))
+    fn(q, k, v, H, out, code=1, eps=1e-8, inputs={})  # an empty mapping is no inputs
+    assert not np.isnan(out).any() and H[..., 2].min() > 0
+
+
 def test_public_api_dtypes_and_state(rng):
     """float16 in, float16 out (no float32 round trip), leading batch dims, state chaining."""
     q, k = rng.standard_normal((2, 2, 3, 40, 8))

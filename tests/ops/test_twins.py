@@ -61,3 +61,14 @@ def test_on_disk_caches_are_separate(tmp_path):
     assert runs[1].stdout.split() == ["1", "1"]
     names = sorted(p.name for p in (tmp_path / "cache").rglob("*.nbi"))
     assert any("body_serial" in n for n in names) and any("body_parallel" in n for n in names)
+
+
+def test_pick_rule_and_force():
+    from linattn_nb.ops._twins import pick
+
+    ser, par = object(), object()
+    assert pick(ser, par, items=4, work=100, limit=100) is par
+    assert pick(ser, par, items=4, work=99, limit=100) is ser  # too little work for a parallel region
+    assert pick(ser, par, items=1, work=10**9, limit=100) is ser  # nothing to share out
+    assert pick(ser, par, items=1, work=0, limit=100, force=True) is par
+    assert pick(ser, par, items=8, work=10**9, limit=100, force=False) is ser

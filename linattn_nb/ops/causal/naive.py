@@ -1,8 +1,10 @@
 """Naive NumPy reference of causal linear attention (ground truth for tests).
 
 Builds the explicit lower-triangular ``N x N`` weight matrix per batch entry,
-in float64, exactly as the seed and "Transformers are RNNs" (Eqs. 10-12) write
-it: token ``t`` attends to tokens ``0..t`` (itself included).
+in float64, exactly as "Transformers are RNNs" (Katharopoulos et al. 2020,
+Eqs. 10-12) writes it: token ``t`` attends to tokens ``0..t`` (itself
+included).  The state ``(S, z)`` taken and returned here is the ``H = [S | z]``
+of the kernels' contract split in two.
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from numba import njit, prange
 from ... import config
 from ..._blas import single_threaded_blas
 from .._blocks import features, state_sums
-from .._chunks import part_range, segment_states, segments, token_range
+from .._chunks import absorb_parts, part_range, segments, token_range
 from .._codes import RULE_ADDITIVE
 from .._rules import check_rule, check_state
 from .._twins import pick, serial_and_parallel
@@ -153,6 +153,6 @@ def noncausal_aggregate(q, k, v, H, out, *, code, eps, inputs=None, block=None, 
     # BLAS pinned inside the parallel kernel only (see causal/chunked.py)
     with single_threaded_blas(kernel is noncausal_kernel):
         kernel(np.int64(0), qk, kk, vk, parts, H, *args)
-        H[...] = segment_states(rule, H, parts, pieces, 2)[:, 1]
+        absorb_parts(rule, H, parts)
         kernel(np.int64(1), qk, kk, vk, parts, H, *args)
     return out

@@ -1,4 +1,4 @@
-"""Naive NumPy reference of non-causal linear attention (the seed's ``pairwise``).
+"""Naive NumPy reference of non-causal linear attention.
 
 Every query attends to every key through the explicit ``N x N`` kernel matrix
 ``phi(Q) phi(K)^T`` (Katharopoulos et al. 2020, Eq. 7), computed in float64.
