@@ -155,8 +155,11 @@ def _host_features(fmap, impl, q, k, v, work, causal, position, n):
 # ---------------------------------------------------------------------------
 # States
 # ---------------------------------------------------------------------------
-def parse_state(initial_state):
-    """``(S, z, position)`` of a LinearState, a tuple ``(S, z[, position])`` or an object with .S, .z."""
+def parse_state(initial_state, name: str = "initial_state"):
+    """``(S, z, position)`` of a LinearState, a tuple ``(S, z[, position])`` or an object with .S, .z.
+
+    The position is checked (:func:`check_position`); errors name ``name``.
+    """
     if isinstance(initial_state, tuple) and len(initial_state) in (2, 3):
         S0, z0 = initial_state[0], initial_state[1]
         position = initial_state[2] if len(initial_state) == 3 else 0
@@ -165,10 +168,10 @@ def parse_state(initial_state):
         position = getattr(initial_state, "position", 0)
     else:
         raise TypeError(
-            "initial_state must be a LinearState (or a tuple (S, z[, position])), "
+            f"{name} must be a LinearState (or a tuple (S, z[, position])), "
             f"got {type(initial_state).__name__}"
         )
-    return S0, z0, check_position(position)
+    return S0, z0, check_position(position, f"{name}.position")
 
 
 def host_state(initial_state, batch_shape, f: int, m: int, *, check_finite: bool):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import _validate as V
+
 #: The dtypes a state (or a KV cache) can hold.
 STATE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 F16 = np.dtype(np.float16)
@@ -74,6 +76,18 @@ def check_shapes(batch_shape, pairs) -> int:
                 f"got shapes {', '.join(str(tuple(a.shape)) for _, a, _ in pairs)}"
             )
     return int(T)
+
+
+def host_tokens(batch_shape, pairs):
+    """Host arrays of ``pairs`` [(name, array_like, last_dim)], checked: float dtypes, shapes
+    ``(*batch_shape, T, last_dim)`` with one T.  Returns ``(arrays, T, promoted dtype)``."""
+    arrs = []
+    for n, x, last in pairs:
+        x = V.as_host_array(n, x)
+        V.check_float_dtype(n, x.dtype)
+        arrs.append((n, x, last))
+    T = check_shapes(batch_shape, arrs)
+    return arrs, T, np.dtype(np.result_type(*[a.dtype for _, a, _ in arrs]))
 
 
 def aligned_zeros(shape, dtype, align=64):

@@ -15,7 +15,7 @@ from .. import _validate as V
 from .. import config
 from ..device import check_device_arg, on_device, resolve_device
 from ..ops.step import cpu as _cpu
-from ._checks import check_batch_shape, check_dim, check_shapes, check_state_dtype, raise_nonfinite
+from ._checks import check_batch_shape, check_dim, check_state_dtype, host_tokens, raise_nonfinite
 
 __all__ = ["KVCache"]
 
@@ -166,13 +166,7 @@ class KVCache:
             raise ValueError("KVCache has a CPU kernel only; copy the GPU inputs "
                              f"({', '.join(n for n, x, _ in pairs if on_device(x))}) to the host first")
         resolve_device("cpu", *[x for _, x, _ in pairs], names=names)
-        arrs = []
-        for n, x, last in pairs:
-            x = V.as_host_array(n, x)
-            V.check_float_dtype(n, x.dtype)
-            arrs.append((n, x, last))
-        T = check_shapes(self._bs, arrs)
-        dtype = np.dtype(np.result_type(*[a.dtype for _, a, _ in arrs]))
+        arrs, T, dtype = host_tokens(self._bs, pairs)
         if check_finite:
             for n, a, _ in arrs:
                 V.check_finite(n, a)

@@ -23,7 +23,7 @@ from ..ops.registry import get_method
 from . import fileformat
 from . import launchers  # noqa: F401  (registers the step launchers)
 from ._checks import (F32, F64, STATE_DTYPES, check_batch_shape, check_dim, check_shapes, check_state_dtype,
-                      raise_nonfinite, work_dtype)
+                      host_tokens, raise_nonfinite, work_dtype)
 from .fileformat import StateFileError
 
 __all__ = ["LinearAttentionState", "StateFileError"]
@@ -294,13 +294,7 @@ class LinearAttentionState:
                     "kernels; pass host arrays, or compute the features and use feature_map=None"
                 )
             return res
-        arrs = []
-        for n, x, last in pairs:
-            x = V.as_host_array(n, x)
-            V.check_float_dtype(n, x.dtype)
-            arrs.append((n, x, last))
-        T = check_shapes(self._bs, arrs)
-        dtype = np.dtype(np.result_type(*[a.dtype for _, a, _ in arrs]))
+        arrs, T, dtype = host_tokens(self._bs, pairs)
         work = work_dtype(dtype)
         flat = []
         if self._code is None:
@@ -564,16 +558,7 @@ class LinearAttentionState:
             negative, NaN or non-integral position.
         """
         check_device_arg(device)
-        if isinstance(state, tuple) and len(state) in (2, 3):
-            S, z = state[0], state[1]
-            position = state[2] if len(state) == 3 else 0
-        elif hasattr(state, "S") and hasattr(state, "z"):
-            S, z = state.S, state.z
-            position = getattr(state, "position", 0)
-        else:
-            raise TypeError("state must be a LinearState (or a tuple (S, z[, position])), "
-                            f"got {type(state).__name__}")
-        position = FE.check_position(position, "state.position")
+        S, z, position = FE.parse_state(state, "state")
         S = CD.to_host("state.S", S) if on_device(S) else V.as_host_array("state.S", S)
         z = CD.to_host("state.z", z) if on_device(z) else V.as_host_array("state.z", z)
         if S.ndim < 2:
