@@ -105,9 +105,10 @@ def plan(q, k, v, H, out, *, rule=RULE_ADDITIVE, inputs=None, chunk=None) -> Seq
     ------
     ValueError
         For an unknown rule code or inputs other than the rule's
-        (:func:`linattn_nb.ops._codes.check_rule_inputs`), for arrays whose leading dimensions cannot be viewed as 4-d, an ``H``
-        of the wrong shape or layout, or a feature dimension the kernels do
-        not support (:func:`linattn_nb.ops._cuda_kernels.seq_config`).
+        (:func:`linattn_nb.ops._codes.check_rule_inputs`), for arrays whose
+        leading dimensions cannot be viewed as 4-d, an ``H`` of the wrong
+        shape or layout, or a feature dimension the kernels do not support
+        (:func:`linattn_nb.ops._cuda_kernels.seq_config`).
     TypeError
         For an ``H`` that is not float64.
     """
