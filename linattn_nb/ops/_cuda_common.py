@@ -9,11 +9,22 @@ of the maps on the CUDA target: the sequence kernels
 (:mod:`linattn_nb.ops._cuda_kernels`) and the decode-step kernels
 (:mod:`linattn_nb.ops.step.cuda`) both call it.
 
-:func:`carry` is the per-rule hook of the chunk machinery: the state after a
-chunk from the state before it and the chunk's own contribution, one state
-element at a time.  The rule codes are the ``RULE_*`` constants below.
+The per-rule hooks of the CUDA kernels, one state element at a time, each
+taking the rule code (``RULE_*`` of :mod:`linattn_nb.ops._codes`, where
+:data:`linattn_nb.ops._codes.RULES` lists every rule) as its first argument:
 
-Both are compiled with ``inline=True``: numba-cuda inlines such a function at
+* :func:`token_update` -- the element after one token, in the token loop of
+  the sequence kernel (:func:`linattn_nb.ops._cuda_kernels.seq_kernel`, which
+  is specialised on the rule, so the branch is a compile-time constant there
+  and the kernel of a rule holds that rule's code only);
+* :func:`carry` -- the element after a chunk from the element before it and
+  the chunk's own contribution, in the combine over chunks
+  (:func:`linattn_nb.ops._cuda_kernels.chunk_scan_states_kernel`).
+
+A new rule adds a branch to each (its per-token inputs become hook
+arguments) and nothing to the kernels' loops.
+
+All are compiled with ``inline=True``: numba-cuda inlines such a function at
 the Numba IR level, so kernels that call it still compile to PTX without a GPU
 (``numba.cuda.compile_ptx`` in the tests); a non-inlined device function asks
 the driver for the current device's compute capability and fails there.
@@ -22,14 +33,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from numba import cuda
 
-#: Rule code of the additive update ``S_t = S_{t-1} + phi(k_t) v_t^T`` (and
-#: ``z_t = z_{t-1} + phi(k_t)``, the same update of a value column of ones).
-RULE_ADDITIVE = 0
+from ._codes import RULE_ADDITIVE
 
-#: Rule codes the CUDA chunk machinery implements (checked on the host before a launch).
-RULES = frozenset({RULE_ADDITIVE})
+# NaN of the narrowest accumulation type: it unifies with float32 and float64
+# alike, so a hook's fallback does not widen a float32 kernel to float64.
+_NAN32 = np.float32(np.nan)
 
 
 @cuda.jit(device=True, inline=True)
@@ -41,6 +52,21 @@ def phi(x, code, zero, one):
     if code == 3:
         return x * x if (x > zero or x != x) else zero
     return x
+
+
+@cuda.jit(device=True, inline=True)
+def token_update(rule, s, a, w):
+    """State element after one token.
+
+    ``s``: the element ``S[i, m]`` before the token (the normaliser column
+    ``z[i]`` alike); ``a``: the token's feature ``phi(k_t)[i]``; ``w``: its
+    value ``v_t[m]`` (1 in the normaliser column).  All of the accumulation
+    type.  Additive: ``s + a w``.  The launchers check the rule code on the
+    host; an unknown code gives NaN rather than a plausible state.
+    """
+    if rule == RULE_ADDITIVE:
+        return s + a * w
+    return _NAN32
 
 
 @cuda.jit(device=True, inline=True)

@@ -47,7 +47,7 @@ stored in the accumulation dtype and combined across chunks in float64 by
 :func:`chunk_scan_states_kernel`, whose per-rule step is
 :func:`linattn_nb.ops._cuda_common.carry`.
 
-Kernels are specialised on ``(R, C, G, MB, T, accumulation dtype)``, compile-time
+Kernels are specialised on ``(R, C, G, MB, T, accumulation dtype, rule)``, compile-time
 constants for the register and shared-memory arrays, and compiled lazily on
 first use (nothing compiles at import).  All are cached on disk
 (``config.CACHE``; numba-cuda keys a closure's cache entry on its cell
@@ -60,7 +60,8 @@ from numba import config as _nbconfig
 from numba import cuda, float32, float64
 
 from .. import config
-from ._cuda_common import carry, phi
+from ._codes import RULE_ADDITIVE
+from ._cuda_common import carry, phi, token_update
 
 # Simulator: kernels are Python; no on-disk cache (and no PTX) there.
 _SIM = bool(getattr(_nbconfig, "ENABLE_CUDASIM", 0))
@@ -75,12 +76,15 @@ _ACC_TYPES = {"float32": float32, "float64": float64}
 _SEQ_KERNELS: dict = {}
 
 
-def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str):
+def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RULE_ADDITIVE):
     """The sequence kernel specialised on its compile-time constants.
 
     ``R`` x ``C``: state rows x state columns per thread (a register tile);
     ``G``: row groups (``G R >= F``); ``MB``: value columns per block; ``T``:
-    tokens per shared-memory tile; ``acc``: accumulation dtype name.  The
+    tokens per shared-memory tile; ``acc``: accumulation dtype name;
+    ``rule``: update-rule code, whose per-token step is
+    :func:`linattn_nb.ops._cuda_common.token_update` (a constant here, so the
+    hook's branch is resolved at compile time).  The
     block's ``MB + 1`` columns (values, then the normaliser) are padded to
     ``MBP``, a multiple of ``C``.  Launch with ``grid=(n_segments,
     n_column_blocks)``, ``block=G * MBP // C`` threads (:func:`seq_config`)::
@@ -99,11 +103,12 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str):
     over value columns all read the normaliser column, and only the first one
     writes it.
     """
-    key = (int(R), int(C), int(G), int(MB), int(T), str(acc))
+    key = (int(R), int(C), int(G), int(MB), int(T), str(acc), int(rule))
     kern = _SEQ_KERNELS.get(key)
     if kern is not None:
         return kern
     R, C, G, MB, T = key[:5]
+    rule = key[6]
     acc_t = _ACC_TYPES[acc]
     FP = G * R  # padded feature rows
     MBP = -(-(MB + 1) // C) * C  # value columns + normaliser column, padded
@@ -191,7 +196,7 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str):
                         kr = sk[t, row0 + r]
                         qr = sq[t, row0 + r]
                         for j in range(C):
-                            s = st[r * C + j] + kr * vt[j]
+                            s = token_update(rule, st[r * C + j], kr, vt[j])  # the rule's hook
                             st[r * C + j] = s
                             ac[j] += qr * s
                     for j in range(C):
@@ -203,7 +208,7 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str):
                     for r in range(R):
                         kr = sk[t, row0 + r]
                         for j in range(C):
-                            st[r * C + j] += kr * vt[j]
+                            st[r * C + j] = token_update(rule, st[r * C + j], kr, vt[j])
             else:
                 for t in range(nt):
                     for j in range(C):

@@ -36,7 +36,7 @@ from numba import cuda
 
 from .. import config
 from . import _cuda_kernels as K
-from ._cuda_common import RULE_ADDITIVE, RULES
+from ._codes import RULE_ADDITIVE, check_rule_inputs
 
 _F64 = np.dtype(np.float64)
 
@@ -59,7 +59,7 @@ class SeqPlan:
     chunk, chunks : int
         Tokens per chunk and chunks per sequence (``chunks`` = 1 for a scan).
     rule : int
-        Rule code of :mod:`linattn_nb.ops._cuda_common`.
+        Update-rule code (:data:`linattn_nb.ops._codes.RULES`).
     """
 
     q: object
@@ -93,36 +93,26 @@ def chunk_length(chunk_size) -> int:
     return L
 
 
-def check_rule_inputs(rule: int, inputs) -> None:
-    """The extra per-token inputs of ``rule``: none for the additive rule.
-
-    Raises
-    ------
-    ValueError
-        For an unknown rule code, or for inputs the rule does not take.
-    """
-    if rule not in RULES:
-        raise ValueError(f"rule code {rule} has no CUDA kernels (known: {sorted(RULES)})")
-    if rule == RULE_ADDITIVE and inputs:
-        raise ValueError(f"inputs: the additive rule takes no extra inputs, got {sorted(inputs)}")
-
-
 def plan(q, k, v, H, out, *, rule=RULE_ADDITIVE, inputs=None, chunk=None) -> SeqPlan:
     """Check the launcher arguments and lay out the launch.
 
     ``chunk`` None plans a scan (one chunk per sequence); otherwise
     sequences are cut into chunks of ``chunk`` tokens (see :func:`chunk_length`).
+    ``rule``: update-rule code (:data:`linattn_nb.ops._codes.RULES`);
+    ``inputs`` must hold exactly its per-token inputs.
 
     Raises
     ------
     ValueError
-        For arrays whose leading dimensions cannot be viewed as 4-d, an ``H``
-        of the wrong shape or layout, or a feature dimension the kernels do
-        not support (:func:`linattn_nb.ops._cuda_kernels.seq_config`).
+        For an unknown rule code or inputs other than the rule's
+        (:func:`linattn_nb.ops._codes.check_rule_inputs`), for arrays whose
+        leading dimensions cannot be viewed as 4-d, an ``H`` of the wrong
+        shape or layout, or a feature dimension the kernels do not support
+        (:func:`linattn_nb.ops._cuda_kernels.seq_config`).
     TypeError
         For an ``H`` that is not float64.
     """
-    check_rule_inputs(rule, inputs)
+    rule = check_rule_inputs(rule, inputs)
     views = []
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
         x4 = K.as_4d(x)
@@ -147,7 +137,7 @@ def plan(q, k, v, H, out, *, rule=RULE_ADDITIVE, inputs=None, chunk=None) -> Seq
     else:
         L = chunk_length(chunk)
         nc = max(-(-N // L), 1)
-    return SeqPlan(q4, k4, v4, o4, B, B2, N, F, M, acc, K.seq_kernel(R, C, G, MB, T, acc.name),
+    return SeqPlan(q4, k4, v4, o4, B, B2, N, F, M, acc, K.seq_kernel(R, C, G, MB, T, acc.name, rule),
                    K.threads_per_block(R, C, G, MB), -(-M // MB), L, nc, rule)
 
 

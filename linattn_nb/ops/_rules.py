@@ -2,26 +2,30 @@
 
 The state of every rule is ``H = [S | z]`` of shape (F, M + 1), float64: the
 normaliser ``z`` is the state of one more value column of ones, so a rule
-that updates ``S`` gets the normaliser for free.  The chunked causal kernel
-(:mod:`linattn_nb.ops.causal.chunked`) and the segment prefix
-(:mod:`linattn_nb.ops._chunks`) are written once; what a rule changes in
-them are the small ``@njit`` functions below, each taking the rule code
-(``RULE_*`` of :mod:`linattn_nb.ops._codes`) as its first argument:
+that updates ``S`` gets the normaliser for free.  The CPU kernels are written
+once; what a rule changes in them are the small ``@njit`` functions below,
+each taking the rule code (``RULE_*`` of :mod:`linattn_nb.ops._codes`) as its
+first argument:
 
+* :func:`token_step` -- one token's update of one state row, read by the
+  token's query: the per-token recurrence of the scan
+  (:mod:`linattn_nb.ops.causal.cpu`; additive: ``S_i += phi(k_t)_i v_t``,
+  ``z_i += phi(k_t)_i``);
 * :func:`intra_weights` -- the intra-chunk weights of a block of rows
-  (additive: ``tril(phi(Q_c) phi(K_c)^T)``, diagonal included);
+  (additive: ``tril(phi(Q_c) phi(K_c)^T)``, diagonal included), in the
+  chunked kernel (:mod:`linattn_nb.ops.causal.chunked`);
 * :func:`chunk_transition` -- the state across one chunk (additive:
-  ``H += phi(K_c)^T [V_c 1]``);
+  ``H += phi(K_c)^T [V_c 1]``), in the chunked kernel;
 * :func:`carry` -- the state across a span whose own contribution is known
   (additive: ``H += part``), used by the prefix over segments and the
-  combine of pieces.
+  combine of pieces (:mod:`linattn_nb.ops._chunks`).
 
-A new rule adds a branch to each hook (and its per-token inputs as
-arguments), an entry to :data:`RULE_INPUTS`, and nothing to the kernels'
-loops.  The rule is a plain integer argument (no function-typed arguments,
-no closures), so the kernels stay cacheable on disk.  As for the other
-helper modules, kernels cached on disk do not see edits made here: clear the
-``__pycache__`` folders after changing this file.
+A new rule adds its entry to :data:`linattn_nb.ops._codes.RULES` and a branch
+to each hook here (its per-token inputs become hook arguments), and nothing
+to the kernels' loops.  The rule is a plain integer argument (no
+function-typed arguments, no closures), so the kernels stay cacheable on
+disk.  As for the other helper modules, kernels cached on disk do not see
+edits made here: clear the ``__pycache__`` folders after changing this file.
 """
 from __future__ import annotations
 
@@ -29,26 +33,18 @@ import numpy as np
 from numba import njit
 
 from .. import config
-from ._codes import RULE_ADDITIVE
+from ._codes import RULE_ADDITIVE, check_rule_inputs
 from ._gemm import gemm
-
-#: rule code -> names of the per-token inputs it takes (``inputs=`` of the launchers).
-RULE_INPUTS = {RULE_ADDITIVE: ()}
 
 
 def check_rule(rule, inputs) -> np.int64:
     """The kernels' ``rule`` argument, after checking ``rule`` and the launcher's ``inputs=``.
 
-    Raises ValueError when ``rule`` is not a known code or ``inputs`` does
-    not hold exactly the per-token inputs the rule takes.
+    Raises ValueError when ``rule`` is not a code of
+    :data:`linattn_nb.ops._codes.RULES` or ``inputs`` does not hold exactly
+    the per-token inputs the rule takes.
     """
-    if rule not in RULE_INPUTS:
-        raise ValueError(f"rule must be one of {sorted(RULE_INPUTS)}, got {rule!r}")
-    want = RULE_INPUTS[rule]
-    got = tuple(sorted(inputs)) if inputs else ()
-    if got != tuple(sorted(want)):
-        raise ValueError(f"inputs: rule {rule} takes {list(want) or 'no per-token inputs'}, got {list(got)}")
-    return np.int64(rule)
+    return np.int64(check_rule_inputs(rule, inputs))
 
 
 def check_state(H, batch: int, f: int, m: int) -> None:
@@ -58,6 +54,27 @@ def check_state(H, batch: int, f: int, m: int) -> None:
         desc = (f"{type(H).__name__} {getattr(H, 'dtype', '')} {getattr(H, 'shape', '')}").strip()
         raise ValueError(f"H must be a writeable C-contiguous float64 array of shape ({batch}, {f}, {m + 1}) "
                          f"(the state [S | z]), got {desc}")
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def token_step(rule, S, z, i, a, c, v, num):
+    """Row ``i`` of the state after one token, read by the token's query; returns the new ``z[i]``.
+
+    ``S`` (F, M) and ``z`` (F,): the state of the scan (the normaliser kept
+    apart), updated in place; ``a = phi(k_t)[i]``, ``c = phi(q_t)[i]``; ``v``
+    (M,): the token's values; ``num`` (M,) += ``c * S[i]`` (the new row).
+    The caller sums ``c * z[i]`` (the returned value) into the normaliser.
+    Additive: ``z[i] += a``, ``S[i] += a v``.
+    """
+    if rule == RULE_ADDITIVE:
+        zi = z[i] + a  # the normaliser: value column M, whose value is 1
+        z[i] = zi
+        for m in range(v.shape[0]):
+            s = S[i, m] + a * v[m]
+            S[i, m] = s
+            num[m] += c * s
+        return zi
+    return np.nan  # unreachable: launchers check the rule code
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)

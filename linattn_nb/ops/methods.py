@@ -1,27 +1,39 @@
 """Registration of the built-in rules and implementations in the method table.
 
+Every rule of the one rule table, :data:`linattn_nb.ops._codes.RULES`, is
+registered as a :class:`~linattn_nb.ops.registry.Rule` (its code and
+per-token inputs from the table) together with every rule-generic causal
+launcher, bound to the rule's code (``rule=``): ``quadratic`` (the naive
+reference), ``scan`` and ``chunked`` on the CPU, ``scan`` and ``chunked``
+with CUDA.  A new rule of the table is therefore registered with no edit
+here.  Non-causal attention has no recurrence: its methods are the additive
+rule's only.  Decode-step launchers are registered by
+:mod:`linattn_nb.state.launchers`.
+
 Importing this module compiles nothing (Numba compiles on first call).
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .. import config
+from ._codes import RULES
 from .causal.chunked import causal_chunked
 from .causal.cpu import causal_scan
 from .causal.naive import causal_linear_quadratic
 from .noncausal.cpu import noncausal_aggregate
 from .noncausal.naive import noncausal_linear_quadratic
-from ._codes import RULE_ADDITIVE
-from .registry import Method, Rule, register_method, register_rule
+from .registry import Method, Rule, get_rule, register_method, register_rule
 
 _ALL_FLOATS = frozenset({np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)})
 
-#: The additive rule (Katharopoulos et al. 2020): S_t = S_{t-1} + phi(k_t) v_t^T.
-ADDITIVE = register_rule(Rule("additive", code=RULE_ADDITIVE))
+#: Causal methods every rule gets, per device (rule-generic launchers).
+CAUSAL_METHODS = {"cpu": ("quadratic", "scan", "chunked"), "cuda": ("scan", "chunked")}
 
 
-def _quadratic_launcher(reference):
+def _quadratic_launcher(reference, **rule_kw):
     def forward(q, k, v, H, out, *, code, eps, inputs=None):
         B, N, _ = q.shape
         if N * N > config.QUADRATIC_MAX_ELEMENTS:
@@ -31,50 +43,76 @@ def _quadratic_launcher(reference):
                 "Use method='auto' (or raise the limit in linattn_nb.config)."
             )
         M = v.shape[2]
-        res, S_new, z_new = reference(q, k, v, eps=eps, S0=H[:, :, :M], z0=H[:, :, M])
+        if rule_kw:
+            res, S_new, z_new = reference(q, k, v, eps=eps, S0=H[:, :, :M], z0=H[:, :, M], inputs=inputs,
+                                          **rule_kw)
+        else:  # the non-causal reference: the additive rule only
+            res, S_new, z_new = reference(q, k, v, eps=eps, S0=H[:, :, :M], z0=H[:, :, M])
         out[...] = res
         H[:, :, :M] = S_new
         H[:, :, M] = z_new
         return out
 
+    forward.__name__ = forward.__qualname__ = reference.__name__
+    forward.__doc__ = f"{reference.__module__}.{reference.__name__} on the launcher contract."
     return forward
 
 
-def _cpu(name, causal, forward, **kw):
-    register_method(Method("additive", name, causal, "cpu", forward, native_dtypes=_ALL_FLOATS, **kw))
-
-
-_cpu("quadratic", True, _quadratic_launcher(causal_linear_quadratic), inline_features=False)
-_cpu("quadratic", False, _quadratic_launcher(noncausal_linear_quadratic), inline_features=False)
-_cpu("scan", True, causal_scan)
-_cpu("chunked", True, causal_chunked)
-# Non-causal attention has no recurrence: every linear method runs the
-# aggregate-then-query kernel (the names are accepted so that sweeps over
-# (causal, method) need no special case).
-for _name in ("aggregate", "scan", "chunked"):
-    _cpu(_name, False, noncausal_aggregate)
+def _bind(launcher, code):
+    """``launcher`` with ``rule=code`` bound (its name and docstring kept)."""
+    return functools.update_wrapper(functools.partial(launcher, rule=code), launcher)
 
 
 # CUDA launchers (ops/causal/cuda.py, ops/noncausal/cuda.py): registered here
 # so the method table lists them, imported on first call so that the package
 # imports without numba-cuda and compiles nothing at import.
-def _cuda_launcher(module: str, attr: str):
+def _cuda_launcher(module: str, attr: str, **rule_kw):
     def forward(q, k, v, H, out, *, code, eps, inputs=None):
         import importlib
 
         fn = getattr(importlib.import_module(module, __package__), attr)
-        return fn(q, k, v, H, out, code=code, eps=eps, inputs=inputs)
+        return fn(q, k, v, H, out, code=code, eps=eps, inputs=inputs, **rule_kw)
 
     forward.__name__ = forward.__qualname__ = attr
     forward.__doc__ = f"{module}.{attr}, imported on first call (device arrays in and out)."
     return forward
 
 
-def _gpu(name, causal, forward):
-    register_method(Method("additive", name, causal, "cuda", forward, native_dtypes=_ALL_FLOATS))
+def _cpu(rule, name, causal, forward, **kw):
+    register_method(Method(rule, name, causal, "cpu", forward, native_dtypes=_ALL_FLOATS, **kw))
 
 
-_gpu("scan", True, _cuda_launcher(".causal.cuda", "causal_scan_cuda"))
-_gpu("chunked", True, _cuda_launcher(".causal.cuda", "causal_chunked_cuda"))
+def _gpu(rule, name, causal, forward):
+    register_method(Method(rule, name, causal, "cuda", forward, native_dtypes=_ALL_FLOATS))
+
+
+def _causal_launcher(device: str, name: str, code: int):
+    """The rule-generic causal launcher ``name`` on ``device``, bound to rule ``code``."""
+    if device == "cpu":
+        if name == "quadratic":
+            return _quadratic_launcher(causal_linear_quadratic, rule=code)
+        return _bind({"scan": causal_scan, "chunked": causal_chunked}[name], code)
+    attr = {"scan": "causal_scan_cuda", "chunked": "causal_chunked_cuda"}[name]
+    return _cuda_launcher(".causal.cuda", attr, rule=code)
+
+
+for _rule, (_code, _inputs) in RULES.items():
+    register_rule(Rule(_rule, code=_code, inputs=tuple(_inputs)))
+    for _device, _names in CAUSAL_METHODS.items():
+        for _name in _names:
+            _forward = _causal_launcher(_device, _name, _code)
+            if _device == "cpu":
+                _cpu(_rule, _name, True, _forward, inline_features=_name != "quadratic")
+            else:
+                _gpu(_rule, _name, True, _forward)
+
+#: The additive rule (Katharopoulos et al. 2020): S_t = S_{t-1} + phi(k_t) v_t^T.
+ADDITIVE = get_rule("additive")
+
+# Non-causal attention (the additive rule only): every linear method runs the
+# aggregate-then-query kernel (the names are accepted so that sweeps over
+# (causal, method) need no special case).
+_cpu("additive", "quadratic", False, _quadratic_launcher(noncausal_linear_quadratic), inline_features=False)
 for _name in ("aggregate", "scan", "chunked"):
-    _gpu(_name, False, _cuda_launcher(".noncausal.cuda", "noncausal_aggregate_cuda"))
+    _cpu("additive", _name, False, noncausal_aggregate)
+    _gpu("additive", _name, False, _cuda_launcher(".noncausal.cuda", "noncausal_aggregate_cuda"))

@@ -47,6 +47,10 @@ METHOD_NAMES = ("auto", "quadratic", "scan", "chunked", "aggregate")
 class Rule:
     """A state-update rule.
 
+    The built-in rules are registered by :mod:`linattn_nb.ops.methods` from
+    the one rule table, :data:`linattn_nb.ops._codes.RULES` (name, code and
+    inputs), with every rule-generic causal method.
+
     Attributes
     ----------
     name : str

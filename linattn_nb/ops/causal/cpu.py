@@ -18,19 +18,20 @@ from numba import prange
 from ... import config
 from .._blocks import feature_row
 from .._codes import RULE_ADDITIVE
-from .._rules import check_rule, check_state
+from .._rules import check_rule, check_state, token_step
 from .._twins import pick, serial_and_parallel
 from .._vec import as_kernel_array, put3, to_work
 
 
-def _scan(q, k, v, H, out, code, eps, clip):
+def _scan(q, k, v, H, out, code, eps, clip, rule):
     """Per-token recurrence over each sequence of the flattened batch (axis 0).
 
     q, k : (B, N, F) inputs (``code`` > 0: raw, the map is applied inline;
     code 0: already features).  v : (B, N, M).  H : (B, F, M + 1) float64:
     the initial state ``[S | z]`` on entry, the final state on return.
     out : (B, N, M).  ``clip``: floor the normaliser at ``eps``; else divide
-    raw.  Compiled twice (:mod:`linattn_nb.ops._twins`):
+    raw.  ``rule``: update-rule code; each token's state update is the rule's
+    :func:`linattn_nb.ops._rules.token_step`.  Compiled twice (:mod:`linattn_nb.ops._twins`):
     :data:`causal_scan_kernel`, parallel over the batch, and
     :data:`causal_scan_kernel_serial` for small problems.
 
@@ -62,14 +63,8 @@ def _scan(q, k, v, H, out, code, eps, clip):
             num[:] = 0.0
             den = 0.0
             for i in range(F):
-                a = fk[i]
                 c = fq[i]
-                zb[i] += a  # the normaliser: value column M, whose value is 1
-                den += c * zb[i]
-                for m in range(M):
-                    s = Sb[i, m] + a * vrow[m]
-                    Sb[i, m] = s
-                    num[m] += c * s
+                den += c * token_step(rule, Sb, zb, i, fk[i], c, vrow, num)  # the rule's hook (ops/_rules.py)
             if clip and den < eps:
                 den = eps
             for m in range(M):
@@ -92,18 +87,16 @@ def causal_scan(q, k, v, H, out, *, code, eps, inputs=None, rule=RULE_ADDITIVE):
     q, k (B, N, F); v (B, N, M); H (B, F, M + 1) float64 C-contiguous, the
     state ``[S | z]`` updated in place; ``out`` (B, N, M) written.  ``code``:
     inline feature map; ``eps``: normaliser floor or None; ``inputs``: the
-    rule's per-token inputs (none for the additive rule, the only one the
-    scan implements).
+    rule's per-token inputs (none for the additive rule); ``rule``: update-rule
+    code (:data:`linattn_nb.ops._codes.RULES`).
     """
     B, N, F = q.shape
     M = v.shape[2]
     check_state(H, B, F, M)
-    check_rule(rule, inputs)
-    if rule != RULE_ADDITIVE:  # pragma: no cover - no other rule is registered yet
-        raise ValueError(f"the scan implements the additive rule only, got rule={rule}")
+    rule = check_rule(rule, inputs)
     clip = eps is not None
     q, k, v, o = (as_kernel_array(x) for x in (q, k, v, out))  # float16: uint16 bits, converted per element
     kernel = pick(causal_scan_kernel_serial, causal_scan_kernel, items=B, work=B * N * F * M,
                   limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
-    kernel(q, k, v, H, o, np.int64(code), float(eps if clip else 0.0), clip)
+    kernel(q, k, v, H, o, np.int64(code), float(eps if clip else 0.0), clip, rule)
     return out

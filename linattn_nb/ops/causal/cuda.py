@@ -3,7 +3,7 @@
 Both follow the launcher contract of :mod:`linattn_nb.ops.registry`, on
 device arrays::
 
-    launcher(q, k, v, H, out, *, code, eps, inputs=None) -> out
+    launcher(q, k, v, H, out, *, code, eps, inputs=None, rule=RULE_ADDITIVE) -> out
 
 q, k : (B, N, F) or (B1, B2, N, F) device arrays (any non-negative strides;
 raw inputs when ``code`` > 0, the elementwise map is applied in the kernel),
@@ -11,7 +11,9 @@ v, out : (B, N, M) or (B1, B2, N, M); H : (B, F, M + 1) float64 C-contiguous
 device array, the state ``[S | z]`` (column M is the normaliser, the state of
 a value column of ones), updated in place from the initial to the final
 state; ``inputs``: the rule's extra per-token inputs, none for the additive
-rule.  Any dtype mix of float16/32/64; accumulation in float32, or float64
+rule; ``rule``: the update-rule code (:data:`linattn_nb.ops._codes.RULES`;
+the method table binds it per rule), whose per-token and per-chunk steps are
+the hooks of :mod:`linattn_nb.ops._cuda_common`.  Any dtype mix of float16/32/64; accumulation in float32, or float64
 when an input is float64 (see :mod:`linattn_nb.ops._cuda_kernels`).
 
 * ``scan``: one block per (batch entry, block of value columns) walks the
@@ -29,22 +31,23 @@ The passes are those of :mod:`linattn_nb.ops._cuda_launch`.
 from __future__ import annotations
 
 from .. import _cuda_launch as C
+from .._codes import RULE_ADDITIVE
 
 
-def causal_scan_cuda(q, k, v, H, out, *, code, eps, inputs=None):
+def causal_scan_cuda(q, k, v, H, out, *, code, eps, inputs=None, rule=RULE_ADDITIVE):
     """Causal scan on the GPU; see the module docstring for the contract."""
-    p = C.plan(q, k, v, H, out, inputs=inputs)
+    p = C.plan(q, k, v, H, out, rule=rule, inputs=inputs)
     C.scan(p, H, code=code, eps=eps)
     return out
 
 
-def causal_chunked_cuda(q, k, v, H, out, *, code, eps, inputs=None, chunk_size=None):
+def causal_chunked_cuda(q, k, v, H, out, *, code, eps, inputs=None, chunk_size=None, rule=RULE_ADDITIVE):
     """Chunkwise-parallel causal attention on the GPU (module docstring).
 
     ``chunk_size`` defaults to ``config.CUDA_CHUNK_SIZE``; a sequence of one
     chunk runs the scan.
     """
-    p = C.plan(q, k, v, H, out, inputs=inputs, chunk=C.chunk_length(chunk_size))
+    p = C.plan(q, k, v, H, out, rule=rule, inputs=inputs, chunk=C.chunk_length(chunk_size))
     if p.empty:
         return out
     if p.chunks == 1:
