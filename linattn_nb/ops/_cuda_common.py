@@ -36,7 +36,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from ._codes import RULE_ADDITIVE
+from ._codes import KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU, RULE_ADDITIVE
 
 # NaN of the narrowest accumulation type: it unifies with float32 and float64
 # alike, so a hook's fallback does not widen a float32 kernel to float64.
@@ -45,11 +45,12 @@ _NAN32 = np.float32(np.nan)
 
 @cuda.jit(device=True, inline=True)
 def phi(x, code, zero, one):
-    if code == 1:
+    """The elementwise feature map ``code`` (:mod:`linattn_nb.ops._codes`) on the GPU; NaN propagates."""
+    if code == KERNEL_CODE_ELU:
         return x + one if x >= zero else math.exp(x)
-    if code == 2:
+    if code == KERNEL_CODE_RELU:
         return x if (x > zero or x != x) else zero
-    if code == 3:
+    if code == KERNEL_CODE_SQUARED_RELU:
         return x * x if (x > zero or x != x) else zero
     return x
 

@@ -10,8 +10,8 @@ block per batch entry, so that a decode step is one contiguous row of
 ``D_phi`` elements per output coordinate: the update ``S += phi(k) v^T`` and
 the read ``phi(q)^T S`` fuse into one pass over each row with a register
 accumulator.  (With ``S`` as ``(D_phi, M)`` the read is a column reduction
-that reloads and stores the accumulator row once per feature; the row pass
-measured about 1.4x slower at H = 16, D = M = 64, float32.)  On the GPU the state keeps the canonical
+that reloads and stores the accumulator row once per feature, which measured
+slower; docs/measurements-cpu.md.)  On the GPU the state keeps the canonical
 ``(D_phi, M)`` layout: one thread per output coordinate ``m`` walks the
 features, so a warp reads consecutive ``m`` (coalesced).
 """
