@@ -56,7 +56,7 @@ def check_state(H, batch: int, f: int, m: int) -> None:
                          f"(the state [S | z]), got {desc}")
 
 
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, inline="always")
 def token_step(rule, S, z, i, a, c, v, num):
     """Row ``i`` of the state after one token, read by the token's query; returns the new ``z[i]``.
 
