@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import config
+from .._validate import check_finite_values
+from ._finite import NonFiniteResult
 from .causal.chunked import causal_chunked
 from .causal.cpu import causal_scan
 from .causal.naive import causal_linear_quadratic
@@ -22,7 +24,7 @@ ADDITIVE = register_rule(Rule("additive", code=RULE_ADDITIVE))
 
 
 def _quadratic_launcher(reference):
-    def forward(q, k, v, H, out, *, code, eps, inputs=None):
+    def forward(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False):
         B, N, _ = q.shape
         if N * N > config.QUADRATIC_MAX_ELEMENTS:
             raise ValueError(
@@ -31,10 +33,17 @@ def _quadratic_launcher(reference):
                 "Use method='auto' (or raise the limit in linattn_nb.config)."
             )
         M = v.shape[2]
+        if check_finite:  # the reference is the slow path: a NumPy scan costs nothing here
+            for name, x in (("q", q), ("k", k), ("v", v)):
+                check_finite_values(name, x)
         res, S_new, z_new = reference(q, k, v, eps=eps, S0=H[:, :, :M], z0=H[:, :, M])
-        out[...] = res
+        with np.errstate(over="ignore", invalid="ignore"):
+            out[...] = res
         H[:, :, :M] = S_new
         H[:, :, M] = z_new
+        if check_finite and not (np.isfinite(out).all() and np.isfinite(H).all()):
+            raise NonFiniteResult("the result holds NaN or inf although the inputs are finite: "
+                                  f"it overflows {out.dtype} (or a normaliser is 0 with eps=None)")
         return out
 
     return forward
@@ -59,11 +68,11 @@ for _name in ("aggregate", "scan", "chunked"):
 # so the method table lists them, imported on first call so that the package
 # imports without numba-cuda and compiles nothing at import.
 def _cuda_launcher(module: str, attr: str):
-    def forward(q, k, v, H, out, *, code, eps, inputs=None):
+    def forward(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False):
         import importlib
 
         fn = getattr(importlib.import_module(module, __package__), attr)
-        return fn(q, k, v, H, out, code=code, eps=eps, inputs=inputs)
+        return fn(q, k, v, H, out, code=code, eps=eps, inputs=inputs, check_finite=check_finite)
 
     forward.__name__ = forward.__qualname__ = attr
     forward.__doc__ = f"{module}.{attr}, imported on first call (device arrays in and out)."

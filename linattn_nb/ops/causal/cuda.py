@@ -3,7 +3,7 @@
 Both follow the launcher contract of :mod:`linattn_nb.ops.registry`, on
 device arrays::
 
-    launcher(q, k, v, H, out, *, code, eps, inputs=None) -> out
+    launcher(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False) -> out
 
 q, k : (B, N, F) or (B1, B2, N, F) device arrays (any non-negative strides;
 raw inputs when ``code`` > 0, the elementwise map is applied in the kernel),
@@ -31,19 +31,31 @@ from __future__ import annotations
 from .. import _cuda_launch as C
 
 
-def causal_scan_cuda(q, k, v, H, out, *, code, eps, inputs=None):
+def _check_inputs(q, k, v, check_finite):
+    """``check_finite=True``: ValueError naming the first of q, k, v holding NaN or inf (a counting
+    kernel per input, before the launch; results are not checked on the GPU)."""
+    if check_finite:
+        from ..._cuda_dispatch import check_finite_device, input_4d
+
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            check_finite_device(name, input_4d(x))
+
+
+def causal_scan_cuda(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False):
     """Causal scan on the GPU; see the module docstring for the contract."""
+    _check_inputs(q, k, v, check_finite)
     p = C.plan(q, k, v, H, out, inputs=inputs)
     C.scan(p, H, code=code, eps=eps)
     return out
 
 
-def causal_chunked_cuda(q, k, v, H, out, *, code, eps, inputs=None, chunk_size=None):
+def causal_chunked_cuda(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, chunk_size=None):
     """Chunkwise-parallel causal attention on the GPU (module docstring).
 
     ``chunk_size`` defaults to ``config.CUDA_CHUNK_SIZE``; a sequence of one
     chunk runs the scan.
     """
+    _check_inputs(q, k, v, check_finite)
     p = C.plan(q, k, v, H, out, inputs=inputs, chunk=C.chunk_length(chunk_size))
     if p.empty:
         return out

@@ -14,8 +14,19 @@ from __future__ import annotations
 from .. import _cuda_launch as C
 
 
-def noncausal_aggregate_cuda(q, k, v, H, out, *, code, eps, inputs=None, chunk_size=None):
+def _check_inputs(q, k, v, check_finite):
+    """``check_finite=True``: ValueError naming the first of q, k, v holding NaN or inf (a counting
+    kernel per input, before the launch; results are not checked on the GPU)."""
+    if check_finite:
+        from ..._cuda_dispatch import check_finite_device, input_4d
+
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            check_finite_device(name, input_4d(x))
+
+
+def noncausal_aggregate_cuda(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, chunk_size=None):
     """Non-causal linear attention on the GPU (see the module docstring)."""
+    _check_inputs(q, k, v, check_finite)
     p = C.plan(q, k, v, H, out, inputs=inputs, chunk=C.chunk_length(chunk_size))
     if p.empty:
         return out
