@@ -180,6 +180,24 @@ def test_numpy_side_map_still_scans_raw_inputs():
                 la.linear_attention(*args, causal=causal, method=method, feature_map=fmap)
 
 
+def test_map_overflow_then_bad_value_still_named():
+    """A NumPy-side map that overflows float32 on finite inputs: recomputed in float64, and a NaN in v
+    (which the front end leaves to the kernel) is still reported."""
+    rng = np.random.default_rng(10)
+    fmap = "taylor2"  # [1, x, x x^T / sqrt 2]: positive weights, applied in NumPy
+    q, k, v = _inputs(rng, (2,), 20, 4, 3, np.float32)
+    q *= np.float32(1e20)  # q q^T beyond float32, not float64
+    with np.errstate(over="ignore"):  # the map's own float32 cast overflows (then recomputed in float64)
+        out = la.linear_attention(q, k, v, causal=True, method="chunked", feature_map=fmap)
+    ref = la.linear_attention(*(x.astype(np.float64) for x in (q, k, v)), causal=True, method="quadratic",
+                              feature_map=fmap)
+    assert np.isfinite(ref).all() and np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(v))))
+    v[1, 4, 0] = np.nan
+    with pytest.raises(ValueError, match="^v contains 1 non-finite"), np.errstate(over="ignore"):
+        la.linear_attention(q, k, v, causal=True, method="chunked", feature_map=fmap)
+
+
 def test_launchers_accept_the_contract_keyword():
     """Every registered sequence launcher (CPU and CUDA) takes check_finite=."""
     import inspect
