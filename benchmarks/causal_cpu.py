@@ -6,6 +6,7 @@ Run::
     python benchmarks/causal_cpu.py --quick         # N = 512 and 4096 only
     NUMBA_NUM_THREADS=1 python benchmarks/causal_cpu.py --sweep-chunk   # config.CPU_CHUNK_TABLE
     python benchmarks/causal_cpu.py --sweep-auto    # scan vs chunked at small N (config.AUTO_METHODS)
+    python benchmarks/causal_cpu.py --check-cost    # check_finite=True vs False, interleaved
 
 Shape: B*H = 16 sequences, D = M = 64, feature map "elu", N from 512 to
 65,536, float32 and float64.  In the same run: the sgemm rate of this machine
@@ -25,6 +26,15 @@ time(65,536) / time(4096)) are then measured once more in interleaved rounds
 (``--headline-rounds``, default 9): each call in turn, round after round,
 ratios of medians -- on a shared machine the load changes under all of them
 alike.  Results: a table on stdout and benchmarks/results/causal_cpu.json.
+
+``--check-cost`` measures what the default ``check_finite=True`` costs: the
+headline call (B*H = 16, N = 4096, D = M = 64, float32, ELU+1, chunked) with
+``check_finite=True`` and ``False`` side by side in interleaved rounds
+(``--headline-rounds``; the order of the two alternates from round to round),
+the ratio of the medians and the median of the per-round ratios, with the CPU
+model from ``lscpu``.  ``--check-cost-all`` adds the scan, the non-causal
+kernel and softmax_attention (N = 1024) at the same shape.  Results:
+benchmarks/results/causal_cpu_check_cost.json.
 """
 from __future__ import annotations
 
@@ -257,6 +267,62 @@ def headline(args, have_torch):
     }
 
 
+def cpu_model() -> str:
+    """The CPU model as ``lscpu`` reports it (with /proc/cpuinfo as the fallback)."""
+    try:
+        proc = subprocess.run(["lscpu"], capture_output=True, text=True, check=True)
+        for line in proc.stdout.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return machine()["cpu"]
+
+
+def run_check_cost(args):
+    """check_finite=True against check_finite=False in interleaved rounds, per call."""
+    info = machine()
+    info["lscpu_model"] = cpu_model()
+    rounds = max(args.headline_rounds, 3)
+    print(f"# cost of check_finite=True, B*H={BH}, D=M={D}, float32, elu -- {info['date']}, "
+          f"CPU {info['lscpu_model']}, {info['logical_cpus']} logical CPUs, numba threads "
+          f"{info['numba_threads']}, {rounds} interleaved rounds")
+    q, k, v = _inputs(4096, np.float32)
+    calls = {"chunked causal N=4096": lambda cf: linear_attention(q, k, v, causal=True, method="chunked",
+                                                                   check_finite=cf)}
+    if args.check_cost_all:
+        qs, ks, vs = _inputs(1024, np.float32)
+        calls["scan causal N=4096"] = lambda cf: linear_attention(q, k, v, causal=True, method="scan",
+                                                                   check_finite=cf)
+        calls["aggregate non-causal N=4096"] = lambda cf: linear_attention(q, k, v, causal=False,
+                                                                           method="aggregate", check_finite=cf)
+        calls["softmax causal N=1024"] = lambda cf: softmax_attention(qs, ks, vs, causal=True, check_finite=cf)
+    rows = []
+    for name, fn in calls.items():
+        fn(True), fn(False)
+        times = {True: [], False: []}
+        for r in range(rounds):
+            for cf in ((True, False) if r % 2 == 0 else (False, True)):
+                fn(cf)  # untimed: settles what the previous call left behind
+                t = time.perf_counter()
+                fn(cf)
+                times[cf].append(time.perf_counter() - t)
+        on, off = float(np.median(times[True])), float(np.median(times[False]))
+        per_round = float(np.median(np.array(times[True]) / np.array(times[False])))
+        rows.append({"call": name, "check_true_ms": on * 1e3, "check_false_ms": off * 1e3,
+                     "ratio_of_medians": on / off, "median_round_ratio": per_round,
+                     "true_ms_all": [t * 1e3 for t in times[True]],
+                     "false_ms_all": [t * 1e3 for t in times[False]]})
+        print(table(rows[-1:], ["call", "check_true_ms", "check_false_ms", "ratio_of_medians",
+                                "median_round_ratio"],
+                    {"check_true_ms": "{:.2f}", "check_false_ms": "{:.2f}", "ratio_of_medians": "{:.3f}",
+                     "median_round_ratio": "{:.3f}"}))
+        sys.stdout.flush()
+    print("target: check_finite=True costs < 3% (ratio < 1.03) on the chunked headline call")
+    path = write_json("causal_cpu_check_cost", {"machine": info, "rounds": rounds, "rows": rows}, args.out)
+    print(f"wrote {path}")
+
+
 SWEEP_COMBOS = [(16, 16), (16, 8), (24, 12), (24, 8), (32, 16), (32, 8), (32, 32), (48, 16), (48, 24),
                 (64, 16), (64, 32)]
 
@@ -348,6 +414,10 @@ def main(argv=None):
     ap.add_argument("--sweep-chunk", action="store_true")
     ap.add_argument("--dims", default="64", help="D = M values of the chunk sweep, comma-separated")
     ap.add_argument("--sweep-auto", action="store_true")
+    ap.add_argument("--check-cost", action="store_true",
+                    help="check_finite=True vs False on the headline call, interleaved rounds")
+    ap.add_argument("--check-cost-all", action="store_true",
+                    help="with --check-cost: also the scan, the non-causal kernel and softmax_attention")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/causal_cpu.json)")
     args = ap.parse_args(argv)
     if args.ns is None:
@@ -356,6 +426,8 @@ def main(argv=None):
         return run_sweep_chunk(args)
     if args.sweep_auto:
         return run_sweep_auto(args)
+    if args.check_cost or args.check_cost_all:
+        return run_check_cost(args)
     if args.headline_only:
         args.ns = ""
         args.dtypes = ""

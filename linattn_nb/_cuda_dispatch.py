@@ -132,23 +132,11 @@ def input_4d(x):
     return x4 if x4 is not None else view4(contiguous(x))
 
 
-def count_nonfinite(x4) -> int:
-    K = _kernels()
-    cuda = _cuda()
-    counter = cuda.to_device(np.zeros(1, dtype=np.int64))
-    K.count_nonfinite_kernel[K.helper_grid(x4.size)](x4, counter)
-    return int(counter.copy_to_host()[0])
-
-
 def check_finite_device(name, x4):
-    if x4.size == 0:
-        return
-    bad = count_nonfinite(x4)
-    if bad:
-        raise ValueError(
-            f"{name} contains {bad} non-finite value(s) (NaN or inf); "
-            "pass check_finite=False to skip this check"
-        )
+    """ValueError naming ``name`` when the 4-d device array ``x4`` holds NaN or inf."""
+    from .ops import _cuda_launch
+
+    _cuda_launch.check_finite_device(name, x4)
 
 
 # ---------------------------------------------------------------------------

@@ -28,12 +28,14 @@ from . import _validate as V
 from . import feature_maps as fm
 from .device import on_device, resolve_device
 from .ops import methods  # noqa: F401  (registers the built-in rules and methods)
+from .ops._finite import NonFiniteResult
 from .ops.registry import get_method, get_rule, select_auto
 from .ops.softmax.cpu import softmax_blocked
 from .ops.softmax.naive import softmax_attention_quadratic
 
 _F16 = np.dtype(np.float16)
 _F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
 
 
 class LinearState(NamedTuple):
@@ -234,7 +236,9 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
         return _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initial_state,
                               return_state, rule)
 
-    q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_finite)
+    # CPU kernels with an inline map check q, k, v while they read them; the
+    # other paths scan them here (NumPy), as the CUDA path always did
+    q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_finite and dev == "cuda")
     f = feature_dim(fmap, d)
     if dev == "cuda":
         CD.check_limits(f, m, dtype)  # fail before any work
@@ -243,6 +247,11 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
         V.check_out(out, out_shape, dtype)
     b = int(np.prod(batch_shape, dtype=np.int64))
     impl = choose_method(method, rule=rule, causal=causal, device=dev, batch=b, n=n, f=f, m=m, dtype=dtype)
+    inline = impl.inline_features and fmap.kernel_code is not None
+    if check_finite and dev == "cpu" and not inline:
+        # features computed in NumPy: the kernel sees features, so the raw q, k are scanned here
+        V.check_finite("q", q)
+        V.check_finite("k", k)
     H, position = host_state(initial_state, batch_shape, f, m, check_finite=check_finite)
     work = dtype if dtype in impl.native_dtypes else _F32
     result = out if out is not None else np.empty(out_shape, dtype=dtype)
@@ -255,12 +264,66 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
             direct = (result.dtype == work and result.flags.c_contiguous and result.flags.writeable
                       and not any(np.may_share_memory(result, x) for x in (q, k, v)))
             target = result.reshape((b, n, m)) if direct else np.empty((b, n, m), dtype=work)
-            impl.forward(qf, kf, vf, H, target, code=code, eps=eps, inputs=None)
+            try:
+                if check_finite and not inline:
+                    _check_features(fmap, qf, kf, work)  # finite q, k (scanned above): the map overflowed?
+                # check_finite: the kernel raises ValueError naming a non-finite input, and
+                # NonFiniteResult when finite inputs gave a non-finite output or state
+                impl.forward(qf, kf, vf, H, target, code=code, eps=eps, inputs=None, check_finite=check_finite)
+            except NonFiniteResult:
+                if work != _F64:
+                    H, out64 = _recompute_float64(fmap, impl, q, k, v, initial_state, batch_shape, f, m, causal,
+                                                  eps, inline)
+                    result[...] = _cast_result(out64, dtype, q, k, v).reshape(out_shape)
+                    direct = True  # result written
+                # float64 work: the result is what float64 gives (e.g. 0 / 0 with eps=None): kept
             if not direct:
                 result[...] = target.reshape(out_shape)
     if not return_state:
         return result
     return result, state_from_H(H, batch_shape, f, m, position + n)
+
+
+def _check_features(fmap, qf, kf, work):
+    """NumPy-side features of finite inputs: NonFiniteResult where they overflowed ``work`` (below float64),
+    ValueError naming the map and the input where they are not finite even in float64."""
+    for name, x in (("q", qf), ("k", kf)):
+        if not np.isfinite(x).all():
+            if work != _F64:
+                raise NonFiniteResult(f"feature map {fmap.name!r} overflowed {work} on {name}")
+            raise ValueError(
+                f"feature map {fmap.name!r} returns non-finite features for the finite {name}, even in float64: "
+                f"{name} is too large for this map"
+            )
+
+
+def _recompute_float64(fmap, impl, q, k, v, initial_state, batch_shape, f, m, causal, eps, inline):
+    """``(H, out)`` of a CPU call recomputed in float64 (features included): the float32 result overflowed."""
+    H, position = host_state(initial_state, batch_shape, f, m, check_finite=False)
+    b, n = H.shape[0], int(q.shape[-2])
+    qf, kf, vf, code = _host_features(fmap, impl, q, k, v, _F64, causal, position, n)
+    if not inline:
+        _check_features(fmap, qf, kf, _F64)
+    out64 = np.empty((b, n, m))
+    try:
+        # still checked: a map's features may have overflowed before the kernel saw v
+        impl.forward(qf, kf, vf, H, out64, code=code, eps=eps, inputs=None, check_finite=True)
+    except NonFiniteResult:
+        pass  # non-finite in float64 too (e.g. 0 / 0 with eps=None): the reference's own result
+    return H, out64
+
+
+def _cast_result(res64, dtype, q, k, v):
+    """A float64 result cast to ``dtype``; ValueError where a finite value overflows ``dtype``."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        res = res64.astype(dtype)
+    if dtype != _F64 and (np.isfinite(res64) & ~np.isfinite(res)).any():
+        sizes = ", ".join(f"|{nm}| <= {float(np.max(np.abs(x))):.3g}" for nm, x in (("q", q), ("k", k), ("v", v)))
+        raise ValueError(
+            f"the result overflows {dtype} (it is finite in float64): q, k or v is too large for {dtype} "
+            f"({sizes}); pass float64 inputs or rescale them"
+        )
+    return res
 
 
 def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initial_state, return_state, rule):
@@ -315,7 +378,8 @@ def softmax_attention(q, k, v, *, causal, scale, device, check_finite, method):
             "GPU inputs: copy them to the host first."
         )
     causal = check_causal(causal)
-    q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_finite)
+    # the blocked kernel checks q, k, v itself (while it reads them); the reference is scanned here
+    q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_finite and method != "blocked")
     scale = V.check_scale(scale, d)
     if method not in ("blocked", "quadratic"):
         raise ValueError(f"unknown method {method!r} for softmax_attention; choose 'blocked' or 'quadratic'")
@@ -332,7 +396,14 @@ def softmax_attention(q, k, v, *, causal, scale, device, check_finite, method):
         return result
     direct = work == dtype
     target = result.reshape((b, n, m)) if direct else np.empty((b, n, m), dtype=work)
-    softmax_blocked(qf, kf, vf, target, causal=causal, scale=scale)
+    try:
+        softmax_blocked(qf, kf, vf, target, causal=causal, scale=scale, check_finite=check_finite)
+    except NonFiniteResult:
+        if work != _F64:  # the working dtype overflowed (e.g. float32 scores of inputs of 1e19): float64
+            out64 = np.empty((b, n, m))
+            softmax_blocked(*(V.flatten_batch(x, _F64) for x in (q, k, v)), out64, causal=causal, scale=scale)
+            result[...] = _cast_result(out64, dtype, q, k, v).reshape(out_shape)
+            return result
     if not direct:
         result[...] = target.reshape(out_shape)
     return result

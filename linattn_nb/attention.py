@@ -83,8 +83,20 @@ def linear_attention(
         keeps the output finite but large; ``eps=None`` divides by the raw
         signed normaliser instead (a zero normaliser then gives inf/NaN).
     check_finite : bool, default True
-        Raise ValueError when an input holds NaN or inf.  With False, NaN
-        propagates to the affected outputs.
+        Raise ValueError when an input (q, k, v or ``initial_state``) holds
+        NaN or inf, naming the first such input.  On the CPU, with a map that
+        has an inline form, the kernels check q, k and v while they read
+        them (no separate pass over the inputs); the error is raised after
+        the kernel ran, so a caller's ``out`` then holds unspecified values
+        (nothing else is modified: ``initial_state`` never is, and no state
+        is returned).  Also guards against overflow of the working dtype: when
+        finite float16/float32 inputs give a non-finite output or state (e.g.
+        float32 products of inputs of magnitude 1e19), the call is recomputed
+        in float64 and cast back, so the result is finite wherever the
+        float64 computation is; a result that is finite in float64 but
+        beyond the input dtype's range raises ValueError.  With False none of
+        this is checked: NaN propagates to the affected outputs, and an
+        overflow gives inf/NaN.
     out : ndarray, optional
         Output buffer of shape (..., N, M) and the result dtype.
     initial_state : LinearState or tuple (S, z[, position]), optional
@@ -106,7 +118,8 @@ def linear_attention(
     ------
     ValueError
         Mismatched N or D, batch dimensions, fewer than 2 dimensions,
-        non-finite inputs (``check_finite``), unknown ``method``/``device``,
+        non-finite inputs (``check_finite``), a result too large for the
+        input dtype (``check_finite``), unknown ``method``/``device``,
         badly shaped ``out`` or ``initial_state``.
     TypeError
         Non-floating inputs, a bad ``feature_map`` or ``out`` dtype.
@@ -155,6 +168,11 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, device="auto", check
     device : {"auto", "cpu"}
         Only a CPU kernel exists; GPU inputs raise ValueError.
     check_finite : bool, default True
+        Raise ValueError when q, k or v holds NaN or inf (the blocked kernel
+        checks them while it reads them), and recompute in float64 when
+        finite float16/float32 inputs overflow the working dtype (e.g.
+        float32 scores of inputs of magnitude 1e19).  With False neither is
+        checked.
     method : {"blocked", "quadratic"}
         ``"quadratic"`` is the naive float64 reference (explicit N x N).
 

@@ -15,7 +15,7 @@ from numba.extending import overload
 
 from .. import config
 from ._common import phi
-from ._vec import f16_to_f32, to_work
+from ._vec import f16_to_f32, is_finite, to_work
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -23,48 +23,64 @@ def load_chunk(q, k, v, b, s0, n, fq, fk, R, row0, code, with_q):
     """Read tokens [s0, s0 + n) of sequence b once, token by token, into the working dtype.
 
     ``fq[t, :F] = phi(q[b, s0 + t])`` (when ``with_q``), ``fk[t] =
-    phi(k[b, s0 + t])`` and ``R[row0 + t, :M] = v[b, s0 + t]``.  Returns True
-    when every value is finite.
+    phi(k[b, s0 + t])`` and ``R[row0 + t, :M] = v[b, s0 + t]``.  Returns
+    ``(v_finite, inputs_finite)``: whether every value is finite, and whether
+    every element read (q when ``with_q``, k and v) is.
 
     One pass over the three inputs rather than one per input: the three input
     streams are read side by side, which is faster than a feature pass over
-    q, one over k and a separate value copy (docs/measurements-cpu.md).
+    q, one over k and a separate value copy (docs/measurements-cpu.md).  The
+    finiteness check rides on that pass (:func:`linattn_nb.ops._vec.is_finite`
+    and-ed into a flag, which vectorises with the loop).  The raw inputs are
+    checked, not the features: ELU+1 and ReLU map ``-inf`` to 0.
     """
     F = k.shape[2]
     M = v.shape[2]
-    zero = R.dtype.type(0.0)
-    acc = zero
+    vok = True
+    qkok = True
     for t in range(n):
         if with_q:
             for i in range(F):
-                fq[t, i] = phi(to_work(q[b, s0 + t, i]), code)
+                x = to_work(q[b, s0 + t, i])
+                fq[t, i] = phi(x, code)
+                qkok &= is_finite(x)
         for i in range(F):
-            fk[t, i] = phi(to_work(k[b, s0 + t, i]), code)
+            x = to_work(k[b, s0 + t, i])
+            fk[t, i] = phi(x, code)
+            qkok &= is_finite(x)
         for m in range(M):
             x = to_work(v[b, s0 + t, m])
             R[row0 + t, m] = x
-            acc += x * zero  # NaN exactly for NaN / inf
-    return acc == acc
+            vok &= is_finite(x)
+    return vok, vok and qkok
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def features(src, b, s0, n, dst, code):
-    """dst[:n] = phi(src[b, s0:s0+n]) in the working dtype."""
+    """dst[:n] = phi(src[b, s0:s0+n]) in the working dtype; returns whether every element read is finite."""
     F = src.shape[2]
+    ok = True
     for t in range(n):
         for i in range(F):
-            dst[t, i] = phi(to_work(src[b, s0 + t, i]), code)
+            x = to_work(src[b, s0 + t, i])
+            dst[t, i] = phi(x, code)
+            ok &= is_finite(x)
+    return ok
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def feature_row(src, b, t, dst, code):
-    """dst[:] = phi(src[b, t]) in dst's dtype.
+    """dst[:] = phi(src[b, t]) in dst's dtype; returns whether every element read is finite.
 
     A function of its own (not a loop inside a larger kernel) so that LLVM
     takes the branch on ``code`` out of the loop and vectorises each map.
     """
+    ok = True
     for i in range(dst.shape[0]):
-        dst[i] = phi(to_work(src[b, t, i]), code)
+        x = to_work(src[b, t, i])
+        dst[i] = phi(x, code)
+        ok &= is_finite(x)
+    return ok
 
 
 def values(v, b, s0, n, buf):  # pragma: no cover - replaced inside Numba
@@ -98,6 +114,8 @@ def state_sums(k, v, b, s_begin, s_end, H, code, fk, vb, part):
     (``part`` (F, M) scratch of the working dtype), the normaliser column
     ``H[:, M] += colsum(phi(K))`` token by token in float64 (in a contiguous
     copy of the column while the blocks run, so that the sum vectorises).
+    Returns whether every k and v element read is finite (the value block is
+    checked while it is in cache, just before its product).
     """
     F = k.shape[2]
     M = v.shape[2]
@@ -105,11 +123,15 @@ def state_sums(k, v, b, s_begin, s_end, H, code, fk, vb, part):
     z = np.empty(F)
     for i in range(F):
         z[i] = H[i, M]
+    ok = True
     for s0 in range(s_begin, s_end, blk):
         n = min(blk, s_end - s0)
         fkn = fk[:n]
-        features(k, b, s0, n, fkn, code)
+        ok &= features(k, b, s0, n, fkn, code)
         vc = values(v, b, s0, n, vb)
+        for t in range(n):
+            for m in range(M):
+                ok &= is_finite(vc[t, m])
         np.dot(fkn.T, vc, part)
         for i in range(F):
             for m in range(M):
@@ -119,3 +141,14 @@ def state_sums(k, v, b, s_begin, s_end, H, code, fk, vb, part):
                 z[i] += fkn[t, i]
     for i in range(F):
         H[i, M] = z[i]
+    return ok
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def state_finite(H):
+    """Whether every element of a state ``H`` (F, M + 1) is finite (one pass)."""
+    ok = True
+    for i in range(H.shape[0]):
+        for m in range(H.shape[1]):
+            ok &= is_finite(H[i, m])
+    return ok

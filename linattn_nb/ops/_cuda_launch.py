@@ -85,6 +85,40 @@ class SeqPlan:
         return self.N == 0 or self.B == 0
 
 
+def count_nonfinite(x4) -> int:
+    """Number of NaN/inf entries of a 4-d device array (one counting kernel, one read back)."""
+    counter = cuda.to_device(np.zeros(1, dtype=np.int64))
+    K.count_nonfinite_kernel[K.helper_grid(x4.size)](x4, counter)
+    return int(counter.copy_to_host()[0])
+
+
+def check_finite_device(name, x4) -> None:
+    """ValueError naming ``name`` when the 4-d device array ``x4`` holds NaN or inf."""
+    if x4.size == 0:
+        return
+    bad = count_nonfinite(x4)
+    if bad:
+        raise ValueError(
+            f"{name} contains {bad} non-finite value(s) (NaN or inf); "
+            "pass check_finite=False to skip this check"
+        )
+
+
+def check_inputs(q, k, v, check_finite: bool) -> None:
+    """``check_finite=True``: ValueError naming the first of q, k, v holding NaN or inf.
+
+    One counting kernel per input before the launch (results are not checked
+    on the GPU).  Inputs are (B, N, ·) or 4-d (B1, B2, N, ·) device arrays.
+    """
+    if not check_finite:
+        return
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        x4 = K.as_4d(x) if len(x.shape) != 4 else x
+        if x4 is None:
+            raise ValueError(f"{name}: the leading dimensions of shape {tuple(x.shape)} cannot be merged")
+        check_finite_device(name, x4)
+
+
 def chunk_length(chunk_size) -> int:
     """Tokens per chunk: ``chunk_size``, or ``config.CUDA_CHUNK_SIZE`` when None."""
     L = int(config.CUDA_CHUNK_SIZE if chunk_size is None else chunk_size)

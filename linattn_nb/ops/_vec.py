@@ -22,6 +22,12 @@ loop calling them compiles to SIMD code:
   float64 literal would promote a float32 loop).
 * :func:`to_work` converts an input element to the working dtype: ``uint16``
   (float16 bits) -> float32, floats unchanged.
+* :func:`is_finite` tells NaN and inf from finite values in a form that
+  vectorises and survives the kernels' fast-math flags.
+* :func:`put3` stores a result element (float16 bits: rounded to nearest
+  even); :func:`store3` does the same and returns the value as stored, so a
+  kernel can check what it wrote (a float32 value above the float16 range is
+  stored as inf).
 
 The feature map the CPU kernels apply, built from these, is
 :func:`linattn_nb.ops._common.phi`.
@@ -36,6 +42,8 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
+
+from .. import config
 
 _LOG2E = 1.4426950408889634
 # Cody-Waite split of ln 2: the high parts have few significant bits, so
@@ -112,7 +120,7 @@ _EXP_F32_COEFFS = (1.0, 1.0000000436, 0.49999991243, 0.16666421201, 0.0416683630
                    0.0083747679964, 0.0013829378402)
 
 
-@njit(fastmath=_EXP_FLAGS, cache=True)
+@njit(fastmath=_EXP_FLAGS, cache=config.CACHE)
 def _elu1_f32(x):
     xc = x if x < np.float32(0.0) else np.float32(0.0)
     xc = xc if xc > np.float32(-87.3) else np.float32(-87.3)
@@ -135,7 +143,7 @@ def _elu1_f32(x):
     return p if x < np.float32(0.0) else x + np.float32(1.0)
 
 
-@njit(fastmath=_EXP_FLAGS, cache=True)
+@njit(fastmath=_EXP_FLAGS, cache=config.CACHE)
 def _elu1_f64(x):
     xc = x if x < 0.0 else 0.0
     xc = xc if xc > -708.3 else -708.3
@@ -240,6 +248,51 @@ def _put3_ov(a, i, j, l, x):
     if isinstance(a.dtype, types.Float):
         def impl(a, i, j, l, x):
             a[i, j, l] = x
+
+        return impl
+    return None
+
+
+def store3(a, i, j, l, x):  # pragma: no cover
+    """:func:`put3`, returning the stored value in the working dtype (float16 bits: converted back)."""
+    a[i, j, l] = x
+    return x
+
+
+@overload(store3)
+def _store3_ov(a, i, j, l, x):
+    if isinstance(a.dtype, types.Integer) and a.dtype.bitwidth == 16:
+        def impl(a, i, j, l, x):
+            h = f32_to_f16(np.float32(x))
+            a[i, j, l] = h
+            return f16_to_f32(h)
+
+        return impl
+    if isinstance(a.dtype, types.Float):
+        def impl(a, i, j, l, x):
+            a[i, j, l] = x
+            return a[i, j, l]  # as stored: a float64 value beyond the float32 range reads back as inf
+
+        return impl
+    return None
+
+
+def is_finite(x):  # pragma: no cover
+    """Whether ``x`` is neither NaN nor inf."""
+    return bool(np.isfinite(x))
+
+
+@overload(is_finite)
+def _is_finite_ov(x):
+    # x * 0 == 0 in x's own type: False exactly for NaN and +-inf.  A
+    # comparison per element, and-ed into a flag: a sum of x * 0 terms would
+    # be rewritten as (sum x) * 0 under the kernels' "reassoc" flag, and that
+    # sum overflows to inf for large finite x.
+    if isinstance(x, types.Float):
+        zero = x(0.0)
+
+        def impl(x):
+            return x * zero == zero
 
         return impl
     return None

@@ -19,7 +19,9 @@ import functools
 import numpy as np
 
 from .. import config
+from .._validate import check_finite_values
 from ._codes import RULES
+from ._finite import NonFiniteResult
 from .causal.chunked import causal_chunked
 from .causal.cpu import causal_scan
 from .causal.naive import causal_linear_quadratic
@@ -34,7 +36,7 @@ CAUSAL_METHODS = {"cpu": ("quadratic", "scan", "chunked"), "cuda": ("scan", "chu
 
 
 def _quadratic_launcher(reference, **rule_kw):
-    def forward(q, k, v, H, out, *, code, eps, inputs=None):
+    def forward(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False):
         B, N, _ = q.shape
         if N * N > config.QUADRATIC_MAX_ELEMENTS:
             raise ValueError(
@@ -43,14 +45,21 @@ def _quadratic_launcher(reference, **rule_kw):
                 "Use method='auto' (or raise the limit in linattn_nb.config)."
             )
         M = v.shape[2]
+        if check_finite:  # the reference is the slow path: a NumPy scan costs nothing here
+            for name, x in (("q", q), ("k", k), ("v", v)):
+                check_finite_values(name, x)
         if rule_kw:
             res, S_new, z_new = reference(q, k, v, eps=eps, S0=H[:, :, :M], z0=H[:, :, M], inputs=inputs,
                                           **rule_kw)
         else:  # the non-causal reference: the additive rule only
             res, S_new, z_new = reference(q, k, v, eps=eps, S0=H[:, :, :M], z0=H[:, :, M])
-        out[...] = res
+        with np.errstate(over="ignore", invalid="ignore"):
+            out[...] = res
         H[:, :, :M] = S_new
         H[:, :, M] = z_new
+        if check_finite and not (np.isfinite(out).all() and np.isfinite(H).all()):
+            raise NonFiniteResult("the result holds NaN or inf although the inputs are finite: "
+                                  f"it overflows {out.dtype} (or a normaliser is 0 with eps=None)")
         return out
 
     forward.__name__ = forward.__qualname__ = reference.__name__
@@ -67,11 +76,11 @@ def _bind(launcher, code):
 # so the method table lists them, imported on first call so that the package
 # imports without numba-cuda and compiles nothing at import.
 def _cuda_launcher(module: str, attr: str, **rule_kw):
-    def forward(q, k, v, H, out, *, code, eps, inputs=None):
+    def forward(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False):
         import importlib
 
         fn = getattr(importlib.import_module(module, __package__), attr)
-        return fn(q, k, v, H, out, code=code, eps=eps, inputs=inputs, **rule_kw)
+        return fn(q, k, v, H, out, code=code, eps=eps, inputs=inputs, check_finite=check_finite, **rule_kw)
 
     forward.__name__ = forward.__qualname__ = attr
     forward.__doc__ = f"{module}.{attr}, imported on first call (device arrays in and out)."

@@ -13,7 +13,7 @@ tables ``config.AUTO_METHODS[(rule, causal, device)]``.
 The forward launcher of a sequence method has one signature for every rule
 and device::
 
-    forward(q, k, v, H, out, *, code, eps, inputs=None) -> out
+    forward(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False) -> out
 
 ``q, k`` (B, N, F): raw inputs when ``code`` > 0 (the method applies the
 elementwise map itself, :attr:`Method.inline_features`), else features.
@@ -25,6 +25,19 @@ ones**, so a rule's kernels produce the normaliser without code of their own.
 ``inputs``: the rule's extra per-token inputs (:attr:`Rule.inputs`),
 flattened to the batch, None for the additive rule.  On CUDA the arrays are
 device arrays (``q, k, v, out`` may be 4-d ``(B1, B2, N, ·)`` views).
+
+``check_finite``: with True the launcher raises ``ValueError("<name>
+contains <n> non-finite value(s) (NaN or inf); pass check_finite=False to
+skip this check")`` naming the first of ``q``, ``k``, ``v`` that holds NaN
+or inf, and, when they are all finite but an output, a normaliser or ``H``
+is not (the working dtype overflowed, or a normaliser is 0 with
+``eps=None``), :class:`linattn_nb.ops._finite.NonFiniteResult` (a
+``FloatingPointError``).  Both are raised after the kernel ran: ``out`` and
+``H`` then hold unspecified values (the front end recomputes an overflowed
+call in float64).  The CPU kernels find both while they read and write
+(:mod:`linattn_nb.ops._finite`), so the default path makes no separate pass
+over the inputs; the CUDA launchers run a counting kernel over q, k, v
+before the launch and do not check results.  With False nothing is checked.
 
 A method may register a ``backward`` launcher next to its forward one (None
 until gradients land).  Decode-step kernels are registered the same way under

@@ -49,6 +49,14 @@ holding NaN or inf (possible with ``check_finite=False``) takes an explicit
 loop that sums over ``j <= t`` only, so that ``0 * NaN`` in the masked
 triangle does not reach earlier rows.
 
+Finiteness (``check_finite``): the chunk's one read of q, k and v also
+tests the raw elements (:func:`linattn_nb.ops._vec.is_finite`), the output
+loop the outputs and normalisers, and one pass each segment's final state
+(:mod:`linattn_nb.ops._finite`): a NaN or inf in an input, or a non-finite
+result of finite inputs (float32 overflow), is known when the kernel
+returns, at the cost of a vectorised compare per element already in
+registers.
+
 Kernels cached on disk do not see edits to the helper modules they inline
 (``_blocks.py``, ``_vec.py``, ``_common.py``, ``_gemm.py``, ``_rules.py``,
 ``_chunks.py``): clear ``__pycache__`` after changing those.
@@ -69,13 +77,14 @@ from numba import njit, prange
 
 from ... import config
 from ..._blas import single_threaded_blas
-from .._blocks import load_chunk
+from .._blocks import load_chunk, state_finite
 from .._chunks import part_range, plan, segment_states, token_range
 from .._codes import RULE_ADDITIVE
+from .._finite import new_flags, report
 from .._gemm import gemm
 from .._rules import check_rule, check_state, chunk_transition, intra_weights
 from .._twins import pick, serial_and_parallel
-from .._vec import as_kernel_array, put3, work_dtype
+from .._vec import as_kernel_array, is_finite, store3, work_dtype
 
 
 # ---------------------------------------------------------------------------
@@ -100,6 +109,10 @@ def _span(q, k, v, out, b, s_begin, s_end, H, code, eps, clip, bs, X, R, fk, o, 
     Scratch (working dtype), for chunk size C = fk.shape[0]:
     X (C, F + C) = [phi(Q_c) | A], R (F + C, M + 1) = [H ; V_c 1],
     fk (C, F) = phi(K_c), o (C, M + 1), part (F, M + 1).
+
+    Returns ``(inputs_finite, results_finite)``: whether every q, k, v
+    element read was finite, and whether every output written, every
+    normaliser and the final state are.
     """
     F = q.shape[2]
     M = v.shape[2]
@@ -107,10 +120,13 @@ def _span(q, k, v, out, b, s_begin, s_end, H, code, eps, clip, bs, X, R, fk, o, 
     LX = F + C
     M1 = M + 1
     zero = X.dtype.type(0.0)
+    inputs_ok = True
+    results_ok = True  # outputs and normalisers
     _init_scratch(H, R)
     for s0 in range(s_begin, s_end, C):
         n = min(C, s_end - s0)
-        finite = load_chunk(q, k, v, b, s0, n, X, fk, R, F, code, True)
+        finite, read_ok = load_chunk(q, k, v, b, s0, n, X, fk, R, F, code, True)
+        inputs_ok &= read_ok
         # Row blocks of bs: block r needs A and V_c only up to its own last
         # row, so the upper triangle is computed for the diagonal blocks only.
         for r0 in range(0, n, bs):
@@ -134,10 +150,13 @@ def _span(q, k, v, out, b, s_begin, s_end, H, code, eps, clip, bs, X, R, fk, o, 
             den = o[t, M]
             if clip and den < eps:
                 den = eps
+            # an inf normaliser over finite numerators would give finite zeros
+            results_ok &= is_finite(den)
             r = 1.0 / den
             for m in range(M):
-                put3(out, b, s0 + t, m, o[t, m] * r)
+                results_ok &= is_finite(store3(out, b, s0 + t, m, o[t, m] * r))
         chunk_transition(rule, H, R, fk, part, n)
+    return inputs_ok, results_ok and state_finite(H)
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -175,8 +194,11 @@ def _sum_item(it, k, v, Hp, wt, code, C, P, sub, rule):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _span_item(it, q, k, v, Hst, out, wt, code, eps, clip, C, bs, rule):
-    """Pass 2, work item ``it``: segment ``p`` of sequence ``b`` from state Hst[b, p]."""
+def _span_item(it, q, k, v, Hst, out, wt, code, eps, clip, C, bs, rule, flags):
+    """Pass 2, work item ``it``: segment ``p`` of sequence ``b`` from state Hst[b, p].
+
+    ``flags[it]`` <- (an input read was NaN/inf, a result or the state is).
+    """
     N, F = q.shape[1], q.shape[2]
     M = v.shape[2]
     P = Hst.shape[1]
@@ -189,10 +211,13 @@ def _span_item(it, q, k, v, Hst, out, wt, code, eps, clip, C, bs, rule):
     fk = np.empty((C, F), wt)
     o = np.empty((C, M + 1), wt)
     part = np.empty((F, M + 1), wt)
-    _span(q, k, v, out, b, t0, t1, Hst[b, p], code, eps, clip, bs, X, R, fk, o, part, rule)
+    inputs_ok, results_ok = _span(q, k, v, out, b, t0, t1, Hst[b, p], code, eps, clip, bs, X, R, fk, o, part,
+                                  rule)
+    flags[it, 0] = not inputs_ok
+    flags[it, 1] = not results_ok
 
 
-def _chunked_pass(mode, q, k, v, Hst, out, proto, code, eps, clip, C, sub, bs, rule):
+def _chunked_pass(mode, q, k, v, Hst, out, proto, code, eps, clip, C, sub, bs, rule, flags):
     """One pass of the chunked causal kernel over its work items.
 
     q, k : (B, N, F) float32/float64, or uint16 (float16 bits); raw inputs when
@@ -207,7 +232,11 @@ def _chunked_pass(mode, q, k, v, Hst, out, proto, code, eps, clip, C, sub, bs, r
     ``mode`` 1 (pass 2): ``Hst`` (B, P, F, M+1) float64 holds the state at the
     start of each of the P segments of every sequence; each segment's outputs
     are written and its state is advanced in place to the segment's end (so
-    ``Hst[:, P-1]`` ends as the final state).
+    ``Hst[:, P-1]`` ends as the final state); ``flags`` (B * P, 2) uint8
+    receives per segment whether a q, k or v element read was NaN or inf
+    (column 0) and whether an output, a normaliser or the segment's final
+    state is (column 1).  Pass 2 reads every token, so its flags cover the
+    whole input; pass 1 leaves ``flags`` alone.
 
     Compiled twice (:mod:`linattn_nb.ops._twins`): :data:`chunked_kernel`
     runs the items in parallel, :data:`chunked_kernel_serial` on the calling
@@ -220,7 +249,7 @@ def _chunked_pass(mode, q, k, v, Hst, out, proto, code, eps, clip, C, sub, bs, r
         if mode == 0:
             _sum_item(it, k, v, Hst, wt, code, C, Hst.shape[1] // sub + 1, sub, rule)
         else:
-            _span_item(it, q, k, v, Hst, out, wt, code, eps, clip, C, bs, rule)
+            _span_item(it, q, k, v, Hst, out, wt, code, eps, clip, C, bs, rule, flags)
 
 
 chunked_kernel_serial, chunked_kernel = serial_and_parallel(_chunked_pass, fastmath=config.FASTMATH,
@@ -230,8 +259,8 @@ chunked_kernel_serial, chunked_kernel = serial_and_parallel(_chunked_pass, fastm
 # ---------------------------------------------------------------------------
 # launcher
 # ---------------------------------------------------------------------------
-def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, chunk=None, block=None, seq_parallel=None,
-                   rule=RULE_ADDITIVE):
+def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, chunk=None, block=None,
+                   seq_parallel=None, rule=RULE_ADDITIVE):
     """Launcher of :func:`chunked_kernel` (the method table's forward signature).
 
     Parameters
@@ -251,6 +280,12 @@ def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, chunk=None, block
         Normaliser floor (None: raw division).
     inputs : mapping, optional
         The rule's per-token inputs (none for the additive rule).
+    check_finite : bool, default False
+        Raise ValueError naming the first of q, k, v that holds NaN or inf
+        (found while the kernel reads them), and
+        :class:`~linattn_nb.ops._finite.NonFiniteResult` when the inputs are
+        finite but an output, a normaliser or the final state is not; both
+        after the kernel ran (``out`` and ``H`` are then unspecified).
     chunk : int, optional
         Chunk size; default from :func:`linattn_nb.config.cpu_chunk_size`.
     block : int, optional
@@ -285,7 +320,9 @@ def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, chunk=None, block
     qk, kk, vk = (as_kernel_array(np.ascontiguousarray(x)) for x in (q, k, v))
     ok = as_kernel_array(out)
     proto = np.empty(0, wt)
-    args = (np.int64(code), float(eps if clip else 0.0), clip, np.int64(C), np.int64(sub), np.int64(bs), rule)
+    flags = new_flags(B * P)
+    args = (np.int64(code), float(eps if clip else 0.0), clip, np.int64(C), np.int64(sub), np.int64(bs), rule,
+            flags)
     # BLAS pinned to one thread inside the parallel kernel only: there, its own
     # threads would oversubscribe the cores; on the calling thread alone they
     # may help, and the pinning costs a tenth of a small call.
@@ -293,13 +330,14 @@ def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, chunk=None, block
         if P == 1:
             # batch-parallel: the state array holds the segment states
             kernel(np.int64(1), qk, kk, vk, H.reshape(B, 1, F, M + 1), ok, proto, *args)
-            return out
-        # pass 1: contributions of the pieces before the last segment
-        parts = np.empty((B, (P - 1) * sub, F, M + 1))
-        kernel(np.int64(0), qk, kk, vk, parts, ok, proto, *args)
-        # prefix over segments, starting from the initial state
-        Hst = segment_states(rule, H, parts, sub, P)
-        # pass 2: all segments in parallel
-        kernel(np.int64(1), qk, kk, vk, Hst, ok, proto, *args)
-    H[...] = Hst[:, P - 1]
+        else:
+            # pass 1: contributions of the pieces before the last segment
+            parts = np.empty((B, (P - 1) * sub, F, M + 1))
+            kernel(np.int64(0), qk, kk, vk, parts, ok, proto, *args)
+            # prefix over segments, starting from the initial state
+            Hst = segment_states(rule, H, parts, sub, P)
+            # pass 2: all segments in parallel
+            kernel(np.int64(1), qk, kk, vk, Hst, ok, proto, *args)
+            H[...] = Hst[:, P - 1]
+    report(flags, (("q", q), ("k", k), ("v", v)), check_finite=check_finite)
     return out

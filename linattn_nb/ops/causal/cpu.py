@@ -20,10 +20,11 @@ from .._blocks import feature_row
 from .._codes import RULE_ADDITIVE
 from .._rules import check_rule, check_state, token_step
 from .._twins import pick, serial_and_parallel
-from .._vec import as_kernel_array, put3, to_work
+from .._finite import new_flags, report
+from .._vec import as_kernel_array, is_finite, store3, to_work
 
 
-def _scan(q, k, v, H, out, code, eps, clip, rule):
+def _scan(q, k, v, H, out, code, eps, clip, rule, flags):
     """Per-token recurrence over each sequence of the flattened batch (axis 0).
 
     q, k : (B, N, F) inputs (``code`` > 0: raw, the map is applied inline;
@@ -31,7 +32,10 @@ def _scan(q, k, v, H, out, code, eps, clip, rule):
     the initial state ``[S | z]`` on entry, the final state on return.
     out : (B, N, M).  ``clip``: floor the normaliser at ``eps``; else divide
     raw.  ``rule``: update-rule code; each token's state update is the rule's
-    :func:`linattn_nb.ops._rules.token_step`.  Compiled twice (:mod:`linattn_nb.ops._twins`):
+    :func:`linattn_nb.ops._rules.token_step`.  ``flags`` (B, 2) uint8 <- per
+    sequence, whether a q, k or v element read was NaN or inf (checked on the
+    elements the loop loads anyway), and whether an output, a normaliser or
+    the final state is.  Compiled twice (:mod:`linattn_nb.ops._twins`):
     :data:`causal_scan_kernel`, parallel over the batch, and
     :data:`causal_scan_kernel_serial` for small problems.
 
@@ -55,11 +59,15 @@ def _scan(q, k, v, H, out, code, eps, clip, rule):
         fk = np.empty(F, dtype=H.dtype)
         num = np.empty(M, dtype=H.dtype)
         vrow = np.empty(M, dtype=H.dtype)
+        inputs_ok = True
+        results_ok = True  # outputs, normalisers and the final state
         for t in range(N):
             for m in range(M):
-                vrow[m] = to_work(v[b, t, m])
-            feature_row(q, b, t, fq, code)
-            feature_row(k, b, t, fk, code)
+                x = to_work(v[b, t, m])
+                vrow[m] = x
+                inputs_ok &= is_finite(x)
+            inputs_ok &= feature_row(q, b, t, fq, code)
+            inputs_ok &= feature_row(k, b, t, fk, code)
             num[:] = 0.0
             den = 0.0
             for i in range(F):
@@ -67,12 +75,17 @@ def _scan(q, k, v, H, out, code, eps, clip, rule):
                 den += c * token_step(rule, Sb, zb, i, fk[i], c, vrow, num)  # the rule's hook (ops/_rules.py)
             if clip and den < eps:
                 den = eps
+            results_ok &= is_finite(den)  # an inf normaliser over finite numerators would give finite zeros
             for m in range(M):
-                put3(out, b, t, m, num[m] / den)
+                results_ok &= is_finite(store3(out, b, t, m, num[m] / den))
         for i in range(F):
             for m in range(M):
                 H[b, i, m] = Sb[i, m]
+                results_ok &= is_finite(Sb[i, m])
             H[b, i, M] = zb[i]
+            results_ok &= is_finite(zb[i])
+        flags[b, 0] = not inputs_ok
+        flags[b, 1] = not results_ok
 
 
 # error_model="numpy": raw division (eps=None) by a zero normaliser gives inf
@@ -81,22 +94,28 @@ causal_scan_kernel_serial, causal_scan_kernel = serial_and_parallel(_scan, fastm
                                                                     cache=config.CACHE, error_model="numpy")
 
 
-def causal_scan(q, k, v, H, out, *, code, eps, inputs=None, rule=RULE_ADDITIVE):
+def causal_scan(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, rule=RULE_ADDITIVE):
     """Launcher (the method table's forward signature).
 
     q, k (B, N, F); v (B, N, M); H (B, F, M + 1) float64 C-contiguous, the
     state ``[S | z]`` updated in place; ``out`` (B, N, M) written.  ``code``:
     inline feature map; ``eps``: normaliser floor or None; ``inputs``: the
     rule's per-token inputs (none for the additive rule); ``rule``: update-rule
-    code (:data:`linattn_nb.ops._codes.RULES`).
+    code (:data:`linattn_nb.ops._codes.RULES`).  ``check_finite``: raise
+    ValueError naming the first of q, k, v holding NaN or inf, or
+    :class:`~linattn_nb.ops._finite.NonFiniteResult` for finite inputs whose
+    outputs or state are not (found by the kernel while it reads and writes;
+    raised after it ran, ``out`` and ``H`` then unspecified).
     """
     B, N, F = q.shape
     M = v.shape[2]
     check_state(H, B, F, M)
     rule = check_rule(rule, inputs)
     clip = eps is not None
-    q, k, v, o = (as_kernel_array(x) for x in (q, k, v, out))  # float16: uint16 bits, converted per element
+    qk, kk, vk, o = (as_kernel_array(x) for x in (q, k, v, out))  # float16: uint16 bits, converted per element
     kernel = pick(causal_scan_kernel_serial, causal_scan_kernel, items=B, work=B * N * F * M,
                   limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
-    kernel(q, k, v, H, o, np.int64(code), float(eps if clip else 0.0), clip, rule)
+    flags = new_flags(B)
+    kernel(qk, kk, vk, H, o, np.int64(code), float(eps if clip else 0.0), clip, rule, flags)
+    report(flags, (("q", q), ("k", k), ("v", v)), check_finite=check_finite)
     return out

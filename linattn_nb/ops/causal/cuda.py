@@ -3,7 +3,7 @@
 Both follow the launcher contract of :mod:`linattn_nb.ops.registry`, on
 device arrays::
 
-    launcher(q, k, v, H, out, *, code, eps, inputs=None, rule=RULE_ADDITIVE) -> out
+    launcher(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, rule=RULE_ADDITIVE) -> out
 
 q, k : (B, N, F) or (B1, B2, N, F) device arrays (any non-negative strides;
 raw inputs when ``code`` > 0, the elementwise map is applied in the kernel),
@@ -34,19 +34,22 @@ from .. import _cuda_launch as C
 from .._codes import RULE_ADDITIVE
 
 
-def causal_scan_cuda(q, k, v, H, out, *, code, eps, inputs=None, rule=RULE_ADDITIVE):
+def causal_scan_cuda(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, rule=RULE_ADDITIVE):
     """Causal scan on the GPU; see the module docstring for the contract."""
+    C.check_inputs(q, k, v, check_finite)
     p = C.plan(q, k, v, H, out, rule=rule, inputs=inputs)
     C.scan(p, H, code=code, eps=eps)
     return out
 
 
-def causal_chunked_cuda(q, k, v, H, out, *, code, eps, inputs=None, chunk_size=None, rule=RULE_ADDITIVE):
+def causal_chunked_cuda(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, chunk_size=None,
+                        rule=RULE_ADDITIVE):
     """Chunkwise-parallel causal attention on the GPU (module docstring).
 
     ``chunk_size`` defaults to ``config.CUDA_CHUNK_SIZE``; a sequence of one
     chunk runs the scan.
     """
+    C.check_inputs(q, k, v, check_finite)
     p = C.plan(q, k, v, H, out, rule=rule, inputs=inputs, chunk=C.chunk_length(chunk_size))
     if p.empty:
         return out

@@ -23,12 +23,13 @@ from numba import njit, prange
 
 from ... import config
 from ..._blas import single_threaded_blas
-from .._blocks import features, state_sums
+from .._blocks import features, state_finite, state_sums
 from .._chunks import absorb_parts, part_range, segments, token_range
 from .._codes import RULE_ADDITIVE
 from .._rules import check_rule, check_state
 from .._twins import pick, serial_and_parallel
-from .._vec import as_kernel_array, put3, work_dtype
+from .._finite import report
+from .._vec import as_kernel_array, is_finite, store3, work_dtype
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -39,7 +40,7 @@ def _piece(j, pieces, N, block):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _aggregate_item(it, k, v, Hp, wt, code, block):
+def _aggregate_item(it, k, v, Hp, wt, code, block, flags):
     N, F = k.shape[1], k.shape[2]
     M = v.shape[2]
     pieces = Hp.shape[1]
@@ -50,11 +51,12 @@ def _aggregate_item(it, k, v, Hp, wt, code, block):
     vb = np.empty((block, M), wt)
     part = np.empty((F, M), wt)
     Hp[b, j] = 0.0
-    state_sums(k, v, b, lo, hi, Hp[b, j], code, fk, vb, part)
+    flags[it, 0] = not state_sums(k, v, b, lo, hi, Hp[b, j], code, fk, vb, part)
+    flags[it, 1] = not state_finite(Hp[b, j])
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, not an exception
-def _query_item(it, q, H, out, wt, code, eps, clip, block, pieces):
+def _query_item(it, q, H, out, wt, code, eps, clip, block, pieces, flags):
     N, F = q.shape[1], q.shape[2]
     M = H.shape[2] - 1
     b = it // pieces
@@ -69,11 +71,13 @@ def _query_item(it, q, H, out, wt, code, eps, clip, block, pieces):
     fq = np.empty((block, F), wt)
     num = np.empty((block, M), wt)
     rden = np.empty(block, wt)
+    inputs_ok = True
+    results_ok = True  # outputs and normalisers
     for s0 in range(lo, hi, block):
         n = min(block, hi - s0)
         fqn = fq[:n]
         numn = num[:n]
-        features(q, b, s0, n, fqn, code)
+        inputs_ok &= features(q, b, s0, n, fqn, code)
         np.dot(fqn, Sw, numn)
         for t in range(n):
             den = 0.0
@@ -81,20 +85,26 @@ def _query_item(it, q, H, out, wt, code, eps, clip, block, pieces):
                 den += fqn[t, i] * zb[i]
             if clip and den < eps:
                 den = eps
+            results_ok &= is_finite(den)  # an inf normaliser over finite numerators would give finite zeros
             rden[t] = 1.0 / den
         for t in range(n):
             r = rden[t]
             for m in range(M):
-                put3(out, b, s0 + t, m, numn[t, m] * r)
+                results_ok &= is_finite(store3(out, b, s0 + t, m, numn[t, m] * r))
+    flags[it, 0] = not inputs_ok
+    flags[it, 1] = not results_ok
 
 
-def _noncausal_phase(mode, q, k, v, parts, H, out, proto, code, eps, clip, block):
+def _noncausal_phase(mode, q, k, v, parts, H, out, proto, code, eps, clip, block, flags):
     """One phase over (sequence, piece) items.
 
     mode 0 (aggregate): ``parts`` (B, P, F, M+1) float64 receives the
     contribution ``phi(K)^T [V 1]`` of each of the P pieces of every
     sequence.  mode 1 (query): ``out`` (B, N, M) from the final state ``H``
-    (B, F, M+1) float64; ``parts.shape[1]`` gives P.  q, k (B, N, F) and v (B, N, M): float32/float64, or uint16
+    (B, F, M+1) float64; ``parts.shape[1]`` gives P.  ``flags`` (2, B * P, 2)
+    uint8: ``flags[mode, item]`` <- whether a q (query phase) or k, v
+    (aggregate phase) element read was NaN or inf, and whether a result (the
+    piece's state sum; the outputs and normalisers) is.  q, k (B, N, F) and v (B, N, M): float32/float64, or uint16
     (float16 bits); raw inputs when ``code`` > 0.  proto: empty array of the
     working dtype.
 
@@ -107,16 +117,16 @@ def _noncausal_phase(mode, q, k, v, parts, H, out, proto, code, eps, clip, block
     wt = proto.dtype
     for it in prange(B * pieces):
         if mode == 0:
-            _aggregate_item(it, k, v, parts, wt, code, block)
+            _aggregate_item(it, k, v, parts, wt, code, block, flags[0])
         else:
-            _query_item(it, q, H, out, wt, code, eps, clip, block, pieces)
+            _query_item(it, q, H, out, wt, code, eps, clip, block, pieces, flags[1])
 
 
 noncausal_kernel_serial, noncausal_kernel = serial_and_parallel(_noncausal_phase, fastmath=config.FASTMATH,
                                                                 cache=config.CACHE)
 
 
-def noncausal_aggregate(q, k, v, H, out, *, code, eps, inputs=None, block=None, pieces=None,
+def noncausal_aggregate(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, block=None, pieces=None,
                         rule=RULE_ADDITIVE):
     """Launcher (the method table's forward signature): H updated in place, ``out`` written.
 
@@ -124,7 +134,11 @@ def noncausal_aggregate(q, k, v, H, out, *, code, eps, inputs=None, block=None, 
     state ``[S | z]`` (context seen by every query), updated to include the
     N tokens.  ``code``: inline feature map; ``eps``: normaliser floor or
     None; ``inputs``: the rule's per-token inputs (none for the additive
-    rule, the only non-causal one).  ``pieces`` (per sequence) defaults to 1
+    rule, the only non-causal one).  ``check_finite``: raise ValueError
+    naming the first of q, k, v holding NaN or inf, or
+    :class:`~linattn_nb.ops._finite.NonFiniteResult` for finite inputs whose
+    outputs or state are not (found by the kernel while it reads and writes;
+    raised after it ran, ``out`` and ``H`` then unspecified).  ``pieces`` (per sequence) defaults to 1
     when the flattened batch fills the threads and to ceil(threads / B)
     otherwise (at least ``block`` tokens each).
     """
@@ -148,11 +162,13 @@ def noncausal_aggregate(q, k, v, H, out, *, code, eps, inputs=None, block=None, 
     clip = eps is not None
     qk, kk, vk = (as_kernel_array(np.ascontiguousarray(x)) for x in (q, k, v))
     parts = np.empty((B, pieces, F, M + 1))
+    flags = np.zeros((2, B * pieces, 2), np.uint8)
     args = (as_kernel_array(out), np.empty(0, wt), np.int64(code), float(eps if clip else 0.0), clip,
-            np.int64(block))
+            np.int64(block), flags)
     # BLAS pinned inside the parallel kernel only (see causal/chunked.py)
     with single_threaded_blas(kernel is noncausal_kernel):
         kernel(np.int64(0), qk, kk, vk, parts, H, *args)
         absorb_parts(rule, H, parts)
         kernel(np.int64(1), qk, kk, vk, parts, H, *args)
+    report(flags.reshape(-1, 2), (("q", q), ("k", k), ("v", v)), check_finite=check_finite)
     return out

@@ -14,11 +14,19 @@ from numba import prange
 
 from ... import config
 from ..._blas import single_threaded_blas
+from .._finite import new_flags, report
 from .._twins import pick, serial_and_parallel
+from .._vec import is_finite
 
 
-def _softmax(q, k, v, out, scale, causal, block_q, block_k):
+def _softmax(q, k, v, out, scale, causal, block_q, block_k, flags):
     """q (B, N, D), k (B, N, D), v (B, N, M) -> out (B, N, M).
+
+    ``flags`` (B * ceil(N / block_q), 2) uint8 <- per task, whether an
+    element of its query block's rows of q, k or v is NaN or inf (q while it
+    is scaled into the task's scratch, k and v rows in one extra pass over
+    the task's own rows: O(N) reads against the O(N^2) work), and whether an
+    output or a row normaliser is.
 
     Compiled twice (:mod:`linattn_nb.ops._twins`): :data:`softmax_kernel`,
     tasks in parallel, and :data:`softmax_kernel_serial` for small problems.
@@ -40,9 +48,16 @@ def _softmax(q, k, v, out, scale, causal, block_q, block_k):
         q1 = min(N, q0 + block_q)
         nq = q1 - q0
         qs = np.empty((nq, D), dtype=q.dtype)
+        inputs_ok = True
         for i in range(nq):
             for d in range(D):
-                qs[i, d] = q[b, q0 + i, d] * scale
+                x = q[b, q0 + i, d]
+                qs[i, d] = x * scale
+                inputs_ok &= is_finite(x)
+            for d in range(D):
+                inputs_ok &= is_finite(k[b, q0 + i, d])
+            for mm in range(M):
+                inputs_ok &= is_finite(v[b, q0 + i, mm])
         mrow = np.full(nq, -np.inf)
         lrow = np.zeros(nq)
         acc = np.zeros((nq, M), dtype=q.dtype)
@@ -72,20 +87,30 @@ def _softmax(q, k, v, out, scale, causal, block_q, block_k):
                 for mm in range(M):
                     acc[i, mm] *= alpha
             acc += np.dot(s, v[b, k0:k1])
+        results_ok = True  # outputs and row normalisers
         for i in range(nq):
             inv = 1.0 / lrow[i]
+            results_ok &= is_finite(lrow[i])
             for mm in range(M):
                 out[b, q0 + i, mm] = acc[i, mm] * inv
+                results_ok &= is_finite(out[b, q0 + i, mm])
+        flags[task, 0] = not inputs_ok
+        flags[task, 1] = not results_ok
 
 
 softmax_kernel_serial, softmax_kernel = serial_and_parallel(_softmax, fastmath=config.FASTMATH, cache=config.CACHE)
 
 
-def softmax_blocked(q, k, v, out, *, causal, scale, block_q=None, block_k=None):
+def softmax_blocked(q, k, v, out, *, causal, scale, block_q=None, block_k=None, check_finite=False):
     """Launcher for :data:`softmax_kernel`; block sizes default to config.
 
     Below ``config.SOFTMAX_SERIAL_MAX_WORK`` (B * N * N * (D + M), halved when
     causal) or with a single task the serial kernel runs on the calling thread.
+    ``check_finite``: raise ValueError naming the first of q, k, v holding
+    NaN or inf, or :class:`~linattn_nb.ops._finite.NonFiniteResult` for
+    finite inputs whose outputs are not (the working dtype overflowed: e.g.
+    float32 scores of inputs of magnitude 1e19); found by the kernel, raised
+    after it ran (``out`` then unspecified).
     """
     block_q = int(config.SOFTMAX_BLOCK_Q if block_q is None else block_q)
     block_k = int(config.SOFTMAX_BLOCK_K if block_k is None else block_k)
@@ -95,6 +120,8 @@ def softmax_blocked(q, k, v, out, *, causal, scale, block_q=None, block_k=None):
     work = B * N * N * (D + v.shape[2]) // (2 if causal else 1)
     kernel = pick(softmax_kernel_serial, softmax_kernel, items=B * -(-N // block_q), work=work,
                   limit=config.SOFTMAX_SERIAL_MAX_WORK)
+    flags = new_flags(B * -(-N // block_q))
     with single_threaded_blas(kernel is softmax_kernel):  # np.dot inside prange: OpenBLAS off its own threads
-        kernel(q, k, v, out, float(scale), bool(causal), np.int64(block_q), np.int64(block_k))
+        kernel(q, k, v, out, float(scale), bool(causal), np.int64(block_q), np.int64(block_k), flags)
+    report(flags, (("q", q), ("k", k), ("v", v)), check_finite=check_finite)
     return out

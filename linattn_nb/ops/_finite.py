@@ -1,0 +1,56 @@
+"""What the CPU launchers do with the finiteness flags their kernels raise.
+
+Every CPU kernel checks, while it reads them, that the q, k and v elements are
+finite (:func:`linattn_nb.ops._vec.is_finite` on the elements it already
+loads, and-ed into a flag), and, while it writes them, that its outputs, its
+normalisers and its final state are.  It returns the two facts per work item
+as a ``flags`` array (items, 2) of uint8: column 0 an input, column 1 a
+result holding NaN or inf.  :func:`report` turns them into the launcher
+contract's errors (:mod:`linattn_nb.ops.registry`, ``check_finite``):
+
+* an input NaN/inf: :class:`ValueError` naming the first of q, k, v that
+  holds one, with the count (found again by a NumPy scan: that costs time
+  only on the error path);
+* finite inputs but a result NaN/inf: :class:`NonFiniteResult`, raised
+  after ``out`` and ``H`` were written -- the working dtype overflowed (or,
+  with ``eps=None``, a normaliser is 0), and the caller decides (the front
+  end recomputes the call in float64).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .._validate import check_finite_values
+
+
+class NonFiniteResult(FloatingPointError):
+    """A launcher's result holds NaN or inf although its inputs are finite.
+
+    Raised (with ``check_finite=True``) after ``out`` and ``H`` were written:
+    the working dtype overflowed -- e.g. float32 products of inputs of
+    magnitude 1e19 -- or, with ``eps=None``, a normaliser is exactly 0.
+    """
+
+
+def new_flags(items: int) -> np.ndarray:
+    """The zeroed ``flags`` array (items, 2) uint8 a kernel fills."""
+    return np.zeros((max(int(items), 0), 2), np.uint8)
+
+
+def report(flags: np.ndarray, inputs, *, check_finite: bool, what: str = "the result") -> None:
+    """Raise what ``flags`` says (nothing when ``check_finite`` is False).
+
+    ``inputs``: ``(name, array)`` pairs in the order to report them, the
+    arrays as the caller passed them (float16 as float16, not as bits).
+    """
+    if not check_finite or flags.size == 0:
+        return
+    if flags[:, 0].any():
+        for name, x in inputs:
+            check_finite_values(name, np.asarray(x))
+        names = " or ".join(name for name, _ in inputs)
+        raise ValueError(f"{names} contains non-finite values (NaN or inf); "
+                         "pass check_finite=False to skip this check")
+    if flags[:, 1].any():
+        raise NonFiniteResult(f"{what} holds NaN or inf although the inputs are finite: the working dtype "
+                              "overflowed (or a normaliser is 0 with eps=None)")
