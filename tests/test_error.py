@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from linattn_nb import config, linear_attention, softmax_attention
 from linattn_nb import feature_maps as fm
 from linattn_nb.analysis import ApproximationError, approximation_error, approximation_error_naive, attention_weights
+from _bad_maps import BadShapeMap
 
 FIELDS = ("output_rel_error", "kl_mean", "kl_max", "tv_mean", "tv_max", "entropy_softmax", "entropy_linear",
           "monotonicity", "nonpositive_normalizer_rate", "kl_infinite_rate")
@@ -273,24 +274,6 @@ def test_elu_weights_are_flatter_than_softmax(rng):
 # ---------------------------------------------------------------------------
 # feature maps of the wrong shape, causal, KL round-off
 # ---------------------------------------------------------------------------
-class _BadShapeMap(fm.FeatureMap):
-    """ReLU features with one thing wrong: ``how`` in drop_row, extra_row, drop_batch, features."""
-
-    is_positive = True
-
-    def __init__(self, how):
-        self.how = how
-        self.name = f"bad-{how}"
-
-    def transform(self, x):
-        f = np.maximum(x, 0.0)
-        if self.how == "drop_row":
-            return f[..., :-1, :]
-        if self.how == "extra_row":
-            return np.concatenate([f, f[..., -1:, :]], axis=-2)
-        if self.how == "drop_batch":
-            return f[1:] if f.ndim >= 3 else f[None]
-        return np.concatenate([f, f], axis=-1)  # "features": 2D columns, output_dim says D
 
 
 class _BadDimMap(fm.FeatureMap):
@@ -314,7 +297,7 @@ BAD_SHAPES = ["drop_row", "extra_row", "drop_batch", "features"]
 def test_a_map_of_the_wrong_shape_raises_naming_it(how, causal, rng):
     """Issue 12 point 1: every shape a map returns is checked; the error names the map and both shapes."""
     q, k, v = rng.normal(size=(3, 2, 6, 4))
-    bad = _BadShapeMap(how)
+    bad = BadShapeMap(how)
     match = rf"feature map 'bad-{how}' returned features of shape \(.*\) for [qk] of shape \(2, 6, 4\); expected \(2, 6, 4\)"
     for call in (lambda: attention_weights(q, k, bad, causal=causal),
                  lambda: approximation_error(q, k, v, bad, causal=causal),

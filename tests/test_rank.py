@@ -10,6 +10,7 @@ import linattn_nb.config as cfg
 from linattn_nb import feature_maps, linear_attention
 from linattn_nb.analysis import attention_rank, semiseparable_rank, state_rank_profile
 from linattn_nb.analysis import rank as rank_mod
+from _bad_maps import BadShapeMap
 
 KERNEL_MAPS = ["elu", "relu", "squared_relu", "identity", "dpfp"]
 
@@ -318,24 +319,6 @@ def test_state_rank_profile_positions_batch_errors(rng):
 # ---------------------------------------------------------------------------
 # Feature maps of the wrong shape, causal
 # ---------------------------------------------------------------------------
-class _BadShapeMap(feature_maps.FeatureMap):
-    """ReLU features with one thing wrong: ``how`` in drop_row, extra_row, drop_batch, features."""
-
-    is_positive = True
-
-    def __init__(self, how):
-        self.how = how
-        self.name = f"bad-{how}"
-
-    def transform(self, x):
-        f = np.maximum(x, 0.0)
-        if self.how == "drop_row":
-            return f[..., :-1, :]
-        if self.how == "extra_row":
-            return np.concatenate([f, f[..., -1:, :]], axis=-2)
-        if self.how == "drop_batch":
-            return f[1:] if f.ndim >= 3 else f[None]
-        return np.concatenate([f, f], axis=-1)  # "features": 2D columns, output_dim says D
 
 
 @pytest.mark.parametrize("how", ["drop_row", "extra_row", "drop_batch", "features"])
@@ -343,7 +326,7 @@ def test_a_map_of_the_wrong_shape_raises_naming_it(how, rng):
     """Issue 12 point 1: every shape a map returns is checked; the error names the map and both shapes."""
     q, k = rng.normal(size=(2, 2, 12, 4))
     v = rng.normal(size=(2, 12, 3))
-    bad = _BadShapeMap(how)
+    bad = BadShapeMap(how)
     match = rf"feature map 'bad-{how}' returned features of shape \(.*\) for [qk] of shape \(2, 12, 4\); expected \(2, 12, 4\)"
     for call in (lambda: attention_rank(q, k, bad),
                  lambda: attention_rank(q, k, bad, method="explicit"),
