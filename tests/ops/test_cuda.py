@@ -15,10 +15,6 @@ ops/noncausal/naive.py (Katharopoulos et al. 2020, Eqs. 7 and 10-12).
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -29,6 +25,7 @@ from linattn_nb import config
 from linattn_nb.device import cuda_status
 from linattn_nb.ops.causal.naive import causal_linear_quadratic
 from linattn_nb.ops.noncausal.naive import noncausal_linear_quadratic
+from _ptx import run_ptx_script
 
 cuda = pytest.importorskip("numba.cuda")
 
@@ -477,18 +474,7 @@ _PTX_SCRIPT = textwrap.dedent(
 def test_kernels_compile_to_ptx():
     """Every CUDA kernel type-checks and compiles for sm_90 (float16, float32, float64 inputs);
     the register-resident state of the sequence kernel does not spill to local memory."""
-    try:
-        from numba.cuda.cudadrv import nvvm  # noqa: F401
-    except Exception as exc:  # pragma: no cover
-        pytest.skip(f"numba-cuda NVVM not importable: {exc}")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(la.__file__)))] + sys.path))
-    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=600)
-    if proc.returncode != 0 and ("NvvmSupportError" in proc.stderr or "libnvvm" in proc.stderr.lower()):
-        pytest.skip("the CUDA toolkit's NVVM is not installed (install the 'cuda' extra)")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_ptx_script(_PTX_SCRIPT)
     for dt in ("float16", "float32", "float64"):
         assert res[dt] == {"target": True, "local": False, "entry": True}, (dt, res[dt])
     assert all(v["entry"] for v in res.values())

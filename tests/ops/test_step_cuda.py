@@ -9,10 +9,6 @@ registered causal CUDA method.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -22,6 +18,7 @@ import linattn_nb as la
 from linattn_nb import config
 from linattn_nb.device import cuda_status
 from linattn_nb.state import LinearAttentionState
+from _ptx import run_ptx_script
 
 pytestmark = pytest.mark.skipif(cuda_status() == "none", reason="no CUDA GPU and the simulator is off")
 
@@ -191,18 +188,7 @@ _PTX_SCRIPT = textwrap.dedent(
 def test_step_kernels_compile_to_ptx():
     """Every step kernel compiles for sm_90 (float32 and float64 states, float32/float64
     inputs) without spilling to local memory."""
-    try:
-        from numba.cuda.cudadrv import nvvm  # noqa: F401
-    except Exception as exc:  # pragma: no cover
-        pytest.skip(f"numba-cuda NVVM not importable: {exc}")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(la.__file__)))] + sys.path))
-    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=600)
-    if proc.returncode != 0 and ("NvvmSupportError" in proc.stderr or "libnvvm" in proc.stderr.lower()):
-        pytest.skip("the CUDA toolkit's NVVM is not installed (install the 'cuda' extra)")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_ptx_script(_PTX_SCRIPT)
     assert len(res) == 12
     for key, val in res.items():
         assert val == {"entry": True, "target": True, "local": False}, (key, val)
