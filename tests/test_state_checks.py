@@ -23,6 +23,7 @@ from linattn_nb.device import cuda_status
 from linattn_nb.ops import registry
 from linattn_nb.state import LinearAttentionState, StateFileError, launchers
 from linattn_nb.state import linear as state_linear
+from test_state import _rewrite
 
 HAVE_CUDA = cuda_status() != "none"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAVE_CUDA, reason="no CUDA and no simulator"))]
@@ -47,16 +48,7 @@ def qkv(rng, batch, n, d, m, dtype=np.float64):
             rng.standard_normal(batch + (n, m)).astype(dtype))
 
 
-def rewrite(src, dst, **changes):
-    """Copy a state file, replacing (or with None: dropping) entries."""
-    with np.load(src, allow_pickle=False) as npz:
-        data = {k: npz[k] for k in npz.files}
-    for key, val in changes.items():
-        if val is None:
-            data.pop(key)
-        else:
-            data[key] = val
-    np.savez(dst, **data)
+rewrite = _rewrite  # copy a state file, replacing (or with None: dropping) entries
 
 
 # ---------------------------------------------------------------------------
