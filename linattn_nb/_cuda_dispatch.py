@@ -240,23 +240,28 @@ def unpack_state(H, batch_shape, f, m):
     return S.reshape(tuple(batch_shape) + (f, m)), z.reshape(tuple(batch_shape) + (f,))
 
 
-def run_host(impl, qf, kf, vf, H, result, *, code, eps):
-    """Host inputs on the GPU: copy (B, N, ·) inputs and ``H`` over, launch, copy result and ``H`` back."""
+def run_host(impl, qf, kf, vf, H, result, *, code, eps, inputs=None, normalize=True):
+    """Host inputs on the GPU: copy (B, N, ·) inputs and ``H`` over, launch, copy result and ``H`` back.
+
+    ``inputs``: the rule's per-token inputs as host float64 arrays (the
+    launchers copy them to the device).
+    """
     cuda = _cuda()
     b, n, _ = qf.shape
     m = vf.shape[2]
     dH = cuda.to_device(H)
     dout = cuda.device_array((b, n, m), dtype=result.dtype)
     impl.forward(cuda.to_device(qf), cuda.to_device(kf), cuda.to_device(vf), dH, dout, code=code, eps=eps,
-                 inputs=None)
+                 inputs=inputs, normalize=normalize)
     result[...] = dout.copy_to_host().reshape(result.shape)
     H[...] = dH.copy_to_host()
 
 
-def run_device(impl, q4, k4, v4, H, dout, out_shape, *, code, eps):
+def run_device(impl, q4, k4, v4, H, dout, out_shape, *, code, eps, inputs=None, normalize=True):
     """Device inputs: launch on 4-d views; an ``out`` whose batch dims cannot be merged gets a copy."""
     o4 = view4(dout)
     tmp = None if o4 is not None else _cuda().device_array(out_shape, dtype=dout.dtype)
-    impl.forward(q4, k4, v4, H, o4 if tmp is None else view4(tmp), code=code, eps=eps, inputs=None)
+    impl.forward(q4, k4, v4, H, o4 if tmp is None else view4(tmp), code=code, eps=eps, inputs=inputs,
+                 normalize=normalize)
     if tmp is not None:  # out's batch dims cannot be merged: compute, then copy in
         copy_device(tmp, dout)

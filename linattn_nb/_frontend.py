@@ -55,11 +55,16 @@ class LinearState(NamedTuple):
     position : int
         Number of tokens absorbed, i.e. the position of the next token
         (used by position-dependent feature maps).
+    rule : str
+        The update rule that made the state (``"additive"``; ``"decay"`` for
+        a scalar decay per sequence or per token, ``"gate"`` for a
+        per-feature gate).  A call with another rule refuses the state.
     """
 
     S: np.ndarray
     z: np.ndarray
     position: int = 0
+    rule: str = "additive"
 
 
 # ---------------------------------------------------------------------------
@@ -176,6 +181,21 @@ def parse_state(initial_state, name: str = "initial_state"):
     return S0, z0, check_position(position, f"{name}.position")
 
 
+def check_state_rule(state, rule: str, name: str = "initial_state") -> None:
+    """Raise ValueError when ``state`` records an update rule other than ``rule``.
+
+    A state without a record (a plain tuple ``(S, z[, position])``) is
+    taken as it is: the caller vouches for it.
+    """
+    got = getattr(state, "rule", None)
+    if got is not None and got != rule:
+        hint = {"additive": "pass neither decay nor log_decay",
+                "decay": "pass a scalar or per-token decay/log_decay",
+                "gate": "pass a per-feature decay/log_decay (last axes N, D_phi)"}.get(got, "")
+        raise ValueError(f"{name} is a state of the {got!r} update rule, but this call runs the {rule!r} rule; "
+                         f"a state continues only the rule that made it ({hint})")
+
+
 def host_state(initial_state, batch_shape, f: int, m: int, *, check_finite: bool):
     """The initial state as a float64 host ``H`` (B, F, M + 1) = [S | z], and its position.
 
@@ -198,11 +218,32 @@ def host_state(initial_state, batch_shape, f: int, m: int, *, check_finite: bool
     return H, position
 
 
-def state_from_H(H, batch_shape, f: int, m: int, position: int) -> LinearState:
+def state_from_H(H, batch_shape, f: int, m: int, position: int, rule: str = "additive") -> LinearState:
     """The :class:`LinearState` of a host ``H`` (B, F, M + 1): C-contiguous float64 S and z."""
     S = np.ascontiguousarray(H[:, :, :m]).reshape(tuple(batch_shape) + (f, m))
     z = np.ascontiguousarray(H[:, :, m]).reshape(tuple(batch_shape) + (f,))
-    return LinearState(S, z, int(position))
+    return LinearState(S, z, int(position), rule)
+
+
+def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, f: int, *, causal: bool):
+    """``(rule, inputs, normalize)`` of a call's ``decay``, ``log_decay`` and ``normalize`` arguments.
+
+    The rule and its kernel inputs come from
+    :func:`linattn_nb._validate.decay_inputs`; ``normalize=None`` takes the
+    rule's convention (:attr:`linattn_nb.ops.registry.Rule.normalize`).  A
+    feature map whose features carry per-row factors that cancel only in the
+    normaliser (``fmap.needs_normalizer``) raises ValueError with
+    ``normalize=False``.
+    """
+    rule, inputs = V.decay_inputs(decay, log_decay, batch_shape, n, f, causal=causal)
+    normalize = V.check_normalize(normalize, get_rule(rule).normalize)
+    if not normalize and getattr(fmap, "needs_normalizer", False):
+        raise ValueError(
+            f"feature map {fmap.name!r} stabilises its features with per-row factors (shifts inside exp) that "
+            "cancel only between numerator and normaliser; normalize=False would return outputs scaled by "
+            "them. Use normalize=True, or a map without such factors (e.g. 'elu', 'relu', 'taylor')"
+        )
+    return rule, inputs, normalize
 
 
 # ---------------------------------------------------------------------------
@@ -224,22 +265,24 @@ def choose_method(method: str, *, rule: str, causal: bool, device: str, batch: i
 # linear attention
 # ---------------------------------------------------------------------------
 def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check_finite, out, initial_state,
-                     return_state, rule="additive"):
+                     return_state, decay=None, log_decay=None, normalize=None):
     """The request path of :func:`linattn_nb.linear_attention` (arguments and results as there)."""
     dev = resolve_device(device, q, k, v, out, names=("q", "k", "v", "out"))
     fmap = fm.resolve(feature_map)
     eps = V.check_eps(eps)
     causal = check_causal(causal)
     check_method_name(method)
-    rule = get_rule(rule).name
     if dev == "cuda" and any(on_device(x) for x in (q, k, v)):
         return _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initial_state,
-                              return_state, rule)
+                              return_state, decay, log_decay, normalize)
 
     # CPU kernels with an inline map check q, k, v while they read them; the
     # other paths scan them here (NumPy), as the CUDA path always did
     q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_finite and dev == "cuda")
     f = feature_dim(fmap, d)
+    rule, inputs, normalize = rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, f, causal=causal)
+    if initial_state is not None:
+        check_state_rule(initial_state, rule)
     if dev == "cuda":
         CD.check_limits(f, m, dtype)  # fail before any work
     out_shape = batch_shape + (n, m)
@@ -258,7 +301,7 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
     if n > 0 and b > 0:
         qf, kf, vf, code = _host_features(fmap, impl, q, k, v, work, causal, position, n)
         if dev == "cuda":
-            CD.run_host(impl, qf, kf, vf, H, result, code=code, eps=eps)
+            CD.run_host(impl, qf, kf, vf, H, result, code=code, eps=eps, inputs=inputs, normalize=normalize)
         else:
             # an out= that overlaps an input is written last, from a scratch result
             direct = (result.dtype == work and result.flags.c_contiguous and result.flags.writeable
@@ -269,11 +312,12 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
                     _check_features(fmap, qf, kf, work)  # finite q, k (scanned above): the map overflowed?
                 # check_finite: the kernel raises ValueError naming a non-finite input, and
                 # NonFiniteResult when finite inputs gave a non-finite output or state
-                impl.forward(qf, kf, vf, H, target, code=code, eps=eps, inputs=None, check_finite=check_finite)
+                impl.forward(qf, kf, vf, H, target, code=code, eps=eps, inputs=inputs, check_finite=check_finite,
+                             normalize=normalize)
             except NonFiniteResult:
                 if work != _F64:
                     H, out64 = _recompute_float64(fmap, impl, q, k, v, initial_state, batch_shape, f, m, causal,
-                                                  eps, inline)
+                                                  eps, inline, inputs, normalize)
                     result[...] = _cast_result(out64, dtype, q, k, v).reshape(out_shape)
                     direct = True  # result written
                 # float64 work: the result is what float64 gives (e.g. 0 / 0 with eps=None): kept
@@ -281,7 +325,7 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
                 result[...] = target.reshape(out_shape)
     if not return_state:
         return result
-    return result, state_from_H(H, batch_shape, f, m, position + n)
+    return result, state_from_H(H, batch_shape, f, m, position + n, rule)
 
 
 def _check_features(fmap, qf, kf, work):
@@ -297,7 +341,8 @@ def _check_features(fmap, qf, kf, work):
             )
 
 
-def _recompute_float64(fmap, impl, q, k, v, initial_state, batch_shape, f, m, causal, eps, inline):
+def _recompute_float64(fmap, impl, q, k, v, initial_state, batch_shape, f, m, causal, eps, inline, inputs,
+                       normalize):
     """``(H, out)`` of a CPU call recomputed in float64 (features included): the float32 result overflowed."""
     H, position = host_state(initial_state, batch_shape, f, m, check_finite=False)
     b, n = H.shape[0], int(q.shape[-2])
@@ -307,7 +352,8 @@ def _recompute_float64(fmap, impl, q, k, v, initial_state, batch_shape, f, m, ca
     out64 = np.empty((b, n, m))
     try:
         # still checked: a map's features may have overflowed before the kernel saw v
-        impl.forward(qf, kf, vf, H, out64, code=code, eps=eps, inputs=None, check_finite=True)
+        impl.forward(qf, kf, vf, H, out64, code=code, eps=eps, inputs=inputs, check_finite=True,
+                     normalize=normalize)
     except NonFiniteResult:
         pass  # non-finite in float64 too (e.g. 0 / 0 with eps=None): the reference's own result
     return H, out64
@@ -326,10 +372,16 @@ def _cast_result(res64, dtype, q, k, v):
     return res
 
 
-def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initial_state, return_state, rule):
+def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initial_state, return_state, decay,
+                   log_decay, normalize):
     """GPU inputs: zero-copy views, the kernels on the device, a device result (and state)."""
     dq, dk, dv = CD.wrap("q", q), CD.wrap("k", k), CD.wrap("v", v)
     batch_shape, n, d, m, dtype = V.check_qkv(CD.meta(dq), CD.meta(dk), CD.meta(dv))
+    decay = CD.to_host("decay", decay) if on_device(decay) else decay
+    log_decay = CD.to_host("log_decay", log_decay) if on_device(log_decay) else log_decay
+    rule, inputs, normalize = rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, d, causal=causal)
+    if initial_state is not None:
+        check_state_rule(initial_state, rule)
     if fmap.kernel_code is None:
         raise ValueError(
             f"feature map {fmap.name!r} has no inline CUDA form (only maps with a kernel_code: "
@@ -358,12 +410,13 @@ def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initia
             Hh, position = host_state(initial_state, batch_shape, f, m, check_finite=check_finite)
             H = CD.to_device(Hh)
     if not empty:
-        CD.run_device(impl, q4, k4, v4, H, dout, out_shape, code=int(fmap.kernel_code), eps=eps)
+        CD.run_device(impl, q4, k4, v4, H, dout, out_shape, code=int(fmap.kernel_code), eps=eps, inputs=inputs,
+                      normalize=normalize)
     result = out if out is not None else dout
     if not return_state:
         return result
     S, z = CD.unpack_state(H, batch_shape, f, m)
-    return result, LinearState(S, z, position + n)
+    return result, LinearState(S, z, position + n, rule)
 
 
 # ---------------------------------------------------------------------------

@@ -182,3 +182,102 @@ def check_state_arrays(S0, z0, position, batch_shape, f: int, m: int) -> int:
     if position < 0:
         raise ValueError(f"initial_state.position must be >= 0, got {position}")
     return position
+
+
+def check_normalize(normalize, default: bool) -> bool:
+    """``normalize`` as a bool (None: ``default``, the rule's convention)."""
+    if normalize is None:
+        return bool(default)
+    if isinstance(normalize, (bool, np.bool_)):
+        return bool(normalize)
+    raise TypeError(f"normalize must be None, True or False, got {type(normalize).__name__} {normalize!r}")
+
+
+def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool):
+    """The update rule and its kernel inputs for the ``decay``/``log_decay`` arguments.
+
+    Which form is meant follows from the number of dimensions (``b`` the
+    number of batch dimensions of q): a scalar or ``b`` dimensions
+    (broadcastable to the batch shape) is a constant per sequence (RetNet's
+    per-head gamma); ``b + 1`` (last axis N) one factor per token
+    (Mamba-2/SSD, simple GLA); ``b + 2`` (last axes N, D_phi) one per token
+    and feature (GLA).
+
+    Returns
+    -------
+    rule : str
+        ``"additive"`` (neither given), ``"decay"`` (per sequence or per
+        token) or ``"gate"`` (per feature).
+    inputs : dict or None
+        ``{"log_decay": (B, N)}`` or ``{"log_gate": (B, N, F)}``, C-contiguous
+        float64 log-factors <= 0 flattened to the batch, values at or below
+        :data:`linattn_nb.ops._codes.LOG_RESET` (exp of them is 0 in float64)
+        set to ``-inf``.
+
+    Raises
+    ------
+    ValueError
+        Both given; ``causal=False``; NaN, a factor outside [0, 1] (a
+        log-factor > 0); a number of dimensions or a shape that fits none of
+        the three forms; a per-feature gate whose last axis is not D_phi.
+        Errors name the argument given.
+    TypeError
+        Non-real values (complex, boolean, object).
+    """
+    from .ops._codes import LOG_RESET
+
+    if decay is None and log_decay is None:
+        return "additive", None
+    if decay is not None and log_decay is not None:
+        raise ValueError("pass at most one of decay and log_decay (the same factors, linear or as logs)")
+    name, x = ("decay", decay) if decay is not None else ("log_decay", log_decay)
+    if not causal:
+        raise ValueError(f"{name} applies to causal attention (a recurrence); it needs causal=True")
+    x = as_host_array(name, x)
+    if x.dtype.kind not in "iuf":
+        raise TypeError(f"{name} must hold real numbers (floats), got dtype {x.dtype}")
+    x = x.astype(np.float64)
+    if np.isnan(x).any():
+        raise ValueError(f"{name} contains NaN")
+    if name == "decay":
+        if ((x < 0.0) | (x > 1.0)).any():
+            bad = x[(x < 0.0) | (x > 1.0)].ravel()[0]
+            raise ValueError(f"decay factors must lie in [0, 1] (0 resets the state), got {float(bad)!r}")
+        with np.errstate(divide="ignore"):
+            lg = np.log(x)
+    else:
+        if (x > 0.0).any():
+            bad = x[x > 0.0].ravel()[0]
+            raise ValueError(f"log_decay must be <= 0 (-inf resets the state), got {float(bad)!r}")
+        lg = x
+    lg = np.where(lg <= LOG_RESET, -np.inf, lg)
+    batch_shape = tuple(int(s) for s in batch_shape)
+    nb = len(batch_shape)
+    b = int(np.prod(batch_shape, dtype=np.int64))
+    forms = (f"a scalar or {nb} dimension(s) broadcastable to the batch shape {batch_shape} (per sequence), "
+             f"{nb + 1} with last axis N={n} (per token), or {nb + 2} with last axes (N, D_phi)=({n}, {f}) "
+             "(per feature)")
+    if lg.ndim == 0 or lg.ndim == nb:
+        target, rule = batch_shape, "decay"
+    elif lg.ndim == nb + 1:
+        if lg.shape[-1] != n:
+            raise ValueError(f"{name} of shape {lg.shape} has {lg.ndim} dimensions (one per token), so its last "
+                             f"axis must be N={n}; expected {forms}")
+        target, rule = batch_shape + (n,), "decay"
+    elif lg.ndim == nb + 2:
+        if lg.shape[-2] != n or lg.shape[-1] != f:
+            raise ValueError(f"{name} of shape {lg.shape} has {lg.ndim} dimensions (a per-feature gate), so its "
+                             f"last axes must be (N, D_phi)=({n}, {f}) (D_phi: the feature map's output "
+                             f"dimension); expected {forms}")
+        target, rule = batch_shape + (n, f), "gate"
+    else:
+        raise ValueError(f"{name} of shape {lg.shape} has {lg.ndim} dimensions; expected {forms}")
+    try:
+        lg = np.broadcast_to(lg, target)
+    except ValueError:
+        raise ValueError(f"{name} of shape {lg.shape} does not broadcast to {target}; expected {forms}") from None
+    if rule == "gate":
+        return rule, {"log_gate": np.ascontiguousarray(lg.reshape(b, n, f))}
+    if len(target) == nb:  # per sequence: the same factor at every token
+        lg = np.broadcast_to(lg.reshape(b, 1), (b, n))
+    return rule, {"log_decay": np.ascontiguousarray(lg.reshape(b, n))}

@@ -27,6 +27,9 @@ def linear_attention(
     out=None,
     initial_state=None,
     return_state=False,
+    decay=None,
+    log_decay=None,
+    normalize=None,
 ):
     r"""Kernel-based linear attention.
 
@@ -104,6 +107,35 @@ def linear_attention(
         segment-wise processing).  Never modified.
     return_state : bool, default False
         Also return the final :class:`LinearState` (float64).
+    decay : float or array_like, optional
+        Forgetting factors in [0, 1] (causal only): the state becomes
+        ``S_t = a_t S_{t-1} + phi(k_t) v_t^T`` (and ``z`` the same with the
+        value 1).  The form follows from the number of dimensions, ``b``
+        being the number of batch dimensions of ``q``:
+
+        * a scalar, or ``b`` dimensions broadcastable to the batch shape:
+          one constant per sequence (RetNet's per-head ``gamma``);
+        * ``b + 1`` dimensions, last axis N: one factor per token
+          (Mamba-2/SSD, simple GLA);
+        * ``b + 2`` dimensions, last axes (N, D_phi): one factor per token
+          and feature, ``S_t = diag(alpha_t) S_{t-1} + ...`` (GLA's gate).
+
+        ``decay=1`` is the additive rule; ``decay=0`` resets the state
+        exactly at that token (document boundaries in packed sequences),
+        with no NaN anywhere.  See ``../shared/REFERENCES.md``, "Decay and
+        gating".
+    log_decay : float or array_like, optional
+        The same factors as logs (<= 0; ``-inf`` is a reset), as models
+        produce them (better precision near 1).  At most one of ``decay``
+        and ``log_decay``.
+    normalize : bool, optional
+        Divide by the normaliser ``phi(q)^T z``.  None (default) means True
+        for the additive rule and for decay and gates (the seed's
+        normaliser, with ``z`` decayed like ``S``).  False returns
+        ``phi(q_t)^T S_t`` (the convention of RetNet, GLA and fla, which
+        normalise outputs elsewhere); ``eps`` is then unused.  Maps that
+        stabilise their features with per-row factors that cancel only in the
+        normaliser ("favor+", "hedgehog") raise ValueError with False.
 
     Returns
     -------
@@ -120,7 +152,9 @@ def linear_attention(
         Mismatched N or D, batch dimensions, fewer than 2 dimensions,
         non-finite inputs (``check_finite``), a result too large for the
         input dtype (``check_finite``), unknown ``method``/``device``,
-        badly shaped ``out`` or ``initial_state``.
+        badly shaped ``out`` or ``initial_state``; ``decay``/``log_decay``
+        with ``causal=False``, out of range, NaN or of a shape that fits none
+        of the forms; an ``initial_state`` made by another update rule.
     TypeError
         Non-floating inputs, a bad ``feature_map`` or ``out`` dtype.
 
@@ -137,10 +171,21 @@ def linear_attention(
     >>> ref = linear_attention(q, k, v, causal=True, method="quadratic")
     >>> bool(np.allclose(o, ref))
     True
+
+    A decay per head (RetNet-like gammas, broadcast over the batch) and a
+    per-token reset:
+
+    >>> gamma = np.array([0.9, 0.99, 0.999, 1.0])[None, :]   # (1, H): one per head
+    >>> o = linear_attention(q, k, v, causal=True, decay=gamma)
+    >>> a = np.ones((2, 4, 16)); a[..., 8] = 0.0               # (B, H, N): reset at token 8
+    >>> o2 = linear_attention(q, k, v, causal=True, decay=a)
+    >>> bool(np.allclose(o2[..., 8:, :], linear_attention(q[..., 8:, :], k[..., 8:, :], v[..., 8:, :], causal=True)))
+    True
     """
     return _frontend.linear_attention(
         q, k, v, feature_map=feature_map, causal=causal, method=method, device=device, eps=eps,
         check_finite=check_finite, out=out, initial_state=initial_state, return_state=return_state,
+        decay=decay, log_decay=log_decay, normalize=normalize,
     )
 
 

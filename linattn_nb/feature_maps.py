@@ -119,6 +119,10 @@ class FeatureMap:
     position_dependent : bool
         True when the features depend on the token position (cosFormer); the
         dispatcher then passes positions through :meth:`apply`.
+    needs_normalizer : bool
+        True when the features carry per-row factors (stabilising shifts
+        inside ``exp``) that cancel only between numerator and normaliser:
+        ``linear_attention(..., normalize=False)`` refuses such maps.
     """
 
     name: str = ""
@@ -129,6 +133,7 @@ class FeatureMap:
     #: kernel ``exp(scale q . k)`` (such maps take ``scale``, default
     #: ``1/sqrt(D)``, the temperature of :func:`linattn_nb.softmax_attention`).
     estimates_softmax: bool = False
+    needs_normalizer: bool = False
 
     # -- to implement -------------------------------------------------------
     def transform(self, x: np.ndarray) -> np.ndarray:
@@ -570,6 +575,10 @@ class FavorPlusFeatureMap(RandomFeatureMap):
     True
     """
 
+    #: the queries' per-row shift and the keys' constant shift cancel only in
+    #: the normaliser
+    needs_normalizer = True
+
     name = "favor+"
     is_positive = True
     estimates_softmax = True
@@ -907,6 +916,9 @@ class HedgehogFeatureMap(FeatureMap):
     W : array_like, shape (d_out, d), optional
     b : array_like, shape (d_out,), optional
     """
+
+    #: the per-row max subtracted inside the softmax cancels only in the normaliser
+    needs_normalizer = True
 
     name = "hedgehog"
     is_positive = True

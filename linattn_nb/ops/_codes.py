@@ -30,12 +30,50 @@ KERNEL_CODE_SQUARED_RELU = 3
 
 #: H += phi(k)^T [v 1]: the additive rule of linear attention.
 RULE_ADDITIVE = 0
+#: H <- a_t H + phi(k_t)^T [v_t 1]: a scalar decay a_t = exp(log_decay[b, t])
+#: per token (Mamba-2/SSD, simple GLA; a constant per sequence is RetNet's
+#: per-head gamma).
+RULE_DECAY = 1
+#: H <- diag(alpha_t) H + phi(k_t)^T [v_t 1]: a per-feature gate
+#: alpha_t = exp(log_gate[b, t, :]) (GLA).
+RULE_GATE = 2
 
 #: Every update rule: registry name -> (code, names of its extra per-token
 #: inputs).  Codes are distinct small integers; the kernels branch on them.
+#:
+#: The inputs as launchers receive them (validated and flattened by the front
+#: end, C-contiguous float64): ``log_decay`` (B, N) and ``log_gate`` (B, N, F),
+#: log-factors <= 0, ``-inf`` allowed (a reset: the state before the token is
+#: wiped exactly).  No NaN, no positive value.  Kernels must not form a
+#: difference of cumulative log-factors across a ``-inf`` (it is NaN): see
+#: ``docs/adding_an_update_rule.md``.
 RULES = {
     "additive": (RULE_ADDITIVE, ()),
+    "decay": (RULE_DECAY, ("log_decay",)),
+    "gate": (RULE_GATE, ("log_gate",)),
 }
+
+#: Log-factors at or below this are a reset (-inf): exp() of them is 0 in
+#: float64 (the smallest subnormal is exp(-744.4)), so the recurrence is the
+#: same, and a cumulative sum never holds a huge finite value whose
+#: differences would cancel catastrophically.
+LOG_RESET = -746.0
+
+
+#: How a kernel turns numerators and the normaliser into outputs (its
+#: ``norm`` argument): divide by the raw normaliser (``eps=None``) ...
+NORM_RAW = 0
+#: ... by the normaliser floored at ``eps`` ...
+NORM_FLOOR = 1
+#: ... or not at all: ``normalize=False`` writes ``phi(q)^T S_t``.
+NORM_NONE = 2
+
+
+def norm_mode(eps, normalize=True) -> int:
+    """The kernels' ``norm`` argument for a launcher's ``eps`` and ``normalize``."""
+    if not normalize:
+        return NORM_NONE
+    return NORM_RAW if eps is None else NORM_FLOOR
 
 
 def rule_name(rule) -> str:

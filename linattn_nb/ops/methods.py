@@ -36,7 +36,7 @@ CAUSAL_METHODS = {"cpu": ("quadratic", "scan", "chunked"), "cuda": ("scan", "chu
 
 
 def _quadratic_launcher(reference, **rule_kw):
-    def forward(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False):
+    def forward(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, normalize=True):
         B, N, _ = q.shape
         if N * N > config.QUADRATIC_MAX_ELEMENTS:
             raise ValueError(
@@ -50,9 +50,9 @@ def _quadratic_launcher(reference, **rule_kw):
                 check_finite_values(name, x)
         if rule_kw:
             res, S_new, z_new = reference(q, k, v, eps=eps, S0=H[:, :, :M], z0=H[:, :, M], inputs=inputs,
-                                          **rule_kw)
+                                          normalize=normalize, **rule_kw)
         else:  # the non-causal reference: the additive rule only
-            res, S_new, z_new = reference(q, k, v, eps=eps, S0=H[:, :, :M], z0=H[:, :, M])
+            res, S_new, z_new = reference(q, k, v, eps=eps, S0=H[:, :, :M], z0=H[:, :, M], normalize=normalize)
         with np.errstate(over="ignore", invalid="ignore"):
             out[...] = res
         H[:, :, :M] = S_new
@@ -76,11 +76,12 @@ def _bind(launcher, code):
 # so the method table lists them, imported on first call so that the package
 # imports without numba-cuda and compiles nothing at import.
 def _cuda_launcher(module: str, attr: str, **rule_kw):
-    def forward(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False):
+    def forward(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, normalize=True):
         import importlib
 
         fn = getattr(importlib.import_module(module, __package__), attr)
-        return fn(q, k, v, H, out, code=code, eps=eps, inputs=inputs, check_finite=check_finite, **rule_kw)
+        return fn(q, k, v, H, out, code=code, eps=eps, inputs=inputs, check_finite=check_finite,
+                  normalize=normalize, **rule_kw)
 
     forward.__name__ = forward.__qualname__ = attr
     forward.__doc__ = f"{module}.{attr}, imported on first call (device arrays in and out)."

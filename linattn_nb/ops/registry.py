@@ -13,7 +13,7 @@ tables ``config.AUTO_METHODS[(rule, causal, device)]``.
 The forward launcher of a sequence method has one signature for every rule
 and device::
 
-    forward(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False) -> out
+    forward(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, normalize=True) -> out
 
 ``q, k`` (B, N, F): raw inputs when ``code`` > 0 (the method applies the
 elementwise map itself, :attr:`Method.inline_features`), else features.
@@ -22,8 +22,12 @@ elementwise map itself, :attr:`Method.inline_features`), else features.
 column is the normaliser ``z``: the state of **one more value column of
 ones**, so a rule's kernels produce the normaliser without code of their own.
 ``out`` (B, N, M) is written.  ``eps``: normaliser floor (None: raw division).
+``normalize``: False writes the numerators ``phi(q)^T S_t`` undivided (``eps``
+unused; ``H`` still carries ``z``, so states do not depend on it).
 ``inputs``: the rule's extra per-token inputs (:attr:`Rule.inputs`),
-flattened to the batch, None for the additive rule.  On CUDA the arrays are
+flattened to the batch (C-contiguous float64: ``log_decay`` (B, N),
+``log_gate`` (B, N, F); :data:`linattn_nb.ops._codes.RULES`), None for the
+additive rule.  On CUDA the arrays are
 device arrays (``q, k, v, out`` may be 4-d ``(B1, B2, N, ·)`` views).
 
 ``check_finite``: with True the launcher raises ``ValueError("<name>

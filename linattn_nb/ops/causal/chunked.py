@@ -79,7 +79,7 @@ from ... import config
 from ..._blas import single_threaded_blas
 from .._blocks import load_chunk, state_finite
 from .._chunks import part_range, plan, segment_states, token_range
-from .._codes import RULE_ADDITIVE
+from .._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, norm_mode
 from .._finite import new_flags, report
 from .._gemm import gemm
 from .._rules import check_rule, check_state, chunk_transition, intra_weights
@@ -103,7 +103,7 @@ def _init_scratch(H, R):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, not an exception
-def _span(q, k, v, out, b, s_begin, s_end, H, code, eps, clip, bs, X, R, fk, o, part, rule):
+def _span(q, k, v, out, b, s_begin, s_end, H, code, eps, norm, bs, X, R, fk, o, part, rule):
     """Chunked recurrence over tokens [s_begin, s_end) of sequence b from state H (F, M + 1), in place.
 
     Scratch (working dtype), for chunk size C = fk.shape[0]:
@@ -148,7 +148,9 @@ def _span(q, k, v, out, b, s_begin, s_end, H, code, eps, clip, bs, X, R, fk, o, 
                     o[t, m] = acc
         for t in range(n):
             den = o[t, M]
-            if clip and den < eps:
+            if norm == NORM_NONE:
+                den = 1.0
+            elif norm == NORM_FLOOR and den < eps:
                 den = eps
             # an inf normaliser over finite numerators would give finite zeros
             results_ok &= is_finite(den)
@@ -194,7 +196,7 @@ def _sum_item(it, k, v, Hp, wt, code, C, P, sub, rule):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _span_item(it, q, k, v, Hst, out, wt, code, eps, clip, C, bs, rule, flags):
+def _span_item(it, q, k, v, Hst, out, wt, code, eps, norm, C, bs, rule, flags):
     """Pass 2, work item ``it``: segment ``p`` of sequence ``b`` from state Hst[b, p].
 
     ``flags[it]`` <- (an input read was NaN/inf, a result or the state is).
@@ -211,13 +213,13 @@ def _span_item(it, q, k, v, Hst, out, wt, code, eps, clip, C, bs, rule, flags):
     fk = np.empty((C, F), wt)
     o = np.empty((C, M + 1), wt)
     part = np.empty((F, M + 1), wt)
-    inputs_ok, results_ok = _span(q, k, v, out, b, t0, t1, Hst[b, p], code, eps, clip, bs, X, R, fk, o, part,
+    inputs_ok, results_ok = _span(q, k, v, out, b, t0, t1, Hst[b, p], code, eps, norm, bs, X, R, fk, o, part,
                                   rule)
     flags[it, 0] = not inputs_ok
     flags[it, 1] = not results_ok
 
 
-def _chunked_pass(mode, q, k, v, Hst, out, proto, code, eps, clip, C, sub, bs, rule, flags):
+def _chunked_pass(mode, q, k, v, Hst, out, proto, code, eps, norm, C, sub, bs, rule, flags):
     """One pass of the chunked causal kernel over its work items.
 
     q, k : (B, N, F) float32/float64, or uint16 (float16 bits); raw inputs when
@@ -249,7 +251,7 @@ def _chunked_pass(mode, q, k, v, Hst, out, proto, code, eps, clip, C, sub, bs, r
         if mode == 0:
             _sum_item(it, k, v, Hst, wt, code, C, Hst.shape[1] // sub + 1, sub, rule)
         else:
-            _span_item(it, q, k, v, Hst, out, wt, code, eps, clip, C, bs, rule, flags)
+            _span_item(it, q, k, v, Hst, out, wt, code, eps, norm, C, bs, rule, flags)
 
 
 chunked_kernel_serial, chunked_kernel = serial_and_parallel(_chunked_pass, fastmath=config.FASTMATH,
@@ -259,8 +261,8 @@ chunked_kernel_serial, chunked_kernel = serial_and_parallel(_chunked_pass, fastm
 # ---------------------------------------------------------------------------
 # launcher
 # ---------------------------------------------------------------------------
-def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, chunk=None, block=None,
-                   seq_parallel=None, rule=RULE_ADDITIVE):
+def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, normalize=True, chunk=None,
+                   block=None, seq_parallel=None, rule=RULE_ADDITIVE):
     """Launcher of :func:`chunked_kernel` (the method table's forward signature).
 
     Parameters
@@ -280,6 +282,8 @@ def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=Fals
         Normaliser floor (None: raw division).
     inputs : mapping, optional
         The rule's per-token inputs (none for the additive rule).
+    normalize : bool, default True
+        False writes ``phi(q)^T S_t`` undivided (``eps`` unused).
     check_finite : bool, default False
         Raise ValueError naming the first of q, k, v that holds NaN or inf
         (found while the kernel reads them), and
@@ -316,12 +320,12 @@ def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=Fals
     kernel = pick(chunked_kernel_serial, chunked_kernel, items=B * P, work=B * N * F * M,
                   limit=config.CPU_CHUNKED_SERIAL_MAX_WORK, force=True if seq_parallel is True else None)
     wt = work_dtype(q.dtype)
-    clip = eps is not None
+    norm = norm_mode(eps, normalize)
     qk, kk, vk = (as_kernel_array(np.ascontiguousarray(x)) for x in (q, k, v))
     ok = as_kernel_array(out)
     proto = np.empty(0, wt)
     flags = new_flags(B * P)
-    args = (np.int64(code), float(eps if clip else 0.0), clip, np.int64(C), np.int64(sub), np.int64(bs), rule,
+    args = (np.int64(code), float(eps if eps is not None else 0.0), np.int64(norm), np.int64(C), np.int64(sub), np.int64(bs), rule,
             flags)
     # BLAS pinned to one thread inside the parallel kernel only: there, its own
     # threads would oversubscribe the cores; on the calling thread alone they

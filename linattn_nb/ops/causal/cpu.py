@@ -17,21 +17,22 @@ from numba import prange
 
 from ... import config
 from .._blocks import feature_row
-from .._codes import RULE_ADDITIVE
+from .._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, norm_mode
 from .._rules import check_rule, check_state, token_step
 from .._twins import pick, serial_and_parallel
 from .._finite import new_flags, report
 from .._vec import as_kernel_array, is_finite, store3, to_work
 
 
-def _scan(q, k, v, H, out, code, eps, clip, rule, flags):
+def _scan(q, k, v, H, out, code, eps, norm, rule, flags):
     """Per-token recurrence over each sequence of the flattened batch (axis 0).
 
     q, k : (B, N, F) inputs (``code`` > 0: raw, the map is applied inline;
     code 0: already features).  v : (B, N, M).  H : (B, F, M + 1) float64:
     the initial state ``[S | z]`` on entry, the final state on return.
-    out : (B, N, M).  ``clip``: floor the normaliser at ``eps``; else divide
-    raw.  ``rule``: update-rule code; each token's state update is the rule's
+    out : (B, N, M).  ``norm`` (:data:`linattn_nb.ops._codes.NORM_RAW` and
+    the others): divide by the raw normaliser, by the normaliser floored at
+    ``eps``, or not at all.  ``rule``: update-rule code; each token's state update is the rule's
     :func:`linattn_nb.ops._rules.token_step`.  ``flags`` (B, 2) uint8 <- per
     sequence, whether a q, k or v element read was NaN or inf (checked on the
     elements the loop loads anyway), and whether an output, a normaliser or
@@ -73,7 +74,9 @@ def _scan(q, k, v, H, out, code, eps, clip, rule, flags):
             for i in range(F):
                 c = fq[i]
                 den += c * token_step(rule, Sb, zb, i, fk[i], c, vrow, num)  # the rule's hook (ops/_rules.py)
-            if clip and den < eps:
+            if norm == NORM_NONE:
+                den = 1.0
+            elif norm == NORM_FLOOR and den < eps:
                 den = eps
             results_ok &= is_finite(den)  # an inf normaliser over finite numerators would give finite zeros
             for m in range(M):
@@ -94,14 +97,16 @@ causal_scan_kernel_serial, causal_scan_kernel = serial_and_parallel(_scan, fastm
                                                                     cache=config.CACHE, error_model="numpy")
 
 
-def causal_scan(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, rule=RULE_ADDITIVE):
+def causal_scan(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, normalize=True,
+                rule=RULE_ADDITIVE):
     """Launcher (the method table's forward signature).
 
     q, k (B, N, F); v (B, N, M); H (B, F, M + 1) float64 C-contiguous, the
     state ``[S | z]`` updated in place; ``out`` (B, N, M) written.  ``code``:
     inline feature map; ``eps``: normaliser floor or None; ``inputs``: the
     rule's per-token inputs (none for the additive rule); ``rule``: update-rule
-    code (:data:`linattn_nb.ops._codes.RULES`).  ``check_finite``: raise
+    code (:data:`linattn_nb.ops._codes.RULES`); ``normalize``: False writes
+    ``phi(q)^T S_t`` undivided.  ``check_finite``: raise
     ValueError naming the first of q, k, v holding NaN or inf, or
     :class:`~linattn_nb.ops._finite.NonFiniteResult` for finite inputs whose
     outputs or state are not (found by the kernel while it reads and writes;
@@ -111,11 +116,12 @@ def causal_scan(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, 
     M = v.shape[2]
     check_state(H, B, F, M)
     rule = check_rule(rule, inputs)
-    clip = eps is not None
+    norm = norm_mode(eps, normalize)
     qk, kk, vk, o = (as_kernel_array(x) for x in (q, k, v, out))  # float16: uint16 bits, converted per element
     kernel = pick(causal_scan_kernel_serial, causal_scan_kernel, items=B, work=B * N * F * M,
                   limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
     flags = new_flags(B)
-    kernel(qk, kk, vk, H, o, np.int64(code), float(eps if clip else 0.0), clip, rule, flags)
+    kernel(qk, kk, vk, H, o, np.int64(code), float(eps if eps is not None else 0.0), np.int64(norm), rule,
+           flags)
     report(flags, (("q", q), ("k", k), ("v", v)), check_finite=check_finite)
     return out

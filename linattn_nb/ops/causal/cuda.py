@@ -34,21 +34,30 @@ from .. import _cuda_launch as C
 from .._codes import RULE_ADDITIVE
 
 
-def causal_scan_cuda(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, rule=RULE_ADDITIVE):
+def _not_yet(rule, normalize):
+    # TODO(issue 14): the CUDA kernels of the decay and gate rules and normalize=False
+    if rule != RULE_ADDITIVE or not normalize:
+        raise NotImplementedError("the CUDA kernels do not implement this rule / normalize=False yet")
+
+
+def causal_scan_cuda(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, normalize=True,
+                     rule=RULE_ADDITIVE):
     """Causal scan on the GPU; see the module docstring for the contract."""
+    _not_yet(rule, normalize)
     C.check_inputs(q, k, v, check_finite)
     p = C.plan(q, k, v, H, out, rule=rule, inputs=inputs)
     C.scan(p, H, code=code, eps=eps)
     return out
 
 
-def causal_chunked_cuda(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, chunk_size=None,
-                        rule=RULE_ADDITIVE):
+def causal_chunked_cuda(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, normalize=True,
+                        chunk_size=None, rule=RULE_ADDITIVE):
     """Chunkwise-parallel causal attention on the GPU (module docstring).
 
     ``chunk_size`` defaults to ``config.CUDA_CHUNK_SIZE``; a sequence of one
     chunk runs the scan.
     """
+    _not_yet(rule, normalize)
     C.check_inputs(q, k, v, check_finite)
     p = C.plan(q, k, v, H, out, rule=rule, inputs=inputs, chunk=C.chunk_length(chunk_size))
     if p.empty:

@@ -15,7 +15,40 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._codes import RULE_ADDITIVE, check_rule_inputs
+from .._codes import RULE_ADDITIVE, RULE_DECAY, RULE_GATE, check_rule_inputs
+
+
+def _log_factors(rule, inputs, b, n, f):
+    """Per-token log-factors of batch entry ``b`` as an (N, F) float64 array (0 for the additive rule)."""
+    if rule == RULE_DECAY:
+        lg = np.asarray(inputs["log_decay"][b], dtype=np.float64).reshape(n, 1)
+        return np.broadcast_to(lg, (n, f))
+    if rule == RULE_GATE:
+        return np.asarray(inputs["log_gate"][b], dtype=np.float64).reshape(n, f)
+    return np.zeros((n, f))
+
+
+def _decayed_weights(qf, kf, lg):
+    """The decay and gate rules' explicit form from per-token log-factors ``lg`` (N, F).
+
+    Output ``t`` weighs token ``s <= t`` by ``sum_i q_ti k_si exp(sum_{s<u<=t} lg_ui)``.
+    The sums over ``(s, t]`` are running sums started at each ``s``, so a
+    ``-inf`` (a reset) makes every later factor exactly 0 and never meets
+    another ``-inf`` in a difference (no NaN).  O(N^2 F) time, O(N F) memory.
+    """
+    N, F = qf.shape
+    A = np.zeros((N, N))
+    with np.errstate(under="ignore"):
+        for s in range(N):
+            A[s, s] = qf[s] @ kf[s]
+            if s + 1 < N:
+                dec = np.exp(np.cumsum(lg[s + 1:], axis=0))  # (N - s - 1, F): exp(sum_{s<u<=t} lg_u)
+                A[s + 1:, s] = (qf[s + 1:] * dec) @ kf[s]
+        head = np.exp(np.cumsum(lg, axis=0))  # exp(sum_{u<=t} lg_u): how output t reads the initial state
+        tail = np.exp(np.cumsum(lg[::-1], axis=0)[::-1])  # exp(sum_{u>=s} lg_u)
+        tail = np.vstack([tail[1:], np.ones((1, F))]) if N else tail  # exp(sum_{u>s} lg_u)
+        keep = head[-1] if N else np.ones(F)
+    return A, qf * head, kf * tail, keep
 
 
 def explicit_weights(rule, qf, kf, inputs, b):
@@ -46,10 +79,14 @@ def explicit_weights(rule, qf, kf, inputs, b):
     """
     if rule == RULE_ADDITIVE:
         return np.tril(qf @ kf.T), qf, kf, None
+    if rule in (RULE_DECAY, RULE_GATE):
+        N, F = qf.shape
+        return _decayed_weights(qf, kf, _log_factors(rule, inputs, b, N, F))
     raise ValueError(f"the naive reference has no branch for rule {rule}")  # pragma: no cover
 
 
-def causal_linear_quadratic(qf, kf, v, *, eps, S0=None, z0=None, rule=RULE_ADDITIVE, inputs=None):
+def causal_linear_quadratic(qf, kf, v, *, eps, S0=None, z0=None, rule=RULE_ADDITIVE, inputs=None,
+                            normalize=True):
     """Causal linear attention from explicit weights.
 
     Parameters
@@ -65,7 +102,11 @@ def causal_linear_quadratic(qf, kf, v, *, eps, S0=None, z0=None, rule=RULE_ADDIT
         Update-rule code (:data:`linattn_nb.ops._codes.RULES`), default additive.
     inputs : mapping, optional
         The rule's per-token inputs, flattened to the batch (none for the
-        additive rule).
+        additive rule; ``log_decay`` (B, N) for the decay rule, ``log_gate``
+        (B, N, F) for the gate rule).
+    normalize : bool, default True
+        Divide by the normaliser; False returns ``phi(q)^T S_t`` (``eps``
+        unused).
 
     Returns
     -------
@@ -88,11 +129,14 @@ def causal_linear_quadratic(qf, kf, v, *, eps, S0=None, z0=None, rule=RULE_ADDIT
         else:  # row by row: in A @ v a NaN/inf of a later token leaks into earlier rows as 0 * NaN
             num = np.array([A[t, : t + 1] @ v[b, : t + 1] for t in range(N)]).reshape(N, M)
         num = num + Qs @ S[b]
-        den = A.sum(axis=-1) + Qs @ z[b]
-        if eps is not None:
-            den = np.maximum(den, eps)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            out[b] = num / den[:, None]
+        if not normalize:
+            out[b] = num
+        else:
+            den = A.sum(axis=-1) + Qs @ z[b]
+            if eps is not None:
+                den = np.maximum(den, eps)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                out[b] = num / den[:, None]
         if keep is not None:
             S[b] *= keep[:, None]
             z[b] *= keep

@@ -25,7 +25,7 @@ from ... import config
 from ..._blas import single_threaded_blas
 from .._blocks import features, state_finite, state_sums
 from .._chunks import absorb_parts, part_range, segments, token_range
-from .._codes import RULE_ADDITIVE
+from .._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, norm_mode
 from .._rules import check_rule, check_state
 from .._twins import pick, serial_and_parallel
 from .._finite import report
@@ -56,7 +56,7 @@ def _aggregate_item(it, k, v, Hp, wt, code, block, flags):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, not an exception
-def _query_item(it, q, H, out, wt, code, eps, clip, block, pieces, flags):
+def _query_item(it, q, H, out, wt, code, eps, norm, block, pieces, flags):
     N, F = q.shape[1], q.shape[2]
     M = H.shape[2] - 1
     b = it // pieces
@@ -83,7 +83,9 @@ def _query_item(it, q, H, out, wt, code, eps, clip, block, pieces, flags):
             den = 0.0
             for i in range(F):
                 den += fqn[t, i] * zb[i]
-            if clip and den < eps:
+            if norm == NORM_NONE:
+                den = 1.0
+            elif norm == NORM_FLOOR and den < eps:
                 den = eps
             results_ok &= is_finite(den)  # an inf normaliser over finite numerators would give finite zeros
             rden[t] = 1.0 / den
@@ -95,7 +97,7 @@ def _query_item(it, q, H, out, wt, code, eps, clip, block, pieces, flags):
     flags[it, 1] = not results_ok
 
 
-def _noncausal_phase(mode, q, k, v, parts, H, out, proto, code, eps, clip, block, flags):
+def _noncausal_phase(mode, q, k, v, parts, H, out, proto, code, eps, norm, block, flags):
     """One phase over (sequence, piece) items.
 
     mode 0 (aggregate): ``parts`` (B, P, F, M+1) float64 receives the
@@ -119,21 +121,21 @@ def _noncausal_phase(mode, q, k, v, parts, H, out, proto, code, eps, clip, block
         if mode == 0:
             _aggregate_item(it, k, v, parts, wt, code, block, flags[0])
         else:
-            _query_item(it, q, H, out, wt, code, eps, clip, block, pieces, flags[1])
+            _query_item(it, q, H, out, wt, code, eps, norm, block, pieces, flags[1])
 
 
 noncausal_kernel_serial, noncausal_kernel = serial_and_parallel(_noncausal_phase, fastmath=config.FASTMATH,
                                                                 cache=config.CACHE)
 
 
-def noncausal_aggregate(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, block=None, pieces=None,
-                        rule=RULE_ADDITIVE):
+def noncausal_aggregate(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, normalize=True,
+                        block=None, pieces=None, rule=RULE_ADDITIVE):
     """Launcher (the method table's forward signature): H updated in place, ``out`` written.
 
     q, k (B, N, F); v (B, N, M); H (B, F, M + 1) float64 C-contiguous, the
     state ``[S | z]`` (context seen by every query), updated to include the
     N tokens.  ``code``: inline feature map; ``eps``: normaliser floor or
-    None; ``inputs``: the rule's per-token inputs (none for the additive
+    None; ``normalize``: False writes ``phi(q)^T S`` undivided; ``inputs``: the rule's per-token inputs (none for the additive
     rule, the only non-causal one).  ``check_finite``: raise ValueError
     naming the first of q, k, v holding NaN or inf, or
     :class:`~linattn_nb.ops._finite.NonFiniteResult` for finite inputs whose
@@ -159,11 +161,11 @@ def noncausal_aggregate(q, k, v, H, out, *, code, eps, inputs=None, check_finite
     kernel = pick(noncausal_kernel_serial, noncausal_kernel, items=B * pieces, work=B * N * F * M,
                   limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
     wt = work_dtype(q.dtype)
-    clip = eps is not None
+    norm = norm_mode(eps, normalize)
     qk, kk, vk = (as_kernel_array(np.ascontiguousarray(x)) for x in (q, k, v))
     parts = np.empty((B, pieces, F, M + 1))
     flags = np.zeros((2, B * pieces, 2), np.uint8)
-    args = (as_kernel_array(out), np.empty(0, wt), np.int64(code), float(eps if clip else 0.0), clip,
+    args = (as_kernel_array(out), np.empty(0, wt), np.int64(code), float(eps if eps is not None else 0.0), np.int64(norm),
             np.int64(block), flags)
     # BLAS pinned inside the parallel kernel only (see causal/chunked.py)
     with single_threaded_blas(kernel is noncausal_kernel):

@@ -14,8 +14,11 @@ from __future__ import annotations
 from .. import _cuda_launch as C
 
 
-def noncausal_aggregate_cuda(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, chunk_size=None):
+def noncausal_aggregate_cuda(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, normalize=True,
+                             chunk_size=None):
     """Non-causal linear attention on the GPU (see the module docstring)."""
+    if not normalize:  # TODO(issue 14): normalize=False on the GPU
+        raise NotImplementedError("normalize=False is not implemented on the GPU yet")
     C.check_inputs(q, k, v, check_finite)
     p = C.plan(q, k, v, H, out, inputs=inputs, chunk=C.chunk_length(chunk_size))
     if p.empty:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def noncausal_linear_quadratic(qf, kf, v, *, eps, S0=None, z0=None):
+def noncausal_linear_quadratic(qf, kf, v, *, eps, S0=None, z0=None, normalize=True):
     """Non-causal linear attention from explicit weights.
 
     Parameters and returns as :func:`linattn_nb.ops.causal.naive.causal_linear_quadratic`;
@@ -25,8 +25,8 @@ def noncausal_linear_quadratic(qf, kf, v, *, eps, S0=None, z0=None):
     for b in range(B):
         A = qf[b] @ kf[b].T
         num = A @ v[b] + qf[b] @ S[b]
-        den = A.sum(axis=-1) + qf[b] @ z[b]
-        if eps is not None:
+        den = A.sum(axis=-1) + qf[b] @ z[b] if normalize else np.ones(N)
+        if eps is not None and normalize:
             den = np.maximum(den, eps)
         with np.errstate(divide="ignore", invalid="ignore"):
             out[b] = num / den[:, None]
