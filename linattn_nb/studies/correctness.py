@@ -5,7 +5,9 @@ the quadratic reference, for every positive feature map that needs no
 parameters, causal and non-causal, in float16, float32 and float64, runs on a
 set of edge shapes (N = 0 and 1, odd N, batch sizes below and above the
 thread count, D != M) and is compared with the float64 quadratic reference
-computed from the same (rounded) inputs.  The output buffer is pre-filled
+computed from the same (rounded) inputs.  Causal methods are also checked
+with the decay and gate update rules (random factors per token, resp. per
+token and feature, with a reset mid-sequence; ELU+1 features).  The output buffer is pre-filled
 with NaN, so an element a kernel does not write fails the check.  The state is
 checked too: the returned (S, z) against their definition, and, for causal
 attention, a sequence processed in two segments (``initial_state``) against
@@ -24,6 +26,20 @@ from ._study import Rendered, Study, fmt, markdown_table, register_study
 #: computed in float32 and rounded to float16 on output (unit round-off 4.9e-4).
 TOLERANCES = {"float16": 3e-3, "float32": 2e-5, "float64": 1e-11}
 DTYPES = ("float16", "float32", "float64")
+#: Update rules with per-token inputs checked besides the additive rule (causal only).
+DECAY_RULES = ("decay", "gate")
+
+
+def _decay(rule, rng, b, n, f):
+    """Random factors of ``rule`` for a (b, n) batch: per token ("decay") or per token and feature ("gate"),
+    in [0.5, 1], with a reset (factor 0) at token n // 2."""
+    if rule == "additive":
+        return None
+    shape = (b, n) if rule == "decay" else (b, n, f)
+    a = rng.uniform(0.5, 1.0, size=shape)
+    if n >= 2:
+        a[:, n // 2] = 0.0
+    return a
 
 
 def _shapes(profile: str) -> list[list[int]]:
@@ -59,6 +75,13 @@ def points(ctx) -> list[dict]:
             for fmap in _feature_maps():
                 pts.append(dict(kind="linear", device=device, causal=causal, feature_map=fmap,
                                 methods=methods, dtypes=list(DTYPES), shapes=shapes))
+            if causal:
+                for rule in DECAY_RULES:
+                    rmethods = [m for m in available_methods(causal=True, device=device, rule=rule)
+                                if m != "quadratic"]
+                    if rmethods:
+                        pts.append(dict(kind="linear", device=device, causal=True, feature_map="elu",
+                                        methods=rmethods, dtypes=list(DTYPES), shapes=shapes, rule=rule))
     for causal in (False, True):
         pts.append(dict(kind="softmax", device="cpu", causal=causal, feature_map=None,
                         methods=["blocked"], dtypes=list(DTYPES), shapes=shapes))
@@ -81,41 +104,48 @@ def _to_host(x):
     return x.copy_to_host() if hasattr(x, "copy_to_host") else np.asarray(x)
 
 
-def _check_linear(q, k, v, ref, fk64, v64, *, device, causal, method, feature_map, segments):
-    """(output error, state error) of one linear-attention method on one input."""
+def _check_linear(q, k, v, ref, S_ref, z_ref, *, device, causal, method, feature_map, segments, decay=None):
+    """(output error, state error) of one linear-attention method on one input.
+
+    ``S_ref``, ``z_ref``: the final state it must return (float64).
+    """
     from .. import linear_attention
 
     if device == "cpu":
         buf = np.full(ref.shape, np.nan, dtype=q.dtype)
         out, state = linear_attention(q, k, v, feature_map=feature_map, causal=causal, method=method,
-                                      device="cpu", out=buf, return_state=True)
+                                      device="cpu", out=buf, return_state=True, decay=decay)
         if out is not buf:
             raise AssertionError("linear_attention did not return the out= buffer")
     else:
         out, state = linear_attention(q, k, v, feature_map=feature_map, causal=causal, method=method,
-                                      device=device, return_state=True)
+                                      device=device, return_state=True, decay=decay)
         out = _to_host(out)
     if out.dtype != q.dtype or out.shape != ref.shape:
         raise AssertionError(f"{method} returned {out.dtype} {out.shape} for {q.dtype} {ref.shape}")
-    # The state against its definition: S = sum_j phi(k_j) v_j^T, z = sum_j phi(k_j).
-    state_err = max(_rel(_to_host(state.S), np.einsum("bnf,bnm->bfm", fk64, v64)),
-                    _rel(_to_host(state.z), fk64.sum(axis=1)))
+    state_err = max(_rel(_to_host(state.S), S_ref), _rel(_to_host(state.z), z_ref))
     n = q.shape[1]
     if segments and causal and n >= 2 and device == "cpu":
         cut = n // 3 + 1
+        d1 = d2 = None
+        if decay is not None:
+            d1, d2 = decay[:, :cut], decay[:, cut:]
         o1, st = linear_attention(q[:, :cut], k[:, :cut], v[:, :cut], feature_map=feature_map,
-                                  causal=True, method=method, return_state=True)
+                                  causal=True, method=method, return_state=True, decay=d1)
         o2 = linear_attention(q[:, cut:], k[:, cut:], v[:, cut:], feature_map=feature_map,
-                              causal=True, method=method, initial_state=st)
+                              causal=True, method=method, initial_state=st, decay=d2)
         state_err = max(state_err, _rel(np.concatenate([o1, o2], axis=1), ref))
     return _rel(out, ref), state_err
 
 
-def run(kind, device, causal, feature_map, methods, dtypes, shapes, seed=0) -> dict:
-    """Check every method and dtype of one (attention, device, causal, feature map) on every shape.
+def run(kind, device, causal, feature_map, methods, dtypes, shapes, seed=0, rule="additive") -> dict:
+    """Check every method and dtype of one (attention, device, causal, feature map, rule) on every shape.
 
     The float64 quadratic reference is computed once per shape and dtype
-    (from the inputs rounded to that dtype) and shared by the methods.
+    (from the inputs rounded to that dtype) and shared by the methods.  The
+    returned state is checked against its definition (additive rule:
+    ``S = sum_j phi(k_j) v_j^T``, ``z = sum_j phi(k_j)``) or, for the decay
+    and gate rules, against the reference's state.
     """
     from .. import linear_attention, softmax_attention
     from ._maps import build_map
@@ -129,15 +159,19 @@ def run(kind, device, causal, feature_map, methods, dtypes, shapes, seed=0) -> d
         # One instance per shape, shared by the reference and every method (a
         # random map is drawn once, seeded, for this D).
         fmap = build_map(feature_map, dim=d, seed=seed) if kind == "linear" else None
+        decay = _decay(rule, rng, b, n, fmap.output_dim(d)) if kind == "linear" else None
         for dtype in dtypes:
             q, k, v = (x.astype(dtype) for x in base)
             q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
             if kind == "softmax":
                 ref = softmax_attention(q64, k64, v64, causal=causal, method="quadratic")
             else:
-                ref = linear_attention(q64, k64, v64, feature_map=fmap, causal=causal,
-                                       method="quadratic")
-                fk64 = fmap.apply(k64, role="key", causal=causal, offset=0, total_length=n)
+                ref, st = linear_attention(q64, k64, v64, feature_map=fmap, causal=causal,
+                                           method="quadratic", return_state=True, decay=decay)
+                S_ref, z_ref = st.S, st.z
+                if decay is None:  # the additive state against its definition, not the reference's
+                    fk64 = fmap.apply(k64, role="key", causal=causal, offset=0, total_length=n)
+                    S_ref, z_ref = np.einsum("bnf,bnm->bfm", fk64, v64), fk64.sum(axis=1)
             for method in methods:
                 a = acc[(method, dtype)]
                 if a["error"] is not None:
@@ -149,9 +183,9 @@ def run(kind, device, causal, feature_map, methods, dtypes, shapes, seed=0) -> d
                             raise AssertionError(f"returned {out.dtype} {out.shape} for {q.dtype} {ref.shape}")
                         err, serr = _rel(out, ref), 0.0
                     else:
-                        err, serr = _check_linear(q, k, v, ref, fk64, v64, device=device, causal=causal,
+                        err, serr = _check_linear(q, k, v, ref, S_ref, z_ref, device=device, causal=causal,
                                                   method=method, feature_map=fmap,
-                                                  segments=not fmap.position_dependent)
+                                                  segments=not fmap.position_dependent, decay=decay)
                 except Exception as exc:  # noqa: BLE001 - a failing method is a result here
                     a["error"] = f"{type(exc).__name__}: {exc} (shape B, N, D, M = {[b, n, d, m]})"
                     continue
@@ -174,8 +208,8 @@ def render(records, ctx) -> Rendered:
     for r in ok:
         p = r["params"]
         for c in r["result"]["checks"]:
-            label = (p["kind"], "causal" if p["causal"] else "non-causal", p["device"], c["method"],
-                     p["feature_map"] or "–")
+            label = (p["kind"], "causal" if p["causal"] else "non-causal", p.get("rule", "additive"), p["device"],
+                     c["method"], p["feature_map"] or "–")
             groups.setdefault(label, {})[c["dtype"]] = c
             if not c["passed"]:
                 what = c["error"] or (
@@ -209,8 +243,8 @@ def render(records, ctx) -> Rendered:
         "",
         f"Shapes (B, N, D, M): {', '.join('(' + ', '.join(map(str, s)) + ')' for s in shapes)}.",
         "",
-        markdown_table(["attention", "mode", "device", "method", "feature map", *DTYPES], rows,
-                       align="lllll" + "r" * len(DTYPES)),
+        markdown_table(["attention", "mode", "rule", "device", "method", "feature map", *DTYPES], rows,
+                       align="llllll" + "r" * len(DTYPES)),
     ]
     if problems:
         md += ["", "Failures:", ""] + [f"- {p}" for p in problems]
