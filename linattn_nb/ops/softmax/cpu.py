@@ -10,13 +10,88 @@ O(block_q * (block_k + M)); the ``N x N`` matrix is never formed.
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
+from numba import njit, prange
 
 from ... import config
 from ..._blas import single_threaded_blas
 from .._finite import new_flags, report
 from .._twins import pick, serial_and_parallel
 from .._vec import is_finite
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _softmax_task(task, q, k, v, out, scale, causal, block_q, block_k, flags):
+    """One task of :func:`_softmax`: query block ``task % nqb`` (interleaved) of sequence ``task // nqb``.
+
+    A function of its own, not the body of the ``prange`` loop: Numba
+    optimises a parallel loop body differently when it is compiled fresh
+    and when it is loaded from the disk cache (numba/numba#10617), which
+    changed float64 results in the last bit between the serial and the
+    parallel twin; a called function is the same machine code in both.
+    """
+    B, N, D = q.shape
+    M = v.shape[2]
+    nqb = (N + block_q - 1) // block_q
+    # Interleave cheap and expensive query blocks so that the contiguous
+    # ranges prange hands each thread carry similar causal work.
+    b = task // nqb
+    r = task % nqb
+    if r % 2 == 0:
+        qb = r // 2
+    else:
+        qb = nqb - 1 - r // 2
+    q0 = qb * block_q
+    q1 = min(N, q0 + block_q)
+    nq = q1 - q0
+    qs = np.empty((nq, D), dtype=q.dtype)
+    inputs_ok = True
+    for i in range(nq):
+        for d in range(D):
+            x = q[b, q0 + i, d]
+            qs[i, d] = x * scale
+            inputs_ok &= is_finite(x)
+        for d in range(D):
+            inputs_ok &= is_finite(k[b, q0 + i, d])
+        for mm in range(M):
+            inputs_ok &= is_finite(v[b, q0 + i, mm])
+    mrow = np.full(nq, -np.inf)
+    lrow = np.zeros(nq)
+    acc = np.zeros((nq, M), dtype=q.dtype)
+    kend = q1 if causal else N
+    for k0 in range(0, kend, block_k):
+        k1 = min(kend, k0 + block_k)
+        s = np.dot(qs, k[b, k0:k1].T)
+        nk = k1 - k0
+        for i in range(nq):
+            lim = nk
+            if causal:
+                lim = max(0, min(nk, q0 + i + 1 - k0))
+            mx = mrow[i]
+            for j in range(lim):
+                if s[i, j] > mx:
+                    mx = s[i, j]
+            alpha = np.exp(mrow[i] - mx) if mrow[i] > -np.inf else 0.0
+            tot = 0.0
+            for j in range(lim):
+                p = np.exp(s[i, j] - mx)
+                s[i, j] = p
+                tot += p
+            for j in range(lim, nk):
+                s[i, j] = 0.0
+            lrow[i] = lrow[i] * alpha + tot
+            mrow[i] = mx
+            for mm in range(M):
+                acc[i, mm] *= alpha
+        acc += np.dot(s, v[b, k0:k1])
+    results_ok = True  # outputs and row normalisers
+    for i in range(nq):
+        inv = 1.0 / lrow[i]
+        results_ok &= is_finite(lrow[i])
+        for mm in range(M):
+            out[b, q0 + i, mm] = acc[i, mm] * inv
+            results_ok &= is_finite(out[b, q0 + i, mm])
+    flags[task, 0] = not inputs_ok
+    flags[task, 1] = not results_ok
 
 
 def _softmax(q, k, v, out, scale, causal, block_q, block_k, flags):
@@ -36,66 +111,7 @@ def _softmax(q, k, v, out, scale, causal, block_q, block_k, flags):
     nqb = (N + block_q - 1) // block_q
     ntask = B * nqb
     for task in prange(ntask):
-        # Interleave cheap and expensive query blocks so that the contiguous
-        # ranges prange hands each thread carry similar causal work.
-        b = task // nqb
-        r = task % nqb
-        if r % 2 == 0:
-            qb = r // 2
-        else:
-            qb = nqb - 1 - r // 2
-        q0 = qb * block_q
-        q1 = min(N, q0 + block_q)
-        nq = q1 - q0
-        qs = np.empty((nq, D), dtype=q.dtype)
-        inputs_ok = True
-        for i in range(nq):
-            for d in range(D):
-                x = q[b, q0 + i, d]
-                qs[i, d] = x * scale
-                inputs_ok &= is_finite(x)
-            for d in range(D):
-                inputs_ok &= is_finite(k[b, q0 + i, d])
-            for mm in range(M):
-                inputs_ok &= is_finite(v[b, q0 + i, mm])
-        mrow = np.full(nq, -np.inf)
-        lrow = np.zeros(nq)
-        acc = np.zeros((nq, M), dtype=q.dtype)
-        kend = q1 if causal else N
-        for k0 in range(0, kend, block_k):
-            k1 = min(kend, k0 + block_k)
-            s = np.dot(qs, k[b, k0:k1].T)
-            nk = k1 - k0
-            for i in range(nq):
-                lim = nk
-                if causal:
-                    lim = max(0, min(nk, q0 + i + 1 - k0))
-                mx = mrow[i]
-                for j in range(lim):
-                    if s[i, j] > mx:
-                        mx = s[i, j]
-                alpha = np.exp(mrow[i] - mx) if mrow[i] > -np.inf else 0.0
-                tot = 0.0
-                for j in range(lim):
-                    p = np.exp(s[i, j] - mx)
-                    s[i, j] = p
-                    tot += p
-                for j in range(lim, nk):
-                    s[i, j] = 0.0
-                lrow[i] = lrow[i] * alpha + tot
-                mrow[i] = mx
-                for mm in range(M):
-                    acc[i, mm] *= alpha
-            acc += np.dot(s, v[b, k0:k1])
-        results_ok = True  # outputs and row normalisers
-        for i in range(nq):
-            inv = 1.0 / lrow[i]
-            results_ok &= is_finite(lrow[i])
-            for mm in range(M):
-                out[b, q0 + i, mm] = acc[i, mm] * inv
-                results_ok &= is_finite(out[b, q0 + i, mm])
-        flags[task, 0] = not inputs_ok
-        flags[task, 1] = not results_ok
+        _softmax_task(task, q, k, v, out, scale, causal, block_q, block_k, flags)
 
 
 softmax_kernel_serial, softmax_kernel = serial_and_parallel(_softmax, fastmath=config.FASTMATH, cache=config.CACHE)
