@@ -74,8 +74,9 @@ def explicit_weights(rule, qf, kf, inputs, b):
         Output ``t`` reads the initial state as ``Qs[t] @ [S0 | z0]``.
     Ks : ndarray (N, F)
         The final state is ``keep * [S0 | z0] + Ks.T @ [V | 1]``.
-    keep : None or ndarray (F,)
-        Per-row factor of the initial state in the final state (None: 1).
+    keep : None or ndarray (F,) or (F, F)
+        Per-row factor (or, for the delta rule, the matrix) of the initial
+        state in the final state (None: 1).
     """
     if rule == RULE_ADDITIVE:
         return np.tril(qf @ kf.T), qf, kf, None
@@ -83,6 +84,62 @@ def explicit_weights(rule, qf, kf, inputs, b):
         N, F = qf.shape
         return _decayed_weights(qf, kf, _log_factors(rule, inputs, b, N, F))
     raise ValueError(f"the naive reference has no branch for rule {rule}")  # pragma: no cover
+
+
+def delta_weights(qf, kf, beta, lg=None):
+    """The (gated) delta rule's explicit form on one sequence, float64.
+
+    The recurrence (Schlag et al. 2021; Yang et al. 2024; gated: Yang, Kautz
+    & Hatamizadeh 2025), applied to every column of ``H = [S | z]``::
+
+        H_t = a_t (I - beta_t k_t k_t^T) H_{t-1} + beta_t k_t [v_t 1]^T,   o_t = q_t^T H_t
+
+    is linear in the initial state and the values, so for a sequence of N
+    tokens ``O = A [V 1] + Qs H_0`` and ``H_N = keep H_0 + Ks^T [V 1]``
+    (``../shared/REFERENCES.md``, "Delta rule"): with ``G_ts = exp(sum_{s<u<=t}
+    lg_u)`` (1 without a gate), ``L = I + tril(diag(beta) (G * K K^T), -1)``
+    and ``T = L^{-1} diag(beta)`` (a unit lower-triangular solve),
+    ``A = tril(G * Q K^T) T``, ``Qs = e^b * Q - A (e^b * K)``, ``Ks = T^T (e^{b_N - b} * K)``,
+    ``keep = e^{b_N} I - (e^{b_N - b} * K)^T T (e^b * K)``.
+
+    Parameters
+    ----------
+    qf, kf : ndarray (N, F) float64
+    beta : ndarray (N,) float64
+        Write strengths.
+    lg : ndarray (N,) float64, optional
+        Log-decays (<= 0, -inf a reset) of the gated delta rule.
+
+    Returns
+    -------
+    A : ndarray (N, N)
+    Qs, Ks : ndarray (N, F)
+    keep : ndarray (F, F)
+    """
+    from scipy.linalg import solve_triangular
+
+    N, F = qf.shape
+    beta = np.asarray(beta, dtype=np.float64)
+    if lg is None:
+        G = np.tril(np.ones((N, N)))
+        head = np.ones(N)
+        tail = np.ones(N)
+        total = 1.0
+    else:
+        G = _decayed_weights(np.ones((N, 1)), np.ones((N, 1)), np.asarray(lg, np.float64).reshape(N, 1))[0]
+        with np.errstate(under="ignore"):
+            head = np.exp(np.cumsum(lg)) if N else np.ones(0)  # e^{b_t}
+            tail = np.exp(np.concatenate([np.cumsum(lg[::-1])[::-1][1:], [0.0]])) if N else np.ones(0)  # e^{b_N - b_s}
+        total = float(head[-1]) if N else 1.0
+    L = np.eye(N) + np.tril(beta[:, None] * (G * (kf @ kf.T)), -1)
+    T = solve_triangular(L, np.diag(beta), lower=True, unit_diagonal=True) if N else np.zeros((0, 0))
+    A = np.tril(G * (qf @ kf.T)) @ T
+    kb = head[:, None] * kf
+    kt = tail[:, None] * kf
+    Qs = head[:, None] * qf - A @ kb
+    Ks = T.T @ kt
+    keep = total * np.eye(F) - kt.T @ (T @ kb)
+    return A, Qs, Ks, keep
 
 
 def causal_linear_quadratic(qf, kf, v, *, eps, S0=None, z0=None, rule=RULE_ADDITIVE, inputs=None,
@@ -137,7 +194,10 @@ def causal_linear_quadratic(qf, kf, v, *, eps, S0=None, z0=None, rule=RULE_ADDIT
                 den = np.maximum(den, eps)
             with np.errstate(divide="ignore", invalid="ignore"):
                 out[b] = num / den[:, None]
-        if keep is not None:
+        if keep is not None and keep.ndim == 2:  # a matrix: the delta rule
+            S[b] = keep @ S[b]
+            z[b] = keep @ z[b]
+        elif keep is not None:
             S[b] *= keep[:, None]
             z[b] *= keep
         S[b] += Ks.T @ v[b]
