@@ -34,8 +34,9 @@ are staged through shared memory in tiles of ``T`` tokens: ``phi(q)`` and
 gate), the factors ``exp(log-factor)`` of the tile's tokens (one per token,
 or one per feature row).  For each token a thread reads ``R`` values of
 ``phi(k)``, ``R`` of ``phi(q)`` and ``C`` of ``v`` (and its factors) from
-shared memory for ``2 R C`` fused multiply-adds (with ``C = 1`` the loads, one warp-wide load
-per clock and multiprocessor, cap the rate at a quarter of the fp32 peak),
+shared memory for ``2 R C`` fused multiply-adds (with ``C = 1`` the loads,
+one warp-wide load per clock and multiprocessor, cap the rate at a quarter
+of the fp32 peak),
 updates its tile and writes its partial ``phi(q)^T S`` for its ``C`` columns
 into shared memory; after the tile the block sums the ``G`` partials per
 column and divides by the normaliser column (``normalize=False``: writes the
@@ -195,7 +196,7 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                         xk = phi(acc_t(k[b1, b2, t0 + t, i]), code, zero, one)
                 sq[t, i] = xq
                 sk[t, i] = xk
-                if PER_ROW and update:  # gate: the factor of row i (padding rows hold zeros)
+                if PER_ROW and update:  # gate: the factor of row i (1 on padding rows, whose state is 0)
                     sa[t, i] = math.exp(acc_t(lf[b, t0 + t, i])) if i < F else one
             if FACTORS and not PER_ROW and update:  # decay: one factor per token
                 for t in range(tid, nt, NTH):

@@ -192,7 +192,8 @@ def test_rule_inputs_checked_and_device_inputs_read_in_place():
     for a, b in zip(host, dev):
         np.testing.assert_array_equal(a, b)
     for rule, inputs, msg in [
-        (RULE_DECAY, {"log_decay": lg[:, :-1]}, r"inputs\['log_decay'\] must have shape \(B, N\) = \(3, 8\), got \(3, 7\)"),
+        (RULE_DECAY, {"log_decay": lg[:, :-1]},
+         r"inputs\['log_decay'\] must have shape \(B, N\) = \(3, 8\), got \(3, 7\)"),
         (RULE_GATE, {"log_gate": lg}, r"inputs\['log_gate'\] must have shape \(B, N, F\) = \(3, 8, 3\), got \(3, 8\)"),
         (RULE_DECAY, {"log_decay": cuda.to_device(lg.astype(np.float32))}, r"inputs\['log_decay'\] must be float64"),
         (RULE_DECAY, None, r"inputs: the decay rule takes the inputs \['log_decay'\], got \[\]"),
