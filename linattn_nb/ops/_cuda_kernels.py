@@ -30,13 +30,17 @@ consecutive rows and the columns into groups of ``C``: each thread keeps an
 fully unrolled, no local-memory traffic: checked in the PTX test).  Tokens
 are staged through shared memory in tiles of ``T`` tokens: ``phi(q)`` and
 ``phi(k)`` (feature map applied while staging, in the accumulation dtype),
-``v`` and the column of ones.  For each token a thread reads ``R`` values of
-``phi(k)``, ``R`` of ``phi(q)`` and ``C`` of ``v`` from shared memory for
-``2 R C`` fused multiply-adds (with ``C = 1`` the loads, one warp-wide load
-per clock and multiprocessor, cap the rate at a quarter of the fp32 peak),
+``v`` and the column of ones, and, for a rule with per-token factors (decay,
+gate), the factors ``exp(log-factor)`` of the tile's tokens (one per token,
+or one per feature row).  For each token a thread reads ``R`` values of
+``phi(k)``, ``R`` of ``phi(q)`` and ``C`` of ``v`` (and its factors) from
+shared memory for ``2 R C`` fused multiply-adds (with ``C = 1`` the loads,
+one warp-wide load per clock and multiprocessor, cap the rate at a quarter
+of the fp32 peak),
 updates its tile and writes its partial ``phi(q)^T S`` for its ``C`` columns
 into shared memory; after the tile the block sums the ``G`` partials per
-column and divides by the normaliser column.  Two ``syncthreads`` per tile.
+column and divides by the normaliser column (``normalize=False``: writes the
+sum as it is).  Two ``syncthreads`` per tile.
 
 Accumulation dtype: float32 for float16 and float32 inputs, float64 when any
 input is float64; the state lives in registers in that dtype (float64 would
@@ -45,7 +49,10 @@ double the registers of the tile and run at half the fp32 rate on H100/H200,
 launcher contract); the per-chunk sums of ``chunked``/``aggregate`` are
 stored in the accumulation dtype and combined across chunks in float64 by
 :func:`chunk_scan_states_kernel`, whose per-rule step is
-:func:`linattn_nb.ops._cuda_common.carry`.
+:func:`linattn_nb.ops._cuda_common.carry` with every chunk's total factor
+(:func:`chunk_factors_kernel`: ``exp`` of the float64 sum of the chunk's
+log-factors, a sum and never a difference, so a reset (``-inf``) gives the
+factor 0 and no NaN).
 
 Kernels are specialised on ``(R, C, G, MB, T, accumulation dtype, rule)``, compile-time
 constants for the register and shared-memory arrays, and compiled lazily on
@@ -55,13 +62,15 @@ contents as well); the simulator caches nothing.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import config as _nbconfig
 from numba import cuda, float32, float64
 
 from .. import config
-from ._codes import RULE_ADDITIVE
-from ._cuda_common import carry, phi, token_update
+from ._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, RULE_GATE
+from ._cuda_common import carry, phi, rule_factor_rows, token_update
 
 # Simulator: kernels are Python; no on-disk cache (and no PTX) there.
 _SIM = bool(getattr(_nbconfig, "ENABLE_CUDASIM", 0))
@@ -84,13 +93,14 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
     tokens per shared-memory tile; ``acc``: accumulation dtype name;
     ``rule``: update-rule code, whose per-token step is
     :func:`linattn_nb.ops._cuda_common.token_update` (a constant here, so the
-    hook's branch is resolved at compile time).  The
+    hook's branch is resolved at compile time, and the staging of per-token
+    factors is compiled into the kernels of rules that have them only).  The
     block's ``MB + 1`` columns (values, then the normaliser) are padded to
     ``MBP``, a multiple of ``C``.  Launch with ``grid=(n_segments,
     n_column_blocks)``, ``block=G * MBP // C`` threads (:func:`seq_config`)::
 
-        kernel(q, k, v, out, H, Hout, n, seg_len, nseg_per_b, state_div, b2n,
-               code, eps, clip, read_state, update, write_out, write_state)
+        kernel(q, k, v, out, H, Hout, lf, n, seg_len, nseg_per_b, state_div, b2n,
+               code, eps, norm, read_state, update, write_out, write_state)
 
     q, k : (B1, B2, N, F); v, out : (B1, B2, N, M), any strides; batch entry
     ``b = b1 * B2 + b2`` (``b2n`` = B2).  Segment ``s = blockIdx.x`` is chunk
@@ -101,7 +111,12 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
     its final state to ``Hout[s // state_div]`` (``write_state``).  H and Hout
     may be one array only when the launch has one column block: the blocks
     over value columns all read the normaliser column, and only the first one
-    writes it.
+    writes it.  lf : (B, N, W) float64 log-factors of the rule
+    (:func:`linattn_nb.ops._cuda_common.rule_factor_rows`: W = 1 for the
+    decay rule, F for the gate rule); the additive kernel never reads it (pass
+    any (1, 1, 1) float64 array).  ``norm``: ``NORM_RAW``, ``NORM_FLOOR``
+    (the normaliser floored at ``eps``) or ``NORM_NONE`` (no division) of
+    :mod:`linattn_nb.ops._codes`.
     """
     key = (int(R), int(C), int(G), int(MB), int(T), str(acc), int(rule))
     kern = _SEQ_KERNELS.get(key)
@@ -117,13 +132,20 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
     RC = R * C
     zero = acc_t(0.0)
     one = acc_t(1.0)
+    # per-token factors (compile-time): none (additive: sa is one unused
+    # element), one per token (decay) or one per feature row (gate)
+    FACTORS = rule_factor_rows(rule, FP) > 0
+    PER_ROW = rule == RULE_GATE
+    SAT = T if FACTORS else 1
+    SAW = FP if PER_ROW else 1
 
     @cuda.jit(cache=_CACHE)
-    def kernel(q, k, v, out, H, Hout, n, seg_len, nseg_per_b, state_div, b2n,
-               code, eps, clip, read_state, update, write_out, write_state):
+    def kernel(q, k, v, out, H, Hout, lf, n, seg_len, nseg_per_b, state_div, b2n,
+               code, eps, norm, read_state, update, write_out, write_state):
         sq = cuda.shared.array((T, FP), acc_t)
         sk = cuda.shared.array((T, FP), acc_t)
         sv = cuda.shared.array((T, MBP), acc_t)
+        sa = cuda.shared.array((SAT, SAW), acc_t)  # the tokens' factors exp(log-factor)
         part = cuda.shared.array((T, G, MBP), acc_t)
         st = cuda.local.array(RC, acc_t)  # st[r * C + j]: row row0 + r, column c0 + j
         vt = cuda.local.array(C, acc_t)
@@ -174,6 +196,11 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                         xk = phi(acc_t(k[b1, b2, t0 + t, i]), code, zero, one)
                 sq[t, i] = xq
                 sk[t, i] = xk
+                if PER_ROW and update:  # gate: the factor of row i (1 on padding rows, whose state is 0)
+                    sa[t, i] = math.exp(acc_t(lf[b, t0 + t, i])) if i < F else one
+            if FACTORS and not PER_ROW and update:  # decay: one factor per token
+                for t in range(tid, nt, NTH):
+                    sa[t, 0] = math.exp(acc_t(lf[b, t0 + t, 0]))
             if update:
                 for idx in range(tid, nt * MBP, NTH):
                     t = idx // MBP
@@ -187,16 +214,19 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                     sv[t, jj] = x
             cuda.syncthreads()
             # ---- per token: update the R x C state tile, partial phi(q)^T S
+            # (the additive rule ignores the factor: its loads are dead code)
             if update and write_out:
                 for t in range(nt):
                     for j in range(C):
                         vt[j] = sv[t, c0 + j]
                         ac[j] = zero
+                    ft = sa[t if FACTORS else 0, 0]
                     for r in range(R):
                         kr = sk[t, row0 + r]
                         qr = sq[t, row0 + r]
+                        fr = sa[t, row0 + r] if PER_ROW else ft
                         for j in range(C):
-                            s = token_update(rule, st[r * C + j], kr, vt[j])  # the rule's hook
+                            s = token_update(rule, st[r * C + j], kr, vt[j], fr)  # the rule's hook
                             st[r * C + j] = s
                             ac[j] += qr * s
                     for j in range(C):
@@ -205,10 +235,12 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                 for t in range(nt):
                     for j in range(C):
                         vt[j] = sv[t, c0 + j]
+                    ft = sa[t if FACTORS else 0, 0]
                     for r in range(R):
                         kr = sk[t, row0 + r]
+                        fr = sa[t, row0 + r] if PER_ROW else ft
                         for j in range(C):
-                            st[r * C + j] = token_update(rule, st[r * C + j], kr, vt[j])
+                            st[r * C + j] = token_update(rule, st[r * C + j], kr, vt[j], fr)
             else:
                 for t in range(nt):
                     for j in range(C):
@@ -232,9 +264,11 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                         for g in range(G):
                             num += part[t, g, jj]
                             den += part[t, g, MB]
-                        if clip and den < epsa:
-                            den = epsa
-                        out[b1, b2, t0 + t, m0 + jj] = num / den
+                        if norm != NORM_NONE:  # normalize=False writes the numerator
+                            if norm == NORM_FLOOR and den < epsa:
+                                den = epsa
+                            num = num / den
+                        out[b1, b2, t0 + t, m0 + jj] = num
 
         if write_state:
             for j in range(C):
@@ -299,29 +333,62 @@ def cast_copy_kernel(src, dst):
 
 
 @cuda.jit(cache=_CACHE)
-def chunk_scan_states_kernel(Hc, H, Htot, nchunks, exclusive, write_tot, rule):
+def chunk_factors_kernel(lf, L, nchunks, Af):
+    """Every chunk's total factor: ``Af[b * nchunks + c, w] = exp(sum of lf[b, t, w])``.
+
+    lf : (B, N, W) float64 log-factors of the rule (W = 1: decay, W = F:
+    gate); chunk ``c`` is tokens ``[c L, min(N, (c + 1) L))``.  The sum runs
+    in float64 and is never differenced: a reset (``-inf``) in the chunk
+    makes the sum ``-inf`` and the factor exactly 0, with no NaN.  Af :
+    (B * nchunks, W) float64.
+    """
+    B, N, W = lf.shape
+    total = B * nchunks * W
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for idx in range(start, total, stride):
+        w = idx % W
+        bc = idx // W
+        b = bc // nchunks
+        c = bc - b * nchunks
+        acc = 0.0
+        for t in range(c * L, min(N, (c + 1) * L)):
+            acc += lf[b, t, w]
+        Af[bc, w] = math.exp(acc)
+
+
+@cuda.jit(cache=_CACHE)
+def chunk_scan_states_kernel(Hc, H, Htot, Af, nchunks, exclusive, write_tot, rule):
     """Combine per-chunk contributions with the initial state, in float64.
 
     Hc : (B * nchunks, F, M + 1) per-chunk contributions (each chunk's state
     from zero), accumulation dtype.  H : (B, F, M + 1) float64, the initial
-    state, replaced by the final state.  Per state element, the running state
-    goes through the chunks with :func:`linattn_nb.ops._cuda_common.carry` of
-    ``rule``.  With ``exclusive`` Hc is replaced by the state before each
-    chunk (causal chunked); with ``write_tot`` Htot (B, F, M + 1) receives the
-    final state too, in Htot's dtype (non-causal query phase).
+    state, replaced by the final state.  Af : (B * nchunks, W) float64, every
+    chunk's total factor (:func:`chunk_factors_kernel`; W = 1: one per chunk,
+    W = F: one per state row), not read for the additive rule (pass any
+    (1, 1) float64 array).  Per state element, the running state goes through
+    the chunks with :func:`linattn_nb.ops._cuda_common.carry` of ``rule``.
+    With ``exclusive`` Hc is replaced by the state before each chunk (causal
+    chunked); with ``write_tot`` Htot (B, F, M + 1) receives the final state
+    too, in Htot's dtype (non-causal query phase).
     """
     B, F, M1 = H.shape
+    W = Af.shape[1]
     total = B * F * M1
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     for idx in range(start, total, stride):
         b, i, col = _state_index(idx, F, M1)
+        w = i if W > 1 else 0
         run = float64(H[b, i, col])
         for c in range(nchunks):
             h = float64(Hc[b * nchunks + c, i, col])
             if exclusive:
                 Hc[b * nchunks + c, i, col] = run
-            run = carry(rule, run, h)
+            f = 1.0
+            if rule != RULE_ADDITIVE:
+                f = Af[b * nchunks + c, w]
+            run = carry(rule, run, h, f)
         H[b, i, col] = run
         if write_tot:
             Htot[b, i, col] = run
@@ -373,7 +440,7 @@ def helper_grid(total: int) -> tuple[int, int]:
     return blocks, tpb
 
 
-def seq_config(F: int, M: int, acc_itemsize: int) -> tuple[int, int, int, int, int]:
+def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> tuple[int, int, int, int, int]:
     """Choose ``(R, C, G, MB, T)`` for feature dimension ``F``, value dimension ``M``.
 
     ``MB`` = min(M, ``config.CUDA_VALUE_COLS``) value columns per block;
@@ -382,7 +449,9 @@ def seq_config(F: int, M: int, acc_itemsize: int) -> tuple[int, int, int, int, i
     doubled (up to ``config.CUDA_MAX_ROWS_PER_THREAD``) and then ``MB`` halved
     while the block would exceed ``config.CUDA_MAX_THREADS`` threads; ``T``
     tokens per shared-memory tile, at most ``config.CUDA_TILE_TOKENS``,
-    within ``config.CUDA_SHARED_BYTES``.
+    within ``config.CUDA_SHARED_BYTES`` (a rule with per-token factors,
+    ``rule``, stages them too: one more value per token, or one per padded
+    feature row).
 
     Raises
     ------
@@ -417,7 +486,8 @@ def seq_config(F: int, M: int, acc_itemsize: int) -> tuple[int, int, int, int, i
             "config.CUDA_MAX_ROWS_PER_THREAD or use device='cpu'"
         )
     MBP = -(-(MB + 1) // C) * C
-    per_token = int(acc_itemsize) * (2 * G * R + MBP + G * MBP)
+    factors = rule_factor_rows(rule, G * R)
+    per_token = int(acc_itemsize) * (2 * G * R + MBP + G * MBP + factors)
     T = min(int(config.CUDA_TILE_TOKENS), int(config.CUDA_SHARED_BYTES) // per_token)
     if T < 1:
         raise ValueError(

@@ -4,20 +4,26 @@ The launchers of :mod:`linattn_nb.ops.causal.cuda` and
 :mod:`linattn_nb.ops.noncausal.cuda` are compositions of the passes below:
 
 * :func:`plan`: checks the arguments of the launcher contract, views the
-  inputs as 4-d (B1, B2, N, ·) arrays, picks the accumulation dtype and the
-  sequence kernel, and lays out the chunks (chunk length, chunks per
-  sequence, column blocks): a :class:`SeqPlan`.
+  inputs as 4-d (B1, B2, N, ·) arrays, puts the rule's per-token
+  log-factors on the device (:func:`rule_factors`), picks the accumulation
+  dtype and the sequence kernel, and lays out the chunks (chunk length,
+  chunks per sequence, column blocks): a :class:`SeqPlan`.
 * :func:`scan`: every sequence walked from its initial state ``H`` to its
   final state, outputs written (grid: batch entries x column blocks).
 * :func:`chunk_sums`: every chunk's own contribution, the chunk's state when
   started from zero (grid: batch entries x chunks x column blocks).
 * :func:`chunk_prefix`: the per-rule combine over chunks, in float64
   (:func:`linattn_nb.ops._cuda_kernels.chunk_scan_states_kernel` with the rule hook
-  :func:`linattn_nb.ops._cuda_common.carry`): the state before every chunk
+  :func:`linattn_nb.ops._cuda_common.carry` and, for a rule with per-token
+  factors, every chunk's total factor from
+  :func:`linattn_nb.ops._cuda_kernels.chunk_factors_kernel`): the state before every chunk
   (causal) or the final state alone (non-causal); the final state lands in
   ``H``.
 * :func:`chunk_outputs`: every chunk's outputs from its starting state
   (causal: its own, from the prefix; non-causal: the final state).
+
+The passes that write outputs take ``eps`` and ``normalize`` of the launcher
+contract (:func:`linattn_nb.ops._codes.norm_mode`).
 
 The state ``H`` (B, F, M + 1) float64 is the caller's: with a float64
 accumulation dtype the kernels read and write it directly; with float32 a
@@ -36,7 +42,8 @@ from numba import cuda
 
 from .. import config
 from . import _cuda_kernels as K
-from ._codes import RULE_ADDITIVE, check_rule_inputs
+from ._codes import RULE_ADDITIVE, RULE_DECAY, RULES, check_rule_inputs, norm_mode, rule_name
+from ._cuda_common import rule_factor_rows
 
 _F64 = np.dtype(np.float64)
 
@@ -60,6 +67,9 @@ class SeqPlan:
         Tokens per chunk and chunks per sequence (``chunks`` = 1 for a scan).
     rule : int
         Update-rule code (:data:`linattn_nb.ops._codes.RULES`).
+    lf
+        (B, N, W) float64 device array of the rule's per-token log-factors
+        (:func:`rule_factors`), a (1, 1, 1) placeholder for a rule without.
     """
 
     q: object
@@ -78,6 +88,7 @@ class SeqPlan:
     chunk: int
     chunks: int
     rule: int
+    lf: object
 
     @property
     def empty(self) -> bool:
@@ -127,19 +138,67 @@ def chunk_length(chunk_size) -> int:
     return L
 
 
+def _placeholder(ndim):
+    """A float64 device array of shape (1,) * ndim that a kernel receives but never reads."""
+    return cuda.device_array((1,) * ndim, dtype=_F64)
+
+
+def rule_factors(rule: int, inputs, B: int, N: int, F: int):
+    """The rule's per-token log-factors as a (B, N, W) float64 device array.
+
+    ``W`` = :func:`linattn_nb.ops._cuda_common.rule_factor_rows`: 1 for the
+    decay rule (``inputs["log_decay"]`` of shape (B, N)), F for the gate rule
+    (``inputs["log_gate"]`` of shape (B, N, F)); a rule without factors gets
+    a (1, 1, 1) placeholder the kernels never read.  Host (NumPy) inputs are
+    copied to the device; device arrays are viewed in place (any
+    non-negative strides).  ``inputs`` must already hold exactly the rule's
+    inputs (:func:`linattn_nb.ops._codes.check_rule_inputs`).
+
+    Raises
+    ------
+    ValueError
+        When the input has another shape, negative strides, or (a device
+        array) a dtype other than float64.
+    """
+    W = rule_factor_rows(rule, F)
+    if W == 0:
+        return _placeholder(3)
+    name = RULES[rule_name(rule)][1][0]
+    x = inputs[name]
+    want = (B, N) if rule == RULE_DECAY else (B, N, F)
+    dims = "(B, N)" if rule == RULE_DECAY else "(B, N, F)"
+    shape = tuple(int(s) for s in x.shape)
+    if shape != want:
+        raise ValueError(f"inputs[{name!r}] must have shape {dims} = {want}, got {shape}")
+    if isinstance(x, np.ndarray):
+        return cuda.to_device(np.ascontiguousarray(x, dtype=_F64).reshape(B, N, W))
+    if not (K.is_sim_array(x) or type(x).__module__.startswith("numba.cuda")):
+        x = cuda.as_cuda_array(x)
+    if np.dtype(x.dtype) != _F64:
+        raise ValueError(f"inputs[{name!r}] must be float64, got {np.dtype(x.dtype)}")
+    strides = tuple(int(s) for s in x.strides)
+    if any(s < 0 for s in strides):
+        raise ValueError(f"inputs[{name!r}]: negative strides are not supported; make a contiguous copy first")
+    if len(strides) == 2:
+        strides = strides + (_F64.itemsize,)
+    return K.strided_view(x, (B, N, W), strides)
+
+
 def plan(q, k, v, H, out, *, rule=RULE_ADDITIVE, inputs=None, chunk=None) -> SeqPlan:
     """Check the launcher arguments and lay out the launch.
 
     ``chunk`` None plans a scan (one chunk per sequence); otherwise
     sequences are cut into chunks of ``chunk`` tokens (see :func:`chunk_length`).
     ``rule``: update-rule code (:data:`linattn_nb.ops._codes.RULES`);
-    ``inputs`` must hold exactly its per-token inputs.
+    ``inputs`` must hold exactly its per-token inputs (host or device
+    arrays, see :func:`rule_factors`).
 
     Raises
     ------
     ValueError
         For an unknown rule code or inputs other than the rule's
-        (:func:`linattn_nb.ops._codes.check_rule_inputs`), for arrays whose
+        (:func:`linattn_nb.ops._codes.check_rule_inputs`) or of the wrong
+        shape (:func:`rule_factors`), for arrays whose
         leading dimensions cannot be viewed as 4-d, an ``H`` of the wrong
         shape or layout, or a feature dimension the kernels do not support
         (:func:`linattn_nb.ops._cuda_kernels.seq_config`).
@@ -165,23 +224,24 @@ def plan(q, k, v, H, out, *, rule=RULE_ADDITIVE, inputs=None, chunk=None) -> Seq
     if not H.is_c_contiguous():
         raise ValueError("H must be C-contiguous")
     acc = np.dtype(K.acc_name(q.dtype, k.dtype, v.dtype))
-    R, C, G, MB, T = K.seq_config(F, M, acc.itemsize)
+    R, C, G, MB, T = K.seq_config(F, M, acc.itemsize, rule)
+    lf = rule_factors(rule, inputs, B, N, F)
     if chunk is None:
         L, nc = max(N, 1), 1
     else:
         L = chunk_length(chunk)
         nc = max(-(-N // L), 1)
     return SeqPlan(q4, k4, v4, o4, B, B2, N, F, M, acc, K.seq_kernel(R, C, G, MB, T, acc.name, rule),
-                   K.threads_per_block(R, C, G, MB), -(-M // MB), L, nc, rule)
+                   K.threads_per_block(R, C, G, MB), -(-M // MB), L, nc, rule, lf)
 
 
-def _run(p: SeqPlan, Hin, Hout, seg_len, nseg_per_b, state_div, code, eps, *,
+def _run(p: SeqPlan, Hin, Hout, seg_len, nseg_per_b, state_div, code, eps, normalize=True, *,
          read_state, update, write_out, write_state):
     """One launch of the sequence kernel over ``B * nseg_per_b`` segments x column blocks."""
-    clip = eps is not None
     p.kernel[(p.B * nseg_per_b, p.col_blocks), p.threads](
-        p.q, p.k, p.v, p.out, Hin, Hout, p.N, seg_len, nseg_per_b, state_div, p.B2, int(code),
-        float(eps if clip else 0.0), clip, read_state, update, write_out, write_state)
+        p.q, p.k, p.v, p.out, Hin, Hout, p.lf, p.N, seg_len, nseg_per_b, state_div, p.B2, int(code),
+        float(0.0 if eps is None else eps), norm_mode(eps, normalize), read_state, update, write_out,
+        write_state)
 
 
 def cast_copy(src, dst):
@@ -194,7 +254,7 @@ def _acc_state(p: SeqPlan, n: int):
     return cuda.device_array((n, p.F, p.M + 1), dtype=p.acc)
 
 
-def scan(p: SeqPlan, H, *, code, eps) -> None:
+def scan(p: SeqPlan, H, *, code, eps, normalize=True) -> None:
     """Every sequence from its state ``H[b]`` (updated to the final state), outputs written.
 
     float64 accumulation with one column block runs in place on ``H``.  With
@@ -210,7 +270,8 @@ def scan(p: SeqPlan, H, *, code, eps) -> None:
     else:
         Hin = cast_copy(H, _acc_state(p, p.B))
         Hout = H if p.acc == _F64 else (_acc_state(p, p.B) if split else Hin)
-    _run(p, Hin, Hout, p.N, 1, 1, code, eps, read_state=True, update=True, write_out=True, write_state=True)
+    _run(p, Hin, Hout, p.N, 1, 1, code, eps, normalize, read_state=True, update=True, write_out=True,
+         write_state=True)
     if Hout is not H:
         cast_copy(Hout, H)
 
@@ -226,30 +287,39 @@ def chunk_sums(p: SeqPlan, *, code, eps):
 def chunk_prefix(p: SeqPlan, Hc, H, *, exclusive: bool):
     """Combine the chunk sums ``Hc`` with the initial state ``H`` (float64, per rule).
 
+    A rule with per-token factors first gets every chunk's total factor
+    (:func:`linattn_nb.ops._cuda_kernels.chunk_factors_kernel`, one launch).
+
     ``H`` becomes the final state.  ``exclusive``: ``Hc`` is replaced by the
     state before each chunk (returns ``Hc``).  Otherwise returns the final
     state in the accumulation dtype: ``H`` itself for float64, a float32 copy
     written by the same launch otherwise.
     """
     tot = None if exclusive or p.acc == _F64 else _acc_state(p, p.B)
+    W = rule_factor_rows(p.rule, p.F)
+    if W:
+        Af = cuda.device_array((p.B * p.chunks, W), dtype=_F64)
+        K.chunk_factors_kernel[K.helper_grid(Af.size)](p.lf, p.chunk, p.chunks, Af)
+    else:
+        Af = _placeholder(2)
     K.chunk_scan_states_kernel[K.helper_grid(p.B * p.F * (p.M + 1))](
-        Hc, H, Hc if tot is None else tot, p.chunks, exclusive, tot is not None, p.rule)
+        Hc, H, Hc if tot is None else tot, Af, p.chunks, exclusive, tot is not None, p.rule)
     if exclusive:
         return Hc
     return H if tot is None else tot
 
 
-def chunk_outputs(p: SeqPlan, Hs, *, code, eps, causal: bool) -> None:
+def chunk_outputs(p: SeqPlan, Hs, *, code, eps, causal: bool, normalize=True) -> None:
     """Every chunk's outputs.
 
     ``causal``: chunk ``c`` of entry ``b`` scans from ``Hs[b * chunks + c]``
     (the exclusive prefix); else every token reads the final state ``Hs[b]``.
     """
     if causal:
-        _run(p, Hs, Hs, p.chunk, p.chunks, 1, code, eps, read_state=True, update=True, write_out=True,
-             write_state=False)
+        _run(p, Hs, Hs, p.chunk, p.chunks, 1, code, eps, normalize, read_state=True, update=True,
+             write_out=True, write_state=False)
     else:
-        _run(p, Hs, Hs, p.chunk, p.chunks, p.chunks, code, eps, read_state=True, update=False,
+        _run(p, Hs, Hs, p.chunk, p.chunks, p.chunks, code, eps, normalize, read_state=True, update=False,
              write_out=True, write_state=False)
 
 

@@ -444,7 +444,8 @@ _PTX_SCRIPT = textwrap.dedent(
             a4 = types.Array(getattr(types, dt), 4, "A")
             i = types.int64
             b = types.boolean
-            sig = (a4, a4, a4, a4, H, H, i, i, i, i, i, i, types.float64, b, b, b, b, b)
+            lf = types.Array(types.float64, 3, "C")  # the rule's log-factors (not read by the additive rule)
+            sig = (a4, a4, a4, a4, H, H, lf, i, i, i, i, i, i, types.float64, i, b, b, b, b)
             text = ptx(kern, sig)
             res[dt] = {"target": ".target sm_90" in text, "local": ("ld.local" in text) or ("st.local" in text),
                        "entry": ".entry" in text}
@@ -456,7 +457,7 @@ _PTX_SCRIPT = textwrap.dedent(
     res["state_copy_kernel"] = {"entry": ".entry" in ptx(K.state_copy_kernel, (S, z, H64, b))}
     for acc in ("float32", "float64"):
         H = types.Array(getattr(types, acc), 3, "C")
-        sig = (H, H64, H, types.int64, b, b, types.int64)
+        sig = (H, H64, H, types.Array(f64, 2, "C"), types.int64, b, b, types.int64)
         res["chunk_scan_states_kernel/" + acc] = {"entry": ".entry" in ptx(K.chunk_scan_states_kernel, sig)}
         for src, dst in ((H64, H), (H, H64)):
             key = "cast_copy_kernel/%s->%s" % (src.dtype, dst.dtype)

@@ -3,7 +3,8 @@
 Both follow the launcher contract of :mod:`linattn_nb.ops.registry`, on
 device arrays::
 
-    launcher(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, rule=RULE_ADDITIVE) -> out
+    launcher(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, normalize=True,
+             rule=RULE_ADDITIVE) -> out
 
 q, k : (B, N, F) or (B1, B2, N, F) device arrays (any non-negative strides;
 raw inputs when ``code`` > 0, the elementwise map is applied in the kernel),
@@ -11,18 +12,24 @@ v, out : (B, N, M) or (B1, B2, N, M); H : (B, F, M + 1) float64 C-contiguous
 device array, the state ``[S | z]`` (column M is the normaliser, the state of
 a value column of ones), updated in place from the initial to the final
 state; ``inputs``: the rule's extra per-token inputs, none for the additive
-rule; ``rule``: the update-rule code (:data:`linattn_nb.ops._codes.RULES`;
-the method table binds it per rule), whose per-token and per-chunk steps are
-the hooks of :mod:`linattn_nb.ops._cuda_common`.  Any dtype mix of float16/32/64; accumulation in float32, or float64
-when an input is float64 (see :mod:`linattn_nb.ops._cuda_kernels`).
+rule, ``{"log_decay": (B, N)}`` for the decay rule, ``{"log_gate": (B, N,
+F)}`` for the gate rule (float64 log-factors <= 0, ``-inf`` a reset; host
+NumPy arrays are copied to the device, device arrays read in place);
+``normalize=False`` writes ``phi(q_t)^T S_t`` without the division;
+``rule``: the update-rule code (:data:`linattn_nb.ops._codes.RULES`; the
+method table binds it per rule), whose per-token and per-chunk steps are the
+hooks of :mod:`linattn_nb.ops._cuda_common`.  Any dtype mix of
+float16/32/64; accumulation in float32, or float64 when an input is float64
+(see :mod:`linattn_nb.ops._cuda_kernels`).
 
 * ``scan``: one block per (batch entry, block of value columns) walks the
   sequence; parallelism B x ceil(M / config.CUDA_VALUE_COLS) blocks.
 * ``chunked``: three launches. (1) the state increment of every chunk of
   ``config.CUDA_CHUNK_SIZE`` tokens, in parallel over (batch, chunk, column
   block); (2) an exclusive prefix over chunks in float64, plus the initial
-  state, which also gives the final state; (3) every chunk runs the scan from
-  its own starting state, in parallel.  Parallelism B x chunks x column
+  state, which also gives the final state (a rule with per-token factors
+  scales the state entering each chunk by the chunk's total factor); (3) every
+  chunk runs the scan from its own starting state, in parallel.  Parallelism B x chunks x column
   blocks, for long sequences with few batch entries (Yang et al. 2024, GLA,
   Sec. 2.2, for the chunk decomposition).
 
@@ -34,19 +41,12 @@ from .. import _cuda_launch as C
 from .._codes import RULE_ADDITIVE
 
 
-def _not_yet(rule, normalize):
-    # TODO(issue 14): the CUDA kernels of the decay and gate rules and normalize=False
-    if rule != RULE_ADDITIVE or not normalize:
-        raise NotImplementedError("the CUDA kernels do not implement this rule / normalize=False yet")
-
-
 def causal_scan_cuda(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, normalize=True,
                      rule=RULE_ADDITIVE):
     """Causal scan on the GPU; see the module docstring for the contract."""
-    _not_yet(rule, normalize)
     C.check_inputs(q, k, v, check_finite)
     p = C.plan(q, k, v, H, out, rule=rule, inputs=inputs)
-    C.scan(p, H, code=code, eps=eps)
+    C.scan(p, H, code=code, eps=eps, normalize=normalize)
     return out
 
 
@@ -57,15 +57,14 @@ def causal_chunked_cuda(q, k, v, H, out, *, code, eps, inputs=None, check_finite
     ``chunk_size`` defaults to ``config.CUDA_CHUNK_SIZE``; a sequence of one
     chunk runs the scan.
     """
-    _not_yet(rule, normalize)
     C.check_inputs(q, k, v, check_finite)
     p = C.plan(q, k, v, H, out, rule=rule, inputs=inputs, chunk=C.chunk_length(chunk_size))
     if p.empty:
         return out
     if p.chunks == 1:
-        C.scan(p, H, code=code, eps=eps)
+        C.scan(p, H, code=code, eps=eps, normalize=normalize)
         return out
     Hc = C.chunk_sums(p, code=code, eps=eps)  # (1)
     C.chunk_prefix(p, Hc, H, exclusive=True)  # (2) Hc: state before each chunk; H: final state
-    C.chunk_outputs(p, Hc, code=code, eps=eps, causal=True)  # (3)
+    C.chunk_outputs(p, Hc, code=code, eps=eps, causal=True, normalize=normalize)  # (3)
     return out

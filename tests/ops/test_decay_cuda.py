@@ -1,0 +1,239 @@
+"""CUDA kernels of the decay and gate rules (issue 14), and normalize=False on every CUDA launcher.
+
+Runs on the Numba CUDA simulator without a GPU (tests/conftest.py) with the tiny
+launch configuration of test_cuda.py (2 tokens per shared-memory tile, 2 x 3 state
+tiles, 3 value columns per block, so M = 4 takes two column blocks), and chunks of
+3 tokens, so that N = 8 gives three chunks and the combine over chunks runs.
+Shapes are tiny: the simulator is slow.  The sequence kernels of both rules are
+also compiled to sm_90 PTX at the default launch configuration (type-checking
+what the simulator does not).
+
+Ground truth: the float64 explicit form of ops/causal/naive.py
+(``causal_linear_quadratic``), exact at resets.
+"""
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+import pytest
+
+import linattn_nb as la
+from linattn_nb import config
+from linattn_nb.device import cuda_status
+from linattn_nb.ops._codes import RULE_ADDITIVE, RULE_DECAY, RULE_GATE
+from linattn_nb.ops.causal.naive import causal_linear_quadratic
+from linattn_nb.ops.noncausal.naive import noncausal_linear_quadratic
+from _ptx import run_ptx_script
+from test_cuda import SMALL_LAUNCH, phi_ref
+
+cuda = pytest.importorskip("numba.cuda")
+
+pytestmark = pytest.mark.skipif(cuda_status() == "none", reason="neither a CUDA GPU nor the simulator is available")
+
+#: max abs error / max(1, max |reference|), per input dtype (float32 accumulates in float32)
+TOL = {np.float32: 3e-5, np.float64: 1e-12}
+#: rule name -> (code, input name)
+RULES = {"decay": (RULE_DECAY, "log_decay"), "gate": (RULE_GATE, "log_gate")}
+B, N, F, M, CHUNK = 3, 8, 3, 4, 3
+
+
+@pytest.fixture(autouse=True)
+def small_launch(monkeypatch):
+    for name, value in SMALL_LAUNCH.items():
+        monkeypatch.setattr(config, name, value)
+
+
+def assert_close(actual, expected, dtype):
+    actual = np.asarray(actual, dtype=np.float64)
+    assert np.isfinite(actual).all(), "NaN or inf in the result"
+    scale = max(float(np.max(np.abs(expected))), 1.0)
+    err = float(np.max(np.abs(actual - expected)))
+    assert err <= TOL[np.dtype(dtype).type] * scale, f"max abs error {err:.3e}"
+
+
+def log_factors(rng, rule, b=B, n=N, f=F):
+    """Log-factors of factors in [0.3, 1) with resets (-inf): mid-chunk (entry 0, token 4),
+    at a chunk boundary (entry 1, token 3), at token 0 (entry 2: the initial state is wiped);
+    for the gate also one feature row alone (entry 0, token 6, row 1)."""
+    lg = np.log(rng.uniform(0.3, 1.0, size=(b, n) if rule == "decay" else (b, n, f)))
+    lg[0, 4] = lg[1, 3] = lg[2, 0] = -np.inf
+    if rule == "gate":
+        lg[0, 6, 1] = -np.inf
+    return lg
+
+
+def data(rng, dtype):
+    q, k = (rng.normal(size=(B, N, F)).astype(dtype) for _ in range(2))
+    v = rng.normal(size=(B, N, M)).astype(dtype)
+    S0 = rng.normal(size=(B, F, M))
+    z0 = rng.uniform(0.5, 1.5, size=(B, F))
+    return q, k, v, S0, z0
+
+
+def launcher(method):
+    from linattn_nb.ops.causal.cuda import causal_chunked_cuda, causal_scan_cuda
+
+    if method == "chunked":
+        return lambda *a, **kw: causal_chunked_cuda(*a, chunk_size=CHUNK, **kw)
+    return causal_scan_cuda
+
+
+def run(method, q, k, v, S0, z0, *, rule, inputs, normalize=True, eps=1e-8):
+    """The CUDA launcher on device copies; returns (out, S, z) on the host."""
+    H = cuda.to_device(np.concatenate([S0, z0[..., None]], axis=-1))
+    out = cuda.to_device(np.full(q.shape[:2] + v.shape[-1:], np.nan, dtype=np.result_type(q, k, v)))
+    got = launcher(method)(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), H, out, code=1, eps=eps,
+                           inputs=inputs, normalize=normalize, rule=rule)
+    assert got is out
+    h = H.copy_to_host()
+    return out.copy_to_host(), h[..., :-1], h[..., -1]
+
+
+@pytest.mark.parametrize("normalize", [True, False], ids=["normalize", "raw"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("method", ["scan", "chunked"])
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_launchers_match_reference(rule, method, dtype, normalize):
+    """Initial state in, final state out, resets mid-chunk, at a chunk boundary and at token 0:
+    outputs and final state equal the explicit form, with no NaN."""
+    rng = np.random.default_rng(14)
+    q, k, v, S0, z0 = data(rng, dtype)
+    code, name = RULES[rule]
+    inputs = {name: log_factors(rng, rule)}
+    out, S, z = run(method, q, k, v, S0, z0, rule=code, inputs=inputs, normalize=normalize)
+    ref, S_ref, z_ref = causal_linear_quadratic(phi_ref(q, 1), phi_ref(k, 1), v.astype(np.float64), eps=1e-8,
+                                                S0=S0, z0=z0, rule=code, inputs=inputs, normalize=normalize)
+    assert_close(out, ref, dtype)
+    assert_close(S, S_ref, dtype)
+    assert_close(z, z_ref, dtype)
+
+
+@pytest.mark.parametrize("method", ["scan", "chunked"])
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_reset_at_token_zero_forgets_the_initial_state_exactly(rule, method):
+    """A reset at token 0 of every entry: the outputs and the final state are those of a zero
+    initial state, bit for bit, however large the initial state (0 * s is 0 exactly)."""
+    rng = np.random.default_rng(3)
+    q, k, v, S0, z0 = data(rng, np.float64)
+    code, name = RULES[rule]
+    lg = log_factors(rng, rule)
+    lg[:, 0] = -np.inf
+    inputs = {name: lg}
+    got = run(method, q, k, v, 1e30 * S0, 1e30 * z0, rule=code, inputs=inputs)
+    zero = run(method, q, k, v, 0.0 * S0, 0.0 * z0, rule=code, inputs=inputs)
+    for a, b in zip(got, zero):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("method", ["scan", "chunked", "aggregate"])
+def test_additive_normalize_false(method, dtype):
+    """normalize=False on the additive launchers (causal scan and chunked, non-causal aggregate):
+    phi(q)^T S without the division."""
+    from linattn_nb.ops.noncausal.cuda import noncausal_aggregate_cuda
+
+    rng = np.random.default_rng(5)
+    q, k, v, S0, z0 = data(rng, dtype)
+    qf, kf, v64 = phi_ref(q, 1), phi_ref(k, 1), v.astype(np.float64)
+    if method == "aggregate":
+        H = cuda.to_device(np.concatenate([S0, z0[..., None]], axis=-1))
+        dout = cuda.to_device(np.full((B, N, M), np.nan, dtype=dtype))
+        noncausal_aggregate_cuda(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), H, dout, code=1,
+                                 eps=1e-8, normalize=False, chunk_size=CHUNK)
+        h = H.copy_to_host()
+        out, S, z = dout.copy_to_host(), h[..., :-1], h[..., -1]
+        ref, S_ref, z_ref = noncausal_linear_quadratic(qf, kf, v64, eps=1e-8, S0=S0, z0=z0, normalize=False)
+    else:
+        out, S, z = run(method, q, k, v, S0, z0, rule=RULE_ADDITIVE, inputs=None, normalize=False)
+        ref, S_ref, z_ref = causal_linear_quadratic(qf, kf, v64, eps=1e-8, S0=S0, z0=z0, normalize=False)
+    assert_close(out, ref, dtype)
+    assert_close(S, S_ref, dtype)
+    assert_close(z, z_ref, dtype)
+
+
+@pytest.mark.parametrize("method", ["scan", "chunked"])
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_public_api_with_host_inputs(rule, method):
+    """linear_attention(..., causal=True, decay=/log_decay=, device="cuda") with NumPy inputs
+    (batch (2, 1), chunks of 3 tokens) equals method="quadratic" on the CPU: outputs and the final state, from an
+    initial state; decay factors with zeros (resets), a per-feature log-gate with -inf."""
+    rng = np.random.default_rng(7)
+    q, k = (rng.normal(size=(2, 1, N, F)) for _ in range(2))
+    v = rng.normal(size=(2, 1, N, M))
+    state = (rng.normal(size=(2, 1, F, M)), rng.uniform(0.5, 1.5, size=(2, 1, F)))
+    if rule == "decay":
+        kw = {"decay": rng.uniform(0.3, 1.0, size=(2, 1, N))}
+        kw["decay"][0, 0, 4] = kw["decay"][1, 0, 3] = 0.0
+    else:
+        kw = {"log_decay": np.log(rng.uniform(0.3, 1.0, size=(2, 1, N, F)))}
+        kw["log_decay"][0, 0, 4] = -np.inf
+        kw["log_decay"][1, 0, 3, 2] = -np.inf
+    normalize = method == "scan"  # one of each
+    o, st = la.linear_attention(q, k, v, causal=True, device="cuda", method=method, initial_state=state,
+                                return_state=True, normalize=normalize, **kw)
+    r, rst = la.linear_attention(q, k, v, causal=True, device="cpu", method="quadratic", initial_state=state,
+                                 return_state=True, normalize=normalize, **kw)
+    assert isinstance(o, np.ndarray) and o.shape == (2, 1, N, M)
+    assert_close(o, r, np.float64)
+    assert_close(st.S, rst.S, np.float64)
+    assert_close(st.z, rst.z, np.float64)
+    assert st.rule == rule
+
+
+def test_rule_inputs_checked_and_device_inputs_read_in_place():
+    """Log-factors of the wrong shape or (on the device) dtype raise ValueError naming them; a
+    device array gives the result of the host array."""
+    rng = np.random.default_rng(9)
+    q, k, v, S0, z0 = data(rng, np.float64)
+    lg = log_factors(rng, "decay")
+    host = run("scan", q, k, v, S0, z0, rule=RULE_DECAY, inputs={"log_decay": lg})
+    dev = run("scan", q, k, v, S0, z0, rule=RULE_DECAY, inputs={"log_decay": cuda.to_device(lg)})
+    for a, b in zip(host, dev):
+        np.testing.assert_array_equal(a, b)
+    for rule, inputs, msg in [
+        (RULE_DECAY, {"log_decay": lg[:, :-1]},
+         r"inputs\['log_decay'\] must have shape \(B, N\) = \(3, 8\), got \(3, 7\)"),
+        (RULE_GATE, {"log_gate": lg}, r"inputs\['log_gate'\] must have shape \(B, N, F\) = \(3, 8, 3\), got \(3, 8\)"),
+        (RULE_DECAY, {"log_decay": cuda.to_device(lg.astype(np.float32))}, r"inputs\['log_decay'\] must be float64"),
+        (RULE_DECAY, None, r"inputs: the decay rule takes the inputs \['log_decay'\], got \[\]"),
+    ]:
+        for method in ("scan", "chunked"):
+            with pytest.raises(ValueError, match=msg):
+                run(method, q, k, v, S0, z0, rule=rule, inputs=inputs)
+
+
+_PTX_SCRIPT = textwrap.dedent(
+    """
+    import json
+    from numba import cuda, types
+    from linattn_nb.ops import _cuda_kernels as K
+    res = {}
+    i, b, f64 = types.int64, types.boolean, types.float64
+    for acc, dt in (("float32", "float32"), ("float64", "float64")):
+        for rule in (1, 2):
+            cfg = K.seq_config(64, 64, 4 if acc == "float32" else 8, rule)  # the default configuration
+            kern = K.seq_kernel(*cfg, acc, rule)
+            a4 = types.Array(getattr(types, dt), 4, "A")
+            H = types.Array(getattr(types, acc), 3, "C")
+            lf = types.Array(f64, 3, "C")
+            sig = (a4, a4, a4, a4, H, H, lf, i, i, i, i, i, i, f64, i, b, b, b, b)
+            text, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
+            res["%s/%d" % (acc, rule)] = {"target": ".target sm_90" in text, "entry": ".entry" in text,
+                                          "local": ("ld.local" in text) or ("st.local" in text)}
+    text, _ = cuda.compile_ptx(K.chunk_factors_kernel.py_func, (types.Array(f64, 3, "C"), i, i,
+                                                              types.Array(f64, 2, "C")), cc=(9, 0))
+    res["chunk_factors_kernel"] = {"target": ".target sm_90" in text, "entry": ".entry" in text, "local": False}
+    print(json.dumps(res))
+    """
+)
+
+
+def test_decay_and_gate_kernels_compile_to_ptx():
+    """The decay and gate sequence kernels type-check and compile for sm_90 at the default launch
+    configuration (D_phi = M = 64, float32 and float64 accumulation) with the state tile in
+    registers (no local memory); the chunk-factor kernel compiles too."""
+    res = run_ptx_script(_PTX_SCRIPT)
+    assert len(res) == 5
+    for key, val in res.items():
+        assert val == {"target": True, "entry": True, "local": False}, (key, val)
