@@ -33,6 +33,7 @@ import numpy as np
 from . import _validate as V
 from . import config
 from .device import cuda_status, is_device_array, is_simulator_array
+from .ops._codes import RULES
 from .ops.registry import select_auto
 
 _SM_COUNT = None
@@ -165,7 +166,7 @@ def select_auto_cuda(*, rule, causal, batch, n, f, m, dtype) -> str:
     """
     if causal:
         K = _kernels()
-        MB = K.seq_config(f, m, np.dtype(K.acc_name(dtype)).itemsize)[3]
+        MB = K.seq_config(f, m, np.dtype(K.acc_name(dtype)).itemsize, RULES[rule][0])[3]
         blocks = batch * -(-m // MB)
         if blocks >= int(config.CUDA_AUTO_SCAN_BLOCKS_PER_SM) * multiprocessor_count():
             return "scan"
@@ -184,10 +185,10 @@ def select_method_cuda(method, *, causal, batch, n, f, m, dtype, rule="additive"
 # ---------------------------------------------------------------------------
 # What the front end asks of the device
 # ---------------------------------------------------------------------------
-def check_limits(f: int, m: int, dtype) -> None:
-    """Raise (before any work) when D_phi or M exceed what the sequence kernel can launch."""
+def check_limits(f: int, m: int, dtype, rule: str = "additive") -> None:
+    """Raise (before any work) when D_phi or M exceed what the sequence kernel of ``rule`` can launch."""
     K = _kernels()
-    K.seq_config(f, m, np.dtype(K.acc_name(dtype)).itemsize)
+    K.seq_config(f, m, np.dtype(K.acc_name(dtype)).itemsize, RULES[rule][0])
 
 
 def zeros(shape, dtype=np.float64):

@@ -284,7 +284,7 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
     if initial_state is not None:
         check_state_rule(initial_state, rule)
     if dev == "cuda":
-        CD.check_limits(f, m, dtype)  # fail before any work
+        CD.check_limits(f, m, dtype, rule)  # fail before any work
     out_shape = batch_shape + (n, m)
     if out is not None:
         V.check_out(out, out_shape, dtype)
@@ -389,7 +389,7 @@ def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initia
             "yourself and pass feature_map=None, or pass host (NumPy) arrays with device='cuda'"
         )
     f = d
-    CD.check_limits(f, m, dtype)
+    CD.check_limits(f, m, dtype, rule)
     out_shape = batch_shape + (n, m)
     dout = CD.device_out(out, out_shape, dtype)
     b = int(np.prod(batch_shape, dtype=np.int64))
