@@ -416,8 +416,7 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
         fk = C.features(fmap, k64, role="key", causal=causal, name="k")
         a_all = C.explicit_rule_weights(rule, fq, fk, inputs, normalize=False, eps=None, causal=causal)
         den_all = a_all.sum(axis=-1)
-        w_all = attention_weights(q64, k64, fmap, causal=causal, scale=scale, eps=eps,
-                                  **({} if rule == "additive" else {"log_decay": _rule_call(rule, inputs, n)["log_decay"]}))
+        w_all = C.explicit_rule_weights(rule, fq, fk, inputs, normalize=True, eps=eps, causal=causal)
     st = {key: np.full((b, n), np.nan) for key in ("kl", "tv", "hp", "hw", "rho", "den")}
     for bb in range(b):
         for i in range(n):
