@@ -190,8 +190,8 @@ def test_a_broken_kernel_fails_the_self_check(tmp_path, monkeypatch, capsys):
     from linattn_nb.ops import registry
     scan = registry.get_method("scan", causal=True, device="cpu").forward
 
-    def launcher(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False):
-        scan(q, k, v, H, out, code=code, eps=eps, check_finite=check_finite)
+    def launcher(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, normalize=True):
+        scan(q, k, v, H, out, code=code, eps=eps, check_finite=check_finite, normalize=normalize)
         if out.shape[1] > 5:
             out[:, 5] = np.nan if out.dtype.kind == "f" else 0  # as if the kernel skipped a row
         return out
