@@ -51,7 +51,7 @@ def test_report_writes_markdown_plots_and_raw_results(tiny_report):
             assert f"**{study.title}** (`linattn {study.command}`): {study.requires()}" in text
     # plots: every image the markdown shows exists and is a PNG
     images = [line.split("](")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
-    assert "throughput.png" in images
+    assert "throughput.png" in images and "horizon.png" in images
     for name in images:
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
     # the throughput table has every N of the tiny grid for linear and softmax
@@ -59,6 +59,27 @@ def test_report_writes_markdown_plots_and_raw_results(tiny_report):
     assert {(r["params"]["kind"], r["params"]["n"]) for r in rows} >= {("linear", 64), ("linear", 256),
                                                                        ("softmax", 64), ("softmax", 256)}
     assert all(r["result"]["median_s"] > 0 and r["result"]["repeats"] >= 3 for r in rows)
+
+
+def test_memory_horizon_section_states_its_regime_with_error_bars_over_seeds(tiny_report):
+    """The memory-horizon study: every decay of the issue, >= 3 seeds each, the floor, mean ± std."""
+    from linattn_nb.studies import horizon
+
+    out, _ = tiny_report
+    recs = load_results(out / "horizon.jsonl")
+    seen = {}
+    for r in recs:
+        p = r["params"]
+        seen.setdefault((p["feature_map"], p["gamma"]), set()).add(p["seed"])
+        res = r["result"]
+        assert res["decay"] == (None if p["gamma"] == 1.0 else p["gamma"])
+        assert len(res["distance_edges"]) == len(res["error_by_distance"][0]) + 1
+    assert {g for _, g in seen} == {1.0, 0.999, 0.99, 0.9} == set(horizon.GAMMAS)
+    assert all(len(seeds) >= 3 for seeds in seen.values())
+    section = (out / "report.md").read_text().split("## Memory horizon")[1].split("\n## ")[0]
+    for words in ("Regime:", "pairs", "D_φ", "values i.i.d. N(0, 1)", "3 seeds", "optimal floor (least squares)",
+                  "additive (γ = 1)", "γ = 0.9 |", " ± ", "horizon.png"):
+        assert words in section, words
 
 
 def test_non_empty_dir_is_refused_unless_force(tiny_report, tmp_path, capsys):
@@ -120,7 +141,7 @@ def test_device_cuda_without_a_gpu_is_a_clear_error(tmp_path, capsys):
 
 def test_every_command_has_help(capsys):
     commands = ["info", "demo", "report"] + [s.command for s in STUDIES]
-    assert {"report", "bench", "error", "rank", "recall"} <= set(commands)
+    assert {"report", "bench", "error", "rank", "recall", "horizon"} <= set(commands)
     for cmd in commands:
         with pytest.raises(SystemExit) as info:
             cli.main([cmd, "--help"])
@@ -169,8 +190,8 @@ def test_a_broken_kernel_fails_the_self_check(tmp_path, monkeypatch, capsys):
     from linattn_nb.ops import registry
     scan = registry.get_method("scan", causal=True, device="cpu").forward
 
-    def launcher(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False):
-        scan(q, k, v, H, out, code=code, eps=eps, check_finite=check_finite)
+    def launcher(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, normalize=True):
+        scan(q, k, v, H, out, code=code, eps=eps, check_finite=check_finite, normalize=normalize)
         if out.shape[1] > 5:
             out[:, 5] = np.nan if out.dtype.kind == "f" else 0  # as if the kernel skipped a row
         return out

@@ -33,6 +33,8 @@ __all__ = [
     "check_rtol",
     "check_int",
     "check_positive_float",
+    "rule_arguments",
+    "explicit_rule_weights",
 ]
 
 #: Default marker of an ``eps`` argument: ``config.DEFAULT_EPS`` read at call time.
@@ -79,19 +81,20 @@ def resolve_eps(eps):
     return V.check_eps(eps)
 
 
-def features(fmap, x, *, role: str, causal: bool, name: str, check_finite: bool = False) -> np.ndarray:
+def features(fmap, x, *, role: str, causal: bool, name: str, check_finite: bool = False,
+             offset: int = 0) -> np.ndarray:
     """Features of ``x`` (..., N, D) as linear attention computes them: float64, flattened to (B, N, F).
 
-    ``fmap.apply(x, role=role, causal=causal, offset=0, total_length=N)`` on
-    ``x`` in float64, through :func:`linattn_nb._frontend.featurise`: a map
+    ``fmap.apply(x, role=role, causal=causal, offset=offset, total_length=offset + N)``
+    on ``x`` in float64, through :func:`linattn_nb._frontend.featurise`: a map
     that returns another shape than (..., N, output_dim(D)) raises ValueError
     naming the map and both shapes.  ``check_finite``: features that
     overflowed to inf or NaN raise ValueError too.
     """
     x = np.asarray(x)
     n = int(x.shape[-2])
-    feats = FE.featurise(fmap, x, role=role, causal=causal, offset=0, total_length=n, dtype=np.float64,
-                         name=name)
+    feats = FE.featurise(fmap, x, role=role, causal=causal, offset=offset, total_length=offset + n,
+                         dtype=np.float64, name=name)
     if check_finite and feats.size and not np.isfinite(feats).all():
         raise ValueError(
             f"feature map {fmap.name!r} produced non-finite features of {name} (overflow?); "
@@ -162,3 +165,63 @@ def check_positive_float(name: str, x) -> float:
     if not (x > 0) or math.isinf(x):
         raise ValueError(f"{name} must be finite and > 0, got {x}")
     return x
+
+
+def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, d: int, *, causal: bool):
+    """``(rule, inputs, normalize)`` of an analysis call, parsed exactly as linear_attention parses them.
+
+    ``fmap`` None stands for softmax weights: they have no update rule, so
+    ``decay``/``log_decay`` raise ValueError naming the argument given, and
+    ``normalize=False`` raises (softmax weights are always normalised).
+    Otherwise :func:`linattn_nb._frontend.rule_arguments` with
+    ``D_phi = output_dim(d)``: the same forms, the same errors (``causal=False``
+    with a decay, values out of range, shapes that fit no form, a map that
+    needs its normaliser with ``normalize=False``).
+    """
+    if fmap is None:
+        for name, x in (("decay", decay), ("log_decay", log_decay)):
+            if x is not None:
+                raise ValueError(f"{name} applies to linear attention's recurrence; feature_map='softmax' has none "
+                                 "(pass a feature map)")
+        if V.check_normalize(normalize, True) is False:
+            raise ValueError("normalize=False does not apply to feature_map='softmax' (softmax weights are "
+                             "normalised by definition)")
+        return "additive", None, True
+    return FE.rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, feature_dim(fmap, d),
+                             causal=causal)
+
+
+def explicit_rule_weights(rule: str, fq, fk, inputs, *, normalize: bool, eps, causal: bool = True):
+    """Explicit linear-attention weights (B, N, N) of update rule ``rule``, float64.
+
+    ``A[b, t, s]`` is the weight of value ``s`` in output ``t`` before the
+    normaliser -- ``phi(q_t) . phi(k_s)`` times the product of the factors of
+    tokens ``s+1..t`` (:func:`linattn_nb.ops.causal.naive.explicit_weights`,
+    exact at resets); with ``normalize`` each row is divided by its sum
+    (the decayed normaliser ``phi(q_t) . z_t``), floored at ``eps`` unless
+    ``eps`` is None.  ``causal=False`` (additive rule only): the full
+    ``phi(Q) phi(K)^T``.  Rows whose raw normaliser is 0 with ``eps=None``
+    hold NaN (0/0) or inf.
+    """
+    from ..ops._codes import RULES
+    from ..ops.causal.naive import explicit_weights
+
+    fq = np.asarray(fq, dtype=np.float64)
+    fk = np.asarray(fk, dtype=np.float64)
+    b = fq.shape[0]
+    if rule == "additive":
+        a = np.einsum("bif,bjf->bij", fq, fk)
+        if causal:
+            a = np.tril(a)
+    else:
+        code = RULES[rule][0]
+        a = np.empty((b, fq.shape[1], fk.shape[1]))
+        for i in range(b):
+            a[i] = explicit_weights(code, fq[i], fk[i], inputs, i)[0]
+    if not normalize:
+        return a
+    den = a.sum(axis=-1, keepdims=True)
+    if eps is not None:
+        den = np.maximum(den, eps)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return a / den

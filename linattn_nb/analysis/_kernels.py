@@ -127,7 +127,7 @@ def _pearson_ranks(ra, rb, n):
 
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, block,
+def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, block, rule, fac,
                       kl, tv, hp, hw, rho, den_out):
     """Per-row statistics of linear against softmax attention weights.
 
@@ -142,6 +142,13 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
     linear weights (NaN when undefined), ``den_out`` the raw normaliser.
     The linear weights are ``a_ij / max(den_i, eps)`` (``clip``) or
     ``a_ij / den_i``: those :func:`linattn_nb.linear_attention` applies.
+
+    ``rule`` (causal only): 0 additive; 1 a scalar decay, ``fac`` (B, N, 1)
+    the factors ``exp(log_decay)``; 2 a per-feature gate, ``fac`` (B, N, F).
+    ``a_ij`` then carries the product of the factors of tokens ``j+1..i``,
+    built as a running product from ``j = i`` down (per feature for the
+    gate): a factor 0 zeroes every weight before it exactly, no
+    differences of cumulative logs, no NaN.
     """
     B, N, D = q.shape
     nb = (N + block - 1) // block
@@ -162,6 +169,26 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
             a = s
         else:
             a = np.dot(fq[b, i0:i1], fk[b, :kend].T)
+            if rule == 1:
+                for t in range(i1 - i0):
+                    g = 1.0
+                    for j in range(i0 + t, -1, -1):
+                        a[t, j] *= g
+                        g *= fac[b, j, 0]
+            elif rule == 2:
+                F = fq.shape[2]
+                g = np.empty(F)
+                for t in range(i1 - i0):
+                    i = i0 + t
+                    for f in range(F):
+                        g[f] = 1.0
+                    for j in range(i, -1, -1):
+                        acc = 0.0
+                        for f in range(F):
+                            acc += fq[b, i, f] * g[f] * fk[b, j, f]
+                        a[t, j] = acc
+                        for f in range(F):
+                            g[f] *= fac[b, j, f]
         p = np.empty(kend)
         lp = np.empty(kend)
         w = np.empty(kend)
@@ -264,20 +291,31 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
                 rho[b, i] = _pearson_ranks(rs, rw, L)
 
 
-def error_rows(q, k, fq, fk, *, scale, causal, softmax_mode, eps, block=None):
+def error_rows(q, k, fq, fk, *, scale, causal, softmax_mode, eps, block=None, rule="additive", inputs=None):
     """Launcher of :func:`error_rows_kernel`; returns the per-row arrays (each (B, N) float64).
 
     ``q, k`` (B, N, D) and ``fq, fk`` (B, N, F) C-contiguous float64
-    (``fq, fk`` may be ``(B, N, 0)`` dummies in softmax mode).
+    (``fq, fk`` may be ``(B, N, 0)`` dummies in softmax mode).  ``rule`` and
+    ``inputs``: the update rule and its inputs as the front end gives them
+    (``{"log_decay": (B, N)}`` or ``{"log_gate": (B, N, F)}``; causal only).
     """
     block = int(config.ANALYSIS_BLOCK_Q if block is None else block)
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     B, N, _ = q.shape
     outs = [np.full((B, N), np.nan) for _ in range(6)]
+    if rule == "decay":
+        code, fac = 1, np.exp(inputs["log_decay"])[:, :, None]
+    elif rule == "gate":
+        code, fac = 2, np.exp(inputs["log_gate"])
+    else:
+        code, fac = 0, np.ones((1, 1, 1))
+    if code and not causal:
+        raise ValueError("a decay or gate applies to causal attention only")
+    fac = np.ascontiguousarray(fac, dtype=np.float64)
     if B and N:
         clip = eps is not None
         with single_threaded_blas():
             error_rows_kernel(q, k, fq, fk, float(scale), bool(causal), bool(softmax_mode),
-                              float(eps if clip else 0.0), clip, np.int64(block), *outs)
+                              float(eps if clip else 0.0), clip, np.int64(block), np.int64(code), fac, *outs)
     return dict(zip(("kl", "tv", "hp", "hw", "rho", "den"), outs))

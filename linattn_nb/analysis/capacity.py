@@ -61,6 +61,19 @@ class RecallCapacity:
         read-out of rank <= D_phi (normalised or not).
     softmax_accuracy, softmax_mse : ndarray
         Softmax attention over the same pairs (the KV cache baseline).
+    softmax_scale : float
+    decay : float or None
+        The constant decay ``gamma`` of the state (None: the additive rule).
+    distance_edges : ndarray of int64, shape (n_bins + 1,)
+        Bin edges of the distance ``n - 1 - j`` between the write of pair
+        ``j`` and the read (after the last write); bin ``b`` holds the
+        distances in ``[edges[b], edges[b + 1])``.
+    error_by_distance : ndarray, shape (len(n_pairs), n_bins)
+        ``sum ||v_hat_j - v_j||^2 / sum ||v_j||^2`` over the pairs of each
+        distance bin, mean over the trials (NaN for a bin no pair reaches).
+    optimal_error_by_distance : ndarray, shape (len(n_pairs), n_bins)
+        The same for the least-squares state of ``optimal_mse`` (which
+        weighs every pair alike, whatever its age).
     """
 
     feature_map: str
@@ -76,6 +89,10 @@ class RecallCapacity:
     softmax_accuracy: np.ndarray
     softmax_mse: np.ndarray
     softmax_scale: float = field(default=float("nan"))
+    decay: Optional[float] = None
+    distance_edges: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    error_by_distance: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    optimal_error_by_distance: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
 
     def to_dict(self) -> dict:
         """Plain-Python dict (lists instead of arrays), for JSON."""
@@ -89,7 +106,8 @@ class RecallCapacity:
         """A plain-text table, one row per ``n``."""
         head = (f"feature_map={self.feature_map} d={self.d} D_phi={self.d_phi} "
                 f"values={'one-hot' if self.value_dim is None else f'gaussian M={self.value_dim}'} "
-                f"key_scale={self.key_scale:g} trials={self.trials}")
+                f"key_scale={self.key_scale:g} trials={self.trials}"
+                + ("" if self.decay is None else f" decay={self.decay:g}"))
         cols = ("n", "acc", "mse", "opt_mse", "smax_acc", "smax_mse")
         lines = [head, "".join(f"{c:>10}" for c in cols)]
         for i, n in enumerate(self.n_pairs):
@@ -109,6 +127,16 @@ def _rel_err(vhat, v):
     return float(np.sum((vhat - v) ** 2) / np.sum(v * v))
 
 
+def _optimal_residual(phi, v):
+    """Rows of ``phi W* - v`` for the least-squares ``W*`` (orthonormal basis of range(phi), numerical rank)."""
+    u, s, _ = np.linalg.svd(phi, full_matrices=False)
+    if s.size == 0:
+        return -v
+    r = int(np.count_nonzero(s > s.max() * max(phi.shape) * np.finfo(np.float64).eps))
+    ur = u[:, :r]
+    return ur @ (ur.T @ v) - v
+
+
 def _optimal_rel_err(phi, v):
     """min_W ||phi W - v||_F^2 / ||v||_F^2 via an orthonormal basis of range(phi) (numerical rank)."""
     u, s, _ = np.linalg.svd(phi, full_matrices=False)
@@ -120,8 +148,46 @@ def _optimal_rel_err(phi, v):
     return max(0.0, total - float(np.sum(proj * proj))) / total
 
 
+def _binned_rel_err(res, v, dist, edges):
+    """``sum ||res_j||^2 / sum ||v_j||^2`` over the rows whose ``dist`` falls in each bin (NaN: empty bin)."""
+    idx = np.searchsorted(edges, dist, side="right") - 1
+    nb = len(edges) - 1
+    num = np.bincount(idx, weights=np.einsum("jm,jm->j", res, res), minlength=nb)[:nb]
+    den = np.bincount(idx, weights=np.einsum("jm,jm->j", v, v), minlength=nb)[:nb]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
+
+
+def _check_decay(decay):
+    """A constant decay gamma in [0, 1] (a real number, not a bool), or None."""
+    if decay is None:
+        return None
+    if isinstance(decay, (bool, np.bool_)) or not isinstance(decay, (int, float, np.integer, np.floating)):
+        raise TypeError(f"decay must be a real number in [0, 1] (a constant gamma), got {type(decay).__name__}")
+    decay = float(decay)
+    if not 0.0 <= decay <= 1.0:
+        raise ValueError(f"decay must lie in [0, 1] (a constant gamma; 1 is the additive rule), got {decay!r}")
+    return decay
+
+
+def _distance_edges(distance_bins, n_max):
+    """Bin edges of the write-read distance: default 0, 1, 2, 4, ... up to the first power of 2 >= n_max."""
+    if distance_bins is None:
+        top = 1
+        while top < n_max:
+            top *= 2
+        edges = [0] + [2 ** i for i in range(int(math.log2(top)) + 1)]
+        return np.asarray(edges, dtype=np.int64)
+    e = np.asarray(distance_bins)
+    if e.ndim != 1 or e.dtype.kind not in "iu":
+        raise TypeError(f"distance_bins must be a 1-D sequence of integers (bin edges), got {distance_bins!r}")
+    if e.size < 2 or e[0] < 0 or np.any(np.diff(e) <= 0):
+        raise ValueError(f"distance_bins must hold at least two increasing edges >= 0, got {distance_bins!r}")
+    return e.astype(np.int64)
+
+
 def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, trials=8, seed=0,
-                    softmax_scale=None, eps=config.DEFAULT_EPS):
+                    softmax_scale=None, eps=config.DEFAULT_EPS, decay=None, distance_bins=None):
     r"""Training-free associative recall through linear attention's state.
 
     For each ``n`` in ``n_pairs`` and each trial: draw keys ``K`` (n x d),
@@ -142,6 +208,18 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
 
     Argmax accuracy can hide the capacity limit (a read-out can have the
     right argmax and a large error): look at all three.
+
+    The pairs are written in order, pair ``j`` at token ``j``, and read
+    after the last write, so pair ``j`` is read at distance ``n - 1 - j``.
+    With ``decay=gamma`` the state forgets (RetNet's constant decay, Sun et
+    al. 2023, §2.1): ``S = sum_j gamma^(n-1-j) phi(k_j) v_j^T`` and ``z``
+    likewise, i.e. causal ``linear_attention(..., decay=gamma)`` after the
+    last write, read by every key.  ``error_by_distance`` bins the per-pair
+    error by that distance (``optimal_error_by_distance`` for the
+    least-squares floor): the additive rule (``gamma = 1``, the same numbers
+    as ``decay=None``) spreads its error evenly over the ages; a decay
+    lowers the error of recent pairs (less interference) and raises that of
+    pairs older than about ``1 / (1 - gamma)``: the memory horizon.
 
     Parameters
     ----------
@@ -164,6 +242,12 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
         Temperature of the softmax baseline, default ``1/sqrt(d)``.
     eps : float or None, default 1e-8
         Normaliser floor of the linear read-out (:func:`linattn_nb.linear_attention`).
+    decay : float, optional
+        A constant decay ``gamma`` in [0, 1] of the state (default: none,
+        the additive rule).
+    distance_bins : sequence of int, optional
+        Increasing bin edges of the write-read distance; default
+        ``0, 1, 2, 4, 8, ...`` up to the first power of 2 >= ``max(n_pairs)``.
 
     Returns
     -------
@@ -173,9 +257,10 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     ------
     ValueError
         Non-positive sizes, ``key_scale`` or ``softmax_scale``; ``feature_map="softmax"``;
-        a feature map whose features do not have shape ``(n, output_dim(d))``.
+        a feature map whose features do not have shape ``(n, output_dim(d))``;
+        ``decay`` outside [0, 1]; ``distance_bins`` not increasing.
     TypeError
-        Non-integer sizes, a bad ``feature_map``.
+        Non-integer sizes, a bad ``feature_map``, a non-real ``decay``.
 
     Examples
     --------
@@ -186,6 +271,15 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     >>> res.optimal_mse.round(3).tolist()             # 0 below D_phi, 1 - 16/64 above
     [0.0, 0.75]
     >>> bool(res.mse[1] >= res.optimal_mse[1])
+    True
+
+    With a decay the recent pairs are read better, the old ones worse:
+
+    >>> add = recall_capacity("elu", 16, 64, trials=2, distance_bins=[0, 8, 64])
+    >>> dec = recall_capacity("elu", 16, 64, trials=2, distance_bins=[0, 8, 64], decay=0.8)
+    >>> bool(dec.error_by_distance[0, 0] < add.error_by_distance[0, 0])
+    True
+    >>> bool(dec.error_by_distance[0, 1] > add.error_by_distance[0, 1])
     True
     """
     if C.is_softmax(feature_map):
@@ -205,9 +299,12 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     seed = C.check_int("seed", seed, 0)
     softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else C.check_positive_float("softmax_scale", softmax_scale)
     eps = V.check_eps(eps)
+    decay = _check_decay(decay)
+    edges = _distance_edges(distance_bins, int(ns.max()))
     d_phi = C.feature_dim(fmap, d)
 
     metrics = np.zeros((5, ns.size, trials))
+    by_dist = np.zeros((2, ns.size, trials, len(edges) - 1))
     for a, n in enumerate(ns):
         n = int(n)
         for t in range(trials):
@@ -215,8 +312,13 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
             keys = key_scale * rng.standard_normal((n, d))
             vals = np.eye(n) if value_dim is None else rng.standard_normal((n, value_dim))
             phi = C.features(fmap, keys, role="key", causal=False, name="keys")[0]
-            vhat = linear_attention(keys, keys, vals, feature_map=fmap, causal=False, eps=eps)
+            dist = np.arange(n - 1, -1, -1)
+            if decay is None:
+                vhat = linear_attention(keys, keys, vals, feature_map=fmap, causal=False, eps=eps)
+            else:
+                vhat = _decayed_readout(phi, vals, decay ** dist.astype(np.float64), eps)
             vs = softmax_attention(keys, keys, vals, scale=softmax_scale)
+            opt_res = _optimal_residual(phi, vals)
             metrics[:, a, t] = (
                 _nearest_accuracy(vhat, vals),
                 _rel_err(vhat, vals),
@@ -224,12 +326,32 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
                 _nearest_accuracy(vs, vals),
                 _rel_err(vs, vals),
             )
+            by_dist[0, a, t] = _binned_rel_err(vhat - vals, vals, dist, edges)
+            by_dist[1, a, t] = _binned_rel_err(opt_res, vals, dist, edges)
     acc, mse, opt, sacc, smse = metrics.mean(axis=-1)
+    err_d, opt_d = by_dist.mean(axis=2)
     return RecallCapacity(
         feature_map=repr(fmap), d=d, d_phi=d_phi, value_dim=value_dim, key_scale=key_scale,
         trials=trials, n_pairs=ns, accuracy=acc, mse=mse, optimal_mse=opt,
         softmax_accuracy=sacc, softmax_mse=smse, softmax_scale=softmax_scale,
+        decay=decay, distance_edges=edges, error_by_distance=err_d, optimal_error_by_distance=opt_d,
     )
+
+
+def _decayed_readout(phi, vals, weights, eps):
+    """Every key's read-out of the state ``S = sum_j w_j phi_j v_j^T``, ``z = sum_j w_j phi_j``.
+
+    ``phi S / max(phi z, eps)`` (raw division for ``eps=None``): causal
+    linear attention's output at the last write token, with the decayed state.
+    """
+    wphi = phi * weights[:, None]
+    S = wphi.T @ vals
+    z = wphi.sum(axis=0)
+    den = phi @ z
+    if eps is not None:
+        den = np.maximum(den, eps)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (phi @ S) / den[:, None]
 
 
 # ---------------------------------------------------------------------------

@@ -114,7 +114,8 @@ def _prepare(q, k, v, check_finite):
 # ---------------------------------------------------------------------------
 # public functions
 # ---------------------------------------------------------------------------
-def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAULT, check_finite=True):
+def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAULT, check_finite=True,
+                      decay=None, log_decay=None, normalize=None):
     r"""The explicit attention weight matrix (small N).
 
     Parameters
@@ -135,6 +136,20 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
         feature_map=fmap)``; None divides by the raw (possibly signed or zero)
         normaliser.
     check_finite : bool, default True
+    decay, log_decay : float or array_like, optional
+        A decay or gate of the state, exactly as in
+        :func:`linattn_nb.linear_attention` (causal only; at most one of the
+        two): a scalar or batch-shaped array (a constant ``gamma`` per
+        sequence, RetNet), ``(..., N)`` (per token, Mamba-2/SSD) or
+        ``(..., N, D_phi)`` (per feature, GLA).  The weight of token ``s`` in
+        output ``t`` is then ``phi(q_t) . phi(k_s)`` times the factors of
+        tokens ``s+1..t`` (per feature for a gate), and the normaliser is the
+        sum of the row (the decayed ``phi(q_t) . z_t``).  A factor 0 (log
+        ``-inf``) cuts every weight across it exactly.
+    normalize : bool, optional
+        As in ``linear_attention`` (default True for these rules): False
+        gives the unnormalised weights ``phi(q_t)^T``-times-state, RetNet's
+        and GLA's convention.  Not for ``"softmax"``.
 
     Returns
     -------
@@ -145,7 +160,11 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
     ValueError
         Bad shapes, non-finite inputs, ``N * N`` above
         ``config.QUADRATIC_MAX_ELEMENTS``, or a feature map whose features
-        do not have shape ``(..., N, output_dim(D))``.
+        do not have shape ``(..., N, output_dim(D))``; ``decay``/``log_decay``
+        as in ``linear_attention`` (``causal=False``, values outside [0, 1]
+        or log-factors > 0, NaN, shapes that fit no form; the message names
+        the argument), or given with ``"softmax"``; ``normalize=False`` with
+        ``"softmax"`` or with a map that needs its normaliser (FAVOR+).
     TypeError
         Non-floating inputs, ``causal`` not a bool.
 
@@ -160,6 +179,15 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
     ((6, 6), True, 0.0)
     >>> bool(np.allclose(attention_weights(q, k, "elu").sum(-1), 1))
     True
+
+    A constant decay ``gamma`` multiplies the unnormalised causal weights by
+    ``gamma^(t - s)`` (RetNet, Sun et al. 2023, §2.1):
+
+    >>> raw = attention_weights(q, k, "elu", causal=True, normalize=False)
+    >>> ret = attention_weights(q, k, "elu", causal=True, decay=0.9, normalize=False)
+    >>> t, s = np.indices((6, 6))
+    >>> bool(np.allclose(ret, 0.9 ** np.maximum(t - s, 0) * raw))
+    True
     """
     q, k, _, batch_shape, n, d = _prepare(q, k, None, check_finite)
     if n * n > config.QUADRATIC_MAX_ELEMENTS:
@@ -172,10 +200,15 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
     scale = V.check_scale(scale, d)
     eps = C.resolve_eps(eps)
     fmap = C.resolve_map(feature_map, d=d, scale=scale)
+    rule, inputs, normalize = C.rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, d, causal=causal)
     q64 = C.flatten64(q, batch_shape)
     k64 = C.flatten64(k, batch_shape)
     mask = np.tril(np.ones((n, n), dtype=bool)) if causal else None
-    if fmap is None:
+    if fmap is not None and (rule != "additive" or not normalize):
+        fq = C.features(fmap, q64, role="query", causal=causal, name="q")
+        fk = C.features(fmap, k64, role="key", causal=causal, name="k")
+        w = C.explicit_rule_weights(rule, fq, fk, inputs, normalize=normalize, eps=eps, causal=causal)
+    elif fmap is None:
         s = scale * np.einsum("bid,bjd->bij", q64, k64)
         if causal:
             s = np.where(mask, s, -np.inf)
@@ -197,7 +230,7 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
 
 
 def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_DEFAULT,
-                        check_finite=True, block=None):
+                        check_finite=True, block=None, decay=None, log_decay=None):
     r"""How far linear attention with ``feature_map`` is from softmax attention.
 
     For every query row ``i`` the softmax weights ``p_ij`` and the linear
@@ -228,6 +261,17 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     check_finite : bool, default True
     block : int, optional
         Query rows per task (default ``config.ANALYSIS_BLOCK_Q``).
+    decay, log_decay : float or array_like, optional
+        A decay or gate of linear attention's state, exactly as in
+        :func:`linattn_nb.linear_attention` (causal only; see
+        :func:`attention_weights`), measured against plain softmax attention
+        (softmax has no decay): the linear weights are the decayed ones,
+        normalised by their row sums (``normalize=True``, the only form
+        comparable with softmax's distributions).  The kernel multiplies the
+        factors in as running products along each row (no ``N x N``
+        matrix); the linear output comes from ``linear_attention(...,
+        method="quadratic")`` (float64, explicit) while ``N * N <=
+        config.QUADRATIC_MAX_ELEMENTS``, else from ``method="auto"``.
 
     Returns
     -------
@@ -243,7 +287,10 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     ValueError, TypeError
         As :func:`linattn_nb.linear_attention` for bad inputs (shapes,
         dtypes, non-finite values, ``causal`` not a bool, a feature map whose
-        features do not have shape ``(..., N, output_dim(D))``).
+        features do not have shape ``(..., N, output_dim(D))``);
+        ``decay``/``log_decay`` with the errors of ``linear_attention``
+        (``causal=False``, out-of-range values, NaN, shapes; naming the
+        argument) or with ``"softmax"``.
 
     Examples
     --------
@@ -257,12 +304,20 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     >>> err = approximation_error(q, k, v, feature_maps.get("favor+", num_features=256, seed=0))
     >>> err.nonpositive_normalizer_rate, bool(0 < err.tv_mean < 0.5), bool(err.monotonicity > 0.5)
     (0.0, True, True)
+
+    A decay moves the linear weights towards recent tokens; softmax keeps its own:
+
+    >>> e1 = approximation_error(q, k, v, "elu", causal=True)
+    >>> e9 = approximation_error(q, k, v, "elu", causal=True, decay=0.9)
+    >>> bool(e9.entropy_linear < e1.entropy_linear), e9.entropy_softmax == e1.entropy_softmax
+    (True, True)
     """
     q, k, v, batch_shape, n, d = _prepare(q, k, v, check_finite)
     causal = C.check_causal(causal)
     scale = V.check_scale(scale, d)
     eps = C.resolve_eps(eps)
     fmap = C.resolve_map(feature_map, d=d, scale=scale)
+    rule, inputs, _ = C.rule_arguments(fmap, decay, log_decay, None, batch_shape, n, d, causal=causal)
     if block is not None and (isinstance(block, (bool, np.bool_)) or not isinstance(block, (int, np.integer))
                               or block < 1):
         raise ValueError(f"block must be an integer >= 1 or None, got {block!r}")
@@ -285,10 +340,19 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
             o_lin = o_sm
         else:
             o_lin = linear_attention(q64, k64, v64, feature_map=fmap, causal=causal, eps=eps,
-                                     check_finite=False)
+                                     check_finite=False, **_rule_call(rule, inputs, n))
         st = error_rows(q64, k64, fq, fk, scale=scale, causal=causal, softmax_mode=fmap is None, eps=eps,
-                        block=block)
+                        block=block, rule=rule, inputs=inputs)
     return _summarise(st, o_lin, o_sm, rows)
+
+
+def _rule_call(rule, inputs, n) -> dict:
+    """``linear_attention`` keywords that replay the parsed rule on the flattened (B, N, .) batch."""
+    if rule == "additive":
+        return {}
+    lg = inputs["log_decay" if rule == "decay" else "log_gate"]  # (B, N) per token, (B, N, F) per feature
+    method = "quadratic" if n * n <= config.QUADRATIC_MAX_ELEMENTS else "auto"
+    return {"log_decay": lg, "method": method}
 
 
 def _summarise(st, o_lin, o_sm, rows) -> ApproximationError:
@@ -320,10 +384,12 @@ def _summarise(st, o_lin, o_sm, rows) -> ApproximationError:
     )
 
 
-def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None, eps=_DEFAULT):
+def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None, eps=_DEFAULT, decay=None,
+                              log_decay=None):
     """Reference of :func:`approximation_error` from explicit ``N x N`` matrices (NumPy, SciPy).
 
-    Same parameters and result; for tests and small N only.
+    Same parameters and result; for tests and small N only.  Decayed weights
+    come from :func:`linattn_nb.ops.causal.naive.explicit_weights`.
     """
     from scipy.stats import rankdata
 
@@ -332,6 +398,7 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
     scale = V.check_scale(scale, d)
     eps = C.resolve_eps(eps)
     fmap = C.resolve_map(feature_map, d=d, scale=scale)
+    rule, inputs, _ = C.rule_arguments(fmap, decay, log_decay, None, batch_shape, n, d, causal=causal)
     q64, k64, v64 = (C.flatten64(x, batch_shape) for x in (q, k, v))
     b = q64.shape[0]
     rows = b * n
@@ -347,11 +414,9 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
     else:
         fq = C.features(fmap, q64, role="query", causal=causal, name="q")
         fk = C.features(fmap, k64, role="key", causal=causal, name="k")
-        a_all = np.einsum("bif,bjf->bij", fq, fk)
-        if causal:
-            a_all = np.where(np.tril(np.ones((n, n), dtype=bool)), a_all, 0.0)
+        a_all = C.explicit_rule_weights(rule, fq, fk, inputs, normalize=False, eps=None, causal=causal)
         den_all = a_all.sum(axis=-1)
-        w_all = attention_weights(q64, k64, fmap, causal=causal, scale=scale, eps=eps)
+        w_all = C.explicit_rule_weights(rule, fq, fk, inputs, normalize=True, eps=eps, causal=causal)
     st = {key: np.full((b, n), np.nan) for key in ("kl", "tv", "hp", "hw", "rho", "den")}
     for bb in range(b):
         for i in range(n):

@@ -38,6 +38,7 @@ import numpy as np
 import numba
 from numba import njit, prange
 
+from .. import _frontend as FE
 from .. import _validate as V
 from .. import config
 from ..ops._common import phi
@@ -97,9 +98,10 @@ def _inline_code(fmap, d):
     return int(code)
 
 
-def _features(fmap, x, *, role, causal, name):
+def _features(fmap, x, *, role, causal, name, offset=0):
     """Features of x (..., N, D) as linear_attention computes them, float64, flattened to (B, N, F).
 
+    ``offset``: the position of the first row (position-dependent maps).
     Maps with a kernel code are applied by a parallel Numba loop (the same
     ``phi`` as the attention kernels); the others through
     :func:`linattn_nb.analysis._common.features` (``fmap.apply``, shape-checked).
@@ -108,7 +110,7 @@ def _features(fmap, x, *, role, causal, name):
     n, d = x.shape[-2], x.shape[-1]
     code = _inline_code(fmap, d)
     if code is None:
-        return C.features(fmap, x, role=role, causal=causal, name=name, check_finite=True)
+        return C.features(fmap, x, role=role, causal=causal, name=name, check_finite=True, offset=offset)
     x2 = np.ascontiguousarray(x, dtype=np.float64).reshape((-1, d))
     out = np.empty_like(x2)
     if x2.size:
@@ -166,11 +168,25 @@ def _check_explicit_n(n, limit_name, limit):
         )
 
 
-def _kernel_weights(fq, fk, *, causal, eps):
-    """Explicit linear-attention weights (N x N), normalised, float64."""
-    w = fq @ fk.T
-    if causal:
-        w = np.tril(w)
+def _kernel_weights(fq, fk, *, causal, eps, rule="additive", inputs=None, b=0, normalize=True):
+    """Explicit linear-attention weights (N x N) of batch entry ``b``, float64.
+
+    The additive rule or a decayed one (``inputs``: the front end's
+    flattened log-factors, entry ``b`` used;
+    :func:`linattn_nb.ops.causal.naive.explicit_weights`); normalised by the
+    row sums (floored at ``eps``) unless ``normalize`` is False.
+    """
+    if rule == "additive":
+        w = fq @ fk.T
+        if causal:
+            w = np.tril(w)
+    else:
+        from ..ops._codes import RULES
+        from ..ops.causal.naive import explicit_weights
+
+        w = explicit_weights(RULES[rule][0], fq, fk, inputs, b)[0]
+    if not normalize:
+        return w
     den = _floor(w.sum(axis=-1), eps)
     with np.errstate(divide="ignore", invalid="ignore"):
         w = w / den[:, None]
@@ -401,7 +417,8 @@ def _span_changes(X, tau, block=1024):
 # attention_rank
 # ---------------------------------------------------------------------------
 def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=config.DEFAULT_EPS,
-                   rtol=None, method="auto", return_spectrum=False, check_finite=True):
+                   rtol=None, method="auto", return_spectrum=False, check_finite=True, decay=None,
+                   log_decay=None, normalize=None):
     r"""Numerical rank of attention weights, from the factors when they are low rank.
 
     For kernel attention the weights are ``A = D^{-1} phi(Q) phi(K)^T`` with
@@ -449,6 +466,15 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
         all ``min(Nq, Nk)`` for ``"explicit"``.  Feed them to
         :func:`~linattn_nb.analysis.effective_rank` etc. with ``spectrum=True``.
     check_finite : bool, default True
+    decay, log_decay : float or array_like, optional
+        A decay or gate of the state, with the forms and errors of
+        :func:`linattn_nb.linear_attention` (causal only): the weights are
+        then :func:`~linattn_nb.analysis.attention_weights` with the same
+        arguments, formed explicitly.
+    normalize : bool, optional
+        False ranks the unnormalised weights ``phi(Q) phi(K)^T`` (masked and
+        decayed as the call says); default True (the rule's convention).
+        Not for ``"softmax"``.
 
     Returns
     -------
@@ -484,6 +510,7 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
     q, k, batch_shape = _prepare_pair(q, k, ("q", "k"), same_n=causal, check_finite=check_finite)
     nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     b = int(np.prod(batch_shape, dtype=np.int64))
+    rule, inputs, normalize = C.rule_arguments(fmap, decay, log_decay, normalize, batch_shape, nq, d, causal=causal)
     if rtol is not None:
         rtol = np.broadcast_to(C.check_rtol(rtol, batch_shape), batch_shape).reshape(-1)
     factor_ok = fmap is not None and not causal
@@ -517,13 +544,14 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
             continue
         if use_factor:
             r_k, z = _stream_r(fk[i], code)
-            r_q, _ = _stream_r(fq[i], code, z=z, eps=eps)
+            r_q, _ = _stream_r(fq[i], code, z=z if normalize else None, eps=eps)
             s = _svals(r_q @ r_k.T)[:nsv]
         else:
             if fmap is None:
                 w = _softmax_weights(fq[i], fk[i], causal=causal, scale=scale)
             else:
-                w = _kernel_weights(fq[i], fk[i], causal=causal, eps=eps)
+                w = _kernel_weights(fq[i], fk[i], causal=causal, eps=eps, rule=rule, inputs=inputs, b=i,
+                                    normalize=normalize)
             s = _svals(w)
         spectra[i] = s
         ranks[i] = rank_from_singular_values(s, max(nq, nk), None if rtol is None else rtol[i])
@@ -624,7 +652,8 @@ def _semiseparable_factor(pq, fk, rtol, budget):
 
 
 def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAULT_EPS, rtol=None,
-                       method="auto", return_split=False, check_finite=True):
+                       method="auto", return_split=False, check_finite=True, decay=None, log_decay=None,
+                       normalize=None):
     r"""Largest rank of the strictly-lower blocks ``A[i:, :i]`` of causal attention weights.
 
     For causal linear attention every such block is
@@ -632,6 +661,15 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
     whatever N (the matrix is *semiseparable*), although the whole matrix is
     usually full rank.  Causal softmax weights have no such bound: their
     semiseparable rank grows with N.
+
+    A decay keeps the bound.  With per-token factors ``a_u`` the block is
+    ``diag(c_t / den_t) phi(Q[i:]) phi(K[:i])^T diag(1 / c_s)`` with
+    ``c_t = prod_{u <= t} a_u`` (constant ``gamma``: ``c_t = gamma^t``, so
+    ``W_ts = gamma^(t - s)`` times the additive weights: RetNet, Sun et al.
+    2023, §2.1-2.2; SSD, Dao & Gu 2024, §3-4; REFERENCES.md "Decay and
+    gating"), and with a per-feature gate (GLA) the diagonal scalings move
+    inside, ``(phi(Q) * B)[i:] (phi(K) / B)[:i]^T``: rank <= ``D_phi`` either
+    way (a reset only lowers it).
 
     Algorithm (kernel maps, ``method="factor"``).  The rank of block ``i`` is
     ``rank(R_S(i) R_P(i)^T)`` for R factors of the normalised query suffix
@@ -686,6 +724,13 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
         Also return the smallest split ``i`` at which the largest rank is
         reached (0 when N < 2).
     check_finite : bool, default True
+    decay, log_decay : float or array_like, optional
+        A decay or gate of the state, with the forms and errors of
+        :func:`linattn_nb.linear_attention`.  Decayed weights are ranked
+        explicitly (``"auto"`` picks ``"explicit"``; ``"factor"`` raises).
+    normalize : bool, optional
+        False ranks the unnormalised weights (RetNet's and GLA's
+        convention); default True.  Not for ``"softmax"``.
 
     Returns
     -------
@@ -714,12 +759,18 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
     8
     >>> semiseparable_rank(q[:64], k[:64], "softmax", scale=4.0) > 8
     True
+    >>> semiseparable_rank(q[:200], k[:200], "elu", decay=0.95, normalize=False) <= 8
+    True
     """
     fmap = C.resolve_map(feature_map)
     eps = V.check_eps(eps)
     method = _check_method(method, ("auto", "factor", "explicit"))
     q, k, batch_shape = _prepare_pair(q, k, ("q", "k"), same_n=True, check_finite=check_finite)
     n, d = q.shape[-2], q.shape[-1]
+    rule, inputs, normalize = C.rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, d, causal=True)
+    if rule != "additive" and method == "factor":
+        raise ValueError(f"method='factor' ranks the additive rule's weights; the {rule!r} rule's weights "
+                         "(decay/log_decay given) are ranked with method='explicit'")
     if rtol is not None:
         rtol = C.check_rtol(rtol, ())
         if rtol.ndim:
@@ -727,7 +778,7 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
         rtol = float(rtol)
     if fmap is None and method == "factor":
         raise ValueError("method='factor' does not apply to softmax weights (no low-rank factors); use 'explicit'")
-    explicit = fmap is None or method == "explicit"
+    explicit = fmap is None or method == "explicit" or rule != "additive"
     if explicit:
         _check_explicit_n(n, "ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N", config.ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N)
     if fmap is None:
@@ -748,10 +799,11 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
             w = _softmax_weights(fq[i], fk[i], causal=True, scale=scale)
             ranks[i], splits[i] = _semiseparable_explicit(w, rtol)
         elif explicit:
-            w = _kernel_weights(fq[i], fk[i], causal=True, eps=eps)
+            w = _kernel_weights(fq[i], fk[i], causal=True, eps=eps, rule=rule, inputs=inputs, b=i,
+                                normalize=normalize)
             ranks[i], splits[i] = _semiseparable_explicit(w, rtol)
         else:
-            pq = _causal_normalised_query_features(fq[i], fk[i], eps=eps)
+            pq = _causal_normalised_query_features(fq[i], fk[i], eps=eps) if normalize else fq[i]
             ranks[i], splits[i] = _semiseparable_factor(pq, fk[i], rtol, config.ANALYSIS_MEMORY_BUDGET)
     if batch_shape == ():
         rank, split = int(ranks[0]), int(splits[0])
@@ -764,7 +816,7 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
 # state_rank_profile
 # ---------------------------------------------------------------------------
 class StateRankProfile(NamedTuple):
-    """Numerical rank of the state ``S_t = sum_{j<t} phi(k_j) v_j^T`` after ``t`` tokens.
+    """Numerical rank of the state ``S_t`` after ``t`` tokens (:func:`state_rank_profile`).
 
     Attributes
     ----------
@@ -781,13 +833,35 @@ class StateRankProfile(NamedTuple):
     max_rank: int
 
 
-def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, check_finite=True):
+def _absorb(state, fk, v, lg):
+    """``state`` after the rows ``fk`` (L, F), ``v`` (L, M) with log-factors ``lg`` (L, 1 or F) or None.
+
+    ``S <- a_j (.) S + phi(k_j) v_j^T`` for each row in turn, in closed form:
+    the state is scaled by the product of all L factors and row ``j`` by the
+    product of the factors after it.  Suffix sums of the log-factors (never
+    differences), so a ``-inf`` (a reset) gives exact zeros and no NaN.
+    """
+    if lg is None:
+        return state + fk.T @ v
+    with np.errstate(under="ignore"):
+        rc = np.cumsum(lg[::-1], axis=0)[::-1]            # sum_{u >= j} lg_u
+        keep = np.exp(rc[0])                              # (1,) or (F,)
+        tail = np.exp(np.vstack([rc[1:], np.zeros((1, lg.shape[1]))]))  # sum_{u > j} lg_u
+    return state * keep[:, None] + (fk * tail).T @ v
+
+
+def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, check_finite=True, decay=None,
+                       log_decay=None, initial_state=None):
     r"""Numerical rank of the linear-attention state ``S_t`` as the sequence grows.
 
     ``S_t = sum_{j < t} phi(k_j) v_j^T`` is the ``D_phi x M`` state after
     ``t`` tokens (:class:`linattn_nb.LinearState`, Katharopoulos et al. 2020,
     Eqs. 10-12).  Its rank grows with ``t`` and saturates at
-    ``min(D_phi, M)``: past that point every new token overwrites.
+    ``min(D_phi, M)``: past that point every new token overwrites.  With a
+    decay or gate the state follows ``S_t = a_t (.) S_{t-1} + phi(k_t) v_t^T``
+    (REFERENCES.md "Decay and gating"): the old directions fade but do not
+    leave the span until a factor is exactly 0, so the rank falls only at a
+    reset (or when the factors underflow).
 
     Parameters
     ----------
@@ -805,6 +879,16 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
     rtol : float, optional
         Default ``max(D_phi, M) * eps64`` (:func:`numpy.linalg.matrix_rank`).
     check_finite : bool, default True
+    decay, log_decay : float or array_like, optional
+        A decay or gate of the state, with the forms and errors of
+        :func:`linattn_nb.linear_attention` (a scalar or batch-shaped
+        constant, ``(..., N)`` per token, ``(..., N, D_phi)`` per feature).
+    initial_state : LinearState or tuple (S, z[, position]), optional
+        The state before token 0 (as ``linear_attention``'s
+        ``initial_state``; ``t = 0`` then ranks it).  Its factors apply from
+        token 0 on; a :class:`~linattn_nb.LinearState` made by another update
+        rule than this call's (a decayed state without ``decay``, say) is
+        refused.  The features are computed at the state's position.
 
     Returns
     -------
@@ -816,7 +900,9 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
     ValueError
         Shape mismatches, non-finite inputs, positions outside ``[0, N]``,
         ``feature_map="softmax"``, a feature map whose features do not have
-        shape ``(..., N, output_dim(D))``.
+        shape ``(..., N, output_dim(D))``; ``decay``/``log_decay`` as in
+        ``linear_attention`` (naming the argument); an ``initial_state`` of
+        the wrong shape or of another update rule.
     TypeError
         Non-floating inputs, non-integer positions.
 
@@ -829,13 +915,19 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
     >>> prof = state_rank_profile(k, v, "elu", positions=[1, 4, 8, 20, 40])
     >>> prof.rank.tolist(), prof.max_rank
     ([1, 4, 8, 8, 8], 8)
+
+    A reset (factor 0) at token 20 wipes the state; it refills from there:
+
+    >>> gamma = np.where(np.arange(40) == 20, 0.0, 0.9)
+    >>> state_rank_profile(k, v, "elu", decay=gamma, positions=[8, 20, 21, 24, 40]).rank.tolist()
+    [8, 8, 1, 4, 8]
     """
     if C.is_softmax(feature_map):
         raise ValueError("feature_map='softmax' has no fixed-size state (its KV cache grows with N)")
     fmap = C.resolve_map(feature_map)
     k, v, batch_shape = _prepare_pair(k, v, ("k", "v"), same_n=True, check_finite=check_finite,
                                       last_dims_equal=False)
-    n, m = k.shape[-2], v.shape[-1]
+    n, m, d = k.shape[-2], v.shape[-1], k.shape[-1]
     if positions is None:
         pos = np.arange(1, n + 1, dtype=np.int64)
     else:
@@ -850,18 +942,28 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
         if rtol.ndim:
             raise ValueError("rtol of state_rank_profile must be a scalar")
         rtol = float(rtol)
-    fk = _features(fmap, k, role="key", causal=True, name="k")
-    f = fk.shape[-1]
-    vf = v.reshape((fk.shape[0], n, m))
-    b = fk.shape[0]
+    rule, inputs, _ = C.rule_arguments(fmap, decay, log_decay, None, batch_shape, n, d, causal=True)
+    f = C.feature_dim(fmap, d)
+    b = int(np.prod(batch_shape, dtype=np.int64))
+    if initial_state is not None:
+        FE.check_state_rule(initial_state, rule)
+        H, position = FE.host_state(initial_state, batch_shape, f, m, check_finite=check_finite)
+        S0 = H[:, :, :m]
+    else:
+        S0, position = np.zeros((b, f, m)), 0
+    lg = None if inputs is None else next(iter(inputs.values()))
+    if lg is not None and lg.ndim == 2:
+        lg = lg[:, :, None]  # per token: one factor for every row of the state
+    fk = _features(fmap, k, role="key", causal=True, name="k", offset=position)
+    vf = v.reshape((b, n, m))
     ranks = np.zeros((b, pos.size), dtype=np.int64)
     for i in range(b):
-        state = np.zeros((f, m))
+        state = S0[i].copy()
         at = 0
         for j, t in enumerate(pos):
             t = int(t)
             if t > at:
-                state += fk[i, at:t].T @ vf[i, at:t]
+                state = _absorb(state, fk[i, at:t], vf[i, at:t], None if lg is None else lg[i, at:t])
                 at = t
             ranks[i, j] = _block_rank(_svals(state), f, m, rtol)
     return StateRankProfile(pos, ranks.reshape(batch_shape + (pos.size,)), int(min(f, m)))
