@@ -565,6 +565,8 @@ class LinearAttentionState:
         self._absorb_rule(inp)
         qf, kf, vf = self._on_state_device(inp)
         out = self._new_out(inp.T, inp.work)
+        if inp.T == 0:  # nothing to absorb (the rule may still be open: no launcher to run)
+            return self._finish(out, inp)
         check = bool(check_finite and self._code is not None)
         if inp.inputs is None and self._norm:
             bad = self._launch(qf, kf, vf, self._S, self._z, out, self._scratch, code=self._c_code,
@@ -672,6 +674,8 @@ class LinearAttentionState:
         inp = self._prepare([("k", k, self._d), ("v", v, self._m)], check_finite, ("key", None),
                             factors=self._factors(decay, log_decay, prefill_decay_inputs, "a prefill"))
         self._absorb_rule(inp)
+        if inp.T == 0:
+            return
         kf, vf = self._on_state_device(inp)
         check = bool(check_finite and self._code is not None)
         if inp.inputs is None:
