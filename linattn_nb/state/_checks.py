@@ -104,3 +104,81 @@ def raise_nonfinite(name):
     """The error of a decode call whose input ``name`` holds NaN or inf (nothing was changed)."""
     raise ValueError(f"{name} contains non-finite values (NaN or inf); nothing was changed. "
                      "Pass check_finite=False to skip this check")
+
+
+def _factor_array(decay, log_decay):
+    """(name, host array or None) of a call's decay/log_decay (GPU arrays copied to the host)."""
+    from .. import _cuda_dispatch as CD
+    from ..device import on_device
+
+    if decay is None and log_decay is None:
+        return None, None
+    if decay is not None and log_decay is not None:
+        raise ValueError("pass at most one of decay and log_decay (the same factors, linear or as logs)")
+    name, x = ("decay", decay) if decay is not None else ("log_decay", log_decay)
+    x = CD.to_host(name, x) if on_device(x) else V.as_host_array(name, x)
+    return name, x
+
+
+def step_decay_inputs(decay, log_decay, batch_shape, t: int, f: int):
+    """The rule and kernel inputs of :meth:`LinearAttentionState.step`'s ``decay``/``log_decay``.
+
+    A step's factors (``b`` the number of batch dimensions, T the tokens of
+    the call, D_phi the feature dimension):
+
+    * a scalar or ``b`` dimensions broadcastable to the batch shape: one factor
+      per sequence (head), the same at each of the T tokens -> ``"decay"``;
+    * ``b + 1`` dimensions ``(*batch, D_phi)``: one gate per sequence and
+      feature, the same at each of the T tokens -> ``"gate"``;
+    * ``b + 2`` dimensions ``(*batch, T, 1)``: one factor per token ->
+      ``"decay"``; ``(*batch, T, D_phi)``: one gate per token and feature ->
+      ``"gate"`` (a trailing 1 means one factor for every feature, also when
+      D_phi = 1).
+
+    For a decode step (T = 1) the first two are the token's own factor.
+    Values and the flattening are :func:`linattn_nb._validate.decay_inputs`'s
+    (errors name ``decay``/``log_decay``).
+
+    Returns
+    -------
+    (rule, inputs) : as :func:`linattn_nb._validate.decay_inputs`
+    """
+    name, x = _factor_array(decay, log_decay)
+    if name is None:
+        return "additive", None
+    bs = tuple(batch_shape)
+    nb = len(bs)
+    forms = (f"a scalar or {nb} dimension(s) broadcastable to the batch shape {bs} (per sequence), "
+             f"{nb + 1} with last axis D_phi={f} (a per-feature gate), or {nb + 2} with last axes (T, 1)=({t}, 1) "
+             f"(per token) or (T, D_phi)=({t}, {f}) (a per-feature gate per token)")
+    if x.ndim == 0 or x.ndim == nb:
+        pass  # per sequence: decay_inputs broadcasts it over the batch and the tokens
+    elif x.ndim == nb + 1:
+        if x.shape[-1] != f:
+            raise ValueError(f"{name} of shape {x.shape} has {x.ndim} dimensions (a per-feature gate of a step), "
+                             f"so its last axis must be D_phi={f}; expected {forms}")
+        try:
+            x = np.broadcast_to(x[..., None, :], bs + (t, f))
+        except ValueError:
+            raise ValueError(f"{name} of shape {x.shape} does not broadcast to {bs + (f,)}; "
+                             f"expected {forms}") from None
+    elif x.ndim == nb + 2:
+        if x.shape[-2] != t or x.shape[-1] not in (1, f):
+            raise ValueError(f"{name} of shape {x.shape} has {x.ndim} dimensions (one factor per token), so its "
+                             f"last axes must be (T, 1)=({t}, 1) or (T, D_phi)=({t}, {f}); expected {forms}")
+        if x.shape[-1] == 1:
+            x = x[..., 0]
+    else:
+        raise ValueError(f"{name} of shape {x.shape} has {x.ndim} dimensions; expected {forms}")
+    kw = {name: x}
+    return V.decay_inputs(kw.get("decay"), kw.get("log_decay"), bs, t, f, causal=True)
+
+
+def prefill_decay_inputs(decay, log_decay, batch_shape, n: int, f: int):
+    """A prefill's factors: the forms of :func:`linattn_nb.linear_attention` with N = T
+    (:func:`linattn_nb._validate.decay_inputs`; GPU arrays are copied to the host first)."""
+    name, x = _factor_array(decay, log_decay)
+    if name is None:
+        return "additive", None
+    kw = {name: x}
+    return V.decay_inputs(kw.get("decay"), kw.get("log_decay"), tuple(batch_shape), n, f, causal=True)

@@ -18,6 +18,15 @@ A state file is an ``.npz`` (no pickles) with these entries:
     state's map must reproduce them exactly.  A file without them, or with a
     probe of another shape (an empty one included), is refused like any other
     mismatch.
+``rule``, ``normalize`` (version 2 on)
+    The update rule (``"additive"``, ``"decay"``, ``"gate"``; ``""`` for a
+    state whose rule no token has fixed yet) and the state's ``normalize``
+    argument (an integer: -1 for None, the rule's convention; 0 False; 1 True).
+
+Versions: 1 had no ``rule``/``normalize`` entries; its files load as additive
+states with ``normalize=None``.  Version 2 added them; a reader of version 1
+refuses version-2 files ("written by a newer linattn_nb"), so a decayed state
+can never be continued additively by an older release.
 
 :func:`write` is atomic (a temporary file in the target directory, fsync'ed,
 then ``os.replace``); :func:`read` validates everything and raises
@@ -42,10 +51,14 @@ from ._checks import STATE_DTYPES, check_batch_shape, check_state_dtype
 __all__ = ["StateFileError", "FORMAT_NAME", "FORMAT_VERSION", "write", "read"]
 
 FORMAT_NAME = "linattn_nb.LinearAttentionState"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 REQUIRED_KEYS = ("format", "version", "S", "z", "position", "key_dim", "value_dim", "batch_shape",
                  "eps", "feature_map", "feature_map_params", "feature_map_rebuild_error",
                  "feature_map_probe")
+#: Entries added by each version after the first.
+VERSION_KEYS = {2: ("rule", "normalize")}
+#: The rules a file may name ("" : not fixed yet).
+FILE_RULES = ("", "additive", "decay", "gate")
 PROBE_TOKENS = 3
 
 
@@ -65,6 +78,8 @@ class StateFile(NamedTuple):
     batch_shape: tuple
     eps: object
     feature_map: object
+    rule: object = "additive"
+    normalize: object = None
 
 
 # ---------------------------------------------------------------------------
@@ -162,8 +177,12 @@ def atomic_savez(path, arrays: dict) -> None:
         raise
 
 
-def write(path, *, S, z, position, key_dim, value_dim, batch_shape, eps, feature_map) -> None:
+def write(path, *, S, z, position, key_dim, value_dim, batch_shape, eps, feature_map, rule="additive",
+          normalize=None) -> None:
     """Write a state file (atomically); ``S``, ``z`` are host arrays in the canonical layout.
+
+    ``rule``: the state's update rule (None: not fixed yet); ``normalize``:
+    None, True or False.
 
     Raises
     ------
@@ -193,6 +212,8 @@ def write(path, *, S, z, position, key_dim, value_dim, batch_shape, eps, feature
         "feature_map_params": np.array(params),
         "feature_map_rebuild_error": np.array(err),
         "feature_map_probe": probe_f,
+        "rule": np.array(rule or ""),
+        "normalize": np.array(-1 if normalize is None else int(bool(normalize)), dtype=np.int64),
     }
     for name, arr in parrays.items():
         arrays["feature_map_param__" + name] = arr
@@ -202,12 +223,14 @@ def write(path, *, S, z, position, key_dim, value_dim, batch_shape, eps, feature
 # ---------------------------------------------------------------------------
 # Reading
 # ---------------------------------------------------------------------------
-def read(path, *, feature_map=None, key_dim=None, value_dim=None, batch_shape=None, dtype=None) -> StateFile:
+def read(path, *, feature_map=None, key_dim=None, value_dim=None, batch_shape=None, dtype=None,
+         rule=None) -> StateFile:
     """Read and validate a state file written by :func:`write`.
 
     ``feature_map``: use this map instead of rebuilding the saved one (it must
     reproduce the saved probe features).  ``key_dim``, ``value_dim``,
-    ``batch_shape``, ``dtype``: when given, the file must match them.
+    ``batch_shape``, ``dtype``, ``rule``: when given, the file must match them
+    (a file whose rule is not fixed matches any rule).
 
     Raises
     ------
@@ -240,7 +263,8 @@ def read(path, *, feature_map=None, key_dim=None, value_dim=None, batch_shape=No
     except Exception as exc:  # zlib.error and friends
         raise StateFileError(f"{path}: cannot read the state file ({type(exc).__name__}: {exc})") from exc
     return parse(path, data, feature_map=feature_map,
-                 expect=dict(key_dim=key_dim, value_dim=value_dim, batch_shape=batch_shape, dtype=dtype))
+                 expect=dict(key_dim=key_dim, value_dim=value_dim, batch_shape=batch_shape, dtype=dtype,
+                             rule=rule))
 
 
 def parse(path, data, *, feature_map, expect) -> StateFile:
@@ -263,7 +287,8 @@ def parse(path, data, *, feature_map, expect) -> StateFile:
                   f"versions up to {FORMAT_VERSION}")
     if version < 1:
         raise bad(f"invalid format version {version}")
-    missing = [k for k in REQUIRED_KEYS if k not in data]
+    want = REQUIRED_KEYS + tuple(k for v, keys in VERSION_KEYS.items() if version >= v for k in keys)
+    missing = [k for k in want if k not in data]
     if missing:
         raise bad(f"missing entries {missing} (truncated or hand-edited file?)")
     d = scalar("key_dim", "iu")
@@ -278,6 +303,17 @@ def parse(path, data, *, feature_map, expect) -> StateFile:
         raise bad(f"invalid dimensions key_dim={d}, value_dim={m}, position={position}")
     if not (math.isnan(eps) or (eps >= 0 and math.isfinite(eps))):
         raise bad(f"invalid eps {eps}")
+    # The update rule (version 1 files: additive, normalize by the rule's convention).
+    rule, normalize = "additive", None
+    if version >= 2:
+        r = data["rule"]
+        if r.dtype.kind != "U" or r.shape != () or str(r) not in FILE_RULES:
+            raise bad(f"entry 'rule' must be one of {FILE_RULES}, got {r!r}")
+        rule = str(r) or None
+        nz = scalar("normalize", "iu")
+        if nz not in (-1, 0, 1):
+            raise bad(f"entry 'normalize' must be -1 (None), 0 or 1, got {nz}")
+        normalize = None if nz == -1 else bool(nz)
     S, z = data["S"], data["z"]
     if S.dtype not in STATE_DTYPES or z.dtype != S.dtype:
         raise bad(f"S and z must both be float32 or float64, got {S.dtype} and {z.dtype}")
@@ -334,4 +370,8 @@ def parse(path, data, *, feature_map, expect) -> StateFile:
         raise bad(f"batch_shape is {bs}, expected {check_batch_shape(expect['batch_shape'])}")
     if expect["dtype"] is not None and check_state_dtype(expect["dtype"]) != S.dtype:
         raise bad(f"dtype is {S.dtype}, expected {np.dtype(expect['dtype'])}")
-    return StateFile(S, z, int(position), int(d), int(m), bs, None if math.isnan(eps) else float(eps), fmap)
+    if expect.get("rule") is not None and rule is not None and expect["rule"] != rule:
+        raise bad(f"the state runs the {rule!r} update rule, expected {expect['rule']!r} (a state continues "
+                  "only the rule that made it)")
+    return StateFile(S, z, int(position), int(d), int(m), bs, None if math.isnan(eps) else float(eps), fmap,
+                     rule, normalize)

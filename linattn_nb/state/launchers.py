@@ -9,8 +9,17 @@ inputs for ``"auto"``)::
 
     launcher = get_method("step", causal=True, device=device, rule=rule).forward
 
-and never again per token.  A new rule plugs its decode kernels in the same
-way: register a :class:`StepLauncher` for its rule and devices.
+and never again per token (again only when its rule is fixed by its first
+tokens, see :class:`~linattn_nb.LinearAttentionState`).  A new rule plugs its
+decode kernels in the same way: register a :class:`StepLauncher` for its rule
+and devices.  The launchers of one device share the state layout, so a state
+moves between them with ``view`` and ``put``.
+
+Registered here: the additive rule (:data:`CPU_STEP`, :data:`CUDA_STEP`: the
+decode kernels of :mod:`linattn_nb.ops.step`, and their rule kernels for
+``normalize=False``) and the decay and gate rules (:data:`CPU_RULE_STEP`,
+:data:`CUDA_RULE_STEP`: the rule kernels, which take the log-factors of
+each token).
 
 The step launcher contract
 --------------------------
@@ -26,20 +35,25 @@ arrays are host NumPy arrays for ``device="cpu"`` and device arrays for
     transposed; ``z`` is (B, F)), in ``dtype`` (float32 or float64, the
     accumulation precision), and the scratch its kernels need.  Nothing else
     in the state touches ``scratch``.
-``launcher(q, k, v, S, z, out, scratch, *, code, eps, check) -> int``
+``launcher(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True) -> int``
     Absorb T tokens and write their outputs: token t first updates the state,
     then reads it (its output includes itself), exactly as the causal
-    sequence methods.  ``q, k`` (B, T, D): raw inputs when ``code`` > 0 (the
+    sequence methods.  ``inputs``: the rule's per-token inputs as the
+    sequence launchers take them (:data:`linattn_nb.ops._codes.RULES`: None
+    for the additive rule, ``{"log_decay": (B, T)}`` for the decay rule,
+    ``{"log_gate": (B, T, F)}`` for the gate rule; C-contiguous float64
+    log-factors <= 0, -inf a reset), checked against the rule.
+    ``normalize=False`` writes the numerators ``phi(q)^T S_t`` undivided.  ``q, k`` (B, T, D): raw inputs when ``code`` > 0 (the
     elementwise map of that code is applied inside), else features (D = F).
     ``v`` (B, T, M); ``out`` (B, T, M) is written; q, k, v and out are
     C-contiguous and share one dtype, float32 or float64.  ``S``, ``z`` are
     updated in place.  ``eps``: floor of the normaliser, None for raw
     division.  ``check``: when true and q, k or v holds NaN or inf, return
     1, 2 or 3 (the first bad one) with nothing modified; otherwise return 0.
-``query(q, S, z, out, scratch, *, code, eps, check) -> int``
+``query(q, S, z, out, scratch, *, code, eps, check, normalize=True) -> int``
     ``out`` (B, T, M) = the state read by T queries, the state unchanged;
     1 when ``check`` finds q not finite (nothing written), else 0.
-``prefill(k, v, S, z, *, code, check) -> int``
+``prefill(k, v, S, z, *, code, check, inputs=None) -> int``
     Absorb T tokens without outputs (the state the causal methods end
     with); 1 or 2 when ``check`` finds k or v not finite (nothing modified),
     else 0.
@@ -49,7 +63,7 @@ arrays are host NumPy arrays for ``device="cpu"`` and device arrays for
 ``view(S, z) -> (S, z)``
     The state in the canonical layout (B, F, M) and (B, F), without a copy.
 ``kernel(B, T, M, F) -> dispatcher or None``
-    Optional (CPU).  The Numba dispatcher the launcher runs for this size,
+    Optional (CPU; the additive rule with ``normalize=True`` only).  The Numba dispatcher the launcher runs for this size,
     with the signature ``(q, k, v, S, z, out, *scratch, code, eps, check) ->
     int`` (``code`` an int64, ``eps`` a float64, -inf for no floor, ``check``
     a bool).  When given, :class:`~linattn_nb.LinearAttentionState` calls the
@@ -64,12 +78,13 @@ from typing import Callable, Optional
 import numpy as np
 
 from .. import _cuda_dispatch as CD
-from ..ops import methods  # noqa: F401  (registers the additive rule before its step methods)
+from ..ops import methods  # noqa: F401  (registers the rules before their step methods)
+from ..ops._codes import RULES, check_rule_inputs
 from ..ops.registry import Method, register_method
 from ..ops.step import cpu as _cpu
 from ._checks import aligned_zeros
 
-__all__ = ["StepLauncher", "CPU_STEP", "CUDA_STEP", "register_step_methods"]
+__all__ = ["StepLauncher", "CPU_STEP", "CUDA_STEP", "CPU_RULE_STEP", "CUDA_RULE_STEP", "register_step_methods"]
 
 _NATIVE = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
 
@@ -87,8 +102,16 @@ class StepLauncher:
     view: Callable
     kernel: Optional[Callable] = None
 
-    def __call__(self, q, k, v, S, z, out, scratch, *, code, eps, check) -> int:
-        return self.step(q, k, v, S, z, out, scratch, code=code, eps=eps, check=check)
+    def __call__(self, q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True) -> int:
+        if inputs is None and normalize:  # the additive decode step: its signature as ever
+            return self.step(q, k, v, S, z, out, scratch, code=code, eps=eps, check=check)
+        return self.step(q, k, v, S, z, out, scratch, code=code, eps=eps, check=check, inputs=inputs,
+                         normalize=normalize)
+
+
+def _additive_inputs(inputs):
+    if inputs:
+        check_rule_inputs(RULES["additive"][0], inputs)  # raises, naming the inputs
 
 
 # ---------------------------------------------------------------------------
@@ -99,22 +122,33 @@ def _cpu_zeros(B, F, M, dtype):
     return aligned_zeros((B, M, F), dtype), aligned_zeros((B, F), dtype), scratch
 
 
-def _cpu_step(q, k, v, S, z, out, scratch, *, code, eps, check):
-    return _cpu.state_step(q, k, v, S, z, out, scratch[0], code=code, eps=eps, check=check)
+def _cpu_step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True):
+    _additive_inputs(inputs)
+    if normalize:
+        return _cpu.state_step(q, k, v, S, z, out, scratch[0], code=code, eps=eps, check=check)
+    # normalize=False: the rule kernel with factor 1 (its own scratch row of factors).
+    feat = np.empty((3,) + z.shape, dtype=S.dtype)
+    return _cpu.rule_step(q, k, v, S, z, out, feat, code=code, eps=eps, check=check, normalize=False)
 
 
-def _cpu_query(q, S, z, out, scratch, *, code, eps, check):
+def _cpu_query(q, S, z, out, scratch, *, code, eps, check, normalize=True):
     if check and q.size and not np.isfinite(q).all():
         return 1
-    _cpu.state_query(q, S, z, out, scratch[0], code=code, eps=eps)
+    _cpu.state_query(q, S, z, out, scratch[0], code=code, eps=eps, normalize=normalize)
     return 0
 
 
-def _cpu_prefill(k, v, S, z, *, code, check):
+def _cpu_nonfinite_kv(k, v):
+    bad = _cpu.first_nonfinite(k, k, v)
+    return 0 if not bad else (1 if bad < 3 else 2)
+
+
+def _cpu_prefill(k, v, S, z, *, code, check, inputs=None):
+    _additive_inputs(inputs)
     if check:
-        bad = _cpu.first_nonfinite(k, k, v)
+        bad = _cpu_nonfinite_kv(k, v)
         if bad:
-            return 1 if bad < 3 else 2
+            return bad
     _cpu.state_prefill(k, v, S, z, code=code)
     return 0
 
@@ -133,6 +167,42 @@ CPU_STEP = StepLauncher("cpu", _cpu_step, _cpu_query, _cpu_prefill, _cpu_zeros, 
                         kernel=_cpu.pick_step_kernel)
 
 
+def _rule_inputs(inputs):
+    """The inputs of a decay or gate launcher, checked against the rule they name."""
+    if not inputs or len(inputs) != 1:
+        raise ValueError(f"inputs: a decay-rule step takes {{'log_decay': ...}} and a gate-rule step "
+                         f"{{'log_gate': ...}}, got {sorted(inputs) if inputs else None}")
+    name = "decay" if "log_decay" in inputs else "gate"
+    check_rule_inputs(RULES[name][0], inputs)
+    return inputs
+
+
+def _cpu_rule_zeros(B, F, M, dtype):
+    scratch = (aligned_zeros((3, B, F), dtype),)
+    return aligned_zeros((B, M, F), dtype), aligned_zeros((B, F), dtype), scratch
+
+
+def _cpu_rule_step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True):
+    return _cpu.rule_step(q, k, v, S, z, out, scratch[0], code=code, eps=eps, check=check,
+                          inputs=_rule_inputs(inputs), normalize=normalize)
+
+
+def _cpu_rule_prefill(k, v, S, z, *, code, check, inputs=None):
+    inputs = _rule_inputs(inputs)
+    if check:
+        bad = _cpu_nonfinite_kv(k, v)
+        if bad:
+            return bad
+    _cpu.rule_prefill(k, v, S, z, code=code, inputs=inputs)
+    return 0
+
+
+#: The decay and gate rules on the CPU: the rule kernels of :mod:`linattn_nb.ops.step.cpu`
+#: (the state layout of :data:`CPU_STEP`, a third scratch row for each token's factors).
+CPU_RULE_STEP = StepLauncher("cpu", _cpu_rule_step, _cpu_query, _cpu_rule_prefill, _cpu_rule_zeros, _cpu_put,
+                             _cpu_view)
+
+
 # ---------------------------------------------------------------------------
 # CUDA: S in the canonical (B, F, M) layout (ops/step/cuda.py, imported on first use)
 # ---------------------------------------------------------------------------
@@ -146,25 +216,34 @@ def _cuda_zeros(B, F, M, dtype):
     return CD.zeros((B, F, M), dtype), CD.zeros((B, F), dtype), (CD.zeros((B, 3, F), dtype),)
 
 
-def _cuda_step(q, k, v, S, z, out, scratch, *, code, eps, check):
+def _cuda_step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True):
+    _additive_inputs(inputs)
     K = _kernels()
     if check:
         bad = K.check_nonfinite(q, k, v)
         if bad:
             return bad
-    K.state_step(q, k, v, S, z, out, scratch[0], code=code, eps=eps)
+    if normalize:
+        K.state_step(q, k, v, S, z, out, scratch[0], code=code, eps=eps)
+    else:
+        feat = CD.zeros((S.shape[0], 4, S.shape[1]), S.dtype)
+        K.rule_step(q, k, v, S, z, out, feat, code=code, eps=eps, normalize=False)
     return 0
 
 
-def _cuda_query(q, S, z, out, scratch, *, code, eps, check):
+def _cuda_query(q, S, z, out, scratch, *, code, eps, check, normalize=True):
     K = _kernels()
     if check and K.check_nonfinite(q):
         return 1
-    K.state_query(q, S, z, out, scratch[0], code=code, eps=eps)
+    if normalize:
+        K.state_query(q, S, z, out, scratch[0], code=code, eps=eps)
+    else:
+        K.rule_query(q, S, z, out, scratch[0], code=code, eps=eps, normalize=False)
     return 0
 
 
-def _cuda_prefill(k, v, S, z, *, code, check):
+def _cuda_prefill(k, v, S, z, *, code, check, inputs=None):
+    _additive_inputs(inputs)
     K = _kernels()
     if check:
         bad = K.check_nonfinite(k, v)
@@ -189,11 +268,45 @@ def _cuda_view(S, z):
 CUDA_STEP = StepLauncher("cuda", _cuda_step, _cuda_query, _cuda_prefill, _cuda_zeros, _cuda_put, _cuda_view)
 
 
+def _cuda_rule_zeros(B, F, M, dtype):
+    return CD.zeros((B, F, M), dtype), CD.zeros((B, F), dtype), (CD.zeros((B, 4, F), dtype),)
+
+
+def _cuda_rule_step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True):
+    inputs = _rule_inputs(inputs)
+    K = _kernels()
+    if check:
+        bad = K.check_nonfinite(q, k, v)
+        if bad:
+            return bad
+    K.rule_step(q, k, v, S, z, out, scratch[0], code=code, eps=eps, inputs=inputs, normalize=normalize)
+    return 0
+
+
+def _cuda_rule_prefill(k, v, S, z, *, code, check, inputs=None):
+    inputs = _rule_inputs(inputs)
+    K = _kernels()
+    if check:
+        bad = K.check_nonfinite(k, v)
+        if bad:
+            return bad
+    K.rule_prefill(k, v, S, z, code=code, inputs=inputs)
+    return 0
+
+
+#: The decay and gate rules with CUDA: the rule kernels of :mod:`linattn_nb.ops.step.cuda`.
+CUDA_RULE_STEP = StepLauncher("cuda", _cuda_rule_step, _cuda_query, _cuda_rule_prefill, _cuda_rule_zeros,
+                              _cuda_put, _cuda_view)
+
+
 def register_step_methods() -> None:
-    """Register the additive rule's step launchers (CPU and CUDA) in the method table."""
-    for dev, launcher in (("cpu", CPU_STEP), ("cuda", CUDA_STEP)):
-        register_method(Method("additive", "step", True, dev, launcher, native_dtypes=_NATIVE, kind="step"),
-                        overwrite=True)
+    """Register the step launchers (CPU and CUDA) of every rule in the method table."""
+    table = {"additive": (CPU_STEP, CUDA_STEP), "decay": (CPU_RULE_STEP, CUDA_RULE_STEP),
+             "gate": (CPU_RULE_STEP, CUDA_RULE_STEP)}
+    for rule, (cpu, gpu) in table.items():
+        for dev, launcher in (("cpu", cpu), ("cuda", gpu)):
+            register_method(Method(rule, "step", True, dev, launcher, native_dtypes=_NATIVE, kind="step"),
+                            overwrite=True)
 
 
 register_step_methods()

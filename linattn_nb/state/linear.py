@@ -19,23 +19,44 @@ from .. import config
 from .. import feature_maps as fm
 from .._frontend import LinearState
 from ..device import check_device_arg, on_device, resolve_device
-from ..ops.registry import get_method
+from ..ops.registry import get_method, get_rule
 from . import fileformat
 from . import launchers  # noqa: F401  (registers the step launchers)
 from ._checks import (F32, F64, STATE_DTYPES, check_batch_shape, check_dim, check_shapes, check_state_dtype,
-                      host_tokens, raise_nonfinite, work_dtype)
+                      host_tokens, prefill_decay_inputs, raise_nonfinite, step_decay_inputs, work_dtype)
 from .fileformat import StateFileError
 
 __all__ = ["LinearAttentionState", "StateFileError"]
 
-#: The update rule whose step launcher the state looks up.
+#: The update rule whose step launcher a state looks up while its rule is not fixed yet
+#: (``rule=None`` and no token absorbed): the additive rule's decode kernels.
 RULE = "additive"
+
+#: The update rules a state can run (:data:`linattn_nb.ops._codes.RULES`).
+RULE_NAMES = ("additive", "decay", "gate")
+
+_RULE_HINT = {"additive": "pass neither decay nor log_decay",
+              "decay": "pass decay or log_decay with one factor per sequence (or per token)",
+              "gate": "pass decay or log_decay with one factor per feature (last axis D_phi)"}
+
+
+def check_rule_name(rule, name="rule"):
+    """``rule`` as a registered rule name, or None (not fixed yet)."""
+    if rule is None:
+        return None
+    if not isinstance(rule, str):
+        raise TypeError(f"{name} must be None or one of {', '.join(map(repr, RULE_NAMES))}, "
+                        f"got {type(rule).__name__}")
+    if rule not in RULE_NAMES:
+        raise ValueError(f"{name} must be None or one of {', '.join(map(repr, RULE_NAMES))}, got {rule!r}")
+    get_rule(rule)
+    return rule
 
 
 class _Inputs:
     """Validated, flattened inputs of one call."""
 
-    __slots__ = ("arrays", "T", "dtype", "work", "device_inputs")
+    __slots__ = ("arrays", "T", "dtype", "work", "device_inputs", "rule", "inputs")
 
 
 class LinearAttentionState:
@@ -46,6 +67,11 @@ class LinearAttentionState:
     tokens absorbed (``position``), for the feature map it was built with.
     Memory and time per token are constant in the context length
     (Katharopoulos et al. 2020, §3.4).
+
+    With decay or gating (RetNet, Mamba-2/SSD, GLA: :func:`linattn_nb.linear_attention`'s
+    ``decay``/``log_decay``) each token first scales the state by its factors,
+    ``S_t = a_t (.) S_{t-1} + phi(k_t) v_t^T``, and ``z`` decays like ``S``;
+    :meth:`step` and :meth:`prefill` take the factors of their tokens.
 
     Parameters
     ----------
@@ -68,6 +94,19 @@ class LinearAttentionState:
         anything else keeps it on the host; it is then fixed.
     eps : float or None, default 1e-8
         Floor of the normaliser, as in :func:`linattn_nb.linear_attention`.
+    rule : {None, "additive", "decay", "gate"}, default None
+        The update rule: ``"additive"`` (no forgetting), ``"decay"`` (one
+        factor per sequence and token) or ``"gate"`` (one per feature as
+        well).  ``None`` leaves it to the first :meth:`step` or
+        :meth:`prefill` that absorbs a token: the rule of its ``decay``/
+        ``log_decay`` (additive without them).  Once fixed it stays (also
+        through :meth:`reset`, :meth:`copy`, :meth:`save`); a call with
+        another rule raises ValueError naming ``decay``/``log_decay``.
+    normalize : bool or None, default None
+        As in :func:`linattn_nb.linear_attention`: None takes the rule's
+        convention (True for the additive, decay and gate rules); False makes
+        :meth:`step` and :meth:`query` return ``phi(q)^T S`` undivided.  Maps
+        that need the normaliser (FAVOR+, Hedgehog) refuse False.
 
     Attributes
     ----------
@@ -78,6 +117,10 @@ class LinearAttentionState:
         dependent feature maps use it as the offset).
     nbytes : int
         Bytes of ``S`` and ``z``: constant in the context length.
+    rule : str or None
+        The update rule, None while it is not fixed.
+    normalize : bool
+        Whether outputs are divided by the normaliser.
 
     Notes
     -----
@@ -88,8 +131,17 @@ class LinearAttentionState:
     canonical ``(D_phi, M)`` view.
 
     The kernels are the decode-step launcher registered in the method table
-    under ``("additive", causal=True, "step", device)``, looked up once when
-    the device is fixed (the contract: :mod:`linattn_nb.state.launchers`).
+    under ``(rule, causal=True, "step", device)``, looked up once when the
+    device is fixed and once more when the first tokens fix the rule (the
+    contract: :mod:`linattn_nb.state.launchers`).  A state whose rule is not
+    fixed runs the additive launcher, so additive decoding takes the same
+    single-token fast path whether or not ``rule="additive"`` was given.
+
+    Conversions keep the rule: :meth:`to_linear_state` records it in
+    :class:`~linattn_nb.LinearState` (an unfixed state, still zero, as
+    ``"additive"``), :meth:`from_linear_state` takes it from there,
+    ``linear_attention(..., initial_state=state)`` refuses a state of another
+    rule, and state files store it.
 
     Examples
     --------
@@ -104,10 +156,20 @@ class LinearAttentionState:
     >>> ref = linear_attention(q, k, v, causal=True)
     >>> bool(np.allclose(out, ref[:, 7:])), st.position
     (True, 10)
+
+    With a decay per head (RetNet's gamma) the state forgets:
+
+    >>> gamma = np.array([0.9, 0.95, 0.99, 1.0])
+    >>> st = LinearAttentionState(8, 6, batch_shape=(4,))
+    >>> st.prefill(k[:, :7], v[:, :7], decay=gamma)
+    >>> out = st.step(q[:, 7:], k[:, 7:], v[:, 7:], decay=gamma)
+    >>> ref = linear_attention(q, k, v, causal=True, decay=gamma, method="quadratic")
+    >>> bool(np.allclose(out, ref[:, 7:])), st.rule
+    (True, 'decay')
     """
 
     def __init__(self, key_dim, value_dim, *, batch_shape=(), feature_map="elu", dtype=np.float64,
-                 device="auto", eps=config.DEFAULT_EPS):
+                 device="auto", eps=config.DEFAULT_EPS, rule=None, normalize=None):
         d = check_dim("key_dim", key_dim)
         m = check_dim("value_dim", value_dim)
         bs = check_batch_shape(batch_shape)
@@ -115,14 +177,17 @@ class LinearAttentionState:
         dt = check_state_dtype(dtype)
         eps = V.check_eps(eps)
         check_device_arg(device)
+        rule = check_rule_name(rule)
         f = FE.feature_dim(fmap, d)
-        self._init_fields(d, m, f, bs, fmap, dt, eps)
+        # normalize's type, and maps that need the normaliser (the front end's check).
+        FE.rule_arguments(fmap, None, None, normalize, bs, 0, f, causal=True)
+        self._init_fields(d, m, f, bs, fmap, dt, eps, rule, normalize)
         self._position = 0
         dev = None if device == "auto" else resolve_device(device)
         self._attach(dev or "cpu")
         self._device = dev
 
-    def _init_fields(self, d, m, f, bs, fmap, dt, eps):
+    def _init_fields(self, d, m, f, bs, fmap, dt, eps, rule=None, normalize=None):
         self._d, self._m, self._f = d, m, f
         self._bs = bs
         self._nb = len(bs)
@@ -138,7 +203,9 @@ class LinearAttentionState:
         self._v1 = bs + (1, m)
         self._qk3 = (self._B, 1, d)
         self._o1 = (self._B, 1, m)
-        self._rule = RULE
+        self._rule = rule
+        self._normalize_arg = normalize
+        self._norm = V.check_normalize(normalize, get_rule(rule or RULE).normalize)
 
     def _attach(self, dev):
         """Look the step launcher for ``dev`` up in the method table and allocate a zero state there.
@@ -146,15 +213,45 @@ class LinearAttentionState:
         Runs once per device decision (construction, or the first inputs of
         an "auto" state), never per token.
         """
-        launch = get_method("step", causal=True, device=dev, rule=self._rule).forward
+        rule = self._rule or RULE
+        launch = get_method("step", causal=True, device=dev, rule=rule).forward
         S, z, scratch = launch.zeros(self._B, self._f, self._m, self._dtype)
         self._launch, self._S, self._z, self._scratch = launch, S, z, scratch
+        self._launch_rule = rule
         self._kern1 = None if launch.kernel is None else launch.kernel(self._B, 1, self._m, self._f)
-        # The single-token fast path calls the CPU kernel's compiled entry point with its scratch.
-        self._fast = self._code is not None and self._kern1 is not None
-        if self._fast:
-            (self._feat,) = scratch
         self._entry = {}
+        self._set_fast()
+
+    def _set_fast(self):
+        """The single-token fast path calls the CPU kernel's compiled entry point with its scratch:
+        the additive rule (fixed or not yet) with the normaliser only."""
+        self._fast = (self._code is not None and self._kern1 is not None and self._launch_rule == "additive"
+                      and self._rule in (None, "additive") and self._norm)
+        if self._fast:
+            (self._feat,) = self._scratch
+
+    # -- the update rule -----------------------------------------------------------
+    def _check_rule(self, rule, name):
+        """Refuse a call of another rule than the state's (before anything changes)."""
+        if self._rule is not None and rule != self._rule:
+            raise ValueError(
+                f"this LinearAttentionState runs the {self._rule!r} update rule, but {name} asks for the "
+                f"{rule!r} rule; a state continues only its own rule ({_RULE_HINT[self._rule]}, or build "
+                "another state)"
+            )
+
+    def _fix_rule(self, rule):
+        """Fix the rule (the first call that absorbs a token); look its launcher up once."""
+        if self._rule == rule:
+            return
+        self._rule = rule
+        self._norm = V.check_normalize(self._normalize_arg, get_rule(rule).normalize)
+        if rule != self._launch_rule:
+            S, z = self._launch.view(self._S, self._z)
+            self._attach(self._launch.device)
+            self._launch.put(self._S, self._z, S, z)
+        else:
+            self._set_fast()
 
     # -- device ---------------------------------------------------------------
     def _set_device(self, dev):
@@ -221,6 +318,16 @@ class LinearAttentionState:
         return self._position
 
     @property
+    def rule(self):
+        """The update rule ("additive", "decay", "gate"), or None until the first tokens fix it."""
+        return self._rule
+
+    @property
+    def normalize(self) -> bool:
+        """Whether :meth:`step` and :meth:`query` divide by the normaliser."""
+        return self._norm
+
+    @property
     def nbytes(self) -> int:
         """Bytes held by S and z (scratch excluded): independent of the context length."""
         item = self._dtype.itemsize
@@ -254,17 +361,37 @@ class LinearAttentionState:
     def __repr__(self) -> str:
         return (f"LinearAttentionState(key_dim={self._d}, value_dim={self._m}, batch_shape={self._bs}, "
                 f"feature_map={self._fmap!r}, dtype={self._dtype.name}, device={self.device!r}, "
-                f"position={self._position}, nbytes={self.nbytes})")
+                f"rule={self._rule!r}, position={self._position}, nbytes={self.nbytes})")
 
     # -- input handling ----------------------------------------------------------
-    def _prepare(self, pairs, check_finite, roles):
-        """Validate and flatten inputs; return an _Inputs (host or device arrays of (B, T, *))."""
+    def _prepare(self, pairs, check_finite, roles, factors=None):
+        """Validate and flatten inputs; return an _Inputs (host or device arrays of (B, T, *)).
+
+        ``factors(T) -> (rule, inputs)``: the call's update rule and kernel
+        inputs, checked against the state's rule before the device is fixed.
+        """
         names = [n for n, _, _ in pairs]
         dev = self._resolve([x for _, x, _ in pairs], names)
         res = self._prepare_on(dev, pairs, names, check_finite, roles)
+        res.rule, res.inputs = ("additive", None) if factors is None else factors(res.T)
         if self._device is None:
             self._set_device(dev)
         return res
+
+    def _factors(self, decay, log_decay, parse, what):
+        """A ``factors`` callable for :meth:`_prepare` (``parse``: the step's or the prefill's forms)."""
+        def factors(T):
+            rule, inputs = parse(decay, log_decay, self._bs, T, self._f)
+            name = "decay" if decay is not None else ("log_decay" if log_decay is not None else
+                                                      f"{what} without decay/log_decay")
+            self._check_rule(rule, name)
+            return rule, inputs
+        return factors
+
+    def _absorb_rule(self, inp):
+        """After a valid call: its tokens fix the rule of an unfixed state."""
+        if self._rule is None and inp.T:
+            self._fix_rule(inp.rule)
 
     def _prepare_on(self, dev, pairs, names, check_finite, roles):
         res = _Inputs()
@@ -339,12 +466,13 @@ class LinearAttentionState:
         return np.empty(shape, dtype=dtype)
 
     # -- the API ------------------------------------------------------------------------
-    def step(self, q, k, v, *, check_finite=True):
+    def step(self, q, k, v, *, decay=None, log_decay=None, check_finite=True):
         """Absorb T new tokens and return their outputs, exactly as the causal kernel would.
 
         Token t first updates the state, then reads it (its output includes
         itself), as in :func:`linattn_nb.linear_attention` with
-        ``causal=True``.
+        ``causal=True``; with ``decay`` each token first scales the state by
+        its factors.
 
         Parameters
         ----------
@@ -352,6 +480,15 @@ class LinearAttentionState:
         v : array_like, shape (*batch_shape, T, value_dim)
             float16/32/64 (mixed dtypes promote to the widest), host or GPU
             arrays (GPU arrays: one dtype, float32 or float64).  T >= 0.
+        decay, log_decay : float or array_like, optional
+            The tokens' factors in [0, 1] (0 resets the state exactly), or
+            their logs <= 0 (-inf resets); at most one of the two.  For a
+            decode step, the token's factor: a scalar or an array
+            broadcastable to the batch shape (one per sequence/head: the
+            ``"decay"`` rule) or ``(*batch_shape, D_phi)`` (one per feature:
+            the ``"gate"`` rule); with T > 1 these apply to every token.
+            Different factors per token: ``(*batch_shape, T, 1)`` (decay) or
+            ``(*batch_shape, T, D_phi)`` (gate).  Neither: the additive rule.
         check_finite : bool, default True
             Raise ValueError, leaving the state untouched, when an input
             holds NaN or inf.  On the CPU the check runs inside the kernel
@@ -361,12 +498,15 @@ class LinearAttentionState:
         -------
         ndarray, shape (*batch_shape, T, value_dim)
             In the promoted input dtype (a device array for GPU inputs).
+            ``phi(q)^T S`` undivided when the state has ``normalize=False``.
 
         Raises
         ------
         ValueError
             Shapes that do not match the state, non-finite inputs, inputs on
-            another device than the state.
+            another device than the state; ``decay``/``log_decay`` out of
+            range or of no form above, or of another rule than the state's
+            (the error names them).
         TypeError
             Non-floating inputs.
 
@@ -379,9 +519,10 @@ class LinearAttentionState:
         >>> st.step(x, x, np.ones((1, 3), dtype=np.float32)).tolist()
         [[1.0, 1.0, 1.0]]
         """
-        # Fast path (the decode loop): host NumPy arrays of one native dtype, C-contiguous,
+        # Fast path (the additive decode loop): host NumPy arrays of one native dtype, C-contiguous,
         # an elementwise map, a host state.  A few tuple compares, one allocation, one call.
-        if self._fast and type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray:
+        if (self._fast and decay is None and log_decay is None and type(q) is np.ndarray
+                and type(k) is np.ndarray and type(v) is np.ndarray):
             dt = q.dtype
             shp = q.shape
             if (k.dtype is dt and v.dtype is dt and (dt is F32 or dt is F64) and k.shape == shp
@@ -415,13 +556,24 @@ class LinearAttentionState:
                     self._position += T
                     if self._device is None:
                         self._device = "cpu"
+                    if T and self._rule is None:
+                        self._rule = "additive"  # the launcher already is the additive one
                     return res
         inp = self._prepare([("q", q, self._d), ("k", k, self._d), ("v", v, self._m)], check_finite,
-                            ("query", "key", None))
+                            ("query", "key", None),
+                            factors=self._factors(decay, log_decay, step_decay_inputs, "a step"))
+        self._absorb_rule(inp)
         qf, kf, vf = self._on_state_device(inp)
         out = self._new_out(inp.T, inp.work)
-        bad = self._launch(qf, kf, vf, self._S, self._z, out, self._scratch, code=self._c_code, eps=self._eps,
-                           check=bool(check_finite and self._code is not None))
+        if inp.T == 0:  # nothing to absorb (the rule may still be open: no launcher to run)
+            return self._finish(out, inp)
+        check = bool(check_finite and self._code is not None)
+        if inp.inputs is None and self._norm:
+            bad = self._launch(qf, kf, vf, self._S, self._z, out, self._scratch, code=self._c_code,
+                               eps=self._eps, check=check)
+        else:
+            bad = self._launch(qf, kf, vf, self._S, self._z, out, self._scratch, code=self._c_code,
+                               eps=self._eps, check=check, inputs=inp.inputs, normalize=self._norm)
         if bad:
             raise_nonfinite(("q", "k", "v")[bad - 1])
         self._position += inp.T
@@ -456,7 +608,9 @@ class LinearAttentionState:
         Returns
         -------
         ndarray, shape (*batch_shape, T, value_dim)
-            ``phi(q)^T S / max(phi(q)^T z, eps)`` in the input dtype.
+            ``phi(q)^T S / max(phi(q)^T z, eps)`` in the input dtype
+            (``phi(q)^T S`` with ``normalize=False``).  No decay applies: the
+            queries read the state as the last absorbed token left it.
 
         Examples
         --------
@@ -470,20 +624,36 @@ class LinearAttentionState:
         inp = self._prepare([("q", q, self._d)], check_finite, ("query",))
         (qf,) = self._on_state_device(inp)
         out = self._new_out(inp.T, inp.work)
-        if self._launch.query(qf, self._S, self._z, out, self._scratch, code=self._c_code, eps=self._eps,
-                              check=bool(check_finite and self._code is not None)):
+        check = bool(check_finite and self._code is not None)
+        if self._norm:
+            bad = self._launch.query(qf, self._S, self._z, out, self._scratch, code=self._c_code, eps=self._eps,
+                                     check=check)
+        else:
+            bad = self._launch.query(qf, self._S, self._z, out, self._scratch, code=self._c_code, eps=self._eps,
+                                     check=check, normalize=False)
+        if bad:
             raise_nonfinite("q")
         return self._finish(out, inp)
 
-    def prefill(self, k, v, *, check_finite=True):
+    def prefill(self, k, v, *, decay=None, log_decay=None, check_finite=True):
         """Absorb a prompt: afterwards the state equals the causal kernels' final state.
 
         Parameters
         ----------
         k : array_like, shape (*batch_shape, T, key_dim)
         v : array_like, shape (*batch_shape, T, value_dim)
+        decay, log_decay : float or array_like, optional
+            The forms of :func:`linattn_nb.linear_attention` with N = T: a
+            scalar or an array broadcastable to the batch shape (per head),
+            ``(*batch_shape, T)`` (per token) or ``(*batch_shape, T, D_phi)``
+            (per feature).  Neither: the additive rule.
         check_finite : bool, default True
             Raise ValueError (state untouched) on NaN or inf.
+
+        Raises
+        ------
+        ValueError
+            As :meth:`step`.
 
         Returns
         -------
@@ -501,16 +671,24 @@ class LinearAttentionState:
         >>> bool(np.allclose(st.S, ref.S)), bool(np.allclose(st.z, ref.z)), st.position
         (True, True, 50)
         """
-        inp = self._prepare([("k", k, self._d), ("v", v, self._m)], check_finite, ("key", None))
+        inp = self._prepare([("k", k, self._d), ("v", v, self._m)], check_finite, ("key", None),
+                            factors=self._factors(decay, log_decay, prefill_decay_inputs, "a prefill"))
+        self._absorb_rule(inp)
+        if inp.T == 0:
+            return
         kf, vf = self._on_state_device(inp)
-        bad = self._launch.prefill(kf, vf, self._S, self._z, code=self._c_code,
-                                   check=bool(check_finite and self._code is not None))
+        check = bool(check_finite and self._code is not None)
+        if inp.inputs is None:
+            bad = self._launch.prefill(kf, vf, self._S, self._z, code=self._c_code, check=check)
+        else:
+            bad = self._launch.prefill(kf, vf, self._S, self._z, code=self._c_code, check=check,
+                                       inputs=inp.inputs)
         if bad:
             raise_nonfinite(("k", "v")[bad - 1])
         self._position += inp.T
 
     def reset(self) -> None:
-        """Back to the zero state at position 0 (device and buffers kept)."""
+        """Back to the zero state at position 0 (device, buffers and the rule kept)."""
         self._launch.put(self._S, self._z, np.zeros((self._B, self._f, self._m), dtype=self._dtype),
                          np.zeros((self._B, self._f), dtype=self._dtype))
         self._position = 0
@@ -518,7 +696,8 @@ class LinearAttentionState:
     def copy(self) -> "LinearAttentionState":
         """An independent copy (same device)."""
         new = object.__new__(type(self))
-        new._init_fields(self._d, self._m, self._f, self._bs, self._fmap, self._dtype, self._eps)
+        new._init_fields(self._d, self._m, self._f, self._bs, self._fmap, self._dtype, self._eps, self._rule,
+                         self._normalize_arg)
         new._position = self._position
         new._device = self._device
         new._attach(self._launch.device)
@@ -527,13 +706,17 @@ class LinearAttentionState:
         return new
 
     def to_linear_state(self) -> LinearState:
-        """The state as a float64 host :class:`~linattn_nb.LinearState` (for ``initial_state=``)."""
+        """The state as a float64 host :class:`~linattn_nb.LinearState` (for ``initial_state=``).
+
+        Its ``rule`` is the state's (``"additive"`` while no token has fixed it).
+        """
         S, z = self._host_arrays()
-        return LinearState(np.asarray(S, dtype=np.float64), np.asarray(z, dtype=np.float64), self._position)
+        return LinearState(np.asarray(S, dtype=np.float64), np.asarray(z, dtype=np.float64), self._position,
+                           self._rule or RULE)
 
     @classmethod
     def from_linear_state(cls, state, key_dim, *, feature_map="elu", dtype=np.float64, device="auto",
-                          eps=config.DEFAULT_EPS) -> "LinearAttentionState":
+                          eps=config.DEFAULT_EPS, rule=None, normalize=None) -> "LinearAttentionState":
         """Build a state from ``linear_attention(..., return_state=True)``'s result.
 
         The batch shape and value dimension come from ``state.S``; the feature
@@ -543,10 +726,15 @@ class LinearAttentionState:
         Parameters
         ----------
         state : LinearState or tuple (S, z[, position])
-            ``position`` (default 0) must be a non-negative integer.
+            ``position`` (default 0) must be a non-negative integer.  The
+            rule a :class:`~linattn_nb.LinearState` records is the new
+            state's; a plain tuple records none.
         key_dim : int
-        feature_map, dtype, device, eps
+        feature_map, dtype, device, eps, normalize
             As for the constructor.
+        rule : str, optional
+            The rule, for a tuple (None: the first tokens fix it); for a
+            LinearState it must be the one it records.
 
         Raises
         ------
@@ -559,12 +747,18 @@ class LinearAttentionState:
         """
         check_device_arg(device)
         S, z, position = FE.parse_state(state, "state")
+        rule = check_rule_name(rule)
+        recorded = check_rule_name(getattr(state, "rule", None), "state.rule")
+        if recorded is not None and rule is not None and rule != recorded:
+            raise ValueError(f"state records the {recorded!r} update rule but rule={rule!r} was given; a state "
+                             "continues only the rule that made it")
+        rule = recorded or rule
         S = CD.to_host("state.S", S) if on_device(S) else V.as_host_array("state.S", S)
         z = CD.to_host("state.z", z) if on_device(z) else V.as_host_array("state.z", z)
         if S.ndim < 2:
             raise ValueError(f"state.S must have shape (..., D_phi, M), got {S.shape}")
         new = cls(key_dim, S.shape[-1], batch_shape=S.shape[:-2], feature_map=feature_map, dtype=dtype,
-                  device="cpu", eps=eps)
+                  device="cpu", eps=eps, rule=rule, normalize=normalize)
         new._load_arrays(S, z, position, "state")
         if device != "cpu":
             new._device = None
@@ -592,7 +786,7 @@ class LinearAttentionState:
         """Write the state to ``path`` (.npz, the format of :mod:`linattn_nb.state.fileformat`).
 
         The file holds S and z bit for bit, the position, the dimensions, eps,
-        and the feature map's registry name and parameters (with the features
+        the update rule and ``normalize``, and the feature map's registry name and parameters (with the features
         of a fixed probe input, so that :meth:`load` can check the rebuilt
         map).  A map that cannot be rebuilt from the registry is recorded as
         such; loading then needs ``feature_map=``.  The write is atomic: a
@@ -614,11 +808,12 @@ class LinearAttentionState:
         """
         S, z = self._host_arrays()
         fileformat.write(path, S=S, z=z, position=self._position, key_dim=self._d, value_dim=self._m,
-                         batch_shape=self._bs, eps=self._eps, feature_map=self._fmap)
+                         batch_shape=self._bs, eps=self._eps, feature_map=self._fmap, rule=self._rule,
+                         normalize=self._normalize_arg)
 
     @classmethod
     def load(cls, path, *, feature_map=None, device="auto", key_dim=None, value_dim=None, batch_shape=None,
-             dtype=None) -> "LinearAttentionState":
+             dtype=None, rule=None) -> "LinearAttentionState":
         """Read a state written by :meth:`save`.
 
         Parameters
@@ -628,12 +823,15 @@ class LinearAttentionState:
             Use this map instead of rebuilding the saved one; it must give the
             saved features on the probe input.
         device : {"auto", "cpu", "cuda"}
-        key_dim, value_dim, batch_shape, dtype : optional
-            When given, the file must match them.
+        key_dim, value_dim, batch_shape, dtype, rule : optional
+            When given, the file must match them (a file whose rule was not
+            fixed yet takes ``rule``).
 
         Returns
         -------
         LinearAttentionState
+            With the file's rule and ``normalize``; files written before
+            states recorded a rule (format version 1) are additive.
 
         Raises
         ------
@@ -641,15 +839,16 @@ class LinearAttentionState:
             The file is not a readable .npz (corrupted or truncated), is not a
             state file, has another format version, misses entries, holds
             inconsistent shapes or dtypes or non-finite values, its feature
-            map cannot be rebuilt, or it does not match the expectations.
+            map cannot be rebuilt, or it does not match the expectations
+            (another update rule included).
         FileNotFoundError
             No file at ``path``.
         """
         check_device_arg(device)
         sf = fileformat.read(path, feature_map=feature_map, key_dim=key_dim, value_dim=value_dim,
-                             batch_shape=batch_shape, dtype=dtype)
+                             batch_shape=batch_shape, dtype=dtype, rule=check_rule_name(rule))
         new = cls(sf.key_dim, sf.value_dim, batch_shape=sf.batch_shape, feature_map=sf.feature_map,
-                  dtype=sf.S.dtype, device="cpu", eps=sf.eps)
+                  dtype=sf.S.dtype, device="cpu", eps=sf.eps, rule=sf.rule or rule, normalize=sf.normalize)
         new._launch.put(new._S, new._z, sf.S.reshape((new._B, new._f, new._m)), sf.z.reshape((new._B, new._f)))
         new._position = sf.position
         if device != "cpu":

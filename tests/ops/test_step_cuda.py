@@ -192,3 +192,90 @@ def test_step_kernels_compile_to_ptx():
     assert len(res) == 12
     for key, val in res.items():
         assert val == {"entry": True, "target": True, "local": False}, (key, val)
+
+
+# ---------------------------------------------------------------------------
+# Decay and gating (issue 14): the rule kernels, TINY (the simulator is slow)
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("form", ["decay", "gate"])
+def test_cuda_rule_state_matches_cpu_and_linear_attention(form, threads):
+    """prefill + 1-token + multi-token steps with a reset (decay 0) in the middle, and a
+    normalize=False query: the GPU state equals the CPU state and linear_attention; no NaN."""
+    rng = np.random.default_rng(7)
+    q, k, v = qkv(rng, (2,), 5, 3, 2, np.float64)
+    if form == "decay":
+        a = rng.uniform(0.5, 1.0, size=(2, 5))
+        a[1, 2] = 0.0
+        steps = [a[:, 2], a[:, 3:, None]]  # the token's own factor, then (B, T, 1)
+        pre = a[:, :2]
+    else:
+        a = rng.uniform(0.5, 1.0, size=(2, 5, 3))
+        a[0, 2, :] = 0.0
+        steps = [a[:, 2], a[:, 3:]]  # (B, D_phi), then (B, T, D_phi)
+        pre = a[:, :2]
+    full = la.linear_attention(q, k, v, causal=True, decay=a, method="quadratic")
+    g = LinearAttentionState(3, 2, batch_shape=(2,), device="cuda")
+    c = LinearAttentionState(3, 2, batch_shape=(2,))
+    outs = []
+    for st in (g, c):
+        st.prefill(k[:, :2], v[:, :2], decay=pre)
+        o1 = st.step(q[:, 2:3], k[:, 2:3], v[:, 2:3], decay=steps[0])
+        o2 = st.step(q[:, 3:], k[:, 3:], v[:, 3:], decay=steps[1])
+        outs.append(np.concatenate([o1, o2], axis=1))
+    assert g.rule == c.rule == form and g._launch is not c._launch
+    assert np.isfinite(outs[0]).all()
+    assert_close(outs[0], outs[1], np.float64)
+    assert_close(outs[0], full[:, 2:], np.float64)
+    assert_close(host(g.S), c.S, np.float64)
+    assert_close(host(g.z), c.z, np.float64)
+
+
+def test_cuda_normalize_false_and_float32_gate(threads):
+    """normalize=False through the additive launcher (its rule kernels) and a float32 gate state."""
+    rng = np.random.default_rng(8)
+    q, k, v = qkv(rng, (2,), 3, 2, 3, np.float32)
+    ref = la.linear_attention(q, k, v, causal=True, normalize=False)
+    g = LinearAttentionState(2, 3, batch_shape=(2,), dtype=np.float32, device="cuda", normalize=False)
+    assert_close(g.step(q, k, v), ref, np.float32)
+    c = LinearAttentionState(2, 3, batch_shape=(2,), dtype=np.float32, normalize=False)
+    c.step(q, k, v)
+    assert_close(g.query(q[:, :2]), c.query(q[:, :2]), np.float32)
+    lg = np.log(rng.uniform(0.5, 1.0, size=(2, 3, 2)))
+    gg = LinearAttentionState(2, 3, batch_shape=(2,), dtype=np.float32, device="cuda")
+    assert_close(gg.step(q, k, v, log_decay=lg), la.linear_attention(q, k, v, causal=True, log_decay=lg,
+                                                                     method="quadratic"), np.float32)
+
+
+_RULE_PTX_SCRIPT = textwrap.dedent(
+    """
+    import json
+    from numba import cuda, types
+    from linattn_nb.ops.step import cuda as C
+    res = {}
+    lg = types.Array(types.float64, 3, "C")
+    for sdt, idt in (("float32", "float32"), ("float64", "float32"), ("float64", "float64")):
+        st = getattr(types, sdt)
+        S3 = types.Array(st, 3, "C")
+        z2 = types.Array(st, 2, "C")
+        a3 = types.Array(getattr(types, idt), 3, "C")
+        i8, f8 = types.int64, types.float64
+        sigs = {
+            "rule_step": (a3, a3, a3, S3, z2, a3, S3, lg, i8, f8, i8, st, st),
+            "rule_query": (a3, S3, z2, a3, S3, i8, f8, i8, st, st),
+            "rule_prefill": (a3, a3, S3, z2, lg, i8, st, st),
+        }
+        for name, sig in sigs.items():
+            ptx, _ = cuda.compile_ptx(C.PYTHON_KERNELS[name], sig, cc=(9, 0))
+            res[f"{name}/{sdt}/{idt}"] = {"entry": ".entry" in ptx, "target": ".target sm_90" in ptx,
+                                          "local": ("ld.local" in ptx) or ("st.local" in ptx)}
+    print(json.dumps(res))
+    """
+)
+
+
+def test_rule_step_kernels_compile_to_ptx():
+    """The decay/gate step kernels compile for sm_90 without spilling to local memory."""
+    res = run_ptx_script(_RULE_PTX_SCRIPT)
+    assert len(res) == 9
+    for key, val in res.items():
+        assert val == {"entry": True, "target": True, "local": False}, (key, val)

@@ -1,7 +1,11 @@
 """Recurrent decoding: the state step, query and prefill, and the KV-cache step.
 
 ``naive.py`` holds the NumPy references, ``cpu.py`` the Numba CPU kernels,
-``cuda.py`` the CUDA kernels.  The public objects are
+``cuda.py`` the CUDA kernels.  Besides the additive rule's kernels, each has
+``rule_*`` kernels for the rules whose tokens scale the state first (decay,
+gate: ``S_t = a_t (.) S_{t-1} + phi(k_t) v_t^T``, ``z`` alike) and for
+``normalize=False``; they take the log-factors of each token, ``-inf`` a
+reset.  The public objects are
 :class:`linattn_nb.LinearAttentionState` and :class:`linattn_nb.KVCache`
 (:mod:`linattn_nb.state`).
 

@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit, prange
 
 from ... import config
-from .._codes import KERNEL_CODE_ELU
+from .._codes import KERNEL_CODE_ELU, NORM_FLOOR, NORM_NONE, norm_mode
 from .._common import phi
 from .._twins import pick, serial_and_parallel
 
@@ -190,8 +190,11 @@ def eps_arg(eps):
 
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def state_query_kernel(q, St, z, out, feat, code, eps):
-    """out[b, t] = phi(q_t)^T S_b / max(phi(q_t)^T z_b, eps); the state is read only."""
+def state_query_kernel(q, St, z, out, feat, code, eps, normalize):
+    """out[b, t] = phi(q_t)^T S_b / max(phi(q_t)^T z_b, eps); the state is read only.
+
+    ``normalize`` False writes the numerators ``phi(q_t)^T S_b``.
+    """
     B, T, _ = q.shape
     M = St.shape[1]
     F = St.shape[2]
@@ -211,11 +214,11 @@ def state_query_kernel(q, St, z, out, feat, code, eps):
                 acc = St.dtype.type(0)
                 for i in range(F):
                     acc += fc[i] * row[i]
-                out[b, t, m] = acc / den
+                out[b, t, m] = acc / den if normalize else acc
 
 
-def state_query(q, St, z, out, feat, *, code, eps):
-    state_query_kernel(q, St, z, out, feat, np.int64(code), eps_arg(eps))
+def state_query(q, St, z, out, feat, *, code, eps, normalize=True):
+    state_query_kernel(q, St, z, out, feat, np.int64(code), eps_arg(eps), bool(normalize))
     return out
 
 
@@ -253,6 +256,166 @@ def state_prefill(k, v, St, z, *, code, block=None):
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     state_prefill_kernel(k, v, St, z, code, np.int64(block))
+
+
+# ---------------------------------------------------------------------------
+# Rules with a factor per token: decay (one per sequence and token) and gate
+# (one per feature as well).  ``lg`` (B, T, G) float64 holds the log-factors:
+# G = 0 none (the additive rule, factor 1), G = 1 one per token (decay), G = F
+# one per feature (gate).  -inf is a reset: exp(-inf) = 0 multiplies the
+# state away exactly.  The additive rule with normalize=True keeps the kernels
+# above; these run the other rules and normalize=False.
+# ---------------------------------------------------------------------------
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def factor_row(lg, b, t, g):
+    """g[:] = the factors of token t of batch entry b (1, exp(lg[b, t, 0]) or exp(lg[b, t, :]))."""
+    G = lg.shape[2]
+    F = g.shape[0]
+    if G == 0:
+        for i in range(F):
+            g[i] = 1.0
+    elif G == 1:
+        a = math.exp(lg[b, t, 0])
+        for i in range(F):
+            g[i] = a
+    else:
+        for i in range(F):
+            g[i] = math.exp(lg[b, t, i])
+
+
+def _rule_step(q, k, v, St, z, out, feat, code, eps, check, lg, norm):
+    """T tokens through the state, each first scaling it by its factors: H <- a_t (.) H + phi(k_t)^T [v_t 1].
+
+    Layout and arguments as :func:`_state_step`, with ``feat`` (3, B, F)
+    (phi(k), phi(q), the factors), ``lg`` (B, T, G) the log-factors (see
+    above) and ``norm`` the output mode (:func:`linattn_nb.ops._codes.norm_mode`:
+    ``NORM_NONE`` writes ``phi(q)^T S`` undivided).  Each batch entry walks
+    its tokens alone (``prange`` over the batch in the parallel twin).
+    Returns 0, or 1/2/3 (nothing modified) when ``check`` finds q/k/v
+    non-finite.
+    """
+    if check:
+        bad = first_nonfinite(q, k, v)
+        if bad:
+            return bad
+    B, T, _ = q.shape
+    M = St.shape[1]
+    F = St.shape[2]
+    zero = St.dtype.type(0)
+    for b in prange(B):
+        Sb = St[b]
+        zb = z[b]
+        fa = feat[0, b]
+        fc = feat[1, b]
+        g = feat[2, b]
+        for t in range(T):
+            phi_row(k[b, t], fa, code)
+            phi_row(q[b, t], fc, code)
+            factor_row(lg, b, t, g)
+            den = 0.0
+            for i in range(F):
+                zi = g[i] * zb[i] + fa[i]
+                zb[i] = zi
+                den += fc[i] * zi
+            if norm == NORM_FLOOR and den < eps:
+                den = eps
+            for m in range(M):
+                w = v[b, t, m]
+                row = Sb[m]
+                acc = zero
+                for i in range(F):
+                    s = g[i] * row[i] + fa[i] * w
+                    row[i] = s
+                    acc += fc[i] * s
+                out[b, t, m] = acc if norm == NORM_NONE else acc / den
+    return 0
+
+
+rule_step_serial, rule_step_parallel = serial_and_parallel(_rule_step, fastmath=config.FASTMATH,
+                                                           cache=config.CACHE)
+
+
+def log_factors(inputs, B, T):
+    """The kernels' ``lg`` (B, T, G) float64 from a launcher's ``inputs`` (None: G = 0)."""
+    if not inputs:
+        return np.zeros((B, T, 0))
+    if "log_decay" in inputs:
+        return np.ascontiguousarray(inputs["log_decay"], dtype=np.float64).reshape(B, T, 1)
+    lg = np.ascontiguousarray(inputs["log_gate"], dtype=np.float64)
+    return lg.reshape(B, T, lg.shape[-1])
+
+
+def rule_step(q, k, v, St, z, out, feat, *, code, eps, check, inputs=None, normalize=True):
+    """Launcher of the rule step kernels (serial below ``config.STEP_PARALLEL_MIN_WORK``).
+
+    ``inputs``: None (additive), ``{"log_decay": (B, T)}`` or
+    ``{"log_gate": (B, T, F)}``; ``feat`` (3, B, F) scratch in the state dtype.
+    Returns 0, or 1/2/3 when q/k/v is not finite (nothing modified).
+    """
+    B, T = q.shape[0], q.shape[1]
+    M, F = St.shape[1], St.shape[2]
+    kern = pick(rule_step_serial, rule_step_parallel, items=B, work=B * T * M * F,
+                limit=config.STEP_PARALLEL_MIN_WORK)
+    return int(kern(q, k, v, St, z, out, feat, np.int64(code), eps_arg(eps), bool(check),
+                    log_factors(inputs, B, T), np.int64(norm_mode(eps, normalize))))
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def rule_prefill_kernel(k, v, St, z, code, lg, block):
+    """The state after T tokens of a rule with factors, in blocks of ``block`` tokens through BLAS.
+
+    Within a block of n tokens, token s enters the block's end state scaled
+    by ``w_s = a_{s+1} ... a_{n-1}`` (per row), built as a running product
+    from the end of the block (never a difference of log-factors, so a reset
+    gives exact zeros and no NaN); the state before the block is scaled by
+    ``w_0 a_0``.  Then ``S <- (w_0 a_0) (.) S + V^T (w (.) phi(K))`` is one GEMM.
+    """
+    B, T, _ = k.shape
+    M = St.shape[1]
+    F = St.shape[2]
+    for b in prange(B):
+        Sb = St[b]
+        zb = z[b]
+        fk = np.empty((block, F), dtype=St.dtype)
+        vb = np.empty((block, M), dtype=St.dtype)
+        w = np.empty((block, F))
+        g = np.empty(F)
+        for s0 in range(0, T, block):
+            n = min(block, T - s0)
+            for i in range(F):
+                w[n - 1, i] = 1.0
+            for s in range(n - 2, -1, -1):
+                factor_row(lg, b, s0 + s + 1, g)
+                for i in range(F):
+                    w[s, i] = w[s + 1, i] * g[i]
+            factor_row(lg, b, s0, g)
+            for i in range(F):
+                g[i] *= w[0, i]  # the factor of the state before the block
+            for t in range(n):
+                phi_row(k[b, s0 + t], fk[t], code)
+                for i in range(F):
+                    fk[t, i] = fk[t, i] * w[t, i]
+                for m in range(M):
+                    vb[t, m] = v[b, s0 + t, m]
+            for i in range(F):
+                acc = 0.0
+                for t in range(n):
+                    acc += fk[t, i]
+                zb[i] = g[i] * zb[i] + acc
+            part = np.dot(vb[:n].T, fk[:n])
+            for m in range(M):
+                row = Sb[m]
+                for i in range(F):
+                    row[i] = g[i] * row[i] + part[m, i]
+
+
+def rule_prefill(k, v, St, z, *, code, inputs=None, block=None):
+    """Launcher of :func:`rule_prefill_kernel` (``inputs`` as :func:`rule_step`)."""
+    block = int(config.PREFILL_BLOCK if block is None else block)
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    B, T = k.shape[0], k.shape[1]
+    rule_prefill_kernel(k, v, St, z, np.int64(code), log_factors(inputs, B, T), np.int64(block))
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)

@@ -15,6 +15,14 @@ features (code 0); v (B, T, M); out (B, T, M).
 * prefill: one thread per (b, i, m) accumulates ``sum_t phi(k_ti) v_tm`` in a
   register and adds it to S once; z by the m = 0 threads.  No atomics, no
   barriers.
+* rule_step, rule_prefill, rule_query: the same for the rules with a factor
+  per token (decay, gate) and for ``normalize=False``.  ``lg`` (B, T, G)
+  float64 holds the log-factors: G = 0 none (factor 1), G = 1 one per token
+  (decay), G = F one per feature (gate); ``exp(-inf) = 0`` resets exactly.
+  The step keeps each token's factors in a fourth scratch row (``feat`` is
+  (B, 4, F)); the prefill thread runs the recurrence of its element
+  ``s <- a_t s + phi(k_t) v_t`` in a register.  ``norm`` is the output mode
+  of :func:`linattn_nb.ops._codes.norm_mode`.
 
 The kernels are plain Python functions (``*_py``, :data:`PYTHON_KERNELS`)
 wrapped with ``cuda.jit`` on first use, so that importing this module touches
@@ -30,6 +38,7 @@ import numpy as np
 from numba import cuda
 
 from ... import config
+from .._codes import NORM_FLOOR, NORM_NONE, norm_mode
 from .._cuda_common import phi
 
 
@@ -119,6 +128,110 @@ def state_prefill_py(k, v, S, z, code, zero, one):
         z[b, i] = zi
 
 
+def rule_step_py(q, k, v, S, z, out, feat, lg, code, eps, norm, zero, one):
+    """As :func:`state_step_py`, each token first scaling the state by its factors (row 3 of ``feat``)."""
+    b = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    T = q.shape[1]
+    F = S.shape[1]
+    M = S.shape[2]
+    G = lg.shape[2]
+    for t in range(T):
+        for i in range(tid, F, nt):
+            if G == 0:
+                feat[b, 3, i] = one
+            elif G == 1:
+                feat[b, 3, i] = math.exp(lg[b, t, 0])
+            else:
+                feat[b, 3, i] = math.exp(lg[b, t, i])
+            feat[b, 0, i] = phi(k[b, t, i], code, zero, one)
+            feat[b, 1, i] = phi(q[b, t, i], code, zero, one)
+            zi = feat[b, 3, i] * z[b, i] + feat[b, 0, i]
+            z[b, i] = zi
+            feat[b, 2, i] = feat[b, 1, i] * zi
+        cuda.syncthreads()
+        den = 0.0
+        for i in range(F):
+            den += feat[b, 2, i]
+        if norm == NORM_FLOOR and den < eps:
+            den = eps
+        for m in range(tid, M, nt):
+            w = v[b, t, m]
+            acc = zero
+            for i in range(F):
+                s = feat[b, 3, i] * S[b, i, m] + feat[b, 0, i] * w
+                S[b, i, m] = s
+                acc += feat[b, 1, i] * s
+            if norm == NORM_NONE:
+                out[b, t, m] = acc
+            else:
+                out[b, t, m] = acc / den
+        cuda.syncthreads()
+
+
+def rule_query_py(q, S, z, out, feat, code, eps, norm, zero, one):
+    """As :func:`state_query_py` with the output mode ``norm`` (NORM_NONE: undivided)."""
+    b = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    T = q.shape[1]
+    F = S.shape[1]
+    M = S.shape[2]
+    for t in range(T):
+        for i in range(tid, F, nt):
+            c = phi(q[b, t, i], code, zero, one)
+            feat[b, 1, i] = c
+            feat[b, 2, i] = feat[b, 1, i] * z[b, i]
+        cuda.syncthreads()
+        den = 0.0
+        for i in range(F):
+            den += feat[b, 2, i]
+        if norm == NORM_FLOOR and den < eps:
+            den = eps
+        for m in range(tid, M, nt):
+            acc = zero
+            for i in range(F):
+                acc += feat[b, 1, i] * S[b, i, m]
+            if norm == NORM_NONE:
+                out[b, t, m] = acc
+            else:
+                out[b, t, m] = acc / den
+        cuda.syncthreads()
+
+
+def rule_prefill_py(k, v, S, z, lg, code, zero, one):
+    """Thread (b, i, m): s <- a_ti s + phi(k[b, t, i]) v[b, t, m] over the tokens; z by the m = 0 threads.
+
+    The factor is float64, so the running element is too (one register; stored in the state dtype).
+    """
+    b = cuda.blockIdx.x
+    i = cuda.blockIdx.y
+    m = cuda.blockIdx.z * cuda.blockDim.x + cuda.threadIdx.x
+    T = k.shape[1]
+    M = S.shape[2]
+    G = lg.shape[2]
+    gi = i if G > 1 else 0
+    if m < M:
+        s = S[b, i, m]
+        for t in range(T):
+            a = phi(k[b, t, i], code, zero, one)
+            if G == 0:
+                s = s + a * v[b, t, m]
+            else:
+                s = math.exp(lg[b, t, gi]) * s + a * v[b, t, m]
+        S[b, i, m] = s
+    if m == 0:
+        zi = z[b, i]
+        for t in range(T):
+            a = phi(k[b, t, i], code, zero, one)
+            if G == 0:
+                zi = zi + a
+            else:
+                zi = math.exp(lg[b, t, gi]) * zi + a
+        z[b, i] = zi
+
+
 def first_nonfinite_py(x, flag, which):
     """flag[0] = which when any element of the 3-D array x is NaN or inf."""
     j = cuda.grid(1)
@@ -135,7 +248,8 @@ def first_nonfinite_py(x, flag, which):
 
 
 PYTHON_KERNELS = {"state_step": state_step_py, "state_query": state_query_py,
-                  "state_prefill": state_prefill_py, "first_nonfinite": first_nonfinite_py}
+                  "state_prefill": state_prefill_py, "first_nonfinite": first_nonfinite_py,
+                  "rule_step": rule_step_py, "rule_query": rule_query_py, "rule_prefill": rule_prefill_py}
 _JIT = {}
 
 
@@ -203,3 +317,51 @@ def state_prefill(k, v, S, z, *, code):
     nt = min(_threads(), max(32, M))
     grid = (B, F, (M + nt - 1) // nt)
     kernels()["state_prefill"][grid, nt](k, v, S, z, np.int64(code), S.dtype.type(0), S.dtype.type(1))
+
+
+def log_factors(inputs, B, T):
+    """The kernels' ``lg`` (B, T, G) float64 on the device from a launcher's ``inputs`` (None: G = 0).
+
+    Host arrays are copied to the device; device arrays are used as they are.
+    """
+    from .cpu import log_factors as host_log_factors
+
+    if inputs:
+        x = inputs.get("log_decay", inputs.get("log_gate"))
+        if hasattr(x, "copy_to_host"):
+            return x.reshape((B, T, 1) if "log_decay" in inputs else (B, T, x.shape[-1]))
+    return cuda.to_device(host_log_factors(inputs, B, T))
+
+
+def rule_step(q, k, v, S, z, out, feat, *, code, eps, inputs=None, normalize=True):
+    """Launch the rule step kernel: one block per batch entry; ``feat`` is (B, 4, F)."""
+    B, T = q.shape[0], q.shape[1]
+    if B == 0 or T == 0:
+        return out
+    kernels()["rule_step"][B, _threads()](q, k, v, S, z, out, feat, log_factors(inputs, B, T), np.int64(code),
+                                          _eps(eps), np.int64(norm_mode(eps, normalize)),
+                                          S.dtype.type(0), S.dtype.type(1))
+    return out
+
+
+def rule_query(q, S, z, out, feat, *, code, eps, normalize=True):
+    """Launch the query kernel with an output mode (``normalize=False``: numerators)."""
+    B = q.shape[0]
+    if B == 0 or q.shape[1] == 0:
+        return out
+    kernels()["rule_query"][B, _threads()](q, S, z, out, feat, np.int64(code), _eps(eps),
+                                           np.int64(norm_mode(eps, normalize)), S.dtype.type(0), S.dtype.type(1))
+    return out
+
+
+def rule_prefill(k, v, S, z, *, code, inputs=None):
+    """Launch the rule prefill kernel: one thread per (batch entry, feature, value column)."""
+    B, T, _ = k.shape
+    F = S.shape[1]
+    M = S.shape[2]
+    if B == 0 or T == 0:
+        return
+    nt = min(_threads(), max(32, M))
+    grid = (B, F, (M + nt - 1) // nt)
+    kernels()["rule_prefill"][grid, nt](k, v, S, z, log_factors(inputs, B, T), np.int64(code),
+                                        S.dtype.type(0), S.dtype.type(1))

@@ -1,18 +1,41 @@
 """NumPy references for recurrent decoding (ground truth for the step kernels).
 
 Everything in float64, token by token, written the way "Transformers are RNNs"
-(Katharopoulos et al. 2020, Eqs. 18-19) states the recurrence:
-``S_t = S_{t-1} + phi(k_t) v_t^T``, ``z_t = z_{t-1} + phi(k_t)``,
-``o_t = phi(q_t)^T S_t / phi(q_t)^T z_t`` (token t included).  The softmax
-reference attends, for new token ``t``, to every cached key and to the new
-keys up to and including ``t``.
+(Katharopoulos et al. 2020, Eqs. 18-19) states the recurrence, with the
+update rules of :mod:`linattn_nb.ops._codes`:
+``S_t = a_t (.) S_{t-1} + phi(k_t) v_t^T``, ``z_t = a_t (.) z_{t-1} + phi(k_t)``,
+``o_t = phi(q_t)^T S_t / phi(q_t)^T z_t`` (token t included; ``normalize=False``
+returns ``phi(q_t)^T S_t``).  ``a_t`` is 1 for the additive rule,
+``exp(log_decay[b, t])`` for the decay rule (one factor for every row) and
+``exp(log_gate[b, t, i])`` for row i under the gate rule; ``exp(-inf) = 0``
+wipes the state exactly.  The softmax reference attends, for new token ``t``,
+to every cached key and to the new keys up to and including ``t``.
 """
 from __future__ import annotations
 
 import numpy as np
 
 
-def state_step_reference(qf, kf, v, S, z, *, eps):
+def token_factors(rule, inputs, B, T, F):
+    """The per-token, per-row factors ``a`` (B, T, F) float64 of ``rule`` with ``inputs``.
+
+    ``inputs`` as the launchers take them: None for the additive rule,
+    ``{"log_decay": (B, T)}`` or ``{"log_gate": (B, T, F)}``.
+    """
+    if rule == "additive":
+        if inputs:
+            raise ValueError(f"the additive rule takes no inputs, got {sorted(inputs)}")
+        return np.ones((B, T, F))
+    if rule == "decay":
+        lg = np.asarray(inputs["log_decay"], dtype=np.float64).reshape(B, T, 1)
+    elif rule == "gate":
+        lg = np.asarray(inputs["log_gate"], dtype=np.float64).reshape(B, T, F)
+    else:
+        raise ValueError(f"unknown rule {rule!r}")
+    return np.broadcast_to(np.exp(lg), (B, T, F))
+
+
+def state_step_reference(qf, kf, v, S, z, *, eps, rule="additive", inputs=None, normalize=True):
     """Recurrent step over T tokens.
 
     Parameters
@@ -24,6 +47,11 @@ def state_step_reference(qf, kf, v, S, z, *, eps):
         State before the first token (not modified).
     eps : float or None
         Floor of the normaliser; None divides raw.
+    rule : {"additive", "decay", "gate"}
+    inputs : dict or None
+        The rule's log-factors (:func:`token_factors`).
+    normalize : bool
+        False returns the numerators ``phi(q_t)^T S_t``.
 
     Returns
     -------
@@ -35,12 +63,16 @@ def state_step_reference(qf, kf, v, S, z, *, eps):
     v = np.asarray(v, dtype=np.float64)
     S = np.array(S, dtype=np.float64)
     z = np.array(z, dtype=np.float64)
-    B, T, _ = qf.shape
+    B, T, F = qf.shape
+    a = token_factors(rule, inputs, B, T, F)
     out = np.empty((B, T, v.shape[-1]))
     for t in range(T):
-        S += kf[:, t, :, None] * v[:, t, None, :]
-        z += kf[:, t]
+        S = a[:, t, :, None] * S + kf[:, t, :, None] * v[:, t, None, :]
+        z = a[:, t] * z + kf[:, t]
         num = np.einsum("bf,bfm->bm", qf[:, t], S)
+        if not normalize:
+            out[:, t] = num
+            continue
         den = np.einsum("bf,bf->b", qf[:, t], z)
         if eps is not None:
             den = np.maximum(den, eps)
@@ -49,12 +81,17 @@ def state_step_reference(qf, kf, v, S, z, *, eps):
     return out, S, z
 
 
-def state_query_reference(qf, S, z, *, eps):
-    """Read the state for every query without changing it: (B, T, M) float64."""
+def state_query_reference(qf, S, z, *, eps, normalize=True):
+    """Read the state for every query without changing it: (B, T, M) float64.
+
+    ``normalize=False`` returns the numerators ``phi(q)^T S``.
+    """
     qf = np.asarray(qf, dtype=np.float64)
     S = np.asarray(S, dtype=np.float64)
     z = np.asarray(z, dtype=np.float64)
     num = np.einsum("btf,bfm->btm", qf, S)
+    if not normalize:
+        return num
     den = np.einsum("btf,bf->bt", qf, z)
     if eps is not None:
         den = np.maximum(den, eps)
@@ -62,10 +99,23 @@ def state_query_reference(qf, S, z, *, eps):
         return num / den[..., None]
 
 
-def state_prefill_reference(kf, v, S, z):
-    """State after absorbing the tokens: ``S + phi(K)^T V``, ``z + sum phi(K)`` (float64)."""
+def state_prefill_reference(kf, v, S, z, *, rule="additive", inputs=None):
+    """State after absorbing the tokens (float64).
+
+    Additive: ``S + phi(K)^T V``, ``z + sum phi(K)``; the other rules run the
+    recurrence token by token.
+    """
     kf = np.asarray(kf, dtype=np.float64)
     v = np.asarray(v, dtype=np.float64)
+    if rule != "additive":
+        B, T, F = kf.shape
+        a = token_factors(rule, inputs, B, T, F)
+        S = np.array(S, dtype=np.float64)
+        z = np.array(z, dtype=np.float64)
+        for t in range(T):
+            S = a[:, t, :, None] * S + kf[:, t, :, None] * v[:, t, None, :]
+            z = a[:, t] * z + kf[:, t]
+        return S, z
     S = np.array(S, dtype=np.float64) + np.einsum("btf,btm->bfm", kf, v)
     z = np.array(z, dtype=np.float64) + kf.sum(axis=1)
     return S, z
