@@ -77,7 +77,7 @@ def log_factors(rule, inputs, batch: int, n: int, f: int) -> np.ndarray:
     x = np.asarray(inputs[name])
     if x.shape != shape:
         raise ValueError(f"inputs: {name} of the {rule_name(rule)} rule must have shape {shape}, got {x.shape}")
-    return np.ascontiguousarray(x, dtype=np.float64).reshape(batch, n, -1)
+    return np.ascontiguousarray(x, dtype=np.float64).reshape(batch, n, 1 if rule == RULE_DECAY else f)
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, inline="always")
