@@ -35,9 +35,19 @@ F M) per thread: no N x N matrix, no per-token state, no full-size phi(q),
 phi(k).
 
 The update rule enters through the hooks of :mod:`linattn_nb.ops._rules`
-(the intra-chunk weights, the state across a chunk, the prefix over
-segments), selected by an integer ``rule``; the loops here are the same for
-every rule.
+(the chunk's factors, the intra-chunk weights, the state across a chunk, the
+prefix over segments), selected by an integer ``rule``; the loops here are
+the same for every rule.  Rules that forget (``decay``: a scalar ``a_t`` per
+token; ``gate``: one per feature) get their per-token log-factors as one
+float64 array ``lg`` (B, N, G) (G = 0, 1 or F; the same Numba types for
+every rule) and, per chunk, running products of the factors: the query of
+token t reads the chunk-start state scaled by ``a_0 ... a_t``, key s enters
+the chunk-end state scaled by ``a_{s+1} ... a_{n-1}``, and the intra-chunk
+weight of (t, s) carries ``a_{s+1} ... a_t`` (per feature inside the dot
+product for the gate).  Every factor is a product of numbers in [0, 1]: no
+overflow for strong decay, and a reset (``a = 0``, log ``-inf``) gives exact
+zeros, never ``-inf - -inf``.  The pieces of a split sequence carry their
+total factor to the prefix over segments.
 
 Precision: the products run in the working dtype (float32 for float16 and
 float32 inputs, float64 for float64) while ``H`` is carried across chunks in

@@ -21,7 +21,7 @@ from .._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, norm_mode
 from .._rules import check_rule, check_state, log_factors, token_step
 from .._twins import pick, serial_and_parallel
 from .._finite import new_flags, report
-from .._vec import as_kernel_array, is_finite, store3, to_work
+from .._vec import as_kernel_array, elu1, is_finite, store3, to_work
 
 
 def _scan(q, k, v, H, out, code, eps, norm, rule, lg, flags):
@@ -75,10 +75,10 @@ def _scan(q, k, v, H, out, code, eps, norm, rule, lg, flags):
             inputs_ok &= feature_row(q, b, t, fq, code)
             inputs_ok &= feature_row(k, b, t, fk, code)
             if G == 1:
-                fa[:] = np.exp(lg[b, t, 0])
+                fa[:] = elu1(lg[b, t, 0])  # exp of a log-factor <= 0 (ops/_vec.py); -inf -> 0
             elif G > 1:
                 for i in range(F):
-                    fa[i] = np.exp(lg[b, t, i])
+                    fa[i] = elu1(lg[b, t, i])
             num[:] = 0.0
             den = 0.0
             for i in range(F):
