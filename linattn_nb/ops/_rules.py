@@ -10,7 +10,10 @@ first argument:
 * :func:`token_step` -- one token's update of one state row, read by the
   token's query: the per-token recurrence of the scan
   (:mod:`linattn_nb.ops.causal.cpu`; additive: ``S_i += phi(k_t)_i v_t``,
-  ``z_i += phi(k_t)_i``);
+  ``z_i += phi(k_t)_i``; decay and gate: the row scaled by the token's
+  factor first);
+* :func:`chunk_factors` -- the running products of a chunk's per-token
+  factors that the next two hooks use (nothing for the additive rule);
 * :func:`intra_weights` -- the intra-chunk weights of a block of rows
   (additive: ``tril(phi(Q_c) phi(K_c)^T)``, diagonal included), in the
   chunked kernel (:mod:`linattn_nb.ops.causal.chunked`);
@@ -21,8 +24,12 @@ first argument:
   combine of pieces (:mod:`linattn_nb.ops._chunks`).
 
 A new rule adds its entry to :data:`linattn_nb.ops._codes.RULES` and a branch
-to each hook here (its per-token inputs become hook arguments), and nothing
-to the kernels' loops.  The rule is a plain integer argument (no
+to each hook here, and nothing to the kernels' loops.  Per-token inputs reach
+the kernels as one float64 array of log-factors ``lg`` (B, N, G)
+(:func:`log_factors`: G = 0 additive, 1 decay, F gate), so every rule
+compiles to the same Numba types; the hooks get the factors they need as
+arguments (``g`` of :func:`token_step`, the products of
+:func:`chunk_factors`, the span factor of :func:`carry`).  The rule is a plain integer argument (no
 function-typed arguments, no closures), so the kernels stay cacheable on
 disk.  As for the other helper modules, kernels cached on disk do not see
 edits made here: clear the ``__pycache__`` folders after changing this file.
@@ -33,7 +40,7 @@ import numpy as np
 from numba import njit
 
 from .. import config
-from ._codes import RULE_ADDITIVE, RULE_DECAY, RULE_GATE, RULES, check_rule_inputs, rule_name
+from ._codes import RULE_ADDITIVE, RULE_DECAY, RULE_GATE, check_rule_inputs, rule_name
 from ._gemm import gemm
 from ._vec import elu1
 

@@ -362,8 +362,8 @@ def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=Fals
     ok = as_kernel_array(out)
     proto = np.empty(0, wt)
     flags = new_flags(B * P)
-    args = (np.int64(code), float(eps if eps is not None else 0.0), np.int64(norm), np.int64(C), np.int64(sub), np.int64(bs), rule,
-            lg, flags)
+    args = (np.int64(code), float(eps if eps is not None else 0.0), np.int64(norm), np.int64(C), np.int64(sub),
+            np.int64(bs), rule, lg, flags)
     # BLAS pinned to one thread inside the parallel kernel only: there, its own
     # threads would oversubscribe the cores; on the calling thread alone they
     # may help, and the pinning costs a tenth of a small call.
