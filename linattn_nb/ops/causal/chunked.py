@@ -317,7 +317,9 @@ def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=Fals
     eps : float or None
         Normaliser floor (None: raw division).
     inputs : mapping, optional
-        The rule's per-token inputs (none for the additive rule).
+        The rule's per-token inputs (none for the additive rule;
+        ``log_decay`` (B, N) for the decay rule, ``log_gate`` (B, N, F) for
+        the gate rule: log-factors <= 0, ``-inf`` a reset).
     normalize : bool, default True
         False writes ``phi(q)^T S_t`` undivided (``eps`` unused).
     check_finite : bool, default False
