@@ -11,7 +11,8 @@ one long sequence still uses every core:
    parallel, each from a zero state (:func:`part_range` /
    :func:`token_range` give the pieces' tokens);
 2. the pieces are combined in order, from the initial state, through the
-   rule's :func:`linattn_nb.ops._rules.carry`: :func:`segment_states` gives
+   rule's :func:`linattn_nb.ops._rules.carry` (rules that forget also give
+   each piece's total factor, next to its contribution): :func:`segment_states` gives
    the state at the start of every segment (causal), :func:`absorb_parts`
    the final state (non-causal);
 3. the outputs of all segments are computed in parallel from those states.
@@ -77,52 +78,69 @@ def token_range(lo, hi, unit, n):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _combine(rule, parts, j0, sub, acc, seg):
-    """acc <- the state after the ``sub`` consecutive pieces ``parts[j0:j0 + sub]`` (seg: scratch).
+def _combine(rule, parts, facs, j0, sub, acc, seg, segf):
+    """acc <- the state after the ``sub`` consecutive pieces ``parts[j0:j0 + sub]`` (seg, segf: scratch).
 
-    The pieces are combined with each other first, in order, then carried
-    into ``acc`` (for the additive rule: ``acc + (p0 + p1 + ...)``).
+    ``facs[j]`` (G,): piece j's factor of the state before it (G = 0 for the
+    additive rule).  The pieces are combined with each other first, in order
+    (contributions through the rule's ``carry``, factors multiplied), then
+    carried into ``acc`` (for the additive rule: ``acc + (p0 + p1 + ...)``).
     """
     seg[:, :] = parts[j0]
+    segf[:] = facs[j0]
     for r in range(1, sub):
-        carry(rule, seg, parts[j0 + r])
-    carry(rule, acc, seg)
+        carry(rule, seg, parts[j0 + r], facs[j0 + r])
+        for g in range(segf.shape[0]):
+            segf[g] *= facs[j0 + r, g]
+    carry(rule, acc, seg, segf)
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _prefix(rule, parts, sub, Hst):
+def _prefix(rule, parts, facs, sub, Hst):
     """Hst[b, p] for p >= 1 from Hst[b, 0] and the pieces' contributions, ``sub`` pieces per segment."""
     B, P, F, M1 = Hst.shape
     seg = np.empty((F, M1))
+    segf = np.empty(facs.shape[2])
     for b in range(B):
         for p in range(1, P):
             Hst[b, p] = Hst[b, p - 1]
-            _combine(rule, parts[b], (p - 1) * sub, sub, Hst[b, p], seg)
+            _combine(rule, parts[b], facs[b], (p - 1) * sub, sub, Hst[b, p], seg, segf)
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _absorb_all(rule, H, parts):
+def _absorb_all(rule, H, parts, facs):
     B, F, M1 = H.shape
     seg = np.empty((F, M1))
+    segf = np.empty(facs.shape[2])
     for b in range(B):
-        _combine(rule, parts[b], 0, parts.shape[1], H[b], seg)
+        _combine(rule, parts[b], facs[b], 0, parts.shape[1], H[b], seg, segf)
 
 
-def segment_states(rule, H, parts, sub: int, nseg: int) -> np.ndarray:
+def _no_factors(parts):
+    return np.empty(parts.shape[:2] + (0,))
+
+
+def segment_states(rule, H, parts, sub: int, nseg: int, factors=None) -> np.ndarray:
     """States at the start of ``nseg`` consecutive segments: ``Hst`` (B, nseg, F, M + 1) float64.
 
     ``Hst[:, 0] = H`` (B, F, M + 1), the state before the first segment;
     segment ``p`` (p < nseg - 1) contributed the ``sub`` pieces
     ``parts[:, p * sub:(p + 1) * sub]`` (each from a zero state, in order),
-    and ``Hst[:, p + 1]`` is the state after it.
+    and ``Hst[:, p + 1]`` is the state after it.  ``factors`` (B, pieces, G)
+    float64: each piece's factor of the state before it (scalar, G = 1, or
+    per row, G = F); None or G = 0 for the additive rule.
     """
     B, F, M1 = H.shape
     Hst = np.empty((B, nseg, F, M1))
     Hst[:, 0] = H
-    _prefix(np.int64(rule), parts, np.int64(sub), Hst)
+    facs = _no_factors(parts) if factors is None else factors
+    _prefix(np.int64(rule), parts, facs, np.int64(sub), Hst)
     return Hst
 
 
-def absorb_parts(rule, H, parts) -> None:
-    """H (B, F, M + 1) <- the state after all the pieces ``parts`` (B, P, F, M + 1), in order, in place."""
-    _absorb_all(np.int64(rule), H, parts)
+def absorb_parts(rule, H, parts, factors=None) -> None:
+    """H (B, F, M + 1) <- the state after all the pieces ``parts`` (B, P, F, M + 1), in order, in place.
+
+    ``factors``: as for :func:`segment_states` (None for the additive rule).
+    """
+    _absorb_all(np.int64(rule), H, parts, _no_factors(parts) if factors is None else factors)

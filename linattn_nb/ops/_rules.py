@@ -10,7 +10,10 @@ first argument:
 * :func:`token_step` -- one token's update of one state row, read by the
   token's query: the per-token recurrence of the scan
   (:mod:`linattn_nb.ops.causal.cpu`; additive: ``S_i += phi(k_t)_i v_t``,
-  ``z_i += phi(k_t)_i``);
+  ``z_i += phi(k_t)_i``; decay and gate: the row scaled by the token's
+  factor first);
+* :func:`chunk_factors` -- the running products of a chunk's per-token
+  factors that the next two hooks use (nothing for the additive rule);
 * :func:`intra_weights` -- the intra-chunk weights of a block of rows
   (additive: ``tril(phi(Q_c) phi(K_c)^T)``, diagonal included), in the
   chunked kernel (:mod:`linattn_nb.ops.causal.chunked`);
@@ -21,8 +24,12 @@ first argument:
   combine of pieces (:mod:`linattn_nb.ops._chunks`).
 
 A new rule adds its entry to :data:`linattn_nb.ops._codes.RULES` and a branch
-to each hook here (its per-token inputs become hook arguments), and nothing
-to the kernels' loops.  The rule is a plain integer argument (no
+to each hook here, and nothing to the kernels' loops.  Per-token inputs reach
+the kernels as one float64 array of log-factors ``lg`` (B, N, G)
+(:func:`log_factors`: G = 0 additive, 1 decay, F gate), so every rule
+compiles to the same Numba types; the hooks get the factors they need as
+arguments (``g`` of :func:`token_step`, the products of
+:func:`chunk_factors`, the span factor of :func:`carry`).  The rule is a plain integer argument (no
 function-typed arguments, no closures), so the kernels stay cacheable on
 disk.  As for the other helper modules, kernels cached on disk do not see
 edits made here: clear the ``__pycache__`` folders after changing this file.
@@ -33,8 +40,9 @@ import numpy as np
 from numba import njit
 
 from .. import config
-from ._codes import RULE_ADDITIVE, check_rule_inputs
+from ._codes import RULE_ADDITIVE, RULE_DECAY, RULE_GATE, check_rule_inputs, rule_name
 from ._gemm import gemm
+from ._vec import elu1
 
 
 def check_rule(rule, inputs) -> np.int64:
@@ -56,15 +64,42 @@ def check_state(H, batch: int, f: int, m: int) -> None:
                          f"(the state [S | z]), got {desc}")
 
 
+
+def log_factors(rule, inputs, batch: int, n: int, f: int) -> np.ndarray:
+    """The kernels' ``lg`` argument: the rule's per-token log-factors as one (batch, n, G) float64 array.
+
+    ``G`` is 0 for the additive rule (no factors), 1 for the decay rule (one
+    scalar per token, ``inputs["log_decay"]`` of shape (batch, n)) and ``f``
+    for the gate rule (one factor per feature, ``inputs["log_gate"]`` of
+    shape (batch, n, f)).  Every rule's kernels thus get the same Numba
+    types (one compilation).  Call after :func:`check_rule`.
+
+    Raises ValueError naming the input when its shape is not the rule's.
+    """
+    if rule == RULE_DECAY:
+        name, shape = "log_decay", (batch, n)
+    elif rule == RULE_GATE:
+        name, shape = "log_gate", (batch, n, f)
+    else:
+        return np.empty((batch, n, 0))
+    x = np.asarray(inputs[name])
+    if x.shape != shape:
+        raise ValueError(f"inputs: {name} of the {rule_name(rule)} rule must have shape {shape}, got {x.shape}")
+    return np.ascontiguousarray(x, dtype=np.float64).reshape(batch, n, 1 if rule == RULE_DECAY else f)
+
+
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, inline="always")
-def token_step(rule, S, z, i, a, c, v, num):
+def token_step(rule, S, z, i, a, c, v, num, g):
     """Row ``i`` of the state after one token, read by the token's query; returns the new ``z[i]``.
 
     ``S`` (F, M) and ``z`` (F,): the state of the scan (the normaliser kept
     apart), updated in place; ``a = phi(k_t)[i]``, ``c = phi(q_t)[i]``; ``v``
-    (M,): the token's values; ``num`` (M,) += ``c * S[i]`` (the new row).
-    The caller sums ``c * z[i]`` (the returned value) into the normaliser.
-    Additive: ``z[i] += a``, ``S[i] += a v``.
+    (M,): the token's values; ``num`` (M,) += ``c * S[i]`` (the new row);
+    ``g``: the token's factor of row ``i`` (``exp`` of its log-factor; unused
+    by the additive rule).  The caller sums ``c * z[i]`` (the returned value)
+    into the normaliser.  Additive: ``z[i] += a``, ``S[i] += a v``; decay and
+    gate: ``z[i] = g z[i] + a``, ``S[i] = g S[i] + a v`` (``g = 0``, a reset,
+    wipes the row exactly).
     """
     if rule == RULE_ADDITIVE:
         zi = z[i] + a  # the normaliser: value column M, whose value is 1
@@ -74,40 +109,170 @@ def token_step(rule, S, z, i, a, c, v, num):
             S[i, m] = s
             num[m] += c * s
         return zi
+    if rule == RULE_DECAY or rule == RULE_GATE:
+        zi = g * z[i] + a
+        z[i] = zi
+        for m in range(v.shape[0]):
+            s = g * S[i, m] + a * v[m]
+            S[i, m] = s
+            num[m] += c * s
+        return zi
     return np.nan  # unreachable: launchers check the rule code
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def intra_weights(rule, X, fk, r0, ce, F):
-    """Weights of rows [r0, ce) of a chunk on its tokens [0, ce), into ``X[r0:ce, F:F + ce]``.
+def chunk_factors(rule, lg, b, s0, n, fs, fw, tot):
+    """The factors of tokens [s0, s0 + n) of sequence ``b``, for the other chunk hooks.
 
-    ``X`` (C, F + C) holds ``phi(Q_c)`` in its first F columns; ``fk`` (C, F)
-    is ``phi(K_c)``.  Additive: ``phi(Q_c) phi(K_c)^T`` with the causal mask
-    (token t sees tokens j <= t), one BLAS product.
+    ``lg`` (B, N, G) float64: the per-token log-factors (:func:`log_factors`;
+    G = 0 for the additive rule, which needs nothing here).  Writes, for
+    ``t, s < n`` and each of the G columns:
+
+    * ``fs[0, t] = a_t = exp(lg[b, s0 + t])``, and ``fw[t]`` the same in the
+      working dtype;
+    * ``fs[1, t] = a_0 a_1 ... a_t``: how token t's query reads the state at
+      the chunk's start;
+    * ``fs[2, s] = a_{s+1} ... a_{n-1}``: token s's share of the state at the
+      chunk's end;
+    * ``tot = a_0 ... a_{n-1}``: the chunk's factor of its start state.
+
+    Running products of factors in [0, 1] rather than exponentials of
+    differences of cumulative log-sums: they neither overflow nor meet
+    ``-inf - -inf``; a reset (``a = 0``) makes every product across it
+    exactly 0, and strong decay underflows gracefully to 0.  float64; the
+    exponentials through :func:`linattn_nb.ops._vec.elu1` (exp of a
+    non-positive argument, vectorised; within 2.5e-308 of 0 below -708.3).
     """
-    if rule == RULE_ADDITIVE:
-        LX = X.shape[1]
-        gemm(0, 1, ce - r0, ce, F, 1.0, X, r0 * LX, LX, fk, 0, F, 0.0, X, r0 * LX + F, LX)
-        zero = X.dtype.type(0.0)
-        for t in range(r0, ce):
-            for j in range(t + 1, ce):
-                X[t, F + j] = zero
+    G = lg.shape[2]
+    if G == 0 or n == 0:
+        return
+    for t in range(n):
+        for g in range(G):
+            a = elu1(lg[b, s0 + t, g])  # exp of a log-factor <= 0, vectorised; -inf -> 0
+            fs[0, t, g] = a
+            fw[t, g] = a
+    for g in range(G):
+        fs[1, 0, g] = fs[0, 0, g]
+    for t in range(1, n):
+        for g in range(G):
+            fs[1, t, g] = fs[1, t - 1, g] * fs[0, t, g]
+    for g in range(G):
+        fs[2, n - 1, g] = 1.0
+        tot[g] = fs[1, n - 1, g]
+    for s in range(n - 2, -1, -1):
+        for g in range(G):
+            fs[2, s, g] = fs[2, s + 1, g] * fs[0, s + 1, g]
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def chunk_transition(rule, H, R, fk, part, n):
+def intra_weights(rule, X, fk, r0, ce, F, fs, fw, w):
+    """Weights of rows [r0, ce) of a chunk on its tokens [0, ce), into ``X[r0:ce, F:F + ce]``.
+
+    ``X`` (C, F + C) holds ``phi(Q_c)`` in its first F columns; ``fk`` (C, F)
+    is ``phi(K_c)``; ``fs``, ``fw``: the chunk's factors
+    (:func:`chunk_factors`); ``w`` (C,) float64 scratch.  Additive:
+    ``phi(Q_c) phi(K_c)^T`` with the causal mask (token t sees tokens j <=
+    t), one BLAS product.  The rows of a chunk must come in order, from
+    ``r0 = 0`` (the decay and gate rules carry running products from one
+    row to the next).
+
+    Decay: the additive weights times ``w_j = a_{j+1} ... a_t`` (a running
+    product updated row by row: ``w <- a_t w``, ``w_t = 1``), and the query
+    rows scaled by ``fs[1, t]`` for their read of the chunk-start state.
+
+    Gate: ``A[t, j] = sum_i phi(q_t)_i phi(k_j)_i prod_{j<u<=t} alpha_{u,i}``
+    directly, with the keys decayed in place row by row (``fk[j] <- alpha_t
+    * fk[j]`` for ``j < t``): every factor is a product of gates in [0, 1],
+    so there is no overflow and no ``-inf - -inf`` however strong the gates
+    (the exact form that GLA's secondary chunking approximates with log-space
+    sub-chunks; Yang et al. 2024, Sec. 4.2).  After the chunk's last row,
+    ``fk[j]`` is key j's share of the chunk-end state (see
+    :func:`chunk_transition`).  Then the query rows are scaled per feature
+    by ``fs[1, t]``.
+    """
+    LX = X.shape[1]
+    zero = X.dtype.type(0.0)
+    if rule == RULE_ADDITIVE:
+        gemm(0, 1, ce - r0, ce, F, 1.0, X, r0 * LX, LX, fk, 0, F, 0.0, X, r0 * LX + F, LX)
+        for t in range(r0, ce):
+            for j in range(t + 1, ce):
+                X[t, F + j] = zero
+    elif rule == RULE_DECAY:
+        gemm(0, 1, ce - r0, ce, F, 1.0, X, r0 * LX, LX, fk, 0, F, 0.0, X, r0 * LX + F, LX)
+        for t in range(r0, ce):
+            a = fs[0, t, 0]
+            for j in range(t):
+                w[j] *= a
+            w[t] = 1.0
+            for j in range(t + 1):
+                X[t, F + j] = X[t, F + j] * w[j]
+            for j in range(t + 1, ce):
+                X[t, F + j] = zero
+            qs = X.dtype.type(fs[1, t, 0])
+            for i in range(F):
+                X[t, i] *= qs
+    elif rule == RULE_GATE:
+        for t in range(r0, ce):
+            for j in range(t):
+                acc = zero
+                for i in range(F):
+                    x = fk[j, i] * fw[t, i]
+                    fk[j, i] = x
+                    acc += X[t, i] * x
+                X[t, F + j] = acc
+            acc = zero
+            for i in range(F):
+                acc += X[t, i] * fk[t, i]
+            X[t, F + t] = acc
+            for j in range(t + 1, ce):
+                X[t, F + j] = zero
+            for i in range(F):
+                X[t, i] *= fw.dtype.type(fs[1, t, i])
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def chunk_transition(rule, H, R, fk, part, n, fs, tot, after_intra):
     """H (F, M + 1) float64 <- the state after the chunk's n tokens; R's state rows follow it.
 
     ``R`` ((F + C) x (M + 1), working dtype) is ``[H ; V_c 1]``; ``fk``
-    ``phi(K_c)``; ``part`` (F, M + 1) scratch of the working dtype.
+    ``phi(K_c)`` (scratch: overwritten); ``part`` (F, M + 1) scratch of the
+    working dtype; ``fs``, ``tot``: the chunk's factors
+    (:func:`chunk_factors`); ``after_intra``: :func:`intra_weights` ran on
+    every row of this chunk (the gate rule's keys are then decayed already).
     Additive: ``part = phi(K_c)^T [V_c 1]`` (one BLAS product in the working
-    dtype), summed into ``H`` in float64.
+    dtype), summed into ``H`` in float64.  Decay and gate: the keys are
+    scaled by their share ``fs[2]`` first, and ``H <- tot * H + part``
+    (``tot`` per row for the gate).
     """
+    F = fk.shape[1]
+    M1 = R.shape[1]
     if rule == RULE_ADDITIVE:
-        F = fk.shape[1]
-        M1 = R.shape[1]
         gemm(1, 0, F, M1, n, 1.0, fk, 0, F, R, F * M1, M1, 0.0, part, 0, M1)
         absorb(H, part, R)
+    elif rule == RULE_DECAY:
+        for s in range(n):
+            ks = fk.dtype.type(fs[2, s, 0])
+            for i in range(F):
+                fk[s, i] *= ks
+        gemm(1, 0, F, M1, n, 1.0, fk, 0, F, R, F * M1, M1, 0.0, part, 0, M1)
+        g = tot[0]
+        for i in range(F):
+            for m in range(M1):
+                h = g * H[i, m] + part[i, m]
+                H[i, m] = h
+                R[i, m] = h
+    elif rule == RULE_GATE:
+        if not after_intra:
+            for s in range(n):
+                for i in range(F):
+                    fk[s, i] *= fk.dtype.type(fs[2, s, i])
+        gemm(1, 0, F, M1, n, 1.0, fk, 0, F, R, F * M1, M1, 0.0, part, 0, M1)
+        for i in range(F):
+            g = tot[i]
+            for m in range(M1):
+                h = g * H[i, m] + part[i, m]
+                H[i, m] = h
+                R[i, m] = h
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -121,12 +286,21 @@ def absorb(H, part, R):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def carry(rule, acc, part):
+def carry(rule, acc, part, fac):
     """acc (F, M + 1) <- the state after a span whose own contribution (from a zero state) is ``part``.
 
-    Additive: ``acc += part``.
+    ``fac`` (G,) float64: the span's factor of the state before it (the
+    product of its tokens' factors; unused by the additive rule).  Additive:
+    ``acc += part``; decay: ``acc <- fac[0] acc + part``; gate: row ``i``
+    scaled by ``fac[i]``.
     """
     if rule == RULE_ADDITIVE:
         for i in range(acc.shape[0]):
             for m in range(acc.shape[1]):
                 acc[i, m] += part[i, m]
+    elif rule == RULE_DECAY or rule == RULE_GATE:
+        G = fac.shape[0]
+        for i in range(acc.shape[0]):
+            g = fac[0] if G == 1 else fac[i]
+            for m in range(acc.shape[1]):
+                acc[i, m] = g * acc[i, m] + part[i, m]

@@ -35,9 +35,19 @@ F M) per thread: no N x N matrix, no per-token state, no full-size phi(q),
 phi(k).
 
 The update rule enters through the hooks of :mod:`linattn_nb.ops._rules`
-(the intra-chunk weights, the state across a chunk, the prefix over
-segments), selected by an integer ``rule``; the loops here are the same for
-every rule.
+(the chunk's factors, the intra-chunk weights, the state across a chunk, the
+prefix over segments), selected by an integer ``rule``; the loops here are
+the same for every rule.  Rules that forget (``decay``: a scalar ``a_t`` per
+token; ``gate``: one per feature) get their per-token log-factors as one
+float64 array ``lg`` (B, N, G) (G = 0, 1 or F; the same Numba types for
+every rule) and, per chunk, running products of the factors: the query of
+token t reads the chunk-start state scaled by ``a_0 ... a_t``, key s enters
+the chunk-end state scaled by ``a_{s+1} ... a_{n-1}``, and the intra-chunk
+weight of (t, s) carries ``a_{s+1} ... a_t`` (per feature inside the dot
+product for the gate).  Every factor is a product of numbers in [0, 1]: no
+overflow for strong decay, and a reset (``a = 0``, log ``-inf``) gives exact
+zeros, never ``-inf - -inf``.  The pieces of a split sequence carry their
+total factor to the prefix over segments.
 
 Precision: the products run in the working dtype (float32 for float16 and
 float32 inputs, float64 for float64) while ``H`` is carried across chunks in
@@ -82,7 +92,7 @@ from .._chunks import part_range, plan, segment_states, token_range
 from .._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, norm_mode
 from .._finite import new_flags, report
 from .._gemm import gemm
-from .._rules import check_rule, check_state, chunk_transition, intra_weights
+from .._rules import check_rule, check_state, chunk_factors, chunk_transition, intra_weights, log_factors
 from .._twins import pick, serial_and_parallel
 from .._vec import as_kernel_array, is_finite, store3, work_dtype
 
@@ -103,12 +113,14 @@ def _init_scratch(H, R):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, not an exception
-def _span(q, k, v, out, b, s_begin, s_end, H, code, eps, norm, bs, X, R, fk, o, part, rule):
+def _span(q, k, v, out, b, s_begin, s_end, H, code, eps, norm, bs, X, R, fk, o, part, rule, lg, fs, fw, tot, w):
     """Chunked recurrence over tokens [s_begin, s_end) of sequence b from state H (F, M + 1), in place.
 
     Scratch (working dtype), for chunk size C = fk.shape[0]:
     X (C, F + C) = [phi(Q_c) | A], R (F + C, M + 1) = [H ; V_c 1],
-    fk (C, F) = phi(K_c), o (C, M + 1), part (F, M + 1).
+    fk (C, F) = phi(K_c), o (C, M + 1), part (F, M + 1); the rule's factors
+    (:func:`linattn_nb.ops._rules.chunk_factors`) from ``lg`` (B, N, G) into
+    fs (3, C, G) float64, fw (C, G) working dtype, tot (G,) and w (C,) float64.
 
     Returns ``(inputs_finite, results_finite)``: whether every q, k, v
     element read was finite, and whether every output written, every
@@ -127,11 +139,12 @@ def _span(q, k, v, out, b, s_begin, s_end, H, code, eps, norm, bs, X, R, fk, o, 
         n = min(C, s_end - s0)
         finite, read_ok = load_chunk(q, k, v, b, s0, n, X, fk, R, F, code, True)
         inputs_ok &= read_ok
+        chunk_factors(rule, lg, b, s0, n, fs, fw, tot)
         # Row blocks of bs: block r needs A and V_c only up to its own last
         # row, so the upper triangle is computed for the diagonal blocks only.
         for r0 in range(0, n, bs):
             ce = min(r0 + bs, n)
-            intra_weights(rule, X, fk, r0, ce, F)
+            intra_weights(rule, X, fk, r0, ce, F, fs, fw, w)
             if finite:
                 # [phi(Q) | A] [H ; V 1]: numerators and normalisers at once
                 gemm(0, 0, ce - r0, M1, F + ce, 1.0, X, r0 * LX, LX, R, 0, M1, 0.0, o, r0 * M1, M1)
@@ -157,28 +170,45 @@ def _span(q, k, v, out, b, s_begin, s_end, H, code, eps, norm, bs, X, R, fk, o, 
             r = 1.0 / den
             for m in range(M):
                 results_ok &= is_finite(store3(out, b, s0 + t, m, o[t, m] * r))
-        chunk_transition(rule, H, R, fk, part, n)
+        chunk_transition(rule, H, R, fk, part, n, fs, tot, True)
     return inputs_ok, results_ok and state_finite(H)
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _sum_span(k, v, b, s_begin, s_end, H, code, R, fk, part, rule):
-    """H += the contribution of tokens [s_begin, s_end), chunk by chunk exactly as :func:`_span`."""
+def _sum_span(k, v, b, s_begin, s_end, H, code, R, fk, part, rule, lg, fs, fw, tot, pf):
+    """H <- the state after tokens [s_begin, s_end), chunk by chunk exactly as :func:`_span`.
+
+    ``pf`` (G,) is multiplied by the tokens' factors (the span's factor of
+    the state before it, for the combine).
+    """
     F = k.shape[2]
     C = fk.shape[0]
     _init_scratch(H, R)
     for s0 in range(s_begin, s_end, C):
         n = min(C, s_end - s0)
         load_chunk(k, k, v, b, s0, n, fk, fk, R, F, code, False)
-        chunk_transition(rule, H, R, fk, part, n)
+        chunk_factors(rule, lg, b, s0, n, fs, fw, tot)
+        chunk_transition(rule, H, R, fk, part, n, fs, tot, False)
+        for g in range(pf.shape[0]):
+            pf[g] *= tot[g]
 
 
 # ---------------------------------------------------------------------------
 # kernel
 # ---------------------------------------------------------------------------
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _sum_item(it, k, v, Hp, wt, code, C, P, sub, rule):
-    """Pass 1, work item ``it``: piece ``j`` of sequence ``b`` (pieces split segments 0..P-2)."""
+def _rule_scratch(lg, C, wt):
+    """Per-thread scratch of the rule's chunk factors: fs (3, C, G), fw (C, G), tot (G,), w (C,)."""
+    G = lg.shape[2]
+    return np.ones((3, C, G)), np.ones((C, G), wt), np.ones(G), np.ones(C)
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _sum_item(it, k, v, Hp, Fp, wt, code, C, P, sub, rule, lg):
+    """Pass 1, work item ``it``: piece ``j`` of sequence ``b`` (pieces split segments 0..P-2).
+
+    Hp[b, j] <- the piece's contribution from a zero state, Fp[b, j] (G,) <- its factor.
+    """
     N, F = k.shape[1], k.shape[2]
     M = v.shape[2]
     npc = Hp.shape[1]
@@ -191,12 +221,14 @@ def _sum_item(it, k, v, Hp, wt, code, C, P, sub, rule):
     R = np.empty((F + C, M + 1), wt)
     fk = np.empty((C, F), wt)
     part = np.empty((F, M + 1), wt)
+    fs, fw, tot, w = _rule_scratch(lg, C, wt)
     Hp[b, j] = 0.0
-    _sum_span(k, v, b, t0, t1, Hp[b, j], code, R, fk, part, rule)
+    Fp[b, j] = 1.0
+    _sum_span(k, v, b, t0, t1, Hp[b, j], code, R, fk, part, rule, lg, fs, fw, tot, Fp[b, j])
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _span_item(it, q, k, v, Hst, out, wt, code, eps, norm, C, bs, rule, flags):
+def _span_item(it, q, k, v, Hst, out, wt, code, eps, norm, C, bs, rule, lg, flags):
     """Pass 2, work item ``it``: segment ``p`` of sequence ``b`` from state Hst[b, p].
 
     ``flags[it]`` <- (an input read was NaN/inf, a result or the state is).
@@ -213,24 +245,28 @@ def _span_item(it, q, k, v, Hst, out, wt, code, eps, norm, C, bs, rule, flags):
     fk = np.empty((C, F), wt)
     o = np.empty((C, M + 1), wt)
     part = np.empty((F, M + 1), wt)
+    fs, fw, tot, w = _rule_scratch(lg, C, wt)
     inputs_ok, results_ok = _span(q, k, v, out, b, t0, t1, Hst[b, p], code, eps, norm, bs, X, R, fk, o, part,
-                                  rule)
+                                  rule, lg, fs, fw, tot, w)
     flags[it, 0] = not inputs_ok
     flags[it, 1] = not results_ok
 
 
-def _chunked_pass(mode, q, k, v, Hst, out, proto, code, eps, norm, C, sub, bs, rule, flags):
+def _chunked_pass(mode, q, k, v, Hst, Fp, out, proto, code, eps, norm, C, sub, bs, rule, lg, flags):
     """One pass of the chunked causal kernel over its work items.
 
     q, k : (B, N, F) float32/float64, or uint16 (float16 bits); raw inputs when
     ``code`` > 0, features when 0 (float32 features may come with float16
     values).  v : (B, N, M), out : (B, N, M) of the value type (uint16 for
     float16).  proto : empty array of the working dtype.  C : chunk size,
-    bs : row block of the intra-chunk products; rule : update-rule code.
+    bs : row block of the intra-chunk products; rule : update-rule code;
+    lg : (B, N, G) float64, the rule's per-token log-factors
+    (:func:`linattn_nb.ops._rules.log_factors`).
 
     ``mode`` 0 (pass 1): ``Hst`` (B, (P-1)*sub, F, M+1) float64 receives the
     contribution of each piece of the segments 0..P-2 (``P`` = pieces // sub + 1),
-    each from a zero state.
+    each from a zero state, and ``Fp`` (B, (P-1)*sub, G) float64 each piece's
+    factor of the state before it (G = 0: none).
     ``mode`` 1 (pass 2): ``Hst`` (B, P, F, M+1) float64 holds the state at the
     start of each of the P segments of every sequence; each segment's outputs
     are written and its state is advanced in place to the segment's end (so
@@ -249,9 +285,9 @@ def _chunked_pass(mode, q, k, v, Hst, out, proto, code, eps, norm, C, sub, bs, r
     nitems = B * Hst.shape[1]
     for it in prange(nitems):
         if mode == 0:
-            _sum_item(it, k, v, Hst, wt, code, C, Hst.shape[1] // sub + 1, sub, rule)
+            _sum_item(it, k, v, Hst, Fp, wt, code, C, Hst.shape[1] // sub + 1, sub, rule, lg)
         else:
-            _span_item(it, q, k, v, Hst, out, wt, code, eps, norm, C, bs, rule, flags)
+            _span_item(it, q, k, v, Hst, out, wt, code, eps, norm, C, bs, rule, lg, flags)
 
 
 chunked_kernel_serial, chunked_kernel = serial_and_parallel(_chunked_pass, fastmath=config.FASTMATH,
@@ -281,7 +317,9 @@ def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=Fals
     eps : float or None
         Normaliser floor (None: raw division).
     inputs : mapping, optional
-        The rule's per-token inputs (none for the additive rule).
+        The rule's per-token inputs (none for the additive rule;
+        ``log_decay`` (B, N) for the decay rule, ``log_gate`` (B, N, F) for
+        the gate rule: log-factors <= 0, ``-inf`` a reset).
     normalize : bool, default True
         False writes ``phi(q)^T S_t`` undivided (``eps`` unused).
     check_finite : bool, default False
@@ -309,6 +347,7 @@ def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=Fals
     M = v.shape[2]
     check_state(H, B, F, M)
     rule = check_rule(rule, inputs)
+    lg = log_factors(rule, inputs, B, N, F)
     if N == 0 or B == 0:
         return out
     C = int(chunk if chunk is not None else config.cpu_chunk_size(N, F, M, q.dtype))
@@ -325,23 +364,25 @@ def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=Fals
     ok = as_kernel_array(out)
     proto = np.empty(0, wt)
     flags = new_flags(B * P)
-    args = (np.int64(code), float(eps if eps is not None else 0.0), np.int64(norm), np.int64(C), np.int64(sub), np.int64(bs), rule,
-            flags)
+    args = (np.int64(code), float(eps if eps is not None else 0.0), np.int64(norm), np.int64(C), np.int64(sub),
+            np.int64(bs), rule, lg, flags)
     # BLAS pinned to one thread inside the parallel kernel only: there, its own
     # threads would oversubscribe the cores; on the calling thread alone they
     # may help, and the pinning costs a tenth of a small call.
     with single_threaded_blas(kernel is chunked_kernel):
         if P == 1:
             # batch-parallel: the state array holds the segment states
-            kernel(np.int64(1), qk, kk, vk, H.reshape(B, 1, F, M + 1), ok, proto, *args)
+            kernel(np.int64(1), qk, kk, vk, H.reshape(B, 1, F, M + 1), np.empty((B, 1, lg.shape[2])), ok, proto,
+                   *args)
         else:
             # pass 1: contributions of the pieces before the last segment
             parts = np.empty((B, (P - 1) * sub, F, M + 1))
-            kernel(np.int64(0), qk, kk, vk, parts, ok, proto, *args)
+            facs = np.empty((B, (P - 1) * sub, lg.shape[2]))  # each piece's factor (none for the additive rule)
+            kernel(np.int64(0), qk, kk, vk, parts, facs, ok, proto, *args)
             # prefix over segments, starting from the initial state
-            Hst = segment_states(rule, H, parts, sub, P)
+            Hst = segment_states(rule, H, parts, sub, P, facs)
             # pass 2: all segments in parallel
-            kernel(np.int64(1), qk, kk, vk, Hst, ok, proto, *args)
+            kernel(np.int64(1), qk, kk, vk, Hst, facs, ok, proto, *args)
             H[...] = Hst[:, P - 1]
     report(flags, (("q", q), ("k", k), ("v", v)), check_finite=check_finite)
     return out

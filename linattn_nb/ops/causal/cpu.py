@@ -18,13 +18,13 @@ from numba import prange
 from ... import config
 from .._blocks import feature_row
 from .._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, norm_mode
-from .._rules import check_rule, check_state, token_step
+from .._rules import check_rule, check_state, log_factors, token_step
 from .._twins import pick, serial_and_parallel
 from .._finite import new_flags, report
-from .._vec import as_kernel_array, is_finite, store3, to_work
+from .._vec import as_kernel_array, elu1, is_finite, store3, to_work
 
 
-def _scan(q, k, v, H, out, code, eps, norm, rule, flags):
+def _scan(q, k, v, H, out, code, eps, norm, rule, lg, flags):
     """Per-token recurrence over each sequence of the flattened batch (axis 0).
 
     q, k : (B, N, F) inputs (``code`` > 0: raw, the map is applied inline;
@@ -33,7 +33,10 @@ def _scan(q, k, v, H, out, code, eps, norm, rule, flags):
     out : (B, N, M).  ``norm`` (:data:`linattn_nb.ops._codes.NORM_RAW` and
     the others): divide by the raw normaliser, by the normaliser floored at
     ``eps``, or not at all.  ``rule``: update-rule code; each token's state update is the rule's
-    :func:`linattn_nb.ops._rules.token_step`.  ``flags`` (B, 2) uint8 <- per
+    :func:`linattn_nb.ops._rules.token_step`, with the token's factor per row
+    from ``lg`` (B, N, G) float64, its log-factors
+    (:func:`linattn_nb.ops._rules.log_factors`: G = 0 none, 1 one per token,
+    F one per row).  ``flags`` (B, 2) uint8 <- per
     sequence, whether a q, k or v element read was NaN or inf (checked on the
     elements the loop loads anyway), and whether an output, a normaliser or
     the final state is.  Compiled twice (:mod:`linattn_nb.ops._twins`):
@@ -49,6 +52,7 @@ def _scan(q, k, v, H, out, code, eps, norm, rule, flags):
     """
     B, N, F = q.shape
     M = v.shape[2]
+    G = lg.shape[2]
     for b in prange(B):
         Sb = np.empty((F, M), dtype=H.dtype)
         zb = np.empty(F, dtype=H.dtype)
@@ -60,6 +64,7 @@ def _scan(q, k, v, H, out, code, eps, norm, rule, flags):
         fk = np.empty(F, dtype=H.dtype)
         num = np.empty(M, dtype=H.dtype)
         vrow = np.empty(M, dtype=H.dtype)
+        fa = np.ones(F)  # the token's factor of each state row
         inputs_ok = True
         results_ok = True  # outputs, normalisers and the final state
         for t in range(N):
@@ -69,11 +74,16 @@ def _scan(q, k, v, H, out, code, eps, norm, rule, flags):
                 inputs_ok &= is_finite(x)
             inputs_ok &= feature_row(q, b, t, fq, code)
             inputs_ok &= feature_row(k, b, t, fk, code)
+            if G == 1:
+                fa[:] = elu1(lg[b, t, 0])  # exp of a log-factor <= 0 (ops/_vec.py); -inf -> 0
+            elif G > 1:
+                for i in range(F):
+                    fa[i] = elu1(lg[b, t, i])
             num[:] = 0.0
             den = 0.0
             for i in range(F):
                 c = fq[i]
-                den += c * token_step(rule, Sb, zb, i, fk[i], c, vrow, num)  # the rule's hook (ops/_rules.py)
+                den += c * token_step(rule, Sb, zb, i, fk[i], c, vrow, num, fa[i])  # the rule's hook (ops/_rules.py)
             if norm == NORM_NONE:
                 den = 1.0
             elif norm == NORM_FLOOR and den < eps:
@@ -116,12 +126,13 @@ def causal_scan(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, 
     M = v.shape[2]
     check_state(H, B, F, M)
     rule = check_rule(rule, inputs)
+    lg = log_factors(rule, inputs, B, N, F)
     norm = norm_mode(eps, normalize)
     qk, kk, vk, o = (as_kernel_array(x) for x in (q, k, v, out))  # float16: uint16 bits, converted per element
     kernel = pick(causal_scan_kernel_serial, causal_scan_kernel, items=B, work=B * N * F * M,
                   limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
     flags = new_flags(B)
     kernel(qk, kk, vk, H, o, np.int64(code), float(eps if eps is not None else 0.0), np.int64(norm), rule,
-           flags)
+           lg, flags)
     report(flags, (("q", q), ("k", k), ("v", v)), check_finite=check_finite)
     return out
