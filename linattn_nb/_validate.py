@@ -281,3 +281,50 @@ def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool)
     if len(target) == nb:  # per sequence: the same factor at every token
         lg = np.broadcast_to(lg.reshape(b, 1), (b, n))
     return rule, {"log_decay": np.ascontiguousarray(lg.reshape(b, n))}
+
+
+def beta_inputs(beta, batch_shape, n: int):
+    """The delta rule's write strengths ``beta`` as (B, N) C-contiguous float64, validated.
+
+    ``beta``: a float, an array broadcastable to the batch shape (one per
+    sequence) or with one more axis, of length N (one per token); values in
+    [0, 2] (``I - beta k k^T`` is a contraction for unit keys only there;
+    ``../shared/REFERENCES.md``, "Delta rule").
+
+    Raises
+    ------
+    ValueError
+        NaN, values outside [0, 2], or a shape that fits neither form.
+    TypeError
+        Non-real values.
+    """
+    x = as_host_array("beta", beta)
+    if x.dtype.kind not in "iuf":
+        raise TypeError(f"beta must hold real numbers (floats), got dtype {x.dtype}")
+    x = x.astype(np.float64)
+    if np.isnan(x).any():
+        raise ValueError("beta contains NaN")
+    if ((x < 0.0) | (x > 2.0)).any():
+        bad = x[(x < 0.0) | (x > 2.0)].ravel()[0]
+        raise ValueError(f"beta (the write strength) must lie in [0, 2], got {float(bad)!r}")
+    batch_shape = tuple(int(s) for s in batch_shape)
+    nb = len(batch_shape)
+    b = int(np.prod(batch_shape, dtype=np.int64))
+    forms = (f"a scalar or {nb} dimension(s) broadcastable to the batch shape {batch_shape} (per sequence), "
+             f"or {nb + 1} with last axis N={n} (per token)")
+    if x.ndim == 0 or x.ndim == nb:
+        target = batch_shape
+    elif x.ndim == nb + 1:
+        if x.shape[-1] != n:
+            raise ValueError(f"beta of shape {x.shape} has {x.ndim} dimensions (one per token), so its last axis "
+                             f"must be N={n}; expected {forms}")
+        target = batch_shape + (n,)
+    else:
+        raise ValueError(f"beta of shape {x.shape} has {x.ndim} dimensions; expected {forms}")
+    try:
+        x = np.broadcast_to(x, target)
+    except ValueError:
+        raise ValueError(f"beta of shape {x.shape} does not broadcast to {target}; expected {forms}") from None
+    if len(target) == nb:
+        x = np.broadcast_to(x.reshape(b, 1), (b, n))
+    return np.ascontiguousarray(x.reshape(b, n))
