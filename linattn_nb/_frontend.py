@@ -58,7 +58,7 @@ class LinearState(NamedTuple):
     rule : str
         The update rule that made the state (``"additive"``; ``"decay"`` for
         a scalar decay per sequence or per token, ``"gate"`` for a
-        per-feature gate).  A call with another rule refuses the state.
+        per-feature gate; ``"delta"`` and ``"gated_delta"`` with ``beta``).  A call with another rule refuses the state.
     """
 
     S: np.ndarray
@@ -225,17 +225,34 @@ def state_from_H(H, batch_shape, f: int, m: int, position: int, rule: str = "add
     return LinearState(S, z, int(position), rule)
 
 
-def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, f: int, *, causal: bool):
-    """``(rule, inputs, normalize)`` of a call's ``decay``, ``log_decay`` and ``normalize`` arguments.
+def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, f: int, *, causal: bool, beta=None):
+    """``(rule, inputs, normalize)`` of a call's ``decay``, ``log_decay``, ``beta`` and ``normalize`` arguments.
 
-    The rule and its kernel inputs come from
-    :func:`linattn_nb._validate.decay_inputs`; ``normalize=None`` takes the
-    rule's convention (:attr:`linattn_nb.ops.registry.Rule.normalize`).  A
+    The decay and its kernel inputs come from
+    :func:`linattn_nb._validate.decay_inputs`, ``beta`` from
+    :func:`linattn_nb._validate.beta_inputs`: with ``beta`` the rule is the
+    delta rule, or the gated delta rule with a scalar decay per sequence or
+    per token (a per-feature gate with ``beta`` raises ValueError).
+    ``normalize=None`` takes the rule's convention
+    (:attr:`linattn_nb.ops.registry.Rule.normalize`: False for the delta
+    rules, True for the others).  A
     feature map whose features carry per-row factors that cancel only in the
     normaliser (``fmap.needs_normalizer``) raises ValueError with
     ``normalize=False``.
     """
     rule, inputs = V.decay_inputs(decay, log_decay, batch_shape, n, f, causal=causal)
+    if beta is not None:
+        if not causal:
+            raise ValueError("beta (the delta rule's write strength) applies to causal attention; it needs "
+                             "causal=True")
+        if rule == "gate":
+            raise ValueError("a per-feature gate (decay/log_decay with last axes (N, D_phi)) cannot be combined "
+                             "with beta: the gated delta rule takes a scalar decay per sequence or per token")
+        b = V.beta_inputs(beta, batch_shape, n)
+        if rule == "additive":
+            rule, inputs = "delta", {"beta": b}
+        else:
+            rule, inputs = "gated_delta", {"beta": b, "log_decay": inputs["log_decay"]}
     normalize = V.check_normalize(normalize, get_rule(rule).normalize)
     if not normalize and getattr(fmap, "needs_normalizer", False):
         raise ValueError(
@@ -265,7 +282,7 @@ def choose_method(method: str, *, rule: str, causal: bool, device: str, batch: i
 # linear attention
 # ---------------------------------------------------------------------------
 def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check_finite, out, initial_state,
-                     return_state, decay=None, log_decay=None, normalize=None):
+                     return_state, decay=None, log_decay=None, beta=None, normalize=None):
     """The request path of :func:`linattn_nb.linear_attention` (arguments and results as there)."""
     dev = resolve_device(device, q, k, v, out, names=("q", "k", "v", "out"))
     fmap = fm.resolve(feature_map)
@@ -274,13 +291,14 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
     check_method_name(method)
     if dev == "cuda" and any(on_device(x) for x in (q, k, v)):
         return _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initial_state,
-                              return_state, decay, log_decay, normalize)
+                              return_state, decay, log_decay, beta, normalize)
 
     # CPU kernels with an inline map check q, k, v while they read them; the
     # other paths scan them here (NumPy), as the CUDA path always did
     q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_finite and dev == "cuda")
     f = feature_dim(fmap, d)
-    rule, inputs, normalize = rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, f, causal=causal)
+    rule, inputs, normalize = rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, f, causal=causal,
+                                             beta=beta)
     if initial_state is not None:
         check_state_rule(initial_state, rule)
     if dev == "cuda":
@@ -373,13 +391,15 @@ def _cast_result(res64, dtype, q, k, v):
 
 
 def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initial_state, return_state, decay,
-                   log_decay, normalize):
+                   log_decay, beta, normalize):
     """GPU inputs: zero-copy views, the kernels on the device, a device result (and state)."""
     dq, dk, dv = CD.wrap("q", q), CD.wrap("k", k), CD.wrap("v", v)
     batch_shape, n, d, m, dtype = V.check_qkv(CD.meta(dq), CD.meta(dk), CD.meta(dv))
     decay = CD.to_host("decay", decay) if on_device(decay) else decay
     log_decay = CD.to_host("log_decay", log_decay) if on_device(log_decay) else log_decay
-    rule, inputs, normalize = rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, d, causal=causal)
+    beta = CD.to_host("beta", beta) if on_device(beta) else beta
+    rule, inputs, normalize = rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, d, causal=causal,
+                                             beta=beta)
     if initial_state is not None:
         check_state_rule(initial_state, rule)
     if fmap.kernel_code is None:

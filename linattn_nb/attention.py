@@ -29,6 +29,7 @@ def linear_attention(
     return_state=False,
     decay=None,
     log_decay=None,
+    beta=None,
     normalize=None,
 ):
     r"""Kernel-based linear attention.
@@ -128,10 +129,26 @@ def linear_attention(
         The same factors as logs (<= 0; ``-inf`` is a reset), as models
         produce them (better precision near 1).  At most one of ``decay``
         and ``log_decay``.
+    beta : float or array_like, optional
+        Write strengths in [0, 2] (causal only): the delta rule (Schlag et
+        al. 2021; DeltaNet, Yang et al. 2024),
+        ``S_t = S_{t-1} + beta_t phi(k_t) (v_t - S_{t-1}^T phi(k_t))^T``: a
+        write replaces what the state returned for the key instead of adding
+        to it.  A scalar or an array broadcastable to the batch shape (one
+        per sequence), or with one more axis of length N (one per token).
+        With ``decay``/``log_decay`` (per sequence or per token) as well, the
+        gated delta rule (Yang, Kautz & Hatamizadeh 2025),
+        ``S_t = a_t (I - beta_t phi(k_t) phi(k_t)^T) S_{t-1} + beta_t phi(k_t) v_t^T``;
+        a per-feature gate with ``beta`` raises ValueError.  The state stays
+        bounded for keys of unit norm (feature maps ``"l2"``, ``"silu_l2"``);
+        with other keys and ``beta > 0`` it can grow without bound.
     normalize : bool, optional
         Divide by the normaliser ``phi(q)^T z``.  None (default) means True
         for the additive rule and for decay and gates (the seed's
-        normaliser, with ``z`` decayed like ``S``).  False returns
+        normaliser, with ``z`` decayed like ``S``) and False for the delta
+        rules (DeltaNet's convention).  With the delta rules, True divides by
+        the state of a constant value 1, which can be <= 0: ``eps`` then
+        floors it (or ``eps=None`` divides raw).  False returns
         ``phi(q_t)^T S_t`` (the convention of RetNet, GLA and fla, which
         normalise outputs elsewhere); ``eps`` is then unused.  Maps that
         stabilise their features with per-row factors that cancel only in the
@@ -185,7 +202,7 @@ def linear_attention(
     return _frontend.linear_attention(
         q, k, v, feature_map=feature_map, causal=causal, method=method, device=device, eps=eps,
         check_finite=check_finite, out=out, initial_state=initial_state, return_state=return_state,
-        decay=decay, log_decay=log_decay, normalize=normalize,
+        decay=decay, log_decay=log_decay, beta=beta, normalize=normalize,
     )
 
 

@@ -63,7 +63,8 @@ from typing import Callable, Dict, Union
 
 import numpy as np
 
-from .ops._codes import KERNEL_CODE_ELU, KERNEL_CODE_NONE, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU
+from .ops._codes import (KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_NONE, KERNEL_CODE_RELU, KERNEL_CODE_SILU_L2,
+                         KERNEL_CODE_SQUARED_RELU)
 
 __all__ = [
     "FeatureMap",
@@ -90,12 +91,15 @@ __all__ = [
     "KERNEL_CODE_ELU",
     "KERNEL_CODE_RELU",
     "KERNEL_CODE_SQUARED_RELU",
+    "KERNEL_CODE_L2",
+    "KERNEL_CODE_SILU_L2",
 ]
 
 # KERNEL_CODE_*: the codes understood by the Numba kernels, defined once in
 # linattn_nb.ops._codes (applied by linattn_nb.ops._common.phi on the CPU).
 # 0 means "the inputs already are features": the kernel uses them as they are.
-KERNEL_CODES = (KERNEL_CODE_NONE, KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU)
+KERNEL_CODES = (KERNEL_CODE_NONE, KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU, KERNEL_CODE_L2,
+                KERNEL_CODE_SILU_L2)
 
 
 class FeatureMap:
@@ -1083,7 +1087,7 @@ def _check_kernel_code(fmap: FeatureMap) -> FeatureMap:
                              or int(code) not in KERNEL_CODES):
         raise ValueError(
             f"feature map {fmap.name!r} has kernel_code {code!r}; the kernels know "
-            f"{', '.join(map(str, KERNEL_CODES))} (identity, ELU+1, ReLU, squared ReLU) or None "
+            f"{', '.join(map(str, KERNEL_CODES))} (identity, ELU+1, ReLU, squared ReLU, L2, SiLU then L2) or None "
             "(the map is applied in NumPy)"
         )
     return fmap
@@ -1101,6 +1105,51 @@ def inline_maps() -> list[str]:
     return names
 
 
+class L2FeatureMap(FeatureMap):
+    """L2 normalisation: ``phi(x) = x / ||x||`` per row, exactly (a zero row maps to zero).
+
+    DeltaNet's keys and queries (Yang et al. 2024): with unit keys and write
+    strengths ``beta`` in [0, 2], ``I - beta k k^T`` is a contraction and the
+    delta rule's state stays bounded (``../shared/REFERENCES.md``, "Delta
+    rule").  There is no epsilon inside the norm; the norm is taken in
+    float64, so rows of float32 or float16 inputs whose squares overflow are
+    normalised correctly.  Signed features: the normaliser ``phi(q) . z``
+    can be <= 0 (see ``eps`` of :func:`linattn_nb.linear_attention`).
+    Applied inside the kernels (``kernel_code``).
+    """
+
+    name = "l2"
+    kernel_code = KERNEL_CODE_L2
+    is_positive = False
+
+    def _pre(self, x):
+        return np.asarray(x, dtype=np.float64)
+
+    def transform(self, x):
+        y = self._pre(x)
+        nrm = np.linalg.norm(y, axis=-1, keepdims=True)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out = np.where(nrm > 0, y / np.where(nrm > 0, nrm, 1.0), 0.0)
+        return out.astype(x.dtype, copy=False)
+
+
+class SiluL2FeatureMap(L2FeatureMap):
+    """SiLU, then L2 normalisation per row: ``phi(x) = s / ||s||``, ``s = x * sigmoid(x)`` (DeltaNet).
+
+    As :class:`L2FeatureMap` (exact, a zero row maps to zero), after the
+    elementwise SiLU of Yang et al. 2024's DeltaNet keys and queries.
+    Applied inside the kernels (``kernel_code``).
+    """
+
+    name = "silu_l2"
+    kernel_code = KERNEL_CODE_SILU_L2
+
+    def _pre(self, x):
+        y = np.asarray(x, dtype=np.float64)
+        with np.errstate(over="ignore"):
+            return y / (1.0 + np.exp(-y))  # exp overflow -> inf -> y / inf = -0 for very negative y
+
+
 register("elu", EluFeatureMap)
 register("relu", ReluFeatureMap)
 register("squared_relu", SquaredReluFeatureMap)
@@ -1111,3 +1160,5 @@ register("rff", RandomFourierFeatureMap)
 register("taylor2", Taylor2FeatureMap)
 register("cosformer", CosformerFeatureMap)
 register("hedgehog", HedgehogFeatureMap)
+register("l2", L2FeatureMap)
+register("silu_l2", SiluL2FeatureMap)

@@ -27,6 +27,11 @@ KERNEL_CODE_ELU = 1
 KERNEL_CODE_RELU = 2
 #: max(x, 0) ** 2.
 KERNEL_CODE_SQUARED_RELU = 3
+#: x / ||x|| per row (exactly, no epsilon in the norm; a zero row maps to
+#: zero): DeltaNet's unit keys and queries.
+KERNEL_CODE_L2 = 4
+#: SiLU(x) = x * sigmoid(x) per element, then x / ||x|| per row (DeltaNet).
+KERNEL_CODE_SILU_L2 = 5
 
 #: H += phi(k)^T [v 1]: the additive rule of linear attention.
 RULE_ADDITIVE = 0
@@ -38,20 +43,34 @@ RULE_DECAY = 1
 #: alpha_t = exp(log_gate[b, t, :]) (GLA).
 RULE_GATE = 2
 
+#: H <- H + beta_t phi(k_t) ([v_t 1] - H^T phi(k_t))^T: the delta rule
+#: (Schlag et al. 2021; DeltaNet, Yang et al. 2024).
+RULE_DELTA = 3
+#: H <- a_t (I - beta_t phi(k_t) phi(k_t)^T) H + beta_t phi(k_t) [v_t 1]^T:
+#: the gated delta rule (Yang, Kautz & Hatamizadeh 2025).
+RULE_GATED_DELTA = 4
+
 #: Every update rule: registry name -> (code, names of its extra per-token
 #: inputs).  Codes are distinct small integers; the kernels branch on them.
 #:
 #: The inputs as launchers receive them (validated and flattened by the front
 #: end, C-contiguous float64): ``log_decay`` (B, N) and ``log_gate`` (B, N, F),
 #: log-factors <= 0, ``-inf`` allowed (a reset: the state before the token is
-#: wiped exactly).  No NaN, no positive value.  Kernels must not form a
+#: wiped exactly).  No NaN, no positive value; ``beta`` (B, N), write
+#: strengths in [0, 2].  Kernels must not form a
 #: difference of cumulative log-factors across a ``-inf`` (it is NaN): see
 #: ``docs/adding_an_update_rule.md``.
 RULES = {
     "additive": (RULE_ADDITIVE, ()),
     "decay": (RULE_DECAY, ("log_decay",)),
     "gate": (RULE_GATE, ("log_gate",)),
+    "delta": (RULE_DELTA, ("beta",)),
+    "gated_delta": (RULE_GATED_DELTA, ("beta", "log_decay")),
 }
+
+#: Rules whose outputs are not divided by the normaliser by default
+#: (``normalize=None``): DeltaNet's convention.  The others divide.
+UNNORMALIZED_RULES = frozenset({"delta", "gated_delta"})
 
 #: Log-factors at or below this are a reset (-inf): exp() of them is 0 in
 #: float64 (the smallest subnormal is exp(-744.4)), so the recurrence is the

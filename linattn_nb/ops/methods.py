@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import config
 from .._validate import check_finite_values
-from ._codes import RULES
+from ._codes import RULES, UNNORMALIZED_RULES
 from ._finite import NonFiniteResult
 from .causal.chunked import causal_chunked
 from .causal.cpu import causal_scan
@@ -96,8 +96,16 @@ def _gpu(rule, name, causal, forward):
     register_method(Method(rule, name, causal, "cuda", forward, native_dtypes=_ALL_FLOATS))
 
 
+def _not_yet(device, name, code):  # TODO(issue 15): removed when the delta kernels land
+    def forward(q, k, v, H, out, **kw):
+        raise NotImplementedError(f"the {device} {name} kernels do not implement the delta rules yet")
+    return forward
+
+
 def _causal_launcher(device: str, name: str, code: int):
     """The rule-generic causal launcher ``name`` on ``device``, bound to rule ``code``."""
+    if code in (3, 4) and name != "quadratic":
+        return _not_yet(device, name, code)
     if device == "cpu":
         if name == "quadratic":
             return _quadratic_launcher(causal_linear_quadratic, rule=code)
@@ -107,7 +115,7 @@ def _causal_launcher(device: str, name: str, code: int):
 
 
 for _rule, (_code, _inputs) in RULES.items():
-    register_rule(Rule(_rule, code=_code, inputs=tuple(_inputs)))
+    register_rule(Rule(_rule, code=_code, inputs=tuple(_inputs), normalize=_rule not in UNNORMALIZED_RULES))
     for _device, _names in CAUSAL_METHODS.items():
         for _name in _names:
             _forward = _causal_launcher(_device, _name, _code)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._codes import RULE_ADDITIVE, RULE_DECAY, RULE_GATE, check_rule_inputs
+from .._codes import RULE_ADDITIVE, RULE_DECAY, RULE_DELTA, RULE_GATE, RULE_GATED_DELTA, check_rule_inputs
 
 
 def _log_factors(rule, inputs, b, n, f):
@@ -83,6 +83,10 @@ def explicit_weights(rule, qf, kf, inputs, b):
     if rule in (RULE_DECAY, RULE_GATE):
         N, F = qf.shape
         return _decayed_weights(qf, kf, _log_factors(rule, inputs, b, N, F))
+    if rule == RULE_DELTA:
+        return delta_weights(qf, kf, inputs["beta"][b])
+    if rule == RULE_GATED_DELTA:
+        return delta_weights(qf, kf, inputs["beta"][b], inputs["log_decay"][b])
     raise ValueError(f"the naive reference has no branch for rule {rule}")  # pragma: no cover
 
 
