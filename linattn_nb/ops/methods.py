@@ -96,10 +96,13 @@ def _gpu(rule, name, causal, forward):
     register_method(Method(rule, name, causal, "cuda", forward, native_dtypes=_ALL_FLOATS))
 
 
-def _not_yet(device, name, code):  # TODO(issue 15): removed when the delta kernels land
-    def forward(q, k, v, H, out, **kw):
-        raise NotImplementedError(f"the {device} {name} kernels do not implement the delta rules yet")
-    return forward
+def _unimplemented(q, k, v, H, out, *, rule, **kw):  # TODO(issue 15): removed when the delta kernels land
+    raise NotImplementedError("the scan and chunked kernels do not implement the delta rules yet; "
+                              "use method='quadratic'")
+
+
+def _not_yet(device, name, code):
+    return functools.partial(_unimplemented, rule=code)
 
 
 def _causal_launcher(device: str, name: str, code: int):
