@@ -184,6 +184,12 @@ AUTO_METHODS = {
     # docs/measurements.md, "AUTO_METHODS"): the scan wins up to N = 2.
     ("additive", True, "cpu"): [(2, "scan"), (None, "chunked")],
     ("additive", False, "cpu"): [(None, "aggregate")],
+    # decay and gate rules, causal CPU: scan against chunked at B*H = 16,
+    # D = M = 64, float32, N = 1 ... 1024 (docs/measurements.md, "AUTO_METHODS
+    # of the decay and gate rules"): the scan wins up to N = 2 and ties at 4;
+    # the chunked kernel wins by 0.7-0.95x from N = 8 on.
+    ("decay", True, "cpu"): [(4, "scan"), (None, "chunked")],
+    ("gate", True, "cpu"): [(4, "scan"), (None, "chunked")],
 }
 
 # --------------------------------------------------------------------------
@@ -231,6 +237,10 @@ CUDA_MAX_FEATURES = _env_int("LINATTN_CUDA_MAX_FEATURES", 1024)
 CUDA_AUTO_SCAN_BLOCKS_PER_SM = _env_int("LINATTN_CUDA_AUTO_SCAN_BLOCKS_PER_SM", 4)
 AUTO_METHODS[("additive", True, "cuda")] = [(2 * 256, "scan"), (None, "chunked")]
 AUTO_METHODS[("additive", False, "cuda")] = [(None, "aggregate")]
+# PROVISIONAL for the forgetting rules on CUDA: the additive rows (their kernels
+# are the additive ones with one factor per token or row), unmeasured on a GPU.
+AUTO_METHODS[("decay", True, "cuda")] = AUTO_METHODS[("additive", True, "cuda")]
+AUTO_METHODS[("gate", True, "cuda")] = AUTO_METHODS[("additive", True, "cuda")]
 
 # --------------------------------------------------------------------------
 # linattn_nb.analysis (rank and capacity tools)
