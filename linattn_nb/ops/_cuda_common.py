@@ -1,14 +1,15 @@
 """Device functions shared by the CUDA kernels (imported with the CUDA path only).
 
 :func:`phi` is the elementwise feature map of :func:`linattn_nb.ops._common.phi`
-on the GPU: codes 0 identity, 1 ELU+1 (``exp`` only sees negative arguments),
-2 ReLU, 3 squared ReLU, and the elementwise halves of the row maps: 4 (L2)
-the identity, 5 (SiLU then L2) the SiLU; NaN propagates through every
-branch.  The L2 normalisation of codes 4 and 5 needs the whole row: a kernel
-that stages a row calls :func:`l2_normalize_row` on it after :func:`phi`
-(:func:`is_row_map` says when).  ``zero`` and
-``one`` carry the working type, so a float32 kernel does no float64
-arithmetic (an integer literal would promote it).  It is the only definition
+on the GPU: codes 0 identity, 1 ELU+1, 2 ReLU, 3 squared ReLU, and the
+elementwise halves of the row maps: 4 (L2) the identity, 5 (SiLU then L2)
+the SiLU (``exp`` only sees arguments <= 0 in ELU+1 and SiLU, so nothing
+overflows); NaN propagates through every branch.  The L2 normalisation of
+codes 4 and 5 needs the whole row: a kernel that stages a row calls
+:func:`l2_normalize_row` on it after :func:`phi` (:func:`is_row_map` says
+when).  ``zero`` and ``one`` carry the working type, so :func:`phi` does no
+float64 arithmetic in a float32 kernel (an integer literal would promote it);
+only the row norm is taken in float64, once per row.  It is the only definition
 of the maps on the CUDA target: the sequence kernels
 (:mod:`linattn_nb.ops._cuda_kernels`) and the decode-step kernels
 (:mod:`linattn_nb.ops.step.cuda`) both call it.
@@ -74,8 +75,11 @@ def phi(x, code, zero, one):
         return x if (x > zero or x != x) else zero
     if code == KERNEL_CODE_SQUARED_RELU:
         return x * x if (x > zero or x != x) else zero
-    if code == KERNEL_CODE_SILU_L2:  # SiLU; exp overflows to inf for very negative x: x / inf = -0
-        return x / (one + math.exp(-x))
+    if code == KERNEL_CODE_SILU_L2:  # SiLU x sigmoid(x); exp only sees arguments <= 0 (no overflow)
+        if x >= zero:
+            return x / (one + math.exp(-x))
+        e = math.exp(x)
+        return x * e / (one + e)
     return x
 
 
