@@ -42,6 +42,23 @@ into shared memory; after the tile the block sums the ``G`` partials per
 column and divides by the normaliser column (``normalize=False``: writes the
 sum as it is).  Two ``syncthreads`` per tile.
 
+Row feature maps (``code`` 4, L2, and 5, SiLU then L2): the staged ``phi(q)``
+and ``phi(k)`` rows hold the elementwise half of the map; one more pass over
+the tile divides each row by its norm
+(:func:`linattn_nb.ops._cuda_common.l2_normalize_row`, one thread per row,
+float64 norm, a zero row stays zero), and one more ``syncthreads``.
+
+Delta rules (delta, gated delta): before a token changes column ``m`` of
+the state, the column must be read at the token's key, ``u_m = k^T H[:, m]``,
+a sum over all ``F`` rows, which the ``G`` row groups hold between them.
+Each thread writes its ``R``-row partial sums for its ``C`` columns to shared
+memory, the block synchronises, and each thread sums the ``G`` partials of
+its columns (a double buffer indexed by the token's parity, so one
+``syncthreads`` per token), forms the correction
+(:func:`linattn_nb.ops._cuda_common.delta_correction`) and updates its tile.
+The per-token barrier is the price of this layout (the simplest correct
+one); the staged per-token values are the factor (gated delta) and ``beta``.
+
 Accumulation dtype: float32 for float16 and float32 inputs, float64 when any
 input is float64; the state lives in registers in that dtype (float64 would
 double the registers of the tile and run at half the fp32 rate on H100/H200,
@@ -114,8 +131,10 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
     over value columns all read the normaliser column, and only the first one
     writes it.  lf : (B, N, W) float64 log-factors of the rule
     (:func:`linattn_nb.ops._cuda_common.rule_factor_rows`: W = 1 for the
-    decay rule, F for the gate rule); the additive kernel never reads it (pass
-    any (1, 1, 1) float64 array).  ``norm``: ``NORM_RAW``, ``NORM_FLOOR``
+    decay rule, F for the gate rule, 2 for the delta rules: the log-decay,
+    then ``beta``); the additive kernel never reads it (pass any (1, 1, 1)
+    float64 array).  ``code``: the feature map (:mod:`linattn_nb.ops._codes`;
+    codes 4 and 5 normalise the staged rows).  ``norm``: ``NORM_RAW``, ``NORM_FLOOR``
     (the normaliser floored at ``eps``) or ``NORM_NONE`` (no division) of
     :mod:`linattn_nb.ops._codes`.
     """
@@ -523,7 +542,8 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> 
     tokens per shared-memory tile, at most ``config.CUDA_TILE_TOKENS``,
     within ``config.CUDA_SHARED_BYTES`` (a rule with per-token factors,
     ``rule``, stages them too: one more value per token, or one per padded
-    feature row).
+    feature row; the delta rules stage two values per token and keep a
+    reduction buffer of ``2 G MBP`` values).
 
     Raises
     ------
