@@ -15,7 +15,7 @@ paths:
   is a Numba device array of shape ``(..., N, M)``, or the caller's ``out``.
   The final state (``return_state=True``) holds float64 Numba device arrays.
   The feature map must have an inline form (``kernel_code``: "elu", "relu",
-  "squared_relu", "identity", or ``None``); others raise ValueError
+  "squared_relu", "identity", "l2", "silu_l2", or ``None``); others raise ValueError
   (compute the features yourself and pass ``feature_map=None``, or pass host
   arrays).  ``check_finite`` runs a counting kernel over q, k, v (one extra
   read of the inputs; ``check_finite=False`` skips it).

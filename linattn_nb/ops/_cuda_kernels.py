@@ -42,6 +42,23 @@ into shared memory; after the tile the block sums the ``G`` partials per
 column and divides by the normaliser column (``normalize=False``: writes the
 sum as it is).  Two ``syncthreads`` per tile.
 
+Row feature maps (``code`` 4, L2, and 5, SiLU then L2): the staged ``phi(q)``
+and ``phi(k)`` rows hold the elementwise half of the map; one more pass over
+the tile divides each row by its norm
+(:func:`linattn_nb.ops._cuda_common.l2_normalize_row`, one thread per row,
+float64 norm, a zero row stays zero), and one more ``syncthreads``.
+
+Delta rules (delta, gated delta): before a token changes column ``m`` of
+the state, the column must be read at the token's key, ``u_m = k^T H[:, m]``,
+a sum over all ``F`` rows, which the ``G`` row groups hold between them.
+Each thread writes its ``R``-row partial sums for its ``C`` columns to shared
+memory, the block synchronises, and each thread sums the ``G`` partials of
+its columns (a double buffer indexed by the token's parity, so one
+``syncthreads`` per token), forms the correction
+(:func:`linattn_nb.ops._cuda_common.delta_correction`) and updates its tile.
+The per-token barrier is the price of this layout (the simplest correct
+one); the staged per-token values are the factor (gated delta) and ``beta``.
+
 Accumulation dtype: float32 for float16 and float32 inputs, float64 when any
 input is float64; the state lives in registers in that dtype (float64 would
 double the registers of the tile and run at half the fp32 rate on H100/H200,
@@ -69,8 +86,9 @@ from numba import config as _nbconfig
 from numba import cuda, float32, float64
 
 from .. import config
-from ._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, RULE_GATE
-from ._cuda_common import carry, phi, rule_factor_rows, token_update
+from ._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, RULE_GATE, RULE_GATED_DELTA
+from ._cuda_common import (carry, delta_correction, is_delta_rule, is_row_map, l2_normalize_row, phi,
+                           rule_factor_rows, token_update)
 
 # Simulator: kernels are Python; no on-disk cache (and no PTX) there.
 _SIM = bool(getattr(_nbconfig, "ENABLE_CUDASIM", 0))
@@ -113,8 +131,10 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
     over value columns all read the normaliser column, and only the first one
     writes it.  lf : (B, N, W) float64 log-factors of the rule
     (:func:`linattn_nb.ops._cuda_common.rule_factor_rows`: W = 1 for the
-    decay rule, F for the gate rule); the additive kernel never reads it (pass
-    any (1, 1, 1) float64 array).  ``norm``: ``NORM_RAW``, ``NORM_FLOOR``
+    decay rule, F for the gate rule, 2 for the delta rules: the log-decay,
+    then ``beta``); the additive kernel never reads it (pass any (1, 1, 1)
+    float64 array).  ``code``: the feature map (:mod:`linattn_nb.ops._codes`;
+    codes 4 and 5 normalise the staged rows).  ``norm``: ``NORM_RAW``, ``NORM_FLOOR``
     (the normaliser floored at ``eps``) or ``NORM_NONE`` (no division) of
     :mod:`linattn_nb.ops._codes`.
     """
@@ -136,8 +156,14 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
     # element), one per token (decay) or one per feature row (gate)
     FACTORS = rule_factor_rows(rule, FP) > 0
     PER_ROW = rule == RULE_GATE
+    # delta rules: per token the factor (gated delta; 1 for the delta rule)
+    # and the write strength beta, and a double buffer of the partial sums
+    # k^T H[:, m] of the G row groups (the reduction before the update)
+    DELTA = is_delta_rule(rule)
+    GATED = rule == RULE_GATED_DELTA
     SAT = T if FACTORS else 1
-    SAW = FP if PER_ROW else 1
+    SAW = FP if PER_ROW else (2 if DELTA else 1)
+    PU = (2, G, MBP) if DELTA else (1, 1, 1)
 
     @cuda.jit(cache=_CACHE)
     def kernel(q, k, v, out, H, Hout, lf, n, seg_len, nseg_per_b, state_div, b2n,
@@ -147,9 +173,11 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
         sv = cuda.shared.array((T, MBP), acc_t)
         sa = cuda.shared.array((SAT, SAW), acc_t)  # the tokens' factors exp(log-factor)
         part = cuda.shared.array((T, G, MBP), acc_t)
+        pu = cuda.shared.array(PU, acc_t)  # delta rules: partial k^T H per (token parity, row group, column)
         st = cuda.local.array(RC, acc_t)  # st[r * C + j]: row row0 + r, column c0 + j
         vt = cuda.local.array(C, acc_t)
         ac = cuda.local.array(C, acc_t)
+        ut = cuda.local.array(C, acc_t)  # delta rules: k^T H, then the correction, per column
 
         F = q.shape[3]
         M = v.shape[3]
@@ -198,9 +226,13 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                 sk[t, i] = xk
                 if PER_ROW and update:  # gate: the factor of row i (1 on padding rows, whose state is 0)
                     sa[t, i] = math.exp(acc_t(lf[b, t0 + t, i])) if i < F else one
-            if FACTORS and not PER_ROW and update:  # decay: one factor per token
+            if FACTORS and not PER_ROW and not DELTA and update:  # decay: one factor per token
                 for t in range(tid, nt, NTH):
                     sa[t, 0] = math.exp(acc_t(lf[b, t0 + t, 0]))
+            if DELTA and update:  # delta rules: the factor (1 without a gate), then beta
+                for t in range(tid, nt, NTH):
+                    sa[t, 0] = math.exp(acc_t(lf[b, t0 + t, 0])) if GATED else one
+                    sa[t, 1] = acc_t(lf[b, t0 + t, 1])
             if update:
                 for idx in range(tid, nt * MBP, NTH):
                     t = idx // MBP
@@ -213,9 +245,54 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                         x = one
                     sv[t, jj] = x
             cuda.syncthreads()
+            # ---- row maps (L2, SiLU then L2): normalise every staged row,
+            # one thread per row (code is uniform over the block)
+            if is_row_map(code):
+                for idx in range(tid, 2 * nt, NTH):
+                    t = idx >> 1
+                    if idx & 1:
+                        if update:
+                            l2_normalize_row(sk, t, F)
+                    elif write_out:
+                        l2_normalize_row(sq, t, F)
+                cuda.syncthreads()
             # ---- per token: update the R x C state tile, partial phi(q)^T S
             # (the additive rule ignores the factor: its loads are dead code)
-            if update and write_out:
+            if DELTA and update:
+                # delta rules: k^T H[:, m] over all F rows (partials of the G
+                # row groups through shared memory, one syncthreads per token:
+                # buffer t & 1 is rewritten two tokens later, after the next
+                # token's barrier), the column's correction, then the update
+                for t in range(nt):
+                    buf = t & 1
+                    ft = sa[t, 0]
+                    bt = sa[t, 1]
+                    for j in range(C):
+                        ut[j] = zero
+                    for r in range(R):
+                        kr = sk[t, row0 + r]
+                        for j in range(C):
+                            ut[j] += kr * st[r * C + j]
+                    for j in range(C):
+                        pu[buf, tg, c0 + j] = ut[j]
+                    cuda.syncthreads()
+                    for j in range(C):
+                        x = zero
+                        for g in range(G):
+                            x += pu[buf, g, c0 + j]
+                        ut[j] = delta_correction(rule, sv[t, c0 + j], x, ft, bt)
+                        ac[j] = zero
+                    for r in range(R):
+                        kr = sk[t, row0 + r]
+                        qr = sq[t, row0 + r]
+                        for j in range(C):
+                            s = token_update(rule, st[r * C + j], kr, ut[j], ft)  # the rule's hook
+                            st[r * C + j] = s
+                            ac[j] += qr * s
+                    if write_out:
+                        for j in range(C):
+                            part[t, tg, c0 + j] = ac[j]
+            elif update and write_out:
                 for t in range(nt):
                     for j in range(C):
                         vt[j] = sv[t, c0 + j]
@@ -394,6 +471,20 @@ def chunk_scan_states_kernel(Hc, H, Htot, Af, nchunks, exclusive, write_tot, rul
             Htot[b, i, col] = run
 
 
+@cuda.jit(cache=_CACHE)
+def pack_column_kernel(src, dst, w):
+    """``dst[b, t, w] = src[b, t]``: one per-token input (B, N), any strides, into column ``w``
+    of the (B, N, W) float64 array the sequence kernel reads (the delta rules' log-decay and beta)."""
+    B, N = src.shape
+    total = B * N
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for idx in range(start, total, stride):
+        b = idx // N
+        t = idx - b * N
+        dst[b, t, w] = src[b, t]
+
+
 @cuda.jit(device=True, inline=True)  # inlined: no device-function compile, which needs a GPU
 def _unravel4(idx, Bn, N, F):
     """C-order index -> (b1, b2, t, i) of a 4-d array with trailing shape (Bn, N, F)."""
@@ -451,7 +542,8 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> 
     tokens per shared-memory tile, at most ``config.CUDA_TILE_TOKENS``,
     within ``config.CUDA_SHARED_BYTES`` (a rule with per-token factors,
     ``rule``, stages them too: one more value per token, or one per padded
-    feature row).
+    feature row; the delta rules stage two values per token and keep a
+    reduction buffer of ``2 G MBP`` values).
 
     Raises
     ------
@@ -488,7 +580,8 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> 
     MBP = -(-(MB + 1) // C) * C
     factors = rule_factor_rows(rule, G * R)
     per_token = int(acc_itemsize) * (2 * G * R + MBP + G * MBP + factors)
-    T = min(int(config.CUDA_TILE_TOKENS), int(config.CUDA_SHARED_BYTES) // per_token)
+    fixed = int(acc_itemsize) * 2 * G * MBP if is_delta_rule(rule) else 0  # the delta rules' reduction buffer
+    T = min(int(config.CUDA_TILE_TOKENS), (int(config.CUDA_SHARED_BYTES) - fixed) // per_token)
     if T < 1:
         raise ValueError(
             f"D_phi={F}, M={M}: one token needs {per_token} bytes of shared memory, more than "

@@ -42,8 +42,8 @@ from numba import cuda
 
 from .. import config
 from . import _cuda_kernels as K
-from ._codes import RULE_ADDITIVE, RULE_DECAY, RULES, check_rule_inputs, norm_mode, rule_name
-from ._cuda_common import rule_factor_rows
+from ._codes import RULE_ADDITIVE, RULE_DECAY, RULE_GATED_DELTA, RULES, check_rule_inputs, norm_mode, rule_name
+from ._cuda_common import is_delta_rule, rule_factor_rows
 
 _F64 = np.dtype(np.float64)
 
@@ -148,10 +148,12 @@ def rule_factors(rule: int, inputs, B: int, N: int, F: int):
 
     ``W`` = :func:`linattn_nb.ops._cuda_common.rule_factor_rows`: 1 for the
     decay rule (``inputs["log_decay"]`` of shape (B, N)), F for the gate rule
-    (``inputs["log_gate"]`` of shape (B, N, F)); a rule without factors gets
-    a (1, 1, 1) placeholder the kernels never read.  Host (NumPy) inputs are
-    copied to the device; device arrays are viewed in place (any
-    non-negative strides).  ``inputs`` must already hold exactly the rule's
+    (``inputs["log_gate"]`` of shape (B, N, F)), 2 for the delta rules
+    (column 0 ``inputs["log_decay"]``, 0 for the delta rule, column 1
+    ``inputs["beta"]``, both (B, N), packed into a new array); a rule without
+    factors gets a (1, 1, 1) placeholder the kernels never read.  Host
+    (NumPy) inputs are copied to the device; device arrays are viewed in
+    place (any non-negative strides).  ``inputs`` must already hold exactly the rule's
     inputs (:func:`linattn_nb.ops._codes.check_rule_inputs`).
 
     Raises
@@ -163,25 +165,61 @@ def rule_factors(rule: int, inputs, B: int, N: int, F: int):
     W = rule_factor_rows(rule, F)
     if W == 0:
         return _placeholder(3)
+    if is_delta_rule(rule):
+        return _delta_inputs(rule, inputs, B, N)
     name = RULES[rule_name(rule)][1][0]
     x = inputs[name]
     want = (B, N) if rule == RULE_DECAY else (B, N, F)
     dims = "(B, N)" if rule == RULE_DECAY else "(B, N, F)"
+    x = _checked_input(name, x, want, dims)
+    if isinstance(x, np.ndarray):
+        return cuda.to_device(np.ascontiguousarray(x, dtype=_F64).reshape(B, N, W))
+    strides = tuple(int(s) for s in x.strides)
+    if len(strides) == 2:
+        strides = strides + (_F64.itemsize,)
+    return K.strided_view(x, (B, N, W), strides)
+
+
+def _checked_input(name, x, want, dims):
+    """The per-token input ``x`` checked for shape ``want``: a NumPy array as it is, else a device array.
+
+    Raises
+    ------
+    ValueError
+        For another shape, or (a device array) a dtype other than float64 or negative strides.
+    """
     shape = tuple(int(s) for s in x.shape)
     if shape != want:
         raise ValueError(f"inputs[{name!r}] must have shape {dims} = {want}, got {shape}")
     if isinstance(x, np.ndarray):
-        return cuda.to_device(np.ascontiguousarray(x, dtype=_F64).reshape(B, N, W))
+        return x
     if not (K.is_sim_array(x) or type(x).__module__.startswith("numba.cuda")):
         x = cuda.as_cuda_array(x)
     if np.dtype(x.dtype) != _F64:
         raise ValueError(f"inputs[{name!r}] must be float64, got {np.dtype(x.dtype)}")
-    strides = tuple(int(s) for s in x.strides)
-    if any(s < 0 for s in strides):
+    if any(int(s) < 0 for s in x.strides):
         raise ValueError(f"inputs[{name!r}]: negative strides are not supported; make a contiguous copy first")
-    if len(strides) == 2:
-        strides = strides + (_F64.itemsize,)
-    return K.strided_view(x, (B, N, W), strides)
+    return x
+
+
+def _delta_inputs(rule, inputs, B, N):
+    """The delta rules' (B, N, 2) float64 device array: column 0 the log-decay (0 for the delta
+    rule), column 1 ``beta``.  Host inputs are stacked on the host and copied once; device
+    inputs are copied into it on the device (one small kernel per input)."""
+    names = (("log_decay", 0), ("beta", 1)) if rule == RULE_GATED_DELTA else (("beta", 1),)
+    xs = [(_checked_input(name, inputs[name], (B, N), "(B, N)"), w) for name, w in names]
+    if all(isinstance(x, np.ndarray) for x, _ in xs):
+        packed = np.zeros((B, N, 2), dtype=_F64)
+        for x, w in xs:
+            packed[:, :, w] = x
+        return cuda.to_device(packed)
+    dst = cuda.to_device(np.zeros((B, N, 2), dtype=_F64))
+    for x, w in xs:
+        if isinstance(x, np.ndarray):
+            x = cuda.to_device(np.ascontiguousarray(x, dtype=_F64))
+        if x.size:
+            K.pack_column_kernel[K.helper_grid(x.size)](x, dst, w)
+    return dst
 
 
 def plan(q, k, v, H, out, *, rule=RULE_ADDITIVE, inputs=None, chunk=None) -> SeqPlan:

@@ -13,8 +13,11 @@ device array, the state ``[S | z]`` (column M is the normaliser, the state of
 a value column of ones), updated in place from the initial to the final
 state; ``inputs``: the rule's extra per-token inputs, none for the additive
 rule, ``{"log_decay": (B, N)}`` for the decay rule, ``{"log_gate": (B, N,
-F)}`` for the gate rule (float64 log-factors <= 0, ``-inf`` a reset; host
-NumPy arrays are copied to the device, device arrays read in place);
+F)}`` for the gate rule (float64 log-factors <= 0, ``-inf`` a reset),
+``{"beta": (B, N)}`` for the delta rule and ``{"beta": (B, N), "log_decay":
+(B, N)}`` for the gated delta rule (write strengths in [0, 2]); host NumPy
+arrays are copied to the device, device arrays read in place (the delta
+rules' two inputs are first packed into one (B, N, 2) device array);
 ``normalize=False`` writes ``phi(q_t)^T S_t`` without the division;
 ``rule``: the update-rule code (:data:`linattn_nb.ops._codes.RULES`; the
 method table binds it per rule), whose per-token and per-chunk steps are the
@@ -33,12 +36,21 @@ float16/32/64; accumulation in float32, or float64 when an input is float64
   blocks, for long sequences with few batch entries (Yang et al. 2024, GLA,
   Sec. 2.2, for the chunk decomposition).
 
+  The delta rules (``"delta"``, ``"gated_delta"``) are the exception: their
+  chunk transition is an (F, F) matrix (``prod_t a_t (I - beta_t k_t
+  k_t^T)``), not a factor per state row, so the combine of step (2) does not
+  apply.  For them ``chunked`` runs the scan (one block per batch entry and
+  column block walks the chunks of its sequence in order): correct, with the
+  scan's parallelism.  A chunkwise-parallel form (WY/UT chunks and an
+  (F, F) transition per chunk) is future work.
+
 The passes are those of :mod:`linattn_nb.ops._cuda_launch`.
 """
 from __future__ import annotations
 
 from .. import _cuda_launch as C
 from .._codes import RULE_ADDITIVE
+from .._cuda_common import is_delta_rule
 
 
 def causal_scan_cuda(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, normalize=True,
@@ -55,13 +67,13 @@ def causal_chunked_cuda(q, k, v, H, out, *, code, eps, inputs=None, check_finite
     """Chunkwise-parallel causal attention on the GPU (module docstring).
 
     ``chunk_size`` defaults to ``config.CUDA_CHUNK_SIZE``; a sequence of one
-    chunk runs the scan.
+    chunk runs the scan, and so do the delta rules (module docstring).
     """
     C.check_inputs(q, k, v, check_finite)
     p = C.plan(q, k, v, H, out, rule=rule, inputs=inputs, chunk=C.chunk_length(chunk_size))
     if p.empty:
         return out
-    if p.chunks == 1:
+    if p.chunks == 1 or is_delta_rule(p.rule):
         C.scan(p, H, code=code, eps=eps, normalize=normalize)
         return out
     Hc = C.chunk_sums(p, code=code, eps=eps)  # (1)

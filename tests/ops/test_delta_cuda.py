@@ -1,0 +1,288 @@
+"""CUDA kernels of the delta and gated delta rules (issue 15) and the inline 'l2' / 'silu_l2' feature maps.
+
+Runs on the Numba CUDA simulator without a GPU (tests/conftest.py) with the tiny
+launch configuration of test_cuda.py (2 tokens per shared-memory tile, 2 x 3 state
+tiles, so F = 3 takes two row groups and the delta rules' per-token reduction
+crosses threads; 3 value columns per block, so M = 4 takes two column blocks),
+and chunks of 3 tokens.  For the delta rules ``chunked`` runs the scan (their
+chunk transition is an (F, F) matrix; ops/causal/cuda.py), so both methods are
+checked alike.  The sequence kernels of both rules are also compiled to sm_90
+PTX at the default launch configuration.
+
+Ground truth: the float64 explicit form of ops/causal/naive.py
+(``causal_linear_quadratic``, the closed form of the delta rules) on features
+from the NumPy maps of linattn_nb.feature_maps.
+"""
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+import pytest
+
+import linattn_nb as la
+from linattn_nb import config
+from linattn_nb.device import cuda_status
+from linattn_nb.feature_maps import get as get_map
+from linattn_nb.ops._codes import KERNEL_CODE_L2, KERNEL_CODE_SILU_L2, RULE_ADDITIVE, RULE_DELTA, RULE_GATED_DELTA
+from linattn_nb.ops.causal.naive import causal_linear_quadratic
+from linattn_nb.ops.noncausal.naive import noncausal_linear_quadratic
+from _ptx import run_ptx_script
+from test_cuda import SMALL_LAUNCH
+
+cuda = pytest.importorskip("numba.cuda")
+
+pytestmark = pytest.mark.skipif(cuda_status() == "none", reason="neither a CUDA GPU nor the simulator is available")
+
+#: max abs error / max(1, max |reference|), per input dtype (float32 accumulates in float32)
+TOL = {np.float32: 3e-5, np.float64: 1e-12}
+#: rule name -> (code, the map its tests use)
+RULES = {"delta": (RULE_DELTA, KERNEL_CODE_L2), "gated_delta": (RULE_GATED_DELTA, KERNEL_CODE_SILU_L2)}
+MAPS = {KERNEL_CODE_L2: "l2", KERNEL_CODE_SILU_L2: "silu_l2"}
+B, N, F, M, CHUNK = 3, 8, 3, 4, 3
+
+
+@pytest.fixture(autouse=True)
+def small_launch(monkeypatch):
+    for name, value in SMALL_LAUNCH.items():
+        monkeypatch.setattr(config, name, value)
+
+
+def assert_close(actual, expected, dtype):
+    actual = np.asarray(actual, dtype=np.float64)
+    assert np.isfinite(actual).all(), "NaN or inf in the result"
+    scale = max(float(np.max(np.abs(expected))), 1.0)
+    err = float(np.max(np.abs(actual - expected)))
+    assert err <= TOL[np.dtype(dtype).type] * scale, f"max abs error {err:.3e}"
+
+
+def features(x, code):
+    """The NumPy map of kernel code ``code`` on ``x`` (its dtype), in float64."""
+    return get_map(MAPS[code]).transform(x).astype(np.float64)
+
+
+def data(rng, dtype):
+    """Positive q, k (so that with normalize=True the normaliser stays away from 0), a zero key row
+    (entry 1, token 2) and a zero query row (entry 0, token 5); a random initial state, z0 > 0."""
+    q, k = (np.abs(rng.normal(size=(B, N, F))) + 0.1 for _ in range(2))
+    k[1, 2] = 0.0
+    q[0, 5] = 0.0
+    v = rng.normal(size=(B, N, M))
+    S0 = rng.normal(size=(B, F, M))
+    z0 = rng.uniform(0.5, 1.5, size=(B, F))
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), S0, z0
+
+
+def rule_inputs(rng, rule, b=B, n=N):
+    """beta in [0, 2] (with a 0 and a 2); the gated rule's log-decays with resets (-inf) mid-chunk
+    (entry 0, token 4), at a chunk boundary (entry 1, token 3) and at token 0 (entry 2)."""
+    beta = rng.uniform(0.0, 2.0, size=(b, n))
+    beta[0, 1] = 0.0
+    beta[1, 5] = 2.0
+    if rule == "delta":
+        return {"beta": beta}
+    lg = np.log(rng.uniform(0.3, 1.0, size=(b, n)))
+    lg[0, 4] = lg[1, 3] = lg[2, 0] = -np.inf
+    return {"beta": beta, "log_decay": lg}
+
+
+def launcher(method):
+    from linattn_nb.ops.causal.cuda import causal_chunked_cuda, causal_scan_cuda
+
+    if method == "chunked":
+        return lambda *a, **kw: causal_chunked_cuda(*a, chunk_size=CHUNK, **kw)
+    return causal_scan_cuda
+
+
+def run(method, q, k, v, S0, z0, *, rule, inputs, code, normalize=False, eps=1e-8):
+    """A CUDA launcher on device copies; returns (out, S, z) on the host."""
+    H = cuda.to_device(np.concatenate([S0, z0[..., None]], axis=-1))
+    out = cuda.to_device(np.full(q.shape[:2] + v.shape[-1:], np.nan, dtype=np.result_type(q, k, v)))
+    if method == "aggregate":
+        from linattn_nb.ops.noncausal.cuda import noncausal_aggregate_cuda
+
+        got = noncausal_aggregate_cuda(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), H, out, code=code,
+                                       eps=eps, inputs=inputs, normalize=normalize, chunk_size=CHUNK)
+    else:
+        got = launcher(method)(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), H, out, code=code, eps=eps,
+                               inputs=inputs, normalize=normalize, rule=rule)
+    assert got is out
+    h = H.copy_to_host()
+    return out.copy_to_host(), h[..., :-1], h[..., -1]
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("method", ["scan", "chunked"])
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_launchers_match_reference(rule, method, dtype, normalize):
+    """Initial state in, final state out, beta 0 and 2, a zero key and a zero query row, resets of
+    the gated rule mid-chunk, at a chunk boundary and at token 0: outputs and the final state equal
+    the explicit form (delta: 'l2' features, gated delta: 'silu_l2', applied in the kernel)."""
+    rng = np.random.default_rng(15)
+    q, k, v, S0, z0 = data(rng, dtype)
+    code, map_code = RULES[rule]
+    inputs = rule_inputs(rng, rule)
+    out, S, z = run(method, q, k, v, S0, z0, rule=code, inputs=inputs, code=map_code, normalize=normalize)
+    ref, S_ref, z_ref = causal_linear_quadratic(features(q, map_code), features(k, map_code), v.astype(np.float64),
+                                                eps=1e-8, S0=S0, z0=z0, rule=code, inputs=inputs, normalize=normalize)
+    if normalize:  # the data keep the normaliser phi(q)^T z away from 0 (the division amplifies rounding)
+        den, _, _ = causal_linear_quadratic(features(q, map_code), features(k, map_code), np.ones((B, N, 1)),
+                                            eps=1e-8, S0=z0[..., None], z0=z0, rule=code, inputs=inputs,
+                                            normalize=False)
+        den[0, 5] = 1.0  # the zero query row: 0 / eps = 0 exactly
+        assert np.abs(den).min() > 0.05
+    assert_close(out, ref, dtype)
+    assert_close(S, S_ref, dtype)
+    assert_close(z, z_ref, dtype)
+
+
+@pytest.mark.parametrize("method", ["scan", "chunked"])
+def test_gated_reset_at_token_zero_forgets_the_initial_state_exactly(method):
+    """A reset at token 0 of every entry: outputs and final state are those of a zero initial
+    state, bit for bit, however large the initial state (0 * s and 0 * k^T s are 0 exactly)."""
+    rng = np.random.default_rng(3)
+    q, k, v, S0, z0 = data(rng, np.float64)
+    inputs = rule_inputs(rng, "gated_delta")
+    inputs["log_decay"][:, 0] = -np.inf
+    kw = dict(rule=RULE_GATED_DELTA, inputs=inputs, code=KERNEL_CODE_L2)
+    got = run(method, q, k, v, 1e30 * S0, 1e30 * z0, **kw)
+    zero = run(method, q, k, v, 0.0 * S0, 0.0 * z0, **kw)
+    for a, b in zip(got, zero):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_delta_rule_beta_zero_keeps_the_state_and_unit_keys_stay_bounded():
+    """beta = 0: the state is never written (outputs read the initial state); beta in [0, 2]
+    with unit keys ('l2'): I - beta k k^T is a contraction, so ||S|| stays within
+    ||S0|| + sum_t beta_t ||v_t|| whatever the keys."""
+    rng = np.random.default_rng(8)
+    q, k, v, S0, z0 = data(rng, np.float64)
+    k = rng.normal(size=k.shape)  # signed unit keys
+    out, S, z = run("scan", q, k, v, S0, z0, rule=RULE_DELTA, inputs={"beta": np.zeros((B, N))}, code=KERNEL_CODE_L2)
+    np.testing.assert_array_equal(S, S0)
+    np.testing.assert_array_equal(z, z0)
+    np.testing.assert_allclose(out, np.einsum("bnf,bfm->bnm", features(q, KERNEL_CODE_L2), S0), rtol=0, atol=1e-14)
+    beta = rng.uniform(0.0, 2.0, size=(B, N))
+    _, S, _ = run("scan", q, k, v, S0, z0, rule=RULE_DELTA, inputs={"beta": beta}, code=KERNEL_CODE_L2)
+    bound = np.linalg.norm(S0, 2, axis=(1, 2)) + np.sum(beta * np.linalg.norm(v, axis=-1), axis=1)
+    assert (np.linalg.norm(S, 2, axis=(1, 2)) <= bound * (1 + 1e-12)).all()
+
+
+@pytest.mark.parametrize("method", ["scan", "chunked", "aggregate"])
+@pytest.mark.parametrize("code", [KERNEL_CODE_L2, KERNEL_CODE_SILU_L2])
+def test_row_maps_inline(code, method):
+    """'l2' and 'silu_l2' applied in the kernel equal the NumPy maps (additive rule, causal scan
+    and chunked, non-causal aggregate; float32): signed inputs, a zero key row and a zero query
+    row (which stay zero), a row of very negative values (SiLU gives -0s: a zero row) and a query
+    row whose squares overflow float32 (the norm is taken in float64)."""
+    rng = np.random.default_rng(code)
+    q, k = (rng.normal(size=(B, N, F)) for _ in range(2))
+    v = rng.normal(size=(B, N, M))
+    k[1, 2] = 0.0
+    q[0, 5] = 0.0
+    k[2, 6] = -1e4
+    q[2, 3] = [1e20, 2e20, 2e20]
+    q, k, v = (x.astype(np.float32) for x in (q, k, v))
+    S0 = rng.normal(size=(B, F, M))
+    z0 = rng.normal(size=(B, F))
+    qf, kf = features(q, code), features(k, code)
+    assert np.array_equal(kf[1, 2], np.zeros(F)) and np.abs(qf[2, 3]).max() == pytest.approx(2 / 3)
+    if code == KERNEL_CODE_SILU_L2:
+        assert not kf[2, 6].any()
+    out, S, z = run(method, q, k, v, S0, z0, rule=RULE_ADDITIVE, inputs=None, code=code, normalize=False)
+    ref_fn = noncausal_linear_quadratic if method == "aggregate" else causal_linear_quadratic
+    ref, S_ref, z_ref = ref_fn(qf, kf, v.astype(np.float64), eps=1e-8, S0=S0, z0=z0, normalize=False)
+    assert_close(out, ref, np.float32)
+    assert_close(S, S_ref, np.float32)
+    assert_close(z, z_ref, np.float32)
+    assert not out[0, 5].any()  # a zero query row reads nothing
+
+
+@pytest.mark.parametrize("method", ["scan", "chunked"])
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_public_api_with_host_inputs(rule, method):
+    """linear_attention(..., beta=, [log_decay=,] device="cuda") with NumPy inputs (batch (2, 1))
+    equals method="quadratic" on the CPU: outputs and the final state, from an initial state;
+    the state is tagged with the rule."""
+    rng = np.random.default_rng(7)
+    q, k = (rng.normal(size=(2, 1, N, F)) for _ in range(2))
+    v = rng.normal(size=(2, 1, N, M))
+    state = (rng.normal(size=(2, 1, F, M)), rng.uniform(0.5, 1.5, size=(2, 1, F)))
+    kw = {"beta": rng.uniform(0.0, 2.0, size=(2, 1, N))}
+    if rule == "gated_delta":
+        kw["decay"] = rng.uniform(0.3, 1.0, size=(2, 1, N))
+        kw["decay"][0, 0, 4] = 0.0
+    fmap = MAPS[RULES[rule][1]]
+    o, st = la.linear_attention(q, k, v, causal=True, device="cuda", method=method, initial_state=state,
+                                return_state=True, feature_map=fmap, **kw)
+    r, rst = la.linear_attention(q, k, v, causal=True, device="cpu", method="quadratic", initial_state=state,
+                                 return_state=True, feature_map=fmap, **kw)
+    assert isinstance(o, np.ndarray) and o.shape == (2, 1, N, M)
+    assert_close(o, r, np.float64)
+    assert_close(st.S, rst.S, np.float64)
+    assert_close(st.z, rst.z, np.float64)
+    assert st.rule == rule
+
+
+def test_rule_inputs_checked_and_device_inputs_read():
+    """beta / log_decay of the wrong shape or (on the device) dtype raise ValueError naming them;
+    device arrays (alone or mixed with host arrays) give the result of the host arrays."""
+    rng = np.random.default_rng(9)
+    q, k, v, S0, z0 = data(rng, np.float64)
+    inputs = rule_inputs(rng, "gated_delta")
+    kw = dict(rule=RULE_GATED_DELTA, code=KERNEL_CODE_L2)
+    host = run("scan", q, k, v, S0, z0, inputs=inputs, **kw)
+    for dev in ({"beta": cuda.to_device(inputs["beta"]), "log_decay": cuda.to_device(inputs["log_decay"])},
+                {"beta": cuda.to_device(inputs["beta"]), "log_decay": inputs["log_decay"]}):
+        got = run("scan", q, k, v, S0, z0, inputs=dev, **kw)
+        for a, b in zip(host, got):
+            np.testing.assert_array_equal(a, b)
+    beta = inputs["beta"]
+    for rule, bad, msg in [
+        (RULE_DELTA, {"beta": beta[:, :-1]}, r"inputs\['beta'\] must have shape \(B, N\) = \(3, 8\), got \(3, 7\)"),
+        (RULE_GATED_DELTA, {"beta": beta, "log_decay": inputs["log_decay"][:, None]},
+         r"inputs\['log_decay'\] must have shape \(B, N\) = \(3, 8\), got \(3, 1, 8\)"),
+        (RULE_DELTA, {"beta": cuda.to_device(beta.astype(np.float32))}, r"inputs\['beta'\] must be float64"),
+        (RULE_GATED_DELTA, {"beta": beta}, r"inputs: the gated_delta rule takes the inputs \['beta', 'log_decay'\]"),
+    ]:
+        for method in ("scan", "chunked"):
+            with pytest.raises(ValueError, match=msg):
+                run(method, q, k, v, S0, z0, rule=rule, inputs=bad, code=KERNEL_CODE_L2)
+
+
+_PTX_SCRIPT = textwrap.dedent(
+    """
+    import json
+    from numba import cuda, types
+    from linattn_nb.ops import _cuda_kernels as K
+    res = {}
+    i, b, f64 = types.int64, types.boolean, types.float64
+    for acc, dt in (("float32", "float32"), ("float64", "float64")):
+        for rule in (3, 4):
+            cfg = K.seq_config(64, 64, 4 if acc == "float32" else 8, rule)  # the default configuration
+            kern = K.seq_kernel(*cfg, acc, rule)
+            a4 = types.Array(getattr(types, dt), 4, "A")
+            H = types.Array(getattr(types, acc), 3, "C")
+            lf = types.Array(f64, 3, "C")
+            sig = (a4, a4, a4, a4, H, H, lf, i, i, i, i, i, i, f64, i, b, b, b, b)
+            text, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
+            res["%s/%d" % (acc, rule)] = {"target": ".target sm_90" in text, "entry": ".entry" in text,
+                                          "local": ("ld.local" in text) or ("st.local" in text)}
+    text, _ = cuda.compile_ptx(K.pack_column_kernel.py_func, (types.Array(f64, 2, "A"), types.Array(f64, 3, "C"), i),
+                               cc=(9, 0))
+    res["pack_column_kernel"] = {"target": ".target sm_90" in text, "entry": ".entry" in text, "local": False}
+    print(json.dumps(res))
+    """
+)
+
+
+def test_delta_kernels_compile_to_ptx():
+    """The delta and gated delta sequence kernels (with the inline row maps) type-check and compile
+    for sm_90 at the default launch configuration (D_phi = M = 64, float32 and float64
+    accumulation) with the state tile in registers (no local memory); the packing kernel of the
+    rules' inputs compiles too."""
+    res = run_ptx_script(_PTX_SCRIPT)
+    assert len(res) == 5
+    for key, val in res.items():
+        assert val == {"target": True, "entry": True, "local": False}, (key, val)
