@@ -23,7 +23,7 @@ from ..ops.registry import get_method, get_rule
 from . import fileformat
 from . import launchers  # noqa: F401  (registers the step launchers)
 from ._checks import (F32, F64, STATE_DTYPES, check_batch_shape, check_dim, check_shapes, check_state_dtype,
-                      host_tokens, prefill_decay_inputs, raise_nonfinite, step_decay_inputs, work_dtype)
+                      host_tokens, prefill_rule_inputs, raise_nonfinite, step_rule_inputs, work_dtype)
 from .fileformat import StateFileError
 
 __all__ = ["LinearAttentionState", "StateFileError"]
@@ -33,11 +33,13 @@ __all__ = ["LinearAttentionState", "StateFileError"]
 RULE = "additive"
 
 #: The update rules a state can run (:data:`linattn_nb.ops._codes.RULES`).
-RULE_NAMES = ("additive", "decay", "gate")
+RULE_NAMES = ("additive", "decay", "gate", "delta", "gated_delta")
 
-_RULE_HINT = {"additive": "pass neither decay nor log_decay",
-              "decay": "pass decay or log_decay with one factor per sequence (or per token)",
-              "gate": "pass decay or log_decay with one factor per feature (last axis D_phi)"}
+_RULE_HINT = {"additive": "pass neither decay nor log_decay nor beta",
+              "decay": "pass decay or log_decay with one factor per sequence (or per token), without beta",
+              "gate": "pass decay or log_decay with one factor per feature (last axis D_phi), without beta",
+              "delta": "pass beta, without decay or log_decay",
+              "gated_delta": "pass beta with decay or log_decay (one factor per sequence or per token)"}
 
 
 def check_rule_name(rule, name="rule"):
@@ -71,7 +73,12 @@ class LinearAttentionState:
     With decay or gating (RetNet, Mamba-2/SSD, GLA: :func:`linattn_nb.linear_attention`'s
     ``decay``/``log_decay``) each token first scales the state by its factors,
     ``S_t = a_t (.) S_{t-1} + phi(k_t) v_t^T``, and ``z`` decays like ``S``;
-    :meth:`step` and :meth:`prefill` take the factors of their tokens.
+    :meth:`step` and :meth:`prefill` take the factors of their tokens.  With
+    the delta rules (DeltaNet, Gated DeltaNet: ``beta``) each token corrects
+    the state instead, ``H_t = a_t (I - beta_t k k^T) H_{t-1} + beta_t k [v_t 1]``
+    on ``H = [S | z]`` with ``k = phi(k_t)`` (``a_t = 1`` without a decay);
+    :meth:`step` and :meth:`prefill` take the write strengths ``beta`` of
+    their tokens.
 
     Parameters
     ----------
@@ -94,19 +101,22 @@ class LinearAttentionState:
         anything else keeps it on the host; it is then fixed.
     eps : float or None, default 1e-8
         Floor of the normaliser, as in :func:`linattn_nb.linear_attention`.
-    rule : {None, "additive", "decay", "gate"}, default None
+    rule : {None, "additive", "decay", "gate", "delta", "gated_delta"}, default None
         The update rule: ``"additive"`` (no forgetting), ``"decay"`` (one
-        factor per sequence and token) or ``"gate"`` (one per feature as
-        well).  ``None`` leaves it to the first :meth:`step` or
-        :meth:`prefill` that absorbs a token: the rule of its ``decay``/
-        ``log_decay`` (additive without them).  Once fixed it stays (also
-        through :meth:`reset`, :meth:`copy`, :meth:`save`); a call with
-        another rule raises ValueError naming ``decay``/``log_decay``.
+        factor per sequence and token), ``"gate"`` (one per feature as
+        well), ``"delta"`` (a write strength ``beta`` per token) or
+        ``"gated_delta"`` (``beta`` and a decay per token).  ``None`` leaves
+        it to the first :meth:`step` or :meth:`prefill` that absorbs a token:
+        the rule of its ``decay``/``log_decay``/``beta`` (additive without
+        them).  Once fixed it stays (also through :meth:`reset`,
+        :meth:`copy`, :meth:`save`); a call with another rule raises
+        ValueError naming ``decay``/``log_decay``/``beta``.
     normalize : bool or None, default None
         As in :func:`linattn_nb.linear_attention`: None takes the rule's
-        convention (True for the additive, decay and gate rules); False makes
-        :meth:`step` and :meth:`query` return ``phi(q)^T S`` undivided.  Maps
-        that need the normaliser (FAVOR+, Hedgehog) refuse False.
+        convention (True for the additive, decay and gate rules, False for
+        the delta rules); False makes :meth:`step` and :meth:`query` return
+        ``phi(q)^T S`` undivided.  Maps that need the normaliser (FAVOR+,
+        Hedgehog) refuse False.
 
     Attributes
     ----------
@@ -182,6 +192,7 @@ class LinearAttentionState:
         # normalize's type, and maps that need the normaliser (the front end's check).
         FE.rule_arguments(fmap, None, None, normalize, bs, 0, f, causal=True)
         self._init_fields(d, m, f, bs, fmap, dt, eps, rule, normalize)
+        self._check_normalizer()
         self._position = 0
         dev = None if device == "auto" else resolve_device(device)
         self._attach(dev or "cpu")
@@ -231,6 +242,14 @@ class LinearAttentionState:
             (self._feat,) = self._scratch
 
     # -- the update rule -----------------------------------------------------------
+    def _check_normalizer(self):
+        """A rule whose convention is normalize=False (the delta rules) with a map that needs the
+        normaliser and normalize=None: the front end's error (nothing built)."""
+        if not self._norm and self._rule is not None:
+            args = {"beta": 0.0} if self._rule in ("delta", "gated_delta") else {}
+            FE.rule_arguments(self._fmap, None, None, self._normalize_arg, self._bs, 1, self._f, causal=True,
+                              **args)
+
     def _check_rule(self, rule, name):
         """Refuse a call of another rule than the state's (before anything changes)."""
         if self._rule is not None and rule != self._rule:
@@ -319,7 +338,8 @@ class LinearAttentionState:
 
     @property
     def rule(self):
-        """The update rule ("additive", "decay", "gate"), or None until the first tokens fix it."""
+        """The update rule ("additive", "decay", "gate", "delta", "gated_delta"), or None until the first
+        tokens fix it."""
         return self._rule
 
     @property
@@ -378,12 +398,12 @@ class LinearAttentionState:
             self._set_device(dev)
         return res
 
-    def _factors(self, decay, log_decay, parse, what):
+    def _factors(self, decay, log_decay, beta, parse, what):
         """A ``factors`` callable for :meth:`_prepare` (``parse``: the step's or the prefill's forms)."""
         def factors(T):
-            rule, inputs = parse(decay, log_decay, self._bs, T, self._f)
-            name = "decay" if decay is not None else ("log_decay" if log_decay is not None else
-                                                      f"{what} without decay/log_decay")
+            rule, inputs = parse(decay, log_decay, beta, self._fmap, self._normalize_arg, self._bs, T, self._f)
+            given = [n for n, x in (("beta", beta), ("decay", decay), ("log_decay", log_decay)) if x is not None]
+            name = " with ".join(given) if given else f"{what} without decay/log_decay/beta"
             self._check_rule(rule, name)
             return rule, inputs
         return factors
@@ -466,7 +486,7 @@ class LinearAttentionState:
         return np.empty(shape, dtype=dtype)
 
     # -- the API ------------------------------------------------------------------------
-    def step(self, q, k, v, *, decay=None, log_decay=None, check_finite=True):
+    def step(self, q, k, v, *, decay=None, log_decay=None, beta=None, check_finite=True):
         """Absorb T new tokens and return their outputs, exactly as the causal kernel would.
 
         Token t first updates the state, then reads it (its output includes
@@ -489,6 +509,12 @@ class LinearAttentionState:
             the ``"gate"`` rule); with T > 1 these apply to every token.
             Different factors per token: ``(*batch_shape, T, 1)`` (decay) or
             ``(*batch_shape, T, D_phi)`` (gate).  Neither: the additive rule.
+        beta : float or array_like, optional
+            The delta rule's write strengths in [0, 2]: a scalar or an array
+            broadcastable to the batch shape (one per sequence, the same at
+            each of the T tokens), or one per token, ``(*batch_shape, T)`` or
+            ``(*batch_shape, T, 1)``.  With a decay per sequence or per token
+            (not per feature) the rule is the gated delta rule.
         check_finite : bool, default True
             Raise ValueError, leaving the state untouched, when an input
             holds NaN or inf.  On the CPU the check runs inside the kernel
@@ -504,8 +530,8 @@ class LinearAttentionState:
         ------
         ValueError
             Shapes that do not match the state, non-finite inputs, inputs on
-            another device than the state; ``decay``/``log_decay`` out of
-            range or of no form above, or of another rule than the state's
+            another device than the state; ``decay``/``log_decay``/``beta`` out
+            of range or of no form above, or of another rule than the state's
             (the error names them).
         TypeError
             Non-floating inputs.
@@ -521,7 +547,7 @@ class LinearAttentionState:
         """
         # Fast path (the additive decode loop): host NumPy arrays of one native dtype, C-contiguous,
         # an elementwise map, a host state.  A few tuple compares, one allocation, one call.
-        if (self._fast and decay is None and log_decay is None and type(q) is np.ndarray
+        if (self._fast and decay is None and log_decay is None and beta is None and type(q) is np.ndarray
                 and type(k) is np.ndarray and type(v) is np.ndarray):
             dt = q.dtype
             shp = q.shape
@@ -561,7 +587,7 @@ class LinearAttentionState:
                     return res
         inp = self._prepare([("q", q, self._d), ("k", k, self._d), ("v", v, self._m)], check_finite,
                             ("query", "key", None),
-                            factors=self._factors(decay, log_decay, step_decay_inputs, "a step"))
+                            factors=self._factors(decay, log_decay, beta, step_rule_inputs, "a step"))
         self._absorb_rule(inp)
         qf, kf, vf = self._on_state_device(inp)
         out = self._new_out(inp.T, inp.work)
@@ -635,7 +661,7 @@ class LinearAttentionState:
             raise_nonfinite("q")
         return self._finish(out, inp)
 
-    def prefill(self, k, v, *, decay=None, log_decay=None, check_finite=True):
+    def prefill(self, k, v, *, decay=None, log_decay=None, beta=None, check_finite=True):
         """Absorb a prompt: afterwards the state equals the causal kernels' final state.
 
         Parameters
@@ -647,6 +673,12 @@ class LinearAttentionState:
             scalar or an array broadcastable to the batch shape (per head),
             ``(*batch_shape, T)`` (per token) or ``(*batch_shape, T, D_phi)``
             (per feature).  Neither: the additive rule.
+        beta : float or array_like, optional
+            The delta rule's write strengths in [0, 2], the forms of
+            :func:`linattn_nb.linear_attention`: a scalar or an array
+            broadcastable to the batch shape, or ``(*batch_shape, T)`` (per
+            token); with a decay per sequence or per token, the gated delta
+            rule.
         check_finite : bool, default True
             Raise ValueError (state untouched) on NaN or inf.
 
@@ -672,7 +704,7 @@ class LinearAttentionState:
         (True, True, 50)
         """
         inp = self._prepare([("k", k, self._d), ("v", v, self._m)], check_finite, ("key", None),
-                            factors=self._factors(decay, log_decay, prefill_decay_inputs, "a prefill"))
+                            factors=self._factors(decay, log_decay, beta, prefill_rule_inputs, "a prefill"))
         self._absorb_rule(inp)
         if inp.T == 0:
             return
