@@ -409,9 +409,23 @@ class LinearAttentionState:
         return factors
 
     def _absorb_rule(self, inp):
-        """After a valid call: its tokens fix the rule of an unfixed state."""
+        """After a valid call: its tokens fix the rule of an unfixed state.  Returns whether it did
+        (so that a call the kernel refuses can undo it with :meth:`_unfix_rule`)."""
         if self._rule is None and inp.T:
             self._fix_rule(inp.rule)
+            return True
+        return False
+
+    def _unfix_rule(self):
+        """Undo :meth:`_fix_rule` for a call whose inputs the kernel refused (non-finite): nothing changed."""
+        self._rule = None
+        self._norm = V.check_normalize(self._normalize_arg, get_rule(RULE).normalize)
+        if self._launch_rule != RULE:
+            S, z = self._launch.view(self._S, self._z)
+            self._attach(self._launch.device)
+            self._launch.put(self._S, self._z, S, z)
+        else:
+            self._set_fast()
 
     def _prepare_on(self, dev, pairs, names, check_finite, roles):
         res = _Inputs()
@@ -588,7 +602,7 @@ class LinearAttentionState:
         inp = self._prepare([("q", q, self._d), ("k", k, self._d), ("v", v, self._m)], check_finite,
                             ("query", "key", None),
                             factors=self._factors(decay, log_decay, beta, step_rule_inputs, "a step"))
-        self._absorb_rule(inp)
+        fixed = self._absorb_rule(inp)
         qf, kf, vf = self._on_state_device(inp)
         out = self._new_out(inp.T, inp.work)
         if inp.T == 0:  # nothing to absorb (the rule may still be open: no launcher to run)
@@ -601,6 +615,8 @@ class LinearAttentionState:
             bad = self._launch(qf, kf, vf, self._S, self._z, out, self._scratch, code=self._c_code,
                                eps=self._eps, check=check, inputs=inp.inputs, normalize=self._norm)
         if bad:
+            if fixed:
+                self._unfix_rule()
             raise_nonfinite(("q", "k", "v")[bad - 1])
         self._position += inp.T
         return self._finish(out, inp)
@@ -705,7 +721,7 @@ class LinearAttentionState:
         """
         inp = self._prepare([("k", k, self._d), ("v", v, self._m)], check_finite, ("key", None),
                             factors=self._factors(decay, log_decay, beta, prefill_rule_inputs, "a prefill"))
-        self._absorb_rule(inp)
+        fixed = self._absorb_rule(inp)
         if inp.T == 0:
             return
         kf, vf = self._on_state_device(inp)
@@ -716,6 +732,8 @@ class LinearAttentionState:
             bad = self._launch.prefill(kf, vf, self._S, self._z, code=self._c_code, check=check,
                                        inputs=inp.inputs)
         if bad:
+            if fixed:
+                self._unfix_rule()
             raise_nonfinite(("k", "v")[bad - 1])
         self._position += inp.T
 
