@@ -415,3 +415,78 @@ def test_row_map_zero_row_maps_to_zero():
     assert np.array_equal(st.S, S) and np.array_equal(out, np.zeros((1, 2)))
     # beta = 1 with a unit key stores the value exactly: reading it back returns it.
     assert np.allclose(st.query(k[:1]), v[:1])
+
+
+# ---------------------------------------------------------------------------
+# 6. The single-token fast path of a fixed decay/delta rule (one factor per sequence)
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("bs", [(3,), (2, 2)])
+def test_rule_fast_path_equals_the_validating_path(dtype, bs):
+    """Python numbers, NumPy scalars, 0-d and batch-shaped arrays (float32 too) on the fast path give
+    the validating path's outputs and state (the same kernels), step after step, with a reset."""
+    rng = np.random.default_rng(11)
+    N, D, M = 6, 4, 3
+    q, k, v = qkv(rng, bs, N, D, M, dtype)
+    gam = rng.uniform(0.5, 1.0, size=bs)
+    bet = rng.uniform(0.0, 2.0, size=bs)
+    per_token = [
+        ({"decay": 0.9}, {"decay": np.full(bs + (1, 1), 0.9)}),
+        ({"decay": gam}, {"decay": gam[..., None, None]}),
+        ({"log_decay": np.log(gam).astype(np.float32)}, {"log_decay": np.log(gam).astype(np.float32)[..., None, None]}),
+        ({"decay": np.float64(0.0)}, {"decay": np.zeros(bs + (1, 1))}),  # a reset
+        ({"log_decay": -1}, {"log_decay": np.full(bs + (1, 1), -1.0)}),
+        ({"decay": np.array(0.7)}, {"decay": np.full(bs + (1, 1), 0.7)}),
+    ]
+    cases = {"decay": ("elu", per_token)}
+    cases["delta"] = ("l2", [({"beta": b}, {"beta": np.broadcast_to(b, bs)[..., None, None]})
+                             for b in (0.5, bet, bet.astype(np.float32), 2, np.array(1.5), 0.0)])
+    cases["gated_delta"] = ("silu_l2", [({"beta": bet, **fast}, {"beta": bet[..., None, None], **slow})
+                                        for fast, slow in per_token])
+    for rule, (fmap, calls) in cases.items():
+        fast = LinearAttentionState(D, M, batch_shape=bs, feature_map=fmap, dtype=dtype, rule=rule)
+        slow = LinearAttentionState(D, M, batch_shape=bs, feature_map=fmap, dtype=dtype, rule=rule)
+        assert fast._rfast
+        for t, (kf, ks) in enumerate(calls):
+            sl = (Ellipsis, slice(t, t + 1), slice(None))
+            a = fast.step(q[sl], k[sl], v[sl], **kf)
+            b = slow.step(q[sl], k[sl], v[sl], **ks)  # (*batch, T, 1): the validating path
+            assert a.dtype == dtype and a.shape == bs + (1, M)
+            np.testing.assert_allclose(a, b, rtol=1e-6 if dtype == np.float32 else 1e-14, atol=1e-7)
+            np.testing.assert_allclose(fast.S, slow.S, rtol=1e-6 if dtype == np.float32 else 1e-14, atol=1e-7)
+        assert fast.position == slow.position == len(calls)
+
+
+def test_rule_fast_path_falls_back_and_refuses_like_the_validating_path():
+    rng = np.random.default_rng(12)
+    q, k, v = qkv(rng, (2,), 3, 3, 2)
+    one = (q[:, :1], k[:, :1], v[:, :1])
+    st = LinearAttentionState(3, 2, batch_shape=(2,), rule="decay")
+    st.step(*one, decay=0.5)
+    S = st.S.copy()
+    for kw, exc, msg in (({"decay": 1.5}, ValueError, r"decay factors must lie in \[0, 1\]"),
+                         ({"decay": np.array([0.5, np.nan])}, ValueError, "decay contains NaN"),
+                         ({"log_decay": 0.1}, ValueError, "log_decay must be <= 0"),
+                         ({"decay": np.array([0.5, -0.5])}, ValueError, r"\[0, 1\]"),
+                         ({"decay": True}, TypeError, "decay"),
+                         ({"decay": 0.5, "log_decay": -0.1}, ValueError, "at most one"),
+                         ({"decay": 0.5, "beta": 0.5}, ValueError, "beta"),
+                         ({}, ValueError, "'decay' update rule")):
+        with pytest.raises(exc, match=msg):
+            st.step(*one, **kw)
+    bad_q = q[:, :1].copy()
+    bad_q[1, 0, 2] = np.nan
+    with pytest.raises(ValueError, match="q contains non-finite"):
+        st.step(bad_q, k[:, :1], v[:, :1], decay=0.5)
+    assert np.array_equal(st.S, S) and st.position == 1
+    # Shapes and dtypes the fast path does not take still work (float16, lists, a broadcast (1,)).
+    ref_st = st.copy()
+    o = st.step(*(x.astype(np.float16) for x in one), decay=[0.5, 0.5])
+    o2 = ref_st.step(*one, decay=np.array([0.5]))
+    assert o.dtype == np.float16 and np.allclose(o, o2, atol=1e-2)
+    dl = LinearAttentionState(3, 2, batch_shape=(2,), feature_map="l2", rule="delta")
+    for kw, msg in (({"beta": 2.5}, r"\[0, 2\]"), ({"beta": np.array([0.5, np.nan])}, "beta contains NaN"),
+                    ({"beta": 0.5, "decay": 0.5}, "'delta' update rule"), ({}, "beta")):
+        with pytest.raises(ValueError, match=msg):
+            dl.step(*one, **kw)
+    assert dl.position == 0 and not dl.S.any()

@@ -19,7 +19,9 @@ from .. import config
 from .. import feature_maps as fm
 from .._frontend import LinearState
 from ..device import check_device_arg, on_device, resolve_device
+from ..ops._codes import LOG_RESET, norm_mode
 from ..ops.registry import get_method, get_rule
+from ..ops.step import cpu as _step_cpu
 from . import fileformat
 from . import launchers  # noqa: F401  (registers the step launchers)
 from ._checks import (F32, F64, STATE_DTYPES, check_batch_shape, check_dim, check_shapes, check_state_dtype,
@@ -53,6 +55,20 @@ def check_rule_name(rule, name="rule"):
         raise ValueError(f"{name} must be None or one of {', '.join(map(repr, RULE_NAMES))}, got {rule!r}")
     get_rule(rule)
     return rule
+
+
+#: Compiled entry points of :func:`linattn_nb.ops.step.cpu.fill_token_inputs` by input dtype
+#: (called without Numba's dispatch on the rule fast path).
+_FILL = {}
+
+
+def _fill_entry(dtype):
+    from numba import types
+
+    sig = (types.Array(types.float64 if dtype == F64 else types.float32, 1, "C"), types.Array(types.float64, 1, "C"),
+           types.int64, types.float64)
+    _FILL[dtype] = ep = _step_cpu.fill_token_inputs.compile(sig)
+    return ep
 
 
 class _Inputs:
@@ -235,11 +251,102 @@ class LinearAttentionState:
 
     def _set_fast(self):
         """The single-token fast path calls the CPU kernel's compiled entry point with its scratch:
-        the additive rule (fixed or not yet) with the normaliser only."""
+        the additive rule (fixed or not yet) with the normaliser only.
+
+        The rule fast path (``_rfast``) does the same for a fixed decay, delta or gated delta
+        rule on the host (an elementwise map), for steps whose factor and write strength are
+        a Python number or one value per sequence (an array of the batch shape): the inputs
+        are checked and converted into preallocated (B, 1) arrays by one compiled call
+        (:func:`linattn_nb.ops.step.cpu.fill_token_inputs`); anything else, an invalid value
+        included, takes the validating path.
+        """
         self._fast = (self._code is not None and self._kern1 is not None and self._launch_rule == "additive"
                       and self._rule in (None, "additive") and self._norm)
         if self._fast:
             (self._feat,) = self._scratch
+        rule = self._rule
+        self._rfast = (self._code is not None and self._launch.device == "cpu" and rule == self._launch_rule
+                       and rule in ("decay", "delta", "gated_delta"))
+        if self._rfast:
+            B, M, F = self._B, self._m, self._f
+            if rule == "decay":
+                self._rkern = _step_cpu.pick_rule_kernel(B, 1, M, F)
+            else:
+                self._rkern = _step_cpu.pick_delta_kernel(B, 1, M, F)
+            self._lg1 = np.zeros((B, 1, 0 if rule == "delta" else 1))
+            self._beta1 = np.zeros((B, 1))
+            self._rnorm = np.int64(norm_mode(self._eps, self._norm))
+            self._rentry = {}
+            (self._rfeat,) = self._scratch
+
+    def _fill_token(self, x, out, kind):
+        """One token's factor or write strength into ``out`` (flat, B float64): True when ``x`` is a
+        Python number or a float array of the batch shape (or 0-d) with valid values."""
+        if isinstance(x, (float, int)) and not isinstance(x, bool):
+            a = float(x)
+            if kind == _step_cpu.FILL_BETA:
+                if not 0.0 <= a <= 2.0:
+                    return False
+            elif kind == _step_cpu.FILL_DECAY:
+                if not 0.0 <= a <= 1.0:
+                    return False
+                a = math.log(a) if a > 0.0 else -math.inf
+            elif not a <= 0.0:
+                return False
+            out.fill(-math.inf if kind != _step_cpu.FILL_BETA and a <= LOG_RESET else a)
+            return True
+        if (type(x) is np.ndarray and (x.shape == self._bs or x.ndim == 0)
+                and (x.dtype is F64 or x.dtype is F32)):
+            fill = _FILL.get(x.dtype)
+            if fill is None:
+                fill = _fill_entry(x.dtype)
+            return fill(x.reshape(-1), out, kind, LOG_RESET)
+        return False
+
+    def _rule_token(self, decay, log_decay, beta):
+        """Fill ``_lg1``/``_beta1`` for a one-token step of the fixed rule; False: take the validating path."""
+        rule = self._rule
+        if rule == "delta":
+            return (decay is None and log_decay is None and beta is not None
+                    and self._fill_token(beta, self._beta1.reshape(-1), _step_cpu.FILL_BETA))
+        if (decay is None) == (log_decay is None) or (beta is None) != (rule == "decay"):
+            return False
+        if beta is not None and not self._fill_token(beta, self._beta1.reshape(-1), _step_cpu.FILL_BETA):
+            return False
+        if decay is not None:
+            return self._fill_token(decay, self._lg1.reshape(-1), _step_cpu.FILL_DECAY)
+        return self._fill_token(log_decay, self._lg1.reshape(-1), _step_cpu.FILL_LOG_DECAY)
+
+    def _rule_step_fast(self, q, k, v, check_finite):
+        """The rule fast path's step (the inputs filled); returns the output, or None when the shapes
+        or dtypes are not those of the fast path."""
+        dt = q.dtype
+        if not (k.dtype is dt and v.dtype is dt and (dt is F32 or dt is F64) and q.shape == self._q1
+                and k.shape == self._q1 and v.shape == self._v1 and q.flags.c_contiguous
+                and k.flags.c_contiguous and v.flags.c_contiguous):
+            return None
+        res = out = np.empty(self._o1, dt)
+        if self._nb != 1:
+            q, k, v = q.reshape(self._qk3), k.reshape(self._qk3), v.reshape(self._o1)
+            res = out.reshape(self._v1)
+        ep = self._rentry.get(dt)
+        if self._rule == "decay":
+            args = (q, k, v, self._S, self._z, out, self._rfeat, self._c_code, self._eps_f, bool(check_finite),
+                    self._lg1, self._rnorm)
+        else:
+            args = (q, k, v, self._S, self._z, out, self._rfeat, self._c_code, self._eps_f, bool(check_finite),
+                    self._lg1, self._beta1, self._rnorm, True)
+        if ep is None:
+            from numba import typeof
+
+            ep = self._rentry[dt] = self._rkern.compile(tuple(typeof(a) for a in args))
+        bad = ep(*args)
+        if bad:
+            raise_nonfinite(("q", "k", "v")[bad - 1])
+        self._position += 1
+        if self._device is None:
+            self._device = "cpu"
+        return res
 
     # -- the update rule -----------------------------------------------------------
     def _check_normalizer(self):
@@ -599,6 +706,12 @@ class LinearAttentionState:
                     if T and self._rule is None:
                         self._rule = "additive"  # the launcher already is the additive one
                     return res
+        # Fast path of a fixed decay/delta rule: one token, host arrays, one factor per sequence.
+        if (self._rfast and type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray
+                and q.shape == self._q1 and self._rule_token(decay, log_decay, beta)):
+            res = self._rule_step_fast(q, k, v, check_finite)
+            if res is not None:
+                return res
         inp = self._prepare([("q", q, self._d), ("k", k, self._d), ("v", v, self._m)], check_finite,
                             ("query", "key", None),
                             factors=self._factors(decay, log_decay, beta, step_rule_inputs, "a step"))

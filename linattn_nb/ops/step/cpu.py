@@ -384,6 +384,13 @@ def log_factors(inputs, B, T):
     return lg.reshape(B, T, lg.shape[-1])
 
 
+def pick_rule_kernel(b, t, m, f):
+    """The serial rule step kernel below ``config.STEP_PARALLEL_MIN_WORK`` multiply-adds, else the
+    parallel one (arguments: :func:`_rule_step`)."""
+    return pick(rule_step_serial, rule_step_parallel, items=b, work=b * t * m * f,
+                limit=config.STEP_PARALLEL_MIN_WORK)
+
+
 def rule_step(q, k, v, St, z, out, feat, *, code, eps, check, inputs=None, normalize=True):
     """Launcher of the rule step kernels (serial below ``config.STEP_PARALLEL_MIN_WORK``).
 
@@ -393,8 +400,7 @@ def rule_step(q, k, v, St, z, out, feat, *, code, eps, check, inputs=None, norma
     """
     B, T = q.shape[0], q.shape[1]
     M, F = St.shape[1], St.shape[2]
-    kern = pick(rule_step_serial, rule_step_parallel, items=B, work=B * T * M * F,
-                limit=config.STEP_PARALLEL_MIN_WORK)
+    kern = pick_rule_kernel(B, T, M, F)
     return int(kern(q, k, v, St, z, out, feat, np.int64(code), eps_arg(eps), bool(check),
                     log_factors(inputs, B, T), np.int64(norm_mode(eps, normalize))))
 
@@ -538,7 +544,9 @@ def delta_arrays(inputs, B, T):
     return lg, beta
 
 
-def _delta_kernel(B, T, M, F):
+def pick_delta_kernel(B, T, M, F):
+    """The serial delta step kernel below ``config.STEP_PARALLEL_MIN_WORK`` multiply-adds, else the
+    parallel one (arguments: :func:`_delta_step`)."""
     return pick(delta_step_serial, delta_step_parallel, items=B, work=B * T * M * F,
                 limit=config.STEP_PARALLEL_MIN_WORK)
 
@@ -552,7 +560,7 @@ def delta_step(q, k, v, St, z, out, feat, *, code, eps, check, inputs, normalize
     """
     B, T = q.shape[0], q.shape[1]
     lg, beta = delta_arrays(inputs, B, T)
-    kern = _delta_kernel(B, T, St.shape[1], St.shape[2])
+    kern = pick_delta_kernel(B, T, St.shape[1], St.shape[2])
     return int(kern(q, k, v, St, z, out, feat, np.int64(code), eps_arg(eps), bool(check), lg, beta,
                     np.int64(norm_mode(eps, normalize)), True))
 
@@ -561,9 +569,44 @@ def delta_prefill(k, v, St, z, feat, *, code, inputs):
     """The state after T tokens of a delta rule (token by token; no outputs)."""
     B, T = k.shape[0], k.shape[1]
     lg, beta = delta_arrays(inputs, B, T)
-    kern = _delta_kernel(B, T, St.shape[1], St.shape[2])
+    kern = pick_delta_kernel(B, T, St.shape[1], St.shape[2])
     out = np.empty((0, 0, 0), dtype=St.dtype)
     kern(k, k, v, St, z, out, feat, np.int64(code), -math.inf, False, lg, beta, np.int64(NORM_NONE), False)
+
+
+#: ``kind`` of :func:`fill_token_inputs`: factors in [0, 1], log-factors <= 0, write strengths in [0, 2].
+FILL_DECAY = 0
+FILL_LOG_DECAY = 1
+FILL_BETA = 2
+
+
+@njit(cache=config.CACHE)
+def fill_token_inputs(x, out, kind, log_reset):
+    """Check one token's per-sequence inputs ``x`` (1-D, one value per batch entry, or a single value
+    for all) and write the kernels' form into ``out`` (1-D, float64): the log-factor (``-inf`` at or
+    below ``log_reset``) for ``FILL_DECAY``/``FILL_LOG_DECAY``, the value for ``FILL_BETA``.
+
+    Returns False, with ``out`` partly written, when a value is NaN or out of its range: the caller
+    then takes the validating path, whose error names the argument.  (The single-token fast path of
+    :class:`linattn_nb.LinearAttentionState`; no fast-math, so NaN compares as NaN.)
+    """
+    n = out.shape[0]
+    one = x.shape[0] == 1
+    for i in range(n):
+        a = np.float64(x[0] if one else x[i])
+        if kind == FILL_BETA:
+            if not (a >= 0.0 and a <= 2.0):
+                return False
+            out[i] = a
+            continue
+        if kind == FILL_DECAY:
+            if not (a >= 0.0 and a <= 1.0):
+                return False
+            a = np.log(a) if a > 0.0 else -np.inf
+        elif not (a <= 0.0):
+            return False
+        out[i] = -np.inf if a <= log_reset else a
+    return True
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
