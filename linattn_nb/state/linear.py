@@ -192,6 +192,16 @@ class LinearAttentionState:
     >>> ref = linear_attention(q, k, v, causal=True, decay=gamma, method="quadratic")
     >>> bool(np.allclose(out, ref[:, 7:])), st.rule
     (True, 'decay')
+
+    The delta rule (unit keys: the ``"l2"`` map) with a write strength per token:
+
+    >>> beta = rng.uniform(0.0, 1.0, size=(4, 10))
+    >>> st = LinearAttentionState(8, 6, batch_shape=(4,), feature_map="l2")
+    >>> st.prefill(k[:, :7], v[:, :7], beta=beta[:, :7])
+    >>> out = st.step(q[:, 7:], k[:, 7:], v[:, 7:], beta=beta[:, 7:])
+    >>> ref = linear_attention(q, k, v, causal=True, feature_map="l2", beta=beta, method="quadratic")
+    >>> bool(np.allclose(out, ref[:, 7:])), st.rule, st.normalize
+    (True, 'delta', False)
     """
 
     def __init__(self, key_dim, value_dim, *, batch_shape=(), feature_map="elu", dtype=np.float64,
