@@ -336,7 +336,7 @@ def test_the_first_tokens_fix_the_rule_and_other_rules_raise():
     with pytest.raises(ValueError, match="log_decay"):
         st3.step(q[:, 1:2], k[:, 1:2], v[:, 1:2], log_decay=-0.1)
     with pytest.raises(ValueError, match="rule must be None or one of"):
-        LinearAttentionState(3, 2, rule="delta")
+        LinearAttentionState(3, 2, rule="deltanet")  # not a rule name ("delta" is one since issue 15)
     with pytest.raises(TypeError, match="rule"):
         LinearAttentionState(3, 2, rule=1)
 
@@ -470,7 +470,7 @@ def test_state_files_store_the_rule(tmp_path):
     assert LinearAttentionState.load(p2).rule is None
     assert LinearAttentionState.load(p2, rule="decay").rule == "decay"
     # Bad entries.
-    for change, msg in ((dict(rule=np.array("delta")), "entry 'rule' must be one of"),
+    for change, msg in ((dict(rule=np.array("deltanet")), "entry 'rule' must be one of"),
                         (dict(normalize=np.array(7)), "entry 'normalize'"),
                         (dict(rule=None), "missing entries \\['rule'\\]")):
         p = tmp_path / "bad.npz"

@@ -120,6 +120,36 @@ def _factor_array(decay, log_decay):
     return name, x
 
 
+def _step_decay_form(name, x, batch_shape, t: int, f: int):
+    """A step's ``decay``/``log_decay`` array ``x`` in the form of :func:`linattn_nb.linear_attention`
+    with N = T (see :func:`step_decay_inputs`); errors name ``name``."""
+    bs = tuple(batch_shape)
+    nb = len(bs)
+    forms = (f"a scalar or {nb} dimension(s) broadcastable to the batch shape {bs} (per sequence), "
+             f"{nb + 1} with last axis D_phi={f} (a per-feature gate), or {nb + 2} with last axes (T, 1)=({t}, 1) "
+             f"(per token) or (T, D_phi)=({t}, {f}) (a per-feature gate per token)")
+    if x.ndim == 0 or x.ndim == nb:
+        pass  # per sequence: decay_inputs broadcasts it over the batch and the tokens
+    elif x.ndim == nb + 1:
+        if x.shape[-1] != f:
+            raise ValueError(f"{name} of shape {x.shape} has {x.ndim} dimensions (a per-feature gate of a step), "
+                             f"so its last axis must be D_phi={f}; expected {forms}")
+        try:
+            x = np.broadcast_to(x[..., None, :], bs + (t, f))
+        except ValueError:
+            raise ValueError(f"{name} of shape {x.shape} does not broadcast to {bs + (f,)}; "
+                             f"expected {forms}") from None
+    elif x.ndim == nb + 2:
+        if x.shape[-2] != t or x.shape[-1] not in (1, f):
+            raise ValueError(f"{name} of shape {x.shape} has {x.ndim} dimensions (one factor per token), so its "
+                             f"last axes must be (T, 1)=({t}, 1) or (T, D_phi)=({t}, {f}); expected {forms}")
+        if x.shape[-1] == 1:
+            x = x[..., 0]
+    else:
+        raise ValueError(f"{name} of shape {x.shape} has {x.ndim} dimensions; expected {forms}")
+    return x
+
+
 def step_decay_inputs(decay, log_decay, batch_shape, t: int, f: int):
     """The rule and kernel inputs of :meth:`LinearAttentionState.step`'s ``decay``/``log_decay``.
 
@@ -146,32 +176,73 @@ def step_decay_inputs(decay, log_decay, batch_shape, t: int, f: int):
     name, x = _factor_array(decay, log_decay)
     if name is None:
         return "additive", None
-    bs = tuple(batch_shape)
-    nb = len(bs)
-    forms = (f"a scalar or {nb} dimension(s) broadcastable to the batch shape {bs} (per sequence), "
-             f"{nb + 1} with last axis D_phi={f} (a per-feature gate), or {nb + 2} with last axes (T, 1)=({t}, 1) "
-             f"(per token) or (T, D_phi)=({t}, {f}) (a per-feature gate per token)")
-    if x.ndim == 0 or x.ndim == nb:
-        pass  # per sequence: decay_inputs broadcasts it over the batch and the tokens
-    elif x.ndim == nb + 1:
-        if x.shape[-1] != f:
-            raise ValueError(f"{name} of shape {x.shape} has {x.ndim} dimensions (a per-feature gate of a step), "
-                             f"so its last axis must be D_phi={f}; expected {forms}")
-        try:
-            x = np.broadcast_to(x[..., None, :], bs + (t, f))
-        except ValueError:
-            raise ValueError(f"{name} of shape {x.shape} does not broadcast to {bs + (f,)}; "
-                             f"expected {forms}") from None
-    elif x.ndim == nb + 2:
-        if x.shape[-2] != t or x.shape[-1] not in (1, f):
-            raise ValueError(f"{name} of shape {x.shape} has {x.ndim} dimensions (one factor per token), so its "
-                             f"last axes must be (T, 1)=({t}, 1) or (T, D_phi)=({t}, {f}); expected {forms}")
-        if x.shape[-1] == 1:
-            x = x[..., 0]
-    else:
-        raise ValueError(f"{name} of shape {x.shape} has {x.ndim} dimensions; expected {forms}")
+    x = _step_decay_form(name, x, batch_shape, t, f)
     kw = {name: x}
-    return V.decay_inputs(kw.get("decay"), kw.get("log_decay"), bs, t, f, causal=True)
+    return V.decay_inputs(kw.get("decay"), kw.get("log_decay"), tuple(batch_shape), t, f, causal=True)
+
+
+def _host_beta(beta):
+    from .. import _cuda_dispatch as CD
+    from ..device import on_device
+
+    return CD.to_host("beta", beta) if on_device(beta) else V.as_host_array("beta", beta)
+
+
+def _step_beta_form(beta, batch_shape, t: int):
+    """A step's ``beta`` in the form of :func:`linattn_nb._validate.beta_inputs` with N = T.
+
+    A scalar or ``b`` dimensions broadcastable to the batch shape (one write
+    strength per sequence, the same at each of the T tokens); ``b + 1``
+    dimensions ``(*batch, T)`` or ``b + 2`` dimensions ``(*batch, T, 1)`` (the
+    step form of a per-token decay): one per token.
+    """
+    x = _host_beta(beta)
+    nb = len(tuple(batch_shape))
+    if x.ndim == nb + 2:
+        if x.shape[-2:] != (t, 1):
+            raise ValueError(f"beta of shape {x.shape} has {x.ndim} dimensions (one per token), so its last axes "
+                             f"must be (T, 1)=({t}, 1); expected a scalar or {nb} dimension(s) broadcastable to the "
+                             f"batch shape {tuple(batch_shape)} (per sequence), or {nb + 1} with last axis T={t} or "
+                             f"{nb + 2} with last axes (T, 1) (per token)")
+        x = x[..., 0]
+    return x
+
+
+def step_rule_inputs(decay, log_decay, beta, fmap, normalize, batch_shape, t: int, f: int):
+    """The rule and kernel inputs of a step's ``decay``/``log_decay`` and ``beta``.
+
+    Without ``beta``: :func:`step_decay_inputs`.  With it, the decay in the
+    step's forms (:func:`step_decay_inputs`) and ``beta`` as a scalar, one
+    per sequence, or one per token (``(*batch, T)`` or ``(*batch, T, 1)``)
+    go through :func:`linattn_nb._frontend.rule_arguments`: the delta rule, or
+    the gated delta rule with a decay per sequence or per token (a per-feature
+    gate raises ValueError).
+    """
+    if beta is None:
+        return step_decay_inputs(decay, log_decay, batch_shape, t, f)
+    from .. import _frontend as FE
+
+    name, x = _factor_array(decay, log_decay)
+    kw = {}
+    if name is not None:
+        kw[name] = _step_decay_form(name, x, batch_shape, t, f)
+    rule, inputs, _ = FE.rule_arguments(fmap, kw.get("decay"), kw.get("log_decay"), normalize, tuple(batch_shape),
+                                        t, f, causal=True, beta=_step_beta_form(beta, batch_shape, t))
+    return rule, inputs
+
+
+def prefill_rule_inputs(decay, log_decay, beta, fmap, normalize, batch_shape, n: int, f: int):
+    """A prefill's ``decay``/``log_decay`` and ``beta``: the forms of :func:`linattn_nb.linear_attention`
+    with N = T (:func:`linattn_nb._frontend.rule_arguments`; GPU arrays are copied to the host first)."""
+    if beta is None:
+        return prefill_decay_inputs(decay, log_decay, batch_shape, n, f)
+    from .. import _frontend as FE
+
+    name, x = _factor_array(decay, log_decay)
+    kw = {} if name is None else {name: x}
+    rule, inputs, _ = FE.rule_arguments(fmap, kw.get("decay"), kw.get("log_decay"), normalize, tuple(batch_shape),
+                                        n, f, causal=True, beta=_host_beta(beta))
+    return rule, inputs
 
 
 def prefill_decay_inputs(decay, log_decay, batch_shape, n: int, f: int):

@@ -19,14 +19,17 @@ A state file is an ``.npz`` (no pickles) with these entries:
     probe of another shape (an empty one included), is refused like any other
     mismatch.
 ``rule``, ``normalize`` (version 2 on)
-    The update rule (``"additive"``, ``"decay"``, ``"gate"``; ``""`` for a
-    state whose rule no token has fixed yet) and the state's ``normalize``
+    The update rule (``"additive"``, ``"decay"``, ``"gate"``, ``"delta"``,
+    ``"gated_delta"``; ``""`` for a state whose rule no token has fixed yet) and the state's ``normalize``
     argument (an integer: -1 for None, the rule's convention; 0 False; 1 True).
 
 Versions: 1 had no ``rule``/``normalize`` entries; its files load as additive
 states with ``normalize=None``.  Version 2 added them; a reader of version 1
 refuses version-2 files ("written by a newer linattn_nb"), so a decayed state
-can never be continued additively by an older release.
+can never be continued additively by an older release.  The delta rules
+kept version 2: a reader that predates them refuses their files by the
+``rule`` check (an unknown rule), so they too are never continued by another
+rule.
 
 :func:`write` is atomic (a temporary file in the target directory, fsync'ed,
 then ``os.replace``); :func:`read` validates everything and raises
@@ -58,7 +61,7 @@ REQUIRED_KEYS = ("format", "version", "S", "z", "position", "key_dim", "value_di
 #: Entries added by each version after the first.
 VERSION_KEYS = {2: ("rule", "normalize")}
 #: The rules a file may name ("" : not fixed yet).
-FILE_RULES = ("", "additive", "decay", "gate")
+FILE_RULES = ("", "additive", "decay", "gate", "delta", "gated_delta")
 PROBE_TOKENS = 3
 
 

@@ -17,9 +17,11 @@ moves between them with ``view`` and ``put``.
 
 Registered here: the additive rule (:data:`CPU_STEP`, :data:`CUDA_STEP`: the
 decode kernels of :mod:`linattn_nb.ops.step`, and their rule kernels for
-``normalize=False``) and the decay and gate rules (:data:`CPU_RULE_STEP`,
+``normalize=False``), the decay and gate rules (:data:`CPU_RULE_STEP`,
 :data:`CUDA_RULE_STEP`: the rule kernels, which take the log-factors of
-each token).
+each token) and the delta rules (:data:`CPU_DELTA_STEP`,
+:data:`CUDA_DELTA_STEP`: the delta kernels, which take each token's write
+strength ``beta`` and, for the gated delta rule, its log-factor).
 
 The step launcher contract
 --------------------------
@@ -42,7 +44,9 @@ arrays are host NumPy arrays for ``device="cpu"`` and device arrays for
     sequence launchers take them (:data:`linattn_nb.ops._codes.RULES`: None
     for the additive rule, ``{"log_decay": (B, T)}`` for the decay rule,
     ``{"log_gate": (B, T, F)}`` for the gate rule; C-contiguous float64
-    log-factors <= 0, -inf a reset), checked against the rule.
+    log-factors <= 0, -inf a reset; ``{"beta": (B, T)}`` for the delta rule
+    and ``{"beta": (B, T), "log_decay": (B, T)}`` for the gated delta rule,
+    write strengths in [0, 2]), checked against the rule.
     ``normalize=False`` writes the numerators ``phi(q)^T S_t`` undivided.  ``q, k`` (B, T, D): raw inputs when ``code`` > 0 (the
     elementwise map of that code is applied inside), else features (D = F).
     ``v`` (B, T, M); ``out`` (B, T, M) is written; q, k, v and out are
@@ -84,7 +88,8 @@ from ..ops.registry import Method, register_method
 from ..ops.step import cpu as _cpu
 from ._checks import aligned_zeros
 
-__all__ = ["StepLauncher", "CPU_STEP", "CUDA_STEP", "CPU_RULE_STEP", "CUDA_RULE_STEP", "register_step_methods"]
+__all__ = ["StepLauncher", "CPU_STEP", "CUDA_STEP", "CPU_RULE_STEP", "CUDA_RULE_STEP", "CPU_DELTA_STEP",
+           "CUDA_DELTA_STEP", "register_step_methods"]
 
 _NATIVE = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
 
@@ -203,6 +208,38 @@ CPU_RULE_STEP = StepLauncher("cpu", _cpu_rule_step, _cpu_query, _cpu_rule_prefil
                              _cpu_view)
 
 
+def _delta_inputs(inputs):
+    """The inputs of a delta-rule launcher, checked against the rule they name."""
+    if not inputs or "beta" not in inputs:
+        raise ValueError(f"inputs: a delta-rule step takes {{'beta': ...}} and a gated-delta-rule step "
+                         f"{{'beta': ..., 'log_decay': ...}}, got {sorted(inputs) if inputs else None}")
+    name = "gated_delta" if "log_decay" in inputs else "delta"
+    check_rule_inputs(RULES[name][0], inputs)
+    return inputs
+
+
+def _cpu_delta_step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True):
+    return _cpu.delta_step(q, k, v, S, z, out, scratch[0], code=code, eps=eps, check=check,
+                           inputs=_delta_inputs(inputs), normalize=normalize)
+
+
+def _cpu_delta_prefill(k, v, S, z, *, code, check, inputs=None):
+    inputs = _delta_inputs(inputs)
+    if check:
+        bad = _cpu_nonfinite_kv(k, v)
+        if bad:
+            return bad
+    feat = np.empty((2,) + z.shape, dtype=S.dtype)
+    _cpu.delta_prefill(k, v, S, z, feat, code=code, inputs=inputs)
+    return 0
+
+
+#: The delta and gated delta rules on the CPU: the delta kernels of :mod:`linattn_nb.ops.step.cpu`
+#: (the state layout of :data:`CPU_STEP`; the prefill runs the recurrence token by token).
+CPU_DELTA_STEP = StepLauncher("cpu", _cpu_delta_step, _cpu_query, _cpu_delta_prefill, _cpu_rule_zeros, _cpu_put,
+                              _cpu_view)
+
+
 # ---------------------------------------------------------------------------
 # CUDA: S in the canonical (B, F, M) layout (ops/step/cuda.py, imported on first use)
 # ---------------------------------------------------------------------------
@@ -299,10 +336,39 @@ CUDA_RULE_STEP = StepLauncher("cuda", _cuda_rule_step, _cuda_query, _cuda_rule_p
                               _cuda_put, _cuda_view)
 
 
+def _cuda_delta_step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True):
+    inputs = _delta_inputs(inputs)
+    K = _kernels()
+    if check:
+        bad = K.check_nonfinite(q, k, v)
+        if bad:
+            return bad
+    K.delta_step(q, k, v, S, z, out, scratch[0], code=code, eps=eps, inputs=inputs, normalize=normalize)
+    return 0
+
+
+def _cuda_delta_prefill(k, v, S, z, *, code, check, inputs=None):
+    inputs = _delta_inputs(inputs)
+    K = _kernels()
+    if check:
+        bad = K.check_nonfinite(k, v)
+        if bad:
+            return bad
+    feat = CD.zeros((S.shape[0], 3, S.shape[1]), S.dtype)
+    K.delta_prefill(k, v, S, z, feat, code=code, inputs=inputs)
+    return 0
+
+
+#: The delta and gated delta rules with CUDA: the delta kernel of :mod:`linattn_nb.ops.step.cuda`.
+CUDA_DELTA_STEP = StepLauncher("cuda", _cuda_delta_step, _cuda_query, _cuda_delta_prefill, _cuda_rule_zeros,
+                               _cuda_put, _cuda_view)
+
+
 def register_step_methods() -> None:
     """Register the step launchers (CPU and CUDA) of every rule in the method table."""
     table = {"additive": (CPU_STEP, CUDA_STEP), "decay": (CPU_RULE_STEP, CUDA_RULE_STEP),
-             "gate": (CPU_RULE_STEP, CUDA_RULE_STEP)}
+             "gate": (CPU_RULE_STEP, CUDA_RULE_STEP), "delta": (CPU_DELTA_STEP, CUDA_DELTA_STEP),
+             "gated_delta": (CPU_DELTA_STEP, CUDA_DELTA_STEP)}
     for rule, (cpu, gpu) in table.items():
         for dev, launcher in (("cpu", cpu), ("cuda", gpu)):
             register_method(Method(rule, "step", True, dev, launcher, native_dtypes=_NATIVE, kind="step"),

@@ -19,11 +19,13 @@ from .. import config
 from .. import feature_maps as fm
 from .._frontend import LinearState
 from ..device import check_device_arg, on_device, resolve_device
+from ..ops._codes import LOG_RESET, norm_mode
 from ..ops.registry import get_method, get_rule
+from ..ops.step import cpu as _step_cpu
 from . import fileformat
 from . import launchers  # noqa: F401  (registers the step launchers)
 from ._checks import (F32, F64, STATE_DTYPES, check_batch_shape, check_dim, check_shapes, check_state_dtype,
-                      host_tokens, prefill_decay_inputs, raise_nonfinite, step_decay_inputs, work_dtype)
+                      host_tokens, prefill_rule_inputs, raise_nonfinite, step_rule_inputs, work_dtype)
 from .fileformat import StateFileError
 
 __all__ = ["LinearAttentionState", "StateFileError"]
@@ -33,11 +35,13 @@ __all__ = ["LinearAttentionState", "StateFileError"]
 RULE = "additive"
 
 #: The update rules a state can run (:data:`linattn_nb.ops._codes.RULES`).
-RULE_NAMES = ("additive", "decay", "gate")
+RULE_NAMES = ("additive", "decay", "gate", "delta", "gated_delta")
 
-_RULE_HINT = {"additive": "pass neither decay nor log_decay",
-              "decay": "pass decay or log_decay with one factor per sequence (or per token)",
-              "gate": "pass decay or log_decay with one factor per feature (last axis D_phi)"}
+_RULE_HINT = {"additive": "pass neither decay nor log_decay nor beta",
+              "decay": "pass decay or log_decay with one factor per sequence (or per token), without beta",
+              "gate": "pass decay or log_decay with one factor per feature (last axis D_phi), without beta",
+              "delta": "pass beta, without decay or log_decay",
+              "gated_delta": "pass beta with decay or log_decay (one factor per sequence or per token)"}
 
 
 def check_rule_name(rule, name="rule"):
@@ -51,6 +55,20 @@ def check_rule_name(rule, name="rule"):
         raise ValueError(f"{name} must be None or one of {', '.join(map(repr, RULE_NAMES))}, got {rule!r}")
     get_rule(rule)
     return rule
+
+
+#: Compiled entry points of :func:`linattn_nb.ops.step.cpu.fill_token_inputs` by input dtype
+#: (called without Numba's dispatch on the rule fast path).
+_FILL = {}
+
+
+def _fill_entry(dtype):
+    from numba import types
+
+    sig = (types.Array(types.float64 if dtype == F64 else types.float32, 1, "C"), types.Array(types.float64, 1, "C"),
+           types.int64, types.float64)
+    _FILL[dtype] = ep = _step_cpu.fill_token_inputs.compile(sig)
+    return ep
 
 
 class _Inputs:
@@ -71,7 +89,12 @@ class LinearAttentionState:
     With decay or gating (RetNet, Mamba-2/SSD, GLA: :func:`linattn_nb.linear_attention`'s
     ``decay``/``log_decay``) each token first scales the state by its factors,
     ``S_t = a_t (.) S_{t-1} + phi(k_t) v_t^T``, and ``z`` decays like ``S``;
-    :meth:`step` and :meth:`prefill` take the factors of their tokens.
+    :meth:`step` and :meth:`prefill` take the factors of their tokens.  With
+    the delta rules (DeltaNet, Gated DeltaNet: ``beta``) each token corrects
+    the state instead, ``H_t = a_t (I - beta_t k k^T) H_{t-1} + beta_t k [v_t 1]``
+    on ``H = [S | z]`` with ``k = phi(k_t)`` (``a_t = 1`` without a decay);
+    :meth:`step` and :meth:`prefill` take the write strengths ``beta`` of
+    their tokens.
 
     Parameters
     ----------
@@ -94,19 +117,22 @@ class LinearAttentionState:
         anything else keeps it on the host; it is then fixed.
     eps : float or None, default 1e-8
         Floor of the normaliser, as in :func:`linattn_nb.linear_attention`.
-    rule : {None, "additive", "decay", "gate"}, default None
+    rule : {None, "additive", "decay", "gate", "delta", "gated_delta"}, default None
         The update rule: ``"additive"`` (no forgetting), ``"decay"`` (one
-        factor per sequence and token) or ``"gate"`` (one per feature as
-        well).  ``None`` leaves it to the first :meth:`step` or
-        :meth:`prefill` that absorbs a token: the rule of its ``decay``/
-        ``log_decay`` (additive without them).  Once fixed it stays (also
-        through :meth:`reset`, :meth:`copy`, :meth:`save`); a call with
-        another rule raises ValueError naming ``decay``/``log_decay``.
+        factor per sequence and token), ``"gate"`` (one per feature as
+        well), ``"delta"`` (a write strength ``beta`` per token) or
+        ``"gated_delta"`` (``beta`` and a decay per token).  ``None`` leaves
+        it to the first :meth:`step` or :meth:`prefill` that absorbs a token:
+        the rule of its ``decay``/``log_decay``/``beta`` (additive without
+        them).  Once fixed it stays (also through :meth:`reset`,
+        :meth:`copy`, :meth:`save`); a call with another rule raises
+        ValueError naming ``decay``/``log_decay``/``beta``.
     normalize : bool or None, default None
         As in :func:`linattn_nb.linear_attention`: None takes the rule's
-        convention (True for the additive, decay and gate rules); False makes
-        :meth:`step` and :meth:`query` return ``phi(q)^T S`` undivided.  Maps
-        that need the normaliser (FAVOR+, Hedgehog) refuse False.
+        convention (True for the additive, decay and gate rules, False for
+        the delta rules); False makes :meth:`step` and :meth:`query` return
+        ``phi(q)^T S`` undivided.  Maps that need the normaliser (FAVOR+,
+        Hedgehog) refuse False.
 
     Attributes
     ----------
@@ -166,6 +192,16 @@ class LinearAttentionState:
     >>> ref = linear_attention(q, k, v, causal=True, decay=gamma, method="quadratic")
     >>> bool(np.allclose(out, ref[:, 7:])), st.rule
     (True, 'decay')
+
+    The delta rule (unit keys: the ``"l2"`` map) with a write strength per token:
+
+    >>> beta = rng.uniform(0.0, 1.0, size=(4, 10))
+    >>> st = LinearAttentionState(8, 6, batch_shape=(4,), feature_map="l2")
+    >>> st.prefill(k[:, :7], v[:, :7], beta=beta[:, :7])
+    >>> out = st.step(q[:, 7:], k[:, 7:], v[:, 7:], beta=beta[:, 7:])
+    >>> ref = linear_attention(q, k, v, causal=True, feature_map="l2", beta=beta, method="quadratic")
+    >>> bool(np.allclose(out, ref[:, 7:])), st.rule, st.normalize
+    (True, 'delta', False)
     """
 
     def __init__(self, key_dim, value_dim, *, batch_shape=(), feature_map="elu", dtype=np.float64,
@@ -182,6 +218,7 @@ class LinearAttentionState:
         # normalize's type, and maps that need the normaliser (the front end's check).
         FE.rule_arguments(fmap, None, None, normalize, bs, 0, f, causal=True)
         self._init_fields(d, m, f, bs, fmap, dt, eps, rule, normalize)
+        self._check_normalizer()
         self._position = 0
         dev = None if device == "auto" else resolve_device(device)
         self._attach(dev or "cpu")
@@ -224,13 +261,112 @@ class LinearAttentionState:
 
     def _set_fast(self):
         """The single-token fast path calls the CPU kernel's compiled entry point with its scratch:
-        the additive rule (fixed or not yet) with the normaliser only."""
+        the additive rule (fixed or not yet) with the normaliser only.
+
+        The rule fast path (``_rfast``) does the same for a fixed decay, delta or gated delta
+        rule on the host (an elementwise map), for steps whose factor and write strength are
+        a Python number or one value per sequence (an array of the batch shape): the inputs
+        are checked and converted into preallocated (B, 1) arrays by one compiled call
+        (:func:`linattn_nb.ops.step.cpu.fill_token_inputs`); anything else, an invalid value
+        included, takes the validating path.
+        """
         self._fast = (self._code is not None and self._kern1 is not None and self._launch_rule == "additive"
                       and self._rule in (None, "additive") and self._norm)
         if self._fast:
             (self._feat,) = self._scratch
+        rule = self._rule
+        self._rfast = (self._code is not None and self._launch.device == "cpu" and rule == self._launch_rule
+                       and rule in ("decay", "delta", "gated_delta"))
+        if self._rfast:
+            B, M, F = self._B, self._m, self._f
+            if rule == "decay":
+                self._rkern = _step_cpu.pick_rule_kernel(B, 1, M, F)
+            else:
+                self._rkern = _step_cpu.pick_delta_kernel(B, 1, M, F)
+            self._lg1 = np.zeros((B, 1, 0 if rule == "delta" else 1))
+            self._beta1 = np.zeros((B, 1))
+            self._rnorm = np.int64(norm_mode(self._eps, self._norm))
+            self._rentry = {}
+            (self._rfeat,) = self._scratch
+
+    def _fill_token(self, x, out, kind):
+        """One token's factor or write strength into ``out`` (flat, B float64): True when ``x`` is a
+        Python number or a float array of the batch shape (or 0-d) with valid values."""
+        if isinstance(x, (float, int)) and not isinstance(x, bool):
+            a = float(x)
+            if kind == _step_cpu.FILL_BETA:
+                if not 0.0 <= a <= 2.0:
+                    return False
+            elif kind == _step_cpu.FILL_DECAY:
+                if not 0.0 <= a <= 1.0:
+                    return False
+                a = math.log(a) if a > 0.0 else -math.inf
+            elif not a <= 0.0:
+                return False
+            out.fill(-math.inf if kind != _step_cpu.FILL_BETA and a <= LOG_RESET else a)
+            return True
+        if (type(x) is np.ndarray and (x.shape == self._bs or x.ndim == 0)
+                and (x.dtype is F64 or x.dtype is F32)):
+            fill = _FILL.get(x.dtype)
+            if fill is None:
+                fill = _fill_entry(x.dtype)
+            return fill(x.reshape(-1), out, kind, LOG_RESET)
+        return False
+
+    def _rule_token(self, decay, log_decay, beta):
+        """Fill ``_lg1``/``_beta1`` for a one-token step of the fixed rule; False: take the validating path."""
+        rule = self._rule
+        if rule == "delta":
+            return (decay is None and log_decay is None and beta is not None
+                    and self._fill_token(beta, self._beta1.reshape(-1), _step_cpu.FILL_BETA))
+        if (decay is None) == (log_decay is None) or (beta is None) != (rule == "decay"):
+            return False
+        if beta is not None and not self._fill_token(beta, self._beta1.reshape(-1), _step_cpu.FILL_BETA):
+            return False
+        if decay is not None:
+            return self._fill_token(decay, self._lg1.reshape(-1), _step_cpu.FILL_DECAY)
+        return self._fill_token(log_decay, self._lg1.reshape(-1), _step_cpu.FILL_LOG_DECAY)
+
+    def _rule_step_fast(self, q, k, v, check_finite):
+        """The rule fast path's step (the inputs filled); returns the output, or None when the shapes
+        or dtypes are not those of the fast path."""
+        dt = q.dtype
+        if not (k.dtype is dt and v.dtype is dt and (dt is F32 or dt is F64) and q.shape == self._q1
+                and k.shape == self._q1 and v.shape == self._v1 and q.flags.c_contiguous
+                and k.flags.c_contiguous and v.flags.c_contiguous):
+            return None
+        res = out = np.empty(self._o1, dt)
+        if self._nb != 1:
+            q, k, v = q.reshape(self._qk3), k.reshape(self._qk3), v.reshape(self._o1)
+            res = out.reshape(self._v1)
+        ep = self._rentry.get(dt)
+        if self._rule == "decay":
+            args = (q, k, v, self._S, self._z, out, self._rfeat, self._c_code, self._eps_f, bool(check_finite),
+                    self._lg1, self._rnorm)
+        else:
+            args = (q, k, v, self._S, self._z, out, self._rfeat, self._c_code, self._eps_f, bool(check_finite),
+                    self._lg1, self._beta1, self._rnorm, True)
+        if ep is None:
+            from numba import typeof
+
+            ep = self._rentry[dt] = self._rkern.compile(tuple(typeof(a) for a in args))
+        bad = ep(*args)
+        if bad:
+            raise_nonfinite(("q", "k", "v")[bad - 1])
+        self._position += 1
+        if self._device is None:
+            self._device = "cpu"
+        return res
 
     # -- the update rule -----------------------------------------------------------
+    def _check_normalizer(self):
+        """A rule whose convention is normalize=False (the delta rules) with a map that needs the
+        normaliser and normalize=None: the front end's error (nothing built)."""
+        if not self._norm and self._rule is not None:
+            args = {"beta": 0.0} if self._rule in ("delta", "gated_delta") else {}
+            FE.rule_arguments(self._fmap, None, None, self._normalize_arg, self._bs, 1, self._f, causal=True,
+                              **args)
+
     def _check_rule(self, rule, name):
         """Refuse a call of another rule than the state's (before anything changes)."""
         if self._rule is not None and rule != self._rule:
@@ -319,7 +455,8 @@ class LinearAttentionState:
 
     @property
     def rule(self):
-        """The update rule ("additive", "decay", "gate"), or None until the first tokens fix it."""
+        """The update rule ("additive", "decay", "gate", "delta", "gated_delta"), or None until the first
+        tokens fix it."""
         return self._rule
 
     @property
@@ -378,20 +515,34 @@ class LinearAttentionState:
             self._set_device(dev)
         return res
 
-    def _factors(self, decay, log_decay, parse, what):
+    def _factors(self, decay, log_decay, beta, parse, what):
         """A ``factors`` callable for :meth:`_prepare` (``parse``: the step's or the prefill's forms)."""
         def factors(T):
-            rule, inputs = parse(decay, log_decay, self._bs, T, self._f)
-            name = "decay" if decay is not None else ("log_decay" if log_decay is not None else
-                                                      f"{what} without decay/log_decay")
+            rule, inputs = parse(decay, log_decay, beta, self._fmap, self._normalize_arg, self._bs, T, self._f)
+            given = [n for n, x in (("beta", beta), ("decay", decay), ("log_decay", log_decay)) if x is not None]
+            name = " with ".join(given) if given else f"{what} without decay/log_decay/beta"
             self._check_rule(rule, name)
             return rule, inputs
         return factors
 
     def _absorb_rule(self, inp):
-        """After a valid call: its tokens fix the rule of an unfixed state."""
+        """After a valid call: its tokens fix the rule of an unfixed state.  Returns whether it did
+        (so that a call the kernel refuses can undo it with :meth:`_unfix_rule`)."""
         if self._rule is None and inp.T:
             self._fix_rule(inp.rule)
+            return True
+        return False
+
+    def _unfix_rule(self):
+        """Undo :meth:`_fix_rule` for a call whose inputs the kernel refused (non-finite): nothing changed."""
+        self._rule = None
+        self._norm = V.check_normalize(self._normalize_arg, get_rule(RULE).normalize)
+        if self._launch_rule != RULE:
+            S, z = self._launch.view(self._S, self._z)
+            self._attach(self._launch.device)
+            self._launch.put(self._S, self._z, S, z)
+        else:
+            self._set_fast()
 
     def _prepare_on(self, dev, pairs, names, check_finite, roles):
         res = _Inputs()
@@ -466,7 +617,7 @@ class LinearAttentionState:
         return np.empty(shape, dtype=dtype)
 
     # -- the API ------------------------------------------------------------------------
-    def step(self, q, k, v, *, decay=None, log_decay=None, check_finite=True):
+    def step(self, q, k, v, *, decay=None, log_decay=None, beta=None, check_finite=True):
         """Absorb T new tokens and return their outputs, exactly as the causal kernel would.
 
         Token t first updates the state, then reads it (its output includes
@@ -489,6 +640,12 @@ class LinearAttentionState:
             the ``"gate"`` rule); with T > 1 these apply to every token.
             Different factors per token: ``(*batch_shape, T, 1)`` (decay) or
             ``(*batch_shape, T, D_phi)`` (gate).  Neither: the additive rule.
+        beta : float or array_like, optional
+            The delta rule's write strengths in [0, 2]: a scalar or an array
+            broadcastable to the batch shape (one per sequence, the same at
+            each of the T tokens), or one per token, ``(*batch_shape, T)`` or
+            ``(*batch_shape, T, 1)``.  With a decay per sequence or per token
+            (not per feature) the rule is the gated delta rule.
         check_finite : bool, default True
             Raise ValueError, leaving the state untouched, when an input
             holds NaN or inf.  On the CPU the check runs inside the kernel
@@ -504,8 +661,8 @@ class LinearAttentionState:
         ------
         ValueError
             Shapes that do not match the state, non-finite inputs, inputs on
-            another device than the state; ``decay``/``log_decay`` out of
-            range or of no form above, or of another rule than the state's
+            another device than the state; ``decay``/``log_decay``/``beta`` out
+            of range or of no form above, or of another rule than the state's
             (the error names them).
         TypeError
             Non-floating inputs.
@@ -521,7 +678,7 @@ class LinearAttentionState:
         """
         # Fast path (the additive decode loop): host NumPy arrays of one native dtype, C-contiguous,
         # an elementwise map, a host state.  A few tuple compares, one allocation, one call.
-        if (self._fast and decay is None and log_decay is None and type(q) is np.ndarray
+        if (self._fast and decay is None and log_decay is None and beta is None and type(q) is np.ndarray
                 and type(k) is np.ndarray and type(v) is np.ndarray):
             dt = q.dtype
             shp = q.shape
@@ -559,10 +716,16 @@ class LinearAttentionState:
                     if T and self._rule is None:
                         self._rule = "additive"  # the launcher already is the additive one
                     return res
+        # Fast path of a fixed decay/delta rule: one token, host arrays, one factor per sequence.
+        if (self._rfast and type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray
+                and q.shape == self._q1 and self._rule_token(decay, log_decay, beta)):
+            res = self._rule_step_fast(q, k, v, check_finite)
+            if res is not None:
+                return res
         inp = self._prepare([("q", q, self._d), ("k", k, self._d), ("v", v, self._m)], check_finite,
                             ("query", "key", None),
-                            factors=self._factors(decay, log_decay, step_decay_inputs, "a step"))
-        self._absorb_rule(inp)
+                            factors=self._factors(decay, log_decay, beta, step_rule_inputs, "a step"))
+        fixed = self._absorb_rule(inp)
         qf, kf, vf = self._on_state_device(inp)
         out = self._new_out(inp.T, inp.work)
         if inp.T == 0:  # nothing to absorb (the rule may still be open: no launcher to run)
@@ -575,6 +738,8 @@ class LinearAttentionState:
             bad = self._launch(qf, kf, vf, self._S, self._z, out, self._scratch, code=self._c_code,
                                eps=self._eps, check=check, inputs=inp.inputs, normalize=self._norm)
         if bad:
+            if fixed:
+                self._unfix_rule()
             raise_nonfinite(("q", "k", "v")[bad - 1])
         self._position += inp.T
         return self._finish(out, inp)
@@ -635,7 +800,7 @@ class LinearAttentionState:
             raise_nonfinite("q")
         return self._finish(out, inp)
 
-    def prefill(self, k, v, *, decay=None, log_decay=None, check_finite=True):
+    def prefill(self, k, v, *, decay=None, log_decay=None, beta=None, check_finite=True):
         """Absorb a prompt: afterwards the state equals the causal kernels' final state.
 
         Parameters
@@ -647,6 +812,12 @@ class LinearAttentionState:
             scalar or an array broadcastable to the batch shape (per head),
             ``(*batch_shape, T)`` (per token) or ``(*batch_shape, T, D_phi)``
             (per feature).  Neither: the additive rule.
+        beta : float or array_like, optional
+            The delta rule's write strengths in [0, 2], the forms of
+            :func:`linattn_nb.linear_attention`: a scalar or an array
+            broadcastable to the batch shape, or ``(*batch_shape, T)`` (per
+            token); with a decay per sequence or per token, the gated delta
+            rule.
         check_finite : bool, default True
             Raise ValueError (state untouched) on NaN or inf.
 
@@ -672,8 +843,8 @@ class LinearAttentionState:
         (True, True, 50)
         """
         inp = self._prepare([("k", k, self._d), ("v", v, self._m)], check_finite, ("key", None),
-                            factors=self._factors(decay, log_decay, prefill_decay_inputs, "a prefill"))
-        self._absorb_rule(inp)
+                            factors=self._factors(decay, log_decay, beta, prefill_rule_inputs, "a prefill"))
+        fixed = self._absorb_rule(inp)
         if inp.T == 0:
             return
         kf, vf = self._on_state_device(inp)
@@ -684,6 +855,8 @@ class LinearAttentionState:
             bad = self._launch.prefill(kf, vf, self._S, self._z, code=self._c_code, check=check,
                                        inputs=inp.inputs)
         if bad:
+            if fixed:
+                self._unfix_rule()
             raise_nonfinite(("k", "v")[bad - 1])
         self._position += inp.T
 

@@ -279,3 +279,87 @@ def test_rule_step_kernels_compile_to_ptx():
     assert len(res) == 9
     for key, val in res.items():
         assert val == {"entry": True, "target": True, "local": False}, (key, val)
+
+
+# ---------------------------------------------------------------------------
+# The delta rules (issue 15): the delta kernel, TINY (the simulator is slow)
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("rule", ["delta", "gated_delta"])
+def test_cuda_delta_state_matches_cpu_and_linear_attention(rule, threads):
+    """prefill + 1-token + multi-token steps of the delta rules (unit keys: the l2 map; the gated
+    rule with a reset in the middle), and a query: the GPU state equals the CPU state and
+    linear_attention's quadratic form; no NaN."""
+    rng = np.random.default_rng(17)
+    q, k, v = qkv(rng, (2,), 5, 3, 2, np.float64)
+    beta = rng.uniform(0.0, 2.0, size=(2, 5))
+    kw = {"beta": beta}
+    if rule == "gated_delta":
+        a = rng.uniform(0.5, 1.0, size=(2, 5))
+        a[1, 2] = 0.0
+        kw["decay"] = a
+    full, ref_state = la.linear_attention(q, k, v, causal=True, feature_map="l2", method="quadratic",
+                                          return_state=True, **kw)
+    g = LinearAttentionState(3, 2, batch_shape=(2,), feature_map="l2", device="cuda")
+    c = LinearAttentionState(3, 2, batch_shape=(2,), feature_map="l2")
+    outs = []
+    for st in (g, c):
+        st.prefill(k[:, :2], v[:, :2], **{n: x[:, :2] for n, x in kw.items()})
+        o1 = st.step(q[:, 2:3], k[:, 2:3], v[:, 2:3], **{n: x[:, 2] for n, x in kw.items()})  # the token's own
+        o2 = st.step(q[:, 3:], k[:, 3:], v[:, 3:], **{n: x[:, 3:, None] for n, x in kw.items()})  # (B, T, 1)
+        outs.append(np.concatenate([o1, o2], axis=1))
+    assert g.rule == c.rule == rule and not g.normalize and g._launch is not c._launch
+    assert np.isfinite(outs[0]).all()
+    assert_close(outs[0], outs[1], np.float64)
+    assert_close(outs[0], full[:, 2:], np.float64)
+    assert_close(host(g.S), ref_state.S, np.float64)
+    assert_close(host(g.z), ref_state.z, np.float64)
+    assert_close(g.query(q[:, :2]), c.query(q[:, :2]), np.float64)
+
+
+def test_cuda_delta_float32_silu_l2_normalize_and_row_maps(threads):
+    """A float32 gated delta state with silu_l2 and normalize=True; the additive step and prefill
+    with the l2 row map (each token's row divided by its norm)."""
+    rng = np.random.default_rng(18)
+    q, k, v = qkv(rng, (2,), 3, 2, 3, np.float32)
+    beta = rng.uniform(0.0, 1.0, size=(2,))
+    lg = np.log(rng.uniform(0.5, 1.0, size=(2, 3)))
+    ref = la.linear_attention(q, k, v, causal=True, feature_map="silu_l2", beta=beta, log_decay=lg,
+                              normalize=True, method="quadratic")
+    g = LinearAttentionState(2, 3, batch_shape=(2,), feature_map="silu_l2", dtype=np.float32, device="cuda",
+                             normalize=True)
+    assert_close(g.step(q, k, v, beta=beta, log_decay=lg[..., None]), ref, np.float32)
+    add = la.linear_attention(q, k, v, causal=True, feature_map="l2", eps=None, method="quadratic")
+    ga = LinearAttentionState(2, 3, batch_shape=(2,), feature_map="l2", device="cuda", eps=None)
+    ga.prefill(k[:, :1], v[:, :1])
+    assert_close(ga.step(q[:, 1:], k[:, 1:], v[:, 1:]), add[:, 1:], np.float32)
+
+
+_DELTA_PTX_SCRIPT = textwrap.dedent(
+    """
+    import json
+    from numba import cuda, types
+    from linattn_nb.ops.step import cuda as C
+    res = {}
+    lg = types.Array(types.float64, 3, "C")
+    b2 = types.Array(types.float64, 2, "C")
+    for sdt, idt in (("float32", "float32"), ("float64", "float32"), ("float64", "float64")):
+        st = getattr(types, sdt)
+        S3 = types.Array(st, 3, "C")
+        z2 = types.Array(st, 2, "C")
+        a3 = types.Array(getattr(types, idt), 3, "C")
+        i8, f8 = types.int64, types.float64
+        sig = (a3, a3, a3, S3, z2, a3, S3, lg, b2, i8, f8, i8, types.boolean, st, st)
+        ptx, _ = cuda.compile_ptx(C.PYTHON_KERNELS["delta_step"], sig, cc=(9, 0))
+        res[f"delta_step/{sdt}/{idt}"] = {"entry": ".entry" in ptx, "target": ".target sm_90" in ptx,
+                                          "local": ("ld.local" in ptx) or ("st.local" in ptx)}
+    print(json.dumps(res))
+    """
+)
+
+
+def test_delta_step_kernel_compiles_to_ptx():
+    """The delta step kernel compiles for sm_90 without spilling to local memory."""
+    res = run_ptx_script(_DELTA_PTX_SCRIPT)
+    assert len(res) == 3
+    for key, val in res.items():
+        assert val == {"entry": True, "target": True, "local": False}, (key, val)

@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit, prange
 
 from ... import config
-from .._codes import KERNEL_CODE_ELU, NORM_FLOOR, NORM_NONE, norm_mode
+from .._codes import KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_SILU_L2, NORM_FLOOR, NORM_NONE, norm_mode
 from .._common import phi
 from .._twins import pick, serial_and_parallel
 
@@ -28,13 +28,52 @@ from .._twins import pick, serial_and_parallel
 # Feature rows
 # ---------------------------------------------------------------------------
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _pre_l2(x, code):
+    """The element before the row's L2 normalisation, in float64: SiLU for ``silu_l2``, else itself."""
+    y = np.float64(x)
+    if code == KERNEL_CODE_SILU_L2:
+        y = y / (1.0 + math.exp(-y))  # exp overflow: y / inf = -0, as the NumPy map
+    return y
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _l2_row(x, out, code):
+    """out[:] = s / ||s|| with s = x (``l2``) or SiLU(x) (``silu_l2``); the norm in float64, no epsilon,
+    a zero row maps to zero (:class:`linattn_nb.feature_maps.L2FeatureMap`)."""
+    nrm = 0.0
+    for i in range(x.shape[0]):
+        y = _pre_l2(x[i], code)
+        nrm += y * y
+    nrm = math.sqrt(nrm)
+    for i in range(x.shape[0]):
+        out[i] = _pre_l2(x[i], code) / nrm if nrm > 0.0 else 0.0
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def phi_row(x, out, code):
-    """out[:] = phi(x[:]) for the map ``code`` (:func:`linattn_nb.ops._common.phi`).
+    """out[:] = phi(x[:]) for the map ``code`` on one row (:func:`linattn_nb.ops._common.phi`).
 
     The map's ELU+1 is a branch-free ``exp`` (:func:`linattn_nb.ops._vec.elu1`),
     so the loop vectorises: libm's scalar ``exp`` would cost a large share of
-    a decode step, which evaluates 2 * H * D_phi of them.
+    a decode step, which evaluates 2 * H * D_phi of them.  The row maps
+    (``KERNEL_CODE_L2``, ``KERNEL_CODE_SILU_L2``) normalise the whole row
+    ``x``: pass one token's row (several rows: :func:`phi_rows`).
     """
+    if code == KERNEL_CODE_L2 or code == KERNEL_CODE_SILU_L2:
+        _l2_row(x, out, code)
+        return
+    for i in range(x.shape[0]):
+        out[i] = phi(x[i], code)
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def phi_rows(x, out, code, F):
+    """:func:`phi_row` of consecutive rows of ``F`` elements of the flat ``x`` (one pass for an
+    elementwise map; the row maps normalise each row of F on its own)."""
+    if code == KERNEL_CODE_L2 or code == KERNEL_CODE_SILU_L2:
+        for r in range(x.shape[0] // F):
+            _l2_row(x[r * F:(r + 1) * F], out[r * F:(r + 1) * F], code)
+        return
     for i in range(x.shape[0]):
         out[i] = phi(x[i], code)
 
@@ -120,7 +159,7 @@ def _features_all(x, t, xs, dst, code):
     for b in range(B):
         for i in range(F):
             xs[b * F + i] = x[b, t, i]
-    phi_row(xs, dst, code)
+    phi_rows(xs, dst, code, F)
 
 
 def _state_step(q, k, v, St, z, out, feat, code, eps, check):
@@ -149,8 +188,8 @@ def _state_step(q, k, v, St, z, out, feat, code, eps, check):
     fc = feat[1].reshape(n)
     for t in range(T):
         if T == 1:  # x[:, 0, :] is contiguous: no copy
-            phi_row(k.reshape(n), fa, code)
-            phi_row(q.reshape(n), fc, code)
+            phi_rows(k.reshape(n), fa, code, F)
+            phi_rows(q.reshape(n), fc, code, F)
         else:
             _features_all(k, t, xs, fa, code)
             _features_all(q, t, xs, fc, code)
@@ -345,6 +384,13 @@ def log_factors(inputs, B, T):
     return lg.reshape(B, T, lg.shape[-1])
 
 
+def pick_rule_kernel(b, t, m, f):
+    """The serial rule step kernel below ``config.STEP_PARALLEL_MIN_WORK`` multiply-adds, else the
+    parallel one (arguments: :func:`_rule_step`)."""
+    return pick(rule_step_serial, rule_step_parallel, items=b, work=b * t * m * f,
+                limit=config.STEP_PARALLEL_MIN_WORK)
+
+
 def rule_step(q, k, v, St, z, out, feat, *, code, eps, check, inputs=None, normalize=True):
     """Launcher of the rule step kernels (serial below ``config.STEP_PARALLEL_MIN_WORK``).
 
@@ -354,8 +400,7 @@ def rule_step(q, k, v, St, z, out, feat, *, code, eps, check, inputs=None, norma
     """
     B, T = q.shape[0], q.shape[1]
     M, F = St.shape[1], St.shape[2]
-    kern = pick(rule_step_serial, rule_step_parallel, items=B, work=B * T * M * F,
-                limit=config.STEP_PARALLEL_MIN_WORK)
+    kern = pick_rule_kernel(B, T, M, F)
     return int(kern(q, k, v, St, z, out, feat, np.int64(code), eps_arg(eps), bool(check),
                     log_factors(inputs, B, T), np.int64(norm_mode(eps, normalize))))
 
@@ -416,6 +461,152 @@ def rule_prefill(k, v, St, z, *, code, inputs=None, block=None):
         raise ValueError(f"block must be >= 1, got {block}")
     B, T = k.shape[0], k.shape[1]
     rule_prefill_kernel(k, v, St, z, np.int64(code), log_factors(inputs, B, T), np.int64(block))
+
+
+# ---------------------------------------------------------------------------
+# The delta rules: each token corrects the state instead of adding to it.
+# On H = [S | z] (every column alike), with k = phi(k_t):
+#     H <- a_t (I - beta_t k k^T) H + beta_t k [v_t 1]
+#        = a_t H + beta_t k ([v_t 1] - a_t k^T H)
+# a_t = 1 (delta) or exp(lg[b, t, 0]) (gated delta, -inf a reset); beta (B, T)
+# float64 write strengths.  Per row m of S^T: one pass for k^T H[:, m], one for
+# the update and the read.
+# ---------------------------------------------------------------------------
+def _delta_step(q, k, v, St, z, out, feat, code, eps, check, lg, beta, norm, read):
+    """T tokens of the delta rule (``lg`` (B, T, 0)) or the gated delta rule (``lg`` (B, T, 1)).
+
+    Layout and arguments as :func:`_rule_step`, with ``beta`` (B, T) float64.
+    ``read`` False absorbs the tokens without outputs (a prefill: ``q`` and
+    ``out`` are not touched).  Each batch entry walks its tokens alone
+    (``prange`` over the batch in the parallel twin).  Returns 0, or 1/2/3
+    (nothing modified) when ``check`` finds q/k/v non-finite.
+    """
+    if check:
+        bad = first_nonfinite(q, k, v)
+        if bad:
+            return bad
+    B, T, _ = k.shape
+    M = St.shape[1]
+    F = St.shape[2]
+    G = lg.shape[2]
+    zero = St.dtype.type(0)
+    for b in prange(B):
+        Sb = St[b]
+        zb = z[b]
+        fa = feat[0, b]
+        fc = feat[1, b]
+        for t in range(T):
+            phi_row(k[b, t], fa, code)
+            if read:
+                phi_row(q[b, t], fc, code)
+            a = math.exp(lg[b, t, 0]) if G > 0 else 1.0
+            bt = beta[b, t]
+            kz = 0.0
+            for i in range(F):
+                kz += fa[i] * zb[i]
+            rz = bt * (1.0 - a * kz)
+            den = 0.0
+            for i in range(F):
+                zi = a * zb[i] + rz * fa[i]
+                zb[i] = zi
+                den += fc[i] * zi
+            if norm == NORM_FLOOR and den < eps:
+                den = eps
+            af = St.dtype.type(a)
+            for m in range(M):
+                row = Sb[m]
+                d = zero
+                for i in range(F):
+                    d += fa[i] * row[i]
+                r = St.dtype.type(bt * (v[b, t, m] - a * d))
+                acc = zero
+                for i in range(F):
+                    s = af * row[i] + r * fa[i]
+                    row[i] = s
+                    acc += fc[i] * s
+                if read:
+                    out[b, t, m] = acc if norm == NORM_NONE else acc / den
+    return 0
+
+
+delta_step_serial, delta_step_parallel = serial_and_parallel(_delta_step, fastmath=config.FASTMATH,
+                                                             cache=config.CACHE)
+
+
+def delta_arrays(inputs, B, T):
+    """The kernels' ``lg`` (B, T, G) (G = 1 with ``log_decay``, the gated delta rule, else 0) and
+    ``beta`` (B, T), float64, from a delta-rule launcher's ``inputs``."""
+    beta = np.ascontiguousarray(inputs["beta"], dtype=np.float64).reshape(B, T)
+    if "log_decay" in inputs:
+        lg = np.ascontiguousarray(inputs["log_decay"], dtype=np.float64).reshape(B, T, 1)
+    else:
+        lg = np.zeros((B, T, 0))
+    return lg, beta
+
+
+def pick_delta_kernel(B, T, M, F):
+    """The serial delta step kernel below ``config.STEP_PARALLEL_MIN_WORK`` multiply-adds, else the
+    parallel one (arguments: :func:`_delta_step`)."""
+    return pick(delta_step_serial, delta_step_parallel, items=B, work=B * T * M * F,
+                limit=config.STEP_PARALLEL_MIN_WORK)
+
+
+def delta_step(q, k, v, St, z, out, feat, *, code, eps, check, inputs, normalize=False):
+    """Launcher of the delta-rule step kernels (serial below ``config.STEP_PARALLEL_MIN_WORK``).
+
+    ``inputs``: ``{"beta": (B, T)}`` (delta) or ``{"beta": (B, T), "log_decay": (B, T)}``
+    (gated delta); ``feat`` (>= 2, B, F) scratch in the state dtype.  Returns 0, or
+    1/2/3 when q/k/v is not finite (nothing modified).
+    """
+    B, T = q.shape[0], q.shape[1]
+    lg, beta = delta_arrays(inputs, B, T)
+    kern = pick_delta_kernel(B, T, St.shape[1], St.shape[2])
+    return int(kern(q, k, v, St, z, out, feat, np.int64(code), eps_arg(eps), bool(check), lg, beta,
+                    np.int64(norm_mode(eps, normalize)), True))
+
+
+def delta_prefill(k, v, St, z, feat, *, code, inputs):
+    """The state after T tokens of a delta rule (token by token; no outputs)."""
+    B, T = k.shape[0], k.shape[1]
+    lg, beta = delta_arrays(inputs, B, T)
+    kern = pick_delta_kernel(B, T, St.shape[1], St.shape[2])
+    out = np.empty((0, 0, 0), dtype=St.dtype)
+    kern(k, k, v, St, z, out, feat, np.int64(code), -math.inf, False, lg, beta, np.int64(NORM_NONE), False)
+
+
+#: ``kind`` of :func:`fill_token_inputs`: factors in [0, 1], log-factors <= 0, write strengths in [0, 2].
+FILL_DECAY = 0
+FILL_LOG_DECAY = 1
+FILL_BETA = 2
+
+
+@njit(cache=config.CACHE)
+def fill_token_inputs(x, out, kind, log_reset):
+    """Check one token's per-sequence inputs ``x`` (1-D, one value per batch entry, or a single value
+    for all) and write the kernels' form into ``out`` (1-D, float64): the log-factor (``-inf`` at or
+    below ``log_reset``) for ``FILL_DECAY``/``FILL_LOG_DECAY``, the value for ``FILL_BETA``.
+
+    Returns False, with ``out`` partly written, when a value is NaN or out of its range: the caller
+    then takes the validating path, whose error names the argument.  (The single-token fast path of
+    :class:`linattn_nb.LinearAttentionState`; no fast-math, so NaN compares as NaN.)
+    """
+    n = out.shape[0]
+    one = x.shape[0] == 1
+    for i in range(n):
+        a = np.float64(x[0] if one else x[i])
+        if kind == FILL_BETA:
+            if not (a >= 0.0 and a <= 2.0):
+                return False
+            out[i] = a
+            continue
+        if kind == FILL_DECAY:
+            if not (a >= 0.0 and a <= 1.0):
+                return False
+            a = np.log(a) if a > 0.0 else -np.inf
+        elif not (a <= 0.0):
+            return False
+        out[i] = -np.inf if a <= log_reset else a
+    return True
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)

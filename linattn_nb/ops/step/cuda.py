@@ -15,6 +15,8 @@ features (code 0); v (B, T, M); out (B, T, M).
 * prefill: one thread per (b, i, m) accumulates ``sum_t phi(k_ti) v_tm`` in a
   register and adds it to S once; z by the m = 0 threads.  No atomics, no
   barriers.
+* delta_step: the delta rules (delta, gated delta), step and prefill
+  (``read=False``); see :func:`delta_step_py`.
 * rule_step, rule_prefill, rule_query: the same for the rules with a factor
   per token (decay, gate) and for ``normalize=False``.  ``lg`` (B, T, G)
   float64 holds the log-factors: G = 0 none (factor 1), G = 1 one per token
@@ -38,12 +40,48 @@ import numpy as np
 from numba import cuda
 
 from ... import config
-from .._codes import NORM_FLOOR, NORM_NONE, norm_mode
+from .._codes import KERNEL_CODE_L2, KERNEL_CODE_SILU_L2, NORM_FLOOR, NORM_NONE, norm_mode
 from .._cuda_common import phi
 
 
 # The elementwise map: linattn_nb.ops._cuda_common.phi (inlined device
 # function; ``zero``/``one`` of the state dtype keep float32 kernels in float32).
+# The row maps (l2, silu_l2) divide each token's row by its norm: every thread
+# that needs a feature of the row computes the norm itself (``row_norm``, a
+# loop over the row, like the normaliser's sum every thread does), so the
+# kernels need no extra barrier.
+
+
+@cuda.jit(device=True, inline=True)
+def pre_l2(x, code):
+    """An element before the row's L2 normalisation, in float64: SiLU for ``silu_l2``, else itself."""
+    y = 1.0 * x
+    if code == KERNEL_CODE_SILU_L2:
+        y = y / (1.0 + math.exp(-y))  # exp overflow: y / inf = -0, as the NumPy map
+    return y
+
+
+@cuda.jit(device=True, inline=True)
+def row_norm(x, b, t, code):
+    """The float64 L2 norm of row ``x[b, t]`` after SiLU (``silu_l2``) for the row maps; 1 for the others."""
+    if code != KERNEL_CODE_L2 and code != KERNEL_CODE_SILU_L2:
+        return 1.0
+    acc = 0.0
+    for i in range(x.shape[2]):
+        y = pre_l2(x[b, t, i], code)
+        acc += y * y
+    return math.sqrt(acc)
+
+
+@cuda.jit(device=True, inline=True)
+def feature(x, b, t, i, code, nrm, zero, one):
+    """Feature i of row ``x[b, t]``: the elementwise map, or for the row maps the element over
+    ``nrm`` (:func:`row_norm`; a zero row maps to zero, exactly as the NumPy maps)."""
+    if code == KERNEL_CODE_L2 or code == KERNEL_CODE_SILU_L2:
+        if nrm > 0.0:
+            return pre_l2(x[b, t, i], code) / nrm
+        return 0.0
+    return phi(x[b, t, i], code, zero, one)
 
 
 def state_step_py(q, k, v, S, z, out, feat, code, eps, zero, one):
@@ -55,11 +93,11 @@ def state_step_py(q, k, v, S, z, out, feat, code, eps, zero, one):
     F = S.shape[1]
     M = S.shape[2]
     for t in range(T):
+        nk = row_norm(k, b, t, code)
+        nq = row_norm(q, b, t, code)
         for i in range(tid, F, nt):
-            a = phi(k[b, t, i], code, zero, one)
-            c = phi(q[b, t, i], code, zero, one)
-            feat[b, 0, i] = a
-            feat[b, 1, i] = c
+            feat[b, 0, i] = feature(k, b, t, i, code, nk, zero, one)
+            feat[b, 1, i] = feature(q, b, t, i, code, nq, zero, one)
             zi = z[b, i] + feat[b, 0, i]
             z[b, i] = zi
             feat[b, 2, i] = feat[b, 1, i] * zi
@@ -89,9 +127,9 @@ def state_query_py(q, S, z, out, feat, code, eps, zero, one):
     F = S.shape[1]
     M = S.shape[2]
     for t in range(T):
+        nq = row_norm(q, b, t, code)
         for i in range(tid, F, nt):
-            c = phi(q[b, t, i], code, zero, one)
-            feat[b, 1, i] = c
+            feat[b, 1, i] = feature(q, b, t, i, code, nq, zero, one)
             feat[b, 2, i] = feat[b, 1, i] * z[b, i]
         cuda.syncthreads()
         den = 0.0
@@ -117,13 +155,13 @@ def state_prefill_py(k, v, S, z, code, zero, one):
     if m < M:
         acc = zero
         for t in range(T):
-            a = phi(k[b, t, i], code, zero, one)
+            a = feature(k, b, t, i, code, row_norm(k, b, t, code), zero, one)
             acc += a * v[b, t, m]
         S[b, i, m] += acc
     if m == 0:
         zi = z[b, i]
         for t in range(T):
-            a = phi(k[b, t, i], code, zero, one)
+            a = feature(k, b, t, i, code, row_norm(k, b, t, code), zero, one)
             zi += a
         z[b, i] = zi
 
@@ -138,6 +176,8 @@ def rule_step_py(q, k, v, S, z, out, feat, lg, code, eps, norm, zero, one):
     M = S.shape[2]
     G = lg.shape[2]
     for t in range(T):
+        nk = row_norm(k, b, t, code)
+        nq = row_norm(q, b, t, code)
         for i in range(tid, F, nt):
             if G == 0:
                 feat[b, 3, i] = one
@@ -145,8 +185,8 @@ def rule_step_py(q, k, v, S, z, out, feat, lg, code, eps, norm, zero, one):
                 feat[b, 3, i] = math.exp(lg[b, t, 0])
             else:
                 feat[b, 3, i] = math.exp(lg[b, t, i])
-            feat[b, 0, i] = phi(k[b, t, i], code, zero, one)
-            feat[b, 1, i] = phi(q[b, t, i], code, zero, one)
+            feat[b, 0, i] = feature(k, b, t, i, code, nk, zero, one)
+            feat[b, 1, i] = feature(q, b, t, i, code, nq, zero, one)
             zi = feat[b, 3, i] * z[b, i] + feat[b, 0, i]
             z[b, i] = zi
             feat[b, 2, i] = feat[b, 1, i] * zi
@@ -179,9 +219,9 @@ def rule_query_py(q, S, z, out, feat, code, eps, norm, zero, one):
     F = S.shape[1]
     M = S.shape[2]
     for t in range(T):
+        nq = row_norm(q, b, t, code)
         for i in range(tid, F, nt):
-            c = phi(q[b, t, i], code, zero, one)
-            feat[b, 1, i] = c
+            feat[b, 1, i] = feature(q, b, t, i, code, nq, zero, one)
             feat[b, 2, i] = feat[b, 1, i] * z[b, i]
         cuda.syncthreads()
         den = 0.0
@@ -215,7 +255,7 @@ def rule_prefill_py(k, v, S, z, lg, code, zero, one):
     if m < M:
         s = S[b, i, m]
         for t in range(T):
-            a = phi(k[b, t, i], code, zero, one)
+            a = feature(k, b, t, i, code, row_norm(k, b, t, code), zero, one)
             if G == 0:
                 s = s + a * v[b, t, m]
             else:
@@ -224,12 +264,77 @@ def rule_prefill_py(k, v, S, z, lg, code, zero, one):
     if m == 0:
         zi = z[b, i]
         for t in range(T):
-            a = phi(k[b, t, i], code, zero, one)
+            a = feature(k, b, t, i, code, row_norm(k, b, t, code), zero, one)
             if G == 0:
                 zi = zi + a
             else:
                 zi = math.exp(lg[b, t, gi]) * zi + a
         z[b, i] = zi
+
+
+def delta_step_py(q, k, v, S, z, out, feat, lg, beta, code, eps, norm, read, zero, one):
+    """The delta rules, one block per batch entry: ``H <- a (I - beta k k^T) H + beta k [v 1]``.
+
+    Per token: features strided over i (rows 0 and 1 of ``feat``) with the
+    terms of ``k^T z`` (row 2), barrier, every thread sums them, barrier, the
+    z update with the normaliser's terms (row 2 again), barrier; then one
+    thread per column m: ``k^T S[:, m]``, the update
+    ``S[:, m] <- a S[:, m] + beta k (v_m - a k^T S[:, m])`` and the read.
+    ``lg`` (B, T, G): G = 0 the delta rule (a = 1), G = 1 the gated delta
+    rule; ``beta`` (B, T) float64.  ``read`` False: no outputs (a prefill;
+    ``q`` and ``out`` are not read or written).  The factor and the write
+    strength are float64, so is the update arithmetic (stored in the state
+    dtype).
+    """
+    b = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    T = k.shape[1]
+    F = S.shape[1]
+    M = S.shape[2]
+    G = lg.shape[2]
+    for t in range(T):
+        nk = row_norm(k, b, t, code)
+        nq = row_norm(q, b, t, code) if read else 1.0
+        a = math.exp(lg[b, t, 0]) if G > 0 else 1.0
+        bt = beta[b, t]
+        for i in range(tid, F, nt):
+            feat[b, 0, i] = feature(k, b, t, i, code, nk, zero, one)
+            if read:
+                feat[b, 1, i] = feature(q, b, t, i, code, nq, zero, one)
+            feat[b, 2, i] = feat[b, 0, i] * z[b, i]
+        cuda.syncthreads()
+        kz = 0.0
+        for i in range(F):
+            kz += feat[b, 2, i]
+        rz = bt * (1.0 - a * kz)
+        cuda.syncthreads()  # row 2 is read by every thread before it is rewritten
+        for i in range(tid, F, nt):
+            zi = a * z[b, i] + rz * feat[b, 0, i]
+            z[b, i] = zi
+            feat[b, 2, i] = feat[b, 1, i] * zi
+        cuda.syncthreads()
+        den = 0.0
+        for i in range(F):
+            den += feat[b, 2, i]
+        if norm == NORM_FLOOR and den < eps:
+            den = eps
+        for m in range(tid, M, nt):
+            d = zero
+            for i in range(F):
+                d += feat[b, 0, i] * S[b, i, m]
+            r = bt * (v[b, t, m] - a * d)
+            acc = zero
+            for i in range(F):
+                s = a * S[b, i, m] + r * feat[b, 0, i]
+                S[b, i, m] = s
+                acc += feat[b, 1, i] * s
+            if read:
+                if norm == NORM_NONE:
+                    out[b, t, m] = acc
+                else:
+                    out[b, t, m] = acc / den
+        cuda.syncthreads()
 
 
 def first_nonfinite_py(x, flag, which):
@@ -249,7 +354,8 @@ def first_nonfinite_py(x, flag, which):
 
 PYTHON_KERNELS = {"state_step": state_step_py, "state_query": state_query_py,
                   "state_prefill": state_prefill_py, "first_nonfinite": first_nonfinite_py,
-                  "rule_step": rule_step_py, "rule_query": rule_query_py, "rule_prefill": rule_prefill_py}
+                  "rule_step": rule_step_py, "rule_query": rule_query_py, "rule_prefill": rule_prefill_py,
+                  "delta_step": delta_step_py}
 _JIT = {}
 
 
@@ -365,3 +471,43 @@ def rule_prefill(k, v, S, z, *, code, inputs=None):
     grid = (B, F, (M + nt - 1) // nt)
     kernels()["rule_prefill"][grid, nt](k, v, S, z, log_factors(inputs, B, T), np.int64(code),
                                         S.dtype.type(0), S.dtype.type(1))
+
+
+def delta_arrays(inputs, B, T):
+    """The kernels' ``lg`` (B, T, G) (G = 1 with ``log_decay``: the gated delta rule, else 0) and
+    ``beta`` (B, T), float64 device arrays, from a delta-rule launcher's ``inputs`` (host arrays are
+    copied to the device, device arrays used as they are)."""
+    def dev(x, shape):
+        if hasattr(x, "copy_to_host"):
+            return x.reshape(shape)
+        return cuda.to_device(np.ascontiguousarray(x, dtype=np.float64).reshape(shape))
+
+    beta = dev(inputs["beta"], (B, T))
+    lg = dev(inputs["log_decay"], (B, T, 1)) if "log_decay" in inputs else cuda.to_device(np.zeros((B, T, 0)))
+    return lg, beta
+
+
+def delta_step(q, k, v, S, z, out, feat, *, code, eps, inputs, normalize=False):
+    """Launch the delta-rule step kernel: one block per batch entry; ``feat`` is (B, >= 3, F).
+
+    ``inputs``: ``{"beta": (B, T)}`` (delta) or ``{"beta", "log_decay"}`` (gated delta).
+    """
+    B, T = q.shape[0], q.shape[1]
+    if B == 0 or T == 0:
+        return out
+    lg, beta = delta_arrays(inputs, B, T)
+    kernels()["delta_step"][B, _threads()](q, k, v, S, z, out, feat, lg, beta, np.int64(code), _eps(eps),
+                                           np.int64(norm_mode(eps, normalize)), True,
+                                           S.dtype.type(0), S.dtype.type(1))
+    return out
+
+
+def delta_prefill(k, v, S, z, feat, *, code, inputs):
+    """Launch the delta-rule kernel without outputs: the state after T tokens."""
+    B, T = k.shape[0], k.shape[1]
+    if B == 0 or T == 0:
+        return
+    lg, beta = delta_arrays(inputs, B, T)
+    out = cuda.device_array((1, 1, 1), dtype=S.dtype)  # not written (read=False)
+    kernels()["delta_step"][B, _threads()](k, k, v, S, z, out, feat, lg, beta, np.int64(code), -math.inf,
+                                           np.int64(NORM_NONE), False, S.dtype.type(0), S.dtype.type(1))

@@ -8,7 +8,10 @@ update rules of :mod:`linattn_nb.ops._codes`:
 returns ``phi(q_t)^T S_t``).  ``a_t`` is 1 for the additive rule,
 ``exp(log_decay[b, t])`` for the decay rule (one factor for every row) and
 ``exp(log_gate[b, t, i])`` for row i under the gate rule; ``exp(-inf) = 0``
-wipes the state exactly.  The softmax reference attends, for new token ``t``,
+wipes the state exactly.  The delta rules correct the state instead of adding
+to it (on ``H = [S | z]``, every column alike, with ``k = phi(k_t)``):
+``H_t = a_t (I - beta_t k k^T) H_{t-1} + beta_t k [v_t 1]``, ``a_t = 1`` for
+the delta rule and ``exp(log_decay[b, t])`` for the gated delta rule.  The softmax reference attends, for new token ``t``,
 to every cached key and to the new keys up to and including ``t``.
 """
 from __future__ import annotations
@@ -16,23 +19,49 @@ from __future__ import annotations
 import numpy as np
 
 
+DELTA_RULES = ("delta", "gated_delta")
+
+
 def token_factors(rule, inputs, B, T, F):
     """The per-token, per-row factors ``a`` (B, T, F) float64 of ``rule`` with ``inputs``.
 
     ``inputs`` as the launchers take them: None for the additive rule,
-    ``{"log_decay": (B, T)}`` or ``{"log_gate": (B, T, F)}``.
+    ``{"log_decay": (B, T)}`` or ``{"log_gate": (B, T, F)}``; the delta rule
+    (factor 1) takes ``{"beta": (B, T)}``, the gated delta rule
+    ``{"beta": (B, T), "log_decay": (B, T)}``.
     """
+    if rule == "delta":
+        return np.ones((B, T, F))
     if rule == "additive":
         if inputs:
             raise ValueError(f"the additive rule takes no inputs, got {sorted(inputs)}")
         return np.ones((B, T, F))
     if rule == "decay":
         lg = np.asarray(inputs["log_decay"], dtype=np.float64).reshape(B, T, 1)
+    elif rule == "gated_delta":
+        lg = np.asarray(inputs["log_decay"], dtype=np.float64).reshape(B, T, 1)
     elif rule == "gate":
         lg = np.asarray(inputs["log_gate"], dtype=np.float64).reshape(B, T, F)
     else:
         raise ValueError(f"unknown rule {rule!r}")
     return np.broadcast_to(np.exp(lg), (B, T, F))
+
+
+def _token_update(rule, inputs, a, kf, v, S, z, t):
+    """The state after token t (float64 arrays, every batch entry): the rule's recurrence."""
+    if rule in DELTA_RULES:
+        beta = np.asarray(inputs["beta"], dtype=np.float64).reshape(kf.shape[0], -1)[:, t]
+        k = kf[:, t]
+        at = a[:, t, :1]  # one factor per token: (B, 1)
+        # H <- a H + beta k ([v 1] - a k^T H)
+        rS = v[:, t] - at * np.einsum("bf,bfm->bm", k, S)
+        rz = 1.0 - at[:, 0] * np.einsum("bf,bf->b", k, z)
+        S = at[:, :, None] * S + beta[:, None, None] * k[:, :, None] * rS[:, None, :]
+        z = at * z + (beta * rz)[:, None] * k
+        return S, z
+    S = a[:, t, :, None] * S + kf[:, t, :, None] * v[:, t, None, :]
+    z = a[:, t] * z + kf[:, t]
+    return S, z
 
 
 def state_step_reference(qf, kf, v, S, z, *, eps, rule="additive", inputs=None, normalize=True):
@@ -47,9 +76,9 @@ def state_step_reference(qf, kf, v, S, z, *, eps, rule="additive", inputs=None, 
         State before the first token (not modified).
     eps : float or None
         Floor of the normaliser; None divides raw.
-    rule : {"additive", "decay", "gate"}
+    rule : {"additive", "decay", "gate", "delta", "gated_delta"}
     inputs : dict or None
-        The rule's log-factors (:func:`token_factors`).
+        The rule's log-factors and write strengths (:func:`token_factors`).
     normalize : bool
         False returns the numerators ``phi(q_t)^T S_t``.
 
@@ -67,8 +96,7 @@ def state_step_reference(qf, kf, v, S, z, *, eps, rule="additive", inputs=None, 
     a = token_factors(rule, inputs, B, T, F)
     out = np.empty((B, T, v.shape[-1]))
     for t in range(T):
-        S = a[:, t, :, None] * S + kf[:, t, :, None] * v[:, t, None, :]
-        z = a[:, t] * z + kf[:, t]
+        S, z = _token_update(rule, inputs, a, kf, v, S, z, t)
         num = np.einsum("bf,bfm->bm", qf[:, t], S)
         if not normalize:
             out[:, t] = num
@@ -113,8 +141,7 @@ def state_prefill_reference(kf, v, S, z, *, rule="additive", inputs=None):
         S = np.array(S, dtype=np.float64)
         z = np.array(z, dtype=np.float64)
         for t in range(T):
-            S = a[:, t, :, None] * S + kf[:, t, :, None] * v[:, t, None, :]
-            z = a[:, t] * z + kf[:, t]
+            S, z = _token_update(rule, inputs, a, kf, v, S, z, t)
         return S, z
     S = np.array(S, dtype=np.float64) + np.einsum("btf,btm->bfm", kf, v)
     z = np.array(z, dtype=np.float64) + kf.sum(axis=1)
