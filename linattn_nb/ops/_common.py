@@ -59,7 +59,10 @@ def is_row_map(code):
 def l2_row(src, b, t, dst, code):
     """dst (F,) float64 <- ``y / ||y||`` with ``y = src[b, t]`` (code L2) or its SiLU (code SILU_L2).
 
-    Exact, with no epsilon: the row is scaled by its largest magnitude
+    The SiLU is taken in the working dtype of ``src`` (float32 for float16
+    and float32: within a few float32 ulp), and again in float64 when all of
+    its values are below 1e-30 in magnitude (float32's exp flushes to 0
+    below -87.3).  Exact, with no epsilon: the row is scaled by its largest magnitude
     before the squares are summed (in float64), so a row whose squares
     overflow (or underflow) is still normalised to within a few ulp of
     float64; a zero row gives zeros.  A NaN propagates (an inf gives NaN
@@ -68,16 +71,29 @@ def l2_row(src, b, t, dst, code):
     """
     F = dst.shape[0]
     ok = True
+    if code == KERNEL_CODE_SILU_L2:
+        # SiLU in the working dtype (float32 for float16/float32: its exp
+        # vectorises on AVX2, float64's does not), into float64
+        for i in range(F):
+            x = to_work(src[b, t, i])
+            ok &= is_finite(x)
+            dst[i] = silu(x)
+    else:
+        for i in range(F):  # separate simple loops: each one vectorises
+            x = to_work(src[b, t, i])
+            ok &= is_finite(x)
+            dst[i] = x
     mx = 0.0
     for i in range(F):
-        x = to_work(src[b, t, i])
-        ok &= is_finite(x)
-        y = np.float64(x)
-        if code == KERNEL_CODE_SILU_L2:
-            y = silu(y)
-        dst[i] = y
-        a = abs(y)
-        mx = a if a > mx else mx
+        mx = max(mx, abs(dst[i]))  # NaN is skipped here and caught by the sum below
+    if code == KERNEL_CODE_SILU_L2 and mx < 1e-30:
+        # every SiLU value tiny (a row of x below -80, or of zeros): the float32
+        # exp flushes below -87.3, so the row is taken again in float64
+        for i in range(F):
+            dst[i] = silu(np.float64(to_work(src[b, t, i])))
+        mx = 0.0
+        for i in range(F):
+            mx = max(mx, abs(dst[i]))
     inv = 1.0 / mx if mx > 0.0 else 0.0
     s = 0.0
     for i in range(F):

@@ -191,18 +191,22 @@ def silu(x):  # pragma: no cover - replaced by the overload inside Numba
     return x / (1.0 + float(np.exp(-x)))
 
 
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")
+def _silu(x):
+    # error_model="numpy": a division under the default model checks its
+    # divisor for 0, a branch that keeps the loop from vectorising
+    zero = x * 0  # 0 in x's own type
+    one = zero + 1
+    a = x if x < zero else -x
+    e = elu1(a)  # exp(-|x|) in (0, 1]: never overflows
+    p = x if x >= zero else x * e  # sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) below
+    return p / (one + e)  # NaN: NaN throughout
+
+
 @overload(silu)
 def _silu_ov(x):
     if isinstance(x, types.Float):
-        zero = x(0.0)
-        one = x(1.0)
-
-        def impl(x):
-            e = elu1(-abs(x))  # exp(-|x|) in (0, 1]: no overflow; exp(0) = 0 + 1
-            s = one / (one + e) if x >= zero else e / (one + e)
-            return x * s  # NaN: abs(NaN) is NaN, and so is everything after it
-
-        return impl
+        return lambda x: _silu(x)
     return None
 
 
