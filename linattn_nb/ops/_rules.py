@@ -460,7 +460,9 @@ def carry(rule, acc, part, fac):
     ``fac`` (G,) float64: the span's factor of the state before it (the
     product of its tokens' factors; unused by the additive rule).  Additive:
     ``acc += part``; decay: ``acc <- fac[0] acc + part``; gate: row ``i``
-    scaled by ``fac[i]``.
+    scaled by ``fac[i]``.  Not for the delta rules: their span moves the
+    state through an (F, F) matrix, so their kernels never split a sequence
+    into pieces (:mod:`linattn_nb.ops.causal.chunked`).
     """
     if rule == RULE_ADDITIVE:
         for i in range(acc.shape[0]):
