@@ -49,7 +49,8 @@ def _scan(q, k, v, H, out, code, eps, norm, rule, lg, flags):
     length M runs faster than over the (M + 1)-long rows of ``H``
     (docs/measurements-cpu.md).  The features of a token come from
     :func:`linattn_nb.ops._blocks.feature_row`, a loop of its own that
-    vectorises.
+    vectorises (the row maps ``l2`` and ``silu_l2``: normalised in float64,
+    the scan's feature dtype).
     """
     B, N, F = q.shape
     M = v.shape[2]
