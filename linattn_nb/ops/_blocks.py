@@ -3,7 +3,9 @@
 Each works on a block of rows ``[s0, s0 + n)`` of one sequence ``b`` of a
 ``(B, N, F)`` input and writes the working dtype (float32 for float16 bits and
 float32, float64 for float64).  They are small ``@njit`` functions that LLVM
-inlines into the kernels' loops; the feature map is :func:`linattn_nb.ops._common.phi`.
+inlines into the kernels' loops; the feature map is :func:`linattn_nb.ops._common.phi`
+(elementwise maps) or :func:`linattn_nb.ops._common.l2_row` (the row maps
+``l2`` and ``silu_l2``, through a float64 row of scratch).
 As with ``_common.py``, kernels cached on disk do not see edits made here:
 clear the ``__pycache__`` folders after changing it.
 """
@@ -14,7 +16,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from .. import config
-from ._common import phi
+from ._common import is_row_map, l2_row, phi
 from ._vec import f16_to_f32, is_finite, to_work
 
 
@@ -38,6 +40,21 @@ def load_chunk(q, k, v, b, s0, n, fq, fk, R, row0, code, with_q):
     M = v.shape[2]
     vok = True
     qkok = True
+    if is_row_map(code):  # the L2 maps: a whole row at a time, normalised in float64
+        tmp = np.empty(F)
+        for t in range(n):
+            if with_q:
+                qkok &= l2_row(q, b, s0 + t, tmp, code)
+                for i in range(F):
+                    fq[t, i] = tmp[i]
+            qkok &= l2_row(k, b, s0 + t, tmp, code)
+            for i in range(F):
+                fk[t, i] = tmp[i]
+            for m in range(M):
+                x = to_work(v[b, s0 + t, m])
+                R[row0 + t, m] = x
+                vok &= is_finite(x)
+        return vok, vok and qkok
     for t in range(n):
         if with_q:
             for i in range(F):
@@ -60,6 +77,13 @@ def features(src, b, s0, n, dst, code):
     """dst[:n] = phi(src[b, s0:s0+n]) in the working dtype; returns whether every element read is finite."""
     F = src.shape[2]
     ok = True
+    if is_row_map(code):
+        tmp = np.empty(F)
+        for t in range(n):
+            ok &= l2_row(src, b, s0 + t, tmp, code)
+            for i in range(F):
+                dst[t, i] = tmp[i]
+        return ok
     for t in range(n):
         for i in range(F):
             x = to_work(src[b, s0 + t, i])
@@ -74,7 +98,11 @@ def feature_row(src, b, t, dst, code):
 
     A function of its own (not a loop inside a larger kernel) so that LLVM
     takes the branch on ``code`` out of the loop and vectorises each map.
+    ``dst`` must be float64 for the row maps (L2), which are normalised in
+    place in it (the scan's feature rows are float64).
     """
+    if is_row_map(code):
+        return l2_row(src, b, t, dst, code)
     ok = True
     for i in range(dst.shape[0]):
         x = to_work(src[b, t, i])

@@ -7,6 +7,12 @@ given raw inputs (``code`` > 0): the blocked kernels (through
 the vectorisable scalar forms of :mod:`linattn_nb.ops._vec` (a branch-free
 ``exp`` for ELU+1), so a loop that calls it compiles to SIMD code.
 
+The row maps ``KERNEL_CODE_L2`` and ``KERNEL_CODE_SILU_L2`` (``x / ||x||``
+per row, after SiLU for the second) are not elementwise: :func:`is_row_map`
+tells them apart and :func:`l2_row` computes one row of them, which the
+kernels call instead of :func:`phi` (:mod:`linattn_nb.ops._blocks`, the
+scan).
+
 Note on the on-disk cache: Numba keys a cached kernel on the source file of
 the kernel itself, so an edit here is not seen by kernels cached from other
 modules.  After changing this file, clear the ``__pycache__`` folders (or set
@@ -17,8 +23,10 @@ from __future__ import annotations
 from numba import njit
 
 from .. import config
-from ._codes import KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU
-from ._vec import elu1, relu, relu2
+import numpy as np
+
+from ._codes import KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_RELU, KERNEL_CODE_SILU_L2, KERNEL_CODE_SQUARED_RELU
+from ._vec import elu1, is_finite, relu, relu2, silu, to_work
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -39,3 +47,59 @@ def phi(x, code):
     if code == KERNEL_CODE_SQUARED_RELU:
         return relu2(x)
     return x
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def is_row_map(code):
+    """Whether feature map ``code`` works on whole rows (the L2 maps), not element by element."""
+    return code == KERNEL_CODE_L2 or code == KERNEL_CODE_SILU_L2
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def l2_row(src, b, t, dst, code):
+    """dst (F,) float64 <- ``y / ||y||`` with ``y = src[b, t]`` (code L2) or its SiLU (code SILU_L2).
+
+    The SiLU is taken in the working dtype of ``src`` (float32 for float16
+    and float32: within a few float32 ulp), and again in float64 when all of
+    its values are below 1e-30 in magnitude (float32's exp flushes to 0
+    below -87.3).  Exact, with no epsilon: the row is scaled by its largest magnitude
+    before the squares are summed (in float64), so a row whose squares
+    overflow (or underflow) is still normalised to within a few ulp of
+    float64; a zero row gives zeros.  A NaN propagates (an inf gives NaN
+    rows, as ``inf / inf``).  Returns whether every element read is finite
+    (:func:`linattn_nb.ops._vec.is_finite` of the raw elements).
+    """
+    F = dst.shape[0]
+    ok = True
+    if code == KERNEL_CODE_SILU_L2:
+        # SiLU in the working dtype (float32 for float16/float32: its exp
+        # vectorises on AVX2, float64's does not), into float64
+        for i in range(F):
+            x = to_work(src[b, t, i])
+            ok &= is_finite(x)
+            dst[i] = silu(x)
+    else:
+        for i in range(F):  # separate simple loops: each one vectorises
+            x = to_work(src[b, t, i])
+            ok &= is_finite(x)
+            dst[i] = x
+    mx = 0.0
+    for i in range(F):
+        mx = max(mx, abs(dst[i]))  # NaN is skipped here and caught by the sum below
+    if code == KERNEL_CODE_SILU_L2 and mx < 1e-30:
+        # every SiLU value tiny (a row of x below -80, or of zeros): the float32
+        # exp flushes below -87.3, so the row is taken again in float64
+        for i in range(F):
+            dst[i] = silu(np.float64(to_work(src[b, t, i])))
+        mx = 0.0
+        for i in range(F):
+            mx = max(mx, abs(dst[i]))
+    inv = 1.0 / mx if mx > 0.0 else 0.0
+    s = 0.0
+    for i in range(F):
+        y = dst[i] * inv
+        s += y * y
+    r = 0.0 if s == 0.0 else 1.0 / np.sqrt(s)  # s >= 1 unless the row is zero; NaN stays NaN
+    for i in range(F):
+        dst[i] = (dst[i] * inv) * r
+    return ok

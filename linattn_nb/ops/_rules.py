@@ -19,9 +19,36 @@ first argument:
   chunked kernel (:mod:`linattn_nb.ops.causal.chunked`);
 * :func:`chunk_transition` -- the state across one chunk (additive:
   ``H += phi(K_c)^T [V_c 1]``), in the chunked kernel;
+* :func:`chunk_values` -- the delta rules' value rows of a chunk (the
+  WY/UT transform below; nothing for the other rules);
 * :func:`carry` -- the state across a span whose own contribution is known
   (additive: ``H += part``), used by the prefix over segments and the
   combine of pieces (:mod:`linattn_nb.ops._chunks`).
+
+The delta rules (``delta``, ``gated_delta``) read the state before they
+write it, so their token update is not a row-by-row one: the scan calls
+:func:`delta_token` for the whole token instead of :func:`token_step`.  In
+the chunked kernel they are the WY/UT transform (Yang et al. 2024,
+``../shared/REFERENCES.md``, "Delta rule"): per chunk, with ``e^b`` the
+running products of the chunk's decays (1 for ``delta``) and ``G_ts`` their
+ratios,
+
+    Y  = [V 1] - (e^b * K) H                        (one GEMM)
+    U' = L^{-1} diag(beta) Y,   L = I + tril(diag(beta) (G * K K^T), -1)
+                                                    (one GEMM for K K^T, a unit
+                                                     lower-triangular solve)
+    O  = [e^b * Q | tril(G * Q K^T)] [H ; U']       (the additive/decay form)
+    H <- e^{b_n} H + (e^{b_n - b} * K)^T U'         (the additive/decay form)
+
+so :func:`chunk_values` replaces the value rows ``[V 1]`` of ``R = [H ;
+V 1]`` by ``U'`` (``W = T (e^b * K)`` is never formed: ``U - W H = T Y``),
+and the intra-chunk weights and the transition are those of the additive
+rule (``delta``) and the decay rule (``gated_delta``) unchanged.  Their
+per-token inputs reach the kernels as ``lg`` (B, N, 2): column 0 the
+log-decay (0 for ``delta``), column 1 the write strength ``beta`` (not a
+logarithm).  Their transition across a span is an (F, F) matrix, which
+:func:`carry` does not take: the chunked kernel runs these rules
+batch-parallel only (:mod:`linattn_nb.ops.causal.chunked`).
 
 A new rule adds its entry to :data:`linattn_nb.ops._codes.RULES` and a branch
 to each hook here, and nothing to the kernels' loops.  Per-token inputs reach
@@ -40,7 +67,8 @@ import numpy as np
 from numba import njit
 
 from .. import config
-from ._codes import RULE_ADDITIVE, RULE_DECAY, RULE_GATE, check_rule_inputs, rule_name
+from ._codes import (RULE_ADDITIVE, RULE_DECAY, RULE_DELTA, RULE_GATE, RULE_GATED_DELTA, check_rule_inputs,
+                     rule_name)
 from ._gemm import gemm
 from ._vec import elu1
 
@@ -74,8 +102,22 @@ def log_factors(rule, inputs, batch: int, n: int, f: int) -> np.ndarray:
     shape (batch, n, f)).  Every rule's kernels thus get the same Numba
     types (one compilation).  Call after :func:`check_rule`.
 
+    The delta rules get ``G = 2``: column 0 the log-decay
+    (``inputs["log_decay"]`` of the gated delta rule, 0 for the delta rule),
+    column 1 the write strength ``inputs["beta"]`` (both (batch, n)).
+
     Raises ValueError naming the input when its shape is not the rule's.
     """
+    if rule == RULE_DELTA or rule == RULE_GATED_DELTA:
+        out = np.zeros((batch, n, 2))
+        names = ("beta", "log_decay") if rule == RULE_GATED_DELTA else ("beta",)
+        for name in names:
+            x = np.asarray(inputs[name])
+            if x.shape != (batch, n):
+                raise ValueError(f"inputs: {name} of the {rule_name(rule)} rule must have shape {(batch, n)}, "
+                                 f"got {x.shape}")
+            out[:, :, 1 if name == "beta" else 0] = x
+        return out
     if rule == RULE_DECAY:
         name, shape = "log_decay", (batch, n)
     elif rule == RULE_GATE:
@@ -121,6 +163,103 @@ def token_step(rule, S, z, i, a, c, v, num, g):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def is_delta(rule):
+    """Whether ``rule`` is one of the delta rules (their state update reads the state: :func:`delta_token`)."""
+    return rule == RULE_DELTA or rule == RULE_GATED_DELTA
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def delta_token(S, z, fk, fq, v, a, beta, num, u):
+    """One token of the (gated) delta rule on the whole state, read by the token's query; returns its normaliser.
+
+    ``S`` (F, M) and ``z`` (F,) float64: the state of the scan, updated in
+    place to ``H <- a (I - beta k k^T) H + beta k [v 1]``, computed as
+    ``u = beta ([v 1] - a k^T H)``, ``H <- a H + k u^T`` (``k = fk``,
+    ``a = 1`` for the delta rule, ``a = 0`` a reset); ``num`` (M,) <-
+    ``phi(q)^T S`` of the new state (``fq = phi(q)``), ``u`` (M,) scratch.
+    Two passes over the state (the read ``k^T H``, then the write and the
+    query's read), each vectorised over a row.
+    """
+    F = fk.shape[0]
+    M = v.shape[0]
+    for m in range(M):
+        u[m] = 0.0
+    uz = 0.0
+    for i in range(F):
+        ki = fk[i]
+        for m in range(M):
+            u[m] += ki * S[i, m]
+        uz += ki * z[i]
+    for m in range(M):
+        u[m] = beta * (v[m] - a * u[m])
+        num[m] = 0.0
+    uz = beta * (1.0 - a * uz)
+    den = 0.0
+    for i in range(F):
+        ki = fk[i]
+        c = fq[i]
+        for m in range(M):
+            s = a * S[i, m] + ki * u[m]
+            S[i, m] = s
+            num[m] += c * s
+        zi = a * z[i] + ki * uz
+        z[i] = zi
+        den += c * zi
+    return den
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def chunk_values(rule, X, R, fk, o, n, F, fs, fw, w):
+    """The delta rules: ``R``'s value rows ``[V_c 1]`` <- ``U'`` of the WY/UT transform; other rules: nothing.
+
+    ``R`` ((F + C) x (M + 1), working dtype) = ``[H ; V_c 1]``, its first F
+    rows the chunk-start state; ``fk`` (C, F) = ``phi(K_c)``; ``X`` (C, F + C):
+    its weight block ``X[:n, F:F + n]`` is scratch here (``K K^T``), before
+    :func:`intra_weights` fills it; ``o`` (C, M + 1) scratch; ``fs``, ``fw``:
+    the chunk's factors (:func:`chunk_factors`: decays, ``beta``); ``w`` (C,)
+    float64 scratch.  Computes ``Y = [V 1] - (e^b * K) H`` (one GEMM), ``K
+    K^T`` (one GEMM) and solves ``L U' = diag(beta) Y``, ``L = I +
+    tril(diag(beta) (G * K K^T), -1)``, by forward substitution in place
+    (row t: ``U'_t = beta_t (Y_t - sum_{j<t} G_tj (k_t . k_j) U'_j)``,
+    vectorised over the M + 1 columns; the ``G_tj = a_{j+1} ... a_t`` are
+    running products, exactly 0 across a reset).  The solve only mixes
+    earlier rows into later ones, so a NaN or inf stays in its own and the
+    later rows.
+    """
+    if not (rule == RULE_DELTA or rule == RULE_GATED_DELTA) or n == 0:
+        return
+    LX = X.shape[1]
+    M1 = R.shape[1]
+    wd = R.dtype.type
+    for t in range(n):
+        R[F + t, M1 - 1] = wd(1.0)  # the normaliser's value column (U' of the previous chunk overwrote it)
+    if rule == RULE_DELTA:
+        gemm(0, 0, n, M1, F, -1.0, fk, 0, F, R, 0, M1, 1.0, R, F * M1, M1)
+    else:
+        gemm(0, 0, n, M1, F, 1.0, fk, 0, F, R, 0, M1, 0.0, o, 0, M1)
+        for t in range(n):
+            h = wd(fs[1, t, 0])
+            for m in range(M1):
+                R[F + t, m] -= h * o[t, m]
+    gemm(0, 1, n, n, F, 1.0, fk, 0, F, fk, 0, F, 0.0, X, F, LX)
+    for t in range(n):
+        if rule == RULE_GATED_DELTA:
+            a = fs[0, t, 0]
+            for j in range(t):
+                w[j] *= a
+            w[t] = 1.0
+            for j in range(t):
+                X[t, F + j] = X[t, F + j] * wd(w[j])
+        for j in range(t):
+            c = X[t, F + j]
+            for m in range(M1):
+                R[F + t, m] -= c * R[F + j, m]
+        bt = fw[t, 1]
+        for m in range(M1):
+            R[F + t, m] *= bt
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def chunk_factors(rule, lg, b, s0, n, fs, fw, tot):
     """The factors of tokens [s0, s0 + n) of sequence ``b``, for the other chunk hooks.
 
@@ -136,6 +275,10 @@ def chunk_factors(rule, lg, b, s0, n, fs, fw, tot):
       chunk's end;
     * ``tot = a_0 ... a_{n-1}``: the chunk's factor of its start state.
 
+    The delta rules (G = 2): the above for column 0 (the gated delta rule's
+    decays; nothing for the delta rule, whose hooks take the additive
+    branches), and ``fs[0, t, 1] = fw[t, 1] = beta_t``.
+
     Running products of factors in [0, 1] rather than exponentials of
     differences of cumulative log-sums: they neither overflow nor meet
     ``-inf - -inf``; a reset (``a = 0``) makes every product across it
@@ -145,6 +288,26 @@ def chunk_factors(rule, lg, b, s0, n, fs, fw, tot):
     """
     G = lg.shape[2]
     if G == 0 or n == 0:
+        return
+    if rule == RULE_DELTA or rule == RULE_GATED_DELTA:
+        # column 1: beta as it is (fs[0, t, 1], fw[t, 1]); column 0: the decays as above
+        for t in range(n):
+            beta = lg[b, s0 + t, 1]
+            fs[0, t, 1] = beta
+            fw[t, 1] = beta
+        if rule == RULE_DELTA:
+            return
+        for t in range(n):
+            a = elu1(lg[b, s0 + t, 0])
+            fs[0, t, 0] = a
+            fw[t, 0] = a
+        fs[1, 0, 0] = fs[0, 0, 0]
+        for t in range(1, n):
+            fs[1, t, 0] = fs[1, t - 1, 0] * fs[0, t, 0]
+        fs[2, n - 1, 0] = 1.0
+        tot[0] = fs[1, n - 1, 0]
+        for s in range(n - 2, -1, -1):
+            fs[2, s, 0] = fs[2, s + 1, 0] * fs[0, s + 1, 0]
         return
     for t in range(n):
         for g in range(G):
@@ -189,15 +352,18 @@ def intra_weights(rule, X, fk, r0, ce, F, fs, fw, w):
     ``fk[j]`` is key j's share of the chunk-end state (see
     :func:`chunk_transition`).  Then the query rows are scaled per feature
     by ``fs[1, t]``.
+
+    The delta rules: as the additive (``delta``) and decay (``gated_delta``)
+    rules; the chunk's ``U'`` (:func:`chunk_values`) makes the difference.
     """
     LX = X.shape[1]
     zero = X.dtype.type(0.0)
-    if rule == RULE_ADDITIVE:
+    if rule == RULE_ADDITIVE or rule == RULE_DELTA:
         gemm(0, 1, ce - r0, ce, F, 1.0, X, r0 * LX, LX, fk, 0, F, 0.0, X, r0 * LX + F, LX)
         for t in range(r0, ce):
             for j in range(t + 1, ce):
                 X[t, F + j] = zero
-    elif rule == RULE_DECAY:
+    elif rule == RULE_DECAY or rule == RULE_GATED_DELTA:
         gemm(0, 1, ce - r0, ce, F, 1.0, X, r0 * LX, LX, fk, 0, F, 0.0, X, r0 * LX + F, LX)
         for t in range(r0, ce):
             a = fs[0, t, 0]
@@ -242,14 +408,16 @@ def chunk_transition(rule, H, R, fk, part, n, fs, tot, after_intra):
     Additive: ``part = phi(K_c)^T [V_c 1]`` (one BLAS product in the working
     dtype), summed into ``H`` in float64.  Decay and gate: the keys are
     scaled by their share ``fs[2]`` first, and ``H <- tot * H + part``
-    (``tot`` per row for the gate).
+    (``tot`` per row for the gate).  The delta rules: as the additive
+    (``delta``) and decay (``gated_delta``) rules, with ``R``'s value rows
+    already ``U'`` (:func:`chunk_values`).
     """
     F = fk.shape[1]
     M1 = R.shape[1]
-    if rule == RULE_ADDITIVE:
+    if rule == RULE_ADDITIVE or rule == RULE_DELTA:
         gemm(1, 0, F, M1, n, 1.0, fk, 0, F, R, F * M1, M1, 0.0, part, 0, M1)
         absorb(H, part, R)
-    elif rule == RULE_DECAY:
+    elif rule == RULE_DECAY or rule == RULE_GATED_DELTA:
         for s in range(n):
             ks = fk.dtype.type(fs[2, s, 0])
             for i in range(F):
@@ -292,7 +460,9 @@ def carry(rule, acc, part, fac):
     ``fac`` (G,) float64: the span's factor of the state before it (the
     product of its tokens' factors; unused by the additive rule).  Additive:
     ``acc += part``; decay: ``acc <- fac[0] acc + part``; gate: row ``i``
-    scaled by ``fac[i]``.
+    scaled by ``fac[i]``.  Not for the delta rules: their span moves the
+    state through an (F, F) matrix, so their kernels never split a sequence
+    into pieces (:mod:`linattn_nb.ops.causal.chunked`).
     """
     if rule == RULE_ADDITIVE:
         for i in range(acc.shape[0]):

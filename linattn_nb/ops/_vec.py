@@ -18,6 +18,8 @@ loop calling them compiles to SIMD code:
   (float32) over [-87, 0] (tested); NaN propagates; inputs below -87.3 (float32) / -708.3 (float64), whose
   exponential is subnormal or within 6% of the smallest normal, give 0 (an
   absolute error below 1.3e-38 / 2.5e-308).
+* :func:`silu` is ``x * sigmoid(x)`` from the same branch-free ``exp``
+  (of ``-|x|``, so it never overflows); below -708 (float64) it gives 0.
 * :func:`relu` / :func:`relu2` with constants of the input's own type (a
   float64 literal would promote a float32 loop).
 * :func:`to_work` converts an input element to the working dtype: ``uint16``
@@ -181,6 +183,30 @@ def _elu1_ov(x):
         return lambda x: _elu1_f32(x)
     if x == types.float64:
         return lambda x: _elu1_f64(x)
+    return None
+
+
+def silu(x):  # pragma: no cover - replaced by the overload inside Numba
+    """SiLU: ``x * sigmoid(x)``; NaN propagates."""
+    return x / (1.0 + float(np.exp(-x)))
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")
+def _silu(x):
+    # error_model="numpy": a division under the default model checks its
+    # divisor for 0, a branch that keeps the loop from vectorising
+    zero = x * 0  # 0 in x's own type
+    one = zero + 1
+    a = x if x < zero else -x
+    e = elu1(a)  # exp(-|x|) in (0, 1]: never overflows
+    p = x if x >= zero else x * e  # sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) below
+    return p / (one + e)  # NaN: NaN throughout
+
+
+@overload(silu)
+def _silu_ov(x):
+    if isinstance(x, types.Float):
+        return lambda x: _silu(x)
     return None
 
 

@@ -96,19 +96,8 @@ def _gpu(rule, name, causal, forward):
     register_method(Method(rule, name, causal, "cuda", forward, native_dtypes=_ALL_FLOATS))
 
 
-def _unimplemented(q, k, v, H, out, *, rule, **kw):  # TODO(issue 15): removed when the delta kernels land
-    raise NotImplementedError("the scan and chunked kernels do not implement the delta rules yet; "
-                              "use method='quadratic'")
-
-
-def _not_yet(device, name, code):
-    return functools.partial(_unimplemented, rule=code)
-
-
 def _causal_launcher(device: str, name: str, code: int):
     """The rule-generic causal launcher ``name`` on ``device``, bound to rule ``code``."""
-    if code in (3, 4) and name != "quadratic" and device != "cuda":  # the CUDA kernels have them
-        return _not_yet(device, name, code)
     if device == "cpu":
         if name == "quadratic":
             return _quadratic_launcher(causal_linear_quadratic, rule=code)

@@ -79,6 +79,19 @@ parallel), a prefix over those sums -- starting from the initial state --
 gives every segment its starting state, and a second pass runs all ``B * P``
 segments in parallel.  The result equals the batch-parallel one to float64
 round-off in the state.
+
+The delta rules (``delta``, ``gated_delta``) run the same loop with one more
+hook per chunk, :func:`linattn_nb.ops._rules.chunk_values` (the WY/UT
+transform: the chunk's value rows ``[V_c 1]`` become ``U' = T ([V_c 1] -
+(e^b * K_c) H)`` by one GEMM, one ``K_c K_c^T`` and a unit lower-triangular
+solve), after which the weights, the fused product and the transition are
+the additive rule's (``delta``) or the decay rule's (``gated_delta``).  They
+run batch-parallel only: across a piece of a sequence their state moves
+through an (F, F) matrix, so pass 1 would have to carry an F-wide identity
+block next to the M + 1 value columns (about three times the work of pass 2
+on those pieces for F = M) and the prefix would multiply (F, F) matrices;
+with a batch*heads at least the thread count (the usual case) splitting
+buys nothing.
 """
 from __future__ import annotations
 
@@ -92,7 +105,8 @@ from .._chunks import part_range, plan, segment_states, token_range
 from .._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, norm_mode
 from .._finite import new_flags, report
 from .._gemm import gemm
-from .._rules import check_rule, check_state, chunk_factors, chunk_transition, intra_weights, log_factors
+from .._rules import (check_rule, check_state, chunk_factors, chunk_transition, chunk_values, intra_weights, is_delta,
+                      log_factors)
 from .._twins import pick, serial_and_parallel
 from .._vec import as_kernel_array, is_finite, store3, work_dtype
 
@@ -140,6 +154,10 @@ def _span(q, k, v, out, b, s_begin, s_end, H, code, eps, norm, bs, X, R, fk, o, 
         finite, read_ok = load_chunk(q, k, v, b, s0, n, X, fk, R, F, code, True)
         inputs_ok &= read_ok
         chunk_factors(rule, lg, b, s0, n, fs, fw, tot)
+        if is_delta(rule):
+            # the value rows become U' (a NaN/inf key too reaches them, below the diagonal only)
+            chunk_values(rule, X, R, fk, o, n, F, fs, fw, w)
+            finite = read_ok
         # Row blocks of bs: block r needs A and V_c only up to its own last
         # row, so the upper triangle is computed for the diagonal blocks only.
         for r0 in range(0, n, bs):
@@ -335,7 +353,9 @@ def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=Fals
         default from :func:`linattn_nb.config.cpu_chunk_block`.
     seq_parallel : bool, optional
         Force (True) or forbid (False) splitting sequences across threads;
-        default: split when B is below the thread count.
+        default: split when B is below the thread count.  The delta rules
+        never split (True is taken as False for them: see the module
+        docstring).
     rule : int, optional
         Update-rule code (:mod:`linattn_nb.ops._codes`), default additive.
 
@@ -355,7 +375,11 @@ def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=Fals
         raise ValueError(f"chunk must be >= 1, got {C}")
     C = min(C, N)  # no scratch beyond the sequence
     bs = max(1, min(C, int(block if block is not None else config.cpu_chunk_block(C, F, M, q.dtype))))
-    P, sub = plan(B, N, chunk=C, seq_parallel=seq_parallel)
+    if is_delta(rule):
+        # the delta rules carry an (F, F) transition across a piece: batch-parallel only (module docstring)
+        P, sub = 1, 1
+    else:
+        P, sub = plan(B, N, chunk=C, seq_parallel=seq_parallel)
     kernel = pick(chunked_kernel_serial, chunked_kernel, items=B * P, work=B * N * F * M,
                   limit=config.CPU_CHUNKED_SERIAL_MAX_WORK, force=True if seq_parallel is True else None)
     wt = work_dtype(q.dtype)

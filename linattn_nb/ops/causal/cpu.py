@@ -18,7 +18,7 @@ from numba import prange
 from ... import config
 from .._blocks import feature_row
 from .._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, norm_mode
-from .._rules import check_rule, check_state, log_factors, token_step
+from .._rules import check_rule, check_state, delta_token, is_delta, log_factors, token_step
 from .._twins import pick, serial_and_parallel
 from .._finite import new_flags, report
 from .._vec import as_kernel_array, elu1, is_finite, store3, to_work
@@ -36,7 +36,8 @@ def _scan(q, k, v, H, out, code, eps, norm, rule, lg, flags):
     :func:`linattn_nb.ops._rules.token_step`, with the token's factor per row
     from ``lg`` (B, N, G) float64, its log-factors
     (:func:`linattn_nb.ops._rules.log_factors`: G = 0 none, 1 one per token,
-    F one per row).  ``flags`` (B, 2) uint8 <- per
+    F one per row; the delta rules: (log-decay, beta), each token through
+    :func:`linattn_nb.ops._rules.delta_token`).  ``flags`` (B, 2) uint8 <- per
     sequence, whether a q, k or v element read was NaN or inf (checked on the
     elements the loop loads anyway), and whether an output, a normaliser or
     the final state is.  Compiled twice (:mod:`linattn_nb.ops._twins`):
@@ -48,7 +49,8 @@ def _scan(q, k, v, H, out, code, eps, norm, rule, lg, flags):
     length M runs faster than over the (M + 1)-long rows of ``H``
     (docs/measurements-cpu.md).  The features of a token come from
     :func:`linattn_nb.ops._blocks.feature_row`, a loop of its own that
-    vectorises.
+    vectorises (the row maps ``l2`` and ``silu_l2``: normalised in float64,
+    the scan's feature dtype).
     """
     B, N, F = q.shape
     M = v.shape[2]
@@ -65,6 +67,8 @@ def _scan(q, k, v, H, out, code, eps, norm, rule, lg, flags):
         num = np.empty(M, dtype=H.dtype)
         vrow = np.empty(M, dtype=H.dtype)
         fa = np.ones(F)  # the token's factor of each state row
+        u = np.empty(M, dtype=H.dtype)  # the delta rules' correction
+        delta = is_delta(rule)
         inputs_ok = True
         results_ok = True  # outputs, normalisers and the final state
         for t in range(N):
@@ -74,16 +78,19 @@ def _scan(q, k, v, H, out, code, eps, norm, rule, lg, flags):
                 inputs_ok &= is_finite(x)
             inputs_ok &= feature_row(q, b, t, fq, code)
             inputs_ok &= feature_row(k, b, t, fk, code)
-            if G == 1:
-                fa[:] = elu1(lg[b, t, 0])  # exp of a log-factor <= 0 (ops/_vec.py); -inf -> 0
-            elif G > 1:
+            if delta:  # lg[b, t] = (log-decay, beta): the whole token at once (ops/_rules.py)
+                den = delta_token(Sb, zb, fk, fq, vrow, elu1(lg[b, t, 0]), lg[b, t, 1], num, u)
+            else:
+                if G == 1:
+                    fa[:] = elu1(lg[b, t, 0])  # exp of a log-factor <= 0 (ops/_vec.py); -inf -> 0
+                elif G > 1:
+                    for i in range(F):
+                        fa[i] = elu1(lg[b, t, i])
+                num[:] = 0.0
+                den = 0.0
                 for i in range(F):
-                    fa[i] = elu1(lg[b, t, i])
-            num[:] = 0.0
-            den = 0.0
-            for i in range(F):
-                c = fq[i]
-                den += c * token_step(rule, Sb, zb, i, fk[i], c, vrow, num, fa[i])  # the rule's hook (ops/_rules.py)
+                    c = fq[i]
+                    den += c * token_step(rule, Sb, zb, i, fk[i], c, vrow, num, fa[i])  # the rule's hook
             if norm == NORM_NONE:
                 den = 1.0
             elif norm == NORM_FLOOR and den < eps:

@@ -5,7 +5,8 @@ launcher: :func:`noncausal_aggregate`.  Both phases work on blocks of
 ``config.CPU_NONCAUSAL_BLOCK`` tokens so the inner work is GEMM-shaped
 (``np.dot(a, b, out)`` -> BLAS, no allocation per block) and the feature map is
 applied per block with the vectorised maps of :mod:`linattn_nb.ops._vec`
-(scratch O(block * (F + M) + F * M) per thread, no full-size copy of phi(q) or
+(the row maps ``l2`` and ``silu_l2`` a row at a time, normalised in float64:
+:func:`linattn_nb.ops._common.l2_row`) (scratch O(block * (F + M) + F * M) per thread, no full-size copy of phi(q) or
 phi(k)).  Block sums are accumulated into the state ``H = [S | z]`` in float64.
 
 Work items are (sequence, piece): when the flattened batch is smaller than
