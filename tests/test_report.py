@@ -201,10 +201,10 @@ def test_a_broken_kernel_fails_the_self_check(tmp_path, monkeypatch, capsys):
     rc = cli.main(["check", "--profile", "tiny", "--out", str(tmp_path / "r"), "--no-progress"])
     assert rc == 1
     err = capsys.readouterr().err
-    assert "linear causal cpu broken elu float32: relative error inf" in err
+    assert "linear causal additive cpu broken elu float32: relative error inf" in err
     text = (tmp_path / "r" / "report.md").read_text()
     assert "**FAIL**" in text and "## Problems" in text
-    assert "| linear | causal | cpu | scan | elu |" in text and "FAIL" not in text.split("| scan | elu |")[1].split("\n")[0]
+    assert "| linear | causal | additive | cpu | scan | elu |" in text and "FAIL" not in text.split("| scan | elu |")[1].split("\n")[0]
 
 
 def test_report_on_a_dask_scheduler(tmp_path):
