@@ -98,20 +98,26 @@ def _pm(mean, std) -> str:
 
 
 def _findings(agg, dphi, ns) -> str:
-    """One sentence of what the table shows, from the numbers: errors at n = D_phi and excess at the largest n."""
+    """What the table shows, computed from its numbers: errors at n = D_phi, the rule nearest the floor at the largest n."""
+    def mean_at(e, j):
+        return float(_mean_std(e["mse"])[0][j])
+
     at = int(np.argmin(np.abs(ns - dphi)))
     last = len(ns) - 1
     floor = float(_mean_std(next(iter(agg.values()))["opt"])[0][last])
-    at_d = ", ".join(f"{label} {fmt(float(_mean_std(e['mse'])[0][at]))}" for label, e in agg.items())
-    best = min(agg.items(), key=lambda kv: float(_mean_std(kv[1]["mse"])[0][last]))
-    over = [label for label, e in agg.items() if float(_mean_std(e["mse"])[0][last]) > 1.0]
-    text = (f"What it shows: at n = {int(ns[at])} (≈ D_φ) the errors are {at_d} against a floor of 0: with keys "
-            "in general position one pass of any rule leaves interference, the delta rule less than the additive "
-            f"rule.  At n = {int(ns[last])} ({fmt(float(ns[last]) / dphi, 2)} D_φ) the closest to the floor "
-            f"({fmt(floor)}) is {best[0]} ({fmt(float(_mean_std(best[1]['mse'])[0][last]))})")
+    at_d = "; ".join(f"{label}: {fmt(mean_at(e, at))}" for label, e in agg.items())
+    text = f"What it shows: at n = {int(ns[at])} (≈ D_φ), where the floor is 0, the errors are {at_d}"
+    if "additive" in agg and RULES[1][0] in agg:
+        a, b = mean_at(agg["additive"], at), mean_at(agg[RULES[1][0]], at)
+        text += (f" -- one pass over keys in general position leaves interference under every rule; the delta "
+                 f"rule's (β = 1) error is {fmt(b / a, 2)} times the additive rule's")
+    best = min(agg.items(), key=lambda kv: mean_at(kv[1], last))
+    text += (f".  At n = {int(ns[last])} ({fmt(float(ns[last]) / dphi, 2)} D_φ) the nearest to the floor "
+             f"({fmt(floor)}) is {best[0]} ({fmt(mean_at(best[1], last))})")
+    over = [label for label, e in agg.items() if mean_at(e, last) > 1.0]
     if over:
-        text += "; " + ", ".join(over) + (" read out worse than a zero read-out (error > 1): a full-strength "
-                                          "write keeps overwriting and returns a mix of other values")
+        text += ("; " + " and ".join(f"'{label}'" for label in over) + " exceed 1, i.e. read out worse than a zero "
+                 "read-out would (each read returns a mix of other values)")
     return text + "."
 
 
