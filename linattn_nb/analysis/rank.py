@@ -41,6 +41,7 @@ from numba import njit, prange
 from .. import _frontend as FE
 from .. import _validate as V
 from .. import config
+from ..ops._codes import KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU
 from ..ops._common import phi
 from . import _common as C
 from .spectral import rank_from_singular_values
@@ -90,10 +91,15 @@ def _prepare_pair(q, k, names, *, same_n, check_finite, last_dims_equal=True):
     return (np.asarray(q, dtype=np.float64), np.asarray(k, dtype=np.float64), tuple(q.shape[:-2]))
 
 
+#: Kernel codes of the maps that act element by element (``phi(x, code)``); the row-normalising codes
+#: (``"l2"``, ``"silu_l2"``) need each row's norm and take the ``FeatureMap.apply`` path.
+_ELEMENTWISE_CODES = (KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU)
+
+
 def _inline_code(fmap, d):
     """The Numba kernel code of an elementwise map (as linear_attention's kernels use it), else None."""
     code = fmap.kernel_code
-    if code is None or C.feature_dim(fmap, d) != d:
+    if code is None or int(code) not in _ELEMENTWISE_CODES or C.feature_dim(fmap, d) != d:
         return None
     return int(code)
 
