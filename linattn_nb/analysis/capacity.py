@@ -55,8 +55,9 @@ class RecallCapacity:
         Euclidean distance) to the right stored value; for one-hot values,
         the argmax of the read-out.
     mse : ndarray
-        ``||V_hat - V||_F^2 / ||V||_F^2`` of linear attention's normalised
-        read-out (the sum update rule).
+        ``||V_hat - V||_F^2 / ||V||_F^2`` of linear attention's read-out
+        (normalised or not, see ``normalize``) of the state the update rule
+        wrote (additive, decayed or delta).
     optimal_mse : ndarray
         The same error for the best state of size ``D_phi x M``:
         ``min_W ||phi(K) W - V||_F^2 / ||V||_F^2`` (least squares).  For one-hot
