@@ -3,7 +3,7 @@
 ``linattn info``    versions, threading, CUDA, cache directory.
 ``linattn demo``    a short run of every CPU method against the reference.
 ``linattn report``  run every built-in study; write report.md, plots and raw JSONL.
-``linattn check``, ``bench``, ``error``, ``rank``, ``recall``, ``horizon``: one study each.
+``linattn check``, ``bench``, ``error``, ``rank``, ``recall``, ``horizon``, ``rules``: one study each.
 
 Exit status: 0 success; 1 a check failed or a study raised (the report is
 still written); 2 usage errors (bad arguments, a non-empty --out without

@@ -51,7 +51,7 @@ def test_report_writes_markdown_plots_and_raw_results(tiny_report):
             assert f"**{study.title}** (`linattn {study.command}`): {study.requires()}" in text
     # plots: every image the markdown shows exists and is a PNG
     images = [line.split("](")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
-    assert "throughput.png" in images and "horizon.png" in images
+    assert "throughput.png" in images and "horizon.png" in images and "rules.png" in images
     for name in images:
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
     # the throughput table has every N of the tiny grid for linear and softmax
@@ -79,6 +79,30 @@ def test_memory_horizon_section_states_its_regime_with_error_bars_over_seeds(tin
     section = (out / "report.md").read_text().split("## Memory horizon")[1].split("\n## ")[0]
     for words in ("Regime:", "pairs", "D_φ", "values i.i.d. N(0, 1)", "3 seeds", "optimal floor (least squares)",
                   "additive (γ = 1)", "γ = 0.9 |", " ± ", "horizon.png"):
+        assert words in section, words
+
+
+def test_update_rules_section_states_its_regime_with_error_bars_over_seeds(tiny_report):
+    """The update-rules study: additive, delta, gated delta and the floor, >= 5 seeds each, one-hot values, mean ± std."""
+    from linattn_nb.studies import rules
+
+    out, _ = tiny_report
+    recs = load_results(out / "rules.jsonl")
+    seeds = {}
+    for r in recs:
+        p, res = r["params"], r["result"]
+        seeds.setdefault((p["kind"], p["rule"]), set()).add(p["seed"])
+        assert res["value_dim"] is None and res["normalize"] is False  # one-hot values, unnormalised read-out
+        assert res["beta"] == p["beta"] and res["decay"] == p["decay"]
+        floor = np.maximum(0.0, 1.0 - res["d_phi"] / np.asarray(res["n_pairs"], dtype=float))
+        np.testing.assert_allclose(res["optimal_mse"], floor, atol=1e-12)
+        assert np.all(np.asarray(res["mse"]) >= floor - 1e-12)  # no rule beats the floor
+    assert {rule for kind, rule in seeds if kind == "gaussian"} == {label for label, _, _ in rules.RULES}
+    assert all(len(s) >= 5 for s in seeds.values())
+    section = (out / "report.md").read_text().split("## Update rules against the capacity floor")[1].split("\n## ")[0]
+    for words in ("Regime:", "one-hot values", "D_φ", "5 seeds", "additive |", "delta, β = 1 |",
+                  "gated delta, β = 1, γ = 0.95 |", "optimal floor (least squares)", " ± ", "What it shows",
+                  "Every rule stays on or above the floor", "rules.png"):
         assert words in section, words
 
 
@@ -141,7 +165,7 @@ def test_device_cuda_without_a_gpu_is_a_clear_error(tmp_path, capsys):
 
 def test_every_command_has_help(capsys):
     commands = ["info", "demo", "report"] + [s.command for s in STUDIES]
-    assert {"report", "bench", "error", "rank", "recall", "horizon"} <= set(commands)
+    assert {"report", "bench", "error", "rank", "recall", "horizon", "rules"} <= set(commands)
     for cmd in commands:
         with pytest.raises(SystemExit) as info:
             cli.main([cmd, "--help"])

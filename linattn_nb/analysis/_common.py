@@ -167,19 +167,21 @@ def check_positive_float(name: str, x) -> float:
     return x
 
 
-def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, d: int, *, causal: bool):
+def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, d: int, *, causal: bool, beta=None):
     """``(rule, inputs, normalize)`` of an analysis call, parsed exactly as linear_attention parses them.
 
     ``fmap`` None stands for softmax weights: they have no update rule, so
-    ``decay``/``log_decay`` raise ValueError naming the argument given, and
-    ``normalize=False`` raises (softmax weights are always normalised).
-    Otherwise :func:`linattn_nb._frontend.rule_arguments` with
+    ``decay``/``log_decay``/``beta`` raise ValueError naming the argument
+    given, and ``normalize=False`` raises (softmax weights are always
+    normalised).  Otherwise :func:`linattn_nb._frontend.rule_arguments` with
     ``D_phi = output_dim(d)``: the same forms, the same errors (``causal=False``
-    with a decay, values out of range, shapes that fit no form, a map that
-    needs its normaliser with ``normalize=False``).
+    with a decay or ``beta``, values out of range, shapes that fit no form, a
+    per-feature gate with ``beta``, a map that needs its normaliser with
+    ``normalize=False``); ``beta`` makes the rule ``"delta"`` (or
+    ``"gated_delta"`` with a decay), whose ``normalize`` defaults to False.
     """
     if fmap is None:
-        for name, x in (("decay", decay), ("log_decay", log_decay)):
+        for name, x in (("decay", decay), ("log_decay", log_decay), ("beta", beta)):
             if x is not None:
                 raise ValueError(f"{name} applies to linear attention's recurrence; feature_map='softmax' has none "
                                  "(pass a feature map)")
@@ -188,7 +190,7 @@ def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, d: in
                              "normalised by definition)")
         return "additive", None, True
     return FE.rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, feature_dim(fmap, d),
-                             causal=causal)
+                             causal=causal, beta=beta)
 
 
 def explicit_rule_weights(rule: str, fq, fk, inputs, *, normalize: bool, eps, causal: bool = True):
@@ -197,7 +199,9 @@ def explicit_rule_weights(rule: str, fq, fk, inputs, *, normalize: bool, eps, ca
     ``A[b, t, s]`` is the weight of value ``s`` in output ``t`` before the
     normaliser -- ``phi(q_t) . phi(k_s)`` times the product of the factors of
     tokens ``s+1..t`` (:func:`linattn_nb.ops.causal.naive.explicit_weights`,
-    exact at resets); with ``normalize`` each row is divided by its sum
+    exact at resets); for the delta rules the closed form
+    ``tril(G * Q K^T) (I + tril(diag(beta) (G * K K^T), -1))^{-1} diag(beta)``
+    (:func:`linattn_nb.ops.causal.naive.delta_weights`); with ``normalize`` each row is divided by its sum
     (the decayed normaliser ``phi(q_t) . z_t``), floored at ``eps`` unless
     ``eps`` is None.  ``causal=False`` (additive rule only): the full
     ``phi(Q) phi(K)^T``.  Rows whose raw normaliser is 0 with ``eps=None``

@@ -148,7 +148,9 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
     ``a_ij`` then carries the product of the factors of tokens ``j+1..i``,
     built as a running product from ``j = i`` down (per feature for the
     gate): a factor 0 zeroes every weight before it exactly, no
-    differences of cumulative logs, no NaN.
+    differences of cumulative logs, no NaN.  3 (the delta rules, whose
+    weights have no running-product form): ``fac`` (B, N, N) holds the
+    explicit unnormalised weights ``a_ij`` themselves.
     """
     B, N, D = q.shape
     nb = (N + block - 1) // block
@@ -167,6 +169,8 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
         s = np.dot(q[b, i0:i1], k[b, :kend].T)
         if softmax_mode:
             a = s
+        elif rule == 3:
+            a = fac[b, i0:i1, :kend].copy()
         else:
             a = np.dot(fq[b, i0:i1], fk[b, :kend].T)
             if rule == 1:
@@ -297,7 +301,11 @@ def error_rows(q, k, fq, fk, *, scale, causal, softmax_mode, eps, block=None, ru
     ``q, k`` (B, N, D) and ``fq, fk`` (B, N, F) C-contiguous float64
     (``fq, fk`` may be ``(B, N, 0)`` dummies in softmax mode).  ``rule`` and
     ``inputs``: the update rule and its inputs as the front end gives them
-    (``{"log_decay": (B, N)}`` or ``{"log_gate": (B, N, F)}``; causal only).
+    (``{"log_decay": (B, N)}``, ``{"log_gate": (B, N, F)}``, ``{"beta": (B, N)}``
+    with or without ``"log_decay"``; causal only).  The delta rules' weights
+    are formed explicitly, one ``N x N`` matrix per batch entry at a time
+    (:func:`linattn_nb.ops.causal.naive.explicit_weights`), and the kernel
+    runs on each entry in turn (parallel over its query blocks).
     """
     block = int(config.ANALYSIS_BLOCK_Q if block is None else block)
     if block < 1:
@@ -308,14 +316,26 @@ def error_rows(q, k, fq, fk, *, scale, causal, softmax_mode, eps, block=None, ru
         code, fac = 1, np.exp(inputs["log_decay"])[:, :, None]
     elif rule == "gate":
         code, fac = 2, np.exp(inputs["log_gate"])
+    elif rule in ("delta", "gated_delta"):
+        code, fac = 3, None
     else:
         code, fac = 0, np.ones((1, 1, 1))
     if code and not causal:
         raise ValueError("a decay or gate applies to causal attention only")
-    fac = np.ascontiguousarray(fac, dtype=np.float64)
     if B and N:
         clip = eps is not None
+        args = (float(scale), bool(causal), bool(softmax_mode), float(eps if clip else 0.0), clip, np.int64(block),
+                np.int64(code))
         with single_threaded_blas():
-            error_rows_kernel(q, k, fq, fk, float(scale), bool(causal), bool(softmax_mode),
-                              float(eps if clip else 0.0), clip, np.int64(block), np.int64(code), fac, *outs)
+            if code == 3:
+                from ..ops._codes import RULES
+                from ..ops.causal.naive import explicit_weights
+
+                for b in range(B):
+                    w = explicit_weights(RULES[rule][0], fq[b], fk[b], inputs, b)[0]
+                    error_rows_kernel(q[b:b + 1], k[b:b + 1], fq[b:b + 1], fk[b:b + 1], *args,
+                                      np.ascontiguousarray(w[None], dtype=np.float64), *(o[b:b + 1] for o in outs))
+            else:
+                fac = np.ascontiguousarray(fac, dtype=np.float64)
+                error_rows_kernel(q, k, fq, fk, *args, fac, *outs)
     return dict(zip(("kl", "tv", "hp", "hw", "rho", "den"), outs))

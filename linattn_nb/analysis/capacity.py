@@ -8,7 +8,10 @@ Secretly Fast Weight Programmers", §4.1).  :func:`recall_capacity` measures it
 without training: it stores ``n`` random pairs, queries every key, and reports
 the argmax accuracy and the relative error of linear attention's read-out, the
 least-squares floor of any state of the same size, and softmax attention over
-the same pairs (a KV cache, whose memory grows with ``n``).
+the same pairs (a KV cache, whose memory grows with ``n``).  The state can be
+written by the additive rule, a constant decay, or the (gated) delta rule,
+which writes the difference between the new value and what the state already
+returns for the key (Schlag et al. 2021, §4.2; REFERENCES.md "Delta rule").
 
 :func:`mqar` generates Zoology's multi-query associative recall sequences
 (Arora et al. 2023) for training one's own models, and :func:`state_size`
@@ -52,8 +55,9 @@ class RecallCapacity:
         Euclidean distance) to the right stored value; for one-hot values,
         the argmax of the read-out.
     mse : ndarray
-        ``||V_hat - V||_F^2 / ||V||_F^2`` of linear attention's normalised
-        read-out (the sum update rule).
+        ``||V_hat - V||_F^2 / ||V||_F^2`` of linear attention's read-out
+        (normalised or not, see ``normalize``) of the state the update rule
+        wrote (additive, decayed or delta).
     optimal_mse : ndarray
         The same error for the best state of size ``D_phi x M``:
         ``min_W ||phi(K) W - V||_F^2 / ||V||_F^2`` (least squares).  For one-hot
@@ -64,6 +68,12 @@ class RecallCapacity:
     softmax_scale : float
     decay : float or None
         The constant decay ``gamma`` of the state (None: the additive rule).
+    beta : float or None
+        The delta rule's write strength (None: no delta rule).
+    normalize : bool
+        Whether the read-out was divided by the normaliser ``phi(k) . z``.
+    orthogonal_keys : bool
+        Keys were orthonormal (times ``key_scale``) instead of Gaussian.
     distance_edges : ndarray of int64, shape (n_bins + 1,)
         Bin edges of the distance ``n - 1 - j`` between the write of pair
         ``j`` and the read (after the last write); bin ``b`` holds the
@@ -90,6 +100,9 @@ class RecallCapacity:
     softmax_mse: np.ndarray
     softmax_scale: float = field(default=float("nan"))
     decay: Optional[float] = None
+    beta: Optional[float] = None
+    normalize: bool = True
+    orthogonal_keys: bool = False
     distance_edges: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     error_by_distance: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
     optimal_error_by_distance: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
@@ -107,7 +120,10 @@ class RecallCapacity:
         head = (f"feature_map={self.feature_map} d={self.d} D_phi={self.d_phi} "
                 f"values={'one-hot' if self.value_dim is None else f'gaussian M={self.value_dim}'} "
                 f"key_scale={self.key_scale:g} trials={self.trials}"
-                + ("" if self.decay is None else f" decay={self.decay:g}"))
+                + ("" if self.decay is None else f" decay={self.decay:g}")
+                + ("" if self.beta is None else f" beta={self.beta:g}")
+                + ("" if self.normalize else " unnormalised")
+                + (" orthonormal keys" if self.orthogonal_keys else ""))
         cols = ("n", "acc", "mse", "opt_mse", "smax_acc", "smax_mse")
         lines = [head, "".join(f"{c:>10}" for c in cols)]
         for i, n in enumerate(self.n_pairs):
@@ -170,6 +186,26 @@ def _check_decay(decay):
     return decay
 
 
+def _check_beta(beta):
+    """A write strength in [0, 2] (a real number, not a bool), or None."""
+    if beta is None:
+        return None
+    if isinstance(beta, (bool, np.bool_)) or not isinstance(beta, (int, float, np.integer, np.floating)):
+        raise TypeError(f"beta must be a real number in [0, 2] (one write strength), got {type(beta).__name__}")
+    beta = float(beta)
+    if not 0.0 <= beta <= 2.0:
+        raise ValueError(f"beta (the write strength) must lie in [0, 2], got {beta!r}")
+    return beta
+
+
+def _draw_keys(rng, n, d, key_scale, orthogonal):
+    """``n`` keys in R^d: i.i.d. N(0, 1), or orthonormal rows (a random orthogonal frame; n <= d), times key_scale."""
+    if not orthogonal:
+        return key_scale * rng.standard_normal((n, d))
+    qmat, r = np.linalg.qr(rng.standard_normal((d, n)))
+    return key_scale * (qmat * np.where(np.diag(r) < 0, -1.0, 1.0)).T
+
+
 def _distance_edges(distance_bins, n_max):
     """Bin edges of the write-read distance: default 0, 1, 2, 4, ... up to the first power of 2 >= n_max."""
     if distance_bins is None:
@@ -187,7 +223,8 @@ def _distance_edges(distance_bins, n_max):
 
 
 def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, trials=8, seed=0,
-                    softmax_scale=None, eps=config.DEFAULT_EPS, decay=None, distance_bins=None):
+                    softmax_scale=None, eps=config.DEFAULT_EPS, decay=None, distance_bins=None, beta=None,
+                    normalize=None, orthogonal_keys=False, method="quadratic"):
     r"""Training-free associative recall through linear attention's state.
 
     For each ``n`` in ``n_pairs`` and each trial: draw keys ``K`` (n x d),
@@ -221,6 +258,21 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     lowers the error of recent pairs (less interference) and raises that of
     pairs older than about ``1 / (1 - gamma)``: the memory horizon.
 
+    With ``beta`` the pairs are written by the delta rule (Schlag, Irie &
+    Schmidhuber 2021, §4.2; REFERENCES.md "Delta rule"),
+    ``S_j = S_{j-1} + beta phi(k_j) (v_j - S_{j-1}^T phi(k_j))^T``, and with
+    ``decay`` as well by the gated delta rule (Yang, Kautz & Hatamizadeh
+    2025), ``S_j = gamma (I - beta phi(k_j) phi(k_j)^T) S_{j-1} + beta
+    phi(k_j) v_j^T``: causal ``linear_attention(..., beta=beta, decay=gamma,
+    method=method, return_state=True)`` over the pairs, the final state read
+    by every key.  The read-out is unnormalised by default there
+    (``normalize=None`` takes the rule's convention: False for the delta
+    rules, True otherwise).  With unit keys (the ``"l2"`` map) that are
+    orthonormal and ``beta = 1`` each write stores its pair exactly and
+    leaves the others alone, so ``n <= D_phi`` pairs are retrieved exactly;
+    past ``D_phi`` every read-out ``phi(K) S`` has rank <= ``D_phi`` and no
+    rule beats ``optimal_mse`` (for one-hot values ``1 - D_phi/n``).
+
     Parameters
     ----------
     feature_map : str or FeatureMap
@@ -248,6 +300,21 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     distance_bins : sequence of int, optional
         Increasing bin edges of the write-read distance; default
         ``0, 1, 2, 4, 8, ...`` up to the first power of 2 >= ``max(n_pairs)``.
+    beta : float, optional
+        The delta rule's write strength in [0, 2] (default: none).  With
+        ``decay``: the gated delta rule.
+    normalize : bool, optional
+        Divide the read-out by ``phi(k) . z`` (``eps`` floors it); default
+        the rule's convention (True for the additive and decay rules, False
+        with ``beta``).  Signed maps (``"l2"``) need False: their
+        normalisers can be <= 0.
+    orthogonal_keys : bool, default False
+        Orthonormal keys (the rows of a random orthogonal frame, times
+        ``key_scale``) instead of Gaussian ones; needs every ``n <= d``.
+    method : str, default "quadratic"
+        The ``linear_attention`` method that runs the delta rules' sequence
+        (the explicit float64 form by default; any causal method that
+        implements the rule).  Unused without ``beta``.
 
     Returns
     -------
@@ -258,9 +325,12 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     ValueError
         Non-positive sizes, ``key_scale`` or ``softmax_scale``; ``feature_map="softmax"``;
         a feature map whose features do not have shape ``(n, output_dim(d))``;
-        ``decay`` outside [0, 1]; ``distance_bins`` not increasing.
+        ``decay`` outside [0, 1]; ``beta`` outside [0, 2]; ``distance_bins``
+        not increasing; ``orthogonal_keys`` with some ``n > d``;
+        ``normalize=False`` with a map that needs its normaliser (FAVOR+).
     TypeError
-        Non-integer sizes, a bad ``feature_map``, a non-real ``decay``.
+        Non-integer sizes, a bad ``feature_map``, a non-real ``decay`` or
+        ``beta``, ``normalize`` or ``orthogonal_keys`` not a bool.
 
     Examples
     --------
@@ -281,6 +351,12 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     True
     >>> bool(dec.error_by_distance[0, 1] > add.error_by_distance[0, 1])
     True
+
+    The delta rule stores orthonormal unit keys exactly, up to ``D_phi``:
+
+    >>> dr = recall_capacity("l2", 16, [8, 16], trials=2, beta=1.0, orthogonal_keys=True)
+    >>> bool(dr.mse.max() < 1e-12)
+    True
     """
     if C.is_softmax(feature_map):
         raise ValueError("feature_map='softmax' is the baseline (softmax_accuracy, softmax_mse); pass a feature map")
@@ -300,6 +376,14 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else C.check_positive_float("softmax_scale", softmax_scale)
     eps = V.check_eps(eps)
     decay = _check_decay(decay)
+    beta = _check_beta(beta)
+    if not isinstance(orthogonal_keys, (bool, np.bool_)):
+        raise TypeError(f"orthogonal_keys must be True or False, got {orthogonal_keys!r}")
+    orthogonal_keys = bool(orthogonal_keys)
+    if orthogonal_keys and ns.max() > d:
+        raise ValueError(f"orthogonal_keys needs every n <= d = {d} (at most d orthonormal keys), "
+                         f"got n = {int(ns.max())}")
+    rule, _, normalize = C.rule_arguments(fmap, decay, None, normalize, (), 1, d, causal=True, beta=beta)
     edges = _distance_edges(distance_bins, int(ns.max()))
     d_phi = C.feature_dim(fmap, d)
 
@@ -309,14 +393,17 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
         n = int(n)
         for t in range(trials):
             rng = np.random.default_rng([seed, n, t])
-            keys = key_scale * rng.standard_normal((n, d))
+            keys = _draw_keys(rng, n, d, key_scale, orthogonal_keys)
             vals = np.eye(n) if value_dim is None else rng.standard_normal((n, value_dim))
             phi = C.features(fmap, keys, role="key", causal=False, name="keys")[0]
             dist = np.arange(n - 1, -1, -1)
-            if decay is None:
+            if rule in ("delta", "gated_delta"):
+                vhat = _delta_readout(fmap, keys, vals, beta, decay, normalize, eps, method)
+            elif decay is None and normalize:
                 vhat = linear_attention(keys, keys, vals, feature_map=fmap, causal=False, eps=eps)
             else:
-                vhat = _decayed_readout(phi, vals, decay ** dist.astype(np.float64), eps)
+                w = np.ones(n) if decay is None else decay ** dist.astype(np.float64)
+                vhat = _decayed_readout(phi, vals, w, eps, normalize=normalize)
             vs = softmax_attention(keys, keys, vals, scale=softmax_scale)
             opt_res = _optimal_residual(phi, vals)
             metrics[:, a, t] = (
@@ -334,18 +421,41 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
         feature_map=repr(fmap), d=d, d_phi=d_phi, value_dim=value_dim, key_scale=key_scale,
         trials=trials, n_pairs=ns, accuracy=acc, mse=mse, optimal_mse=opt,
         softmax_accuracy=sacc, softmax_mse=smse, softmax_scale=softmax_scale,
-        decay=decay, distance_edges=edges, error_by_distance=err_d, optimal_error_by_distance=opt_d,
+        decay=decay, beta=beta, normalize=normalize, orthogonal_keys=orthogonal_keys, distance_edges=edges, error_by_distance=err_d, optimal_error_by_distance=opt_d,
     )
 
 
-def _decayed_readout(phi, vals, weights, eps):
+def _delta_readout(fmap, keys, vals, beta, decay, normalize, eps, method):
+    """Every key's read-out of the state the (gated) delta rule leaves after writing all pairs in order.
+
+    The state comes from causal ``linear_attention(..., beta=beta, decay=decay,
+    return_state=True)``; the read-out is ``phi(k) S``, divided by
+    ``max(phi(k) z, eps)`` with ``normalize``.
+    """
+    _, st = linear_attention(keys, keys, vals, feature_map=fmap, causal=True, eps=eps, beta=beta, decay=decay,
+                             normalize=normalize, method=method, return_state=True)
+    phi = C.features(fmap, keys, role="query", causal=True, name="keys")[0]
+    out = phi @ np.asarray(st.S, dtype=np.float64)
+    if not normalize:
+        return out
+    den = phi @ np.asarray(st.z, dtype=np.float64)
+    if eps is not None:
+        den = np.maximum(den, eps)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return out / den[:, None]
+
+
+def _decayed_readout(phi, vals, weights, eps, normalize=True):
     """Every key's read-out of the state ``S = sum_j w_j phi_j v_j^T``, ``z = sum_j w_j phi_j``.
 
-    ``phi S / max(phi z, eps)`` (raw division for ``eps=None``): causal
-    linear attention's output at the last write token, with the decayed state.
+    ``phi S / max(phi z, eps)`` (raw division for ``eps=None``; ``phi S``
+    without ``normalize``): causal linear attention's output at the last
+    write token, with the decayed state.
     """
     wphi = phi * weights[:, None]
     S = wphi.T @ vals
+    if not normalize:
+        return phi @ S
     z = wphi.sum(axis=0)
     den = phi @ z
     if eps is not None:

@@ -115,7 +115,7 @@ def _prepare(q, k, v, check_finite):
 # public functions
 # ---------------------------------------------------------------------------
 def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAULT, check_finite=True,
-                      decay=None, log_decay=None, normalize=None):
+                      decay=None, log_decay=None, normalize=None, beta=None):
     r"""The explicit attention weight matrix (small N).
 
     Parameters
@@ -147,9 +147,25 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
         sum of the row (the decayed ``phi(q_t) . z_t``).  A factor 0 (log
         ``-inf``) cuts every weight across it exactly.
     normalize : bool, optional
-        As in ``linear_attention`` (default True for these rules): False
-        gives the unnormalised weights ``phi(q_t)^T``-times-state, RetNet's
-        and GLA's convention.  Not for ``"softmax"``.
+        As in ``linear_attention`` (default True for the additive, decay and
+        gate rules, False for the delta rules): False gives the unnormalised
+        weights ``phi(q_t)^T``-times-state, RetNet's, GLA's and DeltaNet's
+        convention.  Not for ``"softmax"``.
+    beta : float or array_like, optional
+        The delta rule's write strength, as in ``linear_attention`` (causal
+        only; a scalar, batch-shaped, or ``(..., N)`` per token, in [0, 2]);
+        with ``decay``/``log_decay`` (a scalar per sequence or per token) the
+        gated delta rule.  The output is linear in the values, so the rule
+        has an equivalent causal weight matrix, in closed form
+        (Yang et al. 2024; REFERENCES.md "Delta rule")::
+
+            A = tril(G * phi(Q) phi(K)^T) (I + tril(diag(beta) (G * phi(K) phi(K)^T), -1))^{-1} diag(beta)
+
+        with ``G_ts`` the product of the decay factors of tokens ``s+1..t``
+        (1 without a decay).  Its entries can be negative whatever the
+        features (a write subtracts what the state already returns for its
+        key), and with ``normalize=True`` the row sums (the delta-rule
+        normaliser ``phi(q_t) . z_t``) can be <= 0 and are floored at ``eps``.
 
     Returns
     -------
@@ -163,8 +179,10 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
         do not have shape ``(..., N, output_dim(D))``; ``decay``/``log_decay``
         as in ``linear_attention`` (``causal=False``, values outside [0, 1]
         or log-factors > 0, NaN, shapes that fit no form; the message names
-        the argument), or given with ``"softmax"``; ``normalize=False`` with
-        ``"softmax"`` or with a map that needs its normaliser (FAVOR+).
+        the argument), or given with ``"softmax"``; ``beta`` likewise
+        (outside [0, 2], NaN, a wrong shape, ``causal=False``, with a
+        per-feature gate); ``normalize=False`` with ``"softmax"`` or with a
+        map that needs its normaliser (FAVOR+).
     TypeError
         Non-floating inputs, ``causal`` not a bool.
 
@@ -188,6 +206,14 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
     >>> t, s = np.indices((6, 6))
     >>> bool(np.allclose(ret, 0.9 ** np.maximum(t - s, 0) * raw))
     True
+
+    The delta rule's weights reproduce its output; with one key written
+    twice (unit keys, ``beta = 1``) the second write replaces the first
+    (Schlag et al. 2021, §4.2), so the last query reads only the last value:
+
+    >>> kk = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
+    >>> attention_weights(kk, kk, "l2", causal=True, beta=1.0)[2].round(12).tolist()
+    [0.0, 0.0, 1.0]
     """
     q, k, _, batch_shape, n, d = _prepare(q, k, None, check_finite)
     if n * n > config.QUADRATIC_MAX_ELEMENTS:
@@ -200,7 +226,8 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
     scale = V.check_scale(scale, d)
     eps = C.resolve_eps(eps)
     fmap = C.resolve_map(feature_map, d=d, scale=scale)
-    rule, inputs, normalize = C.rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, d, causal=causal)
+    rule, inputs, normalize = C.rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, d, causal=causal,
+                                               beta=beta)
     q64 = C.flatten64(q, batch_shape)
     k64 = C.flatten64(k, batch_shape)
     mask = np.tril(np.ones((n, n), dtype=bool)) if causal else None
@@ -230,7 +257,7 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
 
 
 def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_DEFAULT,
-                        check_finite=True, block=None, decay=None, log_decay=None):
+                        check_finite=True, block=None, decay=None, log_decay=None, beta=None):
     r"""How far linear attention with ``feature_map`` is from softmax attention.
 
     For every query row ``i`` the softmax weights ``p_ij`` and the linear
@@ -272,6 +299,16 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
         matrix); the linear output comes from ``linear_attention(...,
         method="quadratic")`` (float64, explicit) while ``N * N <=
         config.QUADRATIC_MAX_ELEMENTS``, else from ``method="auto"``.
+    beta : float or array_like, optional
+        The delta rule's write strength (with ``decay``/``log_decay``: the
+        gated delta rule), as in :func:`attention_weights`.  Its weights
+        have no running-product form: they are formed explicitly, one
+        ``N x N`` matrix per batch entry (``N * N <=
+        config.QUADRATIC_MAX_ELEMENTS``, else ValueError), normalised by
+        their row sums as above (those sums can be <= 0 under the delta
+        rule: ``nonpositive_normalizer_rate`` counts them, and such rows
+        have ``kl = inf``); the output is ``linear_attention(..., beta=...,
+        normalize=True, method="quadratic")``.
 
     Returns
     -------
@@ -290,7 +327,8 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
         features do not have shape ``(..., N, output_dim(D))``);
         ``decay``/``log_decay`` with the errors of ``linear_attention``
         (``causal=False``, out-of-range values, NaN, shapes; naming the
-        argument) or with ``"softmax"``.
+        argument) or with ``"softmax"``; ``beta`` likewise, or with ``N * N``
+        above ``config.QUADRATIC_MAX_ELEMENTS``.
 
     Examples
     --------
@@ -317,7 +355,12 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     scale = V.check_scale(scale, d)
     eps = C.resolve_eps(eps)
     fmap = C.resolve_map(feature_map, d=d, scale=scale)
-    rule, inputs, _ = C.rule_arguments(fmap, decay, log_decay, None, batch_shape, n, d, causal=causal)
+    rule, inputs, _ = C.rule_arguments(fmap, decay, log_decay, None, batch_shape, n, d, causal=causal, beta=beta)
+    if rule in _DELTA_RULES and n * n > config.QUADRATIC_MAX_ELEMENTS:
+        raise ValueError(
+            f"approximation_error forms the delta rule's N x N weights (no running-product form; beta given); "
+            f"N={n} exceeds config.QUADRATIC_MAX_ELEMENTS={config.QUADRATIC_MAX_ELEMENTS} elements"
+        )
     if block is not None and (isinstance(block, (bool, np.bool_)) or not isinstance(block, (int, np.integer))
                               or block < 1):
         raise ValueError(f"block must be an integer >= 1 or None, got {block!r}")
@@ -346,10 +389,15 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     return _summarise(st, o_lin, o_sm, rows)
 
 
+_DELTA_RULES = ("delta", "gated_delta")
+
+
 def _rule_call(rule, inputs, n) -> dict:
-    """``linear_attention`` keywords that replay the parsed rule on the flattened (B, N, .) batch."""
+    """``linear_attention`` keywords that replay the parsed rule on the flattened (B, N, .) batch (normalised)."""
     if rule == "additive":
         return {}
+    if rule in _DELTA_RULES:  # only the explicit method runs them at every size the weights allow
+        return dict(inputs, normalize=True, method="quadratic")
     lg = inputs["log_decay" if rule == "decay" else "log_gate"]  # (B, N) per token, (B, N, F) per feature
     method = "quadratic" if n * n <= config.QUADRATIC_MAX_ELEMENTS else "auto"
     return {"log_decay": lg, "method": method}
@@ -385,7 +433,7 @@ def _summarise(st, o_lin, o_sm, rows) -> ApproximationError:
 
 
 def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None, eps=_DEFAULT, decay=None,
-                              log_decay=None):
+                              log_decay=None, beta=None):
     """Reference of :func:`approximation_error` from explicit ``N x N`` matrices (NumPy, SciPy).
 
     Same parameters and result; for tests and small N only.  Decayed weights
@@ -398,7 +446,7 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
     scale = V.check_scale(scale, d)
     eps = C.resolve_eps(eps)
     fmap = C.resolve_map(feature_map, d=d, scale=scale)
-    rule, inputs, _ = C.rule_arguments(fmap, decay, log_decay, None, batch_shape, n, d, causal=causal)
+    rule, inputs, _ = C.rule_arguments(fmap, decay, log_decay, None, batch_shape, n, d, causal=causal, beta=beta)
     q64, k64, v64 = (C.flatten64(x, batch_shape) for x in (q, k, v))
     b = q64.shape[0]
     rows = b * n

@@ -41,6 +41,7 @@ from numba import njit, prange
 from .. import _frontend as FE
 from .. import _validate as V
 from .. import config
+from ..ops._codes import KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU
 from ..ops._common import phi
 from . import _common as C
 from .spectral import rank_from_singular_values
@@ -90,10 +91,15 @@ def _prepare_pair(q, k, names, *, same_n, check_finite, last_dims_equal=True):
     return (np.asarray(q, dtype=np.float64), np.asarray(k, dtype=np.float64), tuple(q.shape[:-2]))
 
 
+#: Kernel codes of the maps that act element by element (``phi(x, code)``); the row-normalising codes
+#: (``"l2"``, ``"silu_l2"``) need each row's norm and take the ``FeatureMap.apply`` path.
+_ELEMENTWISE_CODES = (KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU)
+
+
 def _inline_code(fmap, d):
     """The Numba kernel code of an elementwise map (as linear_attention's kernels use it), else None."""
     code = fmap.kernel_code
-    if code is None or C.feature_dim(fmap, d) != d:
+    if code is None or int(code) not in _ELEMENTWISE_CODES or C.feature_dim(fmap, d) != d:
         return None
     return int(code)
 
@@ -171,8 +177,8 @@ def _check_explicit_n(n, limit_name, limit):
 def _kernel_weights(fq, fk, *, causal, eps, rule="additive", inputs=None, b=0, normalize=True):
     """Explicit linear-attention weights (N x N) of batch entry ``b``, float64.
 
-    The additive rule or a decayed one (``inputs``: the front end's
-    flattened log-factors, entry ``b`` used;
+    The additive rule, a decayed one or a delta rule (``inputs``: the front
+    end's flattened log-factors and write strengths, entry ``b`` used;
     :func:`linattn_nb.ops.causal.naive.explicit_weights`); normalised by the
     row sums (floored at ``eps``) unless ``normalize`` is False.
     """
@@ -418,7 +424,7 @@ def _span_changes(X, tau, block=1024):
 # ---------------------------------------------------------------------------
 def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=config.DEFAULT_EPS,
                    rtol=None, method="auto", return_spectrum=False, check_finite=True, decay=None,
-                   log_decay=None, normalize=None):
+                   log_decay=None, normalize=None, beta=None):
     r"""Numerical rank of attention weights, from the factors when they are low rank.
 
     For kernel attention the weights are ``A = D^{-1} phi(Q) phi(K)^T`` with
@@ -473,8 +479,14 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
         arguments, formed explicitly.
     normalize : bool, optional
         False ranks the unnormalised weights ``phi(Q) phi(K)^T`` (masked and
-        decayed as the call says); default True (the rule's convention).
-        Not for ``"softmax"``.
+        decayed as the call says); default the rule's convention (True; False
+        for the delta rules).  Not for ``"softmax"``.
+    beta : float or array_like, optional
+        The delta rule's write strength (with a decay: the gated delta
+        rule), as in :func:`linattn_nb.linear_attention` (causal only): the
+        weights are the rule's equivalent causal weight matrix
+        (:func:`~linattn_nb.analysis.attention_weights` with ``beta``),
+        formed explicitly.
 
     Returns
     -------
@@ -510,7 +522,8 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
     q, k, batch_shape = _prepare_pair(q, k, ("q", "k"), same_n=causal, check_finite=check_finite)
     nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     b = int(np.prod(batch_shape, dtype=np.int64))
-    rule, inputs, normalize = C.rule_arguments(fmap, decay, log_decay, normalize, batch_shape, nq, d, causal=causal)
+    rule, inputs, normalize = C.rule_arguments(fmap, decay, log_decay, normalize, batch_shape, nq, d, causal=causal,
+                                               beta=beta)
     if rtol is not None:
         rtol = np.broadcast_to(C.check_rtol(rtol, batch_shape), batch_shape).reshape(-1)
     factor_ok = fmap is not None and not causal
@@ -653,7 +666,7 @@ def _semiseparable_factor(pq, fk, rtol, budget):
 
 def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAULT_EPS, rtol=None,
                        method="auto", return_split=False, check_finite=True, decay=None, log_decay=None,
-                       normalize=None):
+                       normalize=None, beta=None):
     r"""Largest rank of the strictly-lower blocks ``A[i:, :i]`` of causal attention weights.
 
     For causal linear attention every such block is
@@ -670,6 +683,14 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
     gating"), and with a per-feature gate (GLA) the diagonal scalings move
     inside, ``(phi(Q) * B)[i:] (phi(K) / B)[:i]^T``: rank <= ``D_phi`` either
     way (a reset only lowers it).
+
+    The delta rules keep it too: their output at ``t >= i`` reads the state
+    after token ``i - 1`` through ``phi(q_t)^T P_{t,i} S_{i-1}``, where
+    ``P_{t,i}`` is the ``D_phi x D_phi`` product of the transitions
+    ``a_u (I - beta_u phi(k_u) phi(k_u)^T)`` of tokens ``i..t``, so the block
+    ``A[i:, :i]`` factors through ``D_phi`` dimensions (the chunkwise WY form
+    rests on this; Yang et al. 2024, REFERENCES.md "Delta rule"); the
+    normalised weights divide its rows by the normaliser.
 
     Algorithm (kernel maps, ``method="factor"``).  The rank of block ``i`` is
     ``rank(R_S(i) R_P(i)^T)`` for R factors of the normalised query suffix
@@ -729,8 +750,14 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
         :func:`linattn_nb.linear_attention`.  Decayed weights are ranked
         explicitly (``"auto"`` picks ``"explicit"``; ``"factor"`` raises).
     normalize : bool, optional
-        False ranks the unnormalised weights (RetNet's and GLA's
-        convention); default True.  Not for ``"softmax"``.
+        False ranks the unnormalised weights (RetNet's, GLA's and DeltaNet's
+        convention); default the rule's (True; False for the delta rules).
+        Not for ``"softmax"``.
+    beta : float or array_like, optional
+        The delta rule's write strength (with a decay: the gated delta rule),
+        as in :func:`linattn_nb.linear_attention`: its equivalent weights
+        (:func:`~linattn_nb.analysis.attention_weights` with ``beta``) are
+        ranked explicitly, like decayed ones.
 
     Returns
     -------
@@ -761,16 +788,19 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
     True
     >>> semiseparable_rank(q[:200], k[:200], "elu", decay=0.95, normalize=False) <= 8
     True
+    >>> semiseparable_rank(q[:200], k[:200], "l2", beta=0.5) <= 8    # the delta rule: D_phi = 8
+    True
     """
     fmap = C.resolve_map(feature_map)
     eps = V.check_eps(eps)
     method = _check_method(method, ("auto", "factor", "explicit"))
     q, k, batch_shape = _prepare_pair(q, k, ("q", "k"), same_n=True, check_finite=check_finite)
     n, d = q.shape[-2], q.shape[-1]
-    rule, inputs, normalize = C.rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, d, causal=True)
+    rule, inputs, normalize = C.rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, d, causal=True,
+                                               beta=beta)
     if rule != "additive" and method == "factor":
         raise ValueError(f"method='factor' ranks the additive rule's weights; the {rule!r} rule's weights "
-                         "(decay/log_decay given) are ranked with method='explicit'")
+                         "(decay/log_decay/beta given) are ranked with method='explicit'")
     if rtol is not None:
         rtol = C.check_rtol(rtol, ())
         if rtol.ndim:
@@ -850,8 +880,22 @@ def _absorb(state, fk, v, lg):
     return state * keep[:, None] + (fk * tail).T @ v
 
 
+def _absorb_delta(state, fk, v, beta, lg):
+    """``state`` after the rows ``fk`` (L, F), ``v`` (L, M) under the (gated) delta rule, token by token.
+
+    ``S <- a_j (S + beta_j phi(k_j) (v_j - phi(k_j)^T S)^T)`` (``a_j = exp(lg_j)``,
+    1 without ``lg``) -- the recurrence itself, O(L F M).
+    """
+    for j in range(fk.shape[0]):
+        kj = fk[j]
+        if lg is not None:
+            state = state * math.exp(lg[j])
+        state = state + beta[j] * np.outer(kj, v[j] - kj @ state)
+    return state
+
+
 def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, check_finite=True, decay=None,
-                       log_decay=None, initial_state=None):
+                       log_decay=None, initial_state=None, beta=None):
     r"""Numerical rank of the linear-attention state ``S_t`` as the sequence grows.
 
     ``S_t = sum_{j < t} phi(k_j) v_j^T`` is the ``D_phi x M`` state after
@@ -861,7 +905,11 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
     decay or gate the state follows ``S_t = a_t (.) S_{t-1} + phi(k_t) v_t^T``
     (REFERENCES.md "Decay and gating"): the old directions fade but do not
     leave the span until a factor is exactly 0, so the rank falls only at a
-    reset (or when the factors underflow).
+    reset (or when the factors underflow).  Under the delta rule (``beta``)
+    ``S_t = a_t (I - beta_t phi(k_t) phi(k_t)^T) S_{t-1} + beta_t phi(k_t) v_t^T``
+    (Schlag et al. 2021; REFERENCES.md "Delta rule"): a write can also
+    remove a direction (``beta = 1`` and a unit key already stored replace
+    its value), so the rank need not grow monotonically.
 
     Parameters
     ----------
@@ -883,6 +931,11 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
         A decay or gate of the state, with the forms and errors of
         :func:`linattn_nb.linear_attention` (a scalar or batch-shaped
         constant, ``(..., N)`` per token, ``(..., N, D_phi)`` per feature).
+    beta : float or array_like, optional
+        The delta rule's write strength (with a scalar decay per sequence or
+        per token: the gated delta rule), as in
+        :func:`linattn_nb.linear_attention`; the state is then updated token
+        by token (O(N D_phi M)).
     initial_state : LinearState or tuple (S, z[, position]), optional
         The state before token 0 (as ``linear_attention``'s
         ``initial_state``; ``t = 0`` then ranks it).  Its factors apply from
@@ -901,7 +954,7 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
         Shape mismatches, non-finite inputs, positions outside ``[0, N]``,
         ``feature_map="softmax"``, a feature map whose features do not have
         shape ``(..., N, output_dim(D))``; ``decay``/``log_decay`` as in
-        ``linear_attention`` (naming the argument); an ``initial_state`` of
+        ``linear_attention`` (naming the argument), ``beta`` likewise; an ``initial_state`` of
         the wrong shape or of another update rule.
     TypeError
         Non-floating inputs, non-integer positions.
@@ -942,7 +995,7 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
         if rtol.ndim:
             raise ValueError("rtol of state_rank_profile must be a scalar")
         rtol = float(rtol)
-    rule, inputs, _ = C.rule_arguments(fmap, decay, log_decay, None, batch_shape, n, d, causal=True)
+    rule, inputs, _ = C.rule_arguments(fmap, decay, log_decay, None, batch_shape, n, d, causal=True, beta=beta)
     f = C.feature_dim(fmap, d)
     b = int(np.prod(batch_shape, dtype=np.int64))
     if initial_state is not None:
@@ -951,8 +1004,10 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
         S0 = H[:, :, :m]
     else:
         S0, position = np.zeros((b, f, m)), 0
-    lg = None if inputs is None else next(iter(inputs.values()))
-    if lg is not None and lg.ndim == 2:
+    delta = rule in ("delta", "gated_delta")
+    bt = inputs["beta"] if delta else None
+    lg = None if inputs is None else inputs.get("log_decay", inputs.get("log_gate"))
+    if lg is not None and lg.ndim == 2 and not delta:
         lg = lg[:, :, None]  # per token: one factor for every row of the state
     fk = _features(fmap, k, role="key", causal=True, name="k", offset=position)
     vf = v.reshape((b, n, m))
@@ -962,7 +1017,11 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
         at = 0
         for j, t in enumerate(pos):
             t = int(t)
-            if t > at:
+            if t > at and delta:
+                state = _absorb_delta(state, fk[i, at:t], vf[i, at:t], bt[i, at:t],
+                                      None if lg is None else lg[i, at:t])
+                at = t
+            elif t > at:
                 state = _absorb(state, fk[i, at:t], vf[i, at:t], None if lg is None else lg[i, at:t])
                 at = t
             ranks[i, j] = _block_rank(_svals(state), f, m, rtol)

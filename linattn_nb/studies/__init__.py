@@ -4,7 +4,8 @@
   Dask cluster, streaming results to an append-only JSON Lines file that a
   rerun resumes from.
 * :data:`STUDIES` lists the built-in studies (correctness self-check,
-  throughput, approximation error, rank, recall capacity, memory horizon);
+  throughput, approximation error, rank, recall capacity, memory horizon,
+  update rules against the capacity floor);
   :func:`register_study` adds one.
 * :func:`run_report` runs them and writes ``report.md`` with tables and plots
   (the ``linattn report`` command).
