@@ -191,7 +191,9 @@ def check_state_rule(state, rule: str, name: str = "initial_state") -> None:
     if got is not None and got != rule:
         hint = {"additive": "pass neither decay nor log_decay",
                 "decay": "pass a scalar or per-token decay/log_decay",
-                "gate": "pass a per-feature decay/log_decay (last axes N, D_phi)"}.get(got, "")
+                "gate": "pass a per-feature decay/log_decay (last axes N, D_phi)",
+                "delta": "pass beta without decay/log_decay",
+                "gated_delta": "pass beta with a scalar or per-token decay/log_decay"}.get(got, "")
         raise ValueError(f"{name} is a state of the {got!r} update rule, but this call runs the {rule!r} rule; "
                          f"a state continues only the rule that made it ({hint})")
 

@@ -7,7 +7,9 @@ set of edge shapes (N = 0 and 1, odd N, batch sizes below and above the
 thread count, D != M) and is compared with the float64 quadratic reference
 computed from the same (rounded) inputs.  Causal methods are also checked
 with the decay and gate update rules (random factors per token, resp. per
-token and feature, with a reset mid-sequence; ELU+1 features).  The output buffer is pre-filled
+token and feature, with a reset mid-sequence; ELU+1 features) and the delta
+and gated delta rules (write strengths in [0, 2] per token; unit keys
+through the "l2" map).  The output buffer is pre-filled
 with NaN, so an element a kernel does not write fails the check.  The state is
 checked too: the returned (S, z) against their definition, and, for causal
 attention, a sequence processed in two segments (``initial_state``) against
@@ -26,20 +28,34 @@ from ._study import Rendered, Study, fmt, markdown_table, register_study
 #: computed in float32 and rounded to float16 on output (unit round-off 4.9e-4).
 TOLERANCES = {"float16": 3e-3, "float32": 2e-5, "float64": 1e-11}
 DTYPES = ("float16", "float32", "float64")
-#: Update rules with per-token inputs checked besides the additive rule (causal only).
-DECAY_RULES = ("decay", "gate")
+#: Update rules with per-token inputs checked besides the additive rule (causal only), and the
+#: feature map each is checked with (the delta rules need unit keys to stay bounded: "l2").
+DECAY_RULES = {"decay": "elu", "gate": "elu", "delta": "l2", "gated_delta": "l2"}
 
 
 def _decay(rule, rng, b, n, f):
-    """Random factors of ``rule`` for a (b, n) batch: per token ("decay") or per token and feature ("gate"),
-    in [0.5, 1], with a reset (factor 0) at token n // 2."""
+    """Random per-token inputs of ``rule`` for a (b, n) batch, as ``linear_attention`` keywords.
+
+    Factors in [0.5, 1] per token ("decay", "gated_delta") or per token and
+    feature ("gate"), with a reset (factor 0) at token n // 2; write
+    strengths in [0, 2] per token for the delta rules.
+    """
     if rule == "additive":
-        return None
-    shape = (b, n) if rule == "decay" else (b, n, f)
-    a = rng.uniform(0.5, 1.0, size=shape)
-    if n >= 2:
-        a[:, n // 2] = 0.0
-    return a
+        return {}
+    kw = {}
+    if rule in ("delta", "gated_delta"):
+        kw["beta"] = rng.uniform(0.0, 2.0, size=(b, n))
+    if rule != "delta":
+        a = rng.uniform(0.5, 1.0, size=(b, n, f) if rule == "gate" else (b, n))
+        if n >= 2:
+            a[:, n // 2] = 0.0
+        kw["decay"] = a
+    return kw
+
+
+def _cut(kw, lo, hi):
+    """The per-token inputs ``kw`` of tokens [lo, hi)."""
+    return {name: x[:, lo:hi] for name, x in kw.items()}
 
 
 def _shapes(profile: str) -> list[list[int]]:
@@ -76,11 +92,11 @@ def points(ctx) -> list[dict]:
                 pts.append(dict(kind="linear", device=device, causal=causal, feature_map=fmap,
                                 methods=methods, dtypes=list(DTYPES), shapes=shapes))
             if causal:
-                for rule in DECAY_RULES:
+                for rule, rmap in DECAY_RULES.items():
                     rmethods = [m for m in available_methods(causal=True, device=device, rule=rule)
                                 if m != "quadratic"]
                     if rmethods:
-                        pts.append(dict(kind="linear", device=device, causal=True, feature_map="elu",
+                        pts.append(dict(kind="linear", device=device, causal=True, feature_map=rmap,
                                         methods=rmethods, dtypes=list(DTYPES), shapes=shapes, rule=rule))
     for causal in (False, True):
         pts.append(dict(kind="softmax", device="cpu", causal=causal, feature_map=None,
@@ -104,7 +120,7 @@ def _to_host(x):
     return x.copy_to_host() if hasattr(x, "copy_to_host") else np.asarray(x)
 
 
-def _check_linear(q, k, v, ref, S_ref, z_ref, *, device, causal, method, feature_map, segments, decay=None):
+def _check_linear(q, k, v, ref, S_ref, z_ref, *, device, causal, method, feature_map, segments, rule_kw):
     """(output error, state error) of one linear-attention method on one input.
 
     ``S_ref``, ``z_ref``: the final state it must return (float64).
@@ -114,12 +130,12 @@ def _check_linear(q, k, v, ref, S_ref, z_ref, *, device, causal, method, feature
     if device == "cpu":
         buf = np.full(ref.shape, np.nan, dtype=q.dtype)
         out, state = linear_attention(q, k, v, feature_map=feature_map, causal=causal, method=method,
-                                      device="cpu", out=buf, return_state=True, decay=decay)
+                                      device="cpu", out=buf, return_state=True, **rule_kw)
         if out is not buf:
             raise AssertionError("linear_attention did not return the out= buffer")
     else:
         out, state = linear_attention(q, k, v, feature_map=feature_map, causal=causal, method=method,
-                                      device=device, return_state=True, decay=decay)
+                                      device=device, return_state=True, **rule_kw)
         out = _to_host(out)
     if out.dtype != q.dtype or out.shape != ref.shape:
         raise AssertionError(f"{method} returned {out.dtype} {out.shape} for {q.dtype} {ref.shape}")
@@ -127,13 +143,10 @@ def _check_linear(q, k, v, ref, S_ref, z_ref, *, device, causal, method, feature
     n = q.shape[1]
     if segments and causal and n >= 2 and device == "cpu":
         cut = n // 3 + 1
-        d1 = d2 = None
-        if decay is not None:
-            d1, d2 = decay[:, :cut], decay[:, cut:]
         o1, st = linear_attention(q[:, :cut], k[:, :cut], v[:, :cut], feature_map=feature_map,
-                                  causal=True, method=method, return_state=True, decay=d1)
+                                  causal=True, method=method, return_state=True, **_cut(rule_kw, 0, cut))
         o2 = linear_attention(q[:, cut:], k[:, cut:], v[:, cut:], feature_map=feature_map,
-                              causal=True, method=method, initial_state=st, decay=d2)
+                              causal=True, method=method, initial_state=st, **_cut(rule_kw, cut, n))
         state_err = max(state_err, _rel(np.concatenate([o1, o2], axis=1), ref))
     return _rel(out, ref), state_err
 
@@ -159,7 +172,7 @@ def run(kind, device, causal, feature_map, methods, dtypes, shapes, seed=0, rule
         # One instance per shape, shared by the reference and every method (a
         # random map is drawn once, seeded, for this D).
         fmap = build_map(feature_map, dim=d, seed=seed) if kind == "linear" else None
-        decay = _decay(rule, rng, b, n, fmap.output_dim(d)) if kind == "linear" else None
+        rule_kw = _decay(rule, rng, b, n, fmap.output_dim(d)) if kind == "linear" else {}
         for dtype in dtypes:
             q, k, v = (x.astype(dtype) for x in base)
             q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
@@ -167,9 +180,9 @@ def run(kind, device, causal, feature_map, methods, dtypes, shapes, seed=0, rule
                 ref = softmax_attention(q64, k64, v64, causal=causal, method="quadratic")
             else:
                 ref, st = linear_attention(q64, k64, v64, feature_map=fmap, causal=causal,
-                                           method="quadratic", return_state=True, decay=decay)
+                                           method="quadratic", return_state=True, **rule_kw)
                 S_ref, z_ref = st.S, st.z
-                if decay is None:  # the additive state against its definition, not the reference's
+                if not rule_kw:  # the additive state against its definition, not the reference's
                     fk64 = fmap.apply(k64, role="key", causal=causal, offset=0, total_length=n)
                     S_ref, z_ref = np.einsum("bnf,bnm->bfm", fk64, v64), fk64.sum(axis=1)
             for method in methods:
@@ -185,7 +198,7 @@ def run(kind, device, causal, feature_map, methods, dtypes, shapes, seed=0, rule
                     else:
                         err, serr = _check_linear(q, k, v, ref, S_ref, z_ref, device=device, causal=causal,
                                                   method=method, feature_map=fmap,
-                                                  segments=not fmap.position_dependent, decay=decay)
+                                                  segments=not fmap.position_dependent, rule_kw=rule_kw)
                 except Exception as exc:  # noqa: BLE001 - a failing method is a result here
                     a["error"] = f"{type(exc).__name__}: {exc} (shape B, N, D, M = {[b, n, d, m]})"
                     continue
