@@ -272,10 +272,7 @@ def _cuda_query(q, S, z, out, scratch, *, code, eps, check, normalize=True):
     K = _kernels()
     if check and K.check_nonfinite(q):
         return 1
-    if normalize:
-        K.state_query(q, S, z, out, scratch[0], code=code, eps=eps)
-    else:
-        K.rule_query(q, S, z, out, scratch[0], code=code, eps=eps, normalize=False)
+    K.state_query(q, S, z, out, scratch[0], code=code, eps=eps, normalize=normalize)
     return 0
 
 
