@@ -165,6 +165,34 @@ def rule_bench_args(doc, name, argv=None):
     return args
 
 
+def run_rule_bench(name, args, speed, accuracy, *, setting, columns, accuracy_setting):
+    """Run and report a per-rule CPU benchmark (the arguments of :func:`rule_bench_args`).
+
+    ``speed(args)`` returns the table rows (``case`` and ``columns``, printed with two
+    decimals), the targets (description -> met) and every round's times in ms;
+    ``accuracy(args)`` the rows of :func:`scan_accuracy`.  ``setting`` and
+    ``accuracy_setting`` describe the two measurements in the printed headers.
+    Everything goes to ``results/<name>.json`` (or ``args.out``)."""
+    import numba
+
+    print(f"CPU: {cpu_model()}, {numba.get_num_threads()} Numba threads")
+    print(f"speed: {setting}; medians of {args.rounds} interleaved rounds ({args.inner} calls each)")
+    rows, targets, all_ms = speed(args)
+    print(table(rows, ["case", *columns], {c: "{:.2f}" for c in columns}))
+    for what, ok in targets.items():
+        print(f"  {'met' if ok else 'NOT met'}: {what}")
+    acc = []
+    if not args.no_accuracy:
+        acc = accuracy(args)
+        print(f"accuracy: {accuracy_setting}")
+        print(table(acc, ["float32 method", "N", "rel. error vs float64 scan", "nonfinite"],
+                    {"rel. error vs float64 scan": "{:.2e}"}))
+    path = write_json(name, {"machine": machine(), "cpu_model": cpu_model(), "args": vars(args),
+                             "speed": rows, "targets": targets, "speed_ms_all": all_ms, "accuracy": acc},
+                      args.out)
+    print(f"wrote {path}")
+
+
 def write_json(name: str, payload: dict, path=None) -> Path:
     out = Path(path) if path else RESULTS / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from _common import cpu_model, interleaved_medians, machine, rule_bench_args, scan_accuracy, table, write_json
+from _common import interleaved_medians, rule_bench_args, run_rule_bench, scan_accuracy
 
 import linattn_nb  # noqa: E402
 
@@ -91,28 +91,11 @@ def accuracy(args):
 
 def main(argv=None):
     args = rule_bench_args(__doc__, "decay_cpu", argv)
-
-    import numba
-
-    print(f"CPU: {cpu_model()}, {numba.get_num_threads()} Numba threads")
-    print(f"speed: B*H = {args.bh}, N = {args.n}, D = M = {args.d}, float32, ELU+1; "
-          f"medians of {args.rounds} interleaved rounds ({args.inner} calls each)")
-    rows, targets, all_ms = speed(args)
-    print(table(rows, ["case", "ms", "x additive chunked", "scan / this"],
-                {"ms": "{:.2f}", "x additive chunked": "{:.2f}", "scan / this": "{:.2f}"}))
-    for name, ok in targets.items():
-        print(f"  {'met' if ok else 'NOT met'}: {name}")
-    acc = []
-    if not args.no_accuracy:
-        acc = accuracy(args)
-        print(f"accuracy: B*H = 1, N = {args.acc_n}, D = M = {args.d}, gamma = 0.999, ELU+1 "
-              "(target: float32 chunked <= 5e-7)")
-        print(table(acc, ["float32 method", "N", "rel. error vs float64 scan", "nonfinite"],
-                    {"rel. error vs float64 scan": "{:.2e}"}))
-    path = write_json("decay_cpu", {"machine": machine(), "cpu_model": cpu_model(), "args": vars(args),
-                                    "speed": rows, "targets": targets, "speed_ms_all": all_ms, "accuracy": acc},
-                      args.out)
-    print(f"wrote {path}")
+    run_rule_bench("decay_cpu", args, speed, accuracy,
+                   setting=f"B*H = {args.bh}, N = {args.n}, D = M = {args.d}, float32, ELU+1",
+                   columns=["ms", "x additive chunked", "scan / this"],
+                   accuracy_setting=(f"B*H = 1, N = {args.acc_n}, D = M = {args.d}, gamma = 0.999, ELU+1 "
+                                     "(target: float32 chunked <= 5e-7)"))
 
 
 if __name__ == "__main__":
