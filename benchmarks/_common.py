@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -75,6 +76,121 @@ def machine() -> dict:
     except OSError:
         pass
     return info
+
+
+def cpu_model() -> str:
+    """The CPU model as ``lscpu`` reports it (with /proc/cpuinfo as the fallback)."""
+    try:
+        proc = subprocess.run(["lscpu"], capture_output=True, text=True, check=True)
+        for line in proc.stdout.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return machine()["cpu"]
+
+
+def interleaved_medians(cases, rounds, inner=1):
+    """Time the callables of ``cases`` (name -> function) side by side.
+
+    Every case is called twice untimed (compilation, warm-up); then each of
+    ``rounds`` rounds times every case once, as the median of ``inner`` calls
+    back to back, so that a change of load on a shared machine falls on all
+    cases alike.
+
+    Returns
+    -------
+    med : dict
+        name -> median over the rounds, seconds.
+    times : dict
+        name -> the per-round times, seconds.
+    """
+    for fn in cases.values():
+        fn()
+        fn()
+    times = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            calls = []
+            for _ in range(inner):
+                t = time.perf_counter()
+                fn()
+                calls.append(time.perf_counter() - t)
+            times[name].append(statistics.median(calls))
+    return {name: statistics.median(ts) for name, ts in times.items()}, times
+
+
+def rel_error(out, ref) -> float:
+    """Relative Frobenius error of ``out`` against ``ref`` (``out`` taken to float64)."""
+    return float(np.linalg.norm((out.astype(np.float64) - ref).ravel()) / np.linalg.norm(ref.ravel()))
+
+
+def scan_accuracy(run, q, k, v, **columns):
+    """Rows of the float32 chunked and scan outputs' and the float64 chunked
+    output's errors against the float64 scan of the same float32 inputs.
+
+    ``run(q, k, v, method)`` computes one output; ``columns`` are put in every
+    row after the method (e.g. ``N=``)."""
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    ref = run(q64, k64, v64, "scan")
+    rows = []
+    for label, inputs, method in (("chunked", (q, k, v), "chunked"), ("scan", (q, k, v), "scan"),
+                                  ("float64 chunked", (q64, k64, v64), "chunked")):
+        o = run(*inputs, method)
+        rows.append({"float32 method": label, **columns, "rel. error vs float64 scan": rel_error(o, ref),
+                     "nonfinite": int((~np.isfinite(o)).sum())})
+    return rows
+
+
+def rule_bench_args(doc, name, argv=None):
+    """The command line of the per-rule CPU benchmarks (speed in interleaved
+    rounds, accuracy at a long sequence); results go to ``results/<name>.json``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="5 rounds, accuracy at N = 2**16")
+    ap.add_argument("--bh", type=int, default=16)
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 9; --quick 5)")
+    ap.add_argument("--inner", type=int, default=3, help="calls per measurement (their median counts)")
+    ap.add_argument("--acc-n", type=int, default=None, help="accuracy sequence length (default 2**20; --quick 2**16)")
+    ap.add_argument("--no-accuracy", action="store_true")
+    ap.add_argument("--out", default=None, help=f"JSON path (default benchmarks/results/{name}.json)")
+    args = ap.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 5 if args.quick else 9
+    if args.acc_n is None:
+        args.acc_n = 2**16 if args.quick else 2**20
+    return args
+
+
+def run_rule_bench(name, args, speed, accuracy, *, setting, columns, accuracy_setting):
+    """Run and report a per-rule CPU benchmark (the arguments of :func:`rule_bench_args`).
+
+    ``speed(args)`` returns the table rows (``case`` and ``columns``, printed with two
+    decimals), the targets (description -> met) and every round's times in ms;
+    ``accuracy(args)`` the rows of :func:`scan_accuracy`.  ``setting`` and
+    ``accuracy_setting`` describe the two measurements in the printed headers.
+    Everything goes to ``results/<name>.json`` (or ``args.out``)."""
+    import numba
+
+    print(f"CPU: {cpu_model()}, {numba.get_num_threads()} Numba threads")
+    print(f"speed: {setting}; medians of {args.rounds} interleaved rounds ({args.inner} calls each)")
+    rows, targets, all_ms = speed(args)
+    print(table(rows, ["case", *columns], {c: "{:.2f}" for c in columns}))
+    for what, ok in targets.items():
+        print(f"  {'met' if ok else 'NOT met'}: {what}")
+    acc = []
+    if not args.no_accuracy:
+        acc = accuracy(args)
+        print(f"accuracy: {accuracy_setting}")
+        print(table(acc, ["float32 method", "N", "rel. error vs float64 scan", "nonfinite"],
+                    {"rel. error vs float64 scan": "{:.2e}"}))
+    path = write_json(name, {"machine": machine(), "cpu_model": cpu_model(), "args": vars(args),
+                             "speed": rows, "targets": targets, "speed_ms_all": all_ms, "accuracy": acc},
+                      args.out)
+    print(f"wrote {path}")
 
 
 def write_json(name: str, payload: dict, path=None) -> Path:

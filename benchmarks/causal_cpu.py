@@ -47,7 +47,7 @@ import time
 
 import numpy as np
 
-from _common import machine, median_time, sgemm_gflops, table, write_json
+from _common import cpu_model, machine, median_time, sgemm_gflops, table, write_json
 
 import linattn_nb  # noqa: E402  (path set by _common)
 from linattn_nb import linear_attention, softmax_attention  # noqa: E402
@@ -265,18 +265,6 @@ def headline(args, have_torch):
         "interleaved_medians_ms": {n: t * 1e3 for n, t in med.items()},
         "interleaved_ms_all": {n: [t * 1e3 for t in ts] for n, ts in times.items()},
     }
-
-
-def cpu_model() -> str:
-    """The CPU model as ``lscpu`` reports it (with /proc/cpuinfo as the fallback)."""
-    try:
-        proc = subprocess.run(["lscpu"], capture_output=True, text=True, check=True)
-        for line in proc.stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return machine()["cpu"]
 
 
 def run_check_cost(args):

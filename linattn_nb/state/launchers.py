@@ -143,19 +143,18 @@ def _cpu_query(q, S, z, out, scratch, *, code, eps, check, normalize=True):
     return 0
 
 
-def _cpu_nonfinite_kv(k, v):
-    bad = _cpu.first_nonfinite(k, k, v)
+def _cpu_bad_kv(check, k, v):
+    """0, or 1/2 when ``check`` finds k/v non-finite."""
+    bad = _cpu.first_nonfinite(k, k, v) if check else 0
     return 0 if not bad else (1 if bad < 3 else 2)
 
 
 def _cpu_prefill(k, v, S, z, *, code, check, inputs=None):
     _additive_inputs(inputs)
-    if check:
-        bad = _cpu_nonfinite_kv(k, v)
-        if bad:
-            return bad
-    _cpu.state_prefill(k, v, S, z, code=code)
-    return 0
+    bad = _cpu_bad_kv(check, k, v)
+    if not bad:
+        _cpu.state_prefill(k, v, S, z, code=code)
+    return bad
 
 
 def _cpu_put(S, z, S_src, z_src):
@@ -194,12 +193,10 @@ def _cpu_rule_step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None
 
 def _cpu_rule_prefill(k, v, S, z, *, code, check, inputs=None):
     inputs = _rule_inputs(inputs)
-    if check:
-        bad = _cpu_nonfinite_kv(k, v)
-        if bad:
-            return bad
-    _cpu.rule_prefill(k, v, S, z, code=code, inputs=inputs)
-    return 0
+    bad = _cpu_bad_kv(check, k, v)
+    if not bad:
+        _cpu.rule_prefill(k, v, S, z, code=code, inputs=inputs)
+    return bad
 
 
 #: The decay and gate rules on the CPU: the rule kernels of :mod:`linattn_nb.ops.step.cpu`
@@ -225,13 +222,11 @@ def _cpu_delta_step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=Non
 
 def _cpu_delta_prefill(k, v, S, z, *, code, check, inputs=None):
     inputs = _delta_inputs(inputs)
-    if check:
-        bad = _cpu_nonfinite_kv(k, v)
-        if bad:
-            return bad
-    feat = np.empty((2,) + z.shape, dtype=S.dtype)
-    _cpu.delta_prefill(k, v, S, z, feat, code=code, inputs=inputs)
-    return 0
+    bad = _cpu_bad_kv(check, k, v)
+    if not bad:
+        feat = np.empty((2,) + z.shape, dtype=S.dtype)
+        _cpu.delta_prefill(k, v, S, z, feat, code=code, inputs=inputs)
+    return bad
 
 
 #: The delta and gated delta rules on the CPU: the delta kernels of :mod:`linattn_nb.ops.step.cpu`
@@ -249,45 +244,41 @@ def _kernels():
     return _scuda
 
 
+def _cuda_bad(check, *arrays):
+    """0, or the 1-based index of the first non-finite device array when ``check``."""
+    return _kernels().check_nonfinite(*arrays) if check else 0
+
+
 def _cuda_zeros(B, F, M, dtype):
     return CD.zeros((B, F, M), dtype), CD.zeros((B, F), dtype), (CD.zeros((B, 3, F), dtype),)
 
 
 def _cuda_step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True):
     _additive_inputs(inputs)
-    K = _kernels()
-    if check:
-        bad = K.check_nonfinite(q, k, v)
-        if bad:
-            return bad
+    bad = _cuda_bad(check, q, k, v)
+    if bad:
+        return bad
     if normalize:
-        K.state_step(q, k, v, S, z, out, scratch[0], code=code, eps=eps)
+        _kernels().state_step(q, k, v, S, z, out, scratch[0], code=code, eps=eps)
     else:
         feat = CD.zeros((S.shape[0], 4, S.shape[1]), S.dtype)
-        K.rule_step(q, k, v, S, z, out, feat, code=code, eps=eps, normalize=False)
+        _kernels().rule_step(q, k, v, S, z, out, feat, code=code, eps=eps, normalize=False)
     return 0
 
 
 def _cuda_query(q, S, z, out, scratch, *, code, eps, check, normalize=True):
-    K = _kernels()
-    if check and K.check_nonfinite(q):
+    if _cuda_bad(check, q):
         return 1
-    if normalize:
-        K.state_query(q, S, z, out, scratch[0], code=code, eps=eps)
-    else:
-        K.rule_query(q, S, z, out, scratch[0], code=code, eps=eps, normalize=False)
+    _kernels().state_query(q, S, z, out, scratch[0], code=code, eps=eps, normalize=normalize)
     return 0
 
 
 def _cuda_prefill(k, v, S, z, *, code, check, inputs=None):
     _additive_inputs(inputs)
-    K = _kernels()
-    if check:
-        bad = K.check_nonfinite(k, v)
-        if bad:
-            return bad
-    K.state_prefill(k, v, S, z, code=code)
-    return 0
+    bad = _cuda_bad(check, k, v)
+    if not bad:
+        _kernels().state_prefill(k, v, S, z, code=code)
+    return bad
 
 
 def _cuda_put(S, z, S_src, z_src):
@@ -311,24 +302,18 @@ def _cuda_rule_zeros(B, F, M, dtype):
 
 def _cuda_rule_step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True):
     inputs = _rule_inputs(inputs)
-    K = _kernels()
-    if check:
-        bad = K.check_nonfinite(q, k, v)
-        if bad:
-            return bad
-    K.rule_step(q, k, v, S, z, out, scratch[0], code=code, eps=eps, inputs=inputs, normalize=normalize)
-    return 0
+    bad = _cuda_bad(check, q, k, v)
+    if not bad:
+        _kernels().rule_step(q, k, v, S, z, out, scratch[0], code=code, eps=eps, inputs=inputs, normalize=normalize)
+    return bad
 
 
 def _cuda_rule_prefill(k, v, S, z, *, code, check, inputs=None):
     inputs = _rule_inputs(inputs)
-    K = _kernels()
-    if check:
-        bad = K.check_nonfinite(k, v)
-        if bad:
-            return bad
-    K.rule_prefill(k, v, S, z, code=code, inputs=inputs)
-    return 0
+    bad = _cuda_bad(check, k, v)
+    if not bad:
+        _kernels().rule_prefill(k, v, S, z, code=code, inputs=inputs)
+    return bad
 
 
 #: The decay and gate rules with CUDA: the rule kernels of :mod:`linattn_nb.ops.step.cuda`.
@@ -338,25 +323,20 @@ CUDA_RULE_STEP = StepLauncher("cuda", _cuda_rule_step, _cuda_query, _cuda_rule_p
 
 def _cuda_delta_step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True):
     inputs = _delta_inputs(inputs)
-    K = _kernels()
-    if check:
-        bad = K.check_nonfinite(q, k, v)
-        if bad:
-            return bad
-    K.delta_step(q, k, v, S, z, out, scratch[0], code=code, eps=eps, inputs=inputs, normalize=normalize)
-    return 0
+    bad = _cuda_bad(check, q, k, v)
+    if not bad:
+        _kernels().delta_step(q, k, v, S, z, out, scratch[0], code=code, eps=eps, inputs=inputs,
+                              normalize=normalize)
+    return bad
 
 
 def _cuda_delta_prefill(k, v, S, z, *, code, check, inputs=None):
     inputs = _delta_inputs(inputs)
-    K = _kernels()
-    if check:
-        bad = K.check_nonfinite(k, v)
-        if bad:
-            return bad
-    feat = CD.zeros((S.shape[0], 3, S.shape[1]), S.dtype)
-    K.delta_prefill(k, v, S, z, feat, code=code, inputs=inputs)
-    return 0
+    bad = _cuda_bad(check, k, v)
+    if not bad:
+        feat = CD.zeros((S.shape[0], 3, S.shape[1]), S.dtype)
+        _kernels().delta_prefill(k, v, S, z, feat, code=code, inputs=inputs)
+    return bad
 
 
 #: The delta and gated delta rules with CUDA: the delta kernel of :mod:`linattn_nb.ops.step.cuda`.

@@ -202,14 +202,18 @@ state_step_serial, state_step_parallel = serial_and_parallel(_state_step, fastma
                                                              cache=config.CACHE)
 
 
+def _pick_twin(serial, parallel, b, t, m, f):
+    """``serial`` below ``config.STEP_PARALLEL_MIN_WORK`` multiply-adds (b t m f), else ``parallel``."""
+    return pick(serial, parallel, items=b, work=b * t * m * f, limit=config.STEP_PARALLEL_MIN_WORK)
+
+
 def pick_step_kernel(b, t, m, f):
     """The serial kernel below ``config.STEP_PARALLEL_MIN_WORK`` multiply-adds, else the parallel one.
 
     Call it as ``kern(q, k, v, St, z, out, feat, code, eps, check)`` (see
     :func:`state_step`; ``code`` int64, ``eps`` from :func:`eps_arg`).
     """
-    return pick(state_step_serial, state_step_parallel, items=b, work=b * t * m * f,
-                limit=config.STEP_PARALLEL_MIN_WORK)
+    return _pick_twin(state_step_serial, state_step_parallel, b, t, m, f)
 
 
 def state_step(q, k, v, St, z, out, feat, *, code, eps, check):
@@ -228,11 +232,34 @@ def eps_arg(eps):
     return -math.inf if eps is None else float(eps)
 
 
-@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def state_query_kernel(q, St, z, out, feat, code, eps, normalize):
-    """out[b, t] = phi(q_t)^T S_b / max(phi(q_t)^T z_b, eps); the state is read only.
+def block_arg(block):
+    """The prefill kernels' ``block`` (tokens per GEMM): ``config.PREFILL_BLOCK`` for None, checked."""
+    block = int(config.PREFILL_BLOCK if block is None else block)
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    return np.int64(block)
 
-    ``normalize`` False writes the numerators ``phi(q_t)^T S_b``.
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def floored(den, eps, norm):
+    """The normaliser ``den``, floored at ``eps`` when ``norm`` is NORM_FLOOR."""
+    if norm == NORM_FLOOR and den < eps:
+        return eps
+    return den
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def output(acc, den, norm):
+    """An output of mode ``norm``: the numerator ``acc`` (NORM_NONE) or ``acc / den``."""
+    return acc if norm == NORM_NONE else acc / den
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def state_query_kernel(q, St, z, out, feat, code, eps, norm):
+    """out[b, t] = phi(q_t)^T S_b / max(phi(q_t)^T z_b, eps); the state is read only (any rule's).
+
+    ``norm`` the output mode (:func:`linattn_nb.ops._codes.norm_mode`; ``NORM_NONE`` writes the
+    numerators ``phi(q_t)^T S_b``).
     """
     B, T, _ = q.shape
     M = St.shape[1]
@@ -246,18 +273,17 @@ def state_query_kernel(q, St, z, out, feat, code, eps, normalize):
             den = 0.0
             for i in range(F):
                 den += fc[i] * zb[i]
-            if den < eps:
-                den = eps
+            den = floored(den, eps, norm)
             for m in range(M):
                 row = Sb[m]
                 acc = St.dtype.type(0)
                 for i in range(F):
                     acc += fc[i] * row[i]
-                out[b, t, m] = acc / den if normalize else acc
+                out[b, t, m] = output(acc, den, norm)
 
 
 def state_query(q, St, z, out, feat, *, code, eps, normalize=True):
-    state_query_kernel(q, St, z, out, feat, np.int64(code), eps_arg(eps), bool(normalize))
+    state_query_kernel(q, St, z, out, feat, np.int64(code), eps_arg(eps), np.int64(norm_mode(eps, normalize)))
     return out
 
 
@@ -291,10 +317,7 @@ def state_prefill_kernel(k, v, St, z, code, block):
 
 
 def state_prefill(k, v, St, z, *, code, block=None):
-    block = int(config.PREFILL_BLOCK if block is None else block)
-    if block < 1:
-        raise ValueError(f"block must be >= 1, got {block}")
-    state_prefill_kernel(k, v, St, z, code, np.int64(block))
+    state_prefill_kernel(k, v, St, z, code, block_arg(block))
 
 
 # ---------------------------------------------------------------------------
@@ -356,8 +379,7 @@ def _rule_step(q, k, v, St, z, out, feat, code, eps, check, lg, norm):
                 zi = g[i] * zb[i] + fa[i]
                 zb[i] = zi
                 den += fc[i] * zi
-            if norm == NORM_FLOOR and den < eps:
-                den = eps
+            den = floored(den, eps, norm)
             for m in range(M):
                 w = v[b, t, m]
                 row = Sb[m]
@@ -366,7 +388,7 @@ def _rule_step(q, k, v, St, z, out, feat, code, eps, check, lg, norm):
                     s = g[i] * row[i] + fa[i] * w
                     row[i] = s
                     acc += fc[i] * s
-                out[b, t, m] = acc if norm == NORM_NONE else acc / den
+                out[b, t, m] = output(acc, den, norm)
     return 0
 
 
@@ -374,12 +396,17 @@ rule_step_serial, rule_step_parallel = serial_and_parallel(_rule_step, fastmath=
                                                            cache=config.CACHE)
 
 
+def log_decay_arg(inputs, B, T):
+    """``inputs["log_decay"]`` as the kernels' ``lg`` (B, T, 1) float64."""
+    return np.ascontiguousarray(inputs["log_decay"], dtype=np.float64).reshape(B, T, 1)
+
+
 def log_factors(inputs, B, T):
     """The kernels' ``lg`` (B, T, G) float64 from a launcher's ``inputs`` (None: G = 0)."""
     if not inputs:
         return np.zeros((B, T, 0))
     if "log_decay" in inputs:
-        return np.ascontiguousarray(inputs["log_decay"], dtype=np.float64).reshape(B, T, 1)
+        return log_decay_arg(inputs, B, T)
     lg = np.ascontiguousarray(inputs["log_gate"], dtype=np.float64)
     return lg.reshape(B, T, lg.shape[-1])
 
@@ -387,8 +414,7 @@ def log_factors(inputs, B, T):
 def pick_rule_kernel(b, t, m, f):
     """The serial rule step kernel below ``config.STEP_PARALLEL_MIN_WORK`` multiply-adds, else the
     parallel one (arguments: :func:`_rule_step`)."""
-    return pick(rule_step_serial, rule_step_parallel, items=b, work=b * t * m * f,
-                limit=config.STEP_PARALLEL_MIN_WORK)
+    return _pick_twin(rule_step_serial, rule_step_parallel, b, t, m, f)
 
 
 def rule_step(q, k, v, St, z, out, feat, *, code, eps, check, inputs=None, normalize=True):
@@ -456,11 +482,8 @@ def rule_prefill_kernel(k, v, St, z, code, lg, block):
 
 def rule_prefill(k, v, St, z, *, code, inputs=None, block=None):
     """Launcher of :func:`rule_prefill_kernel` (``inputs`` as :func:`rule_step`)."""
-    block = int(config.PREFILL_BLOCK if block is None else block)
-    if block < 1:
-        raise ValueError(f"block must be >= 1, got {block}")
     B, T = k.shape[0], k.shape[1]
-    rule_prefill_kernel(k, v, St, z, np.int64(code), log_factors(inputs, B, T), np.int64(block))
+    rule_prefill_kernel(k, v, St, z, np.int64(code), log_factors(inputs, B, T), block_arg(block))
 
 
 # ---------------------------------------------------------------------------
@@ -510,8 +533,7 @@ def _delta_step(q, k, v, St, z, out, feat, code, eps, check, lg, beta, norm, rea
                 zi = a * zb[i] + rz * fa[i]
                 zb[i] = zi
                 den += fc[i] * zi
-            if norm == NORM_FLOOR and den < eps:
-                den = eps
+            den = floored(den, eps, norm)
             af = St.dtype.type(a)
             for m in range(M):
                 row = Sb[m]
@@ -525,7 +547,7 @@ def _delta_step(q, k, v, St, z, out, feat, code, eps, check, lg, beta, norm, rea
                     row[i] = s
                     acc += fc[i] * s
                 if read:
-                    out[b, t, m] = acc if norm == NORM_NONE else acc / den
+                    out[b, t, m] = output(acc, den, norm)
     return 0
 
 
@@ -537,18 +559,14 @@ def delta_arrays(inputs, B, T):
     """The kernels' ``lg`` (B, T, G) (G = 1 with ``log_decay``, the gated delta rule, else 0) and
     ``beta`` (B, T), float64, from a delta-rule launcher's ``inputs``."""
     beta = np.ascontiguousarray(inputs["beta"], dtype=np.float64).reshape(B, T)
-    if "log_decay" in inputs:
-        lg = np.ascontiguousarray(inputs["log_decay"], dtype=np.float64).reshape(B, T, 1)
-    else:
-        lg = np.zeros((B, T, 0))
+    lg = log_decay_arg(inputs, B, T) if "log_decay" in inputs else np.zeros((B, T, 0))
     return lg, beta
 
 
 def pick_delta_kernel(B, T, M, F):
     """The serial delta step kernel below ``config.STEP_PARALLEL_MIN_WORK`` multiply-adds, else the
     parallel one (arguments: :func:`_delta_step`)."""
-    return pick(delta_step_serial, delta_step_parallel, items=B, work=B * T * M * F,
-                limit=config.STEP_PARALLEL_MIN_WORK)
+    return _pick_twin(delta_step_serial, delta_step_parallel, B, T, M, F)
 
 
 def delta_step(q, k, v, St, z, out, feat, *, code, eps, check, inputs, normalize=False):

@@ -11,14 +11,15 @@ features (code 0); v (B, T, M); out (B, T, M).
   output coordinate m updates column m of S and reads it (a warp touches
   consecutive m: coalesced), ``syncthreads``.  Every thread runs the same
   token loop, so the barriers are uniform.
-* query: the same without the update.
+* query: the same without the update, with the output mode ``norm`` (any
+  rule's state).
 * prefill: one thread per (b, i, m) accumulates ``sum_t phi(k_ti) v_tm`` in a
   register and adds it to S once; z by the m = 0 threads.  No atomics, no
   barriers.
 * delta_step: the delta rules (delta, gated delta), step and prefill
   (``read=False``); see :func:`delta_step_py`.
-* rule_step, rule_prefill, rule_query: the same for the rules with a factor
-  per token (decay, gate) and for ``normalize=False``.  ``lg`` (B, T, G)
+* rule_step, rule_prefill: the same for the rules with a factor per token
+  (decay, gate) and for ``normalize=False``.  ``lg`` (B, T, G)
   float64 holds the log-factors: G = 0 none (factor 1), G = 1 one per token
   (decay), G = F one per feature (gate); ``exp(-inf) = 0`` resets exactly.
   The step keeps each token's factors in a fourth scratch row (``feat`` is
@@ -84,6 +85,44 @@ def feature(x, b, t, i, code, nrm, zero, one):
     return phi(x[b, t, i], code, zero, one)
 
 
+@cuda.jit(device=True, inline=True)
+def row_sum(feat, b, r, F):
+    """The float64 sum of row ``r`` of ``feat[b]`` (the first ``F`` entries): every thread sums it itself."""
+    acc = 0.0
+    for i in range(F):
+        acc += feat[b, r, i]
+    return acc
+
+
+@cuda.jit(device=True, inline=True)
+def normaliser(feat, b, F, eps, norm):
+    """``phi(q)^T z`` from its terms in row 2 of ``feat[b]``, floored at ``eps`` when ``norm`` is NORM_FLOOR."""
+    den = row_sum(feat, b, 2, F)
+    if norm == NORM_FLOOR and den < eps:
+        den = eps
+    return den
+
+
+@cuda.jit(device=True, inline=True)
+def put_out(out, b, t, m, acc, den, norm):
+    """Write an output: the numerator ``acc`` (NORM_NONE) or ``acc / den``."""
+    if norm == NORM_NONE:
+        out[b, t, m] = acc
+    else:
+        out[b, t, m] = acc / den
+
+
+@cuda.jit(device=True, inline=True)
+def token_factor(lg, b, t, i, one):
+    """The factor of feature i at token t: 1 (G = 0), ``exp(lg[b, t, 0])`` (G = 1) or ``exp(lg[b, t, i])``."""
+    G = lg.shape[2]
+    if G == 0:
+        return one
+    if G == 1:
+        return math.exp(lg[b, t, 0])
+    return math.exp(lg[b, t, i])
+
+
 def state_step_py(q, k, v, S, z, out, feat, code, eps, zero, one):
     """One block per batch entry b; per token: features (strided over i), barrier, columns m."""
     b = cuda.blockIdx.x
@@ -102,11 +141,7 @@ def state_step_py(q, k, v, S, z, out, feat, code, eps, zero, one):
             z[b, i] = zi
             feat[b, 2, i] = feat[b, 1, i] * zi
         cuda.syncthreads()
-        den = 0.0
-        for i in range(F):
-            den += feat[b, 2, i]
-        if den < eps:  # eps = -inf: no floor
-            den = eps
+        den = normaliser(feat, b, F, eps, NORM_FLOOR)  # eps = -inf: no floor
         for m in range(tid, M, nt):
             w = v[b, t, m]
             acc = zero
@@ -118,8 +153,8 @@ def state_step_py(q, k, v, S, z, out, feat, code, eps, zero, one):
         cuda.syncthreads()
 
 
-def state_query_py(q, S, z, out, feat, code, eps, zero, one):
-    """As the step, without the update: every query reads the same state."""
+def state_query_py(q, S, z, out, feat, code, eps, norm, zero, one):
+    """As the step without the update (every query reads the same state), with the output mode ``norm``."""
     b = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
@@ -132,16 +167,12 @@ def state_query_py(q, S, z, out, feat, code, eps, zero, one):
             feat[b, 1, i] = feature(q, b, t, i, code, nq, zero, one)
             feat[b, 2, i] = feat[b, 1, i] * z[b, i]
         cuda.syncthreads()
-        den = 0.0
-        for i in range(F):
-            den += feat[b, 2, i]
-        if den < eps:
-            den = eps
+        den = normaliser(feat, b, F, eps, norm)
         for m in range(tid, M, nt):
             acc = zero
             for i in range(F):
                 acc += feat[b, 1, i] * S[b, i, m]
-            out[b, t, m] = acc / den
+            put_out(out, b, t, m, acc, den, norm)
         cuda.syncthreads()
 
 
@@ -174,28 +205,18 @@ def rule_step_py(q, k, v, S, z, out, feat, lg, code, eps, norm, zero, one):
     T = q.shape[1]
     F = S.shape[1]
     M = S.shape[2]
-    G = lg.shape[2]
     for t in range(T):
         nk = row_norm(k, b, t, code)
         nq = row_norm(q, b, t, code)
         for i in range(tid, F, nt):
-            if G == 0:
-                feat[b, 3, i] = one
-            elif G == 1:
-                feat[b, 3, i] = math.exp(lg[b, t, 0])
-            else:
-                feat[b, 3, i] = math.exp(lg[b, t, i])
+            feat[b, 3, i] = token_factor(lg, b, t, i, one)
             feat[b, 0, i] = feature(k, b, t, i, code, nk, zero, one)
             feat[b, 1, i] = feature(q, b, t, i, code, nq, zero, one)
             zi = feat[b, 3, i] * z[b, i] + feat[b, 0, i]
             z[b, i] = zi
             feat[b, 2, i] = feat[b, 1, i] * zi
         cuda.syncthreads()
-        den = 0.0
-        for i in range(F):
-            den += feat[b, 2, i]
-        if norm == NORM_FLOOR and den < eps:
-            den = eps
+        den = normaliser(feat, b, F, eps, norm)
         for m in range(tid, M, nt):
             w = v[b, t, m]
             acc = zero
@@ -203,40 +224,7 @@ def rule_step_py(q, k, v, S, z, out, feat, lg, code, eps, norm, zero, one):
                 s = feat[b, 3, i] * S[b, i, m] + feat[b, 0, i] * w
                 S[b, i, m] = s
                 acc += feat[b, 1, i] * s
-            if norm == NORM_NONE:
-                out[b, t, m] = acc
-            else:
-                out[b, t, m] = acc / den
-        cuda.syncthreads()
-
-
-def rule_query_py(q, S, z, out, feat, code, eps, norm, zero, one):
-    """As :func:`state_query_py` with the output mode ``norm`` (NORM_NONE: undivided)."""
-    b = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    T = q.shape[1]
-    F = S.shape[1]
-    M = S.shape[2]
-    for t in range(T):
-        nq = row_norm(q, b, t, code)
-        for i in range(tid, F, nt):
-            feat[b, 1, i] = feature(q, b, t, i, code, nq, zero, one)
-            feat[b, 2, i] = feat[b, 1, i] * z[b, i]
-        cuda.syncthreads()
-        den = 0.0
-        for i in range(F):
-            den += feat[b, 2, i]
-        if norm == NORM_FLOOR and den < eps:
-            den = eps
-        for m in range(tid, M, nt):
-            acc = zero
-            for i in range(F):
-                acc += feat[b, 1, i] * S[b, i, m]
-            if norm == NORM_NONE:
-                out[b, t, m] = acc
-            else:
-                out[b, t, m] = acc / den
+            put_out(out, b, t, m, acc, den, norm)
         cuda.syncthreads()
 
 
@@ -304,9 +292,7 @@ def delta_step_py(q, k, v, S, z, out, feat, lg, beta, code, eps, norm, read, zer
                 feat[b, 1, i] = feature(q, b, t, i, code, nq, zero, one)
             feat[b, 2, i] = feat[b, 0, i] * z[b, i]
         cuda.syncthreads()
-        kz = 0.0
-        for i in range(F):
-            kz += feat[b, 2, i]
+        kz = row_sum(feat, b, 2, F)
         rz = bt * (1.0 - a * kz)
         cuda.syncthreads()  # row 2 is read by every thread before it is rewritten
         for i in range(tid, F, nt):
@@ -314,11 +300,7 @@ def delta_step_py(q, k, v, S, z, out, feat, lg, beta, code, eps, norm, read, zer
             z[b, i] = zi
             feat[b, 2, i] = feat[b, 1, i] * zi
         cuda.syncthreads()
-        den = 0.0
-        for i in range(F):
-            den += feat[b, 2, i]
-        if norm == NORM_FLOOR and den < eps:
-            den = eps
+        den = normaliser(feat, b, F, eps, norm)
         for m in range(tid, M, nt):
             d = zero
             for i in range(F):
@@ -330,10 +312,7 @@ def delta_step_py(q, k, v, S, z, out, feat, lg, beta, code, eps, norm, read, zer
                 S[b, i, m] = s
                 acc += feat[b, 1, i] * s
             if read:
-                if norm == NORM_NONE:
-                    out[b, t, m] = acc
-                else:
-                    out[b, t, m] = acc / den
+                put_out(out, b, t, m, acc, den, norm)
         cuda.syncthreads()
 
 
@@ -354,7 +333,7 @@ def first_nonfinite_py(x, flag, which):
 
 PYTHON_KERNELS = {"state_step": state_step_py, "state_query": state_query_py,
                   "state_prefill": state_prefill_py, "first_nonfinite": first_nonfinite_py,
-                  "rule_step": rule_step_py, "rule_query": rule_query_py, "rule_prefill": rule_prefill_py,
+                  "rule_step": rule_step_py, "rule_prefill": rule_prefill_py,
                   "delta_step": delta_step_py}
 _JIT = {}
 
@@ -369,6 +348,17 @@ def kernels():
 
 def _eps(eps):
     return -math.inf if eps is None else float(eps)
+
+
+def _consts(S):
+    """The kernels' ``zero`` and ``one`` in the state dtype."""
+    return S.dtype.type(0), S.dtype.type(1)
+
+
+def _prefill_grid(B, F, M):
+    """Launch configuration of the prefill kernels: one thread per (batch entry, feature, value column)."""
+    nt = min(_threads(), max(32, M))
+    return (B, F, (M + nt - 1) // nt), nt
 
 
 def _threads():
@@ -398,31 +388,28 @@ def state_step(q, k, v, S, z, out, feat, *, code, eps):
     B = q.shape[0]
     if B == 0 or q.shape[1] == 0:
         return out
-    kernels()["state_step"][B, _threads()](q, k, v, S, z, out, feat, np.int64(code), _eps(eps),
-                                            S.dtype.type(0), S.dtype.type(1))
+    kernels()["state_step"][B, _threads()](q, k, v, S, z, out, feat, np.int64(code), _eps(eps), *_consts(S))
     return out
 
 
-def state_query(q, S, z, out, feat, *, code, eps):
-    """Launch the query kernel: one block per batch entry, the state unchanged."""
+def state_query(q, S, z, out, feat, *, code, eps, normalize=True):
+    """Launch the query kernel: one block per batch entry, the state unchanged (any rule's state;
+    ``normalize=False``: numerators)."""
     B = q.shape[0]
     if B == 0 or q.shape[1] == 0:
         return out
     kernels()["state_query"][B, _threads()](q, S, z, out, feat, np.int64(code), _eps(eps),
-                                             S.dtype.type(0), S.dtype.type(1))
+                                             np.int64(norm_mode(eps, normalize)), *_consts(S))
     return out
 
 
 def state_prefill(k, v, S, z, *, code):
     """Launch the prefill kernel: one thread per (batch entry, feature, value column)."""
     B, T, _ = k.shape
-    F = S.shape[1]
-    M = S.shape[2]
     if B == 0 or T == 0:
         return
-    nt = min(_threads(), max(32, M))
-    grid = (B, F, (M + nt - 1) // nt)
-    kernels()["state_prefill"][grid, nt](k, v, S, z, np.int64(code), S.dtype.type(0), S.dtype.type(1))
+    grid, nt = _prefill_grid(B, S.shape[1], S.shape[2])
+    kernels()["state_prefill"][grid, nt](k, v, S, z, np.int64(code), *_consts(S))
 
 
 def log_factors(inputs, B, T):
@@ -445,32 +432,17 @@ def rule_step(q, k, v, S, z, out, feat, *, code, eps, inputs=None, normalize=Tru
     if B == 0 or T == 0:
         return out
     kernels()["rule_step"][B, _threads()](q, k, v, S, z, out, feat, log_factors(inputs, B, T), np.int64(code),
-                                          _eps(eps), np.int64(norm_mode(eps, normalize)),
-                                          S.dtype.type(0), S.dtype.type(1))
-    return out
-
-
-def rule_query(q, S, z, out, feat, *, code, eps, normalize=True):
-    """Launch the query kernel with an output mode (``normalize=False``: numerators)."""
-    B = q.shape[0]
-    if B == 0 or q.shape[1] == 0:
-        return out
-    kernels()["rule_query"][B, _threads()](q, S, z, out, feat, np.int64(code), _eps(eps),
-                                           np.int64(norm_mode(eps, normalize)), S.dtype.type(0), S.dtype.type(1))
+                                          _eps(eps), np.int64(norm_mode(eps, normalize)), *_consts(S))
     return out
 
 
 def rule_prefill(k, v, S, z, *, code, inputs=None):
     """Launch the rule prefill kernel: one thread per (batch entry, feature, value column)."""
     B, T, _ = k.shape
-    F = S.shape[1]
-    M = S.shape[2]
     if B == 0 or T == 0:
         return
-    nt = min(_threads(), max(32, M))
-    grid = (B, F, (M + nt - 1) // nt)
-    kernels()["rule_prefill"][grid, nt](k, v, S, z, log_factors(inputs, B, T), np.int64(code),
-                                        S.dtype.type(0), S.dtype.type(1))
+    grid, nt = _prefill_grid(B, S.shape[1], S.shape[2])
+    kernels()["rule_prefill"][grid, nt](k, v, S, z, log_factors(inputs, B, T), np.int64(code), *_consts(S))
 
 
 def delta_arrays(inputs, B, T):
@@ -497,8 +469,7 @@ def delta_step(q, k, v, S, z, out, feat, *, code, eps, inputs, normalize=False):
         return out
     lg, beta = delta_arrays(inputs, B, T)
     kernels()["delta_step"][B, _threads()](q, k, v, S, z, out, feat, lg, beta, np.int64(code), _eps(eps),
-                                           np.int64(norm_mode(eps, normalize)), True,
-                                           S.dtype.type(0), S.dtype.type(1))
+                                           np.int64(norm_mode(eps, normalize)), True, *_consts(S))
     return out
 
 
@@ -510,4 +481,4 @@ def delta_prefill(k, v, S, z, feat, *, code, inputs):
     lg, beta = delta_arrays(inputs, B, T)
     out = cuda.device_array((1, 1, 1), dtype=S.dtype)  # not written (read=False)
     kernels()["delta_step"][B, _threads()](k, k, v, S, z, out, feat, lg, beta, np.int64(code), -math.inf,
-                                           np.int64(NORM_NONE), False, S.dtype.type(0), S.dtype.type(1))
+                                           np.int64(NORM_NONE), False, *_consts(S))
