@@ -371,4 +371,5 @@ def test_gpu_paths_of_the_studies_run_on_the_simulator():
     assert [c["method"] for c in res["checks"]] == methods
     assert all(c["passed"] and c["error"] is None for c in res["checks"]), res["checks"]
     res = throughput.run("linear", "cuda", methods[0], 8, 1, 4, 4, "float32", "elu", 0.0)
-    assert res["median_s"] > 0 and res["repeats"] >= 3
+    # the study times a call of 2 s or more once (the simulator on a loaded machine can take that long)
+    assert res["median_s"] > 0 and (res["repeats"] >= 3 or res["median_s"] >= 2.0), res
