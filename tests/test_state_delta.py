@@ -20,30 +20,7 @@ from linattn_nb.ops.step import naive as step_naive
 from linattn_nb.state import LinearAttentionState, StateFileError
 from linattn_nb.state import launchers
 
-TOL = {np.float64: 1e-11, np.float32: 3e-5}
-
-
-def assert_close(actual, expected, dtype=np.float64):
-    actual = np.asarray(actual, dtype=np.float64)
-    expected = np.asarray(expected, dtype=np.float64)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    assert np.isfinite(actual).all(), "NaN or inf in the result"
-    if not expected.size:
-        return
-    scale = max(float(np.max(np.abs(expected))), 1.0)
-    err = float(np.max(np.abs(actual - expected)))
-    assert err <= TOL[np.dtype(dtype).type] * scale, f"max abs error {err:.3e} (scale {scale:.3e})"
-
-
-def qkv(rng, batch, n, d, m, dtype=np.float64):
-    return (rng.standard_normal(batch + (n, d)).astype(dtype), rng.standard_normal(batch + (n, d)).astype(dtype),
-            rng.standard_normal(batch + (n, m)).astype(dtype))
-
-
-def ref(q, k, v, **kw):
-    """float64 outputs and final state of the quadratic reference."""
-    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
-    return la.linear_attention(q, k, v, causal=True, method="quadratic", return_state=True, **kw)
+from _rule_state import assert_close, qkv, ref  # noqa: E402
 
 
 def rule_kwargs(rng, rule, batch, n, resets=()):

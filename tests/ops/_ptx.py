@@ -27,3 +27,33 @@ def run_ptx_script(script: str) -> dict:
         pytest.skip("the CUDA toolkit's NVVM is not installed (install the 'cuda' extra)")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def seq_kernel_ptx_script(rules, helper: str, helper_sig: str) -> str:
+    """A PTX script for :func:`run_ptx_script`: the sequence kernel of each rule code in ``rules`` at
+    the default configuration (D_phi = M = 64), float32 and float64 accumulation, and the helper
+    kernel ``helper`` of ``linattn_nb.ops._cuda_kernels`` with the Numba signature ``helper_sig``
+    (an expression in ``types``, ``i`` = int64, ``f64`` = float64).  The JSON maps
+    ``"<acc>/<rule>"`` and ``helper`` to ``{"target", "entry", "local"}`` (local: PTX local memory).
+    """
+    return f"""
+import json
+from numba import cuda, types
+from linattn_nb.ops import _cuda_kernels as K
+res = {{}}
+i, b, f64 = types.int64, types.boolean, types.float64
+for acc, dt in (("float32", "float32"), ("float64", "float64")):
+    for rule in {tuple(rules)!r}:
+        cfg = K.seq_config(64, 64, 4 if acc == "float32" else 8, rule)  # the default configuration
+        kern = K.seq_kernel(*cfg, acc, rule)
+        a4 = types.Array(getattr(types, dt), 4, "A")
+        H = types.Array(getattr(types, acc), 3, "C")
+        lf = types.Array(f64, 3, "C")
+        sig = (a4, a4, a4, a4, H, H, lf, i, i, i, i, i, i, f64, i, b, b, b, b)
+        text, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
+        res["%s/%d" % (acc, rule)] = {{"target": ".target sm_90" in text, "entry": ".entry" in text,
+                                      "local": ("ld.local" in text) or ("st.local" in text)}}
+text, _ = cuda.compile_ptx(K.{helper}.py_func, {helper_sig}, cc=(9, 0))
+res["{helper}"] = {{"target": ".target sm_90" in text, "entry": ".entry" in text, "local": False}}
+print(json.dumps(res))
+"""

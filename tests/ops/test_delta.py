@@ -25,6 +25,8 @@ from linattn_nb.ops.causal.cpu import causal_scan
 from linattn_nb.ops.causal.naive import causal_linear_quadratic
 from linattn_nb.ops.noncausal.cpu import noncausal_aggregate
 
+from _rule_checks import check_result
+
 THREADS = numba.get_num_threads()
 C = 8  # chunk size of the launcher-level tests
 RULES = {"delta": RULE_DELTA, "gated_delta": RULE_GATED_DELTA}
@@ -73,19 +75,8 @@ def _reference(rule, q, k, v, S0, z0, inputs, *, eps=1e-8, normalize=False):
 
 
 def _check(out, H, ref, dtype, what=""):
-    """No NaN/inf anywhere; outputs and final state within the dtype's tolerance (relative to the largest)."""
-    o_ref, S, z = ref
-    M = S.shape[2]
-    assert out.dtype == np.dtype(dtype)
-    assert np.isfinite(out).all(), f"{what}: NaN/inf (or unwritten) outputs"
-    assert np.isfinite(H).all(), f"{what}: NaN/inf in the state"
-    tol = TOL[dtype]
-    if out.size:
-        err = np.abs(out.astype(np.float64) - o_ref).max() / max(np.abs(o_ref).max(), 1e-30)
-        assert err <= tol, f"{what}: output relative error {err:.3g} > {tol}"
-    for got, want, name in ((H[..., :M], S, "S"), (H[..., M], z, "z")):
-        err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
-        assert err <= max(tol, 1e-12), f"{what}: state {name} relative error {err:.3g}"
+    """:func:`_rule_checks.check_result` at this file's tolerance for ``dtype``."""
+    check_result(out, H, ref, dtype, TOL[dtype], what)
 
 
 @pytest.mark.parametrize("rule", list(RULES))

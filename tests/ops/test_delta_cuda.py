@@ -15,7 +15,6 @@ from the NumPy maps of linattn_nb.feature_maps.
 """
 from __future__ import annotations
 
-import textwrap
 
 import numpy as np
 import pytest
@@ -27,7 +26,7 @@ from linattn_nb.feature_maps import get as get_map
 from linattn_nb.ops._codes import KERNEL_CODE_L2, KERNEL_CODE_SILU_L2, RULE_ADDITIVE, RULE_DELTA, RULE_GATED_DELTA
 from linattn_nb.ops.causal.naive import causal_linear_quadratic
 from linattn_nb.ops.noncausal.naive import noncausal_linear_quadratic
-from _ptx import run_ptx_script
+from _ptx import run_ptx_script, seq_kernel_ptx_script
 from test_cuda import SMALL_LAUNCH
 
 cuda = pytest.importorskip("numba.cuda")
@@ -251,30 +250,8 @@ def test_rule_inputs_checked_and_device_inputs_read():
                 run(method, q, k, v, S0, z0, rule=rule, inputs=bad, code=KERNEL_CODE_L2)
 
 
-_PTX_SCRIPT = textwrap.dedent(
-    """
-    import json
-    from numba import cuda, types
-    from linattn_nb.ops import _cuda_kernels as K
-    res = {}
-    i, b, f64 = types.int64, types.boolean, types.float64
-    for acc, dt in (("float32", "float32"), ("float64", "float64")):
-        for rule in (3, 4):
-            cfg = K.seq_config(64, 64, 4 if acc == "float32" else 8, rule)  # the default configuration
-            kern = K.seq_kernel(*cfg, acc, rule)
-            a4 = types.Array(getattr(types, dt), 4, "A")
-            H = types.Array(getattr(types, acc), 3, "C")
-            lf = types.Array(f64, 3, "C")
-            sig = (a4, a4, a4, a4, H, H, lf, i, i, i, i, i, i, f64, i, b, b, b, b)
-            text, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
-            res["%s/%d" % (acc, rule)] = {"target": ".target sm_90" in text, "entry": ".entry" in text,
-                                          "local": ("ld.local" in text) or ("st.local" in text)}
-    text, _ = cuda.compile_ptx(K.pack_column_kernel.py_func, (types.Array(f64, 2, "A"), types.Array(f64, 3, "C"), i),
-                               cc=(9, 0))
-    res["pack_column_kernel"] = {"target": ".target sm_90" in text, "entry": ".entry" in text, "local": False}
-    print(json.dumps(res))
-    """
-)
+_PTX_SCRIPT = seq_kernel_ptx_script((RULE_DELTA, RULE_GATED_DELTA), "pack_column_kernel",
+                                    '(types.Array(f64, 2, "A"), types.Array(f64, 3, "C"), i)')
 
 
 def test_delta_kernels_compile_to_ptx():
