@@ -3,6 +3,7 @@
 Public API (stable names)::
 
     linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto", device="auto", ...)
+    linear_attention_vjp(q, k, v, grad_out, *, ..., grad_state=None) -> VJP   # gradients
     softmax_attention(q, k, v, *, causal=False, scale=None)
     feature_maps            # FeatureMap base, registry: get / available / register
     LinearState             # (S, z, position) returned by linear_attention(return_state=True)
@@ -22,7 +23,7 @@ from . import _cache, config  # noqa: E402
 _cache.install(__version__)
 
 from . import feature_maps  # noqa: E402
-from .attention import LinearState, linear_attention, softmax_attention  # noqa: E402
+from .attention import VJP, LinearState, linear_attention, linear_attention_vjp, softmax_attention  # noqa: E402
 from .state import KVCache, LinearAttentionState  # noqa: E402
 
 __all__ = [
@@ -30,6 +31,8 @@ __all__ = [
     "config",
     "feature_maps",
     "linear_attention",
+    "linear_attention_vjp",
+    "VJP",
     "softmax_attention",
     "LinearState",
     "LinearAttentionState",

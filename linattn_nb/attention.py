@@ -6,11 +6,12 @@ in :mod:`linattn_nb.ops`.
 """
 from __future__ import annotations
 
-from . import _frontend
+from . import _frontend, _gradfront
 from . import config
 from ._frontend import LinearState
+from ._gradfront import VJP
 
-__all__ = ["linear_attention", "softmax_attention", "LinearState"]
+__all__ = ["linear_attention", "linear_attention_vjp", "softmax_attention", "LinearState", "VJP"]
 
 
 def linear_attention(
@@ -203,6 +204,105 @@ def linear_attention(
         q, k, v, feature_map=feature_map, causal=causal, method=method, device=device, eps=eps,
         check_finite=check_finite, out=out, initial_state=initial_state, return_state=return_state,
         decay=decay, log_decay=log_decay, beta=beta, normalize=normalize,
+    )
+
+
+def linear_attention_vjp(
+    q,
+    k,
+    v,
+    grad_out,
+    *,
+    feature_map="elu",
+    causal=False,
+    method="auto",
+    device="auto",
+    eps=config.DEFAULT_EPS,
+    check_finite=True,
+    initial_state=None,
+    decay=None,
+    log_decay=None,
+    beta=None,
+    normalize=None,
+    grad_state=None,
+):
+    r"""Gradients of :func:`linear_attention`: the vector-Jacobian product with ``grad_out``.
+
+    For a loss ``L`` of the output ``o = linear_attention(q, k, v, ...)``
+    (and of the final state), given ``grad_out = dL/do``, returns ``dL/dq``,
+    ``dL/dk``, ``dL/dv`` and the gradients of every other differentiable
+    input that was given.  The forward is recomputed (the torch adapter,
+    :mod:`linattn_nb.torch`, keeps it from its forward instead).  Every
+    update rule, causal or not, on every method: ``"quadratic"`` (the naive
+    float64 reference: a reverse-time scan that keeps every state),
+    ``"scan"``, ``"chunked"`` and ``"aggregate"`` on the CPU and with CUDA.
+    The fast methods keep at most one state per chunk, never one per token
+    (Katharopoulos et al. 2020, §3.3.1: the causal gradients are cumulative
+    sums too).
+
+    Parameters
+    ----------
+    q, k, v, feature_map, causal, method, device, eps, check_finite, initial_state, decay, log_decay, beta, normalize
+        As for :func:`linear_attention` (same validation, same errors).
+        GPU arrays are copied to the host and the kernels run with
+        ``device="cuda"``; the results are host arrays.
+    grad_out : array_like, shape (..., N, M)
+        The gradient of the loss with respect to the output.
+    grad_state : LinearState or tuple (S, z), optional
+        The gradient of the loss with respect to the final state (``S``
+        (..., D_phi, M), ``z`` (..., D_phi)), for segment-wise training
+        (truncated backpropagation through segments).
+
+    Returns
+    -------
+    VJP
+        A named tuple ``(dq, dk, dv, d_initial_state, d_decay, d_log_decay,
+        d_beta, d_params)``; a field is None where the input was not given.
+        Gradients of broadcast inputs (a decay per head, a scalar beta) are
+        summed back to the shape given.  ``d_params``: the feature map's
+        parameter gradients (hedgehog's ``W``, ``b``; favor+'s projection
+        when built with ``learn_projection=True``).
+
+    Notes
+    -----
+    With ``normalize=True`` the output is ``num / max(den, eps)``: where the
+    floor is active (``den <= eps``) the gradient is that of
+    ``num / eps``, i.e. zero through the normaliser.  ``d_decay`` is the
+    gradient with respect to the factors themselves and is finite at
+    ``decay = 0`` (a reset); ``d_log_decay`` is ``decay * d_decay`` (0 at
+    a reset).  ``check_finite`` also guards the working dtype: float16 and
+    float32 inputs whose gradients overflow are recomputed in float64.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from linattn_nb import linear_attention, linear_attention_vjp
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.normal(size=(3, 2, 16, 8))
+    >>> g = rng.normal(size=(2, 16, 8))                  # dL/do for L = sum(o * g)
+    >>> grads = linear_attention_vjp(q, k, v, g, causal=True)
+    >>> grads.dq.shape, grads.d_decay is None
+    ((2, 16, 8), True)
+
+    A decay per sequence (one float) gets one float back:
+
+    >>> grads = linear_attention_vjp(q, k, v, g, causal=True, decay=0.9)
+    >>> isinstance(grads.d_decay, float)
+    True
+
+    Central differences agree:
+
+    >>> h = 1e-6
+    >>> L = lambda vv: np.sum(linear_attention(q, k, vv, causal=True) * g)
+    >>> e = np.zeros_like(v); e[0, 3, 2] = h
+    >>> fd = (L(v + e) - L(v - e)) / (2 * h)
+    >>> bool(abs(fd - linear_attention_vjp(q, k, v, g, causal=True).dv[0, 3, 2]) < 1e-6)
+    True
+    """
+    return _gradfront.linear_attention_vjp(
+        q, k, v, grad_out, feature_map=feature_map, causal=causal, method=method, device=device, eps=eps,
+        check_finite=check_finite, initial_state=initial_state, decay=decay, log_decay=log_decay, beta=beta,
+        normalize=normalize, grad_state=grad_state,
     )
 
 

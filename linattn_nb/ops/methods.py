@@ -92,8 +92,33 @@ def _cpu(rule, name, causal, forward, **kw):
     register_method(Method(rule, name, causal, "cpu", forward, native_dtypes=_ALL_FLOATS, **kw))
 
 
-def _gpu(rule, name, causal, forward):
-    register_method(Method(rule, name, causal, "cuda", forward, native_dtypes=_ALL_FLOATS))
+def _gpu(rule, name, causal, forward, backward=None):
+    register_method(Method(rule, name, causal, "cuda", forward, backward=backward, native_dtypes=_ALL_FLOATS))
+
+
+# Backward launchers (contract: linattn_nb/ops/grad/__init__.py), imported on
+# first call like the CUDA forward launchers (nothing compiles at import).
+def _lazy_backward(module: str, attr: str, **rule_kw):
+    def backward(qf, kf, v1, H0, g1, dHN=None, *, inputs=None):
+        import importlib
+
+        fn = getattr(importlib.import_module(module, __package__), attr)
+        return fn(qf, kf, v1, H0, g1, dHN, inputs=inputs, **rule_kw)
+
+    backward.__name__ = backward.__qualname__ = attr
+    backward.__doc__ = f"{module}.{attr}, imported on first call (backward launcher contract)."
+    return backward
+
+
+def _causal_backward(device: str, name: str, code: int):
+    """The backward launcher of causal method ``name`` on ``device``, bound to rule ``code``."""
+    if device == "cpu":
+        if name == "quadratic":
+            return _lazy_backward(".grad.naive", "causal_backward_naive", rule=code)
+        return _lazy_backward(".grad.cpu", {"scan": "backward_scan", "chunked": "backward_chunked"}[name],
+                              rule=code)
+    attr = {"scan": "backward_scan_cuda", "chunked": "backward_chunked_cuda"}[name]
+    return _lazy_backward(".grad.cuda", attr, rule=code)
 
 
 def _causal_launcher(device: str, name: str, code: int):
@@ -111,10 +136,11 @@ for _rule, (_code, _inputs) in RULES.items():
     for _device, _names in CAUSAL_METHODS.items():
         for _name in _names:
             _forward = _causal_launcher(_device, _name, _code)
+            _backward = _causal_backward(_device, _name, _code)
             if _device == "cpu":
-                _cpu(_rule, _name, True, _forward, inline_features=_name != "quadratic")
+                _cpu(_rule, _name, True, _forward, inline_features=_name != "quadratic", backward=_backward)
             else:
-                _gpu(_rule, _name, True, _forward)
+                _gpu(_rule, _name, True, _forward, _backward)
 
 #: The additive rule (Katharopoulos et al. 2020): S_t = S_{t-1} + phi(k_t) v_t^T.
 ADDITIVE = get_rule("additive")
@@ -122,7 +148,10 @@ ADDITIVE = get_rule("additive")
 # Non-causal attention (the additive rule only): every linear method runs the
 # aggregate-then-query kernel (the names are accepted so that sweeps over
 # (causal, method) need no special case).
-_cpu("additive", "quadratic", False, _quadratic_launcher(noncausal_linear_quadratic), inline_features=False)
+_cpu("additive", "quadratic", False, _quadratic_launcher(noncausal_linear_quadratic), inline_features=False,
+     backward=_lazy_backward(".grad.naive", "noncausal_backward_naive"))
 for _name in ("aggregate", "scan", "chunked"):
-    _cpu("additive", _name, False, noncausal_aggregate)
-    _gpu("additive", _name, False, _cuda_launcher(".noncausal.cuda", "noncausal_aggregate_cuda"))
+    _cpu("additive", _name, False, noncausal_aggregate,
+         backward=_lazy_backward(".grad.noncausal", "noncausal_backward"))
+    _gpu("additive", _name, False, _cuda_launcher(".noncausal.cuda", "noncausal_aggregate_cuda"),
+         _lazy_backward(".grad.cuda", "backward_aggregate_cuda"))

@@ -43,8 +43,9 @@ call in float64).  The CPU kernels find both while they read and write
 over the inputs; the CUDA launchers run a counting kernel over q, k, v
 before the launch and do not check results.  With False nothing is checked.
 
-A method may register a ``backward`` launcher next to its forward one (None
-until gradients land).  Decode-step kernels are registered the same way under
+Every sequence method registers a ``backward`` launcher next to its forward
+one: the vector-Jacobian product, with its own contract
+(:mod:`linattn_nb.ops.grad`; :func:`linattn_nb.linear_attention_vjp` calls it).  Decode-step kernels are registered the same way under
 ``method="step"`` with their own contract (:attr:`Method.kind` ``"step"``, see
 :mod:`linattn_nb.state.launchers`).
 """

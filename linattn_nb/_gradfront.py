@@ -1,0 +1,387 @@
+"""The front end of gradients: :func:`linattn_nb.linear_attention_vjp` and the torch adapter's calls.
+
+A gradient request is validated exactly like a forward one (the same
+helpers of :mod:`linattn_nb._frontend`), then reduced to the one
+unnormalised problem every backward launcher solves
+(:mod:`linattn_nb.ops.grad`): features ``phi(q), phi(k)`` computed here, the
+values with the normaliser's column of ones appended, outputs
+``[num | den] = phi(q_t)^T H_t``.  The steps::
+
+    prepare(...)            -> Request: validated inputs, features, the method
+    forward(request)        -> out, [num | den], final state (kept for backward)
+    backward(request, nd, grad_out, grad_state) -> VJP
+
+:func:`linear_attention_vjp` runs the three; the torch adapter
+(:mod:`linattn_nb.torch`) runs ``prepare`` and ``forward`` in its forward and
+``backward`` in its backward, so the forward is not recomputed.
+
+The normaliser: with ``normalize=True``, ``out = num / den'`` where
+``den' = max(den, eps)`` (``den`` itself with ``eps=None``); then
+``dL/dnum = g / den'`` and ``dL/dden = -(g . out) / den'`` where the floor is
+not active and 0 where it is (the gradient of the floored expression, whose
+denominator is the constant ``eps`` there).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+
+from . import _cuda_dispatch as CD
+from . import _validate as V
+from . import feature_maps as fm
+from ._frontend import (LinearState, check_causal, check_method_name, check_state_rule, choose_method, featurise,
+                        feature_dim, host_state, parse_state, rule_arguments, state_from_H)
+from .device import on_device, resolve_device
+from .ops import methods  # noqa: F401  (registers the built-in rules and methods)
+
+_F16 = np.dtype(np.float16)
+_F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
+
+
+class VJP(NamedTuple):
+    """Gradients returned by :func:`linattn_nb.linear_attention_vjp`.
+
+    Attributes
+    ----------
+    dq, dk, dv : ndarray
+        Gradients of the loss with respect to ``q``, ``k``, ``v``, in their
+        (promoted) dtype and shape.
+    d_initial_state : LinearState or None
+        Gradients with respect to ``initial_state.S`` and ``initial_state.z``
+        (float64, in the ``S`` and ``z`` fields; position and rule copied);
+        None when no initial state was given.
+    d_decay, d_log_decay : ndarray, float or None
+        The gradient with respect to the argument given (the other is None),
+        summed back to its shape (a float for a scalar).  With respect to
+        ``decay`` it is finite at ``decay = 0``; with respect to
+        ``log_decay`` it is ``decay * d_decay`` (0 at a reset).
+    d_beta : ndarray, float or None
+        With respect to ``beta``, summed back to its shape.
+    d_params : dict or None
+        Parameter gradients of the feature map (name -> array, the query and
+        key roles summed), for maps with parameters
+        (:meth:`linattn_nb.feature_maps.FeatureMap.vjp`); None otherwise.
+    """
+
+    dq: Any
+    dk: Any
+    dv: Any
+    d_initial_state: Optional[LinearState] = None
+    d_decay: Any = None
+    d_log_decay: Any = None
+    d_beta: Any = None
+    d_params: Optional[dict] = None
+
+
+@dataclass
+class Request:
+    """A validated gradient request (see the module docstring)."""
+
+    fmap: Any
+    q: np.ndarray
+    k: np.ndarray
+    causal: bool
+    dev: str
+    impl: Any
+    rule: str
+    inputs: Optional[dict]
+    normalize: bool
+    eps: Optional[float]
+    check_finite: bool
+    batch_shape: tuple
+    n: int
+    d: int
+    m: int
+    f: int
+    dtype: np.dtype
+    work: np.dtype
+    position: int
+    H0: np.ndarray  # (B, F, M + 1) float64
+    has_state: bool
+    qf: np.ndarray  # (B, N, F) work
+    kf: np.ndarray
+    v1: np.ndarray  # (B, N, M + 1) work
+    decay_arg: Optional[tuple] = None  # ("decay" | "log_decay", given shape)
+    beta_shape: Optional[tuple] = None
+
+    @property
+    def b(self) -> int:
+        return int(np.prod(self.batch_shape, dtype=np.int64))
+
+
+# ---------------------------------------------------------------------------
+# prepare
+# ---------------------------------------------------------------------------
+def _given_shape(name, x):
+    return tuple(np.shape(V.as_host_array(name, x)))
+
+
+def prepare(q, k, v, *, feature_map, causal, method, device, eps, check_finite, initial_state, decay=None,
+            log_decay=None, beta=None, normalize=None, work=None) -> Request:
+    """Validate a gradient request and compute the features (arguments as :func:`linattn_nb.linear_attention`).
+
+    GPU arrays are copied to the host (the backward launchers of the CUDA
+    methods then run on copies made from the host: ``device="cuda"``).
+    ``work``: force a working dtype (the float64 recomputation).
+    """
+    dev = resolve_device(device, q, k, v, names=("q", "k", "v"))
+    fmap = fm.resolve(feature_map)
+    eps = V.check_eps(eps)
+    causal = check_causal(causal)
+    check_method_name(method)
+    q, k, v = (CD.to_host(nm, x) if on_device(x) else x for nm, x in (("q", q), ("k", k), ("v", v)))
+    decay, log_decay, beta = (CD.to_host(nm, x) if on_device(x) else x
+                              for nm, x in (("decay", decay), ("log_decay", log_decay), ("beta", beta)))
+    q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_finite)
+    f = feature_dim(fmap, d)
+    rule, inputs, normalize = rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, f, causal=causal,
+                                             beta=beta)
+    if initial_state is not None:
+        check_state_rule(initial_state, rule)
+    if dev == "cuda":
+        CD.check_limits(f, m + 1, dtype, rule)
+    b = int(np.prod(batch_shape, dtype=np.int64))
+    impl = choose_method(method, rule=rule, causal=causal, device=dev, batch=b, n=n, f=f, m=m, dtype=dtype)
+    if impl.backward is None:
+        raise ValueError(f"method {impl.name!r} (rule {rule!r}, causal={causal}, device {dev!r}) has no backward "
+                         "launcher; choose another method")
+    H0, position = host_state(initial_state, batch_shape, f, m, check_finite=check_finite)
+    if work is None:
+        work = _F32 if dtype == _F16 else dtype
+    feat_kw = dict(causal=causal, offset=position, total_length=position + n, dtype=work)
+    qf = V.flatten_batch(featurise(fmap, q, role="query", name="q", **feat_kw), work)
+    kf = V.flatten_batch(featurise(fmap, k, role="key", name="k", **feat_kw), work)
+    v1 = np.ones((b, n, m + 1), dtype=work)
+    v1[:, :, :m] = V.flatten_batch(v, work)
+    decay_arg = None
+    if decay is not None:
+        decay_arg = ("decay", _given_shape("decay", decay))
+    elif log_decay is not None:
+        decay_arg = ("log_decay", _given_shape("log_decay", log_decay))
+    beta_shape = None if beta is None else _given_shape("beta", beta)
+    return Request(fmap, q, k, causal, dev, impl, rule, inputs, normalize, eps, check_finite, tuple(batch_shape),
+                   n, d, m, f, dtype, work, position, H0, initial_state is not None, qf, kf, v1, decay_arg,
+                   beta_shape)
+
+
+# ---------------------------------------------------------------------------
+# forward
+# ---------------------------------------------------------------------------
+def _floored(req: Request, den):
+    """``(den', active)``: the denominator used and where the eps floor is not active."""
+    if req.eps is None:
+        return den, np.ones(den.shape, dtype=bool)
+    active = den > req.eps
+    return np.where(active, den, req.eps), active
+
+
+def forward(req: Request):
+    """``(out, nd, HN)``: the output (batch_shape + (N, M), the input dtype), ``[num | den]`` (B, N, M + 1)
+    in the working dtype and the final state (B, F, M + 1) float64."""
+    b, n, m = req.b, req.n, req.m
+    nd = np.empty((b, n, m + 1), dtype=req.work)
+    Hx = np.zeros((b, req.f, m + 2))  # the launcher's own column of ones rides along unused
+    Hx[:, :, : m + 1] = req.H0
+    if n > 0 and b > 0:
+        if req.dev == "cuda":
+            CD.run_host(req.impl, req.qf, req.kf, req.v1, Hx, nd, code=0, eps=None, inputs=req.inputs,
+                        normalize=False)
+        else:
+            req.impl.forward(req.qf, req.kf, req.v1, Hx, nd, code=0, eps=None, inputs=req.inputs,
+                             check_finite=False, normalize=False)
+    num = nd[:, :, :m]
+    if req.normalize:
+        den, _ = _floored(req, nd[:, :, m].astype(np.float64))
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            out = num / den[:, :, None]
+    else:
+        out = num
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = np.asarray(out).astype(req.dtype, copy=False).reshape(req.batch_shape + (n, m))
+    return out, nd, np.ascontiguousarray(Hx[:, :, : m + 1])
+
+
+# ---------------------------------------------------------------------------
+# backward
+# ---------------------------------------------------------------------------
+def _grad_state(grad_state, req: Request):
+    """The final-state gradient as (B, F, M + 1) float64, or None."""
+    if grad_state is None:
+        return None
+    dS, dz, _ = parse_state(grad_state, "grad_state")
+    dS = CD.to_host("grad_state.S", dS) if on_device(dS) else V.as_host_array("grad_state.S", dS)
+    dz = CD.to_host("grad_state.z", dz) if on_device(dz) else V.as_host_array("grad_state.z", dz)
+    want_S, want_z = req.batch_shape + (req.f, req.m), req.batch_shape + (req.f,)
+    for name, x, want in (("grad_state.S", dS, want_S), ("grad_state.z", dz, want_z)):
+        if tuple(x.shape) != want:
+            raise ValueError(f"{name} must have the shape of the final state, {want}, got {tuple(x.shape)}")
+        if x.dtype.kind != "f":
+            raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
+        if req.check_finite:
+            V.check_finite(name, x)
+    dH = np.empty((req.b, req.f, req.m + 1))
+    dH[:, :, : req.m] = dS.reshape(req.b, req.f, req.m)
+    dH[:, :, req.m] = dz.reshape(req.b, req.f)
+    return dH
+
+
+def _grad_out(grad_out, req: Request) -> np.ndarray:
+    g = CD.to_host("grad_out", grad_out) if on_device(grad_out) else V.as_host_array("grad_out", grad_out)
+    want = req.batch_shape + (req.n, req.m)
+    if tuple(g.shape) != want:
+        raise ValueError(f"grad_out must have the shape of the output, {want} (q {tuple(req.q.shape)}, "
+                         f"v (..., N, M={req.m})), got {tuple(g.shape)}")
+    if g.dtype.kind not in "f":
+        raise TypeError(f"grad_out must be floating point, got dtype {g.dtype}")
+    if req.check_finite:
+        V.check_finite("grad_out", g)
+    return g
+
+
+def _unbroadcast(grad, given_shape, full_shape):
+    """``grad`` (``full_shape``) summed back to ``given_shape`` (numpy broadcasting rules); a float for ()."""
+    grad = np.asarray(grad).reshape(full_shape)
+    extra = grad.ndim - len(given_shape)
+    if extra > 0:
+        grad = grad.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, s in enumerate(given_shape) if s == 1 and grad.shape[i] != 1)
+    if axes:
+        grad = grad.sum(axis=axes, keepdims=True)
+    grad = grad.reshape(given_shape)
+    return float(grad) if grad.ndim == 0 else grad
+
+
+def _factor_grads(req: Request, dfactor):
+    """``(d_decay, d_log_decay)`` summed back to the shape of the argument given."""
+    if req.decay_arg is None or dfactor is None:
+        return None, None
+    name, given = req.decay_arg
+    if req.rule == "gate":
+        lg, full = req.inputs["log_gate"], req.batch_shape + (req.n, req.f)
+    else:
+        lg, full = req.inputs["log_decay"], req.batch_shape + (req.n,)
+    nb = len(req.batch_shape)
+    g = np.asarray(dfactor, np.float64)
+    if name == "log_decay":
+        with np.errstate(under="ignore"):
+            g = g * np.exp(lg)  # d/d log a = a d/da: 0 at a reset
+    g = g.reshape(full)
+    if req.rule != "gate" and len(given) in (0, nb):
+        g = g.sum(axis=-1)  # a constant per sequence: summed over the tokens
+        full = req.batch_shape
+    out = _unbroadcast(g, given, full)
+    return (out, None) if name == "decay" else (None, out)
+
+
+def _beta_grad(req: Request, dbeta):
+    if req.beta_shape is None or dbeta is None:
+        return None
+    nb = len(req.batch_shape)
+    g = np.asarray(dbeta, np.float64).reshape(req.batch_shape + (req.n,))
+    full = req.batch_shape + (req.n,)
+    if len(req.beta_shape) in (0, nb):
+        g, full = g.sum(axis=-1), req.batch_shape
+    return _unbroadcast(g, req.beta_shape, full)
+
+
+def _run_backward(req: Request, g1, dHN):
+    """The method's backward launcher on the request's arrays (copies to and from the GPU for CUDA)."""
+    if req.dev != "cuda":
+        return req.impl.backward(req.qf, req.kf, req.v1, req.H0, g1, dHN, inputs=req.inputs)
+    cuda = CD._cuda()
+    grads = req.impl.backward(cuda.to_device(req.qf), cuda.to_device(req.kf), cuda.to_device(req.v1),
+                              cuda.to_device(req.H0), cuda.to_device(g1),
+                              None if dHN is None else cuda.to_device(dHN), inputs=req.inputs)
+    return type(grads)(*(None if x is None else (x.copy_to_host() if on_device(x) else np.asarray(x))
+                         for x in grads))
+
+
+def _merge_params(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    merged = dict(a)
+    for key, val in b.items():
+        merged[key] = merged[key] + val if key in merged else val
+    return merged
+
+
+def backward(req: Request, nd, grad_out, grad_state=None) -> VJP:
+    """The gradients of a prepared request, given its forward's ``[num | den]`` (see :func:`forward`)."""
+    g = _grad_out(grad_out, req)
+    dHN = _grad_state(grad_state, req)
+    b, n, m, f = req.b, req.n, req.m, req.f
+    g64 = g.reshape(b, n, m).astype(np.float64)
+    g1 = np.zeros((b, n, m + 1))
+    if req.normalize:
+        den, active = _floored(req, np.asarray(nd[:, :, m], np.float64))
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            out = nd[:, :, :m] / den[:, :, None]
+            g1[:, :, :m] = g64 / den[:, :, None]
+            g1[:, :, m] = np.where(active, -np.einsum("bnm,bnm->bn", g64, out) / den, 0.0)
+    else:
+        g1[:, :, :m] = g64
+    g1 = g1.astype(req.work)
+    if n > 0 and b > 0:
+        grads = _run_backward(req, g1, dHN)
+        dqf, dkf, dv1, dH0 = grads.dq, grads.dk, grads.dv, grads.dH0
+        dfactor, dbeta = grads.dfactor, grads.dbeta
+    else:
+        dqf = np.zeros((b, n, f))
+        dkf = np.zeros((b, n, f))
+        dv1 = np.zeros((b, n, m + 1))
+        dH0 = np.zeros((b, f, m + 1)) if dHN is None else dHN.copy()
+        dfactor = np.zeros((b, n, f) if req.rule == "gate" else (b, n))
+        dbeta = np.zeros((b, n))
+    kw = dict(causal=req.causal, offset=req.position, total_length=req.position + n)
+    fshape = req.batch_shape + (n, f)
+    dq, pq = req.fmap.vjp(req.q.astype(req.work, copy=False), np.asarray(dqf).reshape(fshape), role="query", **kw)
+    dk, pk = req.fmap.vjp(req.k.astype(req.work, copy=False), np.asarray(dkf).reshape(fshape), role="key", **kw)
+    dv = np.asarray(dv1)[:, :, :m].reshape(req.batch_shape + (n, m))
+    d_state = None
+    if req.has_state:
+        d_state = state_from_H(np.asarray(dH0, np.float64), req.batch_shape, f, m, req.position, req.rule)
+    d_decay, d_log_decay = _factor_grads(req, dfactor)
+    d_beta = _beta_grad(req, dbeta)
+    with np.errstate(over="ignore", invalid="ignore"):
+        dq, dk, dv = (np.asarray(x).astype(req.dtype, copy=False) for x in (dq, dk, dv))
+    return VJP(dq, dk, dv, d_state, d_decay, d_log_decay, d_beta, _merge_params(pq, pk))
+
+
+def _finite(vjp: VJP) -> bool:
+    parts = [vjp.dq, vjp.dk, vjp.dv, vjp.d_decay, vjp.d_log_decay, vjp.d_beta]
+    if vjp.d_initial_state is not None:
+        parts += [vjp.d_initial_state.S, vjp.d_initial_state.z]
+    if vjp.d_params:
+        parts += list(vjp.d_params.values())
+    return all(np.isfinite(x).all() for x in parts if x is not None)
+
+
+def linear_attention_vjp(q, k, v, grad_out, *, feature_map, causal, method, device, eps, check_finite,
+                         initial_state, decay=None, log_decay=None, beta=None, normalize=None, grad_state=None):
+    """The request path of :func:`linattn_nb.linear_attention_vjp` (arguments and results as there)."""
+    kw = dict(feature_map=feature_map, causal=causal, method=method, device=device, eps=eps,
+              check_finite=check_finite, initial_state=initial_state, decay=decay, log_decay=log_decay,
+              beta=beta, normalize=normalize)
+    req = prepare(q, k, v, **kw)
+    _, nd, _ = forward(req)
+    res = backward(req, nd, grad_out, grad_state)
+    if check_finite and req.work != _F64 and not _finite(res):
+        # finite inputs, non-finite gradients: the working dtype overflowed; float64 throughout
+        req = prepare(q, k, v, work=_F64, **kw)
+        _, nd, _ = forward(req)
+        res64 = backward(req, nd, grad_out, grad_state)
+        res = res64._replace(**{nm: _cast(getattr(res64, nm), req.dtype, nm) for nm in ("dq", "dk", "dv")})
+    return res
+
+
+def _cast(x, dtype, name):
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = x.astype(dtype)
+    if (np.isfinite(x) & ~np.isfinite(y)).any():
+        raise ValueError(f"the gradient {name} overflows {dtype} (it is finite in float64); pass float64 inputs")
+    return y
