@@ -176,6 +176,71 @@ class FeatureMap:
         _check_role(self.name, role)
         return self(x)
 
+    def parameters(self) -> dict:
+        """The map's trainable parameters: a dict ``name -> ndarray`` (empty by default).
+
+        The arrays are the map's own (not copies): updating one in place
+        (``p -= lr * g``) updates the map.  :meth:`vjp` returns the gradients
+        under the same names.
+        """
+        return {}
+
+    def vjp(self, x, grad_features, *, role: str, causal: bool = False, offset: int = 0,
+            total_length: int | None = None):
+        """Vector-Jacobian product of :meth:`apply`: gradients through ``phi``.
+
+        Differentiates exactly the function
+        ``self.apply(x, role=role, causal=causal, offset=offset, total_length=total_length)``
+        computes, role-dependent stabilising shifts included (a per-row
+        maximum passes its gradient to the one entry that attains it, the
+        first on ties).  At kinks (ReLU at 0) the derivative on the zero side
+        is used.  The product is computed in float64.
+
+        Parameters
+        ----------
+        x : array_like, shape (..., N, D)
+            The inputs given to :meth:`apply`.
+        grad_features : array_like, shape (..., N, D_phi)
+            ``dL/d phi(x)``, the gradient of a loss with respect to the features,
+            ``D_phi = output_dim(D)``.
+        role : {"query", "key"}
+        causal : bool, default False
+        offset : int, default 0
+        total_length : int, optional
+            As for :meth:`apply`.
+
+        Returns
+        -------
+        dx : ndarray, shape of ``x``
+            ``dL/dx``; float64 when ``x`` is float64, else the result dtype of
+            ``x`` and ``grad_features`` (at least float32).
+        dparams : dict or None
+            ``None`` for maps without trainable parameters, else
+            ``name -> dL/dparameter`` (float64, the shapes of
+            :meth:`parameters`; see the map's docstring for its names).
+
+        Raises
+        ------
+        NotImplementedError
+            In this base class: a user map defines ``vjp`` to take gradients
+            through it.
+        ValueError
+            If ``grad_features`` does not have the shape of the features, or
+            ``role`` is not ``"query"`` or ``"key"`` (and whatever
+            :meth:`apply` raises for these inputs).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from linattn_nb import feature_maps
+        >>> phi = feature_maps.get("elu")
+        >>> x = np.array([[-1.0, 2.0]])
+        >>> dx, dparams = phi.vjp(x, np.ones((1, 2)), role="key")
+        >>> dx.round(4).tolist(), dparams
+        ([[0.3679, 1.0]], None)
+        """
+        raise NotImplementedError(_no_vjp_message(self))
+
     def kernel(self, x, y) -> np.ndarray:
         """The kernel ``k(x, y)`` these features compute, for pairs of rows.
 
@@ -192,13 +257,28 @@ class FeatureMap:
 
 
 class ElementwiseFeatureMap(FeatureMap):
-    """A map applied to each coordinate independently (``D_phi = D``)."""
+    """A map applied to each coordinate independently (``D_phi = D``).
+
+    Subclasses define ``_f`` (the function) and, for gradients, ``_df`` (its
+    derivative, on float64 arrays); :meth:`vjp` is then ``g * _df(x)``.
+    """
 
     def _f(self, x: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def _df(self, x: np.ndarray) -> np.ndarray:
+        """Derivative of ``_f`` elementwise (float64 in, float64 out)."""
+        raise NotImplementedError(_no_vjp_message(self, "_df"))
+
     def transform(self, x: np.ndarray) -> np.ndarray:
         return np.asarray(self._f(x), dtype=x.dtype)
+
+    def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
+        if type(self)._df is ElementwiseFeatureMap._df:
+            raise NotImplementedError(_no_vjp_message(self, "_df"))
+        x, g, out_dtype = _vjp_inputs(self, x, grad_features, role)
+        dx = g * self._df(np.asarray(x, dtype=np.float64))
+        return dx.astype(out_dtype, copy=False), None
 
 
 class EluFeatureMap(ElementwiseFeatureMap):
@@ -218,6 +298,10 @@ class EluFeatureMap(ElementwiseFeatureMap):
         # avoids NumPy's slow exp path on the many exact zeros of minimum(x, 0).
         return np.where(x >= 0, x + 1, np.exp(-np.abs(x)))
 
+    def _df(self, x):
+        # 1 for x >= 0 (both branches have slope 1 at 0), exp(x) below; NaN propagates
+        return np.where(x >= 0, 1.0, np.exp(np.minimum(x, 0.0)))
+
 
 class ReluFeatureMap(ElementwiseFeatureMap):
     """ReLU: ``phi(x) = max(x, 0)``.
@@ -235,6 +319,9 @@ class ReluFeatureMap(ElementwiseFeatureMap):
     def _f(self, x):
         return np.maximum(x, 0)
 
+    def _df(self, x):
+        return np.heaviside(x, 0.0)  # 0 at the kink; NaN propagates
+
 
 class SquaredReluFeatureMap(ElementwiseFeatureMap):
     """Squared ReLU: ``phi(x) = max(x, 0)**2``.
@@ -249,6 +336,9 @@ class SquaredReluFeatureMap(ElementwiseFeatureMap):
     def _f(self, x):
         r = np.maximum(x, 0)
         return r * r
+
+    def _df(self, x):
+        return 2.0 * np.maximum(x, 0)
 
 
 class IdentityFeatureMap(ElementwiseFeatureMap):
@@ -265,6 +355,9 @@ class IdentityFeatureMap(ElementwiseFeatureMap):
 
     def _f(self, x):
         return x
+
+    def _df(self, x):
+        return np.ones_like(x)
 
 
 class DpfpFeatureMap(FeatureMap):
@@ -324,6 +417,48 @@ def _check_input(name: str, x) -> np.ndarray:
 def _check_role(name: str, role) -> None:
     if role not in _ROLES:
         raise ValueError(f"feature map {name!r}: role must be 'query' or 'key', got {role!r}")
+
+
+def _no_vjp_message(fmap, what: str = "vjp") -> str:
+    return (f"feature map {getattr(fmap, 'name', '')!r} ({type(fmap).__name__}) has no vector-Jacobian product; "
+            f"define {what}(...) to take gradients through this map")
+
+
+def _vjp_inputs(fmap, x, grad_features, role):
+    """Checked ``(x, float64 grad_features, dtype of dx)`` for :meth:`FeatureMap.vjp`."""
+    _check_role(fmap.name, role)
+    x = _check_input(fmap.name, x)
+    g = np.asarray(grad_features)
+    if g.dtype == np.bool_ or not (np.issubdtype(g.dtype, np.floating) or np.issubdtype(g.dtype, np.integer)):
+        raise TypeError(f"feature map {fmap.name!r}: grad_features must be real numbers, got dtype {g.dtype}")
+    want = x.shape[:-1] + (int(fmap.output_dim(x.shape[-1])),)
+    if g.shape != want:
+        raise ValueError(
+            f"feature map {fmap.name!r}: grad_features must have the shape of the features, {want} "
+            f"(x has shape {x.shape}), got {g.shape}"
+        )
+    out_dtype = np.result_type(x.dtype, g.dtype, np.float32)
+    return x, np.asarray(g, dtype=np.float64), out_dtype
+
+
+def _max_shift_vjp(u, feats, g):
+    """Gradient w.r.t. ``u`` of ``feats = c exp(u - max(u, axis=-1))`` (``c`` a constant) for ``g`` (float64).
+
+    ``d/du_l exp(u_k - u_a) = f_k (delta_kl - delta_la)``, ``a`` the argmax
+    (the first on ties): the maximum sends ``-sum_k g_k f_k`` to entry ``a``.
+    """
+    gf = g * feats
+    du = gf.copy()
+    if du.shape[-1] and du.size:
+        a = np.argmax(u, axis=-1)[..., None]
+        np.put_along_axis(du, a, np.take_along_axis(du, a, axis=-1) - gf.sum(axis=-1, keepdims=True), axis=-1)
+    return du
+
+
+def _outer_sum(du, xs):
+    """``sum over rows of du[r]^T xs[r]``: ``(..., m)`` and ``(..., d)`` -> ``(m, d)``."""
+    m, d = du.shape[-1], xs.shape[-1]
+    return du.reshape(-1, m).T @ xs.reshape(-1, d)
 
 
 def _check_scale(scale):
