@@ -394,6 +394,22 @@ class DpfpFeatureMap(FeatureMap):
         parts = [r * np.roll(r, -j, axis=-1) for j in range(1, self.nu + 1)]
         return np.concatenate(parts, axis=-1).astype(x.dtype, copy=False)
 
+    def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
+        x, g, out_dtype = _vjp_inputs(self, x, grad_features, role)
+        d = x.shape[-1]
+        if self.nu >= 2 * d:
+            raise ValueError(f"dpfp: nu={self.nu} must be smaller than 2*D={2 * d}")
+        y = np.asarray(x, dtype=np.float64)
+        s = np.concatenate([y, -y], axis=-1)
+        r = np.maximum(s, 0.0)
+        # phi_j = r * roll(r, -j): r_i feeds phi_j[i] (times r_{i+j}) and phi_j[i-j] (times r_{i-j})
+        dr = np.zeros_like(r)
+        for j in range(1, self.nu + 1):
+            gj = g[..., (j - 1) * 2 * d: j * 2 * d]
+            dr += gj * np.roll(r, -j, axis=-1) + np.roll(gj * r, j, axis=-1)
+        ds = dr * np.heaviside(s, 0.0)
+        return (ds[..., :d] - ds[..., d:]).astype(out_dtype, copy=False), None
+
     def __repr__(self) -> str:
         return f"DpfpFeatureMap(nu={self.nu})"
 
@@ -702,6 +718,14 @@ class FavorPlusFeatureMap(RandomFeatureMap):
         See :class:`RandomFeatureMap`; ``orthogonal`` defaults to True
         (the "O" of FAVOR+).
     kind : {"positive", "hyperbolic"}, default "positive"
+    learn_projection : bool, default False
+        Treat the projection as a trainable parameter: :meth:`parameters`
+        returns ``{"projection": W}`` (the ``(m, d)`` array :attr:`W` itself,
+        unscaled: the features use ``W`` and ``x' = sqrt(scale) x``) and
+        :meth:`vjp` returns its gradient under the same name.  Before ``W``
+        is drawn (no ``dim`` given and never called) there is nothing to
+        return: give ``dim`` to have the parameter from the start.
+        :meth:`redraw` replaces a trained ``W`` by a fresh draw.
 
     Examples
     --------
@@ -724,10 +748,13 @@ class FavorPlusFeatureMap(RandomFeatureMap):
     default_orthogonal = True
 
     def __init__(self, dim=None, num_features=None, *, kind="positive", orthogonal=True, row_norm="chi",
-                 seed=None, scale=None):
+                 seed=None, scale=None, learn_projection=False):
         if kind not in ("positive", "hyperbolic"):
             raise ValueError(f"kind must be 'positive' or 'hyperbolic', got {kind!r}")
+        if not isinstance(learn_projection, (bool, np.bool_)):
+            raise TypeError(f"learn_projection must be a bool, got {type(learn_projection).__name__}")
         self.kind = kind
+        self.learn_projection = bool(learn_projection)
         from . import config
 
         self.key_headroom = float(config.FAVOR_KEY_HEADROOM)
@@ -768,6 +795,57 @@ class FavorPlusFeatureMap(RandomFeatureMap):
             u = u - (half_sq[..., None] + self.key_shift)
         return _cast_features(self.name, np.exp(u) / math.sqrt(u.shape[-1]), x)
 
+    def parameters(self) -> dict:
+        """``{"projection": W}`` with ``learn_projection=True`` once ``W`` is drawn, else ``{}``."""
+        if self.learn_projection and self.W is not None:
+            return {"projection": self.W}
+        return {}
+
+    def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
+        """Vector-Jacobian product of :meth:`apply` (see :meth:`FeatureMap.vjp`).
+
+        ``dparams`` is ``{"projection": dL/dW}`` (shape ``(m, d)``) with
+        ``learn_projection=True``, else None.  For keys the gradient includes
+        the key shift's dependence on ``W`` (through the row of largest norm)
+        when the shift is active.
+        """
+        _check_role(self.name, role)
+        x = _check_input(self.name, x)
+        d = x.shape[-1]
+        w = self.weights(d)  # draws W now if needed, as apply would; checks the dimension first
+        x, g, out_dtype = _vjp_inputs(self, x, grad_features, role)
+        root = math.sqrt(self.effective_scale(d))
+        xs = np.asarray(x, dtype=np.float64) * root
+        u = xs @ w.T
+        m = u.shape[-1]
+        if self.kind == "hyperbolic":
+            u = np.concatenate([u, -u], axis=-1)
+        norm = math.sqrt(u.shape[-1])
+        shift = 0.0
+        if role == "query":
+            feats = np.exp(u - np.max(u, axis=-1, keepdims=True)) / norm
+            du = _max_shift_vjp(u, feats, g)
+            d_half_sq = None
+        else:
+            shift = self.key_shift
+            feats = np.exp(u - (0.5 * np.einsum("...i,...i->...", xs, xs)[..., None] + shift)) / norm
+            du = g * feats
+            d_half_sq = -du.sum(axis=-1)
+        if self.kind == "hyperbolic":
+            du = du[..., :m] - du[..., m:]
+        dxs = du @ w
+        if d_half_sq is not None:
+            dxs += d_half_sq[..., None] * xs
+        dx = (dxs * root).astype(out_dtype, copy=False)
+        if not self.learn_projection:
+            return dx, None
+        dw = _outer_sum(du, xs)
+        if shift > 0.0:
+            # shift = |w_a|^2/2 - H, a the row of largest norm: d shift / d w_a = w_a
+            a = int(np.argmax(np.einsum("ij,ij->i", w, w)))
+            dw[a] += float(d_half_sq.sum()) * w[a]
+        return dx, {"projection": dw}
+
     def kernel(self, x, y):
         """``exp(scale x . y)``, the kernel the features estimate."""
         x = np.asarray(x, dtype=np.float64)
@@ -775,7 +853,8 @@ class FavorPlusFeatureMap(RandomFeatureMap):
         return np.exp(self.effective_scale(x.shape[-1]) * np.sum(x * y, axis=-1))
 
     def __repr__(self) -> str:
-        return super().__repr__()[:-1] + f", kind={self.kind!r})"
+        learn = ", learn_projection=True" if self.learn_projection else ""
+        return super().__repr__()[:-1] + f", kind={self.kind!r}{learn})"
 
 
 class RandomFourierFeatureMap(RandomFeatureMap):
@@ -842,6 +921,31 @@ class RandomFourierFeatureMap(RandomFeatureMap):
         if role == "key":
             return self.transform(x)
         return _cast_features(self.name, self._trig(x)[1], x)
+
+    def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
+        _check_role(self.name, role)
+        x = _check_input(self.name, x)
+        d = x.shape[-1]
+        w = self.weights(d)
+        x, g, out_dtype = _vjp_inputs(self, x, grad_features, role)
+        root = math.sqrt(self.effective_scale(d))
+        xs = np.asarray(x, dtype=np.float64) * root
+        u = xs @ w.T
+        m = u.shape[-1]
+        sin, cos = np.sin(u), np.cos(u)
+        gs, gc = g[..., :m], g[..., m:]
+        if role == "key" and self.target == "softmax":
+            # phi = exp(|x'|^2/2) [sin u, cos u] / sqrt(m)
+            with np.errstate(over="ignore"):
+                e = np.exp(0.5 * np.einsum("...i,...i->...", xs, xs))[..., None]
+                feats = np.concatenate([sin, cos], axis=-1) * (e / math.sqrt(m))
+            _cast_features(self.name, feats, x)  # raises where apply raises (features overflow the dtype)
+            du = (gs * cos - gc * sin) * (e / math.sqrt(m))
+            dxs = du @ w + np.einsum("...i,...i->...", g, feats)[..., None] * xs
+        else:
+            du = (gs * cos - gc * sin) / math.sqrt(m)
+            dxs = du @ w
+        return (dxs * root).astype(out_dtype, copy=False), None
 
     def kernel(self, x, y):
         """``exp(scale x . y)`` (softmax target) or ``exp(-scale |x - y|^2 / 2)`` (gaussian)."""
@@ -913,6 +1017,23 @@ class Taylor2FeatureMap(FeatureMap):
         quad = xs[..., i] * xs[..., j] * w
         ones = np.ones(xs.shape[:-1] + (1,))
         return np.concatenate([ones, xs, quad], axis=-1).astype(x.dtype, copy=False)
+
+    def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
+        x, g, out_dtype = _vjp_inputs(self, x, grad_features, role)
+        d = x.shape[-1]
+        root = math.sqrt(self.effective_scale(d))
+        xs = np.asarray(x, dtype=np.float64) * root
+        dxs = g[..., 1:1 + d].copy()
+        gq = g[..., 1 + d:]
+        # quad lists the pairs (a, b >= a) row by row (np.triu_indices): row a is one contiguous run
+        start = 0
+        for a in range(d):
+            run = gq[..., start:start + d - a].copy()
+            run[..., 0] *= 1.0 / math.sqrt(2.0)  # x'_a^2 / sqrt(2)
+            dxs[..., a] += np.einsum("...k,...k->...", run, xs[..., a:])
+            dxs[..., a:] += run * xs[..., a:a + 1]
+            start += d - a
+        return (dxs * root).astype(out_dtype, copy=False), None
 
     def kernel(self, x, y):
         """``1 + t + t^2/2`` with ``t = scale x . y`` (closed form)."""
@@ -1021,6 +1142,17 @@ class CosformerFeatureMap(FeatureMap):
         _check_role(self.name, role)
         return self._features(_check_input(self.name, x), offset, total_length)
 
+    def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
+        x, g, out_dtype = _vjp_inputs(self, x, grad_features, role)
+        if x.ndim < 2:
+            raise ValueError(f"cosformer: input must have shape (..., N, D), got {x.shape}")
+        n, d = x.shape[-2], x.shape[-1]
+        big_m = self._length(offset, n, total_length)
+        theta = (0.5 * np.pi / max(big_m, 1)) * (int(offset) + np.arange(n, dtype=np.float64))
+        dr = g[..., :d] * np.cos(theta)[:, None] + g[..., d:] * np.sin(theta)[:, None]
+        dx = dr * np.heaviside(np.asarray(x, dtype=np.float64), 0.0)
+        return dx.astype(out_dtype, copy=False), None
+
     def kernel(self, x, y, *, pos_x=0, pos_y=0, max_length=None):
         """``relu(x) . relu(y) cos(pi/2 (pos_x - pos_y) / M)``, ``M = max_length`` (or the map's)."""
         big_m = max_length if max_length is not None else self.max_length
@@ -1049,6 +1181,13 @@ class HedgehogFeatureMap(FeatureMap):
     largest value (a per-query factor: it cancels row by row, causal or not).
     Key features have no data-independent bound; keys whose features overflow
     the dtype raise ValueError.
+
+    Gradients: :meth:`vjp` always returns ``{"W": dL/dW, "b": dL/db}``
+    (shapes ``(d_out, d)`` and ``(d_out,)``), the gradients with respect to
+    the parameters the map uses, defaults included (``W = I``, ``b = 0``).
+    :meth:`parameters` returns the stored arrays only (``W`` and ``b`` when
+    given); call :meth:`materialize` to store the defaults explicitly before
+    training them.
 
     Parameters
     ----------
@@ -1107,6 +1246,58 @@ class HedgehogFeatureMap(FeatureMap):
             return self.transform(x)
         u = self._logits(x)
         return _cast_features(self.name, np.exp(u - np.max(u, axis=-1, keepdims=True)), x)
+
+    def parameters(self) -> dict:
+        """The stored parameters: ``{"W": W, "b": b}``, leaving out those not given (defaults)."""
+        return {k: v for k, v in (("W", self.W), ("b", self.b)) if v is not None}
+
+    def materialize(self, d=None):
+        """Store the defaults explicitly (``W = I_d``, ``b = 0``) so that :meth:`parameters` has both.
+
+        The features do not change.  ``d`` (the input dimension) is needed
+        only when neither ``W`` nor ``b`` is set.  Returns the map.
+
+        Examples
+        --------
+        >>> from linattn_nb import feature_maps
+        >>> sorted(feature_maps.get("hedgehog").materialize(4).parameters())
+        ['W', 'b']
+        """
+        if self.W is None:
+            if self.b is not None:
+                if d is not None and int(d) != self.b.shape[0]:
+                    raise ValueError(f"hedgehog: d={d} but b has shape {self.b.shape}")
+                d = self.b.shape[0]
+            d = _check_count("d", d, allow_none=False)
+            self.W = np.eye(d)
+        if self.b is None:
+            self.b = np.zeros(self.W.shape[0])
+        return self
+
+    def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
+        """Vector-Jacobian product of :meth:`apply` (see :meth:`FeatureMap.vjp`).
+
+        ``dparams`` is always ``{"W": (d_out, d), "b": (d_out,)}``, the
+        defaults' gradients when ``W`` or ``b`` was not given.
+        """
+        _check_role(self.name, role)
+        x = _check_input(self.name, x)
+        logits = self._logits(x)  # checks W and b against the input dimension
+        x, g, out_dtype = _vjp_inputs(self, x, grad_features, role)
+        m = logits.shape[-1] // 2
+        if role == "key":
+            with np.errstate(over="ignore"):
+                feats = np.exp(logits)
+            _cast_features(self.name, feats, x)  # raises where apply raises (features overflow the dtype)
+            dl = g * feats
+        else:
+            feats = np.exp(logits - np.max(logits, axis=-1, keepdims=True))
+            dl = _max_shift_vjp(logits, feats, g)
+        du = dl[..., :m] - dl[..., m:]
+        dx = du @ self.W if self.W is not None else du
+        dw = _outer_sum(du, np.asarray(x, dtype=np.float64))
+        db = du.reshape(-1, m).sum(axis=0)
+        return dx.astype(out_dtype, copy=False), {"W": dw, "b": db}
 
     def __repr__(self) -> str:
         shape = None if self.W is None else self.W.shape
@@ -1267,6 +1458,26 @@ class L2FeatureMap(FeatureMap):
             out = np.where(nrm > 0, y / np.where(nrm > 0, nrm, 1.0), 0.0)
         return out.astype(x.dtype, copy=False)
 
+    def _dpre(self, y):
+        """Derivative of :meth:`_pre`, elementwise (float64)."""
+        return np.ones_like(y)
+
+    def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
+        """Vector-Jacobian product of :meth:`apply` (see :meth:`FeatureMap.vjp`).
+
+        ``d(s/|s|) = (g - f (f . g)) / |s|`` with ``f = s/|s|``; a zero row has
+        zero features and gets a zero gradient.
+        """
+        x, g, out_dtype = _vjp_inputs(self, x, grad_features, role)
+        s = self._pre(x)
+        nrm = np.linalg.norm(s, axis=-1, keepdims=True)
+        safe = np.where(nrm > 0, nrm, 1.0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            f = s / safe
+            ds = np.where(nrm > 0, (g - f * np.einsum("...i,...i->...", f, g)[..., None]) / safe, 0.0)
+        dx = ds * self._dpre(np.asarray(x, dtype=np.float64))
+        return dx.astype(out_dtype, copy=False), None
+
 
 class SiluL2FeatureMap(L2FeatureMap):
     """SiLU, then L2 normalisation per row: ``phi(x) = s / ||s||``, ``s = x * sigmoid(x)`` (DeltaNet).
@@ -1283,6 +1494,14 @@ class SiluL2FeatureMap(L2FeatureMap):
         y = np.asarray(x, dtype=np.float64)
         with np.errstate(over="ignore"):
             return y / (1.0 + np.exp(-y))  # exp overflow -> inf -> y / inf = -0 for very negative y
+
+    def _dpre(self, y):
+        # silu'(y) = sigmoid(y) (1 + y (1 - sigmoid(y))); 1 - sigmoid(y) = sigmoid(-y), kept exact for large y
+        with np.errstate(over="ignore"):
+            sig = 1.0 / (1.0 + np.exp(-y))
+            sig_neg = 1.0 / (1.0 + np.exp(y))
+        with np.errstate(invalid="ignore"):  # y = +-inf: the limits 1 and 0; NaN propagates
+            return np.where(np.isinf(y), (y > 0).astype(np.float64), sig * (1.0 + y * sig_neg))
 
 
 register("elu", EluFeatureMap)
