@@ -9,8 +9,8 @@ Built-in maps are looked up by name::
 
     >>> from linattn_nb import feature_maps
     >>> feature_maps.available()  # doctest: +NORMALIZE_WHITESPACE
-    ['cosformer', 'dpfp', 'elu', 'favor+', 'hedgehog', 'identity', 'relu', 'rff',
-     'squared_relu', 'taylor2']
+    ['cosformer', 'dpfp', 'elu', 'favor+', 'hedgehog', 'identity', 'l2', 'relu', 'rff',
+     'silu_l2', 'squared_relu', 'taylor2']
     >>> phi = feature_maps.get("elu")
     >>> phi.output_dim(64)
     64
@@ -24,6 +24,8 @@ elu           ``(elu(q)+1) . (elu(k)+1)``                ``d``            Kathar
 relu          ``relu(q) . relu(k)``                      ``d``
 squared_relu  ``relu(q)^2 . relu(k)^2``                  ``d``
 identity      ``q . k`` (signed)                         ``d``
+l2            ``q/|q| . k/|k|`` (signed)                 ``d``            DeltaNet (Yang et al. 2024)
+silu_l2       as l2, after SiLU                          ``d``            DeltaNet (Yang et al. 2024)
 dpfp          DPFP(nu) products of rectified coords      ``2 d nu``       Schlag et al. 2021, §5.4
 favor+        estimates ``exp(scale q.k)``, positive     ``m`` / ``2m``   Choromanski et al. 2021
 rff           estimates ``exp(scale q.k)`` (signed)      ``2m``           Performer Lemma 2; RFA
@@ -50,6 +52,12 @@ returning one)::
     >>> feature_maps.register("softplus", Softplus, overwrite=True)
     >>> feature_maps.get("softplus")(np.zeros((2, 3))).round(3).tolist()
     [[0.693, 0.693, 0.693], [0.693, 0.693, 0.693]]
+
+Every built-in map has :meth:`FeatureMap.vjp`, the vector-Jacobian product
+of the features that attention uses (``dL/dx`` from ``dL/dphi``), and
+:meth:`FeatureMap.parameters`, its trainable parameters (hedgehog's ``W`` and
+``b``; favor+'s projection with ``learn_projection=True``) whose gradients
+``vjp`` returns too.
 
 Elementwise maps whose output dimension equals the input dimension can also
 carry a ``kernel_code`` so that the Numba kernels apply them on the fly, block
@@ -108,7 +116,9 @@ class FeatureMap:
     Subclasses set :attr:`name`, implement :meth:`transform` (features of an
     ``(..., N, D)`` array) and, when the output dimension differs from the
     input dimension, :meth:`output_dim`.  The class docstring states the kernel
-    the map stands for and where it comes from.
+    the map stands for and where it comes from.  To take gradients through
+    the map, define :meth:`vjp` (and :meth:`parameters` when it has trainable
+    parameters); every built-in map has both.
 
     Attributes
     ----------
@@ -194,7 +204,10 @@ class FeatureMap:
         computes, role-dependent stabilising shifts included (a per-row
         maximum passes its gradient to the one entry that attains it, the
         first on ties).  At kinks (ReLU at 0) the derivative on the zero side
-        is used.  The product is computed in float64.
+        is used.  The product is computed in float64.  ``dx`` of a token
+        depends on that token's ``x`` and ``grad_features`` only.  A subclass
+        of a built-in map that changes the function must override ``vjp``
+        too (or ``_df``, for an :class:`ElementwiseFeatureMap`).
 
         Parameters
         ----------
