@@ -83,13 +83,6 @@ def _check_against_fd(q, k, v, g, *, tol=1e-6, **kw):
     return res
 
 
-@pytest.fixture(autouse=True)
-def _identity_vjp(monkeypatch):
-    if "vjp" not in fm.IdentityFeatureMap.__dict__ and "vjp" not in fm.ElementwiseFeatureMap.__dict__:
-        monkeypatch.setattr(fm.IdentityFeatureMap, "vjp", lambda self, x, gr, **kw: (np.asarray(gr), None),
-                            raising=False)
-
-
 @pytest.mark.parametrize("case", sorted(RULE_CASES))
 @pytest.mark.parametrize("normalize", [True, False])
 def test_naive_gradients_match_finite_differences(case, normalize):
@@ -269,3 +262,53 @@ def test_fast_cpu_methods_match_the_reference(case, dtype):
                 assert _rel(a, b) < tol, (method, name)
         assert _rel(res.d_initial_state.S, ref.d_initial_state.S) < tol
         assert _rel(res.d_initial_state.z, ref.d_initial_state.z) < tol
+
+
+def _map(name):
+    if name == "favor+":
+        return fm.get("favor+", dim=3, num_features=6, seed=1)
+    if name == "hedgehog":
+        return fm.HedgehogFeatureMap(W=RNG.normal(size=(2, 3)) * 0.5, b=RNG.normal(size=2) * 0.1)
+    if name == "cosformer":
+        return fm.get("cosformer", max_length=16)
+    return fm.get(name)
+
+
+@pytest.mark.parametrize("name", ["elu", "relu", "squared_relu", "l2", "silu_l2", "taylor2", "favor+", "hedgehog",
+                                  "cosformer", "dpfp"])
+def test_gradients_through_feature_maps(name):
+    """The chain through phi: FD of linear_attention with the map, causal, with a decay; segment offset 3."""
+    q, k, v, g = _inputs(positive=False)
+    fmap = _map(name)
+    f = fmap.output_dim(3)
+    st = la.LinearState(RNG.uniform(0, 1, (2, f, 4)), RNG.uniform(0.5, 1, (2, f)), 3, "decay")
+    res = _check_against_fd(q, k, v, g, feature_map=fmap, causal=True, method="quadratic", decay=0.9,
+                            initial_state=st)
+    if name != "hedgehog":
+        assert res.d_params is None
+        return
+    assert set(res.d_params) == {"W", "b"}
+
+    def loss(W, b):
+        out = la.linear_attention(q, k, v, feature_map=fm.HedgehogFeatureMap(W, b), causal=True, method="quadratic",
+                                  decay=0.9, initial_state=st)
+        return float(np.sum(out * g))
+
+    assert _rel(res.d_params["W"], _fd(lambda W: loss(W, fmap.b), fmap.W)) < 1e-6
+    assert _rel(res.d_params["b"], _fd(lambda b: loss(fmap.W, b), fmap.b)) < 1e-6
+
+
+def test_favor_projection_gradient_when_asked():
+    q, k, v, g = _inputs(positive=False)
+    fmap = fm.get("favor+", dim=3, num_features=5, seed=2, learn_projection=True)
+    res = la.linear_attention_vjp(q, k, v, g, feature_map=fmap, causal=False, method="quadratic")
+    W0 = fmap.parameters()["projection"].copy()
+
+    def loss(W):
+        fmap.W[...] = W
+        try:
+            return float(np.sum(la.linear_attention(q, k, v, feature_map=fmap, method="quadratic") * g))
+        finally:
+            fmap.W[...] = W0
+
+    assert _rel(res.d_params["projection"], _fd(loss, W0)) < 1e-6
