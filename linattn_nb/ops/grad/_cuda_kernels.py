@@ -15,13 +15,15 @@ gate's ``dfactor`` rows, the scalar ``dfactor`` and ``dbeta``) are partial
 per column block, written to float64 buffers that
 :func:`sum_blocks_kernel` adds up afterwards (a fixed order: deterministic).
 
-1. Forward: thread ``j`` walks column ``m0 + j`` through the sequence from
-   ``H0`` and writes the state before every chunk of ``L`` tokens to ``ck``
-   (one state per chunk, never one per token); ``D`` starts as ``dH_N`` (or 0).
+1. Forward: chunk by chunk, thread ``j`` walks column ``m0 + j`` through the
+   chunk's tokens from the chunk's checkpoint and writes the state after the
+   chunk, the next checkpoint, to ``ck`` (one state per chunk, never one per
+   token).  ``D`` starts as ``dH_N`` (or 0).
 2. Reverse, chunk by chunk from the last: the chunk's token states are
    recomputed from its checkpoint into ``hs`` (``L + 1`` states: ``hs[b, s]``
-   is the state before token ``t0 + s``), one thread per column; then, per
-   token from the last, two phases separated by ``syncthreads``:
+   is the state before token ``t0 + s``) by the same loop as in (1), one
+   thread per column; then, per token from the last, two phases separated by
+   ``syncthreads``:
 
    * *column phase* (thread per column ``m``, a loop over all ``F`` rows):
      ``D[:, m] += q_t g_t[m]``, then the sums over rows ``w_m = k_t^T D[:, m]``
@@ -48,8 +50,9 @@ tokens in float64, then a thread per (token, row) or (token, column) writes
 The causal kernel is specialised on ``(MB, rule)`` (shared-memory sizes and
 the rule's branches are compile-time constants) and compiled lazily on first
 use; the helper kernels are plain ``cuda.jit`` kernels (compiled per
-argument types on first launch).  Device functions are ``inline=True``, so
-the kernels compile to PTX without a GPU (see :mod:`linattn_nb.ops._cuda_common`).
+argument types on first launch).  The causal kernel calls no device function
+and has one copy of the state update (each inlined device-function call site
+costs Numba a copy of the callee's IR, a large part of the compile time).
 """
 from __future__ import annotations
 
@@ -64,46 +67,6 @@ from .._cuda_kernels import _state_index
 
 _SIM = bool(getattr(_nbconfig, "ENABLE_CUDASIM", 0))
 _CACHE = bool(config.CACHE) and not _SIM
-
-
-@cuda.jit(device=True, inline=True)
-def _factor(rule, lf, b, t, i):
-    """The factor ``a_t`` of row ``i`` at token ``t`` (1 for a rule without factors; 0 at a reset)."""
-    if rule == RULE_DECAY or rule == RULE_GATED_DELTA:
-        return math.exp(lf[b, t, 0])
-    if rule == RULE_GATE:
-        return math.exp(lf[b, t, i])
-    return 1.0
-
-
-@cuda.jit(device=True, inline=True)
-def _beta(rule, lf, b, t):
-    """The write strength ``beta_t`` of the delta rules (0 for other rules)."""
-    if rule == RULE_DELTA or rule == RULE_GATED_DELTA:
-        return lf[b, t, 1]
-    return 0.0
-
-
-@cuda.jit(device=True, inline=True)
-def _step_column(rule, X, xs, Y, ys, b, kf, v1, lf, t, m, F):
-    """Column ``m`` of ``Y[b, ys]`` = column ``m`` of the state ``X[b, xs]`` after token ``t`` (float64).
-
-    ``X`` and ``Y`` may be the same slot: every element is read before it is
-    written (the delta rules read the whole column for ``u`` first).
-    """
-    vm = float64(v1[b, t, m])
-    if rule == RULE_DELTA or rule == RULE_GATED_DELTA:
-        a = _factor(rule, lf, b, t, 0)
-        beta = _beta(rule, lf, b, t)
-        u = 0.0
-        for i in range(F):
-            u += float64(kf[b, t, i]) * X[b, xs, i, m]
-        for i in range(F):
-            ki = float64(kf[b, t, i])
-            Y[b, ys, i, m] = a * (X[b, xs, i, m] - beta * ki * u) + beta * ki * vm
-    else:
-        for i in range(F):
-            Y[b, ys, i, m] = _factor(rule, lf, b, t, i) * X[b, xs, i, m] + float64(kf[b, t, i]) * vm
 
 
 _BACKWARD_KERNELS: dict = {}
@@ -122,8 +85,8 @@ def causal_backward_kernel(MB: int, rule: int):
     when ``has_dhn`` (else any 3-d float64 array).  ``lf`` (B, N, W)
     float64: the rule's log-factors as the forward kernels take them
     (:func:`linattn_nb.ops._cuda_launch.rule_factors`; column 1 is ``beta``
-    for the delta rules).  Scratch, float64: ``ck`` (B, nchunks, F, M') the
-    state before every chunk, ``hs`` (B, L + 1, F, M') a chunk's token
+    for the delta rules).  Scratch, float64: ``ck`` (B, max(nchunks - 1, 1), F,
+    M'), ``ck[b, c]`` the state before chunk ``c + 1``, ``hs`` (B, L + 1, F, M') a chunk's token
     states.  Results: ``D`` (B, F, M') float64, ``dH0`` on return; ``dv``
     (B, N, M') the working dtype; float64 partials per column block ``cb``:
     ``pq, pk`` (nCB, B, N, F), ``pf`` (nCB, B, N, F) for the gate rule,
@@ -158,34 +121,51 @@ def causal_backward_kernel(MB: int, rule: int):
         m0 = cb * MB
         nb = min(MB, M1 - m0)
 
-        # (1) forward: the state before every chunk; D = dH_N
-        for j in range(tid, nb, nth):
+        for j in range(tid, nb, nth):  # D = dH_N
             m = m0 + j
             for i in range(F):
-                ck[b, 0, i, m] = H0[b, i, m]
                 D[b, i, m] = dHN[b, i, m] if has_dhn else 0.0
-            for c in range(nchunks - 1):
-                for i in range(F):
-                    ck[b, c + 1, i, m] = ck[b, c, i, m]
-                for t in range(c * L, (c + 1) * L):
-                    _step_column(rule, ck, c + 1, ck, c + 1, b, kf, v1, lf, t, m, F)
 
-        # (2) reverse, chunk by chunk
-        for c in range(nchunks - 1, -1, -1):
+        # Chunks 0 .. nchunks - 2 forward (checkpoints), then nchunks - 1 .. 0 in reverse.
+        for it in range(2 * nchunks - 1):
+            fwd = it < nchunks - 1
+            c = it if fwd else 2 * nchunks - 2 - it
             t0 = c * L
             nl = min(L, N - t0)
-            for j in range(tid, nb, nth):  # the chunk's token states from its checkpoint
+            # ---- the chunk's token states from its checkpoint (hs[b, s]: before token t0 + s),
+            # one thread per column; forward: the state after the chunk is the next checkpoint
+            for j in range(tid, nb, nth):
                 m = m0 + j
                 for i in range(F):
-                    hs[b, 0, i, m] = ck[b, c, i, m]
+                    hs[b, 0, i, m] = H0[b, i, m] if c == 0 else ck[b, c - 1, i, m]
                 for s in range(nl):
-                    _step_column(rule, hs, s, hs, s + 1, b, kf, v1, lf, t0 + s, m, F)
+                    t = t0 + s
+                    vm = float64(v1[b, t, m])
+                    a = math.exp(lf[b, t, 0]) if SCALAR_FACTOR else 1.0
+                    if DELTA:
+                        beta = lf[b, t, 1]
+                        u = 0.0
+                        for i in range(F):
+                            u += float64(kf[b, t, i]) * hs[b, s, i, m]
+                        for i in range(F):
+                            ki = float64(kf[b, t, i])
+                            hs[b, s + 1, i, m] = a * (hs[b, s, i, m] - beta * ki * u) + beta * ki * vm
+                    else:
+                        for i in range(F):
+                            ai = math.exp(lf[b, t, i]) if GATE else a
+                            hs[b, s + 1, i, m] = ai * hs[b, s, i, m] + float64(kf[b, t, i]) * vm
+                if fwd:
+                    for i in range(F):
+                        ck[b, c, i, m] = hs[b, nl, i, m]
+            if fwd:
+                continue
             cuda.syncthreads()
+            # ---- the adjoint through the chunk's tokens, from the last
             for s in range(nl - 1, -1, -1):
                 t = t0 + s
-                a = _factor(rule, lf, b, t, 0)  # the token's factor (scalar rules)
-                beta = _beta(rule, lf, b, t)
-                # ---- column phase: D += q g^T, sums over rows
+                a = math.exp(lf[b, t, 0]) if SCALAR_FACTOR else 1.0
+                beta = lf[b, t, 1] if DELTA else 0.0
+                # column phase: D += q g^T, sums over rows
                 for j in range(tid, nb, nth):
                     m = m0 + j
                     gm = float64(g1[b, t, m])
@@ -214,10 +194,10 @@ def causal_backward_kernel(MB: int, rule: int):
                         dv[b, t, m] = w
                         sf[j] = dp
                 cuda.syncthreads()
-                # ---- row phase: sums over the block's columns, then D back through token t
+                # row phase: sums over the block's columns, then row i of D back through token t
                 for i in range(tid, F, nth):
                     ki = float64(kf[b, t, i])
-                    ai = _factor(rule, lf, b, t, i)
+                    ai = math.exp(lf[b, t, i]) if GATE else a
                     xq = 0.0
                     xk = 0.0
                     xf = 0.0

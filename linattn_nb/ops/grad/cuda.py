@@ -23,7 +23,7 @@ recomputed chunk by chunk from one checkpoint per chunk of
 ``config.CUDA_CHUNK_SIZE`` tokens (the kernel and its thread layout:
 :mod:`linattn_nb.ops.grad._cuda_kernels`).  Parallelism: one block per
 (batch entry, block of up to ``config.CUDA_VALUE_COLS`` state columns).
-Memory beyond the results: the checkpoints (B x chunks x F x M' float64), one
+Memory beyond the results: the checkpoints (B x (chunks - 1) x F x M' float64), one
 chunk's token states (B x (L + 1) x F x M' float64) and float64 partial sums
 per column block (2 or 3 arrays of B x N x F per block).
 
@@ -171,7 +171,7 @@ def backward_scan_cuda(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_A
     L = min(L, N)
     nchunks = -(-N // L)
     MB, ncb = column_blocks(M1)
-    ck = cuda.device_array((B, nchunks, F, M1), dtype=_F64)
+    ck = cuda.device_array((B, max(nchunks - 1, 1), F, M1), dtype=_F64)
     hs = cuda.device_array((B, L + 1, F, M1), dtype=_F64)
     dH0 = cuda.device_array((B, F, M1), dtype=_F64)
     pq = cuda.device_array((ncb, B, N, F), dtype=_F64)
