@@ -133,7 +133,7 @@ def test_causal_backward_without_state_grad(rng, rule):
     assert_grads(got, ref, np.float64)
 
 
-@pytest.mark.parametrize("threads, rule", [(64, "gate"), (64, "gated_delta"), (1, "decay"), (1, "delta")])
+@pytest.mark.parametrize("threads, rule", [(32, "gate"), (32, "gated_delta"), (1, "decay"), (1, "delta")])
 def test_causal_backward_thread_counts(rng, monkeypatch, threads, rule):
     """More threads than rows and columns (idle threads in both phases), and a single thread (it owns
     every row and column); F = 3, M' = 4, one column block of 4 or two of 2, chunks of 3 tokens."""
@@ -310,24 +310,26 @@ def check(key, fn, sig, assemble):
 MB, _ = column_blocks(65)  # D_phi = M = 64: M' = 65 columns, two blocks
 for dt in (types.float32, types.float64):
     w3 = types.Array(dt, 3, "C")
-    for rule in range(5):
-        sig = (w3, w3, w3, w3, C3, C3, b, C3, C4, C4, C3, w3, C4, C4, C4, C4, i, i)
-        # ptxas on the largest kernels only (it takes seconds per kernel)
-        check("backward/%s/%d" % (dt, rule), GK.causal_backward_kernel(MB, rule).py_func, sig, rule in (2, 4))
+    sig = (w3, w3, w3, w3, C3, C3, b, C3, C4, C4, C3, w3, C4, C4, C4, C4, i, i, i)
+    check("backward/%s" % dt, GK.causal_backward_kernel(MB).py_func, sig, dt == types.float64)
     check("sum_blocks/%s" % dt, GK.sum_blocks_kernel.py_func, (C4, w3), False)
     check("aggregate_sums/%s" % dt, GK.aggregate_sums_kernel.py_func, (w3, w3, w3, w3, C3, C3, b, C3, C3), False)
-    check("aggregate_grads/%s" % dt, GK.aggregate_grads_kernel.py_func, (w3, w3, w3, C3, C3, w3, w3, w3), True)
+    check("aggregate_grads/%s" % dt, GK.aggregate_grads_kernel.py_func, (w3, w3, w3, C3, C3, w3, w3, w3), False)
 print(json.dumps(res))
 """
 
 
 def test_backward_kernels_compile_to_ptx():
-    """Every backward kernel (the causal kernel of each rule, the block sum, the two non-causal
-    kernels) compiles for sm_90 in float32 and float64 at the default configuration (D_phi = M =
-    64), with no local memory; assembled by ptxas when installed: no spills, at most 255 registers."""
+    """Every backward kernel (the causal kernel, which takes the rule as an argument, the block sum,
+    the two non-causal kernels) compiles for sm_90 in float32 and float64 at the default configuration (D_phi = M =
+    64), with no local memory; the float64 causal kernel assembled by ptxas when installed
+    (seconds per kernel; the float32 one has the same register count): no spills, and a block of
+    ``MAX_BACKWARD_THREADS`` threads fits in the registers of a multiprocessor."""
+    from linattn_nb.ops.grad._cuda_kernels import MAX_BACKWARD_THREADS
+
     res = run_ptx_script(_PTX_SCRIPT)
-    assert len(res) == 16
+    assert len(res) == 8
     for key, val in res.items():
         assert (val["target"], val["entry"], val["local"]) == (True, True, False), (key, val)
-        if "spills" in val:
-            assert val["spills"] == 0 and val["registers"] <= 255, (key, val)
+        if "spills" in val:  # and a block of the most threads fits in a multiprocessor's 64k registers
+            assert val["spills"] == 0 and val["registers"] * MAX_BACKWARD_THREADS <= 65536, (key, val)

@@ -47,9 +47,10 @@ the ``syncthreads`` that ends it.  Shared memory: six float64 arrays of
 tokens in float64, then a thread per (token, row) or (token, column) writes
 ``dq = g H^T``, ``dk = v1 R^T``, ``dv = k R``.
 
-The causal kernel is specialised on ``(MB, rule)`` (shared-memory sizes and
-the rule's branches are compile-time constants) and compiled lazily on first
-use; the helper kernels are plain ``cuda.jit`` kernels (compiled per
+The causal kernel is specialised on ``MB`` (the shared-memory sizes) and
+compiled lazily on first use; the rule is a kernel argument (branches uniform
+over the grid, a few per token: next to the global-memory traffic of every
+token they cost nothing, and one kernel per dtype serves all five rules); the helper kernels are plain ``cuda.jit`` kernels (compiled per
 argument types on first launch).  The causal kernel calls no device function
 and has one copy of the state update (each inlined device-function call site
 costs Numba a copy of the callee's IR, a large part of the compile time).
@@ -72,13 +73,13 @@ _CACHE = bool(config.CACHE) and not _SIM
 _BACKWARD_KERNELS: dict = {}
 
 
-def causal_backward_kernel(MB: int, rule: int):
-    """The causal backward kernel for blocks of ``MB`` state columns and update rule ``rule``.
+def causal_backward_kernel(MB: int):
+    """The causal backward kernel for blocks of ``MB`` state columns (every update rule).
 
     Launch with ``grid=(B, ceil(M' / MB))`` and any number of threads
     (loops stride by the block size; :func:`backward_threads`)::
 
-        kernel(qf, kf, v1, g1, H0, dHN, has_dhn, lf, ck, hs, D, dv, pq, pk, pf, pb, L, nchunks)
+        kernel(qf, kf, v1, g1, H0, dHN, has_dhn, lf, ck, hs, D, dv, pq, pk, pf, pb, L, nchunks, rule)
 
     ``qf, kf`` (B, N, F), ``v1, g1`` (B, N, M'): the working dtype, any
     strides.  ``H0`` (B, F, M') float64; ``dHN`` (B, F, M') float64, read
@@ -92,19 +93,18 @@ def causal_backward_kernel(MB: int, rule: int):
     ``pq, pk`` (nCB, B, N, F), ``pf`` (nCB, B, N, F) for the gate rule,
     (nCB, B, N, 1) for the decay and gated delta rules, ``pb`` (nCB, B, N, 1)
     for the delta rules (otherwise placeholders never written).  ``L``:
-    tokens per chunk, ``nchunks = ceil(N / L)``.
+    tokens per chunk, ``nchunks = ceil(N / L)``.  ``rule``: the update-rule
+    code (:data:`linattn_nb.ops._codes.RULES`), a kernel argument: its
+    branches are uniform over the grid, and one compiled kernel per dtype
+    serves every rule.
     """
-    key = (int(MB), int(rule))
-    kern = _BACKWARD_KERNELS.get(key)
+    MB = int(MB)
+    kern = _BACKWARD_KERNELS.get(MB)
     if kern is not None:
         return kern
-    MB, rule = key
-    DELTA = rule == RULE_DELTA or rule == RULE_GATED_DELTA
-    GATE = rule == RULE_GATE
-    SCALAR_FACTOR = rule == RULE_DECAY or rule == RULE_GATED_DELTA
 
     @cuda.jit(cache=_CACHE)
-    def kernel(qf, kf, v1, g1, H0, dHN, has_dhn, lf, ck, hs, D, dv, pq, pk, pf, pb, L, nchunks):
+    def kernel(qf, kf, v1, g1, H0, dHN, has_dhn, lf, ck, hs, D, dv, pq, pk, pf, pb, L, nchunks, rule):
         sg = cuda.shared.array(MB, float64)  # g_t of the block's columns
         sv = cuda.shared.array(MB, float64)  # v1_t
         sw = cuda.shared.array(MB, float64)  # k_t^T D[:, m]
@@ -120,6 +120,9 @@ def causal_backward_kernel(MB: int, rule: int):
         cb = cuda.blockIdx.y
         m0 = cb * MB
         nb = min(MB, M1 - m0)
+        DELTA = rule == RULE_DELTA or rule == RULE_GATED_DELTA
+        GATE = rule == RULE_GATE
+        SCALAR_FACTOR = rule == RULE_DECAY or rule == RULE_GATED_DELTA
 
         for j in range(tid, nb, nth):  # D = dH_N
             m = m0 + j
@@ -230,15 +233,21 @@ def causal_backward_kernel(MB: int, rule: int):
                         pb[cb, b, t, 0] = xb
                 cuda.syncthreads()
 
-    _BACKWARD_KERNELS[key] = kernel
+    _BACKWARD_KERNELS[MB] = kernel
     return kernel
 
 
+#: Most threads per block of the causal backward kernel: it needs about 150 registers per
+#: thread at sm_90 (ptxas, in the PTX test), so 256 threads use under 40k of a block's 64k.
+MAX_BACKWARD_THREADS = 256
+
+
 def backward_threads(F: int, MB: int) -> int:
-    """Threads per block of the causal backward kernel: enough for every row and every column of a
-    block (a multiple of 32), at most ``config.CUDA_MAX_THREADS``."""
-    want = max(int(F), int(MB), 1)
-    return max(1, min(int(config.CUDA_MAX_THREADS), -(-want // 32) * 32))
+    """Threads per block of the causal backward kernel: one per row and per column of a block (a
+    multiple of 32), at most :data:`MAX_BACKWARD_THREADS` and ``config.CUDA_MAX_THREADS`` (the
+    loops stride by the block size, so any count is correct)."""
+    want = -(-max(int(F), int(MB), 1) // 32) * 32
+    return max(1, min(MAX_BACKWARD_THREADS, int(config.CUDA_MAX_THREADS), want))
 
 
 @cuda.jit(cache=_CACHE)

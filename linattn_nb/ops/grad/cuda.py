@@ -126,10 +126,10 @@ def _sum_blocks(src, dst):
 
 def column_blocks(M1: int) -> tuple[int, int]:
     """``(MB, nCB)``: state columns per block and blocks, at most ``config.CUDA_VALUE_COLS`` per block,
-    spread evenly (65 columns with 64 per block are two blocks of 33 and 32)."""
+    spread evenly (65 columns with 64 per block are two blocks of 33 and 32); no block is empty."""
     cap = max(1, int(config.CUDA_VALUE_COLS))
-    ncb = max(1, -(-int(M1) // cap))
-    return max(1, -(-int(M1) // ncb)), ncb
+    MB = max(1, -(-int(M1) // max(1, -(-int(M1) // cap))))
+    return MB, max(1, -(-int(M1) // MB))
 
 
 def backward_scan_cuda(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADDITIVE, chunk_size=None):
@@ -180,9 +180,9 @@ def backward_scan_cuda(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_A
     pf = cuda.device_array((ncb, B, N, F) if gate else ((ncb, B, N, 1) if scalar_factor else one4), dtype=_F64)
     pb = cuda.device_array((ncb, B, N, 1) if delta else one4, dtype=_F64)
     dhn = dHN if dHN is not None else cuda.device_array((1, 1, 1), dtype=_F64)
-    kern = GK.causal_backward_kernel(MB, rule)
+    kern = GK.causal_backward_kernel(MB)
     kern[(B, ncb), GK.backward_threads(F, MB)](qf, kf, v1, g1, H0, dhn, dHN is not None, lf, ck, hs, dH0, dv,
-                                               pq, pk, pf, pb, L, nchunks)
+                                               pq, pk, pf, pb, L, nchunks, rule)
     _sum_blocks(pq, dq)
     _sum_blocks(pk, dk)
     if gate:
