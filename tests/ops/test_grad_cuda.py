@@ -26,7 +26,7 @@ import linattn_nb as la
 from linattn_nb import config
 from linattn_nb import feature_maps as fm
 from linattn_nb.device import cuda_status
-from linattn_nb.ops._codes import RULE_ADDITIVE, RULE_DECAY, RULE_DELTA, RULE_GATE, RULE_GATED_DELTA, RULES
+from linattn_nb.ops._codes import RULE_DECAY, RULE_DELTA, RULE_GATE, RULE_GATED_DELTA, RULES
 from linattn_nb.ops.grad.naive import causal_backward_naive, noncausal_backward_naive
 from linattn_nb.ops.registry import get_method
 from _ptx import run_ptx_script

@@ -48,12 +48,13 @@ tokens in float64, then a thread per (token, row) or (token, column) writes
 ``dq = g H^T``, ``dk = v1 R^T``, ``dv = k R``.
 
 The causal kernel is specialised on ``MB`` (the shared-memory sizes) and
-compiled lazily on first use; the rule is a kernel argument (branches uniform
-over the grid, a few per token: next to the global-memory traffic of every
-token they cost nothing, and one kernel per dtype serves all five rules); the helper kernels are plain ``cuda.jit`` kernels (compiled per
-argument types on first launch).  The causal kernel calls no device function
-and has one copy of the state update (each inlined device-function call site
-costs Numba a copy of the callee's IR, a large part of the compile time).
+compiled lazily on first use.  The rule is a kernel argument: its branches
+are uniform over the grid, a few per token (nothing next to the
+global-memory traffic of a token), and one compiled kernel per dtype serves
+all five rules.  The kernel calls no device function and has one copy of the
+state update: Numba copies an inlined callee's IR at every call site, which
+was a large part of the compile time.  The helper kernels are plain
+``cuda.jit`` kernels, compiled per argument types on first launch.
 """
 from __future__ import annotations
 
@@ -86,9 +87,9 @@ def causal_backward_kernel(MB: int):
     when ``has_dhn`` (else any 3-d float64 array).  ``lf`` (B, N, W)
     float64: the rule's log-factors as the forward kernels take them
     (:func:`linattn_nb.ops._cuda_launch.rule_factors`; column 1 is ``beta``
-    for the delta rules).  Scratch, float64: ``ck`` (B, max(nchunks - 1, 1), F,
-    M'), ``ck[b, c]`` the state before chunk ``c + 1``, ``hs`` (B, L + 1, F, M') a chunk's token
-    states.  Results: ``D`` (B, F, M') float64, ``dH0`` on return; ``dv``
+    for the delta rules).  Scratch, float64: ``ck`` (B, max(nchunks - 1, 1),
+    F, M'), ``ck[b, c]`` the state before chunk ``c + 1``; ``hs`` (B, L + 1,
+    F, M'), a chunk's token states.  Results: ``D`` (B, F, M') float64, ``dH0`` on return; ``dv``
     (B, N, M') the working dtype; float64 partials per column block ``cb``:
     ``pq, pk`` (nCB, B, N, F), ``pf`` (nCB, B, N, F) for the gate rule,
     (nCB, B, N, 1) for the decay and gated delta rules, ``pb`` (nCB, B, N, 1)
@@ -120,9 +121,9 @@ def causal_backward_kernel(MB: int):
         cb = cuda.blockIdx.y
         m0 = cb * MB
         nb = min(MB, M1 - m0)
-        DELTA = rule == RULE_DELTA or rule == RULE_GATED_DELTA
-        GATE = rule == RULE_GATE
-        SCALAR_FACTOR = rule == RULE_DECAY or rule == RULE_GATED_DELTA
+        delta = rule == RULE_DELTA or rule == RULE_GATED_DELTA
+        gate = rule == RULE_GATE
+        scalar_factor = rule == RULE_DECAY or rule == RULE_GATED_DELTA
 
         for j in range(tid, nb, nth):  # D = dH_N
             m = m0 + j
@@ -144,8 +145,8 @@ def causal_backward_kernel(MB: int):
                 for s in range(nl):
                     t = t0 + s
                     vm = float64(v1[b, t, m])
-                    a = math.exp(lf[b, t, 0]) if SCALAR_FACTOR else 1.0
-                    if DELTA:
+                    a = math.exp(lf[b, t, 0]) if scalar_factor else 1.0
+                    if delta:
                         beta = lf[b, t, 1]
                         u = 0.0
                         for i in range(F):
@@ -155,7 +156,7 @@ def causal_backward_kernel(MB: int):
                             hs[b, s + 1, i, m] = a * (hs[b, s, i, m] - beta * ki * u) + beta * ki * vm
                     else:
                         for i in range(F):
-                            ai = math.exp(lf[b, t, i]) if GATE else a
+                            ai = math.exp(lf[b, t, i]) if gate else a
                             hs[b, s + 1, i, m] = ai * hs[b, s, i, m] + float64(kf[b, t, i]) * vm
                 if fwd:
                     for i in range(F):
@@ -166,8 +167,8 @@ def causal_backward_kernel(MB: int):
             # ---- the adjoint through the chunk's tokens, from the last
             for s in range(nl - 1, -1, -1):
                 t = t0 + s
-                a = math.exp(lf[b, t, 0]) if SCALAR_FACTOR else 1.0
-                beta = lf[b, t, 1] if DELTA else 0.0
+                a = math.exp(lf[b, t, 0]) if scalar_factor else 1.0
+                beta = lf[b, t, 1] if delta else 0.0
                 # column phase: D += q g^T, sums over rows
                 for j in range(tid, nb, nth):
                     m = m0 + j
@@ -183,13 +184,13 @@ def causal_backward_kernel(MB: int):
                         D[b, i, m] = d
                         ki = float64(kf[b, t, i])
                         w += ki * d
-                        if DELTA:
+                        if delta:
                             u += ki * hs[b, s, i, m]
-                        if SCALAR_FACTOR:
+                        if scalar_factor:
                             dp += d * hs[b, s, i, m]
                     sw[j] = w
                     su[j] = u
-                    if DELTA:
+                    if delta:
                         dv[b, t, m] = beta * w
                         sb[j] = w * (vm - a * u)
                         sf[j] = dp - beta * w * u
@@ -200,7 +201,7 @@ def causal_backward_kernel(MB: int):
                 # row phase: sums over the block's columns, then row i of D back through token t
                 for i in range(tid, F, nth):
                     ki = float64(kf[b, t, i])
-                    ai = math.exp(lf[b, t, i]) if GATE else a
+                    ai = math.exp(lf[b, t, i]) if gate else a
                     xq = 0.0
                     xk = 0.0
                     xf = 0.0
@@ -209,27 +210,27 @@ def causal_backward_kernel(MB: int):
                         d = D[b, i, m]
                         p = hs[b, s, i, m]
                         xq += hs[b, s + 1, i, m] * sg[j]
-                        if DELTA:
+                        if delta:
                             xk += beta * d * sv[j] - a * beta * (d * su[j] + p * sw[j])
                             D[b, i, m] = a * (d - beta * ki * sw[j])
                         else:
                             xk += d * sv[j]
-                            if GATE:
+                            if gate:
                                 xf += d * p
                             D[b, i, m] = ai * d
                     pq[cb, b, t, i] = xq
                     pk[cb, b, t, i] = xk
-                    if GATE:
+                    if gate:
                         pf[cb, b, t, i] = xf
-                if tid == 0 and (SCALAR_FACTOR or DELTA):
+                if tid == 0 and (scalar_factor or delta):
                     xf = 0.0
                     xb = 0.0
                     for j in range(nb):
                         xf += sf[j]
                         xb += sb[j]
-                    if SCALAR_FACTOR:
+                    if scalar_factor:
                         pf[cb, b, t, 0] = xf
-                    if DELTA:
+                    if delta:
                         pb[cb, b, t, 0] = xb
                 cuda.syncthreads()
 
