@@ -65,7 +65,6 @@ from numba import cuda, float64
 
 from ... import config
 from .._codes import RULE_DECAY, RULE_DELTA, RULE_GATE, RULE_GATED_DELTA
-from .._cuda_kernels import _state_index
 
 _SIM = bool(getattr(_nbconfig, "ENABLE_CUDASIM", 0))
 _CACHE = bool(config.CACHE) and not _SIM
@@ -285,7 +284,10 @@ def aggregate_sums_kernel(qf, kf, v1, g1, H0, dHN, has_dhn, H, R):
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     for idx in range(start, total, stride):
-        b, i, m = _state_index(idx, F, M1)
+        m = idx % M1
+        bi = idx // M1
+        i = bi % F
+        b = bi // F
         h = float64(H0[b, i, m])
         r = float64(dHN[b, i, m]) if has_dhn else 0.0
         for t in range(N):
