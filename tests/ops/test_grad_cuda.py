@@ -178,15 +178,21 @@ def test_causal_backward_thread_counts(rng, monkeypatch, threads, rule):
     assert_grads(got, ref, np.float64)
 
 
-def test_causal_backward_device_inputs(rng):
-    """The rule's inputs may be device arrays (read in place, as by the forward launchers)."""
+def test_causal_backward_device_inputs_and_strided_views(rng):
+    """The rule's inputs may be device arrays (read in place, as by the forward launchers), and the
+    features non-contiguous device views."""
     from linattn_nb.ops.grad.cuda import backward_scan_cuda
 
     args = problem(rng, 5, np.float32)
     inputs = rule_inputs(rng, "gated_delta", B, 5, F)
     ref = causal_backward_naive(*args, inputs=inputs, rule=RULE_GATED_DELTA)
     dev_inputs = {name: cuda.to_device(x) for name, x in inputs.items()}
-    got = backward_scan_cuda(*on_device(args), inputs=dev_inputs, rule=RULE_GATED_DELTA)
+    dev = on_device(args)
+    wide = np.zeros((B, 5, 2 * F), dtype=np.float32)
+    wide[:, :, ::2] = args[0]
+    dev[0] = cuda.to_device(wide)[:, :, ::2]
+    assert not dev[0].is_c_contiguous()
+    got = backward_scan_cuda(*dev, inputs=dev_inputs, rule=RULE_GATED_DELTA)
     assert_grads(got, ref, np.float32)
 
 
