@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 
@@ -161,7 +160,7 @@ largs = bc._launcher_args(q, k, v, g, np.float32)
 del q, k, v, g
 tracemalloc.start()
 grads = bc.gcpu.backward_chunked(*largs)
-launcher_peak, _ = tracemalloc.get_traced_memory()[1], None
+launcher_peak = tracemalloc.get_traced_memory()[1]
 tracemalloc.stop()
 outs = sum(x.nbytes for x in grads if x is not None)
 print(json.dumps({"n": n, "traced_peak_bytes": traced, "rss_rise_bytes": max(0, peak - rss0),
