@@ -178,9 +178,9 @@ def _floored(req: Request, den):
     return np.where(active, den, req.eps), active
 
 
-def forward(req: Request):
-    """``(out, nd, HN)``: the output (batch_shape + (N, M), the input dtype), ``[num | den]`` (B, N, M + 1)
-    in the working dtype and the final state (B, F, M + 1) float64."""
+def forward(req: Request, want_out: bool = True):
+    """``(out, nd, HN)``: the output (batch_shape + (N, M), the input dtype; None when not ``want_out``),
+    ``[num | den]`` (B, N, M + 1) in the working dtype and the final state (B, F, M + 1) float64."""
     b, n, m = req.b, req.n, req.m
     nd = np.empty((b, n, m + 1), dtype=req.work)
     Hx = np.zeros((b, req.f, m + 2))  # the launcher's own column of ones rides along unused
@@ -192,6 +192,9 @@ def forward(req: Request):
         else:
             req.impl.forward(req.qf, req.kf, req.v1, Hx, nd, code=0, eps=None, inputs=req.inputs,
                              check_finite=False, normalize=False)
+    HN = np.ascontiguousarray(Hx[:, :, : m + 1])
+    if not want_out:
+        return None, nd, HN
     num = nd[:, :, :m]
     if req.normalize:
         den, _ = _floored(req, nd[:, :, m].astype(np.float64))
@@ -201,7 +204,7 @@ def forward(req: Request):
         out = num
     with np.errstate(over="ignore", invalid="ignore"):
         out = np.asarray(out).astype(req.dtype, copy=False).reshape(req.batch_shape + (n, m))
-    return out, nd, np.ascontiguousarray(Hx[:, :, : m + 1])
+    return out, nd, HN
 
 
 # ---------------------------------------------------------------------------
@@ -310,26 +313,37 @@ def _merge_params(a, b):
     return merged
 
 
+def _output_gradient(req: Request, nd, g):
+    """``g1 = dL/d[num | den]`` (B, N, M + 1) in the working dtype, from ``g = dL/dout``.
+
+    Built in place in the working dtype (no float64 copy of an (N, M) array):
+    ``g / den'`` and ``-(g . num) / den'^2`` (0 where the floor is active).
+    """
+    b, n, m = req.b, req.n, req.m
+    gw = g.reshape(b, n, m)
+    g1 = np.empty((b, n, m + 1), dtype=req.work)
+    if not req.normalize:
+        g1[:, :, :m] = gw
+        g1[:, :, m] = 0
+        return g1
+    den, active = _floored(req, np.asarray(nd[:, :, m], np.float64))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        inv = 1.0 / den  # (B, N) float64
+        np.multiply(gw, inv[:, :, None].astype(req.work), out=g1[:, :, :m], casting="unsafe")
+        dot = np.einsum("bnm,bnm->bn", gw, nd[:, :, :m])
+        g1[:, :, m] = np.where(active, -dot * inv * inv, 0.0)
+    return g1
+
+
 def backward(req: Request, nd, grad_out, grad_state=None) -> VJP:
     """The gradients of a prepared request, given its forward's ``[num | den]`` (see :func:`forward`)."""
     g = _grad_out(grad_out, req)
     dHN = _grad_state(grad_state, req)
     b, n, m, f = req.b, req.n, req.m, req.f
-    g64 = g.reshape(b, n, m).astype(np.float64)
-    g1 = np.zeros((b, n, m + 1))
-    if req.normalize:
-        den, active = _floored(req, np.asarray(nd[:, :, m], np.float64))
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            out = nd[:, :, :m] / den[:, :, None]
-            g1[:, :, :m] = g64 / den[:, :, None]
-            g1[:, :, m] = np.where(active, -np.einsum("bnm,bnm->bn", g64, out) / den, 0.0)
-    else:
-        g1[:, :, :m] = g64
-    g1 = g1.astype(req.work)
+    g1 = _output_gradient(req, nd, g)
     if n > 0 and b > 0:
-        grads = _run_backward(req, g1, dHN)
-        dqf, dkf, dv1, dH0 = grads.dq, grads.dk, grads.dv, grads.dH0
-        dfactor, dbeta = grads.dfactor, grads.dbeta
+        dqf, dkf, dv1, dH0, dfactor, dbeta = _run_backward(req, g1, dHN)
+        del g1  # freed before the maps' products allocate: the peak memory of long sequences
     else:
         dqf = np.zeros((b, n, f))
         dkf = np.zeros((b, n, f))
@@ -340,8 +354,10 @@ def backward(req: Request, nd, grad_out, grad_state=None) -> VJP:
     kw = dict(causal=req.causal, offset=req.position, total_length=req.position + n)
     fshape = req.batch_shape + (n, f)
     dq, pq = req.fmap.vjp(req.q.astype(req.work, copy=False), np.asarray(dqf).reshape(fshape), role="query", **kw)
+    del dqf
     dk, pk = req.fmap.vjp(req.k.astype(req.work, copy=False), np.asarray(dkf).reshape(fshape), role="key", **kw)
-    dv = np.asarray(dv1)[:, :, :m].reshape(req.batch_shape + (n, m))
+    del dkf
+    dv = np.asarray(dv1)[:, :, :m].reshape(req.batch_shape + (n, m))  # a view: no copy of the largest result
     d_state = None
     if req.has_state:
         d_state = state_from_H(np.asarray(dH0, np.float64), req.batch_shape, f, m, req.position, req.rule)
@@ -368,14 +384,16 @@ def linear_attention_vjp(q, k, v, grad_out, *, feature_map, causal, method, devi
               check_finite=check_finite, initial_state=initial_state, decay=decay, log_decay=log_decay,
               beta=beta, normalize=normalize)
     req = prepare(q, k, v, **kw)
-    _, nd, _ = forward(req)
+    _, nd, _ = forward(req, want_out=False)
     res = backward(req, nd, grad_out, grad_state)
-    if check_finite and req.work != _F64 and not _finite(res):
+    work = req.work
+    del req, nd  # features and forward outputs freed before a float64 recomputation allocates its own
+    if check_finite and work != _F64 and not _finite(res):
         # finite inputs, non-finite gradients: the working dtype overflowed; float64 throughout
         req = prepare(q, k, v, work=_F64, **kw)
-        _, nd, _ = forward(req)
+        _, nd, _ = forward(req, want_out=False)
         res64 = backward(req, nd, grad_out, grad_state)
-        res = res64._replace(**{nm: _cast(getattr(res64, nm), req.dtype, nm) for nm in ("dq", "dk", "dv")})
+        res = res64._replace(**{nm: _cast(getattr(res64, nm), res.dq.dtype, nm) for nm in ("dq", "dk", "dv")})
     return res
 
 

@@ -289,9 +289,12 @@ class ElementwiseFeatureMap(FeatureMap):
     def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
         if type(self)._df is ElementwiseFeatureMap._df:
             raise NotImplementedError(_no_vjp_message(self, "_df"))
-        x, g, out_dtype = _vjp_inputs(self, x, grad_features, role)
-        dx = g * self._df(np.asarray(x, dtype=np.float64))
-        return dx.astype(out_dtype, copy=False), None
+        x, _, out_dtype = _vjp_inputs(self, x, grad_features, role, cast=False)
+        # elementwise: one product per entry, exact enough in the result dtype (no float64 copies of
+        # (..., N, D) arrays: they would double the memory of a long sequence's backward)
+        dx = np.asarray(self._df(np.asarray(x, dtype=out_dtype)), dtype=out_dtype)
+        dx *= np.asarray(grad_features, dtype=out_dtype)
+        return dx, None
 
 
 class EluFeatureMap(ElementwiseFeatureMap):
@@ -313,7 +316,7 @@ class EluFeatureMap(ElementwiseFeatureMap):
 
     def _df(self, x):
         # 1 for x >= 0 (both branches have slope 1 at 0), exp(x) below; NaN propagates
-        return np.where(x >= 0, 1.0, np.exp(np.minimum(x, 0.0)))
+        return np.where(x >= 0, 1.0, np.exp(-np.abs(x)))  # exp(-|x|): see _f
 
 
 class ReluFeatureMap(ElementwiseFeatureMap):
@@ -453,8 +456,9 @@ def _no_vjp_message(fmap, what: str = "vjp") -> str:
             f"define {what}(...) to take gradients through this map")
 
 
-def _vjp_inputs(fmap, x, grad_features, role):
-    """Checked ``(x, float64 grad_features, dtype of dx)`` for :meth:`FeatureMap.vjp`."""
+def _vjp_inputs(fmap, x, grad_features, role, cast=True):
+    """Checked ``(x, float64 grad_features, dtype of dx)`` for :meth:`FeatureMap.vjp` (``cast=False``:
+    ``grad_features`` as given)."""
     _check_role(fmap.name, role)
     x = _check_input(fmap.name, x)
     g = np.asarray(grad_features)
@@ -467,7 +471,7 @@ def _vjp_inputs(fmap, x, grad_features, role):
             f"(x has shape {x.shape}), got {g.shape}"
         )
     out_dtype = np.result_type(x.dtype, g.dtype, np.float32)
-    return x, np.asarray(g, dtype=np.float64), out_dtype
+    return x, (np.asarray(g, dtype=np.float64) if cast else g), out_dtype
 
 
 def _max_shift_vjp(u, feats, g):
