@@ -35,6 +35,7 @@ from ._frontend import (LinearState, check_causal, check_method_name, check_stat
                         feature_dim, host_state, parse_state, rule_arguments, state_from_H)
 from .device import on_device, resolve_device
 from .ops import methods  # noqa: F401  (registers the built-in rules and methods)
+from .ops.grad import _maps
 
 _F16 = np.dtype(np.float16)
 _F32 = np.dtype(np.float32)
@@ -135,7 +136,10 @@ def prepare(q, k, v, *, feature_map, causal, method, device, eps, check_finite, 
     q, k, v = (CD.to_host(nm, x) if on_device(x) else x for nm, x in (("q", q), ("k", k), ("v", v)))
     decay, log_decay, beta = (CD.to_host(nm, x) if on_device(x) else x
                               for nm, x in (("decay", decay), ("log_decay", log_decay), ("beta", beta)))
-    q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_finite)
+    inline = fmap.kernel_code in _maps.ELEMENTWISE_CODES  # one parallel pass for features and their vjp
+    q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_finite and not inline)
+    if check_finite and inline:
+        V.check_finite("v", v)  # q and k: while their features are computed
     f = feature_dim(fmap, d)
     rule, inputs, normalize = rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, f, causal=causal,
                                              beta=beta)
@@ -151,9 +155,18 @@ def prepare(q, k, v, *, feature_map, causal, method, device, eps, check_finite, 
     H0, position = host_state(initial_state, batch_shape, f, m, check_finite=check_finite)
     if work is None:
         work = _F32 if dtype == _F16 else dtype
-    feat_kw = dict(causal=causal, offset=position, total_length=position + n, dtype=work)
-    qf = V.flatten_batch(featurise(fmap, q, role="query", name="q", **feat_kw), work)
-    kf = V.flatten_batch(featurise(fmap, k, role="key", name="k", **feat_kw), work)
+    if inline:
+        feats = []
+        for name, x in (("q", q), ("k", k)):
+            xf, finite = _maps.features(x, fmap.kernel_code, work)
+            if check_finite and not finite:
+                V.check_finite(name, x)  # raises, naming the input
+            feats.append(V.flatten_batch(xf, work))
+        qf, kf = feats
+    else:
+        feat_kw = dict(causal=causal, offset=position, total_length=position + n, dtype=work)
+        qf = V.flatten_batch(featurise(fmap, q, role="query", name="q", **feat_kw), work)
+        kf = V.flatten_batch(featurise(fmap, k, role="key", name="k", **feat_kw), work)
     v1 = np.ones((b, n, m + 1), dtype=work)
     v1[:, :, :m] = V.flatten_batch(v, work)
     decay_arg = None
@@ -353,9 +366,16 @@ def backward(req: Request, nd, grad_out, grad_state=None) -> VJP:
         dbeta = np.zeros((b, n))
     kw = dict(causal=req.causal, offset=req.position, total_length=req.position + n)
     fshape = req.batch_shape + (n, f)
-    dq, pq = req.fmap.vjp(req.q.astype(req.work, copy=False), np.asarray(dqf).reshape(fshape), role="query", **kw)
-    del dqf
-    dk, pk = req.fmap.vjp(req.k.astype(req.work, copy=False), np.asarray(dkf).reshape(fshape), role="key", **kw)
+    code = req.fmap.kernel_code
+    if code in _maps.ELEMENTWISE_CODES:
+        dq, pq = _maps.vjp(req.q, dqf, code, req.work), None
+        del dqf
+        dk, pk = _maps.vjp(req.k, dkf, code, req.work), None
+    else:
+        dq, pq = req.fmap.vjp(req.q.astype(req.work, copy=False), np.asarray(dqf).reshape(fshape), role="query",
+                              **kw)
+        del dqf
+        dk, pk = req.fmap.vjp(req.k.astype(req.work, copy=False), np.asarray(dkf).reshape(fshape), role="key", **kw)
     del dkf
     dv = np.asarray(dv1)[:, :, :m].reshape(req.batch_shape + (n, m))  # a view: no copy of the largest result
     d_state = None

@@ -312,3 +312,27 @@ def test_favor_projection_gradient_when_asked():
             fmap.W[...] = W0
 
     assert _rel(res.d_params["projection"], _fd(loss, W0)) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["elu", "relu", "squared_relu"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_inline_map_kernels_match_the_numpy_maps(name, dtype):
+    """The gradient front end's one-pass features and vjp (ops/grad/_maps.py) against FeatureMap.apply / vjp."""
+    from linattn_nb.ops.grad import _maps
+
+    x = RNG.normal(size=(2, 3, 7, 5)).astype(dtype)
+    x[0, 0, 0, :3] = [0.0, -0.0, 1e-30]
+    g = RNG.normal(size=x.shape).astype(dtype)
+    fmap = fm.get(name)
+    work = np.float32 if dtype == np.float16 else dtype
+    feats, finite = _maps.features(x, fmap.kernel_code, work)
+    assert finite and feats.dtype == work
+    np.testing.assert_allclose(feats, fmap.apply(x.astype(work), role="key", causal=True), rtol=2e-7 if work == np.float32 else 1e-15)
+    dx = _maps.vjp(x, g, fmap.kernel_code, work)
+    np.testing.assert_allclose(dx, fmap.vjp(x.astype(work), g.astype(work), role="key")[0],
+                               rtol=2e-7 if work == np.float32 else 1e-15)
+    clean = x.copy()
+    x[1, 2, 3, 4] = np.inf
+    assert not _maps.features(x, fmap.kernel_code, work)[1]
+    with pytest.raises(ValueError, match="k contains"):
+        la.linear_attention_vjp(clean, x, g, g, feature_map=name, causal=True)

@@ -1,0 +1,84 @@
+"""The elementwise feature maps of the kernels, for the gradient front end: features and their VJP.
+
+A gradient request needs ``phi(q)``, ``phi(k)`` as arrays (the backward
+launchers take features) and, after the launcher, ``dx = g * phi'(x)``.  For
+the maps the kernels apply inline (``kernel_code`` ELU+1, ReLU, squared ReLU)
+NumPy makes several passes and temporaries per array; these two kernels make
+one parallel pass, in the working dtype, with the same per-element map as
+the forward kernels (:func:`linattn_nb.ops._common.phi`), and check
+finiteness while they read (as the forward kernels do).  The row maps (L2)
+and every other map keep their NumPy form
+(:meth:`linattn_nb.feature_maps.FeatureMap.apply` / ``vjp``), which the
+tests compare these against.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ... import config
+from .._codes import KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU
+from .._common import phi
+
+#: Map codes with a per-element derivative here.
+ELEMENTWISE_CODES = (KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU)
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _dphi(x, code):
+    """Derivative of map ``code`` at ``x`` (the conventions of the NumPy ``_df``: the slope of the side
+    where the map is constant at a kink, 1 for ELU+1 at 0); NaN propagates."""
+    if code == KERNEL_CODE_ELU:
+        return x - x + 1 if x >= 0 else phi(x, code)  # exp(x) below 0: the feature itself
+    if code == KERNEL_CODE_RELU:
+        return x - x + 1 if x > 0 else (x - x)  # NaN - NaN: NaN propagates
+    if code == KERNEL_CODE_SQUARED_RELU:
+        return 2 * x if x > 0 else (x - x)
+    return x - x + 1
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def _features_kernel(x, out, code):
+    R, D = x.shape
+    ok = np.ones(R, dtype=np.bool_)
+    for r in prange(R):
+        good = True
+        for i in range(D):
+            xi = x[r, i]
+            out[r, i] = phi(xi, code)
+            good &= (xi - xi) == 0  # finite: inf - inf and NaN - NaN are NaN
+        ok[r] = good
+    return ok.all()
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def _vjp_kernel(x, g, out, code):
+    R, D = x.shape
+    for r in prange(R):
+        for i in range(D):
+            out[r, i] = g[r, i] * _dphi(x[r, i], code)
+
+
+def _rows(x):
+    return x.reshape((-1, x.shape[-1])) if x.size else x.reshape((0, x.shape[-1]))
+
+
+def features(x, code, dtype):
+    """``(phi(x), finite)``: features of ``x`` (..., N, D) as a C-contiguous ``dtype`` array, and whether
+    every element of ``x`` is finite."""
+    xw = np.ascontiguousarray(x, dtype=dtype)
+    out = np.empty(xw.shape, dtype=dtype)
+    if xw.size == 0:
+        return out, True
+    ok = _features_kernel(_rows(xw), _rows(out), int(code))
+    return out, bool(ok)
+
+
+def vjp(x, g, code, dtype):
+    """``g * phi'(x)`` (shape of ``x``) in ``dtype``."""
+    xw = np.ascontiguousarray(x, dtype=dtype)
+    gw = np.ascontiguousarray(g, dtype=dtype).reshape(xw.shape)
+    out = np.empty(xw.shape, dtype=dtype)
+    if xw.size:
+        _vjp_kernel(_rows(xw), _rows(gw), _rows(out), int(code))
+    return out
