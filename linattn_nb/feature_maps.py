@@ -9,8 +9,8 @@ Built-in maps are looked up by name::
 
     >>> from linattn_nb import feature_maps
     >>> feature_maps.available()  # doctest: +NORMALIZE_WHITESPACE
-    ['cosformer', 'dpfp', 'elu', 'favor+', 'hedgehog', 'identity', 'relu', 'rff',
-     'squared_relu', 'taylor2']
+    ['cosformer', 'dpfp', 'elu', 'favor+', 'hedgehog', 'identity', 'l2', 'relu', 'rff',
+     'silu_l2', 'squared_relu', 'taylor2']
     >>> phi = feature_maps.get("elu")
     >>> phi.output_dim(64)
     64
@@ -24,6 +24,8 @@ elu           ``(elu(q)+1) . (elu(k)+1)``                ``d``            Kathar
 relu          ``relu(q) . relu(k)``                      ``d``
 squared_relu  ``relu(q)^2 . relu(k)^2``                  ``d``
 identity      ``q . k`` (signed)                         ``d``
+l2            ``q/|q| . k/|k|`` (signed)                 ``d``            DeltaNet (Yang et al. 2024)
+silu_l2       as l2, after SiLU                          ``d``            DeltaNet (Yang et al. 2024)
 dpfp          DPFP(nu) products of rectified coords      ``2 d nu``       Schlag et al. 2021, §5.4
 favor+        estimates ``exp(scale q.k)``, positive     ``m`` / ``2m``   Choromanski et al. 2021
 rff           estimates ``exp(scale q.k)`` (signed)      ``2m``           Performer Lemma 2; RFA
@@ -50,6 +52,12 @@ returning one)::
     >>> feature_maps.register("softplus", Softplus, overwrite=True)
     >>> feature_maps.get("softplus")(np.zeros((2, 3))).round(3).tolist()
     [[0.693, 0.693, 0.693], [0.693, 0.693, 0.693]]
+
+Every built-in map has :meth:`FeatureMap.vjp`, the vector-Jacobian product
+of the features that attention uses (``dL/dx`` from ``dL/dphi``), and
+:meth:`FeatureMap.parameters`, its trainable parameters (hedgehog's ``W`` and
+``b``; favor+'s projection with ``learn_projection=True``) whose gradients
+``vjp`` returns too.
 
 Elementwise maps whose output dimension equals the input dimension can also
 carry a ``kernel_code`` so that the Numba kernels apply them on the fly, block
@@ -108,7 +116,9 @@ class FeatureMap:
     Subclasses set :attr:`name`, implement :meth:`transform` (features of an
     ``(..., N, D)`` array) and, when the output dimension differs from the
     input dimension, :meth:`output_dim`.  The class docstring states the kernel
-    the map stands for and where it comes from.
+    the map stands for and where it comes from.  To take gradients through
+    the map, define :meth:`vjp` (and :meth:`parameters` when it has trainable
+    parameters); every built-in map has both.
 
     Attributes
     ----------
@@ -176,6 +186,74 @@ class FeatureMap:
         _check_role(self.name, role)
         return self(x)
 
+    def parameters(self) -> dict:
+        """The map's trainable parameters: a dict ``name -> ndarray`` (empty by default).
+
+        The arrays are the map's own (not copies): updating one in place
+        (``p -= lr * g``) updates the map.  :meth:`vjp` returns the gradients
+        under the same names.
+        """
+        return {}
+
+    def vjp(self, x, grad_features, *, role: str, causal: bool = False, offset: int = 0,
+            total_length: int | None = None):
+        """Vector-Jacobian product of :meth:`apply`: gradients through ``phi``.
+
+        Differentiates exactly the function
+        ``self.apply(x, role=role, causal=causal, offset=offset, total_length=total_length)``
+        computes, role-dependent stabilising shifts included (a per-row
+        maximum passes its gradient to the one entry that attains it, the
+        first on ties).  At kinks (ReLU at 0) the derivative on the zero side
+        is used.  The product is computed in float64.  ``dx`` of a token
+        depends on that token's ``x`` and ``grad_features`` only.  A subclass
+        of a built-in map that changes the function must override ``vjp``
+        too (or ``_df``, for an :class:`ElementwiseFeatureMap`).
+
+        Parameters
+        ----------
+        x : array_like, shape (..., N, D)
+            The inputs given to :meth:`apply`.
+        grad_features : array_like, shape (..., N, D_phi)
+            ``dL/d phi(x)``, the gradient of a loss with respect to the features,
+            ``D_phi = output_dim(D)``.
+        role : {"query", "key"}
+        causal : bool, default False
+        offset : int, default 0
+        total_length : int, optional
+            As for :meth:`apply`.
+
+        Returns
+        -------
+        dx : ndarray, shape of ``x``
+            ``dL/dx``; float64 when ``x`` is float64, else the result dtype of
+            ``x`` and ``grad_features`` (at least float32).
+        dparams : dict or None
+            ``None`` for maps without trainable parameters, else
+            ``name -> dL/dparameter`` (float64, the shapes of
+            :meth:`parameters`; see the map's docstring for its names).
+
+        Raises
+        ------
+        NotImplementedError
+            In this base class: a user map defines ``vjp`` to take gradients
+            through it.
+        ValueError
+            If ``grad_features`` does not have the shape of the features, or
+            ``role`` is not ``"query"`` or ``"key"`` (and whatever
+            :meth:`apply` raises for these inputs).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from linattn_nb import feature_maps
+        >>> phi = feature_maps.get("elu")
+        >>> x = np.array([[-1.0, 2.0]])
+        >>> dx, dparams = phi.vjp(x, np.ones((1, 2)), role="key")
+        >>> dx.round(4).tolist(), dparams
+        ([[0.3679, 1.0]], None)
+        """
+        raise NotImplementedError(_no_vjp_message(self))
+
     def kernel(self, x, y) -> np.ndarray:
         """The kernel ``k(x, y)`` these features compute, for pairs of rows.
 
@@ -192,13 +270,28 @@ class FeatureMap:
 
 
 class ElementwiseFeatureMap(FeatureMap):
-    """A map applied to each coordinate independently (``D_phi = D``)."""
+    """A map applied to each coordinate independently (``D_phi = D``).
+
+    Subclasses define ``_f`` (the function) and, for gradients, ``_df`` (its
+    derivative, on float64 arrays); :meth:`vjp` is then ``g * _df(x)``.
+    """
 
     def _f(self, x: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def _df(self, x: np.ndarray) -> np.ndarray:
+        """Derivative of ``_f`` elementwise (float64 in, float64 out)."""
+        raise NotImplementedError(_no_vjp_message(self, "_df"))
+
     def transform(self, x: np.ndarray) -> np.ndarray:
         return np.asarray(self._f(x), dtype=x.dtype)
+
+    def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
+        if type(self)._df is ElementwiseFeatureMap._df:
+            raise NotImplementedError(_no_vjp_message(self, "_df"))
+        x, g, out_dtype = _vjp_inputs(self, x, grad_features, role)
+        dx = g * self._df(np.asarray(x, dtype=np.float64))
+        return dx.astype(out_dtype, copy=False), None
 
 
 class EluFeatureMap(ElementwiseFeatureMap):
@@ -218,6 +311,10 @@ class EluFeatureMap(ElementwiseFeatureMap):
         # avoids NumPy's slow exp path on the many exact zeros of minimum(x, 0).
         return np.where(x >= 0, x + 1, np.exp(-np.abs(x)))
 
+    def _df(self, x):
+        # 1 for x >= 0 (both branches have slope 1 at 0), exp(x) below; NaN propagates
+        return np.where(x >= 0, 1.0, np.exp(np.minimum(x, 0.0)))
+
 
 class ReluFeatureMap(ElementwiseFeatureMap):
     """ReLU: ``phi(x) = max(x, 0)``.
@@ -235,6 +332,9 @@ class ReluFeatureMap(ElementwiseFeatureMap):
     def _f(self, x):
         return np.maximum(x, 0)
 
+    def _df(self, x):
+        return np.heaviside(x, 0.0)  # 0 at the kink; NaN propagates
+
 
 class SquaredReluFeatureMap(ElementwiseFeatureMap):
     """Squared ReLU: ``phi(x) = max(x, 0)**2``.
@@ -249,6 +349,9 @@ class SquaredReluFeatureMap(ElementwiseFeatureMap):
     def _f(self, x):
         r = np.maximum(x, 0)
         return r * r
+
+    def _df(self, x):
+        return 2.0 * np.maximum(x, 0)
 
 
 class IdentityFeatureMap(ElementwiseFeatureMap):
@@ -265,6 +368,9 @@ class IdentityFeatureMap(ElementwiseFeatureMap):
 
     def _f(self, x):
         return x
+
+    def _df(self, x):
+        return np.ones_like(x)
 
 
 class DpfpFeatureMap(FeatureMap):
@@ -301,6 +407,22 @@ class DpfpFeatureMap(FeatureMap):
         parts = [r * np.roll(r, -j, axis=-1) for j in range(1, self.nu + 1)]
         return np.concatenate(parts, axis=-1).astype(x.dtype, copy=False)
 
+    def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
+        x, g, out_dtype = _vjp_inputs(self, x, grad_features, role)
+        d = x.shape[-1]
+        if self.nu >= 2 * d:
+            raise ValueError(f"dpfp: nu={self.nu} must be smaller than 2*D={2 * d}")
+        y = np.asarray(x, dtype=np.float64)
+        s = np.concatenate([y, -y], axis=-1)
+        r = np.maximum(s, 0.0)
+        # phi_j = r * roll(r, -j): r_i feeds phi_j[i] (times r_{i+j}) and phi_j[i-j] (times r_{i-j})
+        dr = np.zeros_like(r)
+        for j in range(1, self.nu + 1):
+            gj = g[..., (j - 1) * 2 * d: j * 2 * d]
+            dr += gj * np.roll(r, -j, axis=-1) + np.roll(gj * r, j, axis=-1)
+        ds = dr * np.heaviside(s, 0.0)
+        return (ds[..., :d] - ds[..., d:]).astype(out_dtype, copy=False), None
+
     def __repr__(self) -> str:
         return f"DpfpFeatureMap(nu={self.nu})"
 
@@ -324,6 +446,48 @@ def _check_input(name: str, x) -> np.ndarray:
 def _check_role(name: str, role) -> None:
     if role not in _ROLES:
         raise ValueError(f"feature map {name!r}: role must be 'query' or 'key', got {role!r}")
+
+
+def _no_vjp_message(fmap, what: str = "vjp") -> str:
+    return (f"feature map {getattr(fmap, 'name', '')!r} ({type(fmap).__name__}) has no vector-Jacobian product; "
+            f"define {what}(...) to take gradients through this map")
+
+
+def _vjp_inputs(fmap, x, grad_features, role):
+    """Checked ``(x, float64 grad_features, dtype of dx)`` for :meth:`FeatureMap.vjp`."""
+    _check_role(fmap.name, role)
+    x = _check_input(fmap.name, x)
+    g = np.asarray(grad_features)
+    if g.dtype == np.bool_ or not (np.issubdtype(g.dtype, np.floating) or np.issubdtype(g.dtype, np.integer)):
+        raise TypeError(f"feature map {fmap.name!r}: grad_features must be real numbers, got dtype {g.dtype}")
+    want = x.shape[:-1] + (int(fmap.output_dim(x.shape[-1])),)
+    if g.shape != want:
+        raise ValueError(
+            f"feature map {fmap.name!r}: grad_features must have the shape of the features, {want} "
+            f"(x has shape {x.shape}), got {g.shape}"
+        )
+    out_dtype = np.result_type(x.dtype, g.dtype, np.float32)
+    return x, np.asarray(g, dtype=np.float64), out_dtype
+
+
+def _max_shift_vjp(u, feats, g):
+    """Gradient w.r.t. ``u`` of ``feats = c exp(u - max(u, axis=-1))`` (``c`` a constant) for ``g`` (float64).
+
+    ``d/du_l exp(u_k - u_a) = f_k (delta_kl - delta_la)``, ``a`` the argmax
+    (the first on ties): the maximum sends ``-sum_k g_k f_k`` to entry ``a``.
+    """
+    gf = g * feats
+    du = gf.copy()
+    if du.shape[-1] and du.size:
+        a = np.argmax(u, axis=-1)[..., None]
+        np.put_along_axis(du, a, np.take_along_axis(du, a, axis=-1) - gf.sum(axis=-1, keepdims=True), axis=-1)
+    return du
+
+
+def _outer_sum(du, xs):
+    """``sum over rows of du[r]^T xs[r]``: ``(..., m)`` and ``(..., d)`` -> ``(m, d)``."""
+    m, d = du.shape[-1], xs.shape[-1]
+    return du.reshape(-1, m).T @ xs.reshape(-1, d)
 
 
 def _check_scale(scale):
@@ -567,6 +731,14 @@ class FavorPlusFeatureMap(RandomFeatureMap):
         See :class:`RandomFeatureMap`; ``orthogonal`` defaults to True
         (the "O" of FAVOR+).
     kind : {"positive", "hyperbolic"}, default "positive"
+    learn_projection : bool, default False
+        Treat the projection as a trainable parameter: :meth:`parameters`
+        returns ``{"projection": W}`` (the ``(m, d)`` array :attr:`W` itself,
+        unscaled: the features use ``W`` and ``x' = sqrt(scale) x``) and
+        :meth:`vjp` returns its gradient under the same name.  Before ``W``
+        is drawn (no ``dim`` given and never called) there is nothing to
+        return: give ``dim`` to have the parameter from the start.
+        :meth:`redraw` replaces a trained ``W`` by a fresh draw.
 
     Examples
     --------
@@ -589,10 +761,13 @@ class FavorPlusFeatureMap(RandomFeatureMap):
     default_orthogonal = True
 
     def __init__(self, dim=None, num_features=None, *, kind="positive", orthogonal=True, row_norm="chi",
-                 seed=None, scale=None):
+                 seed=None, scale=None, learn_projection=False):
         if kind not in ("positive", "hyperbolic"):
             raise ValueError(f"kind must be 'positive' or 'hyperbolic', got {kind!r}")
+        if not isinstance(learn_projection, (bool, np.bool_)):
+            raise TypeError(f"learn_projection must be a bool, got {type(learn_projection).__name__}")
         self.kind = kind
+        self.learn_projection = bool(learn_projection)
         from . import config
 
         self.key_headroom = float(config.FAVOR_KEY_HEADROOM)
@@ -633,6 +808,57 @@ class FavorPlusFeatureMap(RandomFeatureMap):
             u = u - (half_sq[..., None] + self.key_shift)
         return _cast_features(self.name, np.exp(u) / math.sqrt(u.shape[-1]), x)
 
+    def parameters(self) -> dict:
+        """``{"projection": W}`` with ``learn_projection=True`` once ``W`` is drawn, else ``{}``."""
+        if self.learn_projection and self.W is not None:
+            return {"projection": self.W}
+        return {}
+
+    def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
+        """Vector-Jacobian product of :meth:`apply` (see :meth:`FeatureMap.vjp`).
+
+        ``dparams`` is ``{"projection": dL/dW}`` (shape ``(m, d)``) with
+        ``learn_projection=True``, else None.  For keys the gradient includes
+        the key shift's dependence on ``W`` (through the row of largest norm)
+        when the shift is active.
+        """
+        _check_role(self.name, role)
+        x = _check_input(self.name, x)
+        d = x.shape[-1]
+        w = self.weights(d)  # draws W now if needed, as apply would; checks the dimension first
+        x, g, out_dtype = _vjp_inputs(self, x, grad_features, role)
+        root = math.sqrt(self.effective_scale(d))
+        xs = np.asarray(x, dtype=np.float64) * root
+        u = xs @ w.T
+        m = u.shape[-1]
+        if self.kind == "hyperbolic":
+            u = np.concatenate([u, -u], axis=-1)
+        norm = math.sqrt(u.shape[-1])
+        shift = 0.0
+        if role == "query":
+            feats = np.exp(u - np.max(u, axis=-1, keepdims=True)) / norm
+            du = _max_shift_vjp(u, feats, g)
+            d_half_sq = None
+        else:
+            shift = self.key_shift
+            feats = np.exp(u - (0.5 * np.einsum("...i,...i->...", xs, xs)[..., None] + shift)) / norm
+            du = g * feats
+            d_half_sq = -du.sum(axis=-1)
+        if self.kind == "hyperbolic":
+            du = du[..., :m] - du[..., m:]
+        dxs = du @ w
+        if d_half_sq is not None:
+            dxs += d_half_sq[..., None] * xs
+        dx = (dxs * root).astype(out_dtype, copy=False)
+        if not self.learn_projection:
+            return dx, None
+        dw = _outer_sum(du, xs)
+        if shift > 0.0:
+            # shift = |w_a|^2/2 - H, a the row of largest norm: d shift / d w_a = w_a
+            a = int(np.argmax(np.einsum("ij,ij->i", w, w)))
+            dw[a] += float(d_half_sq.sum()) * w[a]
+        return dx, {"projection": dw}
+
     def kernel(self, x, y):
         """``exp(scale x . y)``, the kernel the features estimate."""
         x = np.asarray(x, dtype=np.float64)
@@ -640,7 +866,8 @@ class FavorPlusFeatureMap(RandomFeatureMap):
         return np.exp(self.effective_scale(x.shape[-1]) * np.sum(x * y, axis=-1))
 
     def __repr__(self) -> str:
-        return super().__repr__()[:-1] + f", kind={self.kind!r})"
+        learn = ", learn_projection=True" if self.learn_projection else ""
+        return super().__repr__()[:-1] + f", kind={self.kind!r}{learn})"
 
 
 class RandomFourierFeatureMap(RandomFeatureMap):
@@ -707,6 +934,31 @@ class RandomFourierFeatureMap(RandomFeatureMap):
         if role == "key":
             return self.transform(x)
         return _cast_features(self.name, self._trig(x)[1], x)
+
+    def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
+        _check_role(self.name, role)
+        x = _check_input(self.name, x)
+        d = x.shape[-1]
+        w = self.weights(d)
+        x, g, out_dtype = _vjp_inputs(self, x, grad_features, role)
+        root = math.sqrt(self.effective_scale(d))
+        xs = np.asarray(x, dtype=np.float64) * root
+        u = xs @ w.T
+        m = u.shape[-1]
+        sin, cos = np.sin(u), np.cos(u)
+        gs, gc = g[..., :m], g[..., m:]
+        if role == "key" and self.target == "softmax":
+            # phi = exp(|x'|^2/2) [sin u, cos u] / sqrt(m)
+            with np.errstate(over="ignore"):
+                e = np.exp(0.5 * np.einsum("...i,...i->...", xs, xs))[..., None]
+                feats = np.concatenate([sin, cos], axis=-1) * (e / math.sqrt(m))
+            _cast_features(self.name, feats, x)  # raises where apply raises (features overflow the dtype)
+            du = (gs * cos - gc * sin) * (e / math.sqrt(m))
+            dxs = du @ w + np.einsum("...i,...i->...", g, feats)[..., None] * xs
+        else:
+            du = (gs * cos - gc * sin) / math.sqrt(m)
+            dxs = du @ w
+        return (dxs * root).astype(out_dtype, copy=False), None
 
     def kernel(self, x, y):
         """``exp(scale x . y)`` (softmax target) or ``exp(-scale |x - y|^2 / 2)`` (gaussian)."""
@@ -778,6 +1030,23 @@ class Taylor2FeatureMap(FeatureMap):
         quad = xs[..., i] * xs[..., j] * w
         ones = np.ones(xs.shape[:-1] + (1,))
         return np.concatenate([ones, xs, quad], axis=-1).astype(x.dtype, copy=False)
+
+    def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
+        x, g, out_dtype = _vjp_inputs(self, x, grad_features, role)
+        d = x.shape[-1]
+        root = math.sqrt(self.effective_scale(d))
+        xs = np.asarray(x, dtype=np.float64) * root
+        dxs = g[..., 1:1 + d].copy()
+        gq = g[..., 1 + d:]
+        # quad lists the pairs (a, b >= a) row by row (np.triu_indices): row a is one contiguous run
+        start = 0
+        for a in range(d):
+            run = gq[..., start:start + d - a].copy()
+            run[..., 0] *= 1.0 / math.sqrt(2.0)  # x'_a^2 / sqrt(2)
+            dxs[..., a] += np.einsum("...k,...k->...", run, xs[..., a:])
+            dxs[..., a:] += run * xs[..., a:a + 1]
+            start += d - a
+        return (dxs * root).astype(out_dtype, copy=False), None
 
     def kernel(self, x, y):
         """``1 + t + t^2/2`` with ``t = scale x . y`` (closed form)."""
@@ -886,6 +1155,17 @@ class CosformerFeatureMap(FeatureMap):
         _check_role(self.name, role)
         return self._features(_check_input(self.name, x), offset, total_length)
 
+    def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
+        x, g, out_dtype = _vjp_inputs(self, x, grad_features, role)
+        if x.ndim < 2:
+            raise ValueError(f"cosformer: input must have shape (..., N, D), got {x.shape}")
+        n, d = x.shape[-2], x.shape[-1]
+        big_m = self._length(offset, n, total_length)
+        theta = (0.5 * np.pi / max(big_m, 1)) * (int(offset) + np.arange(n, dtype=np.float64))
+        dr = g[..., :d] * np.cos(theta)[:, None] + g[..., d:] * np.sin(theta)[:, None]
+        dx = dr * np.heaviside(np.asarray(x, dtype=np.float64), 0.0)
+        return dx.astype(out_dtype, copy=False), None
+
     def kernel(self, x, y, *, pos_x=0, pos_y=0, max_length=None):
         """``relu(x) . relu(y) cos(pi/2 (pos_x - pos_y) / M)``, ``M = max_length`` (or the map's)."""
         big_m = max_length if max_length is not None else self.max_length
@@ -914,6 +1194,13 @@ class HedgehogFeatureMap(FeatureMap):
     largest value (a per-query factor: it cancels row by row, causal or not).
     Key features have no data-independent bound; keys whose features overflow
     the dtype raise ValueError.
+
+    Gradients: :meth:`vjp` always returns ``{"W": dL/dW, "b": dL/db}``
+    (shapes ``(d_out, d)`` and ``(d_out,)``), the gradients with respect to
+    the parameters the map uses, defaults included (``W = I``, ``b = 0``).
+    :meth:`parameters` returns the stored arrays only (``W`` and ``b`` when
+    given); call :meth:`materialize` to store the defaults explicitly before
+    training them.
 
     Parameters
     ----------
@@ -972,6 +1259,58 @@ class HedgehogFeatureMap(FeatureMap):
             return self.transform(x)
         u = self._logits(x)
         return _cast_features(self.name, np.exp(u - np.max(u, axis=-1, keepdims=True)), x)
+
+    def parameters(self) -> dict:
+        """The stored parameters: ``{"W": W, "b": b}``, leaving out those not given (defaults)."""
+        return {k: v for k, v in (("W", self.W), ("b", self.b)) if v is not None}
+
+    def materialize(self, d=None):
+        """Store the defaults explicitly (``W = I_d``, ``b = 0``) so that :meth:`parameters` has both.
+
+        The features do not change.  ``d`` (the input dimension) is needed
+        only when neither ``W`` nor ``b`` is set.  Returns the map.
+
+        Examples
+        --------
+        >>> from linattn_nb import feature_maps
+        >>> sorted(feature_maps.get("hedgehog").materialize(4).parameters())
+        ['W', 'b']
+        """
+        if self.W is None:
+            if self.b is not None:
+                if d is not None and int(d) != self.b.shape[0]:
+                    raise ValueError(f"hedgehog: d={d} but b has shape {self.b.shape}")
+                d = self.b.shape[0]
+            d = _check_count("d", d, allow_none=False)
+            self.W = np.eye(d)
+        if self.b is None:
+            self.b = np.zeros(self.W.shape[0])
+        return self
+
+    def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
+        """Vector-Jacobian product of :meth:`apply` (see :meth:`FeatureMap.vjp`).
+
+        ``dparams`` is always ``{"W": (d_out, d), "b": (d_out,)}``, the
+        defaults' gradients when ``W`` or ``b`` was not given.
+        """
+        _check_role(self.name, role)
+        x = _check_input(self.name, x)
+        logits = self._logits(x)  # checks W and b against the input dimension
+        x, g, out_dtype = _vjp_inputs(self, x, grad_features, role)
+        m = logits.shape[-1] // 2
+        if role == "key":
+            with np.errstate(over="ignore"):
+                feats = np.exp(logits)
+            _cast_features(self.name, feats, x)  # raises where apply raises (features overflow the dtype)
+            dl = g * feats
+        else:
+            feats = np.exp(logits - np.max(logits, axis=-1, keepdims=True))
+            dl = _max_shift_vjp(logits, feats, g)
+        du = dl[..., :m] - dl[..., m:]
+        dx = du @ self.W if self.W is not None else du
+        dw = _outer_sum(du, np.asarray(x, dtype=np.float64))
+        db = du.reshape(-1, m).sum(axis=0)
+        return dx.astype(out_dtype, copy=False), {"W": dw, "b": db}
 
     def __repr__(self) -> str:
         shape = None if self.W is None else self.W.shape
@@ -1132,6 +1471,26 @@ class L2FeatureMap(FeatureMap):
             out = np.where(nrm > 0, y / np.where(nrm > 0, nrm, 1.0), 0.0)
         return out.astype(x.dtype, copy=False)
 
+    def _dpre(self, y):
+        """Derivative of :meth:`_pre`, elementwise (float64)."""
+        return np.ones_like(y)
+
+    def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
+        """Vector-Jacobian product of :meth:`apply` (see :meth:`FeatureMap.vjp`).
+
+        ``d(s/|s|) = (g - f (f . g)) / |s|`` with ``f = s/|s|``; a zero row has
+        zero features and gets a zero gradient.
+        """
+        x, g, out_dtype = _vjp_inputs(self, x, grad_features, role)
+        s = self._pre(x)
+        nrm = np.linalg.norm(s, axis=-1, keepdims=True)
+        safe = np.where(nrm > 0, nrm, 1.0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            f = s / safe
+            ds = np.where(nrm > 0, (g - f * np.einsum("...i,...i->...", f, g)[..., None]) / safe, 0.0)
+        dx = ds * self._dpre(np.asarray(x, dtype=np.float64))
+        return dx.astype(out_dtype, copy=False), None
+
 
 class SiluL2FeatureMap(L2FeatureMap):
     """SiLU, then L2 normalisation per row: ``phi(x) = s / ||s||``, ``s = x * sigmoid(x)`` (DeltaNet).
@@ -1148,6 +1507,14 @@ class SiluL2FeatureMap(L2FeatureMap):
         y = np.asarray(x, dtype=np.float64)
         with np.errstate(over="ignore"):
             return y / (1.0 + np.exp(-y))  # exp overflow -> inf -> y / inf = -0 for very negative y
+
+    def _dpre(self, y):
+        # silu'(y) = sigmoid(y) (1 + y (1 - sigmoid(y))); 1 - sigmoid(y) = sigmoid(-y), kept exact for large y
+        with np.errstate(over="ignore"):
+            sig = 1.0 / (1.0 + np.exp(-y))
+            sig_neg = 1.0 / (1.0 + np.exp(y))
+        with np.errstate(invalid="ignore"):  # y = +-inf: the limits 1 and 0; NaN propagates
+            return np.where(np.isinf(y), (y > 0).astype(np.float64), sig * (1.0 + y * sig_neg))
 
 
 register("elu", EluFeatureMap)
