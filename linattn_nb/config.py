@@ -141,6 +141,44 @@ def _chunk_row(f, m, dtype):
     return (None, 32, 16)
 
 
+#: Chunk size C of the CPU chunked backward (``linattn_nb.ops.grad.cpu.backward_chunked``):
+#: the GEMM-shaped chunks of the additive, decay and gate rules.  0 (default)
+#: picks :func:`cpu_backward_chunk`.  The additive rule keeps no state per
+#: chunk; the decay and gate rules keep one float64 state per chunk (their
+#: factor gradients need the state before each chunk), so larger chunks
+#: save memory there.
+BACKWARD_CHUNK = _env_int("LINATTN_BACKWARD_CHUNK", 0)
+
+#: Checkpoint interval (tokens) of the CPU scan backward
+#: (``linattn_nb.ops.grad.cpu.backward_scan``, and ``backward_chunked`` of the
+#: delta rules): the float64 state is stored every this many tokens and the
+#: states in between are recomputed in a (interval x F x (M + 1)) scratch per
+#: thread.  0 (default) picks :func:`cpu_backward_checkpoint`, the interval at
+#: which the checkpoints take about as many bytes as the values.
+BACKWARD_CHECKPOINT = _env_int("LINATTN_BACKWARD_CHECKPOINT", 0)
+
+
+def cpu_backward_chunk(n: int, f: int, m: int, dtype) -> int:
+    """Chunk size of the CPU chunked backward (``BACKWARD_CHUNK`` if set, else 64), at most ``max(n, 1)``."""
+    c = BACKWARD_CHUNK if BACKWARD_CHUNK > 0 else 64
+    return max(1, min(int(c), int(n)))
+
+
+def cpu_backward_checkpoint(n: int, f: int, m1: int, itemsize: int) -> int:
+    """Checkpoint interval of the CPU scan backward (``BACKWARD_CHECKPOINT`` if set).
+
+    Default: the interval ``L`` at which one float64 state of ``f x m1``
+    numbers costs about the bytes of ``L`` value rows of ``m1`` numbers of
+    ``itemsize`` bytes (``L = 8 f / itemsize``), clipped to [16, 256] and to
+    ``max(n, 1)``.
+    """
+    if BACKWARD_CHECKPOINT > 0:
+        c = int(BACKWARD_CHECKPOINT)
+    else:
+        c = min(256, max(16, (8 * int(f)) // max(1, int(itemsize))))
+    return max(1, min(c, int(n)))
+
+
 #: Below this much work (B * N * N * (D + M), halved when causal) the CPU
 #: softmax kernel runs on the calling thread (see CPU_CHUNKED_SERIAL_MAX_WORK).
 SOFTMAX_SERIAL_MAX_WORK = _env_int("LINATTN_SOFTMAX_SERIAL_MAX_WORK", 1 << 21)

@@ -1,0 +1,223 @@
+"""CPU backward: speed against the forward, float32 accuracy, peak memory (issue 16 targets).
+
+Run::
+
+    python benchmarks/backward_cpu.py              # everything; accuracy and memory at N = 2**20
+    python benchmarks/backward_cpu.py --quick      # fewer rounds, accuracy and memory at N = 2**16
+    python benchmarks/backward_cpu.py --skip-long  # speed rows only
+
+Speed (B*H = 16, N = 4096, D = M = 64, float32, ELU+1), timed side by side
+in interleaved rounds (:func:`_common.interleaved_medians`): the forward
+``linear_attention(..., causal=True, method="chunked")``, the backward
+launcher alone (``linattn_nb.ops.grad.cpu.backward_chunked`` /
+``backward_scan`` on the features, values with the ones column and a
+gradient of the outputs) and the whole ``linear_attention_vjp(...,
+method="chunked")`` (features, forward, backward, the map's vjp).  Target:
+backward <= 2.5x the forward on AMD EPYC (additive rule).  Rows for the
+decay, gate and delta rules give the same launcher against their own
+chunked forward.
+
+Accuracy: float32 gradients of the additive chunked backward against the
+float64 backward of the same inputs at B*H = 1, D = M = 64 (relative
+Frobenius error per gradient; target 1e-5).
+
+Peak memory: the forward and ``linear_attention_vjp`` (forward + backward,
+chunked, ELU+1, float32) at B*H = 1, N = 2**20, D = M = 64 in a fresh
+subprocess, inputs made inside the measurement: the peak of NumPy's
+allocations (``tracemalloc``; the kernels' per-thread scratch is not
+counted, it is O(C^2 + C (F + M) + F M)) and the rise of the peak resident
+set (``ru_maxrss``) over the resident set just before the inputs are made,
+against the bytes of q, k, v, o, grad_out, dq, dk, dv together (target <=
+2x).
+
+Until the feature maps' vjps land, the ELU+1 map gets its elementwise vjp
+here (``dx = g * (1 if x > 0 else exp(x))``) where it has none.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from _common import cpu_model, interleaved_medians, rel_error, table
+
+import linattn_nb  # noqa: E402
+from linattn_nb import feature_maps as fm  # noqa: E402
+from linattn_nb.ops._codes import RULES  # noqa: E402
+from linattn_nb.ops.grad import cpu as gcpu  # noqa: E402
+
+
+def _ensure_elu_vjp():
+    if not hasattr(fm.EluFeatureMap, "vjp"):
+        def vjp(self, x, g, **kw):
+            return g * np.where(x > 0, 1.0, np.exp(np.minimum(x, 0.0))).astype(g.dtype), None
+
+        fm.EluFeatureMap.vjp = vjp
+
+
+def _elu1(x):
+    return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0))).astype(x.dtype)
+
+
+def _data(bh, n, d, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    q, k, v, g = (rng.standard_normal((bh, n, d)).astype(dtype) for _ in range(4))
+    return q, k, v, g
+
+
+def _launcher_args(q, k, v, g, dtype):
+    bh, n, d = q.shape
+    qf, kf = _elu1(q), _elu1(k)
+    v1 = np.concatenate([v, np.ones((bh, n, 1), dtype)], axis=2)
+    g1 = np.concatenate([g, -np.full((bh, n, 1), 0.01, dtype)], axis=2)
+    return qf, kf, v1, np.zeros((bh, d, d + 1)), g1
+
+
+def _rule_inputs(name, bh, n, d, seed=1):
+    rng = np.random.default_rng(seed)
+    if name == "decay":
+        return {"log_decay": rng.uniform(-0.1, -0.001, (bh, n))}, {"log_decay": None}
+    if name == "gate":
+        return {"log_gate": rng.uniform(-0.5, -0.001, (bh, n, d))}, {"log_decay": None}
+    if name == "delta":
+        return {"beta": rng.uniform(0.0, 1.0, (bh, n))}, {"beta": None}
+    return {}, {}
+
+
+def speed(rounds):
+    bh, n, d = 16, 4096, 64
+    q, k, v, g = _data(bh, n, d, np.float32)
+    qf, kf, v1, H0, g1 = _launcher_args(q, k, v, g, np.float32)
+    rows = []
+    for name in ("additive", "decay", "gate", "delta"):
+        code = RULES[name][0]
+        inputs, _ = _rule_inputs(name, bh, n, d)
+        fkw = {}
+        if name in ("decay", "gate"):
+            fkw["log_decay"] = inputs["log_decay" if name == "decay" else "log_gate"]
+        if name == "delta":
+            fkw["beta"] = inputs["beta"]
+        cases = {
+            "forward": lambda fkw=fkw: linattn_nb.linear_attention(q, k, v, causal=True, method="chunked",
+                                                                   feature_map="elu", check_finite=False, **fkw),
+            "backward": lambda code=code, inputs=inputs: gcpu.backward_chunked(qf, kf, v1, H0, g1, inputs=inputs,
+                                                                               rule=code),
+        }
+        if name == "additive":
+            cases["backward_scan"] = lambda: gcpu.backward_scan(qf, kf, v1, H0, g1)
+            cases["vjp"] = lambda: linattn_nb.linear_attention_vjp(q, k, v, g, causal=True, method="chunked",
+                                                                   feature_map="elu", check_finite=False)
+        med, _ = interleaved_medians(cases, rounds)
+        row = {"rule": name, "forward_s": med["forward"], "backward_s": med["backward"],
+               "ratio": med["backward"] / med["forward"]}
+        if "vjp" in med:
+            row["vjp_s"] = med["vjp"]
+            row["vjp_ratio"] = med["vjp"] / med["forward"]
+            row["scan_backward_s"] = med["backward_scan"]
+        rows.append(row)
+    return rows
+
+
+def accuracy(n):
+    q, k, v, g = _data(1, n, 64, np.float32, seed=2)
+    a32 = _launcher_args(q, k, v, g, np.float32)
+    a64 = [x.astype(np.float64) for x in a32]
+    r32 = gcpu.backward_chunked(*a32)
+    r64 = gcpu.backward_chunked(*a64)
+    row = {"n": n}
+    for field in ("dq", "dk", "dv", "dH0"):
+        row[field] = rel_error(np.asarray(getattr(r32, field)), np.asarray(getattr(r64, field)))
+    return row
+
+
+_MEMORY_CHILD = r"""
+import json, resource, sys, tracemalloc
+import numpy as np
+sys.path.insert(0, sys.argv[2])
+import backward_cpu as bc
+import linattn_nb
+bc._ensure_elu_vjp()
+n = int(sys.argv[1])
+kw = dict(causal=True, method="chunked", feature_map="elu", check_finite=False)
+w = bc._data(1, 64, 64, np.float32)
+linattn_nb.linear_attention_vjp(*w, **kw)     # compile and warm up on a small call
+linattn_nb.linear_attention(*w[:3], **kw)
+with open("/proc/self/statm") as fh:
+    rss0 = int(fh.read().split()[1]) * resource.getpagesize()
+tracemalloc.start()
+q, k, v, g = bc._data(1, n, 64, np.float32)
+o = linattn_nb.linear_attention(q, k, v, **kw)
+res = linattn_nb.linear_attention_vjp(q, k, v, g, **kw)
+traced = tracemalloc.get_traced_memory()[1]
+tracemalloc.stop()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+arrays = (q, k, v, o, g, res.dq, res.dk, res.dv)
+del res, o
+largs = bc._launcher_args(q, k, v, g, np.float32)
+del q, k, v, g
+tracemalloc.start()
+grads = bc.gcpu.backward_chunked(*largs)
+launcher_peak = tracemalloc.get_traced_memory()[1]
+tracemalloc.stop()
+outs = sum(x.nbytes for x in grads if x is not None)
+print(json.dumps({"n": n, "traced_peak_bytes": traced, "rss_rise_bytes": max(0, peak - rss0),
+                  "arrays_bytes": sum(a.nbytes for a in arrays), "launcher_peak_bytes": launcher_peak,
+                  "launcher_outputs_bytes": outs}))
+"""
+
+
+def memory(n):
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, str(n), here], capture_output=True, text=True,
+                          check=True, env={**os.environ, "PYTHONPATH": os.path.dirname(here)})
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    row["ratio"] = row["traced_peak_bytes"] / row["arrays_bytes"]
+    row["rss_ratio"] = row["rss_rise_bytes"] / row["arrays_bytes"]
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds; accuracy and memory at N = 2**16")
+    ap.add_argument("--skip-long", action="store_true", help="speed rows only")
+    ap.add_argument("--rounds", type=int, default=None)
+    args = ap.parse_args(argv)
+    _ensure_elu_vjp()
+    import numba
+
+    print(f"CPU: {cpu_model()}; Numba threads: {numba.get_num_threads()}")
+    rounds = args.rounds or (3 if args.quick else 7)
+    rows = speed(rounds)
+    print(f"\nSpeed: B*H = 16, N = 4096, D = M = 64, float32, ELU+1, median of {rounds} interleaved rounds")
+    print(table(rows, ["rule", "forward_s", "backward_s", "ratio", "vjp_s", "vjp_ratio", "scan_backward_s"],
+                {"forward_s": "{:.4f}", "backward_s": "{:.4f}", "ratio": "{:.2f}", "vjp_s": "{:.4f}",
+                 "vjp_ratio": "{:.2f}", "scan_backward_s": "{:.4f}"}))
+    if args.skip_long:
+        return
+    n = 2 ** 16 if args.quick else 2 ** 20
+    acc = accuracy(n)
+    print(f"\nAccuracy: float32 vs float64 chunked backward, additive, B*H = 1, N = {n}, D = M = 64 "
+          "(relative Frobenius error; target <= 1e-5)")
+    print(table([acc], ["n", "dq", "dk", "dv", "dH0"], {c: "{:.2e}" for c in ("dq", "dk", "dv", "dH0")}))
+    mem = memory(n)
+    print(f"\nPeak memory: forward + linear_attention_vjp (chunked, ELU+1, float32), B*H = 1, N = {n}, "
+          "D = M = 64 (NumPy peak by tracemalloc, inputs included; peak RSS rise over the RSS before the "
+          "inputs; target <= 2x the arrays)")
+    print(table([{"n": mem["n"], "traced_MiB": mem["traced_peak_bytes"] / 2**20,
+                  "rss_rise_MiB": mem["rss_rise_bytes"] / 2**20,
+                  "arrays_MiB": mem["arrays_bytes"] / 2**20, "ratio": mem["ratio"], "rss_ratio": mem["rss_ratio"]}],
+                ["n", "traced_MiB", "rss_rise_MiB", "arrays_MiB", "ratio", "rss_ratio"],
+                {"traced_MiB": "{:.0f}", "rss_rise_MiB": "{:.0f}", "arrays_MiB": "{:.0f}", "ratio": "{:.2f}",
+                 "rss_ratio": "{:.2f}"}))
+    print(f"The additive chunked launcher alone allocates {mem['launcher_peak_bytes'] / 2**20:.1f} MiB, "
+          f"its results {mem['launcher_outputs_bytes'] / 2**20:.1f} MiB of it (the rest: the front end's "
+          "features, values with ones, float64 gradient of [num | den] and copies)")
+
+
+if __name__ == "__main__":
+    main()

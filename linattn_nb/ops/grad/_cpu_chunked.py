@@ -1,0 +1,348 @@
+"""GEMM-shaped chunks of the CPU backward (kernel of :func:`linattn_nb.ops.grad.cpu.backward_chunked`).
+
+The additive, decay and gate rules, ``H_t = diag(a_t) H_{t-1} + k_t v_t^T``,
+``o_t = H_t^T q_t`` (``q, k`` the features, ``v`` with the ones column,
+``a_t = 1`` for the additive rule).  The adjoint ``D_t = dL/dH_t`` obeys
+``D_t = q_t g_t^T + diag(a_{t+1}) D_{t+1}`` (Katharopoulos et al. 2020,
+§3.3.1: the gradient of causal linear attention is itself a pair of
+cumulative sums, one forward in time and one backward), and the gradients
+are ``dq_t = H_t g_t``, ``dk_t = D_t v_t``, ``dv_t = D_t^T k_t`` and
+``dfactor_t[i] = <H_{t-1}[i], D_t[i]>`` (with respect to ``a_t`` itself).
+
+Per chunk of ``n <= C`` tokens (rows ``t, s, u`` local to the chunk), with
+``H`` the state before the chunk, ``R`` the adjoint arriving from after it
+(``dHN`` for the last chunk), the running products ``b_t = a_0 ... a_t``,
+``e_t = a_{t+1} ... a_{n-1}`` and ``W_ts = a_{s+1} ... a_t`` (``s <= t``;
+per feature for the gate), all products of factors in [0, 1] (no
+``-inf - -inf`` at a reset, as in the forward chunked kernel)::
+
+    H_t = diag(b_t) H + sum_{s <= t} diag(W_ts) k_s v_s^T
+    D_t = diag(e_t) R + sum_{u >= t} diag(W_ut) q_u g_u^T
+
+so that, with ``P0 = G V^T`` and ``A = tril(Q K^T weighted by W)``::
+
+    dq_t = b_t * (G H^T)_t + sum_{s <= t} W_ts * k_s P0_ts
+    dk_t = e_t * (V R^T)_t + sum_{u >= t} W_ut * q_u P0_ut
+    dv   = A^T G + (e * K) R
+    H   <- tot * H + (e * K)^T V,     R <- tot * R + (b * Q)^T G
+
+The additive rule (all factors 1) is pure GEMMs: ``P = tril(G V^T)``,
+``A = tril(Q K^T)``, ``dq = G H^T + P K``, ``dk = P^T Q + V R^T``,
+``dv = A^T G + K R``.  The intra-chunk terms (``P``, ``A`` and their
+products) do not depend on ``R``, so one pass forward over the chunks
+computes ``dq`` and the intra-chunk parts of ``dk`` and ``dv`` while ``H``
+advances, and one pass backward adds ``V R^T`` and ``K R`` while ``R``
+goes back: 5 chunk GEMMs in the first pass, 3 in the second, and no state
+kept per chunk.
+
+The decay and gate rules take the same two passes with the factors per
+feature (the decay's scalar broadcast over the rows): the weighted intra-
+chunk sums run as loops over decayed copies of the keys (forward in ``t``:
+``k_s <- a_t k_s`` for ``s < t``) and of the queries (backward in ``t``),
+the GEMMs of the additive rule stay GEMMs.  Their factor gradient splits
+the same way, ``<H_{t-1}, D_t>`` per row being::
+
+    b_{t-1} e_t <H, R>                                    (pass 2)
+  + b_{t-1} sum_{u >= t} W_ut q_u (G H^T)_u               (pass 1)
+  + e_t sum_{s < t} W_{t-1,s} k_s (V R^T)_s               (pass 2)
+  + sum_{s < t <= u} W_{t-1,s} W_ut k_s q_u P0_us         (pass 1)
+
+(``b_{-1} = 1``), each a running sum over the chunk (the last one through
+``Z_t[u] = sum_{s < t} W_{t-1,s} k_s P0_us``, advanced by
+``Z_{t+1} = a_t Z_t + k_t P0_{., t}``): only products of factors, so the
+gradient is exact at a reset ``a_t = 0``.  The first term needs the state
+before each chunk in the backward pass: these rules keep one float64
+checkpoint per chunk (``ceil(N / C) x F x M'`` per sequence).
+
+Products run in the working dtype through BLAS (:mod:`linattn_nb.ops._gemm`,
+on flat offsets into the inputs and outputs: no copies of q, k, v, g), the
+states ``H`` and ``R`` and the factor gradients accumulate in float64 (a
+working-dtype copy of each state feeds the GEMMs), the weighted intra-chunk
+loops of the decay and gate rules run in float64.  Parallel over the
+flattened batch; BLAS is pinned to one thread meanwhile
+(:mod:`linattn_nb._blas`).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from ... import config
+from .._codes import RULE_ADDITIVE, RULE_DECAY
+from .._gemm import gemm
+from .._twins import serial_and_parallel
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def chunk_factors_rows(rule, lg, b, s0, n, fa, fb, fe, tot):
+    """Per-row factors of tokens [s0, s0 + n) of sequence ``b`` (float64, (C, F) each).
+
+    ``fa[t] = a_t``, ``fb[t] = a_0 ... a_t``, ``fe[t] = a_{t+1} ... a_{n-1}``,
+    ``tot = a_0 ... a_{n-1}``; the decay rule's scalar is broadcast over the
+    F rows.  Running products of factors in [0, 1] (exact zeros across a
+    reset).
+    """
+    F = fa.shape[1]
+    for t in range(n):
+        if rule == RULE_DECAY:
+            x = math.exp(lg[b, s0 + t, 0])
+            for i in range(F):
+                fa[t, i] = x
+        else:
+            for i in range(F):
+                fa[t, i] = math.exp(lg[b, s0 + t, i])
+    for i in range(F):
+        fb[0, i] = fa[0, i]
+        fe[n - 1, i] = 1.0
+    for t in range(1, n):
+        for i in range(F):
+            fb[t, i] = fb[t - 1, i] * fa[t, i]
+    for t in range(n - 2, -1, -1):
+        for i in range(F):
+            fe[t, i] = fe[t + 1, i] * fa[t + 1, i]
+    for i in range(F):
+        tot[i] = fb[n - 1, i]
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _to_work(H, Hw):
+    for i in range(H.shape[0]):
+        for m in range(H.shape[1]):
+            Hw[i, m] = H[i, m]
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _mask_upper(X, n):
+    z = X.dtype.type(0.0)
+    for t in range(n):
+        for j in range(t + 1, n):
+            X[t, j] = z
+
+
+def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk, dv, dH0, dfac, proto):
+    """Two passes over the chunks of each sequence of the flattened batch (module docstring).
+
+    qf, kf : (B, N, F), v1, g1 : (B, N, M') of the working dtype (that of
+    ``proto``), C-contiguous.  H0, dHN : (B, F, M') float64 (``dHN`` read
+    only when ``has_dHN``).  rule : additive, decay or gate code; lg :
+    (B, N, G) float64 log-factors.  C : chunk size.  ck : (B, ceil(N / C),
+    F, M') float64 checkpoints (decay and gate; (B, 0, F, M') for the
+    additive rule).  Written: dq, dk (B, N, F), dv (B, N, M') in the working
+    dtype, dH0 (B, F, M') float64, dfac (B, N, G') float64 (G' = F gate, 1
+    decay, 0 additive).  Every element of the outputs is written.
+    """
+    B, N, F = qf.shape
+    M1 = v1.shape[2]
+    wt = proto.dtype
+    nch = (N + C - 1) // C
+    fac = rule != RULE_ADDITIVE
+    Gd = dfac.shape[2]
+    for b in prange(B):
+        H = np.empty((F, M1))
+        H[:, :] = H0[b]
+        Hw = np.empty((F, M1), wt)
+        part = np.empty((F, M1), wt)
+        Pm = np.empty((C, C), wt)
+        Am = np.empty((C, C), wt)
+        T = np.empty((C, F), wt)
+        Ks = np.empty((C, F), wt)
+        Cf = C if fac else 1
+        fa = np.ones((Cf, F))
+        fb = np.ones((Cf, F))
+        fe = np.ones((Cf, F))
+        tot = np.ones(F)
+        fk = np.empty((Cf, F))
+        Z = np.empty((Cf, F))
+        acc = np.empty(F)
+        hr = np.empty(F)
+        # ------------------------------------------------------------------
+        # pass 1, chunks in order: H, dq, the intra-chunk parts of dk and dv
+        # (and the factor gradient's two terms that need H but not R)
+        # ------------------------------------------------------------------
+        for c in range(nch):
+            s0 = c * C
+            n = min(C, N - s0)
+            qo = (b * N + s0) * F
+            vo = (b * N + s0) * M1
+            _to_work(H, Hw)
+            # P0 = G V^T (n x n)
+            gemm(0, 1, n, n, M1, 1.0, g1, vo, M1, v1, vo, M1, 0.0, Pm, 0, C)
+            if not fac:
+                _mask_upper(Pm, n)
+                gemm(0, 1, n, n, F, 1.0, qf, qo, F, kf, qo, F, 0.0, Am, 0, C)
+                _mask_upper(Am, n)
+                # dq = G H^T + P K; dk = P^T Q; dv = A^T G
+                gemm(0, 1, n, F, M1, 1.0, g1, vo, M1, Hw, 0, M1, 0.0, dq, qo, F)
+                gemm(0, 0, n, F, n, 1.0, Pm, 0, C, kf, qo, F, 1.0, dq, qo, F)
+                gemm(1, 0, n, F, n, 1.0, Pm, 0, C, qf, qo, F, 0.0, dk, qo, F)
+                gemm(1, 0, n, M1, n, 1.0, Am, 0, C, g1, vo, M1, 0.0, dv, vo, M1)
+                # H += K^T V
+                gemm(1, 0, F, M1, n, 1.0, kf, qo, F, v1, vo, M1, 0.0, part, 0, M1)
+                for i in range(F):
+                    for m in range(M1):
+                        H[i, m] += part[i, m]
+                continue
+            ck[b, c] = H
+            chunk_factors_rows(rule, lg, b, s0, n, fa, fb, fe, tot)
+            # T = G H^T: the chunk-start state read by each gradient row
+            gemm(0, 1, n, F, M1, 1.0, g1, vo, M1, Hw, 0, M1, 0.0, T, 0, F)
+            # rows in order, keys decayed in place: fk[s] = W_ts * k_s
+            for t in range(n):
+                for s in range(t):
+                    for i in range(F):
+                        fk[s, i] *= fa[t, i]
+                for i in range(F):
+                    fk[t, i] = kf[b, s0 + t, i]
+                for i in range(F):
+                    acc[i] = fb[t, i] * T[t, i]
+                for s in range(t + 1):
+                    p = np.float64(Pm[t, s])
+                    x = 0.0
+                    for i in range(F):
+                        y = fk[s, i]
+                        acc[i] += p * y
+                        x += np.float64(qf[b, s0 + t, i]) * y
+                    Am[t, s] = x
+                for i in range(F):
+                    dq[b, s0 + t, i] = acc[i]
+            _mask_upper(Am, n)
+            # factor gradient, b_{t-1} sum_{u >= t} W_ut q_u (G H^T)_u: a reverse running sum
+            for i in range(F):
+                acc[i] = 0.0
+            for t in range(n - 1, -1, -1):
+                for i in range(F):
+                    s = np.float64(qf[b, s0 + t, i]) * T[t, i]
+                    if t + 1 < n:
+                        s += fa[t + 1, i] * acc[i]
+                    acc[i] = s
+                    Z[t, i] = s * (fb[t - 1, i] if t > 0 else 1.0)  # Z as scratch: this term per row
+            for t in range(n):
+                if Gd == 1:
+                    x = 0.0
+                    for i in range(F):
+                        x += Z[t, i]
+                    dfac[b, s0 + t, 0] = x
+                else:
+                    for i in range(F):
+                        dfac[b, s0 + t, i] = Z[t, i]
+            # factor gradient, sum_{s < t <= u} W_{t-1,s} W_ut k_s q_u P0_us through Z_t[u]
+            for u in range(n):
+                for i in range(F):
+                    Z[u, i] = 0.0
+            for t in range(n):
+                if t > 0:
+                    for i in range(F):
+                        acc[i] = 1.0  # W_ut, u = t
+                    x = 0.0
+                    for u in range(t, n):
+                        if u > t:
+                            for i in range(F):
+                                acc[i] *= fa[u, i]
+                        for i in range(F):
+                            y = acc[i] * np.float64(qf[b, s0 + u, i]) * Z[u, i]
+                            x += y
+                            if Gd != 1:
+                                dfac[b, s0 + t, i] += y
+                    if Gd == 1:
+                        dfac[b, s0 + t, 0] += x
+                for u in range(t + 1, n):
+                    p = np.float64(Pm[u, t])
+                    for i in range(F):
+                        Z[u, i] = fa[t, i] * Z[u, i] + np.float64(kf[b, s0 + t, i]) * p
+            # dk (intra) = sum_{u >= t} W_ut q_u P0_ut, queries decayed in place backwards
+            for t in range(n - 1, -1, -1):
+                for u in range(t + 1, n):
+                    for i in range(F):
+                        fk[u, i] *= fa[t + 1, i]
+                for i in range(F):
+                    fk[t, i] = qf[b, s0 + t, i]
+                for i in range(F):
+                    acc[i] = 0.0
+                for u in range(t, n):
+                    p = np.float64(Pm[u, t])
+                    for i in range(F):
+                        acc[i] += p * fk[u, i]
+                for i in range(F):
+                    dk[b, s0 + t, i] = acc[i]
+            # dv (intra) = A^T G
+            gemm(1, 0, n, M1, n, 1.0, Am, 0, C, g1, vo, M1, 0.0, dv, vo, M1)
+            # H <- tot * H + (e * K)^T V
+            for t in range(n):
+                for i in range(F):
+                    Ks[t, i] = fe[t, i] * kf[b, s0 + t, i]
+            gemm(1, 0, F, M1, n, 1.0, Ks, 0, F, v1, vo, M1, 0.0, part, 0, M1)
+            for i in range(F):
+                g = tot[i]
+                for m in range(M1):
+                    H[i, m] = g * H[i, m] + part[i, m]
+        # ------------------------------------------------------------------
+        # pass 2, chunks in reverse: R, the inter-chunk parts of dk and dv
+        # ------------------------------------------------------------------
+        R = H  # the forward state is no longer needed: reuse its storage
+        if has_dHN:
+            for i in range(F):
+                for m in range(M1):
+                    R[i, m] = dHN[b, i, m]
+        else:
+            R[:, :] = 0.0
+        for c in range(nch - 1, -1, -1):
+            s0 = c * C
+            n = min(C, N - s0)
+            qo = (b * N + s0) * F
+            vo = (b * N + s0) * M1
+            _to_work(R, Hw)
+            if not fac:
+                # dk += V R^T; dv += K R; R += Q^T G
+                gemm(0, 1, n, F, M1, 1.0, v1, vo, M1, Hw, 0, M1, 1.0, dk, qo, F)
+                gemm(0, 0, n, M1, F, 1.0, kf, qo, F, Hw, 0, M1, 1.0, dv, vo, M1)
+                gemm(1, 0, F, M1, n, 1.0, qf, qo, F, g1, vo, M1, 0.0, part, 0, M1)
+                for i in range(F):
+                    for m in range(M1):
+                        R[i, m] += part[i, m]
+                continue
+            chunk_factors_rows(rule, lg, b, s0, n, fa, fb, fe, tot)
+            # T = V R^T (the adjoint after the chunk read by each key row)
+            gemm(0, 1, n, F, M1, 1.0, v1, vo, M1, Hw, 0, M1, 0.0, T, 0, F)
+            for i in range(F):
+                x = 0.0
+                for m in range(M1):
+                    x += ck[b, c, i, m] * R[i, m]
+                hr[i] = x
+                acc[i] = 0.0  # S3: sum_{s < t} W_{t-1,s} k_s (V R^T)_s
+            for t in range(n):
+                x = 0.0
+                for i in range(F):
+                    bp = fb[t - 1, i] if t > 0 else 1.0
+                    y = fe[t, i] * (bp * hr[i] + acc[i])
+                    if Gd == 1:
+                        x += y
+                    else:
+                        dfac[b, s0 + t, i] += y
+                    r = np.float64(T[t, i])
+                    dk[b, s0 + t, i] = dk[b, s0 + t, i] + fe[t, i] * r
+                    acc[i] = fa[t, i] * acc[i] + np.float64(kf[b, s0 + t, i]) * r
+                if Gd == 1:
+                    dfac[b, s0 + t, 0] += x
+            # dv += (e * K) R
+            for t in range(n):
+                for i in range(F):
+                    Ks[t, i] = fe[t, i] * kf[b, s0 + t, i]
+            gemm(0, 0, n, M1, F, 1.0, Ks, 0, F, Hw, 0, M1, 1.0, dv, vo, M1)
+            # R <- tot * R + (b * Q)^T G
+            for t in range(n):
+                for i in range(F):
+                    Ks[t, i] = fb[t, i] * qf[b, s0 + t, i]
+            gemm(1, 0, F, M1, n, 1.0, Ks, 0, F, g1, vo, M1, 0.0, part, 0, M1)
+            for i in range(F):
+                g = tot[i]
+                for m in range(M1):
+                    R[i, m] = g * R[i, m] + part[i, m]
+        for i in range(F):
+            for m in range(M1):
+                dH0[b, i, m] = R[i, m]
+
+
+chunked_backward_kernel_serial, chunked_backward_kernel = serial_and_parallel(
+    _chunked_backward, fastmath=config.FASTMATH, cache=config.CACHE)

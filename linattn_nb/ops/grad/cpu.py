@@ -1,0 +1,218 @@
+"""CPU backward launchers of the causal sequence methods ``scan`` and ``chunked``.
+
+Both follow the backward launcher contract of :mod:`linattn_nb.ops.grad`
+(features, values with the ones column, unnormalised outputs ``o_t =
+H_t^T phi(q_t)``) for every update rule of
+:data:`linattn_nb.ops._codes.RULES`, and reproduce the per-token adjoint
+recurrence of :func:`linattn_nb.ops.grad.naive.causal_backward_naive`
+(Katharopoulos et al. 2020, §3.3.1: the gradients of causal linear
+attention are cumulative sums again, the state ``H_t`` forward in time and
+its adjoint ``D_t = dL/dH_t`` backward), in bounded memory:
+
+* :func:`backward_scan` runs the token recurrence with float64 checkpoints
+  of the state every ``L`` tokens (``config.cpu_backward_checkpoint``: the
+  checkpoints take about the bytes of the values) and recomputes each
+  span's states from its checkpoint while the adjoint runs back over it
+  (:mod:`._cpu_scan`);
+* :func:`backward_chunked` computes the additive, decay and gate rules in
+  GEMM-shaped chunks (:mod:`._cpu_chunked`): one pass forward over the
+  chunks for ``dq`` and the intra-chunk parts of ``dk`` and ``dv``, one
+  pass backward for the inter-chunk parts and the adjoint state; the
+  additive rule keeps no state per chunk, the decay and gate rules one
+  float64 state per chunk.  The delta and gated delta rules take the
+  checkpointed token recurrence of :func:`backward_scan` (their chunked
+  backward would need the WY/UT transform's adjoint).
+
+Both run in parallel over the flattened batch (a serial copy of each kernel
+serves small calls, as for the forward kernels), accumulate states,
+adjoints and the factor and ``beta`` gradients in float64, and write ``dq,
+dk, dv`` in the working dtype (float32 or float64, the dtype of ``qf``).
+Nothing passed in is modified; every element of every result is written.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ... import config
+from ..._blas import single_threaded_blas
+from .._codes import RULE_ADDITIVE, RULE_DECAY, RULE_DELTA, RULE_GATE, RULE_GATED_DELTA
+from .._rules import check_rule, log_factors
+from .._twins import pick
+from . import Grads
+
+_WORK = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _alloc(shape, dtype):
+    """Output buffers (np.empty: every element is written; tests swap in NaN-filled ones)."""
+    return np.empty(shape, dtype)
+
+
+def _check(qf, kf, v1, H0, g1, dHN):
+    """Validate the contract's arrays; return them C-contiguous (no copy when they already are)."""
+    if not isinstance(qf, np.ndarray) or qf.ndim != 3:
+        raise ValueError(f"qf must be a (B, N, F) array, got {getattr(qf, 'shape', type(qf).__name__)}")
+    wt = qf.dtype
+    if wt not in _WORK:
+        raise ValueError(f"qf must be float32 or float64 (the working dtype), got {wt}")
+    B, N, F = qf.shape
+    for name, x, shape in (("kf", kf, (B, N, F)), ("v1", v1, (B, N) + tuple(np.shape(v1)[2:3])),
+                           ("g1", g1, (B, N) + tuple(np.shape(v1)[2:3]))):
+        if not isinstance(x, np.ndarray) or x.ndim != 3 or x.shape != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {getattr(x, 'shape', type(x).__name__)}")
+        if x.dtype != wt:
+            raise ValueError(f"{name} must have the working dtype {wt} (that of qf), got {x.dtype}")
+    M1 = v1.shape[2]
+    if M1 < 1:
+        raise ValueError("v1 must have at least one column (the normaliser's ones)")
+    for name, x in (("H0", H0), ("dHN", dHN)):
+        if x is None and name == "dHN":
+            continue
+        if not isinstance(x, np.ndarray) or x.shape != (B, F, M1) or x.dtype != np.float64:
+            desc = f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}"
+            raise ValueError(f"{name} must be a float64 array of shape {(B, F, M1)}, got {desc}")
+    c = np.ascontiguousarray
+    return c(qf), c(kf), c(v1), c(H0), c(g1), (None if dHN is None else c(dHN))
+
+
+def _outputs(rule, B, N, F, M1, wt):
+    dq = _alloc((B, N, F), wt)
+    dk = _alloc((B, N, F), wt)
+    dv = _alloc((B, N, M1), wt)
+    dH0 = _alloc((B, F, M1), np.float64)
+    Gd = F if rule == RULE_GATE else (1 if rule in (RULE_DECAY, RULE_GATED_DELTA) else 0)
+    dfac = _alloc((B, N, Gd), np.float64)
+    delta = rule in (RULE_DELTA, RULE_GATED_DELTA)
+    dbeta = _alloc((B, N if delta else 0), np.float64)
+    return dq, dk, dv, dH0, dfac, dbeta
+
+
+def _result(rule, dq, dk, dv, dH0, dfac, dbeta):
+    if rule == RULE_GATE:
+        fac = dfac
+    elif rule in (RULE_DECAY, RULE_GATED_DELTA):
+        fac = dfac[:, :, 0]
+    else:
+        fac = None
+    return Grads(dq, dk, dv, dH0, fac, dbeta if rule in (RULE_DELTA, RULE_GATED_DELTA) else None)
+
+
+def _empty_call(rule, qf, v1, H0, dHN):
+    """N == 0: no token, dH0 = dHN (or 0)."""
+    B, N, F = qf.shape
+    M1 = v1.shape[2]
+    wt = qf.dtype
+    dq, dk, dv, _, dfac, dbeta = _outputs(rule, B, 0, F, M1, wt)
+    dH0 = np.zeros((B, F, M1)) if dHN is None else np.array(dHN, dtype=np.float64)
+    return _result(rule, dq, dk, dv, dH0, dfac, dbeta)
+
+
+def backward_scan(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADDITIVE, checkpoint=None):
+    """Gradients of causal linear attention by the checkpointed token recurrence (every rule).
+
+    Parameters
+    ----------
+    qf, kf : ndarray (B, N, F)
+        Query and key features, float32 or float64 (the working dtype).
+    v1 : ndarray (B, N, M')
+        Values with the ones column appended, the working dtype.
+    H0 : ndarray (B, F, M') float64
+        The initial state ``[S | z]``.
+    g1 : ndarray (B, N, M')
+        Gradient of the unnormalised outputs ``o_t = H_t^T phi(q_t)``, the
+        working dtype.
+    dHN : ndarray (B, F, M') float64, optional
+        Gradient of the final state (None: zero).
+    inputs : mapping, optional
+        The rule's per-token inputs (``log_decay``, ``log_gate``, ``beta``:
+        float64, ``-inf`` a reset), as the forward launchers take them.
+    rule : int
+        Update-rule code (:mod:`linattn_nb.ops._codes`).
+    checkpoint : int, optional
+        Tokens between stored states; default
+        :func:`linattn_nb.config.cpu_backward_checkpoint`.
+
+    Returns
+    -------
+    Grads
+        ``dq, dk`` (B, N, F), ``dv`` (B, N, M') in the working dtype; ``dH0``
+        (B, F, M'), ``dfactor`` ((B, N) for the decay and gated delta rules,
+        (B, N, F) for the gate rule, else None) and ``dbeta`` ((B, N) for the
+        delta rules, else None) float64.
+
+    Notes
+    -----
+    Memory: ``ceil(N / L)`` float64 states per sequence for the checkpoints
+    plus ``(L + 1)`` states of scratch per thread, never one state per token
+    (:mod:`linattn_nb.ops.grad._cpu_scan` gives the recurrence).
+    """
+    rule = check_rule(rule, inputs)
+    qf, kf, v1, H0, g1, dHN = _check(qf, kf, v1, H0, g1, dHN)
+    B, N, F = qf.shape
+    M1 = v1.shape[2]
+    if N == 0 or B == 0:
+        return _empty_call(rule, qf, v1, H0, dHN)
+    lg = log_factors(rule, inputs, B, N, F)
+    L = int(checkpoint if checkpoint is not None else config.cpu_backward_checkpoint(N, F, M1, qf.dtype.itemsize))
+    if L < 1:
+        raise ValueError(f"checkpoint must be >= 1, got {L}")
+    L = min(L, N)
+    return _run_scan(rule, qf, kf, v1, H0, g1, dHN, lg, L)
+
+
+def _run_scan(rule, qf, kf, v1, H0, g1, dHN, lg, L):
+    from ._cpu_scan import scan_backward_kernel, scan_backward_kernel_serial
+
+    B, N, F = qf.shape
+    M1 = v1.shape[2]
+    outs = _outputs(rule, B, N, F, M1, qf.dtype)
+    ck = np.empty((B, -(-N // L), F, M1))
+    kernel = pick(scan_backward_kernel_serial, scan_backward_kernel, items=B, work=B * N * F * M1,
+                  limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
+    kernel(qf, kf, v1, H0, g1, H0 if dHN is None else dHN, dHN is not None, rule, lg, np.int64(L), ck, *outs)
+    return _result(rule, *outs)
+
+
+def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADDITIVE, chunk=None):
+    """Gradients of causal linear attention in GEMM-shaped chunks (additive, decay, gate rules).
+
+    The parameters and results are those of :func:`backward_scan` (``chunk``
+    replaces ``checkpoint``: the chunk size, default
+    :func:`linattn_nb.config.cpu_backward_chunk`).  The chunk math is in
+    :mod:`linattn_nb.ops.grad._cpu_chunked`: a forward pass over the chunks
+    (the state ``H``, ``dq``, the intra-chunk parts of ``dk`` and ``dv``:
+    ``dq = G H^T + tril(G V^T) K``, ``dk = tril(G V^T)^T Q``,
+    ``dv = tril(Q K^T)^T G`` for the additive rule) and a reverse pass (the
+    adjoint ``R``: ``dk += V R^T``, ``dv += K R``, ``R += Q^T G``).  The
+    additive rule keeps no state per chunk; the decay and gate rules keep
+    one float64 state per chunk for their factor gradient.
+
+    The delta and gated delta rules run :func:`backward_scan`'s checkpointed
+    token recurrence (their chunked backward would differentiate the WY/UT
+    transform of the forward chunked kernel; not implemented).
+    """
+    rule = check_rule(rule, inputs)
+    qf, kf, v1, H0, g1, dHN = _check(qf, kf, v1, H0, g1, dHN)
+    B, N, F = qf.shape
+    M1 = v1.shape[2]
+    if N == 0 or B == 0:
+        return _empty_call(rule, qf, v1, H0, dHN)
+    lg = log_factors(rule, inputs, B, N, F)
+    if rule in (RULE_DELTA, RULE_GATED_DELTA):
+        L = min(N, config.cpu_backward_checkpoint(N, F, M1, qf.dtype.itemsize))
+        return _run_scan(rule, qf, kf, v1, H0, g1, dHN, lg, L)
+    C = int(chunk if chunk is not None else config.cpu_backward_chunk(N, F, M1, qf.dtype))
+    if C < 1:
+        raise ValueError(f"chunk must be >= 1, got {C}")
+    C = min(C, N)
+    from ._cpu_chunked import chunked_backward_kernel, chunked_backward_kernel_serial
+
+    outs = _outputs(rule, B, N, F, M1, qf.dtype)
+    dq, dk, dv, dH0, dfac, _ = outs
+    ck = np.empty((B, -(-N // C) if rule != RULE_ADDITIVE else 0, F, M1))
+    kernel = pick(chunked_backward_kernel_serial, chunked_backward_kernel, items=B, work=B * N * F * M1,
+                  limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
+    with single_threaded_blas(kernel is chunked_backward_kernel):
+        kernel(qf, kf, v1, H0, g1, H0 if dHN is None else dHN, dHN is not None, rule, lg, np.int64(C), ck,
+               dq, dk, dv, dH0, dfac, np.empty(0, qf.dtype))
+    return _result(rule, *outs)
