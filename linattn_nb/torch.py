@@ -43,6 +43,26 @@ __all__ = ["linear_attention", "LinearAttention", "LinearState"]
 
 _NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
 
+#: Built-in elementwise maps applied with torch ops (torch's autograd differentiates them; the kernels then
+#: get the features): the same functions as the NumPy maps, without a float64 pass over the inputs in the
+#: backward.  Exactly these classes (not subclasses), float32 and float64 tensors.
+_TORCH_MAPS = {
+    fm.EluFeatureMap: lambda x: nn.functional.elu(x) + 1.0,
+    fm.ReluFeatureMap: nn.functional.relu,
+    fm.SquaredReluFeatureMap: lambda x: nn.functional.relu(x).square(),
+    fm.IdentityFeatureMap: lambda x: x,
+}
+
+
+class _Precomputed(fm.IdentityFeatureMap):
+    """Queries and keys that already are features (mapped by torch): the feature gradients pass through."""
+
+    def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
+        return np.asarray(grad_features), None
+
+
+_PRECOMPUTED = _Precomputed()
+
 
 # ---------------------------------------------------------------------------
 # Arguments
@@ -201,7 +221,11 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto",
     passed in ``feature_map_params``.  The backward runs the method's backward
     launcher (:mod:`linattn_nb.ops.grad`) on what the forward kept (features,
     outputs), so the forward is not recomputed; memory stays
-    ``O(N (D_phi + M))`` per sequence for the fast methods.
+    ``O(N (D_phi + M))`` per sequence for the fast methods.  The built-in
+    elementwise maps ("elu", "relu", "squared_relu", "identity"/None) are
+    applied with torch ops on float32 and float64 tensors (the same
+    functions; torch differentiates them), every other map through its
+    :meth:`~linattn_nb.feature_maps.FeatureMap.vjp`.
 
     Parameters
     ----------
@@ -317,6 +341,9 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto",
     if device == "cuda" and params:
         raise ValueError("feature_map_params: maps with parameters are applied on the host; they are not "
                          "supported for CUDA tensors")
+    torch_map = _TORCH_MAPS.get(type(fmap))
+    if torch_map is not None and q.dtype != torch.float16 and k.dtype != torch.float16:
+        q, k, fmap = torch_map(q), torch_map(k), _PRECOMPUTED
     spec = _Spec(fmap, causal, method, device, eps, check_finite, normalize, bool(return_state), decay_val,
                  log_decay_val, beta_val, position, state_rule, names)
     res = _LinearAttentionFunction.apply(spec, q, k, v, decay_t, log_decay_t, beta_t, S0, z0, *params)

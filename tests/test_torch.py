@@ -187,6 +187,22 @@ def test_gradcheck_hedgehog_parameters(causal):
     np.testing.assert_array_equal(fmap.parameters()["W"], W.detach().numpy())  # the map took the values
 
 
+@pytest.mark.parametrize("name", ["elu", "relu", "squared_relu", "identity"])
+def test_maps_applied_by_torch_equal_the_numpy_maps(name):
+    """The built-in elementwise maps run as torch ops; a subclass takes the NumPy map and its vjp: same numbers."""
+    cls = type(fm.get(name))
+    numpy_path = type("NumpyPath", (cls,), {})()
+    q, k, v = _qkv(seed=25, positive=False)
+    extra = _rule_inputs("decay_token", seed=26)
+    gout = torch.randn(B, H, N, M, generator=_gen(27), dtype=torch.float64)
+    res = []
+    for fmap in (name, numpy_path):
+        out = lt.linear_attention(q, k, v, feature_map=fmap, causal=True, method="chunked", eps=None, **extra)
+        res.append((out, *torch.autograd.grad(out, (q, k, v, extra["decay"]), gout)))
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 # ---------------------------------------------------------------------------
 # forward values, agreement with the NumPy API
 # ---------------------------------------------------------------------------
