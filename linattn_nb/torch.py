@@ -1,0 +1,571 @@
+"""PyTorch autograd adapter: linear attention as a differentiable torch operation.
+
+Two entry points:
+
+* :func:`linear_attention` -- the functional form of
+  :func:`linattn_nb.linear_attention` on torch tensors, a
+  :class:`torch.autograd.Function` whose forward and backward call the Numba
+  kernels of :mod:`linattn_nb` (the forward launchers and the backward
+  launchers of :mod:`linattn_nb.ops.grad`, through the gradient front end
+  :mod:`linattn_nb._gradfront`, so the forward is not recomputed in the
+  backward);
+* :class:`LinearAttention` -- an :class:`torch.nn.Module` with the usual
+  projections ``d_model -> H`` heads and the ``(B, H, N, D)`` layout inside,
+  every update rule of the toolkit (additive, decay per head or per token,
+  per-feature gate, delta and gated delta rule) and optionally a learnable
+  feature map (Hedgehog).
+
+Zero-copy: CPU tensors reach the kernels as NumPy views of their memory
+(``tensor.detach().numpy()``; the front end copies only what it must, e.g. a
+non-contiguous layout or a dtype promotion).  CUDA tensors are handed to the
+front end as they are (``__cuda_array_interface__``), which runs the CUDA
+launchers; this path has not been run on a GPU here (there is none on the
+development machine).
+
+This module is the only one of :mod:`linattn_nb` that imports torch (extra
+``torch``); the core package never does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import _gradfront
+from . import config as _config
+from . import feature_maps as fm
+from ._frontend import LinearState
+
+__all__ = ["linear_attention", "LinearAttention", "LinearState"]
+
+_NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
+
+#: Built-in elementwise maps applied with torch ops (torch's autograd differentiates them; the kernels then
+#: get the features): the same functions as the NumPy maps, without a float64 pass over the inputs in the
+#: backward.  Exactly these classes (not subclasses), float32 and float64 tensors.
+_TORCH_MAPS = {
+    fm.EluFeatureMap: lambda x: nn.functional.elu(x) + 1.0,
+    fm.ReluFeatureMap: nn.functional.relu,
+    fm.SquaredReluFeatureMap: lambda x: nn.functional.relu(x).square(),
+    fm.IdentityFeatureMap: lambda x: x,
+}
+
+
+class _Precomputed(fm.IdentityFeatureMap):
+    """Queries and keys that already are features (mapped by torch): the feature gradients pass through."""
+
+    def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
+        return np.asarray(grad_features), None
+
+
+_PRECOMPUTED = _Precomputed()
+
+
+# ---------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------
+def _check_tensor(name: str, x, *, floating: bool = True) -> torch.Tensor:
+    """``x`` as given, after checking that it is a tensor of a dtype NumPy has."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.is_complex() or x.dtype == torch.bool:
+        raise TypeError(f"{name} must be a real floating tensor, got dtype {x.dtype}")
+    if x.requires_grad and not x.is_floating_point():
+        raise TypeError(f"{name} requires grad but has the integer dtype {x.dtype}; gradients need float tensors")
+    if (floating or x.is_floating_point()) and x.dtype not in _NUMPY_DTYPES:
+        hint = " (NumPy has no bfloat16: cast to float32)" if x.dtype == torch.bfloat16 else ""
+        raise TypeError(f"{name} must be float16, float32 or float64, got dtype {x.dtype}{hint}")
+    if x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} is on device {x.device}; only CPU and CUDA tensors are supported")
+    return x
+
+
+def _host(x):
+    """What the front end gets for tensor ``x``: a NumPy view (CPU) or the detached CUDA tensor."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    x = x.detach()
+    if x.device.type == "cuda":
+        return x  # __cuda_array_interface__: the front end reads it in place
+    return x.resolve_conj().resolve_neg().numpy()
+
+
+def _to_tensor(a, like: torch.Tensor, shape=None) -> torch.Tensor:
+    """A host result as a tensor with the dtype and device of ``like`` (and ``shape``)."""
+    a = np.asarray(a)
+    t = torch.from_numpy(np.ascontiguousarray(a)) if a.ndim else torch.tensor(a.item(), dtype=torch.float64)
+    if shape is not None:
+        t = t.reshape(shape)
+    return t.to(device=like.device, dtype=like.dtype)
+
+
+def _map_parameters(fmap) -> dict:
+    get = getattr(fmap, "parameters", None)
+    return dict(get()) if callable(get) else {}
+
+
+@dataclass
+class _Spec:
+    """The non-tensor arguments of one call (carried through ``Function.apply``)."""
+
+    fmap: Any
+    causal: bool
+    method: str
+    device: str
+    eps: Optional[float]
+    check_finite: bool
+    normalize: Optional[bool]
+    return_state: bool
+    decay: Any = None  # non-tensor values; tensors travel as Function inputs
+    log_decay: Any = None
+    beta: Any = None
+    position: int = 0
+    state_rule: Optional[str] = None
+    param_names: tuple = ()
+    rule: str = field(default="additive")  # set by the forward
+
+
+class _LinearAttentionFunction(torch.autograd.Function):
+    """Forward and backward through :mod:`linattn_nb._gradfront` (see :func:`linear_attention`)."""
+
+    @staticmethod
+    def forward(ctx, spec: _Spec, q, k, v, decay, log_decay, beta, S0, z0, *params):
+        fmap = spec.fmap
+        if params:
+            stored = _map_parameters(fmap)
+            for name, t in zip(spec.param_names, params):
+                dst, src = stored[name], _host(t)
+                if not isinstance(src, np.ndarray):
+                    src = t.detach().cpu().numpy()
+                if not np.shares_memory(dst, src):
+                    dst[...] = src  # the map computes with the tensor's current values
+        initial_state = None
+        if S0 is not None:
+            if spec.state_rule is None:
+                initial_state = (_host(S0), _host(z0), spec.position)
+            else:
+                initial_state = LinearState(_host(S0), _host(z0), spec.position, spec.state_rule)
+        req = _gradfront.prepare(
+            _host(q), _host(k), _host(v), feature_map=fmap, causal=spec.causal, method=spec.method,
+            device=spec.device, eps=spec.eps, check_finite=spec.check_finite, initial_state=initial_state,
+            decay=_host(decay) if decay is not None else spec.decay,
+            log_decay=_host(log_decay) if log_decay is not None else spec.log_decay,
+            beta=_host(beta) if beta is not None else spec.beta, normalize=spec.normalize)
+        out, nd, HN = _gradfront.forward(req)
+        spec.rule = req.rule
+        ctx.spec, ctx.req, ctx.nd = spec, req, nd
+        ctx.meta = [None if t is None else (t.dtype, t.device, tuple(t.shape))
+                    for t in (q, k, v, decay, log_decay, beta, S0, z0) + tuple(params)]
+        # saved only so that autograd refuses a backward after an in-place change of an input (the
+        # request holds views of q and k)
+        ctx.save_for_backward(q, k, v)
+        ctx.set_materialize_grads(False)
+        out_t = torch.from_numpy(np.ascontiguousarray(out)).to(q.device)
+        if not spec.return_state:
+            return out_t
+        m = req.m
+        S = torch.from_numpy(np.ascontiguousarray(HN[:, :, :m]).reshape(req.batch_shape + (req.f, m)))
+        z = torch.from_numpy(np.ascontiguousarray(HN[:, :, m]).reshape(req.batch_shape + (req.f,)))
+        return out_t, S.to(q.device), z.to(q.device)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_S=None, grad_z=None):
+        ctx.saved_tensors  # noqa: B018  (raises if q, k or v were modified in place)
+        spec, req = ctx.spec, ctx.req
+        meta = ctx.meta
+        if grad_out is None:
+            grad_out = np.zeros(req.batch_shape + (req.n, req.m), dtype=req.dtype)
+        grad_state = None
+        if grad_S is not None or grad_z is not None:
+            gS = np.zeros(req.batch_shape + (req.f, req.m)) if grad_S is None else _host(grad_S)
+            gz = np.zeros(req.batch_shape + (req.f,)) if grad_z is None else _host(grad_z)
+            grad_state = (gS, gz)
+        res = _gradfront.backward(req, ctx.nd, _host(grad_out), grad_state)
+
+        def conv(a, i):
+            if a is None or meta[i] is None or not ctx.needs_input_grad[i + 1]:
+                return None
+            dtype, device, shape = meta[i]
+            return _to_tensor(a, torch.empty(0, dtype=dtype, device=device), shape)
+
+        dS0 = dz0 = None
+        if res.d_initial_state is not None:
+            dS0, dz0 = conv(res.d_initial_state.S, 6), conv(res.d_initial_state.z, 7)
+        dparams = [conv((res.d_params or {}).get(name), 8 + j) for j, name in enumerate(spec.param_names)]
+        return (None, conv(res.dq, 0), conv(res.dk, 1), conv(res.dv, 2), conv(res.d_decay, 3),
+                conv(res.d_log_decay, 4), conv(res.d_beta, 5), dS0, dz0, *dparams)
+
+
+def _tensor_or_value(name: str, x):
+    """Split an optional rule input: ``(tensor, None)`` for a tensor, ``(None, value)`` otherwise."""
+    if isinstance(x, torch.Tensor):
+        _check_tensor(name, x, floating=False)
+        return x, None
+    if x is not None and hasattr(x, "__cuda_array_interface__"):
+        raise TypeError(f"{name}: pass a torch.Tensor (or a float / NumPy array), got {type(x).__name__}")
+    return None, x
+
+
+def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto", eps=_config.DEFAULT_EPS,
+                     check_finite=True, initial_state=None, return_state=False, decay=None, log_decay=None,
+                     beta=None, normalize=None, feature_map_params=None):
+    r"""Differentiable linear attention on torch tensors (the Numba kernels of :func:`linattn_nb.linear_attention`).
+
+    Same computation, arguments and errors as
+    :func:`linattn_nb.linear_attention`; gradients flow to ``q``, ``k``,
+    ``v``, to ``decay`` / ``log_decay`` / ``beta`` and the initial state when
+    they are tensors that require grad, and to the feature map's parameters
+    passed in ``feature_map_params``.  The backward runs the method's backward
+    launcher (:mod:`linattn_nb.ops.grad`) on what the forward kept (features,
+    outputs), so the forward is not recomputed; memory stays
+    ``O(N (D_phi + M))`` per sequence for the fast methods.  The built-in
+    elementwise maps ("elu", "relu", "squared_relu", "identity"/None) are
+    applied with torch ops on float32 and float64 tensors (the same
+    functions; torch differentiates them), every other map through its
+    :meth:`~linattn_nb.feature_maps.FeatureMap.vjp`.
+
+    Parameters
+    ----------
+    q, k : torch.Tensor, shape (..., N, D)
+    v : torch.Tensor, shape (..., N, M)
+        float16, float32 or float64 (mixed dtypes are promoted as by
+        :func:`linattn_nb.linear_attention`; each gradient has its input's
+        dtype), all on the CPU or all on one CUDA device.  CPU tensors are
+        read in place (zero-copy NumPy views).  CUDA tensors go to the CUDA
+        launchers through ``__cuda_array_interface__`` (the gradient front
+        end copies them to the host and runs the kernels with
+        ``device="cuda"``; untested on a GPU so far).
+    feature_map : str, FeatureMap or None, default "elu"
+        As for :func:`linattn_nb.linear_attention`.  The map needs a
+        :meth:`~linattn_nb.feature_maps.FeatureMap.vjp` for the backward.
+    causal : bool, default False
+    method : {"auto", "quadratic", "scan", "chunked", "aggregate"}
+        ``"quadratic"`` runs the float64 references (forward and backward);
+        the others the fast kernels.
+    eps : float or None
+        Floor of the normaliser; the gradient where the floor is active is
+        that of the floored expression (zero through the normaliser).
+    check_finite : bool, default True
+        Refuse NaN/inf in the inputs (and in ``grad_out`` in the backward).
+    initial_state : LinearState or tuple (S, z[, position]), optional
+        ``S`` (..., D_phi, M) and ``z`` (..., D_phi) tensors; both get
+        gradients when they require grad (segment-wise training).
+    return_state : bool, default False
+        Also return the final state as a :class:`LinearState` of float64
+        tensors ``S``, ``z``; gradients with respect to it flow into the
+        backward (the ``grad_state`` of :func:`linattn_nb.linear_attention_vjp`).
+    decay, log_decay, beta : torch.Tensor, float or array_like, optional
+        The update-rule inputs (decay per sequence, per token or per feature;
+        the delta rule's write strength), as for
+        :func:`linattn_nb.linear_attention`.  Tensors that require grad get
+        gradients summed back to their shape.
+    normalize : bool, optional
+        As for :func:`linattn_nb.linear_attention`.
+    feature_map_params : dict of str to torch.Tensor, optional
+        Values for the map's trainable parameters, by the names of
+        ``feature_map.parameters()`` (e.g. Hedgehog's ``"W"`` and ``"b"``).
+        They are written into the map's own arrays before the forward (so
+        the map instance computes with these values) and receive the
+        gradients ``d_params`` of the backward.
+
+    Returns
+    -------
+    out : torch.Tensor, shape (..., N, M)
+        In the promoted input dtype, on the inputs' device.
+    state : LinearState
+        Only with ``return_state=True``: float64 tensors ``S``, ``z``, the
+        position after the last token and the update rule.
+
+    Raises
+    ------
+    TypeError
+        A non-tensor ``q``, ``k``, ``v`` (or state, or parameter); dtypes
+        NumPy lacks (bfloat16), integer, boolean or complex tensors.
+    ValueError
+        Tensors on different devices, unknown parameter names, and
+        everything :func:`linattn_nb.linear_attention` refuses.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from linattn_nb.torch import linear_attention
+    >>> g = torch.Generator().manual_seed(0)
+    >>> q, k, v = (torch.randn(2, 4, 32, 8, generator=g, requires_grad=True) for _ in range(3))
+    >>> out = linear_attention(q, k, v, causal=True, method="quadratic")
+    >>> out.shape
+    torch.Size([2, 4, 32, 8])
+    >>> out.square().sum().backward()
+    >>> q.grad.shape == q.shape
+    True
+    """
+    q, k, v = (_check_tensor(nm, x) for nm, x in (("q", q), ("k", k), ("v", v)))
+    fmap = fm.resolve(feature_map)
+    decay_t, decay_val = _tensor_or_value("decay", decay)
+    log_decay_t, log_decay_val = _tensor_or_value("log_decay", log_decay)
+    beta_t, beta_val = _tensor_or_value("beta", beta)
+    S0 = z0 = None
+    position, state_rule = 0, None
+    if initial_state is not None:
+        from ._frontend import parse_state
+
+        S0, z0, position = parse_state(initial_state)
+        S0, z0 = _check_tensor("initial_state.S", S0), _check_tensor("initial_state.z", z0)
+        state_rule = getattr(initial_state, "rule", None)
+    names, params = (), ()
+    if feature_map_params:
+        stored = _map_parameters(fmap)
+        unknown = sorted(set(feature_map_params) - set(stored))
+        if unknown:
+            raise ValueError(f"feature_map_params: the map {fmap.name!r} has no parameter(s) {unknown}; its "
+                             f"parameters are {sorted(stored)} (hedgehog: call materialize(d) to store its defaults)")
+        names = tuple(feature_map_params)
+        params = tuple(_check_tensor(f"feature_map_params[{n!r}]", feature_map_params[n]) for n in names)
+        for n, t in zip(names, params):
+            if tuple(t.shape) != tuple(np.shape(stored[n])):
+                raise ValueError(f"feature_map_params[{n!r}] has shape {tuple(t.shape)}, the map's {n} has "
+                                 f"shape {tuple(np.shape(stored[n]))}")
+    named = [("q", q), ("k", k), ("v", v), ("decay", decay_t), ("log_decay", log_decay_t), ("beta", beta_t),
+             ("initial_state.S", S0), ("initial_state.z", z0)]
+    named += [(f"feature_map_params[{n!r}]", t) for n, t in zip(names, params)]
+    devices = {}
+    for nm, t in named:
+        if t is not None:
+            devices.setdefault(str(t.device), []).append(nm)
+    if len(devices) > 1:
+        where = "; ".join(f"{', '.join(ns)} on {dev}" for dev, ns in devices.items())
+        raise ValueError(f"all tensors must be on one device, got {where}")
+    device = "cuda" if q.device.type == "cuda" else "cpu"
+    if device == "cuda" and params:
+        raise ValueError("feature_map_params: maps with parameters are applied on the host; they are not "
+                         "supported for CUDA tensors")
+    torch_map = _TORCH_MAPS.get(type(fmap))
+    if torch_map is not None and q.dtype != torch.float16 and k.dtype != torch.float16:
+        q, k, fmap = torch_map(q), torch_map(k), _PRECOMPUTED
+    spec = _Spec(fmap, causal, method, device, eps, check_finite, normalize, bool(return_state), decay_val,
+                 log_decay_val, beta_val, position, state_rule, names)
+    res = _LinearAttentionFunction.apply(spec, q, k, v, decay_t, log_decay_t, beta_t, S0, z0, *params)
+    if not return_state:
+        return res
+    out, S, z = res
+    return out, LinearState(S, z, position + q.shape[-2], spec.rule)
+
+
+# ---------------------------------------------------------------------------
+# Module
+# ---------------------------------------------------------------------------
+_RULES = ("additive", "delta")
+_DECAYS = (None, "head", "token", "gate")
+
+
+class LinearAttention(nn.Module):
+    r"""Multi-head linear attention layer on the Numba kernels (``(B, N, d_model) -> (B, N, d_model)``).
+
+    ``x`` is projected to ``H`` heads of queries, keys (``head_dim``) and
+    values (``value_dim``), laid out ``(B, H, N, D)``, passed through
+    :func:`linear_attention` and projected back.  The update rule:
+
+    * ``rule="additive"``: ``S_t = a_t S_{t-1} + phi(k_t) v_t^T`` (``a_t = 1``
+      without decay), normalised by default (Katharopoulos et al. 2020);
+    * ``rule="delta"``: the delta rule with write strengths
+      ``beta = sigmoid(W_beta x)`` per head and token (DeltaNet, Yang et al.
+      2024), unnormalised by default; with a decay, the gated delta rule.
+
+    and the forgetting factors ``decay``:
+
+    * ``None``: none;
+    * ``"head"``: one learnable constant per head, ``a_h = sigmoid(theta_h)``
+      initialised to RetNet's ``1 - 2^(-5-h)``;
+    * ``"token"``: one per head and token from the input,
+      ``log a_t = -softplus(W_a x + b_a)`` (Mamba-2's data-dependent decay);
+    * ``"gate"``: one per head, token and feature,
+      ``log alpha_t = logsigmoid(W_g x + b_g) / 16`` (GLA, Yang et al. 2024,
+      §4.4), additive rule only.
+
+    Parameters
+    ----------
+    d_model : int
+        Model width.
+    num_heads : int
+    head_dim : int, optional
+        Query/key width per head; default ``d_model // num_heads``.
+    value_dim : int, optional
+        Value width per head; default ``head_dim``.
+    feature_map : str or FeatureMap, default "elu"
+        Applied to queries and keys (one map shared by the heads).  For the
+        delta rule use a map with unit-norm keys ("silu_l2", "l2") so the
+        state stays bounded.
+    causal : bool, default True
+        Decay and the delta rule need True.
+    rule : {"additive", "delta"}, default "additive"
+    decay : {None, "head", "token", "gate"}, default None
+    method : str, default "auto"
+        Passed to :func:`linear_attention` (``"quadratic"`` for the float64
+        references).
+    normalize : bool, optional
+        None: the rule's convention (True additive, False delta).
+    eps : float, default 1e-8
+    conv_size : int, optional
+        A causal depthwise convolution of this width on the projected
+        queries, keys and values (as in Zoology's and fla's recall models).
+    learn_feature_map : bool, default False
+        Make the map's parameters (``feature_map.parameters()``, e.g.
+        Hedgehog's ``W`` and ``b``, materialised to their defaults first)
+        :class:`torch.nn.Parameter` s of the module.  The module then owns
+        the map: its arrays are overwritten with the parameters' values on
+        each forward.
+    bias : bool, default False
+        Biases in the q, k, v and output projections.
+    check_finite : bool, default True
+    device, dtype : optional
+        For the parameters (float16, float32 or float64).
+
+    Attributes
+    ----------
+    feature_map : FeatureMap
+        The map instance used by every call.
+    feature_map_params : torch.nn.ParameterDict
+        The map's parameters (empty unless ``learn_feature_map``).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from linattn_nb.torch import LinearAttention
+    >>> _ = torch.manual_seed(0)
+    >>> layer = LinearAttention(32, 4, rule="delta", feature_map="silu_l2", decay="token", method="quadratic")
+    >>> x = torch.randn(2, 16, 32)
+    >>> y = layer(x)
+    >>> y.shape
+    torch.Size([2, 16, 32])
+    >>> y.square().mean().backward()
+    >>> layer.q_proj.weight.grad.shape
+    torch.Size([32, 32])
+    """
+
+    def __init__(self, d_model: int, num_heads: int, *, head_dim: Optional[int] = None,
+                 value_dim: Optional[int] = None, feature_map="elu", causal: bool = True, rule: str = "additive",
+                 decay: Optional[str] = None, method: str = "auto", normalize: Optional[bool] = None,
+                 eps: Optional[float] = _config.DEFAULT_EPS, conv_size: Optional[int] = None,
+                 learn_feature_map: bool = False, bias: bool = False, check_finite: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        for name, val in (("d_model", d_model), ("num_heads", num_heads)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if head_dim is None:
+            if d_model % num_heads:
+                raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}; pass head_dim")
+            head_dim = d_model // num_heads
+        value_dim = head_dim if value_dim is None else value_dim
+        for name, val in (("head_dim", head_dim), ("value_dim", value_dim)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if rule not in _RULES:
+            raise ValueError(f"rule must be one of {_RULES}, got {rule!r}")
+        if decay not in _DECAYS:
+            raise ValueError(f"decay must be one of {_DECAYS}, got {decay!r}")
+        if not causal and (rule != "additive" or decay is not None):
+            raise ValueError("decay and the delta rule are recurrences: they need causal=True")
+        if decay == "gate" and rule == "delta":
+            raise ValueError("decay='gate' (per feature) cannot be combined with rule='delta'; use 'head' or 'token'")
+        if conv_size is not None and (isinstance(conv_size, bool) or not isinstance(conv_size, int)
+                                      or conv_size < 1):
+            raise ValueError(f"conv_size must be a positive int or None, got {conv_size!r}")
+        kw = dict(device=device, dtype=dtype)
+        self.d_model, self.num_heads, self.head_dim, self.value_dim = d_model, num_heads, head_dim, value_dim
+        self.causal, self.rule, self.decay, self.method = bool(causal), rule, decay, method
+        self.normalize, self.eps, self.check_finite, self.conv_size = normalize, eps, check_finite, conv_size
+        self.feature_map = fm.resolve(feature_map)
+        self.feature_dim = int(self.feature_map.output_dim(head_dim))
+        H = num_heads
+        self.q_proj = nn.Linear(d_model, H * head_dim, bias=bias, **kw)
+        self.k_proj = nn.Linear(d_model, H * head_dim, bias=bias, **kw)
+        self.v_proj = nn.Linear(d_model, H * value_dim, bias=bias, **kw)
+        self.out_proj = nn.Linear(H * value_dim, d_model, bias=bias, **kw)
+        if conv_size is not None:
+            ch = H * (2 * head_dim + value_dim)
+            self.conv = nn.Conv1d(ch, ch, conv_size, groups=ch, padding=conv_size - 1, **kw)
+        self.beta_proj = nn.Linear(d_model, H, **kw) if rule == "delta" else None
+        if decay == "head":
+            gamma = 1.0 - 2.0 ** (-5.0 - torch.arange(H, dtype=torch.float64))
+            self.decay_logit = nn.Parameter(torch.logit(gamma).to(device=device,
+                                                                   dtype=dtype or torch.get_default_dtype()))
+        elif decay == "token":
+            self.decay_proj = nn.Linear(d_model, H, **kw)
+            with torch.no_grad():  # a_t = exp(-softplus(b)) ~ 0.95 at the start
+                self.decay_proj.bias.fill_(float(np.log(np.expm1(-np.log(0.95)))))
+        elif decay == "gate":
+            self.gate_proj = nn.Linear(d_model, H * self.feature_dim, **kw)
+        self.feature_map_params = nn.ParameterDict()
+        if learn_feature_map:
+            if hasattr(self.feature_map, "materialize"):
+                self.feature_map.materialize(head_dim)
+            stored = _map_parameters(self.feature_map)
+            if not stored:
+                raise ValueError(f"learn_feature_map=True, but the feature map {self.feature_map.name!r} has no "
+                                 "trainable parameters")
+            for name, arr in stored.items():
+                self.feature_map_params[name] = nn.Parameter(
+                    torch.tensor(np.asarray(arr), dtype=dtype or torch.get_default_dtype(), device=device))
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"value_dim={self.value_dim}, feature_map={self.feature_map.name!r}, causal={self.causal}, "
+                f"rule={self.rule!r}, decay={self.decay!r}, method={self.method!r}")
+
+    def _heads(self, t, d):
+        B, N, _ = t.shape
+        return t.reshape(B, N, self.num_heads, d).transpose(1, 2)  # (B, H, N, d)
+
+    def forward(self, x, *, initial_state=None, return_state: bool = False):
+        """Attend over ``x`` of shape (B, N, d_model).
+
+        Parameters
+        ----------
+        x : torch.Tensor, shape (B, N, d_model)
+        initial_state : LinearState, optional
+            A state returned by an earlier call with ``return_state=True``
+            (tensors ``S`` (B, H, D_phi, M), ``z`` (B, H, D_phi)); not with
+            ``conv_size`` (the convolution would need the previous tokens).
+        return_state : bool, default False
+
+        Returns
+        -------
+        y : torch.Tensor, shape (B, N, d_model)
+        state : LinearState
+            Only with ``return_state=True``.
+        """
+        _check_tensor("x", x)
+        if x.ndim != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must have shape (B, N, d_model={self.d_model}), got {tuple(x.shape)}")
+        if initial_state is not None and self.conv_size is not None:
+            raise ValueError("initial_state with conv_size: the convolution would need the previous segment's "
+                             "last tokens, which the state does not hold")
+        B, N, _ = x.shape
+        H, D, M = self.num_heads, self.head_dim, self.value_dim
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.conv_size is not None:
+            qkv = torch.cat([q, k, v], dim=-1).transpose(1, 2)  # (B, C, N)
+            qkv = self.conv(qkv)[..., :N].transpose(1, 2)
+            q, k, v = qkv.split([H * D, H * D, H * M], dim=-1)
+        q, k, v = self._heads(q, D), self._heads(k, D), self._heads(v, M)
+        kw = dict(feature_map=self.feature_map, causal=self.causal, method=self.method, eps=self.eps,
+                  check_finite=self.check_finite, normalize=self.normalize, initial_state=initial_state,
+                  return_state=return_state)
+        if self.rule == "delta":
+            kw["beta"] = torch.sigmoid(self.beta_proj(x)).transpose(1, 2)  # (B, H, N)
+        if self.decay == "head":
+            kw["log_decay"] = nn.functional.logsigmoid(self.decay_logit)[None, :]  # (1, H)
+        elif self.decay == "token":
+            kw["log_decay"] = -nn.functional.softplus(self.decay_proj(x)).transpose(1, 2)  # (B, H, N)
+        elif self.decay == "gate":
+            g = nn.functional.logsigmoid(self.gate_proj(x)) / 16.0
+            kw["log_decay"] = g.reshape(B, N, H, self.feature_dim).transpose(1, 2)  # (B, H, N, F)
+        if len(self.feature_map_params):
+            kw["feature_map_params"] = dict(self.feature_map_params)
+        res = linear_attention(q, k, v, **kw)
+        o, state = res if return_state else (res, None)
+        y = self.out_proj(o.transpose(1, 2).reshape(B, N, H * M))
+        return (y, state) if return_state else y

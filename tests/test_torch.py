@@ -1,0 +1,453 @@
+"""The PyTorch autograd adapter (linattn_nb.torch): gradcheck on every rule, forward values, zero-copy, training.
+
+``torch.autograd.gradcheck`` compares the adapter's backward (the backward
+launchers of linattn_nb.ops.grad through linattn_nb._gradfront) with central
+finite differences of its forward, in float64, at interior values of the
+decay and of beta (``../shared/REFERENCES.md``, "Gradients"; fla checks its
+kernels' dq, dk, dv and initial-state gradients against autograd the same
+way).  The fast CPU backward launchers (``scan``, ``chunked``) are tested
+when ``linattn_nb.ops.grad.cpu`` is importable.
+"""
+from __future__ import annotations
+
+import doctest
+import importlib.util
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import linattn_nb  # noqa: E402
+from linattn_nb import _gradfront, config  # noqa: E402
+from linattn_nb import feature_maps as fm  # noqa: E402
+import linattn_nb.torch as lt  # noqa: E402
+
+HAS_FM_VJP = hasattr(fm.FeatureMap, "vjp")
+HAS_CPU_GRAD = importlib.util.find_spec("linattn_nb.ops.grad.cpu") is not None
+needs_fm_vjp = pytest.mark.skipif(not HAS_FM_VJP, reason="FeatureMap.vjp not merged yet (branch h16-fmvjp)")
+
+CAUSAL_METHODS = ["quadratic"] + [pytest.param(m, marks=pytest.mark.skipif(
+    not HAS_CPU_GRAD, reason="CPU backward launchers not merged yet (branch h16-cpugrad)")) for m in ("scan", "chunked")]
+
+B, H, N, D, M = 1, 2, 10, 3, 2
+
+
+@pytest.fixture(autouse=True)
+def _identity_vjp(monkeypatch):
+    """Until FeatureMap.vjp lands, the identity map (feature_map=None) gets its exact vjp here only."""
+    if not hasattr(fm.IdentityFeatureMap, "vjp"):
+        monkeypatch.setattr(fm.IdentityFeatureMap, "vjp", lambda self, x, g, **kw: (np.asarray(g), None),
+                            raising=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """torch's OpenMP threads spin against Numba's on a small shared machine (tiny ops take 10x longer)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 4 tokens, so that N = 10 spans three chunks (one partial)."""
+    monkeypatch.setattr(config, "CPU_CHUNK_SIZE", 4)
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _qkv(seed=0, dtype=torch.float64, positive=True, shape=(B, H, N)):
+    """q, k positive (identity features keep the normaliser away from 0), v signed."""
+    g = _gen(seed)
+    lo = 0.5 if positive else -1.0
+    q = lo + (1.5 - lo) * torch.rand(*shape, D, generator=g, dtype=dtype)
+    k = lo + (1.5 - lo) * torch.rand(*shape, D, generator=g, dtype=dtype)
+    v = torch.randn(*shape, M, generator=g, dtype=dtype)
+    return [x.requires_grad_() for x in (q, k, v)]
+
+
+def _rule_inputs(rule, seed=1, dtype=torch.float64):
+    """Interior decay / beta values for ``rule`` as tensors that require grad (keyword -> tensor)."""
+    g = _gen(seed)
+    u = lambda *s: torch.rand(*s, generator=g, dtype=dtype)  # noqa: E731
+    if rule == "additive":
+        return {}
+    if rule == "decay_head":
+        return {"decay": (0.5 + 0.4 * u(1, H)).requires_grad_()}
+    if rule == "decay_token":
+        return {"decay": (0.3 + 0.6 * u(B, H, N)).requires_grad_()}
+    if rule == "log_decay_token":
+        return {"log_decay": (-0.05 - 0.5 * u(B, H, N)).requires_grad_()}
+    if rule == "gate":
+        return {"decay": (0.3 + 0.6 * u(B, H, N, D)).requires_grad_()}
+    if rule == "delta":
+        return {"beta": (0.2 + 0.7 * u(B, H, N)).requires_grad_()}
+    if rule == "delta_head":
+        return {"beta": (0.2 + 0.7 * u(1, H)).requires_grad_()}
+    if rule == "gated_delta":
+        return {"beta": (0.2 + 0.7 * u(B, H, N)).requires_grad_(), "decay": (0.5 + 0.4 * u(B, H, N)).requires_grad_()}
+    raise AssertionError(rule)
+
+
+RULES = ["additive", "decay_head", "decay_token", "log_decay_token", "gate", "delta", "delta_head", "gated_delta"]
+
+
+def _gradcheck(fn, inputs, fast=False):
+    """gradcheck in float64; ``fast``: one random projection per input (fast_mode) instead of the full Jacobian."""
+    assert torch.autograd.gradcheck(fn, tuple(inputs), eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=fast)
+
+
+# ---------------------------------------------------------------------------
+# gradcheck
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("method", CAUSAL_METHODS)
+@pytest.mark.parametrize("rule", RULES)
+def test_gradcheck_causal_every_rule(rule, method, small_chunks):
+    q, k, v = _qkv()
+    extra = _rule_inputs(rule)
+    names = list(extra)
+
+    def fn(q, k, v, *rest):
+        return lt.linear_attention(q, k, v, feature_map=None, causal=True, method=method,
+                                   **dict(zip(names, rest)))
+
+    # the delta rules' float64 reference forward solves a triangular system per call: the full Jacobian
+    # there only with the fast methods
+    _gradcheck(fn, [q, k, v, *extra.values()], fast="delta" in rule and method == "quadratic")
+
+
+@pytest.mark.parametrize("method", ["quadratic", "aggregate"])
+def test_gradcheck_noncausal(method):
+    q, k, v = _qkv(seed=3)
+    _gradcheck(lambda q, k, v: lt.linear_attention(q, k, v, feature_map=None, method=method), [q, k, v])
+
+
+@pytest.mark.parametrize("method", CAUSAL_METHODS)
+@pytest.mark.parametrize("rule", ["additive", "decay_token", "delta", "gated_delta"])
+def test_gradcheck_initial_and_final_state(rule, method, small_chunks):
+    """Segment-wise training: gradients reach the initial state, and the final state's gradient flows back."""
+    q, k, v = _qkv(seed=4)
+    extra = _rule_inputs(rule, seed=5)
+    names = list(extra)
+    g = _gen(6)
+    S0 = (0.2 * torch.rand(B, H, D, M, generator=g, dtype=torch.float64)).requires_grad_()
+    z0 = (0.5 + torch.rand(B, H, D, generator=g, dtype=torch.float64)).requires_grad_()
+
+    def fn(q, k, v, S0, z0, *rest):
+        out, st = lt.linear_attention(q, k, v, feature_map=None, causal=True, method=method,
+                                      initial_state=(S0, z0), return_state=True, **dict(zip(names, rest)))
+        return out, st.S, st.z
+
+    _gradcheck(fn, [q, k, v, S0, z0, *extra.values()], fast=True)
+
+
+def test_gradcheck_unnormalized_and_eps_none():
+    q, k, v = _qkv(seed=7)
+    for kw in (dict(normalize=False), dict(eps=None)):
+        _gradcheck(lambda q, k, v: lt.linear_attention(q, k, v, feature_map=None, causal=True,
+                                                       method="quadratic", **kw), [q, k, v])
+
+
+@needs_fm_vjp
+@pytest.mark.parametrize("method", CAUSAL_METHODS)
+@pytest.mark.parametrize("feature_map,rule", [("elu", "additive"), ("elu", "decay_token"), ("silu_l2", "delta"),
+                                              ("silu_l2", "gated_delta")])
+def test_gradcheck_builtin_feature_maps(feature_map, rule, method, small_chunks):
+    q, k, v = _qkv(seed=8, positive=False)
+    extra = _rule_inputs(rule, seed=9)
+    names = list(extra)
+    _gradcheck(lambda q, k, v, *rest: lt.linear_attention(q, k, v, feature_map=feature_map, causal=True,
+                                                          method=method, **dict(zip(names, rest))),
+               [q, k, v, *extra.values()], fast="delta" in rule and method == "quadratic")
+
+
+@needs_fm_vjp
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck_hedgehog_parameters(causal):
+    """d_params flows back to the map's parameters passed as tensors."""
+    fmap = fm.get("hedgehog")
+    if not hasattr(fmap, "materialize"):
+        pytest.skip("HedgehogFeatureMap.materialize not merged yet")
+    fmap.materialize(D)
+    q, k, v = _qkv(seed=10, positive=False, shape=(1, 1, 6))
+    g = _gen(11)
+    W = (torch.eye(D, dtype=torch.float64) + 0.2 * torch.randn(D, D, generator=g, dtype=torch.float64))
+    b = 0.1 * torch.randn(D, generator=g, dtype=torch.float64)
+    W.requires_grad_(), b.requires_grad_()
+
+    def fn(q, k, v, W, b):
+        return lt.linear_attention(q, k, v, feature_map=fmap, causal=causal, method="quadratic",
+                                   feature_map_params={"W": W, "b": b})
+
+    _gradcheck(fn, [q, k, v, W, b])
+    np.testing.assert_array_equal(fmap.parameters()["W"], W.detach().numpy())  # the map took the values
+
+
+@pytest.mark.parametrize("name", ["elu", "relu", "squared_relu", "identity"])
+def test_maps_applied_by_torch_equal_the_numpy_maps(name):
+    """The built-in elementwise maps run as torch ops; a subclass takes the NumPy map and its vjp: same numbers."""
+    cls = type(fm.get(name))
+    numpy_path = type("NumpyPath", (cls,), {})()
+    q, k, v = _qkv(seed=25, positive=False)
+    extra = _rule_inputs("decay_token", seed=26)
+    gout = torch.randn(B, H, N, M, generator=_gen(27), dtype=torch.float64)
+    res = []
+    for fmap in (name, numpy_path):
+        out = lt.linear_attention(q, k, v, feature_map=fmap, causal=True, method="chunked", eps=None, **extra)
+        res.append((out, *torch.autograd.grad(out, (q, k, v, extra["decay"]), gout)))
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# forward values, agreement with the NumPy API
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rule", RULES)
+def test_forward_equals_numpy_api(rule, dtype):
+    q, k, v = _qkv(seed=12, dtype=dtype)
+    extra = _rule_inputs(rule, seed=13, dtype=dtype)
+    out, st = lt.linear_attention(q, k, v, feature_map=None, causal=True, method="chunked", return_state=True,
+                                  **extra)
+    npkw = {nm: t.detach().numpy() for nm, t in extra.items()}
+    ref, ref_st = linattn_nb.linear_attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(),
+                                              feature_map=None, causal=True, method="chunked", return_state=True,
+                                              **npkw)
+    assert out.dtype == dtype and out.shape == (B, H, N, M)
+    np.testing.assert_allclose(out.detach().numpy(), ref, rtol=1e-5 if dtype == torch.float32 else 1e-12,
+                               atol=1e-6 if dtype == torch.float32 else 1e-12)
+    np.testing.assert_allclose(st.S.detach().numpy(), ref_st.S, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(st.z.detach().numpy(), ref_st.z, rtol=1e-5, atol=1e-6)
+    assert st.position == ref_st.position == N and st.rule == ref_st.rule
+
+
+def test_noncausal_forward_equals_numpy_api():
+    q, k, v = _qkv(seed=14, positive=False)
+    out = lt.linear_attention(q, k, v)
+    ref = linattn_nb.linear_attention(*(x.detach().numpy() for x in (q, k, v)))
+    np.testing.assert_allclose(out.detach().numpy(), ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("rule", ["additive", "decay_head", "gate", "gated_delta"])
+def test_gradients_equal_linear_attention_vjp(rule):
+    """Same numbers as linattn_nb.linear_attention_vjp, shapes of broadcast inputs kept, dtypes of the inputs."""
+    q, k, v = _qkv(seed=15, dtype=torch.float32)
+    extra = _rule_inputs(rule, seed=16, dtype=torch.float32)
+    out = lt.linear_attention(q, k, v, feature_map=None, causal=True, method="quadratic", **extra)
+    gout = torch.randn(out.shape, generator=_gen(17))
+    out.backward(gout)
+    ref = linattn_nb.linear_attention_vjp(*(x.detach().numpy() for x in (q, k, v)), gout.numpy(),
+                                          feature_map=None, causal=True, method="quadratic",
+                                          **{nm: t.detach().numpy() for nm, t in extra.items()})
+    for t, r in ((q, ref.dq), (k, ref.dk), (v, ref.dv)):
+        assert t.grad.dtype == torch.float32
+        np.testing.assert_allclose(t.grad.numpy(), r, rtol=1e-6, atol=1e-6)
+    for nm, t in extra.items():
+        r = getattr(ref, "d_" + nm)
+        assert t.grad.shape == t.shape and t.grad.dtype == torch.float32
+        np.testing.assert_allclose(t.grad.numpy(), r, rtol=1e-5, atol=1e-6)
+
+
+def test_segments_chain_like_one_call():
+    """Two segments joined by the state give the output and the gradients of one call over both."""
+    q, k, v = _qkv(seed=18)
+    extra = _rule_inputs("decay_token", seed=19)
+    a = extra["decay"]
+    whole = lt.linear_attention(q, k, v, feature_map=None, causal=True, method="quadratic", decay=a)
+    grads_whole = torch.autograd.grad(whole.square().sum(), (q, k, v, a))
+    s = 4
+    o1, st = lt.linear_attention(q[..., :s, :], k[..., :s, :], v[..., :s, :], feature_map=None, causal=True,
+                                 method="quadratic", decay=a[..., :s], return_state=True)
+    o2 = lt.linear_attention(q[..., s:, :], k[..., s:, :], v[..., s:, :], feature_map=None, causal=True,
+                             method="quadratic", decay=a[..., s:], initial_state=st)
+    both = torch.cat([o1, o2], dim=-2)
+    torch.testing.assert_close(both, whole, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(both.square().sum(), (q, k, v, a))
+    for g1, g2 in zip(grads, grads_whole):
+        torch.testing.assert_close(g1, g2, rtol=1e-10, atol=1e-12)
+
+
+def test_only_state_used():
+    """A loss of the final state alone (no gradient for the output) still backpropagates."""
+    q, k, v = _qkv(seed=20)
+    _, st = lt.linear_attention(q, k, v, feature_map=None, causal=True, method="quadratic", return_state=True)
+    st.S.sum().backward()
+    assert torch.isfinite(q.grad).all() and q.grad.abs().sum() == 0  # queries do not reach the state
+    assert k.grad.abs().sum() > 0 and v.grad.abs().sum() > 0
+
+
+def test_no_grad_and_inputs_without_grad():
+    q, k, v = (x.detach() for x in _qkv(seed=21))
+    with torch.no_grad():
+        out = lt.linear_attention(q, k, v, causal=True, method="quadratic", feature_map=None)
+    assert not out.requires_grad
+    v.requires_grad_()
+    lt.linear_attention(q, k, v, causal=True, method="quadratic", feature_map=None).sum().backward()
+    assert q.grad is None and v.grad is not None
+
+
+# ---------------------------------------------------------------------------
+# zero-copy, errors
+# ---------------------------------------------------------------------------
+def test_cpu_tensors_reach_the_front_end_zero_copy(monkeypatch):
+    seen = {}
+    real = _gradfront.prepare
+
+    def spy(q, k, v, **kw):
+        seen.update(q=q, k=k, v=v, decay=kw.get("decay"))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(_gradfront, "prepare", spy)
+    q, k, v = _qkv(seed=22)
+    a = _rule_inputs("decay_token")["decay"]
+    lt.linear_attention(q, k, v, feature_map=None, causal=True, method="quadratic", decay=a)
+    for name, t in (("q", q), ("k", k), ("v", v), ("decay", a)):
+        assert isinstance(seen[name], np.ndarray)
+        assert np.shares_memory(seen[name], t.detach().numpy()), name
+
+
+def test_errors():
+    q, k, v = _qkv(seed=23)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        lt.linear_attention(q.detach().numpy(), k, v)
+    with pytest.raises(TypeError, match="v must be float16, float32 or float64.*bfloat16"):
+        lt.linear_attention(q, k, v.detach().to(torch.bfloat16))
+    with pytest.raises(TypeError, match="k must be float16, float32 or float64"):
+        lt.linear_attention(q, torch.ones(k.shape, dtype=torch.int64), v)
+    with pytest.raises(TypeError, match="q must be a real floating tensor"):
+        lt.linear_attention(q.detach().to(torch.complex128), k, v)
+    with pytest.raises(ValueError, match="decay is on device meta"):
+        lt.linear_attention(q, k, v, causal=True, decay=torch.ones(B, H, N, device="meta"))
+    with pytest.raises(TypeError, match="initial_state.S must be a torch.Tensor"):
+        lt.linear_attention(q, k, v, causal=True, initial_state=(np.zeros((B, H, D, M)), torch.zeros(B, H, D)))
+    with pytest.raises(ValueError, match="decay.*causal=True"):  # the core's own validation
+        lt.linear_attention(q, k, v, decay=torch.full((B, H, N), 0.5))
+    with pytest.raises(ValueError, match="feature_map_params.*no parameter"):
+        lt.linear_attention(q, k, v, feature_map_params={"W": torch.eye(D)})
+
+
+def test_in_place_change_after_forward_is_refused():
+    q, k, v = _qkv(seed=24)
+    qq = q * 1.0
+    out = lt.linear_attention(qq, k, v, feature_map=None, causal=True, method="quadratic")
+    with torch.no_grad():
+        qq.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+# ---------------------------------------------------------------------------
+# the module
+# ---------------------------------------------------------------------------
+MODULE_CASES = [dict(), dict(decay="head"), dict(decay="token"), dict(decay="gate"),
+                dict(rule="delta"), dict(rule="delta", decay="token"), dict(causal=False), dict(conv_size=3)]
+
+
+@pytest.mark.parametrize("kw", MODULE_CASES, ids=lambda kw: "-".join(f"{a}={b}" for a, b in kw.items()) or "default")
+def test_module_forward_backward(kw):
+    torch.manual_seed(0)
+    layer = lt.LinearAttention(8, 2, feature_map=None, method="quadratic", dtype=torch.float64, **kw)
+    x = torch.randn(2, 7, 8, dtype=torch.float64)
+    y = layer(x)
+    assert y.shape == x.shape
+    y.square().mean().backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+
+
+def test_module_gradcheck_delta_rule():
+    """End to end through projections, sigmoid beta and a per-token decay (gated delta rule)."""
+    torch.manual_seed(1)
+    layer = lt.LinearAttention(4, 2, feature_map=None, rule="delta", decay="token", method="quadratic",
+                               dtype=torch.float64)
+    x = torch.randn(1, 5, 4, dtype=torch.float64, requires_grad=True)
+    _gradcheck(layer, [x])
+
+
+def test_module_state_round_trip():
+    torch.manual_seed(2)
+    layer = lt.LinearAttention(8, 2, feature_map=None, method="quadratic", decay="token", dtype=torch.float64)
+    x = torch.randn(1, 9, 8, dtype=torch.float64)
+    y = layer(x)
+    y1, st = layer(x[:, :5], return_state=True)
+    y2 = layer(x[:, 5:], initial_state=st)
+    torch.testing.assert_close(torch.cat([y1, y2], 1), y, rtol=1e-12, atol=1e-12)
+    assert st.S.shape == (1, 2, 4, 4) and st.position == 5
+
+
+def test_module_errors():
+    with pytest.raises(ValueError, match="not divisible"):
+        lt.LinearAttention(10, 3)
+    with pytest.raises(ValueError, match="rule must be one of"):
+        lt.LinearAttention(8, 2, rule="hebbian")
+    with pytest.raises(ValueError, match="need causal=True"):
+        lt.LinearAttention(8, 2, causal=False, rule="delta")
+    with pytest.raises(ValueError, match="cannot be combined"):
+        lt.LinearAttention(8, 2, rule="delta", decay="gate")
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        lt.LinearAttention(8, 2, learn_feature_map=True)
+    layer = lt.LinearAttention(8, 2, conv_size=2)
+    with pytest.raises(ValueError, match=r"x must have shape \(B, N, d_model=8\)"):
+        layer(torch.randn(2, 3, 4))
+    with pytest.raises(ValueError, match="conv_size"):
+        layer(torch.randn(1, 3, 8), initial_state=(torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4)))
+
+
+def _toy_loss(model, head, x, y):
+    return torch.nn.functional.mse_loss(head(model(x)), y)
+
+
+@pytest.mark.parametrize("kw", [dict(feature_map=None), dict(feature_map=None, rule="delta", decay="head")],
+                         ids=["additive", "gated_delta"])
+def test_module_trains(kw):
+    """A few Adam steps on a toy task (predict the running mean of the inputs) lower the loss."""
+    torch.manual_seed(3)
+    model = lt.LinearAttention(8, 2, method="quadratic", **kw)
+    head = torch.nn.Linear(8, 8)
+    x = torch.rand(4, 12, 8)
+    y = torch.cumsum(x, 1) / torch.arange(1, 13)[None, :, None]
+    opt = torch.optim.Adam(list(model.parameters()) + list(head.parameters()), lr=1e-2)
+    losses = []
+    for _ in range(15):
+        opt.zero_grad()
+        loss = _toy_loss(model, head, x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+@needs_fm_vjp
+def test_module_learns_hedgehog_map():
+    torch.manual_seed(4)
+    layer = lt.LinearAttention(8, 2, feature_map="hedgehog", learn_feature_map=True, method="quadratic",
+                               dtype=torch.float64)
+    assert sorted(layer.feature_map_params) == ["W", "b"]
+    W0 = layer.feature_map_params["W"].detach().clone()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    layer(x).square().mean().backward()
+    assert layer.feature_map_params["W"].grad.abs().sum() > 0
+    opt.step()
+    assert not torch.equal(layer.feature_map_params["W"], W0)
+    layer(x)  # the map computes with the updated values
+    np.testing.assert_array_equal(layer.feature_map.parameters()["W"], layer.feature_map_params["W"].detach().numpy())
+
+
+@needs_fm_vjp
+def test_docstring_examples():
+    res = doctest.testmod(lt, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert res.attempted > 0 and res.failed == 0
+
+
+def test_core_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, linattn_nb, linattn_nb.attention, linattn_nb._gradfront; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
