@@ -63,7 +63,7 @@ def main(argv=None):
                     cpus.append(time.process_time() - c0)
                 row = dict(map=name, causal=causal, batch=args.batch, n=n, d=args.d,
                            wall_s=statistics.median(walls), cpu_s=statistics.median(cpus), repeat=args.repeat,
-                           result=res.as_dict())
+                           result=res.to_dict())
                 rows.append(row)
                 print(f"{name:>8} {str(causal):>6} {args.batch:>3} {n:>6} {args.d:>4} {row['wall_s']:8.2f} "
                       f"{row['cpu_s']:8.2f}  {res.tv_mean:.4f}   {res.monotonicity:.4f}", flush=True)

@@ -13,8 +13,6 @@ Public API (stable names)::
 Nothing is compiled at import; Numba compiles each kernel on first use and
 caches it on disk, outside the package (see ``linattn_nb._cache``).
 """
-from __future__ import annotations
-
 __version__ = "0.1.0"
 
 # First: Numba picks a kernel's cache folder when the kernel is decorated.

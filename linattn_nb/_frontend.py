@@ -39,12 +39,16 @@ _F64 = np.dtype(np.float64)
 
 
 class LinearState(NamedTuple):
-    """Recurrent state of linear attention after a sequence (or a prefix).
+    """Recurrent state of linear attention after a sequence (or a prefix): what a call returns.
 
-    What :func:`linattn_nb.linear_attention` returns with
-    ``return_state=True`` and takes as ``initial_state`` (for segment-wise
-    processing); :class:`linattn_nb.LinearAttentionState` is the decoding
-    object built on the same numbers.
+    An immutable record of plain arrays: what
+    :func:`linattn_nb.linear_attention` returns with ``return_state=True``
+    and takes back as ``initial_state`` to process a long sequence segment
+    by segment.  For token-by-token decoding use
+    :class:`linattn_nb.LinearAttentionState` instead: a mutable object on the
+    same numbers, with ``prefill`` / ``step`` / ``query`` / ``save`` /
+    ``load``; ``LinearAttentionState.from_linear_state`` and
+    ``LinearAttentionState.to_linear_state`` convert between the two.
 
     Attributes
     ----------

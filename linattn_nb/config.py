@@ -334,3 +334,6 @@ KV_GROWTH = _env_float("LINATTN_KV_GROWTH", 2.0)
 
 #: Threads per block of the CUDA step, query and prefill kernels.
 CUDA_STEP_THREADS = _env_int("LINATTN_CUDA_STEP_THREADS", 128)
+
+# the name bound by ``from __future__ import annotations`` is not part of the API
+del annotations

@@ -67,6 +67,9 @@ is applied in NumPy by the dispatcher before the kernel runs.
 from __future__ import annotations
 
 import math
+import os
+import sys
+import warnings
 from typing import Callable, Dict, Union
 
 import numpy as np
@@ -601,7 +604,8 @@ class RandomFeatureMap(FeatureMap):
         from the input's last axis (then fixed: later inputs must match).
     num_features : int, optional
         Number ``m`` of random projections (rows of ``W``).  Default
-        ``max(1, int(d ln d))``, Performer's default.
+        ``max(1, int(d ln d))``, Performer's default (fixed once ``d`` is
+        known: given as ``dim``, or at the first call).
     orthogonal : bool
         Orthogonal (block-QR) rows instead of i.i.d. Gaussian rows
         (see :func:`draw_projection`).
@@ -617,6 +621,17 @@ class RandomFeatureMap(FeatureMap):
     ----------
     W : ndarray (m, d) or None
         The current projection (None until drawn).
+    num_features : int or None
+        The effective ``m``: the number given, else the default for ``d``
+        once ``d`` is known; None only for a map built without ``dim`` or
+        ``num_features`` that was never called.
+
+    Notes
+    -----
+    A random map given to a function *by name* (``feature_map="favor+"``)
+    is built anew, unseeded, at every call, so every call draws another
+    ``W``; the first such call in a process warns (once per map name).
+    Build the map once with a ``seed`` and pass the object instead.
     """
 
     default_orthogonal = True
@@ -624,7 +639,7 @@ class RandomFeatureMap(FeatureMap):
     def __init__(self, dim=None, num_features=None, *, orthogonal=None, row_norm="chi", seed=None,
                  scale=None):
         self.dim = _check_count("dim", dim)
-        self.num_features = _check_count("num_features", num_features)
+        self._num_features = _check_count("num_features", num_features)
         if orthogonal is None:
             orthogonal = self.default_orthogonal
         if not isinstance(orthogonal, (bool, np.bool_)):
@@ -640,11 +655,20 @@ class RandomFeatureMap(FeatureMap):
         if self.dim is not None:
             self._draw(self.dim)
 
+    @property
+    def num_features(self):
+        """The effective number ``m`` of random projections (None before ``d`` is known, see the class)."""
+        if self._num_features is not None:
+            return self._num_features
+        if self.W is not None:
+            return int(self.W.shape[0])
+        return self.num_projections(self.dim) if self.dim is not None else None
+
     # -- projection ----------------------------------------------------------
     def num_projections(self, d: int) -> int:
         """``m`` for input dimension ``d``."""
-        if self.num_features is not None:
-            return self.num_features
+        if self._num_features is not None:
+            return self._num_features
         return max(1, int(d * math.log(d))) if d > 1 else 1
 
     def effective_scale(self, d: int) -> float:
@@ -726,8 +750,9 @@ class FavorPlusFeatureMap(RandomFeatureMap):
       ``i``; the features then are 0 and the key gets zero weight.
 
     A map is drawn once and kept until :meth:`redraw`; pass the same map
-    object (not the name, which builds a new unseeded map per call) to every
-    call that must share ``W``, e.g. segments linked by ``initial_state``.
+    object (not the name, which builds a new unseeded map per call and warns
+    once per process) to every call that must share ``W``, e.g. segments
+    linked by ``initial_state``.
 
     Parameters
     ----------
@@ -1415,13 +1440,37 @@ def resolve(feature_map: Union[str, FeatureMap, None]) -> FeatureMap:
         return _check_kernel_code(feature_map)
     if isinstance(feature_map, str):
         try:
-            return _check_kernel_code(get(feature_map))
+            fmap = _check_kernel_code(get(feature_map))
         except KeyError as exc:
             raise ValueError(f"feature_map: {exc.args[0]}") from None
+        if isinstance(fmap, RandomFeatureMap) and feature_map not in _WARNED_BY_NAME:
+            _WARNED_BY_NAME.add(feature_map)
+            warnings.warn(
+                f"feature_map={feature_map!r} given by name builds a new, unseeded map at every call: "
+                "each call draws another random projection W (results differ from call to call, and "
+                "calls linked by initial_state do not share W). Build the map once, e.g. "
+                f"feature_maps.get({feature_map!r}, dim=D, num_features=m, seed=0), and pass it instead. "
+                "(Shown once per process for each map name.)",
+                UserWarning, stacklevel=_outside_stacklevel(),
+            )
+        return fmap
     raise TypeError(
         "feature_map must be a registered name, a FeatureMap instance or None, "
         f"got {type(feature_map).__name__}"
     )
+
+
+#: Names of random maps whose by-name use has warned in this process (see :func:`resolve`).
+_WARNED_BY_NAME: set = set()
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _outside_stacklevel() -> int:
+    """The ``stacklevel`` of the first caller outside this package (for a warning raised deep inside it)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_kernel_code(fmap: FeatureMap) -> FeatureMap:
@@ -1533,3 +1582,6 @@ register("cosformer", CosformerFeatureMap)
 register("hedgehog", HedgehogFeatureMap)
 register("l2", L2FeatureMap)
 register("silu_l2", SiluL2FeatureMap)
+
+# the name bound by ``from __future__ import annotations`` is not part of the API
+del annotations

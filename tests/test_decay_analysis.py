@@ -117,8 +117,8 @@ def test_decay_one_is_the_additive_rule(qkv):
     for normalize in (True, False):
         np.testing.assert_allclose(attention_weights(q, k, "elu", causal=True, decay=1.0, normalize=normalize),
                                    attention_weights(q, k, "elu", causal=True, normalize=normalize), rtol=1e-13)
-    a = approximation_error(q, k, v, "elu", causal=True, decay=1.0).as_dict()
-    b = approximation_error(q, k, v, "elu", causal=True).as_dict()
+    a = approximation_error(q, k, v, "elu", causal=True, decay=1.0).to_dict()
+    b = approximation_error(q, k, v, "elu", causal=True).to_dict()
     for key in a:
         assert a[key] == pytest.approx(b[key], rel=1e-10, abs=1e-13), key
 
@@ -140,12 +140,12 @@ def test_additive_unnormalised_weights(qkv):
 def test_approximation_error_with_decay_matches_the_naive_reference(qkv, name):
     q, k, v = qkv
     kw = DECAYS[name]
-    fast = approximation_error(q, k, v, "elu", causal=True, block=5, **kw).as_dict()
-    ref = approximation_error_naive(q, k, v, "elu", causal=True, **kw).as_dict()
+    fast = approximation_error(q, k, v, "elu", causal=True, block=5, **kw).to_dict()
+    ref = approximation_error_naive(q, k, v, "elu", causal=True, **kw).to_dict()
     for key in fast:
         assert fast[key] == pytest.approx(ref[key], rel=1e-9, abs=1e-12), key
     # softmax is the same with or without the decay; the linear weights concentrate on recent tokens
-    plain = approximation_error(q, k, v, "elu", causal=True).as_dict()
+    plain = approximation_error(q, k, v, "elu", causal=True).to_dict()
     assert fast["entropy_softmax"] == pytest.approx(plain["entropy_softmax"], rel=1e-12)
     assert fast["entropy_linear"] < plain["entropy_linear"]
 

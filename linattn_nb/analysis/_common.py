@@ -35,12 +35,52 @@ __all__ = [
     "check_positive_float",
     "rule_arguments",
     "explicit_rule_weights",
+    "plain_dict",
 ]
 
+class _DefaultEps:
+    """The default of an ``eps`` argument: ``config.DEFAULT_EPS``, read at call time.
+
+    A named marker rather than a bare ``object()``, so that signatures read
+    ``eps=config.DEFAULT_EPS`` (not ``eps=<object object at 0x...>``); one
+    instance, kept by copy and pickle.
+    """
+
+    __slots__ = ()
+    _instance = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "config.DEFAULT_EPS"
+
+    def __reduce__(self):
+        return "DEFAULT"  # the module-level name: copies and unpickled values are the same object
+
+
 #: Default marker of an ``eps`` argument: ``config.DEFAULT_EPS`` read at call time.
-DEFAULT = object()
+DEFAULT = _DefaultEps()
 #: The ``feature_map`` value that asks for softmax weights instead of a map.
 SOFTMAX = "softmax"
+
+def plain_dict(fields) -> dict:
+    """``(name, value)`` pairs as a dict of plain Python values (the ``to_dict`` of the result classes).
+
+    Arrays become (nested) lists and NumPy scalars Python scalars, so that the
+    dict goes to :func:`json.dumps` as it is; other values are kept.
+    """
+    out = {}
+    for name, val in fields:
+        if isinstance(val, np.ndarray):
+            val = val.tolist()
+        elif isinstance(val, np.generic):
+            val = val.item()
+        out[name] = val
+    return out
+
 
 check_causal = FE.check_causal
 feature_dim = FE.feature_dim

@@ -109,11 +109,7 @@ class RecallCapacity:
 
     def to_dict(self) -> dict:
         """Plain-Python dict (lists instead of arrays), for JSON."""
-        out = {}
-        for name in self.__dataclass_fields__:
-            val = getattr(self, name)
-            out[name] = val.tolist() if isinstance(val, np.ndarray) else val
-        return out
+        return C.plain_dict((name, getattr(self, name)) for name in self.__dataclass_fields__)
 
     def table(self) -> str:
         """A plain-text table, one row per ``n``."""
@@ -489,6 +485,10 @@ class MQAR:
     keys: np.ndarray
     values: np.ndarray
     query_positions: np.ndarray
+
+    def to_dict(self) -> dict:
+        """Plain-Python dict (lists instead of arrays), for JSON."""
+        return C.plain_dict((name, getattr(self, name)) for name in self.__dataclass_fields__)
 
 
 def mqar(n_examples, seq_len, n_kv, *, vocab_size=8192, power_a=0.01, random_non_queries=True, seed=None):

@@ -24,7 +24,8 @@ measure the approximation, not round-off.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import warnings
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -90,9 +91,24 @@ class ApproximationError:
     kl_infinite_rate: float
     n_rows: int
 
+    def to_dict(self) -> dict:
+        """The fields as a dict of plain Python values (for tables and JSON).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from linattn_nb.analysis import approximation_error
+        >>> x = np.random.default_rng(0).standard_normal((1, 8, 4))
+        >>> d = approximation_error(x, x, x, "elu").to_dict()
+        >>> d["n_rows"], sorted(d)[:3]
+        (8, ['entropy_linear', 'entropy_softmax', 'kl_infinite_rate'])
+        """
+        return C.plain_dict((f.name, getattr(self, f.name)) for f in fields(self))
+
     def as_dict(self) -> dict:
-        """The fields as a plain dict (for tables and JSON)."""
-        return asdict(self)
+        """Deprecated alias of :meth:`to_dict` (every result class names it ``to_dict``)."""
+        warnings.warn("ApproximationError.as_dict() is deprecated; use to_dict()", DeprecationWarning, stacklevel=2)
+        return self.to_dict()
 
 
 # ---------------------------------------------------------------------------

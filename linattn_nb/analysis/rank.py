@@ -862,6 +862,10 @@ class StateRankProfile(NamedTuple):
     rank: np.ndarray
     max_rank: int
 
+    def to_dict(self) -> dict:
+        """Plain-Python dict (lists instead of arrays), for JSON."""
+        return C.plain_dict(zip(self._fields, self))
+
 
 def _absorb(state, fk, v, lg):
     """``state`` after the rows ``fk`` (L, F), ``v`` (L, M) with log-factors ``lg`` (L, 1 or F) or None.

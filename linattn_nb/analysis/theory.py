@@ -53,6 +53,10 @@ class KernelEstimate:
     target: np.ndarray
     draws: int
 
+    def to_dict(self) -> dict:
+        """Plain-Python dict (lists instead of arrays), for JSON."""
+        return C.plain_dict((name, getattr(self, name)) for name in self.__dataclass_fields__)
+
 
 def _pairs(x, y):
     x = np.asarray(x, dtype=np.float64)

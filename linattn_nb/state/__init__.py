@@ -17,8 +17,6 @@ Modules: :mod:`~linattn_nb.state.linear` (:class:`LinearAttentionState`),
 :mod:`~linattn_nb.state.launchers` (the decode-step launchers registered in
 the method table, and their contract).
 """
-from __future__ import annotations
-
 from .fileformat import FORMAT_VERSION, StateFileError  # noqa: F401  (FORMAT_VERSION: the old module-level name)
 from .kvcache import KVCache
 from .linear import LinearAttentionState

@@ -78,7 +78,14 @@ class _Inputs:
 
 
 class LinearAttentionState:
-    r"""Recurrent state of causal linear attention, for decoding and segment-wise processing.
+    r"""The decoding object: recurrent state of causal linear attention, updated token by token.
+
+    A mutable object that absorbs tokens in place (:meth:`prefill`,
+    :meth:`step`), answers queries (:meth:`query`), and is saved and loaded
+    (:meth:`save`, :meth:`load`), on the CPU or a GPU.  What a
+    :func:`linattn_nb.linear_attention` call returns with
+    ``return_state=True`` is the immutable :class:`linattn_nb.LinearState`
+    instead; :meth:`from_linear_state` and :meth:`to_linear_state` convert.
 
     Holds ``S = sum_j phi(k_j) v_j^T`` (shape ``(*batch_shape, D_phi, M)``),
     ``z = sum_j phi(k_j)`` (``(*batch_shape, D_phi)``) and the number of
