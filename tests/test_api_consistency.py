@@ -1,0 +1,120 @@
+"""One convention across the public API (issue 17, point 8).
+
+* every result class converts with ``to_dict()`` to JSON-ready plain values;
+  ``ApproximationError.as_dict()`` is kept as a deprecated alias;
+* the package namespaces list no ``annotations`` (the ``__future__`` import);
+* no public signature shows ``<object object at 0x...>``;
+* a random map given by name warns once per process; ``num_features`` is the
+  effective ``m``.
+"""
+import inspect
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+import linattn_nb as la
+from linattn_nb import analysis, feature_maps as fm, studies
+
+
+def _qkv(n=8, d=4):
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((1, n, d)) for _ in range(3))
+
+
+def _results():
+    q, k, v = _qkv()
+    x = np.array([0.3, -0.2, 0.1])
+    return {
+        "ApproximationError": analysis.approximation_error(q, k, v, "elu"),
+        "RecallCapacity": analysis.recall_capacity("elu", 4, [2, 4], trials=1, seed=0),
+        "KernelEstimate": analysis.kernel_estimate_mse(fm.get("favor+", num_features=4, seed=0), x, x, draws=3),
+        "StateRankProfile": analysis.state_rank_profile(k[0], v[0], "elu"),
+        "MQAR": analysis.mqar(2, 16, 2, vocab_size=64, seed=0),
+    }
+
+
+def _plain(x) -> bool:
+    if isinstance(x, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in x.items())
+    if isinstance(x, list):
+        return all(_plain(v) for v in x)
+    return x is None or type(x) in (bool, int, float, str)
+
+
+def test_every_result_class_has_to_dict_with_plain_values():
+    for name, res in _results().items():
+        d = res.to_dict()
+        assert isinstance(d, dict) and d, name
+        assert _plain(d), name   # no arrays, no NumPy scalars
+        json.dumps(d)            # goes to JSON as it is
+
+
+def test_as_dict_is_a_deprecated_alias():
+    q, k, v = _qkv()
+    res = analysis.approximation_error(q, k, v, "elu")
+    with pytest.warns(DeprecationWarning, match=r"as_dict\(\) is deprecated; use to_dict\(\)"):
+        old = res.as_dict()
+    assert old == res.to_dict()
+    assert not hasattr(analysis.RecallCapacity, "as_dict")  # one name, no new aliases
+
+
+@pytest.mark.parametrize("module", [la, la.feature_maps, la.config, la.state, analysis, studies],
+                         ids=lambda m: m.__name__)
+def test_no_annotations_in_public_namespaces(module):
+    assert "annotations" not in dir(module)
+
+
+def test_public_signatures_are_readable():
+    objs = [getattr(la, n) for n in la.__all__] + [v for n, v in vars(analysis).items() if not n.startswith("_")]
+    objs += [getattr(fm, n) for n in fm.__all__]
+    seen = 0
+    for obj in objs:
+        if not callable(obj):
+            continue
+        try:
+            sig = str(inspect.signature(obj))
+        except (TypeError, ValueError):
+            continue
+        seen += 1
+        assert " at 0x" not in sig, (obj, sig)
+    assert seen > 20
+    assert "eps=config.DEFAULT_EPS" in str(inspect.signature(analysis.attention_weights))
+
+
+def test_eps_default_marker_survives_copy_and_pickle():
+    import copy
+    import pickle
+
+    from linattn_nb.analysis import _common as C
+
+    assert copy.deepcopy(C.DEFAULT) is C.DEFAULT
+    assert pickle.loads(pickle.dumps(C.DEFAULT)) is C.DEFAULT
+
+
+def test_random_map_by_name_warns_once_per_process(monkeypatch):
+    monkeypatch.setattr(fm, "_WARNED_BY_NAME", set())
+    q, k, v = _qkv()
+    with pytest.warns(UserWarning, match=r"feature_map='favor\+' given by name .* unseeded") as rec:
+        la.linear_attention(q, k, v, feature_map="favor+")
+    # the warning points at this file, not inside the package
+    assert any(w.filename == __file__ for w in rec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        la.linear_attention(q, k, v, feature_map="favor+")             # once per process
+        la.linear_attention(q, k, v, feature_map=fm.get("favor+", seed=0))  # an object never warns
+        la.linear_attention(q, k, v, feature_map="elu")                # deterministic maps never warn
+    with pytest.warns(UserWarning, match="feature_map='rff'"):  # once per map name
+        la.linear_attention(q, k, v, feature_map="rff")
+
+
+def test_num_features_is_the_effective_m():
+    assert fm.get("favor+", num_features=8).num_features == 8
+    d = 64
+    assert fm.get("favor+", dim=d).num_features == int(d * np.log(d))
+    phi = fm.get("rff", seed=0)
+    assert phi.num_features is None  # d not known yet: documented
+    phi(np.zeros((3, 5)))
+    assert phi.num_features == phi.W.shape[0] == int(5 * np.log(5))
+    assert phi.output_dim(5) == 2 * phi.num_features
