@@ -5,6 +5,11 @@
 ``linattn report``  run every built-in study; write report.md, plots and raw JSONL.
 ``linattn check``, ``bench``, ``error``, ``rank``, ``recall``, ``horizon``, ``rules``: one study each.
 
+``linattn error|rank|recall`` take problem options (``--dim``, ``--scale``,
+``--maps``, ``--m``, ``--n``, ``--seeds``) that change the profile's grid, and
+``linattn report --config FILE`` runs a report from a TOML or JSON
+description (:mod:`linattn_nb._overrides`).
+
 Exit status: 0 success; 1 a check failed or a study raised (the report is
 still written); 2 usage errors (bad arguments, a non-empty --out without
 --force, an --out that cannot be created or written); 3 the study cannot run
@@ -15,6 +20,7 @@ same command with ``--resume`` continues.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import shlex
@@ -116,14 +122,19 @@ def cmd_demo(args) -> int:
     return 0
 
 
+#: What ``--quick`` costs, as measured (``linattn report --quick`` on the 2-core test machine).
+QUICK_TIME = "about 2 minutes"
+
+
 def _study_options(p, *, default_out: str) -> None:
-    p.add_argument("--out", metavar="DIR", default=default_out,
+    p.set_defaults(default_out=default_out)
+    p.add_argument("--out", metavar="DIR", default=None,
                    help=f"report folder: report.md, PNG plots, raw <study>.jsonl (default: {default_out})")
     p.add_argument("--quick", action="store_true",
-                   help="small problem sizes: about 2 minutes on 2 cores (same as --profile quick)")
+                   help=f"same as --profile quick (the whole report: {QUICK_TIME} on 2 cores)")
     p.add_argument("--profile", choices=("tiny", "quick", "full"), default=None,
                    help="problem sizes: full (default; <= 15 min on 2 cores), quick, or tiny (a smoke test)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
                    help="auto (default): the CPU, plus the GPU when a real one is present; cpu; cuda (GPU only)")
     p.add_argument("--scheduler", metavar="ADDR", default=None,
                    help="run the points of untimed studies on this Dask scheduler (e.g. tcp://host:8786); "
@@ -136,6 +147,56 @@ def _study_options(p, *, default_out: str) -> None:
     again.add_argument("--resume", action="store_true",
                        help="continue an interrupted report in DIR, keeping the finished points")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+
+
+def _problem_options(p, study) -> None:
+    """``--dim`` ... ``--seeds``: change the profile's grid of ``study`` (see linattn_nb._overrides)."""
+    g = p.add_argument_group("problem options", "change the profile's grid (values: one number, or a "
+                                                "comma-separated list where several are allowed)")
+    g.add_argument("--dim", metavar="D", default=None, help="key dimension d of q and k")
+    g.add_argument("--scale", metavar="S", default=None,
+                   help="q, k ~ S·N(0, I) (logits q·k/√d of standard deviation S²); the profile's value is 0.5"
+                   if study.name == "error" else
+                   f"input scale: refused, the {study.name} study's inputs are N(0, I) (its points have no scale)")
+    g.add_argument("--maps", metavar="NAMES", default=None,
+                   help="feature maps to run, e.g. elu,favor+,taylor2 (default: the study's)")
+    g.add_argument("--m", metavar="M", default=None, help="random maps' number of features, e.g. 64,256,1024")
+    g.add_argument("--n", metavar="N", default=None,
+                   help="numbers of stored pairs n, e.g. 16,64,256" if study.name == "recall"
+                   else "sequence lengths N, e.g. 256,1024,4096")
+    g.add_argument("--seeds", metavar="K", default=None, help="run every point for seeds 0 .. K-1")
+
+
+def _options_of(args) -> dict:
+    from linattn_nb._overrides import OPTION_KEYS
+
+    return {key: getattr(args, key) for key in OPTION_KEYS if getattr(args, key, None) is not None}
+
+
+@contextlib.contextmanager
+def _studies_with_options(options):
+    """Register, for the duration, each study of ``options`` with its points changed by its options."""
+    from dataclasses import replace
+
+    from linattn_nb._overrides import apply_overrides
+    from linattn_nb.studies import get_study, register_study
+
+    originals = []
+    try:
+        for name, opts in options.items():
+            if not opts:
+                continue
+            study = get_study(name)
+
+            def points(ctx, _study=study, _opts=opts):
+                return apply_overrides(_study.points(ctx), _opts, study=_study.name)
+
+            originals.append(study)
+            register_study(replace(study, points=points), overwrite=True)
+        yield
+    finally:
+        for study in originals:
+            register_study(study, overwrite=True)
 
 
 def _os_error(exc: OSError) -> str:
@@ -174,9 +235,37 @@ def _unwritable(out: str) -> str | None:
 
 
 def _run_studies(args, names, argv) -> int:
-    from linattn_nb.studies import get_study, run_report
+    from pathlib import Path
+
+    from linattn_nb._overrides import OptionError, apply_overrides, check_options, load_config
+    from linattn_nb.studies import Context, get_study, run_report
     from linattn_nb.studies.report import command_line
 
+    options = {}
+    try:
+        if getattr(args, "config", None) is not None:
+            conf = load_config(args.config)
+            # the command line wins over the description
+            for key in ("out", "device", "scheduler", "workers"):
+                if getattr(args, key) is None:
+                    setattr(args, key, conf[key])
+            if args.profile is None:
+                args.profile = conf["profile"]
+            names = conf["studies"]
+            options = conf["options"]
+        elif names is not None:
+            opts = check_options(_options_of(args), where="--")
+            if opts:
+                options = {names[0]: opts}
+        args.profile = args.profile or "full"
+        args.device = args.device or "auto"
+        args.out = args.out or args.default_out
+        for name, opts in options.items():  # refuse options a study cannot take before anything runs
+            apply_overrides(get_study(name).points(Context(out=Path(args.out), profile=args.profile)), opts,
+                            study=name)
+    except OptionError as exc:
+        print(f"linattn {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     if args.workers is not None and args.workers < 1:
         print(f"linattn {args.command}: error: --workers must be >= 1, got {args.workers}", file=sys.stderr)
         return 2
@@ -208,9 +297,10 @@ def _run_studies(args, names, argv) -> int:
         return 2
 
     try:
-        res = run_report(args.out, profile=args.profile, device=args.device, scheduler=args.scheduler,
-                         workers=args.workers, force=args.force, resume=args.resume, studies=names,
-                         progress=args.progress, command=command_line(argv))
+        with _studies_with_options(options):
+            res = run_report(args.out, profile=args.profile, device=args.device, scheduler=args.scheduler,
+                             workers=args.workers, force=args.force, resume=args.resume, studies=names,
+                             progress=args.progress, command=command_line(argv))
     except KeyboardInterrupt:
         again = [a for a in argv if a != "--force"] + ([] if args.resume else ["--resume"])
         print(f"linattn {args.command}: interrupted; the finished points are kept in {args.out!r}: "
@@ -220,7 +310,7 @@ def _run_studies(args, names, argv) -> int:
         return usage_error(str(exc))
     except OSError as exc:
         return usage_error(f"cannot write the report to {args.out!r}: {_os_error(exc)}")
-    if names is not None:
+    if names is not None and getattr(args, "config", None) is None:
         for name in names:
             section = res.sections.get(get_study(name).name)
             if section is not None:
@@ -256,16 +346,24 @@ def build_parser() -> argparse.ArgumentParser:
                     "are not installed are listed as not run) and write DIR/report.md with tables and "
                     "PNG plots beside the raw results (one JSON Lines file per study).")
     _study_options(p, default_out="report")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="run the report a TOML (or .json) file describes: profile, device, out, studies, "
+                        "workers, scheduler and one table of problem options per study ([error], [rank], "
+                        "[recall]: dim, scale, maps, m, n, seeds); options given here win over the file")
     p.set_defaults(func=lambda args, argv: _run_studies(args, None, argv), wants_argv=True)
 
     from linattn_nb.studies import STUDIES
     from linattn_nb.studies import _builtin  # noqa: F401  (registers the built-in studies)
 
+    from linattn_nb._overrides import PROBLEM_STUDIES
+
     for study in STUDIES:
         p = sub.add_parser(study.command, help=study.help,
-                           description=f"{study.title}: {study.help}. Writes DIR/report.md with this study "
-                                       "alone and prints its tables.")
+                           description=f"{study.help[:1].upper()}{study.help[1:]}. Writes DIR/report.md with "
+                                       "this study alone and prints its tables.")
         _study_options(p, default_out=f"report-{study.command}")
+        if study.name in PROBLEM_STUDIES:
+            _problem_options(p, study)
         p.set_defaults(func=lambda args, argv, _n=study.name: _run_studies(args, [_n], argv), wants_argv=True)
     return parser
 
@@ -277,15 +375,16 @@ def main(argv=None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    for name in ("batch", "heads", "length", "dim"):
-        if getattr(args, name, 1) < 1:
-            parser.error(f"--{name} must be >= 1")
+    if args.command == "demo":
+        for name in ("batch", "heads", "length", "dim"):
+            if getattr(args, name) < 1:
+                parser.error(f"--{name} must be >= 1")
     if getattr(args, "wants_argv", False):
         # Checked here, not by an argparse group: argparse does not see
         # "--quick --profile full" as a conflict when "full" is the default.
         if args.quick and args.profile not in (None, "quick"):
             parser.error(f"--quick and --profile {args.profile} contradict each other")
-        args.profile = "quick" if args.quick else (args.profile or "full")
+        args.profile = "quick" if args.quick else args.profile  # None: the --config file's, else full
     try:
         return int((args.func(args, argv) if getattr(args, "wants_argv", False) else args.func(args)) or 0)
     except KeyboardInterrupt:

@@ -157,3 +157,143 @@ def test_report_sigint_subprocess(tmp_path):
     assert "Traceback" not in text, text
     after = text[text.index("points"):].splitlines()[1:]
     assert len(after) == 1 and "--resume" in after[0] and str(out) in after[0], text
+
+
+# ---------------------------------------------------------------------------
+# problem options of error / rank / recall, and report --config (issue 17, point 6)
+# ---------------------------------------------------------------------------
+def _points(study, profile="tiny"):
+    from linattn_nb.studies import Context, get_study
+
+    return get_study(study).points(Context(out=Path("."), profile=profile))
+
+
+def test_overrides_set_dim_scale_maps_m_n_seeds():
+    from linattn_nb._overrides import apply_overrides, check_options
+
+    opts = check_options({"dim": "12", "scale": "1.0", "maps": "elu,favor+", "m": "8,32", "n": "16, 64",
+                          "seeds": "3"})
+    pts = apply_overrides(_points("error"), opts, study="error")
+    assert {p["feature_map"] for p in pts} == {"elu", "favor+"}
+    assert {p["d"] for p in pts} == {12} and {p["qk_scale"] for p in pts} == {1.0}
+    assert {p["n"] for p in pts} == {16, 64} and {p["seed"] for p in pts} == {0, 1, 2}
+    assert {p["num_features"] for p in pts if p["feature_map"] == "favor+"} == {8, 32}
+    assert {p["num_features"] for p in pts if p["feature_map"] == "elu"} == {None}
+    # every (map, m, n, seed, causal) once
+    assert len(pts) == len({(p["feature_map"], p["num_features"], p["n"], p["seed"], p["causal"]) for p in pts})
+    assert len(pts) == (1 + 2) * 2 * 3 * len({p["causal"] for p in pts})
+
+
+def test_overrides_recall_n_is_the_pair_grid_and_maps_can_be_added():
+    from linattn_nb._overrides import apply_overrides, check_options
+
+    pts = apply_overrides(_points("recall"), check_options({"n": [32, 8], "maps": ["relu", "favor+"], "m": 16}),
+                          study="recall")
+    assert [(p["feature_map"], p["num_features"]) for p in pts] == [("favor+", 16), ("relu", None)]
+    assert all(p["n_pairs"] == [8, 32] and p["map_params"] == {} for p in pts)
+
+
+def test_overrides_refuse_what_a_study_cannot_take():
+    from linattn_nb._overrides import OptionError, apply_overrides, check_options
+
+    with pytest.raises(OptionError, match="the rank study does not take 'scale'"):
+        apply_overrides(_points("rank"), {"scale": 1.0}, study="rank")
+    with pytest.raises(OptionError, match="none of the rank study's selected maps is random"):
+        apply_overrides(_points("rank"), {"maps": ["elu"], "m": [8]}, study="rank")
+    with pytest.raises(OptionError, match="'nope' is not registered"):
+        apply_overrides(_points("error"), {"maps": ["nope"]}, study="error")
+    for bad, match in [({"dim": 0}, "dim must be an integer >= 1"), ({"m": "8,x"}, "m must be an integer"),
+                       ({"scale": "inf"}, "scale must be a positive finite"), ({"maps": []}, "maps must be"),
+                       ({"seed": 3}, "unknown key 'seed'")]:
+        with pytest.raises(OptionError, match=match):
+            check_options(bad)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["rank", "--scale", "2"], "the rank study does not take 'scale'"),
+    (["error", "--maps", "elu,nope"], "maps: 'nope' is not registered"),
+    (["recall", "--n", "0"], "--n must be an integer >= 1"),
+    (["error", "--seeds", "two"], "--seeds must be an integer >= 1"),
+])
+def test_problem_option_errors_exit_2_before_running(argv, match, tmp_path, capsys):
+    out = tmp_path / "r"
+    assert cli.main(argv + ["--profile", "tiny", "--no-progress", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_error_command_runs_the_changed_grid(tmp_path, capsys):
+    from linattn_nb.studies import load_results
+
+    out = tmp_path / "r"
+    argv = ["error", "--profile", "tiny", "--no-progress", "--out", str(out),
+            "--maps", "elu", "--dim", "4", "--scale", "1", "--n", "16", "--seeds", "2"]
+    assert cli.main(argv) == 0
+    params = [r["params"] for r in load_results(out / "error.jsonl")]
+    assert sorted((p["feature_map"], p["d"], p["qk_scale"], p["n"], p["seed"]) for p in params) == \
+        [("elu", 4, 1.0, 16, 0), ("elu", 4, 1.0, 16, 1)]
+    report = (out / "report.md").read_text()
+    assert ("1·N(0, I)" in report or "1.0·N(0, I)" in report) and "d = 4" in report  # the regime is stated
+    assert "--dim 4" in report                                # and the command that made it
+    assert "| elu |" in capsys.readouterr().out
+
+
+def _write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def test_report_config_toml_runs_the_described_report(tmp_path):
+    from linattn_nb.studies import load_results
+
+    conf = _write(tmp_path / "r.toml", f'''
+profile = "tiny"
+device = "cpu"
+out = "{tmp_path / 'rep'}"
+studies = ["error"]
+
+[error]
+maps = ["elu"]
+n = [16]
+dim = 4
+''')
+    assert cli.main(["report", "--config", conf, "--no-progress"]) == 0
+    params = [r["params"] for r in load_results(tmp_path / "rep" / "error.jsonl")]
+    assert [(p["feature_map"], p["n"], p["d"]) for p in params] == [("elu", 16, 4)]
+    assert not (tmp_path / "rep" / "rank.jsonl").exists()
+
+
+@pytest.mark.parametrize("text, suffix, match", [
+    ('profile = "huge"', "toml", "profile must be one of tiny, quick, full"),
+    ('colour = "red"', "toml", "'colour' is not a known key; allowed: profile"),
+    ('[error]\nwidth = 3', "toml", "error.width'; allowed: dim, scale"),
+    ('[error]\nm = "many"', "toml", "error.m must be an integer"),
+    ('[throughput]\nn = [1]', "toml", "the throughput study takes no options"),
+    ('studies = ["rank"]\n[error]\ndim = 4', "toml", "[error] sets options of the error study, which 'studies'"),
+    ('studies = ["nope"]', "toml", "studies: \"no study 'nope'"),
+    ('profile = ', "toml", "cannot be parsed"),
+    ('{"recall": {"seeds": 0}}', "json", "recall.seeds must be an integer >= 1"),
+    ('[1, 2]', "json", "must hold a table"),
+])
+def test_report_config_errors_name_the_key(text, suffix, match, tmp_path, capsys):
+    conf = _write(tmp_path / f"c.{suffix}", text)
+    assert cli.main(["report", "--config", conf, "--no-progress", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert match in err and conf in err, err
+    assert not (tmp_path / "r").exists()
+
+
+def test_report_config_missing_file(tmp_path, capsys):
+    assert cli.main(["report", "--config", str(tmp_path / "none.toml"), "--out", str(tmp_path / "r")]) == 2
+    assert "No such file" in capsys.readouterr().err
+
+
+def test_study_help_says_each_thing_once(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["error", "--help"])
+    out = capsys.readouterr().out
+    assert out.lower().count("approximation error against softmax") == 1
+    for flag in ("--dim", "--scale", "--maps", "--m ", "--n ", "--seeds"):
+        assert flag in out
+    assert cli.QUICK_TIME in out

@@ -1,0 +1,348 @@
+"""Problem-size options of ``linattn error|rank|recall`` and ``linattn report --config FILE``.
+
+A study builds its grid of points for a profile (``tiny``, ``quick``,
+``full``); the options here change that grid without changing the study:
+
+===============  ====================================================  =========================
+option           what it does to the points                             point key
+===============  ====================================================  =========================
+``dim``          key dimension d of every point                         ``d``
+``scale``        q and k are N(0, I) times this (logits of std s²)      ``qk_scale``
+``maps``         keep these feature maps (others of the same kind are  ``feature_map``
+                 added with the grid of a map of that kind)
+``m``            the random maps' number of features, each value        ``num_features``
+``n``            sequence lengths (recall: the numbers of pairs)        ``n`` / ``n_pairs``
+``seeds``        every point for seeds 0 .. seeds - 1                   ``seed``
+===============  ====================================================  =========================
+
+An option the study's points have no key for is refused with a message that
+names the option and the study (e.g. ``scale`` for the rank study, whose
+inputs are N(0, I)).  :func:`apply_overrides` does this on a list of points;
+:func:`load_config` reads and checks a TOML or JSON report description.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+#: The problem options and the point keys they set.
+OPTION_KEYS = {
+    "dim": ("d",),
+    "scale": ("qk_scale",),
+    "maps": ("feature_map",),
+    "m": ("num_features",),
+    "n": ("n", "n_pairs"),
+    "seeds": ("seed",),
+}
+#: The studies whose commands take the problem options.
+PROBLEM_STUDIES = ("error", "rank", "recall")
+#: Top-level keys of a report description (besides one table per study).
+CONFIG_KEYS = ("profile", "device", "out", "studies", "workers", "scheduler")
+
+
+class OptionError(ValueError):
+    """A problem option or a report description that cannot be applied (the message says which and why)."""
+
+
+# ---------------------------------------------------------------------------
+# values
+# ---------------------------------------------------------------------------
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _int(name, x, *, minimum=1) -> int:
+    if isinstance(x, str):
+        try:
+            x = int(x.strip())
+        except ValueError:
+            raise OptionError(f"{name} must be an integer >= {minimum}, got {x!r}") from None
+    if not _is_int(x) or x < minimum:
+        raise OptionError(f"{name} must be an integer >= {minimum}, got {x!r}")
+    return x
+
+
+def _int_list(name, x) -> list:
+    if isinstance(x, str):
+        parts = [p for p in x.replace(" ", "").split(",") if p]
+        if not parts:
+            raise OptionError(f"{name} must list integers >= 1 (e.g. 64,256), got {x!r}")
+        x = parts
+    elif _is_int(x):
+        x = [x]
+    if not isinstance(x, (list, tuple)) or not x:
+        raise OptionError(f"{name} must be an integer >= 1 or a non-empty list of them, got {x!r}")
+    out = []
+    for v in x:
+        v = _int(name, v)
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def _positive_float(name, x) -> float:
+    if isinstance(x, str):
+        try:
+            x = float(x)
+        except ValueError:
+            raise OptionError(f"{name} must be a positive number, got {x!r}") from None
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+        raise OptionError(f"{name} must be a positive finite number, got {x!r}")
+    return float(x)
+
+
+def _names(name, x) -> list:
+    if isinstance(x, str):
+        x = [p for p in x.replace(" ", "").split(",") if p]
+    if not isinstance(x, (list, tuple)) or not x or not all(isinstance(v, str) and v for v in x):
+        raise OptionError(f"{name} must be a non-empty list of feature map names, got {x!r}")
+    return list(dict.fromkeys(x))
+
+
+def check_options(options: dict, *, where: str = "") -> dict:
+    """``options`` with checked, normalised values (lists of ints for ``m``/``n``, ...).
+
+    Raises
+    ------
+    OptionError
+        An unknown option or a bad value; the message names it (prefixed
+        with ``where``).
+    """
+    checked = {}
+    for key, value in options.items():
+        name = f"{where}{key}"
+        if key not in OPTION_KEYS:
+            raise OptionError(f"unknown key {name!r}; allowed: {', '.join(OPTION_KEYS)}")
+        if value is None:
+            continue
+        if key == "dim":
+            checked[key] = _int(name, value)
+        elif key == "seeds":
+            checked[key] = _int(name, value)
+        elif key == "scale":
+            checked[key] = _positive_float(name, value)
+        elif key == "maps":
+            checked[key] = _names(name, value)
+        else:
+            checked[key] = _int_list(name, value)
+    return checked
+
+
+# ---------------------------------------------------------------------------
+# points
+# ---------------------------------------------------------------------------
+def _has(points, key) -> bool:
+    return any(key in p for p in points)
+
+
+def _expand(points, key, values) -> list:
+    return [dict(p, **{key: v}) for p in points for v in values] if values else points
+
+
+def apply_overrides(points: list, options: dict, *, study: str) -> list:
+    """The points of ``study`` changed by the problem ``options`` (see the module docstring).
+
+    Parameters
+    ----------
+    points : list of dict
+        The study's points for the chosen profile.
+    options : dict
+        Checked options (:func:`check_options`); absent keys leave the grid alone.
+    study : str
+        The study's name, for messages.
+
+    Returns
+    -------
+    list of dict
+        New points (the input is not modified), duplicates removed, in order.
+
+    Raises
+    ------
+    OptionError
+        An option the study's points have no key for, an unknown map name, or
+        ``m`` when none of the selected maps is random.
+
+    Examples
+    --------
+    >>> pts = [dict(feature_map="elu", num_features=None, n=64, d=8, seed=0),
+    ...        dict(feature_map="favor+", num_features=16, n=64, d=8, seed=0)]
+    >>> [(p["feature_map"], p["num_features"], p["n"]) for p in
+    ...  apply_overrides(pts, {"maps": ["favor+"], "m": [8, 32], "n": [128]}, study="error")]
+    [('favor+', 8, 128), ('favor+', 32, 128)]
+    """
+    from .studies._maps import buildable_maps, is_random
+    from .studies.sweep import point_key
+
+    pts = [dict(p) for p in points]
+    if not pts:
+        return pts
+    for key, value in options.items():
+        keys = OPTION_KEYS[key]
+        if value is not None and not any(_has(pts, k) for k in keys):
+            raise OptionError(f"the {study} study does not take {key!r}: its points have no "
+                              f"{' or '.join(repr(k) for k in keys)}")
+    if "maps" in options:
+        pts = _select_maps(pts, options["maps"], study=study, buildable=buildable_maps(), is_random=is_random,
+                           m_default=(options.get("m") or [None])[0])
+    if "dim" in options:
+        pts = [dict(p, d=options["dim"]) if "d" in p else p for p in pts]
+    if "scale" in options:
+        pts = [dict(p, qk_scale=options["scale"]) if "qk_scale" in p else p for p in pts]
+    if "m" in options:
+        if not any(p.get("num_features") is not None for p in pts):
+            raise OptionError(f"m: none of the {study} study's selected maps is random "
+                              "(m is the number of random features, e.g. of favor+ or rff)")
+        pts = [q for p in pts for q in ([dict(p, num_features=m) for m in options["m"]]
+                                        if p.get("num_features") is not None else [p])]
+    if "n" in options:
+        if _has(pts, "n"):
+            pts = [q for p in pts for q in (_expand([p], "n", options["n"]) if "n" in p else [p])]
+        else:
+            pts = [dict(p, n_pairs=sorted(options["n"])) if "n_pairs" in p else p for p in pts]
+    if "seeds" in options:
+        seeds = list(range(options["seeds"]))
+        pts = [q for p in pts for q in (_expand([p], "seed", seeds) if "seed" in p else [p])]
+    seen, out = set(), []
+    for p in pts:
+        key = point_key(p)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+def _select_maps(pts, names, *, study, buildable, is_random, m_default):
+    present = list(dict.fromkeys(p["feature_map"] for p in pts if "feature_map" in p))
+    out = [p for p in pts if p.get("feature_map") in names]
+    for name in names:
+        if name in present:
+            continue
+        if name not in buildable:
+            from . import feature_maps as fm
+
+            why = ("is not registered" if name not in fm.available() and name != "softmax" else
+                   "is not part of this study" if name == "softmax" else
+                   "needs parameters the study cannot choose")
+            raise OptionError(f"maps: {name!r} {why}; the {study} study has: {', '.join(present)}")
+        rand = is_random(name)
+        same = [t for t in present if t in buildable and is_random(t) == rand]
+        plain = [t for t in same if all(not p.get("map_params") for p in pts if p.get("feature_map") == t)]
+        template = (plain or same or [t for t in present if t in buildable] or [None])[0]
+        if template is None:
+            raise OptionError(f"maps: the {study} study has no feature map to model {name!r}'s points on")
+        for p in pts:
+            if p.get("feature_map") != template:
+                continue
+            q = dict(p, feature_map=name)
+            if "map_params" in q:
+                q["map_params"] = {}
+            if "num_features" in q:
+                if not rand:
+                    q["num_features"] = None
+                elif q["num_features"] is None:
+                    q["num_features"] = m_default or 64
+            out.append(q)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# report descriptions
+# ---------------------------------------------------------------------------
+def load_config(path) -> dict:
+    """Read and check a report description (TOML, or JSON for a ``.json`` file).
+
+    The description has the top-level keys of :data:`CONFIG_KEYS` (all
+    optional) and one table per study with problem options, e.g.::
+
+        profile = "quick"
+        studies = ["error", "recall"]
+
+        [error]
+        dim = 32
+        scale = 1.0
+        maps = ["elu", "favor+", "taylor2"]
+        m = [64, 256]
+        seeds = 5
+
+    Returns
+    -------
+    dict
+        ``{"profile", "device", "out", "studies", "workers", "scheduler"}``
+        (None where absent) and ``"options"``: study name -> checked options.
+
+    Raises
+    ------
+    OptionError
+        The file cannot be read or parsed, or a key or value is wrong; the
+        message names the file and the key.
+    """
+    from .studies import PROFILES, get_study
+
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except OSError as exc:
+        raise OptionError(f"--config {path!r}: {exc.strerror or exc}") from None
+    try:
+        if path.endswith(".json"):
+            data = json.loads(raw.decode("utf-8"))
+        else:
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                raise OptionError(f"--config {path!r}: reading TOML needs Python >= 3.11 (tomllib); "
+                                  "use a .json file") from None
+            data = tomllib.loads(raw.decode("utf-8"))
+    except OptionError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - JSON/TOML/Unicode errors, reported in one line
+        raise OptionError(f"--config {path!r}: cannot be parsed: {exc}") from None
+    if not isinstance(data, dict):
+        raise OptionError(f"--config {path!r}: must hold a table (a JSON object), got {type(data).__name__}")
+    where = f"--config {path!r}: "
+    conf = {key: None for key in CONFIG_KEYS}
+    conf["options"] = {}
+    study_names = {}
+    for key, value in data.items():
+        if key in CONFIG_KEYS:
+            conf[key] = value
+            continue
+        try:
+            study = get_study(key)
+        except KeyError:
+            study = None
+        if study is None or not isinstance(value, dict):
+            what = "a table of options" if study is not None else "a known key"
+            raise OptionError(f"{where}{key!r} is not {what}; allowed: {', '.join(CONFIG_KEYS)} and one table "
+                              f"per study ({', '.join(PROBLEM_STUDIES)})")
+        if study.name not in PROBLEM_STUDIES:
+            raise OptionError(f"{where}[{key}]: the {study.name} study takes no options "
+                              f"(those that do: {', '.join(PROBLEM_STUDIES)})")
+        study_names[study.name] = key
+        conf["options"][study.name] = check_options(value, where=f"{where}{key}.")
+    if conf["profile"] is not None and conf["profile"] not in PROFILES:
+        raise OptionError(f"{where}profile must be one of {', '.join(PROFILES)}, got {conf['profile']!r}")
+    if conf["device"] is not None and conf["device"] not in ("auto", "cpu", "cuda"):
+        raise OptionError(f"{where}device must be 'auto', 'cpu' or 'cuda', got {conf['device']!r}")
+    for key in ("out", "scheduler"):
+        if conf[key] is not None and (not isinstance(conf[key], str) or not conf[key]):
+            raise OptionError(f"{where}{key} must be a non-empty string, got {conf[key]!r}")
+    if conf["workers"] is not None:
+        conf["workers"] = _int(f"{where}workers", conf["workers"])
+    if conf["studies"] is not None:
+        names = conf["studies"]
+        if not isinstance(names, list) or not names or not all(isinstance(s, str) for s in names):
+            raise OptionError(f"{where}studies must be a non-empty list of study names, got {names!r}")
+        resolved = []
+        for s in names:
+            try:
+                resolved.append(get_study(s).name)
+            except KeyError as exc:
+                raise OptionError(f"{where}studies: {exc.args[0]}") from None
+        conf["studies"] = list(dict.fromkeys(resolved))
+        for name, key in study_names.items():
+            if name not in conf["studies"]:
+                raise OptionError(f"{where}[{key}] sets options of the {name} study, which 'studies' leaves out")
+    return conf
