@@ -17,22 +17,22 @@ Built-in maps are looked up by name::
     >>> feature_maps.get("favor+", dim=64, num_features=256, orthogonal=True, seed=0).output_dim(64)
     256
 
-============  =========================================  ===============  ==============================
-name          kernel ``phi(q) . phi(k)``                 ``D_phi``        source
-============  =========================================  ===============  ==============================
-elu           ``(elu(q)+1) . (elu(k)+1)``                ``d``            Katharopoulos et al. 2020
+============  =========================================  ==================  ==============================
+name          kernel ``phi(q) . phi(k)``                 ``D_phi``           source
+============  =========================================  ==================  ==============================
+elu           ``(elu(q)+1) . (elu(k)+1)``                ``d``               Katharopoulos et al. 2020
 relu          ``relu(q) . relu(k)``                      ``d``
 squared_relu  ``relu(q)^2 . relu(k)^2``                  ``d``
 identity      ``q . k`` (signed)                         ``d``
-l2            ``q/|q| . k/|k|`` (signed)                 ``d``            DeltaNet (Yang et al. 2024)
-silu_l2       as l2, after SiLU                          ``d``            DeltaNet (Yang et al. 2024)
-dpfp          DPFP(nu) products of rectified coords      ``2 d nu``       Schlag et al. 2021, §5.4
-favor+        estimates ``exp(scale q.k)``, positive     ``m`` / ``2m``   Choromanski et al. 2021
-rff           estimates ``exp(scale q.k)`` (signed)      ``2m``           Performer Lemma 2; RFA
-taylor2       ``1 + t + t^2/2``, ``t = scale q.k``       ``1+d+d(d+1)/2`` Arora et al. 2024 (Based)
-cosformer     ``relu.relu * cos(pi/2 (i-j)/M)``          ``2d``           Qin et al. 2022
-hedgehog      ``[e^(Wq+b), e^-(Wq+b)] . [...]``          ``2 d_out``      Zhang et al. 2024
-============  =========================================  ===============  ==============================
+l2            ``q/|q| . k/|k|`` (signed)                 ``d``               DeltaNet (Yang et al. 2024)
+silu_l2       as l2, after SiLU                          ``d``               DeltaNet (Yang et al. 2024)
+dpfp          DPFP(nu) products of rectified coords      ``2 d nu``          Schlag et al. 2021, §5.4
+favor+        estimates ``exp(scale q.k)``, positive     ``m`` / ``2m``      Choromanski et al. 2021
+rff           estimates ``exp(scale q.k)`` (signed)      ``2m``              Performer Lemma 2; RFA
+taylor2       ``1 + t + t^2/2``, ``t = scale q.k``       ``1+d+d(d+1)/2``    Arora et al. 2024 (Based)
+cosformer     ``relu.relu * cos(pi/2 (i-j)/M)``          ``2d``              Qin et al. 2022
+hedgehog      ``[e^(Wq+b), e^-(Wq+b)] . [...]``          ``2 d_out``         Zhang et al. 2024
+============  =========================================  ==================  ==============================
 
 One temperature convention: every map that estimates the softmax kernel
 (``estimates_softmax``) estimates ``exp(scale q . k)`` with the default

@@ -12,3 +12,16 @@ from .theory import KernelEstimate, favor_mse, kernel_estimate_mse, orthogonal_m
 from .spectral import cumulative_spectrum, effective_rank, numerical_rank, singular_values, stable_rank
 from .rank import StateRankProfile, attention_rank, semiseparable_rank, state_rank_profile
 from .capacity import MQAR, RecallCapacity, mqar, recall_capacity, state_size
+
+__all__ = [
+    # approximation error (error.py)
+    "ApproximationError", "approximation_error", "approximation_error_naive", "attention_weights",
+    # kernel-level theory (theory.py)
+    "KernelEstimate", "kernel_estimate_mse", "favor_mse", "orthogonal_mse_bound",
+    # spectra (spectral.py)
+    "singular_values", "numerical_rank", "effective_rank", "stable_rank", "cumulative_spectrum",
+    # ranks (rank.py)
+    "attention_rank", "semiseparable_rank", "state_rank_profile", "StateRankProfile",
+    # recall capacity (capacity.py)
+    "RecallCapacity", "recall_capacity", "MQAR", "mqar", "state_size",
+]

@@ -186,8 +186,8 @@ class KVCache:
 
         Parameters
         ----------
-        k : array_like, shape (*batch_shape, T, key_dim)
-        v : array_like, shape (*batch_shape, T, value_dim)
+        k : array_like, shape ``(*batch_shape, T, key_dim)``
+        v : array_like, shape ``(*batch_shape, T, value_dim)``
         check_finite : bool, default True
         """
         (k3, v3), _, _ = self._prepare([("k", k, self._d), ("v", v, self._m)], check_finite)
@@ -201,13 +201,13 @@ class KVCache:
 
         Parameters
         ----------
-        q, k : array_like, shape (*batch_shape, T, key_dim)
-        v : array_like, shape (*batch_shape, T, value_dim)
+        q, k : array_like, shape ``(*batch_shape, T, key_dim)``
+        v : array_like, shape ``(*batch_shape, T, value_dim)``
         check_finite : bool, default True
 
         Returns
         -------
-        ndarray, shape (*batch_shape, T, value_dim), in the promoted input dtype.
+        ndarray, shape ``(*batch_shape, T, value_dim)``, in the promoted input dtype.
         """
         dt = self._dtype
         if (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray and q.dtype is dt

@@ -634,8 +634,8 @@ class LinearAttentionState:
 
         Parameters
         ----------
-        q, k : array_like, shape (*batch_shape, T, key_dim)
-        v : array_like, shape (*batch_shape, T, value_dim)
+        q, k : array_like, shape ``(*batch_shape, T, key_dim)``
+        v : array_like, shape ``(*batch_shape, T, value_dim)``
             float16/32/64 (mixed dtypes promote to the widest), host or GPU
             arrays (GPU arrays: one dtype, float32 or float64).  T >= 0.
         decay, log_decay : float or array_like, optional
@@ -660,7 +660,7 @@ class LinearAttentionState:
 
         Returns
         -------
-        ndarray, shape (*batch_shape, T, value_dim)
+        ndarray, shape ``(*batch_shape, T, value_dim)``
             In the promoted input dtype (a device array for GPU inputs).
             ``phi(q)^T S`` undivided when the state has ``normalize=False``.
 
@@ -774,12 +774,12 @@ class LinearAttentionState:
 
         Parameters
         ----------
-        q : array_like, shape (*batch_shape, T, key_dim)
+        q : array_like, shape ``(*batch_shape, T, key_dim)``
         check_finite : bool, default True
 
         Returns
         -------
-        ndarray, shape (*batch_shape, T, value_dim)
+        ndarray, shape ``(*batch_shape, T, value_dim)``
             ``phi(q)^T S / max(phi(q)^T z, eps)`` in the input dtype
             (``phi(q)^T S`` with ``normalize=False``).  No decay applies: the
             queries read the state as the last absorbed token left it.
@@ -812,8 +812,8 @@ class LinearAttentionState:
 
         Parameters
         ----------
-        k : array_like, shape (*batch_shape, T, key_dim)
-        v : array_like, shape (*batch_shape, T, value_dim)
+        k : array_like, shape ``(*batch_shape, T, key_dim)``
+        v : array_like, shape ``(*batch_shape, T, value_dim)``
         decay, log_decay : float or array_like, optional
             The forms of :func:`linattn_nb.linear_attention` with N = T: a
             scalar or an array broadcastable to the batch shape (per head),
