@@ -24,6 +24,10 @@ extensions = [
     "numpydoc",
     "myst_parser",
 ]
+try:  # linattn_nb.torch documents without torch installed (the docs extra does not pull it in)
+    import torch  # noqa: F401
+except ImportError:
+    autodoc_mock_imports = ["torch"]
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
 exclude_patterns = ["_build"]

@@ -122,8 +122,9 @@ def cmd_demo(args) -> int:
     return 0
 
 
-#: What ``--quick`` costs, as measured (``linattn report --quick`` on the 2-core test machine).
-QUICK_TIME = "about 2 minutes"
+#: What ``--quick`` costs, as measured: ``linattn report --quick`` with a warm kernel cache took 258 s of
+#: CPU time (user) on the 2-core development VM; notebook 01 quotes the same words (tests/test_cli.py).
+QUICK_TIME = "about 260 s of CPU time, 2-4 minutes on 2 free cores"
 
 
 def _study_options(p, *, default_out: str) -> None:
@@ -131,7 +132,7 @@ def _study_options(p, *, default_out: str) -> None:
     p.add_argument("--out", metavar="DIR", default=None,
                    help=f"report folder: report.md, PNG plots, raw <study>.jsonl (default: {default_out})")
     p.add_argument("--quick", action="store_true",
-                   help=f"same as --profile quick (the whole report: {QUICK_TIME} on 2 cores)")
+                   help=f"same as --profile quick (the whole report: {QUICK_TIME})")
     p.add_argument("--profile", choices=("tiny", "quick", "full"), default=None,
                    help="problem sizes: full (default; <= 15 min on 2 cores), quick, or tiny (a smoke test)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,

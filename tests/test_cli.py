@@ -297,3 +297,14 @@ def test_study_help_says_each_thing_once(capsys):
     for flag in ("--dim", "--scale", "--maps", "--m ", "--n ", "--seeds"):
         assert flag in out
     assert cli.QUICK_TIME in out
+
+
+def test_quick_time_is_quoted_the_same_in_help_and_notebook(capsys):
+    import json
+
+    with pytest.raises(SystemExit):
+        cli.main(["report", "--help"])
+    assert cli.QUICK_TIME in " ".join(capsys.readouterr().out.split())
+    nb = json.loads((ROOT / "notebooks" / "01_quickstart.ipynb").read_text(encoding="utf-8"))
+    text = " ".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    assert cli.QUICK_TIME in " ".join(text.split())

@@ -60,7 +60,8 @@ def test_docs_build_without_warnings_and_document_every_public_name(html):
     want += [f"linattn_nb.analysis.{n}" for n in analysis.__all__]
     want += [f"linattn_nb.studies.{n}" for n in studies.__all__]
     want += ["module-linattn_nb.config", "module-linattn_nb.device", "module-linattn_nb.cli",
-             "linattn_nb.state.StateFileError"]
+             "linattn_nb.state.StateFileError", "linattn_nb.torch.linear_attention",
+             "linattn_nb.torch.LinearAttention"]
     # every built-in study: its module (what it measures) and its functions
     for study in studies.STUDIES:
         module = study.run.__module__
