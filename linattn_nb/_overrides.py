@@ -100,20 +100,22 @@ def _names(name, x) -> list:
     return list(dict.fromkeys(x))
 
 
-def check_options(options: dict, *, where: str = "") -> dict:
+def check_options(options: dict, *, where: str = "", section: str = "") -> dict:
     """``options`` with checked, normalised values (lists of ints for ``m``/``n``, ...).
+
+    ``where`` starts every message (e.g. the file); ``section`` prefixes the
+    option's name (``"--"`` on the command line, ``"error."`` in a file).
 
     Raises
     ------
     OptionError
-        An unknown option or a bad value; the message names it (prefixed
-        with ``where``).
+        An unknown option or a bad value; the message names it.
     """
     checked = {}
     for key, value in options.items():
-        name = f"{where}{key}"
+        name = f"{where}{section}{key}"
         if key not in OPTION_KEYS:
-            raise OptionError(f"unknown key {name!r}; allowed: {', '.join(OPTION_KEYS)}")
+            raise OptionError(f"{where}unknown key {section + key!r}; allowed: {', '.join(OPTION_KEYS)}")
         if value is None:
             continue
         if key == "dim":
@@ -321,7 +323,7 @@ def load_config(path) -> dict:
             raise OptionError(f"{where}[{key}]: the {study.name} study takes no options "
                               f"(those that do: {', '.join(PROBLEM_STUDIES)})")
         study_names[study.name] = key
-        conf["options"][study.name] = check_options(value, where=f"{where}{key}.")
+        conf["options"][study.name] = check_options(value, where=where, section=f"{key}.")
     if conf["profile"] is not None and conf["profile"] not in PROFILES:
         raise OptionError(f"{where}profile must be one of {', '.join(PROFILES)}, got {conf['profile']!r}")
     if conf["device"] is not None and conf["device"] not in ("auto", "cpu", "cuda"):

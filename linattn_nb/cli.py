@@ -255,7 +255,7 @@ def _run_studies(args, names, argv) -> int:
             names = conf["studies"]
             options = conf["options"]
         elif names is not None:
-            opts = check_options(_options_of(args), where="--")
+            opts = check_options(_options_of(args), section="--")
             if opts:
                 options = {names[0]: opts}
         args.profile = args.profile or "full"
