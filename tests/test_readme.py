@@ -29,7 +29,7 @@ _MARK = re.compile(r"^<!--\s*readme-test:\s*(.*?)\s*-->\s*$")
 
 
 def readme_blocks(text: str) -> list:
-    """``(line number, marker or None, source)`` of every python block of ``text``."""
+    """``(line of the fence, marker or None, source)`` of every python block of ``text`` (lines from 1)."""
     lines = text.splitlines()
     blocks, i = [], 0
     while i < len(lines):
@@ -77,7 +77,7 @@ def test_markers_are_parsed():
     blocks = readme_blocks(text)
     assert [(b[1], b[2]) for b in blocks] == [(None, "x = 1\n"), ("gpu", "y = 2\n"),
                                               ("skip: needs a cluster", "z = 3\n")]
-    assert run_blocks(blocks, gpu=False) == [(7, "needs a GPU"), (11, "skip: needs a cluster")]
+    assert run_blocks(blocks, gpu=False) == [(6, "needs a GPU"), (10, "skip: needs a cluster")]  # fence lines
     for bad in ("<!-- readme-test: sikp -->", "<!-- readme-test: skip -->"):
         with pytest.raises(ValueError, match="unknown marker"):
             readme_blocks(f"{bad}\n```python\npass\n```\n")
