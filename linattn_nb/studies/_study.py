@@ -127,14 +127,18 @@ class Context:
 
         Log axes get plain labels (``500``, not ``5 x 10^2``) at 1, 2, 5 x 10^k
         when they span at most two decades, at 10^k only beyond, so that tick
-        labels never run into each other.
+        labels never run into each other; an axis whose ticks were set
+        (``ax.set_xticks(grid)``) keeps them, with plain labels.
         """
-        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+        from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
 
         for ax in fig.axes:
             for axis, scale, lim in ((ax.xaxis, ax.get_xscale(), ax.get_xlim()),
                                      (ax.yaxis, ax.get_yscale(), ax.get_ylim())):
-                if scale == "log":
+                if scale == "log" and isinstance(axis.get_major_locator(), FixedLocator):  # ticks chosen: plain labels
+                    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+                    axis.set_minor_locator(FixedLocator([]))
+                elif scale == "log":
                     lo, hi = sorted(abs(v) for v in lim)
                     decades = math.log10(hi / lo) if lo > 0 and math.isfinite(hi / lo) else 99.0
                     subs = (1.0, 2.0, 5.0) if decades <= 2.0 else (1.0,)

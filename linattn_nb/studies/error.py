@@ -408,6 +408,7 @@ def _plots(agg, ctx, ns, n_top, n_mid) -> list:
                        beyond, (f"s = {fmt(scale)}", "N"))
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.set_xticks(ns)
         ax.set(xlabel="sequence length N", title=f"s = {fmt(scale)}: logit std {fmt(scale ** 2)}")
         ax.grid(True, which="both", alpha=0.3)
     for ax in axes:
@@ -438,6 +439,7 @@ def _plots(agg, ctx, ns, n_top, n_mid) -> list:
                             label="_")
             ax.set_xscale("log")
             ax.set_yscale("log")
+            ax.set_xticks(sorted({x for name in rand for x in agg.m_sweep(scale, name, n_mid)}))
             ax.set(xlabel="random features m", title=f"s = {fmt(scale)}, N = {n_mid}")
             ax.grid(True, which="both", alpha=0.3)
         axes[0].set_ylabel("output relative error (mean ± sd; dotted: ∝ 1/√m)")

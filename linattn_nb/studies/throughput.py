@@ -205,6 +205,8 @@ def render(records, ctx) -> Rendered:
                 if bad:
                     ax2.plot(bad, [series[lab][x][1]["tokens_per_s"] for x in bad], linestyle="none", marker="o",
                              ms=11, mfc="none", mec="red", label="noisy point (rate < ½ of its neighbours')")
+            for ax in (ax1, ax2):
+                ax.set_xticks(ns if len(ns) <= 5 else ns[::2])
             ax1.set(xlabel="sequence length N", ylabel="time per forward [ms]", title="Causal forward time")
             ax2.set(xlabel="sequence length N", ylabel="tokens / s", title="Throughput")
             ax1.grid(True, which="both", alpha=0.3)
