@@ -338,9 +338,9 @@ def mean_std(x, axis=0):
 
 
 def pm(mean, std, digits: int = 3) -> str:
-    """``"mean ± std"`` for a table cell (only the mean when the deviation is 0 or undefined)."""
+    """``"mean ± std"`` for a table cell (only the mean when the deviation is 0, round-off or undefined)."""
     mean, std = float(mean), float(std)
-    if not math.isfinite(mean) or not math.isfinite(std) or std == 0.0:
+    if not math.isfinite(mean) or not math.isfinite(std) or std <= 1e-9 * abs(mean):
         return fmt(mean, digits)
     return f"{fmt(mean, digits)} ± {fmt(std, 2)}"
 

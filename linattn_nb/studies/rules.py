@@ -209,7 +209,7 @@ def render(records, ctx) -> Rendered:
             m, s = _mean_std(first["opt"])
             ax.errorbar(x, m, yerr=s, fmt="k--", capsize=2, label="optimal floor (least squares)")
             ax.set(xlabel="n / D_φ", ylabel="relative retrieval error ‖V̂ − V‖² / ‖V‖²",
-                   title=f"Update rules and the floor (unit keys, D_φ = {dphi})")
+                   title=f"Update rules and the floor (D_φ = {dphi})")
             ax.axvline(1.0, color="0.6", lw=0.8)
             ax.grid(True, alpha=0.3)
             ctx.legend_outside(fig, [ax], title=f"mean ± sd, {nseeds} seeds")
