@@ -15,7 +15,7 @@ from linattn_nb.analysis import ApproximationError, approximation_error, approxi
 from _bad_maps import BadShapeMap
 
 FIELDS = ("output_rel_error", "kl_mean", "kl_max", "tv_mean", "tv_max", "entropy_softmax", "entropy_linear",
-          "monotonicity", "nonpositive_normalizer_rate", "kl_infinite_rate")
+          "monotonicity", "nonpositive_normalizer_rate", "kl_infinite_rate", "js_mean")
 
 
 def _assert_same(got: ApproximationError, want: ApproximationError, rtol=1e-9):
@@ -211,7 +211,7 @@ def test_softmax_against_itself_is_zero(causal, rng):
     v = rng.normal(size=(2, 3, 70, 5))
     r = approximation_error(q, k, v, "softmax", causal=causal)
     for f in ("output_rel_error", "kl_mean", "kl_max", "tv_mean", "tv_max", "nonpositive_normalizer_rate",
-              "kl_infinite_rate"):
+              "kl_infinite_rate", "js_mean"):
         assert getattr(r, f) == 0.0, f
     assert r.entropy_softmax == r.entropy_linear > 0
     assert r.monotonicity == pytest.approx(1.0, abs=1e-12)
@@ -235,6 +235,34 @@ def test_trig_features_give_nonpositive_normalisers_positive_never(rng):
             r = approximation_error(q, k, v, pos, causal=causal)
             assert r.nonpositive_normalizer_rate == 0.0
             assert r.kl_infinite_rate == 0.0 and math.isfinite(r.kl_max)
+
+
+def test_js_is_finite_where_kl_is_not_and_defined_only_for_distributions(rng):
+    """Jensen-Shannon: 0 <= JS <= ln 2 and JS <= TV's bound, finite for a positive map with zero weights
+    (relu: KL infinite), NaN for a map whose weights are never a distribution (identity, signed rows).
+
+    Lin (1991), Theorem: JS(p, w) <= ln 2 * TV(p, w) for the total variation 1/2 sum |p - w|.
+    """
+    q, k = rng.normal(size=(2, 3, 64, 8))
+    v = rng.normal(size=(3, 64, 4))
+    for causal in (False, True):
+        r = approximation_error(q, k, v, "relu", causal=causal)
+        assert r.kl_infinite_rate > 0 and math.isinf(r.kl_mean)
+        assert 0 < r.js_mean <= math.log(2) * r.tv_mean + 1e-12
+        e = approximation_error(q, k, v, "elu", causal=causal)
+        assert e.kl_infinite_rate == 0 and 0 < e.js_mean <= min(e.kl_mean, math.log(2) * e.tv_mean) + 1e-12
+    # disjoint supports: relu puts all the weight on key 1, softmax (to round-off) all on key 0:
+    # JS is then exactly ln 2, its largest value, and KL infinite
+    q = np.array([[1.0, -1.0], [1.0, -1.0]])  # two identical queries (N must match the keys')
+    k = np.array([[-1000.0, -3000.0], [1.0, 1000.0]])
+    assert np.array_equal(attention_weights(q, k, "relu"), [[0.0, 1.0]] * 2)
+    assert np.array_equal(attention_weights(q, k, "softmax"), [[1.0, 0.0]] * 2)
+    for fn in (approximation_error, approximation_error_naive):
+        r = fn(q, k, np.ones((2, 1)), "relu")
+        assert r.js_mean == pytest.approx(math.log(2), rel=1e-12) and math.isinf(r.kl_mean), fn
+    # a map whose weights are never a distribution: JS not applicable (NaN), TV finite
+    ident = approximation_error(q, np.array([[1.0, 0.5], [-2.0, 1.0]]), np.ones((2, 1)), "identity", eps=None)
+    assert math.isnan(ident.js_mean) and math.isfinite(ident.tv_mean)
 
 
 def test_favor_output_error_falls_like_inverse_sqrt_m(rng):

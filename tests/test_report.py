@@ -62,7 +62,7 @@ def test_report_writes_markdown_plots_and_raw_results(tiny_report):
 
 
 def test_memory_horizon_section_states_its_regime_with_error_bars_over_seeds(tiny_report):
-    """The memory-horizon study: every decay of the issue, >= 3 seeds each, the floor, mean ± std."""
+    """The memory-horizon study: every decay of the issue, >= 5 seeds each, the floor, mean ± std."""
     from linattn_nb.studies import horizon
 
     out, _ = tiny_report
@@ -75,9 +75,9 @@ def test_memory_horizon_section_states_its_regime_with_error_bars_over_seeds(tin
         assert res["decay"] == (None if p["gamma"] == 1.0 else p["gamma"])
         assert len(res["distance_edges"]) == len(res["error_by_distance"][0]) + 1
     assert {g for _, g in seen} == {1.0, 0.999, 0.99, 0.9} == set(horizon.GAMMAS)
-    assert all(len(seeds) >= 3 for seeds in seen.values())
+    assert all(len(seeds) >= 5 for seeds in seen.values())
     section = (out / "report.md").read_text().split("## Memory horizon")[1].split("\n## ")[0]
-    for words in ("Regime:", "pairs", "D_φ", "values i.i.d. N(0, 1)", "3 seeds", "optimal floor (least squares)",
+    for words in ("Regime:", "pairs", "D_φ", "values i.i.d. N(0, 1)", "5 seeds", "optimal floor (least squares)",
                   "additive (γ = 1)", "γ = 0.9 |", " ± ", "horizon.png"):
         assert words in section, words
 
@@ -352,7 +352,7 @@ def test_plug_in_studies_run_when_their_functions_exist(tmp_path, monkeypatch):
         assert f"## {study.title}" in text
         recs = load_results(tmp_path / "r" / f"{name}.jsonl")
         assert recs and all(r["status"] == "ok" for r in recs)
-    for png in ("error_noncausal.png", "rank.png", "recall.png"):
+    for png in ("error_n.png", "error_m.png", "error_divergence.png", "rank.png", "recall.png"):
         assert (tmp_path / "r" / png).read_bytes()[:8] == PNG_MAGIC
     assert "| elu | 4 |" in text  # the rank table: ELU+1 at d = 4 has D_phi = 4
 
@@ -373,3 +373,122 @@ def test_gpu_paths_of_the_studies_run_on_the_simulator():
     res = throughput.run("linear", "cuda", methods[0], 8, 1, 4, 4, "float32", "elu", 0.0)
     # the study times a call of 2 s or more once (the simulator on a loaded machine can take that long)
     assert res["median_s"] > 0 and (res["repeats"] >= 3 or res["median_s"] >= 2.0), res
+
+
+# ---------------------------------------------------------------------------
+# Issue 17: stated regimes, seeds and error bars, finite divergences, noisy timings
+# ---------------------------------------------------------------------------
+def _section(out, title):
+    return (out / "report.md").read_text().split(f"## {title}")[1].split("\n## ")[0]
+
+
+def test_every_study_states_its_regime_and_budget(tiny_report):
+    out, _ = tiny_report
+    text = (out / "report.md").read_text()
+    assert "Time budget of this profile (2 shared cores)" in text
+    for study in STUDIES:
+        if study.requires() is None:
+            section = _section(out, study.title)
+            assert "Regime:" in section, study.name
+            assert study.budget_s and "tiny" in study.budget_s and "full" in study.budget_s, study.name
+            assert "(budget " in section, study.name
+
+
+def test_error_section_two_regimes_seeds_entropy_and_finite_divergences(tiny_report):
+    from linattn_nb.studies import error
+
+    out, _ = tiny_report
+    recs = load_results(out / "error.jsonl")
+    seeds = {}
+    for r in recs:
+        p = r["params"]
+        seeds.setdefault((p["qk_scale"], p["feature_map"], p["num_features"], p["n"], p["causal"]), set()).add(p["seed"])
+        assert "js_mean" in r["result"] and "kl_infinite_rate" in r["result"]
+    assert {k[0] for k in seeds} == set(error.SCALES) == {0.5, 1.0}
+    assert all(len(s) >= 2 for s in seeds.values())  # tiny: 2 seeds; quick and full: 5
+    section = _section(out, "Approximation error against softmax")
+    for words in ("Regime:", "s = 0.5", "s = 1 (q, k ~ N(0, I))", "Softmax row entropy", "(ln N = ", " ± ",
+                  "js_mean", "kl_infinite_rate", "n/a", "KL(softmax ‖ linear) is infinite in some rows for",
+                  "fitted slope [95% CI]", "Ranking by output error", "error_n.png", "error_m.png",
+                  "error_divergence.png", "Beyond the axis"):
+        assert words in section, words
+    # the signed maps' huge errors are listed with their values, not dropped
+    beyond = section.split("Beyond the axis")[1].split("\n")[0]
+    assert "identity" in beyond and "e+" in beyond
+
+
+def test_error_points_take_the_cli_keywords(tmp_path):
+    from linattn_nb.studies import Context, error
+
+    ctx = Context(out=tmp_path, profile="tiny")
+    pts = error.points(ctx, dim=6, scales=[2.0], maps=["elu", "favor+"], m=[4, 8], n=[16, 32], seeds=3, causal=True)
+    assert {p["d"] for p in pts} == {6} and {p["qk_scale"] for p in pts} == {2.0}
+    assert {p["seed"] for p in pts} == {0, 1, 2} and {p["feature_map"] for p in pts} == {"elu", "favor+"}
+    assert {p["num_features"] for p in pts if p["feature_map"] == "favor+"} == {4, 8}
+    assert any(p["causal"] for p in pts)
+    with pytest.raises(ValueError, match="unknown or unbuildable feature map 'nope' in maps"):
+        error.points(ctx, maps=["nope"])
+    with pytest.raises(ValueError, match="seeds must hold numbers >= 1"):
+        error.points(ctx, seeds=0)
+    with pytest.raises(ValueError, match="takes no option 'bogus'"):
+        run_report(tmp_path / "r", profile="tiny", studies=["error"], options={"error": {"bogus": 1}},
+                   progress=False, log=lambda line: None)
+
+
+def test_fit_slope_recovers_inverse_sqrt_m_with_an_interval():
+    from linattn_nb.studies._study import fit_slope
+
+    rng = np.random.default_rng(0)
+    m = np.array([16, 64, 256, 1024])
+    ys = 3.0 / np.sqrt(m) * np.exp(0.05 * rng.standard_normal((5, m.size)))
+    fit = fit_slope(m, ys)
+    assert abs(fit["slope"] + 0.5) < 0.05 and fit["lo"] < fit["slope"] < fit["hi"]
+    assert fit["hi"] - fit["lo"] < 0.2 and fit["seeds"] == 5 and fit["level"] == 0.95
+    exact = fit_slope(m, [3.0 / np.sqrt(m) * (1 + 0.01 * s) for s in range(5)])  # same slope, other constants
+    assert exact["slope"] == pytest.approx(-0.5) and exact["hi"] - exact["lo"] < 1e-9
+    assert fit_slope(m, ys[:1]) is None  # one seed: no interval
+
+
+def test_rank_state_profile_uses_m_at_least_every_d_phi(tiny_report):
+    out, _ = tiny_report
+    recs = load_results(out / "rank.jsonl")
+    dphis = [r["result"]["d_phi"] for r in recs if r["result"]["d_phi"] is not None]
+    assert all(r["params"]["m"] >= max(dphis) for r in recs)
+    assert len({r["params"]["seed"] for r in recs}) >= 2
+    for r in recs:  # every map's state rank saturates at its D_phi
+        if r["result"].get("state_rank") and r["params"]["n"] >= 2 * r["result"]["d_phi"]:
+            assert r["result"]["state_rank"][-1] == r["result"]["d_phi"], r["params"]
+
+
+def test_recall_capacity_column_says_at_most_the_first_grid_point():
+    from linattn_nb.studies.recall import _first_below
+
+    n = np.array([20, 40, 60])
+    assert _first_below(n, np.array([0.5, 0.4, 0.1])) == "≤ 20"
+    assert _first_below(n, np.array([1.0, 0.5, 0.1])) == "40"
+    assert _first_below(n, np.array([1.0, 1.0, 0.95])) == "> 60"
+
+
+def test_throughput_records_machine_state_and_flags_noisy_points(tiny_report, tmp_path):
+    from linattn_nb.studies import Context, throughput
+
+    out, _ = tiny_report
+    for r in load_results(out / "throughput.jsonl"):
+        res = r["result"]
+        for key in ("load1_before", "load1_after", "sgemm_gflops_before", "sgemm_gflops_after"):
+            assert key in res, key
+        assert res["sgemm_gflops_before"] > 0 and res["sgemm_gflops_after"] > 0
+    assert "sgemm GFLOP/s before" in _section(out, "Causal throughput against N")
+    assert throughput.noisy_points({512: 90.0, 1024: 95.0, 2048: 96.0, 32768: 96.0, 65536: 9.6}) == [65536]
+    assert throughput.noisy_points({512: 90.0, 1024: 30.0, 2048: 96.0}) == [1024]
+    assert throughput.noisy_points({512: 90.0, 1024: 50.0, 2048: 96.0}) == []
+    # a rendered slow point is marked in the tables and listed with the machine's state around it
+    recs = []
+    for n, g in ((512, 90.0), (1024, 95.0), (2048, 9.0), (4096, 97.0)):
+        params = dict(kind="linear", device="cpu", method="scan", n=n, batch=1, d=4, m=4, dtype="float32",
+                      feature_map="elu", min_time=0.0)
+        recs.append(dict(status="ok", params=params, result=dict(
+            median_s=1e-3, tokens_per_s=1e6, gflops=g, numba_threads=2, load1_before=1.0, load1_after=4.0,
+            sgemm_gflops_before=50.0, sgemm_gflops_after=10.0)))
+    md = throughput.render(recs, Context(out=tmp_path, profile="tiny", plots=False)).markdown
+    assert "9 (noisy)" in md and "**Noisy**" in md and "linear scan (cpu) at N = 2048" in md

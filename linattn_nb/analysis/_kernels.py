@@ -29,6 +29,7 @@ _RADIX_PASSES = 8          # 8 * 8 = 64 bits
 _RADIX_SIZE = 1 << _RADIX_BITS
 #: Rows shorter than this are ordered by insertion sort.
 _RADIX_MIN = 24
+_LN2 = math.log(2.0)
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -128,7 +129,7 @@ def _pearson_ranks(ra, rb, n):
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
 def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, block, rule, fac,
-                      kl, tv, hp, hw, rho, den_out):
+                      kl, tv, hp, hw, rho, den_out, js):
     """Per-row statistics of linear against softmax attention weights.
 
     q, k : (B, N, D) float64; fq, fk : (B, N, F) float64 features (ignored
@@ -139,7 +140,9 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
     0 clipped to 0), ``tv`` total
     variation, ``hp``/``hw`` entropies (``hw`` NaN when the linear weights are
     not a distribution), ``rho`` Spearman correlation between scores and
-    linear weights (NaN when undefined), ``den_out`` the raw normaliser.
+    linear weights (NaN when undefined), ``den_out`` the raw normaliser,
+    ``js`` the Jensen-Shannon divergence JS(softmax, linear) in nats (at most
+    ln 2; NaN when the linear weights are not a distribution).
     The linear weights are ``a_ij / max(den_i, eps)`` (``clip``) or
     ``a_ij / den_i``: those :func:`linattn_nb.linear_attention` applies.
 
@@ -242,6 +245,7 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
                 kl[b, i] = kl_i
                 tv[b, i] = 0.5 * tv_i
                 hw[b, i] = h
+                js[b, i] = 0.0
             else:
                 den = 0.0
                 amin = np.inf
@@ -256,6 +260,7 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
                     tv[b, i] = np.inf
                     hw[b, i] = np.nan
                     rho[b, i] = np.nan
+                    js[b, i] = np.nan
                     continue
                 dd = den
                 if clip and dd < eps:
@@ -270,22 +275,33 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
                 if den > 0.0 and amin >= 0.0:
                     kl_i = 0.0
                     hw_i = 0.0
+                    js_i = 0.0
                     for j in range(L):
                         wj = w[j]
+                        pj = p[j]
                         if wj > 0.0:
                             lw = math.log(wj)
                             hw_i -= wj * lw
-                            if p[j] > 0.0:
-                                kl_i += p[j] * (lp[j] - lw)
-                        elif p[j] > 0.0:
+                            lm = math.log(0.5 * (pj + wj))
+                            js_i += wj * (lw - lm)
+                            if pj > 0.0:
+                                kl_i += pj * (lp[j] - lw)
+                                js_i += pj * (lp[j] - lm)
+                        elif pj > 0.0:
                             kl_i = np.inf
+                            js_i += pj * _LN2  # the mixture is p/2 there
                     if kl_i < 0.0:
                         kl_i = 0.0  # >= 0 in exact arithmetic: clip the round-off
+                    js_i *= 0.5
+                    if js_i < 0.0:
+                        js_i = 0.0
                     kl[b, i] = kl_i
                     hw[b, i] = hw_i
+                    js[b, i] = js_i
                 else:
                     kl[b, i] = np.inf
                     hw[b, i] = np.nan
+                    js[b, i] = np.nan
             # Spearman correlation between scores and linear weights
             if L < 2:
                 rho[b, i] = np.nan
@@ -311,7 +327,7 @@ def error_rows(q, k, fq, fk, *, scale, causal, softmax_mode, eps, block=None, ru
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     B, N, _ = q.shape
-    outs = [np.full((B, N), np.nan) for _ in range(6)]
+    outs = [np.full((B, N), np.nan) for _ in range(7)]
     if rule == "decay":
         code, fac = 1, np.exp(inputs["log_decay"])[:, :, None]
     elif rule == "gate":
@@ -338,4 +354,4 @@ def error_rows(q, k, fq, fk, *, scale, causal, softmax_mode, eps, block=None, ru
             else:
                 fac = np.ascontiguousarray(fac, dtype=np.float64)
                 error_rows_kernel(q, k, fq, fk, *args, fac, *outs)
-    return dict(zip(("kl", "tv", "hp", "hw", "rho", "den"), outs))
+    return dict(zip(("kl", "tv", "hp", "hw", "rho", "den", "js"), outs))

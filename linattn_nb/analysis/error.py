@@ -75,6 +75,13 @@ class ApproximationError:
         (before the ``eps`` floor).
     kl_infinite_rate : float
         Fraction of rows whose KL is infinite.
+    js_mean : float
+        Mean over rows of the Jensen-Shannon divergence
+        ``JS(p, w) = 1/2 KL(p || m) + 1/2 KL(w || m)``, ``m = (p + w)/2``
+        (nats, at most ``ln 2``): finite where KL is not, but defined only
+        where the linear weights form a distribution (non-negative, positive
+        normaliser), so the mean is over those rows; NaN if none does (a
+        signed map: not applicable).
     n_rows : int
         Number of rows (query positions times batch entries).
     """
@@ -90,6 +97,7 @@ class ApproximationError:
     nonpositive_normalizer_rate: float
     kl_infinite_rate: float
     n_rows: int
+    js_mean: float = float("nan")
 
     def to_dict(self) -> dict:
         """The fields as a dict of plain Python values (for tables and JSON).
@@ -332,7 +340,7 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
         ``output_rel_error``, ``kl_mean``, ``kl_max``, ``tv_mean``,
         ``tv_max``, ``entropy_softmax``, ``entropy_linear``,
         ``monotonicity``, ``nonpositive_normalizer_rate``,
-        ``kl_infinite_rate``, ``n_rows``.  With no rows (N = 0 or an empty
+        ``kl_infinite_rate``, ``n_rows``, ``js_mean``.  With no rows (N = 0 or an empty
         batch) every statistic is NaN.
 
     Raises
@@ -445,6 +453,7 @@ def _summarise(st, o_lin, o_sm, rows) -> ApproximationError:
         nonpositive_normalizer_rate=float(np.count_nonzero(st["den"] <= 0.0)) / rows,
         kl_infinite_rate=float(np.count_nonzero(np.isinf(kl))) / rows,
         n_rows=int(rows),
+        js_mean=mean_defined(st["js"]),
     )
 
 
@@ -481,7 +490,7 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
         a_all = C.explicit_rule_weights(rule, fq, fk, inputs, normalize=False, eps=None, causal=causal)
         den_all = a_all.sum(axis=-1)
         w_all = C.explicit_rule_weights(rule, fq, fk, inputs, normalize=True, eps=eps, causal=causal)
-    st = {key: np.full((b, n), np.nan) for key in ("kl", "tv", "hp", "hw", "rho", "den")}
+    st = {key: np.full((b, n), np.nan) for key in ("kl", "tv", "hp", "hw", "rho", "den", "js")}
     for bb in range(b):
         for i in range(n):
             L = i + 1 if causal else n
@@ -506,6 +515,9 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
                 else:  # >= 0 in exact arithmetic: clip the round-off
                     st["kl"][bb, i] = max(0.0, float(np.sum(p[pos] * (np.log(p[pos]) - np.log(w[pos])))))
                 st["hw"][bb, i] = -np.sum(w[w > 0] * np.log(w[w > 0]))
+                mix = 0.5 * (p + w)
+                st["js"][bb, i] = 0.5 * sum(float(np.sum(x[x > 0] * (np.log(x[x > 0]) - np.log(mix[x > 0]))))
+                                            for x in (p, w))
             else:
                 st["kl"][bb, i] = np.inf
             if L >= 2:

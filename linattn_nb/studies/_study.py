@@ -38,9 +38,18 @@ __all__ = [
     "PROFILES",
     "markdown_table",
     "fmt",
+    "mean_std",
+    "pm",
+    "fit_slope",
 ]
 
 PROFILES = ("tiny", "quick", "full")
+#: Series colours: the ten of matplotlib's default cycle, then ten darker ones.
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+           "#17becf", "#000000", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#e7ba52", "#5254a3",
+           "#3182bd", "#31a354")
+#: Series markers (filled, told apart at 4 pt).
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">", "h", "p", "d", "8")
 
 
 @dataclass
@@ -85,17 +94,55 @@ class Context:
 
     @staticmethod
     def style(i: int) -> dict:
-        """Line style of the i-th series: ten colours, then the same colours dashed, dotted."""
-        return {"color": f"C{i % 10}", "linestyle": ("-", "--", ":")[(i // 10) % 3]}
+        """Colour, marker and line style of the i-th series.
+
+        Twenty colours and fourteen markers, so that up to twenty series differ
+        in colour and (up to fourteen) in marker too; the second ten are dashed.
+        """
+        return {"color": PALETTE[i % len(PALETTE)], "marker": MARKERS[i % len(MARKERS)],
+                "linestyle": ("-", "--", ":")[(i // 10) % 3]}
+
+    @staticmethod
+    def legend_outside(fig, axes=None, *, title=None, fontsize="x-small", where="right"):
+        """One legend for the figure, outside every axes (``where``: "right" or "bottom").
+
+        Series of the same label on several axes appear once.
+        """
+        handles, labels = [], []
+        for ax in (axes if axes is not None else fig.axes):
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                if lab not in labels and not lab.startswith("_"):
+                    handles.append(h)
+                    labels.append(lab)
+        if not handles:
+            return None
+        if where == "bottom":
+            return fig.legend(handles, labels, loc="outside lower center", ncols=min(4, len(labels)),
+                              fontsize=fontsize, title=title, title_fontsize=fontsize)
+        return fig.legend(handles, labels, loc="outside right upper", fontsize=fontsize, title=title,
+                          title_fontsize=fontsize)
 
     def savefig(self, fig, name: str, alt: str) -> str:
-        """Save ``fig`` as ``<out>/<name>.png``; return the markdown that shows it."""
-        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+        """Save ``fig`` as ``<out>/<name>.png``; return the markdown that shows it.
 
-        for ax in fig.axes:  # log axes: compact labels at 1, 2, 5 x 10^k (the default minor labels overlap)
-            for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
-                if scale == "log":
-                    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        Log axes get plain labels (``500``, not ``5 x 10^2``) at 1, 2, 5 x 10^k
+        when they span at most two decades, at 10^k only beyond, so that tick
+        labels never run into each other; an axis whose ticks were set
+        (``ax.set_xticks(grid)``) keeps them, with plain labels.
+        """
+        from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
+
+        for ax in fig.axes:
+            for axis, scale, lim in ((ax.xaxis, ax.get_xscale(), ax.get_xlim()),
+                                     (ax.yaxis, ax.get_yscale(), ax.get_ylim())):
+                if scale == "log" and isinstance(axis.get_major_locator(), FixedLocator):  # ticks chosen: plain labels
+                    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+                    axis.set_minor_locator(FixedLocator([]))
+                elif scale == "log":
+                    lo, hi = sorted(abs(v) for v in lim)
+                    decades = math.log10(hi / lo) if lo > 0 and math.isfinite(hi / lo) else 99.0
+                    subs = (1.0, 2.0, 5.0) if decades <= 2.0 else (1.0,)
+                    axis.set_major_locator(LogLocator(base=10, subs=subs))
                     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
                     axis.set_minor_formatter(NullFormatter())
         path = Path(self.out) / f"{name}.png"
@@ -182,6 +229,10 @@ class Study:
         The study measures time: its points always run one at a time in the
         reporting process, never concurrently on shared cores (timings taken
         side by side on a busy machine mean nothing).
+    budget_s : dict, optional
+        The time the study is sized to take per profile (``{"quick": 20,
+        "full": 120}``), on 2 shared cores; the report prints it beside the
+        time taken and notes a study that overran it.
     """
 
     name: str
@@ -193,6 +244,7 @@ class Study:
     render: Callable
     requires: Callable = _always_available
     timing: bool = False
+    budget_s: dict | None = None
 
 
 STUDIES: list[Study] = []
@@ -265,6 +317,72 @@ def fmt(x, digits: int = 3) -> str:
             return f"{x:.{digits}g}"
         return f"{x:.{max(digits - 1, 0)}e}"
     return str(x)
+
+
+def mean_std(x, axis=0):
+    """Mean and sample standard deviation (ddof = 1; 0 for one sample) along ``axis``, ignoring NaN.
+
+    Infinite values make the mean infinite (and the deviation NaN): they are not dropped.
+    """
+    import warnings
+
+    import numpy as np
+
+    x = np.asarray(x, dtype=float)
+    with warnings.catch_warnings():  # all-NaN slices are NaN, silently
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mean = np.nanmean(x, axis=axis)
+        count = np.sum(~np.isnan(x), axis=axis)
+        std = np.where(count > 1, np.nanstd(x, axis=axis, ddof=1) if x.shape[axis] > 1 else 0.0, 0.0)
+    return mean, std
+
+
+def pm(mean, std, digits: int = 3) -> str:
+    """``"mean ± std"`` for a table cell (only the mean when the deviation is 0, round-off or undefined)."""
+    mean, std = float(mean), float(std)
+    if not math.isfinite(mean) or not math.isfinite(std) or std <= 1e-9 * abs(mean):
+        return fmt(mean, digits)
+    return f"{fmt(mean, digits)} ± {fmt(std, 2)}"
+
+
+def fit_slope(x, ys, *, level: float = 0.95) -> dict | None:
+    """Slope of log y against log x, fitted per seed, with a confidence interval over the seeds.
+
+    Parameters
+    ----------
+    x : array_like, shape (P,)
+        The swept values (all > 0).
+    ys : array_like, shape (S, P)
+        One row per seed.  A seed with a non-finite or non-positive value is left out.
+    level : float
+        Confidence level of the interval.
+
+    Returns
+    -------
+    dict or None
+        ``slope`` (mean of the per-seed least-squares slopes), ``lo``, ``hi``
+        (``slope ± t_{(1+level)/2, S-1} sd / sqrt(S)``, Student's t over the
+        seeds), ``seeds`` (the number used), ``level``; None when fewer than
+        two seeds or two points are usable.
+    """
+    import numpy as np
+    from scipy import stats
+
+    x = np.asarray(x, dtype=float)
+    ys = np.atleast_2d(np.asarray(ys, dtype=float))
+    if x.size < 2 or np.any(x <= 0):
+        return None
+    lx = np.log(x)
+    slopes = []
+    for y in ys:
+        if np.all(np.isfinite(y)) and np.all(y > 0):
+            slopes.append(float(np.polyfit(lx, np.log(y), 1)[0]))
+    if len(slopes) < 2:
+        return None
+    s = np.asarray(slopes)
+    half = float(stats.t.ppf(0.5 + level / 2, len(s) - 1) * s.std(ddof=1) / math.sqrt(len(s)))
+    return {"slope": float(s.mean()), "lo": float(s.mean() - half), "hi": float(s.mean() + half),
+            "seeds": len(s), "level": level}
 
 
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence], *, align: str | None = None) -> str:

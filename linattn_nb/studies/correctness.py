@@ -254,7 +254,9 @@ def render(records, ctx) -> Rendered:
         "unwritten element fails. Tolerances: "
         + ", ".join(f"{k} {fmt(v)}" for k, v in TOLERANCES.items()) + ".",
         "",
-        f"Shapes (B, N, D, M): {', '.join('(' + ', '.join(map(str, s)) + ')' for s in shapes)}.",
+        f"Regime: q, k, v ~ N(0, I) (seed 0 per shape; softmax temperature 1/√D; decay factors in [0.5, 1] with a "
+        "reset, write strengths β in [0, 2]); one seed, because a check is a worst case over the shapes, not an "
+        f"average.  Shapes (B, N, D, M): {', '.join('(' + ', '.join(map(str, s)) + ')' for s in shapes)}.",
         "",
         markdown_table(["attention", "mode", "rule", "device", "method", "feature map", *DTYPES], rows,
                        align="llllll" + "r" * len(DTYPES)),
@@ -275,4 +277,5 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
+    budget_s={"tiny": 120, "quick": 60, "full": 480},
 ))

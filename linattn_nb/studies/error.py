@@ -1,52 +1,130 @@
-"""Study: approximation error of linear attention against softmax attention.
+"""Study: approximation error of linear attention against softmax attention, in two input regimes.
 
 For every registered feature map (random maps across their number of
-features m), across sequence lengths N: the relative error of the output
-against :func:`linattn_nb.softmax_attention` and the row-wise divergences of
-the attention weights, from :func:`linattn_nb.analysis.approximation_error`
+features m), across sequence lengths N, over several seeds (a seed draws the
+inputs and the random features): the relative error of the output against
+:func:`linattn_nb.softmax_attention` and the row-wise divergences of the
+attention weights, from :func:`linattn_nb.analysis.approximation_error`
 (Gaussian q, k, v, one head of dimension d; every map that estimates the
 softmax kernel estimates ``exp(q.k / sqrt(d))``).
+
+The regime decides the ranking, so the study runs in more than one:
+q, k ~ s·N(0, I) with s = 0.5 (logits of standard deviation s² = 0.25, softmax
+nearly uniform: the benign regime in which the random-feature estimators
+have usable variance) and s = 1 (q, k ~ N(0, I), logits of standard
+deviation 1).  The report gives the softmax row entropy of each regime
+against ln N (its value for uniform weights).
+
+Divergences: total variation, the Jensen–Shannon divergence (finite, but
+defined only where the linear weights form a distribution: positive maps;
+"n/a" for signed ones) and KL(softmax ‖ linear), with the fraction of rows
+where KL is infinite (a zero or negative linear weight where softmax puts
+mass).  Random quantities are means ± standard deviations over the seeds;
+the slope of log error against log m is fitted per seed and given with a
+95% interval over the seeds (random features: slope -1/2 expected).
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from ._maps import build_map, buildable_maps, is_random, map_label
-from ._study import Rendered, Study, fmt, markdown_table, register_study, split_failed
+from ._study import Rendered, Study, fit_slope, fmt, markdown_table, mean_std, pm, register_study, split_failed
 from .sweep import to_json
 
-#: q and k are N(0, 1) times this: logits q.k/sqrt(d) of variance QK_SCALE**4, the regime
-#: where the random-feature estimators of exp(q.k/sqrt(d)) have usable variance.
-QK_SCALE = 0.5
-#: Series whose error exceeds this are left out of the plots (they are in the tables).
+#: The default input scales s (q, k ~ s·N(0, I)): the benign regime (logit standard deviation
+#: s² = 0.25) and standard Gaussian inputs (logit standard deviation 1).
+SCALES = (0.5, 1.0)
+#: Kept for callers of the single-regime study: the benign scale.
+QK_SCALE = SCALES[0]
+#: Output errors above this are drawn on the top edge of the plots with an open triangle, and listed
+#: with their values under the figure.
 PLOT_MAX_ERROR = 10.0
-
-FIELDS = ("output_rel_error", "kl_mean", "tv_mean", "entropy_softmax", "entropy_linear",
-          "monotonicity", "nonpositive_normalizer_rate")
+#: The measures of the divergence table (besides the output error).
+FIELDS = ("output_rel_error", "tv_mean", "js_mean", "kl_mean", "kl_infinite_rate", "entropy_softmax",
+          "entropy_linear", "monotonicity", "nonpositive_normalizer_rate")
 
 
 def _sizes(ctx):
-    """(d, Ns, m for the N sweep, ms for the m sweep, causal modes)."""
+    """(d, Ns, m for the N sweep, ms for the m sweep, seeds, causal at the middle N)."""
     return ctx.pick(
-        tiny=(8, [32, 64], 16, [8, 16], [False]),
-        quick=(16, [256, 1024], 64, [16, 64, 256], [False]),
-        full=(16, [256, 1024, 4096], 64, [8, 16, 32, 64, 128, 256, 512], [False, True]),
+        tiny=(8, [32, 64], 16, [8, 32], 2, False),
+        quick=(16, [256, 1024], 64, [16, 64, 256], 5, False),
+        full=(16, [256, 1024, 2048], 64, [16, 64, 256, 1024], 5, True),
     )
 
 
-def points(ctx) -> list[dict]:
-    d, ns, m_default, ms, modes = _sizes(ctx)
+def _check_list(name, values, kind, minimum):
+    values = list(values) if isinstance(values, (list, tuple)) else [values]
+    if not values:
+        raise ValueError(f"error study: {name} must not be empty")
+    for x in values:
+        if isinstance(x, bool) or not isinstance(x, kind) or x < minimum or (isinstance(x, float)
+                                                                               and not math.isfinite(x)):
+            raise ValueError(f"error study: {name} must hold numbers >= {minimum}, got {x!r}")
+    return values
+
+
+def points(ctx, *, dim=None, scales=None, maps=None, m=None, n=None, seeds=None, causal=None) -> list[dict]:
+    """The sweep grid.
+
+    Parameters
+    ----------
+    ctx : Context
+    dim : int, optional
+        Head dimension d (default 16; 8 for the tiny profile).
+    scales : float or list of float, optional
+        Input scales s, q, k ~ s·N(0, I), one regime each (default ``SCALES``);
+        the softmax temperature stays 1/√d, so the logits have standard
+        deviation s².
+    maps : list of str, optional
+        Feature-map names (default: every registered map that builds from d alone).
+    m : int or list of int, optional
+        Numbers of random features of the m sweep (at the middle N); the N
+        sweep uses the profile's m (64) or, if that is not in the list, the
+        first.
+    n : int or list of int, optional
+        Sequence lengths of the N sweep.
+    seeds : int, optional
+        Number of seeds (0, 1, ..., seeds - 1; default 5, 2 for tiny).
+    causal : bool, optional
+        True adds a causal run at the middle N (default: in the full profile).
+    """
+    d, ns, m_default, ms, nseeds, causal_mid = _sizes(ctx)
+    if dim is not None:
+        d = _check_list("dim", dim, int, 1)[0]
+    scales = _check_list("scales", SCALES if scales is None else scales, (int, float), 0)
+    scales = [float(s) for s in scales]
+    if n is not None:
+        ns = sorted(_check_list("n", n, int, 1))
+    if m is not None:
+        ms = sorted(_check_list("m", m, int, 1))
+        if m_default not in ms:
+            m_default = ms[0]
+    if seeds is not None:
+        nseeds = _check_list("seeds", seeds, int, 1)[0]
+    if causal is not None:
+        causal_mid = bool(causal)
+    names = buildable_maps() if maps is None else list(maps)
+    known = set(buildable_maps())
+    for name in names:
+        if name not in known:
+            raise ValueError(f"error study: unknown or unbuildable feature map {name!r} in maps; "
+                             f"choose from {', '.join(sorted(known))}")
+    n_mid = ns[len(ns) // 2]
     pts = []
-    for name in buildable_maps():
-        rand = is_random(name)
-        for causal in modes:
-            for n in ns:
-                pts.append(dict(feature_map=name, num_features=m_default if rand else None, n=n, d=d,
-                                causal=causal, qk_scale=QK_SCALE, seed=0))
-            if rand:  # the m sweep at the middle N
-                n_mid = ns[len(ns) // 2]
-                pts += [dict(feature_map=name, num_features=m, n=n_mid, d=d, causal=causal,
-                             qk_scale=QK_SCALE, seed=0) for m in ms if m != m_default]
+    for s in scales:
+        for seed in range(nseeds):
+            for name in names:
+                rand = is_random(name)
+                base = dict(feature_map=name, d=d, qk_scale=s, seed=seed)
+                for nn in ns:
+                    pts.append(dict(base, num_features=m_default if rand else None, n=nn, causal=False))
+                if rand:  # the m sweep at the middle N
+                    pts += [dict(base, num_features=mm, n=n_mid, causal=False) for mm in ms if mm != m_default]
+                if causal_mid:
+                    pts.append(dict(base, num_features=m_default if rand else None, n=n_mid, causal=True))
     return pts
 
 
@@ -62,83 +140,387 @@ def run(feature_map, num_features, n, d, causal, qk_scale=QK_SCALE, seed=0) -> d
     if not isinstance(res, dict):
         res = {"output_rel_error": res}
     res["d_phi"] = int(fmap.output_dim(d))
+    res["is_positive"] = bool(getattr(fmap, "is_positive", False))
     return res
+
+
+# ---------------------------------------------------------------------------
+# rendering
+# ---------------------------------------------------------------------------
+def _num(x) -> float:
+    return float("nan") if x is None else float(x)
+
+
+class _Agg:
+    """The ok records grouped as {(scale, causal, map, m, n): {seed: result}}."""
+
+    def __init__(self, ok):
+        self.by: dict = {}
+        for r in ok:
+            p = r["params"]
+            key = (float(p.get("qk_scale", 1.0)), bool(p["causal"]), p["feature_map"], p["num_features"], p["n"])
+            self.by.setdefault(key, {})[p["seed"]] = r["result"]
+        self.scales = sorted({k[0] for k in self.by})
+        self.maps = sorted({k[2] for k in self.by})
+        self.seeds = sorted({s for v in self.by.values() for s in v})
+
+    def values(self, key, field):
+        res = self.by.get(key, {})
+        return np.asarray([_num(res[s].get(field)) for s in sorted(res)], dtype=float)
+
+    def stat(self, key, field):
+        """(mean, std) over the seeds; inf when any seed is inf (inf is not averaged away)."""
+        x = self.values(key, field)
+        if x.size == 0:
+            return float("nan"), float("nan")
+        if np.any(np.isinf(x)):
+            return float("inf"), float("nan")
+        m, s = mean_std(x)
+        return float(m), float(s)
+
+    def first(self, key):
+        res = self.by.get(key, {})
+        return next(iter(res.values())) if res else {}
+
+    def ns(self, causal=False):
+        return sorted({k[4] for k in self.by if k[1] == causal})
+
+    def m_sweep(self, scale, name, n):
+        """{m: key} of the non-causal records of a random map at N = n."""
+        return {k[3]: k for k in self.by if k[0] == scale and not k[1] and k[2] == name and k[3] is not None
+                and k[4] == n}
+
+    def n_series(self, scale, causal=False):
+        """{(map, m): {n: key}} for the (map, m) present at every N (the N sweep)."""
+        ns = self.ns(causal)
+        cand: dict = {}
+        for k in self.by:
+            if k[0] == scale and k[1] == causal:
+                cand.setdefault((k[2], k[3]), {})[k[4]] = k
+        return {mk: byn for mk, byn in sorted(cand.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0))
+                if len(byn) == len(ns)}
+
+
+def _regime(scale) -> str:
+    return f"s = {fmt(scale)}" + (" (q, k ~ N(0, I))" if scale == 1.0 else "")
+
+
+def _js_applicable(agg, key) -> bool:
+    """JS where the weights are a distribution: a positive map, or every row of every seed one (no infinite KL)."""
+    res = agg.first(key)
+    if "js_mean" not in res:
+        return False
+    if res.get("is_positive", False):
+        return True
+    inf_rate = agg.values(key, "kl_infinite_rate")
+    js = agg.values(key, "js_mean")
+    return bool(inf_rate.size and np.all(inf_rate == 0) and np.all(np.isfinite(js)))
+
+
+def _js_cell(agg, key):
+    if not _js_applicable(agg, key):
+        return "n/a"
+    m, s = agg.stat(key, "js_mean")
+    return pm(m, s)
+
+
+def _cell(agg, key, field):
+    if field == "js_mean":
+        return _js_cell(agg, key)
+    m, s = agg.stat(key, field)
+    if field == "kl_infinite_rate" and math.isfinite(m):
+        return pm(m, s) if m else "0"
+    return pm(m, s)
+
+
+def _entropy_table(agg, ns) -> str:
+    rows = []
+    for scale in agg.scales:
+        cells = []
+        for n in ns:
+            keys = [k for k in agg.by if k[0] == scale and not k[1] and k[4] == n]
+            if not keys:
+                cells.append("–")
+                continue
+            m, s = mean_std(np.concatenate([agg.values(k, "entropy_softmax") for k in keys[:1]]))
+            cells.append(f"{pm(float(m), float(s))} (ln N = {fmt(math.log(n))})")
+        rows.append([_regime(scale), fmt(scale ** 2)] + cells)
+    return markdown_table(["regime", "logit std s²", *[f"N = {n}" for n in ns]], rows)
+
+
+def _ranking_table(agg, n) -> str:
+    """Maps ranked by mean output error at N = n in every regime, side by side."""
+    per = {}
+    for scale in agg.scales:
+        series = agg.n_series(scale)
+        errs = {mk: agg.stat(byn[n], "output_rel_error") for mk, byn in series.items() if n in byn}
+        order = sorted(errs, key=lambda mk: (not math.isfinite(errs[mk][0]), errs[mk][0]))
+        per[scale] = {mk: (i + 1, errs[mk]) for i, mk in enumerate(order)}
+    maps = sorted({mk for d in per.values() for mk in d}, key=lambda mk: per[agg.scales[-1]].get(mk, (99,))[0])
+    rows = []
+    for mk in maps:
+        row = [map_label(*mk)]
+        for scale in agg.scales:
+            rank, (m, s) = per[scale].get(mk, (None, (float("nan"), float("nan"))))
+            row += [fmt(rank), pm(m, s)]
+        rows.append(row)
+    heads = ["feature map"]
+    for scale in agg.scales:
+        heads += [f"rank, {_regime(scale)}", f"error, {_regime(scale)}"]
+    return markdown_table(heads, rows)
+
+
+def _clip_plot(ax, xs, means, stds, style, label, top, beyond, tag, name=None):
+    """Error bars of the finite points below ``top``; the rest as open triangles on the top edge."""
+    xs = np.asarray(xs, dtype=float)
+    means = np.asarray(means, dtype=float)
+    stds = np.nan_to_num(np.asarray(stds, dtype=float))
+    inside = np.isfinite(means) & (means <= top)
+    kw = dict(color=style["color"], marker=style["marker"], linestyle=style["linestyle"], ms=4, capsize=2, lw=1.2)
+    if inside.any():
+        ax.errorbar(xs[inside], means[inside], yerr=np.minimum(stds[inside], 0.999 * means[inside]), label=label,
+                    **kw)
+    if (~inside).any():
+        ax.plot(xs[~inside], [top] * int((~inside).sum()), linestyle="none", marker="^", ms=7, mfc="none",
+                mec=style["color"], clip_on=False, label=label if not inside.any() else "_")
+        for x, m in zip(xs[~inside], means[~inside]):
+            beyond.append((name or label, tag, int(x), float(m)))
 
 
 def render(records, ctx) -> Rendered:
     ok, failed, problems, failed_md = split_failed("error", records)
     md = []
-    if ok:
-        d, s = ok[0]["params"]["d"], ok[0]["params"].get("qk_scale", 1.0)
-        md.append(f"q, k ~ {s}·N(0, I), v ~ N(0, I), one head, d = {d}; softmax temperature 1/√d. "
-                  "Output error: ‖o_linear − o_softmax‖_F / ‖o_softmax‖_F. "
-                  "Random maps use m features in the N sweep and are swept over m at the middle N.")
-    for causal in sorted({r["params"]["causal"] for r in ok}):
-        sub = [r for r in ok if r["params"]["causal"] == causal]
-        ns = sorted({r["params"]["n"] for r in sub})
-        m_of = {}
-        for r in sub:  # the m used in the N sweep = the m present at every N
-            p = r["params"]
-            m_of.setdefault(p["feature_map"], {}).setdefault(p["num_features"], set()).add(p["n"])
-        series = {}
-        for r in sub:
-            p = r["params"]
-            if len(m_of[p["feature_map"]][p["num_features"]]) == len(ns):
-                series.setdefault((p["feature_map"], p["num_features"]), {})[p["n"]] = r["result"]
-        mode = "causal" if causal else "non-causal"
-        rows = [[map_label(name, m), fmt(next(iter(by_n.values()))["d_phi"])]
-                + [fmt(by_n[n]["output_rel_error"]) if n in by_n else "–" for n in ns]
-                for (name, m), by_n in series.items()]
-        md += ["", f"**{mode}**: output relative error against N", "",
+    agg = _Agg(ok)
+    if not ok:
+        return Rendered("\n".join(failed_md), "0 points", problems)
+    ns = agg.ns(False)
+    n_top, n_mid = ns[-1], ns[len(ns) // 2]
+    p0 = ok[0]["params"]
+    d = p0["d"]
+    ms_all = sorted({k[3] for k in agg.by if k[3] is not None})
+    md.append(
+        f"Regime: q, k ~ s·N(0, I) and v ~ N(0, I) in R^{d} (one head, d = {d}), softmax temperature 1/√d, so "
+        f"the logits q·k/√d have standard deviation s²; s ∈ {{{', '.join(fmt(s) for s in agg.scales)}}}.  "
+        f"N ∈ {{{', '.join(map(str, ns))}}}, non-causal"
+        + (f" (and causal at N = {n_mid})" if any(k[1] for k in agg.by) else "")
+        + f"; {len(agg.seeds)} seeds (a seed draws q, k, v and the random features)"
+        + (f"; random maps use m = {_n_sweep_m(agg)} features in the N sweep and m ∈ "
+           f"{{{', '.join(map(str, ms_all))}}} at N = {n_mid}" if ms_all else "")
+        + ".  Output error: ‖o_linear − o_softmax‖_F / ‖o_softmax‖_F; cells are mean ± standard deviation over "
+          "the seeds.")
+    md += ["", "Softmax row entropy (nats, mean over rows; ln N is the entropy of uniform weights):", "",
+           _entropy_table(agg, ns), "",
+           "The smaller s², the closer softmax is to uniform weights and the easier it is to approximate: "
+           "the ranking below is a property of the regime as much as of the maps.", "",
+           f"Ranking by output error at N = {n_top} (1 = closest to softmax):", "", _ranking_table(agg, n_top)]
+    for scale in agg.scales:
+        series = agg.n_series(scale)
+        rows = [[map_label(*mk), fmt(agg.first(next(iter(byn.values()))).get("d_phi"))]
+                + [pm(*agg.stat(byn[n], "output_rel_error")) for n in ns] for mk, byn in series.items()]
+        md += ["", f"**{_regime(scale)}**: output relative error against N", "",
                markdown_table(["feature map", "D_φ", *[f"N = {n}" for n in ns]], rows)]
-        n_top = ns[-1]
-        rows = [[map_label(name, m)] + [fmt(by_n[n_top].get(f)) for f in FIELDS]
-                for (name, m), by_n in series.items() if n_top in by_n]
-        md += ["", f"All measures at N = {n_top} ({mode}):", "", markdown_table(["feature map", *FIELDS], rows)]
-        if ctx.plots:
-            fig, (ax1, ax2) = ctx.figure(ncols=2)
-            left_out = []
-            for i, ((name, m), by_n) in enumerate(series.items()):
-                xs = sorted(by_n)
-                ys = [by_n[x]["output_rel_error"] for x in xs]
-                if not all(np.isfinite(ys)) or max(ys) > PLOT_MAX_ERROR:
-                    left_out.append(map_label(name, m))
-                    continue
-                ax1.loglog(xs, ys, marker="o", label=map_label(name, m), **ctx.style(i))
-            ax1.set(xlabel="sequence length N", ylabel="output relative error", title=f"Error against N ({mode})")
-            ax1.legend(fontsize="x-small")
-            n_mid = ns[len(ns) // 2]
-            for i, name in enumerate(sorted({p for p, _ in series})):
-                by_m = {r["params"]["num_features"]: r["result"] for r in sub
-                        if r["params"]["feature_map"] == name and r["params"]["num_features"] is not None
-                        and r["params"]["n"] == n_mid}
-                xs = sorted(by_m)
-                ys = [by_m[x]["output_rel_error"] for x in xs]
-                if len(xs) > 1 and all(np.isfinite(ys)) and max(ys) <= PLOT_MAX_ERROR:
-                    ax2.loglog(xs, ys, marker="o", label=name, **ctx.style(i))
-                    ax2.loglog(xs, [ys[0] * (xs[0] / x) ** 0.5 for x in xs], ":", color="gray", lw=1)
-            ax2.set(xlabel="random features m", ylabel="output relative error",
-                    title=f"Random maps against m (N = {n_mid}; dotted: ∝ 1/√m)")
-            if ax2.lines:
-                ax2.legend(fontsize="x-small")
-            for ax in (ax1, ax2):
-                ax.grid(True, which="both", alpha=0.3)
-            md += ["", ctx.savefig(fig, f"error_{'causal' if causal else 'noncausal'}",
-                                   f"approximation error ({mode})")]
-            if left_out:
-                md += ["", f"Not plotted (error above {fmt(PLOT_MAX_ERROR)} or not finite: signed features "
-                           f"whose normaliser can be <= 0, see `nonpositive_normalizer_rate`): "
-                           f"{', '.join(left_out)}."]
+        rows = [[map_label(*mk)] + [_cell(agg, byn[n_top], f) for f in FIELDS] for mk, byn in series.items()]
+        md += ["", f"All measures at N = {n_top}, {_regime(scale)} (JS: Jensen–Shannon divergence, n/a where the "
+               "map's weights are not a distribution; kl_infinite_rate: fraction of rows with KL = ∞):", "",
+               markdown_table(["feature map", *FIELDS], rows)]
+        inf_maps = [map_label(*mk) for mk, byn in series.items()
+                    if agg.stat(byn[n_top], "kl_infinite_rate")[0] > 0]
+        md += ["", f"KL(softmax ‖ linear) is infinite in some rows for {len(inf_maps)} of {len(series)} maps "
+               f"({', '.join(inf_maps) or 'none'}): TV and JS are the finite measures to compare them by."]
+    md += _m_sweep_md(agg, n_mid)
+    if any(k[1] for k in agg.by):
+        rows = []
+        for (name, m), byn in agg.n_series(agg.scales[0], causal=True).items():
+            row = [map_label(name, m)]
+            for scale in agg.scales:
+                kc = (scale, True, name, m, n_mid)
+                kn = (scale, False, name, m, n_mid)
+                row += [pm(*agg.stat(kn, "output_rel_error")), pm(*agg.stat(kc, "output_rel_error"))]
+            rows.append(row)
+        heads = ["feature map"]
+        for scale in agg.scales:
+            heads += [f"non-causal, {_regime(scale)}", f"causal, {_regime(scale)}"]
+        md += ["", f"Causal against non-causal output error at N = {n_mid}:", "", markdown_table(heads, rows)]
+    if ctx.plots:
+        md += _plots(agg, ctx, ns, n_top, n_mid)
     md += failed_md
-    return Rendered("\n".join(md), f"{len(ok)} points", problems)
+    return Rendered("\n".join(md), f"{len(agg.scales)} regimes, {len(agg.seeds)} seeds, {len(ok)} points", problems)
+
+
+def _n_sweep_m(agg):
+    ns = agg.ns(False)
+    ms = {k[3] for k in agg.by if k[3] is not None and not k[1]
+          and all((k[0], False, k[2], k[3], n) in agg.by for n in ns)}
+    return min(ms) if ms else None
+
+
+def _m_sweep_md(agg, n_mid) -> list:
+    rows = []
+    ms_all = sorted({k[3] for k in agg.by if k[3] is not None and k[4] == n_mid and not k[1]})
+    if len(ms_all) < 2:
+        return []
+    for scale in agg.scales:
+        for name in agg.maps:
+            by_m = agg.m_sweep(scale, name, n_mid)
+            if len(by_m) < 2:
+                continue
+            xs = sorted(by_m)
+            fit = _fit(agg, by_m, xs)
+            rows.append([name, _regime(scale)] + [pm(*agg.stat(by_m[x], "output_rel_error")) if x in by_m else "–"
+                                                  for x in ms_all]
+                        + [_fit_text(fit)])
+    if not rows:
+        return []
+    return ["", f"Random maps against m at N = {n_mid}: output error and the slope of log error against log m "
+                "(least squares per seed; mean and 95% interval over the seeds, Student's t).  Monte-Carlo "
+                "estimators predict a slope of −0.5 (error ∝ 1/√m) while the error is variance-dominated:", "",
+            markdown_table(["feature map", "regime", *[f"m = {m}" for m in ms_all], "fitted slope [95% CI]"], rows)]
+
+
+def _fit(agg, by_m, xs):
+    seeds = sorted(set.intersection(*(set(agg.by[by_m[x]]) for x in xs)))
+    ys = [[_num(agg.by[by_m[x]][s].get("output_rel_error")) for x in xs] for s in seeds]
+    return fit_slope(xs, ys)
+
+
+def _fit_text(fit) -> str:
+    if fit is None:
+        return "– (fewer than two usable seeds)"
+    inside = fit["lo"] <= -0.5 <= fit["hi"]
+    return (f"{fit['slope']:.2f} [{fit['lo']:.2f}, {fit['hi']:.2f}]"
+            + (" (−0.5 inside)" if inside else " (−0.5 outside)"))
+
+
+def _plots(agg, ctx, ns, n_top, n_mid) -> list:
+    md = []
+    style_of = {name: ctx.style(i) for i, name in enumerate(agg.maps)}
+    # 1. error against N, one panel per regime, shared axis clipped at PLOT_MAX_ERROR
+    fig, axes = ctx.figure(ncols=len(agg.scales), width=4.6, height=3.8)
+    beyond = []
+    lo = math.inf
+    for ax, scale in zip(axes, agg.scales):
+        for (name, m), byn in agg.n_series(scale).items():
+            xs = sorted(byn)
+            st = [agg.stat(byn[x], "output_rel_error") for x in xs]
+            means = [a for a, _ in st]
+            lo = min([lo] + [a for a in means if a > 0 and math.isfinite(a)])
+            _clip_plot(ax, xs, means, [b for _, b in st], style_of[name], map_label(name, m), PLOT_MAX_ERROR,
+                       beyond, (f"s = {fmt(scale)}", "N"))
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xticks(ns)
+        ax.set(xlabel="sequence length N", title=f"s = {fmt(scale)}: logit std {fmt(scale ** 2)}")
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in axes:
+        ax.set_ylim(min(lo, 1.0) / 2, PLOT_MAX_ERROR)
+    axes[0].set_ylabel(f"output relative error (mean ± sd, {len(agg.seeds)} seeds)")
+    ctx.legend_outside(fig, axes, title="feature map")
+    md += ["", ctx.savefig(fig, "error_n", "output error against N in each regime")]
+    md += _beyond_md(beyond)
+    # 2. random maps against m, with the fitted slopes
+    rand = [name for name in agg.maps if any(len(agg.m_sweep(s, name, n_mid)) > 1 for s in agg.scales)]
+    if rand:
+        fig, axes = ctx.figure(ncols=len(agg.scales), width=4.6, height=3.8)
+        beyond = []
+        for ax, scale in zip(axes, agg.scales):
+            for name in rand:
+                by_m = agg.m_sweep(scale, name, n_mid)
+                xs = sorted(by_m)
+                st = [agg.stat(by_m[x], "output_rel_error") for x in xs]
+                fit = _fit(agg, by_m, xs)
+                label = (f"{name}, s = {fmt(scale)}"
+                         + (f": slope {fit['slope']:.2f} [{fit['lo']:.2f}, {fit['hi']:.2f}]" if fit else ""))
+                _clip_plot(ax, xs, [a for a, _ in st], [b for _, b in st], style_of[name], label, PLOT_MAX_ERROR,
+                           beyond, (f"s = {fmt(scale)}", "m"), name=name)
+                finite = [(x, a) for x, (a, _) in zip(xs, st) if math.isfinite(a) and a <= PLOT_MAX_ERROR]
+                if len(finite) >= 2:  # reference 1/sqrt(m) through the last plotted point
+                    x0, y0 = finite[-1]
+                    ax.plot(xs, [y0 * (x0 / x) ** 0.5 for x in xs], ":", color=style_of[name]["color"], lw=1,
+                            label="_")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xticks(sorted({x for name in rand for x in agg.m_sweep(scale, name, n_mid)}))
+            ax.set(xlabel="random features m", title=f"s = {fmt(scale)}, N = {n_mid}")
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0].set_ylabel("output relative error (mean ± sd; dotted: ∝ 1/√m)")
+        for ax in axes:
+            ymin = min([y for line in ax.get_lines() for y in line.get_ydata() if y > 0] or [0.01])
+            ax.set_ylim(ymin / 2, PLOT_MAX_ERROR)
+        ctx.legend_outside(fig, axes, title="map, fitted slope [95% CI]")
+        md += ["", ctx.savefig(fig, "error_m", "output error of the random maps against m, with fitted slopes")]
+        md += _beyond_md(beyond)
+    # 3. finite divergences at N = n_top: TV and JS per map, one marker per regime
+    series = {mk for s in agg.scales for mk in agg.n_series(s)}
+    labels = sorted(series, key=lambda mk: (mk[0], mk[1] or 0))
+    fig, axes = ctx.figure(ncols=2, width=4.2, height=0.3 * len(labels) + 1.6)
+    ypos = np.arange(len(labels))
+    jsna, tvout = [], []
+    for j, (ax, field, title, top) in enumerate(zip(axes, ("tv_mean", "js_mean"),
+                                                    ("total variation", "Jensen–Shannon (nats)"),
+                                                    (1.0, math.log(2.0)))):
+        lo = top
+        for i, scale in enumerate(agg.scales):
+            sty = ctx.style(i)  # one colour and marker per regime
+            xs, es, ys, over = [], [], [], []
+            for y, (name, m) in zip(ypos, labels):
+                key = (scale, False, name, m, n_top)
+                if key not in agg.by:
+                    continue
+                yy = y + (i - (len(agg.scales) - 1) / 2) * 0.25
+                if field == "js_mean" and not _js_applicable(agg, key):
+                    if map_label(name, m) not in jsna:
+                        jsna.append(map_label(name, m))
+                    continue
+                a, b = agg.stat(key, field)
+                if math.isfinite(a) and a <= top:
+                    xs.append(a)
+                    es.append(0.0 if not math.isfinite(b) else min(b, 0.999 * a))
+                    ys.append(yy)
+                    lo = min(lo, a) if a > 0 else lo
+                else:  # TV of signed weights can exceed 1 (and be inf): on the right edge, listed below
+                    over.append(yy)
+                    tvout.append(f"{map_label(name, m)} ({_regime(scale)}): {fmt(a)}")
+            ax.errorbar(xs, ys, xerr=es, linestyle="none", marker=sty["marker"], color=sty["color"], ms=5,
+                        capsize=2, label=_regime(scale))
+            if over:
+                ax.plot([top] * len(over), over, linestyle="none", marker=">", ms=7, mfc="none", mec=sty["color"],
+                        clip_on=False, label="_")
+        ax.set_yticks(ypos, [map_label(*mk) for mk in labels] if j == 0 else [""] * len(labels))
+        ax.set_xscale("log")
+        ax.set_xlim(lo / 2, top)
+        ax.set(xlabel=f"{title} at N = {n_top}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_ylim(len(labels) - 0.5, -0.5)
+    ctx.legend_outside(fig, axes, title="regime (mean ± sd over seeds)", where="bottom")
+    md += ["", ctx.savefig(fig, "error_divergence", "total variation and Jensen-Shannon divergence per map")]
+    if jsna:
+        md += ["", f"JS not applicable (the weights of these maps are not a distribution in every row): "
+                   f"{', '.join(jsna)}."]
+    if tvout:
+        md += ["", f"Total variation above 1 (signed weights; open triangles on the right edge), mean over the seeds: "
+                   f"{'; '.join(tvout)}."]
+    return md
+
+
+def _beyond_md(beyond) -> list:
+    if not beyond:
+        return []
+    groups: dict = {}
+    for name, (regime, var), x, value in beyond:
+        groups.setdefault((name, regime, var), []).append(f"{x}: {fmt(value)}")
+    text = "; ".join(f"{name}, {regime}, at {var} = {', '.join(vals)}" for (name, regime, var), vals in groups.items())
+    return ["", f"Beyond the axis (drawn as open triangles on its top edge at {fmt(PLOT_MAX_ERROR)}; mean over the "
+                f"seeds): {text}.  Signed maps whose normaliser can come near or below 0 (it is floored "
+                "at eps; see `nonpositive_normalizer_rate`) divide by almost nothing."]
 
 
 STUDY = register_study(Study(
     name="error",
     title="Approximation error against softmax",
     command="error",
-    help="approximation error against softmax attention for every feature map, across N and m",
+    help="approximation error against softmax attention for every feature map, across N and m, in two regimes",
     points=points,
     run=run,
     render=render,
+    budget_s={"tiny": 60, "quick": 45, "full": 300},
 ))

@@ -8,7 +8,7 @@ decay γ (RetNet, Sun et al. 2023, §2.1; REFERENCES.md "Decay and gating"):
 (``decay=γ``) bins each pair's relative error ‖v̂_j − v_j‖²/‖v_j‖² by that
 distance; the study plots it for γ ∈ {1 (the additive rule), 0.999, 0.99,
 0.9} with the least-squares floor of a state of the same size on the same
-axes, mean ± standard deviation over three seeds, for two feature maps (one
+axes, mean ± standard deviation over five seeds, for two feature maps (one
 panel each): ELU+1, the default, and DPFP (ν = 2), whose sparse features
 read selectively.
 
@@ -30,7 +30,7 @@ from .sweep import to_json
 #: The decays compared; 1 is the additive rule (run with ``decay=None``).
 GAMMAS = (1.0, 0.999, 0.99, 0.9)
 #: Independent seeds per decay (every random quantity is averaged over them).
-SEEDS = (0, 1, 2)
+SEEDS = (0, 1, 2, 3, 4)
 #: The feature maps, one panel each: the default ELU+1, and DPFP (Schlag et al. 2021, §4.2), whose
 #: sparse features make the read-out selective (ELU+1's positive, correlated features average).
 MAPS = (("elu", {}), ("dpfp", {"nu": 2}))
@@ -146,15 +146,14 @@ def render(records, ctx) -> Rendered:
                 x = 0.5 * (edges[:-1] + edges[1:] - 1)  # bin midpoints
                 for i, (g, e) in enumerate(per.items()):
                     m, s = _mean_std(e["err"])
-                    ax.errorbar(x, m, yerr=s, fmt="o-", ms=3, capsize=2, label=_label(g),
-                                color=ctx.style(i)["color"])
+                    ax.errorbar(x, m, yerr=s, ms=3, capsize=2, label=_label(g), **ctx.style(i))
                 m, s = _mean_std(first["opt"])
                 ax.errorbar(x, m, yerr=s, fmt="k--", capsize=2, label="optimal floor (least squares)")
                 ax.set_xscale("symlog", linthresh=1.0)
                 ax.set(xlabel="distance between write and read (tokens)", ylabel="relative retrieval error",
                        title=f"{name}, D_φ = {first['d_phi']}, n = {p0['n']}")
                 ax.grid(True, alpha=0.3)
-            axes[0].legend(fontsize="x-small")
+            ctx.legend_outside(fig, axes, title=f"state (mean ± sd, {nseeds} seeds)")
             md += ["", ctx.savefig(fig, "horizon", "retrieval error against write-read distance for several decays")]
     md += failed_md
     return Rendered("\n".join(md), f"γ ∈ {{{', '.join(f'{g:g}' for g in GAMMAS)}}}, {len(SEEDS)} seeds", problems)
@@ -168,4 +167,5 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
+    budget_s={"tiny": 30, "quick": 60, "full": 60},
 ))

@@ -7,7 +7,7 @@ the semiseparable rank of the causal weights (the largest rank of a
 strictly-lower block, :func:`linattn_nb.analysis.semiseparable_rank`; at most
 D_φ for kernel maps, growing with N for softmax), and the rank of the state
 S_t as t grows (:func:`linattn_nb.analysis.state_rank_profile`; it saturates
-at min(D_φ, M)).
+at min(D_φ, M); M is the largest D_φ, so every map reaches its D_φ).
 """
 from __future__ import annotations
 
@@ -20,27 +20,75 @@ SOFTMAX = "softmax"
 
 
 def _sizes(ctx):
-    """(d, M, Ns, m of random maps, largest N for explicit softmax weights).
-
-    M = 2d, so that the state rank saturates at D_φ for maps with D_φ < M and at
-    M for the others: both sides of min(D_φ, M) show.
-    """
+    """(d, Ns, m of random maps, largest N for explicit softmax weights, seeds)."""
     return ctx.pick(
-        tiny=(4, 8, [16, 48], 8, 64),
-        quick=(8, 16, [64, 256, 1024], 16, 1024),
-        full=(16, 32, [128, 512, 2048, 8192], 32, 4096),
+        tiny=(4, [16, 48], 8, 64, 2),
+        quick=(8, [64, 256, 1024], 16, 256, 5),
+        full=(16, [128, 512, 2048, 8192], 32, 512, 5),
     )
 
 
-def points(ctx) -> list[dict]:
-    d, m, ns, m_rand, explicit_max = _sizes(ctx)
+def _dphi(name, d, m_rand) -> int:
+    return int(build_map(name, dim=d, num_features=m_rand if is_random(name) else None, seed=0).output_dim(d))
+
+
+def points(ctx, *, dim=None, maps=None, m=None, n=None, seeds=None, value_dim=None) -> list[dict]:
+    """The sweep grid.
+
+    Parameters
+    ----------
+    ctx : Context
+    dim : int, optional
+        Head dimension d of q, k (default 16; 8 quick, 4 tiny).
+    maps : list of str, optional
+        Feature maps (default every registered map that builds from d alone); softmax is always added.
+    m : int, optional
+        Random features of the random maps (default 32; 16 quick, 8 tiny).
+    n : int or list of int, optional
+        Sequence lengths.
+    seeds : int, optional
+        Number of seeds 0..seeds-1 (default 5; 2 tiny); a seed draws q, k, v and the random features.
+    value_dim : int, optional
+        Value dimension M of the state-rank profile; default the largest D_φ of the maps, so that every
+        map's state rank can saturate at its D_φ (rank S_t <= min(D_φ, M)).  Smaller values raise ValueError.
+    """
+    d, ns, m_rand, explicit_max, nseeds = _sizes(ctx)
+    if dim is not None:
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"rank study: dim must be an integer >= 1, got {dim!r}")
+        d = dim
+    if m is not None:
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"rank study: m must be an integer >= 1, got {m!r}")
+        m_rand = m
+    if n is not None:
+        ns = sorted(n if isinstance(n, (list, tuple)) else [n])
+        if not ns or any(isinstance(x, bool) or not isinstance(x, int) or x < 2 for x in ns):
+            raise ValueError(f"rank study: n must hold integers >= 2, got {n!r}")
+    if seeds is not None:
+        if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+            raise ValueError(f"rank study: seeds must be an integer >= 1, got {seeds!r}")
+        nseeds = seeds
+    known = buildable_maps()
+    names = known if maps is None else [x for x in maps if x != SOFTMAX]
+    for name in names:
+        if name not in known:
+            raise ValueError(f"rank study: unknown or unbuildable feature map {name!r} in maps; "
+                             f"choose from {', '.join(sorted(known))}")
+    max_dphi = max((_dphi(name, d, m_rand) for name in names), default=d)
+    mv = max_dphi if value_dim is None else value_dim
+    if isinstance(mv, bool) or not isinstance(mv, int) or mv < max_dphi:
+        raise ValueError(f"rank study: value_dim must be an integer >= the largest D_φ ({max_dphi}), got {mv!r}")
     pts = []
-    for name in buildable_maps() + [SOFTMAX]:
-        nf = m_rand if name != SOFTMAX and is_random(name) else None
-        for n in ns:
-            if name == SOFTMAX and n > explicit_max:
-                continue
-            pts.append(dict(feature_map=name, num_features=nf, n=n, d=d, m=m, seed=0))
+    for seed in range(nseeds):
+        for name in names + [SOFTMAX]:
+            nf = m_rand if name != SOFTMAX and is_random(name) else None
+            for nn in ns:
+                # softmax: explicit N x N weights, full rank for inputs in general position whatever the
+                # draw (its semiseparable rank costs O(N^3)): small N and one seed
+                if name == SOFTMAX and (nn > explicit_max or seed > 0):
+                    continue
+                pts.append(dict(feature_map=name, num_features=nf, n=nn, d=d, m=mv, seed=seed))
     return pts
 
 
@@ -69,57 +117,115 @@ def run(feature_map, num_features, n, d, m, seed=0) -> dict:
     return res
 
 
+def _span(values) -> str:
+    """One integer, or "lo–hi" when the seeds disagree."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return "–"
+    lo, hi = min(vals), max(vals)
+    return str(lo) if lo == hi else f"{lo}–{hi}"
+
+
 def render(records, ctx) -> Rendered:
     ok, failed, problems, failed_md = split_failed("rank", records)
     series: dict = {}
     for r in ok:
         p = r["params"]
-        series.setdefault((p["feature_map"], p["num_features"]), {})[p["n"]] = r["result"]
+        series.setdefault((p["feature_map"], p["num_features"]), {}).setdefault(p["n"], {})[p["seed"]] = r["result"]
     ns = sorted({r["params"]["n"] for r in ok})
+    seeds = sorted({r["params"]["seed"] for r in ok})
     md = []
+    explicit = max((r["params"]["n"] for r in ok if r["params"]["feature_map"] == SOFTMAX), default=0)
     if ok:
         p0 = ok[0]["params"]
-        md.append(f"Gaussian q, k (d = {p0['d']}) and v (M = {p0['m']}), one head. Attention rank: "
+        md.append(f"Regime: q, k ~ N(0, I) in R^{p0['d']} (one head; softmax temperature 1/√d), v ~ N(0, I) in "
+                  f"R^{p0['m']} (M = {p0['m']}, the largest D_φ, so that every map's state rank can reach its D_φ); "
+                  f"N ∈ {{{', '.join(map(str, ns))}}}; {len(seeds)} seeds (a seed draws q, k, v and the random "
+                  "features; a cell gives the range over the seeds when they differ; softmax: seed 0 and "
+                  f"N ≤ {explicit}, its explicit weights being full-rank for any draw).  Attention rank: "
                   "non-causal weights; semiseparable rank: largest rank of a strictly-lower block of "
                   "the causal weights. Both are bounded by D_φ for kernel maps.")
         rows = []
         for (name, m), by_n in series.items():
-            dphi = next(iter(by_n.values()))["d_phi"]
+            dphi = next(iter(next(iter(by_n.values())).values()))["d_phi"]
             cells = []
             for n in ns:
-                res = by_n.get(n)
-                cells.append("–" if res is None else
-                             f"{res['attention_rank']} / {fmt(res['semiseparable_rank'])}")
-                if res is not None and dphi is not None:
-                    for key in ("attention_rank", "semiseparable_rank"):
-                        if res[key] is not None and res[key] > dphi:
-                            problems.append(f"rank: {map_label(name, m)} at N = {n}: {key} {res[key]} > D_φ = {dphi}")
+                per = by_n.get(n, {})
+                if not per:
+                    cells.append("–")
+                    continue
+                cells.append(f"{_span([res['attention_rank'] for res in per.values()])} / "
+                             f"{_span([res['semiseparable_rank'] for res in per.values()])}")
+                if dphi is not None:
+                    for seed, res in per.items():
+                        for key in ("attention_rank", "semiseparable_rank"):
+                            if res[key] is not None and res[key] > dphi:
+                                problems.append(f"rank: {map_label(name, m)} at N = {n}, seed {seed}: {key} "
+                                                f"{res[key]} > D_φ = {dphi}")
             rows.append([map_label(name, m), fmt(dphi)] + cells)
         md += ["", "Attention rank / semiseparable rank:", "",
                markdown_table(["feature map", "D_φ", *[f"N = {n}" for n in ns]], rows)]
         if ctx.plots:
-            fig, (ax1, ax2) = ctx.figure(ncols=2)
-            for i, ((name, m), by_n) in enumerate(series.items()):
-                xs = sorted(by_n)
-                ax1.loglog(xs, [max(by_n[x]["attention_rank"], 1) for x in xs], marker="o", label=map_label(name, m),
-                           **ctx.style(i))
-            ax1.set(xlabel="sequence length N", ylabel="numerical rank", title="Rank of non-causal weights")
-            ax1.legend(fontsize="x-small")
-            n_top = ns[-1]
-            for i, ((name, m), by_n) in enumerate(series.items()):
-                res = by_n.get(n_top)
-                if res and res.get("state_positions"):
-                    ax2.semilogx(res["state_positions"], res["state_rank"], label=map_label(name, m),
-                                 **ctx.style(i))
-            ax2.set(xlabel="tokens absorbed t", ylabel="rank of S_t",
-                    title=f"State rank (N = {n_top}, M = {p0['m']}): saturates at min(D_φ, M)")
-            if ax2.lines:
-                ax2.legend(fontsize="x-small")
-            for ax in (ax1, ax2):
-                ax.grid(True, which="both", alpha=0.3)
-            md += ["", ctx.savefig(fig, "rank", "attention rank against N and state rank profile")]
+            md += _plots(series, ns, p0, ctx)
     md += failed_md
-    return Rendered("\n".join(md), f"{len(ok)} points", problems)
+    return Rendered("\n".join(md), f"{len(series)} maps, {len(seeds)} seeds, {len(ok)} points", problems)
+
+
+def _group(curves):
+    """Series with identical curves share one entry: [(labels, curve)] in first-seen order."""
+    groups = []
+    for label, curve in curves:
+        for g in groups:
+            if g[1] == curve:
+                g[0].append(label)
+                break
+        else:
+            groups.append(([label], curve))
+    return groups
+
+
+def _plots(series, ns, p0, ctx) -> list:
+    import textwrap
+
+    fig, (ax1, ax2) = ctx.figure(ncols=2, width=4.4, height=3.8)
+    curves = []
+    for (name, m), by_n in series.items():
+        xs = sorted(by_n)
+        lo = tuple(min(res["attention_rank"] for res in by_n[x].values()) for x in xs)
+        hi = tuple(max(res["attention_rank"] for res in by_n[x].values()) for x in xs)
+        curves.append(((name, m), (tuple(xs), lo, hi)))
+    groups = _group(curves)
+    n_top = ns[-1]
+    saturation = []
+    for i, (members, (xs, lo, hi)) in enumerate(groups):
+        mid = [0.5 * (a + b) for a, b in zip(lo, hi)]
+        sty = ctx.style(i)
+        label = textwrap.fill(", ".join(map_label(*mk) for mk in members), 34)
+        ax1.errorbar(xs, [max(v, 1) for v in mid], yerr=[[m - a for m, a in zip(mid, lo)],
+                                                         [b - m for m, b in zip(mid, hi)]],
+                     label=label, ms=4, capsize=2, **sty)
+        for mk in members:  # the state rank of every member, in its group's style
+            per = series[mk].get(n_top, {})
+            res = per.get(min(per)) if per else None
+            if res and res.get("state_positions"):
+                ax2.plot(res["state_positions"], res["state_rank"], ms=3, label="_", **sty)
+                saturation.append(f"{map_label(*mk)} → {res['state_rank'][-1]} (D_φ = {res['d_phi']})")
+    ax1.set_xscale("log")
+    ax1.set_yscale("log")
+    ax1.set_xticks(ns)
+    ax1.set(xlabel="sequence length N", ylabel="numerical rank (bars: range over seeds)",
+            title="Rank of non-causal weights")
+    ax2.set_xscale("log")
+    ax2.set(xlabel="tokens absorbed t", ylabel="rank of S_t",
+            title=f"State rank, N = {n_top}, M = {p0['m']}")
+    for ax in (ax1, ax2):
+        ax.grid(True, which="both", alpha=0.3)
+    ctx.legend_outside(fig, [ax1], title="maps with identical rank curves")
+    md = ["", ctx.savefig(fig, "rank", "attention rank against N and state rank profile")]
+    if saturation:
+        md += ["", f"State rank of S_t at t = N = {n_top} (seed 0; min(D_φ, M) = D_φ since M is the largest D_φ): "
+                   + "; ".join(saturation) + "."]
+    return md
 
 
 STUDY = register_study(Study(
@@ -130,4 +236,5 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
+    budget_s={"tiny": 30, "quick": 30, "full": 120},
 ))

@@ -14,33 +14,80 @@ from __future__ import annotations
 import numpy as np
 
 from ._maps import build_map, is_random, map_label
-from ._study import Rendered, Study, fmt, markdown_table, register_study, split_failed
+from ._study import Rendered, Study, markdown_table, mean_std, pm, register_study, split_failed
 from .sweep import to_json
 
 
 def _sizes(ctx):
-    """(d, n_pairs, trials)."""
+    """(d, n_pairs, seeds)."""
     return ctx.pick(
-        tiny=(4, [2, 4, 8, 16], 1),
-        quick=(16, [4, 8, 16, 32, 64, 128, 256], 2),
-        full=(64, [20, 40, 60, 80, 100, 150, 200, 250, 300, 400, 500, 600], 3),  # Schlag et al. setting 1
+        tiny=(4, [2, 4, 8, 16], 2),
+        quick=(16, [4, 8, 16, 32, 64, 128, 256], 5),
+        full=(64, [20, 40, 60, 80, 100, 150, 200, 250, 300, 400, 500, 600], 5),  # Schlag et al. setting 1
     )
 
 
-def _maps():
+#: Accuracy threshold of the capacity column.
+ACCURACY = 0.9
+
+
+def _maps(m=128):
     from .. import feature_maps as fm
 
     maps = [("elu", None, {}), ("dpfp", None, {"nu": 1}), ("dpfp", None, {"nu": 2}), ("dpfp", None, {"nu": 3})]
     for name in ("favor+", "taylor2"):
         if name in fm.available():
-            maps.append((name, 128 if is_random(name) else None, {}))
+            maps.append((name, m if is_random(name) else None, {}))
     return maps
 
 
-def points(ctx) -> list[dict]:
-    d, n_pairs, trials = _sizes(ctx)
-    return [dict(feature_map=name, num_features=m, map_params=params, d=d, n_pairs=n_pairs,
-                 trials=trials, seed=0) for name, m, params in _maps()]
+def points(ctx, *, dim=None, maps=None, m=None, n=None, seeds=None) -> list[dict]:
+    """The sweep grid: one point per (feature map, seed), each over every n.
+
+    Parameters
+    ----------
+    ctx : Context
+    dim : int, optional
+        Key dimension d (default 64, Schlag et al.'s setting 1; 16 quick, 4 tiny).
+    maps : list of str, optional
+        Feature-map names (default ELU+1, DPFP ν = 1, 2, 3, FAVOR+, Taylor-2); a name alone builds with
+        its defaults (random maps with ``m`` features).
+    m : int, optional
+        Random features of the random maps (default 128).
+    n : int or list of int, optional
+        Numbers of stored pairs.
+    seeds : int, optional
+        Number of seeds 0..seeds-1 (default 5; 2 tiny); a seed draws the keys and the random features.
+    """
+    d, n_pairs, nseeds = _sizes(ctx)
+    if dim is not None:
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"recall study: dim must be an integer >= 1, got {dim!r}")
+        d = dim
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+        raise ValueError(f"recall study: m must be an integer >= 1, got {m!r}")
+    if n is not None:
+        n_pairs = sorted(n if isinstance(n, (list, tuple)) else [n])
+        if not n_pairs or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in n_pairs):
+            raise ValueError(f"recall study: n must hold integers >= 1, got {n!r}")
+    if seeds is not None:
+        if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+            raise ValueError(f"recall study: seeds must be an integer >= 1, got {seeds!r}")
+        nseeds = seeds
+    if maps is None:
+        chosen = _maps(128 if m is None else m)
+    else:
+        from ._maps import buildable_maps
+
+        known = buildable_maps()
+        chosen = []
+        for name in maps:
+            if name not in known:
+                raise ValueError(f"recall study: unknown or unbuildable feature map {name!r} in maps; "
+                                 f"choose from {', '.join(sorted(known))}")
+            chosen.append((name, (128 if m is None else m) if is_random(name) else None, {}))
+    return [dict(feature_map=name, num_features=nf, map_params=params, d=d, n_pairs=list(n_pairs), trials=1,
+                 seed=seed) for seed in range(nseeds) for name, nf, params in chosen]
 
 
 def run(feature_map, num_features, map_params, d, n_pairs, trials, seed=0) -> dict:
@@ -52,51 +99,75 @@ def run(feature_map, num_features, map_params, d, n_pairs, trials, seed=0) -> di
     return res
 
 
+def _first_below(n, acc) -> str:
+    """The first n whose accuracy is below ACCURACY: "≤ n0" when the first grid point already is."""
+    below = np.nonzero(acc < ACCURACY)[0]
+    if not below.size:
+        return f"> {int(n[-1])}"
+    j = int(below[0])
+    return f"≤ {int(n[0])}" if j == 0 else str(int(n[j]))
+
+
 def render(records, ctx) -> Rendered:
     ok, failed, problems, failed_md = split_failed("recall", records)
     md = []
+    groups: dict = {}
+    for r in ok:
+        p = r["params"]
+        key = map_label(p["feature_map"], p["num_features"], p["map_params"])
+        groups.setdefault(key, []).append(r)
     if ok:
         p0 = ok[0]["params"]
-        md.append(f"Keys i.i.d. N(0, 1) in R^{p0['d']}, one-hot values, {p0['trials']} trial(s) per n. "
-                  "Relative retrieval error ‖V̂ − V‖²/‖V‖² of linear attention's read-out, of the best "
-                  "state of the same size (least squares), and of softmax attention.")
+        seeds = sorted({r["params"]["seed"] for r in ok})
+        md.append(f"Regime: keys i.i.d. N(0, 1) in R^{p0['d']} (d = {p0['d']}), one-hot values (M = n), n ∈ "
+                  f"{{{', '.join(map(str, ok[0]['result']['n_pairs']))}}} pairs stored and every key read back "
+                  "(non-causal, q = k); softmax baseline at temperature 1/√d; "
+                  f"{len(seeds)} seeds (a seed draws the keys and the random features), {p0['trials']} trial(s) "
+                  "each; cells are mean ± standard deviation over the seeds.  Relative retrieval error "
+                  "‖V̂ − V‖²/‖V‖² of linear attention's read-out, of the best state of the same size (least "
+                  "squares), and of softmax attention.")
         rows = []
-        for r in ok:
-            p, res = r["params"], r["result"]
-            n = np.asarray(res["n_pairs"], dtype=float)
-            dphi = res["d_phi"]
-            acc = np.asarray(res["accuracy"], dtype=float)
-            below = n[acc < 0.9]
+        agg = {}
+        for label, recs in groups.items():
+            res0 = recs[0]["result"]
+            n = np.asarray(res0["n_pairs"], dtype=float)
+            dphi = res0["d_phi"]
+            stack = {f: np.asarray([np.asarray(r["result"][f], dtype=float) for r in recs])
+                     for f in ("accuracy", "mse", "optimal_mse", "softmax_mse")}
+            stats = {f: mean_std(x) for f, x in stack.items()}
+            agg[label] = (n, dphi, stats)
             at = int(np.argmin(np.abs(n - 2 * dphi)))
-            rows.append([map_label(p["feature_map"], p["num_features"], p["map_params"]), dphi,
-                         fmt(float(below[0])) if below.size else f"> {int(n[-1])}",
-                         int(n[at]), fmt(float(res["mse"][at])), fmt(float(res["optimal_mse"][at])),
-                         fmt(float(res["softmax_mse"][at]))])
-        md += ["", "Errors at the measured n closest to 2·D_φ:", "",
-               markdown_table(["feature map", "D_φ", "first n with accuracy < 0.9", "n",
+            rows.append([label, dphi, _first_below(n, stats["accuracy"][0]), int(n[at])]
+                        + [pm(stats[f][0][at], stats[f][1][at]) for f in ("mse", "optimal_mse", "softmax_mse")])
+        md += ["", f"Errors at the measured n closest to 2·D_φ; capacity: the first n whose mean accuracy is below "
+                   f"{ACCURACY} (\"≤ n\" when already the smallest n of the grid is):", "",
+               markdown_table(["feature map", "D_φ", f"first n with accuracy < {ACCURACY}", "n",
                                "error", "optimal error", "softmax error"], rows)]
         if ctx.plots:
-            fig, (ax1, ax2) = ctx.figure(ncols=2)
-            for i, r in enumerate(ok):
-                p, res = r["params"], r["result"]
-                x = np.asarray(res["n_pairs"], dtype=float) / res["d_phi"]
-                label = map_label(p["feature_map"], p["num_features"], p["map_params"])
-                color = ctx.style(i)["color"]
-                ax1.plot(x, res["mse"], "o-", ms=3, label=label, color=color)
-                ax1.plot(x, res["optimal_mse"], "--", color=color, lw=1)
-                ax2.plot(x, res["accuracy"], "o-", ms=3, color=color, label=label)
-            res = ok[0]["result"]
-            x = np.asarray(res["n_pairs"], dtype=float) / res["d_phi"]
-            ax1.plot(x, res["softmax_mse"], "k:", label=f"softmax, KV cache (x = n / {res['d_phi']})")
-            ax1.set(xlabel="n / D_φ", ylabel="relative retrieval error",
-                    title="Recall error (dashed: optimal state)")
+            fig, (ax1, ax2) = ctx.figure(ncols=2, width=4.6, height=3.8)
+            for i, (label, (n, dphi, stats)) in enumerate(agg.items()):
+                sty = ctx.style(i)
+                x = n / dphi
+                for ax, f in ((ax1, "mse"), (ax2, "accuracy")):
+                    m, s = stats[f]
+                    ax.plot(x, m, ms=4, label=f"{label} (D_φ = {dphi})", **sty)
+                    hi = 1.0 if f == "accuracy" else np.inf  # bands clipped to the possible range
+                    ax.fill_between(x, np.clip(m - s, 0.0, hi), np.clip(m + s, 0.0, hi), color=sty["color"],
+                                    alpha=0.2, lw=0)
+                m, s = stats["optimal_mse"]
+                ax1.plot(x, m, "--", color=sty["color"], lw=1, label="_")
+            n, dphi, stats = next(iter(agg.values()))
+            m, s = stats["softmax_mse"]
+            ax1.plot(n / dphi, m, "k:", lw=1.5, label=f"softmax, KV cache (x = n / {dphi})")
+            ax1.set(xlabel="n / D_φ", ylabel="relative retrieval error", title="Recall error (dashed: optimal state)")
+            ax2.axhline(ACCURACY, color="0.5", lw=0.8)
             ax2.set(xlabel="n / D_φ", ylabel="argmax accuracy", title="Recall accuracy")
-            ax1.legend(fontsize="x-small")
             for ax in (ax1, ax2):
                 ax.grid(True, alpha=0.3)
+            ctx.legend_outside(fig, [ax1, ax2], title=f"mean ± sd over {len(seeds)} seeds")
             md += ["", ctx.savefig(fig, "recall", "recall error and accuracy against n / D_phi")]
     md += failed_md
-    return Rendered("\n".join(md), f"{len(ok)} feature maps", problems)
+    return Rendered("\n".join(md), f"{len(groups)} feature maps", problems)
 
 
 STUDY = register_study(Study(
@@ -107,4 +178,5 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
+    budget_s={"tiny": 30, "quick": 20, "full": 90},
 ))

@@ -175,6 +175,7 @@ def run_report(
     progress: bool = True,
     log=None,
     command: str | None = None,
+    options: dict | None = None,
 ) -> ReportResult:
     """Run the built-in studies and write ``<out>/report.md``.
 
@@ -207,6 +208,12 @@ def run_report(
         Called with one line of status text at a time (default: stderr).
     command : str, optional
         The command line to quote in the report.
+    options : dict, optional
+        Study name (or command) -> keyword arguments of that study's
+        ``points`` function, overriding the profile's grid, e.g.
+        ``{"error": {"dim": 32, "scales": [1.0], "seeds": 5}}`` (see each
+        study's ``points`` for the keywords it takes).  The report states the
+        regime each study ran in.
 
     Returns
     -------
@@ -239,6 +246,7 @@ def run_report(
     from . import _builtin  # noqa: F401
 
     selected = list(STUDIES) if studies is None else [get_study(s) for s in studies]
+    study_options = _check_options(options)
     devices = resolve_devices(device)
     out = Path(out)
     _prepare_out(out, force=force, resume=resume)
@@ -269,7 +277,8 @@ def run_report(
                 continue
             t0 = time.perf_counter()
             try:
-                pts = study.points(ctx)
+                opts = study_options.get(study.name, {})
+                pts = study.points(ctx, **opts) if opts else study.points(ctx)
                 if study.timing or (scheduler is None and not workers):
                     kw = dict(backend="local")
                 elif scheduler is not None:
@@ -302,6 +311,36 @@ def run_report(
     return result
 
 
+def _check_options(options) -> dict:
+    """``options`` keyed by study name, each a dict of keywords its ``points`` accepts (ValueError otherwise)."""
+    import inspect
+
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise ValueError(f"options must be a dict of study name -> dict of keywords, got {type(options).__name__}")
+    out = {}
+    for name, kw in options.items():
+        try:
+            study = get_study(name)
+        except KeyError as exc:
+            raise ValueError(f"options: {exc.args[0]}") from None
+        if not isinstance(kw, dict):
+            raise ValueError(f"options[{name!r}] must be a dict of keywords, got {type(kw).__name__}")
+        params = inspect.signature(study.points).parameters
+        accepted = [p for p, v in params.items() if v.kind == v.KEYWORD_ONLY]
+        for key in kw:
+            if key not in accepted:
+                raise ValueError(f"options[{name!r}]: the {study.name} study takes no option {key!r}; "
+                                 f"it takes {', '.join(accepted) or 'none'}")
+        out[study.name] = dict(kw)
+    return out
+
+
+def _budget(study, profile):
+    return (study.budget_s or {}).get(profile)
+
+
 def _write_markdown(result: ReportResult, ctx: Context, selected, timings, command) -> None:
     import datetime as dt
 
@@ -325,13 +364,22 @@ def _write_markdown(result: ReportResult, ctx: Context, selected, timings, comma
     for name, _ in result.skipped:
         lines.append(f"- {get_study(name).title}: not run (see [Not run](#not-run))")
     lines.append("")
+    budgets = [(s, _budget(s, ctx.profile)) for s in selected if s.name in result.sections]
+    if budgets and all(b is not None for _, b in budgets):
+        total = sum(b for _, b in budgets)
+        lines += [f"Time budget of this profile (2 shared cores): {total:.0f} s in all; per study, budget / taken: "
+                  + ", ".join(f"{s.name} {b:.0f} / {timings.get(s.name, 0):.0f} s" for s, b in budgets) + ".", ""]
     for study in selected:
         r = result.sections.get(study.name)
         if r is None:
             continue
         raw = f"{study.name}.jsonl"
+        budget = _budget(study, ctx.profile)
+        took = timings.get(study.name, 0)
+        btext = "" if budget is None else (f" (budget {budget:.0f} s" + (", **over budget**" if took > budget else "")
+                                           + ")")
         lines += [f"## {study.title}", "", r.markdown.strip(), "",
-                  f"Raw results: [{raw}]({raw}); {timings.get(study.name, 0):.1f} s; "
+                  f"Raw results: [{raw}]({raw}); {took:.1f} s{btext}; "
                   f"rerun alone with `linattn {study.command}`.", ""]
     if result.skipped:
         lines += ["## Not run", ""]

@@ -205,14 +205,14 @@ def render(records, ctx) -> Rendered:
             x = ns / dphi
             for i, (label, e) in enumerate(agg.items()):
                 m, s = _mean_std(e["mse"])
-                ax.errorbar(x, m, yerr=s, fmt="o-", ms=3, capsize=2, label=label, color=ctx.style(i)["color"])
+                ax.errorbar(x, m, yerr=s, ms=3, capsize=2, label=label, **ctx.style(i))
             m, s = _mean_std(first["opt"])
             ax.errorbar(x, m, yerr=s, fmt="k--", capsize=2, label="optimal floor (least squares)")
             ax.set(xlabel="n / D_φ", ylabel="relative retrieval error ‖V̂ − V‖² / ‖V‖²",
-                   title=f"Update rules against the capacity floor (unit keys, D_φ = {dphi})")
+                   title=f"Update rules and the floor (D_φ = {dphi})")
             ax.axvline(1.0, color="0.6", lw=0.8)
             ax.grid(True, alpha=0.3)
-            ax.legend(fontsize="x-small")
+            ctx.legend_outside(fig, [ax], title=f"mean ± sd, {nseeds} seeds")
             md += ["", ctx.savefig(fig, "rules", "retrieval error against n / D_phi for the additive, delta and "
                                                  "gated delta rules with the least-squares floor")]
     md += failed_md
@@ -227,4 +227,5 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
+    budget_s={"tiny": 30, "quick": 20, "full": 30},
 ))

@@ -4,14 +4,16 @@ Every registered causal linear-attention method (not the quadratic reference)
 and softmax_attention's blocked kernel, on the CPU (and on the GPU when one is
 present), at ``B*H`` sequences of length N, ``D = M``, float32, feature map
 ELU+1.  Each point is timed after a warm-up call (which compiles or loads the
-kernel from the cache; at N <= 64, since Numba compiles per dtype signature,
-not per N): the median of at least three calls (one for calls over two
+kernel from the cache; at N <= 512: a kernel can take another compiled path
+past its first block, so a warm-up shorter than that can leave a compile inside
+the timed calls): the median of at least three calls (one for calls over two
 seconds), more while the total stays below ``min_time``.  Effective GFLOP/s of linear attention counts
 ``4 * B*H * N * D * M`` floating-point operations (the two rank-1 updates of
 the recurrence, the convention of the project's benchmarks).
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -43,6 +45,39 @@ def points(ctx) -> list[dict]:
             pts += [dict(kind="linear", device=device, method=method, n=n, **common) for n in ns]
     pts += [dict(kind="softmax", device="cpu", method="blocked", n=n, **common) for n in ns if n <= softmax_max]
     return pts
+
+
+#: Length of the warm-up call (at most N): past the first block of every kernel.
+WARMUP_N = 512
+#: Size of the square float32 matrices of the sgemm probe.
+SGEMM_SIZE = 256
+#: A point whose effective rate is below this fraction of each neighbour's (in N) is flagged as noisy.
+NOISY_FRACTION = 0.5
+
+
+def machine_state(min_time: float = 0.03) -> dict:
+    """The 1-minute load average and the rate of a float32 matrix product (GFLOP/s) right now.
+
+    The sgemm probe multiplies two ``SGEMM_SIZE`` square float32 matrices
+    (NumPy's BLAS, its own thread settings) until ``min_time`` seconds have
+    passed: a drop in its rate between two points means the machine, not the
+    kernel, changed.
+    """
+    try:
+        load = float(os.getloadavg()[0])
+    except (AttributeError, OSError):  # pragma: no cover - not on every platform
+        load = float("nan")
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((SGEMM_SIZE, SGEMM_SIZE)).astype(np.float32) for _ in range(2))
+    np.dot(a, b)
+    reps, t0 = 0, time.perf_counter()
+    while True:
+        np.dot(a, b)
+        reps += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= min_time:
+            break
+    return {"load1": load, "sgemm_gflops": 2.0 * SGEMM_SIZE ** 3 * reps / elapsed / 1e9}
 
 
 def run(kind, device, method, n, batch, d, m, dtype, feature_map, min_time, seed=0) -> dict:
@@ -77,17 +112,22 @@ def run(kind, device, method, n, batch, d, m, dtype, feature_map, min_time, seed
             sync()
         return time.perf_counter() - t0
 
-    # Warm-up on a short sequence: Numba compiles (or loads from its cache) per
-    # dtype signature, not per N, so a long warm-up call would only cost time.
-    first = timed(*inputs(min(n, 64)))
+    # Warm-up on a sequence of up to WARMUP_N tokens: Numba compiles (or loads from its cache) per
+    # dtype signature, but softmax's blocked kernel takes a path at N > 64 that a 64-token warm-up
+    # never compiles (a cold first call at N = 256 took 30 s, timed as the point), so warm up past it.
+    first = timed(*inputs(min(n, WARMUP_N)))
     q, k, v = inputs(n)
+    before = machine_state()
     times = [timed(q, k, v)]
     want = 3 if times[0] < 2.0 else 1  # a call of seconds is timed once
     while len(times) < want or (sum(times) < min_time and len(times) < 200):
         times.append(timed(q, k, v))
+    after = machine_state()
     med = statistics.median(times)
     res = {"median_s": med, "min_s": min(times), "repeats": len(times), "warmup_s": first,
-           "tokens_per_s": batch * n / med, "numba_threads": numba.get_num_threads()}
+           "tokens_per_s": batch * n / med, "numba_threads": numba.get_num_threads(),
+           "load1_before": before["load1"], "load1_after": after["load1"],
+           "sgemm_gflops_before": before["sgemm_gflops"], "sgemm_gflops_after": after["sgemm_gflops"]}
     if kind == "linear":
         res["gflops"] = 4.0 * batch * n * d * m / med / 1e9
     return res
@@ -96,6 +136,26 @@ def run(kind, device, method, n, batch, d, m, dtype, feature_map, min_time, seed
 def _label(p) -> str:
     name = "softmax" if p["kind"] == "softmax" else f"linear {p['method']}"
     return f"{name} ({p['device']})"
+
+
+def noisy_points(rates: dict) -> list:
+    """The N of a series ``{N: rate}`` whose rate is below NOISY_FRACTION of each of its neighbours'.
+
+    The neighbours are the two nearest points in the grid: one on each side,
+    or, at an end of the grid, the next two inward (the last N is where a
+    slow point hides most easily).
+    """
+    xs = sorted(rates)
+    out = []
+    for i, x in enumerate(xs):
+        if 0 < i < len(xs) - 1:
+            idx = (i - 1, i + 1)
+        else:
+            idx = (1, 2) if i == 0 else (i - 1, i - 2)
+        nb = [rates[xs[j]] for j in idx if 0 <= j < len(xs) and j != i]
+        if nb and all(rates[x] < NOISY_FRACTION * r for r in nb):
+            out.append(x)
+    return out
 
 
 def render(records, ctx) -> Rendered:
@@ -107,12 +167,14 @@ def render(records, ctx) -> Rendered:
     labels = list(series)
     lin = [lab for lab in labels if lab.startswith("linear")]
     soft = [lab for lab in labels if lab.startswith("softmax")]
+    noisy = {lab: noisy_points({n: pr[1]["gflops"] for n, pr in series[lab].items() if "gflops" in pr[1]})
+             for lab in lin}
     rows = []
     for n in ns:
         row = [n]
         for lab in labels:
             pr = series[lab].get(n)
-            row.append(fmt(pr[1]["median_s"] * 1e3) if pr else "–")
+            row.append(fmt(pr[1]["median_s"] * 1e3) + (" (noisy)" if n in noisy.get(lab, ()) else "") if pr else "–")
         best_lin = min((series[lab][n][1]["median_s"] for lab in lin if n in series[lab]), default=None)
         best_soft = min((series[lab][n][1]["median_s"] for lab in soft if n in series[lab]), default=None)
         row.append(fmt(best_soft / best_lin) + "×" if best_lin and best_soft else "–")
@@ -122,28 +184,38 @@ def render(records, ctx) -> Rendered:
         p0 = ok[0]["params"]
         threads = ok[0]["result"].get("numba_threads")
         md.append(
-            f"Causal forward, B·H = {p0['batch']}, D = M = {p0['d']}, {p0['dtype']}, feature map "
-            f"`{p0['feature_map']}`; median of >= 3 timed calls (one for calls over 2 s; more while the "
+            f"Regime: causal forward, q, k, v ~ N(0, I) (seed {p0.get('seed', 0)}; timing does not depend on the "
+            f"values), B·H = {p0['batch']}, D = M = {p0['d']}, {p0['dtype']}, feature map `{p0['feature_map']}`, "
+            f"N ∈ {{{', '.join(map(str, ns))}}}; median of >= 3 timed calls (one for calls over 2 s; more while the "
             f"total stays under {p0['min_time']} s) after a short warm-up call; Numba threads: {threads}. "
             "Times in milliseconds; the last column is softmax time over the fastest linear method."
         )
         md += ["", markdown_table(["N", *[f"{lab} [ms]" for lab in labels], "linear speed-up"], rows)]
         if lin:
-            grows = [[n] + [fmt(series[lab][n][1]["gflops"]) if n in series[lab] else "–" for lab in lin]
+            grows = [[n] + [(fmt(series[lab][n][1]["gflops"]) + (" (noisy)" if n in noisy[lab] else ""))
+                            if n in series[lab] else "–" for lab in lin]
                      for n in ns]
             md += ["", "Effective GFLOP/s of linear attention (4·B·H·N·D·M per forward):", "",
                    markdown_table(["N", *lin], grows)]
+        md += _load_md(series, ns, noisy)
         if ctx.plots and ns:
-            fig, (ax1, ax2) = ctx.figure(ncols=2)
+            fig, (ax1, ax2) = ctx.figure(ncols=2, width=4.4, height=3.6)
             for i, lab in enumerate(labels):
                 xs = sorted(series[lab])
-                ax1.loglog(xs, [series[lab][x][1]["median_s"] * 1e3 for x in xs], marker="o", label=lab, **ctx.style(i))
-                ax2.loglog(xs, [series[lab][x][1]["tokens_per_s"] for x in xs], marker="o", label=lab, **ctx.style(i))
+                sty = ctx.style(i)
+                ax1.loglog(xs, [series[lab][x][1]["median_s"] * 1e3 for x in xs], ms=4, label=lab, **sty)
+                ax2.loglog(xs, [series[lab][x][1]["tokens_per_s"] for x in xs], ms=4, label="_", **sty)
+                bad = noisy.get(lab, [])
+                if bad:
+                    ax2.plot(bad, [series[lab][x][1]["tokens_per_s"] for x in bad], linestyle="none", marker="o",
+                             ms=11, mfc="none", mec="red", label="noisy point (rate < ½ of its neighbours')")
+            for ax in (ax1, ax2):
+                ax.set_xticks(ns if len(ns) <= 5 else ns[::2])
             ax1.set(xlabel="sequence length N", ylabel="time per forward [ms]", title="Causal forward time")
             ax2.set(xlabel="sequence length N", ylabel="tokens / s", title="Throughput")
-            ax1.legend(fontsize="small")
             ax1.grid(True, which="both", alpha=0.3)
             ax2.grid(True, which="both", alpha=0.3)
+            ctx.legend_outside(fig, [ax1, ax2])
             md += ["", ctx.savefig(fig, "throughput", "causal forward time and throughput against N")]
     md += failed_md
     summary = ""
@@ -152,7 +224,47 @@ def render(records, ctx) -> Rendered:
         best_lin = min(series[lab][n_top][1]["median_s"] for lab in lin if n_top in series[lab])
         best_soft = min(series[lab][n_top][1]["median_s"] for lab in soft if n_top in series[lab])
         summary = f"linear {fmt(best_soft / best_lin)}× faster than softmax at N = {n_top}"
+    nflag = sum(len(v) for v in noisy.values())
+    if nflag:
+        summary += f"{'; ' if summary else ''}{nflag} noisy point(s)"
     return Rendered("\n".join(md), summary, problems)
+
+
+def _load_md(series, ns, noisy) -> list:
+    """The machine's state around the points: load average and sgemm rate before and after, per N."""
+    rows = []
+    for n in ns:
+        recs = [series[lab][n][1] for lab in series if n in series[lab]]
+        recs = [r for r in recs if "load1_before" in r]
+        if not recs:
+            continue
+
+        def span(key, digits=3):
+            vals = [r[key] for r in recs]
+            lo, hi = min(vals), max(vals)
+            return fmt(lo, digits) if fmt(lo, digits) == fmt(hi, digits) else f"{fmt(lo, digits)}–{fmt(hi, digits)}"
+
+        rows.append([n, span("load1_before", 2), span("load1_after", 2), span("sgemm_gflops_before"),
+                     span("sgemm_gflops_after")])
+    if not rows:
+        return []
+    md = ["", f"Machine state around each point (range over the series at that N): 1-minute load average and the "
+              f"rate of a {SGEMM_SIZE}×{SGEMM_SIZE} float32 matrix product (NumPy's BLAS) just before and just "
+              "after the timed calls:", "",
+          markdown_table(["N", "load before", "load after", "sgemm GFLOP/s before", "sgemm GFLOP/s after"], rows)]
+    flagged = [(lab, n) for lab, xs in noisy.items() for n in xs]
+    if flagged:
+        items = []
+        for lab, n in flagged:
+            r = series[lab][n][1]
+            items.append(f"{lab} at N = {n}: {fmt(r['gflops'])} GFLOP/s (load {fmt(r.get('load1_before'), 2)} → "
+                         f"{fmt(r.get('load1_after'), 2)}, sgemm {fmt(r.get('sgemm_gflops_before'))} → "
+                         f"{fmt(r.get('sgemm_gflops_after'))} GFLOP/s)")
+        md += ["", f"**Noisy** (effective rate under {NOISY_FRACTION:g} of each of its two nearest neighbours' in N: a "
+                   "busy machine, or at the smallest N call overhead; rerun on a quiet machine before reading them): " + "; ".join(items) + "."]
+    else:
+        md += ["", f"No point's effective rate is under {NOISY_FRACTION:g} of its neighbours'."]
+    return md
 
 
 STUDY = register_study(Study(
@@ -164,4 +276,5 @@ STUDY = register_study(Study(
     run=run,
     render=render,
     timing=True,
+    budget_s={"tiny": 30, "quick": 25, "full": 90},
 ))
