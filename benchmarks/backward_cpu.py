@@ -50,14 +50,6 @@ from linattn_nb.ops._codes import RULES  # noqa: E402
 from linattn_nb.ops.grad import cpu as gcpu  # noqa: E402
 
 
-def _ensure_elu_vjp():
-    if not hasattr(fm.EluFeatureMap, "vjp"):
-        def vjp(self, x, g, **kw):
-            return g * np.where(x > 0, 1.0, np.exp(np.minimum(x, 0.0))).astype(g.dtype), None
-
-        fm.EluFeatureMap.vjp = vjp
-
-
 def _elu1(x):
     return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0))).astype(x.dtype)
 
@@ -139,7 +131,6 @@ import numpy as np
 sys.path.insert(0, sys.argv[2])
 import backward_cpu as bc
 import linattn_nb
-bc._ensure_elu_vjp()
 n = int(sys.argv[1])
 kw = dict(causal=True, method="chunked", feature_map="elu", check_finite=False)
 w = bc._data(1, 64, 64, np.float32)
@@ -187,7 +178,6 @@ def main(argv=None):
     ap.add_argument("--skip-long", action="store_true", help="speed rows only")
     ap.add_argument("--rounds", type=int, default=None)
     args = ap.parse_args(argv)
-    _ensure_elu_vjp()
     import numba
 
     print(f"CPU: {cpu_model()}; Numba threads: {numba.get_num_threads()}")
