@@ -189,7 +189,9 @@ def test_overrides_recall_n_is_the_pair_grid_and_maps_can_be_added():
 
     pts = apply_overrides(_points("recall"), check_options({"n": [32, 8], "maps": ["relu", "favor+"], "m": 16}),
                           study="recall")
-    assert [(p["feature_map"], p["num_features"]) for p in pts] == [("favor+", 16), ("relu", None)]
+    seeds = sorted({p["seed"] for p in _points("recall")})  # the profile's seeds are kept
+    assert [(p["feature_map"], p["num_features"], p["seed"]) for p in pts] == (
+        [("favor+", 16, s) for s in seeds] + [("relu", None, s) for s in seeds])
     assert all(p["n_pairs"] == [8, 32] and p["map_params"] == {} for p in pts)
 
 
@@ -234,7 +236,7 @@ def test_error_command_runs_the_changed_grid(tmp_path, capsys):
     assert sorted((p["feature_map"], p["d"], p["qk_scale"], p["n"], p["seed"]) for p in params) == \
         [("elu", 4, 1.0, 16, 0), ("elu", 4, 1.0, 16, 1)]
     report = (out / "report.md").read_text()
-    assert ("1·N(0, I)" in report or "1.0·N(0, I)" in report) and "d = 4" in report  # the regime is stated
+    assert "s ∈ {1}" in report and "d = 4" in report  # the regime is stated
     assert "--dim 4" in report                                # and the command that made it
     assert "| elu |" in capsys.readouterr().out
 
@@ -260,7 +262,10 @@ dim = 4
 ''')
     assert cli.main(["report", "--config", conf, "--no-progress"]) == 0
     params = [r["params"] for r in load_results(tmp_path / "rep" / "error.jsonl")]
-    assert [(p["feature_map"], p["n"], p["d"]) for p in params] == [("elu", 16, 4)]
+    assert {(p["feature_map"], p["n"], p["d"]) for p in params} == {("elu", 16, 4)}
+    # the profile's regimes and seeds are kept: one point each
+    assert len(params) == len({(p["qk_scale"], p["seed"]) for p in params}) == len(
+        {(p["qk_scale"], p["seed"]) for p in _points("error")})
     assert not (tmp_path / "rep" / "rank.jsonl").exists()
 
 
