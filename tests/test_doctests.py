@@ -17,6 +17,17 @@ import linattn_nb
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 
+
+@pytest.fixture(autouse=True)
+def _restore_feature_map_registry():
+    """Examples register maps (``softplus``); later tests (the studies sweep every registered map) must not see them."""
+    from linattn_nb import feature_maps as fm
+
+    saved = dict(fm._REGISTRY)
+    yield
+    fm._REGISTRY.clear()
+    fm._REGISTRY.update(saved)
+
 def _modules() -> list:
     names = []
     for info in pkgutil.walk_packages(linattn_nb.__path__, "linattn_nb."):

@@ -28,6 +28,17 @@ _FENCE = re.compile(r"^```python\s*$")
 _MARK = re.compile(r"^<!--\s*readme-test:\s*(.*?)\s*-->\s*$")
 
 
+
+@pytest.fixture(autouse=True)
+def _restore_feature_map_registry():
+    """Examples register maps (``softplus``); later tests (the studies sweep every registered map) must not see them."""
+    from linattn_nb import feature_maps as fm
+
+    saved = dict(fm._REGISTRY)
+    yield
+    fm._REGISTRY.clear()
+    fm._REGISTRY.update(saved)
+
 def readme_blocks(text: str) -> list:
     """``(line of the fence, marker or None, source)`` of every python block of ``text`` (lines from 1)."""
     lines = text.splitlines()

@@ -327,10 +327,11 @@ def test_inline_map_kernels_match_the_numpy_maps(name, dtype):
     work = np.float32 if dtype == np.float16 else dtype
     feats, finite = _maps.features(x, fmap.kernel_code, work)
     assert finite and feats.dtype == work
-    np.testing.assert_allclose(feats, fmap.apply(x.astype(work), role="key", causal=True), rtol=2e-7 if work == np.float32 else 1e-15)
+    tol = 1e-6 if work == np.float32 else 1e-15
+    np.testing.assert_allclose(feats, fmap.apply(x.astype(work), role="key", causal=True), rtol=tol)
     dx = _maps.vjp(x, g, fmap.kernel_code, work)
     np.testing.assert_allclose(dx, fmap.vjp(x.astype(work), g.astype(work), role="key")[0],
-                               rtol=2e-7 if work == np.float32 else 1e-15)
+                               rtol=tol)
     clean = x.copy()
     x[1, 2, 3, 4] = np.inf
     assert not _maps.features(x, fmap.kernel_code, work)[1]
