@@ -136,6 +136,10 @@ class FeatureMap:
     position_dependent : bool
         True when the features depend on the token position (cosFormer); the
         dispatcher then passes positions through :meth:`apply`.
+    strictly_positive : bool
+        True when every feature is > 0 for every input (in exact
+        arithmetic), so that no linear attention weight is exactly 0;
+        :func:`fit` needs no floor in its cross-entropy and KL losses then.
     needs_normalizer : bool
         True when the features carry per-row factors (stabilising shifts
         inside ``exp``) that cancel only between numerator and normaliser:
@@ -145,6 +149,7 @@ class FeatureMap:
     name: str = ""
     kernel_code: int | None = None
     is_positive: bool = False
+    strictly_positive: bool = False
     position_dependent: bool = False
     #: True when ``phi(q) . phi(k)`` estimates or approximates the softmax
     #: kernel ``exp(scale q . k)`` (such maps take ``scale``, default
@@ -311,6 +316,7 @@ class EluFeatureMap(ElementwiseFeatureMap):
     name = "elu"
     kernel_code = KERNEL_CODE_ELU
     is_positive = True
+    strictly_positive = True
 
     def _f(self, x):
         # exp(-|x|) equals exp(x) where it is used (x < 0), never overflows, and
@@ -786,6 +792,7 @@ class FavorPlusFeatureMap(RandomFeatureMap):
 
     name = "favor+"
     is_positive = True
+    strictly_positive = True
     estimates_softmax = True
     default_orthogonal = True
 
@@ -1242,6 +1249,7 @@ class HedgehogFeatureMap(FeatureMap):
 
     name = "hedgehog"
     is_positive = True
+    strictly_positive = True
 
     def __init__(self, W=None, b=None):
         if W is not None:
