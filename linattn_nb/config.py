@@ -350,5 +350,26 @@ KV_GROWTH = _env_float("LINATTN_KV_GROWTH", 2.0)
 #: Threads per block of the CUDA step, query and prefill kernels.
 CUDA_STEP_THREADS = _env_int("LINATTN_CUDA_STEP_THREADS", 128)
 
+# Fitting feature maps to softmax attention (linattn_nb.fitting)
+# --------------------------------------------------------------------------
+#: Bytes of the two ``rows x keys`` float64 scratch blocks (softmax weights
+#: and linear weights / their gradient) one pass of the fitting loss streams
+#: through: the row block is ``FIT_BLOCK_BYTES // (16 * N)`` queries (at least
+#: one).  64 MiB gives 256 rows at N = 16,384.
+FIT_BLOCK_BYTES = _env_int("LINATTN_FIT_BLOCK_BYTES", 64 << 20)
+
+#: The softmax weights of the training (and validation) queries do not depend
+#: on the map's parameters: ``fit`` keeps them between evaluations while they
+#: take at most this many bytes (float64; 128 MiB per 4,096 x 4,096 matrix),
+#: else recomputes them in every evaluation (one GEMM and one exp per entry).
+FIT_CACHE_BYTES = _env_int("LINATTN_FIT_CACHE_BYTES", 512 << 20)
+
+#: Floor of the fitted linear weights in the cross-entropy and KL losses for
+#: maps whose weights can be exactly 0 (``strictly_positive`` False: relu,
+#: T2R): the loss uses ``(1 - floor) * max(L_ij, 0) + floor / n_i`` (a
+#: mixture with the uniform row over the ``n_i`` keys row i sees), finite
+#: and differentiable where ``L_ij = 0``.
+FIT_FLOOR = _env_float("LINATTN_FIT_FLOOR", 1e-6)
+
 # the name bound by ``from __future__ import annotations`` is not part of the API
 del annotations

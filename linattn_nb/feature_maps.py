@@ -78,6 +78,9 @@ from .ops._codes import (KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_NONE, KERN
                          KERNEL_CODE_SQUARED_RELU)
 
 __all__ = [
+    "fit",
+    "FitResult",
+    "FitHistory",
     "FeatureMap",
     "ElementwiseFeatureMap",
     "EluFeatureMap",
@@ -1593,3 +1596,7 @@ register("silu_l2", SiluL2FeatureMap)
 
 # the name bound by ``from __future__ import annotations`` is not part of the API
 del annotations
+
+# Fitting parametric maps to softmax attention (linattn_nb.fitting; imported
+# last: it builds on the classes above).
+from .fitting import FitHistory, FitResult, fit  # noqa: E402

@@ -1,0 +1,138 @@
+"""Numba row kernels of the fitting losses (one block of query rows against its keys).
+
+The launcher (:mod:`linattn_nb.fitting._objective`) forms the scores and the
+unnormalised linear weights of a block of query rows with two GEMMs; these
+kernels do the per-entry work in one pass per row, in place: softmax weights
+from scores, then the loss of each row and ``dloss/da_ij`` (the gradient with
+respect to the unnormalised weights ``a_ij = phi(q_i) . phi(k_j)``).
+
+Row ``i`` of a block starting at query ``r0`` sees keys ``j < n_i`` with
+``n_i = r0 + i + 1`` (causal) or all keys; the other entries are set to 0.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .. import config
+
+
+@njit(parallel=True, cache=config.CACHE)
+def softmax_rows(S, r0, causal, entropy):
+    """Scores -> softmax weights, in place, per row; ``entropy[i]`` = row entropy (nats).
+
+    ``S`` is ``(rows, keys)`` float64.  The entropy is computed only when
+    ``entropy`` has one entry per row (pass an empty array to skip its logs).
+    """
+    rows, nk = S.shape
+    want_h = entropy.shape[0] == rows
+    for i in prange(rows):
+        n_i = min(r0 + i + 1, nk) if causal else nk
+        m = -np.inf
+        for j in range(n_i):
+            if S[i, j] > m:
+                m = S[i, j]
+        total = 0.0
+        for j in range(n_i):
+            e = math.exp(S[i, j] - m)
+            S[i, j] = e
+            total += e
+        inv = 1.0 / total
+        h = 0.0
+        for j in range(n_i):
+            p = S[i, j] * inv
+            S[i, j] = p
+            if want_h and p > 0.0:
+                h -= p * math.log(p)
+        for j in range(n_i, nk):
+            S[i, j] = 0.0
+        if want_h:
+            entropy[i] = h
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def floored_weights(A, r0, causal, floor, T, den):
+    """Pass 1: row sums ``den_i`` of ``A`` and the floored weights ``T`` (before the logs).
+
+    ``T_ij = (1 - floor) max(L_ij, 0) + floor / n_i`` with ``L_ij = a_ij /
+    den_i``; entries past a causal row's end, and every entry of a row with
+    ``den_i <= 0`` (no weights at all), are set to 1 (log 0).  The caller
+    takes ``log(T)`` in place (NumPy's SIMD log), then calls
+    :func:`cross_entropy_rows`.
+    """
+    rows, nk = A.shape
+    keep = 1.0 - floor
+    one = T.dtype.type(1.0)
+    for i in prange(rows):
+        n_i = min(r0 + i + 1, nk) if causal else nk
+        total = 0.0
+        for j in range(n_i):
+            total += A[i, j]
+        den[i] = total
+        if total > 0.0:
+            inv = 1.0 / total
+            base = floor / n_i
+            for j in range(n_i):
+                T[i, j] = keep * max(A[i, j] * inv, 0.0) + base
+            for j in range(n_i, nk):
+                T[i, j] = one
+        else:
+            for j in range(nk):
+                T[i, j] = one
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def cross_entropy_rows(P, A, logT, den, r0, causal, floor, want_grad, loss):
+    """Pass 2: the soft-label cross-entropy of each row; ``A`` becomes ``dloss_i/da_ij`` in place.
+
+    With ``L_ij = a_ij / den_i`` and the floored weights
+    ``T_ij = (1 - floor) max(L_ij, 0) + floor / n_i`` (``logT`` from
+    :func:`floored_weights`), ``loss_i = -sum_j P_ij log T_ij`` and, with
+    ``w_ij = P_ij / T_ij`` where ``L_ij >= 0`` (else 0; the right derivative
+    at 0) and ``c_i = sum_j w_ij L_ij``,
+    ``dloss_i/da_ij = -(1 - floor) (w_ij - c_i) / den_i``.
+    A row whose normaliser is not positive (no weights at all) counts as
+    ``T_ij = floor / n_i``: loss ``log(n_i / floor)``, zero gradient; with
+    ``floor = 0`` it, and a row that gives a key of positive softmax weight
+    a weight <= 0, has an infinite loss and a zero gradient.
+    """
+    rows, nk = A.shape
+    keep = 1.0 - floor
+    zero = A.dtype.type(0.0)
+    for i in prange(rows):
+        n_i = min(r0 + i + 1, nk) if causal else nk
+        d = den[i]
+        ok = d > 0.0
+        total = 0.0
+        c = 0.0
+        if ok:
+            inv = 1.0 / d
+            base = floor / n_i
+            for j in range(n_i):
+                p = P[i, j]
+                total -= p * logT[i, j] if p > 0.0 else 0.0  # 0 log 0 = 0 (P underflows in spiky rows)
+            if floor == 0.0:  # a zero weight where softmax has mass: infinite loss
+                for j in range(n_i):
+                    if P[i, j] > 0.0 and not A[i, j] > 0.0:
+                        ok = False
+            if ok and want_grad:
+                for j in range(n_i):
+                    lw = A[i, j] * inv
+                    w = P[i, j] / (keep * lw + base) if lw >= 0.0 else 0.0
+                    c += w * lw
+                    A[i, j] = w
+        if not ok:
+            loss[i] = math.log(n_i / floor) if floor > 0.0 and not d > 0.0 else np.inf
+            if want_grad:
+                for j in range(nk):
+                    A[i, j] = zero
+            continue
+        loss[i] = total
+        if want_grad:
+            coef = -keep * inv
+            for j in range(n_i):
+                A[i, j] = coef * (A[i, j] - c)
+            for j in range(n_i, nk):
+                A[i, j] = zero

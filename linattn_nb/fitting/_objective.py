@@ -1,0 +1,125 @@
+"""The fitting losses and their gradients with respect to the features (streamed over row blocks).
+
+:class:`WeightsLoss` holds one set of queries and keys (flattened to
+``(B, N, d)`` float64) and evaluates the cross-entropy (or KL) between
+softmax weights and the linear weights of given features, with
+``dloss/dphi(q)`` and ``dloss/dphi(k)``.  It never holds an ``N x N`` matrix:
+each block of query rows forms its scores and its linear weights with two
+GEMMs and hands them to the row kernels of :mod:`._kernels`.  The softmax
+weights do not depend on the features; they are kept between evaluations
+while they fit in ``config.FIT_CACHE_BYTES``.
+
+:class:`OutputLoss` is the output MSE against softmax attention for given
+values; it goes through :func:`linattn_nb.linear_attention` and
+:func:`linattn_nb.linear_attention_vjp` (O(N), no weights at all).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import config
+from . import _kernels as K
+
+LOSSES = ("cross_entropy", "kl", "mse")
+
+
+def row_block(n: int, block_bytes: int | None = None) -> int:
+    """Query rows per block: two ``rows x n`` float64 matrices in ``FIT_BLOCK_BYTES``."""
+    budget = config.FIT_BLOCK_BYTES if block_bytes is None else block_bytes
+    return int(max(1, min(max(n, 1), budget // (16 * max(n, 1)))))
+
+
+class WeightsLoss:
+    """Cross-entropy (``kl=False``) or KL between softmax and linear weights, mean over rows.
+
+    Parameters
+    ----------
+    q, k : ndarray, shape (B, N, d), float32 or float64
+        The working precision of the weights (the losses are summed in float64).
+    scale : float
+        Softmax temperature.
+    causal : bool
+    floor : float
+        Floor of the linear weights (0: none), see
+        :func:`._kernels.cross_entropy_rows`.
+    kl : bool
+        Subtract the softmax rows' entropy (a constant): KL instead of the
+        cross-entropy.
+    """
+
+    def __init__(self, q, k, *, scale, causal, floor, kl, block_bytes=None, cache_bytes=None):
+        self.q, self.k = q, k
+        self.scale = float(scale)
+        self.causal = bool(causal)
+        self.floor = float(floor)
+        self.kl = bool(kl)
+        b, n, _ = q.shape
+        self.rows = b * n
+        self.block = row_block(n, block_bytes)
+        cache = config.FIT_CACHE_BYTES if cache_bytes is None else cache_bytes
+        self._cache = {} if b * n * n * q.dtype.itemsize <= cache else None
+        self._entropy = None  # sum of the softmax rows' entropies, once known
+
+    def _weights(self, bi, r0, r1, kend, want_h):
+        key = (bi, r0)
+        if self._cache is not None and key in self._cache:
+            return self._cache[key], None
+        S = self.q[bi, r0:r1] @ self.k[bi, :kend].T
+        S *= S.dtype.type(self.scale)
+        h = np.empty(r1 - r0 if want_h else 0)
+        K.softmax_rows(S, r0, self.causal, h)
+        if self._cache is not None:
+            self._cache[key] = S
+        return S, h
+
+    def __call__(self, fq, fk, want_grad=True):
+        """``(loss, dfq, dfk)``: the mean loss over rows and its gradients (None without ``want_grad``).
+
+        ``fq``, ``fk``: features ``(B, N, F)`` in the dtype of the queries.  An infinite loss (a
+        row whose weights cannot be normalised, or a zero weight where
+        softmax has mass and no floor) comes with zero gradients.
+        """
+        b, n, _ = self.q.shape
+        want_h = self.kl and self._entropy is None
+        entropy = 0.0
+        total = 0.0
+        dfq = np.zeros_like(fq) if want_grad else None
+        dfk = np.zeros_like(fk) if want_grad else None
+        for bi in range(b):
+            for r0 in range(0, n, self.block):
+                r1 = min(n, r0 + self.block)
+                kend = r1 if self.causal else n
+                P, h = self._weights(bi, r0, r1, kend, want_h)
+                if want_h:
+                    if h is None:  # cached without entropy: recompute this block's once
+                        S = self.q[bi, r0:r1] @ self.k[bi, :kend].T
+                        S *= S.dtype.type(self.scale)
+                        h = np.empty(r1 - r0)
+                        K.softmax_rows(S, r0, self.causal, h)
+                    entropy += float(h.sum())
+                A = fq[bi, r0:r1] @ fk[bi, :kend].T
+                T = np.empty_like(A)
+                den = np.empty(r1 - r0)
+                K.floored_weights(A, r0, self.causal, self.floor, T, den)
+                with np.errstate(divide="ignore"):  # log 0 = -inf: a zero weight, handled by the kernel
+                    np.log(T, out=T)
+                loss = np.empty(r1 - r0)
+                K.cross_entropy_rows(P, A, T, den, r0, self.causal, self.floor, want_grad, loss)
+                total += float(loss.sum())
+                if want_grad:
+                    dfq[bi, r0:r1] = A @ fk[bi, :kend]
+                    dfk[bi, :kend] += A.T @ fq[bi, r0:r1]
+        if want_h:
+            self._entropy = entropy
+        if self.kl:
+            total -= self._entropy
+        rows = max(self.rows, 1)
+        if not np.isfinite(total):
+            if want_grad:
+                dfq[...] = 0.0
+                dfk[...] = 0.0
+            return float("inf"), dfq, dfk
+        if want_grad:
+            dfq /= rows
+            dfk /= rows
+        return total / rows, dfq, dfk
