@@ -10,7 +10,7 @@ from linattn_nb import feature_maps as fm
 from linattn_nb import linear_attention, softmax_attention
 from linattn_nb.analysis import attention_weights
 
-NEW_MAPS = ("favor+", "rff", "taylor2", "cosformer", "hedgehog")
+NEW_MAPS = ("favor+", "rff", "taylor2", "cosformer", "hedgehog", "t2r")
 ALL_MAPS = ("elu", "relu", "squared_relu", "identity", "dpfp") + NEW_MAPS
 
 
@@ -18,6 +18,10 @@ def _build(name, d=None, **kw):
     if name in ("favor+", "rff"):
         kw.setdefault("seed", 0)
         kw.setdefault("num_features", 12)
+    if name == "t2r" and d is not None:  # a non-square W (d_out = d + 2) and a bias, mostly positive projections
+        r = np.random.default_rng(7)
+        kw.setdefault("W", 0.5 * r.standard_normal((d + 2, d)))
+        kw.setdefault("b", 0.5 + 0.3 * r.standard_normal(d + 2))
     return fm.get(name, **kw)
 
 
@@ -64,6 +68,8 @@ def test_documented_output_dims():
     assert fm.get("cosformer").output_dim(64) == 128
     assert fm.get("hedgehog").output_dim(64) == 128
     assert fm.get("hedgehog", W=np.ones((5, 3))).output_dim(3) == 10
+    assert fm.get("t2r").output_dim(64) == 64
+    assert fm.get("t2r", W=np.ones((5, 3))).output_dim(3) == 5
     assert fm.get("favor+").output_dim(64) == int(64 * math.log(64))  # Performer's default m
 
 
@@ -423,6 +429,59 @@ def test_hedgehog_default_and_custom(rng):
 
 
 # ---------------------------------------------------------------------------
+# T2R
+# ---------------------------------------------------------------------------
+def test_t2r_default_and_custom(rng):
+    """phi(x) = relu(W x + b) (Kasai et al. 2021); the defaults W = I, b = 0 give the relu map."""
+    x, y = rng.normal(size=(2, 6, 3))
+    phi = fm.get("t2r")
+    assert isinstance(phi, fm.T2RFeatureMap) and phi.kernel_code is None
+    assert phi.is_positive and not phi.strictly_positive and not phi.needs_normalizer
+    np.testing.assert_array_equal(phi(x), fm.get("relu")(x))
+    W = rng.normal(size=(5, 3))
+    b = rng.normal(size=5)
+    phi = fm.get("t2r", W=W, b=b)
+    np.testing.assert_allclose(phi(x), np.maximum(x @ W.T + b, 0.0), rtol=1e-15)
+    assert (phi(x) == 0).any() and (phi(x) > 0).any()  # both sides of the kink
+    for role in ("query", "key"):  # no role-dependent shift
+        np.testing.assert_array_equal(phi.apply(x, role=role, causal=True), phi(x))
+    for causal in (False, True):
+        exact = _normalised(phi(x) @ phi(y).T, causal, eps=1e-300)
+        np.testing.assert_allclose(attention_weights(x, y, phi, causal=causal, eps=1e-300), exact, rtol=1e-12)
+    assert np.isnan(phi(np.array([np.nan, 0.0, 0.0]))).all()  # NaN propagates through W x
+    assert repr(phi) == "T2RFeatureMap(W shape=(5, 3), b=set)"
+    assert repr(fm.get("t2r")) == "T2RFeatureMap(W shape=None, b=None)"
+
+
+@pytest.mark.parametrize("name", ["hedgehog", "t2r"])
+def test_affine_maps_check_w_and_b(name):
+    """hedgehog and t2r share the checks of W and b; every message names the map, the argument and the shapes."""
+    bad = [
+        (dict(W=np.ones(3)), ValueError, r"W must be a non-empty 2-D array \(d_out, d\), got shape \(3,\)"),
+        (dict(W=np.ones((0, 3))), ValueError, r"W must be a non-empty 2-D array .* got shape \(0, 3\)"),
+        (dict(W=[[1.0, np.inf]]), ValueError, "W must be finite"),
+        (dict(W=np.ones((2, 3)) * 1j), TypeError, "W must be an array of real numbers, got dtype complex128"),
+        (dict(W=np.ones((2, 3)), b=np.ones(3)), ValueError, r"b must have shape \(2,\), got \(3,\)"),
+        (dict(b=np.ones((2, 2))), ValueError, r"b must have shape \(d,\), got \(2, 2\)"),
+        (dict(b=np.ones(0)), ValueError, r"b must have shape \(d,\), got \(0,\)"),
+        (dict(b=[np.nan]), ValueError, "b must be finite"),
+        (dict(b=["a"]), TypeError, "b must be an array of real numbers"),
+    ]
+    for kw, exc, match in bad:
+        with pytest.raises(exc, match=f"{name}: {match}"):
+            fm.get(name, **kw)
+    with pytest.raises(ValueError, match=rf"{name}: W has shape \(2, 3\), inputs have dimension 4"):
+        fm.get(name, W=np.ones((2, 3)))(np.ones((1, 4)))
+    with pytest.raises(ValueError, match=rf"{name}: b has shape \(3,\), projections have dimension 4"):
+        fm.get(name, b=np.ones(3))(np.ones((1, 4)))
+    # the map keeps float64 copies: changing the caller's arrays later does not change it
+    W, b = np.ones((2, 3), dtype=np.float32), np.zeros(2)
+    phi = fm.get(name, W=W, b=b)
+    W[0, 0], b[0] = 5.0, 5.0
+    assert phi.W.dtype == np.float64 and phi.W[0, 0] == 1.0 and phi.b[0] == 0.0
+
+
+# ---------------------------------------------------------------------------
 # through the dispatcher
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("name", NEW_MAPS + ("dpfp",))
@@ -431,7 +490,7 @@ def test_hedgehog_default_and_custom(rng):
 def test_linear_attention_equals_explicit_weights(name, causal, n, rng):
     """linear_attention with each map equals its explicit weights (attention_weights) times v."""
     d, m = 4, 3
-    phi = _build(name)
+    phi = _build(name, d)
     q, k = rng.normal(size=(2, 3, n, d)) * 0.7
     v = rng.normal(size=(3, n, m))
     eps = None if name == "rff" else 1e-8
