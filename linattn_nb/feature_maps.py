@@ -776,7 +776,30 @@ class FavorPlusFeatureMap(RandomFeatureMap):
         :meth:`vjp` returns its gradient under the same name.  Before ``W``
         is drawn (no ``dim`` given and never called) there is nothing to
         return: give ``dim`` to have the parameter from the start.
-        :meth:`redraw` replaces a trained ``W`` by a fresh draw.
+        :meth:`redraw` replaces a trained ``W`` by a fresh draw.  A state file
+        (:meth:`linattn_nb.LinearAttentionState.save`) stores the current
+        ``W`` of such a map as ``projection``, so a trained projection loads
+        back as it was.
+    projection : array_like, shape (m, d), optional
+        Use this projection as ``W`` instead of drawing one (a trained one,
+        say): it fixes ``dim = d`` and ``num_features = m`` (given ones must
+        agree), and ``seed`` then only seeds :meth:`redraw`.  A map built
+        with ``projection`` stores its current ``W`` in state files like a
+        map with ``learn_projection=True``; without either, a state file
+        stores the seed and the map is drawn again from it on loading.
+
+    Attributes
+    ----------
+    projection : ndarray (m, d) or None
+        What a state file stores: :attr:`W` itself when the map was built
+        with ``projection`` or has ``learn_projection=True`` (and ``W`` is
+        drawn), else None.
+
+    Raises
+    ------
+    ValueError
+        If ``projection`` is not a non-empty, finite 2-D array, or disagrees
+        with ``dim`` or ``num_features``.
 
     Examples
     --------
@@ -800,7 +823,7 @@ class FavorPlusFeatureMap(RandomFeatureMap):
     default_orthogonal = True
 
     def __init__(self, dim=None, num_features=None, *, kind="positive", orthogonal=True, row_norm="chi",
-                 seed=None, scale=None, learn_projection=False):
+                 seed=None, scale=None, learn_projection=False, projection=None):
         if kind not in ("positive", "hyperbolic"):
             raise ValueError(f"kind must be 'positive' or 'hyperbolic', got {kind!r}")
         if not isinstance(learn_projection, (bool, np.bool_)):
@@ -810,7 +833,31 @@ class FavorPlusFeatureMap(RandomFeatureMap):
         from . import config
 
         self.key_headroom = float(config.FAVOR_KEY_HEADROOM)
-        super().__init__(dim, num_features, orthogonal=orthogonal, row_norm=row_norm, seed=seed, scale=scale)
+        if projection is None:
+            self._keep_projection = False
+            super().__init__(dim, num_features, orthogonal=orthogonal, row_norm=row_norm, seed=seed, scale=scale)
+            return
+        w = _real_array(self.name, "projection", projection)
+        if w.ndim != 2 or w.size == 0:
+            raise ValueError(f"{self.name}: projection must be a non-empty 2-D array (num_features, dim), "
+                             f"got shape {w.shape}")
+        if not np.isfinite(w).all():
+            raise ValueError(f"{self.name}: projection must be finite")
+        for what, given, have in (("dim", dim, w.shape[1]), ("num_features", num_features, w.shape[0])):
+            if _check_count(what, given) not in (None, have):
+                raise ValueError(f"{self.name}: {what}={given} disagrees with projection of shape {w.shape} "
+                                 "(num_features, dim)")
+        # no draw: W is the given projection (the generator only serves redraw())
+        super().__init__(None, w.shape[0], orthogonal=orthogonal, row_norm=row_norm, seed=seed, scale=scale)
+        self.W, self.dim = w, int(w.shape[1])
+        self._keep_projection = True
+
+    @property
+    def projection(self):
+        """:attr:`W` when the map was built with ``projection`` or learns it (once drawn), else None."""
+        if self.W is not None and (self._keep_projection or self.learn_projection):
+            return self.W
+        return None
 
     def output_dim(self, d: int) -> int:
         m = self.num_projections(int(d))

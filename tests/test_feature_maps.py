@@ -294,6 +294,48 @@ def test_favor_segments_match_one_pass(rng):
         np.testing.assert_allclose(np.concatenate([a, b], axis=1), full, rtol=1e-11, atol=1e-13)
 
 
+@pytest.mark.parametrize("kind", ["positive", "hyperbolic"])
+def test_favor_given_projection(kind, rng):
+    """projection= is used as W as given: it fixes dim and num_features, draws nothing, and is what
+    a state file stores (with learn_projection=True, the current W; else only when given)."""
+    d, m = 5, 7
+    drawn = fm.get("favor+", dim=d, num_features=m, seed=4, kind=kind)
+    W = drawn.W + 0.1 * rng.normal(size=(m, d))  # a "trained" projection
+    phi = fm.get("favor+", projection=W, kind=kind, seed=4)
+    assert phi.dim == d and phi.num_features == m and phi.output_dim(d) == drawn.output_dim(d)
+    assert np.array_equal(phi.W, W) and phi.W is not W  # a float64 copy
+    assert phi.projection is phi.W and phi.parameters() == {}
+    x = rng.normal(size=(3, d))
+    manual = fm.get("favor+", dim=d, num_features=m, seed=4, kind=kind)
+    manual.W[...] = W
+    for role in ("query", "key"):
+        np.testing.assert_array_equal(phi.apply(x, role=role, causal=True), manual.apply(x, role=role, causal=True))
+    # nothing was drawn at construction: the first redraw is the seed's first draw
+    phi.redraw()
+    np.testing.assert_array_equal(phi.W, drawn.W)
+    learned = fm.get("favor+", projection=W, learn_projection=True)
+    assert learned.parameters()["projection"] is learned.W is learned.projection
+    # without projection= the attribute is None unless the projection is learned (once drawn)
+    assert fm.get("favor+", dim=d, seed=0).projection is None
+    assert fm.get("favor+", num_features=3, learn_projection=True).projection is None
+    lazy = fm.get("favor+", dim=d, seed=0, learn_projection=True)
+    assert lazy.projection is lazy.W
+    # consistent dim and num_features are accepted, others refused naming both
+    fm.get("favor+", projection=W, dim=d, num_features=m)
+    with pytest.raises(ValueError, match=r"favor\+: dim=4 disagrees with projection of shape \(7, 5\)"):
+        fm.get("favor+", projection=W, dim=4)
+    with pytest.raises(ValueError, match=r"favor\+: num_features=8 disagrees with projection of shape \(7, 5\)"):
+        fm.get("favor+", projection=W, num_features=8)
+    with pytest.raises(ValueError, match=r"projection must be a non-empty 2-D array .*got shape \(5,\)"):
+        fm.get("favor+", projection=np.ones(5))
+    with pytest.raises(ValueError, match="projection must be finite"):
+        fm.get("favor+", projection=np.full((2, 2), np.nan))
+    with pytest.raises(TypeError, match="projection must be an array of real numbers"):
+        fm.get("favor+", projection=np.ones((2, 2), dtype=complex))
+    with pytest.raises(ValueError, match="dim must be an integer"):
+        fm.get("favor+", projection=W, dim=0)
+
+
 # ---------------------------------------------------------------------------
 # RFF
 # ---------------------------------------------------------------------------
