@@ -10,7 +10,7 @@ Built-in maps are looked up by name::
     >>> from linattn_nb import feature_maps
     >>> feature_maps.available()  # doctest: +NORMALIZE_WHITESPACE
     ['cosformer', 'dpfp', 'elu', 'favor+', 'hedgehog', 'identity', 'l2', 'relu', 'rff',
-     'silu_l2', 'squared_relu', 'taylor2']
+     'silu_l2', 'squared_relu', 't2r', 'taylor2']
     >>> phi = feature_maps.get("elu")
     >>> phi.output_dim(64)
     64
@@ -32,6 +32,7 @@ rff           estimates ``exp(scale q.k)`` (signed)      ``2m``              Per
 taylor2       ``1 + t + t^2/2``, ``t = scale q.k``       ``1+d+d(d+1)/2``    Arora et al. 2024 (Based)
 cosformer     ``relu.relu * cos(pi/2 (i-j)/M)``          ``2d``              Qin et al. 2022
 hedgehog      ``[e^(Wq+b), e^-(Wq+b)] . [...]``          ``2 d_out``         Zhang et al. 2024
+t2r           ``relu(Wq+b) . relu(Wk+b)``                ``d_out``           Kasai et al. 2021
 ============  =========================================  ==================  ==============================
 
 One temperature convention: every map that estimates the softmax kernel
@@ -55,9 +56,10 @@ returning one)::
 
 Every built-in map has :meth:`FeatureMap.vjp`, the vector-Jacobian product
 of the features that attention uses (``dL/dx`` from ``dL/dphi``), and
-:meth:`FeatureMap.parameters`, its trainable parameters (hedgehog's ``W`` and
-``b``; favor+'s projection with ``learn_projection=True``) whose gradients
-``vjp`` returns too.
+:meth:`FeatureMap.parameters`, its trainable parameters (hedgehog's and t2r's
+``W`` and ``b``; favor+'s projection with ``learn_projection=True``) whose
+gradients ``vjp`` returns too.  Maps with trained parameters save and load with
+them (the state file stores a map's constructor parameters).
 
 Elementwise maps whose output dimension equals the input dimension can also
 carry a ``kernel_code`` so that the Numba kernels apply them on the fly, block
@@ -94,6 +96,7 @@ __all__ = [
     "Taylor2FeatureMap",
     "CosformerFeatureMap",
     "HedgehogFeatureMap",
+    "T2RFeatureMap",
     "draw_projection",
     "register",
     "get",
@@ -776,7 +779,30 @@ class FavorPlusFeatureMap(RandomFeatureMap):
         :meth:`vjp` returns its gradient under the same name.  Before ``W``
         is drawn (no ``dim`` given and never called) there is nothing to
         return: give ``dim`` to have the parameter from the start.
-        :meth:`redraw` replaces a trained ``W`` by a fresh draw.
+        :meth:`redraw` replaces a trained ``W`` by a fresh draw.  A state file
+        (:meth:`linattn_nb.LinearAttentionState.save`) stores the current
+        ``W`` of such a map as ``projection``, so a trained projection loads
+        back as it was.
+    projection : array_like, shape (m, d), optional
+        Use this projection as ``W`` instead of drawing one (a trained one,
+        say): it fixes ``dim = d`` and ``num_features = m`` (given ones must
+        agree), and ``seed`` then only seeds :meth:`redraw`.  A map built
+        with ``projection`` stores its current ``W`` in state files like a
+        map with ``learn_projection=True``; without either, a state file
+        stores the seed and the map is drawn again from it on loading.
+
+    Attributes
+    ----------
+    projection : ndarray (m, d) or None
+        What a state file stores: :attr:`W` itself when the map was built
+        with ``projection`` or has ``learn_projection=True`` (and ``W`` is
+        drawn), else None.
+
+    Raises
+    ------
+    ValueError
+        If ``projection`` is not a non-empty, finite 2-D array, or disagrees
+        with ``dim`` or ``num_features``.
 
     Examples
     --------
@@ -800,7 +826,7 @@ class FavorPlusFeatureMap(RandomFeatureMap):
     default_orthogonal = True
 
     def __init__(self, dim=None, num_features=None, *, kind="positive", orthogonal=True, row_norm="chi",
-                 seed=None, scale=None, learn_projection=False):
+                 seed=None, scale=None, learn_projection=False, projection=None):
         if kind not in ("positive", "hyperbolic"):
             raise ValueError(f"kind must be 'positive' or 'hyperbolic', got {kind!r}")
         if not isinstance(learn_projection, (bool, np.bool_)):
@@ -810,7 +836,31 @@ class FavorPlusFeatureMap(RandomFeatureMap):
         from . import config
 
         self.key_headroom = float(config.FAVOR_KEY_HEADROOM)
-        super().__init__(dim, num_features, orthogonal=orthogonal, row_norm=row_norm, seed=seed, scale=scale)
+        if projection is None:
+            self._keep_projection = False
+            super().__init__(dim, num_features, orthogonal=orthogonal, row_norm=row_norm, seed=seed, scale=scale)
+            return
+        w = _real_array(self.name, "projection", projection)
+        if w.ndim != 2 or w.size == 0:
+            raise ValueError(f"{self.name}: projection must be a non-empty 2-D array (num_features, dim), "
+                             f"got shape {w.shape}")
+        if not np.isfinite(w).all():
+            raise ValueError(f"{self.name}: projection must be finite")
+        for what, given, have in (("dim", dim, w.shape[1]), ("num_features", num_features, w.shape[0])):
+            if _check_count(what, given) not in (None, have):
+                raise ValueError(f"{self.name}: {what}={given} disagrees with projection of shape {w.shape} "
+                                 "(num_features, dim)")
+        # no draw: W is the given projection (the generator only serves redraw())
+        super().__init__(None, w.shape[0], orthogonal=orthogonal, row_norm=row_norm, seed=seed, scale=scale)
+        self.W, self.dim = w, int(w.shape[1])
+        self._keep_projection = True
+
+    @property
+    def projection(self):
+        """:attr:`W` when the map was built with ``projection`` or learns it (once drawn), else None."""
+        if self.W is not None and (self._keep_projection or self.learn_projection):
+            return self.W
+        return None
 
     def output_dim(self, d: int) -> int:
         m = self.num_projections(int(d))
@@ -1218,7 +1268,114 @@ class CosformerFeatureMap(FeatureMap):
         return f"CosformerFeatureMap(max_length={self.max_length})"
 
 
-class HedgehogFeatureMap(FeatureMap):
+class _AffineFeatureMap(FeatureMap):
+    """Base of the maps built on a trainable affine projection ``u = W x + b`` (hedgehog, t2r).
+
+    Holds and checks ``W`` (``d_out x d``, default the identity) and ``b``
+    (``d_out``, default 0), and provides :meth:`parameters`,
+    :meth:`materialize` and the chain rule from ``dL/du`` to ``x``, ``W``
+    and ``b``.  A default (``None``) is not stored: the map then skips the
+    product (or the sum), with the same result as the explicit default.
+    Subclasses build their features from :meth:`_affine`.
+
+    Parameters
+    ----------
+    W : array_like, shape (d_out, d), optional
+    b : array_like, shape (d_out,), optional
+    """
+
+    def __init__(self, W=None, b=None):
+        if W is not None:
+            W = _real_array(self.name, "W", W)
+            if W.ndim != 2 or W.size == 0:
+                raise ValueError(f"{self.name}: W must be a non-empty 2-D array (d_out, d), got shape {W.shape}")
+            if not np.isfinite(W).all():
+                raise ValueError(f"{self.name}: W must be finite")
+        if b is not None:
+            b = _real_array(self.name, "b", b)
+            if b.ndim != 1 or b.size == 0 or (W is not None and b.shape[0] != W.shape[0]):
+                want = f"({W.shape[0]},)" if W is not None else "(d,)"
+                raise ValueError(f"{self.name}: b must have shape {want}, got {b.shape}")
+            if not np.isfinite(b).all():
+                raise ValueError(f"{self.name}: b must be finite")
+        self.W = W
+        self.b = b
+
+    def _d_out(self, d: int) -> int:
+        """``d_out``, the number of projections, for input dimension ``d``."""
+        return self.W.shape[0] if self.W is not None else int(d)
+
+    def _affine(self, x):
+        """``u = x W^T + b`` in float64, ``(..., d)`` -> ``(..., d_out)``; checks ``W`` and ``b`` against ``x``."""
+        d = x.shape[-1]
+        u = np.asarray(x, dtype=np.float64)
+        if self.W is not None:
+            if self.W.shape[1] != d:
+                raise ValueError(f"{self.name}: W has shape {self.W.shape}, inputs have dimension {d}")
+            u = u @ self.W.T
+        if self.b is not None:
+            if self.b.shape[0] != u.shape[-1]:
+                raise ValueError(f"{self.name}: b has shape {self.b.shape}, projections have dimension {u.shape[-1]}")
+            u = u + self.b
+        return u
+
+    def _chain(self, x, du, out_dtype):
+        """``(dx, {"W": dL/dW, "b": dL/db})`` from ``du = dL/du`` (float64, ``(..., d_out)``) at inputs ``x``."""
+        dx = du @ self.W if self.W is not None else du
+        dw = _outer_sum(du, np.asarray(x, dtype=np.float64))
+        db = du.reshape(-1, du.shape[-1]).sum(axis=0)
+        return dx.astype(out_dtype, copy=False), {"W": dw, "b": db}
+
+    def parameters(self) -> dict:
+        """The stored parameters: ``{"W": W, "b": b}``, leaving out those not given (defaults)."""
+        return {k: v for k, v in (("W", self.W), ("b", self.b)) if v is not None}
+
+    def materialize(self, d=None):
+        """Store the defaults explicitly (``W = I_d``, ``b = 0``) so that :meth:`parameters` has both.
+
+        The features do not change.  ``d`` (the input dimension) is needed
+        only when neither ``W`` nor ``b`` is set; when given it must agree
+        with them.  Returns the map.
+
+        Raises
+        ------
+        ValueError
+            If ``d`` is needed and missing, or disagrees with the shape of
+            ``W`` or ``b``.
+
+        Examples
+        --------
+        >>> from linattn_nb import feature_maps
+        >>> sorted(feature_maps.get("hedgehog").materialize(4).parameters())
+        ['W', 'b']
+        """
+        if self.W is None:
+            if self.b is not None:
+                if d is not None and int(d) != self.b.shape[0]:
+                    raise ValueError(f"{self.name}: d={d} but b has shape {self.b.shape}")
+                d = self.b.shape[0]
+            d = _check_count("d", d, allow_none=False)
+            self.W = np.eye(d)
+        elif d is not None and int(d) != self.W.shape[1]:
+            raise ValueError(f"{self.name}: d={d} but W has shape {self.W.shape}")
+        if self.b is None:
+            self.b = np.zeros(self.W.shape[0])
+        return self
+
+    def __repr__(self) -> str:
+        shape = None if self.W is None else self.W.shape
+        return f"{type(self).__name__}(W shape={shape}, b={'set' if self.b is not None else None})"
+
+
+def _real_array(name: str, what: str, value) -> np.ndarray:
+    """``value`` as a float64 array (a copy); complex and non-numeric data raise TypeError."""
+    a = np.asarray(value)
+    if a.dtype.kind not in "biuf":
+        raise TypeError(f"{name}: {what} must be an array of real numbers, got dtype {a.dtype}")
+    return np.array(a, dtype=np.float64)
+
+
+class HedgehogFeatureMap(_AffineFeatureMap):
     r"""Hedgehog features ``phi(x) = [exp(W x + b), exp(-W x - b)]`` (Zhang et al., ICLR 2024, §4.1).
 
     ``W`` (``d_out x d``) and ``b`` (``d_out``) are supplied by the user (in the
@@ -1254,37 +1411,11 @@ class HedgehogFeatureMap(FeatureMap):
     is_positive = True
     strictly_positive = True
 
-    def __init__(self, W=None, b=None):
-        if W is not None:
-            W = np.array(W, dtype=np.float64)
-            if W.ndim != 2 or W.size == 0:
-                raise ValueError(f"hedgehog: W must be a non-empty 2-D array (d_out, d), got shape {W.shape}")
-            if not np.isfinite(W).all():
-                raise ValueError("hedgehog: W must be finite")
-        if b is not None:
-            b = np.array(b, dtype=np.float64)
-            if b.ndim != 1 or (W is not None and b.shape[0] != W.shape[0]):
-                want = f"({W.shape[0]},)" if W is not None else "(d,)"
-                raise ValueError(f"hedgehog: b must have shape {want}, got {b.shape}")
-            if not np.isfinite(b).all():
-                raise ValueError("hedgehog: b must be finite")
-        self.W = W
-        self.b = b
-
     def output_dim(self, d: int) -> int:
-        return 2 * (self.W.shape[0] if self.W is not None else int(d))
+        return 2 * self._d_out(d)
 
     def _logits(self, x):
-        d = x.shape[-1]
-        u = np.asarray(x, dtype=np.float64)
-        if self.W is not None:
-            if self.W.shape[1] != d:
-                raise ValueError(f"hedgehog: W has shape {self.W.shape}, inputs have dimension {d}")
-            u = u @ self.W.T
-        if self.b is not None:
-            if self.b.shape[0] != u.shape[-1]:
-                raise ValueError(f"hedgehog: b has shape {self.b.shape}, projections have dimension {u.shape[-1]}")
-            u = u + self.b
+        u = self._affine(x)
         return np.concatenate([u, -u], axis=-1)
 
     def transform(self, x):
@@ -1299,33 +1430,6 @@ class HedgehogFeatureMap(FeatureMap):
             return self.transform(x)
         u = self._logits(x)
         return _cast_features(self.name, np.exp(u - np.max(u, axis=-1, keepdims=True)), x)
-
-    def parameters(self) -> dict:
-        """The stored parameters: ``{"W": W, "b": b}``, leaving out those not given (defaults)."""
-        return {k: v for k, v in (("W", self.W), ("b", self.b)) if v is not None}
-
-    def materialize(self, d=None):
-        """Store the defaults explicitly (``W = I_d``, ``b = 0``) so that :meth:`parameters` has both.
-
-        The features do not change.  ``d`` (the input dimension) is needed
-        only when neither ``W`` nor ``b`` is set.  Returns the map.
-
-        Examples
-        --------
-        >>> from linattn_nb import feature_maps
-        >>> sorted(feature_maps.get("hedgehog").materialize(4).parameters())
-        ['W', 'b']
-        """
-        if self.W is None:
-            if self.b is not None:
-                if d is not None and int(d) != self.b.shape[0]:
-                    raise ValueError(f"hedgehog: d={d} but b has shape {self.b.shape}")
-                d = self.b.shape[0]
-            d = _check_count("d", d, allow_none=False)
-            self.W = np.eye(d)
-        if self.b is None:
-            self.b = np.zeros(self.W.shape[0])
-        return self
 
     def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
         """Vector-Jacobian product of :meth:`apply` (see :meth:`FeatureMap.vjp`).
@@ -1346,15 +1450,88 @@ class HedgehogFeatureMap(FeatureMap):
         else:
             feats = np.exp(logits - np.max(logits, axis=-1, keepdims=True))
             dl = _max_shift_vjp(logits, feats, g)
-        du = dl[..., :m] - dl[..., m:]
-        dx = du @ self.W if self.W is not None else du
-        dw = _outer_sum(du, np.asarray(x, dtype=np.float64))
-        db = du.reshape(-1, m).sum(axis=0)
-        return dx.astype(out_dtype, copy=False), {"W": dw, "b": db}
+        return self._chain(x, dl[..., :m] - dl[..., m:], out_dtype)
 
-    def __repr__(self) -> str:
-        shape = None if self.W is None else self.W.shape
-        return f"HedgehogFeatureMap(W shape={shape}, b={'set' if self.b is not None else None})"
+
+class T2RFeatureMap(_AffineFeatureMap):
+    r"""T2R features ``phi(x) = relu(W x + b)`` (Kasai et al. 2021).
+
+    Kasai et al., "Finetuning Pretrained Transformers into RNNs", EMNLP 2021:
+    T2R ("Transformer to RNN") swaps a pretrained transformer's softmax for
+    linear attention with this learned map and finetunes ``W`` (``d_out x d``)
+    and ``b`` (``d_out``) with the rest of the model.  The defaults,
+    ``W = I`` and ``b = 0``, give the ``"relu"`` map.  Output dimension
+    ``d_out``.  Features are non-negative but can be exactly zero: a query
+    and a key whose projections have disjoint supports get weight 0, and a
+    query whose features are all 0 has a zero normaliser, which the ``eps``
+    floor of :func:`linattn_nb.linear_attention` handles
+    (``strictly_positive`` is False).  NaN propagates.  The same features
+    for queries and keys, with no stabilising shift (``needs_normalizer``
+    is False); applied in NumPy before the kernels run.
+
+    Gradients: :meth:`vjp` always returns ``{"W": dL/dW, "b": dL/db}``
+    (shapes ``(d_out, d)`` and ``(d_out,)``), defaults included; at the kink
+    (``W x + b = 0``) the derivative of the zero side, 0, is used.
+    :meth:`parameters` returns the stored arrays only (``W`` and ``b`` when
+    given); call :meth:`materialize` to store the defaults explicitly before
+    training them.
+
+    Parameters
+    ----------
+    W : array_like, shape (d_out, d), optional
+        Default: the identity (``d_out = d``).
+    b : array_like, shape (d_out,), optional
+        Default: 0.
+
+    Raises
+    ------
+    ValueError
+        If ``W`` is not a non-empty, finite 2-D array, or ``b`` is not a
+        finite 1-D array of length ``d_out``.
+    TypeError
+        If ``W`` or ``b`` holds anything but real numbers.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from linattn_nb import feature_maps
+    >>> phi = feature_maps.get("t2r", W=[[1.0, -1.0], [0.5, 0.5], [0.0, 2.0]], b=[0.0, -1.0, 0.5])
+    >>> phi.output_dim(2)
+    3
+    >>> x = np.array([[2.0, 1.0], [-1.0, 1.0]])
+    >>> phi(x).tolist()
+    [[1.0, 0.5, 2.5], [0.0, 0.0, 2.5]]
+    >>> dx, dparams = phi.vjp(x, np.ones((2, 3)), role="key")
+    >>> dparams["W"].shape, dparams["b"].tolist()
+    ((3, 2), [1.0, 1.0, 2.0])
+    >>> bool(np.array_equal(feature_maps.get("t2r")(x), np.maximum(x, 0)))
+    True
+    """
+
+    name = "t2r"
+    kernel_code = None
+    is_positive = True
+    strictly_positive = False
+    needs_normalizer = False
+
+    def output_dim(self, d: int) -> int:
+        return self._d_out(d)
+
+    def transform(self, x):
+        return _cast_features(self.name, np.maximum(self._affine(x), 0.0), x)  # np.maximum keeps NaN
+
+    def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
+        """Vector-Jacobian product of :meth:`apply` (see :meth:`FeatureMap.vjp`).
+
+        ``dparams`` is always ``{"W": (d_out, d), "b": (d_out,)}``, the
+        defaults' gradients when ``W`` or ``b`` was not given.
+        """
+        _check_role(self.name, role)
+        x = _check_input(self.name, x)
+        u = self._affine(x)  # checks W and b against the input dimension
+        x, g, out_dtype = _vjp_inputs(self, x, grad_features, role)
+        _cast_features(self.name, np.maximum(u, 0.0), x)  # raises where apply raises (features overflow the dtype)
+        return self._chain(x, g * np.heaviside(u, 0.0), out_dtype)  # 0 at the kink; NaN propagates
 
 
 # ---------------------------------------------------------------------------
@@ -1591,6 +1768,7 @@ register("rff", RandomFourierFeatureMap)
 register("taylor2", Taylor2FeatureMap)
 register("cosformer", CosformerFeatureMap)
 register("hedgehog", HedgehogFeatureMap)
+register("t2r", T2RFeatureMap)
 register("l2", L2FeatureMap)
 register("silu_l2", SiluL2FeatureMap)
 

@@ -320,7 +320,8 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto",
         unknown = sorted(set(feature_map_params) - set(stored))
         if unknown:
             raise ValueError(f"feature_map_params: the map {fmap.name!r} has no parameter(s) {unknown}; its "
-                             f"parameters are {sorted(stored)} (hedgehog: call materialize(d) to store its defaults)")
+                             f"parameters are {sorted(stored)} (hedgehog, t2r: call materialize(d) to store their "
+                             "defaults)")
         names = tuple(feature_map_params)
         params = tuple(_check_tensor(f"feature_map_params[{n!r}]", feature_map_params[n]) for n in names)
         for n, t in zip(names, params):

@@ -33,6 +33,9 @@ def _map(name):
         return fm.get("favor+", num_features=16, seed=0)
     if name == "rff":
         return fm.get("rff", num_features=6, seed=0)
+    if name == "t2r":  # d = 5 -> d_out = 7, with a bias: zero features on some rows, not all
+        r = np.random.default_rng(0)
+        return fm.get("t2r", W=r.normal(size=(7, 5)), b=0.3 * r.normal(size=7))
     return name
 
 
@@ -41,7 +44,7 @@ def _map(name):
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", ["softmax", "elu", "relu", "favor+", "rff", "identity", "cosformer", "taylor2",
-                                  "hedgehog", "dpfp"])
+                                  "hedgehog", "t2r", "dpfp"])
 @pytest.mark.parametrize("n", [1, 2, 7, 8, 9, 37])
 def test_kernel_matches_naive(name, causal, n, rng):
     """Block 8: N = 7, 8, 9 are block - 1, block, block + 1; relu gives tied and zero weights."""

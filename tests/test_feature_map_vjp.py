@@ -1,9 +1,10 @@
 """FeatureMap.vjp and FeatureMap.parameters: gradients through every built-in feature map (issue 16).
 
 Every vjp is checked against central finite differences in float64 of ``sum(apply(x) * G)``, with respect
-to ``x`` and to the map's trainable parameters (hedgehog ``W`` and ``b``, favor+'s projection with
-``learn_projection=True``).  Inputs stay away from the kinks (ReLU at 0) and from ties of the per-row max
-of favor+ and hedgehog queries.
+to ``x`` and to the map's trainable parameters (hedgehog's and t2r's ``W`` and ``b``, favor+'s projection
+with ``learn_projection=True``).  Inputs stay away from the kinks (ReLU at 0) and from ties of the per-row max
+of favor+ and hedgehog queries; t2r's kink is at ``W x + b = 0``, which the fixed draws below do not come
+near (within a finite-difference step).
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ BUILD = {
     "dpfp": dict(nu=3),
     "hedgehog": dict(W=np.random.default_rng(3).standard_normal((3, 4)),
                      b=np.random.default_rng(4).standard_normal(3)),
+    "t2r": dict(W=np.random.default_rng(5).standard_normal((5, 4)),
+                b=np.random.default_rng(6).standard_normal(5)),
     "cosformer": dict(max_length=16),
 }
 
@@ -32,8 +35,12 @@ VARIANTS = [(n, {}) for n in BUILTIN] + [
     ("favor+", dict(kind="hyperbolic")),
     ("rff", dict(target="gaussian")),
     ("hedgehog", dict(W=None, b=None)),
+    ("t2r", dict(W=None, b=None)),
 ]
-VARIANT_IDS = list(BUILTIN) + ["favor+-hyperbolic", "rff-gaussian", "hedgehog-defaults"]
+VARIANT_IDS = list(BUILTIN) + ["favor+-hyperbolic", "rff-gaussian", "hedgehog-defaults", "t2r-defaults"]
+
+#: The maps with trainable affine parameters W and b (whose vjp always returns their gradients).
+AFFINE = ("hedgehog", "t2r")
 
 
 def build(name, **over):
@@ -82,7 +89,7 @@ def kwargs(name, role, causal):
 # ---------------------------------------------------------------------------
 def test_every_builtin_map_is_checked():
     assert set(BUILTIN) >= {"elu", "relu", "squared_relu", "identity", "l2", "silu_l2", "dpfp", "favor+", "rff",
-                            "taylor2", "cosformer", "hedgehog"}
+                            "taylor2", "cosformer", "hedgehog", "t2r"}
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -98,7 +105,7 @@ def test_vjp_matches_finite_differences(name, over, role, causal):
     assert dx.shape == x.shape and dx.dtype == np.float64
     want = central_difference(lambda: float(np.sum(phi.apply(x, **kw) * g)), x)
     assert_close(dx, want)
-    assert (dparams is None) == (name != "hedgehog")
+    assert (dparams is None) == (name not in AFFINE)
 
 
 @pytest.mark.parametrize("name", ["favor+", "hedgehog"])
@@ -159,11 +166,12 @@ def test_silu_l2_large_inputs_stay_finite():
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("role", ["query", "key"])
 @pytest.mark.parametrize("given", ["W,b", "W", "b", "defaults"])
-def test_hedgehog_parameter_gradients(given, role):
+@pytest.mark.parametrize("name", AFFINE)
+def test_affine_parameter_gradients(name, given, role):
     rng = np.random.default_rng(13)
     W = rng.standard_normal((3, 4)) if "W" in given else None
     b = rng.standard_normal(3 if W is not None else 4) if "b" in given else None
-    phi = fm.get("hedgehog", W=W, b=b)
+    phi = fm.get(name, W=W, b=b)
     x = inputs(rng, (2, 3, 4))
     g = rng.standard_normal(phi.apply(x, role=role, causal=True).shape)
     dx, dparams = phi.vjp(x, g, role=role, causal=True)
@@ -182,9 +190,10 @@ def test_hedgehog_parameter_gradients(given, role):
         assert_close(dparams[key], want)
 
 
-def test_hedgehog_materialize():
+@pytest.mark.parametrize("name", AFFINE)
+def test_affine_materialize(name):
     x = inputs(np.random.default_rng(14), (3, 4))
-    phi = fm.get("hedgehog")
+    phi = fm.get(name)
     before = phi.apply(x, role="key", causal=False)
     assert phi.parameters() == {}
     assert phi.materialize(4) is phi
@@ -192,11 +201,16 @@ def test_hedgehog_materialize():
     assert np.array_equal(phi.apply(x, role="key", causal=False), before)
     assert phi.parameters()["W"] is phi.W  # the map's own arrays: updating them updates the map
     with pytest.raises(ValueError, match="d"):
-        fm.get("hedgehog").materialize()
-    only_b = fm.get("hedgehog", b=np.zeros(4)).materialize()
+        fm.get(name).materialize()
+    only_b = fm.get(name, b=np.zeros(4)).materialize()
     assert only_b.W.shape == (4, 4)
     with pytest.raises(ValueError, match="b has shape"):
-        fm.get("hedgehog", b=np.zeros(4)).materialize(3)
+        fm.get(name, b=np.zeros(4)).materialize(3)
+    # a given W keeps its shape (d_out != d); a d that disagrees with it is refused, naming both
+    only_w = fm.get(name, W=np.ones((5, 4))).materialize(4)
+    assert only_w.W.shape == (5, 4) and np.array_equal(only_w.b, np.zeros(5))
+    with pytest.raises(ValueError, match=rf"{name}: d=3 but W has shape \(5, 4\)"):
+        fm.get(name, W=np.ones((5, 4))).materialize(3)
 
 
 @pytest.mark.parametrize("headroom", [None, 0.0], ids=["shift-off", "shift-on"])
@@ -235,7 +249,7 @@ def test_favor_learn_projection_keyword():
 
 @pytest.mark.parametrize("name", BUILTIN)
 def test_parameters_default_empty(name):
-    if name != "hedgehog":
+    if name not in AFFINE:
         assert build(name).parameters() == {}
 
 
@@ -356,9 +370,35 @@ def test_overflowing_keys_raise_like_apply():
         phi.apply(x, role="key", causal=False)
     with pytest.raises(ValueError, match="overflow"):
         phi.vjp(x, np.ones((1, 8), dtype=np.float32), role="key")
+    # t2r: W x (in float64) beyond the float32 range
+    phi = build("t2r", W=np.full((2, 4), 1e10), b=None)
+    x = np.full((1, 4), 1e30, dtype=np.float32)
+    for role in ("query", "key"):
+        with pytest.raises(ValueError, match="overflow"):
+            phi.apply(x, role=role, causal=False)
+        with pytest.raises(ValueError, match="overflow"):
+            phi.vjp(x, np.ones((1, 2), dtype=np.float32), role=role)
 
 
-@pytest.mark.parametrize("obj", [fm.FeatureMap.vjp, fm.HedgehogFeatureMap.materialize])
+def test_t2r_kink_convention():
+    """Where ``W x + b`` is exactly 0 the derivative is that of the zero side: no gradient to x, W or b."""
+    rng = np.random.default_rng(21)
+    # dyadic numbers: W x is exact in any summation order, so row 0 sits exactly on every kink
+    x = np.array([[0.5, -0.25, 1.0, 0.75], [0.25, 1.0, -0.5, 0.5]])
+    W = rng.integers(-3, 4, size=(3, 4)).astype(np.float64)
+    b = -(x[0] @ W.T)
+    phi = fm.get("t2r", W=W, b=b)
+    assert not phi.apply(x[:1], role="key", causal=False).any()
+    g = np.ones((2, 3))
+    dx, dparams = phi.vjp(x, g, role="key")
+    assert not dx[0].any()
+    one, p1 = phi.vjp(x[1:], g[1:], role="key")  # the kink row adds nothing to the parameter gradients
+    assert np.array_equal(dx[1:], one)
+    np.testing.assert_allclose(dparams["W"], p1["W"], rtol=1e-15)
+    np.testing.assert_allclose(dparams["b"], p1["b"], rtol=1e-15)
+
+
+@pytest.mark.parametrize("obj", [fm.FeatureMap.vjp, fm.HedgehogFeatureMap.materialize, fm.T2RFeatureMap])
 def test_docstring_examples(obj):
     finder = doctest.DocTestFinder()
     runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)

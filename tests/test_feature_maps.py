@@ -10,7 +10,7 @@ from linattn_nb import feature_maps as fm
 from linattn_nb import linear_attention, softmax_attention
 from linattn_nb.analysis import attention_weights
 
-NEW_MAPS = ("favor+", "rff", "taylor2", "cosformer", "hedgehog")
+NEW_MAPS = ("favor+", "rff", "taylor2", "cosformer", "hedgehog", "t2r")
 ALL_MAPS = ("elu", "relu", "squared_relu", "identity", "dpfp") + NEW_MAPS
 
 
@@ -18,6 +18,10 @@ def _build(name, d=None, **kw):
     if name in ("favor+", "rff"):
         kw.setdefault("seed", 0)
         kw.setdefault("num_features", 12)
+    if name == "t2r" and d is not None:  # a non-square W (d_out = d + 2) and a bias, mostly positive projections
+        r = np.random.default_rng(7)
+        kw.setdefault("W", 0.5 * r.standard_normal((d + 2, d)))
+        kw.setdefault("b", 0.5 + 0.3 * r.standard_normal(d + 2))
     return fm.get(name, **kw)
 
 
@@ -64,6 +68,8 @@ def test_documented_output_dims():
     assert fm.get("cosformer").output_dim(64) == 128
     assert fm.get("hedgehog").output_dim(64) == 128
     assert fm.get("hedgehog", W=np.ones((5, 3))).output_dim(3) == 10
+    assert fm.get("t2r").output_dim(64) == 64
+    assert fm.get("t2r", W=np.ones((5, 3))).output_dim(3) == 5
     assert fm.get("favor+").output_dim(64) == int(64 * math.log(64))  # Performer's default m
 
 
@@ -288,6 +294,48 @@ def test_favor_segments_match_one_pass(rng):
         np.testing.assert_allclose(np.concatenate([a, b], axis=1), full, rtol=1e-11, atol=1e-13)
 
 
+@pytest.mark.parametrize("kind", ["positive", "hyperbolic"])
+def test_favor_given_projection(kind, rng):
+    """projection= is used as W as given: it fixes dim and num_features, draws nothing, and is what
+    a state file stores (with learn_projection=True, the current W; else only when given)."""
+    d, m = 5, 7
+    drawn = fm.get("favor+", dim=d, num_features=m, seed=4, kind=kind)
+    W = drawn.W + 0.1 * rng.normal(size=(m, d))  # a "trained" projection
+    phi = fm.get("favor+", projection=W, kind=kind, seed=4)
+    assert phi.dim == d and phi.num_features == m and phi.output_dim(d) == drawn.output_dim(d)
+    assert np.array_equal(phi.W, W) and phi.W is not W  # a float64 copy
+    assert phi.projection is phi.W and phi.parameters() == {}
+    x = rng.normal(size=(3, d))
+    manual = fm.get("favor+", dim=d, num_features=m, seed=4, kind=kind)
+    manual.W[...] = W
+    for role in ("query", "key"):
+        np.testing.assert_array_equal(phi.apply(x, role=role, causal=True), manual.apply(x, role=role, causal=True))
+    # nothing was drawn at construction: the first redraw is the seed's first draw
+    phi.redraw()
+    np.testing.assert_array_equal(phi.W, drawn.W)
+    learned = fm.get("favor+", projection=W, learn_projection=True)
+    assert learned.parameters()["projection"] is learned.W is learned.projection
+    # without projection= the attribute is None unless the projection is learned (once drawn)
+    assert fm.get("favor+", dim=d, seed=0).projection is None
+    assert fm.get("favor+", num_features=3, learn_projection=True).projection is None
+    lazy = fm.get("favor+", dim=d, seed=0, learn_projection=True)
+    assert lazy.projection is lazy.W
+    # consistent dim and num_features are accepted, others refused naming both
+    fm.get("favor+", projection=W, dim=d, num_features=m)
+    with pytest.raises(ValueError, match=r"favor\+: dim=4 disagrees with projection of shape \(7, 5\)"):
+        fm.get("favor+", projection=W, dim=4)
+    with pytest.raises(ValueError, match=r"favor\+: num_features=8 disagrees with projection of shape \(7, 5\)"):
+        fm.get("favor+", projection=W, num_features=8)
+    with pytest.raises(ValueError, match=r"projection must be a non-empty 2-D array .*got shape \(5,\)"):
+        fm.get("favor+", projection=np.ones(5))
+    with pytest.raises(ValueError, match="projection must be finite"):
+        fm.get("favor+", projection=np.full((2, 2), np.nan))
+    with pytest.raises(TypeError, match="projection must be an array of real numbers"):
+        fm.get("favor+", projection=np.ones((2, 2), dtype=complex))
+    with pytest.raises(ValueError, match="dim must be an integer"):
+        fm.get("favor+", projection=W, dim=0)
+
+
 # ---------------------------------------------------------------------------
 # RFF
 # ---------------------------------------------------------------------------
@@ -423,6 +471,59 @@ def test_hedgehog_default_and_custom(rng):
 
 
 # ---------------------------------------------------------------------------
+# T2R
+# ---------------------------------------------------------------------------
+def test_t2r_default_and_custom(rng):
+    """phi(x) = relu(W x + b) (Kasai et al. 2021); the defaults W = I, b = 0 give the relu map."""
+    x, y = rng.normal(size=(2, 6, 3))
+    phi = fm.get("t2r")
+    assert isinstance(phi, fm.T2RFeatureMap) and phi.kernel_code is None
+    assert phi.is_positive and not phi.strictly_positive and not phi.needs_normalizer
+    np.testing.assert_array_equal(phi(x), fm.get("relu")(x))
+    W = rng.normal(size=(5, 3))
+    b = rng.normal(size=5)
+    phi = fm.get("t2r", W=W, b=b)
+    np.testing.assert_allclose(phi(x), np.maximum(x @ W.T + b, 0.0), rtol=1e-15)
+    assert (phi(x) == 0).any() and (phi(x) > 0).any()  # both sides of the kink
+    for role in ("query", "key"):  # no role-dependent shift
+        np.testing.assert_array_equal(phi.apply(x, role=role, causal=True), phi(x))
+    for causal in (False, True):
+        exact = _normalised(phi(x) @ phi(y).T, causal, eps=1e-300)
+        np.testing.assert_allclose(attention_weights(x, y, phi, causal=causal, eps=1e-300), exact, rtol=1e-12)
+    assert np.isnan(phi(np.array([np.nan, 0.0, 0.0]))).all()  # NaN propagates through W x
+    assert repr(phi) == "T2RFeatureMap(W shape=(5, 3), b=set)"
+    assert repr(fm.get("t2r")) == "T2RFeatureMap(W shape=None, b=None)"
+
+
+@pytest.mark.parametrize("name", ["hedgehog", "t2r"])
+def test_affine_maps_check_w_and_b(name):
+    """hedgehog and t2r share the checks of W and b; every message names the map, the argument and the shapes."""
+    bad = [
+        (dict(W=np.ones(3)), ValueError, r"W must be a non-empty 2-D array \(d_out, d\), got shape \(3,\)"),
+        (dict(W=np.ones((0, 3))), ValueError, r"W must be a non-empty 2-D array .* got shape \(0, 3\)"),
+        (dict(W=[[1.0, np.inf]]), ValueError, "W must be finite"),
+        (dict(W=np.ones((2, 3)) * 1j), TypeError, "W must be an array of real numbers, got dtype complex128"),
+        (dict(W=np.ones((2, 3)), b=np.ones(3)), ValueError, r"b must have shape \(2,\), got \(3,\)"),
+        (dict(b=np.ones((2, 2))), ValueError, r"b must have shape \(d,\), got \(2, 2\)"),
+        (dict(b=np.ones(0)), ValueError, r"b must have shape \(d,\), got \(0,\)"),
+        (dict(b=[np.nan]), ValueError, "b must be finite"),
+        (dict(b=["a"]), TypeError, "b must be an array of real numbers"),
+    ]
+    for kw, exc, match in bad:
+        with pytest.raises(exc, match=f"{name}: {match}"):
+            fm.get(name, **kw)
+    with pytest.raises(ValueError, match=rf"{name}: W has shape \(2, 3\), inputs have dimension 4"):
+        fm.get(name, W=np.ones((2, 3)))(np.ones((1, 4)))
+    with pytest.raises(ValueError, match=rf"{name}: b has shape \(3,\), projections have dimension 4"):
+        fm.get(name, b=np.ones(3))(np.ones((1, 4)))
+    # the map keeps float64 copies: changing the caller's arrays later does not change it
+    W, b = np.ones((2, 3), dtype=np.float32), np.zeros(2)
+    phi = fm.get(name, W=W, b=b)
+    W[0, 0], b[0] = 5.0, 5.0
+    assert phi.W.dtype == np.float64 and phi.W[0, 0] == 1.0 and phi.b[0] == 0.0
+
+
+# ---------------------------------------------------------------------------
 # through the dispatcher
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("name", NEW_MAPS + ("dpfp",))
@@ -431,7 +532,7 @@ def test_hedgehog_default_and_custom(rng):
 def test_linear_attention_equals_explicit_weights(name, causal, n, rng):
     """linear_attention with each map equals its explicit weights (attention_weights) times v."""
     d, m = 4, 3
-    phi = _build(name)
+    phi = _build(name, d)
     q, k = rng.normal(size=(2, 3, n, d)) * 0.7
     v = rng.normal(size=(3, n, m))
     eps = None if name == "rff" else 1e-8

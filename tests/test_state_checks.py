@@ -6,7 +6,7 @@
 * a state file's feature-map probe is always checked (issue 12 point 6);
 * the decode-step launchers are method-table entries, looked up once (issue 13
   point 3);
-* the NumPy-side maps (favor+, rff, cosformer, hedgehog, taylor2) decode as
+* the NumPy-side maps (favor+, rff, cosformer, hedgehog, t2r, taylor2) decode as
   ``linear_attention(causal=True)`` computes with the same map instance.
 """
 from __future__ import annotations
@@ -297,12 +297,13 @@ def _maps(n, d):
         "rff": fm.get("rff", seed=1),
         "cosformer": fm.get("cosformer", max_length=n),
         "hedgehog": fm.get("hedgehog", W=0.3 * rng.standard_normal((3, d)), b=0.1 * rng.standard_normal(3)),
+        "t2r": fm.get("t2r", W=0.5 * rng.standard_normal((7, d)), b=0.5 + 0.2 * rng.standard_normal(7)),
         "taylor2": fm.get("taylor2"),
     }
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", ["favor+", "rff", "cosformer", "hedgehog", "taylor2"])
+@pytest.mark.parametrize("name", ["favor+", "rff", "cosformer", "hedgehog", "t2r", "taylor2"])
 def test_numpy_side_maps_decode_like_the_causal_kernel(name, device):
     """prefill, single-token and multi-token steps give linear_attention(causal=True)'s rows and
     final state with the same map instance; query reads phi(q)^T S / phi(q)^T z at the current

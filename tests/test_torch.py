@@ -167,9 +167,10 @@ def test_gradcheck_builtin_feature_maps(feature_map, rule, method, small_chunks)
 
 @needs_fm_vjp
 @pytest.mark.parametrize("causal", [False, True])
-def test_gradcheck_hedgehog_parameters(causal):
-    """d_params flows back to the map's parameters passed as tensors."""
-    fmap = fm.get("hedgehog")
+@pytest.mark.parametrize("name", ["hedgehog", "t2r"])
+def test_gradcheck_hedgehog_parameters(name, causal):
+    """d_params flows back to the map's parameters passed as tensors (hedgehog, and t2r's relu(W x + b))."""
+    fmap = fm.get(name)
     if not hasattr(fmap, "materialize"):
         pytest.skip("HedgehogFeatureMap.materialize not merged yet")
     fmap.materialize(D)

@@ -269,13 +269,15 @@ def _map(name):
         return fm.get("favor+", dim=3, num_features=6, seed=1)
     if name == "hedgehog":
         return fm.HedgehogFeatureMap(W=RNG.normal(size=(2, 3)) * 0.5, b=RNG.normal(size=2) * 0.1)
+    if name == "t2r":  # d_out = 4 != d = 3; a positive bias keeps W x + b off the kink
+        return fm.T2RFeatureMap(W=RNG.normal(size=(4, 3)) * 0.5, b=0.5 + RNG.uniform(0.0, 0.2, size=4))
     if name == "cosformer":
         return fm.get("cosformer", max_length=16)
     return fm.get(name)
 
 
 @pytest.mark.parametrize("name", ["elu", "relu", "squared_relu", "l2", "silu_l2", "taylor2", "favor+", "hedgehog",
-                                  "cosformer", "dpfp"])
+                                  "t2r", "cosformer", "dpfp"])
 def test_gradients_through_feature_maps(name):
     """The chain through phi: FD of linear_attention with the map, causal, with a decay; segment offset 3."""
     q, k, v, g = _inputs(positive=False)
@@ -284,13 +286,13 @@ def test_gradients_through_feature_maps(name):
     st = la.LinearState(RNG.uniform(0, 1, (2, f, 4)), RNG.uniform(0.5, 1, (2, f)), 3, "decay")
     res = _check_against_fd(q, k, v, g, feature_map=fmap, causal=True, method="quadratic", decay=0.9,
                             initial_state=st)
-    if name != "hedgehog":
+    if name not in ("hedgehog", "t2r"):
         assert res.d_params is None
         return
     assert set(res.d_params) == {"W", "b"}
 
     def loss(W, b):
-        out = la.linear_attention(q, k, v, feature_map=fm.HedgehogFeatureMap(W, b), causal=True, method="quadratic",
+        out = la.linear_attention(q, k, v, feature_map=type(fmap)(W, b), causal=True, method="quadratic",
                                   decay=0.9, initial_state=st)
         return float(np.sum(out * g))
 

@@ -101,7 +101,16 @@ def probe_features(fmap, d: int) -> np.ndarray:
 
 
 def feature_map_spec(fmap, d: int):
-    """(params_json, arrays, rebuild_error): how to rebuild ``fmap`` through the registry."""
+    """(params_json, arrays, rebuild_error): how to rebuild ``fmap`` through the registry.
+
+    Every constructor parameter is read from the attribute of the same name
+    (or with a leading underscore): numbers, strings, booleans and lists go
+    to the JSON, real arrays (a fitted map's ``W`` and ``b``, a trained
+    FAVOR+ ``projection``) to their own entries; a parameter that is None
+    with the default None is left out.  The map rebuilt from them must give
+    the same features on :func:`probe`, else the map is recorded as not
+    rebuildable (``rebuild_error``).
+    """
     cls = type(fmap)
     name = getattr(fmap, "name", "")
     if not name:
@@ -122,6 +131,8 @@ def feature_map_spec(fmap, d: int):
             else:
                 return "", {}, (f"parameter {p.name!r} of {cls.__name__} is not stored as an attribute "
                                 f"({p.name!r} or '_{p.name}')")
+            if val is None and p.default is None:
+                continue  # left at its default: files stay readable by releases that predate the parameter
             if isinstance(val, np.ndarray):
                 if val.dtype.kind not in "biuf":
                     return "", {}, f"parameter {p.name!r} is a {val.dtype} array"
