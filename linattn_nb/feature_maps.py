@@ -156,6 +156,10 @@ class FeatureMap:
     kernel_code: int | None = None
     is_positive: bool = False
     strictly_positive: bool = False
+    #: The registered map whose features this map gives at its default
+    #: parameters (t2r at ``W = I``, ``b = 0`` is relu): the studies leave it
+    #: out of their default map lists.  None for most maps.
+    same_as: str | None = None
     position_dependent: bool = False
     #: True when ``phi(q) . phi(k)`` estimates or approximates the softmax
     #: kernel ``exp(scale q . k)`` (such maps take ``scale``, default
@@ -1509,6 +1513,7 @@ class T2RFeatureMap(_AffineFeatureMap):
     """
 
     name = "t2r"
+    same_as = "relu"
     kernel_code = None
     is_positive = True
     strictly_positive = False

@@ -42,8 +42,13 @@ def build_map(name: str, *, dim=None, num_features=None, seed=None, **params):
     return fm.get(name, **kw)
 
 
-def buildable_maps(*, positive_only: bool = False) -> list[str]:
-    """Registered maps that build with at most ``dim``/``num_features``/``seed`` given."""
+def buildable_maps(*, positive_only: bool = False, defaults: bool = False) -> list[str]:
+    """Registered maps that build with at most ``dim``/``num_features``/``seed`` given.
+
+    ``defaults``: only the maps a study sweeps when none are named, leaving
+    out those whose default features are another registered map's
+    (``FeatureMap.same_as``, e.g. t2r at ``W = I``, ``b = 0`` is relu).
+    """
     from .. import feature_maps as fm
 
     names = []
@@ -53,6 +58,8 @@ def buildable_maps(*, positive_only: bool = False) -> list[str]:
         except Exception:  # the map needs parameters a study cannot guess
             continue
         if positive_only and not fmap.is_positive:
+            continue
+        if defaults and getattr(fmap, "same_as", None) in fm.available():
             continue
         names.append(name)
     return names

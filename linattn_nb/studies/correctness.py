@@ -73,7 +73,7 @@ def _feature_maps() -> list[str]:
     """Registered positive maps that build without parameters (random maps get a fixed seed)."""
     from ._maps import buildable_maps
 
-    return buildable_maps(positive_only=True)
+    return buildable_maps(positive_only=True, defaults=True)
 
 
 def points(ctx) -> list[dict]:

@@ -106,7 +106,7 @@ def points(ctx, *, dim=None, scales=None, maps=None, m=None, n=None, seeds=None,
         nseeds = _check_list("seeds", seeds, int, 1)[0]
     if causal is not None:
         causal_mid = bool(causal)
-    names = buildable_maps() if maps is None else list(maps)
+    names = buildable_maps(defaults=True) if maps is None else list(maps)
     known = set(buildable_maps())
     for name in names:
         if name not in known:

@@ -70,7 +70,7 @@ def points(ctx, *, dim=None, maps=None, m=None, n=None, seeds=None, value_dim=No
             raise ValueError(f"rank study: seeds must be an integer >= 1, got {seeds!r}")
         nseeds = seeds
     known = buildable_maps()
-    names = known if maps is None else [x for x in maps if x != SOFTMAX]
+    names = buildable_maps(defaults=True) if maps is None else [x for x in maps if x != SOFTMAX]
     for name in names:
         if name not in known:
             raise ValueError(f"rank study: unknown or unbuildable feature map {name!r} in maps; "
