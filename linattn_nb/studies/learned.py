@@ -434,6 +434,7 @@ def _plot(agg, ctx) -> list:
 
 
 def render(records, ctx) -> Rendered:
+    """The section: the regimes, one table of every map per regime, the fits, what the numbers show, the plot."""
     ok, failed, problems, failed_md = split_failed("learned", records)
     if not ok:
         return Rendered("\n".join(failed_md), "0 points", problems)
