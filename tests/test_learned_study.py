@@ -116,7 +116,7 @@ def test_tiny_profile_runs_and_writes_its_tables(tiny):
     text = (out / "report.md").read_text()
     section = text.split("## Learned against fixed feature maps")[1].split("\n## ")[0]
     # the regime line: distribution, scale, d, N, seeds, the error bars
-    for needle in ("**benign**: q, k ~ 0.5·N(0, I), softmax temperature 1/√d",
+    for needle in ("Regime: 3 input regimes", "**benign**: q, k ~ 0.5·N(0, I), softmax temperature 1/√d",
                    "**gaussian**: q, k ~ 1·N(0, I), softmax temperature 1/√d",
                    "**low-entropy**: q, k ~ 1·N(0, I), softmax temperature 2/√d",
                    "d = 8, N = 64", "2 seeds", "standard error of the mean", "float32 copies of the training draw",

@@ -268,7 +268,7 @@ def _regime_line(agg) -> str:
         parts.append(f"**{regime}**: q, k ~ {fmt(s)}·N(0, I), softmax temperature {fmt(c)}/√d "
                      f"(logit standard deviation {fmt(c * s * s)})")
     p = agg.params[agg.regimes[0]]
-    return ("Regimes: " + "; ".join(parts) + f".  In each: d = {p['d']}, N = {p['n']} (training and evaluation "
+    return (f"Regime: {len(parts)} input regimes, " + "; ".join(parts) + f".  In each: d = {p['d']}, N = {p['n']} (training and evaluation "
             f"draws of the same size, v ~ N(0, I) in R^{p['d']}), non-causal, one head; {len(agg.seeds)} seeds "
             "(a seed draws the training set, the fresh evaluation set and FAVOR+'s features; the same seed draws "
             f"the same standard-normal q, k, v in every regime).  Fits: `feature_maps.fit(..., loss="
