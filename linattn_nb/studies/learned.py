@@ -222,7 +222,10 @@ def _se(x):
 
 def _pct(rate) -> str:
     """A fraction as a percentage, e.g. ``"99.6%"``."""
-    return f"{100.0 * rate:.3g}%"
+    text = f"{100.0 * rate:.3g}"
+    if rate < 1.0 and float(text) >= 100.0:
+        return "> 99.9%"
+    return f"{text}%"
 
 
 def _pm(mean, se, digits=3) -> str:
@@ -268,8 +271,9 @@ def _regime_line(agg) -> str:
         parts.append(f"**{regime}**: q, k ~ {fmt(s)}·N(0, I), softmax temperature {fmt(c)}/√d "
                      f"(logit standard deviation {fmt(c * s * s)})")
     p = agg.params[agg.regimes[0]]
-    return (f"Regime: {len(parts)} input regimes, " + "; ".join(parts) + f".  In each: d = {p['d']}, N = {p['n']} (training and evaluation "
-            f"draws of the same size, v ~ N(0, I) in R^{p['d']}), non-causal, one head; {len(agg.seeds)} seeds "
+    return (f"Regime: {len(parts)} input regimes, " + "; ".join(parts) + f".  In each: d = {p['d']}, N = {p['n']} "
+            f"(training and evaluation draws of the same size, v ~ N(0, I) in R^{p['d']}), non-causal, one head; "
+            f"{len(agg.seeds)} seeds "
             "(a seed draws the training set, the fresh evaluation set and FAVOR+'s features; the same seed draws "
             f"the same standard-normal q, k, v in every regime).  Fits: `feature_maps.fit(..., loss="
             f"'cross_entropy', optimizer='lbfgs', steps={p['steps']})` on {p['fit_dtype']} copies of the training "
@@ -341,11 +345,13 @@ def _generalisation(agg, regime) -> str:
         drop[part] = a - b
     if not all(math.isfinite(v) for v in drop.values()):
         return ""
+
     def moved(x):
         return f"fell by {fmt(x)}" if x >= 0 else f"rose by {fmt(-x)}"
 
-    return (f"; its loss {moved(drop['train'])} nats on the training draw and {moved(drop['heldout'])} on the "
-            "evaluation draw")
+    held = (f"by {fmt(abs(drop['heldout']))}" if (drop["heldout"] >= 0) == (drop["train"] >= 0)
+            else moved(drop["heldout"]))
+    return f"; its loss {moved(drop['train'])} nats on the training draw and {held} on the evaluation draw"
 
 
 def _findings(agg) -> list:
