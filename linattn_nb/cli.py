@@ -3,7 +3,8 @@
 ``linattn info``    versions, threading, CUDA, cache directory.
 ``linattn demo``    a short run of every CPU method against the reference.
 ``linattn report``  run every built-in study; write report.md, plots and raw JSONL.
-``linattn check``, ``bench``, ``error``, ``rank``, ``recall``, ``horizon``, ``rules``: one study each.
+``linattn check``, ``bench``, ``error``, ``rank``, ``recall``, ``horizon``, ``rules``, ``learned``: one
+study each.
 
 ``linattn error|rank|recall`` take problem options (``--dim``, ``--scale``,
 ``--maps``, ``--m``, ``--n``, ``--seeds``) that change the profile's grid, and

@@ -24,7 +24,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 def test_notebooks_exist():
     assert any(p.name.startswith("01_quickstart") for p in NOTEBOOKS)
-    for prefix in ("02_approximation_error", "03_rank_and_recall", "04_gpu_and_interop", "05_training"):
+    for prefix in ("02_approximation_error", "03_rank_and_recall", "04_gpu_and_interop", "05_training",
+                   "06_learned_maps"):
         assert any(p.name.startswith(prefix) for p in NOTEBOOKS), prefix
 
 

@@ -5,7 +5,7 @@
   rerun resumes from.
 * :data:`STUDIES` lists the built-in studies (correctness self-check,
   throughput, approximation error, rank, recall capacity, memory horizon,
-  update rules against the capacity floor);
+  update rules against the capacity floor, learned against fixed feature maps);
   :func:`register_study` adds one.
 * :func:`run_report` runs them and writes ``report.md`` with tables and plots
   (the ``linattn report`` command).
