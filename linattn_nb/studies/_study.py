@@ -62,8 +62,8 @@ class Context:
         The report folder (plots go here).
     profile : {"tiny", "quick", "full"}
         ``"tiny"`` is a smoke test (seconds; the test suite), ``"quick"`` a
-        first look (``linattn report --quick``, <= 2 minutes on 2 cores),
-        ``"full"`` the default.
+        first look (``linattn report --quick``), ``"full"`` the default; the
+        studies' :attr:`Study.budget_s` say what each takes.
     devices : tuple of str
         ``("cpu",)`` or ``("cpu", "cuda")`` (a real GPU is present).
     plots : bool

@@ -289,5 +289,5 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
-    budget_s={"tiny": 120, "quick": 60, "full": 480},
+    budget_s={"tiny": 120, "quick": 60, "full": 360},
 ))
