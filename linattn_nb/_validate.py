@@ -276,11 +276,13 @@ def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool)
         lg = np.broadcast_to(lg, target)
     except ValueError:
         raise ValueError(f"{name} of shape {lg.shape} does not broadcast to {target}; expected {forms}") from None
+    # Writeable copies, never read-only broadcast views: Numba compiles a kernel once more for a
+    # read-only array argument, so a view here would double the causal kernels' compilations.
     if rule == "gate":
-        return rule, {"log_gate": np.ascontiguousarray(lg.reshape(b, n, f))}
+        return rule, {"log_gate": np.require(lg.reshape(b, n, f), np.float64, ("C", "W"))}
     if len(target) == nb:  # per sequence: the same factor at every token
         lg = np.broadcast_to(lg.reshape(b, 1), (b, n))
-    return rule, {"log_decay": np.ascontiguousarray(lg.reshape(b, n))}
+    return rule, {"log_decay": np.require(lg.reshape(b, n), np.float64, ("C", "W"))}
 
 
 def beta_inputs(beta, batch_shape, n: int):
@@ -327,4 +329,4 @@ def beta_inputs(beta, batch_shape, n: int):
         raise ValueError(f"beta of shape {x.shape} does not broadcast to {target}; expected {forms}") from None
     if len(target) == nb:
         x = np.broadcast_to(x.reshape(b, 1), (b, n))
-    return np.ascontiguousarray(x.reshape(b, n))
+    return np.require(x.reshape(b, n), np.float64, ("C", "W"))  # writeable: see decay_inputs

@@ -123,9 +123,10 @@ def cmd_demo(args) -> int:
     return 0
 
 
-#: What ``--quick`` costs, as measured: ``linattn report --quick`` with a warm kernel cache took 258 s of
-#: CPU time (user) on the 2-core development VM; notebook 01 quotes the same words (tests/test_cli.py).
-QUICK_TIME = "about 260 s of CPU time, 2-4 minutes on 2 free cores"
+#: What ``--quick`` costs, as measured on the 2-core development VM (load average about 1): a first run, with
+#: a cold kernel cache (most of it compiling the kernels), 147 s (175 s of CPU time); notebook 01 quotes the
+#: same words (tests/test_cli.py).
+QUICK_TIME = "about 2.5 minutes on 2 cores on a first run, most of it compiling the kernels"
 
 
 def _study_options(p, *, default_out: str) -> None:
@@ -135,7 +136,8 @@ def _study_options(p, *, default_out: str) -> None:
     p.add_argument("--quick", action="store_true",
                    help=f"same as --profile quick (the whole report: {QUICK_TIME})")
     p.add_argument("--profile", choices=("tiny", "quick", "full"), default=None,
-                   help="problem sizes: full (default; <= 15 min on 2 cores), quick, or tiny (a smoke test)")
+                   help="problem sizes: full (default; about 8 min on 2 cores on a first run, which compiles the "
+                        "kernels; each study has a time budget, stated in report.md), quick, or tiny (a smoke test)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
                    help="auto (default): the CPU, plus the GPU when a real one is present; cpu; cuda (GPU only)")
     p.add_argument("--scheduler", metavar="ADDR", default=None,

@@ -100,7 +100,8 @@ def log_factors(rule, inputs, batch: int, n: int, f: int) -> np.ndarray:
     scalar per token, ``inputs["log_decay"]`` of shape (batch, n)) and ``f``
     for the gate rule (one factor per feature, ``inputs["log_gate"]`` of
     shape (batch, n, f)).  Every rule's kernels thus get the same Numba
-    types (one compilation).  Call after :func:`check_rule`.
+    types (one compilation); the array is writeable, as Numba types a
+    read-only array apart.  Call after :func:`check_rule`.
 
     The delta rules get ``G = 2``: column 0 the log-decay
     (``inputs["log_decay"]`` of the gated delta rule, 0 for the delta rule),
@@ -127,7 +128,8 @@ def log_factors(rule, inputs, batch: int, n: int, f: int) -> np.ndarray:
     x = np.asarray(inputs[name])
     if x.shape != shape:
         raise ValueError(f"inputs: {name} of the {rule_name(rule)} rule must have shape {shape}, got {x.shape}")
-    return np.ascontiguousarray(x, dtype=np.float64).reshape(batch, n, 1 if rule == RULE_DECAY else f)
+    # writeable (a read-only array is another Numba type: every kernel would compile once more)
+    return np.require(x, np.float64, ("C", "W")).reshape(batch, n, 1 if rule == RULE_DECAY else f)
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, inline="always")

@@ -62,8 +62,8 @@ class Context:
         The report folder (plots go here).
     profile : {"tiny", "quick", "full"}
         ``"tiny"`` is a smoke test (seconds; the test suite), ``"quick"`` a
-        first look (``linattn report --quick``, <= 2 minutes on 2 cores),
-        ``"full"`` the default.
+        first look (``linattn report --quick``), ``"full"`` the default; the
+        studies' :attr:`Study.budget_s` say what each takes.
     devices : tuple of str
         ``("cpu",)`` or ``("cpu", "cuda")`` (a real GPU is present).
     plots : bool
@@ -224,7 +224,9 @@ class Study:
         The ``linattn`` subcommand that runs this study alone.
     help : str
         One line for ``linattn --help``.
-    points, run, render, requires : callable
+    points, run, render : callable
+    requires : callable, optional
+        None (the default) means the study can always run.
     timing : bool
         The study measures time: its points always run one at a time in the
         reporting process, never concurrently on shared cores (timings taken
@@ -242,9 +244,23 @@ class Study:
     points: Callable
     run: Callable
     render: Callable
-    requires: Callable = _always_available
+    requires: Callable | None = None
     timing: bool = False
     budget_s: dict | None = None
+
+    def __post_init__(self):
+        if self.requires is None:
+            object.__setattr__(self, "requires", _always_available)
+
+    def __repr__(self) -> str:
+        # the names, not the functions' reprs (addresses that change every run)
+        budget = "" if self.budget_s is None else f", budget_s={self.budget_s!r}"
+        return (f"Study(name={self.name!r}, command={self.command!r}, title={self.title!r}, "
+                f"timing={self.timing!r}{budget}, points={_qualname(self.points)}, run={_qualname(self.run)})")
+
+
+def _qualname(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 STUDIES: list[Study] = []

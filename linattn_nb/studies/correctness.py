@@ -2,7 +2,8 @@
 
 Every method in the method table (:mod:`linattn_nb.ops.registry`) other than
 the quadratic reference, for every positive feature map that needs no
-parameters, causal and non-causal, in float16, float32 and float64, runs on a
+parameters, causal and non-causal, in float16, float32 and float64 (the quick
+profile: float32 only, see :data:`PROFILE_DTYPES`), runs on a
 set of edge shapes (N = 0 and 1, odd N, batch sizes below and above the
 thread count, D != M) and is compared with the float64 quadratic reference
 computed from the same (rounded) inputs.  Causal methods are also checked
@@ -28,6 +29,11 @@ from ._study import Rendered, Study, fmt, markdown_table, register_study
 #: computed in float32 and rounded to float16 on output (unit round-off 4.9e-4).
 TOLERANCES = {"float16": 3e-3, "float32": 2e-5, "float64": 1e-11}
 DTYPES = ("float16", "float32", "float64")
+#: The dtypes each profile checks.  A kernel compiles once per dtype (float16 twice: with float16 and with
+#: float32 features), and compilation is most of a cold run, so the quick profile checks float32 only
+#: (every method, feature map and update rule still), a quarter of the full profile's compilations; the
+#: full profile (and the tiny smoke test) checks every dtype.
+PROFILE_DTYPES = {"tiny": DTYPES, "quick": ("float32",), "full": DTYPES}
 #: Update rules with per-token inputs checked besides the additive rule (causal only), and the
 #: feature map each is checked with (the delta rules need unit keys to stay bounded: "l2").
 DECAY_RULES = {"decay": "elu", "gate": "elu", "delta": "l2", "gated_delta": "l2"}
@@ -77,11 +83,12 @@ def _feature_maps() -> list[str]:
 
 
 def points(ctx) -> list[dict]:
-    """One point per (attention, device, causal, feature map); it checks every method and dtype."""
+    """One point per (attention, device, causal, feature map); it checks every method and the profile's dtypes."""
     from ..ops import methods as _methods  # noqa: F401 - registers the built-in methods
     from ..ops.registry import available_methods
 
     shapes = _shapes(ctx.profile)
+    dtypes = list(PROFILE_DTYPES[ctx.profile])
     pts = []
     for device in ctx.devices:
         for causal in (False, True):
@@ -90,17 +97,17 @@ def points(ctx) -> list[dict]:
                 continue
             for fmap in _feature_maps():
                 pts.append(dict(kind="linear", device=device, causal=causal, feature_map=fmap,
-                                methods=methods, dtypes=list(DTYPES), shapes=shapes))
+                                methods=methods, dtypes=dtypes, shapes=shapes))
             if causal:
                 for rule, rmap in DECAY_RULES.items():
                     rmethods = [m for m in available_methods(causal=True, device=device, rule=rule)
                                 if m != "quadratic"]
                     if rmethods:
                         pts.append(dict(kind="linear", device=device, causal=True, feature_map=rmap,
-                                        methods=rmethods, dtypes=list(DTYPES), shapes=shapes, rule=rule))
+                                        methods=rmethods, dtypes=dtypes, shapes=shapes, rule=rule))
     for causal in (False, True):
         pts.append(dict(kind="softmax", device="cpu", causal=causal, feature_map=None,
-                        methods=["blocked"], dtypes=list(DTYPES), shapes=shapes))
+                        methods=["blocked"], dtypes=dtypes, shapes=shapes))
     return pts
 
 
@@ -229,10 +236,11 @@ def render(records, ctx) -> Rendered:
                     f"relative error {fmt(max(c['max_rel_error'], c['state_rel_error']))} > tolerance "
                     f"{fmt(c['tol'])} (worst shape B, N, D, M = {c['worst_shape']})")
                 problems.append(f"correctness: {' '.join(label)} {c['dtype']}: {what}")
+    checked = [dt for dt in DTYPES if any(dt in g for g in groups.values())] or list(DTYPES)
     rows = []
     for label, by_dtype in groups.items():
         cells = []
-        for dtype in DTYPES:
+        for dtype in checked:
             c = by_dtype.get(dtype)
             if c is None:
                 cells.append("–")
@@ -256,10 +264,14 @@ def render(records, ctx) -> Rendered:
         "",
         f"Regime: q, k, v ~ N(0, I) (seed 0 per shape; softmax temperature 1/√D; decay factors in [0.5, 1] with a "
         "reset, write strengths β in [0, 2]); one seed, because a check is a worst case over the shapes, not an "
-        f"average.  Shapes (B, N, D, M): {', '.join('(' + ', '.join(map(str, s)) + ')' for s in shapes)}.",
+        f"average.  Shapes (B, N, D, M): {', '.join('(' + ', '.join(map(str, s)) + ')' for s in shapes)}.  "
+        f"Input dtypes: {', '.join(checked)}"
+        + ("" if len(checked) == len(DTYPES) else
+           f" (the {ctx.profile} profile; the full profile checks {', '.join(DTYPES)}: every dtype is a kernel "
+           "compilation of its own)") + ".",
         "",
-        markdown_table(["attention", "mode", "rule", "device", "method", "feature map", *DTYPES], rows,
-                       align="llllll" + "r" * len(DTYPES)),
+        markdown_table(["attention", "mode", "rule", "device", "method", "feature map", *checked], rows,
+                       align="llllll" + "r" * len(checked)),
     ]
     if problems:
         md += ["", "Failures:", ""] + [f"- {p}" for p in problems]
@@ -277,5 +289,5 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
-    budget_s={"tiny": 120, "quick": 60, "full": 480},
+    budget_s={"tiny": 120, "quick": 60, "full": 360},
 ))

@@ -522,5 +522,5 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
-    budget_s={"tiny": 60, "quick": 45, "full": 300},
+    budget_s={"tiny": 60, "quick": 50, "full": 180},
 ))

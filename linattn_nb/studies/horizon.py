@@ -167,5 +167,5 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
-    budget_s={"tiny": 30, "quick": 60, "full": 60},
+    budget_s={"tiny": 30, "quick": 10, "full": 30},
 ))

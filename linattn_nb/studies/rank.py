@@ -236,5 +236,5 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
-    budget_s={"tiny": 30, "quick": 30, "full": 120},
+    budget_s={"tiny": 30, "quick": 15, "full": 60},
 ))

@@ -178,5 +178,5 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
-    budget_s={"tiny": 30, "quick": 20, "full": 90},
+    budget_s={"tiny": 30, "quick": 10, "full": 60},
 ))

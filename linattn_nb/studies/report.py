@@ -40,6 +40,9 @@ class ReportResult:
     sections : dict
         Study name -> :class:`~linattn_nb.studies.Rendered`.
     elapsed_s : float
+    cached_kernels : int or None
+        Compiled kernels in linattn_nb's on-disk cache when the report started
+        (0: a cold cache, every kernel compiles first; None: caching is off).
     """
 
     path: Path
@@ -47,6 +50,17 @@ class ReportResult:
     skipped: list = field(default_factory=list)
     sections: dict = field(default_factory=dict)
     elapsed_s: float = 0.0
+    cached_kernels: int | None = None
+
+
+def _cached_kernels() -> int | None:
+    """Number of compiled kernels (``*.nbc`` files) in linattn_nb's cache folder; None when caching is off."""
+    from .. import _cache
+
+    folder = _cache.cache_folder()[0]
+    if folder is None:
+        return None
+    return sum(1 for _ in Path(folder).rglob("*.nbc"))
 
 
 def resolve_devices(device: str) -> tuple:
@@ -185,8 +199,10 @@ def run_report(
         The report folder: ``report.md``, one ``<study>.jsonl`` of raw results
         and the PNG plots per study.  Created if missing.
     profile : {"full", "quick", "tiny"}
-        Problem sizes: ``"full"`` (<= 15 minutes on 2 cores), ``"quick"``
-        (<= 2 minutes), ``"tiny"`` (a smoke test in seconds).
+        Problem sizes: ``"full"``, ``"quick"`` (a first look) or ``"tiny"`` (a
+        smoke test in seconds).  Each study states its time budget per
+        profile (:attr:`Study.budget_s`); ``report.md`` prints it beside the
+        time taken and warns when a study overran it.
     device : {"auto", "cpu", "cuda"}
         ``"auto"``: the CPU, and the GPU when a real one is present.
     scheduler : str or distributed.Client, optional
@@ -266,7 +282,7 @@ def run_report(
         except ImportError as exc:
             raise ImportError("--scheduler needs dask.distributed: pip install 'linattn_nb[dask]'") from exc
         client = Client(scheduler, timeout="30s")
-    result = ReportResult(path=out / "report.md")
+    result = ReportResult(path=out / "report.md", cached_kernels=_cached_kernels())
     timings = {}
     try:
         for i, study in enumerate(selected, 1):
@@ -350,7 +366,10 @@ def _write_markdown(result: ReportResult, ctx: Context, selected, timings, comma
         "# linattn_nb report",
         "",
         f"Generated {now} by `{cmd}` in {result.elapsed_s:.0f} s; profile `{ctx.profile}`, "
-        f"devices: {', '.join(ctx.devices)}.",
+        f"devices: {', '.join(ctx.devices)}; "
+        + ("kernel cache off (every kernel compiles)" if result.cached_kernels is None else
+           "kernel cache cold at the start (every kernel compiled first)" if result.cached_kernels == 0 else
+           f"{result.cached_kernels} compiled kernels in the cache at the start") + ".",
         "",
     ]
     if result.problems:
@@ -369,6 +388,11 @@ def _write_markdown(result: ReportResult, ctx: Context, selected, timings, comma
         total = sum(b for _, b in budgets)
         lines += [f"Time budget of this profile (2 shared cores): {total:.0f} s in all; per study, budget / taken: "
                   + ", ".join(f"{s.name} {b:.0f} / {timings.get(s.name, 0):.0f} s" for s, b in budgets) + ".", ""]
+    over = [(s, b) for s, b in budgets if b is not None and timings.get(s.name, 0) > b]
+    if over:
+        lines += ["**Warning: over the time budget** (a cold kernel cache compiles every kernel first; a busy "
+                  "machine slows every study): "
+                  + ", ".join(f"{s.name} took {timings.get(s.name, 0):.0f} s of {b:.0f} s" for s, b in over) + ".", ""]
     for study in selected:
         r = result.sections.get(study.name)
         if r is None:

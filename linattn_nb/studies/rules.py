@@ -227,5 +227,5 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
-    budget_s={"tiny": 30, "quick": 20, "full": 30},
+    budget_s={"tiny": 30, "quick": 5, "full": 15},
 ))

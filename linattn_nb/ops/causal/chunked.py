@@ -301,11 +301,13 @@ def _chunked_pass(mode, q, k, v, Hst, Fp, out, proto, code, eps, norm, C, sub, b
     B = q.shape[0]
     wt = proto.dtype
     nitems = B * Hst.shape[1]
+    # np.int64(it): prange's index is unsigned in the parallel kernel; without the cast each item
+    # function compiles a second time, for uint64, besides the int64 of the serial twin's range
     for it in prange(nitems):
         if mode == 0:
-            _sum_item(it, k, v, Hst, Fp, wt, code, C, Hst.shape[1] // sub + 1, sub, rule, lg)
+            _sum_item(np.int64(it), k, v, Hst, Fp, wt, code, C, Hst.shape[1] // sub + 1, sub, rule, lg)
         else:
-            _span_item(it, q, k, v, Hst, out, wt, code, eps, norm, C, bs, rule, lg, flags)
+            _span_item(np.int64(it), q, k, v, Hst, out, wt, code, eps, norm, C, bs, rule, lg, flags)
 
 
 chunked_kernel_serial, chunked_kernel = serial_and_parallel(_chunked_pass, fastmath=config.FASTMATH,

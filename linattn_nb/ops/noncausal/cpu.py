@@ -118,11 +118,12 @@ def _noncausal_phase(mode, q, k, v, parts, H, out, proto, code, eps, norm, block
     B = q.shape[0]
     pieces = parts.shape[1]
     wt = proto.dtype
+    # np.int64(it): one compilation of the item functions for both twins (prange's index is unsigned)
     for it in prange(B * pieces):
         if mode == 0:
-            _aggregate_item(it, k, v, parts, wt, code, block, flags[0])
+            _aggregate_item(np.int64(it), k, v, parts, wt, code, block, flags[0])
         else:
-            _query_item(it, q, H, out, wt, code, eps, norm, block, pieces, flags[1])
+            _query_item(np.int64(it), q, H, out, wt, code, eps, norm, block, pieces, flags[1])
 
 
 noncausal_kernel_serial, noncausal_kernel = serial_and_parallel(_noncausal_phase, fastmath=config.FASTMATH,

@@ -111,7 +111,8 @@ def _softmax(q, k, v, out, scale, causal, block_q, block_k, flags):
     nqb = (N + block_q - 1) // block_q
     ntask = B * nqb
     for task in prange(ntask):
-        _softmax_task(task, q, k, v, out, scale, causal, block_q, block_k, flags)
+        # np.int64: one compilation of the task for both twins (prange's index is unsigned)
+        _softmax_task(np.int64(task), q, k, v, out, scale, causal, block_q, block_k, flags)
 
 
 softmax_kernel_serial, softmax_kernel = serial_and_parallel(_softmax, fastmath=config.FASTMATH, cache=config.CACHE)
