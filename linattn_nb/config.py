@@ -364,6 +364,14 @@ FIT_BLOCK_BYTES = _env_int("LINATTN_FIT_BLOCK_BYTES", 64 << 20)
 #: else recomputes them in every evaluation (one GEMM and one exp per entry).
 FIT_CACHE_BYTES = _env_int("LINATTN_FIT_CACHE_BYTES", 512 << 20)
 
+#: ``fit`` runs BLAS on one thread while one evaluation's products are
+#: smaller than this many multiply-adds (``B * N * N * D_phi``): the block
+#: GEMMs of small fits are far too short to share between threads (a
+#: 256 x 32 x 256 product took 25 ms instead of 0.1 ms with two BLAS threads
+#: on busy cores), while at N = 4096, D_phi = 128 (2**31) two threads gain
+#: about 20% on free cores.
+FIT_SERIAL_BLAS_MAX_WORK = _env_int("LINATTN_FIT_SERIAL_BLAS_MAX_WORK", 1 << 27)
+
 #: Floor of the fitted linear weights in the cross-entropy and KL losses for
 #: maps whose weights can be exactly 0 (``strictly_positive`` False: relu,
 #: T2R): the loss uses ``(1 - floor) * max(L_ij, 0) + floor / n_i`` (a

@@ -32,6 +32,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from .. import config
+from .._blas import single_threaded_blas
 from ._objective import LOSSES, WeightsLoss
 
 __all__ = ["fit", "objective", "FitResult", "FitHistory", "LOSSES", "OPTIMIZERS"]
@@ -204,6 +205,12 @@ class _Objective:
             parts.append(np.zeros(p.size) if g is None else np.asarray(g, dtype=np.float64).ravel())
         return np.concatenate(parts)
 
+    def serial_blas(self):
+        """True when one evaluation is small enough for one BLAS thread (``config.FIT_SERIAL_BLAS_MAX_WORK``)."""
+        b, n, d = self.q.shape
+        feats = self.fmap.output_dim(d)
+        return b * n * n * feats < config.FIT_SERIAL_BLAS_MAX_WORK
+
     def __call__(self, x=None, want_grad=True):
         """``(loss, flat gradient or None)`` at parameters ``x`` (None: as they are)."""
         if x is not None:
@@ -292,7 +299,8 @@ def objective(feature_map, q, k, *, causal=False, scale=None, loss="cross_entrop
     fmap, params, q64, k64, v64, kw = _prepare(feature_map, q, k, causal=causal, scale=scale, loss=loss,
                                                values=values, floor=floor, seed=seed)
     obj = _Objective(fmap, params, q64, k64, v64, **kw)
-    value, g = obj()
+    with single_threaded_blas(obj.serial_blas()):
+        value, g = obj()
     out, i = {}, 0
     for name, p in params.items():
         out[name] = g[i:i + p.size].reshape(p.shape)
@@ -444,6 +452,8 @@ def fit(feature_map, q, k, *, causal=False, scale=None, loss="cross_entropy", st
     record(x0, f0)
     message = ""
     bar = tqdm(total=steps, desc=f"fit {fmap.name}", disable=not progress, leave=False)
+    blas = single_threaded_blas(train.serial_blas())
+    blas.__enter__()
 
     def advance(fx):
         rec["loss"].append(fx)
@@ -494,6 +504,7 @@ def fit(feature_map, q, k, *, causal=False, scale=None, loss="cross_entropy", st
         message = f"interrupted after {done} steps"
         warnings.warn(f"fit: {message}; returning the parameters of step {done}", RuntimeWarning, stacklevel=2)
     finally:
+        blas.__exit__(None, None, None)
         bar.close()
     n_rec = len(rec["t"])
     train.set(rec["x"])

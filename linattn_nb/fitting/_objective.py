@@ -59,6 +59,7 @@ class WeightsLoss:
         cache = config.FIT_CACHE_BYTES if cache_bytes is None else cache_bytes
         self._cache = {} if b * n * n * q.dtype.itemsize <= cache else None
         self._entropy = None  # sum of the softmax rows' entropies, once known
+        self._buffers = None
 
     def _weights(self, bi, r0, r1, kend, want_h):
         key = (bi, r0)
@@ -71,6 +72,15 @@ class WeightsLoss:
         if self._cache is not None:
             self._cache[key] = S
         return S, h
+
+    def _scratch(self, rows, keys, dtype):
+        """Two ``rows x keys`` scratch blocks, allocated once and reused (fresh large
+        allocations page-fault on every evaluation)."""
+        buf = self._buffers
+        if buf is None or buf[0].dtype != dtype or buf[0].shape[0] < rows * keys:
+            buf = self._buffers = (np.empty(self.block * self.q.shape[1], dtype),
+                                   np.empty(self.block * self.q.shape[1], dtype))
+        return tuple(x[:rows * keys].reshape(rows, keys) for x in buf)
 
     def __call__(self, fq, fk, want_grad=True):
         """``(loss, dfq, dfk)``: the mean loss over rows and its gradients (None without ``want_grad``).
@@ -97,8 +107,8 @@ class WeightsLoss:
                         h = np.empty(r1 - r0)
                         K.softmax_rows(S, r0, self.causal, h)
                     entropy += float(h.sum())
-                A = fq[bi, r0:r1] @ fk[bi, :kend].T
-                T = np.empty_like(A)
+                A, T = self._scratch(r1 - r0, kend, fq.dtype)
+                np.matmul(fq[bi, r0:r1], fk[bi, :kend].T, out=A)
                 den = np.empty(r1 - r0)
                 K.floored_weights(A, r0, self.causal, self.floor, T, den)
                 with np.errstate(divide="ignore"):  # log 0 = -inf: a zero weight, handled by the kernel
@@ -107,7 +117,7 @@ class WeightsLoss:
                 K.cross_entropy_rows(P, A, T, den, r0, self.causal, self.floor, want_grad, loss)
                 total += float(loss.sum())
                 if want_grad:
-                    dfq[bi, r0:r1] = A @ fk[bi, :kend]
+                    np.matmul(A, fk[bi, :kend], out=dfq[bi, r0:r1])
                     dfk[bi, :kend] += A.T @ fq[bi, r0:r1]
         if want_h:
             self._entropy = entropy
