@@ -54,17 +54,18 @@ def softmax_rows(S, r0, causal, entropy):
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
 def floored_weights(A, r0, causal, floor, T, den):
-    """Pass 1: row sums ``den_i`` of ``A`` and the floored weights ``T`` (before the logs).
+    """Pass 1: row sums ``den_i`` of ``A`` and the logs of the floored weights, ``T = log(...)``.
 
-    ``T_ij = (1 - floor) max(L_ij, 0) + floor / n_i`` with ``L_ij = a_ij /
-    den_i``; entries past a causal row's end, and every entry of a row with
-    ``den_i <= 0`` (no weights at all), are set to 1 (log 0).  The caller
-    takes ``log(T)`` in place (NumPy's SIMD log), then calls
-    :func:`cross_entropy_rows`.
+    ``T_ij = log((1 - floor) max(L_ij, 0) + floor / n_i)`` with ``L_ij =
+    a_ij / den_i`` (``-inf`` for a zero weight without a floor); entries
+    past a causal row's end, and every entry of a row with ``den_i <= 0``
+    (no weights at all), are set to 0.  Computed in the precision of ``A``;
+    then :func:`cross_entropy_rows` takes over.
     """
     rows, nk = A.shape
-    keep = 1.0 - floor
-    one = T.dtype.type(1.0)
+    ty = T.dtype.type
+    keep = ty(1.0 - floor)
+    zero = ty(0.0)
     for i in prange(rows):
         n_i = min(r0 + i + 1, nk) if causal else nk
         total = 0.0
@@ -72,15 +73,16 @@ def floored_weights(A, r0, causal, floor, T, den):
             total += A[i, j]
         den[i] = total
         if total > 0.0:
-            inv = 1.0 / total
-            base = floor / n_i
+            inv = ty(1.0 / total)
+            base = ty(floor / n_i)
             for j in range(n_i):
-                T[i, j] = keep * max(A[i, j] * inv, 0.0) + base
+                t = keep * max(A[i, j] * inv, zero) + base
+                T[i, j] = math.log(t) if t > zero else -np.inf
             for j in range(n_i, nk):
-                T[i, j] = one
+                T[i, j] = zero
         else:
             for j in range(nk):
-                T[i, j] = one
+                T[i, j] = zero
 
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
@@ -99,8 +101,9 @@ def cross_entropy_rows(P, A, logT, den, r0, causal, floor, want_grad, loss):
     a weight <= 0, has an infinite loss and a zero gradient.
     """
     rows, nk = A.shape
-    keep = 1.0 - floor
-    zero = A.dtype.type(0.0)
+    ty = A.dtype.type  # the weights' arithmetic in their own precision; the loss sums in float64
+    keep = ty(1.0 - floor)
+    zero = ty(0.0)
     for i in prange(rows):
         n_i = min(r0 + i + 1, nk) if causal else nk
         d = den[i]
@@ -108,21 +111,20 @@ def cross_entropy_rows(P, A, logT, den, r0, causal, floor, want_grad, loss):
         total = 0.0
         c = 0.0
         if ok:
-            inv = 1.0 / d
-            base = floor / n_i
-            for j in range(n_i):
+            inv = ty(1.0 / d)
+            base = ty(floor / n_i)
+            misses = 0  # keys of positive softmax weight given a linear weight <= 0
+            for j in range(n_i):  # one pass: the loss, w_ij (stored in A) and c_i
                 p = P[i, j]
+                a = A[i, j]
                 total -= p * logT[i, j] if p > 0.0 else 0.0  # 0 log 0 = 0 (P underflows in spiky rows)
-            if floor == 0.0:  # a zero weight where softmax has mass: infinite loss
-                for j in range(n_i):
-                    if P[i, j] > 0.0 and not A[i, j] > 0.0:
-                        ok = False
-            if ok and want_grad:
-                for j in range(n_i):
-                    lw = A[i, j] * inv
-                    w = P[i, j] / (keep * lw + base) if lw >= 0.0 else 0.0
-                    c += w * lw
-                    A[i, j] = w
+                misses += 1 if p > 0.0 and not a > 0.0 else 0
+                lw = a * inv
+                w = p / (keep * lw + base) if lw >= zero else zero
+                c += w * lw
+                A[i, j] = w
+            if floor == 0.0 and misses > 0:  # without a floor: infinite loss
+                ok = False
         if not ok:
             loss[i] = math.log(n_i / floor) if floor > 0.0 and not d > 0.0 else np.inf
             if want_grad:
@@ -132,7 +134,8 @@ def cross_entropy_rows(P, A, logT, den, r0, causal, floor, want_grad, loss):
         loss[i] = total
         if want_grad:
             coef = -keep * inv
+            cc = ty(c)
             for j in range(n_i):
-                A[i, j] = coef * (A[i, j] - c)
+                A[i, j] = coef * (A[i, j] - cc)
             for j in range(n_i, nk):
                 A[i, j] = zero

@@ -111,8 +111,6 @@ class WeightsLoss:
                 np.matmul(fq[bi, r0:r1], fk[bi, :kend].T, out=A)
                 den = np.empty(r1 - r0)
                 K.floored_weights(A, r0, self.causal, self.floor, T, den)
-                with np.errstate(divide="ignore"):  # log 0 = -inf: a zero weight, handled by the kernel
-                    np.log(T, out=T)
                 loss = np.empty(r1 - r0)
                 K.cross_entropy_rows(P, A, T, den, r0, self.causal, self.floor, want_grad, loss)
                 total += float(loss.sum())
