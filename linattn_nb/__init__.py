@@ -5,7 +5,8 @@ Public API (stable names)::
     linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto", device="auto", ...)
     linear_attention_vjp(q, k, v, grad_out, *, ..., grad_state=None) -> VJP   # gradients
     softmax_attention(q, k, v, *, causal=False, scale=None)
-    feature_maps            # FeatureMap base, registry: get / available / register
+    feature_maps            # FeatureMap base, registry: get / available / register; fit (to softmax)
+    fitting                 # fit / objective: learned maps (Hedgehog, T2R) fitted to softmax weights
     LinearState             # (S, z, position) returned by linear_attention(return_state=True)
     LinearAttentionState    # recurrent state for decoding: prefill / step / query / save / load
     KVCache                 # the softmax baseline with the same prefill / step API
@@ -23,11 +24,21 @@ _cache.install(__version__)
 from . import feature_maps  # noqa: E402
 from .attention import VJP, LinearState, linear_attention, linear_attention_vjp, softmax_attention  # noqa: E402
 from .state import KVCache, LinearAttentionState  # noqa: E402
+from . import fitting  # noqa: E402
+
+# ``feature_maps.fit`` is the documented entry point for fitting maps to
+# softmax.  The fitting code builds on the feature maps and on the front end,
+# so it cannot be imported by feature_maps itself; the package wires the names
+# in (``import linattn_nb.feature_maps`` always runs this file first).
+feature_maps.fit = fitting.fit
+feature_maps.FitResult = fitting.FitResult
+feature_maps.FitHistory = fitting.FitHistory
 
 __all__ = [
     "__version__",
     "config",
     "feature_maps",
+    "fitting",
     "linear_attention",
     "linear_attention_vjp",
     "VJP",

@@ -707,6 +707,35 @@ class RandomFeatureMap(FeatureMap):
         if self.dim is not None:
             self._draw(self.dim)
 
+    def materialize(self, d=None):
+        """Draw the projection ``W`` now (for inputs of dimension ``d``) if it was not drawn yet.
+
+        The features do not change: a map built without ``dim`` draws ``W``
+        at its first call anyway; this draws it up front, so that
+        :meth:`parameters` (``learn_projection=True``) and the state file
+        have it.  Returns the map.
+
+        Raises
+        ------
+        ValueError
+            If ``W`` is not drawn and ``d`` is missing, or ``d`` differs from
+            the dimension ``W`` was drawn for.
+
+        Examples
+        --------
+        >>> from linattn_nb import feature_maps
+        >>> fmap = feature_maps.get("favor+", num_features=6, seed=0, learn_projection=True)
+        >>> fmap.materialize(4).parameters()["projection"].shape
+        (6, 4)
+        """
+        if d is None:
+            if self.W is None:
+                raise ValueError(f"feature map {self.name!r}: materialize needs d (the input dimension): "
+                                 f"its projection is not drawn yet")
+            return self
+        self.weights(_check_count("d", d))
+        return self
+
     def weights(self, d: int) -> np.ndarray:
         """The projection for inputs of dimension ``d`` (drawn now if needed)."""
         if self.W is None:
@@ -1780,6 +1809,6 @@ register("silu_l2", SiluL2FeatureMap)
 # the name bound by ``from __future__ import annotations`` is not part of the API
 del annotations
 
-# Fitting parametric maps to softmax attention (linattn_nb.fitting; imported
-# last: it builds on the classes above).
-from .fitting import FitHistory, FitResult, fit  # noqa: E402
+# ``fit``, ``FitResult`` and ``FitHistory`` (defined in linattn_nb.fitting, which
+# builds on this module and on the front end) are attached here by the
+# package's __init__: this module never imports upward.

@@ -346,3 +346,25 @@ def test_fit_memory_streams_over_row_blocks(monkeypatch):
         tracemalloc.stop()
     assert np.isfinite(value) and grads["W"].shape == (32, 32)
     assert peak < n * n * 8 // 4, f"peak {peak / 2**20:.1f} MiB"  # a quarter of the N x N float64 matrix
+
+
+def test_feature_maps_fit_is_fitting_fit_in_a_fresh_process():
+    """The package wires feature_maps.fit in (feature_maps never imports fitting: no import cycle)."""
+    import subprocess
+    import sys
+
+    code = ("from linattn_nb.feature_maps import fit, FitResult, FitHistory\n"
+            "import linattn_nb.fitting as f\n"
+            "assert fit is f.fit and FitResult is f.FitResult and FitHistory is f.FitHistory\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_random_map_materialize_draws_its_projection_once():
+    fmap = fm.get("favor+", num_features=6, seed=3, learn_projection=True)
+    with pytest.raises(ValueError, match="materialize needs d"):
+        fmap.materialize()
+    w = fmap.materialize(4).parameters()["projection"].copy()
+    assert w.shape == (6, 4)
+    assert np.array_equal(fmap.materialize(4).W, w) and np.array_equal(fmap.materialize().W, w)
+    with pytest.raises(ValueError, match="drawn for dim=4"):
+        fmap.materialize(5)

@@ -32,7 +32,9 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from .. import config
+from .. import feature_maps as fm
 from .._blas import single_threaded_blas
+from ..attention import linear_attention, linear_attention_vjp, softmax_attention
 from ._objective import LOSSES, WeightsLoss
 
 __all__ = ["fit", "objective", "FitResult", "FitHistory", "LOSSES", "OPTIMIZERS"]
@@ -145,8 +147,6 @@ def _check_float(name, value, *, low, high=None, low_open=False):
 
 
 def _resolve_map(feature_map, d):
-    from .. import feature_maps as fm
-
     if isinstance(feature_map, str):
         fmap = fm.get(feature_map)
     elif isinstance(feature_map, fm.FeatureMap):
@@ -155,9 +155,7 @@ def _resolve_map(feature_map, d):
         raise TypeError(f"fit: feature_map must be a registered name or a FeatureMap, got "
                         f"{type(feature_map).__name__}")
     if hasattr(fmap, "materialize"):
-        fmap.materialize(d)
-    if isinstance(fmap, fm.RandomFeatureMap):
-        fmap.weights(d)  # a random map not drawn yet (no dim given): draw it now, for its parameters
+        fmap.materialize(d)  # defaults stored explicitly; a random map draws its projection now
     params = fmap.parameters()
     if not params:
         raise ValueError(f"fit: feature map {fmap.name!r} has no trainable parameters (parameters() is empty); "
@@ -182,8 +180,6 @@ class _Objective:
         self.loss, self.scale, self.causal = loss, scale, causal
         self.calls = 0
         if loss == "mse":
-            from .. import softmax_attention
-
             self.target = softmax_attention(q, k, v, causal=causal, scale=scale)
         else:
             self.weights = WeightsLoss(q, k, scale=scale, causal=causal, floor=floor, kl=loss == "kl")
@@ -218,8 +214,6 @@ class _Objective:
         self.calls += 1
         fmap, causal = self.fmap, self.causal
         if self.loss == "mse":
-            from .. import linear_attention, linear_attention_vjp
-
             out = linear_attention(self.q, self.k, self.v, feature_map=fmap, causal=causal)
             r = np.asarray(out, dtype=np.float64) - self.target
             value = float(np.mean(r * r))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import softmax_attention
+from ..attention import softmax_attention
 
 
 def weights_loss_naive(fq, fk, q, k, *, scale, causal, floor=0.0, kl=False):
