@@ -54,18 +54,21 @@ def softmax_rows(S, r0, causal, entropy):
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
 def floored_weights(A, r0, causal, floor, T, den):
-    """Pass 1: row sums ``den_i`` of ``A`` and the logs of the floored weights, ``T = log(...)``.
+    """Pass 1: row sums ``den_i`` of ``A`` and the floored weights ``T`` (their logs are taken next).
 
-    ``T_ij = log((1 - floor) max(L_ij, 0) + floor / n_i)`` with ``L_ij =
-    a_ij / den_i`` (``-inf`` for a zero weight without a floor); entries
-    past a causal row's end, and every entry of a row with ``den_i <= 0``
-    (no weights at all), are set to 0.  Computed in the precision of ``A``;
-    then :func:`cross_entropy_rows` takes over.
+    ``T_ij = (1 - floor) max(L_ij, 0) + floor / n_i`` with ``L_ij =
+    a_ij / den_i``; entries past a causal row's end, and every entry of a row
+    with ``den_i <= 0`` (no weights at all), are set to 1 (log 0).  Computed
+    in the precision of ``A``.  The launcher then takes ``log(T)`` in place
+    with NumPy, whose ``log`` is vectorised (Numba's ``math.log`` is one
+    scalar call per entry: no SIMD math library in llvmlite's wheels), and
+    :func:`cross_entropy_rows` takes over.
     """
     rows, nk = A.shape
     ty = T.dtype.type
     keep = ty(1.0 - floor)
     zero = ty(0.0)
+    one = ty(1.0)
     for i in prange(rows):
         n_i = min(r0 + i + 1, nk) if causal else nk
         total = 0.0
@@ -76,13 +79,19 @@ def floored_weights(A, r0, causal, floor, T, den):
             inv = ty(1.0 / total)
             base = ty(floor / n_i)
             for j in range(n_i):
-                t = keep * max(A[i, j] * inv, zero) + base
-                T[i, j] = math.log(t) if t > zero else -np.inf
+                T[i, j] = keep * max(A[i, j] * inv, zero) + base
             for j in range(n_i, nk):
-                T[i, j] = zero
+                T[i, j] = one
         else:
             for j in range(nk):
-                T[i, j] = zero
+                T[i, j] = one
+
+
+def log_floored_weights(A, r0, causal, floor, T, den):
+    """:func:`floored_weights`, then ``T = log(T)`` in place (``-inf`` for a zero weight without a floor)."""
+    floored_weights(A, r0, causal, floor, T, den)
+    with np.errstate(divide="ignore"):
+        np.log(T, out=T)
 
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
@@ -91,7 +100,7 @@ def cross_entropy_rows(P, A, logT, den, r0, causal, floor, want_grad, loss):
 
     With ``L_ij = a_ij / den_i`` and the floored weights
     ``T_ij = (1 - floor) max(L_ij, 0) + floor / n_i`` (``logT`` from
-    :func:`floored_weights`), ``loss_i = -sum_j P_ij log T_ij`` and, with
+    :func:`log_floored_weights`), ``loss_i = -sum_j P_ij log T_ij`` and, with
     ``w_ij = P_ij / T_ij`` where ``L_ij >= 0`` (else 0; the right derivative
     at 0) and ``c_i = sum_j w_ij L_ij``,
     ``dloss_i/da_ij = -(1 - floor) (w_ij - c_i) / den_i``.

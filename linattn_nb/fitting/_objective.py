@@ -110,7 +110,7 @@ class WeightsLoss:
                 A, T = self._scratch(r1 - r0, kend, fq.dtype)
                 np.matmul(fq[bi, r0:r1], fk[bi, :kend].T, out=A)
                 den = np.empty(r1 - r0)
-                K.floored_weights(A, r0, self.causal, self.floor, T, den)
+                K.log_floored_weights(A, r0, self.causal, self.floor, T, den)
                 loss = np.empty(r1 - r0)
                 K.cross_entropy_rows(P, A, T, den, r0, self.causal, self.floor, want_grad, loss)
                 total += float(loss.sum())
