@@ -272,6 +272,50 @@ class FeatureMap:
         """
         raise NotImplementedError(_no_vjp_message(self))
 
+    def apply_with_vjp(self, x, *, role: str, causal: bool = False, offset: int = 0,
+                       total_length: int | None = None):
+        """:meth:`apply` and its vector-Jacobian product in one call: ``(features, pullback)``.
+
+        ``pullback(grad_features)`` returns what
+        ``self.vjp(x, grad_features, role=role, ...)`` returns.  The default
+        calls :meth:`apply` now and :meth:`vjp` in the pullback; maps whose
+        backward pass needs the forward's intermediates (the affine maps
+        hedgehog and t2r: the projections and their exponentials) keep them
+        instead of computing them twice.  A training loop that calls
+        :meth:`apply`, then :meth:`vjp` at the same ``x`` (the fitting loop
+        of :func:`linattn_nb.fitting.fit`) saves that work with this method.
+
+        Parameters
+        ----------
+        x, role, causal, offset, total_length
+            As for :meth:`apply`.
+
+        Returns
+        -------
+        features : ndarray
+            ``self.apply(x, ...)``.
+        pullback : callable
+            ``grad_features -> (dx, dparams)``, see :meth:`vjp`.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from linattn_nb import feature_maps
+        >>> phi = feature_maps.get("hedgehog")
+        >>> x = np.array([[0.5, -1.0]])
+        >>> feats, pullback = phi.apply_with_vjp(x, role="key")
+        >>> dx, dparams = pullback(np.ones_like(feats))
+        >>> bool(np.allclose(dx, phi.vjp(x, np.ones_like(feats), role="key")[0]))
+        True
+        """
+        feats = self.apply(x, role=role, causal=causal, offset=offset, total_length=total_length)
+
+        def pullback(grad_features):
+            return self.vjp(x, grad_features, role=role, causal=causal, offset=offset,
+                            total_length=total_length)
+
+        return feats, pullback
+
     def kernel(self, x, y) -> np.ndarray:
         """The kernel ``k(x, y)`` these features compute, for pairs of rows.
 
@@ -1352,6 +1396,13 @@ class _AffineFeatureMap(FeatureMap):
             u = u + self.b
         return u
 
+    def _fuses(self, cls) -> bool:
+        """True when ``apply``, ``vjp`` and ``transform`` are ``cls``'s own: a subclass that changes the
+        function (and overrides ``vjp`` to match) gets :meth:`FeatureMap.apply_with_vjp`'s default,
+        which calls its overrides."""
+        t = type(self)
+        return all(getattr(t, m) is getattr(cls, m) for m in ("__call__", "apply", "vjp", "transform", "_affine"))
+
     def _chain(self, x, du, out_dtype):
         """``(dx, {"W": dL/dW, "b": dL/db})`` from ``du = dL/du`` (float64, ``(..., d_out)``) at inputs ``x``."""
         dx = du @ self.W if self.W is not None else du
@@ -1464,6 +1515,21 @@ class HedgehogFeatureMap(_AffineFeatureMap):
         u = self._logits(x)
         return _cast_features(self.name, np.exp(u - np.max(u, axis=-1, keepdims=True)), x)
 
+    def _forward(self, x, role):
+        """``(logits, float64 features)`` of :meth:`apply` (the key's unshifted, the query's max-shifted)."""
+        logits = self._logits(x)  # checks W and b against the input dimension
+        if role == "key":
+            with np.errstate(over="ignore"):
+                return logits, np.exp(logits)
+        return logits, np.exp(logits - np.max(logits, axis=-1, keepdims=True))
+
+    def _pull(self, x, logits, feats, grad_features, role):
+        """``(dx, dparams)`` from the forward's ``logits`` and float64 ``feats``."""
+        x, g, out_dtype = _vjp_inputs(self, x, grad_features, role)
+        m = logits.shape[-1] // 2
+        dl = g * feats if role == "key" else _max_shift_vjp(logits, feats, g)
+        return self._chain(x, dl[..., :m] - dl[..., m:], out_dtype)
+
     def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
         """Vector-Jacobian product of :meth:`apply` (see :meth:`FeatureMap.vjp`).
 
@@ -1472,18 +1538,21 @@ class HedgehogFeatureMap(_AffineFeatureMap):
         """
         _check_role(self.name, role)
         x = _check_input(self.name, x)
-        logits = self._logits(x)  # checks W and b against the input dimension
-        x, g, out_dtype = _vjp_inputs(self, x, grad_features, role)
-        m = logits.shape[-1] // 2
+        logits, feats = self._forward(x, role)
         if role == "key":
-            with np.errstate(over="ignore"):
-                feats = np.exp(logits)
             _cast_features(self.name, feats, x)  # raises where apply raises (features overflow the dtype)
-            dl = g * feats
-        else:
-            feats = np.exp(logits - np.max(logits, axis=-1, keepdims=True))
-            dl = _max_shift_vjp(logits, feats, g)
-        return self._chain(x, dl[..., :m] - dl[..., m:], out_dtype)
+        return self._pull(x, logits, feats, grad_features, role)
+
+    def apply_with_vjp(self, x, *, role, causal=False, offset=0, total_length=None):
+        """:meth:`apply` and a pullback that reuses its logits and exponentials (see
+        :meth:`FeatureMap.apply_with_vjp`)."""
+        if not self._fuses(HedgehogFeatureMap) or type(self)._logits is not HedgehogFeatureMap._logits:
+            return super().apply_with_vjp(x, role=role, causal=causal, offset=offset, total_length=total_length)
+        _check_role(self.name, role)
+        x = _check_input(self.name, x)
+        logits, feats = self._forward(x, role)
+        out = _cast_features(self.name, feats, x)
+        return out, lambda grad_features: self._pull(x, logits, feats, grad_features, role)
 
 
 class T2RFeatureMap(_AffineFeatureMap):
@@ -1563,9 +1632,24 @@ class T2RFeatureMap(_AffineFeatureMap):
         _check_role(self.name, role)
         x = _check_input(self.name, x)
         u = self._affine(x)  # checks W and b against the input dimension
-        x, g, out_dtype = _vjp_inputs(self, x, grad_features, role)
         _cast_features(self.name, np.maximum(u, 0.0), x)  # raises where apply raises (features overflow the dtype)
+        return self._pull(x, u, grad_features, role)
+
+    def _pull(self, x, u, grad_features, role):
+        """``(dx, dparams)`` from the forward's projections ``u`` (float64)."""
+        x, g, out_dtype = _vjp_inputs(self, x, grad_features, role)
         return self._chain(x, g * np.heaviside(u, 0.0), out_dtype)  # 0 at the kink; NaN propagates
+
+    def apply_with_vjp(self, x, *, role, causal=False, offset=0, total_length=None):
+        """:meth:`apply` and a pullback that reuses its projections (see
+        :meth:`FeatureMap.apply_with_vjp`)."""
+        if not self._fuses(T2RFeatureMap):
+            return super().apply_with_vjp(x, role=role, causal=causal, offset=offset, total_length=total_length)
+        _check_role(self.name, role)
+        x = _check_input(self.name, x)
+        u = self._affine(x)
+        out = _cast_features(self.name, np.maximum(u, 0.0), x)
+        return out, lambda grad_features: self._pull(x, u, grad_features, role)
 
 
 # ---------------------------------------------------------------------------

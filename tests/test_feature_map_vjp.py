@@ -407,3 +407,65 @@ def test_docstring_examples(obj):
     for t in tests:
         runner.run(t)
     assert runner.summarize(verbose=False).failed == 0
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("role", ["query", "key"])
+@pytest.mark.parametrize("name, over", VARIANTS, ids=VARIANT_IDS)
+def test_apply_with_vjp_is_apply_then_vjp(name, over, role, dtype):
+    """The fused forward and pullback give apply's features and vjp's gradients, bit for bit (they do the
+    same arithmetic; the affine maps keep the forward's intermediates instead of recomputing them)."""
+    rng = np.random.default_rng(17)
+    fmap = build(name, **over)
+    x = inputs(rng, (2, 5, 4)).astype(dtype)
+    kw = dict(role=role, causal=True, offset=3, total_length=16)
+    feats, pullback = fmap.apply_with_vjp(x, **kw)
+    want = fmap.apply(x, **kw)
+    assert feats.dtype == want.dtype and np.array_equal(feats, want)
+    g = rng.standard_normal(want.shape)
+    dx, dparams = pullback(g)
+    dx_want, dparams_want = fmap.vjp(x, g, **kw)
+    assert dx.dtype == dx_want.dtype and np.array_equal(dx, dx_want)
+    assert (dparams is None) == (dparams_want is None)
+    for key in dparams_want or {}:
+        assert np.array_equal(dparams[key], dparams_want[key]), key
+    with pytest.raises(ValueError, match="grad_features"):
+        pullback(g[..., :-1])
+
+
+def test_apply_with_vjp_default_calls_apply_and_vjp():
+    """A user map without an override gets apply now and vjp in the pullback (vjp errors surface there)."""
+    class Plain(fm.FeatureMap):
+        name = "plain-test"
+
+        def transform(self, x):
+            return np.asarray(x, dtype=np.float64) ** 2
+
+    x = np.arange(6.0).reshape(3, 2)
+    feats, pullback = Plain().apply_with_vjp(x, role="key")
+    assert np.array_equal(feats, x ** 2)
+    with pytest.raises(NotImplementedError, match="vjp"):
+        pullback(np.ones_like(feats))
+
+
+@pytest.mark.parametrize("name", AFFINE)
+def test_apply_with_vjp_honours_a_subclass_override(name):
+    """A subclass of hedgehog/t2r that overrides apply and vjp gets its own functions, not the fused path."""
+    calls = []
+
+    class Scaled(type(fm.get(name))):
+        def apply(self, x, *, role, causal=False, offset=0, total_length=None):
+            calls.append("apply")
+            return 2.0 * super().apply(x, role=role, causal=causal, offset=offset, total_length=total_length)
+
+        def vjp(self, x, g, **kw):
+            calls.append("vjp")
+            dx, dp = super().vjp(x, g, **kw)
+            return 2.0 * dx, {key: 2.0 * val for key, val in dp.items()}
+
+    phi = Scaled()
+    x = inputs(np.random.default_rng(2), (3, 4))
+    feats, pullback = phi.apply_with_vjp(x, role="key")
+    assert np.array_equal(feats, 2.0 * fm.get(name).apply(x, role="key", causal=False))
+    pullback(np.ones_like(feats))
+    assert calls == ["apply", "vjp"]

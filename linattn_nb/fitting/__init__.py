@@ -225,15 +225,20 @@ class _Objective:
                                        causal=causal)
             return value, self._flat(vjp.d_params)
         wd = self.q.dtype
-        fq = np.asarray(fmap.apply(self.q, role="query", causal=causal), dtype=wd)
-        fk = np.asarray(fmap.apply(self.k, role="key", causal=causal), dtype=wd)
+        if want_grad:  # the pullbacks keep what the backward pass needs from the forward
+            fq, pull_q = fmap.apply_with_vjp(self.q, role="query", causal=causal)
+            fk, pull_k = fmap.apply_with_vjp(self.k, role="key", causal=causal)
+        else:
+            fq = fmap.apply(self.q, role="query", causal=causal)
+            fk = fmap.apply(self.k, role="key", causal=causal)
+        fq, fk = np.asarray(fq, dtype=wd), np.asarray(fk, dtype=wd)
         value, dfq, dfk = self.weights(fq, fk, want_grad=want_grad)
         if not want_grad:
             return value, None
         if not math.isfinite(value):
             return value, self._flat(None)
-        _, gq = fmap.vjp(self.q, dfq, role="query", causal=causal)
-        _, gk = fmap.vjp(self.k, dfk, role="key", causal=causal)
+        _, gq = pull_q(dfq)
+        _, gk = pull_k(dfk)
         return value, self._flat(gq) + self._flat(gk)
 
 

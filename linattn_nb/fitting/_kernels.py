@@ -148,3 +148,55 @@ def cross_entropy_rows(P, A, logT, den, r0, causal, floor, want_grad, loss):
                 A[i, j] = coef * (A[i, j] - cc)
             for j in range(n_i, nk):
                 A[i, j] = zero
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def cross_entropy_rows_unfloored(P, A, logA, r0, causal, want_grad, den, loss):
+    """:func:`cross_entropy_rows` without a floor, from ``log(a_ij)`` directly (no pass for ``T``).
+
+    With ``floor = 0``, ``log T_ij = log a_ij - log den_i``, so
+    ``loss_i = s_i log den_i - sum_j P_ij log a_ij`` with ``s_i`` the softmax
+    mass on keys of positive weight, and ``dloss_i/da_ij = s_i / den_i -
+    P_ij / a_ij`` (``P_ij / a_ij`` read as 0 where ``a_ij <= 0``: the right
+    derivative).  ``logA`` is ``log(A)`` (NumPy's vectorised ``log``; entries
+    with ``a_ij <= 0`` are never read); ``den_i``, the row sum, is formed in
+    the same pass.  A row with ``den_i <= 0``, or one that gives a key of
+    positive softmax weight a weight ``<= 0``, has an infinite loss and a zero
+    gradient, as with :func:`cross_entropy_rows` at ``floor = 0``.
+    """
+    rows, nk = A.shape
+    ty = A.dtype.type
+    zero = ty(0.0)
+    for i in prange(rows):
+        n_i = min(r0 + i + 1, nk) if causal else nk
+        d = 0.0
+        s = 0.0
+        total = 0.0
+        misses = 0
+        for j in range(n_i):
+            p = P[i, j]
+            a = A[i, j]
+            d += a
+            w = zero
+            if p > 0.0:
+                if a > zero:
+                    total -= p * logA[i, j]
+                    s += p
+                    w = p / a
+                else:
+                    misses += 1
+            A[i, j] = w
+        den[i] = d
+        if not d > 0.0 or misses > 0:
+            loss[i] = np.inf
+            if want_grad:
+                for j in range(nk):
+                    A[i, j] = zero
+            continue
+        loss[i] = total + s * math.log(d)
+        if want_grad:
+            cc = ty(s / d)
+            for j in range(n_i):
+                A[i, j] = cc - A[i, j]
+            for j in range(n_i, nk):
+                A[i, j] = zero

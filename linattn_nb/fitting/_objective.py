@@ -110,9 +110,14 @@ class WeightsLoss:
                 A, T = self._scratch(r1 - r0, kend, fq.dtype)
                 np.matmul(fq[bi, r0:r1], fk[bi, :kend].T, out=A)
                 den = np.empty(r1 - r0)
-                K.log_floored_weights(A, r0, self.causal, self.floor, T, den)
                 loss = np.empty(r1 - r0)
-                K.cross_entropy_rows(P, A, T, den, r0, self.causal, self.floor, want_grad, loss)
+                if self.floor == 0.0:  # log T = log a - log den: no pass for T
+                    with np.errstate(divide="ignore", invalid="ignore"):  # a <= 0 is never read
+                        np.log(A, out=T)
+                    K.cross_entropy_rows_unfloored(P, A, T, r0, self.causal, want_grad, den, loss)
+                else:
+                    K.log_floored_weights(A, r0, self.causal, self.floor, T, den)
+                    K.cross_entropy_rows(P, A, T, den, r0, self.causal, self.floor, want_grad, loss)
                 total += float(loss.sum())
                 if want_grad:
                     np.matmul(A, fk[bi, :kend], out=dfq[bi, r0:r1])
