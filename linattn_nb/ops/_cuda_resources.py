@@ -198,20 +198,22 @@ def find_tool(name: str, *, wheels_only: bool = False) -> str | None:
     ``/usr/local/cuda*/bin``.
     """
     exe = name + (".exe" if sys.platform == "win32" else "")
-    dirs = _wheel_bin_dirs()
-    if not wheels_only:
-        found = shutil.which(name)
-        if found:
-            return found
-        for var in ("CUDA_HOME", "CUDA_PATH"):
-            if os.environ.get(var):
-                dirs.append(os.path.join(os.environ[var], "bin"))
-        dirs.extend(sorted(glob.glob("/usr/local/cuda*/bin"), reverse=True))
-    for d in dirs:
-        p = os.path.join(d, exe)
-        if os.path.isfile(p) and os.access(p, os.X_OK):
-            return p
-    return None
+
+    def first(dirs):
+        for d in dirs:
+            p = os.path.join(d, exe)
+            if os.path.isfile(p) and os.access(p, os.X_OK):
+                return p
+        return None
+
+    found = first(_wheel_bin_dirs())
+    if found or wheels_only:
+        return found
+    found = shutil.which(name)
+    if found:
+        return found
+    dirs = [os.path.join(os.environ[v], "bin") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    return first(dirs + sorted(glob.glob("/usr/local/cuda*/bin"), reverse=True))
 
 
 @functools.lru_cache(maxsize=None)
@@ -470,11 +472,14 @@ def _worker() -> None:
             sys.stdout.flush()
 
 
-def _cache_key(job: dict, ptxas: str, disasm: str | None) -> str:
+@functools.lru_cache(maxsize=None)
+def _versions() -> tuple:
+    """The package source hash and the Numba and numba-cuda versions (part of the cache key)."""
     import numba
 
     from .._cache import source_hash
 
+    ncv = ""
     try:
         import numba.cuda as nc
 
@@ -487,8 +492,11 @@ def _cache_key(job: dict, ptxas: str, disasm: str | None) -> str:
         ncv = ncv or version("numba-cuda")
     except Exception:
         pass
-    blob = json.dumps([job, numba.__version__, ncv, tool_version(ptxas), bool(disasm), source_hash(), 1],
-                      sort_keys=True)
+    return source_hash(), numba.__version__, ncv
+
+
+def _cache_key(job: dict, ptxas: str) -> str:
+    blob = json.dumps([job, *_versions(), tool_version(ptxas), 1], sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:20]
 
 
@@ -514,7 +522,8 @@ def measure(specs, *, ptxas: str | None = None, disasm: str | None = None, sass:
     most the number of uncached specs) with ``NUMBA_ENABLE_CUDASIM=0``;
     results are cached as JSON files in ``cache_dir`` (``"default"``:
     :func:`default_cache_dir`; None: no cache), keyed on the spec, the
-    package sources, the Numba, numba-cuda and ptxas versions.
+    package sources, the Numba, numba-cuda and ptxas versions (an entry
+    without a listing is compiled again when ``sass`` asks for one).
 
     Raises
     ------
@@ -537,11 +546,13 @@ def measure(specs, *, ptxas: str | None = None, disasm: str | None = None, sass:
     for s in specs:
         job = s.job()
         if cache_dir:
-            paths[s.key] = os.path.join(cache_dir, _cache_key(job, ptxas, disasm) + ".json")
+            paths[s.key] = os.path.join(cache_dir, _cache_key(job, ptxas) + ".json")
             try:
                 with open(paths[s.key]) as fh:
-                    results[s.key] = dict(json.load(fh), cached=True)
-                continue
+                    hit = json.load(fh)
+                if not disasm or hit.get("sass"):  # a listing is compiled again only when asked for
+                    results[s.key] = dict(hit, cached=True)
+                    continue
             except (OSError, ValueError):
                 pass
         todo.append(job)
