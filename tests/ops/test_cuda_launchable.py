@@ -178,3 +178,66 @@ def test_selection_covers_every_tile():
         compiled[tile] = max(compiled.get(tile, 0), s.threads)
     assert compiled == most
     assert all("D_phi" in r["error"] for r in SEQ_REFUSED)
+
+
+def test_backward_kernel_at_its_largest_block(measured):
+    """The causal backward kernel's block grows with D_phi up to ``MAX_BACKWARD_THREADS`` threads (its
+    registers do not depend on D_phi, a runtime size): that block launches too."""
+    from linattn_nb.ops.grad._cuda_kernels import MAX_BACKWARD_THREADS
+
+    threads = min(MAX_BACKWARD_THREADS, int(config.CUDA_MAX_THREADS))
+    for s in OTHER_SPECS:
+        if s.key.startswith("backward/causal/"):
+            r = CR.resources(measured[s.key])
+            assert not CR.launch_problems(r.registers, threads, r.shared), (s.key, r.registers, threads)
+
+
+# ---------------------------------------------------------------------------
+# The parsers and the occupancy calculator (no ptxas needed)
+# ---------------------------------------------------------------------------
+_PTXAS_V = """ptxas info    : 8 bytes gmem
+ptxas info    : Compiling entry function '_Zkern' for 'sm_90'
+ptxas info    : Function properties for _Zkern
+    8 bytes stack frame, 12 bytes spill stores, 16 bytes spill loads
+ptxas info    : Used 126 registers, used 1 barriers, 38480 bytes smem
+ptxas info    : Compile time = 738.477 ms
+"""
+
+_SASS = """        /*0000*/                   LDC R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   FFMA R2, R3, R4, R2 ;
+        /*0020*/                   LDS R3, [R5] ;
+.L_x_1:
+        /*0030*/                   FFMA R2, R3, R4, R2 ;
+        /*0040*/               @P0 BRA `(.L_x_1) ;
+        /*0050*/              @!P1 BRA `(.L_x_0) ;
+        /*0060*/                   EXIT ;
+.L_x_2:
+        /*0070*/                   BRA `(.L_x_2);
+"""
+
+
+def test_parse_ptxas_and_sass():
+    r = CR.parse_ptxas(_PTXAS_V)["_Zkern"]
+    assert (r.registers, r.spill_stores, r.spill_loads, r.stack, r.shared, r.barriers) == (126, 12, 16, 8, 38480, 1)
+    insns = CR.parse_sass(_SASS)
+    assert [i.base for i in insns] == ["LDC", "FFMA", "LDS", "FFMA", "BRA", "BRA", "EXIT", "BRA"]
+    loops = CR.sass_loops(insns)  # the closing BRA-to-itself is no loop
+    assert [(lp.start, lp.end, lp.innermost) for lp in loops] == [(0x10, 0x50, False), (0x30, 0x40, True)]
+    assert loops[1].mix() == {"FFMA": 1, "BRA": 1}
+    # cuobjdump's form: branch targets as addresses
+    alt = CR.parse_sass("        /*0010*/  FFMA R2, R3, R4, R2 ;\n        /*0020*/  @P0 BRA 0x10 ;\n")
+    assert [(lp.start, lp.end) for lp in CR.sass_loops(alt)] == [(0x10, 0x20)]
+
+
+def test_occupancy_and_launch_limits():
+    # 126 registers: 4032 per warp, allocated as 4096; 136 threads = 5 warps
+    occ = CR.occupancy(126, 136, 38480)
+    assert (occ.blocks, occ.warps, occ.limiter) == (3, 15, "registers")
+    assert CR.block_registers(126, 136) == 5 * 4096
+    assert CR.occupancy(32, 256).warps == 64  # full: 64 warps of 32-register threads
+    assert CR.occupancy(32, 64, 100 * 1024).blocks == 2  # shared memory: 2 x (100 K + 1 K) <= 228 K
+    assert CR.launch_problems(126, 136, 38480) == []
+    assert "per block" in CR.launch_problems(126, 544, 38480)[0]  # 126 x 544 = 68,544 > 65,536
+    assert CR.launch_problems(64, 1024, 49 * 1024)[0].endswith("> 49152")
+    assert CR.occupancy(256, 32).blocks == 0  # more than 255 registers per thread never launches
