@@ -121,6 +121,9 @@ def measured():
         if "NvvmSupportError" in str(exc) or "libnvvm" in str(exc).lower():
             pytest.skip("the CUDA toolkit's NVVM is not installed (install the 'cuda' extra)")
         raise
+    errors = [r["error"] for r in res.values() if "error" in r]
+    if errors and len(errors) == len(res) and all("nvvm" in e.lower() for e in errors):
+        pytest.skip(f"the CUDA toolkit's NVVM is not usable (install the 'cuda' extra): {errors[0][:200]}")
     return res
 
 
