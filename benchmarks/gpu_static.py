@@ -1,0 +1,281 @@
+"""Static GPU report without a GPU: registers, spills, occupancy, SASS loop mix, modelled traffic (issue 20).
+
+For every CUDA kernel of the package at its default launch configuration
+(D_phi = M = 64; float32 and float64; every update rule for the sequence
+kernel), compiled to sm_90 PTX and assembled by ``ptxas``
+(:mod:`linattn_nb.ops._cuda_resources`):
+
+1. registers per thread, spill stores/loads, stack, static shared memory,
+   threads per block, resident blocks and warps per multiprocessor on
+   sm_90 (H100/H200) and what limits them;
+2. the static SASS instruction mix of each innermost loop (a loop is closed by
+   a backward branch), with ``nvdisasm`` (or ``cuobjdump``) when found: the
+   ``nvidia-cuda-nvdisasm`` / ``nvidia-cuda-cuobjdump`` wheels put them in
+   ``nvidia/cu13/bin``; the per-token loop of the causal sequence kernel (its
+   innermost loop without global loads or stores with the most FFMA/DFMA) is
+   reported on its own, against the target FFMA >= 60 %.  Static counts: the
+   per-tile work around that loop (staging, the G-way reduction of the partial
+   outputs) is in other loops and is not amortised into it;
+3. the launch plan at the headline shape (B = 8, H = 16, N = 16384,
+   D = M = 64, float32, causal ``chunked``): modelled global-memory traffic
+   and FLOPs executed per launch, against the minimum (q, k, v, out once;
+   4 B H N D M FLOPs) and the roofline (4.8 TB/s HBM, 67 TFLOP/s FP32).
+   The model is ``linattn_nb.ops._cuda_launch.traffic_model`` when the
+   package has one, else :func:`local_traffic_model` below (the three-launch
+   chunked plan of this revision, from the plan's shapes).
+
+Runs on any machine with the ``cuda`` extra (no GPU needed)::
+
+    python benchmarks/gpu_static.py [--json PATH] [--no-sass] [--all-loops]
+
+The first run compiles every kernel (minutes); results are cached per source
+revision in linattn_nb's kernel cache folder.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import platform
+import sys
+import time
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # this process never launches; subprocesses compile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import ROOT, cpu_model, table, write_json  # noqa: E402
+
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from linattn_nb import config  # noqa: E402
+from linattn_nb.ops import _cuda_resources as CR  # noqa: E402
+from linattn_nb.ops._codes import RULE_ADDITIVE, RULES  # noqa: E402
+
+HBM_TBS = 4.8
+FP32_TFLOPS = 67.0
+FP64_TFLOPS = 34.0  # H100/H200 SXM vector FP64 (no tensor cores)
+HEADLINE = {"B": 8, "H": 16, "N": 16384, "D": 64, "M": 64}
+FMA_OPS = {"FFMA", "DFMA", "HFMA2"}
+GLOBAL_OPS = {"LDG", "STG", "LD", "ST", "ATOM", "ATOMG", "RED"}
+
+
+# ---------------------------------------------------------------------------
+# Traffic and FLOP model of a launch plan
+# ---------------------------------------------------------------------------
+def local_traffic_model(B, N, F, M, *, acc="float32", in_dtype="float32", chunk=None, rule=RULE_ADDITIVE,
+                        method="chunked"):
+    """Launches of the causal CUDA plan of this revision with their global traffic and FLOPs.
+
+    Same contract as ``linattn_nb.ops._cuda_launch.traffic_model`` is expected
+    to have: ``B`` batch entries (batch x heads), ``N`` tokens, ``F`` features,
+    ``M`` values; returns a list of dicts ``{"launch", "read", "written",
+    "flops"}`` (bytes, bytes, floating-point operations; an FMA is 2).
+
+    ``chunked`` (N > chunk, additive/decay/gate): (1) chunk sums reads k, v and
+    writes one accumulation-dtype state per chunk; (2) the float64 prefix
+    reads and rewrites those states and the (B, F, M + 1) float64 state; (3)
+    the chunk scans read q, k, v and the chunk states and write out.  Every
+    column block of a sequence-kernel launch reads all of q and k; every
+    thread updates its padded R x C tile (rows padded to G R, columns to MBP:
+    the normaliser column and the padding are computed too), and the G row
+    groups' partial outputs are summed per token and column (G adds each, for
+    the numerator and the normaliser).
+    """
+    from linattn_nb.ops import _cuda_kernels as K
+
+    ai = 4 if acc == "float32" else 8
+    ii = {"float16": 2, "float32": 4, "float64": 8}[in_dtype]
+    R, C, G, MB, T = K.seq_config(F, M, ai, rule)
+    FP, MBP, ncb = G * R, -(-(MB + 1) // C) * C, -(-M // MB)
+    L = int(config.CUDA_CHUNK_SIZE if chunk is None else chunk)
+    nc = max(1, -(-N // L))
+    qk = B * N * F * ii
+    vv = B * N * M * ii
+    state = F * (M + 1)
+    tile_fma = B * N * ncb * FP * MBP  # one FMA per padded state element and token
+    reduce = B * N * ncb * MB * (2 * G + 1)  # G partials summed for numerator and normaliser, one division
+    if method == "scan" or nc == 1:
+        return [{"launch": "scan", "read": 2 * qk * ncb + vv + B * state * 8 * 2,
+                 "written": vv + B * state * 8 * 2, "flops": 2 * 2 * tile_fma + reduce}]
+    return [
+        {"launch": "1 chunk sums", "read": qk * ncb + vv, "written": B * nc * state * ai, "flops": 2 * tile_fma},
+        {"launch": "2 chunk prefix (float64)", "read": B * nc * state * ai + B * state * 8,
+         "written": B * nc * state * ai + B * state * 8, "flops": B * nc * state},
+        {"launch": "3 chunk scans", "read": 2 * qk * ncb + vv + B * nc * state * ai, "written": vv,
+         "flops": 2 * 2 * tile_fma + reduce},
+    ]
+
+
+def traffic_model():
+    """The package's ``traffic_model`` when it has one, else :func:`local_traffic_model`; and its name."""
+    try:
+        from linattn_nb.ops._cuda_launch import traffic_model as tm
+
+        return tm, "linattn_nb.ops._cuda_launch.traffic_model"
+    except ImportError:
+        return local_traffic_model, "benchmarks/gpu_static.py:local_traffic_model (three-launch chunked plan)"
+
+
+def headline_model():
+    """Rows of the modelled launches at the headline shape, the totals and the targets of issue 20."""
+    B, H, N, D, M = (HEADLINE[k] for k in ("B", "H", "N", "D", "M"))
+    model, name = traffic_model()
+    launches = model(B * H, N, D, M, acc="float32", in_dtype="float32", chunk=None, rule=RULE_ADDITIVE,
+                     method="chunked")
+    min_bytes = B * H * N * (2 * D + 2 * M) * 4
+    min_flops = 4 * B * H * N * D * M
+    rows = []
+    for ln in launches:
+        t = max((ln["read"] + ln["written"]) / (HBM_TBS * 1e12), ln["flops"] / (FP32_TFLOPS * 1e12))
+        rows.append({"launch": ln["launch"], "read GB": ln["read"] / 1e9, "written GB": ln["written"] / 1e9,
+                     "GFLOP": ln["flops"] / 1e9, "roofline ms": t * 1e3})
+    tot_b = sum(ln["read"] + ln["written"] for ln in launches)
+    tot_f = sum(ln["flops"] for ln in launches)
+    t_model = sum(r["roofline ms"] for r in rows)
+    t_min = max(min_bytes / (HBM_TBS * 1e12), min_flops / (FP32_TFLOPS * 1e12)) * 1e3
+    rows.append({"launch": "total", "read GB": sum(r["read GB"] for r in rows),
+                 "written GB": sum(r["written GB"] for r in rows), "GFLOP": tot_f / 1e9, "roofline ms": t_model})
+    rows.append({"launch": "minimum (q, k, v, out once; 4 BHNDM)", "read GB": B * H * N * (2 * D + M) * 4 / 1e9,
+                 "written GB": B * H * N * M * 4 / 1e9, "GFLOP": min_flops / 1e9, "roofline ms": t_min})
+    summary = {"model": name, "traffic_gb": tot_b / 1e9, "flops_g": tot_f / 1e9, "min_traffic_gb": min_bytes / 1e9,
+               "min_flops_g": min_flops / 1e9, "flops_ratio": tot_f / min_flops, "roofline_ms": t_model,
+               "min_roofline_ms": t_min,
+               "targets": {"traffic <= 2.5 GB": tot_b <= 2.5e9, "FLOPs <= 1.5 x 4 BHNDM": tot_f <= 1.5 * min_flops},
+               "extra_per_call": {
+                   "check_finite=True: one more read of q, k, v (GB)": B * H * N * (2 * D + M) * 4 / 1e9,
+                   "zero initial state copied host->device (MB)": B * H * D * (M + 1) * 8 / 1e6}}
+    return rows, summary
+
+
+# ---------------------------------------------------------------------------
+# Kernels and their SASS
+# ---------------------------------------------------------------------------
+def default_specs():
+    """Every kernel at its default configuration (D_phi = M = 64)."""
+    specs = []
+    for acc in ("float32", "float64"):
+        for name, (code, _) in RULES.items():
+            specs.append(CR.sequence_spec(64, 64, acc, code))
+    return specs + CR.helper_specs() + CR.backward_specs() + CR.step_specs()
+
+
+def loop_rows(spec, result, *, all_loops=False, min_insns=12):
+    """Rows of the innermost loops of one kernel's SASS (FMA share and the top opcodes)."""
+    sass = result.get("sass") or ""
+    if not sass:
+        return [], None
+    loops = [lp for lp in CR.sass_loops(CR.parse_sass(sass)) if lp.innermost and len(lp.insns) >= min_insns]
+    rows = []
+    for i, lp in enumerate(loops):
+        mix = lp.mix()
+        n = sum(mix.values())
+        fma = sum(mix[o] for o in FMA_OPS)
+        rows.append({"kernel": spec.key, "loop": f"#{i} 0x{lp.start:x}", "insns": n, "FMA": fma,
+                     "FMA %": 100.0 * fma / n if n else 0.0, "global": any(o in mix for o in GLOBAL_OPS),
+                     "top opcodes": ", ".join(f"{o} {c}" for o, c in mix.most_common(6))})
+    # the per-token loop works on shared memory and registers only: the staging loops (global loads,
+    # and the FMAs of exp in the feature maps) are not it
+    token = max((r for r in rows if not r["global"]), key=lambda r: (r["FMA"], r["FMA %"]), default=None)
+    if not all_loops:
+        rows = sorted(rows, key=lambda r: -r["FMA"])[:3]
+    return rows, token
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None, help="results (default benchmarks/results/gpu_static.json)")
+    ap.add_argument("--no-sass", action="store_true", help="skip the disassembly and the loop tables")
+    ap.add_argument("--all-loops", action="store_true", help="every innermost loop (default: 3 per kernel)")
+    ap.add_argument("--jobs", type=int, default=None, help="compiling subprocesses (default: CPUs)")
+    args = ap.parse_args(argv)
+
+    import numba
+
+    ptxas = CR.find_tool("ptxas")
+    dis = CR.find_tool("nvdisasm") or CR.find_tool("cuobjdump")
+    try:
+        from importlib.metadata import version
+
+        ncv = version("numba-cuda")
+    except Exception:
+        ncv = "?"
+    print("# gpu_static: sm_90 (H100/H200) resources of linattn_nb's CUDA kernels, no GPU needed")
+    print(f"# {_dt.datetime.now().astimezone().isoformat(timespec='seconds')} on {cpu_model()} "
+          f"({os.cpu_count()} CPUs), python {platform.python_version()}, numba {numba.__version__}, "
+          f"numba-cuda {ncv}")
+    print(f"# ptxas: {ptxas or 'NOT FOUND'} ({CR.tool_version(ptxas)})")
+    print(f"# disassembler: {dis or 'none (pip install nvidia-cuda-nvdisasm): no loop tables'}"
+          + (f" ({CR.tool_version(dis)})" if dis else ""))
+    out = {"date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), "cpu": cpu_model(),
+           "numba": numba.__version__, "numba_cuda": ncv, "ptxas": CR.tool_version(ptxas),
+           "disassembler": CR.tool_version(dis)}
+
+    rows, summary = headline_model()
+    B, H, N, D, M = (HEADLINE[k] for k in ("B", "H", "N", "D", "M"))
+    print(f"\n## launch plan at B={B}, H={H}, N={N}, D={D}, M={M}, float32, causal chunked "
+          f"(chunk {config.CUDA_CHUNK_SIZE}); model: {summary['model']}")
+    print(table(rows, ["launch", "read GB", "written GB", "GFLOP", "roofline ms"],
+                {"read GB": "{:.3f}", "written GB": "{:.3f}", "GFLOP": "{:.1f}", "roofline ms": "{:.3f}"}))
+    print(f"modelled traffic {summary['traffic_gb']:.2f} GB (minimum {summary['min_traffic_gb']:.2f}), FLOPs "
+          f"{summary['flops_g']:.1f} G = {summary['flops_ratio']:.2f} x 4 BHNDM; roofline of the plan "
+          f"{summary['roofline_ms']:.3f} ms vs {summary['min_roofline_ms']:.3f} ms "
+          f"({HBM_TBS} TB/s, {FP32_TFLOPS} TFLOP/s FP32)")
+    for what, v in summary["extra_per_call"].items():
+        print(f"  per call besides: {what} {v:.3f}")
+    for what, ok in summary["targets"].items():
+        print(f"  {'met' if ok else 'NOT met'}: {what}")
+    out["headline"] = {"rows": rows, **summary}
+
+    if not ptxas:
+        print("\nptxas not found: install the 'cuda' extra (nvidia-cuda-nvcc-cu12) for the kernel tables")
+        write_json("gpu_static", out, args.json)
+        return 1
+    specs = default_specs()
+    t0 = time.perf_counter()
+    res = CR.measure(specs, ptxas=ptxas, disasm=dis, sass=bool(dis) and not args.no_sass, jobs=args.jobs)
+    cached = sum(1 for r in res.values() if r.get("cached"))
+    print(f"\n## kernels at D_phi = M = 64 ({len(specs)} compiled in {time.perf_counter() - t0:.0f} s, "
+          f"{cached} from the cache)")
+    krows = []
+    for s in specs:
+        r = res.get(s.key, {"error": "missing"})
+        if "error" in r:
+            krows.append({"kernel": s.key, "launch": "ERROR " + r["error"].splitlines()[-1][:60]})
+            continue
+        k = CR.resources(r)
+        occ = CR.occupancy(k.registers, s.threads, k.shared + s.dynamic_shared)
+        probs = CR.launch_problems(k.registers, s.threads, k.shared, s.dynamic_shared)
+        krows.append({"kernel": s.key, "threads": s.threads, "regs": k.registers,
+                      "spill st/ld B": f"{k.spill_stores}/{k.spill_loads}", "stack B": k.stack, "smem B": k.shared,
+                      "blocks/SM": occ.blocks, "warps/SM": occ.warps, "limiter": occ.limiter,
+                      "launch": "ok" if not probs else "FAILS: " + "; ".join(probs)})
+    print(table(krows, ["kernel", "threads", "regs", "spill st/ld B", "stack B", "smem B", "blocks/SM", "warps/SM",
+                        "limiter", "launch"]))
+    out["kernels"] = krows
+
+    if dis and not args.no_sass:
+        lrows, tokens = [], []
+        for s in specs:
+            rs, token = loop_rows(s, res.get(s.key, {}), all_loops=args.all_loops)
+            lrows += rs
+            if s.group == "sequence" and token:
+                tokens.append({**token, "kernel": s.key})
+        print("\n## innermost SASS loops (static instruction mix; the 3 with the most FMA per kernel)")
+        print(table(lrows, ["kernel", "loop", "insns", "FMA", "FMA %", "top opcodes"], {"FMA %": "{:.0f}"}))
+        print("\n## per-token loop of the sequence kernel (its innermost loop without global memory access with the "
+              "most FFMA/DFMA: the causal scan's update + read-out, staged tiles in shared memory)")
+        print(table(tokens, ["kernel", "loop", "insns", "FMA", "FMA %", "top opcodes"], {"FMA %": "{:.0f}"}))
+        head = next((t for t in tokens if t["kernel"] == "seq/float32/additive/F64/M64"), None)
+        if head:
+            print(f"  {'met' if head['FMA %'] >= 60 else 'NOT met'}: FFMA >= 60 % of the per-token loop at "
+                  f"D = M = 64 float32 ({head['FMA %']:.0f} %)")
+        out["loops"] = lrows
+        out["token_loops"] = tokens
+    path = write_json("gpu_static", out, args.json)
+    print(f"\n# wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,758 @@
+"""Static resources of the CUDA kernels on sm_90 (H100/H200), measured without a GPU.
+
+A kernel that needs more registers or shared memory than a block may have
+fails at launch ("too many resources requested for launch") on real hardware,
+while the simulator and ``numba.cuda.compile_ptx`` accept it: registers,
+spills and the final shared-memory size appear only when ``ptxas`` assembles
+the PTX for a real architecture.  This module does that, for the tests
+(``tests/ops/test_cuda_launchable.py``) and for ``benchmarks/gpu_static.py``:
+
+* :func:`find_tool` locates ``ptxas`` (the ``nvidia-cuda-nvcc-cu12`` wheel,
+  which the ``cuda`` extra installs through ``numba-cuda[cu12]``), and
+  ``nvdisasm`` / ``cuobjdump`` when some wheel or toolkit provides them (the
+  ``nvidia-cuda-nvdisasm`` and ``nvidia-cuda-cuobjdump`` wheels do).
+* :class:`KernelSpec` names a kernel of the package, the Numba signature it
+  is launched with and its threads per block; the catalogue functions
+  (:func:`sequence_specs`, :func:`helper_specs`, :func:`backward_specs`,
+  :func:`step_specs`) list the configurations the launchers choose.
+* :func:`measure` compiles specs to sm_90 PTX (``compile_ptx`` with the
+  kernel's own ``cuda.jit`` options, in subprocesses with the simulator off),
+  assembles them with ``ptxas -v`` (``max_registers`` becomes
+  ``-maxrregcount``), parses registers, spills, stack and static shared memory
+  (:func:`parse_ptxas`), optionally disassembles the cubin (SASS), and caches
+  the results on disk keyed on the package sources, the Numba and ptxas
+  versions and the spec.
+* :data:`SM90` holds the limits of a compute-capability 9.0 multiprocessor;
+  :func:`occupancy` is the resident blocks and warps per multiprocessor from
+  registers, shared memory and threads; :func:`launch_problems` lists why a
+  block cannot launch.
+* :func:`sass_loops` finds the loops of a SASS listing (a backward branch
+  closes one) and :func:`opcode_mix` counts their instructions.
+
+Nothing here needs a GPU or imports ``numba.cuda`` at module level.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+# ---------------------------------------------------------------------------
+# sm_90 limits and occupancy
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GpuLimits:
+    """Per-block and per-multiprocessor limits of one compute capability (CUDA C Programming Guide,
+    "Compute Capabilities", and the occupancy calculator's allocation rules)."""
+
+    name: str
+    regs_per_sm: int
+    regs_per_block: int
+    regs_per_thread: int
+    reg_alloc_unit: int  # registers are allocated per warp in units of this many
+    static_shared_per_block: int
+    optin_shared_per_block: int
+    shared_per_sm: int
+    shared_reserved_per_block: int  # the runtime's share of every block's shared memory
+    shared_alloc_unit: int
+    warps_per_sm: int
+    blocks_per_sm: int
+    threads_per_block: int
+    warp_size: int = 32
+
+
+#: Compute capability 9.0 (H100, H200).
+SM90 = GpuLimits(name="sm_90", regs_per_sm=65536, regs_per_block=65536, regs_per_thread=255, reg_alloc_unit=256,
+                 static_shared_per_block=48 * 1024, optin_shared_per_block=227 * 1024,
+                 shared_per_sm=228 * 1024, shared_reserved_per_block=1024, shared_alloc_unit=128,
+                 warps_per_sm=64, blocks_per_sm=32, threads_per_block=1024)
+
+
+def _ceil_to(x: int, unit: int) -> int:
+    return -(-int(x) // unit) * unit
+
+
+def block_registers(registers: int, threads: int, limits: GpuLimits = SM90) -> int:
+    """Registers a block of ``threads`` threads occupies: ``registers`` per thread, allocated per warp
+    in units of ``limits.reg_alloc_unit`` (at least ``registers * threads``)."""
+    warps = -(-int(threads) // limits.warp_size)
+    return warps * _ceil_to(int(registers) * limits.warp_size, limits.reg_alloc_unit)
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """Resident blocks and warps of one kernel per multiprocessor, and what limits them."""
+
+    blocks: int
+    warps: int
+    limiter: str
+    by_registers: int
+    by_shared: int
+    by_warps: int
+
+
+def occupancy(registers: int, threads: int, shared: int = 0, limits: GpuLimits = SM90) -> Occupancy:
+    """Resident blocks and warps per multiprocessor.
+
+    Parameters
+    ----------
+    registers : int
+        Registers per thread (ptxas).
+    threads : int
+        Threads per block.
+    shared : int
+        Shared memory per block in bytes, static plus dynamic.
+    limits : GpuLimits
+        The architecture (default :data:`SM90`).
+
+    Returns
+    -------
+    Occupancy
+        ``blocks`` = the smallest of the limits by registers, shared memory,
+        warps and ``limits.blocks_per_sm`` (0: the block cannot launch),
+        ``warps`` = ``blocks`` times the warps of a block, and ``limiter``
+        naming the binding limit.
+    """
+    warps_per_block = -(-int(threads) // limits.warp_size)
+    if threads < 1 or warps_per_block == 0:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    per_warp = _ceil_to(max(int(registers), 1) * limits.warp_size, limits.reg_alloc_unit)
+    by_regs = (limits.regs_per_sm // per_warp) // warps_per_block
+    if registers > limits.regs_per_thread or per_warp * warps_per_block > limits.regs_per_block:
+        by_regs = 0
+    smem = _ceil_to(int(shared) + limits.shared_reserved_per_block, limits.shared_alloc_unit)
+    by_shared = limits.shared_per_sm // smem if shared <= limits.optin_shared_per_block else 0
+    by_warps = limits.warps_per_sm // warps_per_block if threads <= limits.threads_per_block else 0
+    cands = {"registers": by_regs, "shared memory": by_shared, "warps": by_warps,
+             "blocks per SM": limits.blocks_per_sm}
+    limiter = min(cands, key=lambda k: cands[k])
+    blocks = cands[limiter]
+    return Occupancy(blocks, blocks * warps_per_block, limiter, by_regs, by_shared, by_warps)
+
+
+def launch_problems(registers: int, threads: int, static_shared: int, dynamic_shared: int = 0,
+                    limits: GpuLimits = SM90) -> list[str]:
+    """Why a block of this kernel cannot launch (an empty list when it can).
+
+    Checks threads per block, registers per thread, the block's registers
+    (allocated per warp, :func:`block_registers`) against the registers of a
+    block, static shared memory against the static limit and static plus
+    dynamic against the opt-in limit.
+    """
+    out = []
+    if threads > limits.threads_per_block:
+        out.append(f"{threads} threads > {limits.threads_per_block} per block")
+    if registers > limits.regs_per_thread:
+        out.append(f"{registers} registers > {limits.regs_per_thread} per thread")
+    regs = block_registers(registers, threads, limits)
+    if regs > limits.regs_per_block:
+        out.append(f"{registers} registers x {threads} threads = {registers * threads} "
+                   f"({regs} allocated) > {limits.regs_per_block} per block")
+    if static_shared > limits.static_shared_per_block:
+        out.append(f"{static_shared} B static shared > {limits.static_shared_per_block}")
+    if static_shared + dynamic_shared > limits.optin_shared_per_block:
+        out.append(f"{static_shared} + {dynamic_shared} B shared > {limits.optin_shared_per_block}")
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Tools
+# ---------------------------------------------------------------------------
+def _wheel_bin_dirs() -> list[str]:
+    """``bin`` folders of the NVIDIA wheels (``nvidia/cuda_nvcc/bin``, ``nvidia/cu13/bin``, ...)."""
+    dirs = []
+    try:
+        import nvidia  # a namespace package of the NVIDIA wheels
+
+        roots = list(nvidia.__path__)
+    except Exception:
+        return dirs
+    for root in roots:
+        for first in ("cuda_nvcc", "cu12", "cu13"):
+            dirs.append(os.path.join(root, first, "bin"))
+        dirs.extend(sorted(glob.glob(os.path.join(root, "*", "bin"))))
+    seen = []
+    for d in dirs:
+        if d not in seen and os.path.isdir(d):
+            seen.append(d)
+    return seen
+
+
+def find_tool(name: str, *, wheels_only: bool = False) -> str | None:
+    """Path of a CUDA tool (``ptxas``, ``nvdisasm``, ``cuobjdump``), or None.
+
+    The NVIDIA wheels' ``bin`` folders first (``nvidia-cuda-nvcc-cu12`` has
+    ``ptxas``; ``nvidia-cuda-nvdisasm`` and ``nvidia-cuda-cuobjdump`` the
+    other two), then, unless ``wheels_only``, ``PATH``, ``$CUDA_HOME/bin`` and
+    ``/usr/local/cuda*/bin``.
+    """
+    exe = name + (".exe" if sys.platform == "win32" else "")
+
+    def first(dirs):
+        for d in dirs:
+            p = os.path.join(d, exe)
+            if os.path.isfile(p) and os.access(p, os.X_OK):
+                return p
+        return None
+
+    found = first(_wheel_bin_dirs())
+    if found or wheels_only:
+        return found
+    found = shutil.which(name)
+    if found:
+        return found
+    dirs = [os.path.join(os.environ[v], "bin") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    return first(dirs + sorted(glob.glob("/usr/local/cuda*/bin"), reverse=True))
+
+
+@functools.lru_cache(maxsize=None)
+def tool_version(path: str | None) -> str:
+    """The last line of ``path --version`` ('' when ``path`` is None or fails)."""
+    if not path:
+        return ""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    lines = [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+# ---------------------------------------------------------------------------
+# ptxas -v and SASS parsing
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KernelResources:
+    """What ``ptxas -v`` reports for one entry function."""
+
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack: int
+    shared: int  # static shared memory, bytes
+    barriers: int = 0
+
+    @property
+    def spills(self) -> int:
+        """Spill stores plus spill loads, bytes."""
+        return self.spill_stores + self.spill_loads
+
+
+_RE_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_RE_PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_RE_USED = re.compile(r"Used (\d+) registers")
+_RE_SMEM = re.compile(r"(\d+) bytes smem")
+_RE_BAR = re.compile(r"used (\d+) barriers")
+
+
+def parse_ptxas(text: str) -> dict[str, KernelResources]:
+    """Entry function name -> :class:`KernelResources` from the output of ``ptxas -v``."""
+    res = {}
+    name = None
+    props = (0, 0, 0)
+    for line in text.splitlines():
+        m = _RE_ENTRY.search(line)
+        if m:
+            name, props = m.group(1), (0, 0, 0)
+            continue
+        m = _RE_PROPS.search(line)
+        if m and name is not None:
+            props = tuple(int(x) for x in m.groups())
+            continue
+        m = _RE_USED.search(line)
+        if m and name is not None:
+            sm = _RE_SMEM.search(line)
+            bar = _RE_BAR.search(line)
+            res[name] = KernelResources(int(m.group(1)), props[1], props[2], props[0],
+                                        int(sm.group(1)) if sm else 0, int(bar.group(1)) if bar else 0)
+            name = None
+    return res
+
+
+_RE_INSN = re.compile(r"/\*([0-9a-fA-F]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)([^;]*);")
+_RE_LABEL = re.compile(r"^\s*(\.L_x_\d+|\.L_\w+):")
+_RE_TARGET_LABEL = re.compile(r"`\((\.L_\w+)\)")
+_RE_TARGET_ADDR = re.compile(r"\b0x([0-9a-fA-F]+)\b")
+
+
+@dataclass(frozen=True)
+class SassInsn:
+    """One SASS instruction: address, full opcode (with modifiers) and operands."""
+
+    addr: int
+    opcode: str
+    operands: str
+
+    @property
+    def base(self) -> str:
+        """The opcode without modifiers (``FFMA.FTZ`` -> ``FFMA``)."""
+        return self.opcode.split(".", 1)[0]
+
+
+def parse_sass(text: str) -> list[SassInsn]:
+    """The instructions of a ``nvdisasm -c`` or ``cuobjdump -sass`` listing of one kernel, with branch
+    targets resolved to addresses (``operands`` of a branch holds ``-> 0x<target>``)."""
+    insns = []
+    labels = {}
+    pending = []
+    for line in text.splitlines():
+        m = _RE_LABEL.match(line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = _RE_INSN.search(line)
+        if m:
+            addr = int(m.group(1), 16)
+            for lab in pending:
+                labels[lab] = addr
+            pending = []
+            insns.append(SassInsn(addr, m.group(2), m.group(3).strip()))
+    out = []
+    for ins in insns:
+        if ins.base in ("BRA", "BRX", "JMP", "JMX") or ins.base.startswith("BRA"):
+            t = _RE_TARGET_LABEL.search(ins.operands)
+            target = labels.get(t.group(1)) if t else None
+            if target is None:
+                a = _RE_TARGET_ADDR.search(ins.operands)
+                target = int(a.group(1), 16) if a else None
+            if target is not None:
+                ins = SassInsn(ins.addr, ins.opcode, f"-> 0x{target:x}")
+        out.append(ins)
+    return out
+
+
+@dataclass(frozen=True)
+class SassLoop:
+    """A loop of a SASS listing: the instructions from a branch target to a backward branch to it."""
+
+    start: int
+    end: int
+    insns: tuple
+    innermost: bool
+
+    def mix(self) -> Counter:
+        """Base opcode -> count over the loop body (NOPs left out)."""
+        return opcode_mix(self.insns)
+
+
+def opcode_mix(insns) -> Counter:
+    """Base opcode -> count of ``insns`` (NOPs left out)."""
+    return Counter(i.base for i in insns if i.base != "NOP")
+
+
+def sass_loops(insns: list[SassInsn]) -> list[SassLoop]:
+    """Every loop of a kernel's SASS: a branch at address ``a`` to a target ``t <= a`` closes a loop
+    whose body is the instructions at ``t .. a`` (``t < a``: the branch to itself that ends a kernel is
+    no loop).  ``innermost``: it contains no other loop."""
+    spans = set()
+    for ins in insns:
+        if ins.operands.startswith("-> 0x"):
+            t = int(ins.operands[5:], 16)
+            if t < ins.addr:  # t == addr: the BRA-to-itself after the last EXIT, no loop
+                spans.add((t, ins.addr))
+    spans = sorted(spans)
+    loops = []
+    for s, e in spans:
+        inner = not any((s2, e2) != (s, e) and s <= s2 and e2 <= e for s2, e2 in spans)
+        body = tuple(i for i in insns if s <= i.addr <= e)
+        loops.append(SassLoop(s, e, body, inner))
+    return loops
+
+
+# ---------------------------------------------------------------------------
+# Kernel specs and measurement
+# ---------------------------------------------------------------------------
+@dataclass
+class KernelSpec:
+    """One kernel at one launch configuration.
+
+    ``kernel`` is ``"module:attribute"``; with ``factory`` (a tuple, maybe
+    empty) the attribute is called with those arguments, and with ``item`` the
+    result is indexed (``kernels()["state_step"]``).  The object is a
+    ``cuda.jit`` dispatcher (its ``py_func`` and options are used) or a plain
+    Python function.  ``sig``: Numba type expressions evaluated in
+    ``numba.types`` (``"Array(float32, 4, 'A')"``).  ``threads``: threads per
+    block the launcher uses; ``dynamic_shared``: bytes of dynamic shared
+    memory.  ``info``: what the spec stands for (shapes, dtype, rule...).
+    """
+
+    key: str
+    kernel: str
+    sig: tuple
+    threads: int
+    factory: tuple | None = None
+    item: str | None = None
+    dynamic_shared: int = 0
+    group: str = ""
+    info: dict = field(default_factory=dict)
+
+    def job(self) -> dict:
+        """The JSON-serialisable part the compiling subprocess needs."""
+        return {"key": self.key, "kernel": self.kernel, "factory": self.factory, "item": self.item,
+                "sig": list(self.sig)}
+
+
+def _resolve(job: dict):
+    import importlib
+
+    mod, attr = job["kernel"].split(":")
+    obj = getattr(importlib.import_module(mod), attr)
+    if job.get("factory") is not None:
+        obj = obj(*job["factory"])
+    if job.get("item") is not None:
+        obj = obj[job["item"]]
+    return obj
+
+
+def _compile_one(job: dict, ptxas: str, disasm: str | None, workdir: str) -> dict:
+    """Compile one job to PTX, assemble it, and optionally disassemble the cubin (in the worker)."""
+    import time
+
+    from numba import types
+    from numba.cuda import compile_ptx
+
+    obj = _resolve(job)
+    fn = getattr(obj, "py_func", obj)
+    opts = dict(getattr(obj, "targetoptions", {}) or {})
+    ns = {k: getattr(types, k) for k in dir(types) if not k.startswith("_")}
+    sig = tuple(eval(s, {"__builtins__": {}}, ns) for s in job["sig"])  # noqa: S307 (our own type strings)
+    kw = {}
+    if opts.get("launch_bounds") is not None:
+        kw["launch_bounds"] = opts["launch_bounds"]
+    if opts.get("fastmath"):
+        kw["fastmath"] = True
+    t0 = time.perf_counter()
+    ptx, _ = compile_ptx(fn, sig, cc=(9, 0), **kw)
+    t_ptx = time.perf_counter() - t0
+    stem = os.path.join(workdir, re.sub(r"[^A-Za-z0-9_.-]", "_", job["key"]))
+    with open(stem + ".ptx", "w") as fh:
+        fh.write(ptx)
+    cmd = [ptxas, "-arch=sm_90", "-v", stem + ".ptx", "-o", stem + ".cubin"]
+    if opts.get("max_registers"):
+        cmd.insert(2, f"-maxrregcount={int(opts['max_registers'])}")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"key": job["key"], "error": (proc.stdout + proc.stderr)[-2000:], "ptx_s": t_ptx}
+    parsed = parse_ptxas(proc.stdout + proc.stderr)
+    if len(parsed) != 1:
+        return {"key": job["key"], "error": f"expected one entry function, ptxas reported {list(parsed)}"}
+    (name, res), = parsed.items()
+    out = {"key": job["key"], "entry": name, "resources": dataclasses.asdict(res), "ptx_s": t_ptx,
+           "ptx_local": ("ld.local" in ptx) or ("st.local" in ptx), "target": ".target sm_90" in ptx,
+           "max_registers": opts.get("max_registers"), "launch_bounds": opts.get("launch_bounds")}
+    if disasm:
+        args = [disasm, "-c", stem + ".cubin"] if os.path.basename(disasm).startswith("nvdisasm") else \
+            [disasm, "-sass", stem + ".cubin"]
+        d = subprocess.run(args, capture_output=True, text=True)
+        out["sass"] = d.stdout if d.returncode == 0 else ""
+    return out
+
+
+def _worker() -> None:
+    """Subprocess entry: JSON {"jobs", "ptxas", "disasm"} on stdin, one JSON result per line on stdout."""
+    req = json.load(sys.stdin)
+    with tempfile.TemporaryDirectory() as d:
+        for job in req["jobs"]:
+            try:
+                r = _compile_one(job, req["ptxas"], req.get("disasm"), d)
+            except Exception as exc:  # reported per job, the others go on
+                r = {"key": job["key"], "error": f"{type(exc).__name__}: {exc}"}
+            sys.stdout.write("@@RESULT " + json.dumps(r) + "\n")
+            sys.stdout.flush()
+
+
+@functools.lru_cache(maxsize=None)
+def _versions() -> tuple:
+    """The package source hash and the Numba and numba-cuda versions (part of the cache key)."""
+    import numba
+
+    from .._cache import source_hash
+
+    ncv = ""
+    try:
+        import numba.cuda as nc
+
+        ncv = getattr(nc, "__version__", "")
+    except Exception:
+        ncv = ""
+    try:
+        from importlib.metadata import version
+
+        ncv = ncv or version("numba-cuda")
+    except Exception:
+        pass
+    return source_hash(), numba.__version__, ncv
+
+
+def _cache_key(job: dict, ptxas: str) -> str:
+    blob = json.dumps([job, *_versions(), tool_version(ptxas), 1], sort_keys=True)
+    return hashlib.sha1(blob.encode()).hexdigest()[:20]
+
+
+def default_cache_dir() -> str | None:
+    """``<linattn_nb kernel cache folder>/sm90_resources`` (keyed on the sources already), or None."""
+    try:
+        from .._cache import cache_folder
+
+        folder = cache_folder()[0]
+    except Exception:
+        folder = None
+    return os.path.join(folder, "sm90_resources") if folder else None
+
+
+def measure(specs, *, ptxas: str | None = None, disasm: str | None = None, sass: bool = False,
+            cache_dir: str | None = "default", jobs: int | None = None, timeout: float = 1800) -> dict:
+    """Compile, assemble and (``sass``) disassemble ``specs``; return ``key -> result``.
+
+    A result holds ``resources`` (:class:`KernelResources` as a dict),
+    ``entry`` (the mangled name), ``ptx_local``, ``ptx_s`` (seconds of PTX
+    compilation), ``sass`` (the listing, with ``sass``), or ``error``.
+    Compilation runs in ``jobs`` subprocesses (default: the CPU count, at
+    most the number of uncached specs) with ``NUMBA_ENABLE_CUDASIM=0``;
+    results are cached as JSON files in ``cache_dir`` (``"default"``:
+    :func:`default_cache_dir`; None: no cache), keyed on the spec, the
+    package sources, the Numba, numba-cuda and ptxas versions (an entry
+    without a listing is compiled again when ``sass`` asks for one).
+
+    Raises
+    ------
+    FileNotFoundError
+        When ``ptxas`` is None and :func:`find_tool` finds none.
+    RuntimeError
+        When a compiling subprocess fails outright.
+    """
+    ptxas = ptxas or find_tool("ptxas")
+    if not ptxas:
+        raise FileNotFoundError("ptxas not found: install the 'cuda' extra (nvidia-cuda-nvcc-cu12)")
+    if sass and not disasm:
+        disasm = find_tool("nvdisasm") or find_tool("cuobjdump")
+    if not sass:
+        disasm = None
+    if cache_dir == "default":
+        cache_dir = default_cache_dir()
+    specs = list(specs)
+    results, todo, paths = {}, [], {}
+    for s in specs:
+        job = s.job()
+        if cache_dir:
+            paths[s.key] = os.path.join(cache_dir, _cache_key(job, ptxas) + ".json")
+            try:
+                with open(paths[s.key]) as fh:
+                    hit = json.load(fh)
+                if not disasm or hit.get("sass"):  # a listing is compiled again only when asked for
+                    results[s.key] = dict(hit, cached=True)
+                    continue
+            except (OSError, ValueError):
+                pass
+        todo.append(job)
+    if todo:
+        n = max(1, min(int(jobs or os.cpu_count() or 1), len(todo)))
+        import linattn_nb
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(linattn_nb.__file__)))
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
+                   PYTHONPATH=os.pathsep.join([root] + [p for p in sys.path if p]))
+        procs = []
+        for w in range(n):
+            req = json.dumps({"jobs": todo[w::n], "ptxas": ptxas, "disasm": disasm})
+            p = subprocess.Popen([sys.executable, "-c", "from linattn_nb.ops._cuda_resources import _worker; _worker()"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env=env)
+            procs.append((p, req))
+        outs = []
+        for p, req in procs:
+            p.stdin.write(req)
+            p.stdin.close()
+        for p, _ in procs:
+            try:
+                out = p.stdout.read()
+                err = p.stderr.read()
+                p.wait(timeout=timeout)
+            finally:
+                if p.poll() is None:
+                    p.kill()
+            outs.append((p.returncode, out, err))
+        for rc, out, err in outs:
+            got = [json.loads(ln[9:]) for ln in out.splitlines() if ln.startswith("@@RESULT ")]
+            if rc != 0 and not got:
+                raise RuntimeError(f"the compiling subprocess failed (exit {rc}):\n{err[-3000:]}")
+            for r in got:
+                results[r["key"]] = r
+                if cache_dir and "error" not in r:
+                    os.makedirs(cache_dir, exist_ok=True)
+                    tmp = paths[r["key"]] + f".{os.getpid()}.tmp"
+                    with open(tmp, "w") as fh:
+                        json.dump(r, fh)
+                    os.replace(tmp, paths[r["key"]])
+    return results
+
+
+def resources(result: dict) -> KernelResources:
+    """The :class:`KernelResources` of one result of :func:`measure`."""
+    return KernelResources(**result["resources"])
+
+
+# ---------------------------------------------------------------------------
+# The catalogue: every kernel at the configurations the launchers choose
+# ---------------------------------------------------------------------------
+_I, _B, _F64 = "int64", "boolean", "float64"
+
+
+def _arr(dt: str, nd: int, layout: str = "C") -> str:
+    return f"Array({dt}, {nd}, '{layout}')"
+
+
+def sequence_launch(F: int, M: int, acc: str, rule: int) -> dict:
+    """The sequence kernel the launchers pick for ``F`` features, ``M`` values, accumulation dtype
+    ``acc`` and rule code ``rule``: ``{"factory", "threads", "shared", "cfg"}`` (``shared``: the
+    static shared memory :func:`linattn_nb.ops._cuda_kernels.seq_config` budgets for, bytes).
+
+    Raises
+    ------
+    ValueError
+        From ``seq_config`` when no configuration exists (a clean error at launch, not a failure).
+    """
+    from . import _cuda_kernels as K
+
+    itemsize = 4 if acc == "float32" else 8
+    cfg = tuple(int(x) for x in K.seq_config(F, M, itemsize, rule))
+    R, C, G, MB, T = cfg
+    return {"factory": (*cfg, acc, int(rule)), "threads": int(K.threads_per_block(R, C, G, MB)), "cfg": cfg}
+
+
+def sequence_spec(F: int, M: int, acc: str, rule: int, in_dtype: str | None = None, key: str | None = None) -> KernelSpec:
+    """:class:`KernelSpec` of the sequence kernel at (``F``, ``M``, ``acc``, ``rule``), inputs of
+    ``in_dtype`` (default ``acc``) as the launchers pass them (4-d any-layout views, (n, F, M + 1)
+    states in ``acc``, (B, N, W) float64 log-factors, int64 / float64 / boolean scalars)."""
+    from ._codes import rule_name
+
+    launch = sequence_launch(F, M, acc, rule)
+    dt = in_dtype or acc
+    a4, H, lf = _arr(dt, 4, "A"), _arr(acc, 3), _arr(_F64, 3)
+    sig = (a4, a4, a4, a4, H, H, lf, _I, _I, _I, _I, _I, _I, _F64, _I, _B, _B, _B, _B)
+    key = key or f"seq/{acc}/{rule_name(rule)}/F{F}/M{M}" + (f"/{dt}" if dt != acc else "")
+    return KernelSpec(key, "linattn_nb.ops._cuda_kernels:seq_kernel", sig, launch["threads"],
+                      factory=launch["factory"], group="sequence",
+                      info={"F": F, "M": M, "acc": acc, "rule": int(rule), "rule_name": rule_name(rule),
+                            "cfg": launch["cfg"], "in_dtype": dt})
+
+
+def sequence_configurations(features, values, accs=("float32", "float64"), rules=None) -> tuple[list, list]:
+    """Every (F, M, acc, rule) of the grid with the launch :func:`sequence_launch` gives it.
+
+    Returns ``(launchable, refused)``: dicts with ``F, M, acc, rule`` and
+    the launch (``cfg``, ``threads``), and those ``seq_config`` refuses
+    (with the ValueError's message).
+    """
+    from ._codes import RULES
+
+    rules = [code for code, _ in RULES.values()] if rules is None else list(rules)
+    ok, refused = [], []
+    for acc in accs:
+        for rule in rules:
+            for F in features:
+                for M in values:
+                    try:
+                        launch = sequence_launch(F, M, acc, rule)
+                    except ValueError as exc:
+                        refused.append({"F": F, "M": M, "acc": acc, "rule": rule, "error": str(exc)})
+                        continue
+                    ok.append({"F": F, "M": M, "acc": acc, "rule": rule, **launch})
+    return ok, refused
+
+
+def helper_specs(accs=("float32", "float64")) -> list[KernelSpec]:
+    """The helper kernels of :mod:`linattn_nb.ops._cuda_kernels` at their launch signatures, with
+    ``config.CUDA_THREADS_PER_BLOCK`` threads (:func:`linattn_nb.ops._cuda_kernels.helper_grid`)."""
+    from .. import config
+
+    tpb = int(config.CUDA_THREADS_PER_BLOCK)
+    mod = "linattn_nb.ops._cuda_kernels:"
+    H64, A2 = _arr(_F64, 3), _arr(_F64, 2)
+    specs = [KernelSpec("helper/state_copy", mod + "state_copy_kernel", (H64, A2, H64, _B), tpb, group="helper"),
+             KernelSpec("helper/chunk_factors", mod + "chunk_factors_kernel", (_arr(_F64, 3, "A"), _I, _I, A2), tpb,
+                        group="helper"),
+             KernelSpec("helper/pack_column", mod + "pack_column_kernel", (_arr(_F64, 2, "A"), _arr(_F64, 3), _I),
+                        tpb, group="helper")]
+    for acc in accs:
+        H = _arr(acc, 3)
+        specs.append(KernelSpec(f"helper/chunk_scan_states/{acc}", mod + "chunk_scan_states_kernel",
+                                (H, H64, H, A2, _I, _B, _B, _I), tpb, group="helper"))
+        if acc != _F64:
+            specs.append(KernelSpec(f"helper/cast_copy/float64->{acc}", mod + "cast_copy_kernel", (H64, H), tpb,
+                                    group="helper"))
+            specs.append(KernelSpec(f"helper/cast_copy/{acc}->float64", mod + "cast_copy_kernel", (H, H64), tpb,
+                                    group="helper"))
+        a4 = _arr(acc, 4, "A")
+        specs.append(KernelSpec(f"helper/count_nonfinite/{acc}", mod + "count_nonfinite_kernel",
+                                (a4, _arr(_I, 1)), tpb, group="helper"))
+        specs.append(KernelSpec(f"helper/copy4d/{acc}", mod + "copy4d_kernel", (a4, _arr(acc, 4, "A")), tpb,
+                                group="helper"))
+    return specs
+
+
+def backward_specs(F: int = 64, M: int = 64, dtypes=("float32", "float64")) -> list[KernelSpec]:
+    """The backward kernels of :mod:`linattn_nb.ops.grad._cuda_kernels` as
+    :mod:`linattn_nb.ops.grad.cuda` launches them for ``F`` features and ``M`` values (``M + 1``
+    state columns): the causal kernel with ``backward_threads(F, MB)`` threads, the helpers with
+    ``config.CUDA_THREADS_PER_BLOCK``."""
+    from .. import config
+    from .grad._cuda_kernels import backward_threads
+    from .grad.cuda import column_blocks
+
+    tpb = int(config.CUDA_THREADS_PER_BLOCK)
+    MB, _ = column_blocks(M + 1)
+    C3, C4 = _arr(_F64, 3), _arr(_F64, 4)
+    mod = "linattn_nb.ops.grad._cuda_kernels:"
+    specs = []
+    for dt in dtypes:
+        w3 = _arr(dt, 3)
+        sig = (w3, w3, w3, w3, C3, C3, _B, C3, C4, C4, C3, w3, C4, C4, C4, C4, _I, _I, _I)
+        specs.append(KernelSpec(f"backward/causal/{dt}/F{F}/M{M}", mod + "causal_backward_kernel", sig,
+                                backward_threads(F, MB), factory=(MB,), group="backward",
+                                info={"F": F, "M": M, "MB": MB, "dtype": dt}))
+        specs.append(KernelSpec(f"backward/sum_blocks/{dt}", mod + "sum_blocks_kernel", (C4, w3), tpb,
+                                group="backward"))
+        specs.append(KernelSpec(f"backward/aggregate_sums/{dt}", mod + "aggregate_sums_kernel",
+                                (w3, w3, w3, w3, C3, C3, _B, C3, C3), tpb, group="backward"))
+        specs.append(KernelSpec(f"backward/aggregate_grads/{dt}", mod + "aggregate_grads_kernel",
+                                (w3, w3, w3, C3, C3, w3, w3, w3), tpb, group="backward"))
+    return specs
+
+
+def step_specs(M: int = 64, dtypes=(("float32", "float32"), ("float64", "float64"))) -> list[KernelSpec]:
+    """The decode-step kernels of :mod:`linattn_nb.ops.step.cuda` (the ``cuda.jit`` objects of its
+    ``kernels()``) for (state dtype, input dtype) pairs, with ``config.CUDA_STEP_THREADS`` threads
+    (the prefill kernels: ``min(CUDA_STEP_THREADS, max(32, M))``)."""
+    from .. import config
+
+    nt = int(config.CUDA_STEP_THREADS)
+    npre = min(nt, max(32, int(M)))
+    lg, b2 = _arr(_F64, 3), _arr(_F64, 2)
+    specs = []
+    for sdt, idt in dtypes:
+        S3, z2, a3 = _arr(sdt, 3), _arr(sdt, 2), _arr(idt, 3)
+        sigs = {
+            "state_step": ((a3, a3, a3, S3, z2, a3, S3, _I, _F64, sdt, sdt), nt),
+            "state_query": ((a3, S3, z2, a3, S3, _I, _F64, _I, sdt, sdt), nt),
+            "state_prefill": ((a3, a3, S3, z2, _I, sdt, sdt), npre),
+            "first_nonfinite": ((a3, _arr(_I, 1), _I), nt),
+            "rule_step": ((a3, a3, a3, S3, z2, a3, S3, lg, _I, _F64, _I, sdt, sdt), nt),
+            "rule_prefill": ((a3, a3, S3, z2, lg, _I, sdt, sdt), npre),
+            "delta_step": ((a3, a3, a3, S3, z2, a3, S3, lg, b2, _I, _F64, _I, _B, sdt, sdt), nt),
+        }
+        for name, (sig, threads) in sigs.items():
+            specs.append(KernelSpec(f"step/{name}/{sdt}/{idt}", "linattn_nb.ops.step.cuda:kernels", sig, threads,
+                                    factory=(), item=name, group="step", info={"state": sdt, "inputs": idt}))
+    return specs
