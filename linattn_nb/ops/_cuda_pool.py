@@ -43,9 +43,8 @@ from numba import cuda
 
 from .. import config
 
-__all__ = ["workspace", "zeros", "fill", "counters", "count_nonfinite", "raise_if_nonfinite", "discard_counts", "clear",
-           "stats",
-           "CHECK_SLOTS", "SLOT"]
+__all__ = ["workspace", "zeros", "fill", "counters", "count_nonfinite", "raise_if_nonfinite", "discard_counts",
+           "clear", "stats", "CHECK_SLOTS", "SLOT"]
 
 #: The names of the finiteness counters, in the order errors name them.
 CHECK_SLOTS = ("q", "k", "v", "initial_state.S", "initial_state.z")
