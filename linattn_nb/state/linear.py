@@ -857,9 +857,9 @@ class LinearAttentionState:
         kf, vf = self._on_state_device(inp)
         check = bool(check_finite and self._code is not None)
         if inp.inputs is None:
-            bad = self._launch.prefill(kf, vf, self._S, self._z, code=self._c_code, check=check)
+            bad = self._launch.prefill(kf, vf, self._S, self._z, self._scratch, code=self._c_code, check=check)
         else:
-            bad = self._launch.prefill(kf, vf, self._S, self._z, code=self._c_code, check=check,
+            bad = self._launch.prefill(kf, vf, self._S, self._z, self._scratch, code=self._c_code, check=check,
                                        inputs=inp.inputs)
         if bad:
             if fixed:
