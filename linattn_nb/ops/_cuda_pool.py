@@ -35,6 +35,7 @@ Importing this module touches no GPU; the kernels are compiled on first use.
 """
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 
@@ -110,6 +111,7 @@ def workspace(tag, shape, dtype):
         if arr is not None:
             _POOL.move_to_end(key)
             _STATS["hits"] += 1
+            _trim(limit)
             return arr
         _STATS["misses"] += 1
     arr = cuda.device_array(shape, dtype=dt)
@@ -117,10 +119,16 @@ def workspace(tag, shape, dtype):
         if key not in _POOL:
             _POOL[key] = arr
             _STATS["bytes"] += nbytes
-        while _STATS["bytes"] > limit and _POOL:
-            _, old = _POOL.popitem(last=False)
-            _STATS["bytes"] -= int(old.size) * np.dtype(old.dtype).itemsize
+        _trim(limit)
     return arr
+
+
+def _trim(limit):
+    """Free the least recently used buffers while the pool holds more than ``limit`` bytes (lock held;
+    the most recent buffer, at most ``limit`` bytes itself, stays)."""
+    while _STATS["bytes"] > limit and len(_POOL) > 1:
+        _, old = _POOL.popitem(last=False)
+        _STATS["bytes"] -= int(old.size) * np.dtype(old.dtype).itemsize
 
 
 def clear() -> None:
@@ -160,7 +168,7 @@ def _count4_py(x, counters, slot):
         t = r % N
         r = r // N
         y = x[r // Bn, r % Bn, t, i]
-        if not (y - y == 0):
+        if not (y == y and abs(y) < math.inf):  # NaN or inf (comparisons only: no FP exception)
             bad += 1
     if bad:
         cuda.atomic.add(counters, slot, bad)

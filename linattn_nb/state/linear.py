@@ -560,10 +560,10 @@ class LinearAttentionState:
             arrs = [(n, CD.wrap(n, x), last) for n, x, last in pairs]
             T = check_shapes(self._bs, arrs)
             dts = {np.dtype(a.dtype) for _, a, _ in arrs}
-            if len(dts) != 1 or next(iter(dts)) not in STATE_DTYPES:
+            if len(dts) != 1 or next(iter(dts)) not in STATE_DTYPES + (np.dtype(np.float16),):
                 raise TypeError(
-                    "GPU inputs must share one dtype, float32 or float64 (no conversion on the device), "
-                    f"got {', '.join(f'{n}: {a.dtype}' for n, a, _ in arrs)}"
+                    "GPU inputs must share one dtype, float16, float32 or float64 (no conversion on the "
+                    f"device), got {', '.join(f'{n}: {a.dtype}' for n, a, _ in arrs)}"
                 )
             out = []
             for n, a, last in arrs:
