@@ -20,7 +20,7 @@ holds what makes that possible:
   grid-stride kernel: no host array is copied.
 * :func:`counters` / :func:`count_nonfinite` / :func:`raise_if_nonfinite`
   -- the finiteness check of a call: kernels add the number of NaN/inf
-  entries of each checked array into a per-thread int64 device array of
+  entries of each checked array into a per-thread int32 device array of
   :data:`CHECK_SLOTS` slots (q, k, v, initial_state.S, initial_state.z) that
   is zero between calls; :func:`raise_if_nonfinite` reads it once (one
   device-to-host copy, only when a kernel was asked to count since the
@@ -167,7 +167,7 @@ def _count4_py(x, counters, slot):
         r = idx // F
         t = r % N
         r = r // N
-        y = x[r // Bn, r % Bn, t, i]
+        y = x[r // Bn, r % Bn, t, i] + 0.0  # float64: float16 compares without local memory, float64 exactly
         if not (y == y and abs(y) < math.inf):  # NaN or inf (comparisons only: no FP exception)
             bad += 1
     if bad:
@@ -206,7 +206,10 @@ def zeros(shape, dtype=np.float64, tag=None):
 
 
 def counters():
-    """The calling thread's int64 device array of :data:`CHECK_SLOTS` counters (zero between calls).
+    """The calling thread's int32 device array of :data:`CHECK_SLOTS` counters (zero between calls).
+
+    Slots 0, 1, 2 count q, k, v: a sequence kernel that fuses the check takes
+    this array as its counters (``cuda.atomic.add(counters, slot, n)``).
 
     Marks a read as due for :func:`raise_if_nonfinite`: a kernel is about to count into it.
     """
@@ -215,7 +218,7 @@ def counters():
     if arr is None:
         if not hasattr(_LOCAL, "counters"):
             _LOCAL.counters = {}
-        arr = _LOCAL.counters[ctx] = zeros((len(CHECK_SLOTS),), np.int64)
+        arr = _LOCAL.counters[ctx] = zeros((len(CHECK_SLOTS),), np.int32)
     _LOCAL.due = True
     return arr
 

@@ -158,9 +158,15 @@ def test_decode_step_is_one_launch(counts, monkeypatch, check, normalize):
     dev = [tuple(cuda.to_device(np.ascontiguousarray(x[:, t:t + 1])) for x in (q, k, v)) for t in range(T)]
     g.step(*dev[0], check_finite=check)
     c.step(q[:, :1], k[:, :1], v[:, :1])
+    given = cuda.device_array((B, 1, M), dtype=np.float32)
     for t in range(1, T):
-        out, n = _measure(counts, lambda: g.step(*dev[t], check_finite=check))
-        assert n == {"h2d": 0, "alloc": 1, "d2h": 1 if check else 0, "launch": 1}, n
+        if t % 2:  # no out: the result is the only allocation
+            out, n = _measure(counts, lambda: g.step(*dev[t], check_finite=check))
+            assert n == {"h2d": 0, "alloc": 1, "d2h": 1 if check else 0, "launch": 1}, n
+        else:  # the caller's out: nothing allocated
+            out, n = _measure(counts, lambda: g.step(*dev[t], check_finite=check, out=given))
+            assert n == {"h2d": 0, "alloc": 0, "d2h": 1 if check else 0, "launch": 1}, n
+            assert out is given
         assert out.dtype == np.float32
         np.testing.assert_allclose(out.copy_to_host(), c.step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1]),
                                    rtol=3e-5, atol=3e-6)
@@ -217,3 +223,32 @@ def test_float16_inputs_to_the_cuda_state(rule, monkeypatch):
         assert out.dtype == np.float16 and out.shape == (2, 3, 2)
         np.testing.assert_allclose(out.astype(np.float32), ref.astype(np.float32), rtol=2e-3, atol=2e-3)
         np.testing.assert_allclose(g.S.copy_to_host(), c.S, rtol=1e-5, atol=1e-6)
+
+
+_POOL_PTX_SCRIPT = """
+import json
+from numba import cuda, types
+from linattn_nb.ops import _cuda_pool as P
+res = {}
+c = types.Array(types.int32, 1, "C")
+for dt in ("float16", "float32", "float64"):
+    sig = (types.Array(getattr(types, dt), 4, "A"), c, types.int64)
+    ptx, _ = cuda.compile_ptx(P._count4_py, sig, cc=(9, 0))
+    res["count4/" + dt] = {"entry": ".entry" in ptx, "local": ("ld.local" in ptx) or ("st.local" in ptx)}
+for dt in ("int32", "float32", "float64"):
+    t = getattr(types, dt)
+    ptx, _ = cuda.compile_ptx(P._fill_py, (types.Array(t, 1, "C"), t), cc=(9, 0))
+    res["fill/" + dt] = {"entry": ".entry" in ptx, "local": ("ld.local" in ptx) or ("st.local" in ptx)}
+print(json.dumps(res))
+"""
+
+
+@pytest.mark.skipif(cuda_status() == "none", reason="needs numba-cuda")
+def test_pool_kernels_compile_to_ptx():
+    """The pool's fill and counting kernels compile for sm_90 without local memory (float16 inputs too)."""
+    from _ptx import run_ptx_script
+
+    res = run_ptx_script(_POOL_PTX_SCRIPT)
+    assert len(res) == 6
+    for key, val in res.items():
+        assert val == {"entry": True, "local": False}, (key, val)
