@@ -53,13 +53,15 @@ arrays are host NumPy arrays for ``device="cpu"`` and device arrays for
     ``normalize=False`` writes the numerators ``phi(q)^T S_t`` undivided.  ``q, k`` (B, T, D): raw inputs when ``code`` > 0 (the
     elementwise map of that code is applied inside), else features (D = F).
     ``v`` (B, T, M); ``out`` (B, T, M) is written; q, k, v and out are
-    C-contiguous and share one dtype, float32 or float64.  ``S``, ``z`` are
-    updated in place.  ``eps``: floor of the normaliser, None for raw
+    C-contiguous and share one dtype, float32 or float64 (CUDA: float16 too).
+    ``S``, ``z`` are updated (CUDA: a checked update writes the other buffer and
+    swaps; what :func:`view` returns is always the current state).  ``eps``: floor of the normaliser, None for raw
     division.  ``check``: when true and q, k or v holds NaN or inf, return
-    1, 2 or 3 (the first bad one) with nothing modified; otherwise return 0.
+    1, 2 or 3 (the first bad one) with the state unchanged (``out`` then holds
+    unspecified values); otherwise return 0.
 ``query(q, S, z, out, scratch, *, code, eps, check, normalize=True) -> int``
     ``out`` (B, T, M) = the state read by T queries, the state unchanged;
-    1 when ``check`` finds q not finite (nothing written), else 0.
+    1 when ``check`` finds q not finite (``out`` unspecified), else 0.
 ``prefill(k, v, S, z, scratch, *, code, check, inputs=None) -> int``
     Absorb T tokens without outputs (the state the causal methods end
     with); 1 or 2 when ``check`` finds k or v not finite (nothing modified),
