@@ -44,7 +44,6 @@ import numpy as np
 
 from . import _validate as V
 from . import config
-from .ops import _cuda_pool as P
 from .device import cuda_status, is_device_array, is_simulator_array
 from .ops._codes import RULES
 from .ops.registry import select_auto
@@ -62,6 +61,13 @@ def _kernels():
     from .ops import _cuda_kernels
 
     return _cuda_kernels
+
+
+def _pool():
+    """:mod:`linattn_nb.ops._cuda_pool` (imported on first use: importing this module touches no numba.cuda)."""
+    from .ops import _cuda_pool
+
+    return _cuda_pool
 
 
 # ---------------------------------------------------------------------------
@@ -149,8 +155,8 @@ def input_4d(x):
 
 def check_finite_device(name, x4):
     """ValueError naming ``name`` when the 4-d device array ``x4`` holds NaN or inf (one count, one read)."""
-    P.count_nonfinite(name, x4)
-    P.raise_if_nonfinite()
+    _pool().count_nonfinite(name, x4)
+    _pool().raise_if_nonfinite()
 
 
 # ---------------------------------------------------------------------------
@@ -206,7 +212,7 @@ def check_limits(f: int, m: int, dtype, rule: str = "additive") -> None:
 
 def zeros(shape, dtype=np.float64):
     """A new zero-filled device array, zeroed on the device (one kernel, no host copy)."""
-    return P.zeros(shape, dtype)
+    return _pool().zeros(shape, dtype)
 
 
 def zero_state(b, f, m):
@@ -215,7 +221,7 @@ def zero_state(b, f, m):
     Valid until the next call of the same thread with the same shape: the
     launchers update it in place and :func:`unpack_state` copies it out.
     """
-    return P.zeros((b, f, m + 1), np.float64, tag="linear.H")
+    return _pool().zeros((b, f, m + 1), np.float64, tag="linear.H")
 
 
 def to_device(x):
@@ -255,24 +261,24 @@ def pack_state(S0, z0, position, batch_shape, b, f, m, *, check_finite):
     V.check_state_arrays(S0, z0, position, batch_shape, f, m)
     S3 = (S0 if S0.is_c_contiguous() else contiguous(S0)).reshape((b, f, m))
     z2 = (z0 if z0.is_c_contiguous() else contiguous(z0)).reshape((b, f))
-    H = P.workspace("linear.H", (b, f, m + 1), np.float64)
+    H = _pool().workspace("linear.H", (b, f, m + 1), np.float64)
     if H.size:
         K = _kernels()
         K.state_copy_kernel[K.helper_grid(H.size)](S3, z2, H, True)
     if check_finite and b > 0:
-        P.count_nonfinite("initial_state.S", view4(H[:, :, :m]))
-        P.count_nonfinite("initial_state.z", view4(H[:, :, m]))
+        _pool().count_nonfinite("initial_state.S", view4(H[:, :, :m]))
+        _pool().count_nonfinite("initial_state.z", view4(H[:, :, m]))
     return H
 
 
 def finish_checks():
     """Read the finiteness counters if a kernel counted since the last read (ValueError naming the input)."""
-    P.raise_if_nonfinite()
+    _pool().raise_if_nonfinite()
 
 
 def discard_checks():
     """Forget pending counts of a call that failed before reading them."""
-    P.discard_counts()
+    _pool().discard_counts()
 
 
 def unpack_state(H, batch_shape, f, m):
@@ -309,7 +315,7 @@ def run_device(impl, q4, k4, v4, H, dout, out_shape, *, code, eps, inputs=None, 
     initial state); counts it left unread are read here.
     """
     o4 = view4(dout)
-    tmp = None if o4 is not None else P.workspace("linear.out", out_shape, dout.dtype)
+    tmp = None if o4 is not None else _pool().workspace("linear.out", out_shape, dout.dtype)
     impl.forward(q4, k4, v4, H, o4 if tmp is None else view4(tmp), code=code, eps=eps, inputs=inputs,
                  normalize=normalize, check_finite=check_finite)
     finish_checks()
