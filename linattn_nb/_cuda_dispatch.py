@@ -17,8 +17,20 @@ paths:
   The feature map must have an inline form (``kernel_code``: "elu", "relu",
   "squared_relu", "identity", "l2", "silu_l2", or ``None``); others raise ValueError
   (compute the features yourself and pass ``feature_map=None``, or pass host
-  arrays).  ``check_finite`` runs a counting kernel over q, k, v (one extra
-  read of the inputs; ``check_finite=False`` skips it).
+  arrays).  ``check_finite`` counts the NaN/inf entries of q, k, v (and of a
+  device initial state) on the device into the finiteness counters of
+  :mod:`linattn_nb.ops._cuda_pool` and reads them back once per call
+  (``check_finite=False`` skips both).
+
+  No host round-trips: the zero initial state is zeroed on the device, the
+  packed state ``H`` and the launchers' temporaries are workspaces of
+  :mod:`linattn_nb.ops._cuda_pool` reused by the next call with the same
+  shapes, so a call with the caller's ``out`` copies nothing between host and
+  device and allocates nothing once its shapes have been seen; the only
+  device-to-host copy is the read of the finiteness counters
+  (``check_finite=True``).  New device arrays: the result when ``out`` is
+  None, the final state with ``return_state=True``.  The rules with per-token
+  inputs (``decay``/``log_decay``/``beta``) still pass them through the host.
 * **host inputs** with ``device="cuda"``: validated and (for maps without an
   inline form) featurised on the host as on the CPU path, copied to the GPU,
   and the result and the state copied back: NumPy in, NumPy out.
@@ -49,6 +61,13 @@ def _kernels():
     from .ops import _cuda_kernels
 
     return _cuda_kernels
+
+
+def _pool():
+    """:mod:`linattn_nb.ops._cuda_pool` (imported on first use: importing this module touches no numba.cuda)."""
+    from .ops import _cuda_pool
+
+    return _cuda_pool
 
 
 # ---------------------------------------------------------------------------
@@ -123,6 +142,7 @@ def copy_device(src, dst):
 
 
 def contiguous(x, dtype=None):
+    """A C-contiguous copy of device array ``x`` (in ``dtype``), copied on the device."""
     dtype = np.dtype(dtype or x.dtype)
     dst = _cuda().device_array(tuple(int(s) for s in x.shape), dtype=dtype)
     return copy_device(x, dst)
@@ -134,10 +154,9 @@ def input_4d(x):
 
 
 def check_finite_device(name, x4):
-    """ValueError naming ``name`` when the 4-d device array ``x4`` holds NaN or inf."""
-    from .ops import _cuda_launch
-
-    _cuda_launch.check_finite_device(name, x4)
+    """ValueError naming ``name`` when the 4-d device array ``x4`` holds NaN or inf (one count, one read)."""
+    _pool().count_nonfinite(name, x4)
+    _pool().raise_if_nonfinite()
 
 
 # ---------------------------------------------------------------------------
@@ -192,8 +211,17 @@ def check_limits(f: int, m: int, dtype, rule: str = "additive") -> None:
 
 
 def zeros(shape, dtype=np.float64):
-    """A zero-filled device array."""
-    return _cuda().to_device(np.zeros(shape, dtype=dtype))
+    """A new zero-filled device array, zeroed on the device (one kernel, no host copy)."""
+    return _pool().zeros(shape, dtype)
+
+
+def zero_state(b, f, m):
+    """The zero initial state ``H`` (b, f, m + 1) float64: a pooled workspace zeroed on the device.
+
+    Valid until the next call of the same thread with the same shape: the
+    launchers update it in place and :func:`unpack_state` copies it out.
+    """
+    return _pool().zeros((b, f, m + 1), np.float64, tag="linear.H")
 
 
 def to_device(x):
@@ -220,17 +248,37 @@ def device_out(out, shape, dtype):
 
 
 def pack_state(S0, z0, position, batch_shape, b, f, m, *, check_finite):
-    """A float64 device ``H`` (B, F, M + 1) = [S | z] from device arrays S (..., F, M), z (..., F)."""
-    from .ops import _cuda_launch
+    """A float64 device ``H`` (B, F, M + 1) = [S | z] from device arrays S (..., F, M), z (..., F).
 
+    ``H`` is the pooled workspace of :func:`zero_state` (the caller's arrays
+    are only read; C-contiguous ones without a copy).  ``check_finite``: the
+    NaN/inf entries of S and z are counted on the device into the finiteness
+    counters (:mod:`linattn_nb.ops._cuda_pool`), read with those of q, k, v
+    by the launch (or :func:`finish_checks`).
+    """
     S0 = wrap("initial_state.S", S0)
     z0 = wrap("initial_state.z", z0)
     V.check_state_arrays(S0, z0, position, batch_shape, f, m)
-    H = _cuda_launch.pack_state(contiguous(S0).reshape((b, f, m)), contiguous(z0).reshape((b, f)))
+    S3 = (S0 if S0.is_c_contiguous() else contiguous(S0)).reshape((b, f, m))
+    z2 = (z0 if z0.is_c_contiguous() else contiguous(z0)).reshape((b, f))
+    H = _pool().workspace("linear.H", (b, f, m + 1), np.float64)
+    if H.size:
+        K = _kernels()
+        K.state_copy_kernel[K.helper_grid(H.size)](S3, z2, H, True)
     if check_finite and b > 0:
-        check_finite_device("initial_state.S", view4(H[:, :, :m]))
-        check_finite_device("initial_state.z", view4(H[:, :, m]))
+        _pool().count_nonfinite("initial_state.S", view4(H[:, :, :m]))
+        _pool().count_nonfinite("initial_state.z", view4(H[:, :, m]))
     return H
+
+
+def finish_checks():
+    """Read the finiteness counters if a kernel counted since the last read (ValueError naming the input)."""
+    _pool().raise_if_nonfinite()
+
+
+def discard_checks():
+    """Forget pending counts of a call that failed before reading them."""
+    _pool().discard_counts()
 
 
 def unpack_state(H, batch_shape, f, m):
@@ -258,11 +306,18 @@ def run_host(impl, qf, kf, vf, H, result, *, code, eps, inputs=None, normalize=T
     H[...] = dH.copy_to_host()
 
 
-def run_device(impl, q4, k4, v4, H, dout, out_shape, *, code, eps, inputs=None, normalize=True):
-    """Device inputs: launch on 4-d views; an ``out`` whose batch dims cannot be merged gets a copy."""
+def run_device(impl, q4, k4, v4, H, dout, out_shape, *, code, eps, inputs=None, normalize=True,
+               check_finite=False):
+    """Device inputs: launch on 4-d views; an ``out`` whose batch dims cannot be merged gets a copy.
+
+    ``check_finite`` goes to the launcher (which counts the NaN/inf entries of
+    q, k, v on the device and reads the counters once, with those of a packed
+    initial state); counts it left unread are read here.
+    """
     o4 = view4(dout)
-    tmp = None if o4 is not None else _cuda().device_array(out_shape, dtype=dout.dtype)
+    tmp = None if o4 is not None else _pool().workspace("linear.out", out_shape, dout.dtype)
     impl.forward(q4, k4, v4, H, o4 if tmp is None else view4(tmp), code=code, eps=eps, inputs=inputs,
-                 normalize=normalize)
+                 normalize=normalize, check_finite=check_finite)
+    finish_checks()
     if tmp is not None:  # out's batch dims cannot be merged: compute, then copy in
         copy_device(tmp, dout)

@@ -423,21 +423,26 @@ def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initia
     empty = n == 0 or b == 0
     if not empty:
         q4, k4, v4 = CD.input_4d(dq), CD.input_4d(dk), CD.input_4d(dv)
-        if check_finite:
-            for nm, x4 in (("q", q4), ("k", k4), ("v", v4)):
-                CD.check_finite_device(nm, x4)
-    if initial_state is None:
-        H, position = CD.zeros((b, f, m + 1)), 0
-    else:
-        S0, z0, position = parse_state(initial_state)
-        if on_device(S0) and on_device(z0):
-            H = CD.pack_state(S0, z0, position, batch_shape, b, f, m, check_finite=check_finite)
+    # No host round-trips (issue 20): H is a pooled workspace zeroed or packed on the device; q, k, v
+    # (and a device initial state) are counted on the device and the counters read once.
+    try:
+        if initial_state is None:
+            H, position = CD.zero_state(b, f, m), 0
         else:
-            Hh, position = host_state(initial_state, batch_shape, f, m, check_finite=check_finite)
-            H = CD.to_device(Hh)
-    if not empty:
-        CD.run_device(impl, q4, k4, v4, H, dout, out_shape, code=int(fmap.kernel_code), eps=eps, inputs=inputs,
-                      normalize=normalize)
+            S0, z0, position = parse_state(initial_state)
+            if on_device(S0) and on_device(z0):
+                H = CD.pack_state(S0, z0, position, batch_shape, b, f, m, check_finite=check_finite)
+            else:
+                Hh, position = host_state(initial_state, batch_shape, f, m, check_finite=check_finite)
+                H = CD.to_device(Hh)
+        if not empty:
+            CD.run_device(impl, q4, k4, v4, H, dout, out_shape, code=int(fmap.kernel_code), eps=eps,
+                          inputs=inputs, normalize=normalize, check_finite=check_finite)
+        else:
+            CD.finish_checks()
+    except BaseException:
+        CD.discard_checks()
+        raise
     result = out if out is not None else dout
     if not return_state:
         return result

@@ -80,6 +80,12 @@ def linear_attention(
         ``method`` is ``"scan"``, ``"chunked"`` (causal) or ``"aggregate"``;
         feature maps without an inline form (``kernel_code`` None) are
         applied on the host for host inputs and refused for GPU inputs.
+        A call on GPU arrays makes no host round-trip: the initial state is
+        zeroed (or packed) on the device, temporaries come from a workspace
+        pool reused by the next call with the same shapes
+        (``config.CUDA_WORKSPACE_BYTES``), so that with the caller's ``out``
+        nothing is copied to the device or allocated, and the only copy back
+        is the finiteness counters' (one small read with ``check_finite``).
     eps : float or None, default 1e-8
         Floor of the normaliser: ``den = max(phi(q)^T z, eps)`` (the
         ``clip(1e-8)`` of the original NumPy reference).  With positive feature maps the normaliser is > 0 and

@@ -277,6 +277,16 @@ CUDA_CHUNK_SIZE = _env_int("LINATTN_CUDA_CHUNK_SIZE", 256)
 #: (state packing, prefix over chunks, finiteness check, copies).
 CUDA_THREADS_PER_BLOCK = _env_int("LINATTN_CUDA_THREADS_PER_BLOCK", 256)
 CUDA_MAX_HELPER_BLOCKS = _env_int("LINATTN_CUDA_MAX_HELPER_BLOCKS", 4096)
+#: Bytes of device memory the workspace pool (linattn_nb/ops/_cuda_pool.py)
+#: keeps between calls, per process: temporaries of a GPU call (the packed
+#: state, the per-chunk states, the finiteness counters) are taken from it and
+#: reused by the next call with the same shapes, dtype, CUDA context and
+#: thread, so that a call allocates nothing once its shapes have been seen.
+#: Least recently used buffers are freed first when it is exceeded; a single
+#: buffer larger than this is allocated per call and not kept; 0 turns the
+#: pool off (every call allocates).  1 GiB holds the per-chunk states of
+#: B = 8, H = 16, N = 16,384, D = M = 64 (136 MB) several times over.
+CUDA_WORKSPACE_BYTES = _env_int("LINATTN_CUDA_WORKSPACE_BYTES", 1 << 30)
 #: Largest feature dimension D_phi the CUDA kernels accept (the value
 #: dimension M is not limited: blocks over M).  Beyond it, a ValueError
 #: suggests device="cpu".

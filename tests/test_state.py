@@ -731,3 +731,26 @@ def test_kv_cache_errors():
     x = np.arange(6.0).reshape(2, 3)
     out = custom.step(x, x, np.eye(2))
     assert_close(out, la.softmax_attention(x, x, np.eye(2), causal=True, scale=0.5, method="quadratic"), np.float64)
+
+
+def test_step_out_argument_on_the_host():
+    """step(out=...) with host inputs fills and returns the caller's array (fast path or not), equal to
+    the result without it; a wrong out is refused before the state changes."""
+    rng = np.random.default_rng(11)
+    q, k, v = rng.normal(size=(3, 2, 4, 3))
+    a = LinearAttentionState(3, 3, batch_shape=(2,))
+    b = LinearAttentionState(3, 3, batch_shape=(2,))
+    for t in range(4):
+        sl = slice(t, t + 1)
+        out = np.full((2, 1, 3), np.nan)
+        res = a.step(q[:, sl], k[:, sl], v[:, sl], out=out)
+        assert res is out
+        np.testing.assert_array_equal(out, b.step(q[:, sl], k[:, sl], v[:, sl]))
+    with pytest.raises(ValueError, match="out must be"):
+        a.step(q[:, :1], k[:, :1], v[:, :1], out=np.empty((2, 1, 3), np.float32))
+    assert a.position == 4
+    c = LinearAttentionState(3, 3, batch_shape=(2,))
+    d = LinearAttentionState(3, 3, batch_shape=(2,))
+    out = np.empty((2, 2, 3))
+    assert c.step(q[:, :2], k[:, :2], v[:, :2], decay=0.5, out=out) is out  # the rule path
+    np.testing.assert_array_equal(out, d.step(q[:, :2], k[:, :2], v[:, :2], decay=0.5))

@@ -42,6 +42,7 @@ from numba import cuda
 
 from .. import config
 from . import _cuda_kernels as K
+from . import _cuda_pool as P
 from ._codes import RULE_ADDITIVE, RULE_DECAY, RULE_GATED_DELTA, RULES, check_rule_inputs, norm_mode, rule_name
 from ._cuda_common import is_delta_rule, rule_factor_rows
 
@@ -119,7 +120,9 @@ def check_inputs(q, k, v, check_finite: bool) -> None:
     """``check_finite=True``: ValueError naming the first of q, k, v holding NaN or inf.
 
     One counting kernel per input before the launch (results are not checked
-    on the GPU).  Inputs are (B, N, ·) or 4-d (B1, B2, N, ·) device arrays.
+    on the GPU), into the pooled counters of :mod:`linattn_nb.ops._cuda_pool`,
+    read back once (with the counts of a packed initial state).  Inputs are
+    (B, N, ·) or 4-d (B1, B2, N, ·) device arrays.
     """
     if not check_finite:
         return
@@ -127,7 +130,8 @@ def check_inputs(q, k, v, check_finite: bool) -> None:
         x4 = K.as_4d(x) if len(x.shape) != 4 else x
         if x4 is None:
             raise ValueError(f"{name}: the leading dimensions of shape {tuple(x.shape)} cannot be merged")
-        check_finite_device(name, x4)
+        P.count_nonfinite(name, x4)
+    P.raise_if_nonfinite()
 
 
 def chunk_length(chunk_size) -> int:
@@ -140,7 +144,7 @@ def chunk_length(chunk_size) -> int:
 
 def _placeholder(ndim):
     """A float64 device array of shape (1,) * ndim that a kernel receives but never reads."""
-    return cuda.device_array((1,) * ndim, dtype=_F64)
+    return P.workspace(("launch.placeholder", ndim), (1,) * ndim, _F64)
 
 
 def rule_factors(rule: int, inputs, B: int, N: int, F: int):
@@ -288,8 +292,9 @@ def cast_copy(src, dst):
     return dst
 
 
-def _acc_state(p: SeqPlan, n: int):
-    return cuda.device_array((n, p.F, p.M + 1), dtype=p.acc)
+def _acc_state(p: SeqPlan, n: int, tag: str):
+    """A pooled (n, F, M + 1) workspace in the accumulation dtype (:mod:`linattn_nb.ops._cuda_pool`)."""
+    return P.workspace(("launch." + tag), (n, p.F, p.M + 1), p.acc)
 
 
 def scan(p: SeqPlan, H, *, code, eps, normalize=True) -> None:
@@ -306,8 +311,8 @@ def scan(p: SeqPlan, H, *, code, eps, normalize=True) -> None:
     if p.acc == _F64 and not split:
         Hin = Hout = H
     else:
-        Hin = cast_copy(H, _acc_state(p, p.B))
-        Hout = H if p.acc == _F64 else (_acc_state(p, p.B) if split else Hin)
+        Hin = cast_copy(H, _acc_state(p, p.B, "state_in"))
+        Hout = H if p.acc == _F64 else (_acc_state(p, p.B, "state_out") if split else Hin)
     _run(p, Hin, Hout, p.N, 1, 1, code, eps, normalize, read_state=True, update=True, write_out=True,
          write_state=True)
     if Hout is not H:
@@ -316,7 +321,7 @@ def scan(p: SeqPlan, H, *, code, eps, normalize=True) -> None:
 
 def chunk_sums(p: SeqPlan, *, code, eps):
     """(B * chunks, F, M + 1) accumulation-dtype array: every chunk's state from zero."""
-    Hc = _acc_state(p, p.B * p.chunks)
+    Hc = _acc_state(p, p.B * p.chunks, "chunk_states")
     _run(p, Hc, Hc, p.chunk, p.chunks, 1, code, eps, read_state=False, update=True, write_out=False,
          write_state=True)
     return Hc
@@ -333,10 +338,10 @@ def chunk_prefix(p: SeqPlan, Hc, H, *, exclusive: bool):
     state in the accumulation dtype: ``H`` itself for float64, a float32 copy
     written by the same launch otherwise.
     """
-    tot = None if exclusive or p.acc == _F64 else _acc_state(p, p.B)
+    tot = None if exclusive or p.acc == _F64 else _acc_state(p, p.B, "state_total")
     W = rule_factor_rows(p.rule, p.F)
     if W:
-        Af = cuda.device_array((p.B * p.chunks, W), dtype=_F64)
+        Af = P.workspace("launch.chunk_factors", (p.B * p.chunks, W), _F64)
         K.chunk_factors_kernel[K.helper_grid(Af.size)](p.lf, p.chunk, p.chunks, Af)
     else:
         Af = _placeholder(2)

@@ -36,7 +36,10 @@ arrays are host NumPy arrays for ``device="cpu"`` and device arrays for
     A zero state in the launcher's own layout (``S`` may be stored
     transposed; ``z`` is (B, F)), in ``dtype`` (float32 or float64, the
     accumulation precision), and the scratch its kernels need.  Nothing else
-    in the state touches ``scratch``.
+    in the state touches ``S``, ``z`` or ``scratch`` but the launcher's own
+    operations (the CUDA launchers' ``S`` and ``z`` are double buffers,
+    :class:`linattn_nb.ops.step.cuda.DoubleBuffer`, and their scratch a
+    :class:`linattn_nb.ops.step.cuda.StepScratch`).
 ``launcher(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True) -> int``
     Absorb T tokens and write their outputs: token t first updates the state,
     then reads it (its output includes itself), exactly as the causal
@@ -50,14 +53,16 @@ arrays are host NumPy arrays for ``device="cpu"`` and device arrays for
     ``normalize=False`` writes the numerators ``phi(q)^T S_t`` undivided.  ``q, k`` (B, T, D): raw inputs when ``code`` > 0 (the
     elementwise map of that code is applied inside), else features (D = F).
     ``v`` (B, T, M); ``out`` (B, T, M) is written; q, k, v and out are
-    C-contiguous and share one dtype, float32 or float64.  ``S``, ``z`` are
-    updated in place.  ``eps``: floor of the normaliser, None for raw
+    C-contiguous and share one dtype, float32 or float64 (CUDA: float16 too).
+    ``S``, ``z`` are updated (CUDA: a checked update writes the other buffer and
+    swaps; what :func:`view` returns is always the current state).  ``eps``: floor of the normaliser, None for raw
     division.  ``check``: when true and q, k or v holds NaN or inf, return
-    1, 2 or 3 (the first bad one) with nothing modified; otherwise return 0.
+    1, 2 or 3 (the first bad one) with the state unchanged (``out`` then holds
+    unspecified values); otherwise return 0.
 ``query(q, S, z, out, scratch, *, code, eps, check, normalize=True) -> int``
     ``out`` (B, T, M) = the state read by T queries, the state unchanged;
-    1 when ``check`` finds q not finite (nothing written), else 0.
-``prefill(k, v, S, z, *, code, check, inputs=None) -> int``
+    1 when ``check`` finds q not finite (``out`` unspecified), else 0.
+``prefill(k, v, S, z, scratch, *, code, check, inputs=None) -> int``
     Absorb T tokens without outputs (the state the causal methods end
     with); 1 or 2 when ``check`` finds k or v not finite (nothing modified),
     else 0.
@@ -149,7 +154,7 @@ def _cpu_bad_kv(check, k, v):
     return 0 if not bad else (1 if bad < 3 else 2)
 
 
-def _cpu_prefill(k, v, S, z, *, code, check, inputs=None):
+def _cpu_prefill(k, v, S, z, scratch=None, *, code, check, inputs=None):
     _additive_inputs(inputs)
     bad = _cpu_bad_kv(check, k, v)
     if not bad:
@@ -191,7 +196,7 @@ def _cpu_rule_step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None
                           inputs=_rule_inputs(inputs), normalize=normalize)
 
 
-def _cpu_rule_prefill(k, v, S, z, *, code, check, inputs=None):
+def _cpu_rule_prefill(k, v, S, z, scratch=None, *, code, check, inputs=None):
     inputs = _rule_inputs(inputs)
     bad = _cpu_bad_kv(check, k, v)
     if not bad:
@@ -220,7 +225,7 @@ def _cpu_delta_step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=Non
                            inputs=_delta_inputs(inputs), normalize=normalize)
 
 
-def _cpu_delta_prefill(k, v, S, z, *, code, check, inputs=None):
+def _cpu_delta_prefill(k, v, S, z, scratch=None, *, code, check, inputs=None):
     inputs = _delta_inputs(inputs)
     bad = _cpu_bad_kv(check, k, v)
     if not bad:
@@ -238,51 +243,40 @@ CPU_DELTA_STEP = StepLauncher("cpu", _cpu_delta_step, _cpu_query, _cpu_delta_pre
 # ---------------------------------------------------------------------------
 # CUDA: S in the canonical (B, F, M) layout (ops/step/cuda.py, imported on first use)
 # ---------------------------------------------------------------------------
+# No host round-trips (issue 20): every operation is one kernel launch on the state's own buffers
+# and scratch (allocated once, in ``zeros``); the finiteness check is fused into that kernel and read
+# back (one device-to-host copy) only when ``check`` is true; a checked update writes the other buffer
+# of the double-buffered state and swaps when the inputs were finite (ops/step/cuda.py).
 def _kernels():
     from ..ops.step import cuda as _scuda
 
     return _scuda
 
 
-def _cuda_bad(check, *arrays):
-    """0, or the 1-based index of the first non-finite device array when ``check``."""
-    return _kernels().check_nonfinite(*arrays) if check else 0
-
-
 def _cuda_zeros(B, F, M, dtype):
-    return CD.zeros((B, F, M), dtype), CD.zeros((B, F), dtype), (CD.zeros((B, 3, F), dtype),)
+    K = _kernels()
+    return K.DoubleBuffer((B, F, M), dtype), K.DoubleBuffer((B, F), dtype), K.StepScratch(B, F, dtype)
 
 
 def _cuda_step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True):
     _additive_inputs(inputs)
-    bad = _cuda_bad(check, q, k, v)
-    if bad:
-        return bad
     if normalize:
-        _kernels().state_step(q, k, v, S, z, out, scratch[0], code=code, eps=eps)
-    else:
-        feat = CD.zeros((S.shape[0], 4, S.shape[1]), S.dtype)
-        _kernels().rule_step(q, k, v, S, z, out, feat, code=code, eps=eps, normalize=False)
-    return 0
+        return _kernels().state_step(q, k, v, S, z, out, scratch, code=code, eps=eps, check=check)
+    # normalize=False: the rule kernel with factor 1
+    return _kernels().rule_step(q, k, v, S, z, out, scratch, code=code, eps=eps, normalize=False, check=check)
 
 
 def _cuda_query(q, S, z, out, scratch, *, code, eps, check, normalize=True):
-    if _cuda_bad(check, q):
-        return 1
-    _kernels().state_query(q, S, z, out, scratch[0], code=code, eps=eps, normalize=normalize)
-    return 0
+    return _kernels().state_query(q, S, z, out, scratch, code=code, eps=eps, normalize=normalize, check=check)
 
 
-def _cuda_prefill(k, v, S, z, *, code, check, inputs=None):
+def _cuda_prefill(k, v, S, z, scratch, *, code, check, inputs=None):
     _additive_inputs(inputs)
-    bad = _cuda_bad(check, k, v)
-    if not bad:
-        _kernels().state_prefill(k, v, S, z, code=code)
-    return bad
+    return _kernels().state_prefill(k, v, S, z, scratch, code=code, check=check)
 
 
 def _cuda_put(S, z, S_src, z_src):
-    for dst, src in ((S, S_src), (z, z_src)):
+    for dst, src in ((S.cur, S_src), (z.cur, z_src)):
         if isinstance(src, np.ndarray):
             dst.copy_to_device(np.ascontiguousarray(src, dtype=dst.dtype).reshape(dst.shape))
         else:
@@ -290,57 +284,37 @@ def _cuda_put(S, z, S_src, z_src):
 
 
 def _cuda_view(S, z):
-    return S, z
+    return S.cur, z.cur
 
 
 CUDA_STEP = StepLauncher("cuda", _cuda_step, _cuda_query, _cuda_prefill, _cuda_zeros, _cuda_put, _cuda_view)
 
 
-def _cuda_rule_zeros(B, F, M, dtype):
-    return CD.zeros((B, F, M), dtype), CD.zeros((B, F), dtype), (CD.zeros((B, 4, F), dtype),)
-
-
 def _cuda_rule_step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True):
-    inputs = _rule_inputs(inputs)
-    bad = _cuda_bad(check, q, k, v)
-    if not bad:
-        _kernels().rule_step(q, k, v, S, z, out, scratch[0], code=code, eps=eps, inputs=inputs, normalize=normalize)
-    return bad
+    return _kernels().rule_step(q, k, v, S, z, out, scratch, code=code, eps=eps, inputs=_rule_inputs(inputs),
+                                normalize=normalize, check=check)
 
 
-def _cuda_rule_prefill(k, v, S, z, *, code, check, inputs=None):
-    inputs = _rule_inputs(inputs)
-    bad = _cuda_bad(check, k, v)
-    if not bad:
-        _kernels().rule_prefill(k, v, S, z, code=code, inputs=inputs)
-    return bad
+def _cuda_rule_prefill(k, v, S, z, scratch, *, code, check, inputs=None):
+    return _kernels().rule_prefill(k, v, S, z, scratch, code=code, inputs=_rule_inputs(inputs), check=check)
 
 
 #: The decay and gate rules with CUDA: the rule kernels of :mod:`linattn_nb.ops.step.cuda`.
-CUDA_RULE_STEP = StepLauncher("cuda", _cuda_rule_step, _cuda_query, _cuda_rule_prefill, _cuda_rule_zeros,
+CUDA_RULE_STEP = StepLauncher("cuda", _cuda_rule_step, _cuda_query, _cuda_rule_prefill, _cuda_zeros,
                               _cuda_put, _cuda_view)
 
 
 def _cuda_delta_step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True):
-    inputs = _delta_inputs(inputs)
-    bad = _cuda_bad(check, q, k, v)
-    if not bad:
-        _kernels().delta_step(q, k, v, S, z, out, scratch[0], code=code, eps=eps, inputs=inputs,
-                              normalize=normalize)
-    return bad
+    return _kernels().delta_step(q, k, v, S, z, out, scratch, code=code, eps=eps, inputs=_delta_inputs(inputs),
+                                 normalize=normalize, check=check)
 
 
-def _cuda_delta_prefill(k, v, S, z, *, code, check, inputs=None):
-    inputs = _delta_inputs(inputs)
-    bad = _cuda_bad(check, k, v)
-    if not bad:
-        feat = CD.zeros((S.shape[0], 3, S.shape[1]), S.dtype)
-        _kernels().delta_prefill(k, v, S, z, feat, code=code, inputs=inputs)
-    return bad
+def _cuda_delta_prefill(k, v, S, z, scratch, *, code, check, inputs=None):
+    return _kernels().delta_prefill(k, v, S, z, scratch, code=code, inputs=_delta_inputs(inputs), check=check)
 
 
 #: The delta and gated delta rules with CUDA: the delta kernel of :mod:`linattn_nb.ops.step.cuda`.
-CUDA_DELTA_STEP = StepLauncher("cuda", _cuda_delta_step, _cuda_query, _cuda_delta_prefill, _cuda_rule_zeros,
+CUDA_DELTA_STEP = StepLauncher("cuda", _cuda_delta_step, _cuda_query, _cuda_delta_prefill, _cuda_zeros,
                                _cuda_put, _cuda_view)
 
 

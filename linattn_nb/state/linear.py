@@ -144,7 +144,9 @@ class LinearAttentionState:
     Attributes
     ----------
     S, z : ndarray
-        Read-only views of the state (device arrays on the GPU).
+        Read-only views of the state (device arrays on the GPU: the state's
+        current buffer, which a checked :meth:`step` or :meth:`prefill`
+        replaces by the other one; read them again after a call).
     position : int
         Tokens absorbed so far (the position of the next token; position-
         dependent feature maps use it as the offset).
@@ -158,6 +160,15 @@ class LinearAttentionState:
     Notes
     -----
     Every method takes all batch entries and heads in one Numba kernel call.
+    On the GPU (``device="cuda"``) a :meth:`step`, :meth:`query` or
+    :meth:`prefill` on device arrays is one kernel launch on buffers the
+    state allocated once: no copy to the device, no allocation but the
+    result, and no read back except the finiteness flag with
+    ``check_finite=True`` (one small device-to-host copy, which waits for the
+    kernel).  The check is fused into the kernel; so that a refused call
+    leaves the state untouched, a checked update writes the second of two
+    state buffers and the state switches to it when the inputs were finite
+    (the GPU state holds ``2 * nbytes``).  Arithmetic is in the state dtype.
     On the CPU, ``S`` is stored transposed (one ``(M, D_phi)`` block per batch
     entry) so that a decode step fuses the update and the read into one
     contiguous pass (:mod:`linattn_nb.ops.step`); :attr:`S` shows the
@@ -560,10 +571,10 @@ class LinearAttentionState:
             arrs = [(n, CD.wrap(n, x), last) for n, x, last in pairs]
             T = check_shapes(self._bs, arrs)
             dts = {np.dtype(a.dtype) for _, a, _ in arrs}
-            if len(dts) != 1 or next(iter(dts)) not in STATE_DTYPES:
+            if len(dts) != 1 or next(iter(dts)) not in STATE_DTYPES + (np.dtype(np.float16),):
                 raise TypeError(
-                    "GPU inputs must share one dtype, float32 or float64 (no conversion on the device), "
-                    f"got {', '.join(f'{n}: {a.dtype}' for n, a, _ in arrs)}"
+                    "GPU inputs must share one dtype, float16, float32 or float64 (no conversion on the "
+                    f"device), got {', '.join(f'{n}: {a.dtype}' for n, a, _ in arrs)}"
                 )
             out = []
             for n, a, last in arrs:
@@ -623,8 +634,35 @@ class LinearAttentionState:
             return CD.device_out(None, shape, dtype)
         return np.empty(shape, dtype=dtype)
 
+    def _kernel_out(self, given, inp):
+        """Where the kernel writes: the caller's ``out`` itself (device inputs to a GPU state: checked
+        and viewed as (B, T, M), no allocation), else a new array (copied into ``given`` by
+        :meth:`_deliver`)."""
+        shape = self._bs + (inp.T, self._m)
+        if given is not None and not inp.device_inputs and (
+                not isinstance(given, np.ndarray) or given.shape != shape or given.dtype != inp.dtype):
+            raise ValueError(f"out must be a NumPy array of shape {shape} and dtype {inp.dtype} for host inputs, "
+                             f"got {type(given).__name__} {getattr(given, 'shape', None)} "
+                             f"{getattr(given, 'dtype', None)}")
+        if given is None or not inp.device_inputs:
+            return self._new_out(inp.T, inp.work)
+        dout = CD.device_out(given, shape, inp.work)
+        if not dout.is_c_contiguous():
+            raise ValueError("out must be C-contiguous on the GPU")
+        return dout.reshape((self._B, inp.T, self._m))
+
+    def _deliver(self, res, given, inp):
+        """The call's result: ``res``, or the caller's ``out`` (filled with it unless the kernel wrote
+        there directly)."""
+        if given is None:
+            return res
+        if inp.device_inputs:
+            return given
+        given[...] = res
+        return given
+
     # -- the API ------------------------------------------------------------------------
-    def step(self, q, k, v, *, decay=None, log_decay=None, beta=None, check_finite=True):
+    def step(self, q, k, v, *, decay=None, log_decay=None, beta=None, check_finite=True, out=None):
         """Absorb T new tokens and return their outputs, exactly as the causal kernel would.
 
         Token t first updates the state, then reads it (its output includes
@@ -637,7 +675,9 @@ class LinearAttentionState:
         q, k : array_like, shape ``(*batch_shape, T, key_dim)``
         v : array_like, shape ``(*batch_shape, T, value_dim)``
             float16/32/64 (mixed dtypes promote to the widest), host or GPU
-            arrays (GPU arrays: one dtype, float32 or float64).  T >= 0.
+            arrays (GPU arrays: one dtype, float16, float32 or float64,
+            C-contiguous; each value is converted to the state dtype as the
+            kernel loads it, and the outputs have the inputs' dtype).  T >= 0.
         decay, log_decay : float or array_like, optional
             The tokens' factors in [0, 1] (0 resets the state exactly), or
             their logs <= 0 (-inf resets); at most one of the two.  For a
@@ -656,7 +696,18 @@ class LinearAttentionState:
         check_finite : bool, default True
             Raise ValueError, leaving the state untouched, when an input
             holds NaN or inf.  On the CPU the check runs inside the kernel
-            (a few hundred nanoseconds per decode step).
+            (a few hundred nanoseconds per decode step).  On the GPU too: the
+            step kernel flags NaN/inf as it loads q, k and v, and the flag
+            is read back once after the launch (a device-to-host copy that
+            waits for the kernel); ``check_finite=False`` skips the read, so
+            a GPU step then returns without waiting.
+        out : array, optional
+            Where to write the outputs, shape ``(*batch_shape, T,
+            value_dim)``: for GPU inputs a C-contiguous device array of the
+            inputs' dtype, which the kernel writes directly (the step then
+            allocates nothing); for host inputs a NumPy array of the promoted
+            input dtype (filled with the result).  Returned in place of a new
+            array.
 
         Returns
         -------
@@ -685,7 +736,8 @@ class LinearAttentionState:
         """
         # Fast path (the additive decode loop): host NumPy arrays of one native dtype, C-contiguous,
         # an elementwise map, a host state.  A few tuple compares, one allocation, one call.
-        if (self._fast and decay is None and log_decay is None and beta is None and type(q) is np.ndarray
+        if (self._fast and out is None and decay is None and log_decay is None and beta is None
+                and type(q) is np.ndarray
                 and type(k) is np.ndarray and type(v) is np.ndarray):
             dt = q.dtype
             shp = q.shape
@@ -724,7 +776,8 @@ class LinearAttentionState:
                         self._rule = "additive"  # the launcher already is the additive one
                     return res
         # Fast path of a fixed decay/delta rule: one token, host arrays, one factor per sequence.
-        if (self._rfast and type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray
+        if (self._rfast and out is None and type(q) is np.ndarray and type(k) is np.ndarray
+                and type(v) is np.ndarray
                 and q.shape == self._q1 and self._rule_token(decay, log_decay, beta)):
             res = self._rule_step_fast(q, k, v, check_finite)
             if res is not None:
@@ -732,11 +785,12 @@ class LinearAttentionState:
         inp = self._prepare([("q", q, self._d), ("k", k, self._d), ("v", v, self._m)], check_finite,
                             ("query", "key", None),
                             factors=self._factors(decay, log_decay, beta, step_rule_inputs, "a step"))
+        given = out
+        out = self._kernel_out(given, inp)
         fixed = self._absorb_rule(inp)
         qf, kf, vf = self._on_state_device(inp)
-        out = self._new_out(inp.T, inp.work)
         if inp.T == 0:  # nothing to absorb (the rule may still be open: no launcher to run)
-            return self._finish(out, inp)
+            return self._deliver(self._finish(out, inp), given, inp)
         check = bool(check_finite and self._code is not None)
         if inp.inputs is None and self._norm:
             bad = self._launch(qf, kf, vf, self._S, self._z, out, self._scratch, code=self._c_code,
@@ -749,7 +803,7 @@ class LinearAttentionState:
                 self._unfix_rule()
             raise_nonfinite(("q", "k", "v")[bad - 1])
         self._position += inp.T
-        return self._finish(out, inp)
+        return self._deliver(self._finish(out, inp), given, inp)
 
     def _entry_point(self, dt, arrays):
         """The compiled single-token kernel for input dtype ``dt``, called without Numba's
@@ -857,9 +911,9 @@ class LinearAttentionState:
         kf, vf = self._on_state_device(inp)
         check = bool(check_finite and self._code is not None)
         if inp.inputs is None:
-            bad = self._launch.prefill(kf, vf, self._S, self._z, code=self._c_code, check=check)
+            bad = self._launch.prefill(kf, vf, self._S, self._z, self._scratch, code=self._c_code, check=check)
         else:
-            bad = self._launch.prefill(kf, vf, self._S, self._z, code=self._c_code, check=check,
+            bad = self._launch.prefill(kf, vf, self._S, self._z, self._scratch, code=self._c_code, check=check,
                                        inputs=inp.inputs)
         if bad:
             if fixed:

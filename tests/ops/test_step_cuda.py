@@ -165,16 +165,17 @@ _PTX_SCRIPT = textwrap.dedent(
     from numba import cuda, types
     from linattn_nb.ops.step import cuda as C
     res = {}
-    for sdt, idt in (("float32", "float32"), ("float64", "float32"), ("float64", "float64")):
+    fl = types.Array(types.int32, 1, "C")
+    bo, i8 = types.boolean, types.int64
+    for sdt, idt in (("float32", "float16"), ("float32", "float32"), ("float64", "float32"), ("float64", "float64")):
         st = getattr(types, sdt)
         S3 = types.Array(st, 3, "C")
         z2 = types.Array(st, 2, "C")
         a3 = types.Array(getattr(types, idt), 3, "C")
         sigs = {
-            "state_step": (a3, a3, a3, S3, z2, a3, S3, types.int64, types.float64, st, st),
-            "state_query": (a3, S3, z2, a3, S3, types.int64, types.float64, types.int64, st, st),
-            "state_prefill": (a3, a3, S3, z2, types.int64, st, st),
-            "first_nonfinite": (a3, types.Array(types.int64, 1, "C"), types.int64),
+            "state_step": (a3, a3, a3, S3, z2, S3, z2, a3, S3, fl, bo, i8, st, st, st),
+            "state_query": (a3, S3, z2, a3, S3, fl, bo, i8, st, i8, st, st),
+            "state_prefill": (a3, a3, S3, z2, S3, z2, fl, bo, i8, st, st),
         }
         for name, sig in sigs.items():
             ptx, _ = cuda.compile_ptx(C.PYTHON_KERNELS[name], sig, cc=(9, 0))
@@ -186,8 +187,8 @@ _PTX_SCRIPT = textwrap.dedent(
 
 
 def test_step_kernels_compile_to_ptx():
-    """Every step kernel compiles for sm_90 (float32 and float64 states, float32/float64
-    inputs) without spilling to local memory."""
+    """Every step kernel compiles for sm_90 (float32 and float64 states, float16 (float32 states),
+    float32 and float64 inputs) without spilling to local memory."""
     res = run_ptx_script(_PTX_SCRIPT)
     assert len(res) == 12
     for key, val in res.items():
@@ -253,15 +254,17 @@ _RULE_PTX_SCRIPT = textwrap.dedent(
     from linattn_nb.ops.step import cuda as C
     res = {}
     lg = types.Array(types.float64, 3, "C")
-    for sdt, idt in (("float32", "float32"), ("float64", "float32"), ("float64", "float64")):
+    fl = types.Array(types.int32, 1, "C")
+    bo = types.boolean
+    for sdt, idt in (("float32", "float16"), ("float32", "float32"), ("float64", "float32"), ("float64", "float64")):
         st = getattr(types, sdt)
         S3 = types.Array(st, 3, "C")
         z2 = types.Array(st, 2, "C")
         a3 = types.Array(getattr(types, idt), 3, "C")
-        i8, f8 = types.int64, types.float64
+        i8 = types.int64
         sigs = {
-            "rule_step": (a3, a3, a3, S3, z2, a3, S3, lg, i8, f8, i8, st, st),
-            "rule_prefill": (a3, a3, S3, z2, lg, i8, st, st),
+            "rule_step": (a3, a3, a3, S3, z2, S3, z2, a3, S3, lg, fl, bo, i8, st, i8, st, st),
+            "rule_prefill": (a3, a3, S3, z2, S3, z2, lg, fl, bo, i8, st, st),
         }
         for name, sig in sigs.items():
             ptx, _ = cuda.compile_ptx(C.PYTHON_KERNELS[name], sig, cc=(9, 0))
@@ -276,7 +279,7 @@ def test_rule_step_kernels_compile_to_ptx():
     """The decay/gate step kernels compile for sm_90 without spilling to local memory (their
     query is the additive one, compiled by :func:`test_step_kernels_compile_to_ptx`)."""
     res = run_ptx_script(_RULE_PTX_SCRIPT)
-    assert len(res) == 6
+    assert len(res) == 8
     for key, val in res.items():
         assert val == {"entry": True, "target": True, "local": False}, (key, val)
 
@@ -342,13 +345,15 @@ _DELTA_PTX_SCRIPT = textwrap.dedent(
     res = {}
     lg = types.Array(types.float64, 3, "C")
     b2 = types.Array(types.float64, 2, "C")
-    for sdt, idt in (("float32", "float32"), ("float64", "float32"), ("float64", "float64")):
+    fl = types.Array(types.int32, 1, "C")
+    bo = types.boolean
+    for sdt, idt in (("float32", "float16"), ("float32", "float32"), ("float64", "float32"), ("float64", "float64")):
         st = getattr(types, sdt)
         S3 = types.Array(st, 3, "C")
         z2 = types.Array(st, 2, "C")
         a3 = types.Array(getattr(types, idt), 3, "C")
-        i8, f8 = types.int64, types.float64
-        sig = (a3, a3, a3, S3, z2, a3, S3, lg, b2, i8, f8, i8, types.boolean, st, st)
+        i8 = types.int64
+        sig = (a3, a3, a3, S3, z2, S3, z2, a3, S3, lg, b2, fl, bo, i8, st, i8, bo, st, st)
         ptx, _ = cuda.compile_ptx(C.PYTHON_KERNELS["delta_step"], sig, cc=(9, 0))
         res[f"delta_step/{sdt}/{idt}"] = {"entry": ".entry" in ptx, "target": ".target sm_90" in ptx,
                                           "local": ("ld.local" in ptx) or ("st.local" in ptx)}
@@ -360,6 +365,6 @@ _DELTA_PTX_SCRIPT = textwrap.dedent(
 def test_delta_step_kernel_compiles_to_ptx():
     """The delta step kernel compiles for sm_90 without spilling to local memory."""
     res = run_ptx_script(_DELTA_PTX_SCRIPT)
-    assert len(res) == 3
+    assert len(res) == 4
     for key, val in res.items():
         assert val == {"entry": True, "target": True, "local": False}, (key, val)

@@ -1,0 +1,262 @@
+"""Device workspaces reused across calls, device-side zeroing and the finiteness counters.
+
+The GPU path of :func:`linattn_nb.linear_attention` makes no host-to-device
+copy and no allocation per call once its shapes have been seen (only the
+result, when the caller passes no ``out``, and the final state of
+``return_state=True`` are new arrays), and reads at most one small array
+back (the finiteness counters, with ``check_finite=True``).  This module
+holds what makes that possible:
+
+* :func:`workspace` -- a device array for a temporary of one call, taken
+  from a pool keyed on ``(tag, shape, dtype, CUDA context, thread)`` and
+  reused by the next call with the same key.  The pool keeps at most
+  ``config.CUDA_WORKSPACE_BYTES`` bytes (least recently used first out; a
+  single request above the bound is allocated and not kept; 0 turns the
+  pool off).  Each thread has its own buffers, so concurrent calls never
+  share one; within one thread, calls are ordered on the default stream, so a
+  buffer is only reused after the kernels of the previous call that used it.
+  A caller uses one ``tag`` per buffer that is alive at the same time.
+* :func:`zeros` / :func:`fill` -- zero (or fill) a device array with one
+  grid-stride kernel: no host array is copied.
+* :func:`counters` / :func:`count_nonfinite` / :func:`raise_if_nonfinite`
+  -- the finiteness check of a call: kernels add the number of NaN/inf
+  entries of each checked array into a per-thread int32 device array of
+  :data:`CHECK_SLOTS` slots (q, k, v, initial_state.S, initial_state.z) that
+  is zero between calls; :func:`raise_if_nonfinite` reads it once (one
+  device-to-host copy, only when a kernel was asked to count since the
+  last read) and raises ``ValueError`` naming the first slot that counted,
+  after setting the counters back to zero on the device.  A kernel that
+  fuses the check into its own pass takes the array from :func:`counters`
+  (which marks a read as due) and adds into the slot of each input.
+* :func:`clear` and :func:`stats` -- drop every pooled buffer; hits,
+  misses and bytes held.
+
+Importing this module touches no GPU; the kernels are compiled on first use.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+
+import numpy as np
+from numba import cuda
+
+from .. import config
+
+__all__ = ["workspace", "zeros", "fill", "counters", "count_nonfinite", "raise_if_nonfinite", "discard_counts",
+           "clear", "stats", "CHECK_SLOTS", "SLOT"]
+
+#: The names of the finiteness counters, in the order errors name them.
+CHECK_SLOTS = ("q", "k", "v", "initial_state.S", "initial_state.z")
+#: Slot index of each name of :data:`CHECK_SLOTS`.
+SLOT = {name: i for i, name in enumerate(CHECK_SLOTS)}
+
+_SIM = bool(getattr(__import__("numba").config, "ENABLE_CUDASIM", 0))
+_LOCK = threading.Lock()
+_POOL: "OrderedDict[tuple, object]" = OrderedDict()
+_STATS = {"hits": 0, "misses": 0, "bytes": 0}
+_LOCAL = threading.local()
+_KERNELS = {}
+
+
+def _context_key():
+    """A hashable key of the current CUDA context (the simulator has one)."""
+    ctx = cuda.current_context()
+    if _SIM:
+        return ("sim", int(getattr(ctx, "id", 0)))
+    handle = getattr(ctx, "handle", None)
+    try:
+        hv = int(getattr(handle, "value", handle))
+    except Exception:  # pragma: no cover - exotic handle types
+        hv = id(ctx)
+    return (int(ctx.device.id), hv)
+
+
+def _limit() -> int:
+    return max(0, int(config.CUDA_WORKSPACE_BYTES))
+
+
+def workspace(tag, shape, dtype):
+    """A C-contiguous device array of ``shape`` and ``dtype`` for a temporary of one call.
+
+    Contents are undefined (what the previous user left).  The same array is
+    returned to the next request with the same ``tag``, shape and dtype from
+    the same thread and CUDA context, while the pool holds it (module
+    docstring).
+
+    Parameters
+    ----------
+    tag : hashable
+        Names the role of the buffer (e.g. ``"seq.chunk_states"``); buffers
+        alive at the same time need different tags.
+    shape : tuple of int
+    dtype : numpy dtype-like
+
+    Returns
+    -------
+    device array
+    """
+    shape = tuple(int(s) for s in shape)
+    dt = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    limit = _limit()
+    if nbytes > limit:  # too large to keep (or the pool is off): a plain allocation
+        with _LOCK:
+            _STATS["misses"] += 1
+        return cuda.device_array(shape, dtype=dt)
+    key = (tag, shape, dt.str, _context_key(), threading.get_ident())
+    with _LOCK:
+        arr = _POOL.get(key)
+        if arr is not None:
+            _POOL.move_to_end(key)
+            _STATS["hits"] += 1
+            _trim(limit)
+            return arr
+        _STATS["misses"] += 1
+    arr = cuda.device_array(shape, dtype=dt)
+    with _LOCK:
+        if key not in _POOL:
+            _POOL[key] = arr
+            _STATS["bytes"] += nbytes
+        _trim(limit)
+    return arr
+
+
+def _trim(limit):
+    """Free the least recently used buffers while the pool holds more than ``limit`` bytes (lock held;
+    the most recent buffer, at most ``limit`` bytes itself, stays)."""
+    while _STATS["bytes"] > limit and len(_POOL) > 1:
+        _, old = _POOL.popitem(last=False)
+        _STATS["bytes"] -= int(old.size) * np.dtype(old.dtype).itemsize
+
+
+def clear() -> None:
+    """Drop every pooled workspace (their memory is freed once no kernel uses them)."""
+    with _LOCK:
+        _POOL.clear()
+        _STATS["bytes"] = 0
+
+
+def stats() -> dict:
+    """``{"hits", "misses", "bytes", "buffers"}``: requests served from the pool, allocations, bytes held."""
+    with _LOCK:
+        return dict(_STATS, buffers=len(_POOL))
+
+
+# ---------------------------------------------------------------------------
+# Device-side fill and finiteness counting
+# ---------------------------------------------------------------------------
+def _fill_py(x, value):
+    """x[j] = value for every entry of the 1-d array x (grid-stride)."""
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for j in range(start, x.size, stride):
+        x[j] = value
+
+
+def _count4_py(x, counters, slot):
+    """counters[slot] += number of NaN/inf entries of the 4-d array x (any strides; grid-stride)."""
+    A, Bn, N, F = x.shape
+    total = A * Bn * N * F
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    bad = 0
+    for idx in range(start, total, stride):
+        i = idx % F
+        r = idx // F
+        t = r % N
+        r = r // N
+        y = x[r // Bn, r % Bn, t, i] + 0.0  # float64: float16 compares without local memory, float64 exactly
+        if not (y == y and abs(y) < math.inf):  # NaN or inf (comparisons only: no FP exception)
+            bad += 1
+    if bad:
+        cuda.atomic.add(counters, slot, bad)
+
+
+def _kernels():
+    if not _KERNELS:
+        _KERNELS["fill"] = cuda.jit(_fill_py)
+        _KERNELS["count4"] = cuda.jit(_count4_py)
+    return _KERNELS
+
+
+def _grid(total: int):
+    tpb = max(1, int(config.CUDA_THREADS_PER_BLOCK))
+    return max(1, min(int(config.CUDA_MAX_HELPER_BLOCKS), -(-int(total) // tpb))), tpb
+
+
+def fill(x, value=0):
+    """Set every entry of the C-contiguous device array ``x`` to ``value`` (one kernel; returns ``x``)."""
+    if x.size:
+        flat = x.reshape(int(x.size))
+        _kernels()["fill"][_grid(x.size)](flat, np.dtype(x.dtype).type(value))
+    return x
+
+
+def zeros(shape, dtype=np.float64, tag=None):
+    """A zero-filled device array, zeroed on the device (no host copy).
+
+    ``tag`` None: a new array (for results); otherwise :func:`workspace`'s
+    array for ``tag``, zeroed.
+    """
+    shape = tuple(int(s) for s in shape)
+    x = cuda.device_array(shape, dtype=np.dtype(dtype)) if tag is None else workspace(tag, shape, dtype)
+    return fill(x, 0)
+
+
+def counters():
+    """The calling thread's int32 device array of :data:`CHECK_SLOTS` counters (zero between calls).
+
+    Slots 0, 1, 2 count q, k, v: a sequence kernel that fuses the check takes
+    this array as its counters (``cuda.atomic.add(counters, slot, n)``).
+
+    Marks a read as due for :func:`raise_if_nonfinite`: a kernel is about to count into it.
+    """
+    ctx = _context_key()
+    arr = getattr(_LOCAL, "counters", {}).get(ctx)
+    if arr is None:
+        if not hasattr(_LOCAL, "counters"):
+            _LOCAL.counters = {}
+        arr = _LOCAL.counters[ctx] = zeros((len(CHECK_SLOTS),), np.int32)
+    _LOCAL.due = True
+    return arr
+
+
+def count_nonfinite(name, x4) -> None:
+    """Add the NaN/inf entries of the 4-d device array ``x4`` to the counter ``name`` (one kernel, no read)."""
+    c = counters()
+    if x4.size:
+        _kernels()["count4"][_grid(x4.size)](x4, c, SLOT[name])
+
+
+def raise_if_nonfinite() -> None:
+    """Read the counters once (when a kernel counted since the last read); ValueError naming the first.
+
+    Raises
+    ------
+    ValueError
+        ``"<name> contains <n> non-finite value(s) (NaN or inf); pass
+        check_finite=False to skip this check"`` for the first counter of
+        :data:`CHECK_SLOTS` that is not zero; the counters are zeroed on the
+        device first.
+    """
+    if not getattr(_LOCAL, "due", False):
+        return
+    _LOCAL.due = False
+    c = _LOCAL.counters[_context_key()]
+    host = c.copy_to_host()
+    if not host.any():
+        return
+    fill(c, 0)
+    for name, n in zip(CHECK_SLOTS, host):
+        if n:
+            raise ValueError(f"{name} contains {int(n)} non-finite value(s) (NaN or inf); "
+                             "pass check_finite=False to skip this check")
+
+
+def discard_counts() -> None:
+    """Zero the counters without reading them (a call that failed before its read; one kernel)."""
+    if getattr(_LOCAL, "due", False):
+        _LOCAL.due = False
+        fill(_LOCAL.counters[_context_key()], 0)

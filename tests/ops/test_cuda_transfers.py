@@ -1,0 +1,254 @@
+"""No host round-trips on the GPU path (issue 20, point 4), counted on the CUDA simulator.
+
+The simulator's entry points are wrapped to count what a call does: host-to-device copies
+(``cuda.to_device``, ``copy_to_device``), device allocations (``cuda.device_array`` and
+friends: the pool allocates through them), device-to-host copies (``copy_to_host``) and kernel
+launches.  After a first call has filled the workspace pool, a call of
+``linear_attention`` on device arrays with the caller's ``out`` makes no copy to the device, no
+allocation and at most one read back (the finiteness counters, with ``check_finite=True``); a
+decode step of a GPU ``LinearAttentionState`` is one kernel launch, with no copy to the device,
+no allocation but its result, and one read back only with ``check_finite=True``.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import linattn_nb as la
+from linattn_nb import config
+from linattn_nb.device import cuda_status
+from linattn_nb.ops import _cuda_pool as P
+from linattn_nb.state import LinearAttentionState
+
+pytestmark = pytest.mark.skipif(cuda_status() != "simulator", reason="counts the CUDA simulator's entry points")
+
+_ALLOC = ("device_array", "device_array_like", "pinned_array", "mapped_array", "managed_array")
+
+
+@pytest.fixture
+def counts(monkeypatch):
+    """A Counter of transfers, allocations and launches, switched on by ``counts["on"] = 1``."""
+    from numba import cuda
+    from numba.cuda.simulator import kernel as sim_kernel
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    c = Counter()
+
+    def wrap(name, fn):
+        def counted(*args, **kwargs):
+            if c["on"]:
+                c[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(cuda, "to_device", wrap("h2d", cuda.to_device))
+    for name in _ALLOC:
+        if hasattr(cuda, name):
+            monkeypatch.setattr(cuda, name, wrap("alloc", getattr(cuda, name)))
+    monkeypatch.setattr(FakeCUDAArray, "copy_to_host", wrap("d2h", FakeCUDAArray.copy_to_host))
+    monkeypatch.setattr(FakeCUDAArray, "copy_to_device", wrap("h2d", FakeCUDAArray.copy_to_device))
+    call = sim_kernel.FakeCUDAKernel.__call__
+
+    def launch(self, *args):
+        if c["on"] and not self._device and sim_kernel._kernel_context is None:
+            c["launch"] += 1
+        return call(self, *args)
+
+    monkeypatch.setattr(sim_kernel.FakeCUDAKernel, "__call__", launch)
+    return c
+
+
+def _measure(counts, fn):
+    counts.clear()
+    counts["on"] = 1
+    try:
+        res = fn()
+    finally:
+        counts["on"] = 0
+    return res, {k: counts[k] for k in ("h2d", "alloc", "d2h", "launch")}
+
+
+@pytest.mark.parametrize("causal,method", [(True, "scan"), (True, "chunked"), (False, "aggregate")])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_linear_attention_second_call_copies_and_allocates_nothing(counts, monkeypatch, causal, method, dtype):
+    from numba import cuda
+
+    monkeypatch.setattr(config, "CUDA_CHUNK_SIZE", 4)  # 3 chunks: the chunk passes and their workspaces
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 10, d)).astype(dtype) for d in (3, 3, 2))
+    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+    out = cuda.device_array((2, 10, 2), dtype=dtype)
+    ref = la.linear_attention(q, k, v, causal=causal)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for check in (False, True):
+        def call():
+            return la.linear_attention(dq, dk, dv, causal=causal, method=method, device="cuda", out=out,
+                                       check_finite=check)
+        call()  # the first call with these shapes fills the pool
+        res, n = _measure(counts, call)
+        assert res is out
+        np.testing.assert_allclose(out.copy_to_host(), ref, rtol=tol, atol=tol)
+        assert n["h2d"] == 0 and n["alloc"] == 0, n
+        assert n["d2h"] == (1 if check else 0), n
+    # a device initial state (the LinearState of a previous call): packed on the device, checked in the
+    # same single read; the final state is the only new memory (S and z)
+    _, st = la.linear_attention(dq, dk, dv, causal=causal, method=method, device="cuda", return_state=True)
+
+    def resume():
+        return la.linear_attention(dq, dk, dv, causal=causal, method=method, device="cuda", out=out,
+                                   initial_state=st, return_state=True)
+    resume()
+    (_, st2), n = _measure(counts, resume)
+    assert n["h2d"] == 0 and n["d2h"] == 1 and n["alloc"] == 2, n
+    assert st2.position == 20
+
+
+def test_linear_attention_check_reads_once_and_names_the_input(counts):
+    """NaN in v and inf in the initial state: one read of the counters names the first (v); the
+    counters are zero again afterwards (the next clean call passes)."""
+    from numba import cuda
+
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 6, 2)) for _ in range(3))
+    v[0, 3, 1] = np.nan
+    S0, z0 = cuda.to_device(np.zeros((1, 2, 2))), cuda.to_device(np.ones((1, 2)))
+    S0[0, 1, 1] = np.inf
+    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+    with pytest.raises(ValueError, match="^v contains 1 non-finite"):
+        _measure(counts, lambda: la.linear_attention(dq, dk, dv, device="cuda", initial_state=(S0, z0)))
+    assert counts["d2h"] == 1
+    with pytest.raises(ValueError, match="^initial_state.S contains 1 non-finite"):
+        la.linear_attention(dq, dk, cuda.to_device(np.ones_like(v)), device="cuda", initial_state=(S0, z0))
+    o = la.linear_attention(dq, dk, cuda.to_device(np.ones_like(v)), device="cuda")
+    assert np.isfinite(o.copy_to_host()).all()
+
+
+def test_pool_is_bounded_and_keyed(monkeypatch):
+    P.clear()
+    a = P.workspace("t", (4, 4), np.float32)
+    assert P.workspace("t", (4, 4), np.float32) is a
+    assert P.workspace("t", (4, 4), np.float64) is not a
+    assert P.workspace("u", (4, 4), np.float32) is not a
+    monkeypatch.setattr(config, "CUDA_WORKSPACE_BYTES", 100)
+    big = P.workspace("big", (200,), np.float32)  # above the bound: allocated, not kept
+    assert P.workspace("big", (200,), np.float32) is not big
+    P.workspace("t", (4, 4), np.float32)  # 64 bytes: evicts the others down to the bound
+    assert P.stats()["bytes"] <= 100
+    monkeypatch.setattr(config, "CUDA_WORKSPACE_BYTES", 0)
+    assert P.workspace("t", (4, 4), np.float32) is not P.workspace("t", (4, 4), np.float32)
+    P.clear()
+    assert P.stats()["buffers"] == 0
+
+
+@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_decode_step_is_one_launch(counts, monkeypatch, check, normalize):
+    """A float32 GPU state fed device tokens: each step is one kernel launch, no copy to the device,
+    no allocation but its output, one read back only with check_finite=True; float32 all through."""
+    from numba import cuda
+
+    monkeypatch.setattr(config, "CUDA_STEP_THREADS", 4)
+    rng = np.random.default_rng(2)
+    B, T, D, M = 3, 4, 3, 2
+    q, k, v = (rng.standard_normal((B, T, d)).astype(np.float32) for d in (D, D, M))
+    g = LinearAttentionState(D, M, batch_shape=(B,), dtype=np.float32, device="cuda", normalize=normalize)
+    c = LinearAttentionState(D, M, batch_shape=(B,), dtype=np.float32, normalize=normalize)
+    dev = [tuple(cuda.to_device(np.ascontiguousarray(x[:, t:t + 1])) for x in (q, k, v)) for t in range(T)]
+    g.step(*dev[0], check_finite=check)
+    c.step(q[:, :1], k[:, :1], v[:, :1])
+    given = cuda.device_array((B, 1, M), dtype=np.float32)
+    for t in range(1, T):
+        if t % 2:  # no out: the result is the only allocation
+            out, n = _measure(counts, lambda: g.step(*dev[t], check_finite=check))
+            assert n == {"h2d": 0, "alloc": 1, "d2h": 1 if check else 0, "launch": 1}, n
+        else:  # the caller's out: nothing allocated
+            out, n = _measure(counts, lambda: g.step(*dev[t], check_finite=check, out=given))
+            assert n == {"h2d": 0, "alloc": 0, "d2h": 1 if check else 0, "launch": 1}, n
+            assert out is given
+        assert out.dtype == np.float32
+        np.testing.assert_allclose(out.copy_to_host(), c.step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1]),
+                                   rtol=3e-5, atol=3e-6)
+    _, n = _measure(counts, lambda: g.query(dev[0][0], check_finite=check))
+    assert n == {"h2d": 0, "alloc": 1, "d2h": 1 if check else 0, "launch": 1}, n
+    _, n = _measure(counts, lambda: g.prefill(dev[0][1], dev[0][2], check_finite=check))
+    assert n == {"h2d": 0, "alloc": 0, "d2h": 1 if check else 0, "launch": 1}, n
+    c.prefill(k[:, :1], v[:, :1])
+    np.testing.assert_allclose(g.S.copy_to_host(), c.S, rtol=3e-5, atol=3e-6)
+    np.testing.assert_allclose(g.z.copy_to_host(), c.z, rtol=3e-5, atol=3e-6)
+    assert g.S.dtype == np.float32 and g.position == c.position == T + 1
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the simulator computes inf / inf
+def test_refused_step_leaves_the_state_and_next_step_clean(counts):
+    """A step refused for NaN (one launch, one read) leaves S and z bit for bit; the flag is clear
+    again, so the next finite step passes."""
+    from numba import cuda
+
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((2, 1, d)).astype(np.float32) for d in (2, 2, 3))
+    g = LinearAttentionState(2, 3, batch_shape=(2,), dtype=np.float32, device="cuda")
+    g.step(*(cuda.to_device(x) for x in (q, k, v)))
+    S0, z0 = g.S.copy_to_host(), g.z.copy_to_host()
+    bad = k.copy()
+    bad[1, 0, 1] = np.inf
+    with pytest.raises(ValueError, match="k contains"):
+        _measure(counts, lambda: g.step(*(cuda.to_device(x) for x in (q, bad, v))))
+    assert counts["launch"] >= 1 and counts["d2h"] == 1
+    assert np.array_equal(g.S.copy_to_host(), S0) and np.array_equal(g.z.copy_to_host(), z0)
+    assert g.position == 1
+    g.step(*(cuda.to_device(x) for x in (q, k, v)))
+    assert g.position == 2
+
+
+@pytest.mark.parametrize("rule", ["additive", "decay", "delta"])
+def test_float16_inputs_to_the_cuda_state(rule, monkeypatch):
+    """float16 inputs, host or device, to a float32 GPU state: the CPU state's outputs (float16 out)."""
+    from numba import cuda
+
+    monkeypatch.setattr(config, "CUDA_STEP_THREADS", 3)
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 3, d)).astype(np.float16) for d in (3, 3, 2))
+    kw = {"decay": {"decay": 0.9}, "delta": {"beta": 0.5}}.get(rule, {})
+    fmap = "l2" if rule == "delta" else "elu"
+    c = LinearAttentionState(3, 2, batch_shape=(2,), dtype=np.float32, feature_map=fmap)
+    ref = c.step(q, k, v, **kw)
+    assert ref.dtype == np.float16
+    for host in (True, False):
+        g = LinearAttentionState(3, 2, batch_shape=(2,), dtype=np.float32, device="cuda", feature_map=fmap)
+        args = (q, k, v) if host else tuple(cuda.to_device(x) for x in (q, k, v))
+        out = g.step(*args, **kw)
+        out = out if host else out.copy_to_host()
+        assert out.dtype == np.float16 and out.shape == (2, 3, 2)
+        np.testing.assert_allclose(out.astype(np.float32), ref.astype(np.float32), rtol=2e-3, atol=2e-3)
+        np.testing.assert_allclose(g.S.copy_to_host(), c.S, rtol=1e-5, atol=1e-6)
+
+
+_POOL_PTX_SCRIPT = """
+import json
+from numba import cuda, types
+from linattn_nb.ops import _cuda_pool as P
+res = {}
+c = types.Array(types.int32, 1, "C")
+for dt in ("float16", "float32", "float64"):
+    sig = (types.Array(getattr(types, dt), 4, "A"), c, types.int64)
+    ptx, _ = cuda.compile_ptx(P._count4_py, sig, cc=(9, 0))
+    res["count4/" + dt] = {"entry": ".entry" in ptx, "local": ("ld.local" in ptx) or ("st.local" in ptx)}
+for dt in ("int32", "float32", "float64"):
+    t = getattr(types, dt)
+    ptx, _ = cuda.compile_ptx(P._fill_py, (types.Array(t, 1, "C"), t), cc=(9, 0))
+    res["fill/" + dt] = {"entry": ".entry" in ptx, "local": ("ld.local" in ptx) or ("st.local" in ptx)}
+print(json.dumps(res))
+"""
+
+
+@pytest.mark.skipif(cuda_status() == "none", reason="needs numba-cuda")
+def test_pool_kernels_compile_to_ptx():
+    """The pool's fill and counting kernels compile for sm_90 without local memory (float16 inputs too)."""
+    from _ptx import run_ptx_script
+
+    res = run_ptx_script(_POOL_PTX_SCRIPT)
+    assert len(res) == 6
+    for key, val in res.items():
+        assert val == {"entry": True, "local": False}, (key, val)
