@@ -731,26 +731,29 @@ def backward_specs(F: int = 64, M: int = 64, dtypes=("float32", "float64")) -> l
     return specs
 
 
-def step_specs(M: int = 64, dtypes=(("float32", "float32"), ("float64", "float64"))) -> list[KernelSpec]:
+def step_specs(M: int = 64, dtypes=(("float32", "float16"), ("float32", "float32"), ("float64", "float32"),
+                                    ("float64", "float64"))) -> list[KernelSpec]:
     """The decode-step kernels of :mod:`linattn_nb.ops.step.cuda` (the ``cuda.jit`` objects of its
     ``kernels()``) for (state dtype, input dtype) pairs, with ``config.CUDA_STEP_THREADS`` threads
-    (the prefill kernels: ``min(CUDA_STEP_THREADS, max(32, M))``)."""
+    (the prefill kernels: ``min(CUDA_STEP_THREADS, max(32, M))``).  The signatures are the launch
+    signatures of the state launchers: inputs, the double-buffered state (current, then the one a
+    checked call writes), the output and scratch, the rule's float64 log-factors, the int32
+    finiteness flag and the scalars."""
     from .. import config
 
     nt = int(config.CUDA_STEP_THREADS)
     npre = min(nt, max(32, int(M)))
-    lg, b2 = _arr(_F64, 3), _arr(_F64, 2)
+    lg, b2, fl = _arr(_F64, 3), _arr(_F64, 2), _arr("int32", 1)
     specs = []
     for sdt, idt in dtypes:
         S3, z2, a3 = _arr(sdt, 3), _arr(sdt, 2), _arr(idt, 3)
         sigs = {
-            "state_step": ((a3, a3, a3, S3, z2, a3, S3, _I, _F64, sdt, sdt), nt),
-            "state_query": ((a3, S3, z2, a3, S3, _I, _F64, _I, sdt, sdt), nt),
-            "state_prefill": ((a3, a3, S3, z2, _I, sdt, sdt), npre),
-            "first_nonfinite": ((a3, _arr(_I, 1), _I), nt),
-            "rule_step": ((a3, a3, a3, S3, z2, a3, S3, lg, _I, _F64, _I, sdt, sdt), nt),
-            "rule_prefill": ((a3, a3, S3, z2, lg, _I, sdt, sdt), npre),
-            "delta_step": ((a3, a3, a3, S3, z2, a3, S3, lg, b2, _I, _F64, _I, _B, sdt, sdt), nt),
+            "state_step": ((a3, a3, a3, S3, z2, S3, z2, a3, S3, fl, _B, _I, sdt, sdt, sdt), nt),
+            "state_query": ((a3, S3, z2, a3, S3, fl, _B, _I, sdt, _I, sdt, sdt), nt),
+            "state_prefill": ((a3, a3, S3, z2, S3, z2, fl, _B, _I, sdt, sdt), npre),
+            "rule_step": ((a3, a3, a3, S3, z2, S3, z2, a3, S3, lg, fl, _B, _I, sdt, _I, sdt, sdt), nt),
+            "rule_prefill": ((a3, a3, S3, z2, S3, z2, lg, fl, _B, _I, sdt, sdt), npre),
+            "delta_step": ((a3, a3, a3, S3, z2, S3, z2, a3, S3, lg, b2, fl, _B, _I, sdt, _I, _B, sdt, sdt), nt),
         }
         for name, (sig, threads) in sigs.items():
             specs.append(KernelSpec(f"step/{name}/{sdt}/{idt}", "linattn_nb.ops.step.cuda:kernels", sig, threads,
