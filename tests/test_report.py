@@ -24,11 +24,37 @@ def _available(name):
     return get_study(name).requires() is None
 
 
+class _CountingClock:
+    """A ``time`` module stand-in whose clock advances by ``step`` seconds per reading.
+
+    The throughput study decides how often to repeat a call from the time it
+    took (a call of 2 s or more once, else >= 3 times and until ``min_time``):
+    with this clock that count depends on the code alone, not on the
+    machine's load (issue 21 point 5).
+    """
+
+    def __init__(self, step=2.0 ** -10):  # a power of two: the differences of readings are exact
+        self.step = step
+        self.now = 0.0
+
+    def perf_counter(self):
+        self.now += self.step
+        return self.now
+
+
 @pytest.fixture(scope="module")
 def tiny_report(tmp_path_factory):
-    """One `linattn report --profile tiny` run shared by the tests that only read it."""
+    """One `linattn report --profile tiny` run shared by the tests that only read it.
+
+    The throughput study reads a counting clock (:class:`_CountingClock`):
+    every timed call "takes" 2**-10 s (~1 ms), so its repeat count is fixed.
+    """
+    from linattn_nb.studies import throughput
+
     out = tmp_path_factory.mktemp("rep") / "report"
-    rc = cli.main(["report", "--profile", "tiny", "--out", str(out), "--no-progress", "--device", "cpu"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(throughput, "time", _CountingClock())
+        rc = cli.main(["report", "--profile", "tiny", "--out", str(out), "--no-progress", "--device", "cpu"])
     return out, rc
 
 
@@ -58,7 +84,8 @@ def test_report_writes_markdown_plots_and_raw_results(tiny_report):
     rows = [json.loads(line) for line in (out / "throughput.jsonl").read_text().splitlines()[1:]]
     assert {(r["params"]["kind"], r["params"]["n"]) for r in rows} >= {("linear", 64), ("linear", 256),
                                                                        ("softmax", 64), ("softmax", 256)}
-    assert all(r["result"]["median_s"] > 0 and r["result"]["repeats"] >= 3 for r in rows)
+    # the fixture's counting clock: every call "takes" 2**-10 s; the tiny profile's min_time of 5 ms makes 6 calls
+    assert all(r["result"]["median_s"] == 2.0 ** -10 and r["result"]["repeats"] == 6 for r in rows)
 
 
 def test_memory_horizon_section_states_its_regime_with_error_bars_over_seeds(tiny_report):
@@ -370,9 +397,29 @@ def test_gpu_paths_of_the_studies_run_on_the_simulator():
     res = correctness.run("linear", "cuda", True, "elu", methods, ["float32"], [[1, 0, 4, 4], [2, 9, 6, 5]])
     assert [c["method"] for c in res["checks"]] == methods
     assert all(c["passed"] and c["error"] is None for c in res["checks"]), res["checks"]
-    res = throughput.run("linear", "cuda", methods[0], 8, 1, 4, 4, "float32", "elu", 0.0)
-    # the study times a call of 2 s or more once (the simulator on a loaded machine can take that long)
-    assert res["median_s"] > 0 and (res["repeats"] >= 3 or res["median_s"] >= 2.0), res
+    with pytest.MonkeyPatch.context() as mp:  # a counting clock: ~1 ms a call, whatever the simulator's speed
+        mp.setattr(throughput, "time", _CountingClock())
+        res = throughput.run("linear", "cuda", methods[0], 8, 1, 4, 4, "float32", "elu", 0.0)
+    assert res["median_s"] == 2.0 ** -10 and res["repeats"] == 3, res
+
+
+@pytest.mark.parametrize("step, min_time, repeats", [(2.0 ** -10, 0.0, 3), (2.0 ** -10, 10 * 2.0 ** -10, 10),
+                                                     (2.5, 0.0, 1), (2.5, 10.0, 4), (2.0 ** -20, 1.0, 200)])
+def test_throughput_repeats_are_set_by_the_call_time_not_the_machine(step, min_time, repeats, monkeypatch):
+    """The throughput study's repeat rule on a counting clock (issue 21 point 5).
+
+    A call under 2 s is timed >= 3 times and until the total reaches
+    ``min_time`` (at most 200 times); a call of 2 s or more once, more only
+    while the total is under ``min_time``.
+    """
+    from linattn_nb.studies import throughput
+
+    monkeypatch.setattr(throughput, "time", _CountingClock(step))
+    # machine_state times an sgemm until min_time on the same clock: fixed here, it would loop 30000 times
+    monkeypatch.setattr(throughput, "machine_state", lambda: {"load1": 0.0, "sgemm_gflops": 1.0})
+    res = throughput.run("linear", "cpu", "chunked", 16, 1, 4, 4, "float32", "elu", min_time)
+    assert res["repeats"] == repeats and res["median_s"] == step and res["min_s"] == step
+    assert res["tokens_per_s"] == pytest.approx(16 / step) and res["gflops"] == pytest.approx(4 * 16 * 16 / step / 1e9)
 
 
 # ---------------------------------------------------------------------------
