@@ -731,3 +731,52 @@ def test_kv_cache_errors():
     x = np.arange(6.0).reshape(2, 3)
     out = custom.step(x, x, np.eye(2))
     assert_close(out, la.softmax_attention(x, x, np.eye(2), causal=True, scale=0.5, method="quadratic"), np.float64)
+
+
+# ---------------------------------------------------------------------------
+# the state with the random, positional, learned and polynomial maps (issue 21 point 6)
+# ---------------------------------------------------------------------------
+def _other_map(name, n):
+    if name == "favor+":
+        return fm.get("favor+", num_features=12, seed=3)
+    if name == "rff":
+        return fm.get("rff", num_features=6, seed=3)
+    if name == "cosformer":  # segment-wise decoding needs one M for every segment
+        return fm.get("cosformer", max_length=n)
+    if name == "hedgehog":  # a learned map: weights away from its identity start
+        r = np.random.default_rng(3)
+        return fm.get("hedgehog", W=np.eye(4) + 0.3 * r.normal(size=(4, 4)), b=0.1 * r.normal(size=4))
+    return fm.get(name)
+
+
+@pytest.mark.parametrize("name", ["favor+", "rff", "cosformer", "hedgehog", "taylor2"])
+def test_state_with_random_positional_learned_and_polynomial_maps(name, tmp_path):
+    """LinearAttentionState with FAVOR+, RFF (signed), cosFormer (position-dependent), Hedgehog and
+    Taylor-2 (CPU): prefill then decode one token and several at a time gives the causal kernel's
+    rows and final state (float64: 1e-12 on the state), and a saved state decodes identically."""
+    n, d, m = 19, 4, 3
+    rng = np.random.default_rng(11)
+    q, k, v = qkv(rng, (2,), n, d, m, scale=0.5)
+    fmap = _other_map(name, n)
+    out_ref, S_ref, z_ref = reference(q, k, v, feature_map=fmap)
+    kernel, st_kernel = la.linear_attention(q, k, v, causal=True, feature_map=fmap, return_state=True)
+    assert_close(kernel, out_ref, np.float64)
+    st_ = LinearAttentionState(d, m, batch_shape=(2,), feature_map=fmap)
+    assert st_.S.shape == (2, fmap.output_dim(d), m)
+    st_.prefill(k[..., :6, :], v[..., :6, :])
+    outs = [st_.step(q[..., t:t + 1, :], k[..., t:t + 1, :], v[..., t:t + 1, :]) for t in range(6, 10)]
+    path = tmp_path / "state.npz"
+    st_.save(path)
+    back = LinearAttentionState.load(path, feature_map=fmap)
+    assert back.position == 10
+    rest = st_.step(q[..., 10:, :], k[..., 10:, :], v[..., 10:, :])
+    assert np.array_equal(back.step(q[..., 10:, :], k[..., 10:, :], v[..., 10:, :]), rest)
+    dec = np.concatenate(outs + [rest], axis=-2)
+    assert dec.shape == (2, n - 6, m)
+    assert_close(dec, out_ref[..., 6:, :], np.float64)
+    assert_close(dec, kernel[..., 6:, :], np.float64)
+    assert st_.position == n
+    np.testing.assert_allclose(st_.S, S_ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(st_.z, z_ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(st_.S, st_kernel.S, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(st_.z, st_kernel.z, rtol=1e-12, atol=1e-12)
