@@ -539,3 +539,84 @@ def test_throughput_records_machine_state_and_flags_noisy_points(tiny_report, tm
             sgemm_gflops_before=50.0, sgemm_gflops_after=10.0)))
     md = throughput.render(recs, Context(out=tmp_path, profile="tiny", plots=False)).markdown
     assert "9 (noisy)" in md and "**Noisy**" in md and "linear scan (cpu) at N = 2048" in md
+
+
+# ---------------------------------------------------------------------------
+# Issue 21 point 6: the public study API (register_study, Context, Rendered, PROFILES, markdown_table,
+# ReportResult) through a plug-in study
+# ---------------------------------------------------------------------------
+def _plugin_points(ctx):
+    return [{"x": x} for x in ctx.pick(tiny=[1, 2], quick=[1, 2, 3], full=[1, 2, 3, 4])]
+
+
+def _plugin_run(x):
+    return {"y": 2 * x, "half": x / 2}
+
+
+def _plugin_render(records, ctx):
+    from linattn_nb.studies import Rendered, markdown_table, rows
+
+    rs = rows(records)
+    table = markdown_table(["x", "y", "x/2"], [[r["x"], r["y"], r["half"]] for r in rs])
+    return Rendered(markdown=f"profile {ctx.profile}, devices {','.join(ctx.devices)}\n\n{table}",
+                    summary=f"{len(rs)} points", problems=[f"planted problem at x = {r['x']}" for r in rs
+                                                           if r["x"] == 2])
+
+
+def test_markdown_table_formats_aligns_and_escapes():
+    from linattn_nb.studies import markdown_table
+
+    md = markdown_table(["map", "n", "err"], [["a|b", 3, 0.012345], ["c", 40, float("nan")], ["d", 5, 1.5e-7]])
+    assert md.splitlines() == ["| map | n | err |", "| :--- | ---: | ---: |", "| a\\|b | 3 | 0.0123 |",
+                               "| c | 40 | nan |", "| d | 5 | 1.50e-07 |"]
+    assert markdown_table(["a", "b"], [[True, None]], align="cc").splitlines() == [
+        "| a | b |", "| :---: | :---: |", "| yes | – |"]
+
+
+def test_a_plug_in_study_through_register_study_and_run_report(tmp_path):
+    """A study registered from outside: Context.pick chooses its grid per profile (PROFILES), its
+    Rendered section, summary and problems reach report.md and the ReportResult; register_study
+    refuses duplicates and non-studies; a study that cannot run is listed as skipped."""
+    from linattn_nb.studies import PROFILES, Context, ReportResult, Rendered, Study
+
+    assert PROFILES == ("tiny", "quick", "full")
+    assert [len(_plugin_points(Context(out=tmp_path, profile=p))) for p in PROFILES] == [2, 3, 4]
+    ctx = Context(out=tmp_path)
+    assert ctx.profile == "full" and ctx.devices == ("cpu",) and ctx.plots is True
+    with pytest.raises(KeyError):
+        Context(out=tmp_path, profile="huge").pick(1, 2, 3)
+    assert Rendered("x").summary == "" and Rendered("x").problems == []
+    study = Study(name="plugin_x", title="Plug-in X", command="plugin-x", help="a test study",
+                  points=_plugin_points, run=_plugin_run, render=_plugin_render, budget_s={"tiny": 5, "full": 9})
+    absent = Study(name="plugin_absent", title="Absent", command="plugin-absent", help="needs a module",
+                   points=_plugin_points, run=_plugin_run, render=_plugin_render,
+                   requires=requires_modules("no_such_module_for_linattn_tests"))
+    saved = list(STUDIES)
+    try:
+        assert register_study(study) is study and get_study("plugin-x") is study and STUDIES[-1] is study
+        with pytest.raises(ValueError, match="already registered"):
+            register_study(dataclasses.replace(study, title="Other"))
+        with pytest.raises(TypeError, match="takes a Study"):
+            register_study("plugin_x")
+        register_study(absent)
+        res = run_report(tmp_path / "r", profile="tiny", studies=["plugin_x", "plugin_absent"], progress=False,
+                         log=lambda line: None)
+    finally:
+        STUDIES[:] = saved
+    with pytest.raises(KeyError, match="no study"):
+        get_study("plugin_x")
+    assert isinstance(res, ReportResult)
+    assert res.path == tmp_path / "r" / "report.md" and res.path.exists()
+    assert any("planted problem at x = 2" in p for p in res.problems) and len(res.problems) == 1
+    assert [name for name, _ in res.skipped] == ["plugin_absent"]
+    assert "no_such_module_for_linattn_tests" in res.skipped[0][1]
+    assert set(res.sections) == {"plugin_x"}
+    sec = res.sections["plugin_x"]
+    assert isinstance(sec, Rendered) and sec.summary == "2 points"
+    assert sec.markdown.splitlines()[0] == "profile tiny, devices cpu"
+    assert "| 2 | 4 | 1 |" in sec.markdown
+    assert res.elapsed_s >= 0 and (res.cached_kernels is None or res.cached_kernels >= 0)
+    text = res.path.read_text()
+    assert "## Plug-in X" in text and "| 1 | 2 | 0.5 |" in text and "planted problem at x = 2" in text
+    assert "**Absent** (`linattn plugin-absent`)" in text
+    assert [r["result"]["y"] for r in load_results(tmp_path / "r" / "plugin_x.jsonl")] == [2, 4]
