@@ -1,7 +1,7 @@
 """The ``linattn`` command line.
 
 ``linattn info``    versions, threading, CUDA, cache directory.
-``linattn demo``    a short run of every CPU method against the reference.
+``linattn demo``    a short run of every CPU method against the reference (exit status 1 if one is off).
 ``linattn report``  run every built-in study; write report.md, plots and raw JSONL.
 ``linattn check``, ``bench``, ``error``, ``rank``, ``recall``, ``horizon``, ``rules``, ``learned``: one
 study each.
@@ -93,7 +93,13 @@ def cmd_info(args) -> int:
     return 0
 
 
+#: The demo's check: float32 outputs within this relative (Frobenius) error of the float64 reference.
+#: float32 round-off of these sizes is about 1e-7..1e-6; a wrong kernel is off by far more.
+DEMO_RTOL = 1e-4
+
+
 def cmd_demo(args) -> int:
+    """Every CPU method (and softmax) in float32 against a float64 reference; 1 if any check fails."""
     import numpy as np
 
     from linattn_nb import linear_attention, softmax_attention
@@ -101,25 +107,42 @@ def cmd_demo(args) -> int:
 
     rng = np.random.default_rng(args.seed)
     shape = (args.batch, args.heads, args.length, args.dim)
-    print(f"demo: q, k, v of shape {shape}, float32, feature map 'elu'")
+    print(f"demo: q, k, v of shape {shape}, float32, feature map 'elu'; check: relative error <= {DEMO_RTOL:g}")
     q = rng.standard_normal(shape, dtype=np.float32)
     k = rng.standard_normal(shape, dtype=np.float32)
     v = rng.standard_normal(shape, dtype=np.float32)
-    print(f"{'causal':>7} {'method':>10} {'time [ms]':>10} {'rel. error vs float64 reference':>32}")
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    failed = []
+
+    def check(what, out, ref):
+        err = float(np.linalg.norm(np.asarray(out, dtype=np.float64) - ref) / np.linalg.norm(ref))
+        ok = bool(np.isfinite(err) and err <= DEMO_RTOL)
+        if not ok:
+            failed.append(f"{what}: relative error {err:.3g} > {DEMO_RTOL:g}")
+        return err, "ok" if ok else "FAIL"
+
+    print(f"{'causal':>7} {'method':>10} {'time [ms]':>10} {'rel. error vs float64 reference':>32} {'check':>6}")
     for causal in (False, True):
-        ref = linear_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
-                               causal=causal, method="quadratic")
+        ref = linear_attention(q64, k64, v64, causal=causal, method="quadratic")
         for method in ["auto"] + [m for m in available_methods(causal=causal) if m != "quadratic"]:
             linear_attention(q, k, v, causal=causal, method=method)  # compile / load from cache
             t0 = time.perf_counter()
             out = linear_attention(q, k, v, causal=causal, method=method)
             dt = time.perf_counter() - t0
-            err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
-            print(f"{str(causal):>7} {method:>10} {dt * 1e3:10.2f} {err:32.2e}")
+            err, verdict = check(f"linear_attention causal={causal} method={method!r}", out, ref)
+            print(f"{str(causal):>7} {method:>10} {dt * 1e3:10.2f} {err:32.2e} {verdict:>6}")
     softmax_attention(q, k, v, causal=True)
     t0 = time.perf_counter()
-    softmax_attention(q, k, v, causal=True)
-    print(f"softmax_attention causal: {(time.perf_counter() - t0) * 1e3:.2f} ms")
+    out = softmax_attention(q, k, v, causal=True)
+    dt = time.perf_counter() - t0
+    err, verdict = check("softmax_attention causal=True", out, softmax_attention(q64, k64, v64, causal=True))
+    print(f"softmax_attention causal: {dt * 1e3:.2f} ms, rel. error {err:.2e} {verdict}")
+    if failed:
+        print(f"demo: {len(failed)} check(s) failed:", file=sys.stderr)
+        for line in failed:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    print("demo: all checks passed")
     return 0
 
 

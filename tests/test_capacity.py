@@ -209,3 +209,39 @@ def test_maps_of_the_wrong_shape_raise_naming_them():
         recall_capacity(_NoFeatures(), 4, [8], trials=1)
     with pytest.raises(ValueError, match=r"feature map 'no-features' has output_dim\(4\) = 0"):
         state_size(_NoFeatures(), 4, 4)
+
+
+@pytest.mark.parametrize("softmax_scale, eps", [(None, 1e-8), (0.2, 1e-8), (3.0, 20.0)])
+def test_recall_capacity_softmax_scale_and_eps_against_numpy(softmax_scale, eps):
+    """``softmax_scale=`` sets the softmax baseline's temperature, ``eps=`` the linear read-out's floor
+    (issue 21 point 6): every reported mean recomputed here from the keys the documented streams draw
+    (``default_rng([seed, n, trial])``, N(0, 1) keys, one-hot values), ReLU features written out."""
+    d, ns, trials, seed = 6, [5, 12], 2, 4
+    res = recall_capacity("relu", d, ns, trials=trials, seed=seed, softmax_scale=softmax_scale, eps=eps)
+    scale = 1 / np.sqrt(d) if softmax_scale is None else softmax_scale
+    assert res.softmax_scale == scale
+    want = {key: np.zeros(len(ns)) for key in ("accuracy", "mse", "softmax_accuracy", "softmax_mse")}
+    floored = 0
+    for a, n in enumerate(ns):
+        for t in range(trials):
+            keys = np.random.default_rng([seed, n, t]).standard_normal((n, d))
+            eye = np.eye(n)
+            s = scale * keys @ keys.T
+            p = np.exp(s - s.max(1, keepdims=True))
+            p /= p.sum(1, keepdims=True)
+            f = np.maximum(keys, 0.0)
+            A = f @ f.T
+            den = A.sum(1)
+            floored += int(np.sum(den < eps))
+            vhat = A / np.maximum(den, eps)[:, None]
+            for name, out in (("", vhat), ("softmax_", p)):
+                # nearest one-hot value: argmax of 2 out_i . e_j - 1
+                want[name + "accuracy"][a] += np.mean(np.argmax(out, 1) == np.arange(n)) / trials
+                want[name + "mse"][a] += np.sum((out - eye) ** 2) / n / trials
+    for key, val in want.items():
+        np.testing.assert_allclose(getattr(res, key), val, rtol=1e-12, err_msg=key)
+    if eps == 20.0:  # the floor is reached on some rows, and it changes the read-out
+        assert floored > 0
+        plain = recall_capacity("relu", d, ns, trials=trials, seed=seed, softmax_scale=softmax_scale)
+        assert not np.allclose(plain.mse, res.mse)
+        np.testing.assert_array_equal(plain.softmax_mse, res.softmax_mse)

@@ -26,6 +26,35 @@ def test_demo_small(capsys):
     assert cli.main(["demo", "--batch", "1", "--heads", "2", "--length", "33", "--dim", "8"]) == 0
     out = capsys.readouterr().out
     assert "scan" in out and "softmax_attention" in out
+    assert "FAIL" not in out and "demo: all checks passed" in out
+
+
+@pytest.mark.parametrize("broken", ["scan", "softmax"])
+def test_demo_exits_1_when_a_check_fails(broken, capsys, monkeypatch):
+    """Issue 21 point 6: ``linattn demo`` returns 1 (not 0) when a method is off, and names it."""
+    import linattn_nb
+
+    lin, sm = linattn_nb.linear_attention, linattn_nb.softmax_attention
+
+    def bad_linear(q, k, v, **kw):
+        out = lin(q, k, v, **kw)
+        return out * 1.01 if kw.get("method") == "scan" and out.dtype == "float32" else out
+
+    def bad_softmax(q, k, v, **kw):
+        out = sm(q, k, v, **kw)
+        return out + 1e-2 if out.dtype == "float32" else out
+
+    if broken == "scan":
+        monkeypatch.setattr(linattn_nb, "linear_attention", bad_linear)
+    else:
+        monkeypatch.setattr(linattn_nb, "softmax_attention", bad_softmax)
+    assert cli.main(["demo", "--batch", "1", "--heads", "1", "--length", "17", "--dim", "4"]) == 1
+    cap = capsys.readouterr()
+    assert "FAIL" in cap.out and "all checks passed" not in cap.out
+    if broken == "scan":
+        assert "method='scan'" in cap.err and "method='auto'" not in cap.err
+    else:
+        assert "softmax_attention" in cap.err
 
 
 def test_no_command_prints_help(capsys):

@@ -375,3 +375,97 @@ def test_kl_is_never_negative(n, causal):
         res = fn(q, q, q, None, causal=causal)
         assert res.kl_mean >= 0.0 and res.kl_max >= 0.0, (fn.__name__, res.kl_mean, res.kl_max)
         assert res.kl_max < 1e-14 and res.tv_max < 1e-14
+
+
+# ---------------------------------------------------------------------------
+# summary statistics against an independent NumPy reference (issue 21 point 1)
+# ---------------------------------------------------------------------------
+def _independent_statistics(q, k, v, phi, *, causal, eps):
+    """Every field of ApproximationError from explicit weights, in NumPy only.
+
+    Nothing of linattn_nb is used: the features are ``phi`` (written out in
+    the test), the softmax weights are formed here, and each statistic is
+    written out as the ApproximationError docstring defines it, so that a
+    slip shared by ``approximation_error`` and ``approximation_error_naive``
+    (both reduce their rows through ``_summarise``) is caught.
+    """
+    from scipy.stats import spearmanr
+
+    b, n, d = q.shape
+    scale = 1.0 / math.sqrt(d)
+    mask = np.tril(np.ones((n, n), bool)) if causal else np.ones((n, n), bool)
+    s = scale * np.einsum("bid,bjd->bij", q, k)
+    e = np.where(mask, np.exp(s - np.where(mask, s, -np.inf).max(-1, keepdims=True)), 0.0)
+    p = e / e.sum(-1, keepdims=True)
+    a = np.where(mask, np.einsum("bif,bjf->bij", phi(q), phi(k)), 0.0)
+    den = a.sum(-1)
+    w = a / np.maximum(den, eps)[..., None]
+    o_sm, o_lin = p @ v, w @ v
+    kl, tv, hp, hw, rho, js = ([] for _ in range(6))
+    for bb in range(b):
+        for i in range(n):
+            m = mask[i]
+            pi, wi, ai, si = p[bb, i, m], w[bb, i, m], a[bb, i, m], s[bb, i, m]
+            tv.append(0.5 * np.abs(pi - wi).sum())
+            hp.append(-np.sum(pi * np.log(pi)))
+            if den[bb, i] > 0 and np.all(ai >= 0):
+                kl.append(np.inf if np.any(wi <= 0) else max(0.0, np.sum(pi * np.log(pi / wi))))
+                pos = wi > 0
+                hw.append(-np.sum(wi[pos] * np.log(wi[pos])))
+                mix = 0.5 * (pi + wi)
+                js.append(0.5 * np.sum(pi * np.log(pi / mix)) + 0.5 * np.sum(wi[pos] * np.log(wi[pos] / mix[pos])))
+            else:
+                kl.append(np.inf)
+            if m.sum() >= 2 and np.ptp(si) > 0 and np.ptp(wi) > 0:
+                rho.append(spearmanr(si, wi)[0])
+    kl = np.array(kl)
+
+    def mean(x):
+        return float(np.mean(x)) if len(x) else float("nan")
+
+    return dict(
+        output_rel_error=float(np.sqrt(np.sum((o_lin - o_sm) ** 2)) / np.sqrt(np.sum(o_sm ** 2))),
+        kl_mean=float(kl.mean()), kl_max=float(kl.max()), tv_mean=mean(tv), tv_max=float(np.max(tv)),
+        entropy_softmax=mean(hp), entropy_linear=mean(hw), monotonicity=mean(rho),
+        nonpositive_normalizer_rate=float(np.mean(den <= 0)), kl_infinite_rate=float(np.mean(np.isinf(kl))),
+        js_mean=mean(js), n_rows=b * n,
+    )
+
+
+def _elu1(x):
+    return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name, phi", [("elu", _elu1), ("relu", lambda x: np.maximum(x, 0.0)),
+                                       ("identity", lambda x: x)])
+def test_summary_statistics_against_an_independent_numpy_reference(name, phi, causal, rng):
+    """Each summary statistic recomputed from explicit weights in the test (issue 21 point 1).
+
+    ELU+1 (a distribution on every row: every statistic finite), ReLU (zero
+    weights: some KL infinite, entropy and JS over the rows that are
+    distributions) and the identity map (signed: normalisers <= 0, few rows
+    distributions).  The weights are those the module
+    docstring defines; ``phi`` is checked to be the package's map first.
+    float64 throughout; 1e-12 relative (the kernel sums in another order,
+    the Spearman ranks come from another sort).
+    """
+    q, k = rng.normal(size=(2, 3, 9, 4))
+    v = rng.normal(size=(3, 9, 2))
+    np.testing.assert_array_equal(fm.get(name)(q), phi(q))
+    want = _independent_statistics(q, k, v, phi, causal=causal, eps=config.DEFAULT_EPS)
+    if name == "elu":  # the reference exercises the fields it claims to
+        assert want["kl_infinite_rate"] == 0 and want["tv_max"] > 1.5 * want["tv_mean"] > 0
+    elif name == "relu":  # zero weights where softmax has mass: some KL infinite, entropy and JS still defined
+        assert 0 < want["kl_infinite_rate"] < 1 and not math.isnan(want["js_mean"])
+    else:  # signed weights: (nearly) no row is a distribution
+        assert 0 < want["nonpositive_normalizer_rate"] < 1 and want["kl_infinite_rate"] > 0.9
+    for got in (approximation_error(q, k, v, name, causal=causal, block=4),
+                approximation_error_naive(q, k, v, name, causal=causal)):
+        assert got.n_rows == want["n_rows"]
+        for f in FIELDS:
+            a, b = getattr(got, f), want[f]
+            if math.isinf(b) or math.isnan(b):
+                assert a == b or (math.isnan(a) and math.isnan(b)), (f, a, b)
+            else:
+                assert math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15), (f, a, b)

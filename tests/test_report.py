@@ -24,11 +24,37 @@ def _available(name):
     return get_study(name).requires() is None
 
 
+class _CountingClock:
+    """A ``time`` module stand-in whose clock advances by ``step`` seconds per reading.
+
+    The throughput study decides how often to repeat a call from the time it
+    took (a call of 2 s or more once, else >= 3 times and until ``min_time``):
+    with this clock that count depends on the code alone, not on the
+    machine's load (issue 21 point 5).
+    """
+
+    def __init__(self, step=2.0 ** -10):  # a power of two: the differences of readings are exact
+        self.step = step
+        self.now = 0.0
+
+    def perf_counter(self):
+        self.now += self.step
+        return self.now
+
+
 @pytest.fixture(scope="module")
 def tiny_report(tmp_path_factory):
-    """One `linattn report --profile tiny` run shared by the tests that only read it."""
+    """One `linattn report --profile tiny` run shared by the tests that only read it.
+
+    The throughput study reads a counting clock (:class:`_CountingClock`):
+    every timed call "takes" 2**-10 s (~1 ms), so its repeat count is fixed.
+    """
+    from linattn_nb.studies import throughput
+
     out = tmp_path_factory.mktemp("rep") / "report"
-    rc = cli.main(["report", "--profile", "tiny", "--out", str(out), "--no-progress", "--device", "cpu"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(throughput, "time", _CountingClock())
+        rc = cli.main(["report", "--profile", "tiny", "--out", str(out), "--no-progress", "--device", "cpu"])
     return out, rc
 
 
@@ -58,7 +84,8 @@ def test_report_writes_markdown_plots_and_raw_results(tiny_report):
     rows = [json.loads(line) for line in (out / "throughput.jsonl").read_text().splitlines()[1:]]
     assert {(r["params"]["kind"], r["params"]["n"]) for r in rows} >= {("linear", 64), ("linear", 256),
                                                                        ("softmax", 64), ("softmax", 256)}
-    assert all(r["result"]["median_s"] > 0 and r["result"]["repeats"] >= 3 for r in rows)
+    # the fixture's counting clock: every call "takes" 2**-10 s; the tiny profile's min_time of 5 ms makes 6 calls
+    assert all(r["result"]["median_s"] == 2.0 ** -10 and r["result"]["repeats"] == 6 for r in rows)
 
 
 def test_memory_horizon_section_states_its_regime_with_error_bars_over_seeds(tiny_report):
@@ -370,9 +397,29 @@ def test_gpu_paths_of_the_studies_run_on_the_simulator():
     res = correctness.run("linear", "cuda", True, "elu", methods, ["float32"], [[1, 0, 4, 4], [2, 9, 6, 5]])
     assert [c["method"] for c in res["checks"]] == methods
     assert all(c["passed"] and c["error"] is None for c in res["checks"]), res["checks"]
-    res = throughput.run("linear", "cuda", methods[0], 8, 1, 4, 4, "float32", "elu", 0.0)
-    # the study times a call of 2 s or more once (the simulator on a loaded machine can take that long)
-    assert res["median_s"] > 0 and (res["repeats"] >= 3 or res["median_s"] >= 2.0), res
+    with pytest.MonkeyPatch.context() as mp:  # a counting clock: ~1 ms a call, whatever the simulator's speed
+        mp.setattr(throughput, "time", _CountingClock())
+        res = throughput.run("linear", "cuda", methods[0], 8, 1, 4, 4, "float32", "elu", 0.0)
+    assert res["median_s"] == 2.0 ** -10 and res["repeats"] == 3, res
+
+
+@pytest.mark.parametrize("step, min_time, repeats", [(2.0 ** -10, 0.0, 3), (2.0 ** -10, 10 * 2.0 ** -10, 10),
+                                                     (2.5, 0.0, 1), (2.5, 10.0, 4), (2.0 ** -20, 1.0, 200)])
+def test_throughput_repeats_are_set_by_the_call_time_not_the_machine(step, min_time, repeats, monkeypatch):
+    """The throughput study's repeat rule on a counting clock (issue 21 point 5).
+
+    A call under 2 s is timed >= 3 times and until the total reaches
+    ``min_time`` (at most 200 times); a call of 2 s or more once, more only
+    while the total is under ``min_time``.
+    """
+    from linattn_nb.studies import throughput
+
+    monkeypatch.setattr(throughput, "time", _CountingClock(step))
+    # machine_state times an sgemm until min_time on the same clock: fixed here, it would loop 30000 times
+    monkeypatch.setattr(throughput, "machine_state", lambda: {"load1": 0.0, "sgemm_gflops": 1.0})
+    res = throughput.run("linear", "cpu", "chunked", 16, 1, 4, 4, "float32", "elu", min_time)
+    assert res["repeats"] == repeats and res["median_s"] == step and res["min_s"] == step
+    assert res["tokens_per_s"] == pytest.approx(16 / step) and res["gflops"] == pytest.approx(4 * 16 * 16 / step / 1e9)
 
 
 # ---------------------------------------------------------------------------
@@ -492,3 +539,84 @@ def test_throughput_records_machine_state_and_flags_noisy_points(tiny_report, tm
             sgemm_gflops_before=50.0, sgemm_gflops_after=10.0)))
     md = throughput.render(recs, Context(out=tmp_path, profile="tiny", plots=False)).markdown
     assert "9 (noisy)" in md and "**Noisy**" in md and "linear scan (cpu) at N = 2048" in md
+
+
+# ---------------------------------------------------------------------------
+# Issue 21 point 6: the public study API (register_study, Context, Rendered, PROFILES, markdown_table,
+# ReportResult) through a plug-in study
+# ---------------------------------------------------------------------------
+def _plugin_points(ctx):
+    return [{"x": x} for x in ctx.pick(tiny=[1, 2], quick=[1, 2, 3], full=[1, 2, 3, 4])]
+
+
+def _plugin_run(x):
+    return {"y": 2 * x, "half": x / 2}
+
+
+def _plugin_render(records, ctx):
+    from linattn_nb.studies import Rendered, markdown_table, rows
+
+    rs = rows(records)
+    table = markdown_table(["x", "y", "x/2"], [[r["x"], r["y"], r["half"]] for r in rs])
+    return Rendered(markdown=f"profile {ctx.profile}, devices {','.join(ctx.devices)}\n\n{table}",
+                    summary=f"{len(rs)} points", problems=[f"planted problem at x = {r['x']}" for r in rs
+                                                           if r["x"] == 2])
+
+
+def test_markdown_table_formats_aligns_and_escapes():
+    from linattn_nb.studies import markdown_table
+
+    md = markdown_table(["map", "n", "err"], [["a|b", 3, 0.012345], ["c", 40, float("nan")], ["d", 5, 1.5e-7]])
+    assert md.splitlines() == ["| map | n | err |", "| :--- | ---: | ---: |", "| a\\|b | 3 | 0.0123 |",
+                               "| c | 40 | nan |", "| d | 5 | 1.50e-07 |"]
+    assert markdown_table(["a", "b"], [[True, None]], align="cc").splitlines() == [
+        "| a | b |", "| :---: | :---: |", "| yes | – |"]
+
+
+def test_a_plug_in_study_through_register_study_and_run_report(tmp_path):
+    """A study registered from outside: Context.pick chooses its grid per profile (PROFILES), its
+    Rendered section, summary and problems reach report.md and the ReportResult; register_study
+    refuses duplicates and non-studies; a study that cannot run is listed as skipped."""
+    from linattn_nb.studies import PROFILES, Context, ReportResult, Rendered, Study
+
+    assert PROFILES == ("tiny", "quick", "full")
+    assert [len(_plugin_points(Context(out=tmp_path, profile=p))) for p in PROFILES] == [2, 3, 4]
+    ctx = Context(out=tmp_path)
+    assert ctx.profile == "full" and ctx.devices == ("cpu",) and ctx.plots is True
+    with pytest.raises(KeyError):
+        Context(out=tmp_path, profile="huge").pick(1, 2, 3)
+    assert Rendered("x").summary == "" and Rendered("x").problems == []
+    study = Study(name="plugin_x", title="Plug-in X", command="plugin-x", help="a test study",
+                  points=_plugin_points, run=_plugin_run, render=_plugin_render, budget_s={"tiny": 5, "full": 9})
+    absent = Study(name="plugin_absent", title="Absent", command="plugin-absent", help="needs a module",
+                   points=_plugin_points, run=_plugin_run, render=_plugin_render,
+                   requires=requires_modules("no_such_module_for_linattn_tests"))
+    saved = list(STUDIES)
+    try:
+        assert register_study(study) is study and get_study("plugin-x") is study and STUDIES[-1] is study
+        with pytest.raises(ValueError, match="already registered"):
+            register_study(dataclasses.replace(study, title="Other"))
+        with pytest.raises(TypeError, match="takes a Study"):
+            register_study("plugin_x")
+        register_study(absent)
+        res = run_report(tmp_path / "r", profile="tiny", studies=["plugin_x", "plugin_absent"], progress=False,
+                         log=lambda line: None)
+    finally:
+        STUDIES[:] = saved
+    with pytest.raises(KeyError, match="no study"):
+        get_study("plugin_x")
+    assert isinstance(res, ReportResult)
+    assert res.path == tmp_path / "r" / "report.md" and res.path.exists()
+    assert any("planted problem at x = 2" in p for p in res.problems) and len(res.problems) == 1
+    assert [name for name, _ in res.skipped] == ["plugin_absent"]
+    assert "no_such_module_for_linattn_tests" in res.skipped[0][1]
+    assert set(res.sections) == {"plugin_x"}
+    sec = res.sections["plugin_x"]
+    assert isinstance(sec, Rendered) and sec.summary == "2 points"
+    assert sec.markdown.splitlines()[0] == "profile tiny, devices cpu"
+    assert "| 2 | 4 | 1 |" in sec.markdown
+    assert res.elapsed_s >= 0 and (res.cached_kernels is None or res.cached_kernels >= 0)
+    text = res.path.read_text()
+    assert "## Plug-in X" in text and "| 1 | 2 | 0.5 |" in text and "planted problem at x = 2" in text
+    assert "**Absent** (`linattn plugin-absent`)" in text
+    assert [r["result"]["y"] for r in load_results(tmp_path / "r" / "plugin_x.jsonl")] == [2, 4]

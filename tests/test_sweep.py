@@ -144,6 +144,27 @@ def test_each_line_is_flushed_before_the_next_point_runs(tmp_path):
     assert seen == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("fsync", [False, True])
+def test_fsync_syncs_every_line_or_only_at_the_end(fsync, tmp_path, monkeypatch):
+    """``sweep(fsync=True)`` syncs after every line it writes, each complete when it is synced;
+    the default syncs the file once, when the sweep ends (issue 21 point 6)."""
+    out = tmp_path / "r.jsonl"
+    synced = []  # lines in the file at each fsync
+    real = os.fsync
+
+    def counting_fsync(fd):
+        synced.append(out.read_bytes().count(b"\n"))
+        assert out.read_bytes().endswith(b"\n")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", counting_fsync)
+    sweep(H.square, {"x": [1, 2, 3]}, out=out, progress=False, fsync=fsync)
+    # header + 3 points; with fsync one sync per line, then the sync at the end
+    assert synced == ([1, 2, 3, 4, 4] if fsync else [4])
+    with pytest.raises(TypeError, match="fsync"):
+        sweep(H.square, {"x": [1]}, out=tmp_path / "other.jsonl", progress=False, fsync="yes")
+
+
 def test_resume_skips_finished_points(tmp_path):
     out = tmp_path / "r.jsonl"
     calls = []

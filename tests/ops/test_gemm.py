@@ -15,7 +15,10 @@ from numba import njit
 from linattn_nb.ops._gemm import gemm
 
 
-@njit(cache=True)
+# Not cached on disk: Numba keys a cached function on its own file only, so a
+# cached _call would keep running the old machine code of ops/_gemm.py after an
+# edit there (the package's own kernels are keyed on all its sources).
+@njit(cache=False)
 def _call(ta, tb, m, n, k, alpha, A, aoff, lda, B, boff, ldb, beta, C, coff, ldc):
     gemm(ta, tb, m, n, k, alpha, A, aoff, lda, B, boff, ldb, beta, C, coff, ldc)
 
