@@ -83,7 +83,7 @@ import math
 
 import numpy as np
 from numba import config as _nbconfig
-from numba import cuda, float32, float64
+from numba import cuda, float32, float64, uint32
 
 from .. import config
 from ._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, RULE_GATE, RULE_GATED_DELTA
@@ -101,6 +101,219 @@ _ACC_TYPES = {"float32": float32, "float64": float64}
 # The sequence kernel
 # ---------------------------------------------------------------------------
 _SEQ_KERNELS: dict = {}
+
+
+def _owner_kernel(R, C, MB, T, acc, rule):
+    """The owner layout (``G == 1``): see the module docstring."""
+    acc_t = _ACC_TYPES[acc]
+    FP = R  # padded feature rows, all owned by every thread
+    MBP = -(-MB // C) * C  # value columns, padded (the normaliser is split by rows)
+    NTH = MBP // C  # threads per block
+    ZR = -(-FP // NTH)  # normaliser rows per thread: rows tid, tid + NTH, ...
+    RC = R * C
+    zero = acc_t(0.0)
+    one = acc_t(1.0)
+    FACTORS = rule_factor_rows(rule, FP) > 0
+    PER_ROW = rule == RULE_GATE
+    SAT = T if FACTORS else 1
+    SAW = FP if PER_ROW else 1
+
+    @cuda.jit(cache=_CACHE)
+    def kernel(q, k, v, out, H, Hout, lf, n, seg_len, nseg_per_b, state_div, b2n,
+               code, eps, norm, read_state, update, write_out, write_state, flags):
+        sq = cuda.shared.array((T, FP), acc_t)
+        sk = cuda.shared.array((T, FP), acc_t)
+        sv = cuda.shared.array((T, MBP), acc_t)
+        sa = cuda.shared.array((SAT, SAW), acc_t)
+        num = cuda.shared.array((T, MBP), acc_t)  # phi(q)^T S per token and column
+        dp = cuda.shared.array((T, NTH), acc_t)  # partial phi(q)^T z per token and thread
+        den = cuda.shared.array(T, acc_t)
+        st = cuda.local.array(RC, acc_t)  # st[r * C + j]: row r, column c0 + j
+        zt = cuda.local.array(ZR, acc_t)  # z[tid + u * NTH]
+        vt = cuda.local.array(C, acc_t)
+        ac = cuda.local.array(C, acc_t)
+
+        F = q.shape[3]
+        M = v.shape[3]
+        tid = cuda.threadIdx.x
+        c0 = tid * C
+        seg = cuda.blockIdx.x
+        b = seg // nseg_per_b
+        c = seg - b * nseg_per_b
+        b1 = b // b2n
+        b2 = b - b1 * b2n
+        sidx = seg // state_div
+        m0 = cuda.blockIdx.y * MB
+        epsa = acc_t(eps)
+        qb = q[b1, b2]  # (N, F) views of the batch entry: the staging indexes two axes
+        kb = k[b1, b2]
+        vb = v[b1, b2]
+        ob = out[b1, b2]
+        check = flags.shape[0] > 1  # check_finite: count non-finite q, k, v in flags[0, 1, 2]
+        cqk = check and cuda.blockIdx.y == 0  # q and k: counted by the first column block only
+
+        for j in range(C):
+            ok = read_state and c0 + j < MB and m0 + c0 + j < M
+            for r in range(R):
+                x = zero
+                if ok and r < F:
+                    x = acc_t(H[sidx, r, m0 + c0 + j])
+                st[r * C + j] = x
+        for u in range(ZR):
+            i = tid + u * NTH
+            x = zero
+            if read_state and i < F:
+                x = acc_t(H[sidx, i, M])
+            zt[u] = x
+
+        t_begin = c * seg_len
+        t_end = min(n, t_begin + seg_len)
+        for t0 in range(t_begin, t_end, T):
+            nt = min(T, t_end - t0)
+            # ---- stage phi(q), phi(k) (zero-padded rows), v, the factors: a
+            # thread stages one feature row (value column) of every token of
+            # the tile, so a warp reads consecutive addresses; unsigned
+            # indices (no negative-index wraparound, a token index < 2^32)
+            for i in range(tid, FP, NTH):
+                iu = uint32(i)
+                live = i < F
+                for t in range(nt):
+                    tu = uint32(t)
+                    tok = uint32(t0 + t)
+                    xq = zero
+                    xk = zero
+                    if live:
+                        if write_out:
+                            xq = acc_t(qb[tok, iu])
+                            if cqk and not (xq - xq == zero):
+                                cuda.atomic.add(flags, 0, 1)
+                            xq = phi(xq, code, zero, one)
+                        if update:
+                            xk = acc_t(kb[tok, iu])
+                            if cqk and not (xk - xk == zero):
+                                cuda.atomic.add(flags, 1, 1)
+                            xk = phi(xk, code, zero, one)
+                    sq[tu, iu] = xq
+                    sk[tu, iu] = xk
+                    if PER_ROW and update:
+                        sa[tu, iu] = math.exp(acc_t(lf[b, tok, iu])) if live else one
+            if FACTORS and not PER_ROW and update:
+                for t in range(tid, nt, NTH):
+                    sa[uint32(t), 0] = math.exp(acc_t(lf[b, uint32(t0 + t), 0]))
+            if update:
+                for jj in range(tid, MBP, NTH):
+                    ju = uint32(m0 + jj)
+                    live = jj < MB and m0 + jj < M
+                    for t in range(nt):
+                        x = zero
+                        if live:
+                            x = acc_t(vb[uint32(t0 + t), ju])
+                            if check and not (x - x == zero):
+                                cuda.atomic.add(flags, 2, 1)
+                        sv[uint32(t), uint32(jj)] = x
+            cuda.syncthreads()
+            if is_row_map(code):
+                for idx in range(tid, 2 * nt, NTH):
+                    t = idx >> 1
+                    if idx & 1:
+                        if update:
+                            l2_normalize_row(sk, t, F)
+                    elif write_out:
+                        l2_normalize_row(sq, t, F)
+                cuda.syncthreads()
+            # ---- per token: the thread's C columns over all rows, in registers
+            if update and write_out:
+                for tt in range(nt):
+                    t = uint32(tt)  # unsigned: no negative-index wraparound in the addressing
+                    for j in range(C):
+                        vt[j] = sv[t, c0 + j]
+                        ac[j] = zero
+                    ft = sa[t if FACTORS else 0, 0]
+                    for r in range(R):
+                        kr = sk[t, r]
+                        qr = sq[t, r]
+                        fr = sa[t, r] if PER_ROW else ft
+                        for j in range(C):
+                            s = token_update(rule, st[r * C + j], kr, vt[j], fr)
+                            st[r * C + j] = s
+                            ac[j] += qr * s
+                    for j in range(C):
+                        num[t, c0 + j] = ac[j]
+                    d = zero
+                    for u in range(ZR):
+                        i = tid + u * NTH
+                        if i < FP:
+                            s = token_update(rule, zt[u], sk[t, i], one, sa[t, i] if PER_ROW else ft)
+                            zt[u] = s
+                            d += sq[t, i] * s
+                    dp[t, tid] = d
+            elif update:
+                for t in range(nt):
+                    for j in range(C):
+                        vt[j] = sv[t, c0 + j]
+                    ft = sa[t if FACTORS else 0, 0]
+                    for r in range(R):
+                        kr = sk[t, r]
+                        fr = sa[t, r] if PER_ROW else ft
+                        for j in range(C):
+                            st[r * C + j] = token_update(rule, st[r * C + j], kr, vt[j], fr)
+                    for u in range(ZR):
+                        i = tid + u * NTH
+                        if i < FP:
+                            zt[u] = token_update(rule, zt[u], sk[t, i], one, sa[t, i] if PER_ROW else ft)
+            elif write_out:
+                for t in range(nt):
+                    for j in range(C):
+                        ac[j] = zero
+                    for r in range(R):
+                        qr = sq[t, r]
+                        for j in range(C):
+                            ac[j] += qr * st[r * C + j]
+                    for j in range(C):
+                        num[t, c0 + j] = ac[j]
+                    d = zero
+                    for u in range(ZR):
+                        i = tid + u * NTH
+                        if i < FP:
+                            d += sq[t, i] * zt[u]
+                    dp[t, tid] = d
+            if write_out:
+                cuda.syncthreads()
+                # ---- the normaliser of every token: the NTH partials, once per tile
+                for t in range(tid, nt, NTH):
+                    x = zero
+                    for u in range(NTH):
+                        x += dp[t, u]
+                    if norm == NORM_FLOOR and x < epsa:
+                        x = epsa
+                    den[t] = x
+                cuda.syncthreads()
+                for j in range(C):
+                    jj = c0 + j
+                    if jj < MB and m0 + jj < M:
+                        ju = uint32(m0 + jj)
+                        for t in range(nt):
+                            x = num[uint32(t), jj]
+                            if norm != NORM_NONE:
+                                x = x / den[uint32(t)]
+                            ob[uint32(t0 + t), ju] = x
+            else:
+                cuda.syncthreads()
+
+        if write_state:
+            for j in range(C):
+                jj = c0 + j
+                if jj < MB and m0 + jj < M:
+                    for r in range(R):
+                        if r < F:
+                            Hout[sidx, r, m0 + jj] = st[r * C + j]
+            if cuda.blockIdx.y == 0:  # the normaliser column: the first column block only
+                for u in range(ZR):
+                    i = tid + u * NTH
+                    if i < F:
+                        Hout[sidx, i, M] = zt[u]
+
+    return kernel
 
 
 def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RULE_ADDITIVE):
@@ -144,6 +357,9 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
         return kern
     R, C, G, MB, T = key[:5]
     rule = key[6]
+    if G == 1 and not is_delta_rule(rule):
+        kern = _SEQ_KERNELS[key] = _owner_kernel(R, C, MB, T, acc, rule)
+        return kern
     acc_t = _ACC_TYPES[acc]
     FP = G * R  # padded feature rows
     MBP = -(-(MB + 1) // C) * C  # value columns + normaliser column, padded
@@ -167,7 +383,7 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
 
     @cuda.jit(cache=_CACHE)
     def kernel(q, k, v, out, H, Hout, lf, n, seg_len, nseg_per_b, state_div, b2n,
-               code, eps, norm, read_state, update, write_out, write_state):
+               code, eps, norm, read_state, update, write_out, write_state, flags):
         sq = cuda.shared.array((T, FP), acc_t)
         sk = cuda.shared.array((T, FP), acc_t)
         sv = cuda.shared.array((T, MBP), acc_t)
@@ -191,8 +407,10 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
         b2 = b - b1 * b2n
         sidx = seg // state_div
         m0 = cuda.blockIdx.y * MB
-        row0 = tg * R
+        row0 = uint32(tg * R)  # unsigned: no wraparound, and the compiler sees its alignment
         epsa = acc_t(eps)
+        check = flags.shape[0] > 1  # check_finite: count non-finite q, k, v in flags[0, 1, 2]
+        cqk = check and cuda.blockIdx.y == 0  # q and k: counted by the first column block only
 
         # block column j < MB is value column m0 + j, j == MB the normaliser
         # (state column M), j > MB padding
@@ -219,9 +437,15 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                 if i < F:
                     # the feature map (ops._cuda_common.phi, inlined)
                     if write_out:
-                        xq = phi(acc_t(q[b1, b2, t0 + t, i]), code, zero, one)
+                        xq = acc_t(q[b1, b2, t0 + t, i])
+                        if cqk and not (xq - xq == zero):
+                            cuda.atomic.add(flags, 0, 1)
+                        xq = phi(xq, code, zero, one)
                     if update:
-                        xk = phi(acc_t(k[b1, b2, t0 + t, i]), code, zero, one)
+                        xk = acc_t(k[b1, b2, t0 + t, i])
+                        if cqk and not (xk - xk == zero):
+                            cuda.atomic.add(flags, 1, 1)
+                        xk = phi(xk, code, zero, one)
                 sq[t, i] = xq
                 sk[t, i] = xk
                 if PER_ROW and update:  # gate: the factor of row i (1 on padding rows, whose state is 0)
@@ -241,6 +465,8 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                     if jj < MB:
                         if m0 + jj < M:
                             x = acc_t(v[b1, b2, t0 + t, m0 + jj])
+                            if check and not (x - x == zero):
+                                cuda.atomic.add(flags, 2, 1)
                     elif jj == MB:
                         x = one
                     sv[t, jj] = x
@@ -293,7 +519,8 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                         for j in range(C):
                             part[t, tg, c0 + j] = ac[j]
             elif update and write_out:
-                for t in range(nt):
+                for tt in range(nt):
+                    t = uint32(tt)
                     for j in range(C):
                         vt[j] = sv[t, c0 + j]
                         ac[j] = zero
@@ -510,6 +737,13 @@ def count_nonfinite_kernel(x, counter):
 
 
 @cuda.jit(cache=_CACHE)
+def fill_kernel(a, value):
+    """a[:] = value for a 1-d device array (zeroes the finiteness counters on the device)."""
+    for i in range(cuda.grid(1), a.shape[0], cuda.gridsize(1)):
+        a[i] = value
+
+
+@cuda.jit(cache=_CACHE)
 def copy4d_kernel(src, dst):
     """dst[...] = src[...] for 4-d arrays of equal shape, any strides and dtypes."""
     A, Bn, N, F = src.shape
@@ -531,19 +765,56 @@ def helper_grid(total: int) -> tuple[int, int]:
     return blocks, tpb
 
 
+#: Largest padded feature dimension of the owner layout (``G = 1``, every
+#: thread holds all feature rows of its value columns); larger ``D_phi``, and
+#: the delta rules, use row groups.
+OWNER_MAX_ROWS = 64
+#: Threads per block of the sequence kernel at most: 256 threads x 255
+#: registers (the most ptxas gives a thread) fit the 65,536 registers of a
+#: block, so every configuration launches whatever ptxas allocates.
+MAX_SEQ_THREADS = 256
+#: State words (32-bit registers) per thread at most in the row-group layout:
+#: the register tile plus loads and addresses stay under 255 registers
+#: without spilling (float64 takes two words per element).
+MAX_TILE_WORDS = 128
+#: Shared memory per multiprocessor on sm_90 (228 KiB; 1 KiB of it is
+#: reserved per resident block), for the occupancy target of the tile size.
+SM_SHARED_BYTES = 233472
+#: Resident warps per multiprocessor the tile size aims at (shared memory
+#: permitting): enough to hide the shared-memory and FFMA latencies.
+TARGET_WARPS = 16
+
+
+def _pad_rows(F: int, acc_itemsize: int) -> int:
+    """Feature rows padded so that one token's row is whole 16-byte vectors (LDS.128 broadcasts)."""
+    per = max(1, 16 // int(acc_itemsize))
+    return -(-int(F) // per) * per
+
+
 def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> tuple[int, int, int, int, int]:
     """Choose ``(R, C, G, MB, T)`` for feature dimension ``F``, value dimension ``M``.
 
-    ``MB`` = min(M, ``config.CUDA_VALUE_COLS``) value columns per block;
-    ``C`` = ``config.CUDA_COLS_PER_THREAD`` and ``R`` =
-    ``config.CUDA_ROWS_PER_THREAD`` the register tile of a thread, ``R``
-    doubled (up to ``config.CUDA_MAX_ROWS_PER_THREAD``) and then ``MB`` halved
-    while the block would exceed ``config.CUDA_MAX_THREADS`` threads; ``T``
-    tokens per shared-memory tile, at most ``config.CUDA_TILE_TOKENS``,
-    within ``config.CUDA_SHARED_BYTES`` (a rule with per-token factors,
-    ``rule``, stages them too: one more value per token, or one per padded
-    feature row; the delta rules stage two values per token and keep a
-    reduction buffer of ``2 G MBP`` values).
+    Two layouts (module docstring):
+
+    * **owner** (``G = 1``; rules other than the delta rules, ``F`` padded
+      to whole 16-byte vectors at most :data:`OWNER_MAX_ROWS`): ``R`` = the
+      padded ``F``, ``C = 1``, ``MB`` = min(M, ``config.CUDA_VALUE_COLS``,
+      :data:`MAX_SEQ_THREADS`) value columns, one thread per column.
+    * **row groups**: ``C`` = ``config.CUDA_COLS_PER_THREAD`` and ``R`` =
+      ``config.CUDA_ROWS_PER_THREAD`` the register tile of a thread; ``R`` doubled
+      (up to ``config.CUDA_MAX_ROWS_PER_THREAD``) while the block would
+      exceed min(``config.CUDA_MAX_THREADS``, :data:`MAX_SEQ_THREADS`)
+      threads, ``C`` halved while the tile exceeds :data:`MAX_TILE_WORDS`
+      registers, then ``MB`` halved until the block fits.
+
+    ``T`` tokens per shared-memory tile: at most ``config.CUDA_TILE_TOKENS``,
+    within ``config.CUDA_SHARED_BYTES`` (static shared memory, at most 48 KiB)
+    and, down to 8 tokens, small enough for :data:`TARGET_WARPS` resident warps
+    per multiprocessor.  A rule with per-token factors (``rule``) stages them
+    too: one more value per token, or one per padded feature row; the delta
+    rules stage two values per token and keep a reduction buffer of
+    ``2 G MBP`` values.  Every configuration has at most
+    :data:`MAX_SEQ_THREADS` threads, so registers x threads <= 65,536.
 
     Raises
     ------
@@ -552,46 +823,67 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> 
     """
     F = int(F)
     M = int(M)
+    item = int(acc_itemsize)
     if F > int(config.CUDA_MAX_FEATURES):
         raise ValueError(
             f"the CUDA kernels support a feature dimension D_phi up to config.CUDA_MAX_FEATURES="
             f"{config.CUDA_MAX_FEATURES}, got {F}; use device='cpu' for larger feature maps"
         )
-    max_threads = max(2, int(config.CUDA_MAX_THREADS))
+    max_threads = max(2, min(int(config.CUDA_MAX_THREADS), MAX_SEQ_THREADS))
     MB = max(1, min(M, int(config.CUDA_VALUE_COLS)))
-    C = max(1, int(config.CUDA_COLS_PER_THREAD))
-    R = max(1, int(config.CUDA_ROWS_PER_THREAD))
-    r_max = max(R, int(config.CUDA_MAX_ROWS_PER_THREAD))
+    words = max(1, item // 4)
+    FPo = _pad_rows(F, item)
+    if not is_delta_rule(rule) and FPo <= OWNER_MAX_ROWS:
+        R, C, G = FPo, 1, 1
+        MB = min(MB, max_threads)
+        MBP = MB
+        nthreads = MB
+        factors = rule_factor_rows(rule, FPo)
+        per_token = item * (2 * FPo + 2 * MBP + nthreads + 1 + factors)
+        fixed = 0
+    else:
+        C = max(1, int(config.CUDA_COLS_PER_THREAD))
+        R = max(1, int(config.CUDA_ROWS_PER_THREAD))
+        r_max = max(R, int(config.CUDA_MAX_ROWS_PER_THREAD))
 
-    def threads(R, MB):
-        return -(-F // R) * (-(-(MB + 1) // C))
+        def threads(R, C, MB):
+            return -(-F // R) * (-(-(MB + 1) // C))
 
-    while threads(R, MB) > max_threads and R < r_max:
-        R = min(2 * R, r_max)
-    while threads(R, MB) > max_threads and MB > 1:
-        MB = max(1, MB // 2)
-    G = -(-F // R)
-    if threads(R, MB) > max_threads:
-        raise ValueError(
-            f"no CUDA launch configuration for D_phi={F}: {G} row groups of {R} rows exceed "
-            f"config.CUDA_MAX_THREADS={max_threads} threads per block; raise "
-            "config.CUDA_MAX_ROWS_PER_THREAD or use device='cpu'"
-        )
-    MBP = -(-(MB + 1) // C) * C
-    factors = rule_factor_rows(rule, G * R)
-    per_token = int(acc_itemsize) * (2 * G * R + MBP + G * MBP + factors)
-    fixed = int(acc_itemsize) * 2 * G * MBP if is_delta_rule(rule) else 0  # the delta rules' reduction buffer
+        while threads(R, C, MB) > max_threads and R < r_max:
+            R = min(2 * R, r_max)
+        while R * C * words > MAX_TILE_WORDS and C > 1:
+            C //= 2
+        while threads(R, C, MB) > max_threads and MB > 1:
+            MB = max(1, MB // 2)
+        G = -(-F // R)
+        if threads(R, C, MB) > max_threads:
+            raise ValueError(
+                f"no CUDA launch configuration for D_phi={F}: {G} row groups of {R} rows exceed "
+                f"{max_threads} threads per block; raise config.CUDA_MAX_ROWS_PER_THREAD or use device='cpu'"
+            )
+        MBP = -(-(MB + 1) // C) * C
+        nthreads = threads(R, C, MB)
+        factors = rule_factor_rows(rule, G * R)
+        per_token = item * (2 * G * R + MBP + G * MBP + factors)
+        fixed = item * 2 * G * MBP if is_delta_rule(rule) else 0  # the delta rules' reduction buffer
     T = min(int(config.CUDA_TILE_TOKENS), (int(config.CUDA_SHARED_BYTES) - fixed) // per_token)
     if T < 1:
         raise ValueError(
             f"D_phi={F}, M={M}: one token needs {per_token} bytes of shared memory, more than "
             f"config.CUDA_SHARED_BYTES={config.CUDA_SHARED_BYTES}; use device='cpu'"
         )
+    warps = -(-nthreads // 32)
+    blocks = -(-TARGET_WARPS // warps)
+    t_occ = (SM_SHARED_BYTES // blocks - 1024 - fixed) // per_token
+    T = max(min(T, 8), min(T, t_occ))
     return R, C, G, MB, T
 
 
-def threads_per_block(R: int, C: int, G: int, MB: int) -> int:
-    """Threads per block of :func:`seq_kernel` for a configuration."""
+def threads_per_block(R: int, C: int, G: int, MB: int, rule: int = RULE_ADDITIVE) -> int:
+    """Threads per block of :func:`seq_kernel` for a configuration (``rule``: the owner layout
+    is ``G == 1`` for rules other than the delta rules)."""
+    if G == 1 and not is_delta_rule(rule):
+        return -(-MB // C)
     return G * (-(-(MB + 1) // C))
 
 

@@ -445,7 +445,8 @@ _PTX_SCRIPT = textwrap.dedent(
             i = types.int64
             b = types.boolean
             lf = types.Array(types.float64, 3, "C")  # the rule's log-factors (not read by the additive rule)
-            sig = (a4, a4, a4, a4, H, H, lf, i, i, i, i, i, i, types.float64, i, b, b, b, b)
+            flags = types.Array(types.int32, 1, "C")  # the finiteness counters
+            sig = (a4, a4, a4, a4, H, H, lf, i, i, i, i, i, i, types.float64, i, b, b, b, b, flags)
             text = ptx(kern, sig)
             res[dt] = {"target": ".target sm_90" in text, "local": ("ld.local" in text) or ("st.local" in text),
                        "entry": ".entry" in text}
