@@ -21,26 +21,66 @@ launch plans of :mod:`linattn_nb.ops._cuda_launch`:
 * **query** (non-causal, phase 3): the state is fixed; every token reads it
   (``write_out`` only).
 
-Thread layout of the sequence kernel.  A block owns ``MB`` value columns
-``m0 .. m0 + MB - 1`` plus one more column for the normaliser ``z`` (a value
-column of ones), ``MB + 1`` columns padded to ``MBP``, a multiple of ``C``.
-The ``F`` feature rows of the state are split into ``G`` groups of ``R``
-consecutive rows and the columns into groups of ``C``: each thread keeps an
-``R x C`` tile of the state in registers (local arrays of compile-time size,
-fully unrolled, no local-memory traffic: checked in the PTX test).  Tokens
-are staged through shared memory in tiles of ``T`` tokens: ``phi(q)`` and
-``phi(k)`` (feature map applied while staging, in the accumulation dtype),
-``v`` and the column of ones, and, for a rule with per-token factors (decay,
-gate), the factors ``exp(log-factor)`` of the tile's tokens (one per token,
-or one per feature row).  For each token a thread reads ``R`` values of
-``phi(k)``, ``R`` of ``phi(q)`` and ``C`` of ``v`` (and its factors) from
-shared memory for ``2 R C`` fused multiply-adds (with ``C = 1`` the loads,
-one warp-wide load per clock and multiprocessor, cap the rate at a quarter
-of the fp32 peak),
-updates its tile and writes its partial ``phi(q)^T S`` for its ``C`` columns
-into shared memory; after the tile the block sums the ``G`` partials per
-column and divides by the normaliser column (``normalize=False``: writes the
-sum as it is).  Two ``syncthreads`` per tile.
+Thread layouts of the sequence kernel.  Tokens are staged through shared
+memory in tiles of ``T`` tokens: ``phi(q)`` and ``phi(k)`` (feature map
+applied while staging, in the accumulation dtype), ``v`` and, for a rule with
+per-token factors (decay, gate), the factors ``exp(log-factor)`` of the
+tile's tokens (one per token, or one per feature row).  The state stays in
+registers (local arrays of compile-time size, fully unrolled; no local-memory
+traffic, checked in the PTX tests).  Per token every state element costs two
+fused multiply-adds (the update, and its term of ``phi(q)^T S``), so what
+decides the speed is how many shared-memory loads, address computations and
+cross-thread sums a thread issues per FFMA.  Two layouts (:func:`seq_config`):
+
+* **owner** (``G == 1``; ``D_phi`` padded to whole 16-byte vectors, at most
+  :data:`OWNER_MAX_ROWS` = 64; every rule but the delta rules): a block owns
+  ``MB`` value columns ``m0 .. m0 + MB - 1`` and each thread all ``F`` rows
+  of its ``C = 1`` column, so ``phi(q)^T S`` is summed in registers and no
+  value column needs another thread.  A token's ``phi(k)`` and ``phi(q)``
+  rows start at a multiple of 16 bytes and every thread reads the same
+  address, so they load as ``LDS.128`` broadcasts: at D = M = 64, float32,
+  the causal token loop is 32 ``LDS.128`` + 3 scalar loads + 2 stores for
+  129 FFMA out of 200 SASS instructions (64%; the rest is loop control and
+  shared-window addressing), against 64 FFMA of 120 instructions plus a
+  G-way shared-memory sum per output in the row-group layout it replaces
+  there.  The normaliser ``z`` (the state of a value column of ones) is split
+  by rows instead of taking one more thread: thread ``u`` owns rows ``u, u +
+  MB, ...`` of ``z``, updates them per token (one FFMA each) and writes its
+  partial ``phi(q)^T z`` to shared memory; after the tile one pass sums the
+  ``MB`` partials of every token (once per token and tile, not per column)
+  and each thread divides its column's numerators.  130 registers x 64
+  threads: 7 blocks, 14 warps per multiprocessor (registers), and ``T`` is
+  chosen so shared memory allows :data:`TARGET_WARPS`; three
+  ``syncthreads`` per tile.
+* **row groups** (larger ``D_phi``, the delta rules): the block's ``MB``
+  value columns plus the normaliser column, ``MB + 1`` padded to ``MBP``
+  (a multiple of ``C``), are split into groups of ``C`` columns and the
+  ``F`` rows into ``G`` groups of ``R``; each thread keeps an ``R x C``
+  tile.  Per token a thread reads ``R`` values of ``phi(k)`` and of
+  ``phi(q)`` (``LDS.128``: ``R`` and its first row are multiples of 4) and
+  ``C`` of ``v`` for ``2 R C`` FFMA (128 of 160 instructions at R = 16,
+  C = 4, D_phi = 128), and writes its partial ``phi(q)^T S`` for its ``C``
+  columns to shared memory; after the tile the normaliser of every token is
+  summed once and the ``G`` partials of every value column are summed and
+  divided by it.
+
+Both layouts have at most :data:`MAX_SEQ_THREADS` = 256 threads, so
+registers x threads stays within the 65,536 registers of a block however
+many registers (at most 255) ptxas gives a thread, and the row-group tile is
+kept to :data:`MAX_TILE_WORDS` registers (``C`` halved for float64), so no
+configuration up to ``config.CUDA_MAX_FEATURES`` fails to launch.  Static
+shared memory stays within ``config.CUDA_SHARED_BYTES`` (48 KiB is the
+static limit).  Indices into shared memory and the staging loops are
+unsigned (``uint32``): Numba wraps negative signed indices (a compare and a
+select per access) and divides signed 64-bit integers slowly; a token index
+is assumed below 2^32.
+
+Finiteness check: the kernels take ``flags``, an int32 device array.  Of
+shape (3,) (``check_finite=True``), the staging counts every NaN or inf of
+q, k, v into words 0, 1, 2 (an atomic add, on non-finite values only; q and
+k by the first column block only, so each value counts once); of shape (1,)
+nothing is counted.  The launcher reads the three words once after its
+launches (:func:`linattn_nb.ops._cuda_launch.raise_nonfinite`).
 
 Row feature maps (``code`` 4, L2, and 5, SiLU then L2): the staged ``phi(q)``
 and ``phi(k)`` rows hold the elementwise half of the map; one more pass over
@@ -48,7 +88,7 @@ the tile divides each row by its norm
 (:func:`linattn_nb.ops._cuda_common.l2_normalize_row`, one thread per row,
 float64 norm, a zero row stays zero), and one more ``syncthreads``.
 
-Delta rules (delta, gated delta): before a token changes column ``m`` of
+Delta rules (delta, gated delta; row-group layout): before a token changes column ``m`` of
 the state, the column must be read at the token's key, ``u_m = k^T H[:, m]``,
 a sum over all ``F`` rows, which the ``G`` row groups hold between them.
 Each thread writes its ``R``-row partial sums for its ``C`` columns to shared
@@ -320,18 +360,20 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
     """The sequence kernel specialised on its compile-time constants.
 
     ``R`` x ``C``: state rows x state columns per thread (a register tile);
-    ``G``: row groups (``G R >= F``); ``MB``: value columns per block; ``T``:
+    ``G``: row groups (``G R >= F``; ``G == 1`` is the owner layout of the
+    module docstring for every rule but the delta rules); ``MB``: value columns per block; ``T``:
     tokens per shared-memory tile; ``acc``: accumulation dtype name;
     ``rule``: update-rule code, whose per-token step is
     :func:`linattn_nb.ops._cuda_common.token_update` (a constant here, so the
     hook's branch is resolved at compile time, and the staging of per-token
     factors is compiled into the kernels of rules that have them only).  The
     block's ``MB + 1`` columns (values, then the normaliser) are padded to
-    ``MBP``, a multiple of ``C``.  Launch with ``grid=(n_segments,
-    n_column_blocks)``, ``block=G * MBP // C`` threads (:func:`seq_config`)::
+    ``MBP``, a multiple of ``C`` (row groups; the owner layout splits the
+    normaliser by rows).  Launch with ``grid=(n_segments, n_column_blocks)``,
+    ``block=`` :func:`threads_per_block` threads (:func:`seq_config`)::
 
         kernel(q, k, v, out, H, Hout, lf, n, seg_len, nseg_per_b, state_div, b2n,
-               code, eps, norm, read_state, update, write_out, write_state)
+               code, eps, norm, read_state, update, write_out, write_state, flags)
 
     q, k : (B1, B2, N, F); v, out : (B1, B2, N, M), any strides; batch entry
     ``b = b1 * B2 + b2`` (``b2n`` = B2).  Segment ``s = blockIdx.x`` is chunk
@@ -349,7 +391,9 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
     float64 array).  ``code``: the feature map (:mod:`linattn_nb.ops._codes`;
     codes 4 and 5 normalise the staged rows).  ``norm``: ``NORM_RAW``, ``NORM_FLOOR``
     (the normaliser floored at ``eps``) or ``NORM_NONE`` (no division) of
-    :mod:`linattn_nb.ops._codes`.
+    :mod:`linattn_nb.ops._codes`.  ``flags``: int32, shape (3,) to count the
+    non-finite q, k, v values the launch stages (module docstring), (1,) for
+    no check.
     """
     key = (int(R), int(C), int(G), int(MB), int(T), str(acc), int(rule))
     kern = _SEQ_KERNELS.get(key)
@@ -389,6 +433,7 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
         sv = cuda.shared.array((T, MBP), acc_t)
         sa = cuda.shared.array((SAT, SAW), acc_t)  # the tokens' factors exp(log-factor)
         part = cuda.shared.array((T, G, MBP), acc_t)
+        sden = cuda.shared.array(T, acc_t)  # the normaliser of every token of the tile
         pu = cuda.shared.array(PU, acc_t)  # delta rules: partial k^T H per (token parity, row group, column)
         st = cuda.local.array(RC, acc_t)  # st[r * C + j]: row row0 + r, column c0 + j
         vt = cuda.local.array(C, acc_t)
@@ -408,6 +453,9 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
         sidx = seg // state_div
         m0 = cuda.blockIdx.y * MB
         row0 = uint32(tg * R)  # unsigned: no wraparound, and the compiler sees its alignment
+        Fu = uint32(F)
+        Mu = uint32(M)
+        m0u = uint32(m0)
         epsa = acc_t(eps)
         check = flags.shape[0] > 1  # check_finite: count non-finite q, k, v in flags[0, 1, 2]
         cqk = check and cuda.blockIdx.y == 0  # q and k: counted by the first column block only
@@ -428,28 +476,33 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
         t_end = min(n, t_begin + seg_len)
         for t0 in range(t_begin, t_end, T):
             nt = min(T, t_end - t0)
-            # ---- stage the tile: phi(q), phi(k) (zero-padded rows), v and 1
+            # ---- stage the tile: phi(q), phi(k) (zero-padded rows), v and 1;
+            # unsigned indices (no negative-index wraparound; divisions by
+            # compile-time constants; every operand unsigned, as a signed one
+            # would make the sum a float)
+            t0u = uint32(t0)
             for idx in range(tid, nt * FP, NTH):
-                t = idx // FP
-                i = idx - t * FP
+                iu = uint32(idx)
+                t = iu // uint32(FP)
+                i = iu - t * uint32(FP)
                 xq = zero
                 xk = zero
-                if i < F:
+                if i < Fu:
                     # the feature map (ops._cuda_common.phi, inlined)
                     if write_out:
-                        xq = acc_t(q[b1, b2, t0 + t, i])
+                        xq = acc_t(q[b1, b2, t0u + t, i])
                         if cqk and not (xq - xq == zero):
                             cuda.atomic.add(flags, 0, 1)
                         xq = phi(xq, code, zero, one)
                     if update:
-                        xk = acc_t(k[b1, b2, t0 + t, i])
+                        xk = acc_t(k[b1, b2, t0u + t, i])
                         if cqk and not (xk - xk == zero):
                             cuda.atomic.add(flags, 1, 1)
                         xk = phi(xk, code, zero, one)
                 sq[t, i] = xq
                 sk[t, i] = xk
                 if PER_ROW and update:  # gate: the factor of row i (1 on padding rows, whose state is 0)
-                    sa[t, i] = math.exp(acc_t(lf[b, t0 + t, i])) if i < F else one
+                    sa[t, i] = math.exp(acc_t(lf[b, t0u + t, i])) if i < Fu else one
             if FACTORS and not PER_ROW and not DELTA and update:  # decay: one factor per token
                 for t in range(tid, nt, NTH):
                     sa[t, 0] = math.exp(acc_t(lf[b, t0 + t, 0]))
@@ -459,15 +512,17 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                     sa[t, 1] = acc_t(lf[b, t0 + t, 1])
             if update:
                 for idx in range(tid, nt * MBP, NTH):
-                    t = idx // MBP
-                    jj = idx - t * MBP
+                    iu = uint32(idx)
+                    t = iu // uint32(MBP)
+                    jj = iu - t * uint32(MBP)
                     x = zero
-                    if jj < MB:
-                        if m0 + jj < M:
-                            x = acc_t(v[b1, b2, t0 + t, m0 + jj])
+                    if jj < uint32(MB):
+                        col = m0u + jj
+                        if col < Mu:
+                            x = acc_t(v[b1, b2, t0u + t, col])
                             if check and not (x - x == zero):
                                 cuda.atomic.add(flags, 2, 1)
-                    elif jj == MB:
+                    elif jj == uint32(MB):
                         x = one
                     sv[t, jj] = x
             cuda.syncthreads()
@@ -556,23 +611,31 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                     for j in range(C):
                         part[t, tg, c0 + j] = ac[j]
             cuda.syncthreads()
-            # ---- sum the G partials per column, divide by the normaliser
-            # (part is rewritten only after the next tile's first sync)
+            # ---- the normaliser of every token (its G partials, once per
+            # token), then the G partials per value column divided by it
+            # (part is rewritten only after the next tile's first sync);
+            # unsigned indices: no wraparound, division by a constant
             if write_out:
+                for t in range(tid, nt, NTH):
+                    den = zero
+                    for g in range(G):
+                        den += part[t, g, MB]
+                    if norm == NORM_FLOOR and den < epsa:
+                        den = epsa
+                    sden[t] = den
+                cuda.syncthreads()
                 for idx in range(tid, nt * MB, NTH):
-                    t = idx // MB
-                    jj = idx - t * MB
-                    if m0 + jj < M:
+                    iu = uint32(idx)
+                    t = iu // uint32(MB)
+                    jj = iu - t * uint32(MB)
+                    col = uint32(m0) + jj  # all unsigned: a signed operand would make it a float
+                    if col < uint32(M):
                         num = zero
-                        den = zero
                         for g in range(G):
                             num += part[t, g, jj]
-                            den += part[t, g, MB]
                         if norm != NORM_NONE:  # normalize=False writes the numerator
-                            if norm == NORM_FLOOR and den < epsa:
-                                den = epsa
-                            num = num / den
-                        out[b1, b2, t0 + t, m0 + jj] = num
+                            num = num / sden[t]
+                        out[b1, b2, uint32(t0) + t, col] = num
 
         if write_state:
             for j in range(C):
@@ -864,7 +927,7 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> 
         MBP = -(-(MB + 1) // C) * C
         nthreads = threads(R, C, MB)
         factors = rule_factor_rows(rule, G * R)
-        per_token = item * (2 * G * R + MBP + G * MBP + factors)
+        per_token = item * (2 * G * R + MBP + G * MBP + 1 + factors)
         fixed = item * 2 * G * MBP if is_delta_rule(rule) else 0  # the delta rules' reduction buffer
     T = min(int(config.CUDA_TILE_TOKENS), (int(config.CUDA_SHARED_BYTES) - fixed) // per_token)
     if T < 1:

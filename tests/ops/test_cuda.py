@@ -142,6 +142,51 @@ def test_one_column_per_thread(rng, monkeypatch, method, causal):
     np.testing.assert_allclose(z, z_ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("method,causal", [("scan", True), ("chunked", True), ("aggregate", False)])
+def test_row_group_layout(rng, monkeypatch, method, causal):
+    """The row-group layout (larger D_phi and the delta rules) for the additive rule too: with
+    OWNER_MAX_ROWS = 0 every D_phi takes it (3 row groups of 2 rows, column blocks 3 + 1)."""
+    from linattn_nb.ops import _cuda_kernels as K
+
+    monkeypatch.setattr(K, "OWNER_MAX_ROWS", 0)
+    assert K.seq_config(5, 4, 4)[2] == 3
+    q, k, v = data(rng, 2, 7, 5, 4)
+    S0, z0 = rng.random((2, 5, 4)), rng.random((2, 5))
+    out, S, z = run_launcher(method, causal, q, k, v, S0, z0)
+    ref, S_ref, z_ref = reference(q, k, v, causal=causal, S0=S0, z0=z0)
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(S, S_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(z, z_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the simulator computes inf - inf
+@pytest.mark.parametrize("owner", [True, False])
+@pytest.mark.parametrize("method,causal", [("scan", True), ("chunked", True), ("aggregate", False)])
+def test_launcher_counts_nonfinite_in_the_kernel(rng, monkeypatch, method, causal, owner):
+    """check_finite=True: the sequence kernels count non-finite q, k, v while staging them (one
+    flag array, read once); every value counted once (2 column blocks, 3 chunks); the error names
+    the first argument holding one; check_finite=False raises nothing."""
+    from linattn_nb.ops import _cuda_kernels as K
+
+    if not owner:
+        monkeypatch.setattr(K, "OWNER_MAX_ROWS", 0)
+    q, k, v = data(rng, 1, 7, 3, 4)
+    q[0, 1, 2] = np.nan
+    k[0, 4, 0] = np.inf
+    k[0, 6, 1] = -np.inf
+    v[0, 5, 3] = np.nan
+    run = launcher(method, causal)
+    for arrays, msg in (((q, k, v), "q contains 1 non-finite"), ((np.ones_like(q), k, v), "k contains 2 non-finite"),
+                        ((np.ones_like(q), np.ones_like(k), v), "v contains 1 non-finite")):
+        H = state_h(np.zeros((1, 3, 4)), np.zeros((1, 3)))
+        out = nan_device((1, 7, 4), np.float32)
+        dq, dk, dv = (cuda.to_device(np.ascontiguousarray(x)) for x in arrays)
+        with pytest.raises(ValueError, match=msg):
+            run(dq, dk, dv, H, out, code=1, eps=1e-8, check_finite=True)
+        with np.errstate(invalid="ignore"):
+            run(dq, dk, dv, H, out, code=1, eps=1e-8, check_finite=False)
+
+
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 4])
 @pytest.mark.parametrize("method,causal", [("scan", True), ("chunked", True), ("aggregate", False)])
 def test_edge_lengths(rng, method, causal, n):
