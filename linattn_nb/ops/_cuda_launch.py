@@ -30,6 +30,14 @@ accumulation dtype the kernels read and write it directly; with float32 a
 cast-copy kernel moves it to and from a float32 state around :func:`scan`
 (the chunk passes read and write it in float64 anyway).
 
+``check_finite``: the plan carries three int32 counters zeroed on the
+device (:func:`finite_flags`), the kernels count the non-finite q, k, v they
+stage into them (each value by exactly one launch: ``count`` of the passes),
+and :func:`raise_nonfinite` reads them once after the launches.
+
+:func:`traffic_model` gives the modelled DRAM bytes and FLOPs of a plan (or
+of a shape and method), for ``benchmarks/gpu_static.py``.
+
 :func:`pack_state` and :func:`unpack_state` convert between the ``(S, z)``
 device arrays of a ``LinearState`` and ``H``.
 """

@@ -4,9 +4,11 @@ Runs everywhere: without a CUDA driver, tests/conftest.py switches the Numba
 CUDA simulator on, and ``device="cuda"`` runs the kernels there (slowly: the
 shapes are tiny, and the launch configuration is shrunk so that several
 blocks and partial blocks run: 3 value columns per block (+ the normaliser
-column, padded to 6 = 2 column groups of 3), 2 x 3 state tiles per thread,
-2 tokens per shared-memory tile, chunks of 3 tokens, 32 threads per helper
-block).  The simulator checks no types, so ``test_kernels_compile_to_ptx``
+column, padded to 6 = 2 column groups of 3, in the row-group layout), 2 x 3
+state tiles per thread there, 2 tokens per shared-memory tile, chunks of 3
+tokens, 32 threads per helper block).  D_phi <= 64 takes the owner layout (one
+thread per value column, all rows) for every rule but the delta rules;
+``test_row_group_layout`` forces the row-group layout on the additive rule.  The simulator checks no types, so ``test_kernels_compile_to_ptx``
 compiles every kernel for sm_90 in a subprocess with the simulator off.
 Tests marked ``gpu`` need a real GPU and skip without one.
 
@@ -460,6 +462,27 @@ def test_auto_method_selection(monkeypatch):
     assert D.select_method_cuda("auto", batch=8, n=100, **kw) == "scan"  # short: AUTO_METHODS row
     assert D.select_method_cuda("auto", batch=8, n=100, causal=False, f=64, m=64, dtype=np.float32) == "aggregate"
     assert D.select_method_cuda("scan", batch=8, n=10**6, **kw) == "scan"
+
+
+def test_traffic_model_headline(monkeypatch):
+    """traffic_model at the headline shape (B*H = 128, N = 16384, D = M = 64, float32), default
+    launch configuration: the scan reads q, k, v and writes the output once (<= 2.5 GB, FLOPs
+    within 1.5 x 4 B N D M); the three-pass chunked plan reads k and v twice."""
+    from linattn_nb.ops._cuda_launch import traffic_model
+
+    for name, value in DEFAULT_LAUNCH.items():
+        monkeypatch.setattr(config, name, value)
+    shape = (128, 16384, 64, 64)
+    io = 4 * 128 * 16384 * 64 * 4
+    scan = traffic_model(shape, method="scan")
+    assert scan["config"][2] == 1 and scan["launches"] == 3  # owner layout; cast-copies around it
+    assert io <= scan["bytes"] <= 2.5e9
+    assert 1.0 <= scan["flops_ratio"] <= 1.5
+    chunked = traffic_model(shape, method="chunked")
+    assert chunked["parts"]["k"] == 2 * scan["parts"]["k"] and chunked["bytes"] > scan["bytes"]
+    assert chunked["flops"] > scan["flops"]
+    delta = traffic_model(shape, method="chunked", rule=3)  # the delta rules run the scan
+    assert delta["method"] == "scan"
 
 
 def test_registered_cuda_methods():

@@ -19,6 +19,10 @@ F)}`` for the gate rule (float64 log-factors <= 0, ``-inf`` a reset),
 arrays are copied to the device, device arrays read in place (the delta
 rules' two inputs are first packed into one (B, N, 2) device array);
 ``normalize=False`` writes ``phi(q_t)^T S_t`` without the division;
+``check_finite=True``: the sequence kernels count the NaN/inf values of q, k,
+v while staging them and the launcher reads the three counts once after its
+launches, raising ValueError naming the first argument that held one (the
+output and ``H`` have been written by then); ``False`` adds nothing;
 ``rule``: the update-rule code (:data:`linattn_nb.ops._codes.RULES`; the
 method table binds it per rule), whose per-token and per-chunk steps are the
 hooks of :mod:`linattn_nb.ops._cuda_common`.  Any dtype mix of
