@@ -862,7 +862,11 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> 
     * **owner** (``G = 1``; rules other than the delta rules, ``F`` padded
       to whole 16-byte vectors at most :data:`OWNER_MAX_ROWS`): ``R`` = the
       padded ``F``, ``C = 1``, ``MB`` = min(M, ``config.CUDA_VALUE_COLS``,
-      :data:`MAX_SEQ_THREADS`) value columns, one thread per column.
+      :data:`MAX_SEQ_THREADS`) value columns, one thread per column.  Only
+      while a thread's registers of state, its column's ``R`` rows and its
+      ``ceil(R / MB)`` rows of the normaliser, stay within
+      :data:`MAX_TILE_WORDS` + 32 words (float64 counts two): a float64
+      ``D_phi = 64`` with one value column would spill.
     * **row groups**: ``C`` = ``config.CUDA_COLS_PER_THREAD`` and ``R`` =
       ``config.CUDA_ROWS_PER_THREAD`` the register tile of a thread; ``R`` doubled
       (up to ``config.CUDA_MAX_ROWS_PER_THREAD``) while the block would
@@ -896,7 +900,9 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> 
     MB = max(1, min(M, int(config.CUDA_VALUE_COLS)))
     words = max(1, item // 4)
     FPo = _pad_rows(F, item)
-    if not is_delta_rule(rule) and FPo <= OWNER_MAX_ROWS:
+    MBo = min(MB, max_threads)
+    owner_words = (FPo + -(-FPo // MBo)) * words  # the column's rows and the thread's rows of z
+    if not is_delta_rule(rule) and FPo <= OWNER_MAX_ROWS and owner_words <= MAX_TILE_WORDS + 32:
         R, C, G = FPo, 1, 1
         MB = min(MB, max_threads)
         MBP = MB
