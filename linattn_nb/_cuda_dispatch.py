@@ -153,12 +153,6 @@ def input_4d(x):
     return x4 if x4 is not None else view4(contiguous(x))
 
 
-def check_finite_device(name, x4):
-    """ValueError naming ``name`` when the 4-d device array ``x4`` holds NaN or inf (one count, one read)."""
-    _pool().count_nonfinite(name, x4)
-    _pool().raise_if_nonfinite()
-
-
 # ---------------------------------------------------------------------------
 # Method selection
 # ---------------------------------------------------------------------------

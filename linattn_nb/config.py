@@ -248,12 +248,14 @@ AUTO_METHODS = {
 # --------------------------------------------------------------------------
 # CUDA kernels (linattn_nb/ops/_cuda_kernels.py).  Read at every launch.
 # --------------------------------------------------------------------------
-#: Value columns per block of the sequence kernel (a block also carries one
-#: column for the normaliser: G row groups x ceil((CUDA_VALUE_COLS + 1) / C)
-#: column groups of threads).
+#: Value columns per block of the sequence kernel: one thread per column in
+#: the owner layout (D_phi <= 64, every rule but the delta rules; the
+#: normaliser split by rows across them); in the row-group layout a block
+#: also carries one column for the normaliser: G row groups x
+#: ceil((CUDA_VALUE_COLS + 1) / C) column groups of threads.
 #: Blocks over the value dimension M run side by side (grid axis y).
 CUDA_VALUE_COLS = _env_int("LINATTN_CUDA_VALUE_COLS", 64)
-#: Register tile of a thread: CUDA_ROWS_PER_THREAD state rows x
+#: Register tile of a thread in the row-group layout: CUDA_ROWS_PER_THREAD state rows x
 #: CUDA_COLS_PER_THREAD state columns (compile-time constants of the kernel).
 #: Per token a thread reads R + R + C values from shared memory for 2 R C
 #: fused multiply-adds, so C = 1 is bound by shared-memory loads at a quarter
@@ -264,7 +266,8 @@ CUDA_VALUE_COLS = _env_int("LINATTN_CUDA_VALUE_COLS", 64)
 CUDA_ROWS_PER_THREAD = _env_int("LINATTN_CUDA_ROWS_PER_THREAD", 8)
 CUDA_COLS_PER_THREAD = _env_int("LINATTN_CUDA_COLS_PER_THREAD", 4)
 CUDA_MAX_ROWS_PER_THREAD = _env_int("LINATTN_CUDA_MAX_ROWS_PER_THREAD", 64)
-#: Upper bound on threads per block of the sequence kernel.
+#: Upper bound on threads per block of the sequence kernel (the kernels cap
+#: it at 256 as well: 256 threads x 255 registers fit a block's registers).
 CUDA_MAX_THREADS = _env_int("LINATTN_CUDA_MAX_THREADS", 1024)
 #: Tokens staged through shared memory per tile (fewer when the tile would
 #: exceed CUDA_SHARED_BYTES; static shared memory is limited to 48 KiB).

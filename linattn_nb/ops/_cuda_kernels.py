@@ -21,26 +21,66 @@ launch plans of :mod:`linattn_nb.ops._cuda_launch`:
 * **query** (non-causal, phase 3): the state is fixed; every token reads it
   (``write_out`` only).
 
-Thread layout of the sequence kernel.  A block owns ``MB`` value columns
-``m0 .. m0 + MB - 1`` plus one more column for the normaliser ``z`` (a value
-column of ones), ``MB + 1`` columns padded to ``MBP``, a multiple of ``C``.
-The ``F`` feature rows of the state are split into ``G`` groups of ``R``
-consecutive rows and the columns into groups of ``C``: each thread keeps an
-``R x C`` tile of the state in registers (local arrays of compile-time size,
-fully unrolled, no local-memory traffic: checked in the PTX test).  Tokens
-are staged through shared memory in tiles of ``T`` tokens: ``phi(q)`` and
-``phi(k)`` (feature map applied while staging, in the accumulation dtype),
-``v`` and the column of ones, and, for a rule with per-token factors (decay,
-gate), the factors ``exp(log-factor)`` of the tile's tokens (one per token,
-or one per feature row).  For each token a thread reads ``R`` values of
-``phi(k)``, ``R`` of ``phi(q)`` and ``C`` of ``v`` (and its factors) from
-shared memory for ``2 R C`` fused multiply-adds (with ``C = 1`` the loads,
-one warp-wide load per clock and multiprocessor, cap the rate at a quarter
-of the fp32 peak),
-updates its tile and writes its partial ``phi(q)^T S`` for its ``C`` columns
-into shared memory; after the tile the block sums the ``G`` partials per
-column and divides by the normaliser column (``normalize=False``: writes the
-sum as it is).  Two ``syncthreads`` per tile.
+Thread layouts of the sequence kernel.  Tokens are staged through shared
+memory in tiles of ``T`` tokens: ``phi(q)`` and ``phi(k)`` (feature map
+applied while staging, in the accumulation dtype), ``v`` and, for a rule with
+per-token factors (decay, gate), the factors ``exp(log-factor)`` of the
+tile's tokens (one per token, or one per feature row).  The state stays in
+registers (local arrays of compile-time size, fully unrolled; no local-memory
+traffic, checked in the PTX tests).  Per token every state element costs two
+fused multiply-adds (the update, and its term of ``phi(q)^T S``), so what
+decides the speed is how many shared-memory loads, address computations and
+cross-thread sums a thread issues per FFMA.  Two layouts (:func:`seq_config`):
+
+* **owner** (``G == 1``; ``D_phi`` padded to whole 16-byte vectors, at most
+  :data:`OWNER_MAX_ROWS` = 64; every rule but the delta rules): a block owns
+  ``MB`` value columns ``m0 .. m0 + MB - 1`` and each thread all ``F`` rows
+  of its ``C = 1`` column, so ``phi(q)^T S`` is summed in registers and no
+  value column needs another thread.  A token's ``phi(k)`` and ``phi(q)``
+  rows start at a multiple of 16 bytes and every thread reads the same
+  address, so they load as ``LDS.128`` broadcasts: at D = M = 64, float32,
+  the causal token loop is 32 ``LDS.128`` + 3 scalar loads + 2 stores for
+  129 FFMA out of 200 SASS instructions (64%; the rest is loop control and
+  shared-window addressing), against 64 FFMA of 120 instructions plus a
+  G-way shared-memory sum per output in the row-group layout it replaces
+  there.  The normaliser ``z`` (the state of a value column of ones) is split
+  by rows instead of taking one more thread: thread ``u`` owns rows ``u, u +
+  MB, ...`` of ``z``, updates them per token (one FFMA each) and writes its
+  partial ``phi(q)^T z`` to shared memory; after the tile one pass sums the
+  ``MB`` partials of every token (once per token and tile, not per column)
+  and each thread divides its column's numerators.  130 registers x 64
+  threads: 7 blocks, 14 warps per multiprocessor (registers), and ``T`` is
+  chosen so shared memory allows :data:`TARGET_WARPS`; three
+  ``syncthreads`` per tile.
+* **row groups** (larger ``D_phi``, the delta rules): the block's ``MB``
+  value columns plus the normaliser column, ``MB + 1`` padded to ``MBP``
+  (a multiple of ``C``), are split into groups of ``C`` columns and the
+  ``F`` rows into ``G`` groups of ``R``; each thread keeps an ``R x C``
+  tile.  Per token a thread reads ``R`` values of ``phi(k)`` and of
+  ``phi(q)`` (``LDS.128``: ``R`` and its first row are multiples of 4) and
+  ``C`` of ``v`` for ``2 R C`` FFMA (128 of 160 instructions at R = 16,
+  C = 4, D_phi = 128), and writes its partial ``phi(q)^T S`` for its ``C``
+  columns to shared memory; after the tile the normaliser of every token is
+  summed once and the ``G`` partials of every value column are summed and
+  divided by it.
+
+Both layouts have at most :data:`MAX_SEQ_THREADS` = 256 threads, so
+registers x threads stays within the 65,536 registers of a block however
+many registers (at most 255) ptxas gives a thread, and the row-group tile is
+kept to :data:`MAX_TILE_WORDS` registers (``C`` halved for float64), so no
+configuration up to ``config.CUDA_MAX_FEATURES`` fails to launch.  Static
+shared memory stays within ``config.CUDA_SHARED_BYTES`` (48 KiB is the
+static limit).  Indices into shared memory and the staging loops are
+unsigned (``uint32``): Numba wraps negative signed indices (a compare and a
+select per access) and divides signed 64-bit integers slowly; a token index
+is assumed below 2^32.
+
+Finiteness check: the kernels take ``flags``, an int32 device array.  Of
+shape (3,) (``check_finite=True``), the staging counts every NaN or inf of
+q, k, v into words 0, 1, 2 (an atomic add, on non-finite values only; q and
+k by the first column block only, so each value counts once); of shape (1,)
+nothing is counted.  The launcher reads the three words once after its
+launches (:func:`linattn_nb.ops._cuda_launch.raise_nonfinite`).
 
 Row feature maps (``code`` 4, L2, and 5, SiLU then L2): the staged ``phi(q)``
 and ``phi(k)`` rows hold the elementwise half of the map; one more pass over
@@ -48,7 +88,7 @@ the tile divides each row by its norm
 (:func:`linattn_nb.ops._cuda_common.l2_normalize_row`, one thread per row,
 float64 norm, a zero row stays zero), and one more ``syncthreads``.
 
-Delta rules (delta, gated delta): before a token changes column ``m`` of
+Delta rules (delta, gated delta; row-group layout): before a token changes column ``m`` of
 the state, the column must be read at the token's key, ``u_m = k^T H[:, m]``,
 a sum over all ``F`` rows, which the ``G`` row groups hold between them.
 Each thread writes its ``R``-row partial sums for its ``C`` columns to shared
@@ -83,7 +123,7 @@ import math
 
 import numpy as np
 from numba import config as _nbconfig
-from numba import cuda, float32, float64
+from numba import cuda, float32, float64, uint32
 
 from .. import config
 from ._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, RULE_GATE, RULE_GATED_DELTA
@@ -103,22 +143,237 @@ _ACC_TYPES = {"float32": float32, "float64": float64}
 _SEQ_KERNELS: dict = {}
 
 
+def _owner_kernel(R, C, MB, T, acc, rule):
+    """The owner layout (``G == 1``): see the module docstring."""
+    acc_t = _ACC_TYPES[acc]
+    FP = R  # padded feature rows, all owned by every thread
+    MBP = -(-MB // C) * C  # value columns, padded (the normaliser is split by rows)
+    NTH = MBP // C  # threads per block
+    ZR = -(-FP // NTH)  # normaliser rows per thread: rows tid, tid + NTH, ...
+    RC = R * C
+    zero = acc_t(0.0)
+    one = acc_t(1.0)
+    FACTORS = rule_factor_rows(rule, FP) > 0
+    PER_ROW = rule == RULE_GATE
+    SAT = T if FACTORS else 1
+    SAW = FP if PER_ROW else 1
+
+    @cuda.jit(cache=_CACHE)
+    def kernel(q, k, v, out, H, Hout, lf, n, seg_len, nseg_per_b, state_div, b2n,
+               code, eps, norm, read_state, update, write_out, write_state, flags):
+        sq = cuda.shared.array((T, FP), acc_t)
+        sk = cuda.shared.array((T, FP), acc_t)
+        sv = cuda.shared.array((T, MBP), acc_t)
+        sa = cuda.shared.array((SAT, SAW), acc_t)
+        num = cuda.shared.array((T, MBP), acc_t)  # phi(q)^T S per token and column
+        dp = cuda.shared.array((T, NTH), acc_t)  # partial phi(q)^T z per token and thread
+        den = cuda.shared.array(T, acc_t)
+        st = cuda.local.array(RC, acc_t)  # st[r * C + j]: row r, column c0 + j
+        zt = cuda.local.array(ZR, acc_t)  # z[tid + u * NTH]
+        vt = cuda.local.array(C, acc_t)
+        ac = cuda.local.array(C, acc_t)
+
+        F = q.shape[3]
+        M = v.shape[3]
+        tid = cuda.threadIdx.x
+        c0 = tid * C
+        seg = cuda.blockIdx.x
+        b = seg // nseg_per_b
+        c = seg - b * nseg_per_b
+        b1 = b // b2n
+        b2 = b - b1 * b2n
+        sidx = seg // state_div
+        m0 = cuda.blockIdx.y * MB
+        epsa = acc_t(eps)
+        qb = q[b1, b2]  # (N, F) views of the batch entry: the staging indexes two axes
+        kb = k[b1, b2]
+        vb = v[b1, b2]
+        ob = out[b1, b2]
+        check = flags.shape[0] > 1  # check_finite: count non-finite q, k, v in flags[0, 1, 2]
+        cqk = check and cuda.blockIdx.y == 0  # q and k: counted by the first column block only
+
+        for j in range(C):
+            ok = read_state and c0 + j < MB and m0 + c0 + j < M
+            for r in range(R):
+                x = zero
+                if ok and r < F:
+                    x = acc_t(H[sidx, r, m0 + c0 + j])
+                st[r * C + j] = x
+        for u in range(ZR):
+            i = tid + u * NTH
+            x = zero
+            if read_state and i < F:
+                x = acc_t(H[sidx, i, M])
+            zt[u] = x
+
+        t_begin = c * seg_len
+        t_end = min(n, t_begin + seg_len)
+        for t0 in range(t_begin, t_end, T):
+            nt = min(T, t_end - t0)
+            # ---- stage phi(q), phi(k) (zero-padded rows), v, the factors: a
+            # thread stages one feature row (value column) of every token of
+            # the tile, so a warp reads consecutive addresses; unsigned
+            # indices (no negative-index wraparound, a token index < 2^32)
+            for i in range(tid, FP, NTH):
+                iu = uint32(i)
+                live = i < F
+                for t in range(nt):
+                    tu = uint32(t)
+                    tok = uint32(t0 + t)
+                    xq = zero
+                    xk = zero
+                    if live:
+                        if write_out:
+                            xq = acc_t(qb[tok, iu])
+                            if cqk and not (xq - xq == zero):
+                                cuda.atomic.add(flags, 0, 1)
+                            xq = phi(xq, code, zero, one)
+                        if update:
+                            xk = acc_t(kb[tok, iu])
+                            if cqk and not (xk - xk == zero):
+                                cuda.atomic.add(flags, 1, 1)
+                            xk = phi(xk, code, zero, one)
+                    sq[tu, iu] = xq
+                    sk[tu, iu] = xk
+                    if PER_ROW and update:
+                        sa[tu, iu] = math.exp(acc_t(lf[b, tok, iu])) if live else one
+            if FACTORS and not PER_ROW and update:
+                for t in range(tid, nt, NTH):
+                    sa[uint32(t), 0] = math.exp(acc_t(lf[b, uint32(t0 + t), 0]))
+            if update:
+                for jj in range(tid, MBP, NTH):
+                    ju = uint32(m0 + jj)
+                    live = jj < MB and m0 + jj < M
+                    for t in range(nt):
+                        x = zero
+                        if live:
+                            x = acc_t(vb[uint32(t0 + t), ju])
+                            if check and not (x - x == zero):
+                                cuda.atomic.add(flags, 2, 1)
+                        sv[uint32(t), uint32(jj)] = x
+            cuda.syncthreads()
+            if is_row_map(code):
+                for idx in range(tid, 2 * nt, NTH):
+                    t = idx >> 1
+                    if idx & 1:
+                        if update:
+                            l2_normalize_row(sk, t, F)
+                    elif write_out:
+                        l2_normalize_row(sq, t, F)
+                cuda.syncthreads()
+            # ---- per token: the thread's C columns over all rows, in registers
+            if update and write_out:
+                for tt in range(nt):
+                    t = uint32(tt)  # unsigned: no negative-index wraparound in the addressing
+                    for j in range(C):
+                        vt[j] = sv[t, c0 + j]
+                        ac[j] = zero
+                    ft = sa[t if FACTORS else 0, 0]
+                    for r in range(R):
+                        kr = sk[t, r]
+                        qr = sq[t, r]
+                        fr = sa[t, r] if PER_ROW else ft
+                        for j in range(C):
+                            s = token_update(rule, st[r * C + j], kr, vt[j], fr)
+                            st[r * C + j] = s
+                            ac[j] += qr * s
+                    for j in range(C):
+                        num[t, c0 + j] = ac[j]
+                    d = zero
+                    for u in range(ZR):
+                        i = tid + u * NTH
+                        if i < FP:
+                            s = token_update(rule, zt[u], sk[t, i], one, sa[t, i] if PER_ROW else ft)
+                            zt[u] = s
+                            d += sq[t, i] * s
+                    dp[t, tid] = d
+            elif update:
+                for t in range(nt):
+                    for j in range(C):
+                        vt[j] = sv[t, c0 + j]
+                    ft = sa[t if FACTORS else 0, 0]
+                    for r in range(R):
+                        kr = sk[t, r]
+                        fr = sa[t, r] if PER_ROW else ft
+                        for j in range(C):
+                            st[r * C + j] = token_update(rule, st[r * C + j], kr, vt[j], fr)
+                    for u in range(ZR):
+                        i = tid + u * NTH
+                        if i < FP:
+                            zt[u] = token_update(rule, zt[u], sk[t, i], one, sa[t, i] if PER_ROW else ft)
+            elif write_out:
+                for t in range(nt):
+                    for j in range(C):
+                        ac[j] = zero
+                    for r in range(R):
+                        qr = sq[t, r]
+                        for j in range(C):
+                            ac[j] += qr * st[r * C + j]
+                    for j in range(C):
+                        num[t, c0 + j] = ac[j]
+                    d = zero
+                    for u in range(ZR):
+                        i = tid + u * NTH
+                        if i < FP:
+                            d += sq[t, i] * zt[u]
+                    dp[t, tid] = d
+            if write_out:
+                cuda.syncthreads()
+                # ---- the normaliser of every token: the NTH partials, once per tile
+                for t in range(tid, nt, NTH):
+                    x = zero
+                    for u in range(NTH):
+                        x += dp[t, u]
+                    if norm == NORM_FLOOR and x < epsa:
+                        x = epsa
+                    den[t] = x
+                cuda.syncthreads()
+                for j in range(C):
+                    jj = c0 + j
+                    if jj < MB and m0 + jj < M:
+                        ju = uint32(m0 + jj)
+                        for t in range(nt):
+                            x = num[uint32(t), jj]
+                            if norm != NORM_NONE:
+                                x = x / den[uint32(t)]
+                            ob[uint32(t0 + t), ju] = x
+            else:
+                cuda.syncthreads()
+
+        if write_state:
+            for j in range(C):
+                jj = c0 + j
+                if jj < MB and m0 + jj < M:
+                    for r in range(R):
+                        if r < F:
+                            Hout[sidx, r, m0 + jj] = st[r * C + j]
+            if cuda.blockIdx.y == 0:  # the normaliser column: the first column block only
+                for u in range(ZR):
+                    i = tid + u * NTH
+                    if i < F:
+                        Hout[sidx, i, M] = zt[u]
+
+    return kernel
+
+
 def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RULE_ADDITIVE):
     """The sequence kernel specialised on its compile-time constants.
 
     ``R`` x ``C``: state rows x state columns per thread (a register tile);
-    ``G``: row groups (``G R >= F``); ``MB``: value columns per block; ``T``:
+    ``G``: row groups (``G R >= F``; ``G == 1`` is the owner layout of the
+    module docstring for every rule but the delta rules); ``MB``: value columns per block; ``T``:
     tokens per shared-memory tile; ``acc``: accumulation dtype name;
     ``rule``: update-rule code, whose per-token step is
     :func:`linattn_nb.ops._cuda_common.token_update` (a constant here, so the
     hook's branch is resolved at compile time, and the staging of per-token
     factors is compiled into the kernels of rules that have them only).  The
     block's ``MB + 1`` columns (values, then the normaliser) are padded to
-    ``MBP``, a multiple of ``C``.  Launch with ``grid=(n_segments,
-    n_column_blocks)``, ``block=G * MBP // C`` threads (:func:`seq_config`)::
+    ``MBP``, a multiple of ``C`` (row groups; the owner layout splits the
+    normaliser by rows).  Launch with ``grid=(n_segments, n_column_blocks)``,
+    ``block=`` :func:`threads_per_block` threads (:func:`seq_config`)::
 
         kernel(q, k, v, out, H, Hout, lf, n, seg_len, nseg_per_b, state_div, b2n,
-               code, eps, norm, read_state, update, write_out, write_state)
+               code, eps, norm, read_state, update, write_out, write_state, flags)
 
     q, k : (B1, B2, N, F); v, out : (B1, B2, N, M), any strides; batch entry
     ``b = b1 * B2 + b2`` (``b2n`` = B2).  Segment ``s = blockIdx.x`` is chunk
@@ -136,7 +391,9 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
     float64 array).  ``code``: the feature map (:mod:`linattn_nb.ops._codes`;
     codes 4 and 5 normalise the staged rows).  ``norm``: ``NORM_RAW``, ``NORM_FLOOR``
     (the normaliser floored at ``eps``) or ``NORM_NONE`` (no division) of
-    :mod:`linattn_nb.ops._codes`.
+    :mod:`linattn_nb.ops._codes`.  ``flags``: int32, shape (3,) to count the
+    non-finite q, k, v values the launch stages (module docstring), (1,) for
+    no check.
     """
     key = (int(R), int(C), int(G), int(MB), int(T), str(acc), int(rule))
     kern = _SEQ_KERNELS.get(key)
@@ -144,6 +401,9 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
         return kern
     R, C, G, MB, T = key[:5]
     rule = key[6]
+    if G == 1 and not is_delta_rule(rule):
+        kern = _SEQ_KERNELS[key] = _owner_kernel(R, C, MB, T, acc, rule)
+        return kern
     acc_t = _ACC_TYPES[acc]
     FP = G * R  # padded feature rows
     MBP = -(-(MB + 1) // C) * C  # value columns + normaliser column, padded
@@ -167,12 +427,13 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
 
     @cuda.jit(cache=_CACHE)
     def kernel(q, k, v, out, H, Hout, lf, n, seg_len, nseg_per_b, state_div, b2n,
-               code, eps, norm, read_state, update, write_out, write_state):
+               code, eps, norm, read_state, update, write_out, write_state, flags):
         sq = cuda.shared.array((T, FP), acc_t)
         sk = cuda.shared.array((T, FP), acc_t)
         sv = cuda.shared.array((T, MBP), acc_t)
         sa = cuda.shared.array((SAT, SAW), acc_t)  # the tokens' factors exp(log-factor)
         part = cuda.shared.array((T, G, MBP), acc_t)
+        sden = cuda.shared.array(T, acc_t)  # the normaliser of every token of the tile
         pu = cuda.shared.array(PU, acc_t)  # delta rules: partial k^T H per (token parity, row group, column)
         st = cuda.local.array(RC, acc_t)  # st[r * C + j]: row row0 + r, column c0 + j
         vt = cuda.local.array(C, acc_t)
@@ -191,8 +452,13 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
         b2 = b - b1 * b2n
         sidx = seg // state_div
         m0 = cuda.blockIdx.y * MB
-        row0 = tg * R
+        row0 = uint32(tg * R)  # unsigned: no wraparound, and the compiler sees its alignment
+        Fu = uint32(F)
+        Mu = uint32(M)
+        m0u = uint32(m0)
         epsa = acc_t(eps)
+        check = flags.shape[0] > 1  # check_finite: count non-finite q, k, v in flags[0, 1, 2]
+        cqk = check and cuda.blockIdx.y == 0  # q and k: counted by the first column block only
 
         # block column j < MB is value column m0 + j, j == MB the normaliser
         # (state column M), j > MB padding
@@ -210,22 +476,33 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
         t_end = min(n, t_begin + seg_len)
         for t0 in range(t_begin, t_end, T):
             nt = min(T, t_end - t0)
-            # ---- stage the tile: phi(q), phi(k) (zero-padded rows), v and 1
+            # ---- stage the tile: phi(q), phi(k) (zero-padded rows), v and 1;
+            # unsigned indices (no negative-index wraparound; divisions by
+            # compile-time constants; every operand unsigned, as a signed one
+            # would make the sum a float)
+            t0u = uint32(t0)
             for idx in range(tid, nt * FP, NTH):
-                t = idx // FP
-                i = idx - t * FP
+                iu = uint32(idx)
+                t = iu // uint32(FP)
+                i = iu - t * uint32(FP)
                 xq = zero
                 xk = zero
-                if i < F:
+                if i < Fu:
                     # the feature map (ops._cuda_common.phi, inlined)
                     if write_out:
-                        xq = phi(acc_t(q[b1, b2, t0 + t, i]), code, zero, one)
+                        xq = acc_t(q[b1, b2, t0u + t, i])
+                        if cqk and not (xq - xq == zero):
+                            cuda.atomic.add(flags, 0, 1)
+                        xq = phi(xq, code, zero, one)
                     if update:
-                        xk = phi(acc_t(k[b1, b2, t0 + t, i]), code, zero, one)
+                        xk = acc_t(k[b1, b2, t0u + t, i])
+                        if cqk and not (xk - xk == zero):
+                            cuda.atomic.add(flags, 1, 1)
+                        xk = phi(xk, code, zero, one)
                 sq[t, i] = xq
                 sk[t, i] = xk
                 if PER_ROW and update:  # gate: the factor of row i (1 on padding rows, whose state is 0)
-                    sa[t, i] = math.exp(acc_t(lf[b, t0 + t, i])) if i < F else one
+                    sa[t, i] = math.exp(acc_t(lf[b, t0u + t, i])) if i < Fu else one
             if FACTORS and not PER_ROW and not DELTA and update:  # decay: one factor per token
                 for t in range(tid, nt, NTH):
                     sa[t, 0] = math.exp(acc_t(lf[b, t0 + t, 0]))
@@ -235,13 +512,17 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                     sa[t, 1] = acc_t(lf[b, t0 + t, 1])
             if update:
                 for idx in range(tid, nt * MBP, NTH):
-                    t = idx // MBP
-                    jj = idx - t * MBP
+                    iu = uint32(idx)
+                    t = iu // uint32(MBP)
+                    jj = iu - t * uint32(MBP)
                     x = zero
-                    if jj < MB:
-                        if m0 + jj < M:
-                            x = acc_t(v[b1, b2, t0 + t, m0 + jj])
-                    elif jj == MB:
+                    if jj < uint32(MB):
+                        col = m0u + jj
+                        if col < Mu:
+                            x = acc_t(v[b1, b2, t0u + t, col])
+                            if check and not (x - x == zero):
+                                cuda.atomic.add(flags, 2, 1)
+                    elif jj == uint32(MB):
                         x = one
                     sv[t, jj] = x
             cuda.syncthreads()
@@ -293,7 +574,8 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                         for j in range(C):
                             part[t, tg, c0 + j] = ac[j]
             elif update and write_out:
-                for t in range(nt):
+                for tt in range(nt):
+                    t = uint32(tt)
                     for j in range(C):
                         vt[j] = sv[t, c0 + j]
                         ac[j] = zero
@@ -329,23 +611,31 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                     for j in range(C):
                         part[t, tg, c0 + j] = ac[j]
             cuda.syncthreads()
-            # ---- sum the G partials per column, divide by the normaliser
-            # (part is rewritten only after the next tile's first sync)
+            # ---- the normaliser of every token (its G partials, once per
+            # token), then the G partials per value column divided by it
+            # (part is rewritten only after the next tile's first sync);
+            # unsigned indices: no wraparound, division by a constant
             if write_out:
+                for t in range(tid, nt, NTH):
+                    den = zero
+                    for g in range(G):
+                        den += part[t, g, MB]
+                    if norm == NORM_FLOOR and den < epsa:
+                        den = epsa
+                    sden[t] = den
+                cuda.syncthreads()
                 for idx in range(tid, nt * MB, NTH):
-                    t = idx // MB
-                    jj = idx - t * MB
-                    if m0 + jj < M:
+                    iu = uint32(idx)
+                    t = iu // uint32(MB)
+                    jj = iu - t * uint32(MB)
+                    col = uint32(m0) + jj  # all unsigned: a signed operand would make it a float
+                    if col < uint32(M):
                         num = zero
-                        den = zero
                         for g in range(G):
                             num += part[t, g, jj]
-                            den += part[t, g, MB]
                         if norm != NORM_NONE:  # normalize=False writes the numerator
-                            if norm == NORM_FLOOR and den < epsa:
-                                den = epsa
-                            num = num / den
-                        out[b1, b2, t0 + t, m0 + jj] = num
+                            num = num / sden[t]
+                        out[b1, b2, uint32(t0) + t, col] = num
 
         if write_state:
             for j in range(C):
@@ -531,19 +821,60 @@ def helper_grid(total: int) -> tuple[int, int]:
     return blocks, tpb
 
 
+#: Largest padded feature dimension of the owner layout (``G = 1``, every
+#: thread holds all feature rows of its value columns); larger ``D_phi``, and
+#: the delta rules, use row groups.
+OWNER_MAX_ROWS = 64
+#: Threads per block of the sequence kernel at most: 256 threads x 255
+#: registers (the most ptxas gives a thread) fit the 65,536 registers of a
+#: block, so every configuration launches whatever ptxas allocates.
+MAX_SEQ_THREADS = 256
+#: State words (32-bit registers) per thread at most in the row-group layout:
+#: the register tile plus loads and addresses stay under 255 registers
+#: without spilling (float64 takes two words per element).
+MAX_TILE_WORDS = 128
+#: Shared memory per multiprocessor on sm_90 (228 KiB; 1 KiB of it is
+#: reserved per resident block), for the occupancy target of the tile size.
+SM_SHARED_BYTES = 233472
+#: Resident warps per multiprocessor the tile size aims at (shared memory
+#: permitting): enough to hide the shared-memory and FFMA latencies.
+TARGET_WARPS = 16
+
+
+def _pad_rows(F: int, acc_itemsize: int) -> int:
+    """Feature rows padded so that one token's row is whole 16-byte vectors (LDS.128 broadcasts)."""
+    per = max(1, 16 // int(acc_itemsize))
+    return -(-int(F) // per) * per
+
+
 def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> tuple[int, int, int, int, int]:
     """Choose ``(R, C, G, MB, T)`` for feature dimension ``F``, value dimension ``M``.
 
-    ``MB`` = min(M, ``config.CUDA_VALUE_COLS``) value columns per block;
-    ``C`` = ``config.CUDA_COLS_PER_THREAD`` and ``R`` =
-    ``config.CUDA_ROWS_PER_THREAD`` the register tile of a thread, ``R``
-    doubled (up to ``config.CUDA_MAX_ROWS_PER_THREAD``) and then ``MB`` halved
-    while the block would exceed ``config.CUDA_MAX_THREADS`` threads; ``T``
-    tokens per shared-memory tile, at most ``config.CUDA_TILE_TOKENS``,
-    within ``config.CUDA_SHARED_BYTES`` (a rule with per-token factors,
-    ``rule``, stages them too: one more value per token, or one per padded
-    feature row; the delta rules stage two values per token and keep a
-    reduction buffer of ``2 G MBP`` values).
+    Two layouts (module docstring):
+
+    * **owner** (``G = 1``; rules other than the delta rules, ``F`` padded
+      to whole 16-byte vectors at most :data:`OWNER_MAX_ROWS`): ``R`` = the
+      padded ``F``, ``C = 1``, ``MB`` = min(M, ``config.CUDA_VALUE_COLS``,
+      :data:`MAX_SEQ_THREADS`) value columns, one thread per column.  Only
+      while a thread's registers of state, its column's ``R`` rows and its
+      ``ceil(R / MB)`` rows of the normaliser, stay within
+      :data:`MAX_TILE_WORDS` + 32 words (float64 counts two): a float64
+      ``D_phi = 64`` with one value column would spill.
+    * **row groups**: ``C`` = ``config.CUDA_COLS_PER_THREAD`` and ``R`` =
+      ``config.CUDA_ROWS_PER_THREAD`` the register tile of a thread; ``R`` doubled
+      (up to ``config.CUDA_MAX_ROWS_PER_THREAD``) while the block would
+      exceed min(``config.CUDA_MAX_THREADS``, :data:`MAX_SEQ_THREADS`)
+      threads, ``C`` halved while the tile exceeds :data:`MAX_TILE_WORDS`
+      registers, then ``MB`` halved until the block fits.
+
+    ``T`` tokens per shared-memory tile: at most ``config.CUDA_TILE_TOKENS``,
+    within ``config.CUDA_SHARED_BYTES`` (static shared memory, at most 48 KiB)
+    and, down to 8 tokens, small enough for :data:`TARGET_WARPS` resident warps
+    per multiprocessor.  A rule with per-token factors (``rule``) stages them
+    too: one more value per token, or one per padded feature row; the delta
+    rules stage two values per token and keep a reduction buffer of
+    ``2 G MBP`` values.  Every configuration has at most
+    :data:`MAX_SEQ_THREADS` threads, so registers x threads <= 65,536.
 
     Raises
     ------
@@ -552,46 +883,69 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> 
     """
     F = int(F)
     M = int(M)
+    item = int(acc_itemsize)
     if F > int(config.CUDA_MAX_FEATURES):
         raise ValueError(
             f"the CUDA kernels support a feature dimension D_phi up to config.CUDA_MAX_FEATURES="
             f"{config.CUDA_MAX_FEATURES}, got {F}; use device='cpu' for larger feature maps"
         )
-    max_threads = max(2, int(config.CUDA_MAX_THREADS))
+    max_threads = max(2, min(int(config.CUDA_MAX_THREADS), MAX_SEQ_THREADS))
     MB = max(1, min(M, int(config.CUDA_VALUE_COLS)))
-    C = max(1, int(config.CUDA_COLS_PER_THREAD))
-    R = max(1, int(config.CUDA_ROWS_PER_THREAD))
-    r_max = max(R, int(config.CUDA_MAX_ROWS_PER_THREAD))
+    words = max(1, item // 4)
+    FPo = _pad_rows(F, item)
+    MBo = min(MB, max_threads)
+    owner_words = (FPo + -(-FPo // MBo)) * words  # the column's rows and the thread's rows of z
+    if not is_delta_rule(rule) and FPo <= OWNER_MAX_ROWS and owner_words <= MAX_TILE_WORDS + 32:
+        R, C, G = FPo, 1, 1
+        MB = min(MB, max_threads)
+        MBP = MB
+        nthreads = MB
+        factors = rule_factor_rows(rule, FPo)
+        per_token = item * (2 * FPo + 2 * MBP + nthreads + 1 + factors)
+        fixed = 0
+    else:
+        C = max(1, int(config.CUDA_COLS_PER_THREAD))
+        R = max(1, int(config.CUDA_ROWS_PER_THREAD))
+        r_max = max(R, int(config.CUDA_MAX_ROWS_PER_THREAD))
 
-    def threads(R, MB):
-        return -(-F // R) * (-(-(MB + 1) // C))
+        def threads(R, C, MB):
+            return -(-F // R) * (-(-(MB + 1) // C))
 
-    while threads(R, MB) > max_threads and R < r_max:
-        R = min(2 * R, r_max)
-    while threads(R, MB) > max_threads and MB > 1:
-        MB = max(1, MB // 2)
-    G = -(-F // R)
-    if threads(R, MB) > max_threads:
-        raise ValueError(
-            f"no CUDA launch configuration for D_phi={F}: {G} row groups of {R} rows exceed "
-            f"config.CUDA_MAX_THREADS={max_threads} threads per block; raise "
-            "config.CUDA_MAX_ROWS_PER_THREAD or use device='cpu'"
-        )
-    MBP = -(-(MB + 1) // C) * C
-    factors = rule_factor_rows(rule, G * R)
-    per_token = int(acc_itemsize) * (2 * G * R + MBP + G * MBP + factors)
-    fixed = int(acc_itemsize) * 2 * G * MBP if is_delta_rule(rule) else 0  # the delta rules' reduction buffer
+        while threads(R, C, MB) > max_threads and R < r_max:
+            R = min(2 * R, r_max)
+        while R * C * words > MAX_TILE_WORDS and C > 1:
+            C //= 2
+        while threads(R, C, MB) > max_threads and MB > 1:
+            MB = max(1, MB // 2)
+        G = -(-F // R)
+        if threads(R, C, MB) > max_threads:
+            raise ValueError(
+                f"no CUDA launch configuration for D_phi={F}: {G} row groups of {R} rows exceed "
+                f"{max_threads} threads per block; raise config.CUDA_MAX_ROWS_PER_THREAD or use device='cpu'"
+            )
+        MBP = -(-(MB + 1) // C) * C
+        nthreads = threads(R, C, MB)
+        factors = rule_factor_rows(rule, G * R)
+        per_token = item * (2 * G * R + MBP + G * MBP + 1 + factors)
+        fixed = item * 2 * G * MBP if is_delta_rule(rule) else 0  # the delta rules' reduction buffer
     T = min(int(config.CUDA_TILE_TOKENS), (int(config.CUDA_SHARED_BYTES) - fixed) // per_token)
     if T < 1:
         raise ValueError(
             f"D_phi={F}, M={M}: one token needs {per_token} bytes of shared memory, more than "
             f"config.CUDA_SHARED_BYTES={config.CUDA_SHARED_BYTES}; use device='cpu'"
         )
+    warps = -(-nthreads // 32)
+    blocks = -(-TARGET_WARPS // warps)
+    t_occ = (SM_SHARED_BYTES // blocks - 1024 - fixed) // per_token
+    T = max(min(T, 8), min(T, t_occ))
     return R, C, G, MB, T
 
 
-def threads_per_block(R: int, C: int, G: int, MB: int) -> int:
-    """Threads per block of :func:`seq_kernel` for a configuration."""
+def threads_per_block(R: int, C: int, G: int, MB: int, rule: int = RULE_ADDITIVE) -> int:
+    """Threads per block of :func:`seq_kernel` for a configuration (``rule``: the owner layout
+    is ``G == 1`` for rules other than the delta rules)."""
+    if G == 1 and not is_delta_rule(rule):
+        return -(-MB // C)
     return G * (-(-(MB + 1) // C))
 
 

@@ -30,6 +30,14 @@ accumulation dtype the kernels read and write it directly; with float32 a
 cast-copy kernel moves it to and from a float32 state around :func:`scan`
 (the chunk passes read and write it in float64 anyway).
 
+``check_finite``: the plan carries three int32 counters zeroed on the
+device (:func:`finite_flags`), the kernels count the non-finite q, k, v they
+stage into them (each value by exactly one launch: ``count`` of the passes),
+and :func:`raise_nonfinite` reads them once after the launches.
+
+:func:`traffic_model` gives the modelled DRAM bytes and FLOPs of a plan (or
+of a shape and method), for ``benchmarks/gpu_static.py``.
+
 :func:`pack_state` and :func:`unpack_state` convert between the ``(S, z)``
 device arrays of a ``LinearState`` and ``H``.
 """
@@ -71,6 +79,11 @@ class SeqPlan:
     lf
         (B, N, W) float64 device array of the rule's per-token log-factors
         (:func:`rule_factors`), a (1, 1, 1) placeholder for a rule without.
+    flags
+        int32 device array the kernels receive: shape (1,) (never written)
+        without a finiteness check, (3,) zeroed on the device with one
+        (:func:`with_check`): the kernels set word 0, 1, 2 on a non-finite
+        q, k, v value they stage.
     """
 
     q: object
@@ -90,6 +103,7 @@ class SeqPlan:
     chunks: int
     rule: int
     lf: object
+    flags: object = None
 
     @property
     def empty(self) -> bool:
@@ -97,41 +111,44 @@ class SeqPlan:
         return self.N == 0 or self.B == 0
 
 
-def count_nonfinite(x4) -> int:
-    """Number of NaN/inf entries of a 4-d device array (one counting kernel, one read back)."""
-    counter = cuda.to_device(np.zeros(1, dtype=np.int64))
-    K.count_nonfinite_kernel[K.helper_grid(x4.size)](x4, counter)
-    return int(counter.copy_to_host()[0])
+_NO_FLAGS: dict = {}
 
 
-def check_finite_device(name, x4) -> None:
-    """ValueError naming ``name`` when the 4-d device array ``x4`` holds NaN or inf."""
-    if x4.size == 0:
-        return
-    bad = count_nonfinite(x4)
-    if bad:
-        raise ValueError(
-            f"{name} contains {bad} non-finite value(s) (NaN or inf); "
-            "pass check_finite=False to skip this check"
-        )
+def _no_flags():
+    """The (1,) int32 device array passed as ``flags`` without a finiteness check (never written;
+    one per device, allocated once)."""
+    try:
+        key = cuda.get_current_device().id
+    except Exception:  # the simulator
+        key = None
+    arr = _NO_FLAGS.get(key)
+    if arr is None:
+        arr = _NO_FLAGS[key] = cuda.device_array(1, dtype=np.int32)
+    return arr
 
 
-def check_inputs(q, k, v, check_finite: bool) -> None:
-    """``check_finite=True``: ValueError naming the first of q, k, v holding NaN or inf.
-
-    One counting kernel per input before the launch (results are not checked
-    on the GPU), into the pooled counters of :mod:`linattn_nb.ops._cuda_pool`,
-    read back once (with the counts of a packed initial state).  Inputs are
-    (B, N, ·) or 4-d (B1, B2, N, ·) device arrays.
-    """
+def finite_flags(check_finite: bool):
+    """The sequence kernels' ``flags``: for ``check_finite`` the calling thread's pooled int32
+    counters (:func:`linattn_nb.ops._cuda_pool.counters`: slots 0, 1, 2 count q, k, v, then a
+    packed initial state's S and z; zero between calls, no allocation or host copy), else the
+    shared never-written placeholder."""
     if not check_finite:
+        return _no_flags()
+    return P.counters()
+
+
+def raise_nonfinite(p) -> None:
+    """After the launches of plan ``p``: one device-to-host read of its finiteness counters
+    (only when the plan was made with ``check_finite=True``) and a ValueError naming the first
+    of q, k, v that held NaN or inf.
+
+    The counters are set by the sequence kernels while they stage the inputs
+    (:func:`linattn_nb.ops._cuda_kernels.seq_kernel`), so the outputs and the
+    state have already been written when this raises.
+    """
+    if p.flags is None or p.flags.shape[0] < 3:
         return
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        x4 = K.as_4d(x) if len(x.shape) != 4 else x
-        if x4 is None:
-            raise ValueError(f"{name}: the leading dimensions of shape {tuple(x.shape)} cannot be merged")
-        P.count_nonfinite(name, x4)
-    P.raise_if_nonfinite()
+    P.raise_if_nonfinite()  # one read, with the counts of a packed initial state; zeroes them again
 
 
 def chunk_length(chunk_size) -> int:
@@ -226,14 +243,16 @@ def _delta_inputs(rule, inputs, B, N):
     return dst
 
 
-def plan(q, k, v, H, out, *, rule=RULE_ADDITIVE, inputs=None, chunk=None) -> SeqPlan:
+def plan(q, k, v, H, out, *, rule=RULE_ADDITIVE, inputs=None, chunk=None, check_finite=False) -> SeqPlan:
     """Check the launcher arguments and lay out the launch.
 
     ``chunk`` None plans a scan (one chunk per sequence); otherwise
     sequences are cut into chunks of ``chunk`` tokens (see :func:`chunk_length`).
     ``rule``: update-rule code (:data:`linattn_nb.ops._codes.RULES`);
     ``inputs`` must hold exactly its per-token inputs (host or device
-    arrays, see :func:`rule_factors`).
+    arrays, see :func:`rule_factors`).  ``check_finite``: the kernels count
+    non-finite q, k, v values on the device (:func:`finite_flags`); call
+    :func:`raise_nonfinite` after the launches.
 
     Raises
     ------
@@ -274,16 +293,21 @@ def plan(q, k, v, H, out, *, rule=RULE_ADDITIVE, inputs=None, chunk=None) -> Seq
         L = chunk_length(chunk)
         nc = max(-(-N // L), 1)
     return SeqPlan(q4, k4, v4, o4, B, B2, N, F, M, acc, K.seq_kernel(R, C, G, MB, T, acc.name, rule),
-                   K.threads_per_block(R, C, G, MB), -(-M // MB), L, nc, rule, lf)
+                   K.threads_per_block(R, C, G, MB, rule), -(-M // MB), L, nc, rule, lf,
+                   finite_flags(check_finite and B * N > 0))
 
 
 def _run(p: SeqPlan, Hin, Hout, seg_len, nseg_per_b, state_div, code, eps, normalize=True, *,
-         read_state, update, write_out, write_state):
-    """One launch of the sequence kernel over ``B * nseg_per_b`` segments x column blocks."""
+         read_state, update, write_out, write_state, count=True):
+    """One launch of the sequence kernel over ``B * nseg_per_b`` segments x column blocks.
+
+    ``count``: this launch counts the non-finite inputs it stages into
+    ``p.flags`` (every input must be counted by exactly one launch).
+    """
     p.kernel[(p.B * nseg_per_b, p.col_blocks), p.threads](
         p.q, p.k, p.v, p.out, Hin, Hout, p.lf, p.N, seg_len, nseg_per_b, state_div, p.B2, int(code),
         float(0.0 if eps is None else eps), norm_mode(eps, normalize), read_state, update, write_out,
-        write_state)
+        write_state, p.flags if count else _no_flags())
 
 
 def cast_copy(src, dst):
@@ -319,11 +343,16 @@ def scan(p: SeqPlan, H, *, code, eps, normalize=True) -> None:
         cast_copy(Hout, H)
 
 
-def chunk_sums(p: SeqPlan, *, code, eps):
-    """(B * chunks, F, M + 1) accumulation-dtype array: every chunk's state from zero."""
+def chunk_sums(p: SeqPlan, *, code, eps, count=False):
+    """(B * chunks, F, M + 1) accumulation-dtype array: every chunk's state from zero.
+
+    ``count``: count the non-finite k, v into ``p.flags`` (the non-causal
+    launcher; the causal one counts them in :func:`chunk_outputs`, which
+    stages them again).
+    """
     Hc = _acc_state(p, p.B * p.chunks, "chunk_states")
     _run(p, Hc, Hc, p.chunk, p.chunks, 1, code, eps, read_state=False, update=True, write_out=False,
-         write_state=True)
+         write_state=True, count=count)
     return Hc
 
 
@@ -410,3 +439,110 @@ def unpack_state(H, S=None, z=None):
     if H.size:
         K.state_copy_kernel[K.helper_grid(H.size)](S, z, H, False)
     return S, z
+
+
+# ---------------------------------------------------------------------------
+# Traffic and FLOP model of a launch plan
+# ---------------------------------------------------------------------------
+def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule: int = RULE_ADDITIVE,
+                  chunk=None) -> dict:
+    """Modelled global-memory bytes and FLOPs of one launcher call.
+
+    Parameters
+    ----------
+    plan_or_shape : SeqPlan or tuple
+        A :class:`SeqPlan` (its sizes, dtypes, rule and chunk layout are
+        used), or ``(B, N, F, M)``: batch entries (``B = B1 B2``, e.g. batch
+        x heads), tokens, features, values.
+    method : {"scan", "chunked", "aggregate"}
+        The launcher: causal ``scan`` (one pass), causal ``chunked`` (chunk
+        sums, float64 prefix over chunks, chunk scan; a sequence of one chunk
+        and the delta rules run the scan), non-causal ``aggregate``.
+    dtype : str or numpy.dtype
+        dtype of q, k, v and the output (a plan: that of its q); the
+        accumulation dtype follows (:func:`linattn_nb.ops._cuda_kernels.acc_name`).
+    rule : int
+        Update-rule code (a plan: its own).
+    chunk : int, optional
+        Tokens per chunk (a plan: its own; default ``config.CUDA_CHUNK_SIZE``).
+
+    Returns
+    -------
+    dict
+        ``bytes``: total modelled DRAM traffic; ``parts``: bytes per stream
+        (``q``, ``k``, ``v``, ``out``, ``factors``, ``states``); ``flops``:
+        floating-point operations executed (a fused multiply-add counts 2),
+        and ``flops_ratio``, their ratio to ``4 B N F M`` (the update and the
+        output of every state element once per token); ``launches``: kernel
+        launches; ``config``: the ``(R, C, G, MB, T)`` of the sequence kernel.
+
+    Notes
+    -----
+    The model counts every array the kernels read or write once per pass
+    that touches it.  Column blocks of one sequence (``M`` > ``MB``) stage
+    the same q and k tiles at the same time (adjacent blocks of one launch),
+    so q and k are counted once, as served from L2 after the first block.
+    The state ``H`` is float64; with float32 accumulation the scan moves it
+    through a float32 copy (two cast-copy launches).  FLOPs per token and
+    batch entry: the value columns and the normaliser column, ``F (M + 1)``
+    elements, each updated (2 FLOPs, 3 with a per-token factor) and read
+    into the output (2), plus the cross-thread sums of the layout (``G``
+    partials per column of the row-group layout, one partial per thread of
+    the owner layout, once per token) and the ``M`` divisions; the chunked
+    method adds the chunk sums (the update alone, over every token) and the
+    combine over chunks.
+    """
+    if isinstance(plan_or_shape, SeqPlan):
+        p = plan_or_shape
+        B, N, F, M = p.B, p.N, p.F, p.M
+        item = np.dtype(p.q.dtype).itemsize
+        acc = np.dtype(p.acc)
+        rule = p.rule
+        L = p.chunk if method != "scan" else max(N, 1)
+    else:
+        B, N, F, M = (int(x) for x in plan_or_shape)
+        item = np.dtype(dtype).itemsize
+        acc = np.dtype(K.acc_name(dtype))
+        L = chunk_length(chunk) if method != "scan" else max(N, 1)
+    R, C, G, MB, T = K.seq_config(F, M, acc.itemsize, rule)
+    owner = G == 1 and not is_delta_rule(rule)
+    nc = max(-(-N // L), 1)
+    if method == "chunked" and (nc == 1 or is_delta_rule(rule)):
+        method, nc, L = "scan", 1, max(N, 1)
+    A = acc.itemsize
+    S = F * (M + 1)  # state elements per batch entry
+    W = rule_factor_rows(rule, F)
+    per_elem_update = 2 if rule == RULE_ADDITIVE else 3
+    reduce_adds = (-(-MB // C)) if owner else G * (MB + 1)  # per token and column block
+    cb = -(-M // MB)
+    out_flops = B * N * (2 * S + cb * reduce_adds + M)  # phi(q)^T [S | z], the sums, the divisions
+    upd_flops = B * N * per_elem_update * S
+    parts = {"q": B * N * F * item, "k": B * N * F * item, "v": B * N * M * item, "out": B * N * M * item,
+             "factors": B * N * W * 8 * (cb if W else 0), "states": 0}
+    launches = 1
+    if method == "scan":
+        flops = upd_flops + out_flops
+        if A == 8 and cb == 1:
+            parts["states"] = 2 * B * S * 8
+        else:  # cast-copies around the kernel
+            parts["states"] = B * S * (8 + A) + B * S * 2 * A + B * S * (A + 8)
+            launches += 2
+    elif method == "chunked":
+        flops = 2 * upd_flops + out_flops + B * nc * S * 2
+        # (1) k, v and the chunk sums out; (2) sums in and prefixes out (float64 H in and out);
+        # (3) q, k, v, the prefixes in, the outputs out
+        parts["k"] *= 2
+        parts["v"] *= 2
+        parts["factors"] *= 2
+        parts["states"] = B * nc * S * A + (2 * B * nc * S * A + 2 * B * S * 8) + B * nc * S * A
+        launches += 2 + (1 if W else 0)
+    elif method == "aggregate":
+        flops = upd_flops + B * N * (2 * S + cb * reduce_adds + M) + B * nc * S
+        parts["states"] = B * nc * S * A + (B * nc * S * A + 2 * B * S * 8 + B * S * A) + B * nc * S * A
+        launches += 2
+    else:
+        raise ValueError(f"method must be 'scan', 'chunked' or 'aggregate', got {method!r}")
+    total = sum(parts.values())
+    return {"bytes": int(total), "parts": {k: int(v) for k, v in parts.items()}, "flops": int(flops),
+            "flops_ratio": flops / max(1, 4 * B * N * F * M), "launches": launches,
+            "config": (R, C, G, MB, T), "method": method}

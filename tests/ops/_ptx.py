@@ -49,7 +49,8 @@ for acc, dt in (("float32", "float32"), ("float64", "float64")):
         a4 = types.Array(getattr(types, dt), 4, "A")
         H = types.Array(getattr(types, acc), 3, "C")
         lf = types.Array(f64, 3, "C")
-        sig = (a4, a4, a4, a4, H, H, lf, i, i, i, i, i, i, f64, i, b, b, b, b)
+        flags = types.Array(types.int32, 1, "C")  # the finiteness counters
+        sig = (a4, a4, a4, a4, H, H, lf, i, i, i, i, i, i, f64, i, b, b, b, b, flags)
         text, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
         res["%s/%d" % (acc, rule)] = {{"target": ".target sm_90" in text, "entry": ".entry" in text,
                                       "local": ("ld.local" in text) or ("st.local" in text)}}

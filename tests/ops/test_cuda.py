@@ -4,9 +4,11 @@ Runs everywhere: without a CUDA driver, tests/conftest.py switches the Numba
 CUDA simulator on, and ``device="cuda"`` runs the kernels there (slowly: the
 shapes are tiny, and the launch configuration is shrunk so that several
 blocks and partial blocks run: 3 value columns per block (+ the normaliser
-column, padded to 6 = 2 column groups of 3), 2 x 3 state tiles per thread,
-2 tokens per shared-memory tile, chunks of 3 tokens, 32 threads per helper
-block).  The simulator checks no types, so ``test_kernels_compile_to_ptx``
+column, padded to 6 = 2 column groups of 3, in the row-group layout), 2 x 3
+state tiles per thread there, 2 tokens per shared-memory tile, chunks of 3
+tokens, 32 threads per helper block).  D_phi <= 64 takes the owner layout (one
+thread per value column, all rows) for every rule but the delta rules;
+``test_row_group_layout`` forces the row-group layout on the additive rule.  The simulator checks no types, so ``test_kernels_compile_to_ptx``
 compiles every kernel for sm_90 in a subprocess with the simulator off.
 Tests marked ``gpu`` need a real GPU and skip without one.
 
@@ -140,6 +142,51 @@ def test_one_column_per_thread(rng, monkeypatch, method, causal):
     np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(S, S_ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(z, z_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method,causal", [("scan", True), ("chunked", True), ("aggregate", False)])
+def test_row_group_layout(rng, monkeypatch, method, causal):
+    """The row-group layout (larger D_phi and the delta rules) for the additive rule too: with
+    OWNER_MAX_ROWS = 0 every D_phi takes it (3 row groups of 2 rows, column blocks 3 + 1)."""
+    from linattn_nb.ops import _cuda_kernels as K
+
+    monkeypatch.setattr(K, "OWNER_MAX_ROWS", 0)
+    assert K.seq_config(5, 4, 4)[2] == 3
+    q, k, v = data(rng, 2, 7, 5, 4)
+    S0, z0 = rng.random((2, 5, 4)), rng.random((2, 5))
+    out, S, z = run_launcher(method, causal, q, k, v, S0, z0)
+    ref, S_ref, z_ref = reference(q, k, v, causal=causal, S0=S0, z0=z0)
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(S, S_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(z, z_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the simulator computes inf - inf
+@pytest.mark.parametrize("owner", [True, False])
+@pytest.mark.parametrize("method,causal", [("scan", True), ("chunked", True), ("aggregate", False)])
+def test_launcher_counts_nonfinite_in_the_kernel(rng, monkeypatch, method, causal, owner):
+    """check_finite=True: the sequence kernels count non-finite q, k, v while staging them (one
+    flag array, read once); every value counted once (2 column blocks, 3 chunks); the error names
+    the first argument holding one; check_finite=False raises nothing."""
+    from linattn_nb.ops import _cuda_kernels as K
+
+    if not owner:
+        monkeypatch.setattr(K, "OWNER_MAX_ROWS", 0)
+    q, k, v = data(rng, 1, 7, 3, 4)
+    q[0, 1, 2] = np.nan
+    k[0, 4, 0] = np.inf
+    k[0, 6, 1] = -np.inf
+    v[0, 5, 3] = np.nan
+    run = launcher(method, causal)
+    for arrays, msg in (((q, k, v), "q contains 1 non-finite"), ((np.ones_like(q), k, v), "k contains 2 non-finite"),
+                        ((np.ones_like(q), np.ones_like(k), v), "v contains 1 non-finite")):
+        H = state_h(np.zeros((1, 3, 4)), np.zeros((1, 3)))
+        out = nan_device((1, 7, 4), np.float32)
+        dq, dk, dv = (cuda.to_device(np.ascontiguousarray(x)) for x in arrays)
+        with pytest.raises(ValueError, match=msg):
+            run(dq, dk, dv, H, out, code=1, eps=1e-8, check_finite=True)
+        with np.errstate(invalid="ignore"):
+            run(dq, dk, dv, H, out, code=1, eps=1e-8, check_finite=False)
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 4])
@@ -417,6 +464,27 @@ def test_auto_method_selection(monkeypatch):
     assert D.select_method_cuda("scan", batch=8, n=10**6, **kw) == "scan"
 
 
+def test_traffic_model_headline(monkeypatch):
+    """traffic_model at the headline shape (B*H = 128, N = 16384, D = M = 64, float32), default
+    launch configuration: the scan reads q, k, v and writes the output once (<= 2.5 GB, FLOPs
+    within 1.5 x 4 B N D M); the three-pass chunked plan reads k and v twice."""
+    from linattn_nb.ops._cuda_launch import traffic_model
+
+    for name, value in DEFAULT_LAUNCH.items():
+        monkeypatch.setattr(config, name, value)
+    shape = (128, 16384, 64, 64)
+    io = 4 * 128 * 16384 * 64 * 4
+    scan = traffic_model(shape, method="scan")
+    assert scan["config"][2] == 1 and scan["launches"] == 3  # owner layout; cast-copies around it
+    assert io <= scan["bytes"] <= 2.5e9
+    assert 1.0 <= scan["flops_ratio"] <= 1.5
+    chunked = traffic_model(shape, method="chunked")
+    assert chunked["parts"]["k"] == 2 * scan["parts"]["k"] and chunked["bytes"] > scan["bytes"]
+    assert chunked["flops"] > scan["flops"]
+    delta = traffic_model(shape, method="chunked", rule=3)  # the delta rules run the scan
+    assert delta["method"] == "scan"
+
+
 def test_registered_cuda_methods():
     from linattn_nb.ops.registry import available_methods
 
@@ -445,7 +513,8 @@ _PTX_SCRIPT = textwrap.dedent(
             i = types.int64
             b = types.boolean
             lf = types.Array(types.float64, 3, "C")  # the rule's log-factors (not read by the additive rule)
-            sig = (a4, a4, a4, a4, H, H, lf, i, i, i, i, i, i, types.float64, i, b, b, b, b)
+            flags = types.Array(types.int32, 1, "C")  # the finiteness counters
+            sig = (a4, a4, a4, a4, H, H, lf, i, i, i, i, i, i, types.float64, i, b, b, b, b, flags)
             text = ptx(kern, sig)
             res[dt] = {"target": ".target sm_90" in text, "local": ("ld.local" in text) or ("st.local" in text),
                        "entry": ".entry" in text}

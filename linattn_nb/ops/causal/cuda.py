@@ -19,6 +19,10 @@ F)}`` for the gate rule (float64 log-factors <= 0, ``-inf`` a reset),
 arrays are copied to the device, device arrays read in place (the delta
 rules' two inputs are first packed into one (B, N, 2) device array);
 ``normalize=False`` writes ``phi(q_t)^T S_t`` without the division;
+``check_finite=True``: the sequence kernels count the NaN/inf values of q, k,
+v while staging them and the launcher reads the three counts once after its
+launches, raising ValueError naming the first argument that held one (the
+output and ``H`` have been written by then); ``False`` adds nothing;
 ``rule``: the update-rule code (:data:`linattn_nb.ops._codes.RULES`; the
 method table binds it per rule), whose per-token and per-chunk steps are the
 hooks of :mod:`linattn_nb.ops._cuda_common`.  Any dtype mix of
@@ -56,9 +60,9 @@ from .._cuda_common import is_delta_rule
 def causal_scan_cuda(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, normalize=True,
                      rule=RULE_ADDITIVE):
     """Causal scan on the GPU; see the module docstring for the contract."""
-    C.check_inputs(q, k, v, check_finite)
-    p = C.plan(q, k, v, H, out, rule=rule, inputs=inputs)
+    p = C.plan(q, k, v, H, out, rule=rule, inputs=inputs, check_finite=check_finite)
     C.scan(p, H, code=code, eps=eps, normalize=normalize)
+    C.raise_nonfinite(p)
     return out
 
 
@@ -69,14 +73,15 @@ def causal_chunked_cuda(q, k, v, H, out, *, code, eps, inputs=None, check_finite
     ``chunk_size`` defaults to ``config.CUDA_CHUNK_SIZE``; a sequence of one
     chunk runs the scan, and so do the delta rules (module docstring).
     """
-    C.check_inputs(q, k, v, check_finite)
-    p = C.plan(q, k, v, H, out, rule=rule, inputs=inputs, chunk=C.chunk_length(chunk_size))
+    p = C.plan(q, k, v, H, out, rule=rule, inputs=inputs, chunk=C.chunk_length(chunk_size),
+               check_finite=check_finite)
     if p.empty:
         return out
     if p.chunks == 1 or is_delta_rule(p.rule):
         C.scan(p, H, code=code, eps=eps, normalize=normalize)
-        return out
-    Hc = C.chunk_sums(p, code=code, eps=eps)  # (1)
-    C.chunk_prefix(p, Hc, H, exclusive=True)  # (2) Hc: state before each chunk; H: final state
-    C.chunk_outputs(p, Hc, code=code, eps=eps, causal=True, normalize=normalize)  # (3)
+    else:
+        Hc = C.chunk_sums(p, code=code, eps=eps)  # (1)
+        C.chunk_prefix(p, Hc, H, exclusive=True)  # (2) Hc: state before each chunk; H: final state
+        C.chunk_outputs(p, Hc, code=code, eps=eps, causal=True, normalize=normalize)  # (3)
+    C.raise_nonfinite(p)
     return out

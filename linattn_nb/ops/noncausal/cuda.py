@@ -18,11 +18,11 @@ from .. import _cuda_launch as C
 def noncausal_aggregate_cuda(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, normalize=True,
                              chunk_size=None):
     """Non-causal linear attention on the GPU (see the module docstring)."""
-    C.check_inputs(q, k, v, check_finite)
-    p = C.plan(q, k, v, H, out, inputs=inputs, chunk=C.chunk_length(chunk_size))
+    p = C.plan(q, k, v, H, out, inputs=inputs, chunk=C.chunk_length(chunk_size), check_finite=check_finite)
     if p.empty:
         return out
-    Hc = C.chunk_sums(p, code=code, eps=eps)  # (1)
+    Hc = C.chunk_sums(p, code=code, eps=eps, count=True)  # (1), counts non-finite k, v
     Hq = C.chunk_prefix(p, Hc, H, exclusive=False)  # (2) H: final state; Hq: it in the accumulation dtype
-    C.chunk_outputs(p, Hq, code=code, eps=eps, causal=False, normalize=normalize)  # (3)
+    C.chunk_outputs(p, Hq, code=code, eps=eps, causal=False, normalize=normalize)  # (3), counts q
+    C.raise_nonfinite(p)
     return out
