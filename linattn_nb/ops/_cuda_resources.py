@@ -628,19 +628,19 @@ def sequence_launch(F: int, M: int, acc: str, rule: int) -> dict:
     itemsize = 4 if acc == "float32" else 8
     cfg = tuple(int(x) for x in K.seq_config(F, M, itemsize, rule))
     R, C, G, MB, T = cfg
-    return {"factory": (*cfg, acc, int(rule)), "threads": int(K.threads_per_block(R, C, G, MB)), "cfg": cfg}
+    return {"factory": (*cfg, acc, int(rule)), "threads": int(K.threads_per_block(R, C, G, MB, rule)), "cfg": cfg}
 
 
 def sequence_spec(F: int, M: int, acc: str, rule: int, in_dtype: str | None = None, key: str | None = None) -> KernelSpec:
     """:class:`KernelSpec` of the sequence kernel at (``F``, ``M``, ``acc``, ``rule``), inputs of
     ``in_dtype`` (default ``acc``) as the launchers pass them (4-d any-layout views, (n, F, M + 1)
-    states in ``acc``, (B, N, W) float64 log-factors, int64 / float64 / boolean scalars)."""
+    states in ``acc``, (B, N, W) float64 log-factors, int64 / float64 / boolean scalars, the int32 finiteness counters)."""
     from ._codes import rule_name
 
     launch = sequence_launch(F, M, acc, rule)
     dt = in_dtype or acc
     a4, H, lf = _arr(dt, 4, "A"), _arr(acc, 3), _arr(_F64, 3)
-    sig = (a4, a4, a4, a4, H, H, lf, _I, _I, _I, _I, _I, _I, _F64, _I, _B, _B, _B, _B)
+    sig = (a4, a4, a4, a4, H, H, lf, _I, _I, _I, _I, _I, _I, _F64, _I, _B, _B, _B, _B, _arr("int32", 1))
     key = key or f"seq/{acc}/{rule_name(rule)}/F{F}/M{M}" + (f"/{dt}" if dt != acc else "")
     return KernelSpec(key, "linattn_nb.ops._cuda_kernels:seq_kernel", sig, launch["threads"],
                       factory=launch["factory"], group="sequence",

@@ -84,36 +84,10 @@ SEQ_SPECS, SEQ_REFUSED = _sequence_specs()
 OTHER_SPECS = CR.helper_specs() + CR.backward_specs() + CR.step_specs()
 ALL_SPECS = SEQ_SPECS + OTHER_SPECS
 
-#: Sequence-kernel configurations that cannot launch with the sequence kernel of this revision
-#: (ptxas for sm_90 with numba-cuda 0.30.4: registers x threads over a block's 65,536; the float64
-#: D_phi = 1024 ones also spill).  The sequence kernel is being rewritten under issue 20: these are
-#: strict xfails, so an entry must go when its configuration launches.
-KNOWN_SEQ_FAILURES = {
-    "seq/float32/additive/F1024/M64": "248 registers x 544 threads = 134912",
-    "seq/float32/decay/F1024/M64": "250 registers x 544 threads = 136000",
-    "seq/float32/gate/F1024/M64": "252 registers x 544 threads = 137088",
-    "seq/float32/delta/F1024/M64": "245 registers x 544 threads = 133280",
-    "seq/float32/gated_delta/F1024/M64": "246 registers x 544 threads = 133824",
-    "seq/float64/additive/F1024/M64": "255 registers x 544 threads = 138720, 1192/1836 B spill stores/loads",
-    "seq/float64/decay/F1024/M64": "255 registers x 544 threads = 138720, 1204/1860 B spill stores/loads",
-    "seq/float32/additive/F1024/M28": "123 registers x 1024 threads = 125952",
-    "seq/float32/additive/F1024/M60": "164 registers x 1024 threads = 167936",
-    "seq/float32/decay/F1024/M28": "125 registers x 1024 threads = 128000",
-    "seq/float32/decay/F1024/M60": "157 registers x 1024 threads = 160768",
-    "seq/float32/gate/F1024/M28": "125 registers x 1024 threads = 128000",
-    "seq/float32/gate/F1024/M60": "163 registers x 1024 threads = 166912",
-    "seq/float32/delta/F512/M40": "123 registers x 704 threads = 86592",
-    "seq/float32/delta/F1024/M36": "167 registers x 640 threads = 106880",
-    "seq/float32/gated_delta/F512/M40": "123 registers x 704 threads = 86592",
-    "seq/float32/gated_delta/F1024/M36": "167 registers x 640 threads = 106880",
-    "seq/float64/additive/F512/M56": "164 registers x 960 threads = 157440",
-    "seq/float64/additive/F1024/M40": "250 registers x 704 threads = 176000",
-    "seq/float64/decay/F512/M56": "164 registers x 960 threads = 157440",
-    "seq/float64/decay/F1024/M40": "250 registers x 704 threads = 176000",
-    "seq/float64/gate/F512/M48": "156 registers x 832 threads = 129792",
-    "seq/float64/gate/F512/M64": "244 registers x 544 threads = 132736",
-    "seq/float64/gated_delta/F256/M40": "206 registers x 352 threads = 72512",
-}
+#: Sequence-kernel configurations known not to launch (key -> why), run as strict xfails.  None since
+#: the owner and capped row-group layouts of issue 20 (before them: 24, e.g. F = 1024, M = 64 float32 at
+#: 248 registers x 544 threads).
+KNOWN_SEQ_FAILURES: dict = {}
 
 
 #: The compiling tests run only on request (module docstring).
