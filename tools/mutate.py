@@ -34,6 +34,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import queue
 import shutil
 import subprocess
 import sys
@@ -254,17 +255,17 @@ MUTATIONS: list[Mutation] = [
     M("error_tv_mean_max", "analysis/error.py",
       "tv_mean=float(tv.mean()),",
       "tv_mean=float(tv.max()),",
-      ("tests/test_error.py",),
+      ("tests/test_mutation_catches.py::test_approximation_error_summaries_against_explicit_weights",),
       "tv_mean reported as the maximum"),
     M("error_rel_denominator", "analysis/error.py",
       "ref = float(np.linalg.norm(o_sm))",
       "ref = float(np.linalg.norm(o_lin))",
-      ("tests/test_error.py",),
+      ("tests/test_mutation_catches.py::test_approximation_error_summaries_against_explicit_weights",),
       "output_rel_error divided by the linear output's norm"),
     M("theory_thm2_coefficient", "analysis/theory.py",
       "(m * (d + 2.0))",
       "(m * d)",
-      ("tests/test_theory.py",),
+      ("tests/test_mutation_catches.py::test_orthogonal_mse_bound_is_theorem_2_written_out",),
       "Performer Theorem 2 with d instead of d + 2"),
     M("theory_trig_mse", "analysis/theory.py",
       "np.expm1(-v2) ** 2 / (2.0 * m)",
@@ -383,31 +384,90 @@ def _copy_checkout(dest: pathlib.Path, files: list[str]) -> None:
         shutil.copy2(src, target)
 
 
-def _env_for(copy: pathlib.Path) -> dict:
+def _env_for(copy: pathlib.Path, cache: pathlib.Path) -> dict:
     env = dict(os.environ)
     env.pop("NUMBA_CACHE_DIR", None)
-    env["LINATTN_CACHE_DIR"] = str(copy / ".mutation_cache")
+    env.pop("LINATTN_NO_CACHE", None)
+    env["LINATTN_CACHE_DIR"] = str(cache)
     env["PYTHONPATH"] = str(copy) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
 
 
-def run_one(mut: Mutation, timeout: float, keep: bool, files: list[str]) -> dict:
-    """Apply ``mut`` in a fresh copy of the checkout and run its targets.
+_PROBE = ("import sys, linattn_nb; from linattn_nb import _cache; "
+          "sys.stdout.write(linattn_nb.__file__ + '\\n' + str(_cache.cache_folder()[0]))")
+
+# A file with none of these holds no compiled code, so no kernel inlines from it:
+# a mutation there leaves every kernel's machine code valid, and its copy may
+# start from the baseline's kernel cache (Numba still checks each kernel's own
+# source file stamp).
+_JIT_MARKERS = ("njit", "jit(", "@overload", "@intrinsic", "@register_jitable", "serial_and_parallel",
+                "vectorize")
+
+
+def _compiled(src: str) -> bool:
+    return any(marker in src for marker in _JIT_MARKERS)
+
+
+def _pytest(copy, env, targets, timeout):
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *targets]
+    return subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _fresh_slot(slot: pathlib.Path, files) -> tuple[pathlib.Path, pathlib.Path]:
+    """Empty ``slot`` and copy the checkout into ``slot/checkout``; returns (checkout, cache root)."""
+    shutil.rmtree(slot, ignore_errors=True)
+    copy, cache = slot / "checkout", slot / "cache"
+    _copy_checkout(copy, files)
+    cache.mkdir(parents=True)
+    return copy, cache
+
+
+def _probe(copy, env, timeout):
+    probe = subprocess.run([sys.executable, "-c", _PROBE], cwd=copy, env=env, capture_output=True,
+                           text=True, timeout=timeout)
+    if probe.returncode != 0:
+        raise _MutationError("the package fails to import: " + probe.stderr.strip()[-400:])
+    pkg, folder = probe.stdout.split("\n")
+    if not pathlib.Path(pkg).resolve().is_relative_to(copy.resolve()):
+        raise _MutationError(f"the copy imports {pkg}, not its own package")
+    return pathlib.Path(folder) if folder != "None" else None
+
+
+def run_baseline(slot: pathlib.Path, files, targets, timeout: float) -> tuple[bool, str, pathlib.Path | None]:
+    """Run every target on the unmutated checkout in ``slot``: they must pass for a catch to mean anything.
+
+    Returns (passed, output tail, the kernel cache folder it filled).
+    """
+    copy, cache = _fresh_slot(slot, files)
+    env = _env_for(copy, cache)
+    folder = _probe(copy, env, timeout)
+    proc = _pytest(copy, env, targets, timeout)
+    out = (proc.stdout + proc.stderr).strip().splitlines()
+    return proc.returncode == 0, "\n".join(out[-15:]), folder
+
+
+def run_one(mut: Mutation, timeout: float, keep: bool, files: list[str], slot: pathlib.Path,
+            warm: pathlib.Path | None = None) -> dict:
+    """Apply ``mut`` in a fresh copy of the checkout (in ``slot``) and run its targets.
+
+    ``warm``: the baseline's kernel cache folder, compiled in this same ``slot``
+    path (Numba keys cached kernels on their source folder's absolute path);
+    used when the mutated file holds no compiled code.
 
     Returns
     -------
     dict
         ``name``, ``file``, ``targets``, ``status`` (``caught``, ``survived``
-        or ``error``), ``seconds`` and ``detail`` (the tail of the output,
-        or why the mutation is an error).
+        or ``error``), ``caught_by`` (the first failing test), ``seconds``,
+        ``warm`` and ``detail`` (the tail of the output, or why the mutation
+        is an error).
     """
     t0 = time.perf_counter()
-    result = {"name": mut.name, "file": mut.file, "targets": list(mut.targets), "why": mut.why}
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"mutate-{mut.name}-"))
-    copy = tmp / "checkout"
+    result = {"name": mut.name, "file": mut.file, "targets": list(mut.targets), "why": mut.why,
+              "caught_by": "", "warm": False}
     try:
-        _copy_checkout(copy, files)
+        copy, cache = _fresh_slot(slot, files)
         path = copy / "linattn_nb" / mut.file
         if not path.is_file():
             raise _MutationError(f"no file linattn_nb/{mut.file}")
@@ -416,22 +476,16 @@ def run_one(mut: Mutation, timeout: float, keep: bool, files: list[str]) -> dict
         if count != 1:
             raise _MutationError(f"snippet occurs {count} times in {mut.file} (must be once)")
         path.write_text(src.replace(mut.old, mut.new))
-        env = _env_for(copy)
-        probe = subprocess.run(
-            [sys.executable, "-c", "import linattn_nb, sys; sys.stdout.write(linattn_nb.__file__)"],
-            cwd=copy, env=env, capture_output=True, text=True, timeout=timeout,
-        )
-        if probe.returncode != 0:
-            raise _MutationError("mutated package fails to import: " + probe.stderr.strip()[-400:])
-        if not pathlib.Path(probe.stdout).resolve().is_relative_to(copy.resolve()):
-            raise _MutationError(f"the copy imports {probe.stdout}, not its own package")
         for t in mut.targets:
             if not (copy / t.split("::")[0]).exists():
                 raise _MutationError(f"no test file {t.split('::')[0]}")
-        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mut.targets]
+        env = _env_for(copy, cache)
+        folder = _probe(copy, env, timeout)
+        if warm is not None and folder is not None and warm.is_dir() and not _compiled(src):
+            shutil.copytree(warm, folder, dirs_exist_ok=True)
+            result["warm"] = True
         try:
-            proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True,
-                                  timeout=timeout)
+            proc = _pytest(copy, env, mut.targets, timeout)
         except subprocess.TimeoutExpired:
             raise _MutationError(f"timed out after {timeout:.0f} s") from None
         out = (proc.stdout + proc.stderr).strip().splitlines()
@@ -446,19 +500,30 @@ def run_one(mut: Mutation, timeout: float, keep: bool, files: list[str]) -> dict
         result["detail"] = "\n".join(out[-3:])
     except _MutationError as exc:
         result["status"] = "error"
-        result["caught_by"] = ""
         result["detail"] = str(exc)
     finally:
         result["seconds"] = round(time.perf_counter() - t0, 1)
-        if keep:
-            result["copy"] = str(copy)
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if keep and (slot / "checkout").is_dir():
+            kept = slot.parent / "kept" / mut.name
+            kept.parent.mkdir(exist_ok=True)
+            shutil.move(str(slot / "checkout"), kept)
+            result["copy"] = str(kept)
     return result
 
 
 class _MutationError(Exception):
     pass
+
+
+def _union_targets(muts) -> list[str]:
+    """The targets of ``muts`` once each (a node id is dropped when its whole file is a target)."""
+    whole = {t for m in muts for t in m.targets if "::" not in t}
+    out = []
+    for m in muts:
+        for t in m.targets:
+            if t not in out and t.split("::")[0] not in whole - {t}:
+                out.append(t)
+    return out
 
 
 def _table(results) -> str:
@@ -480,6 +545,8 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="mutations run at once (default 1)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per mutation")
     p.add_argument("--keep", action="store_true", help="keep the mutated copies (paths printed)")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the run of the targets on the unmutated checkout (and its warm kernel cache)")
     p.add_argument("--json", default=str(DEFAULT_JSON),
                    help=f"results file (default {DEFAULT_JSON.relative_to(ROOT)}); '' for none")
     args = p.parse_args(argv)
@@ -503,14 +570,49 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     files = _checkout_files()
+    work = pathlib.Path(tempfile.mkdtemp(prefix="linattn-mutate-"))
+    slots = queue.Queue()
+    for i in range(args.jobs):
+        slots.put(work / f"slot{i}")
+    warm = None
     results = []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futs = {pool.submit(run_one, m, args.timeout, args.keep, files): m for m in muts}
-        for f in concurrent.futures.as_completed(futs):
-            r = f.result()
-            results.append(r)
-            print(f"[{len(results)}/{len(muts)}] {r['name']}: {r['status']} ({r['seconds']:.0f} s)"
-                  + (f"  kept at {r['copy']}" if args.keep else ""), flush=True)
+    try:
+        if not args.no_baseline:
+            targets = _union_targets(muts)
+            print(f"baseline: {len(targets)} targets on the unmutated checkout ...", flush=True)
+            try:
+                ok, tail, folder = run_baseline(work / "slot0", files, targets, args.timeout * 2)
+            except (_MutationError, subprocess.TimeoutExpired) as exc:
+                ok, tail, folder = False, str(exc), None
+            print(f"baseline: {'passed' if ok else 'FAILED'} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            if not ok:
+                print(tail)
+                print("the targets must pass without a mutation; fix them first")
+                return 2
+            if folder is not None and folder.is_dir():
+                warm = work / "warm"
+                shutil.copytree(folder, warm)
+
+        def task(m):
+            slot = slots.get()
+            try:
+                # the warm cache was compiled at slot0's path, so it serves slot0 only
+                return run_one(m, args.timeout, args.keep, files, slot,
+                               warm if slot.name == "slot0" else None)
+            finally:
+                slots.put(slot)
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            futs = [pool.submit(task, m) for m in muts]
+            for f in concurrent.futures.as_completed(futs):
+                r = f.result()
+                results.append(r)
+                print(f"[{len(results)}/{len(muts)}] {r['name']}: {r['status']} ({r['seconds']:.0f} s"
+                      f"{', warm cache' if r['warm'] else ''})"
+                      + (f"  kept at {r['copy']}" if r.get("copy") else ""), flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
     order = {m.name: i for i, m in enumerate(muts)}
     results.sort(key=lambda r: order[r["name"]])
     total = time.perf_counter() - t0

@@ -1,0 +1,90 @@
+"""Tests that catch the bugs planted by tools/mutate.py which the rest of the suite let pass.
+
+Each test checks a result against an independent reference written out here
+with NumPy (the formula from its paper, weights formed explicitly), never
+against a value copied from the code under test.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from linattn_nb.analysis import approximation_error
+from linattn_nb.analysis.theory import orthogonal_mse_bound
+
+
+def _elu1(x):
+    return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+
+
+def _explicit_statistics(q, k, v, causal):
+    """Softmax weights P, ELU+1 linear weights W and the row statistics, from explicit N x N matrices."""
+    B, N, D = q.shape
+    rows = []
+    o_sm = np.empty_like(v)
+    o_lin = np.empty_like(v)
+    for b in range(B):
+        s = (q[b] @ k[b].T) / np.sqrt(D)
+        a = _elu1(q[b]) @ _elu1(k[b]).T
+        if causal:
+            mask = np.tril(np.ones((N, N), dtype=bool))
+            s = np.where(mask, s, -np.inf)
+            a = np.where(mask, a, 0.0)
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        w = a / a.sum(axis=1, keepdims=True)
+        o_sm[b] = p @ v[b]
+        o_lin[b] = w @ v[b]
+        for i in range(N):
+            n_i = i + 1 if causal else N
+            pi, wi = p[i, :n_i], w[i, :n_i]
+            mi = 0.5 * (pi + wi)
+            rows.append({
+                "tv": 0.5 * np.abs(pi - wi).sum(),
+                "kl": np.sum(pi * np.log(pi / wi)),
+                "hp": -np.sum(pi * np.log(pi)),
+                "js": 0.5 * np.sum(pi * np.log(pi / mi)) + 0.5 * np.sum(wi * np.log(wi / mi)),
+            })
+    return o_sm, o_lin, rows
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_approximation_error_summaries_against_explicit_weights(causal):
+    # Catches: tv_mean computed as a max, output_rel_error over ||O_lin|| (mutations
+    # error_tv_mean_max, error_rel_denominator): the fast path and the naive one share
+    # the summary, so the reference here is written out from the weights.
+    rng = np.random.default_rng(7)
+    B, N, D, M = 2, 9, 4, 3
+    q, k = rng.standard_normal((2, B, N, D))
+    v = rng.standard_normal((B, N, M))
+    err = approximation_error(q, k, v, "elu", causal=causal)
+    o_sm, o_lin, rows = _explicit_statistics(q, k, v, causal)
+    tv = np.array([r["tv"] for r in rows])
+    kl = np.array([r["kl"] for r in rows])
+    rel = np.linalg.norm(o_lin - o_sm) / np.linalg.norm(o_sm)
+    assert np.linalg.norm(o_lin) != pytest.approx(np.linalg.norm(o_sm), rel=1e-3)  # the denominators differ
+    assert tv.max() > 1.1 * tv.mean()  # mean and max differ
+    assert err.n_rows == B * N
+    assert err.output_rel_error == pytest.approx(rel, rel=1e-12)
+    assert err.tv_mean == pytest.approx(tv.mean(), rel=1e-12)
+    assert err.tv_max == pytest.approx(tv.max(), rel=1e-12)
+    assert err.kl_mean == pytest.approx(kl.mean(), rel=1e-10)
+    assert err.kl_max == pytest.approx(kl.max(), rel=1e-10)
+    assert err.entropy_softmax == pytest.approx(np.mean([r["hp"] for r in rows]), rel=1e-12)
+    assert err.js_mean == pytest.approx(np.mean([r["js"] for r in rows]), rel=1e-10)
+
+
+def test_orthogonal_mse_bound_is_theorem_2_written_out():
+    # Catches: the coefficient 2(m - 1) / (m (d + 2)) with d in place of d + 2
+    # (mutation theory_thm2_coefficient).  Choromanski et al. (ICLR 2021):
+    # Lemma 1, MSE_pos = SM^2 exp(|x + y|^2) (1 - exp(-|x + y|^2)) / m, and
+    # Theorem 2, MSE_ort <= MSE_pos - 2 (m - 1) / (m (d + 2)) (SM - exp(-(|x|^2 + |y|^2) / 2))^2.
+    rng = np.random.default_rng(3)
+    for d, m in [(4, 2), (6, 6), (16, 5)]:
+        x, y = 0.4 * rng.standard_normal((2, 5, d))
+        sm = np.exp(np.einsum("ij,ij->i", x, y))
+        u2 = np.einsum("ij,ij->i", x + y, x + y)
+        mse_pos = sm ** 2 * np.exp(u2) * (1.0 - np.exp(-u2)) / m
+        gap = sm - np.exp(-0.5 * (np.einsum("ij,ij->i", x, x) + np.einsum("ij,ij->i", y, y)))
+        want = mse_pos - 2.0 * (m - 1) / (m * (d + 2)) * gap ** 2
+        np.testing.assert_allclose(orthogonal_mse_bound(x, y, m), want, rtol=1e-12, atol=0)
