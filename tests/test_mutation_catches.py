@@ -88,3 +88,115 @@ def test_orthogonal_mse_bound_is_theorem_2_written_out():
         gap = sm - np.exp(-0.5 * (np.einsum("ij,ij->i", x, x) + np.einsum("ij,ij->i", y, y)))
         want = mse_pos - 2.0 * (m - 1) / (m * (d + 2)) * gap ** 2
         np.testing.assert_allclose(orthogonal_mse_bound(x, y, m), want, rtol=1e-12, atol=0)
+
+
+# ---------------------------------------------------------------------------
+# the state file format
+# ---------------------------------------------------------------------------
+def _state_file(tmp_path, **kw):
+    from linattn_nb import LinearAttentionState
+
+    st = LinearAttentionState(3, 2, batch_shape=(2,), **kw)
+    st.prefill(np.ones((2, 4, 3)), np.ones((2, 4, 2)))
+    path = tmp_path / "state.npz"
+    st.save(path)
+    return st, path
+
+
+def _rewrite_file(src, dst, **changes):
+    with np.load(src, allow_pickle=False) as npz:
+        data = {k: npz[k] for k in npz.files}
+    for key, val in changes.items():
+        if val is None:
+            data.pop(key)
+        else:
+            data[key] = val
+    np.savez(dst, **data)
+
+
+def test_state_file_one_version_ahead_is_refused(tmp_path):
+    # Catches: the newer-version check off by one (mutation file_newer_version_accepted):
+    # the next format version, not only a far-off one, must be refused.
+    from linattn_nb import LinearAttentionState
+    from linattn_nb.state.fileformat import FORMAT_VERSION, StateFileError
+
+    _, good = _state_file(tmp_path)
+    for version in (FORMAT_VERSION + 1, FORMAT_VERSION + 2):
+        bad = tmp_path / f"v{version}.npz"
+        _rewrite_file(good, bad, version=np.array(version, dtype=np.int64))
+        with pytest.raises(StateFileError, match=f"format version {version} was written by a newer"):
+            LinearAttentionState.load(bad)
+    ok = tmp_path / "same.npz"
+    _rewrite_file(good, ok, version=np.array(FORMAT_VERSION, dtype=np.int64))
+    assert LinearAttentionState.load(ok).position == 4
+
+
+@pytest.mark.parametrize("entry", ["rule", "normalize"])
+def test_state_file_version_2_entries_are_required(tmp_path, entry):
+    # Catches: a version-2 file without its version-2 entries read as a version-1 file
+    # (mutation file_version_keys).
+    from linattn_nb import LinearAttentionState
+    from linattn_nb.state.fileformat import StateFileError
+
+    _, good = _state_file(tmp_path)
+    bad = tmp_path / "bad.npz"
+    _rewrite_file(good, bad, **{entry: None})
+    with pytest.raises(StateFileError, match=rf"missing entries \['{entry}'\]"):
+        LinearAttentionState.load(bad)
+    # a version-1 file has neither entry and is read as additive
+    v1 = tmp_path / "v1.npz"
+    _rewrite_file(good, v1, version=np.array(1, dtype=np.int64), rule=None, normalize=None)
+    assert LinearAttentionState.load(v1).position == 4
+
+
+def test_state_file_unknown_rule_is_refused(tmp_path):
+    # Catches: the rule entry not checked against the known rules (mutation file_rule_unchecked).
+    from linattn_nb import LinearAttentionState
+    from linattn_nb.state.fileformat import StateFileError
+
+    _, good = _state_file(tmp_path)
+    bad = tmp_path / "bad.npz"
+    _rewrite_file(good, bad, rule=np.array("no_such_rule"))
+    with pytest.raises(StateFileError, match="entry 'rule' must be one of"):
+        LinearAttentionState.load(bad)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_state_file_keeps_normalize(tmp_path, normalize):
+    # Catches: save() dropping the normalize setting (mutation file_normalize_dropped).
+    from linattn_nb import LinearAttentionState
+
+    st, path = _state_file(tmp_path, normalize=normalize)
+    with np.load(path, allow_pickle=False) as npz:
+        assert int(npz["normalize"]) == int(normalize)
+    back = LinearAttentionState.load(path)
+    assert back.normalize is normalize
+    q = np.linspace(-1.0, 1.0, 2 * 3).reshape(2, 1, 3)
+    np.testing.assert_array_equal(back.query(q), st.query(q))
+
+
+# ---------------------------------------------------------------------------
+# the normaliser floor of every CPU kernel
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("causal", [True, False])
+def test_eps_floor_every_cpu_method(causal):
+    # Catches: a kernel that skips the floor or floors with the wrong sign (mutations
+    # scan_floor_dropped, chunked_floor_dropped, noncausal_floor_sign).  Signed features
+    # (the identity map) give normalisers on both sides of the floor; the reference
+    # is the explicit weight matrix, out_t = num_t / max(den_t, eps).
+    from linattn_nb import linear_attention
+    from linattn_nb.ops.registry import available_methods
+
+    rng = np.random.default_rng(11)
+    N, D, M, eps = 13, 3, 2, 0.5
+    q, k = rng.standard_normal((2, N, D))
+    v = rng.standard_normal((N, M))
+    a = q @ k.T
+    if causal:
+        a = np.tril(a)
+    den = a.sum(axis=1)
+    assert (den < eps).sum() >= 3 and (den > eps).sum() >= 3  # the floor bites on some rows only
+    want = (a @ v) / np.maximum(den, eps)[:, None]
+    for method in available_methods(causal=causal, device="cpu"):
+        out = linear_attention(q, k, v, feature_map="identity", causal=causal, eps=eps, method=method)
+        np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-14, err_msg=method)
