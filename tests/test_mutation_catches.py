@@ -200,3 +200,53 @@ def test_eps_floor_every_cpu_method(causal):
     for method in available_methods(causal=causal, device="cpu"):
         out = linear_attention(q, k, v, feature_map="identity", causal=causal, eps=eps, method=method)
         np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-14, err_msg=method)
+
+
+# ---------------------------------------------------------------------------
+# the device-side finiteness count
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_device_nonfinite_count_reaches_every_element(where):
+    # Catches: the grid-stride count stopping one element short (mutation cuda_pool_count_last):
+    # a NaN in the first or the last element of each input must be counted.
+    cuda = pytest.importorskip("numba.cuda")
+    import linattn_nb as la
+
+    rng = np.random.default_rng(5)
+    B, N, F, M = 2, 5, 3, 2
+    for name in ("q", "k", "v"):
+        arrays = {"q": rng.standard_normal((B, N, F)), "k": rng.standard_normal((B, N, F)),
+                  "v": rng.standard_normal((B, N, M))}
+        idx = (0, 0, 0) if where == "first" else (B - 1, N - 1, arrays[name].shape[-1] - 1)
+        arrays[name][idx] = np.nan
+        dev = {n: cuda.to_device(x.astype(np.float32)) for n, x in arrays.items()}
+        with pytest.raises(ValueError, match=rf"{name} contains 1 non-finite"):
+            la.linear_attention(dev["q"], dev["k"], dev["v"], device="cuda")
+
+
+# ---------------------------------------------------------------------------
+# the returned state of every non-causal CPU method
+# ---------------------------------------------------------------------------
+def test_noncausal_state_every_cpu_method_from_an_initial_state():
+    # Catches: the non-causal reference (method "quadratic") returning phi(K)^T V without
+    # the initial state (mutation naive_noncausal_state_overwritten).  Reference:
+    # S = S0 + phi(K)^T V, z = z0 + sum_j phi(k_j), out = phi(Q) S / (phi(Q) z).
+    from linattn_nb import linear_attention
+    from linattn_nb.ops.registry import available_methods
+
+    rng = np.random.default_rng(21)
+    B, N, D, M = 2, 6, 3, 4
+    q, k = rng.standard_normal((2, B, N, D))
+    v = rng.standard_normal((B, N, M))
+    S0 = rng.standard_normal((B, D, M))
+    z0 = rng.uniform(1.0, 2.0, (B, D))
+    fq, fk = _elu1(q), _elu1(k)
+    S = S0 + np.einsum("bnf,bnm->bfm", fk, v)
+    z = z0 + fk.sum(axis=1)
+    want = np.einsum("bnf,bfm->bnm", fq, S) / np.einsum("bnf,bf->bn", fq, z)[..., None]
+    for method in available_methods(causal=False, device="cpu"):
+        out, st = linear_attention(q, k, v, causal=False, method=method, initial_state=(S0, z0),
+                                   return_state=True)
+        np.testing.assert_allclose(out, want, rtol=1e-12, err_msg=method)
+        np.testing.assert_allclose(st.S, S, rtol=1e-12, atol=1e-14, err_msg=method)
+        np.testing.assert_allclose(st.z, z, rtol=1e-12, err_msg=method)
