@@ -250,3 +250,94 @@ def test_noncausal_state_every_cpu_method_from_an_initial_state():
         np.testing.assert_allclose(out, want, rtol=1e-12, err_msg=method)
         np.testing.assert_allclose(st.S, S, rtol=1e-12, atol=1e-14, err_msg=method)
         np.testing.assert_allclose(st.z, z, rtol=1e-12, err_msg=method)
+
+
+# ---------------------------------------------------------------------------
+# fitting losses, capacity read-out, CUDA host logic
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("causal", [False, True])
+def test_fitting_kl_and_cross_entropy_against_explicit_rows(causal):
+    # Catches: the KL loss adding the softmax entropy instead of subtracting it
+    # (mutation fit_kl_entropy_sign).  Reference: mean over rows of
+    # -sum_j p_ij log w_ij (cross entropy) and sum_j p_ij log(p_ij / w_ij) (KL).
+    from linattn_nb import feature_maps as fm
+    from linattn_nb.fitting import objective
+
+    rng = np.random.default_rng(8)
+    B, N, D, scale = 2, 7, 4, 0.4
+    q, k = rng.standard_normal((2, B, N, D))
+    phi = fm.get("hedgehog", W=0.5 * rng.standard_normal((3, D)), b=0.1 * rng.standard_normal(3))
+    fq = phi.apply(q, role="query", causal=causal)
+    fk = phi.apply(k, role="key", causal=causal)
+    ce_rows, kl_rows = [], []
+    for b in range(B):
+        s = scale * (q[b] @ k[b].T)
+        a = fq[b] @ fk[b].T  # positive features: every weight > 0
+        for i in range(N):
+            n_i = i + 1 if causal else N
+            p = np.exp(s[i, :n_i] - s[i, :n_i].max())
+            p /= p.sum()
+            w = a[i, :n_i] / a[i, :n_i].sum()
+            ce_rows.append(-np.sum(p * np.log(w)))
+            kl_rows.append(np.sum(p * np.log(p / w)))
+    ce, _ = objective(phi, q, k, causal=causal, scale=scale, loss="cross_entropy", floor=0.0)
+    kl, _ = objective(phi, q, k, causal=causal, scale=scale, loss="kl", floor=0.0)
+    assert ce == pytest.approx(np.mean(ce_rows), rel=1e-10)
+    assert kl == pytest.approx(np.mean(kl_rows), rel=1e-9)
+
+
+def test_nearest_accuracy_is_the_nearest_row_by_distance():
+    # Catches: the nearest-neighbour read-out with the wrong sign of |v_j|^2 (mutation
+    # capacity_nearest_sign).  Reference: argmin_j |vhat_i - v_j| computed directly.
+    from linattn_nb.analysis.capacity import _nearest_accuracy
+
+    rng = np.random.default_rng(2)
+    v = rng.standard_normal((12, 3)) * rng.uniform(0.2, 4.0, (12, 1))  # rows of very different norms
+    vhat = v + 0.8 * rng.standard_normal(v.shape)
+    dist = np.linalg.norm(vhat[:, None, :] - v[None, :, :], axis=-1)
+    want = np.mean(np.argmin(dist, axis=1) == np.arange(12))
+    assert 0.0 < want < 1.0
+    assert _nearest_accuracy(vhat, v) == want
+    assert _nearest_accuracy(v, v) == 1.0
+
+
+def test_cuda_auto_counts_a_partial_column_block(monkeypatch):
+    # Catches: the auto choice counting batch x floor(M / MB) blocks instead of the
+    # ceil(M / MB) the scan launches (mutation cuda_auto_blocks_floor).
+    pytest.importorskip("numba.cuda")
+    from linattn_nb import _cuda_dispatch as D
+    from linattn_nb import config
+    from linattn_nb.ops import _cuda_kernels as K
+
+    f, dtype = 4, np.float32
+    MB = K.seq_config(f, 1, np.dtype(K.acc_name(dtype)).itemsize, 0)[3]
+    assert MB == 1  # M = 1: one (partial) column block of the scan per sequence
+    monkeypatch.setattr(config, "CUDA_AUTO_SCAN_BLOCKS_PER_SM", 1)
+    monkeypatch.setattr(D, "multiprocessor_count", lambda: 3)
+    # 3 sequences x 1 block = 3 blocks >= 1 per SM x 3 SMs: the scan
+    assert D.select_auto_cuda(rule="additive", causal=True, batch=3, n=4096, f=f, m=1, dtype=dtype) == "scan"
+    assert D.select_auto_cuda(rule="additive", causal=True, batch=2, n=4096, f=f, m=1, dtype=dtype) != "scan"
+
+
+@pytest.mark.parametrize("which", ["S", "z"])
+def test_cuda_initial_state_nonfinite_is_named(which):
+    # Catches: the finiteness check of the initial state reading the wrong column of H
+    # (mutation cuda_pack_state_z_column): a NaN in z (or in S's last column) must be
+    # reported as that entry.
+    cuda = pytest.importorskip("numba.cuda")
+    import linattn_nb as la
+
+    rng = np.random.default_rng(4)
+    B, N, F, M = 2, 3, 3, 2
+    q, k = (rng.standard_normal((B, N, F)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((B, N, M)).astype(np.float32)
+    S0 = rng.standard_normal((B, F, M))
+    z0 = rng.uniform(1.0, 2.0, (B, F))
+    if which == "S":
+        S0[B - 1, F - 1, M - 1] = np.nan
+    else:
+        z0[B - 1, F - 1] = np.nan
+    dev = [cuda.to_device(x) for x in (q, k, v)]
+    with pytest.raises(ValueError, match=rf"initial_state\.{which} contains 1 non-finite"):
+        la.linear_attention(*dev, causal=True, device="cuda",
+                            initial_state=(cuda.to_device(S0), cuda.to_device(z0)))
