@@ -309,14 +309,30 @@ def test_cuda_auto_counts_a_partial_column_block(monkeypatch):
     from linattn_nb import config
     from linattn_nb.ops import _cuda_kernels as K
 
-    f, dtype = 4, np.float32
-    MB = K.seq_config(f, 1, np.dtype(K.acc_name(dtype)).itemsize, 0)[3]
-    assert MB == 1  # M = 1: one (partial) column block of the scan per sequence
+    f, m, dtype = 4, 3, np.float32
+    monkeypatch.setattr(config, "CUDA_VALUE_COLS", 2)
+    MB = K.seq_config(f, m, np.dtype(K.acc_name(dtype)).itemsize, 0)[3]
+    assert MB == 2  # M = 3: a full and a partial column block per sequence
     monkeypatch.setattr(config, "CUDA_AUTO_SCAN_BLOCKS_PER_SM", 1)
-    monkeypatch.setattr(D, "multiprocessor_count", lambda: 3)
-    # 3 sequences x 1 block = 3 blocks >= 1 per SM x 3 SMs: the scan
-    assert D.select_auto_cuda(rule="additive", causal=True, batch=3, n=4096, f=f, m=1, dtype=dtype) == "scan"
-    assert D.select_auto_cuda(rule="additive", causal=True, batch=2, n=4096, f=f, m=1, dtype=dtype) != "scan"
+    monkeypatch.setattr(D, "multiprocessor_count", lambda: 4)
+    # 2 sequences x 2 blocks = 4 blocks >= 1 per SM x 4 SMs: the scan; 1 x 2 = 2 < 4: not
+    assert D.select_auto_cuda(rule="additive", causal=True, batch=2, n=4096, f=f, m=m, dtype=dtype) == "scan"
+    assert D.select_auto_cuda(rule="additive", causal=True, batch=1, n=4096, f=f, m=m, dtype=dtype) != "scan"
+
+
+def test_decay_state_one_token_steps_count_positions():
+    # Catches: the one-token fast path of a decay state not advancing the position
+    # (mutation state_rule_step_position).
+    from linattn_nb import LinearAttentionState
+
+    rng = np.random.default_rng(6)
+    q, k = rng.standard_normal((2, 2, 5, 3))
+    v = rng.standard_normal((2, 5, 2))
+    st = LinearAttentionState(3, 2, batch_shape=(2,))
+    for t in range(5):
+        st.step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], decay=0.9)
+        assert st.position == t + 1
+    assert st.rule == "decay"
 
 
 @pytest.mark.parametrize("which", ["S", "z"])
