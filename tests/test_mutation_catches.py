@@ -328,11 +328,15 @@ def test_decay_state_one_token_steps_count_positions():
     rng = np.random.default_rng(6)
     q, k = rng.standard_normal((2, 2, 5, 3))
     v = rng.standard_normal((2, 5, 2))
-    st = LinearAttentionState(3, 2, batch_shape=(2,))
-    for t in range(5):
-        st.step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], decay=0.9)
-        assert st.position == t + 1
-    assert st.rule == "decay"
+    for rule in (None, "decay"):  # rule="decay" fixed at construction: the one-token fast path from token 0
+        st = LinearAttentionState(3, 2, batch_shape=(2,), rule=rule)
+        for t in range(5):
+            # C-contiguous one-token arrays (the fast path's inputs) and a slice of the sequence
+            one = [np.ascontiguousarray(x[:, t:t + 1]) for x in (q, k, v)] if t % 2 == 0 else \
+                [x[:, t:t + 1] for x in (q, k, v)]
+            st.step(*one, decay=0.9)
+            assert st.position == t + 1
+        assert st.rule == "decay"
 
 
 @pytest.mark.parametrize("which", ["S", "z"])
