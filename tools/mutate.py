@@ -23,8 +23,15 @@ Usage::
     python tools/mutate.py --only vec_exp_coef,sweep_error_replaces_ok
     python tools/mutate.py --jobs 2 --timeout 900 --keep
 
-The exit status is 1 when any mutation survives or errors.  Not part of CI:
-every mutation compiles the kernels it reaches afresh.
+First the targets of the selected mutations run once on the unmutated
+checkout (the baseline; ``--no-baseline`` skips it): a catch means nothing
+when a target fails anyway, so a failing baseline stops the run (status 2).
+The kernel cache it fills is reused by mutations of files without compiled
+code (mutations of kernel files compile the kernels they reach afresh).
+
+The exit status is 1 when any mutation survives or errors.  Not part of CI.
+The CUDA device kernels (ops/_cuda_kernels.py, ops/_cuda_launch.py) carry no
+mutations yet; the CUDA host-side launch logic does.
 """
 from __future__ import annotations
 
