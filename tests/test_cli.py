@@ -158,14 +158,16 @@ def test_report_sigint_subprocess(tmp_path):
     # to run after LLVM returns is llvmlite's ctypes callback, and a
     # KeyboardInterrupt raised there is printed and swallowed by ctypes (a
     # second Ctrl-C is needed then; noted as a known limitation).
-    subprocess.run([sys.executable, "-m", "linattn_nb.cli", "report", "--quick", "--no-progress", "--out",
+    # (the tiny profile: the same studies on small problems, a third of the quick profile's time)
+    subprocess.run([sys.executable, "-m", "linattn_nb.cli", "report", "--profile", "tiny", "--no-progress", "--out",
                     str(tmp_path / "warm")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
                    timeout=600)
     with open(err_path, "w") as err:
         # SIG_DFL in the child: a shell may have started this test with SIGINT
         # ignored, and Python keeps an inherited "ignore" (no KeyboardInterrupt).
         proc = subprocess.Popen(
-            [sys.executable, "-m", "linattn_nb.cli", "report", "--quick", "--no-progress", "--out", str(out)],
+            [sys.executable, "-m", "linattn_nb.cli", "report", "--profile", "tiny", "--no-progress", "--out",
+             str(out)],
             stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT,
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
