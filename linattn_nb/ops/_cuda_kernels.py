@@ -902,7 +902,7 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> 
         nthreads = MB
         factors = rule_factor_rows(rule, FPo)
         per_token = item * (2 * FPo + 2 * MBP + nthreads + 1 + factors)
-        fixed = 0
+        fixed = 0 if factors else item  # a rule without factors still declares a (1, 1) factor array
     else:
         C = max(1, int(config.CUDA_COLS_PER_THREAD))
         R = max(1, int(config.CUDA_ROWS_PER_THREAD))
@@ -927,7 +927,9 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> 
         nthreads = threads(R, C, MB)
         factors = rule_factor_rows(rule, G * R)
         per_token = item * (2 * G * R + MBP + G * MBP + 1 + factors)
-        fixed = item * 2 * G * MBP if is_delta_rule(rule) else 0  # the delta rules' reduction buffer
+        # the delta rules' reduction buffer, else its (1, 1, 1) stand-in; a (1, 1) factor array without factors
+        fixed = item * 2 * G * MBP if is_delta_rule(rule) else item
+        fixed += 0 if factors else item
     T = min(int(config.CUDA_TILE_TOKENS), (int(config.CUDA_SHARED_BYTES) - fixed) // per_token)
     if T < 1:
         raise ValueError(
