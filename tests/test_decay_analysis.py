@@ -98,7 +98,7 @@ def test_weights_reproduce_linear_attention(qkv, name, normalize):
     assert w.shape == (B, N, N) and np.isfinite(w).all()
     assert np.all(np.triu(w, 1) == 0)
     out = linear_attention(q, k, v, feature_map="elu", causal=True, method="quadratic", normalize=normalize, **kw)
-    np.testing.assert_allclose(w @ v, out, rtol=1e-11, atol=1e-13)
+    np.testing.assert_allclose(w @ v, out, rtol=1e-12, atol=1e-13)
     if normalize:
         np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-12)
 
@@ -161,7 +161,7 @@ def test_attention_rank_with_decay_is_the_rank_of_the_weights(qkv, name, normali
     w = attention_weights(q, k, "elu", causal=True, normalize=normalize, **kw)
     ranks, spectra = attention_rank(q, k, "elu", causal=True, normalize=normalize, return_spectrum=True, **kw)
     assert ranks.tolist() == [int(np.linalg.matrix_rank(x)) for x in w]
-    np.testing.assert_allclose(spectra, np.linalg.svd(w, compute_uv=False), rtol=1e-10, atol=1e-13)
+    np.testing.assert_allclose(spectra, np.linalg.svd(w, compute_uv=False), rtol=1e-12, atol=1e-13)
 
 
 def test_unnormalised_ranks_from_factors_match_explicit():
@@ -316,7 +316,7 @@ def test_recall_decay_one_is_the_additive_rule_and_one_bin_is_the_total():
     a = recall_capacity("elu", 8, [6, 40], **kw)
     b = recall_capacity("elu", 8, [6, 40], decay=1.0, **kw)
     for field in ("accuracy", "mse", "optimal_mse", "softmax_mse", "error_by_distance", "optimal_error_by_distance"):
-        np.testing.assert_allclose(getattr(b, field), getattr(a, field), rtol=1e-10, atol=1e-14, err_msg=field)
+        np.testing.assert_allclose(getattr(b, field), getattr(a, field), rtol=1e-12, atol=1e-14, err_msg=field)
     assert a.decay is None and b.decay == 1.0
     assert a.distance_edges.tolist() == [0, 1, 2, 4, 8, 16, 32, 64]
     # n = 6 reaches distances 0..5: the bins from 8 on are empty
@@ -324,7 +324,7 @@ def test_recall_decay_one_is_the_additive_rule_and_one_bin_is_the_total():
     assert np.isfinite(a.error_by_distance[1]).all()
     one = recall_capacity("elu", 8, [6, 40], decay=0.9, distance_bins=[0, 64], **kw)
     np.testing.assert_allclose(one.error_by_distance[:, 0], one.mse, rtol=1e-12)
-    np.testing.assert_allclose(one.optimal_error_by_distance[:, 0], one.optimal_mse, rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(one.optimal_error_by_distance[:, 0], one.optimal_mse, rtol=1e-12, atol=1e-14)
     assert one.distance_edges.tolist() == [0, 64]
 
 

@@ -84,11 +84,11 @@ def test_weights_are_the_rule_equivalent_causal_matrix(qkv, name, normalize):
     assert w.shape == (B, N, N)
     assert np.all(np.triu(w, 1) == 0.0)
     o = linear_attention(q, k, v, feature_map="l2", causal=True, method="quadratic", normalize=normalize, **kw)
-    np.testing.assert_allclose(w @ v, o, rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(w @ v, o, rtol=1e-12, atol=1e-12)
     for b in range(B):
         ref = _recurrence(_l2(q[b]), _l2(k[b]), v[b], _per_token(kw["beta"], b), _per_token(kw.get("decay"), b),
                           normalize=normalize)
-        np.testing.assert_allclose((w @ v)[b], ref, rtol=1e-11, atol=1e-11)
+        np.testing.assert_allclose((w @ v)[b], ref, rtol=1e-12, atol=1e-12)
 
 
 def test_delta_defaults_to_unnormalised_and_replaces_a_rewritten_key():
@@ -145,7 +145,7 @@ def test_approximation_error_matches_the_explicit_reference(qkv, name):
         if np.isnan(b):
             assert np.isnan(a), field
         else:
-            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12, err_msg=field)
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12, err_msg=field)
     assert fast.n_rows == B * N
 
 
@@ -325,7 +325,7 @@ def test_row_normalising_maps_are_not_applied_elementwise_by_the_rank_functions(
         _, s_factor = attention_rank(q, k, name, method="factor", return_spectrum=True, normalize=False)
         w = attention_weights(q, k, name, normalize=False)
         s_explicit = np.linalg.svd(w, compute_uv=False)[:6]
-        np.testing.assert_allclose(s_factor, s_explicit, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(s_factor, s_explicit, rtol=1e-12, atol=1e-12)
         kf = fm.resolve(name).apply(k, role="key", causal=True)
         np.testing.assert_allclose(np.linalg.norm(kf, axis=-1), 1.0, rtol=1e-12)
         v = rng.normal(size=(40, 2))

@@ -18,7 +18,7 @@ FIELDS = ("output_rel_error", "kl_mean", "kl_max", "tv_mean", "tv_max", "entropy
           "monotonicity", "nonpositive_normalizer_rate", "kl_infinite_rate", "js_mean")
 
 
-def _assert_same(got: ApproximationError, want: ApproximationError, rtol=1e-9):
+def _assert_same(got: ApproximationError, want: ApproximationError, rtol=1e-12):
     assert got.n_rows == want.n_rows
     for f in FIELDS:
         a, b = getattr(got, f), getattr(want, f)

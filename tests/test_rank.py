@@ -105,7 +105,7 @@ def test_attention_rank_factor_equals_explicit(nq, nk, d, fmap, seed):
     w = _weights(q, k, fmap, causal=False)
     assert r == np.linalg.matrix_rank(w)
     sw = np.linalg.svd(w, compute_uv=False)
-    np.testing.assert_allclose(s, sw[: s.size], rtol=1e-8, atol=1e-10 * max(sw.max(), 1e-300))
+    np.testing.assert_allclose(s, sw[: s.size], rtol=1e-12, atol=1e-12 * max(sw.max(), 1e-300))
     assert r == attention_rank(q, k, fmap, method="explicit")
 
 
@@ -162,7 +162,7 @@ def test_attention_rank_batch_dtypes_and_edges(rng):
     # explicit spectrum has min(Nq, Nk) values
     _, se = attention_rank(q, k, "elu", method="explicit", return_spectrum=True)
     assert se.shape == (2, 3, 30)
-    np.testing.assert_allclose(se[..., :4], s, rtol=1e-8, atol=1e-12)
+    np.testing.assert_allclose(se[..., :4], s, rtol=1e-12, atol=1e-12)
     # empty and one-token sequences
     assert attention_rank(np.zeros((0, 3)), np.zeros((0, 3)), "elu") == 0
     assert attention_rank(rng.normal(size=(1, 3)), rng.normal(size=(5, 3)), "elu") == 1

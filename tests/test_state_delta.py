@@ -429,8 +429,8 @@ def test_rule_fast_path_equals_the_validating_path(dtype, bs):
             a = fast.step(q[sl], k[sl], v[sl], **kf)
             b = slow.step(q[sl], k[sl], v[sl], **ks)  # (*batch, T, 1): the validating path
             assert a.dtype == dtype and a.shape == bs + (1, M)
-            np.testing.assert_allclose(a, b, rtol=1e-6 if dtype == np.float32 else 1e-14, atol=1e-7)
-            np.testing.assert_allclose(fast.S, slow.S, rtol=1e-6 if dtype == np.float32 else 1e-14, atol=1e-7)
+            np.testing.assert_allclose(a, b, rtol=1e-6 if dtype == np.float32 else 1e-14, atol=1e-7 if dtype == np.float32 else 1e-14)
+            np.testing.assert_allclose(fast.S, slow.S, rtol=1e-6 if dtype == np.float32 else 1e-14, atol=1e-7 if dtype == np.float32 else 1e-14)
         assert fast.position == slow.position == len(calls)
 
 

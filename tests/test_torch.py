@@ -201,7 +201,7 @@ def test_maps_applied_by_torch_equal_the_numpy_maps(name):
         out = lt.linear_attention(q, k, v, feature_map=fmap, causal=True, method="chunked", eps=None, **extra)
         res.append((out, *torch.autograd.grad(out, (q, k, v, extra["decay"]), gout)))
     for a, b in zip(*res):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------
@@ -269,7 +269,7 @@ def test_segments_chain_like_one_call():
     torch.testing.assert_close(both, whole, rtol=1e-12, atol=1e-12)
     grads = torch.autograd.grad(both.square().sum(), (q, k, v, a))
     for g1, g2 in zip(grads, grads_whole):
-        torch.testing.assert_close(g1, g2, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(g1, g2, rtol=1e-12, atol=1e-12)
 
 
 def test_only_state_used():

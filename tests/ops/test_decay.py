@@ -299,7 +299,7 @@ def test_public_api(rng, method, form):
                                          method=method, return_state=True, **cut(kw, slice(0, half)))
     o2 = linattn_nb.linear_attention(q[..., half:, :], k[..., half:, :], v[..., half:, :], causal=True,
                                      method=method, initial_state=st, **cut(kw, slice(half, N)))
-    np.testing.assert_allclose(np.concatenate([o1, o2], axis=-2), ref, rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(np.concatenate([o1, o2], axis=-2), ref, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("method", ["scan", "chunked"])
@@ -308,4 +308,4 @@ def test_public_api_normalize_false(rng, method):
     d = rng.uniform(0.7, 1.0, (2, 37, 6))
     ref = linattn_nb.linear_attention(q, k, v, causal=True, method="quadratic", decay=d, normalize=False)
     out = linattn_nb.linear_attention(q, k, v, causal=True, method=method, decay=d, normalize=False)
-    np.testing.assert_allclose(out, ref, rtol=1e-11, atol=1e-11 * np.abs(ref).max())
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())

@@ -217,4 +217,4 @@ def test_vjp_front_end(name, method, identity_vjp):
         a, r = getattr(got, field), getattr(ref, field)
         assert (a is None) == (r is None), field
         if r is not None:
-            np.testing.assert_allclose(a, r, rtol=1e-9, atol=1e-10 * np.abs(r).max(), err_msg=field)
+            np.testing.assert_allclose(a, r, rtol=1e-12, atol=1e-12 * np.abs(r).max(), err_msg=field)

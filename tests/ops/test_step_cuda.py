@@ -152,7 +152,7 @@ def test_cuda_segmentwise_equals_one_shot(method, dtype):
                                            return_state=True)
             outs.append(host(o))
         assert_close(np.concatenate(outs, axis=-2), cpu_full, dtype)
-        np.testing.assert_allclose(host(state.S), host(st_full.S), rtol=1e-9, atol=1e-9)
+        np.testing.assert_allclose(host(state.S), host(st_full.S), rtol=1e-12, atol=1e-12)
         assert state.position == 37
 
 
