@@ -12,6 +12,8 @@ import pytest
 from linattn_nb.analysis import approximation_error
 from linattn_nb.analysis.theory import orthogonal_mse_bound
 
+from _state_files import rewrite_state_file
+
 
 def _elu1(x):
     return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
@@ -103,17 +105,6 @@ def _state_file(tmp_path, **kw):
     return st, path
 
 
-def _rewrite_file(src, dst, **changes):
-    with np.load(src, allow_pickle=False) as npz:
-        data = {k: npz[k] for k in npz.files}
-    for key, val in changes.items():
-        if val is None:
-            data.pop(key)
-        else:
-            data[key] = val
-    np.savez(dst, **data)
-
-
 def test_state_file_one_version_ahead_is_refused(tmp_path):
     # Catches: the newer-version check off by one (mutation file_newer_version_accepted):
     # the next format version, not only a far-off one, must be refused.
@@ -123,11 +114,11 @@ def test_state_file_one_version_ahead_is_refused(tmp_path):
     _, good = _state_file(tmp_path)
     for version in (FORMAT_VERSION + 1, FORMAT_VERSION + 2):
         bad = tmp_path / f"v{version}.npz"
-        _rewrite_file(good, bad, version=np.array(version, dtype=np.int64))
+        rewrite_state_file(good, bad, version=np.array(version, dtype=np.int64))
         with pytest.raises(StateFileError, match=f"format version {version} was written by a newer"):
             LinearAttentionState.load(bad)
     ok = tmp_path / "same.npz"
-    _rewrite_file(good, ok, version=np.array(FORMAT_VERSION, dtype=np.int64))
+    rewrite_state_file(good, ok, version=np.array(FORMAT_VERSION, dtype=np.int64))
     assert LinearAttentionState.load(ok).position == 4
 
 
@@ -140,12 +131,12 @@ def test_state_file_version_2_entries_are_required(tmp_path, entry):
 
     _, good = _state_file(tmp_path)
     bad = tmp_path / "bad.npz"
-    _rewrite_file(good, bad, **{entry: None})
+    rewrite_state_file(good, bad, **{entry: None})
     with pytest.raises(StateFileError, match=rf"missing entries \['{entry}'\]"):
         LinearAttentionState.load(bad)
     # a version-1 file has neither entry and is read as additive
     v1 = tmp_path / "v1.npz"
-    _rewrite_file(good, v1, version=np.array(1, dtype=np.int64), rule=None, normalize=None)
+    rewrite_state_file(good, v1, version=np.array(1, dtype=np.int64), rule=None, normalize=None)
     assert LinearAttentionState.load(v1).position == 4
 
 
@@ -156,7 +147,7 @@ def test_state_file_unknown_rule_is_refused(tmp_path):
 
     _, good = _state_file(tmp_path)
     bad = tmp_path / "bad.npz"
-    _rewrite_file(good, bad, rule=np.array("no_such_rule"))
+    rewrite_state_file(good, bad, rule=np.array("no_such_rule"))
     with pytest.raises(StateFileError, match="entry 'rule' must be one of"):
         LinearAttentionState.load(bad)
 

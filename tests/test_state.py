@@ -26,6 +26,8 @@ from linattn_nb.ops.step import cpu as step_cpu
 from linattn_nb.ops.step import naive as step_naive
 from linattn_nb.state import KVCache, LinearAttentionState, StateFileError
 
+from _state_files import rewrite_state_file
+
 # Relative tolerances (max-abs error over max(max-abs reference, 1)) per computing dtype.
 TOL = {np.float64: 1e-11, np.float32: 3e-5, np.float16: 5e-3}
 
@@ -545,17 +547,6 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     assert LinearAttentionState.load(path).position == 4
 
 
-def _rewrite(src, dst, **changes):
-    with np.load(src, allow_pickle=False) as npz:
-        data = {k: npz[k] for k in npz.files}
-    for key, val in changes.items():
-        if val is None:
-            data.pop(key)
-        else:
-            data[key] = val
-    np.savez(dst, **data)
-
-
 def test_bad_files_rejected_with_clear_errors(tmp_path):
     st_ = LinearAttentionState(3, 2, batch_shape=(2,))
     st_.prefill(np.ones((2, 4, 3)), np.ones((2, 4, 2)))
@@ -594,7 +585,7 @@ def test_bad_files_rejected_with_clear_errors(tmp_path):
     }
     for name, (change, msg) in edits.items():
         p = tmp_path / f"{name}.npz"
-        _rewrite(good, p, **change)
+        rewrite_state_file(good, p, **change)
         with pytest.raises(StateFileError, match=msg):
             LinearAttentionState.load(p)
     # A pickled object array is never unpickled.

@@ -21,6 +21,7 @@ from linattn_nb.state import fileformat
 from linattn_nb.state import launchers
 
 from _rule_state import assert_close, qkv, ref  # noqa: E402
+from _state_files import rewrite_state_file  # noqa: E402
 
 
 def token_factors(rng, batch, n, f=None, resets=()):
@@ -411,17 +412,6 @@ def test_segmentwise_linear_attention_with_decay_equals_one_call():
 # ---------------------------------------------------------------------------
 # 7. State files carry the rule
 # ---------------------------------------------------------------------------
-def _rewrite(src, dst, **changes):
-    with np.load(src, allow_pickle=False) as npz:
-        data = {k: npz[k] for k in npz.files}
-    for key, val in changes.items():
-        if val is None:
-            data.pop(key)
-        else:
-            data[key] = val
-    np.savez(dst, **data)
-
-
 def test_state_files_store_the_rule(tmp_path):
     rng = np.random.default_rng(12)
     q, k, v = qkv(rng, (2,), 8, 3, 2)
@@ -451,7 +441,7 @@ def test_state_files_store_the_rule(tmp_path):
                         (dict(normalize=np.array(7)), "entry 'normalize'"),
                         (dict(rule=None), "missing entries \\['rule'\\]")):
         p = tmp_path / "bad.npz"
-        _rewrite(path, p, **change)
+        rewrite_state_file(path, p, **change)
         with pytest.raises(StateFileError, match=msg):
             LinearAttentionState.load(p)
 
@@ -465,7 +455,7 @@ def test_version_1_files_load_as_additive(tmp_path):
     path = tmp_path / "new.npz"
     st.save(path)
     old = tmp_path / "old.npz"
-    _rewrite(path, old, version=np.array(1, dtype=np.int64), rule=None, normalize=None)
+    rewrite_state_file(path, old, version=np.array(1, dtype=np.int64), rule=None, normalize=None)
     back = LinearAttentionState.load(old)
     assert back.rule == "additive" and back.normalize is True and back.position == 4
     assert np.array_equal(back.step(q[:, 4:], k[:, 4:], v[:, 4:]), st.step(q[:, 4:], k[:, 4:], v[:, 4:]))
