@@ -23,7 +23,7 @@ from linattn_nb.device import cuda_status
 from linattn_nb.ops import registry
 from linattn_nb.state import LinearAttentionState, StateFileError, launchers
 from linattn_nb.state import linear as state_linear
-from test_state import _rewrite
+from _state_files import rewrite_state_file
 
 HAVE_CUDA = cuda_status() != "none"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAVE_CUDA, reason="no CUDA and no simulator"))]
@@ -48,7 +48,7 @@ def qkv(rng, batch, n, d, m, dtype=np.float64):
             rng.standard_normal(batch + (n, m)).astype(dtype))
 
 
-rewrite = _rewrite  # copy a state file, replacing (or with None: dropping) entries
+rewrite = rewrite_state_file  # copy a state file, replacing (or with None: dropping) entries
 
 
 # ---------------------------------------------------------------------------
