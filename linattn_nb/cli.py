@@ -146,10 +146,11 @@ def cmd_demo(args) -> int:
     return 0
 
 
-#: What ``--quick`` costs, as measured on the 2-core development VM (load average about 1): a first run, with
-#: a cold kernel cache (most of it compiling the kernels), 147 s (175 s of CPU time); notebook 01 quotes the
+#: What ``--quick`` costs, as measured on the 2-core development VM (AMD EPYC, load average 1-2): a first run,
+#: with a cold kernel cache (most of it compiling the kernels), 89 s with the self-check compiling in a
+#: background process beside the other studies (154 s one study after the other); notebook 01 quotes the
 #: same words (tests/test_cli.py).
-QUICK_TIME = "about 2.5 minutes on 2 cores on a first run, most of it compiling the kernels"
+QUICK_TIME = "about 1.5 minutes on 2 cores on a first run, most of it compiling the kernels"
 
 
 def _study_options(p, *, default_out: str) -> None:

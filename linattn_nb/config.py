@@ -392,5 +392,14 @@ FIT_SERIAL_BLAS_MAX_WORK = _env_int("LINATTN_FIT_SERIAL_BLAS_MAX_WORK", 1 << 27)
 #: and differentiable where ``L_ij = 0``.
 FIT_FLOOR = _env_float("LINATTN_FIT_FLOOR", 1e-6)
 
+# Reports (linattn_nb.studies.run_report)
+# --------------------------------------------------------------------------
+#: ``run_report`` runs the studies marked ``background`` (the correctness
+#: self-check, which on a cold kernel cache is almost all compiling) in a
+#: spawned process beside the untimed studies, so that a first report uses
+#: both cores of a laptop while Numba compiles on one.  ``LINATTN_REPORT_BACKGROUND=0``
+#: runs every study in the reporting process, one after the other.
+REPORT_BACKGROUND = os.environ.get("LINATTN_REPORT_BACKGROUND", "1") not in ("0", "false", "no")
+
 # the name bound by ``from __future__ import annotations`` is not part of the API
 del annotations

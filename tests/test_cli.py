@@ -177,6 +177,7 @@ def test_report_sigint_subprocess(tmp_path):
                 assert time.monotonic() < deadline, "the report did not start"
                 time.sleep(0.1)
             time.sleep(0.3)
+            children = _children(proc.pid)  # the background self-check (and multiprocessing's tracker)
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=60)
         finally:
@@ -186,8 +187,39 @@ def test_report_sigint_subprocess(tmp_path):
     text = err_path.read_text()
     assert proc.returncode == 130, text
     assert "Traceback" not in text, text
-    after = text[text.index("points"):].splitlines()[1:]
-    assert len(after) == 1 and "--resume" in after[0] and str(out) in after[0], text
+    lines = text.splitlines()
+    # the studies that started (the self-check in its background process, the first untimed one),
+    # then one line saying how to resume
+    assert all(line.startswith("[") and line.endswith("points") or "background process" in line
+               for line in lines[:-1]), text
+    assert "--resume" in lines[-1] and str(out) in lines[-1], text
+    assert any("background process" in line for line in lines), text
+    assert children or not Path("/proc/self/stat").exists(), "no background process was started"
+    deadline = time.monotonic() + 20
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if _alive(pid)], "a child process outlived the interrupted report"
+
+
+def _children(pid):
+    """Process ids of the children of ``pid`` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid):
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 # ---------------------------------------------------------------------------

@@ -235,6 +235,20 @@ class Study:
         The time the study is sized to take per profile (``{"quick": 20,
         "full": 120}``), on 2 shared cores; the report prints it beside the
         time taken and notes a study that overran it.
+    background : bool
+        The study neither measures time nor depends on the others, and most
+        of its time is compiling kernels: in a report without a scheduler
+        or worker pool it runs in a spawned process beside the untimed
+        studies (the timed ones wait for it), using the second core during
+        a cold start.  Its ``run`` must be importable by that process (a
+        module-level function).  See :data:`linattn_nb.config.REPORT_BACKGROUND`.
+    prepare : callable, optional
+        For a timed study: ``prepare(points)`` compiles (or loads from the
+        cache) the kernels its points will time, untimed.  When a report has
+        a background process, that process calls it after its own studies,
+        so that the timed study does not compile on a cold cache.  Must be
+        importable by that process; its errors are ignored (the study's own
+        warm-up still runs).
     """
 
     name: str
@@ -247,6 +261,8 @@ class Study:
     requires: Callable | None = None
     timing: bool = False
     budget_s: dict | None = None
+    background: bool = False
+    prepare: Callable | None = None
 
     def __post_init__(self):
         if self.requires is None:

@@ -290,4 +290,5 @@ STUDY = register_study(Study(
     run=run,
     render=render,
     budget_s={"tiny": 120, "quick": 60, "full": 360},
+    background=True,
 ))

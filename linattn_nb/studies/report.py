@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import config
 from ._study import PROFILES, STUDIES, Context, Rendered, get_study, markdown_table
 from .sweep import sweep
 
@@ -284,47 +285,147 @@ def run_report(
         client = Client(scheduler, timeout="30s")
     result = ReportResult(path=out / "report.md", cached_kernels=_cached_kernels())
     timings = {}
-    try:
-        for i, study in enumerate(selected, 1):
-            reason = study.requires()
-            if reason:
-                result.skipped.append((study.name, reason))
-                log(f"[{i}/{len(selected)}] {study.name}: not run: {reason}")
-                continue
-            t0 = time.perf_counter()
-            try:
-                opts = study_options.get(study.name, {})
-                pts = study.points(ctx, **opts) if opts else study.points(ctx)
-                if study.timing or (scheduler is None and not workers):
-                    kw = dict(backend="local")
-                elif scheduler is not None:
-                    kw = dict(backend="dask", scheduler=client or scheduler)
-                else:
-                    kw = dict(backend="local", workers=workers)
-                log(f"[{i}/{len(selected)}] {study.name}: {len(pts)} points"
-                    f"{' (timed, one at a time)' if study.timing else ''}")
-                records = sweep(study.run, pts, out=out / f"{study.name}.jsonl", resume=True,
-                                errors="record", progress=progress, **kw)
-                rendered = study.render(records, ctx)
-            except Exception as exc:  # noqa: BLE001 - the report goes on; the failure is shown
-                import traceback
+    n_sel = len(selected)
+    runnable = []  # (index in the report, study), in the report's order
+    for i, study in enumerate(selected, 1):
+        reason = study.requires()
+        if reason:
+            result.skipped.append((study.name, reason))
+            log(f"[{i}/{n_sel}] {study.name}: not run: {reason}")
+        else:
+            runnable.append((i, study))
+    # Execution order: background studies start first in a spawned process,
+    # the untimed studies run here meanwhile, and the timed ones run last,
+    # once the background process has finished (timings taken beside a
+    # compiling process would mean nothing).  The report keeps its order.
+    background = {}  # study name -> (process, start time, points, elapsed)
+    if config.REPORT_BACKGROUND and scheduler is None and not workers:
+        if any(not s.timing and not s.background for _, s in runnable):
+            prepares = _prepares(runnable, study_options, ctx) if config.CACHE else []
+            for i, study in runnable:
+                if study.background and not study.timing:
+                    started = _start_background(study, study_options.get(study.name, {}), ctx, out, prepares)
+                    if started is not None:
+                        prepares = []  # once, in the first background process
+                        background[study.name] = started
+                        log(f"[{i}/{n_sel}] {study.name}: {started[2]} points, in a background process "
+                            "beside the untimed studies")
+    order = ([(i, s) for i, s in runnable if not s.timing and s.name not in background]
+             + [(i, s) for i, s in runnable if s.name in background]
+             + [(i, s) for i, s in runnable if s.timing])
 
-                rendered = Rendered(
-                    f"This study failed:\n\n```\n{traceback.format_exc()}```", "**failed**",
-                    [f"{study.name}: {type(exc).__name__}: {exc}"],
-                )
-            timings[study.name] = time.perf_counter() - t0
-            result.sections[study.name] = rendered
-            result.problems += rendered.problems
-            log(f"[{i}/{len(selected)}] {study.name}: {rendered.summary or 'done'} "
-                f"({timings[study.name]:.1f} s)")
+    def run_one(i, study):
+        t0 = time.perf_counter()
+        note = ""
+        try:
+            opts = study_options.get(study.name, {})
+            pts = study.points(ctx, **opts) if opts else study.points(ctx)
+            if study.name in background:
+                proc, t_bg, _, elapsed = background[study.name]
+                proc.join()
+                t0 = t_bg if elapsed.value < 0 else time.perf_counter() - elapsed.value
+                note = ", in the background"
+                # The background process wrote its points to the results file:
+                # this reads them back and runs here any it did not finish.
+                kw = dict(backend="local")
+            elif study.timing or (scheduler is None and not workers):
+                kw = dict(backend="local")
+            elif scheduler is not None:
+                kw = dict(backend="dask", scheduler=client or scheduler)
+            else:
+                kw = dict(backend="local", workers=workers)
+            if study.name not in background:
+                log(f"[{i}/{n_sel}] {study.name}: {len(pts)} points"
+                    f"{' (timed, one at a time)' if study.timing else ''}")
+            records = sweep(study.run, pts, out=out / f"{study.name}.jsonl", resume=True,
+                            errors="record", progress=progress and study.name not in background, **kw)
+            rendered = study.render(records, ctx)
+        except Exception as exc:  # noqa: BLE001 - the report goes on; the failure is shown
+            import traceback
+
+            rendered = Rendered(
+                f"This study failed:\n\n```\n{traceback.format_exc()}```", "**failed**",
+                [f"{study.name}: {type(exc).__name__}: {exc}"],
+            )
+        timings[study.name] = time.perf_counter() - t0
+        result.sections[study.name] = rendered
+        log(f"[{i}/{n_sel}] {study.name}: {rendered.summary or 'done'} "
+            f"({timings[study.name]:.1f} s{note})")
+
+    try:
+        for i, study in order:
+            run_one(i, study)
     finally:
+        for proc, *_ in background.values():
+            if proc.is_alive():  # interrupted: its finished points are in its results file
+                proc.terminate()
+                proc.join()
         if client is not None:
             client.close()
+    result.problems = [p for _, s in runnable if s.name in result.sections for p in result.sections[s.name].problems]
     result.elapsed_s = time.perf_counter() - t_start
     _write_markdown(result, ctx, selected, timings, command)
     log(f"wrote {result.path} ({result.elapsed_s:.1f} s)")
     return result
+
+
+def _background_sweep(run, points, path, prepares=(), elapsed=None) -> None:
+    """Run a study's points in a spawned process, writing its results file;
+    then ``prepare(points)`` for each ``(prepare, points)`` of the timed studies.
+
+    Ctrl-C is the reporting process's to handle: it terminates this one, and
+    the points finished so far stay in the results file.
+    """
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    t0 = time.perf_counter()
+    sweep(run, points, out=path, resume=True, errors="record", progress=False)
+    if elapsed is not None:
+        elapsed.value = time.perf_counter() - t0  # the study's own time, without the warm-ups after it
+    for prepare, pts in prepares:
+        try:
+            prepare(pts)
+        except Exception:  # noqa: BLE001 - only a warm-up: the timed study compiles what it needs itself
+            pass
+
+
+def _start_background(study, opts, ctx, out, prepares=()):
+    """Start ``study`` in a spawned process: ``(process, start time, points, elapsed)``, or None.
+
+    ``elapsed`` (a shared double) receives the time the study's sweep took
+    there; it stays negative when the sweep did not finish.
+
+    None (the study then runs in this process, in its turn) when its points
+    cannot be built here or the process cannot start.
+    """
+    import multiprocessing
+
+    t0 = time.perf_counter()
+    mp = multiprocessing.get_context("spawn")
+    try:
+        pts = study.points(ctx, **opts) if opts else study.points(ctx)
+        elapsed = mp.Value("d", -1.0, lock=False)
+        proc = mp.Process(target=_background_sweep,
+                          args=(study.run, pts, str(out / f"{study.name}.jsonl"), list(prepares), elapsed),
+                          name=f"linattn-{study.name}", daemon=True)
+        proc.start()
+    except Exception:  # noqa: BLE001 - the study runs in the foreground instead, and fails there if it must
+        return None
+    return proc, t0, len(pts), elapsed
+
+
+def _prepares(runnable, study_options, ctx) -> list:
+    """``(prepare, points)`` of the timed studies that have a ``prepare`` (CPU warm-ups)."""
+    found = []
+    for _, study in runnable:
+        if study.timing and study.prepare is not None and "cpu" in ctx.devices:
+            try:
+                opts = study_options.get(study.name, {})
+                found.append((study.prepare, study.points(ctx, **opts) if opts else study.points(ctx)))
+            except Exception:  # noqa: BLE001 - the study reports its own failure in its turn
+                pass
+    return found
 
 
 def _check_options(options) -> dict:
