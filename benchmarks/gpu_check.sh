@@ -48,7 +48,7 @@ PYEOF
   if have pytest && have hypothesis; then
     timeout 200 $PY -m pytest tests/ops/test_cuda.py tests/ops/test_step_cuda.py tests/ops/test_grad_cuda.py \
       tests/ops/test_decay_cuda.py tests/ops/test_delta_cuda.py tests/test_device.py \
-      -k "not to_ptx" -q -p no:cacheprovider -rs --durations=8
+      -k "not to_ptx" -q -p no:cacheprovider -rs --durations=8 -o addopts=""  # one process (no pytest-xdist there)
     echo "pytest exit status: $?  (124 = stopped at the time limit)"
   else
     echo "pytest or hypothesis missing: CUDA tests skipped"

@@ -55,7 +55,11 @@ def test_softmax_serial_equals_parallel(monkeypatch, rng, causal, dtype):
     v = rng.standard_normal((3, 37, 4)).astype(dtype)
     monkeypatch.setattr(cfg, "SOFTMAX_BLOCK_Q", 8)  # several tasks per sequence
     ser, par = _both(monkeypatch, lambda: la.softmax_attention(q, k, v, causal=causal))
-    assert np.array_equal(ser, par)
+    # Bit for bit in every run here; once (float64, non-causal, an xdist worker on a loaded host, a cold
+    # cache) the twins differed: Numba can optimise a twin loaded from its disk cache differently from
+    # one compiled fresh (numba/numba#10617, see ops/softmax/cpu.py).  A few ulp, not more, is allowed.
+    eps = np.finfo(dtype).eps
+    np.testing.assert_allclose(par, ser, rtol=4 * eps, atol=4 * eps)
     tol = 2e-6 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(par, direct_softmax(q, k, v, causal), rtol=tol * 10, atol=tol)
 
