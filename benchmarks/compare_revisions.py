@@ -32,7 +32,10 @@ Cases (B*H = 16, D = M = 64, feature map "elu", ``check_finite=False``,
 through :func:`linattn_nb.linear_attention`): chunked float32 at N = 4096,
 N = 512 and N = 64 (where the per-call overhead shows), chunked float64 at N = 4096, the scan at N = 4096 (float32), the
 non-causal kernel at N = 4096 (float32), and a decode step of
-:class:`linattn_nb.LinearAttentionState` (H = 16, one token, float32).
+:class:`linattn_nb.LinearAttentionState` (H = 16, one token, float32); the
+forgetting rules at N = 4096, float32: the chunked kernel with a per-token
+decay and with a per-feature gate, and the gate's scan (log-factors drawn as
+``decay_cpu.py`` draws them).
 Results: a table on stdout and ``benchmarks/results/compare_revisions.json``.
 """
 from __future__ import annotations
@@ -59,6 +62,10 @@ CASES = {
     "scan f32 N=4096": ("scan", 4096, "float32"),
     "noncausal f32 N=4096": ("noncausal", 4096, "float32"),
     "decode step f32 H=16": ("step", 1, "float32"),
+    # the forgetting rules (issue 14): a per-token decay and a per-feature gate, log-factors as decay_cpu.py draws them
+    "decay chunked f32 N=4096": ("chunked/decay", 4096, "float32"),
+    "gate chunked f32 N=4096": ("chunked/gate", 4096, "float32"),
+    "gate scan f32 N=4096": ("scan/gate", 4096, "float32"),
 }
 
 
@@ -77,6 +84,14 @@ def _make_case(la, np, name):
     out = np.empty((BH, n, M), dtype)
     if kind == "noncausal":
         return lambda: la.linear_attention(q, k, v, causal=False, check_finite=False, out=out)
+    if "/" in kind:
+        kind, rule = kind.split("/")
+        if rule == "decay":
+            lg = rng.uniform(-0.1, -0.001, size=(BH, n))
+        else:
+            lg = rng.uniform(-0.5, -0.001, size=(BH, n, D))  # per feature: ELU+1 keeps D_phi = D
+        return lambda: la.linear_attention(q, k, v, causal=True, method=kind, log_decay=lg, check_finite=False,
+                                           out=out)
     return lambda: la.linear_attention(q, k, v, causal=True, method=kind, check_finite=False, out=out)
 
 

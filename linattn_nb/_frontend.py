@@ -231,7 +231,8 @@ def state_from_H(H, batch_shape, f: int, m: int, position: int, rule: str = "add
     return LinearState(S, z, int(position), rule)
 
 
-def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, f: int, *, causal: bool, beta=None):
+def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, f: int, *, causal: bool, beta=None,
+                   copy: bool = True):
     """``(rule, inputs, normalize)`` of a call's ``decay``, ``log_decay``, ``beta`` and ``normalize`` arguments.
 
     The decay and its kernel inputs come from
@@ -244,9 +245,12 @@ def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, f: in
     rules, True for the others).  A
     feature map whose features carry per-row factors that cancel only in the
     normaliser (``fmap.needs_normalizer``) raises ValueError with
-    ``normalize=False``.
+    ``normalize=False``.  ``copy=False``: the kernel inputs may be the
+    caller's own log-factor array (for a call that only reads them before it
+    returns; the gradient front end keeps them for its backward pass, so it
+    copies).
     """
-    rule, inputs = V.decay_inputs(decay, log_decay, batch_shape, n, f, causal=causal)
+    rule, inputs = V.decay_inputs(decay, log_decay, batch_shape, n, f, causal=causal, copy=copy)
     if beta is not None:
         if not causal:
             raise ValueError("beta (the delta rule's write strength) applies to causal attention; it needs "
@@ -304,7 +308,7 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
     q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_finite and dev == "cuda")
     f = feature_dim(fmap, d)
     rule, inputs, normalize = rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, f, causal=causal,
-                                             beta=beta)
+                                             beta=beta, copy=False)
     if initial_state is not None:
         check_state_rule(initial_state, rule)
     if dev == "cuda":
@@ -405,7 +409,7 @@ def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initia
     log_decay = CD.to_host("log_decay", log_decay) if on_device(log_decay) else log_decay
     beta = CD.to_host("beta", beta) if on_device(beta) else beta
     rule, inputs, normalize = rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, d, causal=causal,
-                                             beta=beta)
+                                             beta=beta, copy=False)
     if initial_state is not None:
         check_state_rule(initial_state, rule)
     if fmap.kernel_code is None:

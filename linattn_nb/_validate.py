@@ -193,7 +193,7 @@ def check_normalize(normalize, default: bool) -> bool:
     raise TypeError(f"normalize must be None, True or False, got {type(normalize).__name__} {normalize!r}")
 
 
-def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool):
+def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool, copy: bool = True):
     """The update rule and its kernel inputs for the ``decay``/``log_decay`` arguments.
 
     Which form is meant follows from the number of dimensions (``b`` the
@@ -212,7 +212,10 @@ def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool)
         ``{"log_decay": (B, N)}`` or ``{"log_gate": (B, N, F)}``, C-contiguous
         float64 log-factors <= 0 flattened to the batch, values at or below
         :data:`linattn_nb.ops._codes.LOG_RESET` (exp of them is 0 in float64)
-        set to ``-inf``.
+        set to ``-inf``.  With ``copy=False`` they may be the caller's
+        array itself (float64, C-contiguous, writeable and needing no
+        conversion): for a call that only reads them before it returns,
+        which saves a pass and an allocation as large as q.
 
     Raises
     ------
@@ -236,21 +239,30 @@ def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool)
     x = as_host_array(name, x)
     if x.dtype.kind not in "iuf":
         raise TypeError(f"{name} must hold real numbers (floats), got dtype {x.dtype}")
-    x = x.astype(np.float64)
-    if np.isnan(x).any():
-        raise ValueError(f"{name} contains NaN")
-    if name == "decay":
-        if ((x < 0.0) | (x > 1.0)).any():
-            bad = x[(x < 0.0) | (x > 1.0)].ravel()[0]
-            raise ValueError(f"decay factors must lie in [0, 1] (0 resets the state), got {float(bad)!r}")
+    x = np.asarray(x, dtype=np.float64)  # no copy of a float64 array
+    linear = name == "decay"
+    lo, hi = (0.0, 1.0) if linear else (-np.inf, 0.0)
+    # one compiled pass (a per-feature gate is as large as q and k): NaN, out of range, resets
+    from .ops._finite import factor_counts
+
+    bad, resets = factor_counts(np.ascontiguousarray(x).reshape(-1), lo, hi, LOG_RESET)
+    if bad:
+        if np.isnan(x).any():
+            raise ValueError(f"{name} contains NaN")
+        first = x[(x < lo) | (x > hi)].ravel()[0]
+        if linear:
+            raise ValueError(f"decay factors must lie in [0, 1] (0 resets the state), got {float(first)!r}")
+        raise ValueError(f"log_decay must be <= 0 (-inf resets the state), got {float(first)!r}")
+    if linear:
         with np.errstate(divide="ignore"):
             lg = np.log(x)
+        lg = np.where(lg <= LOG_RESET, -np.inf, lg)
+    elif resets:
+        lg = np.where(x <= LOG_RESET, -np.inf, x)
+    elif copy:
+        lg = x.copy()
     else:
-        if (x > 0.0).any():
-            bad = x[x > 0.0].ravel()[0]
-            raise ValueError(f"log_decay must be <= 0 (-inf resets the state), got {float(bad)!r}")
-        lg = x
-    lg = np.where(lg <= LOG_RESET, -np.inf, lg)
+        lg = x  # nothing to convert: the caller's array itself (read only by the kernels)
     batch_shape = tuple(int(s) for s in batch_shape)
     nb = len(batch_shape)
     b = int(np.prod(batch_shape, dtype=np.int64))
@@ -272,11 +284,13 @@ def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool)
         target, rule = batch_shape + (n, f), "gate"
     else:
         raise ValueError(f"{name} of shape {lg.shape} has {lg.ndim} dimensions; expected {forms}")
-    try:
-        lg = np.broadcast_to(lg, target)
-    except ValueError:
-        raise ValueError(f"{name} of shape {lg.shape} does not broadcast to {target}; expected {forms}") from None
-    # Writeable copies, never read-only broadcast views: Numba compiles a kernel once more for a
+    if lg.shape != target:
+        try:
+            lg = np.broadcast_to(lg, target)
+        except ValueError:
+            raise ValueError(f"{name} of shape {lg.shape} does not broadcast to {target}; expected {forms}") \
+                from None
+    # Writeable arrays, never read-only broadcast views: Numba compiles a kernel once more for a
     # read-only array argument, so a view here would double the causal kernels' compilations.
     if rule == "gate":
         return rule, {"log_gate": np.require(lg.reshape(b, n, f), np.float64, ("C", "W"))}

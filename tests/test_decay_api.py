@@ -111,6 +111,62 @@ def test_huge_finite_log_decay_is_a_reset():
     assert np.isfinite(out).all()
 
 
+def test_log_factors_are_checked_in_one_pass_and_copied_only_when_needed():
+    """decay_inputs: the caller's float64 gate itself with copy=False when nothing needs converting.
+
+    Every other case gets an array of its own, and the caller's array is never written.
+    """
+    B, N, F = 2, 11, 4
+    lg = -RNG.uniform(0.0, 1.0, size=(B, N, F))
+    keep = lg.copy()
+    _, ins = decay_inputs(None, lg, (B,), N, F, causal=True, copy=False)
+    assert ins["log_gate"] is lg or ins["log_gate"].base is lg
+    _, ins = decay_inputs(None, lg, (B,), N, F, causal=True)  # copy=True (the default)
+    assert not np.shares_memory(ins["log_gate"], lg)
+    np.testing.assert_array_equal(ins["log_gate"], lg)
+    # resets to rewrite, linear factors, float32, a strided or read-only array: new arrays, the input untouched
+    lg[0, 3, 1] = -1e300
+    ro = lg.copy()
+    ro.flags.writeable = False
+    with np.errstate(over="ignore"):
+        f32 = lg.astype(np.float32)  # -1e300 -> -inf
+    cases = [("log_decay", lg), ("decay", np.exp(lg)), ("log_decay", f32),
+             ("log_decay", np.repeat(lg, 2, axis=-1)[..., ::2]), ("log_decay", ro)]
+    for name, x in cases:
+        before = x.copy()
+        _, ins = decay_inputs(x if name == "decay" else None, x if name == "log_decay" else None, (B,), N, F,
+                              causal=True, copy=False)
+        g = ins["log_gate"]
+        assert g.flags.c_contiguous and g.flags.writeable and g.dtype == np.float64
+        assert not np.shares_memory(g, x)
+        np.testing.assert_array_equal(x, before)
+        assert np.isneginf(g[0, 3, 1]) and np.isfinite(np.delete(g.ravel(), 3 * F + 1)).all()
+    # the one-pass counts find a single bad element anywhere, with its value in the error
+    big = np.full((B, N, F), -0.5)
+    for bad, match in ((np.nan, "log_decay contains NaN"), (0.25, r"log_decay must be <= 0 .*got 0\.25"),
+                       (np.inf, r"log_decay must be <= 0 .*got inf")):
+        x = big.copy()
+        x[1, N - 1, F - 1] = bad
+        with pytest.raises(ValueError, match=match):
+            decay_inputs(None, x, (B,), N, F, causal=True, copy=False)
+    for bad, match in ((1.0 + 1e-12, "must lie in"), (-1e-300, "must lie in"), (np.inf, "must lie in")):
+        x = np.full((B, N), 0.5)
+        x[0, 7] = bad
+        with pytest.raises(ValueError, match=match):
+            decay_inputs(x, None, (B,), N, F, causal=True)
+
+
+def test_the_callers_gate_is_read_not_written():
+    q, k, v = _qkv(batch=(2,))
+    lg = -RNG.uniform(0.0, 0.5, size=q.shape[:-1] + (q.shape[-1],))
+    keep = lg.copy()
+    for method in ("chunked", "scan", "quadratic"):
+        out = linear_attention(q, k, v, causal=True, log_decay=lg, method=method)
+        np.testing.assert_array_equal(lg, keep)
+        np.testing.assert_allclose(out, linear_attention(q, k, v, causal=True, log_decay=keep.copy(),
+                                                         method="quadratic"), rtol=1e-12, atol=1e-13)
+
+
 def test_normalize_false_is_the_unnormalised_read():
     q, k, v = _qkv()
     decay = RNG.uniform(0.5, 1.0, size=q.shape[:-1])
