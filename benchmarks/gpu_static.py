@@ -16,16 +16,18 @@ kernel), compiled to sm_90 PTX and assembled by ``ptxas``
    reported on its own, against the target FFMA >= 60 %.  Static counts: the
    per-tile work around that loop (staging, the G-way reduction of the partial
    outputs) is in other loops and is not amortised into it;
-3. the launch plan at the headline shape (B = 8, H = 16, N = 16384,
-   D = M = 64, float32, causal ``chunked``): modelled global-memory traffic
-   and FLOPs executed per launch, against the minimum (q, k, v, out once;
-   4 B H N D M FLOPs) and the roofline (4.8 TB/s HBM, 67 TFLOP/s FP32).
-   The model is ``linattn_nb.ops._cuda_launch.traffic_model`` when the
-   package has one, else :func:`local_traffic_model` below (the three-launch
-   chunked plan of this revision, from the plan's shapes).
+3. the launch plans at the headline shape (B = 8, H = 16, N = 16384,
+   D = M = 64, float32, causal ``scan`` and ``chunked``): modelled
+   global-memory traffic per stream and FLOPs executed
+   (``linattn_nb.ops._cuda_launch.traffic_model``), against the minimum
+   (q, k, v, out once; 4 B H N D M FLOPs) and the roofline (4.8 TB/s HBM,
+   67 TFLOP/s FP32); the targets are checked for the plan ``method="auto"``
+   picks on an H200.
 
-Runs on any machine with the ``cuda`` extra (no GPU needed)::
+Runs on any machine with the ``cuda`` extra (no GPU needed); the
+``gpu-static`` extra adds nvdisasm for the SASS tables::
 
+    python -m pip install -e ".[gpu-static]"
     python benchmarks/gpu_static.py [--json PATH] [--no-sass] [--all-loops]
 
 The first run compiles every kernel (minutes); results are cached per source
@@ -61,90 +63,51 @@ GLOBAL_OPS = {"LDG", "STG", "LD", "ST", "ATOM", "ATOMG", "RED"}
 
 
 # ---------------------------------------------------------------------------
-# Traffic and FLOP model of a launch plan
+# Traffic and FLOP model of the launch plans at the headline shape
 # ---------------------------------------------------------------------------
-def local_traffic_model(B, N, F, M, *, acc="float32", in_dtype="float32", chunk=None, rule=RULE_ADDITIVE,
-                        method="chunked"):
-    """Launches of the causal CUDA plan of this revision with their global traffic and FLOPs.
-
-    Same contract as ``linattn_nb.ops._cuda_launch.traffic_model`` is expected
-    to have: ``B`` batch entries (batch x heads), ``N`` tokens, ``F`` features,
-    ``M`` values; returns a list of dicts ``{"launch", "read", "written",
-    "flops"}`` (bytes, bytes, floating-point operations; an FMA is 2).
-
-    ``chunked`` (N > chunk, additive/decay/gate): (1) chunk sums reads k, v and
-    writes one accumulation-dtype state per chunk; (2) the float64 prefix
-    reads and rewrites those states and the (B, F, M + 1) float64 state; (3)
-    the chunk scans read q, k, v and the chunk states and write out.  Every
-    column block of a sequence-kernel launch reads all of q and k; every
-    thread updates its padded R x C tile (rows padded to G R, columns to MBP:
-    the normaliser column and the padding are computed too), and the G row
-    groups' partial outputs are summed per token and column (G adds each, for
-    the numerator and the normaliser).
-    """
-    from linattn_nb.ops import _cuda_kernels as K
-
-    ai = 4 if acc == "float32" else 8
-    ii = {"float16": 2, "float32": 4, "float64": 8}[in_dtype]
-    R, C, G, MB, T = K.seq_config(F, M, ai, rule)
-    FP, MBP, ncb = G * R, -(-(MB + 1) // C) * C, -(-M // MB)
-    L = int(config.CUDA_CHUNK_SIZE if chunk is None else chunk)
-    nc = max(1, -(-N // L))
-    qk = B * N * F * ii
-    vv = B * N * M * ii
-    state = F * (M + 1)
-    tile_fma = B * N * ncb * FP * MBP  # one FMA per padded state element and token
-    reduce = B * N * ncb * MB * (2 * G + 1)  # G partials summed for numerator and normaliser, one division
-    if method == "scan" or nc == 1:
-        return [{"launch": "scan", "read": 2 * qk * ncb + vv + B * state * 8 * 2,
-                 "written": vv + B * state * 8 * 2, "flops": 2 * 2 * tile_fma + reduce}]
-    return [
-        {"launch": "1 chunk sums", "read": qk * ncb + vv, "written": B * nc * state * ai, "flops": 2 * tile_fma},
-        {"launch": "2 chunk prefix (float64)", "read": B * nc * state * ai + B * state * 8,
-         "written": B * nc * state * ai + B * state * 8, "flops": B * nc * state},
-        {"launch": "3 chunk scans", "read": 2 * qk * ncb + vv + B * nc * state * ai, "written": vv,
-         "flops": 2 * 2 * tile_fma + reduce},
-    ]
-
-
-def traffic_model():
-    """The package's ``traffic_model`` when it has one, else :func:`local_traffic_model`; and its name."""
-    try:
-        from linattn_nb.ops._cuda_launch import traffic_model as tm
-
-        return tm, "linattn_nb.ops._cuda_launch.traffic_model"
-    except ImportError:
-        return local_traffic_model, "benchmarks/gpu_static.py:local_traffic_model (three-launch chunked plan)"
+H200_SMS = 132  # the method auto picks on the headline machine (no GPU here: the simulator reports 1)
 
 
 def headline_model():
-    """Rows of the modelled launches at the headline shape, the totals and the targets of issue 20."""
+    """Rows of the modelled plans (``scan``, ``chunked``) at the headline shape, the totals and issue 20's targets.
+
+    The model is :func:`linattn_nb.ops._cuda_launch.traffic_model` (global
+    bytes per stream and FLOPs executed, from the launch plan); the targets
+    are checked for the plan ``method="auto"`` picks on an H200 (132 SMs).
+    """
+    from linattn_nb import _cuda_dispatch as CD
+    from linattn_nb.ops._cuda_launch import traffic_model
+
     B, H, N, D, M = (HEADLINE[k] for k in ("B", "H", "N", "D", "M"))
-    model, name = traffic_model()
-    launches = model(B * H, N, D, M, acc="float32", in_dtype="float32", chunk=None, rule=RULE_ADDITIVE,
-                     method="chunked")
     min_bytes = B * H * N * (2 * D + 2 * M) * 4
     min_flops = 4 * B * H * N * D * M
-    rows = []
-    for ln in launches:
-        t = max((ln["read"] + ln["written"]) / (HBM_TBS * 1e12), ln["flops"] / (FP32_TFLOPS * 1e12))
-        rows.append({"launch": ln["launch"], "read GB": ln["read"] / 1e9, "written GB": ln["written"] / 1e9,
-                     "GFLOP": ln["flops"] / 1e9, "roofline ms": t * 1e3})
-    tot_b = sum(ln["read"] + ln["written"] for ln in launches)
-    tot_f = sum(ln["flops"] for ln in launches)
-    t_model = sum(r["roofline ms"] for r in rows)
+    old = CD._SM_COUNT
+    CD._SM_COUNT = H200_SMS
+    try:
+        auto = CD.select_auto_cuda(rule="additive", causal=True, batch=B * H, n=N, f=D, m=M, dtype="float32")
+    finally:
+        CD._SM_COUNT = old
+    rows, plans = [], {}
+    for method in ("scan", "chunked"):
+        tm = traffic_model((B * H, N, D, M), method=method, dtype="float32", rule=RULE_ADDITIVE)
+        t = max(tm["bytes"] / (HBM_TBS * 1e12), tm["flops"] / (FP32_TFLOPS * 1e12))
+        plans[method] = tm
+        rows.append({"plan": method + (" (auto)" if method == auto else ""), "launches": tm["launches"],
+                     **{f"{k} GB": v / 1e9 for k, v in tm["parts"].items()}, "total GB": tm["bytes"] / 1e9,
+                     "GFLOP": tm["flops"] / 1e9, "x 4BHNDM": tm["flops_ratio"], "roofline ms": t * 1e3})
     t_min = max(min_bytes / (HBM_TBS * 1e12), min_flops / (FP32_TFLOPS * 1e12)) * 1e3
-    rows.append({"launch": "total", "read GB": sum(r["read GB"] for r in rows),
-                 "written GB": sum(r["written GB"] for r in rows), "GFLOP": tot_f / 1e9, "roofline ms": t_model})
-    rows.append({"launch": "minimum (q, k, v, out once; 4 BHNDM)", "read GB": B * H * N * (2 * D + M) * 4 / 1e9,
-                 "written GB": B * H * N * M * 4 / 1e9, "GFLOP": min_flops / 1e9, "roofline ms": t_min})
-    summary = {"model": name, "traffic_gb": tot_b / 1e9, "flops_g": tot_f / 1e9, "min_traffic_gb": min_bytes / 1e9,
-               "min_flops_g": min_flops / 1e9, "flops_ratio": tot_f / min_flops, "roofline_ms": t_model,
+    rows.append({"plan": "minimum (q, k, v, out once)", "launches": 1, "q GB": B * H * N * D * 4 / 1e9,
+                 "k GB": B * H * N * D * 4 / 1e9, "v GB": B * H * N * M * 4 / 1e9,
+                 "out GB": B * H * N * M * 4 / 1e9, "factors GB": 0.0, "states GB": 0.0,
+                 "total GB": min_bytes / 1e9, "GFLOP": min_flops / 1e9, "x 4BHNDM": 1.0, "roofline ms": t_min})
+    pick = plans[auto]
+    summary = {"model": "linattn_nb.ops._cuda_launch.traffic_model", "auto": auto,
+               "traffic_gb": pick["bytes"] / 1e9, "flops_g": pick["flops"] / 1e9,
+               "min_traffic_gb": min_bytes / 1e9, "min_flops_g": min_flops / 1e9,
+               "flops_ratio": pick["flops_ratio"], "roofline_ms": rows[("scan", "chunked").index(auto)]["roofline ms"],
                "min_roofline_ms": t_min,
-               "targets": {"traffic <= 2.5 GB": tot_b <= 2.5e9, "FLOPs <= 1.5 x 4 BHNDM": tot_f <= 1.5 * min_flops},
-               "extra_per_call": {
-                   "check_finite=True: one more read of q, k, v (GB)": B * H * N * (2 * D + M) * 4 / 1e9,
-                   "zero initial state copied host->device (MB)": B * H * D * (M + 1) * 8 / 1e6}}
+               "targets": {f"traffic <= 2.5 GB ({auto}, the auto plan)": pick["bytes"] <= 2.5e9,
+                           f"FLOPs <= 1.5 x 4 BHNDM ({auto})": pick["flops"] <= 1.5 * min_flops}}
     return rows, summary
 
 
@@ -213,16 +176,17 @@ def main(argv=None):
 
     rows, summary = headline_model()
     B, H, N, D, M = (HEADLINE[k] for k in ("B", "H", "N", "D", "M"))
-    print(f"\n## launch plan at B={B}, H={H}, N={N}, D={D}, M={M}, float32, causal chunked "
-          f"(chunk {config.CUDA_CHUNK_SIZE}); model: {summary['model']}")
-    print(table(rows, ["launch", "read GB", "written GB", "GFLOP", "roofline ms"],
-                {"read GB": "{:.3f}", "written GB": "{:.3f}", "GFLOP": "{:.1f}", "roofline ms": "{:.3f}"}))
-    print(f"modelled traffic {summary['traffic_gb']:.2f} GB (minimum {summary['min_traffic_gb']:.2f}), FLOPs "
-          f"{summary['flops_g']:.1f} G = {summary['flops_ratio']:.2f} x 4 BHNDM; roofline of the plan "
+    print(f"\n## launch plans at B={B}, H={H}, N={N}, D={D}, M={M}, float32, causal (chunked: chunk "
+          f"{config.CUDA_CHUNK_SIZE}); model: {summary['model']}; auto picks {summary['auto']} on {H200_SMS} SMs")
+    cols = ["plan", "launches", "q GB", "k GB", "v GB", "out GB", "factors GB", "states GB", "total GB", "GFLOP",
+            "x 4BHNDM", "roofline ms"]
+    fmt = {c: "{:.3f}" for c in cols if c.endswith("GB")}
+    fmt.update({"GFLOP": "{:.1f}", "x 4BHNDM": "{:.2f}", "roofline ms": "{:.3f}"})
+    print(table(rows, cols, fmt))
+    print(f"auto plan: modelled traffic {summary['traffic_gb']:.2f} GB (minimum {summary['min_traffic_gb']:.2f}), "
+          f"FLOPs {summary['flops_g']:.1f} G = {summary['flops_ratio']:.2f} x 4 BHNDM; roofline "
           f"{summary['roofline_ms']:.3f} ms vs {summary['min_roofline_ms']:.3f} ms "
           f"({HBM_TBS} TB/s, {FP32_TFLOPS} TFLOP/s FP32)")
-    for what, v in summary["extra_per_call"].items():
-        print(f"  per call besides: {what} {v:.3f}")
     for what, ok in summary["targets"].items():
         print(f"  {'met' if ok else 'NOT met'}: {what}")
     out["headline"] = {"rows": rows, **summary}
