@@ -86,7 +86,8 @@ def _read(q, k, v, X, R, fk):
     ok = True
     for b in range(B):
         for s0 in range(0, N, C):
-            ok &= load_chunk(q, k, v, b, s0, min(C, N - s0), X, fk, R, F, ELU, True)
+            _, read_ok = load_chunk(q, k, v, b, s0, min(C, N - s0), X, fk, R, F, ELU, True)
+            ok &= read_ok  # (values finite, every element read finite): the kernel keeps both
     return ok
 
 
