@@ -82,6 +82,24 @@ k by the first column block only, so each value counts once); of shape (1,)
 nothing is counted.  The launcher reads the three words once after its
 launches (:func:`linattn_nb.ops._cuda_launch.raise_nonfinite`).
 
+Rescaled tiles (decay and gate rules, owner layout): ``S_t = a_t S_{t-1} +
+k_t v_t^T`` costs a multiply and an FFMA per state element, and the
+read-out one more FFMA.  Within a tile, with the running factors ``P_t =
+a_0 ... a_t`` (per feature row for the gate), ``S_t = P_t S~_t`` where
+``S~_t = S~_{t-1} + (k_t / P_t) v_t^T`` starts from the tile's start state,
+and ``phi(q_t)^T S_t = (phi(q_t) P_t)^T S~_t``.  So the staging pass scales
+the tile's ``phi(q)`` rows by ``P_t`` and its ``phi(k)`` rows by ``1 /
+P_t`` (once per staged element), the token loop is the additive rule's
+(two FFMA per element), and the state is multiplied by the tile's ``P``
+once at its end.  Every term keeps its rounding relative to its own size (no
+difference of large numbers), and the products are taken forwards in
+factors <= 1, never as ratios of cumulative products.  ``k / P`` must stay
+finite: a tile whose ``P`` falls below :data:`RESCALE_MIN_F32` (float64:
+:data:`RESCALE_MIN_F64`) in any row -- a reset inside the tile, or strong
+decay -- takes the direct form instead, one token at a time (the state
+scaled by the token's factors, then the same additive loop), decided for
+the whole block by one ``syncthreads_or``.
+
 Row feature maps (``code`` 4, L2, and 5, SiLU then L2): the staged ``phi(q)``
 and ``phi(k)`` rows hold the elementwise half of the map; one more pass over
 the tile divides each row by its norm
@@ -157,6 +175,8 @@ def _owner_kernel(R, C, MB, T, acc, rule):
     PER_ROW = rule == RULE_GATE
     SAT = T if FACTORS else 1
     SAW = FP if PER_ROW else 1
+    SPW = FP if PER_ROW else 1
+    TAU = acc_t(RESCALE_MIN_F32 if acc == "float32" else RESCALE_MIN_F64)
 
     @cuda.jit(cache=_CACHE)
     def kernel(q, k, v, out, H, Hout, lf, n, seg_len, nseg_per_b, state_div, b2n,
@@ -165,6 +185,7 @@ def _owner_kernel(R, C, MB, T, acc, rule):
         sk = cuda.shared.array((T, FP), acc_t)
         sv = cuda.shared.array((T, MBP), acc_t)
         sa = cuda.shared.array((SAT, SAW), acc_t)
+        sp = cuda.shared.array(SPW, acc_t)  # a rescaled tile's factor of each state row (the gate)
         num = cuda.shared.array((T, MBP), acc_t)  # phi(q)^T S per token and column
         dp = cuda.shared.array((T, NTH), acc_t)  # partial phi(q)^T z per token and thread
         den = cuda.shared.array(T, acc_t)
@@ -261,46 +282,97 @@ def _owner_kernel(R, C, MB, T, acc, rule):
                     elif write_out:
                         l2_normalize_row(sq, t, F)
                 cuda.syncthreads()
+            # ---- decay and gate (module docstring, "Rescaled tiles"): a tile whose
+            # running factors P_t = a_0 ... a_t stay >= TAU runs the additive update
+            # on q_t P_t and k_t / P_t and scales the state by its P once at its end;
+            # otherwise (a reset, strong decay) each token is a segment of its own,
+            # the state scaled by its factor first.  The token loop is the additive one.
+            whole = not FACTORS
+            ptile = one
+            if FACTORS and update:
+                low = 0
+                for i in range(tid, FP, NTH):
+                    p = one
+                    for t in range(nt):
+                        p *= sa[uint32(t), uint32(i) if PER_ROW else 0]
+                    if not p >= TAU:
+                        low = 1
+                whole = cuda.syncthreads_or(low) == 0
+                if whole:
+                    for i in range(tid, FP, NTH):
+                        iu = uint32(i)
+                        p = one
+                        for t in range(nt):
+                            tu = uint32(t)
+                            p *= sa[tu, iu if PER_ROW else 0]
+                            sq[tu, iu] *= p
+                            sk[tu, iu] /= p
+                        if PER_ROW:
+                            sp[iu] = p
+                    if not PER_ROW:
+                        for t in range(nt):
+                            ptile *= sa[uint32(t), 0]
+                    cuda.syncthreads()
             # ---- per token: the thread's C columns over all rows, in registers
-            if update and write_out:
-                for tt in range(nt):
-                    t = uint32(tt)  # unsigned: no negative-index wraparound in the addressing
-                    for j in range(C):
-                        vt[j] = sv[t, c0 + j]
-                        ac[j] = zero
-                    ft = sa[t if FACTORS else 0, 0]
+            if update:
+                for seg_t in range(1 if whole else nt):  # one segment (additive: always), or one per token
+                    ta = 0 if whole else seg_t
+                    te = nt if whole else seg_t + 1
+                    if not whole:  # the direct form: this token's factors on the state first
+                        ua = uint32(ta)
+                        for r in range(R):
+                            fr = sa[ua, r] if PER_ROW else sa[ua, 0]
+                            for j in range(C):
+                                st[r * C + j] *= fr
+                        for u in range(ZR):
+                            i = tid + u * NTH
+                            if i < FP:
+                                zt[u] *= sa[ua, i] if PER_ROW else sa[ua, 0]
+                    if write_out:
+                        for tt in range(ta, te):
+                            t = uint32(tt)  # unsigned: no negative-index wraparound in the addressing
+                            for j in range(C):
+                                vt[j] = sv[t, c0 + j]
+                                ac[j] = zero
+                            for r in range(R):
+                                kr = sk[t, r]
+                                qr = sq[t, r]
+                                for j in range(C):
+                                    s = st[r * C + j] + kr * vt[j]
+                                    st[r * C + j] = s
+                                    ac[j] += qr * s
+                            for j in range(C):
+                                num[t, c0 + j] = ac[j]
+                            d = zero
+                            for u in range(ZR):
+                                i = tid + u * NTH
+                                if i < FP:
+                                    s = zt[u] + sk[t, i]
+                                    zt[u] = s
+                                    d += sq[t, i] * s
+                            dp[t, tid] = d
+                    else:
+                        for tt in range(ta, te):
+                            t = uint32(tt)
+                            for j in range(C):
+                                vt[j] = sv[t, c0 + j]
+                            for r in range(R):
+                                kr = sk[t, r]
+                                for j in range(C):
+                                    st[r * C + j] += kr * vt[j]
+                            for u in range(ZR):
+                                i = tid + u * NTH
+                                if i < FP:
+                                    zt[u] += sk[t, i]
+                if FACTORS and whole:
                     for r in range(R):
-                        kr = sk[t, r]
-                        qr = sq[t, r]
-                        fr = sa[t, r] if PER_ROW else ft
+                        fr = sp[r] if PER_ROW else ptile
                         for j in range(C):
-                            s = token_update(rule, st[r * C + j], kr, vt[j], fr)
-                            st[r * C + j] = s
-                            ac[j] += qr * s
-                    for j in range(C):
-                        num[t, c0 + j] = ac[j]
-                    d = zero
+                            st[r * C + j] *= fr
                     for u in range(ZR):
                         i = tid + u * NTH
                         if i < FP:
-                            s = token_update(rule, zt[u], sk[t, i], one, sa[t, i] if PER_ROW else ft)
-                            zt[u] = s
-                            d += sq[t, i] * s
-                    dp[t, tid] = d
-            elif update:
-                for t in range(nt):
-                    for j in range(C):
-                        vt[j] = sv[t, c0 + j]
-                    ft = sa[t if FACTORS else 0, 0]
-                    for r in range(R):
-                        kr = sk[t, r]
-                        fr = sa[t, r] if PER_ROW else ft
-                        for j in range(C):
-                            st[r * C + j] = token_update(rule, st[r * C + j], kr, vt[j], fr)
-                    for u in range(ZR):
-                        i = tid + u * NTH
-                        if i < FP:
-                            zt[u] = token_update(rule, zt[u], sk[t, i], one, sa[t, i] if PER_ROW else ft)
+                            zt[u] *= sp[i] if PER_ROW else ptile
             elif write_out:
                 for t in range(nt):
                     for j in range(C):
@@ -821,6 +893,14 @@ def helper_grid(total: int) -> tuple[int, int]:
     return blocks, tpb
 
 
+#: Rescaled tiles of the decay and gate rules in the owner layout (module
+#: docstring): the smallest running factor ``P_t`` of a tile for which the
+#: kernel reads ``q_t P_t`` and ``k_t / P_t``; a tile whose factors fall
+#: below it (a reset, strong decay) takes the direct form.  2^-32 in float32
+#: keeps ``k / P`` finite for features up to 7.9e28 (beyond about 1e19 their
+#: float32 products overflow either way); 2^-256 in float64.
+RESCALE_MIN_F32 = 2.0 ** -32
+RESCALE_MIN_F64 = 2.0 ** -256
 #: Largest padded feature dimension of the owner layout (``G = 1``, every
 #: thread holds all feature rows of its value columns); larger ``D_phi``, and
 #: the delta rules, use row groups.
@@ -903,6 +983,7 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> 
         factors = rule_factor_rows(rule, FPo)
         per_token = item * (2 * FPo + 2 * MBP + nthreads + 1 + factors)
         fixed = 0 if factors else item  # a rule without factors still declares a (1, 1) factor array
+        fixed += item * (FPo if rule == RULE_GATE else 1)  # the rescaled tile's row factors (one stand-in)
     else:
         C = max(1, int(config.CUDA_COLS_PER_THREAD))
         R = max(1, int(config.CUDA_ROWS_PER_THREAD))

@@ -108,6 +108,44 @@ def test_launchers_match_reference(rule, method, dtype, normalize):
     assert_close(z, z_ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("method", ["scan", "chunked"])
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_rescaled_and_direct_tiles(monkeypatch, rule, method, dtype):
+    """Tiles of 8 tokens: mild factors (rescaled tiles), a tile whose running factor ends just
+    above the rescaling floor (k / P up to ~5e8 in float32), one that falls below it (the direct
+    form; for the gate in one feature row only, which decides for the block), a reset, and a
+    part tile at the end: all against the explicit form."""
+    from linattn_nb.ops._cuda_kernels import RESCALE_MIN_F32, RESCALE_MIN_F64
+
+    monkeypatch.setattr(config, "CUDA_TILE_TOKENS", 8)
+    monkeypatch.setattr(config, "CUDA_CHUNK_SIZE", 16)
+    rng = np.random.default_rng(20)
+    b, n = 2, 45
+    q, k = (rng.normal(size=(b, n, F)).astype(dtype) for _ in range(2))
+    v = rng.normal(size=(b, n, M)).astype(dtype)
+    S0, z0 = rng.normal(size=(b, F, M)), rng.uniform(0.5, 1.5, size=(b, F))
+    floor = np.log(RESCALE_MIN_F32 if dtype == np.float32 else RESCALE_MIN_F64)
+    lg = -rng.uniform(0.0, 0.2, size=(b, n, F))
+    lg[0, 8:16] = 0.9 * floor / 8  # ends at ~floor^0.9: rescaled
+    lg[1, 8:16, 2] = 1.3 * floor / 8  # below the floor in row 2: the direct form
+    lg[1, 30] = -np.inf  # a reset mid-tile
+    if rule == "decay":
+        lg = lg.mean(axis=-1)
+        lg[1, 8:16] = 1.3 * floor / 8
+    code, name = RULES[rule]
+    inputs = {name: lg}
+    out, S, z = run(method, q, k, v, S0, z0, rule=code, inputs=inputs)
+    ref, S_ref, z_ref = causal_linear_quadratic(phi_ref(q, 1), phi_ref(k, 1), v.astype(np.float64), eps=1e-8,
+                                                S0=S0, z0=z0, rule=code, inputs=inputs)
+    assert_close(out, ref, dtype)
+    assert_close(S, S_ref, dtype)
+    assert_close(z, z_ref, dtype)
+    # the outputs right after the strongly decayed tiles, on their own scale
+    for row in (16, 17, 31):
+        np.testing.assert_allclose(out[:, row], ref[:, row], rtol=TOL[dtype] * 10, atol=TOL[dtype])
+
+
 @pytest.mark.parametrize("method", ["scan", "chunked"])
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_reset_at_token_zero_forgets_the_initial_state_exactly(rule, method):
