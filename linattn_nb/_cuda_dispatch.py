@@ -209,6 +209,11 @@ def zeros(shape, dtype=np.float64):
     return _pool().zeros(shape, dtype)
 
 
+def fill(x, value=0):
+    """Set every entry of the C-contiguous device array ``x`` to ``value`` on the device (one kernel)."""
+    return _pool().fill(x, value)
+
+
 def zero_state(b, f, m):
     """The zero initial state ``H`` (b, f, m + 1) float64: a pooled workspace zeroed on the device.
 

@@ -68,7 +68,9 @@ arrays are host NumPy arrays for ``device="cpu"`` and device arrays for
     else 0.
 ``put(S, z, S_src, z_src)``
     Set the state from ``S_src`` (B, F, M) and ``z_src`` (B, F) in the
-    canonical layout: host arrays, or device arrays of the same device.
+    canonical layout: host arrays, or device arrays of the same device;
+    ``None`` for both: zeros, set where the state lives (on a GPU, one
+    kernel and no host copy).
 ``view(S, z) -> (S, z)``
     The state in the canonical layout (B, F, M) and (B, F), without a copy.
 ``kernel(B, T, M, F) -> dispatcher or None``
@@ -163,6 +165,10 @@ def _cpu_prefill(k, v, S, z, scratch=None, *, code, check, inputs=None):
 
 
 def _cpu_put(S, z, S_src, z_src):
+    if S_src is None and z_src is None:
+        S[...] = 0
+        z[...] = 0
+        return
     B, M, F = S.shape
     S[...] = np.asarray(S_src).reshape((B, F, M)).transpose(0, 2, 1)
     z[...] = np.asarray(z_src).reshape((B, F))
@@ -277,7 +283,9 @@ def _cuda_prefill(k, v, S, z, scratch, *, code, check, inputs=None):
 
 def _cuda_put(S, z, S_src, z_src):
     for dst, src in ((S.cur, S_src), (z.cur, z_src)):
-        if isinstance(src, np.ndarray):
+        if src is None:
+            CD.fill(dst, 0)  # zeroed on the device
+        elif isinstance(src, np.ndarray):
             dst.copy_to_device(np.ascontiguousarray(src, dtype=dst.dtype).reshape(dst.shape))
         else:
             CD.copy_device(src.reshape(dst.shape), dst)

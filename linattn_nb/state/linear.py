@@ -923,8 +923,7 @@ class LinearAttentionState:
 
     def reset(self) -> None:
         """Back to the zero state at position 0 (device, buffers and the rule kept)."""
-        self._launch.put(self._S, self._z, np.zeros((self._B, self._f, self._m), dtype=self._dtype),
-                         np.zeros((self._B, self._f), dtype=self._dtype))
+        self._launch.put(self._S, self._z, None, None)  # zeroed where the state lives (no host copy to a GPU)
         self._position = 0
 
     def copy(self) -> "LinearAttentionState":

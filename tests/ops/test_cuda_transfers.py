@@ -180,6 +180,26 @@ def test_decode_step_is_one_launch(counts, monkeypatch, check, normalize):
     assert g.S.dtype == np.float32 and g.position == c.position == T + 1
 
 
+@pytest.mark.parametrize("rule", ["additive", "decay", "delta"])
+def test_reset_zeroes_the_state_on_the_device(counts, rule):
+    """reset() of a GPU state: one kernel per array, no host copy, no allocation; then it decodes
+    as a fresh state does."""
+    from numba import cuda
+
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 3, d)).astype(np.float32) for d in (2, 2, 3))
+    kw = {"decay": dict(decay=0.9), "delta": dict(beta=0.5)}.get(rule, {})
+    fmap = "l2" if rule == "delta" else "elu"
+    g = LinearAttentionState(2, 3, batch_shape=(2,), dtype=np.float32, device="cuda", feature_map=fmap)
+    g.step(q, k, v, **kw)
+    _, n = _measure(counts, g.reset)
+    assert n == {"h2d": 0, "alloc": 0, "d2h": 0, "launch": 2}, n
+    assert g.position == 0
+    assert not g.S.copy_to_host().any() and not g.z.copy_to_host().any()
+    fresh = LinearAttentionState(2, 3, batch_shape=(2,), dtype=np.float32, device="cuda", feature_map=fmap)
+    np.testing.assert_array_equal(g.step(q, k, v, **kw), fresh.step(q, k, v, **kw))  # host tokens: host results
+
+
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the simulator computes inf / inf
 def test_refused_step_leaves_the_state_and_next_step_clean(counts):
     """A step refused for NaN (one launch, one read) leaves S and z bit for bit; the flag is clear
