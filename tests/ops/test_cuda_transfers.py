@@ -180,6 +180,33 @@ def test_decode_step_is_one_launch(counts, monkeypatch, check, normalize):
     assert g.S.dtype == np.float32 and g.position == c.position == T + 1
 
 
+@pytest.mark.parametrize("method", ["scan", "aggregate"])
+def test_backward_temporaries_come_from_the_pool(counts, method):
+    """A second backward call on device arrays: no copy to the device, no read back, and no
+    allocation but its gradients (checkpoints, token states and per-block partial sums are pooled);
+    the same gradients as the first call."""
+    from numba import cuda
+
+    from linattn_nb.ops.grad.cuda import backward_aggregate_cuda, backward_scan_cuda
+
+    rng = np.random.default_rng(5)
+    B, N, F, M1 = 2, 7, 3, 4
+    qf, kf = (cuda.to_device(rng.uniform(0.1, 1.0, (B, N, F))) for _ in range(2))
+    v1, g1 = (cuda.to_device(rng.standard_normal((B, N, M1))) for _ in range(2))
+    H0 = cuda.to_device(rng.standard_normal((B, F, M1)))
+    if method == "scan":
+        run = lambda: backward_scan_cuda(qf, kf, v1, H0, g1, chunk_size=3)  # noqa: E731
+    else:
+        run = lambda: backward_aggregate_cuda(qf, kf, v1, H0, g1)  # noqa: E731
+    first = [None if x is None else x.copy_to_host() for x in run()]
+    got, n = _measure(counts, run)
+    results = sum(1 for x in got if x is not None)
+    assert n["h2d"] == 0 and n["d2h"] == 0 and n["alloc"] == results, (n, results)
+    for a, b in zip(first, got):
+        if a is not None:
+            np.testing.assert_array_equal(a, b.copy_to_host())
+
+
 @pytest.mark.parametrize("rule", ["additive", "decay", "delta"])
 def test_reset_zeroes_the_state_on_the_device(counts, rule):
     """reset() of a GPU state: one kernel per array, no host copy, no allocation; then it decodes

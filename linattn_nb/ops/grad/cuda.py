@@ -43,6 +43,7 @@ from numba import cuda
 from ... import config
 from .. import _cuda_kernels as SK
 from .. import _cuda_launch as CL
+from .. import _cuda_pool as P
 from .._codes import RULE_ADDITIVE, RULE_DECAY, RULE_GATE, RULE_GATED_DELTA, check_rule_inputs
 from .._cuda_common import is_delta_rule
 from . import Grads
@@ -107,7 +108,8 @@ def _check(qf, kf, v1, H0, g1, dHN):
 
 
 def _zeros(shape, dtype=_F64):
-    return cuda.to_device(np.zeros(shape, dtype=dtype))
+    """A new zero-filled device array (a result), zeroed on the device."""
+    return P.zeros(shape, dtype)
 
 
 def _initial_adjoint(dHN, shape):
@@ -171,15 +173,18 @@ def backward_scan_cuda(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_A
     L = min(L, N)
     nchunks = -(-N // L)
     MB, ncb = column_blocks(M1)
-    ck = cuda.device_array((B, max(nchunks - 1, 1), F, M1), dtype=_F64)
-    hs = cuda.device_array((B, L + 1, F, M1), dtype=_F64)
+    # temporaries from the workspace pool (reused across calls, written before they are read);
+    # the gradients themselves are new arrays
+    ck = P.workspace("grad.checkpoints", (B, max(nchunks - 1, 1), F, M1), _F64)
+    hs = P.workspace("grad.token_states", (B, L + 1, F, M1), _F64)
     dH0 = cuda.device_array((B, F, M1), dtype=_F64)
-    pq = cuda.device_array((ncb, B, N, F), dtype=_F64)
-    pk = cuda.device_array((ncb, B, N, F), dtype=_F64)
+    pq = P.workspace("grad.dq_parts", (ncb, B, N, F), _F64)
+    pk = P.workspace("grad.dk_parts", (ncb, B, N, F), _F64)
     one4 = (1, 1, 1, 1)
-    pf = cuda.device_array((ncb, B, N, F) if gate else ((ncb, B, N, 1) if scalar_factor else one4), dtype=_F64)
-    pb = cuda.device_array((ncb, B, N, 1) if delta else one4, dtype=_F64)
-    dhn = dHN if dHN is not None else cuda.device_array((1, 1, 1), dtype=_F64)
+    pf = P.workspace("grad.dfactor_parts", (ncb, B, N, F) if gate else ((ncb, B, N, 1) if scalar_factor else one4),
+                     _F64)
+    pb = P.workspace("grad.dbeta_parts", (ncb, B, N, 1) if delta else one4, _F64)
+    dhn = dHN if dHN is not None else P.workspace("grad.no_dHN", (1, 1, 1), _F64)
     kern = GK.causal_backward_kernel(MB)
     kern[(B, ncb), GK.backward_threads(F, MB)](qf, kf, v1, g1, H0, dhn, dHN is not None, lf, ck, hs, dH0, dv,
                                                pq, pk, pf, pb, L, nchunks, rule)
@@ -214,13 +219,13 @@ def backward_aggregate_cuda(qf, kf, v1, H0, g1, dHN=None, *, inputs=None):
     if inputs:
         raise ValueError("non-causal attention has the additive rule only: inputs must be None")
     (qf, kf, v1, H0, g1, dHN), (B, N, F, M1, work) = _check(qf, kf, v1, H0, g1, dHN)
-    H = cuda.device_array((B, F, M1), dtype=_F64)
-    R = cuda.device_array((B, F, M1), dtype=_F64)
+    H = P.workspace("grad.aggregate_H", (B, F, M1), _F64)
+    R = cuda.device_array((B, F, M1), dtype=_F64)  # dH0, a result
     dq = cuda.device_array((B, N, F), dtype=work)
     dk = cuda.device_array((B, N, F), dtype=work)
     dv = cuda.device_array((B, N, M1), dtype=work)
     if H.size:
-        dhn = dHN if dHN is not None else cuda.device_array((1, 1, 1), dtype=_F64)
+        dhn = dHN if dHN is not None else P.workspace("grad.no_dHN", (1, 1, 1), _F64)
         GK.aggregate_sums_kernel[SK.helper_grid(H.size)](qf, kf, v1, g1, H0, dhn, dHN is not None, H, R)
     total = B * N * (F + M1)
     if total:
