@@ -209,6 +209,35 @@ def zeros(shape, dtype=np.float64):
     return _pool().zeros(shape, dtype)
 
 
+def device_log_decay(log_decay, batch_shape, n: int, f: int):
+    """``(rule, inputs)`` of a GPU ``log_decay`` the kernels can read in place, else None.
+
+    In place: float64, C-contiguous, one value per token (shape ``batch + (N,)``,
+    the decay rule) or per token and feature (``batch + (N, D_phi)``, the gate
+    rule).  Its values are checked on the device (:func:`check_log_factors`,
+    inside the call's try block), not here.  Anything else -- other dtypes,
+    strides, per-sequence factors to broadcast, ``decay=`` -- goes through the
+    host path of :func:`linattn_nb._validate.decay_inputs` (a copy each way).
+    """
+    x = wrap("log_decay", log_decay)
+    shape = tuple(int(s) for s in x.shape)
+    bs = tuple(int(s) for s in batch_shape)
+    b = int(np.prod(bs, dtype=np.int64))
+    if np.dtype(x.dtype) != np.float64 or not x.is_c_contiguous():
+        return None
+    if shape == bs + (n,):
+        return "decay", {"log_decay": x.reshape(b, n)}
+    if shape == bs + (n, f):
+        return "gate", {"log_gate": x.reshape(b, n, f)}
+    return None
+
+
+def check_log_factors(inputs) -> None:
+    """Count the device log-factors that are NaN or > 0 (one kernel; the call's single read raises)."""
+    for x in inputs.values():
+        _pool().count_bad_log_factors(x)
+
+
 def fill(x, value=0):
     """Set every entry of the C-contiguous device array ``x`` to ``value`` on the device (one kernel)."""
     return _pool().fill(x, value)

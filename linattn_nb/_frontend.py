@@ -405,11 +405,20 @@ def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initia
     """GPU inputs: zero-copy views, the kernels on the device, a device result (and state)."""
     dq, dk, dv = CD.wrap("q", q), CD.wrap("k", k), CD.wrap("v", v)
     batch_shape, n, d, m, dtype = V.check_qkv(CD.meta(dq), CD.meta(dk), CD.meta(dv))
-    decay = CD.to_host("decay", decay) if on_device(decay) else decay
-    log_decay = CD.to_host("log_decay", log_decay) if on_device(log_decay) else log_decay
-    beta = CD.to_host("beta", beta) if on_device(beta) else beta
-    rule, inputs, normalize = rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, d, causal=causal,
-                                             beta=beta, copy=False)
+    in_place = None
+    if decay is None and beta is None and on_device(log_decay) and causal is True:
+        in_place = CD.device_log_decay(log_decay, batch_shape, n, d)
+    if in_place is None:
+        decay = CD.to_host("decay", decay) if on_device(decay) else decay
+        log_decay = CD.to_host("log_decay", log_decay) if on_device(log_decay) else log_decay
+        beta = CD.to_host("beta", beta) if on_device(beta) else beta
+        rule, inputs, normalize = rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, d,
+                                                 causal=causal, beta=beta, copy=False)
+    else:
+        # read in place, checked on the device below; the decay rules take the additive rule's
+        # normalize convention, which rule_arguments gives without factors
+        rule, inputs = in_place
+        normalize = rule_arguments(fmap, None, None, normalize, batch_shape, n, d, causal=causal)[2]
     if initial_state is not None:
         check_state_rule(initial_state, rule)
     if fmap.kernel_code is None:
@@ -430,6 +439,8 @@ def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initia
     # No host round-trips (issue 20): H is a pooled workspace zeroed or packed on the device; q, k, v
     # (and a device initial state) are counted on the device and the counters read once.
     try:
+        if in_place is not None:
+            CD.check_log_factors(inputs)
         if initial_state is None:
             H, position = CD.zero_state(b, f, m), 0
         else:

@@ -21,7 +21,9 @@ holds what makes that possible:
 * :func:`counters` / :func:`count_nonfinite` / :func:`raise_if_nonfinite`
   -- the finiteness check of a call: kernels add the number of NaN/inf
   entries of each checked array into a per-thread int32 device array of
-  :data:`CHECK_SLOTS` slots (q, k, v, initial_state.S, initial_state.z) that
+  :data:`CHECK_SLOTS` slots (q, k, v, initial_state.S, initial_state.z; and
+  :func:`count_bad_log_factors`: a device ``log_decay``'s entries that are
+  NaN or > 0) that
   is zero between calls; :func:`raise_if_nonfinite` reads it once (one
   device-to-host copy, only when a kernel was asked to count since the
   last read) and raises ``ValueError`` naming the first slot that counted,
@@ -44,11 +46,12 @@ from numba import cuda
 
 from .. import config
 
-__all__ = ["workspace", "zeros", "fill", "counters", "count_nonfinite", "raise_if_nonfinite", "discard_counts",
-           "clear", "stats", "CHECK_SLOTS", "SLOT"]
+__all__ = ["workspace", "zeros", "fill", "counters", "count_nonfinite", "count_bad_log_factors",
+           "raise_if_nonfinite", "discard_counts", "clear", "stats", "CHECK_SLOTS", "SLOT"]
 
-#: The names of the finiteness counters, in the order errors name them.
-CHECK_SLOTS = ("q", "k", "v", "initial_state.S", "initial_state.z")
+#: The names of the check counters, in the order errors name them: NaN/inf entries of q, k, v and
+#: a device initial state; log-factors that are NaN or > 0 of a device ``log_decay``.
+CHECK_SLOTS = ("q", "k", "v", "initial_state.S", "initial_state.z", "log_decay")
 #: Slot index of each name of :data:`CHECK_SLOTS`.
 SLOT = {name: i for i, name in enumerate(CHECK_SLOTS)}
 
@@ -174,10 +177,24 @@ def _count4_py(x, counters, slot):
         cuda.atomic.add(counters, slot, bad)
 
 
+def _count_log_py(x, counters, slot):
+    """counters[slot] += number of entries of the 1-d float64 array x that are NaN or > 0 (grid-stride)."""
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    bad = 0
+    for j in range(start, x.size, stride):
+        y = x[j]
+        if not y <= 0.0:  # NaN, or a factor above 1 (-inf, a reset, passes)
+            bad += 1
+    if bad:
+        cuda.atomic.add(counters, slot, bad)
+
+
 def _kernels():
     if not _KERNELS:
         _KERNELS["fill"] = cuda.jit(_fill_py)
         _KERNELS["count4"] = cuda.jit(_count4_py)
+        _KERNELS["count_log"] = cuda.jit(_count_log_py)
     return _KERNELS
 
 
@@ -230,6 +247,14 @@ def count_nonfinite(name, x4) -> None:
         _kernels()["count4"][_grid(x4.size)](x4, c, SLOT[name])
 
 
+def count_bad_log_factors(x) -> None:
+    """Add the entries of the C-contiguous float64 device array ``x`` that are NaN or > 0 to the
+    counter ``"log_decay"`` (one kernel, no read: :func:`raise_if_nonfinite` reads it)."""
+    c = counters()
+    if x.size:
+        _kernels()["count_log"][_grid(x.size)](x.reshape(int(x.size)), c, SLOT["log_decay"])
+
+
 def raise_if_nonfinite() -> None:
     """Read the counters once (when a kernel counted since the last read); ValueError naming the first.
 
@@ -250,6 +275,9 @@ def raise_if_nonfinite() -> None:
         return
     fill(c, 0)
     for name, n in zip(CHECK_SLOTS, host):
+        if n and name == "log_decay":
+            raise ValueError(f"log_decay must be <= 0 (-inf resets the state) and not NaN: {int(n)} value(s) "
+                             "are not")
         if n:
             raise ValueError(f"{name} contains {int(n)} non-finite value(s) (NaN or inf); "
                              "pass check_finite=False to skip this check")

@@ -125,6 +125,47 @@ def test_linear_attention_check_reads_once_and_names_the_input(counts):
     assert np.isfinite(o.copy_to_host()).all()
 
 
+@pytest.mark.parametrize("form", ["per_token", "per_feature"])
+@pytest.mark.parametrize("method", ["scan", "chunked"])
+def test_device_log_decay_is_read_in_place(counts, monkeypatch, form, method):
+    """A float64 GPU log_decay (per token or per feature, batch dims included): no copy either way,
+    its values checked on the device in the call's single read (with or without check_finite);
+    a NaN or a positive log-factor raises naming log_decay, and the next call is clean."""
+    from numba import cuda
+
+    monkeypatch.setattr(config, "CUDA_CHUNK_SIZE", 4)
+    rng = np.random.default_rng(6)
+    batch, N, D, M = (2, 2), 9, 3, 2
+    q, k, v = (rng.standard_normal(batch + (N, d)).astype(np.float32) for d in (D, D, M))
+    lg = -rng.uniform(0.0, 0.5, size=batch + ((N,) if form == "per_token" else (N, D)))
+    lg[0, 1, 4] = -np.inf  # a reset
+    dq, dk, dv, dlg = (cuda.to_device(x) for x in (q, k, v, lg))
+    out = cuda.device_array(batch + (N, M), dtype=np.float32)
+    ref = la.linear_attention(q, k, v, causal=True, log_decay=lg, method="quadratic")
+    for check in (False, True):
+        def call():
+            return la.linear_attention(dq, dk, dv, causal=True, log_decay=dlg, method=method, device="cuda",
+                                       out=out, check_finite=check)
+        call()
+        res, n = _measure(counts, call)
+        assert res is out
+        np.testing.assert_allclose(out.copy_to_host(), ref, rtol=2e-5, atol=2e-6)
+        assert n["h2d"] == 0 and n["alloc"] == 0 and n["d2h"] == 1, n
+    np.testing.assert_array_equal(dlg.copy_to_host(), lg)  # read, never written
+    for bad, where in ((0.25, (1, 0, 3)), (np.nan, (0, 0, N - 1))):
+        x = lg.copy()
+        x[where + (1,) * (x.ndim - 3)] = bad  # one entry
+        with pytest.raises(ValueError, match=r"log_decay must be <= 0 .*1 value\(s\)"):
+            la.linear_attention(dq, dk, dv, causal=True, log_decay=cuda.to_device(x), method=method, device="cuda")
+        res = la.linear_attention(dq, dk, dv, causal=True, log_decay=dlg, method=method, device="cuda", out=out)
+        np.testing.assert_allclose(res.copy_to_host(), ref, rtol=2e-5, atol=2e-6)
+    # a float32 GPU array takes the host path (validated there), with the same result
+    res = la.linear_attention(dq, dk, dv, causal=True, log_decay=cuda.to_device(lg.astype(np.float32)),
+                              method=method, device="cuda")
+    ref32 = la.linear_attention(q, k, v, causal=True, log_decay=lg.astype(np.float32), method="quadratic")
+    np.testing.assert_allclose(res.copy_to_host(), ref32, rtol=2e-5, atol=2e-6)
+
+
 def test_pool_is_bounded_and_keyed(monkeypatch):
     P.clear()
     a = P.workspace("t", (4, 4), np.float32)
@@ -286,16 +327,19 @@ for dt in ("int32", "float32", "float64"):
     t = getattr(types, dt)
     ptx, _ = cuda.compile_ptx(P._fill_py, (types.Array(t, 1, "C"), t), cc=(9, 0))
     res["fill/" + dt] = {"entry": ".entry" in ptx, "local": ("ld.local" in ptx) or ("st.local" in ptx)}
+ptx, _ = cuda.compile_ptx(P._count_log_py, (types.Array(types.float64, 1, "C"), c, types.int64), cc=(9, 0))
+res["count_log/float64"] = {"entry": ".entry" in ptx, "local": ("ld.local" in ptx) or ("st.local" in ptx)}
 print(json.dumps(res))
 """
 
 
 @pytest.mark.skipif(cuda_status() == "none", reason="needs numba-cuda")
 def test_pool_kernels_compile_to_ptx():
-    """The pool's fill and counting kernels compile for sm_90 without local memory (float16 inputs too)."""
+    """The pool's fill and counting kernels compile for sm_90 without local memory (float16 inputs too),
+    and the log-factor check of a device log_decay."""
     from _ptx import run_ptx_script
 
     res = run_ptx_script(_POOL_PTX_SCRIPT)
-    assert len(res) == 6
+    assert len(res) == 7
     for key, val in res.items():
         assert val == {"entry": True, "local": False}, (key, val)
