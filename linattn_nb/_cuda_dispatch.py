@@ -44,7 +44,7 @@ import numpy as np
 
 from . import _validate as V
 from . import config
-from .device import cuda_status, is_device_array, is_simulator_array
+from .device import cuda_status, is_device_array, is_simulator_array, on_device
 from .ops._codes import RULES
 from .ops.registry import select_auto
 
@@ -209,33 +209,54 @@ def zeros(shape, dtype=np.float64):
     return _pool().zeros(shape, dtype)
 
 
-def device_log_decay(log_decay, batch_shape, n: int, f: int):
-    """``(rule, inputs)`` of a GPU ``log_decay`` the kernels can read in place, else None.
+def device_rule_inputs(log_decay, beta, batch_shape, n: int, f: int):
+    """``(rule, inputs)`` of GPU ``log_decay`` / ``beta`` the kernels can read in place, else None.
 
-    In place: float64, C-contiguous, one value per token (shape ``batch + (N,)``,
-    the decay rule) or per token and feature (``batch + (N, D_phi)``, the gate
-    rule).  Its values are checked on the device (:func:`check_log_factors`,
-    inside the call's try block), not here.  Anything else -- other dtypes,
-    strides, per-sequence factors to broadcast, ``decay=`` -- goes through the
-    host path of :func:`linattn_nb._validate.decay_inputs` (a copy each way).
+    In place: float64 and C-contiguous; ``log_decay`` one value per token
+    (shape ``batch + (N,)``: the decay rule, or with ``beta`` the gated delta
+    rule) or per token and feature (``batch + (N, D_phi)``: the gate rule,
+    without ``beta``); ``beta`` one value per token.  Every given argument
+    must qualify.  Their values are checked on the device
+    (:func:`check_rule_inputs`, inside the call's try block), not here.
+    Anything else -- other dtypes, strides, per-sequence values to
+    broadcast, ``decay=``, a host array beside a device one -- goes through
+    the host path of :func:`linattn_nb._validate.decay_inputs` and
+    ``beta_inputs`` (a copy each way).
     """
-    x = wrap("log_decay", log_decay)
-    shape = tuple(int(s) for s in x.shape)
     bs = tuple(int(s) for s in batch_shape)
     b = int(np.prod(bs, dtype=np.int64))
-    if np.dtype(x.dtype) != np.float64 or not x.is_c_contiguous():
+
+    def view(name, x, shapes):
+        if x is None or not on_device(x):
+            return None
+        x = wrap(name, x)
+        shape = tuple(int(s) for s in x.shape)
+        if np.dtype(x.dtype) != np.float64 or not x.is_c_contiguous() or shape not in shapes:
+            return None
+        return x.reshape((b,) + shape[len(bs):])
+
+    if beta is None:
+        lg = view("log_decay", log_decay, (bs + (n,), bs + (n, f)))
+        if lg is None:
+            return None
+        return ("decay", {"log_decay": lg}) if lg.ndim == 2 else ("gate", {"log_gate": lg})
+    bt = view("beta", beta, (bs + (n,),))
+    if bt is None:
         return None
-    if shape == bs + (n,):
-        return "decay", {"log_decay": x.reshape(b, n)}
-    if shape == bs + (n, f):
-        return "gate", {"log_gate": x.reshape(b, n, f)}
-    return None
+    if log_decay is None:
+        return "delta", {"beta": bt}
+    lg = view("log_decay", log_decay, (bs + (n,),))
+    return None if lg is None else ("gated_delta", {"beta": bt, "log_decay": lg})
 
 
-def check_log_factors(inputs) -> None:
-    """Count the device log-factors that are NaN or > 0 (one kernel; the call's single read raises)."""
-    for x in inputs.values():
-        _pool().count_bad_log_factors(x)
+def check_rule_inputs(inputs) -> None:
+    """Count the device log-factors that are NaN or > 0 and the ``beta`` outside [0, 2] or NaN
+    (one kernel each; the call's single read of the counters raises)."""
+    for name, x in inputs.items():
+        if name == "beta":
+            _pool().count_out_of_range("beta", x, 0.0, 2.0)
+        else:
+            _pool().count_out_of_range("log_decay", x, -np.inf, 0.0)
 
 
 def fill(x, value=0):

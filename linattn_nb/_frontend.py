@@ -263,6 +263,11 @@ def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, f: in
             rule, inputs = "delta", {"beta": b}
         else:
             rule, inputs = "gated_delta", {"beta": b, "log_decay": inputs["log_decay"]}
+    return rule, inputs, rule_normalize(fmap, rule, normalize)
+
+
+def rule_normalize(fmap, rule: str, normalize) -> bool:
+    """``normalize`` as a bool: None takes the rule's convention; ValueError for a map that needs the normaliser."""
     normalize = V.check_normalize(normalize, get_rule(rule).normalize)
     if not normalize and getattr(fmap, "needs_normalizer", False):
         raise ValueError(
@@ -270,7 +275,7 @@ def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, f: in
             "cancel only between numerator and normaliser; normalize=False would return outputs scaled by "
             "them. Use normalize=True, or a map without such factors (e.g. 'elu', 'relu', 'taylor')"
         )
-    return rule, inputs, normalize
+    return normalize
 
 
 # ---------------------------------------------------------------------------
@@ -406,19 +411,17 @@ def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initia
     dq, dk, dv = CD.wrap("q", q), CD.wrap("k", k), CD.wrap("v", v)
     batch_shape, n, d, m, dtype = V.check_qkv(CD.meta(dq), CD.meta(dk), CD.meta(dv))
     in_place = None
-    if decay is None and beta is None and on_device(log_decay) and causal is True:
-        in_place = CD.device_log_decay(log_decay, batch_shape, n, d)
+    if decay is None and (on_device(log_decay) or on_device(beta)) and causal is True:
+        in_place = CD.device_rule_inputs(log_decay, beta, batch_shape, n, d)
     if in_place is None:
         decay = CD.to_host("decay", decay) if on_device(decay) else decay
         log_decay = CD.to_host("log_decay", log_decay) if on_device(log_decay) else log_decay
         beta = CD.to_host("beta", beta) if on_device(beta) else beta
         rule, inputs, normalize = rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, d,
                                                  causal=causal, beta=beta, copy=False)
-    else:
-        # read in place, checked on the device below; the decay rules take the additive rule's
-        # normalize convention, which rule_arguments gives without factors
+    else:  # read in place, checked on the device below
         rule, inputs = in_place
-        normalize = rule_arguments(fmap, None, None, normalize, batch_shape, n, d, causal=causal)[2]
+        normalize = rule_normalize(fmap, rule, normalize)
     if initial_state is not None:
         check_state_rule(initial_state, rule)
     if fmap.kernel_code is None:
@@ -440,7 +443,7 @@ def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initia
     # (and a device initial state) are counted on the device and the counters read once.
     try:
         if in_place is not None:
-            CD.check_log_factors(inputs)
+            CD.check_rule_inputs(inputs)
         if initial_state is None:
             H, position = CD.zero_state(b, f, m), 0
         else:

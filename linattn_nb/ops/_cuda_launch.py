@@ -226,7 +226,8 @@ def _checked_input(name, x, want, dims):
 def _delta_inputs(rule, inputs, B, N):
     """The delta rules' (B, N, 2) float64 device array: column 0 the log-decay (0 for the delta
     rule), column 1 ``beta``.  Host inputs are stacked on the host and copied once; device
-    inputs are copied into it on the device (one small kernel per input)."""
+    inputs are copied into a pooled workspace zeroed on the device (one small kernel per input;
+    valid until the next call of the thread)."""
     names = (("log_decay", 0), ("beta", 1)) if rule == RULE_GATED_DELTA else (("beta", 1),)
     xs = [(_checked_input(name, inputs[name], (B, N), "(B, N)"), w) for name, w in names]
     if all(isinstance(x, np.ndarray) for x, _ in xs):
@@ -234,7 +235,7 @@ def _delta_inputs(rule, inputs, B, N):
         for x, w in xs:
             packed[:, :, w] = x
         return cuda.to_device(packed)
-    dst = cuda.to_device(np.zeros((B, N, 2), dtype=_F64))
+    dst = P.zeros((B, N, 2), _F64, tag="rule.delta_inputs")  # pooled, zeroed on the device
     for x, w in xs:
         if isinstance(x, np.ndarray):
             x = cuda.to_device(np.ascontiguousarray(x, dtype=_F64))

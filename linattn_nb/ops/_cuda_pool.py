@@ -22,8 +22,8 @@ holds what makes that possible:
   -- the finiteness check of a call: kernels add the number of NaN/inf
   entries of each checked array into a per-thread int32 device array of
   :data:`CHECK_SLOTS` slots (q, k, v, initial_state.S, initial_state.z; and
-  :func:`count_bad_log_factors`: a device ``log_decay``'s entries that are
-  NaN or > 0) that
+  :func:`count_out_of_range`: a device ``log_decay``'s entries that are NaN
+  or > 0, a device ``beta``'s outside [0, 2]) that
   is zero between calls; :func:`raise_if_nonfinite` reads it once (one
   device-to-host copy, only when a kernel was asked to count since the
   last read) and raises ``ValueError`` naming the first slot that counted,
@@ -46,12 +46,12 @@ from numba import cuda
 
 from .. import config
 
-__all__ = ["workspace", "zeros", "fill", "counters", "count_nonfinite", "count_bad_log_factors",
+__all__ = ["workspace", "zeros", "fill", "counters", "count_nonfinite", "count_out_of_range",
            "raise_if_nonfinite", "discard_counts", "clear", "stats", "CHECK_SLOTS", "SLOT"]
 
 #: The names of the check counters, in the order errors name them: NaN/inf entries of q, k, v and
-#: a device initial state; log-factors that are NaN or > 0 of a device ``log_decay``.
-CHECK_SLOTS = ("q", "k", "v", "initial_state.S", "initial_state.z", "log_decay")
+#: a device initial state; entries of a device ``log_decay`` (``beta``) that are NaN or > 0 (outside [0, 2]).
+CHECK_SLOTS = ("q", "k", "v", "initial_state.S", "initial_state.z", "log_decay", "beta")
 #: Slot index of each name of :data:`CHECK_SLOTS`.
 SLOT = {name: i for i, name in enumerate(CHECK_SLOTS)}
 
@@ -177,14 +177,14 @@ def _count4_py(x, counters, slot):
         cuda.atomic.add(counters, slot, bad)
 
 
-def _count_log_py(x, counters, slot):
-    """counters[slot] += number of entries of the 1-d float64 array x that are NaN or > 0 (grid-stride)."""
+def _count_range_py(x, lo, hi, counters, slot):
+    """counters[slot] += number of entries of the 1-d float64 array x that are NaN or outside [lo, hi]."""
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     bad = 0
     for j in range(start, x.size, stride):
         y = x[j]
-        if not y <= 0.0:  # NaN, or a factor above 1 (-inf, a reset, passes)
+        if not (y >= lo and y <= hi):  # NaN fails both
             bad += 1
     if bad:
         cuda.atomic.add(counters, slot, bad)
@@ -194,7 +194,7 @@ def _kernels():
     if not _KERNELS:
         _KERNELS["fill"] = cuda.jit(_fill_py)
         _KERNELS["count4"] = cuda.jit(_count4_py)
-        _KERNELS["count_log"] = cuda.jit(_count_log_py)
+        _KERNELS["count_range"] = cuda.jit(_count_range_py)
     return _KERNELS
 
 
@@ -247,12 +247,12 @@ def count_nonfinite(name, x4) -> None:
         _kernels()["count4"][_grid(x4.size)](x4, c, SLOT[name])
 
 
-def count_bad_log_factors(x) -> None:
-    """Add the entries of the C-contiguous float64 device array ``x`` that are NaN or > 0 to the
-    counter ``"log_decay"`` (one kernel, no read: :func:`raise_if_nonfinite` reads it)."""
+def count_out_of_range(name, x, lo, hi) -> None:
+    """Add the entries of the C-contiguous float64 device array ``x`` that are NaN or outside
+    [lo, hi] to the counter ``name`` (one kernel, no read: :func:`raise_if_nonfinite` reads it)."""
     c = counters()
     if x.size:
-        _kernels()["count_log"][_grid(x.size)](x.reshape(int(x.size)), c, SLOT["log_decay"])
+        _kernels()["count_range"][_grid(x.size)](x.reshape(int(x.size)), float(lo), float(hi), c, SLOT[name])
 
 
 def raise_if_nonfinite() -> None:
@@ -278,6 +278,9 @@ def raise_if_nonfinite() -> None:
         if n and name == "log_decay":
             raise ValueError(f"log_decay must be <= 0 (-inf resets the state) and not NaN: {int(n)} value(s) "
                              "are not")
+        if n and name == "beta":
+            raise ValueError(f"beta (the write strength) must lie in [0, 2] and not be NaN: {int(n)} value(s) "
+                             "do not")
         if n:
             raise ValueError(f"{name} contains {int(n)} non-finite value(s) (NaN or inf); "
                              "pass check_finite=False to skip this check")

@@ -166,6 +166,41 @@ def test_device_log_decay_is_read_in_place(counts, monkeypatch, form, method):
     np.testing.assert_allclose(res.copy_to_host(), ref32, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("rule", ["delta", "gated_delta"])
+def test_device_beta_is_read_in_place(counts, rule):
+    """A float64 GPU beta (and per-token log_decay for the gated delta rule): no copy to the
+    device, one read; beta outside [0, 2] or NaN raises naming beta; a host beta beside a device
+    log_decay takes the host path with the same result."""
+    from numba import cuda
+
+    rng = np.random.default_rng(7)
+    batch, N, D, M = (3,), 6, 3, 2
+    q, k, v = (rng.standard_normal(batch + (N, d)).astype(np.float32) for d in (D, D, M))
+    beta = rng.uniform(0.0, 2.0, size=batch + (N,))
+    kw = {"beta": beta}
+    if rule == "gated_delta":
+        kw["log_decay"] = -rng.uniform(0.0, 0.3, size=batch + (N,))
+    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+    dkw = {name: cuda.to_device(x) for name, x in kw.items()}
+    out = cuda.device_array(batch + (N, M), dtype=np.float32)
+    ref = la.linear_attention(q, k, v, causal=True, feature_map="l2", method="quadratic", **kw)
+
+    def call(**over):
+        return la.linear_attention(dq, dk, dv, causal=True, feature_map="l2", method="scan", device="cuda",
+                                   out=out, **{**dkw, **over})
+    call()
+    res, n = _measure(counts, call)
+    np.testing.assert_allclose(res.copy_to_host(), ref, rtol=2e-5, atol=2e-6)
+    assert n["h2d"] == 0 and n["alloc"] == 0 and n["d2h"] == 1, n
+    for bad in (2.5, -0.1, np.nan):
+        x = beta.copy()
+        x[1, 2] = bad
+        with pytest.raises(ValueError, match=r"beta \(the write strength\) must lie in \[0, 2\].*1 value"):
+            call(beta=cuda.to_device(x))
+    np.testing.assert_allclose(call().copy_to_host(), ref, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(call(beta=beta).copy_to_host(), ref, rtol=2e-5, atol=2e-6)  # host beta
+
+
 def test_pool_is_bounded_and_keyed(monkeypatch):
     P.clear()
     a = P.workspace("t", (4, 4), np.float32)
@@ -327,8 +362,9 @@ for dt in ("int32", "float32", "float64"):
     t = getattr(types, dt)
     ptx, _ = cuda.compile_ptx(P._fill_py, (types.Array(t, 1, "C"), t), cc=(9, 0))
     res["fill/" + dt] = {"entry": ".entry" in ptx, "local": ("ld.local" in ptx) or ("st.local" in ptx)}
-ptx, _ = cuda.compile_ptx(P._count_log_py, (types.Array(types.float64, 1, "C"), c, types.int64), cc=(9, 0))
-res["count_log/float64"] = {"entry": ".entry" in ptx, "local": ("ld.local" in ptx) or ("st.local" in ptx)}
+sig = (types.Array(types.float64, 1, "C"), types.float64, types.float64, c, types.int64)
+ptx, _ = cuda.compile_ptx(P._count_range_py, sig, cc=(9, 0))
+res["count_range/float64"] = {"entry": ".entry" in ptx, "local": ("ld.local" in ptx) or ("st.local" in ptx)}
 print(json.dumps(res))
 """
 
