@@ -858,20 +858,6 @@ def _unravel4(idx, Bn, N, F):
 
 
 @cuda.jit(cache=_CACHE)
-def count_nonfinite_kernel(x, counter):
-    """counter[0] += number of NaN/inf entries of the 4-d array ``x`` (any strides)."""
-    A, Bn, N, F = x.shape
-    total = A * Bn * N * F
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for idx in range(start, total, stride):
-        b1, b2, t, i = _unravel4(idx, Bn, N, F)
-        val = float64(x[b1, b2, t, i])
-        if not (val - val == 0.0):
-            cuda.atomic.add(counter, 0, 1)
-
-
-@cuda.jit(cache=_CACHE)
 def copy4d_kernel(src, dst):
     """dst[...] = src[...] for 4-d arrays of equal shape, any strides and dtypes."""
     A, Bn, N, F = src.shape

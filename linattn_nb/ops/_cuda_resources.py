@@ -695,8 +695,6 @@ def helper_specs(accs=("float32", "float64")) -> list[KernelSpec]:
             specs.append(KernelSpec(f"helper/cast_copy/{acc}->float64", mod + "cast_copy_kernel", (H, H64), tpb,
                                     group="helper"))
         a4 = _arr(acc, 4, "A")
-        specs.append(KernelSpec(f"helper/count_nonfinite/{acc}", mod + "count_nonfinite_kernel",
-                                (a4, _arr(_I, 1)), tpb, group="helper"))
         specs.append(KernelSpec(f"helper/copy4d/{acc}", mod + "copy4d_kernel", (a4, _arr(acc, 4, "A")), tpb,
                                 group="helper"))
     return specs
