@@ -194,7 +194,9 @@ def _state_step(q, k, v, St, z, out, feat, code, eps, check):
             _features_all(k, t, xs, fa, code)
             _features_all(q, t, xs, fc, code)
         for b in prange(B):
-            _advance(v, St, z, out, feat[0, b], feat[1, b], b, t, eps)
+            # np.int64(b): prange's index is unsigned in the parallel twin; without the cast the helper
+            # compiles a second time, for uint64, besides the serial twin's int64
+            _advance(v, St, z, out, feat[0, b], feat[1, b], np.int64(b), t, eps)
     return 0
 
 
@@ -708,7 +710,7 @@ def _kv_attend(q, K, V, length, causal_new, out, scale, block):
     the batch (:data:`kv_attend_serial`, :data:`kv_attend_parallel`).
     """
     for b in prange(q.shape[0]):
-        _kv_one(q, K, V, length, causal_new, out, scale, block, b)
+        _kv_one(q, K, V, length, causal_new, out, scale, block, np.int64(b))  # one helper type (see _state_step)
 
 
 kv_attend_serial, kv_attend_parallel = serial_and_parallel(_kv_attend, fastmath=config.FASTMATH,
@@ -741,7 +743,7 @@ def _kv_step(q, k, v, K, V, length, out, scale, block, check):
     _kv_append(k, v, K, V, length)
     n = length + q.shape[1]
     for b in prange(q.shape[0]):
-        _kv_one(q, K, V, n, True, out, scale, block, b)
+        _kv_one(q, K, V, n, True, out, scale, block, np.int64(b))  # one helper type (see _state_step)
     return 0
 
 
