@@ -4,6 +4,8 @@ Run::
 
     python benchmarks/chunked_breakdown.py              # B*H = 16, N = 4096, 15 rounds
     python benchmarks/chunked_breakdown.py --n 16384 --rounds 9
+    git worktree add /tmp/old <rev>
+    python benchmarks/chunked_breakdown.py --against /tmp/old   # old against new, interleaved
 
 Shape: B*H = 16 sequences, D = M = 64, float32, feature map "elu", the chunk
 size and row block that :mod:`linattn_nb.config` picks; one Numba thread and
@@ -29,16 +31,32 @@ costs.  The steps
 overlap in the kernel (a load that misses the cache runs while the products
 of the previous chunk finish), so the whole takes less than their sum.
 Results: a table on stdout and ``benchmarks/results/chunked_breakdown.json``.
+
+``--against DIR`` times another checkout's kernel and helpers beside this
+one's: one worker process per checkout (its package first on ``sys.path``,
+its own Numba cache, one thread), the rounds interleaved and their order
+alternated, so both see the same load; the table gives each step old and
+new per token, their ratio, and the work around the BLAS products (whole
+kernel minus products: issue 19's measure).  The steps are this script's,
+called with the other checkout's helpers: a revision whose helpers changed
+signature stops its worker with an error.
+``benchmarks/results/chunked_breakdown_against.json``.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
+from pathlib import Path
 
 import numba
 import numpy as np
-from _common import machine, table, write_json
+from _common import ROOT, machine, table, write_json
 from numba import njit
+
+if "--worker" in sys.argv:  # --against: this process times the steps of the checkout named after --worker
+    sys.path.insert(0, sys.argv[sys.argv.index("--worker") + 1])
 
 from linattn_nb import config
 from linattn_nb._blas import single_threaded_blas
@@ -120,15 +138,9 @@ def _product_flops(C, bs):
     return total / C
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--n", type=int, default=4096, help="tokens per sequence")
-    ap.add_argument("--rounds", type=int, default=15)
-    args = ap.parse_args(argv)
-    if args.n < 1 or args.rounds < 1:
-        ap.error("--n and --rounds must be >= 1")
+def _steps(N):
+    """(steps, C, bs): name -> a call timing one step of the chunk loop over B*H sequences of N tokens."""
     numba.set_num_threads(1)
-    N = args.n
     C = config.cpu_chunk_size(N, D, M, np.float32)
     bs = max(1, min(C, config.cpu_chunk_block(C, D, M, np.float32)))
     rng = np.random.default_rng(0)
@@ -136,10 +148,6 @@ def main(argv=None):
     qc, kc, vc = (x[:1].copy() for x in (q, k, v))  # one sequence: N KiB of q, k, v and output
     out = np.empty_like(v)
     X, R, fk, o, part = _scratch(C)
-    info = machine()
-    print(f"# chunked kernel, one core: B*H={BH}, N={N}, D=M={D}, float32, elu, chunk {C}, "
-          f"row block {bs} -- {info['date']}, {info['cpu']}")
-
     oc = np.empty_like(vc)
 
     def kernel(q, k, v, out):
@@ -159,6 +167,90 @@ def main(argv=None):
         "normalise + write output": lambda: _output(out, o),
         "whole kernel, one sequence 16x (in L3)": cached,
     }
+    return steps, C, bs
+
+
+def _worker(N):
+    """--against's worker: each request line runs every step once (in the order given) and replies with seconds."""
+    import linattn_nb
+
+    steps, C, bs = _steps(N)
+    with single_threaded_blas():
+        for fn in steps.values():  # compile, fault the pages in
+            fn()
+        print(json.dumps({"file": linattn_nb.__file__, "chunk": C, "block": bs, "steps": list(steps)}), flush=True)
+        for line in sys.stdin:
+            req = json.loads(line)
+            if req.get("op") == "quit":
+                return
+            res = {}
+            for name in req["order"]:
+                t = time.perf_counter()
+                steps[name]()
+                res[name] = time.perf_counter() - t
+            print(json.dumps(res), flush=True)
+
+
+def _against(args):
+    """Old (``--against``) and new (this checkout) side by side: each round times every step in both workers."""
+    from compare_revisions import Worker
+
+    info = machine()
+    ws = {"new": Worker(ROOT, 1, __file__, ("--n", str(args.n))),
+          "old": Worker(Path(args.against).resolve(), 1, __file__, ("--n", str(args.n)))}
+    hello = {}
+    for k, w in ws.items():
+        line = w.p.stdout.readline()
+        if not line:
+            raise SystemExit(f"the {k} worker died ({w.p.wait()}): its helpers may not match this script's steps")
+        hello[k] = json.loads(line)
+    names = hello["new"]["steps"]
+    print(f"# chunked kernel steps, old against new, one core: B*H={BH}, N={args.n}, D=M={D}, float32, elu, "
+          f"chunk {hello['new']['chunk']}/{hello['old']['chunk']} (new/old) -- {info['date']}, {info['cpu']}")
+    print(f"# new: {hello['new']['file']}\n# old: {hello['old']['file']}")
+    times = {k: {n: [] for n in names} for k in ws}
+    for r in range(args.rounds):
+        for k in (("new", "old") if r % 2 else ("old", "new")):
+            w = ws[k]
+            w.p.stdin.write(json.dumps({"order": names}) + "\n")
+            w.p.stdin.flush()
+            for n, t in json.loads(w.p.stdout.readline()).items():
+                times[k][n].append(t)
+    for w in ws.values():
+        w.p.stdin.write(json.dumps({"op": "quit"}) + "\n")
+        w.p.stdin.flush()
+        w.p.wait()
+    ns = {k: {n: float(np.median(ts)) / (BH * args.n) * 1e9 for n, ts in times[k].items()} for k in ws}
+    for k in ws:  # what issue 19 counts as the work around the BLAS products: whole - products
+        ns[k]["non-BLAS (whole - products)"] = ns[k]["whole kernel"] - ns[k]["products (3 BLAS calls per chunk)"]
+    rows = [{"step": n, "old ns/token": ns["old"][n], "new ns/token": ns["new"][n],
+             "new/old": ns["new"][n] / ns["old"][n]} for n in ns["new"]]
+    print(table(rows, ["step", "old ns/token", "new ns/token", "new/old"],
+                {"old ns/token": "{:.1f}", "new ns/token": "{:.1f}", "new/old": "{:.3f}"}))
+    write_json("chunked_breakdown_against", {"machine": info, "n": args.n, "rounds": args.rounds,
+                                             "against": str(Path(args.against).resolve()), "rows": rows,
+                                             "times_s": times})
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=4096, help="tokens per sequence")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--against", metavar="DIR", help="another checkout (the 'old' one): both timed side by side, "
+                    "interleaved, each in its own process (e.g. git worktree add /tmp/old <rev>)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.n < 1 or args.rounds < 1:
+        ap.error("--n and --rounds must be >= 1")
+    if args.worker:
+        return _worker(args.n)
+    if args.against:
+        return _against(args)
+    N = args.n
+    steps, C, bs = _steps(N)
+    info = machine()
+    print(f"# chunked kernel, one core: B*H={BH}, N={N}, D=M={D}, float32, elu, chunk {C}, "
+          f"row block {bs} -- {info['date']}, {info['cpu']}")
     tokens = {name: BH * N for name in steps}
     with single_threaded_blas():
         for fn in steps.values():  # compile, fault the pages in

@@ -222,13 +222,19 @@ def _source_cache_dir(root: Path) -> str:
 
 
 class Worker:
-    def __init__(self, root: Path, threads):
+    """A worker process for one checkout: ``script --worker ROOT [args]``, one JSON request and reply per line.
+
+    ``script`` defaults to this file (``benchmarks/chunked_breakdown.py --against`` runs its own).
+    """
+
+    def __init__(self, root: Path, threads, script=None, args=()):
         env = dict(os.environ)
         env["NUMBA_CACHE_DIR"] = _source_cache_dir(root)
         env.pop("NUMBA_ENABLE_CUDASIM", None)
         if threads:
             env["NUMBA_NUM_THREADS"] = str(threads)
-        self.p = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", str(root)],
+        script = Path(script or __file__).resolve()
+        self.p = subprocess.Popen([sys.executable, str(script), "--worker", str(root), *args],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd="/")
 
     def ask(self, **req):
