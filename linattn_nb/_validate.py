@@ -16,6 +16,9 @@ import numbers
 from typing import Sequence
 
 import numpy as np
+from numba import njit
+
+from . import config
 
 SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
@@ -193,6 +196,25 @@ def check_normalize(normalize, default: bool) -> bool:
     raise TypeError(f"normalize must be None, True or False, got {type(normalize).__name__} {normalize!r}")
 
 
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def factor_counts(x, lo, hi, reset):
+    """``(bad, resets)`` of a 1-D float64 array in one vectorised pass.
+
+    ``bad``: how many elements are NaN or outside [lo, hi]; ``resets``: how
+    many are at or below ``reset``.  For :func:`decay_inputs`: a per-feature
+    gate is as large as q and k, and NumPy took five passes over it (about as
+    long as the kernel itself).  The comparisons survive the fast-math flags
+    (no ``nnan``, :data:`linattn_nb.config.FASTMATH`); the counts are integers.
+    """
+    bad = 0
+    resets = 0
+    for i in range(x.shape[0]):
+        v = x[i]
+        bad += (v != v) | (v < lo) | (v > hi)
+        resets += v <= reset
+    return bad, resets
+
+
 def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool, copy: bool = True):
     """The update rule and its kernel inputs for the ``decay``/``log_decay`` arguments.
 
@@ -243,8 +265,6 @@ def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool,
     linear = name == "decay"
     lo, hi = (0.0, 1.0) if linear else (-np.inf, 0.0)
     # one compiled pass (a per-feature gate is as large as q and k): NaN, out of range, resets
-    from .ops._finite import factor_counts
-
     bad, resets = factor_counts(np.ascontiguousarray(x).reshape(-1), lo, hi, LOG_RESET)
     if bad:
         if np.isnan(x).any():

@@ -19,9 +19,7 @@ contract's errors (:mod:`linattn_nb.ops.registry`, ``check_finite``):
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
-from .. import config
 from .._validate import check_finite_values
 
 
@@ -57,22 +55,3 @@ def report(flags: np.ndarray, inputs, *, check_finite: bool, what: str = "the re
         raise NonFiniteResult(f"{what} holds NaN or inf although the inputs are finite: the working dtype "
                               "overflowed (or a normaliser is 0 with eps=None)")
 
-
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def factor_counts(x, lo, hi, reset):
-    """``(bad, resets)`` of a 1-D float64 array in one vectorised pass.
-
-    ``bad``: how many elements are NaN or outside [lo, hi]; ``resets``: how
-    many are at or below ``reset``.  The decay and gate inputs of
-    :func:`linattn_nb._validate.decay_inputs`: a per-feature gate is as large
-    as q and k, and NumPy took five passes over it (about as long as the
-    kernel itself).  The comparisons survive the fast-math flags (no
-    ``nnan``, :data:`linattn_nb.config.FASTMATH`); the counts are integers.
-    """
-    bad = 0
-    resets = 0
-    for i in range(x.shape[0]):
-        v = x[i]
-        bad += (v != v) | (v < lo) | (v > hi)
-        resets += v <= reset
-    return bad, resets
