@@ -367,6 +367,32 @@ MUTATIONS: list[Mutation] = [
       "            return j\n",
       ("tests/ops/test_step_cuda.py",),
       "first bad input reported 0-based (q's NaN then reads as no error)"),
+    # --- this session's additions: rescaled CUDA tiles, device rule inputs, the one-pass factor check ---
+    M("cuda_rescaled_keys_times_p", "ops/_cuda_kernels.py",
+      "                            sk[tu, iu] /= p\n",
+      "                            sk[tu, iu] *= p\n",
+      ("tests/ops/test_decay_cuda.py::test_rescaled_and_direct_tiles",),
+      "a rescaled tile's keys multiplied by the running factor instead of divided"),
+    M("cuda_rescaled_floor_ignored", "ops/_cuda_kernels.py",
+      "                    if not p >= TAU:\n",
+      "                    if p != p:\n",
+      ("tests/ops/test_decay_cuda.py::test_rescaled_and_direct_tiles", "tests/ops/test_decay_cuda.py::test_launchers_match_reference"),
+      "tiles rescaled whatever their factor: a reset divides the keys by 0"),
+    M("cuda_pool_range_upper_bound", "ops/_cuda_pool.py",
+      "        if not (y >= lo and y <= hi):  # NaN fails both",
+      "        if not (y >= lo):",
+      ("tests/ops/test_cuda_transfers.py",),
+      "device check of log_decay / beta misses values above the range"),
+    M("factor_counts_no_upper", "_validate.py",
+      "        bad += (v != v) | (v < lo) | (v > hi)",
+      "        bad += (v != v) | (v < lo)",
+      ("tests/test_decay_api.py",),
+      "host check of decay / log_decay lets positive log-factors through"),
+    M("decay_inputs_resets_kept", "_validate.py",
+      "    elif resets:\n        lg = np.where(x <= LOG_RESET, -np.inf, x)",
+      "    elif False:\n        lg = np.where(x <= LOG_RESET, -np.inf, x)",
+      ("tests/test_decay_api.py",),
+      "log-factors below exp's range are passed on instead of the exact reset -inf"),
 ]
 
 
@@ -425,7 +451,9 @@ def _compiled(src: str) -> bool:
 
 
 def _pytest(copy, env, targets, timeout):
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *targets]
+    # -o addopts="": one process, as the exit status is read here (with the suite's pytest-xdist,
+    # -x stops the workers and pytest exits 2, "interrupted", for a caught mutation)
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *targets]
     return subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
 
 
