@@ -213,6 +213,15 @@ def test_device_nonfinite_count_reaches_every_element(where):
         dev = {n: cuda.to_device(x.astype(np.float32)) for n, x in arrays.items()}
         with pytest.raises(ValueError, match=rf"{name} contains 1 non-finite"):
             la.linear_attention(dev["q"], dev["k"], dev["v"], device="cuda")
+    # q, k, v are counted inside the sequence kernel; the pool's grid-stride count checks a device
+    # initial state: a NaN in its first or last entry of S, and of z, must be counted too
+    q, k, v = (cuda.to_device(rng.standard_normal((B, N, d)).astype(np.float32)) for d in (F, F, M))
+    for name, shape in (("S", (B, F, M)), ("z", (B, F))):
+        S0, z0 = rng.standard_normal((B, F, M)), rng.uniform(1.0, 2.0, (B, F))
+        x = S0 if name == "S" else z0
+        x[(0,) * len(shape) if where == "first" else tuple(s - 1 for s in shape)] = np.nan
+        with pytest.raises(ValueError, match=rf"initial_state.{name} contains 1 non-finite"):
+            la.linear_attention(q, k, v, device="cuda", initial_state=(cuda.to_device(S0), cuda.to_device(z0)))
 
 
 # ---------------------------------------------------------------------------
