@@ -72,25 +72,43 @@ def _kernel(x, out):
         out[i] = V.elu1(x[i])
 
 
+@njit(fastmath=FLAGS, inline="always")
+def _round(xi):
+    """The clamped argument and k = round(x log2 e), as the kernel's exp computes them."""
+    xc = xi if xi < F32(0.0) else F32(0.0)
+    xc = xc if xc > F32(LIM) else F32(LIM)
+    kf = xc * F32(LOG2E) + F32(MAGIC)
+    return xc, kf - F32(MAGIC)
+
+
+@njit(fastmath=FLAGS, inline="always")
+def _horner6(c, r):
+    p = F32(c[6])
+    for j in range(5, -1, -1):
+        p = p * r + F32(c[j])
+    return p
+
+
+@njit(fastmath=FLAGS, inline="always")
+def _finish(p, kf, xi):
+    """p * 2^k from the exponent bits, flushed below the range, ELU+1's x + 1 above 0."""
+    p = p * V._bits_f32(kf * F32(8388608.0) + F32(127.0 * 8388608.0))
+    p = p if not (xi < F32(LIM)) else F32(0.0)
+    return p if xi < F32(0.0) else xi + F32(1.0)
+
+
 @njit(fastmath=FLAGS)
 def _deg5(x, out):
+    c = C5
     for i in range(x.shape[0]):
         xi = x[i]
-        xc = xi if xi < F32(0.0) else F32(0.0)
-        xc = xc if xc > F32(LIM) else F32(LIM)
-        kf = xc * F32(LOG2E) + F32(MAGIC)
-        kf = kf - F32(MAGIC)
+        xc, kf = _round(xi)
         r = xc - kf * F32(HI)
         r = r - kf * F32(LO)
-        p = F32(C5[5])
-        p = p * r + F32(C5[4])
-        p = p * r + F32(C5[3])
-        p = p * r + F32(C5[2])
-        p = p * r + F32(C5[1])
-        p = p * r + F32(C5[0])
-        p = p * V._bits_f32(kf * F32(8388608.0) + F32(127.0 * 8388608.0))
-        p = p if not (xi < F32(LIM)) else F32(0.0)
-        out[i] = p if xi < F32(0.0) else xi + F32(1.0)
+        p = F32(c[5])
+        for j in range(4, -1, -1):
+            p = p * r + F32(c[j])
+        out[i] = _finish(p, kf, xi)
 
 
 @njit(fastmath=FLAGS)
@@ -98,21 +116,8 @@ def _one_step(x, out):
     c = V._EXP_F32_COEFFS
     for i in range(x.shape[0]):
         xi = x[i]
-        xc = xi if xi < F32(0.0) else F32(0.0)
-        xc = xc if xc > F32(LIM) else F32(LIM)
-        kf = xc * F32(LOG2E) + F32(MAGIC)
-        kf = kf - F32(MAGIC)
-        r = xc - kf * F32(LN2)
-        p = F32(c[6])
-        p = p * r + F32(c[5])
-        p = p * r + F32(c[4])
-        p = p * r + F32(c[3])
-        p = p * r + F32(c[2])
-        p = p * r + F32(c[1])
-        p = p * r + F32(c[0])
-        p = p * V._bits_f32(kf * F32(8388608.0) + F32(127.0 * 8388608.0))
-        p = p if not (xi < F32(LIM)) else F32(0.0)
-        out[i] = p if xi < F32(0.0) else xi + F32(1.0)
+        xc, kf = _round(xi)
+        out[i] = _finish(_horner6(c, xc - kf * F32(LN2)), kf, xi)
 
 
 @njit(fastmath=FLAGS)
@@ -125,17 +130,7 @@ def _exp2(x, out):
         t = xc * F32(LOG2E)
         kf = t + F32(MAGIC)
         kf = kf - F32(MAGIC)
-        f = t - kf
-        p = F32(c[6])
-        p = p * f + F32(c[5])
-        p = p * f + F32(c[4])
-        p = p * f + F32(c[3])
-        p = p * f + F32(c[2])
-        p = p * f + F32(c[1])
-        p = p * f + F32(c[0])
-        p = p * V._bits_f32(kf * F32(8388608.0) + F32(127.0 * 8388608.0))
-        p = p if not (xi < F32(LIM)) else F32(0.0)
-        out[i] = p if xi < F32(0.0) else xi + F32(1.0)
+        out[i] = _finish(_horner6(c, t - kf), kf, xi)
 
 
 @njit(fastmath=FLAGS)
