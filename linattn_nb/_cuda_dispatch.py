@@ -217,7 +217,7 @@ def device_rule_inputs(log_decay, beta, batch_shape, n: int, f: int):
     rule) or per token and feature (``batch + (N, D_phi)``: the gate rule,
     without ``beta``); ``beta`` one value per token.  Every given argument
     must qualify.  Their values are checked on the device
-    (:func:`check_rule_inputs`, inside the call's try block), not here.
+    (:func:`count_bad_rule_inputs`, inside the call's try block), not here.
     Anything else -- other dtypes, strides, per-sequence values to
     broadcast, ``decay=``, a host array beside a device one -- goes through
     the host path of :func:`linattn_nb._validate.decay_inputs` and
@@ -249,7 +249,7 @@ def device_rule_inputs(log_decay, beta, batch_shape, n: int, f: int):
     return None if lg is None else ("gated_delta", {"beta": bt, "log_decay": lg})
 
 
-def check_rule_inputs(inputs) -> None:
+def count_bad_rule_inputs(inputs) -> None:
     """Count the device log-factors that are NaN or > 0 and the ``beta`` outside [0, 2] or NaN
     (one kernel each; the call's single read of the counters raises)."""
     for name, x in inputs.items():

@@ -411,7 +411,7 @@ def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initia
     dq, dk, dv = CD.wrap("q", q), CD.wrap("k", k), CD.wrap("v", v)
     batch_shape, n, d, m, dtype = V.check_qkv(CD.meta(dq), CD.meta(dk), CD.meta(dv))
     in_place = None
-    if decay is None and (on_device(log_decay) or on_device(beta)) and causal is True:
+    if decay is None and (on_device(log_decay) or on_device(beta)) and causal:
         in_place = CD.device_rule_inputs(log_decay, beta, batch_shape, n, d)
     if in_place is None:
         decay = CD.to_host("decay", decay) if on_device(decay) else decay
@@ -443,7 +443,7 @@ def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initia
     # (and a device initial state) are counted on the device and the counters read once.
     try:
         if in_place is not None:
-            CD.check_rule_inputs(inputs)
+            CD.count_bad_rule_inputs(inputs)
         if initial_state is None:
             H, position = CD.zero_state(b, f, m), 0
         else:

@@ -52,6 +52,9 @@ __all__ = ["workspace", "zeros", "fill", "counters", "count_nonfinite", "count_o
 #: The names of the check counters, in the order errors name them: NaN/inf entries of q, k, v and
 #: a device initial state; entries of a device ``log_decay`` (``beta``) that are NaN or > 0 (outside [0, 2]).
 CHECK_SLOTS = ("q", "k", "v", "initial_state.S", "initial_state.z", "log_decay", "beta")
+#: The errors of the range-checked slots (:func:`count_out_of_range`); the others count NaN/inf.
+_RANGE_ERRORS = {"log_decay": "log_decay must be <= 0 (-inf resets the state) and not NaN: {n} value(s) are not",
+                 "beta": "beta (the write strength) must lie in [0, 2] and not be NaN: {n} value(s) do not"}
 #: Slot index of each name of :data:`CHECK_SLOTS`.
 SLOT = {name: i for i, name in enumerate(CHECK_SLOTS)}
 
@@ -275,14 +278,9 @@ def raise_if_nonfinite() -> None:
         return
     fill(c, 0)
     for name, n in zip(CHECK_SLOTS, host):
-        if n and name == "log_decay":
-            raise ValueError(f"log_decay must be <= 0 (-inf resets the state) and not NaN: {int(n)} value(s) "
-                             "are not")
-        if n and name == "beta":
-            raise ValueError(f"beta (the write strength) must lie in [0, 2] and not be NaN: {int(n)} value(s) "
-                             "do not")
         if n:
-            raise ValueError(f"{name} contains {int(n)} non-finite value(s) (NaN or inf); "
+            raise ValueError(_RANGE_ERRORS[name].format(n=int(n)) if name in _RANGE_ERRORS else
+                             f"{name} contains {int(n)} non-finite value(s) (NaN or inf); "
                              "pass check_finite=False to skip this check")
 
 
