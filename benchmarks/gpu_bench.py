@@ -415,8 +415,11 @@ def launch_sweep(cuda, torch, B, H, D, M, deadline, N=16384):
     out = cuda.device_array((B, H, N, M), dtype=np.float32)
     saved = {k_: getattr(config, k_) for k_ in dir(config) if k_.startswith("CUDA_")}
     tiles = [(16, 1), (8, 2), (4, 4), (8, 8), (16, 4)]  # (rows, cols) per thread; default in config
-    variants = [(m, {"CUDA_ROWS_PER_THREAD": r, "CUDA_COLS_PER_THREAD": c}) for m in ("chunked", "scan")
-                for r, c in tiles]
+    # first the scan's two thread layouts (config.CUDA_SEQ_LAYOUT; "auto" takes row groups at the
+    # headline's 128 sequences on 132 SMs: issue 20, point 3), then the row-group tiles
+    variants = [("scan", {"CUDA_SEQ_LAYOUT": lay}) for lay in ("owner", "rows")]
+    variants += [(m, {"CUDA_ROWS_PER_THREAD": r, "CUDA_COLS_PER_THREAD": c}) for m in ("scan", "chunked")
+                 for r, c in tiles]
     variants += [("chunked", {"CUDA_CHUNK_SIZE": L}) for L in (64, 128, 512, 1024)]
     variants += [(m, {"CUDA_VALUE_COLS": 32}) for m in ("scan", "chunked")]
     variants += [("chunked", {"CUDA_TILE_TOKENS": 16})]

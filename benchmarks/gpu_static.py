@@ -81,22 +81,20 @@ def headline_model():
     B, H, N, D, M = (HEADLINE[k] for k in ("B", "H", "N", "D", "M"))
     min_bytes = B * H * N * (2 * D + 2 * M) * 4
     min_flops = 4 * B * H * N * D * M
-    old = CD._SM_COUNT
-    CD._SM_COUNT = H200_SMS
-    try:
-        auto = CD.select_auto_cuda(rule="additive", causal=True, batch=B * H, n=N, f=D, m=M, dtype="float32")
-    finally:
-        CD._SM_COUNT = old
+    auto = CD.select_auto_cuda(rule="additive", causal=True, batch=B * H, n=N, f=D, m=M, dtype="float32",
+                               sms=H200_SMS)
     rows, plans = [], {}
     for method in ("scan", "chunked"):
-        tm = traffic_model((B * H, N, D, M), method=method, dtype="float32", rule=RULE_ADDITIVE)
+        tm = traffic_model((B * H, N, D, M), method=method, dtype="float32", rule=RULE_ADDITIVE, sms=H200_SMS)
         t = max(tm["bytes"] / (HBM_TBS * 1e12), tm["flops"] / (FP32_TFLOPS * 1e12))
         plans[method] = tm
-        rows.append({"plan": method + (" (auto)" if method == auto else ""), "launches": tm["launches"],
+        rows.append({"plan": method + (" (auto)" if method == auto else ""), "layout": tm["layout"],
+                     "warps/SM": tm["warps"] / H200_SMS, "launches": tm["launches"],
                      **{f"{k} GB": v / 1e9 for k, v in tm["parts"].items()}, "total GB": tm["bytes"] / 1e9,
                      "GFLOP": tm["flops"] / 1e9, "x 4BHNDM": tm["flops_ratio"], "roofline ms": t * 1e3})
     t_min = max(min_bytes / (HBM_TBS * 1e12), min_flops / (FP32_TFLOPS * 1e12)) * 1e3
-    rows.append({"plan": "minimum (q, k, v, out once)", "launches": 1, "q GB": B * H * N * D * 4 / 1e9,
+    rows.append({"plan": "minimum (q, k, v, out once)", "layout": "", "warps/SM": float("nan"), "launches": 1,
+                 "q GB": B * H * N * D * 4 / 1e9,
                  "k GB": B * H * N * D * 4 / 1e9, "v GB": B * H * N * M * 4 / 1e9,
                  "out GB": B * H * N * M * 4 / 1e9, "factors GB": 0.0, "states GB": 0.0,
                  "total GB": min_bytes / 1e9, "GFLOP": min_flops / 1e9, "x 4BHNDM": 1.0, "roofline ms": t_min})
@@ -115,11 +113,13 @@ def headline_model():
 # Kernels and their SASS
 # ---------------------------------------------------------------------------
 def default_specs():
-    """Every kernel at its default configuration (D_phi = M = 64)."""
+    """Every kernel at its default configuration (D_phi = M = 64), the sequence kernel in both layouts."""
     specs = []
     for acc in ("float32", "float64"):
         for name, (code, _) in RULES.items():
             specs.append(CR.sequence_spec(64, 64, acc, code))
+            if CR.sequence_spec(64, 64, acc, code, layout="rows").key != specs[-1].key:
+                specs.append(CR.sequence_spec(64, 64, acc, code, layout="rows"))
     return specs + CR.helper_specs() + CR.backward_specs() + CR.step_specs()
 
 
@@ -178,10 +178,11 @@ def main(argv=None):
     B, H, N, D, M = (HEADLINE[k] for k in ("B", "H", "N", "D", "M"))
     print(f"\n## launch plans at B={B}, H={H}, N={N}, D={D}, M={M}, float32, causal (chunked: chunk "
           f"{config.CUDA_CHUNK_SIZE}); model: {summary['model']}; auto picks {summary['auto']} on {H200_SMS} SMs")
-    cols = ["plan", "launches", "q GB", "k GB", "v GB", "out GB", "factors GB", "states GB", "total GB", "GFLOP",
+    cols = ["plan", "layout", "warps/SM", "launches", "q GB", "k GB", "v GB", "out GB", "factors GB", "states GB",
+            "total GB", "GFLOP",
             "x 4BHNDM", "roofline ms"]
     fmt = {c: "{:.3f}" for c in cols if c.endswith("GB")}
-    fmt.update({"GFLOP": "{:.1f}", "x 4BHNDM": "{:.2f}", "roofline ms": "{:.3f}"})
+    fmt.update({"GFLOP": "{:.1f}", "x 4BHNDM": "{:.2f}", "roofline ms": "{:.3f}", "warps/SM": "{:.1f}"})
     print(table(rows, cols, fmt))
     print(f"auto plan: modelled traffic {summary['traffic_gb']:.2f} GB (minimum {summary['min_traffic_gb']:.2f}), "
           f"FLOPs {summary['flops_g']:.1f} G = {summary['flops_ratio']:.2f} x 4 BHNDM; roofline "
@@ -232,8 +233,9 @@ def main(argv=None):
         print(table(tokens, ["kernel", "loop", "insns", "FMA", "FMA %", "top opcodes"], {"FMA %": "{:.0f}"}))
         for t in tokens:  # the target of issue 20 (point 2; point 6: every rule)
             if t["kernel"].startswith("seq/float32/"):
+                lay = "row groups" if t["kernel"].endswith("/rows") else "default layout"
                 print(f"  {'met' if t['FMA %'] >= 60 else 'NOT met'}: FFMA >= 60 % of the per-token loop at "
-                      f"D = M = 64 float32, {t['kernel'].split('/')[2]} rule ({t['FMA %']:.0f} %)")
+                      f"D = M = 64 float32, {t['kernel'].split('/')[2]} rule, {lay} ({t['FMA %']:.0f} %)")
         out["loops"] = lrows
         out["token_loops"] = tokens
     path = write_json("gpu_static", out, args.json)

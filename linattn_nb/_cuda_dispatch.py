@@ -48,9 +48,6 @@ from .device import cuda_status, is_device_array, is_simulator_array, on_device
 from .ops._codes import RULES
 from .ops.registry import select_auto
 
-_SM_COUNT = None
-
-
 def _cuda():
     from numba import cuda
 
@@ -157,32 +154,45 @@ def input_4d(x):
 # Method selection
 # ---------------------------------------------------------------------------
 def multiprocessor_count() -> int:
-    """Streaming multiprocessors of the current GPU (1 on the simulator)."""
-    global _SM_COUNT
-    if _SM_COUNT is None:
-        try:
-            if cuda_status() != "gpu":
-                return 1
-            _SM_COUNT = int(_cuda().get_current_device().MULTIPROCESSOR_COUNT)
-        except Exception:  # pragma: no cover - exotic drivers
-            _SM_COUNT = 1
-    return _SM_COUNT
+    """Streaming multiprocessors of the current GPU (1 on the simulator or without one)."""
+    if cuda_status() != "gpu":
+        return 1
+    from .ops._cuda_launch import multiprocessor_count as count
+
+    return count()
 
 
-def select_auto_cuda(*, rule, causal, batch, n, f, m, dtype) -> str:
+def select_auto_cuda(*, rule, causal, batch, n, f, m, dtype, sms=None) -> str:
     """Resolve ``method="auto"`` on the GPU.
 
-    Causal: ``"scan"`` when its ``batch x column-block`` blocks give at least
-    ``config.CUDA_AUTO_SCAN_BLOCKS_PER_SM`` blocks per multiprocessor, else the
-    rows of ``config.AUTO_METHODS[(rule, True, "cuda")]`` by sequence length.
-    Non-causal: ``config.AUTO_METHODS[(rule, False, "cuda")]``.
+    Causal: ``"scan"`` when the scan's blocks (``batch x column blocks``) in
+    the layout :func:`linattn_nb.ops._cuda_launch.seq_layout` gives it fill
+    the GPU: the owner layout at ``config.CUDA_AUTO_SCAN_BLOCKS_PER_SM``
+    blocks per multiprocessor or more, the row-group layout when its warps
+    reach ``config.CUDA_AUTO_SCAN_MIN_WARPS_PER_SM`` per multiprocessor (one
+    pass over q, k, v, against the chunked method's two over k and v); else
+    the rows of ``config.AUTO_METHODS[(rule, True, "cuda")]`` by sequence
+    length.  Non-causal: ``config.AUTO_METHODS[(rule, False, "cuda")]``.
+    ``sms``: multiprocessors (default: the current GPU's,
+    :func:`multiprocessor_count`).
     """
     if causal:
+        from .ops._cuda_launch import seq_layout
+
         K = _kernels()
-        MB = K.seq_config(f, m, np.dtype(K.acc_name(dtype)).itemsize, RULES[rule][0])[3]
+        sms = multiprocessor_count() if sms is None else int(sms)
+        code = RULES[rule][0]
+        item = np.dtype(K.acc_name(dtype)).itemsize
+        layout = seq_layout(batch, f, m, item, code, sms=sms)
+        R, C, G, MB, T = K.seq_config(f, m, item, code, layout)
         blocks = batch * -(-m // MB)
-        if blocks >= int(config.CUDA_AUTO_SCAN_BLOCKS_PER_SM) * multiprocessor_count():
-            return "scan"
+        if layout == "owner" and K.owner_fits(f, m, item, code):
+            if blocks >= int(config.CUDA_AUTO_SCAN_BLOCKS_PER_SM) * sms:
+                return "scan"
+        else:
+            warps = blocks * -(-K.threads_per_block(R, C, G, MB, code) // 32)
+            if warps >= int(config.CUDA_AUTO_SCAN_MIN_WARPS_PER_SM) * sms:
+                return "scan"
     return select_auto(rule=rule, causal=causal, device="cuda", batch=batch, n=n, d=f, m=m, dtype=dtype)
 
 

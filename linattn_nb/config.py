@@ -294,13 +294,27 @@ CUDA_WORKSPACE_BYTES = _env_int("LINATTN_CUDA_WORKSPACE_BYTES", 1 << 30)
 #: dimension M is not limited: blocks over M).  Beyond it, a ValueError
 #: suggests device="cpu".
 CUDA_MAX_FEATURES = _env_int("LINATTN_CUDA_MAX_FEATURES", 1024)
-#: method="auto" on CUDA, causal: "scan" when its blocks (batch x column
-#: blocks) fill the GPU, i.e. at least CUDA_AUTO_SCAN_BLOCKS_PER_SM blocks per
-#: multiprocessor; otherwise the AUTO_METHODS rows below by sequence length.
-#: PROVISIONAL: chosen by reasoning, not yet measured on a GPU;
-#: benchmarks/gpu_bench.py times both methods and prints the crossover to put
-#: here.
+#: method="auto" on CUDA, causal: "scan" when its owner-layout blocks (batch x
+#: column blocks, 2 warps each at D_phi = M = 64) fill the GPU, i.e. at least
+#: CUDA_AUTO_SCAN_BLOCKS_PER_SM blocks per multiprocessor; below that, "scan"
+#: in the row-group layout (more warps per sequence: 5 at D_phi = M = 64)
+#: when its warps reach CUDA_AUTO_SCAN_MIN_WARPS_PER_SM per multiprocessor
+#: (one pass over q, k, v: about half the traffic and 2/3 of the FLOPs of
+#: "chunked", which reads k and v twice); otherwise the AUTO_METHODS rows
+#: below by sequence length.  The same block count decides the layout of every
+#: sequence-kernel launch (linattn_nb.ops._cuda_launch.seq_layout).
+#: PROVISIONAL: chosen by reasoning from the static SASS and the traffic model
+#: (benchmarks/gpu_static.py), not yet measured on a GPU;
+#: benchmarks/gpu_bench.py times both methods and both layouts at the headline.
 CUDA_AUTO_SCAN_BLOCKS_PER_SM = _env_int("LINATTN_CUDA_AUTO_SCAN_BLOCKS_PER_SM", 4)
+CUDA_AUTO_SCAN_MIN_WARPS_PER_SM = _env_int("LINATTN_CUDA_AUTO_SCAN_MIN_WARPS_PER_SM", 4)
+#: Thread layout of the sequence kernel: "auto" (the owner layout where it
+#: applies, row groups when the owner layout's blocks would be fewer than
+#: CUDA_AUTO_SCAN_BLOCKS_PER_SM per multiprocessor: see
+#: linattn_nb.ops._cuda_launch.seq_layout), "owner" (where it applies) or
+#: "rows" (always row groups).  A device of one multiprocessor (the
+#: simulator) keeps the owner layout under "auto"; tests set "rows".
+CUDA_SEQ_LAYOUT = os.environ.get("LINATTN_CUDA_SEQ_LAYOUT", "auto") or "auto"
 AUTO_METHODS[("additive", True, "cuda")] = [(2 * 256, "scan"), (None, "chunked")]
 AUTO_METHODS[("additive", False, "cuda")] = [(None, "aggregate")]
 # PROVISIONAL for the forgetting rules on CUDA: the additive rows (their kernels

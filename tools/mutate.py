@@ -30,8 +30,9 @@ The kernel cache it fills is reused by mutations of files without compiled
 code (mutations of kernel files compile the kernels they reach afresh).
 
 The exit status is 1 when any mutation survives or errors.  Not part of CI.
-The CUDA device kernels (ops/_cuda_kernels.py, ops/_cuda_launch.py) carry no
-mutations yet; the CUDA host-side launch logic does.
+The CUDA device kernels and launch logic (ops/_cuda_kernels.py,
+ops/_cuda_launch.py, ops/_cuda_pool.py) carry mutations too, caught on the
+simulator.
 """
 from __future__ import annotations
 
@@ -86,8 +87,6 @@ def M(name, file, old, new, targets, why):  # noqa: N802  (short constructor for
     return Mutation(name, file, old, new, tuple(targets), why)
 
 
-# The CUDA device kernels (ops/_cuda_kernels.py, ops/_cuda_launch.py) are not
-# mutated here yet: they were being rewritten when this list was written.
 MUTATIONS: list[Mutation] = [
     # --- CPU kernels -------------------------------------------------------
     M("scan_excludes_diagonal", "ops/_rules.py",
@@ -393,6 +392,21 @@ MUTATIONS: list[Mutation] = [
       "    elif False:\n        lg = np.where(x <= LOG_RESET, -np.inf, x)",
       ("tests/test_decay_api.py",),
       "log-factors below exp's range are passed on instead of the exact reset -inf"),
+    M("cuda_rows_rescale_end_dropped", "ops/_cuda_kernels.py",
+      "fr = sp[row0 + r] if PER_ROW else ptile",
+      "fr = sp[row0 + r] if PER_ROW else one",
+      ("tests/ops/test_decay_cuda.py::test_rescaled_and_direct_tiles",),
+      "row-group layout: a rescaled decay tile's state never scaled by the tile's factor"),
+    M("cuda_seq_layout_boundary", "ops/_cuda_launch.py",
+      "if sms > 1 and blocks < int(config.CUDA_AUTO_SCAN_BLOCKS_PER_SM) * sms:",
+      "if sms > 1 and blocks <= int(config.CUDA_AUTO_SCAN_BLOCKS_PER_SM) * sms:",
+      ("tests/ops/test_cuda.py::test_sequence_layout_choice",),
+      "row groups taken when the owner layout's blocks exactly fill the GPU"),
+    M("cuda_auto_rows_warps_as_blocks", "_cuda_dispatch.py",
+      "warps = blocks * -(-K.threads_per_block(R, C, G, MB, code) // 32)",
+      "warps = blocks",
+      ("tests/ops/test_cuda.py::test_sequence_layout_choice",),
+      "auto counts the row-group scan's blocks as its warps (chunked at the headline)"),
 ]
 
 

@@ -52,14 +52,18 @@ cross-thread sums a thread issues per FFMA.  Two layouts (:func:`seq_config`):
   threads: 7 blocks, 14 warps per multiprocessor (registers), and ``T`` is
   chosen so shared memory allows :data:`TARGET_WARPS`; three
   ``syncthreads`` per tile.
-* **row groups** (larger ``D_phi``, the delta rules): the block's ``MB``
+* **row groups** (larger ``D_phi``, the delta rules, and any ``D_phi``
+  when a GPU has too few sequences for the owner layout's 2-warp blocks to
+  fill it: :func:`linattn_nb.ops._cuda_launch.seq_layout`): the block's ``MB``
   value columns plus the normaliser column, ``MB + 1`` padded to ``MBP``
   (a multiple of ``C``), are split into groups of ``C`` columns and the
   ``F`` rows into ``G`` groups of ``R``; each thread keeps an ``R x C``
   tile.  Per token a thread reads ``R`` values of ``phi(k)`` and of
   ``phi(q)`` (``LDS.128``: ``R`` and its first row are multiples of 4) and
   ``C`` of ``v`` for ``2 R C`` FFMA (128 of 160 instructions at R = 16,
-  C = 4, D_phi = 128), and writes its partial ``phi(q)^T S`` for its ``C``
+  C = 4, D_phi = 128; 64 of 92 at R = 8, C = 4, D_phi = 64, where a
+  sequence takes 136 threads, 5 warps, against the owner layout's 2), and
+  writes its partial ``phi(q)^T S`` for its ``C``
   columns to shared memory; after the tile the normaliser of every token is
   summed once and the ``G`` partials of every value column are summed and
   divided by it.
@@ -82,7 +86,7 @@ k by the first column block only, so each value counts once); of shape (1,)
 nothing is counted.  The launcher reads the three words once after its
 launches (:func:`linattn_nb.ops._cuda_launch.raise_nonfinite`).
 
-Rescaled tiles (decay and gate rules, owner layout): ``S_t = a_t S_{t-1} +
+Rescaled tiles (decay and gate rules, both layouts): ``S_t = a_t S_{t-1} +
 k_t v_t^T`` costs a multiply and an FFMA per state element, and the
 read-out one more FFMA.  Within a tile, with the running factors ``P_t =
 a_0 ... a_t`` (per feature row for the gate), ``S_t = P_t S~_t`` where
@@ -495,7 +499,11 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
     GATED = rule == RULE_GATED_DELTA
     SAT = T if FACTORS else 1
     SAW = FP if PER_ROW else (2 if DELTA else 1)
+    SPW = FP if PER_ROW else 1
     PU = (2, G, MBP) if DELTA else (1, 1, 1)
+    # decay and gate: rescaled tiles as in the owner layout (module docstring)
+    RESCALE = FACTORS and not DELTA
+    TAU = acc_t(RESCALE_MIN_F32 if acc == "float32" else RESCALE_MIN_F64)
 
     @cuda.jit(cache=_CACHE)
     def kernel(q, k, v, out, H, Hout, lf, n, seg_len, nseg_per_b, state_div, b2n,
@@ -507,6 +515,7 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
         part = cuda.shared.array((T, G, MBP), acc_t)
         sden = cuda.shared.array(T, acc_t)  # the normaliser of every token of the tile
         pu = cuda.shared.array(PU, acc_t)  # delta rules: partial k^T H per (token parity, row group, column)
+        sp = cuda.shared.array(SPW, acc_t)  # a rescaled tile's factor of each state row (the gate)
         st = cuda.local.array(RC, acc_t)  # st[r * C + j]: row row0 + r, column c0 + j
         vt = cuda.local.array(C, acc_t)
         ac = cuda.local.array(C, acc_t)
@@ -609,8 +618,37 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                     elif write_out:
                         l2_normalize_row(sq, t, F)
                 cuda.syncthreads()
+            # ---- decay and gate (module docstring, "Rescaled tiles"): as in the owner
+            # layout, a tile whose running factors stay >= TAU runs the additive loop on
+            # q_t P_t and k_t / P_t and scales the state by its P at its end; otherwise
+            # one token at a time, the state scaled by the token's factors first
+            whole = not RESCALE
+            ptile = one
+            if RESCALE and update:
+                low = 0
+                for i in range(tid, FP, NTH):
+                    p = one
+                    for t in range(nt):
+                        p *= sa[uint32(t), uint32(i) if PER_ROW else 0]
+                    if not p >= TAU:
+                        low = 1
+                whole = cuda.syncthreads_or(low) == 0
+                if whole:
+                    for i in range(tid, FP, NTH):
+                        iu = uint32(i)
+                        p = one
+                        for t in range(nt):
+                            tu = uint32(t)
+                            p *= sa[tu, iu if PER_ROW else 0]
+                            sq[tu, iu] *= p
+                            sk[tu, iu] /= p
+                        if PER_ROW:
+                            sp[iu] = p
+                    if not PER_ROW:
+                        for t in range(nt):
+                            ptile *= sa[uint32(t), 0]
+                    cuda.syncthreads()
             # ---- per token: update the R x C state tile, partial phi(q)^T S
-            # (the additive rule ignores the factor: its loads are dead code)
             if DELTA and update:
                 # delta rules: k^T H[:, m] over all F rows (partials of the G
                 # row groups through shared memory, one syncthreads per token:
@@ -645,33 +683,48 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                     if write_out:
                         for j in range(C):
                             part[t, tg, c0 + j] = ac[j]
-            elif update and write_out:
-                for tt in range(nt):
-                    t = uint32(tt)
-                    for j in range(C):
-                        vt[j] = sv[t, c0 + j]
-                        ac[j] = zero
-                    ft = sa[t if FACTORS else 0, 0]
-                    for r in range(R):
-                        kr = sk[t, row0 + r]
-                        qr = sq[t, row0 + r]
-                        fr = sa[t, row0 + r] if PER_ROW else ft
-                        for j in range(C):
-                            s = token_update(rule, st[r * C + j], kr, vt[j], fr)  # the rule's hook
-                            st[r * C + j] = s
-                            ac[j] += qr * s
-                    for j in range(C):
-                        part[t, tg, c0 + j] = ac[j]
             elif update:
-                for t in range(nt):
-                    for j in range(C):
-                        vt[j] = sv[t, c0 + j]
-                    ft = sa[t if FACTORS else 0, 0]
+                # additive, decay, gate: the additive token loop over one segment
+                # (the whole tile: the additive rule, a rescaled tile), or over one
+                # token at a time with the token's factors on the state first
+                for seg_t in range(1 if whole else nt):
+                    ta = 0 if whole else seg_t
+                    te = nt if whole else seg_t + 1
+                    if not whole:
+                        ua = uint32(ta)
+                        for r in range(R):
+                            fr = sa[ua, row0 + r] if PER_ROW else sa[ua, 0]
+                            for j in range(C):
+                                st[r * C + j] *= fr
+                    if write_out:
+                        for tt in range(ta, te):
+                            t = uint32(tt)
+                            for j in range(C):
+                                vt[j] = sv[t, c0 + j]
+                                ac[j] = zero
+                            for r in range(R):
+                                kr = sk[t, row0 + r]
+                                qr = sq[t, row0 + r]
+                                for j in range(C):
+                                    s = st[r * C + j] + kr * vt[j]
+                                    st[r * C + j] = s
+                                    ac[j] += qr * s
+                            for j in range(C):
+                                part[t, tg, c0 + j] = ac[j]
+                    else:
+                        for tt in range(ta, te):
+                            t = uint32(tt)
+                            for j in range(C):
+                                vt[j] = sv[t, c0 + j]
+                            for r in range(R):
+                                kr = sk[t, row0 + r]
+                                for j in range(C):
+                                    st[r * C + j] += kr * vt[j]
+                if RESCALE and whole:
                     for r in range(R):
-                        kr = sk[t, row0 + r]
-                        fr = sa[t, row0 + r] if PER_ROW else ft
+                        fr = sp[row0 + r] if PER_ROW else ptile
                         for j in range(C):
-                            st[r * C + j] = token_update(rule, st[r * C + j], kr, vt[j], fr)
+                            st[r * C + j] *= fr
             else:
                 for t in range(nt):
                     for j in range(C):
@@ -913,14 +966,18 @@ def _pad_rows(F: int, acc_itemsize: int) -> int:
     return -(-int(F) // per) * per
 
 
-def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> tuple[int, int, int, int, int]:
+def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE, layout: str = "owner"
+               ) -> tuple[int, int, int, int, int]:
     """Choose ``(R, C, G, MB, T)`` for feature dimension ``F``, value dimension ``M``.
 
-    Two layouts (module docstring):
+    Two layouts (module docstring); ``layout="rows"`` asks for row groups
+    where the owner layout would apply (more threads per sequence: the
+    launchers' choice when the owner layout's blocks would leave the GPU
+    short of warps, :func:`linattn_nb.ops._cuda_launch.seq_layout`):
 
     * **owner** (``G = 1``; rules other than the delta rules, ``F`` padded
-      to whole 16-byte vectors at most :data:`OWNER_MAX_ROWS`): ``R`` = the
-      padded ``F``, ``C = 1``, ``MB`` = min(M, ``config.CUDA_VALUE_COLS``,
+      to whole 16-byte vectors at most :data:`OWNER_MAX_ROWS`, ``layout``
+      "owner"): ``R`` = the padded ``F``, ``C = 1``, ``MB`` = min(M, ``config.CUDA_VALUE_COLS``,
       :data:`MAX_SEQ_THREADS`) value columns, one thread per column.  Only
       while a thread's registers of state, its column's ``R`` rows and its
       ``ceil(R / MB)`` rows of the normaliser, stay within
@@ -950,6 +1007,8 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> 
     F = int(F)
     M = int(M)
     item = int(acc_itemsize)
+    if layout not in ("owner", "rows"):
+        raise ValueError(f"layout must be 'owner' or 'rows', got {layout!r}")
     if F > int(config.CUDA_MAX_FEATURES):
         raise ValueError(
             f"the CUDA kernels support a feature dimension D_phi up to config.CUDA_MAX_FEATURES="
@@ -959,9 +1018,7 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> 
     MB = max(1, min(M, int(config.CUDA_VALUE_COLS)))
     words = max(1, item // 4)
     FPo = _pad_rows(F, item)
-    MBo = min(MB, max_threads)
-    owner_words = (FPo + -(-FPo // MBo)) * words  # the column's rows and the thread's rows of z
-    if not is_delta_rule(rule) and FPo <= OWNER_MAX_ROWS and owner_words <= MAX_TILE_WORDS + 32:
+    if layout == "owner" and owner_fits(F, M, item, rule):
         R, C, G = FPo, 1, 1
         MB = min(MB, max_threads)
         MBP = MB
@@ -997,6 +1054,7 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> 
         # the delta rules' reduction buffer, else its (1, 1, 1) stand-in; a (1, 1) factor array without factors
         fixed = item * 2 * G * MBP if is_delta_rule(rule) else item
         fixed += 0 if factors else item
+        fixed += item * (G * R if rule == RULE_GATE else 1)  # the rescaled tile's row factors (one stand-in)
     T = min(int(config.CUDA_TILE_TOKENS), (int(config.CUDA_SHARED_BYTES) - fixed) // per_token)
     if T < 1:
         raise ValueError(
@@ -1008,6 +1066,18 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> 
     t_occ = (SM_SHARED_BYTES // blocks - 1024 - fixed) // per_token
     T = max(min(T, 8), min(T, t_occ))
     return R, C, G, MB, T
+
+
+def owner_fits(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> bool:
+    """Whether the owner layout applies to ``F`` features, ``M`` values, ``rule`` (:func:`seq_config`):
+    not a delta rule, ``F`` padded at most :data:`OWNER_MAX_ROWS` and a thread's registers of state
+    within :data:`MAX_TILE_WORDS` + 32 words."""
+    item = int(acc_itemsize)
+    max_threads = max(2, min(int(config.CUDA_MAX_THREADS), MAX_SEQ_THREADS))
+    MBo = min(max(1, min(int(M), int(config.CUDA_VALUE_COLS))), max_threads)
+    FPo = _pad_rows(F, item)
+    owner_words = (FPo + -(-FPo // MBo)) * max(1, item // 4)  # the column's rows and the thread's rows of z
+    return not is_delta_rule(rule) and FPo <= OWNER_MAX_ROWS and owner_words <= MAX_TILE_WORDS + 32
 
 
 def threads_per_block(R: int, C: int, G: int, MB: int, rule: int = RULE_ADDITIVE) -> int:

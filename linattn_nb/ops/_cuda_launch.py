@@ -6,8 +6,9 @@ The launchers of :mod:`linattn_nb.ops.causal.cuda` and
 * :func:`plan`: checks the arguments of the launcher contract, views the
   inputs as 4-d (B1, B2, N, ·) arrays, puts the rule's per-token
   log-factors on the device (:func:`rule_factors`), picks the accumulation
-  dtype and the sequence kernel, and lays out the chunks (chunk length,
-  chunks per sequence, column blocks): a :class:`SeqPlan`.
+  dtype, the thread layout (:func:`seq_layout`) and the sequence kernel, and
+  lays out the chunks (chunk length, chunks per sequence, column blocks): a
+  :class:`SeqPlan`.
 * :func:`scan`: every sequence walked from its initial state ``H`` to its
   final state, outputs written (grid: batch entries x column blocks).
 * :func:`chunk_sums`: every chunk's own contribution, the chunk's state when
@@ -55,6 +56,58 @@ from ._codes import RULE_ADDITIVE, RULE_DECAY, RULE_GATED_DELTA, RULES, check_ru
 from ._cuda_common import is_delta_rule, rule_factor_rows
 
 _F64 = np.dtype(np.float64)
+_SMS: dict = {}
+
+
+def multiprocessor_count() -> int:
+    """Streaming multiprocessors of the current GPU (1 on the simulator, or without a device)."""
+    if K._SIM:
+        return 1
+    try:
+        dev = cuda.get_current_device()
+    except Exception:  # no driver, no device
+        return 1
+    n = _SMS.get(dev.id)
+    if n is None:
+        n = _SMS[dev.id] = int(dev.MULTIPROCESSOR_COUNT)
+    return n
+
+
+def seq_layout(segments: int, F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE, sms=None) -> str:
+    """Thread layout of a sequence-kernel launch over ``segments`` segments (batch entries x chunks).
+
+    ``config.CUDA_SEQ_LAYOUT`` "owner" or "rows" is taken as given ("owner"
+    falls back to row groups where it does not apply:
+    :func:`linattn_nb.ops._cuda_kernels.seq_config`).  "auto": row groups
+    ("rows") when the owner layout applies but its blocks (``segments`` x
+    column blocks, one warp per 32 value columns) would be fewer than
+    ``config.CUDA_AUTO_SCAN_BLOCKS_PER_SM`` per multiprocessor -- fewer than 8
+    resident warps per SM at D_phi = M = 64 -- since row groups spread a
+    sequence over more warps (5 instead of 2 there: G = 8 groups of 8 rows x
+    17 groups of 4 columns) for about the same instructions per token
+    (``benchmarks/gpu_static.py``: 92 per token and warp, 70 % FFMA, against
+    200 and 64 % for each of the owner layout's 2 warps); else "owner".  A
+    device of one multiprocessor (``sms`` <= 1: the simulator) keeps the
+    owner layout.  ``sms``: multiprocessors (default: the current device's).
+
+    Raises
+    ------
+    ValueError
+        For a ``config.CUDA_SEQ_LAYOUT`` other than "auto", "owner", "rows".
+    """
+    setting = str(config.CUDA_SEQ_LAYOUT)
+    if setting not in ("auto", "owner", "rows"):
+        raise ValueError(f"config.CUDA_SEQ_LAYOUT must be 'auto', 'owner' or 'rows', got {setting!r}")
+    if setting != "auto":
+        return setting
+    if not K.owner_fits(F, M, acc_itemsize, rule):
+        return "rows"
+    sms = multiprocessor_count() if sms is None else int(sms)
+    MB = K.seq_config(F, M, acc_itemsize, rule)[3]
+    blocks = int(segments) * -(-int(M) // MB)
+    if sms > 1 and blocks < int(config.CUDA_AUTO_SCAN_BLOCKS_PER_SM) * sms:
+        return "rows"
+    return "owner"
 
 
 @dataclass(frozen=True)
@@ -72,6 +125,10 @@ class SeqPlan:
     kernel, threads, col_blocks
         The specialised sequence kernel, its threads per block and the
         number of blocks over the value columns.
+    cfg : tuple
+        The kernel's ``(R, C, G, MB, T)``
+        (:func:`linattn_nb.ops._cuda_kernels.seq_config`) in the layout
+        :func:`seq_layout` chose.
     chunk, chunks : int
         Tokens per chunk and chunks per sequence (``chunks`` = 1 for a scan).
     rule : int
@@ -104,6 +161,7 @@ class SeqPlan:
     rule: int
     lf: object
     flags: object = None
+    cfg: tuple = ()
 
     @property
     def empty(self) -> bool:
@@ -286,16 +344,17 @@ def plan(q, k, v, H, out, *, rule=RULE_ADDITIVE, inputs=None, chunk=None, check_
     if not H.is_c_contiguous():
         raise ValueError("H must be C-contiguous")
     acc = np.dtype(K.acc_name(q.dtype, k.dtype, v.dtype))
-    R, C, G, MB, T = K.seq_config(F, M, acc.itemsize, rule)
-    lf = rule_factors(rule, inputs, B, N, F)
     if chunk is None:
         L, nc = max(N, 1), 1
     else:
         L = chunk_length(chunk)
         nc = max(-(-N // L), 1)
+    cfg = K.seq_config(F, M, acc.itemsize, rule, seq_layout(B * nc, F, M, acc.itemsize, rule))
+    R, C, G, MB, T = cfg
+    lf = rule_factors(rule, inputs, B, N, F)
     return SeqPlan(q4, k4, v4, o4, B, B2, N, F, M, acc, K.seq_kernel(R, C, G, MB, T, acc.name, rule),
                    K.threads_per_block(R, C, G, MB, rule), -(-M // MB), L, nc, rule, lf,
-                   finite_flags(check_finite and B * N > 0))
+                   finite_flags(check_finite and B * N > 0), tuple(int(x) for x in cfg))
 
 
 def _run(p: SeqPlan, Hin, Hout, seg_len, nseg_per_b, state_div, code, eps, normalize=True, *,
@@ -446,7 +505,7 @@ def unpack_state(H, S=None, z=None):
 # Traffic and FLOP model of a launch plan
 # ---------------------------------------------------------------------------
 def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule: int = RULE_ADDITIVE,
-                  chunk=None) -> dict:
+                  chunk=None, sms=None) -> dict:
     """Modelled global-memory bytes and FLOPs of one launcher call.
 
     Parameters
@@ -466,6 +525,10 @@ def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule:
         Update-rule code (a plan: its own).
     chunk : int, optional
         Tokens per chunk (a plan: its own; default ``config.CUDA_CHUNK_SIZE``).
+    sms : int, optional
+        Multiprocessors of the GPU the layout is chosen for
+        (:func:`seq_layout`; a shape only, a plan has its layout; default
+        1: the owner layout wherever it applies).
 
     Returns
     -------
@@ -475,7 +538,9 @@ def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule:
         floating-point operations executed (a fused multiply-add counts 2),
         and ``flops_ratio``, their ratio to ``4 B N F M`` (the update and the
         output of every state element once per token); ``launches``: kernel
-        launches; ``config``: the ``(R, C, G, MB, T)`` of the sequence kernel.
+        launches; ``config``: the ``(R, C, G, MB, T)`` of the sequence kernel,
+        ``layout`` ("owner" or "rows") and ``warps``: the warps of its
+        (last) launch over all segments and column blocks.
 
     Notes
     -----
@@ -505,11 +570,15 @@ def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule:
         item = np.dtype(dtype).itemsize
         acc = np.dtype(K.acc_name(dtype))
         L = chunk_length(chunk) if method != "scan" else max(N, 1)
-    R, C, G, MB, T = K.seq_config(F, M, acc.itemsize, rule)
-    owner = G == 1 and not is_delta_rule(rule)
     nc = max(-(-N // L), 1)
     if method == "chunked" and (nc == 1 or is_delta_rule(rule)):
         method, nc, L = "scan", 1, max(N, 1)
+    if isinstance(plan_or_shape, SeqPlan):
+        R, C, G, MB, T = plan_or_shape.cfg
+    else:
+        R, C, G, MB, T = K.seq_config(F, M, acc.itemsize, rule,
+                                      seq_layout(B * nc, F, M, acc.itemsize, rule, sms=1 if sms is None else sms))
+    owner = G == 1 and not is_delta_rule(rule)
     A = acc.itemsize
     S = F * (M + 1)  # state elements per batch entry
     W = rule_factor_rows(rule, F)
@@ -546,4 +615,5 @@ def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule:
     total = sum(parts.values())
     return {"bytes": int(total), "parts": {k: int(v) for k, v in parts.items()}, "flops": int(flops),
             "flops_ratio": flops / max(1, 4 * B * N * F * M), "launches": launches,
-            "config": (R, C, G, MB, T), "method": method}
+            "config": (R, C, G, MB, T), "layout": "owner" if owner else "rows",
+            "warps": B * nc * cb * -(-K.threads_per_block(R, C, G, MB, rule) // 32), "method": method}

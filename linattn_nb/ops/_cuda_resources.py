@@ -613,10 +613,10 @@ def _arr(dt: str, nd: int, layout: str = "C") -> str:
     return f"Array({dt}, {nd}, '{layout}')"
 
 
-def sequence_launch(F: int, M: int, acc: str, rule: int) -> dict:
+def sequence_launch(F: int, M: int, acc: str, rule: int, layout: str = "owner") -> dict:
     """The sequence kernel the launchers pick for ``F`` features, ``M`` values, accumulation dtype
-    ``acc`` and rule code ``rule``: ``{"factory", "threads", "shared", "cfg"}`` (``shared``: the
-    static shared memory :func:`linattn_nb.ops._cuda_kernels.seq_config` budgets for, bytes).
+    ``acc``, rule code ``rule`` and thread layout ``layout`` ("owner" where it applies, or "rows":
+    :func:`linattn_nb.ops._cuda_launch.seq_layout`): ``{"factory", "threads", "cfg"}``.
 
     Raises
     ------
@@ -626,49 +626,59 @@ def sequence_launch(F: int, M: int, acc: str, rule: int) -> dict:
     from . import _cuda_kernels as K
 
     itemsize = 4 if acc == "float32" else 8
-    cfg = tuple(int(x) for x in K.seq_config(F, M, itemsize, rule))
+    cfg = tuple(int(x) for x in K.seq_config(F, M, itemsize, rule, layout))
     R, C, G, MB, T = cfg
     return {"factory": (*cfg, acc, int(rule)), "threads": int(K.threads_per_block(R, C, G, MB, rule)), "cfg": cfg}
 
 
-def sequence_spec(F: int, M: int, acc: str, rule: int, in_dtype: str | None = None, key: str | None = None) -> KernelSpec:
-    """:class:`KernelSpec` of the sequence kernel at (``F``, ``M``, ``acc``, ``rule``), inputs of
-    ``in_dtype`` (default ``acc``) as the launchers pass them (4-d any-layout views, (n, F, M + 1)
-    states in ``acc``, (B, N, W) float64 log-factors, int64 / float64 / boolean scalars, the int32 finiteness counters)."""
+def sequence_spec(F: int, M: int, acc: str, rule: int, in_dtype: str | None = None, key: str | None = None,
+                  layout: str = "owner") -> KernelSpec:
+    """:class:`KernelSpec` of the sequence kernel at (``F``, ``M``, ``acc``, ``rule``, ``layout``), inputs
+    of ``in_dtype`` (default ``acc``) as the launchers pass them (4-d any-layout views, (n, F, M + 1)
+    states in ``acc``, (B, N, W) float64 log-factors, int64 / float64 / boolean scalars, the int32
+    finiteness counters).  The key ends in ``/rows`` when ``layout`` "rows" replaces the owner layout."""
+    from . import _cuda_kernels as K
     from ._codes import rule_name
 
-    launch = sequence_launch(F, M, acc, rule)
+    launch = sequence_launch(F, M, acc, rule, layout)
     dt = in_dtype or acc
     a4, H, lf = _arr(dt, 4, "A"), _arr(acc, 3), _arr(_F64, 3)
     sig = (a4, a4, a4, a4, H, H, lf, _I, _I, _I, _I, _I, _I, _F64, _I, _B, _B, _B, _B, _arr("int32", 1))
-    key = key or f"seq/{acc}/{rule_name(rule)}/F{F}/M{M}" + (f"/{dt}" if dt != acc else "")
+    rows = layout == "rows" and K.owner_fits(F, M, 4 if acc == "float32" else 8, rule)
+    key = key or (f"seq/{acc}/{rule_name(rule)}/F{F}/M{M}" + (f"/{dt}" if dt != acc else "")
+                  + ("/rows" if rows else ""))
     return KernelSpec(key, "linattn_nb.ops._cuda_kernels:seq_kernel", sig, launch["threads"],
                       factory=launch["factory"], group="sequence",
                       info={"F": F, "M": M, "acc": acc, "rule": int(rule), "rule_name": rule_name(rule),
-                            "cfg": launch["cfg"], "in_dtype": dt})
+                            "cfg": launch["cfg"], "in_dtype": dt, "layout": "rows" if rows else "owner"})
 
 
-def sequence_configurations(features, values, accs=("float32", "float64"), rules=None) -> tuple[list, list]:
-    """Every (F, M, acc, rule) of the grid with the launch :func:`sequence_launch` gives it.
+def sequence_configurations(features, values, accs=("float32", "float64"), rules=None,
+                            layouts=("owner", "rows")) -> tuple[list, list]:
+    """Every (F, M, acc, rule, layout) of the grid with the launch :func:`sequence_launch` gives it.
 
-    Returns ``(launchable, refused)``: dicts with ``F, M, acc, rule`` and
-    the launch (``cfg``, ``threads``), and those ``seq_config`` refuses
-    (with the ValueError's message).
+    Returns ``(launchable, refused)``: dicts with ``F, M, acc, rule, layout``
+    and the launch (``cfg``, ``threads``), and those ``seq_config`` refuses
+    (with the ValueError's message).  Both layouts by default: the launchers
+    take row groups where the owner layout applies when a GPU has few
+    sequences per multiprocessor (:func:`linattn_nb.ops._cuda_launch.seq_layout`).
     """
     from ._codes import RULES
 
     rules = [code for code, _ in RULES.values()] if rules is None else list(rules)
     ok, refused = [], []
-    for acc in accs:
-        for rule in rules:
-            for F in features:
-                for M in values:
-                    try:
-                        launch = sequence_launch(F, M, acc, rule)
-                    except ValueError as exc:
-                        refused.append({"F": F, "M": M, "acc": acc, "rule": rule, "error": str(exc)})
-                        continue
-                    ok.append({"F": F, "M": M, "acc": acc, "rule": rule, **launch})
+    for layout in layouts:
+        for acc in accs:
+            for rule in rules:
+                for F in features:
+                    for M in values:
+                        try:
+                            launch = sequence_launch(F, M, acc, rule, layout)
+                        except ValueError as exc:
+                            refused.append({"F": F, "M": M, "acc": acc, "rule": rule, "layout": layout,
+                                            "error": str(exc)})
+                            continue
+                        ok.append({"F": F, "M": M, "acc": acc, "rule": rule, "layout": layout, **launch})
     return ok, refused
 
 

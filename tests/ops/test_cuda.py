@@ -482,6 +482,70 @@ def test_traffic_model_headline(monkeypatch):
     assert chunked["flops"] > scan["flops"]
     delta = traffic_model(shape, method="chunked", rule=3)  # the delta rules run the scan
     assert delta["method"] == "scan"
+    # on an H200 (132 SMs) the headline's 128 sequences take the row-group layout: one pass still
+    h200 = traffic_model(shape, method="scan", sms=132)
+    assert h200["layout"] == "rows" and h200["warps"] == 128 * 5
+    assert io <= h200["bytes"] <= 2.5e9 and 1.0 <= h200["flops_ratio"] <= 1.5
+
+
+def test_sequence_layout_choice(monkeypatch):
+    """seq_layout: the owner layout while its blocks give CUDA_AUTO_SCAN_BLOCKS_PER_SM per SM, row
+    groups below (more warps per sequence), the owner layout on a one-SM device (the simulator)
+    and where it does not apply; config.CUDA_SEQ_LAYOUT overrides; method="auto" then picks the
+    scan at the headline on an H200 (one pass) and the chunked method with too few sequences."""
+    from linattn_nb import _cuda_dispatch as D
+    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops._codes import RULE_DELTA, RULE_GATE
+    from linattn_nb.ops._cuda_launch import seq_layout
+
+    for name, value in DEFAULT_LAUNCH.items():
+        monkeypatch.setattr(config, name, value)
+    assert seq_layout(128, 64, 64, 4, sms=132) == "rows"  # 128 blocks of 2 warps < 4 x 132
+    assert seq_layout(528, 64, 64, 4, sms=132) == "owner"
+    assert seq_layout(527, 64, 64, 4, RULE_GATE, sms=132) == "rows"
+    assert seq_layout(128, 64, 64, 4, sms=1) == "owner"  # one multiprocessor: the simulator
+    assert seq_layout(1, 64, 128, 4, sms=132) == "rows"  # two column blocks, still too few
+    assert seq_layout(1024, 64, 64, 4, RULE_DELTA, sms=132) == "rows"  # no owner layout for the delta rules
+    assert seq_layout(1024, 256, 64, 4, sms=132) == "rows"  # D_phi > 64: row groups anyway
+    assert K.seq_config(64, 64, 4, 0, seq_layout(128, 64, 64, 4, sms=132)) == (8, 4, 8, 64, 13)
+    monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "owner")
+    assert seq_layout(1, 64, 64, 4, sms=132) == "owner"
+    monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "rows")
+    assert seq_layout(10**6, 64, 64, 4, sms=132) == "rows"
+    monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "wide")
+    with pytest.raises(ValueError, match="CUDA_SEQ_LAYOUT"):
+        seq_layout(1, 64, 64, 4, sms=132)
+    with pytest.raises(ValueError, match="layout"):
+        K.seq_config(64, 64, 4, 0, "wide")
+    monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "auto")
+    kw = dict(rule="additive", causal=True, n=16384, f=64, m=64, dtype=np.float32, sms=132)
+    assert D.select_auto_cuda(batch=128, **kw) == "scan"  # 128 x 5 warps >= 4 per SM
+    assert D.select_auto_cuda(batch=105, **kw) == "chunked"  # 105 x 5 = 525 warps < 4 x 132
+    assert D.select_auto_cuda(batch=106, **kw) == "scan"
+    assert D.select_auto_cuda(batch=600, **kw) == "scan"  # owner blocks fill the GPU
+    assert D.select_auto_cuda(batch=128, **dict(kw, rule="gate")) == "scan"
+
+
+def test_row_layout_plan_on_the_simulator(monkeypatch):
+    """A plan made under CUDA_SEQ_LAYOUT="rows" launches the row-group kernel at D_phi <= 64 (the
+    layout the GPU gets with few sequences), and its outputs and state equal the owner layout's."""
+    from linattn_nb.ops import _cuda_launch as CL
+    from linattn_nb.ops.causal.cuda import causal_scan_cuda
+
+    rng = np.random.default_rng(31)
+    q, k, v = data(rng, 2, 7, 4, 5)
+    res = {}
+    for layout in ("owner", "rows"):
+        monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", layout)
+        H = cuda.to_device(np.zeros((2, 4, 6)))
+        out = cuda.to_device(np.zeros((2, 7, 5), np.float32))
+        p = CL.plan(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), H, out)
+        assert (p.cfg[2] == 1) == (layout == "owner"), p.cfg
+        causal_scan_cuda(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), H, out, code=1, eps=1e-8)
+        res[layout] = (out.copy_to_host(), H.copy_to_host())
+    np.testing.assert_allclose(res["rows"][0], res["owner"][0], rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(res["rows"][1], res["owner"][1], rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(res["owner"][0], reference(q, k, v, causal=True)[0], rtol=2e-5, atol=2e-6)
 
 
 def test_registered_cuda_methods():

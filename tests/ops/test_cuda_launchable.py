@@ -13,7 +13,9 @@ the threads per block the launchers use:
 * the sequence kernel at the configurations ``seq_config`` picks over
   D_phi in powers of two up to ``config.CUDA_MAX_FEATURES``, every value
   block width (M = 1 .. ``CUDA_VALUE_COLS`` + 1, and 256), float32 and
-  float64 accumulation and every rule.  Configurations whose
+  float64 accumulation, every rule and both thread layouts (the owner
+  layout, and the row groups a GPU with few sequences per multiprocessor
+  takes instead).  Configurations whose
   compile-time constants are equal are one kernel; of each register tile
   (R x C, dtype, rule) the configuration with the most threads per block is
   compiled (registers depend on the tile, the dtype and the rule; the
@@ -72,11 +74,11 @@ def _sequence_specs():
         if best is None or (c["threads"], c["F"], -c["M"]) > (best["threads"], best["F"], -best["M"]):
             by_tile[tile] = c
     for c in ok:
-        if c["M"] == 64 and c["F"] in (64, int(config.CUDA_MAX_FEATURES)):
+        if c["M"] == 64 and c["F"] in (64, int(config.CUDA_MAX_FEATURES)):  # both layouts at D_phi = 64
             take(c)
     for c in by_tile.values():
         take(c)
-    specs = [CR.sequence_spec(c["F"], c["M"], c["acc"], c["rule"]) for c in chosen.values()]
+    specs = [CR.sequence_spec(c["F"], c["M"], c["acc"], c["rule"], layout=c["layout"]) for c in chosen.values()]
     return specs, refused
 
 

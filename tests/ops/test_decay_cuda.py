@@ -108,16 +108,20 @@ def test_launchers_match_reference(rule, method, dtype, normalize):
     assert_close(z, z_ref, dtype)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype,layout", [(np.float32, "owner"), (np.float64, "owner"), (np.float32, "rows"),
+                                          (np.float64, "rows")], ids=["f32-owner", "f64-owner", "f32-rows", "f64-rows"])
 @pytest.mark.parametrize("method", ["scan", "chunked"])
 @pytest.mark.parametrize("rule", sorted(RULES))
-def test_rescaled_and_direct_tiles(monkeypatch, rule, method, dtype):
+def test_rescaled_and_direct_tiles(monkeypatch, rule, method, dtype, layout):
     """Tiles of 8 tokens: mild factors (rescaled tiles), a tile whose running factor ends just
     above the rescaling floor (k / P up to ~5e8 in float32), one that falls below it (the direct
     form; for the gate in one feature row only, which decides for the block), a reset, and a
-    part tile at the end: all against the explicit form."""
+    part tile at the end: all against the explicit form, in both thread layouts of the
+    sequence kernel (the owner layout; row groups: 2 groups of 2 rows here, as a GPU with
+    few sequences per multiprocessor gets at D_phi = 64)."""
     from linattn_nb.ops._cuda_kernels import RESCALE_MIN_F32, RESCALE_MIN_F64
 
+    monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", layout)
     monkeypatch.setattr(config, "CUDA_TILE_TOKENS", 8)
     monkeypatch.setattr(config, "CUDA_CHUNK_SIZE", 16)
     rng = np.random.default_rng(20)
