@@ -219,54 +219,103 @@ def zeros(shape, dtype=np.float64):
     return _pool().zeros(shape, dtype)
 
 
-def device_rule_inputs(log_decay, beta, batch_shape, n: int, f: int):
-    """``(rule, inputs)`` of GPU ``log_decay`` / ``beta`` the kernels can read in place, else None.
+def device_rule_inputs(decay, log_decay, beta, batch_shape, n: int, f: int):
+    """``(rule, plan)`` for GPU ``decay`` / ``log_decay`` / ``beta`` the kernels can use without the host,
+    else None.
 
-    In place: float64 and C-contiguous; ``log_decay`` one value per token
-    (shape ``batch + (N,)``: the decay rule, or with ``beta`` the gated delta
-    rule) or per token and feature (``batch + (N, D_phi)``: the gate rule,
-    without ``beta``); ``beta`` one value per token.  Every given argument
-    must qualify.  Their values are checked on the device
-    (:func:`count_bad_rule_inputs`, inside the call's try block), not here.
-    Anything else -- other dtypes, strides, per-sequence values to
-    broadcast, ``decay=``, a host array beside a device one -- goes through
-    the host path of :func:`linattn_nb._validate.decay_inputs` and
-    ``beta_inputs`` (a copy each way).
+    Every given argument must be a device array of floats (float16, 32 or
+    64, any non-negative strides) of one of the forms of
+    :func:`linattn_nb._validate.decay_inputs` / ``beta_inputs``: one value
+    per sequence (the batch dimensions, size-1 ones broadcast, or a 0-d
+    array), per token (one more axis, of length N) or, for ``decay`` /
+    ``log_decay`` without ``beta``, per token and feature (two more, (N,
+    D_phi)).  A float64 C-contiguous array per token (or per feature) is read
+    in place; any other is converted on the device into a pooled float64
+    workspace (``decay`` to its log).  Either way its values are checked on
+    the device by :func:`device_rule_values`, inside the call's try block,
+    and reported by the call's single read of the check counters.  Anything
+    else -- integers, both ``decay`` and ``log_decay``, a host array beside a
+    device one, a shape of no form, batch dimensions whose strides do not
+    merge -- returns None: the host path of :func:`linattn_nb._validate.decay_inputs`
+    and ``beta_inputs`` (which also raises the shape errors).
+
+    ``plan`` maps the kernels' input names (``log_decay``, ``log_gate``,
+    ``beta``) to ``(argument name, array, in_place)``: a (B, N) / (B, N,
+    D_phi) float64 view read in place, or a 4-d view and the target shape.
     """
+    K = _kernels()
     bs = tuple(int(s) for s in batch_shape)
+    nb = len(bs)
     b = int(np.prod(bs, dtype=np.int64))
+    given = {nm: x for nm, x in (("decay", decay), ("log_decay", log_decay), ("beta", beta)) if x is not None}
+    if not given or not all(on_device(x) for x in given.values()) or ("decay" in given and "log_decay" in given):
+        return None
 
-    def view(name, x, shapes):
-        if x is None or not on_device(x):
-            return None
+    def plan_of(name, x, features_ok):
+        """(kernel shape, (name, array, in_place)) or None."""
         x = wrap(name, x)
         shape = tuple(int(s) for s in x.shape)
-        if np.dtype(x.dtype) != np.float64 or not x.is_c_contiguous() or shape not in shapes:
+        strides = tuple(int(s) for s in x.strides)
+        if np.dtype(x.dtype).kind != "f" or any(s < 0 for s in strides):
             return None
-        return x.reshape((b,) + shape[len(bs):])
-
-    if beta is None:
-        lg = view("log_decay", log_decay, (bs + (n,), bs + (n, f)))
-        if lg is None:
-            return None
-        return ("decay", {"log_decay": lg}) if lg.ndim == 2 else ("gate", {"log_gate": lg})
-    bt = view("beta", beta, (bs + (n,),))
-    if bt is None:
-        return None
-    if log_decay is None:
-        return "delta", {"beta": bt}
-    lg = view("log_decay", log_decay, (bs + (n,),))
-    return None if lg is None else ("gated_delta", {"beta": bt, "log_decay": lg})
-
-
-def count_bad_rule_inputs(inputs) -> None:
-    """Count the device log-factors that are NaN or > 0 and the ``beta`` outside [0, 2] or NaN
-    (one kernel each; the call's single read of the counters raises)."""
-    for name, x in inputs.items():
-        if name == "beta":
-            _pool().count_out_of_range("beta", x, 0.0, 2.0)
+        if len(shape) in (0, nb):  # per sequence
+            lead, lead_s, w = shape, strides, 1
+            tail, tail_s = (n, 1), (0, 0)
+        elif len(shape) == nb + 1 and shape[-1] == n:  # per token
+            lead, lead_s, w = shape[:-1], strides[:-1], 1
+            tail, tail_s = (n, 1), (strides[-1], 0)
+        elif features_ok and len(shape) == nb + 2 and shape[-2:] == (n, f):  # per token and feature
+            lead, lead_s, w = shape[:-2], strides[:-2], f
+            tail, tail_s = (n, f), strides[-2:]
         else:
-            _pool().count_out_of_range("log_decay", x, -np.inf, 0.0)
+            return None
+        kshape = (b, n) if w == 1 else (b, n, f)
+        if (name != "decay" and np.dtype(x.dtype) == np.float64 and x.is_c_contiguous() and len(shape) > nb
+                and shape == bs + kshape[1:]):
+            return kshape, (name, x.reshape(kshape), True)
+        lead = (1,) * (nb - len(lead)) + lead  # a 0-d array: every batch axis broadcast
+        lead_s = (0,) * (nb - len(lead_s)) + lead_s
+        if any(d != t and d != 1 for d, t in zip(lead, bs)):
+            return None
+        view_s = tuple(0 if d == 1 else st for d, st in zip(lead, lead_s)) + tail_s
+        x4 = K.as_4d(K.strided_view(x, bs + tail, view_s))
+        if x4 is None:
+            return None
+        return kshape, (name, x4, False)
+
+    if "beta" in given:
+        bt = plan_of("beta", given["beta"], False)
+        if bt is None:
+            return None
+        if "log_decay" not in given and "decay" not in given:
+            return "delta", {"beta": bt[1]}
+        name = "log_decay" if "log_decay" in given else "decay"
+        lg = plan_of(name, given[name], False)
+        return None if lg is None else ("gated_delta", {"beta": bt[1], "log_decay": lg[1]})
+    name = "log_decay" if "log_decay" in given else "decay"
+    lg = plan_of(name, given[name], True)
+    if lg is None:
+        return None
+    kshape, entry = lg
+    return ("decay", {"log_decay": entry}) if len(kshape) == 2 else ("gate", {"log_gate": entry})
+
+
+def device_rule_values(plan, batch: int, n: int, f: int) -> dict:
+    """The kernels' rule inputs of a :func:`device_rule_inputs` plan: arrays read in place get
+    their range counted (NaN or > 0 log-factors, ``beta`` outside [0, 2]: one kernel each), the
+    others are converted into pooled float64 workspaces and counted in the same kernel; the call's
+    single read of the counters raises ValueError naming the argument."""
+    pool = _pool()
+    out = {}
+    for key, (name, x, in_place) in plan.items():
+        if in_place:
+            lo, hi = (0.0, 2.0) if name == "beta" else (-np.inf, 0.0)
+            pool.count_out_of_range(name, x, lo, hi)
+            out[key] = x
+        else:
+            shape = (batch, n, f) if key == "log_gate" else (batch, n)
+            out[key] = pool.rule_input(name, x, shape)
+    return out
 
 
 def fill(x, value=0):

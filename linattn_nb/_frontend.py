@@ -411,16 +411,16 @@ def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initia
     dq, dk, dv = CD.wrap("q", q), CD.wrap("k", k), CD.wrap("v", v)
     batch_shape, n, d, m, dtype = V.check_qkv(CD.meta(dq), CD.meta(dk), CD.meta(dv))
     in_place = None
-    if decay is None and (on_device(log_decay) or on_device(beta)) and causal:
-        in_place = CD.device_rule_inputs(log_decay, beta, batch_shape, n, d)
+    if (on_device(decay) or on_device(log_decay) or on_device(beta)) and causal:
+        in_place = CD.device_rule_inputs(decay, log_decay, beta, batch_shape, n, d)
     if in_place is None:
         decay = CD.to_host("decay", decay) if on_device(decay) else decay
         log_decay = CD.to_host("log_decay", log_decay) if on_device(log_decay) else log_decay
         beta = CD.to_host("beta", beta) if on_device(beta) else beta
         rule, inputs, normalize = rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, d,
                                                  causal=causal, beta=beta, copy=False)
-    else:  # read in place, checked on the device below
-        rule, inputs = in_place
+    else:  # read in place or converted on the device, checked there below
+        rule, rule_plan = in_place
         normalize = rule_normalize(fmap, rule, normalize)
     if initial_state is not None:
         check_state_rule(initial_state, rule)
@@ -443,7 +443,7 @@ def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initia
     # (and a device initial state) are counted on the device and the counters read once.
     try:
         if in_place is not None:
-            CD.count_bad_rule_inputs(inputs)
+            inputs = CD.device_rule_values(rule_plan, b, n, d)
         if initial_state is None:
             H, position = CD.zero_state(b, f, m), 0
         else:

@@ -407,6 +407,16 @@ MUTATIONS: list[Mutation] = [
       "warps = blocks",
       ("tests/ops/test_cuda.py::test_sequence_layout_choice",),
       "auto counts the row-group scan's blocks as its warps (chunked at the headline)"),
+    M("cuda_rule_input_decay_not_logged", "ops/_cuda_pool.py",
+      "        if mode == 1:\n",
+      "        if mode == 3:\n",
+      ("tests/ops/test_cuda_transfers.py::test_device_decay_factors_are_converted_on_the_device",),
+      "device decay= factors passed to the kernels as if they were log-factors"),
+    M("cuda_rule_input_broadcast_counted", "ops/_cuda_pool.py",
+      "and (s2 != 0 or t == 0)",
+      "and (s2 != 0 or t >= 0)",
+      ("tests/ops/test_cuda_transfers.py::test_device_decay_factors_are_converted_on_the_device",),
+      "a bad per-sequence factor counted once per token it is broadcast to (a wrong count in the error)"),
 ]
 
 

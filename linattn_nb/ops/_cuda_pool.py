@@ -23,7 +23,9 @@ holds what makes that possible:
   entries of each checked array into a per-thread int32 device array of
   :data:`CHECK_SLOTS` slots (q, k, v, initial_state.S, initial_state.z; and
   :func:`count_out_of_range`: a device ``log_decay``'s entries that are NaN
-  or > 0, a device ``beta``'s outside [0, 2]) that
+  or > 0, a device ``beta``'s outside [0, 2]; :func:`rule_input`, which
+  converts device ``decay`` / ``log_decay`` / ``beta`` of other forms into
+  float64 workspaces, counts the same and ``decay`` outside [0, 1]) that
   is zero between calls; :func:`raise_if_nonfinite` reads it once (one
   device-to-host copy, only when a kernel was asked to count since the
   last read) and raises ``ValueError`` naming the first slot that counted,
@@ -46,15 +48,20 @@ from numba import cuda
 
 from .. import config
 
-__all__ = ["workspace", "zeros", "fill", "counters", "count_nonfinite", "count_out_of_range",
+__all__ = ["workspace", "zeros", "fill", "counters", "count_nonfinite", "count_out_of_range", "rule_input",
            "raise_if_nonfinite", "discard_counts", "clear", "stats", "CHECK_SLOTS", "SLOT"]
 
 #: The names of the check counters, in the order errors name them: NaN/inf entries of q, k, v and
 #: a device initial state; entries of a device ``log_decay`` (``beta``) that are NaN or > 0 (outside [0, 2]).
-CHECK_SLOTS = ("q", "k", "v", "initial_state.S", "initial_state.z", "log_decay", "beta")
-#: The errors of the range-checked slots (:func:`count_out_of_range`); the others count NaN/inf.
-_RANGE_ERRORS = {"log_decay": "log_decay must be <= 0 (-inf resets the state) and not NaN: {n} value(s) are not",
+CHECK_SLOTS = ("q", "k", "v", "initial_state.S", "initial_state.z", "decay", "log_decay", "beta")
+#: The errors of the range-checked slots (:func:`count_out_of_range`, :func:`rule_input`); the others
+#: count NaN/inf.
+_RANGE_ERRORS = {"decay": "decay factors must lie in [0, 1] (0 resets the state) and not be NaN: {n} value(s) do not",
+                 "log_decay": "log_decay must be <= 0 (-inf resets the state) and not NaN: {n} value(s) are not",
                  "beta": "beta (the write strength) must lie in [0, 2] and not be NaN: {n} value(s) do not"}
+#: :func:`rule_input`'s conversions: name -> (mode, lo, hi); mode 0 copies a log-factor, 1 takes the
+#: log of a linear factor, 2 copies a value that is not a log-factor.
+_RULE_INPUTS = {"decay": (1, 0.0, 1.0), "log_decay": (0, -math.inf, 0.0), "beta": (2, 0.0, 2.0)}
 #: Slot index of each name of :data:`CHECK_SLOTS`.
 SLOT = {name: i for i, name in enumerate(CHECK_SLOTS)}
 
@@ -193,11 +200,52 @@ def _count_range_py(x, lo, hi, counters, slot):
         cuda.atomic.add(counters, slot, bad)
 
 
+def _rule_input_py(x, dst, mode, lo, hi, reset, counters, slot):
+    """dst (C-contiguous 1-d float64) <- the 4-d array x (B1, B2, N, W), any strides (0 broadcasts),
+    in the working form of a rule input, and counters[slot] += entries that are NaN or outside [lo, hi]
+    (each element of x once: along a broadcast axis, stride 0, only at index 0).
+
+    ``mode`` 1: linear factors, stored as their log (0 -> -inf); 0: log-factors,
+    copied; 2: other values (``beta``), copied.  A log-factor at or below
+    ``reset`` (exp of it is 0 in float64) is stored as -inf, as the host path
+    stores it.  An entry out of range is stored as NaN
+    (the call raises after its one read of the counters).
+    """
+    A, Bn, N, W = x.shape
+    s0, s1, s2, s3 = x.strides
+    total = A * Bn * N * W
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    bad = 0
+    for idx in range(start, total, stride):
+        i = idx % W
+        r = idx // W
+        t = r % N
+        r = r // N
+        a0 = r // Bn
+        a1 = r % Bn
+        y = x[a0, a1, t, i] + 0.0  # float64
+        if not (y >= lo and y <= hi):  # NaN fails both
+            # counted once per element of the caller's array: a broadcast one (stride 0) at index 0 only
+            if (s0 != 0 or a0 == 0) and (s1 != 0 or a1 == 0) and (s2 != 0 or t == 0) and (s3 != 0 or i == 0):
+                bad += 1
+            dst[idx] = math.nan
+            continue
+        if mode == 1:
+            y = -math.inf if y == 0.0 else math.log(y)
+        if mode != 2 and y <= reset:
+            y = -math.inf
+        dst[idx] = y
+    if bad:
+        cuda.atomic.add(counters, slot, bad)
+
+
 def _kernels():
     if not _KERNELS:
         _KERNELS["fill"] = cuda.jit(_fill_py)
         _KERNELS["count4"] = cuda.jit(_count4_py)
         _KERNELS["count_range"] = cuda.jit(_count_range_py)
+        _KERNELS["rule_input"] = cuda.jit(_rule_input_py)
     return _KERNELS
 
 
@@ -256,6 +304,26 @@ def count_out_of_range(name, x, lo, hi) -> None:
     c = counters()
     if x.size:
         _kernels()["count_range"][_grid(x.size)](x.reshape(int(x.size)), float(lo), float(hi), c, SLOT[name])
+
+
+def rule_input(name, x4, shape):
+    """A pooled C-contiguous float64 workspace of ``shape`` holding the rule input ``name`` read from
+    the 4-d device view ``x4`` (any float dtype and strides, stride 0 for broadcast axes; as many
+    elements as ``shape``), converted on the device (one kernel: ``decay`` to its log, ``log_decay``
+    and ``beta`` copied to float64; log-factors at or below
+    :data:`linattn_nb.ops._codes.LOG_RESET` to -inf), with its entries out of range (NaN; ``decay``
+    outside [0, 1], ``log_decay`` > 0, ``beta`` outside [0, 2]) counted into the counter ``name``
+    (read by :func:`raise_if_nonfinite`).  Valid until the next call of this thread with the same shape.
+    """
+    from ._codes import LOG_RESET
+
+    mode, lo, hi = _RULE_INPUTS[name]
+    dst = workspace("rule_input." + name, shape, np.float64)
+    c = counters()
+    if dst.size:
+        _kernels()["rule_input"][_grid(dst.size)](x4, dst.reshape(int(dst.size)), np.int64(mode),
+                                                  float(lo), float(hi), float(LOG_RESET), c, SLOT[name])
+    return dst
 
 
 def raise_if_nonfinite() -> None:

@@ -159,11 +159,67 @@ def test_device_log_decay_is_read_in_place(counts, monkeypatch, form, method):
             la.linear_attention(dq, dk, dv, causal=True, log_decay=cuda.to_device(x), method=method, device="cuda")
         res = la.linear_attention(dq, dk, dv, causal=True, log_decay=dlg, method=method, device="cuda", out=out)
         np.testing.assert_allclose(res.copy_to_host(), ref, rtol=2e-5, atol=2e-6)
-    # a float32 GPU array takes the host path (validated there), with the same result
-    res = la.linear_attention(dq, dk, dv, causal=True, log_decay=cuda.to_device(lg.astype(np.float32)),
-                              method=method, device="cuda")
+    # a float32 GPU array is converted on the device (a pooled float64 copy), with the same result
+    dlg32 = cuda.to_device(lg.astype(np.float32))
     ref32 = la.linear_attention(q, k, v, causal=True, log_decay=lg.astype(np.float32), method="quadratic")
-    np.testing.assert_allclose(res.copy_to_host(), ref32, rtol=2e-5, atol=2e-6)
+    for check in (False, True):
+        def call32():
+            return la.linear_attention(dq, dk, dv, causal=True, log_decay=dlg32, method=method, device="cuda",
+                                       out=out, check_finite=check)
+        call32()
+        res, n = _measure(counts, call32)
+        np.testing.assert_allclose(res.copy_to_host(), ref32, rtol=2e-5, atol=2e-6)
+        assert n["h2d"] == 0 and n["alloc"] == 0 and n["d2h"] == 1, n
+
+
+@pytest.mark.parametrize("form", ["per_sequence", "per_head", "per_token_strided", "per_feature"])
+def test_device_decay_factors_are_converted_on_the_device(counts, monkeypatch, form):
+    """decay= (linear factors) on the GPU, float32, per sequence (RetNet's gamma per batch entry and
+    head), per head broadcast over the batch, per token through a strided view, per token and
+    feature: converted to log-factors on the device (0 a reset) -- no copy to the device, one read
+    of the check counters, no allocation on a repeated call -- with the host path's result; a
+    factor outside [0, 1] or NaN raises naming decay, and the next call is clean."""
+    from numba import cuda
+
+    monkeypatch.setattr(config, "CUDA_CHUNK_SIZE", 4)
+    rng = np.random.default_rng(8)
+    batch, N, D, M = (2, 3), 9, 3, 2
+    q, k, v = (rng.standard_normal(batch + (N, d)).astype(np.float32) for d in (D, D, M))
+    if form == "per_sequence":
+        a = rng.uniform(0.5, 1.0, size=batch).astype(np.float32)
+        da = cuda.to_device(a)
+    elif form == "per_head":
+        a = rng.uniform(0.5, 1.0, size=(1, batch[1])).astype(np.float32)
+        da = cuda.to_device(a)
+    elif form == "per_token_strided":
+        full = rng.uniform(0.5, 1.0, size=batch + (2 * N,)).astype(np.float32)
+        full[0, 1, 8] = 0.0  # a reset (token 4 of the view)
+        a = full[..., ::2]
+        da = cuda.to_device(full)[..., ::2]
+    else:
+        a = rng.uniform(0.5, 1.0, size=batch + (N, D)).astype(np.float32)
+        a[1, 2, 5] = 0.0  # a reset of every feature row
+        da = cuda.to_device(a)
+    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+    out = cuda.device_array(batch + (N, M), dtype=np.float32)
+    ref = la.linear_attention(q, k, v, causal=True, decay=np.ascontiguousarray(a), method="quadratic")
+
+    def call(x=da, check=False):
+        return la.linear_attention(dq, dk, dv, causal=True, decay=x, method="chunked", device="cuda", out=out,
+                                   check_finite=check)
+    call()
+    for check in (False, True):
+        res, n = _measure(counts, lambda: call(check=check))
+        assert res is out
+        np.testing.assert_allclose(out.copy_to_host(), ref, rtol=2e-5, atol=2e-6)
+        assert n["h2d"] == 0 and n["alloc"] == 0 and n["d2h"] == 1, n
+    host = np.ascontiguousarray(a).copy()
+    for bad in (1.5, -0.25, np.nan):
+        x = host.copy()
+        x.reshape(-1)[x.size // 2] = bad
+        with pytest.raises(ValueError, match=r"decay factors must lie in \[0, 1\].*1 value\(s\)"):
+            call(cuda.to_device(x))
+        np.testing.assert_allclose(call().copy_to_host(), ref, rtol=2e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("rule", ["delta", "gated_delta"])
@@ -199,6 +255,17 @@ def test_device_beta_is_read_in_place(counts, rule):
             call(beta=cuda.to_device(x))
     np.testing.assert_allclose(call().copy_to_host(), ref, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(call(beta=beta).copy_to_host(), ref, rtol=2e-5, atol=2e-6)  # host beta
+    # one float32 beta per sequence, converted and broadcast over the tokens on the device
+    b1 = rng.uniform(0.0, 2.0, size=batch).astype(np.float32)
+    ref1 = la.linear_attention(q, k, v, causal=True, feature_map="l2", method="quadratic", **{**kw, "beta": b1})
+    db1 = cuda.to_device(b1)
+    call(beta=db1)
+    res, n = _measure(counts, lambda: call(beta=db1))
+    np.testing.assert_allclose(res.copy_to_host(), ref1, rtol=2e-5, atol=2e-6)
+    assert n["h2d"] == 0 and n["alloc"] == 0 and n["d2h"] == 1, n
+    b1[2] = 3.0
+    with pytest.raises(ValueError, match=r"beta \(the write strength\) must lie in \[0, 2\].* 1 value"):
+        call(beta=cuda.to_device(b1))
 
 
 def test_pool_is_bounded_and_keyed(monkeypatch):
@@ -365,6 +432,11 @@ for dt in ("int32", "float32", "float64"):
 sig = (types.Array(types.float64, 1, "C"), types.float64, types.float64, c, types.int64)
 ptx, _ = cuda.compile_ptx(P._count_range_py, sig, cc=(9, 0))
 res["count_range/float64"] = {"entry": ".entry" in ptx, "local": ("ld.local" in ptx) or ("st.local" in ptx)}
+for dt in ("float16", "float32", "float64"):
+    sig = (types.Array(getattr(types, dt), 4, "A"), types.Array(types.float64, 1, "C"), types.int64, types.float64,
+           types.float64, types.float64, c, types.int64)
+    ptx, _ = cuda.compile_ptx(P._rule_input_py, sig, cc=(9, 0))
+    res["rule_input/" + dt] = {"entry": ".entry" in ptx, "local": ("ld.local" in ptx) or ("st.local" in ptx)}
 print(json.dumps(res))
 """
 
@@ -372,10 +444,10 @@ print(json.dumps(res))
 @pytest.mark.skipif(cuda_status() == "none", reason="needs numba-cuda")
 def test_pool_kernels_compile_to_ptx():
     """The pool's fill and counting kernels compile for sm_90 without local memory (float16 inputs too),
-    and the log-factor check of a device log_decay."""
+    the log-factor check of a device log_decay and the conversion of device rule inputs."""
     from _ptx import run_ptx_script
 
     res = run_ptx_script(_POOL_PTX_SCRIPT)
-    assert len(res) == 7
+    assert len(res) == 10
     for key, val in res.items():
         assert val == {"entry": True, "local": False}, (key, val)
