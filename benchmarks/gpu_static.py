@@ -22,7 +22,10 @@ kernel), compiled to sm_90 PTX and assembled by ``ptxas``
    (``linattn_nb.ops._cuda_launch.traffic_model``), against the minimum
    (q, k, v, out once; 4 B H N D M FLOPs) and the roofline (4.8 TB/s HBM,
    67 TFLOP/s FP32); the targets are checked for the plan ``method="auto"``
-   picks on an H200.
+   picks on an H200;
+4. the q, k staging loops of the float32 additive kernel (global loads and
+   the exp of ELU+1): the kernel for every feature map against the one
+   specialised on ELU+1 that the launchers run (``config.CUDA_SPECIALIZE_MAPS``).
 
 Runs on any machine with the ``cuda`` extra (no GPU needed); the
 ``gpu-static`` extra adds nvdisasm for the SASS tables::
@@ -120,6 +123,8 @@ def default_specs():
             specs.append(CR.sequence_spec(64, 64, acc, code))
             if CR.sequence_spec(64, 64, acc, code, layout="rows").key != specs[-1].key:
                 specs.append(CR.sequence_spec(64, 64, acc, code, layout="rows"))
+    # what the launchers run: the kernel specialised on its feature map (here ELU+1, map code 1)
+    specs += [CR.sequence_spec(64, 64, "float32", RULE_ADDITIVE, layout=lay, code=1) for lay in ("owner", "rows")]
     return specs + CR.helper_specs() + CR.backward_specs() + CR.step_specs()
 
 
@@ -143,6 +148,29 @@ def loop_rows(spec, result, *, all_loops=False, min_insns=12):
     if not all_loops:
         rows = sorted(rows, key=lambda r: -r["FMA"])[:3]
     return rows, token
+
+
+def staging_rows(specs, res):
+    """Per float32 additive sequence kernel: its registers, SASS size and the loops that stage q and k
+    (global loads and MUFU, the exp of ELU+1), as instructions per staged (q, k) pair (loads / 2)."""
+    rows = []
+    for s in specs:
+        if not s.key.startswith("seq/float32/additive/") or not res.get(s.key, {}).get("sass"):
+            continue
+        insns = CR.parse_sass(res[s.key]["sass"])
+        sizes, per, bra = [], [], 0
+        for lp in CR.sass_loops(insns):
+            mix = lp.mix()
+            loads = sum(mix[o] for o in ("LD", "LDG"))
+            if lp.innermost and loads and mix["MUFU"]:
+                n = sum(mix.values())
+                sizes.append(n)
+                per.append(n / max(1, loads / 2))
+                bra = max(bra, mix["BRA"])
+        rows.append({"kernel": s.key, "regs": CR.resources(res[s.key]).registers, "SASS insns": len(insns),
+                     "loops": ", ".join(str(n) for n in sizes), "insns per (q, k) pair": max(per, default=0.0),
+                     "BRA": bra})
+    return rows
 
 
 def main(argv=None):
@@ -233,11 +261,18 @@ def main(argv=None):
         print(table(tokens, ["kernel", "loop", "insns", "FMA", "FMA %", "top opcodes"], {"FMA %": "{:.0f}"}))
         for t in tokens:  # the target of issue 20 (point 2; point 6: every rule)
             if t["kernel"].startswith("seq/float32/"):
-                lay = "row groups" if t["kernel"].endswith("/rows") else "default layout"
+                lay = "row groups" if "/rows" in t["kernel"] else "default layout"
+                lay += ", the kernel specialised on ELU+1" if "/map1" in t["kernel"] else ""
                 print(f"  {'met' if t['FMA %'] >= 60 else 'NOT met'}: FFMA >= 60 % of the per-token loop at "
                       f"D = M = 64 float32, {t['kernel'].split('/')[2]} rule, {lay} ({t['FMA %']:.0f} %)")
         out["loops"] = lrows
         out["token_loops"] = tokens
+        srows = staging_rows(specs, res)
+        print("\n## q, k staging loops of the float32 additive sequence kernel (global loads and exp): the "
+              "kernel for every map against the one specialised on ELU+1 (map1, what the launchers run)")
+        print(table(srows, ["kernel", "regs", "SASS insns", "loops", "insns per (q, k) pair", "BRA"],
+                    {"insns per (q, k) pair": "{:.0f}"}))
+        out["staging_loops"] = srows
     path = write_json("gpu_static", out, args.json)
     print(f"\n# wrote {path}")
     return 0

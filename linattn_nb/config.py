@@ -266,6 +266,14 @@ CUDA_VALUE_COLS = _env_int("LINATTN_CUDA_VALUE_COLS", 64)
 CUDA_ROWS_PER_THREAD = _env_int("LINATTN_CUDA_ROWS_PER_THREAD", 8)
 CUDA_COLS_PER_THREAD = _env_int("LINATTN_CUDA_COLS_PER_THREAD", 4)
 CUDA_MAX_ROWS_PER_THREAD = _env_int("LINATTN_CUDA_MAX_ROWS_PER_THREAD", 64)
+#: The register tile of the delta rules (row groups always): 16 rows x 2 columns.
+#: Their token loop also sums k^T H across the row groups of a column (xor
+#: shuffles when the groups are a power of two): at D_phi = M = 64 float32,
+#: 16 x 2 (4 groups, 132 threads) gives 96 FFMA of 152 SASS instructions
+#: (63 %), 8 x 4 (8 groups) 96 of 168 (57 %: three shuffle levels for four
+#: columns).  PROVISIONAL (static counts, benchmarks/gpu_static.py).
+CUDA_DELTA_ROWS_PER_THREAD = _env_int("LINATTN_CUDA_DELTA_ROWS_PER_THREAD", 16)
+CUDA_DELTA_COLS_PER_THREAD = _env_int("LINATTN_CUDA_DELTA_COLS_PER_THREAD", 2)
 #: Upper bound on threads per block of the sequence kernel (the kernels cap
 #: it at 256 as well: 256 threads x 255 registers fit a block's registers).
 CUDA_MAX_THREADS = _env_int("LINATTN_CUDA_MAX_THREADS", 1024)
@@ -308,6 +316,16 @@ CUDA_MAX_FEATURES = _env_int("LINATTN_CUDA_MAX_FEATURES", 1024)
 #: benchmarks/gpu_bench.py times both methods and both layouts at the headline.
 CUDA_AUTO_SCAN_BLOCKS_PER_SM = _env_int("LINATTN_CUDA_AUTO_SCAN_BLOCKS_PER_SM", 4)
 CUDA_AUTO_SCAN_MIN_WARPS_PER_SM = _env_int("LINATTN_CUDA_AUTO_SCAN_MIN_WARPS_PER_SM", 4)
+#: Compile the sequence kernel once per feature map (1, default), so that the
+#: map is a compile-time constant and the staging loop carries that map's
+#: instructions only, or once for every map (0: a branch over the six maps
+#: per staged element; fewer compilations).  At D_phi = M = 64 float32 (sm_90
+#: SASS, static): the ELU+1 kernel's q, k staging loops take 172-235
+#: instructions per two staged (q, k) pairs, against 259 per pair (32
+#: branches) in the kernel for every map; 5,568 instructions in all against
+#: 6,384; registers 129 against 130 (owner layout), 76 against 94 (row
+#: groups).  PROVISIONAL: static counts, not timed on a GPU.
+CUDA_SPECIALIZE_MAPS = _env_int("LINATTN_CUDA_SPECIALIZE_MAPS", 1)
 #: Thread layout of the sequence kernel: "auto" (the owner layout where it
 #: applies, row groups when the owner layout's blocks would be fewer than
 #: CUDA_AUTO_SCAN_BLOCKS_PER_SM per multiprocessor: see

@@ -14,47 +14,43 @@ of the maps on the CUDA target: the sequence kernels
 (:mod:`linattn_nb.ops._cuda_kernels`) and the decode-step kernels
 (:mod:`linattn_nb.ops.step.cuda`) both call it.
 
-The per-rule hooks of the CUDA kernels, one state element at a time, each
-taking the rule code (``RULE_*`` of :mod:`linattn_nb.ops._codes`, where
-:data:`linattn_nb.ops._codes.RULES` lists every rule) as its first argument:
-
-* :func:`token_update` -- the element after one token, in the token loop of
-  the sequence kernel (:func:`linattn_nb.ops._cuda_kernels.seq_kernel`, which
-  is specialised on the rule, so the branch is a compile-time constant there
-  and the kernel of a rule holds that rule's code only);
-* :func:`carry` -- the element after a chunk from the element before it and
-  the chunk's own contribution, in the combine over chunks
-  (:func:`linattn_nb.ops._cuda_kernels.chunk_scan_states_kernel`).
-
-The delta rules (``RULE_DELTA``, ``RULE_GATED_DELTA``) write a rank-1
-correction, ``H <- f H + beta k (w - f k^T H)^T`` (``f = 1`` for the delta
-rule), which needs the column's ``k^T H[:, m]``, a reduction over all
-feature rows, before any element of the column changes.  The sequence kernel
-computes it (a reduction across the threads that hold the column) and turns
-it into the column's correction with :func:`delta_correction`; the element
-update is then :func:`token_update` with the correction in place of the
-value.  Their chunk transition is an (F, F) matrix, not a factor per row:
-:func:`carry` has no form for them (:func:`is_delta_rule`).
-
-Both take the factor ``f`` the rule applies to the element's row: the
-token's factor ``exp(log_decay[b, t])`` (decay) or ``exp(log_gate[b, t, i])``
-(gate, row ``i``) in :func:`token_update`, the product of a chunk's factors
-(``exp`` of the sum of their logs, 0 across a reset) in :func:`carry`.  The
-kernels stage the factors (:func:`rule_factor_rows` says how many per token)
-and pass them; the additive rule ignores them, and in its kernel the loads
-are dead code.  A new rule adds a branch to each hook and nothing to the
-kernels' loops.
+How the update rules enter the CUDA kernels.  The token loop of the sequence
+kernel (:func:`linattn_nb.ops._cuda_kernels.seq_kernel`, specialised on the
+rule, so every rule test is a compile-time constant there) is the additive
+rule's for every rule but the delta rules: the decay and gate rules run it on
+rescaled tiles, their per-token factors folded into the staged features
+(:mod:`linattn_nb.ops._cuda_kernels`, "Rescaled tiles").  The delta rules
+(``RULE_DELTA``, ``RULE_GATED_DELTA``) write a rank-1 correction, ``H <- f H
++ beta k (w - f k^T H)^T`` (``f = 1`` for the delta rule), which needs the
+column's ``k^T H[:, m]``, a reduction over all feature rows, before any
+element of the column changes: the kernel sums it across the threads that
+hold the column and applies ``beta (w - u)``; the gated rule runs that step
+on rescaled tiles too.  Across chunks, the per-rule hook is :func:`carry`
+-- the element after a chunk from the element before it and the chunk's own
+contribution (:func:`linattn_nb.ops._cuda_kernels.chunk_scan_states_kernel`),
+with the product of the chunk's factors (``exp`` of the sum of their logs, 0
+across a reset).  The delta rules' chunk transition is an (F, F) matrix, not
+a factor per row: :func:`carry` has no form for them (:func:`is_delta_rule`).
+The kernels stage the factors (:func:`rule_factor_rows` says how many per
+token).
 
 All are compiled with ``inline=True``: numba-cuda inlines such a function at
 the Numba IR level, so kernels that call it still compile to PTX without a GPU
 (``numba.cuda.compile_ptx`` in the tests); a non-inlined device function asks
 the driver for the current device's compute capability and fails there.
+
+The Numba CUDA simulator has no warp shuffles; importing this module under
+the simulator gives it ``cuda.shfl_xor_sync`` (:func:`_simulated_shfl_xor_sync`,
+through the block barrier the simulator has), so the kernels that sum across
+the lanes of a warp run there with the same source as on a GPU.
 """
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
+from numba import config as _nbconfig
 from numba import cuda, float64
 
 from ._codes import (KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_RELU, KERNEL_CODE_SILU_L2,
@@ -64,6 +60,32 @@ from ._codes import (KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_RELU, KERNEL_C
 # NaN of the narrowest accumulation type: it unifies with float32 and float64
 # alike, so a hook's fallback does not widen a float32 kernel to float64.
 _NAN32 = np.float32(np.nan)
+
+
+def _simulated_shfl_xor_sync(self, mask, value, lane_mask):
+    """``cuda.shfl_xor_sync`` for the simulator: ``value`` of lane ``lane ^ lane_mask`` of the warp.
+
+    Exchanged through a per-block table and two block barriers, so it is
+    exact only when every thread of the block makes the call together (the
+    kernels here call it in block-uniform loops); a partner lane outside the
+    block gives the caller's own value (undefined on a GPU).  ``mask`` is
+    not checked.
+    """
+    th = threading.current_thread()
+    table = th._manager.__dict__.setdefault("_shfl_table", {})
+    tid = th.thread_id
+    table[tid] = value
+    th.syncthreads()
+    out = table.get((tid & ~31) | ((tid & 31) ^ int(lane_mask)), value)
+    th.syncthreads()
+    return out
+
+
+if getattr(_nbconfig, "ENABLE_CUDASIM", 0):  # pragma: no branch - the simulator's missing intrinsic
+    from numba.cuda.simulator import kernelapi as _kernelapi
+
+    if not hasattr(_kernelapi.FakeCUDAModule, "shfl_xor_sync"):
+        _kernelapi.FakeCUDAModule.shfl_xor_sync = _simulated_shfl_xor_sync
 
 
 @cuda.jit(device=True, inline=True)
@@ -132,50 +154,6 @@ def rule_factor_rows(rule: int, f: int) -> int:
 def is_delta_rule(rule: int) -> bool:
     """True for the rules with a rank-1 correction (delta, gated delta): see the module docstring."""
     return rule == RULE_DELTA or rule == RULE_GATED_DELTA
-
-
-@cuda.jit(device=True, inline=True)
-def token_update(rule, s, a, w, f):
-    """State element after one token.
-
-    ``s``: the element ``S[i, m]`` before the token (the normaliser column
-    ``z[i]`` alike); ``a``: the token's feature ``phi(k_t)[i]``; ``w``: its
-    value ``v_t[m]`` (1 in the normaliser column); ``f``: the token's factor
-    of row ``i`` (unused by the additive rule).  All of the accumulation
-    type.  Additive: ``s + a w``; decay and gate: ``f s + a w`` (``f = 0``, a
-    reset, gives ``a w`` exactly for a finite ``s``); the delta rules take
-    their column's correction (:func:`delta_correction`) as ``w``: ``s + a w``
-    (delta), ``f s + a w`` (gated delta).  The launchers check the
-    rule code on the host; an unknown code gives NaN rather than a plausible
-    state.
-    """
-    if rule == RULE_ADDITIVE:
-        return s + a * w
-    if rule == RULE_DECAY or rule == RULE_GATE or rule == RULE_GATED_DELTA:
-        return f * s + a * w
-    if rule == RULE_DELTA:
-        return s + a * w
-    return _NAN32
-
-
-@cuda.jit(device=True, inline=True)
-def delta_correction(rule, w, u, f, beta):
-    """The delta rules' correction of a state column for one token.
-
-    ``w``: the token's value ``v_t[m]`` (1 in the normaliser column); ``u``:
-    ``k_t^T H_{t-1}[:, m]``, the column read at the token's key; ``f``: the
-    token's factor ``exp(log_decay[b, t])`` (unused by the delta rule);
-    ``beta``: its write strength.  Delta: ``beta (w - u)``; gated delta:
-    ``beta (w - f u)`` (``f = 0``, a reset, gives ``beta w``).  The element
-    update is then :func:`token_update` with this in place of ``w``:
-    ``f s + k_i beta (w - f u)`` = ``(f (I - beta k k^T) H + beta k w^T)[i, m]``.
-    Other rules: NaN.
-    """
-    if rule == RULE_DELTA:
-        return beta * (w - u)
-    if rule == RULE_GATED_DELTA:
-        return beta * (w - f * u)
-    return _NAN32
 
 
 @cuda.jit(device=True, inline=True)

@@ -113,13 +113,17 @@ float64 norm, a zero row stays zero), and one more ``syncthreads``.
 Delta rules (delta, gated delta; row-group layout): before a token changes column ``m`` of
 the state, the column must be read at the token's key, ``u_m = k^T H[:, m]``,
 a sum over all ``F`` rows, which the ``G`` row groups hold between them.
-Each thread writes its ``R``-row partial sums for its ``C`` columns to shared
-memory, the block synchronises, and each thread sums the ``G`` partials of
-its columns (a double buffer indexed by the token's parity, so one
-``syncthreads`` per token), forms the correction
-(:func:`linattn_nb.ops._cuda_common.delta_correction`) and updates its tile.
-The per-token barrier is the price of this layout (the simplest correct
-one); the staged per-token values are the factor (gated delta) and ``beta``.
+When ``G`` is a power of two up to 32 (``D_phi = 64``: 8 groups of 8 rows)
+the threads are numbered row group first, so the ``G`` threads holding one
+column are adjacent lanes of one warp, and each sums its ``R``-row partials
+with ``log2 G`` xor-shuffles (``shfl_xor_sync``): every lane of the group
+gets the whole sum, with no shared memory and no barrier per token.
+Otherwise each thread writes its partial sums to shared memory, the block
+synchronises, and each thread sums the ``G`` partials of its columns (a
+double buffer indexed by the token's parity, so one ``syncthreads`` per
+token).  Either way each thread then forms its columns' corrections
+``beta (w - k^T H[:, m])`` and updates its
+tile; the staged per-token values are the factor (gated delta) and ``beta``.
 
 Accumulation dtype: float32 for float16 and float32 inputs, float64 when any
 input is float64; the state lives in registers in that dtype (float64 would
@@ -149,8 +153,7 @@ from numba import cuda, float32, float64, uint32
 
 from .. import config
 from ._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, RULE_GATE, RULE_GATED_DELTA
-from ._cuda_common import (carry, delta_correction, is_delta_rule, is_row_map, l2_normalize_row, phi,
-                           rule_factor_rows, token_update)
+from ._cuda_common import carry, is_delta_rule, is_row_map, l2_normalize_row, phi, rule_factor_rows
 
 # Simulator: kernels are Python; no on-disk cache (and no PTX) there.
 _SIM = bool(getattr(_nbconfig, "ENABLE_CUDASIM", 0))
@@ -165,9 +168,61 @@ _ACC_TYPES = {"float32": float32, "float64": float64}
 _SEQ_KERNELS: dict = {}
 
 
-def _owner_kernel(R, C, MB, T, acc, rule):
+@cuda.jit(device=True, inline=True)  # inlined: no device-function compile, which needs a GPU
+def _rescale_tile(sq, sk, sv, sa, sp, nt, tid, nth, fp, mbp, per_row, keys, values, tau, one):
+    """The staging side of a rescaled tile (module docstring, "Rescaled tiles"), for the whole block.
+
+    ``sa`` (T, W): the tile's factors (per row when ``per_row``, else column
+    0).  Decides with one ``syncthreads_or`` whether every running factor
+    ``P_t = a_0 ... a_t`` of the ``nt`` tokens stays >= ``tau``; if so scales
+    the staged ``phi(q_t)`` rows by ``P_t`` and, with ``keys``, the
+    ``phi(k_t)`` rows by ``1 / P_t`` (decay, gate) or, with ``values``, the
+    ``mbp`` value columns by ``1 / P_t`` (gated delta), stores each row's
+    ``P`` in ``sp`` (``per_row``) and synchronises.  Returns ``(whole,
+    ptile)``: whether the tile is rescaled, and its factor (one factor for
+    every row; 1 when ``per_row``).  The products run forwards in factors <=
+    1, never as ratios of cumulative products.
+    """
+    low = 0
+    for i in range(tid, fp, nth):
+        p = one
+        for t in range(nt):
+            p *= sa[uint32(t), uint32(i) if per_row else 0]
+        if not p >= tau:
+            low = 1
+    whole = cuda.syncthreads_or(low) == 0
+    ptile = one
+    if whole:
+        for i in range(tid, fp, nth):
+            iu = uint32(i)
+            p = one
+            for t in range(nt):
+                tu = uint32(t)
+                p *= sa[tu, iu if per_row else 0]
+                sq[tu, iu] *= p
+                if keys:
+                    sk[tu, iu] /= p
+            if per_row:
+                sp[iu] = p
+        if values:
+            for jj in range(tid, mbp, nth):
+                ju = uint32(jj)
+                p = one
+                for t in range(nt):
+                    tu = uint32(t)
+                    p *= sa[tu, 0]
+                    sv[tu, ju] /= p
+        if not per_row:
+            for t in range(nt):
+                ptile *= sa[uint32(t), 0]
+        cuda.syncthreads()
+    return whole, ptile
+
+
+def _owner_kernel(R, C, MB, T, acc, rule, code):
     """The owner layout (``G == 1``): see the module docstring."""
     acc_t = _ACC_TYPES[acc]
+    MAP = -1 if code is None else int(code)  # the feature map, when specialised (seq_kernel)
     FP = R  # padded feature rows, all owned by every thread
     MBP = -(-MB // C) * C  # value columns, padded (the normaliser is split by rows)
     NTH = MBP // C  # threads per block
@@ -198,6 +253,7 @@ def _owner_kernel(R, C, MB, T, acc, rule):
         vt = cuda.local.array(C, acc_t)
         ac = cuda.local.array(C, acc_t)
 
+        cd = code if MAP < 0 else MAP  # a specialised kernel's map is a constant: its branches fold
         F = q.shape[3]
         M = v.shape[3]
         tid = cuda.threadIdx.x
@@ -252,12 +308,12 @@ def _owner_kernel(R, C, MB, T, acc, rule):
                             xq = acc_t(qb[tok, iu])
                             if cqk and not (xq - xq == zero):
                                 cuda.atomic.add(flags, 0, 1)
-                            xq = phi(xq, code, zero, one)
+                            xq = phi(xq, cd, zero, one)
                         if update:
                             xk = acc_t(kb[tok, iu])
                             if cqk and not (xk - xk == zero):
                                 cuda.atomic.add(flags, 1, 1)
-                            xk = phi(xk, code, zero, one)
+                            xk = phi(xk, cd, zero, one)
                     sq[tu, iu] = xq
                     sk[tu, iu] = xk
                     if PER_ROW and update:
@@ -277,7 +333,7 @@ def _owner_kernel(R, C, MB, T, acc, rule):
                                 cuda.atomic.add(flags, 2, 1)
                         sv[uint32(t), uint32(jj)] = x
             cuda.syncthreads()
-            if is_row_map(code):
+            if is_row_map(cd):
                 for idx in range(tid, 2 * nt, NTH):
                     t = idx >> 1
                     if idx & 1:
@@ -294,29 +350,8 @@ def _owner_kernel(R, C, MB, T, acc, rule):
             whole = not FACTORS
             ptile = one
             if FACTORS and update:
-                low = 0
-                for i in range(tid, FP, NTH):
-                    p = one
-                    for t in range(nt):
-                        p *= sa[uint32(t), uint32(i) if PER_ROW else 0]
-                    if not p >= TAU:
-                        low = 1
-                whole = cuda.syncthreads_or(low) == 0
-                if whole:
-                    for i in range(tid, FP, NTH):
-                        iu = uint32(i)
-                        p = one
-                        for t in range(nt):
-                            tu = uint32(t)
-                            p *= sa[tu, iu if PER_ROW else 0]
-                            sq[tu, iu] *= p
-                            sk[tu, iu] /= p
-                        if PER_ROW:
-                            sp[iu] = p
-                    if not PER_ROW:
-                        for t in range(nt):
-                            ptile *= sa[uint32(t), 0]
-                    cuda.syncthreads()
+                whole, ptile = _rescale_tile(sq, sk, sv, sa, sp, nt, tid, NTH, FP, MBP, PER_ROW, True, False,
+                                             TAU, one)
             # ---- per token: the thread's C columns over all rows, in registers
             if update:
                 for seg_t in range(1 if whole else nt):  # one segment (additive: always), or one per token
@@ -432,16 +467,15 @@ def _owner_kernel(R, C, MB, T, acc, rule):
     return kernel
 
 
-def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RULE_ADDITIVE):
+def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RULE_ADDITIVE, code=None):
     """The sequence kernel specialised on its compile-time constants.
 
     ``R`` x ``C``: state rows x state columns per thread (a register tile);
     ``G``: row groups (``G R >= F``; ``G == 1`` is the owner layout of the
     module docstring for every rule but the delta rules); ``MB``: value columns per block; ``T``:
     tokens per shared-memory tile; ``acc``: accumulation dtype name;
-    ``rule``: update-rule code, whose per-token step is
-    :func:`linattn_nb.ops._cuda_common.token_update` (a constant here, so the
-    hook's branch is resolved at compile time, and the staging of per-token
+    ``rule``: update-rule code (a constant here, so every rule test is
+    resolved at compile time, and the staging and rescaling of per-token
     factors is compiled into the kernels of rules that have them only).  The
     block's ``MB + 1`` columns (values, then the normaliser) are padded to
     ``MBP``, a multiple of ``C`` (row groups; the owner layout splits the
@@ -465,22 +499,27 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
     decay rule, F for the gate rule, 2 for the delta rules: the log-decay,
     then ``beta``); the additive kernel never reads it (pass any (1, 1, 1)
     float64 array).  ``code``: the feature map (:mod:`linattn_nb.ops._codes`;
-    codes 4 and 5 normalise the staged rows).  ``norm``: ``NORM_RAW``, ``NORM_FLOOR``
+    codes 4 and 5 normalise the staged rows); a kernel made with ``code=c``
+    (the factory's last argument) applies map ``c`` whatever the argument
+    says: its map is a compile-time constant, so the staging loop holds that
+    map's instructions only, with no branch over the maps (``None``: one
+    kernel for every map, branching per staged element).  ``norm``: ``NORM_RAW``, ``NORM_FLOOR``
     (the normaliser floored at ``eps``) or ``NORM_NONE`` (no division) of
     :mod:`linattn_nb.ops._codes`.  ``flags``: int32, shape (3,) to count the
     non-finite q, k, v values the launch stages (module docstring), (1,) for
     no check.
     """
-    key = (int(R), int(C), int(G), int(MB), int(T), str(acc), int(rule))
+    key = (int(R), int(C), int(G), int(MB), int(T), str(acc), int(rule), None if code is None else int(code))
     kern = _SEQ_KERNELS.get(key)
     if kern is not None:
         return kern
     R, C, G, MB, T = key[:5]
     rule = key[6]
     if G == 1 and not is_delta_rule(rule):
-        kern = _SEQ_KERNELS[key] = _owner_kernel(R, C, MB, T, acc, rule)
+        kern = _SEQ_KERNELS[key] = _owner_kernel(R, C, MB, T, acc, rule, key[7])
         return kern
     acc_t = _ACC_TYPES[acc]
+    MAP = -1 if key[7] is None else key[7]  # the feature map, when specialised
     FP = G * R  # padded feature rows
     MBP = -(-(MB + 1) // C) * C  # value columns + normaliser column, padded
     NCG = MBP // C  # column groups
@@ -500,8 +539,13 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
     SAT = T if FACTORS else 1
     SAW = FP if PER_ROW else (2 if DELTA else 1)
     SPW = FP if PER_ROW else 1
-    PU = (2, G, MBP) if DELTA else (1, 1, 1)
-    # decay and gate: rescaled tiles as in the owner layout (module docstring)
+    # delta rules with G a power of two up to 32: the G row groups of a column are G adjacent lanes
+    # of one warp, and k^T H[:, m] is summed by log2(G) xor-shuffles, with no barrier per token
+    WARP_SUM = DELTA and G <= 32 and (G & (G - 1)) == 0
+    LOG2G = G.bit_length() - 1
+    PU = (2, G, MBP) if DELTA and not WARP_SUM else (1, 1, 1)
+    # decay and gate: rescaled tiles as in the owner layout (module docstring); the gated delta
+    # rule rescales its tiles too (q_t P_t and v_t / P_t: the delta rule's step on them)
     RESCALE = FACTORS and not DELTA
     TAU = acc_t(RESCALE_MIN_F32 if acc == "float32" else RESCALE_MIN_F64)
 
@@ -521,11 +565,19 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
         ac = cuda.local.array(C, acc_t)
         ut = cuda.local.array(C, acc_t)  # delta rules: k^T H, then the correction, per column
 
+        cd = code if MAP < 0 else MAP  # a specialised kernel's map is a constant: its branches fold
         F = q.shape[3]
         M = v.shape[3]
         tid = cuda.threadIdx.x
-        tg = tid // NCG
-        c0 = (tid - tg * NCG) * C
+        if WARP_SUM:  # row group fastest: a column's G groups share a warp
+            tg = tid % G
+            c0 = (tid // G) * C
+        else:
+            tg = tid // NCG
+            c0 = (tid - tg * NCG) * C
+        # the lanes of this thread's warp that exist (the last warp of the block may be partial)
+        nlanes = min(32, NTH - (tid // 32) * 32)
+        lanes = uint32(0xFFFFFFFF) if nlanes == 32 else uint32((1 << nlanes) - 1)
         seg = cuda.blockIdx.x
         b = seg // nseg_per_b
         c = seg - b * nseg_per_b
@@ -574,12 +626,12 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                         xq = acc_t(q[b1, b2, t0u + t, i])
                         if cqk and not (xq - xq == zero):
                             cuda.atomic.add(flags, 0, 1)
-                        xq = phi(xq, code, zero, one)
+                        xq = phi(xq, cd, zero, one)
                     if update:
                         xk = acc_t(k[b1, b2, t0u + t, i])
                         if cqk and not (xk - xk == zero):
                             cuda.atomic.add(flags, 1, 1)
-                        xk = phi(xk, code, zero, one)
+                        xk = phi(xk, cd, zero, one)
                 sq[t, i] = xq
                 sk[t, i] = xk
                 if PER_ROW and update:  # gate: the factor of row i (1 on padding rows, whose state is 0)
@@ -609,7 +661,7 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
             cuda.syncthreads()
             # ---- row maps (L2, SiLU then L2): normalise every staged row,
             # one thread per row (code is uniform over the block)
-            if is_row_map(code):
+            if is_row_map(cd):
                 for idx in range(tid, 2 * nt, NTH):
                     t = idx >> 1
                     if idx & 1:
@@ -618,71 +670,74 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                     elif write_out:
                         l2_normalize_row(sq, t, F)
                 cuda.syncthreads()
-            # ---- decay and gate (module docstring, "Rescaled tiles"): as in the owner
-            # layout, a tile whose running factors stay >= TAU runs the additive loop on
-            # q_t P_t and k_t / P_t and scales the state by its P at its end; otherwise
-            # one token at a time, the state scaled by the token's factors first
-            whole = not RESCALE
+            # ---- decay, gate, gated delta (module docstring, "Rescaled tiles"): as in the
+            # owner layout, a tile whose running factors stay >= TAU runs the token loop on
+            # q_t P_t and k_t / P_t (gated delta: v_t / P_t) and scales the state by its P
+            # at its end; otherwise one token at a time, the state scaled by the token's
+            # factors first
+            whole = not (RESCALE or GATED)
             ptile = one
-            if RESCALE and update:
-                low = 0
-                for i in range(tid, FP, NTH):
-                    p = one
-                    for t in range(nt):
-                        p *= sa[uint32(t), uint32(i) if PER_ROW else 0]
-                    if not p >= TAU:
-                        low = 1
-                whole = cuda.syncthreads_or(low) == 0
-                if whole:
-                    for i in range(tid, FP, NTH):
-                        iu = uint32(i)
-                        p = one
-                        for t in range(nt):
-                            tu = uint32(t)
-                            p *= sa[tu, iu if PER_ROW else 0]
-                            sq[tu, iu] *= p
-                            sk[tu, iu] /= p
-                        if PER_ROW:
-                            sp[iu] = p
-                    if not PER_ROW:
-                        for t in range(nt):
-                            ptile *= sa[uint32(t), 0]
-                    cuda.syncthreads()
+            if (RESCALE or GATED) and update:
+                whole, ptile = _rescale_tile(sq, sk, sv, sa, sp, nt, tid, NTH, FP, MBP, PER_ROW, RESCALE, GATED,
+                                             TAU, one)
             # ---- per token: update the R x C state tile, partial phi(q)^T S
             if DELTA and update:
-                # delta rules: k^T H[:, m] over all F rows (partials of the G
-                # row groups through shared memory, one syncthreads per token:
-                # buffer t & 1 is rewritten two tokens later, after the next
-                # token's barrier), the column's correction, then the update
-                for t in range(nt):
-                    buf = t & 1
-                    ft = sa[t, 0]
-                    bt = sa[t, 1]
-                    for j in range(C):
-                        ut[j] = zero
+                # delta rules: k^T H[:, m] over all F rows, the partials of the G
+                # row groups summed by xor-shuffles within the warp (WARP_SUM: every
+                # lane of the group gets the whole sum, no barrier) or through shared
+                # memory (one syncthreads per token: buffer t & 1 is rewritten two
+                # tokens later, after the next token's barrier); then the column's
+                # correction and the update.  The gated rule runs the delta rule's
+                # step on a rescaled tile (v_t / P_t staged, the state scaled by P at
+                # the tile's end), or in the direct form on the state scaled by the
+                # token's factor first.
+                for seg_t in range(1 if whole else nt):  # the whole tile, or one token at a time
+                    ta = 0 if whole else seg_t
+                    if not whole:  # the direct form: the token's factor on the state first
+                        ft = sa[ta, 0]
+                        for r in range(R):
+                            for j in range(C):
+                                st[r * C + j] *= ft
+                    for t in range(ta, nt if whole else seg_t + 1):
+                        bt = sa[t, 1]
+                        for j in range(C):
+                            ut[j] = zero
+                        for r in range(R):
+                            kr = sk[t, row0 + r]
+                            for j in range(C):
+                                ut[j] += kr * st[r * C + j]
+                        if WARP_SUM:
+                            for j in range(C):
+                                x = ut[j]
+                                for lvl in range(LOG2G):
+                                    x += cuda.shfl_xor_sync(lanes, x, G >> (lvl + 1))
+                                ut[j] = bt * (sv[t, c0 + j] - x)  # beta (w - k^T H): the column's correction
+                                ac[j] = zero
+                        else:
+                            buf = t & 1
+                            for j in range(C):
+                                pu[buf, tg, c0 + j] = ut[j]
+                            cuda.syncthreads()
+                            for j in range(C):
+                                x = zero
+                                for g in range(G):
+                                    x += pu[buf, g, c0 + j]
+                                ut[j] = bt * (sv[t, c0 + j] - x)  # beta (w - k^T H): the column's correction
+                                ac[j] = zero
+                        for r in range(R):
+                            kr = sk[t, row0 + r]
+                            qr = sq[t, row0 + r]
+                            for j in range(C):
+                                s = st[r * C + j] + kr * ut[j]
+                                st[r * C + j] = s
+                                ac[j] += qr * s
+                        if write_out:
+                            for j in range(C):
+                                part[t, tg, c0 + j] = ac[j]
+                if GATED and whole:
                     for r in range(R):
-                        kr = sk[t, row0 + r]
                         for j in range(C):
-                            ut[j] += kr * st[r * C + j]
-                    for j in range(C):
-                        pu[buf, tg, c0 + j] = ut[j]
-                    cuda.syncthreads()
-                    for j in range(C):
-                        x = zero
-                        for g in range(G):
-                            x += pu[buf, g, c0 + j]
-                        ut[j] = delta_correction(rule, sv[t, c0 + j], x, ft, bt)
-                        ac[j] = zero
-                    for r in range(R):
-                        kr = sk[t, row0 + r]
-                        qr = sq[t, row0 + r]
-                        for j in range(C):
-                            s = token_update(rule, st[r * C + j], kr, ut[j], ft)  # the rule's hook
-                            st[r * C + j] = s
-                            ac[j] += qr * s
-                    if write_out:
-                        for j in range(C):
-                            part[t, tg, c0 + j] = ac[j]
+                            st[r * C + j] *= ptile
             elif update:
                 # additive, decay, gate: the additive token loop over one segment
                 # (the whole tile: the additive rule, a rescaled tile), or over one
@@ -984,7 +1039,8 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE, lay
       :data:`MAX_TILE_WORDS` + 32 words (float64 counts two): a float64
       ``D_phi = 64`` with one value column would spill.
     * **row groups**: ``C`` = ``config.CUDA_COLS_PER_THREAD`` and ``R`` =
-      ``config.CUDA_ROWS_PER_THREAD`` the register tile of a thread; ``R`` doubled
+      ``config.CUDA_ROWS_PER_THREAD`` the register tile of a thread (the delta
+      rules: ``CUDA_DELTA_COLS_PER_THREAD``, ``CUDA_DELTA_ROWS_PER_THREAD``); ``R`` doubled
       (up to ``config.CUDA_MAX_ROWS_PER_THREAD``) while the block would
       exceed min(``config.CUDA_MAX_THREADS``, :data:`MAX_SEQ_THREADS`)
       threads, ``C`` halved while the tile exceeds :data:`MAX_TILE_WORDS`
@@ -1028,8 +1084,9 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE, lay
         fixed = 0 if factors else item  # a rule without factors still declares a (1, 1) factor array
         fixed += item * (FPo if rule == RULE_GATE else 1)  # the rescaled tile's row factors (one stand-in)
     else:
-        C = max(1, int(config.CUDA_COLS_PER_THREAD))
-        R = max(1, int(config.CUDA_ROWS_PER_THREAD))
+        delta = is_delta_rule(rule)
+        C = max(1, int(config.CUDA_DELTA_COLS_PER_THREAD if delta else config.CUDA_COLS_PER_THREAD))
+        R = max(1, int(config.CUDA_DELTA_ROWS_PER_THREAD if delta else config.CUDA_ROWS_PER_THREAD))
         r_max = max(R, int(config.CUDA_MAX_ROWS_PER_THREAD))
 
         def threads(R, C, MB):
@@ -1051,8 +1108,10 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE, lay
         nthreads = threads(R, C, MB)
         factors = rule_factor_rows(rule, G * R)
         per_token = item * (2 * G * R + MBP + G * MBP + 1 + factors)
-        # the delta rules' reduction buffer, else its (1, 1, 1) stand-in; a (1, 1) factor array without factors
-        fixed = item * 2 * G * MBP if is_delta_rule(rule) else item
+        # the delta rules' reduction buffer (none when G is a power of two up to 32: warp shuffles), else
+        # its (1, 1, 1) stand-in; a (1, 1) factor array without factors
+        shuffles = G <= 32 and (G & (G - 1)) == 0
+        fixed = item * 2 * G * MBP if is_delta_rule(rule) and not shuffles else item
         fixed += 0 if factors else item
         fixed += item * (G * R if rule == RULE_GATE else 1)  # the rescaled tile's row factors (one stand-in)
     T = min(int(config.CUDA_TILE_TOKENS), (int(config.CUDA_SHARED_BYTES) - fixed) // per_token)

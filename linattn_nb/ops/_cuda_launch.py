@@ -123,8 +123,9 @@ class SeqPlan:
     acc : numpy.dtype
         Accumulation dtype (float32, or float64 when an input is float64).
     kernel, threads, col_blocks
-        The specialised sequence kernel, its threads per block and the
-        number of blocks over the value columns.
+        The sequence kernel for every feature map, its threads per block and
+        the number of blocks over the value columns (the launches take the
+        kernel specialised on their map, ``config.CUDA_SPECIALIZE_MAPS``).
     cfg : tuple
         The kernel's ``(R, C, G, MB, T)``
         (:func:`linattn_nb.ops._cuda_kernels.seq_config`) in the layout
@@ -364,7 +365,8 @@ def _run(p: SeqPlan, Hin, Hout, seg_len, nseg_per_b, state_div, code, eps, norma
     ``count``: this launch counts the non-finite inputs it stages into
     ``p.flags`` (every input must be counted by exactly one launch).
     """
-    p.kernel[(p.B * nseg_per_b, p.col_blocks), p.threads](
+    kernel = K.seq_kernel(*p.cfg, p.acc.name, p.rule, int(code)) if config.CUDA_SPECIALIZE_MAPS else p.kernel
+    kernel[(p.B * nseg_per_b, p.col_blocks), p.threads](
         p.q, p.k, p.v, p.out, Hin, Hout, p.lf, p.N, seg_len, nseg_per_b, state_div, p.B2, int(code),
         float(0.0 if eps is None else eps), norm_mode(eps, normalize), read_state, update, write_out,
         write_state, p.flags if count else _no_flags())

@@ -613,10 +613,11 @@ def _arr(dt: str, nd: int, layout: str = "C") -> str:
     return f"Array({dt}, {nd}, '{layout}')"
 
 
-def sequence_launch(F: int, M: int, acc: str, rule: int, layout: str = "owner") -> dict:
+def sequence_launch(F: int, M: int, acc: str, rule: int, layout: str = "owner", code=None) -> dict:
     """The sequence kernel the launchers pick for ``F`` features, ``M`` values, accumulation dtype
     ``acc``, rule code ``rule`` and thread layout ``layout`` ("owner" where it applies, or "rows":
-    :func:`linattn_nb.ops._cuda_launch.seq_layout`): ``{"factory", "threads", "cfg"}``.
+    :func:`linattn_nb.ops._cuda_launch.seq_layout`) and feature map ``code`` (None: the kernel for
+    every map): ``{"factory", "threads", "cfg"}``.
 
     Raises
     ------
@@ -628,25 +629,27 @@ def sequence_launch(F: int, M: int, acc: str, rule: int, layout: str = "owner") 
     itemsize = 4 if acc == "float32" else 8
     cfg = tuple(int(x) for x in K.seq_config(F, M, itemsize, rule, layout))
     R, C, G, MB, T = cfg
-    return {"factory": (*cfg, acc, int(rule)), "threads": int(K.threads_per_block(R, C, G, MB, rule)), "cfg": cfg}
+    return {"factory": (*cfg, acc, int(rule), None if code is None else int(code)),
+            "threads": int(K.threads_per_block(R, C, G, MB, rule)), "cfg": cfg}
 
 
 def sequence_spec(F: int, M: int, acc: str, rule: int, in_dtype: str | None = None, key: str | None = None,
-                  layout: str = "owner") -> KernelSpec:
+                  layout: str = "owner", code=None) -> KernelSpec:
     """:class:`KernelSpec` of the sequence kernel at (``F``, ``M``, ``acc``, ``rule``, ``layout``), inputs
     of ``in_dtype`` (default ``acc``) as the launchers pass them (4-d any-layout views, (n, F, M + 1)
     states in ``acc``, (B, N, W) float64 log-factors, int64 / float64 / boolean scalars, the int32
-    finiteness counters).  The key ends in ``/rows`` when ``layout`` "rows" replaces the owner layout."""
+    finiteness counters).  The key ends in ``/rows`` when ``layout`` "rows" replaces the owner layout,
+    and in ``/map<code>`` for a kernel specialised on feature map ``code`` (None: every map)."""
     from . import _cuda_kernels as K
     from ._codes import rule_name
 
-    launch = sequence_launch(F, M, acc, rule, layout)
+    launch = sequence_launch(F, M, acc, rule, layout, code)
     dt = in_dtype or acc
     a4, H, lf = _arr(dt, 4, "A"), _arr(acc, 3), _arr(_F64, 3)
     sig = (a4, a4, a4, a4, H, H, lf, _I, _I, _I, _I, _I, _I, _F64, _I, _B, _B, _B, _B, _arr("int32", 1))
     rows = layout == "rows" and K.owner_fits(F, M, 4 if acc == "float32" else 8, rule)
     key = key or (f"seq/{acc}/{rule_name(rule)}/F{F}/M{M}" + (f"/{dt}" if dt != acc else "")
-                  + ("/rows" if rows else ""))
+                  + ("/rows" if rows else "") + ("" if code is None else f"/map{int(code)}"))
     return KernelSpec(key, "linattn_nb.ops._cuda_kernels:seq_kernel", sig, launch["threads"],
                       factory=launch["factory"], group="sequence",
                       info={"F": F, "M": M, "acc": acc, "rule": int(rule), "rule_name": rule_name(rule),

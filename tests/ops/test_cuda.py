@@ -43,6 +43,7 @@ STATE_TOL = {np.float16: (1e-5, 1e-5), np.float32: (1e-5, 1e-6), np.float64: (1e
 
 
 SMALL_LAUNCH = {"CUDA_VALUE_COLS": 3, "CUDA_ROWS_PER_THREAD": 2, "CUDA_COLS_PER_THREAD": 3, "CUDA_MAX_ROWS_PER_THREAD": 4,
+                "CUDA_DELTA_ROWS_PER_THREAD": 2, "CUDA_DELTA_COLS_PER_THREAD": 3,
                 "CUDA_TILE_TOKENS": 2, "CUDA_CHUNK_SIZE": 3, "CUDA_THREADS_PER_BLOCK": 32}
 DEFAULT_LAUNCH = {name: getattr(config, name) for name in SMALL_LAUNCH}
 
@@ -524,6 +525,33 @@ def test_sequence_layout_choice(monkeypatch):
     assert D.select_auto_cuda(batch=106, **kw) == "scan"
     assert D.select_auto_cuda(batch=600, **kw) == "scan"  # owner blocks fill the GPU
     assert D.select_auto_cuda(batch=128, **dict(kw, rule="gate")) == "scan"
+
+
+@pytest.mark.parametrize("code", [0, 1, 2, 3, 4, 5])
+def test_map_specialised_kernel_equals_the_generic_one(monkeypatch, code):
+    """config.CUDA_SPECIALIZE_MAPS: the launch takes the kernel compiled for its feature map (a
+    compile-time constant), whose outputs and state equal those of the kernel for every map, bit
+    for bit, for each map code; 0 launches the kernel for every map."""
+    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.causal.cuda import causal_scan_cuda
+
+    rng = np.random.default_rng(40 + code)
+    q, k, v = data(rng, 2, 5, 4, 3)
+    if code == 0:  # the inputs are the features
+        q, k = np.abs(q) + 0.1, np.abs(k) + 0.1
+    res = {}
+    for spec in (1, 0):
+        monkeypatch.setattr(config, "CUDA_SPECIALIZE_MAPS", spec)
+        K._SEQ_KERNELS.clear()
+        H = cuda.to_device(np.zeros((2, 4, 4)))
+        out = cuda.to_device(np.zeros((2, 5, 3), np.float32))
+        causal_scan_cuda(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), H, out, code=code, eps=1e-8)
+        made = {key[7] for key in K._SEQ_KERNELS}  # the plan makes the kernel for every map (None) too
+        assert (code in made) if spec else made == {None}, made
+        res[spec] = (out.copy_to_host(), H.copy_to_host())
+    np.testing.assert_array_equal(res[1][0], res[0][0])
+    np.testing.assert_array_equal(res[1][1], res[0][1])
+    assert np.isfinite(res[1][0]).all()
 
 
 def test_row_layout_plan_on_the_simulator(monkeypatch):

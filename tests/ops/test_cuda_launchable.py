@@ -21,6 +21,10 @@ the threads per block the launchers use:
   compiled (registers depend on the tile, the dtype and the rule; the
   threads on G and MB), plus the default D_phi = M = 64 and M = 64 at the
   advertised largest D_phi, ``CUDA_MAX_FEATURES``;
+* the kernel specialised on each feature map (what the launchers run,
+  ``config.CUDA_SPECIALIZE_MAPS``) at the default configurations (D_phi = 64
+  in both layouts, and 256), float32 and float64 (the rest of the grid is
+  compiled for every map at once, a superset of each map's code);
 * the helper kernels, the backward kernels and the decode-step kernels at
   their launch signatures and block sizes.
 
@@ -83,8 +87,13 @@ def _sequence_specs():
 
 
 SEQ_SPECS, SEQ_REFUSED = _sequence_specs()
+#: The launchers run the sequence kernel specialised on its feature map (config.CUDA_SPECIALIZE_MAPS):
+#: every map at the default configurations (D_phi = 64 in both layouts, and 256), float32 and float64.
+MAP_CODES = (0, 1, 2, 3, 4, 5)
+MAP_SPECS = [CR.sequence_spec(F, 64, acc, 0, layout=layout, code=code) for code in MAP_CODES
+             for acc in ACCS for F, layout in ((64, "owner"), (64, "rows"), (256, "owner"))]
 OTHER_SPECS = CR.helper_specs() + CR.backward_specs() + CR.step_specs()
-ALL_SPECS = SEQ_SPECS + OTHER_SPECS
+ALL_SPECS = SEQ_SPECS + MAP_SPECS + OTHER_SPECS
 
 #: Sequence-kernel configurations known not to launch (key -> why), run as strict xfails.  None since
 #: the owner and capped row-group layouts of issue 20 (before them: 24, e.g. F = 1024, M = 64 float32 at
@@ -142,6 +151,12 @@ def _seq_params():
 def test_sequence_kernel_launches(measured, spec):
     """Registers x threads and shared memory within a block's limits; no spills up to D_phi = 256."""
     _check(spec, measured[spec.key], spill_free=spec.info["F"] <= NO_SPILL_FEATURES)
+
+
+@pytest.mark.parametrize("spec", MAP_SPECS, ids=[s.key for s in MAP_SPECS])
+def test_map_specialised_sequence_kernels_launch(measured, spec):
+    """The kernels specialised on each feature map: within the limits, no spills (D_phi <= 256)."""
+    _check(spec, measured[spec.key], spill_free=True)
 
 
 @pytest.mark.parametrize("spec", OTHER_SPECS, ids=[s.key for s in OTHER_SPECS])

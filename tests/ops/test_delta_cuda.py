@@ -136,6 +136,67 @@ def test_launchers_match_reference(rule, method, dtype, normalize):
     assert_close(z, z_ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("f", [3, 5, 8], ids=["G2-shuffles", "G3-shared", "G4-shuffles"])
+def test_row_group_reductions(rule, dtype, f):
+    """k^T H[:, m] summed across the row groups both ways: xor-shuffles within a warp when the
+    number of groups G is a power of two (F = 3 and 8: G = 2 and 4 groups of 2 rows), through
+    shared memory with a barrier per token otherwise (F = 5: G = 3); the blocks here have 2 G
+    threads, one partial warp (the shuffles' lane mask).  Against the explicit form."""
+    from linattn_nb.ops import _cuda_kernels as K
+
+    rng = np.random.default_rng(16 + f)
+    b, n, m = 3, 7, 4
+    cfg = K.seq_config(f, m, np.dtype(dtype).itemsize, RULES[rule][0])
+    assert cfg[2] == -(-f // 2), cfg
+    q, k = (np.abs(rng.normal(size=(b, n, f))) + 0.1 for _ in range(2))
+    v = rng.normal(size=(b, n, m))
+    S0, z0 = rng.normal(size=(b, f, m)), rng.uniform(0.5, 1.5, size=(b, f))
+    inputs = rule_inputs(rng, rule, b=b, n=n)
+    code, map_code = RULES[rule]
+    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+    out, S, z = run("scan", q, k, v, S0, z0, rule=code, inputs=inputs, code=map_code)
+    ref, S_ref, z_ref = causal_linear_quadratic(features(q, map_code), features(k, map_code), v.astype(np.float64),
+                                                eps=1e-8, S0=S0, z0=z0, rule=code, inputs=inputs, normalize=False)
+    assert_close(out, ref, dtype)
+    assert_close(S, S_ref, dtype)
+    assert_close(z, z_ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("f", [3, 5], ids=["shuffles", "shared"])
+def test_gated_rescaled_and_direct_tiles(monkeypatch, dtype, f):
+    """The gated delta rule on tiles of 8 tokens: mild factors (rescaled tiles: q_t P_t and
+    v_t / P_t staged), a tile whose running factor ends just above the rescaling floor (v / P up
+    to ~5e8 in float32), one below it (the direct form: the state scaled token by token), a reset
+    mid-tile and a part tile at the end, with both row-group sums: against the explicit form."""
+    from linattn_nb.ops._cuda_kernels import RESCALE_MIN_F32, RESCALE_MIN_F64
+
+    monkeypatch.setattr(config, "CUDA_TILE_TOKENS", 8)
+    rng = np.random.default_rng(21)
+    b, n, m = 2, 45, 4
+    q, k = (np.abs(rng.normal(size=(b, n, f))) + 0.1 for _ in range(2))
+    v = rng.normal(size=(b, n, m))
+    S0, z0 = rng.normal(size=(b, f, m)), rng.uniform(0.5, 1.5, size=(b, f))
+    floor = np.log(RESCALE_MIN_F32 if dtype == np.float32 else RESCALE_MIN_F64)
+    lg = -rng.uniform(0.0, 0.2, size=(b, n))
+    lg[0, 8:16] = 0.9 * floor / 8  # ends at ~floor^0.9: rescaled
+    lg[1, 8:16] = 1.3 * floor / 8  # below the floor: the direct form
+    lg[1, 30] = -np.inf  # a reset mid-tile
+    inputs = {"beta": rng.uniform(0.0, 2.0, size=(b, n)), "log_decay": lg}
+    code, map_code = RULES["gated_delta"]
+    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+    out, S, z = run("scan", q, k, v, S0, z0, rule=code, inputs=inputs, code=map_code)
+    ref, S_ref, z_ref = causal_linear_quadratic(features(q, map_code), features(k, map_code), v.astype(np.float64),
+                                                eps=1e-8, S0=S0, z0=z0, rule=code, inputs=inputs, normalize=False)
+    assert_close(out, ref, dtype)
+    assert_close(S, S_ref, dtype)
+    assert_close(z, z_ref, dtype)
+    for row in (16, 17, 31):  # right after the strongly decayed tiles and the reset, on their own scale
+        np.testing.assert_allclose(out[:, row], ref[:, row], rtol=TOL[dtype] * 10, atol=TOL[dtype])
+
+
 @pytest.mark.parametrize("method", ["scan", "chunked"])
 def test_gated_reset_at_token_zero_forgets_the_initial_state_exactly(method):
     """A reset at token 0 of every entry: outputs and final state are those of a zero initial
