@@ -89,6 +89,17 @@ if getattr(_nbconfig, "ENABLE_CUDASIM", 0):  # pragma: no branch - the simulator
 
 
 @cuda.jit(device=True, inline=True)
+def unravel4(idx, Bn, N, F):
+    """C-order index -> (b1, b2, t, i) of a 4-d array with trailing shape (Bn, N, F) (the grid-stride
+    helper kernels' walk over any-strided 4-d views)."""
+    i = idx % F
+    rest = idx // F
+    t = rest % N
+    rest = rest // N
+    return rest // Bn, rest % Bn, t, i
+
+
+@cuda.jit(device=True, inline=True)
 def phi(x, code, zero, one):
     """The elementwise feature map ``code`` (:mod:`linattn_nb.ops._codes`) on the GPU; NaN propagates."""
     if code == KERNEL_CODE_ELU:

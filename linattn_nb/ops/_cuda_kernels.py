@@ -153,7 +153,7 @@ from numba import cuda, float32, float64, uint32
 
 from .. import config
 from ._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, RULE_GATE, RULE_GATED_DELTA
-from ._cuda_common import carry, is_delta_rule, is_row_map, l2_normalize_row, phi, rule_factor_rows
+from ._cuda_common import carry, is_delta_rule, is_row_map, l2_normalize_row, phi, rule_factor_rows, unravel4
 
 # Simulator: kernels are Python; no on-disk cache (and no PTX) there.
 _SIM = bool(getattr(_nbconfig, "ENABLE_CUDASIM", 0))
@@ -955,16 +955,6 @@ def pack_column_kernel(src, dst, w):
         dst[b, t, w] = src[b, t]
 
 
-@cuda.jit(device=True, inline=True)  # inlined: no device-function compile, which needs a GPU
-def _unravel4(idx, Bn, N, F):
-    """C-order index -> (b1, b2, t, i) of a 4-d array with trailing shape (Bn, N, F)."""
-    i = idx % F
-    rest = idx // F
-    t = rest % N
-    rest = rest // N
-    return rest // Bn, rest % Bn, t, i
-
-
 @cuda.jit(cache=_CACHE)
 def copy4d_kernel(src, dst):
     """dst[...] = src[...] for 4-d arrays of equal shape, any strides and dtypes."""
@@ -973,7 +963,7 @@ def copy4d_kernel(src, dst):
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     for idx in range(start, total, stride):
-        b1, b2, t, i = _unravel4(idx, Bn, N, F)
+        b1, b2, t, i = unravel4(idx, Bn, N, F)
         dst[b1, b2, t, i] = src[b1, b2, t, i]
 
 

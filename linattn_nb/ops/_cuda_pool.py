@@ -47,6 +47,7 @@ import numpy as np
 from numba import cuda
 
 from .. import config
+from ._cuda_common import unravel4
 
 __all__ = ["workspace", "zeros", "fill", "counters", "count_nonfinite", "count_out_of_range", "rule_input",
            "raise_if_nonfinite", "discard_counts", "clear", "stats", "CHECK_SLOTS", "SLOT"]
@@ -176,11 +177,8 @@ def _count4_py(x, counters, slot):
     stride = cuda.gridsize(1)
     bad = 0
     for idx in range(start, total, stride):
-        i = idx % F
-        r = idx // F
-        t = r % N
-        r = r // N
-        y = x[r // Bn, r % Bn, t, i] + 0.0  # float64: float16 compares without local memory, float64 exactly
+        a0, a1, t, i = unravel4(idx, Bn, N, F)
+        y = x[a0, a1, t, i] + 0.0  # float64: float16 compares without local memory, float64 exactly
         if not (y == y and abs(y) < math.inf):  # NaN or inf (comparisons only: no FP exception)
             bad += 1
     if bad:
@@ -218,12 +216,7 @@ def _rule_input_py(x, dst, mode, lo, hi, reset, counters, slot):
     stride = cuda.gridsize(1)
     bad = 0
     for idx in range(start, total, stride):
-        i = idx % W
-        r = idx // W
-        t = r % N
-        r = r // N
-        a0 = r // Bn
-        a1 = r % Bn
+        a0, a1, t, i = unravel4(idx, Bn, N, W)
         y = x[a0, a1, t, i] + 0.0  # float64
         if not (y >= lo and y <= hi):  # NaN fails both
             # counted once per element of the caller's array: a broadcast one (stride 0) at index 0 only

@@ -128,8 +128,9 @@ def test_linear_attention_check_reads_once_and_names_the_input(counts):
 @pytest.mark.parametrize("form", ["per_token", "per_feature"])
 @pytest.mark.parametrize("method", ["scan", "chunked"])
 def test_device_log_decay_is_read_in_place(counts, monkeypatch, form, method):
-    """A float64 GPU log_decay (per token or per feature, batch dims included): no copy either way,
-    its values checked on the device in the call's single read (with or without check_finite);
+    """A float64 GPU log_decay (per token or per feature, batch dims included) read in place, and a
+    float32 one converted on the device: no copy either way, no allocation on a repeated call,
+    the values checked on the device in the call's single read (with or without check_finite);
     a NaN or a positive log-factor raises naming log_decay, and the next call is clean."""
     from numba import cuda
 
@@ -142,15 +143,19 @@ def test_device_log_decay_is_read_in_place(counts, monkeypatch, form, method):
     dq, dk, dv, dlg = (cuda.to_device(x) for x in (q, k, v, lg))
     out = cuda.device_array(batch + (N, M), dtype=np.float32)
     ref = la.linear_attention(q, k, v, causal=True, log_decay=lg, method="quadratic")
-    for check in (False, True):
-        def call():
-            return la.linear_attention(dq, dk, dv, causal=True, log_decay=dlg, method=method, device="cuda",
-                                       out=out, check_finite=check)
-        call()
-        res, n = _measure(counts, call)
-        assert res is out
-        np.testing.assert_allclose(out.copy_to_host(), ref, rtol=2e-5, atol=2e-6)
-        assert n["h2d"] == 0 and n["alloc"] == 0 and n["d2h"] == 1, n
+    # float64 read in place; a float32 GPU array converted on the device (a pooled float64 copy)
+    dlg32 = cuda.to_device(lg.astype(np.float32))
+    ref32 = la.linear_attention(q, k, v, causal=True, log_decay=lg.astype(np.float32), method="quadratic")
+    for arr, want in ((dlg, ref), (dlg32, ref32)):
+        for check in (False, True):
+            def call():
+                return la.linear_attention(dq, dk, dv, causal=True, log_decay=arr, method=method, device="cuda",
+                                           out=out, check_finite=check)
+            call()
+            res, n = _measure(counts, call)
+            assert res is out
+            np.testing.assert_allclose(out.copy_to_host(), want, rtol=2e-5, atol=2e-6)
+            assert n["h2d"] == 0 and n["alloc"] == 0 and n["d2h"] == 1, n
     np.testing.assert_array_equal(dlg.copy_to_host(), lg)  # read, never written
     for bad, where in ((0.25, (1, 0, 3)), (np.nan, (0, 0, N - 1))):
         x = lg.copy()
@@ -159,17 +164,6 @@ def test_device_log_decay_is_read_in_place(counts, monkeypatch, form, method):
             la.linear_attention(dq, dk, dv, causal=True, log_decay=cuda.to_device(x), method=method, device="cuda")
         res = la.linear_attention(dq, dk, dv, causal=True, log_decay=dlg, method=method, device="cuda", out=out)
         np.testing.assert_allclose(res.copy_to_host(), ref, rtol=2e-5, atol=2e-6)
-    # a float32 GPU array is converted on the device (a pooled float64 copy), with the same result
-    dlg32 = cuda.to_device(lg.astype(np.float32))
-    ref32 = la.linear_attention(q, k, v, causal=True, log_decay=lg.astype(np.float32), method="quadratic")
-    for check in (False, True):
-        def call32():
-            return la.linear_attention(dq, dk, dv, causal=True, log_decay=dlg32, method=method, device="cuda",
-                                       out=out, check_finite=check)
-        call32()
-        res, n = _measure(counts, call32)
-        np.testing.assert_allclose(res.copy_to_host(), ref32, rtol=2e-5, atol=2e-6)
-        assert n["h2d"] == 0 and n["alloc"] == 0 and n["d2h"] == 1, n
 
 
 @pytest.mark.parametrize("form", ["per_sequence", "per_head", "per_token_strided", "per_feature"])

@@ -136,6 +136,23 @@ def test_launchers_match_reference(rule, method, dtype, normalize):
     assert_close(z, z_ref, dtype)
 
 
+def scan_against_reference(rng, rule, dtype, b, n, f, m, inputs):
+    """The CUDA scan (no normalisation) on positive q, k drawn from ``rng`` and a random initial
+    state, against the explicit form: outputs, S and z within TOL.  Returns (out, reference)."""
+    q, k = (np.abs(rng.normal(size=(b, n, f))) + 0.1 for _ in range(2))
+    v = rng.normal(size=(b, n, m))
+    S0, z0 = rng.normal(size=(b, f, m)), rng.uniform(0.5, 1.5, size=(b, f))
+    code, map_code = RULES[rule]
+    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+    out, S, z = run("scan", q, k, v, S0, z0, rule=code, inputs=inputs, code=map_code)
+    ref, S_ref, z_ref = causal_linear_quadratic(features(q, map_code), features(k, map_code), v.astype(np.float64),
+                                                eps=1e-8, S0=S0, z0=z0, rule=code, inputs=inputs, normalize=False)
+    assert_close(out, ref, dtype)
+    assert_close(S, S_ref, dtype)
+    assert_close(z, z_ref, dtype)
+    return out, ref
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("rule", sorted(RULES))
 @pytest.mark.parametrize("f", [3, 5, 8], ids=["G2-shuffles", "G3-shared", "G4-shuffles"])
@@ -150,18 +167,7 @@ def test_row_group_reductions(rule, dtype, f):
     b, n, m = 3, 7, 4
     cfg = K.seq_config(f, m, np.dtype(dtype).itemsize, RULES[rule][0])
     assert cfg[2] == -(-f // 2), cfg
-    q, k = (np.abs(rng.normal(size=(b, n, f))) + 0.1 for _ in range(2))
-    v = rng.normal(size=(b, n, m))
-    S0, z0 = rng.normal(size=(b, f, m)), rng.uniform(0.5, 1.5, size=(b, f))
-    inputs = rule_inputs(rng, rule, b=b, n=n)
-    code, map_code = RULES[rule]
-    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
-    out, S, z = run("scan", q, k, v, S0, z0, rule=code, inputs=inputs, code=map_code)
-    ref, S_ref, z_ref = causal_linear_quadratic(features(q, map_code), features(k, map_code), v.astype(np.float64),
-                                                eps=1e-8, S0=S0, z0=z0, rule=code, inputs=inputs, normalize=False)
-    assert_close(out, ref, dtype)
-    assert_close(S, S_ref, dtype)
-    assert_close(z, z_ref, dtype)
+    scan_against_reference(rng, rule, dtype, b, n, f, m, rule_inputs(rng, rule, b=b, n=n))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -176,23 +182,13 @@ def test_gated_rescaled_and_direct_tiles(monkeypatch, dtype, f):
     monkeypatch.setattr(config, "CUDA_TILE_TOKENS", 8)
     rng = np.random.default_rng(21)
     b, n, m = 2, 45, 4
-    q, k = (np.abs(rng.normal(size=(b, n, f))) + 0.1 for _ in range(2))
-    v = rng.normal(size=(b, n, m))
-    S0, z0 = rng.normal(size=(b, f, m)), rng.uniform(0.5, 1.5, size=(b, f))
     floor = np.log(RESCALE_MIN_F32 if dtype == np.float32 else RESCALE_MIN_F64)
     lg = -rng.uniform(0.0, 0.2, size=(b, n))
     lg[0, 8:16] = 0.9 * floor / 8  # ends at ~floor^0.9: rescaled
     lg[1, 8:16] = 1.3 * floor / 8  # below the floor: the direct form
     lg[1, 30] = -np.inf  # a reset mid-tile
     inputs = {"beta": rng.uniform(0.0, 2.0, size=(b, n)), "log_decay": lg}
-    code, map_code = RULES["gated_delta"]
-    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
-    out, S, z = run("scan", q, k, v, S0, z0, rule=code, inputs=inputs, code=map_code)
-    ref, S_ref, z_ref = causal_linear_quadratic(features(q, map_code), features(k, map_code), v.astype(np.float64),
-                                                eps=1e-8, S0=S0, z0=z0, rule=code, inputs=inputs, normalize=False)
-    assert_close(out, ref, dtype)
-    assert_close(S, S_ref, dtype)
-    assert_close(z, z_ref, dtype)
+    out, ref = scan_against_reference(rng, "gated_delta", dtype, b, n, f, m, inputs)
     for row in (16, 17, 31):  # right after the strongly decayed tiles and the reset, on their own scale
         np.testing.assert_allclose(out[:, row], ref[:, row], rtol=TOL[dtype] * 10, atol=TOL[dtype])
 
