@@ -236,8 +236,9 @@ def device_rule_inputs(decay, log_decay, beta, batch_shape, n: int, f: int):
     and reported by the call's single read of the check counters.  Anything
     else -- integers, both ``decay`` and ``log_decay``, a host array beside a
     device one, a shape of no form, batch dimensions whose strides do not
-    merge -- returns None: the host path of :func:`linattn_nb._validate.decay_inputs`
-    and ``beta_inputs`` (which also raises the shape errors).
+    merge, an empty batch or sequence -- returns None: the host path of
+    :func:`linattn_nb._validate.decay_inputs` and ``beta_inputs`` (which also
+    raises the shape errors).
 
     ``plan`` maps the kernels' input names (``log_decay``, ``log_gate``,
     ``beta``) to ``(argument name, array, in_place)``: a (B, N) / (B, N,
@@ -249,6 +250,8 @@ def device_rule_inputs(decay, log_decay, beta, batch_shape, n: int, f: int):
     b = int(np.prod(bs, dtype=np.int64))
     given = {nm: x for nm, x in (("decay", decay), ("log_decay", log_decay), ("beta", beta)) if x is not None}
     if not given or not all(on_device(x) for x in given.values()) or ("decay" in given and "log_decay" in given):
+        return None
+    if b * int(n) == 0:  # nothing to read: the host path checks the shapes of empty inputs
         return None
 
     def plan_of(name, x, features_ok):
