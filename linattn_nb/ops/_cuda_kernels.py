@@ -169,6 +169,21 @@ _SEQ_KERNELS: dict = {}
 
 
 @cuda.jit(device=True, inline=True)  # inlined: no device-function compile, which needs a GPU
+def _update_read(st, w, ac, sk, sq, t, row0, R, C):
+    """One token on a row-group thread's R x C register tile ``st``: ``S += phi(k_t) w^T`` over its
+    rows, and ``ac[j] += phi(q_t)^T S[:, j]`` with the updated elements (``w``: the staged values of
+    its C columns, or the delta rules' corrections).  Inlined with compile-time R, C: the loops unroll
+    and the tile stays in registers."""
+    for r in range(R):
+        kr = sk[t, row0 + r]
+        qr = sq[t, row0 + r]
+        for j in range(C):
+            s = st[r * C + j] + kr * w[j]
+            st[r * C + j] = s
+            ac[j] += qr * s
+
+
+@cuda.jit(device=True, inline=True)  # inlined: no device-function compile, which needs a GPU
 def _rescale_tile(sq, sk, sv, sa, sp, nt, tid, nth, fp, mbp, per_row, keys, values, tau, one):
     """The staging side of a rescaled tile (module docstring, "Rescaled tiles"), for the whole block.
 
@@ -724,13 +739,7 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                                     x += pu[buf, g, c0 + j]
                                 ut[j] = bt * (sv[t, c0 + j] - x)  # beta (w - k^T H): the column's correction
                                 ac[j] = zero
-                        for r in range(R):
-                            kr = sk[t, row0 + r]
-                            qr = sq[t, row0 + r]
-                            for j in range(C):
-                                s = st[r * C + j] + kr * ut[j]
-                                st[r * C + j] = s
-                                ac[j] += qr * s
+                        _update_read(st, ut, ac, sk, sq, t, row0, R, C)
                         if write_out:
                             for j in range(C):
                                 part[t, tg, c0 + j] = ac[j]
@@ -757,13 +766,7 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                             for j in range(C):
                                 vt[j] = sv[t, c0 + j]
                                 ac[j] = zero
-                            for r in range(R):
-                                kr = sk[t, row0 + r]
-                                qr = sq[t, row0 + r]
-                                for j in range(C):
-                                    s = st[r * C + j] + kr * vt[j]
-                                    st[r * C + j] = s
-                                    ac[j] += qr * s
+                            _update_read(st, vt, ac, sk, sq, t, row0, R, C)
                             for j in range(C):
                                 part[t, tg, c0 + j] = ac[j]
                     else:
