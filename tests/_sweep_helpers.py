@@ -72,3 +72,15 @@ def raise_two_arg(x, log):
     if x == 1:
         raise TwoArgError(x, "cannot be rebuilt")
     return {"y": x}
+
+
+def swallowed_ctrl_c(x):
+    """Point x == 1 receives a SIGINT whose KeyboardInterrupt is swallowed where
+    it lands, as a ``__del__`` or an llvmlite ctypes callback swallows it."""
+    if x == 1:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler runs here (the main thread) and raises
+        except KeyboardInterrupt:
+            pass
+    return {"y": x}

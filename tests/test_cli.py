@@ -154,10 +154,11 @@ def test_report_sigint_subprocess(tmp_path):
     """Ctrl-C (SIGINT) to a running `linattn report`: exit 130, one line saying how to resume."""
     out = tmp_path / "r"
     err_path = tmp_path / "stderr.txt"
-    # Warm the kernel cache first: during a cold compile the first Python code
-    # to run after LLVM returns is llvmlite's ctypes callback, and a
-    # KeyboardInterrupt raised there is printed and swallowed by ctypes (a
-    # second Ctrl-C is needed then; noted as a known limitation).
+    # Warm the kernel cache first, so that the interrupt lands within seconds.
+    # (During a compile the KeyboardInterrupt may be raised in an llvmlite
+    # destructor or ctypes callback, which print and swallow it; the report
+    # remembers the signal and stops after the point: studies/_interrupt.py,
+    # tested in test_sweep.py.  CI once saw that here: the report ran to its end.)
     # (the tiny profile: the same studies on small problems, a third of the quick profile's time)
     subprocess.run([sys.executable, "-m", "linattn_nb.cli", "report", "--profile", "tiny", "--no-progress", "--out",
                     str(tmp_path / "warm")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,

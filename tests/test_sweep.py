@@ -661,3 +661,54 @@ def test_to_json_is_public_and_the_studies_import_no_private_name_from_sweep():
         imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                     and node.module == "sweep" for alias in node.names]
         assert "to_json" in imported and not [n for n in imported if n.startswith("_")], (name, imported)
+
+
+@pytest.fixture
+def python_sigint_handler():
+    """Python's own SIGINT handler for the test (a runner may have installed another)."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="os.kill(SIGINT) to itself is POSIX")
+def test_swallowed_ctrl_c_stops_the_sweep(tmp_path, python_sigint_handler):
+    """A Ctrl-C whose KeyboardInterrupt is swallowed inside a point (a __del__, a
+    ctypes callback during a Numba compile) still stops the sweep after that
+    point, with the finished points kept; the next sweep is not affected."""
+    import signal
+
+    path = tmp_path / "r.jsonl"
+    points = [{"x": x} for x in range(4)]
+    with pytest.raises(KeyboardInterrupt):
+        sweep(H.swallowed_ctrl_c, points, out=path, progress=False)
+    assert [r["params"]["x"] for r in _lines(path)] == [0, 1]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    recs = sweep(H.square, points, out=tmp_path / "s.jsonl", progress=False)  # no stale interrupt
+    assert len(recs) == 4
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="os.kill(SIGINT) to itself is POSIX")
+def test_swallowed_ctrl_c_stops_the_report(tmp_path, python_sigint_handler):
+    """The same inside a study's render (no sweep point left to check it): the
+    report stops before the next study and raises KeyboardInterrupt."""
+    from linattn_nb.studies import _builtin  # noqa: F401  (registers the built-in studies)
+    from linattn_nb.studies import _study, run_report
+
+    study = _study.get_study("rank")
+
+    def render(records, ctx):
+        H.swallowed_ctrl_c(1)
+        return study.render(records, ctx)
+
+    _study.register_study(dataclasses.replace(study, render=render), overwrite=True)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_report(tmp_path / "r", profile="tiny", studies=["rank", "recall"], progress=False,
+                       log=lambda line: None)
+    finally:
+        _study.register_study(study, overwrite=True)
+    assert (tmp_path / "r" / "rank.jsonl").exists()
+    assert not (tmp_path / "r" / "recall.jsonl").exists()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import config
+from ._interrupt import check as check_interrupt, interrupts
 from ._study import PROFILES, STUDIES, Context, Rendered, get_study, markdown_table
 from .sweep import sweep
 
@@ -353,8 +354,10 @@ def run_report(
             f"({timings[study.name]:.1f} s{note})")
 
     try:
-        for i, study in order:
-            run_one(i, study)
+        with interrupts():
+            for i, study in order:
+                run_one(i, study)
+                check_interrupt()  # a Ctrl-C swallowed while the study ran (see _interrupt)
     finally:
         for proc, *_ in background.values():
             if proc.is_alive():  # interrupted: its finished points are in its results file

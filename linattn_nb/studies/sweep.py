@@ -38,6 +38,10 @@ Guarantees, and how they are kept:
   usually takes far less time than a disk sync costs on a busy machine.  The
   file is fsynced once when the sweep ends; pass ``fsync=True`` to sync every
   line when the machine itself is at risk.
+* **Ctrl-C is never lost.**  A ``KeyboardInterrupt`` that lands in a
+  destructor or a ctypes callback (LLVM calling back while Numba compiles) is
+  printed and swallowed there; the in-process sweep remembers the signal and
+  raises it after the point that was running (``studies/_interrupt.py``).
 * **A truncated last line is detected and dropped.**  A line without its
   newline (a crash in the middle of a ``write``) or a final line that is not
   valid JSON (blank lines after it count as nothing) is reported with a
@@ -82,6 +86,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
+
+from ._interrupt import check as check_interrupt, interrupts
 
 __all__ = [
     "sweep",
@@ -859,17 +865,19 @@ def sweep(
         bar = _progress_bar(bool(progress), total=len(points), initial=len(points) - len(todo), fn=fn)
         state = _RunState(rf, done, bar, errors)
         try:
-            if todo:
-                if backend == "dask":
-                    _run_dask(fn, todo, state, scheduler=scheduler, workers=workers,
-                              numba_threads=numba_threads)
-                elif workers and workers > 1:
-                    _run_pool(fn, todo, state, workers=workers, max_retries=max_retries,
-                              numba_threads=numba_threads or max(1, _cpu_count() // workers))
-                else:
-                    for key, params in todo:
-                        state.finish(key, params,
-                                     _run_point(fn, params, numba_threads, keep_exception=True))
+            with interrupts():
+                if todo:
+                    if backend == "dask":
+                        _run_dask(fn, todo, state, scheduler=scheduler, workers=workers,
+                                  numba_threads=numba_threads)
+                    elif workers and workers > 1:
+                        _run_pool(fn, todo, state, workers=workers, max_retries=max_retries,
+                                  numba_threads=numba_threads or max(1, _cpu_count() // workers))
+                    else:
+                        for key, params in todo:
+                            state.finish(key, params,
+                                         _run_point(fn, params, numba_threads, keep_exception=True))
+                            check_interrupt()  # a Ctrl-C swallowed inside the point (see _interrupt)
         finally:
             if bar is not None:
                 bar.close()
