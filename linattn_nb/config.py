@@ -333,6 +333,21 @@ CUDA_SPECIALIZE_MAPS = _env_int("LINATTN_CUDA_SPECIALIZE_MAPS", 1)
 #: "rows" (always row groups).  A device of one multiprocessor (the
 #: simulator) keeps the owner layout under "auto"; tests set "rows".
 CUDA_SEQ_LAYOUT = os.environ.get("LINATTN_CUDA_SEQ_LAYOUT", "auto") or "auto"
+#: Element offsets within a sequence in the sequence kernel: 1 (default)
+#: takes the kernel with 32-bit offsets whenever every (N, F) sequence of q,
+#: k, v and out spans fewer than 2^31 elements (the batch entry's first
+#: element is addressed in 64 bits, once per block), and the 64-bit kernel
+#: otherwise; 0 always takes the 64-bit kernel (tests, or to rule the
+#: offsets out when a result looks wrong).  Per staged element the 32-bit
+#: kernel saves the 64-bit multiply-adds of the address (gpu_static.py).
+CUDA_OFFSETS_32 = _env_int("LINATTN_CUDA_OFFSETS_32", 1)
+#: Vector loads in the sequence kernel's staging: 1 (default) reads four
+#: consecutive features of q and k (values of v) per load (LDG.E.128 for
+#: float32) wherever the layout allows it: unit last stride, sizes and
+#: strides in multiples of 4 elements, an aligned first element
+#: (linattn_nb.ops._cuda_kernels.vector_bits); other inputs are read one
+#: element at a time.  0: always one element at a time.
+CUDA_VECTOR_LOADS = _env_int("LINATTN_CUDA_VECTOR_LOADS", 1)
 AUTO_METHODS[("additive", True, "cuda")] = [(2 * 256, "scan"), (None, "chunked")]
 AUTO_METHODS[("additive", False, "cuda")] = [(None, "aggregate")]
 # PROVISIONAL for the forgetting rules on CUDA: the additive rows (their kernels

@@ -51,7 +51,7 @@ import threading
 
 import numpy as np
 from numba import config as _nbconfig
-from numba import cuda, float64
+from numba import cuda, float64, uint32
 
 from ._codes import (KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_RELU, KERNEL_CODE_SILU_L2,
                      KERNEL_CODE_SQUARED_RELU, RULE_ADDITIVE, RULE_DECAY, RULE_DELTA, RULE_GATE,
@@ -88,6 +88,86 @@ if getattr(_nbconfig, "ENABLE_CUDASIM", 0):  # pragma: no branch - the simulator
         _kernelapi.FakeCUDAModule.shfl_xor_sync = _simulated_shfl_xor_sync
 
 
+#: Alignment in bytes :func:`load4` declares, by the element's bits: four
+#: elements' worth up to 16 bytes (float64: two 16-byte loads).
+VEC_ALIGN = {16: 8, 32: 16, 64: 16}
+
+
+def _load4_codegen(context, builder, signature, args):
+    """``a[i], ..., a[i + 3]`` as one vector load: ``ld.global.v4.f32``, ``v4.f16``, two ``v2.f64``."""
+    from llvmlite import ir
+
+    arr, idx = args
+    aty, ity = signature.args
+    ary = context.make_array(aty)(context, builder, arr)
+    i64 = ir.IntType(64)
+    if idx.type.width < 64:
+        idx = builder.zext(idx, i64) if not ity.signed else builder.sext(idx, i64)
+    ptr = builder.gep(ary.data, [idx])
+    vty = ir.VectorType(context.get_data_type(aty.dtype), 4)
+    vec = builder.load(builder.bitcast(ptr, vty.as_pointer(addrspace=ptr.type.addrspace)),
+                       align=VEC_ALIGN[aty.dtype.bitwidth])
+    parts = [builder.extract_element(vec, ir.Constant(ir.IntType(32), j)) for j in range(4)]
+    return context.make_tuple(builder, signature.return_type, parts)
+
+
+if getattr(_nbconfig, "ENABLE_CUDASIM", 0):
+    def load4(a, i):
+        """``(a[i], a[i + 1], a[i + 2], a[i + 3])`` (the simulator: four loads)."""
+        return a[i], a[i + 1], a[i + 2], a[i + 3]
+else:
+    from numba import types as _types
+    from numba.cuda.extending import intrinsic as _intrinsic
+
+    @_intrinsic
+    def load4(typingctx, a, i):
+        """``(a[i], a[i + 1], a[i + 2], a[i + 3])`` of a 1-d C-contiguous array in one vector load.
+
+        The caller guarantees the alignment the load declares
+        (:data:`VEC_ALIGN`: 16 bytes for float32 and float64, 8 for
+        float16) at ``a``'s data pointer plus ``i`` elements.  The
+        launchers check it before they choose a kernel that calls this
+        (:func:`linattn_nb.ops._cuda_launch.plan`); a misaligned address is
+        a launch failure on a GPU, not a wrong result.  No bounds check.
+        """
+        if not (isinstance(a, _types.Array) and a.ndim == 1 and a.layout == "C"
+                and isinstance(i, _types.Integer)):
+            return None
+        return _types.UniTuple(a.dtype, 4)(a, i), _load4_codegen
+
+
+@cuda.jit(device=True, inline=True)
+def stage(dst, t, i, x, flags, slot, count, mapped, code, zero, one):
+    """``dst[t, i] = phi(x)`` (``mapped``, else ``x``) in the working type of ``zero``, counting a
+    non-finite ``x`` into ``flags[slot]`` when ``count``: one staged input element."""
+    y = x * one  # the working type (x * 1 folds away; zero + x would not: -0 + 0 is +0)
+    if count and not (y - y == zero):
+        cuda.atomic.add(flags, slot, 1)
+    if mapped:
+        y = phi(y, code, zero, one)
+    dst[t, i] = y
+
+
+@cuda.jit(device=True, inline=True)
+def stage4(dst, t, i, src, off, flags, slot, count, mapped, code, zero, one):
+    """:func:`stage` of ``src[off: off + 4]`` into ``dst[t, i: i + 4]``, read by one :func:`load4`."""
+    x0, x1, x2, x3 = load4(src, off)
+    stage(dst, t, i, x0, flags, slot, count, mapped, code, zero, one)
+    stage(dst, t, i + uint32(1), x1, flags, slot, count, mapped, code, zero, one)
+    stage(dst, t, i + uint32(2), x2, flags, slot, count, mapped, code, zero, one)
+    stage(dst, t, i + uint32(3), x3, flags, slot, count, mapped, code, zero, one)
+
+
+@cuda.jit(device=True, inline=True)
+def fill4(dst, t, i, n, x, at, y):
+    """``dst[t, i + j] = x`` for ``j < 4`` and ``i + j < n``, but ``y`` at column ``at``: a staged group
+    of four rows or columns past the inputs (zero padding; the normaliser's column of ones)."""
+    for j in range(4):
+        c = uint32(i + uint32(j))
+        if c < uint32(n):
+            dst[t, c] = y if c == uint32(at) else x
+
+
 @cuda.jit(device=True, inline=True)
 def unravel4(idx, Bn, N, F):
     """C-order index -> (b1, b2, t, i) of a 4-d array with trailing shape (Bn, N, F) (the grid-stride
@@ -103,7 +183,11 @@ def unravel4(idx, Bn, N, F):
 def phi(x, code, zero, one):
     """The elementwise feature map ``code`` (:mod:`linattn_nb.ops._codes`) on the GPU; NaN propagates."""
     if code == KERNEL_CODE_ELU:
-        return x + one if x >= zero else math.exp(x)
+        # no branch: a warp whose lanes disagree in sign would run both sides one after the other
+        # (and reconverge); exp of min(x, 0) is taken on every lane and the result selected.  NaN
+        # fails x < 0 and gives x + 1 (NaN); -inf gives exp(-inf) = 0
+        e = math.exp(x if x < zero else zero)
+        return e if x < zero else x + one
     if code == KERNEL_CODE_RELU:
         return x if (x > zero or x != x) else zero
     if code == KERNEL_CODE_SQUARED_RELU:

@@ -79,6 +79,24 @@ unsigned (``uint32``): Numba wraps negative signed indices (a compare and a
 select per access) and divides signed 64-bit integers slowly; a token index
 is assumed below 2^32.
 
+Global addressing.  The kernel receives q, k, v and out as 1-d views from
+their first elements (:func:`flat_view`, no copy) with their strides in
+elements; a block finds its batch entry's first element once, in 64 bits,
+and addresses within the sequence by ``token * token stride + column *
+column stride`` in ``uint32`` when every sequence spans fewer than
+:data:`OFF32_LIMIT` = 2^31 elements (the launchers check,
+:func:`linattn_nb.ops._cuda_launch.plan`), in ``uint64`` otherwise (a
+kernel of its own, ``off32=False``).  Vector loads (``vec``, bits
+:data:`VEC_QK` and :data:`VEC_V`): where q and k have unit feature stride,
+``F`` and every other stride a multiple of 4 and an aligned first element
+(:func:`vector_bits`), a thread stages four features of one token from one
+16-byte load (``LDG.E.128`` for float32,
+:func:`linattn_nb.ops._cuda_common.load4`), and likewise four values of v
+when ``M`` and the block's ``MB`` are multiples of 4; otherwise one element
+per load, consecutive threads on consecutive elements (coalesced either
+way).  Staging an element is :func:`linattn_nb.ops._cuda_common.stage`:
+the conversion to the working type, the finiteness count, the map.
+
 Finiteness check: the kernels take ``flags``, an int32 device array.  Of
 shape (3,) (``check_finite=True``), the staging counts every NaN or inf of
 q, k, v into words 0, 1, 2 (an atomic add, on non-finite values only; q and
@@ -149,11 +167,12 @@ import math
 
 import numpy as np
 from numba import config as _nbconfig
-from numba import cuda, float32, float64, uint32
+from numba import cuda, float32, float64, uint32, uint64
 
 from .. import config
 from ._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, RULE_GATE, RULE_GATED_DELTA
-from ._cuda_common import carry, is_delta_rule, is_row_map, l2_normalize_row, phi, rule_factor_rows, unravel4
+from ._cuda_common import (carry, fill4, is_delta_rule, is_row_map, l2_normalize_row, rule_factor_rows, stage,
+                           stage4, unravel4)
 
 # Simulator: kernels are Python; no on-disk cache (and no PTX) there.
 _SIM = bool(getattr(_nbconfig, "ENABLE_CUDASIM", 0))
@@ -166,6 +185,14 @@ _ACC_TYPES = {"float32": float32, "float64": float64}
 # The sequence kernel
 # ---------------------------------------------------------------------------
 _SEQ_KERNELS: dict = {}
+
+
+@cuda.jit(device=True, inline=True)  # inlined: no device-function compile, which needs a GPU
+def _entry_views(q, k, v, out, qs, ks, vs, os_, b1, b2):
+    """The 1-d views of q, k, v, out from batch entry (b1, b2)'s first element (element strides
+    ``qs`` ...: the entry's first element is ``b1 * s[0] + b2 * s[1]``, in 64 bits)."""
+    return (q[b1 * qs[0] + b2 * qs[1]:], k[b1 * ks[0] + b2 * ks[1]:], v[b1 * vs[0] + b2 * vs[1]:],
+            out[b1 * os_[0] + b2 * os_[1]:])
 
 
 @cuda.jit(device=True, inline=True)  # inlined: no device-function compile, which needs a GPU
@@ -234,9 +261,12 @@ def _rescale_tile(sq, sk, sv, sa, sp, nt, tid, nth, fp, mbp, per_row, keys, valu
     return whole, ptile
 
 
-def _owner_kernel(R, C, MB, T, acc, rule, code):
+def _owner_kernel(R, C, MB, T, acc, rule, code, off32, vec):
     """The owner layout (``G == 1``): see the module docstring."""
     acc_t = _ACC_TYPES[acc]
+    IDX = uint32 if off32 else uint64  # element offsets within a sequence (module docstring)
+    VQK = bool(vec & VEC_QK)  # q, k: four features per vector load (module docstring)
+    VV = bool(vec & VEC_V)  # v: four columns per vector load
     MAP = -1 if code is None else int(code)  # the feature map, when specialised (seq_kernel)
     FP = R  # padded feature rows, all owned by every thread
     MBP = -(-MB // C) * C  # value columns, padded (the normaliser is split by rows)
@@ -251,9 +281,11 @@ def _owner_kernel(R, C, MB, T, acc, rule, code):
     SAW = FP if PER_ROW else 1
     SPW = FP if PER_ROW else 1
     TAU = acc_t(RESCALE_MIN_F32 if acc == "float32" else RESCALE_MIN_F64)
+    FPV = -(-FP // 4)  # groups of four feature rows
+    MBV = -(-MBP // 4)  # groups of four value columns
 
     @cuda.jit(cache=_CACHE)
-    def kernel(q, k, v, out, H, Hout, lf, n, seg_len, nseg_per_b, state_div, b2n,
+    def kernel(q, k, v, out, qs, ks, vs, os_, nf, nm, H, Hout, lf, n, seg_len, nseg_per_b, state_div, b2n,
                code, eps, norm, read_state, update, write_out, write_state, flags):
         sq = cuda.shared.array((T, FP), acc_t)
         sk = cuda.shared.array((T, FP), acc_t)
@@ -269,8 +301,10 @@ def _owner_kernel(R, C, MB, T, acc, rule, code):
         ac = cuda.local.array(C, acc_t)
 
         cd = code if MAP < 0 else MAP  # a specialised kernel's map is a constant: its branches fold
-        F = q.shape[3]
-        M = v.shape[3]
+        F = nf
+        M = nm
+        Fu = uint32(F)
+        Mu = uint32(M)
         tid = cuda.threadIdx.x
         c0 = tid * C
         seg = cuda.blockIdx.x
@@ -281,10 +315,11 @@ def _owner_kernel(R, C, MB, T, acc, rule, code):
         sidx = seg // state_div
         m0 = cuda.blockIdx.y * MB
         epsa = acc_t(eps)
-        qb = q[b1, b2]  # (N, F) views of the batch entry: the staging indexes two axes
-        kb = k[b1, b2]
-        vb = v[b1, b2]
-        ob = out[b1, b2]
+        # the batch entry's sequences from their first element (64-bit, once per block), then
+        # element offsets of IDX within them: token x token stride + column x column stride
+        qb, kb, vb, ob = _entry_views(q, k, v, out, qs, ks, vs, os_, b1, b2)
+        qn, qf, kn, kf = IDX(qs[2]), IDX(qs[3]), IDX(ks[2]), IDX(ks[3])
+        vn, vf, on, of = IDX(vs[2]), IDX(vs[3]), IDX(os_[2]), IDX(os_[3])
         check = flags.shape[0] > 1  # check_finite: count non-finite q, k, v in flags[0, 1, 2]
         cqk = check and cuda.blockIdx.y == 0  # q and k: counted by the first column block only
 
@@ -310,43 +345,61 @@ def _owner_kernel(R, C, MB, T, acc, rule, code):
             # thread stages one feature row (value column) of every token of
             # the tile, so a warp reads consecutive addresses; unsigned
             # indices (no negative-index wraparound, a token index < 2^32)
+            if VQK:  # four feature rows of one token per thread, one vector load each
+                for idx in range(tid, nt * FPV, NTH):
+                    iu = uint32(idx)
+                    tu = iu // uint32(FPV)
+                    i4 = (iu - tu * uint32(FPV)) * uint32(4)
+                    tok = uint32(t0) + tu
+                    if write_out and i4 < Fu:
+                        stage4(sq, tu, i4, qb, IDX(tok * qn + i4), flags, 0, cqk, True, cd, zero, one)
+                    else:
+                        fill4(sq, tu, i4, FP, zero, FP, zero)
+                    if update and i4 < Fu:
+                        stage4(sk, tu, i4, kb, IDX(tok * kn + i4), flags, 1, cqk, True, cd, zero, one)
+                    else:
+                        fill4(sk, tu, i4, FP, zero, FP, zero)
             for i in range(tid, FP, NTH):
                 iu = uint32(i)
                 live = i < F
-                for t in range(nt):
-                    tu = uint32(t)
-                    tok = uint32(t0 + t)
-                    xq = zero
-                    xk = zero
-                    if live:
-                        if write_out:
-                            xq = acc_t(qb[tok, iu])
-                            if cqk and not (xq - xq == zero):
-                                cuda.atomic.add(flags, 0, 1)
-                            xq = phi(xq, cd, zero, one)
-                        if update:
-                            xk = acc_t(kb[tok, iu])
-                            if cqk and not (xk - xk == zero):
-                                cuda.atomic.add(flags, 1, 1)
-                            xk = phi(xk, cd, zero, one)
-                    sq[tu, iu] = xq
-                    sk[tu, iu] = xk
-                    if PER_ROW and update:
-                        sa[tu, iu] = math.exp(acc_t(lf[b, tok, iu])) if live else one
+                if not VQK:
+                    for t in range(nt):
+                        tu = uint32(t)
+                        tok = uint32(t0 + t)
+                        if live and write_out:
+                            stage(sq, tu, iu, qb[IDX(tok * qn + iu * qf)], flags, 0, cqk, True, cd, zero, one)
+                        else:
+                            sq[tu, iu] = zero
+                        if live and update:
+                            stage(sk, tu, iu, kb[IDX(tok * kn + iu * kf)], flags, 1, cqk, True, cd, zero, one)
+                        else:
+                            sk[tu, iu] = zero
+                if PER_ROW and update:
+                    for t in range(nt):
+                        sa[uint32(t), iu] = math.exp(acc_t(lf[b, uint32(t0 + t), iu])) if live else one
             if FACTORS and not PER_ROW and update:
                 for t in range(tid, nt, NTH):
                     sa[uint32(t), 0] = math.exp(acc_t(lf[b, uint32(t0 + t), 0]))
-            if update:
+            if update and VV:  # four value columns of one token per thread, one vector load each
+                for idx in range(tid, nt * MBV, NTH):
+                    iu = uint32(idx)
+                    tu = iu // uint32(MBV)
+                    j4 = (iu - tu * uint32(MBV)) * uint32(4)
+                    if j4 < uint32(MB) and uint32(m0) + j4 < Mu:
+                        stage4(sv, tu, j4, vb, IDX((uint32(t0) + tu) * vn + uint32(m0) + j4), flags, 2, check, False,
+                               cd, zero, one)
+                    else:
+                        fill4(sv, tu, j4, MBP, zero, MBP, zero)
+            elif update:
                 for jj in range(tid, MBP, NTH):
                     ju = uint32(m0 + jj)
                     live = jj < MB and m0 + jj < M
                     for t in range(nt):
-                        x = zero
                         if live:
-                            x = acc_t(vb[uint32(t0 + t), ju])
-                            if check and not (x - x == zero):
-                                cuda.atomic.add(flags, 2, 1)
-                        sv[uint32(t), uint32(jj)] = x
+                            stage(sv, uint32(t), uint32(jj), vb[IDX(uint32(t0 + t) * vn + ju * vf)], flags, 2, check,
+                                  False, cd, zero, one)
+                        else:
+                            sv[uint32(t), uint32(jj)] = zero
             cuda.syncthreads()
             if is_row_map(cd):
                 for idx in range(tid, 2 * nt, NTH):
@@ -462,7 +515,7 @@ def _owner_kernel(R, C, MB, T, acc, rule, code):
                             x = num[uint32(t), jj]
                             if norm != NORM_NONE:
                                 x = x / den[uint32(t)]
-                            ob[uint32(t0 + t), ju] = x
+                            ob[IDX(uint32(t0 + t) * on + ju * of)] = x
             else:
                 cuda.syncthreads()
 
@@ -482,7 +535,8 @@ def _owner_kernel(R, C, MB, T, acc, rule, code):
     return kernel
 
 
-def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RULE_ADDITIVE, code=None):
+def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RULE_ADDITIVE, code=None,
+               off32: bool = True, vec: int = 0):
     """The sequence kernel specialised on its compile-time constants.
 
     ``R`` x ``C``: state rows x state columns per thread (a register tile);
@@ -497,10 +551,13 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
     normaliser by rows).  Launch with ``grid=(n_segments, n_column_blocks)``,
     ``block=`` :func:`threads_per_block` threads (:func:`seq_config`)::
 
-        kernel(q, k, v, out, H, Hout, lf, n, seg_len, nseg_per_b, state_div, b2n,
+        kernel(q, k, v, out, qs, ks, vs, os, F, M, H, Hout, lf, n, seg_len, nseg_per_b, state_div, b2n,
                code, eps, norm, read_state, update, write_out, write_state, flags)
 
-    q, k : (B1, B2, N, F); v, out : (B1, B2, N, M), any strides; batch entry
+    q, k : (B1, B2, N, F); v, out : (B1, B2, N, M), any non-negative strides,
+    passed as 1-d views from their first elements (:func:`flat_view`) and
+    their strides in elements ``qs, ks, vs, os`` (4-tuples of int64; the
+    signature is :func:`seq_signature`); batch entry
     ``b = b1 * B2 + b2`` (``b2n`` = B2).  Segment ``s = blockIdx.x`` is chunk
     ``s % nseg_per_b`` of batch entry ``s // nseg_per_b``: tokens
     ``[c * seg_len, min(N, (c + 1) * seg_len))``.  H, Hout : (n_states, F,
@@ -522,18 +579,25 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
     (the normaliser floored at ``eps``) or ``NORM_NONE`` (no division) of
     :mod:`linattn_nb.ops._codes`.  ``flags``: int32, shape (3,) to count the
     non-finite q, k, v values the launch stages (module docstring), (1,) for
-    no check.
+    no check.  ``off32``: element offsets within a sequence in ``uint32``
+    (every sequence spans fewer than :data:`OFF32_LIMIT` elements), else
+    ``uint64``; ``vec``: the vector-load bits (:func:`vector_bits`; the
+    caller guarantees the alignment they assume).
     """
-    key = (int(R), int(C), int(G), int(MB), int(T), str(acc), int(rule), None if code is None else int(code))
+    key = (int(R), int(C), int(G), int(MB), int(T), str(acc), int(rule), None if code is None else int(code),
+           bool(off32), int(vec))
     kern = _SEQ_KERNELS.get(key)
     if kern is not None:
         return kern
     R, C, G, MB, T = key[:5]
     rule = key[6]
     if G == 1 and not is_delta_rule(rule):
-        kern = _SEQ_KERNELS[key] = _owner_kernel(R, C, MB, T, acc, rule, key[7])
+        kern = _SEQ_KERNELS[key] = _owner_kernel(R, C, MB, T, acc, rule, key[7], key[8], key[9])
         return kern
     acc_t = _ACC_TYPES[acc]
+    IDX = uint32 if key[8] else uint64  # element offsets within a sequence (module docstring)
+    VQK = bool(key[9] & VEC_QK)  # q, k: four features per vector load (module docstring)
+    VV = bool(key[9] & VEC_V)  # v: four columns per vector load
     MAP = -1 if key[7] is None else key[7]  # the feature map, when specialised
     FP = G * R  # padded feature rows
     MBP = -(-(MB + 1) // C) * C  # value columns + normaliser column, padded
@@ -563,9 +627,11 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
     # rule rescales its tiles too (q_t P_t and v_t / P_t: the delta rule's step on them)
     RESCALE = FACTORS and not DELTA
     TAU = acc_t(RESCALE_MIN_F32 if acc == "float32" else RESCALE_MIN_F64)
+    FPV = -(-FP // 4)  # groups of four feature rows
+    MBV = -(-MBP // 4)  # groups of four columns
 
     @cuda.jit(cache=_CACHE)
-    def kernel(q, k, v, out, H, Hout, lf, n, seg_len, nseg_per_b, state_div, b2n,
+    def kernel(q, k, v, out, qs, ks, vs, os_, nf, nm, H, Hout, lf, n, seg_len, nseg_per_b, state_div, b2n,
                code, eps, norm, read_state, update, write_out, write_state, flags):
         sq = cuda.shared.array((T, FP), acc_t)
         sk = cuda.shared.array((T, FP), acc_t)
@@ -581,8 +647,8 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
         ut = cuda.local.array(C, acc_t)  # delta rules: k^T H, then the correction, per column
 
         cd = code if MAP < 0 else MAP  # a specialised kernel's map is a constant: its branches fold
-        F = q.shape[3]
-        M = v.shape[3]
+        F = nf
+        M = nm
         tid = cuda.threadIdx.x
         if WARP_SUM:  # row group fastest: a column's G groups share a warp
             tg = tid % G
@@ -600,6 +666,11 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
         b2 = b - b1 * b2n
         sidx = seg // state_div
         m0 = cuda.blockIdx.y * MB
+        # the batch entry's sequences from their first element (64-bit, once per block), then
+        # element offsets of IDX within them: token x token stride + column x column stride
+        qb, kb, vb, ob = _entry_views(q, k, v, out, qs, ks, vs, os_, b1, b2)
+        qn, qf, kn, kf = IDX(qs[2]), IDX(qs[3]), IDX(ks[2]), IDX(ks[3])
+        vn, vf, on, of = IDX(vs[2]), IDX(vs[3]), IDX(os_[2]), IDX(os_[3])
         row0 = uint32(tg * R)  # unsigned: no wraparound, and the compiler sees its alignment
         Fu = uint32(F)
         Mu = uint32(M)
@@ -629,26 +700,32 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
             # compile-time constants; every operand unsigned, as a signed one
             # would make the sum a float)
             t0u = uint32(t0)
-            for idx in range(tid, nt * FP, NTH):
+            if VQK:  # four feature rows of one token per thread, one vector load each
+                for idx in range(tid, nt * FPV, NTH):
+                    iu = uint32(idx)
+                    t = iu // uint32(FPV)
+                    i4 = (iu - t * uint32(FPV)) * uint32(4)
+                    if write_out and i4 < Fu:
+                        stage4(sq, t, i4, qb, IDX((t0u + t) * qn + i4), flags, 0, cqk, True, cd, zero, one)
+                    else:
+                        fill4(sq, t, i4, FP, zero, FP, zero)
+                    if update and i4 < Fu:
+                        stage4(sk, t, i4, kb, IDX((t0u + t) * kn + i4), flags, 1, cqk, True, cd, zero, one)
+                    else:
+                        fill4(sk, t, i4, FP, zero, FP, zero)
+            for idx in range(tid, nt * FP if (PER_ROW and update) or not VQK else 0, NTH):
                 iu = uint32(idx)
                 t = iu // uint32(FP)
                 i = iu - t * uint32(FP)
-                xq = zero
-                xk = zero
-                if i < Fu:
-                    # the feature map (ops._cuda_common.phi, inlined)
-                    if write_out:
-                        xq = acc_t(q[b1, b2, t0u + t, i])
-                        if cqk and not (xq - xq == zero):
-                            cuda.atomic.add(flags, 0, 1)
-                        xq = phi(xq, cd, zero, one)
-                    if update:
-                        xk = acc_t(k[b1, b2, t0u + t, i])
-                        if cqk and not (xk - xk == zero):
-                            cuda.atomic.add(flags, 1, 1)
-                        xk = phi(xk, cd, zero, one)
-                sq[t, i] = xq
-                sk[t, i] = xk
+                if not VQK:  # the feature map (ops._cuda_common.phi, inlined)
+                    if write_out and i < Fu:
+                        stage(sq, t, i, qb[IDX((t0u + t) * qn + i * qf)], flags, 0, cqk, True, cd, zero, one)
+                    else:
+                        sq[t, i] = zero
+                    if update and i < Fu:
+                        stage(sk, t, i, kb[IDX((t0u + t) * kn + i * kf)], flags, 1, cqk, True, cd, zero, one)
+                    else:
+                        sk[t, i] = zero
                 if PER_ROW and update:  # gate: the factor of row i (1 on padding rows, whose state is 0)
                     sa[t, i] = math.exp(acc_t(lf[b, t0u + t, i])) if i < Fu else one
             if FACTORS and not PER_ROW and not DELTA and update:  # decay: one factor per token
@@ -658,21 +735,25 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                 for t in range(tid, nt, NTH):
                     sa[t, 0] = math.exp(acc_t(lf[b, t0 + t, 0])) if GATED else one
                     sa[t, 1] = acc_t(lf[b, t0 + t, 1])
-            if update:
+            if update and VV:  # four columns of one token per thread, one vector load each
+                for idx in range(tid, nt * MBV, NTH):
+                    iu = uint32(idx)
+                    t = iu // uint32(MBV)
+                    j4 = (iu - t * uint32(MBV)) * uint32(4)
+                    if j4 < uint32(MB) and m0u + j4 < Mu:
+                        stage4(sv, t, j4, vb, IDX((t0u + t) * vn + m0u + j4), flags, 2, check, False, cd, zero, one)
+                    else:  # past the values: the normaliser's column of ones, then padding
+                        fill4(sv, t, j4, MBP, zero, MB, one)
+            elif update:
                 for idx in range(tid, nt * MBP, NTH):
                     iu = uint32(idx)
                     t = iu // uint32(MBP)
                     jj = iu - t * uint32(MBP)
-                    x = zero
-                    if jj < uint32(MB):
-                        col = m0u + jj
-                        if col < Mu:
-                            x = acc_t(v[b1, b2, t0u + t, col])
-                            if check and not (x - x == zero):
-                                cuda.atomic.add(flags, 2, 1)
-                    elif jj == uint32(MB):
-                        x = one
-                    sv[t, jj] = x
+                    col = m0u + jj
+                    if jj < uint32(MB) and col < Mu:
+                        stage(sv, t, jj, vb[IDX((t0u + t) * vn + col * vf)], flags, 2, check, False, cd, zero, one)
+                    else:
+                        sv[t, jj] = one if jj == uint32(MB) else zero
             cuda.syncthreads()
             # ---- row maps (L2, SiLU then L2): normalise every staged row,
             # one thread per row (code is uniform over the block)
@@ -818,7 +899,7 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
                             num += part[t, g, jj]
                         if norm != NORM_NONE:  # normalize=False writes the numerator
                             num = num / sden[t]
-                        out[b1, b2, uint32(t0) + t, col] = num
+                        ob[IDX((uint32(t0) + t) * on + col * of)] = num
 
         if write_state:
             for j in range(C):
@@ -1000,6 +1081,13 @@ MAX_SEQ_THREADS = 256
 #: the register tile plus loads and addresses stay under 255 registers
 #: without spilling (float64 takes two words per element).
 MAX_TILE_WORDS = 128
+#: Rows per thread at most for the delta rules in float64, whose tiles are
+#: also kept to MAX_TILE_WORDS / 2 words: at D_phi = 256 a 64 x 1 float64
+#: tile (128 words) spilled ~1 KB in the delta rules' step (ptxas 12.9, 255
+#: registers), a 32 x 2 one ~100 B, a 32 x 1 one nothing (211-219
+#: registers); the rows stop growing there and a block takes fewer value
+#: columns instead (D_phi = 128 and more: 32 x 1 tiles).
+MAX_DELTA_ROWS_F64 = 32
 #: Shared memory per multiprocessor on sm_90 (228 KiB; 1 KiB of it is
 #: reserved per resident block), for the occupancy target of the tile size.
 SM_SHARED_BYTES = 233472
@@ -1034,10 +1122,12 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE, lay
     * **row groups**: ``C`` = ``config.CUDA_COLS_PER_THREAD`` and ``R`` =
       ``config.CUDA_ROWS_PER_THREAD`` the register tile of a thread (the delta
       rules: ``CUDA_DELTA_COLS_PER_THREAD``, ``CUDA_DELTA_ROWS_PER_THREAD``); ``R`` doubled
-      (up to ``config.CUDA_MAX_ROWS_PER_THREAD``) while the block would
+      (up to ``config.CUDA_MAX_ROWS_PER_THREAD``; the delta rules in float64:
+      :data:`MAX_DELTA_ROWS_F64`) while the block would
       exceed min(``config.CUDA_MAX_THREADS``, :data:`MAX_SEQ_THREADS`)
       threads, ``C`` halved while the tile exceeds :data:`MAX_TILE_WORDS`
-      registers, then ``MB`` halved until the block fits.
+      registers (the delta rules in float64: half that), then ``MB`` halved
+      until the block fits.
 
     ``T`` tokens per shared-memory tile: at most ``config.CUDA_TILE_TOKENS``,
     within ``config.CUDA_SHARED_BYTES`` (static shared memory, at most 48 KiB)
@@ -1081,13 +1171,16 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE, lay
         C = max(1, int(config.CUDA_DELTA_COLS_PER_THREAD if delta else config.CUDA_COLS_PER_THREAD))
         R = max(1, int(config.CUDA_DELTA_ROWS_PER_THREAD if delta else config.CUDA_ROWS_PER_THREAD))
         r_max = max(R, int(config.CUDA_MAX_ROWS_PER_THREAD))
+        if delta and words == 2:
+            r_max = min(r_max, max(R, MAX_DELTA_ROWS_F64))
 
         def threads(R, C, MB):
             return -(-F // R) * (-(-(MB + 1) // C))
 
         while threads(R, C, MB) > max_threads and R < r_max:
             R = min(2 * R, r_max)
-        while R * C * words > MAX_TILE_WORDS and C > 1:
+        tile_words = MAX_TILE_WORDS // 2 if delta and words == 2 else MAX_TILE_WORDS
+        while R * C * words > tile_words and C > 1:
             C //= 2
         while threads(R, C, MB) > max_threads and MB > 1:
             MB = max(1, MB // 2)
@@ -1203,6 +1296,91 @@ def as_4d(x):
     else:
         b1, s1 = 1, b2 * s2
     return strided_view(x, (b1, b2, n, f), (s1, s2, sn, sf))
+
+
+def flat_view(x):
+    """``(view, strides)`` of device array ``x`` for the sequence kernel.
+
+    ``view``: a 1-d C-contiguous view from ``x``'s first element over every
+    element ``x`` addresses (no copy); ``strides``: ``x``'s strides in
+    elements (0 for a dimension of size 1, which takes no part in
+    addressing).
+
+    Raises
+    ------
+    ValueError
+        For a negative stride or one that is not a multiple of the item size.
+    """
+    item = np.dtype(x.dtype).itemsize
+    shape = tuple(int(d) for d in x.shape)
+    strides = tuple(int(s) if d > 1 else 0 for d, s in zip(shape, x.strides))
+    if any(s < 0 or s % item for s in strides):
+        raise ValueError(f"device arrays need non-negative strides that are whole multiples of the item size "
+                         f"({item} bytes); got strides {tuple(int(s) for s in x.strides)} for shape {shape}: "
+                         "make a contiguous copy first")
+    es = tuple(s // item for s in strides)
+    span = 0 if 0 in shape else 1 + sum((d - 1) * s for d, s in zip(shape, es))
+    return strided_view(x, (span,), (item,)), es
+
+
+#: ``vec`` bits of :func:`seq_kernel`: q and k (``VEC_QK``), v (``VEC_V``)
+#: staged four elements of a token per vector load (module docstring).
+VEC_QK = 1
+VEC_V = 2
+
+#: Sequences that span fewer elements than this get the kernel with 32-bit
+#: element offsets (:func:`linattn_nb.ops._cuda_launch.plan`): an offset
+#: below 2^31 can be neither wrapped nor taken for a negative one.
+OFF32_LIMIT = 2 ** 31
+
+
+def data_pointer(x) -> int:
+    """Address of device array ``x``'s first element (the simulator: of its host memory)."""
+    if is_sim_array(x):
+        return int(x._ary.__array_interface__["data"][0])
+    return int(x.__cuda_array_interface__["data"][0])
+
+
+def vector_bits(q, k, v, strides, F: int, M: int, MB: int) -> int:
+    """The ``vec`` bits of :func:`seq_kernel` the 4-d views ``q, k, v`` allow (``strides``: theirs in
+    elements, :func:`flat_view`): ``VEC_QK`` when q and k have unit feature stride, ``F`` a multiple
+    of 4, every other stride a multiple of 4 elements and a first element aligned as
+    :func:`linattn_nb.ops._cuda_common.load4` declares, so that every group of four features the
+    kernel loads is aligned; ``VEC_V`` when v does with ``M`` and ``MB`` (a block's first column)
+    multiples of 4."""
+    from ._cuda_common import VEC_ALIGN
+
+    def ok(x, es, width):
+        align = VEC_ALIGN.get(np.dtype(x.dtype).itemsize * 8)
+        return (align is not None and width % 4 == 0 and es[3] in (0, 1) and all(s % 4 == 0 for s in es[:3])
+                and data_pointer(x) % align == 0)
+
+    bits = VEC_QK if ok(q, strides[0], F) and ok(k, strides[1], F) else 0
+    if ok(v, strides[2], M) and MB % 4 == 0:
+        bits |= VEC_V
+    return bits
+
+
+def sequence_span(shape, strides) -> int:
+    """Elements one (N, F) sequence of a 4-d array spans: the largest offset + 1 (0 if empty)."""
+    n, f = (int(d) for d in shape[-2:])
+    sn, sf = (int(s) for s in strides[-2:])
+    return 0 if n == 0 or f == 0 else 1 + (n - 1) * sn + (f - 1) * sf
+
+
+def seq_signature(in_dtype: str, acc: str) -> tuple:
+    """The Numba signature the launchers give the sequence kernel (:func:`seq_kernel`): 1-d views
+    of ``in_dtype``, element strides, int64 sizes and flags, (n, F, M + 1) states of ``acc``, (B, N, W)
+    float64 log-factors and the int32 finiteness counters."""
+    from numba import types
+
+    a1 = types.Array(getattr(types, in_dtype), 1, "C")
+    st = types.UniTuple(types.int64, 4)
+    H = types.Array(getattr(types, acc), 3, "C")
+    lf = types.Array(types.float64, 3, "C")
+    i, b = types.int64, types.boolean
+    return ((a1,) * 4 + (st,) * 4 + (i, i, H, H, lf) + (i,) * 6 + (types.float64, i) + (b,) * 4
+            + (types.Array(types.int32, 1, "C"),))
 
 
 def acc_name(*dtypes) -> str:

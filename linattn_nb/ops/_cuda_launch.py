@@ -137,6 +137,16 @@ class SeqPlan:
     lf
         (B, N, W) float64 device array of the rule's per-token log-factors
         (:func:`rule_factors`), a (1, 1, 1) placeholder for a rule without.
+    flat, strides, off32
+        1-d views of q, k, v, out from their first elements and their
+        strides in elements (:func:`linattn_nb.ops._cuda_kernels.flat_view`),
+        what the kernel receives; ``off32``: every (N, F) sequence spans
+        fewer than 2^31 elements, so the kernel with 32-bit element offsets
+        runs (``config.CUDA_OFFSETS_32``).
+    vec
+        The kernel's vector-load bits
+        (:func:`linattn_nb.ops._cuda_kernels.vector_bits`,
+        ``config.CUDA_VECTOR_LOADS``).
     flags
         int32 device array the kernels receive: shape (1,) (never written)
         without a finiteness check, (3,) zeroed on the device with one
@@ -163,6 +173,10 @@ class SeqPlan:
     lf: object
     flags: object = None
     cfg: tuple = ()
+    flat: tuple = ()
+    strides: tuple = ()
+    off32: bool = True
+    vec: int = 0
 
     @property
     def empty(self) -> bool:
@@ -353,9 +367,19 @@ def plan(q, k, v, H, out, *, rule=RULE_ADDITIVE, inputs=None, chunk=None, check_
     cfg = K.seq_config(F, M, acc.itemsize, rule, seq_layout(B * nc, F, M, acc.itemsize, rule))
     R, C, G, MB, T = cfg
     lf = rule_factors(rule, inputs, B, N, F)
-    return SeqPlan(q4, k4, v4, o4, B, B2, N, F, M, acc, K.seq_kernel(R, C, G, MB, T, acc.name, rule),
+    flat = [K.flat_view(x) for x in views]
+    # 32-bit offsets within a sequence when every sequence spans fewer than 2^31 elements (the
+    # batch entry's first element is addressed in 64 bits, once per block)
+    off32 = bool(config.CUDA_OFFSETS_32) and all(
+        K.sequence_span(x.shape, es) < K.OFF32_LIMIT for x, (_, es) in zip(views, flat))
+    strides = tuple(es for _, es in flat)
+    # four elements per vector load where the layout and alignment allow it
+    vec = K.vector_bits(q4, k4, v4, strides, F, M, MB) if config.CUDA_VECTOR_LOADS else 0
+    return SeqPlan(q4, k4, v4, o4, B, B2, N, F, M, acc,
+                   K.seq_kernel(R, C, G, MB, T, acc.name, rule, None, off32, vec),
                    K.threads_per_block(R, C, G, MB, rule), -(-M // MB), L, nc, rule, lf,
-                   finite_flags(check_finite and B * N > 0), tuple(int(x) for x in cfg))
+                   finite_flags(check_finite and B * N > 0), tuple(int(x) for x in cfg),
+                   tuple(f for f, _ in flat), strides, off32, vec)
 
 
 def _run(p: SeqPlan, Hin, Hout, seg_len, nseg_per_b, state_div, code, eps, normalize=True, *,
@@ -365,9 +389,10 @@ def _run(p: SeqPlan, Hin, Hout, seg_len, nseg_per_b, state_div, code, eps, norma
     ``count``: this launch counts the non-finite inputs it stages into
     ``p.flags`` (every input must be counted by exactly one launch).
     """
-    kernel = K.seq_kernel(*p.cfg, p.acc.name, p.rule, int(code)) if config.CUDA_SPECIALIZE_MAPS else p.kernel
+    kernel = (K.seq_kernel(*p.cfg, p.acc.name, p.rule, int(code), p.off32, p.vec) if config.CUDA_SPECIALIZE_MAPS
+              else p.kernel)
     kernel[(p.B * nseg_per_b, p.col_blocks), p.threads](
-        p.q, p.k, p.v, p.out, Hin, Hout, p.lf, p.N, seg_len, nseg_per_b, state_div, p.B2, int(code),
+        *p.flat, *p.strides, p.F, p.M, Hin, Hout, p.lf, p.N, seg_len, nseg_per_b, state_div, p.B2, int(code),
         float(0.0 if eps is None else eps), norm_mode(eps, normalize), read_state, update, write_out,
         write_state, p.flags if count else _no_flags())
 

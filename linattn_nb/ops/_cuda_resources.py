@@ -613,11 +613,14 @@ def _arr(dt: str, nd: int, layout: str = "C") -> str:
     return f"Array({dt}, {nd}, '{layout}')"
 
 
-def sequence_launch(F: int, M: int, acc: str, rule: int, layout: str = "owner", code=None) -> dict:
+def sequence_launch(F: int, M: int, acc: str, rule: int, layout: str = "owner", code=None, off32: bool = True,
+                    vec: int | None = None) -> dict:
     """The sequence kernel the launchers pick for ``F`` features, ``M`` values, accumulation dtype
     ``acc``, rule code ``rule`` and thread layout ``layout`` ("owner" where it applies, or "rows":
     :func:`linattn_nb.ops._cuda_launch.seq_layout`) and feature map ``code`` (None: the kernel for
-    every map): ``{"factory", "threads", "cfg"}``.
+    every map), with 32-bit element offsets within a sequence (``off32``, else 64-bit) and the
+    vector-load bits ``vec`` (:func:`linattn_nb.ops._cuda_kernels.vector_bits`; None: those of
+    contiguous, aligned inputs at this configuration): ``{"factory", "threads", "cfg", "vec"}``.
 
     Raises
     ------
@@ -629,31 +632,43 @@ def sequence_launch(F: int, M: int, acc: str, rule: int, layout: str = "owner", 
     itemsize = 4 if acc == "float32" else 8
     cfg = tuple(int(x) for x in K.seq_config(F, M, itemsize, rule, layout))
     R, C, G, MB, T = cfg
-    return {"factory": (*cfg, acc, int(rule), None if code is None else int(code)),
-            "threads": int(K.threads_per_block(R, C, G, MB, rule)), "cfg": cfg}
+    if vec is None:
+        vec = (K.VEC_QK if F % 4 == 0 else 0) | (K.VEC_V if M % 4 == 0 and MB % 4 == 0 else 0)
+    return {"factory": (*cfg, acc, int(rule), None if code is None else int(code), bool(off32), int(vec)),
+            "threads": int(K.threads_per_block(R, C, G, MB, rule)), "cfg": cfg, "vec": int(vec)}
 
 
 def sequence_spec(F: int, M: int, acc: str, rule: int, in_dtype: str | None = None, key: str | None = None,
-                  layout: str = "owner", code=None) -> KernelSpec:
+                  layout: str = "owner", code=None, off32: bool = True, vec: int | None = None) -> KernelSpec:
     """:class:`KernelSpec` of the sequence kernel at (``F``, ``M``, ``acc``, ``rule``, ``layout``), inputs
-    of ``in_dtype`` (default ``acc``) as the launchers pass them (4-d any-layout views, (n, F, M + 1)
+    of ``in_dtype`` (default ``acc``) as the launchers pass them
+    (:func:`linattn_nb.ops._cuda_kernels.seq_signature`: 1-d views and element strides, (n, F, M + 1)
     states in ``acc``, (B, N, W) float64 log-factors, int64 / float64 / boolean scalars, the int32
     finiteness counters).  The key ends in ``/rows`` when ``layout`` "rows" replaces the owner layout,
-    and in ``/map<code>`` for a kernel specialised on feature map ``code`` (None: every map)."""
+    in ``/map<code>`` for a kernel specialised on feature map ``code`` (None: every map), in
+    ``/off64`` for the kernel with 64-bit offsets (``off32=False``: sequences of 2^31 elements or
+    more), and in ``/vec<bits>`` for vector-load bits other than those of contiguous inputs
+    (:func:`sequence_launch`; ``vec=0``: strided or misaligned inputs, one element per load)."""
     from . import _cuda_kernels as K
     from ._codes import rule_name
 
-    launch = sequence_launch(F, M, acc, rule, layout, code)
+    launch = sequence_launch(F, M, acc, rule, layout, code, off32)
+    if vec is not None and vec != launch["vec"]:
+        launch = sequence_launch(F, M, acc, rule, layout, code, off32, vec)
+        suffix = f"/vec{int(vec)}"
+    else:
+        suffix = ""
     dt = in_dtype or acc
-    a4, H, lf = _arr(dt, 4, "A"), _arr(acc, 3), _arr(_F64, 3)
-    sig = (a4, a4, a4, a4, H, H, lf, _I, _I, _I, _I, _I, _I, _F64, _I, _B, _B, _B, _B, _arr("int32", 1))
+    sig = tuple(repr(t) for t in K.seq_signature(dt, acc))  # Numba types' reprs evaluate back to them
     rows = layout == "rows" and K.owner_fits(F, M, 4 if acc == "float32" else 8, rule)
     key = key or (f"seq/{acc}/{rule_name(rule)}/F{F}/M{M}" + (f"/{dt}" if dt != acc else "")
-                  + ("/rows" if rows else "") + ("" if code is None else f"/map{int(code)}"))
+                  + ("/rows" if rows else "") + ("" if code is None else f"/map{int(code)}")
+                  + ("" if off32 else "/off64") + suffix)
     return KernelSpec(key, "linattn_nb.ops._cuda_kernels:seq_kernel", sig, launch["threads"],
                       factory=launch["factory"], group="sequence",
                       info={"F": F, "M": M, "acc": acc, "rule": int(rule), "rule_name": rule_name(rule),
-                            "cfg": launch["cfg"], "in_dtype": dt, "layout": "rows" if rows else "owner"})
+                            "cfg": launch["cfg"], "in_dtype": dt, "layout": "rows" if rows else "owner",
+                            "off32": bool(off32), "vec": launch["vec"]})
 
 
 def sequence_configurations(features, values, accs=("float32", "float64"), rules=None,

@@ -45,13 +45,8 @@ i, b, f64 = types.int64, types.boolean, types.float64
 for acc, dt in (("float32", "float32"), ("float64", "float64")):
     for rule in {tuple(rules)!r}:
         cfg = K.seq_config(64, 64, 4 if acc == "float32" else 8, rule)  # the default configuration
-        kern = K.seq_kernel(*cfg, acc, rule)
-        a4 = types.Array(getattr(types, dt), 4, "A")
-        H = types.Array(getattr(types, acc), 3, "C")
-        lf = types.Array(f64, 3, "C")
-        flags = types.Array(types.int32, 1, "C")  # the finiteness counters
-        sig = (a4, a4, a4, a4, H, H, lf, i, i, i, i, i, i, f64, i, b, b, b, b, flags)
-        text, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
+        kern = K.seq_kernel(*cfg, acc, rule, None, True, K.VEC_QK | K.VEC_V)  # contiguous inputs' kernel
+        text, _ = cuda.compile_ptx(kern.py_func, K.seq_signature(dt, acc), cc=(9, 0))
         res["%s/%d" % (acc, rule)] = {{"target": ".target sm_90" in text, "entry": ".entry" in text,
                                       "local": ("ld.local" in text) or ("st.local" in text)}}
 text, _ = cuda.compile_ptx(K.{helper}.py_func, {helper_sig}, cc=(9, 0))

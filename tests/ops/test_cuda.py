@@ -597,16 +597,10 @@ _PTX_SCRIPT = textwrap.dedent(
         text, _ = cuda.compile_ptx(fn.py_func, sig, cc=cc)
         return text
     for acc, dts in (("float32", ("float16", "float32")), ("float64", ("float64",))):
-        kern = K.seq_kernel(8, 4, 8, 64, 16, acc)
-        H = types.Array(getattr(types, acc), 3, "C")
         for dt in dts:
-            a4 = types.Array(getattr(types, dt), 4, "A")
-            i = types.int64
-            b = types.boolean
-            lf = types.Array(types.float64, 3, "C")  # the rule's log-factors (not read by the additive rule)
-            flags = types.Array(types.int32, 1, "C")  # the finiteness counters
-            sig = (a4, a4, a4, a4, H, H, lf, i, i, i, i, i, i, types.float64, i, b, b, b, b, flags)
-            text = ptx(kern, sig)
+            # 32-bit offsets and vector loads (float16, float64), 64-bit offsets and scalar loads (float32)
+            kern = K.seq_kernel(8, 4, 8, 64, 16, acc, off32=dt != "float32", vec=0 if dt == "float32" else 3)
+            text = ptx(kern, K.seq_signature(dt, acc))
             res[dt] = {"target": ".target sm_90" in text, "local": ("ld.local" in text) or ("st.local" in text),
                        "entry": ".entry" in text}
     f64 = types.float64
@@ -695,3 +689,130 @@ def test_gpu_torch_and_cupy_interop(rng):
         ran += 1
     if not ran:
         pytest.skip("neither PyTorch with CUDA nor CuPy is installed")
+
+
+@pytest.mark.parametrize("layout", ["owner", "rows"])
+def test_32_and_64_bit_offsets_agree(monkeypatch, layout):
+    """The kernel with 32-bit element offsets within a sequence (config.CUDA_OFFSETS_32, the
+    default) and the 64-bit one give the same outputs and state bit for bit on strided inputs
+    (a feature stride of 2, a transposed v, a strided out); a sequence spanning
+    ``OFF32_LIMIT`` elements or more takes the 64-bit kernel."""
+    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops import _cuda_launch as CL
+    from linattn_nb.ops.causal.cuda import causal_scan_cuda
+
+    monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", layout)
+    rng = np.random.default_rng(33)
+    B, N, D, M = 3, 7, 4, 5
+    q, k, v = data(rng, B, N, D, M)
+    qw = np.zeros((B, N, 2 * D), np.float32)
+    qw[..., ::2] = q
+    vt = np.ascontiguousarray(v.transpose(0, 2, 1))
+
+    def run():
+        qd = cuda.to_device(qw)
+        qd = K.strided_view(qd, (B, N, D), (qd.strides[0], qd.strides[1], 2 * qd.strides[2]))
+        vd = cuda.to_device(vt)
+        vd = K.strided_view(vd, (B, N, M), (vd.strides[0], vd.strides[2], vd.strides[1]))
+        od = cuda.to_device(np.full((B, N, 2 * M), np.nan, np.float32))
+        out = K.strided_view(od, (B, N, M), (od.strides[0], od.strides[1], 2 * od.strides[2]))
+        H = cuda.to_device(np.zeros((B, D, M + 1)))
+        p = CL.plan(qd, cuda.to_device(k), vd, H, out)
+        causal_scan_cuda(qd, cuda.to_device(k), vd, H, out, code=1, eps=1e-8)
+        return p, od.copy_to_host()[..., ::2], H.copy_to_host()
+
+    res = {}
+    for off32 in (1, 0):
+        monkeypatch.setattr(config, "CUDA_OFFSETS_32", off32)
+        p, o, H = run()
+        assert p.off32 == bool(off32) and p.strides[0] == (0, N * 2 * D, 2 * D, 2) and p.strides[2][2:] == (1, N)
+        res[off32] = (o, H)
+    np.testing.assert_array_equal(res[1][0], res[0][0])
+    np.testing.assert_array_equal(res[1][1], res[0][1])
+    np.testing.assert_allclose(res[1][0], reference(q, k, v, causal=True)[0], rtol=2e-5, atol=2e-6)
+    # the guard: out's sequences span the most, 1 + 6 * 10 + 4 * 2 = 69 elements (q: 55, v: 35)
+    monkeypatch.setattr(config, "CUDA_OFFSETS_32", 1)
+    monkeypatch.setattr(K, "OFF32_LIMIT", 69)
+    p, o, H = run()
+    assert not p.off32
+    np.testing.assert_array_equal(o, res[1][0])
+    monkeypatch.setattr(K, "OFF32_LIMIT", 70)
+    assert run()[0].off32
+
+
+def test_sequence_span_and_flat_view_errors():
+    from linattn_nb.ops import _cuda_kernels as K
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    assert K.sequence_span((2, 3, 5, 4), (0, 20, 4, 1)) == 20
+    assert K.sequence_span((2, 3, 5, 4), (0, 1, 12, 3)) == 1 + 4 * 12 + 3 * 3
+    assert K.sequence_span((2, 3, 0, 4), (0, 0, 4, 1)) == 0
+    if not K.is_sim_array(cuda.to_device(np.zeros(1))):
+        pytest.skip("odd strides are built on the simulator's arrays")
+    base = np.zeros(64, np.float32)
+    odd = FakeCUDAArray(np.lib.stride_tricks.as_strided(base, (2, 3, 4), (40, 12, 2)))
+    with pytest.raises(ValueError, match="multiples of the item size"):
+        K.flat_view(odd)
+    view, es = K.flat_view(FakeCUDAArray(base.reshape(2, 4, 8)[:, :1, ::2]))
+    assert es == (32, 0, 2) and view.shape == (1 + 32 + 6,)
+
+
+@pytest.mark.parametrize("layout", ["owner", "rows"])
+def test_vector_loads_agree_with_scalar_loads(monkeypatch, layout):
+    """config.CUDA_VECTOR_LOADS: q, k (four features) and v (four values) read by vector loads give
+    the outputs, state and non-finite counts of one element per load, bit for bit: 8 values in
+    blocks of 4 (two column blocks, the second starting at column 4), D_phi = 8 (D_phi = 6: q and k
+    one at a time), padding rows and the normaliser column of the row-group layout."""
+    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops import _cuda_launch as CL
+    from linattn_nb.ops.causal.cuda import causal_scan_cuda
+
+    monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", layout)
+    monkeypatch.setattr(config, "CUDA_VALUE_COLS", 4)
+    monkeypatch.setattr(config, "CUDA_ROWS_PER_THREAD", 4)
+    monkeypatch.setattr(config, "CUDA_MAX_ROWS_PER_THREAD", 4)
+    rng = np.random.default_rng(35)
+    for D, want in ((8, K.VEC_QK | K.VEC_V), (6, K.VEC_V)):
+        q, k, v = data(rng, 2, 7, D, 8)
+        q[1, 3, 2] = np.nan  # one non-finite q: counted once either way
+        res = {}
+        for vec in (1, 0):
+            monkeypatch.setattr(config, "CUDA_VECTOR_LOADS", vec)
+            H = cuda.to_device(np.zeros((2, D, 9)))
+            out = cuda.to_device(np.zeros((2, 7, 8), np.float32))
+            args = [cuda.to_device(x) for x in (q, k, v)]
+            p = CL.plan(*args, H, out, check_finite=True)
+            assert p.vec == (want if vec else 0), (p.vec, p.cfg)
+            with pytest.raises(ValueError, match="q"):
+                causal_scan_cuda(*args, H, out, code=1, eps=1e-8, check_finite=True)
+            res[vec] = (out.copy_to_host(), H.copy_to_host())
+        np.testing.assert_array_equal(res[1][0], res[0][0])
+        np.testing.assert_array_equal(res[1][1], res[0][1])
+        ok = np.ones(2, bool)
+        ok[1] = False  # the NaN sequence
+        np.testing.assert_allclose(res[1][0][ok], reference(q[ok], k[ok], v[ok], causal=True)[0],
+                                   rtol=2e-5, atol=2e-6)
+
+
+def test_vector_bits_need_aligned_unit_stride_inputs():
+    """Vector loads only where every group of four is aligned: unit feature stride, sizes and
+    strides in multiples of 4, an aligned first element; else one element per load."""
+    from linattn_nb.ops import _cuda_kernels as K
+
+    def bits(q, v, MB=4):
+        views = [K.as_4d(x) for x in (q, q, v)]
+        strides = [K.flat_view(x)[1] for x in views]
+        return K.vector_bits(*views, strides, int(q.shape[2]), int(v.shape[2]), MB)
+
+    both = K.VEC_QK | K.VEC_V
+    base = cuda.to_device(np.zeros((2, 6, 16), np.float32))
+    if K.data_pointer(base) % 16:
+        pytest.skip("the device allocation is not 16-byte aligned here")
+    assert bits(base, base) == both
+    assert bits(base, base, MB=6) == K.VEC_QK  # a column block starting at column 6
+    assert bits(K.strided_view(base, (2, 6, 8), (384, 64, 8)), base) == K.VEC_V  # feature stride 2
+    assert bits(K.strided_view(base, (2, 6, 12), (384, 64, 4)), base) == both
+    assert bits(K.strided_view(base, (2, 3, 12), (384, 72, 4)), base) == K.VEC_V  # token stride 18
+    shifted = base[:, :, 1:13]  # first element 4 bytes past an aligned address
+    assert bits(shifted, base) == K.VEC_V
+    assert bits(base[:, :, :6], base[:, :, :6]) == 0  # 6 features / values
