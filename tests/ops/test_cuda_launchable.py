@@ -25,6 +25,10 @@ the threads per block the launchers use:
   ``config.CUDA_SPECIALIZE_MAPS``) at the default configurations (D_phi = 64
   in both layouts, and 256), float32 and float64 (the rest of the grid is
   compiled for every map at once, a superset of each map's code);
+* the kernels for strided inputs (one element per load) and for sequences
+  of 2^31 elements or more (64-bit offsets), every rule, at D_phi = 64 in
+  both layouts and at D_phi = 256 (the grid above is compiled as for
+  contiguous inputs, with vector loads where the sizes allow them);
 * the helper kernels, the backward kernels and the decode-step kernels at
   their launch signatures and block sizes.
 
@@ -33,7 +37,7 @@ sequence kernel at larger D_phi (which may spill, but must launch).  All
 compilations run in subprocesses (one module-scoped batch), and the results
 are cached under the kernel cache folder, keyed on the sources.
 
-Cost: about 80 kernels, 6-11 minutes on 2 cores when nothing is cached, so
+Cost: about 220 kernels, 10-15 minutes on 2 cores when nothing is cached, so
 the compiling tests run only with ``LINATTN_LAUNCH_CHECK=1`` in the
 environment (the default run keeps the suite within its time budget; the
 parser, occupancy and selection tests below always run)::
@@ -92,8 +96,14 @@ SEQ_SPECS, SEQ_REFUSED = _sequence_specs()
 MAP_CODES = (0, 1, 2, 3, 4, 5)
 MAP_SPECS = [CR.sequence_spec(F, 64, acc, 0, layout=layout, code=code) for code in MAP_CODES
              for acc in ACCS for F, layout in ((64, "owner"), (64, "rows"), (256, "owner"))]
+#: The kernels for other input layouts (the specs above are those of contiguous inputs, with vector
+#: loads): strided inputs (one element per load, ``vec=0``) and sequences spanning 2^31 elements or
+#: more (64-bit offsets as well), every rule, at D_phi = 64 in both layouts and at D_phi = 256.
+VARIANT_SPECS = list({s.key: s for s in (
+    CR.sequence_spec(F, 64, acc, rule, layout=layout, **kw) for kw in ({"vec": 0}, {"vec": 0, "off32": False})
+    for rule in RULE_CODES for acc in ACCS for F, layout in ((64, "owner"), (64, "rows"), (256, "owner")))}.values())
 OTHER_SPECS = CR.helper_specs() + CR.backward_specs() + CR.step_specs()
-ALL_SPECS = SEQ_SPECS + MAP_SPECS + OTHER_SPECS
+ALL_SPECS = SEQ_SPECS + MAP_SPECS + VARIANT_SPECS + OTHER_SPECS
 
 #: Sequence-kernel configurations known not to launch (key -> why), run as strict xfails.  None since
 #: the owner and capped row-group layouts of issue 20 (before them: 24, e.g. F = 1024, M = 64 float32 at
@@ -108,7 +118,7 @@ LAUNCH_CHECK = os.environ.get("LINATTN_LAUNCH_CHECK", "") == "1"
 @pytest.fixture(scope="module")
 def measured():
     if not LAUNCH_CHECK:
-        pytest.skip("compiles ~80 kernels with ptxas (6-11 min cold): set LINATTN_LAUNCH_CHECK=1 to run")
+        pytest.skip("compiles ~220 kernels with ptxas (10-15 min cold): set LINATTN_LAUNCH_CHECK=1 to run")
     if PTXAS is None:
         pytest.skip("ptxas not installed (the nvidia-cuda-nvcc-cu12 wheel of the 'cuda' extra)")
     try:
@@ -156,6 +166,12 @@ def test_sequence_kernel_launches(measured, spec):
 @pytest.mark.parametrize("spec", MAP_SPECS, ids=[s.key for s in MAP_SPECS])
 def test_map_specialised_sequence_kernels_launch(measured, spec):
     """The kernels specialised on each feature map: within the limits, no spills (D_phi <= 256)."""
+    _check(spec, measured[spec.key], spill_free=True)
+
+
+@pytest.mark.parametrize("spec", VARIANT_SPECS, ids=[s.key for s in VARIANT_SPECS])
+def test_strided_and_64_bit_sequence_kernels_launch(measured, spec):
+    """The kernels for strided inputs and for 64-bit offsets: within the limits, no spills (D_phi <= 256)."""
     _check(spec, measured[spec.key], spill_free=True)
 
 
