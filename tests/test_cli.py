@@ -157,7 +157,7 @@ def test_report_sigint_subprocess(tmp_path):
     # Warm the kernel cache first, so that the interrupt lands within seconds.
     # (During a compile the KeyboardInterrupt may be raised in an llvmlite
     # destructor or ctypes callback, which print and swallow it; the report
-    # remembers the signal and stops after the point: studies/_interrupt.py,
+    # remembers the signal and stops after the point: linattn_nb/_interrupt.py,
     # tested in test_sweep.py.  CI once saw that here: the report ran to its end.)
     # (the tiny profile: the same studies on small problems, a third of the quick profile's time)
     subprocess.run([sys.executable, "-m", "linattn_nb.cli", "report", "--profile", "tiny", "--no-progress", "--out",

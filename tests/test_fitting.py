@@ -7,6 +7,7 @@ the parameter gradients against finite differences of the objective.
 """
 from __future__ import annotations
 
+import sys
 import tracemalloc
 import warnings
 
@@ -368,3 +369,62 @@ def test_random_map_materialize_draws_its_projection_once():
     assert np.array_equal(fmap.materialize(4).W, w) and np.array_equal(fmap.materialize().W, w)
     with pytest.raises(ValueError, match="drawn for dim=4"):
         fmap.materialize(5)
+
+
+class _SwallowsCtrlC(fm.HedgehogFeatureMap):
+    """Its 9th gradient sends SIGINT to this process and swallows the KeyboardInterrupt, as an
+    llvmlite destructor does during a Numba compile."""
+    calls = 0
+
+    def vjp(self, *args, **kwargs):
+        import os
+        import signal
+        import time
+
+        type(self).calls += 1
+        if type(self).calls == 9:
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+            except KeyboardInterrupt:
+                pass
+        return super().vjp(*args, **kwargs)
+
+
+@pytest.fixture
+def python_sigint_handler():
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="os.kill(SIGINT) to itself is POSIX")
+def test_fit_stops_after_a_swallowed_ctrl_c(python_sigint_handler):
+    """A Ctrl-C swallowed inside a step still stops the fit after that step, with its results."""
+    q, k = _data((1, 32, 4), seed=10)
+    _SwallowsCtrlC.calls = 0
+    with pytest.warns(RuntimeWarning, match="interrupted"):
+        fitted, hist = fit(_SwallowsCtrlC(), q, k, steps=50, optimizer="adam", learning_rate=0.05, progress=False)
+    assert "interrupted" in hist.message and 2 <= len(hist.step) < 51
+    assert objective(fm.get("hedgehog", W=fitted.W, b=fitted.b), q, k)[0] == pytest.approx(hist.train_loss[-1])
+
+
+def _fit_point(seed):
+    q, k = _data((1, 32, 4), seed=10)
+    _, hist = fit(_SwallowsCtrlC(), q, k, steps=50, optimizer="adam", learning_rate=0.05, progress=False)
+    return {"steps": len(hist.step)}
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="os.kill(SIGINT) to itself is POSIX")
+def test_ctrl_c_in_a_fit_inside_a_sweep_stops_the_sweep(tmp_path, python_sigint_handler):
+    """Inside a sweep point the fit lets the KeyboardInterrupt through: the sweep stops and no
+    half-fitted point is recorded as finished."""
+    from linattn_nb.studies import load_results, sweep
+
+    _SwallowsCtrlC.calls = 0
+    path = tmp_path / "fits.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        sweep(_fit_point, [{"seed": 0}, {"seed": 1}], out=path, progress=False)
+    assert load_results(path) == []

@@ -34,6 +34,7 @@ import numpy as np
 from .. import config
 from .. import feature_maps as fm
 from .._blas import single_threaded_blas
+from .._interrupt import active as interrupt_active, check as check_interrupt, interrupts
 from ..attention import linear_attention, linear_attention_vjp, softmax_attention
 from ._objective import LOSSES, WeightsLoss
 
@@ -383,7 +384,11 @@ def fit(feature_map, q, k, *, causal=False, scale=None, loss="cross_entropy", st
         ``(feature_map, history)``: the fitted map (a new object, with the
         parameters of the last step) and a :class:`FitHistory`.  Interrupted
         with Ctrl-C, the fit returns what the last finished step reached
-        (``history.message`` says so) instead of losing it.
+        (``history.message`` says so) instead of losing it; a Ctrl-C that
+        a Numba compile swallowed stops it after the step it came in.
+        Inside a :func:`linattn_nb.studies.sweep` point (or a report) the
+        ``KeyboardInterrupt`` goes through instead: the sweep stops and
+        records no half-fitted point.
 
     Raises
     ------
@@ -447,6 +452,7 @@ def fit(feature_map, q, k, *, causal=False, scale=None, loss="cross_entropy", st
             rec["val"].append(vloss)
         rec["t"].append(time.perf_counter() - t0)
         rec["x"] = np.array(x, copy=True)
+        check_interrupt()  # a Ctrl-C swallowed during the step (a Numba compile): stop after it
 
     record(x0, f0)
     message = ""
@@ -459,46 +465,50 @@ def fit(feature_map, q, k, *, causal=False, scale=None, loss="cross_entropy", st
         bar.update(1)
         bar.set_postfix(loss=f"{fx:.4g}", refresh=False)
 
+    inside_sweep = interrupt_active()  # a sweep or report owns Ctrl-C: let it through, record nothing
     try:
-        if optimizer == "lbfgs" and steps > 0:
-            from scipy.optimize import minimize
+        with interrupts():  # Ctrl-C: the steps so far are returned (a swallowed one too)
+            if optimizer == "lbfgs" and steps > 0:
+                from scipy.optimize import minimize
 
-            def fun(x):
-                try:
-                    return train(x)
-                except (ValueError, FloatingPointError):  # features overflow at a trial point: reject it
-                    return float("inf"), np.zeros_like(x)
+                def fun(x):
+                    try:
+                        return train(x)
+                    except (ValueError, FloatingPointError):  # features overflow at a trial point: reject it
+                        return float("inf"), np.zeros_like(x)
 
-            def callback(intermediate_result):
-                advance(float(intermediate_result.fun))
-                record(intermediate_result.x, intermediate_result.fun)
+                def callback(intermediate_result):
+                    advance(float(intermediate_result.fun))
+                    record(intermediate_result.x, intermediate_result.fun)
 
-            options = {"maxiter": steps, "maxfun": max(15000, 20 * steps)}
-            if tol is not None:
-                options.update(ftol=tol, gtol=tol)
-            res = minimize(fun, x0, jac=True, method="L-BFGS-B", callback=callback, options=options)
-            message = str(res.message)
-        elif optimizer == "adam" and steps > 0:
-            x, g, fx = x0.copy(), g0, f0
-            m, s = np.zeros_like(x), np.zeros_like(x)
-            b1, b2, eps = 0.9, 0.999, 1e-8
-            message = f"{steps} steps done"
-            for t in range(1, steps + 1):
-                if tol is not None and float(np.max(np.abs(g))) <= tol:
-                    message = f"gradient max-norm <= tol after {t - 1} steps"
-                    break
-                m = b1 * m + (1 - b1) * g
-                s = b2 * s + (1 - b2) * g * g
-                x = x - learning_rate * (m / (1 - b1 ** t)) / (np.sqrt(s / (1 - b2 ** t)) + eps)
-                fx, g = train(x)
-                if not math.isfinite(fx):
-                    message = f"the loss became infinite at step {t}; stopped at step {t - 1}"
-                    break
-                advance(fx)
-                record(x, fx)
-        else:
-            message = "steps=0: evaluated only"
+                options = {"maxiter": steps, "maxfun": max(15000, 20 * steps)}
+                if tol is not None:
+                    options.update(ftol=tol, gtol=tol)
+                res = minimize(fun, x0, jac=True, method="L-BFGS-B", callback=callback, options=options)
+                message = str(res.message)
+            elif optimizer == "adam" and steps > 0:
+                x, g, fx = x0.copy(), g0, f0
+                m, s = np.zeros_like(x), np.zeros_like(x)
+                b1, b2, eps = 0.9, 0.999, 1e-8
+                message = f"{steps} steps done"
+                for t in range(1, steps + 1):
+                    if tol is not None and float(np.max(np.abs(g))) <= tol:
+                        message = f"gradient max-norm <= tol after {t - 1} steps"
+                        break
+                    m = b1 * m + (1 - b1) * g
+                    s = b2 * s + (1 - b2) * g * g
+                    x = x - learning_rate * (m / (1 - b1 ** t)) / (np.sqrt(s / (1 - b2 ** t)) + eps)
+                    fx, g = train(x)
+                    if not math.isfinite(fx):
+                        message = f"the loss became infinite at step {t}; stopped at step {t - 1}"
+                        break
+                    advance(fx)
+                    record(x, fx)
+            else:
+                message = "steps=0: evaluated only"
     except KeyboardInterrupt:
+        if inside_sweep:
+            raise
         done = len(rec["loss"]) - 1
         message = f"interrupted after {done} steps"
         warnings.warn(f"fit: {message}; returning the parameters of step {done}", RuntimeWarning, stacklevel=2)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import config
-from ._interrupt import check as check_interrupt, interrupts
+from .._interrupt import check as check_interrupt, interrupts
 from ._study import PROFILES, STUDIES, Context, Rendered, get_study, markdown_table
 from .sweep import sweep
 

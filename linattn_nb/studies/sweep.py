@@ -41,7 +41,7 @@ Guarantees, and how they are kept:
 * **Ctrl-C is never lost.**  A ``KeyboardInterrupt`` that lands in a
   destructor or a ctypes callback (LLVM calling back while Numba compiles) is
   printed and swallowed there; the in-process sweep remembers the signal and
-  raises it after the point that was running (``studies/_interrupt.py``).
+  raises it after the point that was running (``linattn_nb/_interrupt.py``).
 * **A truncated last line is detected and dropped.**  A line without its
   newline (a crash in the middle of a ``write``) or a final line that is not
   valid JSON (blank lines after it count as nothing) is reported with a
@@ -87,7 +87,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from ._interrupt import check as check_interrupt, interrupts
+from .._interrupt import check as check_interrupt, interrupts
 
 __all__ = [
     "sweep",

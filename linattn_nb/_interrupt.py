@@ -30,6 +30,14 @@ def check() -> None:
         raise KeyboardInterrupt
 
 
+def active() -> bool:
+    """True inside an ``interrupts()`` block of this thread's process (the main thread's handler
+    is this module's): an interrupted unit of work should then let ``KeyboardInterrupt`` through
+    to the block's owner (a sweep records no point for it) rather than return a partial result."""
+    return (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is _on_sigint)
+
+
 @contextlib.contextmanager
 def interrupts():
     """Within: SIGINT raises ``KeyboardInterrupt`` as usual, and is remembered.
