@@ -391,14 +391,6 @@ class _SwallowsCtrlC(fm.HedgehogFeatureMap):
         return super().vjp(*args, **kwargs)
 
 
-@pytest.fixture
-def python_sigint_handler():
-    import signal
-
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
-
 
 @pytest.mark.skipif(sys.platform == "win32", reason="os.kill(SIGINT) to itself is POSIX")
 def test_fit_stops_after_a_swallowed_ctrl_c(python_sigint_handler):

@@ -663,15 +663,6 @@ def test_to_json_is_public_and_the_studies_import_no_private_name_from_sweep():
         assert "to_json" in imported and not [n for n in imported if n.startswith("_")], (name, imported)
 
 
-@pytest.fixture
-def python_sigint_handler():
-    """Python's own SIGINT handler for the test (a runner may have installed another)."""
-    import signal
-
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
-
 
 @pytest.mark.skipif(sys.platform == "win32", reason="os.kill(SIGINT) to itself is POSIX")
 def test_swallowed_ctrl_c_stops_the_sweep(tmp_path, python_sigint_handler):
