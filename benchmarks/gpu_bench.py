@@ -415,9 +415,9 @@ def launch_sweep(cuda, torch, B, H, D, M, deadline, N=16384):
     out = cuda.device_array((B, H, N, M), dtype=np.float32)
     saved = {k_: getattr(config, k_) for k_ in dir(config) if k_.startswith("CUDA_")}
     tiles = [(16, 1), (8, 2), (4, 4), (8, 8), (16, 4)]  # (rows, cols) per thread; default in config
-    # first the scan's two thread layouts (config.CUDA_SEQ_LAYOUT; "auto" takes row groups at the
-    # headline's 128 sequences on 132 SMs: issue 20, point 3), then the row-group tiles
-    variants = [("scan", {"CUDA_SEQ_LAYOUT": lay}) for lay in ("owner", "rows")]
+    # first the scan's three thread layouts (config.CUDA_SEQ_LAYOUT; "auto" takes the tile layout at
+    # the headline's 128 sequences on 132 SMs, row groups before it: issue 20), then the row-group tiles
+    variants = [("scan", {"CUDA_SEQ_LAYOUT": lay}) for lay in ("owner", "rows", "tiles")]
     variants += [(m, {"CUDA_ROWS_PER_THREAD": r, "CUDA_COLS_PER_THREAD": c}) for m in ("scan", "chunked")
                  for r, c in tiles]
     variants += [("chunked", {"CUDA_CHUNK_SIZE": L}) for L in (64, 128, 512, 1024)]

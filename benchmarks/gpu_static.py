@@ -119,19 +119,21 @@ def headline_model():
 # Kernels and their SASS
 # ---------------------------------------------------------------------------
 def default_specs():
-    """Every kernel at its default configuration (D_phi = M = 64), the sequence kernel in both layouts."""
+    """Every kernel at its default configuration (D_phi = M = 64), the sequence kernel in every layout."""
     specs = []
     for acc in ("float32", "float64"):
         for name, (code, _) in RULES.items():
             specs.append(CR.sequence_spec(64, 64, acc, code))
-            if CR.sequence_spec(64, 64, acc, code, layout="rows").key != specs[-1].key:
-                specs.append(CR.sequence_spec(64, 64, acc, code, layout="rows"))
+            for lay in ("rows", "tiles"):
+                extra = CR.sequence_spec(64, 64, acc, code, layout=lay)
+                if extra.key not in {x.key for x in specs}:
+                    specs.append(extra)
     # what the launchers run: the kernel specialised on its feature map (here ELU+1, map code 1), with
     # vector loads (contiguous inputs); then one element per load (strided inputs: vec=0) and that
     # with 64-bit offsets (sequences of 2^31 elements or more)
     for kw in ({}, {"vec": 0}, {"vec": 0, "off32": False}):
         specs += [CR.sequence_spec(64, 64, "float32", RULE_ADDITIVE, layout=lay, code=1, **kw)
-                  for lay in ("owner", "rows")]
+                  for lay in ("owner", "rows", "tiles")]
     return specs + CR.helper_specs() + CR.backward_specs() + CR.step_specs()
 
 
@@ -190,6 +192,61 @@ def staging_rows(specs, res):
                      "loops": ", ".join(str(n) for n in sizes),
                      "insns per (q, k) pair": -main[1] if main else 0.0,
                      "BRA": bra})
+    return rows
+
+
+def tile_rows(specs, res):
+    """The tile layout's work per tile and thread, modelled from its static SASS (no per-token loop there).
+
+    The tile loop (the outer loop that loads the inputs) holds the staging
+    loops (global loads), the compute loops in program order -- the causal
+    scores when they are a loop of their own (one per thread of the first
+    T (T + 1) / 2: weight T (T + 1) / 2 / threads), the outputs' product with
+    the start state (run 4 F / its FMA times: 4 F products per thread) and
+    the state update (16 T / its FMA times) -- and straight-line code,
+    counted once: the scores when ptxas unrolled them (at D_phi = M = 64
+    each thread has at most one; counted for every thread, though half of
+    them skip it), the tile tokens' product with [v | 1], the normaliser,
+    the division and stores, the barriers -- and every branch not taken
+    (the other v staging path, the division's slow path), so an upper bound.
+    ``compute``: the compute loops and the straight-line code; ``whole``:
+    with the staging loops once each (one item per thread at D_phi = M = 64;
+    both v staging loops, of which one runs).
+    """
+    rows = []
+    for s in specs:
+        if "/tiles" not in s.key or not res.get(s.key, {}).get("sass"):
+            continue
+        insns = CR.parse_sass(res[s.key]["sass"])
+        loops = CR.sass_loops(insns)
+        outer = [lp for lp in loops if not lp.innermost and any(i.base in GLOBAL_OPS for i in lp.insns)]
+        if not outer:
+            continue
+        tile = max(outer, key=lambda lp: len(lp.insns))
+        inner = [lp for lp in loops if lp.innermost and tile.start <= lp.start and lp.end <= tile.end]
+        R, C, G, MB, T = s.info["cfg"]
+        nth = s.threads
+        fma_of = lambda mix: sum(mix[o] for o in FMA_OPS)  # noqa: E731
+        comp = [lp for lp in inner if fma_of(lp.mix()) and not any(o in lp.mix() for o in GLOBAL_OPS)]
+        stag = [lp for lp in inner if any(o in lp.mix() for o in GLOBAL_OPS)]
+        if len(comp) not in (2, 3):
+            rows.append({"kernel": s.key, "phases": f"{len(comp)} compute loops (expected 2 or 3): not modelled"})
+            continue
+        weights = [4 * R / fma_of(comp[-2].mix()), 16 * T / fma_of(comp[-1].mix())]
+        if len(comp) == 3:
+            weights.insert(0, T * (T + 1) / 2 / nth)
+        in_loops = {i.addr for lp in inner for i in lp.insns}
+        rest = CR.opcode_mix([i for i in tile.insns if i.addr not in in_loops])
+        n_c = sum(w * sum(lp.mix().values()) for w, lp in zip(weights, comp)) + sum(rest.values())
+        f_c = sum(w * fma_of(lp.mix()) for w, lp in zip(weights, comp)) + fma_of(rest)
+        n_s = sum(sum(lp.mix().values()) for lp in stag)
+        f_s = sum(fma_of(lp.mix()) for lp in stag)
+        rows.append({"kernel": s.key, "threads": nth, "tokens/tile": T,
+                     "phases": ", ".join(f"{sum(lp.mix().values())}x{w:.2g}" for w, lp in zip(weights, comp)),
+                     "straight": sum(rest.values()), "staging": n_s,
+                     "compute insns": n_c, "compute FMA %": 100.0 * f_c / n_c,
+                     "whole FMA %": 100.0 * (f_c + f_s) / (n_c + n_s),
+                     "insns/token": (n_c + n_s) * nth / T})
     return rows
 
 
@@ -281,7 +338,8 @@ def main(argv=None):
         print(table(tokens, ["kernel", "loop", "insns", "FMA", "FMA %", "top opcodes"], {"FMA %": "{:.0f}"}))
         for t in tokens:  # the target of issue 20 (point 2; point 6: every rule)
             if t["kernel"].startswith("seq/float32/"):
-                lay = "row groups" if "/rows" in t["kernel"] else "default layout"
+                lay = ("row groups" if "/rows" in t["kernel"] else "tiles (its outputs loop)" if "/tiles" in t["kernel"]
+                       else "default layout")
                 lay += ", the kernel specialised on ELU+1" if "/map1" in t["kernel"] else ""
                 lay += ", one element per load (strided inputs)" if "/vec0" in t["kernel"] else ""
                 lay += ", 64-bit offsets" if "/off64" in t["kernel"] else ""
@@ -296,6 +354,21 @@ def main(argv=None):
         print(table(srows, ["kernel", "regs", "SASS insns", "loops", "insns per (q, k) pair", "BRA"],
                     {"insns per (q, k) pair": "{:.0f}"}))
         out["staging_loops"] = srows
+        trows = tile_rows(specs, res)
+        if trows:
+            print("\n## tile layout: work of one tile per thread, modelled from the static SASS (scores x their "
+                  "share of threads, outputs x 4 D_phi / FMA, state x 16 T / FMA; 'straight': the code run once "
+                  "per tile; 'staging': the loops that load q, k, v, once each)")
+            print(table(trows, ["kernel", "threads", "tokens/tile", "phases", "straight", "staging", "compute insns",
+                                "compute FMA %", "whole FMA %", "insns/token"],
+                        {"compute insns": "{:.0f}", "compute FMA %": "{:.0f}", "whole FMA %": "{:.0f}",
+                         "insns/token": "{:.0f}"}))
+            for t in trows:
+                if t["kernel"].startswith("seq/float32/") and "compute FMA %" in t:
+                    print(f"  {'met' if t['compute FMA %'] >= 60 else 'NOT met'}: FFMA >= 60 % of the tile "
+                          f"layout's compute per tile ({t['kernel']}: {t['compute FMA %']:.0f} %; with the "
+                          f"staging {t['whole FMA %']:.0f} %)")
+            out["tile_work"] = trows
     path = write_json("gpu_static", out, args.json)
     print(f"\n# wrote {path}")
     return 0

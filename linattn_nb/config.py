@@ -327,11 +327,14 @@ CUDA_AUTO_SCAN_MIN_WARPS_PER_SM = _env_int("LINATTN_CUDA_AUTO_SCAN_MIN_WARPS_PER
 #: groups).  PROVISIONAL: static counts, not timed on a GPU.
 CUDA_SPECIALIZE_MAPS = _env_int("LINATTN_CUDA_SPECIALIZE_MAPS", 1)
 #: Thread layout of the sequence kernel: "auto" (the owner layout where it
-#: applies, row groups when the owner layout's blocks would be fewer than
-#: CUDA_AUTO_SCAN_BLOCKS_PER_SM per multiprocessor: see
-#: linattn_nb.ops._cuda_launch.seq_layout), "owner" (where it applies) or
-#: "rows" (always row groups).  A device of one multiprocessor (the
-#: simulator) keeps the owner layout under "auto"; tests set "rows".
+#: applies; when the owner layout's blocks would be fewer than
+#: CUDA_AUTO_SCAN_BLOCKS_PER_SM per multiprocessor, the tile layout for the
+#: additive rule where it applies, else row groups: see
+#: linattn_nb.ops._cuda_launch.seq_layout), "owner" (where it applies),
+#: "rows" (always row groups) or "tiles" (the tile layout where it applies,
+#: else the owner layout's rule).  A device of one multiprocessor (the
+#: simulator) keeps the owner layout under "auto"; tests set the others.
+#: PROVISIONAL: the choice is argued from static SASS counts, not timed.
 CUDA_SEQ_LAYOUT = os.environ.get("LINATTN_CUDA_SEQ_LAYOUT", "auto") or "auto"
 #: Element offsets within a sequence in the sequence kernel: 1 (default)
 #: takes the kernel with 32-bit offsets whenever every (N, F) sequence of q,

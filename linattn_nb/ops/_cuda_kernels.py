@@ -21,7 +21,7 @@ launch plans of :mod:`linattn_nb.ops._cuda_launch`:
 * **query** (non-causal, phase 3): the state is fixed; every token reads it
   (``write_out`` only).
 
-Thread layouts of the sequence kernel.  Tokens are staged through shared
+Thread layouts of the sequence kernel (three).  Tokens are staged through shared
 memory in tiles of ``T`` tokens: ``phi(q)`` and ``phi(k)`` (feature map
 applied while staging, in the accumulation dtype), ``v`` and, for a rule with
 per-token factors (decay, gate), the factors ``exp(log-factor)`` of the
@@ -30,7 +30,7 @@ registers (local arrays of compile-time size, fully unrolled; no local-memory
 traffic, checked in the PTX tests).  Per token every state element costs two
 fused multiply-adds (the update, and its term of ``phi(q)^T S``), so what
 decides the speed is how many shared-memory loads, address computations and
-cross-thread sums a thread issues per FFMA.  Two layouts (:func:`seq_config`):
+cross-thread sums a thread issues per FFMA.  Three layouts (:func:`seq_config`):
 
 * **owner** (``G == 1``; ``D_phi`` padded to whole 16-byte vectors, at most
   :data:`OWNER_MAX_ROWS` = 64; every rule but the delta rules): a block owns
@@ -68,7 +68,34 @@ cross-thread sums a thread issues per FFMA.  Two layouts (:func:`seq_config`):
   summed once and the ``G`` partials of every value column are summed and
   divided by it.
 
-Both layouts have at most :data:`MAX_SEQ_THREADS` = 256 threads, so
+* **tiles** (``G == 0``; the additive rule, ``D_phi`` padded to a multiple
+  of 4 at most :data:`TILES_MAX_ROWS` = 64, within the shared-memory budget:
+  float32 up to D_phi = M = 64, float64 up to D_phi = 32; what the launchers
+  take instead of row groups when the owner layout's blocks are too few,
+  :func:`linattn_nb.ops._cuda_launch.seq_layout`): the chunkwise form inside
+  a tile of ``T = FP / 4`` tokens, ``O = mask(phi(Q) phi(K)^T) [V | 1] +
+  phi(Q) [S | z]`` and ``[S | z] += phi(K)^T [V | 1]`` (Yang et al. 2024,
+  GLA, Sec. 2.2), as products that every thread sums on its own: the block's
+  ``MB + 1`` columns (values, then the normaliser's column of ones) are
+  padded to ``MP``, a multiple of 4, and thread ``(rg, cg)`` of ``FP / 4 x
+  MP / 4`` owns the 4 x 4 state tile of rows ``4 rg ..`` and columns ``4 cg
+  ..`` in registers, and the outputs of token ``rg`` of the tile at columns
+  ``4 cg ..``.  Per tile: stage ``phi(q)``, ``phi(k)``, ``[v | 1]``; the
+  causal scores ``phi(q_t)^T phi(k_s)``, ``s <= t``, one per thread of the
+  first ``T (T + 1) / 2`` (no lane idles on the masked half); the outputs
+  from the scores and the start state ``[S | z]`` (in shared memory; the
+  normaliser is column ``MB``, written by its owner for the others: a
+  broadcast, not a sum); the state tile's update from ``phi(K)^T [V | 1]``;
+  three barriers.  No cross-thread reduction at all, and at D_phi = M = 64
+  a sequence takes 272 threads (16 x 17; 9 warps, against the owner
+  layout's 2 and the row groups' 5) for tiles of 16 tokens: ``2 x 64 x 68``
+  products per token for the state and its read-out, plus ``8.5 x 64`` for
+  the scores and ``16 x 68`` for their product (1.27 x 4 D_phi M FLOPs;
+  ``gpu_static.py`` prints its static SASS mix).  More than
+  :data:`MAX_SEQ_THREADS` threads: a register cap (``max_registers``) keeps
+  registers x threads within a block's 65,536.
+
+The owner and row-group layouts have at most :data:`MAX_SEQ_THREADS` = 256 threads, so
 registers x threads stays within the 65,536 registers of a block however
 many registers (at most 255) ptxas gives a thread, and the row-group tile is
 kept to :data:`MAX_TILE_WORDS` registers (``C`` halved for float64), so no
@@ -535,6 +562,246 @@ def _owner_kernel(R, C, MB, T, acc, rule, code, off32, vec):
     return kernel
 
 
+@cuda.jit(device=True, inline=True)  # inlined: no device-function compile, which needs a GPU
+def _triangle_entry(iu):
+    """Entry ``iu`` (uint32) of a lower triangle stored row by row -> ``(t, s)``, ``s <= t``: the
+    float32 root rounded down, then corrected by one where the rounding missed."""
+    t = uint32((math.sqrt(float32(uint32(8) * iu + uint32(1))) - float32(1.0)) * float32(0.5))
+    if (t + uint32(1)) * (t + uint32(2)) // uint32(2) <= iu:
+        t = uint32(t + uint32(1))
+    elif t * (t + uint32(1)) // uint32(2) > iu:
+        t = uint32(t - uint32(1))
+    return t, uint32(iu - t * (t + uint32(1)) // uint32(2))
+
+
+def _tiles_kernel(FP, MB, acc, code, off32, vec):
+    """The tile layout (``G == 0``): see the module docstring."""
+    acc_t = _ACC_TYPES[acc]
+    IDX = uint32 if off32 else uint64  # element offsets within a sequence (module docstring)
+    VQK = bool(vec & VEC_QK)  # q, k: four features per vector load (module docstring)
+    VV = bool(vec & VEC_V)  # v: four columns per vector load
+    MAP = -1 if code is None else int(code)  # the feature map, when specialised (seq_kernel)
+    MP = -(-(MB + 1) // 4) * 4  # value columns + the normaliser column, padded to 4
+    NCG = MP // 4  # column groups of four
+    RG = FP // 4  # row groups of four
+    T = RG  # tokens per tile: one (token, column group) of the tile's outputs per thread
+    NTH = RG * NCG  # threads per block
+    FPK = FP + 4  # row stride of the staged phi(q), phi(k): 16-byte rows of one token in distinct banks
+    NTRI = T * (T + 1) // 2  # entries of the tile's lower triangle (token s <= token t)
+    SVW = 4 if T % 4 == 0 else 1  # scores per step of the tile tokens' product with [v | 1]
+    FPV = FP // 4  # groups of four feature rows
+    MBV = MP // 4  # groups of four columns
+    zero = acc_t(0.0)
+    one = acc_t(1.0)
+    # more than MAX_SEQ_THREADS threads (272 at D_phi = M = 64): a register cap keeps registers x
+    # threads within a block's 65,536 (a launch bound, .maxntid 272, made ptxas 12.9 take 96
+    # registers and spill; uncapped it takes 133, and 178 for strided inputs, spilling nothing)
+    nwarps = -(-NTH // 32)
+    cap = {} if _SIM or NTH <= MAX_SEQ_THREADS else {"max_registers": (65536 // (32 * nwarps)) // 8 * 8}
+
+    @cuda.jit(cache=_CACHE, **cap)
+    def kernel(q, k, v, out, qs, ks, vs, os_, nf, nm, H, Hout, lf, n, seg_len, nseg_per_b, state_div, b2n,
+               code, eps, norm, read_state, update, write_out, write_state, flags):
+        sq = cuda.shared.array((T, FPK), acc_t)
+        sk = cuda.shared.array((T, FPK), acc_t)
+        sv = cuda.shared.array((T, MP), acc_t)
+        sa = cuda.shared.array((T, T), acc_t)  # phi(q_t)^T phi(k_s) for s <= t, 0 above the diagonal
+        sst = cuda.shared.array((FP, MP), acc_t)  # the state at the tile's start, [S | z | 0]
+        sden = cuda.shared.array(T, acc_t)  # the normaliser of every token of the tile
+        st = cuda.local.array(16, acc_t)  # st[a * 4 + j]: state row r0 + a, column j0 + j
+        ac = cuda.local.array(4, acc_t)
+        kk = cuda.local.array(4, acc_t)
+        vv = cuda.local.array(4, acc_t)
+
+        cd = code if MAP < 0 else MAP  # a specialised kernel's map is a constant: its branches fold
+        F = nf
+        M = nm
+        Fu = uint32(F)
+        Mu = uint32(M)
+        tid = cuda.threadIdx.x
+        rg = uint32(tid) // uint32(NCG)
+        cg = uint32(tid) - rg * uint32(NCG)
+        r0 = rg * uint32(4)  # this thread's state rows r0 .. r0 + 3
+        j0 = cg * uint32(4)  # and block columns j0 .. j0 + 3 (j < MB: value column m0 + j, MB: z)
+        tt = rg  # the token of the tile whose outputs j0 .. j0 + 3 this thread sums
+        seg = cuda.blockIdx.x
+        b = seg // nseg_per_b
+        c = seg - b * nseg_per_b
+        b1 = b // b2n
+        b2 = b - b1 * b2n
+        sidx = seg // state_div
+        m0 = cuda.blockIdx.y * MB
+        m0u = uint32(m0)
+        epsa = acc_t(eps)
+        qb, kb, vb, ob = _entry_views(q, k, v, out, qs, ks, vs, os_, b1, b2)
+        qn, qf, kn, kf = IDX(qs[2]), IDX(qs[3]), IDX(ks[2]), IDX(ks[3])
+        vn, vf, on, of = IDX(vs[2]), IDX(vs[3]), IDX(os_[2]), IDX(os_[3])
+        check = flags.shape[0] > 1  # check_finite: count non-finite q, k, v in flags[0, 1, 2]
+        cqk = check and cuda.blockIdx.y == 0  # q and k: counted by the first column block only
+
+        for a in range(4):
+            r = r0 + uint32(a)
+            for j in range(4):
+                jj = j0 + uint32(j)
+                x = zero
+                if read_state and r < Fu:
+                    if jj < uint32(MB) and m0u + jj < Mu:
+                        x = acc_t(H[sidx, r, m0u + jj])
+                    elif jj == uint32(MB):
+                        x = acc_t(H[sidx, r, M])
+                st[a * 4 + j] = x
+                sst[r, jj] = x
+        for idx in range(tid, T * T, NTH):  # above the diagonal: 0 for good
+            sa[uint32(idx) // uint32(T), uint32(idx) % uint32(T)] = zero
+        my_t, my_s = _triangle_entry(uint32(tid) if tid < NTRI else uint32(0))
+
+        t_begin = c * seg_len
+        t_end = min(n, t_begin + seg_len)
+        for t0 in range(t_begin, t_end, T):
+            ntu = uint32(min(T, t_end - t0))
+            t0u = uint32(t0)
+            # ---- stage the tile's T tokens (past the sequence: zero): phi(q), phi(k), [v | 1 | 0]
+            if VQK:
+                for idx in range(tid, T * FPV, NTH):
+                    iu = uint32(idx)
+                    t = iu // uint32(FPV)
+                    i4 = (iu - t * uint32(FPV)) * uint32(4)
+                    if write_out and t < ntu and i4 < Fu:
+                        stage4(sq, t, i4, qb, IDX((t0u + t) * qn + i4), flags, 0, cqk, True, cd, zero, one)
+                    else:
+                        fill4(sq, t, i4, FP, zero, FP, zero)
+                    if update and t < ntu and i4 < Fu:
+                        stage4(sk, t, i4, kb, IDX((t0u + t) * kn + i4), flags, 1, cqk, True, cd, zero, one)
+                    else:
+                        fill4(sk, t, i4, FP, zero, FP, zero)
+            else:
+                for idx in range(tid, T * FP, NTH):
+                    iu = uint32(idx)
+                    t = iu // uint32(FP)
+                    i = iu - t * uint32(FP)
+                    if write_out and t < ntu and i < Fu:
+                        stage(sq, t, i, qb[IDX((t0u + t) * qn + i * qf)], flags, 0, cqk, True, cd, zero, one)
+                    else:
+                        sq[t, i] = zero
+                    if update and t < ntu and i < Fu:
+                        stage(sk, t, i, kb[IDX((t0u + t) * kn + i * kf)], flags, 1, cqk, True, cd, zero, one)
+                    else:
+                        sk[t, i] = zero
+            if update and VV:
+                for idx in range(tid, T * MBV, NTH):
+                    iu = uint32(idx)
+                    t = iu // uint32(MBV)
+                    j4 = (iu - t * uint32(MBV)) * uint32(4)
+                    if t < ntu and j4 < uint32(MB) and m0u + j4 < Mu:
+                        stage4(sv, t, j4, vb, IDX(m0u + j4 + (t0u + t) * vn), flags, 2, check, False, cd, zero, one)
+                    else:  # past the values: the normaliser's column of ones (live tokens), then padding
+                        fill4(sv, t, j4, MP, zero, MB, one if t < ntu else zero)
+            elif update:
+                for idx in range(tid, T * MP, NTH):
+                    iu = uint32(idx)
+                    t = iu // uint32(MP)
+                    jj = iu - t * uint32(MP)
+                    col = m0u + jj
+                    if t < ntu and jj < uint32(MB) and col < Mu:
+                        stage(sv, t, jj, vb[IDX((t0u + t) * vn + col * vf)], flags, 2, check, False, cd, zero, one)
+                    else:
+                        sv[t, jj] = one if jj == uint32(MB) and t < ntu else zero
+            cuda.syncthreads()
+            if is_row_map(cd):  # L2, SiLU then L2: one thread per staged row
+                for idx in range(tid, 2 * T, NTH):
+                    t = idx >> 1
+                    if idx & 1:
+                        if update:
+                            l2_normalize_row(sk, t, F)
+                    elif write_out:
+                        l2_normalize_row(sq, t, F)
+                cuda.syncthreads()
+            # ---- the tile's causal scores phi(q_t)^T phi(k_s), s <= t: one per thread of the first
+            # NTRI (no lane idles on the masked half); a thread sums its own dot product
+            if update and write_out:
+                for idx in range(tid, NTRI, NTH):
+                    if NTRI <= NTH:  # one score per thread: its (t, s), found once before the tiles
+                        t, s = my_t, my_s
+                    else:
+                        t, s = _triangle_entry(uint32(idx))
+                    x = zero
+                    iu = uint32(0)
+                    while iu < uint32(FP):  # 32-bit counter, four rows a step (the loops below likewise)
+                        for a in range(4):
+                            x += sq[t, iu + uint32(a)] * sk[s, iu + uint32(a)]
+                        iu = uint32(iu + uint32(4))
+                    sa[t, s] = x
+                cuda.syncthreads()
+            # ---- outputs of token tt, columns j0 .. j0 + 3: the tile's own tokens, then the start
+            # state ((Q K^T masked) [V | 1] + Q [S | z]; column MB is the normaliser)
+            if write_out:
+                for j in range(4):
+                    ac[j] = zero
+                if update:
+                    su = uint32(0)
+                    while su < uint32(T):
+                        for a in range(SVW):  # four scores a step (one 16-byte load) where T allows
+                            x = sa[tt, su + uint32(a)]
+                            for j in range(4):
+                                ac[j] += x * sv[su + uint32(a), j0 + uint32(j)]
+                        su = uint32(su + uint32(SVW))
+                iu = uint32(0)
+                while iu < uint32(FP):
+                    for a in range(4):
+                        x = sq[tt, iu + uint32(a)]
+                        for j in range(4):
+                            ac[j] += x * sst[iu + uint32(a), j0 + uint32(j)]
+                    iu += uint32(4)
+                for j in range(4):
+                    if j0 + uint32(j) == uint32(MB):
+                        x = ac[j]
+                        if norm == NORM_FLOOR and x < epsa:
+                            x = epsa
+                        sden[tt] = x
+            # ---- the state: S += phi(K)^T [V | 1 | 0] over the tile, this thread's 4 x 4 tile
+            if update:
+                su = uint32(0)
+                while su < uint32(T):
+                    for a in range(4):
+                        kk[a] = sk[su, r0 + uint32(a)]
+                    for j in range(4):
+                        vv[j] = sv[su, j0 + uint32(j)]
+                    for a in range(4):
+                        for j in range(4):
+                            st[a * 4 + j] += kk[a] * vv[j]
+                    su = uint32(su + uint32(1))
+            cuda.syncthreads()
+            if update:
+                for a in range(4):
+                    for j in range(4):
+                        sst[r0 + uint32(a), j0 + uint32(j)] = st[a * 4 + j]
+            if write_out and tt < ntu:
+                den = sden[tt]
+                for j in range(4):
+                    jj = j0 + uint32(j)
+                    col = m0u + jj
+                    if jj < uint32(MB) and col < Mu:
+                        x = ac[j]
+                        if norm != NORM_NONE:
+                            x = x / den
+                        ob[IDX((t0u + tt) * on + col * of)] = x
+            # the next tile's staging rewrites sq, sk, sv only after every thread has read them
+            # (the barrier above); its first barrier orders these state writes before their reads
+
+        if write_state:
+            for a in range(4):
+                r = r0 + uint32(a)
+                if r < Fu:
+                    for j in range(4):
+                        jj = j0 + uint32(j)
+                        if jj < uint32(MB) and m0u + jj < Mu:
+                            Hout[sidx, r, m0u + jj] = st[a * 4 + j]
+                        elif jj == uint32(MB) and cuda.blockIdx.y == 0:
+                            Hout[sidx, r, M] = st[a * 4 + j]
+
+    return kernel
+
+
 def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RULE_ADDITIVE, code=None,
                off32: bool = True, vec: int = 0):
     """The sequence kernel specialised on its compile-time constants.
@@ -591,6 +858,11 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
         return kern
     R, C, G, MB, T = key[:5]
     rule = key[6]
+    if G == 0:
+        if rule != RULE_ADDITIVE or C != 4 or R % 4 or T != R // 4:
+            raise ValueError(f"the tile layout (G = 0) is the additive rule's with C = 4, T = R / 4; got {key}")
+        kern = _SEQ_KERNELS[key] = _tiles_kernel(R, MB, acc, key[7], key[8], key[9])
+        return kern
     if G == 1 and not is_delta_rule(rule):
         kern = _SEQ_KERNELS[key] = _owner_kernel(R, C, MB, T, acc, rule, key[7], key[8], key[9])
         return kern
@@ -1073,6 +1345,10 @@ RESCALE_MIN_F64 = 2.0 ** -256
 #: thread holds all feature rows of its value columns); larger ``D_phi``, and
 #: the delta rules, use row groups.
 OWNER_MAX_ROWS = 64
+#: Largest padded feature dimension (tokens per tile x 4) and value columns
+#: per block of the tile layout: 16 x 17 = 272 threads at D_phi = M = 64.
+TILES_MAX_ROWS = 64
+TILES_MAX_COLS = 64
 #: Threads per block of the sequence kernel at most: 256 threads x 255
 #: registers (the most ptxas gives a thread) fit the 65,536 registers of a
 #: block, so every configuration launches whatever ptxas allocates.
@@ -1106,10 +1382,14 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE, lay
                ) -> tuple[int, int, int, int, int]:
     """Choose ``(R, C, G, MB, T)`` for feature dimension ``F``, value dimension ``M``.
 
-    Two layouts (module docstring); ``layout="rows"`` asks for row groups
+    Three layouts (module docstring); ``layout="rows"`` asks for row groups
     where the owner layout would apply (more threads per sequence: the
     launchers' choice when the owner layout's blocks would leave the GPU
-    short of warps, :func:`linattn_nb.ops._cuda_launch.seq_layout`):
+    short of warps, :func:`linattn_nb.ops._cuda_launch.seq_layout`), and
+    ``layout="tiles"`` for the tile layout, ``(FP, 4, 0, MB, FP / 4)`` with
+    ``FP`` = ``F`` padded to 4 and ``MB`` = min(M, ``config.CUDA_VALUE_COLS``,
+    :data:`TILES_MAX_COLS`), where :func:`tiles_fits` (else the owner
+    layout's rules):
 
     * **owner** (``G = 1``; rules other than the delta rules, ``F`` padded
       to whole 16-byte vectors at most :data:`OWNER_MAX_ROWS`, ``layout``
@@ -1146,13 +1426,18 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE, lay
     F = int(F)
     M = int(M)
     item = int(acc_itemsize)
-    if layout not in ("owner", "rows"):
-        raise ValueError(f"layout must be 'owner' or 'rows', got {layout!r}")
+    if layout not in ("owner", "rows", "tiles"):
+        raise ValueError(f"layout must be 'owner', 'rows' or 'tiles', got {layout!r}")
     if F > int(config.CUDA_MAX_FEATURES):
         raise ValueError(
             f"the CUDA kernels support a feature dimension D_phi up to config.CUDA_MAX_FEATURES="
             f"{config.CUDA_MAX_FEATURES}, got {F}; use device='cpu' for larger feature maps"
         )
+    if layout == "tiles":
+        if tiles_fits(F, M, acc_itemsize, rule):
+            FP, MB, T, _, _ = _tiles_sizes(F, M, acc_itemsize)
+            return FP, 4, 0, MB, T
+        layout = "owner"
     max_threads = max(2, min(int(config.CUDA_MAX_THREADS), MAX_SEQ_THREADS))
     MB = max(1, min(M, int(config.CUDA_VALUE_COLS)))
     words = max(1, item // 4)
@@ -1213,6 +1498,24 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE, lay
     return R, C, G, MB, T
 
 
+def _tiles_sizes(F: int, M: int, acc_itemsize: int):
+    """``(FP, MB, T, threads, shared bytes)`` of the tile layout (module docstring)."""
+    FP = -(-int(F) // 4) * 4
+    MB = max(1, min(int(M), int(config.CUDA_VALUE_COLS), TILES_MAX_COLS))
+    MP = -(-(MB + 1) // 4) * 4
+    T = FP // 4
+    words = 2 * T * (FP + 4) + T * MP + T * T + FP * MP + T
+    return FP, MB, T, T * (MP // 4), words * int(acc_itemsize)
+
+
+def tiles_fits(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> bool:
+    """Whether the tile layout applies (:func:`seq_config`): the additive rule, ``D_phi`` padded to
+    a multiple of 4 at most :data:`TILES_MAX_ROWS`, and its shared memory within
+    ``config.CUDA_SHARED_BYTES``."""
+    FP, _, _, _, nbytes = _tiles_sizes(F, M, acc_itemsize)
+    return rule == RULE_ADDITIVE and FP <= TILES_MAX_ROWS and nbytes <= int(config.CUDA_SHARED_BYTES)
+
+
 def owner_fits(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> bool:
     """Whether the owner layout applies to ``F`` features, ``M`` values, ``rule`` (:func:`seq_config`):
     not a delta rule, ``F`` padded at most :data:`OWNER_MAX_ROWS` and a thread's registers of state
@@ -1227,7 +1530,9 @@ def owner_fits(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> 
 
 def threads_per_block(R: int, C: int, G: int, MB: int, rule: int = RULE_ADDITIVE) -> int:
     """Threads per block of :func:`seq_kernel` for a configuration (``rule``: the owner layout
-    is ``G == 1`` for rules other than the delta rules)."""
+    is ``G == 1`` for rules other than the delta rules; ``G == 0`` the tile layout)."""
+    if G == 0:
+        return (R // 4) * -(-(MB + 1) // 4)
     if G == 1 and not is_delta_rule(rule):
         return -(-MB // C)
     return G * (-(-(MB + 1) // C))

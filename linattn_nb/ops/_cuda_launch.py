@@ -76,18 +76,25 @@ def multiprocessor_count() -> int:
 def seq_layout(segments: int, F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE, sms=None) -> str:
     """Thread layout of a sequence-kernel launch over ``segments`` segments (batch entries x chunks).
 
-    ``config.CUDA_SEQ_LAYOUT`` "owner" or "rows" is taken as given ("owner"
-    falls back to row groups where it does not apply:
-    :func:`linattn_nb.ops._cuda_kernels.seq_config`).  "auto": row groups
-    ("rows") when the owner layout applies but its blocks (``segments`` x
+    ``config.CUDA_SEQ_LAYOUT`` "owner", "rows" or "tiles" is taken as given
+    ("owner" falls back to row groups where it does not apply, "tiles" to
+    the owner layout's rule: :func:`linattn_nb.ops._cuda_kernels.seq_config`).
+    "auto": when the owner layout applies but its blocks (``segments`` x
     column blocks, one warp per 32 value columns) would be fewer than
     ``config.CUDA_AUTO_SCAN_BLOCKS_PER_SM`` per multiprocessor -- fewer than 8
-    resident warps per SM at D_phi = M = 64 -- since row groups spread a
-    sequence over more warps (5 instead of 2 there: G = 8 groups of 8 rows x
-    17 groups of 4 columns) for about the same instructions per token
-    (``benchmarks/gpu_static.py``: 92 per token and warp, 70 % FFMA, against
-    200 and 64 % for each of the owner layout's 2 warps); else "owner".  A
-    device of one multiprocessor (``sms`` <= 1: the simulator) keeps the
+    resident warps per SM at D_phi = M = 64, e.g. the scan of the headline's
+    128 sequences on an H200's 132 SMs -- the tile layout ("tiles", the
+    additive rule where :func:`linattn_nb.ops._cuda_kernels.tiles_fits`:
+    9 warps a sequence at D_phi = M = 64, no cross-thread sums), else row
+    groups ("rows": 5 warps there, G = 8 groups of 8 rows x 17 groups of 4
+    columns, a G-way sum per output); else "owner".  More warps per
+    sequence for more instructions per token: ``benchmarks/gpu_static.py``
+    models at most about 28,000-31,000 thread-instructions per token for the
+    tile layout, against about 21,000 (owner) and 24,000 (row groups) counted
+    by hand from its tables, so the tile layout is taken only where the
+    others leave the multiprocessors short of warps (PROVISIONAL: static
+    counts, not timed).
+    A device of one multiprocessor (``sms`` <= 1: the simulator) keeps the
     owner layout.  ``sms``: multiprocessors (default: the current device's).
 
     Raises
@@ -96,8 +103,8 @@ def seq_layout(segments: int, F: int, M: int, acc_itemsize: int, rule: int = RUL
         For a ``config.CUDA_SEQ_LAYOUT`` other than "auto", "owner", "rows".
     """
     setting = str(config.CUDA_SEQ_LAYOUT)
-    if setting not in ("auto", "owner", "rows"):
-        raise ValueError(f"config.CUDA_SEQ_LAYOUT must be 'auto', 'owner' or 'rows', got {setting!r}")
+    if setting not in ("auto", "owner", "rows", "tiles"):
+        raise ValueError(f"config.CUDA_SEQ_LAYOUT must be 'auto', 'owner', 'rows' or 'tiles', got {setting!r}")
     if setting != "auto":
         return setting
     if not K.owner_fits(F, M, acc_itemsize, rule):
@@ -106,7 +113,7 @@ def seq_layout(segments: int, F: int, M: int, acc_itemsize: int, rule: int = RUL
     MB = K.seq_config(F, M, acc_itemsize, rule)[3]
     blocks = int(segments) * -(-int(M) // MB)
     if sms > 1 and blocks < int(config.CUDA_AUTO_SCAN_BLOCKS_PER_SM) * sms:
-        return "rows"
+        return "tiles" if K.tiles_fits(F, M, acc_itemsize, rule) else "rows"
     return "owner"
 
 
@@ -566,7 +573,7 @@ def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule:
         and ``flops_ratio``, their ratio to ``4 B N F M`` (the update and the
         output of every state element once per token); ``launches``: kernel
         launches; ``config``: the ``(R, C, G, MB, T)`` of the sequence kernel,
-        ``layout`` ("owner" or "rows") and ``warps``: the warps of its
+        ``layout`` ("owner", "rows" or "tiles") and ``warps``: the warps of its
         (last) launch over all segments and column blocks.
 
     Notes
@@ -581,7 +588,10 @@ def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule:
     elements, each updated (2 FLOPs, 3 with a per-token factor) and read
     into the output (2), plus the cross-thread sums of the layout (``G``
     partials per column of the row-group layout, one partial per thread of
-    the owner layout, once per token) and the ``M`` divisions; the chunked
+    the owner layout, once per token) and the ``M`` divisions; the tile
+    layout multiplies its padded ``R x MP`` state twice per token and adds
+    the products of the tile's own tokens (the causal scores and their
+    product with ``[v | 1]``; no cross-thread sums); the chunked
     method adds the chunk sums (the update alone, over every token) and the
     combine over chunks.
     """
@@ -605,6 +615,7 @@ def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule:
     else:
         R, C, G, MB, T = K.seq_config(F, M, acc.itemsize, rule,
                                       seq_layout(B * nc, F, M, acc.itemsize, rule, sms=1 if sms is None else sms))
+    tiles = G == 0
     owner = G == 1 and not is_delta_rule(rule)
     A = acc.itemsize
     S = F * (M + 1)  # state elements per batch entry
@@ -614,6 +625,14 @@ def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule:
     cb = -(-M // MB)
     out_flops = B * N * (2 * S + cb * reduce_adds + M)  # phi(q)^T [S | z], the sums, the divisions
     upd_flops = B * N * per_elem_update * S
+    query_flops = out_flops
+    if tiles:  # padded 4 x 4 tiles (R = padded F, MB + 1 columns padded to MP), no cross-thread sums
+        MP = -(-(MB + 1) // 4) * 4
+        upd_flops = B * N * cb * 2 * R * MP
+        query_flops = B * N * (cb * 2 * R * MP + M)
+        # the tile's own tokens: (T + 1) / 2 scores of R products per token, T x MP products (the
+        # masked half is multiplied by its zeros)
+        out_flops = query_flops + B * N * cb * ((T + 1) * R + 2 * T * MP)
     parts = {"q": B * N * F * item, "k": B * N * F * item, "v": B * N * M * item, "out": B * N * M * item,
              "factors": B * N * W * 8 * (cb if W else 0), "states": 0}
     launches = 1
@@ -634,7 +653,7 @@ def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule:
         parts["states"] = B * nc * S * A + (2 * B * nc * S * A + 2 * B * S * 8) + B * nc * S * A
         launches += 2 + (1 if W else 0)
     elif method == "aggregate":
-        flops = upd_flops + B * N * (2 * S + cb * reduce_adds + M) + B * nc * S
+        flops = upd_flops + query_flops + B * nc * S
         parts["states"] = B * nc * S * A + (B * nc * S * A + 2 * B * S * 8 + B * S * A) + B * nc * S * A
         launches += 2
     else:
@@ -642,5 +661,5 @@ def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule:
     total = sum(parts.values())
     return {"bytes": int(total), "parts": {k: int(v) for k, v in parts.items()}, "flops": int(flops),
             "flops_ratio": flops / max(1, 4 * B * N * F * M), "launches": launches,
-            "config": (R, C, G, MB, T), "layout": "owner" if owner else "rows",
+            "config": (R, C, G, MB, T), "layout": "tiles" if tiles else "owner" if owner else "rows",
             "warps": B * nc * cb * -(-K.threads_per_block(R, C, G, MB, rule) // 32), "method": method}

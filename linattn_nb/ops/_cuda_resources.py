@@ -645,6 +645,7 @@ def sequence_spec(F: int, M: int, acc: str, rule: int, in_dtype: str | None = No
     (:func:`linattn_nb.ops._cuda_kernels.seq_signature`: 1-d views and element strides, (n, F, M + 1)
     states in ``acc``, (B, N, W) float64 log-factors, int64 / float64 / boolean scalars, the int32
     finiteness counters).  The key ends in ``/rows`` when ``layout`` "rows" replaces the owner layout,
+    in ``/tiles`` when the tile layout applies (``layout="tiles"``; elsewhere it falls back to the owner layout),
     in ``/map<code>`` for a kernel specialised on feature map ``code`` (None: every map), in
     ``/off64`` for the kernel with 64-bit offsets (``off32=False``: sequences of 2^31 elements or
     more), and in ``/vec<bits>`` for vector-load bits other than those of contiguous inputs
@@ -661,26 +662,32 @@ def sequence_spec(F: int, M: int, acc: str, rule: int, in_dtype: str | None = No
     dt = in_dtype or acc
     sig = tuple(repr(t) for t in K.seq_signature(dt, acc))  # Numba types' reprs evaluate back to them
     rows = layout == "rows" and K.owner_fits(F, M, 4 if acc == "float32" else 8, rule)
+    tiles = layout == "tiles" and K.tiles_fits(F, M, 4 if acc == "float32" else 8, rule)
     key = key or (f"seq/{acc}/{rule_name(rule)}/F{F}/M{M}" + (f"/{dt}" if dt != acc else "")
-                  + ("/rows" if rows else "") + ("" if code is None else f"/map{int(code)}")
+                  + ("/rows" if rows else "") + ("/tiles" if tiles else "")
+                  + ("" if code is None else f"/map{int(code)}")
                   + ("" if off32 else "/off64") + suffix)
     return KernelSpec(key, "linattn_nb.ops._cuda_kernels:seq_kernel", sig, launch["threads"],
                       factory=launch["factory"], group="sequence",
                       info={"F": F, "M": M, "acc": acc, "rule": int(rule), "rule_name": rule_name(rule),
-                            "cfg": launch["cfg"], "in_dtype": dt, "layout": "rows" if rows else "owner",
+                            "cfg": launch["cfg"], "in_dtype": dt,
+                            "layout": "tiles" if tiles else "rows" if rows else "owner",
                             "off32": bool(off32), "vec": launch["vec"]})
 
 
 def sequence_configurations(features, values, accs=("float32", "float64"), rules=None,
-                            layouts=("owner", "rows")) -> tuple[list, list]:
+                            layouts=("owner", "rows", "tiles")) -> tuple[list, list]:
     """Every (F, M, acc, rule, layout) of the grid with the launch :func:`sequence_launch` gives it.
 
     Returns ``(launchable, refused)``: dicts with ``F, M, acc, rule, layout``
     and the launch (``cfg``, ``threads``), and those ``seq_config`` refuses
-    (with the ValueError's message).  Both layouts by default: the launchers
-    take row groups where the owner layout applies when a GPU has few
-    sequences per multiprocessor (:func:`linattn_nb.ops._cuda_launch.seq_layout`).
+    (with the ValueError's message).  Every layout by default: the launchers
+    take the tile layout (the additive rule) or row groups where the owner
+    layout applies when a GPU has few sequences per multiprocessor
+    (:func:`linattn_nb.ops._cuda_launch.seq_layout`); "tiles" lists only the
+    configurations it applies to (elsewhere it is the owner layout's).
     """
+    from . import _cuda_kernels as K
     from ._codes import RULES
 
     rules = [code for code, _ in RULES.values()] if rules is None else list(rules)
@@ -690,6 +697,8 @@ def sequence_configurations(features, values, accs=("float32", "float64"), rules
             for rule in rules:
                 for F in features:
                     for M in values:
+                        if layout == "tiles" and not K.tiles_fits(F, M, 4 if acc == "float32" else 8, rule):
+                            continue
                         try:
                             launch = sequence_launch(F, M, acc, rule, layout)
                         except ValueError as exc:

@@ -161,17 +161,77 @@ def test_row_group_layout(rng, monkeypatch, method, causal):
     _check_against_reference(rng, method, causal)
 
 
-@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the simulator computes inf - inf
-@pytest.mark.parametrize("owner", [True, False])
 @pytest.mark.parametrize("method,causal", [("scan", True), ("chunked", True), ("aggregate", False)])
-def test_launcher_counts_nonfinite_in_the_kernel(rng, monkeypatch, method, causal, owner):
-    """check_finite=True: the sequence kernels count non-finite q, k, v while staging them (one
-    flag array, read once); every value counted once (2 column blocks, 3 chunks); the error names
-    the first argument holding one; check_finite=False raises nothing."""
+def test_tile_layout(rng, monkeypatch, method, causal):
+    """The tile layout (CUDA_SEQ_LAYOUT="tiles", what a GPU with few sequences gets for the additive
+    rule): D_phi = 5 padded to 8, tiles of 2 tokens (N = 7: a partial last tile, chunks 3 + 3 + 1),
+    column blocks 3 + 1 (the normaliser at block column 3, one group of four), from a random state."""
     from linattn_nb.ops import _cuda_kernels as K
 
-    if not owner:
+    monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
+    assert K.seq_config(5, 4, 4, layout="tiles") == (8, 4, 0, 3, 2)
+    assert K.threads_per_block(8, 4, 0, 3) == 2
+    _check_against_reference(rng, method, causal)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("method,causal", [("scan", True), ("chunked", True), ("aggregate", False)])
+def test_tile_layout_wide(rng, monkeypatch, method, causal, dtype, strided):
+    """The tile layout at D_phi = 12 (tiles of 3 tokens, 3 row groups), N = 11, float32 and float64:
+    contiguous inputs with M = 8 in one block (four elements per vector load of q, k and v; the
+    normaliser at column 8 opens a third column group: 9 threads), or strided inputs (one element
+    per load) with M = 7 (the normaliser at column 7: 2 column groups, 6 threads)."""
+    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops import _cuda_launch as CL
+
+    monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
+    monkeypatch.setattr(config, "CUDA_VALUE_COLS", 8)
+    monkeypatch.setattr(config, "CUDA_CHUNK_SIZE", 4)
+    B, N, F, M = 2, 11, 12, 7 if strided else 8
+    assert K.seq_config(F, M, np.dtype(dtype).itemsize, layout="tiles") == (12, 4, 0, M, 3)
+    assert K.threads_per_block(12, 4, 0, M) == 3 * (2 if strided else 3)
+    q, k, v = data(rng, B, N, F, M, dtype)
+    if not strided:
+        H = state_h(np.zeros((B, F, M)), np.zeros((B, F)))
+        p = CL.plan(*(cuda.to_device(x) for x in (q, k, v)), H, nan_device((B, N, M), dtype))
+        assert p.cfg[2] == 0 and p.vec == K.VEC_QK | K.VEC_V, (p.cfg, p.vec)
+    S0, z0 = rng.random((B, F, M)), rng.random((B, F))
+    if strided:  # q, k transposed in memory (feature stride N), v with a column stride of 2
+        def dev(x):
+            d = cuda.to_device(np.ascontiguousarray(x.transpose(0, 2, 1)))
+            return K.strided_view(d, x.shape, (d.strides[0], d.strides[2], d.strides[1]))
+        vw = np.zeros((B, N, 2 * M), dtype)
+        vw[..., ::2] = v
+        vd = cuda.to_device(vw)
+        vd = K.strided_view(vd, (B, N, M), (vd.strides[0], vd.strides[1], 2 * vd.strides[2]))
+        H = state_h(S0, z0)
+        outd = nan_device((B, N, M), dtype)
+        launcher(method, causal)(dev(q), dev(k), vd, H, outd, code=1, eps=1e-8)
+        out, (S, z) = outd.copy_to_host(), split_h(H)
+    else:
+        out, S, z = run_launcher(method, causal, q, k, v, S0, z0)
+    ref, S_ref, z_ref = reference(q, k, v, causal=causal, S0=S0, z0=z0)
+    rtol, atol = TOL[dtype]
+    np.testing.assert_allclose(out.astype(np.float64), ref, rtol=rtol, atol=atol)
+    rtol, atol = STATE_TOL[dtype]
+    np.testing.assert_allclose(S, S_ref, rtol=rtol, atol=atol)
+    np.testing.assert_allclose(z, z_ref, rtol=rtol, atol=atol)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the simulator computes inf - inf
+@pytest.mark.parametrize("layout", ["owner", "rows", "tiles"])
+@pytest.mark.parametrize("method,causal", [("scan", True), ("chunked", True), ("aggregate", False)])
+def test_launcher_counts_nonfinite_in_the_kernel(rng, monkeypatch, method, causal, layout):
+    """check_finite=True: the sequence kernels count non-finite q, k, v while staging them (one
+    flag array, read once); every value counted once (2 column blocks, 3 chunks; the tile layout
+    too, with tiles of one token at D_phi = 3); the error names the first argument holding one;
+    check_finite=False raises nothing."""
+    from linattn_nb.ops import _cuda_kernels as K
+
+    if layout == "rows":
         monkeypatch.setattr(K, "OWNER_MAX_ROWS", 0)
+    monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles" if layout == "tiles" else "auto")
     q, k, v = data(rng, 1, 7, 3, 4)
     q[0, 1, 2] = np.nan
     k[0, 4, 0] = np.inf
@@ -191,9 +251,12 @@ def test_launcher_counts_nonfinite_in_the_kernel(rng, monkeypatch, method, causa
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 4])
 @pytest.mark.parametrize("method,causal", [("scan", True), ("chunked", True), ("aggregate", False)])
-def test_edge_lengths(rng, method, causal, n):
+@pytest.mark.parametrize("layout", ["auto", "tiles"])
+def test_edge_lengths(rng, monkeypatch, method, causal, n, layout):
     """N = 0, 1, tile size, chunk - 1, chunk, chunk + 1 (tile 2, chunk 3); D != M; one batch
-    entry and one value-column block below the block width (M=2 < 3)."""
+    entry and one value-column block below the block width (M=2 < 3); the owner layout (the
+    simulator's "auto") and the tile layout (D_phi = 3 padded to 4: tiles of one token)."""
+    monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", layout)
     q, k, v = data(rng, 1, n, 3, 2)
     S0 = rng.random((1, 3, 2))
     z0 = rng.random((1, 3))
@@ -457,7 +520,9 @@ def test_auto_method_selection(monkeypatch):
     monkeypatch.setattr(config, "CUDA_MAX_ROWS_PER_THREAD", 64)
     monkeypatch.setattr(D, "multiprocessor_count", lambda: 132)
     kw = dict(causal=True, f=64, m=64, dtype=np.float32)
-    assert D.select_method_cuda("auto", batch=128, n=65536, **kw) == "chunked"  # 128 blocks < 4 * 132
+    assert D.select_method_cuda("auto", batch=128, n=65536, **kw) == "scan"  # tiles: 128 x 9 warps >= 4 * 132
+    assert D.select_method_cuda("auto", batch=58, n=65536, **kw) == "chunked"  # 58 x 9 warps < 4 * 132
+    assert D.select_method_cuda("auto", batch=128, n=65536, rule="gate", **kw) == "chunked"  # rows: 128 x 3
     assert D.select_method_cuda("auto", batch=1024, n=65536, **kw) == "scan"
     assert D.select_method_cuda("auto", batch=8, n=100, **kw) == "scan"  # short: AUTO_METHODS row
     assert D.select_method_cuda("auto", batch=8, n=100, causal=False, f=64, m=64, dtype=np.float32) == "aggregate"
@@ -483,17 +548,25 @@ def test_traffic_model_headline(monkeypatch):
     assert chunked["flops"] > scan["flops"]
     delta = traffic_model(shape, method="chunked", rule=3)  # the delta rules run the scan
     assert delta["method"] == "scan"
-    # on an H200 (132 SMs) the headline's 128 sequences take the row-group layout: one pass still
+    # on an H200 (132 SMs) the headline's 128 sequences take the tile layout: one pass still, 9 warps
+    # a sequence, and its FLOPs: per token 2 x 64 x 68 products twice, 8.5 scores of 64 and 16 x 68
     h200 = traffic_model(shape, method="scan", sms=132)
-    assert h200["layout"] == "rows" and h200["warps"] == 128 * 5
+    assert h200["layout"] == "tiles" and h200["warps"] == 128 * 9
     assert io <= h200["bytes"] <= 2.5e9 and 1.0 <= h200["flops_ratio"] <= 1.5
+    per_token = 2 * (2 * 64 * 68 + 8.5 * 64 + 16 * 68) + 64
+    assert h200["flops"] == 128 * 16384 * per_token
+    # row groups there (CUDA_SEQ_LAYOUT="rows"): 5 warps a sequence
+    monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "rows")
+    rows = traffic_model(shape, method="scan", sms=132)
+    assert rows["layout"] == "rows" and rows["warps"] == 128 * 5 and rows["bytes"] == h200["bytes"]
 
 
 def test_sequence_layout_choice(monkeypatch):
-    """seq_layout: the owner layout while its blocks give CUDA_AUTO_SCAN_BLOCKS_PER_SM per SM, row
-    groups below (more warps per sequence), the owner layout on a one-SM device (the simulator)
-    and where it does not apply; config.CUDA_SEQ_LAYOUT overrides; method="auto" then picks the
-    scan at the headline on an H200 (one pass) and the chunked method with too few sequences."""
+    """seq_layout: the owner layout while its blocks give CUDA_AUTO_SCAN_BLOCKS_PER_SM per SM, the
+    tile layout below (the additive rule; 9 warps per sequence at D_phi = M = 64) or row groups
+    (other rules), the owner layout on a one-SM device (the simulator) and where it does not apply;
+    config.CUDA_SEQ_LAYOUT overrides; method="auto" then picks the scan at the headline on an H200
+    (one pass) and the chunked method with too few sequences."""
     from linattn_nb import _cuda_dispatch as D
     from linattn_nb.ops import _cuda_kernels as K
     from linattn_nb.ops._codes import RULE_DELTA, RULE_GATE
@@ -501,18 +574,25 @@ def test_sequence_layout_choice(monkeypatch):
 
     for name, value in DEFAULT_LAUNCH.items():
         monkeypatch.setattr(config, name, value)
-    assert seq_layout(128, 64, 64, 4, sms=132) == "rows"  # 128 blocks of 2 warps < 4 x 132
+    assert seq_layout(128, 64, 64, 4, sms=132) == "tiles"  # 128 blocks of 2 warps < 4 x 132
     assert seq_layout(528, 64, 64, 4, sms=132) == "owner"
     assert seq_layout(527, 64, 64, 4, RULE_GATE, sms=132) == "rows"
     assert seq_layout(128, 64, 64, 4, sms=1) == "owner"  # one multiprocessor: the simulator
-    assert seq_layout(1, 64, 128, 4, sms=132) == "rows"  # two column blocks, still too few
+    assert seq_layout(1, 64, 128, 4, sms=132) == "tiles"  # two column blocks, still too few
+    assert seq_layout(1, 64, 128, 4, RULE_GATE, sms=132) == "rows"
+    assert seq_layout(1, 64, 64, 8, sms=132) == "rows"  # float64 at D_phi = 64: no tiles (shared memory)
+    assert seq_layout(1, 32, 64, 8, sms=132) == "tiles"
     assert seq_layout(1024, 64, 64, 4, RULE_DELTA, sms=132) == "rows"  # no owner layout for the delta rules
     assert seq_layout(1024, 256, 64, 4, sms=132) == "rows"  # D_phi > 64: row groups anyway
-    assert K.seq_config(64, 64, 4, 0, seq_layout(128, 64, 64, 4, sms=132)) == (8, 4, 8, 64, 13)
+    assert K.seq_config(64, 64, 4, 0, seq_layout(128, 64, 64, 4, sms=132)) == (64, 4, 0, 64, 16)
+    assert K.seq_config(64, 64, 4, 0, "rows") == (8, 4, 8, 64, 13)
+    assert K.seq_config(64, 64, 4, RULE_GATE, "tiles") == K.seq_config(64, 64, 4, RULE_GATE, "owner")
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "owner")
     assert seq_layout(1, 64, 64, 4, sms=132) == "owner"
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "rows")
     assert seq_layout(10**6, 64, 64, 4, sms=132) == "rows"
+    monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
+    assert seq_layout(10**6, 64, 64, 4, sms=132) == "tiles"
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "wide")
     with pytest.raises(ValueError, match="CUDA_SEQ_LAYOUT"):
         seq_layout(1, 64, 64, 4, sms=132)
@@ -520,9 +600,11 @@ def test_sequence_layout_choice(monkeypatch):
         K.seq_config(64, 64, 4, 0, "wide")
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "auto")
     kw = dict(rule="additive", causal=True, n=16384, f=64, m=64, dtype=np.float32, sms=132)
-    assert D.select_auto_cuda(batch=128, **kw) == "scan"  # 128 x 5 warps >= 4 per SM
-    assert D.select_auto_cuda(batch=105, **kw) == "chunked"  # 105 x 5 = 525 warps < 4 x 132
-    assert D.select_auto_cuda(batch=106, **kw) == "scan"
+    assert D.select_auto_cuda(batch=128, **kw) == "scan"  # 128 x 9 warps >= 4 per SM
+    assert D.select_auto_cuda(batch=58, **kw) == "chunked"  # 58 x 9 = 522 warps < 4 x 132
+    assert D.select_auto_cuda(batch=59, **kw) == "scan"
+    assert D.select_auto_cuda(batch=105, **dict(kw, rule="gate")) == "chunked"  # row groups: 525 warps
+    assert D.select_auto_cuda(batch=106, **dict(kw, rule="gate")) == "scan"
     assert D.select_auto_cuda(batch=600, **kw) == "scan"  # owner blocks fill the GPU
     assert D.select_auto_cuda(batch=128, **dict(kw, rule="gate")) == "scan"
 

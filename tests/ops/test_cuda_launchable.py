@@ -77,7 +77,7 @@ def _sequence_specs():
 
     by_tile = {}
     for c in ok:
-        tile = (c["cfg"][:2], c["acc"], c["rule"])
+        tile = (c["cfg"][:2], c["cfg"][2] == 0, c["acc"], c["rule"])
         best = by_tile.get(tile)
         if best is None or (c["threads"], c["F"], -c["M"]) > (best["threads"], best["F"], -best["M"]):
             by_tile[tile] = c
@@ -95,13 +95,14 @@ SEQ_SPECS, SEQ_REFUSED = _sequence_specs()
 #: every map at the default configurations (D_phi = 64 in both layouts, and 256), float32 and float64.
 MAP_CODES = (0, 1, 2, 3, 4, 5)
 MAP_SPECS = [CR.sequence_spec(F, 64, acc, 0, layout=layout, code=code) for code in MAP_CODES
-             for acc in ACCS for F, layout in ((64, "owner"), (64, "rows"), (256, "owner"))]
+             for acc in ACCS for F, layout in ((64, "owner"), (64, "rows"), (64, "tiles"), (256, "owner"))]
 #: The kernels for other input layouts (the specs above are those of contiguous inputs, with vector
 #: loads): strided inputs (one element per load, ``vec=0``) and sequences spanning 2^31 elements or
 #: more (64-bit offsets as well), every rule, at D_phi = 64 in both layouts and at D_phi = 256.
 VARIANT_SPECS = list({s.key: s for s in (
     CR.sequence_spec(F, 64, acc, rule, layout=layout, **kw) for kw in ({"vec": 0}, {"vec": 0, "off32": False})
-    for rule in RULE_CODES for acc in ACCS for F, layout in ((64, "owner"), (64, "rows"), (256, "owner")))}.values())
+    for rule in RULE_CODES for acc in ACCS
+    for F, layout in ((64, "owner"), (64, "rows"), (64, "tiles"), (256, "owner")))}.values())
 OTHER_SPECS = CR.helper_specs() + CR.backward_specs() + CR.step_specs()
 ALL_SPECS = SEQ_SPECS + MAP_SPECS + VARIANT_SPECS + OTHER_SPECS
 
@@ -195,11 +196,11 @@ def test_selection_covers_every_tile():
     ok, _ = CR.sequence_configurations(FEATURES, VALUES, ACCS, RULE_CODES)
     most = {}
     for c in ok:
-        tile = (c["cfg"][:2], c["acc"], c["rule"])
+        tile = (c["cfg"][:2], c["cfg"][2] == 0, c["acc"], c["rule"])
         most[tile] = max(most.get(tile, 0), c["threads"])
     compiled = {}
     for s in SEQ_SPECS:
-        tile = (s.info["cfg"][:2], s.info["acc"], s.info["rule"])
+        tile = (s.info["cfg"][:2], s.info["cfg"][2] == 0, s.info["acc"], s.info["rule"])
         compiled[tile] = max(compiled.get(tile, 0), s.threads)
     assert compiled == most
     assert all("D_phi" in r["error"] for r in SEQ_REFUSED)
