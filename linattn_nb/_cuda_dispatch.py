@@ -168,7 +168,7 @@ def select_auto_cuda(*, rule, causal, batch, n, f, m, dtype, sms=None) -> str:
     Causal: ``"scan"`` when the scan's blocks (``batch x column blocks``) in
     the layout :func:`linattn_nb.ops._cuda_launch.seq_layout` gives it fill
     the GPU: the owner layout at ``config.CUDA_AUTO_SCAN_BLOCKS_PER_SM``
-    blocks per multiprocessor or more, the row-group layout when its warps
+    blocks per multiprocessor or more, the tile or row-group layout when its warps
     reach ``config.CUDA_AUTO_SCAN_MIN_WARPS_PER_SM`` per multiprocessor (one
     pass over q, k, v, against the chunked method's two over k and v); else
     the rows of ``config.AUTO_METHODS[(rule, True, "cuda")]`` by sequence
