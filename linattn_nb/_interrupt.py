@@ -7,19 +7,49 @@ the exception is printed ("Exception ignored in ...") and dropped, and the
 run goes on as if nothing had happened.  ``interrupts()`` remembers the signal
 as well: the sweep checks between points and the report between studies, and
 leaving the block raises the interrupt if nothing else did.
+
+Inside llvmlite (a frame of llvmlite on the stack: LLVM calling back into
+Python while Numba compiles or loads its cache) the handler does not raise:
+an exception there is at best swallowed, and a ``KeyboardInterrupt`` raised in
+llvmlite's object-cache callback once left LLVM with a bad buffer and the
+process died of a segmentation fault (CI, ``test_report_sigint_subprocess``).
+The handler sends the signal again :data:`RETRY_S` seconds later instead, so
+the interrupt is raised in the first Python code outside llvmlite.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 
 _pending = False
+_timer = None
+#: Seconds after which a SIGINT that arrived inside llvmlite is sent again.
+RETRY_S = 0.05
+
+
+def _in_llvmlite(frame) -> bool:
+    while frame is not None:
+        if "llvmlite" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _resend() -> None:
+    if signal.getsignal(signal.SIGINT) is _on_sigint:  # the block has not ended meanwhile
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 def _on_sigint(signum, frame):
-    global _pending
+    global _pending, _timer
     _pending = True
+    if _in_llvmlite(frame):
+        _timer = threading.Timer(RETRY_S, _resend)
+        _timer.daemon = True
+        _timer.start()
+        return
     raise KeyboardInterrupt
 
 
@@ -59,4 +89,6 @@ def interrupts():
         check()
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        if _timer is not None:
+            _timer.cancel()
         _pending = False

@@ -703,3 +703,39 @@ def test_swallowed_ctrl_c_stops_the_report(tmp_path, python_sigint_handler):
         _study.register_study(study, overwrite=True)
     assert (tmp_path / "r" / "rank.jsonl").exists()
     assert not (tmp_path / "r" / "recall.jsonl").exists()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="os.kill(SIGINT) to itself is POSIX")
+def test_ctrl_c_inside_llvmlite_is_raised_after_it(python_sigint_handler):
+    """A SIGINT that arrives while llvmlite's code runs (LLVM calling back into Python during a
+    Numba compile or cache load; raising there once crashed the process) is not raised there: the
+    handler sends it again a moment later, and it is raised in the first code outside llvmlite."""
+    import os
+    import signal
+    import time
+
+    from linattn_nb import _interrupt
+
+    # code whose frames read as llvmlite's: the signal arrives, and the loop runs on to its end
+    src = ("def callback(wait):\n"
+           "    os.kill(os.getpid(), signal.SIGINT)\n"
+           "    t = time.monotonic()\n"
+           "    while time.monotonic() - t < wait:\n"
+           "        pass\n"
+           "    return 'done'\n")
+    ns = {"os": os, "signal": signal, "time": time}
+    exec(compile(src, "/site-packages/llvmlite/binding/fake_callback.py", "exec"), ns)
+    finished = []
+    with pytest.raises(KeyboardInterrupt):
+        with _interrupt.interrupts():
+            finished.append(ns["callback"](0.01))  # shorter than RETRY_S: no resend inside it
+            time.sleep(5)  # the resent SIGINT lands here
+    assert finished == ["done"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # outside llvmlite the interrupt is raised at once, as Python's own handler does
+    with pytest.raises(KeyboardInterrupt):
+        with _interrupt.interrupts():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+            finished.append("late")
+    assert finished == ["done"]
