@@ -223,6 +223,25 @@ def _entry_views(q, k, v, out, qs, ks, vs, os_, b1, b2):
 
 
 @cuda.jit(device=True, inline=True)  # inlined: no device-function compile, which needs a GPU
+def _block_segment(q, k, v, out, qs, ks, vs, os_, nseg_per_b, b2n, state_div, MB, flags):
+    """What a sequence-kernel block works on: segment ``blockIdx.x`` is chunk ``c`` of batch entry
+    ``b = b1 * B2 + b2`` (``nseg_per_b`` chunks per entry), reads and writes state ``sidx``, and its
+    value columns start at ``m0 = blockIdx.y * MB``; the entry's 1-d views (:func:`_entry_views`);
+    ``check``: count non-finite q, k, v (``flags`` of shape (3,)), ``cqk``: q and k here (the first
+    column block only, so each value counts once).  Returns ``(b, c, sidx, m0, qb, kb, vb, ob, check,
+    cqk)``."""
+    seg = cuda.blockIdx.x
+    b = seg // nseg_per_b
+    c = seg - b * nseg_per_b
+    b1 = b // b2n
+    b2 = b - b1 * b2n
+    qb, kb, vb, ob = _entry_views(q, k, v, out, qs, ks, vs, os_, b1, b2)
+    check = flags.shape[0] > 1
+    return (b, c, seg // state_div, cuda.blockIdx.y * MB, qb, kb, vb, ob, check,
+            check and cuda.blockIdx.y == 0)
+
+
+@cuda.jit(device=True, inline=True)  # inlined: no device-function compile, which needs a GPU
 def _update_read(st, w, ac, sk, sq, t, row0, R, C):
     """One token on a row-group thread's R x C register tile ``st``: ``S += phi(k_t) w^T`` over its
     rows, and ``ac[j] += phi(q_t)^T S[:, j]`` with the updated elements (``w``: the staged values of
@@ -334,21 +353,13 @@ def _owner_kernel(R, C, MB, T, acc, rule, code, off32, vec):
         Mu = uint32(M)
         tid = cuda.threadIdx.x
         c0 = tid * C
-        seg = cuda.blockIdx.x
-        b = seg // nseg_per_b
-        c = seg - b * nseg_per_b
-        b1 = b // b2n
-        b2 = b - b1 * b2n
-        sidx = seg // state_div
-        m0 = cuda.blockIdx.y * MB
         epsa = acc_t(eps)
         # the batch entry's sequences from their first element (64-bit, once per block), then
         # element offsets of IDX within them: token x token stride + column x column stride
-        qb, kb, vb, ob = _entry_views(q, k, v, out, qs, ks, vs, os_, b1, b2)
+        b, c, sidx, m0, qb, kb, vb, ob, check, cqk = _block_segment(q, k, v, out, qs, ks, vs, os_, nseg_per_b, b2n,
+                                                                    state_div, MB, flags)
         qn, qf, kn, kf = IDX(qs[2]), IDX(qs[3]), IDX(ks[2]), IDX(ks[3])
         vn, vf, on, of = IDX(vs[2]), IDX(vs[3]), IDX(os_[2]), IDX(os_[3])
-        check = flags.shape[0] > 1  # check_finite: count non-finite q, k, v in flags[0, 1, 2]
-        cqk = check and cuda.blockIdx.y == 0  # q and k: counted by the first column block only
 
         for j in range(C):
             ok = read_state and c0 + j < MB and m0 + c0 + j < M
@@ -624,20 +635,12 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec):
         r0 = rg * uint32(4)  # this thread's state rows r0 .. r0 + 3
         j0 = cg * uint32(4)  # and block columns j0 .. j0 + 3 (j < MB: value column m0 + j, MB: z)
         tt = rg  # the token of the tile whose outputs j0 .. j0 + 3 this thread sums
-        seg = cuda.blockIdx.x
-        b = seg // nseg_per_b
-        c = seg - b * nseg_per_b
-        b1 = b // b2n
-        b2 = b - b1 * b2n
-        sidx = seg // state_div
-        m0 = cuda.blockIdx.y * MB
+        b, c, sidx, m0, qb, kb, vb, ob, check, cqk = _block_segment(q, k, v, out, qs, ks, vs, os_, nseg_per_b, b2n,
+                                                                    state_div, MB, flags)
         m0u = uint32(m0)
         epsa = acc_t(eps)
-        qb, kb, vb, ob = _entry_views(q, k, v, out, qs, ks, vs, os_, b1, b2)
         qn, qf, kn, kf = IDX(qs[2]), IDX(qs[3]), IDX(ks[2]), IDX(ks[3])
         vn, vf, on, of = IDX(vs[2]), IDX(vs[3]), IDX(os_[2]), IDX(os_[3])
-        check = flags.shape[0] > 1  # check_finite: count non-finite q, k, v in flags[0, 1, 2]
-        cqk = check and cuda.blockIdx.y == 0  # q and k: counted by the first column block only
 
         for a in range(4):
             r = r0 + uint32(a)
@@ -931,16 +934,10 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
         # the lanes of this thread's warp that exist (the last warp of the block may be partial)
         nlanes = min(32, NTH - (tid // 32) * 32)
         lanes = uint32(0xFFFFFFFF) if nlanes == 32 else uint32((1 << nlanes) - 1)
-        seg = cuda.blockIdx.x
-        b = seg // nseg_per_b
-        c = seg - b * nseg_per_b
-        b1 = b // b2n
-        b2 = b - b1 * b2n
-        sidx = seg // state_div
-        m0 = cuda.blockIdx.y * MB
         # the batch entry's sequences from their first element (64-bit, once per block), then
         # element offsets of IDX within them: token x token stride + column x column stride
-        qb, kb, vb, ob = _entry_views(q, k, v, out, qs, ks, vs, os_, b1, b2)
+        b, c, sidx, m0, qb, kb, vb, ob, check, cqk = _block_segment(q, k, v, out, qs, ks, vs, os_, nseg_per_b, b2n,
+                                                                    state_div, MB, flags)
         qn, qf, kn, kf = IDX(qs[2]), IDX(qs[3]), IDX(ks[2]), IDX(ks[3])
         vn, vf, on, of = IDX(vs[2]), IDX(vs[3]), IDX(os_[2]), IDX(os_[3])
         row0 = uint32(tg * R)  # unsigned: no wraparound, and the compiler sees its alignment
@@ -948,8 +945,6 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
         Mu = uint32(M)
         m0u = uint32(m0)
         epsa = acc_t(eps)
-        check = flags.shape[0] > 1  # check_finite: count non-finite q, k, v in flags[0, 1, 2]
-        cqk = check and cuda.blockIdx.y == 0  # q and k: counted by the first column block only
 
         # block column j < MB is value column m0 + j, j == MB the normaliser
         # (state column M), j > MB padding
