@@ -242,6 +242,20 @@ def _block_segment(q, k, v, out, qs, ks, vs, os_, nseg_per_b, b2n, state_div, MB
 
 
 @cuda.jit(device=True, inline=True)  # inlined: no device-function compile, which needs a GPU
+def _normalize_staged_rows(sq, sk, nt, tid, nth, F, update, write_out):
+    """The L2 half of the row maps (codes 4 and 5) on a staged tile: one thread per row of
+    ``phi(k)`` (``update``) and ``phi(q)`` (``write_out``) of the ``nt`` tokens; the caller
+    synchronises after it."""
+    for idx in range(tid, 2 * nt, nth):
+        t = idx >> 1
+        if idx & 1:
+            if update:
+                l2_normalize_row(sk, t, F)
+        elif write_out:
+            l2_normalize_row(sq, t, F)
+
+
+@cuda.jit(device=True, inline=True)  # inlined: no device-function compile, which needs a GPU
 def _update_read(st, w, ac, sk, sq, t, row0, R, C):
     """One token on a row-group thread's R x C register tile ``st``: ``S += phi(k_t) w^T`` over its
     rows, and ``ac[j] += phi(q_t)^T S[:, j]`` with the updated elements (``w``: the staged values of
@@ -440,13 +454,7 @@ def _owner_kernel(R, C, MB, T, acc, rule, code, off32, vec):
                             sv[uint32(t), uint32(jj)] = zero
             cuda.syncthreads()
             if is_row_map(cd):
-                for idx in range(tid, 2 * nt, NTH):
-                    t = idx >> 1
-                    if idx & 1:
-                        if update:
-                            l2_normalize_row(sk, t, F)
-                    elif write_out:
-                        l2_normalize_row(sq, t, F)
+                _normalize_staged_rows(sq, sk, nt, tid, NTH, F, update, write_out)
                 cuda.syncthreads()
             # ---- decay and gate (module docstring, "Rescaled tiles"): a tile whose
             # running factors P_t = a_0 ... a_t stay >= TAU runs the additive update
@@ -711,13 +719,7 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec):
                         sv[t, jj] = one if jj == uint32(MB) and t < ntu else zero
             cuda.syncthreads()
             if is_row_map(cd):  # L2, SiLU then L2: one thread per staged row
-                for idx in range(tid, 2 * T, NTH):
-                    t = idx >> 1
-                    if idx & 1:
-                        if update:
-                            l2_normalize_row(sk, t, F)
-                    elif write_out:
-                        l2_normalize_row(sq, t, F)
+                _normalize_staged_rows(sq, sk, T, tid, NTH, F, update, write_out)
                 cuda.syncthreads()
             # ---- the tile's causal scores phi(q_t)^T phi(k_s), s <= t: one per thread of the first
             # NTRI (no lane idles on the masked half); a thread sums its own dot product
@@ -1025,13 +1027,7 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
             # ---- row maps (L2, SiLU then L2): normalise every staged row,
             # one thread per row (code is uniform over the block)
             if is_row_map(cd):
-                for idx in range(tid, 2 * nt, NTH):
-                    t = idx >> 1
-                    if idx & 1:
-                        if update:
-                            l2_normalize_row(sk, t, F)
-                    elif write_out:
-                        l2_normalize_row(sq, t, F)
+                _normalize_staged_rows(sq, sk, nt, tid, NTH, F, update, write_out)
                 cuda.syncthreads()
             # ---- decay, gate, gated delta (module docstring, "Rescaled tiles"): as in the
             # owner layout, a tile whose running factors stay >= TAU runs the token loop on

@@ -225,13 +225,18 @@ def test_delta_rule_beta_zero_keeps_the_state_and_unit_keys_stay_bounded():
     assert (np.linalg.norm(S, 2, axis=(1, 2)) <= bound * (1 + 1e-12)).all()
 
 
+@pytest.mark.parametrize("layout", ["auto", "tiles"])
 @pytest.mark.parametrize("method", ["scan", "chunked", "aggregate"])
 @pytest.mark.parametrize("code", [KERNEL_CODE_L2, KERNEL_CODE_SILU_L2])
-def test_row_maps_inline(code, method):
+def test_row_maps_inline(monkeypatch, code, method, layout):
     """'l2' and 'silu_l2' applied in the kernel equal the NumPy maps (additive rule, causal scan
     and chunked, non-causal aggregate; float32): signed inputs, a zero key row and a zero query
     row (which stay zero), a row of very negative values (SiLU gives -0s: a zero row) and a query
-    row whose squares overflow float32 (the norm is taken in float64)."""
+    row whose squares overflow float32 (the norm is taken in float64); the simulator's layout
+    (owner) and the tile layout (unnormalised outputs)."""
+    from linattn_nb import config
+
+    monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", layout)
     rng = np.random.default_rng(code)
     q, k = (rng.normal(size=(B, N, F)) for _ in range(2))
     v = rng.normal(size=(B, N, M))
