@@ -100,7 +100,7 @@ def seq_layout(segments: int, F: int, M: int, acc_itemsize: int, rule: int = RUL
     Raises
     ------
     ValueError
-        For a ``config.CUDA_SEQ_LAYOUT`` other than "auto", "owner", "rows".
+        For a ``config.CUDA_SEQ_LAYOUT`` other than "auto", "owner", "rows", "tiles".
     """
     setting = str(config.CUDA_SEQ_LAYOUT)
     if setting not in ("auto", "owner", "rows", "tiles"):
