@@ -425,12 +425,7 @@ def chunk_transition(rule, H, R, fk, part, n, fs, tot, after_intra):
             for i in range(F):
                 fk[s, i] *= ks
         gemm(1, 0, F, M1, n, 1.0, fk, 0, F, R, F * M1, M1, 0.0, part, 0, M1)
-        g = tot[0]
-        for i in range(F):
-            for m in range(M1):
-                h = g * H[i, m] + part[i, m]
-                H[i, m] = h
-                R[i, m] = h
+        absorb_scaled(H, part, R, tot[0])
     elif rule == RULE_GATE:
         if not after_intra:
             for s in range(n):
@@ -447,12 +442,34 @@ def chunk_transition(rule, H, R, fk, part, n, fs, tot, after_intra):
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def absorb(H, part, R):
-    """H (F, M + 1) += part in float64, and R's first F rows (the working-dtype copy) follow, in one pass."""
-    for i in range(H.shape[0]):
-        for m in range(H.shape[1]):
-            s = H[i, m] + part[i, m]
-            H[i, m] = s
-            R[i, m] = s
+    """H (F, M + 1) += part in float64, and R's first F rows (the working-dtype copy) follow, in one pass.
+
+    All three C-contiguous (the kernels' scratch and ``Hst[b, p]``): the F x
+    (M + 1) elements as one flat loop (R's first F rows are its first F (M +
+    1) elements).  Rows of M + 1 = 65 each set up a vector loop with its
+    alias checks and a scalar remainder: the flat loop takes 0.7-0.9x their
+    time (``benchmarks/chunked_breakdown.py --against``, "state update",
+    2026-12-01); the same sums.
+    """
+    h = H.reshape(-1)
+    p = part.reshape(-1)
+    r = R.reshape(-1)
+    for j in range(h.shape[0]):
+        s = h[j] + p[j]
+        h[j] = s
+        r[j] = s
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def absorb_scaled(H, part, R, g):
+    """As :func:`absorb` with the state scaled first: H <- g H + part (the decay rule's transition)."""
+    h = H.reshape(-1)
+    p = part.reshape(-1)
+    r = R.reshape(-1)
+    for j in range(h.shape[0]):
+        s = g * h[j] + p[j]
+        h[j] = s
+        r[j] = s
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
