@@ -329,7 +329,7 @@ CUDA_SPECIALIZE_MAPS = _env_int("LINATTN_CUDA_SPECIALIZE_MAPS", 1)
 #: Thread layout of the sequence kernel: "auto" (the owner layout where it
 #: applies; when the owner layout's blocks would be fewer than
 #: CUDA_AUTO_SCAN_BLOCKS_PER_SM per multiprocessor, the tile layout for the
-#: additive rule where it applies, else row groups: see
+#: additive and decay rules where it applies, else row groups: see
 #: linattn_nb.ops._cuda_launch.seq_layout), "owner" (where it applies),
 #: "rows" (always row groups) or "tiles" (the tile layout where it applies,
 #: else the owner layout's rule).  A device of one multiprocessor (the

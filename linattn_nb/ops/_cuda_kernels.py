@@ -68,8 +68,8 @@ cross-thread sums a thread issues per FFMA.  Three layouts (:func:`seq_config`):
   summed once and the ``G`` partials of every value column are summed and
   divided by it.
 
-* **tiles** (``G == 0``; the additive rule, ``D_phi`` padded to a multiple
-  of 4 at most :data:`TILES_MAX_ROWS` = 64, within the shared-memory budget:
+* **tiles** (``G == 0``; the additive and decay rules, :data:`TILES_RULES`;
+  ``D_phi`` padded to a multiple of 4 at most :data:`TILES_MAX_ROWS` = 64, within the shared-memory budget:
   float32 up to D_phi = M = 64, float64 up to D_phi = 32; what the launchers
   take instead of row groups when the owner layout's blocks are too few,
   :func:`linattn_nb.ops._cuda_launch.seq_layout`): the chunkwise form inside
@@ -94,6 +94,17 @@ cross-thread sums a thread issues per FFMA.  Three layouts (:func:`seq_config`):
   ``gpu_static.py`` prints its static SASS mix).  More than
   :data:`MAX_SEQ_THREADS` threads: a register cap (``max_registers``) keeps
   registers x threads within a block's 65,536.
+  The decay rule (``S_t = a_t S_{t-1} + k_t v_t^T``) in the same products:
+  the tile's log-factors are staged (one per token, 0 past the sequence),
+  each score (t, s) is weighted by ``a_{s+1} ... a_t``, token t reads the
+  start state scaled by ``a_0 ... a_t`` and key s enters the end state with
+  the share ``a_{s+1} ... a_{T-1}``, the state tile being scaled by the
+  tile's ``a_0 ... a_{T-1}`` first: each factor the ``exp`` of a sum of
+  log-factors taken forwards (never a difference or a ratio), so a reset
+  (``-inf``) gives exact zeros and strong decay needs no fallback (the
+  other layouts' rescaled tiles divide by running factors and fall back to
+  the direct form below a floor).  One more barrier per tile only in the
+  chunk-sum mode (no scores); 4 multiplies per key and thread, 16 per tile.
 
 The owner and row-group layouts have at most :data:`MAX_SEQ_THREADS` = 256 threads, so
 registers x threads stays within the 65,536 registers of a block however
@@ -197,7 +208,7 @@ from numba import config as _nbconfig
 from numba import cuda, float32, float64, uint32, uint64
 
 from .. import config
-from ._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, RULE_GATE, RULE_GATED_DELTA
+from ._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, RULE_DECAY, RULE_GATE, RULE_GATED_DELTA
 from ._cuda_common import (carry, fill4, is_delta_rule, is_row_map, l2_normalize_row, rule_factor_rows, stage,
                            stage4, unravel4)
 
@@ -593,9 +604,35 @@ def _triangle_entry(iu):
     return t, uint32(iu - t * (t + uint32(1)) // uint32(2))
 
 
-def _tiles_kernel(FP, MB, acc, code, off32, vec):
-    """The tile layout (``G == 0``): see the module docstring."""
+@cuda.jit(device=True, inline=True)  # inlined: no device-function compile, which needs a GPU
+def _tile_state_read(ac, sq, sst, tt, j0, FP):
+    """``ac[j] += phi(q_tt)^T [S | z][:, j0 + j]``, j < 4: token ``tt``'s read of the tile's start state."""
+    iu = uint32(0)
+    while iu < uint32(FP):
+        for a in range(4):
+            x = sq[tt, iu + uint32(a)]
+            for j in range(4):
+                ac[j] += x * sst[iu + uint32(a), j0 + uint32(j)]
+        iu += uint32(4)
+
+
+@cuda.jit(device=True, inline=True)  # inlined: no device-function compile, which needs a GPU
+def _log_sum(sl, lo, hi, zero):
+    """``sl[lo] + ... + sl[hi - 1]`` (uint32 bounds; 0 when ``lo >= hi``): a sum of log-factors, never a
+    difference, so a reset (``-inf``) gives ``-inf`` and its ``exp`` 0, not NaN."""
+    g = zero
+    u = lo
+    while u < hi:
+        g += sl[u]
+        u = uint32(u + uint32(1))
+    return g
+
+
+def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
+    """The tile layout (``G == 0``; the additive and decay rules): see the module docstring."""
     acc_t = _ACC_TYPES[acc]
+    DECAY = rule == RULE_DECAY  # one log-factor per token: the tile's weights, start-state reads, key shares
+    TD = FP // 4 if DECAY else 1  # per-token factor arrays (a one-element stand-in without factors)
     IDX = uint32 if off32 else uint64  # element offsets within a sequence (module docstring)
     VQK = bool(vec & VEC_QK)  # q, k: four features per vector load (module docstring)
     VV = bool(vec & VEC_V)  # v: four columns per vector load
@@ -627,6 +664,9 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec):
         sa = cuda.shared.array((T, T), acc_t)  # phi(q_t)^T phi(k_s) for s <= t, 0 above the diagonal
         sst = cuda.shared.array((FP, MP), acc_t)  # the state at the tile's start, [S | z | 0]
         sden = cuda.shared.array(T, acc_t)  # the normaliser of every token of the tile
+        sl = cuda.shared.array(TD, acc_t)  # decay: log a_t of the tile's tokens (0 past the sequence)
+        sfp = cuda.shared.array(TD, acc_t)  # decay: a_0 ... a_t, token t's factor of the start state
+        ssh = cuda.shared.array(TD, acc_t)  # decay: a_{s+1} ... a_{T-1}, key s's share of the end state
         st = cuda.local.array(16, acc_t)  # st[a * 4 + j]: state row r0 + a, column j0 + j
         ac = cuda.local.array(4, acc_t)
         kk = cuda.local.array(4, acc_t)
@@ -717,6 +757,10 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec):
                         stage(sv, t, jj, vb[IDX((t0u + t) * vn + col * vf)], flags, 2, check, False, cd, zero, one)
                     else:
                         sv[t, jj] = one if jj == uint32(MB) and t < ntu else zero
+            if DECAY and update:
+                for t in range(tid, T, NTH):
+                    tu = uint32(t)
+                    sl[tu] = acc_t(lf[b, t0u + tu, 0]) if tu < ntu else zero
             cuda.syncthreads()
             if is_row_map(cd):  # L2, SiLU then L2: one thread per staged row
                 _normalize_staged_rows(sq, sk, T, tid, NTH, F, update, write_out)
@@ -735,13 +779,26 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec):
                         for a in range(4):
                             x += sq[t, iu + uint32(a)] * sk[s, iu + uint32(a)]
                         iu = uint32(iu + uint32(4))
+                    if DECAY:  # weight a_{s+1} ... a_t: exp of a sum of the tile's log-factors (1 on the diagonal)
+                        x *= math.exp(_log_sum(sl, uint32(s + uint32(1)), uint32(t + uint32(1)), zero))
                     sa[t, s] = x
+            if DECAY and update:  # each token's factor of the start state and each key's share of the end state
+                for t in range(tid, T, NTH):
+                    tu = uint32(t)
+                    sfp[tu] = math.exp(_log_sum(sl, uint32(0), uint32(tu + uint32(1)), zero))
+                    ssh[tu] = math.exp(_log_sum(sl, uint32(tu + uint32(1)), uint32(T), zero))
+            if update and (write_out or DECAY):
                 cuda.syncthreads()
             # ---- outputs of token tt, columns j0 .. j0 + 3: the tile's own tokens, then the start
             # state ((Q K^T masked) [V | 1] + Q [S | z]; column MB is the normaliser)
             if write_out:
                 for j in range(4):
                     ac[j] = zero
+                if DECAY and update:  # the start state's term first, scaled by a_0 ... a_tt
+                    _tile_state_read(ac, sq, sst, tt, j0, FP)
+                    x = sfp[tt]
+                    for j in range(4):
+                        ac[j] *= x
                 if update:
                     su = uint32(0)
                     while su < uint32(T):
@@ -750,13 +807,8 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec):
                             for j in range(4):
                                 ac[j] += x * sv[su + uint32(a), j0 + uint32(j)]
                         su = uint32(su + uint32(SVW))
-                iu = uint32(0)
-                while iu < uint32(FP):
-                    for a in range(4):
-                        x = sq[tt, iu + uint32(a)]
-                        for j in range(4):
-                            ac[j] += x * sst[iu + uint32(a), j0 + uint32(j)]
-                    iu += uint32(4)
+                if not (DECAY and update):
+                    _tile_state_read(ac, sq, sst, tt, j0, FP)
                 for j in range(4):
                     if j0 + uint32(j) == uint32(MB):
                         x = ac[j]
@@ -765,10 +817,18 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec):
                         sden[tt] = x
             # ---- the state: S += phi(K)^T [V | 1 | 0] over the tile, this thread's 4 x 4 tile
             if update:
+                if DECAY:  # S <- a_0 ... a_{T-1} S + sum_s (a_{s+1} ... a_{T-1} k_s) [v_s | 1]^T
+                    x = sfp[T - 1]
+                    for i in range(16):
+                        st[i] *= x
                 su = uint32(0)
                 while su < uint32(T):
                     for a in range(4):
                         kk[a] = sk[su, r0 + uint32(a)]
+                    if DECAY:
+                        x = ssh[su]
+                        for a in range(4):
+                            kk[a] *= x
                     for j in range(4):
                         vv[j] = sv[su, j0 + uint32(j)]
                     for a in range(4):
@@ -864,9 +924,10 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
     R, C, G, MB, T = key[:5]
     rule = key[6]
     if G == 0:
-        if rule != RULE_ADDITIVE or C != 4 or R % 4 or T != R // 4:
-            raise ValueError(f"the tile layout (G = 0) is the additive rule's with C = 4, T = R / 4; got {key}")
-        kern = _SEQ_KERNELS[key] = _tiles_kernel(R, MB, acc, key[7], key[8], key[9])
+        if rule not in TILES_RULES or C != 4 or R % 4 or T != R // 4:
+            raise ValueError(f"the tile layout (G = 0) is the additive and decay rules' with C = 4, T = R / 4; "
+                             f"got {key}")
+        kern = _SEQ_KERNELS[key] = _tiles_kernel(R, MB, acc, key[7], key[8], key[9], rule)
         return kern
     if G == 1 and not is_delta_rule(rule):
         kern = _SEQ_KERNELS[key] = _owner_kernel(R, C, MB, T, acc, rule, key[7], key[8], key[9])
@@ -1340,6 +1401,11 @@ OWNER_MAX_ROWS = 64
 #: per block of the tile layout: 16 x 17 = 272 threads at D_phi = M = 64.
 TILES_MAX_ROWS = 64
 TILES_MAX_COLS = 64
+#: Rules the tile layout takes: the additive rule and the decay rule (a scalar factor per token:
+#: the tile's weights a_{s+1} ... a_t, the start state's a_0 ... a_t and the keys' shares of the
+#: end state, each the exp of a sum of the tile's log-factors).  The gate's factors differ per
+#: feature inside the score's dot product, and the delta rules read the state per token.
+TILES_RULES = (RULE_ADDITIVE, RULE_DECAY)
 #: Threads per block of the sequence kernel at most: 256 threads x 255
 #: registers (the most ptxas gives a thread) fit the 65,536 registers of a
 #: block, so every configuration launches whatever ptxas allocates.
@@ -1426,7 +1492,7 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE, lay
         )
     if layout == "tiles":
         if tiles_fits(F, M, acc_itemsize, rule):
-            FP, MB, T, _, _ = _tiles_sizes(F, M, acc_itemsize)
+            FP, MB, T, _, _ = _tiles_sizes(F, M, acc_itemsize, rule)
             return FP, 4, 0, MB, T
         layout = "owner"
     max_threads = max(2, min(int(config.CUDA_MAX_THREADS), MAX_SEQ_THREADS))
@@ -1489,22 +1555,24 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE, lay
     return R, C, G, MB, T
 
 
-def _tiles_sizes(F: int, M: int, acc_itemsize: int):
+def _tiles_sizes(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE):
     """``(FP, MB, T, threads, shared bytes)`` of the tile layout (module docstring)."""
     FP = -(-int(F) // 4) * 4
     MB = max(1, min(int(M), int(config.CUDA_VALUE_COLS), TILES_MAX_COLS))
     MP = -(-(MB + 1) // 4) * 4
     T = FP // 4
-    words = 2 * T * (FP + 4) + T * MP + T * T + FP * MP + T
+    # phi(q), phi(k), [v | 1], scores, start state, normalisers; the decay rule's three per-token
+    # factor arrays (one-element stand-ins for the additive rule)
+    words = 2 * T * (FP + 4) + T * MP + T * T + FP * MP + T + 3 * (T if rule == RULE_DECAY else 1)
     return FP, MB, T, T * (MP // 4), words * int(acc_itemsize)
 
 
 def tiles_fits(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> bool:
-    """Whether the tile layout applies (:func:`seq_config`): the additive rule, ``D_phi`` padded to
-    a multiple of 4 at most :data:`TILES_MAX_ROWS`, and its shared memory within
-    ``config.CUDA_SHARED_BYTES``."""
-    FP, _, _, _, nbytes = _tiles_sizes(F, M, acc_itemsize)
-    return rule == RULE_ADDITIVE and FP <= TILES_MAX_ROWS and nbytes <= int(config.CUDA_SHARED_BYTES)
+    """Whether the tile layout applies (:func:`seq_config`): a rule of :data:`TILES_RULES` (additive,
+    decay), ``D_phi`` padded to a multiple of 4 at most :data:`TILES_MAX_ROWS`, and its shared memory
+    within ``config.CUDA_SHARED_BYTES``."""
+    FP, _, _, _, nbytes = _tiles_sizes(F, M, acc_itemsize, rule)
+    return rule in TILES_RULES and FP <= TILES_MAX_ROWS and nbytes <= int(config.CUDA_SHARED_BYTES)
 
 
 def owner_fits(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> bool:

@@ -84,7 +84,7 @@ def seq_layout(segments: int, F: int, M: int, acc_itemsize: int, rule: int = RUL
     ``config.CUDA_AUTO_SCAN_BLOCKS_PER_SM`` per multiprocessor -- fewer than 8
     resident warps per SM at D_phi = M = 64, e.g. the scan of the headline's
     128 sequences on an H200's 132 SMs -- the tile layout ("tiles", the
-    additive rule where :func:`linattn_nb.ops._cuda_kernels.tiles_fits`:
+    additive and decay rules where :func:`linattn_nb.ops._cuda_kernels.tiles_fits`:
     9 warps a sequence at D_phi = M = 64, no cross-thread sums), else row
     groups ("rows": 5 warps there, G = 8 groups of 8 rows x 17 groups of 4
     columns, a G-way sum per output); else "owner".  More warps per
@@ -633,6 +633,10 @@ def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule:
         # the tile's own tokens: (T + 1) / 2 scores of R products per token, T x MP products (the
         # masked half is multiplied by its zeros)
         out_flops = query_flops + B * N * cb * ((T + 1) * R + 2 * T * MP)
+        if rule == RULE_DECAY:  # the keys' shares (4 per thread and token), the start state's factor per
+            # output, the state's factor once a tile; per score a sum of up to T log-factors and its exp
+            upd_flops += B * N * cb * (R * MP // 4 + -(-R * MP // T))
+            out_flops += B * N * cb * (MP + (T + 1) // 2 * (T // 2 + 1))
     parts = {"q": B * N * F * item, "k": B * N * F * item, "v": B * N * M * item, "out": B * N * M * item,
              "factors": B * N * W * 8 * (cb if W else 0), "states": 0}
     launches = 1

@@ -563,13 +563,13 @@ def test_traffic_model_headline(monkeypatch):
 
 def test_sequence_layout_choice(monkeypatch):
     """seq_layout: the owner layout while its blocks give CUDA_AUTO_SCAN_BLOCKS_PER_SM per SM, the
-    tile layout below (the additive rule; 9 warps per sequence at D_phi = M = 64) or row groups
-    (other rules), the owner layout on a one-SM device (the simulator) and where it does not apply;
+    tile layout below (the additive and decay rules; 9 warps per sequence at D_phi = M = 64) or row
+    groups (other rules), the owner layout on a one-SM device (the simulator) and where it does not apply;
     config.CUDA_SEQ_LAYOUT overrides; method="auto" then picks the scan at the headline on an H200
     (one pass) and the chunked method with too few sequences."""
     from linattn_nb import _cuda_dispatch as D
     from linattn_nb.ops import _cuda_kernels as K
-    from linattn_nb.ops._codes import RULE_DELTA, RULE_GATE
+    from linattn_nb.ops._codes import RULE_DECAY, RULE_DELTA, RULE_GATE
     from linattn_nb.ops._cuda_launch import seq_layout
 
     for name, value in DEFAULT_LAUNCH.items():
@@ -577,6 +577,7 @@ def test_sequence_layout_choice(monkeypatch):
     assert seq_layout(128, 64, 64, 4, sms=132) == "tiles"  # 128 blocks of 2 warps < 4 x 132
     assert seq_layout(528, 64, 64, 4, sms=132) == "owner"
     assert seq_layout(527, 64, 64, 4, RULE_GATE, sms=132) == "rows"
+    assert seq_layout(128, 64, 64, 4, RULE_DECAY, sms=132) == "tiles"  # the decay rule too (TILES_RULES)
     assert seq_layout(128, 64, 64, 4, sms=1) == "owner"  # one multiprocessor: the simulator
     assert seq_layout(1, 64, 128, 4, sms=132) == "tiles"  # two column blocks, still too few
     assert seq_layout(1, 64, 128, 4, RULE_GATE, sms=132) == "rows"

@@ -150,6 +150,47 @@ def test_rescaled_and_direct_tiles(monkeypatch, rule, method, dtype, layout):
         np.testing.assert_allclose(out[:, row], ref[:, row], rtol=TOL[dtype] * 10, atol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("method", ["scan", "chunked"])
+def test_decay_tile_layout(monkeypatch, method, dtype):
+    """The decay rule in the tile layout (what a GPU with few sequences gets at D_phi <= 64):
+    D_phi = 12, tiles of 3 tokens, N = 11 (a part tile at the end), chunks of 6 (two tiles),
+    column blocks 3 + 2; mild factors, a tile of factors e^-25 (products down to e^-75, far below
+    the other layouts' rescaling floor in float32), resets mid-tile, at a tile's first token and
+    at token 0; outputs and final state against the explicit form, from a random state."""
+    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops import _cuda_launch as CL
+    from linattn_nb.ops.causal.cuda import causal_chunked_cuda, causal_scan_cuda
+
+    monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
+    b, n, f, m = 2, 11, 12, 5
+    assert K.seq_config(f, m, np.dtype(dtype).itemsize, RULE_DECAY, "tiles") == (12, 4, 0, 3, 3)
+    rng = np.random.default_rng(31)
+    q, k = (rng.normal(size=(b, n, f)).astype(dtype) for _ in range(2))
+    v = rng.normal(size=(b, n, m)).astype(dtype)
+    S0, z0 = rng.normal(size=(b, f, m)), rng.uniform(0.5, 1.5, size=(b, f))
+    lg = np.log(rng.uniform(0.3, 1.0, size=(b, n)))
+    lg[0, 3:6] = -25.0
+    lg[0, 7] = -np.inf
+    lg[1, 0] = lg[1, 6] = -np.inf
+    H = cuda.to_device(np.concatenate([S0, z0[..., None]], axis=-1))
+    out = cuda.to_device(np.full((b, n, m), np.nan, dtype))
+    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+    p = CL.plan(dq, dk, dv, H, out, rule=RULE_DECAY, inputs={"log_decay": lg})
+    assert p.cfg[2] == 0, p.cfg
+    if method == "chunked":
+        causal_chunked_cuda(dq, dk, dv, H, out, code=1, eps=1e-8, inputs={"log_decay": lg}, rule=RULE_DECAY,
+                            chunk_size=6)
+    else:
+        causal_scan_cuda(dq, dk, dv, H, out, code=1, eps=1e-8, inputs={"log_decay": lg}, rule=RULE_DECAY)
+    h = H.copy_to_host()
+    ref, S_ref, z_ref = causal_linear_quadratic(phi_ref(q, 1), phi_ref(k, 1), v.astype(np.float64), eps=1e-8,
+                                                S0=S0, z0=z0, rule=RULE_DECAY, inputs={"log_decay": lg})
+    assert_close(out.copy_to_host(), ref, dtype)
+    assert_close(h[..., :-1], S_ref, dtype)
+    assert_close(h[..., -1], z_ref, dtype)
+
+
 @pytest.mark.parametrize("method", ["scan", "chunked"])
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_reset_at_token_zero_forgets_the_initial_state_exactly(rule, method):

@@ -144,3 +144,16 @@ def test_errors_name_the_limit(monkeypatch):
         K.seq_config(64, 64, 4, RULE_ADDITIVE)
     with pytest.raises(ValueError, match="CUDA_MAX_FEATURES"):
         K.seq_config(int(config.CUDA_MAX_FEATURES) + 1, 4, 4, RULE_ADDITIVE)
+
+
+@pytest.mark.parametrize("rule", [RULE_ADDITIVE, RULE_DECAY], ids=["additive", "decay"])
+def test_tile_layout_allocates_what_it_counts(rule, monkeypatch, recorded):
+    """The tile layout's tile is D_phi / 4 tokens whatever the budget, so the budget decides only
+    whether the layout applies (:func:`tiles_fits`): what one block allocates must be exactly the
+    bytes ``_tiles_sizes`` counts, the decay rule's per-token factors included."""
+    monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
+    F, M = 12, 5
+    assert K.seq_config(F, M, 4, rule, "tiles")[2] == 0
+    _run(F, M, rule)
+    total = sum(nbytes for (path, _), nbytes in recorded.items() if path == K.__file__)
+    assert total == K._tiles_sizes(F, M, 4, rule)[4], (total, K._tiles_sizes(F, M, 4, rule))
