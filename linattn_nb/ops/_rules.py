@@ -425,7 +425,7 @@ def chunk_transition(rule, H, R, fk, part, n, fs, tot, after_intra):
             for i in range(F):
                 fk[s, i] *= ks
         gemm(1, 0, F, M1, n, 1.0, fk, 0, F, R, F * M1, M1, 0.0, part, 0, M1)
-        absorb_scaled(H, part, R, tot[0])
+        absorb(H, part, R, tot[0])
     elif rule == RULE_GATE:
         if not after_intra:
             for s in range(n):
@@ -441,28 +441,19 @@ def chunk_transition(rule, H, R, fk, part, n, fs, tot, after_intra):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def absorb(H, part, R):
-    """H (F, M + 1) += part in float64, and R's first F rows (the working-dtype copy) follow, in one pass.
+def absorb(H, part, R, g=1.0):
+    """H (F, M + 1) <- g H + part in float64, and R's first F rows (the working-dtype copy) follow, in one pass.
 
-    All three C-contiguous (the kernels' scratch and ``Hst[b, p]``): the F x
-    (M + 1) elements as one flat loop (R's first F rows are its first F (M +
-    1) elements).  Rows of M + 1 = 65 each set up a vector loop with its
-    alias checks and a scalar remainder: the flat loop takes 0.7-0.9x their
-    time (``benchmarks/chunked_breakdown.py --against``, "state update",
+    ``g``: the chunk's factor of the state before it (the decay and gated
+    delta rules; 1 for the additive and delta rules, where ``1 * h + p`` is
+    ``h + p`` exactly, fused or not).  All three arrays C-contiguous (the
+    kernels' scratch and ``Hst[b, p]``): the F x (M + 1) elements as one
+    flat loop (R's first F rows are its first F (M + 1) elements).  Rows of
+    M + 1 = 65 each set up a vector loop with its alias checks and a scalar
+    remainder: the flat loop takes 0.7-0.9x their time
+    (``benchmarks/chunked_breakdown.py --against``, "state update",
     2026-12-01); the same sums.
     """
-    h = H.reshape(-1)
-    p = part.reshape(-1)
-    r = R.reshape(-1)
-    for j in range(h.shape[0]):
-        s = h[j] + p[j]
-        h[j] = s
-        r[j] = s
-
-
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def absorb_scaled(H, part, R, g):
-    """As :func:`absorb` with the state scaled first: H <- g H + part (the decay rule's transition)."""
     h = H.reshape(-1)
     p = part.reshape(-1)
     r = R.reshape(-1)
