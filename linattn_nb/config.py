@@ -281,6 +281,15 @@ CUDA_MAX_THREADS = _env_int("LINATTN_CUDA_MAX_THREADS", 1024)
 #: exceed CUDA_SHARED_BYTES; static shared memory is limited to 48 KiB).
 CUDA_TILE_TOKENS = _env_int("LINATTN_CUDA_TILE_TOKENS", 32)
 CUDA_SHARED_BYTES = _env_int("LINATTN_CUDA_SHARED_BYTES", 40960)
+#: Static shared memory per block the tile layout of the sequence kernel may
+#: take (linattn_nb.ops._cuda_kernels.tiles_fits): its tile is D_phi / 4
+#: tokens whatever the budget, so the budget only decides where the layout
+#: applies, and its blocks (272 threads at D_phi = M = 64, ~184 registers
+#: each) are held to one per multiprocessor by registers, so the default is
+#: the whole static limit, 48 KiB: the gate rule at D_phi = M = 64 in float32
+#: takes 46,524 bytes (its scaled copies of phi(q), phi(k) and its rows of
+#: products), the additive rule 31,568.
+CUDA_TILES_SHARED_BYTES = _env_int("LINATTN_CUDA_TILES_SHARED_BYTES", 49152)
 #: Tokens per chunk of method="chunked" (causal) and of the non-causal
 #: aggregate phase: chunks are processed in parallel.
 CUDA_CHUNK_SIZE = _env_int("LINATTN_CUDA_CHUNK_SIZE", 256)
@@ -329,7 +338,7 @@ CUDA_SPECIALIZE_MAPS = _env_int("LINATTN_CUDA_SPECIALIZE_MAPS", 1)
 #: Thread layout of the sequence kernel: "auto" (the owner layout where it
 #: applies; when the owner layout's blocks would be fewer than
 #: CUDA_AUTO_SCAN_BLOCKS_PER_SM per multiprocessor, the tile layout for the
-#: additive and decay rules where it applies, else row groups: see
+#: additive, decay and gate rules where it applies, else row groups: see
 #: linattn_nb.ops._cuda_launch.seq_layout), "owner" (where it applies),
 #: "rows" (always row groups) or "tiles" (the tile layout where it applies,
 #: else the owner layout's rule).  A device of one multiprocessor (the

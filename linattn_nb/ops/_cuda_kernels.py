@@ -68,9 +68,9 @@ cross-thread sums a thread issues per FFMA.  Three layouts (:func:`seq_config`):
   summed once and the ``G`` partials of every value column are summed and
   divided by it.
 
-* **tiles** (``G == 0``; the additive and decay rules, :data:`TILES_RULES`;
-  ``D_phi`` padded to a multiple of 4 at most :data:`TILES_MAX_ROWS` = 64, within the shared-memory budget:
-  float32 up to D_phi = M = 64, float64 up to D_phi = 32; what the launchers
+* **tiles** (``G == 0``; the additive, decay and gate rules, :data:`TILES_RULES`;
+  ``D_phi`` padded to a multiple of 4 at most :data:`TILES_MAX_ROWS` = 64, within
+  ``config.CUDA_TILES_SHARED_BYTES``: float32 up to D_phi = M = 64, float64 up to D_phi = 32; what the launchers
   take instead of row groups when the owner layout's blocks are too few,
   :func:`linattn_nb.ops._cuda_launch.seq_layout`): the chunkwise form inside
   a tile of ``T = FP / 4`` tokens, ``O = mask(phi(Q) phi(K)^T) [V | 1] +
@@ -105,6 +105,17 @@ cross-thread sums a thread issues per FFMA.  Three layouts (:func:`seq_config`):
   other layouts' rescaled tiles divide by running factors and fall back to
   the direct form below a floor).  One more barrier per tile only in the
   chunk-sum mode (no scores); 4 multiplies per key and thread, 16 per tile.
+  The gate rule (``S_t = diag(a_t) S_{t-1} + k_t v_t^T``, a factor per
+  feature row, so each score's weight differs per feature inside its dot
+  product): one pass more per tile (a thread per feature row, one barrier)
+  forms products of the factors over blocks of 4 tokens, taken forwards
+  (a reset gives exact zeros), and stages ``phi(q_t)`` times its block's
+  factors up to ``t`` and ``phi(k_s)`` times those after ``s`` next to the
+  plain rows; every score is then a sum of three-way products of staged
+  rows (an FMUL and an FFMA per feature), the start state's read one FMUL
+  per feature row more, and a key's share of the end state 4 FMUL per
+  thread and token (:func:`_tiles_kernel`).  46,524 bytes of shared memory
+  at D_phi = M = 64 in float32 (``config.CUDA_TILES_SHARED_BYTES``).
 
 The owner and row-group layouts have at most :data:`MAX_SEQ_THREADS` = 256 threads, so
 registers x threads stays within the 65,536 registers of a block however
@@ -617,6 +628,33 @@ def _tile_state_read(ac, sq, sst, tt, j0, FP):
 
 
 @cuda.jit(device=True, inline=True)  # inlined: no device-function compile, which needs a GPU
+def _interval_row(lo, hi, NB):
+    """The gate's row of ``sz`` holding ``beta_lo ... beta_{hi-1}``, the product of the factors of the
+    tile's 4-token blocks ``lo .. hi - 1`` (uint32; row 0, all ones, when ``lo >= hi``)."""
+    if lo >= hi:
+        return uint32(0)
+    return uint32(uint32(1 + 3 * NB) + lo * (uint32(2 * NB + 1) - lo) // uint32(2) + (hi - lo - uint32(1)))
+
+
+@cuda.jit(device=True, inline=True)  # inlined: no device-function compile, which needs a GPU
+def _gate_score_rows(t, s, T, NB):
+    """The rows ``(of sq, of sk, of sz)`` whose product, summed over the features, is the gate's score
+    ``sum_f phi(q_t)_f phi(k_s)_f a_{s+1,f} ... a_{t,f}``, ``s <= t`` (uint32; see :func:`_tiles_kernel`):
+    another 4-token block's key: ``(q_t pi_t) (k_s sigma_s)`` and the blocks between; in the block,
+    ``t`` its last token: ``q_t (k_s sigma_s)``; else ``q_t k_s`` and the pair's own product (1 on
+    the diagonal)."""
+    bt = t // uint32(4)
+    bs = s // uint32(4)
+    if bs < bt:
+        return uint32(T) + t, uint32(T) + s, _interval_row(bs + uint32(1), bt, NB)
+    if s == t:
+        return t, s, uint32(0)
+    if t == min(bt * uint32(4) + uint32(3), uint32(T - 1)):
+        return t, uint32(T) + s, uint32(0)
+    return t, s, uint32(1) + bt * uint32(3) + s + t - bt * uint32(8) - uint32(1)
+
+
+@cuda.jit(device=True, inline=True)  # inlined: no device-function compile, which needs a GPU
 def _log_sum(sl, lo, hi, zero):
     """``sl[lo] + ... + sl[hi - 1]`` (uint32 bounds; 0 when ``lo >= hi``): a sum of log-factors, never a
     difference, so a reset (``-inf``) gives ``-inf`` and its ``exp`` 0, not NaN."""
@@ -629,9 +667,22 @@ def _log_sum(sl, lo, hi, zero):
 
 
 def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
-    """The tile layout (``G == 0``; the additive and decay rules): see the module docstring."""
+    """The tile layout (``G == 0``; the additive, decay and gate rules): see the module docstring.
+
+    The gate rule (``H_t = diag(a_t) H_{t-1} + k_t [v_t | 1]^T``, a factor per feature row): the
+    tile's ``T`` tokens are cut into blocks of 4, and one pass (a thread per feature row) forms from
+    the factors ``a_{r,f}`` of the tile's tokens, as products taken forwards (never a ratio, so a
+    reset, ``a = 0``, gives exact zeros): ``pi_t`` = the factors of ``t``'s block up to ``t``
+    (inclusive), ``sigma_s`` = those after ``s`` in its block, each block's product ``beta_b`` and
+    the products of every run of whole blocks (rows of ``sz``), and the products of 1 and 2 factors
+    inside a block.  With ``q_t pi_t`` and ``k_s sigma_s`` staged in the second halves of ``sq`` and
+    ``sk``, every weight ``a_{s+1} ... a_t`` of a score is one row of ``sz`` (:func:`_gate_score_rows`),
+    the start state's factor of token ``t`` is ``pi_t`` times the blocks before ``t``'s, and key
+    ``s``'s share of the end state ``sigma_s`` times the blocks after ``s``'s.
+    """
     acc_t = _ACC_TYPES[acc]
     DECAY = rule == RULE_DECAY  # one log-factor per token: the tile's weights, start-state reads, key shares
+    GATE = rule == RULE_GATE  # one log-factor per token and feature row: the products of the docstring
     TD = FP // 4 if DECAY else 1  # per-token factor arrays (a one-element stand-in without factors)
     IDX = uint32 if off32 else uint64  # element offsets within a sequence (module docstring)
     VQK = bool(vec & VEC_QK)  # q, k: four features per vector load (module docstring)
@@ -647,6 +698,11 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
     SVW = 4 if T % 4 == 0 else 1  # scores per step of the tile tokens' product with [v | 1]
     FPV = FP // 4  # groups of four feature rows
     MBV = MP // 4  # groups of four columns
+    NB = -(-FP // 16)  # the gate's blocks of 4 tokens in a tile
+    TQ = 2 * T if GATE else T  # rows of the staged phi(q), phi(k): the gate's scaled copies after them
+    NZ = _gate_rows(FP) if GATE else 1  # the gate's product rows (module docstring; a stand-in otherwise)
+    ZW = FPK if GATE else 1
+    KR = T if GATE else 0  # first row of sk the state update reads (the gate: the keys' staged shares)
     zero = acc_t(0.0)
     one = acc_t(1.0)
     # more than MAX_SEQ_THREADS threads (272 at D_phi = M = 64): a register cap keeps registers x
@@ -658,8 +714,9 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
     @cuda.jit(cache=_CACHE, **cap)
     def kernel(q, k, v, out, qs, ks, vs, os_, nf, nm, H, Hout, lf, n, seg_len, nseg_per_b, state_div, b2n,
                code, eps, norm, read_state, update, write_out, write_state, flags):
-        sq = cuda.shared.array((T, FPK), acc_t)
-        sk = cuda.shared.array((T, FPK), acc_t)
+        sq = cuda.shared.array((TQ, FPK), acc_t)
+        sk = cuda.shared.array((TQ, FPK), acc_t)
+        sz = cuda.shared.array((NZ, ZW), acc_t)  # gate: ones, the in-block products, the blocks' runs
         sv = cuda.shared.array((T, MP), acc_t)
         sa = cuda.shared.array((T, T), acc_t)  # phi(q_t)^T phi(k_s) for s <= t, 0 above the diagonal
         sst = cuda.shared.array((FP, MP), acc_t)  # the state at the tile's start, [S | z | 0]
@@ -668,6 +725,8 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
         sfp = cuda.shared.array(TD, acc_t)  # decay: a_0 ... a_t, token t's factor of the start state
         ssh = cuda.shared.array(TD, acc_t)  # decay: a_{s+1} ... a_{T-1}, key s's share of the end state
         st = cuda.local.array(16, acc_t)  # st[a * 4 + j]: state row r0 + a, column j0 + j
+        ga = cuda.local.array(4, acc_t)  # gate: the factors of one block's tokens, one feature row
+        gb = cuda.local.array(NB, acc_t)  # gate: every block's product, one feature row
         ac = cuda.local.array(4, acc_t)
         kk = cuda.local.array(4, acc_t)
         vv = cuda.local.array(4, acc_t)
@@ -705,6 +764,10 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
         for idx in range(tid, T * T, NTH):  # above the diagonal: 0 for good
             sa[uint32(idx) // uint32(T), uint32(idx) % uint32(T)] = zero
         my_t, my_s = _triangle_entry(uint32(tid) if tid < NTRI else uint32(0))
+        my_x, my_y, my_z = _gate_score_rows(my_t, my_s, T, NB)
+        if GATE:
+            for f in range(tid, FP, NTH):
+                sz[0, uint32(f)] = one
 
         t_begin = c * seg_len
         t_end = min(n, t_begin + seg_len)
@@ -765,19 +828,53 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
             if is_row_map(cd):  # L2, SiLU then L2: one thread per staged row
                 _normalize_staged_rows(sq, sk, T, tid, NTH, F, update, write_out)
                 cuda.syncthreads()
+            if GATE and update:  # the products of the factors, a thread per feature row (docstring)
+                for f in range(tid, FP, NTH):
+                    fu = uint32(f)
+                    for bb in range(NB):
+                        for l in range(4):
+                            r = uint32(4 * bb + l)
+                            ga[l] = one
+                            if 4 * bb + l < T and r < ntu and fu < Fu:
+                                ga[l] = math.exp(acc_t(lf[b, t0u + r, fu]))
+                        x = one
+                        for l in range(4):  # pi: the block's factors up to each token, inclusive
+                            if 4 * bb + l < T:
+                                x *= ga[l]
+                                sq[T + 4 * bb + l, fu] = sq[4 * bb + l, fu] * x
+                        gb[bb] = x
+                        x = one
+                        for l in range(3, -1, -1):  # sigma: the block's factors after each token
+                            if 4 * bb + l < T:
+                                sk[T + 4 * bb + l, fu] = sk[4 * bb + l, fu] * x
+                                x *= ga[l]
+                        sz[1 + 3 * bb, fu] = ga[1]  # the in-block pairs (0, 1), (0, 2), (1, 2)
+                        sz[2 + 3 * bb, fu] = ga[1] * ga[2]
+                        sz[3 + 3 * bb, fu] = ga[2]
+                    for lo in range(NB):  # every run of whole blocks lo .. hi - 1, taken forwards
+                        x = one
+                        for hi in range(lo + 1, NB + 1):
+                            x *= gb[hi - 1]
+                            sz[1 + 3 * NB + lo * (2 * NB + 1 - lo) // 2 + hi - lo - 1, fu] = x
+                cuda.syncthreads()
             # ---- the tile's causal scores phi(q_t)^T phi(k_s), s <= t: one per thread of the first
             # NTRI (no lane idles on the masked half); a thread sums its own dot product
             if update and write_out:
                 for idx in range(tid, NTRI, NTH):
                     if NTRI <= NTH:  # one score per thread: its (t, s), found once before the tiles
                         t, s = my_t, my_s
+                        xr, yr, zr = my_x, my_y, my_z
                     else:
                         t, s = _triangle_entry(uint32(idx))
+                        xr, yr, zr = _gate_score_rows(t, s, T, NB)
                     x = zero
                     iu = uint32(0)
                     while iu < uint32(FP):  # 32-bit counter, four rows a step (the loops below likewise)
                         for a in range(4):
-                            x += sq[t, iu + uint32(a)] * sk[s, iu + uint32(a)]
+                            if GATE:  # the weight of every feature row: one product row of sz
+                                x += sq[xr, iu + uint32(a)] * sk[yr, iu + uint32(a)] * sz[zr, iu + uint32(a)]
+                            else:
+                                x += sq[t, iu + uint32(a)] * sk[s, iu + uint32(a)]
                         iu = uint32(iu + uint32(4))
                     if DECAY:  # weight a_{s+1} ... a_t: exp of a sum of the tile's log-factors (1 on the diagonal)
                         x *= math.exp(_log_sum(sl, uint32(s + uint32(1)), uint32(t + uint32(1)), zero))
@@ -788,6 +885,23 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
                     sfp[tu] = math.exp(_log_sum(sl, uint32(0), uint32(tu + uint32(1)), zero))
                     ssh[tu] = math.exp(_log_sum(sl, uint32(tu + uint32(1)), uint32(T), zero))
             if update and (write_out or DECAY):
+                cuda.syncthreads()
+            if GATE and update:  # the scores read, the scaled rows become q_t a_0 ... a_t and k_s a_{s+1} ... a_{T-1}
+                for idx in range(tid, 2 * T * FPV, NTH):  # four rows of one token at a time
+                    iu = uint32(idx)
+                    keys = iu >= uint32(T * FPV)
+                    if keys:
+                        iu = uint32(iu - uint32(T * FPV))
+                    t = iu // uint32(FPV)
+                    i4 = (iu - t * uint32(FPV)) * uint32(4)
+                    if keys:  # sigma_t and the blocks after t's
+                        zr = _interval_row(t // uint32(4) + uint32(1), uint32(NB), NB)
+                        for a in range(4):
+                            sk[uint32(T) + t, i4 + uint32(a)] *= sz[zr, i4 + uint32(a)]
+                    else:  # pi_t and the blocks before t's
+                        zr = _interval_row(uint32(0), t // uint32(4), NB)
+                        for a in range(4):
+                            sq[uint32(T) + t, i4 + uint32(a)] *= sz[zr, i4 + uint32(a)]
                 cuda.syncthreads()
             # ---- outputs of token tt, columns j0 .. j0 + 3: the tile's own tokens, then the start
             # state ((Q K^T masked) [V | 1] + Q [S | z]; column MB is the normaliser)
@@ -807,7 +921,9 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
                             for j in range(4):
                                 ac[j] += x * sv[su + uint32(a), j0 + uint32(j)]
                         su = uint32(su + uint32(SVW))
-                if not (DECAY and update):
+                if GATE and update:  # phi(q_tt) a_0 ... a_tt, staged
+                    _tile_state_read(ac, sq, sst, uint32(T) + tt, j0, FP)
+                elif not (DECAY and update):
                     _tile_state_read(ac, sq, sst, tt, j0, FP)
                 for j in range(4):
                     if j0 + uint32(j) == uint32(MB):
@@ -821,10 +937,16 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
                     x = sfp[T - 1]
                     for i in range(16):
                         st[i] *= x
+                if GATE:  # every row by its a_0 ... a_{T-1}: the run of all the tile's blocks
+                    zr = _interval_row(uint32(0), uint32(NB), NB)
+                    for a in range(4):
+                        x = sz[zr, r0 + uint32(a)]
+                        for j in range(4):
+                            st[a * 4 + j] *= x
                 su = uint32(0)
                 while su < uint32(T):
-                    for a in range(4):
-                        kk[a] = sk[su, r0 + uint32(a)]
+                    for a in range(4):  # the gate: key su times a_{su+1} ... a_{T-1}, staged
+                        kk[a] = sk[uint32(KR) + su, r0 + uint32(a)]
                     if DECAY:
                         x = ssh[su]
                         for a in range(4):
@@ -925,7 +1047,7 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
     rule = key[6]
     if G == 0:
         if rule not in TILES_RULES or C != 4 or R % 4 or T != R // 4:
-            raise ValueError(f"the tile layout (G = 0) is the additive and decay rules' with C = 4, T = R / 4; "
+            raise ValueError(f"the tile layout (G = 0) is the additive, decay and gate rules' with C = 4, T = R / 4; "
                              f"got {key}")
         kern = _SEQ_KERNELS[key] = _tiles_kernel(R, MB, acc, key[7], key[8], key[9], rule)
         return kern
@@ -1401,11 +1523,12 @@ OWNER_MAX_ROWS = 64
 #: per block of the tile layout: 16 x 17 = 272 threads at D_phi = M = 64.
 TILES_MAX_ROWS = 64
 TILES_MAX_COLS = 64
-#: Rules the tile layout takes: the additive rule and the decay rule (a scalar factor per token:
+#: Rules the tile layout takes: the additive rule, the decay rule (a scalar factor per token:
 #: the tile's weights a_{s+1} ... a_t, the start state's a_0 ... a_t and the keys' shares of the
-#: end state, each the exp of a sum of the tile's log-factors).  The gate's factors differ per
-#: feature inside the score's dot product, and the delta rules read the state per token.
-TILES_RULES = (RULE_ADDITIVE, RULE_DECAY)
+#: end state, each the exp of a sum of the tile's log-factors) and the gate rule (a factor per
+#: token and feature row: products over blocks of 4 tokens, :func:`_tiles_kernel`).  The delta
+#: rules read the state per token.
+TILES_RULES = (RULE_ADDITIVE, RULE_DECAY, RULE_GATE)
 #: Threads per block of the sequence kernel at most: 256 threads x 255
 #: registers (the most ptxas gives a thread) fit the 65,536 registers of a
 #: block, so every configuration launches whatever ptxas allocates.
@@ -1421,6 +1544,9 @@ MAX_TILE_WORDS = 128
 #: registers); the rows stop growing there and a block takes fewer value
 #: columns instead (D_phi = 128 and more: 32 x 1 tiles).
 MAX_DELTA_ROWS_F64 = 32
+#: Static shared memory of a block at most (``cuda.shared.array``; more needs dynamic shared memory
+#: and an opt-in the kernels do not use).
+STATIC_SHARED_BYTES = 49152
 #: Shared memory per multiprocessor on sm_90 (228 KiB; 1 KiB of it is
 #: reserved per resident block), for the occupancy target of the tile size.
 SM_SHARED_BYTES = 233472
@@ -1555,24 +1681,35 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE, lay
     return R, C, G, MB, T
 
 
+def _gate_rows(FP: int) -> int:
+    """Rows of the gate's product array in the tile layout (:func:`_tiles_kernel`): one of ones, three
+    in-block products per block of 4 tokens, a row per run of whole blocks."""
+    NB = -(-int(FP) // 16)
+    return 1 + 3 * NB + NB * (NB + 1) // 2
+
+
 def _tiles_sizes(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE):
     """``(FP, MB, T, threads, shared bytes)`` of the tile layout (module docstring)."""
     FP = -(-int(F) // 4) * 4
     MB = max(1, min(int(M), int(config.CUDA_VALUE_COLS), TILES_MAX_COLS))
     MP = -(-(MB + 1) // 4) * 4
     T = FP // 4
-    # phi(q), phi(k), [v | 1], scores, start state, normalisers; the decay rule's three per-token
-    # factor arrays (one-element stand-ins for the additive rule)
-    words = 2 * T * (FP + 4) + T * MP + T * T + FP * MP + T + 3 * (T if rule == RULE_DECAY else 1)
+    # phi(q), phi(k) (the gate: and their scaled copies), [v | 1], scores, start state, normalisers;
+    # the decay rule's three per-token factor arrays and the gate's product rows (one-element
+    # stand-ins for the rules without them)
+    gate = rule == RULE_GATE
+    words = (2 * (2 * T if gate else T) * (FP + 4) + T * MP + T * T + FP * MP + T
+             + 3 * (T if rule == RULE_DECAY else 1) + (_gate_rows(FP) * (FP + 4) if gate else 1))
     return FP, MB, T, T * (MP // 4), words * int(acc_itemsize)
 
 
 def tiles_fits(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> bool:
     """Whether the tile layout applies (:func:`seq_config`): a rule of :data:`TILES_RULES` (additive,
-    decay), ``D_phi`` padded to a multiple of 4 at most :data:`TILES_MAX_ROWS`, and its shared memory
-    within ``config.CUDA_SHARED_BYTES``."""
+    decay, gate), ``D_phi`` padded to a multiple of 4 at most :data:`TILES_MAX_ROWS`, and its shared
+    memory within ``config.CUDA_TILES_SHARED_BYTES`` (and the 48 KiB static limit)."""
     FP, _, _, _, nbytes = _tiles_sizes(F, M, acc_itemsize, rule)
-    return rule in TILES_RULES and FP <= TILES_MAX_ROWS and nbytes <= int(config.CUDA_SHARED_BYTES)
+    budget = min(int(config.CUDA_TILES_SHARED_BYTES), STATIC_SHARED_BYTES)
+    return rule in TILES_RULES and FP <= TILES_MAX_ROWS and nbytes <= budget
 
 
 def owner_fits(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> bool:

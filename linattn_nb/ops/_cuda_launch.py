@@ -84,7 +84,7 @@ def seq_layout(segments: int, F: int, M: int, acc_itemsize: int, rule: int = RUL
     ``config.CUDA_AUTO_SCAN_BLOCKS_PER_SM`` per multiprocessor -- fewer than 8
     resident warps per SM at D_phi = M = 64, e.g. the scan of the headline's
     128 sequences on an H200's 132 SMs -- the tile layout ("tiles", the
-    additive and decay rules where :func:`linattn_nb.ops._cuda_kernels.tiles_fits`:
+    additive, decay and gate rules where :func:`linattn_nb.ops._cuda_kernels.tiles_fits`:
     9 warps a sequence at D_phi = M = 64, no cross-thread sums), else row
     groups ("rows": 5 warps there, G = 8 groups of 8 rows x 17 groups of 4
     columns, a G-way sum per output); else "owner".  More warps per

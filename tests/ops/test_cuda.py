@@ -518,11 +518,14 @@ def test_auto_method_selection(monkeypatch):
     monkeypatch.setattr(config, "CUDA_VALUE_COLS", 64)
     monkeypatch.setattr(config, "CUDA_ROWS_PER_THREAD", 16)
     monkeypatch.setattr(config, "CUDA_MAX_ROWS_PER_THREAD", 64)
+    monkeypatch.setattr(config, "CUDA_DELTA_ROWS_PER_THREAD", 16)  # the defaults: 4 row groups x 33 column pairs, 5 warps
+    monkeypatch.setattr(config, "CUDA_DELTA_COLS_PER_THREAD", 2)
     monkeypatch.setattr(D, "multiprocessor_count", lambda: 132)
     kw = dict(causal=True, f=64, m=64, dtype=np.float32)
     assert D.select_method_cuda("auto", batch=128, n=65536, **kw) == "scan"  # tiles: 128 x 9 warps >= 4 * 132
     assert D.select_method_cuda("auto", batch=58, n=65536, **kw) == "chunked"  # 58 x 9 warps < 4 * 132
-    assert D.select_method_cuda("auto", batch=128, n=65536, rule="gate", **kw) == "chunked"  # rows: 128 x 3
+    assert D.select_method_cuda("auto", batch=128, n=65536, rule="gate", **kw) == "scan"  # tiles too: 128 x 9
+    assert D.select_method_cuda("auto", batch=100, n=65536, rule="delta", **kw) == "chunked"  # rows: 100 x 5 < 4 x 132
     assert D.select_method_cuda("auto", batch=1024, n=65536, **kw) == "scan"
     assert D.select_method_cuda("auto", batch=8, n=100, **kw) == "scan"  # short: AUTO_METHODS row
     assert D.select_method_cuda("auto", batch=8, n=100, causal=False, f=64, m=64, dtype=np.float32) == "aggregate"
@@ -563,7 +566,7 @@ def test_traffic_model_headline(monkeypatch):
 
 def test_sequence_layout_choice(monkeypatch):
     """seq_layout: the owner layout while its blocks give CUDA_AUTO_SCAN_BLOCKS_PER_SM per SM, the
-    tile layout below (the additive and decay rules; 9 warps per sequence at D_phi = M = 64) or row
+    tile layout below (the additive, decay and gate rules; 9 warps per sequence at D_phi = M = 64) or row
     groups (other rules), the owner layout on a one-SM device (the simulator) and where it does not apply;
     config.CUDA_SEQ_LAYOUT overrides; method="auto" then picks the scan at the headline on an H200
     (one pass) and the chunked method with too few sequences."""
@@ -576,18 +579,25 @@ def test_sequence_layout_choice(monkeypatch):
         monkeypatch.setattr(config, name, value)
     assert seq_layout(128, 64, 64, 4, sms=132) == "tiles"  # 128 blocks of 2 warps < 4 x 132
     assert seq_layout(528, 64, 64, 4, sms=132) == "owner"
-    assert seq_layout(527, 64, 64, 4, RULE_GATE, sms=132) == "rows"
+    assert seq_layout(527, 64, 64, 4, RULE_GATE, sms=132) == "tiles"  # the gate rule too (TILES_RULES)
     assert seq_layout(128, 64, 64, 4, RULE_DECAY, sms=132) == "tiles"  # the decay rule too (TILES_RULES)
     assert seq_layout(128, 64, 64, 4, sms=1) == "owner"  # one multiprocessor: the simulator
     assert seq_layout(1, 64, 128, 4, sms=132) == "tiles"  # two column blocks, still too few
-    assert seq_layout(1, 64, 128, 4, RULE_GATE, sms=132) == "rows"
+    assert seq_layout(1, 64, 128, 4, RULE_GATE, sms=132) == "tiles"
+    assert seq_layout(1, 64, 64, 8, RULE_GATE, sms=132) == "rows"
+    assert seq_layout(1, 64, 64, 4, RULE_DELTA, sms=132) == "rows"  # the delta rules: never tiles
     assert seq_layout(1, 64, 64, 8, sms=132) == "rows"  # float64 at D_phi = 64: no tiles (shared memory)
     assert seq_layout(1, 32, 64, 8, sms=132) == "tiles"
     assert seq_layout(1024, 64, 64, 4, RULE_DELTA, sms=132) == "rows"  # no owner layout for the delta rules
     assert seq_layout(1024, 256, 64, 4, sms=132) == "rows"  # D_phi > 64: row groups anyway
     assert K.seq_config(64, 64, 4, 0, seq_layout(128, 64, 64, 4, sms=132)) == (64, 4, 0, 64, 16)
     assert K.seq_config(64, 64, 4, 0, "rows") == (8, 4, 8, 64, 13)
+    assert K.seq_config(64, 64, 4, RULE_GATE, "tiles") == (64, 4, 0, 64, 16)  # 46,524 bytes: within 48 KiB
+    monkeypatch.setattr(config, "CUDA_TILES_SHARED_BYTES", 46523)  # one byte short: the owner layout's rule
     assert K.seq_config(64, 64, 4, RULE_GATE, "tiles") == K.seq_config(64, 64, 4, RULE_GATE, "owner")
+    assert seq_layout(527, 64, 64, 4, RULE_GATE, sms=132) == "rows"
+    assert K.seq_config(64, 64, 4, 0, "tiles")[2] == 0  # the additive rule's 31,568 bytes still fit
+    monkeypatch.setattr(config, "CUDA_TILES_SHARED_BYTES", 49152)
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "owner")
     assert seq_layout(1, 64, 64, 4, sms=132) == "owner"
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "rows")
@@ -604,8 +614,10 @@ def test_sequence_layout_choice(monkeypatch):
     assert D.select_auto_cuda(batch=128, **kw) == "scan"  # 128 x 9 warps >= 4 per SM
     assert D.select_auto_cuda(batch=58, **kw) == "chunked"  # 58 x 9 = 522 warps < 4 x 132
     assert D.select_auto_cuda(batch=59, **kw) == "scan"
-    assert D.select_auto_cuda(batch=105, **dict(kw, rule="gate")) == "chunked"  # row groups: 525 warps
-    assert D.select_auto_cuda(batch=106, **dict(kw, rule="gate")) == "scan"
+    assert D.select_auto_cuda(batch=58, **dict(kw, rule="gate")) == "chunked"  # the gate in tiles too: 522 warps
+    assert D.select_auto_cuda(batch=59, **dict(kw, rule="gate")) == "scan"
+    assert D.select_auto_cuda(batch=105, **dict(kw, rule="delta")) == "chunked"  # row groups: 525 warps
+    assert D.select_auto_cuda(batch=106, **dict(kw, rule="delta")) == "scan"
     assert D.select_auto_cuda(batch=600, **kw) == "scan"  # owner blocks fill the GPU
     assert D.select_auto_cuda(batch=128, **dict(kw, rule="gate")) == "scan"
 

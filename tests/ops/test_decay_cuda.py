@@ -191,6 +191,52 @@ def test_decay_tile_layout(monkeypatch, method, dtype):
     assert_close(h[..., -1], z_ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("method", ["scan", "chunked"])
+@pytest.mark.parametrize("f", [12, 24, 36])
+def test_gate_tile_layout(monkeypatch, method, dtype, f):
+    """The gate rule in the tile layout: D_phi = 12 (tiles of 3 tokens: one part block of 4), 24
+    (tiles of 6: a whole block and a part one, so scores across blocks, in a block up to its last
+    token and at it) and 36 (tiles of 9: blocks 0 and 2 have block 1 between them), N = 13 (a part
+    tile at the end), chunks of two tiles, column blocks 3 + 2; mild
+    factors, a run of factors e^-25 in some feature rows (products down to e^-150), resets of one
+    row and of every row, at token 0, mid-tile and at a tile's first token; outputs and final state
+    against the explicit form, from a random state."""
+    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops import _cuda_launch as CL
+    from linattn_nb.ops.causal.cuda import causal_chunked_cuda, causal_scan_cuda
+
+    monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
+    b, n, m = 2, 13, 5
+    assert K.seq_config(f, m, np.dtype(dtype).itemsize, RULE_GATE, "tiles") == (f, 4, 0, 3, f // 4)
+    rng = np.random.default_rng(37)
+    q, k = (rng.normal(size=(b, n, f)).astype(dtype) for _ in range(2))
+    v = rng.normal(size=(b, n, m)).astype(dtype)
+    S0, z0 = rng.normal(size=(b, f, m)), rng.uniform(0.5, 1.5, size=(b, f))
+    lg = np.log(rng.uniform(0.3, 1.0, size=(b, n, f)))
+    lg[0, 2:8, ::3] = -25.0
+    lg[0, 9, 1] = -np.inf
+    lg[0, 6, 4] = -np.inf
+    lg[1, 0] = lg[1, 6] = -np.inf
+    lg[1, 10, 2] = -np.inf
+    H = cuda.to_device(np.concatenate([S0, z0[..., None]], axis=-1))
+    out = cuda.to_device(np.full((b, n, m), np.nan, dtype))
+    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+    p = CL.plan(dq, dk, dv, H, out, rule=RULE_GATE, inputs={"log_gate": lg})
+    assert p.cfg[2] == 0, p.cfg
+    if method == "chunked":
+        causal_chunked_cuda(dq, dk, dv, H, out, code=1, eps=1e-8, inputs={"log_gate": lg}, rule=RULE_GATE,
+                            chunk_size=2 * (f // 4))
+    else:
+        causal_scan_cuda(dq, dk, dv, H, out, code=1, eps=1e-8, inputs={"log_gate": lg}, rule=RULE_GATE)
+    h = H.copy_to_host()
+    ref, S_ref, z_ref = causal_linear_quadratic(phi_ref(q, 1), phi_ref(k, 1), v.astype(np.float64), eps=1e-8,
+                                                S0=S0, z0=z0, rule=RULE_GATE, inputs={"log_gate": lg})
+    assert_close(out.copy_to_host(), ref, dtype)
+    assert_close(h[..., :-1], S_ref, dtype)
+    assert_close(h[..., -1], z_ref, dtype)
+
+
 @pytest.mark.parametrize("method", ["scan", "chunked"])
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_reset_at_token_zero_forgets_the_initial_state_exactly(rule, method):

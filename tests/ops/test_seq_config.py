@@ -146,11 +146,12 @@ def test_errors_name_the_limit(monkeypatch):
         K.seq_config(int(config.CUDA_MAX_FEATURES) + 1, 4, 4, RULE_ADDITIVE)
 
 
-@pytest.mark.parametrize("rule", [RULE_ADDITIVE, RULE_DECAY], ids=["additive", "decay"])
+@pytest.mark.parametrize("rule", [RULE_ADDITIVE, RULE_DECAY, RULE_GATE], ids=["additive", "decay", "gate"])
 def test_tile_layout_allocates_what_it_counts(rule, monkeypatch, recorded):
     """The tile layout's tile is D_phi / 4 tokens whatever the budget, so the budget decides only
     whether the layout applies (:func:`tiles_fits`): what one block allocates must be exactly the
-    bytes ``_tiles_sizes`` counts, the decay rule's per-token factors included."""
+    bytes ``_tiles_sizes`` counts, the decay rule's per-token factors and the gate rule's scaled
+    copies and product rows included."""
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
     F, M = 12, 5
     assert K.seq_config(F, M, 4, rule, "tiles")[2] == 0
