@@ -159,8 +159,6 @@ def test_decay_tile_layout(monkeypatch, method, dtype):
     the other layouts' rescaling floor in float32), resets mid-tile, at a tile's first token and
     at token 0; outputs and final state against the explicit form, from a random state."""
     from linattn_nb.ops import _cuda_kernels as K
-    from linattn_nb.ops import _cuda_launch as CL
-    from linattn_nb.ops.causal.cuda import causal_chunked_cuda, causal_scan_cuda
 
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
     b, n, f, m = 2, 11, 12, 5
@@ -173,19 +171,28 @@ def test_decay_tile_layout(monkeypatch, method, dtype):
     lg[0, 3:6] = -25.0
     lg[0, 7] = -np.inf
     lg[1, 0] = lg[1, 6] = -np.inf
+    check_tile_layout(method, RULE_DECAY, {"log_decay": lg}, q, k, v, S0, z0, chunk=6)
+
+
+def check_tile_layout(method, rule, inputs, q, k, v, S0, z0, chunk):
+    """Run ``method`` of ``rule`` in the tile layout (asserted) from the state ``[S0 | z0]`` and compare
+    the outputs and the final state with the float64 explicit form."""
+    from linattn_nb.ops import _cuda_launch as CL
+    from linattn_nb.ops.causal.cuda import causal_chunked_cuda, causal_scan_cuda
+
+    dtype = q.dtype.type
     H = cuda.to_device(np.concatenate([S0, z0[..., None]], axis=-1))
-    out = cuda.to_device(np.full((b, n, m), np.nan, dtype))
+    out = cuda.to_device(np.full(v.shape, np.nan, dtype))
     dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
-    p = CL.plan(dq, dk, dv, H, out, rule=RULE_DECAY, inputs={"log_decay": lg})
+    p = CL.plan(dq, dk, dv, H, out, rule=rule, inputs=inputs)
     assert p.cfg[2] == 0, p.cfg
     if method == "chunked":
-        causal_chunked_cuda(dq, dk, dv, H, out, code=1, eps=1e-8, inputs={"log_decay": lg}, rule=RULE_DECAY,
-                            chunk_size=6)
+        causal_chunked_cuda(dq, dk, dv, H, out, code=1, eps=1e-8, inputs=inputs, rule=rule, chunk_size=chunk)
     else:
-        causal_scan_cuda(dq, dk, dv, H, out, code=1, eps=1e-8, inputs={"log_decay": lg}, rule=RULE_DECAY)
+        causal_scan_cuda(dq, dk, dv, H, out, code=1, eps=1e-8, inputs=inputs, rule=rule)
     h = H.copy_to_host()
     ref, S_ref, z_ref = causal_linear_quadratic(phi_ref(q, 1), phi_ref(k, 1), v.astype(np.float64), eps=1e-8,
-                                                S0=S0, z0=z0, rule=RULE_DECAY, inputs={"log_decay": lg})
+                                                S0=S0, z0=z0, rule=rule, inputs=inputs)
     assert_close(out.copy_to_host(), ref, dtype)
     assert_close(h[..., :-1], S_ref, dtype)
     assert_close(h[..., -1], z_ref, dtype)
@@ -203,8 +210,6 @@ def test_gate_tile_layout(monkeypatch, method, dtype, f):
     row and of every row, at token 0, mid-tile and at a tile's first token; outputs and final state
     against the explicit form, from a random state."""
     from linattn_nb.ops import _cuda_kernels as K
-    from linattn_nb.ops import _cuda_launch as CL
-    from linattn_nb.ops.causal.cuda import causal_chunked_cuda, causal_scan_cuda
 
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
     b, n, m = 2, 13, 5
@@ -219,22 +224,7 @@ def test_gate_tile_layout(monkeypatch, method, dtype, f):
     lg[0, 6, 4] = -np.inf
     lg[1, 0] = lg[1, 6] = -np.inf
     lg[1, 10, 2] = -np.inf
-    H = cuda.to_device(np.concatenate([S0, z0[..., None]], axis=-1))
-    out = cuda.to_device(np.full((b, n, m), np.nan, dtype))
-    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
-    p = CL.plan(dq, dk, dv, H, out, rule=RULE_GATE, inputs={"log_gate": lg})
-    assert p.cfg[2] == 0, p.cfg
-    if method == "chunked":
-        causal_chunked_cuda(dq, dk, dv, H, out, code=1, eps=1e-8, inputs={"log_gate": lg}, rule=RULE_GATE,
-                            chunk_size=2 * (f // 4))
-    else:
-        causal_scan_cuda(dq, dk, dv, H, out, code=1, eps=1e-8, inputs={"log_gate": lg}, rule=RULE_GATE)
-    h = H.copy_to_host()
-    ref, S_ref, z_ref = causal_linear_quadratic(phi_ref(q, 1), phi_ref(k, 1), v.astype(np.float64), eps=1e-8,
-                                                S0=S0, z0=z0, rule=RULE_GATE, inputs={"log_gate": lg})
-    assert_close(out.copy_to_host(), ref, dtype)
-    assert_close(h[..., :-1], S_ref, dtype)
-    assert_close(h[..., -1], z_ref, dtype)
+    check_tile_layout(method, RULE_GATE, {"log_gate": lg}, q, k, v, S0, z0, chunk=2 * (f // 4))
 
 
 @pytest.mark.parametrize("method", ["scan", "chunked"])
