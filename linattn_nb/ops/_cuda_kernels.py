@@ -726,7 +726,6 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
         ssh = cuda.shared.array(TD, acc_t)  # decay: a_{s+1} ... a_{T-1}, key s's share of the end state
         st = cuda.local.array(16, acc_t)  # st[a * 4 + j]: state row r0 + a, column j0 + j
         ga = cuda.local.array(4, acc_t)  # gate: the factors of one block's tokens, one feature row
-        gb = cuda.local.array(NB, acc_t)  # gate: every block's product, one feature row
         ac = cuda.local.array(4, acc_t)
         kk = cuda.local.array(4, acc_t)
         vv = cuda.local.array(4, acc_t)
@@ -842,7 +841,11 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
                             if 4 * bb + l < T:
                                 x *= ga[l]
                                 sq[T + 4 * bb + l, fu] = sq[4 * bb + l, fu] * x
-                        gb[bb] = x
+                        # the runs of whole blocks ending with this one, each the previous run times it
+                        sz[1 + 3 * NB + bb * (2 * NB + 1 - bb) // 2, fu] = x
+                        for lo in range(bb):
+                            sz[1 + 3 * NB + lo * (2 * NB + 1 - lo) // 2 + bb - lo, fu] = (
+                                sz[1 + 3 * NB + lo * (2 * NB + 1 - lo) // 2 + bb - lo - 1, fu] * x)
                         x = one
                         for l in range(3, -1, -1):  # sigma: the block's factors after each token
                             if 4 * bb + l < T:
@@ -851,11 +854,6 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
                         sz[1 + 3 * bb, fu] = ga[1]  # the in-block pairs (0, 1), (0, 2), (1, 2)
                         sz[2 + 3 * bb, fu] = ga[1] * ga[2]
                         sz[3 + 3 * bb, fu] = ga[2]
-                    for lo in range(NB):  # every run of whole blocks lo .. hi - 1, taken forwards
-                        x = one
-                        for hi in range(lo + 1, NB + 1):
-                            x *= gb[hi - 1]
-                            sz[1 + 3 * NB + lo * (2 * NB + 1 - lo) // 2 + hi - lo - 1, fu] = x
                 cuda.syncthreads()
             # ---- the tile's causal scores phi(q_t)^T phi(k_s), s <= t: one per thread of the first
             # NTRI (no lane idles on the masked half); a thread sums its own dot product
