@@ -284,7 +284,7 @@ CUDA_SHARED_BYTES = _env_int("LINATTN_CUDA_SHARED_BYTES", 40960)
 #: Static shared memory per block the tile layout of the sequence kernel may
 #: take (linattn_nb.ops._cuda_kernels.tiles_fits): its tile is D_phi / 4
 #: tokens whatever the budget, so the budget only decides where the layout
-#: applies, and its blocks (272 threads at D_phi = M = 64, ~184 registers
+#: applies, and its blocks (272 threads at D_phi = M = 64, 148-196 registers
 #: each) are held to one per multiprocessor by registers, so the default is
 #: the whole static limit, 48 KiB: the gate rule at D_phi = M = 64 in float32
 #: takes 46,524 bytes (its scaled copies of phi(q), phi(k) and its rows of

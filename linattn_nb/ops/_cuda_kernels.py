@@ -112,10 +112,12 @@ cross-thread sums a thread issues per FFMA.  Three layouts (:func:`seq_config`):
   (a reset gives exact zeros), and stages ``phi(q_t)`` times its block's
   factors up to ``t`` and ``phi(k_s)`` times those after ``s`` next to the
   plain rows; every score is then a sum of three-way products of staged
-  rows (an FMUL and an FFMA per feature), the start state's read one FMUL
-  per feature row more, and a key's share of the end state 4 FMUL per
-  thread and token (:func:`_tiles_kernel`).  46,524 bytes of shared memory
-  at D_phi = M = 64 in float32 (``config.CUDA_TILES_SHARED_BYTES``).
+  rows (an FMUL and an FFMA per feature); after the scores one more pass
+  and barrier scale those rows in place to ``phi(q_t) a_0 ... a_t`` and
+  ``phi(k_s) a_{s+1} ... a_{T-1}``, so the start state's read and the state
+  update are the additive rule's loops (:func:`_tiles_kernel`).  46,524
+  bytes of shared memory at D_phi = M = 64 in float32
+  (``config.CUDA_TILES_SHARED_BYTES``).
 
 The owner and row-group layouts have at most :data:`MAX_SEQ_THREADS` = 256 threads, so
 registers x threads stays within the 65,536 registers of a block however
@@ -678,7 +680,9 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
     inside a block.  With ``q_t pi_t`` and ``k_s sigma_s`` staged in the second halves of ``sq`` and
     ``sk``, every weight ``a_{s+1} ... a_t`` of a score is one row of ``sz`` (:func:`_gate_score_rows`),
     the start state's factor of token ``t`` is ``pi_t`` times the blocks before ``t``'s, and key
-    ``s``'s share of the end state ``sigma_s`` times the blocks after ``s``'s.
+    ``s``'s share of the end state ``sigma_s`` times the blocks after ``s``'s: a pass after the scores
+    multiplies the staged rows by those runs in place, and the loops that read the start state and
+    update the state are the additive rule's.
     """
     acc_t = _ACC_TYPES[acc]
     DECAY = rule == RULE_DECAY  # one log-factor per token: the tile's weights, start-state reads, key shares
