@@ -198,9 +198,8 @@ def check_tile_layout(method, rule, inputs, q, k, v, S0, z0, chunk):
     assert_close(h[..., -1], z_ref, dtype)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("method", ["scan", "chunked"])
-@pytest.mark.parametrize("f", [12, 24, 36])
+@pytest.mark.parametrize("f, dtype", [(12, np.float32), (24, np.float32), (36, np.float32), (36, np.float64)])
 def test_gate_tile_layout(monkeypatch, method, dtype, f):
     """The gate rule in the tile layout: D_phi = 12 (tiles of 3 tokens: one part block of 4), 24
     (tiles of 6: a whole block and a part one, so scores across blocks, in a block up to its last
@@ -208,7 +207,8 @@ def test_gate_tile_layout(monkeypatch, method, dtype, f):
     tile at the end), chunks of two tiles, column blocks 3 + 2; mild
     factors, a run of factors e^-25 in some feature rows (products down to e^-150), resets of one
     row and of every row, at token 0, mid-tile and at a tile's first token; outputs and final state
-    against the explicit form, from a random state."""
+    against the explicit form, from a random state.  float64 at D_phi = 36 only (the suite's time: the
+    dtype changes no index)."""
     from linattn_nb.ops import _cuda_kernels as K
 
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
