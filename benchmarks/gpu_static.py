@@ -153,8 +153,8 @@ def loop_rows(spec, result, *, all_loops=False, min_insns=12):
                      "top opcodes": ", ".join(f"{o} {c}" for o, c in mix.most_common(6))})
     # the per-token loop works on shared memory and registers only: the staging loops (global loads,
     # and the FMAs of exp in the feature maps) are not it; of loops with as many FMA, the lowest share
-    # (the gate's tile kernel has three of 64 FFMA: the plain start-state read of the query mode, 66 %,
-    # and the causal path's gated read and state update, 56-57 %)
+    # (the conservative reading: a first version of the gate's tile kernel had three loops of 64 FFMA,
+    # the query mode's plain start-state read at 66 % and the causal path's two at 56-57 %)
     token = max((r for r in rows if not r["global"]), key=lambda r: (r["FMA"], -r["FMA %"]), default=None)
     if not all_loops:
         rows = sorted(rows, key=lambda r: -r["FMA"])[:3]
