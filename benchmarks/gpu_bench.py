@@ -298,6 +298,7 @@ def main(argv=None):
                                         bhs=(1, 2) if tiny else (8, 32, 128, 512, 2048),
                                         ns=(5,) if tiny else (1024, 8192))
         sweeps["launch_config"] = launch_sweep(cuda, torch, B, H, D, M, deadline, N=7 if tiny else 16384)
+        sweeps["rule_layouts"] = rule_layouts(cuda, torch, B, H, D, M, deadline, N=7 if tiny else 16384)
     result = {"meta": meta, "rows": rows, "decode": decode, "sweeps": sweeps}
     path = args.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu_bench.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -439,6 +440,42 @@ def launch_sweep(cuda, torch, B, H, D, M, deadline, N=16384):
     finally:
         for k_, val in saved.items():
             setattr(config, k_, val)
+    return res
+
+
+def rule_layouts(cuda, torch, B, H, D, M, deadline, N=16384):
+    """The scan of every update rule in row groups and in tiles (config.CUDA_SEQ_LAYOUT) at one shape:
+    the static argument for the tile layout of the decay, gate and delta rules (issue 20), timed.
+    The rules' per-token inputs live on the GPU (no host copy per call); 'l2' keys for the delta rules."""
+    res = []
+    print(f"# rules x layouts: scan at B={B}, H={H}, N={N}, D={D}, M={M} (ms)", flush=True)
+    _, (q, k, v) = make_inputs(cuda, torch, (B, H, N, D), M, seed=3)
+    out = cuda.device_array((B, H, N, M), dtype=np.float32)
+    rng = np.random.default_rng(3)
+    decay = cuda.to_device(rng.uniform(0.9, 1.0, size=(B, H, N)))
+    gate = cuda.to_device(rng.uniform(0.9, 1.0, size=(B, H, N, D)))
+    beta = cuda.to_device(rng.uniform(0.0, 1.0, size=(B, H, N)))
+    rules = {"additive": ({}, "elu"), "decay": ({"decay": decay}, "elu"), "gate": ({"decay": gate}, "elu"),
+             "delta": ({"beta": beta}, "l2"), "gated_delta": ({"beta": beta, "decay": decay}, "silu_l2")}
+    saved = config.CUDA_SEQ_LAYOUT
+    try:
+        for rule, (kw, fmap) in rules.items():
+            cell = {"rule": rule}
+            for lay in ("rows", "tiles"):
+                if deadline.left() < 8:
+                    cell[lay + "_ms"] = None
+                    continue
+                config.CUDA_SEQ_LAYOUT = lay
+                t, _ = time_gpu(cuda, lambda: la.linear_attention(q, k, v, causal=True, method="scan", device="cuda",
+                                                                   feature_map=fmap, check_finite=False, out=out,
+                                                                   **kw),
+                                target_s=0.1)
+                cell[lay + "_ms"] = t * 1e3
+            res.append(cell)
+            print(f"  {rule:<12} rows {cell.get('rows_ms') or float('nan'):9.3f}  "
+                  f"tiles {cell.get('tiles_ms') or float('nan'):9.3f}", flush=True)
+    finally:
+        config.CUDA_SEQ_LAYOUT = saved
     return res
 
 

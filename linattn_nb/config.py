@@ -284,11 +284,11 @@ CUDA_SHARED_BYTES = _env_int("LINATTN_CUDA_SHARED_BYTES", 40960)
 #: Static shared memory per block the tile layout of the sequence kernel may
 #: take (linattn_nb.ops._cuda_kernels.tiles_fits): its tile is D_phi / 4
 #: tokens whatever the budget, so the budget only decides where the layout
-#: applies, and its blocks (272 threads at D_phi = M = 64, 148-196 registers
+#: applies, and its blocks (272 threads at D_phi = M = 64, 148-206 registers
 #: each) are held to one per multiprocessor by registers, so the default is
 #: the whole static limit, 48 KiB: the gate rule at D_phi = M = 64 in float32
 #: takes 46,524 bytes (its scaled copies of phi(q), phi(k) and its rows of
-#: products), the additive rule 31,568.
+#: products), the delta rules 38,032 (gated 38,212), the additive rule 31,568.
 CUDA_TILES_SHARED_BYTES = _env_int("LINATTN_CUDA_TILES_SHARED_BYTES", 49152)
 #: Tokens per chunk of method="chunked" (causal) and of the non-causal
 #: aggregate phase: chunks are processed in parallel.
@@ -337,8 +337,9 @@ CUDA_AUTO_SCAN_MIN_WARPS_PER_SM = _env_int("LINATTN_CUDA_AUTO_SCAN_MIN_WARPS_PER
 CUDA_SPECIALIZE_MAPS = _env_int("LINATTN_CUDA_SPECIALIZE_MAPS", 1)
 #: Thread layout of the sequence kernel: "auto" (the owner layout where it
 #: applies; when the owner layout's blocks would be fewer than
-#: CUDA_AUTO_SCAN_BLOCKS_PER_SM per multiprocessor, the tile layout for the
-#: additive, decay and gate rules where it applies, else row groups: see
+#: CUDA_AUTO_SCAN_BLOCKS_PER_SM per multiprocessor, the tile layout where it
+#: applies (any rule), else row groups; the delta rules, which have no owner
+#: layout, likewise with row groups' blocks in its place: see
 #: linattn_nb.ops._cuda_launch.seq_layout), "owner" (where it applies),
 #: "rows" (always row groups) or "tiles" (the tile layout where it applies,
 #: else the owner layout's rule).  A device of one multiprocessor (the

@@ -52,9 +52,9 @@ cross-thread sums a thread issues per FFMA.  Three layouts (:func:`seq_config`):
   threads: 7 blocks, 14 warps per multiprocessor (registers), and ``T`` is
   chosen so shared memory allows :data:`TARGET_WARPS`; three
   ``syncthreads`` per tile.
-* **row groups** (larger ``D_phi``, the delta rules, and any ``D_phi``
-  when a GPU has too few sequences for the owner layout's 2-warp blocks to
-  fill it: :func:`linattn_nb.ops._cuda_launch.seq_layout`): the block's ``MB``
+* **row groups** (larger ``D_phi``, the delta rules where the tile layout is
+  not taken, and any ``D_phi`` when a GPU has too few sequences for the owner
+  layout's 2-warp blocks to fill it: :func:`linattn_nb.ops._cuda_launch.seq_layout`): the block's ``MB``
   value columns plus the normaliser column, ``MB + 1`` padded to ``MBP``
   (a multiple of ``C``), are split into groups of ``C`` columns and the
   ``F`` rows into ``G`` groups of ``R``; each thread keeps an ``R x C``
@@ -68,7 +68,7 @@ cross-thread sums a thread issues per FFMA.  Three layouts (:func:`seq_config`):
   summed once and the ``G`` partials of every value column are summed and
   divided by it.
 
-* **tiles** (``G == 0``; the additive, decay and gate rules, :data:`TILES_RULES`;
+* **tiles** (``G == 0``; every rule, :data:`TILES_RULES`;
   ``D_phi`` padded to a multiple of 4 at most :data:`TILES_MAX_ROWS` = 64, within
   ``config.CUDA_TILES_SHARED_BYTES``: float32 up to D_phi = M = 64, float64 up to D_phi = 32; what the launchers
   take instead of row groups when the owner layout's blocks are too few,
@@ -118,6 +118,24 @@ cross-thread sums a thread issues per FFMA.  Three layouts (:func:`seq_config`):
   update are the additive rule's loops (:func:`_tiles_kernel`).  46,524
   bytes of shared memory at D_phi = M = 64 in float32
   (``config.CUDA_TILES_SHARED_BYTES``).
+  The delta rules (``H_t = a_t (I - beta_t k_t k_t^T) H_{t-1} + beta_t k_t
+  [v_t | 1]^T``, ``a = 1`` for the delta rule) in the WY/UT form per tile
+  (Yang et al. 2024, DeltaNet; the CPU chunked kernel's form,
+  :mod:`linattn_nb.ops._rules`): with ``L = I + tril(diag(beta) (Gamma *
+  phi(K) phi(K)^T), -1)`` (``Gamma_ts = a_{s+1} ... a_t``) and ``Y = [V |
+  1] - (a_0 ... a_t phi(k_t))^T [S | z]`` row by row, the tile's values are
+  replaced by ``U' = L^-1 diag(beta) Y`` and the outputs and the state are
+  then the additive rule's (the decay rule's for the gated delta rule).
+  Per tile: the entries of ``L`` next to the scores, one per thread of the
+  next ``T (T - 1) / 2`` (64 products each at D_phi = 64); ``W = L^-1
+  diag(beta)`` a column per thread of the first ``T``, solved forwards in
+  shared memory (a thread reads only what it wrote; ``L`` is read as
+  broadcasts), while every thread forms its token's and columns' ``Y`` (the
+  start state's read loop, at the key); ``U' = W Y``; two more barriers.
+  No per-token cross-thread sum (row groups: ``k^T H`` summed across
+  groups by warp shuffles, a dependent chain every token); about 1.6 x
+  the FLOPs of the additive tile.  38,032 bytes at D_phi = M = 64 in
+  float32 (38,212 gated).
 
 The owner and row-group layouts have at most :data:`MAX_SEQ_THREADS` = 256 threads, so
 registers x threads stays within the 65,536 registers of a block however
@@ -179,7 +197,7 @@ the tile divides each row by its norm
 (:func:`linattn_nb.ops._cuda_common.l2_normalize_row`, one thread per row,
 float64 norm, a zero row stays zero), and one more ``syncthreads``.
 
-Delta rules (delta, gated delta; row-group layout): before a token changes column ``m`` of
+Delta rules (delta, gated delta) in the row-group layout: before a token changes column ``m`` of
 the state, the column must be read at the token's key, ``u_m = k^T H[:, m]``,
 a sum over all ``F`` rows, which the ``G`` row groups hold between them.
 When ``G`` is a power of two up to 32 (``D_phi = 64``: 8 groups of 8 rows)
@@ -221,7 +239,7 @@ from numba import config as _nbconfig
 from numba import cuda, float32, float64, uint32, uint64
 
 from .. import config
-from ._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, RULE_DECAY, RULE_GATE, RULE_GATED_DELTA
+from ._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, RULE_DECAY, RULE_DELTA, RULE_GATE, RULE_GATED_DELTA
 from ._cuda_common import (carry, fill4, is_delta_rule, is_row_map, l2_normalize_row, rule_factor_rows, stage,
                            stage4, unravel4)
 
@@ -630,6 +648,18 @@ def _tile_state_read(ac, sq, sst, tt, j0, FP):
 
 
 @cuda.jit(device=True, inline=True)  # inlined: no device-function compile, which needs a GPU
+def _row_dot(x, y, t, s, FP, zero):
+    """``x[t, :FP] . y[s, :FP]`` (uint32 rows), four features a step."""
+    d = zero
+    iu = uint32(0)
+    while iu < uint32(FP):
+        for a in range(4):
+            d += x[t, iu + uint32(a)] * y[s, iu + uint32(a)]
+        iu = uint32(iu + uint32(4))
+    return d
+
+
+@cuda.jit(device=True, inline=True)  # inlined: no device-function compile, which needs a GPU
 def _interval_row(lo, hi, NB):
     """The gate's row of ``sz`` holding ``beta_lo ... beta_{hi-1}``, the product of the factors of the
     tile's 4-token blocks ``lo .. hi - 1`` (uint32; row 0, all ones, when ``lo >= hi``)."""
@@ -669,7 +699,7 @@ def _log_sum(sl, lo, hi, zero):
 
 
 def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
-    """The tile layout (``G == 0``; the additive, decay and gate rules): see the module docstring.
+    """The tile layout (``G == 0``; every rule of :data:`TILES_RULES`): see the module docstring.
 
     The gate rule (``H_t = diag(a_t) H_{t-1} + k_t [v_t | 1]^T``, a factor per feature row): the
     tile's ``T`` tokens are cut into blocks of 4, and one pass (a thread per feature row) forms from
@@ -683,10 +713,22 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
     ``s``'s share of the end state ``sigma_s`` times the blocks after ``s``'s: a pass after the scores
     multiplies the staged rows by those runs in place, and the loops that read the start state and
     update the state are the additive rule's.
+
+    The delta rules: the tile's ``beta`` staged next to its log-decays (the gated rule's: as the
+    decay rule's); the pass of the scores also forms ``sL[t, s] = beta_t a_{s+1} ... a_t
+    phi(k_t)^T phi(k_s)``, ``s < t`` (thread ``NTRI + e`` takes entry ``e`` first); then threads
+    ``j < T`` solve ``L x = beta_j e_j`` forwards into column ``j`` of ``sw`` (``W = L^-1
+    diag(beta)``, 0 above the diagonal: ``beta = 0`` writes exact zeros) while every thread turns
+    its own entries of ``sv`` into ``Y = [v_t | 1] - a_0 ... a_t phi(k_t)^T [S | z]``; after a
+    barrier each thread forms its token's row of ``U' = W Y`` (``sU``) and after another the
+    outputs and the state read ``sU`` where the other rules read ``sv``.
     """
     acc_t = _ACC_TYPES[acc]
-    DECAY = rule == RULE_DECAY  # one log-factor per token: the tile's weights, start-state reads, key shares
+    # one log-factor per token (the decay rule; the gated delta rule's column 0): the tile's weights,
+    # start-state reads, key shares
+    DECAY = rule == RULE_DECAY or rule == RULE_GATED_DELTA
     GATE = rule == RULE_GATE  # one log-factor per token and feature row: the products of the docstring
+    DL = is_delta_rule(rule)  # the delta rules: the tile's values replaced by U' (the docstring's WY form)
     TD = FP // 4 if DECAY else 1  # per-token factor arrays (a one-element stand-in without factors)
     IDX = uint32 if off32 else uint64  # element offsets within a sequence (module docstring)
     VQK = bool(vec & VEC_QK)  # q, k: four features per vector load (module docstring)
@@ -707,6 +749,7 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
     NZ = _gate_rows(FP) if GATE else 1  # the gate's product rows (module docstring; a stand-in otherwise)
     ZW = FPK if GATE else 1
     KR = T if GATE else 0  # first row of sk the state update reads (the gate: the keys' staged shares)
+    NL = T * (T - 1) // 2  # the delta rules: entries of the strict lower triangle L of the tile
     zero = acc_t(0.0)
     one = acc_t(1.0)
     # more than MAX_SEQ_THREADS threads (272 at D_phi = M = 64): a register cap keeps registers x
@@ -728,6 +771,11 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
         sl = cuda.shared.array(TD, acc_t)  # decay: log a_t of the tile's tokens (0 past the sequence)
         sfp = cuda.shared.array(TD, acc_t)  # decay: a_0 ... a_t, token t's factor of the start state
         ssh = cuda.shared.array(TD, acc_t)  # decay: a_{s+1} ... a_{T-1}, key s's share of the end state
+        # the delta rules' arrays (the other rules never touch them: names for arrays they have)
+        sb = cuda.shared.array(T, acc_t) if DL else sl  # beta of the tile's tokens (0 past the sequence)
+        sL = cuda.shared.array((T, T), acc_t) if DL else sa  # beta_t a_{s+1} ... a_t phi(k_t)^T phi(k_s), s < t
+        sw = cuda.shared.array((T, T), acc_t) if DL else sa  # W = L^-1 diag(beta) (L with its unit diagonal)
+        sU = cuda.shared.array((T, MP), acc_t) if DL else sv  # U' = W Y, the values the tile's products read
         st = cuda.local.array(16, acc_t)  # st[a * 4 + j]: state row r0 + a, column j0 + j
         ga = cuda.local.array(4, acc_t)  # gate: the factors of one block's tokens, one feature row
         ac = cuda.local.array(4, acc_t)
@@ -767,6 +815,10 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
         for idx in range(tid, T * T, NTH):  # above the diagonal: 0 for good
             sa[uint32(idx) // uint32(T), uint32(idx) % uint32(T)] = zero
         my_t, my_s = _triangle_entry(uint32(tid) if tid < NTRI else uint32(0))
+        # the delta rules' entries of L: thread NTRI + e takes entry e first (the threads of the scores last)
+        lrot = (tid + NTH - NTRI % NTH) % NTH if DL else 0
+        my_lt, my_ls = _triangle_entry(uint32(lrot) if DL and lrot < NL else uint32(0))
+        my_lt = uint32(my_lt + uint32(1))
         my_x, my_y, my_z = _gate_score_rows(my_t, my_s, T, NB)
         if GATE:
             for f in range(tid, FP, NTH):
@@ -827,6 +879,10 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
                 for t in range(tid, T, NTH):
                     tu = uint32(t)
                     sl[tu] = acc_t(lf[b, t0u + tu, 0]) if tu < ntu else zero
+            if DL and update:  # beta (column 1 of the delta rules' inputs; column 0 the log-decay)
+                for t in range(tid, T, NTH):
+                    tu = uint32(t)
+                    sb[tu] = acc_t(lf[b, t0u + tu, 1]) if tu < ntu else zero
             cuda.syncthreads()
             if is_row_map(cd):  # L2, SiLU then L2: one thread per staged row
                 _normalize_staged_rows(sq, sk, T, tid, NTH, F, update, write_out)
@@ -881,12 +937,57 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
                     if DECAY:  # weight a_{s+1} ... a_t: exp of a sum of the tile's log-factors (1 on the diagonal)
                         x *= math.exp(_log_sum(sl, uint32(s + uint32(1)), uint32(t + uint32(1)), zero))
                     sa[t, s] = x
+            if DL and update:  # the entries of L, from thread NTRI on (the scores' threads come last)
+                for idx in range(lrot, NL, NTH):
+                    if NTRI + NL <= NTH:  # at most one entry per thread, found once before the tiles
+                        t, s = my_lt, my_ls
+                    else:
+                        t, s = _triangle_entry(uint32(idx))
+                        t = uint32(t + uint32(1))
+                    w = sb[t]  # beta_t, times a_{s+1} ... a_t
+                    if DECAY:
+                        s1 = uint32(s + uint32(1))
+                        w *= math.exp(_log_sum(sl, s1, uint32(t + uint32(1)), zero))
+                    sL[t, s] = w * _row_dot(sk, sk, t, s, FP, zero)
             if DECAY and update:  # each token's factor of the start state and each key's share of the end state
                 for t in range(tid, T, NTH):
                     tu = uint32(t)
                     sfp[tu] = math.exp(_log_sum(sl, uint32(0), uint32(tu + uint32(1)), zero))
                     ssh[tu] = math.exp(_log_sum(sl, uint32(tu + uint32(1)), uint32(T), zero))
-            if update and (write_out or DECAY):
+            if update and (write_out or DECAY or DL):
+                cuda.syncthreads()
+            if DL and update:
+                # W = L^-1 diag(beta): column j solved forwards by thread j alone (it reads only the
+                # rows of its own column it wrote; L's entries are broadcasts), x_j = beta_j and
+                # x_t = -sum_{s<t} L_ts x_s (0 above the diagonal)
+                if tid < T:
+                    ju = uint32(tid)
+                    for t in range(T):
+                        tu = uint32(t)
+                        x = sb[ju] if tu == ju else zero
+                        for s in range(t):
+                            x -= sL[tu, uint32(s)] * sw[uint32(s), ju]
+                        sw[tu, ju] = x
+                # Y = [V | 1] - (a_0 ... a_t phi(k_t))^T [S | z], in place: this thread's token and columns
+                for j in range(4):
+                    ac[j] = zero
+                _tile_state_read(ac, sk, sst, tt, j0, FP)
+                bt = sfp[tt] if DECAY else one  # a_0 ... a_tt (the delta rule: 1)
+                for j in range(4):
+                    sv[tt, j0 + uint32(j)] -= bt * ac[j]
+                cuda.syncthreads()
+                # U' = W Y: the tile's values for the products below (the additive and decay rules' loops)
+                for j in range(4):
+                    ac[j] = zero
+                uu = uint32(0)
+                while uu < uint32(T):
+                    for a in range(SVW):
+                        x = sw[tt, uu + uint32(a)]
+                        for j in range(4):
+                            ac[j] += x * sv[uu + uint32(a), j0 + uint32(j)]
+                    uu = uint32(uu + uint32(SVW))
+                for j in range(4):
+                    sU[tt, j0 + uint32(j)] = ac[j]
                 cuda.syncthreads()
             if GATE and update:  # the scores read, the scaled rows become q_t a_0 ... a_t and k_s a_{s+1} ... a_{T-1}
                 for idx in range(tid, 2 * T * FPV, NTH):  # four rows of one token at a time
@@ -921,7 +1022,10 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
                         for a in range(SVW):  # four scores a step (one 16-byte load) where T allows
                             x = sa[tt, su + uint32(a)]
                             for j in range(4):
-                                ac[j] += x * sv[su + uint32(a), j0 + uint32(j)]
+                                if DL:
+                                    ac[j] += x * sU[su + uint32(a), j0 + uint32(j)]
+                                else:
+                                    ac[j] += x * sv[su + uint32(a), j0 + uint32(j)]
                         su = uint32(su + uint32(SVW))
                 if GATE and update:  # phi(q_tt) a_0 ... a_tt, staged
                     _tile_state_read(ac, sq, sst, uint32(T) + tt, j0, FP)
@@ -954,7 +1058,7 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
                         for a in range(4):
                             kk[a] *= x
                     for j in range(4):
-                        vv[j] = sv[su, j0 + uint32(j)]
+                        vv[j] = sU[su, j0 + uint32(j)] if DL else sv[su, j0 + uint32(j)]
                     for a in range(4):
                         for j in range(4):
                             st[a * 4 + j] += kk[a] * vv[j]
@@ -1049,7 +1153,7 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
     rule = key[6]
     if G == 0:
         if rule not in TILES_RULES or C != 4 or R % 4 or T != R // 4:
-            raise ValueError(f"the tile layout (G = 0) is the additive, decay and gate rules' with C = 4, T = R / 4; "
+            raise ValueError(f"the tile layout (G = 0) is that of the rules of TILES_RULES, with C = 4, T = R / 4; "
                              f"got {key}")
         kern = _SEQ_KERNELS[key] = _tiles_kernel(R, MB, acc, key[7], key[8], key[9], rule)
         return kern
@@ -1527,10 +1631,10 @@ TILES_MAX_ROWS = 64
 TILES_MAX_COLS = 64
 #: Rules the tile layout takes: the additive rule, the decay rule (a scalar factor per token:
 #: the tile's weights a_{s+1} ... a_t, the start state's a_0 ... a_t and the keys' shares of the
-#: end state, each the exp of a sum of the tile's log-factors) and the gate rule (a factor per
-#: token and feature row: products over blocks of 4 tokens, :func:`_tiles_kernel`).  The delta
-#: rules read the state per token.
-TILES_RULES = (RULE_ADDITIVE, RULE_DECAY, RULE_GATE)
+#: end state, each the exp of a sum of the tile's log-factors), the gate rule (a factor per
+#: token and feature row: products over blocks of 4 tokens) and the delta rules (the WY/UT form
+#: per tile: the values replaced by U' = L^-1 diag(beta) Y, :func:`_tiles_kernel`): every rule.
+TILES_RULES = (RULE_ADDITIVE, RULE_DECAY, RULE_GATE, RULE_DELTA, RULE_GATED_DELTA)
 #: Threads per block of the sequence kernel at most: 256 threads x 255
 #: registers (the most ptxas gives a thread) fit the 65,536 registers of a
 #: block, so every configuration launches whatever ptxas allocates.
@@ -1697,17 +1801,20 @@ def _tiles_sizes(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE):
     MP = -(-(MB + 1) // 4) * 4
     T = FP // 4
     # phi(q), phi(k) (the gate: and their scaled copies), [v | 1], scores, start state, normalisers;
-    # the decay rule's three per-token factor arrays and the gate's product rows (one-element
-    # stand-ins for the rules without them)
+    # the decay rule's (and the gated delta rule's) three per-token factor arrays and the gate's
+    # product rows (one-element stand-ins for the rules without them); the delta rules' beta, L, W
+    # and U' (the other rules: names for arrays they have)
     gate = rule == RULE_GATE
+    delta = is_delta_rule(rule)
     words = (2 * (2 * T if gate else T) * (FP + 4) + T * MP + T * T + FP * MP + T
-             + 3 * (T if rule == RULE_DECAY else 1) + (_gate_rows(FP) * (FP + 4) if gate else 1))
+             + 3 * (T if rule in (RULE_DECAY, RULE_GATED_DELTA) else 1) + (_gate_rows(FP) * (FP + 4) if gate else 1)
+             + (T + 2 * T * T + T * MP if delta else 0))
     return FP, MB, T, T * (MP // 4), words * int(acc_itemsize)
 
 
 def tiles_fits(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE) -> bool:
-    """Whether the tile layout applies (:func:`seq_config`): a rule of :data:`TILES_RULES` (additive,
-    decay, gate), ``D_phi`` padded to a multiple of 4 at most :data:`TILES_MAX_ROWS`, and its shared
+    """Whether the tile layout applies (:func:`seq_config`): a rule of :data:`TILES_RULES` (every
+    rule), ``D_phi`` padded to a multiple of 4 at most :data:`TILES_MAX_ROWS`, and its shared
     memory within ``config.CUDA_TILES_SHARED_BYTES`` (and the 48 KiB static limit)."""
     FP, _, _, _, nbytes = _tiles_sizes(F, M, acc_itemsize, rule)
     budget = min(int(config.CUDA_TILES_SHARED_BYTES), STATIC_SHARED_BYTES)

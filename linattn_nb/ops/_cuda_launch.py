@@ -83,8 +83,8 @@ def seq_layout(segments: int, F: int, M: int, acc_itemsize: int, rule: int = RUL
     column blocks, one warp per 32 value columns) would be fewer than
     ``config.CUDA_AUTO_SCAN_BLOCKS_PER_SM`` per multiprocessor -- fewer than 8
     resident warps per SM at D_phi = M = 64, e.g. the scan of the headline's
-    128 sequences on an H200's 132 SMs -- the tile layout ("tiles", the
-    additive, decay and gate rules where :func:`linattn_nb.ops._cuda_kernels.tiles_fits`:
+    128 sequences on an H200's 132 SMs -- the tile layout ("tiles", every
+    rule where :func:`linattn_nb.ops._cuda_kernels.tiles_fits`:
     9 warps a sequence at D_phi = M = 64, no cross-thread sums), else row
     groups ("rows": 5 warps there, G = 8 groups of 8 rows x 17 groups of 4
     columns, a G-way sum per output); else "owner".  More warps per
@@ -93,7 +93,12 @@ def seq_layout(segments: int, F: int, M: int, acc_itemsize: int, rule: int = RUL
     tile layout, against about 21,000 (owner) and 24,000 (row groups) counted
     by hand from its tables, so the tile layout is taken only where the
     others leave the multiprocessors short of warps (PROVISIONAL: static
-    counts, not timed).
+    counts, not timed).  The delta rules have no owner layout: the same
+    count with their row groups' blocks (one per sequence at M = 64, 5
+    warps) picks the tile layout where it fits (their row groups sum
+    ``k^T H`` across groups every token, a dependent chain of warp
+    shuffles; their tiles do about 1.6 x the additive tiles' FLOPs), else
+    "rows".
     A device of one multiprocessor (``sms`` <= 1: the simulator) keeps the
     owner layout.  ``sms``: multiprocessors (default: the current device's).
 
@@ -107,14 +112,15 @@ def seq_layout(segments: int, F: int, M: int, acc_itemsize: int, rule: int = RUL
         raise ValueError(f"config.CUDA_SEQ_LAYOUT must be 'auto', 'owner', 'rows' or 'tiles', got {setting!r}")
     if setting != "auto":
         return setting
-    if not K.owner_fits(F, M, acc_itemsize, rule):
+    delta = is_delta_rule(rule)  # no owner layout: row groups, or tiles when they fit and blocks are few
+    if not K.owner_fits(F, M, acc_itemsize, rule) and not (delta and K.tiles_fits(F, M, acc_itemsize, rule)):
         return "rows"
     sms = multiprocessor_count() if sms is None else int(sms)
     MB = K.seq_config(F, M, acc_itemsize, rule)[3]
     blocks = int(segments) * -(-int(M) // MB)
     if sms > 1 and blocks < int(config.CUDA_AUTO_SCAN_BLOCKS_PER_SM) * sms:
         return "tiles" if K.tiles_fits(F, M, acc_itemsize, rule) else "rows"
-    return "owner"
+    return "rows" if delta else "owner"
 
 
 @dataclass(frozen=True)
@@ -585,13 +591,17 @@ def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule:
     The state ``H`` is float64; with float32 accumulation the scan moves it
     through a float32 copy (two cast-copy launches).  FLOPs per token and
     batch entry: the value columns and the normaliser column, ``F (M + 1)``
-    elements, each updated (2 FLOPs, 3 with a per-token factor) and read
+    elements, each updated (2 FLOPs, 3 with a per-token factor, 4 for the
+    delta rules, which read ``k^T H`` first) and read
     into the output (2), plus the cross-thread sums of the layout (``G``
     partials per column of the row-group layout, one partial per thread of
     the owner layout, once per token) and the ``M`` divisions; the tile
     layout multiplies its padded ``R x MP`` state twice per token and adds
     the products of the tile's own tokens (the causal scores and their
-    product with ``[v | 1]``; no cross-thread sums); the chunked
+    product with ``[v | 1]``; no cross-thread sums), and for the delta
+    rules each key's read of the start state, its entries of ``L``, its
+    row of ``U' = W Y`` and its share of the solve for ``W``
+    (:func:`linattn_nb.ops._cuda_kernels._tiles_kernel`); the chunked
     method adds the chunk sums (the update alone, over every token) and the
     combine over chunks.
     """
@@ -620,7 +630,8 @@ def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule:
     A = acc.itemsize
     S = F * (M + 1)  # state elements per batch entry
     W = rule_factor_rows(rule, F)
-    per_elem_update = 2 if rule == RULE_ADDITIVE else 3
+    # per state element and token: the update (2), a factor (1 more), the delta rules' read k^T H (2 more)
+    per_elem_update = 2 if rule == RULE_ADDITIVE else 4 if is_delta_rule(rule) else 3
     reduce_adds = (-(-MB // C)) if owner else G * (MB + 1)  # per token and column block
     cb = -(-M // MB)
     out_flops = B * N * (2 * S + cb * reduce_adds + M)  # phi(q)^T [S | z], the sums, the divisions
@@ -633,10 +644,15 @@ def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule:
         # the tile's own tokens: (T + 1) / 2 scores of R products per token, T x MP products (the
         # masked half is multiplied by its zeros)
         out_flops = query_flops + B * N * cb * ((T + 1) * R + 2 * T * MP)
-        if rule == RULE_DECAY:  # the keys' shares (4 per thread and token), the start state's factor per
-            # output, the state's factor once a tile; per score a sum of up to T log-factors and its exp
+        if rule in (RULE_DECAY, RULE_GATED_DELTA):  # the keys' shares (4 per thread and token), the start
+            # state's factor per output, the state's factor once a tile; per score a sum of up to T
+            # log-factors and its exp
             upd_flops += B * N * cb * (R * MP // 4 + -(-R * MP // T))
             out_flops += B * N * cb * (MP + (T + 1) // 2 * (T // 2 + 1))
+        if is_delta_rule(rule):  # per token: the key's read of the start state and Y = [v | 1] minus it,
+            # its (T - 1) / 2 entries of L, its row of U' = W Y (the masked half multiplied by zeros) and
+            # a T-th of the solve for W (T^3 / 6 FMAs a tile)
+            upd_flops += B * N * cb * (2 * R * MP + MP + (T - 1) * R + 2 * T * MP + -(-T * T // 3))
     parts = {"q": B * N * F * item, "k": B * N * F * item, "v": B * N * M * item, "out": B * N * M * item,
              "factors": B * N * W * 8 * (cb if W else 0), "states": 0}
     launches = 1

@@ -682,7 +682,7 @@ def sequence_configurations(features, values, accs=("float32", "float64"), rules
     Returns ``(launchable, refused)``: dicts with ``F, M, acc, rule, layout``
     and the launch (``cfg``, ``threads``), and those ``seq_config`` refuses
     (with the ValueError's message).  Every layout by default: the launchers
-    take the tile layout (the additive, decay and gate rules) or row groups where the owner
+    take the tile layout (every rule, where it fits) or row groups where the owner
     layout applies when a GPU has few sequences per multiprocessor
     (:func:`linattn_nb.ops._cuda_launch.seq_layout`); "tiles" lists only the
     configurations it applies to (elsewhere it is the owner layout's).

@@ -525,7 +525,8 @@ def test_auto_method_selection(monkeypatch):
     assert D.select_method_cuda("auto", batch=128, n=65536, **kw) == "scan"  # tiles: 128 x 9 warps >= 4 * 132
     assert D.select_method_cuda("auto", batch=58, n=65536, **kw) == "chunked"  # 58 x 9 warps < 4 * 132
     assert D.select_method_cuda("auto", batch=128, n=65536, rule="gate", **kw) == "scan"  # tiles too: 128 x 9
-    assert D.select_method_cuda("auto", batch=100, n=65536, rule="delta", **kw) == "chunked"  # rows: 100 x 5 < 4 x 132
+    assert D.select_method_cuda("auto", batch=100, n=65536, rule="delta", **kw) == "scan"  # tiles: 100 x 9
+    assert D.select_method_cuda("auto", batch=58, n=65536, rule="delta", **kw) == "chunked"  # 58 x 9 < 4 x 132
     assert D.select_method_cuda("auto", batch=1024, n=65536, **kw) == "scan"
     assert D.select_method_cuda("auto", batch=8, n=100, **kw) == "scan"  # short: AUTO_METHODS row
     assert D.select_method_cuda("auto", batch=8, n=100, causal=False, f=64, m=64, dtype=np.float32) == "aggregate"
@@ -566,13 +567,14 @@ def test_traffic_model_headline(monkeypatch):
 
 def test_sequence_layout_choice(monkeypatch):
     """seq_layout: the owner layout while its blocks give CUDA_AUTO_SCAN_BLOCKS_PER_SM per SM, the
-    tile layout below (the additive, decay and gate rules; 9 warps per sequence at D_phi = M = 64) or row
-    groups (other rules), the owner layout on a one-SM device (the simulator) and where it does not apply;
+    tile layout below (every rule where it fits; 9 warps per sequence at D_phi = M = 64) or row
+    groups, the owner layout on a one-SM device (the simulator) and where it does not apply (the delta
+    rules, which have none: row groups, and tiles below the same count of blocks);
     config.CUDA_SEQ_LAYOUT overrides; method="auto" then picks the scan at the headline on an H200
     (one pass) and the chunked method with too few sequences."""
     from linattn_nb import _cuda_dispatch as D
     from linattn_nb.ops import _cuda_kernels as K
-    from linattn_nb.ops._codes import RULE_DECAY, RULE_DELTA, RULE_GATE
+    from linattn_nb.ops._codes import RULE_DECAY, RULE_DELTA, RULE_GATE, RULE_GATED_DELTA
     from linattn_nb.ops._cuda_launch import seq_layout
 
     for name, value in DEFAULT_LAUNCH.items():
@@ -585,7 +587,12 @@ def test_sequence_layout_choice(monkeypatch):
     assert seq_layout(1, 64, 128, 4, sms=132) == "tiles"  # two column blocks, still too few
     assert seq_layout(1, 64, 128, 4, RULE_GATE, sms=132) == "tiles"
     assert seq_layout(1, 64, 64, 8, RULE_GATE, sms=132) == "rows"
-    assert seq_layout(1, 64, 64, 4, RULE_DELTA, sms=132) == "rows"  # the delta rules: never tiles
+    assert seq_layout(1, 64, 64, 4, RULE_DELTA, sms=132) == "tiles"  # the delta rules too (TILES_RULES)
+    assert seq_layout(527, 64, 64, 4, RULE_GATED_DELTA, sms=132) == "tiles"  # row groups' 527 blocks < 4 x 132
+    assert seq_layout(528, 64, 64, 4, RULE_GATED_DELTA, sms=132) == "rows"
+    assert seq_layout(1, 64, 64, 4, RULE_DELTA, sms=1) == "rows"  # the simulator
+    assert seq_layout(1, 64, 64, 8, RULE_DELTA, sms=132) == "rows"  # float64 at D_phi = 64: no tiles
+    assert seq_layout(1, 32, 64, 8, RULE_GATED_DELTA, sms=132) == "tiles"
     assert seq_layout(1, 64, 64, 8, sms=132) == "rows"  # float64 at D_phi = 64: no tiles (shared memory)
     assert seq_layout(1, 32, 64, 8, sms=132) == "tiles"
     assert seq_layout(1024, 64, 64, 4, RULE_DELTA, sms=132) == "rows"  # no owner layout for the delta rules
@@ -593,6 +600,9 @@ def test_sequence_layout_choice(monkeypatch):
     assert K.seq_config(64, 64, 4, 0, seq_layout(128, 64, 64, 4, sms=132)) == (64, 4, 0, 64, 16)
     assert K.seq_config(64, 64, 4, 0, "rows") == (8, 4, 8, 64, 13)
     assert K.seq_config(64, 64, 4, RULE_GATE, "tiles") == (64, 4, 0, 64, 16)  # 46,524 bytes: within 48 KiB
+    assert K.seq_config(64, 64, 4, RULE_GATED_DELTA, "tiles") == (64, 4, 0, 64, 16)  # 38,212 bytes
+    assert K.seq_config(64, 64, 4, RULE_DELTA, "tiles") == (64, 4, 0, 64, 16)
+    assert K.seq_config(64, 64, 4, RULE_DELTA, "rows") == K.seq_config(64, 64, 4, RULE_DELTA) == (16, 2, 4, 64, 22)
     monkeypatch.setattr(config, "CUDA_TILES_SHARED_BYTES", 46523)  # one byte short: the owner layout's rule
     assert K.seq_config(64, 64, 4, RULE_GATE, "tiles") == K.seq_config(64, 64, 4, RULE_GATE, "owner")
     assert seq_layout(527, 64, 64, 4, RULE_GATE, sms=132) == "rows"
@@ -616,8 +626,8 @@ def test_sequence_layout_choice(monkeypatch):
     assert D.select_auto_cuda(batch=59, **kw) == "scan"
     assert D.select_auto_cuda(batch=58, **dict(kw, rule="gate")) == "chunked"  # the gate in tiles too: 522 warps
     assert D.select_auto_cuda(batch=59, **dict(kw, rule="gate")) == "scan"
-    assert D.select_auto_cuda(batch=105, **dict(kw, rule="delta")) == "chunked"  # row groups: 525 warps
-    assert D.select_auto_cuda(batch=106, **dict(kw, rule="delta")) == "scan"
+    assert D.select_auto_cuda(batch=58, **dict(kw, rule="delta")) == "chunked"  # the delta rules in tiles: 522
+    assert D.select_auto_cuda(batch=59, **dict(kw, rule="gated_delta")) == "scan"  # (was row groups: from 106)
     assert D.select_auto_cuda(batch=600, **kw) == "scan"  # owner blocks fill the GPU
     assert D.select_auto_cuda(batch=128, **dict(kw, rule="gate")) == "scan"
 

@@ -225,6 +225,53 @@ def test_delta_rule_beta_zero_keeps_the_state_and_unit_keys_stay_bounded():
     assert (np.linalg.norm(S, 2, axis=(1, 2)) <= bound * (1 + 1e-12)).all()
 
 
+@pytest.mark.parametrize("f, m, cols, dtype", [(8, 5, 64, np.float32), (12, 5, 3, np.float32),
+                                             (12, 11, 64, np.float32), (24, 5, 3, np.float32),
+                                             (36, 5, 3, np.float32), (36, 5, 3, np.float64)],
+                         ids=["T2-one-entry-each", "T3-cols3+2", "T3-one-entry-each", "T6", "T9", "T9-float64"])
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_delta_tile_layout(monkeypatch, rule, f, m, cols, dtype):
+    """The delta rules in the tile layout (the WY/UT form per tile of T = D_phi / 4 tokens: L of
+    the tile's keys, W = L^-1 diag(beta) solved a column per thread, Y = [V | 1] minus the keys'
+    read of the start state, U' = W Y): N = 13 (a part tile at the end), beta 0 and 2, the gated
+    rule's resets at token 0, mid-tile and at a tile's first token and a run of e^-25 factors,
+    a random start state; with one entry of the scores and of L per thread (D_phi = 8, M = 5 and
+    D_phi = 12, M = 11: NTRI + NL = threads) and with threads looping over them, column blocks
+    of 3 + 2; outputs and final state against the explicit form (float64: normalised outputs)."""
+    from linattn_nb.ops import _cuda_kernels as K
+
+    monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
+    monkeypatch.setattr(config, "CUDA_VALUE_COLS", cols)
+    code, map_code = RULES[rule]
+    b, n, T = 2, 13, f // 4
+    cfg = K.seq_config(f, m, np.dtype(dtype).itemsize, code, "tiles")
+    assert cfg == (f, 4, 0, min(m, cols), T), cfg
+    nth = K.threads_per_block(*cfg[:4], code)
+    assert (T * (T + 1) // 2 + T * (T - 1) // 2 <= nth) == (cols == 64), nth
+    rng = np.random.default_rng(41 + f)
+    normalize = dtype == np.float64
+    q, k = (rng.normal(size=(b, n, f)) for _ in range(2))
+    if normalize:  # positive features: the normaliser phi(q)^T z stays away from 0
+        q, k = np.abs(q) + 0.1, np.abs(k) + 0.1
+    v = rng.normal(size=(b, n, m))
+    S0, z0 = rng.normal(size=(b, f, m)), rng.uniform(0.5, 1.5, size=(b, f))
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    beta = rng.uniform(0.0, 2.0, size=(b, n))
+    beta[0, 1], beta[1, T] = 0.0, 2.0
+    inputs = {"beta": beta}
+    if rule == "gated_delta":
+        lg = np.log(rng.uniform(0.3, 1.0, size=(b, n)))
+        lg[0, 2:6] = -25.0
+        lg[0, T + 1] = lg[1, 0] = lg[1, T] = -np.inf
+        inputs["log_decay"] = lg
+    out, S, z = run("scan", q, k, v, S0, z0, rule=code, inputs=inputs, code=map_code, normalize=normalize)
+    ref, S_ref, z_ref = causal_linear_quadratic(features(q, map_code), features(k, map_code), v.astype(np.float64),
+                                                eps=1e-8, S0=S0, z0=z0, rule=code, inputs=inputs, normalize=normalize)
+    assert_close(out, ref, dtype)
+    assert_close(S, S_ref, dtype)
+    assert_close(z, z_ref, dtype)
+
+
 @pytest.mark.parametrize("layout", ["auto", "tiles"])
 @pytest.mark.parametrize("method", ["scan", "chunked", "aggregate"])
 @pytest.mark.parametrize("code", [KERNEL_CODE_L2, KERNEL_CODE_SILU_L2])

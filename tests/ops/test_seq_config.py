@@ -23,7 +23,7 @@ import linattn_nb as la
 from linattn_nb import config
 from linattn_nb.device import cuda_status
 from linattn_nb.ops import _cuda_kernels as K
-from linattn_nb.ops._codes import RULE_ADDITIVE, RULE_DECAY, RULE_DELTA, RULE_GATE
+from linattn_nb.ops._codes import RULE_ADDITIVE, RULE_DECAY, RULE_DELTA, RULE_GATE, RULE_GATED_DELTA
 
 cuda = pytest.importorskip("numba.cuda")
 pytestmark = pytest.mark.skipif(cuda_status() != "simulator", reason="records shared arrays on the CUDA simulator")
@@ -72,11 +72,13 @@ def _run(F, M, rule, dtype=np.float32, n=11):
         kw["decay"] = np.full((1, n), 0.9)
     elif rule == RULE_GATE:
         kw["decay"] = np.full((1, n, F), 0.8)
-    elif rule == RULE_DELTA:
+    elif rule in (RULE_DELTA, RULE_GATED_DELTA):
         kw["beta"] = np.full((1, n), 0.5)
+        if rule == RULE_GATED_DELTA:
+            kw["decay"] = np.full((1, n), 0.9)
         q = q / np.linalg.norm(q, axis=-1, keepdims=True)
         k = k / np.linalg.norm(k, axis=-1, keepdims=True)
-    normalize = rule != RULE_DELTA
+    normalize = rule not in (RULE_DELTA, RULE_GATED_DELTA)
     got = la.linear_attention(q, k, v, causal=True, feature_map="identity", method="scan", device="cuda",
                               normalize=normalize, **kw)
     want = la.linear_attention(q, k, v, causal=True, feature_map="identity", method="scan", device="cpu",
@@ -146,12 +148,13 @@ def test_errors_name_the_limit(monkeypatch):
         K.seq_config(int(config.CUDA_MAX_FEATURES) + 1, 4, 4, RULE_ADDITIVE)
 
 
-@pytest.mark.parametrize("rule", [RULE_ADDITIVE, RULE_DECAY, RULE_GATE], ids=["additive", "decay", "gate"])
+@pytest.mark.parametrize("rule", [RULE_ADDITIVE, RULE_DECAY, RULE_GATE, RULE_DELTA, RULE_GATED_DELTA],
+                         ids=["additive", "decay", "gate", "delta", "gated_delta"])
 def test_tile_layout_allocates_what_it_counts(rule, monkeypatch, recorded):
     """The tile layout's tile is D_phi / 4 tokens whatever the budget, so the budget decides only
     whether the layout applies (:func:`tiles_fits`): what one block allocates must be exactly the
-    bytes ``_tiles_sizes`` counts, the decay rule's per-token factors and the gate rule's scaled
-    copies and product rows included."""
+    bytes ``_tiles_sizes`` counts, the decay rule's per-token factors, the gate rule's scaled
+    copies and product rows and the delta rules' beta, L, W and U' included."""
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
     F, M = 12, 5
     assert K.seq_config(F, M, 4, rule, "tiles")[2] == 0
