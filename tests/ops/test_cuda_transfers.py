@@ -136,7 +136,7 @@ def test_device_log_decay_is_read_in_place(counts, monkeypatch, form, method):
 
     monkeypatch.setattr(config, "CUDA_CHUNK_SIZE", 4)
     rng = np.random.default_rng(6)
-    batch, N, D, M = (2, 2), 9, 3, 2
+    batch, N, D, M = (2, 2), 6, 3, 2  # chunks of 4: one whole, one part (the simulator's time)
     q, k, v = (rng.standard_normal(batch + (N, d)).astype(np.float32) for d in (D, D, M))
     lg = -rng.uniform(0.0, 0.5, size=batch + ((N,) if form == "per_token" else (N, D)))
     lg[0, 1, 4] = -np.inf  # a reset
@@ -177,7 +177,7 @@ def test_device_decay_factors_are_converted_on_the_device(counts, monkeypatch, f
 
     monkeypatch.setattr(config, "CUDA_CHUNK_SIZE", 4)
     rng = np.random.default_rng(8)
-    batch, N, D, M = (2, 3), 9, 3, 2
+    batch, N, D, M = (2, 2), 6, 3, 2  # chunks of 4: one whole, one part (the simulator's time)
     q, k, v = (rng.standard_normal(batch + (N, d)).astype(np.float32) for d in (D, D, M))
     if form == "per_sequence":
         a = rng.uniform(0.5, 1.0, size=batch).astype(np.float32)
@@ -192,7 +192,7 @@ def test_device_decay_factors_are_converted_on_the_device(counts, monkeypatch, f
         da = cuda.to_device(full)[..., ::2]
     else:
         a = rng.uniform(0.5, 1.0, size=batch + (N, D)).astype(np.float32)
-        a[1, 2, 5] = 0.0  # a reset of every feature row
+        a[1, 1, 5] = 0.0  # a reset of every feature row
         da = cuda.to_device(a)
     dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
     out = cuda.device_array(batch + (N, M), dtype=np.float32)

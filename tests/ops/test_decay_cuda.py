@@ -321,15 +321,19 @@ def test_rule_inputs_checked_and_device_inputs_read_in_place():
                 run(method, q, k, v, S0, z0, rule=rule, inputs=inputs)
 
 
-_PTX_SCRIPT = seq_kernel_ptx_script((RULE_DECAY, RULE_GATE), "chunk_factors_kernel",
+# the decay rule's default kernel (the owner layout) in float32, the gate rule's in float64, and the
+# gate rule's tile kernel (the decay rule's tile code: the gated delta rule's, test_delta_cuda.py)
+_PTX_SCRIPT = seq_kernel_ptx_script((("float32", RULE_DECAY, "default"), ("float64", RULE_GATE, "default"),
+                                     ("float32", RULE_GATE, "tiles")), "chunk_factors_kernel",
                                     '(types.Array(f64, 3, "C"), i, i, types.Array(f64, 2, "C"))')
 
 
 def test_decay_and_gate_kernels_compile_to_ptx():
-    """The decay and gate sequence kernels type-check and compile for sm_90 at the default launch
-    configuration (D_phi = M = 64, float32 and float64 accumulation) with the state tile in
-    registers (no local memory); the chunk-factor kernel compiles too."""
+    """The decay and gate sequence kernels type-check and compile for sm_90 at D_phi = M = 64 (the
+    default configuration, float32 and float64 accumulation, and the tile layout a GPU with few
+    sequences takes) with the state in registers (no local memory); the chunk-factor kernel
+    compiles too.  Every kernel at every configuration: the opt-in launch check."""
     res = run_ptx_script(_PTX_SCRIPT)
-    assert len(res) == 5
+    assert len(res) == 4
     for key, val in res.items():
         assert val == {"target": True, "entry": True, "local": False}, (key, val)

@@ -111,8 +111,8 @@ def run(method, q, k, v, S0, z0, *, rule, inputs, code, normalize=False, eps=1e-
 
 
 @pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("method", ["scan", "chunked"])
+@pytest.mark.parametrize("method, dtype", [("scan", np.float32), ("scan", np.float64), ("chunked", np.float32)],
+                         ids=["scan-f32", "scan-f64", "chunked-f32"])  # chunked runs the scan: one dtype
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_launchers_match_reference(rule, method, dtype, normalize):
     """Initial state in, final state out, beta 0 and 2, a zero key and a zero query row, resets of
@@ -359,16 +359,20 @@ def test_rule_inputs_checked_and_device_inputs_read():
                 run(method, q, k, v, S0, z0, rule=rule, inputs=bad, code=KERNEL_CODE_L2)
 
 
-_PTX_SCRIPT = seq_kernel_ptx_script((RULE_DELTA, RULE_GATED_DELTA), "pack_column_kernel",
+# the delta rule's default kernel (row groups) in float32, the gated rule's (a superset of its code)
+# in float64, and the gated rule's tile kernel (the delta rules' and the decay rule's tile code)
+_PTX_SCRIPT = seq_kernel_ptx_script((("float32", RULE_DELTA, "default"), ("float64", RULE_GATED_DELTA, "default"),
+                                     ("float32", RULE_GATED_DELTA, "tiles")), "pack_column_kernel",
                                     '(types.Array(f64, 2, "A"), types.Array(f64, 3, "C"), i)')
 
 
 def test_delta_kernels_compile_to_ptx():
     """The delta and gated delta sequence kernels (with the inline row maps) type-check and compile
-    for sm_90 at the default launch configuration (D_phi = M = 64, float32 and float64
-    accumulation) with the state tile in registers (no local memory); the packing kernel of the
-    rules' inputs compiles too."""
+    for sm_90 at D_phi = M = 64 (the row groups the launchers take with many sequences, float32 and
+    float64 accumulation, and the tile layout they take with few) with the state in registers (no
+    local memory); the packing kernel of the rules' inputs compiles too.  Every kernel at every
+    configuration: the opt-in launch check (tests/ops/test_cuda_launchable.py)."""
     res = run_ptx_script(_PTX_SCRIPT)
-    assert len(res) == 5
+    assert len(res) == 4
     for key, val in res.items():
         assert val == {"target": True, "entry": True, "local": False}, (key, val)
