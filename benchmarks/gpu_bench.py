@@ -34,7 +34,10 @@ call (which compiles), median of repeats (at least 3, up to ~0.3 s of calls).
 A deadline (``--budget-s``) skips what would not fit; skipped cells say so.
 Also measured: the method crossover (scan vs chunked over batch x heads) and a
 small launch-configuration sweep at N = 16384, whose best rows are what
-``linattn_nb.config`` should hold (CUDA_* knobs, AUTO_METHODS).
+``linattn_nb.config`` should hold (CUDA_* knobs, AUTO_METHODS), and every update
+rule's scan in row groups and in tiles at the headline (``--rule-layouts``, or
+with the sweeps): the tile layout is ``auto``'s choice there for every rule on
+static counts alone (``config.CUDA_SEQ_LAYOUT``).
 """
 from __future__ import annotations
 
@@ -163,6 +166,8 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=170.0, help="stop starting new measurements after this")
     ap.add_argument("--no-sweep", action="store_true", help="skip the crossover and launch-config sweeps")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode-step timing")
+    ap.add_argument("--rule-layouts", action="store_true",
+                    help="time every rule's scan in row groups and in tiles even with --no-sweep (as time allows)")
     ap.add_argument("--dry-run", action="store_true",
                     help="allow the CUDA simulator (exercises this script with tiny shapes; times mean nothing)")
     ap.add_argument("--json", default=None, help="write the results here (default benchmarks/results/gpu_bench.json)")
@@ -298,7 +303,8 @@ def main(argv=None):
                                         bhs=(1, 2) if tiny else (8, 32, 128, 512, 2048),
                                         ns=(5,) if tiny else (1024, 8192))
         sweeps["launch_config"] = launch_sweep(cuda, torch, B, H, D, M, deadline, N=7 if tiny else 16384)
-        sweeps["rule_layouts"] = rule_layouts(cuda, torch, B, H, D, M, deadline, N=7 if tiny else 16384)
+    if not args.no_sweep or args.rule_layouts:
+        sweeps["rule_layouts"] = rule_layouts(cuda, torch, B, H, D, M, deadline, N=7 if status != "gpu" else 16384)
     result = {"meta": meta, "rows": rows, "decode": decode, "sweeps": sweeps}
     path = args.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu_bench.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -462,7 +468,7 @@ def rule_layouts(cuda, torch, B, H, D, M, deadline, N=16384):
         for rule, (kw, fmap) in rules.items():
             cell = {"rule": rule}
             for lay in ("rows", "tiles"):
-                if deadline.left() < 8:
+                if deadline.left() < 25:  # a first call compiles its kernel (seconds)
                     cell[lay + "_ms"] = None
                     continue
                 config.CUDA_SEQ_LAYOUT = lay

@@ -5,7 +5,8 @@
 # and tests/test_device.py; the PTX-only tests are left to CI, which runs them without a GPU);
 # 3. benchmarks/gpu_static.py (registers, spills, occupancy, SASS loop mix, modelled traffic; needs
 # ptxas, skipped cleanly without);  4. benchmarks/gpu_bench.py (B=8, H=16, D=M=64 float32 causal,
-# N=4096..65536 against the roofline and torch SDPA, and the decode-step device time).
+# N=4096..65536 against the roofline and torch SDPA, the decode-step device time, and as time allows
+# every rule's scan in row groups and in tiles).
 # Needs python3 with numba, numba-cuda, numpy, scipy, tqdm, threadpoolctl (the package's dependencies);
 # pytest and hypothesis for stage 2, torch for the SDPA rows (CuPy optional): a stage whose modules are
 # missing says so and is skipped.  Installs nothing and runs the package from the source tree
@@ -57,7 +58,7 @@ PYEOF
   timeout 90 $PY benchmarks/gpu_static.py --json "$DEST/gpu_static.json"
   echo "gpu_static exit status: $?  (124 = stopped at the time limit; 1 = no ptxas)"
   echo "== [$(( $(date +%s) - T0 )) s] benchmark"
-  timeout 160 $PY benchmarks/gpu_bench.py --budget-s 120 --no-sweep --json "$DEST/gpu_bench.json"
+  timeout 160 $PY benchmarks/gpu_bench.py --budget-s 120 --no-sweep --rule-layouts --json "$DEST/gpu_bench.json"
   echo "benchmark exit status: $?  (124 = stopped at the time limit)"
   echo "== [$(( $(date +%s) - T0 )) s] done"
 } 2>&1 | tee "$LOG"
