@@ -1021,11 +1021,8 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
                     while su < uint32(T):
                         for a in range(SVW):  # four scores a step (one 16-byte load) where T allows
                             x = sa[tt, su + uint32(a)]
-                            for j in range(4):
-                                if DL:
-                                    ac[j] += x * sU[su + uint32(a), j0 + uint32(j)]
-                                else:
-                                    ac[j] += x * sv[su + uint32(a), j0 + uint32(j)]
+                            for j in range(4):  # sU: U' for the delta rules, [v | 1] (sv itself) otherwise
+                                ac[j] += x * sU[su + uint32(a), j0 + uint32(j)]
                         su = uint32(su + uint32(SVW))
                 if GATE and update:  # phi(q_tt) a_0 ... a_tt, staged
                     _tile_state_read(ac, sq, sst, uint32(T) + tt, j0, FP)
@@ -1058,7 +1055,7 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
                         for a in range(4):
                             kk[a] *= x
                     for j in range(4):
-                        vv[j] = sU[su, j0 + uint32(j)] if DL else sv[su, j0 + uint32(j)]
+                        vv[j] = sU[su, j0 + uint32(j)]
                     for a in range(4):
                         for j in range(4):
                             st[a * 4 + j] += kk[a] * vv[j]
