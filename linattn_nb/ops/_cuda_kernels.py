@@ -39,19 +39,22 @@ cross-thread sums a thread issues per FFMA.  Three layouts (:func:`seq_config`):
   value column needs another thread.  A token's ``phi(k)`` and ``phi(q)``
   rows start at a multiple of 16 bytes and every thread reads the same
   address, so they load as ``LDS.128`` broadcasts: at D = M = 64, float32,
-  the causal token loop is 32 ``LDS.128`` + 3 scalar loads + 2 stores for
-  129 FFMA out of 200 SASS instructions (64%; the rest is loop control and
+  the causal token loop is 32 ``LDS.128`` + 2 scalar loads + 2 stores for
+  128 FFMA out of 199 SASS instructions (64%; the rest is loop control and
   shared-window addressing), against 64 FFMA of 120 instructions plus a
   G-way shared-memory sum per output in the row-group layout it replaces
   there.  The normaliser ``z`` (the state of a value column of ones) is split
   by rows instead of taking one more thread: thread ``u`` owns rows ``u, u +
-  MB, ...`` of ``z``, updates them per token (one FFMA each) and writes its
-  partial ``phi(q)^T z`` to shared memory; after the tile one pass sums the
-  ``MB`` partials of every token (once per token and tile, not per column)
-  and each thread divides its column's numerators.  130 registers x 64
-  threads: 7 blocks, 14 warps per multiprocessor (registers), and ``T`` is
-  chosen so shared memory allows :data:`TARGET_WARPS`; three
-  ``syncthreads`` per tile.
+  MB, ...`` of ``z``, updates them per token (one add each) and writes them
+  to shared memory (``sz``, the running ``z_t`` of every token of the tile);
+  after the tile thread ``t`` forms token ``t``'s ``phi(q_t)^T z_t`` as one
+  dot product of its own over the staged rows, as the tile layout reads its
+  start state: no partial sums of several threads are added anywhere.  The
+  rows of ``sq`` and ``sz`` are 16 bytes longer than ``D_phi`` so that the
+  threads of that pass, each reading its own token's row, fall on different
+  banks.  127 registers x 64 threads: 8 blocks, 16 warps per multiprocessor
+  (registers), and ``T`` is chosen so shared memory allows
+  :data:`TARGET_WARPS`; three ``syncthreads`` per tile.
 * **row groups** (larger ``D_phi``, the delta rules where the tile layout is
   not taken, and any ``D_phi`` when a GPU has too few sequences for the owner
   layout's 2-warp blocks to fill it: :func:`linattn_nb.ops._cuda_launch.seq_layout`): the block's ``MB``
@@ -371,7 +374,8 @@ def _owner_kernel(R, C, MB, T, acc, rule, code, off32, vec):
     VV = bool(vec & VEC_V)  # v: four columns per vector load
     MAP = -1 if code is None else int(code)  # the feature map, when specialised (seq_kernel)
     FP = R  # padded feature rows, all owned by every thread
-    MBP = -(-MB // C) * C  # value columns, padded (the normaliser is split by rows)
+    FPS = FP + owner_row_pad(8 if acc == "float64" else 4)  # rows of sq and sz: 16 bytes past FP
+    MBP = -(-MB // C) * C  # value columns, padded (the normaliser's rows are split over the threads)
     NTH = MBP // C  # threads per block
     ZR = -(-FP // NTH)  # normaliser rows per thread: rows tid, tid + NTH, ...
     RC = R * C
@@ -389,13 +393,13 @@ def _owner_kernel(R, C, MB, T, acc, rule, code, off32, vec):
     @cuda.jit(cache=_CACHE)
     def kernel(q, k, v, out, qs, ks, vs, os_, nf, nm, H, Hout, lf, n, seg_len, nseg_per_b, state_div, b2n,
                code, eps, norm, read_state, update, write_out, write_state, flags):
-        sq = cuda.shared.array((T, FP), acc_t)
+        sq = cuda.shared.array((T, FPS), acc_t)
         sk = cuda.shared.array((T, FP), acc_t)
         sv = cuda.shared.array((T, MBP), acc_t)
         sa = cuda.shared.array((SAT, SAW), acc_t)
         sp = cuda.shared.array(SPW, acc_t)  # a rescaled tile's factor of each state row (the gate)
         num = cuda.shared.array((T, MBP), acc_t)  # phi(q)^T S per token and column
-        dp = cuda.shared.array((T, NTH), acc_t)  # partial phi(q)^T z per token and thread
+        sz = cuda.shared.array((T, FPS), acc_t)  # z after each token (its owners' rows), for the normaliser
         den = cuda.shared.array(T, acc_t)
         st = cuda.local.array(RC, acc_t)  # st[r * C + j]: row r, column c0 + j
         zt = cuda.local.array(ZR, acc_t)  # z[tid + u * NTH]
@@ -538,14 +542,12 @@ def _owner_kernel(R, C, MB, T, acc, rule, code, off32, vec):
                                     ac[j] += qr * s
                             for j in range(C):
                                 num[t, c0 + j] = ac[j]
-                            d = zero
                             for u in range(ZR):
-                                i = tid + u * NTH
+                                i = uint32(tid + u * NTH)
                                 if i < FP:
                                     s = zt[u] + sk[t, i]
                                     zt[u] = s
-                                    d += sq[t, i] * s
-                            dp[t, tid] = d
+                                    sz[t, i] = s
                     else:
                         for tt in range(ta, te):
                             t = uint32(tt)
@@ -578,19 +580,20 @@ def _owner_kernel(R, C, MB, T, acc, rule, code, off32, vec):
                             ac[j] += qr * st[r * C + j]
                     for j in range(C):
                         num[t, c0 + j] = ac[j]
-                    d = zero
                     for u in range(ZR):
-                        i = tid + u * NTH
+                        i = uint32(tid + u * NTH)
                         if i < FP:
-                            d += sq[t, i] * zt[u]
-                    dp[t, tid] = d
+                            sz[uint32(t), i] = zt[u]
             if write_out:
                 cuda.syncthreads()
-                # ---- the normaliser of every token: the NTH partials, once per tile
+                # ---- the normaliser of every token, phi(q_t)^T z_t, a thread's own dot product over the
+                # rows of z_t its owners wrote (as it reads phi(q_t) other threads staged): no partial
+                # sums of several threads are added; rows FPS apart keep a warp's reads off one bank
                 for t in range(tid, nt, NTH):
+                    tu = uint32(t)
                     x = zero
-                    for u in range(NTH):
-                        x += dp[t, u]
+                    for i in range(FP):
+                        x += sq[tu, uint32(i)] * sz[tu, uint32(i)]
                     if norm == NORM_FLOOR and x < epsa:
                         x = epsa
                     den[t] = x
@@ -1658,6 +1661,13 @@ SM_SHARED_BYTES = 233472
 TARGET_WARPS = 16
 
 
+def owner_row_pad(acc_itemsize: int) -> int:
+    """Elements the owner layout adds to the rows of its staged ``phi(q)`` and of ``z`` per token
+    (16 bytes): its normaliser's pass reads one token's row per thread, and rows of a multiple of 128
+    bytes would put a warp's threads on one bank."""
+    return max(1, 16 // int(acc_itemsize))
+
+
 def _pad_rows(F: int, acc_itemsize: int) -> int:
     """Feature rows padded so that one token's row is whole 16-byte vectors (LDS.128 broadcasts)."""
     per = max(1, 16 // int(acc_itemsize))
@@ -1734,7 +1744,7 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE, lay
         MBP = MB
         nthreads = MB
         factors = rule_factor_rows(rule, FPo)
-        per_token = item * (2 * FPo + 2 * MBP + nthreads + 1 + factors)
+        per_token = item * (3 * FPo + 2 * owner_row_pad(item) + 2 * MBP + 1 + factors)  # sq, sz padded; sk
         fixed = 0 if factors else item  # a rule without factors still declares a (1, 1) factor array
         fixed += item * (FPo if rule == RULE_GATE else 1)  # the rescaled tile's row factors (one stand-in)
     else:

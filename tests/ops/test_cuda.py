@@ -219,6 +219,33 @@ def test_tile_layout_wide(rng, monkeypatch, method, causal, dtype, strided):
     np.testing.assert_allclose(z, z_ref, rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("F,M,dtype", [(3, 7, np.float32), (12, 3, np.float32), (9, 2, np.float64)],
+                         ids=["threads-without-z-rows", "four-z-rows-each", "float64-five-z-rows-each"])
+@pytest.mark.parametrize("method,causal", [("scan", True), ("aggregate", False)])
+def test_owner_layout_normaliser(rng, monkeypatch, method, causal, F, M, dtype):
+    """The owner layout's normaliser: thread u keeps rows u, u + MB, ... of z and writes them per
+    token, and each token's phi(q_t)^T z_t is one thread's dot product after the tile (the causal
+    token loop, and the query-only pass of the non-causal form).  M = 7 threads with D_phi = 3 padded
+    to 4 (three threads own no row of z); D_phi = 12 on 3 threads (4 rows each, the last row live);
+    float64 D_phi = 9 padded to 10 on 2 threads (5 rows each).  N = 7 in tiles of 2, from a random
+    state, against the float64 reference."""
+    from linattn_nb.ops import _cuda_kernels as K
+
+    monkeypatch.setattr(config, "CUDA_VALUE_COLS", 8)
+    item = np.dtype(dtype).itemsize
+    R, C, G, MB, T = K.seq_config(F, M, item)
+    assert (G, C, MB, T) == (1, 1, M, 2) and R == K._pad_rows(F, item), (R, C, G, MB, T)
+    q, k, v = data(rng, 2, 7, F, M, dtype)
+    S0, z0 = rng.random((2, F, M)), rng.random((2, F))
+    out, S, z = run_launcher(method, causal, q, k, v, S0, z0)
+    ref, S_ref, z_ref = reference(q, k, v, causal=causal, S0=S0, z0=z0)
+    rtol, atol = TOL[dtype]
+    np.testing.assert_allclose(out, ref, rtol=rtol, atol=atol)
+    rtol, atol = STATE_TOL[dtype]
+    np.testing.assert_allclose(S, S_ref, rtol=rtol, atol=atol)
+    np.testing.assert_allclose(z, z_ref, rtol=rtol, atol=atol)
+
+
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the simulator computes inf - inf
 @pytest.mark.parametrize("layout", ["owner", "rows", "tiles"])
 @pytest.mark.parametrize("method,causal", [("scan", True), ("chunked", True), ("aggregate", False)])
