@@ -245,6 +245,7 @@ from .. import config
 from ._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, RULE_DECAY, RULE_DELTA, RULE_GATE, RULE_GATED_DELTA
 from ._cuda_common import (carry, fill4, is_delta_rule, is_row_map, l2_normalize_row, rule_factor_rows, stage,
                            stage4, unravel4)
+from ._cuda_resources import SM90 as _SM90
 
 # Simulator: kernels are Python; no on-disk cache (and no PTX) there.
 _SIM = bool(getattr(_nbconfig, "ENABLE_CUDASIM", 0))
@@ -1049,20 +1050,22 @@ def _tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
                         x = sz[zr, r0 + uint32(a)]
                         for j in range(4):
                             st[a * 4 + j] *= x
-                su = uint32(0)
-                while su < uint32(T):
-                    for a in range(4):  # the gate: key su times a_{su+1} ... a_{T-1}, staged
-                        kk[a] = sk[uint32(KR) + su, r0 + uint32(a)]
-                    if DECAY:
-                        x = ssh[su]
-                        for a in range(4):
-                            kk[a] *= x
-                    for j in range(4):
-                        vv[j] = sU[su, j0 + uint32(j)]
-                    for a in range(4):
+                sb0 = uint32(0)
+                while sb0 < uint32(T):
+                    for e in range(SVW):  # SVW keys a step where T allows
+                        su = uint32(sb0 + uint32(e))
+                        for a in range(4):  # the gate: key su times a_{su+1} ... a_{T-1}, staged
+                            kk[a] = sk[uint32(KR) + su, r0 + uint32(a)]
+                        if DECAY:
+                            x = ssh[su]
+                            for a in range(4):
+                                kk[a] *= x
                         for j in range(4):
-                            st[a * 4 + j] += kk[a] * vv[j]
-                    su = uint32(su + uint32(1))
+                            vv[j] = sU[su, j0 + uint32(j)]
+                        for a in range(4):
+                            for j in range(4):
+                                st[a * 4 + j] += kk[a] * vv[j]
+                    sb0 = uint32(sb0 + uint32(SVW))
             cuda.syncthreads()
             if update:
                 for a in range(4):
@@ -1651,11 +1654,12 @@ MAX_TILE_WORDS = 128
 #: columns instead (D_phi = 128 and more: 32 x 1 tiles).
 MAX_DELTA_ROWS_F64 = 32
 #: Static shared memory of a block at most (``cuda.shared.array``; more needs dynamic shared memory
-#: and an opt-in the kernels do not use).
-STATIC_SHARED_BYTES = 49152
-#: Shared memory per multiprocessor on sm_90 (228 KiB; 1 KiB of it is
-#: reserved per resident block), for the occupancy target of the tile size.
-SM_SHARED_BYTES = 233472
+#: and an opt-in the kernels do not use): sm_90's, :data:`linattn_nb.ops._cuda_resources.SM90`.
+STATIC_SHARED_BYTES = _SM90.static_shared_per_block
+#: Shared memory per multiprocessor on sm_90 (228 KiB; 1 KiB of it,
+#: ``_SM90.shared_reserved_per_block``, is reserved per resident block), for the occupancy target
+#: of the tile size.
+SM_SHARED_BYTES = _SM90.shared_per_sm
 #: Resident warps per multiprocessor the tile size aims at (shared memory
 #: permitting): enough to hide the shared-memory and FFMA latencies.
 TARGET_WARPS = 16
@@ -1789,7 +1793,7 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE, lay
         )
     warps = -(-nthreads // 32)
     blocks = -(-TARGET_WARPS // warps)
-    t_occ = (SM_SHARED_BYTES // blocks - 1024 - fixed) // per_token
+    t_occ = (SM_SHARED_BYTES // blocks - _SM90.shared_reserved_per_block - fixed) // per_token
     T = max(min(T, 8), min(T, t_occ))
     return R, C, G, MB, T
 

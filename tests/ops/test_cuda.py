@@ -174,6 +174,24 @@ def test_tile_layout(rng, monkeypatch, method, causal):
     _check_against_reference(rng, method, causal)
 
 
+@pytest.mark.parametrize("method,causal", [("scan", True), ("chunked", True), ("aggregate", False)])
+def test_tile_layout_four_tokens(rng, monkeypatch, method, causal):
+    """The tile layout at D_phi = 16: tiles of 4 tokens, where the products over the tile's tokens
+    (the scores with [v | 1], the state update) take four tokens a step as at D_phi = 64; N = 9 (two
+    tiles and a part one of 1 token), M = 5 (column blocks 3 + 2), from a random state."""
+    from linattn_nb.ops import _cuda_kernels as K
+
+    monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
+    assert K.seq_config(16, 5, 4, layout="tiles") == (16, 4, 0, 3, 4)
+    q, k, v = data(rng, 2, 9, 16, 5)
+    S0, z0 = rng.random((2, 16, 5)), rng.random((2, 16))
+    out, S, z = run_launcher(method, causal, q, k, v, S0, z0)
+    ref, S_ref, z_ref = reference(q, k, v, causal=causal, S0=S0, z0=z0)
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(S, S_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(z, z_ref, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("method,causal", [("scan", True), ("chunked", True), ("aggregate", False)])

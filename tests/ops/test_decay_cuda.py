@@ -150,19 +150,20 @@ def test_rescaled_and_direct_tiles(monkeypatch, rule, method, dtype, layout):
         np.testing.assert_allclose(out[:, row], ref[:, row], rtol=TOL[dtype] * 10, atol=TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("f, dtype", [(12, np.float32), (12, np.float64), (16, np.float32)])
 @pytest.mark.parametrize("method", ["scan", "chunked"])
-def test_decay_tile_layout(monkeypatch, method, dtype):
+def test_decay_tile_layout(monkeypatch, method, dtype, f):
     """The decay rule in the tile layout (what a GPU with few sequences gets at D_phi <= 64):
-    D_phi = 12, tiles of 3 tokens, N = 11 (a part tile at the end), chunks of 6 (two tiles),
+    D_phi = 12 (tiles of 3 tokens) and 16 (tiles of 4: the loops over the tile's tokens take four
+    a step), N = 11 (a part tile at the end), chunks of two tiles,
     column blocks 3 + 2; mild factors, a tile of factors e^-25 (products down to e^-75, far below
     the other layouts' rescaling floor in float32), resets mid-tile, at a tile's first token and
     at token 0; outputs and final state against the explicit form, from a random state."""
     from linattn_nb.ops import _cuda_kernels as K
 
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
-    b, n, f, m = 2, 11, 12, 5
-    assert K.seq_config(f, m, np.dtype(dtype).itemsize, RULE_DECAY, "tiles") == (12, 4, 0, 3, 3)
+    b, n, m = 2, 11, 5
+    assert K.seq_config(f, m, np.dtype(dtype).itemsize, RULE_DECAY, "tiles") == (f, 4, 0, 3, f // 4)
     rng = np.random.default_rng(31)
     q, k = (rng.normal(size=(b, n, f)).astype(dtype) for _ in range(2))
     v = rng.normal(size=(b, n, m)).astype(dtype)
@@ -170,8 +171,8 @@ def test_decay_tile_layout(monkeypatch, method, dtype):
     lg = np.log(rng.uniform(0.3, 1.0, size=(b, n)))
     lg[0, 3:6] = -25.0
     lg[0, 7] = -np.inf
-    lg[1, 0] = lg[1, 6] = -np.inf
-    check_tile_layout(method, RULE_DECAY, {"log_decay": lg}, q, k, v, S0, z0, chunk=6)
+    lg[1, 0] = lg[1, f // 4 * 2] = -np.inf
+    check_tile_layout(method, RULE_DECAY, {"log_decay": lg}, q, k, v, S0, z0, chunk=2 * (f // 4))
 
 
 def check_tile_layout(method, rule, inputs, q, k, v, S0, z0, chunk):
@@ -199,9 +200,11 @@ def check_tile_layout(method, rule, inputs, q, k, v, S0, z0, chunk):
 
 
 @pytest.mark.parametrize("method", ["scan", "chunked"])
-@pytest.mark.parametrize("f, dtype", [(12, np.float32), (24, np.float32), (36, np.float32), (36, np.float64)])
+@pytest.mark.parametrize("f, dtype", [(12, np.float32), (16, np.float32), (24, np.float32), (36, np.float32),
+                                      (36, np.float64)])
 def test_gate_tile_layout(monkeypatch, method, dtype, f):
-    """The gate rule in the tile layout: D_phi = 12 (tiles of 3 tokens: one part block of 4), 24
+    """The gate rule in the tile layout: D_phi = 12 (tiles of 3 tokens: one part block of 4), 16 (tiles
+    of 4, one whole block: the loops over the tile's tokens take four a step), 24
     (tiles of 6: a whole block and a part one, so scores across blocks, in a block up to its last
     token and at it) and 36 (tiles of 9: blocks 0 and 2 have block 1 between them), N = 13 (a part
     tile at the end), chunks of two tiles, column blocks 3 + 2; mild

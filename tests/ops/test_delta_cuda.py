@@ -226,9 +226,11 @@ def test_delta_rule_beta_zero_keeps_the_state_and_unit_keys_stay_bounded():
 
 
 @pytest.mark.parametrize("f, m, cols, dtype", [(8, 5, 64, np.float32), (12, 5, 3, np.float32),
-                                             (12, 11, 64, np.float32), (24, 5, 3, np.float32),
-                                             (36, 5, 3, np.float32), (36, 5, 3, np.float64)],
-                         ids=["T2-one-entry-each", "T3-cols3+2", "T3-one-entry-each", "T6", "T9", "T9-float64"])
+                                             (12, 11, 64, np.float32), (16, 5, 3, np.float32),
+                                             (24, 5, 3, np.float32), (36, 5, 3, np.float32),
+                                             (36, 5, 3, np.float64)],
+                         ids=["T2-one-entry-each", "T3-cols3+2", "T3-one-entry-each", "T4-four-a-step", "T6", "T9",
+                              "T9-float64"])
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_delta_tile_layout(monkeypatch, rule, f, m, cols, dtype):
     """The delta rules in the tile layout (the WY/UT form per tile of T = D_phi / 4 tokens: L of
@@ -237,7 +239,8 @@ def test_delta_tile_layout(monkeypatch, rule, f, m, cols, dtype):
     rule's resets at token 0, mid-tile and at a tile's first token and a run of e^-25 factors,
     a random start state; with one entry of the scores and of L per thread (D_phi = 8, M = 5 and
     D_phi = 12, M = 11: NTRI + NL = threads) and with threads looping over them, column blocks
-    of 3 + 2; outputs and final state against the explicit form (float64: normalised outputs)."""
+    of 3 + 2; D_phi = 16 (tiles of 4 tokens: the products over the tile's tokens take four a step);
+    outputs and final state against the explicit form (float64: normalised outputs)."""
     from linattn_nb.ops import _cuda_kernels as K
 
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
