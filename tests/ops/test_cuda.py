@@ -139,10 +139,11 @@ def test_one_column_per_thread(rng, monkeypatch, method, causal):
     _check_against_reference(rng, method, causal)
 
 
-def _check_against_reference(rng, method, causal):
-    """B = 2, N = 7, D_phi = 5, M = 4 float32 from an initial state, against the float64 reference."""
-    q, k, v = data(rng, 2, 7, 5, 4)
-    S0, z0 = rng.random((2, 5, 4)), rng.random((2, 5))
+def _check_against_reference(rng, method, causal, N=7, F=5, M=4):
+    """B = 2, N = 7, D_phi = 5, M = 4 (by default) float32 from an initial state, against the float64
+    reference."""
+    q, k, v = data(rng, 2, N, F, M)
+    S0, z0 = rng.random((2, F, M)), rng.random((2, F))
     out, S, z = run_launcher(method, causal, q, k, v, S0, z0)
     ref, S_ref, z_ref = reference(q, k, v, causal=causal, S0=S0, z0=z0)
     np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
@@ -183,13 +184,7 @@ def test_tile_layout_four_tokens(rng, monkeypatch, method, causal):
 
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
     assert K.seq_config(16, 5, 4, layout="tiles") == (16, 4, 0, 3, 4)
-    q, k, v = data(rng, 2, 9, 16, 5)
-    S0, z0 = rng.random((2, 16, 5)), rng.random((2, 16))
-    out, S, z = run_launcher(method, causal, q, k, v, S0, z0)
-    ref, S_ref, z_ref = reference(q, k, v, causal=causal, S0=S0, z0=z0)
-    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
-    np.testing.assert_allclose(S, S_ref, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(z, z_ref, rtol=1e-5, atol=1e-6)
+    _check_against_reference(rng, method, causal, N=9, F=16, M=5)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
