@@ -2,7 +2,8 @@
 # One-command GPU check for linattn_nb (issues 4 and 20), meant for ONE call on a machine with a GPU:
 #   bash benchmarks/gpu_check.sh
 # 1. environment (GPU, versions, ptxas/nvdisasm);  2. the CUDA tests on the real GPU (tests/ops/*cuda*.py
-# and tests/test_device.py; the PTX-only tests are left to CI, which runs them without a GPU);
+# and tests/test_device.py, a pytest per file with its own time limit; the PTX-only tests are left to CI,
+# which runs them without a GPU);
 # 3. benchmarks/gpu_static.py (registers, spills, occupancy, SASS loop mix, modelled traffic; needs
 # ptxas, skipped cleanly without);  4. benchmarks/gpu_bench.py (B=8, H=16, D=M=64 float32 causal,
 # N=4096..65536 against the roofline and torch SDPA, the decode-step device time, and as time allows
@@ -47,10 +48,16 @@ print("ptxas:", find_tool("ptxas"), " nvdisasm:", find_tool("nvdisasm"), " cuobj
 PYEOF
   echo "== [$(( $(date +%s) - T0 )) s] CUDA tests on the GPU"
   if have pytest && have hypothesis; then
-    timeout 200 $PY -m pytest tests/ops/test_cuda.py tests/ops/test_step_cuda.py tests/ops/test_grad_cuda.py \
-      tests/ops/test_decay_cuda.py tests/ops/test_delta_cuda.py tests/test_device.py \
-      -k "not to_ptx" -q -p no:cacheprovider -rs --durations=8 -o addopts=""  # one process (no pytest-xdist there)
-    echo "pytest exit status: $?  (124 = stopped at the time limit)"
+    # one pytest per file, each with its share of the 200 s (every kernel compiles on first use): a file
+    # stopped at its limit loses only its own summary, and -v names every test as it finishes, so even a
+    # stopped file's log says which tests passed; one process each (no pytest-xdist there)
+    for spec in tests/ops/test_cuda.py:60 tests/ops/test_step_cuda.py:25 tests/ops/test_grad_cuda.py:25 \
+                tests/ops/test_decay_cuda.py:35 tests/ops/test_delta_cuda.py:35 tests/test_device.py:20; do
+      f=${spec%%:*}; limit=${spec##*:}
+      timeout "$limit" $PY -m pytest "$f" -k "not to_ptx" -v --tb=short -p no:cacheprovider -rs --durations=5 \
+        -o addopts=""
+      echo "pytest $f exit status: $?  (124 = stopped at its limit of $limit s)"
+    done
   else
     echo "pytest or hypothesis missing: CUDA tests skipped"
   fi
