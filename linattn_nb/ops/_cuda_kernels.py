@@ -55,8 +55,8 @@ cross-thread sums a thread issues per FFMA.  Three layouts (:func:`seq_config`):
   banks.  127 registers x 64 threads: 8 blocks, 16 warps per multiprocessor
   (registers), and ``T`` is chosen so shared memory allows
   :data:`TARGET_WARPS`; three ``syncthreads`` per tile.
-* **row groups** (larger ``D_phi``, the delta rules where the tile layout is
-  not taken, and any ``D_phi`` when a GPU has too few sequences for the owner
+* **row groups** (larger ``D_phi``, the delta rules where the tile layout
+  does not fit, and any ``D_phi`` when a GPU has too few sequences for the owner
   layout's 2-warp blocks to fill it: :func:`linattn_nb.ops._cuda_launch.seq_layout`): the block's ``MB``
   value columns plus the normaliser column, ``MB + 1`` padded to ``MBP``
   (a multiple of ``C``), are split into groups of ``C`` columns and the

@@ -93,14 +93,17 @@ def seq_layout(segments: int, F: int, M: int, acc_itemsize: int, rule: int = RUL
     tile layout, against about 21,000 (owner) and 24,000 (row groups) counted
     by hand from its tables, so the tile layout is taken only where the
     others leave the multiprocessors short of warps (PROVISIONAL: static
-    counts, not timed).  The delta rules have no owner layout: the same
-    count with their row groups' blocks (one per sequence at M = 64, 5
-    warps) picks the tile layout where it fits (their row groups sum
-    ``k^T H`` across groups every token, a dependent chain of warp
-    shuffles; their tiles do about 1.6 x the additive tiles' FLOPs), else
-    "rows".
+    counts, not timed).  The delta rules have no owner layout, and their
+    row groups sum ``k^T H`` across the groups every token (a dependent
+    chain of warp shuffles: the cross-thread sum per token that issue 20
+    rules out), so they take the tile layout wherever it fits, however many
+    sequences (no sum crosses threads there, for about 1.3 x the row groups'
+    FLOPs: 2.0 x against 1.54 x 4 B N D M at the headline), else "rows"
+    (``config.CUDA_SEQ_LAYOUT="rows"`` asks for row groups; PROVISIONAL
+    like the rest: ``benchmarks/gpu_bench.py --rule-layouts`` times both).
     A device of one multiprocessor (``sms`` <= 1: the simulator) keeps the
-    owner layout.  ``sms``: multiprocessors (default: the current device's).
+    owner layout (the delta rules: row groups).  ``sms``: multiprocessors
+    (default: the current device's).
 
     Raises
     ------
@@ -112,15 +115,19 @@ def seq_layout(segments: int, F: int, M: int, acc_itemsize: int, rule: int = RUL
         raise ValueError(f"config.CUDA_SEQ_LAYOUT must be 'auto', 'owner', 'rows' or 'tiles', got {setting!r}")
     if setting != "auto":
         return setting
-    delta = is_delta_rule(rule)  # no owner layout: row groups, or tiles when they fit and blocks are few
-    if not K.owner_fits(F, M, acc_itemsize, rule) and not (delta and K.tiles_fits(F, M, acc_itemsize, rule)):
+    if is_delta_rule(rule):  # no owner layout; tiles wherever they fit (no per-token sum across threads)
+        if not K.tiles_fits(F, M, acc_itemsize, rule):
+            return "rows"
+        sms = multiprocessor_count() if sms is None else int(sms)
+        return "tiles" if sms > 1 else "rows"
+    if not K.owner_fits(F, M, acc_itemsize, rule):
         return "rows"
     sms = multiprocessor_count() if sms is None else int(sms)
     MB = K.seq_config(F, M, acc_itemsize, rule)[3]
     blocks = int(segments) * -(-int(M) // MB)
     if sms > 1 and blocks < int(config.CUDA_AUTO_SCAN_BLOCKS_PER_SM) * sms:
         return "tiles" if K.tiles_fits(F, M, acc_itemsize, rule) else "rows"
-    return "rows" if delta else "owner"
+    return "owner"
 
 
 @dataclass(frozen=True)

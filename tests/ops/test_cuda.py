@@ -609,7 +609,7 @@ def test_sequence_layout_choice(monkeypatch):
     """seq_layout: the owner layout while its blocks give CUDA_AUTO_SCAN_BLOCKS_PER_SM per SM, the
     tile layout below (every rule where it fits; 9 warps per sequence at D_phi = M = 64) or row
     groups, the owner layout on a one-SM device (the simulator) and where it does not apply (the delta
-    rules, which have none: row groups, and tiles below the same count of blocks);
+    rules, which have none: the tile layout wherever it fits, however many sequences, else row groups);
     config.CUDA_SEQ_LAYOUT overrides; method="auto" then picks the scan at the headline on an H200
     (one pass) and the chunked method with too few sequences."""
     from linattn_nb import _cuda_dispatch as D
@@ -628,14 +628,15 @@ def test_sequence_layout_choice(monkeypatch):
     assert seq_layout(1, 64, 128, 4, RULE_GATE, sms=132) == "tiles"
     assert seq_layout(1, 64, 64, 8, RULE_GATE, sms=132) == "rows"
     assert seq_layout(1, 64, 64, 4, RULE_DELTA, sms=132) == "tiles"  # the delta rules too (TILES_RULES)
-    assert seq_layout(527, 64, 64, 4, RULE_GATED_DELTA, sms=132) == "tiles"  # row groups' 527 blocks < 4 x 132
-    assert seq_layout(528, 64, 64, 4, RULE_GATED_DELTA, sms=132) == "rows"
+    assert seq_layout(527, 64, 64, 4, RULE_GATED_DELTA, sms=132) == "tiles"
+    assert seq_layout(528, 64, 64, 4, RULE_GATED_DELTA, sms=132) == "tiles"  # however many sequences
     assert seq_layout(1, 64, 64, 4, RULE_DELTA, sms=1) == "rows"  # the simulator
     assert seq_layout(1, 64, 64, 8, RULE_DELTA, sms=132) == "rows"  # float64 at D_phi = 64: no tiles
     assert seq_layout(1, 32, 64, 8, RULE_GATED_DELTA, sms=132) == "tiles"
     assert seq_layout(1, 64, 64, 8, sms=132) == "rows"  # float64 at D_phi = 64: no tiles (shared memory)
     assert seq_layout(1, 32, 64, 8, sms=132) == "tiles"
-    assert seq_layout(1024, 64, 64, 4, RULE_DELTA, sms=132) == "rows"  # no owner layout for the delta rules
+    assert seq_layout(10**6, 64, 64, 4, RULE_DELTA, sms=132) == "tiles"  # no per-token k^T H sum across threads
+    assert seq_layout(10**6, 128, 64, 4, RULE_DELTA, sms=132) == "rows"  # D_phi > 64: row groups anyway
     assert seq_layout(1024, 256, 64, 4, sms=132) == "rows"  # D_phi > 64: row groups anyway
     assert K.seq_config(64, 64, 4, 0, seq_layout(128, 64, 64, 4, sms=132)) == (64, 4, 0, 64, 16)
     assert K.seq_config(64, 64, 4, 0, "rows") == (8, 4, 8, 64, 13)
