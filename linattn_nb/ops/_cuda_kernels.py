@@ -245,7 +245,6 @@ from .. import config
 from ._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, RULE_DECAY, RULE_DELTA, RULE_GATE, RULE_GATED_DELTA
 from ._cuda_common import (carry, fill4, is_delta_rule, is_row_map, l2_normalize_row, rule_factor_rows, stage,
                            stage4, unravel4)
-from ._cuda_resources import SM90 as _SM90
 
 # Simulator: kernels are Python; no on-disk cache (and no PTX) there.
 _SIM = bool(getattr(_nbconfig, "ENABLE_CUDASIM", 0))
@@ -1654,12 +1653,15 @@ MAX_TILE_WORDS = 128
 #: columns instead (D_phi = 128 and more: 32 x 1 tiles).
 MAX_DELTA_ROWS_F64 = 32
 #: Static shared memory of a block at most (``cuda.shared.array``; more needs dynamic shared memory
-#: and an opt-in the kernels do not use): sm_90's, :data:`linattn_nb.ops._cuda_resources.SM90`.
-STATIC_SHARED_BYTES = _SM90.static_shared_per_block
-#: Shared memory per multiprocessor on sm_90 (228 KiB; 1 KiB of it,
-#: ``_SM90.shared_reserved_per_block``, is reserved per resident block), for the occupancy target
-#: of the tile size.
-SM_SHARED_BYTES = _SM90.shared_per_sm
+#: and an opt-in the kernels do not use): sm_90's.  This module and
+#: :data:`linattn_nb.ops._cuda_resources.SM90` (which describes the hardware for the static checks and
+#: imports no ``numba.cuda``) each keep sm_90's figures, importing neither the other (the package's
+#: modules form no import cycle); ``tests/ops/test_cuda_launchable.py`` checks that they agree.
+STATIC_SHARED_BYTES = 49152
+#: Shared memory per multiprocessor on sm_90 (228 KiB; :data:`SM_RESERVED_BYTES` of it is reserved
+#: per resident block), for the occupancy target of the tile size.
+SM_SHARED_BYTES = 233472
+SM_RESERVED_BYTES = 1024
 #: Resident warps per multiprocessor the tile size aims at (shared memory
 #: permitting): enough to hide the shared-memory and FFMA latencies.
 TARGET_WARPS = 16
@@ -1793,7 +1795,7 @@ def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE, lay
         )
     warps = -(-nthreads // 32)
     blocks = -(-TARGET_WARPS // warps)
-    t_occ = (SM_SHARED_BYTES // blocks - _SM90.shared_reserved_per_block - fixed) // per_token
+    t_occ = (SM_SHARED_BYTES // blocks - SM_RESERVED_BYTES - fixed) // per_token
     T = max(min(T, 8), min(T, t_occ))
     return R, C, G, MB, T
 

@@ -269,3 +269,13 @@ def test_occupancy_and_launch_limits():
     assert "per block" in CR.launch_problems(126, 544, 38480)[0]  # 126 x 544 = 68,544 > 65,536
     assert CR.launch_problems(64, 1024, 49 * 1024)[0].endswith("> 49152")
     assert CR.occupancy(256, 32).blocks == 0  # more than 255 registers per thread never launches
+
+
+def test_kernel_limits_agree_with_sm90():
+    """The sequence kernels' own copy of sm_90's shared-memory figures (the tile size and the tile
+    layout's budget use them) equals the limits the static checks use."""
+    from linattn_nb.ops import _cuda_kernels as K
+
+    assert K.STATIC_SHARED_BYTES == CR.SM90.static_shared_per_block
+    assert K.SM_SHARED_BYTES == CR.SM90.shared_per_sm
+    assert K.SM_RESERVED_BYTES == CR.SM90.shared_reserved_per_block
