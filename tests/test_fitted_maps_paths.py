@@ -190,7 +190,7 @@ def _decode(st, q, k, v, start, stop):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 @pytest.mark.parametrize("name", MAPS)
 def test_state_decoding_matches_the_causal_call(name, device):
-    n = 11 if device == "cpu" else 5
+    n = 11 if device == "cpu" else 3  # the simulator: each step a kernel launch run in Python (3 tokens: the suite's time)
     fmap = fitted_map(name)
     q, k, v = inputs(n, seed=2)
     want, S, z = reference(name, fmap, q, k, v, causal=True)

@@ -125,8 +125,7 @@ def test_linear_attention_check_reads_once_and_names_the_input(counts):
     assert np.isfinite(o.copy_to_host()).all()
 
 
-@pytest.mark.parametrize("form", ["per_token", "per_feature"])
-@pytest.mark.parametrize("method", ["scan", "chunked"])
+@pytest.mark.parametrize("form,method", [("per_token", "scan"), ("per_feature", "chunked")])  # each form, each method once
 def test_device_log_decay_is_read_in_place(counts, monkeypatch, form, method):
     """A float64 GPU log_decay (per token or per feature, batch dims included) read in place, and a
     float32 one converted on the device: no copy either way, no allocation on a repeated call,

@@ -108,9 +108,12 @@ def test_launchers_match_reference(rule, method, dtype, normalize):
     assert_close(z, z_ref, dtype)
 
 
-@pytest.mark.parametrize("dtype,layout", [(np.float32, "owner"), (np.float64, "owner"), (np.float32, "rows"),
-                                          (np.float64, "rows")], ids=["f32-owner", "f64-owner", "f32-rows", "f64-rows"])
-@pytest.mark.parametrize("method", ["scan", "chunked"])
+# float64 (its own rescaling floor, 2^-256) with the scan only: the chunked method's own passes are the
+# same code in either dtype, and each of its runs costs ~8 s on the simulator (the suite's time)
+@pytest.mark.parametrize("method,dtype,layout", [
+    ("scan", np.float32, "owner"), ("scan", np.float64, "owner"), ("scan", np.float32, "rows"),
+    ("scan", np.float64, "rows"), ("chunked", np.float32, "owner"), ("chunked", np.float32, "rows")],
+    ids=["scan-f32-owner", "scan-f64-owner", "scan-f32-rows", "scan-f64-rows", "chunked-f32-owner", "chunked-f32-rows"])
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_rescaled_and_direct_tiles(monkeypatch, rule, method, dtype, layout):
     """Tiles of 8 tokens: mild factors (rescaled tiles), a tile whose running factor ends just
