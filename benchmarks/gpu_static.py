@@ -22,7 +22,9 @@ kernel), compiled to sm_90 PTX and assembled by ``ptxas``
    (``linattn_nb.ops._cuda_launch.traffic_model``), against the minimum
    (q, k, v, out once; 4 B H N D M FLOPs) and the roofline (4.8 TB/s HBM,
    67 TFLOP/s FP32); the targets are checked for the plan ``method="auto"``
-   picks on an H200;
+   picks on an H200; then every update rule at the same shape (the plan
+   ``auto`` picks for it, float32 device inputs, the front end's range check
+   of the rule's inputs counted), against the floor of its own inputs;
 4. the q, k staging loops of the float32 additive kernel (global loads and
    the exp of ELU+1): the kernel for every feature map against the one
    specialised on ELU+1 that the launchers run (``config.CUDA_SPECIALIZE_MAPS``),
@@ -113,6 +115,35 @@ def headline_model():
                "targets": {f"traffic <= 2.5 GB ({auto}, the auto plan)": pick["bytes"] <= 2.5e9,
                            f"FLOPs <= 1.5 x 4 BHNDM ({auto})": pick["flops"] <= 1.5 * min_flops}}
     return rows, summary
+
+
+def rule_model():
+    """Rows of the plan ``method="auto"`` picks for each update rule at the headline shape on an H200
+    (issue 20, point 6 with point 3), for the whole call with the rule's inputs on the device as its
+    users pass them: float32 q, k, v and float32 ``log_decay`` (read in place), ``beta`` float32 (packed
+    into the delta rules' float64 (B, N, 2) array); the front end's range check of those inputs is
+    counted (``traffic_model(range_check=True)``).  ``floor GB``: q, k, v, out and the rule's inputs
+    read once each, in float32 -- no plan of any form moves less."""
+    from linattn_nb import _cuda_dispatch as CD
+    from linattn_nb.ops._cuda_launch import traffic_model
+
+    B, H, N, D, M = (HEADLINE[k] for k in ("B", "H", "N", "D", "M"))
+    io = B * H * N * (2 * D + 2 * M) * 4
+    inputs = {"additive": 0, "decay": B * H * N, "gate": B * H * N * D, "delta": B * H * N,
+              "gated_delta": 2 * B * H * N}
+    rows = []
+    for name, (code, _) in RULES.items():
+        auto = CD.select_auto_cuda(rule=name, causal=True, batch=B * H, n=N, f=D, m=M, dtype="float32",
+                                   sms=H200_SMS)
+        tm = traffic_model((B * H, N, D, M), method=auto, dtype="float32", rule=code, sms=H200_SMS,
+                           factor_dtype="float32", range_check=True)
+        floor = io + inputs[name] * 4
+        rows.append({"rule": name, "plan": tm["method"], "layout": tm["layout"],
+                     "factors GB": tm["parts"]["factors"] / 1e9, "checks GB": tm["parts"]["checks"] / 1e9,
+                     "total GB": tm["bytes"] / 1e9,
+                     "floor GB": floor / 1e9, "x 4BHNDM": tm["flops_ratio"],
+                     "traffic <= 2.5 GB": tm["bytes"] <= 2.5e9, "FLOPs <= 1.5 x": tm["flops_ratio"] <= 1.5})
+    return rows
 
 
 # ---------------------------------------------------------------------------
@@ -298,6 +329,21 @@ def main(argv=None):
     for what, ok in summary["targets"].items():
         print(f"  {'met' if ok else 'NOT met'}: {what}")
     out["headline"] = {"rows": rows, **summary}
+    rrows = rule_model()
+    print("\n## every rule at the same shape, the plan auto picks, the whole call with float32 device inputs "
+          "(log_decay read in place, its range checked in one more read: 'checks'); 'floor': q, k, v, out and "
+          "the rule's inputs once")
+    print(table(rrows, ["rule", "plan", "layout", "factors GB", "checks GB", "total GB", "floor GB", "x 4BHNDM"],
+                {"factors GB": "{:.3f}", "checks GB": "{:.3f}", "total GB": "{:.3f}", "floor GB": "{:.3f}",
+                 "x 4BHNDM": "{:.2f}"}))
+    for r in rrows:
+        for what in ("traffic <= 2.5 GB", "FLOPs <= 1.5 x"):
+            why = ""
+            if what.startswith("traffic") and not r[what] and r["floor GB"] > 2.5:
+                why = f" -- the target is below the floor of its own inputs, {r['floor GB']:.2f} GB"
+            print(f"  {'met' if r[what] else 'NOT met'}: {what} ({r['rule']}, {r['plan']}: "
+                  f"{r['total GB']:.2f} GB, {r['x 4BHNDM']:.2f} x 4 BHNDM){why}")
+    out["rules"] = rrows
 
     if not ptxas:
         print("\nptxas not found: install the 'cuda' extra (nvidia-cuda-nvcc-cu12) for the kernel tables")

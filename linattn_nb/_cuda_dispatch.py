@@ -29,8 +29,12 @@ paths:
   device and allocates nothing once its shapes have been seen; the only
   device-to-host copy is the read of the finiteness counters
   (``check_finite=True``).  New device arrays: the result when ``out`` is
-  None, the final state with ``return_state=True``.  The rules with per-token
-  inputs (``decay``/``log_decay``/``beta``) still pass them through the host.
+  None, the final state with ``return_state=True``.  Device ``decay`` /
+  ``log_decay`` / ``beta`` stay on the device (:func:`device_rule_inputs`):
+  a float32 or float64 per-token (per-feature) ``log_decay`` is read in
+  place by the kernels, the others converted on the device; their range is
+  counted on the device and read with the same single read of the
+  counters, which these inputs make due even with ``check_finite=False``.
 * **host inputs** with ``device="cuda"``: validated and (for maps without an
   inline form) featurised on the host as on the CPU path, copied to the GPU,
   and the result and the state copied back: NumPy in, NumPy out.
@@ -219,6 +223,10 @@ def zeros(shape, dtype=np.float64):
     return _pool().zeros(shape, dtype)
 
 
+#: dtypes of the rule inputs the kernels read in place (:func:`device_rule_inputs`).
+_IN_PLACE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
 def device_rule_inputs(decay, log_decay, beta, batch_shape, n: int, f: int):
     """``(rule, plan)`` for GPU ``decay`` / ``log_decay`` / ``beta`` the kernels can use without the host,
     else None.
@@ -229,9 +237,13 @@ def device_rule_inputs(decay, log_decay, beta, batch_shape, n: int, f: int):
     per sequence (the batch dimensions, size-1 ones broadcast, or a 0-d
     array), per token (one more axis, of length N) or, for ``decay`` /
     ``log_decay`` without ``beta``, per token and feature (two more, (N,
-    D_phi)).  A float64 C-contiguous array per token (or per feature) is read
-    in place; any other is converted on the device into a pooled float64
-    workspace (``decay`` to its log).  Either way its values are checked on
+    D_phi)).  A float32 or float64 C-contiguous ``log_decay`` or ``beta``
+    per token (or per feature) is read in place, in its own dtype (the kernels
+    convert each value to their accumulation dtype as they stage it, so a
+    float32 array gives the same result as the float64 array of the same
+    values, without a converted copy: one read of the gates instead of three
+    for GLA's (B, N, D_phi) ``log_decay``); any other is converted on the
+    device into a pooled float64 workspace (``decay`` to its log).  Either way its values are checked on
     the device by :func:`device_rule_values`, inside the call's try block,
     and reported by the call's single read of the check counters.  Anything
     else -- integers, both ``decay`` and ``log_decay``, a host array beside a
@@ -242,7 +254,7 @@ def device_rule_inputs(decay, log_decay, beta, batch_shape, n: int, f: int):
 
     ``plan`` maps the kernels' input names (``log_decay``, ``log_gate``,
     ``beta``) to ``(argument name, array, in_place)``: a (B, N) / (B, N,
-    D_phi) float64 view read in place, or a 4-d view and the target shape.
+    D_phi) float32 or float64 view read in place, or a 4-d view and the target shape.
     """
     K = _kernels()
     bs = tuple(int(s) for s in batch_shape)
@@ -273,7 +285,7 @@ def device_rule_inputs(decay, log_decay, beta, batch_shape, n: int, f: int):
         else:
             return None
         kshape = (b, n) if w == 1 else (b, n, f)
-        if (name != "decay" and np.dtype(x.dtype) == np.float64 and x.is_c_contiguous() and len(shape) > nb
+        if (name != "decay" and np.dtype(x.dtype) in _IN_PLACE_DTYPES and x.is_c_contiguous() and len(shape) > nb
                 and shape == bs + kshape[1:]):
             return kshape, (name, x.reshape(kshape), True)
         lead = (1,) * (nb - len(lead)) + lead  # a 0-d array: every batch axis broadcast
@@ -304,8 +316,8 @@ def device_rule_inputs(decay, log_decay, beta, batch_shape, n: int, f: int):
 
 
 def device_rule_values(plan, batch: int, n: int, f: int) -> dict:
-    """The kernels' rule inputs of a :func:`device_rule_inputs` plan: arrays read in place get
-    their range counted (NaN or > 0 log-factors, ``beta`` outside [0, 2]: one kernel each), the
+    """The kernels' rule inputs of a :func:`device_rule_inputs` plan: arrays read in place (float32
+    or float64) get their range counted (NaN or > 0 log-factors, ``beta`` outside [0, 2]: one kernel each), the
     others are converted into pooled float64 workspaces and counted in the same kernel; the call's
     single read of the counters raises ValueError naming the argument."""
     pool = _pool()

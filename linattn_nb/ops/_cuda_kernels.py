@@ -1128,7 +1128,8 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
     its final state to ``Hout[s // state_div]`` (``write_state``).  H and Hout
     may be one array only when the launch has one column block: the blocks
     over value columns all read the normaliser column, and only the first one
-    writes it.  lf : (B, N, W) float64 log-factors of the rule
+    writes it.  lf : (B, N, W) float64 (or float32: each value is converted to
+    the accumulation dtype as it is staged) log-factors of the rule
     (:func:`linattn_nb.ops._cuda_common.rule_factor_rows`: W = 1 for the
     decay rule, F for the gate rule, 2 for the delta rules: the log-decay,
     then ``beta``); the additive kernel never reads it (pass any (1, 1, 1)
@@ -1521,9 +1522,10 @@ def cast_copy_kernel(src, dst):
 def chunk_factors_kernel(lf, L, nchunks, Af):
     """Every chunk's total factor: ``Af[b * nchunks + c, w] = exp(sum of lf[b, t, w])``.
 
-    lf : (B, N, W) float64 log-factors of the rule (W = 1: decay, W = F:
+    lf : (B, N, W) float64 or float32 log-factors of the rule (W = 1: decay, W = F:
     gate); chunk ``c`` is tokens ``[c L, min(N, (c + 1) L))``.  The sum runs
-    in float64 and is never differenced: a reset (``-inf``) in the chunk
+    in float64 (each log-factor converted to float64 first, whatever the
+    dtype of ``lf``) and is never differenced: a reset (``-inf``) in the chunk
     makes the sum ``-inf`` and the factor exactly 0, with no NaN.  Af :
     (B * nchunks, W) float64.
     """
@@ -1538,7 +1540,7 @@ def chunk_factors_kernel(lf, L, nchunks, Af):
         c = bc - b * nchunks
         acc = 0.0
         for t in range(c * L, min(N, (c + 1) * L)):
-            acc += lf[b, t, w]
+            acc += float(lf[b, t, w])  # float64 (the simulator would keep a float32 lf in float32)
         Af[bc, w] = math.exp(acc)
 
 
@@ -1991,16 +1993,17 @@ def sequence_span(shape, strides) -> int:
     return 0 if n == 0 or f == 0 else 1 + (n - 1) * sn + (f - 1) * sf
 
 
-def seq_signature(in_dtype: str, acc: str) -> tuple:
+def seq_signature(in_dtype: str, acc: str, lf_dtype: str = "float64") -> tuple:
     """The Numba signature the launchers give the sequence kernel (:func:`seq_kernel`): 1-d views
     of ``in_dtype``, element strides, int64 sizes and flags, (n, F, M + 1) states of ``acc``, (B, N, W)
-    float64 log-factors and the int32 finiteness counters."""
+    log-factors of ``lf_dtype`` (float64; float32 for a device ``log_decay`` given in float32, read in
+    place) and the int32 finiteness counters."""
     from numba import types
 
     a1 = types.Array(getattr(types, in_dtype), 1, "C")
     st = types.UniTuple(types.int64, 4)
     H = types.Array(getattr(types, acc), 3, "C")
-    lf = types.Array(types.float64, 3, "C")
+    lf = types.Array(getattr(types, lf_dtype), 3, "C")
     i, b = types.int64, types.boolean
     return ((a1,) * 4 + (st,) * 4 + (i, i, H, H, lf) + (i,) * 6 + (types.float64, i) + (b,) * 4
             + (types.Array(types.int32, 1, "C"),))

@@ -56,6 +56,7 @@ from ._codes import RULE_ADDITIVE, RULE_DECAY, RULE_GATED_DELTA, RULES, check_ru
 from ._cuda_common import is_delta_rule, rule_factor_rows
 
 _F64 = np.dtype(np.float64)
+_F32 = np.dtype(np.float32)
 _SMS: dict = {}
 
 
@@ -258,7 +259,7 @@ def _placeholder(ndim):
 
 
 def rule_factors(rule: int, inputs, B: int, N: int, F: int):
-    """The rule's per-token log-factors as a (B, N, W) float64 device array.
+    """The rule's per-token log-factors as a (B, N, W) float64 (or float32) device array.
 
     ``W`` = :func:`linattn_nb.ops._cuda_common.rule_factor_rows`: 1 for the
     decay rule (``inputs["log_decay"]`` of shape (B, N)), F for the gate rule
@@ -266,15 +267,19 @@ def rule_factors(rule: int, inputs, B: int, N: int, F: int):
     (column 0 ``inputs["log_decay"]``, 0 for the delta rule, column 1
     ``inputs["beta"]``, both (B, N), packed into a new array); a rule without
     factors gets a (1, 1, 1) placeholder the kernels never read.  Host
-    (NumPy) inputs are copied to the device; device arrays are viewed in
-    place (any non-negative strides).  ``inputs`` must already hold exactly the rule's
+    (NumPy) inputs are copied to the device as float64; device arrays
+    (float32 or float64) are viewed in place, in their own dtype (any
+    non-negative strides): the kernels convert each log-factor to their
+    accumulation dtype as they stage it, and sum a chunk's in float64, so a
+    float32 array gives the result of the float64 array of the same values.
+    ``inputs`` must already hold exactly the rule's
     inputs (:func:`linattn_nb.ops._codes.check_rule_inputs`).
 
     Raises
     ------
     ValueError
         When the input has another shape, negative strides, or (a device
-        array) a dtype other than float64.
+        array) a dtype other than float32 or float64.
     """
     W = rule_factor_rows(rule, F)
     if W == 0:
@@ -290,7 +295,7 @@ def rule_factors(rule: int, inputs, B: int, N: int, F: int):
         return cuda.to_device(np.ascontiguousarray(x, dtype=_F64).reshape(B, N, W))
     strides = tuple(int(s) for s in x.strides)
     if len(strides) == 2:
-        strides = strides + (_F64.itemsize,)
+        strides = strides + (np.dtype(x.dtype).itemsize,)
     return K.strided_view(x, (B, N, W), strides)
 
 
@@ -300,7 +305,7 @@ def _checked_input(name, x, want, dims):
     Raises
     ------
     ValueError
-        For another shape, or (a device array) a dtype other than float64 or negative strides.
+        For another shape, or (a device array) a dtype other than float32 or float64 or negative strides.
     """
     shape = tuple(int(s) for s in x.shape)
     if shape != want:
@@ -309,8 +314,8 @@ def _checked_input(name, x, want, dims):
         return x
     if not (K.is_sim_array(x) or type(x).__module__.startswith("numba.cuda")):
         x = cuda.as_cuda_array(x)
-    if np.dtype(x.dtype) != _F64:
-        raise ValueError(f"inputs[{name!r}] must be float64, got {np.dtype(x.dtype)}")
+    if np.dtype(x.dtype) not in (_F32, _F64):
+        raise ValueError(f"inputs[{name!r}] must be float32 or float64, got {np.dtype(x.dtype)}")
     if any(int(s) < 0 for s in x.strides):
         raise ValueError(f"inputs[{name!r}]: negative strides are not supported; make a contiguous copy first")
     return x
@@ -552,7 +557,7 @@ def unpack_state(H, S=None, z=None):
 # Traffic and FLOP model of a launch plan
 # ---------------------------------------------------------------------------
 def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule: int = RULE_ADDITIVE,
-                  chunk=None, sms=None) -> dict:
+                  chunk=None, sms=None, factor_dtype="float64", range_check: bool = False) -> dict:
     """Modelled global-memory bytes and FLOPs of one launcher call.
 
     Parameters
@@ -576,12 +581,24 @@ def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule:
         Multiprocessors of the GPU the layout is chosen for
         (:func:`seq_layout`; a shape only, a plan has its layout; default
         1: the owner layout wherever it applies).
+    factor_dtype : str or numpy.dtype
+        dtype of the decay and gate rules' log-factors as the kernels read
+        them (a shape only; a plan: that of its ``lf``): float64, or float32
+        for a float32 device ``log_decay`` read in place
+        (:func:`linattn_nb._cuda_dispatch.device_rule_inputs`).  The delta
+        rules' packed (B, N, 2) inputs are float64 whatever they were given in.
+    range_check : bool
+        Count the front end's range check of device rule inputs (one read of
+        the log-factors, :func:`linattn_nb.ops._cuda_pool.count_out_of_range`;
+        its counters are read with the call's single read) as part
+        ``checks``: the whole call of :func:`linattn_nb.linear_attention`
+        with device ``log_decay`` / ``beta``, not only the launcher's.
 
     Returns
     -------
     dict
         ``bytes``: total modelled DRAM traffic; ``parts``: bytes per stream
-        (``q``, ``k``, ``v``, ``out``, ``factors``, ``states``); ``flops``:
+        (``q``, ``k``, ``v``, ``out``, ``factors``, ``states``, ``checks``); ``flops``:
         floating-point operations executed (a fused multiply-add counts 2),
         and ``flops_ratio``, their ratio to ``4 B N F M`` (the update and the
         output of every state element once per token); ``launches``: kernel
@@ -616,12 +633,16 @@ def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule:
         p = plan_or_shape
         B, N, F, M = p.B, p.N, p.F, p.M
         item = np.dtype(p.q.dtype).itemsize
+        fitem = np.dtype(p.lf.dtype).itemsize
         acc = np.dtype(p.acc)
         rule = p.rule
         L = p.chunk if method != "scan" else max(N, 1)
     else:
         B, N, F, M = (int(x) for x in plan_or_shape)
         item = np.dtype(dtype).itemsize
+        fitem = 8 if is_delta_rule(rule) else np.dtype(factor_dtype).itemsize
+        if np.dtype(factor_dtype) not in (_F32, _F64):
+            raise ValueError(f"factor_dtype must be float32 or float64, got {np.dtype(factor_dtype)}")
         acc = np.dtype(K.acc_name(dtype))
         L = chunk_length(chunk) if method != "scan" else max(N, 1)
     nc = max(-(-N // L), 1)
@@ -661,7 +682,8 @@ def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule:
             # a T-th of the solve for W (T^3 / 6 FMAs a tile)
             upd_flops += B * N * cb * (2 * R * MP + MP + (T - 1) * R + 2 * T * MP + -(-T * T // 3))
     parts = {"q": B * N * F * item, "k": B * N * F * item, "v": B * N * M * item, "out": B * N * M * item,
-             "factors": B * N * W * 8 * (cb if W else 0), "states": 0}
+             "factors": B * N * W * fitem * (cb if W else 0), "states": 0,
+             "checks": B * N * W * fitem if range_check else 0}
     launches = 1
     if method == "scan":
         flops = upd_flops + out_flops

@@ -186,7 +186,7 @@ def _count4_py(x, counters, slot):
 
 
 def _count_range_py(x, lo, hi, counters, slot):
-    """counters[slot] += number of entries of the 1-d float64 array x that are NaN or outside [lo, hi]."""
+    """counters[slot] += number of entries of the 1-d float array x that are NaN or outside [lo, hi]."""
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     bad = 0
@@ -292,7 +292,7 @@ def count_nonfinite(name, x4) -> None:
 
 
 def count_out_of_range(name, x, lo, hi) -> None:
-    """Add the entries of the C-contiguous float64 device array ``x`` that are NaN or outside
+    """Add the entries of the C-contiguous float32 or float64 device array ``x`` that are NaN or outside
     [lo, hi] to the counter ``name`` (one kernel, no read: :func:`raise_if_nonfinite` reads it)."""
     c = counters()
     if x.size:

@@ -639,12 +639,15 @@ def sequence_launch(F: int, M: int, acc: str, rule: int, layout: str = "owner", 
 
 
 def sequence_spec(F: int, M: int, acc: str, rule: int, in_dtype: str | None = None, key: str | None = None,
-                  layout: str = "owner", code=None, off32: bool = True, vec: int | None = None) -> KernelSpec:
+                  layout: str = "owner", code=None, off32: bool = True, vec: int | None = None,
+                  lf_dtype: str = "float64") -> KernelSpec:
     """:class:`KernelSpec` of the sequence kernel at (``F``, ``M``, ``acc``, ``rule``, ``layout``), inputs
     of ``in_dtype`` (default ``acc``) as the launchers pass them
     (:func:`linattn_nb.ops._cuda_kernels.seq_signature`: 1-d views and element strides, (n, F, M + 1)
-    states in ``acc``, (B, N, W) float64 log-factors, int64 / float64 / boolean scalars, the int32
-    finiteness counters).  The key ends in ``/rows`` when ``layout`` "rows" replaces the owner layout,
+    states in ``acc``, (B, N, W) log-factors of ``lf_dtype`` (float64; float32: a device ``log_decay``
+    read in place), int64 / float64 / boolean scalars, the int32
+    finiteness counters).  The key ends in ``/lf32`` for float32 log-factors,
+    in ``/rows`` when ``layout`` "rows" replaces the owner layout,
     in ``/tiles`` when the tile layout applies (``layout="tiles"``; elsewhere it falls back to the owner layout),
     in ``/map<code>`` for a kernel specialised on feature map ``code`` (None: every map), in
     ``/off64`` for the kernel with 64-bit offsets (``off32=False``: sequences of 2^31 elements or
@@ -653,6 +656,9 @@ def sequence_spec(F: int, M: int, acc: str, rule: int, in_dtype: str | None = No
     from . import _cuda_kernels as K
     from ._codes import rule_name
 
+    if lf_dtype not in (_F64, "float32"):
+        raise ValueError(f"lf_dtype must be 'float64' or 'float32' (the log-factors the launchers pass), "
+                         f"got {lf_dtype!r}")
     launch = sequence_launch(F, M, acc, rule, layout, code, off32)
     if vec is not None and vec != launch["vec"]:
         launch = sequence_launch(F, M, acc, rule, layout, code, off32, vec)
@@ -660,19 +666,19 @@ def sequence_spec(F: int, M: int, acc: str, rule: int, in_dtype: str | None = No
     else:
         suffix = ""
     dt = in_dtype or acc
-    sig = tuple(repr(t) for t in K.seq_signature(dt, acc))  # Numba types' reprs evaluate back to them
+    sig = tuple(repr(t) for t in K.seq_signature(dt, acc, lf_dtype))  # Numba types' reprs evaluate back
     rows = layout == "rows" and K.owner_fits(F, M, 4 if acc == "float32" else 8, rule)
     tiles = layout == "tiles" and K.tiles_fits(F, M, 4 if acc == "float32" else 8, rule)
     key = key or (f"seq/{acc}/{rule_name(rule)}/F{F}/M{M}" + (f"/{dt}" if dt != acc else "")
                   + ("/rows" if rows else "") + ("/tiles" if tiles else "")
                   + ("" if code is None else f"/map{int(code)}")
-                  + ("" if off32 else "/off64") + suffix)
+                  + ("" if off32 else "/off64") + suffix + ("" if lf_dtype == _F64 else "/lf32"))
     return KernelSpec(key, "linattn_nb.ops._cuda_kernels:seq_kernel", sig, launch["threads"],
                       factory=launch["factory"], group="sequence",
                       info={"F": F, "M": M, "acc": acc, "rule": int(rule), "rule_name": rule_name(rule),
                             "cfg": launch["cfg"], "in_dtype": dt,
                             "layout": "tiles" if tiles else "rows" if rows else "owner",
-                            "off32": bool(off32), "vec": launch["vec"]})
+                            "off32": bool(off32), "vec": launch["vec"], "lf_dtype": lf_dtype})
 
 
 def sequence_configurations(features, values, accs=("float32", "float64"), rules=None,
@@ -720,8 +726,12 @@ def helper_specs(accs=("float32", "float64")) -> list[KernelSpec]:
     specs = [KernelSpec("helper/state_copy", mod + "state_copy_kernel", (H64, A2, H64, _B), tpb, group="helper"),
              KernelSpec("helper/chunk_factors", mod + "chunk_factors_kernel", (_arr(_F64, 3, "A"), _I, _I, A2), tpb,
                         group="helper"),
+             KernelSpec("helper/chunk_factors/lf32", mod + "chunk_factors_kernel", (_arr("float32", 3, "A"), _I, _I,
+                                                                                      A2), tpb, group="helper"),
              KernelSpec("helper/pack_column", mod + "pack_column_kernel", (_arr(_F64, 2, "A"), _arr(_F64, 3), _I),
-                        tpb, group="helper")]
+                        tpb, group="helper"),
+             KernelSpec("helper/pack_column/float32", mod + "pack_column_kernel",
+                        (_arr("float32", 2, "A"), _arr(_F64, 3), _I), tpb, group="helper")]
     for acc in accs:
         H = _arr(acc, 3)
         specs.append(KernelSpec(f"helper/chunk_scan_states/{acc}", mod + "chunk_scan_states_kernel",
@@ -757,6 +767,11 @@ def backward_specs(F: int = 64, M: int = 64, dtypes=("float32", "float64")) -> l
         specs.append(KernelSpec(f"backward/causal/{dt}/F{F}/M{M}", mod + "causal_backward_kernel", sig,
                                 backward_threads(F, MB), factory=(MB,), group="backward",
                                 info={"F": F, "M": M, "MB": MB, "dtype": dt}))
+        if dt == "float32":  # float32 log-factors (a device log_decay given in float32, viewed in place)
+            sig32 = sig[:7] + (_arr("float32", 3),) + sig[8:]
+            specs.append(KernelSpec(f"backward/causal/{dt}/F{F}/M{M}/lf32", mod + "causal_backward_kernel", sig32,
+                                    backward_threads(F, MB), factory=(MB,), group="backward",
+                                    info={"F": F, "M": M, "MB": MB, "dtype": dt}))
         specs.append(KernelSpec(f"backward/sum_blocks/{dt}", mod + "sum_blocks_kernel", (C4, w3), tpb,
                                 group="backward"))
         specs.append(KernelSpec(f"backward/aggregate_sums/{dt}", mod + "aggregate_sums_kernel",

@@ -599,6 +599,15 @@ def test_traffic_model_headline(monkeypatch):
     assert io <= h200["bytes"] <= 2.5e9 and 1.0 <= h200["flops_ratio"] <= 1.5
     per_token = 2 * (2 * 64 * 68 + 8.5 * 64 + 16 * 68) + 64
     assert h200["flops"] == 128 * 16384 * per_token
+    # the gate rule's (B, N, D_phi) log-gates: as the kernels read them (float64, or float32 read in
+    # place), once per column block; the front end's range check reads them once more
+    g64 = traffic_model(shape, method="scan", sms=132, rule=2)
+    g32 = traffic_model(shape, method="scan", sms=132, rule=2, factor_dtype="float32", range_check=True)
+    assert g64["parts"]["factors"] == 128 * 16384 * 64 * 8 and g64["parts"]["checks"] == 0
+    assert g32["parts"]["factors"] == g32["parts"]["checks"] == 128 * 16384 * 64 * 4
+    assert g32["bytes"] == g64["bytes"] and g32["flops"] == g64["flops"]
+    with pytest.raises(ValueError, match="factor_dtype must be float32 or float64"):
+        traffic_model(shape, rule=2, factor_dtype="float16")
     # row groups there (CUDA_SEQ_LAYOUT="rows"): 5 warps a sequence
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "rows")
     rows = traffic_model(shape, method="scan", sms=132)

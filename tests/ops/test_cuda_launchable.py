@@ -29,6 +29,11 @@ the threads per block the launchers use:
   of 2^31 elements or more (64-bit offsets), every rule, at D_phi = 64 in
   both layouts and at D_phi = 256 (the grid above is compiled as for
   contiguous inputs, with vector loads where the sizes allow them);
+* the kernels for the other input dtypes: float16 q, k, v (float32
+  accumulation), every rule, at D_phi = 64 in each layout, 32 (tiles), 128,
+  256 and ``CUDA_MAX_FEATURES``; float32 log-factors (a device ``log_decay``
+  given in float32 is read in place), the decay and gate rules, at D_phi =
+  64 in each layout and 256;
 * the helper kernels, the backward kernels and the decode-step kernels at
   their launch signatures and block sizes.
 
@@ -103,8 +108,19 @@ VARIANT_SPECS = list({s.key: s for s in (
     CR.sequence_spec(F, 64, acc, rule, layout=layout, **kw) for kw in ({"vec": 0}, {"vec": 0, "off32": False})
     for rule in RULE_CODES for acc in ACCS
     for F, layout in ((64, "owner"), (64, "rows"), (64, "tiles"), (256, "owner")))}.values())
+#: The kernels for the other input dtypes the launchers pass: float16 q, k, v (float32 accumulation),
+#: every rule, at D_phi = 64 in each layout, 32 in tiles, 128, 256 and the largest advertised D_phi;
+#: and float32 log-factors (a device ``log_decay`` given in float32, read in place), the decay and
+#: gate rules, float32 and float64 accumulation, at D_phi = 64 in each layout and 256.
+INPUT_SPECS = list({s.key: s for s in (
+    [CR.sequence_spec(F, 64, "float32", rule, in_dtype="float16", layout=layout) for rule in RULE_CODES
+     for F, layout in ((64, "owner"), (64, "rows"), (64, "tiles"), (32, "tiles"), (128, "owner"), (256, "owner"),
+                       (int(config.CUDA_MAX_FEATURES), "owner"))]
+    + [CR.sequence_spec(F, 64, acc, rule, layout=layout, lf_dtype="float32") for rule in (RULES["decay"][0],
+                                                                                           RULES["gate"][0])
+       for acc in ACCS for F, layout in ((64, "owner"), (64, "rows"), (64, "tiles"), (256, "owner"))])}.values())
 OTHER_SPECS = CR.helper_specs() + CR.backward_specs() + CR.step_specs()
-ALL_SPECS = SEQ_SPECS + MAP_SPECS + VARIANT_SPECS + OTHER_SPECS
+ALL_SPECS = SEQ_SPECS + MAP_SPECS + VARIANT_SPECS + INPUT_SPECS + OTHER_SPECS
 
 #: Sequence-kernel configurations known not to launch (key -> why), run as strict xfails.  None since
 #: the owner and capped row-group layouts of issue 20 (before them: 24, e.g. F = 1024, M = 64 float32 at
@@ -174,6 +190,13 @@ def test_map_specialised_sequence_kernels_launch(measured, spec):
 def test_strided_and_64_bit_sequence_kernels_launch(measured, spec):
     """The kernels for strided inputs and for 64-bit offsets: within the limits, no spills (D_phi <= 256)."""
     _check(spec, measured[spec.key], spill_free=True)
+
+
+@pytest.mark.parametrize("spec", INPUT_SPECS, ids=[s.key for s in INPUT_SPECS])
+def test_other_input_dtypes_launch(measured, spec):
+    """The kernels for float16 q, k, v and for float32 log-factors: within the limits, no spills up to
+    D_phi = 256."""
+    _check(spec, measured[spec.key], spill_free=spec.info["F"] <= NO_SPILL_FEATURES)
 
 
 @pytest.mark.parametrize("spec", OTHER_SPECS, ids=[s.key for s in OTHER_SPECS])

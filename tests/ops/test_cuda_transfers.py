@@ -127,10 +127,12 @@ def test_linear_attention_check_reads_once_and_names_the_input(counts):
 
 @pytest.mark.parametrize("form,method", [("per_token", "scan"), ("per_feature", "chunked")])  # each form, each method once
 def test_device_log_decay_is_read_in_place(counts, monkeypatch, form, method):
-    """A float64 GPU log_decay (per token or per feature, batch dims included) read in place, and a
-    float32 one converted on the device: no copy either way, no allocation on a repeated call,
-    the values checked on the device in the call's single read (with or without check_finite);
-    a NaN or a positive log-factor raises naming log_decay, and the next call is clean."""
+    """A float64 or float32 GPU log_decay (per token or per feature, batch dims included) read in
+    place, in its own dtype (no converted copy: GLA's (B, N, D_phi) gates read once by the kernels):
+    no copy, no allocation on a repeated call, the values checked on the device in the call's single
+    read (with or without check_finite); the float32 array gives bit for bit the result of the
+    float64 array of the same values (float32 and float64 q, k, v); a NaN or a positive log-factor
+    raises naming log_decay, and the next call is clean."""
     from numba import cuda
 
     monkeypatch.setattr(config, "CUDA_CHUNK_SIZE", 4)
@@ -142,7 +144,9 @@ def test_device_log_decay_is_read_in_place(counts, monkeypatch, form, method):
     dq, dk, dv, dlg = (cuda.to_device(x) for x in (q, k, v, lg))
     out = cuda.device_array(batch + (N, M), dtype=np.float32)
     ref = la.linear_attention(q, k, v, causal=True, log_decay=lg, method="quadratic")
-    # float64 read in place; a float32 GPU array converted on the device (a pooled float64 copy)
+    # float64 and float32 read in place: never converted into a pooled copy
+    converted = []
+    monkeypatch.setattr(P, "rule_input", lambda *a, **kw: converted.append(a[0]))
     dlg32 = cuda.to_device(lg.astype(np.float32))
     ref32 = la.linear_attention(q, k, v, causal=True, log_decay=lg.astype(np.float32), method="quadratic")
     for arr, want in ((dlg, ref), (dlg32, ref32)):
@@ -156,6 +160,14 @@ def test_device_log_decay_is_read_in_place(counts, monkeypatch, form, method):
             np.testing.assert_allclose(out.copy_to_host(), want, rtol=2e-5, atol=2e-6)
             assert n["h2d"] == 0 and n["alloc"] == 0 and n["d2h"] == 1, n
     np.testing.assert_array_equal(dlg.copy_to_host(), lg)  # read, never written
+    assert not converted, converted
+    # the float32 gates give the float64 array's result of their values, bit for bit
+    same = cuda.to_device(lg.astype(np.float32).astype(np.float64))
+    for x in (q, q.astype(np.float64)):
+        dx = (cuda.to_device(x), cuda.to_device(k.astype(x.dtype)), cuda.to_device(v.astype(x.dtype)))
+        a, b = (la.linear_attention(*dx, causal=True, log_decay=g, method=method, device="cuda").copy_to_host()
+                for g in (dlg32, same))
+        np.testing.assert_array_equal(a, b)
     for bad, where in ((0.25, (1, 0, 3)), (np.nan, (0, 0, N - 1))):
         x = lg.copy()
         x[where + (1,) * (x.ndim - 3)] = bad  # one entry
@@ -218,8 +230,8 @@ def test_device_decay_factors_are_converted_on_the_device(counts, monkeypatch, f
 @pytest.mark.parametrize("rule", ["delta", "gated_delta"])
 def test_device_beta_is_read_in_place(counts, rule):
     """A float64 GPU beta (and per-token log_decay for the gated delta rule): no copy to the
-    device, one read; beta outside [0, 2] or NaN raises naming beta; a host beta beside a device
-    log_decay takes the host path with the same result."""
+    device, one read (float32 ones: the same result); beta outside [0, 2] or NaN raises naming
+    beta; a host beta beside a device log_decay takes the host path with the same result."""
     from numba import cuda
 
     rng = np.random.default_rng(7)
@@ -259,6 +271,11 @@ def test_device_beta_is_read_in_place(counts, rule):
     b1[2] = 3.0
     with pytest.raises(ValueError, match=r"beta \(the write strength\) must lie in \[0, 2\].* 1 value"):
         call(beta=cuda.to_device(b1))
+    # a float32 beta per token (and log_decay) read in place: the float64 arrays' result of its values
+    kw32 = {name: x.astype(np.float32) for name, x in kw.items()}
+    a = call(**{name: cuda.to_device(x) for name, x in kw32.items()}).copy_to_host()
+    b = call(**{name: cuda.to_device(x.astype(np.float64)) for name, x in kw32.items()}).copy_to_host()
+    np.testing.assert_array_equal(a, b)
 
 
 def test_pool_is_bounded_and_keyed(monkeypatch):

@@ -307,7 +307,8 @@ def test_public_api_with_host_inputs(rule, method):
 
 def test_rule_inputs_checked_and_device_inputs_read_in_place():
     """Log-factors of the wrong shape or (on the device) dtype raise ValueError naming them; a
-    device array gives the result of the host array."""
+    device array gives the result of the host array, a float32 device array (read in place) that
+    of the float64 array of its values."""
     rng = np.random.default_rng(9)
     q, k, v, S0, z0 = data(rng, np.float64)
     lg = log_factors(rng, "decay")
@@ -315,11 +316,18 @@ def test_rule_inputs_checked_and_device_inputs_read_in_place():
     dev = run("scan", q, k, v, S0, z0, rule=RULE_DECAY, inputs={"log_decay": cuda.to_device(lg)})
     for a, b in zip(host, dev):
         np.testing.assert_array_equal(a, b)
+    lg32 = lg.astype(np.float32)
+    for method in ("scan", "chunked"):
+        dev32 = run(method, q, k, v, S0, z0, rule=RULE_DECAY, inputs={"log_decay": cuda.to_device(lg32)})
+        host32 = run(method, q, k, v, S0, z0, rule=RULE_DECAY, inputs={"log_decay": lg32.astype(np.float64)})
+        for a, b in zip(host32, dev32):
+            np.testing.assert_array_equal(a, b)
     for rule, inputs, msg in [
         (RULE_DECAY, {"log_decay": lg[:, :-1]},
          r"inputs\['log_decay'\] must have shape \(B, N\) = \(3, 8\), got \(3, 7\)"),
         (RULE_GATE, {"log_gate": lg}, r"inputs\['log_gate'\] must have shape \(B, N, F\) = \(3, 8, 3\), got \(3, 8\)"),
-        (RULE_DECAY, {"log_decay": cuda.to_device(lg.astype(np.float32))}, r"inputs\['log_decay'\] must be float64"),
+        (RULE_DECAY, {"log_decay": cuda.to_device(lg.astype(np.float16))},
+         r"inputs\['log_decay'\] must be float32 or float64, got float16"),
         (RULE_DECAY, None, r"inputs: the decay rule takes the inputs \['log_decay'\], got \[\]"),
     ]:
         for method in ("scan", "chunked"):

@@ -84,9 +84,10 @@ def causal_backward_kernel(MB: int):
     ``qf, kf`` (B, N, F), ``v1, g1`` (B, N, M'): the working dtype, any
     strides.  ``H0`` (B, F, M') float64; ``dHN`` (B, F, M') float64, read
     when ``has_dhn`` (else any 3-d float64 array).  ``lf`` (B, N, W)
-    float64: the rule's log-factors as the forward kernels take them
+    float64 or float32 (each log-factor converted to float64 before its exp):
+    the rule's log-factors as the forward kernels take them
     (:func:`linattn_nb.ops._cuda_launch.rule_factors`; column 1 is ``beta``
-    for the delta rules).  Scratch, float64: ``ck`` (B, max(nchunks - 1, 1),
+    for the delta rules, always float64).  Scratch, float64: ``ck`` (B, max(nchunks - 1, 1),
     F, M'), ``ck[b, c]`` the state before chunk ``c + 1``; ``hs`` (B, L + 1,
     F, M'), a chunk's token states.  Results: ``D`` (B, F, M') float64, ``dH0`` on return; ``dv``
     (B, N, M') the working dtype; float64 partials per column block ``cb``:
@@ -144,7 +145,7 @@ def causal_backward_kernel(MB: int):
                 for s in range(nl):
                     t = t0 + s
                     vm = float64(v1[b, t, m])
-                    a = math.exp(lf[b, t, 0]) if scalar_factor else 1.0
+                    a = math.exp(float(lf[b, t, 0])) if scalar_factor else 1.0
                     if delta:
                         beta = lf[b, t, 1]
                         u = 0.0
@@ -155,7 +156,7 @@ def causal_backward_kernel(MB: int):
                             hs[b, s + 1, i, m] = a * (hs[b, s, i, m] - beta * ki * u) + beta * ki * vm
                     else:
                         for i in range(F):
-                            ai = math.exp(lf[b, t, i]) if gate else a
+                            ai = math.exp(float(lf[b, t, i])) if gate else a
                             hs[b, s + 1, i, m] = ai * hs[b, s, i, m] + float64(kf[b, t, i]) * vm
                 if fwd:
                     for i in range(F):
@@ -166,7 +167,7 @@ def causal_backward_kernel(MB: int):
             # ---- the adjoint through the chunk's tokens, from the last
             for s in range(nl - 1, -1, -1):
                 t = t0 + s
-                a = math.exp(lf[b, t, 0]) if scalar_factor else 1.0
+                a = math.exp(float(lf[b, t, 0])) if scalar_factor else 1.0
                 beta = lf[b, t, 1] if delta else 0.0
                 # column phase: D += q g^T, sums over rows
                 for j in range(tid, nb, nth):
@@ -200,7 +201,7 @@ def causal_backward_kernel(MB: int):
                 # row phase: sums over the block's columns, then row i of D back through token t
                 for i in range(tid, F, nth):
                     ki = float64(kf[b, t, i])
-                    ai = math.exp(lf[b, t, i]) if gate else a
+                    ai = math.exp(float(lf[b, t, i])) if gate else a
                     xq = 0.0
                     xk = 0.0
                     xf = 0.0
