@@ -241,8 +241,9 @@ def device_rule_inputs(decay, log_decay, beta, batch_shape, n: int, f: int):
     per token (or per feature) is read in place, in its own dtype (the kernels
     convert each value to their accumulation dtype as they stage it, so a
     float32 array gives the same result as the float64 array of the same
-    values, without a converted copy: one read of the gates instead of three
-    for GLA's (B, N, D_phi) ``log_decay``); any other is converted on the
+    values, without a converted copy: GLA's (B, N, D_phi) ``log_decay`` is
+    read twice, by the range count and by the kernels, instead of read,
+    written in float64 and read again); any other is converted on the
     device into a pooled float64 workspace (``decay`` to its log).  Either way its values are checked on
     the device by :func:`device_rule_values`, inside the call's try block,
     and reported by the call's single read of the check counters.  Anything
