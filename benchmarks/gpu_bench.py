@@ -452,17 +452,18 @@ def launch_sweep(cuda, torch, B, H, D, M, deadline, N=16384):
 def rule_layouts(cuda, torch, B, H, D, M, deadline, N=16384):
     """The scan of every update rule in row groups and in tiles (config.CUDA_SEQ_LAYOUT) at one shape:
     the static argument for the tile layout of the decay, gate and delta rules (issue 20), timed.
-    The rules' per-token inputs live on the GPU (no host copy per call); 'l2' keys for the delta rules."""
+    The rules' per-token inputs live on the GPU as their users pass them (float32 ``log_decay`` and
+    ``beta``, read in place: no host copy, no converted copy per call); 'l2' keys for the delta rules."""
     res = []
     print(f"# rules x layouts: scan at B={B}, H={H}, N={N}, D={D}, M={M} (ms)", flush=True)
     _, (q, k, v) = make_inputs(cuda, torch, (B, H, N, D), M, seed=3)
     out = cuda.device_array((B, H, N, M), dtype=np.float32)
     rng = np.random.default_rng(3)
-    decay = cuda.to_device(rng.uniform(0.9, 1.0, size=(B, H, N)))
-    gate = cuda.to_device(rng.uniform(0.9, 1.0, size=(B, H, N, D)))
-    beta = cuda.to_device(rng.uniform(0.0, 1.0, size=(B, H, N)))
-    rules = {"additive": ({}, "elu"), "decay": ({"decay": decay}, "elu"), "gate": ({"decay": gate}, "elu"),
-             "delta": ({"beta": beta}, "l2"), "gated_delta": ({"beta": beta, "decay": decay}, "silu_l2")}
+    decay = cuda.to_device(np.log(rng.uniform(0.9, 1.0, size=(B, H, N))).astype(np.float32))
+    gate = cuda.to_device(np.log(rng.uniform(0.9, 1.0, size=(B, H, N, D))).astype(np.float32))
+    beta = cuda.to_device(rng.uniform(0.0, 1.0, size=(B, H, N)).astype(np.float32))
+    rules = {"additive": ({}, "elu"), "decay": ({"log_decay": decay}, "elu"), "gate": ({"log_decay": gate}, "elu"),
+             "delta": ({"beta": beta}, "l2"), "gated_delta": ({"beta": beta, "log_decay": decay}, "silu_l2")}
     saved = config.CUDA_SEQ_LAYOUT
     try:
         for rule, (kw, fmap) in rules.items():
