@@ -339,7 +339,8 @@ def test_public_api_with_host_inputs(rule, method):
 
 def test_rule_inputs_checked_and_device_inputs_read():
     """beta / log_decay of the wrong shape or (on the device) dtype raise ValueError naming them;
-    device arrays (alone or mixed with host arrays) give the result of the host arrays."""
+    device arrays (alone or mixed with host arrays) give the result of the host arrays, float32 ones
+    that of the float64 arrays of their values."""
     rng = np.random.default_rng(9)
     q, k, v, S0, z0 = data(rng, np.float64)
     inputs = rule_inputs(rng, "gated_delta")
@@ -350,12 +351,18 @@ def test_rule_inputs_checked_and_device_inputs_read():
         got = run("scan", q, k, v, S0, z0, inputs=dev, **kw)
         for a, b in zip(host, got):
             np.testing.assert_array_equal(a, b)
+    in32 = {name: x.astype(np.float32) for name, x in inputs.items()}
+    got32 = run("scan", q, k, v, S0, z0, inputs={name: cuda.to_device(x) for name, x in in32.items()}, **kw)
+    host32 = run("scan", q, k, v, S0, z0, inputs={name: x.astype(np.float64) for name, x in in32.items()}, **kw)
+    for a, b in zip(host32, got32):
+        np.testing.assert_array_equal(a, b)
     beta = inputs["beta"]
     for rule, bad, msg in [
         (RULE_DELTA, {"beta": beta[:, :-1]}, r"inputs\['beta'\] must have shape \(B, N\) = \(3, 8\), got \(3, 7\)"),
         (RULE_GATED_DELTA, {"beta": beta, "log_decay": inputs["log_decay"][:, None]},
          r"inputs\['log_decay'\] must have shape \(B, N\) = \(3, 8\), got \(3, 1, 8\)"),
-        (RULE_DELTA, {"beta": cuda.to_device(beta.astype(np.float32))}, r"inputs\['beta'\] must be float64"),
+        (RULE_DELTA, {"beta": cuda.to_device(beta.astype(np.float16))},
+         r"inputs\['beta'\] must be float32 or float64, got float16"),
         (RULE_GATED_DELTA, {"beta": beta}, r"inputs: the gated_delta rule takes the inputs \['beta', 'log_decay'\]"),
     ]:
         for method in ("scan", "chunked"):
