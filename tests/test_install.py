@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import textwrap
@@ -57,23 +58,67 @@ def _files(folder: Path) -> set[str]:
     return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
 
 
+def running_site_dirs() -> list[str]:
+    """The site-packages folders of the environment running the tests (a venv, conda or a base interpreter)."""
+    dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
+    if site.ENABLE_USER_SITE and os.path.isdir(site.getusersitepackages()):
+        dirs.append(site.getusersitepackages())
+    # what this interpreter really imports from: also covers environments whose
+    # layout site.getsitepackages() does not describe
+    dirs += [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+    return [d for i, d in enumerate(dirs) if os.path.isdir(d) and d not in dirs[:i]]
+
+
+def make_nested_venv(venv: Path) -> Path:
+    """A fresh venv at ``venv`` that sees the running environment's packages; its python.
+
+    ``--system-site-packages`` is not enough: inside a venv (or a conda env), the
+    nested venv would see the *base* interpreter's site-packages, not those of
+    the environment running the tests.  Instead the nested venv gets a ``.pth``
+    file listing the running environment's site-packages folders as plain paths
+    (appended to ``sys.path`` after the nested venv's own folder, so what is
+    installed into the nested venv wins; the ``.pth`` files in those folders,
+    such as an editable install's finder, are not run).
+    """
+    made = subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)],
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, f"cannot create a virtual environment: {made.stderr.strip()[-1000:]}"
+    py = venv / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
+    own = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         capture_output=True, text=True, timeout=60, env=_clean_env())
+    assert own.returncode == 0, own.stderr
+    purelib = Path(own.stdout.strip())
+    purelib.mkdir(parents=True, exist_ok=True)
+    (purelib / "_linattn_test_parent_env.pth").write_text("\n".join(running_site_dirs()) + "\n")
+    return py
+
+
+def test_nested_venv_sees_the_running_environment(tmp_path):
+    """The nested venv imports numba from wherever this interpreter does (venv, conda or base)."""
+    py = make_nested_venv(tmp_path / "venv")
+    res = subprocess.run([py, "-c", "import sys, numba; print(sys.prefix); print(numba.__file__)"],
+                         capture_output=True, text=True, timeout=120, env=_clean_env(), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    prefix, numba_file = res.stdout.split()
+    import numba
+    assert Path(prefix) == tmp_path / "venv"
+    assert Path(numba_file).resolve() == Path(numba.__file__).resolve()
+
+
 @pytest.mark.slow
 def test_install_then_editable_from_outside(tmp_path):
     """pip install . ; run a kernel ; pip install -e . ; import from elsewhere: works, site-packages unwritten."""
     t0 = time.monotonic()
     venv = tmp_path / "venv"
-    made = subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
-                          capture_output=True, text=True, timeout=120)
-    if made.returncode != 0:
-        pytest.skip(f"cannot create a virtual environment here: {made.stderr.strip()[-500:]}")
-    py = venv / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
+    py = make_nested_venv(venv)
     xdg = tmp_path / "xdg"
     env = _clean_env(XDG_CACHE_HOME=str(xdg))
     work = tmp_path / "elsewhere"
     work.mkdir()
 
-    # numba, numpy, ... come from this machine (--system-site-packages); the
-    # package is built here, without downloads, unless setuptools is too old.
+    # numba, numpy, pip, setuptools, ... come from the environment running the tests (the
+    # nested venv's .pth file); the package is built here, without downloads, unless
+    # setuptools is too old.
     version = _run([py, "-c", "import importlib.metadata as m; print(m.version('setuptools'))"],
                    cwd=work, env=env).stdout.strip()
     if tuple(int(p) for p in version.split(".")[:1]) < SETUPTOOLS_MIN:
