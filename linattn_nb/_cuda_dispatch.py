@@ -431,14 +431,16 @@ def run_host(impl, qf, kf, vf, H, result, *, code, eps, inputs=None, normalize=T
 
 
 def run_device(impl, q4, k4, v4, H, dout, out_shape, *, code, eps, inputs=None, normalize=True,
-               check_finite=False):
+               check_finite=False, scratch=False):
     """Device inputs: launch on 4-d views; an ``out`` whose batch dims cannot be merged gets a copy.
 
     ``check_finite`` goes to the launcher (which counts the NaN/inf entries of
     q, k, v on the device and reads the counters once, with those of a packed
-    initial state); counts it left unread are read here.
+    initial state); counts it left unread are read here.  ``scratch``: compute
+    into a workspace and copy into ``dout`` after the launch (an ``out`` that
+    shares memory with an input, :mod:`linattn_nb._overlap`).
     """
-    o4 = view4(dout)
+    o4 = None if scratch else view4(dout)
     tmp = None if o4 is not None else _pool().workspace("linear.out", out_shape, dout.dtype)
     impl.forward(q4, k4, v4, H, o4 if tmp is None else view4(tmp), code=code, eps=eps, inputs=inputs,
                  normalize=normalize, check_finite=check_finite)

@@ -25,6 +25,7 @@ import numpy as np
 
 from . import _cuda_dispatch as CD
 from . import _validate as V
+from ._overlap import call_reads, out_overlaps
 from . import feature_maps as fm
 from .device import on_device, resolve_device
 from .ops import methods  # noqa: F401  (registers the built-in rules and methods)
@@ -304,9 +305,12 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
     eps = V.check_eps(eps)
     causal = check_causal(causal)
     check_method_name(method)
+    # everything the call reads, as the caller passed it: an out= overlapping any of it is written last
+    reads = () if out is None else call_reads(q, k, v, decay, log_decay, beta, initial_state=initial_state,
+                                                fmap=fmap)
     if dev == "cuda" and any(on_device(x) for x in (q, k, v)):
         return _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initial_state,
-                              return_state, decay, log_decay, beta, normalize)
+                              return_state, decay, log_decay, beta, normalize, reads)
 
     # CPU kernels with an inline map check q, k, v while they read them; the
     # other paths scan them here (NumPy), as the CUDA path always did
@@ -336,9 +340,9 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
         if dev == "cuda":
             CD.run_host(impl, qf, kf, vf, H, result, code=code, eps=eps, inputs=inputs, normalize=normalize)
         else:
-            # an out= that overlaps an input is written last, from a scratch result
+            # an out= that overlaps anything the call reads is written last, from a scratch result
             direct = (result.dtype == work and result.flags.c_contiguous and result.flags.writeable
-                      and not any(np.may_share_memory(result, x) for x in (q, k, v)))
+                      and not out_overlaps(out, reads + (q, k, v) + tuple((inputs or {}).values())))
             target = result.reshape((b, n, m)) if direct else np.empty((b, n, m), dtype=work)
             try:
                 if check_finite and not inline:
@@ -406,7 +410,7 @@ def _cast_result(res64, dtype, q, k, v):
 
 
 def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initial_state, return_state, decay,
-                   log_decay, beta, normalize):
+                   log_decay, beta, normalize, reads=()):
     """GPU inputs: zero-copy views, the kernels on the device, a device result (and state)."""
     dq, dk, dv = CD.wrap("q", q), CD.wrap("k", k), CD.wrap("v", v)
     batch_shape, n, d, m, dtype = V.check_qkv(CD.meta(dq), CD.meta(dk), CD.meta(dv))
@@ -455,7 +459,8 @@ def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initia
                 H = CD.to_device(Hh)
         if not empty:
             CD.run_device(impl, q4, k4, v4, H, dout, out_shape, code=int(fmap.kernel_code), eps=eps,
-                          inputs=inputs, normalize=normalize, check_finite=check_finite)
+                          inputs=inputs, normalize=normalize, check_finite=check_finite,
+                          scratch=out_overlaps(out, reads))
         else:
             CD.finish_checks()
     except BaseException:

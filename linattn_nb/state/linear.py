@@ -18,6 +18,7 @@ from .. import _validate as V
 from .. import config
 from .. import feature_maps as fm
 from .._frontend import LinearState
+from .._overlap import call_reads, out_overlaps
 from ..device import check_device_arg, on_device, resolve_device
 from ..ops._codes import LOG_RESET, norm_mode
 from ..ops.registry import get_method, get_rule
@@ -328,7 +329,12 @@ class LinearAttentionState:
             fill = _FILL.get(x.dtype)
             if fill is None:
                 fill = _fill_entry(x.dtype)
-            return fill(x.reshape(-1), out, kind, LOG_RESET)
+            # the entry point is compiled for a C-contiguous vector and reads it without looking at
+            # strides: a strided, reversed or broadcast view is copied first (a view of B values)
+            flat = x.reshape(-1)
+            if not flat.flags.c_contiguous:
+                flat = np.ascontiguousarray(flat)
+            return fill(flat, out, kind, LOG_RESET)
         return False
 
     def _rule_token(self, decay, log_decay, beta):
@@ -634,7 +640,7 @@ class LinearAttentionState:
             return CD.device_out(None, shape, dtype)
         return np.empty(shape, dtype=dtype)
 
-    def _kernel_out(self, given, inp):
+    def _kernel_out(self, given, inp, reads=()):
         """Where the kernel writes: the caller's ``out`` itself (device inputs to a GPU state: checked
         and viewed as (B, T, M), no allocation), else a new array (copied into ``given`` by
         :meth:`_deliver`)."""
@@ -647,6 +653,8 @@ class LinearAttentionState:
         if given is None or not inp.device_inputs:
             return self._new_out(inp.T, inp.work)
         dout = CD.device_out(given, shape, inp.work)
+        if out_overlaps(given, reads + (self._S, self._z)):
+            return self._new_out(inp.T, inp.work)  # written into ``given`` once the kernel has read everything
         if not dout.is_c_contiguous():
             raise ValueError("out must be C-contiguous on the GPU")
         return dout.reshape((self._B, inp.T, self._m))
@@ -657,6 +665,8 @@ class LinearAttentionState:
         if given is None:
             return res
         if inp.device_inputs:
+            if res is not given and not out_overlaps(res, (given,)):
+                CD.copy_device(CD.wrap("out", res), CD.wrap("out", given))  # the kernel wrote a scratch result
             return given
         given[...] = res
         return given
@@ -786,7 +796,7 @@ class LinearAttentionState:
                             ("query", "key", None),
                             factors=self._factors(decay, log_decay, beta, step_rule_inputs, "a step"))
         given = out
-        out = self._kernel_out(given, inp)
+        out = self._kernel_out(given, inp, call_reads(q, k, v, decay, log_decay, beta))
         fixed = self._absorb_rule(inp)
         qf, kf, vf = self._on_state_device(inp)
         if inp.T == 0:  # nothing to absorb (the rule may still be open: no launcher to run)
