@@ -115,6 +115,9 @@ def host_qkv(q, k, v, *, check_finite: bool):
     """
     q, k, v = as_host_array("q", q), as_host_array("k", k), as_host_array("v", v)
     info = check_qkv(q, k, v)
+    # C-contiguous (a copy only of a view): whatever reads them next (a kernel, a feature map's
+    # NumPy products) then gives, bit for bit, the result of a contiguous copy
+    q, k, v = (x if x.flags.c_contiguous else np.ascontiguousarray(x) for x in (q, k, v))
     if check_finite:
         for name, x in (("q", q), ("k", k), ("v", v)):
             check_finite_values(name, x)

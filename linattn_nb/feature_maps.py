@@ -119,6 +119,25 @@ KERNEL_CODES = (KERNEL_CODE_NONE, KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE
                 KERNEL_CODE_SILU_L2)
 
 
+def _layout_free(method):
+    """``method(self, x, ...)`` called with ``x`` C-contiguous (a copy only for other layouts).
+
+    NumPy's products round differently for a Fortran-ordered or strided ``x``
+    than for a C-contiguous one (other BLAS kernels); with this, a map's
+    features of a view equal, bit for bit, those of a contiguous copy.
+    """
+    import functools
+
+    @functools.wraps(method)
+    def wrapped(self, x, *args, **kwargs):
+        if isinstance(x, np.ndarray) and not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x)
+        return method(self, x, *args, **kwargs)
+
+    wrapped._layout_free = True
+    return wrapped
+
+
 class FeatureMap:
     """Base class of all feature maps.
 
@@ -167,7 +186,16 @@ class FeatureMap:
     estimates_softmax: bool = False
     needs_normalizer: bool = False
 
+    def __init_subclass__(cls, **kwargs):
+        # every map, built-in or a user's subclass, reads x by its layout (see _layout_free)
+        super().__init_subclass__(**kwargs)
+        for name in ("__call__", "transform", "apply", "vjp", "apply_with_vjp"):
+            fn = cls.__dict__.get(name)
+            if callable(fn) and not getattr(fn, "_layout_free", False):
+                setattr(cls, name, _layout_free(fn))
+
     # -- to implement -------------------------------------------------------
+
     def transform(self, x: np.ndarray) -> np.ndarray:
         """Features of ``x`` (``(..., N, D)`` -> ``(..., N, output_dim(D))``)."""
         raise NotImplementedError
@@ -329,6 +357,11 @@ class FeatureMap:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+for _name in ("__call__", "apply", "vjp", "apply_with_vjp"):
+    setattr(FeatureMap, _name, _layout_free(FeatureMap.__dict__[_name]))
+del _name
 
 
 class ElementwiseFeatureMap(FeatureMap):

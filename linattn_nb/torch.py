@@ -343,6 +343,10 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto",
         raise ValueError("feature_map_params: maps with parameters are applied on the host; they are not "
                          "supported for CUDA tensors")
     torch_map = _TORCH_MAPS.get(type(fmap))
+    # torch's elementwise kernels take other code paths (other exp/expm1 roundings) for strided and
+    # expanded tensors: contiguous q, k (a differentiable no-op when they already are) make the result
+    # and the gradients those of contiguous copies, bit for bit
+    q, k = q.contiguous(), k.contiguous()
     if torch_map is not None and q.dtype != torch.float16 and k.dtype != torch.float16:
         q, k, fmap = torch_map(q), torch_map(k), _PRECOMPUTED
     spec = _Spec(fmap, causal, method, device, eps, check_finite, normalize, bool(return_state), decay_val,
