@@ -132,3 +132,35 @@ def test_lower_layers_do_not_import_the_public_modules(mod):
     edges, _ = _edges_and_private_names()
     upward = {"linattn_nb", "linattn_nb.attention", "linattn_nb._frontend"}
     assert not (edges[mod] & upward)
+
+
+def _unit(mod: str) -> str:
+    """The package-level unit of a module: ``linattn_nb.ops`` for everything under ops/, a top-level module itself."""
+    parts = mod.split(".")
+    return ".".join(parts[:2])
+
+
+def _unit_edges():
+    edges, _ = _edges_and_private_names()
+    units = {}
+    for a, targets in edges.items():
+        units.setdefault(_unit(a), set())
+        for b in targets:
+            units.setdefault(_unit(b), set())
+            if _unit(b) != _unit(a):
+                units[_unit(a)].add(_unit(b))
+    return units
+
+
+def test_no_import_cycle_between_package_units():
+    """Subpackages and top-level modules, taken as units, import each other without a cycle (function-level
+    imports count): a request flows only downward."""
+    units = _unit_edges()
+    assert _cycles(units) == []
+
+
+def test_the_kernel_layer_imports_no_front_end():
+    """Nothing under ops/ imports a front-end module: only ops itself and the leaf modules config and _blas."""
+    units = _unit_edges()
+    allowed = {"linattn_nb.ops", "linattn_nb.config", "linattn_nb._blas"}
+    assert units["linattn_nb.ops"] <= allowed, sorted(units["linattn_nb.ops"] - allowed)

@@ -20,7 +20,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._validate import check_finite_values
+
+def check_finite_values(name: str, x: np.ndarray) -> None:
+    """Raise ValueError if ``x`` holds NaN or infinity (the count in the message, naming ``name``)."""
+    if x.size and not np.isfinite(x).all():
+        bad = int(x.size - np.count_nonzero(np.isfinite(x)))
+        raise ValueError(
+            f"{name} contains {bad} non-finite value(s) (NaN or inf); "
+            "pass check_finite=False to skip this check"
+        )
 
 
 class NonFiniteResult(FloatingPointError):

@@ -19,9 +19,8 @@ import functools
 import numpy as np
 
 from .. import config
-from .._validate import check_finite_values
 from ._codes import RULES, UNNORMALIZED_RULES
-from ._finite import NonFiniteResult
+from ._finite import NonFiniteResult, check_finite_values
 from .causal.chunked import causal_chunked
 from .causal.cpu import causal_scan
 from .causal.naive import causal_linear_quadratic
