@@ -19,6 +19,7 @@ import numpy as np
 from numba import njit
 
 from . import config
+from .ops._finite import check_finite_values  # the kernel layer's check, shared with the front end
 
 SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
@@ -50,16 +51,6 @@ def as_host_array(name: str, x) -> np.ndarray:
     if arr.dtype == object:
         raise TypeError(f"{name} must be a numeric array, got an object array (ragged or non-numeric input?)")
     return arr
-
-
-def check_finite_values(name: str, x: np.ndarray) -> None:
-    """Raise ValueError if ``x`` holds NaN or infinity."""
-    if x.size and not np.isfinite(x).all():
-        bad = int(x.size - np.count_nonzero(np.isfinite(x)))
-        raise ValueError(
-            f"{name} contains {bad} non-finite value(s) (NaN or inf); "
-            "pass check_finite=False to skip this check"
-        )
 
 
 check_finite = check_finite_values  # the name the callers use
