@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One-command GPU check for linattn_nb (issues 4 and 20), meant for ONE call on a machine with a GPU:
+# One-command GPU check for linattn_nb (the CUDA kernels on real hardware), meant for ONE call on a
+# machine with a GPU:
 #   bash benchmarks/gpu_check.sh
 # 1. environment (GPU, versions, ptxas/nvdisasm);  2. the CUDA tests on the real GPU (tests/ops/*cuda*.py
 # and tests/test_device.py, a pytest per file with its own time limit; the PTX-only tests are left to CI,
@@ -43,7 +44,9 @@ if cuda_status() == "gpu":
     from numba import cuda
     d = cuda.get_current_device()
     print("device:", d.name, "cc", d.compute_capability, "SMs", d.MULTIPROCESSOR_COUNT)
-from linattn_nb.ops._cuda_resources import find_tool
+import sys
+sys.path.insert(0, "tools")  # the measuring tool, outside the package (tools/cuda_resources.py)
+from cuda_resources import find_tool
 print("ptxas:", find_tool("ptxas"), " nvdisasm:", find_tool("nvdisasm"), " cuobjdump:", find_tool("cuobjdump"))
 PYEOF
   echo "== [$(( $(date +%s) - T0 )) s] CUDA tests on the GPU"

@@ -1,9 +1,9 @@
-"""Static GPU report without a GPU: registers, spills, occupancy, SASS loop mix, modelled traffic (issue 20).
+"""Static GPU report without a GPU: registers, spills, occupancy, SASS loop mix, modelled traffic.
 
 For every CUDA kernel of the package at its default launch configuration
 (D_phi = M = 64; float32 and float64; every update rule for the sequence
 kernel), compiled to sm_90 PTX and assembled by ``ptxas``
-(:mod:`linattn_nb.ops._cuda_resources`):
+(``tools/cuda_resources.py``, the measuring tool outside the package):
 
 1. registers per thread, spill stores/loads, stack, static shared memory,
    threads per block, resident blocks and warps per multiprocessor on
@@ -59,8 +59,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from linattn_nb import config  # noqa: E402
-from linattn_nb.ops import _cuda_resources as CR  # noqa: E402
 from linattn_nb.ops._codes import RULE_ADDITIVE, RULES  # noqa: E402
+
+if str(ROOT / "tools") not in sys.path:  # the measuring tool: tools/ of the checkout, outside the package
+    sys.path.insert(0, str(ROOT / "tools"))
+import cuda_resources as CR  # noqa: E402
 
 HBM_TBS = 4.8
 FP32_TFLOPS = 67.0
@@ -77,7 +80,8 @@ H200_SMS = 132  # the method auto picks on the headline machine (no GPU here: th
 
 
 def headline_model():
-    """Rows of the modelled plans (``scan``, ``chunked``) at the headline shape, the totals and issue 20's targets.
+    """Rows of the modelled plans (``scan``, ``chunked``) at the headline shape, the totals and the targets
+    (traffic <= 2.5 GB, FLOPs <= 1.5 x 4 B H N D M).
 
     The model is :func:`linattn_nb.ops._cuda_launch.traffic_model` (global
     bytes per stream and FLOPs executed, from the launch plan); the targets
@@ -119,7 +123,7 @@ def headline_model():
 
 def rule_model():
     """Rows of the plan ``method="auto"`` picks for each update rule at the headline shape on an H200
-    (issue 20, point 6 with point 3), for the whole call with the rule's inputs on the device as its
+    (the headline's targets, for every rule), for the whole call with the rule's inputs on the device as its
     users pass them: float32 q, k, v and float32 ``log_decay`` (read in place), ``beta`` float32 (packed
     into the delta rules' float64 (B, N, 2) array); the front end's range check of those inputs is
     counted (``traffic_model(range_check=True)``).  ``floor GB``: q, k, v, out and the rule's inputs
@@ -384,7 +388,7 @@ def main(argv=None):
         print("\n## per-token loop of the sequence kernel (its innermost loop without global memory access with the "
               "most FFMA/DFMA, ties: the lowest share: the causal scan's update + read-out, staged tiles in shared memory)")
         print(table(tokens, ["kernel", "loop", "insns", "FMA", "FMA %", "top opcodes"], {"FMA %": "{:.0f}"}))
-        for t in tokens:  # the target of issue 20 (point 2; point 6: every rule)
+        for t in tokens:  # the target: FFMA >= 60 % of the per-token loop, for every rule
             if t["kernel"].startswith("seq/float32/"):
                 lay = ("row groups" if "/rows" in t["kernel"] else "tiles (its outputs loop)" if "/tiles" in t["kernel"]
                        else "default layout")

@@ -1655,10 +1655,10 @@ MAX_TILE_WORDS = 128
 #: columns instead (D_phi = 128 and more: 32 x 1 tiles).
 MAX_DELTA_ROWS_F64 = 32
 #: Static shared memory of a block at most (``cuda.shared.array``; more needs dynamic shared memory
-#: and an opt-in the kernels do not use): sm_90's.  This module and
-#: :data:`linattn_nb.ops._cuda_resources.SM90` (which describes the hardware for the static checks and
-#: imports no ``numba.cuda``) each keep sm_90's figures, importing neither the other (the package's
-#: modules form no import cycle); ``tests/ops/test_cuda_launchable.py`` checks that they agree.
+#: and an opt-in the kernels do not use): sm_90's.  This module and ``SM90`` of
+#: ``tools/cuda_resources.py`` (the measuring tool of the static checks, outside the package) each
+#: keep sm_90's figures and the package never imports the tool; ``tests/ops/test_cuda_launchable.py``
+#: checks that they agree.
 STATIC_SHARED_BYTES = 49152
 #: Shared memory per multiprocessor on sm_90 (228 KiB; :data:`SM_RESERVED_BYTES` of it is reserved
 #: per resident block), for the occupancy target of the tile size.

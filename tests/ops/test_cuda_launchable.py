@@ -1,4 +1,4 @@
-"""Every CUDA kernel launches on sm_90 at every configuration the launchers choose (issue 20, point 1).
+"""Every CUDA kernel launches on sm_90 at every configuration the launchers choose.
 
 The simulator runs any block, and ``compile_ptx`` accepts any kernel; real
 hardware refuses a block whose registers (per thread, allocated per warp)
@@ -7,8 +7,8 @@ memory exceeds the limit ("too many resources requested for launch").  Here
 every kernel is compiled to sm_90 PTX with its own ``cuda.jit`` options and
 assembled by ``ptxas`` from the ``nvidia-cuda-nvcc-cu12`` wheel (the ``cuda``
 and ``test`` extras install it; the test skips without it), and the launch
-limits of :data:`linattn_nb.ops._cuda_resources.SM90` are checked against
-the threads per block the launchers use:
+limits of ``SM90`` in ``tools/cuda_resources.py`` (the measuring tool, outside
+the package) are checked against the threads per block the launchers use:
 
 * the sequence kernel at the configurations ``seq_config`` picks over
   D_phi in powers of two up to ``config.CUDA_MAX_FEATURES``, every value
@@ -52,12 +52,19 @@ parser, occupancy and selection tests below always run)::
 from __future__ import annotations
 
 import os
+import pathlib
+import sys
 
 import pytest
 
 from linattn_nb import config
-from linattn_nb.ops import _cuda_resources as CR
 from linattn_nb.ops._codes import RULES
+
+# the measuring tool lives in the checkout's tools/ folder, outside the package (its docstring says why)
+_TOOLS = str(pathlib.Path(__file__).resolve().parents[2] / "tools")
+if _TOOLS not in sys.path:
+    sys.path.insert(0, _TOOLS)
+import cuda_resources as CR  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +130,7 @@ OTHER_SPECS = CR.helper_specs() + CR.backward_specs() + CR.step_specs()
 ALL_SPECS = SEQ_SPECS + MAP_SPECS + VARIANT_SPECS + INPUT_SPECS + OTHER_SPECS
 
 #: Sequence-kernel configurations known not to launch (key -> why), run as strict xfails.  None since
-#: the owner and capped row-group layouts of issue 20 (before them: 24, e.g. F = 1024, M = 64 float32 at
+#: the owner layout and the capped row-group layout (before them: 24, e.g. F = 1024, M = 64 float32 at
 #: 248 registers x 544 threads).
 KNOWN_SEQ_FAILURES: dict = {}
 

@@ -1,11 +1,19 @@
-"""Static resources of the CUDA kernels on sm_90 (H100/H200), measured without a GPU.
+"""Static resources of linattn_nb's CUDA kernels on sm_90 (H100/H200), measured without a GPU.
 
 A kernel that needs more registers or shared memory than a block may have
 fails at launch ("too many resources requested for launch") on real hardware,
 while the simulator and ``numba.cuda.compile_ptx`` accept it: registers,
 spills and the final shared-memory size appear only when ``ptxas`` assembles
 the PTX for a real architecture.  This module does that, for the tests
-(``tests/ops/test_cuda_launchable.py``) and for ``benchmarks/gpu_static.py``:
+(``tests/ops/test_cuda_launchable.py``) and for ``benchmarks/gpu_static.py``.
+
+It is a development tool, not part of the installed package: it lives in the
+checkout's ``tools/`` folder (next to ``tools/mutate.py``) and uses
+``linattn_nb`` as an ordinary client, so the package never imports it and no
+import cycle runs through it.  ``tools/`` is no package (``tools`` is a name
+other distributions install too); its users put the folder on ``sys.path`` and
+``import cuda_resources``, and :func:`measure` runs this file as a script
+(``--worker``) for its compiling subprocesses.
 
 * :func:`find_tool` locates ``ptxas`` (the ``nvidia-cuda-nvcc-cu12`` wheel,
   which the ``cuda`` extra installs through ``numba-cuda[cu12]``), and
@@ -13,15 +21,16 @@ the PTX for a real architecture.  This module does that, for the tests
   ``nvidia-cuda-nvdisasm`` and ``nvidia-cuda-cuobjdump`` wheels do).
 * :class:`KernelSpec` names a kernel of the package, the Numba signature it
   is launched with and its threads per block; the catalogue functions
-  (:func:`sequence_specs`, :func:`helper_specs`, :func:`backward_specs`,
-  :func:`step_specs`) list the configurations the launchers choose.
+  (:func:`sequence_spec`, :func:`sequence_configurations`,
+  :func:`helper_specs`, :func:`backward_specs`, :func:`step_specs`) list the
+  configurations the launchers choose.
 * :func:`measure` compiles specs to sm_90 PTX (``compile_ptx`` with the
   kernel's own ``cuda.jit`` options, in subprocesses with the simulator off),
   assembles them with ``ptxas -v`` (``max_registers`` becomes
   ``-maxrregcount``), parses registers, spills, stack and static shared memory
   (:func:`parse_ptxas`), optionally disassembles the cubin (SASS), and caches
-  the results on disk keyed on the package sources, the Numba and ptxas
-  versions and the spec.
+  the results on disk keyed on the package sources, this file, the Numba and
+  ptxas versions and the spec.
 * :data:`SM90` holds the limits of a compute-capability 9.0 multiprocessor;
   :func:`occupancy` is the resident blocks and warps per multiprocessor from
   registers, shared memory and threads; :func:`launch_problems` lists why a
@@ -474,10 +483,11 @@ def _worker() -> None:
 
 @functools.lru_cache(maxsize=None)
 def _versions() -> tuple:
-    """The package source hash and the Numba and numba-cuda versions (part of the cache key)."""
+    """The package source hash, this file's own hash and the Numba and numba-cuda versions (part of the
+    cache key: the package's hash no longer covers this tool, which sets how a kernel is compiled)."""
     import numba
 
-    from .._cache import source_hash
+    from linattn_nb._cache import source_hash
 
     ncv = ""
     try:
@@ -492,7 +502,9 @@ def _versions() -> tuple:
         ncv = ncv or version("numba-cuda")
     except Exception:
         pass
-    return source_hash(), numba.__version__, ncv
+    with open(os.path.abspath(__file__), "rb") as fh:
+        own = hashlib.sha1(fh.read()).hexdigest()[:16]
+    return source_hash(), own, numba.__version__, ncv
 
 
 def _cache_key(job: dict, ptxas: str) -> str:
@@ -503,7 +515,7 @@ def _cache_key(job: dict, ptxas: str) -> str:
 def default_cache_dir() -> str | None:
     """``<linattn_nb kernel cache folder>/sm90_resources`` (keyed on the sources already), or None."""
     try:
-        from .._cache import cache_folder
+        from linattn_nb._cache import cache_folder
 
         folder = cache_folder()[0]
     except Exception:
@@ -566,7 +578,7 @@ def measure(specs, *, ptxas: str | None = None, disasm: str | None = None, sass:
         procs = []
         for w in range(n):
             req = json.dumps({"jobs": todo[w::n], "ptxas": ptxas, "disasm": disasm})
-            p = subprocess.Popen([sys.executable, "-c", "from linattn_nb.ops._cuda_resources import _worker; _worker()"],
+            p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  env=env)
             procs.append((p, req))
@@ -627,7 +639,7 @@ def sequence_launch(F: int, M: int, acc: str, rule: int, layout: str = "owner", 
     ValueError
         From ``seq_config`` when no configuration exists (a clean error at launch, not a failure).
     """
-    from . import _cuda_kernels as K
+    from linattn_nb.ops import _cuda_kernels as K
 
     itemsize = 4 if acc == "float32" else 8
     cfg = tuple(int(x) for x in K.seq_config(F, M, itemsize, rule, layout))
@@ -653,8 +665,8 @@ def sequence_spec(F: int, M: int, acc: str, rule: int, in_dtype: str | None = No
     ``/off64`` for the kernel with 64-bit offsets (``off32=False``: sequences of 2^31 elements or
     more), and in ``/vec<bits>`` for vector-load bits other than those of contiguous inputs
     (:func:`sequence_launch`; ``vec=0``: strided or misaligned inputs, one element per load)."""
-    from . import _cuda_kernels as K
-    from ._codes import rule_name
+    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops._codes import rule_name
 
     if lf_dtype not in (_F64, "float32"):
         raise ValueError(f"lf_dtype must be 'float64' or 'float32' (the log-factors the launchers pass), "
@@ -693,8 +705,8 @@ def sequence_configurations(features, values, accs=("float32", "float64"), rules
     (:func:`linattn_nb.ops._cuda_launch.seq_layout`); "tiles" lists only the
     configurations it applies to (elsewhere it is the owner layout's).
     """
-    from . import _cuda_kernels as K
-    from ._codes import RULES
+    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops._codes import RULES
 
     rules = [code for code, _ in RULES.values()] if rules is None else list(rules)
     ok, refused = [], []
@@ -718,7 +730,7 @@ def sequence_configurations(features, values, accs=("float32", "float64"), rules
 def helper_specs(accs=("float32", "float64")) -> list[KernelSpec]:
     """The helper kernels of :mod:`linattn_nb.ops._cuda_kernels` at their launch signatures, with
     ``config.CUDA_THREADS_PER_BLOCK`` threads (:func:`linattn_nb.ops._cuda_kernels.helper_grid`)."""
-    from .. import config
+    from linattn_nb import config
 
     tpb = int(config.CUDA_THREADS_PER_BLOCK)
     mod = "linattn_nb.ops._cuda_kernels:"
@@ -752,9 +764,9 @@ def backward_specs(F: int = 64, M: int = 64, dtypes=("float32", "float64")) -> l
     :mod:`linattn_nb.ops.grad.cuda` launches them for ``F`` features and ``M`` values (``M + 1``
     state columns): the causal kernel with ``backward_threads(F, MB)`` threads, the helpers with
     ``config.CUDA_THREADS_PER_BLOCK``."""
-    from .. import config
-    from .grad._cuda_kernels import backward_threads
-    from .grad.cuda import column_blocks
+    from linattn_nb import config
+    from linattn_nb.ops.grad._cuda_kernels import backward_threads
+    from linattn_nb.ops.grad.cuda import column_blocks
 
     tpb = int(config.CUDA_THREADS_PER_BLOCK)
     MB, _ = column_blocks(M + 1)
@@ -789,7 +801,7 @@ def step_specs(M: int = 64, dtypes=(("float32", "float16"), ("float32", "float32
     signatures of the state launchers: inputs, the double-buffered state (current, then the one a
     checked call writes), the output and scratch, the rule's float64 log-factors, the int32
     finiteness flag and the scalars."""
-    from .. import config
+    from linattn_nb import config
 
     nt = int(config.CUDA_STEP_THREADS)
     npre = min(nt, max(32, int(M)))
@@ -809,3 +821,10 @@ def step_specs(M: int = 64, dtypes=(("float32", "float16"), ("float32", "float32
             specs.append(KernelSpec(f"step/{name}/{sdt}/{idt}", "linattn_nb.ops.step.cuda:kernels", sig, threads,
                                     factory=(), item=name, group="step", info={"state": sdt, "inputs": idt}))
     return specs
+
+
+if __name__ == "__main__":  # the compiling subprocess of measure(): a JSON request on stdin
+    if sys.argv[1:] != ["--worker"]:
+        sys.exit(f"usage: {os.path.basename(sys.argv[0])} --worker  (run by measure(), a JSON request on stdin; "
+                 "import this module to use it)")
+    _worker()
