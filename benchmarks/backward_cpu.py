@@ -1,4 +1,4 @@
-"""CPU backward: speed against the forward, float32 accuracy, peak memory (issue 16 targets).
+"""CPU backward: speed against the forward, float32 accuracy, peak memory, against their targets.
 
 Run::
 

@@ -37,7 +37,7 @@ one's: one worker process per checkout (its package first on ``sys.path``,
 its own Numba cache, one thread), the rounds interleaved and their order
 alternated, so both see the same load; the table gives each step old and
 new per token, their ratio, and the work around the BLAS products (whole
-kernel minus products: issue 19's measure).  The steps are this script's,
+kernel minus products).  The steps are this script's,
 called with the other checkout's helpers: a revision whose helpers changed
 signature stops its worker with an error.
 ``benchmarks/results/chunked_breakdown_against.json``.
@@ -221,7 +221,7 @@ def _against(args):
         w.p.stdin.flush()
         w.p.wait()
     ns = {k: {n: float(np.median(ts)) / (BH * args.n) * 1e9 for n, ts in times[k].items()} for k in ws}
-    for k in ws:  # what issue 19 counts as the work around the BLAS products: whole - products
+    for k in ws:  # the work around the BLAS products: whole - products
         ns[k]["non-BLAS (whole - products)"] = ns[k]["whole kernel"] - ns[k]["products (3 BLAS calls per chunk)"]
     rows = [{"step": n, "old ns/token": ns["old"][n], "new ns/token": ns["new"][n],
              "new/old": ns["new"][n] / ns["old"][n]} for n in ns["new"]]

@@ -62,7 +62,7 @@ CASES = {
     "scan f32 N=4096": ("scan", 4096, "float32"),
     "noncausal f32 N=4096": ("noncausal", 4096, "float32"),
     "decode step f32 H=16": ("step", 1, "float32"),
-    # the forgetting rules (issue 14): a per-token decay and a per-feature gate, log-factors as decay_cpu.py draws them
+    # the forgetting rules: a per-token decay and a per-feature gate, log-factors as decay_cpu.py draws them
     "decay chunked f32 N=4096": ("chunked/decay", 4096, "float32"),
     "gate chunked f32 N=4096": ("chunked/gate", 4096, "float32"),
     "gate scan f32 N=4096": ("scan/gate", 4096, "float32"),

@@ -1,4 +1,4 @@
-"""CPU speed and accuracy of the decay and gate rules (issue 14 targets).
+"""CPU speed and accuracy of the decay and gate rules, against their targets.
 
 Run::
 

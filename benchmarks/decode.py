@@ -17,7 +17,7 @@ script reproduces that shape on the CPU:
   its second thread.  Each KV step attends to exactly L + 1 tokens (the new
   token is dropped again, untimed, with ``KVCache.truncate``).
 
-Targets (issue 5): state step <= 10 us at H = 16, D = M = 64, float32, flat
+Targets: state step <= 10 us at H = 16, D = M = 64, float32, flat
 within +-20% from 1k to 256k; KV step at 64k >= 100x the state step.  The
 table measures one context after another; the flatness is then measured
 again in interleaved rounds over the contexts from 1k (``--rounds``), which a

@@ -1,4 +1,4 @@
-"""CPU speed and accuracy of the delta and gated delta rules (issue 15 targets).
+"""CPU speed and accuracy of the delta and gated delta rules, against their targets.
 
 Run::
 

@@ -1,4 +1,4 @@
-"""The float32 ``exp`` of the ELU+1 features: options side by side, speed and accuracy (issue 19 point 4).
+"""The float32 ``exp`` of the ELU+1 features: options side by side, speed and accuracy.
 
 Run::
 

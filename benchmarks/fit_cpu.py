@@ -6,7 +6,7 @@ Run::
     python benchmarks/fit_cpu.py --quick      # 1 round of 20 iterations, memory at N = 4096
     python benchmarks/fit_cpu.py --rounds 5 --skip-memory --cases float32
 
-Speed (issue 18, point 5): ``feature_maps.fit("hedgehog", q, k, steps=200,
+Speed: ``feature_maps.fit("hedgehog", q, k, steps=200,
 tol=0)`` (``tol=0``: no early stop, all 200 iterations run unless the line
 search fails; the table says how many ran) on one sequence, q, k ~ N(0, I),
 N = 4096, d = 64 (D_phi = 128), scale 1/sqrt(d), cross-entropy, in float32

@@ -1,11 +1,11 @@
-"""GPU benchmark of causal linear attention (issue 4): time, TFLOP/s, GB/s against the roofline.
+"""GPU benchmark of causal linear attention: time, TFLOP/s, GB/s against the roofline.
 
 Run by ``benchmarks/gpu_check.sh`` (which also runs the CUDA tests first)::
 
     PYTHONPATH=. python3 benchmarks/gpu_bench.py --json benchmarks/results/gpu_bench.json
 
 Default problem: B = 8, H = 16, D = M = 64, float32, causal, N = 4096 .. 65536, and the
-decode step (H = 16 heads, batch 1 and 8, D = M = 64, float32).  Targets (issue 20): the
+decode step (H = 16 heads, batch 1 and 8, D = M = 64, float32).  Targets: the
 headline N = 16384 <= 1.5 ms (<= 3x roofline), faster than torch SDPA from N = 4096, decode
 step <= 10 us of device time.
 Rows:
@@ -311,7 +311,7 @@ def main(argv=None):
     with open(path, "w") as fh:
         json.dump(result, fh, indent=1)
     print(f"# wrote {path}")
-    # issue 20's targets: headline <= 1.5 ms (<= 3x roofline), faster than torch SDPA from N = 4096,
+    # the targets: headline <= 1.5 ms (<= 3x roofline), faster than torch SDPA from N = 4096,
     # decode step <= 10 us of device time
     target = [r for r in rows if r["name"].startswith("linattn") and r["N"] == args.target_n and r.get("time_ms")
               and "check" not in r["name"]]
@@ -423,7 +423,7 @@ def launch_sweep(cuda, torch, B, H, D, M, deadline, N=16384):
     saved = {k_: getattr(config, k_) for k_ in dir(config) if k_.startswith("CUDA_")}
     tiles = [(16, 1), (8, 2), (4, 4), (8, 8), (16, 4)]  # (rows, cols) per thread; default in config
     # first the scan's three thread layouts (config.CUDA_SEQ_LAYOUT; "auto" takes the tile layout at
-    # the headline's 128 sequences on 132 SMs, row groups before it: issue 20), then the row-group tiles
+    # the headline's 128 sequences on 132 SMs, row groups before it), then the row-group tiles
     variants = [("scan", {"CUDA_SEQ_LAYOUT": lay}) for lay in ("owner", "rows", "tiles")]
     variants += [(m, {"CUDA_ROWS_PER_THREAD": r, "CUDA_COLS_PER_THREAD": c}) for m in ("scan", "chunked")
                  for r, c in tiles]
@@ -451,7 +451,7 @@ def launch_sweep(cuda, torch, B, H, D, M, deadline, N=16384):
 
 def rule_layouts(cuda, torch, B, H, D, M, deadline, N=16384):
     """The scan of every update rule in row groups and in tiles (config.CUDA_SEQ_LAYOUT) at one shape:
-    the static argument for the tile layout of the decay, gate and delta rules (issue 20), timed.
+    the static argument for the tile layout of the decay, gate and delta rules, timed.
     The rules' per-token inputs live on the GPU as their users pass them (float32 ``log_decay`` and
     ``beta``, read in place: no host copy, no converted copy per call); 'l2' keys for the delta rules."""
     res = []

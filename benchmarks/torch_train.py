@@ -1,4 +1,4 @@
-"""Training-step speed on the CPU: the torch adapter against plain torch (issue 16 targets).
+"""Training-step speed on the CPU: the torch adapter against plain torch, with its targets.
 
 Run::
 

@@ -443,7 +443,7 @@ def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initia
     empty = n == 0 or b == 0
     if not empty:
         q4, k4, v4 = CD.input_4d(dq), CD.input_4d(dk), CD.input_4d(dv)
-    # No host round-trips (issue 20): H is a pooled workspace zeroed or packed on the device; q, k, v
+    # No host round-trips: H is a pooled workspace zeroed or packed on the device; q, k, v
     # (and a device initial state) are counted on the device and the counters read once.
     try:
         if in_place is not None:

@@ -319,7 +319,7 @@ def beta_inputs(beta, batch_shape, n: int):
     ``beta``: a float, an array broadcastable to the batch shape (one per
     sequence) or with one more axis, of length N (one per token); values in
     [0, 2] (``I - beta k k^T`` is a contraction for unit keys only there;
-    ``../shared/REFERENCES.md``, "Delta rule").
+    Schlag, Irie & Schmidhuber 2021; ``docs/theory.md``, "Delta rule").
 
     Raises
     ------

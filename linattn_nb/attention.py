@@ -130,8 +130,9 @@ def linear_attention(
 
         ``decay=1`` is the additive rule; ``decay=0`` resets the state
         exactly at that token (document boundaries in packed sequences),
-        with no NaN anywhere.  See ``../shared/REFERENCES.md``, "Decay and
-        gating".
+        with no NaN anywhere.  See ``docs/theory.md``, "Decay and gating"
+        (RetNet, Sun et al. 2023; Mamba-2, Dao & Gu 2024; GLA, Yang et al.
+        2024).
     log_decay : float or array_like, optional
         The same factors as logs (<= 0; ``-inf`` is a reset), as models
         produce them (better precision near 1).  At most one of ``decay``
@@ -151,9 +152,9 @@ def linear_attention(
         with other keys and ``beta > 0`` it can grow without bound.
     normalize : bool, optional
         Divide by the normaliser ``phi(q)^T z``.  None (default) means True
-        for the additive rule and for decay and gates (the seed's
-        normaliser, with ``z`` decayed like ``S``) and False for the delta
-        rules (DeltaNet's convention).  With the delta rules, True divides by
+        for the additive rule and for decay and gates (the normaliser of
+        Katharopoulos et al. 2020, with ``z`` decayed like ``S``) and False
+        for the delta rules (DeltaNet's convention).  With the delta rules, True divides by
         the state of a constant value 1, which can be <= 0: ``eps`` then
         floors it (or ``eps=None`` divides raw).  False returns
         ``phi(q_t)^T S_t`` (the convention of RetNet, GLA and fla, which

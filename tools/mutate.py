@@ -371,7 +371,7 @@ MUTATIONS: list[Mutation] = [
       "            return j\n",
       ("tests/ops/test_step_cuda.py",),
       "first bad input reported 0-based (q's NaN then reads as no error)"),
-    # --- this session's additions: rescaled CUDA tiles, device rule inputs, the one-pass factor check ---
+    # --- rescaled CUDA tiles, device rule inputs, the one-pass factor check ---
     M("cuda_rescaled_keys_times_p", "ops/_cuda_kernels.py",
       "                    sk[tu, iu] /= p\n",
       "                    sk[tu, iu] *= p\n",

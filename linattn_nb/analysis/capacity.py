@@ -11,7 +11,7 @@ least-squares floor of any state of the same size, and softmax attention over
 the same pairs (a KV cache, whose memory grows with ``n``).  The state can be
 written by the additive rule, a constant decay, or the (gated) delta rule,
 which writes the difference between the new value and what the state already
-returns for the key (Schlag et al. 2021, §4.2; REFERENCES.md "Delta rule").
+returns for the key (Schlag et al. 2021, §4.2).
 
 :func:`mqar` generates Zoology's multi-query associative recall sequences
 (Arora et al. 2023) for training one's own models, and :func:`state_size`
@@ -255,7 +255,7 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     pairs older than about ``1 / (1 - gamma)``: the memory horizon.
 
     With ``beta`` the pairs are written by the delta rule (Schlag, Irie &
-    Schmidhuber 2021, §4.2; REFERENCES.md "Delta rule"),
+    Schmidhuber 2021, §4.2),
     ``S_j = S_{j-1} + beta phi(k_j) (v_j - S_{j-1}^T phi(k_j))^T``, and with
     ``decay`` as well by the gated delta rule (Yang, Kautz & Hatamizadeh
     2025), ``S_j = gamma (I - beta phi(k_j) phi(k_j)^T) S_{j-1} + beta

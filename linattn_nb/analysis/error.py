@@ -181,7 +181,8 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
         with ``decay``/``log_decay`` (a scalar per sequence or per token) the
         gated delta rule.  The output is linear in the values, so the rule
         has an equivalent causal weight matrix, in closed form
-        (Yang et al. 2024; REFERENCES.md "Delta rule")::
+        (Yang et al. 2024, "Parallelizing Linear Transformers with the Delta
+        Rule over Sequence Length")::
 
             A = tril(G * phi(Q) phi(K)^T) (I + tril(diag(beta) (G * phi(K) phi(K)^T), -1))^{-1} diag(beta)
 

@@ -96,8 +96,8 @@ def seq_layout(segments: int, F: int, M: int, acc_itemsize: int, rule: int = RUL
     others leave the multiprocessors short of warps (PROVISIONAL: static
     counts, not timed).  The delta rules have no owner layout, and their
     row groups sum ``k^T H`` across the groups every token (a dependent
-    chain of warp shuffles: the cross-thread sum per token that issue 20
-    rules out), so they take the tile layout wherever it fits, however many
+    chain of warp shuffles: a cross-thread sum per token, which the GPU
+    path avoids), so they take the tile layout wherever it fits, however many
     sequences (no sum crosses threads there, for about 1.3 x the row groups'
     FLOPs: 2.0 x against 1.54 x 4 B N D M at the headline), else "rows"
     (``config.CUDA_SEQ_LAYOUT="rows"`` asks for row groups; PROVISIONAL

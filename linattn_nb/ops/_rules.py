@@ -29,7 +29,8 @@ The delta rules (``delta``, ``gated_delta``) read the state before they
 write it, so their token update is not a row-by-row one: the scan calls
 :func:`delta_token` for the whole token instead of :func:`token_step`.  In
 the chunked kernel they are the WY/UT transform (Yang et al. 2024,
-``../shared/REFERENCES.md``, "Delta rule"): per chunk, with ``e^b`` the
+"Parallelizing Linear Transformers with the Delta Rule over Sequence
+Length"; ``docs/theory.md``): per chunk, with ``e^b`` the
 running products of the chunk's decays (1 for ``delta``) and ``G_ts`` their
 ratios,
 

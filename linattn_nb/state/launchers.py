@@ -249,7 +249,7 @@ CPU_DELTA_STEP = StepLauncher("cpu", _cpu_delta_step, _cpu_query, _cpu_delta_pre
 # ---------------------------------------------------------------------------
 # CUDA: S in the canonical (B, F, M) layout (ops/step/cuda.py, imported on first use)
 # ---------------------------------------------------------------------------
-# No host round-trips (issue 20): every operation is one kernel launch on the state's own buffers
+# No host round-trips: every operation is one kernel launch on the state's own buffers
 # and scratch (allocated once, in ``zeros``); the finiteness check is fused into that kernel and read
 # back (one device-to-host copy) only when ``check`` is true; a checked update writes the other buffer
 # of the double-buffered state and swaps when the inputs were finite (ops/step/cuda.py).

@@ -3,7 +3,7 @@
 n key-value pairs (Gaussian keys in R^d, Gaussian values in R^M) are written
 into the state one per token and every key is read after the last write, so
 pair j is read at distance n − 1 − j.  The state forgets with a constant
-decay γ (RetNet, Sun et al. 2023, §2.1; REFERENCES.md "Decay and gating"):
+decay γ (RetNet, Sun et al. 2023, §2.1):
 ``S = Σ_j γ^(n−1−j) φ(k_j) v_jᵀ``.  :func:`linattn_nb.analysis.recall_capacity`
 (``decay=γ``) bins each pair's relative error ‖v̂_j − v_j‖²/‖v_j‖² by that
 distance; the study plots it for γ ∈ {1 (the additive rule), 0.999, 0.99,

@@ -8,7 +8,7 @@ convention) and the read-out is unnormalised (φ(k)ᵀS) for every rule, so the
 rules differ only in how they write:
 
 * the additive rule, S = Σ_j φ(k_j) v_jᵀ;
-* the delta rule (Schlag et al. 2021, §4.2; REFERENCES.md "Delta rule"),
+* the delta rule (Schlag et al. 2021, §4.2),
   S_j = S_{j−1} + β φ(k_j)(v_j − S_{j−1}ᵀφ(k_j))ᵀ, with β = 1 (a write replaces
   what the state returned for the key) and β = 0.5;
 * the gated delta rule (Yang, Kautz & Hatamizadeh 2025),

@@ -100,7 +100,8 @@ def delta_weights(qf, kf, beta, lg=None):
 
     is linear in the initial state and the values, so for a sequence of N
     tokens ``O = A [V 1] + Qs H_0`` and ``H_N = keep H_0 + Ks^T [V 1]``
-    (``../shared/REFERENCES.md``, "Delta rule"): with ``G_ts = exp(sum_{s<u<=t}
+    (Yang et al. 2024's WY/UT transform over the whole sequence; ``docs/theory.md``,
+    "Delta rule and gated delta rule"): with ``G_ts = exp(sum_{s<u<=t}
     lg_u)`` (1 without a gate), ``L = I + tril(diag(beta) (G * K K^T), -1)``
     and ``T = L^{-1} diag(beta)`` (a unit lower-triangular solve),
     ``A = tril(G * Q K^T) T``, ``Qs = e^b * Q - A (e^b * K)``, ``Ks = T^T (e^{b_N - b} * K)``,

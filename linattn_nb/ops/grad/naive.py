@@ -6,7 +6,7 @@ in NumPy with every state ``H_t`` kept (O(N F M) memory: a reference, not a
 method for long sequences).  No autodiff: each line is the adjoint of one
 line of the recurrence (Katharopoulos et al. 2020, §3.3.1, for the additive
 rule; the decay, gate and delta lines follow from the same product rule, see
-``../shared/REFERENCES.md``, "Gradients").  The tests check these gradients
+``docs/theory.md``, "Gradients").  The tests check these gradients
 against central finite differences of the forward reference
 (:func:`linattn_nb.ops.causal.naive.causal_linear_quadratic`).
 """

@@ -8,7 +8,7 @@ elementwise map is applied inline) or features (code 0); v (B, T, M); out
 (B, T, M); float16, float32 or float64, each value converted to the state
 dtype as it is loaded.
 
-No host round-trips (issue 20): a step, query or prefill is **one kernel
+No host round-trips: a step, query or prefill is **one kernel
 launch**, with no host-to-device copy, no allocation and no separate check
 kernel; the only device-to-host copy is the read of ``flag`` when the caller
 asks for the finiteness check (``check=True``).  The kernels test every q,
