@@ -59,7 +59,8 @@ def _structured(rng, n, d):
 # ---------------------------------------------------------------------------
 # Streamed Householder QR
 # ---------------------------------------------------------------------------
-@pytest.mark.parametrize("n,f", [(0, 3), (1, 1), (1, 5), (4, 9), (127, 6), (128, 6), (129, 6), (700, 12)])
+@pytest.mark.parametrize("n,f", [(0, 3), (1, 1), (1, 5), (4, 9), (127, 6), (128, 6), (129, 6), (700, 12),
+                                 (2 * 2048 + 3, 7)])  # the last: three LAPACK blocks, the third partial
 def test_r_factor_reproduces_gram(rng, n, f):
     x = rng.normal(size=(n, f))
     if n > 3:
@@ -113,7 +114,7 @@ def test_attention_rank_factor_equals_explicit(nq, nk, d, fmap, seed):
 def test_linear_attention_rank_at_most_d_phi(rng, fmap):
     """Linear attention weights D^-1 phi(Q) phi(K)^T have rank <= D_phi at N >> D_phi, for every
     registered map, while sharp softmax weights on the same q, k exceed D_phi
-    (Katharopoulos et al. 2020, Eq. 7 factorisation; REFERENCES.md, "Rank and spectra")."""
+    (Katharopoulos et al. 2020, "Transformers are RNNs", Eq. 7 factorisation)."""
     d = 4
     f = feature_maps.get(fmap).output_dim(d)
     n = max(16 * f, 256)
@@ -139,7 +140,7 @@ def test_attention_rank_generic_equals_d_phi_and_softmax_sharpness(rng):
 
 def test_attention_rank_causal_is_explicit_and_full_rank(rng):
     """tril of a rank-D_phi matrix is itself (usually) full rank: causal ELU+1 weights have a positive
-    diagonal, so rank N (REFERENCES.md, "Rank and spectra"); semiseparable_rank is the structured measure."""
+    diagonal, so rank N; semiseparable_rank is the structured measure."""
     q, k = rng.normal(size=(2, 60, 3))
     r = attention_rank(q, k, "elu", causal=True)
     assert r == 60 == np.linalg.matrix_rank(_weights(q, k, "elu", causal=True))
@@ -233,7 +234,7 @@ def test_semiseparable_memory_groups(rng, monkeypatch):
 
 def test_semiseparable_rank_bounded_by_d_phi(rng):
     """Causal linear attention is semiseparable: every strictly-lower block has rank <= D_phi, at any N
-    (REFERENCES.md, "Rank and spectra"), although the whole matrix is full rank."""
+    (Dao & Gu 2024, "Transformers are SSMs", §3), although the whole matrix is full rank."""
     q, k = rng.normal(size=(2, 3000, 4))
     for fmap, f in (("elu", 4), ("dpfp", 8), ("relu", 4)):
         r, split = semiseparable_rank(q, k, fmap, return_split=True)

@@ -28,6 +28,7 @@ __all__ = [
     "check_causal",
     "feature_dim",
     "features",
+    "check_finite_features",
     "called_features",
     "flatten64",
     "check_rtol",
@@ -135,13 +136,19 @@ def features(fmap, x, *, role: str, causal: bool, name: str, check_finite: bool 
     n = int(x.shape[-2])
     feats = FE.featurise(fmap, x, role=role, causal=causal, offset=offset, total_length=offset + n,
                          dtype=np.float64, name=name)
-    if check_finite and feats.size and not np.isfinite(feats).all():
+    if check_finite:
+        check_finite_features(fmap, feats, name)
+    b = int(np.prod(x.shape[:-2], dtype=np.int64))
+    return np.ascontiguousarray(feats, dtype=np.float64).reshape((b, n, feats.shape[-1]))
+
+
+def check_finite_features(fmap, feats, name: str) -> None:
+    """Raise ValueError, naming the map and ``name``, when ``feats`` holds inf or NaN (an overflow)."""
+    if feats.size and not np.isfinite(feats).all():
         raise ValueError(
             f"feature map {fmap.name!r} produced non-finite features of {name} (overflow?); "
             "rescale the inputs"
         )
-    b = int(np.prod(x.shape[:-2], dtype=np.int64))
-    return np.ascontiguousarray(feats, dtype=np.float64).reshape((b, n, feats.shape[-1]))
 
 
 def called_features(fmap, x, *, name: str) -> np.ndarray:

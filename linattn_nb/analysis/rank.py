@@ -35,11 +35,12 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-import numba
 from numba import njit, prange
+from scipy.linalg import lapack as _lapack
 
 from .. import _frontend as FE
 from .. import _validate as V
+from .._blas import single_threaded_blas
 from .. import config
 from ..ops._codes import KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU
 from ..ops._common import phi
@@ -111,26 +112,18 @@ def _features(fmap, x, *, role, causal, name, offset=0):
     Maps with a kernel code are applied by a parallel Numba loop (the same
     ``phi`` as the attention kernels); the others through
     :func:`linattn_nb.analysis._common.features` (``fmap.apply``, shape-checked).
-    Non-finite features raise ValueError.
+    Non-finite features raise ValueError (:func:`~linattn_nb.analysis._common.check_finite_features`).
     """
-    n, d = x.shape[-2], x.shape[-1]
+    d = x.shape[-1]
     code = _inline_code(fmap, d)
     if code is None:
         return C.features(fmap, x, role=role, causal=causal, name=name, check_finite=True, offset=offset)
-    x2 = np.ascontiguousarray(x, dtype=np.float64).reshape((-1, d))
-    out = np.empty_like(x2)
-    if x2.size:
-        _inline_features(x2, code, out)
-    if out.size and not np.isfinite(out).all():
-        raise ValueError(
-            f"feature map {fmap.name!r} produced non-finite features of {name} (overflow?); "
-            "rescale the inputs"
-        )
-    return out.reshape((int(np.prod(x.shape[:-2], dtype=np.int64)), n, d))
-
-
-def _floor(den, eps):
-    return den if eps is None else np.maximum(den, eps)
+    x3 = C.flatten64(x, x.shape[:-2])
+    out = np.empty_like(x3)
+    if x3.size:
+        _inline_features(x3.reshape((-1, d)), code, out.reshape((-1, d)))
+    C.check_finite_features(fmap, out, name)
+    return out
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -193,7 +186,9 @@ def _kernel_weights(fq, fk, *, causal, eps, rule="additive", inputs=None, b=0, n
         w = explicit_weights(RULES[rule][0], fq, fk, inputs, b)[0]
     if not normalize:
         return w
-    den = _floor(w.sum(axis=-1), eps)
+    den = w.sum(axis=-1)
+    if eps is not None:
+        den = np.maximum(den, eps)
     with np.errstate(divide="ignore", invalid="ignore"):
         w = w / den[:, None]
     if w.size and not np.isfinite(w).all():
@@ -221,148 +216,164 @@ def _svals(a):
 # ---------------------------------------------------------------------------
 # Streamed R factors
 # ---------------------------------------------------------------------------
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _householder_update(R, XT, L):
-    """R (F x F upper triangular) <- R factor of [R; X] with X = XT[:, :L].T; XT is overwritten.
+#: Fewest rows per LAPACK call of the streamed QR: blocks of a few thousand rows amortise the call
+#: (about 15 us) at small D_phi; ``config.ANALYSIS_QR_BLOCK`` asks for more.
+_QR_MIN_ROWS = 2048
+#: Block size ``nb`` of ``dtpqrt`` (columns per compact-WY block), LAPACK's usual 32 (at most D_phi).
+_QR_NB = 32
 
-    One Householder reflection per column; the reflector of column j lives on
-    row j of R and the L rows of X only (R is already triangular), so a
-    block costs ~2 L F^2 flops (backward stable, like LAPACK's dgeqrf).  XT holds the block transposed so that the
-    inner loops run over contiguous memory (SIMD).
+
+def _qr_rows():
+    """Rows per block of the streamed QR: ``config.ANALYSIS_QR_BLOCK``, at least :data:`_QR_MIN_ROWS`."""
+    return max(int(config.ANALYSIS_QR_BLOCK), _QR_MIN_ROWS)
+
+
+def _qr_update(R, B):
+    r"""R factor of ``[R; B]``, by LAPACK's triangular-pentagonal QR ``dtpqrt``.
+
+    Parameters
+    ----------
+    R : ndarray, shape (F, F), float64, Fortran order
+        Upper triangular (its strictly lower part must be zero); overwritten.
+    B : ndarray, shape (L, F), float64, Fortran order
+        The new rows; overwritten (LAPACK stores its reflectors there).
+
+    Returns
+    -------
+    ndarray, shape (F, F)
+        ``R'`` upper triangular with ``R'^T R' = R^T R + B^T B``: the R
+        factor of the stacked matrix, backward stable (Householder
+        reflections, as ``dgeqrf``).  Rows may differ in sign from another
+        QR's; ``|R'|``, ``R'^T R'`` and the singular values do not.
+
+    Notes
+    -----
+    ``dtpqrt`` (``scipy.linalg.lapack.dtpqrt``, ``l = 0``) keeps ``R``
+    triangular: about ``2 L F^2`` flops, where the dense
+    ``scipy.linalg.qr(np.vstack([R, B]), mode="r")`` takes about
+    ``2 (F + L) F^2`` -- ``F / L + 1`` times as many, which matters for the
+    short segments of :func:`semiseparable_rank`'s sweeps (one row: ``2 F^2``
+    against ``2 F^3``).
+
+    This replaced a hand-written Numba Householder TSQR, which was not fast
+    enough to keep: ``benchmarks/rank_qr.py`` (R factor of an N x D float64
+    matrix, N = 10^6, median of 3 interleaved rounds; 2026-12-03, AMD EPYC,
+    2 shared cores, OpenBLAS 0.3.30 Haswell kernels) timed the hand-written
+    kernel (2 Numba threads) / ``dtpqrt`` (1 BLAS thread) /
+    ``scipy.linalg.qr`` of the stacked matrix (1 BLAS thread) at
+    0.312 / 0.385 / 0.882 s for D = 16, 3.99 / 3.58 / 5.95 s for D = 64 and
+    52.3 / 28.2 / 41.1 s for D = 256: the hand-written kernel at most 1.23x
+    faster than ``dtpqrt`` (D = 16) and 1.9x slower at D = 256, while the
+    dense ``qr`` was 2.8x slower than it at D = 16 (hence ``dtpqrt``).
+    Figures and command: docs/measurements-analysis.md.
     """
-    F = R.shape[0]
-    for j in range(F):
-        # LAPACK dlarfg-style reflector H = I - tau u u^T, u = [1; x / (a - alpha)],
-        # computed on values scaled by their largest magnitude (no over/underflow).
-        m = abs(R[j, j])
-        for t in range(L):
-            m = max(m, abs(XT[j, t]))
-        if m == 0.0:
-            continue
-        s = 0.0
-        for t in range(L):
-            y = XT[j, t] / m
-            s += y * y
-        if s == 0.0:  # nothing to eliminate (or below m * 1e-154: negligible)
-            continue
-        a = R[j, j] / m
-        nrm = math.sqrt(a * a + s)
-        alpha = -nrm if a > 0 else nrm
-        d = a - alpha          # |d| >= nrm > 0
-        tau = -d / alpha       # in [1, 2]
-        for t in range(L):
-            XT[j, t] = (XT[j, t] / m) / d   # u_t, |u_t| <= 1
-        R[j, j] = alpha * m
-        for c in range(j + 1, F):
-            w = R[j, c]
-            for t in range(L):
-                w += XT[j, t] * XT[c, t]
-            w *= tau
-            R[j, c] -= w
-            for t in range(L):
-                XT[c, t] -= w * XT[j, t]
-
-
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _qr_append(R, X, block):
-    """Stream the rows of X (n x F) into the R factor R (F x F), ``block`` rows at a time."""
-    n, F = X.shape
-    lb = max(1, min(block, n))
-    XT = np.empty((F, lb))
-    for s0 in range(0, n, lb):
-        L = min(lb, n - s0)
-        for t in range(L):
-            for j in range(F):
-                XT[j, t] = X[s0 + t, j]
-        _householder_update(R, XT, L)
+    if B.shape[0] == 0:
+        return R
+    R, _, _, info = _lapack.dtpqrt(0, min(R.shape[0], _QR_NB), R, B, overwrite_a=1, overwrite_b=1)
+    if info:  # pragma: no cover - only for an illegal argument
+        raise RuntimeError(f"LAPACK dtpqrt failed (info = {info})")
+    return R
 
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def _stream_r_kernel(X, code, z, eps, clip, normalise, nchunks, block):
-    """TSQR of the rows ``y_t = phi(X[t], code)`` -- divided by ``max(y_t . z, eps)`` when ``normalise``.
+def _feature_rows(X, s0, code, z, eps, clip, normalise, out):
+    """``out[t] = phi(X[s0 + t], code)``, divided by ``max(out[t] . z, eps)`` when ``normalise``.
 
-    One chunk of rows per thread, each streamed into its own R factor block
-    by block, then the chunk factors are combined.  Returns ``(R, colsum, bad)``:
-    the F x F factor, the column sums of the (unnormalised) features (``z``
-    for keys) and the number of rows whose normaliser was zero or not finite.
-    The features are never stored: memory O(threads F^2 + block F).
+    ``eps`` applies when ``clip``.  Returns the number of rows whose
+    normaliser is zero or not finite.
     """
-    n, F = X.shape
-    Rs = np.zeros((nchunks, F, F))
-    sums = np.zeros((nchunks, F))
-    bad = np.zeros(nchunks, dtype=np.int64)
-    for c in prange(nchunks):
-        a = c * n // nchunks
-        b = (c + 1) * n // nchunks
-        lb = max(1, min(block, b - a))
-        XT = np.empty((F, lb))
-        row = np.empty(F)
-        for s0 in range(a, b, lb):
-            L = min(lb, b - s0)
-            for t in range(L):
-                den = 0.0
-                for j in range(F):
-                    y = phi(X[s0 + t, j], code)
-                    row[j] = y
-                    sums[c, j] += y
-                    den += y * z[j]
-                if normalise:
-                    if clip and den < eps:
-                        den = eps
-                    if den == 0.0 or not math.isfinite(den):
-                        bad[c] += 1
-                    for j in range(F):
-                        XT[j, t] = row[j] / den
-                else:
-                    for j in range(F):
-                        XT[j, t] = row[j]
-            _householder_update(Rs[c], XT, L)
-    R = Rs[0].copy()
-    for c in range(1, nchunks):
-        _qr_append(R, Rs[c], block)
-    colsum = np.zeros(F)
-    for c in range(nchunks):
+    L, F = out.shape
+    bad = 0
+    for t in prange(L):
+        den = 0.0
         for j in range(F):
-            colsum[j] += sums[c, j]
-    return R, colsum, bad.sum()
+            y = phi(X[s0 + t, j], code)
+            out[t, j] = y
+            den += y * z[j]
+        if normalise:
+            if clip and den < eps:
+                den = eps
+            if den == 0.0 or not math.isfinite(den):
+                bad += 1
+            for j in range(F):
+                out[t, j] = out[t, j] / den
+    return bad
 
 
-def _stream_r(X, code=0, z=None, eps=None):
-    """R factor of phi(X) (rows divided by max(phi(x).z, eps) when z is given) and the feature column sums."""
+def _stream_r(X, code=0, z=None, eps=None, R=None):
+    """R factor of the rows ``y_t = phi(X[t], code)`` -- divided by ``max(y_t . z, eps)`` when ``z`` is given.
+
+    Parameters
+    ----------
+    X : ndarray, shape (N, F)
+        Inputs (``code`` 0: the features themselves).
+    code : int
+        Kernel code of an elementwise map (:func:`linattn_nb.ops._common.phi`).
+    z : ndarray, shape (F,), optional
+        Normaliser vector: rows are divided by ``max(y_t . z, eps)`` (``eps``
+        None: no floor).
+    R : ndarray, shape (F, F), optional
+        An upper triangular factor to extend (default zero): the result is
+        then the R factor of ``[R; Y]``.  Not modified.
+
+    Returns
+    -------
+    R : ndarray, shape (F, F)
+        Upper triangular, ``R^T R = Y^T Y`` (plus the given ``R^T R``).
+    colsum : ndarray, shape (F,) or None
+        Column sums of ``Y`` (the keys' ``z``); None when ``z`` is given.
+
+    Notes
+    -----
+    The rows are featurised (a parallel Numba loop) and folded into ``R``
+    block by block (:func:`_qr_rows` rows, LAPACK :func:`_qr_update`), so
+    the feature matrix is never stored: memory O(F^2 + block F), O(N F^2)
+    flops.  BLAS runs one thread meanwhile
+    (:func:`linattn_nb._blas.single_threaded_blas`): OpenBLAS's threads
+    spinning against the Numba threads of the featurisation made the
+    LAPACK calls several times slower on two cores (``benchmarks/rank_qr.py``).
+    Raises ValueError when a normaliser is zero or not finite.
+    """
     n, f = X.shape
-    if n == 0:
-        return np.zeros((f, f)), np.zeros(f)
-    X = np.ascontiguousarray(X, dtype=np.float64)
-    nchunks = max(1, min(numba.get_num_threads(), n // max(4 * f, 1)))
+    R = np.zeros((f, f), order="F") if R is None else np.array(R, dtype=np.float64, order="F")
     normalise = z is not None
+    colsum = None if normalise else np.zeros(f)
+    if n == 0:
+        return np.triu(R), colsum
+    X = np.ascontiguousarray(X, dtype=np.float64)
     zz = np.zeros(f) if z is None else np.ascontiguousarray(z, dtype=np.float64)
-    R, colsum, bad = _stream_r_kernel(X, int(code), zz, 0.0 if eps is None else float(eps), eps is not None,
-                                      normalise, nchunks, int(config.ANALYSIS_QR_BLOCK))
+    rows = min(n, _qr_rows())
+    buf = np.empty((rows, f), order="F")
+    bad = 0
+    with single_threaded_blas():
+        for s0 in range(0, n, rows):
+            L = min(rows, n - s0)
+            blk = buf if L == rows else np.empty((L, f), order="F")
+            if code == 0 and not normalise:
+                blk[...] = X[s0:s0 + L]
+            else:
+                bad += _feature_rows(X, s0, int(code), zz, 0.0 if eps is None else float(eps), eps is not None,
+                                     normalise, blk)
+            if not normalise:
+                colsum += blk.sum(axis=0)
+            R = _qr_update(R, blk)
     if bad:
         raise ValueError(
             f"{int(bad)} normaliser(s) phi(q_i) . z are zero (signed feature map with eps=None?): "
             "the attention weights are undefined; pass eps > 0"
         )
-    return R, colsum
+    return np.triu(R), colsum
 
 
 def _append_rows(R, X):
-    """R (F x F, upper triangular) <- R factor of [R; X] (streamed Householder): O(n F^2).
-
-    Long segments go through the parallel TSQR first (their own factor, then
-    merged into R); short ones are streamed serially.
-    """
-    n, f = X.shape
-    if n == 0:
-        return R
-    if n >= 64 * max(f, 1) and numba.get_num_threads() > 1:
-        X = _r_factor(X)
-    _qr_append(R, np.ascontiguousarray(X, dtype=np.float64), int(config.ANALYSIS_QR_BLOCK))
+    """R (F x F, upper triangular) <- R factor of ``[R; X]``, in place: O(n F^2) (:func:`_stream_r`)."""
+    if X.shape[0]:
+        R[...] = _stream_r(X, R=R)[0]
     return R
 
 
 def _r_factor(X):
-    """R (F x F) with R^T R = X^T X: parallel TSQR, O(N F^2) flops, scratch O(threads F^2 + block F)."""
+    """R (F x F) with ``R^T R = X^T X``: streamed LAPACK QR, O(N F^2) flops, scratch O(F^2 + block F)."""
     return _stream_r(X)[0]
 
 
@@ -433,11 +444,11 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
     singular values of ``A`` are those of the ``D_phi x D_phi`` matrix
     ``R_1 R_2^T``: cost O(N D_phi^2 + D_phi^3), so it runs at N = 10^6
     (``benchmarks/analysis_rank.py`` measures it).
-    The R factors come from a parallel streamed Householder QR (TSQR, a Numba
-    kernel, backward stable like LAPACK's); elementwise maps with a kernel
-    code (ELU+1, ReLU, ...) are applied inside it, so no ``N x D_phi``
-    feature matrix is stored; other maps are applied first through
-    ``FeatureMap.apply``.
+    The R factors come from a streamed Householder QR (LAPACK ``dtpqrt`` on
+    ``[R; block]``, one block of rows at a time); elementwise maps with a
+    kernel code (ELU+1, ReLU, ...) are applied block by block inside it, so
+    no ``N x D_phi`` feature matrix is stored; other maps are applied first
+    through ``FeatureMap.apply``.
 
     Causal kernel weights ``D^{-1} tril(phi(Q) phi(K)^T)`` are not low rank
     (positive features make the diagonal non-zero, so the matrix is usually
@@ -536,13 +547,11 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
     code = None if fmap is None else _inline_code(fmap, d)
     if fmap is None:
         scale = V.check_scale(scale, d)
-        fq = q.reshape((b, nq, d))
-        fk = k.reshape((b, nk, d))
+        fq, fk = C.flatten64(q, batch_shape), C.flatten64(k, batch_shape)
         f = None
     elif use_factor and code is not None:
         # elementwise map: the streamed QR applies it on the fly, features never stored
-        fq = q.reshape((b, nq, d))
-        fk = k.reshape((b, nk, d))
+        fq, fk = C.flatten64(q, batch_shape), C.flatten64(k, batch_shape)
         f = d
     else:
         fq = _features(fmap, q, role="query", causal=causal, name="q")
@@ -678,9 +687,11 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
     A decay keeps the bound.  With per-token factors ``a_u`` the block is
     ``diag(c_t / den_t) phi(Q[i:]) phi(K[:i])^T diag(1 / c_s)`` with
     ``c_t = prod_{u <= t} a_u`` (constant ``gamma``: ``c_t = gamma^t``, so
-    ``W_ts = gamma^(t - s)`` times the additive weights: RetNet, Sun et al.
-    2023, §2.1-2.2; SSD, Dao & Gu 2024, §3-4; REFERENCES.md "Decay and
-    gating"), and with a per-feature gate (GLA) the diagonal scalings move
+    ``W_ts = gamma^(t - s)`` times the additive weights: Sun et al. 2023,
+    "Retentive Network: A Successor to Transformer for Large Language
+    Models", §2.1-2.2; Dao & Gu 2024, "Transformers are SSMs", §3-4), and
+    with a per-feature gate (GLA: Yang et al. 2024, "Gated Linear Attention
+    Transformers with Hardware-Efficient Training") the diagonal scalings move
     inside, ``(phi(Q) * B)[i:] (phi(K) / B)[:i]^T``: rank <= ``D_phi`` either
     way (a reset only lowers it).
 
@@ -689,7 +700,8 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
     ``P_{t,i}`` is the ``D_phi x D_phi`` product of the transitions
     ``a_u (I - beta_u phi(k_u) phi(k_u)^T)`` of tokens ``i..t``, so the block
     ``A[i:, :i]`` factors through ``D_phi`` dimensions (the chunkwise WY form
-    rests on this; Yang et al. 2024, REFERENCES.md "Delta rule"); the
+    rests on this: Yang et al. 2024, "Parallelizing Linear Transformers with
+    the Delta Rule over Sequence Length"); the
     normalised weights divide its rows by the normaliser.
 
     Algorithm (kernel maps, ``method="factor"``).  The rank of block ``i`` is
@@ -813,9 +825,7 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
         _check_explicit_n(n, "ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N", config.ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N)
     if fmap is None:
         scale = V.check_scale(scale, d)
-        b = int(np.prod(batch_shape, dtype=np.int64))
-        fq = q.reshape((b, n, d))
-        fk = k.reshape((b, n, d))
+        fq, fk = C.flatten64(q, batch_shape), C.flatten64(k, batch_shape)
     else:
         fq = _features(fmap, q, role="query", causal=True, name="q")
         fk = _features(fmap, k, role="key", causal=True, name="k")
@@ -907,11 +917,14 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
     Eqs. 10-12).  Its rank grows with ``t`` and saturates at
     ``min(D_phi, M)``: past that point every new token overwrites.  With a
     decay or gate the state follows ``S_t = a_t (.) S_{t-1} + phi(k_t) v_t^T``
-    (REFERENCES.md "Decay and gating"): the old directions fade but do not
+    (Sun et al. 2023, RetNet; Yang et al. 2024, Gated Linear Attention):
+    the old directions fade but do not
     leave the span until a factor is exactly 0, so the rank falls only at a
     reset (or when the factors underflow).  Under the delta rule (``beta``)
     ``S_t = a_t (I - beta_t phi(k_t) phi(k_t)^T) S_{t-1} + beta_t phi(k_t) v_t^T``
-    (Schlag et al. 2021; REFERENCES.md "Delta rule"): a write can also
+    (Schlag et al. 2021, "Linear Transformers Are Secretly Fast Weight
+    Programmers"; with the gate: Yang et al. 2025, "Gated Delta Networks:
+    Improving Mamba2 with Delta Rule"): a write can also
     remove a direction (``beta = 1`` and a unit key already stored replace
     its value), so the rank need not grow monotonically.
 
@@ -1014,7 +1027,7 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
     if lg is not None and lg.ndim == 2 and not delta:
         lg = lg[:, :, None]  # per token: one factor for every row of the state
     fk = _features(fmap, k, role="key", causal=True, name="k", offset=position)
-    vf = v.reshape((b, n, m))
+    vf = C.flatten64(v, batch_shape)
     ranks = np.zeros((b, pos.size), dtype=np.int64)
     for i in range(b):
         state = S0[i].copy()
