@@ -76,8 +76,8 @@ from typing import Callable, Dict, Union
 
 import numpy as np
 
-from .ops._codes import (KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_NONE, KERNEL_CODE_RELU, KERNEL_CODE_SILU_L2,
-                         KERNEL_CODE_SQUARED_RELU)
+from ..ops._codes import (KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_NONE, KERNEL_CODE_RELU, KERNEL_CODE_SILU_L2,
+                          KERNEL_CODE_SQUARED_RELU)
 
 __all__ = [
     "fit",
@@ -943,7 +943,7 @@ class FavorPlusFeatureMap(RandomFeatureMap):
             raise TypeError(f"learn_projection must be a bool, got {type(learn_projection).__name__}")
         self.kind = kind
         self.learn_projection = bool(learn_projection)
-        from . import config
+        from .. import config
 
         self.key_headroom = float(config.FAVOR_KEY_HEADROOM)
         if projection is None:
@@ -1801,7 +1801,7 @@ def resolve(feature_map: Union[str, FeatureMap, None]) -> FeatureMap:
 
 #: Names of random maps whose by-name use has warned in this process (see :func:`resolve`).
 _WARNED_BY_NAME: set = set()
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _outside_stacklevel() -> int:
