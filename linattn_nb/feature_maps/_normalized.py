@@ -1,0 +1,85 @@
+"""The L2-normalised maps of DeltaNet: ``l2`` and ``silu_l2``.
+
+``l2`` divides each row by its norm (a zero row maps to zero); ``silu_l2`` applies
+SiLU first.  Both carry a ``kernel_code``, so the Numba kernels apply them inline.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..ops._codes import KERNEL_CODE_L2, KERNEL_CODE_SILU_L2
+from ._base import FeatureMap, vjp_inputs
+
+
+class L2FeatureMap(FeatureMap):
+    """L2 normalisation: ``phi(x) = x / ||x||`` per row, exactly (a zero row maps to zero).
+
+    DeltaNet's keys and queries (Yang et al., "Parallelizing Linear
+    Transformers with the Delta Rule over Sequence Length", NeurIPS 2024):
+    with unit keys and write strengths ``beta`` in [0, 2], ``I - beta k k^T``
+    is a contraction and the delta rule's state stays bounded.  There is no
+    epsilon inside the norm; the norm is taken in float64, so rows of
+    float32 or float16 inputs whose squares overflow are normalised
+    correctly.  Signed features: the normaliser ``phi(q) . z`` can be <= 0
+    (see ``eps`` of :func:`linattn_nb.linear_attention`).
+    Applied inside the kernels (``kernel_code``).
+    """
+
+    name = "l2"
+    kernel_code = KERNEL_CODE_L2
+    is_positive = False
+
+    def _pre(self, x):
+        return np.asarray(x, dtype=np.float64)
+
+    def transform(self, x):
+        y = self._pre(x)
+        nrm = np.linalg.norm(y, axis=-1, keepdims=True)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out = np.where(nrm > 0, y / np.where(nrm > 0, nrm, 1.0), 0.0)
+        return out.astype(x.dtype, copy=False)
+
+    def _dpre(self, y):
+        """Derivative of :meth:`_pre`, elementwise (float64)."""
+        return np.ones_like(y)
+
+    def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
+        """Vector-Jacobian product of :meth:`apply` (see :meth:`FeatureMap.vjp`).
+
+        ``d(s/|s|) = (g - f (f . g)) / |s|`` with ``f = s/|s|``; a zero row has
+        zero features and gets a zero gradient.
+        """
+        x, g, out_dtype = vjp_inputs(self, x, grad_features, role)
+        s = self._pre(x)
+        nrm = np.linalg.norm(s, axis=-1, keepdims=True)
+        safe = np.where(nrm > 0, nrm, 1.0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            f = s / safe
+            ds = np.where(nrm > 0, (g - f * np.einsum("...i,...i->...", f, g)[..., None]) / safe, 0.0)
+        dx = ds * self._dpre(np.asarray(x, dtype=np.float64))
+        return dx.astype(out_dtype, copy=False), None
+
+
+class SiluL2FeatureMap(L2FeatureMap):
+    """SiLU, then L2 normalisation per row: ``phi(x) = s / ||s||``, ``s = x * sigmoid(x)`` (DeltaNet).
+
+    As :class:`L2FeatureMap` (exact, a zero row maps to zero), after the
+    elementwise SiLU of Yang et al. 2024's DeltaNet keys and queries.
+    Applied inside the kernels (``kernel_code``).
+    """
+
+    name = "silu_l2"
+    kernel_code = KERNEL_CODE_SILU_L2
+
+    def _pre(self, x):
+        y = np.asarray(x, dtype=np.float64)
+        with np.errstate(over="ignore"):
+            return y / (1.0 + np.exp(-y))  # exp overflow -> inf -> y / inf = -0 for very negative y
+
+    def _dpre(self, y):
+        # silu'(y) = sigmoid(y) (1 + y (1 - sigmoid(y))); 1 - sigmoid(y) = sigmoid(-y), kept exact for large y
+        with np.errstate(over="ignore"):
+            sig = 1.0 / (1.0 + np.exp(-y))
+            sig_neg = 1.0 / (1.0 + np.exp(y))
+        with np.errstate(invalid="ignore"):  # y = +-inf: the limits 1 and 0; NaN propagates
+            return np.where(np.isinf(y), (y > 0).astype(np.float64), sig * (1.0 + y * sig_neg))

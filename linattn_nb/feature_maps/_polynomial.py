@@ -1,0 +1,150 @@
+"""The deterministic polynomial maps: DPFP and Taylor-2.
+
+DPFP (Schlag et al. 2021) multiplies pairs of rectified coordinates for a large
+``D_phi``; Taylor-2 (Based, Arora et al. 2024) gives exactly the second-order Taylor
+polynomial of the softmax kernel ``exp(scale q . k)``.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._base import FeatureMap, check_scale, vjp_inputs
+
+
+class DpfpFeatureMap(FeatureMap):
+    """DPFP(nu): deterministic parameter-free projection (Schlag, Irie & Schmidhuber 2021, §5.4).
+
+    ``r = relu([x, -x])`` in R^(2d); ``phi_{i,j}(x) = r_i * r_{(i + j) mod 2d}`` for
+    ``j = 1..nu``, concatenated over ``j``: output dimension ``2 d nu``.  The
+    features are non-negative and, for generic inputs, sparse (each is a
+    product of two rectified coordinates).  Kernel: ``phi(q) . phi(k)``, no
+    softmax target; its point is a large ``D_phi`` for capacity (§4.1).
+
+    Parameters
+    ----------
+    nu : int, default 1
+        Number of rolls, ``1 <= nu < 2d``.
+    """
+
+    name = "dpfp"
+    is_positive = True
+
+    def __init__(self, nu: int = 1):
+        if isinstance(nu, bool) or not isinstance(nu, (int, np.integer)) or nu < 1:
+            raise ValueError(f"nu must be an integer >= 1, got {nu!r}")
+        self.nu = int(nu)
+
+    def output_dim(self, d: int) -> int:
+        return 2 * int(d) * self.nu
+
+    def transform(self, x):
+        d = x.shape[-1]
+        if self.nu >= 2 * d:
+            raise ValueError(f"dpfp: nu={self.nu} must be smaller than 2*D={2 * d}")
+        r = np.maximum(np.concatenate([x, -x], axis=-1), 0)
+        parts = [r * np.roll(r, -j, axis=-1) for j in range(1, self.nu + 1)]
+        return np.concatenate(parts, axis=-1).astype(x.dtype, copy=False)
+
+    def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
+        x, g, out_dtype = vjp_inputs(self, x, grad_features, role)
+        d = x.shape[-1]
+        if self.nu >= 2 * d:
+            raise ValueError(f"dpfp: nu={self.nu} must be smaller than 2*D={2 * d}")
+        y = np.asarray(x, dtype=np.float64)
+        s = np.concatenate([y, -y], axis=-1)
+        r = np.maximum(s, 0.0)
+        # phi_j = r * roll(r, -j): r_i feeds phi_j[i] (times r_{i+j}) and phi_j[i-j] (times r_{i-j})
+        dr = np.zeros_like(r)
+        for j in range(1, self.nu + 1):
+            gj = g[..., (j - 1) * 2 * d: j * 2 * d]
+            dr += gj * np.roll(r, -j, axis=-1) + np.roll(gj * r, j, axis=-1)
+        ds = dr * np.heaviside(s, 0.0)
+        return (ds[..., :d] - ds[..., d:]).astype(out_dtype, copy=False), None
+
+    def __repr__(self) -> str:
+        return f"DpfpFeatureMap(nu={self.nu})"
+
+
+class Taylor2FeatureMap(FeatureMap):
+    r"""Second-order Taylor features of ``exp(scale q . k)`` (Based; Arora et al. 2024, Eq. 4).
+
+    With ``x' = sqrt(scale) x`` (default ``scale = 1/sqrt(d)``)::
+
+        phi(x) = [1, x', (x'_i^2 / sqrt(2))_i, (x'_i x'_j)_{i<j}]
+
+    in the symmetric form of output dimension ``1 + d + d(d+1)/2`` (153 at
+    d = 16), so that exactly
+
+    .. math:: \phi(q)\cdot\phi(k) = 1 + t + t^2/2,\quad t = \text{scale}\; q\cdot k,
+
+    the second-order Taylor polynomial of ``exp(t)``.  The kernel is at least
+    1/2 for every pair (``1 + t + t^2/2 = (1 + (1 + t)^2)/2``), so normalisers
+    are positive even though single features are signed.
+
+    Parameters
+    ----------
+    scale : float, optional
+        Default ``1/sqrt(d)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from linattn_nb import feature_maps
+    >>> phi = feature_maps.get("taylor2", scale=1.0)
+    >>> x, y = np.array([0.3, -0.2]), np.array([0.5, 0.4])
+    >>> t = x @ y
+    >>> bool(np.isclose(phi(x) @ phi(y), 1 + t + t * t / 2))
+    True
+    """
+
+    name = "taylor2"
+    is_positive = False
+    estimates_softmax = True
+
+    def __init__(self, scale=None):
+        self.scale = check_scale(scale)
+
+    def effective_scale(self, d: int) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(d)
+
+    def output_dim(self, d: int) -> int:
+        d = int(d)
+        return 1 + d + d * (d + 1) // 2
+
+    def transform(self, x):
+        d = x.shape[-1]
+        xs = np.asarray(x, dtype=np.float64) * math.sqrt(self.effective_scale(d))
+        i, j = np.triu_indices(d)
+        w = np.where(i == j, 1.0 / math.sqrt(2.0), 1.0)
+        quad = xs[..., i] * xs[..., j] * w
+        ones = np.ones(xs.shape[:-1] + (1,))
+        return np.concatenate([ones, xs, quad], axis=-1).astype(x.dtype, copy=False)
+
+    def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
+        x, g, out_dtype = vjp_inputs(self, x, grad_features, role)
+        d = x.shape[-1]
+        root = math.sqrt(self.effective_scale(d))
+        xs = np.asarray(x, dtype=np.float64) * root
+        dxs = g[..., 1:1 + d].copy()
+        gq = g[..., 1 + d:]
+        # quad lists the pairs (a, b >= a) row by row (np.triu_indices): row a is one contiguous run
+        start = 0
+        for a in range(d):
+            run = gq[..., start:start + d - a].copy()
+            run[..., 0] *= 1.0 / math.sqrt(2.0)  # x'_a^2 / sqrt(2)
+            dxs[..., a] += np.einsum("...k,...k->...", run, xs[..., a:])
+            dxs[..., a:] += run * xs[..., a:a + 1]
+            start += d - a
+        return (dxs * root).astype(out_dtype, copy=False), None
+
+    def kernel(self, x, y):
+        """``1 + t + t^2/2`` with ``t = scale x . y`` (closed form)."""
+        x = np.asarray(x, dtype=np.float64)
+        y = np.asarray(y, dtype=np.float64)
+        t = self.effective_scale(x.shape[-1]) * np.sum(x * y, axis=-1)
+        return 1.0 + t + 0.5 * t * t
+
+    def __repr__(self) -> str:
+        return f"Taylor2FeatureMap(scale={self.scale})"
