@@ -1,4 +1,4 @@
-"""One convention across the public API (issue 17, point 8).
+"""One convention across the public API.
 
 * every result class converts with ``to_dict()`` to JSON-ready plain values;
   ``ApproximationError.as_dict()`` is kept as a deprecated alias;

@@ -38,7 +38,7 @@ def test_optimal_mse_is_the_eckart_young_floor(fmap, d):
 def test_sum_rule_never_below_floor_and_softmax_wins(fmap):
     """With one-hot values the sum rule's error is never below optimal_mse (Eckart-Young: its read-out
     has rank <= D_phi), and at n >> D_phi softmax over the same pairs (a KV cache, which grows with n)
-    errs less than every linear feature map (REFERENCES.md, "Rank and spectra"; Schlag et al. 2021, §4.1)."""
+    errs less than every linear feature map (Eckart-Young; Schlag et al. 2021, §4.1)."""
     d = 8
     f = feature_maps.get(fmap).output_dim(d)
     n_big = 8 * f
@@ -50,7 +50,7 @@ def test_sum_rule_never_below_floor_and_softmax_wins(fmap):
 
 
 def test_argmax_hides_the_capacity_limit():
-    """The planning note of the capacity issue: with unit-norm keys ELU+1's argmax recall already fails at
+    """With unit-norm keys ELU+1's argmax recall already fails at
     n = 8 (its features share a large positive mean), while with N(0, 1) keys it stays above 80% far past
     D_phi -- yet the error is close to 1 and the optimal floor says most of the information is gone."""
     d = 64
@@ -201,7 +201,7 @@ class _NoFeatures(feature_maps.FeatureMap):
 
 
 def test_maps_of_the_wrong_shape_raise_naming_them():
-    """Issue 12 point 1: the features recall_capacity reads are shape-checked like linear_attention's."""
+    """The features recall_capacity reads are shape-checked like linear_attention's."""
     with pytest.raises(ValueError, match=r"feature map 'drop-row' returned features of shape \(7, 4\) for keys "
                                          r"of shape \(8, 4\); expected \(8, 4\)"):
         recall_capacity(_DropRow(), 4, [8], trials=1)
@@ -214,7 +214,7 @@ def test_maps_of_the_wrong_shape_raise_naming_them():
 @pytest.mark.parametrize("softmax_scale, eps", [(None, 1e-8), (0.2, 1e-8), (3.0, 20.0)])
 def test_recall_capacity_softmax_scale_and_eps_against_numpy(softmax_scale, eps):
     """``softmax_scale=`` sets the softmax baseline's temperature, ``eps=`` the linear read-out's floor
-    (issue 21 point 6): every reported mean recomputed here from the keys the documented streams draw
+   : every reported mean recomputed here from the keys the documented streams draw
     (``default_rng([seed, n, trial])``, N(0, 1) keys, one-hot values), ReLU features written out."""
     d, ns, trials, seed = 6, [5, 12], 2, 4
     res = recall_capacity("relu", d, ns, trials=trials, seed=seed, softmax_scale=softmax_scale, eps=eps)

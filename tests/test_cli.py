@@ -32,7 +32,7 @@ def test_demo_small(capsys):
 
 @pytest.mark.parametrize("broken", ["scan", "softmax"])
 def test_demo_exits_1_when_a_check_fails(broken, capsys, monkeypatch):
-    """Issue 21 point 6: ``linattn demo`` returns 1 (not 0) when a method is off, and names it."""
+    """``linattn demo`` returns 1 (not 0) when a method is off, and names it."""
     import linattn_nb
 
     lin, sm = linattn_nb.linear_attention, linattn_nb.softmax_attention
@@ -231,7 +231,7 @@ def _alive(pid):
 
 
 # ---------------------------------------------------------------------------
-# problem options of error / rank / recall, and report --config (issue 17, point 6)
+# problem options of error / rank / recall, and report --config
 # ---------------------------------------------------------------------------
 def _points(study, profile="tiny"):
     from linattn_nb.studies import Context, get_study

@@ -1,4 +1,4 @@
-"""The analysis functions with a decay or gate (issue 14): weights, error, ranks, state ranks, recall by distance.
+"""The analysis functions with a decay or gate: weights, error, ranks, state ranks, recall by distance.
 
 Ground truth is the naive explicit form (``linattn_nb.ops.causal.naive``) and
 ``linear_attention(..., method="quadratic")``, both float64 and exact at
@@ -50,11 +50,11 @@ DECAYS = _decays()
 
 
 # ---------------------------------------------------------------------------
-# the fact of issue 14: constant gamma, W_ts = gamma^(t-s) W_additive; semiseparable rank <= D_phi
+# constant gamma: W_ts = gamma^(t-s) W_additive; semiseparable rank <= D_phi
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("gamma", [0.999, 0.9, 0.5])
 def test_constant_decay_weights_are_gamma_powers_times_additive_and_semiseparable_rank_stays_low(qkv, gamma):
-    """RetNet (Sun et al. 2023, §2.1-2.2), REFERENCES.md "Decay and gating": the decay mask is gamma^(t-s)."""
+    """RetNet (Sun et al. 2023, §2.1-2.2): the decay mask is gamma^(t-s)."""
     q, k, _ = qkv
     raw = attention_weights(q, k, "elu", causal=True, normalize=False)
     dec = attention_weights(q, k, "elu", causal=True, decay=gamma, normalize=False)

@@ -1,6 +1,6 @@
-"""The public decay/gating arguments of linear_attention (issue 14): forms, errors, states, normalize.
+"""The public decay/gating arguments of linear_attention: forms, errors, states, normalize.
 
-The formulas (one recurrence, several papers) are in ``../shared/REFERENCES.md``, "Decay and gating":
+The formulas (one recurrence, several papers) are in ``docs/theory.md``, "Decay and gating":
 S_t = a_t S_{t-1} + phi(k_t) v_t^T with a constant a_t = gamma per head (RetNet, Sun et al. 2023),
 a scalar per token (Mamba-2/SSD, Dao & Gu 2024) or a vector per feature (GLA, Yang et al. 2024); the
 normaliser z follows the same recurrence.  Kernel-level tests are in tests/ops/test_decay.py; here the

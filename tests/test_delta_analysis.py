@@ -1,7 +1,6 @@
-"""The analysis functions under the delta rule and the gated delta rule (issue 15), and the capacity facts.
+"""The analysis functions under the delta rule and the gated delta rule, and the capacity facts.
 
-The delta rule (Schlag, Irie & Schmidhuber 2021, §4.2; REFERENCES.md "Delta
-rule") writes ``S_t = S_{t-1} + beta_t phi(k_t) (v_t - S_{t-1}^T phi(k_t))^T``;
+The delta rule (Schlag, Irie & Schmidhuber 2021, §4.2) writes ``S_t = S_{t-1} + beta_t phi(k_t) (v_t - S_{t-1}^T phi(k_t))^T``;
 the gated delta rule (Yang, Kautz & Hatamizadeh 2025) multiplies the state by
 ``a_t (I - beta_t phi(k_t) phi(k_t)^T)`` before the write.  Ground truth here
 is that recurrence, run token by token in NumPy, and
@@ -206,7 +205,7 @@ def test_state_rank_profile_follows_the_delta_state(qkv, name):
 
 
 # ---------------------------------------------------------------------------
-# Capacity facts (Schlag, Irie & Schmidhuber 2021, §4.1-4.2; REFERENCES.md "Delta rule")
+# Capacity facts (Schlag, Irie & Schmidhuber 2021, §4.1-4.2)
 # ---------------------------------------------------------------------------
 def test_delta_rule_stores_orthonormal_keys_exactly_where_the_additive_rule_needs_orthogonality():
     """Orthonormal unit keys, beta = 1: the delta rule retrieves n <= D_phi pairs exactly (<= 1e-12, float64).
@@ -289,7 +288,7 @@ def test_recall_capacity_argument_errors():
 # The study
 # ---------------------------------------------------------------------------
 def test_rules_study_grid_and_floor_check(tmp_path):
-    """Every rule of the issue with >= 5 seeds; a rule below the floor is reported as a problem."""
+    """Every rule of the study with >= 5 seeds; a rule below the floor is reported as a problem."""
     from linattn_nb.studies import Context, rules
 
     ctx = Context(out=tmp_path, profile="tiny", plots=False)

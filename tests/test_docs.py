@@ -1,4 +1,4 @@
-"""The API reference builds (issue 17, point 11).
+"""The API reference builds.
 
 ``docs/`` is a Sphinx project (numpydoc docstrings, the README as the index
 page through myst-parser).  This builds it as a reader would

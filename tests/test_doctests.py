@@ -1,4 +1,4 @@
-"""Every docstring example of the package runs (issue 17, point 10).
+"""Every docstring example of the package runs.
 
 The Examples sections (and the module docstrings' ``>>>`` lines) are
 doctests: this file runs them module by module, with the same options as

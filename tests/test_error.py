@@ -205,7 +205,7 @@ def test_attention_weights_refuses_huge_n(monkeypatch):
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("causal", [False, True])
 def test_softmax_against_itself_is_zero(causal, rng):
-    """Self-check of the metric definitions (issue 6): softmax against itself differs by exactly 0.
+    """Self-check of the metric definitions: softmax against itself differs by exactly 0.
 
     KL(p || p) = 0, TV(p, p) = 0, equal outputs and entropies, no sign failure;
     the weights are monotone in q.k, so the Spearman correlation is 1.
@@ -326,7 +326,7 @@ BAD_SHAPES = ["drop_row", "extra_row", "drop_batch", "features"]
 @pytest.mark.parametrize("how", BAD_SHAPES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_a_map_of_the_wrong_shape_raises_naming_it(how, causal, rng):
-    """Issue 12 point 1: every shape a map returns is checked; the error names the map and both shapes."""
+    """Every shape a map returns is checked; the error names the map and both shapes."""
     q, k, v = rng.normal(size=(3, 2, 6, 4))
     bad = BadShapeMap(how)
     match = rf"feature map 'bad-{how}' returned features of shape \(.*\) for [qk] of shape \(2, 6, 4\); expected \(2, 6, 4\)"
@@ -348,7 +348,7 @@ def test_a_map_with_a_bad_output_dim_raises_naming_it(dim, rng):
 
 @pytest.mark.parametrize("causal", ["False", "True", 2.5, 0, 1, [1], None, np.array(True), np.array([False])])
 def test_causal_must_be_a_bool(causal, rng):
-    """Issue 12 point 2: causal="False" must not run causal attention; non-bools raise TypeError naming causal."""
+    """causal="False" must not run causal attention; non-bools raise TypeError naming causal."""
     q, k, v = rng.normal(size=(3, 5, 4))
     for call in (lambda: attention_weights(q, k, "elu", causal=causal),
                  lambda: attention_weights(q, k, "softmax", causal=causal),
@@ -364,7 +364,7 @@ def test_causal_must_be_a_bool(causal, rng):
 @pytest.mark.parametrize("n", [3, 10, 11, 33, 100])
 @pytest.mark.parametrize("causal", [False, True])
 def test_kl_is_never_negative(n, causal):
-    """Issue 12 point 5: KL >= 0; linear weights equal to the softmax weights up to round-off give 0, not -4e-16.
+    """KL >= 0; linear weights equal to the softmax weights up to round-off give 0, not -4e-16.
 
     q = k = 1 (D = 1) with the identity map: every score is equal, so both
     weight rows are uniform, and ``log(1/L)`` against ``-log(L)`` differs in
@@ -378,7 +378,7 @@ def test_kl_is_never_negative(n, causal):
 
 
 # ---------------------------------------------------------------------------
-# summary statistics against an independent NumPy reference (issue 21 point 1)
+# summary statistics against an independent NumPy reference
 # ---------------------------------------------------------------------------
 def _independent_statistics(q, k, v, phi, *, causal, eps):
     """Every field of ApproximationError from explicit weights, in NumPy only.
@@ -440,7 +440,7 @@ def _elu1(x):
 @pytest.mark.parametrize("name, phi", [("elu", _elu1), ("relu", lambda x: np.maximum(x, 0.0)),
                                        ("identity", lambda x: x)])
 def test_summary_statistics_against_an_independent_numpy_reference(name, phi, causal, rng):
-    """Each summary statistic recomputed from explicit weights in the test (issue 21 point 1).
+    """Each summary statistic recomputed from explicit weights in the test.
 
     ELU+1 (a distribution on every row: every statistic finite), ReLU (zero
     weights: some KL infinite, entropy and JS over the rows that are

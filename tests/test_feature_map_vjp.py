@@ -1,4 +1,4 @@
-"""FeatureMap.vjp and FeatureMap.parameters: gradients through every built-in feature map (issue 16).
+"""FeatureMap.vjp and FeatureMap.parameters: gradients through every built-in feature map.
 
 Every vjp is checked against central finite differences in float64 of ``sum(apply(x) * G)``, with respect
 to ``x`` and to the map's trainable parameters (hedgehog's and t2r's ``W`` and ``b``, favor+'s projection

@@ -1,4 +1,4 @@
-"""Fitted feature maps on every path (issue 18, point 3).
+"""Fitted feature maps on every path.
 
 A fitted map is a parametric map whose parameters are not the defaults:
 Hedgehog and T2R with a non-square ``W`` (``d_out != d``) and a bias, and

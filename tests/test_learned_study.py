@@ -1,4 +1,4 @@
-"""The 'learned' study (linattn_nb.studies.learned): issue 18's qualitative claim and the study's tiny profile.
+"""The 'learned' study (linattn_nb.studies.learned): Hedgehog's qualitative claim and the study's tiny profile.
 
 Claim (Zhang et al., ICLR 2024, in the low-entropy regime): a Hedgehog map fitted to softmax weights
 on one draw has, on a fresh draw, a lower KL(softmax ‖ linear) and a higher Spearman monotonicity than

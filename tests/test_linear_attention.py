@@ -1,4 +1,4 @@
-"""linear_attention: every CPU kernel against the quadratic reference, the seed, errors."""
+"""linear_attention: every CPU kernel against the quadratic reference, a minimal NumPy version, errors."""
 from __future__ import annotations
 
 import numpy as np
@@ -46,15 +46,15 @@ def cpu_methods(causal):
 
 
 # ---------------------------------------------------------------------------
-# The seed document, literally
+# A minimal NumPy linear attention, literally
 # ---------------------------------------------------------------------------
-def test_seed_example_literally():
-    """The seed's own check (../shared/seed): N=12, D=8, M=6, default_rng(7), atol 1e-10."""
+def test_minimal_numpy_example_literally():
+    """Against a minimal NumPy version (ELU+1, Katharopoulos et al. 2020): N=12, D=8, M=6, default_rng(7), atol 1e-10."""
 
     def phi(x):
         return np.where(x >= 0, x + 1, np.exp(np.minimum(x, 0)))
 
-    def seed_linear_attention(q, k, v):
+    def minimal_linear_attention(q, k, v):
         qf, kf = phi(q), phi(k)
         state = kf.T @ v
         normalizer = kf.sum(axis=0)
@@ -70,7 +70,7 @@ def test_seed_example_literally():
         output = la.linear_attention(q, k, v, method=method)
         assert output.shape == (12, 6)
         np.testing.assert_allclose(output, reference_, atol=1e-10)
-        np.testing.assert_allclose(output, seed_linear_attention(q, k, v), atol=1e-10)
+        np.testing.assert_allclose(output, minimal_linear_attention(q, k, v), atol=1e-10)
     # causal: prefix states that include token t
     causal_ref = (np.tril(pairwise) @ v) / np.tril(pairwise).sum(-1, keepdims=True)
     for method in ["auto"] + cpu_methods(True):
@@ -129,7 +129,7 @@ def test_batch_sizes_around_thread_count(causal, bh, rng):
 
 
 def test_done_when_long_float32_causal():
-    """Issue 2's 'done when': (2, 8, 4096, 64) float32 causal vs float64 quadratic, rel. error < 1e-5."""
+    """Long float32 sequences: (2, 8, 4096, 64) float32 causal vs float64 quadratic, rel. error < 1e-5."""
     rng = np.random.default_rng(0)
     shape = (2, 8, 4096, 64)
     q, k, v = (rng.standard_normal(shape, dtype=np.float32) for _ in range(3))
@@ -326,7 +326,7 @@ def test_quadratic_refuses_huge_n(monkeypatch):
 def test_nonpositive_denominators_documented_behaviour(causal):
     """With signed features ('identity') phi(q).z can be <= 0.
 
-    Default eps: the normaliser is floored at eps (the seed's clip), so the output
+    Default eps: the normaliser is floored at eps (max(den, eps)), so the output
     is num / eps, finite.  eps=None: raw signed division (num / den).
     """
     q = np.array([[1.0, 0.0], [-1.0, 0.0], [0.0, 0.0]])

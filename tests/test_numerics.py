@@ -1,4 +1,4 @@
-"""Finiteness: the check fused into the CPU kernels, and no silent overflow (issue 12, points 4 and 10).
+"""Finiteness: the check fused into the CPU kernels, and no silent overflow.
 
 * ``check_finite=True`` (the default) is checked by the CPU kernels while
   they read q, k and v (no separate NumPy scan on the default path): a NaN or
@@ -57,7 +57,7 @@ def _call(kind, args, **kw):
 
 
 # ---------------------------------------------------------------------------
-# Point 10: the fused check
+# The fused check
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", LINEAR + [(True, "softmax"), (False, "softmax")])
@@ -233,7 +233,7 @@ def test_cuda_launchers_honour_check_finite():
 
 
 # ---------------------------------------------------------------------------
-# Point 4: no silent overflow
+# No silent overflow
 # ---------------------------------------------------------------------------
 MAGNITUDES = {np.float32: (1e19, 1e30, 3e38), np.float16: (1e4, 6e4)}
 # |result - float64 reference| <= RTOL * |reference| + ATOL * (largest |v|), per dtype

@@ -1,7 +1,7 @@
-"""The README's Python examples run (issue 17, point 10).
+"""The README's Python examples run.
 
 Every fenced ```` ```python ```` block of README.md runs, in file order, in one
-namespace (as a reader pasting them into one session would), in a temporary
+namespace (as a reader pasting them into one interpreter would), in a temporary
 working directory (files the examples write land there).
 
 A block can be marked by an HTML comment on the line right above its fence

@@ -30,7 +30,7 @@ class _CountingClock:
     The throughput study decides how often to repeat a call from the time it
     took (a call of 2 s or more once, else >= 3 times and until ``min_time``):
     with this clock that count depends on the code alone, not on the
-    machine's load (issue 21 point 5).
+    machine's load.
     """
 
     def __init__(self, step=2.0 ** -10):  # a power of two: the differences of readings are exact
@@ -89,7 +89,7 @@ def test_report_writes_markdown_plots_and_raw_results(tiny_report):
 
 
 def test_memory_horizon_section_states_its_regime_with_error_bars_over_seeds(tiny_report):
-    """The memory-horizon study: every decay of the issue, >= 5 seeds each, the floor, mean ± std."""
+    """The memory-horizon study: every decay of the study, >= 5 seeds each, the floor, mean ± std."""
     from linattn_nb.studies import horizon
 
     out, _ = tiny_report
@@ -406,7 +406,7 @@ def test_gpu_paths_of_the_studies_run_on_the_simulator():
 @pytest.mark.parametrize("step, min_time, repeats", [(2.0 ** -10, 0.0, 3), (2.0 ** -10, 10 * 2.0 ** -10, 10),
                                                      (2.5, 0.0, 1), (2.5, 10.0, 4), (2.0 ** -20, 1.0, 200)])
 def test_throughput_repeats_are_set_by_the_call_time_not_the_machine(step, min_time, repeats, monkeypatch):
-    """The throughput study's repeat rule on a counting clock (issue 21 point 5).
+    """The throughput study's repeat rule on a counting clock.
 
     A call under 2 s is timed >= 3 times and until the total reaches
     ``min_time`` (at most 200 times); a call of 2 s or more once, more only
@@ -423,7 +423,7 @@ def test_throughput_repeats_are_set_by_the_call_time_not_the_machine(step, min_t
 
 
 # ---------------------------------------------------------------------------
-# Issue 17: stated regimes, seeds and error bars, finite divergences, noisy timings
+# Stated regimes, seeds and error bars, finite divergences, noisy timings
 # ---------------------------------------------------------------------------
 def _section(out, title):
     return (out / "report.md").read_text().split(f"## {title}")[1].split("\n## ")[0]
@@ -542,7 +542,7 @@ def test_throughput_records_machine_state_and_flags_noisy_points(tiny_report, tm
 
 
 # ---------------------------------------------------------------------------
-# Issue 21 point 6: the public study API (register_study, Context, Rendered, PROFILES, markdown_table,
+# The public study API (register_study, Context, Rendered, PROFILES, markdown_table,
 # ReportResult) through a plug-in study
 # ---------------------------------------------------------------------------
 def _plugin_points(ctx):

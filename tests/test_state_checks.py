@@ -1,11 +1,10 @@
 """LinearAttentionState through the shared front end and the method table.
 
 * every shape a feature map returns is checked (step, query, prefill; CPU and
-  CUDA with host inputs) before a kernel sees it (issue 12 point 1);
-* positions are validated and named (issue 12 point 2);
-* a state file's feature-map probe is always checked (issue 12 point 6);
-* the decode-step launchers are method-table entries, looked up once (issue 13
-  point 3);
+  CUDA with host inputs) before a kernel sees it;
+* positions are validated and named;
+* a state file's feature-map probe is always checked;
+* the decode-step launchers are method-table entries, looked up once;
 * the NumPy-side maps (favor+, rff, cosformer, hedgehog, t2r, taylor2) decode as
   ``linear_attention(causal=True)`` computes with the same map instance.
 """

@@ -1,4 +1,4 @@
-"""Decay and gating on the decoding side (issue 14): LinearAttentionState.step/prefill with
+"""Decay and gating on the decoding side: LinearAttentionState.step/prefill with
 decay=/log_decay=, the rule step kernels, the rule record of states and state files.
 
 Ground truth is linear_attention(..., causal=True, decay=..., method="quadratic") (the explicit
@@ -314,7 +314,7 @@ def test_the_first_tokens_fix_the_rule_and_other_rules_raise():
     with pytest.raises(ValueError, match="log_decay"):
         st3.step(q[:, 1:2], k[:, 1:2], v[:, 1:2], log_decay=-0.1)
     with pytest.raises(ValueError, match="rule must be None or one of"):
-        LinearAttentionState(3, 2, rule="deltanet")  # not a rule name ("delta" is one since issue 15)
+        LinearAttentionState(3, 2, rule="deltanet")  # not a rule name (the rule is "delta")
     with pytest.raises(TypeError, match="rule"):
         LinearAttentionState(3, 2, rule=1)
 

@@ -1,4 +1,4 @@
-"""The delta rules on the decoding side (issue 15): LinearAttentionState.step/prefill with beta=,
+"""The delta rules on the decoding side: LinearAttentionState.step/prefill with beta=,
 the delta step kernels, the rule record of states and state files, and the l2/silu_l2 row maps in
 the step kernels.
 

@@ -147,7 +147,7 @@ def test_each_line_is_flushed_before_the_next_point_runs(tmp_path):
 @pytest.mark.parametrize("fsync", [False, True])
 def test_fsync_syncs_every_line_or_only_at_the_end(fsync, tmp_path, monkeypatch):
     """``sweep(fsync=True)`` syncs after every line it writes, each complete when it is synced;
-    the default syncs the file once, when the sweep ends (issue 21 point 6)."""
+    the default syncs the file once, when the sweep ends."""
     out = tmp_path / "r.jsonl"
     synced = []  # lines in the file at each fsync
     real = os.fsync

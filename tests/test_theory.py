@@ -153,7 +153,7 @@ def test_closed_forms_special_values():
 
 
 def test_a_map_of_the_wrong_shape_raises_naming_it():
-    """Issue 12 point 1: the features of the kernel estimate are shape-checked, naming the map."""
+    """The features of the kernel estimate are shape-checked, naming the map."""
     class DropRow(fm.FeatureMap):
         name = "drop-row"
 
@@ -168,10 +168,10 @@ def test_a_map_of_the_wrong_shape_raises_naming_it():
 
 @pytest.mark.parametrize("d, m", [(2, 2), (4, 3), (8, 8), (16, 5)])
 def test_orthogonal_mse_bound_is_theorem_2_written_out(d, m, rng):
-    """``orthogonal_mse_bound`` equals Theorem 2's right-hand side, written out here (issue 21 point 1).
+    """``orthogonal_mse_bound`` equals Theorem 2's right-hand side, written out here.
 
     Choromanski et al., "Rethinking Attention with Performers", ICLR 2021,
-    Theorem 2 (REFERENCES.md, "Performer: FAVOR+"): for m <= d orthogonal
+    Theorem 2: for m <= d orthogonal
     projections, MSE_ort <= MSE_pos - 2(m-1)/(m(d+2)) (SM - exp(-(|x|^2 +
     |y|^2)/2))^2, with Lemma 2's MSE_pos = (1/m) exp(|x+y|^2) SM^2 (1 -
     exp(-|x+y|^2)) and SM = exp(x.y).  The correction term is 1-12% of

@@ -3,7 +3,7 @@
 ``torch.autograd.gradcheck`` compares the adapter's backward (the backward
 launchers of linattn_nb.ops.grad through linattn_nb._gradfront) with central
 finite differences of its forward, in float64, at interior values of the
-decay and of beta (``../shared/REFERENCES.md``, "Gradients"; fla checks its
+decay and of beta (formulas: ``docs/theory.md``, "Gradients"; fla checks its
 kernels' dq, dk, dv and initial-state gradients against autograd the same
 way).  The fast CPU backward launchers (``scan``, ``chunked``) are tested
 when ``linattn_nb.ops.grad.cpu`` is importable.

@@ -190,7 +190,7 @@ def _assert_exp_f32_accurate(x, out, what):
 
 
 def test_float32_exp_within_1_5_ulp_of_float64_and_flushed_below():
-    """ELU+1's float32 branch-free exp (ops/_vec.py, issue 21 point 1).
+    """ELU+1's float32 branch-free exp (ops/_vec.py).
 
     Over [-87.3, 0] (a dense grid plus the edge points of
     :func:`_exp_points_f32`): within 1.5 ulp of float64's exp (measured 1.04)
@@ -215,7 +215,7 @@ def test_float32_exp_within_1_5_ulp_of_float64_and_flushed_below():
 
 
 def test_chunked_kernel_applies_an_accurate_float32_exp():
-    """The chunked kernel's own ELU+1 features, read back exactly (issue 21 point 1).
+    """The chunked kernel's own ELU+1 features, read back exactly.
 
     With one-hot values ``v_s = e_s`` and ``normalize=False`` the final state
     is ``S[d, s] = phi(k_s)[d]`` (one term per entry: no round-off), and with

@@ -1,4 +1,4 @@
-"""No host round-trips on the GPU path (issue 20, point 4), counted on the CUDA simulator.
+"""No host round-trips on the GPU path, counted on the CUDA simulator.
 
 The simulator's entry points are wrapped to count what a call does: host-to-device copies
 (``cuda.to_device``, ``copy_to_device``), device allocations (``cuda.device_array`` and

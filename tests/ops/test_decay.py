@@ -1,6 +1,6 @@
 """The decay and gate update rules on the CPU: ``scan`` and ``chunked`` against the naive reference.
 
-Rules (issue 14; ``linattn_nb/ops/_codes.py``): ``H_t = a_t (.) H_{t-1} +
+Rules (``linattn_nb/ops/_codes.py``): ``H_t = a_t (.) H_{t-1} +
 phi(k_t)^T [v_t 1]`` with a scalar factor per token (decay: RetNet's gamma,
 Mamba-2/SSD) or one per feature (gate: GLA), from log-factors <= 0 where
 ``-inf`` resets the state exactly.  The reference is the explicit quadratic

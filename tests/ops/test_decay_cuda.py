@@ -1,4 +1,4 @@
-"""CUDA kernels of the decay and gate rules (issue 14), and normalize=False on every CUDA launcher.
+"""CUDA kernels of the decay and gate rules, and normalize=False on every CUDA launcher.
 
 Runs on the Numba CUDA simulator without a GPU (tests/conftest.py) with the tiny
 launch configuration of test_cuda.py (2 tokens per shared-memory tile, 2 x 3 state

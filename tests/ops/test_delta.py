@@ -1,4 +1,4 @@
-"""The delta and gated delta rules on the CPU (issue 15): ``scan`` and ``chunked`` against the reference.
+"""The delta and gated delta rules on the CPU: ``scan`` and ``chunked`` against the reference.
 
 Rules (``linattn_nb/ops/_codes.py``): on ``H = [S | z]``,
 ``H_t = a_t (I - beta_t k k^T) H_{t-1} + beta_t k [v_t 1]`` (``a_t = 1``:

@@ -1,4 +1,4 @@
-"""CUDA kernels of the delta and gated delta rules (issue 15) and the inline 'l2' / 'silu_l2' feature maps.
+"""CUDA kernels of the delta and gated delta rules and the inline 'l2' / 'silu_l2' feature maps.
 
 Runs on the Numba CUDA simulator without a GPU (tests/conftest.py) with the tiny
 launch configuration of test_cuda.py (2 tokens per shared-memory tile, 2 x 3 state

@@ -1,8 +1,8 @@
-"""The (gated) delta rule's explicit form against a plain loop of its recurrence (issue 15's reference).
+"""The (gated) delta rule's explicit form against a plain loop of its recurrence.
 
 Schlag, Irie & Schmidhuber 2021, Sec. 4.2; Yang et al. 2024 (WY/UT chunk form); gated: Yang, Kautz &
-Hatamizadeh 2025.  ``../shared/REFERENCES.md``, "Delta rule": the closed forms are checked there against
-the recurrence to 2e-15 in float64; here likewise, with an initial state, a reset and the normaliser
+Hatamizadeh 2025 (formulas: ``docs/theory.md``, "Delta rule and gated delta rule").  The closed forms
+agree with the recurrence to 2e-15 in float64; checked here with an initial state, a reset and the normaliser
 column of ones.
 """
 import numpy as np

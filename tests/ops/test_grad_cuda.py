@@ -1,4 +1,4 @@
-"""CUDA backward launchers (issue 16): linattn_nb/ops/grad/cuda.py.
+"""CUDA backward launchers: linattn_nb/ops/grad/cuda.py.
 
 Runs on the Numba CUDA simulator without a GPU (tests/conftest.py).  The
 launch configuration is shrunk so that tiny shapes exercise every path of the

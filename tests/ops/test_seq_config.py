@@ -1,4 +1,4 @@
-"""``seq_config`` against the shared memory the sequence kernel allocates, every branch (issue 21, point 1).
+"""``seq_config`` against the shared memory the sequence kernel allocates, every branch.
 
 The simulator has no shared-memory limit, so a wrong per-token size in
 :func:`linattn_nb.ops._cuda_kernels.seq_config` (a staged array left out, a

@@ -196,7 +196,7 @@ def test_step_kernels_compile_to_ptx():
 
 
 # ---------------------------------------------------------------------------
-# Decay and gating (issue 14): the rule kernels, TINY (the simulator is slow)
+# Decay and gating: the rule kernels, TINY (the simulator is slow)
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("form", ["decay", "gate"])
 def test_cuda_rule_state_matches_cpu_and_linear_attention(form, threads):
@@ -285,7 +285,7 @@ def test_rule_step_kernels_compile_to_ptx():
 
 
 # ---------------------------------------------------------------------------
-# The delta rules (issue 15): the delta kernel, TINY (the simulator is slow)
+# The delta rules: the delta kernel, TINY (the simulator is slow)
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("rule", ["delta", "gated_delta"])
 def test_cuda_delta_state_matches_cpu_and_linear_attention(rule, threads):
