@@ -59,7 +59,7 @@ def test_output_dim_matches_features(name, d, rng):
 
 
 def test_documented_output_dims():
-    """Output dimensions as the sources state them (REFERENCES.md)."""
+    """Output dimensions as the sources state them."""
     assert fm.get("taylor2").output_dim(16) == 153          # Based: 1 + d + d(d+1)/2
     assert fm.get("dpfp", nu=3).output_dim(64) == 384        # DPFP: 2 d nu
     assert fm.get("favor+", num_features=256).output_dim(64) == 256

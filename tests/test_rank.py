@@ -324,7 +324,7 @@ def test_state_rank_profile_positions_batch_errors(rng):
 
 @pytest.mark.parametrize("how", ["drop_row", "extra_row", "drop_batch", "features"])
 def test_a_map_of_the_wrong_shape_raises_naming_it(how, rng):
-    """Issue 12 point 1: every shape a map returns is checked; the error names the map and both shapes."""
+    """Every shape a map returns is checked; the error names the map and both shapes."""
     q, k = rng.normal(size=(2, 2, 12, 4))
     v = rng.normal(size=(2, 12, 3))
     bad = BadShapeMap(how)
@@ -359,7 +359,7 @@ def test_a_map_with_a_bad_output_dim_raises_naming_it(dim, rng):
 
 @pytest.mark.parametrize("causal", ["False", "True", 2.5, 1, [1], None, np.array(True)])
 def test_causal_must_be_a_bool(causal, rng):
-    """Issue 12 point 2: attention_rank(causal="False") must not rank causal weights."""
+    """attention_rank(causal="False") must not rank causal weights."""
     q, k = rng.normal(size=(2, 10, 4))
     for fmap in ("elu", "softmax"):
         with pytest.raises(TypeError, match="causal must be a bool"):

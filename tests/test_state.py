@@ -749,7 +749,7 @@ def test_step_out_argument_on_the_host():
 
 
 # ---------------------------------------------------------------------------
-# the state with the random, positional, learned and polynomial maps (issue 21 point 6)
+# the state with the random, positional, learned and polynomial maps
 # ---------------------------------------------------------------------------
 def _other_map(name, n):
     if name == "favor+":
