@@ -115,12 +115,18 @@ def _map_for(rule):
     return "l2" if rule in ("delta", "gated_delta") else "elu"
 
 
-def case_linear_attention(data, rng):
+def _draw_rule_method(data):
+    """A rule, a sequence method and causality (the rules other than additive are causal; scan is causal only)."""
     rule = data.draw(st.sampled_from(sorted(RULES)), label="rule")
     method = data.draw(st.sampled_from(["scan", "chunked", "quadratic"]), label="method")
     causal = rule != "additive" or data.draw(st.booleans(), label="causal")
     if not causal and method == "scan":
         method = "chunked"
+    return rule, method, causal
+
+
+def case_linear_attention(data, rng):
+    rule, method, causal = _draw_rule_method(data)
     bs, n, d, m = (data.draw(st.integers(1, 3), label="B"),), data.draw(st.integers(1, 9), label="N"), 3, 2
     q, k, v = _qkv(rng, bs, n, d, m)
     arrays = dict(q=q, k=k, v=v, **RULES[rule](rng, bs, n, d))
@@ -137,11 +143,7 @@ def case_linear_attention(data, rng):
 
 
 def case_linear_attention_vjp(data, rng):
-    rule = data.draw(st.sampled_from(sorted(RULES)), label="rule")
-    method = data.draw(st.sampled_from(["scan", "chunked", "quadratic"]), label="method")
-    causal = rule != "additive" or data.draw(st.booleans(), label="causal")
-    if not causal and method == "scan":
-        method = "chunked"
+    rule, method, causal = _draw_rule_method(data)
     bs, n, d, m = (data.draw(st.integers(1, 3), label="B"),), data.draw(st.integers(1, 7), label="N"), 3, 2
     q, k, v = _qkv(rng, bs, n, d, m)
     arrays = dict(q=q, k=k, v=v, grad_out=rng.standard_normal(bs + (n, m)), **RULES[rule](rng, bs, n, d))
