@@ -1,0 +1,117 @@
+"""The update rules: one module per rule, and the registry that every other part asks.
+
+=================  ====================================================  ===========================
+rule               recurrence                                            selected by
+=================  ====================================================  ===========================
+``additive``       ``S_t = S_{t-1} + phi(k_t) v_t^T``                    no decay, no beta
+``decay``          ``S_t = a_t S_{t-1} + phi(k_t) v_t^T``                a decay per sequence/token
+``gate``           ``S_t = diag(alpha_t) S_{t-1} + phi(k_t) v_t^T``      a decay per token and feature
+``delta``          ``S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T``  beta
+``gated_delta``    the delta rule after a scalar decay ``a_t``           beta and a decay
+=================  ====================================================  ===========================
+
+(``k_t`` stands for ``phi(k_t)``.)  A call's ``decay``/``log_decay`` and
+``beta`` select the rule (:func:`rule_for`); each rule is an
+:class:`~linattn_nb.rules._base.UpdateRule` record in its own module
+(``linattn_nb/rules/<name>.py``), listed once in :data:`RULES` below.
+
+Examples
+--------
+>>> from linattn_nb import rules
+>>> rules.get_rule("gated_delta").normalize
+False
+>>> rules.rule_for(factor="scalar", beta=True).name
+'gated_delta'
+>>> rules.rule_names()
+('additive', 'decay', 'gate', 'delta', 'gated_delta')
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+from ..ops._codes import RULES as _KERNEL_RULES
+from . import additive, decay, delta, gate, gated_delta
+from ._base import FACTOR_KINDS, UpdateRule, reference
+
+#: Every update rule by name, in the order the documentation lists them.
+RULES: Dict[str, UpdateRule] = {}
+
+
+def register(rule: UpdateRule, *, overwrite: bool = False) -> UpdateRule:
+    """Add ``rule`` to :data:`RULES`.
+
+    Its code and kernel inputs must be those of its entry in the kernels'
+    table (:data:`linattn_nb.ops._codes.RULES`): the kernels know a rule by
+    its code.  Raises ValueError otherwise, or when the name or the
+    combination of ``factor`` and ``beta`` is already taken (unless
+    ``overwrite``).
+    """
+    if not isinstance(rule, UpdateRule):
+        raise TypeError(f"rule must be an UpdateRule, got {type(rule).__name__}")
+    entry = _KERNEL_RULES.get(rule.name)
+    if entry is None or entry[0] != rule.code or tuple(sorted(entry[1])) != tuple(sorted(rule.kernel_inputs)):
+        raise ValueError(f"rule {rule.name!r} (code {rule.code}, inputs {rule.kernel_inputs}) is not in the "
+                         f"kernels' rule table linattn_nb.ops._codes.RULES (got {entry!r})")
+    if not overwrite:
+        if rule.name in RULES:
+            raise ValueError(f"rule {rule.name!r} already registered")
+        for other in RULES.values():
+            if (other.factor, other.beta) == (rule.factor, rule.beta):
+                raise ValueError(f"rule {rule.name!r} takes the same arguments as {other.name!r} "
+                                 f"(factor={rule.factor!r}, beta={rule.beta})")
+    RULES[rule.name] = rule
+    return rule
+
+
+for _module in (additive, decay, gate, delta, gated_delta):
+    register(_module.RULE)
+del _module
+
+
+def rule_names() -> Tuple[str, ...]:
+    """The registered rules' names."""
+    return tuple(RULES)
+
+
+def get_rule(rule) -> UpdateRule:
+    """The :class:`UpdateRule` called ``rule`` (an UpdateRule is returned as it is).
+
+    Raises TypeError for a non-string, ValueError naming the registered rules
+    for an unknown name.
+    """
+    if isinstance(rule, UpdateRule):
+        return rule
+    if not isinstance(rule, str):
+        raise TypeError(f"rule must be a string, got {type(rule).__name__}")
+    try:
+        return RULES[rule]
+    except KeyError:
+        raise ValueError(f"unknown rule {rule!r}; registered: {', '.join(map(repr, RULES))}") from None
+
+
+def rule_for(*, factor: Optional[str], beta: bool) -> UpdateRule:
+    """The rule that a call's arguments select.
+
+    Parameters
+    ----------
+    factor : {None, "scalar", "feature"}
+        The form of the ``decay``/``log_decay`` given: none, one factor per
+        sequence or per token, or one per token and feature.
+    beta : bool
+        Whether ``beta`` was given.
+
+    Raises
+    ------
+    ValueError
+        No rule takes this combination (e.g. a per-feature gate with beta).
+    """
+    for rule in RULES.values():
+        if rule.factor == factor and rule.beta == bool(beta):
+            return rule
+    form = {None: "no decay", "scalar": "a decay per sequence or per token",
+            "feature": "a per-feature decay/log_decay (last axes (N, D_phi))"}[factor]
+    takes = "; ".join(f"{r.name!r}: {r.hint}" for r in RULES.values())
+    raise ValueError(f"no update rule takes {form} {'with' if beta else 'without'} beta; the rules: {takes}")
+
+
+__all__ = ["FACTOR_KINDS", "RULES", "UpdateRule", "get_rule", "reference", "register", "rule_for", "rule_names"]

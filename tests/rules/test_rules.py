@@ -1,0 +1,89 @@
+"""The update-rule registry: each rule's record, and its reference recurrence against every causal method."""
+import numpy as np
+import pytest
+
+import linattn_nb as la
+from linattn_nb import rules
+from linattn_nb.ops._codes import RULES as KERNEL_RULES
+from linattn_nb.ops.registry import get_rule as kernel_rule
+
+NAMES = rules.rule_names()
+
+
+def test_every_kernel_rule_has_one_rule_module():
+    assert set(NAMES) == set(KERNEL_RULES)
+    for name in NAMES:
+        r = rules.get_rule(name)
+        assert r.name == name
+        assert r.code == KERNEL_RULES[name][0]
+        assert r.normalize == kernel_rule(name).normalize
+
+
+def test_arguments_select_exactly_one_rule():
+    for r in rules.RULES.values():
+        assert rules.rule_for(factor=r.factor, beta=r.beta) is r
+
+
+def test_unknown_rule_and_bad_combinations_raise_naming_them():
+    with pytest.raises(ValueError, match="unknown rule 'nope'.*'additive'"):
+        rules.get_rule("nope")
+    with pytest.raises(TypeError, match="rule must be a string"):
+        rules.get_rule(3)
+    with pytest.raises(ValueError, match="per-feature.*with beta"):
+        rules.rule_for(factor="feature", beta=True)
+    with pytest.raises(ValueError, match="already registered"):
+        rules.register(rules.get_rule("delta"))
+    with pytest.raises(TypeError, match="UpdateRule"):
+        rules.register("delta")
+
+
+def test_a_rule_outside_the_kernel_table_is_refused():
+    import dataclasses
+    r = dataclasses.replace(rules.get_rule("decay"), name="my_decay")
+    with pytest.raises(ValueError, match="not in the kernels' rule table"):
+        rules.register(r)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("method", ["quadratic", "scan", "chunked"])
+@pytest.mark.parametrize("n", [1, 7, 70])
+def test_reference_recurrence_equals_every_causal_method(name, method, n):
+    """Each rule's own float64 recurrence is the definition the kernels compute, resets included."""
+    rule = rules.get_rule(name)
+    rng = np.random.default_rng(n)
+    b, d, m = 2, 5, 3
+    q, k, v = (rng.standard_normal((b, n, x)) for x in (d, d, m))
+    kw = rule.sample(rng, b, n, d)
+    fmap = la.feature_maps.get(rule.study_map)
+    out, st = la.linear_attention(q, k, v, feature_map=fmap, causal=True, method=method, return_state=True,
+                                  eps=None, **kw)
+    assert st.rule == name
+    fq, fk = fmap(q), fmap(k)
+    inputs = {}
+    if "decay" in kw:
+        with np.errstate(divide="ignore"):
+            lg = np.log(kw["decay"])
+        inputs[next(x for x in rule.kernel_inputs if x != "beta")] = lg
+    if "beta" in kw:
+        inputs["beta"] = kw["beta"]
+    ref, H = rules.reference(rule, fq, fk, v, inputs=inputs or None)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(st.S, H[:, :, :m], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(st.z, H[:, :, m], rtol=1e-12, atol=1e-12)
+
+
+def test_reference_normalize_flag_and_initial_state():
+    rule = rules.get_rule("decay")
+    rng = np.random.default_rng(0)
+    fq, fk = (np.abs(rng.standard_normal((1, 4, 3))) for _ in range(2))
+    v = rng.standard_normal((1, 4, 2))
+    H0 = np.abs(rng.standard_normal((1, 3, 3)))
+    inputs = {"log_decay": np.log(np.full((1, 4), 0.5))}
+    num, H = rules.reference(rule, fq, fk, v, inputs=inputs, H0=H0, normalize=False)
+    out, H2 = rules.reference(rule, fq, fk, v, inputs=inputs, H0=H0)
+    np.testing.assert_array_equal(H, H2)
+    assert not np.allclose(num, out)  # the flag matters
+    got = la.linear_attention(fq, fk, v, feature_map=None, causal=True,
+                              method="scan", decay=np.full((1, 4), 0.5), initial_state=(H0[:, :, :2], H0[:, :, 2]),
+                              normalize=False)
+    np.testing.assert_allclose(got, num, rtol=1e-12, atol=1e-12)
