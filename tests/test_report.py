@@ -429,16 +429,34 @@ def _section(out, title):
     return (out / "report.md").read_text().split(f"## {title}")[1].split("\n## ")[0]
 
 
-def test_every_study_states_its_regime_and_budget(tiny_report):
+def test_every_study_states_its_regime_and_the_time_it_took(tiny_report):
+    """The reader sees the time each study took; the budgets are the maintainers' check, not in report.md."""
     out, _ = tiny_report
     text = (out / "report.md").read_text()
-    assert "Time budget of this profile (2 shared cores)" in text
+    assert "Time each study took" in text and "budget" not in text.lower()
     for study in STUDIES:
         if study.requires() is None:
             section = _section(out, study.title)
             assert "Regime:" in section, study.name
             assert study.budget_s and "tiny" in study.budget_s and "full" in study.budget_s, study.name
-            assert "(budget " in section, study.name
+            assert "; took " in section, study.name
+
+
+def test_over_budget_is_a_result_attribute_for_maintainers(tmp_path):
+    from linattn_nb.studies import Study
+
+    slow = Study(name="plugin_slow", title="Slow", command="plugin-slow", help="over its budget",
+                 points=_plugin_points, run=_plugin_run, render=_plugin_render, budget_s={"tiny": -1.0, "full": 9})
+    saved = list(STUDIES)
+    try:
+        register_study(slow)
+        res = run_report(tmp_path / "r", profile="tiny", studies=["plugin_slow"], progress=False,
+                         log=lambda line: None)
+    finally:
+        STUDIES[:] = saved
+    assert [name for name, _, _ in res.over_budget] == ["plugin_slow"] and res.over_budget[0][2] == -1.0
+    assert set(res.timings) == {"plugin_slow"}
+    assert "budget" not in res.path.read_text().lower()
 
 
 def test_error_section_two_regimes_seeds_entropy_and_finite_divergences(tiny_report):
@@ -455,13 +473,16 @@ def test_error_section_two_regimes_seeds_entropy_and_finite_divergences(tiny_rep
     assert all(len(s) >= 2 for s in seeds.values())  # tiny: 2 seeds; quick and full: 5
     section = _section(out, "Approximation error against softmax")
     for words in ("Regime:", "s = 0.5", "s = 1 (q, k ~ N(0, I))", "Softmax row entropy", "(ln N = ", " ± ",
-                  "js_mean", "kl_infinite_rate", "n/a", "KL(softmax ‖ linear) is infinite in some rows for",
-                  "fitted slope [95% CI]", "Ranking by output error", "error_n.png", "error_m.png",
-                  "error_divergence.png", "Beyond the axis"):
+                  "js_mean", "kl_infinite_rate", "KL(softmax ‖ linear) is infinite in some rows for",
+                  "slope, all m [95% CI]", "Positive maps ranked by output error", "error_n.png", "error_m.png",
+                  "error_divergence.png", "**Signed maps**", "error_signed.png", "95% Student-t interval"):
         assert words in section, words
-    # the signed maps' huge errors are listed with their values, not dropped
-    beyond = section.split("Beyond the axis")[1].split("\n")[0]
-    assert "identity" in beyond and "e+" in beyond
+    # the signed maps are not ranked beside the positive ones; they have their own table
+    ranking = section.split("Positive maps ranked by output error")[1].split("\n\n")[1]
+    signed = section.split("**Signed maps**")[1].split("\n\n")[1]
+    assert "identity" not in ranking and "elu" in ranking
+    assert "| identity |" in signed and "| elu |" not in signed
+    assert "standard deviation over" not in section
 
 
 def test_error_points_take_the_cli_keywords(tmp_path):

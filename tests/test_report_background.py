@@ -100,7 +100,10 @@ def test_a_background_study_runs_in_another_process_and_the_timed_one_after_its_
     timed = [r["result"] for r in load_results(out / "timed_x.jsonl") if r.get("status") == "ok"]
     assert len(timed) == 2 and {t["pid"] for t in timed} == {me}
     assert {t["prepared_by"] for t in timed} == bg, "prepare did not run in the background process before the timed study"
-    assert any("bg_x: 3 points, in a background process" in line for line in lines), lines
+    assert any("bg_x: 3 points, started in a background process" in line for line in lines), lines
+    # numbered progress lines count up, in the order the studies finish
+    numbered = [int(line[1:line.index("/")]) for line in lines if line.startswith("[")]
+    assert numbered == sorted(numbered) and numbered[-1] == 3, lines
     assert any("bg_x: 3 points (" in line and "in the background)" in line for line in lines), lines
     # the report keeps its order, whatever the execution order
     text = res.path.read_text()

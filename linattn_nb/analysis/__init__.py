@@ -3,7 +3,8 @@
 * how far linear attention is from softmax attention: approximation error at
   the attention level (:mod:`.error`) and kernel-level theory (:mod:`.theory`);
 * the limits of the fixed-size state: spectra and ranks of attention
-  (:mod:`.spectral`, :mod:`.rank`) and recall capacity (:mod:`.capacity`).
+  (:mod:`.spectral`, :mod:`.rank`) and recall capacity (:mod:`.capacity`);
+* reading stored values back from any state (:mod:`.readout`).
 
 Importing compiles nothing.
 """
@@ -12,6 +13,7 @@ from .theory import KernelEstimate, favor_mse, kernel_estimate_mse, orthogonal_m
 from .spectral import cumulative_spectrum, effective_rank, numerical_rank, singular_values, stable_rank
 from .rank import StateRankProfile, attention_rank, semiseparable_rank, state_rank_profile
 from .capacity import MQAR, RecallCapacity, mqar, recall_capacity, state_size
+from .readout import Readout, read_back
 
 __all__ = [
     # approximation error (error.py)
@@ -24,4 +26,6 @@ __all__ = [
     "attention_rank", "semiseparable_rank", "state_rank_profile", "StateRankProfile",
     # recall capacity (capacity.py)
     "RecallCapacity", "recall_capacity", "MQAR", "mqar", "state_size",
+    # reading values back from a state (readout.py)
+    "Readout", "read_back",
 ]

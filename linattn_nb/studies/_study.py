@@ -39,6 +39,8 @@ __all__ = [
     "markdown_table",
     "fmt",
     "mean_std",
+    "mean_ci",
+    "CI_CAPTION",
     "pm",
     "fit_slope",
 ]
@@ -233,8 +235,8 @@ class Study:
         side by side on a busy machine mean nothing).
     budget_s : dict, optional
         The time the study is sized to take per profile (``{"quick": 20,
-        "full": 120}``), on 2 shared cores; the report prints it beside the
-        time taken and notes a study that overran it.
+        "full": 120}``), on 2 shared cores: a check for maintainers
+        (:attr:`ReportResult.over_budget`); ``report.md`` shows the time taken.
     background : bool
         The study neither measures time nor depends on the others, and most
         of its time is compiling kernels: in a report without a scheduler
@@ -369,8 +371,43 @@ def mean_std(x, axis=0):
     return mean, std
 
 
+#: The uncertainty convention of every table and plot of the report, quoted in each caption.
+CI_CAPTION = "mean ± half-width of the 95% Student-t interval over the seeds"
+
+
+def mean_ci(x, axis=0, *, level: float = 0.95):
+    """Mean and half-width of the Student-t confidence interval of the mean along ``axis``, ignoring NaN.
+
+    The half-width is ``t_{(1+level)/2, S-1} sd / sqrt(S)`` over the ``S``
+    finite samples (``sd`` with ddof = 1); 0 for one sample (no interval).
+    Infinite values make the mean infinite (and the half-width NaN).
+
+    Examples
+    --------
+    >>> m, h = mean_ci([1.0, 2.0, 3.0])
+    >>> float(m), round(float(h), 3)      # t_{0.975, 2} = 4.303, sd = 1
+    (2.0, 2.484)
+    """
+    import warnings
+
+    import numpy as np
+    from scipy import stats
+
+    x = np.asarray(x, dtype=float)
+    mean, std = mean_std(x, axis=axis)
+    count = np.sum(~np.isnan(x), axis=axis)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        t = stats.t.ppf(0.5 + level / 2, np.maximum(count - 1, 1))
+        half = np.where(count > 1, t * std / np.sqrt(np.maximum(count, 1)), 0.0)
+    return mean, half
+
+
 def pm(mean, std, digits: int = 3) -> str:
-    """``"mean ± std"`` for a table cell (only the mean when the deviation is 0, round-off or undefined)."""
+    """``"mean ± spread"`` for a table cell (only the mean when the spread is 0, round-off or undefined).
+
+    The studies pass the half-width of :func:`mean_ci` as the spread.
+    """
     mean, std = float(mean), float(std)
     if not math.isfinite(mean) or not math.isfinite(std) or std <= 1e-9 * abs(mean):
         return fmt(mean, digits)

@@ -8,7 +8,7 @@ decay γ (RetNet, Sun et al. 2023, §2.1):
 (``decay=γ``) bins each pair's relative error ‖v̂_j − v_j‖²/‖v_j‖² by that
 distance; the study plots it for γ ∈ {1 (the additive rule), 0.999, 0.99,
 0.9} with the least-squares floor of a state of the same size on the same
-axes, mean ± standard deviation over five seeds, for two feature maps (one
+axes, mean and 95% Student-t interval over five seeds, for two feature maps (one
 panel each): ELU+1, the default, and DPFP (ν = 2), whose sparse features
 read selectively.
 
@@ -19,12 +19,10 @@ pair alike -- and gives up the pairs older than about 1/(1 − γ).
 """
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 
 from ._maps import build_map, map_label
-from ._study import Rendered, Study, fmt, markdown_table, register_study, split_failed
+from ._study import CI_CAPTION, Rendered, Study, fmt, markdown_table, mean_ci, register_study, split_failed
 from .sweep import to_json
 
 #: The decays compared; 1 is the additive rule (run with ``decay=None``).
@@ -87,13 +85,8 @@ def _aggregate(ok):
 
 
 def _mean_std(x):
-    """Mean and standard deviation (ddof=1 when there are >= 2 seeds) along axis 0, ignoring NaN."""
-    x = np.asarray(x, dtype=float)
-    with warnings.catch_warnings():  # an empty bin (NaN for every seed) is NaN, silently
-        warnings.simplefilter("ignore", RuntimeWarning)
-        mean = np.nanmean(x, axis=0)
-        std = np.nanstd(x, axis=0, ddof=1) if x.shape[0] > 1 else np.zeros_like(mean)
-    return mean, std
+    """Mean and 95% Student-t half-width over the seeds (axis 0), ignoring NaN (an empty bin is NaN)."""
+    return mean_ci(np.asarray(x, dtype=float), axis=0)
 
 
 def _pm(mean, std) -> str:
@@ -113,7 +106,7 @@ def render(records, ctx) -> Rendered:
             f"R^{p0['value_dim']}, written one per token and all read after the last write (pair j at distance "
             f"n − 1 − j); D_φ ({dphis}).  The state decays by a constant γ per token "
             "(S = Σ_j γ^(n−1−j) φ(k_j) v_jᵀ, z likewise; normalised read-out φ(k)ᵀS / φ(k)ᵀz).  Error: "
-            "‖v̂ − v‖²/‖v‖² over the pairs of each distance bin; mean ± standard deviation over "
+            f"‖v̂ − v‖²/‖v‖² over the pairs of each distance bin; {CI_CAPTION} ("
             f"{nseeds} seeds ({p0['trials']} trial(s) each; a seed draws the keys and values).  The optimal floor "
             "is the least-squares state of the same size (D_φ × M), which weighs every pair alike: a forgetting "
             "state can beat it on recent pairs by giving up the old ones, whose error then exceeds 1 (the "
@@ -153,7 +146,7 @@ def render(records, ctx) -> Rendered:
                 ax.set(xlabel="distance between write and read (tokens)", ylabel="relative retrieval error",
                        title=f"{name}, D_φ = {first['d_phi']}, n = {p0['n']}")
                 ax.grid(True, alpha=0.3)
-            ctx.legend_outside(fig, axes, title=f"state (mean ± sd, {nseeds} seeds)")
+            ctx.legend_outside(fig, axes, title=f"state (mean, 95% CI, {nseeds} seeds)")
             md += ["", ctx.savefig(fig, "horizon", "retrieval error against write-read distance for several decays")]
     md += failed_md
     return Rendered("\n".join(md), f"γ ∈ {{{', '.join(f'{g:g}' for g in GAMMAS)}}}, {len(SEEDS)} seeds", problems)

@@ -43,7 +43,7 @@ at the start and after the last step, the same loss on the evaluation draw
 (held-out, via :func:`linattn_nb.fitting.objective`) before and after, the
 steps done and the fit's wall time (a tiny fit beforehand, once per process,
 compiles the kernels, so that compiling is not counted).  Cells are means ±
-standard errors of the mean over the seeds (sd/√S).
+half-widths of the 95% Student-t interval of the mean over the seeds.
 
 Sizes per profile (d, N = training and evaluation length, L-BFGS steps,
 seeds): tiny d = 8, N = 64, 10 steps, 2 seeds; quick d = 16, N = 256,
@@ -58,7 +58,7 @@ import time
 
 import numpy as np
 
-from ._study import Rendered, Study, fmt, markdown_table, mean_std, register_study, split_failed
+from ._study import CI_CAPTION, Rendered, Study, fmt, markdown_table, mean_ci, register_study, split_failed
 from .error import QK_SCALE
 from .sweep import to_json
 
@@ -209,15 +209,14 @@ def _num(x) -> float:
 
 
 def _se(x):
-    """(mean, standard error of the mean) of finite-or-inf samples; inf when any is inf."""
+    """(mean, 95% Student-t half-width) of finite-or-inf samples; inf when any is inf."""
     x = np.asarray(x, dtype=float)
     if x.size == 0:
         return float("nan"), float("nan")
     if np.any(np.isinf(x)):
         return float("inf"), float("nan")
-    m, s = mean_std(x)
-    count = int(np.sum(~np.isnan(x)))
-    return float(m), (float(s) / math.sqrt(count) if count > 1 else 0.0)
+    m, h = mean_ci(x)
+    return float(m), float(h)
 
 
 def _pct(rate) -> str:
@@ -278,7 +277,7 @@ def _regime_line(agg) -> str:
             f"the same standard-normal q, k, v in every regime).  Fits: `feature_maps.fit(..., loss="
             f"'cross_entropy', optimizer='lbfgs', steps={p['steps']})` on {p['fit_dtype']} copies of the training "
             "draw, one BLAS thread; every measure is taken on the evaluation draw in float64 by "
-            "`approximation_error`.  Cells: mean ± standard error of the mean over the seeds (sd/√S).")
+            f"`approximation_error`.  Cells: {CI_CAPTION}.")
 
 
 def _kl_cell(agg, regime, key) -> str:
@@ -430,7 +429,7 @@ def _plot(agg, ctx) -> list:
         ax.set_ylim(len(keys) - 0.5, -0.5)
         ax.set(xlabel=title)
         ax.grid(True, which="both", alpha=0.3)
-    ctx.legend_outside(fig, axes, title=f"regime (mean ± s.e., {len(agg.seeds)} seeds)", where="bottom")
+    ctx.legend_outside(fig, axes, title=f"regime (mean, 95% CI, {len(agg.seeds)} seeds)", where="bottom")
     md = ["", ctx.savefig(fig, "learned", "KL, Jensen-Shannon divergence and monotonicity of every map in every "
                                           "regime, fitted Hedgehog and T2R against fixed maps")]
     if beyond:

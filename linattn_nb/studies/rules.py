@@ -28,11 +28,10 @@ exactly.  A rule whose error falls below the floor is reported as a problem
 """
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 
-from ._study import Rendered, Study, fmt, markdown_table, register_study, split_failed
+from ._claims import compare_claim
+from ._study import CI_CAPTION, Rendered, Study, fmt, markdown_table, mean_ci, pm, register_study, split_failed
 from .sweep import to_json
 
 #: The rules compared: (label, beta, decay); beta None is the additive rule.
@@ -61,6 +60,10 @@ def _sizes(ctx):
     )
 
 
+#: Passes over the pairs of the repeated-passes regime (the delta rule converges towards the least-squares state).
+PASSES = (5, 20)
+
+
 def points(ctx) -> list[dict]:
     d, ns, trials = _sizes(ctx)
     pts = [dict(kind="gaussian", rule=label, beta=beta, decay=decay, d=d, n_pairs=ns, trials=trials, seed=s,
@@ -70,75 +73,97 @@ def points(ctx) -> list[dict]:
     pts += [dict(kind="orthonormal", rule=label, beta=beta, decay=None, d=d, n_pairs=orth, trials=trials, seed=s,
                  method=METHOD)
             for label, beta, decay in RULES[:2] for s in SEEDS]
+    small = sorted({max(1, d // 4), max(1, d // 2), d})
+    pts += [dict(kind="passes", rule=f"{label}, {p} passes", beta=beta, decay=None, d=d, n_pairs=ns, trials=1,
+                 seed=s, method=METHOD, passes=p)
+            for label, beta, _ in RULES[1:3] for p in PASSES for s in SEEDS]
+    pts += [dict(kind="rewrite", rule=label, beta=beta, decay=None, d=d, n_pairs=small, trials=1, seed=s,
+                 method=METHOD)
+            for label, beta, _ in RULES[:3] for s in SEEDS]
     return pts
 
 
-def run(kind, rule, beta, decay, d, n_pairs, trials, seed, method=METHOD) -> dict:
-    from ..analysis import recall_capacity
+def run(kind, rule, beta, decay, d, n_pairs, trials, seed, method=METHOD, passes=1) -> dict:
+    """One rule in one regime: accuracy and error of the read-out against n (see the module docstring)."""
+    if kind in ("gaussian", "orthonormal"):
+        from ..analysis import recall_capacity
 
-    res = recall_capacity(FEATURE_MAP, d, np.asarray(n_pairs), trials=trials, seed=seed, beta=beta, decay=decay,
-                          normalize=False, orthogonal_keys=(kind == "orthonormal"), method=method)
-    return to_json(res)
-
-
-def _mean_std(x):
-    """Mean and standard deviation (ddof=1 when there are >= 2 seeds) along axis 0."""
-    x = np.asarray(x, dtype=float)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        mean = x.mean(axis=0)
-        std = x.std(axis=0, ddof=1) if x.shape[0] > 1 else np.zeros_like(mean)
-    return mean, std
+        res = recall_capacity(FEATURE_MAP, d, np.asarray(n_pairs), trials=trials, seed=seed, beta=beta,
+                              decay=decay, normalize=False, orthogonal_keys=(kind == "orthonormal"), method=method)
+        return to_json(res)
+    return _run_written(kind, beta, d, list(n_pairs), seed, passes)
 
 
-def _pm(mean, std) -> str:
-    if abs(float(mean)) < 1e-12 and float(std) < 1e-12:
+def _unit_keys(rng, n, d):
+    k = rng.standard_normal((n, d))
+    return k / np.linalg.norm(k, axis=1, keepdims=True)
+
+
+def _run_written(kind, beta, d, n_pairs, seed, passes) -> dict:
+    """The regimes written through a LinearAttentionState and read back with
+    :func:`linattn_nb.analysis.read_back`: repeated passes over the pairs
+    (``kind="passes"``), or every key written twice, first with an old value
+    and then with a new one (``kind="rewrite"``; the new value is the one to
+    read, chosen among all 2n stored values)."""
+    from .. import LinearAttentionState
+    from ..analysis import read_back
+
+    acc, mse, opt = [], [], []
+    for n in n_pairs:
+        rng = np.random.default_rng([seed, n, d, 7])
+        keys = _unit_keys(rng, n, d)
+        if kind == "passes":
+            vals, cand = np.eye(n), None
+            writes = [(keys, vals)] * passes
+        else:
+            eye = np.eye(2 * n)
+            vals, cand = eye[n:], eye
+            writes = [(keys, eye[:n]), (keys, eye[n:])]
+        st = LinearAttentionState(d, vals.shape[1], feature_map=FEATURE_MAP,
+                                  rule="additive" if beta is None else "delta", normalize=False)
+        for kk, vv in writes:
+            if beta is None:
+                st.prefill(kk, vv)
+            else:
+                st.prefill(kk, vv, beta=beta)
+        r = read_back(st, keys, vals, candidates=cand)
+        acc.append(r.accuracy)
+        mse.append(r.error)
+        opt.append(max(0.0, 1.0 - np.linalg.matrix_rank(keys) / n))
+    return {"n_pairs": list(n_pairs), "d_phi": d, "accuracy": acc, "mse": mse, "optimal_mse": opt,
+            "beta": beta, "decay": None, "passes": passes if kind == "passes" else 1, "normalize": False,
+            "value_dim": None}
+
+
+def _stat(x):
+    """Mean and 95% Student-t half-width over the seeds (axis 0)."""
+    return mean_ci(np.asarray(x, dtype=float))
+
+
+def _pm(mean, half) -> str:
+    if abs(float(mean)) < 1e-12 and float(half) < 1e-12:
         return "< 1e-12"
-    return f"{fmt(float(mean))} ± {fmt(float(std), 2)}"
-
-
-def _findings(agg, dphi, ns) -> str:
-    """What the table shows, computed from its numbers: errors at n = D_phi, the rule nearest the floor at the largest n."""
-    def mean_at(e, j):
-        return float(_mean_std(e["mse"])[0][j])
-
-    at = int(np.argmin(np.abs(ns - dphi)))
-    last = len(ns) - 1
-    floor = float(_mean_std(next(iter(agg.values()))["opt"])[0][last])
-    at_d = "; ".join(f"{label}: {fmt(mean_at(e, at))}" for label, e in agg.items())
-    text = f"What it shows: at n = {int(ns[at])} (≈ D_φ), where the floor is 0, the errors are {at_d}"
-    if "additive" in agg and RULES[1][0] in agg:
-        a, b = mean_at(agg["additive"], at), mean_at(agg[RULES[1][0]], at)
-        text += (f" -- one pass over keys in general position leaves interference under every rule; the delta "
-                 f"rule's (β = 1) error is {fmt(b / a, 2)} times the additive rule's")
-    best = min(agg.items(), key=lambda kv: mean_at(kv[1], last))
-    text += (f".  At n = {int(ns[last])} ({fmt(float(ns[last]) / dphi, 2)} D_φ) the nearest to the floor "
-             f"({fmt(floor)}) is {best[0]} ({fmt(mean_at(best[1], last))})")
-    over = [label for label, e in agg.items() if mean_at(e, last) > 1.0]
-    if over:
-        text += ("; " + " and ".join(f"'{label}'" for label in over) + " exceed 1, i.e. read out worse than a zero "
-                 "read-out would (each read returns a mix of other values)")
-    return text + "."
+    return pm(float(mean), float(half))
 
 
 def _aggregate(ok, kind):
-    """{rule label: dict(n, d_phi, mse (seeds, n), opt (seeds, n))} in RULES order, for one key kind."""
+    """{rule label: dict(n, d_phi, mse, acc, opt (seeds, n), seeds)} in study order, for one regime."""
     by = {}
     for r in ok:
         p, res = r["params"], r["result"]
         if p["kind"] != kind:
             continue
         e = by.setdefault(p["rule"], dict(n=np.asarray(res["n_pairs"], dtype=float), d_phi=int(res["d_phi"]),
-                                          mse=[], opt=[], seeds=[]))
+                                          mse=[], opt=[], acc=[], seeds=[]))
         e["mse"].append(np.asarray(res["mse"], dtype=float))
         e["opt"].append(np.asarray(res["optimal_mse"], dtype=float))
+        e["acc"].append(np.asarray(res.get("accuracy", np.full(len(res["mse"]), np.nan)), dtype=float))
         e["seeds"].append(p["seed"])
-    order = [label for label, _, _ in RULES]
     out = {}
-    for label in sorted(by, key=lambda x: order.index(x) if x in order else len(order)):
+    for label in by:  # records come in the grid's order
         e = by[label]
-        e["mse"] = np.asarray(e["mse"])
-        e["opt"] = np.asarray(e["opt"])
+        for f in ("mse", "opt", "acc"):
+            e[f] = np.asarray(e[f])
         out[label] = e
     return out
 
@@ -154,12 +179,100 @@ def _below_floor(agg) -> list:
     return bad
 
 
+def _table(agg, cols, dphi, *, floor=True) -> str:
+    """Rows: accuracy / error per rule at the columns ``cols`` of n."""
+    first = next(iter(agg.values()))
+    ns = first["n"]
+    rows = []
+    for label, e in agg.items():
+        ma, ha = _stat(e["acc"])
+        me, he = _stat(e["mse"])
+        rows.append([label] + [f"{_pm(ma[j], ha[j])} / {_pm(me[j], he[j])}" for j in cols])
+    if floor:
+        m, h = _stat(first["opt"])
+        rows.append(["optimal floor (least squares), error"] + [_pm(m[j], h[j]) for j in cols])
+        rows.append(["1 − D_φ/n"] + [fmt(max(0.0, 1.0 - dphi / float(ns[j]))) for j in cols])
+    return markdown_table(["state"] + [f"n = {int(ns[j])} ({fmt(float(ns[j]) / dphi, 2)} D_φ)" for j in cols], rows)
+
+
+def _at(e, f, j):
+    m, h = _stat(e[f])
+    return float(m[j]), float(h[j])
+
+
+def findings(agg, passes, orth, rewrite, dphi) -> list:
+    """What each regime shows, in words computed from the statistics (rules stated in the claims)."""
+    out = []
+    add, d1 = RULES[0][0], RULES[1][0]
+    if add in agg and d1 in agg:
+        e_add, e_d1 = agg[add], agg[d1]
+        ns = e_add["n"]
+        at = int(np.argmin(np.abs(ns - dphi)))
+        last = len(ns) - 1
+        acc_claim = compare_claim(add, *_at(e_add, "acc", last), d1, *_at(e_d1, "acc", last),
+                                  higher_is_better=True, measure=f"argmax accuracy at n = {int(ns[last])}")
+        err_claim = compare_claim(d1, *_at(e_d1, "mse", at), add, *_at(e_add, "mse", at),
+                                  higher_is_better=False, measure=f"error at n = {int(ns[at])}")
+        text = (f"- **Random unit keys, one pass.** {acc_claim.text}; {err_claim.text}.")
+        if acc_claim.supported and err_claim.supported:
+            text += ("  A reversal: by accuracy the additive rule wins, by error the delta rule does.  With unit "
+                     "keys and one-hot values the additive read-out of key i for value j is k_i·k_j, largest at "
+                     "j = i (Cauchy–Schwarz), so its argmax is right at every n while its error grows with the "
+                     "interference; the delta rule's corrections lower the error but move the argmax.")
+        ma = _stat(e_add["acc"])[0]
+        if np.all(ma == 1.0):
+            text += f"  The additive rule's accuracy is 1 at every n up to {int(ns[last])}."
+        out.append(text)
+    if passes:
+        lines = []
+        for label, e in passes.items():
+            ns = e["n"]
+            at = int(np.argmin(np.abs(ns - dphi)))
+            m, h = _at(e, "mse", at)
+            lines.append(f"{label}: {_pm(m, h)}")
+        one = _at(agg[d1], "mse", int(np.argmin(np.abs(agg[d1]["n"] - dphi)))) if d1 in agg else None
+        text = (f"- **Repeated passes.** At n = D_φ = {dphi} the floor is 0; one pass of the delta rule (β = 1) "
+                + (f"leaves {_pm(*one)}, " if one else "") + "repeated passes leave " + "; ".join(lines) + ".")
+        reached = [label for label, e in passes.items()
+                   if _at(e, "mse", int(np.argmin(np.abs(e["n"] - dphi))))[0] < EXACT]
+        text += (f"  Error below {fmt(EXACT)} (retrieval exact to that tolerance) at n = D_φ: "
+                 + (", ".join(reached) if reached else "none of them") + ".  Exact recall up to D_φ for keys "
+                 "in general position is the least-squares state, which the delta rule approaches only over "
+                 "many passes (it is a stochastic-gradient step on the squared read-out error).")
+        out.append(text)
+    if orth:
+        worst = {label: float(np.max(e["mse"])) for label, e in orth.items()}
+        exact = [label for label, w in worst.items() if w < 1e-9]
+        text = ("- **Orthonormal keys.** Largest error over seeds and n ≤ D_φ: "
+                + "; ".join(f"{label}: {fmt(w)}" for label, w in worst.items()) + ".")
+        if len(exact) == len(worst) and len(worst) > 1:
+            text += "  Every rule is exact here: orthonormal keys do not tell the rules apart."
+        out.append(text)
+    if rewrite and add in rewrite and d1 in rewrite:
+        e_add, e_d1 = rewrite[add], rewrite[d1]
+        j = len(e_add["n"]) - 1
+        claim = compare_claim(d1, *_at(e_d1, "acc", j), add, *_at(e_add, "acc", j), higher_is_better=True,
+                              measure=f"accuracy at n = {int(e_add['n'][j])}")
+        text = f"- **Keys rewritten with new values.** {claim.text}."
+        if claim.supported:
+            text += ("  Here the delta rule wins: a write replaces what the state returned for the key, while the "
+                     "additive rule returns old and new values with equal weight (a tie, counted as a miss).")
+        out.append(text)
+    return out
+
+
+#: An error below this counts as exact retrieval in the findings.
+EXACT = 1e-3
+
+
 def render(records, ctx) -> Rendered:
     ok, failed, problems, failed_md = split_failed("rules", records)
     md = []
     agg = _aggregate(ok, "gaussian")
     orth = _aggregate(ok, "orthonormal")
-    problems = problems + _below_floor(agg) + _below_floor(orth)
+    passes = _aggregate(ok, "passes")
+    rewrite = _aggregate(ok, "rewrite")
+    problems = problems + _below_floor(agg) + _below_floor(orth) + _below_floor(passes)
     if agg:
         first = next(iter(agg.values()))
         dphi, ns = first["d_phi"], first["n"]
@@ -169,52 +282,58 @@ def render(records, ctx) -> Rendered:
             f"Regime: keys i.i.d. N(0, 1) in R^{p0['d']} mapped by φ(k) = k/‖k‖ (unit keys, D_φ = {dphi}), "
             "one-hot values (M = n), the n pairs written one per token into a D_φ × M state and every key read "
             "after the last write; unnormalised read-out φ(k)ᵀS for every rule; delta rules run by "
-            f"`linear_attention(..., beta=, method={p0['method']!r})` in float64.  Error: ‖V̂ − V‖²/‖V‖²; "
-            f"mean ± standard deviation over {nseeds} seeds ({p0['trials']} trial(s) each).  The floor is the "
-            "least-squares state of the same size on the same keys: 0 up to n = D_φ, 1 − D_φ/n beyond (for "
-            "one-hot values every read-out φ(K)S has rank ≤ D_φ, and no update rule can do better).")
+            f"`linear_attention(..., beta=, method={p0['method']!r})` in float64 (repeated passes and rewrites "
+            "by `LinearAttentionState.prefill`, read by `linattn_nb.analysis.read_back`).  Each cell: argmax "
+            "accuracy / relative error ‖V̂ − V‖²/‖V‖², "
+            f"{CI_CAPTION} ({nseeds} seeds).  The floor is the least-squares state of the same size on the "
+            "same keys: 0 up to n = D_φ, 1 − D_φ/n beyond (for one-hot values every read-out φ(K)S has rank "
+            "≤ D_φ, and no update rule can do better).  Rule for \"beats\": the two 95% intervals do not "
+            "overlap.")
         cols = list(range(len(ns)))
         if len(cols) > 7:
             cols = sorted({0, len(ns) // 4, len(ns) // 2, (3 * len(ns)) // 4, len(ns) - 1}
                           | {int(np.argmin(np.abs(ns - dphi))), int(np.argmin(np.abs(ns - 2 * dphi)))})
-        rows = []
-        for label, e in agg.items():
-            m, s = _mean_std(e["mse"])
-            rows.append([label] + [_pm(m[j], s[j]) for j in cols])
-        m, s = _mean_std(first["opt"])
-        rows.append(["optimal floor (least squares)"] + [_pm(m[j], s[j]) for j in cols])
-        rows.append(["1 − D_φ/n"] + [fmt(max(0.0, 1.0 - dphi / float(ns[j]))) for j in cols])
-        md += ["", f"Relative retrieval error against n (D_φ = {dphi}):", "",
-               markdown_table(["state"] + [f"n = {int(ns[j])} ({fmt(float(ns[j]) / dphi, 2)} D_φ)" for j in cols],
-                              rows)]
+        md += ["", f"Random unit keys, one pass: accuracy / error against n (D_φ = {dphi}):", "",
+               _table(agg, cols, dphi)]
+        if passes:
+            md += ["", f"Random unit keys, the pairs written {' or '.join(map(str, PASSES))} times over (delta "
+                       "rules), accuracy / error:", "", _table(passes, cols, dphi)]
         if orth:
-            orows = []
-            for label, e in orth.items():
-                orows.append([label] + [fmt(float(e["mse"][:, j].max())) for j in range(len(e["n"]))])
-            on = next(iter(orth.values()))["n"]
-            md += ["", "Orthonormal keys (a random orthonormal frame), n ≤ D_φ: the largest error over the seeds "
-                   "(exact retrieval up to round-off; with keys in general position, above, neither rule is exact):",
-                   "", markdown_table(["state"] + [f"n = {int(n)}" for n in on], orows)]
-        md += ["", _findings(agg, dphi, ns), ""]
+            oc = list(range(len(next(iter(orth.values()))["n"])))
+            md += ["", "Orthonormal keys (a random orthonormal frame), n ≤ D_φ, accuracy / error:", "",
+                   _table(orth, oc, dphi, floor=False)]
+        if rewrite:
+            rc = list(range(len(next(iter(rewrite.values()))["n"])))
+            md += ["", "Random unit keys written twice, first with old values and then with new ones (one-hot in "
+                       "2n dimensions); accuracy: the new value is strictly nearest among all 2n; error against "
+                       "the new values:", "", _table(rewrite, rc, dphi, floor=False)]
+        md += ["", "What it shows (computed from the tables above):", ""] + findings(agg, passes, orth, rewrite, dphi)
+        md.append("")
         if problems:
             md.append("**Some rule fell below the floor (see the problems).**")
         else:
             md.append("Every rule stays on or above the floor at every n and seed.")
         if ctx.plots:
-            fig, (ax,) = ctx.figure(ncols=1, width=6.0, height=4.2)
+            fig, (ax, ax2) = ctx.figure(ncols=2, width=4.6, height=4.0)
             x = ns / dphi
-            for i, (label, e) in enumerate(agg.items()):
-                m, s = _mean_std(e["mse"])
-                ax.errorbar(x, m, yerr=s, ms=3, capsize=2, label=label, **ctx.style(i))
-            m, s = _mean_std(first["opt"])
-            ax.errorbar(x, m, yerr=s, fmt="k--", capsize=2, label="optimal floor (least squares)")
+            series = list(agg.items()) + list(passes.items())
+            for i, (label, e) in enumerate(series):
+                m, h = _stat(e["mse"])
+                ax.errorbar(x, m, yerr=h, ms=3, capsize=2, label=label, **ctx.style(i))
+                m, h = _stat(e["acc"])
+                ax2.errorbar(x, m, yerr=h, ms=3, capsize=2, label="_", **ctx.style(i))
+            m, h = _stat(first["opt"])
+            ax.errorbar(x, m, yerr=h, fmt="k--", capsize=2, label="optimal floor (least squares)")
             ax.set(xlabel="n / D_φ", ylabel="relative retrieval error ‖V̂ − V‖² / ‖V‖²",
-                   title=f"Update rules and the floor (D_φ = {dphi})")
-            ax.axvline(1.0, color="0.6", lw=0.8)
-            ax.grid(True, alpha=0.3)
-            ctx.legend_outside(fig, [ax], title=f"mean ± sd, {nseeds} seeds")
-            md += ["", ctx.savefig(fig, "rules", "retrieval error against n / D_phi for the additive, delta and "
-                                                 "gated delta rules with the least-squares floor")]
+                   title=f"Error (D_φ = {dphi})")
+            ax2.set(xlabel="n / D_φ", ylabel="argmax accuracy", title="Accuracy")
+            for a in (ax, ax2):
+                a.axvline(1.0, color="0.6", lw=0.8)
+                a.grid(True, alpha=0.3)
+            ctx.legend_outside(fig, [ax, ax2], title=f"mean, 95% CI, {nseeds} seeds")
+            md += ["", ctx.savefig(fig, "rules", "retrieval error and argmax accuracy against n / D_phi for the "
+                                                 "additive, delta and gated delta rules with the least-squares floor"),
+                   "", f"Random unit keys; {CI_CAPTION}."]
     md += failed_md
     return Rendered("\n".join(md), f"{len(RULES)} update rules, {len(SEEDS)} seeds", problems)
 

@@ -1,0 +1,161 @@
+"""Reading stored values back from a linear-attention state.
+
+:func:`read_back` queries a state with the keys that were written into it and
+compares what comes back with the values that were stored: the read-out, the
+fraction of keys whose read-out is nearest to their own value, and the
+relative error ``||V_hat - V||_F^2 / ||V||_F^2``.  It is what the recall and
+update-rule studies of ``linattn report`` measure, for any state a user built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Readout", "read_back"]
+
+#: Two distances closer than this (relative to the larger) count as a tie.
+TIE_RTOL = 1e-9
+
+
+@dataclass(frozen=True)
+class Readout:
+    """Result of :func:`read_back`.
+
+    Attributes
+    ----------
+    values : ndarray, shape (n, M)
+        The read-out ``V_hat``: row i is what the state returns for key i.
+    accuracy : float or None
+        Fraction of keys whose read-out is strictly nearest (Euclidean
+        distance) to their own stored value among all the stored values; for
+        one-hot values, the argmax of the read-out.  A tie (two stored values
+        at the same distance, up to a relative ``1e-9``) counts as a miss:
+        the read-out does not single the right value out.  None when no
+        values were given.
+    error : float or None
+        ``||V_hat - V||_F^2 / ||V||_F^2``; None when no values were given.
+    """
+
+    values: np.ndarray
+    accuracy: float | None = None
+    error: float | None = None
+
+
+def _features(feature_map, keys):
+    from .. import feature_maps as fm
+
+    fmap = fm.get(feature_map) if isinstance(feature_map, str) else feature_map
+    if not hasattr(fmap, "apply"):
+        raise TypeError(f"feature_map must be a registered name or a FeatureMap, got {type(feature_map).__name__}")
+    return np.asarray(fmap.apply(keys[None], role="query", causal=False), dtype=np.float64)[0]
+
+
+def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps=1e-8, candidates=None) -> Readout:
+    """Query ``state`` with ``keys`` and compare the read-out with ``values``.
+
+    Parameters
+    ----------
+    state : LinearAttentionState or LinearState
+        An unbatched state (``S`` of shape ``(D_phi, M)``).  A
+        :class:`linattn_nb.LinearAttentionState` is read with its own
+        :meth:`~linattn_nb.LinearAttentionState.query` (its feature map and
+        normalisation); a :class:`linattn_nb.LinearState` (what
+        ``linear_attention(..., return_state=True)`` returns) needs
+        ``feature_map``.
+    keys : array_like, shape (n, d)
+        The keys to read (the queries).
+    values : array_like, shape (n, M), optional
+        The values stored under ``keys``; without them only the read-out is returned.
+    feature_map : str or FeatureMap, optional
+        Required for a ``LinearState``; not allowed for a ``LinearAttentionState``.
+    normalize : bool, optional
+        For a ``LinearState``: divide by ``max(phi(k) . z, eps)`` (default
+        True for the additive rule, False for the delta rules, as
+        :func:`linattn_nb.linear_attention`).  Not allowed for a
+        ``LinearAttentionState`` (it reads as it was built).
+    eps : float, default 1e-8
+        Floor of the normaliser (``LinearState`` only).
+    candidates : array_like, shape (C, M), optional
+        The stored values the accuracy chooses among (default ``values``):
+        e.g. old and new values when keys were written twice.  Row i of
+        ``values`` must be one of them.
+
+    Returns
+    -------
+    Readout
+
+    Raises
+    ------
+    TypeError
+        ``state`` is neither kind of state, or ``feature_map``/``normalize``
+        given where not allowed.
+    ValueError
+        Shapes that do not match the state, or a batched state.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from linattn_nb import LinearAttentionState
+    >>> from linattn_nb.analysis import read_back
+    >>> keys = np.eye(4)[:3]                     # orthonormal unit keys
+    >>> vals = np.eye(3)                         # one-hot values
+    >>> st = LinearAttentionState(4, 3, feature_map="l2", rule="delta")
+    >>> st.prefill(keys, vals, beta=1.0)
+    >>> r = read_back(st, keys, vals)
+    >>> r.accuracy, round(r.error, 12)
+    (1.0, 0.0)
+    """
+    from .._frontend import LinearState
+    from ..state.linear import LinearAttentionState
+
+    k = np.asarray(keys, dtype=np.float64)
+    if k.ndim != 2:
+        raise ValueError(f"keys must have shape (n, d), got shape {k.shape}")
+    if isinstance(state, LinearAttentionState):
+        if feature_map is not None or normalize is not None:
+            raise TypeError("read_back: feature_map and normalize are for a LinearState; a LinearAttentionState "
+                            "reads with its own")
+        if state.batch_shape:
+            raise ValueError(f"read_back takes an unbatched state, got batch_shape {state.batch_shape}")
+        if k.shape[1] != state.key_dim:
+            raise ValueError(f"keys have dimension {k.shape[1]}, the state's key_dim is {state.key_dim}")
+        out = np.asarray(state.query(k), dtype=np.float64)
+    elif isinstance(state, LinearState):
+        if feature_map is None:
+            raise TypeError("read_back: a LinearState needs feature_map (the map the state was written with)")
+        S = np.asarray(state.S, dtype=np.float64)
+        z = np.asarray(state.z, dtype=np.float64)
+        if S.ndim != 2:
+            raise ValueError(f"read_back takes an unbatched state, got S of shape {S.shape}")
+        phi = _features(feature_map, k)
+        if phi.shape[1] != S.shape[0]:
+            raise ValueError(f"the feature map gives {phi.shape[1]} features for keys of shape {k.shape}, the "
+                             f"state has D_phi = {S.shape[0]}")
+        if normalize is None:
+            normalize = state.rule not in ("delta", "gated_delta")
+        out = phi @ S
+        if normalize:
+            out = out / np.maximum(phi @ z, eps)[:, None]
+    else:
+        raise TypeError(f"state must be a LinearAttentionState or a LinearState, got {type(state).__name__}")
+    if values is None:
+        return Readout(out)
+    v = np.asarray(values, dtype=np.float64)
+    if v.shape != out.shape:
+        raise ValueError(f"values must have shape {out.shape} (keys x value_dim), got {v.shape}")
+    cand = v if candidates is None else np.asarray(candidates, dtype=np.float64)
+    if cand.ndim != 2 or cand.shape[1] != v.shape[1]:
+        raise ValueError(f"candidates must have shape (C, {v.shape[1]}), got {cand.shape}")
+    dist = ((out[:, None, :] - cand[None, :, :]) ** 2).sum(-1)  # (n, C)
+    own = ((out - v) ** 2).sum(-1)
+    others = dist.copy()
+    same = np.all(cand[None, :, :] == v[:, None, :], axis=-1)  # the candidate that is row i's own value
+    if not np.all(same.any(axis=1)):
+        raise ValueError("read_back: every row of values must be one of the candidates")
+    others[same] = np.inf
+    nearest_other = others.min(axis=1) if cand.shape[0] > 1 else np.full(len(v), np.inf)
+    hit = own < nearest_other - TIE_RTOL * np.maximum(own, nearest_other)
+    denom = float((v ** 2).sum())
+    err = float(((out - v) ** 2).sum() / denom) if denom > 0 else float("nan")
+    return Readout(out, float(hit.mean()), err)

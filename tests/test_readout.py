@@ -1,0 +1,86 @@
+"""linattn_nb.analysis.read_back: reading stored values back from a state, against plain NumPy."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from linattn_nb import LinearAttentionState, LinearState, linear_attention
+from linattn_nb.analysis import Readout, read_back
+
+
+def _unit(x):
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _delta_numpy(keys, vals, beta, passes=1):
+    S = np.zeros((keys.shape[1], vals.shape[1]))
+    for _ in range(passes):
+        for k, v in zip(keys, vals):
+            S = S + beta * np.outer(k, v - S.T @ k)
+    return S
+
+
+@pytest.mark.parametrize("passes", [1, 3])
+def test_read_back_of_a_delta_state_matches_numpy(passes):
+    rng = np.random.default_rng(0)
+    keys, vals = _unit(rng.standard_normal((12, 6))), np.eye(12)
+    st = LinearAttentionState(6, 12, feature_map="l2", rule="delta", normalize=False)
+    for _ in range(passes):
+        st.prefill(keys, vals, beta=0.7)
+    r = read_back(st, keys, vals)
+    ref = keys @ _delta_numpy(keys, vals, 0.7, passes)
+    np.testing.assert_allclose(r.values, ref, atol=1e-12)
+    assert r.accuracy == pytest.approx(np.mean(ref.argmax(1) == np.arange(12)))
+    assert r.error == pytest.approx(((ref - vals) ** 2).sum() / 12)
+
+
+def test_read_back_of_a_linear_state_takes_the_feature_map():
+    rng = np.random.default_rng(1)
+    keys, vals = _unit(rng.standard_normal((8, 5))), np.eye(8)
+    _, st = linear_attention(keys[None], keys[None], vals[None], causal=True, feature_map="l2", beta=1.0,
+                             method="quadratic", return_state=True)
+    state = LinearState(st.S[0], st.z[0], st.position, st.rule)
+    r = read_back(state, keys, vals, feature_map="l2")
+    np.testing.assert_allclose(r.values, keys @ _delta_numpy(keys, vals, 1.0), atol=1e-12)
+    # the additive rule's convention: normalised by phi(k) . z
+    _, st = linear_attention(keys[None], keys[None], vals[None], causal=True, feature_map="elu", return_state=True)
+    state = LinearState(st.S[0], st.z[0], st.position, st.rule)
+    out = read_back(state, keys, feature_map="elu").values
+    phi = np.where(keys > 0, keys + 1.0, np.exp(keys))
+    np.testing.assert_allclose(out, (phi @ st.S[0]) / (phi @ st.z[0])[:, None], rtol=1e-12)
+    assert isinstance(read_back(state, keys, feature_map="elu"), Readout)
+    assert read_back(state, keys, feature_map="elu").accuracy is None
+
+
+def test_orthonormal_keys_are_read_back_exactly_and_a_tie_is_a_miss():
+    keys = np.linalg.qr(np.random.default_rng(2).standard_normal((6, 6)))[0][:4]
+    eye = np.eye(8)
+    for rule, kw in (("delta", {"beta": 1.0}), ("additive", {})):
+        st = LinearAttentionState(6, 8, feature_map="l2", rule=rule, normalize=False)
+        st.prefill(keys, eye[:4], **kw)  # old values
+        st.prefill(keys, eye[4:], **kw)  # the same keys with new values
+        r = read_back(st, keys, eye[4:], candidates=eye)
+        if rule == "delta":  # each write replaces the key's value
+            assert r.accuracy == 1.0 and r.error < 1e-24
+        else:  # old and new at equal weight: a tie, counted as a miss
+            assert r.accuracy == 0.0 and r.error == pytest.approx(1.0)
+
+
+def test_read_back_refuses_bad_input():
+    st = LinearAttentionState(3, 2)
+    with pytest.raises(ValueError, match="keys must have shape"):
+        read_back(st, np.zeros(3))
+    with pytest.raises(ValueError, match="key_dim"):
+        read_back(st, np.zeros((2, 4)))
+    with pytest.raises(TypeError, match="feature_map and normalize"):
+        read_back(st, np.zeros((2, 3)), feature_map="elu")
+    with pytest.raises(ValueError, match="values must have shape"):
+        read_back(st, np.zeros((2, 3)), np.zeros((2, 3)))
+    with pytest.raises(TypeError, match="needs feature_map"):
+        read_back(LinearState(np.zeros((3, 2)), np.zeros(3)), np.zeros((2, 3)))
+    with pytest.raises(TypeError, match="LinearAttentionState or a LinearState"):
+        read_back(np.zeros((3, 2)), np.zeros((2, 3)))
+    with pytest.raises(ValueError, match="unbatched"):
+        read_back(LinearAttentionState(3, 2, batch_shape=(2,)), np.zeros((2, 3)))
+    with pytest.raises(ValueError, match="one of the candidates"):
+        read_back(st, np.zeros((2, 3)), np.eye(2), candidates=np.zeros((2, 2)))

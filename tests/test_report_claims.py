@@ -1,0 +1,183 @@
+"""The report's conclusions are computed from its statistics: the claim rules on small synthetic numbers.
+
+Each rule is checked on both sides (supported, not supported) and where its
+precondition fails (not applicable); the rendered studies are checked on
+synthetic records, so that a table and the sentence under it cannot disagree.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from linattn_nb.studies._claims import (NOT_APPLICABLE, NOT_SUPPORTED, SUPPORTED, compare_claim, slope_claim,
+                                        threshold_claim)
+from linattn_nb.studies._study import CI_CAPTION, fit_slope, mean_ci
+
+
+# ---------------------------------------------------------------------------
+# One uncertainty convention
+# ---------------------------------------------------------------------------
+def test_mean_ci_is_the_student_t_interval_over_the_seeds():
+    from scipy import stats
+
+    x = np.array([[1.0, 10.0], [2.0, 12.0], [4.0, 11.0], [5.0, 15.0]])
+    m, h = mean_ci(x)
+    np.testing.assert_allclose(m, x.mean(0))
+    np.testing.assert_allclose(h, stats.t.ppf(0.975, 3) * x.std(0, ddof=1) / 2.0)
+    m1, h1 = mean_ci([3.0])  # one seed: no interval
+    assert float(m1) == 3.0 and float(h1) == 0.0
+    m2, h2 = mean_ci([1.0, np.nan, 3.0])  # NaN left out: two samples
+    assert float(m2) == 2.0 and float(h2) == pytest.approx(stats.t.ppf(0.975, 1) * math.sqrt(2) / math.sqrt(2))
+    assert "95% Student-t" in CI_CAPTION
+
+
+# ---------------------------------------------------------------------------
+# Slopes
+# ---------------------------------------------------------------------------
+def _fit(slope, lo, hi):
+    return {"slope": slope, "lo": lo, "hi": hi, "seeds": 5, "level": 0.95}
+
+
+def test_slope_claim_supported_only_inside_the_interval_with_small_errors():
+    c = slope_claim(_fit(-0.48, -0.55, -0.41), [0.4, 0.2, 0.1, 0.05])
+    assert c.verdict == SUPPORTED and c.supported and "contains -0.5" in c.text
+    assert "interval" in c.rule and "below 1" in c.rule
+
+
+def test_slope_claim_not_supported_when_the_interval_excludes_the_rate():
+    # FAVOR+ at s = 0.5 in the full report: -0.39 [-0.45, -0.34]
+    c = slope_claim(_fit(-0.39, -0.45, -0.34), [0.43, 0.28, 0.15, 0.08])
+    assert c.verdict == NOT_SUPPORTED and "excludes -0.5" in c.text and "shallower" in c.text
+    c = slope_claim(_fit(-0.9, -1.0, -0.8), [0.5, 0.1])
+    assert c.verdict == NOT_SUPPORTED and "steeper" in c.text
+
+
+def test_slope_claim_not_applicable_where_the_errors_are_not_small():
+    # rff at s = 1 in the full report: -1.93 [-4.30, 0.44] on errors of 6e8 to 7e10
+    c = slope_claim(_fit(-1.93, -4.30, 0.44), [7e10, 3e9, 6e8])
+    assert c.verdict == NOT_APPLICABLE and "7.00e+10" in c.text and not c.supported
+    # FAVOR+ at s = 1: flat on errors above 1
+    assert slope_claim(_fit(-0.05, -0.2, 0.1), [1.3, 1.2, 1.25]).verdict == NOT_APPLICABLE
+    assert slope_claim(_fit(-0.5, -0.6, -0.4), [0.5, float("inf")]).verdict == NOT_APPLICABLE
+    assert slope_claim(None, [0.1, 0.05]).verdict == NOT_APPLICABLE
+
+
+def test_slope_claim_an_interval_that_also_contains_zero_shows_no_rate():
+    c = slope_claim(_fit(-0.24, -1.14, 0.66), [0.48, 0.29, 0.32])
+    assert c.verdict == NOT_SUPPORTED and "and 0 as well" in c.text
+
+
+def test_slope_claim_on_fitted_synthetic_errors():
+    rng = np.random.default_rng(1)
+    m = np.array([16, 64, 256, 1024])
+    ys = 2.0 / np.sqrt(m) * np.exp(0.05 * rng.standard_normal((5, m.size)))
+    assert slope_claim(fit_slope(m, ys), ys.mean(0)).verdict == SUPPORTED
+    ys = 2.0 / m ** 0.3 * np.exp(0.02 * rng.standard_normal((5, m.size)))
+    assert slope_claim(fit_slope(m, ys), ys.mean(0)).verdict == NOT_SUPPORTED
+
+
+# ---------------------------------------------------------------------------
+# Comparisons and thresholds
+# ---------------------------------------------------------------------------
+def test_compare_claim_needs_separate_intervals():
+    c = compare_claim("additive", 1.0, 0.0, "delta", 0.3, 0.05, higher_is_better=True, measure="accuracy")
+    assert c.verdict == SUPPORTED and c.text.startswith("additive beats delta on accuracy")
+    c = compare_claim("delta", 0.3, 0.05, "additive", 1.0, 0.0, higher_is_better=True, measure="accuracy")
+    assert c.verdict == NOT_SUPPORTED and c.text.startswith("additive beats delta")
+    c = compare_claim("delta", 0.6, 0.1, "additive", 0.97, 0.05, higher_is_better=False, measure="error")
+    assert c.verdict == SUPPORTED and "delta beats additive on error" in c.text
+    c = compare_claim("delta", 0.74, 0.16, "additive", 1.06, 0.38, higher_is_better=False, measure="error")
+    assert c.verdict == NOT_SUPPORTED and "no difference shown" in c.text and "overlap" in c.text
+    assert compare_claim("a", float("nan"), 0.0, "b", 1.0, 0.0, higher_is_better=True,
+                         measure="x").verdict == NOT_APPLICABLE
+
+
+def test_threshold_claim_names_the_first_failure():
+    c = threshold_claim([20, 40, 60], [1.0, 0.95, 0.7], [0.0, 0.01, 0.05], 0.9, what="accuracy")
+    assert c.verdict == NOT_SUPPORTED and "n = 60" in c.text and "0.7" in c.text
+    c = threshold_claim([20, 40], [1.0, 0.99], [0.0, 0.005], 0.9, what="accuracy")
+    assert c.verdict == SUPPORTED and "up to 40" in c.text
+    c = threshold_claim([20, 40], [1.0, 0.91], [0.0, 0.05], 0.9, what="accuracy")  # the interval crosses it
+    assert c.verdict == NOT_SUPPORTED
+
+
+# ---------------------------------------------------------------------------
+# The rules study's findings on synthetic statistics
+# ---------------------------------------------------------------------------
+def _entry(n, acc, mse, opt=None, seeds=5, jitter=0.0):
+    rng = np.random.default_rng(0)
+    acc = np.asarray(acc, dtype=float)
+    mse = np.asarray(mse, dtype=float)
+    a = np.clip(acc + jitter * rng.standard_normal((seeds, acc.size)), 0, 1)
+    return dict(n=np.asarray(n, dtype=float), d_phi=32, acc=a,
+                mse=mse + jitter * rng.standard_normal((seeds, mse.size)),
+                opt=np.zeros((seeds, len(n))) if opt is None else np.tile(opt, (seeds, 1)), seeds=list(range(seeds)))
+
+
+def test_rules_findings_state_the_reversal_and_where_the_delta_rule_wins():
+    from linattn_nb.studies import rules
+
+    n = [16, 32, 64, 128]
+    agg = {"additive": _entry(n, [1, 1, 1, 1], [0.52, 0.97, 1.95, 3.98], jitter=0.0),
+           "delta, β = 1": _entry(n, [1.0, 0.9, 0.6, 0.3], [0.31, 0.60, 1.05, 1.50], jitter=0.01)}
+    agg["additive"]["mse"] = agg["additive"]["mse"] + 0.01 * np.random.default_rng(3).standard_normal((5, 4))
+    passes = {"delta, β = 1, 20 passes": _entry(n, [1, 1, 0.8, 0.3], [0.0, 0.19, 1.0, 1.5], jitter=0.01)}
+    orth = {"additive": _entry([16, 32], [1, 1], [1e-31, 1e-31]),
+            "delta, β = 1": _entry([16, 32], [1, 1], [1e-32, 1e-32])}
+    rewrite = {"additive": _entry([8, 16, 32], [0, 0, 0], [1.0, 1.4, 2.9]),
+               "delta, β = 1": _entry([8, 16, 32], [1, 1, 0.93], [0.2, 0.4, 0.7], jitter=0.01)}
+    lines = rules.findings(agg, passes, orth, rewrite, 32)
+    text = "\n".join(lines)
+    assert "additive beats delta, β = 1 on argmax accuracy at n = 128" in text
+    assert "delta, β = 1 beats additive on error at n = 32" in text
+    assert "A reversal" in text and "Cauchy–Schwarz" in text
+    assert "accuracy is 1 at every n up to 128" in text
+    assert "Every rule is exact here: orthonormal keys do not tell the rules apart" in text
+    assert "delta, β = 1 beats additive on accuracy at n = 32" in text and "Here the delta rule wins" in text
+    assert "Error below 0.001" in text and "none of them" in text
+    # without a separation the reversal is not claimed
+    agg["delta, β = 1"] = _entry(n, [1.0, 0.99, 0.98, 0.97], [0.5, 0.97, 1.9, 3.9], jitter=0.05)
+    text = "\n".join(rules.findings(agg, {}, {}, {}, 32))
+    assert "A reversal" not in text
+
+
+# ---------------------------------------------------------------------------
+# The error study's render on synthetic records: signed maps apart, claims from the data
+# ---------------------------------------------------------------------------
+def _error_records():
+    recs = []
+    ms = [16, 64, 256]
+    for seed in range(4):
+        noise = 1.0 + 0.02 * (seed - 1.5)
+        for n in (64, 128):
+            for name, pos, err in (("elu", True, 0.3), ("identity", False, 3e9)):
+                res = dict(output_rel_error=err * noise, tv_mean=0.1, js_mean=0.01, kl_mean=0.02,
+                           kl_infinite_rate=0.0, entropy_softmax=4.0, entropy_linear=4.0, monotonicity=0.5,
+                           nonpositive_normalizer_rate=0.0 if pos else 0.5, d_phi=8, is_positive=pos)
+                if not pos:
+                    res.update(normalizer_le_eps_rate=0.5, unnormalized_rel_error=0.9)
+                recs.append(dict(status="ok", result=res, params=dict(
+                    feature_map=name, num_features=None, n=n, d=8, causal=False, qk_scale=0.5, seed=seed)))
+            for m in ms:
+                if n != 128 and m != 64:
+                    continue
+                res = dict(output_rel_error=3.0 / math.sqrt(m) * noise, tv_mean=0.1, js_mean=0.01, kl_mean=0.02,
+                           kl_infinite_rate=0.0, entropy_softmax=4.0, entropy_linear=4.0, monotonicity=0.5,
+                           nonpositive_normalizer_rate=0.0, d_phi=m, is_positive=True)
+                recs.append(dict(status="ok", result=res, params=dict(
+                    feature_map="favor+", num_features=m, n=n, d=8, causal=False, qk_scale=0.5, seed=seed)))
+    return recs
+
+
+def test_error_render_keeps_signed_maps_out_of_the_ranking_and_computes_the_slope_claim(tmp_path):
+    from linattn_nb.studies import Context, error
+
+    md = error.render(_error_records(), Context(out=tmp_path, profile="tiny", plots=False)).markdown
+    ranking = md.split("Positive maps ranked by output error")[1].split("\n\n")[1]
+    assert "identity" not in ranking and "| elu |" in ranking
+    signed = md.split("**Signed maps**")[1].split("\n\n")[1]
+    assert "| identity |" in signed and "0.5 / 0.9" in signed and "elu" not in signed
+    assert "- favor+, s = 0.5: supported: slope -0.50" in md
+    assert CI_CAPTION in md and "standard deviation over" not in md
