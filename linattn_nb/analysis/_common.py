@@ -18,6 +18,7 @@ from .. import _frontend as FE
 from .. import _validate as V
 from .. import config
 from .. import feature_maps as fm
+from ..rules import get_rule
 
 __all__ = [
     "DEFAULT",
@@ -32,9 +33,13 @@ __all__ = [
     "called_features",
     "flatten64",
     "check_rtol",
+    "check_scalar_rtol",
     "check_int",
     "check_positive_float",
     "rule_arguments",
+    "softmax_weights",
+    "entry_weights",
+    "normalise_rows",
     "explicit_rule_weights",
     "plain_dict",
 ]
@@ -195,6 +200,16 @@ def check_rtol(rtol, batch_shape) -> np.ndarray:
     return r
 
 
+def check_scalar_rtol(rtol, func: str):
+    """A scalar relative tolerance (:func:`check_rtol`) as a float, or None; an array raises ValueError naming ``func``."""
+    if rtol is None:
+        return None
+    r = check_rtol(rtol, ())
+    if r.ndim:
+        raise ValueError(f"rtol of {func} must be a scalar")
+    return float(r)
+
+
 def check_int(name: str, x, minimum: int) -> int:
     """An integer (not a bool) >= ``minimum``."""
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
@@ -240,39 +255,63 @@ def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, d: in
                              causal=causal, beta=beta)
 
 
-def explicit_rule_weights(rule: str, fq, fk, inputs, *, normalize: bool, eps, causal: bool = True):
-    """Explicit linear-attention weights (B, N, N) of update rule ``rule``, float64.
+def softmax_weights(q, k, *, causal: bool, scale: float) -> np.ndarray:
+    """Softmax attention weights ``softmax_j(scale q_i . k_j)`` of (..., Nq, D) and (..., Nk, D), float64.
 
-    ``A[b, t, s]`` is the weight of value ``s`` in output ``t`` before the
-    normaliser -- ``phi(q_t) . phi(k_s)`` times the product of the factors of
-    tokens ``s+1..t`` (:func:`linattn_nb.ops.causal.naive.explicit_weights`,
-    exact at resets); for the delta rules the closed form
-    ``tril(G * Q K^T) (I + tril(diag(beta) (G * K K^T), -1))^{-1} diag(beta)``
-    (:func:`linattn_nb.ops.causal.naive.delta_weights`); with ``normalize`` each row is divided by its sum
-    (the decayed normaliser ``phi(q_t) . z_t``), floored at ``eps`` unless
-    ``eps`` is None.  ``causal=False`` (additive rule only): the full
-    ``phi(Q) phi(K)^T``.  Rows whose raw normaliser is 0 with ``eps=None``
-    hold NaN (0/0) or inf.
+    ``causal``: the weights of ``j > i`` are 0.
     """
-    from ..ops._codes import RULES
+    s = scale * (np.asarray(q, dtype=np.float64) @ np.swapaxes(np.asarray(k, dtype=np.float64), -1, -2))
+    if causal:
+        s = np.where(np.tril(np.ones(s.shape[-2:], dtype=bool)), s, -np.inf)
+    if s.shape[-1]:
+        s = s - s.max(axis=-1, keepdims=True)
+    w = np.exp(s)
+    w /= w.sum(axis=-1, keepdims=True)
+    return w
+
+
+def entry_weights(rule, fq, fk, inputs, b: int = 0, *, causal: bool = True) -> np.ndarray:
+    """Unnormalised linear-attention weights (N, N) of batch entry ``b`` under update rule ``rule``, float64.
+
+    ``fq``, ``fk`` (N, F): the entry's features; ``inputs``: the front end's
+    flattened (B, N[, F]) rule inputs, entry ``b`` used.  ``A[t, s]`` is the
+    weight of value ``s`` in output ``t`` before the normaliser --
+    ``phi(q_t) . phi(k_s)`` times the product of the factors of tokens
+    ``s+1..t`` (:func:`linattn_nb.ops.causal.naive.explicit_weights`, exact at
+    resets); for a rule whose update reads the state (the delta rules) the
+    closed form ``tril(G * Q K^T) (I + tril(diag(beta) (G * K K^T), -1))^{-1} diag(beta)``
+    (:func:`linattn_nb.ops.causal.naive.delta_weights`).  ``causal=False``
+    (a rule without inputs only): the full ``phi(Q) phi(K)^T``.
+    """
+    if not get_rule(rule).has_inputs:
+        a = np.asarray(fq, dtype=np.float64) @ np.asarray(fk, dtype=np.float64).T
+        return np.tril(a) if causal else a
     from ..ops.causal.naive import explicit_weights
 
-    fq = np.asarray(fq, dtype=np.float64)
-    fk = np.asarray(fk, dtype=np.float64)
-    b = fq.shape[0]
-    if rule == "additive":
-        a = np.einsum("bif,bjf->bij", fq, fk)
-        if causal:
-            a = np.tril(a)
-    else:
-        code = RULES[rule][0]
-        a = np.empty((b, fq.shape[1], fk.shape[1]))
-        for i in range(b):
-            a[i] = explicit_weights(code, fq[i], fk[i], inputs, i)[0]
-    if not normalize:
-        return a
+    return explicit_weights(get_rule(rule).code, fq, fk, inputs, b)[0]
+
+
+def normalise_rows(a, eps) -> np.ndarray:
+    """``a`` (..., N, N) with each row divided by its sum (the normaliser ``phi(q_t) . z_t``), floored at ``eps``.
+
+    ``eps=None``: the raw sum; a row whose sum is 0 then holds NaN (0/0) or inf.
+    """
     den = a.sum(axis=-1, keepdims=True)
     if eps is not None:
         den = np.maximum(den, eps)
     with np.errstate(divide="ignore", invalid="ignore"):
         return a / den
+
+
+def explicit_rule_weights(rule: str, fq, fk, inputs, *, normalize: bool, eps, causal: bool = True):
+    """Explicit linear-attention weights (B, N, N) of update rule ``rule``, float64.
+
+    :func:`entry_weights` of every batch entry of ``fq``, ``fk`` (B, N, F),
+    divided by their row sums with ``normalize`` (:func:`normalise_rows`).
+    """
+    fq = np.asarray(fq, dtype=np.float64)
+    fk = np.asarray(fk, dtype=np.float64)
+    a = np.empty((fq.shape[0], fq.shape[1], fk.shape[1]))
+    for i in range(fq.shape[0]):
+        a[i] = entry_weights(rule, fq[i], fk[i], inputs, i, causal=causal)
+    return normalise_rows(a, eps) if normalize else a

@@ -23,6 +23,7 @@ from numba import njit, prange
 
 from .. import config
 from .._blas import single_threaded_blas
+from ..rules import get_rule
 
 _RADIX_BITS = 8
 _RADIX_PASSES = 8          # 8 * 8 = 64 bits
@@ -30,6 +31,10 @@ _RADIX_SIZE = 1 << _RADIX_BITS
 #: Rows shorter than this are ordered by insertion sort.
 _RADIX_MIN = 24
 _LN2 = math.log(2.0)
+#: How :func:`error_rows_kernel` forms a row's linear weights (its ``rule`` argument): plain
+#: ``phi(q) . phi(k)``, times running products of scalar factors or of per-feature factors, or given
+#: explicitly (the rules whose update reads the state).
+_MODE_PLAIN, _MODE_SCALAR, _MODE_FEATURE, _MODE_EXPLICIT = 0, 1, 2, 3
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -128,7 +133,7 @@ def _pearson_ranks(ra, rb, n):
 
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, block, rule, fac,
+def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, block, mode, fac,
                       kl, tv, hp, hw, rho, den_out, js):
     """Per-row statistics of linear against softmax attention weights.
 
@@ -146,13 +151,14 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
     The linear weights are ``a_ij / max(den_i, eps)`` (``clip``) or
     ``a_ij / den_i``: those :func:`linattn_nb.linear_attention` applies.
 
-    ``rule`` (causal only): 0 additive; 1 a scalar decay, ``fac`` (B, N, 1)
-    the factors ``exp(log_decay)``; 2 a per-feature gate, ``fac`` (B, N, F).
+    ``mode`` (causal only unless plain): ``_MODE_PLAIN``, the additive rule;
+    ``_MODE_SCALAR``, a scalar decay, ``fac`` (B, N, 1) the factors
+    ``exp(log_decay)``; ``_MODE_FEATURE``, a per-feature gate, ``fac`` (B, N, F).
     ``a_ij`` then carries the product of the factors of tokens ``j+1..i``,
     built as a running product from ``j = i`` down (per feature for the
     gate): a factor 0 zeroes every weight before it exactly, no
-    differences of cumulative logs, no NaN.  3 (the delta rules, whose
-    weights have no running-product form): ``fac`` (B, N, N) holds the
+    differences of cumulative logs, no NaN.  ``_MODE_EXPLICIT`` (the delta
+    rules, whose weights have no running-product form): ``fac`` (B, N, N) holds the
     explicit unnormalised weights ``a_ij`` themselves.
     """
     B, N, D = q.shape
@@ -172,17 +178,17 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
         s = np.dot(q[b, i0:i1], k[b, :kend].T)
         if softmax_mode:
             a = s
-        elif rule == 3:
+        elif mode == _MODE_EXPLICIT:
             a = fac[b, i0:i1, :kend].copy()
         else:
             a = np.dot(fq[b, i0:i1], fk[b, :kend].T)
-            if rule == 1:
+            if mode == _MODE_SCALAR:
                 for t in range(i1 - i0):
                     g = 1.0
                     for j in range(i0 + t, -1, -1):
                         a[t, j] *= g
                         g *= fac[b, j, 0]
-            elif rule == 2:
+            elif mode == _MODE_FEATURE:
                 F = fq.shape[2]
                 g = np.empty(F)
                 for t in range(i1 - i0):
@@ -311,15 +317,15 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
                 rho[b, i] = _pearson_ranks(rs, rw, L)
 
 
-def error_rows(q, k, fq, fk, *, scale, causal, softmax_mode, eps, block=None, rule="additive", inputs=None):
+def error_rows(q, k, fq, fk, *, scale, causal, softmax_mode, eps, rule, inputs, block=None):
     """Launcher of :func:`error_rows_kernel`; returns the per-row arrays (each (B, N) float64).
 
     ``q, k`` (B, N, D) and ``fq, fk`` (B, N, F) C-contiguous float64
     (``fq, fk`` may be ``(B, N, 0)`` dummies in softmax mode).  ``rule`` and
     ``inputs``: the update rule and its inputs as the front end gives them
     (``{"log_decay": (B, N)}``, ``{"log_gate": (B, N, F)}``, ``{"beta": (B, N)}``
-    with or without ``"log_decay"``; causal only).  The delta rules' weights
-    are formed explicitly, one ``N x N`` matrix per batch entry at a time
+    with or without ``"log_decay"``; causal only).  The weights of a rule
+    whose update reads the state (the delta rules) are formed explicitly, one ``N x N`` matrix per batch entry at a time
     (:func:`linattn_nb.ops.causal.naive.explicit_weights`), and the kernel
     runs on each entry in turn (parallel over its query blocks).
     """
@@ -328,30 +334,30 @@ def error_rows(q, k, fq, fk, *, scale, causal, softmax_mode, eps, block=None, ru
         raise ValueError(f"block must be >= 1, got {block}")
     B, N, _ = q.shape
     outs = [np.full((B, N), np.nan) for _ in range(7)]
-    if rule == "decay":
-        code, fac = 1, np.exp(inputs["log_decay"])[:, :, None]
-    elif rule == "gate":
-        code, fac = 2, np.exp(inputs["log_gate"])
-    elif rule in ("delta", "gated_delta"):
-        code, fac = 3, None
+    r = get_rule(rule)
+    lg = r.log_factor_of(inputs)
+    if r.reads_state:  # no running-product form: the explicit weights
+        mode = _MODE_EXPLICIT
+    elif lg is None:
+        mode, fac = _MODE_PLAIN, np.ones((1, 1, 1))
+    elif lg.ndim == 2:
+        mode, fac = _MODE_SCALAR, np.exp(lg)[:, :, None]
     else:
-        code, fac = 0, np.ones((1, 1, 1))
-    if code and not causal:
+        mode, fac = _MODE_FEATURE, np.exp(lg)
+    if mode != _MODE_PLAIN and not causal:
         raise ValueError("a decay or gate applies to causal attention only")
     if B and N:
         clip = eps is not None
         args = (float(scale), bool(causal), bool(softmax_mode), float(eps if clip else 0.0), clip, np.int64(block),
-                np.int64(code))
+                np.int64(mode))
         with single_threaded_blas():
-            if code == 3:
-                from ..ops._codes import RULES
+            if mode == _MODE_EXPLICIT:
                 from ..ops.causal.naive import explicit_weights
 
                 for b in range(B):
-                    w = explicit_weights(RULES[rule][0], fq[b], fk[b], inputs, b)[0]
+                    w = explicit_weights(r.code, fq[b], fk[b], inputs, b)[0]
                     error_rows_kernel(q[b:b + 1], k[b:b + 1], fq[b:b + 1], fk[b:b + 1], *args,
                                       np.ascontiguousarray(w[None], dtype=np.float64), *(o[b:b + 1] for o in outs))
             else:
-                fac = np.ascontiguousarray(fac, dtype=np.float64)
-                error_rows_kernel(q, k, fq, fk, *args, fac, *outs)
+                error_rows_kernel(q, k, fq, fk, *args, np.ascontiguousarray(fac, dtype=np.float64), *outs)
     return dict(zip(("kl", "tv", "hp", "hw", "rho", "den", "js"), outs))

@@ -28,6 +28,7 @@ import numpy as np
 from .. import config
 from .. import _validate as V
 from ..attention import linear_attention, softmax_attention
+from ..rules import get_rule
 from . import _common as C
 
 __all__ = ["RecallCapacity", "recall_capacity", "MQAR", "mqar", "state_size"]
@@ -170,28 +171,16 @@ def _binned_rel_err(res, v, dist, edges):
         return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
 
 
-def _check_decay(decay):
-    """A constant decay gamma in [0, 1] (a real number, not a bool), or None."""
-    if decay is None:
+def _check_constant(name, x, hi, what):
+    """A real number (not a bool) in [0, ``hi``], or None; ``what`` says what it is in the messages."""
+    if x is None:
         return None
-    if isinstance(decay, (bool, np.bool_)) or not isinstance(decay, (int, float, np.integer, np.floating)):
-        raise TypeError(f"decay must be a real number in [0, 1] (a constant gamma), got {type(decay).__name__}")
-    decay = float(decay)
-    if not 0.0 <= decay <= 1.0:
-        raise ValueError(f"decay must lie in [0, 1] (a constant gamma; 1 is the additive rule), got {decay!r}")
-    return decay
-
-
-def _check_beta(beta):
-    """A write strength in [0, 2] (a real number, not a bool), or None."""
-    if beta is None:
-        return None
-    if isinstance(beta, (bool, np.bool_)) or not isinstance(beta, (int, float, np.integer, np.floating)):
-        raise TypeError(f"beta must be a real number in [0, 2] (one write strength), got {type(beta).__name__}")
-    beta = float(beta)
-    if not 0.0 <= beta <= 2.0:
-        raise ValueError(f"beta (the write strength) must lie in [0, 2], got {beta!r}")
-    return beta
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number in [0, {hi}] ({what}), got {type(x).__name__}")
+    x = float(x)
+    if not 0.0 <= x <= hi:
+        raise ValueError(f"{name} must lie in [0, {hi}] ({what}), got {x!r}")
+    return x
 
 
 def _draw_keys(rng, n, d, key_scale, orthogonal):
@@ -371,8 +360,8 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     seed = C.check_int("seed", seed, 0)
     softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else C.check_positive_float("softmax_scale", softmax_scale)
     eps = V.check_eps(eps)
-    decay = _check_decay(decay)
-    beta = _check_beta(beta)
+    decay = _check_constant("decay", decay, 1, "a constant gamma; 1 is the additive rule")
+    beta = _check_constant("beta", beta, 2, "one write strength")
     if not isinstance(orthogonal_keys, (bool, np.bool_)):
         raise TypeError(f"orthogonal_keys must be True or False, got {orthogonal_keys!r}")
     orthogonal_keys = bool(orthogonal_keys)
@@ -393,7 +382,7 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
             vals = np.eye(n) if value_dim is None else rng.standard_normal((n, value_dim))
             phi = C.features(fmap, keys, role="key", causal=False, name="keys")[0]
             dist = np.arange(n - 1, -1, -1)
-            if rule in ("delta", "gated_delta"):
+            if get_rule(rule).reads_state:
                 vhat = _delta_readout(fmap, keys, vals, beta, decay, normalize, eps, method)
             elif decay is None and normalize:
                 vhat = linear_attention(keys, keys, vals, feature_map=fmap, causal=False, eps=eps)

@@ -33,6 +33,7 @@ from .. import _validate as V
 from .. import config
 from ..attention import linear_attention, softmax_attention
 from .._blas import single_threaded_blas
+from ..rules import get_rule
 from . import _common as C
 from ._kernels import error_rows
 
@@ -255,29 +256,12 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
                                                beta=beta)
     q64 = C.flatten64(q, batch_shape)
     k64 = C.flatten64(k, batch_shape)
-    mask = np.tril(np.ones((n, n), dtype=bool)) if causal else None
-    if fmap is not None and (rule != "additive" or not normalize):
-        fq = C.features(fmap, q64, role="query", causal=causal, name="q")
-        fk = C.features(fmap, k64, role="key", causal=causal, name="k")
-        w = C.explicit_rule_weights(rule, fq, fk, inputs, normalize=normalize, eps=eps, causal=causal)
-    elif fmap is None:
-        s = scale * np.einsum("bid,bjd->bij", q64, k64)
-        if causal:
-            s = np.where(mask, s, -np.inf)
-        s = s - (s.max(axis=-1, keepdims=True) if n else 0.0)
-        w = np.exp(s)
-        w /= w.sum(axis=-1, keepdims=True)
+    if fmap is None:
+        w = C.softmax_weights(q64, k64, causal=causal, scale=scale)
     else:
         fq = C.features(fmap, q64, role="query", causal=causal, name="q")
         fk = C.features(fmap, k64, role="key", causal=causal, name="k")
-        a = np.einsum("bif,bjf->bij", fq, fk)
-        if causal:
-            a = np.where(mask, a, 0.0)
-        den = a.sum(axis=-1, keepdims=True)
-        if eps is not None:
-            den = np.maximum(den, eps)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            w = a / den
+        w = C.explicit_rule_weights(rule, fq, fk, inputs, normalize=normalize, eps=eps, causal=causal)
     return w.reshape(batch_shape + (n, n))
 
 
@@ -381,7 +365,7 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     eps = C.resolve_eps(eps)
     fmap = C.resolve_map(feature_map, d=d, scale=scale)
     rule, inputs, _ = C.rule_arguments(fmap, decay, log_decay, None, batch_shape, n, d, causal=causal, beta=beta)
-    if rule in _DELTA_RULES and n * n > config.QUADRATIC_MAX_ELEMENTS:
+    if get_rule(rule).reads_state and n * n > config.QUADRATIC_MAX_ELEMENTS:
         raise ValueError(
             f"approximation_error forms the delta rule's N x N weights (no running-product form; beta given); "
             f"N={n} exceeds config.QUADRATIC_MAX_ELEMENTS={config.QUADRATIC_MAX_ELEMENTS} elements"
@@ -414,18 +398,15 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     return _summarise(st, o_lin, o_sm, rows)
 
 
-_DELTA_RULES = ("delta", "gated_delta")
-
-
 def _rule_call(rule, inputs, n) -> dict:
     """``linear_attention`` keywords that replay the parsed rule on the flattened (B, N, .) batch (normalised)."""
-    if rule == "additive":
+    r = get_rule(rule)
+    if not r.has_inputs:
         return {}
-    if rule in _DELTA_RULES:  # only the explicit method runs them at every size the weights allow
+    if r.reads_state:  # only the explicit method runs them at every size the weights allow
         return dict(inputs, normalize=True, method="quadratic")
-    lg = inputs["log_decay" if rule == "decay" else "log_gate"]  # (B, N) per token, (B, N, F) per feature
     method = "quadratic" if n * n <= config.QUADRATIC_MAX_ELEMENTS else "auto"
-    return {"log_decay": lg, "method": method}
+    return {"log_decay": r.log_factor_of(inputs), "method": method}  # (B, N) per token, (B, N, F) per feature
 
 
 def _summarise(st, o_lin, o_sm, rows) -> ApproximationError:
@@ -479,7 +460,7 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
     if rows == 0:
         nan = float("nan")
         return ApproximationError(nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, 0)
-    p_all = attention_weights(q64, k64, "softmax", causal=causal, scale=scale)
+    p_all = C.softmax_weights(q64, k64, causal=causal, scale=scale)
     s_all = scale * np.einsum("bid,bjd->bij", q64, k64)
     if fmap is None:
         w_all = p_all
@@ -490,7 +471,7 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
         fk = C.features(fmap, k64, role="key", causal=causal, name="k")
         a_all = C.explicit_rule_weights(rule, fq, fk, inputs, normalize=False, eps=None, causal=causal)
         den_all = a_all.sum(axis=-1)
-        w_all = C.explicit_rule_weights(rule, fq, fk, inputs, normalize=True, eps=eps, causal=causal)
+        w_all = C.normalise_rows(a_all, eps)
     st = {key: np.full((b, n), np.nan) for key in ("kl", "tv", "hp", "hw", "rho", "den", "js")}
     for bb in range(b):
         for i in range(n):
@@ -525,6 +506,6 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
                 rs, rw = rankdata(s), rankdata(w)
                 if np.ptp(rs) > 0 and np.ptp(rw) > 0:
                     st["rho"][bb, i] = np.corrcoef(rs, rw)[0, 1]
-    o_sm = attention_weights(q64, k64, "softmax", causal=causal, scale=scale) @ v64
+    o_sm = p_all @ v64
     o_lin = w_all @ v64
     return _summarise(st, o_lin, o_sm, rows)

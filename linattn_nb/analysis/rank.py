@@ -44,6 +44,7 @@ from .._blas import single_threaded_blas
 from .. import config
 from ..ops._codes import KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU
 from ..ops._common import phi
+from ..rules import get_rule
 from . import _common as C
 from .spectral import rank_from_singular_values
 
@@ -167,43 +168,18 @@ def _check_explicit_n(n, limit_name, limit):
         )
 
 
-def _kernel_weights(fq, fk, *, causal, eps, rule="additive", inputs=None, b=0, normalize=True):
-    """Explicit linear-attention weights (N x N) of batch entry ``b``, float64.
+def _kernel_weights(fq, fk, *, causal, eps, rule, inputs, b, normalize):
+    """Explicit linear-attention weights (N x N) of batch entry ``b`` (:func:`~linattn_nb.analysis._common.entry_weights`).
 
-    The additive rule, a decayed one or a delta rule (``inputs``: the front
-    end's flattened log-factors and write strengths, entry ``b`` used;
-    :func:`linattn_nb.ops.causal.naive.explicit_weights`); normalised by the
-    row sums (floored at ``eps``) unless ``normalize`` is False.
+    Normalised by the row sums (floored at ``eps``) unless ``normalize`` is
+    False; a zero normaliser raises ValueError.
     """
-    if rule == "additive":
-        w = fq @ fk.T
-        if causal:
-            w = np.tril(w)
-    else:
-        from ..ops._codes import RULES
-        from ..ops.causal.naive import explicit_weights
-
-        w = explicit_weights(RULES[rule][0], fq, fk, inputs, b)[0]
+    w = C.entry_weights(rule, fq, fk, inputs, b, causal=causal)
     if not normalize:
         return w
-    den = w.sum(axis=-1)
-    if eps is not None:
-        den = np.maximum(den, eps)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        w = w / den[:, None]
+    w = C.normalise_rows(w, eps)
     if w.size and not np.isfinite(w).all():
         raise ValueError("a normaliser is zero (signed feature map with eps=None?): pass eps > 0")
-    return w
-
-
-def _softmax_weights(q, k, *, causal, scale):
-    s = scale * (q @ k.T)
-    if causal:
-        n = s.shape[0]
-        s = np.where(np.tril(np.ones((n, s.shape[1]), dtype=bool)), s, -np.inf)
-    s = s - s.max(axis=-1, keepdims=True)
-    w = np.exp(s)
-    w /= w.sum(axis=-1, keepdims=True)
     return w
 
 
@@ -570,7 +546,7 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
             s = _svals(r_q @ r_k.T)[:nsv]
         else:
             if fmap is None:
-                w = _softmax_weights(fq[i], fk[i], causal=causal, scale=scale)
+                w = C.softmax_weights(fq[i], fk[i], causal=causal, scale=scale)
             else:
                 w = _kernel_weights(fq[i], fk[i], causal=causal, eps=eps, rule=rule, inputs=inputs, b=i,
                                     normalize=normalize)
@@ -810,17 +786,13 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
     n, d = q.shape[-2], q.shape[-1]
     rule, inputs, normalize = C.rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, d, causal=True,
                                                beta=beta)
-    if rule != "additive" and method == "factor":
+    if get_rule(rule).has_inputs and method == "factor":
         raise ValueError(f"method='factor' ranks the additive rule's weights; the {rule!r} rule's weights "
                          "(decay/log_decay/beta given) are ranked with method='explicit'")
-    if rtol is not None:
-        rtol = C.check_rtol(rtol, ())
-        if rtol.ndim:
-            raise ValueError("rtol of semiseparable_rank must be a scalar")
-        rtol = float(rtol)
+    rtol = C.check_scalar_rtol(rtol, "semiseparable_rank")
     if fmap is None and method == "factor":
         raise ValueError("method='factor' does not apply to softmax weights (no low-rank factors); use 'explicit'")
-    explicit = fmap is None or method == "explicit" or rule != "additive"
+    explicit = fmap is None or method == "explicit" or get_rule(rule).has_inputs
     if explicit:
         _check_explicit_n(n, "ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N", config.ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N)
     if fmap is None:
@@ -836,7 +808,7 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
         if n < 2:
             continue
         if fmap is None:
-            w = _softmax_weights(fq[i], fk[i], causal=True, scale=scale)
+            w = C.softmax_weights(fq[i], fk[i], causal=True, scale=scale)
             ranks[i], splits[i] = _semiseparable_explicit(w, rtol)
         elif explicit:
             w = _kernel_weights(fq[i], fk[i], causal=True, eps=eps, rule=rule, inputs=inputs, b=i,
@@ -892,20 +864,6 @@ def _absorb(state, fk, v, lg):
         keep = np.exp(rc[0])                              # (1,) or (F,)
         tail = np.exp(np.vstack([rc[1:], np.zeros((1, lg.shape[1]))]))  # sum_{u > j} lg_u
     return state * keep[:, None] + (fk * tail).T @ v
-
-
-def _absorb_delta(state, fk, v, beta, lg):
-    """``state`` after the rows ``fk`` (L, F), ``v`` (L, M) under the (gated) delta rule, token by token.
-
-    ``S <- a_j (S + beta_j phi(k_j) (v_j - phi(k_j)^T S)^T)`` (``a_j = exp(lg_j)``,
-    1 without ``lg``) -- the recurrence itself, O(L F M).
-    """
-    for j in range(fk.shape[0]):
-        kj = fk[j]
-        if lg is not None:
-            state = state * math.exp(lg[j])
-        state = state + beta[j] * np.outer(kj, v[j] - kj @ state)
-    return state
 
 
 def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, check_finite=True, decay=None,
@@ -1007,11 +965,7 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
         pos = np.unique(raw.astype(np.int64))
         if pos.size and (pos[0] < 0 or pos[-1] > n):
             raise ValueError(f"positions must lie in [0, N] = [0, {n}], got {pos[0]}..{pos[-1]}")
-    if rtol is not None:
-        rtol = C.check_rtol(rtol, ())
-        if rtol.ndim:
-            raise ValueError("rtol of state_rank_profile must be a scalar")
-        rtol = float(rtol)
+    rtol = C.check_scalar_rtol(rtol, "state_rank_profile")
     rule, inputs, _ = C.rule_arguments(fmap, decay, log_decay, None, batch_shape, n, d, causal=True, beta=beta)
     f = C.feature_dim(fmap, d)
     b = int(np.prod(batch_shape, dtype=np.int64))
@@ -1021,10 +975,10 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
         S0 = H[:, :, :m]
     else:
         S0, position = np.zeros((b, f, m)), 0
-    delta = rule in ("delta", "gated_delta")
-    bt = inputs["beta"] if delta else None
-    lg = None if inputs is None else inputs.get("log_decay", inputs.get("log_gate"))
-    if lg is not None and lg.ndim == 2 and not delta:
+    r = get_rule(rule)
+    bt = inputs["beta"] if r.beta else None
+    lg = r.log_factor_of(inputs)
+    if lg is not None and lg.ndim == 2 and not r.reads_state:
         lg = lg[:, :, None]  # per token: one factor for every row of the state
     fk = _features(fmap, k, role="key", causal=True, name="k", offset=position)
     vf = C.flatten64(v, batch_shape)
@@ -1034,9 +988,10 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
         at = 0
         for j, t in enumerate(pos):
             t = int(t)
-            if t > at and delta:
-                state = _absorb_delta(state, fk[i, at:t], vf[i, at:t], bt[i, at:t],
-                                      None if lg is None else lg[i, at:t])
+            if t > at and r.reads_state:  # the recurrence itself, token by token: O(L F M)
+                for u in range(at, t):
+                    state = r.reference_step(state, fk[i, u], vf[i, u], None if lg is None else lg[i, u],
+                                             None if bt is None else bt[i, u])
                 at = t
             elif t > at:
                 state = _absorb(state, fk[i, at:t], vf[i, at:t], None if lg is None else lg[i, at:t])
