@@ -7,10 +7,11 @@ profile: float32 only, see :data:`PROFILE_DTYPES`), runs on a
 set of edge shapes (N = 0 and 1, odd N, batch sizes below and above the
 thread count, D != M) and is compared with the float64 quadratic reference
 computed from the same (rounded) inputs.  Causal methods are also checked
-with the decay and gate update rules (random factors per token, resp. per
-token and feature, with a reset mid-sequence; ELU+1 features) and the delta
-and gated delta rules (write strengths in [0, 2] per token; unit keys
-through the "l2" map).  The output buffer is pre-filled
+with every update rule that takes per-token inputs, drawn by the rule's own
+:attr:`~linattn_nb.rules.UpdateRule.sample` (factors in [0.5, 1] per token,
+or per token and feature, with a reset mid-sequence; write strengths in
+[0, 2] per token) through its :attr:`~linattn_nb.rules.UpdateRule.study_map`
+(ELU+1 features; unit keys through "l2" for the delta rules).  The output buffer is pre-filled
 with NaN, so an element a kernel does not write fails the check.  The state is
 checked too: the returned (S, z) against their definition, and, for causal
 attention, a sequence processed in two segments (``initial_state``) against
@@ -23,6 +24,7 @@ import time
 
 import numpy as np
 
+from ..rules import get_rule, rule_names
 from ._study import Rendered, Study, fmt, markdown_table, register_study
 
 #: Relative Frobenius error allowed per input dtype.  float16 inputs are
@@ -34,29 +36,6 @@ DTYPES = ("float16", "float32", "float64")
 #: (every method, feature map and update rule still), a quarter of the full profile's compilations; the
 #: full profile (and the tiny smoke test) checks every dtype.
 PROFILE_DTYPES = {"tiny": DTYPES, "quick": ("float32",), "full": DTYPES}
-#: Update rules with per-token inputs checked besides the additive rule (causal only), and the
-#: feature map each is checked with (the delta rules need unit keys to stay bounded: "l2").
-DECAY_RULES = {"decay": "elu", "gate": "elu", "delta": "l2", "gated_delta": "l2"}
-
-
-def _decay(rule, rng, b, n, f):
-    """Random per-token inputs of ``rule`` for a (b, n) batch, as ``linear_attention`` keywords.
-
-    Factors in [0.5, 1] per token ("decay", "gated_delta") or per token and
-    feature ("gate"), with a reset (factor 0) at token n // 2; write
-    strengths in [0, 2] per token for the delta rules.
-    """
-    if rule == "additive":
-        return {}
-    kw = {}
-    if rule in ("delta", "gated_delta"):
-        kw["beta"] = rng.uniform(0.0, 2.0, size=(b, n))
-    if rule != "delta":
-        a = rng.uniform(0.5, 1.0, size=(b, n, f) if rule == "gate" else (b, n))
-        if n >= 2:
-            a[:, n // 2] = 0.0
-        kw["decay"] = a
-    return kw
 
 
 def _cut(kw, lo, hi):
@@ -98,13 +77,13 @@ def points(ctx) -> list[dict]:
             for fmap in _feature_maps():
                 pts.append(dict(kind="linear", device=device, causal=causal, feature_map=fmap,
                                 methods=methods, dtypes=dtypes, shapes=shapes))
-            if causal:
-                for rule, rmap in DECAY_RULES.items():
-                    rmethods = [m for m in available_methods(causal=True, device=device, rule=rule)
+            if causal:  # every rule with per-token inputs, with the feature map its study draw is made for
+                for r in map(get_rule, rule_names()):
+                    rmethods = [m for m in available_methods(causal=True, device=device, rule=r.name)
                                 if m != "quadratic"]
-                    if rmethods:
-                        pts.append(dict(kind="linear", device=device, causal=True, feature_map=rmap,
-                                        methods=rmethods, dtypes=dtypes, shapes=shapes, rule=rule))
+                    if r.has_inputs and rmethods:
+                        pts.append(dict(kind="linear", device=device, causal=True, feature_map=r.study_map,
+                                        methods=rmethods, dtypes=dtypes, shapes=shapes, rule=r.name))
     for causal in (False, True):
         pts.append(dict(kind="softmax", device="cpu", causal=causal, feature_map=None,
                         methods=["blocked"], dtypes=dtypes, shapes=shapes))
@@ -179,7 +158,7 @@ def run(kind, device, causal, feature_map, methods, dtypes, shapes, seed=0, rule
         # One instance per shape, shared by the reference and every method (a
         # random map is drawn once, seeded, for this D).
         fmap = build_map(feature_map, dim=d, seed=seed) if kind == "linear" else None
-        rule_kw = _decay(rule, rng, b, n, fmap.output_dim(d)) if kind == "linear" else {}
+        rule_kw = get_rule(rule).sample(rng, b, n, fmap.output_dim(d)) if kind == "linear" else {}
         for dtype in dtypes:
             q, k, v = (x.astype(dtype) for x in base)
             q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
