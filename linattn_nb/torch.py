@@ -37,6 +37,7 @@ from torch import nn
 from . import _gradfront
 from . import config as _config
 from . import feature_maps as fm
+from . import rules
 from ._frontend import LinearState
 
 __all__ = ["linear_attention", "LinearAttention", "LinearState"]
@@ -361,8 +362,38 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto",
 # ---------------------------------------------------------------------------
 # Module
 # ---------------------------------------------------------------------------
-_RULES = ("additive", "delta")
-_DECAYS = (None, "head", "token", "gate")
+#: The layer's ``decay`` options and the form of factor each gives (:data:`linattn_nb.rules.FACTOR_KINDS`).
+_DECAY_FACTOR = {None: None, "head": "scalar", "token": "scalar", "gate": "feature"}  # not a rule: the options
+
+
+def _layer_rule(rule: str, decay):
+    """The registered update rule that the layer's ``rule`` and ``decay`` options select.
+
+    ``rule`` says whether the layer writes with ``beta``; ``decay`` gives the
+    factor (:func:`linattn_nb.rules.rule_for`).  A rule that forgets takes
+    only a ``decay`` option of its own form.  ValueError ("cannot be
+    combined", naming the options that fit) when no rule takes the pair.
+    """
+    r = rules.get_rule(rule)
+
+    def select(option):
+        factor = _DECAY_FACTOR[option]
+        if r.forgets and factor != r.factor:
+            raise ValueError(f"rule {rule!r} forgets by itself: {r.hint}")
+        return rules.rule_for(factor=factor, beta=r.beta)
+
+    try:
+        return select(decay)
+    except ValueError as exc:
+        fits = []
+        for option in _DECAY_FACTOR:
+            try:
+                select(option)
+                fits.append(option)
+            except ValueError:
+                pass
+        raise ValueError(f"decay={decay!r} cannot be combined with rule={rule!r}; use decay= one of "
+                         f"{', '.join(map(repr, fits))}") from exc
 
 
 class LinearAttention(nn.Module):
@@ -370,13 +401,19 @@ class LinearAttention(nn.Module):
 
     ``x`` is projected to ``H`` heads of queries, keys (``head_dim``) and
     values (``value_dim``), laid out ``(B, H, N, D)``, passed through
-    :func:`linear_attention` and projected back.  The update rule:
+    :func:`linear_attention` and projected back.  The update rule
+    (:mod:`linattn_nb.rules`) is the one that ``rule`` and ``decay`` select
+    together (:func:`linattn_nb.rules.rule_for`):
 
     * ``rule="additive"``: ``S_t = a_t S_{t-1} + phi(k_t) v_t^T`` (``a_t = 1``
       without decay), normalised by default (Katharopoulos et al. 2020);
+      with ``decay`` the ``"decay"`` or ``"gate"`` rule;
     * ``rule="delta"``: the delta rule with write strengths
       ``beta = sigmoid(W_beta x)`` per head and token (DeltaNet, Yang et al.
-      2024), unnormalised by default; with a decay, the gated delta rule.
+      2024), unnormalised by default; with a decay, the gated delta rule;
+    * a rule that forgets (``"decay"``, ``"gate"``, ``"gated_delta"``) names
+      the result directly and needs a ``decay`` of its form (``"head"`` or
+      ``"token"``; ``"gate"`` for the gate rule).
 
     and the forgetting factors ``decay``:
 
@@ -387,7 +424,7 @@ class LinearAttention(nn.Module):
       ``log a_t = -softplus(W_a x + b_a)`` (Mamba-2's data-dependent decay);
     * ``"gate"``: one per head, token and feature,
       ``log alpha_t = logsigmoid(W_g x + b_g) / 16`` (GLA, Yang et al. 2024,
-      §4.4), additive rule only.
+      §4.4), not with a rule that takes ``beta``.
 
     Parameters
     ----------
@@ -404,13 +441,16 @@ class LinearAttention(nn.Module):
         state stays bounded.
     causal : bool, default True
         Decay and the delta rule need True.
-    rule : {"additive", "delta"}, default "additive"
+    rule : str, default "additive"
+        A registered update rule (:func:`linattn_nb.rules.rule_names`); the
+        rules that take ``beta`` get a projection ``W_beta``.
     decay : {None, "head", "token", "gate"}, default None
     method : str, default "auto"
         Passed to :func:`linear_attention` (``"quadratic"`` for the float64
         references).
     normalize : bool, optional
-        None: the rule's convention (True additive, False delta).
+        None: the rule's convention (:attr:`linattn_nb.rules.UpdateRule.normalize`:
+        True without beta, False with).
     eps : float, default 1e-8
     conv_size : int, optional
         A causal depthwise convolution of this width on the projected
@@ -433,6 +473,8 @@ class LinearAttention(nn.Module):
         The map instance used by every call.
     feature_map_params : torch.nn.ParameterDict
         The map's parameters (empty unless ``learn_feature_map``).
+    update_rule : str
+        The name of the rule that ``rule`` and ``decay`` select.
 
     Examples
     --------
@@ -467,14 +509,14 @@ class LinearAttention(nn.Module):
         for name, val in (("head_dim", head_dim), ("value_dim", value_dim)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
-        if rule not in _RULES:
-            raise ValueError(f"rule must be one of {_RULES}, got {rule!r}")
-        if decay not in _DECAYS:
-            raise ValueError(f"decay must be one of {_DECAYS}, got {decay!r}")
-        if not causal and (rule != "additive" or decay is not None):
-            raise ValueError("decay and the delta rule are recurrences: they need causal=True")
-        if decay == "gate" and rule == "delta":
-            raise ValueError("decay='gate' (per feature) cannot be combined with rule='delta'; use 'head' or 'token'")
+        if not isinstance(rule, str) or rule not in rules.rule_names():
+            raise ValueError(f"rule must be one of {rules.rule_names()}, got {rule!r}")
+        if decay not in tuple(_DECAY_FACTOR):
+            raise ValueError(f"decay must be one of {tuple(_DECAY_FACTOR)}, got {decay!r}")
+        if not causal and (rules.get_rule(rule).has_inputs or decay is not None):
+            raise ValueError(f"decay={decay!r} and rule={rule!r}: a decay and the rules with inputs are recurrences, "
+                             "they need causal=True")
+        self.update_rule = _layer_rule(rule, decay).name
         if conv_size is not None and (isinstance(conv_size, bool) or not isinstance(conv_size, int)
                                       or conv_size < 1):
             raise ValueError(f"conv_size must be a positive int or None, got {conv_size!r}")
@@ -492,7 +534,7 @@ class LinearAttention(nn.Module):
         if conv_size is not None:
             ch = H * (2 * head_dim + value_dim)
             self.conv = nn.Conv1d(ch, ch, conv_size, groups=ch, padding=conv_size - 1, **kw)
-        self.beta_proj = nn.Linear(d_model, H, **kw) if rule == "delta" else None
+        self.beta_proj = nn.Linear(d_model, H, **kw) if rules.get_rule(rule).beta else None
         if decay == "head":
             gamma = 1.0 - 2.0 ** (-5.0 - torch.arange(H, dtype=torch.float64))
             self.decay_logit = nn.Parameter(torch.logit(gamma).to(device=device,
@@ -501,7 +543,7 @@ class LinearAttention(nn.Module):
             self.decay_proj = nn.Linear(d_model, H, **kw)
             with torch.no_grad():  # a_t = exp(-softplus(b)) ~ 0.95 at the start
                 self.decay_proj.bias.fill_(float(np.log(np.expm1(-np.log(0.95)))))
-        elif decay == "gate":
+        elif decay == "gate":  # not a rule: the layer's option
             self.gate_proj = nn.Linear(d_model, H * self.feature_dim, **kw)
         self.feature_map_params = nn.ParameterDict()
         if learn_feature_map:
@@ -559,13 +601,13 @@ class LinearAttention(nn.Module):
         kw = dict(feature_map=self.feature_map, causal=self.causal, method=self.method, eps=self.eps,
                   check_finite=self.check_finite, normalize=self.normalize, initial_state=initial_state,
                   return_state=return_state)
-        if self.rule == "delta":
+        if self.beta_proj is not None:
             kw["beta"] = torch.sigmoid(self.beta_proj(x)).transpose(1, 2)  # (B, H, N)
         if self.decay == "head":
             kw["log_decay"] = nn.functional.logsigmoid(self.decay_logit)[None, :]  # (1, H)
         elif self.decay == "token":
             kw["log_decay"] = -nn.functional.softplus(self.decay_proj(x)).transpose(1, 2)  # (B, H, N)
-        elif self.decay == "gate":
+        elif self.decay == "gate":  # not a rule: the layer's option
             g = nn.functional.logsigmoid(self.gate_proj(x)) / 16.0
             kw["log_decay"] = g.reshape(B, N, H, self.feature_dim).transpose(1, 2)  # (B, H, N, F)
         if len(self.feature_map_params):

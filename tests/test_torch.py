@@ -345,7 +345,8 @@ def test_in_place_change_after_forward_is_refused():
 # the module
 # ---------------------------------------------------------------------------
 MODULE_CASES = [dict(), dict(decay="head"), dict(decay="token"), dict(decay="gate"),
-                dict(rule="delta"), dict(rule="delta", decay="token"), dict(causal=False), dict(conv_size=3)]
+                dict(rule="delta"), dict(rule="delta", decay="token"), dict(causal=False), dict(conv_size=3),
+                dict(rule="gated_delta", decay="head"), dict(rule="gate", decay="gate")]
 
 
 @pytest.mark.parametrize("kw", MODULE_CASES, ids=lambda kw: "-".join(f"{a}={b}" for a, b in kw.items()) or "default")
@@ -358,6 +359,20 @@ def test_module_forward_backward(kw):
     y.square().mean().backward()
     for name, p in layer.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
+
+
+@pytest.mark.parametrize("named, base", [(dict(rule="decay", decay="token"), dict(decay="token")),
+                                         (dict(rule="gate", decay="gate"), dict(decay="gate")),
+                                         (dict(rule="gated_delta", decay="head"), dict(rule="delta", decay="head"))])
+def test_module_rule_named_directly_is_the_rule_its_options_select(named, base):
+    """A forgetting rule named by ``rule`` is the layer that ``rule`` without forgetting and ``decay`` build."""
+    layers = []
+    for kw in (named, base):
+        torch.manual_seed(3)
+        layers.append(lt.LinearAttention(8, 2, feature_map=None, method="quadratic", dtype=torch.float64, **kw))
+    assert layers[0].update_rule == layers[1].update_rule == named["rule"]
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    torch.testing.assert_close(layers[0](x), layers[1](x), rtol=0, atol=0)
 
 
 def test_module_gradcheck_delta_rule():
@@ -389,6 +404,14 @@ def test_module_errors():
         lt.LinearAttention(8, 2, causal=False, rule="delta")
     with pytest.raises(ValueError, match="cannot be combined"):
         lt.LinearAttention(8, 2, rule="delta", decay="gate")
+    # a rule that forgets needs a decay option of its own form
+    with pytest.raises(ValueError, match="decay=None cannot be combined with rule='decay'; use decay= one of 'head', "
+                                         "'token'"):
+        lt.LinearAttention(8, 2, rule="decay")
+    with pytest.raises(ValueError, match="decay='gate' cannot be combined with rule='gated_delta'"):
+        lt.LinearAttention(8, 2, rule="gated_delta", decay="gate")
+    with pytest.raises(ValueError, match="decay='token' cannot be combined with rule='gate'; use decay= one of 'gate'"):
+        lt.LinearAttention(8, 2, rule="gate", decay="token")
     with pytest.raises(ValueError, match="no trainable parameters"):
         lt.LinearAttention(8, 2, learn_feature_map=True)
     layer = lt.LinearAttention(8, 2, conv_size=2)
