@@ -91,3 +91,19 @@ def test_notebook_runs(path, monkeypatch, tmp_path):
     # the notebook really ran: every code cell executed, in order
     counts = [c.get("execution_count") for c in nb.cells if c.cell_type == "code"]
     assert counts == list(range(1, len(counts) + 1))
+
+
+def _text(stem):
+    nb = json.loads(next(p for p in NOTEBOOKS if p.stem.startswith(stem)).read_text())
+    return "\n".join("".join(c["source"]) for c in nb["cells"])
+
+
+def test_notebook_statements_match_the_library():
+    """What the notebooks say the library lacks, it has: fitting, training through the kernels, autograd."""
+    assert "outside this library" not in _text("02_approximation_error") and "linattn_nb.fitting.fit" in _text("02_")
+    assert "outside this library" not in _text("03_rank_and_recall")
+    assert "no autograd" not in _text("04_gpu_and_interop") and "linattn_nb.torch" in _text("04_")
+    nb05 = _text("05_training")
+    # evaluation every K steps (and after the last), not after every step of a short run
+    assert 'EVAL_EVERY = int(os.environ.get("LINATTN_NB_EVAL_EVERY", "50"))' in nb05
+    assert "STEPS // 12" not in nb05 and "about 8 min" not in nb05

@@ -546,7 +546,7 @@ def test_throughput_records_machine_state_and_flags_noisy_points(tiny_report, tm
         for key in ("load1_before", "load1_after", "sgemm_gflops_before", "sgemm_gflops_after"):
             assert key in res, key
         assert res["sgemm_gflops_before"] > 0 and res["sgemm_gflops_after"] > 0
-    assert "sgemm GFLOP/s before" in _section(out, "Causal throughput against N")
+    assert "load; sgemm GFLOP/s" in _section(out, "Causal throughput against N")
     assert throughput.noisy_points({512: 90.0, 1024: 95.0, 2048: 96.0, 32768: 96.0, 65536: 9.6}) == [65536]
     assert throughput.noisy_points({512: 90.0, 1024: 30.0, 2048: 96.0}) == [1024]
     assert throughput.noisy_points({512: 90.0, 1024: 50.0, 2048: 96.0}) == []

@@ -181,3 +181,35 @@ def test_error_render_keeps_signed_maps_out_of_the_ranking_and_computes_the_slop
     assert "| identity |" in signed and "0.5 / 0.9" in signed and "elu" not in signed
     assert "- favor+, s = 0.5: supported: slope -0.50" in md
     assert CI_CAPTION in md and "standard deviation over" not in md
+
+
+# ---------------------------------------------------------------------------
+# The throughput headline: only from points that pass the noise rule
+# ---------------------------------------------------------------------------
+def _tp_records(rates_lin, times_soft):
+    recs = []
+    for (n, g), ts in zip(rates_lin, times_soft):
+        for kind, method in (("linear", "scan"), ("softmax", "blocked")):
+            params = dict(kind=kind, device="cpu", method=method, n=n, batch=1, d=4, m=4, dtype="float32",
+                          feature_map="elu", min_time=0.0)
+            res = dict(median_s=1e-3 if kind == "linear" else ts, tokens_per_s=1e6, numba_threads=2,
+                       load1_before=1.0 + n / 1e4, load1_after=2.0, sgemm_gflops_before=50.0 + n / 512,
+                       sgemm_gflops_after=10.0)
+            if kind == "linear":
+                res["gflops"] = g
+            recs.append(dict(status="ok", params=params, result=res))
+    return recs
+
+
+def test_throughput_headline_skips_a_point_at_half_its_neighbours_rate(tmp_path):
+    from linattn_nb.studies import Context, throughput
+
+    assert throughput.clean_points({1: 100.0, 2: 90.0, 3: 50.1, 4: 100.0}) == [1, 2, 4]
+    # the largest N's linear rate is 0.501 of its neighbours': not noisy by the 0.5 flag, but no headline
+    recs = _tp_records([(1024, 100.0), (2048, 100.0), (4096, 100.0), (8192, 50.1)], [1e-3, 4e-3, 16e-3, 64e-3])
+    r = throughput.render(recs, Context(out=tmp_path, profile="tiny", plots=False))
+    assert "(noisy)" not in r.markdown
+    assert r.summary.startswith("linear 16× faster than softmax at N = 4096")
+    assert "Headline: linear scan (cpu) is 16× faster than softmax at N = 4096, the largest N at which" in r.markdown
+    # sgemm per point, not a range
+    assert "| 8192 | 1.8 → 2; 66 → 10 | 1.8 → 2; 66 → 10 |" in r.markdown and "–" not in r.markdown.split("Machine state")[1]

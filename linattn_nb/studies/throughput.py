@@ -183,6 +183,52 @@ def noisy_points(rates: dict) -> list:
     return out
 
 
+#: The headline speed-up is taken only at an N where both points' effective rates are at least this
+#: fraction of each of their two nearest neighbours' (a steadier rule than the "noisy" flag's).
+HEADLINE_FRACTION = 0.8
+
+
+def clean_points(rates: dict, fraction: float = HEADLINE_FRACTION) -> list:
+    """The N of a series ``{N: rate}`` whose rate is at least ``fraction`` of each of its neighbours'.
+
+    The neighbours are those of :func:`noisy_points`.  A series of one point has no neighbour: none is clean.
+    """
+    xs = sorted(rates)
+    out = []
+    for i, x in enumerate(xs):
+        if 0 < i < len(xs) - 1:
+            idx = (i - 1, i + 1)
+        else:
+            idx = (1, 2) if i == 0 else (i - 1, i - 2)
+        nb = [rates[xs[j]] for j in idx if 0 <= j < len(xs) and j != i]
+        if nb and all(rates[x] >= fraction * r for r in nb):
+            out.append(x)
+    return out
+
+
+def _rate(params, res) -> float:
+    """Effective rate of a point for the noise rules: linear attention's GFLOP/s, softmax's N²-scaled one."""
+    if "gflops" in res:
+        return float(res["gflops"])
+    n = params["n"]
+    return 2.0 * params["batch"] * n * n * (params["d"] + params["m"]) / res["median_s"] / 1e9
+
+
+def headline(series, lin, soft):
+    """(N, speed-up, linear label) at the largest N where the fastest linear point and the softmax point are
+    both clean (:func:`clean_points`); None when there is no such N."""
+    clean = {lab: set(clean_points({n: _rate(*pr) for n, pr in series[lab].items()})) for lab in lin + soft}
+    for n in sorted({n for lab in soft for n in series[lab]}, reverse=True):
+        lins = [(series[lab][n][1]["median_s"], lab) for lab in lin if n in series[lab]]
+        softs = [(series[lab][n][1]["median_s"], lab) for lab in soft if n in series[lab]]
+        if not lins or not softs:
+            continue
+        (t_lin, lab_lin), (t_soft, lab_soft) = min(lins), min(softs)
+        if n in clean[lab_lin] and n in clean[lab_soft]:
+            return n, t_soft / t_lin, lab_lin
+    return None
+
+
 def render(records, ctx) -> Rendered:
     ok, failed, problems, failed_md = split_failed("throughput", records)
     series: dict = {}
@@ -245,10 +291,18 @@ def render(records, ctx) -> Rendered:
     md += failed_md
     summary = ""
     if ns and lin and soft:
-        n_top = max(n for n in ns if any(n in series[lab] for lab in soft))
-        best_lin = min(series[lab][n_top][1]["median_s"] for lab in lin if n_top in series[lab])
-        best_soft = min(series[lab][n_top][1]["median_s"] for lab in soft if n_top in series[lab])
-        summary = f"linear {fmt(best_soft / best_lin)}× faster than softmax at N = {n_top}"
+        head = headline(series, lin, soft)
+        rule = (f"the largest N at which the fastest linear method's and softmax's effective rates are each at "
+                f"least {HEADLINE_FRACTION:g} of their two nearest neighbours' in N")
+        if head is None:
+            summary = "no N passes the headline's noise rule; see the table"
+            md.insert(1, "")
+            md.insert(2, f"Headline: none -- no N passes the rule ({rule}); read the speed-up per N in the table.")
+        else:
+            summary = f"linear {fmt(head[1])}× faster than softmax at N = {head[0]}"
+            md.insert(1, "")
+            md.insert(2, f"Headline: {head[2]} is {fmt(head[1])}× faster than softmax at N = {head[0]}, "
+                         f"{rule}.")
     nflag = sum(len(v) for v in noisy.values())
     if nflag:
         summary += f"{'; ' if summary else ''}{nflag} noisy point(s)"
@@ -256,27 +310,25 @@ def render(records, ctx) -> Rendered:
 
 
 def _load_md(series, ns, noisy) -> list:
-    """The machine's state around the points: load average and sgemm rate before and after, per N."""
+    """The machine's state around each point: load average and sgemm rate before → after."""
+    labels = [lab for lab in series if any("load1_before" in pr[1] for pr in series[lab].values())]
     rows = []
     for n in ns:
-        recs = [series[lab][n][1] for lab in series if n in series[lab]]
-        recs = [r for r in recs if "load1_before" in r]
-        if not recs:
-            continue
-
-        def span(key, digits=3):
-            vals = [r[key] for r in recs]
-            lo, hi = min(vals), max(vals)
-            return fmt(lo, digits) if fmt(lo, digits) == fmt(hi, digits) else f"{fmt(lo, digits)}–{fmt(hi, digits)}"
-
-        rows.append([n, span("load1_before", 2), span("load1_after", 2), span("sgemm_gflops_before"),
-                     span("sgemm_gflops_after")])
-    if not rows:
+        row = [n]
+        for lab in labels:
+            r = series[lab].get(n, (None, {}))[1]
+            if "load1_before" not in r:
+                row.append("–")
+                continue
+            row.append(f"{fmt(r['load1_before'], 2)} → {fmt(r['load1_after'], 2)}; "
+                       f"{fmt(r['sgemm_gflops_before'])} → {fmt(r['sgemm_gflops_after'])}")
+        rows.append(row)
+    if not labels:
         return []
-    md = ["", f"Machine state around each point (range over the series at that N): 1-minute load average and the "
-              f"rate of a {SGEMM_SIZE}×{SGEMM_SIZE} float32 matrix product (NumPy's BLAS) just before and just "
-              "after the timed calls:", "",
-          markdown_table(["N", "load before", "load after", "sgemm GFLOP/s before", "sgemm GFLOP/s after"], rows)]
+    md = ["", f"Machine state around each point: 1-minute load average, then the rate (GFLOP/s) of a "
+              f"{SGEMM_SIZE}×{SGEMM_SIZE} float32 matrix product (NumPy's BLAS), each just before → just after "
+              "that point's timed calls:", "",
+          markdown_table(["N", *[f"{lab}: load; sgemm GFLOP/s" for lab in labels]], rows)]
     flagged = [(lab, n) for lab, xs in noisy.items() for n in xs]
     if flagged:
         items = []
