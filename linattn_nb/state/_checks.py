@@ -106,23 +106,27 @@ def raise_nonfinite(name):
                      "Pass check_finite=False to skip this check")
 
 
-def _factor_array(decay, log_decay):
-    """(name, host array or None) of a call's decay/log_decay (GPU arrays copied to the host)."""
+def host_array(name, x):
+    """The argument ``name`` as a host array (GPU arrays copied to the host)."""
     from .. import _cuda_dispatch as CD
     from ..device import on_device
 
+    return CD.to_host(name, x) if on_device(x) else V.as_host_array(name, x)
+
+
+def _factor_array(decay, log_decay):
+    """(name, host array) of a call's decay or log_decay; (None, None) without them."""
     if decay is None and log_decay is None:
         return None, None
     if decay is not None and log_decay is not None:
         raise ValueError("pass at most one of decay and log_decay (the same factors, linear or as logs)")
     name, x = ("decay", decay) if decay is not None else ("log_decay", log_decay)
-    x = CD.to_host(name, x) if on_device(x) else V.as_host_array(name, x)
-    return name, x
+    return name, host_array(name, x)
 
 
 def _step_decay_form(name, x, batch_shape, t: int, f: int):
     """A step's ``decay``/``log_decay`` array ``x`` in the form of :func:`linattn_nb.linear_attention`
-    with N = T (see :func:`step_decay_inputs`); errors name ``name``."""
+    with N = T (see :func:`rule_inputs`); errors name ``name``."""
     bs = tuple(batch_shape)
     nb = len(bs)
     forms = (f"a scalar or {nb} dimension(s) broadcastable to the batch shape {bs} (per sequence), "
@@ -150,53 +154,14 @@ def _step_decay_form(name, x, batch_shape, t: int, f: int):
     return x
 
 
-def step_decay_inputs(decay, log_decay, batch_shape, t: int, f: int):
-    """The rule and kernel inputs of :meth:`LinearAttentionState.step`'s ``decay``/``log_decay``.
-
-    A step's factors (``b`` the number of batch dimensions, T the tokens of
-    the call, D_phi the feature dimension):
-
-    * a scalar or ``b`` dimensions broadcastable to the batch shape: one factor
-      per sequence (head), the same at each of the T tokens -> ``"decay"``;
-    * ``b + 1`` dimensions ``(*batch, D_phi)``: one gate per sequence and
-      feature, the same at each of the T tokens -> ``"gate"``;
-    * ``b + 2`` dimensions ``(*batch, T, 1)``: one factor per token ->
-      ``"decay"``; ``(*batch, T, D_phi)``: one gate per token and feature ->
-      ``"gate"`` (a trailing 1 means one factor for every feature, also when
-      D_phi = 1).
-
-    For a decode step (T = 1) the first two are the token's own factor.
-    Values and the flattening are :func:`linattn_nb._validate.decay_inputs`'s
-    (errors name ``decay``/``log_decay``).
-
-    Returns
-    -------
-    (rule, inputs) : as :func:`linattn_nb._validate.decay_inputs`
-    """
-    name, x = _factor_array(decay, log_decay)
-    if name is None:
-        return "additive", None
-    x = _step_decay_form(name, x, batch_shape, t, f)
-    kw = {name: x}
-    return V.decay_inputs(kw.get("decay"), kw.get("log_decay"), tuple(batch_shape), t, f, causal=True)
-
-
-def _host_beta(beta):
-    from .. import _cuda_dispatch as CD
-    from ..device import on_device
-
-    return CD.to_host("beta", beta) if on_device(beta) else V.as_host_array("beta", beta)
-
-
-def _step_beta_form(beta, batch_shape, t: int):
-    """A step's ``beta`` in the form of :func:`linattn_nb._validate.beta_inputs` with N = T.
+def _step_beta_form(x, batch_shape, t: int):
+    """A step's ``beta`` (a host array) in the form of :func:`linattn_nb._validate.beta_inputs` with N = T.
 
     A scalar or ``b`` dimensions broadcastable to the batch shape (one write
     strength per sequence, the same at each of the T tokens); ``b + 1``
     dimensions ``(*batch, T)`` or ``b + 2`` dimensions ``(*batch, T, 1)`` (the
     step form of a per-token decay): one per token.
     """
-    x = _host_beta(beta)
     nb = len(tuple(batch_shape))
     if x.ndim == nb + 2:
         if x.shape[-2:] != (t, 1):
@@ -208,48 +173,41 @@ def _step_beta_form(beta, batch_shape, t: int):
     return x
 
 
-def step_rule_inputs(decay, log_decay, beta, fmap, normalize, batch_shape, t: int, f: int):
-    """The rule and kernel inputs of a step's ``decay``/``log_decay`` and ``beta``.
+def rule_inputs(decay, log_decay, beta, fmap, normalize, batch_shape, t: int, f: int, *, step: bool):
+    """The rule and kernel inputs of a step's (``step=True``) or a prefill's ``decay``/``log_decay`` and ``beta``.
 
-    Without ``beta``: :func:`step_decay_inputs`.  With it, the decay in the
-    step's forms (:func:`step_decay_inputs`) and ``beta`` as a scalar, one
-    per sequence, or one per token (``(*batch, T)`` or ``(*batch, T, 1)``)
-    go through :func:`linattn_nb._frontend.rule_arguments`: the delta rule, or
-    the gated delta rule with a decay per sequence or per token (a per-feature
-    gate raises ValueError).
+    A prefill takes the forms of :func:`linattn_nb.linear_attention` with
+    N = T.  A step's factors (``b`` the number of batch dimensions, T the
+    tokens of the call, D_phi the feature dimension):
+
+    * a scalar or ``b`` dimensions broadcastable to the batch shape: one factor
+      per sequence (head), the same at each of the T tokens (the decay rule);
+    * ``b + 1`` dimensions ``(*batch, D_phi)``: one gate per sequence and
+      feature, the same at each of the T tokens (the gate rule);
+    * ``b + 2`` dimensions ``(*batch, T, 1)``: one factor per token;
+      ``(*batch, T, D_phi)``: one gate per token and feature (a trailing 1
+      means one factor for every feature, also when D_phi = 1);
+
+    and its ``beta`` a scalar, one per sequence, or one per token
+    (``(*batch, T)`` or ``(*batch, T, 1)``).  For a decode step (T = 1) the
+    per-sequence forms are the token's own values.  GPU arrays are copied to
+    the host first; the rule, the values and the flattening are
+    :func:`linattn_nb._frontend.rule_arguments`' (errors name
+    ``decay``/``log_decay``/``beta``; a per-feature gate with ``beta`` raises
+    ValueError).
+
+    Returns
+    -------
+    (rule, inputs) : the rule's name and its kernel inputs (None without inputs)
     """
-    if beta is None:
-        return step_decay_inputs(decay, log_decay, batch_shape, t, f)
     from .. import _frontend as FE
 
     name, x = _factor_array(decay, log_decay)
-    kw = {}
-    if name is not None:
-        kw[name] = _step_decay_form(name, x, batch_shape, t, f)
-    rule, inputs, _ = FE.rule_arguments(fmap, kw.get("decay"), kw.get("log_decay"), normalize, tuple(batch_shape),
-                                        t, f, causal=True, beta=_step_beta_form(beta, batch_shape, t))
+    factor = {} if name is None else {name: _step_decay_form(name, x, batch_shape, t, f) if step else x}
+    if beta is not None:
+        beta = host_array("beta", beta)
+        if step:
+            beta = _step_beta_form(beta, batch_shape, t)
+    rule, inputs, _ = FE.rule_arguments(fmap, factor.get("decay"), factor.get("log_decay"), normalize,
+                                        tuple(batch_shape), t, f, causal=True, beta=beta)
     return rule, inputs
-
-
-def prefill_rule_inputs(decay, log_decay, beta, fmap, normalize, batch_shape, n: int, f: int):
-    """A prefill's ``decay``/``log_decay`` and ``beta``: the forms of :func:`linattn_nb.linear_attention`
-    with N = T (:func:`linattn_nb._frontend.rule_arguments`; GPU arrays are copied to the host first)."""
-    if beta is None:
-        return prefill_decay_inputs(decay, log_decay, batch_shape, n, f)
-    from .. import _frontend as FE
-
-    name, x = _factor_array(decay, log_decay)
-    kw = {} if name is None else {name: x}
-    rule, inputs, _ = FE.rule_arguments(fmap, kw.get("decay"), kw.get("log_decay"), normalize, tuple(batch_shape),
-                                        n, f, causal=True, beta=_host_beta(beta))
-    return rule, inputs
-
-
-def prefill_decay_inputs(decay, log_decay, batch_shape, n: int, f: int):
-    """A prefill's factors: the forms of :func:`linattn_nb.linear_attention` with N = T
-    (:func:`linattn_nb._validate.decay_inputs`; GPU arrays are copied to the host first)."""
-    name, x = _factor_array(decay, log_decay)
-    if name is None:
-        return "additive", None
-    kw = {name: x}
-    return V.decay_inputs(kw.get("decay"), kw.get("log_decay"), tuple(batch_shape), n, f, causal=True)

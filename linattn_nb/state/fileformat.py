@@ -19,9 +19,9 @@ A state file is an ``.npz`` (no pickles) with these entries:
     probe of another shape (an empty one included), is refused like any other
     mismatch.
 ``rule``, ``normalize`` (version 2 on)
-    The update rule (``"additive"``, ``"decay"``, ``"gate"``, ``"delta"``,
-    ``"gated_delta"``; ``""`` for a state whose rule no token has fixed yet) and the state's ``normalize``
-    argument (an integer: -1 for None, the rule's convention; 0 False; 1 True).
+    The update rule's name (one of :func:`linattn_nb.rules.rule_names`: ``"additive"``,
+    ``"decay"``, ...; ``""`` for a state whose rule no token has fixed yet) and the state's
+    ``normalize`` argument (an integer: -1 for None, the rule's convention; 0 False; 1 True).
 
 Versions: 1 had no ``rule``/``normalize`` entries; its files load as additive
 states with ``normalize=None``.  Version 2 added them; a reader of version 1
@@ -49,6 +49,7 @@ import numpy as np
 
 from .. import _frontend as FE
 from .. import feature_maps as fm
+from ..rules import rule_names
 from ._checks import STATE_DTYPES, check_batch_shape, check_state_dtype
 
 __all__ = ["StateFileError", "FORMAT_NAME", "FORMAT_VERSION", "write", "read"]
@@ -60,8 +61,8 @@ REQUIRED_KEYS = ("format", "version", "S", "z", "position", "key_dim", "value_di
                  "feature_map_probe")
 #: Entries added by each version after the first.
 VERSION_KEYS = {2: ("rule", "normalize")}
-#: The rules a file may name ("" : not fixed yet).
-FILE_RULES = ("", "additive", "decay", "gate", "delta", "gated_delta")
+#: The rules a file may name: the registered rules by name ("": not fixed yet).
+FILE_RULES = ("",) + rule_names()
 PROBE_TOKENS = 3
 
 

@@ -21,41 +21,29 @@ from .._frontend import LinearState
 from .._overlap import call_reads, out_overlaps
 from ..device import check_device_arg, on_device, resolve_device
 from ..ops._codes import LOG_RESET, norm_mode
-from ..ops.registry import get_method, get_rule
+from ..ops.registry import get_method
 from ..ops.step import cpu as _step_cpu
+from ..rules import get_rule, rule_for, rule_names
 from . import fileformat
 from . import launchers  # noqa: F401  (registers the step launchers)
 from ._checks import (F32, F64, STATE_DTYPES, check_batch_shape, check_dim, check_shapes, check_state_dtype,
-                      host_tokens, prefill_rule_inputs, raise_nonfinite, step_rule_inputs, work_dtype)
+                      host_array, host_tokens, raise_nonfinite, rule_inputs, work_dtype)
 from .fileformat import StateFileError
 
 __all__ = ["LinearAttentionState", "StateFileError"]
 
-#: The update rule whose step launcher a state looks up while its rule is not fixed yet
-#: (``rule=None`` and no token absorbed): the additive rule's decode kernels.
-RULE = "additive"
-
-#: The update rules a state can run (:data:`linattn_nb.ops._codes.RULES`).
-RULE_NAMES = ("additive", "decay", "gate", "delta", "gated_delta")
-
-_RULE_HINT = {"additive": "pass neither decay nor log_decay nor beta",
-              "decay": "pass decay or log_decay with one factor per sequence (or per token), without beta",
-              "gate": "pass decay or log_decay with one factor per feature (last axis D_phi), without beta",
-              "delta": "pass beta, without decay or log_decay",
-              "gated_delta": "pass beta with decay or log_decay (one factor per sequence or per token)"}
+#: The rule of a call without decay/log_decay/beta (the additive rule): the one whose step
+#: launcher a state looks up while its rule is not fixed yet (``rule=None``, no token absorbed).
+RULE = rule_for(factor=None, beta=False).name
 
 
 def check_rule_name(rule, name="rule"):
-    """``rule`` as a registered rule name, or None (not fixed yet)."""
-    if rule is None:
-        return None
-    if not isinstance(rule, str):
-        raise TypeError(f"{name} must be None or one of {', '.join(map(repr, RULE_NAMES))}, "
-                        f"got {type(rule).__name__}")
-    if rule not in RULE_NAMES:
-        raise ValueError(f"{name} must be None or one of {', '.join(map(repr, RULE_NAMES))}, got {rule!r}")
-    get_rule(rule)
-    return rule
+    """``rule`` as a registered rule name (:func:`linattn_nb.rules.rule_names`), or None (not fixed yet)."""
+    if rule is None or (isinstance(rule, str) and rule in rule_names()):
+        return rule
+    error = ValueError if isinstance(rule, str) else TypeError
+    raise error(f"{name} must be None or one of {', '.join(map(repr, rule_names()))}, "
+                f"got {rule!r} ({type(rule).__name__})")
 
 
 #: Compiled entry points of :func:`linattn_nb.ops.step.cpu.fill_token_inputs` by input dtype
@@ -234,10 +222,9 @@ class LinearAttentionState:
         check_device_arg(device)
         rule = check_rule_name(rule)
         f = FE.feature_dim(fmap, d)
-        # normalize's type, and maps that need the normaliser (the front end's check).
-        FE.rule_arguments(fmap, None, None, normalize, bs, 0, f, causal=True)
+        # normalize's type, and maps that need the normaliser with the rule's convention (the front end's check)
+        FE.rule_normalize(fmap, rule or RULE, normalize)
         self._init_fields(d, m, f, bs, fmap, dt, eps, rule, normalize)
-        self._check_normalizer()
         self._position = 0
         dev = None if device == "auto" else resolve_device(device)
         self._attach(dev or "cpu")
@@ -280,29 +267,29 @@ class LinearAttentionState:
 
     def _set_fast(self):
         """The single-token fast path calls the CPU kernel's compiled entry point with its scratch:
-        the additive rule (fixed or not yet) with the normaliser only.
+        a rule without inputs (the additive rule, fixed or not yet) with the normaliser only.
 
-        The rule fast path (``_rfast``) does the same for a fixed decay, delta or gated delta
-        rule on the host (an elementwise map), for steps whose factor and write strength are
-        a Python number or one value per sequence (an array of the batch shape): the inputs
-        are checked and converted into preallocated (B, 1) arrays by one compiled call
+        The rule fast path (``_rfast``) does the same on the host (an elementwise map) for a
+        rule with inputs but no per-feature factor (the decay, delta and gated delta rules),
+        for steps whose factor and write strength are a Python number or one value per
+        sequence (an array of the batch shape): the inputs are checked and converted into
+        preallocated (B, 1) arrays by one compiled call
         (:func:`linattn_nb.ops.step.cpu.fill_token_inputs`); anything else, an invalid value
-        included, takes the validating path.
+        included, takes the validating path.  The kernel is the delta kernel for a rule whose
+        update reads the state, else the decay kernel.
         """
-        self._fast = (self._code is not None and self._kern1 is not None and self._launch_rule == "additive"
-                      and self._rule in (None, "additive") and self._norm)
+        rule = get_rule(self._launch_rule)  # the state's rule, or the additive one while not fixed
+        self._fast = self._code is not None and self._kern1 is not None and not rule.has_inputs and self._norm
         if self._fast:
             (self._feat,) = self._scratch
-        rule = self._rule
-        self._rfast = (self._code is not None and self._launch.device == "cpu" and rule == self._launch_rule
-                       and rule in ("decay", "delta", "gated_delta"))
+        self._rfast = (self._code is not None and self._launch.device == "cpu" and rule.has_inputs
+                       and rule.factor != "feature")
         if self._rfast:
             B, M, F = self._B, self._m, self._f
-            if rule == "decay":
-                self._rkern = _step_cpu.pick_rule_kernel(B, 1, M, F)
-            else:
-                self._rkern = _step_cpu.pick_delta_kernel(B, 1, M, F)
-            self._lg1 = np.zeros((B, 1, 0 if rule == "delta" else 1))
+            self._rbeta, self._rforgets, self._rdelta = rule.beta, rule.forgets, rule.reads_state
+            pick = _step_cpu.pick_delta_kernel if rule.reads_state else _step_cpu.pick_rule_kernel
+            self._rkern = pick(B, 1, M, F)
+            self._lg1 = np.zeros((B, 1, 1 if rule.forgets else 0))
             self._beta1 = np.zeros((B, 1))
             self._rnorm = np.int64(norm_mode(self._eps, self._norm))
             self._rentry = {}
@@ -338,15 +325,15 @@ class LinearAttentionState:
         return False
 
     def _rule_token(self, decay, log_decay, beta):
-        """Fill ``_lg1``/``_beta1`` for a one-token step of the fixed rule; False: take the validating path."""
-        rule = self._rule
-        if rule == "delta":
-            return (decay is None and log_decay is None and beta is not None
-                    and self._fill_token(beta, self._beta1.reshape(-1), _step_cpu.FILL_BETA))
-        if (decay is None) == (log_decay is None) or (beta is None) != (rule == "decay"):
+        """Fill ``_lg1``/``_beta1`` for a one-token step of the fixed rule; False: take the validating path
+        (also for arguments of another rule: a factor and ``beta`` exactly where the rule takes them)."""
+        if ((beta is not None) != self._rbeta
+                or ((decay is not None) + (log_decay is not None)) != self._rforgets):
             return False
         if beta is not None and not self._fill_token(beta, self._beta1.reshape(-1), _step_cpu.FILL_BETA):
             return False
+        if not self._rforgets:
+            return True
         if decay is not None:
             return self._fill_token(decay, self._lg1.reshape(-1), _step_cpu.FILL_DECAY)
         return self._fill_token(log_decay, self._lg1.reshape(-1), _step_cpu.FILL_LOG_DECAY)
@@ -364,12 +351,9 @@ class LinearAttentionState:
             q, k, v = q.reshape(self._qk3), k.reshape(self._qk3), v.reshape(self._o1)
             res = out.reshape(self._v1)
         ep = self._rentry.get(dt)
-        if self._rule == "decay":
-            args = (q, k, v, self._S, self._z, out, self._rfeat, self._c_code, self._eps_f, bool(check_finite),
-                    self._lg1, self._rnorm)
-        else:
-            args = (q, k, v, self._S, self._z, out, self._rfeat, self._c_code, self._eps_f, bool(check_finite),
-                    self._lg1, self._beta1, self._rnorm, True)
+        args = (q, k, v, self._S, self._z, out, self._rfeat, self._c_code, self._eps_f, bool(check_finite),
+                self._lg1)
+        args += (self._beta1, self._rnorm, True) if self._rdelta else (self._rnorm,)
         if ep is None:
             from numba import typeof
 
@@ -383,44 +367,44 @@ class LinearAttentionState:
         return res
 
     # -- the update rule -----------------------------------------------------------
-    def _check_normalizer(self):
-        """A rule whose convention is normalize=False (the delta rules) with a map that needs the
-        normaliser and normalize=None: the front end's error (nothing built)."""
-        if not self._norm and self._rule is not None:
-            args = {"beta": 0.0} if self._rule in ("delta", "gated_delta") else {}
-            FE.rule_arguments(self._fmap, None, None, self._normalize_arg, self._bs, 1, self._f, causal=True,
-                              **args)
-
     def _check_rule(self, rule, name):
         """Refuse a call of another rule than the state's (before anything changes)."""
         if self._rule is not None and rule != self._rule:
             raise ValueError(
                 f"this LinearAttentionState runs the {self._rule!r} update rule, but {name} asks for the "
-                f"{rule!r} rule; a state continues only its own rule ({_RULE_HINT[self._rule]}, or build "
+                f"{rule!r} rule; a state continues only its own rule ({get_rule(self._rule).hint}, or build "
                 "another state)"
             )
 
-    def _fix_rule(self, rule):
-        """Fix the rule (the first call that absorbs a token); look its launcher up once."""
-        if self._rule == rule:
-            return
+    def _set_rule(self, rule):
+        """Fix the rule (the first call that absorbs a token), or unfix it (None: that call's inputs
+        were refused by the kernel, nothing changed); the rule's launcher is looked up once."""
         self._rule = rule
-        self._norm = V.check_normalize(self._normalize_arg, get_rule(rule).normalize)
-        if rule != self._launch_rule:
-            S, z = self._launch.view(self._S, self._z)
-            self._attach(self._launch.device)
-            self._launch.put(self._S, self._z, S, z)
+        self._norm = V.check_normalize(self._normalize_arg, get_rule(rule or RULE).normalize)
+        if (rule or RULE) != self._launch_rule:
+            self._reattach(self._launch.device)
         else:
             self._set_fast()
+
+    def _reattach(self, dev):
+        """Look the launcher up again (another device or rule) and move the state's values to its buffers."""
+        S, z = self._launch.view(self._S, self._z)
+        self._attach(dev)
+        self._launch.put(self._S, self._z, S, z)
 
     # -- device ---------------------------------------------------------------
     def _set_device(self, dev):
         """Fix the device; move the (host) state to the GPU for "cuda"."""
         if dev != self._launch.device:
-            S, z = self._launch.view(self._S, self._z)
-            self._attach(dev)
-            self._launch.put(self._S, self._z, S, z)
+            self._reattach(dev)
         self._device = dev
+
+    def _place(self, device):
+        """The device of a state built on the host from arrays (:meth:`from_linear_state`, :meth:`load`)."""
+        if device != "cpu":
+            self._device = None
+            if device == "cuda":
+                self._set_device(resolve_device("cuda"))
 
     def _resolve(self, arrays, names):
         """The device these inputs run on (the state's, or for "auto" the data's); refuses
@@ -534,15 +518,18 @@ class LinearAttentionState:
         names = [n for n, _, _ in pairs]
         dev = self._resolve([x for _, x, _ in pairs], names)
         res = self._prepare_on(dev, pairs, names, check_finite, roles)
-        res.rule, res.inputs = ("additive", None) if factors is None else factors(res.T)
+        res.rule, res.inputs = (RULE, None) if factors is None else factors(res.T)
         if self._device is None:
             self._set_device(dev)
         return res
 
-    def _factors(self, decay, log_decay, beta, parse, what):
-        """A ``factors`` callable for :meth:`_prepare` (``parse``: the step's or the prefill's forms)."""
+    def _factors(self, decay, log_decay, beta, step):
+        """A ``factors`` callable for :meth:`_prepare` (the forms of a step, or of a prefill)."""
+        what = "a step" if step else "a prefill"
+
         def factors(T):
-            rule, inputs = parse(decay, log_decay, beta, self._fmap, self._normalize_arg, self._bs, T, self._f)
+            rule, inputs = rule_inputs(decay, log_decay, beta, self._fmap, self._normalize_arg, self._bs, T, self._f,
+                                       step=step)
             given = [n for n, x in (("beta", beta), ("decay", decay), ("log_decay", log_decay)) if x is not None]
             name = " with ".join(given) if given else f"{what} without decay/log_decay/beta"
             self._check_rule(rule, name)
@@ -551,22 +538,11 @@ class LinearAttentionState:
 
     def _absorb_rule(self, inp):
         """After a valid call: its tokens fix the rule of an unfixed state.  Returns whether it did
-        (so that a call the kernel refuses can undo it with :meth:`_unfix_rule`)."""
+        (so that a call the kernel refuses can undo it: ``_set_rule(None)``)."""
         if self._rule is None and inp.T:
-            self._fix_rule(inp.rule)
+            self._set_rule(inp.rule)
             return True
         return False
-
-    def _unfix_rule(self):
-        """Undo :meth:`_fix_rule` for a call whose inputs the kernel refused (non-finite): nothing changed."""
-        self._rule = None
-        self._norm = V.check_normalize(self._normalize_arg, get_rule(RULE).normalize)
-        if self._launch_rule != RULE:
-            S, z = self._launch.view(self._S, self._z)
-            self._attach(self._launch.device)
-            self._launch.put(self._S, self._z, S, z)
-        else:
-            self._set_fast()
 
     def _prepare_on(self, dev, pairs, names, check_finite, roles):
         res = _Inputs()
@@ -783,7 +759,7 @@ class LinearAttentionState:
                     if self._device is None:
                         self._device = "cpu"
                     if T and self._rule is None:
-                        self._rule = "additive"  # the launcher already is the additive one
+                        self._rule = RULE  # the launcher already is the additive one
                     return res
         # Fast path of a fixed decay/delta rule: one token, host arrays, one factor per sequence.
         if (self._rfast and out is None and type(q) is np.ndarray and type(k) is np.ndarray
@@ -794,7 +770,7 @@ class LinearAttentionState:
                 return res
         inp = self._prepare([("q", q, self._d), ("k", k, self._d), ("v", v, self._m)], check_finite,
                             ("query", "key", None),
-                            factors=self._factors(decay, log_decay, beta, step_rule_inputs, "a step"))
+                            factors=self._factors(decay, log_decay, beta, step=True))
         given = out
         out = self._kernel_out(given, inp, call_reads(q, k, v, decay, log_decay, beta))
         fixed = self._absorb_rule(inp)
@@ -810,7 +786,7 @@ class LinearAttentionState:
                                eps=self._eps, check=check, inputs=inp.inputs, normalize=self._norm)
         if bad:
             if fixed:
-                self._unfix_rule()
+                self._set_rule(None)
             raise_nonfinite(("q", "k", "v")[bad - 1])
         self._position += inp.T
         return self._deliver(self._finish(out, inp), given, inp)
@@ -914,7 +890,7 @@ class LinearAttentionState:
         (True, True, 50)
         """
         inp = self._prepare([("k", k, self._d), ("v", v, self._m)], check_finite, ("key", None),
-                            factors=self._factors(decay, log_decay, beta, prefill_rule_inputs, "a prefill"))
+                            factors=self._factors(decay, log_decay, beta, step=False))
         fixed = self._absorb_rule(inp)
         if inp.T == 0:
             return
@@ -927,7 +903,7 @@ class LinearAttentionState:
                                        inputs=inp.inputs)
         if bad:
             if fixed:
-                self._unfix_rule()
+                self._set_rule(None)
             raise_nonfinite(("k", "v")[bad - 1])
         self._position += inp.T
 
@@ -996,17 +972,13 @@ class LinearAttentionState:
             raise ValueError(f"state records the {recorded!r} update rule but rule={rule!r} was given; a state "
                              "continues only the rule that made it")
         rule = recorded or rule
-        S = CD.to_host("state.S", S) if on_device(S) else V.as_host_array("state.S", S)
-        z = CD.to_host("state.z", z) if on_device(z) else V.as_host_array("state.z", z)
+        S, z = host_array("state.S", S), host_array("state.z", z)
         if S.ndim < 2:
             raise ValueError(f"state.S must have shape (..., D_phi, M), got {S.shape}")
         new = cls(key_dim, S.shape[-1], batch_shape=S.shape[:-2], feature_map=feature_map, dtype=dtype,
                   device="cpu", eps=eps, rule=rule, normalize=normalize)
         new._load_arrays(S, z, position, "state")
-        if device != "cpu":
-            new._device = None
-            if device == "cuda":
-                new._set_device(resolve_device("cuda"))
+        new._place(device)
         return new
 
     def _load_arrays(self, S, z, position, what):
@@ -1094,8 +1066,5 @@ class LinearAttentionState:
                   dtype=sf.S.dtype, device="cpu", eps=sf.eps, rule=sf.rule or rule, normalize=sf.normalize)
         new._launch.put(new._S, new._z, sf.S.reshape((new._B, new._f, new._m)), sf.z.reshape((new._B, new._f)))
         new._position = sf.position
-        if device != "cpu":
-            new._device = None
-            if device == "cuda":
-                new._set_device(resolve_device("cuda"))
+        new._place(device)
         return new
