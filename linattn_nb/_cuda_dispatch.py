@@ -47,7 +47,6 @@ from __future__ import annotations
 import numpy as np
 
 from . import _validate as V
-from . import config
 from .device import cuda_status, is_device_array, is_simulator_array, on_device
 from .ops._codes import RULES
 from .ops.registry import select_auto
@@ -58,17 +57,12 @@ def _cuda():
     return cuda
 
 
-def _kernels():
-    from .ops import _cuda_kernels
+def _launch():
+    """:mod:`linattn_nb.ops._cuda_launch`, the one CUDA module of ops/ this one calls (imported on first use:
+    importing this module touches no numba.cuda)."""
+    from .ops import _cuda_launch
 
-    return _cuda_kernels
-
-
-def _pool():
-    """:mod:`linattn_nb.ops._cuda_pool` (imported on first use: importing this module touches no numba.cuda)."""
-    from .ops import _cuda_pool
-
-    return _cuda_pool
+    return _cuda_launch
 
 
 # ---------------------------------------------------------------------------
@@ -120,26 +114,12 @@ class meta:
 
 def view4(x):
     """4-d view (B1, B2, rows, cols) of a device array of any ndim >= 1, or None."""
-    K = _kernels()
-    if x.ndim == 1:
-        n = int(x.shape[0])
-        s = int(x.strides[0])
-        return K.strided_view(x, (1, 1, 1, n), (n * s, n * s, n * s, s))
-    return K.as_4d(x)
+    return _launch().view4(x)
 
 
 def copy_device(src, dst):
     """dst[...] = src[...] on the GPU (equal shapes, any strides and dtypes)."""
-    K = _kernels()
-    if int(np.prod(src.shape, dtype=np.int64)) == 0:
-        return dst
-    s4, d4 = view4(src), view4(dst)
-    if s4 is None or d4 is None:  # unmergeable leading dims: copy 4-d slice by slice
-        for idx in np.ndindex(*src.shape[:-3]):
-            copy_device(src[idx], dst[idx])
-        return dst
-    K.copy4d_kernel[K.helper_grid(s4.size)](s4, d4)
-    return dst
+    return _launch().copy(src, dst)
 
 
 def contiguous(x, dtype=None):
@@ -161,9 +141,7 @@ def multiprocessor_count() -> int:
     """Streaming multiprocessors of the current GPU (1 on the simulator or without one)."""
     if cuda_status() != "gpu":
         return 1
-    from .ops._cuda_launch import multiprocessor_count as count
-
-    return count()
+    return _launch().multiprocessor_count()
 
 
 def select_auto_cuda(*, rule, causal, batch, n, f, m, dtype, sms=None) -> str:
@@ -171,7 +149,7 @@ def select_auto_cuda(*, rule, causal, batch, n, f, m, dtype, sms=None) -> str:
 
     Causal: ``"scan"`` when the scan's blocks (``batch x column blocks``) in
     the layout :func:`linattn_nb.ops._cuda_launch.seq_layout` gives it fill
-    the GPU: the owner layout at ``config.CUDA_AUTO_SCAN_BLOCKS_PER_SM``
+    the GPU (:func:`linattn_nb.ops._cuda_launch.scan_fills`): the owner layout at ``config.CUDA_AUTO_SCAN_BLOCKS_PER_SM``
     blocks per multiprocessor or more, the tile or row-group layout when its warps
     reach ``config.CUDA_AUTO_SCAN_MIN_WARPS_PER_SM`` per multiprocessor (one
     pass over q, k, v, against the chunked method's two over k and v); else
@@ -181,22 +159,9 @@ def select_auto_cuda(*, rule, causal, batch, n, f, m, dtype, sms=None) -> str:
     :func:`multiprocessor_count`).
     """
     if causal:
-        from .ops._cuda_launch import seq_layout
-
-        K = _kernels()
         sms = multiprocessor_count() if sms is None else int(sms)
-        code = RULES[rule][0]
-        item = np.dtype(K.acc_name(dtype)).itemsize
-        layout = seq_layout(batch, f, m, item, code, sms=sms)
-        R, C, G, MB, T = K.seq_config(f, m, item, code, layout)
-        blocks = batch * -(-m // MB)
-        if layout == "owner" and K.owner_fits(f, m, item, code):
-            if blocks >= int(config.CUDA_AUTO_SCAN_BLOCKS_PER_SM) * sms:
-                return "scan"
-        else:
-            warps = blocks * -(-K.threads_per_block(R, C, G, MB, code) // 32)
-            if warps >= int(config.CUDA_AUTO_SCAN_MIN_WARPS_PER_SM) * sms:
-                return "scan"
+        if _launch().scan_fills(batch, f, m, dtype, RULES[rule][0], sms=sms):
+            return "scan"
     return select_auto(rule=rule, causal=causal, device="cuda", batch=batch, n=n, d=f, m=m, dtype=dtype)
 
 
@@ -214,13 +179,12 @@ def select_method_cuda(method, *, causal, batch, n, f, m, dtype, rule="additive"
 # ---------------------------------------------------------------------------
 def check_limits(f: int, m: int, dtype, rule: str = "additive") -> None:
     """Raise (before any work) when D_phi or M exceed what the sequence kernel of ``rule`` can launch."""
-    K = _kernels()
-    K.seq_config(f, m, np.dtype(K.acc_name(dtype)).itemsize, RULES[rule][0])
+    _launch().check_limits(f, m, dtype, RULES[rule][0])
 
 
 def zeros(shape, dtype=np.float64):
     """A new zero-filled device array, zeroed on the device (one kernel, no host copy)."""
-    return _pool().zeros(shape, dtype)
+    return _launch().zeros(shape, dtype)
 
 
 #: dtypes of the rule inputs the kernels read in place (:func:`device_rule_inputs`).
@@ -257,7 +221,7 @@ def device_rule_inputs(decay, log_decay, beta, batch_shape, n: int, f: int):
     ``beta``) to ``(argument name, array, in_place)``: a (B, N) / (B, N,
     D_phi) float32 or float64 view read in place, or a 4-d view and the target shape.
     """
-    K = _kernels()
+    L = _launch()
     bs = tuple(int(s) for s in batch_shape)
     nb = len(bs)
     b = int(np.prod(bs, dtype=np.int64))
@@ -294,7 +258,7 @@ def device_rule_inputs(decay, log_decay, beta, batch_shape, n: int, f: int):
         if any(d != t and d != 1 for d, t in zip(lead, bs)):
             return None
         view_s = tuple(0 if d == 1 else st for d, st in zip(lead, lead_s)) + tail_s
-        x4 = K.as_4d(K.strided_view(x, bs + tail, view_s))
+        x4 = L.view4_strided(x, bs + tail, view_s)
         if x4 is None:
             return None
         return kshape, (name, x4, False)
@@ -321,22 +285,22 @@ def device_rule_values(plan, batch: int, n: int, f: int) -> dict:
     or float64) get their range counted (NaN or > 0 log-factors, ``beta`` outside [0, 2]: one kernel each), the
     others are converted into pooled float64 workspaces and counted in the same kernel; the call's
     single read of the counters raises ValueError naming the argument."""
-    pool = _pool()
+    L = _launch()
     out = {}
     for key, (name, x, in_place) in plan.items():
         if in_place:
             lo, hi = (0.0, 2.0) if name == "beta" else (-np.inf, 0.0)
-            pool.count_out_of_range(name, x, lo, hi)
+            L.count_out_of_range(name, x, lo, hi)
             out[key] = x
         else:
             shape = (batch, n, f) if key == "log_gate" else (batch, n)
-            out[key] = pool.rule_input(name, x, shape)
+            out[key] = L.rule_input(name, x, shape)
     return out
 
 
 def fill(x, value=0):
     """Set every entry of the C-contiguous device array ``x`` to ``value`` on the device (one kernel)."""
-    return _pool().fill(x, value)
+    return _launch().fill(x, value)
 
 
 def zero_state(b, f, m):
@@ -345,7 +309,7 @@ def zero_state(b, f, m):
     Valid until the next call of the same thread with the same shape: the
     launchers update it in place and :func:`unpack_state` copies it out.
     """
-    return _pool().zeros((b, f, m + 1), np.float64, tag="linear.H")
+    return _launch().zeros((b, f, m + 1), np.float64, tag="linear.H")
 
 
 def to_device(x):
@@ -385,31 +349,23 @@ def pack_state(S0, z0, position, batch_shape, b, f, m, *, check_finite):
     V.check_state_arrays(S0, z0, position, batch_shape, f, m)
     S3 = (S0 if S0.is_c_contiguous() else contiguous(S0)).reshape((b, f, m))
     z2 = (z0 if z0.is_c_contiguous() else contiguous(z0)).reshape((b, f))
-    H = _pool().workspace("linear.H", (b, f, m + 1), np.float64)
-    if H.size:
-        K = _kernels()
-        K.state_copy_kernel[K.helper_grid(H.size)](S3, z2, H, True)
-    if check_finite and b > 0:
-        _pool().count_nonfinite("initial_state.S", view4(H[:, :, :m]))
-        _pool().count_nonfinite("initial_state.z", view4(H[:, :, m]))
-    return H
+    L = _launch()
+    return L.pack_state(S3, z2, L.workspace("linear.H", (b, f, m + 1), np.float64), check_finite=check_finite)
 
 
 def finish_checks():
     """Read the finiteness counters if a kernel counted since the last read (ValueError naming the input)."""
-    _pool().raise_if_nonfinite()
+    _launch().raise_if_nonfinite()
 
 
 def discard_checks():
     """Forget pending counts of a call that failed before reading them."""
-    _pool().discard_counts()
+    _launch().discard_counts()
 
 
 def unpack_state(H, batch_shape, f, m):
     """C-contiguous float64 device arrays S (..., F, M) and z (..., F) of a device ``H``."""
-    from .ops import _cuda_launch
-
-    S, z = _cuda_launch.unpack_state(H)
+    S, z = _launch().unpack_state(H)
     return S.reshape(tuple(batch_shape) + (f, m)), z.reshape(tuple(batch_shape) + (f,))
 
 
@@ -441,7 +397,7 @@ def run_device(impl, q4, k4, v4, H, dout, out_shape, *, code, eps, inputs=None, 
     shares memory with an input, :mod:`linattn_nb._overlap`).
     """
     o4 = None if scratch else view4(dout)
-    tmp = None if o4 is not None else _pool().workspace("linear.out", out_shape, dout.dtype)
+    tmp = None if o4 is not None else _launch().workspace("linear.out", out_shape, dout.dtype)
     impl.forward(q4, k4, v4, H, o4 if tmp is None else view4(tmp), code=code, eps=eps, inputs=inputs,
                  normalize=normalize, check_finite=check_finite)
     finish_checks()

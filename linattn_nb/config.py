@@ -246,7 +246,7 @@ AUTO_METHODS = {
 }
 
 # --------------------------------------------------------------------------
-# CUDA kernels (linattn_nb/ops/_cuda_kernels.py).  Read at every launch.
+# CUDA kernels (linattn_nb/ops/cuda/).  Read at every launch.
 # --------------------------------------------------------------------------
 #: Value columns per block of the sequence kernel: one thread per column in
 #: the owner layout (D_phi <= 64, every rule but the delta rules; the
@@ -282,7 +282,7 @@ CUDA_MAX_THREADS = _env_int("LINATTN_CUDA_MAX_THREADS", 1024)
 CUDA_TILE_TOKENS = _env_int("LINATTN_CUDA_TILE_TOKENS", 32)
 CUDA_SHARED_BYTES = _env_int("LINATTN_CUDA_SHARED_BYTES", 40960)
 #: Static shared memory per block the tile layout of the sequence kernel may
-#: take (linattn_nb.ops._cuda_kernels.tiles_fits): its tile is D_phi / 4
+#: take (linattn_nb.ops.cuda.plan.tiles_fits): its tile is D_phi / 4
 #: tokens whatever the budget, so the budget only decides where the layout
 #: applies, and its blocks (272 threads at D_phi = M = 64, 148-206 registers
 #: each) are held to one per multiprocessor by registers, so the default is
@@ -358,7 +358,7 @@ CUDA_OFFSETS_32 = _env_int("LINATTN_CUDA_OFFSETS_32", 1)
 #: consecutive features of q and k (values of v) per load (LDG.E.128 for
 #: float32) wherever the layout allows it: unit last stride, sizes and
 #: strides in multiples of 4 elements, an aligned first element
-#: (linattn_nb.ops._cuda_kernels.vector_bits); other inputs are read one
+#: (linattn_nb.ops.cuda.views.vector_bits); other inputs are read one
 #: element at a time.  0: always one element at a time.
 CUDA_VECTOR_LOADS = _env_int("LINATTN_CUDA_VECTOR_LOADS", 1)
 AUTO_METHODS[("additive", True, "cuda")] = [(2 * 256, "scan"), (None, "chunked")]

@@ -164,3 +164,11 @@ def test_the_kernel_layer_imports_no_front_end():
     units = _unit_edges()
     allowed = {"linattn_nb.ops", "linattn_nb.config", "linattn_nb._blas"}
     assert units["linattn_nb.ops"] <= allowed, sorted(units["linattn_nb.ops"] - allowed)
+
+
+def test_the_cuda_front_end_reaches_the_gpu_through_the_launcher_only():
+    """Of the CUDA modules under ops/, ``_cuda_dispatch`` imports the launcher (``ops/_cuda_launch.py``) alone:
+    the kernels, their launch plans and views, and the workspace pool stay behind it."""
+    edges, _ = _edges_and_private_names()
+    cuda = {m for m in edges["linattn_nb._cuda_dispatch"] if m.startswith("linattn_nb.ops.") and "cuda" in m}
+    assert cuda == {"linattn_nb.ops._cuda_launch"}, sorted(cuda)

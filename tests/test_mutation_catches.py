@@ -307,11 +307,11 @@ def test_cuda_auto_counts_a_partial_column_block(monkeypatch):
     pytest.importorskip("numba.cuda")
     from linattn_nb import _cuda_dispatch as D
     from linattn_nb import config
-    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.cuda import plan as KP
 
     f, m, dtype = 4, 3, np.float32
     monkeypatch.setattr(config, "CUDA_VALUE_COLS", 2)
-    MB = K.seq_config(f, m, np.dtype(K.acc_name(dtype)).itemsize, 0)[3]
+    MB = KP.seq_config(f, m, np.dtype(KP.acc_name(dtype)).itemsize, 0)[3]
     assert MB == 2  # M = 3: a full and a partial column block per sequence
     monkeypatch.setattr(config, "CUDA_AUTO_SCAN_BLOCKS_PER_SM", 1)
     monkeypatch.setattr(D, "multiprocessor_count", lambda: 4)

@@ -631,7 +631,7 @@ def sequence_launch(F: int, M: int, acc: str, rule: int, layout: str = "owner", 
     ``acc``, rule code ``rule`` and thread layout ``layout`` ("owner" where it applies, or "rows":
     :func:`linattn_nb.ops._cuda_launch.seq_layout`) and feature map ``code`` (None: the kernel for
     every map), with 32-bit element offsets within a sequence (``off32``, else 64-bit) and the
-    vector-load bits ``vec`` (:func:`linattn_nb.ops._cuda_kernels.vector_bits`; None: those of
+    vector-load bits ``vec`` (:func:`linattn_nb.ops.cuda.views.vector_bits`; None: those of
     contiguous, aligned inputs at this configuration): ``{"factory", "threads", "cfg", "vec"}``.
 
     Raises
@@ -639,15 +639,15 @@ def sequence_launch(F: int, M: int, acc: str, rule: int, layout: str = "owner", 
     ValueError
         From ``seq_config`` when no configuration exists (a clean error at launch, not a failure).
     """
-    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.cuda import plan as KP
 
     itemsize = 4 if acc == "float32" else 8
-    cfg = tuple(int(x) for x in K.seq_config(F, M, itemsize, rule, layout))
+    cfg = tuple(int(x) for x in KP.seq_config(F, M, itemsize, rule, layout))
     R, C, G, MB, T = cfg
     if vec is None:
-        vec = (K.VEC_QK if F % 4 == 0 else 0) | (K.VEC_V if M % 4 == 0 and MB % 4 == 0 else 0)
+        vec = (KP.VEC_QK if F % 4 == 0 else 0) | (KP.VEC_V if M % 4 == 0 and MB % 4 == 0 else 0)
     return {"factory": (*cfg, acc, int(rule), None if code is None else int(code), bool(off32), int(vec)),
-            "threads": int(K.threads_per_block(R, C, G, MB, rule)), "cfg": cfg, "vec": int(vec)}
+            "threads": int(KP.threads_per_block(R, C, G, MB, rule)), "cfg": cfg, "vec": int(vec)}
 
 
 def sequence_spec(F: int, M: int, acc: str, rule: int, in_dtype: str | None = None, key: str | None = None,
@@ -655,7 +655,7 @@ def sequence_spec(F: int, M: int, acc: str, rule: int, in_dtype: str | None = No
                   lf_dtype: str = "float64") -> KernelSpec:
     """:class:`KernelSpec` of the sequence kernel at (``F``, ``M``, ``acc``, ``rule``, ``layout``), inputs
     of ``in_dtype`` (default ``acc``) as the launchers pass them
-    (:func:`linattn_nb.ops._cuda_kernels.seq_signature`: 1-d views and element strides, (n, F, M + 1)
+    (:func:`linattn_nb.ops.cuda.seq.seq_signature`: 1-d views and element strides, (n, F, M + 1)
     states in ``acc``, (B, N, W) log-factors of ``lf_dtype`` (float64; float32: a device ``log_decay``
     read in place), int64 / float64 / boolean scalars, the int32
     finiteness counters).  The key ends in ``/lf32`` for float32 log-factors,
@@ -665,7 +665,7 @@ def sequence_spec(F: int, M: int, acc: str, rule: int, in_dtype: str | None = No
     ``/off64`` for the kernel with 64-bit offsets (``off32=False``: sequences of 2^31 elements or
     more), and in ``/vec<bits>`` for vector-load bits other than those of contiguous inputs
     (:func:`sequence_launch`; ``vec=0``: strided or misaligned inputs, one element per load)."""
-    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.cuda import plan as KP, seq as KS
     from linattn_nb.ops._codes import rule_name
 
     if lf_dtype not in (_F64, "float32"):
@@ -678,14 +678,14 @@ def sequence_spec(F: int, M: int, acc: str, rule: int, in_dtype: str | None = No
     else:
         suffix = ""
     dt = in_dtype or acc
-    sig = tuple(repr(t) for t in K.seq_signature(dt, acc, lf_dtype))  # Numba types' reprs evaluate back
-    rows = layout == "rows" and K.owner_fits(F, M, 4 if acc == "float32" else 8, rule)
-    tiles = layout == "tiles" and K.tiles_fits(F, M, 4 if acc == "float32" else 8, rule)
+    sig = tuple(repr(t) for t in KS.seq_signature(dt, acc, lf_dtype))  # Numba types' reprs evaluate back
+    rows = layout == "rows" and KP.owner_fits(F, M, 4 if acc == "float32" else 8, rule)
+    tiles = layout == "tiles" and KP.tiles_fits(F, M, 4 if acc == "float32" else 8, rule)
     key = key or (f"seq/{acc}/{rule_name(rule)}/F{F}/M{M}" + (f"/{dt}" if dt != acc else "")
                   + ("/rows" if rows else "") + ("/tiles" if tiles else "")
                   + ("" if code is None else f"/map{int(code)}")
                   + ("" if off32 else "/off64") + suffix + ("" if lf_dtype == _F64 else "/lf32"))
-    return KernelSpec(key, "linattn_nb.ops._cuda_kernels:seq_kernel", sig, launch["threads"],
+    return KernelSpec(key, "linattn_nb.ops.cuda.seq:seq_kernel", sig, launch["threads"],
                       factory=launch["factory"], group="sequence",
                       info={"F": F, "M": M, "acc": acc, "rule": int(rule), "rule_name": rule_name(rule),
                             "cfg": launch["cfg"], "in_dtype": dt,
@@ -705,7 +705,7 @@ def sequence_configurations(features, values, accs=("float32", "float64"), rules
     (:func:`linattn_nb.ops._cuda_launch.seq_layout`); "tiles" lists only the
     configurations it applies to (elsewhere it is the owner layout's).
     """
-    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.cuda import plan as KP
     from linattn_nb.ops._codes import RULES
 
     rules = [code for code, _ in RULES.values()] if rules is None else list(rules)
@@ -715,7 +715,7 @@ def sequence_configurations(features, values, accs=("float32", "float64"), rules
             for rule in rules:
                 for F in features:
                     for M in values:
-                        if layout == "tiles" and not K.tiles_fits(F, M, 4 if acc == "float32" else 8, rule):
+                        if layout == "tiles" and not KP.tiles_fits(F, M, 4 if acc == "float32" else 8, rule):
                             continue
                         try:
                             launch = sequence_launch(F, M, acc, rule, layout)
@@ -728,12 +728,12 @@ def sequence_configurations(features, values, accs=("float32", "float64"), rules
 
 
 def helper_specs(accs=("float32", "float64")) -> list[KernelSpec]:
-    """The helper kernels of :mod:`linattn_nb.ops._cuda_kernels` at their launch signatures, with
-    ``config.CUDA_THREADS_PER_BLOCK`` threads (:func:`linattn_nb.ops._cuda_kernels.helper_grid`)."""
+    """The helper kernels of :mod:`linattn_nb.ops.cuda.helpers` at their launch signatures, with
+    ``config.CUDA_THREADS_PER_BLOCK`` threads (:func:`linattn_nb.ops.cuda.plan.helper_grid`)."""
     from linattn_nb import config
 
     tpb = int(config.CUDA_THREADS_PER_BLOCK)
-    mod = "linattn_nb.ops._cuda_kernels:"
+    mod = "linattn_nb.ops.cuda.helpers:"
     H64, A2 = _arr(_F64, 3), _arr(_F64, 2)
     specs = [KernelSpec("helper/state_copy", mod + "state_copy_kernel", (H64, A2, H64, _B), tpb, group="helper"),
              KernelSpec("helper/chunk_factors", mod + "chunk_factors_kernel", (_arr(_F64, 3, "A"), _I, _I, A2), tpb,

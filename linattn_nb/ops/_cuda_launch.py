@@ -14,10 +14,10 @@ The launchers of :mod:`linattn_nb.ops.causal.cuda` and
 * :func:`chunk_sums`: every chunk's own contribution, the chunk's state when
   started from zero (grid: batch entries x chunks x column blocks).
 * :func:`chunk_prefix`: the per-rule combine over chunks, in float64
-  (:func:`linattn_nb.ops._cuda_kernels.chunk_scan_states_kernel` with the rule hook
+  (:func:`linattn_nb.ops.cuda.helpers.chunk_scan_states_kernel` with the rule hook
   :func:`linattn_nb.ops._cuda_common.carry` and, for a rule with per-token
   factors, every chunk's total factor from
-  :func:`linattn_nb.ops._cuda_kernels.chunk_factors_kernel`): the state before every chunk
+  :func:`linattn_nb.ops.cuda.helpers.chunk_factors_kernel`): the state before every chunk
   (causal) or the final state alone (non-causal); the final state lands in
   ``H``.
 * :func:`chunk_outputs`: every chunk's outputs from its starting state
@@ -41,6 +41,13 @@ of a shape and method), for ``benchmarks/gpu_static.py``.
 
 :func:`pack_state` and :func:`unpack_state` convert between the ``(S, z)``
 device arrays of a ``LinearState`` and ``H``.
+
+The front end (:mod:`linattn_nb._cuda_dispatch`) reaches the GPU through
+this module only: :func:`view4`, :func:`copy`, :func:`check_limits`,
+:func:`scan_fills`, the state packing, and the pool's per-call services it
+re-exports (:func:`linattn_nb.ops._cuda_pool.workspace`, ``zeros``,
+``fill``, ``rule_input``, ``count_out_of_range``, ``raise_if_nonfinite``,
+``discard_counts``).
 """
 from __future__ import annotations
 
@@ -50,8 +57,14 @@ import numpy as np
 from numba import cuda
 
 from .. import config
-from . import _cuda_kernels as K
 from . import _cuda_pool as P
+# the pool's per-call services, re-exported for the front end (the module docstring's last paragraph)
+from ._cuda_pool import count_out_of_range, discard_counts, fill, raise_if_nonfinite, rule_input, workspace, zeros
+from .cuda import helpers as HK
+from .cuda.plan import (OFF32_LIMIT, SIM, acc_name, helper_grid, owner_fits, seq_config, threads_per_block,
+                        tiles_fits)
+from .cuda.seq import seq_kernel
+from .cuda.views import as_4d, flat_view, is_sim_array, sequence_span, strided_view, vector_bits
 from ._codes import RULE_ADDITIVE, RULE_DECAY, RULE_GATED_DELTA, RULES, check_rule_inputs, norm_mode, rule_name
 from ._cuda_common import is_delta_rule, rule_factor_rows
 
@@ -62,7 +75,7 @@ _SMS: dict = {}
 
 def multiprocessor_count() -> int:
     """Streaming multiprocessors of the current GPU (1 on the simulator, or without a device)."""
-    if K._SIM:
+    if SIM:
         return 1
     try:
         dev = cuda.get_current_device()
@@ -79,13 +92,13 @@ def seq_layout(segments: int, F: int, M: int, acc_itemsize: int, rule: int = RUL
 
     ``config.CUDA_SEQ_LAYOUT`` "owner", "rows" or "tiles" is taken as given
     ("owner" falls back to row groups where it does not apply, "tiles" to
-    the owner layout's rule: :func:`linattn_nb.ops._cuda_kernels.seq_config`).
+    the owner layout's rule: :func:`linattn_nb.ops.cuda.plan.seq_config`).
     "auto": when the owner layout applies but its blocks (``segments`` x
     column blocks, one warp per 32 value columns) would be fewer than
     ``config.CUDA_AUTO_SCAN_BLOCKS_PER_SM`` per multiprocessor -- fewer than 8
     resident warps per SM at D_phi = M = 64, e.g. the scan of the headline's
     128 sequences on an H200's 132 SMs -- the tile layout ("tiles", every
-    rule where :func:`linattn_nb.ops._cuda_kernels.tiles_fits`:
+    rule where :func:`linattn_nb.ops.cuda.plan.tiles_fits`:
     9 warps a sequence at D_phi = M = 64, no cross-thread sums), else row
     groups ("rows": 5 warps there, G = 8 groups of 8 rows x 17 groups of 4
     columns, a G-way sum per output); else "owner".  More warps per
@@ -117,17 +130,17 @@ def seq_layout(segments: int, F: int, M: int, acc_itemsize: int, rule: int = RUL
     if setting != "auto":
         return setting
     if is_delta_rule(rule):  # no owner layout; tiles wherever they fit (no per-token sum across threads)
-        if not K.tiles_fits(F, M, acc_itemsize, rule):
+        if not tiles_fits(F, M, acc_itemsize, rule):
             return "rows"
         sms = multiprocessor_count() if sms is None else int(sms)
         return "tiles" if sms > 1 else "rows"
-    if not K.owner_fits(F, M, acc_itemsize, rule):
+    if not owner_fits(F, M, acc_itemsize, rule):
         return "rows"
     sms = multiprocessor_count() if sms is None else int(sms)
-    MB = K.seq_config(F, M, acc_itemsize, rule)[3]
+    MB = seq_config(F, M, acc_itemsize, rule)[3]
     blocks = int(segments) * -(-int(M) // MB)
     if sms > 1 and blocks < int(config.CUDA_AUTO_SCAN_BLOCKS_PER_SM) * sms:
-        return "tiles" if K.tiles_fits(F, M, acc_itemsize, rule) else "rows"
+        return "tiles" if tiles_fits(F, M, acc_itemsize, rule) else "rows"
     return "owner"
 
 
@@ -149,7 +162,7 @@ class SeqPlan:
         kernel specialised on their map, ``config.CUDA_SPECIALIZE_MAPS``).
     cfg : tuple
         The kernel's ``(R, C, G, MB, T)``
-        (:func:`linattn_nb.ops._cuda_kernels.seq_config`) in the layout
+        (:func:`linattn_nb.ops.cuda.plan.seq_config`) in the layout
         :func:`seq_layout` chose.
     chunk, chunks : int
         Tokens per chunk and chunks per sequence (``chunks`` = 1 for a scan).
@@ -160,13 +173,13 @@ class SeqPlan:
         (:func:`rule_factors`), a (1, 1, 1) placeholder for a rule without.
     flat, strides, off32
         1-d views of q, k, v, out from their first elements and their
-        strides in elements (:func:`linattn_nb.ops._cuda_kernels.flat_view`),
+        strides in elements (:func:`linattn_nb.ops.cuda.views.flat_view`),
         what the kernel receives; ``off32``: every (N, F) sequence spans
         fewer than 2^31 elements, so the kernel with 32-bit element offsets
         runs (``config.CUDA_OFFSETS_32``).
     vec
         The kernel's vector-load bits
-        (:func:`linattn_nb.ops._cuda_kernels.vector_bits`,
+        (:func:`linattn_nb.ops.cuda.views.vector_bits`,
         ``config.CUDA_VECTOR_LOADS``).
     flags
         int32 device array the kernels receive: shape (1,) (never written)
@@ -237,7 +250,7 @@ def raise_nonfinite(p) -> None:
     of q, k, v that held NaN or inf.
 
     The counters are set by the sequence kernels while they stage the inputs
-    (:func:`linattn_nb.ops._cuda_kernels.seq_kernel`), so the outputs and the
+    (:func:`linattn_nb.ops.cuda.seq.seq_kernel`), so the outputs and the
     state have already been written when this raises.
     """
     if p.flags is None or p.flags.shape[0] < 3:
@@ -296,7 +309,7 @@ def rule_factors(rule: int, inputs, B: int, N: int, F: int):
     strides = tuple(int(s) for s in x.strides)
     if len(strides) == 2:
         strides = strides + (np.dtype(x.dtype).itemsize,)
-    return K.strided_view(x, (B, N, W), strides)
+    return strided_view(x, (B, N, W), strides)
 
 
 def _checked_input(name, x, want, dims):
@@ -312,7 +325,7 @@ def _checked_input(name, x, want, dims):
         raise ValueError(f"inputs[{name!r}] must have shape {dims} = {want}, got {shape}")
     if isinstance(x, np.ndarray):
         return x
-    if not (K.is_sim_array(x) or type(x).__module__.startswith("numba.cuda")):
+    if not (is_sim_array(x) or type(x).__module__.startswith("numba.cuda")):
         x = cuda.as_cuda_array(x)
     if np.dtype(x.dtype) not in (_F32, _F64):
         raise ValueError(f"inputs[{name!r}] must be float32 or float64, got {np.dtype(x.dtype)}")
@@ -338,7 +351,7 @@ def _delta_inputs(rule, inputs, B, N):
         if isinstance(x, np.ndarray):
             x = cuda.to_device(np.ascontiguousarray(x, dtype=_F64))
         if x.size:
-            K.pack_column_kernel[K.helper_grid(x.size)](x, dst, w)
+            HK.pack_column_kernel[helper_grid(x.size)](x, dst, w)
     return dst
 
 
@@ -361,14 +374,14 @@ def plan(q, k, v, H, out, *, rule=RULE_ADDITIVE, inputs=None, chunk=None, check_
         shape (:func:`rule_factors`), for arrays whose
         leading dimensions cannot be viewed as 4-d, an ``H`` of the wrong
         shape or layout, or a feature dimension the kernels do not support
-        (:func:`linattn_nb.ops._cuda_kernels.seq_config`).
+        (:func:`linattn_nb.ops.cuda.plan.seq_config`).
     TypeError
         For an ``H`` that is not float64.
     """
     rule = check_rule_inputs(rule, inputs)
     views = []
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
-        x4 = K.as_4d(x)
+        x4 = as_4d(x)
         if x4 is None:
             raise ValueError(f"{name}: the leading dimensions of shape {tuple(x.shape)} cannot be merged "
                              "into one batch axis without a copy")
@@ -383,26 +396,26 @@ def plan(q, k, v, H, out, *, rule=RULE_ADDITIVE, inputs=None, chunk=None, check_
         raise ValueError(f"H must have shape (B, F, M + 1) = {(B, F, M + 1)}, got {tuple(H.shape)}")
     if not H.is_c_contiguous():
         raise ValueError("H must be C-contiguous")
-    acc = np.dtype(K.acc_name(q.dtype, k.dtype, v.dtype))
+    acc = np.dtype(acc_name(q.dtype, k.dtype, v.dtype))
     if chunk is None:
         L, nc = max(N, 1), 1
     else:
         L = chunk_length(chunk)
         nc = max(-(-N // L), 1)
-    cfg = K.seq_config(F, M, acc.itemsize, rule, seq_layout(B * nc, F, M, acc.itemsize, rule))
+    cfg = seq_config(F, M, acc.itemsize, rule, seq_layout(B * nc, F, M, acc.itemsize, rule))
     R, C, G, MB, T = cfg
     lf = rule_factors(rule, inputs, B, N, F)
-    flat = [K.flat_view(x) for x in views]
+    flat = [flat_view(x) for x in views]
     # 32-bit offsets within a sequence when every sequence spans fewer than 2^31 elements (the
     # batch entry's first element is addressed in 64 bits, once per block)
     off32 = bool(config.CUDA_OFFSETS_32) and all(
-        K.sequence_span(x.shape, es) < K.OFF32_LIMIT for x, (_, es) in zip(views, flat))
+        sequence_span(x.shape, es) < OFF32_LIMIT for x, (_, es) in zip(views, flat))
     strides = tuple(es for _, es in flat)
     # four elements per vector load where the layout and alignment allow it
-    vec = K.vector_bits(q4, k4, v4, strides, F, M, MB) if config.CUDA_VECTOR_LOADS else 0
+    vec = vector_bits(q4, k4, v4, strides, F, M, MB) if config.CUDA_VECTOR_LOADS else 0
     return SeqPlan(q4, k4, v4, o4, B, B2, N, F, M, acc,
-                   K.seq_kernel(R, C, G, MB, T, acc.name, rule, None, off32, vec),
-                   K.threads_per_block(R, C, G, MB, rule), -(-M // MB), L, nc, rule, lf,
+                   seq_kernel(R, C, G, MB, T, acc.name, rule, None, off32, vec),
+                   threads_per_block(R, C, G, MB, rule), -(-M // MB), L, nc, rule, lf,
                    finite_flags(check_finite and B * N > 0), tuple(int(x) for x in cfg),
                    tuple(f for f, _ in flat), strides, off32, vec)
 
@@ -414,7 +427,7 @@ def _run(p: SeqPlan, Hin, Hout, seg_len, nseg_per_b, state_div, code, eps, norma
     ``count``: this launch counts the non-finite inputs it stages into
     ``p.flags`` (every input must be counted by exactly one launch).
     """
-    kernel = (K.seq_kernel(*p.cfg, p.acc.name, p.rule, int(code), p.off32, p.vec) if config.CUDA_SPECIALIZE_MAPS
+    kernel = (seq_kernel(*p.cfg, p.acc.name, p.rule, int(code), p.off32, p.vec) if config.CUDA_SPECIALIZE_MAPS
               else p.kernel)
     kernel[(p.B * nseg_per_b, p.col_blocks), p.threads](
         *p.flat, *p.strides, p.F, p.M, Hin, Hout, p.lf, p.N, seg_len, nseg_per_b, state_div, p.B2, int(code),
@@ -424,7 +437,7 @@ def _run(p: SeqPlan, Hin, Hout, seg_len, nseg_per_b, state_div, code, eps, norma
 
 def cast_copy(src, dst):
     """dst[...] = src[...] for (n, F, M + 1) device states (any float dtypes); returns dst."""
-    K.cast_copy_kernel[K.helper_grid(src.size)](src, dst)
+    HK.cast_copy_kernel[helper_grid(src.size)](src, dst)
     return dst
 
 
@@ -472,7 +485,7 @@ def chunk_prefix(p: SeqPlan, Hc, H, *, exclusive: bool):
     """Combine the chunk sums ``Hc`` with the initial state ``H`` (float64, per rule).
 
     A rule with per-token factors first gets every chunk's total factor
-    (:func:`linattn_nb.ops._cuda_kernels.chunk_factors_kernel`, one launch).
+    (:func:`linattn_nb.ops.cuda.helpers.chunk_factors_kernel`, one launch).
 
     ``H`` becomes the final state.  ``exclusive``: ``Hc`` is replaced by the
     state before each chunk (returns ``Hc``).  Otherwise returns the final
@@ -483,10 +496,10 @@ def chunk_prefix(p: SeqPlan, Hc, H, *, exclusive: bool):
     W = rule_factor_rows(p.rule, p.F)
     if W:
         Af = P.workspace("launch.chunk_factors", (p.B * p.chunks, W), _F64)
-        K.chunk_factors_kernel[K.helper_grid(Af.size)](p.lf, p.chunk, p.chunks, Af)
+        HK.chunk_factors_kernel[helper_grid(Af.size)](p.lf, p.chunk, p.chunks, Af)
     else:
         Af = _placeholder(2)
-    K.chunk_scan_states_kernel[K.helper_grid(p.B * p.F * (p.M + 1))](
+    HK.chunk_scan_states_kernel[helper_grid(p.B * p.F * (p.M + 1))](
         Hc, H, Hc if tot is None else tot, Af, p.chunks, exclusive, tot is not None, p.rule)
     if exclusive:
         return Hc
@@ -510,11 +523,15 @@ def chunk_outputs(p: SeqPlan, Hs, *, code, eps, causal: bool, normalize=True) ->
 # ---------------------------------------------------------------------------
 # (S, z) <-> H
 # ---------------------------------------------------------------------------
-def pack_state(S, z):
+def pack_state(S, z, H=None, *, check_finite=False):
     """The launcher state ``H`` = ``[S | z]`` of device arrays ``S`` (B, F, M) and ``z`` (B, F).
 
-    ``S`` and ``z`` may have any float dtype and strides; returns a new
-    C-contiguous float64 (B, F, M + 1) device array (one kernel launch).
+    ``S`` and ``z`` may have any float dtype and strides; writes into ``H``
+    when given (a C-contiguous float64 (B, F, M + 1) device array, such as a
+    pooled workspace), else into a new one, and returns it (one kernel
+    launch).  ``check_finite``: the NaN/inf entries of S and z are counted
+    on the device into the check counters (:mod:`linattn_nb.ops._cuda_pool`),
+    read with those of q, k, v by the launch (or :func:`raise_if_nonfinite`).
 
     Raises
     ------
@@ -524,9 +541,15 @@ def pack_state(S, z):
     if len(S.shape) != 3 or tuple(z.shape) != tuple(S.shape[:2]):
         raise ValueError(f"S must be (B, F, M) and z (B, F), got {tuple(S.shape)} and {tuple(z.shape)}")
     B, F, M = (int(s) for s in S.shape)
-    H = cuda.device_array((B, F, M + 1), dtype=_F64)
+    if H is None:
+        H = cuda.device_array((B, F, M + 1), dtype=_F64)
+    elif tuple(H.shape) != (B, F, M + 1):
+        raise ValueError(f"H must be (B, F, M + 1) = {(B, F, M + 1)} for S {(B, F, M)}, got {tuple(H.shape)}")
     if H.size:
-        K.state_copy_kernel[K.helper_grid(H.size)](S, z, H, True)
+        HK.state_copy_kernel[helper_grid(H.size)](S, z, H, True)
+    if check_finite and B > 0:
+        P.count_nonfinite("initial_state.S", view4(H[:, :, :M]))
+        P.count_nonfinite("initial_state.z", view4(H[:, :, M]))
     return H
 
 
@@ -549,8 +572,62 @@ def unpack_state(H, S=None, z=None):
     if tuple(S.shape) != (B, F, M1 - 1) or tuple(z.shape) != (B, F):
         raise ValueError(f"H {tuple(H.shape)} does not split into S {tuple(S.shape)} and z {tuple(z.shape)}")
     if H.size:
-        K.state_copy_kernel[K.helper_grid(H.size)](S, z, H, False)
+        HK.state_copy_kernel[helper_grid(H.size)](S, z, H, False)
     return S, z
+
+
+# ---------------------------------------------------------------------------
+# What the front end asks: views and copies of device arrays, limits, the scan's fill
+# ---------------------------------------------------------------------------
+def view4(x):
+    """A 4-d view (B1, B2, rows, cols) of a device array of any ndim >= 1 without a copy, or None
+    when its leading dimensions cannot be merged (:func:`linattn_nb.ops.cuda.views.as_4d`)."""
+    if x.ndim == 1:
+        n = int(x.shape[0])
+        s = int(x.strides[0])
+        return strided_view(x, (1, 1, 1, n), (n * s, n * s, n * s, s))
+    return as_4d(x)
+
+
+def view4_strided(x, shape, strides):
+    """:func:`view4` of the view of device array ``x`` (element 0 kept) with ``shape`` and byte
+    ``strides`` (0 broadcasts a dimension), or None."""
+    return as_4d(strided_view(x, shape, strides))
+
+
+def copy(src, dst):
+    """``dst[...] = src[...]`` on the GPU (equal shapes, any strides and dtypes; leading dimensions
+    that cannot be merged are copied 4-d slice by slice); returns ``dst``."""
+    if int(np.prod(src.shape, dtype=np.int64)) == 0:
+        return dst
+    s4, d4 = view4(src), view4(dst)
+    if s4 is None or d4 is None:
+        for idx in np.ndindex(*src.shape[:-3]):
+            copy(src[idx], dst[idx])
+        return dst
+    HK.copy4d_kernel[helper_grid(s4.size)](s4, d4)
+    return dst
+
+
+def check_limits(f: int, m: int, dtype, rule: int = RULE_ADDITIVE) -> None:
+    """Raise ValueError (before any work) when the sequence kernel of rule code ``rule`` has no launch
+    configuration for D_phi = ``f``, M = ``m`` and inputs of ``dtype`` (:func:`linattn_nb.ops.cuda.plan.seq_config`)."""
+    seq_config(f, m, np.dtype(acc_name(dtype)).itemsize, rule)
+
+
+def scan_fills(batch: int, f: int, m: int, dtype, rule: int = RULE_ADDITIVE, *, sms: int) -> bool:
+    """Whether the scan's blocks (``batch`` x column blocks), in the layout :func:`seq_layout` gives it,
+    fill ``sms`` multiprocessors: the owner layout at ``config.CUDA_AUTO_SCAN_BLOCKS_PER_SM`` blocks per
+    multiprocessor or more, the tile or row-group layout at ``config.CUDA_AUTO_SCAN_MIN_WARPS_PER_SM``
+    warps per multiprocessor or more."""
+    item = np.dtype(acc_name(dtype)).itemsize
+    layout = seq_layout(batch, f, m, item, rule, sms=sms)
+    R, C, G, MB, T = seq_config(f, m, item, rule, layout)
+    blocks = batch * -(-m // MB)
+    if layout == "owner" and owner_fits(f, m, item, rule):
+        return blocks >= int(config.CUDA_AUTO_SCAN_BLOCKS_PER_SM) * sms
+    warps = blocks * -(-threads_per_block(R, C, G, MB, rule) // 32)
+    return warps >= int(config.CUDA_AUTO_SCAN_MIN_WARPS_PER_SM) * sms
 
 
 # ---------------------------------------------------------------------------
@@ -572,7 +649,7 @@ def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule:
         and the delta rules run the scan), non-causal ``aggregate``.
     dtype : str or numpy.dtype
         dtype of q, k, v and the output (a plan: that of its q); the
-        accumulation dtype follows (:func:`linattn_nb.ops._cuda_kernels.acc_name`).
+        accumulation dtype follows (:func:`linattn_nb.ops.cuda.plan.acc_name`).
     rule : int
         Update-rule code (a plan: its own).
     chunk : int, optional
@@ -625,7 +702,7 @@ def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule:
     product with ``[v | 1]``; no cross-thread sums), and for the delta
     rules each key's read of the start state, its entries of ``L``, its
     row of ``U' = W Y`` and its share of the solve for ``W``
-    (:func:`linattn_nb.ops._cuda_kernels._tiles_kernel`); the chunked
+    (:func:`linattn_nb.ops.cuda.tiles.tiles_kernel`); the chunked
     method adds the chunk sums (the update alone, over every token) and the
     combine over chunks.
     """
@@ -643,7 +720,7 @@ def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule:
         fitem = 8 if is_delta_rule(rule) else np.dtype(factor_dtype).itemsize
         if np.dtype(factor_dtype) not in (_F32, _F64):
             raise ValueError(f"factor_dtype must be float32 or float64, got {np.dtype(factor_dtype)}")
-        acc = np.dtype(K.acc_name(dtype))
+        acc = np.dtype(acc_name(dtype))
         L = chunk_length(chunk) if method != "scan" else max(N, 1)
     nc = max(-(-N // L), 1)
     if method == "chunked" and (nc == 1 or is_delta_rule(rule)):
@@ -651,7 +728,7 @@ def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule:
     if isinstance(plan_or_shape, SeqPlan):
         R, C, G, MB, T = plan_or_shape.cfg
     else:
-        R, C, G, MB, T = K.seq_config(F, M, acc.itemsize, rule,
+        R, C, G, MB, T = seq_config(F, M, acc.itemsize, rule,
                                       seq_layout(B * nc, F, M, acc.itemsize, rule, sms=1 if sms is None else sms))
     tiles = G == 0
     owner = G == 1 and not is_delta_rule(rule)
@@ -711,4 +788,4 @@ def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule:
     return {"bytes": int(total), "parts": {k: int(v) for k, v in parts.items()}, "flops": int(flops),
             "flops_ratio": flops / max(1, 4 * B * N * F * M), "launches": launches,
             "config": (R, C, G, MB, T), "layout": "tiles" if tiles else "owner" if owner else "rows",
-            "warps": B * nc * cb * -(-K.threads_per_block(R, C, G, MB, rule) // 32), "method": method}
+            "warps": B * nc * cb * -(-threads_per_block(R, C, G, MB, rule) // 32), "method": method}

@@ -34,7 +34,7 @@ def seq_kernel_ptx_script(kernels, helper: str, helper_sig: str) -> str:
     layout)`` triples, at D_phi = M = 64 (``layout`` "default": the configuration ``seq_config``
     picks, the owner layout or row groups; "tiles": the tile layout a GPU with few sequences per
     multiprocessor takes), each as the launchers run it on contiguous inputs, and the helper kernel
-    ``helper`` of ``linattn_nb.ops._cuda_kernels`` with the Numba signature ``helper_sig`` (an
+    ``helper`` of ``linattn_nb.ops.cuda.helpers`` with the Numba signature ``helper_sig`` (an
     expression in ``types``, ``i`` = int64, ``f64`` = float64).  The JSON maps
     ``"<acc>/<rule>/<layout>"`` and ``helper`` to ``{"target", "entry", "local"}`` (local: PTX local
     memory).
@@ -42,18 +42,18 @@ def seq_kernel_ptx_script(kernels, helper: str, helper_sig: str) -> str:
     return f"""
 import json
 from numba import cuda, types
-from linattn_nb.ops import _cuda_kernels as K
+from linattn_nb.ops.cuda import helpers as KH, plan as KP, seq as KS
 res = {{}}
 i, b, f64 = types.int64, types.boolean, types.float64
 for acc, rule, layout in {tuple(tuple(x) for x in kernels)!r}:
     item = 4 if acc == "float32" else 8
-    cfg = K.seq_config(64, 64, item, rule, "tiles" if layout == "tiles" else "owner")
+    cfg = KP.seq_config(64, 64, item, rule, "tiles" if layout == "tiles" else "owner")
     assert (cfg[2] == 0) == (layout == "tiles"), cfg
-    kern = K.seq_kernel(*cfg, acc, rule, None, True, K.VEC_QK | K.VEC_V)  # contiguous inputs' kernel
-    text, _ = cuda.compile_ptx(kern.py_func, K.seq_signature(acc, acc), cc=(9, 0))
+    kern = KS.seq_kernel(*cfg, acc, rule, None, True, KP.VEC_QK | KP.VEC_V)  # contiguous inputs' kernel
+    text, _ = cuda.compile_ptx(kern.py_func, KS.seq_signature(acc, acc), cc=(9, 0))
     res["%s/%d/%s" % (acc, rule, layout)] = {{"target": ".target sm_90" in text, "entry": ".entry" in text,
                                              "local": ("ld.local" in text) or ("st.local" in text)}}
-text, _ = cuda.compile_ptx(K.{helper}.py_func, {helper_sig}, cc=(9, 0))
+text, _ = cuda.compile_ptx(KH.{helper}.py_func, {helper_sig}, cc=(9, 0))
 res["{helper}"] = {{"target": ".target sm_90" in text, "entry": ".entry" in text, "local": False}}
 print(json.dumps(res))
 """

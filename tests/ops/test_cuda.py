@@ -155,10 +155,10 @@ def _check_against_reference(rng, method, causal, N=7, F=5, M=4):
 def test_row_group_layout(rng, monkeypatch, method, causal):
     """The row-group layout (larger D_phi and the delta rules) for the additive rule too: with
     OWNER_MAX_ROWS = 0 every D_phi takes it (3 row groups of 2 rows, column blocks 3 + 1)."""
-    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.cuda import plan as KP
 
-    monkeypatch.setattr(K, "OWNER_MAX_ROWS", 0)
-    assert K.seq_config(5, 4, 4)[2] == 3
+    monkeypatch.setattr(KP, "OWNER_MAX_ROWS", 0)
+    assert KP.seq_config(5, 4, 4)[2] == 3
     _check_against_reference(rng, method, causal)
 
 
@@ -167,11 +167,11 @@ def test_tile_layout(rng, monkeypatch, method, causal):
     """The tile layout (CUDA_SEQ_LAYOUT="tiles", what a GPU with few sequences gets for the additive
     rule): D_phi = 5 padded to 8, tiles of 2 tokens (N = 7: a partial last tile, chunks 3 + 3 + 1),
     column blocks 3 + 1 (the normaliser at block column 3, one group of four), from a random state."""
-    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.cuda import plan as KP
 
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
-    assert K.seq_config(5, 4, 4, layout="tiles") == (8, 4, 0, 3, 2)
-    assert K.threads_per_block(8, 4, 0, 3) == 2
+    assert KP.seq_config(5, 4, 4, layout="tiles") == (8, 4, 0, 3, 2)
+    assert KP.threads_per_block(8, 4, 0, 3) == 2
     _check_against_reference(rng, method, causal)
 
 
@@ -180,10 +180,10 @@ def test_tile_layout_four_tokens(rng, monkeypatch, method, causal):
     """The tile layout at D_phi = 16: tiles of 4 tokens, where the products over the tile's tokens
     (the scores with [v | 1], the state update) take four tokens a step as at D_phi = 64; N = 9 (two
     tiles and a part one of 1 token), M = 5 (column blocks 3 + 2), from a random state."""
-    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.cuda import plan as KP
 
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
-    assert K.seq_config(16, 5, 4, layout="tiles") == (16, 4, 0, 3, 4)
+    assert KP.seq_config(16, 5, 4, layout="tiles") == (16, 4, 0, 3, 4)
     _check_against_reference(rng, method, causal, N=9, F=16, M=5)
 
 
@@ -195,29 +195,29 @@ def test_tile_layout_wide(rng, monkeypatch, method, causal, dtype, strided):
     contiguous inputs with M = 8 in one block (four elements per vector load of q, k and v; the
     normaliser at column 8 opens a third column group: 9 threads), or strided inputs (one element
     per load) with M = 7 (the normaliser at column 7: 2 column groups, 6 threads)."""
-    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.cuda import plan as KP, views as KV
     from linattn_nb.ops import _cuda_launch as CL
 
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
     monkeypatch.setattr(config, "CUDA_VALUE_COLS", 8)
     monkeypatch.setattr(config, "CUDA_CHUNK_SIZE", 4)
     B, N, F, M = 2, 11, 12, 7 if strided else 8
-    assert K.seq_config(F, M, np.dtype(dtype).itemsize, layout="tiles") == (12, 4, 0, M, 3)
-    assert K.threads_per_block(12, 4, 0, M) == 3 * (2 if strided else 3)
+    assert KP.seq_config(F, M, np.dtype(dtype).itemsize, layout="tiles") == (12, 4, 0, M, 3)
+    assert KP.threads_per_block(12, 4, 0, M) == 3 * (2 if strided else 3)
     q, k, v = data(rng, B, N, F, M, dtype)
     if not strided:
         H = state_h(np.zeros((B, F, M)), np.zeros((B, F)))
         p = CL.plan(*(cuda.to_device(x) for x in (q, k, v)), H, nan_device((B, N, M), dtype))
-        assert p.cfg[2] == 0 and p.vec == K.VEC_QK | K.VEC_V, (p.cfg, p.vec)
+        assert p.cfg[2] == 0 and p.vec == KP.VEC_QK | KP.VEC_V, (p.cfg, p.vec)
     S0, z0 = rng.random((B, F, M)), rng.random((B, F))
     if strided:  # q, k transposed in memory (feature stride N), v with a column stride of 2
         def dev(x):
             d = cuda.to_device(np.ascontiguousarray(x.transpose(0, 2, 1)))
-            return K.strided_view(d, x.shape, (d.strides[0], d.strides[2], d.strides[1]))
+            return KV.strided_view(d, x.shape, (d.strides[0], d.strides[2], d.strides[1]))
         vw = np.zeros((B, N, 2 * M), dtype)
         vw[..., ::2] = v
         vd = cuda.to_device(vw)
-        vd = K.strided_view(vd, (B, N, M), (vd.strides[0], vd.strides[1], 2 * vd.strides[2]))
+        vd = KV.strided_view(vd, (B, N, M), (vd.strides[0], vd.strides[1], 2 * vd.strides[2]))
         H = state_h(S0, z0)
         outd = nan_device((B, N, M), dtype)
         launcher(method, causal)(dev(q), dev(k), vd, H, outd, code=1, eps=1e-8)
@@ -242,12 +242,12 @@ def test_owner_layout_normaliser(rng, monkeypatch, method, causal, F, M, dtype):
     to 4 (three threads own no row of z); D_phi = 12 on 3 threads (4 rows each, the last row live);
     float64 D_phi = 9 padded to 10 on 2 threads (5 rows each).  N = 7 in tiles of 2, from a random
     state, against the float64 reference."""
-    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.cuda import plan as KP
 
     monkeypatch.setattr(config, "CUDA_VALUE_COLS", 8)
     item = np.dtype(dtype).itemsize
-    R, C, G, MB, T = K.seq_config(F, M, item)
-    assert (G, C, MB, T) == (1, 1, M, 2) and R == K._pad_rows(F, item), (R, C, G, MB, T)
+    R, C, G, MB, T = KP.seq_config(F, M, item)
+    assert (G, C, MB, T) == (1, 1, M, 2) and R == KP._pad_rows(F, item), (R, C, G, MB, T)
     q, k, v = data(rng, 2, 7, F, M, dtype)
     S0, z0 = rng.random((2, F, M)), rng.random((2, F))
     out, S, z = run_launcher(method, causal, q, k, v, S0, z0)
@@ -267,10 +267,10 @@ def test_launcher_counts_nonfinite_in_the_kernel(rng, monkeypatch, method, causa
     flag array, read once); every value counted once (2 column blocks, 3 chunks; the tile layout
     too, with tiles of one token at D_phi = 3); the error names the first argument holding one;
     check_finite=False raises nothing."""
-    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.cuda import plan as KP
 
     if layout == "rows":
-        monkeypatch.setattr(K, "OWNER_MAX_ROWS", 0)
+        monkeypatch.setattr(KP, "OWNER_MAX_ROWS", 0)
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles" if layout == "tiles" else "auto")
     q, k, v = data(rng, 1, 7, 3, 4)
     q[0, 1, 2] = np.nan
@@ -354,7 +354,7 @@ def test_chunked_matches_scan_across_chunk_sizes(rng):
 def test_state_pack_unpack_and_launcher_errors(rng):
     """pack_state/unpack_state convert (S, z) <-> H (any float dtype and strides in); the
     launchers name a wrong H and refuse extra inputs for the additive rule."""
-    from linattn_nb.ops._cuda_kernels import strided_view
+    from linattn_nb.ops.cuda.views import strided_view
     from linattn_nb.ops._cuda_launch import pack_state, unpack_state
     from linattn_nb.ops.causal.cuda import causal_scan_cuda
 
@@ -433,7 +433,7 @@ def test_device_inputs_zero_copy_and_out(rng):
 def test_strided_device_inputs(rng):
     """(B, N, H, D) memory read as (B, H, N, D) without a copy; a 5-d layout whose batch dims
     cannot be merged (copied on the device); a strided out."""
-    from linattn_nb.ops._cuda_kernels import strided_view
+    from linattn_nb.ops.cuda.views import strided_view
 
     B, N, H, D, M = 2, 4, 2, 3, 2
 
@@ -622,7 +622,7 @@ def test_sequence_layout_choice(monkeypatch):
     config.CUDA_SEQ_LAYOUT overrides; method="auto" then picks the scan at the headline on an H200
     (one pass) and the chunked method with too few sequences."""
     from linattn_nb import _cuda_dispatch as D
-    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.cuda import plan as KP
     from linattn_nb.ops._codes import RULE_DECAY, RULE_DELTA, RULE_GATE, RULE_GATED_DELTA
     from linattn_nb.ops._cuda_launch import seq_layout
 
@@ -647,16 +647,16 @@ def test_sequence_layout_choice(monkeypatch):
     assert seq_layout(10**6, 64, 64, 4, RULE_DELTA, sms=132) == "tiles"  # no per-token k^T H sum across threads
     assert seq_layout(10**6, 128, 64, 4, RULE_DELTA, sms=132) == "rows"  # D_phi > 64: row groups anyway
     assert seq_layout(1024, 256, 64, 4, sms=132) == "rows"  # D_phi > 64: row groups anyway
-    assert K.seq_config(64, 64, 4, 0, seq_layout(128, 64, 64, 4, sms=132)) == (64, 4, 0, 64, 16)
-    assert K.seq_config(64, 64, 4, 0, "rows") == (8, 4, 8, 64, 13)
-    assert K.seq_config(64, 64, 4, RULE_GATE, "tiles") == (64, 4, 0, 64, 16)  # 46,524 bytes: within 48 KiB
-    assert K.seq_config(64, 64, 4, RULE_GATED_DELTA, "tiles") == (64, 4, 0, 64, 16)  # 38,212 bytes
-    assert K.seq_config(64, 64, 4, RULE_DELTA, "tiles") == (64, 4, 0, 64, 16)
-    assert K.seq_config(64, 64, 4, RULE_DELTA, "rows") == K.seq_config(64, 64, 4, RULE_DELTA) == (16, 2, 4, 64, 22)
+    assert KP.seq_config(64, 64, 4, 0, seq_layout(128, 64, 64, 4, sms=132)) == (64, 4, 0, 64, 16)
+    assert KP.seq_config(64, 64, 4, 0, "rows") == (8, 4, 8, 64, 13)
+    assert KP.seq_config(64, 64, 4, RULE_GATE, "tiles") == (64, 4, 0, 64, 16)  # 46,524 bytes: within 48 KiB
+    assert KP.seq_config(64, 64, 4, RULE_GATED_DELTA, "tiles") == (64, 4, 0, 64, 16)  # 38,212 bytes
+    assert KP.seq_config(64, 64, 4, RULE_DELTA, "tiles") == (64, 4, 0, 64, 16)
+    assert KP.seq_config(64, 64, 4, RULE_DELTA, "rows") == KP.seq_config(64, 64, 4, RULE_DELTA) == (16, 2, 4, 64, 22)
     monkeypatch.setattr(config, "CUDA_TILES_SHARED_BYTES", 46523)  # one byte short: the owner layout's rule
-    assert K.seq_config(64, 64, 4, RULE_GATE, "tiles") == K.seq_config(64, 64, 4, RULE_GATE, "owner")
+    assert KP.seq_config(64, 64, 4, RULE_GATE, "tiles") == KP.seq_config(64, 64, 4, RULE_GATE, "owner")
     assert seq_layout(527, 64, 64, 4, RULE_GATE, sms=132) == "rows"
-    assert K.seq_config(64, 64, 4, 0, "tiles")[2] == 0  # the additive rule's 31,568 bytes still fit
+    assert KP.seq_config(64, 64, 4, 0, "tiles")[2] == 0  # the additive rule's 31,568 bytes still fit
     monkeypatch.setattr(config, "CUDA_TILES_SHARED_BYTES", 49152)
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "owner")
     assert seq_layout(1, 64, 64, 4, sms=132) == "owner"
@@ -668,7 +668,7 @@ def test_sequence_layout_choice(monkeypatch):
     with pytest.raises(ValueError, match="CUDA_SEQ_LAYOUT"):
         seq_layout(1, 64, 64, 4, sms=132)
     with pytest.raises(ValueError, match="layout"):
-        K.seq_config(64, 64, 4, 0, "wide")
+        KP.seq_config(64, 64, 4, 0, "wide")
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "auto")
     kw = dict(rule="additive", causal=True, n=16384, f=64, m=64, dtype=np.float32, sms=132)
     assert D.select_auto_cuda(batch=128, **kw) == "scan"  # 128 x 9 warps >= 4 per SM
@@ -687,7 +687,7 @@ def test_map_specialised_kernel_equals_the_generic_one(monkeypatch, code):
     """config.CUDA_SPECIALIZE_MAPS: the launch takes the kernel compiled for its feature map (a
     compile-time constant), whose outputs and state equal those of the kernel for every map, bit
     for bit, for each map code; 0 launches the kernel for every map."""
-    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.cuda import seq as KS
     from linattn_nb.ops.causal.cuda import causal_scan_cuda
 
     rng = np.random.default_rng(40 + code)
@@ -697,11 +697,11 @@ def test_map_specialised_kernel_equals_the_generic_one(monkeypatch, code):
     res = {}
     for spec in (1, 0):
         monkeypatch.setattr(config, "CUDA_SPECIALIZE_MAPS", spec)
-        K._SEQ_KERNELS.clear()
+        KS._SEQ_KERNELS.clear()
         H = cuda.to_device(np.zeros((2, 4, 4)))
         out = cuda.to_device(np.zeros((2, 5, 3), np.float32))
         causal_scan_cuda(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), H, out, code=code, eps=1e-8)
-        made = {key[7] for key in K._SEQ_KERNELS}  # the plan makes the kernel for every map (None) too
+        made = {key[7] for key in KS._SEQ_KERNELS}  # the plan makes the kernel for every map (None) too
         assert (code in made) if spec else made == {None}, made
         res[spec] = (out.copy_to_host(), H.copy_to_host())
     np.testing.assert_array_equal(res[1][0], res[0][0])
@@ -745,7 +745,7 @@ _PTX_SCRIPT = textwrap.dedent(
     """
     import json, sys
     from numba import cuda, types
-    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.cuda import helpers as KH, seq as KS
     res = {}
     cc = (9, 0)
     def ptx(fn, sig):
@@ -754,8 +754,8 @@ _PTX_SCRIPT = textwrap.dedent(
     for acc, dts in (("float32", ("float16", "float32")), ("float64", ("float64",))):
         for dt in dts:
             # 32-bit offsets and vector loads (float16, float64), 64-bit offsets and scalar loads (float32)
-            kern = K.seq_kernel(8, 4, 8, 64, 16, acc, off32=dt != "float32", vec=0 if dt == "float32" else 3)
-            text = ptx(kern, K.seq_signature(dt, acc))
+            kern = KS.seq_kernel(8, 4, 8, 64, 16, acc, off32=dt != "float32", vec=0 if dt == "float32" else 3)
+            text = ptx(kern, KS.seq_signature(dt, acc))
             res[dt] = {"target": ".target sm_90" in text, "local": ("ld.local" in text) or ("st.local" in text),
                        "entry": ".entry" in text}
     f64 = types.float64
@@ -763,17 +763,17 @@ _PTX_SCRIPT = textwrap.dedent(
     z = types.Array(f64, 2, "C")
     H64 = types.Array(f64, 3, "C")
     b = types.boolean
-    res["state_copy_kernel"] = {"entry": ".entry" in ptx(K.state_copy_kernel, (S, z, H64, b))}
+    res["state_copy_kernel"] = {"entry": ".entry" in ptx(KH.state_copy_kernel, (S, z, H64, b))}
     for acc in ("float32", "float64"):
         H = types.Array(getattr(types, acc), 3, "C")
         sig = (H, H64, H, types.Array(f64, 2, "C"), types.int64, b, b, types.int64)
-        res["chunk_scan_states_kernel/" + acc] = {"entry": ".entry" in ptx(K.chunk_scan_states_kernel, sig)}
+        res["chunk_scan_states_kernel/" + acc] = {"entry": ".entry" in ptx(KH.chunk_scan_states_kernel, sig)}
         for src, dst in ((H64, H), (H, H64)):
             key = "cast_copy_kernel/%s->%s" % (src.dtype, dst.dtype)
-            res[key] = {"entry": ".entry" in ptx(K.cast_copy_kernel, (src, dst))}
+            res[key] = {"entry": ".entry" in ptx(KH.cast_copy_kernel, (src, dst))}
     for dt in ("float16", "float32", "float64"):
         a4 = types.Array(getattr(types, dt), 4, "A")
-        res["copy4d/" + dt] = {"entry": ".entry" in ptx(K.copy4d_kernel, (a4, types.Array(f64, 4, "C")))}
+        res["copy4d/" + dt] = {"entry": ".entry" in ptx(KH.copy4d_kernel, (a4, types.Array(f64, 4, "C")))}
     print(json.dumps(res))
     """
 )
@@ -852,7 +852,7 @@ def test_32_and_64_bit_offsets_agree(monkeypatch, layout):
     default) and the 64-bit one give the same outputs and state bit for bit on strided inputs
     (a feature stride of 2, a transposed v, a strided out); a sequence spanning
     ``OFF32_LIMIT`` elements or more takes the 64-bit kernel."""
-    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.cuda import views as KV
     from linattn_nb.ops import _cuda_launch as CL
     from linattn_nb.ops.causal.cuda import causal_scan_cuda
 
@@ -866,11 +866,11 @@ def test_32_and_64_bit_offsets_agree(monkeypatch, layout):
 
     def run():
         qd = cuda.to_device(qw)
-        qd = K.strided_view(qd, (B, N, D), (qd.strides[0], qd.strides[1], 2 * qd.strides[2]))
+        qd = KV.strided_view(qd, (B, N, D), (qd.strides[0], qd.strides[1], 2 * qd.strides[2]))
         vd = cuda.to_device(vt)
-        vd = K.strided_view(vd, (B, N, M), (vd.strides[0], vd.strides[2], vd.strides[1]))
+        vd = KV.strided_view(vd, (B, N, M), (vd.strides[0], vd.strides[2], vd.strides[1]))
         od = cuda.to_device(np.full((B, N, 2 * M), np.nan, np.float32))
-        out = K.strided_view(od, (B, N, M), (od.strides[0], od.strides[1], 2 * od.strides[2]))
+        out = KV.strided_view(od, (B, N, M), (od.strides[0], od.strides[1], 2 * od.strides[2]))
         H = cuda.to_device(np.zeros((B, D, M + 1)))
         p = CL.plan(qd, cuda.to_device(k), vd, H, out)
         causal_scan_cuda(qd, cuda.to_device(k), vd, H, out, code=1, eps=1e-8)
@@ -887,28 +887,28 @@ def test_32_and_64_bit_offsets_agree(monkeypatch, layout):
     np.testing.assert_allclose(res[1][0], reference(q, k, v, causal=True)[0], rtol=2e-5, atol=2e-6)
     # the guard: out's sequences span the most, 1 + 6 * 10 + 4 * 2 = 69 elements (q: 55, v: 35)
     monkeypatch.setattr(config, "CUDA_OFFSETS_32", 1)
-    monkeypatch.setattr(K, "OFF32_LIMIT", 69)
+    monkeypatch.setattr(CL, "OFF32_LIMIT", 69)  # the limit the launcher compares with
     p, o, H = run()
     assert not p.off32
     np.testing.assert_array_equal(o, res[1][0])
-    monkeypatch.setattr(K, "OFF32_LIMIT", 70)
+    monkeypatch.setattr(CL, "OFF32_LIMIT", 70)
     assert run()[0].off32
 
 
 def test_sequence_span_and_flat_view_errors():
-    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.cuda import views as KV
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
-    assert K.sequence_span((2, 3, 5, 4), (0, 20, 4, 1)) == 20
-    assert K.sequence_span((2, 3, 5, 4), (0, 1, 12, 3)) == 1 + 4 * 12 + 3 * 3
-    assert K.sequence_span((2, 3, 0, 4), (0, 0, 4, 1)) == 0
-    if not K.is_sim_array(cuda.to_device(np.zeros(1))):
+    assert KV.sequence_span((2, 3, 5, 4), (0, 20, 4, 1)) == 20
+    assert KV.sequence_span((2, 3, 5, 4), (0, 1, 12, 3)) == 1 + 4 * 12 + 3 * 3
+    assert KV.sequence_span((2, 3, 0, 4), (0, 0, 4, 1)) == 0
+    if not KV.is_sim_array(cuda.to_device(np.zeros(1))):
         pytest.skip("odd strides are built on the simulator's arrays")
     base = np.zeros(64, np.float32)
     odd = FakeCUDAArray(np.lib.stride_tricks.as_strided(base, (2, 3, 4), (40, 12, 2)))
     with pytest.raises(ValueError, match="multiples of the item size"):
-        K.flat_view(odd)
-    view, es = K.flat_view(FakeCUDAArray(base.reshape(2, 4, 8)[:, :1, ::2]))
+        KV.flat_view(odd)
+    view, es = KV.flat_view(FakeCUDAArray(base.reshape(2, 4, 8)[:, :1, ::2]))
     assert es == (32, 0, 2) and view.shape == (1 + 32 + 6,)
 
 
@@ -918,7 +918,7 @@ def test_vector_loads_agree_with_scalar_loads(monkeypatch, layout):
     the outputs, state and non-finite counts of one element per load, bit for bit: 8 values in
     blocks of 4 (two column blocks, the second starting at column 4), D_phi = 8 (D_phi = 6: q and k
     one at a time), padding rows and the normaliser column of the row-group layout."""
-    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.cuda import plan as KP
     from linattn_nb.ops import _cuda_launch as CL
     from linattn_nb.ops.causal.cuda import causal_scan_cuda
 
@@ -927,7 +927,7 @@ def test_vector_loads_agree_with_scalar_loads(monkeypatch, layout):
     monkeypatch.setattr(config, "CUDA_ROWS_PER_THREAD", 4)
     monkeypatch.setattr(config, "CUDA_MAX_ROWS_PER_THREAD", 4)
     rng = np.random.default_rng(35)
-    for D, want in ((8, K.VEC_QK | K.VEC_V), (6, K.VEC_V)):
+    for D, want in ((8, KP.VEC_QK | KP.VEC_V), (6, KP.VEC_V)):
         q, k, v = data(rng, 2, 7, D, 8)
         q[1, 3, 2] = np.nan  # one non-finite q: counted once either way
         res = {}
@@ -952,22 +952,22 @@ def test_vector_loads_agree_with_scalar_loads(monkeypatch, layout):
 def test_vector_bits_need_aligned_unit_stride_inputs():
     """Vector loads only where every group of four is aligned: unit feature stride, sizes and
     strides in multiples of 4, an aligned first element; else one element per load."""
-    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.cuda import plan as KP, views as KV
 
     def bits(q, v, MB=4):
-        views = [K.as_4d(x) for x in (q, q, v)]
-        strides = [K.flat_view(x)[1] for x in views]
-        return K.vector_bits(*views, strides, int(q.shape[2]), int(v.shape[2]), MB)
+        views = [KV.as_4d(x) for x in (q, q, v)]
+        strides = [KV.flat_view(x)[1] for x in views]
+        return KV.vector_bits(*views, strides, int(q.shape[2]), int(v.shape[2]), MB)
 
-    both = K.VEC_QK | K.VEC_V
+    both = KP.VEC_QK | KP.VEC_V
     base = cuda.to_device(np.zeros((2, 6, 16), np.float32))
-    if K.data_pointer(base) % 16:
+    if KV.data_pointer(base) % 16:
         pytest.skip("the device allocation is not 16-byte aligned here")
     assert bits(base, base) == both
-    assert bits(base, base, MB=6) == K.VEC_QK  # a column block starting at column 6
-    assert bits(K.strided_view(base, (2, 6, 8), (384, 64, 8)), base) == K.VEC_V  # feature stride 2
-    assert bits(K.strided_view(base, (2, 6, 12), (384, 64, 4)), base) == both
-    assert bits(K.strided_view(base, (2, 3, 12), (384, 72, 4)), base) == K.VEC_V  # token stride 18
+    assert bits(base, base, MB=6) == KP.VEC_QK  # a column block starting at column 6
+    assert bits(KV.strided_view(base, (2, 6, 8), (384, 64, 8)), base) == KP.VEC_V  # feature stride 2
+    assert bits(KV.strided_view(base, (2, 6, 12), (384, 64, 4)), base) == both
+    assert bits(KV.strided_view(base, (2, 3, 12), (384, 72, 4)), base) == KP.VEC_V  # token stride 18
     shifted = base[:, :, 1:13]  # first element 4 bytes past an aligned address
-    assert bits(shifted, base) == K.VEC_V
+    assert bits(shifted, base) == KP.VEC_V
     assert bits(base[:, :, :6], base[:, :, :6]) == 0  # 6 features / values

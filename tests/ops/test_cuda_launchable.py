@@ -304,8 +304,8 @@ def test_occupancy_and_launch_limits():
 def test_kernel_limits_agree_with_sm90():
     """The sequence kernels' own copy of sm_90's shared-memory figures (the tile size and the tile
     layout's budget use them) equals the limits the static checks use."""
-    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.cuda import plan as KP
 
-    assert K.STATIC_SHARED_BYTES == CR.SM90.static_shared_per_block
-    assert K.SM_SHARED_BYTES == CR.SM90.shared_per_sm
-    assert K.SM_RESERVED_BYTES == CR.SM90.shared_reserved_per_block
+    assert KP.STATIC_SHARED_BYTES == CR.SM90.static_shared_per_block
+    assert KP.SM_SHARED_BYTES == CR.SM90.shared_per_sm
+    assert KP.SM_RESERVED_BYTES == CR.SM90.shared_reserved_per_block

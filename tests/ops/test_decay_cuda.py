@@ -122,7 +122,7 @@ def test_rescaled_and_direct_tiles(monkeypatch, rule, method, dtype, layout):
     part tile at the end: all against the explicit form, in both thread layouts of the
     sequence kernel (the owner layout; row groups: 2 groups of 2 rows here, as a GPU with
     few sequences per multiprocessor gets at D_phi = 64)."""
-    from linattn_nb.ops._cuda_kernels import RESCALE_MIN_F32, RESCALE_MIN_F64
+    from linattn_nb.ops.cuda.plan import RESCALE_MIN_F32, RESCALE_MIN_F64
 
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", layout)
     monkeypatch.setattr(config, "CUDA_TILE_TOKENS", 8)
@@ -162,11 +162,11 @@ def test_decay_tile_layout(monkeypatch, method, dtype, f):
     column blocks 3 + 2; mild factors, a tile of factors e^-25 (products down to e^-75, far below
     the other layouts' rescaling floor in float32), resets mid-tile, at a tile's first token and
     at token 0; outputs and final state against the explicit form, from a random state."""
-    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.cuda import plan as KP
 
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
     b, n, m = 2, 11, 5
-    assert K.seq_config(f, m, np.dtype(dtype).itemsize, RULE_DECAY, "tiles") == (f, 4, 0, 3, f // 4)
+    assert KP.seq_config(f, m, np.dtype(dtype).itemsize, RULE_DECAY, "tiles") == (f, 4, 0, 3, f // 4)
     rng = np.random.default_rng(31)
     q, k = (rng.normal(size=(b, n, f)).astype(dtype) for _ in range(2))
     v = rng.normal(size=(b, n, m)).astype(dtype)
@@ -215,11 +215,11 @@ def test_gate_tile_layout(monkeypatch, method, dtype, f):
     row and of every row, at token 0, mid-tile and at a tile's first token; outputs and final state
     against the explicit form, from a random state.  float64 at D_phi = 36 only (the suite's time: the
     dtype changes no index)."""
-    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.cuda import plan as KP
 
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
     b, n, m = 2, 13, 5
-    assert K.seq_config(f, m, np.dtype(dtype).itemsize, RULE_GATE, "tiles") == (f, 4, 0, 3, f // 4)
+    assert KP.seq_config(f, m, np.dtype(dtype).itemsize, RULE_GATE, "tiles") == (f, 4, 0, 3, f // 4)
     rng = np.random.default_rng(37)
     q, k = (rng.normal(size=(b, n, f)).astype(dtype) for _ in range(2))
     v = rng.normal(size=(b, n, m)).astype(dtype)

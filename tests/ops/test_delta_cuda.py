@@ -162,11 +162,11 @@ def test_row_group_reductions(rule, dtype, f):
     number of groups G is a power of two (F = 3 and 8: G = 2 and 4 groups of 2 rows), through
     shared memory with a barrier per token otherwise (F = 5: G = 3); the blocks here have 2 G
     threads, one partial warp (the shuffles' lane mask).  Against the explicit form."""
-    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.cuda import plan as KP
 
     rng = np.random.default_rng(16 + f)
     b, n, m = 3, 7, 4
-    cfg = K.seq_config(f, m, np.dtype(dtype).itemsize, RULES[rule][0])
+    cfg = KP.seq_config(f, m, np.dtype(dtype).itemsize, RULES[rule][0])
     assert cfg[2] == -(-f // 2), cfg
     scan_against_reference(rng, rule, dtype, b, n, f, m, rule_inputs(rng, rule, b=b, n=n))
 
@@ -178,7 +178,7 @@ def test_gated_rescaled_and_direct_tiles(monkeypatch, dtype, f):
     v_t / P_t staged), a tile whose running factor ends just above the rescaling floor (v / P up
     to ~5e8 in float32), one below it (the direct form: the state scaled token by token), a reset
     mid-tile and a part tile at the end, with both row-group sums: against the explicit form."""
-    from linattn_nb.ops._cuda_kernels import RESCALE_MIN_F32, RESCALE_MIN_F64
+    from linattn_nb.ops.cuda.plan import RESCALE_MIN_F32, RESCALE_MIN_F64
 
     monkeypatch.setattr(config, "CUDA_TILE_TOKENS", 8)
     rng = np.random.default_rng(21)
@@ -242,15 +242,15 @@ def test_delta_tile_layout(monkeypatch, rule, f, m, cols, dtype):
     D_phi = 12, M = 11: NTRI + NL = threads) and with threads looping over them, column blocks
     of 3 + 2; D_phi = 16 (tiles of 4 tokens: the products over the tile's tokens take four a step);
     outputs and final state against the explicit form (float64: normalised outputs)."""
-    from linattn_nb.ops import _cuda_kernels as K
+    from linattn_nb.ops.cuda import plan as KP
 
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
     monkeypatch.setattr(config, "CUDA_VALUE_COLS", cols)
     code, map_code = RULES[rule]
     b, n, T = 2, 13, f // 4
-    cfg = K.seq_config(f, m, np.dtype(dtype).itemsize, code, "tiles")
+    cfg = KP.seq_config(f, m, np.dtype(dtype).itemsize, code, "tiles")
     assert cfg == (f, 4, 0, min(m, cols), T), cfg
-    nth = K.threads_per_block(*cfg[:4], code)
+    nth = KP.threads_per_block(*cfg[:4], code)
     assert (T * (T + 1) // 2 + T * (T - 1) // 2 <= nth) == (cols == 64), nth
     rng = np.random.default_rng(41 + f)
     normalize = dtype == np.float64

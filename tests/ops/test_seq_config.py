@@ -1,7 +1,7 @@
 """``seq_config`` against the shared memory the sequence kernel allocates, every branch.
 
 The simulator has no shared-memory limit, so a wrong per-token size in
-:func:`linattn_nb.ops._cuda_kernels.seq_config` (a staged array left out, a
+:func:`linattn_nb.ops.cuda.plan.seq_config` (a staged array left out, a
 factor counted once instead of per row) would pass every result test and
 fail at launch on a GPU.  Here the simulator's ``cuda.shared.array`` is
 wrapped to record what one block of the kernel really allocates (one
@@ -22,11 +22,15 @@ import pytest
 import linattn_nb as la
 from linattn_nb import config
 from linattn_nb.device import cuda_status
-from linattn_nb.ops import _cuda_kernels as K
+from linattn_nb.ops.cuda import owner, rows, tiles
+from linattn_nb.ops.cuda import plan as KP
 from linattn_nb.ops._codes import RULE_ADDITIVE, RULE_DECAY, RULE_DELTA, RULE_GATE, RULE_GATED_DELTA
 
 cuda = pytest.importorskip("numba.cuda")
 pytestmark = pytest.mark.skipif(cuda_status() != "simulator", reason="records shared arrays on the CUDA simulator")
+
+#: The files of the sequence kernel's three layouts: the call sites whose shared arrays one block allocates.
+KERNEL_FILES = {owner.__file__, rows.__file__, tiles.__file__}
 
 
 @pytest.fixture
@@ -58,7 +62,7 @@ def recorded(monkeypatch):
 
 def _limits(monkeypatch, **knobs):
     for name, value in knobs.items():
-        target = K if name.isupper() and hasattr(K, name) and not name.startswith("CUDA_") else config
+        target = KP if name.isupper() and hasattr(KP, name) and not name.startswith("CUDA_") else config
         monkeypatch.setattr(target, name, value)
 
 
@@ -116,7 +120,7 @@ TILE = 4
 def _tile(monkeypatch, budget, F, M, item, rule):
     monkeypatch.setattr(config, "CUDA_SHARED_BYTES", budget)
     try:
-        return K.seq_config(F, M, item, rule)[4]
+        return KP.seq_config(F, M, item, rule)[4]
     except ValueError:
         return 0
 
@@ -129,23 +133,23 @@ def test_kernel_allocates_within_the_budget(case, monkeypatch, recorded):
     # the smallest budget (in steps of 8 bytes) that seq_config says holds a tile of TILE tokens: then
     # the budget decides the tile, and any byte seq_config leaves out of its count shows as an excess
     budget = next(b for b in range(8, 1 << 16, 8) if _tile(monkeypatch, b, F, M, item, rule) >= TILE)
-    cfg = K.seq_config(F, M, item, rule)
+    cfg = KP.seq_config(F, M, item, rule)
     assert cfg[4] == TILE and branch(*cfg), (case, cfg)
     _run(F, M, rule, dtype)
-    total = sum(nbytes for (path, _), nbytes in recorded.items() if path == K.__file__)
+    total = sum(nbytes for (path, _), nbytes in recorded.items() if path in KERNEL_FILES)
     assert 0 < total <= config.CUDA_SHARED_BYTES, (case, cfg, total)
 
 
 def test_errors_name_the_limit(monkeypatch):
     _limits(monkeypatch, OWNER_MAX_ROWS=4, CUDA_ROWS_PER_THREAD=2, CUDA_MAX_ROWS_PER_THREAD=2, CUDA_MAX_THREADS=8)
     with pytest.raises(ValueError, match="threads per block"):
-        K.seq_config(64, 4, 4, RULE_ADDITIVE)
+        KP.seq_config(64, 4, 4, RULE_ADDITIVE)
     monkeypatch.undo()
     _limits(monkeypatch, CUDA_SHARED_BYTES=64)
     with pytest.raises(ValueError, match="CUDA_SHARED_BYTES"):
-        K.seq_config(64, 64, 4, RULE_ADDITIVE)
+        KP.seq_config(64, 64, 4, RULE_ADDITIVE)
     with pytest.raises(ValueError, match="CUDA_MAX_FEATURES"):
-        K.seq_config(int(config.CUDA_MAX_FEATURES) + 1, 4, 4, RULE_ADDITIVE)
+        KP.seq_config(int(config.CUDA_MAX_FEATURES) + 1, 4, 4, RULE_ADDITIVE)
 
 
 @pytest.mark.parametrize("rule", [RULE_ADDITIVE, RULE_DECAY, RULE_GATE, RULE_DELTA, RULE_GATED_DELTA],
@@ -157,7 +161,7 @@ def test_tile_layout_allocates_what_it_counts(rule, monkeypatch, recorded):
     copies and product rows and the delta rules' beta, L, W and U' included."""
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
     F, M = 12, 5
-    assert K.seq_config(F, M, 4, rule, "tiles")[2] == 0
+    assert KP.seq_config(F, M, 4, rule, "tiles")[2] == 0
     _run(F, M, rule)
-    total = sum(nbytes for (path, _), nbytes in recorded.items() if path == K.__file__)
-    assert total == K._tiles_sizes(F, M, 4, rule)[4], (total, K._tiles_sizes(F, M, 4, rule))
+    total = sum(nbytes for (path, _), nbytes in recorded.items() if path in KERNEL_FILES)
+    assert total == KP._tiles_sizes(F, M, 4, rule)[4], (total, KP._tiles_sizes(F, M, 4, rule))

@@ -27,7 +27,7 @@ output and ``H`` have been written by then); ``False`` adds nothing;
 method table binds it per rule), whose per-token and per-chunk steps are the
 hooks of :mod:`linattn_nb.ops._cuda_common`.  Any dtype mix of
 float16/32/64; accumulation in float32, or float64 when an input is float64
-(see :mod:`linattn_nb.ops._cuda_kernels`).
+(see :mod:`linattn_nb.ops.cuda`).
 
 * ``scan``: one block per (batch entry, block of value columns) walks the
   sequence; parallelism B x ceil(M / config.CUDA_VALUE_COLS) blocks.

@@ -41,11 +41,13 @@ import numpy as np
 from numba import cuda
 
 from ... import config
-from .. import _cuda_kernels as SK
 from .. import _cuda_launch as CL
 from .. import _cuda_pool as P
 from .._codes import RULE_ADDITIVE, RULE_DECAY, RULE_GATE, RULE_GATED_DELTA, check_rule_inputs
 from .._cuda_common import is_delta_rule
+from ..cuda.helpers import cast_copy_kernel
+from ..cuda.plan import helper_grid
+from ..cuda.views import is_sim_array
 from . import Grads
 from . import _cuda_kernels as GK
 
@@ -59,7 +61,7 @@ def _shape(x):
 
 def _device(name, x):
     """``x`` as a device array (a simulator array or anything with ``__cuda_array_interface__``)."""
-    if SK.is_sim_array(x) or type(x).__module__.startswith("numba.cuda"):
+    if is_sim_array(x) or type(x).__module__.startswith("numba.cuda"):
         return x
     if hasattr(x, "__cuda_array_interface__"):
         return cuda.as_cuda_array(x)
@@ -116,13 +118,13 @@ def _initial_adjoint(dHN, shape):
     """dH0 when there are no tokens: a copy of ``dHN``, or zeros."""
     out = _zeros(shape)
     if dHN is not None and out.size:
-        SK.cast_copy_kernel[SK.helper_grid(out.size)](dHN, out)
+        cast_copy_kernel[helper_grid(out.size)](dHN, out)
     return out
 
 
 def _sum_blocks(src, dst):
     if dst.size:
-        GK.sum_blocks_kernel[SK.helper_grid(dst.size)](src, dst)
+        GK.sum_blocks_kernel[helper_grid(dst.size)](src, dst)
     return dst
 
 
@@ -226,8 +228,8 @@ def backward_aggregate_cuda(qf, kf, v1, H0, g1, dHN=None, *, inputs=None):
     dv = cuda.device_array((B, N, M1), dtype=work)
     if H.size:
         dhn = dHN if dHN is not None else P.workspace("grad.no_dHN", (1, 1, 1), _F64)
-        GK.aggregate_sums_kernel[SK.helper_grid(H.size)](qf, kf, v1, g1, H0, dhn, dHN is not None, H, R)
+        GK.aggregate_sums_kernel[helper_grid(H.size)](qf, kf, v1, g1, H0, dhn, dHN is not None, H, R)
     total = B * N * (F + M1)
     if total:
-        GK.aggregate_grads_kernel[SK.helper_grid(total)](kf, v1, g1, H, R, dq, dk, dv)
+        GK.aggregate_grads_kernel[helper_grid(total)](kf, v1, g1, H, R, dq, dk, dv)
     return Grads(dq, dk, dv, R)
