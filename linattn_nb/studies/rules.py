@@ -187,7 +187,7 @@ def _table(agg, cols, dphi, *, floor=True) -> str:
     for label, e in agg.items():
         ma, ha = _stat(e["acc"])
         me, he = _stat(e["mse"])
-        rows.append([label] + [f"{_pm(ma[j], ha[j])} / {_pm(me[j], he[j])}" for j in cols])
+        rows.append([label] + [f"{pm(float(ma[j]), float(ha[j]))} / {_pm(me[j], he[j])}" for j in cols])
     if floor:
         m, h = _stat(first["opt"])
         rows.append(["optimal floor (least squares), error"] + [_pm(m[j], h[j]) for j in cols])
