@@ -6,6 +6,7 @@ Public API (stable names)::
     linear_attention_vjp(q, k, v, grad_out, *, ..., grad_state=None) -> VJP   # gradients
     softmax_attention(q, k, v, *, causal=False, scale=None)
     feature_maps            # FeatureMap base, registry: get / available / register; fit (to softmax)
+    rules                   # the update rules, one module each: get_rule / rule_for / rule_names / reference
     fitting                 # fit / objective: learned maps (Hedgehog, T2R) fitted to softmax weights
     LinearState             # (S, z, position) returned by linear_attention(return_state=True)
     LinearAttentionState    # recurrent state for decoding: prefill / step / query / save / load
@@ -21,7 +22,7 @@ from . import _cache, config  # noqa: E402
 
 _cache.install(__version__)
 
-from . import feature_maps  # noqa: E402
+from . import feature_maps, rules  # noqa: E402
 from .attention import VJP, LinearState, linear_attention, linear_attention_vjp, softmax_attention  # noqa: E402
 from .state import KVCache, LinearAttentionState  # noqa: E402
 from . import fitting  # noqa: E402
@@ -38,6 +39,7 @@ __all__ = [
     "__version__",
     "config",
     "feature_maps",
+    "rules",
     "fitting",
     "linear_attention",
     "linear_attention_vjp",

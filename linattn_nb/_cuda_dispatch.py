@@ -48,7 +48,7 @@ import numpy as np
 
 from . import _validate as V
 from .device import cuda_status, is_device_array, is_simulator_array, on_device
-from .ops._codes import RULES
+from .rules import get_rule, rule_for
 from .ops.registry import select_auto
 
 def _cuda():
@@ -160,7 +160,7 @@ def select_auto_cuda(*, rule, causal, batch, n, f, m, dtype, sms=None) -> str:
     """
     if causal:
         sms = multiprocessor_count() if sms is None else int(sms)
-        if _launch().scan_fills(batch, f, m, dtype, RULES[rule][0], sms=sms):
+        if _launch().scan_fills(batch, f, m, dtype, get_rule(rule).code, sms=sms):
             return "scan"
     return select_auto(rule=rule, causal=causal, device="cuda", batch=batch, n=n, d=f, m=m, dtype=dtype)
 
@@ -179,7 +179,7 @@ def select_method_cuda(method, *, causal, batch, n, f, m, dtype, rule="additive"
 # ---------------------------------------------------------------------------
 def check_limits(f: int, m: int, dtype, rule: str = "additive") -> None:
     """Raise (before any work) when D_phi or M exceed what the sequence kernel of ``rule`` can launch."""
-    _launch().check_limits(f, m, dtype, RULES[rule][0])
+    _launch().check_limits(f, m, dtype, get_rule(rule).code)
 
 
 def zeros(shape, dtype=np.float64):
@@ -226,7 +226,7 @@ def device_rule_inputs(decay, log_decay, beta, batch_shape, n: int, f: int):
     nb = len(bs)
     b = int(np.prod(bs, dtype=np.int64))
     given = {nm: x for nm, x in (("decay", decay), ("log_decay", log_decay), ("beta", beta)) if x is not None}
-    if not given or not all(on_device(x) for x in given.values()) or ("decay" in given and "log_decay" in given):
+    if not given or not all(on_device(x) for x in given.values()) or ("decay" in given and "log_decay" in given):  # not a rule
         return None
     if b * int(n) == 0:  # nothing to read: the host path checks the shapes of empty inputs
         return None
@@ -250,7 +250,7 @@ def device_rule_inputs(decay, log_decay, beta, batch_shape, n: int, f: int):
         else:
             return None
         kshape = (b, n) if w == 1 else (b, n, f)
-        if (name != "decay" and np.dtype(x.dtype) in _IN_PLACE_DTYPES and x.is_c_contiguous() and len(shape) > nb
+        if (name != "decay" and np.dtype(x.dtype) in _IN_PLACE_DTYPES and x.is_c_contiguous() and len(shape) > nb  # not a rule
                 and shape == bs + kshape[1:]):
             return kshape, (name, x.reshape(kshape), True)
         lead = (1,) * (nb - len(lead)) + lead  # a 0-d array: every batch axis broadcast
@@ -263,21 +263,19 @@ def device_rule_inputs(decay, log_decay, beta, batch_shape, n: int, f: int):
             return None
         return kshape, (name, x4, False)
 
+    beta_plan = lg = factor = None
     if "beta" in given:
-        bt = plan_of("beta", given["beta"], False)
-        if bt is None:
+        beta_plan = plan_of("beta", given["beta"], False)
+        if beta_plan is None:
             return None
-        if "log_decay" not in given and "decay" not in given:
-            return "delta", {"beta": bt[1]}
-        name = "log_decay" if "log_decay" in given else "decay"
-        lg = plan_of(name, given[name], False)
-        return None if lg is None else ("gated_delta", {"beta": bt[1], "log_decay": lg[1]})
-    name = "log_decay" if "log_decay" in given else "decay"
-    lg = plan_of(name, given[name], True)
-    if lg is None:
-        return None
-    kshape, entry = lg
-    return ("decay", {"log_decay": entry}) if len(kshape) == 2 else ("gate", {"log_gate": entry})
+    name = "log_decay" if "log_decay" in given else "decay"  # not a rule: the argument given
+    if name in given:
+        lg = plan_of(name, given[name], beta_plan is None)  # a per-feature gate with beta: the host path raises
+        if lg is None:
+            return None
+        factor = "scalar" if len(lg[0]) == 2 else "feature"
+    rule = rule_for(factor=factor, beta=beta_plan is not None)
+    return rule.name, rule.kernel_arguments(None if lg is None else lg[1], None if beta_plan is None else beta_plan[1])
 
 
 def device_rule_values(plan, batch: int, n: int, f: int) -> dict:

@@ -30,9 +30,10 @@ from . import feature_maps as fm
 from .device import on_device, resolve_device
 from .ops import methods  # noqa: F401  (registers the built-in rules and methods)
 from .ops._finite import NonFiniteResult
-from .ops.registry import get_method, get_rule, select_auto
+from .ops.registry import get_method, select_auto
 from .ops.softmax.cpu import softmax_blocked
 from .ops.softmax.naive import softmax_attention_quadratic
+from .rules import get_rule as get_update_rule, rule_for, rule_names
 
 _F16 = np.dtype(np.float16)
 _F32 = np.dtype(np.float32)
@@ -194,11 +195,7 @@ def check_state_rule(state, rule: str, name: str = "initial_state") -> None:
     """
     got = getattr(state, "rule", None)
     if got is not None and got != rule:
-        hint = {"additive": "pass neither decay nor log_decay",
-                "decay": "pass a scalar or per-token decay/log_decay",
-                "gate": "pass a per-feature decay/log_decay (last axes N, D_phi)",
-                "delta": "pass beta without decay/log_decay",
-                "gated_delta": "pass beta with a scalar or per-token decay/log_decay"}.get(got, "")
+        hint = get_update_rule(got).hint if got in rule_names() else ""
         raise ValueError(f"{name} is a state of the {got!r} update rule, but this call runs the {rule!r} rule; "
                          f"a state continues only the rule that made it ({hint})")
 
@@ -236,40 +233,34 @@ def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, f: in
                    copy: bool = True):
     """``(rule, inputs, normalize)`` of a call's ``decay``, ``log_decay``, ``beta`` and ``normalize`` arguments.
 
-    The decay and its kernel inputs come from
-    :func:`linattn_nb._validate.decay_inputs`, ``beta`` from
-    :func:`linattn_nb._validate.beta_inputs`: with ``beta`` the rule is the
-    delta rule, or the gated delta rule with a scalar decay per sequence or
-    per token (a per-feature gate with ``beta`` raises ValueError).
+    The form of the decay (none, per sequence or token, per feature) and its
+    kernel inputs come from :func:`linattn_nb._validate.decay_inputs`,
+    ``beta`` from :func:`linattn_nb._validate.beta_inputs`; the rule is the
+    one these arguments select (:func:`linattn_nb.rules.rule_for`; a
+    per-feature gate with ``beta`` selects none and raises ValueError).
     ``normalize=None`` takes the rule's convention
-    (:attr:`linattn_nb.ops.registry.Rule.normalize`: False for the delta
-    rules, True for the others).  A
-    feature map whose features carry per-row factors that cancel only in the
-    normaliser (``fmap.needs_normalizer``) raises ValueError with
-    ``normalize=False``.  ``copy=False``: the kernel inputs may be the
-    caller's own log-factor array (for a call that only reads them before it
-    returns; the gradient front end keeps them for its backward pass, so it
-    copies).
+    (:attr:`linattn_nb.rules.UpdateRule.normalize`).  A feature map whose
+    features carry per-row factors that cancel only in the normaliser
+    (``fmap.needs_normalizer``) raises ValueError with ``normalize=False``.
+    ``copy=False``: the kernel inputs may be the caller's own log-factor
+    array (for a call that only reads them before it returns; the gradient
+    front end keeps them for its backward pass, so it copies).
     """
     rule, inputs = V.decay_inputs(decay, log_decay, batch_shape, n, f, causal=causal, copy=copy)
     if beta is not None:
         if not causal:
             raise ValueError("beta (the delta rule's write strength) applies to causal attention; it needs "
                              "causal=True")
-        if rule == "gate":
-            raise ValueError("a per-feature gate (decay/log_decay with last axes (N, D_phi)) cannot be combined "
-                             "with beta: the gated delta rule takes a scalar decay per sequence or per token")
-        b = V.beta_inputs(beta, batch_shape, n)
-        if rule == "additive":
-            rule, inputs = "delta", {"beta": b}
-        else:
-            rule, inputs = "gated_delta", {"beta": b, "log_decay": inputs["log_decay"]}
+        base = get_update_rule(rule)
+        with_beta = rule_for(factor=base.factor, beta=True)  # ValueError: no rule takes this decay with beta
+        rule = with_beta.name
+        inputs = with_beta.kernel_arguments(base.log_factor_of(inputs), V.beta_inputs(beta, batch_shape, n))
     return rule, inputs, rule_normalize(fmap, rule, normalize)
 
 
 def rule_normalize(fmap, rule: str, normalize) -> bool:
     """``normalize`` as a bool: None takes the rule's convention; ValueError for a map that needs the normaliser."""
-    normalize = V.check_normalize(normalize, get_rule(rule).normalize)
+    normalize = V.check_normalize(normalize, get_update_rule(rule).normalize)
     if not normalize and getattr(fmap, "needs_normalizer", False):
         raise ValueError(
             f"feature map {fmap.name!r} stabilises its features with per-row factors (shifts inside exp) that "
@@ -295,16 +286,89 @@ def choose_method(method: str, *, rule: str, causal: bool, device: str, batch: i
 
 
 # ---------------------------------------------------------------------------
+# The request: one preparation for every entry point
+# ---------------------------------------------------------------------------
+class Call(NamedTuple):
+    """A validated request on host arrays (:func:`host_call`): what an entry point computes from its arguments."""
+
+    dev: str
+    fmap: object
+    eps: object
+    causal: bool
+    q: np.ndarray  # C-contiguous host arrays
+    k: np.ndarray
+    v: np.ndarray
+    batch_shape: tuple
+    n: int
+    d: int
+    m: int
+    f: int
+    b: int
+    dtype: np.dtype
+    rule: str
+    inputs: object  # the rule's launcher inputs (None for the additive rule)
+    normalize: bool
+    impl: object  # the registered Method
+
+
+def resolve_call(device, arrays, names, feature_map, eps, causal, method):
+    """``(device, map, eps, causal)`` of a call's arguments, checked; the method name is checked too."""
+    dev = resolve_device(device, *arrays, names=names)
+    fmap = fm.resolve(feature_map)
+    eps = V.check_eps(eps)
+    causal = check_causal(causal)
+    check_method_name(method)
+    return dev, fmap, eps, causal
+
+
+def plan_call(method, rule, initial_state, *, dev, causal, batch_shape, n, f, m, dtype, extra_columns=0):
+    """The :class:`~linattn_nb.ops.registry.Method` of a request, after the checks that need no work.
+
+    ``initial_state`` must be of ``rule``; on CUDA the shape must fit the
+    kernels' limits (with ``extra_columns`` more value columns: the
+    gradient's).  ``method="auto"`` is resolved.
+    """
+    if initial_state is not None:
+        check_state_rule(initial_state, rule)
+    if dev == "cuda":
+        CD.check_limits(f, m + extra_columns, dtype, rule)  # fail before any work
+    b = int(np.prod(batch_shape, dtype=np.int64))
+    return choose_method(method, rule=rule, causal=causal, device=dev, batch=b, n=n, f=f, m=m, dtype=dtype)
+
+
+def host_call(q, k, v, *, dev, fmap, eps, causal, method, decay, log_decay, beta, normalize, initial_state,
+              check_qkv: bool, copy: bool, to_host: bool = False, extra_columns: int = 0) -> Call:
+    """The validated request of a call on host arrays (:class:`Call`).
+
+    ``check_qkv``: scan q, k, v for non-finite values here (the kernels with
+    an inline map scan them while they read them).  ``copy``: the rule's
+    inputs are copies, never the caller's arrays (for a request that keeps
+    them).  ``to_host``: GPU arrays among q, k, v and the rule's arguments
+    are copied to the host first.
+    """
+    if to_host:
+        q, k, v, decay, log_decay, beta = (
+            CD.to_host(nm, x) if on_device(x) else x
+            for nm, x in (("q", q), ("k", k), ("v", v), ("decay", decay), ("log_decay", log_decay), ("beta", beta)))
+    q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_qkv)
+    f = feature_dim(fmap, d)
+    rule, inputs, normalize = rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, f, causal=causal,
+                                             beta=beta, copy=copy)
+    impl = plan_call(method, rule, initial_state, dev=dev, causal=causal, batch_shape=batch_shape, n=n, f=f, m=m,
+                     dtype=dtype, extra_columns=extra_columns)
+    b = int(np.prod(batch_shape, dtype=np.int64))
+    return Call(dev, fmap, eps, causal, q, k, v, tuple(batch_shape), n, d, m, f, b, dtype, rule, inputs, normalize,
+                impl)
+
+
+# ---------------------------------------------------------------------------
 # linear attention
 # ---------------------------------------------------------------------------
 def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check_finite, out, initial_state,
                      return_state, decay=None, log_decay=None, beta=None, normalize=None):
     """The request path of :func:`linattn_nb.linear_attention` (arguments and results as there)."""
-    dev = resolve_device(device, q, k, v, out, names=("q", "k", "v", "out"))
-    fmap = fm.resolve(feature_map)
-    eps = V.check_eps(eps)
-    causal = check_causal(causal)
-    check_method_name(method)
+    dev, fmap, eps, causal = resolve_call(device, (q, k, v, out), ("q", "k", "v", "out"), feature_map, eps, causal,
+                                          method)
     # everything the call reads, as the caller passed it: an out= overlapping any of it is written last
     reads = () if out is None else call_reads(q, k, v, decay, log_decay, beta, initial_state=initial_state,
                                                 fmap=fmap)
@@ -314,19 +378,14 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
 
     # CPU kernels with an inline map check q, k, v while they read them; the
     # other paths scan them here (NumPy), as the CUDA path always did
-    q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_finite and dev == "cuda")
-    f = feature_dim(fmap, d)
-    rule, inputs, normalize = rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, f, causal=causal,
-                                             beta=beta, copy=False)
-    if initial_state is not None:
-        check_state_rule(initial_state, rule)
-    if dev == "cuda":
-        CD.check_limits(f, m, dtype, rule)  # fail before any work
+    c = host_call(q, k, v, dev=dev, fmap=fmap, eps=eps, causal=causal, method=method, decay=decay,
+                  log_decay=log_decay, beta=beta, normalize=normalize, initial_state=initial_state,
+                  check_qkv=check_finite and dev == "cuda", copy=False)
+    q, k, v, batch_shape, n, m, f, b, dtype = c.q, c.k, c.v, c.batch_shape, c.n, c.m, c.f, c.b, c.dtype
+    rule, inputs, normalize, impl = c.rule, c.inputs, c.normalize, c.impl
     out_shape = batch_shape + (n, m)
     if out is not None:
         V.check_out(out, out_shape, dtype)
-    b = int(np.prod(batch_shape, dtype=np.int64))
-    impl = choose_method(method, rule=rule, causal=causal, device=dev, batch=b, n=n, f=f, m=m, dtype=dtype)
     inline = impl.inline_features and fmap.kernel_code is not None
     if check_finite and dev == "cpu" and not inline:
         # features computed in NumPy: the kernel sees features, so the raw q, k are scanned here
@@ -426,8 +485,6 @@ def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initia
     else:  # read in place or converted on the device, checked there below
         rule, rule_plan = in_place
         normalize = rule_normalize(fmap, rule, normalize)
-    if initial_state is not None:
-        check_state_rule(initial_state, rule)
     if fmap.kernel_code is None:
         raise ValueError(
             f"feature map {fmap.name!r} has no inline CUDA form (only maps with a kernel_code: "
@@ -435,11 +492,11 @@ def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initia
             "yourself and pass feature_map=None, or pass host (NumPy) arrays with device='cuda'"
         )
     f = d
-    CD.check_limits(f, m, dtype, rule)
+    impl = plan_call(method, rule, initial_state, dev="cuda", causal=causal, batch_shape=batch_shape, n=n, f=f, m=m,
+                     dtype=dtype)
     out_shape = batch_shape + (n, m)
     dout = CD.device_out(out, out_shape, dtype)
     b = int(np.prod(batch_shape, dtype=np.int64))
-    impl = choose_method(method, rule=rule, causal=causal, device="cuda", batch=b, n=n, f=f, m=m, dtype=dtype)
     empty = n == 0 or b == 0
     if not empty:
         q4, k4, v4 = CD.input_4d(dq), CD.input_4d(dk), CD.input_4d(dv)

@@ -30,12 +30,11 @@ import numpy as np
 
 from . import _cuda_dispatch as CD
 from . import _validate as V
-from . import feature_maps as fm
-from ._frontend import (LinearState, check_causal, check_method_name, check_state_rule, choose_method, featurise,
-                        feature_dim, host_state, parse_state, rule_arguments, state_from_H)
-from .device import on_device, resolve_device
+from ._frontend import LinearState, featurise, host_call, host_state, parse_state, resolve_call, state_from_H
+from .device import on_device
 from .ops import methods  # noqa: F401  (registers the built-in rules and methods)
 from .ops.grad import _maps
+from .rules import get_rule
 
 _F16 = np.dtype(np.float16)
 _F32 = np.dtype(np.float32)
@@ -117,7 +116,7 @@ class Request:
 # prepare
 # ---------------------------------------------------------------------------
 def _given_shape(name, x):
-    return tuple(np.shape(V.as_host_array(name, x)))
+    return tuple(int(d) for d in x.shape) if on_device(x) else tuple(np.shape(V.as_host_array(name, x)))
 
 
 def prepare(q, k, v, *, feature_map, causal, method, device, eps, check_finite, initial_state, decay=None,
@@ -128,27 +127,15 @@ def prepare(q, k, v, *, feature_map, causal, method, device, eps, check_finite, 
     methods then run on copies made from the host: ``device="cuda"``).
     ``work``: force a working dtype (the float64 recomputation).
     """
-    dev = resolve_device(device, q, k, v, names=("q", "k", "v"))
-    fmap = fm.resolve(feature_map)
-    eps = V.check_eps(eps)
-    causal = check_causal(causal)
-    check_method_name(method)
-    q, k, v = (CD.to_host(nm, x) if on_device(x) else x for nm, x in (("q", q), ("k", k), ("v", v)))
-    decay, log_decay, beta = (CD.to_host(nm, x) if on_device(x) else x
-                              for nm, x in (("decay", decay), ("log_decay", log_decay), ("beta", beta)))
+    dev, fmap, eps, causal = resolve_call(device, (q, k, v), ("q", "k", "v"), feature_map, eps, causal, method)
     inline = fmap.kernel_code in _maps.ELEMENTWISE_CODES  # one parallel pass for features and their vjp
-    q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_finite and not inline)
+    c = host_call(q, k, v, dev=dev, fmap=fmap, eps=eps, causal=causal, method=method, decay=decay,
+                  log_decay=log_decay, beta=beta, normalize=normalize, initial_state=initial_state,
+                  check_qkv=check_finite and not inline, copy=True, to_host=True, extra_columns=1)
+    q, k, v, batch_shape, n, d, m, f, b, dtype = c.q, c.k, c.v, c.batch_shape, c.n, c.d, c.m, c.f, c.b, c.dtype
+    rule, inputs, normalize, impl = c.rule, c.inputs, c.normalize, c.impl
     if check_finite and inline:
         V.check_finite("v", v)  # q and k: while their features are computed
-    f = feature_dim(fmap, d)
-    rule, inputs, normalize = rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, f, causal=causal,
-                                             beta=beta)
-    if initial_state is not None:
-        check_state_rule(initial_state, rule)
-    if dev == "cuda":
-        CD.check_limits(f, m + 1, dtype, rule)
-    b = int(np.prod(batch_shape, dtype=np.int64))
-    impl = choose_method(method, rule=rule, causal=causal, device=dev, batch=b, n=n, f=f, m=m, dtype=dtype)
     if impl.backward is None:
         raise ValueError(f"method {impl.name!r} (rule {rule!r}, causal={causal}, device {dev!r}) has no backward "
                          "launcher; choose another method")
@@ -275,21 +262,18 @@ def _factor_grads(req: Request, dfactor):
     if req.decay_arg is None or dfactor is None:
         return None, None
     name, given = req.decay_arg
-    if req.rule == "gate":
-        lg, full = req.inputs["log_gate"], req.batch_shape + (req.n, req.f)
-    else:
-        lg, full = req.inputs["log_decay"], req.batch_shape + (req.n,)
-    nb = len(req.batch_shape)
+    lg = get_rule(req.rule).log_factor_of(req.inputs)  # (B, N) per token, (B, N, F) per feature
+    full = req.batch_shape + lg.shape[1:]
     g = np.asarray(dfactor, np.float64)
     if name == "log_decay":
         with np.errstate(under="ignore"):
             g = g * np.exp(lg)  # d/d log a = a d/da: 0 at a reset
     g = g.reshape(full)
-    if req.rule != "gate" and len(given) in (0, nb):
+    if lg.ndim == 2 and len(given) in (0, len(req.batch_shape)):
         g = g.sum(axis=-1)  # a constant per sequence: summed over the tokens
         full = req.batch_shape
     out = _unbroadcast(g, given, full)
-    return (out, None) if name == "decay" else (None, out)
+    return (out, None) if name == "decay" else (None, out)  # not a rule: the argument given
 
 
 def _beta_grad(req: Request, dbeta):
@@ -362,7 +346,7 @@ def backward(req: Request, nd, grad_out, grad_state=None) -> VJP:
         dkf = np.zeros((b, n, f))
         dv1 = np.zeros((b, n, m + 1))
         dH0 = np.zeros((b, f, m + 1)) if dHN is None else dHN.copy()
-        dfactor = np.zeros((b, n, f) if req.rule == "gate" else (b, n))
+        dfactor = np.zeros((b, n, f) if get_rule(req.rule).factor == "feature" else (b, n))
         dbeta = np.zeros((b, n))
     kw = dict(causal=req.causal, offset=req.position, total_length=req.position + n)
     fshape = req.batch_shape + (n, f)

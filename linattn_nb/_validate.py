@@ -20,6 +20,7 @@ from numba import njit
 
 from . import config
 from .ops._finite import check_finite_values  # the kernel layer's check, shared with the front end
+from .rules import rule_for
 
 SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
@@ -222,9 +223,12 @@ def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool,
     Returns
     -------
     rule : str
-        ``"additive"`` (neither given), ``"decay"`` (per sequence or per
-        token) or ``"gate"`` (per feature).
+        The name of the rule without ``beta`` that the form selects
+        (:func:`linattn_nb.rules.rule_for`): the additive rule (neither
+        given), the decay rule (per sequence or per token) or the gate rule
+        (per feature).
     inputs : dict or None
+        The rule's launcher inputs (:meth:`linattn_nb.rules.UpdateRule.kernel_arguments`):
         ``{"log_decay": (B, N)}`` or ``{"log_gate": (B, N, F)}``, C-contiguous
         float64 log-factors <= 0 flattened to the batch, values at or below
         :data:`linattn_nb.ops._codes.LOG_RESET` (exp of them is 0 in float64)
@@ -246,7 +250,7 @@ def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool,
     from .ops._codes import LOG_RESET
 
     if decay is None and log_decay is None:
-        return "additive", None
+        return rule_for(factor=None, beta=False).name, None
     if decay is not None and log_decay is not None:
         raise ValueError("pass at most one of decay and log_decay (the same factors, linear or as logs)")
     name, x = ("decay", decay) if decay is not None else ("log_decay", log_decay)
@@ -256,7 +260,7 @@ def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool,
     if x.dtype.kind not in "iuf":
         raise TypeError(f"{name} must hold real numbers (floats), got dtype {x.dtype}")
     x = np.asarray(x, dtype=np.float64)  # no copy of a float64 array
-    linear = name == "decay"
+    linear = name == "decay"  # not a rule: the argument decay (linear factors)
     lo, hi = (0.0, 1.0) if linear else (-np.inf, 0.0)
     # one compiled pass (a per-feature gate is as large as q and k): NaN, out of range, resets
     bad, resets = factor_counts(np.ascontiguousarray(x).reshape(-1), lo, hi, LOG_RESET)
@@ -284,18 +288,18 @@ def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool,
              f"{nb + 1} with last axis N={n} (per token), or {nb + 2} with last axes (N, D_phi)=({n}, {f}) "
              "(per feature)")
     if lg.ndim == 0 or lg.ndim == nb:
-        target, rule = batch_shape, "decay"
+        target, factor = batch_shape, "scalar"
     elif lg.ndim == nb + 1:
         if lg.shape[-1] != n:
             raise ValueError(f"{name} of shape {lg.shape} has {lg.ndim} dimensions (one per token), so its last "
                              f"axis must be N={n}; expected {forms}")
-        target, rule = batch_shape + (n,), "decay"
+        target, factor = batch_shape + (n,), "scalar"
     elif lg.ndim == nb + 2:
         if lg.shape[-2] != n or lg.shape[-1] != f:
             raise ValueError(f"{name} of shape {lg.shape} has {lg.ndim} dimensions (a per-feature gate), so its "
                              f"last axes must be (N, D_phi)=({n}, {f}) (D_phi: the feature map's output "
                              f"dimension); expected {forms}")
-        target, rule = batch_shape + (n, f), "gate"
+        target, factor = batch_shape + (n, f), "feature"
     else:
         raise ValueError(f"{name} of shape {lg.shape} has {lg.ndim} dimensions; expected {forms}")
     if lg.shape != target:
@@ -306,11 +310,11 @@ def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool,
                 from None
     # Writeable arrays, never read-only broadcast views: Numba compiles a kernel once more for a
     # read-only array argument, so a view here would double the causal kernels' compilations.
-    if rule == "gate":
-        return rule, {"log_gate": np.require(lg.reshape(b, n, f), np.float64, ("C", "W"))}
+    rule = rule_for(factor=factor, beta=False)
     if len(target) == nb:  # per sequence: the same factor at every token
         lg = np.broadcast_to(lg.reshape(b, 1), (b, n))
-    return rule, {"log_decay": np.require(lg.reshape(b, n), np.float64, ("C", "W"))}
+    lg = np.require(lg.reshape((b, n, f) if factor == "feature" else (b, n)), np.float64, ("C", "W"))
+    return rule.name, rule.kernel_arguments(lg, None)
 
 
 def beta_inputs(beta, batch_shape, n: int):

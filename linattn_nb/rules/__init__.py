@@ -109,7 +109,7 @@ def rule_for(*, factor: Optional[str], beta: bool) -> UpdateRule:
         if rule.factor == factor and rule.beta == bool(beta):
             return rule
     form = {None: "no decay", "scalar": "a decay per sequence or per token",
-            "feature": "a per-feature decay/log_decay (last axes (N, D_phi))"}[factor]
+            "feature": "a per-feature gate (decay/log_decay with last axes (N, D_phi))"}[factor]
     takes = "; ".join(f"{r.name!r}: {r.hint}" for r in RULES.values())
     raise ValueError(f"no update rule takes {form} {'with' if beta else 'without'} beta; the rules: {takes}")
 

@@ -29,7 +29,7 @@ def test_unknown_rule_and_bad_combinations_raise_naming_them():
         rules.get_rule("nope")
     with pytest.raises(TypeError, match="rule must be a string"):
         rules.get_rule(3)
-    with pytest.raises(ValueError, match="per-feature.*with beta"):
+    with pytest.raises(ValueError, match="per-feature gate.*with beta"):
         rules.rule_for(factor="feature", beta=True)
     with pytest.raises(ValueError, match="already registered"):
         rules.register(rules.get_rule("delta"))
