@@ -16,10 +16,11 @@ def _step(H, k, v1, log_factor, beta):
 
 
 def _sample(rng, b, n, f):
+    beta = rng.uniform(0.0, 2.0, size=(b, n))  # beta first: the order the correctness study has always drawn
     a = rng.uniform(0.5, 1.0, size=(b, n))
     if n >= 2:
         a[:, n // 2] = 0.0
-    return {"beta": rng.uniform(0.0, 2.0, size=(b, n)), "decay": a}
+    return {"beta": beta, "decay": a}
 
 
 RULE = UpdateRule(
