@@ -11,15 +11,15 @@ when).  ``zero`` and ``one`` carry the working type, so :func:`phi` does no
 float64 arithmetic in a float32 kernel (an integer literal would promote it);
 only the row norm is taken in float64, once per row.  It is the only definition
 of the maps on the CUDA target: the sequence kernels
-(:mod:`linattn_nb.ops._cuda_kernels`) and the decode-step kernels
+(:mod:`linattn_nb.ops.cuda`) and the decode-step kernels
 (:mod:`linattn_nb.ops.step.cuda`) both call it.
 
 How the update rules enter the CUDA kernels.  The token loop of the sequence
-kernel (:func:`linattn_nb.ops._cuda_kernels.seq_kernel`, specialised on the
+kernel (:func:`linattn_nb.ops.cuda.seq.seq_kernel`, specialised on the
 rule, so every rule test is a compile-time constant there) is the additive
 rule's for every rule but the delta rules: the decay and gate rules run it on
 rescaled tiles, their per-token factors folded into the staged features
-(:mod:`linattn_nb.ops._cuda_kernels`, "Rescaled tiles").  The delta rules
+(``docs/cuda_kernels.md``, "Rescaled tiles").  The delta rules
 (``RULE_DELTA``, ``RULE_GATED_DELTA``) write a rank-1 correction, ``H <- f H
 + beta k (w - f k^T H)^T`` (``f = 1`` for the delta rule), which needs the
 column's ``k^T H[:, m]``, a reduction over all feature rows, before any
@@ -27,7 +27,7 @@ element of the column changes: the kernel sums it across the threads that
 hold the column and applies ``beta (w - u)``; the gated rule runs that step
 on rescaled tiles too.  Across chunks, the per-rule hook is :func:`carry`
 -- the element after a chunk from the element before it and the chunk's own
-contribution (:func:`linattn_nb.ops._cuda_kernels.chunk_scan_states_kernel`),
+contribution (:func:`linattn_nb.ops.cuda.helpers.chunk_scan_states_kernel`),
 with the product of the chunk's factors (``exp`` of the sum of their logs, 0
 across a reset).  The delta rules' chunk transition is an (F, F) matrix, not
 a factor per row: :func:`carry` has no form for them (:func:`is_delta_rule`).
