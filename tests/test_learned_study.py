@@ -119,7 +119,7 @@ def test_tiny_profile_runs_and_writes_its_tables(tiny):
     for needle in ("Regime: 3 input regimes", "**benign**: q, k ~ 0.5·N(0, I), softmax temperature 1/√d",
                    "**gaussian**: q, k ~ 1·N(0, I), softmax temperature 1/√d",
                    "**low-entropy**: q, k ~ 1·N(0, I), softmax temperature 2/√d",
-                   "d = 8, N = 64", "2 seeds", "standard error of the mean", "float32 copies of the training draw",
+                   "d = 8, N = 64", "2 seeds", "95% Student-t interval", "float32 copies of the training draw",
                    "in float64"):
         assert needle in section, needle
     # one table per regime with every map and its D_φ; the fit table; the findings; the plot

@@ -15,7 +15,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 #: The studies whose figures the README quotes from benchmarks/results/.
-QUOTED = ["rules"]
+QUOTED = ["horizon", "rules"]
 
 
 @pytest.mark.parametrize("study", QUOTED)
@@ -36,7 +36,7 @@ def test_horizon_figures_on_synthetic_records():
                              result=dict(distance_edges=[0, 1, 2, 4, 64], d_phi=16,
                                          error_by_distance=[[base + 0.01 * seed, 0.5, 0.6, 1.0 + 0.07 * (g < 1)]])))
     text = readme_figures.horizon_figures(recs)
-    assert text.startswith("at DPFP (nu = 2), D_φ = 16, n = 64, γ = 0.9: error 0.21 ± 0.025 at distance 0 against "
+    assert text.startswith("at DPFP (ν = 2), D_φ = 16, n = 64, γ = 0.9: error 0.21 ± 0.025 at distance 0 against "
                            "0.98 ± 0.025 for the additive rule, 1.07 at distances 4–63 against 1")
     assert text.endswith("3 seeds, mean ± 95% Student-t half-width")
 

@@ -45,7 +45,7 @@ def horizon_figures(records, *, feature_map: str = "dpfp", gamma: float = 0.9) -
     m_g, h_g = mean_ci(err[gamma])
     m_a, h_a = mean_ci(err[1.0])
     last = len(edges) - 2
-    params = ", ".join(f"{k} = {v}" for k, v in p0["map_params"].items())
+    params = ", ".join(f"{ {'nu': 'ν'}.get(k, k)} = {v}" for k, v in p0["map_params"].items())
     name = {"dpfp": "DPFP"}.get(feature_map, feature_map)
     return (f"at {name}{f' ({params})' if params else ''}, D_φ = {res0['d_phi']}, n = {p0['n']}, γ = {fmt(gamma)}: "
             f"error {pm(m_g[0], h_g[0])} at {_span(edges, 0)} against {pm(m_a[0], h_a[0])} for the additive rule, "
