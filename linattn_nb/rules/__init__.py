@@ -1,14 +1,14 @@
 """The update rules: one module per rule, and the registry that every other part asks.
 
-=================  ====================================================  ===========================
-rule               recurrence                                            selected by
-=================  ====================================================  ===========================
-``additive``       ``S_t = S_{t-1} + phi(k_t) v_t^T``                    no decay, no beta
-``decay``          ``S_t = a_t S_{t-1} + phi(k_t) v_t^T``                a decay per sequence/token
-``gate``           ``S_t = diag(alpha_t) S_{t-1} + phi(k_t) v_t^T``      a decay per token and feature
-``delta``          ``S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T``  beta
-``gated_delta``    the delta rule after a scalar decay ``a_t``           beta and a decay
-=================  ====================================================  ===========================
+===============  ======================================================  =============================
+rule             recurrence                                              selected by
+===============  ======================================================  =============================
+``additive``     ``S_t = S_{t-1} + phi(k_t) v_t^T``                      no decay, no beta
+``decay``        ``S_t = a_t S_{t-1} + phi(k_t) v_t^T``                  a decay per sequence or token
+``gate``         ``S_t = diag(alpha_t) S_{t-1} + phi(k_t) v_t^T``        a decay per token and feature
+``delta``        ``S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T``  beta
+``gated_delta``  the delta rule after a scalar decay ``a_t``             beta and a decay
+===============  ======================================================  =============================
 
 (``k_t`` stands for ``phi(k_t)``.)  A call's ``decay``/``log_decay`` and
 ``beta`` select the rule (:func:`rule_for`); each rule is an
