@@ -70,7 +70,8 @@ def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps
     feature_map : str or FeatureMap, optional
         Required for a ``LinearState``; not allowed for a ``LinearAttentionState``.
     normalize : bool, optional
-        For a ``LinearState``: divide by ``max(phi(k) . z, eps)`` (default
+        For a ``LinearState``: divide by ``max(phi(k) . z, eps)`` (default:
+        the convention of the state's rule, ``linattn_nb.rules.get_rule(rule).normalize``:
         True for the additive rule, False for the delta rules, as
         :func:`linattn_nb.linear_attention`).  Not allowed for a
         ``LinearAttentionState`` (it reads as it was built).
@@ -132,8 +133,10 @@ def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps
         if phi.shape[1] != S.shape[0]:
             raise ValueError(f"the feature map gives {phi.shape[1]} features for keys of shape {k.shape}, the "
                              f"state has D_phi = {S.shape[0]}")
-        if normalize is None:
-            normalize = state.rule not in ("delta", "gated_delta")
+        if normalize is None:  # the rule's own convention (the registry's default)
+            from ..rules import get_rule
+
+            normalize = get_rule(state.rule).normalize
         out = phi @ S
         if normalize:
             out = out / np.maximum(phi @ z, eps)[:, None]
