@@ -252,8 +252,8 @@ def test_batch_shapes_and_both_step_kernels(batch_shape, parallel, monkeypatch):
     rng = np.random.default_rng(5)
     q, k, v = qkv(rng, batch_shape, 9, 4, 6)
     st_ = LinearAttentionState(4, 6, batch_shape=batch_shape)
-    assert st_._kern1 is (step_cpu.state_step_parallel if parallel and int(np.prod(batch_shape)) > 1
-                          else step_cpu.state_step_serial)
+    assert st_._kern1 is (step_cpu.additive_step_parallel if parallel and int(np.prod(batch_shape)) > 1
+                          else step_cpu.additive_step_serial)
     o1 = st_.step(q[..., :1, :], k[..., :1, :], v[..., :1, :])
     o2 = st_.step(q[..., 1:, :], k[..., 1:, :], v[..., 1:, :])
     out = np.concatenate([o1, o2], axis=-2)
@@ -334,7 +334,7 @@ def test_step_kernel_against_naive_recurrence(rng):
         St = np.ascontiguousarray(S0.transpose(0, 2, 1))
         z = z0.copy()
         out = np.full((B, T, M), np.nan)
-        rc = step_cpu.state_step(qf, kf, v, St, z, out, np.empty((2, B, F)), code=0, eps=eps, check=True)
+        rc = step_cpu.step(qf, kf, v, St, z, out, np.empty((2, B, F)), code=0, eps=eps, check=True)
         ref, S_ref, z_ref = step_naive.state_step_reference(qf, kf, v, S0, z0, eps=eps)
         assert rc == 0
         np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-13)

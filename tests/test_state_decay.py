@@ -13,7 +13,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in lo
 
 import linattn_nb as la
 from linattn_nb import config
-from linattn_nb.ops.registry import get_method
+from linattn_nb.ops.registry import get_method, get_rule
 from linattn_nb.ops.step import cpu as step_cpu
 from linattn_nb.ops.step import naive as step_naive
 from linattn_nb.state import LinearAttentionState, StateFileError
@@ -82,6 +82,7 @@ def test_naive_step_reference_equals_quadratic(form, normalize):
 @pytest.mark.parametrize("parallel", [False, True])
 def test_cpu_rule_kernels_against_naive(rule, state_dtype, parallel, monkeypatch):
     monkeypatch.setattr(config, "STEP_PARALLEL_MIN_WORK", 0 if parallel else 1 << 62)
+    code = get_rule(rule).code
     rng = np.random.default_rng(1)
     B, T, F, M = 5, 9, 6, 3
     q, k = rng.standard_normal((2, B, T, F)).astype(state_dtype)
@@ -105,8 +106,8 @@ def test_cpu_rule_kernels_against_naive(rule, state_dtype, parallel, monkeypatch
         z = z0.astype(state_dtype)
         out = np.empty((B, T, M), dtype=state_dtype)
         feat = np.zeros((3, B, F), dtype=state_dtype)
-        assert step_cpu.rule_step(q, k, v, St, z, out, feat, code=1, eps=1e-8, check=True, inputs=inputs,
-                                  normalize=normalize) == 0
+        assert step_cpu.step(q, k, v, St, z, out, feat, code=1, eps=1e-8, check=True, rule=code, inputs=inputs,
+                             normalize=normalize) == 0
         o_ref, S_ref, z_ref = step_naive.state_step_reference(qf, kf, v, S0, z0, eps=1e-8, rule=rule,
                                                               inputs=inputs, normalize=normalize)
         assert_close(out, o_ref, state_dtype)
@@ -116,7 +117,7 @@ def test_cpu_rule_kernels_against_naive(rule, state_dtype, parallel, monkeypatch
     for block in (1, 4, 64):
         St = np.ascontiguousarray(S0.transpose(0, 2, 1), dtype=state_dtype)
         z = z0.astype(state_dtype)
-        step_cpu.rule_prefill(k, v, St, z, code=1, inputs=inputs, block=block)
+        step_cpu.prefill(k, v, St, z, feat, code=1, rule=code, inputs=inputs, block=block)
         S_ref, z_ref = step_naive.state_prefill_reference(kf, v, S0, z0, rule=rule, inputs=inputs)
         assert_close(St.transpose(0, 2, 1), S_ref, state_dtype)
         assert_close(z, z_ref, state_dtype)
@@ -125,7 +126,7 @@ def test_cpu_rule_kernels_against_naive(rule, state_dtype, parallel, monkeypatch
     before = St.copy()
     bad = v.copy()
     bad[1, 2, 0] = np.nan
-    assert step_cpu.rule_step(q, k, bad, St, z, out, feat, code=1, eps=1e-8, check=True, inputs=inputs) == 3
+    assert step_cpu.step(q, k, bad, St, z, out, feat, code=1, eps=1e-8, check=True, rule=code, inputs=inputs) == 3
     assert np.array_equal(St, before)
 
 
@@ -282,7 +283,7 @@ def test_the_first_tokens_fix_the_rule_and_other_rules_raise():
     assert st.rule is None
     st.step(q[:, :1], k[:, :1], v[:, :1], decay=0.5)
     assert st.rule == "decay" and not st._fast
-    assert st._launch is launchers.CPU_RULE_STEP
+    assert st._launch is launchers.cpu_launcher(get_rule("decay").code)
     S = st.S.copy()
     with pytest.raises(ValueError, match="decay") as err:
         st.step(q[:, 1:2], k[:, 1:2], v[:, 1:2])
@@ -471,13 +472,14 @@ def test_version_1_files_load_as_additive(tmp_path):
 # ---------------------------------------------------------------------------
 def test_rule_step_launchers_are_registered():
     for rule in ("decay", "gate"):
-        for dev, launcher in (("cpu", launchers.CPU_RULE_STEP), ("cuda", launchers.CUDA_RULE_STEP)):
+        code = get_rule(rule).code
+        for dev, launcher in (("cpu", launchers.cpu_launcher(code)), ("cuda", launchers.cuda_launcher(code))):
             m = get_method("step", causal=True, device=dev, rule=rule)
             assert m.kind == "step" and m.forward is launcher and m.rule == rule
     st = LinearAttentionState(3, 2, rule="gate", device="cpu")
-    assert st._launch is launchers.CPU_RULE_STEP and st._launch.kernel is None
+    assert st._launch is launchers.cpu_launcher(get_rule("gate").code) and st._launch.kernel is None
     with pytest.raises(ValueError, match="inputs"):
-        launchers.CPU_RULE_STEP.prefill(np.zeros((1, 1, 3)), np.zeros((1, 1, 2)), *st._launch.zeros(1, 3, 2,
+        st._launch.prefill(np.zeros((1, 1, 3)), np.zeros((1, 1, 2)), *st._launch.zeros(1, 3, 2,
                                         np.float64)[:2], code=1, check=False, inputs=None)
     with pytest.raises(ValueError, match="inputs"):
         S, z, scratch = launchers.CPU_STEP.zeros(1, 3, 2, np.float64)

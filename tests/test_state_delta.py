@@ -14,7 +14,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in lo
 
 import linattn_nb as la
 from linattn_nb import feature_maps as fm
-from linattn_nb.ops.registry import get_method
+from linattn_nb.ops.registry import get_method, get_rule
 from linattn_nb.ops.step import cpu as step_cpu
 from linattn_nb.ops.step import naive as step_naive
 from linattn_nb.state import LinearAttentionState, StateFileError
@@ -100,8 +100,8 @@ def test_cpu_delta_kernels_match_naive(dtype, code, name, twin, monkeypatch):
             z = z0.astype(dtype)
             out = np.empty((B, T, M), dtype)
             feat = np.zeros((3, B, F), dtype)
-            bad = step_cpu.delta_step(q, k, v, St, z, out, feat, code=code, eps=eps, check=True, inputs=inputs,
-                                      normalize=normalize)
+            bad = step_cpu.step(q, k, v, St, z, out, feat, code=code, eps=eps, check=True, rule=get_rule(rule).code,
+                                inputs=inputs, normalize=normalize)
             assert bad == 0
             o, S, zz = step_naive.state_step_reference(qf, kf, v, S0, z0, eps=eps, rule=rule, inputs=inputs,
                                                        normalize=normalize)
@@ -110,7 +110,8 @@ def test_cpu_delta_kernels_match_naive(dtype, code, name, twin, monkeypatch):
             assert_close(z, zz, dtype)
         St = np.ascontiguousarray(S0.transpose(0, 2, 1)).astype(dtype)
         z = z0.astype(dtype)
-        step_cpu.delta_prefill(k, v, St, z, np.zeros((3, B, F), dtype), code=code, inputs=inputs)
+        step_cpu.prefill(k, v, St, z, np.zeros((3, B, F), dtype), code=code, rule=get_rule(rule).code,
+                         inputs=inputs)
         S, zz = step_naive.state_prefill_reference(kf, v, S0, z0, rule=rule, inputs=inputs)
         assert_close(St.transpose(0, 2, 1), S, dtype)
         assert_close(z, zz, dtype)
@@ -123,21 +124,24 @@ def test_cpu_delta_kernel_nonfinite_modifies_nothing():
     z = np.ones((2, 4))
     out = np.zeros((2, 3, 2))
     v[1, 2, 0] = np.nan
-    bad = step_cpu.delta_step(q, k, v, St, z, out, np.zeros((3, 2, 4)), code=4, eps=None, check=True,
-                              inputs={"beta": np.ones((2, 3))})
+    bad = step_cpu.step(q, k, v, St, z, out, np.zeros((3, 2, 4)), code=4, eps=None, check=True,
+                        rule=get_rule("delta").code, inputs={"beta": np.ones((2, 3))})
     assert bad == 3 and (St == 1).all() and (z == 1).all()
 
 
 def test_step_launchers_are_registered():
     for rule in ("delta", "gated_delta"):
-        assert get_method("step", causal=True, device="cpu", rule=rule).forward is launchers.CPU_DELTA_STEP
-        assert get_method("step", causal=True, device="cuda", rule=rule).forward is launchers.CUDA_DELTA_STEP
+        code = get_rule(rule).code
+        assert get_method("step", causal=True, device="cpu", rule=rule).forward is launchers.cpu_launcher(code)
+        assert get_method("step", causal=True, device="cuda", rule=rule).forward is launchers.cuda_launcher(code)
+    arrays = [np.zeros((1, 1, 1))] * 6 + [(np.zeros((3, 1, 1)),)]
     with pytest.raises(ValueError, match="beta"):
-        launchers.CPU_DELTA_STEP(*[np.zeros((1, 1, 1))] * 6, (np.zeros((3, 1, 1)),), code=0, eps=None,
-                                 check=False, inputs={"log_decay": np.zeros((1, 1))})
+        launchers.cpu_launcher(get_rule("delta").code)(*arrays, code=0, eps=None, check=False,
+                                                       inputs={"log_decay": np.zeros((1, 1))})
     with pytest.raises(ValueError, match="inputs"):
-        launchers.CPU_DELTA_STEP(*[np.zeros((1, 1, 1))] * 6, (np.zeros((3, 1, 1)),), code=0, eps=None,
-                                 check=False, inputs={"beta": np.zeros((1, 1)), "log_gate": np.zeros((1, 1, 1))})
+        launchers.cpu_launcher(get_rule("gated_delta").code)(*arrays, code=0, eps=None, check=False,
+                                                             inputs={"beta": np.zeros((1, 1)),
+                                                                     "log_gate": np.zeros((1, 1, 1))})
 
 
 # ---------------------------------------------------------------------------
@@ -239,7 +243,7 @@ def test_rule_is_fixed_and_mismatches_name_beta():
     st.step(q[:, :0], k[:, :0], v[:, :0], beta=0.5)  # no token: nothing fixed
     assert st.rule is None and st.normalize is True  # the additive convention while open
     st.step(q[:, :1], k[:, :1], v[:, :1], beta=0.5)
-    assert st.rule == "delta" and st.normalize is False and st._launch is launchers.CPU_DELTA_STEP
+    assert st.rule == "delta" and st.normalize is False and st._launch is launchers.cpu_launcher(get_rule("delta").code)
     S = st.S.copy()
     for call, name in ((lambda: st.step(q[:, 1:2], k[:, 1:2], v[:, 1:2]), "beta"),
                        (lambda: st.step(q[:, 1:2], k[:, 1:2], v[:, 1:2], decay=0.5), "beta"),

@@ -32,7 +32,10 @@ with the product of the chunk's factors (``exp`` of the sum of their logs, 0
 across a reset).  The delta rules' chunk transition is an (F, F) matrix, not
 a factor per row: :func:`carry` has no form for them (:func:`is_delta_rule`).
 The kernels stage the factors (:func:`rule_factor_rows` says how many per
-token).
+token).  The decode-step kernels (:mod:`linattn_nb.ops.step.cuda`, one for
+every rule) have per-rule hooks of their own: :func:`step_factor` and
+:func:`step_scalars` (a token's factors, write strength), :func:`step_z` and
+:func:`step_element` (an element of the state after the token).
 
 All are compiled with ``inline=True``: numba-cuda inlines such a function at
 the Numba IR level, so kernels that call it still compile to PTX without a GPU
@@ -268,3 +271,48 @@ def carry(rule, before, inc, f):
     if rule == RULE_DECAY or rule == RULE_GATE:
         return f * before + inc
     return math.nan
+
+
+# Decode-step hooks (:mod:`linattn_nb.ops.step.cuda`): one thread per value
+# column m walks the features, so a token's update of the state is one
+# element at a time; the delta rules first sum their column's ``k^T S[:, m]``
+# (the kernel does, the hooks take its correction ``r``).
+@cuda.jit(device=True, inline=True)
+def step_factor(rule, lg, b, t, i):
+    """Token t's factor of feature row i, float64: ``exp(lg[b, t, 0])`` (decay), ``exp(lg[b, t, i])``
+    (gate), 1 for the other rules (the delta rules' factor is a scalar: :func:`step_scalars`)."""
+    if rule == RULE_DECAY:
+        return math.exp(lg[b, t, 0])
+    if rule == RULE_GATE:
+        return math.exp(lg[b, t, i])
+    return 1.0
+
+
+@cuda.jit(device=True, inline=True)
+def step_scalars(rule, lg, b, t):
+    """The delta rules' scalar factor ``exp(lg[b, t, 0])`` (1 for the delta rule, whose column 0 is 0)
+    and write strength ``lg[b, t, 1]``; (1, 0) for the other rules."""
+    if rule == RULE_DELTA or rule == RULE_GATED_DELTA:
+        return math.exp(lg[b, t, 0]), lg[b, t, 1]
+    return 1.0, 0.0
+
+
+@cuda.jit(device=True, inline=True)
+def step_element(rule, s, fk, g, w, a, r):
+    """State element ``s`` after the token: additive ``s + fk w``, decay and gate ``g s + fk w`` (``g``
+    the row's factor), the delta rules ``a s + r fk`` (``r = beta (w - a k^T S[:, m])``).  ``w``: the
+    element's value (1 for the normaliser's column)."""
+    if rule == RULE_DECAY or rule == RULE_GATE:
+        return g * s + fk * w
+    if rule == RULE_DELTA or rule == RULE_GATED_DELTA:
+        return a * s + r * fk
+    return s + fk * w
+
+
+@cuda.jit(device=True, inline=True)
+def step_z(rule, zi, fk, g):
+    """Normaliser element ``zi`` after the token, for the rules without a correction: additive ``zi +
+    fk``, decay and gate ``g zi + fk`` (the delta rules': :func:`step_element` with ``w = 1``)."""
+    if rule == RULE_DECAY or rule == RULE_GATE:
+        return g * zi + fk
+    return zi + fk

@@ -24,6 +24,11 @@ first argument:
 * :func:`carry` -- the state across a span whose own contribution is known
   (additive: ``H += part``), used by the prefix over segments and the
   combine of pieces (:mod:`linattn_nb.ops._chunks`).
+* :func:`step_inputs`, :func:`step_normaliser`, :func:`step_row` -- the
+  decode step (:mod:`linattn_nb.ops.step.cpu`),
+  whose state is stored transposed (a row ``S^T[m]`` per value column): a
+  token's factors, its update of ``z``, and its update of one row read by
+  its query, every rule's (the delta rules' included).
 
 The delta rules (``delta``, ``gated_delta``) read the state before they
 write it, so their token update is not a row-by-row one: the scan calls
@@ -63,6 +68,8 @@ disk.  As for the other helper modules, kernels cached on disk do not see
 edits made here: clear the ``__pycache__`` folders after changing this file.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from numba import njit
@@ -209,6 +216,98 @@ def delta_token(S, z, fk, fq, v, a, beta, num, u):
         z[i] = zi
         den += c * zi
     return den
+
+
+# ---------------------------------------------------------------------------
+# Decode-step hooks (:mod:`linattn_nb.ops.step.cpu`).  The step kernel keeps the
+# state transposed, one contiguous row ``S^T[m]`` of F values per value column
+# m, so that a token's update and its query's read fuse into one pass over each
+# row; these hooks are the per-rule parts of that pass.
+# ---------------------------------------------------------------------------
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, inline="always")
+def step_inputs(rule, lg, b, t, g):
+    """Token t of sequence b for the other step hooks: ``g`` (F,) <- its factor per feature (decay,
+    gate); returns ``(a, beta)``, its scalar factor and write strength (the delta rules; else (1, 0)).
+
+    ``lg`` (B, T, G) float64 as :func:`log_factors` (decay G = 1, gate G = F,
+    the delta rules G = 2); ``exp(-inf) = 0`` is a reset.  ``g`` is in the
+    state dtype (each factor rounded once).
+    """
+    if rule == RULE_DECAY or rule == RULE_GATE:
+        if lg.shape[2] == 1:
+            a = math.exp(lg[b, t, 0])
+            for i in range(g.shape[0]):
+                g[i] = a
+        else:
+            for i in range(g.shape[0]):
+                g[i] = math.exp(lg[b, t, i])
+    elif rule == RULE_DELTA or rule == RULE_GATED_DELTA:
+        return math.exp(lg[b, t, 0]), lg[b, t, 1]  # exp(0) = 1 exactly for the delta rule
+    return 1.0, 0.0
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, inline="always")
+def step_normaliser(rule, z, fa, fc, g, a, beta):
+    """z (F,) <- the normaliser after the token; returns ``phi(q)^T z`` (float64, not floored).
+
+    ``fa = phi(k)``, ``fc = phi(q)``, ``g``, ``a``, ``beta``: :func:`step_inputs`.
+    Additive: ``z + fa``; decay and gate: ``g z + fa``; the delta rules:
+    ``a z + beta (1 - a fa^T z) fa`` (in float64, rounded once to the state dtype).
+    """
+    den = 0.0
+    if rule == RULE_DELTA or rule == RULE_GATED_DELTA:
+        kz = 0.0
+        for i in range(z.shape[0]):
+            kz += fa[i] * z[i]
+        rz = beta * (1.0 - a * kz)
+        for i in range(z.shape[0]):
+            zi = a * z[i] + rz * fa[i]
+            z[i] = zi
+            den += fc[i] * zi
+    elif rule == RULE_DECAY or rule == RULE_GATE:
+        for i in range(z.shape[0]):
+            zi = g[i] * z[i] + fa[i]
+            z[i] = zi
+            den += fc[i] * zi
+    else:
+        for i in range(z.shape[0]):
+            zi = z[i] + fa[i]
+            z[i] = zi
+            den += fc[i] * zi
+    return den
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, inline="always")
+def step_row(rule, row, fa, fc, g, w, a, beta):
+    """One row ``S^T[m]`` (F,) of the state after the token, whose value is ``w = v_t[m]``; returns its
+    read ``fc^T row`` (the state dtype).
+
+    Additive: ``row + w fa``; decay and gate: ``g row + w fa``; the delta
+    rules: ``a row + r fa`` with ``r = beta (w - a fa^T row)`` (a first pass
+    for ``fa^T row``).  ``g = 0`` or ``a = 0`` (a reset) wipes the row exactly.
+    """
+    acc = row.dtype.type(0)
+    if rule == RULE_DELTA or rule == RULE_GATED_DELTA:
+        d = row.dtype.type(0)
+        for i in range(row.shape[0]):
+            d += fa[i] * row[i]
+        r = row.dtype.type(beta * (w - a * d))
+        af = row.dtype.type(a)
+        for i in range(row.shape[0]):
+            s = af * row[i] + r * fa[i]
+            row[i] = s
+            acc += fc[i] * s
+    elif rule == RULE_DECAY or rule == RULE_GATE:
+        for i in range(row.shape[0]):
+            s = g[i] * row[i] + fa[i] * w
+            row[i] = s
+            acc += fc[i] * s
+    else:
+        for i in range(row.shape[0]):
+            s = row[i] + fa[i] * w
+            row[i] = s
+            acc += fc[i] * s
+    return acc
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)

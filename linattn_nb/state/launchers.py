@@ -15,13 +15,12 @@ decode kernels in the same way: register a :class:`StepLauncher` for its rule
 and devices.  The launchers of one device share the state layout, so a state
 moves between them with ``view`` and ``put``.
 
-Registered here: the additive rule (:data:`CPU_STEP`, :data:`CUDA_STEP`: the
-decode kernels of :mod:`linattn_nb.ops.step`, and their rule kernels for
-``normalize=False``), the decay and gate rules (:data:`CPU_RULE_STEP`,
-:data:`CUDA_RULE_STEP`: the rule kernels, which take the log-factors of
-each token) and the delta rules (:data:`CPU_DELTA_STEP`,
-:data:`CUDA_DELTA_STEP`: the delta kernels, which take each token's write
-strength ``beta`` and, for the gated delta rule, its log-factor).
+Registered here: one CPU and one CUDA launcher per rule of the rule table
+(:func:`cpu_launcher`, :func:`cuda_launcher`), each a thin binding of the
+rule's code to the one step kernel and the one prefill of its device
+(:mod:`linattn_nb.ops.step.cpu`, :mod:`linattn_nb.ops.step.cuda`), whose
+per-rule parts are the step hooks of :mod:`linattn_nb.ops._rules` and
+:mod:`linattn_nb.ops._cuda_common`.
 
 The step launcher contract
 --------------------------
@@ -74,7 +73,7 @@ arrays are host NumPy arrays for ``device="cpu"`` and device arrays for
 ``view(S, z) -> (S, z)``
     The state in the canonical layout (B, F, M) and (B, F), without a copy.
 ``kernel(B, T, M, F) -> dispatcher or None``
-    Optional (CPU; the additive rule with ``normalize=True`` only).  The Numba dispatcher the launcher runs for this size,
+    Optional (CPU; the rule without per-token inputs, the additive rule, with ``normalize=True`` only).  The Numba dispatcher the launcher runs for this size,
     with the signature ``(q, k, v, S, z, out, *scratch, code, eps, check) ->
     int`` (``code`` an int64, ``eps`` a float64, -inf for no floor, ``check``
     a bool).  When given, :class:`~linattn_nb.LinearAttentionState` calls the
@@ -84,19 +83,19 @@ arrays are host NumPy arrays for ``device="cpu"`` and device arrays for
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Optional
 
 import numpy as np
 
 from .. import _cuda_dispatch as CD
 from ..ops import methods  # noqa: F401  (registers the rules before their step methods)
-from ..ops._codes import RULES, check_rule_inputs
-from ..ops.registry import Method, register_method
+from ..ops._codes import check_rule_inputs, rule_name
+from ..ops.registry import Method, available_rules, get_rule, register_method
 from ..ops.step import cpu as _cpu
 from ._checks import aligned_zeros
 
-__all__ = ["StepLauncher", "CPU_STEP", "CUDA_STEP", "CPU_RULE_STEP", "CUDA_RULE_STEP", "CPU_DELTA_STEP",
-           "CUDA_DELTA_STEP", "register_step_methods"]
+__all__ = ["StepLauncher", "CPU_STEP", "CUDA_STEP", "cpu_launcher", "cuda_launcher", "register_step_methods"]
 
 _NATIVE = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
 
@@ -115,32 +114,16 @@ class StepLauncher:
     kernel: Optional[Callable] = None
 
     def __call__(self, q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True) -> int:
-        if inputs is None and normalize:  # the additive decode step: its signature as ever
-            return self.step(q, k, v, S, z, out, scratch, code=code, eps=eps, check=check)
         return self.step(q, k, v, S, z, out, scratch, code=code, eps=eps, check=check, inputs=inputs,
                          normalize=normalize)
-
-
-def _additive_inputs(inputs):
-    if inputs:
-        check_rule_inputs(RULES["additive"][0], inputs)  # raises, naming the inputs
 
 
 # ---------------------------------------------------------------------------
 # CPU: S stored transposed, one (M, F) block per batch entry (ops/step/cpu.py)
 # ---------------------------------------------------------------------------
 def _cpu_zeros(B, F, M, dtype):
-    scratch = (aligned_zeros((2, B, F), dtype),)
+    scratch = (aligned_zeros((3, B, F), dtype),)  # phi(k), phi(q), the factors of a token
     return aligned_zeros((B, M, F), dtype), aligned_zeros((B, F), dtype), scratch
-
-
-def _cpu_step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True):
-    _additive_inputs(inputs)
-    if normalize:
-        return _cpu.state_step(q, k, v, S, z, out, scratch[0], code=code, eps=eps, check=check)
-    # normalize=False: the rule kernel with factor 1 (its own scratch row of factors).
-    feat = np.empty((3,) + z.shape, dtype=S.dtype)
-    return _cpu.rule_step(q, k, v, S, z, out, feat, code=code, eps=eps, check=check, normalize=False)
 
 
 def _cpu_query(q, S, z, out, scratch, *, code, eps, check, normalize=True):
@@ -148,20 +131,6 @@ def _cpu_query(q, S, z, out, scratch, *, code, eps, check, normalize=True):
         return 1
     _cpu.state_query(q, S, z, out, scratch[0], code=code, eps=eps, normalize=normalize)
     return 0
-
-
-def _cpu_bad_kv(check, k, v):
-    """0, or 1/2 when ``check`` finds k/v non-finite."""
-    bad = _cpu.first_nonfinite(k, k, v) if check else 0
-    return 0 if not bad else (1 if bad < 3 else 2)
-
-
-def _cpu_prefill(k, v, S, z, scratch=None, *, code, check, inputs=None):
-    _additive_inputs(inputs)
-    bad = _cpu_bad_kv(check, k, v)
-    if not bad:
-        _cpu.state_prefill(k, v, S, z, code=code)
-    return bad
 
 
 def _cpu_put(S, z, S_src, z_src):
@@ -178,72 +147,27 @@ def _cpu_view(S, z):
     return S.transpose(0, 2, 1), z
 
 
-CPU_STEP = StepLauncher("cpu", _cpu_step, _cpu_query, _cpu_prefill, _cpu_zeros, _cpu_put, _cpu_view,
-                        kernel=_cpu.pick_step_kernel)
+@lru_cache(maxsize=None)
+def cpu_launcher(rule: int) -> StepLauncher:
+    """The CPU step launcher of rule code ``rule`` (one object per rule): the step kernel and the prefill
+    of :mod:`linattn_nb.ops.step.cpu`, the rule's ``inputs=`` checked first (ValueError naming them)."""
 
+    def step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True):
+        check_rule_inputs(rule, inputs)
+        return _cpu.step(q, k, v, S, z, out, scratch[0], code=code, eps=eps, check=check, rule=rule, inputs=inputs,
+                         normalize=normalize)
 
-def _rule_inputs(inputs):
-    """The inputs of a decay or gate launcher, checked against the rule they name."""
-    if not inputs or len(inputs) != 1:
-        raise ValueError(f"inputs: a decay-rule step takes {{'log_decay': ...}} and a gate-rule step "
-                         f"{{'log_gate': ...}}, got {sorted(inputs) if inputs else None}")
-    name = "decay" if "log_decay" in inputs else "gate"
-    check_rule_inputs(RULES[name][0], inputs)
-    return inputs
+    def prefill(k, v, S, z, scratch=None, *, code, check, inputs=None):
+        check_rule_inputs(rule, inputs)
+        bad = _cpu.first_nonfinite(k, k, v) if check else 0
+        if bad:
+            return 1 if bad < 3 else 2
+        feat = scratch[0] if scratch else np.empty((2,) + z.shape, dtype=S.dtype)
+        _cpu.prefill(k, v, S, z, feat, code=code, rule=rule, inputs=inputs)
+        return 0
 
-
-def _cpu_rule_zeros(B, F, M, dtype):
-    scratch = (aligned_zeros((3, B, F), dtype),)
-    return aligned_zeros((B, M, F), dtype), aligned_zeros((B, F), dtype), scratch
-
-
-def _cpu_rule_step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True):
-    return _cpu.rule_step(q, k, v, S, z, out, scratch[0], code=code, eps=eps, check=check,
-                          inputs=_rule_inputs(inputs), normalize=normalize)
-
-
-def _cpu_rule_prefill(k, v, S, z, scratch=None, *, code, check, inputs=None):
-    inputs = _rule_inputs(inputs)
-    bad = _cpu_bad_kv(check, k, v)
-    if not bad:
-        _cpu.rule_prefill(k, v, S, z, code=code, inputs=inputs)
-    return bad
-
-
-#: The decay and gate rules on the CPU: the rule kernels of :mod:`linattn_nb.ops.step.cpu`
-#: (the state layout of :data:`CPU_STEP`, a third scratch row for each token's factors).
-CPU_RULE_STEP = StepLauncher("cpu", _cpu_rule_step, _cpu_query, _cpu_rule_prefill, _cpu_rule_zeros, _cpu_put,
-                             _cpu_view)
-
-
-def _delta_inputs(inputs):
-    """The inputs of a delta-rule launcher, checked against the rule they name."""
-    if not inputs or "beta" not in inputs:
-        raise ValueError(f"inputs: a delta-rule step takes {{'beta': ...}} and a gated-delta-rule step "
-                         f"{{'beta': ..., 'log_decay': ...}}, got {sorted(inputs) if inputs else None}")
-    name = "gated_delta" if "log_decay" in inputs else "delta"
-    check_rule_inputs(RULES[name][0], inputs)
-    return inputs
-
-
-def _cpu_delta_step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True):
-    return _cpu.delta_step(q, k, v, S, z, out, scratch[0], code=code, eps=eps, check=check,
-                           inputs=_delta_inputs(inputs), normalize=normalize)
-
-
-def _cpu_delta_prefill(k, v, S, z, scratch=None, *, code, check, inputs=None):
-    inputs = _delta_inputs(inputs)
-    bad = _cpu_bad_kv(check, k, v)
-    if not bad:
-        feat = np.empty((2,) + z.shape, dtype=S.dtype)
-        _cpu.delta_prefill(k, v, S, z, feat, code=code, inputs=inputs)
-    return bad
-
-
-#: The delta and gated delta rules on the CPU: the delta kernels of :mod:`linattn_nb.ops.step.cpu`
-#: (the state layout of :data:`CPU_STEP`; the prefill runs the recurrence token by token).
-CPU_DELTA_STEP = StepLauncher("cpu", _cpu_delta_step, _cpu_query, _cpu_delta_prefill, _cpu_rule_zeros, _cpu_put,
-                              _cpu_view)
+    kernel = None if get_rule(rule_name(rule)).inputs else _cpu.pick_step_kernel  # the additive decode step
+    return StepLauncher("cpu", step, _cpu_query, prefill, _cpu_zeros, _cpu_put, _cpu_view, kernel=kernel)
 
 
 # ---------------------------------------------------------------------------
@@ -264,21 +188,8 @@ def _cuda_zeros(B, F, M, dtype):
     return K.DoubleBuffer((B, F, M), dtype), K.DoubleBuffer((B, F), dtype), K.StepScratch(B, F, dtype)
 
 
-def _cuda_step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True):
-    _additive_inputs(inputs)
-    if normalize:
-        return _kernels().state_step(q, k, v, S, z, out, scratch, code=code, eps=eps, check=check)
-    # normalize=False: the rule kernel with factor 1
-    return _kernels().rule_step(q, k, v, S, z, out, scratch, code=code, eps=eps, normalize=False, check=check)
-
-
 def _cuda_query(q, S, z, out, scratch, *, code, eps, check, normalize=True):
     return _kernels().state_query(q, S, z, out, scratch, code=code, eps=eps, normalize=normalize, check=check)
-
-
-def _cuda_prefill(k, v, S, z, scratch, *, code, check, inputs=None):
-    _additive_inputs(inputs)
-    return _kernels().state_prefill(k, v, S, z, scratch, code=code, check=check)
 
 
 def _cuda_put(S, z, S_src, z_src):
@@ -295,46 +206,34 @@ def _cuda_view(S, z):
     return S.cur, z.cur
 
 
-CUDA_STEP = StepLauncher("cuda", _cuda_step, _cuda_query, _cuda_prefill, _cuda_zeros, _cuda_put, _cuda_view)
+@lru_cache(maxsize=None)
+def cuda_launcher(rule: int) -> StepLauncher:
+    """The CUDA step launcher of rule code ``rule`` (one object per rule): the step and prefill kernels
+    of :mod:`linattn_nb.ops.step.cuda`, the rule's ``inputs=`` checked first (ValueError naming them)."""
 
+    def step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True):
+        check_rule_inputs(rule, inputs)
+        return _kernels().step(q, k, v, S, z, out, scratch, code=code, eps=eps, rule=rule, inputs=inputs,
+                               normalize=normalize, check=check)
 
-def _cuda_rule_step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True):
-    return _kernels().rule_step(q, k, v, S, z, out, scratch, code=code, eps=eps, inputs=_rule_inputs(inputs),
-                                normalize=normalize, check=check)
+    def prefill(k, v, S, z, scratch, *, code, check, inputs=None):
+        check_rule_inputs(rule, inputs)
+        return _kernels().prefill(k, v, S, z, scratch, code=code, rule=rule, inputs=inputs, check=check)
 
-
-def _cuda_rule_prefill(k, v, S, z, scratch, *, code, check, inputs=None):
-    return _kernels().rule_prefill(k, v, S, z, scratch, code=code, inputs=_rule_inputs(inputs), check=check)
-
-
-#: The decay and gate rules with CUDA: the rule kernels of :mod:`linattn_nb.ops.step.cuda`.
-CUDA_RULE_STEP = StepLauncher("cuda", _cuda_rule_step, _cuda_query, _cuda_rule_prefill, _cuda_zeros,
-                              _cuda_put, _cuda_view)
-
-
-def _cuda_delta_step(q, k, v, S, z, out, scratch, *, code, eps, check, inputs=None, normalize=True):
-    return _kernels().delta_step(q, k, v, S, z, out, scratch, code=code, eps=eps, inputs=_delta_inputs(inputs),
-                                 normalize=normalize, check=check)
-
-
-def _cuda_delta_prefill(k, v, S, z, scratch, *, code, check, inputs=None):
-    return _kernels().delta_prefill(k, v, S, z, scratch, code=code, inputs=_delta_inputs(inputs), check=check)
-
-
-#: The delta and gated delta rules with CUDA: the delta kernel of :mod:`linattn_nb.ops.step.cuda`.
-CUDA_DELTA_STEP = StepLauncher("cuda", _cuda_delta_step, _cuda_query, _cuda_delta_prefill, _cuda_zeros,
-                               _cuda_put, _cuda_view)
+    return StepLauncher("cuda", step, _cuda_query, prefill, _cuda_zeros, _cuda_put, _cuda_view)
 
 
 def register_step_methods() -> None:
-    """Register the step launchers (CPU and CUDA) of every rule in the method table."""
-    table = {"additive": (CPU_STEP, CUDA_STEP), "decay": (CPU_RULE_STEP, CUDA_RULE_STEP),
-             "gate": (CPU_RULE_STEP, CUDA_RULE_STEP), "delta": (CPU_DELTA_STEP, CUDA_DELTA_STEP),
-             "gated_delta": (CPU_DELTA_STEP, CUDA_DELTA_STEP)}
-    for rule, (cpu, gpu) in table.items():
-        for dev, launcher in (("cpu", cpu), ("cuda", gpu)):
-            register_method(Method(rule, "step", True, dev, launcher, native_dtypes=_NATIVE, kind="step"),
-                            overwrite=True)
+    """Register the step launchers (CPU and CUDA) of every registered rule in the method table."""
+    for name in available_rules():
+        code = get_rule(name).code
+        for launcher in (cpu_launcher(code), cuda_launcher(code)):
+            register_method(Method(name, "step", True, launcher.device, launcher, native_dtypes=_NATIVE,
+                                   kind="step"), overwrite=True)
 
 
 register_step_methods()
+
+#: The additive rule's launchers (the decode step of plain linear attention).
+CPU_STEP = cpu_launcher(get_rule("additive").code)
+CUDA_STEP = cuda_launcher(get_rule("additive").code)

@@ -165,6 +165,7 @@ _PTX_SCRIPT = textwrap.dedent(
     from numba import cuda, types
     from linattn_nb.ops.step import cuda as C
     res = {}
+    lg = types.Array(types.float64, 3, "C")
     fl = types.Array(types.int32, 1, "C")
     bo, i8 = types.boolean, types.int64
     for sdt, idt in (("float32", "float16"), ("float32", "float32"), ("float64", "float32"), ("float64", "float64")):
@@ -173,14 +174,19 @@ _PTX_SCRIPT = textwrap.dedent(
         z2 = types.Array(st, 2, "C")
         a3 = types.Array(getattr(types, idt), 3, "C")
         sigs = {
-            "state_step": (a3, a3, a3, S3, z2, S3, z2, a3, S3, fl, bo, i8, st, st, st),
+            "step": (a3, a3, a3, S3, z2, S3, z2, a3, S3, lg, fl, bo, i8, st, i8, i8, bo, st, st),
             "state_query": (a3, S3, z2, a3, S3, fl, bo, i8, st, i8, st, st),
-            "state_prefill": (a3, a3, S3, z2, S3, z2, fl, bo, i8, st, st),
+            "prefill": (a3, a3, S3, z2, S3, z2, lg, fl, bo, i8, i8, st, st),
         }
         for name, sig in sigs.items():
             ptx, _ = cuda.compile_ptx(C.PYTHON_KERNELS[name], sig, cc=(9, 0))
             res[f"{name}/{sdt}/{idt}"] = {"entry": ".entry" in ptx, "target": ".target sm_90" in ptx,
                                           "local": ("ld.local" in ptx) or ("st.local" in ptx)}
+        # the delta rules' prefill: the step kernel without outputs (``out`` the float64 placeholder)
+        sig = (a3, a3, a3, S3, z2, S3, z2, lg, S3, lg, fl, bo, i8, st, i8, i8, bo, st, st)
+        ptx, _ = cuda.compile_ptx(C.PYTHON_KERNELS["step"], sig, cc=(9, 0))
+        res[f"step-noread/{sdt}/{idt}"] = {"entry": ".entry" in ptx, "target": ".target sm_90" in ptx,
+                                           "local": ("ld.local" in ptx) or ("st.local" in ptx)}
     print(json.dumps(res))
     """
 )
@@ -188,9 +194,11 @@ _PTX_SCRIPT = textwrap.dedent(
 
 def test_step_kernels_compile_to_ptx():
     """Every step kernel compiles for sm_90 (float32 and float64 states, float16 (float32 states),
-    float32 and float64 inputs) without spilling to local memory."""
+    float32 and float64 inputs) without spilling to local memory: the step kernel (every rule's
+    branches: the rule is a launch argument), the query, the prefill, and the step kernel as the
+    delta rules' prefill runs it."""
     res = run_ptx_script(_PTX_SCRIPT)
-    assert len(res) == 12
+    assert len(res) == 16
     for key, val in res.items():
         assert val == {"entry": True, "target": True, "local": False}, (key, val)
 
@@ -247,43 +255,6 @@ def test_cuda_normalize_false_and_float32_gate(threads):
                                                                      method="quadratic"), np.float32)
 
 
-_RULE_PTX_SCRIPT = textwrap.dedent(
-    """
-    import json
-    from numba import cuda, types
-    from linattn_nb.ops.step import cuda as C
-    res = {}
-    lg = types.Array(types.float64, 3, "C")
-    fl = types.Array(types.int32, 1, "C")
-    bo = types.boolean
-    for sdt, idt in (("float32", "float16"), ("float32", "float32"), ("float64", "float32"), ("float64", "float64")):
-        st = getattr(types, sdt)
-        S3 = types.Array(st, 3, "C")
-        z2 = types.Array(st, 2, "C")
-        a3 = types.Array(getattr(types, idt), 3, "C")
-        i8 = types.int64
-        sigs = {
-            "rule_step": (a3, a3, a3, S3, z2, S3, z2, a3, S3, lg, fl, bo, i8, st, i8, st, st),
-            "rule_prefill": (a3, a3, S3, z2, S3, z2, lg, fl, bo, i8, st, st),
-        }
-        for name, sig in sigs.items():
-            ptx, _ = cuda.compile_ptx(C.PYTHON_KERNELS[name], sig, cc=(9, 0))
-            res[f"{name}/{sdt}/{idt}"] = {"entry": ".entry" in ptx, "target": ".target sm_90" in ptx,
-                                          "local": ("ld.local" in ptx) or ("st.local" in ptx)}
-    print(json.dumps(res))
-    """
-)
-
-
-def test_rule_step_kernels_compile_to_ptx():
-    """The decay/gate step kernels compile for sm_90 without spilling to local memory (their
-    query is the additive one, compiled by :func:`test_step_kernels_compile_to_ptx`)."""
-    res = run_ptx_script(_RULE_PTX_SCRIPT)
-    assert len(res) == 8
-    for key, val in res.items():
-        assert val == {"entry": True, "target": True, "local": False}, (key, val)
-
-
 # ---------------------------------------------------------------------------
 # The delta rules: the delta kernel, TINY (the simulator is slow)
 # ---------------------------------------------------------------------------
@@ -335,36 +306,3 @@ def test_cuda_delta_float32_silu_l2_normalize_and_row_maps(threads):
     ga = LinearAttentionState(2, 3, batch_shape=(2,), feature_map="l2", device="cuda", eps=None)
     ga.prefill(k[:, :1], v[:, :1])
     assert_close(ga.step(q[:, 1:], k[:, 1:], v[:, 1:]), add[:, 1:], np.float32)
-
-
-_DELTA_PTX_SCRIPT = textwrap.dedent(
-    """
-    import json
-    from numba import cuda, types
-    from linattn_nb.ops.step import cuda as C
-    res = {}
-    lg = types.Array(types.float64, 3, "C")
-    b2 = types.Array(types.float64, 2, "C")
-    fl = types.Array(types.int32, 1, "C")
-    bo = types.boolean
-    for sdt, idt in (("float32", "float16"), ("float32", "float32"), ("float64", "float32"), ("float64", "float64")):
-        st = getattr(types, sdt)
-        S3 = types.Array(st, 3, "C")
-        z2 = types.Array(st, 2, "C")
-        a3 = types.Array(getattr(types, idt), 3, "C")
-        i8 = types.int64
-        sig = (a3, a3, a3, S3, z2, S3, z2, a3, S3, lg, b2, fl, bo, i8, st, i8, bo, st, st)
-        ptx, _ = cuda.compile_ptx(C.PYTHON_KERNELS["delta_step"], sig, cc=(9, 0))
-        res[f"delta_step/{sdt}/{idt}"] = {"entry": ".entry" in ptx, "target": ".target sm_90" in ptx,
-                                          "local": ("ld.local" in ptx) or ("st.local" in ptx)}
-    print(json.dumps(res))
-    """
-)
-
-
-def test_delta_step_kernel_compiles_to_ptx():
-    """The delta step kernel compiles for sm_90 without spilling to local memory."""
-    res = run_ptx_script(_DELTA_PTX_SCRIPT)
-    assert len(res) == 4
-    for key, val in res.items():
-        assert val == {"entry": True, "target": True, "local": False}, (key, val)

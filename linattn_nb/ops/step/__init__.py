@@ -1,11 +1,12 @@
 """Recurrent decoding: the state step, query and prefill, and the KV-cache step.
 
 ``naive.py`` holds the NumPy references, ``cpu.py`` the Numba CPU kernels,
-``cuda.py`` the CUDA kernels.  Besides the additive rule's kernels, each has
-``rule_*`` kernels for the rules whose tokens scale the state first (decay,
-gate: ``S_t = a_t (.) S_{t-1} + phi(k_t) v_t^T``, ``z`` alike) and for
-``normalize=False``; they take the log-factors of each token, ``-inf`` a
-reset.  The public objects are
+``cuda.py`` the CUDA kernels.  Each device has one step kernel for every
+update rule (and one prefill; the delta rules' is the step kernel without
+outputs): the rule is an integer argument, its per-token inputs one float64
+array ``lg`` (B, T, G) as the sequence kernels take them, and what a rule
+changes in a step are the step hooks of :mod:`linattn_nb.ops._rules` (CPU)
+and :mod:`linattn_nb.ops._cuda_common` (CUDA).  The public objects are
 :class:`linattn_nb.LinearAttentionState` and :class:`linattn_nb.KVCache`
 (:mod:`linattn_nb.state`).
 

@@ -19,8 +19,10 @@ import numpy as np
 from numba import njit, prange
 
 from ... import config
-from .._codes import KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_SILU_L2, NORM_FLOOR, NORM_NONE, norm_mode
+from .._codes import (KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_SILU_L2, NORM_FLOOR, NORM_NONE, RULE_ADDITIVE,
+                      RULE_DECAY, RULE_GATED_DELTA, norm_mode)
 from .._common import phi
+from .._rules import is_delta, log_factors, step_inputs, step_normaliser, step_row
 from .._twins import pick, serial_and_parallel
 
 
@@ -103,10 +105,12 @@ def first_nonfinite(q, k, v):
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def _advance(v, St, z, out, fa, fc, b, t, eps):
-    """Token t of batch entry b, features fa = phi(k_t), fc = phi(q_t) given: update, then read.
+    """Token t of batch entry b of the additive rule, features fa = phi(k_t), fc = phi(q_t) given: update,
+    then read (divided by the normaliser).
 
     The row loop is the whole cost of a decode step: each row ``St[b, m]``
-    (D_phi contiguous values) is updated and dotted with phi(q) in one pass.
+    (D_phi contiguous values) is updated and dotted with phi(q) in one pass,
+    two rows per pass (they share the loads of phi(k) and phi(q)).
     """
     F = St.shape[2]
     M = St.shape[1]
@@ -122,7 +126,6 @@ def _advance(v, St, z, out, fa, fc, b, t, eps):
         den = eps
     M2 = M - M % 2
     for m in range(0, M2, 2):
-        # Two rows per pass share the loads of phi(k) and phi(q).
         w0 = v[b, t, m]
         w1 = v[b, t, m + 1]
         r0 = Sb[m]
@@ -151,30 +154,78 @@ def _advance(v, St, z, out, fa, fc, b, t, eps):
         out[b, t, m] = acc / den
 
 
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _features_all(x, t, xs, dst, code):
-    """dst (B*F,) = phi(x[:, t, :]) for every batch entry in one vectorised pass."""
-    B = x.shape[0]
-    F = x.shape[2]
-    for b in range(B):
-        for i in range(F):
-            xs[b * F + i] = x[b, t, i]
-    phi_rows(xs, dst, code, F)
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, inline="always")
+def _tokens(q, k, v, St, z, out, feat, code, eps, rule, lg, norm, read, b):
+    """The T tokens of batch entry b: features (for T > 1; the caller computed them for T = 1), then
+    the rule's step hooks (:mod:`linattn_nb.ops._rules`): its inputs, the normaliser, each row of the
+    state updated and read in one pass."""
+    T = k.shape[1]
+    Sb = St[b]
+    zb = z[b]
+    fa = feat[0, b]
+    fc = feat[1, b]
+    g = feat[feat.shape[0] - 1, b]  # the factors: row 2 (decay, gate); unused by the other rules
+    for t in range(T):
+        if T > 1:
+            phi_row(k[b, t], fa, code)
+            if read:
+                phi_row(q[b, t], fc, code)
+        a, beta = step_inputs(rule, lg, b, t, g)
+        den = floored(step_normaliser(rule, zb, fa, fc, g, a, beta), eps, norm)
+        for m in range(St.shape[1]):
+            acc = step_row(rule, Sb[m], fa, fc, g, v[b, t, m], a, beta)
+            if read:
+                out[b, t, m] = output(acc, den, norm)
 
 
-def _state_step(q, k, v, St, z, out, feat, code, eps, check):
-    """T tokens through the state of every batch entry.
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, inline="always")
+def _step_all(q, k, v, St, z, out, feat, code, eps, check, rule, lg, norm, read):
+    """The body of every step entry point (inlined into each, so that ``prange`` is theirs)."""
+    if check:
+        bad = first_nonfinite(q, k, v)
+        if bad:
+            return bad
+    B, T, _ = k.shape
+    n = B * St.shape[2]
+    if T == 1:  # x[:, 0, :] is contiguous: the features of every batch entry in one vectorised pass
+        phi_rows(k.reshape(n), feat[0].reshape(n), code, St.shape[2])
+        if read:
+            phi_rows(q.reshape(n), feat[1].reshape(n), code, St.shape[2])
+    for b in prange(B):
+        # np.int64(b): prange's index is unsigned in the parallel twin; without the cast the helper
+        # compiles a second time, for uint64, besides the serial twin's int64
+        _tokens(q, k, v, St, z, out, feat, code, eps, rule, lg, norm, read, np.int64(b))
+    return 0
+
+
+def _step(q, k, v, St, z, out, feat, code, eps, check, rule, lg, norm, read):
+    """T tokens of rule ``rule`` through the state of every batch entry: token t updates, then reads.
+
+    ``feat`` (2, B, F) scratch in the state dtype (phi(k), phi(q)); (3, B, F)
+    for the decay and gate rules (their factors).  ``lg`` (B, T, G) float64:
+    the rule's per-token inputs (:func:`linattn_nb.ops._rules.log_factors`).
+    ``norm`` the output mode (:func:`linattn_nb.ops._codes.norm_mode`;
+    ``NORM_NONE`` writes ``phi(q)^T S`` undivided).  ``read`` False absorbs
+    the tokens without outputs (the delta rules' prefill: ``q`` and ``out``
+    are not touched).  The per-rule parts are the step hooks of
+    :mod:`linattn_nb.ops._rules`.  Returns 0, or 1/2/3 (nothing modified)
+    when ``check`` finds q/k/v non-finite.
+
+    Compiled twice (:mod:`linattn_nb.ops._twins`): :data:`step_serial` (a
+    decode step is a few microseconds of work) and :data:`step_parallel`, the
+    batch entries in parallel.
+    """
+    return _step_all(q, k, v, St, z, out, feat, code, eps, check, rule, lg, norm, read)
+
+
+def _additive_step(q, k, v, St, z, out, feat, code, eps, check):
+    """The additive rule's decode step (``normalize=True``), with the signature of the launcher contract's
+    ``kernel``: kept apart from :func:`_step` and its hooks, whose form of it measured 5-10% slower at
+    H=16, D=M=64, float32 (the whole cost of a decode step is this loop).
 
     Per token: the features of all batch entries in two vectorised passes,
-    then the row pass of each entry.  ``feat`` (2, B, F) is scratch in the
-    state dtype (preallocated by the caller: no allocation in a decode step).
-    Returns 0, or 1/2/3 (nothing modified) when ``check`` finds q/k/v
-    non-finite.
-
-    Compiled twice (:mod:`linattn_nb.ops._twins`): :data:`state_step_serial`
-    (a decode step is a few microseconds of work) and
-    :data:`state_step_parallel`, the row passes of the batch entries in
-    parallel, one parallel region per token.
+    then the row pass of each entry (:func:`_advance`); one parallel region
+    per token in the parallel twin.  Returns as :func:`_step`.
     """
     if check:
         bad = first_nonfinite(q, k, v)
@@ -191,17 +242,22 @@ def _state_step(q, k, v, St, z, out, feat, code, eps, check):
             phi_rows(k.reshape(n), fa, code, F)
             phi_rows(q.reshape(n), fc, code, F)
         else:
-            _features_all(k, t, xs, fa, code)
-            _features_all(q, t, xs, fc, code)
+            for b in range(B):
+                for i in range(F):
+                    xs[b * F + i] = k[b, t, i]
+            phi_rows(xs, fa, code, F)
+            for b in range(B):
+                for i in range(F):
+                    xs[b * F + i] = q[b, t, i]
+            phi_rows(xs, fc, code, F)
         for b in prange(B):
-            # np.int64(b): prange's index is unsigned in the parallel twin; without the cast the helper
-            # compiles a second time, for uint64, besides the serial twin's int64
-            _advance(v, St, z, out, feat[0, b], feat[1, b], np.int64(b), t, eps)
+            _advance(v, St, z, out, feat[0, b], feat[1, b], np.int64(b), t, eps)  # one helper type (_step_all)
     return 0
 
 
-state_step_serial, state_step_parallel = serial_and_parallel(_state_step, fastmath=config.FASTMATH,
-                                                             cache=config.CACHE)
+step_serial, step_parallel = serial_and_parallel(_step, fastmath=config.FASTMATH, cache=config.CACHE)
+additive_step_serial, additive_step_parallel = serial_and_parallel(_additive_step, fastmath=config.FASTMATH,
+                                                                   cache=config.CACHE)
 
 
 def _pick_twin(serial, parallel, b, t, m, f):
@@ -209,24 +265,76 @@ def _pick_twin(serial, parallel, b, t, m, f):
     return pick(serial, parallel, items=b, work=b * t * m * f, limit=config.STEP_PARALLEL_MIN_WORK)
 
 
+def pick_kernel(b, t, m, f):
+    """The serial step kernel below ``config.STEP_PARALLEL_MIN_WORK`` multiply-adds, else the parallel one.
+
+    Call it as ``kern(q, k, v, St, z, out, feat, code, eps, check, rule, lg, norm, read)`` (see
+    :func:`_step`; ``code``, ``rule``, ``norm`` int64, ``eps`` from :func:`eps_arg`).
+    """
+    return _pick_twin(step_serial, step_parallel, b, t, m, f)
+
+
 def pick_step_kernel(b, t, m, f):
-    """The serial kernel below ``config.STEP_PARALLEL_MIN_WORK`` multiply-adds, else the parallel one.
+    """As :func:`pick_kernel`, the additive rule's decode step: ``kern(q, k, v, St, z, out, feat, code,
+    eps, check)``."""
+    return _pick_twin(additive_step_serial, additive_step_parallel, b, t, m, f)
 
-    Call it as ``kern(q, k, v, St, z, out, feat, code, eps, check)`` (see
-    :func:`state_step`; ``code`` int64, ``eps`` from :func:`eps_arg`).
+
+def _rule_entry(q, k, v, St, z, out, feat, code, eps, check, lg, norm):
+    """:func:`_step` of the decay (``lg`` (B, T, 1)) or gate rule (``lg`` (B, T, F))."""
+    return _step_all(q, k, v, St, z, out, feat, code, eps, check, RULE_DECAY, lg, norm, True)
+
+
+def _delta_entry(q, k, v, St, z, out, feat, code, eps, check, lg, beta, norm, read):
+    """:func:`_step` of the delta rule (``lg`` (B, T, 0)) or the gated delta rule (``lg`` (B, T, 1)), the
+    write strengths ``beta`` (B, T) apart."""
+    B, T = beta.shape
+    packed = np.zeros((B, T, 2))
+    for b in range(B):
+        for t in range(T):
+            if lg.shape[2]:
+                packed[b, t, 0] = lg[b, t, 0]
+            packed[b, t, 1] = beta[b, t]
+    return _step_all(q, k, v, St, z, out, feat, code, eps, check, RULE_GATED_DELTA, packed, norm, read)
+
+
+_RULE_ENTRY = serial_and_parallel(_rule_entry, fastmath=config.FASTMATH, cache=config.CACHE)
+_DELTA_ENTRY = serial_and_parallel(_delta_entry, fastmath=config.FASTMATH, cache=config.CACHE)
+
+
+def pick_rule_kernel(b, t, m, f):
+    """The step kernel of the decay and gate rules with the arguments ``(q, k, v, St, z, out, feat, code,
+    eps, check, lg, norm)`` (serial or parallel as :func:`pick_kernel`)."""
+    return _pick_twin(*_RULE_ENTRY, b, t, m, f)
+
+
+def pick_delta_kernel(b, t, m, f):
+    """The step kernel of the delta rules with the arguments ``(q, k, v, St, z, out, feat, code, eps,
+    check, lg, beta, norm, read)`` (serial or parallel as :func:`pick_kernel`)."""
+    return _pick_twin(*_DELTA_ENTRY, b, t, m, f)
+
+
+def flat_inputs(inputs, B, T, F):
+    """A launcher's ``inputs`` with the batch dimensions flattened: (B, T), ``log_gate`` (B, T, F) (host or
+    device arrays)."""
+    return {name: x.reshape((B, T, F) if name == "log_gate" else (B, T)) for name, x in (inputs or {}).items()}
+
+
+def step(q, k, v, St, z, out, feat, *, code, eps, check, rule=RULE_ADDITIVE, inputs=None, normalize=True):
+    """Launcher of the step kernels (serial below ``config.STEP_PARALLEL_MIN_WORK``).
+
+    q, k (B, T, D); v, out (B, T, M); St (B, M, F), z (B, F), feat (2 or 3,
+    B, F) scratch (see :func:`_step`), in the state dtype; q, k, v, out of
+    one float32/float64 dtype.  ``inputs``: the rule's per-token inputs
+    (:data:`linattn_nb.ops._codes.RULES`).  Returns 0, or 1/2/3 when q/k/v
+    is not finite (nothing modified).
     """
-    return _pick_twin(state_step_serial, state_step_parallel, b, t, m, f)
-
-
-def state_step(q, k, v, St, z, out, feat, *, code, eps, check):
-    """Launcher of the step kernels; returns 0, or 1/2/3 when q/k/v is not finite.
-
-    Nothing is modified when it returns non-zero.  q, k (B, T, D); v, out
-    (B, T, M); St (B, M, F), z (B, F), feat (2, B, F) scratch, in the state
-    dtype; q, k, v, out of one float32/float64 dtype.
-    """
-    kern = pick_step_kernel(q.shape[0], q.shape[1], St.shape[1], St.shape[2])
-    return int(kern(q, k, v, St, z, out, feat, np.int64(code), eps_arg(eps), bool(check)))
+    B, T, M, F = q.shape[0], q.shape[1], St.shape[1], St.shape[2]
+    args = (q, k, v, St, z, out, feat, np.int64(code), eps_arg(eps), bool(check))
+    if rule == RULE_ADDITIVE and normalize:
+        return int(pick_step_kernel(B, T, M, F)(*args))
+    lg = log_factors(rule, flat_inputs(inputs, B, T, F), B, T, F)
+    return int(pick_kernel(B, T, M, F)(*args, np.int64(rule), lg, np.int64(norm_mode(eps, normalize)), True))
 
 
 def eps_arg(eps):
@@ -290,308 +398,75 @@ def state_query(q, St, z, out, feat, *, code, eps, normalize=True):
 
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def state_prefill_kernel(k, v, St, z, code, block):
-    """St[b] += V_b^T phi(K_b), z[b] += sum_t phi(k_t): blocks of ``block`` tokens through BLAS.
-
-    z is accumulated token by token (the scan's order); S per block as a GEMM
-    in the state dtype.
-    """
-    B, T, _ = k.shape
-    M = St.shape[1]
-    F = St.shape[2]
-    for b in prange(B):
-        Sb = St[b]
-        zb = z[b]
-        fk = np.empty((block, F), dtype=St.dtype)
-        vb = np.empty((block, M), dtype=St.dtype)
-        for s0 in range(0, T, block):
-            n = min(block, T - s0)
-            for t in range(n):
-                phi_row(k[b, s0 + t], fk[t], code)
-                for i in range(F):
-                    zb[i] += fk[t, i]
-                for m in range(M):
-                    vb[t, m] = v[b, s0 + t, m]
-            part = np.dot(vb[:n].T, fk[:n])
-            for m in range(M):
-                for i in range(F):
-                    Sb[m, i] += part[m, i]
-
-
-def state_prefill(k, v, St, z, *, code, block=None):
-    state_prefill_kernel(k, v, St, z, code, block_arg(block))
-
-
-# ---------------------------------------------------------------------------
-# Rules with a factor per token: decay (one per sequence and token) and gate
-# (one per feature as well).  ``lg`` (B, T, G) float64 holds the log-factors:
-# G = 0 none (the additive rule, factor 1), G = 1 one per token (decay), G = F
-# one per feature (gate).  -inf is a reset: exp(-inf) = 0 multiplies the
-# state away exactly.  The additive rule with normalize=True keeps the kernels
-# above; these run the other rules and normalize=False.
-# ---------------------------------------------------------------------------
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def factor_row(lg, b, t, g):
-    """g[:] = the factors of token t of batch entry b (1, exp(lg[b, t, 0]) or exp(lg[b, t, :]))."""
-    G = lg.shape[2]
-    F = g.shape[0]
-    if G == 0:
-        for i in range(F):
-            g[i] = 1.0
-    elif G == 1:
-        a = math.exp(lg[b, t, 0])
-        for i in range(F):
-            g[i] = a
-    else:
-        for i in range(F):
-            g[i] = math.exp(lg[b, t, i])
-
-
-def _rule_step(q, k, v, St, z, out, feat, code, eps, check, lg, norm):
-    """T tokens through the state, each first scaling it by its factors: H <- a_t (.) H + phi(k_t)^T [v_t 1].
-
-    Layout and arguments as :func:`_state_step`, with ``feat`` (3, B, F)
-    (phi(k), phi(q), the factors), ``lg`` (B, T, G) the log-factors (see
-    above) and ``norm`` the output mode (:func:`linattn_nb.ops._codes.norm_mode`:
-    ``NORM_NONE`` writes ``phi(q)^T S`` undivided).  Each batch entry walks
-    its tokens alone (``prange`` over the batch in the parallel twin).
-    Returns 0, or 1/2/3 (nothing modified) when ``check`` finds q/k/v
-    non-finite.
-    """
-    if check:
-        bad = first_nonfinite(q, k, v)
-        if bad:
-            return bad
-    B, T, _ = q.shape
-    M = St.shape[1]
-    F = St.shape[2]
-    zero = St.dtype.type(0)
-    for b in prange(B):
-        Sb = St[b]
-        zb = z[b]
-        fa = feat[0, b]
-        fc = feat[1, b]
-        g = feat[2, b]
-        for t in range(T):
-            phi_row(k[b, t], fa, code)
-            phi_row(q[b, t], fc, code)
-            factor_row(lg, b, t, g)
-            den = 0.0
-            for i in range(F):
-                zi = g[i] * zb[i] + fa[i]
-                zb[i] = zi
-                den += fc[i] * zi
-            den = floored(den, eps, norm)
-            for m in range(M):
-                w = v[b, t, m]
-                row = Sb[m]
-                acc = zero
-                for i in range(F):
-                    s = g[i] * row[i] + fa[i] * w
-                    row[i] = s
-                    acc += fc[i] * s
-                out[b, t, m] = output(acc, den, norm)
-    return 0
-
-
-rule_step_serial, rule_step_parallel = serial_and_parallel(_rule_step, fastmath=config.FASTMATH,
-                                                           cache=config.CACHE)
-
-
-def log_decay_arg(inputs, B, T):
-    """``inputs["log_decay"]`` as the kernels' ``lg`` (B, T, 1) float64."""
-    return np.ascontiguousarray(inputs["log_decay"], dtype=np.float64).reshape(B, T, 1)
-
-
-def log_factors(inputs, B, T):
-    """The kernels' ``lg`` (B, T, G) float64 from a launcher's ``inputs`` (None: G = 0)."""
-    if not inputs:
-        return np.zeros((B, T, 0))
-    if "log_decay" in inputs:
-        return log_decay_arg(inputs, B, T)
-    lg = np.ascontiguousarray(inputs["log_gate"], dtype=np.float64)
-    return lg.reshape(B, T, lg.shape[-1])
-
-
-def pick_rule_kernel(b, t, m, f):
-    """The serial rule step kernel below ``config.STEP_PARALLEL_MIN_WORK`` multiply-adds, else the
-    parallel one (arguments: :func:`_rule_step`)."""
-    return _pick_twin(rule_step_serial, rule_step_parallel, b, t, m, f)
-
-
-def rule_step(q, k, v, St, z, out, feat, *, code, eps, check, inputs=None, normalize=True):
-    """Launcher of the rule step kernels (serial below ``config.STEP_PARALLEL_MIN_WORK``).
-
-    ``inputs``: None (additive), ``{"log_decay": (B, T)}`` or
-    ``{"log_gate": (B, T, F)}``; ``feat`` (3, B, F) scratch in the state dtype.
-    Returns 0, or 1/2/3 when q/k/v is not finite (nothing modified).
-    """
-    B, T = q.shape[0], q.shape[1]
-    M, F = St.shape[1], St.shape[2]
-    kern = pick_rule_kernel(B, T, M, F)
-    return int(kern(q, k, v, St, z, out, feat, np.int64(code), eps_arg(eps), bool(check),
-                    log_factors(inputs, B, T), np.int64(norm_mode(eps, normalize))))
-
-
-@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def rule_prefill_kernel(k, v, St, z, code, lg, block):
-    """The state after T tokens of a rule with factors, in blocks of ``block`` tokens through BLAS.
+def prefill_kernel(k, v, St, z, code, rule, lg, block):
+    """The state after T tokens of the additive, decay or gate rule, in blocks of ``block`` tokens through BLAS.
 
     Within a block of n tokens, token s enters the block's end state scaled
-    by ``w_s = a_{s+1} ... a_{n-1}`` (per row), built as a running product
+    by ``w_s = a_{s+1} ... a_{n-1}`` (per row; the factors of
+    :func:`linattn_nb.ops._rules.step_inputs`), built as a running product
     from the end of the block (never a difference of log-factors, so a reset
     gives exact zeros and no NaN); the state before the block is scaled by
-    ``w_0 a_0``.  Then ``S <- (w_0 a_0) (.) S + V^T (w (.) phi(K))`` is one GEMM.
+    ``w_0 a_0``.  Then ``S <- (w_0 a_0) (.) S + V^T (w (.) phi(K))`` is one
+    GEMM in the state dtype.  The additive rule has no factors: ``S += V^T
+    phi(K)``, and z accumulated token by token (the scan's order).
     """
     B, T, _ = k.shape
     M = St.shape[1]
     F = St.shape[2]
+    scaled = rule != RULE_ADDITIVE
     for b in prange(B):
         Sb = St[b]
         zb = z[b]
         fk = np.empty((block, F), dtype=St.dtype)
         vb = np.empty((block, M), dtype=St.dtype)
         w = np.empty((block, F))
-        g = np.empty(F)
+        g = np.ones(F)
         for s0 in range(0, T, block):
             n = min(block, T - s0)
-            for i in range(F):
-                w[n - 1, i] = 1.0
-            for s in range(n - 2, -1, -1):
-                factor_row(lg, b, s0 + s + 1, g)
+            if scaled:
                 for i in range(F):
-                    w[s, i] = w[s + 1, i] * g[i]
-            factor_row(lg, b, s0, g)
-            for i in range(F):
-                g[i] *= w[0, i]  # the factor of the state before the block
+                    w[n - 1, i] = 1.0
+                for s in range(n - 2, -1, -1):
+                    step_inputs(rule, lg, b, s0 + s + 1, g)
+                    for i in range(F):
+                        w[s, i] = w[s + 1, i] * g[i]
+                step_inputs(rule, lg, b, s0, g)
+                for i in range(F):
+                    g[i] *= w[0, i]  # the factor of the state before the block
             for t in range(n):
                 phi_row(k[b, s0 + t], fk[t], code)
                 for i in range(F):
-                    fk[t, i] = fk[t, i] * w[t, i]
+                    if scaled:
+                        fk[t, i] = fk[t, i] * w[t, i]
+                    else:
+                        zb[i] += fk[t, i]
                 for m in range(M):
                     vb[t, m] = v[b, s0 + t, m]
-            for i in range(F):
-                acc = 0.0
-                for t in range(n):
-                    acc += fk[t, i]
-                zb[i] = g[i] * zb[i] + acc
+            if scaled:
+                for i in range(F):
+                    acc = 0.0
+                    for t in range(n):
+                        acc += fk[t, i]
+                    zb[i] = g[i] * zb[i] + acc
             part = np.dot(vb[:n].T, fk[:n])
             for m in range(M):
                 row = Sb[m]
                 for i in range(F):
-                    row[i] = g[i] * row[i] + part[m, i]
+                    row[i] = g[i] * row[i] + part[m, i] if scaled else row[i] + part[m, i]
 
 
-def rule_prefill(k, v, St, z, *, code, inputs=None, block=None):
-    """Launcher of :func:`rule_prefill_kernel` (``inputs`` as :func:`rule_step`)."""
-    B, T = k.shape[0], k.shape[1]
-    rule_prefill_kernel(k, v, St, z, np.int64(code), log_factors(inputs, B, T), block_arg(block))
+def prefill(k, v, St, z, feat, *, code, rule=RULE_ADDITIVE, inputs=None, block=None):
+    """The state after T tokens (no outputs): :func:`prefill_kernel`, or for the delta rules the step
+    kernel without reads (token by token; ``feat`` (2, B, F) scratch in the state dtype)."""
+    B, T, F = k.shape[0], k.shape[1], St.shape[2]
+    lg = log_factors(rule, flat_inputs(inputs, B, T, F), B, T, F)
+    if is_delta(rule):
+        out = np.empty((0, 0, 0), dtype=St.dtype)
+        pick_kernel(B, T, St.shape[1], F)(k, k, v, St, z, out, feat, np.int64(code), -math.inf, False,
+                                           np.int64(rule), lg, np.int64(NORM_NONE), False)
+    else:
+        prefill_kernel(k, v, St, z, np.int64(code), np.int64(rule), lg, block_arg(block))
 
-
-# ---------------------------------------------------------------------------
-# The delta rules: each token corrects the state instead of adding to it.
-# On H = [S | z] (every column alike), with k = phi(k_t):
-#     H <- a_t (I - beta_t k k^T) H + beta_t k [v_t 1]
-#        = a_t H + beta_t k ([v_t 1] - a_t k^T H)
-# a_t = 1 (delta) or exp(lg[b, t, 0]) (gated delta, -inf a reset); beta (B, T)
-# float64 write strengths.  Per row m of S^T: one pass for k^T H[:, m], one for
-# the update and the read.
-# ---------------------------------------------------------------------------
-def _delta_step(q, k, v, St, z, out, feat, code, eps, check, lg, beta, norm, read):
-    """T tokens of the delta rule (``lg`` (B, T, 0)) or the gated delta rule (``lg`` (B, T, 1)).
-
-    Layout and arguments as :func:`_rule_step`, with ``beta`` (B, T) float64.
-    ``read`` False absorbs the tokens without outputs (a prefill: ``q`` and
-    ``out`` are not touched).  Each batch entry walks its tokens alone
-    (``prange`` over the batch in the parallel twin).  Returns 0, or 1/2/3
-    (nothing modified) when ``check`` finds q/k/v non-finite.
-    """
-    if check:
-        bad = first_nonfinite(q, k, v)
-        if bad:
-            return bad
-    B, T, _ = k.shape
-    M = St.shape[1]
-    F = St.shape[2]
-    G = lg.shape[2]
-    zero = St.dtype.type(0)
-    for b in prange(B):
-        Sb = St[b]
-        zb = z[b]
-        fa = feat[0, b]
-        fc = feat[1, b]
-        for t in range(T):
-            phi_row(k[b, t], fa, code)
-            if read:
-                phi_row(q[b, t], fc, code)
-            a = math.exp(lg[b, t, 0]) if G > 0 else 1.0
-            bt = beta[b, t]
-            kz = 0.0
-            for i in range(F):
-                kz += fa[i] * zb[i]
-            rz = bt * (1.0 - a * kz)
-            den = 0.0
-            for i in range(F):
-                zi = a * zb[i] + rz * fa[i]
-                zb[i] = zi
-                den += fc[i] * zi
-            den = floored(den, eps, norm)
-            af = St.dtype.type(a)
-            for m in range(M):
-                row = Sb[m]
-                d = zero
-                for i in range(F):
-                    d += fa[i] * row[i]
-                r = St.dtype.type(bt * (v[b, t, m] - a * d))
-                acc = zero
-                for i in range(F):
-                    s = af * row[i] + r * fa[i]
-                    row[i] = s
-                    acc += fc[i] * s
-                if read:
-                    out[b, t, m] = output(acc, den, norm)
-    return 0
-
-
-delta_step_serial, delta_step_parallel = serial_and_parallel(_delta_step, fastmath=config.FASTMATH,
-                                                             cache=config.CACHE)
-
-
-def delta_arrays(inputs, B, T):
-    """The kernels' ``lg`` (B, T, G) (G = 1 with ``log_decay``, the gated delta rule, else 0) and
-    ``beta`` (B, T), float64, from a delta-rule launcher's ``inputs``."""
-    beta = np.ascontiguousarray(inputs["beta"], dtype=np.float64).reshape(B, T)
-    lg = log_decay_arg(inputs, B, T) if "log_decay" in inputs else np.zeros((B, T, 0))
-    return lg, beta
-
-
-def pick_delta_kernel(B, T, M, F):
-    """The serial delta step kernel below ``config.STEP_PARALLEL_MIN_WORK`` multiply-adds, else the
-    parallel one (arguments: :func:`_delta_step`)."""
-    return _pick_twin(delta_step_serial, delta_step_parallel, B, T, M, F)
-
-
-def delta_step(q, k, v, St, z, out, feat, *, code, eps, check, inputs, normalize=False):
-    """Launcher of the delta-rule step kernels (serial below ``config.STEP_PARALLEL_MIN_WORK``).
-
-    ``inputs``: ``{"beta": (B, T)}`` (delta) or ``{"beta": (B, T), "log_decay": (B, T)}``
-    (gated delta); ``feat`` (>= 2, B, F) scratch in the state dtype.  Returns 0, or
-    1/2/3 when q/k/v is not finite (nothing modified).
-    """
-    B, T = q.shape[0], q.shape[1]
-    lg, beta = delta_arrays(inputs, B, T)
-    kern = pick_delta_kernel(B, T, St.shape[1], St.shape[2])
-    return int(kern(q, k, v, St, z, out, feat, np.int64(code), eps_arg(eps), bool(check), lg, beta,
-                    np.int64(norm_mode(eps, normalize)), True))
-
-
-def delta_prefill(k, v, St, z, feat, *, code, inputs):
-    """The state after T tokens of a delta rule (token by token; no outputs)."""
-    B, T = k.shape[0], k.shape[1]
-    lg, beta = delta_arrays(inputs, B, T)
-    kern = pick_delta_kernel(B, T, St.shape[1], St.shape[2])
-    out = np.empty((0, 0, 0), dtype=St.dtype)
-    kern(k, k, v, St, z, out, feat, np.int64(code), -math.inf, False, lg, beta, np.int64(NORM_NONE), False)
 
 
 #: ``kind`` of :func:`fill_token_inputs`: factors in [0, 1], log-factors <= 0, write strengths in [0, 2].
@@ -710,7 +585,7 @@ def _kv_attend(q, K, V, length, causal_new, out, scale, block):
     the batch (:data:`kv_attend_serial`, :data:`kv_attend_parallel`).
     """
     for b in prange(q.shape[0]):
-        _kv_one(q, K, V, length, causal_new, out, scale, block, np.int64(b))  # one helper type (see _state_step)
+        _kv_one(q, K, V, length, causal_new, out, scale, block, np.int64(b))  # one helper type (see _step_all)
 
 
 kv_attend_serial, kv_attend_parallel = serial_and_parallel(_kv_attend, fastmath=config.FASTMATH,
@@ -743,7 +618,7 @@ def _kv_step(q, k, v, K, V, length, out, scale, block, check):
     _kv_append(k, v, K, V, length)
     n = length + q.shape[1]
     for b in prange(q.shape[0]):
-        _kv_one(q, K, V, n, True, out, scale, block, np.int64(b))  # one helper type (see _state_step)
+        _kv_one(q, K, V, n, True, out, scale, block, np.int64(b))  # one helper type (see _step_all)
     return 0
 
 

@@ -29,27 +29,24 @@ the ``feat`` scratch, so the per-element updates stay in the state dtype);
 the rule prefill's running element, which multiplies by such a factor per
 token, is float64 (one register, rounded once at the end).
 
-* step: one block per batch entry, ``config.CUDA_STEP_THREADS`` threads.  Per
-  token: threads stride over the features (phi(k), phi(q), z update, the
-  terms of the normaliser into ``feat``), ``syncthreads``, then one thread per
-  output coordinate m updates column m of S and reads it (a warp touches
-  consecutive m: coalesced), ``syncthreads``.  Every thread runs the same
-  token loop, so the barriers are uniform.
+* step: one block per batch entry, ``config.CUDA_STEP_THREADS`` threads, every
+  rule (the rule code a launch argument, its per-token inputs ``lg`` (B, T, G)
+  float64 as :func:`linattn_nb.ops._cuda_launch.rule_factors` lays them out;
+  ``exp(-inf) = 0`` resets exactly).  Per token: threads stride over the
+  features (phi(k), phi(q), the factors, z update, the terms of the
+  normaliser into ``feat``), ``syncthreads``, then one thread per output
+  coordinate m updates column m of S and reads it (a warp touches consecutive
+  m: coalesced), ``syncthreads``.  Every thread runs the same token loop, so
+  the barriers are uniform.  The per-rule parts are the step hooks of
+  :mod:`linattn_nb.ops._cuda_common`; ``norm`` is the output mode of
+  :func:`linattn_nb.ops._codes.norm_mode`.  The delta rules' prefill is this
+  kernel without outputs.
 * query: the same without the update, with the output mode ``norm`` (any
   rule's state).
-* prefill: one thread per (b, i, m) accumulates ``sum_t phi(k_ti) v_tm`` in a
-  register and adds it to S once; z by the m = 0 threads.  No atomics, no
-  barriers.
-* delta_step: the delta rules (delta, gated delta), step and prefill
-  (``read=False``); see :func:`delta_step_py`.
-* rule_step, rule_prefill: the same for the rules with a factor per token
-  (decay, gate) and for ``normalize=False``.  ``lg`` (B, T, G)
-  float64 holds the log-factors: G = 0 none (factor 1), G = 1 one per token
-  (decay), G = F one per feature (gate); ``exp(-inf) = 0`` resets exactly.
-  The step keeps each token's factors in a fourth scratch row of ``feat``;
-  the prefill thread runs the recurrence of its element
-  ``s <- a_t s + phi(k_t) v_t`` in a register.  ``norm`` is the output mode
-  of :func:`linattn_nb.ops._codes.norm_mode`.
+* prefill (additive, decay, gate): one thread per (b, i, m) runs its element
+  over the tokens in a register (additive: ``sum_t phi(k_ti) v_tm`` added to S
+  once; decay and gate: ``s <- a_t s + phi(k_t) v_t``); z by the m = 0
+  threads.  No atomics, no barriers.
 
 The kernels are plain Python functions (``*_py``, :data:`PYTHON_KERNELS`)
 wrapped with ``cuda.jit`` on first use, so that importing this module touches
@@ -63,8 +60,11 @@ import numpy as np
 from numba import cuda
 
 from ... import config
-from .._codes import KERNEL_CODE_L2, KERNEL_CODE_SILU_L2, NORM_FLOOR, NORM_NONE, norm_mode
-from .._cuda_common import phi
+from .._codes import (KERNEL_CODE_L2, KERNEL_CODE_SILU_L2, NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, RULE_DELTA,
+                      RULE_GATED_DELTA, norm_mode)
+from .._cuda_common import is_delta_rule, phi, step_element, step_factor, step_scalars, step_z
+from .._cuda_launch import rule_factors
+from .cpu import flat_inputs
 
 
 # The elementwise map: linattn_nb.ops._cuda_common.phi (inlined device
@@ -148,37 +148,39 @@ def put_out(out, b, t, m, acc, den, norm):
 
 
 @cuda.jit(device=True, inline=True)
-def token_factor(lg, b, t, i, one):
-    """The factor of feature i at token t: 1 (G = 0), ``exp(lg[b, t, 0])`` (G = 1) or ``exp(lg[b, t, i])``
-    (float64; the caller stores it in the state dtype)."""
-    G = lg.shape[2]
-    if G == 0:
-        return 1.0
-    if G == 1:
-        return math.exp(lg[b, t, 0])
-    return math.exp(lg[b, t, i])
-
-
-@cuda.jit(device=True, inline=True)
 def raise_flag(flag, bad):
     """OR this thread's bits into the finiteness flag (one atomic per thread that found one)."""
     if bad != 0:
         cuda.atomic.or_(flag, 0, bad)
 
 
-def state_step_py(q, k, v, S, z, S2, z2, out, feat, flag, check, code, eps, zero, one):
+def step_py(q, k, v, S, z, S2, z2, out, feat, lg, flag, check, code, eps, norm, rule, read, zero, one):
     """One block per batch entry b; per token: features (strided over i), barrier, columns m.
 
     Reads the state from ``S, z`` at the first token and from ``S2, z2`` after
     it, writes ``S2, z2`` (which may be ``S, z``).  ``check``: OR the bits of
-    the inputs holding NaN or inf into ``flag[0]``.
+    the inputs holding NaN or inf into ``flag[0]``.  ``lg`` (B, T, G): the
+    rule's per-token inputs (:func:`linattn_nb.ops._cuda_launch.rule_factors`).
+    ``read`` False: no outputs (the delta rules' prefill; ``q`` and ``out``
+    are not read or written).
+
+    Per token: the factors of the decay and gate rules go to row 3 of
+    ``feat`` (rounded once to the state dtype), features to rows 0 and 1,
+    the z update with the normaliser's terms to row 2; barrier.  The delta
+    rules (:func:`linattn_nb.ops._cuda_common.step_element`) first need
+    ``k^T z``: thread 0 stores the token's factor ``a`` and ``beta`` in row 3,
+    the features' terms of ``k^T z`` go to row 2, barrier, every thread sums
+    them, barrier, then the z update, barrier.  Then one thread per column m:
+    (the delta rules: ``k^T S[:, m]``) the update of column m and its read,
+    all in the state dtype (:func:`linattn_nb.ops._cuda_common.step_element`).
     """
     b = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    T = q.shape[1]
+    T = k.shape[1]
     F = S.shape[1]
     M = S.shape[2]
+    delta = rule == RULE_DELTA or rule == RULE_GATED_DELTA  # a correction: k^T H first
     bad = 0
     for t in range(T):
         Sr = S2
@@ -187,30 +189,101 @@ def state_step_py(q, k, v, S, z, S2, z2, out, feat, flag, check, code, eps, zero
             Sr = S
             zr = z
         nk = row_norm(k, b, t, code, zero, one)
-        nq = row_norm(q, b, t, code, zero, one)
+        nq = row_norm(q, b, t, code, zero, one) if read else one
+        if delta and tid == 0:
+            feat[b, 3, 0], feat[b, 3, 1] = step_scalars(rule, lg, b, t)
         for i in range(tid, F, nt):
             if check:
-                bad |= bad_bit(zero + q[b, t, i], BAD_Q) | bad_bit(zero + k[b, t, i], BAD_K)
+                bad |= bad_bit(zero + k[b, t, i], BAD_K)
+                if read:
+                    bad |= bad_bit(zero + q[b, t, i], BAD_Q)
             fk = feature(k, b, t, i, code, nk, zero, one)
-            fq = feature(q, b, t, i, code, nq, zero, one)
             feat[b, 0, i] = fk
-            feat[b, 1, i] = fq
-            zi = zr[b, i] + fk
-            z2[b, i] = zi
-            feat[b, 2, i] = fq * zi
+            if read:
+                feat[b, 1, i] = feature(q, b, t, i, code, nq, zero, one)
+            if delta:
+                feat[b, 2, i] = fk * zr[b, i]
+            else:
+                feat[b, 3, i] = step_factor(rule, lg, b, t, i)  # rounded to the state dtype once
+                zi = step_z(rule, zr[b, i], fk, feat[b, 3, i])
+                z2[b, i] = zi
+                feat[b, 2, i] = feat[b, 1, i] * zi
         cuda.syncthreads()
-        den = normaliser(feat, b, F, eps, NORM_FLOOR, zero)  # eps = -inf: no floor
+        a = one
+        bt = zero
+        if delta:
+            a = feat[b, 3, 0]
+            bt = feat[b, 3, 1]
+            rz = bt * (one - a * row_sum(feat, b, 2, F, zero))
+            cuda.syncthreads()  # row 2 is read by every thread before it is rewritten
+            for i in range(tid, F, nt):
+                zi = step_element(rule, zr[b, i], feat[b, 0, i], one, one, a, rz)
+                z2[b, i] = zi
+                feat[b, 2, i] = feat[b, 1, i] * zi
+            cuda.syncthreads()
+        den = normaliser(feat, b, F, eps, norm, zero)
         for m in range(tid, M, nt):
             w = zero + v[b, t, m]
             if check:
                 bad |= bad_bit(w, BAD_V)
+            r = zero
+            if delta:
+                d = zero
+                for i in range(F):
+                    d += feat[b, 0, i] * Sr[b, i, m]
+                r = bt * (w - a * d)
             acc = zero
             for i in range(F):
-                s = Sr[b, i, m] + feat[b, 0, i] * w
+                s = step_element(rule, Sr[b, i, m], feat[b, 0, i], feat[b, 3, i], w, a, r)
                 S2[b, i, m] = s
                 acc += feat[b, 1, i] * s
-            out[b, t, m] = acc / den
+            if read:
+                put_out(out, b, t, m, acc, den, norm)
         cuda.syncthreads()
+    raise_flag(flag, bad)
+
+
+def prefill_py(k, v, S, z, S2, z2, lg, flag, check, code, rule, zero, one):
+    """Thread (b, i, m): the element ``S[b, i, m]`` after the T tokens, stored in ``S2``; z by the m = 0
+    threads.  ``check``: the m = 0 threads test k, the i = 0 threads v.  Not for the delta rules.
+
+    Additive: ``S + sum_t phi(k_ti) v_tm`` (the sum in a register of the state
+    dtype).  Decay and gate: ``s <- a_ti s + phi(k_ti) v_tm`` token by token
+    (:func:`linattn_nb.ops._cuda_common.step_element`); the factor is float64,
+    so the running element is too (one register; stored in the state dtype).
+    """
+    b = cuda.blockIdx.x
+    i = cuda.blockIdx.y
+    m = cuda.blockIdx.z * cuda.blockDim.x + cuda.threadIdx.x
+    T = k.shape[1]
+    M = S.shape[2]
+    summed = rule == RULE_ADDITIVE
+    bad = 0
+    if m < M:
+        acc = zero
+        s = 1.0 * S[b, i, m]
+        for t in range(T):
+            w = zero + v[b, t, m]
+            if check and i == 0:
+                bad |= bad_bit(w, BAD_V)
+            a = feature(k, b, t, i, code, row_norm(k, b, t, code, zero, one), zero, one)
+            if summed:
+                acc += a * w
+            else:
+                s = step_element(rule, s, a, step_factor(rule, lg, b, t, i), w, one, zero)
+        S2[b, i, m] = S[b, i, m] + acc if summed else s
+    if m == 0:
+        zs = z[b, i]
+        zf = 1.0 * z[b, i]
+        for t in range(T):
+            if check:
+                bad |= bad_bit(zero + k[b, t, i], BAD_K)
+            a = feature(k, b, t, i, code, row_norm(k, b, t, code, zero, one), zero, one)
+            if summed:
+                zs += a
+            else:
+                zf = step_z(rule, zf, a, step_factor(rule, lg, b, t, i))
+        z2[b, i] = zs if summed else zf
     raise_flag(flag, bad)
 
 
@@ -242,195 +315,7 @@ def state_query_py(q, S, z, out, feat, flag, check, code, eps, norm, zero, one):
     raise_flag(flag, bad)
 
 
-def state_prefill_py(k, v, S, z, S2, z2, flag, check, code, zero, one):
-    """Thread (b, i, m): S2[b, i, m] = S[b, i, m] + sum_t phi(k[b, t, i]) v[b, t, m]; z by the m = 0
-    threads.  ``check``: the m = 0 threads test k, the i = 0 threads v."""
-    b = cuda.blockIdx.x
-    i = cuda.blockIdx.y
-    m = cuda.blockIdx.z * cuda.blockDim.x + cuda.threadIdx.x
-    T = k.shape[1]
-    M = S.shape[2]
-    bad = 0
-    if m < M:
-        acc = zero
-        for t in range(T):
-            w = zero + v[b, t, m]
-            if check and i == 0:
-                bad |= bad_bit(w, BAD_V)
-            a = feature(k, b, t, i, code, row_norm(k, b, t, code, zero, one), zero, one)
-            acc += a * w
-        S2[b, i, m] = S[b, i, m] + acc
-    if m == 0:
-        zi = z[b, i]
-        for t in range(T):
-            if check:
-                bad |= bad_bit(zero + k[b, t, i], BAD_K)
-            zi += feature(k, b, t, i, code, row_norm(k, b, t, code, zero, one), zero, one)
-        z2[b, i] = zi
-    raise_flag(flag, bad)
-
-
-def rule_step_py(q, k, v, S, z, S2, z2, out, feat, lg, flag, check, code, eps, norm, zero, one):
-    """As :func:`state_step_py`, each token first scaling the state by its factors (row 3 of ``feat``)."""
-    b = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    T = q.shape[1]
-    F = S.shape[1]
-    M = S.shape[2]
-    bad = 0
-    for t in range(T):
-        Sr = S2
-        zr = z2
-        if t == 0:
-            Sr = S
-            zr = z
-        nk = row_norm(k, b, t, code, zero, one)
-        nq = row_norm(q, b, t, code, zero, one)
-        for i in range(tid, F, nt):
-            if check:
-                bad |= bad_bit(zero + q[b, t, i], BAD_Q) | bad_bit(zero + k[b, t, i], BAD_K)
-            feat[b, 3, i] = token_factor(lg, b, t, i, one)  # rounded to the state dtype once
-            fk = feature(k, b, t, i, code, nk, zero, one)
-            fq = feature(q, b, t, i, code, nq, zero, one)
-            feat[b, 0, i] = fk
-            feat[b, 1, i] = fq
-            zi = feat[b, 3, i] * zr[b, i] + fk
-            z2[b, i] = zi
-            feat[b, 2, i] = fq * zi
-        cuda.syncthreads()
-        den = normaliser(feat, b, F, eps, norm, zero)
-        for m in range(tid, M, nt):
-            w = zero + v[b, t, m]
-            if check:
-                bad |= bad_bit(w, BAD_V)
-            acc = zero
-            for i in range(F):
-                s = feat[b, 3, i] * Sr[b, i, m] + feat[b, 0, i] * w
-                S2[b, i, m] = s
-                acc += feat[b, 1, i] * s
-            put_out(out, b, t, m, acc, den, norm)
-        cuda.syncthreads()
-    raise_flag(flag, bad)
-
-
-def rule_prefill_py(k, v, S, z, S2, z2, lg, flag, check, code, zero, one):
-    """Thread (b, i, m): s <- a_ti s + phi(k[b, t, i]) v[b, t, m] over the tokens from ``S``, stored in
-    ``S2``; z by the m = 0 threads.
-
-    The factor is float64, so the running element is too (one register; stored in the state dtype).
-    """
-    b = cuda.blockIdx.x
-    i = cuda.blockIdx.y
-    m = cuda.blockIdx.z * cuda.blockDim.x + cuda.threadIdx.x
-    T = k.shape[1]
-    M = S.shape[2]
-    G = lg.shape[2]
-    gi = i if G > 1 else 0
-    bad = 0
-    if m < M:
-        s = 1.0 * S[b, i, m]
-        for t in range(T):
-            w = zero + v[b, t, m]
-            if check and i == 0:
-                bad |= bad_bit(w, BAD_V)
-            a = feature(k, b, t, i, code, row_norm(k, b, t, code, zero, one), zero, one)
-            if G == 0:
-                s = s + a * w
-            else:
-                s = math.exp(lg[b, t, gi]) * s + a * w
-        S2[b, i, m] = s
-    if m == 0:
-        zi = 1.0 * z[b, i]
-        for t in range(T):
-            if check:
-                bad |= bad_bit(zero + k[b, t, i], BAD_K)
-            a = feature(k, b, t, i, code, row_norm(k, b, t, code, zero, one), zero, one)
-            if G == 0:
-                zi = zi + a
-            else:
-                zi = math.exp(lg[b, t, gi]) * zi + a
-        z2[b, i] = zi
-    raise_flag(flag, bad)
-
-
-def delta_step_py(q, k, v, S, z, S2, z2, out, feat, lg, beta, flag, check, code, eps, norm, read, zero, one):
-    """The delta rules, one block per batch entry: ``H <- a (I - beta k k^T) H + beta k [v 1]``.
-
-    Per token: thread 0 stores the token's factor ``a`` and write strength
-    ``beta`` in row 3 of ``feat`` (rounded once to the state dtype), features
-    strided over i (rows 0 and 1 of ``feat``) with the terms of ``k^T z``
-    (row 2), barrier, every thread sums them, barrier, the z update with the
-    normaliser's terms (row 2 again), barrier; then one thread per column m:
-    ``k^T S[:, m]``, the update ``S[:, m] <- a S[:, m] + beta k (v_m - a k^T
-    S[:, m])`` and the read, all in the state dtype.  ``lg`` (B, T, G): G =
-    0 the delta rule (a = 1), G = 1 the gated delta rule; ``beta`` (B, T)
-    float64.  ``read`` False: no outputs (a prefill; ``q`` and ``out`` are not
-    read or written).  State buffers as :func:`state_step_py`.
-    """
-    b = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    T = k.shape[1]
-    F = S.shape[1]
-    M = S.shape[2]
-    G = lg.shape[2]
-    bad = 0
-    for t in range(T):
-        Sr = S2
-        zr = z2
-        if t == 0:
-            Sr = S
-            zr = z
-        nk = row_norm(k, b, t, code, zero, one)
-        nq = row_norm(q, b, t, code, zero, one) if read else one
-        if tid == 0:
-            feat[b, 3, 0] = math.exp(lg[b, t, 0]) if G > 0 else 1.0
-            feat[b, 3, 1] = beta[b, t]
-        for i in range(tid, F, nt):
-            if check:
-                bad |= bad_bit(zero + k[b, t, i], BAD_K)
-                if read:
-                    bad |= bad_bit(zero + q[b, t, i], BAD_Q)
-            fk = feature(k, b, t, i, code, nk, zero, one)
-            feat[b, 0, i] = fk
-            if read:
-                feat[b, 1, i] = feature(q, b, t, i, code, nq, zero, one)
-            feat[b, 2, i] = fk * zr[b, i]
-        cuda.syncthreads()
-        a = feat[b, 3, 0]
-        bt = feat[b, 3, 1]
-        kz = row_sum(feat, b, 2, F, zero)
-        rz = bt * (one - a * kz)
-        cuda.syncthreads()  # row 2 is read by every thread before it is rewritten
-        for i in range(tid, F, nt):
-            zi = a * zr[b, i] + rz * feat[b, 0, i]
-            z2[b, i] = zi
-            feat[b, 2, i] = feat[b, 1, i] * zi
-        cuda.syncthreads()
-        den = normaliser(feat, b, F, eps, norm, zero)
-        for m in range(tid, M, nt):
-            w = zero + v[b, t, m]
-            if check:
-                bad |= bad_bit(w, BAD_V)
-            d = zero
-            for i in range(F):
-                d += feat[b, 0, i] * Sr[b, i, m]
-            r = bt * (w - a * d)
-            acc = zero
-            for i in range(F):
-                s = a * Sr[b, i, m] + r * feat[b, 0, i]
-                S2[b, i, m] = s
-                acc += feat[b, 1, i] * s
-            if read:
-                put_out(out, b, t, m, acc, den, norm)
-        cuda.syncthreads()
-    raise_flag(flag, bad)
-
-
-PYTHON_KERNELS = {"state_step": state_step_py, "state_query": state_query_py,
-                  "state_prefill": state_prefill_py, "rule_step": rule_step_py, "rule_prefill": rule_prefill_py,
-                  "delta_step": delta_step_py}
+PYTHON_KERNELS = {"step": step_py, "state_query": state_query_py, "prefill": prefill_py}
 _JIT = {}
 
 
@@ -477,7 +362,8 @@ class DoubleBuffer:
 class StepScratch:
     """What the kernels of one GPU state need besides its state: ``feat`` (B, 4, max(F, 2)) in the state
     dtype, the finiteness ``flag`` (1,) int32 on the device (zero between calls), a host array to read
-    it into, and the (1, 1, 0) float64 ``lg`` of a call without factors."""
+    it into, and a (1, 1, 0) float64 placeholder (the ``out`` of the delta rules' prefill, never
+    written)."""
 
     __slots__ = ("feat", "flag", "host_flag", "no_factors")
 
@@ -550,20 +436,29 @@ def _finish(S, z, scratch, check, order):
     return bad
 
 
-def state_step(q, k, v, S, z, out, scratch, *, code, eps, check=False) -> int:
-    """Launch the step kernel (one block per batch entry): one launch, no copy; ``S``, ``z``
-    :class:`DoubleBuffer`.
+def _launch_step(q, k, v, S, z, out, scratch, code, eps, rule, inputs, norm, read, check, order):
+    """One launch of the step kernel (one block per batch entry) and its flag; returns as :func:`step`."""
+    B, T, F = k.shape[0], k.shape[1], S.cur.shape[1]
+    lg = rule_factors(rule, flat_inputs(inputs, B, T, F), B, T, F)
+    Si, zi, So, zo = _buffers(S, z, check)
+    kernels()["step"][B, _threads()](q, k, v, Si, zi, So, zo, out, scratch.feat, lg, scratch.flag, bool(check),
+                                     np.int64(code), _eps(eps, Si.dtype), np.int64(norm), np.int64(rule),
+                                     bool(read), *_consts(Si))
+    return _finish(S, z, scratch, check, order)
+
+
+def step(q, k, v, S, z, out, scratch, *, code, eps, rule=RULE_ADDITIVE, inputs=None, normalize=True,
+         check=False) -> int:
+    """Launch the step kernel: one launch, no copy; ``S``, ``z`` :class:`DoubleBuffer`; ``inputs`` the
+    rule's per-token inputs (host or device arrays, :data:`linattn_nb.ops._codes.RULES`).
 
     Returns 0, or with ``check`` 1, 2 or 3 when q, k or v holds NaN or inf (the first; the state is
     then unchanged and ``out`` undefined).
     """
-    B = q.shape[0]
-    if B == 0 or q.shape[1] == 0:
+    if q.shape[0] == 0 or q.shape[1] == 0:
         return 0
-    Si, zi, So, zo = _buffers(S, z, check)
-    kernels()["state_step"][B, _threads()](q, k, v, Si, zi, So, zo, out, scratch.feat, scratch.flag, bool(check),
-                                           np.int64(code), _eps(eps, Si.dtype), *_consts(Si))
-    return _finish(S, z, scratch, check, (BAD_Q, BAD_K, BAD_V))
+    return _launch_step(q, k, v, S, z, out, scratch, code, eps, rule, inputs, norm_mode(eps, normalize), True,
+                        check, (BAD_Q, BAD_K, BAD_V))
 
 
 def state_query(q, S, z, out, scratch, *, code, eps, normalize=True, check=False) -> int:
@@ -579,98 +474,20 @@ def state_query(q, S, z, out, scratch, *, code, eps, normalize=True, check=False
     return _first_bad(scratch.read_flag(), (BAD_Q,)) if check else 0
 
 
-def state_prefill(k, v, S, z, scratch, *, code, check=False) -> int:
-    """Launch the prefill kernel (one thread per batch entry, feature and value column).  Returns 0, or
-    with ``check`` 1 or 2 when k or v holds NaN or inf (the state unchanged)."""
+def prefill(k, v, S, z, scratch, *, code, rule=RULE_ADDITIVE, inputs=None, check=False) -> int:
+    """Launch the prefill kernel (one thread per batch entry, feature and value column), or for the delta
+    rules the step kernel without outputs.  Returns 0, or with ``check`` 1 or 2 when k or v holds NaN or
+    inf (the state unchanged)."""
     B, T, _ = k.shape
     if B == 0 or T == 0:
         return 0
+    if is_delta_rule(rule):  # ``out`` is not written (read=False)
+        return _launch_step(k, k, v, S, z, scratch.no_factors, scratch, code, None, rule, inputs, NORM_NONE,
+                            False, check, (BAD_K, BAD_V))
+    F = S.cur.shape[1]
+    lg = rule_factors(rule, flat_inputs(inputs, B, T, F), B, T, F)
     Si, zi, So, zo = _buffers(S, z, check)
-    grid, nt = _prefill_grid(B, Si.shape[1], Si.shape[2])
-    kernels()["state_prefill"][grid, nt](k, v, Si, zi, So, zo, scratch.flag, bool(check), np.int64(code),
-                                         *_consts(Si))
-    return _finish(S, z, scratch, check, (BAD_K, BAD_V))
-
-
-def log_factors(inputs, B, T, scratch):
-    """The kernels' ``lg`` (B, T, G) float64 on the device from a launcher's ``inputs`` (None: G = 0,
-    the scratch's placeholder).  Host arrays are copied to the device; device arrays are used as they are."""
-    from .cpu import log_factors as host_log_factors
-
-    if not inputs:
-        return scratch.no_factors
-    x = inputs.get("log_decay", inputs.get("log_gate"))
-    if hasattr(x, "copy_to_host"):
-        return x.reshape((B, T, 1) if "log_decay" in inputs else (B, T, x.shape[-1]))
-    return cuda.to_device(host_log_factors(inputs, B, T))
-
-
-def rule_step(q, k, v, S, z, out, scratch, *, code, eps, inputs=None, normalize=True, check=False) -> int:
-    """Launch the rule step kernel (one block per batch entry); returns as :func:`state_step`."""
-    B, T = q.shape[0], q.shape[1]
-    if B == 0 or T == 0:
-        return 0
-    Si, zi, So, zo = _buffers(S, z, check)
-    kernels()["rule_step"][B, _threads()](q, k, v, Si, zi, So, zo, out, scratch.feat,
-                                          log_factors(inputs, B, T, scratch), scratch.flag, bool(check),
-                                          np.int64(code), _eps(eps, Si.dtype), np.int64(norm_mode(eps, normalize)),
-                                          *_consts(Si))
-    return _finish(S, z, scratch, check, (BAD_Q, BAD_K, BAD_V))
-
-
-def rule_prefill(k, v, S, z, scratch, *, code, inputs=None, check=False) -> int:
-    """Launch the rule prefill kernel (one thread per batch entry, feature and value column); returns as
-    :func:`state_prefill`."""
-    B, T, _ = k.shape
-    if B == 0 or T == 0:
-        return 0
-    Si, zi, So, zo = _buffers(S, z, check)
-    grid, nt = _prefill_grid(B, Si.shape[1], Si.shape[2])
-    kernels()["rule_prefill"][grid, nt](k, v, Si, zi, So, zo, log_factors(inputs, B, T, scratch), scratch.flag,
-                                        bool(check), np.int64(code), *_consts(Si))
-    return _finish(S, z, scratch, check, (BAD_K, BAD_V))
-
-
-def delta_arrays(inputs, B, T, scratch):
-    """The kernels' ``lg`` (B, T, G) (G = 1 with ``log_decay``: the gated delta rule, else 0) and
-    ``beta`` (B, T), float64 device arrays, from a delta-rule launcher's ``inputs`` (host arrays are
-    copied to the device, device arrays used as they are)."""
-    def dev(x, shape):
-        if hasattr(x, "copy_to_host"):
-            return x.reshape(shape)
-        return cuda.to_device(np.ascontiguousarray(x, dtype=np.float64).reshape(shape))
-
-    beta = dev(inputs["beta"], (B, T))
-    lg = dev(inputs["log_decay"], (B, T, 1)) if "log_decay" in inputs else scratch.no_factors
-    return lg, beta
-
-
-def delta_step(q, k, v, S, z, out, scratch, *, code, eps, inputs, normalize=False, check=False) -> int:
-    """Launch the delta-rule step kernel (one block per batch entry); returns as :func:`state_step`.
-
-    ``inputs``: ``{"beta": (B, T)}`` (delta) or ``{"beta", "log_decay"}`` (gated delta).
-    """
-    B, T = q.shape[0], q.shape[1]
-    if B == 0 or T == 0:
-        return 0
-    lg, beta = delta_arrays(inputs, B, T, scratch)
-    Si, zi, So, zo = _buffers(S, z, check)
-    kernels()["delta_step"][B, _threads()](q, k, v, Si, zi, So, zo, out, scratch.feat, lg, beta, scratch.flag,
-                                           bool(check), np.int64(code), _eps(eps, Si.dtype),
-                                           np.int64(norm_mode(eps, normalize)), True, *_consts(Si))
-    return _finish(S, z, scratch, check, (BAD_Q, BAD_K, BAD_V))
-
-
-def delta_prefill(k, v, S, z, scratch, *, code, inputs, check=False) -> int:
-    """Launch the delta-rule kernel without outputs: the state after T tokens; returns as
-    :func:`state_prefill`."""
-    B, T = k.shape[0], k.shape[1]
-    if B == 0 or T == 0:
-        return 0
-    lg, beta = delta_arrays(inputs, B, T, scratch)
-    Si, zi, So, zo = _buffers(S, z, check)
-    out = scratch.no_factors  # not written (read=False)
-    kernels()["delta_step"][B, _threads()](k, k, v, Si, zi, So, zo, out, scratch.feat, lg, beta, scratch.flag,
-                                           bool(check), np.int64(code), _eps(None, Si.dtype), np.int64(NORM_NONE),
-                                           False, *_consts(Si))
+    grid, nt = _prefill_grid(B, F, Si.shape[2])
+    kernels()["prefill"][grid, nt](k, v, Si, zi, So, zo, lg, scratch.flag, bool(check), np.int64(code),
+                                   np.int64(rule), *_consts(Si))
     return _finish(S, z, scratch, check, (BAD_K, BAD_V))
