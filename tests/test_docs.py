@@ -52,16 +52,17 @@ def _ids(html_dir) -> set:
 @pytest.mark.slow
 def test_docs_build_without_warnings_and_document_every_public_name(html):
     import linattn_nb
-    from linattn_nb import analysis, feature_maps, studies
+    from linattn_nb import analysis, feature_maps, rules, studies
 
     ids = _ids(html)
-    modules = {"config", "feature_maps", "fitting"}  # public modules: their own pages, checked below
+    modules = {"config", "feature_maps", "fitting", "rules"}  # public modules: their own pages, checked below
     assert modules <= set(linattn_nb.__all__)
     want = [f"linattn_nb.{n}" for n in linattn_nb.__all__ if n != "__version__" and n not in modules]
     want += [f"module-linattn_nb.{n}" for n in sorted(modules)]
     want += [f"linattn_nb.fitting.{n}" for n in ("fit", "objective", "FitResult", "FitHistory")]
     want += [f"linattn_nb.feature_maps.{n}" for n in feature_maps.__all__ if not n.startswith("KERNEL_CODE")]
     want += [f"linattn_nb.analysis.{n}" for n in analysis.__all__]
+    want += [f"linattn_nb.rules.{n}" for n in rules.__all__]
     want += [f"linattn_nb.studies.{n}" for n in studies.__all__]
     want += ["module-linattn_nb.config", "module-linattn_nb.device", "module-linattn_nb.cli",
              "linattn_nb.state.StateFileError", "linattn_nb.torch.linear_attention",

@@ -130,7 +130,7 @@ def _run_written(kind, beta, d, n_pairs, seed, passes) -> dict:
         acc.append(r.accuracy)
         mse.append(r.error)
         opt.append(max(0.0, 1.0 - np.linalg.matrix_rank(keys) / n))
-    return {"n_pairs": list(n_pairs), "d_phi": d, "accuracy": acc, "mse": mse, "optimal_mse": opt,
+    return {"n_pairs": list(n_pairs), "d_phi": d, "accuracy": acc, "mse": mse, "optimal_mse": opt,  # not a rule: the argument decay
             "beta": beta, "decay": None, "passes": passes if kind == "passes" else 1, "normalize": False,
             "value_dim": None}
 
