@@ -44,10 +44,13 @@ def test_a_rule_outside_the_kernel_table_is_refused():
         rules.register(r)
 
 
+CASES = [(m, n, "cpu") for m in ("quadratic", "scan", "chunked") for n in (1, 7, 70)]
+CASES += [(m, 7, "cuda") for m in ("scan", "chunked")]  # the CUDA kernels (the simulator without a GPU), tiny
+
+
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("method", ["quadratic", "scan", "chunked"])
-@pytest.mark.parametrize("n", [1, 7, 70])
-def test_reference_recurrence_equals_every_causal_method(name, method, n):
+@pytest.mark.parametrize("method,n,device", CASES)
+def test_reference_recurrence_equals_every_causal_method(name, method, n, device):
     """Each rule's own float64 recurrence is the definition the kernels compute, resets included."""
     rule = rules.get_rule(name)
     rng = np.random.default_rng(n)
@@ -56,7 +59,7 @@ def test_reference_recurrence_equals_every_causal_method(name, method, n):
     kw = rule.sample(rng, b, n, d)
     fmap = la.feature_maps.get(rule.study_map)
     out, st = la.linear_attention(q, k, v, feature_map=fmap, causal=True, method=method, return_state=True,
-                                  eps=None, **kw)
+                                  eps=None, device=device, **kw)
     assert st.rule == name
     fq, fk = fmap(q), fmap(k)
     inputs = {}
