@@ -31,7 +31,7 @@ as time spent preempted does not count.
 Cases (B*H = 16, D = M = 64, feature map "elu", ``check_finite=False``,
 through :func:`linattn_nb.linear_attention`): chunked float32 at N = 4096,
 N = 512 and N = 64 (where the per-call overhead shows), chunked float64 at N = 4096, the scan at N = 4096 (float32), the
-non-causal kernel at N = 4096 (float32), and a decode step of
+non-causal kernel at N = 4096 (float32), a decode step of
 :class:`linattn_nb.LinearAttentionState` (H = 16, one token, float32); the
 forgetting rules at N = 4096, float32: the chunked kernel with a per-token
 decay and with a per-feature gate, and the gate's scan (log-factors drawn as
@@ -62,6 +62,7 @@ CASES = {
     "scan f32 N=4096": ("scan", 4096, "float32"),
     "noncausal f32 N=4096": ("noncausal", 4096, "float32"),
     "decode step f32 H=16": ("step", 1, "float32"),
+    "vjp causal f32 N=1024": ("vjp", 1024, "float32"),
     # the forgetting rules: a per-token decay and a per-feature gate, log-factors as decay_cpu.py draws them
     "decay chunked f32 N=4096": ("chunked/decay", 4096, "float32"),
     "gate chunked f32 N=4096": ("chunked/gate", 4096, "float32"),
@@ -82,6 +83,9 @@ def _make_case(la, np, name):
         return lambda: st.step(q, k, v, check_finite=False)
     q, k, v = (rng.standard_normal((BH, n, d)).astype(dtype) for d in (D, D, M))
     out = np.empty((BH, n, M), dtype)
+    if kind == "vjp":
+        g = rng.standard_normal((BH, n, M)).astype(dtype)
+        return lambda: la.linear_attention_vjp(q, k, v, g, causal=True, check_finite=False)
     if kind == "noncausal":
         return lambda: la.linear_attention(q, k, v, causal=False, check_finite=False, out=out)
     if "/" in kind:

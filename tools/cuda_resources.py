@@ -805,17 +805,14 @@ def step_specs(M: int = 64, dtypes=(("float32", "float16"), ("float32", "float32
 
     nt = int(config.CUDA_STEP_THREADS)
     npre = min(nt, max(32, int(M)))
-    lg, b2, fl = _arr(_F64, 3), _arr(_F64, 2), _arr("int32", 1)
+    lg, fl = _arr(_F64, 3), _arr("int32", 1)
     specs = []
     for sdt, idt in dtypes:
         S3, z2, a3 = _arr(sdt, 3), _arr(sdt, 2), _arr(idt, 3)
         sigs = {
-            "state_step": ((a3, a3, a3, S3, z2, S3, z2, a3, S3, fl, _B, _I, sdt, sdt, sdt), nt),
+            "step": ((a3, a3, a3, S3, z2, S3, z2, a3, S3, lg, fl, _B, _I, sdt, _I, _I, _B, sdt, sdt), nt),
             "state_query": ((a3, S3, z2, a3, S3, fl, _B, _I, sdt, _I, sdt, sdt), nt),
-            "state_prefill": ((a3, a3, S3, z2, S3, z2, fl, _B, _I, sdt, sdt), npre),
-            "rule_step": ((a3, a3, a3, S3, z2, S3, z2, a3, S3, lg, fl, _B, _I, sdt, _I, sdt, sdt), nt),
-            "rule_prefill": ((a3, a3, S3, z2, S3, z2, lg, fl, _B, _I, sdt, sdt), npre),
-            "delta_step": ((a3, a3, a3, S3, z2, S3, z2, a3, S3, lg, b2, fl, _B, _I, sdt, _I, _B, sdt, sdt), nt),
+            "prefill": ((a3, a3, S3, z2, S3, z2, lg, fl, _B, _I, _I, sdt, sdt), npre),
         }
         for name, (sig, threads) in sigs.items():
             specs.append(KernelSpec(f"step/{name}/{sdt}/{idt}", "linattn_nb.ops.step.cuda:kernels", sig, threads,
