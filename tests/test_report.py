@@ -353,14 +353,21 @@ def _fake_analysis():
         return StateRankProfile(positions=np.asarray(positions), rank=np.asarray(ranks),
                                 max_rank=min(fk.shape[1], v.shape[1]))
 
-    def recall_capacity(feature_map, d, n_pairs, *, trials=1, seed=0):
+    def recall_capacity(feature_map, d, n_pairs, *, trials=1, seed=0, key_scale=1.0):
         n = np.asarray(n_pairs, dtype=float)
         dphi = feature_map.output_dim(d)
         opt = np.clip(1 - dphi / n, 0, None)
         return _FakeRecall(n.astype(int), 1 - opt / 2, opt + 0.05, opt, np.ones_like(n), np.zeros_like(n))
 
+    def attention_weights(q, k, feature_map, *, causal=False, eps=None, normalize=True):
+        fmap = fm.resolve(feature_map)
+        w = np.einsum("bif,bjf->bij", fmap(np.atleast_3d(q)), fmap(np.atleast_3d(k)))
+        w = np.tril(w) if causal else w
+        return w / np.maximum(w.sum(axis=-1, keepdims=True), 1e-12) if normalize else w
+
     mod = types.ModuleType("linattn_nb.analysis")
-    for f in (approximation_error, attention_rank, semiseparable_rank, state_rank_profile, recall_capacity):
+    for f in (approximation_error, attention_rank, semiseparable_rank, state_rank_profile, recall_capacity,
+              attention_weights):
         setattr(mod, f.__name__, f)
     return mod
 
