@@ -75,3 +75,33 @@ def python_sigint_handler():
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
+
+
+# ---------------------------------------------------------------------------
+# The fast tier: ``python -m pytest -m "not slow"``
+# ---------------------------------------------------------------------------
+#: Files whose tests are marked ``slow`` as a whole: the CUDA kernels on the simulator and their
+#: PTX, every array layout of every entry point, the notebooks, the README and docs builds, the
+#: report and sweep end to end, installs, fitting runs and the mutation checks.  The fast tier
+#: leaves them out and still runs every rule on every method on small shapes
+#: (``tests/rules/test_rules.py``, the CUDA methods included), the CPU kernels against their
+#: references, the front ends, states, analyses, feature maps and the torch adapter.
+SLOW_FILES = frozenset({
+    "ops/test_cuda.py", "ops/test_cuda_launchable.py", "ops/test_cuda_transfers.py", "ops/test_decay_cuda.py",
+    "ops/test_delta_cuda.py", "ops/test_grad_cuda.py", "ops/test_step_cuda.py",
+    "test_layouts.py", "test_notebooks.py", "test_readme.py", "test_readme_figures.py", "test_docs.py",
+    "test_doctests.py", "test_install.py", "test_report.py", "test_report_background.py", "test_sweep.py",
+    "test_cli.py", "test_learned_study.py", "test_fitted_maps_paths.py", "test_fitting.py",
+    "test_mutation_catches.py", "test_numerics.py", "test_device.py",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    tests = ROOT / "tests"
+    for item in items:
+        try:
+            rel = pathlib.Path(str(item.fspath)).resolve().relative_to(tests).as_posix()
+        except ValueError:
+            continue
+        if rel in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
