@@ -124,6 +124,14 @@ class UpdateRule:
         return inputs[next(nm for nm in self.kernel_inputs if nm != "beta")]
 
 
+def draw_factors(rng, shape):
+    """Random factors in [0.5, 1] of ``shape`` (b, n[, f]), with a reset (factor 0) at token n // 2."""
+    a = rng.uniform(0.5, 1.0, size=shape)
+    if shape[1] >= 2:
+        a[:, shape[1] // 2] = 0.0
+    return a
+
+
 def reference(rule: UpdateRule, fq, fk, v, *, inputs=None, H0=None, normalize=None, eps=None):
     """The float64 reference of ``rule`` on one batch: a token-by-token loop of :attr:`UpdateRule.reference_step`.
 

@@ -8,7 +8,7 @@ Gu 2024) and simple GLA.
 import numpy as np
 
 from ..ops._codes import RULE_DECAY
-from ._base import UpdateRule
+from ._base import UpdateRule, draw_factors
 
 
 def _step(H, k, v1, log_factor, beta):
@@ -16,10 +16,7 @@ def _step(H, k, v1, log_factor, beta):
 
 
 def _sample(rng, b, n, f):
-    a = rng.uniform(0.5, 1.0, size=(b, n))
-    if n >= 2:
-        a[:, n // 2] = 0.0
-    return {"decay": a}
+    return {"decay": draw_factors(rng, (b, n))}
 
 
 RULE = UpdateRule(

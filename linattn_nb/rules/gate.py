@@ -6,7 +6,7 @@ in [0, 1]^D_phi, one factor per token and feature.
 import numpy as np
 
 from ..ops._codes import RULE_GATE
-from ._base import UpdateRule
+from ._base import UpdateRule, draw_factors
 
 
 def _step(H, k, v1, log_factor, beta):
@@ -14,10 +14,7 @@ def _step(H, k, v1, log_factor, beta):
 
 
 def _sample(rng, b, n, f):
-    a = rng.uniform(0.5, 1.0, size=(b, n, f))
-    if n >= 2:
-        a[:, n // 2] = 0.0
-    return {"decay": a}
+    return {"decay": draw_factors(rng, (b, n, f))}
 
 
 RULE = UpdateRule(

@@ -7,7 +7,7 @@ Outputs are not divided by the normaliser by default.
 import numpy as np
 
 from ..ops._codes import RULE_GATED_DELTA
-from ._base import UpdateRule
+from ._base import UpdateRule, draw_factors
 
 
 def _step(H, k, v1, log_factor, beta):
@@ -17,10 +17,7 @@ def _step(H, k, v1, log_factor, beta):
 
 def _sample(rng, b, n, f):
     beta = rng.uniform(0.0, 2.0, size=(b, n))  # beta first: the order the correctness study has always drawn
-    a = rng.uniform(0.5, 1.0, size=(b, n))
-    if n >= 2:
-        a[:, n // 2] = 0.0
-    return {"beta": beta, "decay": a}
+    return {"beta": beta, "decay": draw_factors(rng, (b, n))}
 
 
 RULE = UpdateRule(
