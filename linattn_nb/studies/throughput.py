@@ -170,6 +170,12 @@ def noisy_points(rates: dict) -> list:
     or, at an end of the grid, the next two inward (the last N is where a
     slow point hides most easily).
     """
+    return [x for x, nb in _neighbours(rates) if nb and all(rates[x] < NOISY_FRACTION * r for r in nb)]
+
+
+def _neighbours(rates: dict) -> list:
+    """``(N, [the rates of its two nearest neighbours])`` for every N of ``{N: rate}``, in order (see
+    :func:`noisy_points`)."""
     xs = sorted(rates)
     out = []
     for i, x in enumerate(xs):
@@ -177,9 +183,7 @@ def noisy_points(rates: dict) -> list:
             idx = (i - 1, i + 1)
         else:
             idx = (1, 2) if i == 0 else (i - 1, i - 2)
-        nb = [rates[xs[j]] for j in idx if 0 <= j < len(xs) and j != i]
-        if nb and all(rates[x] < NOISY_FRACTION * r for r in nb):
-            out.append(x)
+        out.append((x, [rates[xs[j]] for j in idx if 0 <= j < len(xs) and j != i]))
     return out
 
 
@@ -193,17 +197,7 @@ def clean_points(rates: dict, fraction: float = HEADLINE_FRACTION) -> list:
 
     The neighbours are those of :func:`noisy_points`.  A series of one point has no neighbour: none is clean.
     """
-    xs = sorted(rates)
-    out = []
-    for i, x in enumerate(xs):
-        if 0 < i < len(xs) - 1:
-            idx = (i - 1, i + 1)
-        else:
-            idx = (1, 2) if i == 0 else (i - 1, i - 2)
-        nb = [rates[xs[j]] for j in idx if 0 <= j < len(xs) and j != i]
-        if nb and all(rates[x] >= fraction * r for r in nb):
-            out.append(x)
-    return out
+    return [x for x, nb in _neighbours(rates) if nb and all(rates[x] >= fraction * r for r in nb)]
 
 
 def _rate(params, res) -> float:
