@@ -339,7 +339,7 @@ def decode_step(cuda, D, M, *, heads, batches, tiny=False, steps=200):
     """Decode-step time per token on float32 device arrays (H heads, D = M).
 
     ``device_us``: CUDA events around ``steps`` back-to-back launches of the step
-    kernel alone (``linattn_nb.ops.step.cuda.state_step`` on prepared device arrays),
+    kernel alone (``linattn_nb.ops.step.cuda.step`` on prepared device arrays),
     divided by ``steps``; ``call_us``: wall time per ``LinearAttentionState.step``
     call on device arrays (``check_finite=False``), host work included.
     """
@@ -355,17 +355,17 @@ def decode_step(cuda, D, M, *, heads, batches, tiny=False, steps=200):
             BH = B * heads
             q, k, v = (cuda.to_device(np.abs(rng.standard_normal((BH, 1, n), dtype=np.float32)))
                        for n in (D, D, M))
-            S = cuda.to_device(np.zeros((BH, D, M), dtype=np.float32))
-            z = cuda.to_device(np.zeros((BH, D), dtype=np.float32))
-            feat = cuda.to_device(np.zeros((BH, 3, D), dtype=np.float32))
+            S = SC.DoubleBuffer((BH, D, M), np.float32)
+            z = SC.DoubleBuffer((BH, D), np.float32)
+            scratch = SC.StepScratch(BH, D, np.float32)
             out = cuda.device_array((BH, 1, M), dtype=np.float32)
-            SC.state_step(q, k, v, S, z, out, feat, code=0, eps=None)  # compile
+            SC.step(q, k, v, S, z, out, scratch, code=0, eps=None)  # compile
             cuda.synchronize()
             start, stop = cuda.event(), cuda.event()
             t0 = time.perf_counter()
             start.record()
             for _ in range(steps):
-                SC.state_step(q, k, v, S, z, out, feat, code=0, eps=None)
+                SC.step(q, k, v, S, z, out, scratch, code=0, eps=None)
             stop.record()
             stop.synchronize()
             ms = start.elapsed_time(stop)
