@@ -49,6 +49,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 
 import numpy as np
 
@@ -473,11 +474,20 @@ def rule_layouts(cuda, torch, B, H, D, M, deadline, N=16384):
                     cell[lay + "_ms"] = None
                     continue
                 config.CUDA_SEQ_LAYOUT = lay
-                t, _ = time_gpu(cuda, lambda: la.linear_attention(q, k, v, causal=True, method="scan", device="cuda",
-                                                                   feature_map=fmap, check_finite=False, out=out,
-                                                                   **kw),
-                                target_s=0.1)
-                cell[lay + "_ms"] = t * 1e3
+                try:
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always", RuntimeWarning)
+                        t, _ = time_gpu(cuda, lambda: la.linear_attention(
+                            q, k, v, causal=True, method="scan", device="cuda", feature_map=fmap,
+                            check_finite=False, out=out, **kw), target_s=0.1)
+                    cell[lay + "_ms"] = t * 1e3
+                    for w in caught:  # e.g. a tile kernel the device refused, run in row groups instead
+                        cell[lay + "_warning"] = str(w.message)[:200]
+                        print(f"  {rule} {lay}: {w.message}", flush=True)
+                except Exception as exc:  # report and go on: the other rules and layouts still count
+                    cell[lay + "_ms"] = None
+                    cell[lay + "_error"] = f"{type(exc).__name__}: {exc}"[:200]
+                    print(f"  {rule} {lay}: failed: {cell[lay + '_error']}", flush=True)
             res.append(cell)
             print(f"  {rule:<12} rows {cell.get('rows_ms') or float('nan'):9.3f}  "
                   f"tiles {cell.get('tiles_ms') or float('nan'):9.3f}", flush=True)

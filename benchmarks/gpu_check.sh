@@ -38,6 +38,10 @@ for m in ("numpy", "scipy", "numba", "numba_cuda", "torch", "cupy", "pytest", "h
         print(f"{m:<11}", getattr(importlib.import_module(m), "__version__", "installed"))
     except Exception as exc:
         print(f"{m:<11} MISSING ({type(exc).__name__}: {exc})")
+import numpy
+if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 5):
+    print("WARNING: NumPy", numpy.__version__, "breaks numba-cuda 0.30.4 (np.row_stack is gone): every kernel "
+          "compile fails; run with NumPy < 2.5 (the cuda extra pins it)")
 from linattn_nb.device import cuda_status
 print("linattn_nb cuda_status:", cuda_status())
 if cuda_status() == "gpu":

@@ -51,7 +51,8 @@ re-exports (:func:`linattn_nb.ops._cuda_pool.workspace`, ``zeros``,
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 
 import numpy as np
 from numba import cuda
@@ -71,6 +72,10 @@ from ._cuda_common import is_delta_rule, rule_factor_rows
 _F64 = np.dtype(np.float64)
 _F32 = np.dtype(np.float32)
 _SMS: dict = {}
+#: (F, M, accumulation itemsize, rule) of tile-layout kernels the device refused to launch (too many
+#: registers for their threads per block under this toolkit's compiler): planned in row groups from then
+#: on (:func:`_run`).
+_REFUSED_TILES: set = set()
 
 
 def multiprocessor_count() -> int:
@@ -402,7 +407,10 @@ def plan(q, k, v, H, out, *, rule=RULE_ADDITIVE, inputs=None, chunk=None, check_
     else:
         L = chunk_length(chunk)
         nc = max(-(-N // L), 1)
-    cfg = seq_config(F, M, acc.itemsize, rule, seq_layout(B * nc, F, M, acc.itemsize, rule))
+    layout = seq_layout(B * nc, F, M, acc.itemsize, rule)
+    if layout == "tiles" and (F, M, acc.itemsize, int(rule)) in _REFUSED_TILES:
+        layout = "rows"
+    cfg = seq_config(F, M, acc.itemsize, rule, layout)
     R, C, G, MB, T = cfg
     lf = rule_factors(rule, inputs, B, N, F)
     flat = [flat_view(x) for x in views]
@@ -427,12 +435,56 @@ def _run(p: SeqPlan, Hin, Hout, seg_len, nseg_per_b, state_div, code, eps, norma
     ``count``: this launch counts the non-finite inputs it stages into
     ``p.flags`` (every input must be counted by exactly one launch).
     """
+    args = (*p.flat, *p.strides, p.F, p.M, Hin, Hout, p.lf, p.N, seg_len, nseg_per_b, state_div, p.B2, int(code),
+            float(0.0 if eps is None else eps), norm_mode(eps, normalize), read_state, update, write_out,
+            write_state, p.flags if count else _no_flags())
+    try:
+        _launch(p, code, p.B * nseg_per_b, args)
+    except Exception as exc:
+        fallback = _rows_instead(p, exc)
+        if fallback is None:
+            raise
+        _launch(fallback, code, p.B * nseg_per_b, args)
+
+
+def _launch(p: SeqPlan, code, segments: int, args) -> None:
+    """Launch the sequence kernel of plan ``p`` (specialised on map ``code`` where configured) over
+    ``segments`` x its column blocks."""
     kernel = (seq_kernel(*p.cfg, p.acc.name, p.rule, int(code), p.off32, p.vec) if config.CUDA_SPECIALIZE_MAPS
               else p.kernel)
-    kernel[(p.B * nseg_per_b, p.col_blocks), p.threads](
-        *p.flat, *p.strides, p.F, p.M, Hin, Hout, p.lf, p.N, seg_len, nseg_per_b, state_div, p.B2, int(code),
-        float(0.0 if eps is None else eps), norm_mode(eps, normalize), read_state, update, write_out,
-        write_state, p.flags if count else _no_flags())
+    kernel[(segments, p.col_blocks), p.threads](*args)
+
+
+def _rows_instead(p: SeqPlan, exc: Exception):
+    """The row-group plan to relaunch with when the device refused ``p``'s tile-layout kernel for lack of
+    registers (``CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES``: its registers per thread times its threads per block
+    exceed the block's 65,536 under this toolkit's compiler, which the static check, run with another
+    toolkit, did not see), else None (the error is raised as it is).
+
+    The configuration is remembered, so later plans take row groups from the start, and one
+    RuntimeWarning says so.  A relaunch needs the same column blocks (the state buffers were laid out
+    for them); otherwise the error is raised with a hint.
+    """
+    if p.cfg[2] != 0 or "OUT_OF_RESOURCES" not in str(exc):
+        return None
+    key = (p.F, p.M, p.acc.itemsize, int(p.rule))
+    first = key not in _REFUSED_TILES
+    _REFUSED_TILES.add(key)
+    cfg = seq_config(p.F, p.M, p.acc.itemsize, p.rule, "rows")
+    MB = cfg[3]
+    if -(-p.M // MB) != p.col_blocks:
+        raise RuntimeError(f"the GPU refused the tile-layout kernel (rule {rule_name(p.rule)!r}, D_phi={p.F}, "
+                           f"M={p.M}, {p.acc.name}): too many registers for its {p.threads} threads per block; "
+                           f"later calls use row groups (or set linattn_nb.config.CUDA_SEQ_LAYOUT = 'rows')"
+                           ) from exc
+    vec = vector_bits(p.q, p.k, p.v, p.strides, p.F, p.M, MB) if config.CUDA_VECTOR_LOADS else 0
+    if first:
+        warnings.warn(f"the GPU refused the tile-layout kernel (rule {rule_name(p.rule)!r}, D_phi={p.F}, M={p.M}, "
+                      f"{p.acc.name}): too many registers for its {p.threads} threads per block under this "
+                      f"toolkit; running it in row groups instead, here and in later calls", RuntimeWarning,
+                      stacklevel=4)
+    return replace(p, kernel=seq_kernel(*cfg, p.acc.name, p.rule, None, p.off32, vec),
+                   threads=threads_per_block(*cfg[:4], p.rule), cfg=tuple(int(x) for x in cfg), vec=vec)
 
 
 def cast_copy(src, dst):

@@ -232,6 +232,58 @@ def test_tile_layout_wide(rng, monkeypatch, method, causal, dtype, strided):
     np.testing.assert_allclose(z, z_ref, rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("method", ["scan", "chunked"])
+def test_refused_tile_launch_runs_in_row_groups(rng, monkeypatch, method):
+    """A device that refuses the tile-layout kernel (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: a compiler
+    that gives it more registers than its threads per block allow, as an H200 with CUDA 13 did for the
+    decay rule at D_phi = M = 64) gets the row-group kernel instead: the right outputs and state, one
+    RuntimeWarning, and later plans in row groups from the start."""
+    from linattn_nb.ops import _cuda_launch as CL
+
+    monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "tiles")
+    monkeypatch.setattr(config, "CUDA_VALUE_COLS", 8)
+    monkeypatch.setattr(CL, "_REFUSED_TILES", set())
+    real = CL._launch
+    refused = []
+
+    def launch(p, code, segments, args):
+        if p.cfg[2] == 0:
+            refused.append(p.cfg)
+            raise RuntimeError("CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: too many resources requested for launch")
+        real(p, code, segments, args)
+
+    monkeypatch.setattr(CL, "_launch", launch)
+    B, N, F, M = 2, 7, 12, 8
+    q, k, v = data(rng, B, N, F, M, np.float64)
+    S0, z0 = rng.random((B, F, M)), rng.random((B, F))
+    with pytest.warns(RuntimeWarning, match="tile-layout kernel"):
+        out, S, z = run_launcher(method, True, q, k, v, S0, z0)
+    assert refused, "the tile layout was not tried"
+    ref, S_ref, z_ref = reference(q, k, v, causal=True, S0=S0, z0=z0)
+    rtol, atol = TOL[np.float64]
+    np.testing.assert_allclose(out, ref, rtol=rtol, atol=atol)
+    np.testing.assert_allclose(S, S_ref, rtol=rtol, atol=atol)
+    np.testing.assert_allclose(z, z_ref, rtol=rtol, atol=atol)
+    H = state_h(np.zeros((B, F, M)), np.zeros((B, F)))
+    p = CL.plan(*(cuda.to_device(x) for x in (q, k, v)), H, nan_device((B, N, M), np.float64))
+    assert p.cfg[2] != 0, p.cfg  # remembered: row groups from the start
+
+
+def test_other_launch_errors_are_raised(rng, monkeypatch):
+    """Only a refused tile-layout kernel is relaunched: any other launch error reaches the caller."""
+    from linattn_nb.ops import _cuda_launch as CL
+
+    monkeypatch.setattr(CL, "_REFUSED_TILES", set())
+
+    def launch(p, code, segments, args):
+        raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS")
+
+    monkeypatch.setattr(CL, "_launch", launch)
+    q, k, v = data(rng, 1, 3, 4, 3, np.float64)
+    with pytest.raises(RuntimeError, match="ILLEGAL_ADDRESS"):
+        run_launcher("scan", True, q, k, v, np.zeros((1, 4, 3)), np.zeros((1, 4)))
+
+
 @pytest.mark.parametrize("F,M,dtype", [(3, 7, np.float32), (12, 3, np.float32), (9, 2, np.float64)],
                          ids=["threads-without-z-rows", "four-z-rows-each", "float64-five-z-rows-each"])
 @pytest.mark.parametrize("method,causal", [("scan", True), ("aggregate", False)])
