@@ -1,51 +1,6 @@
 """Device functions shared by the CUDA kernels (imported with the CUDA path only).
 
-:func:`phi` is the elementwise feature map of :func:`linattn_nb.ops._common.phi`
-on the GPU: codes 0 identity, 1 ELU+1, 2 ReLU, 3 squared ReLU, and the
-elementwise halves of the row maps: 4 (L2) the identity, 5 (SiLU then L2)
-the SiLU (``exp`` only sees arguments <= 0 in ELU+1 and SiLU, so nothing
-overflows); NaN propagates through every branch.  The L2 normalisation of
-codes 4 and 5 needs the whole row: a kernel that stages a row calls
-:func:`l2_normalize_row` on it after :func:`phi` (:func:`is_row_map` says
-when).  ``zero`` and ``one`` carry the working type, so :func:`phi` does no
-float64 arithmetic in a float32 kernel (an integer literal would promote it);
-only the row norm is taken in float64, once per row.  It is the only definition
-of the maps on the CUDA target: the sequence kernels
-(:mod:`linattn_nb.ops.cuda`) and the decode-step kernels
-(:mod:`linattn_nb.ops.step.cuda`) both call it.
-
-How the update rules enter the CUDA kernels.  The token loop of the sequence
-kernel (:func:`linattn_nb.ops.cuda.seq.seq_kernel`, specialised on the
-rule, so every rule test is a compile-time constant there) is the additive
-rule's for every rule but the delta rules: the decay and gate rules run it on
-rescaled tiles, their per-token factors folded into the staged features
-(``docs/cuda_kernels.md``, "Rescaled tiles").  The delta rules
-(``RULE_DELTA``, ``RULE_GATED_DELTA``) write a rank-1 correction, ``H <- f H
-+ beta k (w - f k^T H)^T`` (``f = 1`` for the delta rule), which needs the
-column's ``k^T H[:, m]``, a reduction over all feature rows, before any
-element of the column changes: the kernel sums it across the threads that
-hold the column and applies ``beta (w - u)``; the gated rule runs that step
-on rescaled tiles too.  Across chunks, the per-rule hook is :func:`carry`
--- the element after a chunk from the element before it and the chunk's own
-contribution (:func:`linattn_nb.ops.cuda.helpers.chunk_scan_states_kernel`),
-with the product of the chunk's factors (``exp`` of the sum of their logs, 0
-across a reset).  The delta rules' chunk transition is an (F, F) matrix, not
-a factor per row: :func:`carry` has no form for them (:func:`is_delta_rule`).
-The kernels stage the factors (:func:`rule_factor_rows` says how many per
-token).  The decode-step kernels (:mod:`linattn_nb.ops.step.cuda`, one for
-every rule) have per-rule hooks of their own: :func:`step_factor` and
-:func:`step_scalars` (a token's factors, write strength), :func:`step_z` and
-:func:`step_element` (an element of the state after the token).
-
-All are compiled with ``inline=True``: numba-cuda inlines such a function at
-the Numba IR level, so kernels that call it still compile to PTX without a GPU
-(``numba.cuda.compile_ptx`` in the tests); a non-inlined device function asks
-the driver for the current device's compute capability and fails there.
-
-The Numba CUDA simulator has no warp shuffles; importing this module under
-the simulator gives it ``cuda.shfl_xor_sync`` (:func:`_simulated_shfl_xor_sync`,
-through the block barrier the simulator has), so the kernels that sum across
-the lanes of a warp run there with the same source as on a GPU.
+See ``docs/cuda_kernels.md``, "Device functions and rule hooks".
 """
 from __future__ import annotations
 
@@ -250,7 +205,7 @@ def rule_factor_rows(rule: int, f: int) -> int:
 
 
 def is_delta_rule(rule: int) -> bool:
-    """True for the rules with a rank-1 correction (delta, gated delta): see the module docstring."""
+    """True for the rules with a rank-1 correction (delta, gated delta): see ``docs/cuda_kernels.md``."""
     return rule == RULE_DELTA or rule == RULE_GATED_DELTA
 
 

@@ -1,42 +1,7 @@
 """Vectorisable scalar helpers for the CPU kernels: float16 bits, fast exp, feature maps.
 
-Numba's CPU target has no float16 type, and ``math.exp`` in a loop is a
-scalar libm call (without Intel SVML) that also stops LLVM from vectorising
-the loop, several times slower than the polynomial below
-(docs/measurements-cpu.md).  The helpers below are written so that a
-loop calling them compiles to SIMD code:
-
-* :func:`f16_to_f32` / :func:`f32_to_f16` reinterpret ``uint16`` bits as an
-  LLVM ``half`` and convert with ``fpext`` / ``fptrunc`` (hardware F16C
-  ``vcvtph2ps`` / ``vcvtps2ph`` on x86: exact, round-to-nearest-even, NaN and
-  inf preserved).  A float16 array is passed to a kernel as
-  ``a.view(np.uint16)``.
-* :func:`elu1` is ELU+1 with a branch-free ``exp`` of the non-positive part:
-  Cody-Waite range reduction, a fitted degree-6 (float32) / Taylor
-  degree-13 (float64) polynomial on ``|r| <= ln2/2`` and the power of two
-  built from its exponent bits (an LLVM bitcast).  Error: <= 1.5 ulp
-  (float32) over [-87, 0] (tested); NaN propagates; inputs below -87.3 (float32) / -708.3 (float64), whose
-  exponential is subnormal or within 6% of the smallest normal, give 0 (an
-  absolute error below 1.3e-38 / 2.5e-308).
-* :func:`silu` is ``x * sigmoid(x)`` from the same branch-free ``exp``
-  (of ``-|x|``, so it never overflows); below -708 (float64) it gives 0.
-* :func:`relu` / :func:`relu2` with constants of the input's own type (a
-  float64 literal would promote a float32 loop).
-* :func:`to_work` converts an input element to the working dtype: ``uint16``
-  (float16 bits) -> float32, floats unchanged.
-* :func:`is_finite` tells NaN and inf from finite values in a form that
-  vectorises and survives the kernels' fast-math flags.
-* :func:`put3` stores a result element (float16 bits: rounded to nearest
-  even); :func:`store3` does the same and returns the value as stored, so a
-  kernel can check what it wrote (a float32 value above the float16 range is
-  stored as inf).
-
-The feature map the CPU kernels apply, built from these, is
-:func:`linattn_nb.ops._common.phi`.
-
-These are ``@overload`` s / intrinsics resolved at compile time, so a kernel
-that uses them and is cached on disk does not see edits made here: clear the
-``__pycache__`` folders after changing this file (as for ``_common.py``).
+Design: ``docs/design-cpu.md``, "Vectorisable scalar helpers".  Kernels cached on disk do not see
+edits made here: clear the ``__pycache__`` folders after changing this file.
 """
 from __future__ import annotations
 

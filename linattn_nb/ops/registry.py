@@ -1,53 +1,6 @@
 """The method table: which launcher runs which (rule, causal, method, device).
 
-Two axes describe a computation: the **update rule** of the state (how token
-``t`` changes ``S_t``; today the additive rule of Katharopoulos et al. 2020,
-``S_t = S_{t-1} + phi(k_t) v_t^T``) and the **method** that evaluates it
-(``quadratic``, ``scan``, ``chunked``, ``aggregate``; ``step`` for decoding).
-A rule is data (:class:`Rule`); every implementation registers itself here
-with :func:`register_method` under ``(rule, causal, method, device)``, and the
-front end (:mod:`linattn_nb._frontend`) looks it up with :func:`get_method`
-and resolves ``method="auto"`` with :func:`select_auto` from the per-rule
-tables ``config.AUTO_METHODS[(rule, causal, device)]``.
-
-The forward launcher of a sequence method has one signature for every rule
-and device::
-
-    forward(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, normalize=True) -> out
-
-``q, k`` (B, N, F): raw inputs when ``code`` > 0 (the method applies the
-elementwise map itself, :attr:`Method.inline_features`), else features.
-``v`` (B, N, M).  ``H`` (B, F, M + 1) float64, C-contiguous: the state
-``[S | z]``, updated in place from the initial to the final state.  Its last
-column is the normaliser ``z``: the state of **one more value column of
-ones**, so a rule's kernels produce the normaliser without code of their own.
-``out`` (B, N, M) is written.  ``eps``: normaliser floor (None: raw division).
-``normalize``: False writes the numerators ``phi(q)^T S_t`` undivided (``eps``
-unused; ``H`` still carries ``z``, so states do not depend on it).
-``inputs``: the rule's extra per-token inputs (:attr:`Rule.inputs`),
-flattened to the batch (C-contiguous float64: ``log_decay`` (B, N),
-``log_gate`` (B, N, F); :data:`linattn_nb.ops._codes.RULES`), None for the
-additive rule.  On CUDA the arrays are
-device arrays (``q, k, v, out`` may be 4-d ``(B1, B2, N, ·)`` views).
-
-``check_finite``: with True the launcher raises ``ValueError("<name>
-contains <n> non-finite value(s) (NaN or inf); pass check_finite=False to
-skip this check")`` naming the first of ``q``, ``k``, ``v`` that holds NaN
-or inf, and, when they are all finite but an output, a normaliser or ``H``
-is not (the working dtype overflowed, or a normaliser is 0 with
-``eps=None``), :class:`linattn_nb.ops._finite.NonFiniteResult` (a
-``FloatingPointError``).  Both are raised after the kernel ran: ``out`` and
-``H`` then hold unspecified values (the front end recomputes an overflowed
-call in float64).  The CPU kernels find both while they read and write
-(:mod:`linattn_nb.ops._finite`), so the default path makes no separate pass
-over the inputs; the CUDA launchers run a counting kernel over q, k, v
-before the launch and do not check results.  With False nothing is checked.
-
-Every sequence method registers a ``backward`` launcher next to its forward
-one: the vector-Jacobian product, with its own contract
-(:mod:`linattn_nb.ops.grad`; :func:`linattn_nb.linear_attention_vjp` calls it).  Decode-step kernels are registered the same way under
-``method="step"`` with their own contract (:attr:`Method.kind` ``"step"``, see
-:mod:`linattn_nb.state.launchers`).
+The forward launcher contract: ``docs/launchers.md``, "Sequence methods".
 """
 from __future__ import annotations
 

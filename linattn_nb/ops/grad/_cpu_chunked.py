@@ -1,66 +1,6 @@
 """GEMM-shaped chunks of the CPU backward (kernel of :func:`linattn_nb.ops.grad.cpu.backward_chunked`).
 
-The additive, decay and gate rules, ``H_t = diag(a_t) H_{t-1} + k_t v_t^T``,
-``o_t = H_t^T q_t`` (``q, k`` the features, ``v`` with the ones column,
-``a_t = 1`` for the additive rule).  The adjoint ``D_t = dL/dH_t`` obeys
-``D_t = q_t g_t^T + diag(a_{t+1}) D_{t+1}`` (Katharopoulos et al. 2020,
-§3.3.1: the gradient of causal linear attention is itself a pair of
-cumulative sums, one forward in time and one backward), and the gradients
-are ``dq_t = H_t g_t``, ``dk_t = D_t v_t``, ``dv_t = D_t^T k_t`` and
-``dfactor_t[i] = <H_{t-1}[i], D_t[i]>`` (with respect to ``a_t`` itself).
-
-Per chunk of ``n <= C`` tokens (rows ``t, s, u`` local to the chunk), with
-``H`` the state before the chunk, ``R`` the adjoint arriving from after it
-(``dHN`` for the last chunk), the running products ``b_t = a_0 ... a_t``,
-``e_t = a_{t+1} ... a_{n-1}`` and ``W_ts = a_{s+1} ... a_t`` (``s <= t``;
-per feature for the gate), all products of factors in [0, 1] (no
-``-inf - -inf`` at a reset, as in the forward chunked kernel)::
-
-    H_t = diag(b_t) H + sum_{s <= t} diag(W_ts) k_s v_s^T
-    D_t = diag(e_t) R + sum_{u >= t} diag(W_ut) q_u g_u^T
-
-so that, with ``P0 = G V^T`` and ``A = tril(Q K^T weighted by W)``::
-
-    dq_t = b_t * (G H^T)_t + sum_{s <= t} W_ts * k_s P0_ts
-    dk_t = e_t * (V R^T)_t + sum_{u >= t} W_ut * q_u P0_ut
-    dv   = A^T G + (e * K) R
-    H   <- tot * H + (e * K)^T V,     R <- tot * R + (b * Q)^T G
-
-The additive rule (all factors 1) is pure GEMMs: ``P = tril(G V^T)``,
-``A = tril(Q K^T)``, ``dq = G H^T + P K``, ``dk = P^T Q + V R^T``,
-``dv = A^T G + K R``.  The intra-chunk terms (``P``, ``A`` and their
-products) do not depend on ``R``, so one pass forward over the chunks
-computes ``dq`` and the intra-chunk parts of ``dk`` and ``dv`` while ``H``
-advances, and one pass backward adds ``V R^T`` and ``K R`` while ``R``
-goes back: 5 chunk GEMMs in the first pass, 3 in the second, and no state
-kept per chunk.
-
-The decay and gate rules take the same two passes with the factors per
-feature (the decay's scalar broadcast over the rows): the weighted intra-
-chunk sums run as loops over decayed copies of the keys (forward in ``t``:
-``k_s <- a_t k_s`` for ``s < t``) and of the queries (backward in ``t``),
-the GEMMs of the additive rule stay GEMMs.  Their factor gradient splits
-the same way, ``<H_{t-1}, D_t>`` per row being::
-
-    b_{t-1} e_t <H, R>                                    (pass 2)
-  + b_{t-1} sum_{u >= t} W_ut q_u (G H^T)_u               (pass 1)
-  + e_t sum_{s < t} W_{t-1,s} k_s (V R^T)_s               (pass 2)
-  + sum_{s < t <= u} W_{t-1,s} W_ut k_s q_u P0_us         (pass 1)
-
-(``b_{-1} = 1``), each a running sum over the chunk (the last one through
-``Z_t[u] = sum_{s < t} W_{t-1,s} k_s P0_us``, advanced by
-``Z_{t+1} = a_t Z_t + k_t P0_{., t}``): only products of factors, so the
-gradient is exact at a reset ``a_t = 0``.  The first term needs the state
-before each chunk in the backward pass: these rules keep one float64
-checkpoint per chunk (``ceil(N / C) x F x M'`` per sequence).
-
-Products run in the working dtype through BLAS (:mod:`linattn_nb.ops._gemm`,
-on flat offsets into the inputs and outputs: no copies of q, k, v, g), the
-states ``H`` and ``R`` and the factor gradients accumulate in float64 (a
-working-dtype copy of each state feeds the GEMMs), the weighted intra-chunk
-loops of the decay and gate rules run in float64.  Parallel over the
-flattened batch; BLAS is pinned to one thread meanwhile
-(:mod:`linattn_nb._blas`).
+Design: ``docs/design-cpu.md``, "Chunked backward".
 """
 from __future__ import annotations
 
@@ -122,7 +62,7 @@ def _mask_upper(X, n):
 
 
 def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk, dv, dH0, dfac, proto):
-    """Two passes over the chunks of each sequence of the flattened batch (module docstring).
+    """Two passes over the chunks of each sequence of the flattened batch (``docs/design-cpu.md``).
 
     qf, kf : (B, N, F), v1, g1 : (B, N, M') of the working dtype (that of
     ``proto``), C-contiguous.  H0, dHN : (B, F, M') float64 (``dHN`` read

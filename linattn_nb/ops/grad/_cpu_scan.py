@@ -1,37 +1,6 @@
 """The checkpointed token recurrence of the CPU backward (kernel of :func:`linattn_nb.ops.grad.cpu.backward_scan`).
 
-The adjoint of the per-token recurrence (Katharopoulos et al. 2020, §3.3.1,
-for the additive rule; the factor and delta lines by the same product rule),
-exactly the lines of :func:`linattn_nb.ops.grad.naive.causal_backward_naive`
-but without keeping every state.  With ``D_t = dL/dH_t`` (everything that
-reads ``H_t``: the output ``o_t = H_t^T phi(q_t)`` and the next state), going
-backwards in time::
-
-    D_t    += phi(q_t) g_t^T                     (D_{N-1} starts at dHN)
-    dq_t    = H_t g_t
-    additive, decay, gate (H_t = diag(a_t) H_{t-1} + k_t v_t^T):
-        dk_t = D_t v_t,   dv_t = D_t^T k_t,   dfactor_t[i] = <D_t[i], H_{t-1}[i]>,
-        D_{t-1} = diag(a_t) D_t
-    delta, gated delta (H_t = a_t (I - beta_t k_t k_t^T) H_{t-1} + beta_t k_t v_t^T),
-    with u = H_{t-1}^T k_t and w = D_t^T k_t:
-        dk_t = -a_t beta_t (D_t u + H_{t-1} w) + beta_t D_t v_t,   dv_t = beta_t w,
-        dbeta_t = w . (v_t - a_t u),   dfactor_t = <D_t, H_{t-1}> - beta_t (w . u),
-        D_{t-1} = a_t (D_t - beta_t k_t w^T)
-
-Every line needs ``H_{t-1}`` and ``H_t``, which the forward recurrence gives
-in increasing ``t`` while the adjoint runs in decreasing ``t``.  Memory is
-bounded by checkpointing: a first pass runs the recurrence and stores the
-float64 state at the start of every span of ``L`` tokens (``ceil(N / L)``
-states per sequence); the second pass takes the spans in reverse order,
-recomputes the span's ``L + 1`` states from its checkpoint into a scratch
-of ``(L + 1) x F x M'`` float64 numbers per thread, and runs the adjoint
-lines over them.  Each state is thus computed twice; no state per token is
-ever kept for the whole sequence.  The factor gradient is with respect to
-``a_t`` itself (finite at a reset ``a_t = 0``: the lines above hold there).
-
-Everything is accumulated in float64 (states, adjoints, the factor and
-``beta`` gradients); ``dq, dk, dv`` are rounded to the working dtype once,
-when written.  Parallel over the flattened batch (one sequence per thread).
+Design: ``docs/design-cpu.md``, "Checkpointed token recurrence".
 """
 from __future__ import annotations
 

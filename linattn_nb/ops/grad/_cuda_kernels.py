@@ -1,60 +1,6 @@
 """CUDA kernels of the backward launchers (:mod:`linattn_nb.ops.grad.cuda`).
 
-Written to be simple and plainly correct rather than fast: every state lives
-in float64 global memory, each thread walks whole rows or whole columns of
-it, and the adjoint is the per-token recurrence of
-:func:`linattn_nb.ops.grad.naive.causal_backward_naive`, line for line.
-
-**The causal backward kernel** (:func:`causal_backward_kernel`), one block
-per (batch entry ``b``, block of ``MB`` state columns).  Every rule's
-recurrence acts on the columns of the state independently (the delta rules'
-``(I - beta k k^T)`` multiplies from the left), and so does its adjoint: a
-block owns its columns of ``H`` and of the adjoint ``D = dL/dH`` for the whole
-sequence, and only the gradients that sum over columns (``dq``, ``dk``, the
-gate's ``dfactor`` rows, the scalar ``dfactor`` and ``dbeta``) are partial
-per column block, written to float64 buffers that
-:func:`sum_blocks_kernel` adds up afterwards (a fixed order: deterministic).
-
-1. Forward: chunk by chunk, thread ``j`` walks column ``m0 + j`` through the
-   chunk's tokens from the chunk's checkpoint and writes the state after the
-   chunk, the next checkpoint, to ``ck`` (one state per chunk, never one per
-   token).  ``D`` starts as ``dH_N`` (or 0).
-2. Reverse, chunk by chunk from the last: the chunk's token states are
-   recomputed from its checkpoint into ``hs`` (``L + 1`` states: ``hs[b, s]``
-   is the state before token ``t0 + s``) by the same loop as in (1), one
-   thread per column; then, per token from the last, two phases separated by
-   ``syncthreads``:
-
-   * *column phase* (thread per column ``m``, a loop over all ``F`` rows):
-     ``D[:, m] += q_t g_t[m]``, then the sums over rows ``w_m = k_t^T D[:, m]``
-     (and for the delta rules ``u_m = k_t^T H_{t-1}[:, m]``), ``dv_t[m]``, and
-     the column's share of the scalar ``dfactor`` / ``dbeta``, staged in
-     shared memory;
-   * *row phase* (thread per row ``i``, a loop over the block's columns):
-     ``dq_t[i] = H_t[i, :] g_t``, ``dk_t[i]`` (``D[i, :] v_t``, for the delta
-     rules with the ``u`` and ``w`` terms), the gate's ``dfactor[i]``, and
-     then the transition of row ``i`` of ``D`` back through token ``t``
-     (``a_i D``, or ``a (D - beta k w^T)``), which only that thread touches;
-     thread 0 adds up the column shares of the scalars.
-
-Global writes of one phase are read by other threads of the block only after
-the ``syncthreads`` that ends it.  Shared memory: six float64 arrays of
-``MB`` values.
-
-**The non-causal backward** (:func:`aggregate_sums_kernel`,
-:func:`aggregate_grads_kernel`): a thread per state element sums
-``H = H0 + sum_t k_t v1_t^T`` and ``R = dH_N + sum_t q_t g_t^T`` over the
-tokens in float64, then a thread per (token, row) or (token, column) writes
-``dq = g H^T``, ``dk = v1 R^T``, ``dv = k R``.
-
-The causal kernel is specialised on ``MB`` (the shared-memory sizes) and
-compiled lazily on first use.  The rule is a kernel argument: its branches
-are uniform over the grid, a few per token (nothing next to the
-global-memory traffic of a token), and one compiled kernel per dtype serves
-all five rules.  The kernel calls no device function and has one copy of the
-state update: Numba copies an inlined callee's IR at every call site, which
-was a large part of the compile time.  The helper kernels are plain
-``cuda.jit`` kernels, compiled per argument types on first launch.
+See ``docs/cuda_kernels.md``, "Backward kernels".
 """
 from __future__ import annotations
 

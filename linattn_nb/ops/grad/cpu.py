@@ -1,33 +1,6 @@
 """CPU backward launchers of the causal sequence methods ``scan`` and ``chunked``.
 
-Both follow the backward launcher contract of :mod:`linattn_nb.ops.grad`
-(features, values with the ones column, unnormalised outputs ``o_t =
-H_t^T phi(q_t)``) for every update rule of
-:data:`linattn_nb.ops._codes.RULES`, and reproduce the per-token adjoint
-recurrence of :func:`linattn_nb.ops.grad.naive.causal_backward_naive`
-(Katharopoulos et al. 2020, §3.3.1: the gradients of causal linear
-attention are cumulative sums again, the state ``H_t`` forward in time and
-its adjoint ``D_t = dL/dH_t`` backward), in bounded memory:
-
-* :func:`backward_scan` runs the token recurrence with float64 checkpoints
-  of the state every ``L`` tokens (``config.cpu_backward_checkpoint``: the
-  checkpoints take about the bytes of the values) and recomputes each
-  span's states from its checkpoint while the adjoint runs back over it
-  (:mod:`._cpu_scan`);
-* :func:`backward_chunked` computes the additive, decay and gate rules in
-  GEMM-shaped chunks (:mod:`._cpu_chunked`): one pass forward over the
-  chunks for ``dq`` and the intra-chunk parts of ``dk`` and ``dv``, one
-  pass backward for the inter-chunk parts and the adjoint state; the
-  additive rule keeps no state per chunk, the decay and gate rules one
-  float64 state per chunk.  The delta and gated delta rules take the
-  checkpointed token recurrence of :func:`backward_scan` (their chunked
-  backward would need the WY/UT transform's adjoint).
-
-Both run in parallel over the flattened batch (a serial copy of each kernel
-serves small calls, as for the forward kernels), accumulate states,
-adjoints and the factor and ``beta`` gradients in float64, and write ``dq,
-dk, dv`` in the working dtype (float32 or float64, the dtype of ``qf``).
-Nothing passed in is modified; every element of every result is written.
+Design: ``docs/design-cpu.md``, "Backward launchers".
 """
 from __future__ import annotations
 

@@ -1,39 +1,6 @@
 """CUDA backward launchers: ``scan`` and ``chunked`` (causal, every rule) and ``aggregate`` (non-causal).
 
-The backward launcher contract of :mod:`linattn_nb.ops.grad`, on device
-arrays::
-
-    backward_scan_cuda(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADDITIVE) -> Grads
-    backward_chunked_cuda(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADDITIVE,
-                          chunk_size=None) -> Grads
-    backward_aggregate_cuda(qf, kf, v1, H0, g1, dHN=None, *, inputs=None) -> Grads
-
-``qf, kf`` (B, N, F), ``v1, g1`` (B, N, M'): device arrays of the working
-dtype (float32 or float64, any non-negative strides); ``H0`` and ``dHN``
-(B, F, M') float64 device arrays; ``inputs``: the rule's per-token inputs as
-the forward CUDA launchers take them (host NumPy arrays are copied to the
-device, device arrays read in place:
-:func:`linattn_nb.ops._cuda_launch.rule_factors`).  Results are new device
-arrays: ``dq, dk, dv`` in the working dtype, ``dH0``, ``dfactor`` and
-``dbeta`` float64.  Every sum is taken in float64.
-
-Causal (:func:`backward_scan_cuda`): the per-token adjoint recurrence of
-:func:`linattn_nb.ops.grad.naive.causal_backward_naive`, with the states
-recomputed chunk by chunk from one checkpoint per chunk of
-``config.CUDA_CHUNK_SIZE`` tokens (the kernel and its thread layout:
-:mod:`linattn_nb.ops.grad._cuda_kernels`).  Parallelism: one block per
-(batch entry, block of up to ``config.CUDA_VALUE_COLS`` state columns).
-Memory beyond the results: the checkpoints (B x (chunks - 1) x F x M' float64), one
-chunk's token states (B x (L + 1) x F x M' float64) and float64 partial sums
-per column block (2 or 3 arrays of B x N x F per block).
-
-:func:`backward_chunked_cuda` is the same checkpointed recurrence (the CUDA
-``chunked`` forward of the delta rules is the scan too); a GEMM-tiled
-chunkwise backward is future work.
-
-Non-causal (:func:`backward_aggregate_cuda`): ``H = H0 + sum_t k_t v1_t^T``
-and ``R = dH_N + sum_t q_t g_t^T`` (a thread per state element), then ``dq =
-g H^T``, ``dk = v1 R^T``, ``dv = k R``, ``dH0 = R``.
+See ``docs/cuda_kernels.md``, "Backward launchers".
 """
 from __future__ import annotations
 
@@ -137,7 +104,7 @@ def column_blocks(M1: int) -> tuple[int, int]:
 
 
 def backward_scan_cuda(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADDITIVE, chunk_size=None):
-    """Gradients of causal linear attention on the GPU (module docstring; contract: :mod:`linattn_nb.ops.grad`).
+    """Gradients of causal linear attention on the GPU (``docs/cuda_kernels.md``; contract: :mod:`linattn_nb.ops.grad`).
 
     ``chunk_size``: tokens between two checkpoints of the state (default
     ``config.CUDA_CHUNK_SIZE``); memory grows with ``N / chunk_size`` checkpoints
@@ -149,7 +116,7 @@ def backward_scan_cuda(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_A
         For an unknown rule code, inputs other than the rule's or of the
         wrong shape, mismatched shapes, negative strides, or ``chunk_size`` < 1.
     TypeError
-        For host arrays or wrong dtypes (see the module docstring).
+        For host arrays or wrong dtypes (``docs/cuda_kernels.md``).
     """
     rule = check_rule_inputs(rule, inputs)
     (qf, kf, v1, H0, g1, dHN), (B, N, F, M1, work) = _check(qf, kf, v1, H0, g1, dHN)

@@ -1,7 +1,7 @@
 """Naive float64 reference of the backward pass (ground truth for the gradient tests).
 
 Backpropagation through time of the per-token recurrence, written out as the
-module docstring of :mod:`linattn_nb.ops.grad` states it, one token at a time
+backward contract states it (``docs/launchers.md``), one token at a time
 in NumPy with every state ``H_t`` kept (O(N F M) memory: a reference, not a
 method for long sequences).  No autodiff: each line is the adjoint of one
 line of the recurrence (Katharopoulos et al. 2020, §3.3.1, for the additive

@@ -1,56 +1,6 @@
 """CUDA kernels of recurrent decoding: state step, query and prefill.
 
-State layout on the GPU: ``S`` (B, F, M) (canonical), ``z`` (B, F), in the
-state dtype, double-buffered (:class:`DoubleBuffer`); ``feat`` (B, 4,
-max(F, 2)) is scratch in the state dtype and ``flag`` (1,) int32 the
-finiteness flag.  Inputs q, k (B, T, D) are raw (``code`` > 0: the
-elementwise map is applied inline) or features (code 0); v (B, T, M); out
-(B, T, M); float16, float32 or float64, each value converted to the state
-dtype as it is loaded.
-
-No host round-trips: a step, query or prefill is **one kernel
-launch**, with no host-to-device copy, no allocation and no separate check
-kernel; the only device-to-host copy is the read of ``flag`` when the caller
-asks for the finiteness check (``check=True``).  The kernels test every q,
-k, v value they load and OR a bit (1 q, 2 k, 4 v) into ``flag``; ``flag`` is
-zero between calls (the host sets it back after a read that found a bit).
-So that a refused call leaves the state untouched, a checked step or
-prefill reads the state from one buffer of :class:`DoubleBuffer` and writes
-the other (the same traffic as in place: every element is read once and
-written once), and the host swaps the two only when the flag is clear;
-unchecked calls update the current buffer in place (``Sout is S``).
-
-Arithmetic is in the state dtype (float32 states: float32 features, row
-norms of the row maps, normaliser, division and state updates).  float64
-remains only where the inputs are float64: the rules' per-token
-log-factors and write strengths (float64 arrays) are exponentiated in
-float64 and rounded once to the state dtype (in the step kernels through
-the ``feat`` scratch, so the per-element updates stay in the state dtype);
-the rule prefill's running element, which multiplies by such a factor per
-token, is float64 (one register, rounded once at the end).
-
-* step: one block per batch entry, ``config.CUDA_STEP_THREADS`` threads, every
-  rule (the rule code a launch argument, its per-token inputs ``lg`` (B, T, G)
-  float64 as :func:`linattn_nb.ops._cuda_launch.rule_factors` lays them out;
-  ``exp(-inf) = 0`` resets exactly).  Per token: threads stride over the
-  features (phi(k), phi(q), the factors, z update, the terms of the
-  normaliser into ``feat``), ``syncthreads``, then one thread per output
-  coordinate m updates column m of S and reads it (a warp touches consecutive
-  m: coalesced), ``syncthreads``.  Every thread runs the same token loop, so
-  the barriers are uniform.  The per-rule parts are the step hooks of
-  :mod:`linattn_nb.ops._cuda_common`; ``norm`` is the output mode of
-  :func:`linattn_nb.ops._codes.norm_mode`.  The delta rules' prefill is this
-  kernel without outputs.
-* query: the same without the update, with the output mode ``norm`` (any
-  rule's state).
-* prefill (additive, decay, gate): one thread per (b, i, m) runs its element
-  over the tokens in a register (additive: ``sum_t phi(k_ti) v_tm`` added to S
-  once; decay and gate: ``s <- a_t s + phi(k_t) v_t``); z by the m = 0
-  threads.  No atomics, no barriers.
-
-The kernels are plain Python functions (``*_py``, :data:`PYTHON_KERNELS`)
-wrapped with ``cuda.jit`` on first use, so that importing this module touches
-no GPU and the tests can compile them to PTX (``numba.cuda.compile_ptx``).
+See ``docs/cuda_kernels.md``, "Decode-step kernels".
 """
 from __future__ import annotations
 
