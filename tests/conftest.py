@@ -15,6 +15,7 @@ import ctypes
 import os
 import pathlib
 import shutil
+import sys
 
 
 def _cuda_driver_present() -> bool:
@@ -32,6 +33,15 @@ if "NUMBA_ENABLE_CUDASIM" not in os.environ and not _cuda_driver_present():
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# The tests mirror the package (tests/state/, tests/analysis/, ...).  pytest puts a test file's own
+# folder on sys.path, so a helper module next to its tests (``from _ptx import ...``) imports by name;
+# a helper used from other folders as well (tests/state/_state_files.py by test_mutation_catches.py,
+# tests/feature_maps/_bad_maps.py by the analysis tests) needs its folder on sys.path from the start:
+# every folder of tests/ that holds a helper module is put there here.
+for _helpers in sorted({p.parent for p in (ROOT / "tests").glob("*/_*.py")}):
+    if str(_helpers) not in sys.path:
+        sys.path.append(str(_helpers))
 
 # The package keys its kernel cache on a hash of its sources (linattn_nb/_cache.py):
 # Numba keys a cached kernel on its own source file only, so a kernel that inlines
@@ -89,10 +99,11 @@ def python_sigint_handler():
 SLOW_FILES = frozenset({
     "ops/test_cuda.py", "ops/test_cuda_launchable.py", "ops/test_cuda_transfers.py", "ops/test_decay_cuda.py",
     "ops/test_delta_cuda.py", "ops/test_grad_cuda.py", "ops/test_step_cuda.py",
-    "test_layouts.py", "test_notebooks.py", "test_readme.py", "test_readme_figures.py", "test_docs.py",
-    "test_doctests.py", "test_install.py", "test_report.py", "test_report_background.py", "test_sweep.py",
-    "test_cli.py", "test_learned_study.py", "test_fitted_maps_paths.py", "test_fitting.py",
-    "test_mutation_catches.py", "test_numerics.py", "test_device.py",
+    "studies/test_readme_figures.py", "studies/test_report.py", "studies/test_report_background.py",
+    "studies/test_sweep.py", "studies/test_learned_study.py",
+    "fitting/test_fitted_maps_paths.py", "fitting/test_fitting.py",
+    "test_layouts.py", "test_notebooks.py", "test_readme.py", "test_docs.py", "test_doctests.py", "test_install.py",
+    "test_cli.py", "test_mutation_catches.py", "test_numerics.py", "test_device.py",
 })
 
 
