@@ -10,7 +10,7 @@ import pytest
 
 from linattn_nb.studies import readme_figures
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 
 

@@ -1,4 +1,4 @@
-"""Sweep functions for tests/test_sweep.py.
+"""Sweep functions for tests/studies/test_sweep.py.
 
 They live in an importable module (not in the test file) so that spawned
 pool workers and Dask worker processes can import them by name.

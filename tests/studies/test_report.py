@@ -264,7 +264,7 @@ def test_report_on_a_dask_scheduler(tmp_path):
     Compared check by check: the same verdicts, and errors that agree to
     within BLAS rounding (the softmax kernel's np.dot rounds differently with
     another OpenBLAS thread count, and the workers run single-threaded); the
-    bit-for-bit comparison of the backends is tests/test_sweep.py's.
+    bit-for-bit comparison of the backends is tests/studies/test_sweep.py's.
     """
     distributed = pytest.importorskip("distributed")
     import logging
