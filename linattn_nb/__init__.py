@@ -5,6 +5,7 @@ Public API (stable names)::
     linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto", device="auto", ...)
     linear_attention_vjp(q, k, v, grad_out, *, ..., grad_state=None) -> VJP   # gradients
     softmax_attention(q, k, v, *, causal=False, scale=None)
+    dplr_attention(q, k, v, *, rule=None, a=, b=, log_diag=, beta=, ...)   # diagonal-plus-low-rank rules
     feature_maps            # FeatureMap base, registry: get / available / register; fit (to softmax)
     rules                   # the update rules, one module each: get_rule / rule_for / rule_names / reference
     fitting                 # fit / objective: learned maps (Hedgehog, T2R) fitted to softmax weights
@@ -25,6 +26,7 @@ _cache.install(__version__)
 from . import feature_maps, rules  # noqa: E402
 from .attention import VJP, LinearState, linear_attention, linear_attention_vjp, softmax_attention  # noqa: E402
 from .state import KVCache, LinearAttentionState  # noqa: E402
+from .dplr import dplr_attention  # noqa: E402
 from . import fitting  # noqa: E402
 
 # ``feature_maps.fit`` is the documented entry point for fitting maps to
@@ -45,6 +47,7 @@ __all__ = [
     "linear_attention_vjp",
     "VJP",
     "softmax_attention",
+    "dplr_attention",
     "LinearState",
     "LinearAttentionState",
     "KVCache",

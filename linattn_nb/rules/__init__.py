@@ -31,7 +31,9 @@ from typing import Dict, Optional, Tuple
 
 from ..ops._codes import RULES as _KERNEL_RULES
 from . import additive, decay, delta, gate, gated_delta
+from . import delta_product, gated_delta_product, kda, rwkv7
 from ._base import FACTOR_KINDS, UpdateRule, reference
+from ._dplr import DPLRRule
 
 #: Every update rule by name, in the order the documentation lists them.
 RULES: Dict[str, UpdateRule] = {}
@@ -114,4 +116,46 @@ def rule_for(*, factor: Optional[str], beta: bool) -> UpdateRule:
     raise ValueError(f"no update rule takes {form} {'with' if beta else 'without'} beta; the rules: {takes}")
 
 
-__all__ = ["FACTOR_KINDS", "RULES", "UpdateRule", "get_rule", "reference", "register", "rule_for", "rule_names"]
+#: The named rules of the diagonal-plus-low-rank family (:func:`linattn_nb.dplr_attention`) by name.
+DPLR_RULES: Dict[str, DPLRRule] = {}
+
+
+def register_dplr(rule: DPLRRule, *, overwrite: bool = False) -> DPLRRule:
+    """Add a named DPLR rule to :data:`DPLR_RULES` (a researcher's own rule too: see ``docs/dplr.md``).
+
+    Raises TypeError for anything but a :class:`DPLRRule`, ValueError when its name is taken (by a
+    rule of either registry) unless ``overwrite``.
+    """
+    if not isinstance(rule, DPLRRule):
+        raise TypeError(f"rule must be a DPLRRule, got {type(rule).__name__}")
+    if not overwrite and (rule.name in DPLR_RULES or rule.name in RULES or rule.name == "dplr"):
+        raise ValueError(f"rule {rule.name!r} already registered")
+    DPLR_RULES[rule.name] = rule
+    return rule
+
+
+for _module in (kda, rwkv7, delta_product, gated_delta_product):
+    register_dplr(_module.RULE)
+del _module
+
+
+def dplr_rule_names() -> Tuple[str, ...]:
+    """The named DPLR rules' names."""
+    return tuple(DPLR_RULES)
+
+
+def get_dplr_rule(rule) -> DPLRRule:
+    """The :class:`DPLRRule` called ``rule`` (a DPLRRule is returned as it is); ValueError naming the
+    registered ones for an unknown name, TypeError for a non-string."""
+    if isinstance(rule, DPLRRule):
+        return rule
+    if not isinstance(rule, str):
+        raise TypeError(f"rule must be a string, got {type(rule).__name__}")
+    try:
+        return DPLR_RULES[rule]
+    except KeyError:
+        raise ValueError(f"unknown DPLR rule {rule!r}; registered: {', '.join(map(repr, DPLR_RULES))}") from None
+
+
+__all__ = ["DPLR_RULES", "DPLRRule", "FACTOR_KINDS", "RULES", "UpdateRule", "dplr_rule_names", "get_dplr_rule",
+           "get_rule", "reference", "register", "register_dplr", "rule_for", "rule_names"]

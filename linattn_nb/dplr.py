@@ -1,0 +1,333 @@
+"""Diagonal-plus-low-rank (DPLR) linear attention: one recurrence that holds the newest update rules.
+
+:func:`dplr_attention` runs, per token ``t`` (causal), on the state ``S`` (D_phi x M) and its
+normaliser ``z`` (D_phi)::
+
+    S_t = (D_t + b_t a_t^T) S_{t-1} + beta_t phi(k_t) v_t^T,      o_t = phi(q_t)^T S_t
+
+with ``D_t`` diagonal (``exp(log_diag)``: one value per token or one per token and feature) and
+``a_t``, ``b_t`` vectors in feature space, or with ``r`` factors per token applied in order (the
+diagonal in the first).  Every rule of :mod:`linattn_nb.rules` is a special case, and the named
+rules of this family (``kda``, ``rwkv7``, ``delta_product``, ``gated_delta_product``) are each one
+module that maps its own arguments to ``D``, ``a``, ``b`` and the writes
+(:class:`linattn_nb.rules._dplr.DPLRRule`).  Forms, sources and the stability caveat:
+``docs/dplr.md``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import config
+from .feature_maps import resolve as _resolve_map
+from .ops._codes import NORM_FLOOR, NORM_NONE, NORM_RAW
+from .ops._finite import NonFiniteResult, check_finite_values
+from .rules import _dplr as D
+from .rules import get_dplr_rule
+
+__all__ = ["dplr_attention", "DPLR_METHODS"]
+
+#: The methods of :func:`dplr_attention` ("auto" picks "scan").
+DPLR_METHODS = ("auto", "quadratic", "scan")
+
+_GENERAL = "dplr"
+
+
+def _floating(name, x):
+    arr = np.asarray(x)
+    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.floating):
+        raise TypeError(f"{name} must be a floating-point array (float16, float32 or float64), got dtype {arr.dtype}")
+    return arr
+
+
+def _general_check(inputs, lead, N, F, r):
+    """The general entry's own arguments: ``a``, ``b`` (required), ``log_diag``, ``beta`` (optional)."""
+    B = int(np.prod(lead, dtype=np.int64))
+    out = {}
+    for name in ("a", "b"):
+        x = inputs.get(name)
+        if x is None:
+            raise TypeError(f"missing argument: {name} (shape (..., N, D_phi) or (..., N, r, D_phi)); "
+                            "or pass rule= a named rule")
+        x = D.real(name, x)
+        if x.shape == lead + (N, F) and not r:
+            x = x.reshape(B, N, 1, F)
+        elif x.ndim == len(lead) + 3 and x.shape[:-2] == lead + (N,) and x.shape[-1] == F and (not r or x.shape[-2] == r):
+            x = x.reshape(B, N, x.shape[-2], F)
+        else:
+            want = f"(..., N, r, D_phi) = {lead + (N, r, F)}" if r else \
+                f"(..., N, D_phi) = {lead + (N, F)} or (..., N, r, D_phi)"
+            raise ValueError(f"{name} must have shape {want}, got {x.shape}")
+        if not np.isfinite(x).all():
+            raise ValueError(f"{name} contains non-finite values (NaN or inf)")
+        out[name] = x
+    if out["a"].shape != out["b"].shape:
+        raise ValueError(f"a and b must have the same shape, got {inputs['a'].shape} and {inputs['b'].shape}")
+    ld = inputs.get("log_diag")
+    if ld is None:
+        out["log_diag"] = None
+    else:
+        ld = D.token_or_feature("log_diag", ld, lead, N, F)
+        if np.isnan(ld).any() or (ld > 0).any():
+            raise ValueError("log_diag must be <= 0 (-inf allowed: a reset), with no NaN")
+        out["log_diag"] = ld
+    beta = inputs.get("beta")
+    if beta is None:
+        out["beta"] = None
+    else:
+        beta = D.per_token("beta", beta, lead, N, r)
+        if not np.isfinite(beta).all():
+            raise ValueError("beta contains non-finite values (NaN or inf)")
+        out["beta"] = beta
+    return out
+
+
+def _general_build(fk, v, inp):
+    Bn, N = fk.shape[:2]
+    a, b = inp["a"], inp["b"]
+    ld = np.zeros((Bn, N, 0)) if inp["log_diag"] is None else inp["log_diag"]
+    if fk.ndim == 3:  # one write per token, after the last factor
+        kw, vw = fk[:, :, None, :], v[:, :, None, :]
+    else:
+        kw, vw = fk, v
+    if inp["beta"] is not None:
+        beta = inp["beta"]
+        kw = kw * (beta[:, :, None, None] if beta.ndim == 2 else beta[:, :, :, None])
+    return D.GeneralForm(ld, a, b, kw, vw)
+
+
+def _norm(normalize, eps):
+    if not isinstance(normalize, (bool, np.bool_)):
+        raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
+    if not normalize:
+        return NORM_NONE, 0.0
+    if eps is None:
+        return NORM_RAW, 0.0
+    eps = float(eps)
+    if not np.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0 or None, got {eps!r}")
+    return NORM_FLOOR, eps
+
+
+def _initial(initial_state, name, lead, F, M):
+    """(H0 (B, F, M + 1) float64, position) from ``initial_state`` (a LinearState of this rule, or None)."""
+    B = int(np.prod(lead, dtype=np.int64))
+    if initial_state is None:
+        return np.zeros((B, F, M + 1)), 0
+    S = getattr(initial_state, "S", None)
+    z = getattr(initial_state, "z", None)
+    if S is None or z is None:
+        raise TypeError(f"initial_state must be a LinearState (from return_state=True), got "
+                        f"{type(initial_state).__name__}")
+    rule = getattr(initial_state, "rule", name)
+    if rule != name:
+        raise ValueError(f"initial_state was made by rule {rule!r}; this call runs {name!r}")
+    S = D.shaped("initial_state.S", S, lead + (F, M), "(..., D_phi, M)")
+    z = D.shaped("initial_state.z", z, lead + (F,), "(..., D_phi)")
+    if not (np.isfinite(S).all() and np.isfinite(z).all()):
+        raise ValueError("initial_state contains non-finite values (NaN or inf)")
+    H = np.empty((B, F, M + 1))
+    H[:, :, :M] = S.reshape(B, F, M)
+    H[:, :, M] = z.reshape(B, F)
+    return H, int(getattr(initial_state, "position", 0))
+
+
+def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=None, feature_map="elu",
+                   method="auto", normalize=False, eps=config.DEFAULT_EPS, check_finite=True, out=None,
+                   initial_state=None, return_state=False, **rule_arguments):
+    r"""Causal linear attention with a diagonal-plus-low-rank state transition.
+
+    Per token, on the state ``S`` (D_phi x M) and the normaliser ``z`` (D_phi; the state of one
+    more value column of ones)
+
+    .. math:: S_t = (D_t + b_t a_t^\top) S_{t-1} + \beta_t \phi(k_t) v_t^\top, \qquad
+              o_t = \phi(q_t)^\top S_t \; (/\ \phi(q_t)^\top z_t \text{ with } normalize)
+
+    Either give the general form's arrays (``a``, ``b``, ``log_diag``, ``beta``), or name a rule of
+    the family (``rule="kda"``, ``"rwkv7"``, ``"delta_product"``, ``"gated_delta_product"``) with
+    its own arguments as keywords (:func:`linattn_nb.rules.dplr_rule_names`;
+    ``docs/dplr.md`` gives each rule's form and arguments).
+
+    Parameters
+    ----------
+    q : array_like, shape (..., N, D)
+    k : array_like, shape (..., N, D), or (..., N, r, D) for ``r`` writes per token
+    v : array_like, shape (..., N, M), or (..., N, r, M) with k
+        Equal leading batch dimensions; float16, float32 or float64 (outputs in the widest).
+        With a sub-step axis, token ``t`` applies ``r`` factors in order, each followed by its own
+        write ``beta_tj phi(k_tj) v_tj^T`` (DeltaProduct's form); queries read after the last.
+    rule : str, optional
+        A named rule of the family; its arguments are passed as keywords.
+    a, b : array_like, shape (..., N, D_phi) or (..., N, r, D_phi)
+        The low-rank vectors in feature space (``D_phi`` the map's output dimension): the feature
+        map applies to ``q`` and ``k`` only, never to ``a`` and ``b``.  With ``r`` factors per token
+        the first is ``D_t + b_t1 a_t1^T`` and the others ``I + b_tj a_tj^T``.
+    log_diag : array_like, shape (..., N) or (..., N, D_phi), optional
+        ``log`` of the diagonal (<= 0; ``-inf`` a reset); the identity when omitted.
+    beta : array_like, shape (..., N) (or (..., N, r) with sub-steps), optional
+        Write strengths (1 when omitted).
+    feature_map : str, FeatureMap or None, default "elu"
+    method : {"auto", "quadratic", "scan"}
+        ``quadratic``: the float64 token loop (the reference); ``scan``: the compiled CPU scan, one
+        float64 state per sequence, sequences in parallel; ``auto``: ``scan``.
+    normalize : bool, default False
+        Divide by ``phi(q_t)^T z_t`` (floored at ``eps`` unless None).  Off by default: a transition
+        with a low-rank part moves ``z`` through the same factors, and it need not stay positive.
+    eps : float or None
+    check_finite : bool, default True
+        Refuse NaN/inf in q, k, v; raise :class:`~linattn_nb.ops._finite.NonFiniteResult` when the
+        outputs or the state overflow.
+    out : ndarray, shape (..., N, M), optional
+        Written in place (its dtype must be the outputs').
+    initial_state : LinearState, optional
+        The state a previous call of the same rule returned.
+    return_state : bool, default False
+        Also return the final state (a :class:`~linattn_nb.LinearState` whose ``rule`` is the rule's
+        name, ``"dplr"`` for the general form).
+
+    Returns
+    -------
+    out : ndarray, shape (..., N, M)
+    state : LinearState
+        With ``return_state``.
+
+    Raises
+    ------
+    TypeError
+        Non-floating inputs, a missing or unknown argument.
+    ValueError
+        Shapes that do not match (the message names the argument and the shape it expects), values
+        out of range (``log_diag``/``log_decay`` > 0, ``decay`` outside [0, 1]), an unknown method.
+    NonFiniteResult
+        The outputs or the state hold NaN or inf although the inputs are finite: the transition grew
+        (``||D_t + b_t a_t^T|| > 1`` over many tokens multiplies the state) past the float64 range, or
+        an output past its dtype's.  The state is kept in float64 on every method, so a float32 call
+        overflows only where its true outputs exceed float32.
+
+    Notes
+    -----
+    Stability is not automatic: with unit keys and ``beta`` in [0, 2] the delta-rule forms (delta,
+    gated delta, KDA, DeltaProduct) have ``||D + b a^T|| <= 1``; a general ``a``, ``b`` can grow the
+    state exponentially, which this function allows and reports only when it overflows.
+
+    Examples
+    --------
+    The delta rule as a DPLR transition (``a = phi(k)``, ``b = -beta phi(k)``):
+
+    >>> import numpy as np
+    >>> from linattn_nb import dplr_attention, linear_attention
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 2, 16, 8))
+    >>> beta = rng.uniform(0, 1, size=(2, 16))
+    >>> fk = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    >>> o = dplr_attention(q, k, v, a=fk, b=-beta[..., None] * fk, beta=beta, feature_map="l2")
+    >>> ref = linear_attention(q, k, v, causal=True, beta=beta, feature_map="l2")
+    >>> bool(np.allclose(o, ref, atol=1e-12))
+    True
+    """
+    if rule is None:
+        name = _GENERAL
+        inputs = {"a": a, "b": b, "log_diag": log_diag, "beta": beta}
+        if rule_arguments:
+            raise TypeError(f"unexpected argument(s) {sorted(rule_arguments)}: the general form takes a, b, "
+                            "log_diag, beta; a named rule's arguments need rule=")
+        spec = None
+    else:
+        spec = get_dplr_rule(rule)
+        name = spec.name
+        given = {"a": a, "b": b, "log_diag": log_diag}
+        extra = [n for n, x in given.items() if x is not None]
+        if extra:
+            raise TypeError(f"rule {name!r} builds its own {', '.join(extra)}: pass its arguments "
+                            f"({', '.join(spec.arguments)}) instead")
+        inputs = dict(rule_arguments)
+        if beta is not None:
+            inputs["beta"] = beta
+        unknown = sorted(set(inputs) - set(spec.arguments))
+        if unknown:
+            raise TypeError(f"rule {name!r} takes {', '.join(spec.arguments)}; got unexpected {unknown}")
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a string, got {type(method).__name__}")
+    if method not in DPLR_METHODS:
+        raise ValueError(f"method must be one of {DPLR_METHODS} for dplr_attention, got {method!r}")
+    norm, eps_v = _norm(normalize, eps)
+
+    q = _floating("q", q)
+    k = _floating("k", k)
+    v = _floating("v", v)
+    if q.ndim < 2:
+        raise ValueError(f"q must have shape (..., N, D), got {q.shape}")
+    lead, (N, Dq) = q.shape[:-2], q.shape[-2:]
+    sub = spec.substeps if spec is not None else k.ndim == q.ndim + 1
+    kd = q.ndim + (1 if sub else 0)
+    if k.ndim != kd or k.shape[:len(lead) + 1] != lead + (N,) or k.shape[-1] != Dq:
+        want = "(..., N, r, D)" if sub else "(..., N, D)"
+        raise ValueError(f"k must have shape {want} with q's (..., N) = {lead + (N,)} and D = {Dq}, got {k.shape}")
+    r = k.shape[-2] if sub else 0
+    if sub and r < 1:
+        raise ValueError(f"k's sub-step axis must be >= 1, got {k.shape}")
+    if v.ndim != kd or v.shape[:-1] != k.shape[:-1]:
+        want = "(..., N, r, M)" if sub else "(..., N, M)"
+        raise ValueError(f"v must have shape {want} with k's leading {k.shape[:-1]}, got {v.shape}")
+    M = v.shape[-1]
+    if check_finite:
+        for nm, x in (("q", q), ("k", k), ("v", v)):
+            check_finite_values(nm, x)
+    dtype = np.result_type(q.dtype, k.dtype, v.dtype)
+
+    fmap = _resolve_map(feature_map)
+    if not normalize and getattr(fmap, "needs_normalizer", False):
+        raise ValueError(f"feature map {fmap.name!r} needs the normaliser (its features carry per-row "
+                         "factors that cancel only in the ratio): pass normalize=True")
+    B = int(np.prod(lead, dtype=np.int64))
+    F = int(fmap.output_dim(Dq))
+    H0, position = _initial(initial_state, name, lead, F, M)
+    if sub and getattr(fmap, "position_dependent", False):
+        raise ValueError(f"feature map {fmap.name!r} depends on the position: it is not defined for keys "
+                         "with a sub-step axis")
+    fq = np.asarray(fmap.apply(q, role="query", causal=True, offset=position), dtype=np.float64).reshape(B, N, F)
+    fk = np.asarray(fmap.apply(k, role="key", causal=True, offset=position), dtype=np.float64)
+    fk = fk.reshape((B, N, r, F) if sub else (B, N, F))
+    v64 = np.asarray(v, dtype=np.float64).reshape((B, N, r, M) if sub else (B, N, M))
+
+    if spec is None:
+        checked = _general_check(inputs, lead, N, F, r)
+        form = _general_build(fk, v64, checked)
+    else:
+        checked = spec.check(inputs, lead, N, F, r)
+        form = spec.build(fk, v64, checked)
+    ld, A, Bv, KW, VW = (np.ascontiguousarray(x, dtype=np.float64) for x in form)
+
+    if out is not None:
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"out must be a NumPy array, got {type(out).__name__}")
+        if out.shape != lead + (N, M) or out.dtype != dtype:
+            raise ValueError(f"out must have shape {lead + (N, M)} and dtype {dtype}, got {out.shape} {out.dtype}")
+    if method == "quadratic":
+        from .ops.dplr.naive import dplr_reference
+
+        o64, H = dplr_reference(fq, ld, A, Bv, KW, VW, H0, norm=norm, eps=eps_v)
+        bad = not (np.isfinite(H).all() and np.isfinite(o64).all())
+    else:
+        from .ops.dplr.cpu import dplr_scan
+
+        H, o64 = H0, np.empty((B, N, M))
+        bad = bool(dplr_scan(np.ascontiguousarray(fq), ld, A, Bv, KW, VW, H, o64, norm, eps_v).any())
+    with np.errstate(over="ignore"):
+        res = o64.astype(dtype)
+    if check_finite and not bad and dtype != np.float64:
+        bad = not np.isfinite(res).all()
+    if bad and check_finite:
+        raise NonFiniteResult(
+            f"dplr_attention ({name}): the outputs or the state hold NaN or inf although the inputs are finite: "
+            "the transition D + b a^T grew the state past the float64 range (its norm exceeds 1 over many "
+            f"tokens), or an output exceeds {np.dtype(dtype).name}'s range")
+    res = res.reshape(lead + (N, M))
+    if out is not None:
+        out[...] = res
+        res = out
+    if not return_state:
+        return res
+    from ._frontend import LinearState
+
+    return res, LinearState(S=H[:, :, :M].reshape(lead + (F, M)).copy(), z=H[:, :, M].reshape(lead + (F,)).copy(),
+                            position=position + N, rule=name)

@@ -1,0 +1,50 @@
+"""DeltaProduct (Siems et al. 2025): ``n_h`` delta-rule steps per token, each with its own key, value and beta.
+
+Per token, for ``j = 1 .. n_h``: ``S <- (I - beta_tj k_tj k_tj^T) S + beta_tj k_tj v_tj^T``; the query
+reads after the last.  The token's transition is a product of ``n_h`` generalised Householder
+factors (rank ``n_h``); ``n_h = 1`` is the delta rule.  Keys and values carry the step axis:
+k (..., N, n_h, D), v (..., N, n_h, M); ``beta`` (..., N, n_h) in [0, 2].
+"""
+import numpy as np
+
+from . import _dplr as D
+
+
+def _check(inputs, lead, N, F, r):
+    if "beta" not in inputs:
+        raise TypeError("missing argument: beta (shape (..., N, n_h))")
+    return {"beta": D.in_range("beta", D.per_token("beta", inputs["beta"], lead, N, r), 0.0, 2.0)}
+
+
+def householder_form(fk, v, beta, log_gate=None):
+    """The general form of ``n_h`` delta steps per token, after a per-token log-gate (None: no gate):
+    the gate scales the state once, before the first step, so the first factor's ``a`` carries it."""
+    Bn, N, r, F = fk.shape
+    bk = beta[..., None] * fk
+    a = fk.copy()
+    if log_gate is None:
+        ld = np.zeros((Bn, N, 0))
+    else:
+        ld = log_gate.reshape(Bn, N, 1)
+        a[:, :, 0] *= np.exp(ld)
+    return D.GeneralForm(ld, a, -bk, bk, v)
+
+
+def _build(fk, v, inp):
+    return householder_form(fk, v, inp["beta"])
+
+
+def _step(H, k, v1, inp):
+    for j in range(k.shape[0]):
+        H = H + inp["beta"][j] * np.outer(k[j], v1[j] - k[j] @ H)
+    return H
+
+
+def _sample(rng, b, n, f, r):
+    return {"beta": rng.uniform(0.0, 2.0, size=(b, n, r))}
+
+
+RULE = D.DPLRRule(
+    name="delta_product", arguments=("beta",), substeps=True,
+    formula="S <- (I - beta_tj k_tj k_tj^T) S + beta_tj k_tj v_tj^T, j = 1 .. n_h",
+    check=_check, build=_build, step=_step, sample=_sample)

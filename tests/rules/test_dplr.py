@@ -1,0 +1,294 @@
+"""The diagonal-plus-low-rank recurrence (``linattn_nb.dplr_attention``) and its named rules.
+
+* Every rule of ``linattn_nb.rules`` equals its parameterisation through the general form, to 1e-12
+  in float64, on every method, outputs and final state.
+* Every named DPLR rule's general form equals its own step as its paper writes it (``DPLRRule.step``).
+* Segments chained through ``initial_state`` equal one call; a reset wipes the state; bad input names
+  the argument and the shapes; nothing the caller passed is modified; growth that overflows is an
+  error, never a silent inf.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import linattn_nb as la
+from linattn_nb import rules
+from linattn_nb.feature_maps import get as get_map
+from linattn_nb.ops._finite import NonFiniteResult
+
+METHODS = ("quadratic", "scan")
+B, N, D, M = 2, 9, 5, 4
+
+
+def _qkv(rng, r=0):
+    q = rng.standard_normal((B, N, D))
+    shape = (B, N, r) if r else (B, N)
+    return q, rng.standard_normal(shape + (D,)), rng.standard_normal(shape + (M,))
+
+
+def _log(x):
+    with np.errstate(divide="ignore"):
+        return np.log(x)
+
+
+def general_form(name, fk, inputs):
+    """The general entry's arguments that make rule ``name`` (fk: the keys' features)."""
+    zeros = np.zeros_like(fk)
+    decay = inputs.get("decay")
+    ld = None if decay is None else _log(decay)
+    beta = inputs.get("beta")
+    if name in ("additive", "decay", "gate"):
+        return {"a": zeros, "b": zeros, "log_diag": ld}
+    if name == "delta":
+        return {"a": fk, "b": -beta[..., None] * fk, "beta": beta}
+    if name == "gated_delta":
+        return {"a": np.exp(ld)[..., None] * fk, "b": -beta[..., None] * fk, "beta": beta, "log_diag": ld}
+    raise AssertionError(f"no parameterisation for {name}")
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("name", rules.rule_names())
+def test_every_rule_is_a_parameterisation(rng, name, method):
+    rule = rules.get_rule(name)
+    fmap = rule.study_map
+    q, k, v = _qkv(rng)
+    inputs = rule.sample(rng, B, N, D)
+    S0, z0 = rng.random((B, D, M)), rng.random((B, D)) + 0.5
+    init = la.LinearState(S0, z0, 0, name)
+    ref, st = la.linear_attention(q, k, v, causal=True, method="quadratic", feature_map=fmap, initial_state=init,
+                                  return_state=True, **inputs)
+    fk = get_map(fmap)(k)
+    o, st2 = la.dplr_attention(q, k, v, feature_map=fmap, method=method, normalize=rule.normalize,
+                               initial_state=la.LinearState(S0, z0, 0, "dplr"), return_state=True,
+                               **general_form(name, fk, inputs))
+    np.testing.assert_allclose(o, ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(st2.S, st.S, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(st2.z, st.z, rtol=1e-12, atol=1e-12)
+    assert st2.position == N and st2.rule == "dplr"
+
+
+def _paper(rule, fq, fk, v, inputs, H0, normalize, eps):
+    """The named rule's own step, token by token (float64)."""
+    Bn, n = fq.shape[:2]
+    Mv = v.shape[-1]
+    out = np.empty((Bn, n, Mv))
+    H = H0.copy()
+    for b in range(Bn):
+        for t in range(n):
+            inp = {key: x[b, t] for key, x in inputs.items()}
+            v1 = np.concatenate([v[b, t], np.ones(v[b, t].shape[:-1] + (1,))], axis=-1)
+            H[b] = rule.step(H[b], fk[b, t], v1, inp)
+            red = fq[b, t] @ H[b]
+            out[b, t] = red[:Mv] / max(red[Mv], eps) if normalize else red[:Mv]
+    return out, H
+
+
+def _checked(name, inputs):
+    """The sample's arguments as the rule's step reads them (log-factors, beta)."""
+    out = {}
+    for key, x in inputs.items():
+        if key == "decay":
+            out["log_gate" if name in ("kda", "gated_delta_product") else "log_w"] = _log(x)
+        else:
+            out[key] = x
+    return out
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("name", rules.dplr_rule_names())
+def test_named_rules_match_their_papers(rng, name, method, normalize):
+    rule = rules.get_dplr_rule(name)
+    r = 3 if rule.substeps else 0
+    q, k, v = _qkv(rng, r)
+    inputs = rule.sample(rng, B, N, D, r)
+    H0 = rng.random((B, D, M + 1)) + 0.5
+    init = la.LinearState(H0[..., :M], H0[..., M], 0, name)
+    o, st = la.dplr_attention(q, k, v, rule=name, feature_map="l2", method=method, normalize=normalize, eps=1e-6,
+                              initial_state=init, return_state=True, **inputs)
+    fq, fk = get_map("l2")(q), get_map("l2")(k)
+    ref, H = _paper(rule, fq, fk, v, _checked(name, inputs), H0, normalize, 1e-6)
+    np.testing.assert_allclose(o, ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(st.S, H[..., :M], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(st.z, H[..., M], rtol=1e-12, atol=1e-12)
+    assert st.rule == name
+
+
+def test_one_step_products_are_the_delta_rules(rng):
+    """n_h = 1: DeltaProduct is the delta rule and gated DeltaProduct the gated delta rule; KDA with
+    one gate for every feature is the gated delta rule."""
+    q, k, v = _qkv(rng)
+    beta = rng.uniform(0, 2, size=(B, N))
+    decay = rng.uniform(0.5, 1, size=(B, N))
+    delta = la.linear_attention(q, k, v, causal=True, feature_map="l2", beta=beta)
+    gated = la.linear_attention(q, k, v, causal=True, feature_map="l2", beta=beta, decay=decay)
+    for method in METHODS:
+        o = la.dplr_attention(q, k[:, :, None], v[:, :, None], rule="delta_product", beta=beta[..., None],
+                              feature_map="l2", method=method)
+        np.testing.assert_allclose(o, delta, rtol=1e-12, atol=1e-12)
+        o = la.dplr_attention(q, k[:, :, None], v[:, :, None], rule="gated_delta_product", beta=beta[..., None],
+                              decay=decay, feature_map="l2", method=method)
+        np.testing.assert_allclose(o, gated, rtol=1e-12, atol=1e-12)
+        o = la.dplr_attention(q, k, v, rule="kda", beta=beta, decay=np.repeat(decay[..., None], D, -1),
+                              feature_map="l2", method=method)
+        np.testing.assert_allclose(o, gated, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", rules.dplr_rule_names())
+def test_segments_chain_through_the_state(rng, name):
+    rule = rules.get_dplr_rule(name)
+    r = 2 if rule.substeps else 0
+    q, k, v = _qkv(rng, r)
+    inputs = rule.sample(rng, B, N, D, r)
+    whole, st = la.dplr_attention(q, k, v, rule=name, feature_map="l2", return_state=True, **inputs)
+    cut = 4
+    first, st1 = la.dplr_attention(q[:, :cut], k[:, :cut], v[:, :cut], rule=name, feature_map="l2",
+                                   return_state=True, **{key: x[:, :cut] for key, x in inputs.items()})
+    second, st2 = la.dplr_attention(q[:, cut:], k[:, cut:], v[:, cut:], rule=name, feature_map="l2",
+                                    initial_state=st1, return_state=True,
+                                    **{key: x[:, cut:] for key, x in inputs.items()})
+    np.testing.assert_allclose(np.concatenate([first, second], axis=1), whole, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(st2.S, st.S, rtol=1e-12, atol=1e-12)
+    assert st2.position == N
+
+
+def test_reset_wipes_the_state(rng):
+    """log_diag = -inf at token t (and a = b = 0 there): the outputs from t on are those of a fresh start."""
+    q, k, v = _qkv(rng)
+    a = rng.standard_normal((B, N, D)) * 0.2
+    b = rng.standard_normal((B, N, D)) * 0.2
+    ld = _log(rng.uniform(0.5, 1, size=(B, N, D)))
+    t = 5
+    ld[:, t] = -np.inf
+    a[:, t] = 0.0
+    for method in METHODS:
+        o = la.dplr_attention(q, k, v, a=a, b=b, log_diag=ld, method=method)
+        ld2 = ld[:, t:].copy()
+        ld2[:, 0] = 0.0
+        fresh = la.dplr_attention(q[:, t:], k[:, t:], v[:, t:], a=a[:, t:], b=b[:, t:], log_diag=ld2, method=method)
+        np.testing.assert_allclose(o[:, t:], fresh, rtol=1e-12, atol=1e-12)
+
+
+def test_scan_matches_quadratic_in_every_dtype_and_batch_shape(rng):
+    q = rng.standard_normal((2, 3, N, D))
+    k = rng.standard_normal((2, 3, N, 2, D))
+    v = rng.standard_normal((2, 3, N, 2, M))
+    a = rng.standard_normal((2, 3, N, 2, D)) * 0.3
+    b = rng.standard_normal((2, 3, N, 2, D)) * 0.3
+    ld = _log(rng.uniform(0.5, 1, size=(2, 3, N)))
+    beta = rng.uniform(0, 1, size=(2, 3, N, 2))
+    ref = la.dplr_attention(q, k, v, a=a, b=b, log_diag=ld, beta=beta, method="quadratic", normalize=True)
+    assert ref.shape == (2, 3, N, M)
+    for dtype, tol in ((np.float64, 1e-12), (np.float32, 1e-5), (np.float16, 1e-2)):
+        o = la.dplr_attention(*(x.astype(dtype) for x in (q, k, v)), a=a, b=b, log_diag=ld, beta=beta,
+                              method="scan", normalize=True)
+        assert o.dtype == dtype
+        ref_d = la.dplr_attention(*(x.astype(dtype) for x in (q, k, v)), a=a, b=b, log_diag=ld, beta=beta,
+                                  method="quadratic", normalize=True)
+        np.testing.assert_allclose(o.astype(np.float64), ref_d.astype(np.float64), rtol=tol, atol=tol)
+    out = np.empty((2, 3, N, M))
+    res = la.dplr_attention(q, k, v, a=a, b=b, log_diag=ld, beta=beta, normalize=True, out=out)
+    assert res is out
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_empty_sequence(rng):
+    q, k, v = (np.zeros((B, 0, n)) for n in (D, D, M))
+    o, st = la.dplr_attention(q, k, v, a=np.zeros((B, 0, D)), b=np.zeros((B, 0, D)), return_state=True)
+    assert o.shape == (B, 0, M) and st.S.shape == (B, D, M) and not st.S.any()
+
+
+def test_inputs_are_not_modified(rng):
+    q, k, v = _qkv(rng)
+    args = {"a": rng.standard_normal((B, N, D)), "b": rng.standard_normal((B, N, D)) * 0.1,
+            "log_diag": _log(rng.uniform(0.5, 1, size=(B, N))), "beta": rng.uniform(0, 1, size=(B, N))}
+    before = [x.copy() for x in (q, k, v, *args.values())]
+    for method in METHODS:
+        la.dplr_attention(q, k, v, method=method, normalize=True, **args)
+    for x, y in zip((q, k, v, *args.values()), before):
+        np.testing.assert_array_equal(x, y)
+    kd = {"decay": rng.uniform(0.5, 1, size=(B, N, D)), "beta": rng.uniform(0, 1, size=(B, N))}
+    saved = {key: x.copy() for key, x in kd.items()}
+    la.dplr_attention(q, k, v, rule="kda", **kd)
+    for key in kd:
+        np.testing.assert_array_equal(kd[key], saved[key])
+
+
+def test_growth_is_an_error_not_a_silent_inf(rng):
+    """a = b = ones: ||I + b a^T|| = 1 + D per token, the state overflows float64 within ~300 tokens."""
+    n = 400
+    q, k, v = (np.abs(rng.standard_normal((1, n, d))) for d in (D, D, M))
+    ones = np.ones((1, n, D))
+    for method in METHODS:
+        with pytest.raises(NonFiniteResult, match="grew"):
+            la.dplr_attention(q, k, v, a=ones, b=ones, method=method)
+    # float32 outputs past float32's range (6^60 ~ 5e46), finite in float64
+    n = 60
+    q, k, v = (np.abs(rng.standard_normal((1, n, d))).astype(np.float32) for d in (D, D, M))
+    ones = np.ones((1, n, D))
+    with pytest.raises(NonFiniteResult, match="float32"):
+        la.dplr_attention(q, k, v, a=ones, b=ones)
+    o = la.dplr_attention(q.astype(np.float64), k, v, a=ones, b=ones)
+    assert np.isfinite(o).all() and np.abs(o).max() > np.finfo(np.float32).max
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    ({"a": np.zeros((B, N, D + 1)), "b": np.zeros((B, N, D + 1))}, ValueError, r"a must have shape .*\(2, 9, 5\)"),
+    ({"a": np.zeros((B, N, D))}, TypeError, "missing argument: b"),
+    ({"a": np.zeros((B, N, D)), "b": np.zeros((B, N, 2, D))}, ValueError, "same shape"),
+    ({"a": np.zeros((B, N, D)), "b": np.zeros((B, N, D)), "log_diag": np.ones((B, N))}, ValueError, "<= 0"),
+    ({"a": np.zeros((B, N, D)), "b": np.zeros((B, N, D)), "log_diag": np.zeros((B, N + 1))}, ValueError,
+     r"log_diag must have shape"),
+    ({"a": np.zeros((B, N, D)), "b": np.zeros((B, N, D)), "beta": np.zeros((B, 1))}, ValueError,
+     r"beta must have shape \(\.\.\., N\)"),
+    ({"a": np.zeros((B, N, D)), "b": np.zeros((B, N, D)), "method": "chunked"}, ValueError, "method must be one of"),
+    ({"a": np.zeros((B, N, D)), "b": np.zeros((B, N, D)), "decay": np.ones((B, N))}, TypeError, "unexpected"),
+    ({"rule": "kda", "beta": np.ones((B, N))}, TypeError, "decay or log_decay"),
+    ({"rule": "kda", "beta": np.ones((B, N)), "decay": np.ones((B, N))}, ValueError, r"decay must have shape"),
+    ({"rule": "kda", "beta": np.full((B, N), 3.0), "decay": np.ones((B, N, D))}, ValueError, r"beta must lie in"),
+    ({"rule": "kda", "beta": np.ones((B, N)), "decay": np.ones((B, N, D)), "a": np.ones((B, N, D))}, TypeError,
+     "builds its own a"),
+    ({"rule": "kda", "beta": np.ones((B, N)), "log_decay": np.zeros((B, N, D)), "kappa": 1}, TypeError,
+     "unexpected"),
+    ({"rule": "rwkv7", "decay": np.ones((B, N, D)), "kappa": np.ones((B, N, D)), "iclr": np.full((B, N, D), 2.0)},
+     ValueError, "iclr must lie in"),
+    ({"rule": "nope"}, ValueError, "unknown DPLR rule 'nope'"),
+    ({"rule": "delta_product", "beta": np.ones((B, N))}, ValueError, r"k must have shape \(\.\.\., N, r, D\)"),
+])
+def test_bad_input_names_the_argument(rng, kwargs, exc, match):
+    q, k, v = _qkv(rng)
+    with pytest.raises(exc, match=match):
+        la.dplr_attention(q, k, v, **kwargs)
+
+
+def test_bad_arrays_name_the_argument(rng):
+    q, k, v = _qkv(rng)
+    ab = {"a": np.zeros((B, N, D)), "b": np.zeros((B, N, D))}
+    with pytest.raises(TypeError, match="q must be a floating-point"):
+        la.dplr_attention(q.astype(int), k, v, **ab)
+    with pytest.raises(ValueError, match="v must have shape"):
+        la.dplr_attention(q, k, v[:, :-1], **ab)
+    with pytest.raises(ValueError, match="k must have shape"):
+        la.dplr_attention(q, k[..., :-1], v, **ab)
+    bad = k.copy()
+    bad[0, 0, 0] = np.nan
+    with pytest.raises(ValueError, match="k contains 1 non-finite"):
+        la.dplr_attention(q, bad, v, **ab)
+    with pytest.raises(ValueError, match="initial_state was made by rule 'delta'"):
+        la.dplr_attention(q, k, v, initial_state=la.LinearState(np.zeros((B, D, M)), np.zeros((B, D)), 0, "delta"),
+                          **ab)
+    with pytest.raises(ValueError, match=r"initial_state.S must have shape"):
+        la.dplr_attention(q, k, v, initial_state=la.LinearState(np.zeros((B, D, M + 1)), np.zeros((B, D)), 0, "dplr"),
+                          **ab)
+    with pytest.raises(ValueError, match="out must have shape"):
+        la.dplr_attention(q, k, v, out=np.empty((B, N, M), np.float32), **ab)
+
+
+def test_registry():
+    assert rules.dplr_rule_names() == ("kda", "rwkv7", "delta_product", "gated_delta_product")
+    assert rules.get_dplr_rule("kda") is rules.DPLR_RULES["kda"]
+    with pytest.raises(ValueError, match="already registered"):
+        rules.register_dplr(rules.DPLR_RULES["kda"])
+    with pytest.raises(TypeError, match="DPLRRule"):
+        rules.register_dplr(rules.get_rule("delta"))
