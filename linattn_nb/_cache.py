@@ -1,43 +1,6 @@
 """Where Numba's on-disk cache of linattn_nb's kernels lives.
 
-By default Numba writes a cached kernel next to its source file, into the
-package's own ``__pycache__`` folders.  For an installed package that is
-site-packages: a read-only installation cannot cache at all, and pip does not
-remove the cache files on uninstall, so a reinstall leaves machine code of
-other sources behind, and the leftover folders become an empty namespace
-package that hides a later editable install (``import linattn_nb`` then finds
-no ``__version__``).
-
-:func:`install`, called by ``linattn_nb/__init__.py`` before any kernel module
-is imported (Numba chooses a kernel's cache folder when the kernel is
-decorated), sends the cache of linattn_nb's kernels elsewhere.  The folder is,
-first match wins:
-
-1. ``$LINATTN_CACHE_DIR/<version>-<hash>``;
-2. Numba's own rule when ``NUMBA_CACHE_DIR`` is set (``numba.config.CACHE_DIR``
-   non-empty at import of linattn_nb): nothing is changed, the kernels go
-   where Numba puts every cached function then (without the source key);
-3. the per-user cache folder ``<user cache>/linattn_nb/<version>-<hash>``,
-   where ``<user cache>`` is ``$XDG_CACHE_HOME`` or ``~/.cache`` on Linux,
-   ``~/Library/Caches`` on macOS and ``%LOCALAPPDATA%`` on Windows.
-
-``<hash>`` is a hash of every ``.py`` file of the package (:func:`source_hash`):
-Numba keys a cached kernel on its own source file only, so a kernel that
-inlines a helper from another module would otherwise load machine code
-compiled against the helper's old source after an upgrade or an edit.
-Folders of other versions or sources under the same root that have not been
-used for ``config.CACHE_PRUNE_DAYS`` days are removed at import.  If the
-folder cannot be created or written, caching is switched off
-(``config.CACHE = False``, with a warning); the package folder is never
-written.  ``LINATTN_NO_CACHE=1`` switches caching off.
-
-Scope: only functions defined in linattn_nb's own source files are
-redirected.  A cache locator that declines every other file is put first in
-Numba's list of locators (of ``numba.core.caching`` for the CPU kernels, and of
-numba-cuda's ``numba.cuda.core.caching`` as soon as that module is imported,
-for the CUDA kernels), so the caching of other code in the process is
-untouched and ``numba.config.CACHE_DIR`` is not modified.  These are Numba
-internals; if a Numba version lacks them, caching is switched off instead.
+Where and why: ``docs/design-cpu.md``, "The kernel cache".
 """
 from __future__ import annotations
 
@@ -285,7 +248,7 @@ def install(version: str) -> str | None:
 
     Must run before any kernel module is imported.  Process-wide for
     linattn_nb's own kernels only; ``numba.config.CACHE_DIR`` and the caching
-    of other code are left alone (see the module docstring).  Sets
+    of other code are left alone (``docs/design-cpu.md``).  Sets
     ``config.CACHE_DIR`` (and ``config.CACHE = False`` when no folder can be
     written).
 

@@ -1,46 +1,6 @@
 """The CUDA side of a request (``device="cuda"``): what the front end asks of the GPU.
 
-The front end (:mod:`linattn_nb._frontend`) validates, chooses the method and
-routes the request; this module wraps GPU arrays, copies between host and
-device, packs and unpacks device states and launches the registered CUDA
-methods.  It imports nothing from the front end or the public modules.  Two
-paths:
-
-* **device inputs** (Numba device arrays, CuPy arrays, PyTorch CUDA tensors,
-  anything with ``__cuda_array_interface__`` or a CUDA ``__dlpack__``; on the
-  simulator its ``FakeCUDAArray``): zero-copy.  The leading batch dimensions
-  are viewed as one or two batch axes without a copy whenever their strides
-  allow (any contiguous array, and transposes such as ``(B, N, H, D) ->
-  (B, H, N, D)``); otherwise a contiguous copy is made on the GPU.  The result
-  is a Numba device array of shape ``(..., N, M)``, or the caller's ``out``.
-  The final state (``return_state=True``) holds float64 Numba device arrays.
-  The feature map must have an inline form (``kernel_code``: "elu", "relu",
-  "squared_relu", "identity", "l2", "silu_l2", or ``None``); others raise ValueError
-  (compute the features yourself and pass ``feature_map=None``, or pass host
-  arrays).  ``check_finite`` counts the NaN/inf entries of q, k, v (and of a
-  device initial state) on the device into the finiteness counters of
-  :mod:`linattn_nb.ops._cuda_pool` and reads them back once per call
-  (``check_finite=False`` skips both).
-
-  No host round-trips: the zero initial state is zeroed on the device, the
-  packed state ``H`` and the launchers' temporaries are workspaces of
-  :mod:`linattn_nb.ops._cuda_pool` reused by the next call with the same
-  shapes, so a call with the caller's ``out`` copies nothing between host and
-  device and allocates nothing once its shapes have been seen; the only
-  device-to-host copy is the read of the finiteness counters
-  (``check_finite=True``).  New device arrays: the result when ``out`` is
-  None, the final state with ``return_state=True``.  Device ``decay`` /
-  ``log_decay`` / ``beta`` stay on the device (:func:`device_rule_inputs`):
-  a float32 or float64 per-token (per-feature) ``log_decay`` is read in
-  place by the kernels, the others converted on the device; their range is
-  counted on the device and read with the same single read of the
-  counters, which these inputs make due even with ``check_finite=False``.
-* **host inputs** with ``device="cuda"``: validated and (for maps without an
-  inline form) featurised on the host as on the CPU path, copied to the GPU,
-  and the result and the state copied back: NumPy in, NumPy out.
-
-The kernels are the launchers registered in the method table under
-``device="cuda"`` (:mod:`linattn_nb.ops.methods`).
+See ``docs/cuda_kernels.md``, "The front end's CUDA side".
 """
 from __future__ import annotations
 

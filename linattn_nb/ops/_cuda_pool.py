@@ -1,41 +1,6 @@
 """Device workspaces reused across calls, device-side zeroing and the finiteness counters.
 
-The GPU path of :func:`linattn_nb.linear_attention` makes no host-to-device
-copy and no allocation per call once its shapes have been seen (only the
-result, when the caller passes no ``out``, and the final state of
-``return_state=True`` are new arrays), and reads at most one small array
-back (the finiteness counters, with ``check_finite=True``).  This module
-holds what makes that possible:
-
-* :func:`workspace` -- a device array for a temporary of one call, taken
-  from a pool keyed on ``(tag, shape, dtype, CUDA context, thread)`` and
-  reused by the next call with the same key.  The pool keeps at most
-  ``config.CUDA_WORKSPACE_BYTES`` bytes (least recently used first out; a
-  single request above the bound is allocated and not kept; 0 turns the
-  pool off).  Each thread has its own buffers, so concurrent calls never
-  share one; within one thread, calls are ordered on the default stream, so a
-  buffer is only reused after the kernels of the previous call that used it.
-  A caller uses one ``tag`` per buffer that is alive at the same time.
-* :func:`zeros` / :func:`fill` -- zero (or fill) a device array with one
-  grid-stride kernel: no host array is copied.
-* :func:`counters` / :func:`count_nonfinite` / :func:`raise_if_nonfinite`
-  -- the finiteness check of a call: kernels add the number of NaN/inf
-  entries of each checked array into a per-thread int32 device array of
-  :data:`CHECK_SLOTS` slots (q, k, v, initial_state.S, initial_state.z; and
-  :func:`count_out_of_range`: a device ``log_decay``'s entries that are NaN
-  or > 0, a device ``beta``'s outside [0, 2]; :func:`rule_input`, which
-  converts device ``decay`` / ``log_decay`` / ``beta`` of other forms into
-  float64 workspaces, counts the same and ``decay`` outside [0, 1]) that
-  is zero between calls; :func:`raise_if_nonfinite` reads it once (one
-  device-to-host copy, only when a kernel was asked to count since the
-  last read) and raises ``ValueError`` naming the first slot that counted,
-  after setting the counters back to zero on the device.  A kernel that
-  fuses the check into its own pass takes the array from :func:`counters`
-  (which marks a read as due) and adds into the slot of each input.
-* :func:`clear` and :func:`stats` -- drop every pooled buffer; hits,
-  misses and bytes held.
-
-Importing this module touches no GPU; the kernels are compiled on first use.
+See ``docs/cuda_kernels.md``, "Workspaces and finiteness counters".
 """
 from __future__ import annotations
 

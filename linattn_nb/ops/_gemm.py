@@ -1,30 +1,6 @@
 """Direct BLAS ``?gemm`` calls from ``@njit`` code, on sub-blocks and with ``beta``.
 
-``np.dot(a, b, out)`` inside ``@njit`` reaches the same BLAS (SciPy's
-``scipy.linalg.cython_blas``), but only on whole contiguous arrays and only
-as ``out = a @ b``.  The chunked causal kernel wants more of the BLAS
-interface: products on a block of rows of a larger buffer (leading
-dimensions), a transposed operand without a copy, and one fused product
-``[phi(Q_c) | A] @ [S ; V_c]`` whose operands are laid out side by side in
-scratch.  :func:`gemm` exposes exactly that, row-major::
-
-    C[coff:, ...] (m x n, leading dim ldc) = alpha * op(A) @ op(B) + beta * C
-
-with ``op(X) = X`` (``ta``/``tb`` 0) or ``X^T`` (1); ``aoff``, ``boff`` and
-``coff`` are flat element offsets into the (C-contiguous) arrays.  Nothing is
-checked at run time: the callers own the shapes (they are the kernels of this
-package, tested against the quadratic reference).
-
-The BLAS routines are bound by name: at import the addresses of SciPy's
-``sgemm`` / ``dgemm`` are registered with LLVM as the symbols
-``linattn_nb_sgemm`` / ``linattn_nb_dgemm`` and the generated code calls those
-symbols.  A ctypes function pointer would be baked into the machine code as a
-constant address, which Numba refuses to cache on disk; a named symbol is
-resolved again when a cached kernel is loaded in a new process.
-
-SciPy's ``cython_blas`` takes Fortran (column-major) arguments by pointer; a
-row-major ``C = op(A) op(B)`` is the column-major ``C^T = op(B)^T op(A)^T``,
-so the operands swap and each keeps its own transpose flag.
+Design: ``docs/design-cpu.md``, "Direct BLAS calls".
 """
 from __future__ import annotations
 
@@ -90,7 +66,7 @@ def _xgemm(typingctx, fa, fb, m, n, k, alpha, A, aoff, lda, B, boff, ldb, beta, 
 
 
 def gemm(ta, tb, m, n, k, alpha, A, aoff, lda, B, boff, ldb, beta, C, coff, ldc):  # pragma: no cover
-    """Row-major ``C = alpha op(A) op(B) + beta C`` on flat offsets (see the module docstring)."""
+    """Row-major ``C = alpha op(A) op(B) + beta C`` on flat offsets (``docs/design-cpu.md``)."""
     a = np.asarray(A).ravel()[aoff:]
     b = np.asarray(B).ravel()[boff:]
     av = np.lib.stride_tricks.as_strided(a, (k, m) if ta else (m, k), (lda * a.itemsize, a.itemsize))
