@@ -26,7 +26,7 @@ _cache.install(__version__)
 from . import feature_maps, rules  # noqa: E402
 from .attention import VJP, LinearState, linear_attention, linear_attention_vjp, softmax_attention  # noqa: E402
 from .state import KVCache, LinearAttentionState  # noqa: E402
-from .dplr import dplr_attention  # noqa: E402
+from .dplr import dplr_attention, dplr_attention_vjp  # noqa: E402
 from . import fitting  # noqa: E402
 
 # ``feature_maps.fit`` is the documented entry point for fitting maps to
@@ -48,6 +48,7 @@ __all__ = [
     "VJP",
     "softmax_attention",
     "dplr_attention",
+    "dplr_attention_vjp",
     "LinearState",
     "LinearAttentionState",
     "KVCache",

@@ -15,6 +15,8 @@ module that maps its own arguments to ``D``, ``a``, ``b`` and the writes
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 
 from . import config
@@ -24,7 +26,7 @@ from .ops._finite import NonFiniteResult, check_finite_values
 from .rules import _dplr as D
 from .rules import get_dplr_rule
 
-__all__ = ["dplr_attention", "DPLR_METHODS"]
+__all__ = ["dplr_attention", "dplr_attention_vjp", "DPLRVJP", "DPLR_METHODS"]
 
 #: The methods of :func:`dplr_attention` ("auto" picks "scan").
 DPLR_METHODS = ("auto", "quadratic", "scan")
@@ -131,6 +133,113 @@ def _initial(initial_state, name, lead, F, M):
     return H, int(getattr(initial_state, "position", 0))
 
 
+class _Request(NamedTuple):
+    """A checked DPLR call: everything the forward and the gradient share."""
+
+    name: str
+    spec: Any
+    fmap: Any
+    q: np.ndarray
+    k: np.ndarray
+    lead: tuple
+    N: int
+    M: int
+    F: int
+    r: int
+    sub: bool
+    dtype: np.dtype
+    fq: np.ndarray
+    fk: np.ndarray
+    v64: np.ndarray
+    checked: dict
+    given: dict
+    form: tuple
+    H0: np.ndarray
+    position: int
+    norm: int
+    eps: float
+
+
+def _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize, eps, check_finite,
+             initial_state, rule_arguments) -> _Request:
+    """Check a call's arguments and build the general form (shared by the forward and the VJP)."""
+    if rule is None:
+        name = _GENERAL
+        inputs = {"a": a, "b": b, "log_diag": log_diag, "beta": beta}
+        if rule_arguments:
+            raise TypeError(f"unexpected argument(s) {sorted(rule_arguments)}: the general form takes a, b, "
+                            "log_diag, beta; a named rule's arguments need rule=")
+        spec = None
+    else:
+        spec = get_dplr_rule(rule)
+        name = spec.name
+        given = {"a": a, "b": b, "log_diag": log_diag}
+        extra = [n for n, x in given.items() if x is not None]
+        if extra:
+            raise TypeError(f"rule {name!r} builds its own {', '.join(extra)}: pass its arguments "
+                            f"({', '.join(spec.arguments)}) instead")
+        inputs = dict(rule_arguments)
+        if beta is not None:
+            inputs["beta"] = beta
+        unknown = sorted(set(inputs) - set(spec.arguments))
+        if unknown:
+            raise TypeError(f"rule {name!r} takes {', '.join(spec.arguments)}; got unexpected {unknown}")
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a string, got {type(method).__name__}")
+    if method not in DPLR_METHODS:
+        raise ValueError(f"method must be one of {DPLR_METHODS} for dplr_attention, got {method!r}")
+    norm, eps_v = _norm(normalize, eps)
+
+    q = _floating("q", q)
+    k = _floating("k", k)
+    v = _floating("v", v)
+    if q.ndim < 2:
+        raise ValueError(f"q must have shape (..., N, D), got {q.shape}")
+    lead, (N, Dq) = q.shape[:-2], q.shape[-2:]
+    sub = spec.substeps if spec is not None else k.ndim == q.ndim + 1
+    kd = q.ndim + (1 if sub else 0)
+    if k.ndim != kd or k.shape[:len(lead) + 1] != lead + (N,) or k.shape[-1] != Dq:
+        want = "(..., N, r, D)" if sub else "(..., N, D)"
+        raise ValueError(f"k must have shape {want} with q's (..., N) = {lead + (N,)} and D = {Dq}, got {k.shape}")
+    r = k.shape[-2] if sub else 0
+    if sub and r < 1:
+        raise ValueError(f"k's sub-step axis must be >= 1, got {k.shape}")
+    if v.ndim != kd or v.shape[:-1] != k.shape[:-1]:
+        want = "(..., N, r, M)" if sub else "(..., N, M)"
+        raise ValueError(f"v must have shape {want} with k's leading {k.shape[:-1]}, got {v.shape}")
+    M = v.shape[-1]
+    if check_finite:
+        for nm, x in (("q", q), ("k", k), ("v", v)):
+            check_finite_values(nm, x)
+    dtype = np.result_type(q.dtype, k.dtype, v.dtype)
+
+    fmap = _resolve_map(feature_map)
+    if not normalize and getattr(fmap, "needs_normalizer", False):
+        raise ValueError(f"feature map {fmap.name!r} needs the normaliser (its features carry per-row "
+                         "factors that cancel only in the ratio): pass normalize=True")
+    B = int(np.prod(lead, dtype=np.int64))
+    F = int(fmap.output_dim(Dq))
+    H0, position = _initial(initial_state, name, lead, F, M)
+    if sub and getattr(fmap, "position_dependent", False):
+        raise ValueError(f"feature map {fmap.name!r} depends on the position: it is not defined for keys "
+                         "with a sub-step axis")
+    fq = np.asarray(fmap.apply(q, role="query", causal=True, offset=position), dtype=np.float64).reshape(B, N, F)
+    fk = np.asarray(fmap.apply(k, role="key", causal=True, offset=position), dtype=np.float64)
+    fk = fk.reshape((B, N, r, F) if sub else (B, N, F))
+    v64 = np.asarray(v, dtype=np.float64).reshape((B, N, r, M) if sub else (B, N, M))
+
+    if spec is None:
+        checked = _general_check(inputs, lead, N, F, r)
+        form = _general_build(fk, v64, checked)
+    else:
+        checked = spec.check(inputs, lead, N, F, r)
+        form = spec.build(fk, v64, checked)
+    ld, A, Bv, KW, VW = (np.ascontiguousarray(x, dtype=np.float64) for x in form)
+
+    return _Request(name, spec, fmap, q, k, lead, N, M, F, r, sub, dtype, fq, fk, v64, checked, inputs,
+                    (ld, A, Bv, KW, VW), H0, position, norm, eps_v)
+
+
 def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=None, feature_map="elu",
                    method="auto", normalize=False, eps=config.DEFAULT_EPS, check_finite=True, out=None,
                    initial_state=None, return_state=False, **rule_arguments):
@@ -224,79 +333,12 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
     >>> bool(np.allclose(o, ref, atol=1e-12))
     True
     """
-    if rule is None:
-        name = _GENERAL
-        inputs = {"a": a, "b": b, "log_diag": log_diag, "beta": beta}
-        if rule_arguments:
-            raise TypeError(f"unexpected argument(s) {sorted(rule_arguments)}: the general form takes a, b, "
-                            "log_diag, beta; a named rule's arguments need rule=")
-        spec = None
-    else:
-        spec = get_dplr_rule(rule)
-        name = spec.name
-        given = {"a": a, "b": b, "log_diag": log_diag}
-        extra = [n for n, x in given.items() if x is not None]
-        if extra:
-            raise TypeError(f"rule {name!r} builds its own {', '.join(extra)}: pass its arguments "
-                            f"({', '.join(spec.arguments)}) instead")
-        inputs = dict(rule_arguments)
-        if beta is not None:
-            inputs["beta"] = beta
-        unknown = sorted(set(inputs) - set(spec.arguments))
-        if unknown:
-            raise TypeError(f"rule {name!r} takes {', '.join(spec.arguments)}; got unexpected {unknown}")
-    if not isinstance(method, str):
-        raise TypeError(f"method must be a string, got {type(method).__name__}")
-    if method not in DPLR_METHODS:
-        raise ValueError(f"method must be one of {DPLR_METHODS} for dplr_attention, got {method!r}")
-    norm, eps_v = _norm(normalize, eps)
-
-    q = _floating("q", q)
-    k = _floating("k", k)
-    v = _floating("v", v)
-    if q.ndim < 2:
-        raise ValueError(f"q must have shape (..., N, D), got {q.shape}")
-    lead, (N, Dq) = q.shape[:-2], q.shape[-2:]
-    sub = spec.substeps if spec is not None else k.ndim == q.ndim + 1
-    kd = q.ndim + (1 if sub else 0)
-    if k.ndim != kd or k.shape[:len(lead) + 1] != lead + (N,) or k.shape[-1] != Dq:
-        want = "(..., N, r, D)" if sub else "(..., N, D)"
-        raise ValueError(f"k must have shape {want} with q's (..., N) = {lead + (N,)} and D = {Dq}, got {k.shape}")
-    r = k.shape[-2] if sub else 0
-    if sub and r < 1:
-        raise ValueError(f"k's sub-step axis must be >= 1, got {k.shape}")
-    if v.ndim != kd or v.shape[:-1] != k.shape[:-1]:
-        want = "(..., N, r, M)" if sub else "(..., N, M)"
-        raise ValueError(f"v must have shape {want} with k's leading {k.shape[:-1]}, got {v.shape}")
-    M = v.shape[-1]
-    if check_finite:
-        for nm, x in (("q", q), ("k", k), ("v", v)):
-            check_finite_values(nm, x)
-    dtype = np.result_type(q.dtype, k.dtype, v.dtype)
-
-    fmap = _resolve_map(feature_map)
-    if not normalize and getattr(fmap, "needs_normalizer", False):
-        raise ValueError(f"feature map {fmap.name!r} needs the normaliser (its features carry per-row "
-                         "factors that cancel only in the ratio): pass normalize=True")
+    R = _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize, eps, check_finite,
+                 initial_state, rule_arguments)
+    name, lead, N, M, F, dtype, position = R.name, R.lead, R.N, R.M, R.F, R.dtype, R.position
     B = int(np.prod(lead, dtype=np.int64))
-    F = int(fmap.output_dim(Dq))
-    H0, position = _initial(initial_state, name, lead, F, M)
-    if sub and getattr(fmap, "position_dependent", False):
-        raise ValueError(f"feature map {fmap.name!r} depends on the position: it is not defined for keys "
-                         "with a sub-step axis")
-    fq = np.asarray(fmap.apply(q, role="query", causal=True, offset=position), dtype=np.float64).reshape(B, N, F)
-    fk = np.asarray(fmap.apply(k, role="key", causal=True, offset=position), dtype=np.float64)
-    fk = fk.reshape((B, N, r, F) if sub else (B, N, F))
-    v64 = np.asarray(v, dtype=np.float64).reshape((B, N, r, M) if sub else (B, N, M))
-
-    if spec is None:
-        checked = _general_check(inputs, lead, N, F, r)
-        form = _general_build(fk, v64, checked)
-    else:
-        checked = spec.check(inputs, lead, N, F, r)
-        form = spec.build(fk, v64, checked)
-    ld, A, Bv, KW, VW = (np.ascontiguousarray(x, dtype=np.float64) for x in form)
-
+    ld, A, Bv, KW, VW = R.form
+    fq, H0, norm, eps_v = R.fq, R.H0, R.norm, R.eps
     if out is not None:
         if not isinstance(out, np.ndarray):
             raise TypeError(f"out must be a NumPy array, got {type(out).__name__}")
@@ -331,3 +373,134 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
 
     return res, LinearState(S=H[:, :, :M].reshape(lead + (F, M)).copy(), z=H[:, :, M].reshape(lead + (F,)).copy(),
                             position=position + N, rule=name)
+
+
+class DPLRVJP(NamedTuple):
+    """Gradients returned by :func:`dplr_attention_vjp`.
+
+    Attributes
+    ----------
+    dq, dk, dv : ndarray
+        With respect to q, k, v, in their shapes and the outputs' dtype.
+    d_inputs : dict
+        With respect to every array argument the call was given, by its name and in its shape
+        (``a``, ``b``, ``log_diag``, ``beta``; a named rule's ``decay`` or ``log_decay``, ``beta``,
+        ``kappa``, ``iclr``), float64.  With respect to ``decay`` it is finite at ``decay = 0``;
+        with respect to a log it is the factor times that (0 at a reset).
+    d_initial_state : LinearState or None
+        With respect to ``initial_state.S`` and ``.z`` (float64), when one was given.
+    d_params : dict or None
+        The feature map's parameter gradients (query and key roles summed), for maps with parameters.
+    """
+
+    dq: Any
+    dk: Any
+    dv: Any
+    d_inputs: dict
+    d_initial_state: Any = None
+    d_params: Any = None
+
+
+def _general_pullback(R: _Request, g):
+    """The general entry's :meth:`~linattn_nb.rules._dplr.DPLRRule.pullback`."""
+    fk, beta = R.fk, R.checked["beta"]
+    dK = g["kw"] if R.sub else g["kw"][:, :, 0]
+    dfk = dK if beta is None else dK * beta[..., None]
+    out = {"a": g["a"], "b": g["b"]}
+    if beta is not None:
+        out["beta"] = (dK * fk).sum(-1)
+    if R.checked["log_diag"] is not None:
+        out["log_diag"] = g["diag"] * np.exp(R.checked["log_diag"])
+    return dfk, (g["vw"] if R.sub else g["vw"][:, :, 0]), out
+
+
+def _state_grad(grad_state, lead, F, M):
+    B = int(np.prod(lead, dtype=np.int64))
+    dH = np.zeros((B, F, M + 1))
+    if grad_state is None:
+        return dH
+    S = getattr(grad_state, "S", None)
+    z = getattr(grad_state, "z", None)
+    if S is None:
+        raise TypeError(f"grad_state must be a LinearState (S, z), got {type(grad_state).__name__}")
+    dH[:, :, :M] = D.shaped("grad_state.S", S, lead + (F, M), "(..., D_phi, M)").reshape(B, F, M)
+    if z is not None:
+        dH[:, :, M] = D.shaped("grad_state.z", z, lead + (F,), "(..., D_phi)").reshape(B, F)
+    return dH
+
+
+def dplr_attention_vjp(q, k, v, grad_out, *, rule=None, a=None, b=None, log_diag=None, beta=None,
+                       feature_map="elu", method="auto", normalize=False, eps=config.DEFAULT_EPS,
+                       check_finite=True, initial_state=None, grad_state=None, **rule_arguments):
+    """Gradients of :func:`dplr_attention` (arguments as there) for the output adjoint ``grad_out``.
+
+    Parameters
+    ----------
+    grad_out : array_like, shape (..., N, M)
+        ``dL/d out``.
+    grad_state : LinearState, optional
+        ``dL/d`` of the final state (its ``S`` and ``z``), for a loss that reads it.
+
+    Returns
+    -------
+    DPLRVJP
+
+    Notes
+    -----
+    A reverse-time scan: the state every few tokens is kept on the forward pass
+    (:func:`linattn_nb.config.cpu_backward_checkpoint`) and the tokens between two are run again, so
+    memory grows with ``N / C + C`` states, not ``N``.  ``method="quadratic"`` keeps every token's
+    state instead (one stretch).  Checked against central differences in float64 (relative 1e-6).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from linattn_nb.dplr import dplr_attention_vjp
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 8, 4))
+    >>> g = dplr_attention_vjp(q, k, v, np.ones((8, 4)), rule="kda", decay=np.full((8, 4), 0.9),
+    ...                        beta=np.full(8, 0.5), feature_map="l2")
+    >>> g.dq.shape, sorted(g.d_inputs)
+    ((8, 4), ['beta', 'decay'])
+    """
+    R = _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize, eps, check_finite,
+                 initial_state, rule_arguments)
+    lead, N, M, F = R.lead, R.N, R.M, R.F
+    B = int(np.prod(lead, dtype=np.int64))
+    dout = D.shaped("grad_out", grad_out, lead + (N, M), "(..., N, M)").reshape(B, N, M)
+    if check_finite and not np.isfinite(dout).all():
+        raise ValueError("grad_out contains non-finite values (NaN or inf)")
+    dH = _state_grad(grad_state, lead, F, M)
+    from .ops.dplr.cpu import dplr_scan_backward
+
+    C = max(N, 1) if method == "quadratic" else config.cpu_backward_checkpoint(N, F, M + 1, 8)
+    ld, A, Bv, KW, VW = R.form
+    dfq, ddiag, dA, dBv, dKW, dVW, dH0 = dplr_scan_backward(np.ascontiguousarray(R.fq), ld, A, Bv, KW, VW,
+                                                            R.H0.copy(), dout, dH, R.norm, R.eps, C)
+    g = {"diag": ddiag, "a": dA, "b": dBv, "kw": dKW, "vw": dVW}
+    if R.spec is None:
+        dfk, dv, dinp = _general_pullback(R, g)
+    else:
+        dfk, dv, dinp = R.spec.pullback(R.fk, R.v64, R.checked, g)
+    d_inputs = {}
+    for key, val in dinp.items():
+        if key == "decay" and R.given.get("log_decay") is not None:
+            given = np.asarray(R.given["log_decay"], dtype=np.float64)
+            d_inputs["log_decay"] = np.reshape(val, given.shape) * np.exp(given)
+        else:
+            d_inputs[key] = np.reshape(val, np.shape(R.given[key]))
+    fmap = R.fmap
+    dq, pq = fmap.vjp(R.q, dfq.reshape(lead + (N, F)), role="query", causal=True, offset=R.position)
+    dk, pk = fmap.vjp(R.k, dfk.reshape(R.k.shape[:-1] + (F,)), role="key", causal=True, offset=R.position)
+    params = None
+    if pq or pk:
+        params = {n: (pq or {}).get(n, 0.0) + (pk or {}).get(n, 0.0) for n in set(pq or {}) | set(pk or {})}
+    d_init = None
+    if initial_state is not None:
+        from ._frontend import LinearState
+
+        d_init = LinearState(S=dH0[:, :, :M].reshape(lead + (F, M)), z=dH0[:, :, M].reshape(lead + (F,)),
+                             position=R.position, rule=R.name)
+    dt = R.dtype
+    return DPLRVJP(np.asarray(dq).astype(dt, copy=False), np.asarray(dk).astype(dt, copy=False),
+                   np.reshape(dv, np.shape(v)).astype(dt), d_inputs, d_init, params)

@@ -62,6 +62,11 @@ class DPLRRule:
         to.
     sample : callable
         ``sample(rng, b, n, f, r) -> dict``: random arguments for a (b, n) batch (tests, studies).
+    pullback : callable
+        ``pullback(fk, v, inputs, g) -> (dfk, dv, dinputs)``: the gradient of :meth:`build`, ``g`` the
+        general form's gradients (``diag``: with respect to the diagonal's values ``exp(ld)``, and
+        ``a``, ``b``, ``kw``, ``vw``); ``dinputs`` by argument name, a decay's under ``"decay"`` (with
+        respect to the factor, not its log), shaped as :meth:`check` returns them.
     """
 
     name: str
@@ -72,6 +77,7 @@ class DPLRRule:
     build: Callable = field(repr=False, compare=False)
     step: Callable = field(repr=False, compare=False)
     sample: Callable = field(repr=False, compare=False)
+    pullback: Callable = field(repr=False, compare=False)
 
 
 # ---------------------------------------------------------------------------

@@ -30,8 +30,26 @@ def householder_form(fk, v, beta, log_gate=None):
     return D.GeneralForm(ld, a, -bk, bk, v)
 
 
+def householder_pullback(fk, v, beta, g, log_gate=None):
+    """The gradient of :func:`householder_form`: ``(dfk, dv, d_beta, d_gate)`` (d_gate None without a gate)."""
+    dA, dB, dK = g["a"], g["b"], g["kw"]
+    dA = dA.copy()
+    d_gate = None
+    if log_gate is not None:
+        gate = np.exp(log_gate)
+        d_gate = g["diag"][..., 0] + (dA[:, :, 0] * fk[:, :, 0]).sum(-1)
+        dA[:, :, 0] *= gate[..., None]
+    dfk = dA + beta[..., None] * (dK - dB)
+    return dfk, g["vw"], ((dK - dB) * fk).sum(-1), d_gate
+
+
 def _build(fk, v, inp):
     return householder_form(fk, v, inp["beta"])
+
+
+def _pullback(fk, v, inp, g):
+    dfk, dv, dbeta, _ = householder_pullback(fk, v, inp["beta"], g)
+    return dfk, dv, {"beta": dbeta}
 
 
 def _step(H, k, v1, inp):
@@ -47,4 +65,5 @@ def _sample(rng, b, n, f, r):
 RULE = D.DPLRRule(
     name="delta_product", arguments=("beta",), substeps=True,
     formula="S <- (I - beta_tj k_tj k_tj^T) S + beta_tj k_tj v_tj^T, j = 1 .. n_h",
-    check=_check, build=_build, step=_step, sample=_sample)
+    check=_check, build=_build, step=_step, sample=_sample,
+    pullback=_pullback)

@@ -7,7 +7,7 @@ Arguments: ``decay`` (in [0, 1]) or ``log_decay`` (<= 0, -inf a reset), shape (.
 import numpy as np
 
 from . import _dplr as D
-from .delta_product import householder_form
+from .delta_product import householder_form, householder_pullback
 
 
 def _check(inputs, lead, N, F, r):
@@ -25,6 +25,11 @@ def _build(fk, v, inp):
     return householder_form(fk, v, inp["beta"], inp["log_gate"])
 
 
+def _pullback(fk, v, inp, g):
+    dfk, dv, dbeta, dgate = householder_pullback(fk, v, inp["beta"], g, inp["log_gate"])
+    return dfk, dv, {"beta": dbeta, "decay": dgate}
+
+
 def _step(H, k, v1, inp):
     H = np.exp(inp["log_gate"]) * H
     for j in range(k.shape[0]):
@@ -39,4 +44,5 @@ def _sample(rng, b, n, f, r):
 RULE = D.DPLRRule(
     name="gated_delta_product", arguments=("decay", "log_decay", "beta"), substeps=True,
     formula="S <- a_t S; then S <- (I - beta_tj k_tj k_tj^T) S + beta_tj k_tj v_tj^T, j = 1 .. n_h",
-    check=_check, build=_build, step=_step, sample=_sample)
+    check=_check, build=_build, step=_step, sample=_sample,
+    pullback=_pullback)

@@ -33,7 +33,14 @@ def _sample(rng, b, n, f, r):
     return {"decay": D.sample_factors(rng, (b, n, f)), "beta": rng.uniform(0.0, 2.0, size=(b, n))}
 
 
+def _pullback(fk, v, inp, g):
+    alpha, beta = np.exp(inp["log_gate"]), inp["beta"][:, :, None]
+    dA, dB, dK = g["a"][:, :, 0], g["b"][:, :, 0], g["kw"][:, :, 0]
+    dfk = alpha * dA + beta * (dK - dB)
+    return dfk, g["vw"][:, :, 0], {"decay": g["diag"] + dA * fk, "beta": ((dK - dB) * fk).sum(-1)}
+
 RULE = D.DPLRRule(
     name="kda", arguments=("decay", "log_decay", "beta"), substeps=False,
     formula="S_t = (I - beta_t k_t k_t^T) diag(alpha_t) S_{t-1} + beta_t k_t v_t^T",
-    check=_check, build=_build, step=_step, sample=_sample)
+    check=_check, build=_build, step=_step, sample=_sample,
+    pullback=_pullback)

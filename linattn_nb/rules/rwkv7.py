@@ -48,7 +48,13 @@ def _sample(rng, b, n, f, r):
             "iclr": rng.uniform(0.0, 1.0, size=(b, n, f))}
 
 
+def _pullback(fk, v, inp, g):
+    dA, dB = g["a"][:, :, 0], g["b"][:, :, 0]
+    return g["kw"][:, :, 0], g["vw"][:, :, 0], {"decay": g["diag"], "kappa": inp["iclr"] * dB - dA,
+                                                  "iclr": inp["kappa"] * dB}
+
 RULE = D.DPLRRule(
     name="rwkv7", arguments=("decay", "log_decay", "kappa", "iclr"), substeps=False,
     formula="S'_t = S'_{t-1} (diag(w_t) - kappa_t^T (kappa_t * iclr_t)) + v_t^T k_t  (S' = S^T)",
-    check=_check, build=_build, step=_step, sample=_sample)
+    check=_check, build=_build, step=_step, sample=_sample,
+    pullback=_pullback)

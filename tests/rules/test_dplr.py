@@ -292,3 +292,101 @@ def test_registry():
         rules.register_dplr(rules.DPLR_RULES["kda"])
     with pytest.raises(TypeError, match="DPLRRule"):
         rules.register_dplr(rules.get_rule("delta"))
+
+
+# ---------------------------------------------------------------------------
+# Gradients: directional central differences in float64 (relative 1e-6)
+# ---------------------------------------------------------------------------
+def _loss_and_grads(rng, call, vjp, arrays, fixed):
+    """Check every array in ``arrays`` (name -> float64 array) against central differences of
+    L = <out, G> + <S_N, GS> + <z_N, Gz> along a random direction."""
+    out, st = call(**arrays, **fixed)
+    G, GS, Gz = rng.standard_normal(out.shape), rng.standard_normal(st.S.shape), rng.standard_normal(st.z.shape)
+
+    def loss(**arrs):
+        o, s = call(**arrs, **fixed)
+        return float((o * G).sum() + (s.S * GS).sum() + (s.z * Gz).sum())
+
+    grads = vjp(G, la.LinearState(GS, Gz, 0, st.rule), **arrays, **fixed)
+    checked = []
+    for name, x in arrays.items():
+        grad = grads[name]
+        if grad is None:
+            continue
+        direction = rng.standard_normal(x.shape)
+        if name in ("decay", "log_decay", "log_diag"):
+            finite = np.isfinite(x) & (x != 0.0) if name != "decay" else (x > 0) & (x < 1)
+            direction = np.where(finite, direction, 0.0)
+        h = 1e-6
+        plus = loss(**{**arrays, name: x + h * direction})
+        minus = loss(**{**arrays, name: x - h * direction})
+        numeric = (plus - minus) / (2 * h)
+        analytic = float((grad * direction).sum())
+        assert abs(analytic - numeric) <= 1e-6 * max(1.0, abs(numeric)), (name, analytic, numeric)
+        checked.append(name)
+    return checked
+
+
+def _vjp_grads(g):
+    return {"q": g.dq, "k": g.dk, "v": g.dv, **g.d_inputs,
+            "S0": None if g.d_initial_state is None else g.d_initial_state.S}
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("sub", [0, 2])
+def test_general_form_gradients(rng, method, normalize, sub):
+    n = 7
+    q = rng.standard_normal((B, n, D))
+    shape = (B, n, sub) if sub else (B, n)
+    arrays = {"q": q, "k": rng.standard_normal(shape + (D,)), "v": rng.standard_normal(shape + (M,)),
+              "a": rng.standard_normal((B, n, 2, D)) * 0.3, "b": rng.standard_normal((B, n, 2, D)) * 0.3,
+              "log_diag": _log(rng.uniform(0.5, 1, size=(B, n, D))), "beta": rng.uniform(0.2, 1, size=shape)}
+    arrays["log_diag"][:, 3, 1] = -np.inf  # a reset of one feature
+    if sub:
+        arrays["a"], arrays["b"] = arrays["a"][:, :, :sub], arrays["b"][:, :, :sub]
+    S0 = rng.random((B, D, M))
+    z0 = rng.random((B, D)) + 1.0
+    fixed = {"feature_map": "elu", "normalize": normalize, "method": method}
+
+    def call(q, k, v, **kw):
+        return la.dplr_attention(q, k, v, initial_state=la.LinearState(S0, z0, 0, "dplr"), return_state=True, **kw)
+
+    def vjp(G, GS, q, k, v, **kw):
+        g = la.dplr_attention_vjp(q, k, v, G, initial_state=la.LinearState(S0, z0, 0, "dplr"), grad_state=GS, **kw)
+        return _vjp_grads(g)
+
+    assert set(_loss_and_grads(rng, call, vjp, arrays, fixed)) == set(arrays)
+
+
+@pytest.mark.parametrize("log_form", [False, True])
+@pytest.mark.parametrize("name", rules.dplr_rule_names())
+def test_named_rule_gradients(rng, name, log_form):
+    rule = rules.get_dplr_rule(name)
+    n, r = 6, (2 if rule.substeps else 0)
+    q, k, v = (x[:, :n] for x in _qkv(rng, r))
+    inputs = rule.sample(rng, B, n, D, r)
+    if "decay" in inputs:
+        inputs["decay"] = np.clip(inputs["decay"], 0.3, 0.99)  # away from the reset: the differences stay smooth
+        if log_form:
+            inputs["log_decay"] = np.log(inputs.pop("decay"))
+    arrays = {"q": q, "k": k, "v": v, **inputs}
+    fixed = {"feature_map": "l2", "rule": name}
+
+    def call(q, k, v, **kw):
+        return la.dplr_attention(q, k, v, return_state=True, **kw)
+
+    def vjp(G, GS, q, k, v, **kw):
+        return _vjp_grads(la.dplr_attention_vjp(q, k, v, G, grad_state=GS, **kw))
+
+    assert set(_loss_and_grads(rng, call, vjp, arrays, fixed)) == set(arrays)
+
+
+def test_gradient_of_a_reset_decay_is_finite(rng):
+    """With respect to ``decay`` the gradient is finite at decay = 0 (a reset)."""
+    q, k, v = _qkv(rng)
+    decay = rng.uniform(0.5, 1, size=(B, N, D))
+    decay[:, 4] = 0.0
+    g = la.dplr_attention_vjp(q, k, v, np.ones((B, N, M)), rule="kda", decay=decay, beta=np.full((B, N), 0.5),
+                              feature_map="l2")
+    assert np.isfinite(g.d_inputs["decay"]).all() and np.abs(g.d_inputs["decay"][:, 4]).sum() > 0

@@ -80,3 +80,162 @@ def dplr_scan(fq, ld, A, Bv, KW, VW, H, out, norm, eps):  # pragma: no cover - c
                 if not math.isfinite(h[i, m]):
                     bad[b] = 1
     return bad
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def dplr_scan_backward(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C):  # pragma: no cover - compiled
+    """Gradients of the scan (reverse time, checkpointed): the state every ``C`` tokens is kept, and
+    each stretch of ``C`` tokens is run forward again, keeping the states between its factors.
+
+    ``dout`` (B, N, M) the outputs' adjoint, ``dH`` (B, F, M + 1) the final state's (S and z);
+    returns ``(dfq, ddiag, dA, dBv, dKW, dVW, dH0)``: ``ddiag`` (B, N, W) the gradient with respect
+    to the diagonal's values ``exp(ld)`` (finite at a reset; times ``exp(ld)`` it is the log's),
+    the others in the shapes of their arrays, float64.  Memory per sequence: ``N / C + C (r + 1)``
+    states.
+    """
+    B, N, F = fq.shape
+    M = VW.shape[3]
+    r = A.shape[2]
+    W = ld.shape[2]
+    w = KW.shape[2]
+    M1 = M + 1
+    dfq = np.zeros((B, N, F))
+    ddiag = np.zeros((B, N, W))
+    dA = np.zeros(A.shape)
+    dBv = np.zeros(Bv.shape)
+    dKW = np.zeros(KW.shape)
+    dVW = np.zeros(VW.shape)
+    dH0 = np.zeros((B, F, M1))
+    nck = (N + C - 1) // C if N > 0 else 0
+    for b in prange(B):
+        ck = np.empty((nck + 1, F, M1))
+        seg = np.empty((C, r + 1, F, M1))  # per token: the state before each factor, then after the token
+        p = np.empty(M1)
+        d = np.ones(F)
+        G = dH[b].copy()
+        h = H0[b].copy()
+        # forward: the checkpoints
+        for t in range(N):
+            if t % C == 0:
+                ck[t // C] = h
+            for j in range(r):
+                _factor(h, A[b, t, j], Bv[b, t, j], ld[b, t], j, W, p, d, F, M1)
+                if w == r or j == r - 1:
+                    _write(h, KW[b, t, j if w == r else 0], VW[b, t, j if w == r else 0], F, M)
+        # reverse
+        dp = np.empty(M1)
+        for s in range(nck - 1, -1, -1):
+            t0 = s * C
+            t1 = min(N, t0 + C)
+            h[:, :] = ck[s]
+            for t in range(t0, t1):
+                for j in range(r):
+                    seg[t - t0, j] = h
+                    _factor(h, A[b, t, j], Bv[b, t, j], ld[b, t], j, W, p, d, F, M1)
+                    if w == r or j == r - 1:
+                        _write(h, KW[b, t, j if w == r else 0], VW[b, t, j if w == r else 0], F, M)
+                seg[t - t0, r] = h
+            for t in range(t1 - 1, t0 - 1, -1):
+                hp = seg[t - t0, r]
+                # the read-out o_t = phi(q_t)^T H_t (/ den)
+                if norm == NORM_NONE:
+                    for i in range(F):
+                        acc = 0.0
+                        for m in range(M):
+                            G[i, m] += fq[b, t, i] * dout[b, t, m]
+                            acc += hp[i, m] * dout[b, t, m]
+                        dfq[b, t, i] = acc
+                else:
+                    den = 0.0
+                    for i in range(F):
+                        den += fq[b, t, i] * hp[i, M]
+                    floored = norm == NORM_FLOOR and den < eps
+                    dd = max(den, eps) if norm == NORM_FLOOR else den
+                    dden = 0.0
+                    for m in range(M):
+                        num = 0.0
+                        for i in range(F):
+                            num += fq[b, t, i] * hp[i, m]
+                        dden -= dout[b, t, m] * num / (dd * dd)
+                    if floored:
+                        dden = 0.0
+                    for i in range(F):
+                        acc = hp[i, M] * dden
+                        for m in range(M):
+                            g = dout[b, t, m] / dd
+                            G[i, m] += fq[b, t, i] * g
+                            acc += hp[i, m] * g
+                        G[i, M] += fq[b, t, i] * dden
+                        dfq[b, t, i] = acc
+                for j in range(r - 1, -1, -1):
+                    hin = seg[t - t0, j]
+                    if w == r or j == r - 1:
+                        jj = j if w == r else 0
+                        for i in range(F):
+                            acc = G[i, M]
+                            for m in range(M):
+                                acc += G[i, m] * VW[b, t, jj, m]
+                            dKW[b, t, jj, i] = acc
+                        for m in range(M):
+                            acc = 0.0
+                            for i in range(F):
+                                acc += G[i, m] * KW[b, t, jj, i]
+                            dVW[b, t, jj, m] = acc
+                    # p = a^T hin; H1 = d * hin + b p^T
+                    for m in range(M1):
+                        acc = 0.0
+                        for i in range(F):
+                            acc += A[b, t, j, i] * hin[i, m]
+                        p[m] = acc
+                    for m in range(M1):
+                        dp[m] = 0.0
+                    for i in range(F):
+                        bi = Bv[b, t, j, i]
+                        accb = 0.0
+                        for m in range(M1):
+                            accb += G[i, m] * p[m]
+                            dp[m] += bi * G[i, m]
+                        dBv[b, t, j, i] = accb
+                    if j == 0 and W > 0:
+                        for i in range(F):
+                            di = math.exp(ld[b, t, i if W > 1 else 0])
+                            acc = 0.0
+                            for m in range(M1):
+                                acc += G[i, m] * hin[i, m]
+                                G[i, m] *= di
+                            ddiag[b, t, i if W > 1 else 0] += acc
+                    for i in range(F):
+                        ai = A[b, t, j, i]
+                        acc = 0.0
+                        for m in range(M1):
+                            acc += hin[i, m] * dp[m]
+                            G[i, m] += ai * dp[m]
+                        dA[b, t, j, i] = acc
+        dH0[b] = G
+    return dfq, ddiag, dA, dBv, dKW, dVW, dH0
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, inline="always")
+def _factor(h, a, bv, ldt, j, W, p, d, F, M1):  # pragma: no cover - compiled
+    """h <- (D + b a^T) h for the first factor of a token (D = exp(ld)), (I + b a^T) h after it."""
+    for m in range(M1):
+        acc = 0.0
+        for i in range(F):
+            acc += a[i] * h[i, m]
+        p[m] = acc
+    for i in range(F):
+        di = math.exp(ldt[i if W > 1 else 0]) if (j == 0 and W > 0) else 1.0
+        bi = bv[i]
+        for m in range(M1):
+            h[i, m] = di * h[i, m] + bi * p[m]
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, inline="always")
+def _write(h, kw, vw, F, M):  # pragma: no cover - compiled
+    """h += kw [vw 1]^T."""
+    for i in range(F):
+        ki = kw[i]
+        if ki != 0.0:
+            for m in range(M):
+                h[i, m] += ki * vw[m]
+            h[i, M] += ki
