@@ -30,12 +30,12 @@ from . import feature_maps as fm
 from .device import on_device, resolve_device
 from .ops import methods  # noqa: F401  (registers the built-in rules and methods)
 from .ops._finite import NonFiniteResult
+from .ops._vec import work_dtype
 from .ops.registry import get_method, select_auto
 from .ops.softmax.cpu import softmax_blocked
 from .ops.softmax.naive import softmax_attention_quadratic
 from .rules import get_rule as get_update_rule, rule_for, rule_names
 
-_F16 = np.dtype(np.float16)
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
 
@@ -76,6 +76,11 @@ class LinearState(NamedTuple):
 # ---------------------------------------------------------------------------
 # Arguments
 # ---------------------------------------------------------------------------
+def host_array(name: str, x) -> np.ndarray:
+    """The argument ``name`` as a host array: GPU arrays copied to the host, others ``V.as_host_array``."""
+    return CD.to_host(name, x) if on_device(x) else V.as_host_array(name, x)
+
+
 def check_causal(causal) -> bool:
     """``causal`` as a bool; anything but a bool or NumPy bool raises TypeError."""
     if isinstance(causal, (bool, np.bool_)):
@@ -158,7 +163,7 @@ def _host_features(fmap, impl, q, k, v, work, causal, position, n):
     # NumPy-side maps of float16 inputs run in float32 (no float16 overflow or
     # rounding of the features); the kernels take float32 features next to
     # float16 values.
-    feat = _F32 if work == _F16 else work
+    feat = work_dtype(work)
     kw = dict(causal=causal, offset=position, total_length=position + n, dtype=feat)
     qf = V.flatten_batch(featurise(fmap, q, role="query", name="q", **kw), feat)
     kf = V.flatten_batch(featurise(fmap, k, role="key", name="k", **kw), feat)
@@ -211,8 +216,7 @@ def host_state(initial_state, batch_shape, f: int, m: int, *, check_finite: bool
     if initial_state is None:
         return H, 0
     S0, z0, position = parse_state(initial_state)
-    S0 = CD.to_host("initial_state.S", S0) if on_device(S0) else V.as_host_array("initial_state.S", S0)
-    z0 = CD.to_host("initial_state.z", z0) if on_device(z0) else V.as_host_array("initial_state.z", z0)
+    S0, z0 = host_array("initial_state.S", S0), host_array("initial_state.z", z0)
     V.check_state_arrays(S0, z0, position, batch_shape, f, m)
     if check_finite:
         V.check_finite("initial_state.S", S0)
@@ -552,7 +556,7 @@ def softmax_attention(q, k, v, *, causal, scale, device, check_finite, method):
     b = int(np.prod(batch_shape, dtype=np.int64))
     if n == 0 or b == 0:
         return result
-    work = _F32 if dtype == _F16 else dtype
+    work = work_dtype(dtype)
     qf, kf, vf = (V.flatten_batch(x, work) for x in (q, k, v))
     if method == "quadratic":
         res = softmax_attention_quadratic(qf, kf, vf, causal=causal, scale=scale)

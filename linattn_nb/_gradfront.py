@@ -30,14 +30,14 @@ import numpy as np
 
 from . import _cuda_dispatch as CD
 from . import _validate as V
-from ._frontend import LinearState, featurise, host_call, host_state, parse_state, resolve_call, state_from_H
+from ._frontend import (LinearState, featurise, host_array, host_call, host_state, parse_state, resolve_call,
+                        state_from_H)
 from .device import on_device
 from .ops import methods  # noqa: F401  (registers the built-in rules and methods)
+from .ops._vec import work_dtype
 from .ops.grad import _maps
 from .rules import get_rule
 
-_F16 = np.dtype(np.float16)
-_F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
 
 
@@ -141,7 +141,7 @@ def prepare(q, k, v, *, feature_map, causal, method, device, eps, check_finite, 
                          "launcher; choose another method")
     H0, position = host_state(initial_state, batch_shape, f, m, check_finite=check_finite)
     if work is None:
-        work = _F32 if dtype == _F16 else dtype
+        work = work_dtype(dtype)
     if inline:
         feats = []
         for name, x in (("q", q), ("k", k)):
@@ -215,8 +215,7 @@ def _grad_state(grad_state, req: Request):
     if grad_state is None:
         return None
     dS, dz, _ = parse_state(grad_state, "grad_state")
-    dS = CD.to_host("grad_state.S", dS) if on_device(dS) else V.as_host_array("grad_state.S", dS)
-    dz = CD.to_host("grad_state.z", dz) if on_device(dz) else V.as_host_array("grad_state.z", dz)
+    dS, dz = host_array("grad_state.S", dS), host_array("grad_state.z", dz)
     want_S, want_z = req.batch_shape + (req.f, req.m), req.batch_shape + (req.f,)
     for name, x, want in (("grad_state.S", dS, want_S), ("grad_state.z", dz, want_z)):
         if tuple(x.shape) != want:
@@ -232,7 +231,7 @@ def _grad_state(grad_state, req: Request):
 
 
 def _grad_out(grad_out, req: Request) -> np.ndarray:
-    g = CD.to_host("grad_out", grad_out) if on_device(grad_out) else V.as_host_array("grad_out", grad_out)
+    g = host_array("grad_out", grad_out)
     want = req.batch_shape + (req.n, req.m)
     if tuple(g.shape) != want:
         raise ValueError(f"grad_out must have the shape of the output, {want} (q {tuple(req.q.shape)}, "

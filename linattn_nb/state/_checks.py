@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import _frontend as FE
 from .. import _validate as V
 
 #: The dtypes a state (or a KV cache) can hold.
 STATE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
 
@@ -49,11 +49,6 @@ def check_state_dtype(dtype) -> np.dtype:
     if dt not in STATE_DTYPES:
         raise TypeError(f"dtype must be float32 or float64 (the state's accumulation precision), got {dt}")
     return dt
-
-
-def work_dtype(dtype: np.dtype) -> np.dtype:
-    """float16 inputs are computed in float32 (Numba has no float16 on the CPU)."""
-    return F32 if dtype == F16 else dtype
 
 
 def check_shapes(batch_shape, pairs) -> int:
@@ -106,14 +101,6 @@ def raise_nonfinite(name):
                      "Pass check_finite=False to skip this check")
 
 
-def host_array(name, x):
-    """The argument ``name`` as a host array (GPU arrays copied to the host)."""
-    from .. import _cuda_dispatch as CD
-    from ..device import on_device
-
-    return CD.to_host(name, x) if on_device(x) else V.as_host_array(name, x)
-
-
 def _factor_array(decay, log_decay):
     """(name, host array) of a call's decay or log_decay; (None, None) without them."""
     if decay is None and log_decay is None:
@@ -121,7 +108,7 @@ def _factor_array(decay, log_decay):
     if decay is not None and log_decay is not None:
         raise ValueError("pass at most one of decay and log_decay (the same factors, linear or as logs)")
     name, x = ("decay", decay) if decay is not None else ("log_decay", log_decay)
-    return name, host_array(name, x)
+    return name, FE.host_array(name, x)
 
 
 def _step_decay_form(name, x, batch_shape, t: int, f: int):
@@ -200,12 +187,10 @@ def rule_inputs(decay, log_decay, beta, fmap, normalize, batch_shape, t: int, f:
     -------
     (rule, inputs) : the rule's name and its kernel inputs (None without inputs)
     """
-    from .. import _frontend as FE
-
     name, x = _factor_array(decay, log_decay)
     factor = {} if name is None else {name: _step_decay_form(name, x, batch_shape, t, f) if step else x}
     if beta is not None:
-        beta = host_array("beta", beta)
+        beta = FE.host_array("beta", beta)
         if step:
             beta = _step_beta_form(beta, batch_shape, t)
     rule, inputs, _ = FE.rule_arguments(fmap, factor.get("decay"), factor.get("log_decay"), normalize,
