@@ -147,6 +147,15 @@ def delta_weights(qf, kf, beta, lg=None):
     return A, Qs, Ks, keep
 
 
+def float64_problem(qf, kf, v, S0, z0):
+    """``qf, kf, v`` in float64, float64 copies of the initial state (zeros for None), an empty output."""
+    qf, kf, v = (np.asarray(x, dtype=np.float64) for x in (qf, kf, v))
+    (B, N, F), M = qf.shape, v.shape[-1]
+    S = np.zeros((B, F, M)) if S0 is None else np.array(S0, dtype=np.float64)
+    z = np.zeros((B, F)) if z0 is None else np.array(z0, dtype=np.float64)
+    return qf, kf, v, S, z, np.empty((B, N, M))
+
+
 def causal_linear_quadratic(qf, kf, v, *, eps, S0=None, z0=None, rule=RULE_ADDITIVE, inputs=None,
                             normalize=True):
     """Causal linear attention from explicit weights.
@@ -176,14 +185,8 @@ def causal_linear_quadratic(qf, kf, v, *, eps, S0=None, z0=None, rule=RULE_ADDIT
     S, z : final state, float64
     """
     rule = check_rule_inputs(rule, inputs)
-    qf = np.asarray(qf, dtype=np.float64)
-    kf = np.asarray(kf, dtype=np.float64)
-    v = np.asarray(v, dtype=np.float64)
-    B, N, F = qf.shape
-    M = v.shape[-1]
-    S = np.zeros((B, F, M)) if S0 is None else np.array(S0, dtype=np.float64)
-    z = np.zeros((B, F)) if z0 is None else np.array(z0, dtype=np.float64)
-    out = np.empty((B, N, M))
+    qf, kf, v, S, z, out = float64_problem(qf, kf, v, S0, z0)
+    (B, N, F), M = qf.shape, v.shape[-1]
     for b in range(B):
         A, Qs, Ks, keep = explicit_weights(rule, qf[b], kf[b], inputs, b)
         if np.isfinite(v[b]).all():

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..causal.naive import float64_problem
+
 
 def noncausal_linear_quadratic(qf, kf, v, *, eps, S0=None, z0=None, normalize=True):
     """Non-causal linear attention from explicit weights.
@@ -14,14 +16,8 @@ def noncausal_linear_quadratic(qf, kf, v, *, eps, S0=None, z0=None, normalize=Tr
     Parameters and returns as :func:`linattn_nb.ops.causal.naive.causal_linear_quadratic`;
     the initial state, when given, is context seen by every query.
     """
-    qf = np.asarray(qf, dtype=np.float64)
-    kf = np.asarray(kf, dtype=np.float64)
-    v = np.asarray(v, dtype=np.float64)
+    qf, kf, v, S, z, out = float64_problem(qf, kf, v, S0, z0)
     B, N, F = qf.shape
-    M = v.shape[-1]
-    S = np.zeros((B, F, M)) if S0 is None else np.array(S0, dtype=np.float64)
-    z = np.zeros((B, F)) if z0 is None else np.array(z0, dtype=np.float64)
-    out = np.empty((B, N, M))
     for b in range(B):
         A = qf[b] @ kf[b].T
         num = A @ v[b] + qf[b] @ S[b]
