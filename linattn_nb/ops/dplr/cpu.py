@@ -62,19 +62,21 @@ def dplr_scan(fq, ld, A, Bv, KW, VW, H, out, norm, eps):  # pragma: no cover - c
                             for m in range(M):
                                 h[i, m] += ki * VW[b, t, jj, m]
                             h[i, M] += ki
-            den = 0.0
-            for i in range(F):
-                den += fq[b, t, i] * h[i, M]
-            if norm == NORM_FLOOR:
-                den = max(den, eps)
+            for m in range(M + 1):
+                p[m] = 0.0
+            for i in range(F):  # the read-out, a row at a time (contiguous)
+                fi = fq[b, t, i]
+                if fi != 0.0:
+                    for m in range(M + 1):
+                        p[m] += fi * h[i, m]
+            den = max(p[M], eps) if norm == NORM_FLOOR else p[M]
+            ok = True
             for m in range(M):
-                acc = 0.0
-                for i in range(F):
-                    acc += fq[b, t, i] * h[i, m]
-                o = acc if norm == NORM_NONE else acc / den
+                o = p[m] if norm == NORM_NONE else p[m] / den
                 out[b, t, m] = o
-                if not math.isfinite(out[b, t, m]):
-                    bad[b] = 1
+                ok = ok and math.isfinite(o)
+            if not ok:
+                bad[b] = 1
         for i in range(F):
             for m in range(M + 1):
                 if not math.isfinite(h[i, m]):
