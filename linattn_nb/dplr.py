@@ -242,7 +242,7 @@ def _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize
 
 def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=None, feature_map="elu",
                    method="auto", normalize=False, eps=config.DEFAULT_EPS, check_finite=True, out=None,
-                   initial_state=None, return_state=False, **rule_arguments):
+                   initial_state=None, return_state=False, device="auto", **rule_arguments):
     r"""Causal linear attention with a diagonal-plus-low-rank state transition.
 
     Per token, on the state ``S`` (D_phi x M) and the normaliser ``z`` (D_phi; the state of one
@@ -276,8 +276,10 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
         Write strengths (1 when omitted).
     feature_map : str, FeatureMap or None, default "elu"
     method : {"auto", "quadratic", "scan"}
-        ``quadratic``: the float64 token loop (the reference); ``scan``: the compiled CPU scan, one
-        float64 state per sequence, sequences in parallel; ``auto``: ``scan``.
+        ``quadratic``: the float64 token loop (the reference, on the host); ``scan``: the compiled
+        scan, one float64 state per sequence, sequences in parallel (on the CPU, or with
+        ``device="cuda"`` the CUDA kernel: one block per sequence, one thread per state column);
+        ``auto``: ``scan``.
     normalize : bool, default False
         Divide by ``phi(q_t)^T z_t`` (floored at ``eps`` unless None).  Off by default: a transition
         with a low-rank part moves ``z`` through the same factors, and it need not stay positive.
@@ -292,6 +294,13 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
     return_state : bool, default False
         Also return the final state (a :class:`~linattn_nb.LinearState` whose ``rule`` is the rule's
         name, ``"dplr"`` for the general form).
+    device : {"auto", "cpu", "cuda"}, default "auto"
+        Where ``scan`` runs: ``auto`` follows ``q`` (a GPU array: ``cuda``, else ``cpu``); ``cuda``
+        with NumPy inputs copies the general form's arrays to the GPU and the outputs and the state
+        back (also on the CUDA simulator).  Inputs on the GPU are read to the host (the feature map
+        and the rule's form are built there) and the outputs returned as a device array; the state
+        is returned on the host.  ``cuda`` without a usable GPU or the simulator is a
+        ``RuntimeError``.
 
     Returns
     -------
@@ -333,12 +342,20 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
     >>> bool(np.allclose(o, ref, atol=1e-12))
     True
     """
+    dev, q_dev, (q, k, v, a, b, log_diag, beta), rule_arguments = _route(
+        device, (q, k, v, a, b, log_diag, beta), ("q", "k", "v", "a", "b", "log_diag", "beta"), rule_arguments, out)
     R = _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize, eps, check_finite,
                  initial_state, rule_arguments)
     name, lead, N, M, F, dtype, position = R.name, R.lead, R.N, R.M, R.F, R.dtype, R.position
     B = int(np.prod(lead, dtype=np.int64))
     ld, A, Bv, KW, VW = R.form
     fq, H0, norm, eps_v = R.fq, R.H0, R.norm, R.eps
+    dev_out = None
+    if out is not None and dev == "cuda" and _on_device(out):
+        dev_out, out = out, None
+        if tuple(dev_out.shape) != lead + (N, M) or np.dtype(dev_out.dtype) != dtype:
+            raise ValueError(f"out must have shape {lead + (N, M)} and dtype {dtype}, got "
+                             f"{tuple(dev_out.shape)} {np.dtype(dev_out.dtype)}")
     if out is not None:
         if not isinstance(out, np.ndarray):
             raise TypeError(f"out must be a NumPy array, got {type(out).__name__}")
@@ -349,6 +366,11 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
 
         o64, H = dplr_reference(fq, ld, A, Bv, KW, VW, H0, norm=norm, eps=eps_v)
         bad = not (np.isfinite(H).all() and np.isfinite(o64).all())
+    elif dev == "cuda":
+        from .ops.dplr.cuda import dplr_scan_cuda
+
+        H, o64 = H0, np.empty((B, N, M))
+        bad = bool(dplr_scan_cuda(fq, ld, A, Bv, KW, VW, H, o64, norm, eps_v).any())
     else:
         from .ops.dplr.cpu import dplr_scan
 
@@ -367,12 +389,52 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
     if out is not None:
         out[...] = res
         res = out
+    elif dev_out is not None or q_dev:
+        res = _to_device(res, dev_out)
     if not return_state:
         return res
     from ._frontend import LinearState
 
     return res, LinearState(S=H[:, :, :M].reshape(lead + (F, M)).copy(), z=H[:, :, M].reshape(lead + (F,)).copy(),
                             position=position + N, rule=name)
+
+
+def _on_device(x):
+    from .device import on_device
+
+    return on_device(x)
+
+
+def _route(device, arrays, names, rule_arguments, out):
+    """``(device, q on the device, host arrays, host rule arguments)``: where the scan runs (``auto``
+    follows the inputs, as :func:`linattn_nb.device.resolve_device`), the arrays read to the host
+    (the form is built there)."""
+    from .device import resolve_device
+
+    extra = tuple(rule_arguments.items())
+    every = arrays + tuple(x for _, x in extra) + (out,)
+    dev = resolve_device(device, *every, names=names + tuple(n for n, _ in extra) + ("out",))
+    if not any(_on_device(x) for x in every):
+        return dev, False, arrays, rule_arguments
+    from . import _cuda_dispatch as CD
+
+    def host(name, x):
+        return CD.to_host(name, x) if _on_device(x) else x
+
+    return (dev, dev == "cuda" and _on_device(arrays[0]), tuple(host(n, x) for n, x in zip(names, arrays)),
+            {n: host(n, x) for n, x in extra})
+
+
+def _to_device(res, dev_out):
+    """The outputs on the device: copied into the caller's device ``out``, or a new device array."""
+    from numba import cuda
+
+    if dev_out is None:
+        return cuda.to_device(np.ascontiguousarray(res))
+    from . import _cuda_dispatch as CD
+
+    CD.wrap("out", dev_out).copy_to_device(np.ascontiguousarray(res))
+    return dev_out
 
 
 class DPLRVJP(NamedTuple):

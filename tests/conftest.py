@@ -103,7 +103,7 @@ SLOW_FILES = frozenset({
     "studies/test_sweep.py", "studies/test_learned_study.py",
     "fitting/test_fitted_maps_paths.py", "fitting/test_fitting.py",
     "test_layouts.py", "test_notebooks.py", "test_readme.py", "test_docs.py", "test_doctests.py", "test_install.py",
-    "test_cli.py", "test_mutation_catches.py", "test_numerics.py", "test_device.py",
+    "test_cli.py", "test_mutation_catches.py", "test_numerics.py", "test_device.py", "rules/test_dplr_cuda.py",
 })
 
 
