@@ -867,7 +867,7 @@ def _absorb(state, fk, v, lg):
 
 
 def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, check_finite=True, decay=None,
-                       log_decay=None, initial_state=None, beta=None):
+                       log_decay=None, initial_state=None, beta=None, rule=None, rule_arguments=None):
     r"""Numerical rank of the linear-attention state ``S_t`` as the sequence grows.
 
     ``S_t = sum_{j < t} phi(k_j) v_j^T`` is the ``D_phi x M`` state after
@@ -911,6 +911,15 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
         per token: the gated delta rule), as in
         :func:`linattn_nb.linear_attention`; the state is then updated token
         by token (O(N D_phi M)).
+    rule : str, optional
+        A named rule of the diagonal-plus-low-rank family
+        (:func:`linattn_nb.rules.dplr_rule_names`: ``"kda"``, ``"rwkv7"``,
+        ``"delta_product"``, ...), its arguments in ``rule_arguments`` (a dict,
+        full arrays as :func:`linattn_nb.dplr_attention` takes them; ``k`` and
+        ``v`` with a sub-step axis for the DeltaProduct rules); the states come
+        from :func:`linattn_nb.dplr_attention` run segment by segment.  Not with
+        ``decay``/``log_decay``/``beta``.
+    rule_arguments : dict, optional
     initial_state : LinearState or tuple (S, z[, position]), optional
         The state before token 0 (as ``linear_attention``'s
         ``initial_state``; ``t = 0`` then ranks it).  Its factors apply from
@@ -953,19 +962,19 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
     if C.is_softmax(feature_map):
         raise ValueError("feature_map='softmax' has no fixed-size state (its KV cache grows with N)")
     fmap = C.resolve_map(feature_map)
+    rtol = C.check_scalar_rtol(rtol, "state_rank_profile")
+    if rule is not None:
+        if decay is not None or log_decay is not None or beta is not None:
+            raise TypeError("state_rank_profile: pass a named rule's arguments in rule_arguments, not decay, "
+                            "log_decay or beta")
+        return _dplr_rank_profile(k, v, fmap, positions, rtol, rule, rule_arguments or {}, initial_state,
+                                  check_finite)
     k, v, batch_shape = _prepare_pair(k, v, ("k", "v"), same_n=True, check_finite=check_finite,
                                       last_dims_equal=False)
     n, m, d = k.shape[-2], v.shape[-1], k.shape[-1]
-    if positions is None:
-        pos = np.arange(1, n + 1, dtype=np.int64)
-    else:
-        raw = np.asarray(positions)
-        if raw.dtype.kind not in "iu" or raw.ndim > 1:
-            raise TypeError(f"positions must be a 1-D sequence of integers, got dtype {raw.dtype} and shape {raw.shape}")
-        pos = np.unique(raw.astype(np.int64))
-        if pos.size and (pos[0] < 0 or pos[-1] > n):
-            raise ValueError(f"positions must lie in [0, N] = [0, {n}], got {pos[0]}..{pos[-1]}")
-    rtol = C.check_scalar_rtol(rtol, "state_rank_profile")
+    pos = _positions(positions, n)
+    if rule_arguments is not None:
+        raise TypeError("state_rank_profile: rule_arguments needs rule= (a named DPLR rule)")
     rule, inputs, _ = C.rule_arguments(fmap, decay, log_decay, None, batch_shape, n, d, causal=True, beta=beta)
     f = C.feature_dim(fmap, d)
     b = int(np.prod(batch_shape, dtype=np.int64))
@@ -998,3 +1007,51 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
                 at = t
             ranks[i, j] = _block_rank(_svals(state), f, m, rtol)
     return StateRankProfile(pos, ranks.reshape(batch_shape + (pos.size,)), int(min(f, m)))
+
+
+def _positions(positions, n):
+    """The sorted, distinct token counts of ``positions`` (default ``1..n``), checked to lie in [0, n]."""
+    if positions is None:
+        return np.arange(1, n + 1, dtype=np.int64)
+    raw = np.asarray(positions)
+    if raw.dtype.kind not in "iu" or raw.ndim > 1:
+        raise TypeError(f"positions must be a 1-D sequence of integers, got dtype {raw.dtype} and shape {raw.shape}")
+    pos = np.unique(raw.astype(np.int64))
+    if pos.size and (pos[0] < 0 or pos[-1] > n):
+        raise ValueError(f"positions must lie in [0, N] = [0, {n}], got {pos[0]}..{pos[-1]}")
+    return pos
+
+
+def _dplr_rank_profile(k, v, fmap, positions, rtol, rule, args, initial_state, check_finite):
+    """:func:`state_rank_profile` of a named DPLR rule: the recurrence run from position to position."""
+    from ..dplr import dplr_attention
+    from ..rules import get_dplr_rule
+
+    spec = get_dplr_rule(rule)
+    k, v = np.asarray(k), np.asarray(v)
+    if not isinstance(args, dict):
+        raise TypeError(f"rule_arguments must be a dict, got {type(args).__name__}")
+    nb = v.ndim - 2 - (1 if spec.substeps else 0)  # batch dimensions
+    if nb < 0:
+        raise ValueError(f"v must have shape (..., N{', r' if spec.substeps else ''}, M) for rule {spec.name!r}, "
+                         f"got {v.shape}")
+    n, m = v.shape[nb], v.shape[-1]
+    pos = _positions(positions, n)
+    f = C.feature_dim(fmap, k.shape[-1])
+    batch = v.shape[:nb]
+    b = int(np.prod(batch, dtype=np.int64))
+    st, at = initial_state, 0
+    ranks = np.zeros((b, pos.size), dtype=np.int64)
+    for j, t in enumerate(pos):
+        t = int(t)
+        if t > at:
+            cut = (slice(None),) * nb + (slice(at, t),)
+            ks = k[cut]
+            _, st = dplr_attention(ks[..., 0, :] if spec.substeps else ks, ks, v[cut], rule=spec.name,
+                                   feature_map=fmap, initial_state=st, return_state=True, check_finite=check_finite,
+                                   **{name: np.asarray(x)[cut] for name, x in args.items()})
+            at = t
+        S = np.zeros((b, f, m)) if st is None else np.asarray(st.S, dtype=np.float64).reshape(b, f, m)
+        for i in range(b):
+            ranks[i, j] = _block_rank(_svals(S[i]), f, m, rtol)
+    return StateRankProfile(pos, ranks.reshape(batch + (pos.size,)), int(min(f, m)))

@@ -365,3 +365,35 @@ def test_causal_must_be_a_bool(causal, rng):
         with pytest.raises(TypeError, match="causal must be a bool"):
             attention_rank(q, k, fmap, causal=causal)
     assert attention_rank(q, k, "elu", causal=np.bool_(True)) == attention_rank(q, k, "elu", causal=True)
+
+
+def test_state_rank_profile_of_dplr_rules():
+    """A named DPLR rule's profile: the ranks of the states dplr_attention returns at each position;
+    DeltaProduct writes n_h directions a token; a KDA reset wipes the state."""
+    import linattn_nb as la
+    from linattn_nb.analysis import state_rank_profile
+
+    rng = np.random.default_rng(3)
+    k, v = rng.normal(size=(2, 2, 30, 6))
+    decay = rng.uniform(0.5, 1.0, size=(2, 30, 6))
+    decay[:, 12] = 0.0
+    args = {"decay": decay, "beta": rng.uniform(0.2, 1.0, size=(2, 30))}
+    pos = [0, 1, 3, 6, 12, 13, 15, 30]
+    prof = state_rank_profile(k, v, "l2", positions=pos, rule="kda", rule_arguments=args)
+    want = []
+    for t in pos:
+        _, st = la.dplr_attention(k[:, :t], k[:, :t], v[:, :t], rule="kda", feature_map="l2", return_state=True,
+                                  **{n: x[:, :t] for n, x in args.items()})
+        want.append([np.linalg.matrix_rank(s) for s in st.S])
+    assert prof.rank.tolist() == np.array(want).T.tolist()
+    assert prof.rank[:, pos.index(13)].tolist() == [1, 1]  # the reset at token 12
+    kk, vv = rng.normal(size=(2, 10, 3, 8))
+    dp = state_rank_profile(kk, vv, "l2", positions=[1, 2], rule="delta_product",
+                            rule_arguments={"beta": np.ones((10, 3))})
+    assert dp.rank.tolist() == [3, 6]
+    with pytest.raises(TypeError, match="rule_arguments"):
+        state_rank_profile(k, v, "l2", rule="kda", beta=1.0)
+    with pytest.raises(TypeError, match="needs rule="):
+        state_rank_profile(k, v, "l2", rule_arguments={})
+    with pytest.raises(ValueError, match="unknown DPLR rule"):
+        state_rank_profile(k, v, "l2", rule="nope")
