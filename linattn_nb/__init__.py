@@ -25,7 +25,7 @@ _cache.install(__version__)
 
 from . import feature_maps, rules  # noqa: E402
 from .attention import VJP, LinearState, linear_attention, linear_attention_vjp, softmax_attention  # noqa: E402
-from .state import KVCache, LinearAttentionState  # noqa: E402
+from .state import DPLRState, KVCache, LinearAttentionState  # noqa: E402
 from .dplr import dplr_attention, dplr_attention_vjp  # noqa: E402
 from . import fitting  # noqa: E402
 
@@ -52,4 +52,5 @@ __all__ = [
     "LinearState",
     "LinearAttentionState",
     "KVCache",
+    "DPLRState",
 ]

@@ -12,7 +12,8 @@ step costs ``O(L * (D + M))`` at context length L.  Both objects share the
 like with like (``benchmarks/decode.py``).
 
 Modules: :mod:`~linattn_nb.state.linear` (:class:`LinearAttentionState`),
-:mod:`~linattn_nb.state.kvcache` (:class:`KVCache`),
+:mod:`~linattn_nb.state.kvcache` (:class:`KVCache`), :mod:`~linattn_nb.state.dplr` (:class:`DPLRState`,
+the diagonal-plus-low-rank rules),
 :mod:`~linattn_nb.state.fileformat` (save/load, :class:`StateFileError`) and
 :mod:`~linattn_nb.state.launchers` (the decode-step launchers registered in
 the method table, and their contract).
@@ -20,5 +21,6 @@ the method table, and their contract).
 from .fileformat import FORMAT_VERSION, StateFileError  # noqa: F401  (FORMAT_VERSION: the old module-level name)
 from .kvcache import KVCache
 from .linear import LinearAttentionState
+from .dplr import DPLRState
 
-__all__ = ["LinearAttentionState", "KVCache", "StateFileError"]
+__all__ = ["LinearAttentionState", "DPLRState", "KVCache", "StateFileError"]

@@ -49,7 +49,7 @@ import numpy as np
 
 from .. import _frontend as FE
 from .. import feature_maps as fm
-from ..rules import rule_names
+from ..rules import dplr_rule_names, rule_names
 from ._checks import STATE_DTYPES, check_batch_shape, check_state_dtype
 
 __all__ = ["StateFileError", "FORMAT_NAME", "FORMAT_VERSION", "write", "read"]
@@ -62,7 +62,7 @@ REQUIRED_KEYS = ("format", "version", "S", "z", "position", "key_dim", "value_di
 #: Entries added by each version after the first.
 VERSION_KEYS = {2: ("rule", "normalize")}
 #: The rules a file may name: the registered rules by name ("": not fixed yet).
-FILE_RULES = ("",) + rule_names()
+FILE_RULES = ("",) + rule_names() + ("dplr",) + dplr_rule_names()  # DPLR states: state/dplr.py
 PROBE_TOKENS = 3
 
 

@@ -1,0 +1,231 @@
+"""The decoding state of a diagonal-plus-low-rank rule: :class:`DPLRState`.
+
+The same ``prefill`` / ``step`` / ``query`` / ``save`` / ``load`` API as
+:class:`~linattn_nb.LinearAttentionState`, for the general form and the named
+rules of :func:`linattn_nb.dplr_attention` (``kda``, ``rwkv7``,
+``delta_product``, ``gated_delta_product``): each call runs the recurrence from
+the held state (``initial_state``) and keeps the state it returns, so any
+number of tokens per call gives the outputs of one call over the whole
+sequence.  The state is float64.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import config
+from ..feature_maps import resolve as _resolve_map
+from . import fileformat
+
+_GENERAL = "dplr"
+
+
+class DPLRState:
+    """Recurrent state ``S`` (batch + (D_phi, M)) and ``z`` of a DPLR rule, for token-by-token decoding.
+
+    Parameters
+    ----------
+    key_dim, value_dim : int
+        ``D`` of queries and keys, ``M`` of values.
+    rule : str, optional
+        A named DPLR rule (:func:`linattn_nb.rules.dplr_rule_names`); the general form when omitted
+        (its ``a``, ``b``, ``log_diag``, ``beta`` passed to every call).
+    batch_shape : tuple of int, default ()
+    feature_map : str or FeatureMap, default "elu"
+    normalize : bool, default False
+    eps : float or None
+
+    Examples
+    --------
+    Decoding token by token gives the outputs of one call over the sequence:
+
+    >>> import numpy as np
+    >>> import linattn_nb as la
+    >>> from linattn_nb.state.dplr import DPLRState
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 6, 4))
+    >>> decay, beta = rng.uniform(0.5, 1, size=(6, 4)), rng.uniform(0, 1, size=6)
+    >>> st = DPLRState(4, 4, rule="kda", feature_map="l2")
+    >>> st.prefill(k[:3], v[:3], decay=decay[:3], beta=beta[:3])
+    >>> outs = [st.step(q[t], k[t], v[t], decay=decay[t], beta=beta[t]) for t in range(3, 6)]
+    >>> whole = la.dplr_attention(q, k, v, rule="kda", feature_map="l2", decay=decay, beta=beta)
+    >>> bool(np.allclose(np.stack(outs), whole[3:], atol=1e-12)), st.position
+    (True, 6)
+    """
+
+    def __init__(self, key_dim, value_dim, *, rule=None, batch_shape=(), feature_map="elu", normalize=False,
+                 eps=config.DEFAULT_EPS):
+        from ..rules import get_dplr_rule
+
+        for name, x in (("key_dim", key_dim), ("value_dim", value_dim)):
+            if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < 1:
+                raise ValueError(f"{name} must be a positive integer, got {x!r}")
+        bs = tuple(batch_shape)
+        if any(isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)) or s < 0 for s in bs):
+            raise ValueError(f"batch_shape must be a tuple of non-negative integers, got {batch_shape!r}")
+        if not isinstance(normalize, (bool, np.bool_)):
+            raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
+        self._spec = None if rule in (None, _GENERAL) else get_dplr_rule(rule)
+        self._d, self._m, self._bs = int(key_dim), int(value_dim), tuple(int(s) for s in bs)
+        self._fmap = _resolve_map(feature_map)
+        self._f = int(self._fmap.output_dim(self._d))
+        self._normalize, self._eps = bool(normalize), eps
+        self.reset()
+
+    # -- properties -----------------------------------------------------------------
+    @property
+    def rule(self) -> str:
+        """The rule's name (``"dplr"`` for the general form)."""
+        return _GENERAL if self._spec is None else self._spec.name
+
+    @property
+    def key_dim(self) -> int:
+        return self._d
+
+    @property
+    def value_dim(self) -> int:
+        return self._m
+
+    @property
+    def feature_dim(self) -> int:
+        return self._f
+
+    @property
+    def batch_shape(self) -> tuple:
+        return self._bs
+
+    @property
+    def feature_map(self):
+        return self._fmap
+
+    @property
+    def normalize(self) -> bool:
+        return self._normalize
+
+    @property
+    def eps(self):
+        return self._eps
+
+    @property
+    def position(self) -> int:
+        """Tokens absorbed so far."""
+        return self._position
+
+    @property
+    def S(self) -> np.ndarray:
+        """A copy of the state, batch + (D_phi, M), float64."""
+        return self._S.copy()
+
+    @property
+    def z(self) -> np.ndarray:
+        """A copy of the normaliser, batch + (D_phi,), float64."""
+        return self._z.copy()
+
+    def __repr__(self) -> str:
+        return (f"DPLRState(rule={self.rule!r}, key_dim={self._d}, value_dim={self._m}, batch_shape={self._bs}, "
+                f"feature_map={self._fmap.name!r}, position={self._position})")
+
+    # -- running ----------------------------------------------------------------------
+    def _run(self, q, k, v, arguments, check_finite):
+        from ..dplr import dplr_attention
+
+        out, st = dplr_attention(q, k, v, rule=None if self._spec is None else self._spec.name,
+                                 feature_map=self._fmap, normalize=self._normalize, eps=self._eps,
+                                 check_finite=check_finite, initial_state=self.to_linear_state(), return_state=True,
+                                 **arguments)
+        self._S, self._z, self._position = st.S, st.z, st.position
+        return out
+
+    def _one_token(self, x) -> bool:
+        return np.ndim(x) == len(self._bs) + 1
+
+    def step(self, q, k, v, *, check_finite=True, **arguments):
+        """Absorb tokens and return their outputs.
+
+        ``q`` of shape batch + (D,) is one token (every argument then without the token axis:
+        ``beta`` batch-shaped, a per-feature ``decay`` batch + (D_phi,), DeltaProduct's ``k``
+        batch + (n_h, D)); batch + (T, D) is T tokens, with the arguments of
+        :func:`linattn_nb.dplr_attention`.  Returns batch + (M,) or batch + (T, M).
+        """
+        if self._one_token(q):
+            ax = len(self._bs)
+            out = self._run(*(np.expand_dims(np.asarray(x), ax) for x in (q, k, v)),
+                            {n: np.expand_dims(np.asarray(x), ax) for n, x in arguments.items()}, check_finite)
+            return out[(slice(None),) * ax + (0,)]
+        return self._run(q, k, v, arguments, check_finite)
+
+    def prefill(self, k, v, *, check_finite=True, **arguments) -> None:
+        """Absorb a prompt (batch + (T, D) keys; DeltaProduct's batch + (T, n_h, D)) without outputs."""
+        k = np.asarray(k)
+        q = k[..., 0, :] if (self._spec is not None and self._spec.substeps) or \
+            (self._spec is None and k.ndim == len(self._bs) + 3) else k
+        self._run(q, k, v, arguments, check_finite)
+
+    def query(self, q, *, check_finite=True):
+        """The outputs of queries (batch + (T, D) or batch + (D,)) against the state, which stays as it is."""
+        q = np.asarray(q)
+        one = self._one_token(q)
+        if one:
+            q = np.expand_dims(q, len(self._bs))
+        if not np.issubdtype(q.dtype, np.floating):
+            raise TypeError(f"q must be a floating-point array, got dtype {q.dtype}")
+        if q.shape[:len(self._bs)] != self._bs or q.shape[-1] != self._d or q.ndim != len(self._bs) + 2:
+            raise ValueError(f"q must have shape batch + (T, D) = {self._bs + ('T', self._d)}, got {q.shape}")
+        if check_finite and not np.isfinite(q).all():
+            raise ValueError("q contains non-finite values (NaN or inf)")
+        fq = np.asarray(self._fmap.apply(q, role="query", causal=True, offset=self._position), dtype=np.float64)
+        num = np.einsum("...tf,...fm->...tm", fq, self._S)
+        if self._normalize:
+            den = np.einsum("...tf,...f->...t", fq, self._z)
+            if self._eps is not None:
+                den = np.maximum(den, self._eps)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                num = num / den[..., None]
+        out = num.astype(np.result_type(q.dtype, np.float32) if q.dtype != np.float64 else np.float64)
+        return out[(slice(None),) * len(self._bs) + (0,)] if one else out
+
+    def reset(self) -> None:
+        """Back to the empty state at position 0."""
+        self._S = np.zeros(self._bs + (self._f, self._m))
+        self._z = np.zeros(self._bs + (self._f,))
+        self._position = 0
+
+    def copy(self) -> "DPLRState":
+        new = DPLRState.__new__(DPLRState)
+        new.__dict__.update(self.__dict__)
+        new._S, new._z = self._S.copy(), self._z.copy()
+        return new
+
+    # -- conversion and files -------------------------------------------------------
+    def to_linear_state(self):
+        """The state as a :class:`~linattn_nb.LinearState` (copies; ``rule`` the rule's name)."""
+        from .._frontend import LinearState
+
+        return LinearState(self._S.copy(), self._z.copy(), self._position, self.rule)
+
+    def save(self, path) -> None:
+        """Write the state to ``path`` (.npz, the format of :mod:`linattn_nb.state.fileformat`, atomically)."""
+        fileformat.write(path, S=self._S, z=self._z, position=self._position, key_dim=self._d, value_dim=self._m,
+                         batch_shape=self._bs, eps=self._eps, feature_map=self._fmap, rule=self.rule,
+                         normalize=self._normalize)
+
+    @classmethod
+    def load(cls, path, *, feature_map=None, rule=None) -> "DPLRState":
+        """Read a state written by :meth:`save` (``rule``, when given, must be the file's).
+
+        Raises
+        ------
+        StateFileError (a ValueError)
+            Not a readable state file, or one of another rule (a LinearAttentionState's among them).
+        """
+        from ..rules import dplr_rule_names
+
+        sf = fileformat.read(path, feature_map=feature_map, rule=rule)
+        if sf.rule not in (_GENERAL,) + dplr_rule_names():
+            raise fileformat.StateFileError(f"{path}: the state runs the {sf.rule!r} update rule, not a DPLR rule: "
+                                            "load it with LinearAttentionState.load")
+        new = cls(sf.key_dim, sf.value_dim, rule=sf.rule, batch_shape=sf.batch_shape, feature_map=sf.feature_map,
+                  normalize=bool(sf.normalize), eps=sf.eps)
+        new._S = np.array(sf.S, dtype=np.float64).reshape(new._S.shape)
+        new._z = np.array(sf.z, dtype=np.float64).reshape(new._z.shape)
+        new._position = int(sf.position)
+        return new

@@ -1,0 +1,90 @@
+"""DPLRState: decoding a diagonal-plus-low-rank rule token by token, and its state files."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import linattn_nb as la
+from linattn_nb import rules
+from linattn_nb.state import StateFileError
+from linattn_nb.state.dplr import DPLRState
+
+BS, N, D, M = (2,), 7, 4, 3
+
+
+def _data(rng, name):
+    spec = rules.get_dplr_rule(name)
+    r = 2 if spec.substeps else 0
+    shape = BS + ((N, r) if r else (N,))
+    q = rng.standard_normal(BS + (N, D))
+    k, v = rng.standard_normal(shape + (D,)), rng.standard_normal(shape + (M,))
+    return q, k, v, spec.sample(rng, BS[0], N, D, r)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("name", rules.dplr_rule_names())
+def test_token_by_token_equals_one_call(rng, name, normalize):
+    q, k, v, args = _data(rng, name)
+    whole, st_whole = la.dplr_attention(q, k, v, rule=name, feature_map="l2", normalize=normalize, return_state=True,
+                                        **args)
+    st = DPLRState(D, M, rule=name, batch_shape=BS, feature_map="l2", normalize=normalize)
+    st.prefill(k[:, :2], v[:, :2], **{n: x[:, :2] for n, x in args.items()})
+    outs = [st.step(q[:, t], k[:, t], v[:, t], **{n: x[:, t] for n, x in args.items()}) for t in range(2, 5)]
+    outs.append(st.step(q[:, 5:], k[:, 5:], v[:, 5:], **{n: x[:, 5:] for n, x in args.items()}))
+    got = np.concatenate([np.stack(outs[:3], axis=1), outs[3]], axis=1)
+    np.testing.assert_allclose(got, whole[:, 2:], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(st.S, st_whole.S, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(st.z, st_whole.z, rtol=1e-12, atol=1e-12)
+    assert st.position == N and st.rule == name
+
+
+def test_general_form_and_query(rng):
+    q, k, v = rng.standard_normal((3,) + BS + (N, D))[:, :, :, :]
+    v = v[..., :M]
+    a, b = rng.standard_normal((2,) + BS + (N, D)) * 0.3
+    ld = np.log(rng.uniform(0.5, 1, size=BS + (N,)))
+    st = DPLRState(D, M, batch_shape=BS, normalize=True)
+    out = st.step(q, k, v, a=a, b=b, log_diag=ld)
+    np.testing.assert_allclose(out, la.dplr_attention(q, k, v, a=a, b=b, log_diag=ld, normalize=True),
+                               rtol=1e-12, atol=1e-12)
+    S, z, pos = st.S, st.z, st.position
+    fq = la.feature_maps.get("elu")(q[:, :2])
+    want = np.einsum("btf,bfm->btm", fq, S) / np.maximum(np.einsum("btf,bf->bt", fq, z), la.config.DEFAULT_EPS)[..., None]
+    np.testing.assert_allclose(st.query(q[:, :2]), want, rtol=1e-12)
+    np.testing.assert_allclose(st.query(q[:, 0]), want[:, 0], rtol=1e-12)
+    assert np.array_equal(st.S, S) and st.position == pos  # query leaves the state
+    st.reset()
+    assert st.position == 0 and not st.S.any()
+
+
+def test_save_and_load(rng, tmp_path):
+    q, k, v, args = _data(rng, "kda")
+    st = DPLRState(D, M, rule="kda", batch_shape=BS, feature_map="l2")
+    st.prefill(k, v, **args)
+    path = tmp_path / "kda.npz"
+    st.save(path)
+    back = DPLRState.load(path)
+    assert back.rule == "kda" and back.position == N and back.batch_shape == BS
+    assert np.array_equal(back.S, st.S) and np.array_equal(back.z, st.z)
+    qt, kt, vt = q[:, 0], k[:, 0], v[:, 0]
+    one = {n: x[:, 0] for n, x in args.items()}
+    np.testing.assert_array_equal(back.step(qt, kt, vt, **one), st.copy().step(qt, kt, vt, **one))
+    with pytest.raises(StateFileError, match="expected 'rwkv7'"):
+        DPLRState.load(path, rule="rwkv7")
+    lin = la.LinearAttentionState(D, M, batch_shape=BS)
+    lin.save(tmp_path / "add.npz")
+    with pytest.raises(StateFileError, match="not a DPLR rule"):
+        DPLRState.load(tmp_path / "add.npz")
+
+
+def test_bad_arguments(rng):
+    with pytest.raises(ValueError, match="key_dim must be a positive integer"):
+        DPLRState(0, 3)
+    with pytest.raises(ValueError, match="unknown DPLR rule"):
+        DPLRState(4, 3, rule="nope")
+    st = DPLRState(D, M, rule="kda", batch_shape=BS)
+    with pytest.raises(ValueError, match="q must have shape"):
+        st.query(np.ones((3, 1, D)))
+    with pytest.raises(TypeError, match="missing argument: beta"):
+        st.step(np.ones(BS + (D,)), np.ones(BS + (D,)), np.ones(BS + (M,)), decay=np.ones(BS + (D,)))
+    assert st.position == 0  # a refused call leaves the state
