@@ -820,6 +820,20 @@ def step_specs(M: int = 64, dtypes=(("float32", "float16"), ("float32", "float32
     return specs
 
 
+def dplr_specs(Fs=(64, 256), M: int = 64) -> list[KernelSpec]:
+    """The DPLR scan kernel of :mod:`linattn_nb.ops.dplr.cuda` (``dplr_kernel(FMAX)``) for ``Fs``
+    features, with the threads its launcher uses for ``M`` value columns (``launch_grid``).  Its
+    state column is a local array of ``FMAX`` float64 values (stack, by design)."""
+    from linattn_nb.ops.dplr.cuda import feature_capacity, launch_grid
+
+    C3, C4 = _arr(_F64, 3), _arr(_F64, 4)
+    sig = (C3, C3, C4, C4, C4, C4, C3, C3, C3, _arr("int32", 1), _I, _F64)
+    _, threads = launch_grid(1, M)
+    return [KernelSpec(f"dplr/scan/F{F}/M{M}", "linattn_nb.ops.dplr.cuda:dplr_kernel", sig, threads,
+                       factory=(feature_capacity(F),), group="dplr", info={"F": F, "M": M})
+            for F in Fs]
+
+
 if __name__ == "__main__":  # the compiling subprocess of measure(): a JSON request on stdin
     if sys.argv[1:] != ["--worker"]:
         sys.exit(f"usage: {os.path.basename(sys.argv[0])} --worker  (run by measure(), a JSON request on stdin; "

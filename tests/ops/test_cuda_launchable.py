@@ -35,14 +35,16 @@ the package) are checked against the threads per block the launchers use:
   given in float32 is read in place), the decay and gate rules, at D_phi =
   64 in each layout and 256;
 * the helper kernels, the backward kernels and the decode-step kernels at
-  their launch signatures and block sizes.
+  their launch signatures and block sizes;
+* the DPLR scan at D_phi = 64 and 256 with a full block (256 threads).
 
 Zero spill bytes are required for D_phi <= 256 and for every kernel but the
-sequence kernel at larger D_phi (which may spill, but must launch).  All
+sequence kernel at larger D_phi (which may spill, but must launch) and the
+DPLR scan (its state column is a local array: stack by design).  All
 compilations run in subprocesses (one module-scoped batch), and the results
 are cached under the kernel cache folder, keyed on the sources.
 
-Cost: 343 checks, about 52 minutes on 2 cores when nothing is cached (2026-12-02), so
+Cost: 345 checks, about 52 minutes on 2 cores when nothing is cached (2026-12-02), so
 the compiling tests run only with ``LINATTN_LAUNCH_CHECK=1`` in the
 environment (the default run keeps the suite within its time budget; the
 parser, occupancy and selection tests below always run)::
@@ -127,7 +129,9 @@ INPUT_SPECS = list({s.key: s for s in (
                                                                                            RULES["gate"][0])
        for acc in ACCS for F, layout in ((64, "owner"), (64, "rows"), (64, "tiles"), (256, "owner"))])}.values())
 OTHER_SPECS = CR.helper_specs() + CR.backward_specs() + CR.step_specs()
-ALL_SPECS = SEQ_SPECS + MAP_SPECS + VARIANT_SPECS + INPUT_SPECS + OTHER_SPECS
+#: The DPLR scan at D_phi = 64 and its largest, 256, with 256 value columns (a full block).
+DPLR_SPECS = CR.dplr_specs(M=256)
+ALL_SPECS = SEQ_SPECS + MAP_SPECS + VARIANT_SPECS + INPUT_SPECS + OTHER_SPECS + DPLR_SPECS
 
 #: Sequence-kernel configurations known not to launch (key -> why), run as strict xfails.  None since
 #: the owner layout and the capped row-group layout (before them: 24, e.g. F = 1024, M = 64 float32 at
@@ -210,6 +214,12 @@ def test_other_input_dtypes_launch(measured, spec):
 def test_other_kernels_launch(measured, spec):
     """Helper, backward and decode-step kernels: within the limits, no spills."""
     _check(spec, measured[spec.key], spill_free=True)
+
+
+@pytest.mark.parametrize("spec", DPLR_SPECS, ids=[s.key for s in DPLR_SPECS])
+def test_dplr_kernel_launches(measured, spec):
+    """The DPLR scan: within the limits (its state column is a local array, so stack is expected)."""
+    _check(spec, measured[spec.key], spill_free=False)
 
 
 def test_sequence_shared_memory_budget(measured):
