@@ -107,6 +107,7 @@ class RecallCapacity:
     distance_edges: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     error_by_distance: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
     optimal_error_by_distance: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    rule: Optional[str] = None
 
     def to_dict(self) -> dict:
         """Plain-Python dict (lists instead of arrays), for JSON."""
@@ -119,6 +120,7 @@ class RecallCapacity:
                 f"key_scale={self.key_scale:g} trials={self.trials}"
                 + ("" if self.decay is None else f" decay={self.decay:g}")
                 + ("" if self.beta is None else f" beta={self.beta:g}")
+                + ("" if self.rule is None else f" rule={self.rule}")
                 + ("" if self.normalize else " unnormalised")
                 + (" orthonormal keys" if self.orthogonal_keys else ""))
         cols = ("n", "acc", "mse", "opt_mse", "smax_acc", "smax_mse")
@@ -209,7 +211,7 @@ def _distance_edges(distance_bins, n_max):
 
 def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, trials=8, seed=0,
                     softmax_scale=None, eps=config.DEFAULT_EPS, decay=None, distance_bins=None, beta=None,
-                    normalize=None, orthogonal_keys=False, method="quadratic"):
+                    normalize=None, orthogonal_keys=False, method="quadratic", rule=None, rule_arguments=None):
     r"""Training-free associative recall through linear attention's state.
 
     For each ``n`` in ``n_pairs`` and each trial: draw keys ``K`` (n x d),
@@ -300,6 +302,17 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
         The ``linear_attention`` method that runs the delta rules' sequence
         (the explicit float64 form by default; any causal method that
         implements the rule).  Unused without ``beta``.
+    rule : str, optional
+        A named rule of the diagonal-plus-low-rank family
+        (:func:`linattn_nb.rules.dplr_rule_names`) instead of ``decay``/``beta``:
+        the pairs are written by :func:`linattn_nb.dplr_attention` and read
+        from the state it returns (``normalize`` default False).
+    rule_arguments : dict, optional
+        The rule's arguments as constants repeated at every token: a scalar,
+        a (D_phi,) vector for a per-feature one, (n_h,) for the DeltaProduct
+        rules' ``beta`` (each pair is then written n_h times, as n_h sub-steps
+        of its token); the string ``"keys"`` stands for the unit key features
+        (RWKV-7's removal key ``kappa`` as the written key).
 
     Returns
     -------
@@ -368,7 +381,23 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     if orthogonal_keys and ns.max() > d:
         raise ValueError(f"orthogonal_keys needs every n <= d = {d} (at most d orthonormal keys), "
                          f"got n = {int(ns.max())}")
-    rule, _, normalize = C.rule_arguments(fmap, decay, None, normalize, (), 1, d, causal=True, beta=beta)
+    dplr = None
+    if rule is not None:
+        from ..rules import get_dplr_rule
+
+        if decay is not None or beta is not None:
+            raise TypeError("recall_capacity: pass a named rule's arguments in rule_arguments, not decay or beta")
+        if rule_arguments is not None and not isinstance(rule_arguments, dict):
+            raise TypeError(f"rule_arguments must be a dict, got {type(rule_arguments).__name__}")
+        dplr = get_dplr_rule(rule)
+        normalize = False if normalize is None else normalize
+        if not isinstance(normalize, (bool, np.bool_)):
+            raise TypeError(f"normalize must be True or False, got {normalize!r}")
+        rule = dplr.name
+    elif rule_arguments is not None:
+        raise TypeError("recall_capacity: rule_arguments needs rule= (a named DPLR rule)")
+    else:
+        rule, _, normalize = C.rule_arguments(fmap, decay, None, normalize, (), 1, d, causal=True, beta=beta)
     edges = _distance_edges(distance_bins, int(ns.max()))
     d_phi = C.feature_dim(fmap, d)
 
@@ -382,7 +411,9 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
             vals = np.eye(n) if value_dim is None else rng.standard_normal((n, value_dim))
             phi = C.features(fmap, keys, role="key", causal=False, name="keys")[0]
             dist = np.arange(n - 1, -1, -1)
-            if get_rule(rule).reads_state:
+            if dplr is not None:
+                vhat = _dplr_readout(fmap, dplr, keys, vals, rule_arguments or {}, normalize, eps)
+            elif get_rule(rule).reads_state:
                 vhat = _delta_readout(fmap, keys, vals, beta, decay, normalize, eps, method)
             elif decay is None and normalize:
                 vhat = linear_attention(keys, keys, vals, feature_map=fmap, causal=False, eps=eps)
@@ -407,7 +438,44 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
         trials=trials, n_pairs=ns, accuracy=acc, mse=mse, optimal_mse=opt,
         softmax_accuracy=sacc, softmax_mse=smse, softmax_scale=softmax_scale,
         decay=decay, beta=beta, normalize=normalize, orthogonal_keys=orthogonal_keys, distance_edges=edges, error_by_distance=err_d, optimal_error_by_distance=opt_d,
+        rule=None if dplr is None else dplr.name,
     )
+
+
+def _dplr_readout(fmap, spec, keys, vals, args, normalize, eps):
+    """Every key's read-out of the state a named DPLR rule leaves after writing the pairs in order
+    (``args``: constants repeated per token, ``"keys"`` the unit key features)."""
+    from ..dplr import dplr_attention
+
+    n = keys.shape[0]
+    phi = C.features(fmap, keys, role="key", causal=True, name="keys")[0]
+    full = {}
+    for name, x in args.items():
+        if isinstance(x, str):
+            if x != "keys":
+                raise ValueError(f"rule_arguments[{name!r}] must be an array, a number or 'keys', got {x!r}")
+            full[name] = phi / np.maximum(np.linalg.norm(phi, axis=-1, keepdims=True), np.finfo(float).tiny)
+        else:
+            x = np.asarray(x, dtype=np.float64)
+            full[name] = np.broadcast_to(x, (n,) + x.shape).copy()
+    k, v = keys, vals
+    if spec.substeps:
+        beta = full.get("beta")
+        if beta is None or beta.ndim != 2:
+            raise ValueError(f"rule {spec.name!r} writes n_h steps a token: give rule_arguments['beta'] of shape (n_h,)")
+        r = beta.shape[1]
+        k, v = np.repeat(keys[:, None], r, axis=1), np.repeat(vals[:, None], r, axis=1)
+    _, st = dplr_attention(keys, k, v, rule=spec.name, feature_map=fmap, normalize=normalize, eps=eps,
+                           return_state=True, **full)
+    q = C.features(fmap, keys, role="query", causal=True, name="keys")[0]
+    out = q @ st.S
+    if not normalize:
+        return out
+    den = q @ st.z
+    if eps is not None:
+        den = np.maximum(den, eps)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return out / den[:, None]
 
 
 def _delta_readout(fmap, keys, vals, beta, decay, normalize, eps, method):

@@ -245,3 +245,29 @@ def test_recall_capacity_softmax_scale_and_eps_against_numpy(softmax_scale, eps)
         plain = recall_capacity("relu", d, ns, trials=trials, seed=seed, softmax_scale=softmax_scale)
         assert not np.allclose(plain.mse, res.mse)
         np.testing.assert_array_equal(plain.softmax_mse, res.softmax_mse)
+
+
+def test_recall_capacity_of_dplr_rules():
+    """Named DPLR rules through recall_capacity: KDA with gates of 1 and RWKV-7 with its removal key the
+    written key (iclr = 1, w = 1) are the delta rule at beta = 1; DeltaProduct writing each pair twice
+    at beta = 0.5 stores 1 - 0.5^2 of it, the delta rule at beta = 0.75 on orthonormal keys."""
+    from linattn_nb.analysis import recall_capacity
+
+    ones = np.ones(16)
+    ref = recall_capacity("l2", 16, [8, 32], trials=2, beta=1.0)
+    kda = recall_capacity("l2", 16, [8, 32], trials=2, rule="kda", rule_arguments={"decay": ones, "beta": 1.0})
+    rwkv = recall_capacity("l2", 16, [8, 32], trials=2, rule="rwkv7",
+                           rule_arguments={"decay": ones, "kappa": "keys", "iclr": ones})
+    np.testing.assert_allclose(kda.mse, ref.mse, rtol=1e-10)
+    np.testing.assert_allclose(rwkv.mse, ref.mse, rtol=1e-10)
+    assert kda.rule == "kda" and "rule=kda" in kda.table()
+    dp = recall_capacity("l2", 16, [4, 8], trials=2, rule="delta_product", rule_arguments={"beta": [0.5, 0.5]},
+                         orthogonal_keys=True)
+    d75 = recall_capacity("l2", 16, [4, 8], trials=2, beta=0.75, orthogonal_keys=True)
+    np.testing.assert_allclose(dp.mse, d75.mse, rtol=1e-10)
+    with pytest.raises(TypeError, match="rule_arguments"):
+        recall_capacity("l2", 16, 4, rule="kda", beta=1.0)
+    with pytest.raises(TypeError, match="needs rule="):
+        recall_capacity("l2", 16, 4, rule_arguments={})
+    with pytest.raises(ValueError, match="shape \\(n_h,\\)"):
+        recall_capacity("l2", 16, 4, rule="delta_product", rule_arguments={"beta": 1.0})
