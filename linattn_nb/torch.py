@@ -1,6 +1,6 @@
 """PyTorch autograd adapter: linear attention as a differentiable torch operation.
 
-Two entry points:
+Three entry points:
 
 * :func:`linear_attention` -- the functional form of
   :func:`linattn_nb.linear_attention` on torch tensors, a
@@ -9,6 +9,9 @@ Two entry points:
   launchers of :mod:`linattn_nb.ops.grad`, through the gradient front end
   :mod:`linattn_nb._gradfront`, so the forward is not recomputed in the
   backward);
+* :func:`dplr_attention` -- :func:`linattn_nb.dplr_attention` (the
+  diagonal-plus-low-rank recurrence and its named rules) on torch tensors,
+  forward and backward through the NumPy functions of :mod:`linattn_nb.dplr`;
 * :class:`LinearAttention` -- an :class:`torch.nn.Module` with the usual
   projections ``d_model -> H`` heads and the ``(B, H, N, D)`` layout inside,
   every update rule of the toolkit (additive, decay per head or per token,
@@ -40,7 +43,7 @@ from . import feature_maps as fm
 from . import rules
 from ._frontend import LinearState
 
-__all__ = ["linear_attention", "LinearAttention", "LinearState"]
+__all__ = ["linear_attention", "dplr_attention", "LinearAttention", "LinearState"]
 
 _NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
 
@@ -357,6 +360,265 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto",
         return res
     out, S, z = res
     return out, LinearState(S, z, position + q.shape[-2], spec.rule)
+
+
+# ---------------------------------------------------------------------------
+# Diagonal-plus-low-rank attention
+# ---------------------------------------------------------------------------
+def _host_array(x: torch.Tensor) -> np.ndarray:
+    """A NumPy array of tensor ``x``: a view of its memory on the CPU, a host copy of a CUDA tensor."""
+    x = x.detach()
+    if x.device.type != "cpu":
+        x = x.cpu()
+    return x.resolve_conj().resolve_neg().numpy()
+
+
+@dataclass
+class _DPLRSpec:
+    """The non-tensor arguments of one :func:`dplr_attention` call (carried through ``Function.apply``)."""
+
+    values: dict  # keyword arguments passed to the NumPy functions as they are
+    names: tuple  # the keywords of the tensor arguments after q, k, v (a, b, log_diag, beta, a rule's arrays)
+    param_names: tuple
+    fmap: Any
+    state: Optional[tuple]  # (position, rule) of a tensor initial state
+    return_state: bool
+    shapes: tuple = ()  # out, S, z (set by the forward)
+    rule: str = "dplr"
+    position: int = 0
+
+
+def _dplr_arguments(spec: _DPLRSpec, q, k, v, S0, z0, rest):
+    """The NumPy arguments of the call: arrays of the tensors, the map's parameters written into the map."""
+    n = len(spec.names)
+    tensors, params = rest[:n], rest[n:]
+    if params:
+        stored = _map_parameters(spec.fmap)
+        for name, t in zip(spec.param_names, params):
+            dst, src = stored[name], _host_array(t)
+            if not np.shares_memory(dst, src):
+                dst[...] = src  # the map computes with the tensor's current values
+    kw = dict(spec.values)
+    kw.update({name: _host_array(t) for name, t in zip(spec.names, tensors)})
+    if spec.state is not None:
+        position, rule = spec.state
+        kw["initial_state"] = LinearState(_host_array(S0), _host_array(z0), position, rule)
+    return (_host_array(q), _host_array(k), _host_array(v)), kw
+
+
+class _DPLRFunction(torch.autograd.Function):
+    """Forward through :func:`linattn_nb.dplr.dplr_attention`, backward through
+    :func:`linattn_nb.dplr.dplr_attention_vjp` (see :func:`dplr_attention`)."""
+
+    @staticmethod
+    def forward(ctx, spec: _DPLRSpec, q, k, v, S0, z0, *rest):
+        from . import dplr as _dplr
+
+        qkv, kw = _dplr_arguments(spec, q, k, v, S0, z0, rest)
+        out, st = _dplr.dplr_attention(*qkv, return_state=True, **kw)
+        spec.shapes = (out.shape, st.S.shape, st.z.shape)
+        spec.rule, spec.position = st.rule, st.position
+        ctx.spec = spec
+        # saved so that autograd refuses a backward after an in-place change of an input
+        ctx.save_for_backward(q, k, v, S0, z0, *rest)
+        ctx.set_materialize_grads(False)
+        out_t = torch.from_numpy(np.ascontiguousarray(out)).to(q.device)
+        if not spec.return_state:
+            return out_t
+        S = torch.from_numpy(np.ascontiguousarray(st.S)).to(q.device)
+        z = torch.from_numpy(np.ascontiguousarray(st.z)).to(q.device)
+        return out_t, S, z
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_S=None, grad_z=None):
+        from . import dplr as _dplr
+
+        spec = ctx.spec
+        q, k, v, S0, z0, *rest = ctx.saved_tensors  # raises if an input was modified in place
+        qkv, kw = _dplr_arguments(spec, q, k, v, S0, z0, rest)
+        out_shape, S_shape, z_shape = spec.shapes
+        go = np.zeros(out_shape) if grad_out is None else _host_array(grad_out)
+        grad_state = None
+        if grad_S is not None or grad_z is not None:
+            gS = np.zeros(S_shape) if grad_S is None else _host_array(grad_S)
+            gz = np.zeros(z_shape) if grad_z is None else _host_array(grad_z)
+            grad_state = LinearState(gS, gz, spec.position, spec.rule)
+        g = _dplr.dplr_attention_vjp(*qkv, go, grad_state=grad_state, **kw)
+        inputs = (q, k, v, S0, z0, *rest)
+
+        def conv(a, i):
+            t = inputs[i]
+            if a is None or t is None or not ctx.needs_input_grad[i + 1]:
+                return None
+            return _to_tensor(a, t, tuple(t.shape))
+
+        dS0 = dz0 = None
+        if g.d_initial_state is not None:
+            dS0, dz0 = conv(g.d_initial_state.S, 3), conv(g.d_initial_state.z, 4)
+        n = len(spec.names)
+        d_named = [conv(g.d_inputs.get(name), 5 + j) for j, name in enumerate(spec.names)]
+        d_params = [conv((g.d_params or {}).get(name), 5 + n + j) for j, name in enumerate(spec.param_names)]
+        return (None, conv(g.dq, 0), conv(g.dk, 1), conv(g.dv, 2), dS0, dz0, *d_named, *d_params)
+
+
+def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=None, feature_map="elu",
+                   method="auto", normalize=False, eps=_config.DEFAULT_EPS, check_finite=True, initial_state=None,
+                   return_state=False, feature_map_params=None, **rule_arguments):
+    r"""Differentiable diagonal-plus-low-rank attention on torch tensors (:func:`linattn_nb.dplr_attention`).
+
+    Per token, on the state ``S`` (D_phi x M) and its normaliser ``z``,
+    ``S_t = (D_t + b_t a_t^T) S_{t-1} + beta_t phi(k_t) v_t^T`` and
+    ``o_t = phi(q_t)^T S_t``: the general form (``a``, ``b``, ``log_diag``,
+    ``beta``) or a named rule of the family (``rule="kda"``, ``"rwkv7"``,
+    ``"delta_product"``, ``"gated_delta_product"``, with its own arguments as
+    keywords; :func:`linattn_nb.rules.dplr_rule_names`).  Same computation,
+    arguments and errors as :func:`linattn_nb.dplr_attention`: the forward
+    calls it, the backward calls :func:`linattn_nb.dplr.dplr_attention_vjp`
+    (which runs the forward scan again, keeping a checkpoint every few
+    tokens).  Gradients flow to ``q``, ``k``, ``v``, to every array argument
+    given as a tensor (``a``, ``b``, ``log_diag``, ``beta`` and a named
+    rule's ``decay`` / ``log_decay``, ``kappa``, ``iclr``), to a tensor
+    initial state, and to the feature map's parameters passed in
+    ``feature_map_params``; arguments that are not tensors (floats, NumPy
+    arrays) are constants.  The feature map is the NumPy map (applied in
+    float64 by :func:`linattn_nb.dplr_attention`, differentiated by its
+    :meth:`~linattn_nb.feature_maps.FeatureMap.vjp`).
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (..., N, D)
+    k : torch.Tensor, shape (..., N, D), or (..., N, r, D) with ``r`` writes per token
+    v : torch.Tensor, shape (..., N, M), or (..., N, r, M) with k
+        float16, float32 or float64 (the outputs in the widest; each
+        gradient in its input's dtype).  CPU tensors are read in place
+        (NumPy views of their memory).  CUDA tensors are copied to the host,
+        computed there by the CPU code and the results copied back (there is
+        no GPU kernel of this recurrence).
+    rule : str, optional
+        A named rule; its arguments are passed as keywords (``**rule_arguments``).
+    a, b : torch.Tensor or array_like, shape (..., N, D_phi) or (..., N, r, D_phi), optional
+    log_diag : torch.Tensor or array_like, shape (..., N) or (..., N, D_phi), optional
+    beta : torch.Tensor or array_like, shape (..., N) or (..., N, r), optional
+        As for :func:`linattn_nb.dplr_attention`; tensors receive gradients
+        in their own shape.  The gradient with respect to ``log_diag`` is 0
+        where it is ``-inf`` (a reset).
+    feature_map : str, FeatureMap or None, default "elu"
+        The map needs a :meth:`~linattn_nb.feature_maps.FeatureMap.vjp`.
+    method : {"auto", "quadratic", "scan"}
+    normalize : bool, default False
+    eps : float or None
+    check_finite : bool, default True
+        Refuse NaN/inf in the inputs and in the backward's ``grad_out``.
+    initial_state : LinearState, optional
+        A state from an earlier call of the same rule; when its ``S`` and
+        ``z`` are tensors they receive gradients.
+    return_state : bool, default False
+        Also return the final state as a :class:`LinearState` of float64
+        tensors ``S``, ``z``; gradients with respect to it flow into the
+        backward.
+    feature_map_params : dict of str to torch.Tensor, optional
+        Values for the map's trainable parameters (by the names of
+        ``feature_map.parameters()``, e.g. Hedgehog's ``"W"``, ``"b"``),
+        written into the map's own arrays before the forward and the
+        backward, receiving the gradients ``d_params``; as for
+        :func:`linear_attention`.
+    **rule_arguments : torch.Tensor or array_like
+        The named rule's arguments (``decay`` or ``log_decay``, ``kappa``,
+        ``iclr``; see :func:`linattn_nb.dplr_attention`).
+
+    Returns
+    -------
+    out : torch.Tensor, shape (..., N, M)
+        On the inputs' device.
+    state : LinearState
+        Only with ``return_state=True``: float64 tensors ``S``, ``z``, the
+        position after the last token and the rule's name (``"dplr"`` for
+        the general form).
+
+    Raises
+    ------
+    TypeError
+        A non-tensor ``q``, ``k``, ``v`` (or state tensor, or parameter),
+        dtypes NumPy lacks (bfloat16), complex or boolean tensors, ``out=``
+        (not supported here), and what :func:`linattn_nb.dplr_attention`
+        refuses.
+    ValueError
+        Tensors on different devices, unknown parameter names, and
+        everything :func:`linattn_nb.dplr_attention` refuses (shapes, ranges).
+
+    Examples
+    --------
+    KDA with per-feature gates, every input trained:
+
+    >>> import torch
+    >>> from linattn_nb.torch import dplr_attention
+    >>> g = torch.Generator().manual_seed(0)
+    >>> q, k, v = (torch.randn(2, 16, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    >>> decay = (0.5 + 0.5 * torch.rand(2, 16, 8, generator=g, dtype=torch.float64)).requires_grad_()
+    >>> beta = torch.rand(2, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    >>> out = dplr_attention(q, k, v, rule="kda", decay=decay, beta=beta, feature_map="l2")
+    >>> out.shape
+    torch.Size([2, 16, 8])
+    >>> out.square().sum().backward()
+    >>> decay.grad.shape, beta.grad.shape
+    (torch.Size([2, 16, 8]), torch.Size([2, 16]))
+    """
+    q, k, v = (_check_tensor(nm, x) for nm, x in (("q", q), ("k", k), ("v", v)))
+    if "out" in rule_arguments:
+        raise TypeError("out= is not supported for torch tensors: use the returned tensor")
+    fmap = fm.resolve(feature_map)
+    values = dict(rule=rule, feature_map=fmap, method=method, normalize=normalize, eps=eps,
+                  check_finite=check_finite)
+    names, tensors = [], []
+    for nm, x in (("a", a), ("b", b), ("log_diag", log_diag), ("beta", beta), *rule_arguments.items()):
+        t, val = _tensor_or_value(nm, x)
+        if t is not None:
+            names.append(nm)
+            tensors.append(t)
+        elif val is not None:
+            values[nm] = val
+    S0 = z0 = None
+    state = None
+    if initial_state is not None:
+        S, z = getattr(initial_state, "S", None), getattr(initial_state, "z", None)
+        if isinstance(S, torch.Tensor) or isinstance(z, torch.Tensor):
+            S0, z0 = _check_tensor("initial_state.S", S), _check_tensor("initial_state.z", z)
+            made_by = getattr(initial_state, "rule", None)
+            if made_by is None:  # no rule recorded: taken as this call's own, as the NumPy function does
+                made_by = "dplr" if rule is None else rules.get_dplr_rule(rule).name
+            state = (int(getattr(initial_state, "position", 0)), made_by)
+        else:
+            values["initial_state"] = initial_state  # NumPy arrays (constants) or something NumPy refuses
+    param_names, params = (), ()
+    if feature_map_params:
+        stored = _map_parameters(fmap)
+        unknown = sorted(set(feature_map_params) - set(stored))
+        if unknown:
+            raise ValueError(f"feature_map_params: the map {fmap.name!r} has no parameter(s) {unknown}; its "
+                             f"parameters are {sorted(stored)} (hedgehog, t2r: call materialize(d) to store their "
+                             "defaults)")
+        param_names = tuple(feature_map_params)
+        params = tuple(_check_tensor(f"feature_map_params[{n!r}]", feature_map_params[n]) for n in param_names)
+        for n, t in zip(param_names, params):
+            if tuple(t.shape) != tuple(np.shape(stored[n])):
+                raise ValueError(f"feature_map_params[{n!r}] has shape {tuple(t.shape)}, the map's {n} has "
+                                 f"shape {tuple(np.shape(stored[n]))}")
+    named = [("q", q), ("k", k), ("v", v), ("initial_state.S", S0), ("initial_state.z", z0), *zip(names, tensors)]
+    named += [(f"feature_map_params[{n!r}]", t) for n, t in zip(param_names, params)]
+    devices = {}
+    for nm, t in named:
+        if t is not None:
+            devices.setdefault(str(t.device), []).append(nm)
+    if len(devices) > 1:
+        where = "; ".join(f"{', '.join(ns)} on {dev}" for dev, ns in devices.items())
+        raise ValueError(f"all tensors must be on one device, got {where}")
+    spec = _DPLRSpec(values, tuple(names), param_names, fmap, state, bool(return_state))
+    res = _DPLRFunction.apply(spec, q, k, v, S0, z0, *tensors, *params)
+    if not return_state:
+        return res
+    out, S, z = res
+    return out, LinearState(S, z, spec.position, spec.rule)
 
 
 # ---------------------------------------------------------------------------

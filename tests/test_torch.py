@@ -475,3 +475,226 @@ def test_core_never_imports_torch():
     code = "import sys, linattn_nb, linattn_nb.attention, linattn_nb._gradfront; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------------------
+# dplr_attention
+# ---------------------------------------------------------------------------
+DPLR_B, DPLR_N, DPLR_D, DPLR_M = 2, 5, 3, 2
+
+
+def _f64(x, grad=True):
+    return torch.tensor(np.asarray(x), dtype=torch.float64).requires_grad_(grad)
+
+
+def _dplr_general(seed=40, r=2, sub=0):
+    """General-form arguments (float64 tensors that require grad): per-feature log_diag, r factors, beta;
+    ``sub`` writes per token when > 0.  Small a, b: the transition stays near its diagonal, so the
+    normaliser stays away from its floor."""
+    rng = np.random.default_rng(seed)
+    Bn, n, d, m = DPLR_B, DPLR_N, DPLR_D, DPLR_M
+    w = (Bn, n, sub) if sub else (Bn, n)
+    args = {"q": rng.standard_normal((Bn, n, d)), "k": rng.standard_normal(w + (d,)),
+            "v": rng.standard_normal(w + (m,)),
+            "a": 0.3 * rng.standard_normal((Bn, n, sub or r, d)), "b": 0.3 * rng.standard_normal((Bn, n, sub or r, d)),
+            "log_diag": np.log(rng.uniform(0.5, 0.95, size=(Bn, n, d))), "beta": rng.uniform(0.2, 1.0, size=w),
+            "S0": rng.standard_normal((Bn, d, m)), "z0": rng.uniform(1.0, 2.0, size=(Bn, d))}
+    return {key: _f64(x) for key, x in args.items()}
+
+
+def _dplr_named(name, seed=41, log_form=False):
+    """A named rule's arguments at interior values (float64 tensors that require grad): q, k, v, then the rule's."""
+    rule = linattn_nb.rules.get_dplr_rule(name)
+    rng = np.random.default_rng(seed)
+    r = 2 if rule.substeps else 0
+    w = (DPLR_B, DPLR_N, r) if r else (DPLR_B, DPLR_N)
+    args = {"q": rng.standard_normal((DPLR_B, DPLR_N, DPLR_D)), "k": rng.standard_normal(w + (DPLR_D,)),
+            "v": rng.standard_normal(w + (DPLR_M,))}
+    inputs = rule.sample(rng, DPLR_B, DPLR_N, DPLR_D, r)
+    if "decay" in inputs:  # away from a reset (0) and from 1: the differences stay inside the domain
+        inputs["decay"] = np.clip(inputs["decay"], 0.3, 0.95)
+        if log_form:
+            inputs["log_decay"] = np.log(inputs.pop("decay"))
+    if "beta" in inputs:
+        inputs["beta"] = np.clip(inputs["beta"], 0.1, 1.9)
+    if "iclr" in inputs:
+        inputs["iclr"] = np.clip(inputs["iclr"], 0.05, 0.95)
+    args.update(inputs)
+    return {key: _f64(x) for key, x in args.items()}
+
+
+def _dplr_general_fn(normalize, method, names):
+    def fn(q, k, v, *rest):
+        kw = dict(zip(names, rest))
+        S0, z0 = kw.pop("S0"), kw.pop("z0")
+        out, st = lt.dplr_attention(q, k, v, feature_map="elu", method=method, normalize=normalize,
+                                    initial_state=linattn_nb.LinearState(S0, z0, 0, "dplr"), return_state=True,
+                                    **kw)
+        return out, st.S, st.z
+
+    return fn
+
+
+@pytest.mark.parametrize("method", ["quadratic", "scan"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_dplr_gradcheck_general_form(normalize, method):
+    args = _dplr_general()
+    names = list(args)[3:]
+    _gradcheck(_dplr_general_fn(normalize, method, names), list(args.values()))
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_dplr_gradcheck_general_form_substeps(normalize):
+    args = _dplr_general(seed=42, sub=2)
+    names = list(args)[3:]
+    _gradcheck(_dplr_general_fn(normalize, "scan", names), list(args.values()))
+
+
+@pytest.mark.parametrize("name,log_form", [("kda", False), ("kda", True), ("rwkv7", False), ("rwkv7", True),
+                                           ("delta_product", False), ("gated_delta_product", False),
+                                           ("gated_delta_product", True)])
+def test_dplr_gradcheck_named_rules(name, log_form):
+    args = _dplr_named(name, log_form=log_form)
+    names = list(args)[3:]
+    assert names and all(t.requires_grad for t in args.values())
+
+    def fn(q, k, v, *rest):
+        out, st = lt.dplr_attention(q, k, v, rule=name, feature_map="l2", return_state=True,
+                                    **dict(zip(names, rest)))
+        return out, st.S
+
+    _gradcheck(fn, list(args.values()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", [None, "kda", "rwkv7", "delta_product", "gated_delta_product"])
+def test_dplr_forward_equals_numpy_api(name, dtype):
+    if name is None:
+        args = _dplr_general(seed=43)
+        S0, z0 = args.pop("S0"), args.pop("z0")
+        extra = {"normalize": True, "feature_map": "elu"}
+    else:
+        args = _dplr_named(name, seed=44)
+        S0 = z0 = None
+        extra = {"rule": name, "feature_map": "l2"}
+    q, k, v = (args.pop(key).detach().to(dtype) for key in ("q", "k", "v"))
+    init = None if S0 is None else linattn_nb.LinearState(S0, z0, 3, "dplr")
+    out, st = lt.dplr_attention(q, k, v, initial_state=init, return_state=True, **args, **extra)
+    as_np = lambda t: t.detach().numpy()  # noqa: E731
+    init_np = None if S0 is None else linattn_nb.LinearState(as_np(S0), as_np(z0), 3, "dplr")
+    ref, st_ref = linattn_nb.dplr_attention(as_np(q), as_np(k), as_np(v), initial_state=init_np, return_state=True,
+                                            **{key: as_np(t) for key, t in args.items()}, **extra)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(out.detach().numpy(), ref)
+    np.testing.assert_array_equal(st.S.detach().numpy(), st_ref.S)
+    np.testing.assert_array_equal(st.z.detach().numpy(), st_ref.z)
+    assert st.position == st_ref.position and st.rule == st_ref.rule
+
+
+def test_dplr_gradients_equal_the_vjp_and_constants_get_none():
+    """Tensors get dplr_attention_vjp's gradients in their dtype; NumPy arrays and floats are constants."""
+    args = _dplr_named("kda", seed=45)
+    q, k, v = (args[key].detach().to(torch.float32).requires_grad_() for key in ("q", "k", "v"))
+    decay, beta = args["decay"], args["beta"].detach().numpy()  # beta: a constant
+    out = lt.dplr_attention(q, k, v, rule="kda", decay=decay, beta=beta, feature_map="l2")
+    G = torch.randn(out.shape, generator=_gen(5), dtype=torch.float32)
+    (out * G).sum().backward()
+    g = linattn_nb.dplr_attention_vjp(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), G.numpy(),
+                                      rule="kda", decay=decay.detach().numpy(), beta=beta, feature_map="l2")
+    for t, ref in ((q, g.dq), (k, g.dk), (v, g.dv), (decay, g.d_inputs["decay"])):
+        assert t.grad.dtype == t.dtype
+        np.testing.assert_allclose(t.grad.double().numpy(), ref, rtol=1e-6, atol=1e-6)
+    # NumPy a, b, log_diag: only q, k, v are differentiated
+    q2 = q.detach().double().requires_grad_()
+    a = np.zeros((DPLR_B, DPLR_N, DPLR_D))
+    out = lt.dplr_attention(q2, k.detach().double(), v.detach().double(), a=a, b=a,
+                            log_diag=np.full((DPLR_B, DPLR_N), -0.1))
+    out.sum().backward()
+    assert q2.grad is not None and q2.grad.shape == q2.shape
+
+
+def test_dplr_only_state_used_and_segments_chain():
+    args = _dplr_named("gated_delta_product", seed=46)
+    q, k, v, decay, beta = args.values()
+    whole, st = lt.dplr_attention(q, k, v, rule="gated_delta_product", decay=decay, beta=beta, feature_map="l2",
+                                  return_state=True)
+    cut = 2
+    first, st1 = lt.dplr_attention(q[:, :cut], k[:, :cut], v[:, :cut], rule="gated_delta_product",
+                                   decay=decay[:, :cut], beta=beta[:, :cut], feature_map="l2", return_state=True)
+    second, st2 = lt.dplr_attention(q[:, cut:], k[:, cut:], v[:, cut:], rule="gated_delta_product",
+                                    decay=decay[:, cut:], beta=beta[:, cut:], feature_map="l2", initial_state=st1,
+                                    return_state=True)
+    torch.testing.assert_close(torch.cat([first, second], dim=1), whole, rtol=1e-12, atol=1e-12)
+    assert st2.position == DPLR_N and st2.rule == "gated_delta_product"
+    st2.S.sum().backward()  # the outputs unused: the gradient flows through the states only
+    assert q.grad is None or not q.grad.any()  # the state does not read the queries
+    assert float(k.grad[:, :cut].abs().sum()) > 0 and float(decay.grad[:, :cut].abs().sum()) > 0
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    ({"a": torch.zeros(DPLR_B, DPLR_N, DPLR_D + 1), "b": torch.zeros(DPLR_B, DPLR_N, DPLR_D + 1)}, ValueError,
+     "a must have shape"),
+    ({"a": torch.zeros(DPLR_B, DPLR_N, DPLR_D)}, TypeError, "missing argument: b"),
+    ({"a": torch.zeros(DPLR_B, DPLR_N, DPLR_D), "b": torch.zeros(DPLR_B, DPLR_N, DPLR_D),
+      "log_diag": torch.ones(DPLR_B, DPLR_N)}, ValueError, "<= 0"),
+    ({"rule": "kda", "beta": torch.ones(DPLR_B, DPLR_N)}, TypeError, "decay or log_decay"),
+    ({"rule": "kda", "beta": torch.full((DPLR_B, DPLR_N), 3.0), "decay": torch.ones(DPLR_B, DPLR_N, DPLR_D)},
+     ValueError, "beta must lie in"),
+    ({"rule": "rwkv7", "decay": torch.ones(DPLR_B, DPLR_N, DPLR_D), "kappa": torch.ones(DPLR_B, DPLR_N, DPLR_D),
+      "iclr": torch.full((DPLR_B, DPLR_N, DPLR_D), 2.0)}, ValueError, "iclr must lie in"),
+    ({"rule": "nope"}, ValueError, "unknown DPLR rule 'nope'"),
+    ({"a": torch.zeros(DPLR_B, DPLR_N, DPLR_D), "b": torch.zeros(DPLR_B, DPLR_N, DPLR_D), "method": "chunked"},
+     ValueError, "method must be one of"),
+    ({"a": torch.zeros(DPLR_B, DPLR_N, DPLR_D), "b": torch.zeros(DPLR_B, DPLR_N, DPLR_D), "decay": 0.5},
+     TypeError, "unexpected"),
+])
+def test_dplr_bad_arguments_raise_the_numpy_errors(kwargs, exc, match):
+    q, k, v = (torch.randn(DPLR_B, DPLR_N, d, generator=_gen(47), dtype=torch.float64) for d in (DPLR_D, DPLR_D,
+                                                                                                 DPLR_M))
+    with pytest.raises(exc, match=match):
+        lt.dplr_attention(q, k, v, **kwargs)
+    np_kwargs = {key: x.numpy() if isinstance(x, torch.Tensor) else x for key, x in kwargs.items()}
+    with pytest.raises(exc, match=match):
+        linattn_nb.dplr_attention(q.numpy(), k.numpy(), v.numpy(), **np_kwargs)
+
+
+def test_dplr_adapter_errors():
+    args = _dplr_general(seed=48)
+    q, k, v, a, b = (args[key] for key in ("q", "k", "v", "a", "b"))
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        lt.dplr_attention(q.detach().numpy(), k, v, a=a, b=b)
+    with pytest.raises(TypeError, match="k must be float16, float32 or float64.*bfloat16"):
+        lt.dplr_attention(q, k.detach().to(torch.bfloat16), v, a=a, b=b)
+    with pytest.raises(TypeError, match="out= is not supported"):
+        lt.dplr_attention(q, k, v, a=a, b=b, out=torch.empty(DPLR_B, DPLR_N, DPLR_M))
+    with pytest.raises(ValueError, match="a is on device meta"):
+        lt.dplr_attention(q, k, v, a=torch.zeros(a.shape, device="meta"), b=b)
+    with pytest.raises(TypeError, match="initial_state.z must be a torch.Tensor"):
+        lt.dplr_attention(q, k, v, a=a, b=b, initial_state=linattn_nb.LinearState(args["S0"], np.ones((2, 3)),
+                                                                                     0, "dplr"))
+    with pytest.raises(ValueError, match="feature_map_params.*no parameter"):
+        lt.dplr_attention(q, k, v, a=a, b=b, feature_map_params={"W": torch.eye(DPLR_D)})
+    qq = q * 1.0
+    out = lt.dplr_attention(qq, k, v, a=a, b=b)
+    with torch.no_grad():
+        qq.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+@needs_fm_vjp
+def test_dplr_gradcheck_hedgehog_parameters():
+    fmap = fm.get("hedgehog")
+    fmap.materialize(DPLR_D)
+    F = fmap.output_dim(DPLR_D)
+    rng = np.random.default_rng(49)
+    q, k, v = (_f64(rng.standard_normal((1, 4, d))) for d in (DPLR_D, DPLR_D, DPLR_M))
+    a, b = (_f64(0.2 * rng.standard_normal((1, 4, F))) for _ in range(2))
+    params = {n: _f64(p) for n, p in fmap.parameters().items()}
+    names = list(params)
+
+    def fn(q, k, v, a, b, *ps):
+        return lt.dplr_attention(q, k, v, a=a, b=b, feature_map=fmap, normalize=True,
+                                 feature_map_params=dict(zip(names, ps)))
+
+    _gradcheck(fn, [q, k, v, a, b, *params.values()])
