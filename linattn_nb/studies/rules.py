@@ -13,6 +13,10 @@ rules differ only in how they write:
   what the state returned for the key) and β = 0.5;
 * the gated delta rule (Yang, Kautz & Hatamizadeh 2025),
   S_j = γ(I − β φ(k_j)φ(k_j)ᵀ) S_{j−1} + β φ(k_j) v_jᵀ, β = 1, γ = 0.95;
+* two rules of the diagonal-plus-low-rank family, run by :func:`linattn_nb.dplr_attention`: KDA
+  (Kimi Delta Attention), the gated delta rule with one gate per feature, here β = 1 and gates
+  spread evenly over [0.9, 1] across the features; and DeltaProduct (Siems et al. 2025) with n_h = 2
+  steps of β = 0.5 per pair;
 * the least-squares optimal state of the same size, min_W ‖φ(K) W − V‖²,
   whose relative error is exactly 1 − D_φ/n past D_φ for one-hot values
   (Eckart–Young): no read-out φ(K) S of any rule can go below it.
@@ -40,6 +44,12 @@ RULES = (
     ("delta, β = 1", 1.0, None),
     ("delta, β = 0.5", 0.5, None),
     ("gated delta, β = 1, γ = 0.95", 1.0, 0.95),
+)
+#: Rules of the diagonal-plus-low-rank family in the one-pass regime: (label, rule, its arguments as constants
+#: per token; a per-feature ``decay`` given as (low, high) is spread evenly over the features).
+DPLR_ROWS = (
+    ("KDA, β = 1, α ∈ [0.9, 1] per feature", "kda", {"decay": [0.9, 1.0], "beta": 1.0}),
+    ("DeltaProduct, n_h = 2, β = 0.5", "delta_product", {"beta": [0.5, 0.5]}),
 )
 #: Independent seeds per rule (each draws its own keys).
 SEEDS = (0, 1, 2, 3, 4)
@@ -69,6 +79,9 @@ def points(ctx) -> list[dict]:
     pts = [dict(kind="gaussian", rule=label, beta=beta, decay=decay, d=d, n_pairs=ns, trials=trials, seed=s,
                 method=METHOD)
            for label, beta, decay in RULES for s in SEEDS]
+    pts += [dict(kind="gaussian", rule=label, beta=None, decay=None, d=d, n_pairs=ns, trials=trials, seed=s,
+                 method=METHOD, dplr=name, dplr_arguments=args)
+            for label, name, args in DPLR_ROWS for s in SEEDS]
     orth = sorted({max(1, d // 2), d})
     pts += [dict(kind="orthonormal", rule=label, beta=beta, decay=None, d=d, n_pairs=orth, trials=trials, seed=s,
                  method=METHOD)
@@ -83,11 +96,19 @@ def points(ctx) -> list[dict]:
     return pts
 
 
-def run(kind, rule, beta, decay, d, n_pairs, trials, seed, method=METHOD, passes=1) -> dict:
+def run(kind, rule, beta, decay, d, n_pairs, trials, seed, method=METHOD, passes=1, dplr=None,
+        dplr_arguments=None) -> dict:
     """One rule in one regime: accuracy and error of the read-out against n (see the module docstring)."""
     if kind in ("gaussian", "orthonormal"):
         from ..analysis import recall_capacity
 
+        if dplr is not None:
+            args = dict(dplr_arguments or {})
+            if dplr == "kda":
+                args["decay"] = np.linspace(*args["decay"], d)  # one gate per feature
+            res = recall_capacity(FEATURE_MAP, d, np.asarray(n_pairs), trials=trials, seed=seed, normalize=False,
+                                  orthogonal_keys=(kind == "orthonormal"), rule=dplr, rule_arguments=args)
+            return to_json(res)
         res = recall_capacity(FEATURE_MAP, d, np.asarray(n_pairs), trials=trials, seed=seed, beta=beta,
                               decay=decay, normalize=False, orthogonal_keys=(kind == "orthonormal"), method=method)
         return to_json(res)
@@ -283,7 +304,8 @@ def render(records, ctx) -> Rendered:
             "one-hot values (M = n), the n pairs written one per token into a D_φ × M state and every key read "
             "after the last write; unnormalised read-out φ(k)ᵀS for every rule; delta rules run by "
             f"`linear_attention(..., beta=, method={p0['method']!r})` in float64 (repeated passes and rewrites "
-            "by `LinearAttentionState.prefill`, read by `linattn_nb.analysis.read_back`).  Each cell: argmax "
+            "by `LinearAttentionState.prefill`, read by `linattn_nb.analysis.read_back`; KDA and DeltaProduct by "
+            "`dplr_attention`).  Each cell: argmax "
             "accuracy / relative error ‖V̂ − V‖²/‖V‖², "
             f"{CI_CAPTION} ({nseeds} seeds).  The floor is the least-squares state of the same size on the "
             "same keys: 0 up to n = D_φ, 1 − D_φ/n beyond (for one-hot values every read-out φ(K)S has rank "
@@ -332,17 +354,17 @@ def render(records, ctx) -> Rendered:
                 a.grid(True, alpha=0.3)
             ctx.legend_outside(fig, [ax, ax2], title=f"mean, 95% CI, {nseeds} seeds")
             md += ["", ctx.savefig(fig, "rules", "retrieval error and argmax accuracy against n / D_phi for the "
-                                                 "additive, delta and gated delta rules with the least-squares floor"),
+                                                 "additive, delta, gated delta, KDA and DeltaProduct rules with the least-squares floor"),
                    "", f"Random unit keys; {CI_CAPTION}."]
     md += failed_md
-    return Rendered("\n".join(md), f"{len(RULES)} update rules, {len(SEEDS)} seeds", problems)
+    return Rendered("\n".join(md), f"{len(RULES) + len(DPLR_ROWS)} update rules, {len(SEEDS)} seeds", problems)
 
 
 STUDY = register_study(Study(
     name="rules",
     title="Update rules against the capacity floor",
     command="rules",
-    help="retrieval error against n / D_phi for the additive, delta and gated delta rules and the optimal state",
+    help="retrieval error against n / D_phi for the additive, delta, gated delta, KDA and DeltaProduct rules and the optimal state",
     points=points,
     run=run,
     render=render,

@@ -110,7 +110,8 @@ def test_memory_horizon_section_states_its_regime_with_error_bars_over_seeds(tin
 
 
 def test_update_rules_section_states_its_regime_with_error_bars_over_seeds(tiny_report):
-    """The update-rules study: additive, delta, gated delta and the floor, >= 5 seeds each, one-hot values, mean ± std."""
+    """The update-rules study: additive, delta, gated delta, KDA, DeltaProduct and the floor, >= 5 seeds each,
+    one-hot values, mean ± std."""
     from linattn_nb.studies import rules
 
     out, _ = tiny_report
@@ -124,11 +125,12 @@ def test_update_rules_section_states_its_regime_with_error_bars_over_seeds(tiny_
         floor = np.maximum(0.0, 1.0 - res["d_phi"] / np.asarray(res["n_pairs"], dtype=float))
         np.testing.assert_allclose(res["optimal_mse"], floor, atol=1e-12)
         assert np.all(np.asarray(res["mse"]) >= floor - 1e-12)  # no rule beats the floor
-    assert {rule for kind, rule in seeds if kind == "gaussian"} == {label for label, _, _ in rules.RULES}
+    assert {rule for kind, rule in seeds if kind == "gaussian"} == (
+        {label for label, _, _ in rules.RULES} | {label for label, _, _ in rules.DPLR_ROWS})
     assert all(len(s) >= 5 for s in seeds.values())
     section = (out / "report.md").read_text().split("## Update rules against the capacity floor")[1].split("\n## ")[0]
     for words in ("Regime:", "one-hot values", "D_φ", "5 seeds", "additive |", "delta, β = 1 |",
-                  "gated delta, β = 1, γ = 0.95 |", "optimal floor (least squares)", " ± ", "What it shows",
+                  "gated delta, β = 1, γ = 0.95 |", "KDA, β = 1", "DeltaProduct, n_h = 2", "optimal floor (least squares)", " ± ", "What it shows",
                   "Every rule stays on or above the floor", "rules.png"):
         assert words in section, words
 
