@@ -276,10 +276,8 @@ class LinearAttentionState:
         sequence (an array of the batch shape): the inputs are checked and converted into
         preallocated (B, 1) arrays by one compiled call
         (:func:`linattn_nb.ops.step.cpu.fill_token_inputs`); anything else, an invalid value
-        included, takes the validating path.  The kernel is the one step kernel
-        (:func:`linattn_nb.ops.step.cpu.pick_kernel`) with the rule's code; its per-token inputs
-        ``lg`` (B, 1, G) are a view of ``_rin`` (G, B): row 0 the log-factor (0 for the delta
-        rule), row 1 the write strength (the delta rules, G = 2).
+        included, takes the validating path.  The kernel is the delta kernel for a rule whose
+        update reads the state, else the decay kernel.
         """
         rule = get_rule(self._launch_rule)  # the state's rule, or the additive one while not fixed
         self._fast = self._code is not None and self._kern1 is not None and not rule.has_inputs and self._norm
@@ -289,12 +287,12 @@ class LinearAttentionState:
                        and rule.factor != "feature")
         if self._rfast:
             B, M, F = self._B, self._m, self._f
-            self._rbeta, self._rforgets = rule.beta, rule.forgets
-            self._rkern = _step_cpu.pick_kernel(B, 1, M, F)
-            self._rin = np.zeros((2 if rule.reads_state else 1, B))
-            self._lg1, self._beta1 = self._rin[0], self._rin[-1]
-            self._rtail = (np.int64(rule.code), self._rin.T[:, None, :],
-                           np.int64(norm_mode(self._eps, self._norm)), True)
+            self._rbeta, self._rforgets, self._rdelta = rule.beta, rule.forgets, rule.reads_state
+            pick = _step_cpu.pick_delta_kernel if rule.reads_state else _step_cpu.pick_rule_kernel
+            self._rkern = pick(B, 1, M, F)
+            self._lg1 = np.zeros((B, 1, 1 if rule.forgets else 0))
+            self._beta1 = np.zeros((B, 1))
+            self._rnorm = np.int64(norm_mode(self._eps, self._norm))
             self._rentry = {}
             (self._rfeat,) = self._scratch
 
@@ -333,13 +331,13 @@ class LinearAttentionState:
         if ((beta is not None) != self._rbeta
                 or ((decay is not None) + (log_decay is not None)) != self._rforgets):
             return False
-        if beta is not None and not self._fill_token(beta, self._beta1, _step_cpu.FILL_BETA):
+        if beta is not None and not self._fill_token(beta, self._beta1.reshape(-1), _step_cpu.FILL_BETA):
             return False
         if not self._rforgets:
             return True
         if decay is not None:
-            return self._fill_token(decay, self._lg1, _step_cpu.FILL_DECAY)
-        return self._fill_token(log_decay, self._lg1, _step_cpu.FILL_LOG_DECAY)
+            return self._fill_token(decay, self._lg1.reshape(-1), _step_cpu.FILL_DECAY)
+        return self._fill_token(log_decay, self._lg1.reshape(-1), _step_cpu.FILL_LOG_DECAY)
 
     def _rule_step_fast(self, q, k, v, check_finite):
         """The rule fast path's step (the inputs filled); returns the output, or None when the shapes
@@ -355,7 +353,8 @@ class LinearAttentionState:
             res = out.reshape(self._v1)
         ep = self._rentry.get(dt)
         args = (q, k, v, self._S, self._z, out, self._rfeat, self._c_code, self._eps_f, bool(check_finite),
-                *self._rtail)
+                self._lg1)
+        args += (self._beta1, self._rnorm, True) if self._rdelta else (self._rnorm,)
         if ep is None:
             from numba import typeof
 
