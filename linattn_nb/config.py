@@ -194,6 +194,14 @@ def cpu_backward_checkpoint(n: int, f: int, m1: int, itemsize: int) -> int:
     return max(1, min(c, int(n)))
 
 
+#: Chunk size (steps: tokens times sub-steps) of ``dplr_attention(method="chunked")`` on the CPU
+#: (:mod:`linattn_nb.ops.dplr.chunked`); a chunk holds ``max(1, DPLR_CHUNK // r)`` tokens.
+DPLR_CHUNK = _env_int("LINATTN_DPLR_CHUNK", 64)
+
+#: ``dplr_attention(method="auto")`` runs ``chunked`` (on the CPU) from this many steps
+#: (``N * r``) on, the scan below.
+DPLR_AUTO_CHUNKED_MIN = _env_int("LINATTN_DPLR_AUTO_CHUNKED_MIN", 256)
+
 #: Below this much work (B * N * N * (D + M), halved when causal) the CPU
 #: softmax kernel runs on the calling thread (see CPU_CHUNKED_SERIAL_MAX_WORK).
 SOFTMAX_SERIAL_MAX_WORK = _env_int("LINATTN_SOFTMAX_SERIAL_MAX_WORK", 1 << 21)

@@ -28,8 +28,9 @@ from .rules import get_dplr_rule
 
 __all__ = ["dplr_attention", "dplr_attention_vjp", "DPLRVJP", "DPLR_METHODS"]
 
-#: The methods of :func:`dplr_attention` ("auto" picks "scan").
-DPLR_METHODS = ("auto", "quadratic", "scan")
+#: The methods of :func:`dplr_attention` ("auto" picks "chunked" on the CPU from
+#: :data:`linattn_nb.config.DPLR_AUTO_CHUNKED_MIN` steps on, else "scan").
+DPLR_METHODS = ("auto", "quadratic", "scan", "chunked")
 
 _GENERAL = "dplr"
 
@@ -275,11 +276,15 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
     beta : array_like, shape (..., N) (or (..., N, r) with sub-steps), optional
         Write strengths (1 when omitted).
     feature_map : str, FeatureMap or None, default "elu"
-    method : {"auto", "quadratic", "scan"}
+    method : {"auto", "quadratic", "scan", "chunked"}
         ``quadratic``: the float64 token loop (the reference, on the host); ``scan``: the compiled
         scan, one float64 state per sequence, sequences in parallel (on the CPU, or with
         ``device="cuda"`` the CUDA kernel: one block per sequence, one thread per state column);
-        ``auto``: ``scan``.
+        ``chunked``: the chunkwise-parallel form on the CPU (matrix products over chunks of
+        :data:`linattn_nb.config.DPLR_CHUNK` steps, a triangular solve per chunk, the state in
+        float64; a reset token runs by the scan); with ``device="cuda"`` it runs the CUDA scan;
+        ``auto``: ``chunked`` on the CPU from ``N * r >=``
+        :data:`linattn_nb.config.DPLR_AUTO_CHUNKED_MIN` steps on, else ``scan``.
     normalize : bool, default False
         Divide by ``phi(q_t)^T z_t`` (floored at ``eps`` unless None).  Off by default: a transition
         with a low-rank part moves ``z`` through the same factors, and it need not stay positive.
@@ -371,6 +376,11 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
 
         H, o64 = H0, np.empty((B, N, M))
         bad = bool(dplr_scan_cuda(fq, ld, A, Bv, KW, VW, H, o64, norm, eps_v).any())
+    elif method == "chunked" or (method == "auto" and N * A.shape[2] >= config.DPLR_AUTO_CHUNKED_MIN):
+        from .ops.dplr.chunked import dplr_chunked
+
+        H, o64 = H0, np.empty((B, N, M))
+        bad = bool(dplr_chunked(np.ascontiguousarray(fq), ld, A, Bv, KW, VW, H, o64, norm, eps_v).any())
     else:
         from .ops.dplr.cpu import dplr_scan
 
@@ -509,7 +519,9 @@ def dplr_attention_vjp(q, k, v, grad_out, *, rule=None, a=None, b=None, log_diag
 
     Notes
     -----
-    A reverse-time scan: the state every few tokens is kept on the forward pass
+    Every method's gradients come from the scan's backward (``method="chunked"`` included: the
+    chunked form has no backward of its own).  A reverse-time scan: the state every few tokens is
+    kept on the forward pass
     (:func:`linattn_nb.config.cpu_backward_checkpoint`) and the tokens between two are run again, so
     memory grows with ``N / C + C`` states, not ``N``.  ``method="quadratic"`` keeps every token's
     state instead (one stretch).  Checked against central differences in float64 (relative 1e-6).

@@ -17,8 +17,14 @@ from linattn_nb import rules
 from linattn_nb.feature_maps import get as get_map
 from linattn_nb.ops._finite import NonFiniteResult
 
-METHODS = ("quadratic", "scan")
+METHODS = ("quadratic", "scan", "chunked")
 B, N, D, M = 2, 9, 5, 4
+
+
+@pytest.fixture(autouse=True)
+def _small_chunks(monkeypatch):
+    """Chunks of 4 steps: the short sequences here span several (the chunked form's cuts)."""
+    monkeypatch.setattr(la.config, "DPLR_CHUNK", 4)
 
 
 def _qkv(rng, r=0):
@@ -181,16 +187,104 @@ def test_scan_matches_quadratic_in_every_dtype_and_batch_shape(rng):
     ref = la.dplr_attention(q, k, v, a=a, b=b, log_diag=ld, beta=beta, method="quadratic", normalize=True)
     assert ref.shape == (2, 3, N, M)
     for dtype, tol in ((np.float64, 1e-12), (np.float32, 1e-5), (np.float16, 1e-2)):
-        o = la.dplr_attention(*(x.astype(dtype) for x in (q, k, v)), a=a, b=b, log_diag=ld, beta=beta,
-                              method="scan", normalize=True)
-        assert o.dtype == dtype
         ref_d = la.dplr_attention(*(x.astype(dtype) for x in (q, k, v)), a=a, b=b, log_diag=ld, beta=beta,
                                   method="quadratic", normalize=True)
-        np.testing.assert_allclose(o.astype(np.float64), ref_d.astype(np.float64), rtol=tol, atol=tol)
+        for method in ("scan", "chunked"):
+            o = la.dplr_attention(*(x.astype(dtype) for x in (q, k, v)), a=a, b=b, log_diag=ld, beta=beta,
+                                  method=method, normalize=True)
+            assert o.dtype == dtype
+            np.testing.assert_allclose(o.astype(np.float64), ref_d.astype(np.float64), rtol=tol, atol=tol)
     out = np.empty((2, 3, N, M))
     res = la.dplr_attention(q, k, v, a=a, b=b, log_diag=ld, beta=beta, normalize=True, out=out)
     assert res is out
     np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def _general_case(rng, n, r, w, ld, scale=0.3):
+    """The general form's arguments for n tokens, r sub-steps (0: none) and writes after each sub-step
+    (w = r) or after the last (w = 1)."""
+    q = rng.standard_normal((B, n, D))
+    kshape = (B, n, r) if (r and w == r) else (B, n)
+    k, v = rng.standard_normal(kshape + (D,)), rng.standard_normal(kshape + (M,))
+    ab = (B, n, r, D) if r else (B, n, D)
+    return q, k, v, {"a": rng.standard_normal(ab) * scale, "b": rng.standard_normal(ab) * scale, "log_diag": ld,
+                     "beta": rng.uniform(0.2, 1, size=kshape)}
+
+
+def _chunked_equals_quadratic(q, k, v, args, normalize):
+    S0, z0 = np.full((B, D, M), 0.3), np.full((B, D), 1.5)
+    res = []
+    for method in ("quadratic", "chunked"):
+        res.append(la.dplr_attention(q, k, v, method=method, normalize=normalize, eps=1e-6, return_state=True,
+                                     initial_state=la.LinearState(S0, z0, 0, "dplr"), **args))
+    (ref, st), (o, st2) = res
+    np.testing.assert_allclose(o, ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(st2.S, st.S, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(st2.z, st.z, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("chunk", [4, 64])
+@pytest.mark.parametrize("case", ["ragged", "reset_inside", "reset_first", "reset_rank", "reset_finite",
+                                  "decay_cuts", "substeps", "substeps_one_write"])
+def test_chunked_cuts(rng, monkeypatch, case, chunk, normalize):
+    """Chunk boundaries: N not a multiple of the chunk, a reset inside a chunk and at its first step
+    (with a low-rank part that still reads the state, and a finite log-diagonal of -700), decays of
+    -50 a step that force a chunk to end before exp(-600), r = 3 sub-steps with a write after each
+    (and one write after the last)."""
+    monkeypatch.setattr(la.config, "DPLR_CHUNK", chunk)
+    n, r, w = 11, 0, 1
+    ld = _log(rng.uniform(0.5, 1, size=(B, n, D)))
+    if case == "reset_inside":
+        ld[:, 5] = -np.inf
+    elif case == "reset_first":
+        ld[:, 4] = -np.inf
+        ld[0, 8, 2] = -np.inf  # one feature only
+    elif case == "reset_rank":
+        ld[:, [0, 4, 6]] = -np.inf
+        ld[:, 7] = -np.inf  # two resets in a row
+    elif case == "reset_finite":
+        ld[:, 5, 1] = -700.0
+        ld[:, 9, 3] = -650.0
+    elif case == "decay_cuts":
+        n = 40
+        ld = np.full((B, n, D), -50.0)
+        ld[:, :, 1] = -3.0
+        ld[1, 17] = -5.0
+    elif case.startswith("substeps"):
+        r = 3
+        w = r if case == "substeps" else 1
+        ld = _log(rng.uniform(0.5, 1, size=(B, n)))
+        ld[:, 6] = -np.inf
+    q, k, v, args = _general_case(rng, n, r, w, ld)
+    _chunked_equals_quadratic(q, k, v, args, normalize)
+
+
+def test_chunked_with_no_diagonal_and_one_per_token(rng, monkeypatch):
+    monkeypatch.setattr(la.config, "DPLR_CHUNK", 4)
+    n = 10
+    q, k, v, args = _general_case(rng, n, 2, 2, None)
+    _chunked_equals_quadratic(q, k, v, args, True)
+    ld = _log(rng.uniform(0.2, 1, size=(B, n)))
+    ld[:, 3] = -np.inf
+    q, k, v, args = _general_case(rng, n, 0, 1, ld)
+    _chunked_equals_quadratic(q, k, v, args, False)
+
+
+def test_auto_picks_chunked_from_the_crossover(rng, monkeypatch):
+    q, k, v, args = _general_case(rng, N, 0, 1, _log(rng.uniform(0.5, 1, size=(B, N, D))))
+    calls = []
+    import linattn_nb.ops.dplr.chunked as CH
+
+    real = CH.dplr_chunked
+    monkeypatch.setattr(CH, "dplr_chunked", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(la.config, "DPLR_AUTO_CHUNKED_MIN", N + 1)
+    scan = la.dplr_attention(q, k, v, **args)
+    assert not calls
+    monkeypatch.setattr(la.config, "DPLR_AUTO_CHUNKED_MIN", N)
+    chunked = la.dplr_attention(q, k, v, **args)
+    assert calls
+    np.testing.assert_allclose(chunked, scan, rtol=1e-12, atol=1e-12)
 
 
 def test_empty_sequence(rng):
@@ -242,7 +336,7 @@ def test_growth_is_an_error_not_a_silent_inf(rng):
      r"log_diag must have shape"),
     ({"a": np.zeros((B, N, D)), "b": np.zeros((B, N, D)), "beta": np.zeros((B, 1))}, ValueError,
      r"beta must have shape \(\.\.\., N\)"),
-    ({"a": np.zeros((B, N, D)), "b": np.zeros((B, N, D)), "method": "chunked"}, ValueError, "method must be one of"),
+    ({"a": np.zeros((B, N, D)), "b": np.zeros((B, N, D)), "method": "blocked"}, ValueError, "method must be one of"),
     ({"a": np.zeros((B, N, D)), "b": np.zeros((B, N, D)), "decay": np.ones((B, N))}, TypeError, "unexpected"),
     ({"rule": "kda", "beta": np.ones((B, N))}, TypeError, "decay or log_decay"),
     ({"rule": "kda", "beta": np.ones((B, N)), "decay": np.ones((B, N))}, ValueError, r"decay must have shape"),
