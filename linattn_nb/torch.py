@@ -111,6 +111,26 @@ def _map_parameters(fmap) -> dict:
     return dict(get()) if callable(get) else {}
 
 
+def _map_param_tensors(fmap, feature_map_params):
+    """``(names, tensors)`` of ``feature_map_params``, checked against the map's own parameters (names and
+    shapes); ``((), ())`` when none are given."""
+    if not feature_map_params:
+        return (), ()
+    stored = _map_parameters(fmap)
+    unknown = sorted(set(feature_map_params) - set(stored))
+    if unknown:
+        raise ValueError(f"feature_map_params: the map {fmap.name!r} has no parameter(s) {unknown}; its "
+                         f"parameters are {sorted(stored)} (hedgehog, t2r: call materialize(d) to store their "
+                         "defaults)")
+    names = tuple(feature_map_params)
+    params = tuple(_check_tensor(f"feature_map_params[{n!r}]", feature_map_params[n]) for n in names)
+    for n, t in zip(names, params):
+        if tuple(t.shape) != tuple(np.shape(stored[n])):
+            raise ValueError(f"feature_map_params[{n!r}] has shape {tuple(t.shape)}, the map's {n} has "
+                             f"shape {tuple(np.shape(stored[n]))}")
+    return names, params
+
+
 @dataclass
 class _Spec:
     """The non-tensor arguments of one call (carried through ``Function.apply``)."""
@@ -318,20 +338,7 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto",
         S0, z0, position = parse_state(initial_state)
         S0, z0 = _check_tensor("initial_state.S", S0), _check_tensor("initial_state.z", z0)
         state_rule = getattr(initial_state, "rule", None)
-    names, params = (), ()
-    if feature_map_params:
-        stored = _map_parameters(fmap)
-        unknown = sorted(set(feature_map_params) - set(stored))
-        if unknown:
-            raise ValueError(f"feature_map_params: the map {fmap.name!r} has no parameter(s) {unknown}; its "
-                             f"parameters are {sorted(stored)} (hedgehog, t2r: call materialize(d) to store their "
-                             "defaults)")
-        names = tuple(feature_map_params)
-        params = tuple(_check_tensor(f"feature_map_params[{n!r}]", feature_map_params[n]) for n in names)
-        for n, t in zip(names, params):
-            if tuple(t.shape) != tuple(np.shape(stored[n])):
-                raise ValueError(f"feature_map_params[{n!r}] has shape {tuple(t.shape)}, the map's {n} has "
-                                 f"shape {tuple(np.shape(stored[n]))}")
+    names, params = _map_param_tensors(fmap, feature_map_params)
     named = [("q", q), ("k", k), ("v", v), ("decay", decay_t), ("log_decay", log_decay_t), ("beta", beta_t),
              ("initial_state.S", S0), ("initial_state.z", z0)]
     named += [(f"feature_map_params[{n!r}]", t) for n, t in zip(names, params)]
@@ -590,20 +597,7 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
             state = (int(getattr(initial_state, "position", 0)), made_by)
         else:
             values["initial_state"] = initial_state  # NumPy arrays (constants) or something NumPy refuses
-    param_names, params = (), ()
-    if feature_map_params:
-        stored = _map_parameters(fmap)
-        unknown = sorted(set(feature_map_params) - set(stored))
-        if unknown:
-            raise ValueError(f"feature_map_params: the map {fmap.name!r} has no parameter(s) {unknown}; its "
-                             f"parameters are {sorted(stored)} (hedgehog, t2r: call materialize(d) to store their "
-                             "defaults)")
-        param_names = tuple(feature_map_params)
-        params = tuple(_check_tensor(f"feature_map_params[{n!r}]", feature_map_params[n]) for n in param_names)
-        for n, t in zip(param_names, params):
-            if tuple(t.shape) != tuple(np.shape(stored[n])):
-                raise ValueError(f"feature_map_params[{n!r}] has shape {tuple(t.shape)}, the map's {n} has "
-                                 f"shape {tuple(np.shape(stored[n]))}")
+    param_names, params = _map_param_tensors(fmap, feature_map_params)
     named = [("q", q), ("k", k), ("v", v), ("initial_state.S", S0), ("initial_state.z", z0), *zip(names, tensors)]
     named += [(f"feature_map_params[{n!r}]", t) for n, t in zip(param_names, params)]
     devices = {}

@@ -24,8 +24,8 @@ from numba import config as _nbconfig
 from numba import cuda, float64
 
 from ... import config
-from ...device import on_device
 from .._codes import NORM_FLOOR, NORM_NONE
+from ..cuda.views import is_sim_array
 
 #: The kernels are cached on disk (``config.CACHE``), never on the simulator.
 CACHE = bool(config.CACHE) and not bool(getattr(_nbconfig, "ENABLE_CUDASIM", 0))
@@ -36,6 +36,11 @@ F_LIMIT = 256
 
 _KERNELS = {}
 
+
+
+def on_device(x) -> bool:
+    """A GPU array (the CUDA array interface) or a simulator device array."""
+    return is_sim_array(x) or hasattr(x, "__cuda_array_interface__")
 
 def feature_capacity(F: int) -> int:
     """``FMAX`` of the kernel for ``F`` features: the next power of two >= F (at least 8).
