@@ -1063,6 +1063,9 @@ class LinearAttentionState:
         check_device_arg(device)
         sf = fileformat.read(path, feature_map=feature_map, key_dim=key_dim, value_dim=value_dim,
                              batch_shape=batch_shape, dtype=dtype, rule=check_rule_name(rule))
+        if sf.rule and sf.rule not in rule_names():
+            raise fileformat.StateFileError(f"{path}: the state runs the {sf.rule!r} rule of the diagonal-plus-low-rank "
+                                            "family: load it with DPLRState.load")
         new = cls(sf.key_dim, sf.value_dim, batch_shape=sf.batch_shape, feature_map=sf.feature_map,
                   dtype=sf.S.dtype, device="cpu", eps=sf.eps, rule=sf.rule or rule, normalize=sf.normalize)
         new._launch.put(new._S, new._z, sf.S.reshape((new._B, new._f, new._m)), sf.z.reshape((new._B, new._f)))

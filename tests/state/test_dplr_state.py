@@ -71,6 +71,8 @@ def test_save_and_load(rng, tmp_path):
     np.testing.assert_array_equal(back.step(qt, kt, vt, **one), st.copy().step(qt, kt, vt, **one))
     with pytest.raises(StateFileError, match="expected 'rwkv7'"):
         DPLRState.load(path, rule="rwkv7")
+    with pytest.raises(StateFileError, match="load it with DPLRState.load"):
+        la.LinearAttentionState.load(path)
     lin = la.LinearAttentionState(D, M, batch_shape=BS)
     lin.save(tmp_path / "add.npz")
     with pytest.raises(StateFileError, match="not a DPLR rule"):
