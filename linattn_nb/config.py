@@ -195,12 +195,21 @@ def cpu_backward_checkpoint(n: int, f: int, m1: int, itemsize: int) -> int:
 
 
 #: Chunk size (steps: tokens times sub-steps) of ``dplr_attention(method="chunked")`` on the CPU
-#: (:mod:`linattn_nb.ops.dplr.chunked`); a chunk holds ``max(1, DPLR_CHUNK // r)`` tokens.
-DPLR_CHUNK = _env_int("LINATTN_DPLR_CHUNK", 64)
+#: (:mod:`linattn_nb.ops.dplr.chunked`); a chunk holds ``max(1, DPLR_CHUNK // r)`` tokens.  16: the
+#: kernel alone at B*H = 16, N = 4096, D_phi = M = 64 (float64 state, 2 threads, AMD EPYC, shared,
+#: medians of 5 interleaved rounds), general form (per-feature diagonal, rank 1) / KDA, in ms:
+#: C = 8: 119 / 122, 16: 130 / 123, 32: 154 / 156, 64: 213 / 205, 128: 368 / 356 (the scan: 194 /
+#: 183).  The per-token work of the intra-chunk products grows with C and BLAS is already near its
+#: small-matrix rate at 16; 8 ties with 16 and makes twice the BLAS calls.
+DPLR_CHUNK = _env_int("LINATTN_DPLR_CHUNK", 16)
 
 #: ``dplr_attention(method="auto")`` runs ``chunked`` (on the CPU) from this many steps
-#: (``N * r``) on, the scan below.
-DPLR_AUTO_CHUNKED_MIN = _env_int("LINATTN_DPLR_AUTO_CHUNKED_MIN", 256)
+#: (``N * r``) on, the scan below.  Measured with DPLR_CHUNK = 16, D_phi = M = 64 (AMD EPYC, 2
+#: threads, kernel medians of 7 rounds, general form / KDA, chunked vs scan in ms): B*H = 1:
+#: N = 16: 0.11 vs 0.09 / 0.11 vs 0.08, N = 32: 0.13 vs 0.14 / 0.13 vs 0.15, N = 64: 0.21 vs 0.28;
+#: B*H = 16: chunked ahead from N = 8 (0.29 vs 0.38), N = 1024: 28 vs 42 / 28 vs 46.
+#: DeltaProduct (r = 3, a write each sub-step) is even: 36.3 vs 35.9 ms whole calls at B*H = 16, N = 256.
+DPLR_AUTO_CHUNKED_MIN = _env_int("LINATTN_DPLR_AUTO_CHUNKED_MIN", 32)
 
 #: Below this much work (B * N * N * (D + M), halved when causal) the CPU
 #: softmax kernel runs on the calling thread (see CPU_CHUNKED_SERIAL_MAX_WORK).
