@@ -558,7 +558,7 @@ def dplr_attention_vjp(q, k, v, grad_out, *, rule=None, a=None, b=None, log_diag
         dfk, dv, dinp = R.spec.pullback(R.fk, R.v64, R.checked, g)
     d_inputs = {}
     for key, val in dinp.items():
-        if key == "decay" and R.given.get("log_decay") is not None:
+        if key == "decay" and R.given.get("log_decay") is not None:  # not a rule: the argument given
             given = np.asarray(R.given["log_decay"], dtype=np.float64)
             d_inputs["log_decay"] = np.reshape(val, given.shape) * np.exp(given)
         else:

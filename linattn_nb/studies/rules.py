@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..rules import delta_product, kda
 from ._claims import compare_claim
 from ._study import CI_CAPTION, Rendered, Study, fmt, markdown_table, mean_ci, pm, register_study, split_failed
 from .sweep import to_json
@@ -46,10 +47,10 @@ RULES = (
     ("gated delta, β = 1, γ = 0.95", 1.0, 0.95),
 )
 #: Rules of the diagonal-plus-low-rank family in the one-pass regime: (label, rule, its arguments as constants
-#: per token; a per-feature ``decay`` given as (low, high) is spread evenly over the features).
+#: per token; ``decay_range`` (low, high): a per-feature ``decay`` spread evenly over the features).
 DPLR_ROWS = (
-    ("KDA, β = 1, α ∈ [0.9, 1] per feature", "kda", {"decay": [0.9, 1.0], "beta": 1.0}),
-    ("DeltaProduct, n_h = 2, β = 0.5", "delta_product", {"beta": [0.5, 0.5]}),
+    ("KDA, β = 1, α ∈ [0.9, 1] per feature", kda.RULE.name, {"decay_range": [0.9, 1.0], "beta": 1.0}),
+    ("DeltaProduct, n_h = 2, β = 0.5", delta_product.RULE.name, {"beta": [0.5, 0.5]}),
 )
 #: Independent seeds per rule (each draws its own keys).
 SEEDS = (0, 1, 2, 3, 4)
@@ -104,8 +105,8 @@ def run(kind, rule, beta, decay, d, n_pairs, trials, seed, method=METHOD, passes
 
         if dplr is not None:
             args = dict(dplr_arguments or {})
-            if dplr == "kda":
-                args["decay"] = np.linspace(*args["decay"], d)  # one gate per feature
+            if "decay_range" in args:
+                args["decay"] = np.linspace(*args.pop("decay_range"), d)  # one gate per feature
             res = recall_capacity(FEATURE_MAP, d, np.asarray(n_pairs), trials=trials, seed=seed, normalize=False,
                                   orthogonal_keys=(kind == "orthonormal"), rule=dplr, rule_arguments=args)
             return to_json(res)

@@ -295,8 +295,8 @@ def test_rules_study_grid_and_floor_check(tmp_path):
     pts = rules.points(ctx)
     gauss = [p for p in pts if p["kind"] == "gaussian"]
     labels = {p["rule"] for p in gauss}
-    assert labels == {label for label, _, _ in rules.RULES}
-    assert any(p["beta"] is None for p in gauss)  # the additive rule
+    assert labels == {label for label, _, _ in rules.RULES} | {label for label, _, _ in rules.DPLR_ROWS}
+    assert any(p["beta"] is None and p.get("dplr") is None for p in gauss)  # the additive rule
     assert any(p["beta"] == 1.0 and p["decay"] is None for p in gauss)  # the delta rule, beta = 1
     assert any(p["beta"] is not None and p["decay"] is not None for p in gauss)  # the gated delta rule
     for label in labels:
@@ -305,7 +305,7 @@ def test_rules_study_grid_and_floor_check(tmp_path):
     out = rules.render(records, ctx)
     assert out.problems == []
     for words in ("Regime:", "one-hot values", "5 seeds", "optimal floor (least squares)", "1 − D_φ/n",
-                  "What it shows", " ± ", "gated delta", "Orthonormal keys"):
+                  "What it shows", " ± ", "gated delta", "KDA", "DeltaProduct", "Orthonormal keys"):
         assert words in out.markdown, words
     # a forged result below the floor is caught
     bad = [dict(r, result=dict(r["result"], mse=[x - 0.01 for x in r["result"]["optimal_mse"]])) if i == 0 else r

@@ -30,7 +30,7 @@ from numba import njit, prange
 from ... import config
 from ..._blas import single_threaded_blas
 from .._codes import NORM_FLOOR, NORM_NONE
-from .cpu import _factor, _write
+from .cpu import factor_step, write_step
 
 #: The lowest cumulative log-diagonal (per feature) a chunk spans: ``exp(600)`` ~ 1e260 keeps
 #: ``b / gamma`` in float64's range.  A token whose own log-diagonal is below it runs by the scan.
@@ -208,9 +208,9 @@ def dplr_chunked_kernel(fq, ld, dg, A, Bv, KW, VW, H, out, norm, eps, C):  # pra
                 # a reset (or a decay below LOG_CUT in one token): the scan, one token
                 t = t0
                 for j in range(r):
-                    _factor(h, A[b, t, j], Bv[b, t, j], ld[b, t], j, W, p, d, F, M1)
+                    factor_step(h, A[b, t, j], Bv[b, t, j], ld[b, t], j, W, p, d, F, M1)
                     if w == r or j == r - 1:
-                        _write(h, KW[b, t, j if w == r else 0], VW[b, t, j if w == r else 0], F, M)
+                        write_step(h, KW[b, t, j if w == r else 0], VW[b, t, j if w == r else 0], F, M)
                 for m in range(M1):
                     p[m] = 0.0
                 for i in range(F):

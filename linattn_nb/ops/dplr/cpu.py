@@ -121,9 +121,9 @@ def dplr_scan_backward(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C):  # pr
             if t % C == 0:
                 ck[t // C] = h
             for j in range(r):
-                _factor(h, A[b, t, j], Bv[b, t, j], ld[b, t], j, W, p, d, F, M1)
+                factor_step(h, A[b, t, j], Bv[b, t, j], ld[b, t], j, W, p, d, F, M1)
                 if w == r or j == r - 1:
-                    _write(h, KW[b, t, j if w == r else 0], VW[b, t, j if w == r else 0], F, M)
+                    write_step(h, KW[b, t, j if w == r else 0], VW[b, t, j if w == r else 0], F, M)
         # reverse
         dp = np.empty(M1)
         for s in range(nck - 1, -1, -1):
@@ -133,9 +133,9 @@ def dplr_scan_backward(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C):  # pr
             for t in range(t0, t1):
                 for j in range(r):
                     seg[t - t0, j] = h
-                    _factor(h, A[b, t, j], Bv[b, t, j], ld[b, t], j, W, p, d, F, M1)
+                    factor_step(h, A[b, t, j], Bv[b, t, j], ld[b, t], j, W, p, d, F, M1)
                     if w == r or j == r - 1:
-                        _write(h, KW[b, t, j if w == r else 0], VW[b, t, j if w == r else 0], F, M)
+                        write_step(h, KW[b, t, j if w == r else 0], VW[b, t, j if w == r else 0], F, M)
                 seg[t - t0, r] = h
             for t in range(t1 - 1, t0 - 1, -1):
                 hp = seg[t - t0, r]
@@ -218,7 +218,7 @@ def dplr_scan_backward(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C):  # pr
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, inline="always")
-def _factor(h, a, bv, ldt, j, W, p, d, F, M1):  # pragma: no cover - compiled
+def factor_step(h, a, bv, ldt, j, W, p, d, F, M1):  # pragma: no cover - compiled
     """h <- (D + b a^T) h for the first factor of a token (D = exp(ld)), (I + b a^T) h after it."""
     for m in range(M1):
         acc = 0.0
@@ -233,7 +233,7 @@ def _factor(h, a, bv, ldt, j, W, p, d, F, M1):  # pragma: no cover - compiled
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, inline="always")
-def _write(h, kw, vw, F, M):  # pragma: no cover - compiled
+def write_step(h, kw, vw, F, M):  # pragma: no cover - compiled
     """h += kw [vw 1]^T."""
     for i in range(F):
         ki = kw[i]
