@@ -643,7 +643,7 @@ def test_dplr_only_state_used_and_segments_chain():
     ({"rule": "rwkv7", "decay": torch.ones(DPLR_B, DPLR_N, DPLR_D), "kappa": torch.ones(DPLR_B, DPLR_N, DPLR_D),
       "iclr": torch.full((DPLR_B, DPLR_N, DPLR_D), 2.0)}, ValueError, "iclr must lie in"),
     ({"rule": "nope"}, ValueError, "unknown DPLR rule 'nope'"),
-    ({"a": torch.zeros(DPLR_B, DPLR_N, DPLR_D), "b": torch.zeros(DPLR_B, DPLR_N, DPLR_D), "method": "chunked"},
+    ({"a": torch.zeros(DPLR_B, DPLR_N, DPLR_D), "b": torch.zeros(DPLR_B, DPLR_N, DPLR_D), "method": "blocked"},
      ValueError, "method must be one of"),
     ({"a": torch.zeros(DPLR_B, DPLR_N, DPLR_D), "b": torch.zeros(DPLR_B, DPLR_N, DPLR_D), "decay": 0.5},
      TypeError, "unexpected"),
