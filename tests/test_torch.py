@@ -462,6 +462,7 @@ def test_module_learns_hedgehog_map():
     np.testing.assert_array_equal(layer.feature_map.parameters()["W"], layer.feature_map_params["W"].detach().numpy())
 
 
+@pytest.mark.slow  # with the package's other docstring examples, in the full suite
 @needs_fm_vjp
 def test_docstring_examples():
     res = doctest.testmod(lt, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)

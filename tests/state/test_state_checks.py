@@ -25,7 +25,9 @@ from linattn_nb.state import linear as state_linear
 from _state_files import rewrite_state_file
 
 HAVE_CUDA = cuda_status() != "none"
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAVE_CUDA, reason="no CUDA and no simulator"))]
+# the CUDA cases run on the simulator without a GPU (seconds each): the full suite's, not the fast tier's
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.skipif(not HAVE_CUDA, reason="no CUDA and no simulator"),
+                                              pytest.mark.slow])]
 TOL = {np.float64: 1e-11, np.float32: 3e-5}
 
 
