@@ -225,6 +225,8 @@ def _findings(agg, regimes) -> list:
                 line += (f": with n = {int(n[0])} < D_φ pairs the state has room (floor 0), and the failure goes "
                          "away with smaller logits: it is the estimator's variance, not capacity")
             out.append(line + ".")
+    if len(regimes) >= 2:
+        out += _capacity_findings(agg, regimes[1])
     errs, floors = [], []
     for (_, _), (n, dphi, stats) in agg.items():
         j = int(np.argmin(np.abs(n - dphi)))
@@ -236,6 +238,37 @@ def _findings(agg, regimes) -> list:
                    "of the one-hot values, with error 1 − 2w_ii + Σ_j w_ij² per key, 0 only when the right pair "
                    "takes all the weight.  The floor is reached by an unnormalised least-squares read-out, not by "
                    "the normalised one of any map.")
+    return out
+
+
+def _capacity_findings(agg, regime) -> list:
+    """Per map in the small-logit regime: whether its failure can be the state's capacity, from where it fails.
+
+    The rule: a map that first falls below ACCURACY at some n <= D_φ fails while
+    its state still has room (the least-squares floor is 0 up to n = D_φ), so
+    the cause is its kernel or estimator, not capacity; a failure first at
+    n > D_φ is consistent with capacity; no failure in the range says nothing
+    about capacity beyond the largest n.
+    """
+    out = []
+    for (reg, label), (n, dphi, stats) in agg.items():
+        if reg != regime:
+            continue
+        acc = stats["accuracy"][0]
+        below = np.nonzero(acc < ACCURACY)[0]
+        if not below.size:
+            out.append(f"- {label} ({regime}): accuracy ≥ {ACCURACY} up to the largest n = {int(n[-1])} "
+                       f"(n / D_φ = {fmt(n[-1] / dphi)}): no capacity limit reached in this range.")
+            continue
+        j = int(below[0])
+        nj, floor = int(n[j]), float(stats["optimal_mse"][0][j])
+        if nj <= dphi:
+            out.append(f"- {label} ({regime}): accuracy {fmt(acc[j])} at n = {nj} ≤ D_φ = {dphi}, where the floor "
+                       f"is {fmt(floor)}: its state has room, so this is the map's kernel (its weights do not single "
+                       "out the queried key), not capacity.")
+        else:
+            out.append(f"- {label} ({regime}): accuracy ≥ {ACCURACY} while n ≤ D_φ = {dphi}, first below at n = {nj} "
+                       f"(n / D_φ = {fmt(nj / dphi)}, floor {fmt(floor)}): consistent with the state's capacity.")
     return out
 
 

@@ -213,3 +213,32 @@ def test_throughput_headline_skips_a_point_at_half_its_neighbours_rate(tmp_path)
     assert "Headline: linear scan (cpu) is 16× faster than softmax at N = 4096, the largest N at which" in r.markdown
     # sgemm per point, not a range
     assert "| 8192 | 1.8 → 2; 66 → 10 | 1.8 → 2; 66 → 10 |" in r.markdown and "–" not in r.markdown.split("Machine state")[1]
+
+
+# ---------------------------------------------------------------------------
+# Recall: capacity told apart from a map that fails while its state has room
+# ---------------------------------------------------------------------------
+def test_recall_findings_call_a_failure_capacity_only_past_d_phi():
+    from linattn_nb.studies.recall import ACCURACY, _capacity_findings
+
+    n = np.array([4.0, 8.0, 16.0, 32.0, 64.0])
+
+    def entry(acc, dphi=16):
+        acc = np.asarray(acc, dtype=float)
+        floor = np.maximum(0.0, 1.0 - dphi / n)
+        return n, dphi, {"accuracy": (acc, 0 * acc), "optimal_mse": (floor, 0 * floor)}
+
+    agg = {("small logits", "elu"): entry([0.5, 0.4, 0.3, 0.2, 0.1]),
+           ("small logits", "dpfp"): entry([1.0, 1.0, 1.0, 0.7, 0.4]),
+           ("small logits", "taylor2"): entry([1.0] * 5, dphi=273),
+           ("variance", "elu"): entry([0.1] * 5)}
+    lines = _capacity_findings(agg, "small logits")
+    assert len(lines) == 3  # one per map of that regime only
+    elu, dpfp, taylor = lines
+    assert "n = 4 ≤ D_φ = 16" in elu and "not capacity" in elu
+    assert f"accuracy ≥ {ACCURACY} while n ≤ D_φ = 16, first below at n = 32" in dpfp
+    assert "consistent with the state's capacity" in dpfp
+    assert "no capacity limit reached" in taylor and "n = 64" in taylor
+    # a failure exactly at n = D_φ is not capacity: the floor is still 0 there
+    agg = {("small logits", "m"): entry([1.0, 1.0, 0.5, 0.2, 0.1])}
+    assert "not capacity" in _capacity_findings(agg, "small logits")[0]
