@@ -171,13 +171,12 @@ def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADD
     if N == 0 or B == 0:
         return _empty_call(rule, qf, v1, H0, dHN)
     lg = log_factors(rule, inputs, B, N, F)
-    if rule in (RULE_DELTA, RULE_GATED_DELTA):
-        L = min(N, config.cpu_backward_checkpoint(N, F, M1, qf.dtype.itemsize))
-        return _run_scan(rule, qf, kf, v1, H0, g1, dHN, lg, L)
     C = int(chunk if chunk is not None else config.cpu_backward_chunk(N, F, M1, qf.dtype))
     if C < 1:
         raise ValueError(f"chunk must be >= 1, got {C}")
     C = min(C, N)
+    if rule in (RULE_DELTA, RULE_GATED_DELTA):
+        return _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C)
     from ._cpu_chunked import chunked_backward_kernel, chunked_backward_kernel_serial
 
     outs = _outputs(rule, B, N, F, M1, qf.dtype)
@@ -188,4 +187,19 @@ def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADD
     with single_threaded_blas(kernel is chunked_backward_kernel):
         kernel(qf, kf, v1, H0, g1, H0 if dHN is None else dHN, dHN is not None, rule, lg, np.int64(C), ck,
                dq, dk, dv, dH0, dfac, np.empty(0, qf.dtype))
+    return _result(rule, *outs)
+
+
+def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C):
+    from ._cpu_chunked_delta import delta_backward_kernel, delta_backward_kernel_serial
+
+    B, N, F = qf.shape
+    M1 = v1.shape[2]
+    outs = _outputs(rule, B, N, F, M1, qf.dtype)
+    ck = np.empty((B, -(-N // C), F, M1))
+    kernel = pick(delta_backward_kernel_serial, delta_backward_kernel, items=B, work=B * N * F * M1,
+                  limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
+    with single_threaded_blas(kernel is delta_backward_kernel):
+        kernel(qf, kf, v1, H0, g1, H0 if dHN is None else dHN, dHN is not None, rule, lg, np.int64(C), ck,
+               *outs, np.empty(0, qf.dtype))
     return _result(rule, *outs)

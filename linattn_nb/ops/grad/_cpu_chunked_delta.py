@@ -1,0 +1,310 @@
+"""GEMM-shaped chunks of the CPU backward of the delta rules (kernel of :func:`linattn_nb.ops.grad.cpu.backward_chunked`).
+
+Design: ``docs/design-cpu.md``, "Backward launchers" (the chunked backward of
+the delta rules).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from ... import config
+from .._codes import RULE_GATED_DELTA
+from .._gemm import gemm
+from .._twins import serial_and_parallel
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _to_work(H, Hw):
+    for i in range(H.shape[0]):
+        for m in range(H.shape[1]):
+            Hw[i, m] = H[i, m]
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def chunk_decays(lg, b, s0, n, fa, fb, fe, Gam):
+    """The gated delta rule's decays of tokens [s0, s0 + n) of sequence ``b`` (float64).
+
+    ``fa[t] = a_t``, ``fb[t] = a_0 ... a_t``, ``Gam[t, s] = a_{s+1} ... a_t``
+    for ``s <= t`` (1 on the diagonal), ``fe[s] = Gam[n - 1, s]``.  Running
+    products of factors in [0, 1]: no division, exact zeros across a reset.
+    """
+    for t in range(n):
+        fa[t] = math.exp(lg[b, s0 + t, 0])
+    fb[0] = fa[0]
+    for t in range(1, n):
+        fb[t] = fb[t - 1] * fa[t]
+    for t in range(n):
+        Gam[t, t] = 1.0
+        for s in range(t - 1, -1, -1):
+            Gam[t, s] = Gam[t, s + 1] * fa[s + 1]
+    for s in range(n):
+        fe[s] = Gam[n - 1, s]
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def chunk_wy(gated, kf, v1, lg, b, s0, n, Sw, fb, Gam, KS, Yt, KK, Am, U):
+    """The WY/UT values of one chunk from its start state ``Sw`` (F, M'), working dtype.
+
+    ``KS = K S``, ``KK = K K^T``, ``Am = tril(Gam * KK, -1)`` (strict lower
+    triangle only), ``Yt = [V 1] - diag(b) K S - Am U`` (the residual each
+    token writes, ``y_t = v_t - a_t k_t^T S_{t-1}``) and ``U = diag(beta)
+    Yt``, by forward substitution row by row (``L U = diag(beta) Y``,
+    ``L = I + diag(beta) Am``).  Without decay ``fb`` and ``Gam`` are unused
+    (all ones).
+    """
+    F = kf.shape[2]
+    M1 = v1.shape[2]
+    C = KK.shape[0]
+    ko = (b * kf.shape[1] + s0) * F
+    gemm(0, 0, n, M1, F, 1.0, kf, ko, F, Sw, 0, M1, 0.0, KS, 0, M1)
+    gemm(0, 1, n, n, F, 1.0, kf, ko, F, kf, ko, F, 0.0, KK, 0, C)
+    wd = KK.dtype.type
+    for t in range(n):
+        if gated:
+            h = wd(fb[t])
+            for m in range(M1):
+                Yt[t, m] = v1[b, s0 + t, m] - h * KS[t, m]
+            for j in range(t):
+                Am[t, j] = KK[t, j] * wd(Gam[t, j])
+        else:
+            for m in range(M1):
+                Yt[t, m] = v1[b, s0 + t, m] - KS[t, m]
+            for j in range(t):
+                Am[t, j] = KK[t, j]
+        for j in range(t):
+            c = Am[t, j]
+            for m in range(M1):
+                Yt[t, m] -= c * U[j, m]
+        bt = wd(lg[b, s0 + t, 1])
+        for m in range(M1):
+            U[t, m] = bt * Yt[t, m]
+
+
+def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk, dv, dH0, dfac, dbeta, proto):
+    """Two passes over the chunks of each sequence of the flattened batch (``docs/design-cpu.md``).
+
+    qf, kf : (B, N, F), v1, g1 : (B, N, M') of the working dtype (that of
+    ``proto``), C-contiguous.  H0, dHN : (B, F, M') float64 (``dHN`` read
+    only when ``has_dHN``).  rule : the delta or gated delta code; lg :
+    (B, N, 2) float64 (column 0 the log-decay, column 1 beta).  C : chunk
+    size.  ck : (B, ceil(N / C), F, M') float64, the chunk-start states
+    (written by pass 1).  Written: dq, dk (B, N, F), dv (B, N, M') in the
+    working dtype, dH0 (B, F, M') float64, dfac (B, N, 1) float64 (gated
+    delta; (B, N, 0) for delta, untouched), dbeta (B, N) float64.  Every
+    element of the outputs is written.
+    """
+    B, N, F = qf.shape
+    M1 = v1.shape[2]
+    wt = proto.dtype
+    nch = (N + C - 1) // C
+    gated = rule == RULE_GATED_DELTA
+    for b in prange(B):
+        H = np.empty((F, M1))
+        for i in range(F):
+            for m in range(M1):
+                H[i, m] = H0[b, i, m]
+        Sw = np.empty((F, M1), wt)
+        Rw = np.empty((F, M1), wt)
+        part = np.empty((F, M1), wt)
+        KK = np.zeros((C, C), wt)
+        Am = np.zeros((C, C), wt)
+        QK = np.zeros((C, C), wt)
+        GU = np.zeros((C, C), wt)
+        Da = np.zeros((C, C), wt)
+        KS = np.empty((C, M1), wt)
+        Yt = np.empty((C, M1), wt)
+        U = np.empty((C, M1), wt)
+        dU = np.empty((C, M1), wt)
+        X = np.empty((C, M1), wt)
+        dY = np.empty((C, M1), wt)
+        W1 = np.empty((C, M1), wt)
+        W2 = np.empty((C, M1), wt)
+        Kw = np.empty((C, F), wt)
+        Gam = np.ones((C, C))
+        dG = np.zeros((C, C))
+        fa = np.ones(C)
+        fb = np.ones(C)
+        fe = np.ones(C)
+        db = np.zeros(C)
+        pv = np.zeros(C)
+        # ------------------------------------------------------------------
+        # pass 1, chunks in order: the chunk-start states
+        # ------------------------------------------------------------------
+        for c in range(nch):
+            s0 = c * C
+            n = min(C, N - s0)
+            ko = (b * N + s0) * F
+            for i in range(F):
+                for m in range(M1):
+                    ck[b, c, i, m] = H[i, m]
+            _to_work(H, Sw)
+            if gated:
+                chunk_decays(lg, b, s0, n, fa, fb, fe, Gam)
+            chunk_wy(gated, kf, v1, lg, b, s0, n, Sw, fb, Gam, KS, Yt, KK, Am, U)
+            # H <- b_{n-1} H + (e * K)^T U
+            if gated:
+                for t in range(n):
+                    h = fe[t]
+                    for i in range(F):
+                        Kw[t, i] = h * kf[b, s0 + t, i]
+                gemm(1, 0, F, M1, n, 1.0, Kw, 0, F, U, 0, M1, 0.0, part, 0, M1)
+                tot = fb[n - 1]
+                for i in range(F):
+                    for m in range(M1):
+                        H[i, m] = tot * H[i, m] + part[i, m]
+            else:
+                gemm(1, 0, F, M1, n, 1.0, kf, ko, F, U, 0, M1, 0.0, part, 0, M1)
+                for i in range(F):
+                    for m in range(M1):
+                        H[i, m] += part[i, m]
+        # ------------------------------------------------------------------
+        # pass 2, chunks in reverse: the adjoint R of the chunk-end state
+        # ------------------------------------------------------------------
+        R = H  # the final state is not needed: its storage holds the adjoint
+        if has_dHN:
+            for i in range(F):
+                for m in range(M1):
+                    R[i, m] = dHN[b, i, m]
+        else:
+            R[:, :] = 0.0
+        for c in range(nch - 1, -1, -1):
+            s0 = c * C
+            n = min(C, N - s0)
+            qo = (b * N + s0) * F
+            vo = (b * N + s0) * M1
+            _to_work(ck[b, c], Sw)
+            _to_work(R, Rw)
+            if gated:
+                chunk_decays(lg, b, s0, n, fa, fb, fe, Gam)
+            chunk_wy(gated, kf, v1, lg, b, s0, n, Sw, fb, Gam, KS, Yt, KK, Am, U)
+            # QK -> tril(Gam * Q K^T) (the outputs' intra weights), GU -> tril(Gam * G U^T)
+            gemm(0, 1, n, n, F, 1.0, qf, qo, F, kf, qo, F, 0.0, QK, 0, C)
+            gemm(0, 1, n, n, M1, 1.0, g1, vo, M1, U, 0, M1, 0.0, GU, 0, C)
+            for t in range(n):
+                if gated:
+                    for s in range(t + 1):
+                        dG[t, s] = np.float64(GU[t, s]) * np.float64(QK[t, s])
+                        h = Gam[t, s]
+                        QK[t, s] = QK[t, s] * h
+                        GU[t, s] = GU[t, s] * h
+                for s in range(t + 1, n):
+                    QK[t, s] = 0.0
+                    GU[t, s] = 0.0
+            # dq = diag(b) G S^T + tril(Gam * G U^T) K
+            gemm(0, 1, n, F, M1, 1.0, g1, vo, M1, Sw, 0, M1, 0.0, dq, qo, F)
+            if gated:
+                for t in range(n):
+                    x = 0.0
+                    h = fb[t]
+                    for i in range(F):
+                        y = dq[b, s0 + t, i]
+                        x += np.float64(qf[b, s0 + t, i]) * y
+                        dq[b, s0 + t, i] = h * y
+                    db[t] = x
+            gemm(0, 0, n, F, n, 1.0, GU, 0, C, kf, qo, F, 1.0, dq, qo, F)
+            # dk = tril(Gam * G U^T)^T Q + diag(e) U R^T (+ the two terms below)
+            gemm(1, 0, n, F, n, 1.0, GU, 0, C, qf, qo, F, 0.0, dk, qo, F)
+            # dU = diag(e) K R + tril(Gam * Q K^T)^T G
+            gemm(0, 0, n, M1, F, 1.0, kf, qo, F, Rw, 0, M1, 0.0, dU, 0, M1)
+            if gated:
+                for s in range(n):
+                    x = 0.0
+                    h = fe[s]
+                    for m in range(M1):
+                        x += np.float64(dU[s, m]) * np.float64(U[s, m])
+                        dU[s, m] = h * dU[s, m]
+                        W1[s, m] = h * U[s, m]
+                    if s < n - 1:
+                        dG[n - 1, s] += x  # e_s = Gam[n - 1, s]
+                gemm(0, 1, n, F, M1, 1.0, W1, 0, M1, Rw, 0, M1, 1.0, dk, qo, F)
+            else:
+                gemm(0, 1, n, F, M1, 1.0, U, 0, M1, Rw, 0, M1, 1.0, dk, qo, F)
+            gemm(1, 0, n, M1, n, 1.0, QK, 0, C, g1, vo, M1, 1.0, dU, 0, M1)
+            # back substitution L^T dY = diag(beta) dU; X_t = sum_{j > t} Am[j, t] dY_j
+            for t in range(n):
+                for m in range(M1):
+                    X[t, m] = 0.0
+            for t in range(n - 1, -1, -1):
+                bt = lg[b, s0 + t, 1]
+                btw = dY.dtype.type(bt)
+                x = 0.0
+                for m in range(M1):
+                    r = dU[t, m] - X[t, m]
+                    x += np.float64(Yt[t, m]) * np.float64(r)
+                    dY[t, m] = btw * r
+                dbeta[b, s0 + t] = x
+                for s in range(t):
+                    cc = Am[t, s]
+                    for m in range(M1):
+                        X[s, m] += cc * dY[t, m]
+            for t in range(n):
+                for m in range(M1):
+                    dv[b, s0 + t, m] = dY[t, m]
+            # dAm = -dY U^T (strict lower); dk += (E + E^T) K with E = Gam * dAm
+            gemm(0, 1, n, n, M1, -1.0, dY, 0, M1, U, 0, M1, 0.0, Da, 0, C)
+            for t in range(n):
+                for s in range(t):
+                    d = Da[t, s]
+                    if gated:
+                        dG[t, s] += np.float64(d) * np.float64(KK[t, s])
+                        d = d * Gam[t, s]
+                    Da[t, s] = d
+                    Da[s, t] = d
+                Da[t, t] = 0.0
+            gemm(0, 0, n, F, n, 1.0, Da, 0, C, kf, qo, F, 1.0, dk, qo, F)
+            # through Y = [V 1] - diag(b) K S: dk -= diag(b) dY S^T; R update below
+            if gated:
+                for t in range(n):
+                    h = fb[t]
+                    x = 0.0
+                    for m in range(M1):
+                        y = dY[t, m]
+                        x += np.float64(y) * np.float64(KS[t, m])
+                        W2[t, m] = h * y
+                    db[t] -= x
+                gemm(0, 1, n, F, M1, -1.0, W2, 0, M1, Sw, 0, M1, 1.0, dk, qo, F)
+                x = 0.0
+                for i in range(F):
+                    for m in range(M1):
+                        x += R[i, m] * ck[b, c, i, m]
+                db[n - 1] += x
+                for t in range(n):
+                    h = fb[t]
+                    for m in range(M1):
+                        W1[t, m] = h * g1[b, s0 + t, m]
+                # R <- b_{n-1} R + Q^T diag(b) G - K^T diag(b) dY
+                gemm(1, 0, F, M1, n, 1.0, qf, qo, F, W1, 0, M1, 0.0, part, 0, M1)
+                gemm(1, 0, F, M1, n, -1.0, kf, qo, F, W2, 0, M1, 1.0, part, 0, M1)
+                tot = fb[n - 1]
+                for i in range(F):
+                    for m in range(M1):
+                        R[i, m] = tot * R[i, m] + part[i, m]
+                # dL/da_j = sum_{s < j <= t} dG[t, s] Gam[j - 1, s] Gam[t, j], s = -1 the chunk start
+                for t in range(n):
+                    pv[t] = db[t]
+                for j in range(n):
+                    x = 0.0
+                    for t in range(j, n):
+                        x += Gam[t, j] * pv[t]
+                    dfac[b, s0 + j, 0] = x
+                    aj = fa[j]
+                    for t in range(j + 1, n):
+                        pv[t] = aj * pv[t] + dG[t, j]
+            else:
+                gemm(0, 1, n, F, M1, -1.0, dY, 0, M1, Sw, 0, M1, 1.0, dk, qo, F)
+                # R <- R + Q^T G - K^T dY
+                gemm(1, 0, F, M1, n, 1.0, qf, qo, F, g1, vo, M1, 0.0, part, 0, M1)
+                gemm(1, 0, F, M1, n, -1.0, kf, qo, F, dY, 0, M1, 1.0, part, 0, M1)
+                for i in range(F):
+                    for m in range(M1):
+                        R[i, m] += part[i, m]
+        for i in range(F):
+            for m in range(M1):
+                dH0[b, i, m] = R[i, m]
+
+
+delta_backward_kernel_serial, delta_backward_kernel = serial_and_parallel(
+    _delta_backward, fastmath=config.FASTMATH, cache=config.CACHE)
