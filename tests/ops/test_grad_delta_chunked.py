@@ -1,0 +1,124 @@
+"""The chunked CPU backward of the delta and gated delta rules (the WY/UT form differentiated chunk by chunk).
+
+Against the float64 naive BPTT reference on edge shapes for a chunk of 8
+tokens (N = 1, below a chunk, one chunk, one more, not a multiple, several
+chunks; B = 1 and 3; F != M'; with and without an initial state and dHN;
+beta 0 on some tokens; the gated rule's log-decay 0, negative and -inf), in
+float64 (to 1e-12 relative) and float32 (loosely); both kernel twins; the
+public ``linear_attention_vjp(method="chunked")`` against ``method="scan"``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import linattn_nb
+from linattn_nb import config
+from linattn_nb.ops._codes import RULE_DELTA, RULE_GATED_DELTA
+from linattn_nb.ops.grad import cpu
+from linattn_nb.ops.grad.naive import causal_backward_naive
+
+C = 8
+RULES = {"delta": RULE_DELTA, "gated_delta": RULE_GATED_DELTA}
+# (B, N, F, M', H0, dHN)
+SHAPES = [
+    (1, 1, 3, 4, False, False),
+    (3, C - 3, 5, 3, True, False),
+    (1, C, 4, 6, False, True),
+    (3, C + 1, 5, 3, True, True),
+    (2, 3 * C + 5, 6, 4, True, True),
+    (1, 4 * C, 3, 5, False, False),
+]
+
+
+def _problem(rng, gated, dtype, B, N, F, M1, h0, dhn):
+    scale = 1.0 / np.sqrt(F)  # |k|^2 <= 1: beta k k^T a contraction, as the feature maps of the rule give
+    qf = (scale * rng.random((B, N, F))).astype(dtype)
+    kf = (scale * rng.random((B, N, F))).astype(dtype)
+    v1 = rng.standard_normal((B, N, M1)).astype(dtype)
+    v1[:, :, -1] = 1.0  # the normaliser's column of ones
+    g1 = rng.standard_normal((B, N, M1)).astype(dtype)
+    H0 = rng.standard_normal((B, F, M1)) if h0 else np.zeros((B, F, M1))
+    dHN = rng.standard_normal((B, F, M1)) if dhn else None
+    beta = rng.uniform(0.0, 1.0, (B, N))
+    beta[:, ::3] = 0.0
+    beta[:, 1::5] = 1.0
+    inputs = {"beta": beta}
+    if gated:
+        ld = -rng.random((B, N))
+        ld[:, ::4] = 0.0
+        for t in (2, C, 2 * C + 3):  # inside a chunk, on a chunk's first token
+            if t < N:
+                ld[:, t] = -np.inf
+        inputs["log_decay"] = ld
+    return qf, kf, v1, H0, g1, dHN, inputs
+
+
+@pytest.fixture
+def nan_outputs(monkeypatch):
+    """Output buffers filled with NaN (every element must be written); the token recurrence not reachable."""
+    monkeypatch.setattr(cpu, "_alloc", lambda shape, dtype: np.full(shape, np.nan, dtype))
+
+    def no_scan(*args, **kwargs):
+        raise AssertionError("backward_chunked ran the token recurrence")
+
+    monkeypatch.setattr(cpu, "_run_scan", no_scan)
+
+
+def _compare(got, ref, tol):
+    for field, a, r in zip(got._fields, got, ref):
+        if r is None:
+            assert a is None, field
+            continue
+        a = np.asarray(a, np.float64)
+        assert a.shape == r.shape, field
+        assert np.isfinite(a).all(), field
+        err = np.abs(a - r).max() / max(np.abs(r).max(), 1e-30)
+        assert err <= tol, f"{field}: relative error {err:.3g} > {tol:g}"
+
+
+@pytest.mark.parametrize("dtype, tol", [(np.float64, 1e-12), (np.float32, 2e-5)])
+@pytest.mark.parametrize("name", list(RULES))
+def test_matches_naive(name, dtype, tol, nan_outputs):
+    rng = np.random.default_rng(RULES[name])
+    for shape in SHAPES:
+        *arrays, inputs = _problem(rng, name == "gated_delta", dtype, *shape)
+        ref = causal_backward_naive(*arrays, inputs=inputs, rule=RULES[name])
+        got = cpu.backward_chunked(*arrays, inputs=inputs, rule=RULES[name], chunk=C)
+        assert got.dq.dtype == dtype and got.dv.dtype == dtype and got.dH0.dtype == np.float64
+        _compare(got, ref, tol)
+
+
+def test_default_chunk_and_parallel(monkeypatch, nan_outputs):
+    """The default chunk over several chunks, through the batch-parallel twin as well."""
+    rng = np.random.default_rng(4)
+    for name in RULES:
+        *arrays, inputs = _problem(rng, name == "gated_delta", np.float64, 3, 150, 5, 4, True, True)
+        ref = causal_backward_naive(*arrays, inputs=inputs, rule=RULES[name])
+        _compare(cpu.backward_chunked(*arrays, inputs=inputs, rule=RULES[name]), ref, 1e-12)
+        with monkeypatch.context() as mp:
+            mp.setattr(config, "CPU_CHUNKED_SERIAL_MAX_WORK", 0)
+            _compare(cpu.backward_chunked(*arrays, inputs=inputs, rule=RULES[name], chunk=C), ref, 1e-12)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("name", list(RULES))
+def test_vjp_chunked_matches_scan(name, normalize):
+    rng = np.random.default_rng(9)
+    b, h, n, f, m = 2, 2, 70, 5, 3
+    q = rng.random((b, h, n, f)) + 0.1
+    k = rng.random((b, h, n, f)) + 0.1
+    v = rng.standard_normal((b, h, n, m))
+    g = rng.standard_normal((b, h, n, m))
+    kw = dict(causal=True, feature_map="l2", normalize=normalize, beta=rng.random((b, h, n)))
+    if name == "gated_delta":
+        ld = -0.3 * rng.random((b, h, n))
+        ld[..., 40] = -np.inf
+        kw["log_decay"] = ld
+    ref = linattn_nb.linear_attention_vjp(q, k, v, g, method="scan", **kw)
+    got = linattn_nb.linear_attention_vjp(q, k, v, g, method="chunked", **kw)
+    for field in ("dq", "dk", "dv", "d_log_decay", "d_beta"):
+        a, r = getattr(got, field), getattr(ref, field)
+        assert (a is None) == (r is None), field
+        if r is not None:
+            np.testing.assert_allclose(a, r, rtol=1e-10, atol=1e-11 * np.abs(r).max(), err_msg=field)
