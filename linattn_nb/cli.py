@@ -1,6 +1,7 @@
 """The ``linattn`` command line.
 
-``linattn info``    versions, threading, CUDA, cache directory.
+``linattn info``    versions, threading, CPU and BLAS kernels, auto's calibration, CUDA, cache directory.
+``linattn tune``    time scan against chunked on this CPU and BLAS; ``method="auto"`` then follows it.
 ``linattn demo``    a short run of every CPU method against the reference (exit status 1 if one is off).
 ``linattn report``  run every built-in study; write report.md, plots and raw JSONL.
 ``linattn check``, ``bench``, ``error``, ``rank``, ``recall``, ``horizon``, ``rules``, ``learned``: one
@@ -38,15 +39,7 @@ def _info_lines() -> list[str]:
     import linattn_nb
     from linattn_nb.device import cuda_status
 
-    # A tiny call (loaded from the on-disk cache when warm) starts Numba's
-    # thread pool so that the threading layer can be reported.
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(2, 4, 2))
-    linattn_nb.linear_attention(x, x, x, causal=True, method="scan")
-    try:
-        layer = numba.threading_layer()
-    except ValueError:  # pragma: no cover - pool not started
-        layer = "not started"
+    layer = _threading_layer()
     status = cuda_status()
     if status == "gpu":
         from numba import cuda
@@ -64,8 +57,11 @@ def _info_lines() -> list[str]:
         nbcuda = getattr(numba_cuda, "__version__", "installed")
     except Exception:
         nbcuda = "not installed"
-    from linattn_nb import _cache
+    from linattn_nb import _cache, _tune
 
+    libs, flags, env = _tune.blas_libraries(), _tune.cpu_flags(), _tune.blas_env()
+    level = _tune._vector_level(flags)
+    cpu = f"{_tune.cpu_model()} ({os.cpu_count()} logical CPUs{', ' + level if level else ''})"
     cache_dir, origin = _cache.cache_folder()
     if cache_dir is None:
         cache_line = f"(caching {origin})" if origin.startswith("off") else f"({origin})"
@@ -81,15 +77,113 @@ def _info_lines() -> list[str]:
         f"numpy        {np.__version__}",
         f"scipy        {scipy.__version__}",
         f"threading    {layer} layer, {numba.get_num_threads()} threads (NUMBA_NUM_THREADS={numba.config.NUMBA_NUM_THREADS})",
+        f"cpu          {cpu}",
+        f"blas         {_tune.blas_line(libs)}",
+        f"blas env     {', '.join(f'{k}={v}' for k, v in env.items()) or 'no overrides'}",
+        *(f"WARNING      {w}" for w in _tune.forced_kernel_warnings(libs, flags, env)),
+        f"auto tune    {_tune.status_line()}",
         f"cuda         {cuda_line}",
         f"cache dir    {cache_line}",
         f"feature maps {', '.join(linattn_nb.feature_maps.available())}",
     ]
 
 
+def _threading_layer() -> str:
+    """The threading layer of Numba's parallel kernels, starting the thread pool if need be (no compiling)."""
+    import numba
+
+    try:
+        return numba.threading_layer()
+    except ValueError:  # the pool starts with the first parallel kernel; start it now
+        pass
+    try:
+        from numba.np.ufunc.parallel import _launch_threads
+
+        _launch_threads()
+        return numba.threading_layer()
+    except Exception as exc:  # pragma: no cover - no usable layer, or Numba moved the function
+        return f"none usable ({exc})"
+
+
 def cmd_info(args) -> int:
     for line in _info_lines():
         print(line)
+    return 0
+
+
+def _rows_text(rows) -> str:
+    if len(rows) == 1:
+        return f"{rows[0][1]} at every N"
+    return f"{rows[0][1]} up to N = {rows[0][0]}, {rows[1][1]} above"
+
+
+def _print_calibration(cal) -> None:
+    from linattn_nb._tune import crossover
+
+    st = cal.get("setting", {})
+    print(f"B*H = {st.get('batch')}, D = M = {st.get('dim')}, medians of {st.get('rounds')} interleaved rounds "
+          f"(ratio: median of the rounds' chunked / scan){'; QUICK smoke test, not used by auto' if st.get('quick') else ''}")
+    for name, e in sorted(cal["entries"].items()):
+        print(f"{name}:")
+        print(f"  {'N':>6} {'scan ms':>10} {'chunked ms':>11} {'chunked/scan':>13}")
+        for n, s, c, r in zip(e["n"], e["scan_ms"], e["chunked_ms"], e.get("ratio", e["chunked_ms"])):
+            print(f"  {n:>6} {s:>10.3f} {c:>11.3f} {r:>13.2f}")
+    print("method='auto' (causal, CPU) on this machine:")
+    for name, e in sorted(cal["entries"].items()):
+        cross = crossover(e["rows"])
+        print(f"  {name:<22} {_rows_text(e['rows'])}"
+              f"{f'  (chunked from N = {cross})' if cross is not None else ''}")
+
+
+def cmd_tune(args) -> int:
+    """Time the scan against the chunked kernel here and store the rows ``method="auto"`` uses."""
+    from linattn_nb import _tune
+
+    print(f"machine: {_tune.machine_line()}")
+    for w in _tune.forced_kernel_warnings():
+        print(f"WARNING: {w}")
+    path = _tune.calibration_path()
+    if args.clear:
+        removed = _tune.clear()
+        print(f"removed {removed}" if removed else f"no calibration stored for this machine ({path or 'no cache folder'})")
+        return 0
+    if args.show:
+        cal = _tune.load()
+        if cal is None:
+            print(f"no calibration stored for this machine ({path or 'no cache folder'}); "
+                  "method='auto' uses config.AUTO_METHODS")
+        else:
+            print(f"stored {cal['created']} in {path}")
+            _print_calibration(cal)
+        others = _tune.other_files()
+        if others:
+            print(f"{len(others)} other calibration file(s) in the folder (other CPU, BLAS, threads or versions)")
+        return 0
+    avail = _tune.tuned_rules()
+    rules = avail if args.rules is None else [r.strip() for r in args.rules.split(",") if r.strip()]
+    bad = [r for r in rules if r not in avail]
+    if bad:
+        print(f"linattn tune: error: no rule with both a scan and a chunked CPU kernel: {', '.join(bad)} "
+              f"(choose from {', '.join(avail)})", file=sys.stderr)
+        return 2
+    dtypes = _tune.DTYPES if args.dtypes is None else [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if any(d not in _tune.DTYPES for d in dtypes):
+        print(f"linattn tune: error: --dtypes takes {', '.join(_tune.DTYPES)}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    cal = _tune.calibrate(rules, dtypes, quick=args.quick,
+                          progress=lambda r, d: print(f"timing {r}, {d} ...", flush=True))
+    cal = _tune.merge(_tune.load(), cal)
+    stored = _tune.save(cal)
+    print(f"calibrated in {time.perf_counter() - t0:.1f} s"
+          + (f"; load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""))
+    _print_calibration(cal)
+    if stored:
+        print(f"stored in {stored}")
+    else:
+        print("not stored: no writable cache folder (LINATTN_NO_CACHE, or the folder cannot be written)")
+    if _tune.mode() == "off":
+        print("note: config.AUTO_TUNE is 'off' (LINATTN_AUTO_TUNE): method='auto' ignores it until that changes")
     return 0
 
 
@@ -357,8 +451,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="linattn", description="linattn_nb: Numba-accelerated linear attention")
     parser.add_argument("--version", action="version", version=f"linattn_nb {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("info", help="versions, threading layer, CUDA status, cache directory")
+    p = sub.add_parser("info", help="versions, threading layer, CPU and BLAS kernels, CUDA status, cache directory")
     p.set_defaults(func=cmd_info)
+    p = sub.add_parser(
+        "tune", help="time scan against chunked on this CPU and BLAS; method='auto' then follows the result",
+        description="Time the causal CPU methods (scan against chunked) for every update rule that has both, "
+                    "in float32 and float64, at B*H = 16, D = M = 64, N = 1 ... 4096 (seconds to a minute), and "
+                    "store the rows method='auto' uses in the kernel cache folder, keyed by the CPU, the BLAS "
+                    "(its kernels and overrides such as OPENBLAS_CORETYPE), the threads and the versions. "
+                    "config.AUTO_TUNE (LINATTN_AUTO_TUNE) decides whether auto reads it (docs/tuning.md).")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--show", action="store_true", help="print the calibration stored for this machine")
+    what.add_argument("--clear", action="store_true", help="remove the calibration stored for this machine")
+    p.add_argument("--rules", default=None, metavar="NAMES", help="comma-separated rules (default: all that have both)")
+    p.add_argument("--dtypes", default=None, metavar="NAMES", help="float32,float64 (default: both)")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke test at tiny sizes (seconds); stored, but marked so that method='auto' ignores it")
+    p.set_defaults(func=cmd_tune)
     p = sub.add_parser("demo", help="run every CPU method on a small problem against the reference")
     p.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
     p.add_argument("--heads", type=int, default=4, help="heads (default 4)")

@@ -478,5 +478,18 @@ FIT_FLOOR = _env_float("LINATTN_FIT_FLOOR", 1e-6)
 #: runs every study in the reporting process, one after the other.
 REPORT_BACKGROUND = os.environ.get("LINATTN_REPORT_BACKGROUND", "1") not in ("0", "false", "no")
 
+# method="auto" calibrated on this machine (linattn_nb._tune, docs/tuning.md)
+# --------------------------------------------------------------------------
+#: Whether ``method="auto"`` on the CPU (causal) uses a calibration of this
+#: machine instead of the rows of :data:`AUTO_METHODS`: ``"off"`` (the rows
+#: only), ``"load"`` (default: a calibration stored by ``linattn tune`` for
+#: this CPU, BLAS and versions, read once per process; never measures) or
+#: ``"first-use"`` (the same, and when none is stored for the rule and dtype
+#: asked, time the scan against the chunked kernel then: a few seconds once,
+#: said on stderr, stored for later processes).  ``"load"`` is the default so
+#: that no call is slowed unannounced and results do not depend on timings
+#: taken behind the caller's back; the tests run with ``"off"``.
+AUTO_TUNE = os.environ.get("LINATTN_AUTO_TUNE", "load") or "load"
+
 # the name bound by ``from __future__ import annotations`` is not part of the API
 del annotations

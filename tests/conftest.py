@@ -54,6 +54,10 @@ _OWN_CACHE = "NUMBA_CACHE_DIR" not in os.environ and "LINATTN_CACHE_DIR" not in 
 if _OWN_CACHE:
     os.environ["LINATTN_CACHE_DIR"] = str(ROOT / ".numba_cache")
 
+# method="auto" follows config.AUTO_METHODS only: a calibration of this machine stored by
+# ``linattn tune`` (docs/tuning.md) would make the methods the tests run depend on timings.
+os.environ["LINATTN_AUTO_TUNE"] = "off"
+
 from linattn_nb import _cache  # noqa: E402  (installs the cache locator: after the settings above)
 
 if _OWN_CACHE and _cache.cache_folder()[0] is not None:

@@ -161,9 +161,18 @@ def select_auto(*, causal: bool, device: str, batch: int, n: int, d: int, m: int
 
     ``config.AUTO_METHODS[(rule, causal, device)]`` is a list of ``(max_n,
     method)`` rows; the first row with ``n <= max_n`` wins (``None`` = no
-    limit); rows naming a method that is not registered are skipped.
+    limit); rows naming a method that is not registered are skipped.  Causal
+    on the CPU, the rows of this machine's calibration replace them when
+    ``config.AUTO_TUNE`` allows it and one exists for the rule and dtype
+    (:func:`linattn_nb._tune.auto_rows`, ``docs/tuning.md``).
     """
-    table = config.AUTO_METHODS.get((rule, bool(causal), device), ())
+    table = None
+    if causal and device == "cpu" and config.AUTO_TUNE != "off":
+        from .. import _tune
+
+        table = _tune.auto_rows(rule, np.dtype(dtype))
+    if table is None:
+        table = config.AUTO_METHODS.get((rule, bool(causal), device), ())
     for max_n, name in table:
         if (max_n is None or n <= max_n) and (rule, causal, name, device) in _METHODS:
             return name

@@ -1,0 +1,651 @@
+"""The machine line and the calibration of ``method="auto"`` on the CPU.
+
+``method="auto"`` picks the causal CPU method from the rows of
+``config.AUTO_METHODS``, measured on one machine.  Which of the scan and the
+chunked kernel is faster depends on the CPU and on the kernels the BLAS runs
+(an OpenBLAS forced to AVX2 kernels on an AVX-512 CPU makes the chunked
+kernel several times slower), so this module times both on this machine, per
+update rule and dtype, and stores the rows that follow in the kernel cache
+folder, keyed by the CPU, the BLAS and the versions.  Design and
+measurements: ``docs/tuning.md``.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+from . import config
+
+#: Version of the calibration file's layout; files of another version are ignored.
+FORMAT = 1
+
+#: Calibration files are ``<cache folder>/auto-tune-<hash of the key>.json``.
+FILE_PREFIX = "auto-tune-"
+
+#: The causal CPU rules calibrated by default (those of them with both a scan
+#: and a chunked kernel registered).
+RULES = ("additive", "decay", "gate", "delta", "gated_delta")
+
+#: The working dtypes calibrated (float16 inputs run in float32).
+DTYPES = ("float32", "float64")
+
+#: Environment variables that change which kernels the BLAS runs; their values
+#: are part of the calibration key and of the machine line.
+BLAS_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE",
+            "MKL_CBWR")
+
+#: Sizes of a full calibration: ``batch`` sequences (B*H) of each length N in
+#: ``sizes``, D = M = ``dim``, ``rounds`` interleaved rounds per length.
+FULL = {"batch": 16, "dim": 64, "rounds": 5,
+        "sizes": (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)}
+#: A smoke-test calibration (``linattn tune --quick``): seconds, not meant to be kept.
+QUICK = {"batch": 2, "dim": 16, "rounds": 3, "sizes": (1, 4, 16, 64)}
+
+MODES = ("off", "load", "first-use")
+
+# OpenBLAS core names (lower case) by the widest vector extension their kernels use.
+_OPENBLAS_AVX512 = {"skylakex", "cooperlake", "sapphirerapids"}
+_OPENBLAS_AVX2 = {"haswell", "zen", "skylake", "excavator"}
+_OPENBLAS_OLD = {"sandybridge", "nehalem", "core2", "penryn", "dunnington", "prescott", "atom", "katmai",
+                 "coppermine", "northwood", "banias", "opteron", "opteron_sse3", "barcelona", "bobcat",
+                 "bulldozer", "piledriver", "steamroller", "nano", "generic"}
+
+_lock = threading.RLock()
+_busy = False
+#: The calibration of this process: None before the first look, False when none applies.
+_current = None
+_key_memo = None
+_blas_memo = None
+
+
+# ---------------------------------------------------------------------------
+# The machine: CPU, BLAS, environment
+# ---------------------------------------------------------------------------
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name") or line.startswith("Model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def cpu_flags() -> set | None:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (None where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def _vector_level(flags) -> str | None:
+    if flags is None:
+        return None
+    if "avx512f" in flags:
+        return "AVX-512"
+    if "avx2" in flags:
+        return "AVX2"
+    if "avx" in flags:
+        return "AVX"
+    return "SSE"
+
+
+def blas_libraries() -> list:
+    """The BLAS libraries loaded (SciPy's, which the kernels' ``np.dot`` calls, and NumPy's).
+
+    Returns
+    -------
+    list of dict
+        threadpoolctl's description of each: ``internal_api`` (``"openblas"``,
+        ``"mkl"``, ...), ``architecture`` (the kernels OpenBLAS chose, e.g.
+        ``"SkylakeX"``, ``"Haswell"``), ``version``, ``num_threads``,
+        ``filepath``, ...; empty when threadpoolctl is missing.
+    """
+    try:
+        import scipy.linalg.cython_blas  # noqa: F401  (load the BLAS Numba's np.dot calls)
+        from threadpoolctl import threadpool_info
+    except ImportError:  # pragma: no cover - both are dependencies
+        return []
+    libs = [dict(i) for i in threadpool_info() if i.get("user_api") == "blas"]
+    return sorted(libs, key=lambda i: str(i.get("filepath", "")))
+
+
+def _owner(filepath: str) -> str:
+    parts = str(filepath).replace("\\", "/").split("/")
+    for part in reversed(parts[:-1]):
+        if part.endswith(".libs"):
+            return part[:-5]
+        if part in ("site-packages", "lib", "lib64"):
+            break
+    return os.path.basename(str(filepath))
+
+
+def _blas_static() -> list:
+    """The parts of :func:`blas_libraries` that cannot change in a process (memoised)."""
+    global _blas_memo
+    if _blas_memo is None:
+        _blas_memo = [{"internal_api": str(i.get("internal_api")), "architecture": str(i.get("architecture")),
+                       "version": str(i.get("version")), "owner": _owner(i.get("filepath", ""))}
+                      for i in blas_libraries()]
+    return _blas_memo
+
+
+def blas_env() -> dict:
+    """The variables of :data:`BLAS_ENV` set in the environment (name -> value)."""
+    return {name: os.environ[name] for name in BLAS_ENV if os.environ.get(name)}
+
+
+def blas_line(libs=None) -> str:
+    """One line describing the BLAS libraries: kind, version, kernels, threads, whose."""
+    libs = blas_libraries() if libs is None else libs
+    if not libs:
+        return "none found (threadpoolctl sees no BLAS)"
+    parts = []
+    for i in libs:
+        arch = i.get("architecture")
+        arch = f" {arch} kernels" if arch else ""
+        parts.append(f"{i.get('internal_api')} {i.get('version')}{arch}, {i.get('num_threads')} threads "
+                     f"({_owner(i.get('filepath', ''))})")
+    return "; ".join(parts)
+
+
+def forced_kernel_warnings(libs=None, flags=None, env=None) -> list:
+    """Warnings for BLAS kernels below what the CPU supports.
+
+    Parameters
+    ----------
+    libs : list of dict, optional
+        :func:`blas_libraries` (default: those loaded).
+    flags : set of str, optional
+        :func:`cpu_flags` (default: this CPU's).
+    env : dict, optional
+        :func:`blas_env` (default: this process's).
+
+    Returns
+    -------
+    list of str
+        One sentence per problem, empty when none is seen: an OpenBLAS running
+        AVX2 or older kernels on an AVX-512 CPU (or pre-AVX2 kernels on an
+        AVX2 CPU), an ``MKL_ENABLE_INSTRUCTIONS`` below the CPU's level, an
+        ``MKL_DEBUG_CPU_TYPE`` with MKL loaded.
+    """
+    libs = blas_libraries() if libs is None else libs
+    flags = cpu_flags() if flags is None else flags
+    env = blas_env() if env is None else env
+    level = _vector_level(flags)
+    out = []
+    why = f" (OPENBLAS_CORETYPE={env['OPENBLAS_CORETYPE']} is set)" if "OPENBLAS_CORETYPE" in env else ""
+    for i in libs:
+        if i.get("internal_api") != "openblas" or not i.get("architecture"):
+            continue
+        arch = str(i["architecture"]).lower()
+        low = (level == "AVX-512" and (arch in _OPENBLAS_AVX2 or arch in _OPENBLAS_OLD)) or \
+              (level == "AVX2" and arch in _OPENBLAS_OLD)
+        if low:
+            out.append(f"{_owner(i.get('filepath', ''))}'s OpenBLAS runs {i['architecture']} kernels on a CPU "
+                       f"with {level}{why}: BLAS-heavy methods (chunked) run slower than they could")
+    if not out and "OPENBLAS_CORETYPE" in env and level == "AVX-512" and \
+            env["OPENBLAS_CORETYPE"].lower() in (_OPENBLAS_AVX2 | _OPENBLAS_OLD):
+        out.append(f"OPENBLAS_CORETYPE={env['OPENBLAS_CORETYPE']} names kernels below the CPU's {level}")
+    mkl = any(i.get("internal_api") == "mkl" for i in libs)
+    instr = env.get("MKL_ENABLE_INSTRUCTIONS", "").upper()
+    if instr and level == "AVX-512" and not instr.startswith("AVX512"):
+        out.append(f"MKL_ENABLE_INSTRUCTIONS={instr} limits MKL below the CPU's {level}")
+    elif instr and level == "AVX2" and instr in ("AVX", "SSE4_2", "SSE4_1", "SSSE3", "SSE3", "SSE2"):
+        out.append(f"MKL_ENABLE_INSTRUCTIONS={instr} limits MKL below the CPU's {level}")
+    if mkl and "MKL_DEBUG_CPU_TYPE" in env:
+        out.append(f"MKL_DEBUG_CPU_TYPE={env['MKL_DEBUG_CPU_TYPE']} forces MKL's code path")
+    return out
+
+
+def machine_line() -> str:
+    """One line naming the machine the timings ran on: CPU, BLAS kernels and threads, overrides.
+
+    The same line is printed by ``linattn info``, ``linattn tune`` and every
+    script under ``benchmarks/``.
+    """
+    import numba
+
+    flags = cpu_flags()
+    level = _vector_level(flags)
+    env = blas_env()
+    cpu = f"{cpu_model()} ({os.cpu_count()} logical CPUs{', ' + level if level else ''})"
+    over = ", ".join(f"{k}={v}" for k, v in env.items()) or "none"
+    return (f"CPU {cpu}; Numba {numba.get_num_threads()} threads; BLAS {blas_line()}; "
+            f"BLAS overrides: {over}")
+
+
+# ---------------------------------------------------------------------------
+# The calibration file
+# ---------------------------------------------------------------------------
+def calibration_key() -> dict:
+    """What a calibration is valid for: CPU, BLAS, BLAS overrides, threads and versions (memoised)."""
+    global _key_memo
+    if _key_memo is None:
+        import numba
+        import numpy as np
+
+        from . import __version__
+
+        _key_memo = {
+            "cpu": cpu_model(),
+            "blas": [{k: i[k] for k in ("internal_api", "architecture", "version")} for i in _blas_static()],
+            "blas_env": blas_env(),
+            "numba_threads": int(numba.config.NUMBA_NUM_THREADS),
+            "linattn_nb": __version__,
+            "numba": numba.__version__,
+            "numpy": np.__version__,
+            "python": platform.python_version(),
+        }
+    return _key_memo
+
+
+def _key_hash(key: dict) -> str:
+    return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def calibration_folder() -> str | None:
+    """The folder calibrations are stored in: the kernel cache folder (None when caching is off)."""
+    from . import _cache
+
+    return _cache.cache_folder()[0]
+
+
+def calibration_path(key: dict | None = None) -> str | None:
+    """The file of the calibration for ``key`` (default: this machine's); None without a folder."""
+    folder = calibration_folder()
+    if folder is None:
+        return None
+    return os.path.join(folder, f"{FILE_PREFIX}{_key_hash(calibration_key() if key is None else key)}.json")
+
+
+def _valid_rows(rows) -> bool:
+    if not isinstance(rows, list) or not rows:
+        return False
+    last = 0
+    for i, row in enumerate(rows):
+        if not isinstance(row, list) or len(row) != 2 or row[1] not in ("scan", "chunked"):
+            return False
+        max_n = row[0]
+        if max_n is None:
+            if i != len(rows) - 1:
+                return False
+        elif not isinstance(max_n, int) or isinstance(max_n, bool) or max_n <= last:
+            return False
+        else:
+            last = max_n
+    return rows[-1][0] is None
+
+
+def _valid(cal, key) -> bool:
+    if not isinstance(cal, dict) or cal.get("format") != FORMAT or cal.get("key") != key:
+        return False
+    entries = cal.get("entries")
+    if not isinstance(entries, dict):
+        return False
+    return all(isinstance(e, dict) and _valid_rows(e.get("rows")) for e in entries.values())
+
+
+def load(path: str | None = None) -> dict | None:
+    """The stored calibration for this machine, or None (no file, a file of another machine,
+    CPU, BLAS or version, or a file that cannot be read or parsed: all ignored, never an error)."""
+    path = calibration_path() if path is None else path
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            cal = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return cal if _valid(cal, calibration_key()) else None
+
+
+def save(cal: dict) -> str | None:
+    """Store ``cal`` atomically (a temporary file renamed over the old one) and use it in this process.
+
+    Returns the file written, or None when there is no cache folder or it
+    cannot be written (the calibration is then kept in memory for this
+    process only).
+    """
+    global _current
+    with _lock:
+        _current = cal
+    path = calibration_path()
+    if path is None:
+        return None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".auto-tune-", suffix=".tmp", dir=os.path.dirname(path))
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                json.dump(cal, fh, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            with _suppress_os():
+                os.unlink(tmp)
+            raise
+    except OSError:
+        return None
+    return path
+
+
+class _suppress_os:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        return kind is not None and issubclass(kind, OSError)
+
+
+def other_files() -> list:
+    """Calibration files in the folder other than this machine's (other CPU, BLAS, threads or versions)."""
+    folder, mine = calibration_folder(), calibration_path()
+    if folder is None:
+        return []
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [os.path.join(folder, n) for n in names
+            if n.startswith(FILE_PREFIX) and n.endswith(".json") and os.path.join(folder, n) != mine]
+
+
+def clear() -> str | None:
+    """Remove this machine's stored calibration (and forget it in this process); the file removed, or None."""
+    global _current
+    with _lock:
+        _current = False
+    path = calibration_path()
+    if path is not None and os.path.exists(path):
+        with _suppress_os():
+            os.unlink(path)
+            return path
+    return None
+
+
+def current() -> dict | None:
+    """The calibration ``method="auto"`` uses in this process (loaded once), or None."""
+    global _current
+    with _lock:
+        if _current is None:
+            _current = load() or False
+        return _current or None
+
+
+def forget() -> None:
+    """Drop what this process remembers (the calibration and the key); the next use reads the file again."""
+    global _current, _key_memo, _blas_memo
+    with _lock:
+        _current = None
+        _key_memo = None
+        _blas_memo = None
+
+
+def use(cal: dict | None) -> None:
+    """Use ``cal`` (a dict as :func:`calibrate` returns) in this process without storing it; None: none."""
+    global _current
+    with _lock:
+        _current = cal if cal is not None else False
+
+
+# ---------------------------------------------------------------------------
+# Measuring
+# ---------------------------------------------------------------------------
+def tuned_rules() -> list:
+    """The rules of :data:`RULES` with both a causal CPU scan and a chunked kernel registered."""
+    from .ops import methods  # noqa: F401  (registers the built-in methods)
+    from .ops.registry import available_methods
+
+    return [r for r in RULES if {"scan", "chunked"} <= set(available_methods(causal=True, device="cpu", rule=r))]
+
+
+def _problem(rule, dtype, batch, n, dim, rng):
+    import numpy as np
+
+    q, k, v = (rng.standard_normal((batch, n, dim)).astype(dtype) for _ in range(3))
+    kw = {"causal": True}
+    if rule in ("delta", "gated_delta"):
+        kw["feature_map"] = "l2"
+        kw["beta"] = rng.uniform(0.1, 0.9, (batch, n))
+    if rule in ("decay", "gated_delta"):
+        kw["log_decay"] = rng.uniform(-0.1, -0.001, (batch, n))
+    if rule == "gate":
+        kw["log_decay"] = rng.uniform(-0.1, -0.001, (batch, n, dim))
+    return q, k, v, kw
+
+
+def _time_pair(rule, dtype, batch, n, dim, rounds, rng):
+    """The scan's and the chunked kernel's median times (seconds) and the median of their ratios
+    (chunked / scan, each round's pair timed back to back, so that a change of load falls on both)."""
+    from .attention import linear_attention
+
+    q, k, v, kw = _problem(rule, dtype, batch, n, dim, rng)
+    inner = 1
+    for method in ("scan", "chunked"):
+        linear_attention(q, k, v, method=method, **kw)  # compile or load, page in
+        t = time.perf_counter()
+        linear_attention(q, k, v, method=method, **kw)
+        inner = max(inner, min(50, int(2e-3 / max(time.perf_counter() - t, 1e-7))))
+    times = {"scan": [], "chunked": []}
+    for r in range(rounds):
+        for method in (("scan", "chunked") if r % 2 == 0 else ("chunked", "scan")):
+            t = time.perf_counter()
+            for _ in range(inner):
+                linear_attention(q, k, v, method=method, **kw)
+            times[method].append((time.perf_counter() - t) / inner)
+    ratio = statistics.median(c / s for s, c in zip(times["scan"], times["chunked"]))
+    return statistics.median(times["scan"]), statistics.median(times["chunked"]), ratio
+
+
+def rows_from(sizes, ratios) -> list:
+    """The ``[max_n, method]`` rows of ``config.AUTO_METHODS`` that follow from measured ratios.
+
+    ``ratios[i]`` is the chunked kernel's time over the scan's at
+    ``sizes[i]``.  The rows switch method at most once (one method
+    throughout, or one up to a length and the other above), at the switch
+    that loses least, summed over the measured lengths, against the faster
+    method at each (``sum log(t_chosen / t_fastest)``): a single length where
+    the two are within noise of each other cannot create a row of its own.
+    The switch lies at the geometric mean of the two measured lengths around
+    it.
+    """
+    loss_scan = [max(0.0, -math.log(r)) for r in ratios]  # choosing the scan where chunked is faster
+    loss_chunked = [max(0.0, math.log(r)) for r in ratios]
+    best = None
+    for first, second in (("scan", "chunked"), ("chunked", "scan")):
+        for b in range(len(ratios) + 1):  # the first b lengths take `first`
+            if b in (0, len(ratios)) and first == "chunked":
+                continue  # one method throughout: counted once, under ("scan", "chunked")
+            lose = {"scan": loss_scan, "chunked": loss_chunked}
+            loss = sum(lose[first][:b]) + sum(lose[second][b:])
+            switches = 0 if b in (0, len(ratios)) else 1
+            cand = (loss + 1e-3 * switches, switches, first, b)
+            if best is None or cand < best:
+                best = cand
+    _, _, first, b = best
+    second = "chunked" if first == "scan" else "scan"
+    if b == 0:
+        return [[None, second]]
+    if b == len(ratios):
+        return [[None, first]]
+    return [[math.isqrt(int(sizes[b - 1]) * int(sizes[b])), first], [None, second]]
+
+
+def crossover(rows):
+    """The smallest N from which ``rows`` choose the chunked kernel for every longer sequence (None: never)."""
+    if rows[-1][1] != "chunked":
+        return None
+    return 1 if len(rows) == 1 else int(rows[-2][0]) + 1
+
+
+def calibrate(rules=None, dtypes=DTYPES, *, quick=False, progress=None, seed=0) -> dict:
+    """Time the scan against the chunked kernel on this CPU and BLAS.
+
+    Parameters
+    ----------
+    rules : sequence of str, optional
+        Update rules (default: :func:`tuned_rules`).
+    dtypes : sequence of str
+        ``"float32"`` and/or ``"float64"``.
+    quick : bool
+        The sizes of :data:`QUICK` (a smoke test) instead of :data:`FULL`.
+    progress : callable, optional
+        Called with ``(rule, dtype)`` before each pair is timed.
+    seed : int
+
+    Returns
+    -------
+    dict
+        ``format``, ``key`` (:func:`calibration_key`), ``created``,
+        ``setting`` (sizes, batch, dim, rounds) and ``entries``:
+        ``"<rule>/<dtype>" -> {"n", "scan_ms", "chunked_ms", "ratio", "rows",
+        "crossover"}`` (times: medians in ms; ``ratio``: the median of the
+        rounds' chunked / scan ratios; ``rows`` from :func:`rows_from`).  Store it with :func:`save`.
+    """
+    import numpy as np
+
+    global _busy
+    setting = dict(QUICK if quick else FULL)
+    rules = tuned_rules() if rules is None else list(rules)
+    rng = np.random.default_rng(seed)
+    entries = {}
+    with _lock:
+        was, _busy = _busy, True
+    try:
+        for rule in rules:
+            for dtype in dtypes:
+                if progress is not None:
+                    progress(rule, dtype)
+                scan, chunked, ratio = [], [], []
+                for n in setting["sizes"]:
+                    s, c, r = _time_pair(rule, np.dtype(dtype), setting["batch"], n, setting["dim"],
+                                         setting["rounds"], rng)
+                    scan.append(s * 1e3)
+                    chunked.append(c * 1e3)
+                    ratio.append(r)
+                sizes = list(setting["sizes"])
+                rows = rows_from(sizes, ratio)
+                entries[f"{rule}/{np.dtype(dtype).name}"] = {
+                    "n": sizes, "scan_ms": scan, "chunked_ms": chunked, "ratio": ratio,
+                    "rows": rows, "crossover": crossover(rows)}
+    finally:
+        with _lock:
+            _busy = was
+    return {"format": FORMAT, "key": calibration_key(),
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "setting": {**{k: list(v) if isinstance(v, tuple) else v for k, v in setting.items()},
+                        "quick": bool(quick)},
+            "entries": entries}
+
+
+def merge(old: dict | None, new: dict) -> dict:
+    """``new`` with the entries of ``old`` it does not have (same key and sizes only)."""
+    if not old or old.get("key") != new.get("key") or old.get("setting") != new.get("setting"):
+        return new
+    out = dict(new)
+    out["entries"] = {**old.get("entries", {}), **new["entries"]}
+    return out
+
+
+# ---------------------------------------------------------------------------
+# method="auto"
+# ---------------------------------------------------------------------------
+def mode() -> str:
+    """``config.AUTO_TUNE``, checked."""
+    m = str(config.AUTO_TUNE).strip().lower()
+    if m not in MODES:
+        raise ValueError(f"config.AUTO_TUNE (LINATTN_AUTO_TUNE) is {config.AUTO_TUNE!r}; "
+                         f"choose one of {', '.join(map(repr, MODES))}")
+    return m
+
+
+def _no_files() -> bool:
+    folder = calibration_folder()
+    if folder is None:
+        return True
+    try:
+        return not any(name.startswith(FILE_PREFIX) for name in os.listdir(folder))
+    except OSError:
+        return True
+
+
+def auto_rows(rule: str, dtype) -> list | None:
+    """The calibrated ``(max_n, method)`` rows for the causal CPU ``rule`` and ``dtype``, or None.
+
+    None means: use ``config.AUTO_METHODS``.  ``config.AUTO_TUNE`` decides:
+    ``"off"`` always None; ``"load"`` the stored calibration (read once per
+    process); ``"first-use"`` the same, and when it has no entry for the
+    rule and dtype, times them now (a few seconds, said on stderr) and stores
+    the result.
+    """
+    global _current
+    m = mode()
+    if m == "off":
+        return None
+    name = "float64" if str(getattr(dtype, "name", dtype)) == "float64" else "float32"
+    entry_key = f"{rule}/{name}"
+    with _lock:
+        cal = _current
+        if cal is None:  # first look in this process
+            cal = _current = (False if m == "load" and _no_files() else (load() or False))
+        if cal and entry_key in cal["entries"] and not cal.get("setting", {}).get("quick"):
+            return [tuple(r) for r in cal["entries"][entry_key]["rows"]]
+        if m != "first-use" or _busy or rule not in RULES:
+            return None
+    return _first_use(rule, name, entry_key)
+
+
+def _first_use(rule, name, entry_key):
+    global _busy
+    with _lock:
+        if _busy:
+            return None
+        _busy = True
+    try:
+        if rule not in tuned_rules():
+            return None
+        print(f"linattn_nb: timing the scan against the chunked kernel for rule {rule!r}, {name}, once on "
+              "this CPU and BLAS (a few seconds; `linattn tune` does it ahead, LINATTN_AUTO_TUNE=load skips it)",
+              file=sys.stderr, flush=True)
+        new = calibrate([rule], [name])
+        with _lock:
+            cal = merge(_current or None, new)
+        save(cal)
+        return [tuple(r) for r in cal["entries"][entry_key]["rows"]]
+    finally:
+        with _lock:
+            _busy = False
+
+
+def status_line() -> str:
+    """The calibration ``method="auto"`` uses here, in one line (for ``linattn info``)."""
+    try:
+        m = mode()
+    except ValueError as exc:
+        return str(exc)
+    cal = load()
+    if cal is None:
+        return f"none stored for this machine; constants (config.AUTO_METHODS), AUTO_TUNE={m}"
+    cross = ", ".join(f"{k} {e['crossover'] if e['crossover'] is not None else 'never'}"
+                      for k, e in sorted(cal["entries"].items()))
+    if cal.get("setting", {}).get("quick"):
+        use = "a --quick smoke test, not used"
+    else:
+        use = "used" if m != "off" else "not used: AUTO_TUNE=off"
+    return f"stored {cal['created']} ({use}); chunked from N = {cross}"

@@ -1,0 +1,252 @@
+"""The calibration of method="auto" on the CPU (linattn_nb._tune), ``linattn tune`` and the BLAS lines of ``linattn info``."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from linattn_nb import _cache, _tune, cli, config
+from linattn_nb.ops.registry import select_auto
+
+ROOT = Path(__file__).resolve().parents[1]
+KW = dict(causal=True, device="cpu", batch=16, d=64, m=64)
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    """Calibrations go to a temporary folder, and the process forgets the one it had before and after."""
+    monkeypatch.setattr(_tune, "calibration_folder", lambda: str(tmp_path))
+    _tune.forget()
+    yield tmp_path
+    _tune.forget()
+
+
+def fake(rows_f32=((100, "scan"), (None, "chunked")), *, key=None, quick=False):
+    rows = [list(r) for r in rows_f32]
+    return {"format": _tune.FORMAT, "key": _tune.calibration_key() if key is None else key,
+            "created": "2026-01-01T00:00:00+00:00",
+            "setting": {**{k: list(v) if isinstance(v, tuple) else v for k, v in _tune.FULL.items()}, "quick": quick},
+            "entries": {"additive/float32": {"n": [1, 4096], "scan_ms": [0.1, 20.0], "chunked_ms": [0.2, 9.0],
+                                             "ratio": [2.0, 0.45], "rows": rows, "crossover": _tune.crossover(rows)}}}
+
+
+def constant_edge():
+    rows = config.AUTO_METHODS[("additive", True, "cpu")]
+    assert rows[0][1] == "scan" and rows[-1] == (None, "chunked")
+    return rows[0][0]
+
+
+def test_round_trip(folder):
+    cal = fake()
+    path = _tune.save(cal)
+    assert path is not None and Path(path).parent == folder and Path(path).name.startswith(_tune.FILE_PREFIX)
+    assert [p.name for p in folder.iterdir()] == [Path(path).name]  # the temporary file was renamed
+    _tune.forget()
+    assert _tune.load() == cal
+    assert _tune.clear() == path and not Path(path).exists() and _tune.load() is None
+
+
+def test_no_folder_keeps_it_in_memory(monkeypatch):
+    monkeypatch.setattr(_tune, "calibration_folder", lambda: None)
+    monkeypatch.setattr(config, "AUTO_TUNE", "load")
+    _tune.forget()
+    try:
+        assert _tune.save(fake()) is None
+        assert select_auto(n=100, dtype=np.float32, **KW) == "scan"
+    finally:
+        _tune.forget()
+
+
+@pytest.mark.parametrize("what", ["cpu", "blas", "blas_env", "linattn_nb", "numba", "format"])
+def test_other_machine_blas_or_version_is_ignored(folder, monkeypatch, what):
+    monkeypatch.setattr(config, "AUTO_TUNE", "load")
+    cal = fake()
+    key = dict(cal["key"])
+    if what == "cpu":
+        key["cpu"] = "Some Other CPU"
+    elif what == "blas":
+        key["blas"] = [{"internal_api": "openblas", "architecture": "Prescott", "version": "0.1"}]
+    elif what == "blas_env":
+        key["blas_env"] = {"OPENBLAS_CORETYPE": "Sandybridge"}
+    elif what in ("linattn_nb", "numba"):
+        key[what] = "0.0.0"
+    if what == "format":
+        cal["format"] = _tune.FORMAT + 1
+    cal["key"] = key
+    # under this machine's file name, as if copied from elsewhere
+    Path(_tune.calibration_path()).write_text(json.dumps(cal))
+    assert _tune.load() is None
+    assert select_auto(n=100, dtype=np.float32, **KW) == ("scan" if constant_edge() >= 100 else "chunked")
+
+
+@pytest.mark.parametrize("text", ["{not json", "", "[]", "null",
+                                  '{"format": 1, "key": "KEY", "entries": {"additive/float32": {"rows": [[4, "x"]]}}}',
+                                  '{"format": 1, "key": "KEY", "entries": {"additive/float32": {"rows": [[4, "scan"]]}}}',
+                                  '{"format": 1, "key": "KEY", "entries": {"additive/float32": '
+                                  '{"rows": [[8, "scan"], [4, "chunked"], [null, "scan"]]}}}'])
+def test_corrupt_file_is_ignored(folder, monkeypatch, text):
+    monkeypatch.setattr(config, "AUTO_TUNE", "load")
+    Path(_tune.calibration_path()).write_text(text.replace('"KEY"', json.dumps(_tune.calibration_key())))
+    assert _tune.load() is None
+    edge = constant_edge()
+    assert select_auto(n=edge, dtype=np.float32, **KW) == "scan"
+    assert select_auto(n=edge + 1, dtype=np.float32, **KW) == "chunked"
+
+
+def test_auto_uses_the_stored_calibration(folder, monkeypatch):
+    monkeypatch.setattr(config, "AUTO_TUNE", "load")
+    _tune.save(fake([(100, "scan"), (None, "chunked")]))
+    _tune.forget()  # read from the file
+    assert select_auto(n=100, dtype=np.float32, **KW) == "scan"
+    assert select_auto(n=101, dtype=np.float32, **KW) == "chunked"
+    assert select_auto(n=100, dtype=np.float16, **KW) == "scan"  # float16 runs in float32
+    # no entry for float64 or for the decay rule: the constants
+    edge = constant_edge()
+    assert select_auto(n=edge + 1, dtype=np.float64, **KW) == "chunked"
+    assert select_auto(n=100, dtype=np.float32, rule="decay", **KW) == "chunked"
+    # non-causal and CUDA tables are never replaced
+    assert select_auto(causal=False, device="cpu", batch=16, n=50, d=64, m=64, dtype=np.float32) == "aggregate"
+    # a scan everywhere (an AVX2-only BLAS, say), through the front end's choice
+    _tune.use(fake([(None, "scan")]))
+    from linattn_nb._frontend import choose_method
+
+    m = choose_method("auto", rule="additive", causal=True, device="cpu", batch=16, n=65536, f=64, m=64,
+                      dtype=np.float32)
+    assert m.name == "scan"
+
+
+def test_constants_when_tuning_is_off(folder, monkeypatch):
+    _tune.save(fake([(None, "scan")]))
+    _tune.forget()
+    monkeypatch.setattr(config, "AUTO_TUNE", "off")
+    assert select_auto(n=4096, dtype=np.float32, **KW) == "chunked"
+    monkeypatch.setattr(config, "AUTO_TUNE", "load")
+    assert select_auto(n=4096, dtype=np.float32, **KW) == "scan"
+    monkeypatch.setattr(config, "AUTO_TUNE", "sometimes")
+    with pytest.raises(ValueError, match="AUTO_TUNE"):
+        select_auto(n=4096, dtype=np.float32, **KW)
+
+
+def test_quick_calibration_is_not_used(folder, monkeypatch):
+    monkeypatch.setattr(config, "AUTO_TUNE", "load")
+    _tune.save(fake([(None, "scan")], quick=True))
+    _tune.forget()
+    assert select_auto(n=4096, dtype=np.float32, **KW) == "chunked"
+
+
+def test_first_use_measures_once_and_stores(folder, monkeypatch, capsys):
+    monkeypatch.setattr(config, "AUTO_TUNE", "first-use")
+    calls = []
+
+    def calibrate(rules, dtypes, **kw):
+        calls.append((list(rules), list(dtypes)))
+        cal = fake([(5000, "scan"), (None, "chunked")])
+        cal["entries"] = {f"{rules[0]}/{dtypes[0]}": cal["entries"]["additive/float32"]}
+        return cal
+
+    monkeypatch.setattr(_tune, "calibrate", calibrate)
+    assert select_auto(n=4096, dtype=np.float32, **KW) == "scan"
+    assert select_auto(n=5001, dtype=np.float32, **KW) == "chunked"
+    assert calls == [(["additive"], ["float32"])]
+    assert "linattn_nb: timing the scan against the chunked kernel" in capsys.readouterr().err
+    assert select_auto(n=4096, dtype=np.float64, **KW) == "scan"  # one more (rule, dtype), merged
+    assert calls[-1] == (["additive"], ["float64"])
+    _tune.forget()
+    monkeypatch.setattr(config, "AUTO_TUNE", "load")
+    assert set(_tune.load()["entries"]) == {"additive/float32", "additive/float64"}
+    assert select_auto(n=4096, dtype=np.float64, **KW) == "scan" and len(calls) == 2
+
+
+def test_rows_from_timings():
+    n = [1, 2, 4, 8, 16, 64, 256, 1024, 4096]
+    rows = _tune.rows_from(n, [1.5, 1.2, 0.8, 0.5, 0.4, 0.4, 0.5, 0.45, 0.45])
+    assert rows == [[2, "scan"], [None, "chunked"]] and _tune.crossover(rows) == 3
+    # one length within noise does not make a row of its own
+    rows = _tune.rows_from(n, [1.5, 1.2, 0.8, 0.5, 1.02, 0.4, 0.5, 0.45, 0.45])
+    assert rows == [[2, "scan"], [None, "chunked"]]
+    rows = _tune.rows_from(n, [1.5, 1.2, 1.1, 1.1, 1.2, 1.1, 1.15, 1.12, 1.14])  # an AVX2 BLAS on AVX-512
+    assert rows == [[None, "scan"]] and _tune.crossover(rows) is None
+    rows = _tune.rows_from(n, [0.5] * 9)
+    assert rows == [[None, "chunked"]] and _tune.crossover(rows) == 1
+    rows = _tune.rows_from(n, [1.5, 0.8, 0.8, 0.8, 0.9, 1.2, 1.3, 1.2, 1.2])
+    assert rows == [[32, "chunked"], [None, "scan"]] and _tune.crossover(rows) is None
+
+
+def test_forced_kernel_warnings():
+    avx512, avx2 = {"sse2", "avx", "avx2", "avx512f"}, {"sse2", "avx", "avx2"}
+    lib = {"internal_api": "openblas", "version": "0.3.30", "num_threads": 2,
+           "filepath": "/x/site-packages/scipy.libs/libscipy_openblas.so"}
+    haswell, skx = dict(lib, architecture="Haswell"), dict(lib, architecture="SkylakeX")
+    assert _tune.forced_kernel_warnings([skx], avx512, {}) == []
+    assert _tune.forced_kernel_warnings([haswell], avx2, {}) == []
+    (w,) = _tune.forced_kernel_warnings([haswell], avx512, {"OPENBLAS_CORETYPE": "Haswell"})
+    assert "Haswell" in w and "AVX-512" in w and "OPENBLAS_CORETYPE=Haswell" in w and "scipy" in w
+    assert _tune.forced_kernel_warnings([dict(lib, architecture="Sandybridge")], avx2, {})
+    assert _tune.forced_kernel_warnings([skx], avx512, {"MKL_ENABLE_INSTRUCTIONS": "AVX2"})
+    assert not _tune.forced_kernel_warnings([skx], avx512, {"MKL_ENABLE_INSTRUCTIONS": "AVX512"})
+    assert "scipy" in _tune.blas_line([haswell]) and "Haswell" in _tune.blas_line([haswell])
+
+
+def test_info_shows_blas_and_calibration(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    lines = {line[:12].strip(): line[13:] for line in out.splitlines()}
+    assert "threads" in lines["threading"] and "not started" not in lines["threading"]
+    assert lines["blas"] and "threads" in lines["blas"]
+    assert "blas env" in lines and "auto tune" in lines and "cpu" in lines
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "NUMBA_CACHE_DIR")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+@pytest.mark.skipif("avx512f" not in (_tune.cpu_flags() or ()), reason="the CPU has no AVX-512")
+def test_info_warns_about_avx2_kernels_forced_on_avx512():
+    # the one place the tests set OPENBLAS_CORETYPE: in this subprocess only
+    proc = subprocess.run([sys.executable, "-m", "linattn_nb.cli", "info"], capture_output=True, text=True,
+                          env=_env(OPENBLAS_CORETYPE="Haswell"), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "OPENBLAS_CORETYPE=Haswell" in proc.stdout
+    warning = [line for line in proc.stdout.splitlines() if line.startswith("WARNING")]
+    assert warning and "Haswell" in warning[0] and "AVX-512" in warning[0]
+
+
+def test_tune_command(tmp_path, folder, capsys):
+    # the kernels the quick calibration runs, compiled here and handed to the subprocess's cache folder
+    _tune.calibrate(["additive"], ["float32"], quick=True)
+    src = _cache.cache_folder()[0]
+    if src is not None and os.path.isdir(src):
+        shutil.copytree(src, tmp_path / "cache" / os.path.basename(src))
+    proc = subprocess.run([sys.executable, "-m", "linattn_nb.cli", "tune", "--quick", "--rules", "additive",
+                           "--dtypes", "float32"], capture_output=True, text=True, timeout=300,
+                          env=_env(LINATTN_CACHE_DIR=str(tmp_path / "cache")))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.startswith("machine: CPU ") and "BLAS" in out.splitlines()[0]
+    assert "additive/float32" in out and "chunked/scan" in out
+    stored = [line for line in out.splitlines() if line.startswith("stored in ")]
+    assert stored
+    path = Path(stored[0][len("stored in "):])
+    assert path.is_file() and (tmp_path / "cache") in path.parents
+    cal = json.loads(path.read_text())
+    assert cal["setting"]["quick"] is True and list(cal["entries"]) == ["additive/float32"]
+    assert cal["entries"]["additive/float32"]["n"] == list(_tune.QUICK["sizes"])
+    # --show and --clear, here on a copy in this process's (temporary) folder
+    shutil.copy(path, _tune.calibration_path())
+    capsys.readouterr()
+    assert cli.main(["tune", "--show"]) == 0
+    assert "additive/float32" in capsys.readouterr().out
+    assert cli.main(["tune", "--clear"]) == 0
+    assert "removed" in capsys.readouterr().out and not Path(_tune.calibration_path()).exists()
+    assert cli.main(["tune", "--show"]) == 0
+    assert "no calibration stored" in capsys.readouterr().out
+    assert cli.main(["tune", "--rules", "nonexistent"]) == 2
