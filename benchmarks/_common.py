@@ -47,6 +47,26 @@ def sgemm_gflops(n=2048, repeats=5):
     return 2.0 * n**3 / t / 1e9
 
 
+def machine_line() -> str:
+    """One line naming the machine: CPU, Numba threads, the BLAS libraries (kernels, version,
+    threads) and environment overrides of the BLAS kernels (``linattn_nb._tune.machine_line``,
+    the line ``linattn info`` and ``linattn tune`` print), plus the load average."""
+    from linattn_nb._tune import machine_line as line
+
+    try:
+        load = f"; load average {os.getloadavg()[0]:.2f}"
+    except (OSError, AttributeError):
+        load = ""
+    return line() + load
+
+
+def print_machine(prefix: str = "") -> str:
+    """Print :func:`machine_line` (after ``prefix``, e.g. ``"# "``) and return it: every benchmark's header."""
+    line = machine_line()
+    print(f"{prefix}machine: {line}", flush=True)
+    return line
+
+
 def machine() -> dict:
     cpu = platform.processor() or ""
     try:
@@ -75,6 +95,12 @@ def machine() -> dict:
         info["load_avg_1m"] = os.getloadavg()[0]
     except OSError:
         pass
+    from linattn_nb import _tune
+
+    info["blas"] = [{k: lib.get(k) for k in ("internal_api", "architecture", "version", "num_threads", "filepath")}
+                    for lib in _tune.blas_libraries()]
+    info["blas_env"] = _tune.blas_env()
+    info["machine_line"] = _tune.machine_line()
     return info
 
 
@@ -176,6 +202,7 @@ def run_rule_bench(name, args, speed, accuracy, *, setting, columns, accuracy_se
     import numba
 
     print(f"CPU: {cpu_model()}, {numba.get_num_threads()} Numba threads")
+    print_machine()
     print(f"speed: {setting}; medians of {args.rounds} interleaved rounds ({args.inner} calls each)")
     rows, targets, all_ms = speed(args)
     print(table(rows, ["case", *columns], {c: "{:.2f}" for c in columns}))

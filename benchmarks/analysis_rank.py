@@ -47,6 +47,9 @@ def main(argv=None):
         attention_rank(small[0], small[1], m)
         semiseparable_rank(small[0], small[1], m)
 
+    from _common import print_machine
+
+    print_machine()
     rows = []
     print(f"{'map':>6} {'N':>9} {'D_phi':>6} {'features s':>11} {'R factor s':>11} "
           f"{'attn_rank s':>12} {'rank':>5} {'semisep s':>10} {'semisep':>8}")

@@ -46,6 +46,9 @@ def main(argv=None):
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     rng = np.random.default_rng(0)
     rows = []
+    from _common import print_machine
+
+    print_machine()
     print(f"numba {numba.__version__}, {numba.config.NUMBA_NUM_THREADS} threads, {os.cpu_count()} CPUs, "
           f"{platform.processor() or platform.machine()}")
     print(f"{'map':>8} {'causal':>6} {'B':>3} {'N':>6} {'D':>4} {'wall s':>8} {'cpu s':>8}  tv_mean  monotonicity")

@@ -20,7 +20,7 @@ import argparse
 
 import numpy as np
 
-from _common import machine, table, write_json
+from _common import machine, print_machine, table, write_json
 
 from linattn_nb import linear_attention  # noqa: E402
 
@@ -73,6 +73,7 @@ def main(argv=None):
                      "rel_fro_last": rel(o, ref16, last)})
         rows.append({"case": "float16 rounding of the exact result (floor)", "rel_fro": floor,
                      "rel_fro_last": rel(ref16.astype(np.float16), ref16, last)})
+    print_machine("# ")
     print(f"# causal accuracy, B*H={B}, N={N}, D={D}, M={M}, elu, Gaussian inputs -- {info['date']}, {info['cpu']}")
     print(table(rows, ["case", "rel_fro", "rel_fro_last"], {"rel_fro": "{:.3e}", "rel_fro_last": "{:.3e}"}))
     print(f"targets (float32 chunked): rel_fro <= 5e-7, rel_fro_last (last {last} rows) <= 1e-6")

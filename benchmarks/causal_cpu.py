@@ -47,7 +47,7 @@ import time
 
 import numpy as np
 
-from _common import cpu_model, machine, median_time, sgemm_gflops, table, write_json
+from _common import cpu_model, machine, median_time, print_machine, sgemm_gflops, table, write_json
 
 import linattn_nb  # noqa: E402  (path set by _common)
 from linattn_nb import linear_attention, softmax_attention  # noqa: E402
@@ -113,6 +113,7 @@ def run_table(args):
     info["torch"] = torch_version()
     ns = [int(x) for x in args.ns.split(",") if x]
     dtypes = [np.dtype(x) for x in args.dtypes.split(",") if x]
+    print_machine("# ")
     print(f"# causal forward, B*H={BH}, D=M={D}, feature map elu -- {info['date']}, {info['cpu']}, "
           f"{info['logical_cpus']} logical CPUs, numba threads {info['numba_threads']}")
     sg0 = sgemm_gflops()
@@ -272,6 +273,7 @@ def run_check_cost(args):
     info = machine()
     info["lscpu_model"] = cpu_model()
     rounds = max(args.headline_rounds, 3)
+    print_machine("# ")
     print(f"# cost of check_finite=True, B*H={BH}, D=M={D}, float32, elu -- {info['date']}, "
           f"CPU {info['lscpu_model']}, {info['logical_cpus']} logical CPUs, numba threads "
           f"{info['numba_threads']}, {rounds} interleaved rounds")
@@ -325,6 +327,7 @@ def run_sweep_chunk(args):
 
     info = machine()
     sg = sgemm_gflops()
+    print_machine("# ")
     print(f"# chunk / row-block sweep, B*H={BH} -- {info['date']}, sgemm {sg:.1f} GFLOP/s, "
           f"numba threads {info['numba_threads']}")
     rows = []
@@ -365,6 +368,7 @@ def run_sweep_chunk(args):
 
 def run_sweep_auto(args):
     info = machine()
+    print_machine("# ")
     print(f"# scan vs chunked at small N, B*H={BH}, D=M={D} -- {info['date']}")
     rows = []
     for dtype in [np.dtype(x) for x in args.dtypes.split(",")]:

@@ -21,7 +21,7 @@ import json
 import subprocess
 import sys
 
-from _common import ROOT, machine, table, write_json
+from _common import ROOT, machine, print_machine, table, write_json
 
 CHILD = r"""
 import json, os, resource, sys
@@ -92,6 +92,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     info = machine()
     rows = [measure(m, args.b, args.n, args.d, args.m, args.dtype) for m in args.methods.split(",")]
+    print_machine("# ")
     print(f"# peak RSS, causal, B*H={args.b}, N={args.n}, D={args.d}, M={args.m}, {args.dtype} "
           f"-- {info['date']}, {info['cpu']}")
     print(table(rows, ["method", "io_GiB", "baseline_GiB", "peak_GiB", "peak_over_io", "extra_GiB", "finite"],

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numba
 import numpy as np
-from _common import ROOT, machine, table, write_json
+from _common import ROOT, machine, print_machine, table, write_json
 from numba import njit
 
 if "--worker" in sys.argv:  # --against: this process times the steps of the checkout named after --worker
@@ -205,6 +205,7 @@ def _against(args):
             raise SystemExit(f"the {k} worker died ({w.p.wait()}): its helpers may not match this script's steps")
         hello[k] = json.loads(line)
     names = hello["new"]["steps"]
+    print_machine("# ")
     print(f"# chunked kernel steps, old against new, one core: B*H={BH}, N={args.n}, D=M={D}, float32, elu, "
           f"chunk {hello['new']['chunk']}/{hello['old']['chunk']} (new/old) -- {info['date']}, {info['cpu']}")
     print(f"# new: {hello['new']['file']}\n# old: {hello['old']['file']}")
@@ -249,6 +250,7 @@ def main(argv=None):
     N = args.n
     steps, C, bs = _steps(N)
     info = machine()
+    print_machine("# ")
     print(f"# chunked kernel, one core: B*H={BH}, N={N}, D=M={D}, float32, elu, chunk {C}, "
           f"row block {bs} -- {info['date']}, {info['cpu']}")
     tokens = {name: BH * N for name in steps}

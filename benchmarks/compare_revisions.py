@@ -346,6 +346,9 @@ def main(argv=None):
         info = {"old": old.ask(op="info"), "new": new.ask(op="info")}
         print(f"# old: {info['old']['file']}\n# new: {info['new']['file']}")
         print(f"# CPU: {_cpu_model()}, {os.cpu_count()} logical CPUs, Numba threads {info['new']['threads']}")
+        from _common import print_machine
+
+        print_machine("# ")
         if args.check:
             ok = check(old, new, Path(os.environ.get("TMPDIR", "/tmp")))
             sys.exit(0 if ok else 1)

@@ -201,6 +201,9 @@ def main(argv=None):
     tokens = [tuple(rng.standard_normal((H, 1, x), dtype=np.float32).astype(dtype) for x in (D, D, M))
               for _ in range(64)]
     info = machine_info()
+    from _common import print_machine
+
+    print_machine("# ")
     print(f"# decode benchmark: H={H}, D=M={D}, {dtype.name}; {info['cpu']}, {info['cores']} cores; "
           f"numba {info['numba']}; {_dt.datetime.now().isoformat(timespec='seconds')}")
     print(f"# state kernel: {'parallel' if H * D * M >= config.STEP_PARALLEL_MIN_WORK else 'serial'} "

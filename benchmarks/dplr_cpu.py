@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import cpu_model, interleaved_medians, machine, table  # noqa: E402
+from _common import cpu_model, interleaved_medians, machine, print_machine, table  # noqa: E402
 
 import linattn_nb as la  # noqa: E402
 
@@ -74,6 +74,7 @@ def main(argv=None) -> int:
     base = med["additive chunked"]
     rows = [{"case": name, "ms": t * 1e3, "rate vs additive chunked": base / t} for name, t in med.items()]
     info = machine()
+    print_machine("# ")
     print(f"# {info['date']} CPU {cpu_model()} ({info['logical_cpus']} logical, numba threads "
           f"{info['numba_threads']}, load {info.get('load_avg_1m', float('nan')):.2f}); BLAS {blas_line()}")
     print(f"# B*H = {BH}, N = {N}, D = M = {D}, float32; medians of {rounds} interleaved rounds")

@@ -38,7 +38,7 @@ import argparse
 import time
 
 import numpy as np
-from _common import machine, table, write_json
+from _common import machine, print_machine, table, write_json
 from numba import njit
 
 from linattn_nb.ops import _vec as V
@@ -193,6 +193,7 @@ def main(argv=None):
         t = float(np.median(times[name]))
         rows.append({"option": name, "ns/element": t / args.n * 1e9, "x kernel": t / base, "max ulp": mx,
                      "mean ulp": mean, "passes": "yes" if mx <= 1.5 and abs(mean) <= 0.1 else "no"})
+    print_machine("# ")
     print(f"# float32 exp options, one core, {args.n} arguments, medians of {args.rounds} interleaved rounds "
           f"-- {info['date']}, {info['cpu']}")
     print(table(rows, ["option", "ns/element", "x kernel", "max ulp", "mean ulp", "passes"],

@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from _common import cpu_model, machine, sgemm_gflops, table, write_json
+from _common import cpu_model, machine, print_machine, sgemm_gflops, table, write_json
 
 MEMORY_CODE = r"""
 import json, resource, sys, tracemalloc
@@ -94,6 +94,7 @@ def main(argv=None):
     mem_n = args.memory_n or (4096 if args.quick else 16384)
 
     info = machine()
+    print_machine()
     print(f"CPU: {cpu_model()}  ({info['logical_cpus']} logical CPUs, numba threads {info['numba_threads']})")
     load0 = os.getloadavg()[0]
     gemm0 = sgemm_gflops()

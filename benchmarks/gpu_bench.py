@@ -200,6 +200,9 @@ def main(argv=None):
         "config": {k: getattr(config, k) for k in dir(config) if k.startswith("CUDA_")},
         "problem": {"B": args.B, "H": args.H, "D": args.D, "M": args.M, "dtype": "float32", "causal": True},
     }
+    from _common import print_machine
+
+    print_machine("# ")
     print(f"# linear attention on {info['name']} (cc {info['cc'][0]}.{info['cc'][1]}, {info['sms']} SMs, "
           f"{info['clock_mhz']:.0f} MHz), {meta['date']}")
     print(f"# roofline: HBM {bw:.2f} TB/s measured by a device copy (attributes say "

@@ -53,7 +53,7 @@ import time
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # this process never launches; subprocesses compile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import ROOT, cpu_model, table, write_json  # noqa: E402
+from _common import ROOT, cpu_model, print_machine, table, write_json  # noqa: E402
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -305,6 +305,7 @@ def main(argv=None):
         ncv = version("numba-cuda")
     except Exception:
         ncv = "?"
+    print_machine("# ")
     print("# gpu_static: sm_90 (H100/H200) resources of linattn_nb's CUDA kernels, no GPU needed")
     print(f"# {_dt.datetime.now().astimezone().isoformat(timespec='seconds')} on {cpu_model()} "
           f"({os.cpu_count()} CPUs), python {platform.python_version()}, numba {numba.__version__}, "

@@ -201,6 +201,9 @@ def main(argv=None):
     warm = np.random.default_rng(1).standard_normal((4096, 8))
     for fn in ways.values():  # compile / load LAPACK
         fn(warm)
+    from _common import print_machine
+
+    print_machine()
     print(f"date: {time.strftime('%Y-%m-%d %H:%M')}")
     print(f"CPU: {cpu_model()} ({platform.machine()}), {__import__('os').cpu_count()} logical CPUs")
     for info in threadpoolctl.threadpool_info():

@@ -28,6 +28,9 @@ def main(argv=None):
     ap.add_argument("--trials", type=int, default=3)
     args = ap.parse_args(argv)
     maps = [EluFeatureMap(), DpfpFeatureMap(1), DpfpFeatureMap(2), DpfpFeatureMap(3)]
+    from _common import print_machine
+
+    print_machine()
     results = []
     t0 = time.perf_counter()
     for key_scale, label in ((1.0, "N(0,1) keys"), (1 / np.sqrt(args.d), "unit-norm keys")):

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from _common import ROOT, machine, table, write_json
+from _common import ROOT, machine, print_machine, table, write_json
 
 CHILD = (
     "import sys; sys.path.insert(0, {root!r}); import numpy as np, linattn_nb; "
@@ -60,6 +60,7 @@ def main(argv=None):
         {"case": f"warm cache (median of {len(warm)})", "wall_s": statistics.median(warm)},
         {"case": "cold (empty NUMBA_CACHE_DIR)", "wall_s": cold},
     ]
+    print_machine("# ")
     print(f"# start-up, import + one causal call at (1, 1, 128, 64) float32 -- {info['date']}, {info['cpu']}")
     print(table(rows, ["case", "wall_s"], {"wall_s": "{:.2f}"}))
     print("target: warm <= 2 s")

@@ -35,7 +35,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from _common import cpu_model, interleaved_medians, machine, table, write_json
+from _common import cpu_model, interleaved_medians, machine, print_machine, table, write_json
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -140,6 +140,7 @@ def main(argv=None):
         cases[f"{name}|fwd+bwd"] = fwd_bwd(fn)
     med, times = interleaved_medians(cases, args.rounds, args.inner)
 
+    print_machine()
     print(f"CPU: {cpu_model()}; torch {torch.__version__} ({torch.get_num_threads()} threads), "
           f"Numba {numba.__version__} ({numba.get_num_threads()} threads)")
     print(f"causal ELU+1 normalised linear attention, B*H = {args.bh}, N = {args.n}, D = M = {args.d}, float32; "
