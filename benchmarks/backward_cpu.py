@@ -42,7 +42,7 @@ import sys
 
 import numpy as np
 
-from _common import cpu_model, interleaved_medians, rel_error, table
+from _common import cpu_model, interleaved_medians, print_machine, rel_error, table
 
 import linattn_nb  # noqa: E402
 from linattn_nb import feature_maps as fm  # noqa: E402
@@ -181,6 +181,7 @@ def main(argv=None):
     import numba
 
     print(f"CPU: {cpu_model()}; Numba threads: {numba.get_num_threads()}")
+    print_machine()
     rounds = args.rounds or (3 if args.quick else 7)
     rows = speed(rounds)
     print(f"\nSpeed: B*H = 16, N = 4096, D = M = 64, float32, ELU+1, median of {rounds} interleaved rounds")
