@@ -12,10 +12,16 @@ maintained library for exactly this) and restores the previous limits on
 exit.  Nested and concurrent uses (several Python threads calling kernels)
 share one reference count, so the limit is lifted only when the last user
 leaves.  ``config.CPU_BLAS_SINGLE_THREAD = False`` disables the pinning.
+
+The same context also serialises parallel kernels between Python threads
+when Numba's threading layer is ``workqueue`` (:func:`parallel_calls`):
+that layer aborts the process when two threads enter parallel regions at
+once (docs/threads.md).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 from . import config
@@ -24,6 +30,8 @@ _lock = threading.Lock()
 _controller = None
 _limiter = None
 _depth = 0
+_layer_lock = threading.RLock()
+_layer = None
 
 
 def _blas_controller():
@@ -45,12 +53,23 @@ def single_threaded_blas(when: bool = True):
     time in other Python threads are single-threaded while a kernel runs.
     ``when=False`` makes it do nothing (a launcher that runs its serial
     kernel on the calling thread, where BLAS's own threads may help, passes
-    ``kernel is parallel_kernel``).
+    ``kernel is parallel_kernel``).  Under Numba's ``workqueue`` layer it
+    also lets one Python thread at a time in (:func:`parallel_calls`).
     """
-    global _depth, _limiter
-    if not when or not config.CPU_BLAS_SINGLE_THREAD:
+    if not when:
         yield
         return
+    if not config.CPU_BLAS_SINGLE_THREAD:
+        with parallel_calls():
+            yield
+        return
+    with parallel_calls(), _pinned():
+        yield
+
+
+@contextlib.contextmanager
+def _pinned():
+    global _depth, _limiter
     with _lock:
         if _depth == 0:
             _limiter = _blas_controller().limit(limits=1)
@@ -63,6 +82,58 @@ def single_threaded_blas(when: bool = True):
             if _depth == 0 and _limiter is not None:
                 _limiter.restore_original_limits()
                 _limiter = None
+
+
+def threading_layer() -> str:
+    """Numba's threading layer (``"omp"``, ``"tbb"`` or ``"workqueue"``), starting its threads if need be.
+
+    Numba chooses the layer when the first parallel kernel runs; asking
+    before that starts the thread pool the same way (what the first kernel
+    would do).
+    """
+    global _layer
+    if _layer is None:
+        import numba
+
+        try:
+            _layer = numba.threading_layer()
+        except ValueError:  # no parallel kernel has run yet
+            from numba.np.ufunc import parallel
+
+            parallel._launch_threads()
+            _layer = numba.threading_layer()
+    return _layer
+
+
+@contextlib.contextmanager
+def parallel_calls(when: bool = True):
+    """Context manager: one Python thread at a time inside it when Numba's layer is ``workqueue``.
+
+    Numba's ``workqueue`` layer (the default on macOS wheels, and wherever
+    neither TBB nor OpenMP is found) is not thread-safe: two Python threads
+    in parallel regions at once abort the process ("Concurrent access has
+    been detected").  Launchers of parallel kernels run inside this context
+    (:func:`single_threaded_blas` enters it, and so do the front ends around
+    every launcher), which takes a re-entrant process-wide lock under that
+    layer and does nothing under ``omp`` and ``tbb``, where concurrent
+    regions are safe.
+    """
+    if not when or threading_layer() != "workqueue":
+        yield
+        return
+    with _layer_lock:
+        yield
+
+
+def parallel_entry(fn):
+    """Decorator: ``fn`` runs inside :func:`parallel_calls` (for the front ends that reach parallel kernels)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with parallel_calls():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def blas_threads() -> list:

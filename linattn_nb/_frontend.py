@@ -26,6 +26,7 @@ import numpy as np
 from . import _cuda_dispatch as CD
 from . import _validate as V
 from ._overlap import call_reads, out_overlaps
+from ._blas import parallel_entry
 from . import feature_maps as fm
 from .device import on_device, resolve_device
 from .ops import methods  # noqa: F401  (registers the built-in rules and methods)
@@ -368,6 +369,7 @@ def host_call(q, k, v, *, dev, fmap, eps, causal, method, decay, log_decay, beta
 # ---------------------------------------------------------------------------
 # linear attention
 # ---------------------------------------------------------------------------
+@parallel_entry
 def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check_finite, out, initial_state,
                      return_state, decay=None, log_decay=None, beta=None, normalize=None):
     """The request path of :func:`linattn_nb.linear_attention` (arguments and results as there)."""
@@ -537,6 +539,7 @@ def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initia
 # ---------------------------------------------------------------------------
 # softmax attention
 # ---------------------------------------------------------------------------
+@parallel_entry
 def softmax_attention(q, k, v, *, causal, scale, device, check_finite, method):
     """The request path of :func:`linattn_nb.softmax_attention` (arguments and results as there)."""
     dev = resolve_device(device if device != "cuda" else "auto", q, k, v, names=("q", "k", "v"))

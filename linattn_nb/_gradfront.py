@@ -30,6 +30,7 @@ import numpy as np
 
 from . import _cuda_dispatch as CD
 from . import _validate as V
+from ._blas import parallel_entry
 from ._frontend import (LinearState, featurise, host_array, host_call, host_state, parse_state, resolve_call,
                         state_from_H)
 from .device import on_device
@@ -119,6 +120,7 @@ def _given_shape(name, x):
     return tuple(int(d) for d in x.shape) if on_device(x) else tuple(np.shape(V.as_host_array(name, x)))
 
 
+@parallel_entry
 def prepare(q, k, v, *, feature_map, causal, method, device, eps, check_finite, initial_state, decay=None,
             log_decay=None, beta=None, normalize=None, work=None) -> Request:
     """Validate a gradient request and compute the features (arguments as :func:`linattn_nb.linear_attention`).
@@ -178,6 +180,7 @@ def _floored(req: Request, den):
     return np.where(active, den, req.eps), active
 
 
+@parallel_entry
 def forward(req: Request, want_out: bool = True):
     """``(out, nd, HN)``: the output (batch_shape + (N, M), the input dtype; None when not ``want_out``),
     ``[num | den]`` (B, N, M + 1) in the working dtype and the final state (B, F, M + 1) float64."""
@@ -331,6 +334,7 @@ def _output_gradient(req: Request, nd, g):
     return g1
 
 
+@parallel_entry
 def backward(req: Request, nd, grad_out, grad_state=None) -> VJP:
     """The gradients of a prepared request, given its forward's ``[num | den]`` (see :func:`forward`)."""
     g = _grad_out(grad_out, req)
@@ -380,6 +384,7 @@ def _finite(vjp: VJP) -> bool:
     return all(np.isfinite(x).all() for x in parts if x is not None)
 
 
+@parallel_entry
 def linear_attention_vjp(q, k, v, grad_out, *, feature_map, causal, method, device, eps, check_finite,
                          initial_state, decay=None, log_decay=None, beta=None, normalize=None, grad_state=None):
     """The request path of :func:`linattn_nb.linear_attention_vjp` (arguments and results as there)."""

@@ -25,6 +25,7 @@ from .ops._codes import NORM_FLOOR, NORM_NONE, NORM_RAW
 from .ops._finite import NonFiniteResult, check_finite_values
 from .rules import _dplr as D
 from .rules import get_dplr_rule
+from ._blas import parallel_entry
 
 __all__ = ["dplr_attention", "dplr_attention_vjp", "DPLRVJP", "DPLR_METHODS"]
 
@@ -241,6 +242,7 @@ def _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize
                     (ld, A, Bv, KW, VW), H0, position, norm, eps_v)
 
 
+@parallel_entry
 def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=None, feature_map="elu",
                    method="auto", normalize=False, eps=config.DEFAULT_EPS, check_finite=True, out=None,
                    initial_state=None, return_state=False, device="auto", **rule_arguments):
@@ -501,6 +503,7 @@ def _state_grad(grad_state, lead, F, M):
     return dH
 
 
+@parallel_entry
 def dplr_attention_vjp(q, k, v, grad_out, *, rule=None, a=None, b=None, log_diag=None, beta=None,
                        feature_map="elu", method="auto", normalize=False, eps=config.DEFAULT_EPS,
                        check_finite=True, initial_state=None, grad_state=None, **rule_arguments):

@@ -24,6 +24,7 @@ from .._codes import (KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_SILU_L2, NORM
 from .._common import phi
 from .._rules import is_delta, log_factors, step_inputs, step_normaliser, step_row
 from .._twins import pick, serial_and_parallel
+from ..._blas import parallel_entry
 
 
 # ---------------------------------------------------------------------------
@@ -322,6 +323,7 @@ def flat_inputs(inputs, B, T, F):
     return {name: x.reshape((B, T, F) if name == "log_gate" else (B, T)) for name, x in (inputs or {}).items()}
 
 
+@parallel_entry
 def step(q, k, v, St, z, out, feat, *, code, eps, check, rule=RULE_ADDITIVE, inputs=None, normalize=True):
     """Launcher of the step kernels (serial below ``config.STEP_PARALLEL_MIN_WORK``).
 
@@ -457,6 +459,7 @@ def prefill_kernel(k, v, St, z, code, rule, lg, block):
                     row[i] = g[i] * row[i] + part[m, i] if scaled else row[i] + part[m, i]
 
 
+@parallel_entry
 def prefill(k, v, St, z, feat, *, code, rule=RULE_ADDITIVE, inputs=None, block=None):
     """The state after T tokens (no outputs): :func:`prefill_kernel`, or for the delta rules the step
     kernel without reads (token by token; ``feat`` (2, B, F) scratch in the state dtype)."""

@@ -1,0 +1,77 @@
+"""Parallel kernels called from several Python threads at once, under Numba's ``workqueue`` layer.
+
+That layer (the default of the macOS wheels) aborts the whole process when two
+threads are in parallel regions at the same time; the front ends serialise
+their calls under it (:func:`linattn_nb._blas.parallel_calls`).  The layer is
+chosen once per process, so the check runs in a subprocess.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+
+from linattn_nb import _blas
+
+_SCRIPT = textwrap.dedent("""
+    import sys, threading
+    import numpy as np
+    import numba
+    import linattn_nb
+    from linattn_nb import _blas, config
+
+    if len(sys.argv) > 1:  # the check's own mutation: pretend the layer is thread-safe
+        _blas._layer = "omp"
+    config.CPU_CHUNKED_SERIAL_MAX_WORK = 0  # every call takes the parallel kernels, however small
+    rng = np.random.default_rng(0)
+    q, k, v, g = (rng.standard_normal((8, 256, 16)).astype(np.float32) for _ in range(4))
+    ref = linattn_nb.linear_attention(q, k, v, causal=True)
+    ref_dq = linattn_nb.linear_attention_vjp(q, k, v, g, causal=True).dq
+    print("layer", numba.threading_layer(), flush=True)
+    bad = []
+
+    def run():
+        try:
+            for _ in range(40):
+                ok = np.array_equal(linattn_nb.linear_attention(q, k, v, causal=True), ref)
+                ok &= np.array_equal(linattn_nb.linear_attention_vjp(q, k, v, g, causal=True).dq, ref_dq)
+                if not ok:
+                    bad.append("result differs")
+        except Exception as exc:
+            bad.append(repr(exc))
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print("done", bad, flush=True)
+""")
+
+
+def _run(*args):
+    env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue", NUMBA_NUM_THREADS="2")
+    return subprocess.run([sys.executable, "-c", _SCRIPT, *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+def test_workqueue_calls_from_threads_are_serialised():
+    res = _run()
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "layer workqueue" in res.stdout
+    assert "done []" in res.stdout, res.stdout + res.stderr
+
+
+def test_lock_only_under_workqueue(monkeypatch):
+    # under omp / tbb the context takes no lock: two threads may be inside it at once
+    monkeypatch.setattr(_blas, "_layer", "omp")
+    with _blas.parallel_calls():
+        assert not _blas._layer_lock._is_owned()
+    monkeypatch.setattr(_blas, "_layer", "workqueue")
+    with _blas.parallel_calls(), _blas.single_threaded_blas():  # re-entrant: nested launchers
+        assert _blas._layer_lock._is_owned()
+    assert not _blas._layer_lock._is_owned()
+    assert np.all(np.array(_blas.blas_threads()) >= 1)
