@@ -436,12 +436,16 @@ def _time_pair(rule, dtype, batch, n, dim, rounds, rng):
     from .attention import linear_attention
 
     q, k, v, kw = _problem(rule, dtype, batch, n, dim, rng)
-    inner = 1
+    inner, pair = 1, 0.0
     for method in ("scan", "chunked"):
         linear_attention(q, k, v, method=method, **kw)  # compile or load, page in
         t = time.perf_counter()
         linear_attention(q, k, v, method=method, **kw)
-        inner = max(inner, min(50, int(2e-3 / max(time.perf_counter() - t, 1e-7))))
+        dt = max(time.perf_counter() - t, 1e-7)
+        inner = max(inner, min(50, int(2e-3 / dt)))
+        pair += dt
+    # short calls are cheap and the most disturbed by a busy machine: more rounds for them, up to 0.2 s
+    rounds = max(rounds, min(3 * rounds, int(0.2 / (inner * pair))))
     times = {"scan": [], "chunked": []}
     for r in range(rounds):
         for method in (("scan", "chunked") if r % 2 == 0 else ("chunked", "scan")):
@@ -457,34 +461,30 @@ def rows_from(sizes, ratios) -> list:
     """The ``[max_n, method]`` rows of ``config.AUTO_METHODS`` that follow from measured ratios.
 
     ``ratios[i]`` is the chunked kernel's time over the scan's at
-    ``sizes[i]``.  The rows switch method at most once (one method
-    throughout, or one up to a length and the other above), at the switch
-    that loses least, summed over the measured lengths, against the faster
-    method at each (``sum log(t_chosen / t_fastest)``): a single length where
-    the two are within noise of each other cannot create a row of its own.
-    The switch lies at the geometric mean of the two measured lengths around
-    it.
+    ``sizes[i]``.  The longest sequences decide the last row (the faster
+    method by the mean log ratio of the two longest lengths: their calls are
+    the longest, the least disturbed by a busy machine, and both methods are
+    linear in N beyond them).  Shorter lengths may take the other method up to
+    one switch, placed where it loses least, summed over the measured lengths,
+    against the faster method at each (``sum log(t_chosen / t_fastest)``): a
+    length or two where the two are within noise of each other cannot create
+    rows of their own.  The switch lies at the geometric mean of the two
+    measured lengths around it.
     """
-    loss_scan = [max(0.0, -math.log(r)) for r in ratios]  # choosing the scan where chunked is faster
-    loss_chunked = [max(0.0, math.log(r)) for r in ratios]
-    best = None
-    for first, second in (("scan", "chunked"), ("chunked", "scan")):
-        for b in range(len(ratios) + 1):  # the first b lengths take `first`
-            if b in (0, len(ratios)) and first == "chunked":
-                continue  # one method throughout: counted once, under ("scan", "chunked")
-            lose = {"scan": loss_scan, "chunked": loss_chunked}
-            loss = sum(lose[first][:b]) + sum(lose[second][b:])
-            switches = 0 if b in (0, len(ratios)) else 1
-            cand = (loss + 1e-3 * switches, switches, first, b)
-            if best is None or cand < best:
-                best = cand
-    _, _, first, b = best
-    second = "chunked" if first == "scan" else "scan"
+    logs = [math.log(r) for r in ratios]
+    tail = logs[-2:]
+    last = "chunked" if sum(tail) / len(tail) < 0 else "scan"
+    other = "scan" if last == "chunked" else "chunked"
+    lose = {"scan": [max(0.0, -x) for x in logs], "chunked": [max(0.0, x) for x in logs]}
+    best = (sum(lose[last]), 0)  # (loss, b): the first b lengths take `other`
+    for b in range(1, len(ratios)):
+        loss = sum(lose[other][:b]) + sum(lose[last][b:]) + 1e-3
+        if loss < best[0]:
+            best = (loss, b)
+    b = best[1]
     if b == 0:
-        return [[None, second]]
-    if b == len(ratios):
-        return [[None, first]]
-    return [[math.isqrt(int(sizes[b - 1]) * int(sizes[b])), first], [None, second]]
+        return [[None, last]]
+    return [[math.isqrt(int(sizes[b - 1]) * int(sizes[b])), other], [None, last]]
 
 
 def crossover(rows):
