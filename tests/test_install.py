@@ -279,3 +279,62 @@ def test_prune(tmp_path):
     assert prune(str(tmp_path), keep=None, max_age_days=-1) == []
     prune(str(tmp_path), keep="0.1.0-0123456789abcdef", max_age_days=0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0.1.0-0123456789abcdef", "0.1.0-short", "keepme"]
+
+
+def _major(version: str) -> str:
+    return version.split(".", 1)[0]
+
+
+def _across_major(installed: dict, planned: dict) -> dict:
+    """Packages of ``installed`` that ``planned`` gives another major version: name -> (installed, planned)."""
+    return {n: (installed[n], v) for n, v in planned.items()
+            if n in installed and n != "linattn-nb" and _major(installed[n]) != _major(v)}
+
+
+def test_extras_one_after_another_replace_nothing_across_a_major_version(tmp_path):
+    """The main command's extra (``report``), then ``[torch]``, then ``[cuda]`` and ``[torch]`` again, in one fresh venv.
+
+    No install replaces a package an earlier extra installed with another major
+    version (``cuda`` followed by ``torch`` used to swap the CUDA 12 toolkit for
+    CUDA 13).  ``[torch]`` is resolved by pip (``--dry-run --report``) inside the
+    venv the earlier installs filled, which reads what it would replace without
+    downloading torch's wheels.  The main command's install pulls no CUDA
+    toolkit and no dask.
+    """
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=300)
+    py = venv / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
+    env = _clean_env()
+
+    def norm(name):
+        return name.lower().replace("_", "-")
+
+    def installed():
+        listed = _run([py, "-m", "pip", "list", "--format", "json"], cwd=tmp_path, env=env).stdout
+        return {norm(p["name"]): p["version"] for p in json.loads(listed)}
+
+    def torch_plan():
+        report = tmp_path / "torch.json"
+        _run([py, "-m", "pip", "install", "-q", "--dry-run", "--report", report, f"{ROOT}[torch]"], cwd=tmp_path,
+             env=env, timeout=900)
+        plan = {norm(i["metadata"]["name"]): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+        assert "torch" in plan, sorted(plan)
+        return plan
+
+    bare = installed()  # pip and setuptools come with the venv, not from an extra
+    _run([py, "-m", "pip", "install", "-q", f"{ROOT}[report]"], cwd=tmp_path, env=env, timeout=900)
+    first = {n: v for n, v in installed().items() if n not in bare}
+    for name in ("numba", "numpy", "scipy", "matplotlib", "linattn-nb"):
+        assert name in first, f"{name} missing after the main command's install: {sorted(first)}"
+    cuda = sorted(n for n in first if n.startswith(("nvidia-", "cuda-", "numba-cuda")))
+    assert not cuda, f"the main command's install pulled CUDA packages: {cuda}"
+    assert "dask" not in first and "distributed" not in first
+    changed = _across_major(first, torch_plan())
+    assert not changed, f"[torch] after the main command would replace (installed, planned): {changed}"
+
+    _run([py, "-m", "pip", "install", "-q", f"{ROOT}[cuda]"], cwd=tmp_path, env=env, timeout=900)
+    second = {n: v for n, v in installed().items() if n not in bare}
+    changed = _across_major(first, second)
+    assert not changed, f"[cuda] after the main command replaced (before, after): {changed}"
+    changed = _across_major(second, torch_plan())
+    assert not changed, f"[torch] after [cuda] would replace (installed, planned): {changed}"
