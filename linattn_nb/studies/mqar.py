@@ -1,0 +1,654 @@
+"""Study: trained MQAR accuracy against state size, per update rule and feature map (the recall frontier).
+
+After Zoology (Arora et al. 2023, figure 2: MQAR accuracy against model
+dimension per architecture, one panel per number of key-value pairs): a
+small two-layer model (:class:`Model`) is trained on multi-query
+associative recall (:func:`mqar`) with each attention layer of the toolkit
+(:data:`LAYERS`) and softmax attention as the reference, at several head
+dimensions, and its held-out recall accuracy is plotted against the size
+of the recurrent state.  The training set-up (generator, model, accuracy,
+:func:`train`) is shared with ``notebooks/05_training.ipynb``.  The design,
+the grid of each profile and its measured cost are in ``docs/mqar.md``.
+
+torch is an optional extra: it is imported inside the functions, so that
+importing this module (and ``linattn_nb.studies``) never needs it; the
+study's ``requires`` says so when it is missing.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import numpy as np
+
+from ._study import (CI_CAPTION, Rendered, Study, fmt, markdown_table, mean_ci, pm, register_study,
+                     requires_modules, split_failed)
+from ._claims import NOT_APPLICABLE, NOT_SUPPORTED, SUPPORTED, Claim
+
+__all__ = ["mqar", "Model", "Block", "SoftmaxAttention", "accuracy", "train", "LAYERS", "state_numbers",
+           "points", "run", "render"]
+
+#: The layers compared: key -> (label, LinearAttention keywords; None for softmax attention).
+#: Additive rule with four maps; the rules that forget or write with beta with the map their papers use.
+LAYERS = {
+    "additive-elu": ("additive, ELU+1", dict(feature_map="elu")),
+    "additive-dpfp": ("additive, DPFP (ν = 1)", dict(feature_map="dpfp")),
+    "additive-taylor2": ("additive, Taylor-2", dict(feature_map="taylor2")),
+    "additive-hedgehog": ("additive, Hedgehog (learned)", dict(feature_map="hedgehog", learn_feature_map=True)),
+    "decay": ("decay per token, ELU+1", dict(feature_map="elu", rule="decay", decay="token")),
+    "gate": ("gate (GLA), ELU+1", dict(feature_map="elu", rule="gate", decay="gate")),
+    "delta": ("delta, SiLU+L2", dict(feature_map="silu_l2", rule="delta")),
+    "gated-delta": ("gated delta, SiLU+L2", dict(feature_map="silu_l2", rule="gated_delta", decay="token")),
+    "softmax": ("softmax attention", None),
+}
+#: Head dimensions d (= value dimension M) per layer key: the state sizes of the sweep.  Taylor-2's
+#: D_φ = 1 + d + d(d+1)/2 grows as d², so it takes smaller heads to overlap the others' states.
+HEAD_DIMS = {"additive-taylor2": (4, 8, 16, 32)}
+DEFAULT_HEAD_DIMS = (8, 16, 32, 64)
+#: Model width, heads, layers, vocabulary, convolution width of every run.
+D_MODEL, HEADS, LAYERS_N, VOCAB, CONV = 64, 1, 2, 128, 4
+#: Accuracy threshold of the frontier table.
+ACCURACY = 0.9
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+# ---------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------
+def mqar(n, *, vocab, kv, length, power_a=0.01, seed=0):
+    """Multi-query associative recall examples (Zoology, Arora et al. 2023).
+
+    Keys from ``[1, vocab/2)``, values from ``[vocab/2, vocab)``, distinct
+    within an example.  The first ``2 kv`` tokens are the pairs; each key is
+    queried once in the rest of the sequence, at a gap drawn from Zoology's
+    power law ``p ∝ a i^(a-1)`` (drawn without replacement by Gumbel top-k),
+    followed by its value.  The other tokens are filler drawn from the
+    tokens that are no key or value of the example.
+
+    Parameters
+    ----------
+    n : int
+        Number of examples.
+    vocab, kv, length : int
+        Vocabulary size, key-value pairs, sequence length; needs
+        ``kv <= vocab/2 - 1``, ``2 kv < vocab`` and ``kv <= (length - 2 kv) / 2``.
+    power_a : float, default 0.01
+    seed : int or sequence of int
+        For :func:`numpy.random.default_rng`.
+
+    Returns
+    -------
+    x : torch.Tensor, shape (n, length), int64
+        Input tokens.
+    y : torch.Tensor, shape (n, length), int64
+        The value that follows at each query position, -100 (ignored) elsewhere.
+    """
+    torch = _torch()
+    if kv > vocab // 2 - 1 or 2 * kv >= vocab:
+        raise ValueError(f"mqar: {kv} pairs do not fit a vocabulary of {vocab} (needs kv <= vocab/2 - 1)")
+    ctx = 2 * kv
+    space = (length - ctx) // 2
+    if space < kv:
+        raise ValueError(f"mqar: length {length} leaves room for {space} queries after {kv} pairs; "
+                         f"needs length >= {4 * kv}")
+    rng = np.random.default_rng(seed)
+    keys = np.argsort(rng.random((n, vocab // 2 - 1)), axis=1)[:, :kv] + 1
+    vals = np.argsort(rng.random((n, vocab // 2)), axis=1)[:, :kv] + vocab // 2
+    logp = np.log(power_a * np.arange(1, space + 1) ** (power_a - 1))
+    gaps = np.argsort(-(logp + rng.gumbel(size=(n, space))), axis=1)[:, :kv]
+    used = np.zeros((n, vocab), bool)  # filler: tokens that are no key or value here
+    np.put_along_axis(used, keys, True, 1)
+    np.put_along_axis(used, vals, True, 1)
+    allowed = np.argsort(used, axis=1, kind="stable")[:, : vocab - 2 * kv]
+    seq = np.take_along_axis(allowed, rng.integers(0, vocab - 2 * kv, (n, length + 1)), 1)
+    seq[:, 0:ctx:2], seq[:, 1:ctx:2] = keys, vals
+    order = np.argsort(rng.random((n, kv)), axis=1)  # the keys in a random query order
+    qk, qv = np.take_along_axis(keys, order, 1), np.take_along_axis(vals, order, 1)
+    pos = ctx + 2 * gaps
+    np.put_along_axis(seq, pos, qk, 1)
+    np.put_along_axis(seq, pos + 1, qv, 1)
+    labels = np.full((n, length), -100)
+    np.put_along_axis(labels, pos, qv, 1)
+    return torch.from_numpy(seq[:, :-1].copy()), torch.from_numpy(labels)
+
+
+# ---------------------------------------------------------------------------
+# model
+# ---------------------------------------------------------------------------
+def _modules():
+    """The model's classes, built on first use (torch is imported here, not at module import)."""
+    global _CLASSES
+    if _CLASSES is not None:
+        return _CLASSES
+    torch = _torch()
+    from torch import nn
+
+    class _SoftmaxAttention(nn.Module):
+        """Causal softmax attention with the same projections and convolution as ``LinearAttention``."""
+
+        def __init__(self, d_model, num_heads, *, head_dim=None, value_dim=None, conv_size=None):
+            super().__init__()
+            head_dim = head_dim or d_model // num_heads
+            value_dim = value_dim or head_dim
+            self.num_heads, self.head_dim, self.value_dim, self.conv_size = num_heads, head_dim, value_dim, conv_size
+            H = num_heads
+            self.q_proj = nn.Linear(d_model, H * head_dim, bias=False)
+            self.k_proj = nn.Linear(d_model, H * head_dim, bias=False)
+            self.v_proj = nn.Linear(d_model, H * value_dim, bias=False)
+            self.out_proj = nn.Linear(H * value_dim, d_model, bias=False)
+            if conv_size is not None:
+                ch = H * (2 * head_dim + value_dim)
+                self.conv = nn.Conv1d(ch, ch, conv_size, groups=ch, padding=conv_size - 1)
+
+        def forward(self, x):
+            B, N, _ = x.shape
+            H, D, M = self.num_heads, self.head_dim, self.value_dim
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            if self.conv_size is not None:
+                qkv = self.conv(torch.cat([q, k, v], dim=-1).transpose(1, 2))[..., :N].transpose(1, 2)
+                q, k, v = qkv.split([H * D, H * D, H * M], dim=-1)
+            q, k, v = (t.reshape(B, N, H, -1).transpose(1, 2) for t in (q, k, v))
+            o = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.out_proj(o.transpose(1, 2).reshape(B, N, H * M))
+
+    class _Block(nn.Module):
+        """Pre-LN block: [attention] then a GELU MLP, each with a residual connection."""
+
+        def __init__(self, d, heads, *, attention=None, conv_size=CONV, head_dim=None, **attn):
+            super().__init__()
+            from ..torch import LinearAttention
+
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            if attention == "softmax":
+                self.attn = _SoftmaxAttention(d, heads, head_dim=head_dim, conv_size=conv_size)
+            else:
+                self.attn = LinearAttention(d, heads, head_dim=head_dim, conv_size=conv_size, **attn)
+            self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+        def forward(self, x):
+            x = x + self.attn(self.ln1(x))
+            return x + self.mlp(self.ln2(x))
+
+    class _Model(nn.Module):
+        """Embedding, ``layers`` blocks, LayerNorm and a linear head over the vocabulary."""
+
+        def __init__(self, vocab, d=64, heads=2, layers=2, **attn):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, d)
+            self.blocks = nn.ModuleList(_Block(d, heads, **attn) for _ in range(layers))
+            self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+        def forward(self, x):
+            h = self.emb(x)
+            for block in self.blocks:
+                h = block(h)
+            return self.head(self.ln(h))
+
+    _CLASSES = dict(SoftmaxAttention=_SoftmaxAttention, Block=_Block, Model=_Model)
+    return _CLASSES
+
+
+_CLASSES = None
+
+
+def Model(vocab, d=64, heads=2, layers=2, **attn):
+    """The MQAR model: embedding, ``layers`` pre-LN blocks, LayerNorm, linear head (a ``torch.nn.Module``).
+
+    Each block is ``x + attn(LN(x))`` then ``x + MLP(LN(x))`` (GELU, width
+    ``2 d``); ``attn`` is :class:`linattn_nb.torch.LinearAttention` with a
+    causal depthwise convolution of width 4 on q, k, v (``conv_size``) and
+    the keywords ``attn`` (``rule``, ``feature_map``, ``decay``,
+    ``head_dim`` ...), or, with ``attention="softmax"``, causal softmax
+    attention (``torch.nn.functional.scaled_dot_product_attention``) with
+    the same projections and convolution.
+
+    Parameters
+    ----------
+    vocab : int
+    d : int, default 64
+        Model width.
+    heads : int, default 2
+    layers : int, default 2
+    **attn
+        ``attention="softmax"``, ``conv_size``, ``head_dim`` and the
+        ``LinearAttention`` keywords.
+    """
+    return _modules()["Model"](vocab, d, heads, layers, **attn)
+
+
+def Block(d, heads, **attn):
+    """One block of :func:`Model` (a ``torch.nn.Module``)."""
+    return _modules()["Block"](d, heads, **attn)
+
+
+def SoftmaxAttention(d_model, num_heads, **kw):
+    """Causal softmax attention with ``LinearAttention``'s projections and convolution (a ``torch.nn.Module``)."""
+    return _modules()["SoftmaxAttention"](d_model, num_heads, **kw)
+
+
+def accuracy(model, x, y, batch=256):
+    """Recall accuracy: the fraction of query positions (``y != -100``) whose argmax is the label."""
+    torch = _torch()
+    model.eval()
+    hits = total = 0
+    with torch.no_grad():
+        for i in range(0, len(x), batch):
+            pred = model(x[i:i + batch]).argmax(-1)
+            mask = y[i:i + batch] != -100
+            hits += (pred[mask] == y[i:i + batch][mask]).sum().item()
+            total += mask.sum().item()
+    model.train()
+    return hits / total
+
+
+def train(attn, *, steps, vocab, data, d=64, heads=2, layers=2, batch=64, seed=0, eval_every=50, lr=3e-3,
+          warmup=100, weight_decay=0.1, threads=1):
+    """Train :func:`Model` on MQAR data; evaluate every ``eval_every`` steps and after the last.
+
+    AdamW (``lr``, betas (0.9, 0.98), ``weight_decay``), linear warm-up over
+    ``min(warmup, max(steps // 10, 1))`` steps then cosine decay to 0; batches
+    of ``batch`` examples drawn with replacement from the training set.
+
+    Parameters
+    ----------
+    attn : dict
+        The attention layer's keywords (see :func:`Model`).
+    steps : int
+    vocab : int
+    data : tuple
+        ``(x_train, y_train, x_test, y_test)`` from :func:`mqar`.
+    d, heads, layers : int
+        The model's width, heads and blocks.
+    batch : int, default 64
+    seed : int, default 0
+        Seeds the initial weights and the order of the batches.
+    eval_every : int, default 50
+    lr, warmup, weight_decay : float, int, float
+    threads : int or None, default 1
+        ``torch.set_num_threads`` for the run (None leaves it): torch's
+        OpenMP threads spin between ops and take the cores from the Numba
+        kernels, so on a small machine torch gets one.
+
+    Returns
+    -------
+    dict
+        ``final_accuracy`` (after the last step), ``best_accuracy`` (the
+        highest of the evaluations), ``steps``, ``seconds`` (wall time of
+        the loop, evaluations included), ``curve`` (per evaluation: ``step``,
+        ``loss``, ``acc``, ``seconds``), ``parameters``.
+    """
+    torch = _torch()
+    F = torch.nn.functional
+    if threads is not None:
+        torch.set_num_threads(int(threads))
+    x_train, y_train, x_test, y_test = data
+    torch.manual_seed(seed)
+    model = Model(vocab, d=d, heads=heads, layers=layers, **attn)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=weight_decay)
+    warm = min(warmup, max(steps // 10, 1))
+
+    def schedule(s):
+        if s < warm:
+            return (s + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * (s - warm) / max(steps - warm, 1)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    gen = torch.Generator().manual_seed(seed)
+    curve, t0 = [], time.perf_counter()
+    for step in range(1, steps + 1):
+        idx = torch.randint(0, len(x_train), (batch,), generator=gen)
+        logits = model(x_train[idx])
+        loss = F.cross_entropy(logits.reshape(-1, vocab), y_train[idx].reshape(-1), ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % eval_every == 0 or step == steps:
+            curve.append(dict(step=step, loss=float(loss.item()), acc=accuracy(model, x_test, y_test),
+                              seconds=time.perf_counter() - t0))
+    return dict(final_accuracy=curve[-1]["acc"], best_accuracy=max(c["acc"] for c in curve), steps=steps,
+                seconds=time.perf_counter() - t0, curve=curve,
+                parameters=int(sum(p.numel() for p in model.parameters())))
+
+
+# ---------------------------------------------------------------------------
+# the study
+# ---------------------------------------------------------------------------
+def feature_dim(layer: str, head_dim: int) -> int | None:
+    """D_φ of a layer's map at this head dimension (None for softmax attention)."""
+    attn = LAYERS[layer][1]
+    if attn is None:
+        return None
+    from .. import feature_maps as fm
+
+    return int(fm.get(attn["feature_map"]).output_dim(head_dim))
+
+
+def state_numbers(layer: str, head_dim: int, *, heads: int = HEADS, length: int | None = None) -> int:
+    """Numbers in one layer's state at the end of a sequence: ``heads · D_φ · M`` (M = ``head_dim``).
+
+    The normaliser ``z`` (D_φ numbers per head) is not counted.  For softmax
+    attention, the KV cache of ``length`` tokens: ``heads · length · (d + M)``.
+    """
+    dphi = feature_dim(layer, head_dim)
+    if dphi is None:
+        if length is None:
+            raise ValueError("state_numbers: softmax attention's KV cache needs the sequence length")
+        return heads * length * 2 * head_dim
+    return heads * dphi * head_dim
+
+
+def seq_length(kv: int) -> int:
+    """The sequence length for ``kv`` pairs: ``max(64, 4 kv)`` (room for the pairs and one query per key)."""
+    return max(64, 4 * kv)
+
+
+#: The grid of each profile: (layers, head-dimension indices into the layer's list, kv pairs, seeds, steps).
+#: ``full_grid`` (the whole grid) is reached through :func:`points` with ``grid="all"`` or the environment
+#: variable LINATTN_NB_MQAR_GRID=all.
+def _profile(ctx, grid=None):
+    grid = grid or os.environ.get("LINATTN_NB_MQAR_GRID", "profile")
+    if grid == "all":
+        return dict(layers=tuple(LAYERS), dims=(0, 1, 2, 3), kv=(4, 8, 16, 32), seeds=3, steps=600,
+                    n_train=20_000, n_test=512, eval_every=100)
+    if grid != "profile":
+        raise ValueError(f"mqar study: grid must be 'profile' or 'all', got {grid!r}")
+    return ctx.pick(
+        tiny=dict(layers=("additive-elu", "delta", "softmax"), dims=(0,), kv=(4,), seeds=2, steps=3,
+                  n_train=256, n_test=64, eval_every=2),
+        quick=dict(layers=("additive-elu", "delta", "softmax"), dims=(0, 2), kv=(8,), seeds=3, steps=60,
+                   n_train=4_000, n_test=256, eval_every=30),
+        full=dict(layers=("additive-elu", "additive-taylor2", "delta", "gated-delta", "softmax"), dims=(0, 1, 2, 3),
+                  kv=(8, 32), seeds=3, steps=150, n_train=10_000, n_test=256, eval_every=50),
+    )
+
+
+def points(ctx, *, grid=None) -> list[dict]:
+    """One point per (layer, head dimension, kv pairs, seed).
+
+    Parameters
+    ----------
+    ctx : Context
+    grid : {"profile", "all"}, optional
+        ``"all"``: every layer of :data:`LAYERS`, four head dimensions, kv
+        pairs 4, 8, 16, 32 and three seeds at 600 steps, whatever the
+        profile (default: the environment variable ``LINATTN_NB_MQAR_GRID``,
+        else ``"profile"``: the profile's subset).
+    """
+    p = _profile(ctx, grid)
+    out = []
+    for kv in p["kv"]:
+        for layer in p["layers"]:
+            dims = HEAD_DIMS.get(layer, DEFAULT_HEAD_DIMS)
+            for i in p["dims"]:
+                for seed in range(p["seeds"]):
+                    out.append(dict(layer=layer, head_dim=int(dims[i]), kv=kv, length=seq_length(kv), seed=seed,
+                                    steps=p["steps"], vocab=VOCAB, d_model=D_MODEL, heads=HEADS, n_train=p["n_train"],
+                                    n_test=p["n_test"], eval_every=p["eval_every"]))
+    return out
+
+
+def _machine() -> str:
+    from .._tune import cpu_model
+
+    return cpu_model()
+
+
+def run(layer, head_dim, kv, length, seed, steps, vocab=VOCAB, d_model=D_MODEL, heads=HEADS, n_train=10_000,
+        n_test=256, eval_every=50) -> dict:
+    """Train one model; return its accuracies, steps, wall time, state size and the machine."""
+    attn = LAYERS[layer][1]
+    attn = dict(attention="softmax") if attn is None else dict(attn)
+    attn["head_dim"] = head_dim
+    data = (*mqar(n_train, vocab=vocab, kv=kv, length=length, seed=[seed, 1]),
+            *mqar(n_test, vocab=vocab, kv=kv, length=length, seed=[seed, 2]))
+    res = train(attn, steps=steps, vocab=vocab, data=data, d=d_model, heads=heads, layers=LAYERS_N, seed=seed,
+                eval_every=eval_every)
+    dphi = feature_dim(layer, head_dim)
+    res.update(d_phi=dphi, state=state_numbers(layer, head_dim, heads=heads, length=length), machine=_machine(),
+               threads=1)
+    return res
+
+
+# ---------------------------------------------------------------------------
+# rendering
+# ---------------------------------------------------------------------------
+def recall_floor(layer: str, head_dim: int, kv: int, *, heads: int = HEADS, seed: int = 0) -> dict | None:
+    """The least-squares recall floor of a state like this layer's, for ``kv`` pairs.
+
+    :func:`linattn_nb.analysis.recall_capacity`'s ``optimal_mse`` for the
+    layer's map at this head dimension: the relative retrieval error
+    ``||φ(K) W − V||² / ||V||²`` of the best state ``W`` (D_φ × kv, one-hot
+    values) that any update rule with this map could hold, with Gaussian
+    keys; 0 up to ``kv = heads · D_φ``, ``1 − heads · D_φ / kv`` beyond.  It
+    is an *error* floor, not an accuracy bound: an argmax read-out can be
+    right with a large error.  ``recall_floor_accuracy`` is ``1 −
+    optimal_mse``, the fraction of the values' energy the best state can
+    return, drawn beside the measured accuracy as the state's capacity.
+    None for softmax attention (its cache grows with the sequence).
+    """
+    attn = LAYERS[layer][1]
+    if attn is None:
+        return None
+    from .. import feature_maps as fm
+    from ..analysis import recall_capacity
+
+    dphi = feature_dim(layer, head_dim)
+    if heads * dphi >= kv:
+        mse = 0.0
+    else:
+        fmap = fm.get(attn["feature_map"])
+        res = recall_capacity(fmap, head_dim, [kv], trials=2, seed=seed)
+        mse = float(np.asarray(res["optimal_mse"], dtype=float)[0]) if heads == 1 else max(0.0, 1 - heads * dphi / kv)
+    return dict(optimal_mse=mse, recall_floor_accuracy=1.0 - mse)
+
+
+class _Agg:
+    """ok records grouped: {(kv, layer): {head_dim: [results over seeds]}}."""
+
+    def __init__(self, ok):
+        self.by: dict = {}
+        self.params: dict = {}
+        for r in ok:
+            p = r["params"]
+            self.by.setdefault((p["kv"], p["layer"]), {}).setdefault(p["head_dim"], []).append(r["result"])
+            self.params[(p["kv"], p["layer"], p["head_dim"])] = p
+        self.kvs = sorted({k[0] for k in self.by})
+        order = list(LAYERS)
+        self.layers = sorted({k[1] for k in self.by}, key=order.index)
+        self.seeds = sorted({r["params"]["seed"] for r in ok})
+
+    def series(self, kv, layer, field="final_accuracy"):
+        """(head dims, states, means, half-widths, seeds per point), ordered by state."""
+        cell = self.by.get((kv, layer), {})
+        dims = sorted(cell, key=lambda h: cell[h][0]["state"])
+        states = np.asarray([cell[h][0]["state"] for h in dims], dtype=float)
+        stats = [mean_ci(np.asarray([r[field] for r in cell[h]], dtype=float)) for h in dims]
+        means = np.asarray([float(s[0]) for s in stats])
+        halves = np.asarray([float(s[1]) for s in stats])
+        return dims, states, means, halves, [len(cell[h]) for h in dims]
+
+
+def _frontier(agg, kv, layer):
+    """(state, mean, half) at the smallest state whose mean accuracy reaches ACCURACY; None if none does."""
+    dims, states, m, h, _ = agg.series(kv, layer)
+    for j in range(len(dims)):
+        if m[j] >= ACCURACY:
+            return states[j], m[j], h[j], dims[j]
+    return None
+
+
+def findings(agg) -> list:
+    """The three checks, each a :class:`Claim` computed from the aggregated accuracies."""
+    out = []
+    # 1. softmax solves MQAR at every size
+    rule = f"mean accuracy − half-width ≥ {ACCURACY} at every head dimension and kv pairs run"
+    if "softmax" in agg.layers:
+        worst = None
+        for kv in agg.kvs:
+            dims, states, m, h, _ = agg.series(kv, "softmax")
+            for j in range(len(dims)):
+                if worst is None or m[j] - h[j] < worst[0] - worst[1]:
+                    worst = (m[j], h[j], kv, dims[j])
+        if worst is None:
+            out.append(Claim(NOT_APPLICABLE, "softmax attention: no runs", rule))
+        elif worst[0] - worst[1] >= ACCURACY:
+            out.append(Claim(SUPPORTED, f"softmax attention solves MQAR at every size run: the lowest accuracy is "
+                                        f"{pm(worst[0], worst[1])} (kv = {worst[2]}, d = {worst[3]})", rule))
+        else:
+            out.append(Claim(NOT_SUPPORTED, f"softmax attention solves MQAR at every size: not supported, at kv = "
+                                            f"{worst[2]}, d = {worst[3]} its accuracy is {pm(worst[0], worst[1])}",
+                             rule))
+    else:
+        out.append(Claim(NOT_APPLICABLE, "softmax attention was not run", rule))
+    # 2. additive accuracy falls once kv exceeds its state, and a larger state moves that point
+    add = next((lay for lay in ("additive-elu", "additive-dpfp", "additive-hedgehog", "additive-taylor2")
+                if lay in agg.layers), None)
+    rule2 = ("at the smallest state, accuracy at the largest kv is below that at the smallest kv (intervals "
+             "disjoint), and at the largest kv the largest state beats the smallest (intervals disjoint)")
+    if add is None or len(agg.kvs) < 2:
+        out.append(Claim(NOT_APPLICABLE, "additive rule: needs runs at two or more kv pairs "
+                                         f"(kv run: {agg.kvs})", rule2))
+    else:
+        lo_kv, hi_kv = agg.kvs[0], agg.kvs[-1]
+        d_lo, s_lo, m_lo, h_lo, _ = agg.series(lo_kv, add)
+        d_hi, s_hi, m_hi, h_hi, _ = agg.series(hi_kv, add)
+        if not len(d_lo) or not len(d_hi) or len(d_hi) < 2:
+            out.append(Claim(NOT_APPLICABLE, f"{LAYERS[add][0]}: needs two state sizes at kv = {hi_kv}", rule2))
+        else:
+            falls = m_hi[0] + h_hi[0] < m_lo[0] - h_lo[0]
+            moves = m_hi[-1] - h_hi[-1] > m_hi[0] + h_hi[0]
+            dphi0 = agg.by[(hi_kv, add)][d_hi[0]][0]["d_phi"]
+            text = (f"{LAYERS[add][0]}: at the smallest state ({fmt(float(s_hi[0]))} numbers, D_φ = {dphi0}) accuracy "
+                    f"is {pm(m_lo[0], h_lo[0])} at kv = {lo_kv} and {pm(m_hi[0], h_hi[0])} at kv = {hi_kv} "
+                    f"({'falls' if falls else 'no fall shown'}); at kv = {hi_kv} the largest state "
+                    f"({fmt(float(s_hi[-1]))}) reaches {pm(m_hi[-1], h_hi[-1])} "
+                    f"({'a larger state moves the point' if moves else 'no gain shown'})")
+            out.append(Claim(SUPPORTED if falls and moves else NOT_SUPPORTED,
+                             text + (": supported" if falls and moves else ": not supported"), rule2))
+    # 3. delta holds more pairs than additive at the same state
+    rule3 = ("at some kv and head dimension where both ran with the same D_φ·M, delta's interval lies above the "
+             "additive rule's (ELU+1: D_φ = d for both maps), and nowhere below")
+    if "delta" in agg.layers and "additive-elu" in agg.layers:
+        wins, losses = [], []
+        for kv in agg.kvs:
+            dd, sd, md, hd, _ = agg.series(kv, "delta")
+            da, sa, ma, ha, _ = agg.series(kv, "additive-elu")
+            for j, dim in enumerate(dd):
+                if dim in da:
+                    i = da.index(dim)
+                    cell = (kv, dim, pm(md[j], hd[j]), pm(ma[i], ha[i]))
+                    if md[j] - hd[j] > ma[i] + ha[i]:
+                        wins.append(cell)
+                    elif md[j] + hd[j] < ma[i] - ha[i]:
+                        losses.append(cell)
+        def _cells(cs):
+            return "; ".join(f"kv = {kv}, d = {dim}: {a} against {b}" for kv, dim, a, b in cs[:4])
+        if wins and not losses:
+            out.append(Claim(SUPPORTED, f"delta holds more pairs than additive (ELU+1) at the same state: supported "
+                                        f"({_cells(wins)})", rule3))
+        elif losses:
+            out.append(Claim(NOT_SUPPORTED, f"delta holds more pairs than additive at the same state: not supported, "
+                                            f"additive is higher at {_cells(losses)}", rule3))
+        else:
+            out.append(Claim(NOT_SUPPORTED, "delta holds more pairs than additive at the same state: not supported, "
+                                            "no difference shown at any shared state (intervals overlap)", rule3))
+    else:
+        out.append(Claim(NOT_APPLICABLE, "delta against additive: both need runs", rule3))
+    return out
+
+
+def render(records, ctx) -> Rendered:
+    ok, failed, problems, failed_md = split_failed("mqar", records)
+    md = []
+    agg = _Agg(ok)
+    if ok:
+        p0 = ok[0]["params"]
+        r0 = ok[0]["result"]
+        machines = sorted({r["result"].get("machine", "?") for r in ok})
+        total = sum(r["result"]["seconds"] for r in ok)
+        md.append(f"Regime: multi-query associative recall (Zoology, Arora et al. 2023), vocabulary {p0['vocab']}, sequence "
+                  f"length max(64, 4·kv), a {LAYERS_N}-layer model of width {p0['d_model']}, {p0['heads']} head(s) "
+                  f"of dimension d = M, a causal convolution of width {CONV} on q, k, v; AdamW lr 3e-3, "
+                  f"{p0['steps']} steps of batch 64 from {p0['n_train']} examples; accuracy on {p0['n_test']} held-out "
+                  f"examples after the last step.  State: D_φ·M numbers per head and layer (ELU+1 and SiLU+L2 "
+                  f"D_φ = d, DPFP and Hedgehog 2d, Taylor-2 1 + d + d(d+1)/2); softmax attention: its KV cache, "
+                  f"length·2d.  {len(agg.seeds)} seeds; cells are {CI_CAPTION}.  Machine: {', '.join(machines)}; "
+                  f"{len(ok)} runs, {fmt(total / 60.0)} min of training in all.")
+        if p0["steps"] < 300:
+            md.append(f"\nWith {p0['steps']} steps the models are far from trained (the full grid uses 600): the "
+                      "accuracies show how far training got, not the capacity of the layers.")
+        # frontier table
+        rows = []
+        for layer in agg.layers:
+            row = [LAYERS[layer][0]]
+            for kv in agg.kvs:
+                f = _frontier(agg, kv, layer)
+                row.append(f"> {fmt(float(agg.series(kv, layer)[1][-1]))}" if f is None and agg.series(kv, layer)[0]
+                           else "–" if f is None else f"{fmt(float(f[0]))} (d = {f[3]}: {pm(f[1], f[2])})")
+            rows.append(row)
+        md += ["", f"Smallest state (numbers per head and layer) at which the mean accuracy reaches {ACCURACY}, "
+                   "with the head dimension and the accuracy there (\"> s\": not reached up to the largest state s):",
+               "", markdown_table(["layer"] + [f"kv = {kv}" for kv in agg.kvs], rows)]
+        # accuracy table
+        rows = []
+        for kv in agg.kvs:
+            for layer in agg.layers:
+                dims, states, m, h, n = agg.series(kv, layer)
+                _, _, bm, bh, _ = agg.series(kv, layer, "best_accuracy")
+                for j, dim in enumerate(dims):
+                    fl = recall_floor(layer, dim, kv, heads=p0["heads"])
+                    rows.append([kv, LAYERS[layer][0], dim, int(states[j]), pm(m[j], h[j]), pm(bm[j], bh[j]),
+                                 "–" if fl is None else fmt(fl["optimal_mse"]), n[j]])
+        md += ["", "Final and best accuracy per point; the least-squares floor is the relative retrieval error "
+                   "of the best state of the same D_φ for kv one-hot values (an error floor: 0 while kv ≤ D_φ):",
+               "", markdown_table(["kv", "layer", "d", "state", "final accuracy", "best accuracy",
+                                   "least-squares error floor", "seeds"], rows)]
+        claims = findings(agg)
+        md += ["", "What it shows (computed from the tables above):", ""]
+        md += [f"- {c.text} ({c.verdict}; rule: {c.rule})." for c in claims]
+        if ctx.plots:
+            fig, axes = ctx.figure(ncols=len(agg.kvs), width=3.8, height=3.4)
+            for ax, kv in zip(axes, agg.kvs):
+                for i, layer in enumerate(agg.layers):
+                    dims, states, m, h, _ = agg.series(kv, layer)
+                    if not len(dims):
+                        continue
+                    sty = ctx.style(i)
+                    ax.plot(states, m, ms=4, label=LAYERS[layer][0], **sty)
+                    ax.fill_between(states, np.clip(m - h, 0, 1), np.clip(m + h, 0, 1), color=sty["color"],
+                                    alpha=0.2, lw=0)
+                    fl = [recall_floor(layer, dim, kv, heads=p0["heads"]) for dim in dims]
+                    if fl[0] is not None:
+                        ax.plot(states, [f["recall_floor_accuracy"] for f in fl], ":", color=sty["color"], lw=1,
+                                label="_")
+                ax.axhline(ACCURACY, color="0.5", lw=0.8)
+                ax.set(xscale="log", xlabel="state (numbers per head and layer)", ylabel="accuracy",
+                       title=f"kv = {kv}", ylim=(-0.02, 1.02))
+                ax.grid(True, alpha=0.3)
+            ctx.legend_outside(fig, axes, title=f"mean, 95% CI over {len(agg.seeds)} seeds")
+            md += ["", ctx.savefig(fig, "mqar", "MQAR accuracy against state size, one panel per number of pairs"),
+                   "", f"{CI_CAPTION}; dotted: 1 − the least-squares error floor of the layer's state (the share of "
+                       "the values' energy the best state of that D_φ returns), not an accuracy bound."]
+        del r0
+    md += failed_md
+    return Rendered("\n".join(md), f"{len(agg.layers)} layers, kv {agg.kvs}", problems)
+
+
+STUDY = register_study(Study(
+    name="mqar",
+    title="MQAR recall frontier: trained accuracy against state size",
+    command="mqar",
+    help="train small models on multi-query associative recall: accuracy against state size per rule and map",
+    points=points,
+    run=run,
+    render=render,
+    requires=requires_modules("torch", install="pip install 'linattn_nb[torch]'"),
+    budget_s={"tiny": 30, "quick": 180, "full": 1200},
+))
