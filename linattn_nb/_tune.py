@@ -45,7 +45,7 @@ BLAS_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "MKL_ENABLE_INSTRUCTIONS", 
 
 #: Sizes of a full calibration: ``batch`` sequences (B*H) of each length N in
 #: ``sizes``, D = M = ``dim``, ``rounds`` interleaved rounds per length.
-FULL = {"batch": 16, "dim": 64, "rounds": 5,
+FULL = {"batch": 16, "dim": 64, "rounds": 7,
         "sizes": (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)}
 #: A smoke-test calibration (``linattn tune --quick``): seconds, not meant to be kept.
 QUICK = {"batch": 2, "dim": 16, "rounds": 3, "sizes": (1, 4, 16, 64)}
@@ -462,9 +462,9 @@ def rows_from(sizes, ratios) -> list:
 
     ``ratios[i]`` is the chunked kernel's time over the scan's at
     ``sizes[i]``.  The longest sequences decide the last row (the faster
-    method by the mean log ratio of the two longest lengths: their calls are
-    the longest, the least disturbed by a busy machine, and both methods are
-    linear in N beyond them).  Shorter lengths may take the other method up to
+    method by the mean log ratio of the three longest lengths: their calls
+    are the longest, the least disturbed by a busy machine, and both methods
+    are linear in N beyond them).  Shorter lengths may take the other method up to
     one switch, placed where it loses least, summed over the measured lengths,
     against the faster method at each (``sum log(t_chosen / t_fastest)``): a
     length or two where the two are within noise of each other cannot create
@@ -472,7 +472,7 @@ def rows_from(sizes, ratios) -> list:
     measured lengths around it.
     """
     logs = [math.log(r) for r in ratios]
-    tail = logs[-2:]
+    tail = logs[-3:]
     last = "chunked" if sum(tail) / len(tail) < 0 else "scan"
     other = "scan" if last == "chunked" else "chunked"
     lose = {"scan": [max(0.0, -x) for x in logs], "chunked": [max(0.0, x) for x in logs]}
