@@ -1,0 +1,132 @@
+"""The MQAR recall-frontier study (linattn_nb.studies.mqar): grid, generator, records, resume, figure.
+
+Accuracies are not checked: the tiny profile trains for a few steps, so its numbers say nothing about the
+layers.  What is checked is the form of every record and that the sweep and the report behave.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from linattn_nb.studies import Context, get_study, load_results, run_report, sweep
+from linattn_nb.studies import mqar
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+POINT_KEYS = {"layer", "head_dim", "kv", "length", "seed", "steps", "vocab", "d_model", "heads", "n_train",
+              "n_test", "eval_every"}
+RESULT_KEYS = {"final_accuracy", "best_accuracy", "steps", "seconds", "curve", "parameters", "d_phi", "state",
+               "machine", "threads"}
+
+
+def test_importing_the_studies_needs_no_torch_and_the_study_says_it_needs_it():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import linattn_nb.studies as s\n"
+            "st = s.get_study('mqar')\n"
+            "print(st.requires())\n"
+            "print(len(st.points(s.Context(out='.', profile='tiny'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "needs the optional package 'torch'" in out
+    assert int(out.strip().splitlines()[-1]) >= 2
+
+
+@pytest.mark.parametrize("profile", ["tiny", "quick", "full"])
+def test_one_point_per_layer_state_pairs_and_seed(profile, tmp_path):
+    pts = get_study("mqar").points(Context(out=tmp_path, profile=profile))
+    assert pts and all(set(p) == POINT_KEYS for p in pts)
+    keys = [(p["layer"], p["head_dim"], p["kv"], p["seed"]) for p in pts]
+    assert len(set(keys)) == len(keys)
+    # every (layer, head_dim, kv) is run for the same seeds, at least two
+    seeds = {}
+    for layer, d, kv, seed in keys:
+        seeds.setdefault((layer, d, kv), set()).add(seed)
+    assert len({frozenset(s) for s in seeds.values()}) == 1 and len(next(iter(seeds.values()))) >= 2
+    for p in pts:
+        assert p["layer"] in mqar.LAYERS and p["length"] >= 4 * p["kv"] and p["kv"] <= p["vocab"] // 2 - 1
+    assert "softmax" in {p["layer"] for p in pts}
+
+
+def test_the_whole_grid(tmp_path, monkeypatch):
+    pts = mqar.points(Context(out=tmp_path, profile="tiny"), grid="all")
+    assert {p["layer"] for p in pts} == set(mqar.LAYERS)
+    assert {p["kv"] for p in pts} == {4, 8, 16, 32}
+    assert len(pts) == len(mqar.LAYERS) * 4 * 4 * 3
+    # at least four state sizes per layer, growing with the head dimension
+    for layer in mqar.LAYERS:
+        dims = sorted({p["head_dim"] for p in pts if p["layer"] == layer})
+        assert len(dims) >= 4
+        states = [mqar.state_numbers(layer, d, length=64) for d in dims]
+        assert states == sorted(set(states))
+    monkeypatch.setenv("LINATTN_NB_MQAR_GRID", "all")
+    assert len(mqar.points(Context(out=tmp_path, profile="quick"))) == len(pts)
+    monkeypatch.setenv("LINATTN_NB_MQAR_GRID", "bogus")
+    with pytest.raises(ValueError, match="grid"):
+        mqar.points(Context(out=tmp_path, profile="quick"))
+
+
+def test_state_sizes_follow_the_maps():
+    assert mqar.state_numbers("additive-elu", 16) == 16 * 16
+    assert mqar.state_numbers("delta", 16) == 16 * 16
+    assert mqar.state_numbers("additive-dpfp", 16) == 32 * 16
+    assert mqar.state_numbers("additive-taylor2", 8) == (1 + 8 + 36) * 8
+    assert mqar.state_numbers("softmax", 16, length=64) == 64 * 32
+    with pytest.raises(ValueError, match="length"):
+        mqar.state_numbers("softmax", 16)
+
+
+def test_generator_stores_every_queried_pair_and_fills_with_other_tokens():
+    pytest.importorskip("torch")
+    vocab, kv, length = 64, 8, 64
+    x, y = mqar.mqar(50, vocab=vocab, kv=kv, length=length, seed=3)
+    assert x.shape == y.shape == (50, length)
+    for xi, yi in zip(x.numpy(), y.numpy()):
+        keys, vals = xi[0:2 * kv:2], xi[1:2 * kv:2]
+        assert len(set(keys)) == kv and all(1 <= k < vocab // 2 for k in keys) and all(v >= vocab // 2 for v in vals)
+        pos = np.flatnonzero(yi != -100)
+        assert len(pos) == kv and set(xi[pos]) == set(keys)
+        pairs = dict(zip(keys, vals))
+        assert all(pairs[xi[p]] == yi[p] for p in pos)
+        filler = np.setdiff1d(np.arange(2 * kv, length), np.concatenate([pos, pos + 1]))
+        assert not set(xi[filler]) & (set(keys) | set(vals))
+    with pytest.raises(ValueError, match="length"):
+        mqar.mqar(2, vocab=vocab, kv=kv, length=4 * kv - 2)
+    with pytest.raises(ValueError, match="vocabulary"):
+        mqar.mqar(2, vocab=16, kv=8, length=64)
+
+
+def test_tiny_sweep_resumes_without_loss_or_rerun_and_writes_the_figure(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "r"
+    out.mkdir()
+    pts = get_study("mqar").points(Context(out=out, profile="tiny"))
+    # a partial run: the first points only, as an interrupted report leaves them
+    partial = sweep(mqar.run, pts[:2], out=out / "mqar.jsonl", progress=False)
+    assert [r["status"] for r in partial] == ["ok", "ok"]
+    res = run_report(out, profile="tiny", studies=["mqar"], resume=True, progress=False, log=lambda line: None)
+    assert res.problems == []
+    recs = load_results(out / "mqar.jsonl")
+    lines = [ln for ln in (out / "mqar.jsonl").read_text().splitlines() if '"type": "result"' in ln
+             or '"type":"result"' in ln]
+    # nothing lost, nothing run twice: one record per point, the partial run's records kept as they were
+    assert len(recs) == len(pts) == len(lines)
+    by_key = {r["key"]: r for r in recs}
+    for r in partial:
+        assert by_key[r["key"]]["finished"] == r["finished"] and by_key[r["key"]]["result"] == r["result"]
+    assert sorted(map(str, (r["params"] for r in recs))) == sorted(map(str, pts))
+    for r in recs:
+        assert r["status"] == "ok" and set(r["params"]) == POINT_KEYS
+        res_ = r["result"]
+        assert set(res_) == RESULT_KEYS
+        assert res_["steps"] == r["params"]["steps"] and res_["seconds"] > 0 and res_["machine"]
+        assert 0.0 <= res_["final_accuracy"] <= res_["best_accuracy"] <= 1.0
+        assert res_["curve"][-1]["step"] == res_["steps"] and res_["curve"][-1]["acc"] == res_["final_accuracy"]
+        assert res_["state"] == mqar.state_numbers(r["params"]["layer"], r["params"]["head_dim"],
+                                                   length=r["params"]["length"])
+    assert (out / "mqar.png").read_bytes()[:8] == PNG_MAGIC
+    text = (out / "report.md").read_text()
+    assert "![" in text and "mqar.png" in text and "What it shows" in text
+    for verdict_about in ("softmax attention", "delta"):
+        assert verdict_about in text
