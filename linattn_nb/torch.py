@@ -25,6 +25,13 @@ front end as they are (``__cuda_array_interface__``), which runs the CUDA
 launchers; this path has not been run on a GPU here (there is none on the
 development machine).
 
+Threads: the kernels run on Numba's threads (``numba.get_num_threads()``,
+settable per Python thread with ``numba.set_num_threads``), not on torch's;
+the adapter does not tie the two counts together.  What slows a training
+step on a busy machine is torch's own OpenMP pool when its threads spin
+between ops (docs/threads.md): :func:`linear_attention` warns once when
+torch was imported before :mod:`linattn_nb` could ask for passive waiting.
+
 This module is the only one of :mod:`linattn_nb` that imports torch (extra
 ``torch``); the core package never does.
 """
@@ -32,6 +39,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+import os
+import sys
+import warnings
 
 import numpy as np
 import torch
@@ -66,6 +77,61 @@ class _Precomputed(fm.IdentityFeatureMap):
 
 
 _PRECOMPUTED = _Precomputed()
+
+
+# ---------------------------------------------------------------------------
+# Threads
+# ---------------------------------------------------------------------------
+_SPIN_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+_spin_warned = False
+
+
+def _initial_environment():
+    """Names of the variables the process started with (Linux: /proc/self/environ), None where unknown."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            return {item.split(b"=", 1)[0].decode(errors="replace") for item in f.read().split(b"\0") if item}
+    except OSError:
+        return None
+
+
+def _torch_threads_spin(modules=None, environment="read", backend=None) -> bool:
+    """Whether torch's OpenMP threads were started to spin between ops (see docs/threads.md).
+
+    True when torch was imported before :mod:`linattn_nb.config` set
+    ``OMP_WAIT_POLICY=PASSIVE`` (``modules``: the names of ``sys.modules``
+    in import order), the process was started without ``OMP_WAIT_POLICY``
+    or ``GOMP_SPINCOUNT`` (``environment``: the names of the initial
+    environment, ``"read"`` to read them; None, unknown, gives False) and torch's
+    parallel backend is OpenMP (``backend``: ``torch.__config__.parallel_info()``).
+    GNU OpenMP reads the wait policy once, when it is loaded, so nothing can
+    change it afterwards.
+    """
+    names = list(sys.modules) if modules is None else list(modules)
+    if "torch" not in names or "linattn_nb.config" not in names:
+        return False
+    if names.index("torch") > names.index("linattn_nb.config"):
+        return False  # torch's OpenMP started after config asked for passive waiting
+    env = _initial_environment() if environment == "read" else environment
+    if env is None or any(var in env for var in _SPIN_VARS):
+        return False
+    info = torch.__config__.parallel_info() if backend is None else backend
+    return "parallel backend: OpenMP" in info
+
+
+def _warn_if_torch_spins() -> None:
+    """One warning per process when torch runs more than one thread that spins between ops."""
+    global _spin_warned
+    if _spin_warned or torch.get_num_threads() < 2:
+        return
+    _spin_warned = True
+    if os.environ.get("OMP_WAIT_POLICY", "").upper() == "ACTIVE" or not _torch_threads_spin():
+        return
+    warnings.warn(
+        "torch was imported before linattn_nb and its OpenMP threads spin between ops: on a machine with "
+        "other busy processes a training step can run many times slower (docs/threads.md). Start Python "
+        "with OMP_WAIT_POLICY=PASSIVE, import linattn_nb before torch, or call torch.set_num_threads(1).",
+        RuntimeWarning, stacklevel=3)
 
 
 # ---------------------------------------------------------------------------
@@ -312,6 +378,30 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto",
         Tensors on different devices, unknown parameter names, and
         everything :func:`linattn_nb.linear_attention` refuses.
 
+    Warns
+    -----
+    RuntimeWarning
+        Once per process, when torch runs more than one thread and was
+        imported before :mod:`linattn_nb`, so that torch's OpenMP threads
+        spin between ops (see Notes).
+
+    Notes
+    -----
+    Threads: the forward and backward kernels run on Numba's threads
+    (``numba.get_num_threads()``; ``numba.set_num_threads`` sets it for
+    the calling Python thread), whatever ``torch.get_num_threads()`` is;
+    the torch ops around them (projections, the feature map, the optimiser)
+    run on torch's.  The two counts are not tied together: on a 2-core
+    machine beside one busy process, one Numba thread instead of two
+    changed a training step of notebooks/05_training.ipynb by less than the
+    noise, while torch's OpenMP threads spinning between ops made it 10-20
+    times slower than passive waiting (docs/threads.md).  ``linattn_nb``
+    sets ``OMP_WAIT_POLICY=PASSIVE`` when it is imported, which reaches
+    torch only if torch is imported after it; otherwise start Python with
+    ``OMP_WAIT_POLICY=PASSIVE`` or give torch one thread.  Several Python
+    threads may call the adapter at once; under Numba's ``workqueue``
+    threading layer (which would abort) their kernels run one at a time.
+
     Examples
     --------
     >>> import torch
@@ -326,6 +416,7 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto",
     True
     """
     q, k, v = (_check_tensor(nm, x) for nm, x in (("q", q), ("k", k), ("v", v)))
+    _warn_if_torch_spins()
     fmap = fm.resolve(feature_map)
     decay_t, decay_val = _tensor_or_value("decay", decay)
     log_decay_t, log_decay_val = _tensor_or_value("log_decay", log_decay)

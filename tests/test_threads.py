@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 from linattn_nb import _blas
 
@@ -75,3 +76,17 @@ def test_lock_only_under_workqueue(monkeypatch):
         assert _blas._layer_lock._is_owned()
     assert not _blas._layer_lock._is_owned()
     assert np.all(np.array(_blas.blas_threads()) >= 1)
+
+
+def test_torch_spin_detection():
+    pytest.importorskip("torch")
+    from linattn_nb.torch import _torch_threads_spin as spins
+
+    omp = "ATen parallel backend: OpenMP"
+    first = ["sys", "torch", "numpy", "linattn_nb", "linattn_nb.config"]
+    assert spins(first, {"PATH"}, omp)  # torch loaded its OpenMP before config asked for passive waiting
+    assert not spins(first[:1] + first[2:] + ["torch"], {"PATH"}, omp)  # linattn_nb first
+    assert not spins(first, {"PATH", "OMP_WAIT_POLICY"}, omp)  # the process was started with a policy
+    assert not spins(first, {"PATH", "GOMP_SPINCOUNT"}, omp)
+    assert not spins(first, None, omp)  # initial environment unknown: no claim
+    assert not spins(first, {"PATH"}, "ATen parallel backend: native thread pool")
