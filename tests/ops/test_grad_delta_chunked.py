@@ -90,12 +90,14 @@ def test_matches_naive(name, dtype, tol, nan_outputs):
 
 
 def test_default_chunk_and_parallel(monkeypatch, nan_outputs):
-    """The default chunk over several chunks, through the batch-parallel twin as well."""
+    """The default chunk and one of 37 tokens (row blocks of the solves: 16, 16, 5) over several chunks,
+    through the batch-parallel twin as well."""
     rng = np.random.default_rng(4)
     for name in RULES:
         *arrays, inputs = _problem(rng, name == "gated_delta", np.float64, 3, 150, 5, 4, True, True)
         ref = causal_backward_naive(*arrays, inputs=inputs, rule=RULES[name])
         _compare(cpu.backward_chunked(*arrays, inputs=inputs, rule=RULES[name]), ref, 1e-12)
+        _compare(cpu.backward_chunked(*arrays, inputs=inputs, rule=RULES[name], chunk=37), ref, 1e-12)
         with monkeypatch.context() as mp:
             mp.setattr(config, "CPU_CHUNKED_SERIAL_MAX_WORK", 0)
             _compare(cpu.backward_chunked(*arrays, inputs=inputs, rule=RULES[name], chunk=C), ref, 1e-12)

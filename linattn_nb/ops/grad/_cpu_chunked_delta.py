@@ -1,7 +1,6 @@
-"""GEMM-shaped chunks of the CPU backward of the delta rules (kernel of :func:`linattn_nb.ops.grad.cpu.backward_chunked`).
+"""GEMM-shaped chunks of the delta rules' CPU backward (kernel of :func:`linattn_nb.ops.grad.cpu.backward_chunked`).
 
-Design: ``docs/design-cpu.md``, "Backward launchers" (the chunked backward of
-the delta rules).
+Design: ``docs/design-cpu.md``, "Chunked backward of the delta rules".
 """
 from __future__ import annotations
 
@@ -44,16 +43,21 @@ def chunk_decays(lg, b, s0, n, fa, fb, fe, Gam):
         fe[s] = Gam[n - 1, s]
 
 
+#: Row block of the triangular solves: the rows of a block see the earlier blocks through one GEMM,
+#: each other within the block through short vector loops.
+SOLVE_BLOCK = 16
+
+
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def chunk_wy(gated, kf, v1, lg, b, s0, n, Sw, fb, Gam, KS, Yt, KK, Am, U):
     """The WY/UT values of one chunk from its start state ``Sw`` (F, M'), working dtype.
 
     ``KS = K S``, ``KK = K K^T``, ``Am = tril(Gam * KK, -1)`` (strict lower
-    triangle only), ``Yt = [V 1] - diag(b) K S - Am U`` (the residual each
-    token writes, ``y_t = v_t - a_t k_t^T S_{t-1}``) and ``U = diag(beta)
-    Yt``, by forward substitution row by row (``L U = diag(beta) Y``,
-    ``L = I + diag(beta) Am``).  Without decay ``fb`` and ``Gam`` are unused
-    (all ones).
+    triangle only; the delta rule passes ``KK`` itself as ``Am``), ``Yt =
+    [V 1] - diag(b) K S - Am U`` (the residual each token writes, ``y_t =
+    v_t - a_t k_t^T S_{t-1}``) and ``U = diag(beta) Yt``, by forward
+    substitution in row blocks (``L U = diag(beta) Y``, ``L = I + diag(beta)
+    Am``).  Without decay ``fb`` and ``Gam`` are unused (all ones).
     """
     F = kf.shape[2]
     M1 = v1.shape[2]
@@ -63,38 +67,50 @@ def chunk_wy(gated, kf, v1, lg, b, s0, n, Sw, fb, Gam, KS, Yt, KK, Am, U):
     gemm(0, 1, n, n, F, 1.0, kf, ko, F, kf, ko, F, 0.0, KK, 0, C)
     wd = KK.dtype.type
     for t in range(n):
+        yr = Yt[t]
+        kr = KS[t]
         if gated:
             h = wd(fb[t])
             for m in range(M1):
-                Yt[t, m] = v1[b, s0 + t, m] - h * KS[t, m]
+                yr[m] = v1[b, s0 + t, m] - h * kr[m]
             for j in range(t):
                 Am[t, j] = KK[t, j] * wd(Gam[t, j])
         else:
             for m in range(M1):
-                Yt[t, m] = v1[b, s0 + t, m] - KS[t, m]
-            for j in range(t):
-                Am[t, j] = KK[t, j]
-        for j in range(t):
-            c = Am[t, j]
+                yr[m] = v1[b, s0 + t, m] - kr[m]
+    for r0 in range(0, n, SOLVE_BLOCK):
+        r1 = min(r0 + SOLVE_BLOCK, n)
+        if r0 > 0:
+            gemm(0, 0, r1 - r0, M1, r0, -1.0, Am, r0 * C, C, U, 0, M1, 1.0, Yt, r0 * M1, M1)
+        for t in range(r0, r1):
+            yr = Yt[t]
+            for j in range(r0, t):
+                c = Am[t, j]
+                ur = U[j]
+                for m in range(M1):
+                    yr[m] -= c * ur[m]
+            bt = wd(lg[b, s0 + t, 1])
+            ur = U[t]
             for m in range(M1):
-                Yt[t, m] -= c * U[j, m]
-        bt = wd(lg[b, s0 + t, 1])
-        for m in range(M1):
-            U[t, m] = bt * Yt[t, m]
+                ur[m] = bt * yr[m]
 
 
-def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk, dv, dH0, dfac, dbeta, proto):
+def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Us, Ys, KKs, dq, dk, dv, dH0, dfac, dbeta,
+                    proto):
     """Two passes over the chunks of each sequence of the flattened batch (``docs/design-cpu.md``).
 
     qf, kf : (B, N, F), v1, g1 : (B, N, M') of the working dtype (that of
     ``proto``), C-contiguous.  H0, dHN : (B, F, M') float64 (``dHN`` read
     only when ``has_dHN``).  rule : the delta or gated delta code; lg :
     (B, N, 2) float64 (column 0 the log-decay, column 1 beta).  C : chunk
-    size.  ck : (B, ceil(N / C), F, M') float64, the chunk-start states
-    (written by pass 1).  Written: dq, dk (B, N, F), dv (B, N, M') in the
-    working dtype, dH0 (B, F, M') float64, dfac (B, N, 1) float64 (gated
-    delta; (B, N, 0) for delta, untouched), dbeta (B, N) float64.  Every
-    element of the outputs is written.
+    size.  Written by pass 1, read by pass 2, with P = ceil(N / C): ck (B,
+    P, F, M'), the chunk-start states rounded to the working dtype (the
+    GEMMs read them so; the running state is float64); Us, Ys (B, P, C, M') and KKs
+    (B, P, C, C) of the working dtype, each chunk's ``U``, residuals ``Yt``
+    and ``K K^T`` (:func:`chunk_wy`).  Written: dq, dk (B, N, F), dv (B, N,
+    M') in the working dtype, dH0 (B, F, M') float64, dfac (B, N, 1) float64
+    (gated delta; (B, N, 0) for delta, untouched), dbeta (B, N) float64.
+    Every element of the outputs is written.
     """
     B, N, F = qf.shape
     M1 = v1.shape[2]
@@ -106,17 +122,13 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk, d
         for i in range(F):
             for m in range(M1):
                 H[i, m] = H0[b, i, m]
-        Sw = np.empty((F, M1), wt)
         Rw = np.empty((F, M1), wt)
         part = np.empty((F, M1), wt)
-        KK = np.zeros((C, C), wt)
         Am = np.zeros((C, C), wt)
         QK = np.zeros((C, C), wt)
         GU = np.zeros((C, C), wt)
         Da = np.zeros((C, C), wt)
         KS = np.empty((C, M1), wt)
-        Yt = np.empty((C, M1), wt)
-        U = np.empty((C, M1), wt)
         dU = np.empty((C, M1), wt)
         X = np.empty((C, M1), wt)
         dY = np.empty((C, M1), wt)
@@ -131,21 +143,20 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk, d
         db = np.zeros(C)
         pv = np.zeros(C)
         # ------------------------------------------------------------------
-        # pass 1, chunks in order: the chunk-start states
+        # pass 1, chunks in order: the chunk-start states and each chunk's U, Yt, K K^T
         # ------------------------------------------------------------------
         for c in range(nch):
             s0 = c * C
             n = min(C, N - s0)
             ko = (b * N + s0) * F
-            for i in range(F):
-                for m in range(M1):
-                    ck[b, c, i, m] = H[i, m]
+            Sw = ck[b, c]
             _to_work(H, Sw)
+            U = Us[b, c]
+            KK = KKs[b, c]
             if gated:
                 chunk_decays(lg, b, s0, n, fa, fb, fe, Gam)
-            chunk_wy(gated, kf, v1, lg, b, s0, n, Sw, fb, Gam, KS, Yt, KK, Am, U)
-            # H <- b_{n-1} H + (e * K)^T U
-            if gated:
+                chunk_wy(True, kf, v1, lg, b, s0, n, Sw, fb, Gam, KS, Ys[b, c], KK, Am, U)
+                # H <- b_{n-1} H + (e * K)^T U
                 for t in range(n):
                     h = fe[t]
                     for i in range(F):
@@ -156,6 +167,7 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk, d
                     for m in range(M1):
                         H[i, m] = tot * H[i, m] + part[i, m]
             else:
+                chunk_wy(False, kf, v1, lg, b, s0, n, Sw, fb, Gam, KS, Ys[b, c], KK, KK, U)
                 gemm(1, 0, F, M1, n, 1.0, kf, ko, F, U, 0, M1, 0.0, part, 0, M1)
                 for i in range(F):
                     for m in range(M1):
@@ -175,11 +187,18 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk, d
             n = min(C, N - s0)
             qo = (b * N + s0) * F
             vo = (b * N + s0) * M1
-            _to_work(ck[b, c], Sw)
+            Sw = ck[b, c]
             _to_work(R, Rw)
+            U = Us[b, c]
+            Yt = Ys[b, c]
+            KK = KKs[b, c]
             if gated:
                 chunk_decays(lg, b, s0, n, fa, fb, fe, Gam)
-            chunk_wy(gated, kf, v1, lg, b, s0, n, Sw, fb, Gam, KS, Yt, KK, Am, U)
+                for t in range(n):
+                    for j in range(t):
+                        Am[t, j] = KK[t, j] * Gam[t, j]
+            else:
+                Am = KK  # noqa: the strict lower triangle is all the solves read
             # QK -> tril(Gam * Q K^T) (the outputs' intra weights), GU -> tril(Gam * G U^T)
             gemm(0, 1, n, n, F, 1.0, qf, qo, F, kf, qo, F, 0.0, QK, 0, C)
             gemm(0, 1, n, n, M1, 1.0, g1, vo, M1, U, 0, M1, 0.0, GU, 0, C)
@@ -223,23 +242,34 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk, d
             else:
                 gemm(0, 1, n, F, M1, 1.0, U, 0, M1, Rw, 0, M1, 1.0, dk, qo, F)
             gemm(1, 0, n, M1, n, 1.0, QK, 0, C, g1, vo, M1, 1.0, dU, 0, M1)
-            # back substitution L^T dY = diag(beta) dU; X_t = sum_{j > t} Am[j, t] dY_j
-            for t in range(n):
-                for m in range(M1):
-                    X[t, m] = 0.0
-            for t in range(n - 1, -1, -1):
-                bt = lg[b, s0 + t, 1]
-                btw = dY.dtype.type(bt)
-                x = 0.0
-                for m in range(M1):
-                    r = dU[t, m] - X[t, m]
-                    x += np.float64(Yt[t, m]) * np.float64(r)
-                    dY[t, m] = btw * r
-                dbeta[b, s0 + t] = x
-                for s in range(t):
-                    cc = Am[t, s]
+            # back substitution L^T dY = diag(beta) dU in row blocks, last first;
+            # X_t = sum_{j > t} Am[j, t] dY_j (later blocks by one GEMM, the block's own rows by vector loops)
+            for r1 in range(n, 0, -SOLVE_BLOCK):
+                r0 = max(0, r1 - SOLVE_BLOCK)
+                if r1 < n:
+                    gemm(1, 0, r1 - r0, M1, n - r1, 1.0, Am, r1 * C + r0, C, dY, r1 * M1, M1, 0.0, X, r0 * M1, M1)
+                else:
+                    for t in range(r0, r1):
+                        for m in range(M1):
+                            X[t, m] = 0.0
+                for t in range(r1 - 1, r0 - 1, -1):
+                    bt = lg[b, s0 + t, 1]
+                    btw = wt.type(bt)
+                    x = 0.0
+                    xr = X[t]
+                    ur = dU[t]
+                    yr = Yt[t]
+                    dr = dY[t]
                     for m in range(M1):
-                        X[s, m] += cc * dY[t, m]
+                        r = ur[m] - xr[m]
+                        x += np.float64(yr[m]) * np.float64(r)
+                        dr[m] = btw * r
+                    dbeta[b, s0 + t] = x
+                    for s in range(r0, t):
+                        cc = Am[t, s]
+                        xs = X[s]
+                        for m in range(M1):
+                            xs[m] += cc * dr[m]
             for t in range(n):
                 for m in range(M1):
                     dv[b, s0 + t, m] = dY[t, m]
@@ -255,21 +285,23 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk, d
                     Da[s, t] = d
                 Da[t, t] = 0.0
             gemm(0, 0, n, F, n, 1.0, Da, 0, C, kf, qo, F, 1.0, dk, qo, F)
-            # through Y = [V 1] - diag(b) K S: dk -= diag(b) dY S^T; R update below
+            # through Y = [V 1] - diag(b) K S: dk -= diag(b) dY S^T, db -= k . (dY S^T); R update below
             if gated:
+                gemm(0, 1, n, F, M1, 1.0, dY, 0, M1, Sw, 0, M1, 0.0, Kw, 0, F)
                 for t in range(n):
                     h = fb[t]
                     x = 0.0
-                    for m in range(M1):
-                        y = dY[t, m]
-                        x += np.float64(y) * np.float64(KS[t, m])
-                        W2[t, m] = h * y
+                    for i in range(F):
+                        y = Kw[t, i]
+                        x += np.float64(y) * np.float64(kf[b, s0 + t, i])
+                        dk[b, s0 + t, i] -= h * y
                     db[t] -= x
-                gemm(0, 1, n, F, M1, -1.0, W2, 0, M1, Sw, 0, M1, 1.0, dk, qo, F)
+                    for m in range(M1):
+                        W2[t, m] = h * dY[t, m]
                 x = 0.0
                 for i in range(F):
                     for m in range(M1):
-                        x += R[i, m] * ck[b, c, i, m]
+                        x += R[i, m] * np.float64(Sw[i, m])
                 db[n - 1] += x
                 for t in range(n):
                     h = fb[t]
