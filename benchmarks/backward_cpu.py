@@ -12,10 +12,14 @@ in interleaved rounds (:func:`_common.interleaved_medians`): the forward
 launcher alone (``linattn_nb.ops.grad.cpu.backward_chunked`` /
 ``backward_scan`` on the features, values with the ones column and a
 gradient of the outputs) and the whole ``linear_attention_vjp(...,
-method="chunked")`` (features, forward, backward, the map's vjp).  Target:
-backward <= 2.5x the forward on AMD EPYC (additive rule).  Rows for the
-decay, gate and delta rules give the same launcher against their own
-chunked forward.
+method="chunked")`` (features, forward, backward, the map's vjp), for the
+additive, decay, gate, delta and gated delta rules, each against its own
+chunked forward (``--rules`` picks some).  ``vjp_ratio_range`` is the
+spread of the per-round ratio vjp / forward (the two timed side by side in
+each round).  Targets on AMD EPYC: the whole vjp <= 2.5x the forward for
+the additive, decay and gate rules, <= 3.5x for the delta rules.  The
+additive and delta rows also time the checkpointed token recurrence
+(``backward_scan``).
 
 Accuracy: float32 gradients of the additive chunked backward against the
 float64 backward of the same inputs at B*H = 1, D = M = 64 (relative
@@ -76,38 +80,49 @@ def _rule_inputs(name, bh, n, d, seed=1):
         return {"log_gate": rng.uniform(-0.5, -0.001, (bh, n, d))}, {"log_decay": None}
     if name == "delta":
         return {"beta": rng.uniform(0.0, 1.0, (bh, n))}, {"beta": None}
+    if name == "gated_delta":
+        return {"beta": rng.uniform(0.0, 1.0, (bh, n)), "log_decay": rng.uniform(-0.1, -0.001, (bh, n))}, {}
     return {}, {}
 
 
-def speed(rounds):
+def _spread(times, num, den):
+    """(min, max) over the rounds of the per-round ratio ``num / den`` (timed side by side in each round)."""
+    r = [a / b for a, b in zip(times[num], times[den])]
+    return min(r), max(r)
+
+
+RULE_NAMES = ("additive", "decay", "gate", "delta", "gated_delta")
+
+
+def speed(rounds, rules=RULE_NAMES):
     bh, n, d = 16, 4096, 64
     q, k, v, g = _data(bh, n, d, np.float32)
     qf, kf, v1, H0, g1 = _launcher_args(q, k, v, g, np.float32)
     rows = []
-    for name in ("additive", "decay", "gate", "delta"):
+    for name in rules:
         code = RULES[name][0]
         inputs, _ = _rule_inputs(name, bh, n, d)
         fkw = {}
         if name in ("decay", "gate"):
             fkw["log_decay"] = inputs["log_decay" if name == "decay" else "log_gate"]
-        if name == "delta":
-            fkw["beta"] = inputs["beta"]
+        if name in ("delta", "gated_delta"):
+            fkw.update(inputs)
+        common = dict(causal=True, method="chunked", feature_map="elu", check_finite=False)
         cases = {
-            "forward": lambda fkw=fkw: linattn_nb.linear_attention(q, k, v, causal=True, method="chunked",
-                                                                   feature_map="elu", check_finite=False, **fkw),
+            "forward": lambda fkw=fkw: linattn_nb.linear_attention(q, k, v, **common, **fkw),
             "backward": lambda code=code, inputs=inputs: gcpu.backward_chunked(qf, kf, v1, H0, g1, inputs=inputs,
                                                                                rule=code),
+            "vjp": lambda fkw=fkw: linattn_nb.linear_attention_vjp(q, k, v, g, **common, **fkw),
         }
-        if name == "additive":
-            cases["backward_scan"] = lambda: gcpu.backward_scan(qf, kf, v1, H0, g1)
-            cases["vjp"] = lambda: linattn_nb.linear_attention_vjp(q, k, v, g, causal=True, method="chunked",
-                                                                   feature_map="elu", check_finite=False)
-        med, _ = interleaved_medians(cases, rounds)
+        if name in ("additive", "delta"):
+            cases["backward_scan"] = lambda code=code, inputs=inputs: gcpu.backward_scan(
+                qf, kf, v1, H0, g1, inputs=inputs, rule=code)
+        med, times = interleaved_medians(cases, rounds)
+        lo, hi = _spread(times, "vjp", "forward")
         row = {"rule": name, "forward_s": med["forward"], "backward_s": med["backward"],
-               "ratio": med["backward"] / med["forward"]}
-        if "vjp" in med:
-            row["vjp_s"] = med["vjp"]
-            row["vjp_ratio"] = med["vjp"] / med["forward"]
+               "ratio": med["backward"] / med["forward"], "vjp_s": med["vjp"],
+               "vjp_ratio": med["vjp"] / med["forward"], "vjp_ratio_range": f"{lo:.2f}-{hi:.2f}"}
+        if "backward_scan" in med:
             row["scan_backward_s"] = med["backward_scan"]
         rows.append(row)
     return rows
@@ -177,15 +192,17 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer rounds; accuracy and memory at N = 2**16")
     ap.add_argument("--skip-long", action="store_true", help="speed rows only")
     ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--rules", default=",".join(RULE_NAMES), help="comma-separated rules of the speed rows")
     args = ap.parse_args(argv)
     import numba
 
     print(f"CPU: {cpu_model()}; Numba threads: {numba.get_num_threads()}")
     print_machine()
     rounds = args.rounds or (3 if args.quick else 7)
-    rows = speed(rounds)
+    rows = speed(rounds, tuple(r for r in args.rules.split(",") if r))
     print(f"\nSpeed: B*H = 16, N = 4096, D = M = 64, float32, ELU+1, median of {rounds} interleaved rounds")
-    print(table(rows, ["rule", "forward_s", "backward_s", "ratio", "vjp_s", "vjp_ratio", "scan_backward_s"],
+    print(table(rows, ["rule", "forward_s", "backward_s", "ratio", "vjp_s", "vjp_ratio", "vjp_ratio_range",
+                       "scan_backward_s"],
                 {"forward_s": "{:.4f}", "backward_s": "{:.4f}", "ratio": "{:.2f}", "vjp_s": "{:.4f}",
                  "vjp_ratio": "{:.2f}", "scan_backward_s": "{:.4f}"}))
     if args.skip_long:
