@@ -95,8 +95,7 @@ def chunk_wy(gated, kf, v1, lg, b, s0, n, Sw, fb, Gam, KS, Yt, KK, Am, U):
                 ur[m] = bt * yr[m]
 
 
-def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Us, Ys, KKs, dq, dk, dv, dH0, dfac, dbeta,
-                    proto):
+def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, dq, dk, dv, dH0, dfac, dbeta, proto):
     """Two passes over the chunks of each sequence of the flattened batch (``docs/design-cpu.md``).
 
     qf, kf : (B, N, F), v1, g1 : (B, N, M') of the working dtype (that of
@@ -105,9 +104,10 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Us, Ys, K
     (B, N, 2) float64 (column 0 the log-decay, column 1 beta).  C : chunk
     size.  Written by pass 1, read by pass 2, with P = ceil(N / C): ck (B,
     P, F, M'), the chunk-start states rounded to the working dtype (the
-    GEMMs read them so; the running state is float64); Us, Ys (B, P, C, M') and KKs
-    (B, P, C, C) of the working dtype, each chunk's ``U``, residuals ``Yt``
-    and ``K K^T`` (:func:`chunk_wy`).  Written: dq, dk (B, N, F), dv (B, N,
+    GEMMs read them so; the running state is float64); Ys (B, P, C, M') and
+    KKs (B, P, C, C) of the working dtype, each chunk's residuals ``Yt``
+    and ``K K^T`` (:func:`chunk_wy`; pass 2 takes ``U = diag(beta) Yt``
+    again, the same numbers).  Written: dq, dk (B, N, F), dv (B, N,
     M') in the working dtype, dH0 (B, F, M') float64, dfac (B, N, 1) float64
     (gated delta; (B, N, 0) for delta, untouched), dbeta (B, N) float64.
     Every element of the outputs is written.
@@ -129,6 +129,7 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Us, Ys, K
         GU = np.zeros((C, C), wt)
         Da = np.zeros((C, C), wt)
         KS = np.empty((C, M1), wt)
+        U = np.empty((C, M1), wt)
         dU = np.empty((C, M1), wt)
         X = np.empty((C, M1), wt)
         dY = np.empty((C, M1), wt)
@@ -151,7 +152,6 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Us, Ys, K
             ko = (b * N + s0) * F
             Sw = ck[b, c]
             _to_work(H, Sw)
-            U = Us[b, c]
             KK = KKs[b, c]
             if gated:
                 chunk_decays(lg, b, s0, n, fa, fb, fe, Gam)
@@ -189,9 +189,14 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Us, Ys, K
             vo = (b * N + s0) * M1
             Sw = ck[b, c]
             _to_work(R, Rw)
-            U = Us[b, c]
             Yt = Ys[b, c]
             KK = KKs[b, c]
+            for t in range(n):  # U = diag(beta) Yt
+                bt = wt.type(lg[b, s0 + t, 1])
+                ur = U[t]
+                yr = Yt[t]
+                for m in range(M1):
+                    ur[m] = bt * yr[m]
             if gated:
                 chunk_decays(lg, b, s0, n, fa, fb, fe, Gam)
                 for t in range(n):

@@ -167,8 +167,8 @@ def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADD
     (:mod:`linattn_nb.ops.grad._cpu_chunked_delta`): the adjoint of the
     forward's WY/UT chunk form (``U = diag(beta) Yt``, ``L U = diag(beta)
     ([V 1] - diag(b) K H)``, ``L = I + diag(beta) tril(G * K K^T, -1)``).
-    A forward pass keeps each chunk's start state, ``U``, residuals ``Yt``
-    and ``K K^T`` (working dtype, about ``F M' / C + 2 M' + C`` numbers per
+    A forward pass keeps each chunk's start state, residuals ``Yt`` and
+    ``K K^T`` (working dtype, about ``F M' / C + M' + C`` numbers per
     token); the reverse pass carries ``R`` and solves ``L^T dY = diag(beta)
     dU`` per chunk: ``dv = dY``, ``dbeta_t = Yt_t . (dU_t - X_t)``,
     ``dq = diag(b) G H^T + tril(G * G U^T) K``, ``dk`` from the four places
@@ -215,10 +215,10 @@ def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C):
     P = -(-N // C)
     wt = qf.dtype
     ck = np.empty((B, P, F, M1), wt)
-    Us, Ys, KKs = np.empty((B, P, C, M1), wt), np.empty((B, P, C, M1), wt), np.empty((B, P, C, C), wt)
+    Ys, KKs = np.empty((B, P, C, M1), wt), np.empty((B, P, C, C), wt)
     kernel = pick(delta_backward_kernel_serial, delta_backward_kernel, items=B, work=B * N * F * M1,
                   limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
     with single_threaded_blas(kernel is delta_backward_kernel):
         kernel(qf, kf, v1, H0, g1, H0 if dHN is None else dHN, dHN is not None, rule, lg, np.int64(C), ck,
-               Us, Ys, KKs, *outs, np.empty(0, wt))
+               Ys, KKs, *outs, np.empty(0, wt))
     return _result(rule, *outs)
