@@ -462,9 +462,10 @@ def rows_from(sizes, ratios) -> list:
 
     ``ratios[i]`` is the chunked kernel's time over the scan's at
     ``sizes[i]``.  The longest sequences decide the last row (the faster
-    method by the mean log ratio of the three longest lengths: their calls
+    method by the median ratio of the three longest lengths: their calls
     are the longest, the least disturbed by a busy machine, and both methods
-    are linear in N beyond them).  Shorter lengths may take the other method up to
+    are linear in N beyond them; the median, so that one disturbed length
+    cannot decide).  Shorter lengths may take the other method up to
     one switch, placed where it loses least, summed over the measured lengths,
     against the faster method at each (``sum log(t_chosen / t_fastest)``): a
     length or two where the two are within noise of each other cannot create
@@ -472,8 +473,7 @@ def rows_from(sizes, ratios) -> list:
     measured lengths around it.
     """
     logs = [math.log(r) for r in ratios]
-    tail = logs[-3:]
-    last = "chunked" if sum(tail) / len(tail) < 0 else "scan"
+    last = "chunked" if statistics.median(logs[-3:]) < 0 else "scan"
     other = "scan" if last == "chunked" else "chunked"
     lose = {"scan": [max(0.0, -x) for x in logs], "chunked": [max(0.0, x) for x in logs]}
     best = (sum(lose[last]), 0)  # (loss, b): the first b lengths take `other`
