@@ -456,7 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "tune", help="time scan against chunked on this CPU and BLAS; method='auto' then follows the result",
         description="Time the causal CPU methods (scan against chunked) for every update rule that has both, "
-                    "in float32 and float64, at B*H = 16, D = M = 64, N = 1 ... 4096 (seconds to a minute), and "
+                    "in float32 and float64, at B*H = 16, D = M = 64, N = 1 ... 4096 (tens of seconds on 2 cores once "
+                    "the kernels are compiled; a first run compiles them), and "
                     "store the rows method='auto' uses in the kernel cache folder, keyed by the CPU, the BLAS "
                     "(its kernels and overrides such as OPENBLAS_CORETYPE), the threads and the versions. "
                     "config.AUTO_TUNE (LINATTN_AUTO_TUNE) decides whether auto reads it (docs/tuning.md).")
