@@ -65,6 +65,8 @@ _busy = False
 _current = None
 _key_memo = None
 _blas_memo = None
+#: (rule, dtype) entries whose first-use timing raised: not tried again in this process.
+_failed = set()
 
 
 # ---------------------------------------------------------------------------
@@ -395,6 +397,7 @@ def forget() -> None:
         _current = None
         _key_memo = None
         _blas_memo = None
+        _failed.clear()
 
 
 def use(cal: dict | None) -> None:
@@ -606,7 +609,7 @@ def auto_rows(rule: str, dtype) -> list | None:
             cal = _current = (False if m == "load" and _no_files() else (load() or False))
         if cal and entry_key in cal["entries"] and not cal.get("setting", {}).get("quick"):
             return [tuple(r) for r in cal["entries"][entry_key]["rows"]]
-        if m != "first-use" or _busy or rule not in RULES:
+        if m != "first-use" or _busy or rule not in RULES or entry_key in _failed:
             return None
     return _first_use(rule, name, entry_key)
 
@@ -623,7 +626,13 @@ def _first_use(rule, name, entry_key):
         print(f"linattn_nb: timing the scan against the chunked kernel for rule {rule!r}, {name}, once on "
               "this CPU and BLAS (a few seconds; `linattn tune` does it ahead, LINATTN_AUTO_TUNE=load skips it)",
               file=sys.stderr, flush=True)
-        new = calibrate([rule], [name])
+        try:
+            new = calibrate([rule], [name])
+        except Exception as exc:  # the call that asked goes on with the constants, and so do later ones
+            _failed.add(entry_key)
+            print(f"linattn_nb: the timing failed ({type(exc).__name__}: {exc}); method='auto' uses "
+                  "config.AUTO_METHODS", file=sys.stderr, flush=True)
+            return None
         with _lock:
             cal = merge(_current or None, new)
         save(cal)

@@ -163,6 +163,21 @@ def test_first_use_measures_once_and_stores(folder, monkeypatch, capsys):
     assert select_auto(n=4096, dtype=np.float64, **KW) == "scan" and len(calls) == 2
 
 
+def test_first_use_failure_falls_back_to_the_constants(folder, monkeypatch, capsys):
+    monkeypatch.setattr(config, "AUTO_TUNE", "first-use")
+    calls = []
+
+    def calibrate(rules, dtypes, **kw):
+        calls.append(1)
+        raise RuntimeError("no timer")
+
+    monkeypatch.setattr(_tune, "calibrate", calibrate)
+    edge = constant_edge()
+    assert select_auto(n=edge + 1, dtype=np.float32, **KW) == "chunked"
+    assert "the timing failed (RuntimeError: no timer)" in capsys.readouterr().err
+    assert select_auto(n=edge, dtype=np.float32, **KW) == "scan" and calls == [1]  # not tried again
+
+
 def test_rows_from_timings():
     n = [1, 2, 4, 8, 16, 64, 256, 1024, 4096]
     rows = _tune.rows_from(n, [1.5, 1.2, 0.8, 0.5, 0.4, 0.4, 0.5, 0.45, 0.45])
