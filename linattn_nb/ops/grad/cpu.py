@@ -175,8 +175,8 @@ def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADD
     ``K`` enters, and the gated rule's ``dfactor`` (with respect to the
     decay itself, exact at a reset) by running sums over the chunk's
     products of decays.  At B*H = 16, N = 4096, D = M = 64, float32 (AMD
-    EPYC, 2 threads) it takes 3.4-3.8x the forward chunked kernel's time
-    (the checkpointed token recurrence of :func:`backward_scan`: 12-13x).
+    EPYC, 2 threads) it takes about 3x the forward chunked kernel's time
+    (the checkpointed token recurrence of :func:`backward_scan`: 11-13x).
     """
     rule = check_rule(rule, inputs)
     qf, kf, v1, H0, g1, dHN = _check(qf, kf, v1, H0, g1, dHN)
