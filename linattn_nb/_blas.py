@@ -85,11 +85,13 @@ def _pinned():
 
 
 def threading_layer() -> str:
-    """Numba's threading layer (``"omp"``, ``"tbb"`` or ``"workqueue"``), starting its threads if need be.
+    """Numba's threading layer: ``"omp"``, ``"tbb"`` or ``"workqueue"``.
 
-    Numba chooses the layer when the first parallel kernel runs; asking
-    before that starts the thread pool the same way (what the first kernel
-    would do).
+    Numba chooses the layer when the first parallel kernel of the process
+    runs; before that, the layer it will choose (``NUMBA_THREADING_LAYER``
+    and the first of its priority list whose library loads), without
+    starting the thread pool (a pool started for nothing would make GNU
+    OpenMP refuse parallel kernels in forked children).
     """
     global _layer
     if _layer is None:
@@ -98,11 +100,26 @@ def threading_layer() -> str:
         try:
             _layer = numba.threading_layer()
         except ValueError:  # no parallel kernel has run yet
-            from numba.np.ufunc import parallel
-
-            parallel._launch_threads()
-            _layer = numba.threading_layer()
+            return _predicted_layer(numba.config)
     return _layer
+
+
+def _predicted_layer(cfg) -> str:
+    import importlib
+
+    name = str(cfg.THREADING_LAYER).lower()
+    if name in ("tbb", "omp", "workqueue"):
+        return name
+    allowed = {"safe": ("tbb",), "threadsafe": ("tbb", "omp")}.get(name, ("tbb", "omp", "workqueue"))
+    for layer in cfg.THREADING_LAYER_PRIORITY:
+        if layer not in allowed:
+            continue
+        try:
+            importlib.import_module("numba.np.ufunc." + ("workqueue" if layer == "workqueue" else layer + "pool"))
+            return layer
+        except ImportError:
+            continue
+    return "workqueue"
 
 
 @contextlib.contextmanager
