@@ -16,6 +16,7 @@ study's ``requires`` says so when it is missing.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -362,10 +363,10 @@ def _profile(ctx, grid=None):
     return ctx.pick(
         tiny=dict(layers=("additive-elu", "delta", "softmax"), dims=(0,), kv=(4,), seeds=2, steps=3,
                   n_train=256, n_test=64, eval_every=2),
-        quick=dict(layers=("additive-elu", "delta", "softmax"), dims=(0, 2), kv=(8,), seeds=3, steps=60,
-                   n_train=4_000, n_test=256, eval_every=30),
-        full=dict(layers=("additive-elu", "additive-taylor2", "delta", "gated-delta", "softmax"), dims=(0, 1, 2, 3),
-                  kv=(8, 32), seeds=3, steps=150, n_train=10_000, n_test=256, eval_every=50),
+        quick=dict(layers=("additive-elu", "delta", "softmax"), dims=(0, 1), kv=(8,), seeds=2, steps=30,
+                   n_train=2_000, n_test=128, eval_every=30),
+        full=dict(layers=("additive-elu", "delta", "softmax"), dims=(0, 1, 2), kv=(4, 16), seeds=3, steps=120,
+                  n_train=10_000, n_test=256, eval_every=60),
     )
 
 
@@ -419,6 +420,7 @@ def run(layer, head_dim, kv, length, seed, steps, vocab=VOCAB, d_model=D_MODEL, 
 # ---------------------------------------------------------------------------
 # rendering
 # ---------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
 def recall_floor(layer: str, head_dim: int, kv: int, *, heads: int = HEADS, seed: int = 0) -> dict | None:
     """The least-squares recall floor of a state like this layer's, for ``kv`` pairs.
 
@@ -445,7 +447,7 @@ def recall_floor(layer: str, head_dim: int, kv: int, *, heads: int = HEADS, seed
     else:
         fmap = fm.get(attn["feature_map"])
         res = recall_capacity(fmap, head_dim, [kv], trials=2, seed=seed)
-        mse = float(np.asarray(res["optimal_mse"], dtype=float)[0]) if heads == 1 else max(0.0, 1 - heads * dphi / kv)
+        mse = float(np.asarray(res.optimal_mse, dtype=float)[0]) if heads == 1 else max(0.0, 1 - heads * dphi / kv)
     return dict(optimal_mse=mse, recall_floor_accuracy=1.0 - mse)
 
 
@@ -525,10 +527,10 @@ def findings(agg) -> list:
             falls = m_hi[0] + h_hi[0] < m_lo[0] - h_lo[0]
             moves = m_hi[-1] - h_hi[-1] > m_hi[0] + h_hi[0]
             dphi0 = agg.by[(hi_kv, add)][d_hi[0]][0]["d_phi"]
-            text = (f"{LAYERS[add][0]}: at the smallest state ({fmt(float(s_hi[0]))} numbers, D_φ = {dphi0}) accuracy "
+            text = (f"{LAYERS[add][0]}: at the smallest state ({int(s_hi[0])} numbers, D_φ = {dphi0}) accuracy "
                     f"is {pm(m_lo[0], h_lo[0])} at kv = {lo_kv} and {pm(m_hi[0], h_hi[0])} at kv = {hi_kv} "
                     f"({'falls' if falls else 'no fall shown'}); at kv = {hi_kv} the largest state "
-                    f"({fmt(float(s_hi[-1]))}) reaches {pm(m_hi[-1], h_hi[-1])} "
+                    f"({int(s_hi[-1])}) reaches {pm(m_hi[-1], h_hi[-1])} "
                     f"({'a larger state moves the point' if moves else 'no gain shown'})")
             out.append(Claim(SUPPORTED if falls and moves else NOT_SUPPORTED,
                              text + (": supported" if falls and moves else ": not supported"), rule2))
@@ -570,7 +572,6 @@ def render(records, ctx) -> Rendered:
     agg = _Agg(ok)
     if ok:
         p0 = ok[0]["params"]
-        r0 = ok[0]["result"]
         machines = sorted({r["result"].get("machine", "?") for r in ok})
         total = sum(r["result"]["seconds"] for r in ok)
         md.append(f"Regime: multi-query associative recall (Zoology, Arora et al. 2023), vocabulary {p0['vocab']}, sequence "
@@ -590,8 +591,11 @@ def render(records, ctx) -> Rendered:
             row = [LAYERS[layer][0]]
             for kv in agg.kvs:
                 f = _frontier(agg, kv, layer)
-                row.append(f"> {fmt(float(agg.series(kv, layer)[1][-1]))}" if f is None and agg.series(kv, layer)[0]
-                           else "–" if f is None else f"{fmt(float(f[0]))} (d = {f[3]}: {pm(f[1], f[2])})")
+                dims, states = agg.series(kv, layer)[:2]
+                if f is not None:
+                    row.append(f"{int(f[0])} (d = {f[3]}: {pm(f[1], f[2])})")
+                else:
+                    row.append(f"> {int(states[-1])}" if len(dims) else "–")
             rows.append(row)
         md += ["", f"Smallest state (numbers per head and layer) at which the mean accuracy reaches {ACCURACY}, "
                    "with the head dimension and the accuracy there (\"> s\": not reached up to the largest state s):",
@@ -636,7 +640,6 @@ def render(records, ctx) -> Rendered:
             md += ["", ctx.savefig(fig, "mqar", "MQAR accuracy against state size, one panel per number of pairs"),
                    "", f"{CI_CAPTION}; dotted: 1 − the least-squares error floor of the layer's state (the share of "
                        "the values' energy the best state of that D_φ returns), not an accuracy bound."]
-        del r0
     md += failed_md
     return Rendered("\n".join(md), f"{len(agg.layers)} layers, kv {agg.kvs}", problems)
 

@@ -130,3 +130,52 @@ def test_tiny_sweep_resumes_without_loss_or_rerun_and_writes_the_figure(tmp_path
     assert "![" in text and "mqar.png" in text and "What it shows" in text
     for verdict_about in ("softmax attention", "delta"):
         assert verdict_about in text
+
+
+def test_recall_floor_is_the_least_squares_error_of_the_state():
+    assert mqar.recall_floor("additive-elu", 8, 8)["optimal_mse"] == 0.0
+    assert mqar.recall_floor("additive-elu", 8, 16)["optimal_mse"] == pytest.approx(0.5, abs=1e-9)
+    assert mqar.recall_floor("additive-dpfp", 8, 32)["optimal_mse"] == pytest.approx(0.5, abs=1e-9)
+    floor = mqar.recall_floor("delta", 8, 32)
+    assert floor["optimal_mse"] == pytest.approx(0.75, abs=1e-9)
+    assert floor["recall_floor_accuracy"] == pytest.approx(0.25, abs=1e-9)
+    assert mqar.recall_floor("softmax", 8, 32) is None
+
+
+def _record(layer, d, kv, seed, acc):
+    length = mqar.seq_length(kv)
+    params = dict(layer=layer, head_dim=d, kv=kv, length=length, seed=seed, steps=600, vocab=mqar.VOCAB,
+                  d_model=mqar.D_MODEL, heads=mqar.HEADS, n_train=100, n_test=10, eval_every=100)
+    result = dict(final_accuracy=acc, best_accuracy=acc, steps=600, seconds=1.0,
+                  curve=[dict(step=600, loss=1.0, acc=acc, seconds=1.0)], parameters=1,
+                  d_phi=mqar.feature_dim(layer, d), state=mqar.state_numbers(layer, d, length=length),
+                  machine="cpu", threads=1)
+    return dict(type="result", key=f"{layer}{d}{kv}{seed}", params=params, status="ok", result=result)
+
+
+def test_render_states_each_check_with_its_verdict(tmp_path):
+    """Made-up accuracies where every check holds, then where none does: the verdicts follow the numbers."""
+    pytest.importorskip("matplotlib")
+
+    def records(good):
+        out = []
+        for kv in (4, 16):
+            for d in (8, 16, 32):
+                for seed in range(3):
+                    jitter = 0.01 * seed
+                    soft = (0.99 if good else 0.5) - jitter
+                    add = (1.0 if kv <= d else 0.3) - jitter if good else 0.5 - jitter
+                    delta = (1.0 if kv <= 2 * d else 0.6) - jitter if good else 0.5 - jitter
+                    out += [_record("softmax", d, kv, seed, soft), _record("additive-elu", d, kv, seed, add),
+                            _record("delta", d, kv, seed, delta)]
+        return out
+
+    ctx = Context(out=tmp_path, profile="full")
+    text = mqar.render(records(True), ctx).markdown
+    assert (tmp_path / "mqar.png").read_bytes()[:8] == PNG_MAGIC
+    claims = [ln for ln in text.splitlines() if ln.startswith("- ")]
+    assert len(claims) == 3 and all("(supported;" in ln for ln in claims), claims
+    assert "| 16 | additive, ELU+1 | 8 | 64 |" in text and "| 0.5 |" in text  # the floor at kv = 2 D_φ
+    text = mqar.render(records(False), ctx).markdown
+    claims = [ln for ln in text.splitlines() if ln.startswith("- ")]
+    assert len(claims) == 3 and all("(not supported;" in ln for ln in claims), claims
