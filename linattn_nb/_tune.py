@@ -419,8 +419,6 @@ def tuned_rules() -> list:
 
 
 def _problem(rule, dtype, batch, n, dim, rng):
-    import numpy as np
-
     q, k, v = (rng.standard_normal((batch, n, dim)).astype(dtype) for _ in range(3))
     kw = {"causal": True}
     if rule in ("delta", "gated_delta"):
