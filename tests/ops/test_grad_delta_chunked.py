@@ -1,4 +1,5 @@
-"""The chunked CPU backward of the delta and gated delta rules (the WY/UT form differentiated chunk by chunk).
+"""The chunked CPU backward of the delta and gated delta rules (the WY/UT form differentiated chunk by chunk),
+whose kernel serves the decay rule as well.
 
 Against the float64 naive BPTT reference on edge shapes for a chunk of 8
 tokens (N = 1, below a chunk, one chunk, one more, not a multiple, several
@@ -14,7 +15,7 @@ import pytest
 
 import linattn_nb
 from linattn_nb import config
-from linattn_nb.ops._codes import RULE_DELTA, RULE_GATED_DELTA
+from linattn_nb.ops._codes import RULE_DECAY, RULE_DELTA, RULE_GATED_DELTA
 from linattn_nb.ops.grad import cpu
 from linattn_nb.ops.grad.naive import causal_backward_naive
 
@@ -101,6 +102,16 @@ def test_default_chunk_and_parallel(monkeypatch, nan_outputs):
         with monkeypatch.context() as mp:
             mp.setattr(config, "CPU_CHUNKED_SERIAL_MAX_WORK", 0)
             _compare(cpu.backward_chunked(*arrays, inputs=inputs, rule=RULES[name], chunk=C), ref, 1e-12)
+
+
+def test_decay_rule(nan_outputs):
+    """The decay rule runs the same kernel without the transform (a reset inside a chunk and on a first token)."""
+    rng = np.random.default_rng(6)
+    for B, N, F, M1, chunk in ((1, 1, 3, 4, 8), (3, 150, 5, 4, 37), (2, 70, 4, 6, None)):
+        *arrays, inputs = _problem(rng, True, np.float64, B, N, F, M1, True, True)
+        inputs = {"log_decay": inputs["log_decay"]}
+        ref = causal_backward_naive(*arrays, inputs=inputs, rule=RULE_DECAY)
+        _compare(cpu.backward_chunked(*arrays, inputs=inputs, rule=RULE_DECAY, chunk=chunk), ref, 1e-12)
 
 
 @pytest.mark.parametrize("normalize", [False, True])

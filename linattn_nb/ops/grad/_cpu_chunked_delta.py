@@ -10,7 +10,7 @@ import numpy as np
 from numba import njit, prange
 
 from ... import config
-from .._codes import RULE_GATED_DELTA
+from .._codes import RULE_DECAY, RULE_DELTA
 from .._gemm import gemm
 from .._twins import serial_and_parallel
 
@@ -24,7 +24,7 @@ def _to_work(H, Hw):
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def chunk_decays(lg, b, s0, n, fa, fb, fe, Gam):
-    """The gated delta rule's decays of tokens [s0, s0 + n) of sequence ``b`` (float64).
+    """The decays of tokens [s0, s0 + n) of sequence ``b`` (float64; gated delta and decay rules).
 
     ``fa[t] = a_t``, ``fb[t] = a_0 ... a_t``, ``Gam[t, s] = a_{s+1} ... a_t``
     for ``s <= t`` (1 on the diagonal), ``fe[s] = Gam[n - 1, s]``.  Running
@@ -41,6 +41,14 @@ def chunk_decays(lg, b, s0, n, fa, fb, fe, Gam):
             Gam[t, s] = Gam[t, s + 1] * fa[s + 1]
     for s in range(n):
         fe[s] = Gam[n - 1, s]
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _rows(v1, b, s0, n, U):
+    """U[:n] <- the rows [s0, s0 + n) of sequence b of v1."""
+    for t in range(n):
+        for m in range(v1.shape[2]):
+            U[t, m] = v1[b, s0 + t, m]
 
 
 #: Row block of the triangular solves: the rows of a block see the earlier blocks through one GEMM,
@@ -100,8 +108,11 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
 
     qf, kf : (B, N, F), v1, g1 : (B, N, M') of the working dtype (that of
     ``proto``), C-contiguous.  H0, dHN : (B, F, M') float64 (``dHN`` read
-    only when ``has_dHN``).  rule : the delta or gated delta code; lg :
-    (B, N, 2) float64 (column 0 the log-decay, column 1 beta).  C : chunk
+    only when ``has_dHN``).  rule : the delta, gated delta or decay code;
+    lg : (B, N, 2) float64 (column 0 the log-decay, column 1 beta; the
+    decay rule (B, N, 1), its log-decay).  The decay rule runs the same
+    passes with ``U = [V 1]`` and without the transform (no solves, no
+    ``dbeta``; Ys and KKs (B, P, 0, .), unused).  C : chunk
     size.  Written by pass 1, read by pass 2, with P = ceil(N / C): ck (B,
     P, F, M'), the chunk-start states rounded to the working dtype (the
     GEMMs read them so; the running state is float64); Ys (B, P, C, M') and
@@ -109,14 +120,16 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
     and ``K K^T`` (:func:`chunk_wy`; pass 2 takes ``U = diag(beta) Yt``
     again, the same numbers).  Written: dq, dk (B, N, F), dv (B, N,
     M') in the working dtype, dH0 (B, F, M') float64, dfac (B, N, 1) float64
-    (gated delta; (B, N, 0) for delta, untouched), dbeta (B, N) float64.
+    (gated delta, decay; (B, N, 0) for delta, untouched), dbeta (B, N)
+    float64 (the delta rules; (B, 0) for decay).
     Every element of the outputs is written.
     """
     B, N, F = qf.shape
     M1 = v1.shape[2]
     wt = proto.dtype
     nch = (N + C - 1) // C
-    gated = rule == RULE_GATED_DELTA
+    gated = rule != RULE_DELTA  # decays: the gated delta and decay rules
+    wy = rule != RULE_DECAY  # the WY/UT transform: the delta rules
     for b in prange(B):
         H = np.empty((F, M1))
         for i in range(F):
@@ -155,7 +168,10 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
             KK = KKs[b, c]
             if gated:
                 chunk_decays(lg, b, s0, n, fa, fb, fe, Gam)
-                chunk_wy(True, kf, v1, lg, b, s0, n, Sw, fb, Gam, KS, Ys[b, c], KK, Am, U)
+                if wy:
+                    chunk_wy(True, kf, v1, lg, b, s0, n, Sw, fb, Gam, KS, Ys[b, c], KK, Am, U)
+                else:
+                    _rows(v1, b, s0, n, U)  # the decay rule writes its values
                 # H <- b_{n-1} H + (e * K)^T U
                 for t in range(n):
                     h = fe[t]
@@ -191,17 +207,21 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
             _to_work(R, Rw)
             Yt = Ys[b, c]
             KK = KKs[b, c]
-            for t in range(n):  # U = diag(beta) Yt
-                bt = wt.type(lg[b, s0 + t, 1])
-                ur = U[t]
-                yr = Yt[t]
-                for m in range(M1):
-                    ur[m] = bt * yr[m]
+            if wy:
+                for t in range(n):  # U = diag(beta) Yt
+                    bt = wt.type(lg[b, s0 + t, 1])
+                    ur = U[t]
+                    yr = Yt[t]
+                    for m in range(M1):
+                        ur[m] = bt * yr[m]
+            else:
+                _rows(v1, b, s0, n, U)
             if gated:
                 chunk_decays(lg, b, s0, n, fa, fb, fe, Gam)
-                for t in range(n):
-                    for j in range(t):
-                        Am[t, j] = KK[t, j] * Gam[t, j]
+                if wy:
+                    for t in range(n):
+                        for j in range(t):
+                            Am[t, j] = KK[t, j] * Gam[t, j]
             else:
                 Am = KK  # noqa: the strict lower triangle is all the solves read
             # QK -> tril(Gam * Q K^T) (the outputs' intra weights), GU -> tril(Gam * G U^T)
@@ -247,62 +267,68 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
             else:
                 gemm(0, 1, n, F, M1, 1.0, U, 0, M1, Rw, 0, M1, 1.0, dk, qo, F)
             gemm(1, 0, n, M1, n, 1.0, QK, 0, C, g1, vo, M1, 1.0, dU, 0, M1)
-            # back substitution L^T dY = diag(beta) dU in row blocks, last first;
-            # X_t = sum_{j > t} Am[j, t] dY_j (later blocks by one GEMM, the block's own rows by vector loops)
-            for r1 in range(n, 0, -SOLVE_BLOCK):
-                r0 = max(0, r1 - SOLVE_BLOCK)
-                if r1 < n:
-                    gemm(1, 0, r1 - r0, M1, n - r1, 1.0, Am, r1 * C + r0, C, dY, r1 * M1, M1, 0.0, X, r0 * M1, M1)
-                else:
-                    for t in range(r0, r1):
+            if wy:
+                # back substitution L^T dY = diag(beta) dU in row blocks, last first;
+                # X_t = sum_{j > t} Am[j, t] dY_j (later blocks by one GEMM, the block's own rows by vector loops)
+                for r1 in range(n, 0, -SOLVE_BLOCK):
+                    r0 = max(0, r1 - SOLVE_BLOCK)
+                    if r1 < n:
+                        gemm(1, 0, r1 - r0, M1, n - r1, 1.0, Am, r1 * C + r0, C, dY, r1 * M1, M1, 0.0, X, r0 * M1, M1)
+                    else:
+                        for t in range(r0, r1):
+                            for m in range(M1):
+                                X[t, m] = 0.0
+                    for t in range(r1 - 1, r0 - 1, -1):
+                        bt = lg[b, s0 + t, 1]
+                        btw = wt.type(bt)
+                        x = 0.0
+                        xr = X[t]
+                        ur = dU[t]
+                        yr = Yt[t]
+                        dr = dY[t]
                         for m in range(M1):
-                            X[t, m] = 0.0
-                for t in range(r1 - 1, r0 - 1, -1):
-                    bt = lg[b, s0 + t, 1]
-                    btw = wt.type(bt)
-                    x = 0.0
-                    xr = X[t]
-                    ur = dU[t]
-                    yr = Yt[t]
-                    dr = dY[t]
+                            r = ur[m] - xr[m]
+                            x += np.float64(yr[m]) * np.float64(r)
+                            dr[m] = btw * r
+                        dbeta[b, s0 + t] = x
+                        for s in range(r0, t):
+                            cc = Am[t, s]
+                            xs = X[s]
+                            for m in range(M1):
+                                xs[m] += cc * dr[m]
+                for t in range(n):
                     for m in range(M1):
-                        r = ur[m] - xr[m]
-                        x += np.float64(yr[m]) * np.float64(r)
-                        dr[m] = btw * r
-                    dbeta[b, s0 + t] = x
-                    for s in range(r0, t):
-                        cc = Am[t, s]
-                        xs = X[s]
-                        for m in range(M1):
-                            xs[m] += cc * dr[m]
-            for t in range(n):
-                for m in range(M1):
-                    dv[b, s0 + t, m] = dY[t, m]
-            # dAm = -dY U^T (strict lower); dk += (E + E^T) K with E = Gam * dAm
-            gemm(0, 1, n, n, M1, -1.0, dY, 0, M1, U, 0, M1, 0.0, Da, 0, C)
-            for t in range(n):
-                for s in range(t):
-                    d = Da[t, s]
-                    if gated:
-                        dG[t, s] += np.float64(d) * np.float64(KK[t, s])
-                        d = d * Gam[t, s]
-                    Da[t, s] = d
-                    Da[s, t] = d
-                Da[t, t] = 0.0
-            gemm(0, 0, n, F, n, 1.0, Da, 0, C, kf, qo, F, 1.0, dk, qo, F)
+                        dv[b, s0 + t, m] = dY[t, m]
+                # dAm = -dY U^T (strict lower); dk += (E + E^T) K with E = Gam * dAm
+                gemm(0, 1, n, n, M1, -1.0, dY, 0, M1, U, 0, M1, 0.0, Da, 0, C)
+                for t in range(n):
+                    for s in range(t):
+                        d = Da[t, s]
+                        if gated:
+                            dG[t, s] += np.float64(d) * np.float64(KK[t, s])
+                            d = d * Gam[t, s]
+                        Da[t, s] = d
+                        Da[s, t] = d
+                    Da[t, t] = 0.0
+                gemm(0, 0, n, F, n, 1.0, Da, 0, C, kf, qo, F, 1.0, dk, qo, F)
+            else:
+                for t in range(n):  # the decay rule: dv = dU
+                    for m in range(M1):
+                        dv[b, s0 + t, m] = dU[t, m]
             # through Y = [V 1] - diag(b) K S: dk -= diag(b) dY S^T, db -= k . (dY S^T); R update below
             if gated:
-                gemm(0, 1, n, F, M1, 1.0, dY, 0, M1, Sw, 0, M1, 0.0, Kw, 0, F)
-                for t in range(n):
-                    h = fb[t]
-                    x = 0.0
-                    for i in range(F):
-                        y = Kw[t, i]
-                        x += np.float64(y) * np.float64(kf[b, s0 + t, i])
-                        dk[b, s0 + t, i] -= h * y
-                    db[t] -= x
-                    for m in range(M1):
-                        W2[t, m] = h * dY[t, m]
+                if wy:
+                    gemm(0, 1, n, F, M1, 1.0, dY, 0, M1, Sw, 0, M1, 0.0, Kw, 0, F)
+                    for t in range(n):
+                        h = fb[t]
+                        x = 0.0
+                        for i in range(F):
+                            y = Kw[t, i]
+                            x += np.float64(y) * np.float64(kf[b, s0 + t, i])
+                            dk[b, s0 + t, i] -= h * y
+                        db[t] -= x
+                        for m in range(M1):
+                            W2[t, m] = h * dY[t, m]
                 x = 0.0
                 for i in range(F):
                     for m in range(M1):
@@ -314,7 +340,8 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
                         W1[t, m] = h * g1[b, s0 + t, m]
                 # R <- b_{n-1} R + Q^T diag(b) G - K^T diag(b) dY
                 gemm(1, 0, F, M1, n, 1.0, qf, qo, F, W1, 0, M1, 0.0, part, 0, M1)
-                gemm(1, 0, F, M1, n, -1.0, kf, qo, F, W2, 0, M1, 1.0, part, 0, M1)
+                if wy:
+                    gemm(1, 0, F, M1, n, -1.0, kf, qo, F, W2, 0, M1, 1.0, part, 0, M1)
                 tot = fb[n - 1]
                 for i in range(F):
                     for m in range(M1):
