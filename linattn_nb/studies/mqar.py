@@ -582,8 +582,8 @@ def render(records, ctx) -> Rendered:
                   f"D_φ = d, DPFP and Hedgehog 2d, Taylor-2 1 + d + d(d+1)/2); softmax attention: its KV cache, "
                   f"length·2d.  {len(agg.seeds)} seeds; cells are {CI_CAPTION}.  Machine: {', '.join(machines)}; "
                   f"{len(ok)} runs, {fmt(total / 60.0)} min of training in all.")
-        if p0["steps"] < 300:
-            md.append(f"\nWith {p0['steps']} steps the models are far from trained (the full grid uses 600): the "
+        if p0["steps"] < 600:
+            md.append(f"\nWith {p0['steps']} steps the models are far from trained (the whole grid uses 600): the "
                       "accuracies show how far training got, not the capacity of the layers.")
         # frontier table
         rows = []
