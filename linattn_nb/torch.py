@@ -392,10 +392,11 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto",
     the calling Python thread), whatever ``torch.get_num_threads()`` is;
     the torch ops around them (projections, the feature map, the optimiser)
     run on torch's.  The two counts are not tied together: on a 2-core
-    machine beside one busy process, one Numba thread instead of two
-    changed a training step of notebooks/05_training.ipynb by less than the
-    noise, while torch's OpenMP threads spinning between ops made it 10-20
-    times slower than passive waiting (docs/threads.md).  ``linattn_nb``
+    machine beside one busy process (and other jobs), the choice of one or
+    two Numba threads moved a training step of notebooks/05_training.ipynb
+    by up to 1.25x either way across runs, while torch's OpenMP threads
+    spinning between ops made it about 20 times slower than passive
+    waiting (docs/threads.md).  ``linattn_nb``
     sets ``OMP_WAIT_POLICY=PASSIVE`` when it is imported, which reaches
     torch only if torch is imported after it; otherwise start Python with
     ``OMP_WAIT_POLICY=PASSIVE`` or give torch one thread.  Several Python
