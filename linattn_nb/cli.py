@@ -76,7 +76,7 @@ def _info_lines() -> list[str]:
         f"numba-cuda   {nbcuda}",
         f"numpy        {np.__version__}",
         f"scipy        {scipy.__version__}",
-        f"threading    {layer} layer, {numba.get_num_threads()} threads (NUMBA_NUM_THREADS={numba.config.NUMBA_NUM_THREADS})",
+        f"threading    {layer}, {numba.get_num_threads()} threads (NUMBA_NUM_THREADS={numba.config.NUMBA_NUM_THREADS})",
         f"cpu          {cpu}",
         f"blas         {_tune.blas_line(libs)}",
         f"blas env     {', '.join(f'{k}={v}' for k, v in env.items()) or 'no overrides'}",
@@ -89,20 +89,23 @@ def _info_lines() -> list[str]:
 
 
 def _threading_layer() -> str:
-    """The threading layer of Numba's parallel kernels, starting the thread pool if need be (no compiling)."""
+    """Numba's threading layer; before the first parallel kernel, the one Numba will pick.
+
+    The thread pool is not started just to ask (a pool started for nothing
+    would make GNU OpenMP refuse parallel kernels in forked children).
+    """
     import numba
 
     try:
-        return numba.threading_layer()
-    except ValueError:  # the pool starts with the first parallel kernel; start it now
+        return f"{numba.threading_layer()} layer"
+    except ValueError:  # no parallel kernel has run in this process
         pass
     try:
-        from numba.np.ufunc.parallel import _launch_threads
+        from linattn_nb import _blas
 
-        _launch_threads()
-        return numba.threading_layer()
-    except Exception as exc:  # pragma: no cover - no usable layer, or Numba moved the function
-        return f"none usable ({exc})"
+        return f"{_blas.threading_layer()} layer (predicted: Numba picks it at the first parallel kernel)"
+    except Exception as exc:  # pragma: no cover - no usable layer
+        return f"no usable layer ({exc})"
 
 
 def cmd_info(args) -> int:
