@@ -574,9 +574,10 @@ def render(records, ctx) -> Rendered:
         p0 = ok[0]["params"]
         machines = sorted({r["result"].get("machine", "?") for r in ok})
         total = sum(r["result"]["seconds"] for r in ok)
-        md.append(f"Regime: multi-query associative recall (Zoology, Arora et al. 2023), vocabulary {p0['vocab']}, sequence "
-                  f"length max(64, 4·kv), a {LAYERS_N}-layer model of width {p0['d_model']}, {p0['heads']} head(s) "
-                  f"of dimension d = M, a causal convolution of width {CONV} on q, k, v; AdamW lr 3e-3, "
+        md.append(f"Regime: multi-query associative recall (Zoology, Arora et al. 2023), vocabulary {p0['vocab']}, "
+                  f"sequence length max(64, 4·kv), a {LAYERS_N}-layer model of width {p0['d_model']}, "
+                  f"{p0['heads']} head(s) of dimension d = M, a causal convolution of width {CONV} on q, k, v; "
+                  "AdamW lr 3e-3, "
                   f"{p0['steps']} steps of batch 64 from {p0['n_train']} examples; accuracy on {p0['n_test']} held-out "
                   f"examples after the last step.  State: D_φ·M numbers per head and layer (ELU+1 and SiLU+L2 "
                   f"D_φ = d, DPFP and Hedgehog 2d, Taylor-2 1 + d + d(d+1)/2); softmax attention: its KV cache, "
