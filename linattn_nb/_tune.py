@@ -216,20 +216,30 @@ def forced_kernel_warnings(libs=None, flags=None, env=None) -> list:
     return out
 
 
+def numba_threads() -> int:
+    """``numba.get_num_threads()``, without starting Numba's thread pool when no parallel kernel has run
+    (the pool's size, ``NUMBA_NUM_THREADS``, then)."""
+    import numba
+
+    try:
+        numba.threading_layer()
+    except ValueError:  # the pool is not started: get_num_threads() would start it
+        return int(numba.config.NUMBA_NUM_THREADS)
+    return int(numba.get_num_threads())
+
+
 def machine_line() -> str:
     """One line naming the machine the timings ran on: CPU, BLAS kernels and threads, overrides.
 
     The same line is printed by ``linattn info``, ``linattn tune`` and every
     script under ``benchmarks/``.
     """
-    import numba
-
     flags = cpu_flags()
     level = _vector_level(flags)
     env = blas_env()
     cpu = f"{cpu_model()} ({os.cpu_count()} logical CPUs{', ' + level if level else ''})"
     over = ", ".join(f"{k}={v}" for k, v in env.items()) or "none"
-    return (f"CPU {cpu}; Numba {numba.get_num_threads()} threads; BLAS {blas_line()}; "
+    return (f"CPU {cpu}; Numba {numba_threads()} threads; BLAS {blas_line()}; "
             f"BLAS overrides: {over}")
 
 

@@ -76,7 +76,7 @@ def _info_lines() -> list[str]:
         f"numba-cuda   {nbcuda}",
         f"numpy        {np.__version__}",
         f"scipy        {scipy.__version__}",
-        f"threading    {layer}, {numba.get_num_threads()} threads (NUMBA_NUM_THREADS={numba.config.NUMBA_NUM_THREADS})",
+        f"threading    {layer}, {_tune.numba_threads()} threads (NUMBA_NUM_THREADS={numba.config.NUMBA_NUM_THREADS})",
         f"cpu          {cpu}",
         f"blas         {_tune.blas_line(libs)}",
         f"blas env     {', '.join(f'{k}={v}' for k, v in env.items()) or 'no overrides'}",

@@ -233,6 +233,9 @@ def test_info_warns_about_avx2_kernels_forced_on_avx512():
     assert "OPENBLAS_CORETYPE=Haswell" in proc.stdout
     warning = [line for line in proc.stdout.splitlines() if line.startswith("WARNING")]
     assert warning and "Haswell" in warning[0] and "AVX-512" in warning[0]
+    # a fresh process: the layer is named without starting Numba's pool just to ask
+    (threading,) = [line for line in proc.stdout.splitlines() if line.startswith("threading")]
+    assert "layer (predicted" in threading and "threads" in threading
 
 
 def test_tune_command(tmp_path, folder, capsys):
