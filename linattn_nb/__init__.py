@@ -16,7 +16,7 @@ Public API (stable names)::
 Nothing is compiled at import; Numba compiles each kernel on first use and
 caches it on disk, outside the package (see ``linattn_nb._cache``).
 """
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 
 # First: Numba picks a kernel's cache folder when the kernel is decorated.
 from . import _cache, config  # noqa: E402

@@ -253,7 +253,7 @@ def calibration_key() -> dict:
         import numba
         import numpy as np
 
-        from . import __version__
+        from ._version import __version__
 
         _key_memo = {
             "cpu": cpu_model(),
@@ -441,10 +441,32 @@ def _problem(rule, dtype, batch, n, dim, rng):
     return q, k, v, kw
 
 
+#: The function timed: :func:`linattn_nb.linear_attention`, handed over by :func:`install` when the front end
+#: is imported (the kernel layer asks this module for rows; this module never imports the front end).
+_runner = None
+
+
+def install(run) -> None:
+    """Make ``method="auto"`` consult this module's calibration, and time ``run`` (``linear_attention``) for it.
+
+    Called once by :mod:`linattn_nb.attention` at import: the kernel layer's
+    :func:`linattn_nb.ops.registry.select_auto` then asks :func:`auto_rows`
+    through a hook, so that neither the kernel layer nor this module imports
+    the front end.
+    """
+    global _runner
+    from .ops import registry
+
+    _runner = run
+    registry.set_calibration(auto_rows)
+
+
 def _time_pair(rule, dtype, batch, n, dim, rounds, rng):
     """The scan's and the chunked kernel's median times (seconds) and the median of their ratios
     (chunked / scan, each round's pair timed back to back, so that a change of load falls on both)."""
-    from .attention import linear_attention
+    linear_attention = _runner
+    if linear_attention is None:
+        raise RuntimeError("linattn_nb._tune.install was not called (import linattn_nb first)")
 
     q, k, v, kw = _problem(rule, dtype, batch, n, dim, rng)
     inner, pair = 1, 0.0

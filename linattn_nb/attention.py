@@ -361,3 +361,9 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, device="auto", check
     """
     return _frontend.softmax_attention(q, k, v, causal=causal, scale=scale, device=device,
                                        check_finite=check_finite, method=method)
+
+
+# method="auto" on the CPU follows this machine's calibration when one is stored (docs/tuning.md)
+from . import _tune  # noqa: E402
+
+_tune.install(linear_attention)

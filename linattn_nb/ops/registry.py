@@ -155,6 +155,17 @@ def get_method(name: str, *, causal: bool, device: str, rule: str = "additive") 
     return _METHODS[key]
 
 
+#: ``(rule, dtype) -> rows or None``: this machine's calibration of ``method="auto"`` (causal CPU),
+#: installed by :func:`linattn_nb._tune.install` when the front end is imported; None until then.
+_calibration = None
+
+
+def set_calibration(lookup) -> None:
+    """Install the calibration lookup :func:`select_auto` consults (None removes it)."""
+    global _calibration
+    _calibration = lookup
+
+
 def select_auto(*, causal: bool, device: str, batch: int, n: int, d: int, m: int, dtype,
                 rule: str = "additive") -> str:
     """Resolve ``method="auto"`` from the measured table in :mod:`linattn_nb.config`.
@@ -167,10 +178,8 @@ def select_auto(*, causal: bool, device: str, batch: int, n: int, d: int, m: int
     (:func:`linattn_nb._tune.auto_rows`, ``docs/tuning.md``).
     """
     table = None
-    if causal and device == "cpu" and config.AUTO_TUNE != "off":
-        from .. import _tune
-
-        table = _tune.auto_rows(rule, np.dtype(dtype))
+    if causal and device == "cpu" and config.AUTO_TUNE != "off" and _calibration is not None:
+        table = _calibration(rule, np.dtype(dtype))
     if table is None:
         table = config.AUTO_METHODS.get((rule, bool(causal), device), ())
     for max_n, name in table:
