@@ -505,8 +505,7 @@ BACKWARD_DELTA_CHUNK = _env_int("LINATTN_BACKWARD_DELTA_CHUNK", 0)
 
 
 def cpu_backward_delta_chunk(n: int, f: int, m: int, dtype) -> int:
-    """Chunk size of the delta rules' CPU chunked backward (``BACKWARD_DELTA_CHUNK`` if set, else 32),
-    at most ``max(n, 1)``."""
+    """Chunk size of the delta rules' chunked backward (``BACKWARD_DELTA_CHUNK`` if set, else 32), at most n."""
     c = BACKWARD_DELTA_CHUNK if BACKWARD_DELTA_CHUNK > 0 else 32
     return max(1, min(int(c), int(n)))
 
