@@ -157,7 +157,7 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
         db = np.zeros(C)
         pv = np.zeros(C)
         # ------------------------------------------------------------------
-        # pass 1, chunks in order: the chunk-start states and each chunk's U, Yt, K K^T
+        # pass 1, chunks in order: the chunk-start states and each chunk's Yt, K K^T
         # ------------------------------------------------------------------
         for c in range(nch):
             s0 = c * C
@@ -223,7 +223,7 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
                         for j in range(t):
                             Am[t, j] = KK[t, j] * Gam[t, j]
             else:
-                Am = KK  # noqa: the strict lower triangle is all the solves read
+                Am = KK  # the delta rule: its strict lower triangle is all the solves read
             # QK -> tril(Gam * Q K^T) (the outputs' intra weights), GU -> tril(Gam * G U^T)
             gemm(0, 1, n, n, F, 1.0, qf, qo, F, kf, qo, F, 0.0, QK, 0, C)
             gemm(0, 1, n, n, M1, 1.0, g1, vo, M1, U, 0, M1, 0.0, GU, 0, C)
