@@ -157,16 +157,16 @@ def _chunk_row(f, m, dtype):
 
 
 #: Chunk size C of the CPU chunked backward (``linattn_nb.ops.grad.cpu.backward_chunked``):
-#: the GEMM-shaped chunks of the additive, decay and gate rules.  0 (default)
+#: the GEMM-shaped chunks of the additive and gate rules.  0 (default)
 #: picks :func:`cpu_backward_chunk`.  The additive rule keeps no state per
-#: chunk; the decay and gate rules keep one float64 state per chunk (their
-#: factor gradients need the state before each chunk), so larger chunks
-#: save memory there.
+#: chunk; the gate rule keeps one float64 state per chunk (its factor
+#: gradient needs the state before each chunk), so larger chunks save memory
+#: there.  The decay rule and the delta rules run the delta rules' chunked
+#: backward, whose chunk is :data:`BACKWARD_DELTA_CHUNK`.
 BACKWARD_CHUNK = _env_int("LINATTN_BACKWARD_CHUNK", 0)
 
 #: Checkpoint interval (tokens) of the CPU scan backward
-#: (``linattn_nb.ops.grad.cpu.backward_scan``, and ``backward_chunked`` of the
-#: delta rules): the float64 state is stored every this many tokens and the
+#: (``linattn_nb.ops.grad.cpu.backward_scan``): the float64 state is stored every this many tokens and the
 #: states in between are recomputed in a (interval x F x (M + 1)) scratch per
 #: thread.  0 (default) picks :func:`cpu_backward_checkpoint`, the interval at
 #: which the checkpoints take about as many bytes as the values.
