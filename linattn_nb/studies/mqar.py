@@ -365,8 +365,8 @@ def _profile(ctx, grid=None):
                   n_train=256, n_test=64, eval_every=2),
         quick=dict(layers=("additive-elu", "delta", "softmax"), dims=(0, 1), kv=(8,), seeds=2, steps=30,
                    n_train=2_000, n_test=128, eval_every=30),
-        full=dict(layers=("additive-elu", "delta", "softmax"), dims=(0, 1, 2), kv=(4, 16), seeds=3, steps=120,
-                  n_train=10_000, n_test=256, eval_every=60),
+        full=dict(layers=("additive-elu", "delta", "softmax"), dims=(0, 1, 2), kv=(4, 16), seeds=3, steps=300,
+                  n_train=20_000, n_test=256, eval_every=100),
     )
 
 
