@@ -429,14 +429,17 @@ def tuned_rules() -> list:
 
 
 def _problem(rule, dtype, batch, n, dim, rng):
+    from .rules import get_rule
+
+    r = get_rule(rule)
     q, k, v = (rng.standard_normal((batch, n, dim)).astype(dtype) for _ in range(3))
     kw = {"causal": True}
-    if rule in ("delta", "gated_delta"):
+    if r.beta:  # the delta rules: unit keys, a write strength per token
         kw["feature_map"] = "l2"
         kw["beta"] = rng.uniform(0.1, 0.9, (batch, n))
-    if rule in ("decay", "gated_delta"):
+    if r.factor == "scalar":
         kw["log_decay"] = rng.uniform(-0.1, -0.001, (batch, n))
-    if rule == "gate":
+    elif r.factor == "feature":
         kw["log_decay"] = rng.uniform(-0.1, -0.001, (batch, n, dim))
     return q, k, v, kw
 

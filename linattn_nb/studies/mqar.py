@@ -32,7 +32,7 @@ __all__ = ["mqar", "Model", "Block", "SoftmaxAttention", "accuracy", "train", "L
 
 #: The layers compared: key -> (label, LinearAttention keywords; None for softmax attention).
 #: Additive rule with four maps; the rules that forget or write with beta with the map their papers use.
-LAYERS = {
+LAYERS = {  # not a rule: the study's layer keys (the rule is the rule= keyword)
     "additive-elu": ("additive, ELU+1", dict(feature_map="elu")),
     "additive-dpfp": ("additive, DPFP (ν = 1)", dict(feature_map="dpfp")),
     "additive-taylor2": ("additive, Taylor-2", dict(feature_map="taylor2")),
@@ -537,7 +537,7 @@ def findings(agg) -> list:
     # 3. delta holds more pairs than additive at the same state
     rule3 = ("at some kv and head dimension where both ran with the same D_φ·M, delta's interval lies above the "
              "additive rule's (ELU+1: D_φ = d for both maps), and nowhere below")
-    if "delta" in agg.layers and "additive-elu" in agg.layers:
+    if "delta" in agg.layers and "additive-elu" in agg.layers:  # not a rule: layer keys of LAYERS
         wins, losses = [], []
         for kv in agg.kvs:
             dd, sd, md, hd, _ = agg.series(kv, "delta")
@@ -655,4 +655,8 @@ STUDY = register_study(Study(
     render=render,
     requires=requires_modules("torch", install="pip install 'linattn_nb[torch]'"),
     budget_s={"tiny": 30, "quick": 180, "full": 1200},
+    # Its default profile takes about 14 min on 2 free cores and 300 steps leave the linear layers
+    # near chance (docs/mqar.md): `linattn mqar` runs it; the report leaves it out until the
+    # training set-up is sized to give results worth reading there.
+    in_report=False,
 ))
