@@ -251,6 +251,10 @@ class Study:
         so that the timed study does not compile on a cold cache.  Must be
         importable by that process; its errors are ignored (the study's own
         warm-up still runs).
+    in_report : bool
+        Whether ``linattn report`` runs it by default (True).  A study whose
+        set-up is not yet sized to give results worth reading in the report's
+        time runs only by name: its own command, or ``run_report(studies=[...])``.
     """
 
     name: str
@@ -265,6 +269,7 @@ class Study:
     budget_s: dict | None = None
     background: bool = False
     prepare: Callable | None = None
+    in_report: bool = True
 
     def __post_init__(self):
         if self.requires is None:

@@ -227,7 +227,8 @@ def run_report(
     resume : bool
         Continue an interrupted report in ``out``: finished points are kept.
     studies : list of str, optional
-        Names (or commands) of the studies to run; default all registered.
+        Names (or commands) of the studies to run; default every registered
+        study whose ``in_report`` is True.
     progress : bool
         Progress bars on a terminal.
     log : callable, optional
@@ -271,7 +272,7 @@ def run_report(
     # Importing the built-in studies registers them.
     from . import _builtin  # noqa: F401
 
-    selected = list(STUDIES) if studies is None else [get_study(s) for s in studies]
+    selected = [s for s in STUDIES if s.in_report] if studies is None else [get_study(s) for s in studies]
     study_options = _check_options(options)
     devices = resolve_devices(device)
     out = Path(out)

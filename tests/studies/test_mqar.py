@@ -179,3 +179,12 @@ def test_render_states_each_check_with_its_verdict(tmp_path):
     text = mqar.render(records(False), ctx).markdown
     claims = [ln for ln in text.splitlines() if ln.startswith("- ")]
     assert len(claims) == 3 and all("(not supported;" in ln for ln in claims), claims
+
+
+def test_the_report_runs_mqar_only_by_name():
+    """Not in the default report (its training is not sized to the report's time); by name it is."""
+    from linattn_nb.studies import _builtin  # noqa: F401
+    from linattn_nb.studies._study import STUDIES, get_study
+
+    assert get_study("mqar").in_report is False
+    assert [s.name for s in STUDIES if not s.in_report] == ["mqar"]
