@@ -166,7 +166,7 @@ def test_report_sigint_subprocess(tmp_path):
     from linattn_nb.studies import STUDIES, _builtin  # noqa: F401  (registers the built-in studies)
 
     warm = tmp_path / "warm.json"
-    warm.write_text(json.dumps({"profile": "tiny", "studies": [s.name for s in STUDIES if s.name != "correctness"]}))
+    warm.write_text(json.dumps({"profile": "tiny", "studies": [s.name for s in STUDIES if s.in_report and s.name != "correctness"]}))
     subprocess.run([sys.executable, "-m", "linattn_nb.cli", "report", "--config", str(warm), "--no-progress",
                     "--out", str(tmp_path / "warm")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                    cwd=ROOT, timeout=600, check=True)
