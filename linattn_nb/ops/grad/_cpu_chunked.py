@@ -54,6 +54,17 @@ def _to_work(H, Hw):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def start_adjoint(R, dHN, b, has_dHN):
+    """The adjoint of sequence b's final state: dHN[b] when given, else zero (the reverse passes' start)."""
+    if has_dHN:
+        for i in range(R.shape[0]):
+            for m in range(R.shape[1]):
+                R[i, m] = dHN[b, i, m]
+    else:
+        R[:, :] = 0.0
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def _mask_upper(X, n):
     z = X.dtype.type(0.0)
     for t in range(n):
@@ -221,12 +232,7 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
         # pass 2, chunks in reverse: R, the inter-chunk parts of dk and dv
         # ------------------------------------------------------------------
         R = H  # the forward state is no longer needed: reuse its storage
-        if has_dHN:
-            for i in range(F):
-                for m in range(M1):
-                    R[i, m] = dHN[b, i, m]
-        else:
-            R[:, :] = 0.0
+        start_adjoint(R, dHN, b, has_dHN)
         for c in range(nch - 1, -1, -1):
             s0 = c * C
             n = min(C, N - s0)

@@ -13,13 +13,7 @@ from ... import config
 from .._codes import RULE_DECAY, RULE_DELTA
 from .._gemm import gemm
 from .._twins import serial_and_parallel
-
-
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _to_work(H, Hw):
-    for i in range(H.shape[0]):
-        for m in range(H.shape[1]):
-            Hw[i, m] = H[i, m]
+from ._cpu_chunked import _to_work, start_adjoint
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -192,12 +186,7 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
         # pass 2, chunks in reverse: the adjoint R of the chunk-end state
         # ------------------------------------------------------------------
         R = H  # the final state is not needed: its storage holds the adjoint
-        if has_dHN:
-            for i in range(F):
-                for m in range(M1):
-                    R[i, m] = dHN[b, i, m]
-        else:
-            R[:, :] = 0.0
+        start_adjoint(R, dHN, b, has_dHN)
         for c in range(nch - 1, -1, -1):
             s0 = c * C
             n = min(C, N - s0)
