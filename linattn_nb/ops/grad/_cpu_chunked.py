@@ -47,7 +47,7 @@ def chunk_factors_rows(rule, lg, b, s0, n, fa, fb, fe, tot):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _to_work(H, Hw):
+def copy_state(H, Hw):
     for i in range(H.shape[0]):
         for m in range(H.shape[1]):
             Hw[i, m] = H[i, m]
@@ -117,7 +117,7 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
             n = min(C, N - s0)
             qo = (b * N + s0) * F
             vo = (b * N + s0) * M1
-            _to_work(H, Hw)
+            copy_state(H, Hw)
             # P0 = G V^T (n x n)
             gemm(0, 1, n, n, M1, 1.0, g1, vo, M1, v1, vo, M1, 0.0, Pm, 0, C)
             if not fac:
@@ -238,7 +238,7 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
             n = min(C, N - s0)
             qo = (b * N + s0) * F
             vo = (b * N + s0) * M1
-            _to_work(R, Hw)
+            copy_state(R, Hw)
             if not fac:
                 # dk += V R^T; dv += K R; R += Q^T G
                 gemm(0, 1, n, F, M1, 1.0, v1, vo, M1, Hw, 0, M1, 1.0, dk, qo, F)

@@ -13,7 +13,7 @@ from ... import config
 from .._codes import RULE_DECAY, RULE_DELTA
 from .._gemm import gemm
 from .._twins import serial_and_parallel
-from ._cpu_chunked import _to_work, start_adjoint
+from ._cpu_chunked import copy_state, start_adjoint
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -158,7 +158,7 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
             n = min(C, N - s0)
             ko = (b * N + s0) * F
             Sw = ck[b, c]
-            _to_work(H, Sw)
+            copy_state(H, Sw)
             KK = KKs[b, c]
             if gated:
                 chunk_decays(lg, b, s0, n, fa, fb, fe, Gam)
@@ -193,7 +193,7 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
             qo = (b * N + s0) * F
             vo = (b * N + s0) * M1
             Sw = ck[b, c]
-            _to_work(R, Rw)
+            copy_state(R, Rw)
             Yt = Ys[b, c]
             KK = KKs[b, c]
             if wy:
