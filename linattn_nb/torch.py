@@ -1,39 +1,12 @@
 """PyTorch autograd adapter: linear attention as a differentiable torch operation.
 
-Three entry points:
-
-* :func:`linear_attention` -- the functional form of
-  :func:`linattn_nb.linear_attention` on torch tensors, a
-  :class:`torch.autograd.Function` whose forward and backward call the Numba
-  kernels of :mod:`linattn_nb` (the forward launchers and the backward
-  launchers of :mod:`linattn_nb.ops.grad`, through the gradient front end
-  :mod:`linattn_nb._gradfront`, so the forward is not recomputed in the
-  backward);
-* :func:`dplr_attention` -- :func:`linattn_nb.dplr_attention` (the
-  diagonal-plus-low-rank recurrence and its named rules) on torch tensors,
-  forward and backward through the NumPy functions of :mod:`linattn_nb.dplr`;
-* :class:`LinearAttention` -- an :class:`torch.nn.Module` with the usual
-  projections ``d_model -> H`` heads and the ``(B, H, N, D)`` layout inside,
-  every update rule of the toolkit (additive, decay per head or per token,
-  per-feature gate, delta and gated delta rule) and optionally a learnable
-  feature map (Hedgehog).
-
-Zero-copy: CPU tensors reach the kernels as NumPy views of their memory
-(``tensor.detach().numpy()``; the front end copies only what it must, e.g. a
-non-contiguous layout or a dtype promotion).  CUDA tensors are handed to the
-front end as they are (``__cuda_array_interface__``), which runs the CUDA
-launchers; this path has not been run on a GPU here (there is none on the
-development machine).
-
-Threads: the kernels run on Numba's threads (``numba.get_num_threads()``,
-settable per Python thread with ``numba.set_num_threads``), not on torch's;
-the adapter does not tie the two counts together.  What slows a training
-step on a busy machine is torch's own OpenMP pool when its threads spin
-between ops (docs/threads.md): :func:`linear_attention` warns once when
-torch was imported before :mod:`linattn_nb` could ask for passive waiting.
-
-This module is the only one of :mod:`linattn_nb` that imports torch (extra
-``torch``); the core package never does.
+:func:`linear_attention` and :func:`dplr_attention` are :class:`torch.autograd.Function` forms of
+:func:`linattn_nb.linear_attention` and :func:`linattn_nb.dplr_attention` whose forward and backward run
+the package's kernels (the forward is not recomputed in the backward); :class:`LinearAttention` is an
+:class:`torch.nn.Module` with head projections, every update rule it can parameterise and optionally a
+learnable feature map.  CPU tensors reach the kernels zero-copy, CUDA tensors through
+``__cuda_array_interface__``.  Threads and torch's OpenMP pool: docs/threads.md.  This is the only module
+that imports torch (extra ``torch``).
 """
 from __future__ import annotations
 
@@ -387,21 +360,10 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto",
 
     Notes
     -----
-    Threads: the forward and backward kernels run on Numba's threads
-    (``numba.get_num_threads()``; ``numba.set_num_threads`` sets it for
-    the calling Python thread), whatever ``torch.get_num_threads()`` is;
-    the torch ops around them (projections, the feature map, the optimiser)
-    run on torch's.  The two counts are not tied together: on a 2-core
-    machine beside one busy process (and other jobs), the choice of one or
-    two Numba threads moved a training step of notebooks/05_training.ipynb
-    by up to 1.25x either way across runs, while torch's OpenMP threads
-    spinning between ops made it about 20 times slower than passive
-    waiting (docs/threads.md).  ``linattn_nb``
-    sets ``OMP_WAIT_POLICY=PASSIVE`` when it is imported, which reaches
-    torch only if torch is imported after it; otherwise start Python with
-    ``OMP_WAIT_POLICY=PASSIVE`` or give torch one thread.  Several Python
-    threads may call the adapter at once; under Numba's ``workqueue``
-    threading layer (which would abort) their kernels run one at a time.
+    The kernels run on Numba's threads, the torch ops around them on torch's; the two counts are not tied
+    together.  ``linattn_nb`` asks for passive OpenMP waiting when it is imported, which reaches torch only
+    if torch is imported after it (docs/threads.md has the measurements and the remedies).  Several Python
+    threads may call the adapter at once.
 
     Examples
     --------
