@@ -1,53 +1,9 @@
-"""Launch machinery shared by the CUDA sequence launchers, written once.
+"""Launch machinery shared by the CUDA sequence launchers: plan, scan, chunk sums, prefix, outputs.
 
-The launchers of :mod:`linattn_nb.ops.causal.cuda` and
-:mod:`linattn_nb.ops.noncausal.cuda` are compositions of the passes below:
-
-* :func:`plan`: checks the arguments of the launcher contract, views the
-  inputs as 4-d (B1, B2, N, ·) arrays, puts the rule's per-token
-  log-factors on the device (:func:`rule_factors`), picks the accumulation
-  dtype, the thread layout (:func:`seq_layout`) and the sequence kernel, and
-  lays out the chunks (chunk length, chunks per sequence, column blocks): a
-  :class:`SeqPlan`.
-* :func:`scan`: every sequence walked from its initial state ``H`` to its
-  final state, outputs written (grid: batch entries x column blocks).
-* :func:`chunk_sums`: every chunk's own contribution, the chunk's state when
-  started from zero (grid: batch entries x chunks x column blocks).
-* :func:`chunk_prefix`: the per-rule combine over chunks, in float64
-  (:func:`linattn_nb.ops.cuda.helpers.chunk_scan_states_kernel` with the rule hook
-  :func:`linattn_nb.ops._cuda_common.carry` and, for a rule with per-token
-  factors, every chunk's total factor from
-  :func:`linattn_nb.ops.cuda.helpers.chunk_factors_kernel`): the state before every chunk
-  (causal) or the final state alone (non-causal); the final state lands in
-  ``H``.
-* :func:`chunk_outputs`: every chunk's outputs from its starting state
-  (causal: its own, from the prefix; non-causal: the final state).
-
-The passes that write outputs take ``eps`` and ``normalize`` of the launcher
-contract (:func:`linattn_nb.ops._codes.norm_mode`).
-
-The state ``H`` (B, F, M + 1) float64 is the caller's: with a float64
-accumulation dtype the kernels read and write it directly; with float32 a
-cast-copy kernel moves it to and from a float32 state around :func:`scan`
-(the chunk passes read and write it in float64 anyway).
-
-``check_finite``: the plan carries three int32 counters zeroed on the
-device (:func:`finite_flags`), the kernels count the non-finite q, k, v they
-stage into them (each value by exactly one launch: ``count`` of the passes),
-and :func:`raise_nonfinite` reads them once after the launches.
-
-:func:`traffic_model` gives the modelled DRAM bytes and FLOPs of a plan (or
-of a shape and method), for ``benchmarks/gpu_static.py``.
-
-:func:`pack_state` and :func:`unpack_state` convert between the ``(S, z)``
-device arrays of a ``LinearState`` and ``H``.
-
-The front end (:mod:`linattn_nb._cuda_dispatch`) reaches the GPU through
-this module only: :func:`view4`, :func:`copy`, :func:`check_limits`,
-:func:`scan_fills`, the state packing, and the pool's per-call services it
-re-exports (:func:`linattn_nb.ops._cuda_pool.workspace`, ``zeros``,
-``fill``, ``rule_input``, ``count_out_of_range``, ``raise_if_nonfinite``,
-``discard_counts``).
+The causal and non-causal launchers compose these passes; the front end
+(:mod:`linattn_nb._cuda_dispatch`) reaches the GPU through this module only
+(views, copies, limits, state packing and the pool's re-exported per-call
+services).  Design: ``docs/cuda_kernels.md``, "Launch passes".
 """
 from __future__ import annotations
 
@@ -93,36 +49,11 @@ def multiprocessor_count() -> int:
 
 
 def seq_layout(segments: int, F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE, sms=None) -> str:
-    """Thread layout of a sequence-kernel launch over ``segments`` segments (batch entries x chunks).
+    """Thread layout ("owner", "rows" or "tiles") of a sequence-kernel launch over ``segments`` segments.
 
-    ``config.CUDA_SEQ_LAYOUT`` "owner", "rows" or "tiles" is taken as given
-    ("owner" falls back to row groups where it does not apply, "tiles" to
-    the owner layout's rule: :func:`linattn_nb.ops.cuda.plan.seq_config`).
-    "auto": when the owner layout applies but its blocks (``segments`` x
-    column blocks, one warp per 32 value columns) would be fewer than
-    ``config.CUDA_AUTO_SCAN_BLOCKS_PER_SM`` per multiprocessor -- fewer than 8
-    resident warps per SM at D_phi = M = 64, e.g. the scan of the headline's
-    128 sequences on an H200's 132 SMs -- the tile layout ("tiles", every
-    rule where :func:`linattn_nb.ops.cuda.plan.tiles_fits`:
-    9 warps a sequence at D_phi = M = 64, no cross-thread sums), else row
-    groups ("rows": 5 warps there, G = 8 groups of 8 rows x 17 groups of 4
-    columns, a G-way sum per output); else "owner".  More warps per
-    sequence for more instructions per token: ``benchmarks/gpu_static.py``
-    models at most about 28,000-31,000 thread-instructions per token for the
-    tile layout, against about 21,000 (owner) and 24,000 (row groups) counted
-    by hand from its tables, so the tile layout is taken only where the
-    others leave the multiprocessors short of warps (PROVISIONAL: static
-    counts, not timed).  The delta rules have no owner layout, and their
-    row groups sum ``k^T H`` across the groups every token (a dependent
-    chain of warp shuffles: a cross-thread sum per token, which the GPU
-    path avoids), so they take the tile layout wherever it fits, however many
-    sequences (no sum crosses threads there, for about 1.3 x the row groups'
-    FLOPs: 2.0 x against 1.54 x 4 B N D M at the headline), else "rows"
-    (``config.CUDA_SEQ_LAYOUT="rows"`` asks for row groups; PROVISIONAL
-    like the rest: ``benchmarks/gpu_bench.py --rule-layouts`` times both).
-    A device of one multiprocessor (``sms`` <= 1: the simulator) keeps the
-    owner layout (the delta rules: row groups).  ``sms``: multiprocessors
-    (default: the current device's).
+    ``config.CUDA_SEQ_LAYOUT`` other than "auto" is taken as given; "auto" picks
+    by occupancy and rule (``docs/cuda_kernels.md``, "Choosing the layout").
+    ``sms``: multiprocessors (default: the current device's).
 
     Raises
     ------
@@ -153,44 +84,13 @@ def seq_layout(segments: int, F: int, M: int, acc_itemsize: int, rule: int = RUL
 class SeqPlan:
     """One launch of a sequence launcher: views, sizes, kernel and chunk layout.
 
-    Attributes
-    ----------
-    q, k, v, out
-        4-d (B1, B2, N, ·) views of the launcher's arrays.
-    B, B2, N, F, M : int
-        Batch entries (B = B1 B2), inner batch size, tokens, features, values.
-    acc : numpy.dtype
-        Accumulation dtype (float32, or float64 when an input is float64).
-    kernel, threads, col_blocks
-        The sequence kernel for every feature map, its threads per block and
-        the number of blocks over the value columns (the launches take the
-        kernel specialised on their map, ``config.CUDA_SPECIALIZE_MAPS``).
-    cfg : tuple
-        The kernel's ``(R, C, G, MB, T)``
-        (:func:`linattn_nb.ops.cuda.plan.seq_config`) in the layout
-        :func:`seq_layout` chose.
-    chunk, chunks : int
-        Tokens per chunk and chunks per sequence (``chunks`` = 1 for a scan).
-    rule : int
-        Update-rule code (:data:`linattn_nb.ops._codes.RULES`).
-    lf
-        (B, N, W) float64 device array of the rule's per-token log-factors
-        (:func:`rule_factors`), a (1, 1, 1) placeholder for a rule without.
-    flat, strides, off32
-        1-d views of q, k, v, out from their first elements and their
-        strides in elements (:func:`linattn_nb.ops.cuda.views.flat_view`),
-        what the kernel receives; ``off32``: every (N, F) sequence spans
-        fewer than 2^31 elements, so the kernel with 32-bit element offsets
-        runs (``config.CUDA_OFFSETS_32``).
-    vec
-        The kernel's vector-load bits
-        (:func:`linattn_nb.ops.cuda.views.vector_bits`,
-        ``config.CUDA_VECTOR_LOADS``).
-    flags
-        int32 device array the kernels receive: shape (1,) (never written)
-        without a finiteness check, (3,) zeroed on the device with one
-        (:func:`with_check`): the kernels set word 0, 1, 2 on a non-finite
-        q, k, v value they stage.
+    ``q, k, v, out`` are 4-d (B1, B2, N, ·) views; ``B = B1 B2``; ``acc`` the
+    accumulation dtype; ``kernel``/``threads``/``col_blocks``/``cfg`` the sequence
+    kernel, its threads per block, blocks over value columns and ``(R, C, G, MB, T)``;
+    ``chunk``, ``chunks`` tokens per chunk and chunks per sequence (1 for a scan);
+    ``lf`` the (B, N, W) log-factors (:func:`rule_factors`); ``flat``/``strides``
+    the 1-d views and element strides the kernel receives, ``off32`` whether 32-bit
+    offsets suffice, ``vec`` the vector-load bits; ``flags`` the finiteness counters.
     """
 
     q: object
@@ -240,23 +140,17 @@ def _no_flags():
 
 
 def finite_flags(check_finite: bool):
-    """The sequence kernels' ``flags``: for ``check_finite`` the calling thread's pooled int32
-    counters (:func:`linattn_nb.ops._cuda_pool.counters`: slots 0, 1, 2 count q, k, v, then a
-    packed initial state's S and z; zero between calls, no allocation or host copy), else the
-    shared never-written placeholder."""
+    """The kernels' ``flags``: the thread's pooled int32 check counters for ``check_finite``, else a
+    never-written placeholder.
+    """
     if not check_finite:
         return _no_flags()
     return P.counters()
 
 
 def raise_nonfinite(p) -> None:
-    """After the launches of plan ``p``: one device-to-host read of its finiteness counters
-    (only when the plan was made with ``check_finite=True``) and a ValueError naming the first
-    of q, k, v that held NaN or inf.
-
-    The counters are set by the sequence kernels while they stage the inputs
-    (:func:`linattn_nb.ops.cuda.seq.seq_kernel`), so the outputs and the
-    state have already been written when this raises.
+    """After the launches of plan ``p``: read its finiteness counters once (only with a check) and raise
+    ValueError naming the first of q, k, v that held NaN or inf.
     """
     if p.flags is None or p.flags.shape[0] < 3:
         return
@@ -279,19 +173,10 @@ def _placeholder(ndim):
 def rule_factors(rule: int, inputs, B: int, N: int, F: int):
     """The rule's per-token log-factors as a (B, N, W) float64 (or float32) device array.
 
-    ``W`` = :func:`linattn_nb.ops._cuda_common.rule_factor_rows`: 1 for the
-    decay rule (``inputs["log_decay"]`` of shape (B, N)), F for the gate rule
-    (``inputs["log_gate"]`` of shape (B, N, F)), 2 for the delta rules
-    (column 0 ``inputs["log_decay"]``, 0 for the delta rule, column 1
-    ``inputs["beta"]``, both (B, N), packed into a new array); a rule without
-    factors gets a (1, 1, 1) placeholder the kernels never read.  Host
-    (NumPy) inputs are copied to the device as float64; device arrays
-    (float32 or float64) are viewed in place, in their own dtype (any
-    non-negative strides): the kernels convert each log-factor to their
-    accumulation dtype as they stage it, and sum a chunk's in float64, so a
-    float32 array gives the result of the float64 array of the same values.
-    ``inputs`` must already hold exactly the rule's
-    inputs (:func:`linattn_nb.ops._codes.check_rule_inputs`).
+    ``W`` = :func:`linattn_nb.ops._cuda_common.rule_factor_rows` (1 decay, F gate,
+    2 delta rules, packed); a rule without factors gets a (1, 1, 1) placeholder.
+    Host inputs are copied as float64, device arrays viewed in place.  ``inputs``
+    must already hold exactly the rule's inputs.
 
     Raises
     ------
@@ -340,10 +225,9 @@ def _checked_input(name, x, want, dims):
 
 
 def _delta_inputs(rule, inputs, B, N):
-    """The delta rules' (B, N, 2) float64 device array: column 0 the log-decay (0 for the delta
-    rule), column 1 ``beta``.  Host inputs are stacked on the host and copied once; device
-    inputs are copied into a pooled workspace zeroed on the device (one small kernel per input;
-    valid until the next call of the thread)."""
+    """The delta rules' (B, N, 2) float64 device array: column 0 the log-decay (0 for the delta rule),
+    column 1 ``beta``; device inputs go into a pooled workspace valid until the thread's next call.
+    """
     names = (("log_decay", 0), ("beta", 1)) if rule == RULE_GATED_DELTA else (("beta", 1),)
     xs = [(_checked_input(name, inputs[name], (B, N), "(B, N)"), w) for name, w in names]
     if all(isinstance(x, np.ndarray) for x, _ in xs):
@@ -361,25 +245,14 @@ def _delta_inputs(rule, inputs, B, N):
 
 
 def plan(q, k, v, H, out, *, rule=RULE_ADDITIVE, inputs=None, chunk=None, check_finite=False) -> SeqPlan:
-    """Check the launcher arguments and lay out the launch.
-
-    ``chunk`` None plans a scan (one chunk per sequence); otherwise
-    sequences are cut into chunks of ``chunk`` tokens (see :func:`chunk_length`).
-    ``rule``: update-rule code (:data:`linattn_nb.ops._codes.RULES`);
-    ``inputs`` must hold exactly its per-token inputs (host or device
-    arrays, see :func:`rule_factors`).  ``check_finite``: the kernels count
-    non-finite q, k, v values on the device (:func:`finite_flags`); call
-    :func:`raise_nonfinite` after the launches.
+    """Check the launcher arguments and lay out the launch (a scan for ``chunk`` None).
 
     Raises
     ------
     ValueError
-        For an unknown rule code or inputs other than the rule's
-        (:func:`linattn_nb.ops._codes.check_rule_inputs`) or of the wrong
-        shape (:func:`rule_factors`), for arrays whose
-        leading dimensions cannot be viewed as 4-d, an ``H`` of the wrong
-        shape or layout, or a feature dimension the kernels do not support
-        (:func:`linattn_nb.ops.cuda.plan.seq_config`).
+        For an unknown rule code or inputs other than the rule's, inputs of the
+        wrong shape, arrays whose leading dimensions cannot be viewed as 4-d, an
+        ``H`` of the wrong shape or layout, or an unsupported feature dimension.
     TypeError
         For an ``H`` that is not float64.
     """
@@ -457,13 +330,7 @@ def _launch(p: SeqPlan, code, segments: int, args) -> None:
 
 def _rows_instead(p: SeqPlan, exc: Exception):
     """The row-group plan to relaunch with when the device refused ``p``'s tile-layout kernel for lack of
-    registers (``CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES``: its registers per thread times its threads per block
-    exceed the block's 65,536 under this toolkit's compiler, which the static check, run with another
-    toolkit, did not see), else None (the error is raised as it is).
-
-    The configuration is remembered, so later plans take row groups from the start, and one
-    RuntimeWarning says so.  A relaunch needs the same column blocks (the state buffers were laid out
-    for them); otherwise the error is raised with a hint.
+    registers (remembered, with one RuntimeWarning), else None: the error is raised as it is.
     """
     if p.cfg[2] != 0 or "OUT_OF_RESOURCES" not in str(exc):
         return None
@@ -499,12 +366,8 @@ def _acc_state(p: SeqPlan, n: int, tag: str):
 
 
 def scan(p: SeqPlan, H, *, code, eps, normalize=True) -> None:
-    """Every sequence from its state ``H[b]`` (updated to the final state), outputs written.
-
-    float64 accumulation with one column block runs in place on ``H``.  With
-    several column blocks every block reads the initial normaliser column and
-    the first writes the final one, so the kernel reads a copy; float32
-    accumulation reads and writes a float32 cast of ``H``.
+    """Every sequence from its state ``H[b]`` (updated to the final state), outputs written; float64
+    accumulation with one column block runs in place on ``H``, otherwise through a cast copy.
     """
     if p.empty:
         return
@@ -521,11 +384,8 @@ def scan(p: SeqPlan, H, *, code, eps, normalize=True) -> None:
 
 
 def chunk_sums(p: SeqPlan, *, code, eps, count=False):
-    """(B * chunks, F, M + 1) accumulation-dtype array: every chunk's state from zero.
-
-    ``count``: count the non-finite k, v into ``p.flags`` (the non-causal
-    launcher; the causal one counts them in :func:`chunk_outputs`, which
-    stages them again).
+    """(B * chunks, F, M + 1) accumulation-dtype array: every chunk's state from zero.  ``count``:
+    count the non-finite k, v (the non-causal launcher; the causal one counts them in the outputs pass).
     """
     Hc = _acc_state(p, p.B * p.chunks, "chunk_states")
     _run(p, Hc, Hc, p.chunk, p.chunks, 1, code, eps, read_state=False, update=True, write_out=False,
@@ -534,15 +394,9 @@ def chunk_sums(p: SeqPlan, *, code, eps, count=False):
 
 
 def chunk_prefix(p: SeqPlan, Hc, H, *, exclusive: bool):
-    """Combine the chunk sums ``Hc`` with the initial state ``H`` (float64, per rule).
-
-    A rule with per-token factors first gets every chunk's total factor
-    (:func:`linattn_nb.ops.cuda.helpers.chunk_factors_kernel`, one launch).
-
-    ``H`` becomes the final state.  ``exclusive``: ``Hc`` is replaced by the
-    state before each chunk (returns ``Hc``).  Otherwise returns the final
-    state in the accumulation dtype: ``H`` itself for float64, a float32 copy
-    written by the same launch otherwise.
+    """Combine the chunk sums ``Hc`` with the initial state ``H`` (float64, per rule); ``H`` becomes the
+    final state.  ``exclusive``: returns ``Hc`` replaced by the state before each chunk; otherwise the
+    final state in the accumulation dtype (``H`` itself for float64).
     """
     tot = None if exclusive or p.acc == _F64 else _acc_state(p, p.B, "state_total")
     W = rule_factor_rows(p.rule, p.F)
@@ -559,10 +413,8 @@ def chunk_prefix(p: SeqPlan, Hc, H, *, exclusive: bool):
 
 
 def chunk_outputs(p: SeqPlan, Hs, *, code, eps, causal: bool, normalize=True) -> None:
-    """Every chunk's outputs.
-
-    ``causal``: chunk ``c`` of entry ``b`` scans from ``Hs[b * chunks + c]``
-    (the exclusive prefix); else every token reads the final state ``Hs[b]``.
+    """Every chunk's outputs: from its exclusive prefix ``Hs[b * chunks + c]`` (``causal``), else from the
+    final state ``Hs[b]``.
     """
     if causal:
         _run(p, Hs, Hs, p.chunk, p.chunks, 1, code, eps, normalize, read_state=True, update=True,
@@ -578,12 +430,9 @@ def chunk_outputs(p: SeqPlan, Hs, *, code, eps, causal: bool, normalize=True) ->
 def pack_state(S, z, H=None, *, check_finite=False):
     """The launcher state ``H`` = ``[S | z]`` of device arrays ``S`` (B, F, M) and ``z`` (B, F).
 
-    ``S`` and ``z`` may have any float dtype and strides; writes into ``H``
-    when given (a C-contiguous float64 (B, F, M + 1) device array, such as a
-    pooled workspace), else into a new one, and returns it (one kernel
-    launch).  ``check_finite``: the NaN/inf entries of S and z are counted
-    on the device into the check counters (:mod:`linattn_nb.ops._cuda_pool`),
-    read with those of q, k, v by the launch (or :func:`raise_if_nonfinite`).
+    Writes into ``H`` when given (a C-contiguous float64 (B, F, M + 1) device
+    array), else into a new one, and returns it.  ``check_finite``: the NaN/inf
+    entries of S and z are counted into the check counters.
 
     Raises
     ------
@@ -606,10 +455,8 @@ def pack_state(S, z, H=None, *, check_finite=False):
 
 
 def unpack_state(H, S=None, z=None):
-    """Split the launcher state ``H`` (B, F, M + 1) into ``S`` (B, F, M) and ``z`` (B, F).
-
-    Writes into the device arrays ``S``, ``z`` when given (any float dtype
-    and strides), else into new C-contiguous float64 ones; returns ``(S, z)``.
+    """Split ``H`` (B, F, M + 1) into ``S`` (B, F, M) and ``z`` (B, F), written into the given device
+    arrays or new float64 ones; returns ``(S, z)``.
 
     Raises
     ------
@@ -687,76 +534,35 @@ def scan_fills(batch: int, f: int, m: int, dtype, rule: int = RULE_ADDITIVE, *, 
 # ---------------------------------------------------------------------------
 def traffic_model(plan_or_shape, *, method: str = "scan", dtype="float32", rule: int = RULE_ADDITIVE,
                   chunk=None, sms=None, factor_dtype="float64", range_check: bool = False) -> dict:
-    """Modelled global-memory bytes and FLOPs of one launcher call.
+    """Modelled global-memory bytes and FLOPs of one launcher call (``docs/cuda_kernels.md``).
 
     Parameters
     ----------
     plan_or_shape : SeqPlan or tuple
-        A :class:`SeqPlan` (its sizes, dtypes, rule and chunk layout are
-        used), or ``(B, N, F, M)``: batch entries (``B = B1 B2``, e.g. batch
-        x heads), tokens, features, values.
+        A :class:`SeqPlan`, or ``(B, N, F, M)``: batch entries, tokens, features, values.
     method : {"scan", "chunked", "aggregate"}
-        The launcher: causal ``scan`` (one pass), causal ``chunked`` (chunk
-        sums, float64 prefix over chunks, chunk scan; a sequence of one chunk
-        and the delta rules run the scan), non-causal ``aggregate``.
+        The launcher (causal ``chunked`` of one chunk, and of the delta rules, runs the scan).
     dtype : str or numpy.dtype
-        dtype of q, k, v and the output (a plan: that of its q); the
-        accumulation dtype follows (:func:`linattn_nb.ops.cuda.plan.acc_name`).
+        dtype of q, k, v and the output (a plan: that of its q).
     rule : int
         Update-rule code (a plan: its own).
     chunk : int, optional
         Tokens per chunk (a plan: its own; default ``config.CUDA_CHUNK_SIZE``).
     sms : int, optional
-        Multiprocessors of the GPU the layout is chosen for
-        (:func:`seq_layout`; a shape only, a plan has its layout; default
-        1: the owner layout wherever it applies).
+        Multiprocessors the layout is chosen for (a shape only; default 1).
     factor_dtype : str or numpy.dtype
-        dtype of the decay and gate rules' log-factors as the kernels read
-        them (a shape only; a plan: that of its ``lf``): float64, or float32
-        for a float32 device ``log_decay`` read in place
-        (:func:`linattn_nb._cuda_dispatch.device_rule_inputs`).  The delta
-        rules' packed (B, N, 2) inputs are float64 whatever they were given in.
+        dtype of the decay and gate rules' log-factors as read (a shape only);
+        the delta rules' packed inputs are float64.
     range_check : bool
-        Count the front end's range check of device rule inputs (one read of
-        the log-factors, :func:`linattn_nb.ops._cuda_pool.count_out_of_range`;
-        its counters are read with the call's single read) as part
-        ``checks``: the whole call of :func:`linattn_nb.linear_attention`
-        with device ``log_decay`` / ``beta``, not only the launcher's.
+        Count the front end's range check of device rule inputs as part ``checks``.
 
     Returns
     -------
     dict
-        ``bytes``: total modelled DRAM traffic; ``parts``: bytes per stream
-        (``q``, ``k``, ``v``, ``out``, ``factors``, ``states``, ``checks``); ``flops``:
-        floating-point operations executed (a fused multiply-add counts 2),
-        and ``flops_ratio``, their ratio to ``4 B N F M`` (the update and the
-        output of every state element once per token); ``launches``: kernel
-        launches; ``config``: the ``(R, C, G, MB, T)`` of the sequence kernel,
-        ``layout`` ("owner", "rows" or "tiles") and ``warps``: the warps of its
-        (last) launch over all segments and column blocks.
-
-    Notes
-    -----
-    The model counts every array the kernels read or write once per pass
-    that touches it.  Column blocks of one sequence (``M`` > ``MB``) stage
-    the same q and k tiles at the same time (adjacent blocks of one launch),
-    so q and k are counted once, as served from L2 after the first block.
-    The state ``H`` is float64; with float32 accumulation the scan moves it
-    through a float32 copy (two cast-copy launches).  FLOPs per token and
-    batch entry: the value columns and the normaliser column, ``F (M + 1)``
-    elements, each updated (2 FLOPs, 3 with a per-token factor, 4 for the
-    delta rules, which read ``k^T H`` first) and read
-    into the output (2), plus the cross-thread sums of the layout (``G``
-    partials per column of the row-group layout, one partial per thread of
-    the owner layout, once per token) and the ``M`` divisions; the tile
-    layout multiplies its padded ``R x MP`` state twice per token and adds
-    the products of the tile's own tokens (the causal scores and their
-    product with ``[v | 1]``; no cross-thread sums), and for the delta
-    rules each key's read of the start state, its entries of ``L``, its
-    row of ``U' = W Y`` and its share of the solve for ``W``
-    (:func:`linattn_nb.ops.cuda.tiles.tiles_kernel`); the chunked
-    method adds the chunk sums (the update alone, over every token) and the
-    combine over chunks.
+        ``bytes``, ``parts`` (bytes per stream: ``q``, ``k``, ``v``, ``out``,
+        ``factors``, ``states``, ``checks``), ``flops`` (an FMA counts 2),
+        ``flops_ratio`` (to ``4 B N F M``), ``launches``, ``config``
+        ``(R, C, G, MB, T)``, ``layout``, ``warps`` (of the last launch), ``method``.
     """
     if isinstance(plan_or_shape, SeqPlan):
         p = plan_or_shape
