@@ -1,23 +1,8 @@
-"""The study abstraction: what a built-in study is, and the list they live in.
+"""The study abstraction: what a built-in study is (:class:`Study`), and the list they live in.
 
-A study is four functions and a few names (:class:`Study`):
-
-* ``points(ctx) -> list[dict]`` -- the sweep grid for a profile
-  (``ctx.profile`` is ``"tiny"``, ``"quick"`` or ``"full"``) and the devices
-  in ``ctx.devices``;
-* ``run(**point) -> dict`` -- one point; a module-level function, so that
-  worker processes and Dask workers can import it;
-* ``render(records, ctx) -> Rendered`` -- markdown (tables; plots saved with
-  :meth:`Context.savefig`) from the sweep's records, plus the problems the
-  results show (a failed self-check), which make the command exit non-zero;
-* ``requires() -> str | None`` -- None when the study can run here, else why
-  not: an optional third-party package it needs is missing
-  (:func:`requires_modules` builds one).  The default says the study can
-  always run; modules of this package are always there and need no check.
-
-Adding a study is one module that builds a :class:`Study` and one call to
-:func:`register_study`; ``linattn report`` runs every registered study in
-registration order and a ``linattn <command>`` subcommand runs one.
+Adding a study is one module that builds a :class:`Study` and one call to :func:`register_study`;
+``linattn report`` runs every registered study in registration order and a ``linattn <command>``
+subcommand runs one.  Shared helpers for rendering (tables, intervals, plots) live here too.
 """
 from __future__ import annotations
 
@@ -214,7 +199,7 @@ def requires_modules(*modules: str, install: str | None = None) -> Callable[[], 
 
 @dataclass(frozen=True)
 class Study:
-    """A built-in study (see the module docstring).
+    """A built-in study: four functions and a few names.
 
     Attributes
     ----------
@@ -226,9 +211,16 @@ class Study:
         The ``linattn`` subcommand that runs this study alone.
     help : str
         One line for ``linattn --help``.
-    points, run, render : callable
+    points : callable
+        ``points(ctx) -> list[dict]``: the sweep grid for ``ctx.profile`` and ``ctx.devices``.
+    run : callable
+        ``run(**point) -> dict``: one point; module-level, so that worker processes can import it.
+    render : callable
+        ``render(records, ctx) -> Rendered``: markdown (plots saved with :meth:`Context.savefig`)
+        from the sweep's records, plus the problems the results show.
     requires : callable, optional
-        None (the default) means the study can always run.
+        ``requires() -> str | None``: None when the study can run here, else why not
+        (:func:`requires_modules`).  None (the default) means the study can always run.
     timing : bool
         The study measures time: its points always run one at a time in the
         reporting process, never concurrently on shared cores (timings taken

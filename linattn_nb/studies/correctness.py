@@ -1,22 +1,7 @@
 """Study: correctness self-check of every registered kernel on this machine.
 
-Every method in the method table (:mod:`linattn_nb.ops.registry`) other than
-the quadratic reference, for every positive feature map that needs no
-parameters, causal and non-causal, in float16, float32 and float64 (the quick
-profile: float32 only, see :data:`PROFILE_DTYPES`), runs on a
-set of edge shapes (N = 0 and 1, odd N, batch sizes below and above the
-thread count, D != M) and is compared with the float64 quadratic reference
-computed from the same (rounded) inputs.  Causal methods are also checked
-with every update rule that takes per-token inputs, drawn by the rule's own
-:attr:`~linattn_nb.rules.UpdateRule.sample` (factors in [0.5, 1] per token,
-or per token and feature, with a reset mid-sequence; write strengths in
-[0, 2] per token) through its :attr:`~linattn_nb.rules.UpdateRule.study_map`
-(ELU+1 features; unit keys through "l2" for the delta rules).  The output buffer is pre-filled
-with NaN, so an element a kernel does not write fails the check.  The state is
-checked too: the returned (S, z) against their definition, and, for causal
-attention, a sequence processed in two segments (``initial_state``) against
-one call.  softmax_attention's blocked kernel is checked against its
-quadratic reference the same way.
+Every method, feature map, update rule and dtype (:data:`PROFILE_DTYPES`) on edge shapes, against the
+float64 quadratic reference, state included.  What is checked and how: docs/guide/studies.md.
 """
 from __future__ import annotations
 

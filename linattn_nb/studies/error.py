@@ -1,36 +1,8 @@
 """Study: approximation error of linear attention against softmax attention, in two input regimes.
 
-For every registered feature map (random maps across their number of
-features m), across sequence lengths N, over several seeds (a seed draws the
-inputs and the random features): the relative error of the output against
-:func:`linattn_nb.softmax_attention` and the row-wise divergences of the
-attention weights, from :func:`linattn_nb.analysis.approximation_error`
-(Gaussian q, k, v, one head of dimension d; every map that estimates the
-softmax kernel estimates ``exp(q.k / sqrt(d))``).
-
-The regime decides the ranking, so the study runs in more than one:
-q, k ~ s·N(0, I) with s = 0.5 (logits of standard deviation s² = 0.25, softmax
-nearly uniform: the benign regime in which the random-feature estimators
-have usable variance) and s = 1 (q, k ~ N(0, I), logits of standard
-deviation 1).  The report gives the softmax row entropy of each regime
-against ln N (its value for uniform weights).
-
-Divergences: total variation, the Jensen–Shannon divergence (finite, but
-defined only where the linear weights form a distribution: positive maps;
-"n/a" for signed ones) and KL(softmax ‖ linear), with the fraction of rows
-where KL is infinite (a zero or negative linear weight where softmax puts
-mass).  These, and the ranking, are for positive maps.  A signed map's
-normaliser can cross zero, where the normalised read-out divides by the
-floor eps: its output error then measures the floor, not the map.  Signed
-maps get their own table and plot (:func:`signed_metrics`): the fraction of
-normalisers at or below eps and the error of the unnormalised read-out.
-
-Every cell is the mean and the half-width of the 95% Student-t interval over
-the seeds.  The slope of log error against log m is fitted per seed and given
-with a 95% interval over the seeds; "consistent with m^-1/2" is printed only
-where that interval contains -1/2 and every error of the fit is below 1
-(:func:`linattn_nb.studies._claims.slope_claim`), and "not supported", with
-the numbers, where it does not.
+For every registered feature map, across N, m and seeds: the output error and the divergences of the
+attention weights, for positive maps (ranked, with a fitted slope against m) and for signed maps
+(their own table).  The regimes and the rules behind the conclusions: docs/guide/studies.md.
 """
 from __future__ import annotations
 

@@ -1,21 +1,8 @@
 """Study: memory horizon -- retrieval error against the distance between write and read.
 
-n key-value pairs (Gaussian keys in R^d, Gaussian values in R^M) are written
-into the state one per token and every key is read after the last write, so
-pair j is read at distance n − 1 − j.  The state forgets with a constant
-decay γ (RetNet, Sun et al. 2023, §2.1):
-``S = Σ_j γ^(n−1−j) φ(k_j) v_jᵀ``.  :func:`linattn_nb.analysis.recall_capacity`
-(``decay=γ``) bins each pair's relative error ‖v̂_j − v_j‖²/‖v_j‖² by that
-distance; the study plots it for γ ∈ {1 (the additive rule), 0.999, 0.99,
-0.9} with the least-squares floor of a state of the same size on the same
-axes, mean and 95% Student-t interval over five seeds, for two feature maps (one
-panel each): ELU+1, the default, and DPFP (ν = 2), whose sparse features
-read selectively.
-
-What it shows: the additive rule spreads its (capacity-limited) error evenly
-over the ages of the pairs; a decay buys recent pairs a lower error than the
-additive rule's -- below the uniform least-squares floor, which weighs every
-pair alike -- and gives up the pairs older than about 1/(1 − γ).
+Pairs are written with a constant decay γ and every key is read after the last write; each pair's
+error is binned by its age, for several γ and two feature maps.  The setting and what it shows:
+docs/guide/studies.md.
 """
 from __future__ import annotations
 

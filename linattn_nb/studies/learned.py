@@ -1,55 +1,12 @@
 """Study: learned feature maps against fixed ones -- how much of the gap to softmax does fitting close?
 
-Hedgehog (Zhang et al., ICLR 2024) fits ``phi(x) = [exp(Wx + b), exp(-Wx - b)]``
-and T2R (Kasai et al. 2021) fits ``phi(x) = relu(Wx + b)`` so that linear
-attention's weights match softmax's (:func:`linattn_nb.feature_maps.fit`,
-soft-label cross-entropy over rows, L-BFGS).  Per input regime and seed the
-study draws a training set (q, k) and a fresh evaluation set (q, k, v) of the
-same size, fits both maps on the training draw, and measures every map on
-the evaluation draw with :func:`linattn_nb.analysis.approximation_error`:
-KL(softmax ‖ linear) with the fraction of rows where it is infinite (a zero
-linear weight where softmax has mass: T2R's relu gives those), the
-Jensen–Shannon divergence, the linear weights' row entropy against the
-softmax rows', the Spearman monotonicity of linear against softmax weights,
-and the output error.
+Hedgehog and T2R are fitted to softmax's weights on a training draw and measured, with ELU+1,
+Taylor-2, FAVOR+ and the maps' starting points, on a held-out draw, in three regimes
+(:data:`REGIMES`).  The maps, regimes and measures are described in docs/guide/studies.md.
 
-Maps, each with its feature dimension D_φ in the tables:
-
-* ELU+1 (D_φ = d) and Taylor-2 (``scale`` = the softmax temperature,
-  D_φ = 1 + d + d(d+1)/2), fixed;
-* FAVOR+ with ``num_features = 2d`` (D_φ = 2d, the learned maps' size),
-  drawn with the point's seed, ``scale`` = the temperature;
-* Hedgehog at its start, ``W = I``, ``b = 0`` (D_φ = 2d; what fitting changes);
-* Hedgehog fitted from that start;
-* T2R at its start, ``W = [I; -I]``, ``b = 0`` (D_φ = 2d, features
-  ``[relu(x), relu(-x)]``), and T2R fitted from it.  T2R's rows are left
-  out (with a note) where the ``"t2r"`` map is not registered.
-
-Regimes (``REGIMES``), with the softmax temperature ``scale = c/√d`` and
-q, k ~ s·N(0, I), so that the logits have standard deviation ``c s²``:
-
-* ``benign``: s = 0.5, c = 1 -- the error study's benign regime
-  (:data:`linattn_nb.studies.error.QK_SCALE`), nearly uniform softmax rows;
-* ``gaussian``: s = 1, c = 1;
-* ``low-entropy``: s = 1, c = 2 (spikier rows: Hedgehog's case).
-
-The same seed draws the same standard-normal q, k, v in every regime (the
-regimes are paired).  The fits run on float32 copies of the training draw
-(the fit's precision follows its inputs; about twice as fast as float64),
-with BLAS pinned to one thread (the fit's ``N x N`` products are small;
-on shared cores multi-threaded BLAS made them many times slower); the
-evaluation runs in float64.  Per fit the study records the training loss
-at the start and after the last step, the same loss on the evaluation draw
-(held-out, via :func:`linattn_nb.fitting.objective`) before and after, the
-steps done and the fit's wall time (a tiny fit beforehand, once per process,
-compiles the kernels, so that compiling is not counted).  Cells are means ±
-half-widths of the 95% Student-t interval of the mean over the seeds.
-
-Sizes per profile (d, N = training and evaluation length, L-BFGS steps,
-seeds): tiny d = 8, N = 64, 10 steps, 2 seeds; quick d = 16, N = 256,
-30 steps, 5 seeds; full d = 16, N = 512, 50 steps, 5 seeds.  Three regimes
-in every profile.  At these sizes the held-out loss stops falling within a
-few tens of L-BFGS steps (more steps lower the training loss only).
+Sizes per profile (d, N = training and evaluation length, L-BFGS steps, seeds): tiny d = 8, N = 64,
+10 steps, 2 seeds; quick d = 16, N = 256, 30 steps, 5 seeds; full d = 16, N = 512, 50 steps,
+5 seeds.  Three regimes in every profile.
 """
 from __future__ import annotations
 

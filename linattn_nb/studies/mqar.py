@@ -1,18 +1,10 @@
 """Study: trained MQAR accuracy against state size, per update rule and feature map (the recall frontier).
 
-After Zoology (Arora et al. 2023, figure 2: MQAR accuracy against model
-dimension per architecture, one panel per number of key-value pairs): a
-small two-layer model (:class:`Model`) is trained on multi-query
-associative recall (:func:`mqar`) with each attention layer of the toolkit
-(:data:`LAYERS`) and softmax attention as the reference, at several head
-dimensions, and its held-out recall accuracy is plotted against the size
-of the recurrent state.  The training set-up (generator, model, accuracy,
-:func:`train`) is shared with ``notebooks/05_training.ipynb``.  The design,
-the grid of each profile and its measured cost are in ``docs/mqar.md``.
-
-torch is an optional extra: it is imported inside the functions, so that
-importing this module (and ``linattn_nb.studies``) never needs it; the
-study's ``requires`` says so when it is missing.
+After Zoology (Arora et al. 2023, figure 2): a small two-layer model (:class:`Model`) is trained on
+multi-query associative recall (:func:`mqar`) with each attention layer of :data:`LAYERS` and softmax
+attention, and its held-out accuracy is plotted against the size of the recurrent state.  The set-up is
+shared with ``notebooks/05_training.ipynb``; the design, grids and measured cost are in docs/mqar.md.
+torch (an optional extra) is imported inside the functions only.
 """
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
 """Study: rank limits of linear attention.
 
-For every feature map (and softmax as the contrast), across sequence lengths
-N: the numerical rank of the non-causal attention weights
-(:func:`linattn_nb.analysis.attention_rank`; at most D_φ for kernel maps),
-the semiseparable rank of the causal weights (the largest rank of a
-strictly-lower block, :func:`linattn_nb.analysis.semiseparable_rank`; at most
-D_φ for kernel maps, growing with N for softmax), and the rank of the state
-S_t as t grows (:func:`linattn_nb.analysis.state_rank_profile`; it saturates
-at min(D_φ, M); M is the largest D_φ, so every map reaches its D_φ).
+Attention rank, semiseparable rank and the state rank profile for every feature map and softmax,
+across N (docs/guide/studies.md).
 """
 from __future__ import annotations
 

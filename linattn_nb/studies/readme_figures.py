@@ -1,12 +1,8 @@
 """The README's measured figures, computed from a report's raw results (``<study>.jsonl``).
 
-``python -m linattn_nb.studies.readme_figures benchmarks/results`` prints the
-sentences the README quotes from the memory-horizon and update-rules studies,
-computed from the JSON Lines files that ``linattn report`` (or ``linattn
-horizon`` / ``linattn rules``) wrote; the test suite checks that the README
+``python -m linattn_nb.studies.readme_figures benchmarks/results`` prints the sentences the README
+quotes from the memory-horizon and update-rules studies; the test suite checks that the README
 contains exactly these sentences for the files in ``benchmarks/results/``.
-Every figure is a mean and the half-width of its 95% Student-t interval over
-the seeds.
 """
 from __future__ import annotations
 

@@ -1,31 +1,8 @@
 """Study: associative-recall capacity of the fixed-size state against n / D_φ.
 
-After Schlag, Irie & Schmidhuber 2021, §4.1 (training-free): n key-value
-pairs (Gaussian keys in R^d, one-hot values) are written into the state and
-every key is queried.  :func:`linattn_nb.analysis.recall_capacity` returns the
-argmax accuracy and the relative retrieval error of linear attention's
-read-out, the least-squares floor of any state of the same size
-(1 − D_φ/n beyond n = D_φ) and softmax attention (a KV cache) as the
-baseline.  The report shows all three: argmax accuracy alone hides the
-capacity limit.
-
-Two regimes, because two different things make recall fail:
-
-* **variance** (keys ~ N(0, I), Schlag et al.'s setting): the self-logit
-  ‖k‖²/√d is about √d (8 at d = 64), so exp(q·k/√d) spans e^±8 and a
-  random-feature estimate of it has a large variance: FAVOR+ fails at the
-  smallest n because of its estimator, not its state's size;
-* **small logits** (keys scaled by d^(-1/4), so the self-logit is 1): the
-  estimators' variance is small; what remains is interference between the
-  pairs in a state of D_φ features.
-
-The least-squares floor (0 up to n = D_φ, 1 − D_φ/n beyond) is the capacity
-limit of any state of the same size; the table gives it beside each map.
-The normalised read-out is an average of the one-hot values with the
-linear weights w_i· (summing to 1), so its error is
-1 − 2 w_ii + Σ_j w_ij² ≥ (1 − w_ii)²: near 1 unless the right pair gets
-nearly all the weight, whatever the map -- the floor of 0 is reached only
-by an unnormalised read-out.
+Accuracy and retrieval error of linear attention's read-out, the least-squares floor of a state of
+the same size and softmax attention, in two regimes (large and small logits).  The setting and why
+two regimes: docs/guide/studies.md.
 """
 from __future__ import annotations
 

@@ -1,34 +1,8 @@
 """Study: update rules against the capacity floor -- retrieval error against n / D_φ.
 
-n key-value pairs (keys i.i.d. N(0, 1) in R^d, one-hot values, so M = n) are
-written into a D_φ × M state one per token and every key is read after the
-last write (Schlag, Irie & Schmidhuber 2021, §4.1, setting 1, training-free).
-The feature map is ``"l2"`` (φ(k) = k/‖k‖: unit keys, D_φ = d, DeltaNet's
-convention) and the read-out is unnormalised (φ(k)ᵀS) for every rule, so the
-rules differ only in how they write:
-
-* the additive rule, S = Σ_j φ(k_j) v_jᵀ;
-* the delta rule (Schlag et al. 2021, §4.2),
-  S_j = S_{j−1} + β φ(k_j)(v_j − S_{j−1}ᵀφ(k_j))ᵀ, with β = 1 (a write replaces
-  what the state returned for the key) and β = 0.5;
-* the gated delta rule (Yang, Kautz & Hatamizadeh 2025),
-  S_j = γ(I − β φ(k_j)φ(k_j)ᵀ) S_{j−1} + β φ(k_j) v_jᵀ, β = 1, γ = 0.95;
-* two rules of the diagonal-plus-low-rank family, run by :func:`linattn_nb.dplr_attention`: KDA
-  (Kimi Delta Attention), the gated delta rule with one gate per feature, here β = 1 and gates
-  spread evenly over [0.9, 1] across the features; and DeltaProduct (Siems et al. 2025) with n_h = 2
-  steps of β = 0.5 per pair;
-* the least-squares optimal state of the same size, min_W ‖φ(K) W − V‖²,
-  whose relative error is exactly 1 − D_φ/n past D_φ for one-hot values
-  (Eckart–Young): no read-out φ(K) S of any rule can go below it.
-
-:func:`linattn_nb.analysis.recall_capacity` (``beta=``, ``decay=``,
-``normalize=False``) measures the relative error ‖V̂ − V‖²/‖V‖²; the delta
-rules' sequences run through ``linear_attention(..., beta=..., method=METHOD)``.
-Five seeds per rule (a seed draws the keys), mean ± standard deviation.  A
-second small table reads orthonormal keys at n ≤ D_φ, where the delta rule
-with β = 1 (and, keys being orthogonal, the additive rule) retrieves every pair
-exactly.  A rule whose error falls below the floor is reported as a problem
-(it would contradict the floor).
+The additive, delta, gated delta, KDA and DeltaProduct rules write n key-value pairs into a state of
+the same size and are read with unit keys and an unnormalised read-out, beside the least-squares
+optimal state.  The rules and their settings: docs/guide/studies.md.
 """
 from __future__ import annotations
 

@@ -1,69 +1,9 @@
 """Parameter sweeps that stream results to an append-only JSON Lines file.
 
-:func:`sweep` runs ``fn(**point)`` for every point of a parameter grid and
-appends one JSON line per finished point to ``out``.  The file is the sweep's
-only state: a rerun with the same file skips the points it already holds, so an
-interrupted sweep (Ctrl-C, a crash, a killed worker, a lost cluster) is resumed
-by running the same call again.
-
-File format (one JSON object per line)::
-
-    {"type": "header", "format": 1, "fn": "module:qualname", "created": "...", ...}
-    {"type": "result", "key": "3f0c...", "params": {...}, "status": "ok",
-     "result": {...}, "elapsed_s": 0.12, "host": "...", "pid": 1234, "finished": "..."}
-    {"type": "result", "key": "...", "params": {...}, "status": "error",
-     "error": "ValueError: ...", "traceback": "..."}
-    {"type": "result", ..., "result": {"loss": null, "x": [1.0, null]},
-     "nonfinite": [[["result", "loss"], "nan"], [["result", "x", 1], "inf"]]}
-
-Every line is strict JSON (no ``NaN`` or ``Infinity`` tokens): a NaN or
-infinite float anywhere in a record is written as ``null`` and listed in the
-record's ``"nonfinite"`` marker (its path from the record, and ``"nan"``,
-``"inf"`` or ``"-inf"``).  :func:`load_results` and :func:`rows` put the
-floats back; a ``null`` that is not listed is a real None.  Files written
-before the marker existed (with bare ``NaN`` tokens) still load.
-
-Guarantees, and how they are kept:
-
-* **Only the parent process writes the file.**  Workers (processes of a local
-  pool, Dask workers) return results; the parent appends them one line at a
-  time, each line a single ``write`` followed by ``flush``.  A worker that is
-  killed therefore cannot leave half a line, and a point is written when, and
-  only when, its result reached the parent -- never twice (the parent keeps the
-  set of finished keys and checks it before each write).
-* **Flushed per line, not fsynced per line** (``fsync=False``, the default).
-  After ``flush`` a line is in the operating system's page cache, which
-  survives the end of the process however it ends (Ctrl-C, an exception,
-  SIGKILL); only a kernel crash or power loss can lose it, and a sweep point
-  usually takes far less time than a disk sync costs on a busy machine.  The
-  file is fsynced once when the sweep ends; pass ``fsync=True`` to sync every
-  line when the machine itself is at risk.
-* **Ctrl-C is never lost.**  A ``KeyboardInterrupt`` that lands in a
-  destructor or a ctypes callback (LLVM calling back while Numba compiles) is
-  printed and swallowed there; the in-process sweep remembers the signal and
-  raises it after the point that was running (``linattn_nb/_interrupt.py``).
-* **A truncated last line is detected and dropped.**  A line without its
-  newline (a crash in the middle of a ``write``) or a final line that is not
-  valid JSON (blank lines after it count as nothing) is reported with a
-  warning and cut off the file before anything is appended, so the point is
-  computed again and appears exactly once.  A damaged line *before* the last
-  one is not something this module writes; it raises an error instead of
-  being skipped silently.
-* **An exception of ``fn`` is the point's error, whatever it is.**  A worker
-  sends it back as text (type name, message, traceback) plus its pickle; one
-  that cannot be rebuilt in the parent (e.g. a class whose ``__init__`` takes
-  other arguments than its ``args``) is still recorded or raised as that
-  point's error, never mistaken for a dead worker.
-* **A point's ok record is final.**  When a file holds several records for a
-  point, the ok one is used even if an error record follows it; otherwise
-  the latest.
-* **One writer per file**: the file is locked (``fcntl.flock``, where
-  available) for the duration of a sweep; a second sweep on the same file
-  fails at once instead of interleaving lines.
-
-A point's identity is its *key*: a hash of the canonical JSON of its
-parameters (sorted keys, no whitespace), so the key does not depend on the
-order of the grid, on the process, or on the Python version.
+:func:`sweep` runs ``fn(**point)`` for every point of a parameter grid and appends one JSON line per
+finished point to ``out``.  The file is the sweep's only state: rerunning the same call skips the
+points it already holds.  The file format and what the runner guarantees (one writer, a line per
+point, a truncated last line dropped, strict JSON) are described in docs/guide/studies.md.
 """
 from __future__ import annotations
 
@@ -286,9 +226,8 @@ def to_json(obj, where: str = "result"):
     Returns
     -------
     object
-        The same data as dicts, lists and Python scalars.  Non-finite floats
-        stay floats; the results file stores them as strict JSON (see the
-        module docstring).
+        The same data as dicts, lists and Python scalars (non-finite floats
+        stay floats).
 
     Raises
     ------
@@ -344,11 +283,8 @@ def _now() -> str:
 def _set_numba_threads(threads) -> None:
     """Limit Numba's threads for the calling thread (Numba's setting is thread-local).
 
-    ``threads`` is an int, None (leave as is) or, on a Dask worker, a dict
-    ``{host: threads}``. It is keyed by host, not by worker address, because a
-    worker restarted by its nanny comes back at a new address on the same host.
-    A worker on a host that joined after the sweep started divides its host's
-    cores by its own task slots.
+    ``threads``: an int, None (leave as is) or, on Dask, ``{host: threads}`` (by host: a worker
+    restarted by its nanny has a new address); a host not in it divides its cores by its task slots.
     """
     if isinstance(threads, dict):
         try:
@@ -388,11 +324,7 @@ def _pickled_exception(exc: BaseException) -> bytes | None:
 def _rebuilt_exception(exc) -> BaseException | None:
     """The exception shipped by a worker (pickle bytes), or None when it cannot be rebuilt here.
 
-    Unpickling calls the exception's class with its ``args``; a class whose
-    ``__init__`` takes other arguments, or one this process cannot import,
-    fails there.  The point's record does not need the object (its type name,
-    message and traceback are text), so such a failure only drops the
-    ``__cause__`` of a :class:`SweepError`.
+    The record keeps the error as text, so a failure only drops the ``__cause__`` of a :class:`SweepError`.
     """
     if exc is None or isinstance(exc, BaseException):
         return exc
@@ -404,13 +336,10 @@ def _rebuilt_exception(exc) -> BaseException | None:
 
 
 def _run_point(fn, params: dict, threads=None, *, keep_exception: bool = False) -> dict:
-    """Run one point; never raises for an exception of ``fn`` (it is returned).
+    """Run one point; an exception of ``fn`` is returned, not raised.
 
-    The exception travels as pickle bytes (``keep_exception=False``, for
-    worker processes), so that one which cannot be rebuilt in the parent
-    does not break the channel that carries the result; the parent rebuilds
-    it if it can (:func:`_rebuilt_exception`).  ``keep_exception=True`` (the
-    point runs in the parent) keeps the object itself, traceback included.
+    Workers send it as pickle bytes (an unpicklable one must not break the result channel);
+    ``keep_exception=True`` (the point runs in the parent) keeps the object itself.
     """
     _set_numba_threads(threads)
     t0 = time.perf_counter()
@@ -434,11 +363,7 @@ def _run_point(fn, params: dict, threads=None, *, keep_exception: bool = False) 
 # The results file
 # ---------------------------------------------------------------------------
 def _parse_lines(data: bytes, path) -> tuple[list[dict], int, str | None]:
-    """Parse the file's bytes.
-
-    Returns the records, the byte length of the valid prefix, and a message
-    describing a dropped damaged tail (None when the file is intact).
-    """
+    """The records, the byte length of the valid prefix, and why a damaged tail was dropped (or None)."""
     records: list[dict] = []
     pos = 0
     n = len(data)
@@ -483,10 +408,7 @@ _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 def _encode_nonfinite(record: dict) -> dict:
     """A copy of ``record`` with every NaN/inf float replaced by null and listed in ``"nonfinite"``.
 
-    ``"nonfinite"`` is a list of ``[path, value]``: ``path`` the keys and list
-    indices from the record down to the null, ``value`` one of ``"nan"``,
-    ``"inf"``, ``"-inf"``.  A null that is not listed stays None, and a string
-    ``"nan"`` in a result stays a string.
+    The marker lists ``[path, "nan" | "inf" | "-inf"]``, ``path`` the keys and indices down to the null.
     """
     marks: list = []
 
@@ -507,11 +429,7 @@ def _encode_nonfinite(record: dict) -> dict:
 
 
 def _decode_nonfinite(record: dict) -> dict:
-    """``record`` with the floats listed in its ``"nonfinite"`` marker put back (the marker removed).
-
-    Mutates and returns ``record``; a record without a marker is returned as
-    it is.  Raises ValueError for a marker that does not match the record.
-    """
+    """``record``, mutated, with the floats its ``"nonfinite"`` marker lists put back (ValueError if bad)."""
     marks = record.pop("nonfinite", None)
     if marks is None:
         return record
@@ -791,14 +709,14 @@ def sweep(
         out of memory, a segfault).  On Dask, the scheduler's own
         ``distributed.scheduler.allowed-failures`` applies instead.
     fsync : bool, default False
-        ``os.fsync`` after every line (see the module docstring); the file is
-        always flushed per line and fsynced at the end.
+        ``os.fsync`` after every line; the file is always flushed per line
+        and fsynced at the end.
 
     Returns
     -------
     list of dict
-        One record per grid point, in grid order (see the module docstring
-        for the fields); points recorded as errors have ``status == "error"``.
+        One record per grid point, in grid order (the fields are in
+        docs/guide/studies.md); failed points have ``status == "error"``.
 
     Raises
     ------
@@ -948,10 +866,8 @@ def _worker_died(attempts: int) -> dict:
 def _run_pool(fn, todo, state: _RunState, *, workers: int, max_retries: int, numba_threads: int):
     """A spawned process pool with at most ``workers`` points in flight.
 
-    A worker that dies breaks a ProcessPoolExecutor: every point in flight then
-    fails with BrokenProcessPool, whichever of them killed it.  Those points are
-    retried first, each *alone* in a fresh pool, so that only the point that
-    really kills its worker uses up its ``max_retries``.
+    A dying worker breaks the whole pool, so the points in flight are retried first, each alone in a
+    fresh pool: only the point that really kills its worker uses up its ``max_retries``.
     """
     import multiprocessing
     from collections import deque

@@ -1,15 +1,7 @@
 """Study: causal throughput against sequence length, linear against softmax attention.
 
-Every registered causal linear-attention method (not the quadratic reference)
-and softmax_attention's blocked kernel, on the CPU (and on the GPU when one is
-present), at ``B*H`` sequences of length N, ``D = M``, float32, feature map
-ELU+1.  Each point is timed after a warm-up call (which compiles or loads the
-kernel from the cache; at N <= 512: a kernel can take another compiled path
-past its first block, so a warm-up shorter than that can leave a compile inside
-the timed calls): the median of at least three calls (one for calls over two
-seconds), more while the total stays below ``min_time``.  Effective GFLOP/s of linear attention counts
-``4 * B*H * N * D * M`` floating-point operations (the two rank-1 updates of
-the recurrence, the convention of the project's benchmarks).
+Every causal linear-attention method and softmax_attention's blocked kernel, on the CPU and a GPU when
+present, timed after a warm-up.  The timing rule and the FLOP count: docs/guide/studies.md.
 """
 from __future__ import annotations
 
