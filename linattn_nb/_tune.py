@@ -1,16 +1,12 @@
 """The machine line and the calibration of ``method="auto"`` on the CPU.
 
-``method="auto"`` picks the causal CPU method from the rows of
-``config.AUTO_METHODS``, measured on one machine.  Which of the scan and the
-chunked kernel is faster depends on the CPU and on the kernels the BLAS runs
-(an OpenBLAS forced to AVX2 kernels on an AVX-512 CPU makes the chunked
-kernel several times slower), so this module times both on this machine, per
-update rule and dtype, and stores the rows that follow in the kernel cache
-folder, keyed by the CPU, the BLAS and the versions.  Design and
-measurements: ``docs/tuning.md``.
+Times the scan against the chunked kernel on this machine, per update rule and dtype, and stores the
+rows ``method="auto"`` follows in the kernel cache folder, keyed by the CPU, the BLAS and the
+versions.  Design and measurements: docs/tuning.md.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import json
@@ -72,28 +68,30 @@ _failed = set()
 # ---------------------------------------------------------------------------
 # The machine: CPU, BLAS, environment
 # ---------------------------------------------------------------------------
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
+def _cpuinfo(*prefixes: str) -> str | None:
+    """The value of the first ``/proc/cpuinfo`` line starting with one of ``prefixes`` (None: none)."""
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
-                if line.startswith("model name") or line.startswith("Model name"):
-                    return line.split(":", 1)[1].strip()
+                if line.startswith(prefixes):
+                    return line.split(":", 1)[1]
     except OSError:
         pass
+    return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
+    name = _cpuinfo("model name", "Model name")
+    if name is not None:
+        return name.strip()
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def cpu_flags() -> set | None:
     """The CPU's feature flags from ``/proc/cpuinfo`` (None where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return None
+    flags = _cpuinfo("flags")
+    return None if flags is None else set(flags.split())
 
 
 def _vector_level(flags) -> str | None:
@@ -111,13 +109,8 @@ def _vector_level(flags) -> str | None:
 def blas_libraries() -> list:
     """The BLAS libraries loaded (SciPy's, which the kernels' ``np.dot`` calls, and NumPy's).
 
-    Returns
-    -------
-    list of dict
-        threadpoolctl's description of each: ``internal_api`` (``"openblas"``,
-        ``"mkl"``, ...), ``architecture`` (the kernels OpenBLAS chose, e.g.
-        ``"SkylakeX"``, ``"Haswell"``), ``version``, ``num_threads``,
-        ``filepath``, ...; empty when threadpoolctl is missing.
+    threadpoolctl's dicts (``internal_api``, ``architecture``: the kernels OpenBLAS chose, ``version``,
+    ``num_threads``, ``filepath``, ...); empty when threadpoolctl is missing.
     """
     try:
         import scipy.linalg.cython_blas  # noqa: F401  (load the BLAS Numba's np.dot calls)
@@ -168,24 +161,11 @@ def blas_line(libs=None) -> str:
 
 
 def forced_kernel_warnings(libs=None, flags=None, env=None) -> list:
-    """Warnings for BLAS kernels below what the CPU supports.
+    """One sentence per BLAS setting below what the CPU supports (empty when none is seen).
 
-    Parameters
-    ----------
-    libs : list of dict, optional
-        :func:`blas_libraries` (default: those loaded).
-    flags : set of str, optional
-        :func:`cpu_flags` (default: this CPU's).
-    env : dict, optional
-        :func:`blas_env` (default: this process's).
-
-    Returns
-    -------
-    list of str
-        One sentence per problem, empty when none is seen: an OpenBLAS running
-        AVX2 or older kernels on an AVX-512 CPU (or pre-AVX2 kernels on an
-        AVX2 CPU), an ``MKL_ENABLE_INSTRUCTIONS`` below the CPU's level, an
-        ``MKL_DEBUG_CPU_TYPE`` with MKL loaded.
+    ``libs``, ``flags``, ``env`` default to :func:`blas_libraries`, :func:`cpu_flags`, :func:`blas_env`.
+    Seen: an OpenBLAS running AVX2 or older kernels on an AVX-512 CPU (or pre-AVX2 ones on an AVX2
+    CPU), an ``MKL_ENABLE_INSTRUCTIONS`` below the CPU's level, an ``MKL_DEBUG_CPU_TYPE`` with MKL.
     """
     libs = blas_libraries() if libs is None else libs
     flags = cpu_flags() if flags is None else flags
@@ -349,20 +329,12 @@ def save(cal: dict) -> str | None:
                 json.dump(cal, fh, indent=1)
             os.replace(tmp, path)
         except BaseException:
-            with _suppress_os():
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
     except OSError:
         return None
     return path
-
-
-class _suppress_os:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, tb):
-        return kind is not None and issubclass(kind, OSError)
 
 
 def other_files() -> list:
@@ -385,7 +357,7 @@ def clear() -> str | None:
         _current = False
     path = calibration_path()
     if path is not None and os.path.exists(path):
-        with _suppress_os():
+        with contextlib.suppress(OSError):
             os.unlink(path)
             return path
     return None
@@ -452,10 +424,8 @@ _runner = None
 def install(run) -> None:
     """Make ``method="auto"`` consult this module's calibration, and time ``run`` (``linear_attention``) for it.
 
-    Called once by :mod:`linattn_nb.attention` at import: the kernel layer's
-    :func:`linattn_nb.ops.registry.select_auto` then asks :func:`auto_rows`
-    through a hook, so that neither the kernel layer nor this module imports
-    the front end.
+    Called once by :mod:`linattn_nb.attention` at import, so that neither the kernel layer (which asks
+    :func:`auto_rows` through a hook) nor this module imports the front end.
     """
     global _runner
     from .ops import registry
@@ -496,17 +466,9 @@ def _time_pair(rule, dtype, batch, n, dim, rounds, rng):
 def rows_from(sizes, ratios) -> list:
     """The ``[max_n, method]`` rows of ``config.AUTO_METHODS`` that follow from measured ratios.
 
-    ``ratios[i]`` is the chunked kernel's time over the scan's at
-    ``sizes[i]``.  The longest sequences decide the last row (the faster
-    method by the median ratio of the three longest lengths: their calls
-    are the longest, the least disturbed by a busy machine, and both methods
-    are linear in N beyond them; the median, so that one disturbed length
-    cannot decide).  Shorter lengths may take the other method up to
-    one switch, placed where it loses least, summed over the measured lengths,
-    against the faster method at each (``sum log(t_chosen / t_fastest)``): a
-    length or two where the two are within noise of each other cannot create
-    rows of their own.  The switch lies at the geometric mean of the two
-    measured lengths around it.
+    ``ratios[i]`` is the chunked kernel's time over the scan's at ``sizes[i]``.  The three longest
+    lengths decide the last row; at most one switch before it, where the summed log loss is least
+    (the rule and why: docs/tuning.md).
     """
     logs = [math.log(r) for r in ratios]
     last = "chunked" if statistics.median(logs[-3:]) < 0 else "scan"
