@@ -1,10 +1,7 @@
 """Argument handling and featurisation shared by the analysis functions.
 
-Every analysis function that takes a feature map gets its features here,
-through :func:`linattn_nb._frontend.featurise` -- the same call, with the same
-shape check, as :func:`linattn_nb.linear_attention` -- so a map that returns
-the wrong shape raises the same ``ValueError`` (naming the map and both
-shapes) wherever it is used.
+Features come through :func:`linattn_nb._frontend.featurise`, the call and shape check of
+:func:`linattn_nb.linear_attention`, so a map of the wrong shape raises the same ValueError everywhere.
 """
 from __future__ import annotations
 
@@ -47,9 +44,7 @@ __all__ = [
 class _DefaultEps:
     """The default of an ``eps`` argument: ``config.DEFAULT_EPS``, read at call time.
 
-    A named marker rather than a bare ``object()``, so that signatures read
-    ``eps=config.DEFAULT_EPS`` (not ``eps=<object object at 0x...>``); one
-    instance, kept by copy and pickle.
+    A singleton whose repr makes signatures read ``eps=config.DEFAULT_EPS``; copy and pickle keep it.
     """
 
     __slots__ = ()
@@ -73,11 +68,7 @@ DEFAULT = _DefaultEps()
 SOFTMAX = "softmax"
 
 def plain_dict(fields) -> dict:
-    """``(name, value)`` pairs as a dict of plain Python values (the ``to_dict`` of the result classes).
-
-    Arrays become (nested) lists and NumPy scalars Python scalars, so that the
-    dict goes to :func:`json.dumps` as it is; other values are kept.
-    """
+    """``(name, value)`` pairs as a dict for :func:`json.dumps`: arrays as lists, NumPy scalars unboxed."""
     out = {}
     for name, val in fields:
         if isinstance(val, np.ndarray):
@@ -100,10 +91,8 @@ def is_softmax(feature_map) -> bool:
 def resolve_map(feature_map, *, d=None, scale=None, stacklevel=3):
     """``None`` for ``"softmax"``, else the :class:`~linattn_nb.feature_maps.FeatureMap`.
 
-    With ``d`` and ``scale`` given, a map that estimates the softmax kernel at
-    another temperature than ``scale`` warns (``stacklevel`` as for
-    :func:`warnings.warn`; the default points at the caller of the public
-    function that calls this one).
+    With ``d`` and ``scale``, a map that estimates softmax at another temperature warns (``stacklevel``:
+    by default the caller of the public function).
     """
     if is_softmax(feature_map):
         return None
@@ -131,11 +120,7 @@ def features(fmap, x, *, role: str, causal: bool, name: str, check_finite: bool 
              offset: int = 0) -> np.ndarray:
     """Features of ``x`` (..., N, D) as linear attention computes them: float64, flattened to (B, N, F).
 
-    ``fmap.apply(x, role=role, causal=causal, offset=offset, total_length=offset + N)``
-    on ``x`` in float64, through :func:`linattn_nb._frontend.featurise`: a map
-    that returns another shape than (..., N, output_dim(D)) raises ValueError
-    naming the map and both shapes.  ``check_finite``: features that
-    overflowed to inf or NaN raise ValueError too.
+    ``total_length = offset + N``; a wrong shape, and with ``check_finite`` inf or NaN, raise ValueError.
     """
     x = np.asarray(x)
     n = int(x.shape[-2])
@@ -157,11 +142,7 @@ def check_finite_features(fmap, feats, name: str) -> None:
 
 
 def called_features(fmap, x, *, name: str) -> np.ndarray:
-    """``fmap(x)`` for rows ``x`` (P, D) in float64, checked to have shape (P, output_dim(D)).
-
-    The plain call (no role, no position), as the kernel estimates of
-    :mod:`linattn_nb.analysis.theory` use it.
-    """
+    """``fmap(x)`` (the plain call: no role, no position) for rows ``x`` (P, D) in float64, shape-checked."""
     x = np.asarray(x, dtype=np.float64)
     f = feature_dim(fmap, int(x.shape[-1]))
     out = np.asarray(fmap(x), dtype=np.float64)
@@ -230,17 +211,10 @@ def check_positive_float(name: str, x) -> float:
 
 
 def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, d: int, *, causal: bool, beta=None):
-    """``(rule, inputs, normalize)`` of an analysis call, parsed exactly as linear_attention parses them.
+    """``(rule, inputs, normalize)`` of an analysis call, parsed (and refused) as linear_attention does.
 
-    ``fmap`` None stands for softmax weights: they have no update rule, so
-    ``decay``/``log_decay``/``beta`` raise ValueError naming the argument
-    given, and ``normalize=False`` raises (softmax weights are always
-    normalised).  Otherwise :func:`linattn_nb._frontend.rule_arguments` with
-    ``D_phi = output_dim(d)``: the same forms, the same errors (``causal=False``
-    with a decay or ``beta``, values out of range, shapes that fit no form, a
-    per-feature gate with ``beta``, a map that needs its normaliser with
-    ``normalize=False``); ``beta`` makes the rule ``"delta"`` (or
-    ``"gated_delta"`` with a decay), whose ``normalize`` defaults to False.
+    ``fmap`` None (softmax weights) has no update rule: ``decay``/``log_decay``/``beta`` and
+    ``normalize=False`` raise ValueError.
     """
     if fmap is None:
         for name, x in (("decay", decay), ("log_decay", log_decay), ("beta", beta)):
@@ -256,7 +230,7 @@ def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, d: in
 
 
 def softmax_weights(q, k, *, causal: bool, scale: float) -> np.ndarray:
-    """Softmax attention weights ``softmax_j(scale q_i . k_j)`` of (..., Nq, D) and (..., Nk, D), float64.
+    """Softmax weights ``softmax_j(scale q_i . k_j)`` of (..., Nq, D) and (..., Nk, D), float64.
 
     ``causal``: the weights of ``j > i`` are 0.
     """
@@ -273,15 +247,9 @@ def softmax_weights(q, k, *, causal: bool, scale: float) -> np.ndarray:
 def entry_weights(rule, fq, fk, inputs, b: int = 0, *, causal: bool = True) -> np.ndarray:
     """Unnormalised linear-attention weights (N, N) of batch entry ``b`` under update rule ``rule``, float64.
 
-    ``fq``, ``fk`` (N, F): the entry's features; ``inputs``: the front end's
-    flattened (B, N[, F]) rule inputs, entry ``b`` used.  ``A[t, s]`` is the
-    weight of value ``s`` in output ``t`` before the normaliser --
-    ``phi(q_t) . phi(k_s)`` times the product of the factors of tokens
-    ``s+1..t`` (:func:`linattn_nb.ops.causal.naive.explicit_weights`, exact at
-    resets); for a rule whose update reads the state (the delta rules) the
-    closed form ``tril(G * Q K^T) (I + tril(diag(beta) (G * K K^T), -1))^{-1} diag(beta)``
-    (:func:`linattn_nb.ops.causal.naive.delta_weights`).  ``causal=False``
-    (a rule without inputs only): the full ``phi(Q) phi(K)^T``.
+    ``fq``, ``fk`` (N, F): the entry's features; ``inputs``: the flattened (B, N[, F]) rule inputs.  The
+    weights come from :func:`linattn_nb.ops.causal.naive.explicit_weights` (decays: exact at resets; delta
+    rules: the closed form of docs/theory.md).  ``causal=False`` (no rule inputs): ``phi(Q) phi(K)^T``.
     """
     if not get_rule(rule).has_inputs:
         a = np.asarray(fq, dtype=np.float64) @ np.asarray(fk, dtype=np.float64).T
@@ -304,10 +272,9 @@ def normalise_rows(a, eps) -> np.ndarray:
 
 
 def explicit_rule_weights(rule: str, fq, fk, inputs, *, normalize: bool, eps, causal: bool = True):
-    """Explicit linear-attention weights (B, N, N) of update rule ``rule``, float64.
+    """:func:`entry_weights` (B, N, N) of each batch entry of ``fq``, ``fk`` (B, N, F).
 
-    :func:`entry_weights` of every batch entry of ``fq``, ``fk`` (B, N, F),
-    divided by their row sums with ``normalize`` (:func:`normalise_rows`).
+    Divided by their row sums with ``normalize`` (:func:`normalise_rows`).
     """
     fq = np.asarray(fq, dtype=np.float64)
     fk = np.asarray(fk, dtype=np.float64)

@@ -1,18 +1,8 @@
 """Numba row-block kernels of :mod:`linattn_nb.analysis.error`.
 
-Kernel: :func:`error_rows_kernel`, parallel over (batch entry, query block)
-tasks.  A task holds the ``block x N`` scores ``scale q k^T`` and, for a
-feature map, the ``block x N`` kernel values ``phi(q) phi(k)^T`` of its
-query rows (causal: ``block x (last row + 1)``), and reduces every row to its
-statistics.  Memory per task is O(block * N); the N x N matrix is never
-formed.  Everything is float64.
-
-Ranks for the Spearman correlations are computed with an LSD radix sort on
-the IEEE bit patterns (8 passes of 8 bits, passes where every key shares the
-digit skipped), insertion sort for very short rows; ties get their average
-rank.  A radix sort keeps the two sorts per row from dominating the cost,
-as Numba's ``np.argsort`` (quicksort) would at long N (measurement in
-``docs/measurements-analysis.md``).
+:func:`error_rows_kernel` reduces blocks of query rows to per-row statistics, parallel over (batch entry,
+query block), never forming the N x N matrix; Spearman ranks come from an LSD radix sort.  Design:
+docs/design-cpu.md ("Row statistics of approximation_error").
 """
 from __future__ import annotations
 
@@ -137,29 +127,13 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
                       kl, tv, hp, hw, rho, den_out, js):
     """Per-row statistics of linear against softmax attention weights.
 
-    q, k : (B, N, D) float64; fq, fk : (B, N, F) float64 features (ignored
-    when ``softmax_mode``: the "linear" weights are then the softmax weights
-    themselves, the self-check).  Writes, per row (B, N): ``kl`` =
-    KL(softmax || linear) (inf when the linear weights put zero or negative
-    mass where softmax does not, or the normaliser is <= 0; round-off below
-    0 clipped to 0), ``tv`` total
-    variation, ``hp``/``hw`` entropies (``hw`` NaN when the linear weights are
-    not a distribution), ``rho`` Spearman correlation between scores and
-    linear weights (NaN when undefined), ``den_out`` the raw normaliser,
-    ``js`` the Jensen-Shannon divergence JS(softmax, linear) in nats (at most
-    ln 2; NaN when the linear weights are not a distribution).
-    The linear weights are ``a_ij / max(den_i, eps)`` (``clip``) or
-    ``a_ij / den_i``: those :func:`linattn_nb.linear_attention` applies.
-
-    ``mode`` (causal only unless plain): ``_MODE_PLAIN``, the additive rule;
-    ``_MODE_SCALAR``, a scalar decay, ``fac`` (B, N, 1) the factors
-    ``exp(log_decay)``; ``_MODE_FEATURE``, a per-feature gate, ``fac`` (B, N, F).
-    ``a_ij`` then carries the product of the factors of tokens ``j+1..i``,
-    built as a running product from ``j = i`` down (per feature for the
-    gate): a factor 0 zeroes every weight before it exactly, no
-    differences of cumulative logs, no NaN.  ``_MODE_EXPLICIT`` (the delta
-    rules, whose weights have no running-product form): ``fac`` (B, N, N) holds the
-    explicit unnormalised weights ``a_ij`` themselves.
+    q, k (B, N, D) and fq, fk (B, N, F) float64 (the features are ignored when ``softmax_mode``, the
+    self-check).  Writes per row (B, N): ``kl`` (inf where the linear weights are no distribution where
+    softmax has mass), ``tv``, entropies ``hp``/``hw``, Spearman ``rho``, the raw normaliser ``den_out``
+    and ``js`` (NaN where undefined).  The linear weights are ``a_ij / max(den_i, eps)`` (``clip``) or
+    ``a_ij / den_i``.  ``mode``: ``_MODE_PLAIN``; ``_MODE_SCALAR`` / ``_MODE_FEATURE`` with ``fac``
+    (B, N, 1) / (B, N, F) the factors, multiplied in as running products; ``_MODE_EXPLICIT`` with ``fac``
+    (B, N, N) the unnormalised weights themselves (docs/design-cpu.md).
     """
     B, N, D = q.shape
     nb = (N + block - 1) // block
@@ -320,14 +294,9 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
 def error_rows(q, k, fq, fk, *, scale, causal, softmax_mode, eps, rule, inputs, block=None):
     """Launcher of :func:`error_rows_kernel`; returns the per-row arrays (each (B, N) float64).
 
-    ``q, k`` (B, N, D) and ``fq, fk`` (B, N, F) C-contiguous float64
-    (``fq, fk`` may be ``(B, N, 0)`` dummies in softmax mode).  ``rule`` and
-    ``inputs``: the update rule and its inputs as the front end gives them
-    (``{"log_decay": (B, N)}``, ``{"log_gate": (B, N, F)}``, ``{"beta": (B, N)}``
-    with or without ``"log_decay"``; causal only).  The weights of a rule
-    whose update reads the state (the delta rules) are formed explicitly, one ``N x N`` matrix per batch entry at a time
-    (:func:`linattn_nb.ops.causal.naive.explicit_weights`), and the kernel
-    runs on each entry in turn (parallel over its query blocks).
+    ``q, k`` (B, N, D) and ``fq, fk`` (B, N, F) C-contiguous float64 (``(B, N, 0)`` dummies in softmax
+    mode); ``rule`` and ``inputs`` as the front end gives them (causal only).  The delta rules' weights are
+    formed explicitly, one ``N x N`` matrix per batch entry at a time, the kernel run on each in turn.
     """
     block = int(config.ANALYSIS_BLOCK_Q if block is None else block)
     if block < 1:

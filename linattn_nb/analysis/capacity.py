@@ -1,21 +1,10 @@
-r"""Associative-recall capacity of the fixed-size state, training-free.
+"""Associative-recall capacity of the fixed-size state, training-free.
 
-Linear attention stores key-value pairs in a ``D_phi x M`` state
-``S = sum_j phi(k_j) v_j^T``; at most ``D_phi`` keys can be mutually
-orthogonal in feature space, so storing more pairs than that must cause
-retrieval errors (Schlag, Irie & Schmidhuber 2021, "Linear Transformers Are
-Secretly Fast Weight Programmers", §4.1).  :func:`recall_capacity` measures it
-without training: it stores ``n`` random pairs, queries every key, and reports
-the argmax accuracy and the relative error of linear attention's read-out, the
-least-squares floor of any state of the same size, and softmax attention over
-the same pairs (a KV cache, whose memory grows with ``n``).  The state can be
-written by the additive rule, a constant decay, or the (gated) delta rule,
-which writes the difference between the new value and what the state already
-returns for the key (Schlag et al. 2021, §4.2).
-
-:func:`mqar` generates Zoology's multi-query associative recall sequences
-(Arora et al. 2023) for training one's own models, and :func:`state_size`
-counts the state as Zoology does.
+:func:`recall_capacity` stores ``n`` random key-value pairs in the state (additive, decayed, delta or a
+named DPLR rule), queries every key and compares the read-out with the least-squares floor of a state of
+the same size and with softmax attention; :func:`mqar` generates Zoology's multi-query associative recall
+sequences and :func:`state_size` counts the state as Zoology does.  The capacity bound: docs/theory.md;
+usage and measured figures: docs/guide/analysis.md.
 """
 from __future__ import annotations
 
@@ -152,17 +141,6 @@ def _optimal_residual(phi, v):
     return ur @ (ur.T @ v) - v
 
 
-def _optimal_rel_err(phi, v):
-    """min_W ||phi W - v||_F^2 / ||v||_F^2 via an orthonormal basis of range(phi) (numerical rank)."""
-    u, s, _ = np.linalg.svd(phi, full_matrices=False)
-    if s.size == 0:
-        return 1.0
-    r = int(np.count_nonzero(s > s.max() * max(phi.shape) * np.finfo(np.float64).eps))
-    proj = u[:, :r].T @ v
-    total = float(np.sum(v * v))
-    return max(0.0, total - float(np.sum(proj * proj))) / total
-
-
 def _binned_rel_err(res, v, dist, edges):
     """``sum ||res_j||^2 / sum ||v_j||^2`` over the rows whose ``dist`` falls in each bin (NaN: empty bin)."""
     idx = np.searchsorted(edges, dist, side="right") - 1
@@ -214,51 +192,15 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
                     normalize=None, orthogonal_keys=False, method="quadratic", rule=None, rule_arguments=None):
     r"""Training-free associative recall through linear attention's state.
 
-    For each ``n`` in ``n_pairs`` and each trial: draw keys ``K`` (n x d),
-    i.i.d. ``N(0, 1)`` times ``key_scale``, and values ``V`` -- one-hot
-    (``V = I_n``, so ``M = n``) or, with ``value_dim``, i.i.d. ``N(0, 1)`` in
-    ``R^value_dim``; store all pairs and query every key (non-causal
-    attention with ``q = k``; Schlag et al. 2021, §4.1, setting 1).  Reported
-    per ``n`` (means over trials):
-
-    * ``accuracy`` / ``mse`` of linear attention's normalised read-out
-      ``V_hat = D^{-1} phi(K) phi(K)^T V`` (:func:`linattn_nb.linear_attention`);
-    * ``optimal_mse``: the least-squares best state ``W`` of the same size
-      (``min ||phi(K) W - V||^2``) -- zero up to ``n = D_phi`` for keys in
-      general position and, for one-hot values, exactly ``1 - D_phi/n``
-      beyond (Eckart-Young): no update rule with this feature map does better;
-    * ``softmax_accuracy`` / ``softmax_mse`` of softmax attention over the
-      same pairs (:func:`linattn_nb.softmax_attention`).
-
-    Argmax accuracy can hide the capacity limit (a read-out can have the
-    right argmax and a large error): look at all three.
-
-    The pairs are written in order, pair ``j`` at token ``j``, and read
-    after the last write, so pair ``j`` is read at distance ``n - 1 - j``.
-    With ``decay=gamma`` the state forgets (RetNet's constant decay, Sun et
-    al. 2023, §2.1): ``S = sum_j gamma^(n-1-j) phi(k_j) v_j^T`` and ``z``
-    likewise, i.e. causal ``linear_attention(..., decay=gamma)`` after the
-    last write, read by every key.  ``error_by_distance`` bins the per-pair
-    error by that distance (``optimal_error_by_distance`` for the
-    least-squares floor): the additive rule (``gamma = 1``, the same numbers
-    as ``decay=None``) spreads its error evenly over the ages; a decay
-    lowers the error of recent pairs (less interference) and raises that of
-    pairs older than about ``1 / (1 - gamma)``: the memory horizon.
-
-    With ``beta`` the pairs are written by the delta rule (Schlag, Irie &
-    Schmidhuber 2021, §4.2),
-    ``S_j = S_{j-1} + beta phi(k_j) (v_j - S_{j-1}^T phi(k_j))^T``, and with
-    ``decay`` as well by the gated delta rule (Yang, Kautz & Hatamizadeh
-    2025), ``S_j = gamma (I - beta phi(k_j) phi(k_j)^T) S_{j-1} + beta
-    phi(k_j) v_j^T``: causal ``linear_attention(..., beta=beta, decay=gamma,
-    method=method, return_state=True)`` over the pairs, the final state read
-    by every key.  The read-out is unnormalised by default there
-    (``normalize=None`` takes the rule's convention: False for the delta
-    rules, True otherwise).  With unit keys (the ``"l2"`` map) that are
-    orthonormal and ``beta = 1`` each write stores its pair exactly and
-    leaves the others alone, so ``n <= D_phi`` pairs are retrieved exactly;
-    past ``D_phi`` every read-out ``phi(K) S`` has rank <= ``D_phi`` and no
-    rule beats ``optimal_mse`` (for one-hot values ``1 - D_phi/n``).
+    For each ``n`` in ``n_pairs`` and each trial: draw ``n`` keys (``key_scale * N(0, I_d)``) and values
+    (one-hot, or Gaussian with ``value_dim``), write the pairs in order (pair ``j`` at token ``j``), and read
+    the state after the last write with every key (Schlag et al. 2021, §4.1, setting 1).  Reported per ``n``,
+    means over trials: ``accuracy`` and ``mse`` of linear attention's read-out, ``optimal_mse`` of the
+    least-squares best state of the same size (no update rule with this map does better; for one-hot values
+    ``1 - D_phi/n`` beyond ``D_phi``), and softmax attention over the same pairs.  Argmax accuracy can hide
+    the capacity limit: look at the errors too.  ``error_by_distance`` bins the per-pair error by the
+    distance ``n - 1 - j`` between write and read, which shows a decay's memory horizon.  The rules' state
+    equations and what the figures show: docs/guide/analysis.md.
 
     Parameters
     ----------
@@ -425,7 +367,7 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
             metrics[:, a, t] = (
                 _nearest_accuracy(vhat, vals),
                 _rel_err(vhat, vals),
-                _optimal_rel_err(phi, vals),
+                float(np.sum(opt_res * opt_res) / np.sum(vals * vals)),
                 _nearest_accuracy(vs, vals),
                 _rel_err(vs, vals),
             )
@@ -442,9 +384,23 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     )
 
 
+def _read(q, S, z, normalize, eps):
+    """Read-out ``q S``, divided by ``max(q z, eps)`` (raw division for ``eps=None``) when ``normalize``."""
+    out = q @ np.asarray(S, dtype=np.float64)
+    if not normalize:
+        return out
+    den = q @ np.asarray(z, dtype=np.float64)
+    if eps is not None:
+        den = np.maximum(den, eps)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return out / den[:, None]
+
+
 def _dplr_readout(fmap, spec, keys, vals, args, normalize, eps):
-    """Every key's read-out of the state a named DPLR rule leaves after writing the pairs in order
-    (``args``: constants repeated per token, ``"keys"`` the unit key features)."""
+    """Every key's read-out of the state a named DPLR rule leaves after writing the pairs in order.
+
+    ``args``: constants repeated per token; the string ``"keys"`` stands for the unit key features.
+    """
     from ..dplr import dplr_attention
 
     n = keys.shape[0]
@@ -468,53 +424,21 @@ def _dplr_readout(fmap, spec, keys, vals, args, normalize, eps):
     _, st = dplr_attention(keys, k, v, rule=spec.name, feature_map=fmap, normalize=normalize, eps=eps,
                            return_state=True, **full)
     q = C.features(fmap, keys, role="query", causal=True, name="keys")[0]
-    out = q @ st.S
-    if not normalize:
-        return out
-    den = q @ st.z
-    if eps is not None:
-        den = np.maximum(den, eps)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return out / den[:, None]
+    return _read(q, st.S, st.z, normalize, eps)
 
 
 def _delta_readout(fmap, keys, vals, beta, decay, normalize, eps, method):
-    """Every key's read-out of the state the (gated) delta rule leaves after writing all pairs in order.
-
-    The state comes from causal ``linear_attention(..., beta=beta, decay=decay,
-    return_state=True)``; the read-out is ``phi(k) S``, divided by
-    ``max(phi(k) z, eps)`` with ``normalize``.
-    """
+    """Every key's read-out of the state causal ``linear_attention(..., beta=beta, decay=decay)`` leaves."""
     _, st = linear_attention(keys, keys, vals, feature_map=fmap, causal=True, eps=eps, beta=beta, decay=decay,
                              normalize=normalize, method=method, return_state=True)
     phi = C.features(fmap, keys, role="query", causal=True, name="keys")[0]
-    out = phi @ np.asarray(st.S, dtype=np.float64)
-    if not normalize:
-        return out
-    den = phi @ np.asarray(st.z, dtype=np.float64)
-    if eps is not None:
-        den = np.maximum(den, eps)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return out / den[:, None]
+    return _read(phi, st.S, st.z, normalize, eps)
 
 
 def _decayed_readout(phi, vals, weights, eps, normalize=True):
-    """Every key's read-out of the state ``S = sum_j w_j phi_j v_j^T``, ``z = sum_j w_j phi_j``.
-
-    ``phi S / max(phi z, eps)`` (raw division for ``eps=None``; ``phi S``
-    without ``normalize``): causal linear attention's output at the last
-    write token, with the decayed state.
-    """
+    """Every key's read-out of the state ``S = sum_j w_j phi_j v_j^T``, ``z = sum_j w_j phi_j``."""
     wphi = phi * weights[:, None]
-    S = wphi.T @ vals
-    if not normalize:
-        return phi @ S
-    z = wphi.sum(axis=0)
-    den = phi @ z
-    if eps is not None:
-        den = np.maximum(den, eps)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return (phi @ S) / den[:, None]
+    return _read(phi, wphi.T @ vals, wphi.sum(axis=0), normalize, eps)
 
 
 # ---------------------------------------------------------------------------
@@ -551,21 +475,12 @@ class MQAR:
 def mqar(n_examples, seq_len, n_kv, *, vocab_size=8192, power_a=0.01, random_non_queries=True, seed=None):
     r"""Multi-query associative recall sequences (Zoology; Arora et al. 2023, §3 and App.).
 
-    Each example starts with ``n_kv`` key-value pairs ``k_1 v_1 ... k_n v_n``
-    (keys distinct, drawn from ``[1, V/2)``; values distinct, from
-    ``[V/2, V)``).  The remaining ``seq_len - 2 n_kv`` positions form
-    ``(seq_len - 2 n_kv)/2`` two-token slots; every key is queried exactly
-    once, at the first position of a slot, the slots drawn without
-    replacement with the power law ``p(i) ∝ a i^(a-1)`` over the slot index
-    ``i = 1, 2, ...`` (small ``a`` puts most queries close to the context).
-    The label at a query position is the key's value (to be predicted as the
-    next token), ``-100`` elsewhere.  Every other position holds a random
-    token (``random_non_queries``) or 0.
-
-    One deliberate difference from Zoology's generator: the random filler
-    never uses the example's own keys, so each key occurs exactly twice (in
-    its pair and at its query) and a filler token cannot be mistaken for an
-    unlabelled query.
+    Each example starts with ``n_kv`` key-value pairs ``k_1 v_1 ... k_n v_n`` (distinct keys from
+    ``[1, V/2)``, distinct values from ``[V/2, V)``); every key is queried once, at the first position of a
+    two-token slot drawn without replacement with the power law ``p(i) ∝ a i^(a-1)`` over the slot index;
+    the label there is the key's value, ``-100`` elsewhere.  Other positions hold random tokens
+    (``random_non_queries``) or 0.  Unlike Zoology's generator the filler never uses the example's own
+    keys, so a filler token cannot be mistaken for an unlabelled query.
 
     Parameters
     ----------
@@ -655,11 +570,8 @@ def mqar(n_examples, seq_len, n_kv, *, vocab_size=8192, power_a=0.01, random_non
 def state_size(feature_map, d, value_dim, heads=1, *, dtype=np.float64, seq_len=None):
     """Recurrent state size in bytes, counted as Zoology counts it.
 
-    Linear attention keeps, per head, ``S`` (``D_phi x M``) and ``z``
-    (``D_phi``): ``heads * (M * D_phi + D_phi)`` numbers (Arora et al. 2023,
-    Zoology; Based, Arora et al. 2024), times the item size of ``dtype``.
-    For ``feature_map="softmax"`` the KV cache of ``seq_len`` tokens:
-    ``heads * seq_len * (d + M)`` numbers.
+    ``heads * (M * D_phi + D_phi)`` numbers (``S`` and ``z`` per head), times the item size of ``dtype``;
+    for ``feature_map="softmax"`` the KV cache of ``seq_len`` tokens, ``heads * seq_len * (d + M)``.
 
     Parameters
     ----------

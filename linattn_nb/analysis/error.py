@@ -1,26 +1,11 @@
 """How far linear attention is from softmax attention, at the attention level.
 
-* :func:`approximation_error` - output error and row-wise divergences of the
-  attention weights (KL, total variation, entropies, monotonicity in
-  ``q . k``, sign failures of the normaliser), computed by Numba kernels over
-  blocks of query rows (:mod:`linattn_nb.analysis._kernels`), never the whole
-  ``N x N`` at once, batched over leading dimensions.
-* :func:`attention_weights` - the explicit weight matrix (small N).
-* :func:`approximation_error_naive` - the same statistics from explicit
-  matrices in NumPy/SciPy: the reference the kernels are tested against.
+* :func:`approximation_error` - output error and row-wise divergences of the weights, by Numba kernels
+  over blocks of query rows (:mod:`linattn_nb.analysis._kernels`), never the whole ``N x N`` at once;
+* :func:`attention_weights` - the explicit weight matrix (small N);
+* :func:`approximation_error_naive` - the same statistics from explicit matrices, the tests' reference.
 
-Conventions shared by all three.  Softmax weights are
-``softmax_j(scale q_i . k_j)`` (``scale`` default ``1/sqrt(D)``), over
-``j <= i`` when causal.  Linear weights are the weights
-:func:`linattn_nb.linear_attention` applies:
-``a_ij / max(den_i, eps)`` with ``a_ij = phi(q_i) . phi(k_j)`` and
-``den_i = sum_j a_ij`` (``eps=None``: raw division), the features being
-``feature_map.apply(x, role=..., causal=..., offset=0, total_length=N)``
-exactly as ``linear_attention`` computes them (a map that returns another
-shape than ``(..., N, output_dim(D))`` raises ValueError).  KL divergences
-are clipped at 0 (round-off can make a sum of ``p (log p - log w)`` with
-``w ~ p`` slightly negative).  Everything is float64: these functions
-measure the approximation, not round-off.
+Everything is float64.  The weights compared and the conventions: docs/guide/analysis.md.
 """
 from __future__ import annotations
 
@@ -162,36 +147,19 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
         normaliser.
     check_finite : bool, default True
     decay, log_decay : float or array_like, optional
-        A decay or gate of the state, exactly as in
-        :func:`linattn_nb.linear_attention` (causal only; at most one of the
-        two): a scalar or batch-shaped array (a constant ``gamma`` per
-        sequence, RetNet), ``(..., N)`` (per token, Mamba-2/SSD) or
-        ``(..., N, D_phi)`` (per feature, GLA).  The weight of token ``s`` in
-        output ``t`` is then ``phi(q_t) . phi(k_s)`` times the factors of
-        tokens ``s+1..t`` (per feature for a gate), and the normaliser is the
-        sum of the row (the decayed ``phi(q_t) . z_t``).  A factor 0 (log
-        ``-inf``) cuts every weight across it exactly.
+        A decay or gate of the state, with the forms of :func:`linattn_nb.linear_attention` (causal only;
+        at most one of the two).  The weight of token ``s`` in output ``t`` is then ``phi(q_t) . phi(k_s)``
+        times the factors of tokens ``s+1..t`` (per feature for a gate); the normaliser is the row sum.
+        A factor 0 (log ``-inf``) cuts every weight across it exactly.
     normalize : bool, optional
-        As in ``linear_attention`` (default True for the additive, decay and
-        gate rules, False for the delta rules): False gives the unnormalised
-        weights ``phi(q_t)^T``-times-state, RetNet's, GLA's and DeltaNet's
-        convention.  Not for ``"softmax"``.
+        As in ``linear_attention`` (default True, False for the delta rules): False gives the unnormalised
+        weights.  Not for ``"softmax"``.
     beta : float or array_like, optional
-        The delta rule's write strength, as in ``linear_attention`` (causal
-        only; a scalar, batch-shaped, or ``(..., N)`` per token, in [0, 2]);
-        with ``decay``/``log_decay`` (a scalar per sequence or per token) the
-        gated delta rule.  The output is linear in the values, so the rule
-        has an equivalent causal weight matrix, in closed form
-        (Yang et al. 2024, "Parallelizing Linear Transformers with the Delta
-        Rule over Sequence Length")::
-
-            A = tril(G * phi(Q) phi(K)^T) (I + tril(diag(beta) (G * phi(K) phi(K)^T), -1))^{-1} diag(beta)
-
-        with ``G_ts`` the product of the decay factors of tokens ``s+1..t``
-        (1 without a decay).  Its entries can be negative whatever the
-        features (a write subtracts what the state already returns for its
-        key), and with ``normalize=True`` the row sums (the delta-rule
-        normaliser ``phi(q_t) . z_t``) can be <= 0 and are floored at ``eps``.
+        The delta rule's write strength, as in ``linear_attention`` (causal only; with a decay: the gated
+        delta rule).  The weights are the rule's equivalent causal weight matrix in closed form,
+        ``tril(G * phi(Q) phi(K)^T) T`` with the WY matrix ``T`` of docs/theory.md ("Delta rule and gated
+        delta rule").  Its entries can be negative, and with ``normalize=True`` the row sums can be <= 0
+        (floored at ``eps``).
 
     Returns
     -------
@@ -269,15 +237,10 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
                         check_finite=True, block=None, decay=None, log_decay=None, beta=None):
     r"""How far linear attention with ``feature_map`` is from softmax attention.
 
-    For every query row ``i`` the softmax weights ``p_ij`` and the linear
-    weights ``w_ij`` (those :func:`linattn_nb.linear_attention` applies, see
-    the module docstring) are compared; the outputs are compared through
-    :func:`linattn_nb.softmax_attention` and
-    :func:`linattn_nb.linear_attention` themselves.  The row statistics are
-    computed by a Numba kernel over blocks of ``block`` query rows, in
-    parallel over (batch entry, block): memory O(block * N) per thread, never
-    the ``N x N`` matrix, so long sequences fit (time O(N^2 (D + D_phi)) per
-    batch entry; ``benchmarks/bench_approximation_error.py`` measures it).
+    For every query row the softmax weights and the linear weights :func:`linattn_nb.linear_attention`
+    applies are compared (docs/guide/analysis.md); the outputs through ``softmax_attention`` and
+    ``linear_attention`` themselves.  A Numba kernel over blocks of ``block`` query rows, in parallel over
+    (batch entry, block): memory O(block * N) per thread, time O(N^2 (D + D_phi)) per batch entry.
 
     Parameters
     ----------
@@ -298,26 +261,16 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     block : int, optional
         Query rows per task (default ``config.ANALYSIS_BLOCK_Q``).
     decay, log_decay : float or array_like, optional
-        A decay or gate of linear attention's state, exactly as in
-        :func:`linattn_nb.linear_attention` (causal only; see
-        :func:`attention_weights`), measured against plain softmax attention
-        (softmax has no decay): the linear weights are the decayed ones,
-        normalised by their row sums (``normalize=True``, the only form
-        comparable with softmax's distributions).  The kernel multiplies the
-        factors in as running products along each row (no ``N x N``
-        matrix); the linear output comes from ``linear_attention(...,
-        method="quadratic")`` (float64, explicit) while ``N * N <=
-        config.QUADRATIC_MAX_ELEMENTS``, else from ``method="auto"``.
+        A decay or gate of linear attention's state, as in :func:`attention_weights`, measured against plain
+        softmax attention: the linear weights are the decayed ones normalised by their row sums (running
+        products along each row, no ``N x N`` matrix); the linear output comes from
+        ``linear_attention(..., method="quadratic")`` while ``N * N <= config.QUADRATIC_MAX_ELEMENTS``,
+        else ``method="auto"``.
     beta : float or array_like, optional
-        The delta rule's write strength (with ``decay``/``log_decay``: the
-        gated delta rule), as in :func:`attention_weights`.  Its weights
-        have no running-product form: they are formed explicitly, one
-        ``N x N`` matrix per batch entry (``N * N <=
-        config.QUADRATIC_MAX_ELEMENTS``, else ValueError), normalised by
-        their row sums as above (those sums can be <= 0 under the delta
-        rule: ``nonpositive_normalizer_rate`` counts them, and such rows
-        have ``kl = inf``); the output is ``linear_attention(..., beta=...,
-        normalize=True, method="quadratic")``.
+        The delta rule's write strength, as in :func:`attention_weights`.  Its weights are formed
+        explicitly, one ``N x N`` matrix per batch entry (``N * N <= config.QUADRATIC_MAX_ELEMENTS``, else
+        ValueError), normalised by their row sums (which can be <= 0: ``nonpositive_normalizer_rate``
+        counts them, such rows have ``kl = inf``).
 
     Returns
     -------
@@ -359,12 +312,8 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     >>> bool(e9.entropy_linear < e1.entropy_linear), e9.entropy_softmax == e1.entropy_softmax
     (True, True)
     """
-    q, k, v, batch_shape, n, d = _prepare(q, k, v, check_finite)
-    causal = C.check_causal(causal)
-    scale = V.check_scale(scale, d)
-    eps = C.resolve_eps(eps)
-    fmap = C.resolve_map(feature_map, d=d, scale=scale)
-    rule, inputs, _ = C.rule_arguments(fmap, decay, log_decay, None, batch_shape, n, d, causal=causal, beta=beta)
+    q64, k64, v64, n, causal, scale, eps, fmap, rule, inputs = _setup(
+        q, k, v, feature_map, causal, scale, eps, decay, log_decay, beta, check_finite)
     if get_rule(rule).reads_state and n * n > config.QUADRATIC_MAX_ELEMENTS:
         raise ValueError(
             f"approximation_error forms the delta rule's N x N weights (no running-product form; beta given); "
@@ -373,19 +322,16 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     if block is not None and (isinstance(block, (bool, np.bool_)) or not isinstance(block, (int, np.integer))
                               or block < 1):
         raise ValueError(f"block must be an integer >= 1 or None, got {block!r}")
-    q64, k64, v64 = (C.flatten64(x, batch_shape) for x in (q, k, v))
     b = q64.shape[0]
     rows = b * n
     if rows == 0:
-        nan = float("nan")
-        return ApproximationError(nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, 0)
+        return _no_rows()
     if fmap is None:
         fq = fk = np.zeros((b, n, 0))
     else:
         fq = C.features(fmap, q64, role="query", causal=causal, name="q")
         fk = C.features(fmap, k64, role="key", causal=causal, name="k")
-    # The kernels call np.dot inside prange: keep the BLAS to one thread per
-    # call (linattn_nb._blas), or its threads compete with Numba's.
+    # the kernels call np.dot inside prange: one BLAS thread per call, or its threads compete with Numba's
     with single_threaded_blas():
         o_sm = softmax_attention(q64, k64, v64, causal=causal, scale=scale, check_finite=False)
         if fmap is None:
@@ -396,6 +342,23 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
         st = error_rows(q64, k64, fq, fk, scale=scale, causal=causal, softmax_mode=fmap is None, eps=eps,
                         block=block, rule=rule, inputs=inputs)
     return _summarise(st, o_lin, o_sm, rows)
+
+
+def _setup(q, k, v, feature_map, causal, scale, eps, decay, log_decay, beta, check_finite):
+    """The checked arguments of :func:`approximation_error` and its reference, inputs flattened to float64."""
+    q, k, v, batch_shape, n, d = _prepare(q, k, v, check_finite)
+    causal = C.check_causal(causal)
+    scale = V.check_scale(scale, d)
+    eps = C.resolve_eps(eps)
+    fmap = C.resolve_map(feature_map, d=d, scale=scale)
+    rule, inputs, _ = C.rule_arguments(fmap, decay, log_decay, None, batch_shape, n, d, causal=causal, beta=beta)
+    q64, k64, v64 = (C.flatten64(x, batch_shape) for x in (q, k, v))
+    return q64, k64, v64, n, causal, scale, eps, fmap, rule, inputs
+
+
+def _no_rows() -> ApproximationError:
+    nan = float("nan")
+    return ApproximationError(nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, 0)
 
 
 def _rule_call(rule, inputs, n) -> dict:
@@ -448,18 +411,12 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
     """
     from scipy.stats import rankdata
 
-    q, k, v, batch_shape, n, d = _prepare(q, k, v, True)
-    causal = C.check_causal(causal)
-    scale = V.check_scale(scale, d)
-    eps = C.resolve_eps(eps)
-    fmap = C.resolve_map(feature_map, d=d, scale=scale)
-    rule, inputs, _ = C.rule_arguments(fmap, decay, log_decay, None, batch_shape, n, d, causal=causal, beta=beta)
-    q64, k64, v64 = (C.flatten64(x, batch_shape) for x in (q, k, v))
+    q64, k64, v64, n, causal, scale, eps, fmap, rule, inputs = _setup(
+        q, k, v, feature_map, causal, scale, eps, decay, log_decay, beta, True)
     b = q64.shape[0]
     rows = b * n
     if rows == 0:
-        nan = float("nan")
-        return ApproximationError(nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, 0)
+        return _no_rows()
     p_all = C.softmax_weights(q64, k64, causal=causal, scale=scale)
     s_all = scale * np.einsum("bid,bjd->bij", q64, k64)
     if fmap is None:

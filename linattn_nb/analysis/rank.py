@@ -1,33 +1,12 @@
-r"""Rank of attention weights and of the recurrent state, without forming N x N.
-
-Linear attention with a feature map :math:`\phi` of dimension ``D_phi``
-mixes tokens through
-
-.. math:: A = D^{-1} \phi(Q) \phi(K)^\top, \qquad D = \operatorname{diag}(\phi(Q) z),
-
-a matrix of rank at most ``D_phi`` however long the sequence; its causal
-version ``D^{-1} \operatorname{tril}(\phi(Q)\phi(K)^\top)`` is usually full
-rank, but every strictly-lower block ``A[i:, :i]`` still has rank at most
-``D_phi`` (it is *semiseparable*).  Softmax weights have neither bound.  The
-functions here measure these ranks from the ``N x D_phi`` factors, so they
-run at sequence lengths where the explicit matrix would not fit in memory:
+"""Rank of attention weights and of the recurrent state, without forming N x N.
 
 * :func:`attention_rank` -- numerical rank (and spectrum) of the weights;
-* :func:`semiseparable_rank` -- the largest rank over the strictly-lower blocks;
+* :func:`semiseparable_rank` -- the largest rank over the strictly-lower blocks of causal weights;
 * :func:`state_rank_profile` -- the rank of the state ``S_t`` as ``t`` grows.
 
-Everything is computed in float64.  Ranks are numerical ranks with the
-conventions of :func:`numpy.linalg.matrix_rank` applied to the matrix being
-ranked (the default relative tolerance is ``max(rows, cols) * eps``), so a
-factor-based result equals what ``matrix_rank`` says about the explicit
-matrix, up to singular values within rounding of the tolerance.
-
-References
-----------
-Katharopoulos et al. 2020, "Transformers are RNNs", Eqs. 7 and 10-12 (the
-factorised weights and the state).  The semiseparable structure of causal
-linear attention: e.g. Dao & Gu 2024, "Transformers are SSMs" (state space
-duality), §3-4.
+Computed in float64 from the ``N x D_phi`` factors where the weights are low rank, with the tolerance
+conventions of :func:`numpy.linalg.matrix_rank`.  Bounds: docs/theory.md ("Rank, spectra and capacity");
+algorithms: docs/design-cpu.md ("Rank of the weights and the state").
 """
 from __future__ import annotations
 
@@ -109,11 +88,8 @@ def _inline_code(fmap, d):
 def _features(fmap, x, *, role, causal, name, offset=0):
     """Features of x (..., N, D) as linear_attention computes them, float64, flattened to (B, N, F).
 
-    ``offset``: the position of the first row (position-dependent maps).
-    Maps with a kernel code are applied by a parallel Numba loop (the same
-    ``phi`` as the attention kernels); the others through
-    :func:`linattn_nb.analysis._common.features` (``fmap.apply``, shape-checked).
-    Non-finite features raise ValueError (:func:`~linattn_nb.analysis._common.check_finite_features`).
+    ``offset``: the position of the first row.  Elementwise maps run in a parallel Numba loop (the
+    kernels' ``phi``), others through ``fmap.apply``; non-finite features raise ValueError.
     """
     d = x.shape[-1]
     code = _inline_code(fmap, d)
@@ -169,11 +145,7 @@ def _check_explicit_n(n, limit_name, limit):
 
 
 def _kernel_weights(fq, fk, *, causal, eps, rule, inputs, b, normalize):
-    """Explicit linear-attention weights (N x N) of batch entry ``b`` (:func:`~linattn_nb.analysis._common.entry_weights`).
-
-    Normalised by the row sums (floored at ``eps``) unless ``normalize`` is
-    False; a zero normaliser raises ValueError.
-    """
+    """Explicit weights (N x N) of batch entry ``b``, row-normalised (floored at ``eps``) if ``normalize``."""
     w = C.entry_weights(rule, fq, fk, inputs, b, causal=causal)
     if not normalize:
         return w
@@ -205,43 +177,10 @@ def _qr_rows():
 
 
 def _qr_update(R, B):
-    r"""R factor of ``[R; B]``, by LAPACK's triangular-pentagonal QR ``dtpqrt``.
+    """R factor of ``[R; B]`` by LAPACK's triangular-pentagonal QR ``dtpqrt`` (about ``2 L F^2`` flops).
 
-    Parameters
-    ----------
-    R : ndarray, shape (F, F), float64, Fortran order
-        Upper triangular (its strictly lower part must be zero); overwritten.
-    B : ndarray, shape (L, F), float64, Fortran order
-        The new rows; overwritten (LAPACK stores its reflectors there).
-
-    Returns
-    -------
-    ndarray, shape (F, F)
-        ``R'`` upper triangular with ``R'^T R' = R^T R + B^T B``: the R
-        factor of the stacked matrix, backward stable (Householder
-        reflections, as ``dgeqrf``).  Rows may differ in sign from another
-        QR's; ``|R'|``, ``R'^T R'`` and the singular values do not.
-
-    Notes
-    -----
-    ``dtpqrt`` (``scipy.linalg.lapack.dtpqrt``, ``l = 0``) keeps ``R``
-    triangular: about ``2 L F^2`` flops, where the dense
-    ``scipy.linalg.qr(np.vstack([R, B]), mode="r")`` takes about
-    ``2 (F + L) F^2`` -- ``F / L + 1`` times as many, which matters for the
-    short segments of :func:`semiseparable_rank`'s sweeps (one row: ``2 F^2``
-    against ``2 F^3``).
-
-    This replaced a hand-written Numba Householder TSQR, which was not fast
-    enough to keep: ``benchmarks/rank_qr.py`` (R factor of an N x D float64
-    matrix, N = 10^6, median of 3 interleaved rounds; 2026-12-03, AMD EPYC,
-    2 shared cores, OpenBLAS 0.3.30 Haswell kernels) timed the hand-written
-    kernel (2 Numba threads) / ``dtpqrt`` (1 BLAS thread) /
-    ``scipy.linalg.qr`` of the stacked matrix (1 BLAS thread) at
-    0.312 / 0.385 / 0.882 s for D = 16, 3.99 / 3.58 / 5.95 s for D = 64 and
-    52.3 / 28.2 / 41.1 s for D = 256: the hand-written kernel at most 1.23x
-    faster than ``dtpqrt`` (D = 16) and 1.9x slower at D = 256, while the
-    dense ``qr`` was 2.8x slower than it at D = 16 (hence ``dtpqrt``).
-    Figures and command: docs/measurements-analysis.md.
+    ``R`` (F, F) upper triangular and ``B`` (L, F), both float64 Fortran order, are overwritten.  Rows of the
+    result may differ in sign from another QR's.  Why ``dtpqrt``: docs/measurements-analysis.md.
     """
     if B.shape[0] == 0:
         return R
@@ -255,8 +194,7 @@ def _qr_update(R, B):
 def _feature_rows(X, s0, code, z, eps, clip, normalise, out):
     """``out[t] = phi(X[s0 + t], code)``, divided by ``max(out[t] . z, eps)`` when ``normalise``.
 
-    ``eps`` applies when ``clip``.  Returns the number of rows whose
-    normaliser is zero or not finite.
+    ``eps`` applies when ``clip``.  Returns the number of rows whose normaliser is zero or not finite.
     """
     L, F = out.shape
     bad = 0
@@ -277,38 +215,12 @@ def _feature_rows(X, s0, code, z, eps, clip, normalise, out):
 
 
 def _stream_r(X, code=0, z=None, eps=None, R=None):
-    """R factor of the rows ``y_t = phi(X[t], code)`` -- divided by ``max(y_t . z, eps)`` when ``z`` is given.
+    """R factor of the rows ``y_t = phi(X[t], code)``, divided by ``max(y_t . z, eps)`` when ``z`` is given.
 
-    Parameters
-    ----------
-    X : ndarray, shape (N, F)
-        Inputs (``code`` 0: the features themselves).
-    code : int
-        Kernel code of an elementwise map (:func:`linattn_nb.ops._common.phi`).
-    z : ndarray, shape (F,), optional
-        Normaliser vector: rows are divided by ``max(y_t . z, eps)`` (``eps``
-        None: no floor).
-    R : ndarray, shape (F, F), optional
-        An upper triangular factor to extend (default zero): the result is
-        then the R factor of ``[R; Y]``.  Not modified.
-
-    Returns
-    -------
-    R : ndarray, shape (F, F)
-        Upper triangular, ``R^T R = Y^T Y`` (plus the given ``R^T R``).
-    colsum : ndarray, shape (F,) or None
-        Column sums of ``Y`` (the keys' ``z``); None when ``z`` is given.
-
-    Notes
-    -----
-    The rows are featurised (a parallel Numba loop) and folded into ``R``
-    block by block (:func:`_qr_rows` rows, LAPACK :func:`_qr_update`), so
-    the feature matrix is never stored: memory O(F^2 + block F), O(N F^2)
-    flops.  BLAS runs one thread meanwhile
-    (:func:`linattn_nb._blas.single_threaded_blas`): OpenBLAS's threads
-    spinning against the Numba threads of the featurisation made the
-    LAPACK calls several times slower on two cores (``benchmarks/rank_qr.py``).
-    Raises ValueError when a normaliser is zero or not finite.
+    ``X`` (N, F); ``code`` 0 takes the rows as they are; ``R`` (F, F), not modified, is a factor to extend.
+    Returns ``(R, colsum)``: upper triangular ``R`` with ``R^T R = Y^T Y`` (plus the given ``R^T R``) and the
+    column sums of ``Y`` (None when ``z`` is given).  Streamed block by block with BLAS on one thread, the
+    feature matrix is never stored (docs/design-cpu.md).  A zero or non-finite normaliser raises ValueError.
     """
     n, f = X.shape
     R = np.zeros((f, f), order="F") if R is None else np.array(R, dtype=np.float64, order="F")
@@ -362,13 +274,10 @@ def _inline_features(x, code, out):
 
 
 def _span_changes(X, tau, block=1024):
-    """Prefix lengths at which ``dim span(X[:i])`` grows (incremental Gram-Schmidt).
+    """Prefix lengths at which ``dim span(X[:i])`` grows: sorted int64, at most F entries.
 
-    A row counts as new when its residual against the current orthonormal
-    basis (projected twice, "twice is enough") exceeds ``tau * ||row||``.
-    Returns a sorted int64 array of at most F entries.  Blocked so that the
-    projections are matrix products: O(N F r) with r the final rank; the scan
-    stops as soon as the span is the whole space.
+    Blocked incremental Gram-Schmidt (projected twice); a row is new when its residual exceeds
+    ``tau * ||row||``.  O(N F r) for final rank r; stops once the span is the whole space.
     """
     n, f = X.shape
     basis = np.zeros((f, f))
@@ -414,23 +323,12 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
                    log_decay=None, normalize=None, beta=None):
     r"""Numerical rank of attention weights, from the factors when they are low rank.
 
-    For kernel attention the weights are ``A = D^{-1} phi(Q) phi(K)^T`` with
-    ``D = diag(phi(Q) z)`` (non-causal) -- rank at most ``D_phi``.  With thin
-    R factors ``D^{-1} phi(Q) = Q_1 R_1`` and ``phi(K) = Q_2 R_2`` the non-zero
-    singular values of ``A`` are those of the ``D_phi x D_phi`` matrix
-    ``R_1 R_2^T``: cost O(N D_phi^2 + D_phi^3), so it runs at N = 10^6
-    (``benchmarks/analysis_rank.py`` measures it).
-    The R factors come from a streamed Householder QR (LAPACK ``dtpqrt`` on
-    ``[R; block]``, one block of rows at a time); elementwise maps with a
-    kernel code (ELU+1, ReLU, ...) are applied block by block inside it, so
-    no ``N x D_phi`` feature matrix is stored; other maps are applied first
-    through ``FeatureMap.apply``.
-
-    Causal kernel weights ``D^{-1} tril(phi(Q) phi(K)^T)`` are not low rank
-    (positive features make the diagonal non-zero, so the matrix is usually
-    full rank; the structured quantity is :func:`semiseparable_rank`), and
-    softmax weights have no factors: both are formed explicitly, for
-    ``N <= config.ANALYSIS_EXPLICIT_MAX_N`` (8192), in O(N^2 D + N^3).
+    Non-causal kernel weights ``A = D^{-1} phi(Q) phi(K)^T`` have rank at most ``D_phi``; their singular
+    values are those of ``R_1 R_2^T`` for R factors of ``D^{-1} phi(Q)`` and ``phi(K)``: O(N D_phi^2 +
+    D_phi^3), N = 10^6 runs.  Causal kernel weights (usually full rank: see :func:`semiseparable_rank`)
+    and softmax weights are formed explicitly, for ``N <= config.ANALYSIS_EXPLICIT_MAX_N`` (8192), in
+    O(N^2 D + N^3).
+    Algorithm: docs/design-cpu.md ("Rank of the weights and the state").
 
     Parameters
     ----------
@@ -459,21 +357,13 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
         all ``min(Nq, Nk)`` for ``"explicit"``.  Feed them to
         :func:`~linattn_nb.analysis.effective_rank` etc. with ``spectrum=True``.
     check_finite : bool, default True
-    decay, log_decay : float or array_like, optional
-        A decay or gate of the state, with the forms and errors of
-        :func:`linattn_nb.linear_attention` (causal only): the weights are
-        then :func:`~linattn_nb.analysis.attention_weights` with the same
-        arguments, formed explicitly.
+    decay, log_decay, beta : float or array_like, optional
+        A decay or gate of the state, or the delta rule's write strength, as in
+        :func:`linattn_nb.linear_attention` (causal only): the weights are then
+        :func:`~linattn_nb.analysis.attention_weights` with the same arguments, formed explicitly.
     normalize : bool, optional
-        False ranks the unnormalised weights ``phi(Q) phi(K)^T`` (masked and
-        decayed as the call says); default the rule's convention (True; False
-        for the delta rules).  Not for ``"softmax"``.
-    beta : float or array_like, optional
-        The delta rule's write strength (with a decay: the gated delta
-        rule), as in :func:`linattn_nb.linear_attention` (causal only): the
-        weights are the rule's equivalent causal weight matrix
-        (:func:`~linattn_nb.analysis.attention_weights` with ``beta``),
-        formed explicitly.
+        False ranks the unnormalised weights; default the rule's convention (True; False for the delta
+        rules).  Not for ``"softmax"``.
 
     Returns
     -------
@@ -586,16 +476,10 @@ def _semiseparable_explicit(w, rtol):
 
 
 def _semiseparable_factor(pq, fk, rtol, budget):
-    """Largest numerical rank of B_i = pq[i:] fk[:i]^T over the splits, from the factors.
+    """Largest numerical rank of B_i = pq[i:] fk[:i]^T over the splits (and its smallest split), from factors.
 
-    ``dim span(fk[:i])`` and ``dim span(pq[i:])`` change at most F times each
-    (:func:`_span_changes`); between changes both spans are fixed and so is
-    ``rank B_i`` (in exact arithmetic).  The candidates -- split 1 and every
-    change -- are at most 2F + 1.  Each is bounded by min(u_i, w_i) (the two
-    span dimensions); the candidates are evaluated in decreasing order of that
-    bound, ``sigma(B_i) = sigma(R_S(i) R_P(i)^T)`` from streamed R factors of
-    the suffix ``pq[i:]`` and the prefix ``fk[:i]``, and the scan stops once
-    no remaining bound can reach the best rank found.
+    Only split 1 and the points where a span dimension changes are candidates, visited in decreasing order
+    of their bound (docs/design-cpu.md, "Rank of the weights and the state").
     """
     n, f = fk.shape
     if n < 2:
@@ -654,61 +538,12 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
                        normalize=None, beta=None):
     r"""Largest rank of the strictly-lower blocks ``A[i:, :i]`` of causal attention weights.
 
-    For causal linear attention every such block is
-    ``diag(1/den[i:]) phi(Q[i:]) phi(K[:i])^T`` -- rank at most ``D_phi``
-    whatever N (the matrix is *semiseparable*), although the whole matrix is
-    usually full rank.  Causal softmax weights have no such bound: their
-    semiseparable rank grows with N.
-
-    A decay keeps the bound.  With per-token factors ``a_u`` the block is
-    ``diag(c_t / den_t) phi(Q[i:]) phi(K[:i])^T diag(1 / c_s)`` with
-    ``c_t = prod_{u <= t} a_u`` (constant ``gamma``: ``c_t = gamma^t``, so
-    ``W_ts = gamma^(t - s)`` times the additive weights: Sun et al. 2023,
-    "Retentive Network: A Successor to Transformer for Large Language
-    Models", §2.1-2.2; Dao & Gu 2024, "Transformers are SSMs", §3-4), and
-    with a per-feature gate (GLA: Yang et al. 2024, "Gated Linear Attention
-    Transformers with Hardware-Efficient Training") the diagonal scalings move
-    inside, ``(phi(Q) * B)[i:] (phi(K) / B)[:i]^T``: rank <= ``D_phi`` either
-    way (a reset only lowers it).
-
-    The delta rules keep it too: their output at ``t >= i`` reads the state
-    after token ``i - 1`` through ``phi(q_t)^T P_{t,i} S_{i-1}``, where
-    ``P_{t,i}`` is the ``D_phi x D_phi`` product of the transitions
-    ``a_u (I - beta_u phi(k_u) phi(k_u)^T)`` of tokens ``i..t``, so the block
-    ``A[i:, :i]`` factors through ``D_phi`` dimensions (the chunkwise WY form
-    rests on this: Yang et al. 2024, "Parallelizing Linear Transformers with
-    the Delta Rule over Sequence Length"); the
-    normalised weights divide its rows by the normaliser.
-
-    Algorithm (kernel maps, ``method="factor"``).  The rank of block ``i`` is
-    ``rank(R_S(i) R_P(i)^T)`` for R factors of the normalised query suffix
-    ``S_i = D^{-1} phi(Q)[i:]`` and the key prefix ``P_i = phi(K)[:i]``.  The
-    spans of the prefixes only grow and those of the suffixes only shrink,
-    each at most ``D_phi`` times, and between two changes the block rank is
-    constant; so only split 1 and the change points -- at most
-    ``2 D_phi + 1`` candidates, found by one incremental Gram-Schmidt pass in
-    each direction -- need a rank.  Candidates are visited in decreasing
-    order of their bound ``min(dim span P_i, dim span S_i)`` and the search
-    stops once no remaining bound can beat the best rank found; R factors at
-    the visited splits come from one forward and one backward streamed QR
-    sweep per group of candidates (a group holds as many ``D_phi x D_phi``
-    factors as ``config.ANALYSIS_MEMORY_BUDGET`` allows), and the SVD of the
-    ``D_phi x D_phi`` core is only taken for candidates whose bound can still
-    reach the best rank.
-
-    Cost: O(N D_phi r) for the Gram-Schmidt passes (r = the span dimension
-    reached; they stop once the span is everything), O(N D_phi^2) per sweep,
-    O(D_phi^2) per candidate to store its two R factors, O(D_phi^3) per
-    visited candidate (core product and SVD).  Typically one group and a handful of
-    visited candidates: O(N D_phi^2 + D_phi^3).  Worst case (every candidate
-    visited, G groups, ``G = 1`` while ``(2 D_phi + 1) 16 D_phi^2`` bytes fit
-    the budget, i.e. up to ``D_phi`` ~ 200 at 256 MiB): O(G N D_phi^2 + D_phi^4).
-    Memory: the features (O(N D_phi)) plus O(min(D_phi^3, budget)).
-
-    The result equals the explicit computation (``method="explicit"``:
-    ``max_i matrix_rank(A[i:, :i])``) whenever the block ranks are the exact
-    ranks, i.e. except for singular values within rounding of the tolerance
-    -- the tests check this on small N, generic and degenerate inputs.
+    For causal linear attention every such block has rank at most ``D_phi`` whatever N (the weights are
+    *semiseparable*), although the whole matrix is usually full rank; decays, gates and the delta rules keep
+    the bound (docs/theory.md).  Causal softmax weights have no such bound.  Kernel maps are ranked from the
+    factors in O(N D_phi^2 + D_phi^3) typically (algorithm and worst case: docs/design-cpu.md, "Rank of the
+    weights and the state"); the result equals ``max_i matrix_rank(A[i:, :i])`` except for singular values
+    within rounding of the tolerance.
 
     Parameters
     ----------
@@ -724,28 +559,20 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
         Relative tolerance for every block; default ``max(N - i, i) * eps64``
         for block ``i`` (:func:`numpy.linalg.matrix_rank` on the block).
     method : {"auto", "factor", "explicit"}
-        ``"explicit"`` forms the N x N weights (``N <=
-        config.ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N``, 2048) and takes one
-        SVD per split, in decreasing order of ``min(i, N - i)``, stopping when
-        no remaining split can beat the best rank (worst case O(N^4)).
-        ``"auto"``: ``"factor"`` for kernel maps, ``"explicit"`` for softmax.
+        ``"explicit"`` forms the N x N weights (``N <= config.ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N``,
+        2048) and takes an SVD per split (worst case O(N^4)).  ``"auto"``: ``"factor"`` for kernel maps
+        without a decay or ``beta``, else ``"explicit"``.
     return_split : bool, default False
         Also return the smallest split ``i`` at which the largest rank is
         reached (0 when N < 2).
     check_finite : bool, default True
-    decay, log_decay : float or array_like, optional
-        A decay or gate of the state, with the forms and errors of
-        :func:`linattn_nb.linear_attention`.  Decayed weights are ranked
-        explicitly (``"auto"`` picks ``"explicit"``; ``"factor"`` raises).
+    decay, log_decay, beta : float or array_like, optional
+        A decay or gate of the state, or the delta rule's write strength, as in
+        :func:`linattn_nb.linear_attention`: the weights of
+        :func:`~linattn_nb.analysis.attention_weights` are ranked explicitly (``"factor"`` raises).
     normalize : bool, optional
-        False ranks the unnormalised weights (RetNet's, GLA's and DeltaNet's
-        convention); default the rule's (True; False for the delta rules).
+        False ranks the unnormalised weights; default the rule's (True; False for the delta rules).
         Not for ``"softmax"``.
-    beta : float or array_like, optional
-        The delta rule's write strength (with a decay: the gated delta rule),
-        as in :func:`linattn_nb.linear_attention`: its equivalent weights
-        (:func:`~linattn_nb.analysis.attention_weights` with ``beta``) are
-        ranked explicitly, like decayed ones.
 
     Returns
     -------
@@ -870,21 +697,10 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
                        log_decay=None, initial_state=None, beta=None, rule=None, rule_arguments=None):
     r"""Numerical rank of the linear-attention state ``S_t`` as the sequence grows.
 
-    ``S_t = sum_{j < t} phi(k_j) v_j^T`` is the ``D_phi x M`` state after
-    ``t`` tokens (:class:`linattn_nb.LinearState`, Katharopoulos et al. 2020,
-    Eqs. 10-12).  Its rank grows with ``t`` and saturates at
-    ``min(D_phi, M)``: past that point every new token overwrites.  With a
-    decay or gate the state follows ``S_t = a_t (.) S_{t-1} + phi(k_t) v_t^T``
-    (Sun et al. 2023, RetNet; Yang et al. 2024, Gated Linear Attention):
-    the old directions fade but do not
-    leave the span until a factor is exactly 0, so the rank falls only at a
-    reset (or when the factors underflow).  Under the delta rule (``beta``)
-    ``S_t = a_t (I - beta_t phi(k_t) phi(k_t)^T) S_{t-1} + beta_t phi(k_t) v_t^T``
-    (Schlag et al. 2021, "Linear Transformers Are Secretly Fast Weight
-    Programmers"; with the gate: Yang et al. 2025, "Gated Delta Networks:
-    Improving Mamba2 with Delta Rule"): a write can also
-    remove a direction (``beta = 1`` and a unit key already stored replace
-    its value), so the rank need not grow monotonically.
+    ``S_t = sum_{j < t} phi(k_j) v_j^T`` is the ``D_phi x M`` state after ``t`` tokens
+    (:class:`linattn_nb.LinearState`).  Its rank grows with ``t`` and saturates at ``min(D_phi, M)``.  A decay
+    or gate lowers it only at a reset (a factor exactly 0) or on underflow; under the delta rule (``beta``) a
+    write can also remove a direction, so the rank need not grow monotonically (docs/theory.md).
 
     Parameters
     ----------
@@ -902,30 +718,18 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
     rtol : float, optional
         Default ``max(D_phi, M) * eps64`` (:func:`numpy.linalg.matrix_rank`).
     check_finite : bool, default True
-    decay, log_decay : float or array_like, optional
-        A decay or gate of the state, with the forms and errors of
-        :func:`linattn_nb.linear_attention` (a scalar or batch-shaped
-        constant, ``(..., N)`` per token, ``(..., N, D_phi)`` per feature).
-    beta : float or array_like, optional
-        The delta rule's write strength (with a scalar decay per sequence or
-        per token: the gated delta rule), as in
-        :func:`linattn_nb.linear_attention`; the state is then updated token
-        by token (O(N D_phi M)).
+    decay, log_decay, beta : float or array_like, optional
+        A decay or gate of the state, or the delta rule's write strength (the state is then updated token
+        by token, O(N D_phi M)), as in :func:`linattn_nb.linear_attention`.
     rule : str, optional
-        A named rule of the diagonal-plus-low-rank family
-        (:func:`linattn_nb.rules.dplr_rule_names`: ``"kda"``, ``"rwkv7"``,
-        ``"delta_product"``, ...), its arguments in ``rule_arguments`` (a dict,
-        full arrays as :func:`linattn_nb.dplr_attention` takes them; ``k`` and
-        ``v`` with a sub-step axis for the DeltaProduct rules); the states come
-        from :func:`linattn_nb.dplr_attention` run segment by segment.  Not with
+        A named DPLR rule (:func:`linattn_nb.rules.dplr_rule_names`), its arguments in ``rule_arguments``
+        (a dict of full arrays, as :func:`linattn_nb.dplr_attention` takes them, which runs segment by
+        segment; ``k`` and ``v`` with a sub-step axis for the DeltaProduct rules).  Not with
         ``decay``/``log_decay``/``beta``.
     rule_arguments : dict, optional
     initial_state : LinearState or tuple (S, z[, position]), optional
-        The state before token 0 (as ``linear_attention``'s
-        ``initial_state``; ``t = 0`` then ranks it).  Its factors apply from
-        token 0 on; a :class:`~linattn_nb.LinearState` made by another update
-        rule than this call's (a decayed state without ``decay``, say) is
-        refused.  The features are computed at the state's position.
+        The state before token 0, as ``linear_attention``'s ``initial_state`` (``t = 0`` then ranks it);
+        a :class:`~linattn_nb.LinearState` of another update rule than this call's is refused.
 
     Returns
     -------

@@ -1,32 +1,7 @@
 """Spectral summaries of matrices: singular values, numerical, effective and stable rank.
 
-All functions take a stack of matrices ``A`` of shape ``(..., m, n)`` and
-return one value (or one vector) per matrix, so attention weights of shape
-``(B, H, N, N)`` are summarised per batch entry and head in one call.
-
-Conventions
------------
-* dtype: float16, float32 and float64 are accepted (the package-wide rule of
-  :mod:`linattn_nb._validate`); LAPACK has no half precision, so float16 is
-  computed in float32.  Integer, boolean and complex inputs raise TypeError.
-* :func:`numerical_rank` follows :func:`numpy.linalg.matrix_rank`: the
-  singular values strictly above ``rtol * sigma_max`` count, with the default
-  ``rtol = max(m, n) * eps`` and ``eps`` the machine epsilon of the working
-  dtype.
-* An all-zero matrix (or an empty one) has rank 0, effective rank 0, stable
-  rank 0 and a cumulative spectrum of zeros.
-* The numerical, effective and stable rank and the cumulative spectrum do not
-  depend on the scale of ``A``: each matrix (or spectrum) is first multiplied
-  by a power of two that brings its largest entry near 1 (exact), so they are
-  finite for any finite input, at 1e-300 as at 1e300.
-
-References
-----------
-Roy & Vetterli 2007, "The effective rank: a measure of effective
-dimensionality" (EUSIPCO): ``erank(A) = exp(H(p))`` with ``p_i = sigma_i /
-sum(sigma)``.  Stable rank ``||A||_F^2 / ||A||_2^2`` (Rudelson & Vershynin
-2007).  Wang et al. 2020, "Linformer", Fig. 1: normalised cumulative singular
-values of softmax attention weights.
+Every function takes a stack of matrices ``(..., m, n)`` and returns one value (or vector) per matrix.
+Conventions (dtypes, tolerances, zero and badly scaled matrices) and references: docs/guide/analysis.md.
 """
 from __future__ import annotations
 
@@ -82,10 +57,7 @@ def _svals(A: np.ndarray) -> np.ndarray:
 def _scaled_svals(A: np.ndarray) -> np.ndarray:
     """Singular values of each matrix of ``A`` times a power of two that brings its largest entry into [0.5, 1).
 
-    The scaling is exact (up to entries that underflow relative to the
-    largest) and keeps the SVD clear of overflow and underflow, so measures
-    that do not depend on the scale (ranks, spectra normalised by their
-    largest value) are right at any magnitude.
+    The exact scaling keeps the SVD clear of overflow and underflow for scale-invariant measures.
     """
     if A.size == 0:
         return _svals(A)
@@ -96,9 +68,7 @@ def _scaled_svals(A: np.ndarray) -> np.ndarray:
 def _spectrum(A, spectrum: bool, check_finite: bool, name: str = "A") -> np.ndarray:
     """Descending float64 singular values, times a power of two that brings the largest into [0.5, 1).
 
-    Every scale-invariant measure starts here: the scaling is exact, and no
-    square or sum of the returned values can overflow, nor can the largest
-    square underflow, for finite input.
+    Exact scaling: no square or sum of the values can overflow, nor the largest square underflow.
     """
     if spectrum:
         s = _as_spectrum(name, A, check_finite)
@@ -111,13 +81,10 @@ def _spectrum(A, spectrum: bool, check_finite: bool, name: str = "A") -> np.ndar
 
 
 def rank_from_singular_values(s: np.ndarray, max_dim: int, rtol=None, eps=None) -> np.ndarray:
-    """Count ``s > rtol * s.max()`` along the last axis (NumPy's ``matrix_rank`` rule).
+    """Count ``s > rtol * s.max()`` along the last axis (NumPy's ``matrix_rank`` rule), as int64.
 
-    ``s`` holds (some of) the singular values of matrices whose larger
-    dimension is ``max_dim``; the default ``rtol`` is ``max_dim * eps`` with
-    ``eps`` the machine epsilon of ``s``'s dtype (or the one given).  Returns
-    an int64 array of the batch shape.  Used by :mod:`linattn_nb.analysis.rank`
-    to rank big matrices from their factors.
+    ``s``: (some of) the singular values of matrices whose larger dimension is ``max_dim``; default ``rtol``
+    ``max_dim * eps`` with ``eps`` that of ``s``'s dtype (or the one given).
     """
     s = np.asarray(s)
     if eps is None:
@@ -129,6 +96,12 @@ def rank_from_singular_values(s: np.ndarray, max_dim: int, rtol=None, eps=None) 
     smax = s.max(axis=-1, keepdims=True, initial=0.0)
     tol = smax * np.asarray(rtol)[..., None] if np.ndim(rtol) else smax * rtol
     return np.count_nonzero(s > tol, axis=-1).astype(np.int64)
+
+
+def _ratio(num, den):
+    """``num / den`` where ``den > 0``, else 0, without warnings."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
 
 
 def singular_values(A, *, check_finite=True):
@@ -242,9 +215,8 @@ def effective_rank(A, *, spectrum=False, check_finite=True):
     """
     s = _spectrum(A, spectrum, check_finite)
     total = s.sum(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.where(total > 0, s / np.where(total > 0, total, 1), 0.0)
-        plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
+    p = _ratio(s, total)
+    plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
     h = -plogp.sum(axis=-1)
     out = np.where(total[..., 0] > 0, np.exp(h), 0.0)
     return float(out) if out.ndim == 0 else out
@@ -277,9 +249,7 @@ def stable_rank(A, *, spectrum=False, check_finite=True):
     """
     s = _spectrum(A, spectrum, check_finite)
     smax = s.max(axis=-1, initial=0.0)
-    energy = (s * s).sum(axis=-1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(smax > 0, energy / np.where(smax > 0, smax * smax, 1.0), 0.0)
+    out = _ratio((s * s).sum(axis=-1), smax * smax)
     return float(out) if out.ndim == 0 else out
 
 
@@ -321,5 +291,4 @@ def cumulative_spectrum(A, *, squared=False, spectrum=False, check_finite=True):
         s = s * s
     c = np.cumsum(s, axis=-1)
     total = c[..., -1:] if c.shape[-1] else np.zeros(c.shape[:-1] + (1,))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(total > 0, c / np.where(total > 0, total, 1.0), 0.0)
+    return _ratio(c, total)

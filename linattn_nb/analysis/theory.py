@@ -1,18 +1,9 @@
 """Kernel-level theory of random-feature estimators of the softmax kernel.
 
-* :func:`kernel_estimate_mse` - Monte-Carlo mean squared error of
-  ``phi(x) . phi(y)`` as an estimate of the map's kernel, redrawing the map's
-  random projection for every draw.
-* :func:`favor_mse` - Performer's closed forms (Choromanski et al., ICLR 2021,
-  Lemma 2) of the MSE of the positive, trigonometric and hyperbolic
-  estimators of ``SM(x, y) = exp(x . y)`` with ``m`` i.i.d. Gaussian
-  projections.
-* :func:`orthogonal_mse_bound` - Performer's Theorem 2: the upper bound on
-  the MSE of the positive estimator with ``m <= d`` orthogonal projections.
-
-The closed forms are for the kernel ``exp(x . y)`` (no temperature).  A map
-with ``scale = s`` estimates ``exp(s x . y)``: compare it with
-``favor_mse(sqrt(s) x, sqrt(s) y, ...)``.
+A Monte-Carlo MSE of any map's kernel estimate (:func:`kernel_estimate_mse`) and Performer's closed forms
+(:func:`favor_mse`, Lemma 2; :func:`orthogonal_mse_bound`, Theorem 2), stated in docs/theory.md.  The
+closed forms are for ``exp(x . y)``: a map with ``scale = s`` compares with ``favor_mse(sqrt(s) x,
+sqrt(s) y, ...)``.
 """
 from __future__ import annotations
 
@@ -158,16 +149,9 @@ def kernel_estimate_mse(feature_map, x, y, draws, *, target=None):
 def favor_mse(x, y, num_features, kind="positive"):
     r"""Closed-form MSE of Performer's estimators of ``SM(x, y) = exp(x . y)`` (Lemma 2).
 
-    With ``m`` i.i.d. ``N(0, I_d)`` projections (Choromanski et al., ICLR
-    2021, Lemma 2):
-
-    .. math::
-       \mathrm{MSE}_{trig} &= \tfrac{1}{2m} e^{\|x+y\|^2} SM^{-2} (1 - e^{-\|x-y\|^2})^2 \\
-       \mathrm{MSE}_{pos} &= \tfrac{1}{m} e^{\|x+y\|^2} SM^{2} (1 - e^{-\|x+y\|^2}) \\
-       \mathrm{MSE}_{hyp} &= \tfrac12 (1 - e^{-\|x+y\|^2})\, \mathrm{MSE}_{pos}
-
-    ``m`` counts projections: the trigonometric and hyperbolic estimators
-    have ``2m`` features (as ``rff`` and ``favor+`` with ``kind="hyperbolic"``).
+    With ``m`` i.i.d. ``N(0, I_d)`` projections (Choromanski et al., ICLR 2021, Lemma 2; the formulas:
+    docs/theory.md, "Feature maps").  ``m`` counts projections: the trigonometric and hyperbolic
+    estimators have ``2m`` features (as ``rff`` and ``favor+`` with ``kind="hyperbolic"``).
 
     Parameters
     ----------
