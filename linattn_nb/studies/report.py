@@ -101,23 +101,13 @@ def resolve_devices(device: str) -> tuple:
     return ("cpu", "cuda") if status == "gpu" else ("cpu",)
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_info() -> list[tuple[str, str]]:
     """(name, value) rows describing this machine and the software versions."""
     import numba
     import numpy as np
 
     import linattn_nb
+    from .._tune import cpu_model
     from ..device import cuda_status
 
     try:
@@ -147,7 +137,7 @@ def machine_info() -> list[tuple[str, str]]:
         scipy_v = "not installed"
     return [
         ("linattn_nb", linattn_nb.__version__),
-        ("CPU", f"{_cpu_model()}, {cores} usable cores"),
+        ("CPU", f"{cpu_model()}, {cores} usable cores"),
         ("platform", platform.platform()),
         ("Python", platform.python_version()),
         ("NumPy / SciPy / Numba", f"{np.__version__} / {scipy_v} / {numba.__version__}"),
@@ -331,7 +321,7 @@ def run_report(
         note = ""
         try:
             opts = study_options.get(study.name, {})
-            pts = study.points(ctx, **opts) if opts else study.points(ctx)
+            pts = study.points(ctx, **opts)
             if study.name in background:
                 proc, t_bg, _, elapsed = background[study.name]
                 proc.join()
@@ -389,11 +379,8 @@ def run_report(
 
 
 def _background_sweep(run, points, path, prepares=(), elapsed=None) -> None:
-    """Run a study's points in a spawned process, writing its results file;
-    then ``prepare(points)`` for each ``(prepare, points)`` of the timed studies.
-
-    Ctrl-C is the reporting process's to handle: it terminates this one, and
-    the points finished so far stay in the results file.
+    """In a spawned process: run a study's points into its results file, then each timed study's
+    ``prepare(points)``.  Ctrl-C is left to the reporting process, which terminates this one.
     """
     import signal
 
@@ -410,20 +397,17 @@ def _background_sweep(run, points, path, prepares=(), elapsed=None) -> None:
 
 
 def _start_background(study, opts, ctx, out, prepares=()):
-    """Start ``study`` in a spawned process: ``(process, start time, points, elapsed)``, or None.
+    """Start ``study`` in a spawned process: ``(process, start time, points, elapsed)``.
 
-    ``elapsed`` (a shared double) receives the time the study's sweep took
-    there; it stays negative when the sweep did not finish.
-
-    None (the study then runs in this process, in its turn) when its points
-    cannot be built here or the process cannot start.
+    ``elapsed`` (a shared double) receives the time its sweep took, negative until it finishes.  None
+    (the study then runs here, in its turn) when its points cannot be built or the process cannot start.
     """
     import multiprocessing
 
     t0 = time.perf_counter()
     mp = multiprocessing.get_context("spawn")
     try:
-        pts = study.points(ctx, **opts) if opts else study.points(ctx)
+        pts = study.points(ctx, **opts)
         elapsed = mp.Value("d", -1.0, lock=False)
         proc = mp.Process(target=_background_sweep,
                           args=(study.run, pts, str(out / f"{study.name}.jsonl"), list(prepares), elapsed),
@@ -440,8 +424,7 @@ def _prepares(runnable, study_options, ctx) -> list:
     for _, study in runnable:
         if study.timing and study.prepare is not None and "cpu" in ctx.devices:
             try:
-                opts = study_options.get(study.name, {})
-                found.append((study.prepare, study.points(ctx, **opts) if opts else study.points(ctx)))
+                found.append((study.prepare, study.points(ctx, **study_options.get(study.name, {}))))
             except Exception:  # noqa: BLE001 - the study reports its own failure in its turn
                 pass
     return found
