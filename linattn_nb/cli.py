@@ -1,23 +1,10 @@
-"""The ``linattn`` command line.
+"""The ``linattn`` command line: ``info``, ``tune``, ``demo``, ``report`` and one command per study
+(docs/guide/studies.md; every command has ``--help``).
 
-``linattn info``    versions, threading, CPU and BLAS kernels, auto's calibration, CUDA, cache directory.
-``linattn tune``    time scan against chunked on this CPU and BLAS; ``method="auto"`` then follows it.
-``linattn demo``    a short run of every CPU method against the reference (exit status 1 if one is off).
-``linattn report``  run every built-in study; write report.md, plots and raw JSONL.
-``linattn check``, ``bench``, ``error``, ``rank``, ``recall``, ``horizon``, ``rules``, ``learned``: one
-study each.
-
-``linattn error|rank|recall`` take problem options (``--dim``, ``--scale``,
-``--maps``, ``--m``, ``--n``, ``--seeds``) that change the profile's grid, and
-``linattn report --config FILE`` runs a report from a TOML or JSON
-description (:mod:`linattn_nb._overrides`).
-
-Exit status: 0 success; 1 a check failed or a study raised (the report is
-still written); 2 usage errors (bad arguments, a non-empty --out without
---force, an --out that cannot be created or written); 3 the study cannot run
-in this installation (e.g. its analysis functions are not installed); 130
-interrupted (Ctrl-C): the finished points stay in the report folder and the
-same command with ``--resume`` continues.
+Exit status: 0 success; 1 a check failed or a study raised (the report is still written); 2 usage
+errors (bad arguments, a non-empty --out without --force, an --out that cannot be created or
+written); 3 the study cannot run in this installation; 130 interrupted (Ctrl-C): the finished points
+stay in the report folder and the same command with ``--resume`` continues.
 """
 from __future__ import annotations
 
@@ -91,8 +78,7 @@ def _info_lines() -> list[str]:
 def _threading_layer() -> str:
     """Numba's threading layer; before the first parallel kernel, the one Numba will pick.
 
-    The thread pool is not started just to ask (a pool started for nothing
-    would make GNU OpenMP refuse parallel kernels in forked children).
+    The pool is not started just to ask (GNU OpenMP would then refuse parallel kernels in forked children).
     """
     import numba
 
@@ -205,9 +191,7 @@ def cmd_demo(args) -> int:
     rng = np.random.default_rng(args.seed)
     shape = (args.batch, args.heads, args.length, args.dim)
     print(f"demo: q, k, v of shape {shape}, float32, feature map 'elu'; check: relative error <= {DEMO_RTOL:g}")
-    q = rng.standard_normal(shape, dtype=np.float32)
-    k = rng.standard_normal(shape, dtype=np.float32)
-    v = rng.standard_normal(shape, dtype=np.float32)
+    q, k, v = (rng.standard_normal(shape, dtype=np.float32) for _ in range(3))
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
     failed = []
 
@@ -344,9 +328,8 @@ def _first_missing(path: str) -> str | None:
 def _unwritable(out: str) -> str | None:
     """Why the report folder ``out`` cannot be created or written (None when it can).
 
-    Creates the folder (as the report would) and writes and removes a
-    temporary file in it, so that a bad ``--out`` is refused before any study
-    runs (running as root, permission bits alone say nothing).
+    Creates it and writes a temporary file there, so that a bad ``--out`` is refused before any study
+    runs (as root, permission bits alone say nothing).
     """
     if os.path.exists(out) and not os.path.isdir(out):
         return "exists and is not a directory"
