@@ -1,13 +1,8 @@
 """Block helpers shared by the blocked CPU kernels (chunked causal, non-causal).
 
-Each works on a block of rows ``[s0, s0 + n)`` of one sequence ``b`` of a
-``(B, N, F)`` input and writes the working dtype (float32 for float16 bits and
-float32, float64 for float64).  They are small ``@njit`` functions that LLVM
-inlines into the kernels' loops; the feature map is :func:`linattn_nb.ops._common.phi`
-(elementwise maps) or :func:`linattn_nb.ops._common.l2_row` (the row maps
-``l2`` and ``silu_l2``, through a float64 row of scratch).
-As with ``_common.py``, kernels cached on disk do not see edits made here:
-clear the ``__pycache__`` folders after changing it.
+Each works on rows ``[s0, s0 + n)`` of sequence ``b`` and writes the working
+dtype; LLVM inlines them into the kernels' loops.  Kernels cached on disk do not
+see edits made here: clear the ``__pycache__`` folders after changing it.
 """
 from __future__ import annotations
 
@@ -24,17 +19,11 @@ from ._vec import f16_to_f32, is_finite, to_work
 def load_chunk(q, k, v, b, s0, n, fq, fk, R, row0, code, with_q):
     """Read tokens [s0, s0 + n) of sequence b once, token by token, into the working dtype.
 
-    ``fq[t, :F] = phi(q[b, s0 + t])`` (when ``with_q``), ``fk[t] =
-    phi(k[b, s0 + t])`` and ``R[row0 + t, :M] = v[b, s0 + t]``.  Returns
-    ``(v_finite, inputs_finite)``: whether every value is finite, and whether
-    every element read (q when ``with_q``, k and v) is.
-
-    One pass over the three inputs rather than one per input: the three input
-    streams are read side by side, which is faster than a feature pass over
-    q, one over k and a separate value copy (docs/measurements-cpu.md).  The
-    finiteness check rides on that pass (:func:`linattn_nb.ops._vec.is_finite`
-    and-ed into a flag, which vectorises with the loop).  The raw inputs are
-    checked, not the features: ELU+1 and ReLU map ``-inf`` to 0.
+    ``fq[t, :F] = phi(q[b, s0 + t])`` (when ``with_q``), ``fk[t] = phi(k[b, s0 + t])``
+    and ``R[row0 + t, :M] = v[b, s0 + t]``.  Returns ``(v_finite, inputs_finite)``.
+    One pass over the three streams side by side is faster than one per input
+    (docs/measurements-cpu.md); the raw inputs are checked, not the features
+    (ELU+1 and ReLU map ``-inf`` to 0).
     """
     F = k.shape[2]
     M = v.shape[2]
@@ -136,14 +125,11 @@ def _values_ov(v, b, s0, n, buf):
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def state_sums(k, v, b, s_begin, s_end, H, code, fk, vb, part):
-    """H += sum of phi(K)^T [V 1] over tokens [s_begin, s_end), in blocks of fk.shape[0].
+    """H (F, M + 1) float64 += sum of phi(K)^T [V 1] over tokens [s_begin, s_end), in blocks of fk.shape[0].
 
-    ``H`` (F, M + 1) float64: ``H[:, :M] += phi(K)^T V`` through BLAS per block
-    (``part`` (F, M) scratch of the working dtype), the normaliser column
-    ``H[:, M] += colsum(phi(K))`` token by token in float64 (in a contiguous
-    copy of the column while the blocks run, so that the sum vectorises).
-    Returns whether every k and v element read is finite (the value block is
-    checked while it is in cache, just before its product).
+    ``H[:, :M]`` through BLAS per block (``part`` (F, M) scratch of the working
+    dtype), the normaliser column token by token in float64 in a contiguous copy.
+    Returns whether every k and v element read is finite.
     """
     F = k.shape[2]
     M = v.shape[2]

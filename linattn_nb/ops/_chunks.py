@@ -1,24 +1,10 @@
 """Chunk plan, segment prefix and cross-segment combine of the blocked CPU kernels, written once.
 
-Both blocked CPU kernels -- the chunked causal kernel
-(:mod:`linattn_nb.ops.causal.chunked`) and the non-causal kernel
-(:mod:`linattn_nb.ops.noncausal.cpu`) -- work on each sequence of the
-flattened batch in whole *units* (chunks, blocks) and, when the batch is
-smaller than the thread count, split each sequence into *segments* so that
-one long sequence still uses every core:
-
-1. the state contribution of every piece of the segments is summed, in
-   parallel, each from a zero state (:func:`part_range` /
-   :func:`token_range` give the pieces' tokens);
-2. the pieces are combined in order, from the initial state, through the
-   rule's :func:`linattn_nb.ops._rules.carry` (rules that forget also give
-   each piece's total factor, next to its contribution): :func:`segment_states` gives
-   the state at the start of every segment (causal), :func:`absorb_parts`
-   the final state (non-causal);
-3. the outputs of all segments are computed in parallel from those states.
-
-:func:`segments` and :func:`plan` decide how many segments and pieces a call
-gets.
+When the batch is smaller than the thread count, the chunked causal and the non-causal kernels split
+each sequence into segments: the pieces' contributions are summed in parallel from zero states,
+combined in order through :func:`linattn_nb.ops._rules.carry` (:func:`segment_states`,
+:func:`absorb_parts`), and the segments' outputs computed in parallel from those states.  Design:
+``docs/design-cpu.md``, "Chunked causal attention".
 """
 from __future__ import annotations
 

@@ -1,22 +1,9 @@
 """The elementwise feature maps of the CPU kernels, defined once.
 
-:func:`phi` is the map every CPU kernel applies to ``q`` and ``k`` when it is
-given raw inputs (``code`` > 0): the blocked kernels (through
-:mod:`linattn_nb.ops._blocks`), the per-token scan, the decode-step kernels
-(:mod:`linattn_nb.ops.step.cpu`) and the analysis kernels.  It is built from
-the vectorisable scalar forms of :mod:`linattn_nb.ops._vec` (a branch-free
-``exp`` for ELU+1), so a loop that calls it compiles to SIMD code.
-
-The row maps ``KERNEL_CODE_L2`` and ``KERNEL_CODE_SILU_L2`` (``x / ||x||``
-per row, after SiLU for the second) are not elementwise: :func:`is_row_map`
-tells them apart and :func:`l2_row` computes one row of them, which the
-kernels call instead of :func:`phi` (:mod:`linattn_nb.ops._blocks`, the
-scan).
-
-Note on the on-disk cache: Numba keys a cached kernel on the source file of
-the kernel itself, so an edit here is not seen by kernels cached from other
-modules.  After changing this file, clear the ``__pycache__`` folders (or set
-``LINATTN_NO_CACHE=1``).
+:func:`phi` is the map every CPU kernel applies to raw ``q`` and ``k`` (``code`` > 0), built from
+the vectorisable forms of :mod:`linattn_nb.ops._vec`; the row maps (``l2``, ``silu_l2``) are
+computed a row at a time by :func:`l2_row`.  Kernels cached on disk do not see edits made here:
+clear the ``__pycache__`` folders (or set ``LINATTN_NO_CACHE=1``) after changing this file.
 """
 from __future__ import annotations
 
@@ -33,12 +20,8 @@ from ._vec import elu1, is_finite, relu, relu2, silu, to_work
 def phi(x, code):
     """Feature map ``code`` (:mod:`linattn_nb.ops._codes`) on one element, in ``x``'s own dtype.
 
-    ``KERNEL_CODE_ELU``: ELU+1 (overflow-safe, see :func:`linattn_nb.ops._vec.elu1`);
-    ``KERNEL_CODE_RELU``: ReLU; ``KERNEL_CODE_SQUARED_RELU``: squared ReLU;
-    anything else (``KERNEL_CODE_NONE``): the identity.  NaN propagates
-    through every branch.  The branch on ``code`` is loop-invariant in the
-    callers' loops, so LLVM takes it out of the loop and each map's loop
-    still vectorises.
+    ELU+1, ReLU, squared ReLU, else the identity; NaN propagates.  The branch on
+    ``code`` is loop-invariant in the callers' loops, so each map's loop still vectorises.
     """
     if code == KERNEL_CODE_ELU:
         return elu1(x)
@@ -59,15 +42,10 @@ def is_row_map(code):
 def l2_row(src, b, t, dst, code):
     """dst (F,) float64 <- ``y / ||y||`` with ``y = src[b, t]`` (code L2) or its SiLU (code SILU_L2).
 
-    The SiLU is taken in the working dtype of ``src`` (float32 for float16
-    and float32: within a few float32 ulp), and again in float64 when all of
-    its values are below 1e-30 in magnitude (float32's exp flushes to 0
-    below -87.3).  Exact, with no epsilon: the row is scaled by its largest magnitude
-    before the squares are summed (in float64), so a row whose squares
-    overflow (or underflow) is still normalised to within a few ulp of
-    float64; a zero row gives zeros.  A NaN propagates (an inf gives NaN
-    rows, as ``inf / inf``).  Returns whether every element read is finite
-    (:func:`linattn_nb.ops._vec.is_finite` of the raw elements).
+    The SiLU in the working dtype of ``src`` (again in float64 when every value is
+    below 1e-30 in magnitude); no epsilon: the row is scaled by its largest magnitude
+    before the squares are summed in float64, so overflowing rows still normalise; a
+    zero row gives zeros, NaN propagates.  Returns whether every element read is finite.
     """
     F = dst.shape[0]
     ok = True

@@ -1,20 +1,9 @@
 """What the CPU launchers do with the finiteness flags their kernels raise.
 
-Every CPU kernel checks, while it reads them, that the q, k and v elements are
-finite (:func:`linattn_nb.ops._vec.is_finite` on the elements it already
-loads, and-ed into a flag), and, while it writes them, that its outputs, its
-normalisers and its final state are.  It returns the two facts per work item
-as a ``flags`` array (items, 2) of uint8: column 0 an input, column 1 a
-result holding NaN or inf.  :func:`report` turns them into the launcher
-contract's errors (:mod:`linattn_nb.ops.registry`, ``check_finite``):
-
-* an input NaN/inf: :class:`ValueError` naming the first of q, k, v that
-  holds one, with the count (found again by a NumPy scan: that costs time
-  only on the error path);
-* finite inputs but a result NaN/inf: :class:`NonFiniteResult`, raised
-  after ``out`` and ``H`` were written -- the working dtype overflowed (or,
-  with ``eps=None``, a normaliser is 0), and the caller decides (the front
-  end recomputes the call in float64).
+Every CPU kernel returns a ``flags`` array (items, 2) of uint8: column 0 an input read, column 1 a
+result written holding NaN or inf.  :func:`report` turns them into the launcher contract's errors
+(``docs/launchers.md``): a ValueError naming the first of q, k, v that holds one (counted again by
+NumPy, on the error path only), or :class:`NonFiniteResult` for finite inputs whose results are not.
 """
 from __future__ import annotations
 

@@ -1,71 +1,12 @@
 """Per-rule hooks of the CPU kernels: the parts of a kernel that depend on the update rule.
 
-The state of every rule is ``H = [S | z]`` of shape (F, M + 1), float64: the
-normaliser ``z`` is the state of one more value column of ones, so a rule
-that updates ``S`` gets the normaliser for free.  The CPU kernels are written
-once; what a rule changes in them are the small ``@njit`` functions below,
-each taking the rule code (``RULE_*`` of :mod:`linattn_nb.ops._codes`) as its
-first argument:
-
-* :func:`token_step` -- one token's update of one state row, read by the
-  token's query: the per-token recurrence of the scan
-  (:mod:`linattn_nb.ops.causal.cpu`; additive: ``S_i += phi(k_t)_i v_t``,
-  ``z_i += phi(k_t)_i``; decay and gate: the row scaled by the token's
-  factor first);
-* :func:`chunk_factors` -- the running products of a chunk's per-token
-  factors that the next two hooks use (nothing for the additive rule);
-* :func:`intra_weights` -- the intra-chunk weights of a block of rows
-  (additive: ``tril(phi(Q_c) phi(K_c)^T)``, diagonal included), in the
-  chunked kernel (:mod:`linattn_nb.ops.causal.chunked`);
-* :func:`chunk_transition` -- the state across one chunk (additive:
-  ``H += phi(K_c)^T [V_c 1]``), in the chunked kernel;
-* :func:`chunk_values` -- the delta rules' value rows of a chunk (the
-  WY/UT transform below; nothing for the other rules);
-* :func:`carry` -- the state across a span whose own contribution is known
-  (additive: ``H += part``), used by the prefix over segments and the
-  combine of pieces (:mod:`linattn_nb.ops._chunks`).
-* :func:`step_inputs`, :func:`step_normaliser`, :func:`step_row` -- the
-  decode step (:mod:`linattn_nb.ops.step.cpu`),
-  whose state is stored transposed (a row ``S^T[m]`` per value column): a
-  token's factors, its update of ``z``, and its update of one row read by
-  its query, every rule's (the delta rules' included).
-
-The delta rules (``delta``, ``gated_delta``) read the state before they
-write it, so their token update is not a row-by-row one: the scan calls
-:func:`delta_token` for the whole token instead of :func:`token_step`.  In
-the chunked kernel they are the WY/UT transform (Yang et al. 2024,
-"Parallelizing Linear Transformers with the Delta Rule over Sequence
-Length"; ``docs/theory.md``): per chunk, with ``e^b`` the
-running products of the chunk's decays (1 for ``delta``) and ``G_ts`` their
-ratios,
-
-    Y  = [V 1] - (e^b * K) H                        (one GEMM)
-    U' = L^{-1} diag(beta) Y,   L = I + tril(diag(beta) (G * K K^T), -1)
-                                                    (one GEMM for K K^T, a unit
-                                                     lower-triangular solve)
-    O  = [e^b * Q | tril(G * Q K^T)] [H ; U']       (the additive/decay form)
-    H <- e^{b_n} H + (e^{b_n - b} * K)^T U'         (the additive/decay form)
-
-so :func:`chunk_values` replaces the value rows ``[V 1]`` of ``R = [H ;
-V 1]`` by ``U'`` (``W = T (e^b * K)`` is never formed: ``U - W H = T Y``),
-and the intra-chunk weights and the transition are those of the additive
-rule (``delta``) and the decay rule (``gated_delta``) unchanged.  Their
-per-token inputs reach the kernels as ``lg`` (B, N, 2): column 0 the
-log-decay (0 for ``delta``), column 1 the write strength ``beta`` (not a
-logarithm).  Their transition across a span is an (F, F) matrix, which
-:func:`carry` does not take: the chunked kernel runs these rules
-batch-parallel only (:mod:`linattn_nb.ops.causal.chunked`).
-
-A new rule adds its entry to :data:`linattn_nb.ops._codes.RULES` and a branch
-to each hook here, and nothing to the kernels' loops.  Per-token inputs reach
-the kernels as one float64 array of log-factors ``lg`` (B, N, G)
-(:func:`log_factors`: G = 0 additive, 1 decay, F gate), so every rule
-compiles to the same Numba types; the hooks get the factors they need as
-arguments (``g`` of :func:`token_step`, the products of
-:func:`chunk_factors`, the span factor of :func:`carry`).  The rule is a plain integer argument (no
-function-typed arguments, no closures), so the kernels stay cacheable on
-disk.  As for the other helper modules, kernels cached on disk do not see
-edits made here: clear the ``__pycache__`` folders after changing this file.
+Every hook is a small ``@njit`` function taking the rule code (``RULE_*`` of
+:mod:`linattn_nb.ops._codes`) as its first argument, so the kernels are written
+once and stay cacheable on disk; the state of every rule is ``H = [S | z]``
+(F, M + 1) float64.  The hooks, the delta rules' WY/UT chunk form and how to add
+a rule: ``docs/adding_an_update_rule.md``, "CPU kernels".  Kernels cached on
+disk do not see edits made here: clear the ``__pycache__`` folders after
+changing this file.
 """
 from __future__ import annotations
 
@@ -82,7 +23,7 @@ from ._vec import elu1
 
 
 def check_rule(rule, inputs) -> np.int64:
-    """The kernels' ``rule`` argument, after checking ``rule`` and the launcher's ``inputs=``.
+    """The kernels' ``rule`` argument (int64), after checking ``rule`` and the launcher's ``inputs=``.
 
     Raises ValueError when ``rule`` is not a code of
     :data:`linattn_nb.ops._codes.RULES` or ``inputs`` does not hold exactly
@@ -100,20 +41,12 @@ def check_state(H, batch: int, f: int, m: int) -> None:
                          f"(the state [S | z]), got {desc}")
 
 
-
 def log_factors(rule, inputs, batch: int, n: int, f: int) -> np.ndarray:
-    """The kernels' ``lg`` argument: the rule's per-token log-factors as one (batch, n, G) float64 array.
+    """The kernels' ``lg`` argument: the rule's per-token log-factors, writeable (batch, n, G) float64.
 
-    ``G`` is 0 for the additive rule (no factors), 1 for the decay rule (one
-    scalar per token, ``inputs["log_decay"]`` of shape (batch, n)) and ``f``
-    for the gate rule (one factor per feature, ``inputs["log_gate"]`` of
-    shape (batch, n, f)).  Every rule's kernels thus get the same Numba
-    types (one compilation); the array is writeable, as Numba types a
-    read-only array apart.  Call after :func:`check_rule`.
-
-    The delta rules get ``G = 2``: column 0 the log-decay
-    (``inputs["log_decay"]`` of the gated delta rule, 0 for the delta rule),
-    column 1 the write strength ``inputs["beta"]`` (both (batch, n)).
+    ``G``: 0 additive, 1 decay, ``f`` gate, 2 the delta rules (column 0 the
+    log-decay, 0 for ``delta``; column 1 ``beta``), so every rule's kernels get
+    the same Numba types.  Call after :func:`check_rule`.
 
     Raises ValueError naming the input when its shape is not the rule's.
     """
@@ -142,16 +75,11 @@ def log_factors(rule, inputs, batch: int, n: int, f: int) -> np.ndarray:
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, inline="always")
 def token_step(rule, S, z, i, a, c, v, num, g):
-    """Row ``i`` of the state after one token, read by the token's query; returns the new ``z[i]``.
+    """Row ``i`` of the scan's state ``S`` (F, M), ``z`` (F,) after one token, in place; returns new ``z[i]``.
 
-    ``S`` (F, M) and ``z`` (F,): the state of the scan (the normaliser kept
-    apart), updated in place; ``a = phi(k_t)[i]``, ``c = phi(q_t)[i]``; ``v``
-    (M,): the token's values; ``num`` (M,) += ``c * S[i]`` (the new row);
-    ``g``: the token's factor of row ``i`` (``exp`` of its log-factor; unused
-    by the additive rule).  The caller sums ``c * z[i]`` (the returned value)
-    into the normaliser.  Additive: ``z[i] += a``, ``S[i] += a v``; decay and
-    gate: ``z[i] = g z[i] + a``, ``S[i] = g S[i] + a v`` (``g = 0``, a reset,
-    wipes the row exactly).
+    ``a = phi(k_t)[i]``, ``c = phi(q_t)[i]``, ``v`` (M,) the token's values,
+    ``num`` (M,) += ``c * S[i]`` (the new row), ``g`` the row's factor (decay,
+    gate; ``g = 0`` wipes the row exactly).
     """
     if rule == RULE_ADDITIVE:
         zi = z[i] + a  # the normaliser: value column M, whose value is 1
@@ -182,13 +110,10 @@ def is_delta(rule):
 def delta_token(S, z, fk, fq, v, a, beta, num, u):
     """One token of the (gated) delta rule on the whole state, read by the token's query; returns its normaliser.
 
-    ``S`` (F, M) and ``z`` (F,) float64: the state of the scan, updated in
-    place to ``H <- a (I - beta k k^T) H + beta k [v 1]``, computed as
-    ``u = beta ([v 1] - a k^T H)``, ``H <- a H + k u^T`` (``k = fk``,
-    ``a = 1`` for the delta rule, ``a = 0`` a reset); ``num`` (M,) <-
-    ``phi(q)^T S`` of the new state (``fq = phi(q)``), ``u`` (M,) scratch.
-    Two passes over the state (the read ``k^T H``, then the write and the
-    query's read), each vectorised over a row.
+    ``H <- a (I - beta k k^T) H + beta k [v 1]`` in place on ``S`` (F, M), ``z``
+    (F,), as ``u = beta ([v 1] - a k^T H)``, ``H <- a H + k u^T`` (``k = fk``;
+    ``a = 1`` for ``delta``, 0 a reset); ``num`` (M,) <- ``fq^T S`` of the new
+    state; ``u`` (M,) scratch.
     """
     F = fk.shape[0]
     M = v.shape[0]
@@ -219,19 +144,14 @@ def delta_token(S, z, fk, fq, v, a, beta, num, u):
 
 
 # ---------------------------------------------------------------------------
-# Decode-step hooks (:mod:`linattn_nb.ops.step.cpu`).  The step kernel keeps the
-# state transposed, one contiguous row ``S^T[m]`` of F values per value column
-# m, so that a token's update and its query's read fuse into one pass over each
-# row; these hooks are the per-rule parts of that pass.
+# Decode-step hooks (:mod:`linattn_nb.ops.step.cpu`): the state is kept transposed, a row
+# ``S^T[m]`` per value column, so a token's update and its query's read fuse into one pass.
 # ---------------------------------------------------------------------------
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, inline="always")
 def step_inputs(rule, lg, b, t, g):
     """Token t of sequence b for the other step hooks: ``g`` (F,) <- its factor per feature (decay,
     gate); returns ``(a, beta)``, its scalar factor and write strength (the delta rules; else (1, 0)).
-
-    ``lg`` (B, T, G) float64 as :func:`log_factors` (decay G = 1, gate G = F,
-    the delta rules G = 2); ``exp(-inf) = 0`` is a reset.  ``g`` is in the
-    state dtype (each factor rounded once).
+    ``lg`` as :func:`log_factors`; ``exp(-inf) = 0`` is a reset.
     """
     if rule == RULE_DECAY or rule == RULE_GATE:
         if lg.shape[2] == 1:
@@ -248,11 +168,8 @@ def step_inputs(rule, lg, b, t, g):
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, inline="always")
 def step_normaliser(rule, z, fa, fc, g, a, beta):
-    """z (F,) <- the normaliser after the token; returns ``phi(q)^T z`` (float64, not floored).
-
-    ``fa = phi(k)``, ``fc = phi(q)``, ``g``, ``a``, ``beta``: :func:`step_inputs`.
-    Additive: ``z + fa``; decay and gate: ``g z + fa``; the delta rules:
-    ``a z + beta (1 - a fa^T z) fa`` (in float64, rounded once to the state dtype).
+    """z (F,) <- the normaliser after the token (:func:`step_inputs` gives ``g``, ``a``, ``beta``); returns
+    ``phi(q)^T z`` (float64, not floored).  Delta rules: ``a z + beta (1 - a fa^T z) fa`` in float64.
     """
     den = 0.0
     if rule == RULE_DELTA or rule == RULE_GATED_DELTA:
@@ -280,11 +197,8 @@ def step_normaliser(rule, z, fa, fc, g, a, beta):
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, inline="always")
 def step_row(rule, row, fa, fc, g, w, a, beta):
     """One row ``S^T[m]`` (F,) of the state after the token, whose value is ``w = v_t[m]``; returns its
-    read ``fc^T row`` (the state dtype).
-
-    Additive: ``row + w fa``; decay and gate: ``g row + w fa``; the delta
-    rules: ``a row + r fa`` with ``r = beta (w - a fa^T row)`` (a first pass
-    for ``fa^T row``).  ``g = 0`` or ``a = 0`` (a reset) wipes the row exactly.
+    read ``fc^T row`` (the state dtype).  The delta rules take a first pass for ``fa^T row``; a reset
+    (``g = 0`` or ``a = 0``) wipes the row exactly.
     """
     acc = row.dtype.type(0)
     if rule == RULE_DELTA or rule == RULE_GATED_DELTA:
@@ -314,19 +228,11 @@ def step_row(rule, row, fa, fc, g, w, a, beta):
 def chunk_values(rule, X, R, fk, o, n, F, fs, fw, w):
     """The delta rules: ``R``'s value rows ``[V_c 1]`` <- ``U'`` of the WY/UT transform; other rules: nothing.
 
-    ``R`` ((F + C) x (M + 1), working dtype) = ``[H ; V_c 1]``, its first F
-    rows the chunk-start state; ``fk`` (C, F) = ``phi(K_c)``; ``X`` (C, F + C):
-    its weight block ``X[:n, F:F + n]`` is scratch here (``K K^T``), before
-    :func:`intra_weights` fills it; ``o`` (C, M + 1) scratch; ``fs``, ``fw``:
-    the chunk's factors (:func:`chunk_factors`: decays, ``beta``); ``w`` (C,)
-    float64 scratch.  Computes ``Y = [V 1] - (e^b * K) H`` (one GEMM), ``K
-    K^T`` (one GEMM) and solves ``L U' = diag(beta) Y``, ``L = I +
-    tril(diag(beta) (G * K K^T), -1)``, by forward substitution in place
-    (row t: ``U'_t = beta_t (Y_t - sum_{j<t} G_tj (k_t . k_j) U'_j)``,
-    vectorised over the M + 1 columns; the ``G_tj = a_{j+1} ... a_t`` are
-    running products, exactly 0 across a reset).  The solve only mixes
-    earlier rows into later ones, so a NaN or inf stays in its own and the
-    later rows.
+    ``R`` ((F + C) x (M + 1)) = ``[H ; V_c 1]``; ``fk`` (C, F) = ``phi(K_c)``;
+    ``X[:n, F:F + n]`` is scratch (``K K^T``) before :func:`intra_weights` fills it;
+    ``o`` (C, M + 1) and ``w`` (C,) scratch; ``fs``, ``fw`` from :func:`chunk_factors`.
+    The forward substitution only mixes earlier rows into later ones, so a NaN or
+    inf stays in its own and the later rows.
     """
     if not (rule == RULE_DELTA or rule == RULE_GATED_DELTA) or n == 0:
         return
@@ -365,28 +271,11 @@ def chunk_values(rule, X, R, fk, o, n, F, fs, fw, w):
 def chunk_factors(rule, lg, b, s0, n, fs, fw, tot):
     """The factors of tokens [s0, s0 + n) of sequence ``b``, for the other chunk hooks.
 
-    ``lg`` (B, N, G) float64: the per-token log-factors (:func:`log_factors`;
-    G = 0 for the additive rule, which needs nothing here).  Writes, for
-    ``t, s < n`` and each of the G columns:
-
-    * ``fs[0, t] = a_t = exp(lg[b, s0 + t])``, and ``fw[t]`` the same in the
-      working dtype;
-    * ``fs[1, t] = a_0 a_1 ... a_t``: how token t's query reads the state at
-      the chunk's start;
-    * ``fs[2, s] = a_{s+1} ... a_{n-1}``: token s's share of the state at the
-      chunk's end;
-    * ``tot = a_0 ... a_{n-1}``: the chunk's factor of its start state.
-
-    The delta rules (G = 2): the above for column 0 (the gated delta rule's
-    decays; nothing for the delta rule, whose hooks take the additive
-    branches), and ``fs[0, t, 1] = fw[t, 1] = beta_t``.
-
-    Running products of factors in [0, 1] rather than exponentials of
-    differences of cumulative log-sums: they neither overflow nor meet
-    ``-inf - -inf``; a reset (``a = 0``) makes every product across it
-    exactly 0, and strong decay underflows gracefully to 0.  float64; the
-    exponentials through :func:`linattn_nb.ops._vec.elu1` (exp of a
-    non-positive argument, vectorised; within 2.5e-308 of 0 below -708.3).
+    Per column of ``lg`` (B, N, G): ``fs[0, t] = fw[t] = a_t``, ``fs[1, t] = a_0 ... a_t``,
+    ``fs[2, s] = a_{s+1} ... a_{n-1}``, ``tot = a_0 ... a_{n-1}``; the delta rules: the
+    decays in column 0 (gated delta only) and ``fs[0, t, 1] = fw[t, 1] = beta_t``.
+    Running products of factors in [0, 1]: no overflow, no ``-inf - -inf``, exactly 0
+    across a reset.
     """
     G = lg.shape[2]
     if G == 0 or n == 0:
@@ -433,30 +322,12 @@ def chunk_factors(rule, lg, b, s0, n, fs, fw, tot):
 def intra_weights(rule, X, fk, r0, ce, F, fs, fw, w):
     """Weights of rows [r0, ce) of a chunk on its tokens [0, ce), into ``X[r0:ce, F:F + ce]``.
 
-    ``X`` (C, F + C) holds ``phi(Q_c)`` in its first F columns; ``fk`` (C, F)
-    is ``phi(K_c)``; ``fs``, ``fw``: the chunk's factors
-    (:func:`chunk_factors`); ``w`` (C,) float64 scratch.  Additive:
-    ``phi(Q_c) phi(K_c)^T`` with the causal mask (token t sees tokens j <=
-    t), one BLAS product.  The rows of a chunk must come in order, from
-    ``r0 = 0`` (the decay and gate rules carry running products from one
-    row to the next).
-
-    Decay: the additive weights times ``w_j = a_{j+1} ... a_t`` (a running
-    product updated row by row: ``w <- a_t w``, ``w_t = 1``), and the query
-    rows scaled by ``fs[1, t]`` for their read of the chunk-start state.
-
-    Gate: ``A[t, j] = sum_i phi(q_t)_i phi(k_j)_i prod_{j<u<=t} alpha_{u,i}``
-    directly, with the keys decayed in place row by row (``fk[j] <- alpha_t
-    * fk[j]`` for ``j < t``): every factor is a product of gates in [0, 1],
-    so there is no overflow and no ``-inf - -inf`` however strong the gates
-    (the exact form that GLA's secondary chunking approximates with log-space
-    sub-chunks; Yang et al. 2024, Sec. 4.2).  After the chunk's last row,
-    ``fk[j]`` is key j's share of the chunk-end state (see
-    :func:`chunk_transition`).  Then the query rows are scaled per feature
-    by ``fs[1, t]``.
-
-    The delta rules: as the additive (``delta``) and decay (``gated_delta``)
-    rules; the chunk's ``U'`` (:func:`chunk_values`) makes the difference.
+    ``X`` (C, F + C) holds ``phi(Q_c)`` in its first F columns; ``fk`` (C, F) is
+    ``phi(K_c)``; ``fs``, ``fw`` from :func:`chunk_factors`; ``w`` (C,) scratch.
+    Rows must come in order from ``r0 = 0`` (running products carry from row to
+    row).  The query rows are scaled by ``fs[1, t]`` for their read of the
+    chunk-start state; the gate rule decays ``fk`` in place, so after the last row
+    ``fk[j]`` is key j's share of the chunk-end state.
     """
     LX = X.shape[1]
     zero = X.dtype.type(0.0)
@@ -502,17 +373,9 @@ def intra_weights(rule, X, fk, r0, ce, F, fs, fw, w):
 def chunk_transition(rule, H, R, fk, part, n, fs, tot, after_intra):
     """H (F, M + 1) float64 <- the state after the chunk's n tokens; R's state rows follow it.
 
-    ``R`` ((F + C) x (M + 1), working dtype) is ``[H ; V_c 1]``; ``fk``
-    ``phi(K_c)`` (scratch: overwritten); ``part`` (F, M + 1) scratch of the
-    working dtype; ``fs``, ``tot``: the chunk's factors
-    (:func:`chunk_factors`); ``after_intra``: :func:`intra_weights` ran on
-    every row of this chunk (the gate rule's keys are then decayed already).
-    Additive: ``part = phi(K_c)^T [V_c 1]`` (one BLAS product in the working
-    dtype), summed into ``H`` in float64.  Decay and gate: the keys are
-    scaled by their share ``fs[2]`` first, and ``H <- tot * H + part``
-    (``tot`` per row for the gate).  The delta rules: as the additive
-    (``delta``) and decay (``gated_delta``) rules, with ``R``'s value rows
-    already ``U'`` (:func:`chunk_values`).
+    ``R`` = ``[H ; V_c 1]`` (value rows already ``U'`` for the delta rules);
+    ``fk`` ``phi(K_c)`` is overwritten; ``part`` (F, M + 1) scratch; ``after_intra``:
+    :func:`intra_weights` ran on every row (the gate rule's keys are decayed already).
     """
     F = fk.shape[1]
     M1 = R.shape[1]
@@ -542,17 +405,10 @@ def chunk_transition(rule, H, R, fk, part, n, fs, tot, after_intra):
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def absorb(H, part, R, g=1.0):
-    """H (F, M + 1) <- g H + part in float64, and R's first F rows (the working-dtype copy) follow, in one pass.
+    """H (F, M + 1) <- g H + part in float64, and R's first F rows follow, in one flat pass.
 
-    ``g``: the chunk's factor of the state before it (the decay and gated
-    delta rules; 1 for the additive and delta rules, where ``1 * h + p`` is
-    ``h + p`` exactly, fused or not).  All three arrays C-contiguous (the
-    kernels' scratch and ``Hst[b, p]``): the F x (M + 1) elements as one
-    flat loop (R's first F rows are its first F (M + 1) elements).  Rows of
-    M + 1 = 65 each set up a vector loop with its alias checks and a scalar
-    remainder: the flat loop takes 0.7-0.9x their time
-    (``benchmarks/chunked_breakdown.py --against``, "state update",
-    2026-12-01); the same sums.
+    All three arrays C-contiguous; ``g = 1`` gives ``h + p`` exactly.  The flat loop
+    beats a loop over rows (``docs/design-cpu.md``).
     """
     h = H.reshape(-1)
     p = part.reshape(-1)
@@ -565,14 +421,10 @@ def absorb(H, part, R, g=1.0):
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def carry(rule, acc, part, fac):
-    """acc (F, M + 1) <- the state after a span whose own contribution (from a zero state) is ``part``.
+    """acc (F, M + 1) <- the state after a span whose own contribution from a zero state is ``part``.
 
-    ``fac`` (G,) float64: the span's factor of the state before it (the
-    product of its tokens' factors; unused by the additive rule).  Additive:
-    ``acc += part``; decay: ``acc <- fac[0] acc + part``; gate: row ``i``
-    scaled by ``fac[i]``.  Not for the delta rules: their span moves the
-    state through an (F, F) matrix, so their kernels never split a sequence
-    into pieces (:mod:`linattn_nb.ops.causal.chunked`).
+    ``fac`` (G,) float64: the span's factor of the state before it (unused by the
+    additive rule).  Not for the delta rules (their span is an (F, F) matrix).
     """
     if rule == RULE_ADDITIVE:
         for i in range(acc.shape[0]):

@@ -1,21 +1,6 @@
 """One kernel body, two compiled kernels (serial and parallel), and the choice between them.
 
-Entering a Numba parallel region costs little on a quiet machine and up to
-milliseconds on a loaded one (it waits for every thread, and a late thread
-can cost a scheduler time slice; docs/measurements-cpu.md), more than the
-whole work of a short call, so the launchers run small problems on the
-calling thread.  Numba's ``parallel`` option belongs to a dispatcher, not a
-call, so each such kernel is compiled twice.  :func:`serial_and_parallel`
-does that from one Python function whose loops over independent items use
-``prange`` (a plain ``range`` when compiled without ``parallel``), instead of
-two hand-kept copies of the body; :func:`pick` is the one rule by which every
-CPU launcher chooses between the two (its thresholds live in
-:mod:`linattn_nb.config`).
-
-Each copy gets its own ``__qualname__`` (``<name>_serial`` /
-``<name>_parallel``): Numba names on-disk cache files after the qualified
-name and keys the entries on the signature only, so two dispatchers made
-from one function under one name would load each other's machine code.
+Design: ``docs/design-cpu.md``, "Serial and parallel twins".
 """
 from __future__ import annotations
 
@@ -49,21 +34,11 @@ def serial_and_parallel(fn=None, **options):
 def pick(serial, parallel, *, items: int, work: int, limit: int, force=None):
     """The kernel of a twin pair to run: ``parallel`` only when it can pay for its region.
 
-    Parameters
-    ----------
-    serial, parallel
-        The pair from :func:`serial_and_parallel`.
-    items : int
-        Independent work items the parallel kernel would share out (batch
-        entries, segments, query blocks).
-    work : int
-        The call's work in the launcher's own unit (multiply-adds, roughly).
-    limit : int
-        The least ``work`` worth a parallel region: the launcher's threshold
-        from :mod:`linattn_nb.config`, read at call time.
-    force : bool, optional
-        True: always ``parallel``; False: always ``serial``; None (default):
-        ``parallel`` when ``items >= 2`` and ``work >= limit``.
+    ``items``: independent work items the parallel kernel would share out;
+    ``work``: the call's work in the launcher's unit (multiply-adds, roughly);
+    ``limit``: the least ``work`` worth a parallel region (a threshold from
+    :mod:`linattn_nb.config`).  ``force`` True/False: always ``parallel``/``serial``;
+    None: ``parallel`` when ``items >= 2`` and ``work >= limit``.
     """
     if force is not None:
         return parallel if force else serial

@@ -39,15 +39,10 @@ def _init_scratch(H, R):
 def _span(q, k, v, out, b, s_begin, s_end, H, code, eps, norm, bs, X, R, fk, o, part, rule, lg, fs, fw, tot, w):
     """Chunked recurrence over tokens [s_begin, s_end) of sequence b from state H (F, M + 1), in place.
 
-    Scratch (working dtype), for chunk size C = fk.shape[0]:
-    X (C, F + C) = [phi(Q_c) | A], R (F + C, M + 1) = [H ; V_c 1],
-    fk (C, F) = phi(K_c), o (C, M + 1), part (F, M + 1); the rule's factors
-    (:func:`linattn_nb.ops._rules.chunk_factors`) from ``lg`` (B, N, G) into
-    fs (3, C, G) float64, fw (C, G) working dtype, tot (G,) and w (C,) float64.
-
-    Returns ``(inputs_finite, results_finite)``: whether every q, k, v
-    element read was finite, and whether every output written, every
-    normaliser and the final state are.
+    Scratch (working dtype), C = fk.shape[0]: X (C, F + C) = [phi(Q_c) | A],
+    R (F + C, M + 1) = [H ; V_c 1], fk (C, F) = phi(K_c), o (C, M + 1), part
+    (F, M + 1); fs, fw, tot, w: the rule's factors (:func:`linattn_nb.ops._rules.chunk_factors`).
+    Returns ``(inputs_finite, results_finite)``.
     """
     F = q.shape[2]
     M = v.shape[2]
@@ -180,32 +175,15 @@ def _span_item(it, q, k, v, Hst, out, wt, code, eps, norm, C, bs, rule, lg, flag
 
 
 def _chunked_pass(mode, q, k, v, Hst, Fp, out, proto, code, eps, norm, C, sub, bs, rule, lg, flags):
-    """One pass of the chunked causal kernel over its work items.
+    """One pass of the chunked causal kernel over its work items (serial and parallel twins).
 
-    q, k : (B, N, F) float32/float64, or uint16 (float16 bits); raw inputs when
-    ``code`` > 0, features when 0 (float32 features may come with float16
-    values).  v : (B, N, M), out : (B, N, M) of the value type (uint16 for
-    float16).  proto : empty array of the working dtype.  C : chunk size,
-    bs : row block of the intra-chunk products; rule : update-rule code;
-    lg : (B, N, G) float64, the rule's per-token log-factors
-    (:func:`linattn_nb.ops._rules.log_factors`).
-
-    ``mode`` 0 (pass 1): ``Hst`` (B, (P-1)*sub, F, M+1) float64 receives the
-    contribution of each piece of the segments 0..P-2 (``P`` = pieces // sub + 1),
-    each from a zero state, and ``Fp`` (B, (P-1)*sub, G) float64 each piece's
-    factor of the state before it (G = 0: none).
-    ``mode`` 1 (pass 2): ``Hst`` (B, P, F, M+1) float64 holds the state at the
-    start of each of the P segments of every sequence; each segment's outputs
-    are written and its state is advanced in place to the segment's end (so
-    ``Hst[:, P-1]`` ends as the final state); ``flags`` (B * P, 2) uint8
-    receives per segment whether a q, k or v element read was NaN or inf
-    (column 0) and whether an output, a normaliser or the segment's final
-    state is (column 1).  Pass 2 reads every token, so its flags cover the
-    whole input; pass 1 leaves ``flags`` alone.
-
-    Compiled twice (:mod:`linattn_nb.ops._twins`): :data:`chunked_kernel`
-    runs the items in parallel, :data:`chunked_kernel_serial` on the calling
-    thread (small problems: a parallel region costs more than the work there).
+    ``mode`` 0 (pass 1): ``Hst`` (B, (P-1)*sub, F, M+1) receives each piece of
+    segments 0..P-2 summed from a zero state, ``Fp`` its factor of the state before
+    it.  ``mode`` 1 (pass 2): ``Hst`` (B, P, F, M+1) holds each segment's start
+    state, advanced in place to its end (``Hst[:, P-1]`` ends as the final state);
+    outputs written; ``flags`` (B * P, 2) gets per segment whether an input read
+    (column 0) or a result (column 1) was NaN or inf.  q, k, v, out may be uint16
+    (float16 bits); ``proto`` an empty array of the working dtype.
     """
     B = q.shape[0]
     wt = proto.dtype
@@ -228,35 +206,14 @@ chunked_kernel_serial, chunked_kernel = serial_and_parallel(_chunked_pass, fastm
 # ---------------------------------------------------------------------------
 def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, normalize=True, chunk=None,
                    block=None, seq_parallel=None, rule=RULE_ADDITIVE):
-    """Launcher of :func:`chunked_kernel` (the method table's forward signature).
+    """Launcher of :func:`chunked_kernel` (the method table's forward contract, ``docs/launchers.md``).
 
     Parameters
     ----------
-    q, k : ndarray (B, N, F)
-    v : ndarray (B, N, M)
-        float16, float32 or float64, all of one dtype (or float32 features
-        ``q``, ``k`` with float16 ``v``).
-    H : ndarray (B, F, M + 1) float64, C-contiguous
-        The state ``[S | z]``: the initial state, overwritten with the final one.
-    out : ndarray (B, N, M)
-        Same dtype as the inputs; written.
-    code : int
-        Inline feature map (:mod:`linattn_nb.ops._codes`; 0 = inputs already
-        are features).
-    eps : float or None
-        Normaliser floor (None: raw division).
-    inputs : mapping, optional
-        The rule's per-token inputs (none for the additive rule;
-        ``log_decay`` (B, N) for the decay rule, ``log_gate`` (B, N, F) for
-        the gate rule: log-factors <= 0, ``-inf`` a reset).
-    normalize : bool, default True
-        False writes ``phi(q)^T S_t`` undivided (``eps`` unused).
-    check_finite : bool, default False
-        Raise ValueError naming the first of q, k, v that holds NaN or inf
-        (found while the kernel reads them), and
-        :class:`~linattn_nb.ops._finite.NonFiniteResult` when the inputs are
-        finite but an output, a normaliser or the final state is not; both
-        after the kernel ran (``out`` and ``H`` are then unspecified).
+    q, k, v, H, out, code, eps, inputs, check_finite, normalize
+        As the forward launcher contract: q, k (B, N, F), v, out (B, N, M) of one
+        dtype (or float32 features with float16 ``v``); H (B, F, M + 1) float64
+        overwritten with the final state.
     chunk : int, optional
         Chunk size; default from :func:`linattn_nb.config.cpu_chunk_size`.
     block : int, optional
@@ -265,8 +222,7 @@ def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=Fals
     seq_parallel : bool, optional
         Force (True) or forbid (False) splitting sequences across threads;
         default: split when B is below the thread count.  The delta rules
-        never split (True is taken as False for them: see the module
-        docstring).
+        never split (``docs/design-cpu.md``).
     rule : int, optional
         Update-rule code (:mod:`linattn_nb.ops._codes`), default additive.
 
@@ -287,7 +243,7 @@ def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=Fals
     C = min(C, N)  # no scratch beyond the sequence
     bs = max(1, min(C, int(block if block is not None else config.cpu_chunk_block(C, F, M, q.dtype))))
     if is_delta(rule):
-        # the delta rules carry an (F, F) transition across a piece: batch-parallel only (module docstring)
+        # the delta rules carry an (F, F) transition across a piece: batch-parallel only
         P, sub = 1, 1
     else:
         P, sub = plan(B, N, chunk=C, seq_parallel=seq_parallel)

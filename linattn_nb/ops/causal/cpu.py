@@ -1,14 +1,7 @@
 """Numba CPU kernel of causal linear attention: the per-token scan.
 
-Kernel: :data:`causal_scan_kernel`; launcher: :func:`causal_scan`.  The state
-``H = [S | z]`` (F x (M + 1)) is carried in float64 (the state array the
-launcher is given), so float32 inputs do not lose accuracy over long
-sequences; the normaliser ``z`` is the state of value column M, whose value
-is always 1.  float16 inputs are passed as ``uint16`` bits and converted per
-element (no full-size float32 copy); the output is rounded to float16 (from
-the float64 result, through float32).  Token ``t`` updates the state first and
-then reads it (prefix states include token t; Katharopoulos et al. 2020,
-Eqs. 18-19).
+Kernel: :data:`causal_scan_kernel`; launcher: :func:`causal_scan`.  Design:
+``docs/design-cpu.md``, "Per-token scan".
 """
 from __future__ import annotations
 
@@ -25,32 +18,13 @@ from .._vec import as_kernel_array, elu1, is_finite, store3, to_work
 
 
 def _scan(q, k, v, H, out, code, eps, norm, rule, lg, flags):
-    """Per-token recurrence over each sequence of the flattened batch (axis 0).
+    """Per-token recurrence over each sequence of the flattened batch (axis 0); serial and parallel twins.
 
-    q, k : (B, N, F) inputs (``code`` > 0: raw, the map is applied inline;
-    code 0: already features).  v : (B, N, M).  H : (B, F, M + 1) float64:
-    the initial state ``[S | z]`` on entry, the final state on return.
-    out : (B, N, M).  ``norm`` (:data:`linattn_nb.ops._codes.NORM_RAW` and
-    the others): divide by the raw normaliser, by the normaliser floored at
-    ``eps``, or not at all.  ``rule``: update-rule code; each token's state update is the rule's
-    :func:`linattn_nb.ops._rules.token_step`, with the token's factor per row
-    from ``lg`` (B, N, G) float64, its log-factors
-    (:func:`linattn_nb.ops._rules.log_factors`: G = 0 none, 1 one per token,
-    F one per row; the delta rules: (log-decay, beta), each token through
-    :func:`linattn_nb.ops._rules.delta_token`).  ``flags`` (B, 2) uint8 <- per
-    sequence, whether a q, k or v element read was NaN or inf (checked on the
-    elements the loop loads anyway), and whether an output, a normaliser or
-    the final state is.  Compiled twice (:mod:`linattn_nb.ops._twins`):
-    :data:`causal_scan_kernel`, parallel over the batch, and
-    :data:`causal_scan_kernel_serial` for small problems.
-
-    Each sequence's state is copied into a contiguous ``S`` block and ``z``
-    vector for the scan and back at the end: the inner loop over rows of
-    length M runs faster than over the (M + 1)-long rows of ``H``
-    (docs/measurements-cpu.md).  The features of a token come from
-    :func:`linattn_nb.ops._blocks.feature_row`, a loop of its own that
-    vectorises (the row maps ``l2`` and ``silu_l2``: normalised in float64,
-    the scan's feature dtype).
+    q, k (B, N, F) raw (``code`` > 0) or features; v, out (B, N, M); H (B, F, M + 1)
+    float64, initial state in, final state out; ``norm`` a ``NORM_*`` mode; ``lg``
+    (B, N, G) the rule's log-factors.  ``flags`` (B, 2) uint8 <- per sequence,
+    whether an input element read was NaN or inf, and whether a result or the
+    final state is.
     """
     B, N, F = q.shape
     M = v.shape[2]
@@ -116,18 +90,11 @@ causal_scan_kernel_serial, causal_scan_kernel = serial_and_parallel(_scan, fastm
 
 def causal_scan(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, normalize=True,
                 rule=RULE_ADDITIVE):
-    """Launcher (the method table's forward signature).
+    """Launcher (the method table's forward contract, ``docs/launchers.md``).
 
-    q, k (B, N, F); v (B, N, M); H (B, F, M + 1) float64 C-contiguous, the
-    state ``[S | z]`` updated in place; ``out`` (B, N, M) written.  ``code``:
-    inline feature map; ``eps``: normaliser floor or None; ``inputs``: the
-    rule's per-token inputs (none for the additive rule); ``rule``: update-rule
-    code (:data:`linattn_nb.ops._codes.RULES`); ``normalize``: False writes
-    ``phi(q)^T S_t`` undivided.  ``check_finite``: raise
-    ValueError naming the first of q, k, v holding NaN or inf, or
-    :class:`~linattn_nb.ops._finite.NonFiniteResult` for finite inputs whose
-    outputs or state are not (found by the kernel while it reads and writes;
-    raised after it ran, ``out`` and ``H`` then unspecified).
+    q, k (B, N, F); v (B, N, M); H (B, F, M + 1) float64 C-contiguous, the state
+    ``[S | z]`` updated in place; ``out`` (B, N, M) written; ``code``, ``eps``,
+    ``inputs``, ``rule``, ``normalize`` and ``check_finite`` as the contract.
     """
     B, N, F = q.shape
     M = v.shape[2]

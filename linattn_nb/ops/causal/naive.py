@@ -1,15 +1,8 @@
 """Naive NumPy reference of causal linear attention (ground truth for tests).
 
-Builds the explicit lower-triangular ``N x N`` weight matrix per batch entry,
-in float64, exactly as "Transformers are RNNs" (Katharopoulos et al. 2020,
-Eqs. 10-12) writes it: token ``t`` attends to tokens ``0..t`` (itself
-included).  The state ``(S, z)`` taken and returned here is the ``H = [S | z]``
-of the kernels' contract split in two.
-
-Every update rule of :data:`linattn_nb.ops._codes.RULES` has its branch in
-:func:`explicit_weights`: the weights, how the queries read the initial state
-and how the keys and the initial state make the final state.  The method
-table's ``quadratic`` method runs this reference for every rule.
+The explicit lower-triangular ``N x N`` weights per batch entry, in float64
+(Katharopoulos et al. 2020, Eqs. 10-12), for every update rule; the method
+table's ``quadratic`` method runs it.  The state ``(S, z)`` is ``H = [S | z]`` split in two.
 """
 from __future__ import annotations
 
@@ -31,10 +24,9 @@ def _log_factors(rule, inputs, b, n, f):
 def _decayed_weights(qf, kf, lg):
     """The decay and gate rules' explicit form from per-token log-factors ``lg`` (N, F).
 
-    Output ``t`` weighs token ``s <= t`` by ``sum_i q_ti k_si exp(sum_{s<u<=t} lg_ui)``.
-    The sums over ``(s, t]`` are running sums started at each ``s``, so a
-    ``-inf`` (a reset) makes every later factor exactly 0 and never meets
-    another ``-inf`` in a difference (no NaN).  O(N^2 F) time, O(N F) memory.
+    Output ``t`` weighs token ``s <= t`` by ``sum_i q_ti k_si exp(sum_{s<u<=t} lg_ui)``,
+    with running sums started at each ``s``, so a ``-inf`` (a reset) gives exact
+    zeros and never a NaN.  O(N^2 F) time, O(N F) memory.
     """
     N, F = qf.shape
     A = np.zeros((N, N))
@@ -93,33 +85,14 @@ def explicit_weights(rule, qf, kf, inputs, b):
 def delta_weights(qf, kf, beta, lg=None):
     """The (gated) delta rule's explicit form on one sequence, float64.
 
-    The recurrence (Schlag et al. 2021; Yang et al. 2024; gated: Yang, Kautz
-    & Hatamizadeh 2025), applied to every column of ``H = [S | z]``::
-
-        H_t = a_t (I - beta_t k_t k_t^T) H_{t-1} + beta_t k_t [v_t 1]^T,   o_t = q_t^T H_t
-
-    is linear in the initial state and the values, so for a sequence of N
-    tokens ``O = A [V 1] + Qs H_0`` and ``H_N = keep H_0 + Ks^T [V 1]``
-    (Yang et al. 2024's WY/UT transform over the whole sequence; ``docs/theory.md``,
-    "Delta rule and gated delta rule"): with ``G_ts = exp(sum_{s<u<=t}
-    lg_u)`` (1 without a gate), ``L = I + tril(diag(beta) (G * K K^T), -1)``
-    and ``T = L^{-1} diag(beta)`` (a unit lower-triangular solve),
+    ``H_t = a_t (I - beta_t k_t k_t^T) H_{t-1} + beta_t k_t [v_t 1]^T`` is linear in
+    ``H_0`` and the values: ``O = A [V 1] + Qs H_0``, ``H_N = keep H_0 + Ks^T [V 1]``
+    (the WY/UT transform over the whole sequence), with ``G_ts = exp(sum_{s<u<=t} lg_u)``,
+    ``L = I + tril(diag(beta) (G * K K^T), -1)``, ``T = L^{-1} diag(beta)``,
     ``A = tril(G * Q K^T) T``, ``Qs = e^b * Q - A (e^b * K)``, ``Ks = T^T (e^{b_N - b} * K)``,
-    ``keep = e^{b_N} I - (e^{b_N - b} * K)^T T (e^b * K)``.
-
-    Parameters
-    ----------
-    qf, kf : ndarray (N, F) float64
-    beta : ndarray (N,) float64
-        Write strengths.
-    lg : ndarray (N,) float64, optional
-        Log-decays (<= 0, -inf a reset) of the gated delta rule.
-
-    Returns
-    -------
-    A : ndarray (N, N)
-    Qs, Ks : ndarray (N, F)
-    keep : ndarray (F, F)
+    ``keep = e^{b_N} I - (e^{b_N - b} * K)^T T (e^b * K)``.  ``beta`` (N,) write
+    strengths; ``lg`` (N,) the gated rule's log-decays (None: the delta rule).
+    Returns ``(A, Qs, Ks, keep)`` as :func:`explicit_weights`.
     """
     from scipy.linalg import solve_triangular
 
@@ -172,12 +145,9 @@ def causal_linear_quadratic(qf, kf, v, *, eps, S0=None, z0=None, rule=RULE_ADDIT
     rule : int, optional
         Update-rule code (:data:`linattn_nb.ops._codes.RULES`), default additive.
     inputs : mapping, optional
-        The rule's per-token inputs, flattened to the batch (none for the
-        additive rule; ``log_decay`` (B, N) for the decay rule, ``log_gate``
-        (B, N, F) for the gate rule).
+        The rule's per-token inputs, flattened to the batch.
     normalize : bool, default True
-        Divide by the normaliser; False returns ``phi(q)^T S_t`` (``eps``
-        unused).
+        Divide by the normaliser; False returns ``phi(q)^T S_t`` (``eps`` unused).
 
     Returns
     -------
@@ -186,7 +156,7 @@ def causal_linear_quadratic(qf, kf, v, *, eps, S0=None, z0=None, rule=RULE_ADDIT
     """
     rule = check_rule_inputs(rule, inputs)
     qf, kf, v, S, z, out = float64_problem(qf, kf, v, S0, z0)
-    (B, N, F), M = qf.shape, v.shape[-1]
+    (B, N, _), M = qf.shape, v.shape[-1]
     for b in range(B):
         A, Qs, Ks, keep = explicit_weights(rule, qf[b], kf[b], inputs, b)
         if np.isfinite(v[b]).all():

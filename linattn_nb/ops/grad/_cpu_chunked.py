@@ -75,14 +75,10 @@ def _mask_upper(X, n):
 def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk, dv, dH0, dfac, proto):
     """Two passes over the chunks of each sequence of the flattened batch (``docs/design-cpu.md``).
 
-    qf, kf : (B, N, F), v1, g1 : (B, N, M') of the working dtype (that of
-    ``proto``), C-contiguous.  H0, dHN : (B, F, M') float64 (``dHN`` read
-    only when ``has_dHN``).  rule : additive, decay or gate code; lg :
-    (B, N, G) float64 log-factors.  C : chunk size.  ck : (B, ceil(N / C),
-    F, M') float64 checkpoints (decay and gate; (B, 0, F, M') for the
-    additive rule).  Written: dq, dk (B, N, F), dv (B, N, M') in the working
-    dtype, dH0 (B, F, M') float64, dfac (B, N, G') float64 (G' = F gate, 1
-    decay, 0 additive).  Every element of the outputs is written.
+    qf, kf (B, N, F), v1, g1 (B, N, M') of the working dtype; H0, dHN (B, F, M')
+    float64; rule the additive, decay or gate code; C the chunk size; ck (B, ceil(N /
+    C), F, M') float64 checkpoints ((B, 0, F, M') for the additive rule).  Every
+    element of dq, dk, dv, dH0 and dfac (B, N, G') is written.
     """
     B, N, F = qf.shape
     M1 = v1.shape[2]

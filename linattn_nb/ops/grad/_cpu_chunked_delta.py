@@ -100,23 +100,12 @@ def chunk_wy(gated, kf, v1, lg, b, s0, n, Sw, fb, Gam, KS, Yt, KK, Am, U):
 def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, dq, dk, dv, dH0, dfac, dbeta, proto):
     """Two passes over the chunks of each sequence of the flattened batch (``docs/design-cpu.md``).
 
-    qf, kf : (B, N, F), v1, g1 : (B, N, M') of the working dtype (that of
-    ``proto``), C-contiguous.  H0, dHN : (B, F, M') float64 (``dHN`` read
-    only when ``has_dHN``).  rule : the delta, gated delta or decay code;
-    lg : (B, N, 2) float64 (column 0 the log-decay, column 1 beta; the
-    decay rule (B, N, 1), its log-decay).  The decay rule runs the same
-    passes with ``U = [V 1]`` and without the transform (no solves, no
-    ``dbeta``; Ys and KKs (B, P, 0, .), unused).  C : chunk
-    size.  Written by pass 1, read by pass 2, with P = ceil(N / C): ck (B,
-    P, F, M'), the chunk-start states rounded to the working dtype (the
-    GEMMs read them so; the running state is float64); Ys (B, P, C, M') and
-    KKs (B, P, C, C) of the working dtype, each chunk's residuals ``Yt``
-    and ``K K^T`` (:func:`chunk_wy`; pass 2 takes ``U = diag(beta) Yt``
-    again, the same numbers).  Written: dq, dk (B, N, F), dv (B, N,
-    M') in the working dtype, dH0 (B, F, M') float64, dfac (B, N, 1) float64
-    (gated delta, decay; (B, N, 0) for delta, untouched), dbeta (B, N)
-    float64 (the delta rules; (B, 0) for decay).
-    Every element of the outputs is written.
+    qf, kf (B, N, F), v1, g1 (B, N, M') of the working dtype; H0, dHN (B, F, M')
+    float64; lg (B, N, 2) (log-decay, beta), (B, N, 1) for the decay rule, which runs
+    with ``U = [V 1]`` and no transform (Ys, KKs then (B, P, 0, .)).  Pass 1 writes,
+    pass 2 reads: ck (B, P, F, M') the chunk-start states in the working dtype, Ys
+    (B, P, C, M') and KKs (B, P, C, C) each chunk's residuals and ``K K^T``.  Every
+    element of dq, dk, dv, dH0, dfac and dbeta is written.
     """
     B, N, F = qf.shape
     M1 = v1.shape[2]

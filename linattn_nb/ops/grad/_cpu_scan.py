@@ -65,17 +65,12 @@ def token_state(P, Hn, k, v, a, beta, delta, u):
 
 
 def _scan_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, L, ck, dq, dk, dv, dH0, dfac, dbeta):
-    """Checkpointed reverse scan over each sequence of the flattened batch (module docstring).
+    """Checkpointed reverse scan over each sequence of the flattened batch (``docs/design-cpu.md``).
 
-    qf, kf : (B, N, F), v1, g1 : (B, N, M') of the working dtype.  H0, dHN :
-    (B, F, M') float64 (``dHN`` read only when ``has_dHN``).  rule : rule
-    code; lg : (B, N, G) float64 log-factors.  L : checkpoint interval;
-    ck : (B, ceil(N / L), F, M') float64 scratch for the checkpoints.
-    Written: dq, dk (B, N, F) and dv (B, N, M') in the working dtype, dH0
-    (B, F, M') float64, dfac (B, N, G') float64 (G' = F for the gate rule, 1
-    for the decay and gated delta rules, 0 otherwise), dbeta (B, N) float64
-    (delta rules; else (B, 0), untouched).  Every element of the outputs is
-    written.
+    qf, kf (B, N, F), v1, g1 (B, N, M') of the working dtype; H0, dHN (B, F, M')
+    float64; lg (B, N, G) log-factors; L the checkpoint interval, ck (B, ceil(N / L),
+    F, M') float64 scratch.  Every element of dq, dk, dv, dH0, dfac (B, N, G') and
+    dbeta ((B, 0) outside the delta rules) is written.
     """
     B, N, F = qf.shape
     M1 = v1.shape[2]

@@ -1,15 +1,9 @@
 """The elementwise feature maps of the kernels, for the gradient front end: features and their VJP.
 
-A gradient request needs ``phi(q)``, ``phi(k)`` as arrays (the backward
-launchers take features) and, after the launcher, ``dx = g * phi'(x)``.  For
-the maps the kernels apply inline (``kernel_code`` ELU+1, ReLU, squared ReLU)
-NumPy makes several passes and temporaries per array; these two kernels make
-one parallel pass, in the working dtype, with the same per-element map as
-the forward kernels (:func:`linattn_nb.ops._common.phi`), and check
-finiteness while they read (as the forward kernels do).  The row maps (L2)
-and every other map keep their NumPy form
-(:meth:`linattn_nb.feature_maps.FeatureMap.apply` / ``vjp``), which the
-tests compare these against.
+For the maps the kernels apply inline (ELU+1, ReLU, squared ReLU) one parallel
+pass in the working dtype, with the forward kernels' per-element map and a
+finiteness check, replaces NumPy's several passes; the row maps and every other
+map keep their NumPy form (:class:`linattn_nb.feature_maps.FeatureMap`).
 """
 from __future__ import annotations
 

@@ -85,20 +85,10 @@ def backward_scan(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADDITI
 
     Parameters
     ----------
-    qf, kf : ndarray (B, N, F)
-        Query and key features, float32 or float64 (the working dtype).
-    v1 : ndarray (B, N, M')
-        Values with the ones column appended, the working dtype.
-    H0 : ndarray (B, F, M') float64
-        The initial state ``[S | z]``.
-    g1 : ndarray (B, N, M')
-        Gradient of the unnormalised outputs ``o_t = H_t^T phi(q_t)``, the
-        working dtype.
-    dHN : ndarray (B, F, M') float64, optional
-        Gradient of the final state (None: zero).
-    inputs : mapping, optional
-        The rule's per-token inputs (``log_decay``, ``log_gate``, ``beta``:
-        float64, ``-inf`` a reset), as the forward launchers take them.
+    qf, kf, v1, H0, g1, dHN, inputs
+        As the backward launcher contract (``docs/launchers.md``): features,
+        values with the ones column and the output gradient in the working dtype,
+        ``H0`` and ``dHN`` (None: zero) float64.
     rule : int
         Update-rule code (:mod:`linattn_nb.ops._codes`).
     checkpoint : int, optional
@@ -108,16 +98,9 @@ def backward_scan(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADDITI
     Returns
     -------
     Grads
-        ``dq, dk`` (B, N, F), ``dv`` (B, N, M') in the working dtype; ``dH0``
-        (B, F, M'), ``dfactor`` ((B, N) for the decay and gated delta rules,
-        (B, N, F) for the gate rule, else None) and ``dbeta`` ((B, N) for the
-        delta rules, else None) float64.
-
-    Notes
-    -----
-    Memory: ``ceil(N / L)`` float64 states per sequence for the checkpoints
-    plus ``(L + 1)`` states of scratch per thread, never one state per token
-    (:mod:`linattn_nb.ops.grad._cpu_scan` gives the recurrence).
+        ``dq, dk``, ``dv`` in the working dtype; ``dH0``, ``dfactor`` and
+        ``dbeta`` (or None) float64.  Memory: ``ceil(N / L)`` float64 states per
+        sequence plus ``L + 1`` per thread (``docs/design-cpu.md``).
     """
     rule = check_rule(rule, inputs)
     qf, kf, v1, H0, g1, dHN = _check(qf, kf, v1, H0, g1, dHN)
@@ -153,33 +136,9 @@ def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADD
     replaces ``checkpoint``: the chunk size, default
     :func:`linattn_nb.config.cpu_backward_chunk`, and
     :func:`linattn_nb.config.cpu_backward_delta_chunk` for the delta rules).
-
-    Additive and gate rules (:mod:`linattn_nb.ops.grad._cpu_chunked`):
-    a forward pass over the chunks (the state ``H``, ``dq``, the intra-chunk
-    parts of ``dk`` and ``dv``: ``dq = G H^T + tril(G V^T) K``,
-    ``dk = tril(G V^T)^T Q``, ``dv = tril(Q K^T)^T G`` for the additive
-    rule) and a reverse pass (the adjoint ``R``: ``dk += V R^T``,
-    ``dv += K R``, ``R += Q^T G``).  The additive rule keeps no state per
-    chunk; the gate rule keeps one float64 state per chunk for its factor
-    gradient.
-
-    Delta and gated delta rules
-    (:mod:`linattn_nb.ops.grad._cpu_chunked_delta`): the adjoint of the
-    forward's WY/UT chunk form (``U = diag(beta) Yt``, ``L U = diag(beta)
-    ([V 1] - diag(b) K H)``, ``L = I + diag(beta) tril(G * K K^T, -1)``).
-    A forward pass keeps each chunk's start state, residuals ``Yt`` and
-    ``K K^T`` (working dtype, about ``F M' / C + M' + C`` numbers per
-    token); the reverse pass carries ``R`` and solves ``L^T dY = diag(beta)
-    dU`` per chunk: ``dv = dY``, ``dbeta_t = Yt_t . (dU_t - X_t)``,
-    ``dq = diag(b) G H^T + tril(G * G U^T) K``, ``dk`` from the four places
-    ``K`` enters, and the gated rule's ``dfactor`` (with respect to the
-    decay itself, exact at a reset) by running sums over the chunk's
-    products of decays.  At B*H = 16, N = 4096, D = M = 64, float32 (AMD
-    EPYC, 2 threads) it takes about 3x the forward chunked kernel's time
-    (the checkpointed token recurrence of :func:`backward_scan`: 11-13x).
-    The decay rule (one scalar factor per token) runs the same kernel with
-    ``U = [V 1]`` and no transform: every term a GEMM, 3.5x the forward
-    (the per-feature loops of the gate rule's kernel took 8x).
+    The additive and gate rules run :mod:`._cpu_chunked`; the decay and delta
+    rules the adjoint of the WY/UT chunk form, :mod:`._cpu_chunked_delta`
+    (``docs/design-cpu.md``, "Chunked backward").
     """
     rule = check_rule(rule, inputs)
     qf, kf, v1, H0, g1, dHN = _check(qf, kf, v1, H0, g1, dHN)

@@ -1,14 +1,9 @@
 """Naive float64 reference of the backward pass (ground truth for the gradient tests).
 
-Backpropagation through time of the per-token recurrence, written out as the
-backward contract states it (``docs/launchers.md``), one token at a time
-in NumPy with every state ``H_t`` kept (O(N F M) memory: a reference, not a
-method for long sequences).  No autodiff: each line is the adjoint of one
-line of the recurrence (Katharopoulos et al. 2020, §3.3.1, for the additive
-rule; the decay, gate and delta lines follow from the same product rule, see
-``docs/theory.md``, "Gradients").  The tests check these gradients
-against central finite differences of the forward reference
-(:func:`linattn_nb.ops.causal.naive.causal_linear_quadratic`).
+Backpropagation through time of the per-token recurrence, one token at a time
+with every state kept (O(N F M) memory), each line the adjoint of one line of the
+recurrence (``docs/theory.md``, "Gradients"); the tests check it against finite
+differences of :func:`linattn_nb.ops.causal.naive.causal_linear_quadratic`.
 """
 from __future__ import annotations
 

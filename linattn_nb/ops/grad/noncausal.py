@@ -1,11 +1,8 @@
 """Backward of non-causal linear attention on the CPU (the ``aggregate`` method).
 
-``o_t = phi(q_t)^T H`` with ``H = H0 + sum_s phi(k_s) v1_s^T`` for every
-token, so the gradients are two more aggregates and two more broadcasts:
 ``R = sum_t phi(q_t) g_t^T (+ dH_N)``, ``dq_t = H g_t``, ``dk_s = R v1_s``,
-``dv1_s = R^T phi(k_s)``, ``dH0 = R``.  The two sums over tokens are GEMMs
-accumulated in float64 (so float32 gradients of long sequences carry no
-O(N) rounding drift); the broadcasts are GEMMs in the working dtype.
+``dv1_s = R^T phi(k_s)``, ``dH0 = R``: the sums over tokens are GEMMs accumulated
+in float64 (no O(N) drift in float32), the broadcasts GEMMs in the working dtype.
 """
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
 """Numba CPU kernel of non-causal linear attention: aggregate, then query.
 
-Kernels: :data:`noncausal_kernel` (parallel) and :data:`noncausal_kernel_serial`;
-launcher: :func:`noncausal_aggregate`.  Both phases work on blocks of
-``config.CPU_NONCAUSAL_BLOCK`` tokens so the inner work is GEMM-shaped
-(``np.dot(a, b, out)`` -> BLAS, no allocation per block) and the feature map is
-applied per block with the vectorised maps of :mod:`linattn_nb.ops._vec`
-(the row maps ``l2`` and ``silu_l2`` a row at a time, normalised in float64:
-:func:`linattn_nb.ops._common.l2_row`) (scratch O(block * (F + M) + F * M) per thread, no full-size copy of phi(q) or
-phi(k)).  Block sums are accumulated into the state ``H = [S | z]`` in float64.
-
-Work items are (sequence, piece): when the flattened batch is smaller than
-the thread count each sequence is split into pieces
-(:mod:`linattn_nb.ops._chunks`), so one long sequence still uses every core --
-the aggregate phase sums each piece, the pieces are combined into the final
-state, and the query phase reads it.  float16 inputs are read as ``uint16``
-bits and computed in float32.
+Kernels: :data:`noncausal_kernel` (parallel) and :data:`noncausal_kernel_serial`; launcher:
+:func:`noncausal_aggregate`.  Design: ``docs/design-cpu.md``, "Non-causal kernel".
 """
 from __future__ import annotations
 
@@ -99,21 +86,13 @@ def _query_item(it, q, H, out, wt, code, eps, norm, block, pieces, flags):
 
 
 def _noncausal_phase(mode, q, k, v, parts, H, out, proto, code, eps, norm, block, flags):
-    """One phase over (sequence, piece) items.
+    """One phase over (sequence, piece) items (serial and parallel twins).
 
-    mode 0 (aggregate): ``parts`` (B, P, F, M+1) float64 receives the
-    contribution ``phi(K)^T [V 1]`` of each of the P pieces of every
-    sequence.  mode 1 (query): ``out`` (B, N, M) from the final state ``H``
-    (B, F, M+1) float64; ``parts.shape[1]`` gives P.  ``flags`` (2, B * P, 2)
-    uint8: ``flags[mode, item]`` <- whether a q (query phase) or k, v
-    (aggregate phase) element read was NaN or inf, and whether a result (the
-    piece's state sum; the outputs and normalisers) is.  q, k (B, N, F) and v (B, N, M): float32/float64, or uint16
-    (float16 bits); raw inputs when ``code`` > 0.  proto: empty array of the
-    working dtype.
-
-    Compiled twice (:mod:`linattn_nb.ops._twins`): :data:`noncausal_kernel`
-    (items in parallel) and :data:`noncausal_kernel_serial` (calling thread,
-    small problems).
+    mode 0 (aggregate): ``parts`` (B, P, F, M+1) float64 <- each piece's
+    ``phi(K)^T [V 1]``.  mode 1 (query): ``out`` (B, N, M) from the final state
+    ``H``.  ``flags`` (2, B * P, 2) uint8: ``flags[mode, item]`` <- whether an input
+    read or a result was NaN or inf.  q, k, v may be uint16 (float16 bits);
+    ``proto`` an empty array of the working dtype.
     """
     B = q.shape[0]
     pieces = parts.shape[1]
@@ -132,19 +111,11 @@ noncausal_kernel_serial, noncausal_kernel = serial_and_parallel(_noncausal_phase
 
 def noncausal_aggregate(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, normalize=True,
                         block=None, pieces=None, rule=RULE_ADDITIVE):
-    """Launcher (the method table's forward signature): H updated in place, ``out`` written.
+    """Launcher (the forward contract, ``docs/launchers.md``): H updated in place, ``out`` written.
 
-    q, k (B, N, F); v (B, N, M); H (B, F, M + 1) float64 C-contiguous, the
-    state ``[S | z]`` (context seen by every query), updated to include the
-    N tokens.  ``code``: inline feature map; ``eps``: normaliser floor or
-    None; ``normalize``: False writes ``phi(q)^T S`` undivided; ``inputs``: the rule's per-token inputs (none for the additive
-    rule, the only non-causal one).  ``check_finite``: raise ValueError
-    naming the first of q, k, v holding NaN or inf, or
-    :class:`~linattn_nb.ops._finite.NonFiniteResult` for finite inputs whose
-    outputs or state are not (found by the kernel while it reads and writes;
-    raised after it ran, ``out`` and ``H`` then unspecified).  ``pieces`` (per sequence) defaults to 1
-    when the flattened batch fills the threads and to ceil(threads / B)
-    otherwise (at least ``block`` tokens each).
+    H (B, F, M + 1) float64 is the context seen by every query, updated to include
+    the N tokens.  ``pieces`` (per sequence) defaults to 1 when the flattened batch
+    fills the threads and to ceil(threads / B) otherwise (at least ``block`` tokens each).
     """
     B, N, F = q.shape
     M = v.shape[2]

@@ -1,11 +1,8 @@
 """Numba CPU kernel of softmax attention, blocked with a running max.
 
-Kernel: :func:`softmax_kernel`; launcher: :func:`softmax_blocked`.  Work is
-split into (batch entry, query block) tasks run in parallel; each task streams
-over key blocks, keeping a running row maximum ``m``, a running normaliser
-``l`` and an unnormalised accumulator (the online softmax of Milakov &
-Gimelshein 2018, as used by FlashAttention).  Memory per task is
-O(block_q * (block_k + M)); the ``N x N`` matrix is never formed.
+(batch entry, query block) tasks run in parallel, each streaming over key blocks
+with a running row maximum, normaliser and unnormalised accumulator (the online
+softmax of Milakov & Gimelshein 2018); memory per task O(block_q (block_k + M)).
 """
 from __future__ import annotations
 
@@ -95,19 +92,13 @@ def _softmax_task(task, q, k, v, out, scale, causal, block_q, block_k, flags):
 
 
 def _softmax(q, k, v, out, scale, causal, block_q, block_k, flags):
-    """q (B, N, D), k (B, N, D), v (B, N, M) -> out (B, N, M).
+    """q (B, N, D), k (B, N, D), v (B, N, M) -> out (B, N, M); serial and parallel twins.
 
-    ``flags`` (B * ceil(N / block_q), 2) uint8 <- per task, whether an
-    element of its query block's rows of q, k or v is NaN or inf (q while it
-    is scaled into the task's scratch, k and v rows in one extra pass over
-    the task's own rows: O(N) reads against the O(N^2) work), and whether an
-    output or a row normaliser is.
-
-    Compiled twice (:mod:`linattn_nb.ops._twins`): :data:`softmax_kernel`,
-    tasks in parallel, and :data:`softmax_kernel_serial` for small problems.
+    ``flags`` (B * ceil(N / block_q), 2) uint8 <- per task, whether an element of its
+    query block's rows of q, k or v is NaN or inf (one extra O(N) pass for k and v),
+    and whether an output or a row normaliser is.
     """
     B, N, D = q.shape
-    M = v.shape[2]
     nqb = (N + block_q - 1) // block_q
     ntask = B * nqb
     for task in prange(ntask):
@@ -121,13 +112,11 @@ softmax_kernel_serial, softmax_kernel = serial_and_parallel(_softmax, fastmath=c
 def softmax_blocked(q, k, v, out, *, causal, scale, block_q=None, block_k=None, check_finite=False):
     """Launcher for :data:`softmax_kernel`; block sizes default to config.
 
-    Below ``config.SOFTMAX_SERIAL_MAX_WORK`` (B * N * N * (D + M), halved when
-    causal) or with a single task the serial kernel runs on the calling thread.
-    ``check_finite``: raise ValueError naming the first of q, k, v holding
-    NaN or inf, or :class:`~linattn_nb.ops._finite.NonFiniteResult` for
-    finite inputs whose outputs are not (the working dtype overflowed: e.g.
-    float32 scores of inputs of magnitude 1e19); found by the kernel, raised
-    after it ran (``out`` then unspecified).
+    Below ``config.SOFTMAX_SERIAL_MAX_WORK`` (B * N * N * (D + M), halved when causal)
+    or with a single task the serial kernel runs.  ``check_finite``: ValueError naming
+    the first of q, k, v holding NaN or inf, or
+    :class:`~linattn_nb.ops._finite.NonFiniteResult` for finite inputs whose outputs
+    are not; raised after the kernel ran (``out`` then unspecified).
     """
     block_q = int(config.SOFTMAX_BLOCK_Q if block_q is None else block_q)
     block_k = int(config.SOFTMAX_BLOCK_K if block_k is None else block_k)

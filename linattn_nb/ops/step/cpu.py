@@ -1,15 +1,7 @@
 """Numba CPU kernels of recurrent decoding: state step, query, prefill; KV-cache step.
 
-State layout (see the package docstring): ``St`` of shape (B, M, F) holds
-``S^T`` per batch entry, ``z`` (B, F); both in the state dtype.  Inputs q, k
-(B, T, D) are raw (``code`` > 0, the elementwise map is applied inline by
-:func:`linattn_nb.ops._common.phi`, through :func:`phi_row`) or already
-features (code 0); v is (B, T, M).  Every kernel takes all batch*heads in one
-call.
-
-Step semantics are those of the causal scan (:mod:`linattn_nb.ops.causal.cpu`):
-token t first updates the state, then reads it; the normaliser is
-accumulated in float64 and floored at ``eps`` (``-inf``: no floor, raw division).
+The state is ``St`` (B, M, F) = ``S^T`` per batch entry and ``z`` (B, F), in the
+state dtype.  Design: ``docs/design-cpu.md``, "Decode-step kernels".
 """
 from __future__ import annotations
 
@@ -54,13 +46,8 @@ def _l2_row(x, out, code):
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def phi_row(x, out, code):
-    """out[:] = phi(x[:]) for the map ``code`` on one row (:func:`linattn_nb.ops._common.phi`).
-
-    The map's ELU+1 is a branch-free ``exp`` (:func:`linattn_nb.ops._vec.elu1`),
-    so the loop vectorises: libm's scalar ``exp`` would cost a large share of
-    a decode step, which evaluates 2 * H * D_phi of them.  The row maps
-    (``KERNEL_CODE_L2``, ``KERNEL_CODE_SILU_L2``) normalise the whole row
-    ``x``: pass one token's row (several rows: :func:`phi_rows`).
+    """out[:] = phi(x[:]) for the map ``code`` on one row (:func:`linattn_nb.ops._common.phi`), vectorised.
+    The row maps normalise the whole ``x``: pass one token's row (several: :func:`phi_rows`).
     """
     if code == KERNEL_CODE_L2 or code == KERNEL_CODE_SILU_L2:
         _l2_row(x, out, code)
@@ -107,11 +94,7 @@ def first_nonfinite(q, k, v):
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def _advance(v, St, z, out, fa, fc, b, t, eps):
     """Token t of batch entry b of the additive rule, features fa = phi(k_t), fc = phi(q_t) given: update,
-    then read (divided by the normaliser).
-
-    The row loop is the whole cost of a decode step: each row ``St[b, m]``
-    (D_phi contiguous values) is updated and dotted with phi(q) in one pass,
-    two rows per pass (they share the loads of phi(k) and phi(q)).
+    then read (divided by the normaliser); two rows of ``St[b]`` per pass.
     """
     F = St.shape[2]
     M = St.shape[1]
@@ -202,31 +185,19 @@ def _step_all(q, k, v, St, z, out, feat, code, eps, check, rule, lg, norm, read)
 def _step(q, k, v, St, z, out, feat, code, eps, check, rule, lg, norm, read):
     """T tokens of rule ``rule`` through the state of every batch entry: token t updates, then reads.
 
-    ``feat`` (2, B, F) scratch in the state dtype (phi(k), phi(q)); (3, B, F)
-    for the decay and gate rules (their factors).  ``lg`` (B, T, G) float64:
-    the rule's per-token inputs (:func:`linattn_nb.ops._rules.log_factors`).
-    ``norm`` the output mode (:func:`linattn_nb.ops._codes.norm_mode`;
-    ``NORM_NONE`` writes ``phi(q)^T S`` undivided).  ``read`` False absorbs
-    the tokens without outputs (the delta rules' prefill: ``q`` and ``out``
-    are not touched).  The per-rule parts are the step hooks of
-    :mod:`linattn_nb.ops._rules`.  Returns 0, or 1/2/3 (nothing modified)
-    when ``check`` finds q/k/v non-finite.
-
-    Compiled twice (:mod:`linattn_nb.ops._twins`): :data:`step_serial` (a
-    decode step is a few microseconds of work) and :data:`step_parallel`, the
-    batch entries in parallel.
+    ``feat`` (2, B, F) scratch in the state dtype (phi(k), phi(q)); (3, B, F) for
+    the decay and gate rules (their factors).  ``lg`` (B, T, G) float64 from
+    :func:`linattn_nb.ops._rules.log_factors`; ``norm`` the output mode; ``read``
+    False absorbs the tokens without outputs (``q``, ``out`` untouched).  Returns
+    0, or 1/2/3 (nothing modified) when ``check`` finds q/k/v non-finite.
     """
     return _step_all(q, k, v, St, z, out, feat, code, eps, check, rule, lg, norm, read)
 
 
 def _additive_step(q, k, v, St, z, out, feat, code, eps, check):
-    """The additive rule's decode step (``normalize=True``), with the signature of the launcher contract's
-    ``kernel``: kept apart from :func:`_step` and its hooks, whose form of it measured 5-10% slower at
-    H=16, D=M=64, float32 (the whole cost of a decode step is this loop).
-
-    Per token: the features of all batch entries in two vectorised passes,
-    then the row pass of each entry (:func:`_advance`); one parallel region
-    per token in the parallel twin.  Returns as :func:`_step`.
+    """The additive rule's decode step (``normalize=True``), kept apart from :func:`_step` for speed
+    (``docs/design-cpu.md``): the features of all batch entries in two vectorised passes, then the row
+    pass of each entry.  Returns as :func:`_step`.
     """
     if check:
         bad = first_nonfinite(q, k, v)
@@ -282,9 +253,9 @@ def pick_step_kernel(b, t, m, f):
 
 
 def _rule_entry(q, k, v, St, z, out, feat, code, eps, check, lg, norm):
-    """:func:`_step` of the decay (``lg`` (B, T, 1)) or gate rule (``lg`` (B, T, F)), the rule a constant, so that
-    the hooks' branches on it compile away: the single-token step of :func:`_step` (the rule an argument)
-    measured twice as long (20 against 40 us at H=16, D=M=64, float64; this entry and :func:`_delta_entry`)."""
+    """:func:`_step` of the decay (``lg`` (B, T, 1)) or gate rule (``lg`` (B, T, F)), the rule a constant so
+    that the hooks' branches compile away.
+    """
     return _step_all(q, k, v, St, z, out, feat, code, eps, check, RULE_DECAY, lg, norm, True)
 
 
@@ -327,11 +298,9 @@ def flat_inputs(inputs, B, T, F):
 def step(q, k, v, St, z, out, feat, *, code, eps, check, rule=RULE_ADDITIVE, inputs=None, normalize=True):
     """Launcher of the step kernels (serial below ``config.STEP_PARALLEL_MIN_WORK``).
 
-    q, k (B, T, D); v, out (B, T, M); St (B, M, F), z (B, F), feat (2 or 3,
-    B, F) scratch (see :func:`_step`), in the state dtype; q, k, v, out of
-    one float32/float64 dtype.  ``inputs``: the rule's per-token inputs
-    (:data:`linattn_nb.ops._codes.RULES`).  Returns 0, or 1/2/3 when q/k/v
-    is not finite (nothing modified).
+    q, k (B, T, D); v, out (B, T, M) of one float32/float64 dtype; St (B, M, F),
+    z (B, F), feat (2 or 3, B, F) scratch in the state dtype.  Returns 0, or 1/2/3
+    when q/k/v is not finite (nothing modified).
     """
     B, T, M, F = q.shape[0], q.shape[1], St.shape[1], St.shape[2]
     args = (q, k, v, St, z, out, feat, np.int64(code), eps_arg(eps), bool(check))
@@ -370,10 +339,8 @@ def output(acc, den, norm):
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
 def state_query_kernel(q, St, z, out, feat, code, eps, norm):
-    """out[b, t] = phi(q_t)^T S_b / max(phi(q_t)^T z_b, eps); the state is read only (any rule's).
-
-    ``norm`` the output mode (:func:`linattn_nb.ops._codes.norm_mode`; ``NORM_NONE`` writes the
-    numerators ``phi(q_t)^T S_b``).
+    """out[b, t] = phi(q_t)^T S_b / max(phi(q_t)^T z_b, eps) (``NORM_NONE``: the numerators); the state is
+    read only (any rule's).
     """
     B, T, _ = q.shape
     M = St.shape[1]
@@ -403,16 +370,8 @@ def state_query(q, St, z, out, feat, *, code, eps, normalize=True):
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
 def prefill_kernel(k, v, St, z, code, rule, lg, block):
-    """The state after T tokens of the additive, decay or gate rule, in blocks of ``block`` tokens through BLAS.
-
-    Within a block of n tokens, token s enters the block's end state scaled
-    by ``w_s = a_{s+1} ... a_{n-1}`` (per row; the factors of
-    :func:`linattn_nb.ops._rules.step_inputs`), built as a running product
-    from the end of the block (never a difference of log-factors, so a reset
-    gives exact zeros and no NaN); the state before the block is scaled by
-    ``w_0 a_0``.  Then ``S <- (w_0 a_0) (.) S + V^T (w (.) phi(K))`` is one
-    GEMM in the state dtype.  The additive rule has no factors: ``S += V^T
-    phi(K)``, and z accumulated token by token (the scan's order).
+    """The state after T tokens of the additive, decay or gate rule, in blocks of ``block`` tokens, one
+    GEMM each, with the factors as running products from the end of the block.
     """
     B, T, _ = k.shape
     M = St.shape[1]
@@ -473,7 +432,6 @@ def prefill(k, v, St, z, feat, *, code, rule=RULE_ADDITIVE, inputs=None, block=N
         prefill_kernel(k, v, St, z, np.int64(code), np.int64(rule), lg, block_arg(block))
 
 
-
 #: ``kind`` of :func:`fill_token_inputs`: factors in [0, 1], log-factors <= 0, write strengths in [0, 2].
 FILL_DECAY = 0
 FILL_LOG_DECAY = 1
@@ -482,13 +440,12 @@ FILL_BETA = 2
 
 @njit(cache=config.CACHE)
 def fill_token_inputs(x, out, kind, log_reset):
-    """Check one token's per-sequence inputs ``x`` (1-D, one value per batch entry, or a single value
-    for all) and write the kernels' form into ``out`` (1-D, float64): the log-factor (``-inf`` at or
-    below ``log_reset``) for ``FILL_DECAY``/``FILL_LOG_DECAY``, the value for ``FILL_BETA``.
+    """Check one token's per-sequence inputs ``x`` (1-D, one per batch entry, or one for all) and write
+    the kernels' form into ``out`` (float64): the log-factor (``-inf`` at or below ``log_reset``) for
+    ``FILL_DECAY``/``FILL_LOG_DECAY``, the value for ``FILL_BETA``.
 
-    Returns False, with ``out`` partly written, when a value is NaN or out of its range: the caller
-    then takes the validating path, whose error names the argument.  (The single-token fast path of
-    :class:`linattn_nb.LinearAttentionState`; no fast-math, so NaN compares as NaN.)
+    Returns False, ``out`` partly written, when a value is NaN or out of range (the caller then takes
+    the validating path).  No fast-math, so NaN compares as NaN.
     """
     n = out.shape[0]
     one = x.shape[0] == 1
@@ -511,11 +468,8 @@ def fill_token_inputs(x, out, kind, log_reset):
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def _kv_one(q, K, V, length, causal_new, out, scale, block, b):
-    """Every query of batch entry b against its cached keys: online softmax over key blocks.
-
-    Scores ``K_blk q`` and the weighted sum ``p^T V_blk`` are GEMVs: through BLAS
-    for blocks of at least 128 keys, as plain loops below (a BLAS call costs
-    more than a short block; docs/measurements-cpu.md).
+    """Every query of batch entry b against its cached keys: online softmax over key blocks (GEMVs through
+    BLAS from 128 keys a block, plain loops below).
     """
     T, D = q.shape[1], q.shape[2]
     M = V.shape[2]
@@ -579,15 +533,11 @@ def _kv_one(q, K, V, length, causal_new, out, scale, block, b):
 
 
 def _kv_attend(q, K, V, length, causal_new, out, scale, block):
-    """Softmax of each query against the cached keys, blocked with a running max.
+    """Softmax of each query against the cached keys, blocked with a running max; serial and parallel twins.
 
-    q (B, T, D) and the cache K (B, cap, D), V (B, cap, M) share one dtype; the
-    first ``length`` cache rows are valid.  With ``causal_new`` the T queries
-    are the last T cached tokens and query t sees keys ``< length - T + t + 1``;
-    else every query sees all ``length`` keys.  Scores and probabilities are
-    in the cache dtype (GEMV through BLAS per key block), the running
-    normaliser and accumulator in float64.  Compiled serial and parallel over
-    the batch (:data:`kv_attend_serial`, :data:`kv_attend_parallel`).
+    q (B, T, D), the cache K (B, cap, D), V (B, cap, M) of one dtype, its first
+    ``length`` rows valid.  ``causal_new``: the T queries are the last T cached tokens
+    and query t sees keys ``< length - T + t + 1``; else every query sees all.
     """
     for b in prange(q.shape[0]):
         _kv_one(q, K, V, length, causal_new, out, scale, block, np.int64(b))  # one helper type (see _step_all)
@@ -610,11 +560,8 @@ def _kv_append(k, v, K, V, length):
 
 
 def _kv_step(q, k, v, K, V, length, out, scale, block, check):
-    """Check, append the T new tokens at ``length``, attend (the cache has room).
-
-    Returns 0, or 1/2/3 (nothing appended) when ``check`` finds q/k/v
-    non-finite.  Compiled serial and parallel over the batch
-    (:data:`kv_step_serial`, :data:`kv_step_parallel`).
+    """Check, append the T new tokens at ``length``, attend (the cache has room).  Returns 0, or 1/2/3
+    (nothing appended) when ``check`` finds q/k/v non-finite.
     """
     if check:
         bad = first_nonfinite(q, k, v)
@@ -637,11 +584,7 @@ def pick_kv_kernel(b, t, length, d, m):
 
 
 def kv_attend(q, K, V, length, out, *, scale, causal_new, block=None):
-    """Launcher: the parallel kernel from ``config.KV_PARALLEL_MIN_WORK`` multiply-adds on.
-
-    (A parallel region waits for every thread: on a busy machine that can cost a
-    scheduler time slice, milliseconds, which would swamp short contexts.)
-    """
+    """Launcher: the parallel kernel from ``config.KV_PARALLEL_MIN_WORK`` multiply-adds on."""
     block = int(config.KV_BLOCK if block is None else block)
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")

@@ -1,18 +1,11 @@
 """NumPy references for recurrent decoding (ground truth for the step kernels).
 
-Everything in float64, token by token, written the way "Transformers are RNNs"
-(Katharopoulos et al. 2020, Eqs. 18-19) states the recurrence, with the
-update rules of :mod:`linattn_nb.ops._codes`:
-``S_t = a_t (.) S_{t-1} + phi(k_t) v_t^T``, ``z_t = a_t (.) z_{t-1} + phi(k_t)``,
-``o_t = phi(q_t)^T S_t / phi(q_t)^T z_t`` (token t included; ``normalize=False``
-returns ``phi(q_t)^T S_t``).  ``a_t`` is 1 for the additive rule,
-``exp(log_decay[b, t])`` for the decay rule (one factor for every row) and
-``exp(log_gate[b, t, i])`` for row i under the gate rule; ``exp(-inf) = 0``
-wipes the state exactly.  The delta rules correct the state instead of adding
-to it (on ``H = [S | z]``, every column alike, with ``k = phi(k_t)``):
-``H_t = a_t (I - beta_t k k^T) H_{t-1} + beta_t k [v_t 1]``, ``a_t = 1`` for
-the delta rule and ``exp(log_decay[b, t])`` for the gated delta rule.  The softmax reference attends, for new token ``t``,
-to every cached key and to the new keys up to and including ``t``.
+Everything in float64, token by token (Katharopoulos et al. 2020, Eqs. 18-19):
+``H_t = a_t (.) H_{t-1} + phi(k_t) [v_t 1]^T`` for the additive (``a_t = 1``),
+decay and gate rules, ``H_t = a_t (I - beta_t k k^T) H_{t-1} + beta_t k [v_t 1]^T``
+for the delta rules, ``o_t = phi(q_t)^T S_t / phi(q_t)^T z_t`` (token t included);
+``exp(-inf) = 0`` wipes the state exactly.  The softmax reference attends, for
+new token ``t``, to every cached key and to the new keys up to ``t``.
 """
 from __future__ import annotations
 
@@ -65,27 +58,12 @@ def _token_update(rule, inputs, a, kf, v, S, z, t):
 
 
 def state_step_reference(qf, kf, v, S, z, *, eps, rule="additive", inputs=None, normalize=True):
-    """Recurrent step over T tokens.
+    """Recurrent step over T tokens from ``S`` (B, F, M), ``z`` (B, F) (not modified).
 
-    Parameters
-    ----------
-    qf, kf : ndarray, shape (B, T, F)
-        Features phi(q), phi(k).
-    v : ndarray, shape (B, T, M)
-    S, z : ndarray, shape (B, F, M) and (B, F)
-        State before the first token (not modified).
-    eps : float or None
-        Floor of the normaliser; None divides raw.
-    rule : {"additive", "decay", "gate", "delta", "gated_delta"}
-    inputs : dict or None
-        The rule's log-factors and write strengths (:func:`token_factors`).
-    normalize : bool
-        False returns the numerators ``phi(q_t)^T S_t``.
-
-    Returns
-    -------
-    out : ndarray (B, T, M) float64
-    S, z : the state after the last token, float64
+    ``qf, kf`` (B, T, F) features, ``v`` (B, T, M); ``eps`` the normaliser floor (None:
+    raw); ``rule`` a rule name; ``inputs`` its log-factors and write strengths
+    (:func:`token_factors`); ``normalize`` False returns the numerators.  Returns
+    ``(out, S, z)`` float64: the outputs (B, T, M) and the state after the last token.
     """
     qf = np.asarray(qf, dtype=np.float64)
     kf = np.asarray(kf, dtype=np.float64)
