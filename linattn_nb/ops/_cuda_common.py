@@ -7,17 +7,12 @@ from __future__ import annotations
 import math
 import threading
 
-import numpy as np
 from numba import config as _nbconfig
 from numba import cuda, float64, uint32
 
 from ._codes import (KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_RELU, KERNEL_CODE_SILU_L2,
                      KERNEL_CODE_SQUARED_RELU, RULE_ADDITIVE, RULE_DECAY, RULE_DELTA, RULE_GATE,
                      RULE_GATED_DELTA)
-
-# NaN of the narrowest accumulation type: it unifies with float32 and float64
-# alike, so a hook's fallback does not widen a float32 kernel to float64.
-_NAN32 = np.float32(np.nan)
 
 
 def _simulated_shfl_xor_sync(self, mask, value, lane_mask):
@@ -168,13 +163,9 @@ def is_row_map(code):
 def l2_normalize_row(a, t, n):
     """Divide ``a[t, :n]`` by its Euclidean norm in place (the L2 half of codes 4 and 5).
 
-    Exact, with no epsilon: the sum of squares, the square root and the
-    division run in float64 whatever ``a``'s dtype (so a float32 row whose
-    squares overflow float32 is still normalised, as in the NumPy maps of
-    :mod:`linattn_nb.feature_maps`), and the quotient is rounded once to
-    ``a``'s dtype.  A zero row stays zero; a row holding NaN becomes NaN (the
-    kernels propagate NaN, where the NumPy map gives 0).  ``a`` is any 2-d
-    array: the kernels pass a row of their shared-memory tile.
+    No epsilon; the sum of squares, root and division run in float64 and the quotient
+    is rounded once, so a float32 row whose squares overflow is still normalised.  A
+    zero row stays zero; a NaN row becomes NaN (the NumPy map gives 0).
     """
     ss = 0.0
     for i in range(n):
@@ -211,15 +202,10 @@ def is_delta_rule(rule: int) -> bool:
 
 @cuda.jit(device=True, inline=True)
 def carry(rule, before, inc, f):
-    """State element after a chunk.
+    """State element after a chunk: ``before + inc`` (additive) or ``f before + inc`` (decay, gate).
 
-    ``before``: the element of the state before the chunk; ``inc``: the same
-    element of the chunk's own contribution (the chunk's state when started
-    from zero); ``f``: the chunk's total factor of the element's row (the
-    product of its tokens' factors, 0 when the chunk holds a reset; unused by
-    the additive rule).  Additive: ``before + inc``; decay and gate:
-    ``f before + inc``.  An unknown code gives NaN rather than a plausible
-    state.
+    ``inc``: the chunk's own contribution (its state from zero); ``f``: the chunk's
+    total factor of the element's row (0 across a reset).  An unknown code gives NaN.
     """
     if rule == RULE_ADDITIVE:
         return before + inc

@@ -57,24 +57,11 @@ def _limit() -> int:
 
 
 def workspace(tag, shape, dtype):
-    """A C-contiguous device array of ``shape`` and ``dtype`` for a temporary of one call.
+    """A C-contiguous device array of ``shape`` and ``dtype`` for a temporary of one call; contents undefined.
 
-    Contents are undefined (what the previous user left).  The same array is
-    returned to the next request with the same ``tag``, shape and dtype from
-    the same thread and CUDA context, while the pool holds it (module
-    docstring).
-
-    Parameters
-    ----------
-    tag : hashable
-        Names the role of the buffer (e.g. ``"seq.chunk_states"``); buffers
-        alive at the same time need different tags.
-    shape : tuple of int
-    dtype : numpy dtype-like
-
-    Returns
-    -------
-    device array
+    The same array comes back for the next request with the same ``tag`` (the
+    buffer's role; buffers alive at the same time need different tags), shape and
+    dtype from the same thread and CUDA context, while the pool holds it.
     """
     shape = tuple(int(s) for s in shape)
     dt = np.dtype(dtype)
@@ -164,15 +151,12 @@ def _count_range_py(x, lo, hi, counters, slot):
 
 
 def _rule_input_py(x, dst, mode, lo, hi, reset, counters, slot):
-    """dst (C-contiguous 1-d float64) <- the 4-d array x (B1, B2, N, W), any strides (0 broadcasts),
-    in the working form of a rule input, and counters[slot] += entries that are NaN or outside [lo, hi]
-    (each element of x once: along a broadcast axis, stride 0, only at index 0).
+    """dst (C-contiguous 1-d float64) <- the 4-d array x (B1, B2, N, W), any strides (0 broadcasts), in
+    the working form of a rule input; counters[slot] += entries that are NaN or outside [lo, hi].
 
-    ``mode`` 1: linear factors, stored as their log (0 -> -inf); 0: log-factors,
-    copied; 2: other values (``beta``), copied.  A log-factor at or below
-    ``reset`` (exp of it is 0 in float64) is stored as -inf, as the host path
-    stores it.  An entry out of range is stored as NaN
-    (the call raises after its one read of the counters).
+    ``mode`` 1: linear factors, stored as their log (0 -> -inf); 0: log-factors; 2:
+    other values (``beta``).  A log-factor at or below ``reset`` is stored as -inf;
+    an entry out of range as NaN (the call raises after its one read of the counters).
     """
     A, Bn, N, W = x.shape
     s0, s1, s2, s3 = x.strides

@@ -57,16 +57,10 @@ def normalize_staged_rows(sq, sk, nt, tid, nth, F, update, write_out):
 def rescale_tile(sq, sk, sv, sa, sp, nt, tid, nth, fp, mbp, per_row, keys, values, tau, one):
     """The staging side of a rescaled tile (docs/cuda_kernels.md, "Rescaled tiles"), for the whole block.
 
-    ``sa`` (T, W): the tile's factors (per row when ``per_row``, else column
-    0).  Decides with one ``syncthreads_or`` whether every running factor
-    ``P_t = a_0 ... a_t`` of the ``nt`` tokens stays >= ``tau``; if so scales
-    the staged ``phi(q_t)`` rows by ``P_t`` and, with ``keys``, the
-    ``phi(k_t)`` rows by ``1 / P_t`` (decay, gate) or, with ``values``, the
-    ``mbp`` value columns by ``1 / P_t`` (gated delta), stores each row's
-    ``P`` in ``sp`` (``per_row``) and synchronises.  Returns ``(whole,
-    ptile)``: whether the tile is rescaled, and its factor (one factor for
-    every row; 1 when ``per_row``).  The products run forwards in factors <=
-    1, never as ratios of cumulative products.
+    Decides with one ``syncthreads_or`` whether every running factor ``P_t`` of the
+    ``nt`` tokens stays >= ``tau``; if so scales the staged rows (``phi(q_t)`` by
+    ``P_t``; ``phi(k_t)`` or, with ``values``, the value columns by ``1 / P_t``).
+    Returns ``(whole, ptile)``: whether the tile is rescaled, and its factor.
     """
     low = 0
     for i in range(tid, fp, nth):

@@ -60,14 +60,10 @@ def cast_copy_kernel(src, dst):
 
 @cuda.jit(cache=CACHE)
 def chunk_factors_kernel(lf, L, nchunks, Af):
-    """Every chunk's total factor: ``Af[b * nchunks + c, w] = exp(sum of lf[b, t, w])``.
+    """Every chunk's total factor (B * nchunks, W) float64: ``Af[b * nchunks + c, w] = exp(sum lf[b, t, w])``.
 
-    lf : (B, N, W) float64 or float32 log-factors of the rule (W = 1: decay, W = F:
-    gate); chunk ``c`` is tokens ``[c L, min(N, (c + 1) L))``.  The sum runs
-    in float64 (each log-factor converted to float64 first, whatever the
-    dtype of ``lf``) and is never differenced: a reset (``-inf``) in the chunk
-    makes the sum ``-inf`` and the factor exactly 0, with no NaN.  Af :
-    (B * nchunks, W) float64.
+    The sum runs in float64 and is never differenced: a reset (``-inf``) in the chunk
+    gives exactly 0, no NaN.  Chunk ``c`` is tokens ``[c L, min(N, (c + 1) L))``.
     """
     B, N, W = lf.shape
     total = B * nchunks * W
@@ -86,18 +82,12 @@ def chunk_factors_kernel(lf, L, nchunks, Af):
 
 @cuda.jit(cache=CACHE)
 def chunk_scan_states_kernel(Hc, H, Htot, Af, nchunks, exclusive, write_tot, rule):
-    """Combine per-chunk contributions with the initial state, in float64.
+    """Combine the chunks' contributions ``Hc`` (B * nchunks, F, M + 1) with the initial state ``H``.
 
-    Hc : (B * nchunks, F, M + 1) per-chunk contributions (each chunk's state
-    from zero), accumulation dtype.  H : (B, F, M + 1) float64, the initial
-    state, replaced by the final state.  Af : (B * nchunks, W) float64, every
-    chunk's total factor (:func:`chunk_factors_kernel`; W = 1: one per chunk,
-    W = F: one per state row), not read for the additive rule (pass any
-    (1, 1) float64 array).  Per state element, the running state goes through
-    the chunks with :func:`linattn_nb.ops._cuda_common.carry` of ``rule``.
-    With ``exclusive`` Hc is replaced by the state before each chunk (causal
-    chunked); with ``write_tot`` Htot (B, F, M + 1) receives the final state
-    too, in Htot's dtype (non-causal query phase).
+    ``H`` becomes the final state; ``Af`` every chunk's total factor (not read by
+    the additive rule); each element goes through the chunks with the rule's
+    :func:`linattn_nb.ops._cuda_common.carry`.  ``exclusive``: Hc <- the state before
+    each chunk; ``write_tot``: Htot <- the final state too, in Htot's dtype.
     """
     B, F, M1 = H.shape
     W = Af.shape[1]

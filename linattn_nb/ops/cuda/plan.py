@@ -1,11 +1,7 @@
 """Launch planning of the sequence kernel: its limits, the choice of ``(R, C, G, MB, T)``, and threads.
 
-:func:`seq_config` picks the configuration of one of the three thread
-layouts (owner, row groups, tiles) for a feature and value dimension, an
-accumulation dtype and a rule; :func:`tiles_fits` and :func:`owner_fits`
-say where the tile and owner layouts apply; :func:`threads_per_block` and
-:func:`helper_grid` size the launches.  The constants bound registers,
-threads and shared memory.  The design is described in ``docs/cuda_kernels.md``.
+The constants bound registers, threads and shared memory; the design is in
+``docs/cuda_kernels.md``, "Choosing the configuration".
 """
 from __future__ import annotations
 
@@ -99,43 +95,13 @@ def _pad_rows(F: int, acc_itemsize: int) -> int:
 
 def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE, layout: str = "owner"
                ) -> tuple[int, int, int, int, int]:
-    """Choose ``(R, C, G, MB, T)`` for feature dimension ``F``, value dimension ``M``.
+    """Choose ``(R, C, G, MB, T)`` for feature dimension ``F``, value dimension ``M`` in ``layout``.
 
-    Three layouts (docs/cuda_kernels.md); ``layout="rows"`` asks for row groups
-    where the owner layout would apply (more threads per sequence: the
-    launchers' choice when the owner layout's blocks would leave the GPU
-    short of warps, :func:`linattn_nb.ops._cuda_launch.seq_layout`), and
-    ``layout="tiles"`` for the tile layout, ``(FP, 4, 0, MB, FP / 4)`` with
-    ``FP`` = ``F`` padded to 4 and ``MB`` = min(M, ``config.CUDA_VALUE_COLS``,
-    :data:`TILES_MAX_COLS`), where :func:`tiles_fits` (else the owner
-    layout's rules):
-
-    * **owner** (``G = 1``; rules other than the delta rules, ``F`` padded
-      to whole 16-byte vectors at most :data:`OWNER_MAX_ROWS`, ``layout``
-      "owner"): ``R`` = the padded ``F``, ``C = 1``, ``MB`` = min(M, ``config.CUDA_VALUE_COLS``,
-      :data:`MAX_SEQ_THREADS`) value columns, one thread per column.  Only
-      while a thread's registers of state, its column's ``R`` rows and its
-      ``ceil(R / MB)`` rows of the normaliser, stay within
-      :data:`MAX_TILE_WORDS` + 32 words (float64 counts two): a float64
-      ``D_phi = 64`` with one value column would spill.
-    * **row groups**: ``C`` = ``config.CUDA_COLS_PER_THREAD`` and ``R`` =
-      ``config.CUDA_ROWS_PER_THREAD`` the register tile of a thread (the delta
-      rules: ``CUDA_DELTA_COLS_PER_THREAD``, ``CUDA_DELTA_ROWS_PER_THREAD``); ``R`` doubled
-      (up to ``config.CUDA_MAX_ROWS_PER_THREAD``; the delta rules in float64:
-      :data:`MAX_DELTA_ROWS_F64`) while the block would
-      exceed min(``config.CUDA_MAX_THREADS``, :data:`MAX_SEQ_THREADS`)
-      threads, ``C`` halved while the tile exceeds :data:`MAX_TILE_WORDS`
-      registers (the delta rules in float64: half that), then ``MB`` halved
-      until the block fits.
-
-    ``T`` tokens per shared-memory tile: at most ``config.CUDA_TILE_TOKENS``,
-    within ``config.CUDA_SHARED_BYTES`` (static shared memory, at most 48 KiB)
-    and, down to 8 tokens, small enough for :data:`TARGET_WARPS` resident warps
-    per multiprocessor.  A rule with per-token factors (``rule``) stages them
-    too: one more value per token, or one per padded feature row; the delta
-    rules stage two values per token and keep a reduction buffer of
-    ``2 G MBP`` values.  Every configuration has at most
-    :data:`MAX_SEQ_THREADS` threads, so registers x threads <= 65,536.
+    ``layout`` "owner" (falls back to row groups where it does not apply), "rows"
+    or "tiles" (where :func:`tiles_fits`, else the owner layout's rule).  The rules
+    of each layout: ``docs/cuda_kernels.md``, "Choosing the configuration".  Every
+    configuration has at most :data:`MAX_SEQ_THREADS` threads, so registers x
+    threads <= 65,536.
 
     Raises
     ------

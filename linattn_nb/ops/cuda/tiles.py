@@ -91,29 +91,8 @@ def _log_sum(sl, lo, hi, zero):
 
 
 def tiles_kernel(FP, MB, acc, code, off32, vec, rule=RULE_ADDITIVE):
-    """The tile layout (``G == 0``; every rule of :data:`TILES_RULES`): see docs/cuda_kernels.md.
-
-    The gate rule (``H_t = diag(a_t) H_{t-1} + k_t [v_t | 1]^T``, a factor per feature row): the
-    tile's ``T`` tokens are cut into blocks of 4, and one pass (a thread per feature row) forms from
-    the factors ``a_{r,f}`` of the tile's tokens, as products taken forwards (never a ratio, so a
-    reset, ``a = 0``, gives exact zeros): ``pi_t`` = the factors of ``t``'s block up to ``t``
-    (inclusive), ``sigma_s`` = those after ``s`` in its block, each block's product ``beta_b`` and
-    the products of every run of whole blocks (rows of ``sz``), and the products of 1 and 2 factors
-    inside a block.  With ``q_t pi_t`` and ``k_s sigma_s`` staged in the second halves of ``sq`` and
-    ``sk``, every weight ``a_{s+1} ... a_t`` of a score is one row of ``sz`` (:func:`_gate_score_rows`),
-    the start state's factor of token ``t`` is ``pi_t`` times the blocks before ``t``'s, and key
-    ``s``'s share of the end state ``sigma_s`` times the blocks after ``s``'s: a pass after the scores
-    multiplies the staged rows by those runs in place, and the loops that read the start state and
-    update the state are the additive rule's.
-
-    The delta rules: the tile's ``beta`` staged next to its log-decays (the gated rule's: as the
-    decay rule's); the pass of the scores also forms ``sL[t, s] = beta_t a_{s+1} ... a_t
-    phi(k_t)^T phi(k_s)``, ``s < t`` (thread ``NTRI + e`` takes entry ``e`` first); then threads
-    ``j < T`` solve ``L x = beta_j e_j`` forwards into column ``j`` of ``sw`` (``W = L^-1
-    diag(beta)``, 0 above the diagonal: ``beta = 0`` writes exact zeros) while every thread turns
-    its own entries of ``sv`` into ``Y = [v_t | 1] - a_0 ... a_t phi(k_t)^T [S | z]``; after a
-    barrier each thread forms its token's row of ``U' = W Y`` (``sU``) and after another the
-    outputs and the state read ``sU`` where the other rules read ``sv``.
+    """The tile layout (``G == 0``; every rule of :data:`TILES_RULES`).  The gate rule's products over
+    blocks of 4 tokens and the delta rules' WY/UT solve per tile: ``docs/cuda_kernels.md``, "Tiles".
     """
     acc_t = ACC_TYPES[acc]
     # one log-factor per token (the decay rule; the gated delta rule's column 0): the tile's weights,

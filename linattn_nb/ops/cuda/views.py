@@ -39,12 +39,10 @@ def strided_view(x, shape, strides):
 
 
 def as_4d(x):
-    """View a device array of shape (..., N, F) as (B1, B2, N, F) without copying.
+    """View a device array of shape (..., N, F) as (B1, B2, N, F) without copying, or None.
 
-    The last leading dimension becomes B2 and the ones before it are merged
-    into B1, which needs their strides to be nested (true for any contiguous
-    array and for the usual transposes such as (B, N, H, D) -> (B, H, N, D)).
-    Returns None when they cannot be merged.
+    The last leading dimension becomes B2 and the ones before it merge into B1, which
+    needs nested strides (any contiguous array, the usual transposes).
 
     Raises
     ------
@@ -79,12 +77,9 @@ def as_4d(x):
 
 
 def flat_view(x):
-    """``(view, strides)`` of device array ``x`` for the sequence kernel.
-
-    ``view``: a 1-d C-contiguous view from ``x``'s first element over every
-    element ``x`` addresses (no copy); ``strides``: ``x``'s strides in
-    elements (0 for a dimension of size 1, which takes no part in
-    addressing).
+    """``(view, strides)`` of device array ``x`` for the sequence kernel: a 1-d view from its first
+    element over every element it addresses (no copy), and its strides in elements (0 for a
+    dimension of size 1).
 
     Raises
     ------

@@ -22,28 +22,8 @@ _BACKWARD_KERNELS: dict = {}
 def causal_backward_kernel(MB: int):
     """The causal backward kernel for blocks of ``MB`` state columns (every update rule).
 
-    Launch with ``grid=(B, ceil(M' / MB))`` and any number of threads
-    (loops stride by the block size; :func:`backward_threads`)::
-
-        kernel(qf, kf, v1, g1, H0, dHN, has_dhn, lf, ck, hs, D, dv, pq, pk, pf, pb, L, nchunks, rule)
-
-    ``qf, kf`` (B, N, F), ``v1, g1`` (B, N, M'): the working dtype, any
-    strides.  ``H0`` (B, F, M') float64; ``dHN`` (B, F, M') float64, read
-    when ``has_dhn`` (else any 3-d float64 array).  ``lf`` (B, N, W)
-    float64 or float32 (each log-factor converted to float64 before its exp):
-    the rule's log-factors as the forward kernels take them
-    (:func:`linattn_nb.ops._cuda_launch.rule_factors`; column 1 is ``beta``
-    for the delta rules, always float64).  Scratch, float64: ``ck`` (B, max(nchunks - 1, 1),
-    F, M'), ``ck[b, c]`` the state before chunk ``c + 1``; ``hs`` (B, L + 1,
-    F, M'), a chunk's token states.  Results: ``D`` (B, F, M') float64, ``dH0`` on return; ``dv``
-    (B, N, M') the working dtype; float64 partials per column block ``cb``:
-    ``pq, pk`` (nCB, B, N, F), ``pf`` (nCB, B, N, F) for the gate rule,
-    (nCB, B, N, 1) for the decay and gated delta rules, ``pb`` (nCB, B, N, 1)
-    for the delta rules (otherwise placeholders never written).  ``L``:
-    tokens per chunk, ``nchunks = ceil(N / L)``.  ``rule``: the update-rule
-    code (:data:`linattn_nb.ops._codes.RULES`), a kernel argument: its
-    branches are uniform over the grid, and one compiled kernel per dtype
-    serves every rule.
+    Grid ``(B, ceil(M' / MB))``, any number of threads (:func:`backward_threads`).  The
+    arguments, scratch and partial results: ``docs/cuda_kernels.md``, "Backward kernels".
     """
     MB = int(MB)
     kern = _BACKWARD_KERNELS.get(MB)

@@ -104,7 +104,7 @@ def column_blocks(M1: int) -> tuple[int, int]:
 
 
 def backward_scan_cuda(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADDITIVE, chunk_size=None):
-    """Gradients of causal linear attention on the GPU (``docs/cuda_kernels.md``; contract: :mod:`linattn_nb.ops.grad`).
+    """Gradients of causal linear attention on the GPU (contract: ``docs/launchers.md``).
 
     ``chunk_size``: tokens between two checkpoints of the state (default
     ``config.CUDA_CHUNK_SIZE``); memory grows with ``N / chunk_size`` checkpoints
@@ -113,10 +113,10 @@ def backward_scan_cuda(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_A
     Raises
     ------
     ValueError
-        For an unknown rule code, inputs other than the rule's or of the
-        wrong shape, mismatched shapes, negative strides, or ``chunk_size`` < 1.
+        For an unknown rule code, inputs other than the rule's or of the wrong
+        shape, mismatched shapes, negative strides, or ``chunk_size`` < 1.
     TypeError
-        For host arrays or wrong dtypes (``docs/cuda_kernels.md``).
+        For host arrays or wrong dtypes.
     """
     rule = check_rule_inputs(rule, inputs)
     (qf, kf, v1, H0, g1, dHN), (B, N, F, M1, work) = _check(qf, kf, v1, H0, g1, dHN)

@@ -1,14 +1,8 @@
-"""CUDA launcher of non-causal linear attention: aggregate, then query.
+"""CUDA launcher of non-causal linear attention (additive rule): aggregate, then query.
 
-Launcher contract as in :mod:`linattn_nb.ops.causal.cuda`.  Three launches:
-(1) the state increment ``sum phi(k_j) v_j^T``, ``sum phi(k_j)`` of every
-chunk of ``config.CUDA_CHUNK_SIZE`` tokens, in parallel over (batch, chunk,
-column block); (2) the sum over chunks plus the initial state, in float64,
-which is the final state; (3) every token reads that state:
-``o_i = phi(q_i)^T S / max(phi(q_i)^T z, eps)`` (Katharopoulos et al. 2020,
-Eq. 7; ``normalize=False``: ``o_i = phi(q_i)^T S``), in parallel over
-(batch, chunk of queries, column block).  Additive rule only.  The passes
-are those of :mod:`linattn_nb.ops._cuda_launch`.
+Three launches: every chunk's state increment, their float64 sum with the initial
+state (the final state), and every token's read of it (Katharopoulos et al. 2020,
+Eq. 7).  The passes are those of :mod:`linattn_nb.ops._cuda_launch`.
 """
 from __future__ import annotations
 

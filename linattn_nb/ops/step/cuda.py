@@ -107,22 +107,12 @@ def raise_flag(flag, bad):
 def step_py(q, k, v, S, z, S2, z2, out, feat, lg, flag, check, code, eps, norm, rule, read, zero, one):
     """One block per batch entry b; per token: features (strided over i), barrier, columns m.
 
-    Reads the state from ``S, z`` at the first token and from ``S2, z2`` after
-    it, writes ``S2, z2`` (which may be ``S, z``).  ``check``: OR the bits of
-    the inputs holding NaN or inf into ``flag[0]``.  ``lg`` (B, T, G): the
-    rule's per-token inputs (:func:`linattn_nb.ops._cuda_launch.rule_factors`).
-    ``read`` False: no outputs (the delta rules' prefill; ``q`` and ``out``
-    are not read or written).
-
-    Per token: the factors of the decay and gate rules go to row 3 of
-    ``feat`` (rounded once to the state dtype), features to rows 0 and 1,
-    the z update with the normaliser's terms to row 2; barrier.  The delta
-    rules (:func:`linattn_nb.ops._cuda_common.step_element`) first need
-    ``k^T z``: thread 0 stores the token's factor ``a`` and ``beta`` in row 3,
-    the features' terms of ``k^T z`` go to row 2, barrier, every thread sums
-    them, barrier, then the z update, barrier.  Then one thread per column m:
-    (the delta rules: ``k^T S[:, m]``) the update of column m and its read,
-    all in the state dtype (:func:`linattn_nb.ops._cuda_common.step_element`).
+    Reads the state from ``S, z`` at the first token and from ``S2, z2`` after it,
+    writes ``S2, z2`` (which may be ``S, z``).  ``check``: OR the bits of the inputs
+    holding NaN or inf into ``flag[0]``.  ``lg`` (B, T, G) the rule's per-token
+    inputs; ``read`` False: no outputs (``q``, ``out`` untouched).  The delta rules
+    take two more barriers per token for ``k^T z`` (``feat`` rows: 0, 1 features,
+    2 the z terms, 3 the factors; ``docs/cuda_kernels.md``).
     """
     b = cuda.blockIdx.x
     tid = cuda.threadIdx.x
@@ -195,12 +185,8 @@ def step_py(q, k, v, S, z, S2, z2, out, feat, lg, flag, check, code, eps, norm, 
 
 def prefill_py(k, v, S, z, S2, z2, lg, flag, check, code, rule, zero, one):
     """Thread (b, i, m): the element ``S[b, i, m]`` after the T tokens, stored in ``S2``; z by the m = 0
-    threads.  ``check``: the m = 0 threads test k, the i = 0 threads v.  Not for the delta rules.
-
-    Additive: ``S + sum_t phi(k_ti) v_tm`` (the sum in a register of the state
-    dtype).  Decay and gate: ``s <- a_ti s + phi(k_ti) v_tm`` token by token
-    (:func:`linattn_nb.ops._cuda_common.step_element`); the factor is float64,
-    so the running element is too (one register; stored in the state dtype).
+    threads.  ``check``: the m = 0 threads test k, the i = 0 threads v.  Not for the delta rules; the
+    decay and gate rules' running element is float64 (one register).
     """
     b = cuda.blockIdx.x
     i = cuda.blockIdx.y
