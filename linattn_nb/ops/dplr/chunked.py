@@ -1,24 +1,7 @@
 """The chunkwise-parallel CPU form of the DPLR recurrence (``method="chunked"``): GEMMs per chunk.
 
-Each token's ``r`` sub-steps are flattened into a sequence of steps (the diagonal ``D`` at a token's
-first step only, the read-out at its last).  Within a chunk of steps starting from the state
-``H0``, with ``gamma_t = prod_{s <= t} d_s`` (per feature, cumulative within the chunk), the state
-is ``H_t = gamma_t * (H0 + sum_{s <= t} b_s / gamma_s w_s^T + kw_s / gamma_s [vw_s 1]^T)`` where
-``w_t = a_t^T H_{t-1}`` (the WY/UT form of the delta rule's chunked algorithm, Yang et al. 2024,
-generalised to a diagonal and a low-rank part per step).  With ``a^_t = a_t gamma_{t-1}``,
-``b^_t = b_t / gamma_t``, ``k^_t = kw_t / gamma_t``, ``q^_t = phi(q_t) gamma_t`` and
-``U = [VW 1]``:
-
-* ``W = (I - tril(A^ B^T, -1))^{-1} (A^ H0 + tril(A^ K^T, -1) U)`` (one unit lower-triangular
-  solve, forward substitution);
-* ``O = Q^ H0 + tril(Q^ B^T) W + tril(Q^ K^T) U`` (the diagonal included);
-* ``H_C = gamma_C H0 + (gamma_C / gamma_s b_s)^T W + (gamma_C / gamma_s kw_s)^T U`` (every ratio <= 1).
-
-The divisions by ``gamma`` stay in range: a chunk ends before a token whose cumulative log-diagonal
-(any feature) would fall below :data:`LOG_CUT` within it, and a token whose own log-diagonal does
-(a reset, ``-inf``, included) is applied by the scan, from the state, on its own: ``D + b a^T`` with
-``D = 0`` still reads the state through ``a``.  No difference of cumulative logs spans a reset.
-Chunks hold whole tokens (``max(1, C // r)`` of them, ``C`` steps); the state is float64.
+The WY/UT form generalised to a diagonal and a low-rank part per step; chunks end
+before the cumulative diagonal leaves float64's range.  Design: ``docs/dplr.md``, "Kernels".
 """
 from __future__ import annotations
 

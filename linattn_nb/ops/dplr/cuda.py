@@ -1,19 +1,7 @@
 """The CUDA scan of the DPLR recurrence: one block per sequence, one thread per state column.
 
-The column-owner layout: thread ``m`` of a block keeps column ``m`` of the state ``H = [S | z]``
-(its ``F`` float64 values) in a local array, so ``p_m = a^T H[:, m]``, the update
-``H_im <- d_i H_im + b_i p_m`` and the write ``H_im += kw_i [vw 1]_m`` need no sum across threads.
-Per token and sub-step the block stages ``a``, ``b``, the diagonal and ``kw`` (and at the first
-sub-step the query's features) in shared memory, one barrier, every thread updates its column,
-and after the last sub-step the thread of the normaliser column publishes ``phi(q)^T z`` in shared
-memory for the read-out (one more barrier).
-
-More than ``MAX_THREADS - 1`` value columns take more blocks per sequence (a second grid axis over
-column blocks): each block owns its value columns and a copy of the normaliser column (the same
-arithmetic in every block; block 0 stores it), so no block waits on another.  The final state then
-goes to a second array (see the kernel).  Arrays as in
-:mod:`linattn_nb.ops.dplr`; the state and the outputs are float64.  Kernels are built on the first
-launch, one per feature capacity ``FMAX`` (a power of two >= D_phi, at most :data:`F_LIMIT`).
+Arrays as in :mod:`linattn_nb.ops.dplr`; the state and the outputs are float64.  Design:
+``docs/dplr.md``, "Kernels".
 """
 from __future__ import annotations
 
@@ -35,7 +23,6 @@ MAX_THREADS = 256
 F_LIMIT = 256
 
 _KERNELS = {}
-
 
 
 def on_device(x) -> bool:
@@ -171,9 +158,8 @@ def _device(x):
 def dplr_scan_cuda(fq, ld, A, Bv, KW, VW, H, out, norm, eps):
     """Run every sequence from its state ``H[b]`` on the GPU, as :func:`linattn_nb.ops.dplr.cpu.dplr_scan`.
 
-    Device arrays are used in place (``H`` float64, updated to the final state; ``out`` (B, N, M)
-    float64, written); host arrays are copied to the device once, and ``H`` and ``out`` copied back
-    into the caller's arrays (``out`` cast to its dtype).  Returns a (B,) uint8 host array: 1 where
+    Device arrays are used in place (``H``, ``out`` float64); host arrays are copied
+    in once and ``H``, ``out`` copied back.  Returns a (B,) uint8 host array: 1 where
     the sequence's outputs or final state hold NaN or inf.
 
     Raises
