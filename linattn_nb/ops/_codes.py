@@ -1,22 +1,9 @@
-"""Integer codes shared by the kernels and the Python side.
+"""Integer codes shared by the kernels and the Python side: feature maps, update rules, output modes.
 
-This module imports nothing, so any module (``feature_maps`` included) can
-import it without a cycle; Numba reads these module-level integers as
-compile-time constants.
-
-Feature-map codes (``code=`` of every launcher): the elementwise map the
-kernels apply to ``q`` and ``k`` themselves.  :mod:`linattn_nb.feature_maps`
-re-exports them as ``KERNEL_CODE_*`` and each built-in map names its code.
-
-Update rules: how a token or a chunk changes the state ``H = [S | z]``.
-:data:`RULES` is the one table of them: every rule's registry name, its
-integer code (``rule=`` of the launchers and of the kernels' per-rule hooks,
-:mod:`linattn_nb.ops._rules` on the CPU, :mod:`linattn_nb.ops._cuda_common`
-with CUDA) and the names of the extra per-token inputs it takes.
-:mod:`linattn_nb.ops.methods` registers every rule of the table with every
-rule-generic launcher, and the launchers check their ``inputs=`` against it
-(:func:`check_rule_inputs`); adding a rule here and a branch to each hook is
-the whole kernel side of a new rule (``docs/adding_an_update_rule.md``).
+This module imports nothing, so any module can import it without a cycle; Numba
+reads these integers as compile-time constants.  :data:`RULES` is the one table of
+update rules (registry name, code, per-token inputs); adding a rule here and a
+branch to each hook is the kernel side of a new rule (``docs/adding_an_update_rule.md``).
 """
 
 #: The inputs already are features: used as they are.

@@ -19,7 +19,6 @@ for _sym, _name in _SYMBOLS.values():
     _llvm.add_symbol(_sym, get_cython_function_address("scipy.linalg.cython_blas", _name))
 
 _I8P = ir.IntType(8).as_pointer()
-_I32 = ir.IntType(32)
 
 
 def _data_ptr(context, builder, aryty, ary, off):

@@ -1,16 +1,10 @@
 """Registration of the built-in rules and implementations in the method table.
 
-Every rule of the one rule table, :data:`linattn_nb.ops._codes.RULES`, is
-registered as a :class:`~linattn_nb.ops.registry.Rule` (its code and
-per-token inputs from the table) together with every rule-generic causal
-launcher, bound to the rule's code (``rule=``): ``quadratic`` (the naive
-reference), ``scan`` and ``chunked`` on the CPU, ``scan`` and ``chunked``
-with CUDA.  A new rule of the table is therefore registered with no edit
-here.  Non-causal attention has no recurrence: its methods are the additive
-rule's only.  Decode-step launchers are registered by
-:mod:`linattn_nb.state.launchers`.
-
-Importing this module compiles nothing (Numba compiles on first call).
+Every rule of :data:`linattn_nb.ops._codes.RULES` is registered with every
+rule-generic causal launcher, bound to its code (``quadratic``; ``scan`` and
+``chunked`` on the CPU and with CUDA), so a new rule of the table needs no edit
+here; non-causal methods are the additive rule's only.  Decode-step launchers are
+registered by :mod:`linattn_nb.state.launchers`.  Importing compiles nothing.
 """
 from __future__ import annotations
 
@@ -26,7 +20,7 @@ from .causal.cpu import causal_scan
 from .causal.naive import causal_linear_quadratic
 from .noncausal.cpu import noncausal_aggregate
 from .noncausal.naive import noncausal_linear_quadratic
-from .registry import Method, Rule, get_rule, register_method, register_rule
+from .registry import Method, Rule, register_method, register_rule
 
 _ALL_FLOATS = frozenset({np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)})
 
@@ -140,9 +134,6 @@ for _rule, (_code, _inputs) in RULES.items():
                 _cpu(_rule, _name, True, _forward, inline_features=_name != "quadratic", backward=_backward)
             else:
                 _gpu(_rule, _name, True, _forward, _backward)
-
-#: The additive rule (Katharopoulos et al. 2020): S_t = S_{t-1} + phi(k_t) v_t^T.
-ADDITIVE = get_rule("additive")
 
 # Non-causal attention (the additive rule only): every linear method runs the
 # aggregate-then-query kernel (the names are accepted so that sweeps over

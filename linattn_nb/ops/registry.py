@@ -32,9 +32,6 @@ class Rule:
         Extra per-token inputs the rule takes besides q, k, v (e.g. a decay);
         the front end validates and flattens them and passes them to the
         launcher as ``inputs``.
-    state_fields : tuple of str
-        Names of the state's parts: ``("S", "z")`` -- ``z`` is the state of
-        the value column of ones, i.e. column M of ``H``.
     normalize : bool
         Whether outputs are divided by the normaliser by default.
     """
@@ -42,7 +39,6 @@ class Rule:
     name: str
     code: int = 0
     inputs: Tuple[str, ...] = ()
-    state_fields: Tuple[str, ...] = ("S", "z")
     normalize: bool = True
 
 
@@ -60,7 +56,7 @@ class Method:
     device : str
         ``"cpu"`` or ``"cuda"``.
     forward : callable
-        The forward launcher (contract in the module docstring).
+        The forward launcher (contract: ``docs/launchers.md``).
     backward : callable or None
         The backward launcher, when the method has one.
     inline_features : bool
@@ -69,7 +65,7 @@ class Method:
         Dtypes the launcher takes as they are; inputs of other supported
         dtypes are computed in float32 and cast back.
     kind : str
-        ``"sequence"`` (the contract above) or ``"step"`` (decoding).
+        ``"sequence"`` or ``"step"`` (decoding).
     """
 
     rule: str
@@ -87,11 +83,6 @@ class Method:
     @property
     def key(self) -> tuple:
         return (self.rule, self.causal, self.name, self.device)
-
-    @property
-    def launcher(self) -> Callable:
-        """The forward launcher (its name before backward launchers existed)."""
-        return self.forward
 
 
 _RULES: Dict[str, Rule] = {}
