@@ -16,8 +16,7 @@ import numpy as np
 def _layout_free(method):
     """``method(self, x, ...)`` called with ``x`` C-contiguous (a copy only for other layouts).
 
-    NumPy's products round differently for a Fortran-ordered or strided ``x``
-    than for a C-contiguous one (other BLAS kernels); with this, a map's
+    NumPy's products round differently for other layouts (other BLAS kernels); with this, a map's
     features of a view equal, bit for bit, those of a contiguous copy.
     """
     import functools
@@ -100,12 +99,7 @@ class FeatureMap:
 
     # -- provided ------------------------------------------------------------
     def __call__(self, x) -> np.ndarray:
-        x = np.asarray(x)
-        if x.ndim < 1:
-            raise ValueError(f"feature map {self.name!r}: input must have at least 1 dimension, got shape {x.shape}")
-        if not np.issubdtype(x.dtype, np.floating):
-            raise TypeError(f"feature map {self.name!r}: input must be floating point, got dtype {x.dtype}")
-        return self.transform(x)
+        return self.transform(check_input(self.name, x))
 
     def apply(self, x: np.ndarray, *, role: str, causal: bool, offset: int = 0,
               total_length: int | None = None) -> np.ndarray:
@@ -198,14 +192,9 @@ class FeatureMap:
                        total_length: int | None = None):
         """:meth:`apply` and its vector-Jacobian product in one call: ``(features, pullback)``.
 
-        ``pullback(grad_features)`` returns what
-        ``self.vjp(x, grad_features, role=role, ...)`` returns.  The default
-        calls :meth:`apply` now and :meth:`vjp` in the pullback; maps whose
-        backward pass needs the forward's intermediates (the affine maps
-        hedgehog and t2r: the projections and their exponentials) keep them
-        instead of computing them twice.  A training loop that calls
-        :meth:`apply`, then :meth:`vjp` at the same ``x`` (the fitting loop
-        of :func:`linattn_nb.fitting.fit`) saves that work with this method.
+        ``pullback(grad_features)`` returns what ``self.vjp(x, grad_features, role=role, ...)`` returns.
+        The default calls :meth:`apply` now and :meth:`vjp` in the pullback; hedgehog and t2r keep the
+        forward's projections instead of computing them twice (the fitting loop uses this).
 
         Parameters
         ----------

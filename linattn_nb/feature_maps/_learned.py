@@ -15,12 +15,9 @@ from ._base import (FeatureMap, cast_features, check_count, check_input, check_r
 class _AffineFeatureMap(FeatureMap):
     """Base of the maps built on a trainable affine projection ``u = W x + b`` (hedgehog, t2r).
 
-    Holds and checks ``W`` (``d_out x d``, default the identity) and ``b``
-    (``d_out``, default 0), and provides :meth:`parameters`,
-    :meth:`materialize` and the chain rule from ``dL/du`` to ``x``, ``W``
-    and ``b``.  A default (``None``) is not stored: the map then skips the
-    product (or the sum), with the same result as the explicit default.
-    Subclasses build their features from :meth:`_affine`.
+    Holds and checks ``W`` (``d_out x d``, default the identity) and ``b`` (``d_out``, default 0) and
+    carries the chain rule from ``dL/du`` to them.  A default (``None``) is not stored: the map skips the
+    product (or the sum), with the same result.  Subclasses build their features from :meth:`_affine`.
 
     Parameters
     ----------
@@ -121,25 +118,14 @@ class _AffineFeatureMap(FeatureMap):
 class HedgehogFeatureMap(_AffineFeatureMap):
     r"""Hedgehog features ``phi(x) = [exp(W x + b), exp(-W x - b)]`` (Zhang et al., ICLR 2024, §4.1).
 
-    ``W`` (``d_out x d``) and ``b`` (``d_out``) are supplied by the user (in the
-    paper they are trained so that the linear weights match softmax weights);
-    the defaults, ``W = I`` and ``b = 0``, give
-    ``phi(q) . phi(k) = sum_i 2 cosh(q_i + k_i)``.  Output dimension
-    ``2 d_out``; every feature is positive.  Not an estimator of the softmax
-    kernel (no ``scale``): how close it gets is what
-    :func:`linattn_nb.analysis.approximation_error` measures.
+    ``W`` (``d_out x d``) and ``b`` (``d_out``) are trained so that the linear weights match softmax's
+    (:func:`linattn_nb.feature_maps.fit`); the defaults ``W = I``, ``b = 0`` give ``phi(q) . phi(k) =
+    sum_i 2 cosh(q_i + k_i)``.  Output dimension ``2 d_out``; every feature is positive.  In attention
+    (:meth:`apply`) query features are divided by their own largest value (it cancels row by row); keys
+    whose features overflow the dtype raise ValueError.
 
-    In attention (:meth:`apply`) query features are divided by their own
-    largest value (a per-query factor: it cancels row by row, causal or not).
-    Key features have no data-independent bound; keys whose features overflow
-    the dtype raise ValueError.
-
-    Gradients: :meth:`vjp` always returns ``{"W": dL/dW, "b": dL/db}``
-    (shapes ``(d_out, d)`` and ``(d_out,)``), the gradients with respect to
-    the parameters the map uses, defaults included (``W = I``, ``b = 0``).
-    :meth:`parameters` returns the stored arrays only (``W`` and ``b`` when
-    given); call :meth:`materialize` to store the defaults explicitly before
-    training them.
+    :meth:`vjp` always returns ``{"W": dL/dW, "b": dL/db}``, defaults included; :meth:`parameters` returns
+    the stored arrays only: call :meth:`materialize` to store the defaults before training them.
 
     Parameters
     ----------
@@ -217,25 +203,15 @@ class HedgehogFeatureMap(_AffineFeatureMap):
 class T2RFeatureMap(_AffineFeatureMap):
     r"""T2R features ``phi(x) = relu(W x + b)`` (Kasai et al. 2021).
 
-    Kasai et al., "Finetuning Pretrained Transformers into RNNs", EMNLP 2021:
-    T2R ("Transformer to RNN") swaps a pretrained transformer's softmax for
-    linear attention with this learned map and finetunes ``W`` (``d_out x d``)
-    and ``b`` (``d_out``) with the rest of the model.  The defaults,
-    ``W = I`` and ``b = 0``, give the ``"relu"`` map.  Output dimension
-    ``d_out``.  Features are non-negative but can be exactly zero: a query
-    and a key whose projections have disjoint supports get weight 0, and a
-    query whose features are all 0 has a zero normaliser, which the ``eps``
-    floor of :func:`linattn_nb.linear_attention` handles
-    (``strictly_positive`` is False).  NaN propagates.  The same features
-    for queries and keys, with no stabilising shift (``needs_normalizer``
-    is False); applied in NumPy before the kernels run.
+    "Finetuning Pretrained Transformers into RNNs" (EMNLP 2021) finetunes ``W`` (``d_out x d``) and ``b``
+    (``d_out``) with the rest of the model; the defaults ``W = I``, ``b = 0`` give the ``"relu"`` map.
+    Output dimension ``d_out``.  Features are non-negative but can be exactly zero (a query whose features
+    are all 0 has a zero normaliser, which the ``eps`` floor handles); NaN propagates.  The same features
+    for queries and keys, no stabilising shift.
 
-    Gradients: :meth:`vjp` always returns ``{"W": dL/dW, "b": dL/db}``
-    (shapes ``(d_out, d)`` and ``(d_out,)``), defaults included; at the kink
-    (``W x + b = 0``) the derivative of the zero side, 0, is used.
-    :meth:`parameters` returns the stored arrays only (``W`` and ``b`` when
-    given); call :meth:`materialize` to store the defaults explicitly before
-    training them.
+    :meth:`vjp` always returns ``{"W": dL/dW, "b": dL/db}``, defaults included, with derivative 0 at the
+    kink; :meth:`parameters` returns the stored arrays only: call :meth:`materialize` to store the
+    defaults before training them.
 
     Parameters
     ----------

@@ -21,26 +21,11 @@ class CosformerFeatureMap(FeatureMap):
     .. math:: \phi(x_i) = [\,\mathrm{relu}(x_i)\cos\theta_i,\ \mathrm{relu}(x_i)\sin\theta_i\,],
        \quad \theta_i = \frac{\pi}{2}\frac{i}{M},
 
-    output dimension ``2d``, so attention stays linear.  Positions run over
-    ``0..M-1``; with ``|i - j| < M`` the weight is positive and every feature
-    is non-negative.
-
-    How positions enter attention (``position_dependent = True``): the
-    dispatcher passes ``offset`` (position of the first token of ``x``; the
-    ``position`` of an ``initial_state``) and ``total_length``.  Token ``t`` of
-    ``x`` sits at position ``offset + t``, for queries and keys alike.
-
-    * Non-causal: every query ``i`` sums over all keys ``j`` with weight
-      ``cos(pi/2 (i - j)/M)``; ``M`` defaults to the sequence length
-      (``total_length``, else ``N``), the paper's choice.
-    * Causal: the same kernel restricted to ``j <= i``, computed by the
-      recurrence over ``phi(k_j) v_j^T`` with the position-weighted features;
-      the features of a token depend on its own position only, so the state
-      carries no future information.
-    * Segment-wise processing (``offset > 0``) needs the same ``M`` in every
-      segment: give ``max_length``; without it, ``offset > 0`` raises
-      ValueError.  A position ``>= M`` raises ValueError too (the weight would
-      turn negative).
+    output dimension ``2d``, so attention stays linear.  Positions run over ``0..M-1`` (token ``t`` of ``x``
+    at ``offset + t``, for queries and keys alike); every feature is non-negative.  ``M`` defaults to the
+    sequence length (``total_length``, else ``N``), the paper's choice; segment-wise processing
+    (``offset > 0``) needs ``max_length``, and a position ``>= M`` raises ValueError (the weight would turn
+    negative).  How positions enter causal and segment-wise attention: docs/guide/feature_maps.md.
 
     Parameters
     ----------

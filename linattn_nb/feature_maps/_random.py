@@ -25,16 +25,12 @@ def draw_projection(rng: np.random.Generator, num_features: int, dim: int, *,
     num_features, dim : int
         ``m`` rows of dimension ``d``.
     orthogonal : bool
-        True: rows orthogonal within each block of ``d`` rows, each block the
-        ``Q`` factor of the QR decomposition of a ``d x d`` Gaussian matrix
-        with the signs fixed by ``diag(R)`` (so that ``Q`` is Haar-distributed
-        and every row direction uniform on the sphere); blocks are independent
-        and stacked for ``m > d`` (Performer §3, Choromanski et al. 2021;
-        Yu et al. 2016).  False: i.i.d. ``N(0, I_d)`` rows.
+        True: rows orthogonal within each block of ``d`` rows (the Haar-distributed ``Q`` factor of a
+        Gaussian ``d x d`` matrix, independent blocks stacked for ``m > d``; Performer §3).  False: i.i.d.
+        ``N(0, I_d)`` rows.
     row_norm : {"chi", "fixed"}
-        ``"chi"``: row norms distributed as the norm of a ``N(0, I_d)``
-        vector, so that every row is marginally ``N(0, I_d)`` and the
-        estimators stay unbiased; ``"fixed"``: every row has norm ``sqrt(d)``.
+        ``"chi"``: row norms distributed as the norm of a ``N(0, I_d)`` vector (every row marginally
+        ``N(0, I_d)``, the estimators unbiased); ``"fixed"``: every row has norm ``sqrt(d)``.
 
     Returns
     -------
@@ -109,10 +105,8 @@ class RandomFeatureMap(FeatureMap):
 
     Notes
     -----
-    A random map given to a function *by name* (``feature_map="favor+"``)
-    is built anew, unseeded, at every call, so every call draws another
-    ``W``; the first such call in a process warns (once per map name).
-    Build the map once with a ``seed`` and pass the object instead.
+    A random map given *by name* (``feature_map="favor+"``) is drawn anew at every call (the first such
+    call warns); build the map once with a ``seed`` and pass the object instead.
     """
 
     default_orthogonal = True
@@ -175,10 +169,8 @@ class RandomFeatureMap(FeatureMap):
     def materialize(self, d=None):
         """Draw the projection ``W`` now (for inputs of dimension ``d``) if it was not drawn yet.
 
-        The features do not change: a map built without ``dim`` draws ``W``
-        at its first call anyway; this draws it up front, so that
-        :meth:`parameters` (``learn_projection=True``) and the state file
-        have it.  Returns the map.
+        The features do not change; :meth:`parameters` (``learn_projection=True``) and the state file
+        then have ``W`` up front.  Returns the map.
 
         Raises
         ------
@@ -218,6 +210,20 @@ class RandomFeatureMap(FeatureMap):
         xs = np.asarray(x, dtype=np.float64) * math.sqrt(self.effective_scale(d))
         return xs, xs @ w.T
 
+    def _vjp_project(self, x, grad_features, role):
+        """The common start of a vjp: ``(W, g, out_dtype, root, xs, u)`` with ``root = sqrt(scale)``.
+
+        Draws ``W`` first if needed, as :meth:`apply` would (checking the dimension before the gradient).
+        """
+        check_role(self.name, role)
+        x = check_input(self.name, x)
+        d = x.shape[-1]
+        w = self.weights(d)
+        x, g, out_dtype = vjp_inputs(self, x, grad_features, role)
+        root = math.sqrt(self.effective_scale(d))
+        xs = np.asarray(x, dtype=np.float64) * root
+        return w, g, out_dtype, root, xs, xs @ w.T
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(dim={self.dim}, num_features={self.num_features}, "
                 f"orthogonal={self.orthogonal}, row_norm={self.row_norm!r}, seed={self.seed!r}, "
@@ -232,37 +238,14 @@ class FavorPlusFeatureMap(RandomFeatureMap):
     * ``kind="positive"``: ``phi(x) = exp(W x' - |x'|^2/2) / sqrt(m)``, output ``m``;
     * ``kind="hyperbolic"``: ``phi(x) = exp([W x', -W x'] - |x'|^2/2) / sqrt(2m)``, output ``2m``.
 
-    ``E[phi(x) . phi(y)] = exp(scale x . y)``, the softmax kernel at the
-    temperature of :func:`linattn_nb.softmax_attention`; every feature is
-    positive, so normalisers are positive (no sign cancellation, unlike
-    :class:`RandomFourierFeatureMap`).  Mean squared error: Lemma 2 (i.i.d.)
-    and Theorem 2 (orthogonal), see :mod:`linattn_nb.analysis.theory`.
-
-    Calling the map (``phi(x)``, :meth:`transform`) returns the estimator's
-    features exactly as above.  Attention goes through :meth:`apply`, which
-    stabilises them with shifts inside ``exp`` that cancel between numerator
-    and normaliser:
-
-    * queries (``role="query"``): each token's own maximum logit is
-      subtracted, so query features lie in ``(0, 1]``.  A per-query factor
-      cancels in ``phi(q)^T S / phi(q)^T z`` row by row, causal or not.
-    * keys (``role="key"``): one constant ``c = max(0, max_i |w_i|^2/2 - H)``
-      (``H`` = ``config.FAVOR_KEY_HEADROOM``, 40) is subtracted for every key.
-      Since ``w.x' - |x'|^2/2 = |w|^2/2 - |x' - w|^2/2 <= |w|^2/2``, key
-      features are at most ``exp(H)``: nothing can overflow, for any input.
-      ``c`` depends on ``W`` only, never on the data, so it is the same scalar
-      for every key a query sees, it uses no future token in causal
-      attention (a max over the sequence would), and it is the same in every
-      segment of a sequence processed with ``initial_state``.  The price of
-      a data-independent shift is that keys
-      far from every ``w_i`` underflow: a key's features vanish when
-      ``|x' - w_i|^2/2`` exceeds about 100 (float32) or 740 (float64) for all
-      ``i``; the features then are 0 and the key gets zero weight.
-
-    A map is drawn once and kept until :meth:`redraw`; pass the same map
-    object (not the name, which builds a new unseeded map per call and warns
-    once per process) to every call that must share ``W``, e.g. segments
-    linked by ``initial_state``.
+    ``E[phi(x) . phi(y)] = exp(scale x . y)``, the softmax kernel at the temperature of
+    :func:`linattn_nb.softmax_attention`; every feature is positive, so normalisers are positive.
+    Calling the map returns the estimator's features as above; :meth:`apply` (attention) stabilises them
+    with shifts inside ``exp`` that cancel between numerator and normaliser: each query by its own maximum
+    logit, every key by one constant ``max(0, max_i |w_i|^2/2 - config.FAVOR_KEY_HEADROOM)`` that depends
+    on ``W`` only, so causal outputs never use a future token and keys far from every ``w_i`` underflow to
+    zero weight (docs/guide/feature_maps.md).  Pass the same map object to every call that must share
+    ``W`` (segments linked by ``initial_state``, say).
 
     Parameters
     ----------
@@ -271,23 +254,14 @@ class FavorPlusFeatureMap(RandomFeatureMap):
         (the "O" of FAVOR+).
     kind : {"positive", "hyperbolic"}, default "positive"
     learn_projection : bool, default False
-        Treat the projection as a trainable parameter: :meth:`parameters`
-        returns ``{"projection": W}`` (the ``(m, d)`` array :attr:`W` itself,
-        unscaled: the features use ``W`` and ``x' = sqrt(scale) x``) and
-        :meth:`vjp` returns its gradient under the same name.  Before ``W``
-        is drawn (no ``dim`` given and never called) there is nothing to
-        return: give ``dim`` to have the parameter from the start.
-        :meth:`redraw` replaces a trained ``W`` by a fresh draw.  A state file
-        (:meth:`linattn_nb.LinearAttentionState.save`) stores the current
-        ``W`` of such a map as ``projection``, so a trained projection loads
-        back as it was.
+        Treat the projection as a trainable parameter: :meth:`parameters` returns ``{"projection": W}``
+        (the unscaled ``(m, d)`` array :attr:`W`, once drawn: give ``dim`` to have it from the start) and
+        :meth:`vjp` its gradient under the same name; state files store the current ``W``.
+        :meth:`redraw` replaces a trained ``W`` by a fresh draw.
     projection : array_like, shape (m, d), optional
-        Use this projection as ``W`` instead of drawing one (a trained one,
-        say): it fixes ``dim = d`` and ``num_features = m`` (given ones must
-        agree), and ``seed`` then only seeds :meth:`redraw`.  A map built
-        with ``projection`` stores its current ``W`` in state files like a
-        map with ``learn_projection=True``; without either, a state file
-        stores the seed and the map is drawn again from it on loading.
+        Use this projection as ``W`` instead of drawing one: it fixes ``dim`` and ``num_features`` (given
+        ones must agree), ``seed`` then only seeds :meth:`redraw`, and state files store ``W``.  Without
+        either, a state file stores the seed and the map is drawn again from it on loading.
 
     Attributes
     ----------
@@ -409,14 +383,7 @@ class FavorPlusFeatureMap(RandomFeatureMap):
         the key shift's dependence on ``W`` (through the row of largest norm)
         when the shift is active.
         """
-        check_role(self.name, role)
-        x = check_input(self.name, x)
-        d = x.shape[-1]
-        w = self.weights(d)  # draws W now if needed, as apply would; checks the dimension first
-        x, g, out_dtype = vjp_inputs(self, x, grad_features, role)
-        root = math.sqrt(self.effective_scale(d))
-        xs = np.asarray(x, dtype=np.float64) * root
-        u = xs @ w.T
+        w, g, out_dtype, root, xs, u = self._vjp_project(x, grad_features, role)
         m = u.shape[-1]
         if self.kind == "hyperbolic":
             u = np.concatenate([u, -u], axis=-1)
@@ -469,16 +436,9 @@ class RandomFourierFeatureMap(RandomFeatureMap):
       ``phi(x) = [sin u, cos u] / sqrt(m)``, estimating
       ``exp(-scale |x - y|^2 / 2)``.
 
-    Features are signed: the normaliser ``phi(q) . z`` can be zero or
-    negative (see the ``eps`` parameter of :func:`linattn_nb.linear_attention`
-    and ``nonpositive_normalizer_rate`` of
-    :func:`linattn_nb.analysis.approximation_error`).
-
-    In attention (:meth:`apply`) queries drop the factor ``exp(|q'|^2/2)``
-    (positive, per query: it cancels row by row, causal or not, and keeps
-    the normaliser's sign).  Keys keep ``exp(|k'|^2/2)``: it is unbounded, so
-    no data-independent shift can bound it; keys with ``|k'|^2/2`` above
-    ~88 (float32) raise ValueError instead of overflowing silently.
+    Features are signed: the normaliser ``phi(q) . z`` can be zero or negative.  In attention
+    (:meth:`apply`) queries drop their positive factor ``exp(|q'|^2/2)`` (it cancels row by row); keys keep
+    it, and keys with ``|k'|^2/2`` above ~88 (float32) raise ValueError instead of overflowing silently.
 
     Parameters
     ----------
@@ -523,14 +483,7 @@ class RandomFourierFeatureMap(RandomFeatureMap):
         return cast_features(self.name, self._trig(x)[1], x)
 
     def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
-        check_role(self.name, role)
-        x = check_input(self.name, x)
-        d = x.shape[-1]
-        w = self.weights(d)
-        x, g, out_dtype = vjp_inputs(self, x, grad_features, role)
-        root = math.sqrt(self.effective_scale(d))
-        xs = np.asarray(x, dtype=np.float64) * root
-        u = xs @ w.T
+        w, g, out_dtype, root, xs, u = self._vjp_project(x, grad_features, role)
         m = u.shape[-1]
         sin, cos = np.sin(u), np.cos(u)
         gs, gc = g[..., :m], g[..., m:]
