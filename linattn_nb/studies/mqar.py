@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from .._tune import cpu_model
 from ._study import (CI_CAPTION, Rendered, Study, fmt, markdown_table, mean_ci, pm, register_study,
                      requires_modules, split_failed)
 from ._claims import NOT_APPLICABLE, NOT_SUPPORTED, SUPPORTED, Claim
@@ -114,11 +115,9 @@ def mqar(n, *, vocab, kv, length, power_a=0.01, seed=0):
 # ---------------------------------------------------------------------------
 # model
 # ---------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
 def _modules():
     """The model's classes, built on first use (torch is imported here, not at module import)."""
-    global _CLASSES
-    if _CLASSES is not None:
-        return _CLASSES
     torch = _torch()
     from torch import nn
 
@@ -183,11 +182,7 @@ def _modules():
                 h = block(h)
             return self.head(self.ln(h))
 
-    _CLASSES = dict(SoftmaxAttention=_SoftmaxAttention, Block=_Block, Model=_Model)
-    return _CLASSES
-
-
-_CLASSES = None
+    return dict(SoftmaxAttention=_SoftmaxAttention, Block=_Block, Model=_Model)
 
 
 def Model(vocab, d=64, heads=2, layers=2, **attn):
@@ -387,12 +382,6 @@ def points(ctx, *, grid=None) -> list[dict]:
     return out
 
 
-def _machine() -> str:
-    from .._tune import cpu_model
-
-    return cpu_model()
-
-
 def run(layer, head_dim, kv, length, seed, steps, vocab=VOCAB, d_model=D_MODEL, heads=HEADS, n_train=10_000,
         n_test=256, eval_every=50) -> dict:
     """Train one model; return its accuracies, steps, wall time, state size and the machine."""
@@ -404,7 +393,7 @@ def run(layer, head_dim, kv, length, seed, steps, vocab=VOCAB, d_model=D_MODEL, 
     res = train(attn, steps=steps, vocab=vocab, data=data, d=d_model, heads=heads, layers=LAYERS_N, seed=seed,
                 eval_every=eval_every)
     dphi = feature_dim(layer, head_dim)
-    res.update(d_phi=dphi, state=state_numbers(layer, head_dim, heads=heads, length=length), machine=_machine(),
+    res.update(d_phi=dphi, state=state_numbers(layer, head_dim, heads=heads, length=length), machine=cpu_model(),
                threads=1)
     return res
 
@@ -414,18 +403,11 @@ def run(layer, head_dim, kv, length, seed, steps, vocab=VOCAB, d_model=D_MODEL, 
 # ---------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def recall_floor(layer: str, head_dim: int, kv: int, *, heads: int = HEADS, seed: int = 0) -> dict | None:
-    """The least-squares recall floor of a state like this layer's, for ``kv`` pairs.
+    """The least-squares recall floor of a state like this layer's, for ``kv`` pairs (None for softmax).
 
-    :func:`linattn_nb.analysis.recall_capacity`'s ``optimal_mse`` for the
-    layer's map at this head dimension: the relative retrieval error
-    ``||φ(K) W − V||² / ||V||²`` of the best state ``W`` (D_φ × kv, one-hot
-    values) that any update rule with this map could hold, with Gaussian
-    keys; 0 up to ``kv = heads · D_φ``, ``1 − heads · D_φ / kv`` beyond.  It
-    is an *error* floor, not an accuracy bound: an argmax read-out can be
-    right with a large error.  ``recall_floor_accuracy`` is ``1 −
-    optimal_mse``, the fraction of the values' energy the best state can
-    return, drawn beside the measured accuracy as the state's capacity.
-    None for softmax attention (its cache grows with the sequence).
+    ``optimal_mse``: :func:`linattn_nb.analysis.recall_capacity`'s relative error of the best state of
+    this D_φ (0 up to ``kv = heads · D_φ``), an *error* floor, not an accuracy bound;
+    ``recall_floor_accuracy = 1 − optimal_mse``, the share of the values' energy that state returns.
     """
     attn = LAYERS[layer][1]
     if attn is None:
