@@ -18,11 +18,8 @@ from ._codes import (KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_RELU, KERNEL_C
 def _simulated_shfl_xor_sync(self, mask, value, lane_mask):
     """``cuda.shfl_xor_sync`` for the simulator: ``value`` of lane ``lane ^ lane_mask`` of the warp.
 
-    Exchanged through a per-block table and two block barriers, so it is
-    exact only when every thread of the block makes the call together (the
-    kernels here call it in block-uniform loops); a partner lane outside the
-    block gives the caller's own value (undefined on a GPU).  ``mask`` is
-    not checked.
+    Exchanged through a per-block table and two barriers, so exact only when every
+    thread of the block calls it together; ``mask`` is not checked.
     """
     th = threading.current_thread()
     table = th._manager.__dict__.setdefault("_shfl_table", {})
@@ -178,13 +175,8 @@ def l2_normalize_row(a, t, n):
 
 
 def rule_factor_rows(rule: int, f: int) -> int:
-    """Log-factors per token the kernels read for rule code ``rule`` and ``f`` features.
-
-    0 for a rule without factors (additive), 1 for a scalar factor per token
-    (decay), ``f`` for one per feature row (gate), 2 for the delta rules (the
-    log-factor, 0 for the delta rule, then the write strength ``beta``).  The
-    launchers view the rule's input as (B, N, rows)
-    (:func:`linattn_nb.ops._cuda_launch.rule_factors`).
+    """Log-factors per token the kernels read for rule code ``rule`` and ``f`` features: 0 (additive),
+    1 (decay), ``f`` (gate), 2 (the delta rules: the log-decay, 0 for ``delta``, then ``beta``).
     """
     if rule == RULE_DECAY:
         return 1

@@ -44,31 +44,12 @@ def _decayed_weights(qf, kf, lg):
 
 
 def explicit_weights(rule, qf, kf, inputs, b):
-    """The explicit form of update rule ``rule`` on batch entry ``b``.
+    """The explicit form of rule ``rule`` on batch entry ``b`` from its float64 features ``qf, kf`` (N, F).
 
-    Parameters
-    ----------
-    rule : int
-        Update-rule code.
-    qf, kf : ndarray, shape (N, F), float64
-        The entry's features phi(q), phi(k).
-    inputs : mapping or None
-        The rule's per-token inputs, flattened to the batch (entry ``b`` of each).
-    b : int
-        The batch entry.
-
-    Returns
-    -------
-    A : ndarray (N, N)
-        ``A[t, s]``: weight of token ``s``'s value in output ``t`` (zero for
-        ``s > t``).
-    Qs : ndarray (N, F)
-        Output ``t`` reads the initial state as ``Qs[t] @ [S0 | z0]``.
-    Ks : ndarray (N, F)
-        The final state is ``keep * [S0 | z0] + Ks.T @ [V | 1]``.
-    keep : None or ndarray (F,) or (F, F)
-        Per-row factor (or, for the delta rule, the matrix) of the initial
-        state in the final state (None: 1).
+    Returns ``(A, Qs, Ks, keep)``: ``A`` (N, N) the weight of token ``s``'s value in
+    output ``t`` (0 for ``s > t``); output ``t`` reads the initial state as
+    ``Qs[t] @ [S0 | z0]``; the final state is ``keep * [S0 | z0] + Ks.T @ [V | 1]``
+    with ``keep`` None (1), a per-row factor (F,) or, for the delta rules, a matrix (F, F).
     """
     if rule == RULE_ADDITIVE:
         return np.tril(qf @ kf.T), qf, kf, None
@@ -131,28 +112,13 @@ def float64_problem(qf, kf, v, S0, z0):
 
 def causal_linear_quadratic(qf, kf, v, *, eps, S0=None, z0=None, rule=RULE_ADDITIVE, inputs=None,
                             normalize=True):
-    """Causal linear attention from explicit weights.
+    """Causal linear attention from explicit weights, in float64.
 
-    Parameters
-    ----------
-    qf, kf : ndarray, shape (B, N, F)
-        Features phi(q), phi(k).
-    v : ndarray, shape (B, N, M)
-    eps : float or None
-        Floor of the normaliser (``den = max(den, eps)``); None divides raw.
-    S0, z0 : ndarray, shape (B, F, M) and (B, F), optional
-        Initial state (context absorbed before token 0).
-    rule : int, optional
-        Update-rule code (:data:`linattn_nb.ops._codes.RULES`), default additive.
-    inputs : mapping, optional
-        The rule's per-token inputs, flattened to the batch.
-    normalize : bool, default True
-        Divide by the normaliser; False returns ``phi(q)^T S_t`` (``eps`` unused).
-
-    Returns
-    -------
-    out : ndarray (B, N, M) float64
-    S, z : final state, float64
+    ``qf, kf`` (B, N, F) features, ``v`` (B, N, M); ``eps`` the normaliser floor (None:
+    raw division); ``S0, z0`` (B, F, M), (B, F) the initial state (zeros for None);
+    ``rule`` a code of :data:`linattn_nb.ops._codes.RULES` with its per-token
+    ``inputs`` flattened to the batch; ``normalize`` False returns ``phi(q)^T S_t``.
+    Returns ``(out, S, z)``: the outputs (B, N, M) and the final state, float64.
     """
     rule = check_rule_inputs(rule, inputs)
     qf, kf, v, S, z, out = float64_problem(qf, kf, v, S0, z0)

@@ -1,8 +1,6 @@
-"""The CPU scan of the DPLR recurrence: one float64 state per sequence, sequences in parallel.
+"""The CPU scan of the DPLR recurrence and its checkpointed backward: one float64 state per sequence.
 
-Per token and sub-step the state moves through ``D + b a^T`` without forming the (F, F) matrix:
-``p = a^T H`` (one pass over H), then ``H_i <- d_i H_i + b_i p`` row by row, then the write.  Cost
-``O(r F (M + 1))`` a token, like the delta rule's.  Arrays as in :mod:`linattn_nb.ops.dplr`.
+The transition ``D + b a^T`` is never formed (``docs/dplr.md``); arrays as in :mod:`linattn_nb.ops.dplr`.
 """
 from __future__ import annotations
 
@@ -86,14 +84,11 @@ def dplr_scan(fq, ld, A, Bv, KW, VW, H, out, norm, eps):  # pragma: no cover - c
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
 def dplr_scan_backward(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C):  # pragma: no cover - compiled
-    """Gradients of the scan (reverse time, checkpointed): the state every ``C`` tokens is kept, and
-    each stretch of ``C`` tokens is run forward again, keeping the states between its factors.
+    """Gradients of the scan in reverse time, from a state kept every ``C`` tokens (each stretch run again).
 
-    ``dout`` (B, N, M) the outputs' adjoint, ``dH`` (B, F, M + 1) the final state's (S and z);
-    returns ``(dfq, ddiag, dA, dBv, dKW, dVW, dH0)``: ``ddiag`` (B, N, W) the gradient with respect
-    to the diagonal's values ``exp(ld)`` (finite at a reset; times ``exp(ld)`` it is the log's),
-    the others in the shapes of their arrays, float64.  Memory per sequence: ``N / C + C (r + 1)``
-    states.
+    ``dout`` (B, N, M) the outputs' adjoint, ``dH`` (B, F, M + 1) the final state's; returns
+    ``(dfq, ddiag, dA, dBv, dKW, dVW, dH0)`` float64, ``ddiag`` (B, N, W) with respect to
+    ``exp(ld)`` (finite at a reset).  Memory per sequence: ``N / C + C (r + 1)`` states.
     """
     B, N, F = fq.shape
     M = VW.shape[3]

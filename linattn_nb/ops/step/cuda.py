@@ -269,10 +269,8 @@ def kernels():
 class DoubleBuffer:
     """Two device arrays of one shape: the current one (``cur``) and the one a checked call writes (``alt``).
 
-    A checked step or prefill reads ``cur`` and writes ``alt``; :meth:`swap`
-    makes ``alt`` current once the finiteness flag is clear, so a call refused
-    for NaN or inf leaves ``cur`` untouched.  Unchecked calls update ``cur`` in
-    place.  Both are allocated (and zeroed on the device) once, with the state.
+    :meth:`swap` makes ``alt`` current once the finiteness flag is clear, so a call
+    refused for NaN or inf leaves ``cur`` untouched; unchecked calls update ``cur`` in place.
     """
 
     __slots__ = ("cur", "alt")
