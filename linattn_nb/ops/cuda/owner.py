@@ -150,11 +150,8 @@ def owner_kernel(R, C, MB, T, acc, rule, code, off32, vec):
             if is_row_map(cd):
                 normalize_staged_rows(sq, sk, nt, tid, NTH, F, update, write_out)
                 cuda.syncthreads()
-            # ---- decay and gate (docs/cuda_kernels.md, "Rescaled tiles"): a tile whose
-            # running factors P_t = a_0 ... a_t stay >= TAU runs the additive update
-            # on q_t P_t and k_t / P_t and scales the state by its P once at its end;
-            # otherwise (a reset, strong decay) each token is a segment of its own,
-            # the state scaled by its factor first.  The token loop is the additive one.
+            # ---- decay and gate: a rescaled tile when its running factors stay >= TAU, else one token
+            # at a time (docs/cuda_kernels.md, "Rescaled tiles"); the token loop is the additive one
             whole = not FACTORS
             ptile = one
             if FACTORS and update:

@@ -28,12 +28,8 @@ def helper_grid(total: int) -> tuple[int, int]:
     return blocks, tpb
 
 
-#: Rescaled tiles of the decay and gate rules in the owner layout
-#: (docs/cuda_kernels.md): the smallest running factor ``P_t`` of a tile for which the
-#: kernel reads ``q_t P_t`` and ``k_t / P_t``; a tile whose factors fall
-#: below it (a reset, strong decay) takes the direct form.  2^-32 in float32
-#: keeps ``k / P`` finite for features up to 7.9e28 (beyond about 1e19 their
-#: float32 products overflow either way); 2^-256 in float64.
+#: The smallest running factor ``P_t`` of a rescaled tile (decay, gate); a tile whose factors
+#: fall below it takes the direct form (docs/cuda_kernels.md, "Rescaled tiles").
 RESCALE_MIN_F32 = 2.0 ** -32
 RESCALE_MIN_F64 = 2.0 ** -256
 #: Largest padded feature dimension of the owner layout (``G = 1``, every
@@ -44,11 +40,7 @@ OWNER_MAX_ROWS = 64
 #: per block of the tile layout: 16 x 17 = 272 threads at D_phi = M = 64.
 TILES_MAX_ROWS = 64
 TILES_MAX_COLS = 64
-#: Rules the tile layout takes: the additive rule, the decay rule (a scalar factor per token:
-#: the tile's weights a_{s+1} ... a_t, the start state's a_0 ... a_t and the keys' shares of the
-#: end state, each the exp of a sum of the tile's log-factors), the gate rule (a factor per
-#: token and feature row: products over blocks of 4 tokens) and the delta rules (the WY/UT form
-#: per tile: the values replaced by U' = L^-1 diag(beta) Y, :func:`tiles_kernel`): every rule.
+#: Rules the tile layout takes: every rule (docs/cuda_kernels.md, "Tiles").
 TILES_RULES = (RULE_ADDITIVE, RULE_DECAY, RULE_GATE, RULE_DELTA, RULE_GATED_DELTA)
 #: Threads per block of the sequence kernel at most: 256 threads x 255
 #: registers (the most ptxas gives a thread) fit the 65,536 registers of a
@@ -58,18 +50,11 @@ MAX_SEQ_THREADS = 256
 #: the register tile plus loads and addresses stay under 255 registers
 #: without spilling (float64 takes two words per element).
 MAX_TILE_WORDS = 128
-#: Rows per thread at most for the delta rules in float64, whose tiles are
-#: also kept to MAX_TILE_WORDS / 2 words: at D_phi = 256 a 64 x 1 float64
-#: tile (128 words) spilled ~1 KB in the delta rules' step (ptxas 12.9, 255
-#: registers), a 32 x 2 one ~100 B, a 32 x 1 one nothing (211-219
-#: registers); the rows stop growing there and a block takes fewer value
-#: columns instead (D_phi = 128 and more: 32 x 1 tiles).
+#: Rows per thread at most for the delta rules in float64 (beyond it their tiles spilled;
+#: docs/cuda_kernels.md, "Limits").
 MAX_DELTA_ROWS_F64 = 32
-#: Static shared memory of a block at most (``cuda.shared.array``; more needs dynamic shared memory
-#: and an opt-in the kernels do not use): sm_90's.  This module and ``SM90`` of
-#: ``tools/cuda_resources.py`` (the measuring tool of the static checks, outside the package) each
-#: keep sm_90's figures and the package never imports the tool; ``tests/ops/test_cuda_launchable.py``
-#: checks that they agree.
+#: Static shared memory of a block at most: sm_90's (``tools/cuda_resources.py`` keeps the same
+#: figures; docs/cuda_kernels.md, "Limits").
 STATIC_SHARED_BYTES = 49152
 #: Shared memory per multiprocessor on sm_90 (228 KiB; :data:`SM_RESERVED_BYTES` of it is reserved
 #: per resident block), for the occupancy target of the tile size.

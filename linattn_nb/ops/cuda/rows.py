@@ -191,11 +191,8 @@ def rows_kernel(R, C, G, MB, T, acc, rule, code, off32, vec):
             if is_row_map(cd):
                 normalize_staged_rows(sq, sk, nt, tid, NTH, F, update, write_out)
                 cuda.syncthreads()
-            # ---- decay, gate, gated delta (docs/cuda_kernels.md, "Rescaled tiles"): as in the
-            # owner layout, a tile whose running factors stay >= TAU runs the token loop on
-            # q_t P_t and k_t / P_t (gated delta: v_t / P_t) and scales the state by its P
-            # at its end; otherwise one token at a time, the state scaled by the token's
-            # factors first
+            # ---- decay, gate, gated delta: a rescaled tile (gated delta: v_t / P_t), or one token at a
+            # time (docs/cuda_kernels.md, "Rescaled tiles")
             whole = not (RESCALE or GATED)
             ptile = one
             if (RESCALE or GATED) and update:
@@ -203,15 +200,9 @@ def rows_kernel(R, C, G, MB, T, acc, rule, code, off32, vec):
                                              TAU, one)
             # ---- per token: update the R x C state tile, partial phi(q)^T S
             if DELTA and update:
-                # delta rules: k^T H[:, m] over all F rows, the partials of the G
-                # row groups summed by xor-shuffles within the warp (WARP_SUM: every
-                # lane of the group gets the whole sum, no barrier) or through shared
-                # memory (one syncthreads per token: buffer t & 1 is rewritten two
-                # tokens later, after the next token's barrier); then the column's
-                # correction and the update.  The gated rule runs the delta rule's
-                # step on a rescaled tile (v_t / P_t staged, the state scaled by P at
-                # the tile's end), or in the direct form on the state scaled by the
-                # token's factor first.
+                # delta rules: k^T H[:, m] summed over the G row groups by xor-shuffles (WARP_SUM, no
+                # barrier) or through shared memory (one syncthreads per token: buffer t & 1 is
+                # rewritten two tokens later, after the next token's barrier); then the correction
                 for seg_t in range(1 if whole else nt):  # the whole tile, or one token at a time
                     ta = 0 if whole else seg_t
                     if not whole:  # the direct form: the token's factor on the state first
