@@ -36,7 +36,7 @@ from ._frontend import (LinearState, featurise, host_array, host_call, host_stat
 from .device import on_device
 from .ops import methods  # noqa: F401  (registers the built-in rules and methods)
 from .ops._vec import work_dtype
-from .ops.grad import _maps
+from .ops.grad import _maps, _rowmaps
 from .rules import get_rule
 
 _F64 = np.dtype(np.float64)
@@ -116,6 +116,17 @@ class Request:
 # ---------------------------------------------------------------------------
 # prepare
 # ---------------------------------------------------------------------------
+def _fast_map(fmap):
+    """The module with the parallel features and VJP of ``fmap`` (:mod:`~linattn_nb.ops.grad._maps` for the
+    elementwise maps, :mod:`~linattn_nb.ops.grad._rowmaps` for ``l2``/``silu_l2``), None for the other maps."""
+    code = getattr(fmap, "kernel_code", None)
+    if code in _maps.ELEMENTWISE_CODES:
+        return _maps
+    if code in _rowmaps.ROW_CODES:
+        return _rowmaps
+    return None
+
+
 def _given_shape(name, x):
     return tuple(int(d) for d in x.shape) if on_device(x) else tuple(np.shape(V.as_host_array(name, x)))
 
@@ -130,7 +141,8 @@ def prepare(q, k, v, *, feature_map, causal, method, device, eps, check_finite, 
     ``work``: force a working dtype (the float64 recomputation).
     """
     dev, fmap, eps, causal = resolve_call(device, (q, k, v), ("q", "k", "v"), feature_map, eps, causal, method)
-    inline = fmap.kernel_code in _maps.ELEMENTWISE_CODES  # one parallel pass for features and their vjp
+    # one parallel pass for features and their vjp (elementwise maps, and DeltaNet's row maps)
+    inline = _fast_map(fmap) is not None
     c = host_call(q, k, v, dev=dev, fmap=fmap, eps=eps, causal=causal, method=method, decay=decay,
                   log_decay=log_decay, beta=beta, normalize=normalize, initial_state=initial_state,
                   check_qkv=check_finite and not inline, copy=True, to_host=True, extra_columns=1)
@@ -147,7 +159,7 @@ def prepare(q, k, v, *, feature_map, causal, method, device, eps, check_finite, 
     if inline:
         feats = []
         for name, x in (("q", q), ("k", k)):
-            xf, finite = _maps.features(x, fmap.kernel_code, work)
+            xf, finite = _fast_map(fmap).features(x, fmap.kernel_code, work)
             if check_finite and not finite:
                 V.check_finite(name, x)  # raises, naming the input
             feats.append(V.flatten_batch(xf, work))
@@ -353,11 +365,11 @@ def backward(req: Request, nd, grad_out, grad_state=None) -> VJP:
         dbeta = np.zeros((b, n))
     kw = dict(causal=req.causal, offset=req.position, total_length=req.position + n)
     fshape = req.batch_shape + (n, f)
-    code = req.fmap.kernel_code
-    if code in _maps.ELEMENTWISE_CODES:
-        dq, pq = _maps.vjp(req.q, dqf, code, req.work), None
+    code, fast = req.fmap.kernel_code, _fast_map(req.fmap)
+    if fast is not None:
+        dq, pq = fast.vjp(req.q, dqf, code, req.work), None
         del dqf
-        dk, pk = _maps.vjp(req.k, dkf, code, req.work), None
+        dk, pk = fast.vjp(req.k, dkf, code, req.work), None
     else:
         dq, pq = req.fmap.vjp(req.q.astype(req.work, copy=False), np.asarray(dqf).reshape(fshape), role="query",
                               **kw)

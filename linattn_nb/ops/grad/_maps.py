@@ -2,8 +2,9 @@
 
 For the maps the kernels apply inline (ELU+1, ReLU, squared ReLU) one parallel
 pass in the working dtype, with the forward kernels' per-element map and a
-finiteness check, replaces NumPy's several passes; the row maps and every other
-map keep their NumPy form (:class:`linattn_nb.feature_maps.FeatureMap`).
+finiteness check, replaces NumPy's several passes.  The row maps ``l2`` and
+``silu_l2`` have theirs in :mod:`linattn_nb.ops.grad._rowmaps`; every other map
+keeps its NumPy form (:class:`linattn_nb.feature_maps.FeatureMap`).
 """
 from __future__ import annotations
 
