@@ -101,11 +101,7 @@ def get(name: str, **params) -> FeatureMap:
         if params:
             raise TypeError("parameters given together with a FeatureMap instance")
         return name
-    try:
-        factory = REGISTRY[name]
-    except (KeyError, TypeError):
-        raise KeyError(f"unknown feature map {name!r}; available: {', '.join(available())}") from None
-    fmap = factory(**params)
+    fmap = factory(name)(**params)
     if not isinstance(fmap, FeatureMap):
         raise TypeError(f"factory of feature map {name!r} returned {type(fmap).__name__}, not a FeatureMap")
     return fmap

@@ -1,25 +1,8 @@
 """Fitting the parameters of a feature map to softmax attention (Hedgehog, T2R, any map with ``vjp``).
 
-The public entry point is :func:`linattn_nb.feature_maps.fit` (this module's
-:func:`fit`); :func:`objective` evaluates one loss and its parameter
-gradients, for checks and custom optimisers.
-
-Losses (``loss=``), each a mean over the query rows of every batch entry:
-
-* ``"cross_entropy"`` (Hedgehog's, Zhang et al., ICLR 2024, §4):
-  ``-sum_j P_ij log L_ij`` between the softmax weights ``P`` of
-  ``scale * q k^T`` and the linear weights ``L_ij = phi(q_i) . phi(k_j) /
-  sum_j' phi(q_i) . phi(k_j')`` (causal: ``j <= i``);
-* ``"kl"``: the same minus the softmax rows' entropy (same gradient, 0 at a
-  perfect fit);
-* ``"mse"``: the mean squared difference between the outputs of linear and
-  softmax attention for values ``v`` (given, or drawn from N(0, 1)).
-
-For maps whose weights can be exactly 0 (``strictly_positive`` False: T2R,
-relu), the cross-entropy and KL use floored weights
-``(1 - floor) max(L_ij, 0) + floor / n_i`` (``n_i`` = keys row ``i`` sees;
-``floor`` default ``config.FIT_FLOOR``), so that the loss stays finite and has
-a gradient where a relu map gives a weight 0.
+The public entry point is :func:`linattn_nb.feature_maps.fit` (this module's :func:`fit`);
+:func:`objective` evaluates one loss and its parameter gradients, for checks and custom optimisers.
+The losses and how a fit runs: docs/guide/feature_maps.md.
 """
 from __future__ import annotations
 
@@ -27,7 +10,7 @@ import copy
 import math
 import time
 import warnings
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import numpy as np
 
@@ -315,21 +298,12 @@ def fit(feature_map, q, k, *, causal=False, scale=None, loss="cross_entropy", st
         seed=0, validation=None, values=None, floor=None, learning_rate=0.01, tol=None, progress=True):
     """Fit the parameters of a feature map so that linear attention's weights match softmax's.
 
-    The map's parameters (:meth:`~linattn_nb.feature_maps.FeatureMap.parameters`:
-    Hedgehog's and T2R's ``W`` and ``b``, FAVOR+'s projection with
-    ``learn_projection=True``, any registered map that has them and a
-    :meth:`~linattn_nb.feature_maps.FeatureMap.vjp`) are trained on the
-    given queries and keys, full batch, with SciPy's L-BFGS-B or a small
-    Adam loop, using the package's own gradients.  No ``N x N`` matrix is
-    held: the loss streams over blocks of query rows
-    (``config.FIT_BLOCK_BYTES``); the softmax weights are kept between
-    evaluations while they fit in ``config.FIT_CACHE_BYTES``.  One map is
-    fitted to all batch entries (to fit one per head, call ``fit`` per head).
-
-    Precision follows the inputs: float64 queries and keys are worked on in
-    float64 throughout; float32 (or float16) ones in float32 (the ``N x N``
-    GEMMs and weights; every row's loss is summed in float64, the parameters
-    and their gradients are float64), about twice as fast.
+    The map's parameters (:meth:`~linattn_nb.feature_maps.FeatureMap.parameters`; it needs a
+    :meth:`~linattn_nb.feature_maps.FeatureMap.vjp`) are trained on the given queries and keys, full
+    batch, with SciPy's L-BFGS-B or a small Adam loop on the package's own gradients, without holding an
+    ``N x N`` matrix.  One map is fitted to all batch entries (call ``fit`` per head to fit one per head).
+    float64 inputs are worked on in float64, float32 (or float16) ones in float32, about twice as fast
+    (losses summed, parameters and gradients held in float64).  Details: docs/guide/feature_maps.md.
 
     Parameters
     ----------
@@ -349,8 +323,9 @@ def fit(feature_map, q, k, *, causal=False, scale=None, loss="cross_entropy", st
         Softmax temperature, default ``1/sqrt(d)``: the target is
         ``softmax(scale * q k^T)``.
     loss : {"cross_entropy", "kl", "mse"}, default "cross_entropy"
-        See :mod:`linattn_nb.fitting`.  ``"mse"`` compares outputs for
-        ``values``; the others compare weights.
+        A mean over query rows: Hedgehog's soft-label cross-entropy ``-sum_j P_ij log L_ij`` between the
+        softmax and linear weights, ``"kl"`` (the same minus the softmax entropy, 0 at a perfect fit), or
+        ``"mse"`` between the outputs of linear and softmax attention for ``values``.
     steps : int, default 200
         Optimiser iterations (0: evaluate only).  L-BFGS stops earlier when
         it converges (``tol``) or its line search fails; ``history.message``
@@ -366,9 +341,9 @@ def fit(feature_map, q, k, *, causal=False, scale=None, loss="cross_entropy", st
     values : array_like, shape (..., N, M), optional
         Values for ``loss="mse"``.
     floor : float in [0, 1), optional
-        Floor of the linear weights in the cross-entropy and KL: 0 for maps
-        whose features are all positive (``strictly_positive``), else
-        ``config.FIT_FLOOR``.
+        Floor of the linear weights in the cross-entropy and KL, ``(1 - floor) max(L_ij, 0) + floor / n_i``
+        (``n_i`` the keys row ``i`` sees): 0 for maps whose features are all positive
+        (``strictly_positive``), else ``config.FIT_FLOOR``.
     learning_rate : float, default 0.01
         Adam's step size.
     tol : float, optional
@@ -381,14 +356,10 @@ def fit(feature_map, q, k, *, causal=False, scale=None, loss="cross_entropy", st
     Returns
     -------
     FitResult
-        ``(feature_map, history)``: the fitted map (a new object, with the
-        parameters of the last step) and a :class:`FitHistory`.  Interrupted
-        with Ctrl-C, the fit returns what the last finished step reached
-        (``history.message`` says so) instead of losing it; a Ctrl-C that
-        a Numba compile swallowed stops it after the step it came in.
-        Inside a :func:`linattn_nb.studies.sweep` point (or a report) the
-        ``KeyboardInterrupt`` goes through instead: the sweep stops and
-        records no half-fitted point.
+        ``(feature_map, history)``: the fitted map (a new object, with the parameters of the last step)
+        and a :class:`FitHistory`.  Interrupted with Ctrl-C, the fit returns what the last finished step
+        reached (``history.message`` says so); inside a :func:`linattn_nb.studies.sweep` point the
+        ``KeyboardInterrupt`` goes through instead.
 
     Raises
     ------

@@ -1,13 +1,7 @@
-"""Numba row kernels of the fitting losses (one block of query rows against its keys).
+"""Numba row kernels of the fitting losses (one block of query rows against its keys), in place.
 
-The launcher (:mod:`linattn_nb.fitting._objective`) forms the scores and the
-unnormalised linear weights of a block of query rows with two GEMMs; these
-kernels do the per-entry work in one pass per row, in place: softmax weights
-from scores, then the loss of each row and ``dloss/da_ij`` (the gradient with
-respect to the unnormalised weights ``a_ij = phi(q_i) . phi(k_j)``).
-
-Row ``i`` of a block starting at query ``r0`` sees keys ``j < n_i`` with
-``n_i = r0 + i + 1`` (causal) or all keys; the other entries are set to 0.
+Row ``i`` of a block starting at query ``r0`` sees keys ``j < n_i`` with ``n_i = r0 + i + 1`` (causal) or
+all keys; the other entries are set to 0.  Design: docs/design-cpu.md ("Fitting losses").
 """
 from __future__ import annotations
 
@@ -56,13 +50,9 @@ def softmax_rows(S, r0, causal, entropy):
 def floored_weights(A, r0, causal, floor, T, den):
     """Pass 1: row sums ``den_i`` of ``A`` and the floored weights ``T`` (their logs are taken next).
 
-    ``T_ij = (1 - floor) max(L_ij, 0) + floor / n_i`` with ``L_ij =
-    a_ij / den_i``; entries past a causal row's end, and every entry of a row
-    with ``den_i <= 0`` (no weights at all), are set to 1 (log 0).  Computed
-    in the precision of ``A``.  The launcher then takes ``log(T)`` in place
-    with NumPy, whose ``log`` is vectorised (Numba's ``math.log`` is one
-    scalar call per entry: no SIMD math library in llvmlite's wheels), and
-    :func:`cross_entropy_rows` takes over.
+    ``T_ij = (1 - floor) max(L_ij, 0) + floor / n_i`` with ``L_ij = a_ij / den_i``, in the precision of
+    ``A``; entries past a causal row's end, and rows with ``den_i <= 0``, are set to 1 (log 0).  The
+    launcher takes ``log(T)`` with NumPy's vectorised ``log`` (docs/design-cpu.md, "Fitting losses").
     """
     rows, nk = A.shape
     ty = T.dtype.type
@@ -98,16 +88,9 @@ def log_floored_weights(A, r0, causal, floor, T, den):
 def cross_entropy_rows(P, A, logT, den, r0, causal, floor, want_grad, loss):
     """Pass 2: the soft-label cross-entropy of each row; ``A`` becomes ``dloss_i/da_ij`` in place.
 
-    With ``L_ij = a_ij / den_i`` and the floored weights
-    ``T_ij = (1 - floor) max(L_ij, 0) + floor / n_i`` (``logT`` from
-    :func:`log_floored_weights`), ``loss_i = -sum_j P_ij log T_ij`` and, with
-    ``w_ij = P_ij / T_ij`` where ``L_ij >= 0`` (else 0; the right derivative
-    at 0) and ``c_i = sum_j w_ij L_ij``,
-    ``dloss_i/da_ij = -(1 - floor) (w_ij - c_i) / den_i``.
-    A row whose normaliser is not positive (no weights at all) counts as
-    ``T_ij = floor / n_i``: loss ``log(n_i / floor)``, zero gradient; with
-    ``floor = 0`` it, and a row that gives a key of positive softmax weight
-    a weight <= 0, has an infinite loss and a zero gradient.
+    ``loss_i = -sum_j P_ij log T_ij`` (``logT`` from :func:`log_floored_weights`); the gradient and the
+    rows without weights (loss ``log(n_i / floor)``, or inf without a floor; zero gradient):
+    docs/design-cpu.md, "Fitting losses".
     """
     rows, nk = A.shape
     ty = A.dtype.type  # the weights' arithmetic in their own precision; the loss sums in float64
@@ -154,15 +137,8 @@ def cross_entropy_rows(P, A, logT, den, r0, causal, floor, want_grad, loss):
 def cross_entropy_rows_unfloored(P, A, logA, r0, causal, want_grad, den, loss):
     """:func:`cross_entropy_rows` without a floor, from ``log(a_ij)`` directly (no pass for ``T``).
 
-    With ``floor = 0``, ``log T_ij = log a_ij - log den_i``, so
-    ``loss_i = s_i log den_i - sum_j P_ij log a_ij`` with ``s_i`` the softmax
-    mass on keys of positive weight, and ``dloss_i/da_ij = s_i / den_i -
-    P_ij / a_ij`` (``P_ij / a_ij`` read as 0 where ``a_ij <= 0``: the right
-    derivative).  ``logA`` is ``log(A)`` (NumPy's vectorised ``log``; entries
-    with ``a_ij <= 0`` are never read); ``den_i``, the row sum, is formed in
-    the same pass.  A row with ``den_i <= 0``, or one that gives a key of
-    positive softmax weight a weight ``<= 0``, has an infinite loss and a zero
-    gradient, as with :func:`cross_entropy_rows` at ``floor = 0``.
+    ``logA`` is ``log(A)`` (entries with ``a_ij <= 0`` are never read); ``den_i`` is formed in the same
+    pass.  The loss and gradient without a floor: docs/design-cpu.md, "Fitting losses".
     """
     rows, nk = A.shape
     ty = A.dtype.type

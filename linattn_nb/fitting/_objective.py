@@ -1,17 +1,8 @@
 """The fitting losses and their gradients with respect to the features (streamed over row blocks).
 
-:class:`WeightsLoss` holds one set of queries and keys (flattened to
-``(B, N, d)`` float64) and evaluates the cross-entropy (or KL) between
-softmax weights and the linear weights of given features, with
-``dloss/dphi(q)`` and ``dloss/dphi(k)``.  It never holds an ``N x N`` matrix:
-each block of query rows forms its scores and its linear weights with two
-GEMMs and hands them to the row kernels of :mod:`._kernels`.  The softmax
-weights do not depend on the features; they are kept between evaluations
-while they fit in ``config.FIT_CACHE_BYTES``.
-
-:class:`OutputLoss` is the output MSE against softmax attention for given
-values; it goes through :func:`linattn_nb.linear_attention` and
-:func:`linattn_nb.linear_attention_vjp` (O(N), no weights at all).
+:class:`WeightsLoss` evaluates the cross-entropy (or KL) between softmax and linear weights and its
+gradients with respect to the features without holding an ``N x N`` matrix; the output MSE goes through
+``linear_attention`` and its vjp instead.  Design: docs/design-cpu.md ("Fitting losses").
 """
 from __future__ import annotations
 
