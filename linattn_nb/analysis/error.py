@@ -168,15 +168,10 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
     Raises
     ------
     ValueError
-        Bad shapes, non-finite inputs, ``N * N`` above
-        ``config.QUADRATIC_MAX_ELEMENTS``, or a feature map whose features
-        do not have shape ``(..., N, output_dim(D))``; ``decay``/``log_decay``
-        as in ``linear_attention`` (``causal=False``, values outside [0, 1]
-        or log-factors > 0, NaN, shapes that fit no form; the message names
-        the argument), or given with ``"softmax"``; ``beta`` likewise
-        (outside [0, 2], NaN, a wrong shape, ``causal=False``, with a
-        per-feature gate); ``normalize=False`` with ``"softmax"`` or with a
-        map that needs its normaliser (FAVOR+).
+        Bad shapes, non-finite inputs, ``N * N`` above ``config.QUADRATIC_MAX_ELEMENTS``, a feature map
+        whose features do not have shape ``(..., N, output_dim(D))``; ``decay``/``log_decay``/``beta``/
+        ``normalize`` as ``linear_attention`` refuses them (naming the argument), or given with
+        ``"softmax"``.
     TypeError
         Non-floating inputs, ``causal`` not a bool.
 
@@ -284,13 +279,9 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     Raises
     ------
     ValueError, TypeError
-        As :func:`linattn_nb.linear_attention` for bad inputs (shapes,
-        dtypes, non-finite values, ``causal`` not a bool, a feature map whose
-        features do not have shape ``(..., N, output_dim(D))``);
-        ``decay``/``log_decay`` with the errors of ``linear_attention``
-        (``causal=False``, out-of-range values, NaN, shapes; naming the
-        argument) or with ``"softmax"``; ``beta`` likewise, or with ``N * N``
-        above ``config.QUADRATIC_MAX_ELEMENTS``.
+        As :func:`linattn_nb.linear_attention` for bad inputs, ``decay``/``log_decay``/``beta`` (naming
+        the argument) and feature maps of the wrong shape; ``decay``/``log_decay``/``beta`` with
+        ``"softmax"``; ``beta`` with ``N * N`` above ``config.QUADRATIC_MAX_ELEMENTS``.
 
     Examples
     --------

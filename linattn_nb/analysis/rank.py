@@ -98,7 +98,7 @@ def _features(fmap, x, *, role, causal, name, offset=0):
     x3 = C.flatten64(x, x.shape[:-2])
     out = np.empty_like(x3)
     if x3.size:
-        _inline_features(x3.reshape((-1, d)), code, out.reshape((-1, d)))
+        _feature_rows(x3.reshape((-1, d)), 0, code, np.zeros(d), 0.0, False, False, out.reshape((-1, d)))
     C.check_finite_features(fmap, out, name)
     return out
 
@@ -263,14 +263,6 @@ def _append_rows(R, X):
 def _r_factor(X):
     """R (F x F) with ``R^T R = X^T X``: streamed LAPACK QR, O(N F^2) flops, scratch O(F^2 + block F)."""
     return _stream_r(X)[0]
-
-
-@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def _inline_features(x, code, out):
-    """out[i, j] = phi(x[i, j], code) for the elementwise maps the Numba kernels know."""
-    for i in prange(x.shape[0]):
-        for j in range(x.shape[1]):
-            out[i, j] = phi(x[i, j], code)
 
 
 def _span_changes(X, tau, block=1024):
