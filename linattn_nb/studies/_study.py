@@ -28,6 +28,8 @@ __all__ = [
     "CI_CAPTION",
     "pm",
     "fit_slope",
+    "num",
+    "seed_stat",
 ]
 
 PROFILES = ("tiny", "quick", "full")
@@ -398,6 +400,24 @@ def mean_ci(x, axis=0, *, level: float = 0.95):
         t = stats.t.ppf(0.5 + level / 2, np.maximum(count - 1, 1))
         half = np.where(count > 1, t * std / np.sqrt(np.maximum(count, 1)), 0.0)
     return mean, half
+
+
+def num(x) -> float:
+    """A stored number as a float: None (a null in the results file) is NaN."""
+    return float("nan") if x is None else float(x)
+
+
+def seed_stat(x) -> tuple:
+    """(mean, 95% Student-t half-width) of per-seed values; (inf, nan) if any is inf, (nan, nan) if none."""
+    import numpy as np
+
+    x = np.asarray(x, dtype=float)
+    if x.size == 0:
+        return float("nan"), float("nan")
+    if np.any(np.isinf(x)):
+        return float("inf"), float("nan")
+    m, h = mean_ci(x)
+    return float(m), float(h)
 
 
 def pm(mean, std, digits: int = 3) -> str:

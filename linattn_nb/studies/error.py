@@ -12,8 +12,8 @@ import numpy as np
 
 from ._maps import build_map, buildable_maps, is_random, map_label
 from ._claims import NOT_SUPPORTED, SUPPORTED, slope_claim
-from ._study import (CI_CAPTION, Rendered, Study, fit_slope, fmt, markdown_table, mean_ci, pm, register_study,
-                     split_failed)
+from ._study import (CI_CAPTION, Rendered, Study, fit_slope, fmt, markdown_table, mean_ci, num, pm,
+                     register_study, seed_stat, split_failed)
 from .sweep import to_json
 
 #: The default input scales s (q, k ~ s·N(0, I)): the benign regime (logit standard deviation
@@ -163,10 +163,6 @@ def signed_metrics(q, k, v, fmap, *, causal=False, eps=None) -> dict:
 # ---------------------------------------------------------------------------
 # rendering
 # ---------------------------------------------------------------------------
-def _num(x) -> float:
-    return float("nan") if x is None else float(x)
-
-
 class _Agg:
     """The ok records grouped as {(scale, causal, map, m, n): {seed: result}}."""
 
@@ -182,17 +178,11 @@ class _Agg:
 
     def values(self, key, field):
         res = self.by.get(key, {})
-        return np.asarray([_num(res[s].get(field)) for s in sorted(res)], dtype=float)
+        return np.asarray([num(res[s].get(field)) for s in sorted(res)], dtype=float)
 
     def stat(self, key, field):
         """(mean, 95% Student-t half-width) over the seeds; inf when any seed is inf (not averaged away)."""
-        x = self.values(key, field)
-        if x.size == 0:
-            return float("nan"), float("nan")
-        if np.any(np.isinf(x)):
-            return float("inf"), float("nan")
-        m, h = mean_ci(x)
-        return float(m), float(h)
+        return seed_stat(self.values(key, field))
 
     def positive(self, mk) -> bool:
         """Whether the series (map, m) has a positive map (its normaliser never crosses zero)."""
@@ -453,7 +443,7 @@ def _m_sweep_md(agg, n_mid) -> list:
 
 def _fit(agg, by_m, xs):
     seeds = sorted(set.intersection(*(set(agg.by[by_m[x]]) for x in xs)))
-    ys = [[_num(agg.by[by_m[x]][s].get("output_rel_error")) for x in xs] for s in seeds]
+    ys = [[num(agg.by[by_m[x]][s].get("output_rel_error")) for x in xs] for s in seeds]
     return fit_slope(xs, ys)
 
 

@@ -15,7 +15,8 @@ import time
 
 import numpy as np
 
-from ._study import CI_CAPTION, Rendered, Study, fmt, markdown_table, mean_ci, register_study, split_failed
+from ._study import (CI_CAPTION, Rendered, Study, fmt, markdown_table, num, pm, register_study, seed_stat,
+                     split_failed)
 from .error import QK_SCALE
 from .sweep import to_json
 
@@ -161,33 +162,12 @@ def run(regime, input_scale, temperature, d, n, steps, seed, fit_dtype=FIT_DTYPE
 # ---------------------------------------------------------------------------
 # rendering
 # ---------------------------------------------------------------------------
-def _num(x) -> float:
-    return float("nan") if x is None else float(x)
-
-
-def _se(x):
-    """(mean, 95% Student-t half-width) of finite-or-inf samples; inf when any is inf."""
-    x = np.asarray(x, dtype=float)
-    if x.size == 0:
-        return float("nan"), float("nan")
-    if np.any(np.isinf(x)):
-        return float("inf"), float("nan")
-    m, h = mean_ci(x)
-    return float(m), float(h)
-
-
 def _pct(rate) -> str:
     """A fraction as a percentage, e.g. ``"99.6%"``."""
     text = f"{100.0 * rate:.3g}"
     if rate < 1.0 and float(text) >= 100.0:
         return "> 99.9%"
     return f"{text}%"
-
-
-def _pm(mean, se, digits=3) -> str:
-    if not math.isfinite(mean) or not math.isfinite(se) or se <= 1e-9 * abs(mean):
-        return fmt(mean, digits)
-    return f"{fmt(mean, digits)} ± {fmt(se, 2)}"
 
 
 class _Agg:
@@ -210,10 +190,10 @@ class _Agg:
 
     def values(self, regime, key, field, part="maps"):
         res = self.by[regime]
-        return np.asarray([_num(res[s][part].get(key, {}).get(field)) for s in sorted(res)], dtype=float)
+        return np.asarray([num(res[s][part].get(key, {}).get(field)) for s in sorted(res)], dtype=float)
 
     def stat(self, regime, key, field, part="maps"):
-        return _se(self.values(regime, key, field, part))
+        return seed_stat(self.values(regime, key, field, part))
 
     def d_phi(self, regime, key):
         return next(iter(self.by[regime].values()))["maps"][key]["d_phi"]
@@ -242,15 +222,15 @@ def _kl_cell(agg, regime, key) -> str:
     if math.isinf(m):
         rate, _ = agg.stat(regime, key, "kl_infinite_rate")
         return f"∞ ({_pct(rate)} of rows)"
-    return _pm(m, se)
+    return pm(m, se)
 
 
 def _map_table(agg, regime) -> str:
     rows = []
     for key in agg.maps(regime):
         rows.append([MAP_LABELS[key], fmt(agg.d_phi(regime, key)), _kl_cell(agg, regime, key),
-                     _pm(*agg.stat(regime, key, "js_mean")), _pm(*agg.stat(regime, key, "entropy_linear")),
-                     _pm(*agg.stat(regime, key, "monotonicity")), _pm(*agg.stat(regime, key, "output_rel_error"))])
+                     pm(*agg.stat(regime, key, "js_mean")), pm(*agg.stat(regime, key, "entropy_linear")),
+                     pm(*agg.stat(regime, key, "monotonicity")), pm(*agg.stat(regime, key, "output_rel_error"))])
     return markdown_table(["feature map", "D_φ", "KL(softmax ‖ linear)", "JS", "row entropy (linear)",
                            "monotonicity (Spearman)", "output error"], rows)
 
@@ -263,9 +243,9 @@ def _fit_table(agg) -> str:
                 continue
             v = {f: agg.stat(regime, key, f, part="fits")
                  for f in ("train_start", "train_end", "heldout_start", "heldout_end", "steps_done", "seconds")}
-            rows.append([regime, MAP_LABELS[key], f"{_pm(*v['train_start'])} → {_pm(*v['train_end'])}",
-                         f"{_pm(*v['heldout_start'])} → {_pm(*v['heldout_end'])}", fmt(v["steps_done"][0], 3),
-                         _pm(*v["seconds"])])
+            rows.append([regime, MAP_LABELS[key], f"{pm(*v['train_start'])} → {pm(*v['train_end'])}",
+                         f"{pm(*v['heldout_start'])} → {pm(*v['heldout_end'])}", fmt(v["steps_done"][0], 3),
+                         pm(*v["seconds"])])
     return markdown_table(["regime", "map", "training loss, start → fitted", "held-out loss, start → fitted",
                            "steps", "fit seconds"], rows)
 
@@ -407,7 +387,7 @@ def render(records, ctx) -> Rendered:
     for regime in agg.regimes:
         h, se = agg.stat(regime, "elu", "entropy_softmax")
         n = agg.params[regime]["n"]
-        md += ["", f"**{regime}** (softmax row entropy {_pm(h, se)} nats; ln N = {fmt(math.log(n))} for uniform "
+        md += ["", f"**{regime}** (softmax row entropy {pm(h, se)} nats; ln N = {fmt(math.log(n))} for uniform "
                    "rows; KL is ∞ in a row where a linear weight is 0 and softmax's is not):", "",
                _map_table(agg, regime)]
     md += ["", "The fits (loss: soft-label cross-entropy over rows, nats, Hedgehog's; T2R's weights are floored "
