@@ -50,10 +50,8 @@ NOISY_FRACTION = 0.5
 def machine_state(min_time: float = 0.03) -> dict:
     """The 1-minute load average and the rate of a float32 matrix product (GFLOP/s) right now.
 
-    The sgemm probe multiplies two ``SGEMM_SIZE`` square float32 matrices
-    (NumPy's BLAS, its own thread settings) until ``min_time`` seconds have
-    passed: a drop in its rate between two points means the machine, not the
-    kernel, changed.
+    Multiplies two ``SGEMM_SIZE`` square matrices for ``min_time`` seconds: a drop in its rate between
+    two points means the machine, not the kernel, changed.
     """
     try:
         load = float(os.getloadavg()[0])
@@ -72,11 +70,23 @@ def machine_state(min_time: float = 0.03) -> dict:
     return {"load1": load, "sgemm_gflops": 2.0 * SGEMM_SIZE ** 3 * reps / elapsed / 1e9}
 
 
+def _inputs(rng, batch, length, d, m, dtype):
+    q, k = (rng.standard_normal((batch, length, d)).astype(dtype) for _ in range(2))
+    return q, k, rng.standard_normal((batch, length, m)).astype(dtype)
+
+
+def _forward(kind, method, feature_map, device, q, k, v) -> None:
+    from .. import linear_attention, softmax_attention
+
+    if kind == "linear":
+        linear_attention(q, k, v, feature_map=feature_map, causal=True, method=method, device=device)
+    else:
+        softmax_attention(q, k, v, causal=True, method=method)
+
+
 def run(kind, device, method, n, batch, d, m, dtype, feature_map, min_time, seed=0) -> dict:
     """Time one causal forward; returns the median and derived rates."""
     import numba
-
-    from .. import linear_attention, softmax_attention
 
     if kind not in ("linear", "softmax"):
         raise ValueError(f"unknown kind {kind!r}")
@@ -88,18 +98,14 @@ def run(kind, device, method, n, batch, d, m, dtype, feature_map, min_time, seed
         sync = cuda.synchronize
 
     def inputs(length):
-        q, k = (rng.standard_normal((batch, length, d)).astype(dtype) for _ in range(2))
-        v = rng.standard_normal((batch, length, m)).astype(dtype)
+        q, k, v = _inputs(rng, batch, length, d, m, dtype)
         if device == "cuda":
             q, k, v = (cuda.to_device(x) for x in (q, k, v))
         return q, k, v
 
     def timed(q, k, v):
         t0 = time.perf_counter()
-        if kind == "linear":
-            linear_attention(q, k, v, feature_map=feature_map, causal=True, method=method, device=device)
-        else:
-            softmax_attention(q, k, v, causal=True, method=method)
+        _forward(kind, method, feature_map, device, q, k, v)
         if sync is not None:
             sync()
         return time.perf_counter() - t0
@@ -128,26 +134,16 @@ def run(kind, device, method, n, batch, d, m, dtype, feature_map, min_time, seed
 def prepare(points) -> None:
     """Compile (or load from the cache) what the CPU points will time, untimed.
 
-    :func:`run_report` calls this in its background process while other
-    studies run, so that a first report does not compile inside this timed
-    study; each point's own warm-up call still runs.  Calls every CPU point
-    once at its warm-up length and once at its N (a kernel can take another
-    compiled path past its first block).
+    Run by :func:`run_report`'s background process beside the other studies: every CPU point once at
+    its warm-up length and once at its N (a kernel can take another compiled path past its first block).
     """
-    from .. import linear_attention, softmax_attention
-
     rng = np.random.default_rng(0)
     for p in points:
         if p["device"] != "cpu":
             continue
         for length in sorted({min(p["n"], WARMUP_N), p["n"]}):
-            q, k = (rng.standard_normal((p["batch"], length, p["d"])).astype(p["dtype"]) for _ in range(2))
-            v = rng.standard_normal((p["batch"], length, p["m"])).astype(p["dtype"])
-            if p["kind"] == "linear":
-                linear_attention(q, k, v, feature_map=p["feature_map"], causal=True, method=p["method"],
-                                 device="cpu")
-            else:
-                softmax_attention(q, k, v, causal=True, method=p["method"])
+            q, k, v = _inputs(rng, p["batch"], length, p["d"], p["m"], p["dtype"])
+            _forward(p["kind"], p["method"], p["feature_map"], "cpu", q, k, v)
 
 
 def _label(p) -> str:
@@ -158,9 +154,8 @@ def _label(p) -> str:
 def noisy_points(rates: dict) -> list:
     """The N of a series ``{N: rate}`` whose rate is below NOISY_FRACTION of each of its neighbours'.
 
-    The neighbours are the two nearest points in the grid: one on each side,
-    or, at an end of the grid, the next two inward (the last N is where a
-    slow point hides most easily).
+    The neighbours: one on each side, or at an end of the grid the next two inward (the last N is
+    where a slow point hides most easily).
     """
     return [x for x, nb in _neighbours(rates) if nb and all(rates[x] < NOISY_FRACTION * r for r in nb)]
 
