@@ -3,8 +3,9 @@
 Every rule of :data:`linattn_nb.ops._codes.RULES` is registered with every
 rule-generic causal launcher, bound to its code (``quadratic``; ``scan`` and
 ``chunked`` on the CPU and with CUDA), so a new rule of the table needs no edit
-here; non-causal methods are the additive rule's only.  Decode-step launchers are
-registered by :mod:`linattn_nb.state.launchers`.  Importing compiles nothing.
+here; non-causal methods are the additive rule's only.  The decode-step launchers
+(:mod:`linattn_nb.ops.step.launchers`) register themselves when this module is imported, so the whole
+table is filled by this layer.  Importing compiles nothing.
 """
 from __future__ import annotations
 
@@ -145,3 +146,6 @@ for _name in ("aggregate", "scan", "chunked"):
          backward=_lazy_backward(".grad.noncausal", "noncausal_backward"))
     _gpu("additive", _name, False, _cuda_launcher(".noncausal.cuda", "noncausal_aggregate_cuda"),
          _lazy_backward(".grad.cuda", "backward_aggregate_cuda"))
+
+# The decode-step launchers of every rule registered above (method "step").
+from .step import launchers  # noqa: E402,F401

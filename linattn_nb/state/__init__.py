@@ -14,9 +14,8 @@ like with like (``benchmarks/decode.py``).
 Modules: :mod:`~linattn_nb.state.linear` (:class:`LinearAttentionState`),
 :mod:`~linattn_nb.state.kvcache` (:class:`KVCache`), :mod:`~linattn_nb.state.dplr` (:class:`DPLRState`,
 the diagonal-plus-low-rank rules),
-:mod:`~linattn_nb.state.fileformat` (save/load, :class:`StateFileError`) and
-:mod:`~linattn_nb.state.launchers` (the decode-step launchers registered in
-the method table, and their contract).
+:mod:`~linattn_nb.state.fileformat` (save/load, :class:`StateFileError`).  The decode-step
+launchers the states run are entries of the method table (:mod:`linattn_nb.ops.step.launchers`).
 """
 from .fileformat import FORMAT_VERSION, StateFileError  # noqa: F401  (FORMAT_VERSION: the old module-level name)
 from .kvcache import KVCache

@@ -85,16 +85,6 @@ def host_tokens(batch_shape, pairs):
     return arrs, T, np.dtype(np.result_type(*[a.dtype for _, a, _ in arrs]))
 
 
-def aligned_zeros(shape, dtype, align=64):
-    """Zeros whose data starts on a cache-line boundary (NumPy only guarantees 16 bytes):
-    a decode step streams every row of S, and unaligned 256-byte rows touch five lines, not four."""
-    dtype = np.dtype(dtype)
-    n = int(np.prod(shape, dtype=np.int64))
-    buf = np.zeros(n * dtype.itemsize + align, dtype=np.uint8)
-    off = (-buf.ctypes.data) % align
-    return buf[off:off + n * dtype.itemsize].view(dtype).reshape(shape)
-
-
 def raise_nonfinite(name):
     """The error of a decode call whose input ``name`` holds NaN or inf (nothing was changed)."""
     raise ValueError(f"{name} contains non-finite values (NaN or inf); nothing was changed. "

@@ -3,7 +3,7 @@
 Its inputs go through the shared front end (:mod:`linattn_nb._frontend`:
 feature maps and their shape check, positions; :mod:`linattn_nb._cuda_dispatch`:
 GPU arrays), its kernels are the decode-step launchers of the method table
-(:mod:`linattn_nb.state.launchers`) and its files the format of
+(:mod:`linattn_nb.ops.step.launchers`) and its files the format of
 :mod:`linattn_nb.state.fileformat`.
 """
 from __future__ import annotations
@@ -26,7 +26,6 @@ from ..ops.registry import get_method
 from ..ops.step import cpu as _step_cpu
 from ..rules import get_rule, rule_for, rule_names
 from . import fileformat
-from . import launchers  # noqa: F401  (registers the step launchers)
 from ._checks import (F32, F64, STATE_DTYPES, check_batch_shape, check_dim, check_shapes, check_state_dtype,
                       host_tokens, raise_nonfinite, rule_inputs)
 from .fileformat import StateFileError
@@ -167,7 +166,7 @@ class LinearAttentionState:
     The kernels are the decode-step launcher registered in the method table
     under ``(rule, causal=True, "step", device)``, looked up once when the
     device is fixed and once more when the first tokens fix the rule (the
-    contract: :mod:`linattn_nb.state.launchers`).  A state whose rule is not
+    contract: :mod:`linattn_nb.ops.step.launchers`).  A state whose rule is not
     fixed runs the additive launcher, so additive decoding takes the same
     single-token fast path whether or not ``rule="additive"`` was given.
 

@@ -20,7 +20,8 @@ import linattn_nb as la
 from linattn_nb import feature_maps as fm
 from linattn_nb.device import cuda_status
 from linattn_nb.ops import registry
-from linattn_nb.state import LinearAttentionState, StateFileError, launchers
+from linattn_nb.ops.step import launchers
+from linattn_nb.state import LinearAttentionState, StateFileError
 from linattn_nb.state import linear as state_linear
 from _state_files import rewrite_state_file
 

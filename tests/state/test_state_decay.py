@@ -18,7 +18,7 @@ from linattn_nb.ops.step import cpu as step_cpu
 from linattn_nb.ops.step import naive as step_naive
 from linattn_nb.state import LinearAttentionState, StateFileError
 from linattn_nb.state import fileformat
-from linattn_nb.state import launchers
+from linattn_nb.ops.step import launchers
 
 from _rule_state import assert_close, qkv, ref  # noqa: E402
 from _state_files import rewrite_state_file  # noqa: E402

@@ -10,16 +10,24 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .. import _cuda_dispatch as CD
-from ..ops import methods  # noqa: F401  (registers the rules before their step methods)
-from ..ops._codes import check_rule_inputs, rule_name
-from ..ops.registry import Method, available_rules, get_rule, register_method
-from ..ops.step import cpu as _cpu
-from ._checks import aligned_zeros
+from .._codes import check_rule_inputs, rule_name
+from ..registry import Method, available_rules, get_rule, register_method
+from . import cpu as _cpu
 
-__all__ = ["StepLauncher", "CPU_STEP", "CUDA_STEP", "cpu_launcher", "cuda_launcher", "register_step_methods"]
+__all__ = ["StepLauncher", "CPU_STEP", "CUDA_STEP", "aligned_zeros", "cpu_launcher", "cuda_launcher",
+           "register_step_methods"]
 
 _NATIVE = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+
+
+def aligned_zeros(shape, dtype, align=64):
+    """Zeros whose data starts on a cache-line boundary (NumPy only guarantees 16 bytes):
+    a decode step streams every row of S, and unaligned 256-byte rows touch five lines, not four."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64))
+    buf = np.zeros(n * dtype.itemsize + align, dtype=np.uint8)
+    off = (-buf.ctypes.data) % align
+    return buf[off:off + n * dtype.itemsize].view(dtype).reshape(shape)
 
 
 @dataclass(frozen=True)
@@ -100,9 +108,15 @@ def cpu_launcher(rule: int) -> StepLauncher:
 # back (one device-to-host copy) only when ``check`` is true; a checked update writes the other buffer
 # of the double-buffered state and swaps when the inputs were finite (ops/step/cuda.py).
 def _kernels():
-    from ..ops.step import cuda as _scuda
+    from . import cuda as _scuda
 
     return _scuda
+
+
+def _launch():
+    from .. import _cuda_launch
+
+    return _cuda_launch
 
 
 def _cuda_zeros(B, F, M, dtype):
@@ -117,11 +131,11 @@ def _cuda_query(q, S, z, out, scratch, *, code, eps, check, normalize=True):
 def _cuda_put(S, z, S_src, z_src):
     for dst, src in ((S.cur, S_src), (z.cur, z_src)):
         if src is None:
-            CD.fill(dst, 0)  # zeroed on the device
+            _launch().fill(dst, 0)  # zeroed on the device
         elif isinstance(src, np.ndarray):
             dst.copy_to_device(np.ascontiguousarray(src, dtype=dst.dtype).reshape(dst.shape))
         else:
-            CD.copy_device(src.reshape(dst.shape), dst)
+            _launch().copy(src.reshape(dst.shape), dst)
 
 
 def _cuda_view(S, z):
