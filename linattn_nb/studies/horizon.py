@@ -71,11 +71,6 @@ def _aggregate(ok):
     return {name: dict(sorted(per_map.items(), reverse=True)) for name, per_map in by.items()}
 
 
-def _mean_std(x):
-    """Mean and 95% Student-t half-width over the seeds (axis 0), ignoring NaN (an empty bin is NaN)."""
-    return mean_ci(np.asarray(x, dtype=float), axis=0)
-
-
 def _pm(mean, std) -> str:
     return f"{fmt(float(mean))} ± {fmt(float(std), 2)}"
 
@@ -110,11 +105,11 @@ def render(records, ctx) -> Rendered:
 
             rows = []
             for g, e in per.items():
-                m, s = _mean_std(e["err"])
-                mm, ms = _mean_std(e["mse"][:, None])
+                m, s = mean_ci(e["err"])
+                mm, ms = mean_ci(e["mse"][:, None])
                 rows.append([_label(g)] + [_pm(m[b], s[b]) for b in cols] + [_pm(mm[0], ms[0])])
-            m, s = _mean_std(first["opt"])
-            mm, ms = _mean_std(first["opt_mse"][:, None])
+            m, s = mean_ci(first["opt"])
+            mm, ms = mean_ci(first["opt_mse"][:, None])
             rows.append(["optimal floor (least squares)"] + [_pm(m[b], s[b]) for b in cols] + [_pm(mm[0], ms[0])])
             md += ["", f"{name}, D_φ = {first['d_phi']}: relative retrieval error by write–read distance d", "",
                    markdown_table(["state"] + [bin_name(b) for b in cols] + ["all pairs"], rows)]
@@ -125,9 +120,9 @@ def render(records, ctx) -> Rendered:
                 edges = first["edges"]
                 x = 0.5 * (edges[:-1] + edges[1:] - 1)  # bin midpoints
                 for i, (g, e) in enumerate(per.items()):
-                    m, s = _mean_std(e["err"])
+                    m, s = mean_ci(e["err"])
                     ax.errorbar(x, m, yerr=s, ms=3, capsize=2, label=_label(g), **ctx.style(i))
-                m, s = _mean_std(first["opt"])
+                m, s = mean_ci(first["opt"])
                 ax.errorbar(x, m, yerr=s, fmt="k--", capsize=2, label="optimal floor (least squares)")
                 ax.set_xscale("symlog", linthresh=1.0)
                 ax.set(xlabel="distance between write and read (tokens)", ylabel="relative retrieval error",

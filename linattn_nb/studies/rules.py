@@ -73,7 +73,7 @@ def points(ctx) -> list[dict]:
 
 def run(kind, rule, beta, decay, d, n_pairs, trials, seed, method=METHOD, passes=1, dplr=None,
         dplr_arguments=None) -> dict:
-    """One rule in one regime: accuracy and error of the read-out against n (see the module docstring)."""
+    """One rule in one regime: accuracy and error of the read-out against n (docs/guide/studies.md)."""
     if kind in ("gaussian", "orthonormal"):
         from ..analysis import recall_capacity
 
@@ -131,11 +131,6 @@ def _run_written(kind, beta, d, n_pairs, seed, passes) -> dict:
             "value_dim": None}
 
 
-def _stat(x):
-    """Mean and 95% Student-t half-width over the seeds (axis 0)."""
-    return mean_ci(np.asarray(x, dtype=float))
-
-
 def _pm(mean, half) -> str:
     if abs(float(mean)) < 1e-12 and float(half) < 1e-12:
         return "< 1e-12"
@@ -181,18 +176,18 @@ def _table(agg, cols, dphi, *, floor=True) -> str:
     ns = first["n"]
     rows = []
     for label, e in agg.items():
-        ma, ha = _stat(e["acc"])
-        me, he = _stat(e["mse"])
+        ma, ha = mean_ci(e["acc"])
+        me, he = mean_ci(e["mse"])
         rows.append([label] + [f"{pm(float(ma[j]), float(ha[j]))} / {_pm(me[j], he[j])}" for j in cols])
     if floor:
-        m, h = _stat(first["opt"])
+        m, h = mean_ci(first["opt"])
         rows.append(["optimal floor (least squares), error"] + [_pm(m[j], h[j]) for j in cols])
         rows.append(["1 − D_φ/n"] + [fmt(max(0.0, 1.0 - dphi / float(ns[j]))) for j in cols])
     return markdown_table(["state"] + [f"n = {int(ns[j])} ({fmt(float(ns[j]) / dphi, 2)} D_φ)" for j in cols], rows)
 
 
 def _at(e, f, j):
-    m, h = _stat(e[f])
+    m, h = mean_ci(e[f])
     return float(m[j]), float(h[j])
 
 
@@ -215,7 +210,7 @@ def findings(agg, passes, orth, rewrite, dphi) -> list:
                      "keys and one-hot values the additive read-out of key i for value j is k_i·k_j, largest at "
                      "j = i (Cauchy–Schwarz), so its argmax is right at every n while its error grows with the "
                      "interference; the delta rule's corrections lower the error but move the argmax.")
-        ma = _stat(e_add["acc"])[0]
+        ma = mean_ci(e_add["acc"])[0]
         if np.all(ma == 1.0):
             text += f"  The additive rule's accuracy is 1 at every n up to {int(ns[last])}."
         out.append(text)
@@ -315,11 +310,11 @@ def render(records, ctx) -> Rendered:
             x = ns / dphi
             series = list(agg.items()) + list(passes.items())
             for i, (label, e) in enumerate(series):
-                m, h = _stat(e["mse"])
+                m, h = mean_ci(e["mse"])
                 ax.errorbar(x, m, yerr=h, ms=3, capsize=2, label=label, **ctx.style(i))
-                m, h = _stat(e["acc"])
+                m, h = mean_ci(e["acc"])
                 ax2.errorbar(x, m, yerr=h, ms=3, capsize=2, label="_", **ctx.style(i))
-            m, h = _stat(first["opt"])
+            m, h = mean_ci(first["opt"])
             ax.errorbar(x, m, yerr=h, fmt="k--", capsize=2, label="optimal floor (least squares)")
             ax.set(xlabel="n / D_φ", ylabel="relative retrieval error ‖V̂ − V‖² / ‖V‖²",
                    title=f"Error (D_φ = {dphi})")
