@@ -11,8 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from linattn_nb.studies._claims import (NOT_APPLICABLE, NOT_SUPPORTED, SUPPORTED, compare_claim, slope_claim,
-                                        threshold_claim)
+from linattn_nb.studies._claims import NOT_APPLICABLE, NOT_SUPPORTED, SUPPORTED, compare_claim, slope_claim
 from linattn_nb.studies._study import CI_CAPTION, fit_slope, mean_ci
 
 
@@ -92,15 +91,6 @@ def test_compare_claim_needs_separate_intervals():
     assert c.verdict == NOT_SUPPORTED and "no difference shown" in c.text and "overlap" in c.text
     assert compare_claim("a", float("nan"), 0.0, "b", 1.0, 0.0, higher_is_better=True,
                          measure="x").verdict == NOT_APPLICABLE
-
-
-def test_threshold_claim_names_the_first_failure():
-    c = threshold_claim([20, 40, 60], [1.0, 0.95, 0.7], [0.0, 0.01, 0.05], 0.9, what="accuracy")
-    assert c.verdict == NOT_SUPPORTED and "n = 60" in c.text and "0.7" in c.text
-    c = threshold_claim([20, 40], [1.0, 0.99], [0.0, 0.005], 0.9, what="accuracy")
-    assert c.verdict == SUPPORTED and "up to 40" in c.text
-    c = threshold_claim([20, 40], [1.0, 0.91], [0.0, 0.05], 0.9, what="accuracy")  # the interval crosses it
-    assert c.verdict == NOT_SUPPORTED
 
 
 # ---------------------------------------------------------------------------
