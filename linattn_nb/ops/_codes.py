@@ -55,10 +55,6 @@ RULES = {
     "gated_delta": (RULE_GATED_DELTA, ("beta", "log_decay")),
 }
 
-#: Rules whose outputs are not divided by the normaliser by default
-#: (``normalize=None``): DeltaNet's convention.  The others divide.
-UNNORMALIZED_RULES = frozenset({"delta", "gated_delta"})
-
 #: Log-factors at or below this are a reset (-inf): exp() of them is 0 in
 #: float64 (the smallest subnormal is exp(-744.4)), so the recurrence is the
 #: same, and a cumulative sum never holds a huge finite value whose

@@ -14,7 +14,7 @@ import functools
 import numpy as np
 
 from .. import config
-from ._codes import RULES, UNNORMALIZED_RULES
+from ._codes import RULES
 from ._finite import NonFiniteResult, check_finite_values
 from .causal.chunked import causal_chunked
 from .causal.cpu import causal_scan
@@ -126,7 +126,7 @@ def _causal_launcher(device: str, name: str, code: int):
 
 
 for _rule, (_code, _inputs) in RULES.items():
-    register_rule(Rule(_rule, code=_code, inputs=tuple(_inputs), normalize=_rule not in UNNORMALIZED_RULES))
+    register_rule(Rule(_rule, code=_code, inputs=tuple(_inputs)))
     for _device, _names in CAUSAL_METHODS.items():
         for _name in _names:
             _forward = _causal_launcher(_device, _name, _code)

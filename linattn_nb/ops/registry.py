@@ -32,14 +32,14 @@ class Rule:
         Extra per-token inputs the rule takes besides q, k, v (e.g. a decay);
         the front end validates and flattens them and passes them to the
         launcher as ``inputs``.
-    normalize : bool
-        Whether outputs are divided by the normaliser by default.
+
+    Whether outputs are divided by the normaliser by default is the rule module's
+    (:attr:`linattn_nb.rules.UpdateRule.normalize`), not the kernels'.
     """
 
     name: str
     code: int = 0
     inputs: Tuple[str, ...] = ()
-    normalize: bool = True
 
 
 @dataclass(frozen=True)

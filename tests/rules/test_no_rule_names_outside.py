@@ -48,10 +48,9 @@ def offenders():
                 bad = "compares a rule name"
             elif isinstance(node, ast.Dict) and any(k is not None and _is_name(k) for k in node.keys):
                 bad = "a table keyed by rule name"
-            elif isinstance(node, ast.Name) and (node.id.startswith("RULE_") or node.id == "UNNORMALIZED_RULES"):
+            elif isinstance(node, ast.Name) and node.id.startswith("RULE_"):
                 bad = "uses a kernel rule code"
-            elif isinstance(node, ast.alias) and (node.name.startswith("RULE_") or node.name in ("RULES",
-                                                                                               "UNNORMALIZED_RULES")):
+            elif isinstance(node, ast.alias) and (node.name.startswith("RULE_") or node.name == "RULES"):
                 bad = "imports the kernels' rule table"
             if bad is None:
                 continue
