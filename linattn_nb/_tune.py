@@ -49,7 +49,6 @@ QUICK = {"batch": 2, "dim": 16, "rounds": 3, "sizes": (1, 4, 16, 64)}
 MODES = ("off", "load", "first-use")
 
 # OpenBLAS core names (lower case) by the widest vector extension their kernels use.
-_OPENBLAS_AVX512 = {"skylakex", "cooperlake", "sapphirerapids"}
 _OPENBLAS_AVX2 = {"haswell", "zen", "skylake", "excavator"}
 _OPENBLAS_OLD = {"sandybridge", "nehalem", "core2", "penryn", "dunnington", "prescott", "atom", "katmai",
                  "coppermine", "northwood", "banias", "opteron", "opteron_sse3", "barcelona", "bobcat",

@@ -70,11 +70,7 @@ class Context:
         return {"tiny": tiny, "quick": quick, "full": full}[self.profile]
 
     def figure(self, *, ncols: int = 1, width: float = 5.2, height: float = 3.6):
-        """A matplotlib Figure with ``ncols`` axes, drawn off-screen (Agg).
-
-        No pyplot and no global backend switch, so a caller's interactive
-        backend (a notebook) is left alone.
-        """
+        """A matplotlib Figure with ``ncols`` axes, drawn off-screen (no pyplot: a notebook's backend stays)."""
         from matplotlib.figure import Figure
 
         fig = Figure(figsize=(width * ncols, height), layout="constrained")
@@ -83,11 +79,7 @@ class Context:
 
     @staticmethod
     def style(i: int) -> dict:
-        """Colour, marker and line style of the i-th series.
-
-        Twenty colours and fourteen markers, so that up to twenty series differ
-        in colour and (up to fourteen) in marker too; the second ten are dashed.
-        """
+        """Colour, marker and line style of the i-th series (20 colours, 14 markers; the second ten dashed)."""
         return {"color": PALETTE[i % len(PALETTE)], "marker": MARKERS[i % len(MARKERS)],
                 "linestyle": ("-", "--", ":")[(i // 10) % 3]}
 
@@ -114,10 +106,8 @@ class Context:
     def savefig(self, fig, name: str, alt: str) -> str:
         """Save ``fig`` as ``<out>/<name>.png``; return the markdown that shows it.
 
-        Log axes get plain labels (``500``, not ``5 x 10^2``) at 1, 2, 5 x 10^k
-        when they span at most two decades, at 10^k only beyond, so that tick
-        labels never run into each other; an axis whose ticks were set
-        (``ax.set_xticks(grid)``) keeps them, with plain labels.
+        Log axes get plain labels at 1, 2, 5 x 10^k up to two decades, at 10^k beyond (ticks set by the
+        study are kept, with plain labels).
         """
         from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
 
@@ -224,31 +214,18 @@ class Study:
         ``requires() -> str | None``: None when the study can run here, else why not
         (:func:`requires_modules`).  None (the default) means the study can always run.
     timing : bool
-        The study measures time: its points always run one at a time in the
-        reporting process, never concurrently on shared cores (timings taken
-        side by side on a busy machine mean nothing).
+        The study measures time: its points run one at a time in the reporting process.
     budget_s : dict, optional
-        The time the study is sized to take per profile (``{"quick": 20,
-        "full": 120}``), on 2 shared cores: a check for maintainers
-        (:attr:`ReportResult.over_budget`); ``report.md`` shows the time taken.
+        The time the study is sized to take per profile (``{"quick": 20, "full": 120}``) on 2
+        shared cores: a check for maintainers (:attr:`ReportResult.over_budget`).
     background : bool
-        The study neither measures time nor depends on the others, and most
-        of its time is compiling kernels: in a report without a scheduler
-        or worker pool it runs in a spawned process beside the untimed
-        studies (the timed ones wait for it), using the second core during
-        a cold start.  Its ``run`` must be importable by that process (a
-        module-level function).  See :data:`linattn_nb.config.REPORT_BACKGROUND`.
+        An untimed study that is mostly compiling: without a scheduler or worker pool it runs in a
+        spawned process beside the other untimed studies (:data:`linattn_nb.config.REPORT_BACKGROUND`).
     prepare : callable, optional
-        For a timed study: ``prepare(points)`` compiles (or loads from the
-        cache) the kernels its points will time, untimed.  When a report has
-        a background process, that process calls it after its own studies,
-        so that the timed study does not compile on a cold cache.  Must be
-        importable by that process; its errors are ignored (the study's own
-        warm-up still runs).
+        For a timed study: ``prepare(points)`` compiles the kernels its points will time, called by
+        the background process after its own studies (errors ignored).
     in_report : bool
-        Whether ``linattn report`` runs it by default (True).  A study whose
-        set-up is not yet sized to give results worth reading in the report's
-        time runs only by name: its own command, or ``run_report(studies=[...])``.
+        Whether ``linattn report`` runs it by default (True); otherwise it runs only by name.
     """
 
     name: str
@@ -317,12 +294,8 @@ def get_study(name: str) -> Study:
 # Formatting helpers
 # ---------------------------------------------------------------------------
 def split_failed(name: str, records) -> tuple:
-    """``(ok, failed, problems, markdown_lines)`` of a study's records.
-
-    ``failed`` are the records whose status is not ``"ok"``; ``problems`` one
-    line each for the report's problem list; ``markdown_lines`` the section's
-    "Points that failed" list (empty when none failed).
-    """
+    """``(ok, failed, problems, markdown_lines)`` of a study's records: the failed points as lines of the
+    report's problem list and as the section's "Points that failed" list (empty when none failed)."""
     ok = [r for r in records if r.get("status") == "ok"]
     failed = [r for r in records if r.get("status") != "ok"]
     problems = [f"{name}: point {r['params']} failed: {r.get('error')}" for r in failed]

@@ -673,15 +673,12 @@ def sweep(
     out : str or Path
         The results file (JSON Lines, appended to; created with its folder).
     backend : {"local", "dask"}
-        ``"local"``: in this process (``workers`` None or 1) or a pool of
-        ``workers`` spawned processes (``spawn``, never ``fork``: a fork after
-        Numba's OpenMP/TBB pool has started can hang).  ``"dask"``: on a
+        ``"local"``: in this process (``workers`` None or 1) or a pool of ``workers`` spawned
+        processes (never forked: a fork after Numba's thread pool started can hang).  ``"dask"``: on a
         dask.distributed cluster (extra ``dask``).
     scheduler : str, distributed.Client or cluster, optional
-        With ``backend="dask"``: the address of a running scheduler
-        (``"tcp://host:8786"``), a Client, or a cluster object.  None starts a
-        LocalCluster of ``workers`` processes (default 2) on loopback for the
-        duration of the sweep.
+        With ``backend="dask"``: a scheduler's address (``"tcp://host:8786"``), a Client or a cluster.
+        None starts a LocalCluster of ``workers`` processes (default 2) on loopback for the sweep.
     resume : bool, default True
         Skip points already finished in ``out``.  With False an existing,
         non-empty ``out`` is an error (results are never overwritten).
@@ -690,24 +687,16 @@ def sweep(
     workers : int, optional
         Worker processes (see ``backend``).
     numba_threads : int, optional
-        Numba threads per worker.  Default: this process keeps its setting when
-        it runs the points itself; otherwise the cores of a host divided by the
-        task slots on it, so that workers do not oversubscribe the cores.  It is
-        applied with ``numba.set_num_threads`` around every point; an embedded
-        LocalCluster also gets ``NUMBA_NUM_THREADS`` in its workers' environment
-        (the size of their thread pools).
+        Numba threads per worker, set around every point.  Default: this process keeps its setting
+        when it runs the points itself; otherwise a host's cores divided by its task slots, so that
+        workers do not oversubscribe the cores.
     errors : {"raise", "record"}
-        An exception in ``fn``: ``"raise"`` stops the sweep (finished points
-        stay in the file) and raises :class:`SweepError` from it (its
-        ``__cause__`` is the exception, or None where a worker's exception
-        cannot be rebuilt in this process; the message and
-        ``worker_traceback`` always name it); ``"record"`` writes an error
-        record and goes on.  Error records do not count as finished: a
-        resumed sweep runs those points again.
+        An exception in ``fn``: ``"raise"`` stops the sweep (finished points stay in the file) and
+        raises :class:`SweepError` from it; ``"record"`` writes an error record and goes on.  Error
+        records do not count as finished: a resumed sweep runs those points again.
     max_retries : int, default 2
-        How often a point is retried when its worker process dies (killed,
-        out of memory, a segfault).  On Dask, the scheduler's own
-        ``distributed.scheduler.allowed-failures`` applies instead.
+        How often a point is retried when its worker process dies (on Dask, the scheduler's
+        ``distributed.scheduler.allowed-failures`` applies instead).
     fsync : bool, default False
         ``os.fsync`` after every line; the file is always flushed per line
         and fsynced at the end.
