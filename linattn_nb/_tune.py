@@ -492,28 +492,12 @@ def crossover(rows):
 
 
 def calibrate(rules=None, dtypes=DTYPES, *, quick=False, progress=None, seed=0) -> dict:
-    """Time the scan against the chunked kernel on this CPU and BLAS.
+    """Time the scan against the chunked kernel here, per rule (default :func:`tuned_rules`) and dtype.
 
-    Parameters
-    ----------
-    rules : sequence of str, optional
-        Update rules (default: :func:`tuned_rules`).
-    dtypes : sequence of str
-        ``"float32"`` and/or ``"float64"``.
-    quick : bool
-        The sizes of :data:`QUICK` (a smoke test) instead of :data:`FULL`.
-    progress : callable, optional
-        Called with ``(rule, dtype)`` before each pair is timed.
-    seed : int
-
-    Returns
-    -------
-    dict
-        ``format``, ``key`` (:func:`calibration_key`), ``created``,
-        ``setting`` (sizes, batch, dim, rounds) and ``entries``:
-        ``"<rule>/<dtype>" -> {"n", "scan_ms", "chunked_ms", "ratio", "rows",
-        "crossover"}`` (times: medians in ms; ``ratio``: the median of the
-        rounds' chunked / scan ratios; ``rows`` from :func:`rows_from`).  Store it with :func:`save`.
+    Returns ``format``, ``key``, ``created``, ``setting`` (:data:`QUICK` or :data:`FULL`) and
+    ``entries``: ``"<rule>/<dtype>" -> {"n", "scan_ms", "chunked_ms", "ratio", "rows", "crossover"}``
+    (median times in ms, the median of the rounds' chunked / scan ratios, :func:`rows_from`'s rows).
+    :func:`save` stores it; ``progress(rule, dtype)`` is called before each pair is timed.
     """
     import numpy as np
 
@@ -585,11 +569,8 @@ def _no_files() -> bool:
 def auto_rows(rule: str, dtype) -> list | None:
     """The calibrated ``(max_n, method)`` rows for the causal CPU ``rule`` and ``dtype``, or None.
 
-    None means: use ``config.AUTO_METHODS``.  ``config.AUTO_TUNE`` decides:
-    ``"off"`` always None; ``"load"`` the stored calibration (read once per
-    process); ``"first-use"`` the same, and when it has no entry for the
-    rule and dtype, times them now (a few seconds, said on stderr) and stores
-    the result.
+    None means ``config.AUTO_METHODS``.  ``config.AUTO_TUNE``: ``"off"`` always None; ``"load"`` the
+    stored calibration (read once per process); ``"first-use"`` the same, timing a missing entry now.
     """
     global _current
     m = mode()

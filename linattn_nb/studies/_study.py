@@ -405,24 +405,11 @@ def pm(mean, std, digits: int = 3) -> str:
 
 
 def fit_slope(x, ys, *, level: float = 0.95) -> dict | None:
-    """Slope of log y against log x, fitted per seed, with a confidence interval over the seeds.
+    """Slope of log y against log x, fitted per seed: ``x`` (P,), all > 0; ``ys`` (S, P), one row per seed.
 
-    Parameters
-    ----------
-    x : array_like, shape (P,)
-        The swept values (all > 0).
-    ys : array_like, shape (S, P)
-        One row per seed.  A seed with a non-finite or non-positive value is left out.
-    level : float
-        Confidence level of the interval.
-
-    Returns
-    -------
-    dict or None
-        ``slope`` (mean of the per-seed least-squares slopes), ``lo``, ``hi``
-        (``slope ± t_{(1+level)/2, S-1} sd / sqrt(S)``, Student's t over the
-        seeds), ``seeds`` (the number used), ``level``; None when fewer than
-        two seeds or two points are usable.
+    Returns ``slope`` (the mean of the per-seed slopes), ``lo``, ``hi`` (its Student-t interval over
+    the seeds), ``seeds`` (a seed with a non-finite or non-positive value is left out) and ``level``;
+    None when fewer than two seeds or two points are usable.
     """
     import numpy as np
     from scipy import stats
