@@ -29,11 +29,9 @@ def _info_lines() -> list[str]:
     layer = _threading_layer()
     status = cuda_status()
     if status == "gpu":
-        from numba import cuda
+        from linattn_nb.studies.report import gpu_name
 
-        dev = cuda.get_current_device()
-        name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
-        cuda_line = f"GPU: {name} (compute capability {'.'.join(map(str, dev.compute_capability))})"
+        cuda_line = f"GPU: {gpu_name()}"
     elif status == "simulator":
         cuda_line = "simulator (NUMBA_ENABLE_CUDASIM=1; kernels run on the CPU, slowly)"
     else:

@@ -101,6 +101,15 @@ def resolve_devices(device: str) -> tuple:
     return ("cpu", "cuda") if status == "gpu" else ("cpu",)
 
 
+def gpu_name() -> str:
+    """The current CUDA device's name and compute capability."""
+    from numba import cuda
+
+    dev = cuda.get_current_device()
+    name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+    return f"{name} (compute capability {'.'.join(map(str, dev.compute_capability))})"
+
+
 def machine_info() -> list[tuple[str, str]]:
     """(name, value) rows describing this machine and the software versions."""
     import numba
@@ -122,11 +131,7 @@ def machine_info() -> list[tuple[str, str]]:
     cuda = {"gpu": "GPU", "simulator": "CUDA simulator only (no GPU timings)", "none": "no GPU"}[status]
     if status == "gpu":
         try:
-            from numba import cuda as nbcuda
-
-            dev = nbcuda.get_current_device()
-            name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
-            cuda = f"{name} (compute capability {'.'.join(map(str, dev.compute_capability))})"
+            cuda = gpu_name()
         except Exception:  # pragma: no cover
             pass
     try:
