@@ -16,10 +16,8 @@ from ._study import Rendered, Study, fmt, markdown_table, register_study
 #: computed in float32 and rounded to float16 on output (unit round-off 4.9e-4).
 TOLERANCES = {"float16": 3e-3, "float32": 2e-5, "float64": 1e-11}
 DTYPES = ("float16", "float32", "float64")
-#: The dtypes each profile checks.  A kernel compiles once per dtype (float16 twice: with float16 and with
-#: float32 features), and compilation is most of a cold run, so the quick profile checks float32 only
-#: (every method, feature map and update rule still), a quarter of the full profile's compilations; the
-#: full profile (and the tiny smoke test) checks every dtype.
+#: The dtypes each profile checks.  A kernel compiles once per dtype (float16 twice), and compiling is
+#: most of a cold run, so the quick profile checks float32 only: a quarter of the full profile's compilations.
 PROFILE_DTYPES = {"tiny": DTYPES, "quick": ("float32",), "full": DTYPES}
 
 
@@ -125,11 +123,8 @@ def _check_linear(q, k, v, ref, S_ref, z_ref, *, device, causal, method, feature
 def run(kind, device, causal, feature_map, methods, dtypes, shapes, seed=0, rule="additive") -> dict:
     """Check every method and dtype of one (attention, device, causal, feature map, rule) on every shape.
 
-    The float64 quadratic reference is computed once per shape and dtype
-    (from the inputs rounded to that dtype) and shared by the methods.  The
-    returned state is checked against its definition (additive rule:
-    ``S = sum_j phi(k_j) v_j^T``, ``z = sum_j phi(k_j)``) or, for the decay
-    and gate rules, against the reference's state.
+    One float64 quadratic reference per shape and dtype (from the rounded inputs), shared by the
+    methods; the state is checked against its definition (additive rule) or the reference's.
     """
     from .. import linear_attention, softmax_attention
     from ._maps import build_map

@@ -219,13 +219,10 @@ def _findings(agg, regimes) -> list:
 
 
 def _capacity_findings(agg, regime) -> list:
-    """Per map in the small-logit regime: whether its failure can be the state's capacity, from where it fails.
+    """Per map in the small-logit regime: whether its failure can be the state's capacity.
 
-    The rule: a map that first falls below ACCURACY at some n <= D_φ fails while
-    its state still has room (the least-squares floor is 0 up to n = D_φ), so
-    the cause is its kernel or estimator, not capacity; a failure first at
-    n > D_φ is consistent with capacity; no failure in the range says nothing
-    about capacity beyond the largest n.
+    A first fall below ACCURACY at n <= D_φ happens while the state has room (floor 0): the kernel or
+    estimator, not capacity; a first fall at n > D_φ is consistent with capacity.
     """
     out = []
     for (reg, label), (n, dphi, stats) in agg.items():
