@@ -1,14 +1,5 @@
-"""Studies at scale: the sweep runner, the built-in studies and the report.
-
-* :func:`sweep` runs ``fn(**point)`` over a parameter grid, locally or on a
-  Dask cluster, streaming results to an append-only JSON Lines file that a
-  rerun resumes from.
-* :data:`STUDIES` lists the built-in studies (correctness self-check,
-  throughput, approximation error, rank, recall capacity, memory horizon,
-  update rules against the capacity floor, learned against fixed feature maps);
-  :func:`register_study` adds one.
-* :func:`run_report` runs them and writes ``report.md`` with tables and plots
-  (the ``linattn report`` command).
+"""Studies at scale: the sweep runner (:func:`sweep`), the built-in studies (:data:`STUDIES`,
+:func:`register_study`) and the report (:func:`run_report`, ``linattn report``); docs/guide/studies.md.
 
 Importing this package imports neither Dask nor matplotlib and compiles nothing.
 """

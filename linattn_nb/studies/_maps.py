@@ -1,8 +1,5 @@
-"""Building feature maps from JSON sweep parameters (a name plus numbers).
-
-Sweep points hold only JSON values, so a study names a map and its
-parameters, and builds the map inside ``run`` -- one instance shared by every
-call of that point, so that a random map is drawn once per point.
+"""Building feature maps from JSON sweep parameters (a name plus numbers), inside a study's ``run``:
+one instance per point, so that a random map is drawn once per point.
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""``linattn report``: run the built-in studies and write a readable report.
-
-:func:`run_report` runs every registered study (:data:`linattn_nb.studies.STUDIES`)
-through :func:`~linattn_nb.studies.sweep`, one JSON Lines file per study in the
-report folder, renders each study's tables and plots, and writes
-``report.md`` beside them.  Studies that cannot run here (an optional
-package they need is missing, see :func:`~linattn_nb.studies.requires_modules`)
-are listed under "Not run" with the reason.
+"""``linattn report``: run the registered studies through :func:`~linattn_nb.studies.sweep` (one JSON
+Lines file each in the report folder) and write ``report.md`` with their tables and plots; studies that
+cannot run here are listed under "Not run" with the reason.
 """
 from __future__ import annotations
 
