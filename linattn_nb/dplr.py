@@ -23,6 +23,7 @@ from . import config
 from .feature_maps import resolve as _resolve_map
 from .ops._codes import NORM_FLOOR, NORM_NONE, NORM_RAW
 from .ops._finite import NonFiniteResult, check_finite_values
+from .ops.grad import _rowmaps
 from .rules import _dplr as D
 from .rules import get_dplr_rule
 from ._blas import parallel_entry
@@ -162,6 +163,24 @@ class _Request(NamedTuple):
     eps: float
 
 
+def _row_map(fmap, x) -> bool:
+    """Whether ``x``'s features under ``fmap`` come from the parallel row-map kernels (``l2``, ``silu_l2``
+    on float32/float64 inputs: the same values as the map's NumPy form, in one pass)."""
+    return getattr(fmap, "kernel_code", None) in _rowmaps.ROW_CODES and x.dtype in (np.float32, np.float64)
+
+
+def _features(fmap, x, role, position):
+    if _row_map(fmap, x):
+        return _rowmaps.features(x, fmap.kernel_code, x.dtype)[0]
+    return fmap.apply(x, role=role, causal=True, offset=position)
+
+
+def _features_vjp(fmap, x, g, role, position):
+    if _row_map(fmap, x):
+        return _rowmaps.vjp(np.asarray(x, dtype=np.float64), g, fmap.kernel_code, np.float64), None
+    return fmap.vjp(x, g, role=role, causal=True, offset=position)
+
+
 def _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize, eps, check_finite,
              initial_state, rule_arguments) -> _Request:
     """Check a call's arguments and build the general form (shared by the forward and the VJP)."""
@@ -225,8 +244,8 @@ def _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize
     if sub and getattr(fmap, "position_dependent", False):
         raise ValueError(f"feature map {fmap.name!r} depends on the position: it is not defined for keys "
                          "with a sub-step axis")
-    fq = np.asarray(fmap.apply(q, role="query", causal=True, offset=position), dtype=np.float64).reshape(B, N, F)
-    fk = np.asarray(fmap.apply(k, role="key", causal=True, offset=position), dtype=np.float64)
+    fq = np.asarray(_features(fmap, q, "query", position), dtype=np.float64).reshape(B, N, F)
+    fk = np.asarray(_features(fmap, k, "key", position), dtype=np.float64)
     fk = fk.reshape((B, N, r, F) if sub else (B, N, F))
     v64 = np.asarray(v, dtype=np.float64).reshape((B, N, r, M) if sub else (B, N, M))
 
@@ -567,8 +586,8 @@ def dplr_attention_vjp(q, k, v, grad_out, *, rule=None, a=None, b=None, log_diag
         else:
             d_inputs[key] = np.reshape(val, np.shape(R.given[key]))
     fmap = R.fmap
-    dq, pq = fmap.vjp(R.q, dfq.reshape(lead + (N, F)), role="query", causal=True, offset=R.position)
-    dk, pk = fmap.vjp(R.k, dfk.reshape(R.k.shape[:-1] + (F,)), role="key", causal=True, offset=R.position)
+    dq, pq = _features_vjp(fmap, R.q, dfq.reshape(lead + (N, F)), "query", R.position)
+    dk, pk = _features_vjp(fmap, R.k, dfk.reshape(R.k.shape[:-1] + (F,)), "key", R.position)
     params = None
     if pq or pk:
         params = {n: (pq or {}).get(n, 0.0) + (pk or {}).get(n, 0.0) for n in set(pq or {}) | set(pk or {})}
