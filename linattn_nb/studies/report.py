@@ -15,7 +15,7 @@ from pathlib import Path
 from .. import config
 from .._interrupt import check as check_interrupt, interrupts
 from ._study import PROFILES, STUDIES, Context, Rendered, get_study, markdown_table
-from .sweep import sweep
+from .sweep import sweep, usable_cores
 
 __all__ = ["run_report", "ReportResult", "resolve_devices", "machine_info"]
 
@@ -118,10 +118,6 @@ def machine_info() -> list[tuple[str, str]]:
         layer = numba.threading_layer()
     except ValueError:
         layer = "not started"
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover
-        cores = os.cpu_count()
     status = cuda_status()
     cuda = {"gpu": "GPU", "simulator": "CUDA simulator only (no GPU timings)", "none": "no GPU"}[status]
     if status == "gpu":
@@ -137,7 +133,7 @@ def machine_info() -> list[tuple[str, str]]:
         scipy_v = "not installed"
     return [
         ("linattn_nb", linattn_nb.__version__),
-        ("CPU", f"{cpu_model()}, {cores} usable cores"),
+        ("CPU", f"{cpu_model()}, {usable_cores()} usable cores"),
         ("platform", platform.platform()),
         ("Python", platform.python_version()),
         ("NumPy / SciPy / Numba", f"{np.__version__} / {scipy_v} / {numba.__version__}"),

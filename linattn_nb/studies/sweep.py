@@ -294,7 +294,7 @@ def _set_numba_threads(threads) -> None:
             worker = get_worker()
             threads = threads.get(get_address_host(worker.address))
             if not threads:
-                threads = max(1, _cpu_count() // max(1, int(worker.state.nthreads)))
+                threads = max(1, usable_cores() // max(1, int(worker.state.nthreads)))
         except Exception:
             threads = None
     if not threads:
@@ -627,7 +627,8 @@ class _ResultsFile:
 # ---------------------------------------------------------------------------
 # sweep
 # ---------------------------------------------------------------------------
-def _cpu_count() -> int:
+def usable_cores() -> int:
+    """The CPU cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - macOS, Windows
@@ -779,7 +780,7 @@ def sweep(
                                   numba_threads=numba_threads)
                     elif workers and workers > 1:
                         _run_pool(fn, todo, state, workers=workers, max_retries=max_retries,
-                                  numba_threads=numba_threads or max(1, _cpu_count() // workers))
+                                  numba_threads=numba_threads or max(1, usable_cores() // workers))
                     else:
                         for key, params in todo:
                             state.finish(key, params,
@@ -909,7 +910,7 @@ def _dask_threads_per_worker(client) -> dict:
     """Numba threads per task on each host of an existing cluster: host cores / task slots on the host."""
     info = client.scheduler_info(n_workers=-1) if _accepts_n_workers(client) else client.scheduler_info()
     wk = info.get("workers", {})
-    cores = client.run(_cpu_count)
+    cores = client.run(usable_cores)
     slots: dict[str, int] = {}
     host_cores: dict[str, int] = {}
     for addr, w in wk.items():
@@ -941,7 +942,7 @@ def _run_dask(fn, todo, state: _RunState, *, scheduler, workers, numba_threads):
     own_client = True
     if scheduler is None:
         n = workers or 2
-        threads = numba_threads or max(1, _cpu_count() // n)
+        threads = numba_threads or max(1, usable_cores() // n)
         import logging
 
         cluster = LocalCluster(
