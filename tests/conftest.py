@@ -108,7 +108,70 @@ SLOW_FILES = frozenset({
     "fitting/test_fitted_maps_paths.py", "fitting/test_fitting.py",
     "test_layouts.py", "test_notebooks.py", "test_readme.py", "test_docs.py", "test_doctests.py", "test_install.py",
     "test_cli.py", "test_mutation_catches.py", "test_numerics.py", "test_device.py", "rules/test_dplr_cuda.py",
+    "ops/test_serial_parallel.py",
 })
+
+
+#: Tests (``file::function``, every parametrisation) marked ``slow`` on their own.  Numba compiles each
+#: kernel once per signature, and a first compilation costs seconds: each of these is the only fast test
+#: that needs a specialisation (a batch- or sequence-parallel twin, a non-contiguous or read-only layout,
+#: a long sequence), compiles the same kernels a second time in a subprocess, or compiles kernels the
+#: other worker compiles at the same moment.  The full suite runs them.
+SLOW_TESTS = frozenset({
+    # the parallel twins of the kernels (the small calls of the fast tier take the serial ones)
+    "ops/test_grad_cpu.py::test_parallel_kernels",
+    "ops/test_causal_chunked.py::test_parallel_and_serial_kernels_agree",
+    "ops/test_causal_chunked.py::test_sequence_parallel_equals_batch_parallel",
+    "ops/test_causal_chunked.py::test_sequence_parallel_many_segments",
+    "ops/test_causal_chunked.py::test_noncausal_kernel_pieces_and_dtypes",
+    "ops/test_decay.py::test_chunked_sequence_splitting",
+    "ops/test_decay.py::test_chunked_many_segments_and_pieces",
+    "analysis/test_decay_analysis.py::test_recall_decay_trades_old_pairs_for_recent_ones",
+    "test_linear_attention.py::test_done_when_long_float32_causal",
+    # non-contiguous, Fortran-ordered and read-only arrays: a second signature of each kernel
+    "test_linear_attention.py::test_layouts_noncontiguous_fortran_readonly",
+    "state/test_state.py::test_layouts_and_general_path",
+    # a subprocess that compiles its kernels from cold (the parallel float32 forward and backward; the
+    # calibration's kernels)
+    "test_threads.py::test_workqueue_calls_from_threads_are_serialised",
+    "test_tune.py::test_tune_command",
+    # float16 inputs run on the float32 kernels
+    "ops/test_delta.py::test_l2_maps_inline_float16",
+    # the DPLR kernels through the torch adapter: tests/rules/test_dplr.py compiles them in the other
+    # worker, and both would compile the same backward at once
+    "test_torch.py::test_dplr_gradcheck_general_form",
+    "test_torch.py::test_dplr_gradcheck_general_form_substeps",
+    "test_torch.py::test_dplr_gradcheck_named_rules",
+    "test_torch.py::test_dplr_forward_equals_numpy_api",
+    "test_torch.py::test_dplr_gradients_equal_the_vjp_and_constants_get_none",
+    "test_torch.py::test_dplr_only_state_used_and_segments_chain",
+    "test_torch.py::test_dplr_gradcheck_hedgehog_parameters",
+})
+
+#: Parameter values whose parametrisations are ``slow``: the parallel twins (``twin="parallel"``,
+#: ``parallel=True``) and the float32 / float16 dtypes (float16 runs on the float32 kernels), a second
+#: compilation of every kernel a test reaches.  The fast tier checks every kernel in float64 and keeps
+#: float32 / float16 through the public entry points (``test_public_api_dtypes_and_state``,
+#: ``test_float16_inputs_return_float16``, the FAVOR+ float32 checks).
+_LOW_PRECISION = frozenset({"float16", "float32", "torch.float16", "torch.float32"})
+#: Files that compile no kernel: their float32 cases stay fast.
+_NUMPY_ONLY = frozenset({"feature_maps/test_feature_map_vjp.py", "analysis/test_spectral.py"})
+
+
+def _slow_parametrisation(item, rel) -> bool:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    for name, value in params.items():
+        if name in ("twin", "parallel") and value in ("parallel", True):
+            return True
+        if "dtype" in name and rel not in _NUMPY_ONLY:
+            label = str(value)
+            try:
+                label = np.dtype(value).name
+            except TypeError:
+                pass
+            if label in _LOW_PRECISION:
+                return True
+    return False
 
 
 def pytest_collection_modifyitems(config, items):
@@ -118,5 +181,6 @@ def pytest_collection_modifyitems(config, items):
             rel = pathlib.Path(str(item.fspath)).resolve().relative_to(tests).as_posix()
         except ValueError:
             continue
-        if rel in SLOW_FILES:
+        name = getattr(item, "originalname", None) or item.name
+        if rel in SLOW_FILES or f"{rel}::{name}" in SLOW_TESTS or _slow_parametrisation(item, rel):
             item.add_marker(pytest.mark.slow)
