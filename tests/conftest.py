@@ -135,6 +135,8 @@ SLOW_TESTS = frozenset({
     # calibration's kernels)
     "test_threads.py::test_workqueue_calls_from_threads_are_serialised",
     "test_tune.py::test_tune_command",
+    # a study run end to end (grid, every rule and DPLR row, render), as tests/studies/ does
+    "analysis/test_delta_analysis.py::test_rules_study_grid_and_floor_check",
     # float16 inputs run on the float32 kernels
     "ops/test_delta.py::test_l2_maps_inline_float16",
     # the DPLR kernels through the torch adapter: tests/rules/test_dplr.py compiles them in the other
