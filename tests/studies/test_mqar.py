@@ -16,7 +16,7 @@ from linattn_nb.studies import mqar
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 POINT_KEYS = {"layer", "head_dim", "kv", "length", "seed", "steps", "vocab", "d_model", "heads", "n_train",
-              "n_test", "eval_every"}
+              "n_test", "eval_every", "lr"}
 RESULT_KEYS = {"final_accuracy", "best_accuracy", "steps", "seconds", "curve", "parameters", "d_phi", "state",
                "machine", "threads"}
 
@@ -145,7 +145,7 @@ def test_recall_floor_is_the_least_squares_error_of_the_state():
 def _record(layer, d, kv, seed, acc):
     length = mqar.seq_length(kv)
     params = dict(layer=layer, head_dim=d, kv=kv, length=length, seed=seed, steps=600, vocab=mqar.VOCAB,
-                  d_model=mqar.D_MODEL, heads=mqar.HEADS, n_train=100, n_test=10, eval_every=100)
+                  d_model=mqar.D_MODEL, heads=mqar.HEADS, n_train=100, n_test=10, eval_every=100, lr=mqar.LR)
     result = dict(final_accuracy=acc, best_accuracy=acc, steps=600, seconds=1.0,
                   curve=[dict(step=600, loss=1.0, acc=acc, seconds=1.0)], parameters=1,
                   d_phi=mqar.feature_dim(layer, d), state=mqar.state_numbers(layer, d, length=length),
