@@ -124,6 +124,9 @@ SLOW_TESTS = frozenset({
     "ops/test_causal_chunked.py::test_sequence_parallel_equals_batch_parallel",
     "ops/test_causal_chunked.py::test_sequence_parallel_many_segments",
     "ops/test_causal_chunked.py::test_noncausal_kernel_pieces_and_dtypes",
+    "ops/test_grad_delta_chunked.py::test_default_chunk_and_parallel",
+    "ops/test_causal_chunked.py::test_auto_uses_chunked_and_blas_threads_restored",
+    "ops/test_delta.py::test_batch_below_and_above_threads",
     "ops/test_decay.py::test_chunked_sequence_splitting",
     "ops/test_decay.py::test_chunked_many_segments_and_pieces",
     "analysis/test_decay_analysis.py::test_recall_decay_trades_old_pairs_for_recent_ones",
@@ -137,8 +140,14 @@ SLOW_TESTS = frozenset({
     "test_tune.py::test_tune_command",
     # a study run end to end (grid, every rule and DPLR row, render), as tests/studies/ does
     "analysis/test_delta_analysis.py::test_rules_study_grid_and_floor_check",
-    # float16 inputs run on the float32 kernels
+    # float32 and float16 (which runs on the float32 kernels) beyond the public entry points' checks kept
+    # fast below: each compiles float32 kernels in whichever worker runs its file
     "ops/test_delta.py::test_l2_maps_inline_float16",
+    "ops/test_causal_chunked.py::test_float16_with_numpy_side_map",
+    "ops/test_softmax.py::test_quadratic_method_and_float16",
+    "state/test_state_decay.py::test_strong_decay_float32_no_overflow_or_nan",
+    "feature_maps/test_feature_maps.py::test_favor_causal_output_ignores_future_tokens_bitwise",
+    "feature_maps/test_feature_maps.py::test_favor_float32_large_inputs_do_not_overflow",
     # the DPLR kernels through the torch adapter: tests/rules/test_dplr.py compiles them in the other
     # worker, and both would compile the same backward at once
     "test_torch.py::test_dplr_gradcheck_general_form",
@@ -153,8 +162,8 @@ SLOW_TESTS = frozenset({
 #: Parameter values whose parametrisations are ``slow``: the parallel twins (``twin="parallel"``,
 #: ``parallel=True``) and the float32 / float16 dtypes (float16 runs on the float32 kernels), a second
 #: compilation of every kernel a test reaches.  The fast tier checks every kernel in float64 and keeps
-#: float32 / float16 through the public entry points (``test_public_api_dtypes_and_state``,
-#: ``test_float16_inputs_return_float16``, the FAVOR+ float32 checks).
+#: float32 / float16 through the public entry points (``ops/test_causal_chunked.py::
+#: test_public_api_dtypes_and_state``, ``test_linear_attention.py::test_float16_inputs_return_float16``).
 _LOW_PRECISION = frozenset({"float16", "float32", "torch.float16", "torch.float32"})
 #: Files that compile no kernel: their float32 cases stay fast.
 _NUMPY_ONLY = frozenset({"feature_maps/test_feature_map_vjp.py", "analysis/test_spectral.py"})
