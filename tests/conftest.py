@@ -96,10 +96,12 @@ def python_sigint_handler():
 # ---------------------------------------------------------------------------
 #: Files whose tests are marked ``slow`` as a whole: the CUDA kernels on the simulator and their
 #: PTX, every array layout of every entry point, the notebooks, the README and docs builds, the
-#: report and sweep end to end, installs, fitting runs and the mutation checks.  The fast tier
-#: leaves them out and still runs every rule on every method on small shapes
-#: (``tests/rules/test_rules.py``, the CUDA methods included), the CPU kernels against their
-#: references, the front ends, states, analyses, feature maps and the torch adapter.
+#: report and sweep end to end, installs, fitting runs, the mutation checks and the serial/parallel
+#: kernel twins.  The fast tier leaves them out (and the tests of ``SLOW_TESTS`` and the
+#: parametrisations of ``_slow_parametrisation`` below) and still runs every rule on every method
+#: forward and backward on small shapes in float64 (``tests/rules/test_rules.py``, the CUDA methods
+#: included, ``tests/ops/test_grad_cpu.py``, ``tests/rules/test_dplr.py``), the CPU kernels against
+#: their references, the front ends, states, analyses, feature maps and the torch adapter.
 SLOW_FILES = frozenset({
     "ops/test_cuda.py", "ops/test_cuda_launchable.py", "ops/test_cuda_transfers.py", "ops/test_decay_cuda.py",
     "ops/test_delta_cuda.py", "ops/test_grad_cuda.py", "ops/test_step_cuda.py",
