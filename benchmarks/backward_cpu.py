@@ -94,7 +94,7 @@ def _spread(times, num, den):
 RULE_NAMES = ("additive", "decay", "gate", "delta", "gated_delta")
 
 
-def speed(rounds, rules=RULE_NAMES):
+def speed(rounds, rules=RULE_NAMES, feature_map="elu"):
     bh, n, d = 16, 4096, 64
     q, k, v, g = _data(bh, n, d, np.float32)
     qf, kf, v1, H0, g1 = _launcher_args(q, k, v, g, np.float32)
@@ -107,7 +107,7 @@ def speed(rounds, rules=RULE_NAMES):
             fkw["log_decay"] = inputs["log_decay" if name == "decay" else "log_gate"]
         if name in ("delta", "gated_delta"):
             fkw.update(inputs)
-        common = dict(causal=True, method="chunked", feature_map="elu", check_finite=False)
+        common = dict(causal=True, method="chunked", feature_map=feature_map, check_finite=False)
         cases = {
             "forward": lambda fkw=fkw: linattn_nb.linear_attention(q, k, v, **common, **fkw),
             "backward": lambda code=code, inputs=inputs: gcpu.backward_chunked(qf, kf, v1, H0, g1, inputs=inputs,
@@ -193,14 +193,17 @@ def main(argv=None):
     ap.add_argument("--skip-long", action="store_true", help="speed rows only")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--rules", default=",".join(RULE_NAMES), help="comma-separated rules of the speed rows")
+    ap.add_argument("--feature-map", default="elu", help="map of the forward and vjp calls of the speed rows (e.g. "
+                    "silu_l2, DeltaNet's; the backward launcher row takes ELU+1 features either way)")
     args = ap.parse_args(argv)
     import numba
 
     print(f"CPU: {cpu_model()}; Numba threads: {numba.get_num_threads()}")
     print_machine()
     rounds = args.rounds or (3 if args.quick else 7)
-    rows = speed(rounds, tuple(r for r in args.rules.split(",") if r))
-    print(f"\nSpeed: B*H = 16, N = 4096, D = M = 64, float32, ELU+1, median of {rounds} interleaved rounds")
+    rows = speed(rounds, tuple(r for r in args.rules.split(",") if r), args.feature_map)
+    print(f"\nSpeed: B*H = 16, N = 4096, D = M = 64, float32, map {args.feature_map}, median of {rounds} "
+          "interleaved rounds")
     print(table(rows, ["rule", "forward_s", "backward_s", "ratio", "vjp_s", "vjp_ratio", "vjp_ratio_range",
                        "scan_backward_s"],
                 {"forward_s": "{:.4f}", "backward_s": "{:.4f}", "ratio": "{:.2f}", "vjp_s": "{:.4f}",
