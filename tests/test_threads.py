@@ -27,10 +27,18 @@ _SCRIPT = textwrap.dedent("""
     if len(sys.argv) > 1:  # the check's own mutation: pretend the layer is thread-safe
         _blas._layer = "omp"
     config.CPU_CHUNKED_SERIAL_MAX_WORK = 0  # every call takes the parallel kernels, however small
+    config.KV_PARALLEL_MIN_WORK = 0  # the KV cache's step and query kernels too
     rng = np.random.default_rng(0)
     q, k, v, g = (rng.standard_normal((8, 256, 16)).astype(np.float32) for _ in range(4))
     ref = linattn_nb.linear_attention(q, k, v, causal=True)
     ref_dq = linattn_nb.linear_attention_vjp(q, k, v, g, causal=True).dq
+
+    def kv_calls():
+        cache = linattn_nb.KVCache(16, 16, batch_shape=(8,), dtype=np.float32)
+        cache.prefill(k[:, :200], v[:, :200])
+        return cache.step(q[:, 200:201], k[:, 200:201], v[:, 200:201]), cache.query(q[:, 201:203])
+
+    ref_kv = kv_calls()
     print("layer", numba.threading_layer(), flush=True)
     bad = []
 
@@ -39,6 +47,7 @@ _SCRIPT = textwrap.dedent("""
             for _ in range(40):
                 ok = np.array_equal(linattn_nb.linear_attention(q, k, v, causal=True), ref)
                 ok &= np.array_equal(linattn_nb.linear_attention_vjp(q, k, v, g, causal=True).dq, ref_dq)
+                ok &= all(np.array_equal(a, b) for a, b in zip(kv_calls(), ref_kv))
                 if not ok:
                     bad.append("result differs")
         except Exception as exc:

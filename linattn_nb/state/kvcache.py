@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from .. import _validate as V
+from .._blas import parallel_calls
 from .. import config
 from ..device import check_device_arg, on_device, resolve_device
 from ..ops.step import cpu as _cpu
@@ -228,8 +229,9 @@ class KVCache:
         out = np.empty((self._B, T, self._m), dtype=dt)
         if self._B:
             kern = _cpu.pick_kv_kernel(self._B, T, self._len + T, self._d, self._m)
-            bad = kern(q, k, v, self._K, self._V, np.int64(self._len), out, self._scale,
-                       np.int64(_kv_block()), bool(check_finite and res is None))
+            with parallel_calls(kern is not _cpu.kv_step_serial):  # one thread at a time under workqueue
+                bad = kern(q, k, v, self._K, self._V, np.int64(self._len), out, self._scale,
+                           np.int64(_kv_block()), bool(check_finite and res is None))
             if bad:
                 raise_nonfinite(("q", "k", "v")[bad - 1])
         self._len += T

@@ -583,6 +583,7 @@ def pick_kv_kernel(b, t, length, d, m):
                 limit=config.KV_PARALLEL_MIN_WORK)
 
 
+@parallel_entry
 def kv_attend(q, K, V, length, out, *, scale, causal_new, block=None):
     """Launcher: the parallel kernel from ``config.KV_PARALLEL_MIN_WORK`` multiply-adds on."""
     block = int(config.KV_BLOCK if block is None else block)
