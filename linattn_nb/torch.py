@@ -676,6 +676,28 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
 _DECAY_FACTOR = {None: None, "head": "scalar", "token": "scalar", "gate": "feature"}  # not a rule: the options
 
 
+def _dplr_layer_rules() -> list:
+    """The diagonal-plus-low-rank rules :class:`LinearAttention` can parameterise (a ``layer`` form)."""
+    return tuple(name for name in rules.dplr_rule_names() if rules.get_dplr_rule(name).layer)
+
+
+def _dplr_layer_rule(rule, decay, causal):
+    """The :class:`~linattn_nb.rules.DPLRRule` of a layer's ``rule``, None for the update rules of
+    :func:`linattn_nb.rules.rule_names`; ValueError for a DPLR rule without a layer form, with ``decay``
+    (the rule brings its own) or without ``causal``."""
+    if not isinstance(rule, str) or rule not in rules.dplr_rule_names():
+        return None
+    spec = rules.get_dplr_rule(rule)
+    if not spec.layer:
+        raise ValueError(f"rule {rule!r} has no layer form yet (its arguments are not made from the input); "
+                         f"the layer takes {rules.rule_names() + _dplr_layer_rules()}")
+    if decay is not None:
+        raise ValueError(f"rule {rule!r} makes its own {', '.join(spec.layer)} from the input: pass decay=None")
+    if not causal:
+        raise ValueError(f"rule {rule!r} is a recurrence: it needs causal=True")
+    return spec
+
+
 def _layer_rule(rule: str, decay):
     """The registered update rule that the layer's ``rule`` and ``decay`` options select.
 
@@ -753,7 +775,12 @@ class LinearAttention(nn.Module):
         Decay and the delta rule need True.
     rule : str, default "additive"
         A registered update rule (:func:`linattn_nb.rules.rule_names`); the
-        rules that take ``beta`` get a projection ``W_beta``.
+        rules that take ``beta`` get a projection ``W_beta``.  Or a
+        diagonal-plus-low-rank rule whose module gives a layer form
+        (:attr:`linattn_nb.rules.DPLRRule.layer`; ``"kda"``): one projection
+        per argument (KDA: a per-feature gate ``logsigmoid(W x) / 16`` and
+        ``beta = sigmoid(w^T x)``), through :func:`dplr_attention`, with
+        ``decay=None`` and ``normalize`` False unless given.
     decay : {None, "head", "token", "gate"}, default None
     method : str, default "auto"
         Passed to :func:`linear_attention` (``"quadratic"`` for the float64
@@ -819,14 +846,16 @@ class LinearAttention(nn.Module):
         for name, val in (("head_dim", head_dim), ("value_dim", value_dim)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
-        if not isinstance(rule, str) or rule not in rules.rule_names():
-            raise ValueError(f"rule must be one of {rules.rule_names()}, got {rule!r}")
-        if decay not in tuple(_DECAY_FACTOR):
-            raise ValueError(f"decay must be one of {tuple(_DECAY_FACTOR)}, got {decay!r}")
-        if not causal and (rules.get_rule(rule).has_inputs or decay is not None):
-            raise ValueError(f"decay={decay!r} and rule={rule!r}: a decay and the rules with inputs are recurrences, "
-                             "they need causal=True")
-        self.update_rule = _layer_rule(rule, decay).name
+        self.dplr = _dplr_layer_rule(rule, decay, causal)
+        if self.dplr is None:
+            if not isinstance(rule, str) or rule not in rules.rule_names():
+                raise ValueError(f"rule must be one of {rules.rule_names() + _dplr_layer_rules()}, got {rule!r}")
+            if decay not in tuple(_DECAY_FACTOR):
+                raise ValueError(f"decay must be one of {tuple(_DECAY_FACTOR)}, got {decay!r}")
+            if not causal and (rules.get_rule(rule).has_inputs or decay is not None):
+                raise ValueError(f"decay={decay!r} and rule={rule!r}: a decay and the rules with inputs are "
+                                 "recurrences, they need causal=True")
+        self.update_rule = rule if self.dplr is not None else _layer_rule(rule, decay).name
         if conv_size is not None and (isinstance(conv_size, bool) or not isinstance(conv_size, int)
                                       or conv_size < 1):
             raise ValueError(f"conv_size must be a positive int or None, got {conv_size!r}")
@@ -844,7 +873,11 @@ class LinearAttention(nn.Module):
         if conv_size is not None:
             ch = H * (2 * head_dim + value_dim)
             self.conv = nn.Conv1d(ch, ch, conv_size, groups=ch, padding=conv_size - 1, **kw)
-        self.beta_proj = nn.Linear(d_model, H, **kw) if rules.get_rule(rule).beta else None
+        self.beta_proj = nn.Linear(d_model, H, **kw) if self.dplr is None and rules.get_rule(rule).beta else None
+        # a diagonal-plus-low-rank rule: one projection per argument, of the form its rule module names
+        self.dplr_proj = nn.ModuleDict({
+            name: nn.Linear(d_model, H * (self.feature_dim if form == "feature_gate" else 1), **kw)
+            for name, form in (self.dplr.layer.items() if self.dplr is not None else ())})
         if decay == "head":
             gamma = 1.0 - 2.0 ** (-5.0 - torch.arange(H, dtype=torch.float64))
             self.decay_logit = nn.Parameter(torch.logit(gamma).to(device=device,
@@ -922,7 +955,19 @@ class LinearAttention(nn.Module):
             kw["log_decay"] = g.reshape(B, N, H, self.feature_dim).transpose(1, 2)  # (B, H, N, F)
         if len(self.feature_map_params):
             kw["feature_map_params"] = dict(self.feature_map_params)
-        res = linear_attention(q, k, v, **kw)
+        if self.dplr is not None:
+            for name, form in self.dplr.layer.items():
+                a = self.dplr_proj[name](x)
+                if form == "feature_gate":
+                    g = nn.functional.logsigmoid(a) / 16.0
+                    kw[name] = g.reshape(B, N, H, self.feature_dim).transpose(1, 2)  # (B, H, N, F)
+                else:
+                    kw[name] = torch.sigmoid(a).transpose(1, 2)  # (B, H, N)
+            del kw["causal"]
+            kw["normalize"] = bool(self.normalize)  # None: the family's convention, undivided
+            res = dplr_attention(q, k, v, rule=self.rule, **kw)
+        else:
+            res = linear_attention(q, k, v, **kw)
         o, state = res if return_state else (res, None)
         y = self.out_proj(o.transpose(1, 2).reshape(B, N, H * M))
         return (y, state) if return_state else y

@@ -421,6 +421,33 @@ def test_module_errors():
         layer(torch.randn(1, 3, 8), initial_state=(torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4)))
 
 
+def test_module_with_a_dplr_rule_makes_its_arguments_from_the_input():
+    """rule="kda": the layer's gate and beta projections feed dplr_attention; gradients reach every parameter."""
+    torch.manual_seed(0)
+    layer = lt.LinearAttention(8, 2, head_dim=4, rule="kda", feature_map="l2", method="scan", dtype=torch.float64)
+    assert layer.update_rule == "kda" and set(layer.dplr_proj) == {"log_decay", "beta"}
+    x = torch.randn(2, 6, 8, dtype=torch.float64, requires_grad=True)
+    y = layer(x)
+    # the same call written out: projections, heads, the rule's arguments, the differentiable entry
+    B, N, H, D = 2, 6, 2, 4
+    q, k, v = (p(x).reshape(B, N, H, D).transpose(1, 2) for p in (layer.q_proj, layer.k_proj, layer.v_proj))
+    log_decay = (torch.nn.functional.logsigmoid(layer.dplr_proj["log_decay"](x)) / 16).reshape(B, N, H, D)
+    beta = torch.sigmoid(layer.dplr_proj["beta"](x)).transpose(1, 2)
+    o = lt.dplr_attention(q, k, v, rule="kda", log_decay=log_decay.transpose(1, 2), beta=beta, feature_map="l2",
+                          method="quadratic")
+    torch.testing.assert_close(y, layer.out_proj(o.transpose(1, 2).reshape(B, N, H * D)), rtol=1e-12, atol=1e-12)
+    y.square().sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())
+    small = lt.LinearAttention(4, 1, rule="kda", feature_map="l2", method="scan", dtype=torch.float64)
+    assert torch.autograd.gradcheck(small, (torch.randn(1, 4, 4, dtype=torch.float64, requires_grad=True),))
+    with pytest.raises(ValueError, match="has no layer form"):
+        lt.LinearAttention(8, 2, rule="rwkv7")
+    with pytest.raises(ValueError, match="pass decay=None"):
+        lt.LinearAttention(8, 2, rule="kda", decay="token")
+    with pytest.raises(ValueError, match="needs causal=True"):
+        lt.LinearAttention(8, 2, rule="kda", causal=False)
+
+
 def _toy_loss(model, head, x, y):
     return torch.nn.functional.mse_loss(head(model(x)), y)
 

@@ -67,6 +67,11 @@ class DPLRRule:
         general form's gradients (``diag``: with respect to the diagonal's values ``exp(ld)``, and
         ``a``, ``b``, ``kw``, ``vw``); ``dinputs`` by argument name, a decay's under ``"decay"`` (with
         respect to the factor, not its log), shaped as :meth:`check` returns them.
+    layer : dict
+        How :class:`linattn_nb.torch.LinearAttention` makes the rule's arguments from its input ``x``:
+        argument name -> form, ``"feature_gate"`` (per token and feature, ``logsigmoid(W x) / 16``, a
+        log-decay) or ``"token_unit"`` (per token, ``sigmoid(w^T x)``).  Empty: the rule has no layer
+        form (the layer refuses it).
     """
 
     name: str
@@ -78,6 +83,7 @@ class DPLRRule:
     step: Callable = field(repr=False, compare=False)
     sample: Callable = field(repr=False, compare=False)
     pullback: Callable = field(repr=False, compare=False)
+    layer: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 # ---------------------------------------------------------------------------

@@ -43,4 +43,4 @@ RULE = D.DPLRRule(
     name="kda", arguments=("decay", "log_decay", "beta"), substeps=False,
     formula="S_t = (I - beta_t k_t k_t^T) diag(alpha_t) S_{t-1} + beta_t k_t v_t^T",
     check=_check, build=_build, step=_step, sample=_sample,
-    pullback=_pullback)
+    pullback=_pullback, layer={"log_decay": "feature_gate", "beta": "token_unit"})

@@ -34,6 +34,7 @@ LAYERS = {  # not a rule: the study's layer keys (the rule is the rule= keyword)
     "gate": ("gate (GLA), ELU+1", dict(feature_map="elu", rule="gate", decay="gate")),
     "delta": ("delta, SiLU+L2", dict(feature_map="silu_l2", rule="delta")),
     "gated-delta": ("gated delta, SiLU+L2", dict(feature_map="silu_l2", rule="gated_delta", decay="token")),
+    "kda": ("KDA (gate per feature, delta), L2", dict(feature_map="l2", rule="kda")),
     "softmax": ("softmax attention", None),
 }
 #: Head dimensions d (= value dimension M) per layer key: the state sizes of the sweep.  Taylor-2's
