@@ -142,7 +142,8 @@ def prepare(q, k, v, *, feature_map, causal, method, device, eps, check_finite, 
     """
     dev, fmap, eps, causal = resolve_call(device, (q, k, v), ("q", "k", "v"), feature_map, eps, causal, method)
     # one parallel pass for features and their vjp (elementwise maps, and DeltaNet's row maps)
-    inline = _fast_map(fmap) is not None
+    fast = _fast_map(fmap)
+    inline = fast is not None
     c = host_call(q, k, v, dev=dev, fmap=fmap, eps=eps, causal=causal, method=method, decay=decay,
                   log_decay=log_decay, beta=beta, normalize=normalize, initial_state=initial_state,
                   check_qkv=check_finite and not inline, copy=True, to_host=True, extra_columns=1)
@@ -159,7 +160,7 @@ def prepare(q, k, v, *, feature_map, causal, method, device, eps, check_finite, 
     if inline:
         feats = []
         for name, x in (("q", q), ("k", k)):
-            xf, finite = _fast_map(fmap).features(x, fmap.kernel_code, work)
+            xf, finite = fast.features(x, fmap.kernel_code, work)
             if check_finite and not finite:
                 V.check_finite(name, x)  # raises, naming the input
             feats.append(V.flatten_batch(xf, work))

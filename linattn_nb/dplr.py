@@ -177,7 +177,7 @@ def _features(fmap, x, role, position):
 
 def _features_vjp(fmap, x, g, role, position):
     if _row_map(fmap, x):
-        return _rowmaps.vjp(np.asarray(x, dtype=np.float64), g, fmap.kernel_code, np.float64), None
+        return _rowmaps.vjp(x, g, fmap.kernel_code, np.float64), None  # x read in float64
     return fmap.vjp(x, g, role=role, causal=True, offset=position)
 
 
