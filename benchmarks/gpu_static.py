@@ -19,7 +19,7 @@ kernel), compiled to sm_90 PTX and assembled by ``ptxas``
 3. the launch plans at the headline shape (B = 8, H = 16, N = 16384,
    D = M = 64, float32, causal ``scan`` and ``chunked``): modelled
    global-memory traffic per stream and FLOPs executed
-   (``linattn_nb.ops._cuda_launch.traffic_model``), against the minimum
+   (``tools/cuda_traffic.py``), against the minimum
    (q, k, v, out once; 4 B H N D M FLOPs) and the roofline (4.8 TB/s HBM,
    67 TFLOP/s FP32); the targets are checked for the plan ``method="auto"``
    picks on an H200; then every update rule at the same shape (the plan
@@ -83,12 +83,12 @@ def headline_model():
     """Rows of the modelled plans (``scan``, ``chunked``) at the headline shape, the totals and the targets
     (traffic <= 2.5 GB, FLOPs <= 1.5 x 4 B H N D M).
 
-    The model is :func:`linattn_nb.ops._cuda_launch.traffic_model` (global
+    The model is ``traffic_model`` of ``tools/cuda_traffic.py`` (global
     bytes per stream and FLOPs executed, from the launch plan); the targets
     are checked for the plan ``method="auto"`` picks on an H200 (132 SMs).
     """
     from linattn_nb import _cuda_dispatch as CD
-    from linattn_nb.ops._cuda_launch import traffic_model
+    from cuda_traffic import traffic_model
 
     B, H, N, D, M = (HEADLINE[k] for k in ("B", "H", "N", "D", "M"))
     min_bytes = B * H * N * (2 * D + 2 * M) * 4
@@ -111,7 +111,7 @@ def headline_model():
                  "out GB": B * H * N * M * 4 / 1e9, "factors GB": 0.0, "states GB": 0.0,
                  "total GB": min_bytes / 1e9, "GFLOP": min_flops / 1e9, "x 4BHNDM": 1.0, "roofline ms": t_min})
     pick = plans[auto]
-    summary = {"model": "linattn_nb.ops._cuda_launch.traffic_model", "auto": auto,
+    summary = {"model": "tools/cuda_traffic.py:traffic_model", "auto": auto,
                "traffic_gb": pick["bytes"] / 1e9, "flops_g": pick["flops"] / 1e9,
                "min_traffic_gb": min_bytes / 1e9, "min_flops_g": min_flops / 1e9,
                "flops_ratio": pick["flops_ratio"], "roofline_ms": rows[("scan", "chunked").index(auto)]["roofline ms"],
@@ -129,7 +129,7 @@ def rule_model():
     counted (``traffic_model(range_check=True)``).  ``floor GB``: q, k, v, out and the rule's inputs
     read once each, in float32 -- no plan of any form moves less."""
     from linattn_nb import _cuda_dispatch as CD
-    from linattn_nb.ops._cuda_launch import traffic_model
+    from cuda_traffic import traffic_model
 
     B, H, N, D, M = (HEADLINE[k] for k in ("B", "H", "N", "D", "M"))
     io = B * H * N * (2 * D + 2 * M) * 4

@@ -629,7 +629,13 @@ def test_traffic_model_headline(monkeypatch):
     """traffic_model at the headline shape (B*H = 128, N = 16384, D = M = 64, float32), default
     launch configuration: the scan reads q, k, v and writes the output once (<= 2.5 GB, FLOPs
     within 1.5 x 4 B N D M); the three-pass chunked plan reads k and v twice."""
-    from linattn_nb.ops._cuda_launch import traffic_model
+    import pathlib
+    import sys
+
+    tools = str(pathlib.Path(__file__).resolve().parents[2] / "tools")  # the model lives outside the package
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    from cuda_traffic import traffic_model
 
     for name, value in DEFAULT_LAUNCH.items():
         monkeypatch.setattr(config, name, value)
