@@ -1,22 +1,8 @@
-"""Keep BLAS single-threaded while a Numba-parallel kernel calls it.
+"""Keep BLAS single-threaded while a Numba-parallel kernel calls it (through ``threadpoolctl``).
 
-``np.dot`` inside ``@njit`` calls the BLAS that SciPy links (with the PyPI
-wheels a pthreads OpenBLAS).  OpenBLAS multithreads a GEMM once it is large
-enough, and when every Numba thread does that at once the cores are
-oversubscribed and OpenBLAS's idle threads spin: the kernels that call BLAS
-from parallel loops ran several times slower (docs/measurements-cpu.md) until
-BLAS was pinned to one thread for the duration of the call.
-
-:func:`single_threaded_blas` does that pinning through ``threadpoolctl`` (the
-maintained library for exactly this) and restores the previous limits on
-exit.  Nested and concurrent uses (several Python threads calling kernels)
-share one reference count, so the limit is lifted only when the last user
-leaves.  ``config.CPU_BLAS_SINGLE_THREAD = False`` disables the pinning.
-
-The same context also serialises parallel kernels between Python threads
-when Numba's threading layer is ``workqueue`` (:func:`parallel_calls`):
-that layer aborts the process when two threads enter parallel regions at
-once (docs/threads.md).
+:func:`single_threaded_blas` pins BLAS to one thread (reference-counted across nested and concurrent
+uses); :func:`parallel_calls` serialises parallel kernels under the ``workqueue`` threading layer.
+Why: docs/frontend.md, "BLAS inside parallel kernels", and docs/threads.md.
 """
 from __future__ import annotations
 

@@ -1,19 +1,8 @@
 """The front end: every public entry point goes through here, once.
 
-A request flows downward only::
-
-    public module (attention.py, state, analysis)
-      -> front end (this module): validate, flatten the batch, featurise,
-         parse the initial state, choose the method, route the device
-        -> method table (ops/registry.py) -> launcher -> kernel
-
-:func:`linear_attention` and :func:`softmax_attention` are the whole request
-path of the public functions of the same name; :func:`featurise`,
-:func:`feature_dim`, :func:`parse_state`, :func:`host_state` and
-:func:`check_causal` are the pieces that :class:`linattn_nb.LinearAttentionState`
-and the analysis functions share with them.  The CUDA side of a request
-(device arrays, copies, device states) is in :mod:`linattn_nb._cuda_dispatch`,
-which this module calls and which imports nothing from it.
+Validation, batch flattening, featurisation, the initial state, the method choice and the device
+routing of :func:`linear_attention` and :func:`softmax_attention`, and the pieces the states and
+the analysis functions share with them.  Design: docs/frontend.md, "The request path".
 """
 from __future__ import annotations
 

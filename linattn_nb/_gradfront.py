@@ -1,25 +1,8 @@
 """The front end of gradients: :func:`linattn_nb.linear_attention_vjp` and the torch adapter's calls.
 
-A gradient request is validated exactly like a forward one (the same
-helpers of :mod:`linattn_nb._frontend`), then reduced to the one
-unnormalised problem every backward launcher solves
-(:mod:`linattn_nb.ops.grad`): features ``phi(q), phi(k)`` computed here, the
-values with the normaliser's column of ones appended, outputs
-``[num | den] = phi(q_t)^T H_t``.  The steps::
-
-    prepare(...)            -> Request: validated inputs, features, the method
-    forward(request)        -> out, [num | den], final state (kept for backward)
-    backward(request, nd, grad_out, grad_state) -> VJP
-
-:func:`linear_attention_vjp` runs the three; the torch adapter
-(:mod:`linattn_nb.torch`) runs ``prepare`` and ``forward`` in its forward and
-``backward`` in its backward, so the forward is not recomputed.
-
-The normaliser: with ``normalize=True``, ``out = num / den'`` where
-``den' = max(den, eps)`` (``den`` itself with ``eps=None``); then
-``dL/dnum = g / den'`` and ``dL/dden = -(g . out) / den'`` where the floor is
-not active and 0 where it is (the gradient of the floored expression, whose
-denominator is the constant ``eps`` there).
+``prepare`` validates a request like a forward one, ``forward`` runs it and keeps what the backward
+needs, ``backward`` returns the :class:`VJP`; the torch adapter calls them from its forward and
+backward.  Design (the unnormalised problem, the normaliser's gradient): docs/frontend.md, "Gradients".
 """
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
-"""Ctrl-C during a long study run that is never lost.
+"""Ctrl-C during a long study run that is never lost (:func:`interrupts`).
 
-Python turns SIGINT into a ``KeyboardInterrupt`` in whatever Python code runs
-next.  When that code is a destructor (``__del__``), a ctypes callback (LLVM
-calling back into llvmlite while Numba compiles) or a ``weakref`` callback,
-the exception is printed ("Exception ignored in ...") and dropped, and the
-run goes on as if nothing had happened.  ``interrupts()`` remembers the signal
-as well: the sweep checks between points and the report between studies, and
-leaving the block raises the interrupt if nothing else did.
-
-Inside llvmlite (a frame of llvmlite on the stack: LLVM calling back into
-Python while Numba compiles or loads its cache) the handler does not raise:
-an exception there is at best swallowed, and a ``KeyboardInterrupt`` raised in
-llvmlite's object-cache callback once left LLVM with a bad buffer and the
-process died of a segmentation fault (CI, ``test_report_sigint_subprocess``).
-The handler sends the signal again :data:`RETRY_S` seconds later instead, so
-the interrupt is raised in the first Python code outside llvmlite.
+The signal is remembered as well as raised, and inside llvmlite it is sent again :data:`RETRY_S`
+seconds later instead of raised; why: docs/frontend.md, "Ctrl-C during a long run".
 """
 from __future__ import annotations
 

@@ -1,21 +1,7 @@
 """Does a call's ``out=`` share memory with anything the call reads?  One check for every entry point.
 
-A kernel that writes its outputs while it still reads its inputs gives a
-wrong answer, with no error, when the caller's ``out`` array overlaps one of
-those inputs.  Every public function that takes ``out=`` therefore lists what
-it reads (:func:`call_reads`) and asks :func:`out_overlaps`; where the answer is
-yes, the result is computed into scratch memory and copied into ``out`` once
-nothing is left to read.
-
-The test is conservative, like :func:`numpy.may_share_memory`: two arrays
-"overlap" when the byte ranges they span intersect, even where their strides
-never touch the same element.  A false alarm costs one copy; a miss costs a
-wrong result.
-
-Host arrays (NumPy, anything exposing ``__array_interface__``) are compared
-with :func:`numpy.may_share_memory`; GPU arrays through the byte range that
-their ``__cuda_array_interface__`` spans; simulator device arrays through the
-NumPy array that holds their data.
+Conservative like :func:`numpy.may_share_memory` (intersecting byte ranges), for host and GPU
+arrays; design: docs/frontend.md, "``out=`` that overlaps an input".
 """
 from __future__ import annotations
 

@@ -1,24 +1,8 @@
 """Problem-size options of ``linattn error|rank|recall`` and ``linattn report --config FILE``.
 
-A study builds its grid of points for a profile (``tiny``, ``quick``,
-``full``); the options here change that grid without changing the study:
-
-===============  ====================================================  =========================
-option           what it does to the points                             point key
-===============  ====================================================  =========================
-``dim``          key dimension d of every point                         ``d``
-``scale``        q and k are N(0, I) times this (logits of std s²)      ``qk_scale``
-``maps``         keep these feature maps (others of the same kind are  ``feature_map``
-                 added with the grid of a map of that kind)
-``m``            the random maps' number of features, each value        ``num_features``
-``n``            sequence lengths (recall: the numbers of pairs)        ``n`` / ``n_pairs``
-``seeds``        every point for seeds 0 .. seeds - 1                   ``seed``
-===============  ====================================================  =========================
-
-An option the study's points have no key for is refused with a message that
-names the option and the study (e.g. ``scale`` for the rank study, whose
-inputs are N(0, I)).  :func:`apply_overrides` does this on a list of points;
-:func:`load_config` reads and checks a TOML or JSON report description.
+:func:`apply_overrides` changes a study's grid of points (refusing an option the points have no key
+for); :func:`load_config` reads and checks a TOML or JSON report description.  The options and the
+point keys they set: docs/frontend.md, "Problem-size options of the studies".
 """
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
 """Input checks shared by every public function.
 
-The dtype rule, stated once for the whole package:
-
-* float16, float32 and float64 inputs are accepted;
-* inputs of different floating dtypes are promoted to the widest of them
-  (``np.result_type``), and the result has that dtype;
-* integer, boolean, complex, long-double and object inputs are rejected with a
-  ``TypeError`` that names the argument: cast explicitly (``x.astype(np.float32)``)
-  so that the precision of the computation is a decision, not an accident.
+The dtype rule (float16/32/64, promoted to the widest; anything else a TypeError naming the argument):
+docs/frontend.md, "The dtype rule".
 """
 from __future__ import annotations
 

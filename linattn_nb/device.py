@@ -1,16 +1,7 @@
 """Where arrays live and which backend runs: the one dispatcher of the package.
 
-``device="auto"`` follows the data: inputs that live on a GPU (anything that
-exposes ``__cuda_array_interface__``, or a ``__dlpack__`` whose device is a
-CUDA device) run on the GPU; NumPy (and other host) inputs run on the CPU.
-Mixing host and device inputs is an error.  ``device="cpu"`` and
-``device="cuda"`` force the backend; ``"cuda"`` with NumPy inputs copies them
-to the GPU and the result back.
-
-The Numba CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) never counts as a GPU for
-``"auto"``: its device arrays hold host memory and run on the CPU path.
-``device="cuda"`` runs the CUDA kernels on the simulator (slowly), which is how
-the tests reach them on machines without a GPU.
+``device="auto"`` follows the data (GPU arrays run on the GPU, host arrays on the CPU, mixing them is
+an error); the CUDA simulator never counts as a GPU for ``"auto"``.  Details: docs/frontend.md, "Devices".
 """
 from __future__ import annotations
 

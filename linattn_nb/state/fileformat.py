@@ -1,39 +1,7 @@
 """The state file format: what :meth:`LinearAttentionState.save` writes and ``load`` reads.
 
-A state file is an ``.npz`` (no pickles) with these entries:
-
-``format``, ``version``
-    ``"linattn_nb.LinearAttentionState"`` and :data:`FORMAT_VERSION`.
-``S``, ``z``
-    The state bit for bit, canonical layout ``(*batch_shape, D_phi, M)`` and
-    ``(*batch_shape, D_phi)``, float32 or float64.
-``position``, ``key_dim``, ``value_dim``, ``batch_shape``, ``eps``
-    Integers (``batch_shape`` a 1-d array), ``eps`` a float (NaN: None).
-``feature_map``, ``feature_map_class``, ``feature_map_params``, ``feature_map_rebuild_error``
-    The map's registry name, class, JSON parameters (array parameters as
-    ``feature_map_param__<name>`` entries) and, when it cannot be rebuilt from
-    the registry, why (loading then needs ``feature_map=``).
-``feature_map_probe``
-    The map's features of a fixed probe input (:func:`probe`): a loaded
-    state's map must reproduce them exactly.  A file without them, or with a
-    probe of another shape (an empty one included), is refused like any other
-    mismatch.
-``rule``, ``normalize`` (version 2 on)
-    The update rule's name (one of :func:`linattn_nb.rules.rule_names`: ``"additive"``,
-    ``"decay"``, ...; ``""`` for a state whose rule no token has fixed yet) and the state's
-    ``normalize`` argument (an integer: -1 for None, the rule's convention; 0 False; 1 True).
-
-Versions: 1 had no ``rule``/``normalize`` entries; its files load as additive
-states with ``normalize=None``.  Version 2 added them; a reader of version 1
-refuses version-2 files ("written by a newer linattn_nb"), so a decayed state
-can never be continued additively by an older release.  The delta rules
-kept version 2: a reader that predates them refuses their files by the
-``rule`` check (an unknown rule), so they too are never continued by another
-rule.
-
-:func:`write` is atomic (a temporary file in the target directory, fsync'ed,
-then ``os.replace``); :func:`read` validates everything and raises
-:class:`StateFileError` with the reason.
+An ``.npz`` (no pickles); its entries and versions: docs/frontend.md, "State files".
+:func:`write` is atomic; :func:`read` validates everything and raises :class:`StateFileError`.
 """
 from __future__ import annotations
 
