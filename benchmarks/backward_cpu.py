@@ -46,7 +46,7 @@ import sys
 
 import numpy as np
 
-from _common import cpu_model, interleaved_medians, print_machine, rel_error, table
+from _common import cpu_model, interleaved_medians, machine, print_machine, rel_error, table, write_json
 
 import linattn_nb  # noqa: E402
 from linattn_nb import feature_maps as fm  # noqa: E402
@@ -195,6 +195,7 @@ def main(argv=None):
     ap.add_argument("--rules", default=",".join(RULE_NAMES), help="comma-separated rules of the speed rows")
     ap.add_argument("--feature-map", default="elu", help="map of the forward and vjp calls of the speed rows (e.g. "
                     "silu_l2, DeltaNet's; the backward launcher row takes ELU+1 features either way)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/backward_cpu.json)")
     args = ap.parse_args(argv)
     import numba
 
@@ -208,7 +209,10 @@ def main(argv=None):
                        "scan_backward_s"],
                 {"forward_s": "{:.4f}", "backward_s": "{:.4f}", "ratio": "{:.2f}", "vjp_s": "{:.4f}",
                  "vjp_ratio": "{:.2f}", "scan_backward_s": "{:.4f}"}))
+    result = {"machine": machine(), "shape": {"BH": 16, "N": 4096, "D": 64, "M": 64, "dtype": "float32",
+                                              "feature_map": args.feature_map}, "rounds": rounds, "speed": rows}
     if args.skip_long:
+        print(f"# wrote {write_json('backward_cpu', result, args.out)}")
         return
     n = 2 ** 16 if args.quick else 2 ** 20
     acc = accuracy(n)
@@ -225,6 +229,8 @@ def main(argv=None):
                 ["n", "traced_MiB", "rss_rise_MiB", "arrays_MiB", "ratio", "rss_ratio"],
                 {"traced_MiB": "{:.0f}", "rss_rise_MiB": "{:.0f}", "arrays_MiB": "{:.0f}", "ratio": "{:.2f}",
                  "rss_ratio": "{:.2f}"}))
+    result.update(accuracy=acc, memory=mem)
+    print(f"# wrote {write_json('backward_cpu', result, args.out)}")
     print(f"The additive chunked launcher alone allocates {mem['launcher_peak_bytes'] / 2**20:.1f} MiB, "
           f"its results {mem['launcher_outputs_bytes'] / 2**20:.1f} MiB of it (the rest: the front end's "
           "features, values with ones, float64 gradient of [num | den] and copies)")
