@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._maps import build_map, buildable_maps, is_random, map_label
-from ._study import Rendered, Study, fmt, markdown_table, register_study, split_failed
+from ._study import CI_CAPTION, Rendered, Study, fmt, markdown_table, mean_ci, pm, register_study, split_failed
 
 SOFTMAX = "softmax"
 
@@ -111,13 +111,14 @@ def run(feature_map, num_features, n, d, m, seed=0) -> dict:
     return res
 
 
-def _span(values) -> str:
-    """One integer, or "lo–hi" when the seeds disagree."""
+def _cell(values) -> str:
+    """One integer when every seed gives it, else the mean ± the 95% Student-t half-width over the seeds."""
     vals = [v for v in values if v is not None]
     if not vals:
         return "–"
-    lo, hi = min(vals), max(vals)
-    return str(lo) if lo == hi else f"{lo}–{hi}"
+    if min(vals) == max(vals):
+        return str(vals[0])
+    return pm(*mean_ci(np.asarray(vals, dtype=float)))
 
 
 def render(records, ctx) -> Rendered:
@@ -135,8 +136,8 @@ def render(records, ctx) -> Rendered:
         md.append(f"Regime: q, k ~ N(0, I) in R^{p0['d']} (one head; softmax temperature 1/√d), v ~ N(0, I) in "
                   f"R^{p0['m']} (M = {p0['m']}, the largest D_φ, so that every map's state rank can reach its D_φ); "
                   f"N ∈ {{{', '.join(map(str, ns))}}}; {len(seeds)} seeds (a seed draws q, k, v and the random "
-                  "features; a cell gives the range over the seeds when they differ; softmax: seed 0 and "
-                  f"N ≤ {explicit}, its explicit weights being full-rank for any draw).  Attention rank: "
+                  f"features; softmax: seed 0 and N ≤ {explicit}, its explicit weights full-rank for any draw).  "
+                  f"A cell is an integer when every seed gives that rank, else the {CI_CAPTION}.  Attention rank: "
                   "non-causal weights; semiseparable rank: largest rank of a strictly-lower block of "
                   "the causal weights. Both are bounded by D_φ for kernel maps.")
         rows = []
@@ -148,8 +149,8 @@ def render(records, ctx) -> Rendered:
                 if not per:
                     cells.append("–")
                     continue
-                cells.append(f"{_span([res['attention_rank'] for res in per.values()])} / "
-                             f"{_span([res['semiseparable_rank'] for res in per.values()])}")
+                cells.append(f"{_cell([res['attention_rank'] for res in per.values()])} / "
+                             f"{_cell([res['semiseparable_rank'] for res in per.values()])}")
                 if dphi is not None:
                     for seed, res in per.items():
                         for key in ("attention_rank", "semiseparable_rank"):
@@ -185,19 +186,15 @@ def _plots(series, ns, p0, ctx) -> list:
     curves = []
     for (name, m), by_n in series.items():
         xs = sorted(by_n)
-        lo = tuple(min(res["attention_rank"] for res in by_n[x].values()) for x in xs)
-        hi = tuple(max(res["attention_rank"] for res in by_n[x].values()) for x in xs)
-        curves.append(((name, m), (tuple(xs), lo, hi)))
+        stats = [mean_ci(np.asarray([res["attention_rank"] for res in by_n[x].values()], dtype=float)) for x in xs]
+        curves.append(((name, m), (tuple(xs), tuple(float(a) for a, _ in stats), tuple(float(h) for _, h in stats))))
     groups = _group(curves)
     n_top = ns[-1]
     saturation = []
-    for i, (members, (xs, lo, hi)) in enumerate(groups):
-        mid = [0.5 * (a + b) for a, b in zip(lo, hi)]
+    for i, (members, (xs, mid, half)) in enumerate(groups):
         sty = ctx.style(i)
         label = textwrap.fill(", ".join(map_label(*mk) for mk in members), 34)
-        ax1.errorbar(xs, [max(v, 1) for v in mid], yerr=[[m - a for m, a in zip(mid, lo)],
-                                                         [b - m for m, b in zip(mid, hi)]],
-                     label=label, ms=4, capsize=2, **sty)
+        ax1.errorbar(xs, [max(v, 1) for v in mid], yerr=half, label=label, ms=4, capsize=2, **sty)
         for mk in members:  # the state rank of every member, in its group's style
             per = series[mk].get(n_top, {})
             res = per.get(min(per)) if per else None
@@ -207,7 +204,7 @@ def _plots(series, ns, p0, ctx) -> list:
     ax1.set_xscale("log")
     ax1.set_yscale("log")
     ax1.set_xticks(ns)
-    ax1.set(xlabel="sequence length N", ylabel="numerical rank (bars: range over seeds)",
+    ax1.set(xlabel="sequence length N", ylabel="numerical rank (bars: 95% CI over seeds)",
             title="Rank of non-causal weights")
     ax2.set_xscale("log")
     ax2.set(xlabel="tokens absorbed t", ylabel="rank of S_t",
