@@ -69,28 +69,14 @@ class _Inputs:
 class LinearAttentionState:
     r"""The decoding object: recurrent state of causal linear attention, updated token by token.
 
-    A mutable object that absorbs tokens in place (:meth:`prefill`,
-    :meth:`step`), answers queries (:meth:`query`), and is saved and loaded
-    (:meth:`save`, :meth:`load`), on the CPU or a GPU.  What a
-    :func:`linattn_nb.linear_attention` call returns with
-    ``return_state=True`` is the immutable :class:`linattn_nb.LinearState`
-    instead; :meth:`from_linear_state` and :meth:`to_linear_state` convert.
-
-    Holds ``S = sum_j phi(k_j) v_j^T`` (shape ``(*batch_shape, D_phi, M)``),
-    ``z = sum_j phi(k_j)`` (``(*batch_shape, D_phi)``) and the number of
-    tokens absorbed (``position``), for the feature map it was built with.
-    Memory and time per token are constant in the context length
-    (Katharopoulos et al. 2020, §3.4).
-
-    With decay or gating (RetNet, Mamba-2/SSD, GLA: :func:`linattn_nb.linear_attention`'s
-    ``decay``/``log_decay``) each token first scales the state by its factors,
-    ``S_t = a_t (.) S_{t-1} + phi(k_t) v_t^T``, and ``z`` decays like ``S``;
-    :meth:`step` and :meth:`prefill` take the factors of their tokens.  With
-    the delta rules (DeltaNet, Gated DeltaNet: ``beta``) each token corrects
-    the state instead, ``H_t = a_t (I - beta_t k k^T) H_{t-1} + beta_t k [v_t 1]``
-    on ``H = [S | z]`` with ``k = phi(k_t)`` (``a_t = 1`` without a decay);
-    :meth:`step` and :meth:`prefill` take the write strengths ``beta`` of
-    their tokens.
+    A mutable object that absorbs tokens in place (:meth:`prefill`, :meth:`step`), answers
+    queries (:meth:`query`), and is saved and loaded (:meth:`save`, :meth:`load`), on the CPU or a
+    GPU; :meth:`from_linear_state` and :meth:`to_linear_state` convert from and to the immutable
+    :class:`linattn_nb.LinearState` that ``linear_attention(..., return_state=True)`` returns.
+    Holds ``S = sum_j phi(k_j) v_j^T`` (``(*batch_shape, D_phi, M)``), ``z = sum_j phi(k_j)``
+    (``(*batch_shape, D_phi)``) and the number of tokens absorbed (``position``), updated by the
+    state's rule (docs/guide/decoding.md): memory and time per token are constant in the context
+    length.
 
     Parameters
     ----------
@@ -114,15 +100,11 @@ class LinearAttentionState:
     eps : float or None, default 1e-8
         Floor of the normaliser, as in :func:`linattn_nb.linear_attention`.
     rule : {None, "additive", "decay", "gate", "delta", "gated_delta"}, default None
-        The update rule: ``"additive"`` (no forgetting), ``"decay"`` (one
-        factor per sequence and token), ``"gate"`` (one per feature as
-        well), ``"delta"`` (a write strength ``beta`` per token) or
-        ``"gated_delta"`` (``beta`` and a decay per token).  ``None`` leaves
-        it to the first :meth:`step` or :meth:`prefill` that absorbs a token:
-        the rule of its ``decay``/``log_decay``/``beta`` (additive without
-        them).  Once fixed it stays (also through :meth:`reset`,
-        :meth:`copy`, :meth:`save`); a call with another rule raises
-        ValueError naming ``decay``/``log_decay``/``beta``.
+        The update rule (:mod:`linattn_nb.rules`).  ``None`` leaves it to the first :meth:`step` or
+        :meth:`prefill` that absorbs a token: the rule of its ``decay``/``log_decay``/``beta``
+        (additive without them).  Once fixed it stays (also through :meth:`reset`, :meth:`copy`,
+        :meth:`save`, and the conversions); a call with another rule raises ValueError naming
+        ``decay``/``log_decay``/``beta``.
     normalize : bool or None, default None
         As in :func:`linattn_nb.linear_attention`: None takes the rule's
         convention (True for the additive, decay and gate rules, False for
@@ -148,33 +130,13 @@ class LinearAttentionState:
 
     Notes
     -----
-    Every method takes all batch entries and heads in one Numba kernel call.
-    On the GPU (``device="cuda"``) a :meth:`step`, :meth:`query` or
-    :meth:`prefill` on device arrays is one kernel launch on buffers the
-    state allocated once: no copy to the device, no allocation but the
-    result, and no read back except the finiteness flag with
-    ``check_finite=True`` (one small device-to-host copy, which waits for the
-    kernel).  The check is fused into the kernel; so that a refused call
-    leaves the state untouched, a checked update writes the second of two
-    state buffers and the state switches to it when the inputs were finite
-    (the GPU state holds ``2 * nbytes``).  Arithmetic is in the state dtype.
-    On the CPU, ``S`` is stored transposed (one ``(M, D_phi)`` block per batch
-    entry) so that a decode step fuses the update and the read into one
-    contiguous pass (:mod:`linattn_nb.ops.step`); :attr:`S` shows the
-    canonical ``(D_phi, M)`` view.
-
-    The kernels are the decode-step launcher registered in the method table
-    under ``(rule, causal=True, "step", device)``, looked up once when the
-    device is fixed and once more when the first tokens fix the rule (the
-    contract: :mod:`linattn_nb.ops.step.launchers`).  A state whose rule is not
-    fixed runs the additive launcher, so additive decoding takes the same
-    single-token fast path whether or not ``rule="additive"`` was given.
-
-    Conversions keep the rule: :meth:`to_linear_state` records it in
-    :class:`~linattn_nb.LinearState` (an unfixed state, still zero, as
-    ``"additive"``), :meth:`from_linear_state` takes it from there,
-    ``linear_attention(..., initial_state=state)`` refuses a state of another
-    rule, and state files store it.
+    Every method takes all batch entries and heads in one kernel call: the decode-step launcher
+    of the method table (docs/launchers.md, "Decode-step launchers"), looked up when the device
+    is fixed and again when the first tokens fix the rule.  On the GPU a call on device arrays is
+    one kernel launch on buffers allocated once, and a checked update writes the second of two
+    state buffers (``2 * nbytes``) so that a refused call leaves the state untouched
+    (docs/guide/gpu.md).  On the CPU ``S`` is stored transposed (docs/design-cpu.md,
+    "Decode-step kernels"); :attr:`S` shows the canonical ``(D_phi, M)`` view.
 
     Examples
     --------
@@ -266,18 +228,10 @@ class LinearAttentionState:
         self._set_fast()
 
     def _set_fast(self):
-        """The single-token fast path calls the CPU kernel's compiled entry point with its scratch:
-        a rule without inputs (the additive rule, fixed or not yet) with the normaliser only.
-
-        The rule fast path (``_rfast``) does the same on the host (an elementwise map) for a
-        rule with inputs but no per-feature factor (the decay, delta and gated delta rules),
-        for steps whose factor and write strength are a Python number or one value per
-        sequence (an array of the batch shape): the inputs are checked and converted into
-        preallocated (B, 1) arrays by one compiled call
-        (:func:`linattn_nb.ops.step.cpu.fill_token_inputs`); anything else, an invalid value
-        included, takes the validating path.  The kernel is the delta kernel for a rule whose
-        update reads the state, else the decay kernel.
-        """
+        """Set up the fast paths: ``_fast`` (a rule without inputs, normalised: the kernel's compiled
+        entry point) and ``_rfast`` (host, elementwise map, a rule with inputs but no per-feature
+        factor: one token's factor and ``beta`` filled into preallocated (B, 1) arrays by
+        :func:`~linattn_nb.ops.step.cpu.fill_token_inputs`; anything else takes the validating path)."""
         rule = get_rule(self._launch_rule)  # the state's rule, or the additive one while not fixed
         self._fast = self._code is not None and self._kern1 is not None and not rule.has_inputs and self._norm
         if self._fast:
@@ -651,49 +605,32 @@ class LinearAttentionState:
     def step(self, q, k, v, *, decay=None, log_decay=None, beta=None, check_finite=True, out=None):
         """Absorb T new tokens and return their outputs, exactly as the causal kernel would.
 
-        Token t first updates the state, then reads it (its output includes
-        itself), as in :func:`linattn_nb.linear_attention` with
-        ``causal=True``; with ``decay`` each token first scales the state by
-        its factors.
+        Token t first updates the state, then reads it (its output includes itself).
 
         Parameters
         ----------
         q, k : array_like, shape ``(*batch_shape, T, key_dim)``
         v : array_like, shape ``(*batch_shape, T, value_dim)``
-            float16/32/64 (mixed dtypes promote to the widest), host or GPU
-            arrays (GPU arrays: one dtype, float16, float32 or float64,
-            C-contiguous; each value is converted to the state dtype as the
-            kernel loads it, and the outputs have the inputs' dtype).  T >= 0.
+            float16/32/64 (mixed dtypes promote to the widest), host or GPU arrays (GPU arrays:
+            one dtype, C-contiguous; the outputs have the inputs' dtype).  T >= 0.
         decay, log_decay : float or array_like, optional
-            The tokens' factors in [0, 1] (0 resets the state exactly), or
-            their logs <= 0 (-inf resets); at most one of the two.  For a
-            decode step, the token's factor: a scalar or an array
-            broadcastable to the batch shape (one per sequence/head: the
-            ``"decay"`` rule) or ``(*batch_shape, D_phi)`` (one per feature:
-            the ``"gate"`` rule); with T > 1 these apply to every token.
-            Different factors per token: ``(*batch_shape, T, 1)`` (decay) or
-            ``(*batch_shape, T, D_phi)`` (gate).  Neither: the additive rule.
+            The tokens' factors in [0, 1] (0 resets the state exactly), or their logs <= 0 (-inf
+            resets); at most one.  A scalar or an array broadcastable to the batch shape (one per
+            sequence: the ``"decay"`` rule) or ``(*batch_shape, D_phi)`` (the ``"gate"`` rule)
+            apply to every token; ``(*batch_shape, T, 1)`` or ``(*batch_shape, T, D_phi)`` give
+            each token its own.  Neither: the additive rule.
         beta : float or array_like, optional
-            The delta rule's write strengths in [0, 2]: a scalar or an array
-            broadcastable to the batch shape (one per sequence, the same at
-            each of the T tokens), or one per token, ``(*batch_shape, T)`` or
-            ``(*batch_shape, T, 1)``.  With a decay per sequence or per token
-            (not per feature) the rule is the gated delta rule.
+            The delta rule's write strengths in [0, 2]: a scalar or an array broadcastable to the
+            batch shape (every token), or ``(*batch_shape, T)`` or ``(*batch_shape, T, 1)`` (one
+            per token).  With a decay that is not per feature: the gated delta rule.
         check_finite : bool, default True
-            Raise ValueError, leaving the state untouched, when an input
-            holds NaN or inf.  On the CPU the check runs inside the kernel
-            (a few hundred nanoseconds per decode step).  On the GPU too: the
-            step kernel flags NaN/inf as it loads q, k and v, and the flag
-            is read back once after the launch (a device-to-host copy that
-            waits for the kernel); ``check_finite=False`` skips the read, so
-            a GPU step then returns without waiting.
+            Raise ValueError, leaving the state untouched, when an input holds NaN or inf (checked
+            inside the kernel; on the GPU the flag is read back after the launch, so False lets
+            a GPU step return without waiting).
         out : array, optional
-            Where to write the outputs, shape ``(*batch_shape, T,
-            value_dim)``: for GPU inputs a C-contiguous device array of the
-            inputs' dtype, which the kernel writes directly (the step then
-            allocates nothing); for host inputs a NumPy array of the promoted
-            input dtype (filled with the result).  Returned in place of a new
-            array.
+            Where to write the outputs, shape ``(*batch_shape, T, value_dim)``, returned in place
+            of a new array: for GPU inputs a C-contiguous device array of the inputs' dtype (the
+            kernel writes it directly), for host inputs a NumPy array of the promoted dtype.
 
         Returns
         -------
@@ -704,10 +641,9 @@ class LinearAttentionState:
         Raises
         ------
         ValueError
-            Shapes that do not match the state, non-finite inputs, inputs on
-            another device than the state; ``decay``/``log_decay``/``beta`` out
-            of range or of no form above, or of another rule than the state's
-            (the error names them).
+            Shapes that do not match the state, non-finite inputs, inputs on another device than
+            the state; ``decay``/``log_decay``/``beta`` out of range, of no form above, or of
+            another rule than the state's.
         TypeError
             Non-floating inputs.
 
@@ -792,10 +728,8 @@ class LinearAttentionState:
         return self._deliver(self._finish(out, inp), given, inp)
 
     def _entry_point(self, dt, arrays):
-        """The compiled single-token kernel for input dtype ``dt``, called without Numba's
-        dispatch (about 0.3 us of a ~10 us decode step).  Only used on the fast path, whose
-        checks fix every argument type (C-contiguous 3-D arrays of ``dt``, the state's own
-        arrays, int64, float64, bool)."""
+        """The compiled single-token kernel for input dtype ``dt``, called without Numba's dispatch
+        (about 0.3 us of a ~10 us decode step); the fast path's checks fix every argument type."""
         from numba import typeof
 
         q, k, v, out = arrays
@@ -854,17 +788,9 @@ class LinearAttentionState:
         ----------
         k : array_like, shape ``(*batch_shape, T, key_dim)``
         v : array_like, shape ``(*batch_shape, T, value_dim)``
-        decay, log_decay : float or array_like, optional
-            The forms of :func:`linattn_nb.linear_attention` with N = T: a
-            scalar or an array broadcastable to the batch shape (per head),
-            ``(*batch_shape, T)`` (per token) or ``(*batch_shape, T, D_phi)``
-            (per feature).  Neither: the additive rule.
-        beta : float or array_like, optional
-            The delta rule's write strengths in [0, 2], the forms of
-            :func:`linattn_nb.linear_attention`: a scalar or an array
-            broadcastable to the batch shape, or ``(*batch_shape, T)`` (per
-            token); with a decay per sequence or per token, the gated delta
-            rule.
+        decay, log_decay, beta : float or array_like, optional
+            The forms of :func:`linattn_nb.linear_attention` with N = T (per head, per token, or
+            per feature for a decay).  None of them: the additive rule.
         check_finite : bool, default True
             Raise ValueError (state untouched) on NaN or inf.
 
@@ -1000,13 +926,9 @@ class LinearAttentionState:
     def save(self, path) -> None:
         """Write the state to ``path`` (.npz, the format of :mod:`linattn_nb.state.fileformat`).
 
-        The file holds S and z bit for bit, the position, the dimensions, eps,
-        the update rule and ``normalize``, and the feature map's registry name and parameters (with the features
-        of a fixed probe input, so that :meth:`load` can check the rebuilt
-        map).  A map that cannot be rebuilt from the registry is recorded as
-        such; loading then needs ``feature_map=``.  The write is atomic: a
-        temporary file in the same directory, fsync'ed, then ``os.replace``,
-        so an interrupted save never leaves a half-written file at ``path``.
+        The file holds S and z bit for bit, the position, the dimensions, eps, the rule,
+        ``normalize`` and the feature map (docs/frontend.md, "State files"; a map that cannot be
+        rebuilt from the registry needs ``feature_map=`` to load).  The write is atomic.
 
         Examples
         --------
@@ -1051,11 +973,9 @@ class LinearAttentionState:
         Raises
         ------
         StateFileError (a ValueError)
-            The file is not a readable .npz (corrupted or truncated), is not a
-            state file, has another format version, misses entries, holds
-            inconsistent shapes or dtypes or non-finite values, its feature
-            map cannot be rebuilt, or it does not match the expectations
-            (another update rule included).
+            Not a readable state file (corrupted, truncated, another format version, missing or
+            inconsistent entries, non-finite values), a feature map that cannot be rebuilt, or a
+            file that does not match the expectations (another update rule included).
         FileNotFoundError
             No file at ``path``.
         """
