@@ -86,10 +86,9 @@ def _inline_code(fmap, d):
 
 
 def _features(fmap, x, *, role, causal, name, offset=0):
-    """Features of x (..., N, D) as linear_attention computes them, float64, flattened to (B, N, F).
+    """Features (B, N, F) float64 of x (..., N, D) as linear_attention computes them, first row at ``offset``.
 
-    ``offset``: the position of the first row.  Elementwise maps run in a parallel Numba loop (the
-    kernels' ``phi``), others through ``fmap.apply``; non-finite features raise ValueError.
+    Elementwise maps run in a Numba loop (the kernels' ``phi``); non-finite features raise ValueError.
     """
     d = x.shape[-1]
     code = _inline_code(fmap, d)
@@ -164,8 +163,7 @@ def _svals(a):
 # ---------------------------------------------------------------------------
 # Streamed R factors
 # ---------------------------------------------------------------------------
-#: Fewest rows per LAPACK call of the streamed QR: blocks of a few thousand rows amortise the call
-#: (about 15 us) at small D_phi; ``config.ANALYSIS_QR_BLOCK`` asks for more.
+#: Fewest rows per LAPACK call of the streamed QR (amortises the call at small D_phi).
 _QR_MIN_ROWS = 2048
 #: Block size ``nb`` of ``dtpqrt`` (columns per compact-WY block), LAPACK's usual 32 (at most D_phi).
 _QR_NB = 32
@@ -177,10 +175,9 @@ def _qr_rows():
 
 
 def _qr_update(R, B):
-    """R factor of ``[R; B]`` by LAPACK's triangular-pentagonal QR ``dtpqrt`` (about ``2 L F^2`` flops).
+    """R factor of ``[R; B]`` by LAPACK's triangular-pentagonal QR ``dtpqrt`` (docs/measurements-analysis.md).
 
-    ``R`` (F, F) upper triangular and ``B`` (L, F), both float64 Fortran order, are overwritten.  Rows of the
-    result may differ in sign from another QR's.  Why ``dtpqrt``: docs/measurements-analysis.md.
+    ``R`` (F, F) upper triangular and ``B`` (L, F), float64 Fortran order, are overwritten.
     """
     if B.shape[0] == 0:
         return R
@@ -192,10 +189,8 @@ def _qr_update(R, B):
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
 def _feature_rows(X, s0, code, z, eps, clip, normalise, out):
-    """``out[t] = phi(X[s0 + t], code)``, divided by ``max(out[t] . z, eps)`` when ``normalise``.
-
-    ``eps`` applies when ``clip``.  Returns the number of rows whose normaliser is zero or not finite.
-    """
+    """``out[t] = phi(X[s0 + t], code)``, divided by ``max(out[t] . z, eps)`` (``eps`` when ``clip``) when
+    ``normalise``; returns the number of rows whose normaliser is zero or not finite."""
     L, F = out.shape
     bad = 0
     for t in prange(L):
@@ -217,10 +212,9 @@ def _feature_rows(X, s0, code, z, eps, clip, normalise, out):
 def _stream_r(X, code=0, z=None, eps=None, R=None):
     """R factor of the rows ``y_t = phi(X[t], code)``, divided by ``max(y_t . z, eps)`` when ``z`` is given.
 
-    ``X`` (N, F); ``code`` 0 takes the rows as they are; ``R`` (F, F), not modified, is a factor to extend.
-    Returns ``(R, colsum)``: upper triangular ``R`` with ``R^T R = Y^T Y`` (plus the given ``R^T R``) and the
-    column sums of ``Y`` (None when ``z`` is given).  Streamed block by block with BLAS on one thread, the
-    feature matrix is never stored (docs/design-cpu.md).  A zero or non-finite normaliser raises ValueError.
+    ``code`` 0 takes the rows as they are; ``R`` (F, F), not modified, is a factor to extend.  Returns
+    upper triangular ``R`` with ``R^T R = Y^T Y (+ R0^T R0)`` and the column sums of ``Y`` (None with
+    ``z``); streamed by blocks (docs/design-cpu.md).  A zero or non-finite normaliser raises ValueError.
     """
     n, f = X.shape
     R = np.zeros((f, f), order="F") if R is None else np.array(R, dtype=np.float64, order="F")
@@ -266,10 +260,9 @@ def _r_factor(X):
 
 
 def _span_changes(X, tau, block=1024):
-    """Prefix lengths at which ``dim span(X[:i])`` grows: sorted int64, at most F entries.
+    """Prefix lengths at which ``dim span(X[:i])`` grows (sorted int64, at most F entries).
 
-    Blocked incremental Gram-Schmidt (projected twice); a row is new when its residual exceeds
-    ``tau * ||row||``.  O(N F r) for final rank r; stops once the span is the whole space.
+    Blocked Gram-Schmidt (projected twice): a row is new when its residual exceeds ``tau * ||row||``.
     """
     n, f = X.shape
     basis = np.zeros((f, f))
@@ -315,47 +308,38 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
                    log_decay=None, normalize=None, beta=None):
     r"""Numerical rank of attention weights, from the factors when they are low rank.
 
-    Non-causal kernel weights ``A = D^{-1} phi(Q) phi(K)^T`` have rank at most ``D_phi``; their singular
-    values are those of ``R_1 R_2^T`` for R factors of ``D^{-1} phi(Q)`` and ``phi(K)``: O(N D_phi^2 +
-    D_phi^3), N = 10^6 runs.  Causal kernel weights (usually full rank: see :func:`semiseparable_rank`)
-    and softmax weights are formed explicitly, for ``N <= config.ANALYSIS_EXPLICIT_MAX_N`` (8192), in
-    O(N^2 D + N^3).
-    Algorithm: docs/design-cpu.md ("Rank of the weights and the state").
+    Non-causal kernel weights (rank at most ``D_phi``) are ranked from R factors of ``D^{-1} phi(Q)``
+    and ``phi(K)`` in O(N D_phi^2 + D_phi^3); causal kernel weights and softmax weights are formed
+    explicitly, for ``N <= config.ANALYSIS_EXPLICIT_MAX_N`` (docs/design-cpu.md, "Rank of the
+    weights and the state").
 
     Parameters
     ----------
     q : array_like, shape (..., Nq, D)
     k : array_like, shape (..., Nk, D)
-        Equal leading batch dimensions; ``Nq == Nk`` when ``causal``.
-        float16/32/64 (computed in float64).
+        Equal batch dimensions; ``Nq == Nk`` when ``causal``; computed in float64.
     feature_map : str, FeatureMap or None, default "elu"
-        A registered feature map (as in :func:`linattn_nb.linear_attention`),
-        or ``"softmax"`` for softmax weights ``softmax(scale q k^T)``.
+        A feature map as in :func:`linattn_nb.linear_attention`, or ``"softmax"``.
     causal : bool, default False
     scale : float, optional
         Softmax temperature, default ``1 / sqrt(D)``; ignored by kernel maps.
     eps : float or None, default 1e-8
         Floor of the normaliser, exactly as in :func:`linattn_nb.linear_attention`.
     rtol : float or array_like, optional
-        Relative tolerance of the numerical rank; default
-        ``max(Nq, Nk) * eps64`` (:func:`numpy.linalg.matrix_rank` on the explicit matrix).
+        Relative tolerance; default ``max(Nq, Nk) * eps64`` (as :func:`numpy.linalg.matrix_rank`).
     method : {"auto", "factor", "explicit"}
-        ``"factor"``: from the R factors (non-causal kernel weights only);
-        ``"explicit"``: form the matrix and take its SVD (the reference);
-        ``"auto"``: ``"factor"`` where it applies, else ``"explicit"``.
+        ``"factor"``: from the R factors (non-causal kernel weights only); ``"explicit"``: the SVD
+        of the formed matrix (the reference); ``"auto"``: ``"factor"`` where it applies.
     return_spectrum : bool, default False
-        Also return the singular values, descending: the ``min(D_phi, Nq, Nk)``
-        that can be non-zero for ``"factor"`` (the others are exactly zero),
-        all ``min(Nq, Nk)`` for ``"explicit"``.  Feed them to
-        :func:`~linattn_nb.analysis.effective_rank` etc. with ``spectrum=True``.
+        Also return the singular values, descending (``min(D_phi, Nq, Nk)`` of them for
+        ``"factor"``, ``min(Nq, Nk)`` for ``"explicit"``), for :func:`~linattn_nb.analysis.effective_rank`
+        etc. with ``spectrum=True``.
     check_finite : bool, default True
     decay, log_decay, beta : float or array_like, optional
-        A decay or gate of the state, or the delta rule's write strength, as in
-        :func:`linattn_nb.linear_attention` (causal only): the weights are then
-        :func:`~linattn_nb.analysis.attention_weights` with the same arguments, formed explicitly.
+        As in :func:`linattn_nb.linear_attention` (causal only): the weights of
+        :func:`~linattn_nb.analysis.attention_weights`, formed explicitly.
     normalize : bool, optional
-        False ranks the unnormalised weights; default the rule's convention (True; False for the delta
-        rules).  Not for ``"softmax"``.
+        False ranks the unnormalised weights; default the rule's (True; False for the delta rules).
 
     Returns
     -------
@@ -366,10 +350,8 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
     Raises
     ------
     ValueError
-        Shape mismatches, non-finite inputs or features, a zero normaliser with
-        ``eps=None``, N above the explicit limit, ``method="factor"`` where
-        there are no low-rank factors, a feature map whose features do not
-        have shape ``(..., N, output_dim(D))``.
+        Shape mismatches, non-finite inputs or features, a zero normaliser with ``eps=None``, N above
+        the explicit limit, ``method="factor"`` where there are no low-rank factors.
     TypeError
         Non-floating inputs, a bad ``feature_map``, ``causal`` not a bool.
 
@@ -530,41 +512,34 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
                        normalize=None, beta=None):
     r"""Largest rank of the strictly-lower blocks ``A[i:, :i]`` of causal attention weights.
 
-    For causal linear attention every such block has rank at most ``D_phi`` whatever N (the weights are
-    *semiseparable*), although the whole matrix is usually full rank; decays, gates and the delta rules keep
-    the bound (docs/theory.md).  Causal softmax weights have no such bound.  Kernel maps are ranked from the
-    factors in O(N D_phi^2 + D_phi^3) typically (algorithm and worst case: docs/design-cpu.md, "Rank of the
-    weights and the state"); the result equals ``max_i matrix_rank(A[i:, :i])`` except for singular values
-    within rounding of the tolerance.
+    For causal linear attention every such block has rank at most ``D_phi`` (the weights are
+    *semiseparable*; docs/theory.md), softmax weights have no such bound.  Kernel maps are ranked from
+    the factors, typically in O(N D_phi^2 + D_phi^3) (docs/design-cpu.md, "Rank of the weights and the
+    state"), equal to ``max_i matrix_rank(A[i:, :i])`` up to rounding at the tolerance.
 
     Parameters
     ----------
     q, k : array_like, shape (..., N, D)
-        float16/32/64 (computed in float64).
+        Computed in float64.
     feature_map : str, FeatureMap or None, default "elu"
-        A registered map, or ``"softmax"`` for causal softmax weights (always explicit).
+        A registered map, or ``"softmax"`` (always explicit).
     scale : float, optional
         Softmax temperature, default ``1 / sqrt(D)``.
     eps : float or None, default 1e-8
         Normaliser floor, as in :func:`linattn_nb.linear_attention`.
     rtol : float, optional
-        Relative tolerance for every block; default ``max(N - i, i) * eps64``
-        for block ``i`` (:func:`numpy.linalg.matrix_rank` on the block).
+        Relative tolerance; default ``max(N - i, i) * eps64`` for block ``i``.
     method : {"auto", "factor", "explicit"}
         ``"explicit"`` forms the N x N weights (``N <= config.ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N``,
         2048) and takes an SVD per split (worst case O(N^4)).  ``"auto"``: ``"factor"`` for kernel maps
         without a decay or ``beta``, else ``"explicit"``.
     return_split : bool, default False
-        Also return the smallest split ``i`` at which the largest rank is
-        reached (0 when N < 2).
+        Also return the smallest split ``i`` reaching the largest rank (0 when N < 2).
     check_finite : bool, default True
     decay, log_decay, beta : float or array_like, optional
-        A decay or gate of the state, or the delta rule's write strength, as in
-        :func:`linattn_nb.linear_attention`: the weights of
-        :func:`~linattn_nb.analysis.attention_weights` are ranked explicitly (``"factor"`` raises).
+        As in :func:`linattn_nb.linear_attention`: ranked explicitly (``"factor"`` raises).
     normalize : bool, optional
-        False ranks the unnormalised weights; default the rule's (True; False for the delta rules).
-        Not for ``"softmax"``.
+        As for :func:`attention_rank`.
 
     Returns
     -------
@@ -576,10 +551,8 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
     Raises
     ------
     ValueError
-        Shape mismatches, non-finite inputs, a zero normaliser with
-        ``eps=None``, N above the explicit limit, ``method="factor"`` with
-        softmax, a feature map whose features do not have shape
-        ``(..., N, output_dim(D))``.
+        Shape mismatches, non-finite inputs, a zero normaliser with ``eps=None``, N above the explicit
+        limit, ``method="factor"`` with softmax or a decay.
     TypeError
         Non-floating inputs, a bad ``feature_map``.
 
@@ -671,10 +644,8 @@ class StateRankProfile(NamedTuple):
 def _absorb(state, fk, v, lg):
     """``state`` after the rows ``fk`` (L, F), ``v`` (L, M) with log-factors ``lg`` (L, 1 or F) or None.
 
-    ``S <- a_j (.) S + phi(k_j) v_j^T`` for each row in turn, in closed form:
-    the state is scaled by the product of all L factors and row ``j`` by the
-    product of the factors after it.  Suffix sums of the log-factors (never
-    differences), so a ``-inf`` (a reset) gives exact zeros and no NaN.
+    The closed form of ``S <- a_j (.) S + phi(k_j) v_j^T`` from suffix sums of the log-factors (never
+    differences: a reset's ``-inf`` gives exact zeros, no NaN).
     """
     if lg is None:
         return state + fk.T @ v
@@ -689,39 +660,33 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
                        log_decay=None, initial_state=None, beta=None, rule=None, rule_arguments=None):
     r"""Numerical rank of the linear-attention state ``S_t`` as the sequence grows.
 
-    ``S_t = sum_{j < t} phi(k_j) v_j^T`` is the ``D_phi x M`` state after ``t`` tokens
-    (:class:`linattn_nb.LinearState`).  Its rank grows with ``t`` and saturates at ``min(D_phi, M)``.  A decay
-    or gate lowers it only at a reset (a factor exactly 0) or on underflow; under the delta rule (``beta``) a
-    write can also remove a direction, so the rank need not grow monotonically (docs/theory.md).
+    ``S_t`` is the ``D_phi x M`` state after ``t`` tokens; its rank saturates at ``min(D_phi, M)``.
+    A decay lowers it only at a reset or on underflow; a delta-rule write can also remove a direction
+    (docs/theory.md).
 
     Parameters
     ----------
     k : array_like, shape (..., N, D)
     v : array_like, shape (..., N, M)
-        Equal leading batch dimensions and N; float16/32/64 (computed in float64).
+        Equal batch dimensions and N; computed in float64.
     feature_map : str, FeatureMap or None, default "elu"
-        Applied to the keys as causal linear attention applies it.
-        ``"softmax"`` is refused (its cache grows, it has no fixed state).
+        Applied to the keys as causal linear attention does; ``"softmax"`` is refused (no fixed state).
     positions : array_like of int, optional
-        Token counts ``t`` in ``[0, N]`` to report (sorted, duplicates
-        dropped); default every ``t = 1..N``.  The states are accumulated
-        between positions (O(N D_phi M)) and each is ranked by an SVD
-        (O(D_phi M min(D_phi, M)) per position).
+        Token counts ``t`` in ``[0, N]`` to report (sorted, duplicates dropped); default ``1..N``.
+        Each is ranked by an SVD, O(D_phi M min(D_phi, M)).
     rtol : float, optional
-        Default ``max(D_phi, M) * eps64`` (:func:`numpy.linalg.matrix_rank`).
+        Default ``max(D_phi, M) * eps64``.
     check_finite : bool, default True
     decay, log_decay, beta : float or array_like, optional
-        A decay or gate of the state, or the delta rule's write strength (the state is then updated token
-        by token, O(N D_phi M)), as in :func:`linattn_nb.linear_attention`.
+        As in :func:`linattn_nb.linear_attention`.
     rule : str, optional
-        A named DPLR rule (:func:`linattn_nb.rules.dplr_rule_names`), its arguments in ``rule_arguments``
-        (a dict of full arrays, as :func:`linattn_nb.dplr_attention` takes them, which runs segment by
-        segment; ``k`` and ``v`` with a sub-step axis for the DeltaProduct rules).  Not with
+        A named DPLR rule (:func:`linattn_nb.rules.dplr_rule_names`), with its arguments in
+        ``rule_arguments`` (full arrays, as :func:`linattn_nb.dplr_attention` takes them).  Not with
         ``decay``/``log_decay``/``beta``.
     rule_arguments : dict, optional
     initial_state : LinearState or tuple (S, z[, position]), optional
-        The state before token 0, as ``linear_attention``'s ``initial_state`` (``t = 0`` then ranks it);
-        a :class:`~linattn_nb.LinearState` of another update rule than this call's is refused.
+        The state before token 0, as in ``linear_attention`` (``t = 0`` ranks it); one of another
+        update rule is refused.
 
     Returns
     -------
@@ -731,11 +696,9 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
     Raises
     ------
     ValueError
-        Shape mismatches, non-finite inputs, positions outside ``[0, N]``,
-        ``feature_map="softmax"``, a feature map whose features do not have
-        shape ``(..., N, output_dim(D))``; ``decay``/``log_decay`` as in
-        ``linear_attention`` (naming the argument), ``beta`` likewise; an ``initial_state`` of
-        the wrong shape or of another update rule.
+        Shape mismatches, non-finite inputs, positions outside ``[0, N]``, ``feature_map="softmax"``;
+        rule arguments as ``linear_attention`` refuses them; an ``initial_state`` of the wrong shape
+        or of another update rule.
     TypeError
         Non-floating inputs, non-integer positions.
 

@@ -34,33 +34,25 @@ def _layout_free(method):
 class FeatureMap:
     """Base class of all feature maps.
 
-    Subclasses set :attr:`name`, implement :meth:`transform` (features of an
-    ``(..., N, D)`` array) and, when the output dimension differs from the
-    input dimension, :meth:`output_dim`.  The class docstring states the kernel
-    the map stands for and where it comes from.  To take gradients through
-    the map, define :meth:`vjp` (and :meth:`parameters` when it has trainable
-    parameters); every built-in map has both.
+    Subclasses set :attr:`name`, implement :meth:`transform` (features of an ``(..., N, D)`` array)
+    and, when the output dimension differs from the input's, :meth:`output_dim`.  Gradients through
+    the map need :meth:`vjp` (and :meth:`parameters` for trainable parameters); every built-in map
+    has both.  Adding a map: docs/guide/feature_maps.md.
 
     Attributes
     ----------
     name : str
         Registry name.
     kernel_code : int or None
-        For elementwise maps the Numba kernels can apply inline; ``None`` for
-        maps applied in NumPy before the kernel runs.
+        For elementwise maps the Numba kernels apply inline; ``None`` for maps applied in NumPy.
     is_positive : bool
-        True when every feature is >= 0 for every input, so that the
-        normaliser ``phi(q) . z`` is non-negative.
+        Every feature is >= 0 for every input (the normaliser ``phi(q) . z`` is non-negative).
     position_dependent : bool
-        True when the features depend on the token position (cosFormer); the
-        dispatcher then passes positions through :meth:`apply`.
+        The features depend on the token position (cosFormer); :meth:`apply` gets the positions.
     strictly_positive : bool
-        True when every feature is > 0 for every input (in exact
-        arithmetic), so that no linear attention weight is exactly 0;
-        :func:`fit` needs no floor in its cross-entropy and KL losses then.
+        Every feature is > 0 in exact arithmetic (no weight is exactly 0; :func:`fit` needs no floor).
     needs_normalizer : bool
-        True when the features carry per-row factors (stabilising shifts
-        inside ``exp``) that cancel only between numerator and normaliser:
+        The features carry per-row factors that cancel only in the normaliser:
         ``linear_attention(..., normalize=False)`` refuses such maps.
     """
 
@@ -68,14 +60,12 @@ class FeatureMap:
     kernel_code: int | None = None
     is_positive: bool = False
     strictly_positive: bool = False
-    #: The registered map whose features this map gives at its default
-    #: parameters (t2r at ``W = I``, ``b = 0`` is relu): the studies leave it
-    #: out of their default map lists.  None for most maps.
+    #: The registered map this one equals at its default parameters (t2r at ``W = I``, ``b = 0``
+    #: is relu): the studies leave it out of their default map lists.
     same_as: str | None = None
     position_dependent: bool = False
-    #: True when ``phi(q) . phi(k)`` estimates or approximates the softmax
-    #: kernel ``exp(scale q . k)`` (such maps take ``scale``, default
-    #: ``1/sqrt(D)``, the temperature of :func:`linattn_nb.softmax_attention`).
+    #: ``phi(q) . phi(k)`` estimates the softmax kernel ``exp(scale q . k)`` (such maps take
+    #: ``scale``, default ``1/sqrt(D)``).
     estimates_softmax: bool = False
     needs_normalizer: bool = False
 
@@ -123,9 +113,7 @@ class FeatureMap:
     def parameters(self) -> dict:
         """The map's trainable parameters: a dict ``name -> ndarray`` (empty by default).
 
-        The arrays are the map's own (not copies): updating one in place
-        (``p -= lr * g``) updates the map.  :meth:`vjp` returns the gradients
-        under the same names.
+        The arrays are the map's own: updating one in place (``p -= lr * g``) updates the map.
         """
         return {}
 
@@ -133,23 +121,18 @@ class FeatureMap:
             total_length: int | None = None):
         """Vector-Jacobian product of :meth:`apply`: gradients through ``phi``.
 
-        Differentiates exactly the function
-        ``self.apply(x, role=role, causal=causal, offset=offset, total_length=total_length)``
-        computes, role-dependent stabilising shifts included (a per-row
-        maximum passes its gradient to the one entry that attains it, the
-        first on ties).  At kinks (ReLU at 0) the derivative on the zero side
-        is used.  The product is computed in float64.  ``dx`` of a token
-        depends on that token's ``x`` and ``grad_features`` only.  A subclass
-        of a built-in map that changes the function must override ``vjp``
-        too (or ``_df``, for an :class:`ElementwiseFeatureMap`).
+        Differentiates exactly what :meth:`apply` computes for the same arguments, stabilising shifts
+        included (a per-row maximum passes its gradient to the first entry that attains it); at kinks
+        (ReLU at 0) the zero side's derivative is used; computed in float64.  ``dx`` of a token depends
+        on that token's ``x`` and ``grad_features`` only.  A subclass that changes a built-in map's
+        function must override ``vjp`` too (or ``_df``, for an :class:`ElementwiseFeatureMap`).
 
         Parameters
         ----------
         x : array_like, shape (..., N, D)
             The inputs given to :meth:`apply`.
         grad_features : array_like, shape (..., N, D_phi)
-            ``dL/d phi(x)``, the gradient of a loss with respect to the features,
-            ``D_phi = output_dim(D)``.
+            ``dL/d phi(x)``, ``D_phi = output_dim(D)``.
         role : {"query", "key"}
         causal : bool, default False
         offset : int, default 0
@@ -159,22 +142,19 @@ class FeatureMap:
         Returns
         -------
         dx : ndarray, shape of ``x``
-            ``dL/dx``; float64 when ``x`` is float64, else the result dtype of
-            ``x`` and ``grad_features`` (at least float32).
+            ``dL/dx``; float64 for float64 ``x``, else the result dtype of ``x`` and
+            ``grad_features`` (at least float32).
         dparams : dict or None
-            ``None`` for maps without trainable parameters, else
-            ``name -> dL/dparameter`` (float64, the shapes of
-            :meth:`parameters`; see the map's docstring for its names).
+            ``None`` without trainable parameters, else ``name -> dL/dparameter`` (float64, the
+            names and shapes of :meth:`parameters`).
 
         Raises
         ------
         NotImplementedError
-            In this base class: a user map defines ``vjp`` to take gradients
-            through it.
+            In this base class (a user map defines ``vjp``).
         ValueError
-            If ``grad_features`` does not have the shape of the features, or
-            ``role`` is not ``"query"`` or ``"key"`` (and whatever
-            :meth:`apply` raises for these inputs).
+            If ``grad_features`` does not have the shape of the features, a bad ``role``, and
+            whatever :meth:`apply` raises for these inputs.
 
         Examples
         --------
@@ -192,9 +172,8 @@ class FeatureMap:
                        total_length: int | None = None):
         """:meth:`apply` and its vector-Jacobian product in one call: ``(features, pullback)``.
 
-        ``pullback(grad_features)`` returns what ``self.vjp(x, grad_features, role=role, ...)`` returns.
-        The default calls :meth:`apply` now and :meth:`vjp` in the pullback; hedgehog and t2r keep the
-        forward's projections instead of computing them twice (the fitting loop uses this).
+        ``pullback(grad_features)`` returns what :meth:`vjp` returns; hedgehog and t2r keep the
+        forward's projections for it (the fitting loop uses this).
 
         Parameters
         ----------
@@ -230,9 +209,8 @@ class FeatureMap:
     def kernel(self, x, y) -> np.ndarray:
         """The kernel ``k(x, y)`` these features compute, for pairs of rows.
 
-        ``x`` and ``y`` of shape ``(..., D)`` (broadcast) give ``(...,)``.  For
-        deterministic maps this is ``phi(x) . phi(y)``; random maps override it
-        with the expectation over the draw (the kernel they estimate).
+        ``x``, ``y`` of shape ``(..., D)`` (broadcast) give ``(...,)``: ``phi(x) . phi(y)``; random maps
+        give the expectation over the draw.
         """
         x = np.asarray(x, dtype=np.float64)
         y = np.asarray(y, dtype=np.float64)

@@ -25,12 +25,10 @@ def draw_projection(rng: np.random.Generator, num_features: int, dim: int, *,
     num_features, dim : int
         ``m`` rows of dimension ``d``.
     orthogonal : bool
-        True: rows orthogonal within each block of ``d`` rows (the Haar-distributed ``Q`` factor of a
-        Gaussian ``d x d`` matrix, independent blocks stacked for ``m > d``; Performer §3).  False: i.i.d.
-        ``N(0, I_d)`` rows.
+        True: rows orthogonal within each block of ``d`` rows (Haar ``Q`` factors, Performer §3);
+        False: i.i.d. ``N(0, I_d)`` rows.
     row_norm : {"chi", "fixed"}
-        ``"chi"``: row norms distributed as the norm of a ``N(0, I_d)`` vector (every row marginally
-        ``N(0, I_d)``, the estimators unbiased); ``"fixed"``: every row has norm ``sqrt(d)``.
+        ``"chi"``: norms of ``N(0, I_d)`` vectors (the estimators unbiased); ``"fixed"``: ``sqrt(d)``.
 
     Returns
     -------
@@ -70,27 +68,22 @@ def draw_projection(rng: np.random.Generator, num_features: int, dim: int, *,
 class RandomFeatureMap(FeatureMap):
     """Base of the maps built on a random projection ``W`` (``m x d``).
 
-    Inputs are first scaled by ``sqrt(scale)`` (default ``scale = 1/sqrt(d)``,
-    the temperature of :func:`linattn_nb.softmax_attention`), so that
-    ``phi(q) . phi(k)`` estimates a kernel of ``scale q . k``.
+    Inputs are scaled by ``sqrt(scale)`` (default ``1/sqrt(d)``, softmax's temperature), so that
+    ``phi(q) . phi(k)`` estimates a kernel of ``scale q . k``.  A map given *by name* is drawn anew
+    at every call: build one with a ``seed`` and pass the object (docs/guide/feature_maps.md).
 
     Parameters
     ----------
     dim : int, optional
-        Input dimension ``d``.  When omitted, ``W`` is drawn at the first call
-        from the input's last axis (then fixed: later inputs must match).
+        Input dimension ``d``; when omitted, ``W`` is drawn at the first call (then fixed).
     num_features : int, optional
-        Number ``m`` of random projections (rows of ``W``).  Default
-        ``max(1, int(d ln d))``, Performer's default (fixed once ``d`` is
-        known: given as ``dim``, or at the first call).
+        Rows ``m`` of ``W``; default ``max(1, int(d ln d))`` (Performer's).
     orthogonal : bool
-        Orthogonal (block-QR) rows instead of i.i.d. Gaussian rows
-        (see :func:`draw_projection`).
+        Block-orthogonal rows instead of i.i.d. Gaussian ones (:func:`draw_projection`).
     row_norm : {"chi", "fixed"}, default "chi"
-        Row norms of ``W`` (see :func:`draw_projection`).
+        Row norms of ``W`` (:func:`draw_projection`).
     seed : int, numpy.random.Generator or None
-        Seed of the map's own generator: a given seed gives the same ``W``
-        and the same sequence of :meth:`redraw` results.
+        Seed of the map's own generator (the same ``W`` and :meth:`redraw` sequence).
     scale : float, optional
         Temperature; default ``1/sqrt(d)``.
 
@@ -99,14 +92,7 @@ class RandomFeatureMap(FeatureMap):
     W : ndarray (m, d) or None
         The current projection (None until drawn).
     num_features : int or None
-        The effective ``m``: the number given, else the default for ``d``
-        once ``d`` is known; None only for a map built without ``dim`` or
-        ``num_features`` that was never called.
-
-    Notes
-    -----
-    A random map given *by name* (``feature_map="favor+"``) is drawn anew at every call (the first such
-    call warns); build the map once with a ``seed`` and pass the object instead.
+        The effective ``m`` (None while neither it nor ``d`` is known).
     """
 
     default_orthogonal = True
@@ -167,16 +153,12 @@ class RandomFeatureMap(FeatureMap):
             self._draw(self.dim)
 
     def materialize(self, d=None):
-        """Draw the projection ``W`` now (for inputs of dimension ``d``) if it was not drawn yet.
-
-        The features do not change; :meth:`parameters` (``learn_projection=True``) and the state file
-        then have ``W`` up front.  Returns the map.
+        """Draw the projection ``W`` now (for inputs of dimension ``d``) if not drawn yet; returns the map.
 
         Raises
         ------
         ValueError
-            If ``W`` is not drawn and ``d`` is missing, or ``d`` differs from
-            the dimension ``W`` was drawn for.
+            If ``W`` is not drawn and ``d`` is missing, or ``d`` differs from the drawn dimension.
 
         Examples
         --------
@@ -211,9 +193,9 @@ class RandomFeatureMap(FeatureMap):
         return xs, xs @ w.T
 
     def _vjp_project(self, x, grad_features, role):
-        """The common start of a vjp: ``(W, g, out_dtype, root, xs, u)`` with ``root = sqrt(scale)``.
+        """The start of a vjp: ``(W, g, out_dtype, root, xs, u)`` with ``root = sqrt(scale)``.
 
-        Draws ``W`` first if needed, as :meth:`apply` would (checking the dimension before the gradient).
+        Draws ``W`` first if needed, as :meth:`apply` would.
         """
         check_role(self.name, role)
         x = check_input(self.name, x)
@@ -238,14 +220,10 @@ class FavorPlusFeatureMap(RandomFeatureMap):
     * ``kind="positive"``: ``phi(x) = exp(W x' - |x'|^2/2) / sqrt(m)``, output ``m``;
     * ``kind="hyperbolic"``: ``phi(x) = exp([W x', -W x'] - |x'|^2/2) / sqrt(2m)``, output ``2m``.
 
-    ``E[phi(x) . phi(y)] = exp(scale x . y)``, the softmax kernel at the temperature of
-    :func:`linattn_nb.softmax_attention`; every feature is positive, so normalisers are positive.
-    Calling the map returns the estimator's features as above; :meth:`apply` (attention) stabilises them
-    with shifts inside ``exp`` that cancel between numerator and normaliser: each query by its own maximum
-    logit, every key by one constant ``max(0, max_i |w_i|^2/2 - config.FAVOR_KEY_HEADROOM)`` that depends
-    on ``W`` only, so causal outputs never use a future token and keys far from every ``w_i`` underflow to
-    zero weight (docs/guide/feature_maps.md).  Pass the same map object to every call that must share
-    ``W`` (segments linked by ``initial_state``, say).
+    ``E[phi(x) . phi(y)] = exp(scale x . y)``; every feature is positive.  Calling the map returns
+    these features; :meth:`apply` (attention) shifts the logits by amounts that cancel in the
+    normaliser: each query by its own maximum, keys by :attr:`key_shift`, a constant of ``W`` alone
+    (docs/guide/feature_maps.md).  Share one map object between calls that must share ``W``.
 
     Parameters
     ----------
@@ -254,27 +232,22 @@ class FavorPlusFeatureMap(RandomFeatureMap):
         (the "O" of FAVOR+).
     kind : {"positive", "hyperbolic"}, default "positive"
     learn_projection : bool, default False
-        Treat the projection as a trainable parameter: :meth:`parameters` returns ``{"projection": W}``
-        (the unscaled ``(m, d)`` array :attr:`W`, once drawn: give ``dim`` to have it from the start) and
-        :meth:`vjp` its gradient under the same name; state files store the current ``W``.
-        :meth:`redraw` replaces a trained ``W`` by a fresh draw.
+        Train ``W``: :meth:`parameters` returns ``{"projection": W}`` (once drawn) and :meth:`vjp`
+        its gradient; state files store the current ``W``.
     projection : array_like, shape (m, d), optional
-        Use this projection as ``W`` instead of drawing one: it fixes ``dim`` and ``num_features`` (given
-        ones must agree), ``seed`` then only seeds :meth:`redraw`, and state files store ``W``.  Without
-        either, a state file stores the seed and the map is drawn again from it on loading.
+        Use this ``W`` instead of a draw (it fixes ``dim`` and ``num_features``; ``seed`` then only
+        seeds :meth:`redraw`).  Without either, a state file stores the seed.
 
     Attributes
     ----------
     projection : ndarray (m, d) or None
-        What a state file stores: :attr:`W` itself when the map was built
-        with ``projection`` or has ``learn_projection=True`` (and ``W`` is
-        drawn), else None.
+        :attr:`W` when given or learned (and drawn), else None: what a state file stores.
 
     Raises
     ------
     ValueError
-        If ``projection`` is not a non-empty, finite 2-D array, or disagrees
-        with ``dim`` or ``num_features``.
+        If ``projection`` is not a non-empty, finite 2-D array, or disagrees with ``dim`` or
+        ``num_features``.
 
     Examples
     --------
@@ -287,8 +260,7 @@ class FavorPlusFeatureMap(RandomFeatureMap):
     True
     """
 
-    #: the queries' per-row shift and the keys' constant shift cancel only in
-    #: the normaliser
+    #: the queries' per-row shift and the keys' constant shift cancel only in the normaliser
     needs_normalizer = True
 
     name = "favor+"
@@ -378,10 +350,8 @@ class FavorPlusFeatureMap(RandomFeatureMap):
     def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
         """Vector-Jacobian product of :meth:`apply` (see :meth:`FeatureMap.vjp`).
 
-        ``dparams`` is ``{"projection": dL/dW}`` (shape ``(m, d)``) with
-        ``learn_projection=True``, else None.  For keys the gradient includes
-        the key shift's dependence on ``W`` (through the row of largest norm)
-        when the shift is active.
+        ``dparams``: ``{"projection": dL/dW}`` with ``learn_projection=True`` (for keys including the
+        shift's dependence on ``W``), else None.
         """
         w, g, out_dtype, root, xs, u = self._vjp_project(x, grad_features, role)
         m = u.shape[-1]
@@ -429,22 +399,18 @@ class RandomFourierFeatureMap(RandomFeatureMap):
 
     With ``x' = sqrt(scale) x`` and ``u = W x'`` (``m`` projections, output ``2m``):
 
-    * ``target="softmax"`` (Performer's trigonometric estimator):
-      ``phi(x) = exp(|x'|^2/2) / sqrt(m) [sin u, cos u]``, so that
+    * ``target="softmax"`` (Performer): ``phi(x) = exp(|x'|^2/2) / sqrt(m) [sin u, cos u]``,
       ``E[phi(x) . phi(y)] = exp(scale x . y)``;
-    * ``target="gaussian"`` (Random Feature Attention, Peng et al. 2021):
-      ``phi(x) = [sin u, cos u] / sqrt(m)``, estimating
-      ``exp(-scale |x - y|^2 / 2)``.
+    * ``target="gaussian"`` (RFA, Peng et al. 2021): ``phi(x) = [sin u, cos u] / sqrt(m)``,
+      estimating ``exp(-scale |x - y|^2 / 2)``.
 
-    Features are signed: the normaliser ``phi(q) . z`` can be zero or negative.  In attention
-    (:meth:`apply`) queries drop their positive factor ``exp(|q'|^2/2)`` (it cancels row by row); keys keep
-    it, and keys with ``|k'|^2/2`` above ~88 (float32) raise ValueError instead of overflowing silently.
+    Features are signed (the normaliser can be zero or negative).  In attention queries drop their
+    factor ``exp(|q'|^2/2)``; keys keep it and raise ValueError where it would overflow.
 
     Parameters
     ----------
     dim, num_features, orthogonal, row_norm, seed, scale
-        See :class:`RandomFeatureMap`; ``orthogonal`` defaults to False
-        (i.i.d. frequencies, as in RFA).
+        See :class:`RandomFeatureMap`; ``orthogonal`` defaults to False (as in RFA).
     target : {"softmax", "gaussian"}, default "softmax"
     """
 
