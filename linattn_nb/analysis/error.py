@@ -41,33 +41,24 @@ class ApproximationError:
     output_rel_error : float
         ``||O_lin - O_sm||_F / ||O_sm||_F`` over all batch entries.
     kl_mean, kl_max : float
-        Mean and max over rows of ``KL(softmax || linear)``; ``inf`` when any
-        row's linear weights put zero or negative mass where softmax puts
-        mass, or have a normaliser <= 0 (see ``kl_infinite_rate``).
+        Over rows, ``KL(softmax || linear)``; ``inf`` where a row's linear weights put zero or
+        negative mass where softmax has mass, or have a normaliser <= 0.
     tv_mean, tv_max : float
         Row total variation ``1/2 sum_j |p_ij - w_ij|``.
     entropy_softmax : float
         Mean row entropy of the softmax weights (nats).
     entropy_linear : float
-        Mean row entropy of the linear weights, over the rows where they form
-        a distribution (non-negative, positive normaliser); NaN if none does.
+        The same for the linear weights, over the rows where they form a distribution (else NaN).
     monotonicity : float
-        Mean over rows of the Spearman correlation between ``q_i . k_j`` and
-        the linear weights ``w_ij`` (rows with fewer than two keys, or with
-        constant scores or weights, are left out; NaN if none is left).
-        Softmax weights score 1.
+        Mean row Spearman correlation between ``q_i . k_j`` and ``w_ij`` (rows with fewer than two
+        keys or constant values left out; NaN if none is left).  Softmax weights score 1.
     nonpositive_normalizer_rate : float
-        Fraction of rows with ``den_i = sum_j phi(q_i) . phi(k_j) <= 0``
-        (before the ``eps`` floor).
+        Fraction of rows with ``sum_j phi(q_i) . phi(k_j) <= 0`` (before the ``eps`` floor).
     kl_infinite_rate : float
         Fraction of rows whose KL is infinite.
     js_mean : float
-        Mean over rows of the Jensen-Shannon divergence
-        ``JS(p, w) = 1/2 KL(p || m) + 1/2 KL(w || m)``, ``m = (p + w)/2``
-        (nats, at most ``ln 2``): finite where KL is not, but defined only
-        where the linear weights form a distribution (non-negative, positive
-        normaliser), so the mean is over those rows; NaN if none does (a
-        signed map: not applicable).
+        Mean row Jensen-Shannon divergence (nats, at most ``ln 2``), over the rows where the linear
+        weights form a distribution; NaN if none does (a signed map).
     n_rows : int
         Number of rows (query positions times batch entries).
     """
@@ -132,34 +123,24 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
     ----------
     q, k : array_like, shape (..., N, D)
     feature_map : "softmax", str, FeatureMap or None
-        ``"softmax"``: ``softmax_j(scale q_i . k_j)``; otherwise a feature map
-        as for :func:`linattn_nb.linear_attention`, giving
-        ``w_ij = phi(q_i) . phi(k_j) / max(sum_j phi(q_i) . phi(k_j), eps)``.
+        ``"softmax"``: ``softmax_j(scale q_i . k_j)``; otherwise a feature map as for
+        :func:`linattn_nb.linear_attention`: ``w_ij = phi(q_i) . phi(k_j) / max(d_i, eps)``.
     causal : bool, default False
-        Weights of ``j > i`` are 0.
     scale : float, optional
-        Softmax temperature, default ``1/sqrt(D)``.  Maps that estimate the
-        softmax kernel carry their own ``scale`` (same default).
+        Softmax temperature, default ``1/sqrt(D)``.
     eps : float or None, default ``config.DEFAULT_EPS``
-        Floor of the linear normaliser, as in ``linear_attention``, so that
-        ``attention_weights(q, k, fmap) @ v`` equals ``linear_attention(q, k, v,
-        feature_map=fmap)``; None divides by the raw (possibly signed or zero)
-        normaliser.
+        Floor of the linear normaliser, as in ``linear_attention`` (``weights @ v`` equals its
+        output); None divides by the raw normaliser.
     check_finite : bool, default True
     decay, log_decay : float or array_like, optional
-        A decay or gate of the state, with the forms of :func:`linattn_nb.linear_attention` (causal only;
-        at most one of the two).  The weight of token ``s`` in output ``t`` is then ``phi(q_t) . phi(k_s)``
-        times the factors of tokens ``s+1..t`` (per feature for a gate); the normaliser is the row sum.
-        A factor 0 (log ``-inf``) cuts every weight across it exactly.
+        A decay or gate of the state, as in :func:`linattn_nb.linear_attention` (causal only): the
+        weight of token ``s`` in output ``t`` is multiplied by the factors of tokens ``s+1..t``.
     normalize : bool, optional
-        As in ``linear_attention`` (default True, False for the delta rules): False gives the unnormalised
-        weights.  Not for ``"softmax"``.
+        As in ``linear_attention`` (default True, False for the delta rules).  Not for ``"softmax"``.
     beta : float or array_like, optional
-        The delta rule's write strength, as in ``linear_attention`` (causal only; with a decay: the gated
-        delta rule).  The weights are the rule's equivalent causal weight matrix in closed form,
-        ``tril(G * phi(Q) phi(K)^T) T`` with the WY matrix ``T`` of docs/theory.md ("Delta rule and gated
-        delta rule").  Its entries can be negative, and with ``normalize=True`` the row sums can be <= 0
-        (floored at ``eps``).
+        The delta rule's write strength, as in ``linear_attention`` (causal only): the rule's
+        equivalent causal weight matrix ``tril(G * phi(Q) phi(K)^T) T`` (docs/theory.md, "Delta rule
+        and gated delta rule"); its entries and row sums can be negative.
 
     Returns
     -------
@@ -168,10 +149,8 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
     Raises
     ------
     ValueError
-        Bad shapes, non-finite inputs, ``N * N`` above ``config.QUADRATIC_MAX_ELEMENTS``, a feature map
-        whose features do not have shape ``(..., N, output_dim(D))``; ``decay``/``log_decay``/``beta``/
-        ``normalize`` as ``linear_attention`` refuses them (naming the argument), or given with
-        ``"softmax"``.
+        Bad shapes, non-finite inputs, ``N * N`` above ``config.QUADRATIC_MAX_ELEMENTS``; rule
+        arguments as ``linear_attention`` refuses them, or given with ``"softmax"``.
     TypeError
         Non-floating inputs, ``causal`` not a bool.
 
@@ -232,55 +211,41 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
                         check_finite=True, block=None, decay=None, log_decay=None, beta=None):
     r"""How far linear attention with ``feature_map`` is from softmax attention.
 
-    For every query row the softmax weights and the linear weights :func:`linattn_nb.linear_attention`
-    applies are compared (docs/guide/analysis.md); the outputs through ``softmax_attention`` and
-    ``linear_attention`` themselves.  A Numba kernel over blocks of ``block`` query rows, in parallel over
-    (batch entry, block): memory O(block * N) per thread, time O(N^2 (D + D_phi)) per batch entry.
+    Row by row, the softmax weights against the weights :func:`linattn_nb.linear_attention` applies
+    (docs/guide/analysis.md), and the two outputs, by a Numba kernel over blocks of query rows:
+    memory O(block * N) per thread, never the whole ``N x N``.
 
     Parameters
     ----------
     q, k : array_like, shape (..., N, D)
     v : array_like, shape (..., N, M)
-        Any number of leading batch dimensions (flattened); float16/32/64.
+        Any leading batch dimensions; float16/32/64.
     feature_map : str, FeatureMap or None
-        The linear map (as for ``linear_attention``), or ``"softmax"``: the
-        softmax weights against themselves (every difference is 0; a check).
+        The linear map, or ``"softmax"`` (softmax against itself: every difference is 0).
     causal : bool, default False
     scale : float, optional
-        Softmax temperature, default ``1/sqrt(D)``.  Maps that estimate the
-        softmax kernel (FAVOR+, RFF, Taylor-2) carry their own ``scale`` with
-        the same default; a mismatch warns.
+        Softmax temperature, default ``1/sqrt(D)``; a map's own ``scale`` that differs warns.
     eps : float or None, default ``config.DEFAULT_EPS``
         Floor of the linear normaliser, as in ``linear_attention``.
     check_finite : bool, default True
     block : int, optional
         Query rows per task (default ``config.ANALYSIS_BLOCK_Q``).
     decay, log_decay : float or array_like, optional
-        A decay or gate of linear attention's state, as in :func:`attention_weights`, measured against plain
-        softmax attention: the linear weights are the decayed ones normalised by their row sums (running
-        products along each row, no ``N x N`` matrix); the linear output comes from
-        ``linear_attention(..., method="quadratic")`` while ``N * N <= config.QUADRATIC_MAX_ELEMENTS``,
-        else ``method="auto"``.
+        A decay or gate of linear attention's state, as in :func:`attention_weights`, against plain
+        softmax: the decayed weights normalised by their row sums (running products, no ``N x N``).
     beta : float or array_like, optional
-        The delta rule's write strength, as in :func:`attention_weights`.  Its weights are formed
-        explicitly, one ``N x N`` matrix per batch entry (``N * N <= config.QUADRATIC_MAX_ELEMENTS``, else
-        ValueError), normalised by their row sums (which can be <= 0: ``nonpositive_normalizer_rate``
-        counts them, such rows have ``kl = inf``).
+        The delta rule's write strength: its weights are formed explicitly
+        (``N * N <= config.QUADRATIC_MAX_ELEMENTS``); rows whose sum is <= 0 have ``kl = inf``.
 
     Returns
     -------
     ApproximationError
-        ``output_rel_error``, ``kl_mean``, ``kl_max``, ``tv_mean``,
-        ``tv_max``, ``entropy_softmax``, ``entropy_linear``,
-        ``monotonicity``, ``nonpositive_normalizer_rate``,
-        ``kl_infinite_rate``, ``n_rows``, ``js_mean``.  With no rows (N = 0 or an empty
-        batch) every statistic is NaN.
+        Every statistic NaN when there are no rows (N = 0 or an empty batch).
 
     Raises
     ------
     ValueError, TypeError
-        As :func:`linattn_nb.linear_attention` for bad inputs, ``decay``/``log_decay``/``beta`` (naming
-        the argument) and feature maps of the wrong shape; ``decay``/``log_decay``/``beta`` with
+        As :func:`linattn_nb.linear_attention` for bad inputs and rule arguments; rule arguments with
         ``"softmax"``; ``beta`` with ``N * N`` above ``config.QUADRATIC_MAX_ELEMENTS``.
 
     Examples

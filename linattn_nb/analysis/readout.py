@@ -1,10 +1,7 @@
 """Reading stored values back from a linear-attention state.
 
-:func:`read_back` queries a state with the keys that were written into it and
-compares what comes back with the values that were stored: the read-out, the
-fraction of keys whose read-out is nearest to their own value, and the
-relative error ``||V_hat - V||_F^2 / ||V||_F^2``.  It is what the recall and
-update-rule studies of ``linattn report`` measure, for any state a user built.
+:func:`read_back` queries a state with the keys written into it and compares the read-out with
+the stored values (what the recall and update-rule studies of ``linattn report`` measure).
 """
 from __future__ import annotations
 
@@ -27,12 +24,9 @@ class Readout:
     values : ndarray, shape (n, M)
         The read-out ``V_hat``: row i is what the state returns for key i.
     accuracy : float or None
-        Fraction of keys whose read-out is strictly nearest (Euclidean
-        distance) to their own stored value among all the stored values; for
-        one-hot values, the argmax of the read-out.  A tie (two stored values
-        at the same distance, up to a relative ``1e-9``) counts as a miss:
-        the read-out does not single the right value out.  None when no
-        values were given.
+        Fraction of keys whose read-out is strictly nearest (Euclidean) to their own stored value
+        among all the stored values; a tie (up to a relative ``TIE_RTOL``) counts as a miss.
+        None when no values were given.
     error : float or None
         ``||V_hat - V||_F^2 / ||V||_F^2``; None when no values were given.
     """
@@ -57,12 +51,9 @@ def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps
     Parameters
     ----------
     state : LinearAttentionState or LinearState
-        An unbatched state (``S`` of shape ``(D_phi, M)``).  A
-        :class:`linattn_nb.LinearAttentionState` is read with its own
-        :meth:`~linattn_nb.LinearAttentionState.query` (its feature map and
-        normalisation); a :class:`linattn_nb.LinearState` (what
-        ``linear_attention(..., return_state=True)`` returns) needs
-        ``feature_map``.
+        An unbatched state (``S`` of shape ``(D_phi, M)``).  A :class:`linattn_nb.LinearAttentionState`
+        is read with its own :meth:`~linattn_nb.LinearAttentionState.query`; a
+        :class:`linattn_nb.LinearState` needs ``feature_map``.
     keys : array_like, shape (n, d)
         The keys to read (the queries).
     values : array_like, shape (n, M), optional
@@ -70,17 +61,13 @@ def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps
     feature_map : str or FeatureMap, optional
         Required for a ``LinearState``; not allowed for a ``LinearAttentionState``.
     normalize : bool, optional
-        For a ``LinearState``: divide by ``max(phi(k) . z, eps)`` (default:
-        the convention of the state's rule, ``linattn_nb.rules.get_rule(rule).normalize``:
-        True for the additive rule, False for the delta rules, as
-        :func:`linattn_nb.linear_attention`).  Not allowed for a
-        ``LinearAttentionState`` (it reads as it was built).
+        For a ``LinearState``: divide by ``max(phi(k) . z, eps)`` (default: the state's rule's
+        convention, as :func:`linattn_nb.linear_attention`).  Not for a ``LinearAttentionState``.
     eps : float, default 1e-8
         Floor of the normaliser (``LinearState`` only).
     candidates : array_like, shape (C, M), optional
-        The stored values the accuracy chooses among (default ``values``):
-        e.g. old and new values when keys were written twice.  Row i of
-        ``values`` must be one of them.
+        The stored values the accuracy chooses among (default ``values``), e.g. old and new values
+        of keys written twice; row i of ``values`` must be one of them.
 
     Returns
     -------
@@ -89,8 +76,7 @@ def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps
     Raises
     ------
     TypeError
-        ``state`` is neither kind of state, or ``feature_map``/``normalize``
-        given where not allowed.
+        ``state`` is neither kind of state, or ``feature_map``/``normalize`` given where not allowed.
     ValueError
         Shapes that do not match the state, or a batched state.
 

@@ -141,16 +141,14 @@ def singular_values(A, *, check_finite=True):
 def numerical_rank(A, rtol=None, *, check_finite=True):
     """Numerical rank of a stack of matrices (NumPy/LAPACK conventions).
 
-    The number of singular values ``sigma_i > rtol * sigma_max``, as
-    :func:`numpy.linalg.matrix_rank` counts them.
+    The number of singular values ``sigma_i > rtol * sigma_max`` (:func:`numpy.linalg.matrix_rank`).
 
     Parameters
     ----------
     A : array_like, shape (..., m, n)
     rtol : float or array_like, optional
-        Relative tolerance; an array broadcasts against the batch shape.
-        Default ``max(m, n) * eps`` with ``eps`` the machine epsilon of the
-        working dtype (float32 for float16 input).
+        Relative tolerance (broadcast against the batch shape); default ``max(m, n) * eps`` of the
+        working dtype.
     check_finite : bool, default True
 
     Returns
@@ -187,16 +185,13 @@ def numerical_rank(A, rtol=None, *, check_finite=True):
 def effective_rank(A, *, spectrum=False, check_finite=True):
     """Effective rank ``exp(H(p))``, ``p_i = sigma_i / sum_j sigma_j`` (Roy & Vetterli 2007).
 
-    A real number between 1 (one non-zero singular value) and the number of
-    singular values (all equal); ``0 * log 0 = 0``.  0 for an all-zero matrix.
-    Scale-invariant and finite for any finite input.
+    Between 1 (one non-zero singular value) and the number of singular values (all equal); 0 for
+    an all-zero matrix.  Scale-invariant and finite for any finite input.
 
     Parameters
     ----------
     A : array_like, shape (..., m, n)
-        Matrices, or with ``spectrum=True`` singular values of shape (..., k)
-        (non-negative, any order), e.g. from
-        :func:`linattn_nb.analysis.attention_rank` with ``return_spectrum=True``.
+        Matrices, or singular values (..., k) with ``spectrum=True`` (non-negative, any order).
     spectrum : bool, default False
     check_finite : bool, default True
 
@@ -225,9 +220,8 @@ def effective_rank(A, *, spectrum=False, check_finite=True):
 def stable_rank(A, *, spectrum=False, check_finite=True):
     """Stable rank ``||A||_F^2 / ||A||_2^2 = sum sigma_i^2 / sigma_max^2``.
 
-    Between 1 and the rank; insensitive to tiny singular values.  0 for an
-    all-zero matrix.  Scale-invariant and finite for any finite input (the
-    singular values are rescaled exactly before they are squared).
+    Between 1 and the rank, insensitive to tiny singular values; 0 for an all-zero matrix.
+    Scale-invariant and finite for any finite input.
 
     Parameters
     ----------
@@ -256,13 +250,9 @@ def stable_rank(A, *, spectrum=False, check_finite=True):
 def cumulative_spectrum(A, *, squared=False, spectrum=False, check_finite=True):
     """Normalised cumulative singular values (Linformer, Wang et al. 2020, Fig. 1).
 
-    ``c_k = (sigma_1 + ... + sigma_k) / sum_i sigma_i`` with the singular
-    values in descending order; ``c`` rises to 1, and the faster it does the
-    closer the matrix is to low rank.  With ``squared=True`` the energies
-    ``sigma_i^2`` are accumulated instead (the fraction of ``||A||_F^2``
-    captured by the best rank-k approximation, Eckart-Young).  Scale-invariant
-    and finite for any finite input (the singular values are rescaled
-    exactly before they are summed or squared).
+    ``c_k = (sigma_1 + ... + sigma_k) / sum_i sigma_i`` (descending values): the faster it rises to 1,
+    the closer to low rank.  ``squared=True`` accumulates ``sigma_i^2`` (the fraction of ``||A||_F^2``
+    the best rank-k approximation keeps).  Scale-invariant and finite for any finite input.
 
     Parameters
     ----------

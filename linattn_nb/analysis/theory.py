@@ -75,10 +75,8 @@ def _check_m(num_features):
 def kernel_estimate_mse(feature_map, x, y, draws, *, target=None):
     r"""Monte-Carlo MSE of the kernel estimate ``phi(x) . phi(y)``.
 
-    The map is copied (the caller's map is left as it is) and, for random
-    maps, its projection is redrawn before every draw from the copy's
-    generator: the result is reproducible for a seeded map.  Deterministic
-    maps (no ``redraw``) give their squared bias with a zero standard error.
+    A copy of the map is redrawn before every draw (reproducible for a seeded map); deterministic
+    maps give their squared bias with a zero standard error.
 
     Parameters
     ----------
@@ -95,14 +93,12 @@ def kernel_estimate_mse(feature_map, x, y, draws, *, target=None):
     Returns
     -------
     KernelEstimate
-        ``mse``, ``stderr``, ``mean`` and ``target`` of the broadcast pair
-        shape.
+        ``mse``, ``stderr``, ``mean`` and ``target`` of the broadcast pair shape.
 
     Raises
     ------
     ValueError
-        Mismatched shapes, non-finite pairs, ``draws < 2``, a map whose
-        features do not have shape (P, output_dim(d)).
+        Mismatched shapes, non-finite pairs, ``draws < 2``.
 
     Examples
     --------
@@ -191,9 +187,8 @@ def favor_mse(x, y, num_features, kind="positive"):
 def orthogonal_mse_bound(x, y, num_features):
     r"""Performer's Theorem 2: MSE bound of the positive estimator with orthogonal projections.
 
-    For ``m <= d`` orthogonal projections whose rows are marginally
-    ``N(0, I_d)`` (``feature_maps.get("favor+", orthogonal=True,
-    row_norm="chi")``), Choromanski et al. (ICLR 2021, Theorem 2):
+    For ``m <= d`` orthogonal projections with rows marginally ``N(0, I_d)`` (``favor+`` with
+    ``orthogonal=True, row_norm="chi"``), Choromanski et al. (ICLR 2021, Theorem 2):
 
     .. math:: \mathrm{MSE}_{ort} \le \mathrm{MSE}_{pos} - \frac{2(m-1)}{m(d+2)}
        \left(SM(x, y) - e^{-(\|x\|^2 + \|y\|^2)/2}\right)^2
