@@ -1,12 +1,8 @@
-"""PyTorch autograd adapter: linear attention as a differentiable torch operation.
+"""PyTorch autograd adapter (the only module that imports torch; extra ``torch``).
 
-:func:`linear_attention` and :func:`dplr_attention` are :class:`torch.autograd.Function` forms of
-:func:`linattn_nb.linear_attention` and :func:`linattn_nb.dplr_attention` whose forward and backward run
-the package's kernels (the forward is not recomputed in the backward); :class:`LinearAttention` is an
-:class:`torch.nn.Module` with head projections, every update rule it can parameterise and optionally a
-learnable feature map.  CPU tensors reach the kernels zero-copy, CUDA tensors through
-``__cuda_array_interface__``.  Threads and torch's OpenMP pool: docs/threads.md.  This is the only module
-that imports torch (extra ``torch``).
+:func:`linear_attention` and :func:`dplr_attention` are differentiable forms of
+:func:`linattn_nb.linear_attention` and :func:`linattn_nb.dplr_attention` on the package's kernels;
+:class:`LinearAttention` is a multi-head layer.  Guide: docs/guide/gradients.md; threads: docs/threads.md.
 """
 from __future__ import annotations
 
@@ -69,17 +65,10 @@ def _initial_environment():
 
 
 def _torch_threads_spin(modules=None, environment="read", backend=None) -> bool:
-    """Whether torch's OpenMP threads were started to spin between ops (see docs/threads.md).
-
-    True when torch was imported before :mod:`linattn_nb.config` set
-    ``OMP_WAIT_POLICY=PASSIVE`` (``modules``: the names of ``sys.modules``
-    in import order), the process was started without ``OMP_WAIT_POLICY``
-    or ``GOMP_SPINCOUNT`` (``environment``: the names of the initial
-    environment, ``"read"`` to read them; None, unknown, gives False) and torch's
-    parallel backend is OpenMP (``backend``: ``torch.__config__.parallel_info()``).
-    GNU OpenMP reads the wait policy once, when it is loaded, so nothing can
-    change it afterwards.
-    """
+    """Whether torch's OpenMP threads were started to spin between ops (docs/threads.md): torch imported
+    before :mod:`linattn_nb.config` (``modules``, in import order), the process started without
+    ``OMP_WAIT_POLICY``/``GOMP_SPINCOUNT`` (``environment``: names, ``"read"`` to read them, None
+    unknown: False) and an OpenMP backend (``backend``: ``torch.__config__.parallel_info()``)."""
     names = list(sys.modules) if modules is None else list(modules)
     if "torch" not in names or "linattn_nb.config" not in names:
         return False
@@ -127,13 +116,11 @@ def _check_tensor(name: str, x, *, floating: bool = True) -> torch.Tensor:
 
 
 def _host(x):
-    """What the front end gets for tensor ``x``: a NumPy view (CPU) or the detached CUDA tensor."""
+    """What the front end gets for tensor ``x``: a NumPy view (CPU) or the detached CUDA tensor (read in place
+    through ``__cuda_array_interface__``)."""
     if not isinstance(x, torch.Tensor):
         return x
-    x = x.detach()
-    if x.device.type == "cuda":
-        return x  # __cuda_array_interface__: the front end reads it in place
-    return x.resolve_conj().resolve_neg().numpy()
+    return x.detach() if x.device.type == "cuda" else _host_array(x)
 
 
 def _to_tensor(a, like: torch.Tensor, shape=None) -> torch.Tensor:
@@ -143,6 +130,26 @@ def _to_tensor(a, like: torch.Tensor, shape=None) -> torch.Tensor:
     if shape is not None:
         t = t.reshape(shape)
     return t.to(device=like.device, dtype=like.dtype)
+
+
+def _check_one_device(named) -> None:
+    """ValueError unless the tensors of ``named`` [(name, tensor or None)] are on one device."""
+    devices = {}
+    for nm, t in named:
+        if t is not None:
+            devices.setdefault(str(t.device), []).append(nm)
+    if len(devices) > 1:
+        where = "; ".join(f"{', '.join(ns)} on {dev}" for dev, ns in devices.items())
+        raise ValueError(f"all tensors must be on one device, got {where}")
+
+
+def _write_map_params(fmap, names, params, host) -> None:
+    """Write the parameter tensors into the map's own arrays (``host``: a tensor's NumPy array)."""
+    stored = _map_parameters(fmap)
+    for name, t in zip(names, params):
+        dst, src = stored[name], host(t)
+        if not np.shares_memory(dst, src):
+            dst[...] = src  # the map computes with the tensor's current values
 
 
 def _map_parameters(fmap) -> dict:
@@ -198,13 +205,7 @@ class _LinearAttentionFunction(torch.autograd.Function):
     def forward(ctx, spec: _Spec, q, k, v, decay, log_decay, beta, S0, z0, *params):
         fmap = spec.fmap
         if params:
-            stored = _map_parameters(fmap)
-            for name, t in zip(spec.param_names, params):
-                dst, src = stored[name], _host(t)
-                if not isinstance(src, np.ndarray):
-                    src = t.detach().cpu().numpy()
-                if not np.shares_memory(dst, src):
-                    dst[...] = src  # the map computes with the tensor's current values
+            _write_map_params(fmap, spec.param_names, params, _host_array)
         initial_state = None
         if S0 is not None:
             if spec.state_rule is None:
@@ -277,62 +278,39 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto",
                      beta=None, normalize=None, feature_map_params=None):
     r"""Differentiable linear attention on torch tensors (the Numba kernels of :func:`linattn_nb.linear_attention`).
 
-    Same computation, arguments and errors as
-    :func:`linattn_nb.linear_attention`; gradients flow to ``q``, ``k``,
-    ``v``, to ``decay`` / ``log_decay`` / ``beta`` and the initial state when
-    they are tensors that require grad, and to the feature map's parameters
-    passed in ``feature_map_params``.  The backward runs the method's backward
-    launcher (:mod:`linattn_nb.ops.grad`) on what the forward kept (features,
-    outputs), so the forward is not recomputed; memory stays
-    ``O(N (D_phi + M))`` per sequence for the fast methods.  The built-in
-    elementwise maps ("elu", "relu", "squared_relu", "identity"/None) are
-    applied with torch ops on float32 and float64 tensors (the same
-    functions; torch differentiates them), every other map through its
-    :meth:`~linattn_nb.feature_maps.FeatureMap.vjp`.
+    Same computation, arguments and errors as :func:`linattn_nb.linear_attention`; gradients flow
+    to ``q``, ``k``, ``v``, to ``decay`` / ``log_decay`` / ``beta`` and the initial state when they
+    are tensors that require grad, and to the feature map's parameters in ``feature_map_params``.
+    The backward runs the method's backward launcher on what the forward kept, so the forward is
+    not recomputed.  The built-in elementwise maps are applied with torch ops on float32 and
+    float64 tensors, every other map through its :meth:`~linattn_nb.feature_maps.FeatureMap.vjp`.
 
     Parameters
     ----------
     q, k : torch.Tensor, shape (..., N, D)
     v : torch.Tensor, shape (..., N, M)
-        float16, float32 or float64 (mixed dtypes are promoted as by
-        :func:`linattn_nb.linear_attention`; each gradient has its input's
-        dtype), all on the CPU or all on one CUDA device.  CPU tensors are
-        read in place (zero-copy NumPy views).  CUDA tensors go to the CUDA
-        launchers through ``__cuda_array_interface__`` (the gradient front
-        end copies them to the host and runs the kernels with
-        ``device="cuda"``; untested on a GPU so far).
-    feature_map : str, FeatureMap or None, default "elu"
-        As for :func:`linattn_nb.linear_attention`.  The map needs a
-        :meth:`~linattn_nb.feature_maps.FeatureMap.vjp` for the backward.
-    causal : bool, default False
-    method : {"auto", "quadratic", "scan", "chunked", "aggregate"}
-        ``"quadratic"`` runs the float64 references (forward and backward);
-        the others the fast kernels.
-    eps : float or None
-        Floor of the normaliser; the gradient where the floor is active is
-        that of the floored expression (zero through the normaliser).
+        float16, float32 or float64 (promoted as by :func:`linattn_nb.linear_attention`; each
+        gradient has its input's dtype), all on the CPU (read in place) or all on one CUDA device
+        (through ``__cuda_array_interface__``; untested on a GPU so far).
+    feature_map, causal, method, eps, normalize
+        As for :func:`linattn_nb.linear_attention` (the map needs a
+        :meth:`~linattn_nb.feature_maps.FeatureMap.vjp`; ``"quadratic"`` runs the float64
+        references, forward and backward).
     check_finite : bool, default True
         Refuse NaN/inf in the inputs (and in ``grad_out`` in the backward).
     initial_state : LinearState or tuple (S, z[, position]), optional
-        ``S`` (..., D_phi, M) and ``z`` (..., D_phi) tensors; both get
-        gradients when they require grad (segment-wise training).
+        ``S`` (..., D_phi, M) and ``z`` (..., D_phi) tensors; both get gradients when they require
+        grad (segment-wise training).
     return_state : bool, default False
-        Also return the final state as a :class:`LinearState` of float64
-        tensors ``S``, ``z``; gradients with respect to it flow into the
-        backward (the ``grad_state`` of :func:`linattn_nb.linear_attention_vjp`).
+        Also return the final state as a :class:`LinearState` of float64 tensors ``S``, ``z``,
+        whose gradients flow into the backward.
     decay, log_decay, beta : torch.Tensor, float or array_like, optional
-        The update-rule inputs (decay per sequence, per token or per feature;
-        the delta rule's write strength), as for
-        :func:`linattn_nb.linear_attention`.  Tensors that require grad get
-        gradients summed back to their shape.
-    normalize : bool, optional
-        As for :func:`linattn_nb.linear_attention`.
+        As for :func:`linattn_nb.linear_attention`; tensors that require grad get gradients summed
+        back to their shape.
     feature_map_params : dict of str to torch.Tensor, optional
-        Values for the map's trainable parameters, by the names of
-        ``feature_map.parameters()`` (e.g. Hedgehog's ``"W"`` and ``"b"``).
-        They are written into the map's own arrays before the forward (so
-        the map instance computes with these values) and receive the
-        gradients ``d_params`` of the backward.
+        Values for the map's trainable parameters, by the names of ``feature_map.parameters()``
+        (e.g. Hedgehog's ``"W"`` and ``"b"``), written into the map's own arrays before the forward;
+        they receive the gradients ``d_params``.
 
     Returns
     -------
@@ -354,16 +332,8 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto",
     Warns
     -----
     RuntimeWarning
-        Once per process, when torch runs more than one thread and was
-        imported before :mod:`linattn_nb`, so that torch's OpenMP threads
-        spin between ops (see Notes).
-
-    Notes
-    -----
-    The kernels run on Numba's threads, the torch ops around them on torch's; the two counts are not tied
-    together.  ``linattn_nb`` asks for passive OpenMP waiting when it is imported, which reaches torch only
-    if torch is imported after it (docs/threads.md has the measurements and the remedies).  Several Python
-    threads may call the adapter at once.
+        Once per process, when torch runs more than one thread and was imported before
+        :mod:`linattn_nb`, so that torch's OpenMP threads spin between ops (docs/threads.md).
 
     Examples
     --------
@@ -396,13 +366,7 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto",
     named = [("q", q), ("k", k), ("v", v), ("decay", decay_t), ("log_decay", log_decay_t), ("beta", beta_t),
              ("initial_state.S", S0), ("initial_state.z", z0)]
     named += [(f"feature_map_params[{n!r}]", t) for n, t in zip(names, params)]
-    devices = {}
-    for nm, t in named:
-        if t is not None:
-            devices.setdefault(str(t.device), []).append(nm)
-    if len(devices) > 1:
-        where = "; ".join(f"{', '.join(ns)} on {dev}" for dev, ns in devices.items())
-        raise ValueError(f"all tensors must be on one device, got {where}")
+    _check_one_device(named)
     device = "cuda" if q.device.type == "cuda" else "cpu"
     if device == "cuda" and params:
         raise ValueError("feature_map_params: maps with parameters are applied on the host; they are not "
@@ -454,11 +418,7 @@ def _dplr_arguments(spec: _DPLRSpec, q, k, v, S0, z0, rest):
     n = len(spec.names)
     tensors, params = rest[:n], rest[n:]
     if params:
-        stored = _map_parameters(spec.fmap)
-        for name, t in zip(spec.param_names, params):
-            dst, src = stored[name], _host_array(t)
-            if not np.shares_memory(dst, src):
-                dst[...] = src  # the map computes with the tensor's current values
+        _write_map_params(spec.fmap, spec.param_names, params, _host_array)
     kw = dict(spec.values)
     kw.update({name: _host_array(t) for name, t in zip(spec.names, tensors)})
     if spec.state is not None:
@@ -528,34 +488,23 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
                    return_state=False, feature_map_params=None, **rule_arguments):
     r"""Differentiable diagonal-plus-low-rank attention on torch tensors (:func:`linattn_nb.dplr_attention`).
 
-    Per token, on the state ``S`` (D_phi x M) and its normaliser ``z``,
-    ``S_t = (D_t + b_t a_t^T) S_{t-1} + beta_t phi(k_t) v_t^T`` and
-    ``o_t = phi(q_t)^T S_t``: the general form (``a``, ``b``, ``log_diag``,
-    ``beta``) or a named rule of the family (``rule="kda"``, ``"rwkv7"``,
-    ``"delta_product"``, ``"gated_delta_product"``, with its own arguments as
-    keywords; :func:`linattn_nb.rules.dplr_rule_names`).  Same computation,
-    arguments and errors as :func:`linattn_nb.dplr_attention`: the forward
-    calls it, the backward calls :func:`linattn_nb.dplr.dplr_attention_vjp`
-    (which runs the forward scan again, keeping a checkpoint every few
-    tokens).  Gradients flow to ``q``, ``k``, ``v``, to every array argument
-    given as a tensor (``a``, ``b``, ``log_diag``, ``beta`` and a named
-    rule's ``decay`` / ``log_decay``, ``kappa``, ``iclr``), to a tensor
-    initial state, and to the feature map's parameters passed in
-    ``feature_map_params``; arguments that are not tensors (floats, NumPy
-    arrays) are constants.  The feature map is the NumPy map (applied in
-    float64 by :func:`linattn_nb.dplr_attention`, differentiated by its
-    :meth:`~linattn_nb.feature_maps.FeatureMap.vjp`).
+    The general form (``a``, ``b``, ``log_diag``, ``beta``) or a named rule of the family
+    (:func:`linattn_nb.rules.dplr_rule_names`, its own arguments as keywords), with the
+    computation, arguments and errors of :func:`linattn_nb.dplr_attention`, which the forward
+    calls; the backward calls :func:`linattn_nb.dplr.dplr_attention_vjp`.  Gradients flow to
+    ``q``, ``k``, ``v``, to every array argument given as a tensor, to a tensor initial state and
+    to the map's parameters in ``feature_map_params``; arguments that are not tensors are
+    constants.  The feature map is the NumPy map, differentiated by its
+    :meth:`~linattn_nb.feature_maps.FeatureMap.vjp`.
 
     Parameters
     ----------
     q : torch.Tensor, shape (..., N, D)
     k : torch.Tensor, shape (..., N, D), or (..., N, r, D) with ``r`` writes per token
     v : torch.Tensor, shape (..., N, M), or (..., N, r, M) with k
-        float16, float32 or float64 (the outputs in the widest; each
-        gradient in its input's dtype).  CPU tensors are read in place
-        (NumPy views of their memory).  CUDA tensors are copied to the host,
-        computed there by the CPU code and the results copied back (there is
-        no GPU kernel of this recurrence).
+        float16, float32 or float64 (the outputs in the widest; each gradient in its input's
+        dtype).  CPU tensors are read in place; CUDA tensors are computed on the host (there is no
+        GPU kernel of this recurrence).
     rule : str, optional
         A named rule; its arguments are passed as keywords (``**rule_arguments``).
     a, b : torch.Tensor or array_like, shape (..., N, D_phi) or (..., N, r, D_phi), optional
@@ -564,26 +513,15 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
         As for :func:`linattn_nb.dplr_attention`; tensors receive gradients
         in their own shape.  The gradient with respect to ``log_diag`` is 0
         where it is ``-inf`` (a reset).
-    feature_map : str, FeatureMap or None, default "elu"
-        The map needs a :meth:`~linattn_nb.feature_maps.FeatureMap.vjp`.
-    method : {"auto", "quadratic", "scan"}
-    normalize : bool, default False
-    eps : float or None
+    feature_map, method, normalize, eps
+        As for :func:`linattn_nb.dplr_attention`.
     check_finite : bool, default True
         Refuse NaN/inf in the inputs and in the backward's ``grad_out``.
     initial_state : LinearState, optional
-        A state from an earlier call of the same rule; when its ``S`` and
-        ``z`` are tensors they receive gradients.
-    return_state : bool, default False
-        Also return the final state as a :class:`LinearState` of float64
-        tensors ``S``, ``z``; gradients with respect to it flow into the
-        backward.
-    feature_map_params : dict of str to torch.Tensor, optional
-        Values for the map's trainable parameters (by the names of
-        ``feature_map.parameters()``, e.g. Hedgehog's ``"W"``, ``"b"``),
-        written into the map's own arrays before the forward and the
-        backward, receiving the gradients ``d_params``; as for
-        :func:`linear_attention`.
+        A state from an earlier call of the same rule; when its ``S`` and ``z`` are tensors they
+        receive gradients.
+    return_state, feature_map_params
+        As for :func:`linear_attention`.
     **rule_arguments : torch.Tensor or array_like
         The named rule's arguments (``decay`` or ``log_decay``, ``kappa``,
         ``iclr``; see :func:`linattn_nb.dplr_attention`).
@@ -654,13 +592,7 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
     param_names, params = _map_param_tensors(fmap, feature_map_params)
     named = [("q", q), ("k", k), ("v", v), ("initial_state.S", S0), ("initial_state.z", z0), *zip(names, tensors)]
     named += [(f"feature_map_params[{n!r}]", t) for n, t in zip(param_names, params)]
-    devices = {}
-    for nm, t in named:
-        if t is not None:
-            devices.setdefault(str(t.device), []).append(nm)
-    if len(devices) > 1:
-        where = "; ".join(f"{', '.join(ns)} on {dev}" for dev, ns in devices.items())
-        raise ValueError(f"all tensors must be on one device, got {where}")
+    _check_one_device(named)
     spec = _DPLRSpec(values, tuple(names), param_names, fmap, state, bool(return_state))
     res = _DPLRFunction.apply(spec, q, k, v, S0, z0, *tensors, *params)
     if not return_state:
@@ -698,14 +630,15 @@ def _dplr_layer_rule(rule, decay, causal):
     return spec
 
 
-def _layer_rule(rule: str, decay):
-    """The registered update rule that the layer's ``rule`` and ``decay`` options select.
+def _check_positive_ints(**values) -> None:
+    for name, val in values.items():
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
 
-    ``rule`` says whether the layer writes with ``beta``; ``decay`` gives the
-    factor (:func:`linattn_nb.rules.rule_for`).  A rule that forgets takes
-    only a ``decay`` option of its own form.  ValueError ("cannot be
-    combined", naming the options that fit) when no rule takes the pair.
-    """
+
+def _layer_rule(rule: str, decay):
+    """The registered update rule that the layer's ``rule`` and ``decay`` options select
+    (:func:`linattn_nb.rules.rule_for`); ValueError naming the options that fit when none does."""
     r = rules.get_rule(rule)
 
     def select(option):
@@ -731,32 +664,16 @@ def _layer_rule(rule: str, decay):
 class LinearAttention(nn.Module):
     r"""Multi-head linear attention layer on the Numba kernels (``(B, N, d_model) -> (B, N, d_model)``).
 
-    ``x`` is projected to ``H`` heads of queries, keys (``head_dim``) and
-    values (``value_dim``), laid out ``(B, H, N, D)``, passed through
-    :func:`linear_attention` and projected back.  The update rule
-    (:mod:`linattn_nb.rules`) is the one that ``rule`` and ``decay`` select
-    together (:func:`linattn_nb.rules.rule_for`):
-
-    * ``rule="additive"``: ``S_t = a_t S_{t-1} + phi(k_t) v_t^T`` (``a_t = 1``
-      without decay), normalised by default (Katharopoulos et al. 2020);
-      with ``decay`` the ``"decay"`` or ``"gate"`` rule;
-    * ``rule="delta"``: the delta rule with write strengths
-      ``beta = sigmoid(W_beta x)`` per head and token (DeltaNet, Yang et al.
-      2024), unnormalised by default; with a decay, the gated delta rule;
-    * a rule that forgets (``"decay"``, ``"gate"``, ``"gated_delta"``) names
-      the result directly and needs a ``decay`` of its form (``"head"`` or
-      ``"token"``; ``"gate"`` for the gate rule).
-
-    and the forgetting factors ``decay``:
-
-    * ``None``: none;
-    * ``"head"``: one learnable constant per head, ``a_h = sigmoid(theta_h)``
-      initialised to RetNet's ``1 - 2^(-5-h)``;
-    * ``"token"``: one per head and token from the input,
-      ``log a_t = -softplus(W_a x + b_a)`` (Mamba-2's data-dependent decay);
-    * ``"gate"``: one per head, token and feature,
-      ``log alpha_t = logsigmoid(W_g x + b_g) / 16`` (GLA, Yang et al. 2024,
-      §4.4), not with a rule that takes ``beta``.
+    ``x`` is projected to ``H`` heads of queries, keys (``head_dim``) and values (``value_dim``),
+    laid out ``(B, H, N, D)``, passed through :func:`linear_attention` and projected back.  The
+    update rule is the one that ``rule`` and ``decay`` select together
+    (:func:`linattn_nb.rules.rule_for`): ``"additive"`` (with a decay, the decay or gate rule) or
+    ``"delta"`` (``beta = sigmoid(W_beta x)`` per head and token; with a decay, the gated delta
+    rule), or a rule that forgets named directly with a ``decay`` of its form.  The forgetting
+    factors ``decay``: ``None``; ``"head"``, a learnable constant per head ``sigmoid(theta_h)``
+    initialised to RetNet's ``1 - 2^(-5-h)``; ``"token"``, ``log a_t = -softplus(W_a x + b_a)``
+    per head and token (Mamba-2); ``"gate"``, ``log alpha_t = logsigmoid(W_g x + b_g) / 16`` per
+    head, token and feature (GLA, Yang et al. 2024, §4.4), not with a rule that takes ``beta``.
 
     Parameters
     ----------
@@ -768,19 +685,15 @@ class LinearAttention(nn.Module):
     value_dim : int, optional
         Value width per head; default ``head_dim``.
     feature_map : str or FeatureMap, default "elu"
-        Applied to queries and keys (one map shared by the heads).  For the
-        delta rule use a map with unit-norm keys ("silu_l2", "l2") so the
-        state stays bounded.
+        Applied to queries and keys (one map shared by the heads); the delta rule wants unit-norm
+        keys ("silu_l2", "l2").
     causal : bool, default True
         Decay and the delta rule need True.
     rule : str, default "additive"
-        A registered update rule (:func:`linattn_nb.rules.rule_names`); the
-        rules that take ``beta`` get a projection ``W_beta``.  Or a
-        diagonal-plus-low-rank rule whose module gives a layer form
-        (:attr:`linattn_nb.rules.DPLRRule.layer`; ``"kda"``): one projection
-        per argument (KDA: a per-feature gate ``logsigmoid(W x) / 16`` and
-        ``beta = sigmoid(w^T x)``), through :func:`dplr_attention`, with
-        ``decay=None`` and ``normalize`` False unless given.
+        A registered update rule (:func:`linattn_nb.rules.rule_names`), or a diagonal-plus-low-rank
+        rule whose module gives a layer form (:attr:`linattn_nb.rules.DPLRRule.layer`; ``"kda"``:
+        a per-feature gate ``logsigmoid(W x) / 16`` and ``beta = sigmoid(w^T x)``), run through
+        :func:`dplr_attention` with ``decay=None`` and ``normalize`` False unless given.
     decay : {None, "head", "token", "gate"}, default None
     method : str, default "auto"
         Passed to :func:`linear_attention` (``"quadratic"`` for the float64
@@ -793,11 +706,8 @@ class LinearAttention(nn.Module):
         A causal depthwise convolution of this width on the projected
         queries, keys and values (as in Zoology's and fla's recall models).
     learn_feature_map : bool, default False
-        Make the map's parameters (``feature_map.parameters()``, e.g.
-        Hedgehog's ``W`` and ``b``, materialised to their defaults first)
-        :class:`torch.nn.Parameter` s of the module.  The module then owns
-        the map: its arrays are overwritten with the parameters' values on
-        each forward.
+        Make the map's parameters (``feature_map.parameters()``, materialised to their defaults
+        first) :class:`torch.nn.Parameter` s of the module, which then owns the map.
     bias : bool, default False
         Biases in the q, k, v and output projections.
     check_finite : bool, default True
@@ -835,17 +745,13 @@ class LinearAttention(nn.Module):
                  learn_feature_map: bool = False, bias: bool = False, check_finite: bool = True,
                  device=None, dtype=None):
         super().__init__()
-        for name, val in (("d_model", d_model), ("num_heads", num_heads)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        _check_positive_ints(d_model=d_model, num_heads=num_heads)
         if head_dim is None:
             if d_model % num_heads:
                 raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}; pass head_dim")
             head_dim = d_model // num_heads
         value_dim = head_dim if value_dim is None else value_dim
-        for name, val in (("head_dim", head_dim), ("value_dim", value_dim)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        _check_positive_ints(head_dim=head_dim, value_dim=value_dim)
         self.dplr = _dplr_layer_rule(rule, decay, causal)
         if self.dplr is None:
             if not isinstance(rule, str) or rule not in rules.rule_names():
