@@ -50,9 +50,7 @@ class Context:
     out : Path
         The report folder (plots go here).
     profile : {"tiny", "quick", "full"}
-        ``"tiny"`` is a smoke test (seconds; the test suite), ``"quick"`` a
-        first look (``linattn report --quick``), ``"full"`` the default; the
-        studies' :attr:`Study.budget_s` say what each takes.
+        A smoke test (the test suite), a first look (``linattn report --quick``), or the default.
     devices : tuple of str
         ``("cpu",)`` or ``("cpu", "cuda")`` (a real GPU is present).
     plots : bool
@@ -85,10 +83,7 @@ class Context:
 
     @staticmethod
     def legend_outside(fig, axes=None, *, title=None, fontsize="x-small", where="right"):
-        """One legend for the figure, outside every axes (``where``: "right" or "bottom").
-
-        Series of the same label on several axes appear once.
-        """
+        """One legend for the figure outside every axes (``where``: "right" or "bottom"), each label once."""
         handles, labels = [], []
         for ax in (axes if axes is not None else fig.axes):
             for h, lab in zip(*ax.get_legend_handles_labels()):
@@ -106,8 +101,7 @@ class Context:
     def savefig(self, fig, name: str, alt: str) -> str:
         """Save ``fig`` as ``<out>/<name>.png``; return the markdown that shows it.
 
-        Log axes get plain labels at 1, 2, 5 x 10^k up to two decades, at 10^k beyond (ticks set by the
-        study are kept, with plain labels).
+        Log axes get plain labels at 1, 2, 5 x 10^k up to two decades, at 10^k beyond.
         """
         from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
 
@@ -141,8 +135,7 @@ class Rendered:
     summary : str
         One line for the report's table of contents.
     problems : list of str
-        What the results show to be wrong (a failed self-check); the command
-        exits non-zero when any study reports one.
+        What the results show to be wrong; the command exits non-zero when any study reports one.
     """
 
     markdown: str
@@ -162,15 +155,13 @@ def requires_modules(*modules: str, install: str | None = None) -> Callable[[], 
     *modules : str
         Importable names, e.g. ``"matplotlib"``.
     install : str, optional
-        How to install them, appended to the reason (e.g.
-        ``"pip install 'linattn_nb[plot]'"``).
+        How to install them, appended to the reason.
 
     Returns
     -------
     callable
-        ``requires()``: None when every module imports, else one line naming
-        the first that does not.  The report lists the study under "Not run"
-        with that line, and its ``linattn`` command exits 3.
+        ``requires()``: None when every module imports, else one line naming the first that does
+        not (the report lists the study under "Not run", its command exits 3).
     """
     names = tuple(modules)
     for name in names:
@@ -212,20 +203,19 @@ class Study:
         from the sweep's records, plus the problems the results show.
     requires : callable, optional
         ``requires() -> str | None``: None when the study can run here, else why not
-        (:func:`requires_modules`).  None (the default) means the study can always run.
+        (:func:`requires_modules`); None: it always can.
     timing : bool
         The study measures time: its points run one at a time in the reporting process.
     budget_s : dict, optional
-        The time the study is sized to take per profile (``{"quick": 20, "full": 120}``) on 2
-        shared cores: a check for maintainers (:attr:`ReportResult.over_budget`).
+        Seconds the study is sized to take per profile on 2 shared cores (:attr:`ReportResult.over_budget`).
     background : bool
-        An untimed study that is mostly compiling: without a scheduler or worker pool it runs in a
-        spawned process beside the other untimed studies (:data:`linattn_nb.config.REPORT_BACKGROUND`).
+        An untimed, mostly compiling study: runs in a spawned process beside the other untimed
+        studies (:data:`linattn_nb.config.REPORT_BACKGROUND`).
     prepare : callable, optional
-        For a timed study: ``prepare(points)`` compiles the kernels its points will time, called by
-        the background process after its own studies (errors ignored).
+        For a timed study: ``prepare(points)`` compiles the kernels its points will time, in the
+        background process (errors ignored).
     in_report : bool
-        Whether ``linattn report`` runs it by default (True); otherwise it runs only by name.
+        Whether ``linattn report`` runs it by default; otherwise it runs only by name.
     """
 
     name: str

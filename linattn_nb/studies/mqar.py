@@ -62,12 +62,8 @@ def _torch():
 def mqar(n, *, vocab, kv, length, power_a=0.01, seed=0):
     """Multi-query associative recall examples (Zoology, Arora et al. 2023).
 
-    Keys from ``[1, vocab/2)``, values from ``[vocab/2, vocab)``, distinct
-    within an example.  The first ``2 kv`` tokens are the pairs; each key is
-    queried once in the rest of the sequence, at a gap drawn from Zoology's
-    power law ``p ∝ a i^(a-1)`` (drawn without replacement by Gumbel top-k),
-    followed by its value.  The other tokens are filler drawn from the
-    tokens that are no key or value of the example.
+    The first ``2 kv`` tokens are the key-value pairs; each key is queried once later, at a gap
+    drawn from Zoology's power law ``p ∝ a i^(a-1)``, followed by its value (docs/mqar.md).
 
     Parameters
     ----------
@@ -192,13 +188,9 @@ def _modules():
 def Model(vocab, d=64, heads=2, layers=2, **attn):
     """The MQAR model: embedding, ``layers`` pre-LN blocks, LayerNorm, linear head (a ``torch.nn.Module``).
 
-    Each block is ``x + attn(LN(x))`` then ``x + MLP(LN(x))`` (GELU, width
-    ``2 d``); ``attn`` is :class:`linattn_nb.torch.LinearAttention` with a
-    causal depthwise convolution of width 4 on q, k, v (``conv_size``) and
-    the keywords ``attn`` (``rule``, ``feature_map``, ``decay``,
-    ``head_dim`` ...), or, with ``attention="softmax"``, causal softmax
-    attention (``torch.nn.functional.scaled_dot_product_attention``) with
-    the same projections and convolution.
+    Each block is ``x + attn(LN(x))`` then ``x + MLP(LN(x))``; ``attn`` is
+    :class:`linattn_nb.torch.LinearAttention` with the keywords ``attn``, or, with
+    ``attention="softmax"``, causal softmax attention with the same projections (docs/mqar.md).
 
     Parameters
     ----------
@@ -243,9 +235,8 @@ def train(attn, *, steps, vocab, data, d=64, heads=2, layers=2, batch=64, seed=0
           warmup=100, weight_decay=0.1, threads=1):
     """Train :func:`Model` on MQAR data; evaluate every ``eval_every`` steps and after the last.
 
-    AdamW (``lr``, betas (0.9, 0.98), ``weight_decay``), linear warm-up over
-    ``min(warmup, max(steps // 10, 1))`` steps then cosine decay to 0; batches
-    of ``batch`` examples drawn with replacement from the training set.
+    AdamW, linear warm-up over ``min(warmup, max(steps // 10, 1))`` steps then cosine decay to 0;
+    batches drawn with replacement from the training set (docs/mqar.md).
 
     Parameters
     ----------
@@ -263,17 +254,14 @@ def train(attn, *, steps, vocab, data, d=64, heads=2, layers=2, batch=64, seed=0
     eval_every : int, default 50
     lr, warmup, weight_decay : float, int, float
     threads : int or None, default 1
-        ``torch.set_num_threads`` for the run (None leaves it): torch's
-        OpenMP threads spin between ops and take the cores from the Numba
-        kernels, so on a small machine torch gets one.
+        ``torch.set_num_threads`` for the run (None leaves it): torch's spinning OpenMP threads
+        would take the cores from the Numba kernels.
 
     Returns
     -------
     dict
-        ``final_accuracy`` (after the last step), ``best_accuracy`` (the
-        highest of the evaluations), ``steps``, ``seconds`` (wall time of
-        the loop, evaluations included), ``curve`` (per evaluation: ``step``,
-        ``loss``, ``acc``, ``seconds``), ``parameters``.
+        ``final_accuracy``, ``best_accuracy`` (of the evaluations), ``steps``, ``seconds``,
+        ``curve`` (per evaluation: ``step``, ``loss``, ``acc``, ``seconds``), ``parameters``.
     """
     torch = _torch()
     F = torch.nn.functional

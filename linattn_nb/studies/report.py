@@ -38,14 +38,12 @@ class ReportResult:
         Study name -> :class:`~linattn_nb.studies.Rendered`.
     elapsed_s : float
     cached_kernels : int or None
-        Compiled kernels in linattn_nb's on-disk cache when the report started
-        (0: a cold cache, every kernel compiled first; None: caching is off).
+        Compiled kernels in the on-disk cache when the report started (0: cold; None: caching off).
     timings : dict
         Study name -> seconds it took (what ``report.md`` shows).
     over_budget : list of (str, float, float)
-        ``(study name, seconds taken, budget)`` for the studies that took
-        longer than their :attr:`Study.budget_s` for the profile: a check for
-        the maintainers who size the studies, not shown in ``report.md``.
+        ``(study name, seconds taken, budget)`` of the studies over their :attr:`Study.budget_s`
+        (a check for maintainers, not shown in ``report.md``).
     """
 
     path: Path
@@ -192,29 +190,21 @@ def run_report(
     Parameters
     ----------
     out : str or Path, default "report"
-        The report folder: ``report.md``, one ``<study>.jsonl`` of raw results
-        and the PNG plots per study.  Created if missing.
+        The report folder (``report.md``, a ``<study>.jsonl`` of raw results and plots per study).
     profile : {"full", "quick", "tiny"}
-        Problem sizes: ``"full"``, ``"quick"`` (a first look) or ``"tiny"`` (a
-        smoke test in seconds).  ``report.md`` prints the time each study
-        took; :attr:`ReportResult.over_budget` lists the studies that took
-        longer than their :attr:`Study.budget_s` (a check for maintainers).
+        Problem sizes: the default, a first look, or a smoke test in seconds.
     device : {"auto", "cpu", "cuda"}
         ``"auto"``: the CPU, and the GPU when a real one is present.
     scheduler : str or distributed.Client, optional
-        Run the points of studies that do not measure time on this Dask
-        cluster.  Timing studies always run here, one point at a time.
+        Run the untimed studies' points on this Dask cluster (timing studies always run here).
     workers : int, optional
-        Without a scheduler: run the non-timing studies in this many local
-        worker processes.
+        Without a scheduler: run the untimed studies in this many local worker processes.
     force : bool
-        Replace the report in a non-empty ``out`` (its previous report files
-        are deleted; other files are left alone).
+        Replace the report in a non-empty ``out`` (its report files are deleted, others kept).
     resume : bool
         Continue an interrupted report in ``out``: finished points are kept.
     studies : list of str, optional
-        Names (or commands) of the studies to run; default every registered
-        study whose ``in_report`` is True.
+        Names (or commands) of the studies to run; default every study with ``in_report``.
     progress : bool
         Progress bars on a terminal.
     log : callable, optional
@@ -222,11 +212,8 @@ def run_report(
     command : str, optional
         The command line to quote in the report.
     options : dict, optional
-        Study name (or command) -> keyword arguments of that study's
-        ``points`` function, overriding the profile's grid, e.g.
-        ``{"error": {"dim": 32, "scales": [1.0], "seeds": 5}}`` (see each
-        study's ``points`` for the keywords it takes).  The report states the
-        regime each study ran in.
+        Study name (or command) -> keyword arguments of its ``points`` function, overriding the
+        profile's grid, e.g. ``{"error": {"dim": 32, "scales": [1.0], "seeds": 5}}``.
 
     Returns
     -------

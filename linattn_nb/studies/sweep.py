@@ -117,8 +117,7 @@ def point_key(params: Mapping) -> str:
     Parameters
     ----------
     params : dict
-        The point's parameters (JSON values; numpy scalars are unwrapped,
-        tuples count as lists).
+        The point's parameters (JSON values; numpy scalars unwrapped, tuples as lists).
 
     Returns
     -------
@@ -141,25 +140,21 @@ def grid_points(grid) -> list[dict]:
     Parameters
     ----------
     grid : dict of lists, or list of dicts
-        ``{"n": [256, 1024], "method": ["scan", "chunked"]}`` gives the
-        cartesian product (the last name varies fastest); a list of dicts
-        gives exactly those points, in that order.
+        A dict gives the cartesian product (the last name varies fastest); a list of dicts gives
+        exactly those points, in that order.
 
     Returns
     -------
     list of dict
-        The points, in canonical form (numpy scalars unwrapped, tuples as
-        lists).
+        The points, in canonical form (numpy scalars unwrapped, tuples as lists).
 
     Raises
     ------
     TypeError
-        ``grid`` is neither a dict nor a list; a dict value is not a list of
-        values (e.g. a bare number or string); a point is not a dict; a
-        parameter is not a JSON value (an array, an object, a set...).
+        ``grid`` is neither a dict nor a list, a dict value is not a list, a point is not a dict,
+        or a parameter is not a JSON value.
     ValueError
-        An empty grid, an empty list of values, a non-finite float, or two
-        equal points (the message names them).
+        An empty grid or list of values, a non-finite float, or two equal points.
 
     Examples
     --------
@@ -216,24 +211,20 @@ def to_json(obj, where: str = "result"):
     Parameters
     ----------
     obj : object
-        None, bool, int, float, str; numpy scalars and numeric arrays;
-        dataclass instances; dicts with string keys; lists and tuples; nested
-        in any way.
+        JSON scalars, numpy scalars and numeric arrays, dataclasses, dicts with string keys, lists
+        and tuples, nested in any way.
     where : str, default "result"
-        How ``obj`` is named in error messages (nested values extend it, e.g.
-        ``result['a'][2]``).
+        How ``obj`` is named in error messages (nested values extend it).
 
     Returns
     -------
     object
-        The same data as dicts, lists and Python scalars (non-finite floats
-        stay floats).
+        The same data as dicts, lists and Python scalars (non-finite floats stay floats).
 
     Raises
     ------
     TypeError
-        A value of another type, a non-numeric array, or a dict key that is
-        not a string; the message names where it is.
+        A value of another type, a non-numeric array, or a non-string dict key (named by ``where``).
 
     Examples
     --------
@@ -281,10 +272,9 @@ def _now() -> str:
 # What runs on a worker
 # ---------------------------------------------------------------------------
 def _set_numba_threads(threads) -> None:
-    """Limit Numba's threads for the calling thread (Numba's setting is thread-local).
+    """Limit Numba's threads for the calling thread: an int, None (leave as is) or ``{host: threads}`` (Dask).
 
-    ``threads``: an int, None (leave as is) or, on Dask, ``{host: threads}`` (by host: a worker
-    restarted by its nanny has a new address); a host not in it divides its cores by its task slots.
+    A host missing from the dict divides its cores by its task slots.
     """
     if isinstance(threads, dict):
         try:
@@ -322,10 +312,7 @@ def _pickled_exception(exc: BaseException) -> bytes | None:
 
 
 def _rebuilt_exception(exc) -> BaseException | None:
-    """The exception shipped by a worker (pickle bytes), or None when it cannot be rebuilt here.
-
-    The record keeps the error as text, so a failure only drops the ``__cause__`` of a :class:`SweepError`.
-    """
+    """The exception shipped by a worker (pickle bytes), or None when it cannot be rebuilt here."""
     if exc is None or isinstance(exc, BaseException):
         return exc
     try:
@@ -336,11 +323,7 @@ def _rebuilt_exception(exc) -> BaseException | None:
 
 
 def _run_point(fn, params: dict, threads=None, *, keep_exception: bool = False) -> dict:
-    """Run one point; an exception of ``fn`` is returned, not raised.
-
-    Workers send it as pickle bytes (an unpicklable one must not break the result channel);
-    ``keep_exception=True`` (the point runs in the parent) keeps the object itself.
-    """
+    """Run one point; an exception of ``fn`` is returned, not raised (pickled unless ``keep_exception``)."""
     _set_numba_threads(threads)
     t0 = time.perf_counter()
     try:
@@ -406,10 +389,8 @@ _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 def _encode_nonfinite(record: dict) -> dict:
-    """A copy of ``record`` with every NaN/inf float replaced by null and listed in ``"nonfinite"``.
-
-    The marker lists ``[path, "nan" | "inf" | "-inf"]``, ``path`` the keys and indices down to the null.
-    """
+    """A copy of ``record`` with every NaN/inf float replaced by null and listed in ``"nonfinite"`` as
+    ``[path, "nan" | "inf" | "-inf"]`` (docs/guide/studies.md)."""
     marks: list = []
 
     def walk(obj, path):
@@ -475,9 +456,8 @@ def _latest(records: Iterable[dict]) -> dict[str, dict]:
 def load_results(path, *, status: str | None = None) -> list[dict]:
     """Read the records of a sweep file (one per point, in file order).
 
-    A damaged last line is ignored (with a warning); for a point recorded
-    more than once (an error, then a successful rerun) the successful record
-    wins, else the latest.
+    A damaged last line is ignored (with a warning); of a point recorded more than once, the
+    successful record wins, else the latest.
 
     Parameters
     ----------
@@ -519,10 +499,8 @@ def load_results(path, *, status: str | None = None) -> list[dict]:
 def rows(records: Iterable[dict]) -> list[dict]:
     """Flatten ok records to ``{**params, **result}`` dicts (for tables and plots).
 
-    Records as :func:`load_results` or :func:`sweep` return them, or as a
-    plain JSON parser reads them from the file: non-finite floats listed in a
-    record's ``"nonfinite"`` marker come back as floats (the records passed in
-    are not changed).
+    Records as :func:`load_results` returns them or as a plain JSON parser reads them (non-finite
+    floats listed in ``"nonfinite"`` come back; the records passed in are not changed).
 
     Examples
     --------
@@ -665,48 +643,39 @@ def sweep(
     Parameters
     ----------
     fn : callable
-        Called as ``fn(**point)``; returns a JSON-storable result (dict,
-        list, number, string; numpy arrays and scalars and dataclasses are
-        converted).  With worker processes it must be importable by them (a
-        module-level function; Dask also ships lambdas and closures).
+        Called as ``fn(**point)``; returns what :func:`to_json` stores.  With worker processes it
+        must be importable by them (Dask also ships lambdas and closures).
     grid : dict of lists or list of dicts
         See :func:`grid_points`.
     out : str or Path
         The results file (JSON Lines, appended to; created with its folder).
     backend : {"local", "dask"}
-        ``"local"``: in this process (``workers`` None or 1) or a pool of ``workers`` spawned
-        processes (never forked: a fork after Numba's thread pool started can hang).  ``"dask"``: on a
+        ``"local"``: in this process, or a pool of ``workers`` spawned processes.  ``"dask"``: on a
         dask.distributed cluster (extra ``dask``).
     scheduler : str, distributed.Client or cluster, optional
-        With ``backend="dask"``: a scheduler's address (``"tcp://host:8786"``), a Client or a cluster.
-        None starts a LocalCluster of ``workers`` processes (default 2) on loopback for the sweep.
+        With ``backend="dask"``: an address, a Client or a cluster; None starts a LocalCluster of
+        ``workers`` processes (default 2) on loopback.
     resume : bool, default True
-        Skip points already finished in ``out``.  With False an existing,
-        non-empty ``out`` is an error (results are never overwritten).
+        Skip points already finished in ``out``; with False a non-empty ``out`` is an error.
     progress : bool, default True
         A tqdm progress bar on stderr when it is a terminal.
     workers : int, optional
         Worker processes (see ``backend``).
     numba_threads : int, optional
-        Numba threads per worker, set around every point.  Default: this process keeps its setting
-        when it runs the points itself; otherwise a host's cores divided by its task slots, so that
-        workers do not oversubscribe the cores.
+        Numba threads per worker; default: unchanged in this process, else a host's cores divided by
+        its task slots.
     errors : {"raise", "record"}
-        An exception in ``fn``: ``"raise"`` stops the sweep (finished points stay in the file) and
-        raises :class:`SweepError` from it; ``"record"`` writes an error record and goes on.  Error
-        records do not count as finished: a resumed sweep runs those points again.
+        An exception in ``fn``: ``"raise"`` stops the sweep with :class:`SweepError`; ``"record"``
+        writes an error record (run again on resume) and goes on.
     max_retries : int, default 2
-        How often a point is retried when its worker process dies (on Dask, the scheduler's
-        ``distributed.scheduler.allowed-failures`` applies instead).
+        Retries of a point whose worker process dies (on Dask the scheduler's own setting applies).
     fsync : bool, default False
-        ``os.fsync`` after every line; the file is always flushed per line
-        and fsynced at the end.
+        ``os.fsync`` after every line (the file is always flushed per line, fsynced at the end).
 
     Returns
     -------
     list of dict
-        One record per grid point, in grid order (the fields are in
-        docs/guide/studies.md); failed points have ``status == "error"``.
+        One record per grid point, in grid order (fields: docs/guide/studies.md).
 
     Raises
     ------
@@ -717,8 +686,7 @@ def sweep(
     RuntimeError
         ``out`` is being written by another sweep.
     SweepError
-        A point failed with ``errors="raise"``, or its worker died more than
-        ``max_retries`` times.
+        A point failed with ``errors="raise"``, or its worker died more than ``max_retries`` times.
 
     Examples
     --------
@@ -856,8 +824,8 @@ def _worker_died(attempts: int) -> dict:
 def _run_pool(fn, todo, state: _RunState, *, workers: int, max_retries: int, numba_threads: int):
     """A spawned process pool with at most ``workers`` points in flight.
 
-    A dying worker breaks the whole pool, so the points in flight are retried first, each alone in a
-    fresh pool: only the point that really kills its worker uses up its ``max_retries``.
+    A dying worker breaks the whole pool: the points in flight are retried, each alone in a fresh
+    pool, so only the point that kills its worker uses up its ``max_retries``.
     """
     import multiprocessing
     from collections import deque
