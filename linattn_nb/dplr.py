@@ -44,8 +44,9 @@ def _floating(name, x):
     return arr
 
 
-def _general_check(inputs, lead, N, F, r):
-    """The general entry's own arguments: ``a``, ``b`` (required), ``log_diag``, ``beta`` (optional)."""
+def _general_check(inputs, lead, N, F, r, fast=False):
+    """The general entry's own arguments: ``a``, ``b`` (required), ``log_diag``, ``beta`` (optional);
+    ``fast``: ``a`` and ``b`` as given (no float64 copy)."""
     B = int(np.prod(lead, dtype=np.int64))
     out = {}
     for name in ("a", "b"):
@@ -53,7 +54,7 @@ def _general_check(inputs, lead, N, F, r):
         if x is None:
             raise TypeError(f"missing argument: {name} (shape (..., N, D_phi) or (..., N, r, D_phi)); "
                             "or pass rule= a named rule")
-        x = D.real(name, x)
+        x = D.real(name, x, copy=not fast)
         if x.shape == lead + (N, F) and not r:
             x = x.reshape(B, N, 1, F)
         elif x.ndim == len(lead) + 3 and x.shape[:-2] == lead + (N,) and x.shape[-1] == F and (not r or x.shape[-2] == r):
@@ -169,10 +170,18 @@ def _row_map(fmap, x) -> bool:
     return getattr(fmap, "kernel_code", None) in _rowmaps.ROW_CODES and x.dtype in (np.float32, np.float64)
 
 
-def _features(fmap, x, role, position):
+def _features(fmap, x, role, position, work=np.float64):
+    """The features of ``x`` as a ``work`` array (float32 only on the chunked path: compiled maps)."""
     if _row_map(fmap, x):
-        return _rowmaps.features(x, fmap.kernel_code, x.dtype)[0]
-    return fmap.apply(x, role=role, causal=True, offset=position)
+        return np.asarray(_rowmaps.features(x, fmap.kernel_code, work if work == np.float32 else x.dtype)[0], work)
+    code = getattr(fmap, "kernel_code", None)
+    if work == np.float32 and code is not None and x.dtype in (np.float32, np.float64):
+        from .ops.dplr.chunked import elementwise_features
+
+        out = np.empty(x.shape, work)
+        elementwise_features(np.ascontiguousarray(x).reshape(-1, x.shape[-1]), out.reshape(-1, x.shape[-1]), code)
+        return out
+    return np.asarray(fmap.apply(x, role=role, causal=True, offset=position), dtype=work)
 
 
 def _features_vjp(fmap, x, g, role, position):
@@ -182,8 +191,11 @@ def _features_vjp(fmap, x, g, role, position):
 
 
 def _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize, eps, check_finite,
-             initial_state, rule_arguments) -> _Request:
-    """Check a call's arguments and build the general form (shared by the forward and the VJP)."""
+             initial_state, rule_arguments, fast=False) -> _Request:
+    """Check a call's arguments and build the general form (shared by the forward and the VJP).
+
+    ``fast`` (a CPU forward that may run ``chunked``): features and values stay in the working dtype
+    (float32 for float16/float32 inputs) and the form's arrays in their own float dtypes."""
     if rule is None:
         name = _GENERAL
         inputs = {"a": a, "b": b, "log_diag": log_diag, "beta": beta}
@@ -244,21 +256,22 @@ def _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize
     if sub and getattr(fmap, "position_dependent", False):
         raise ValueError(f"feature map {fmap.name!r} depends on the position: it is not defined for keys "
                          "with a sub-step axis")
-    fq = np.asarray(_features(fmap, q, "query", position), dtype=np.float64).reshape(B, N, F)
-    fk = np.asarray(_features(fmap, k, "key", position), dtype=np.float64)
-    fk = fk.reshape((B, N, r, F) if sub else (B, N, F))
-    v64 = np.asarray(v, dtype=np.float64).reshape((B, N, r, M) if sub else (B, N, M))
+    work = np.float32 if fast and dtype.itemsize <= 4 else np.float64
+    fq = _features(fmap, q, "query", position, work).reshape(B, N, F)
+    fk = _features(fmap, k, "key", position, work).reshape((B, N, r, F) if sub else (B, N, F))
+    v64 = np.asarray(v, dtype=work if fast else np.float64).reshape((B, N, r, M) if sub else (B, N, M))
 
     if spec is None:
-        checked = _general_check(inputs, lead, N, F, r)
+        checked = _general_check(inputs, lead, N, F, r, fast)
         form = _general_build(fk, v64, checked)
     else:
         checked = spec.check(inputs, lead, N, F, r)
         form = spec.build(fk, v64, checked)
-    ld, A, Bv, KW, VW = (np.ascontiguousarray(x, dtype=np.float64) for x in form)
+    form = tuple(np.ascontiguousarray(x, dtype=x.dtype if fast and x.dtype in (np.float32, np.float64) else np.float64)
+                 for x in form)
 
     return _Request(name, spec, fmap, q, k, lead, N, M, F, r, sub, dtype, fq, fk, v64, checked, inputs,
-                    (ld, A, Bv, KW, VW), H0, position, norm, eps_v)
+                    form, H0, position, norm, eps_v)
 
 
 @parallel_entry
@@ -370,12 +383,16 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
     """
     dev, q_dev, (q, k, v, a, b, log_diag, beta), rule_arguments = _route(
         device, (q, k, v, a, b, log_diag, beta), ("q", "k", "v", "a", "b", "log_diag", "beta"), rule_arguments, out)
+    fast = dev != "cuda" and method in ("auto", "chunked")
     R = _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize, eps, check_finite,
-                 initial_state, rule_arguments)
+                 initial_state, rule_arguments, fast)
     name, lead, N, M, F, dtype, position = R.name, R.lead, R.N, R.M, R.F, R.dtype, R.position
     B = int(np.prod(lead, dtype=np.int64))
     ld, A, Bv, KW, VW = R.form
     fq, H0, norm, eps_v = R.fq, R.H0, R.norm, R.eps
+    chunked = fast and (method == "chunked" or N * A.shape[2] >= config.DPLR_AUTO_CHUNKED_MIN)
+    if fast and not chunked:  # the scan reads float64
+        fq, ld, A, Bv, KW, VW = (np.ascontiguousarray(x, dtype=np.float64) for x in (fq, ld, A, Bv, KW, VW))
     dev_out = None
     if out is not None and dev == "cuda" and _on_device(out):
         dev_out, out = out, None
@@ -397,19 +414,19 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
 
         H, o64 = H0, np.empty((B, N, M))
         bad = bool(dplr_scan_cuda(fq, ld, A, Bv, KW, VW, H, o64, norm, eps_v).any())
-    elif method == "chunked" or (method == "auto" and N * A.shape[2] >= config.DPLR_AUTO_CHUNKED_MIN):
+    elif chunked:
         from .ops.dplr.chunked import dplr_chunked
 
-        H, o64 = H0, np.empty((B, N, M))
-        bad = bool(dplr_chunked(np.ascontiguousarray(fq), ld, A, Bv, KW, VW, H, o64, norm, eps_v).any())
+        H, o64 = H0, np.empty((B, N, M), fq.dtype)  # the working dtype: float32 for float32 calls
+        bad = bool(dplr_chunked(fq, ld, A, Bv, KW, VW, H, o64, norm, eps_v).any())
     else:
         from .ops.dplr.cpu import dplr_scan
 
         H, o64 = H0, np.empty((B, N, M))
         bad = bool(dplr_scan(np.ascontiguousarray(fq), ld, A, Bv, KW, VW, H, o64, norm, eps_v).any())
     with np.errstate(over="ignore"):
-        res = o64.astype(dtype)
-    if check_finite and not bad and dtype != np.float64:
+        res = o64.astype(dtype, copy=False)
+    if check_finite and not bad and dtype.itemsize < o64.dtype.itemsize:
         bad = not np.isfinite(res).all()
     if bad and check_finite:
         raise NonFiniteResult(

@@ -89,12 +89,14 @@ class DPLRRule:
 # ---------------------------------------------------------------------------
 # Argument checks shared by the rules (and by the general entry)
 # ---------------------------------------------------------------------------
-def real(name: str, x) -> np.ndarray:
-    """``x`` as a float64 array (a new array: the caller's is never modified); TypeError naming
-    ``name`` for a non-numeric, boolean or complex input."""
+def real(name: str, x, copy: bool = True) -> np.ndarray:
+    """``x`` as a float64 array (a new array: the caller's is never modified; with ``copy=False`` a
+    float32/float64 array as it is); TypeError naming ``name`` for a non-numeric, boolean or complex input."""
     arr = np.asarray(x)
     if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
         raise TypeError(f"{name} must be a real floating-point array, got dtype {arr.dtype}")
+    if not copy and arr.dtype in (np.float32, np.float64):
+        return arr
     return np.array(arr, dtype=np.float64)
 
 
