@@ -23,7 +23,7 @@ from linattn_nb.state import fileformat as state_mod
 from linattn_nb.ops.causal.naive import causal_linear_quadratic
 from linattn_nb.ops.registry import available_methods
 from linattn_nb.ops.step import cpu as step_cpu
-from linattn_nb.ops.step import naive as step_naive
+import _step_naive as step_naive
 from linattn_nb.state import KVCache, LinearAttentionState, StateFileError
 
 from _state_files import rewrite_state_file

@@ -2,7 +2,7 @@
 decay=/log_decay=, the rule step kernels, the rule record of states and state files.
 
 Ground truth is linear_attention(..., causal=True, decay=..., method="quadratic") (the explicit
-float64 form with exact resets) and the naive step reference of linattn_nb.ops.step.naive.
+float64 form with exact resets) and the naive step reference of tests/ops/_step_naive.py.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import linattn_nb as la
 from linattn_nb import config
 from linattn_nb.ops.registry import get_method, get_rule
 from linattn_nb.ops.step import cpu as step_cpu
-from linattn_nb.ops.step import naive as step_naive
+import _step_naive as step_naive
 from linattn_nb.state import LinearAttentionState, StateFileError
 from linattn_nb.state import fileformat
 from linattn_nb.ops.step import launchers

@@ -3,7 +3,7 @@ the delta step kernels, the rule record of states and state files, and the l2/si
 the step kernels.
 
 Ground truth is linear_attention(..., causal=True, beta=..., method="quadratic") (the explicit
-float64 form, exact resets) and the naive step reference of linattn_nb.ops.step.naive.
+float64 form, exact resets) and the naive step reference of tests/ops/_step_naive.py.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import linattn_nb as la
 from linattn_nb import feature_maps as fm
 from linattn_nb.ops.registry import get_method, get_rule
 from linattn_nb.ops.step import cpu as step_cpu
-from linattn_nb.ops.step import naive as step_naive
+import _step_naive as step_naive
 from linattn_nb.state import LinearAttentionState, StateFileError
 from linattn_nb.ops.step import launchers
 

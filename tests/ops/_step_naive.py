@@ -1,4 +1,4 @@
-"""NumPy references for recurrent decoding (ground truth for the step kernels).
+"""NumPy references for recurrent decoding: the tests' ground truth for the step kernels.
 
 Everything in float64, token by token (Katharopoulos et al. 2020, Eqs. 18-19):
 ``H_t = a_t (.) H_{t-1} + phi(k_t) [v_t 1]^T`` for the additive (``a_t = 1``),
