@@ -262,7 +262,7 @@ def test_overrides_recall_n_is_the_pair_grid_and_maps_can_be_added():
                           study="recall")
     seeds = sorted({p["seed"] for p in _points("recall")})  # the profile's seeds are kept
     regimes = sorted({p["regime"] for p in _points("recall")}, key=[p["regime"] for p in _points("recall")].index)
-    assert len(regimes) == 2  # the variance regime and the small-logit one, for every map and seed
+    assert len(regimes) == 3  # the variance, small-logit and orthonormal-key regimes, for every map and seed
     assert [(p["feature_map"], p["num_features"], p["regime"], p["seed"]) for p in pts] == (
         [("favor+", 16, r, s) for r in regimes for s in seeds] + [("relu", None, r, s) for r in regimes for s in seeds])
     assert all(p["n_pairs"] == [8, 32] and p["map_params"] == {} for p in pts)

@@ -53,6 +53,10 @@ class RecallCapacity:
         ``min_W ||phi(K) W - V||_F^2 / ||V||_F^2`` (least squares).  For one-hot
         values it equals ``1 - rank(phi(K))/n``, the Eckart-Young floor of any
         read-out of rank <= D_phi (normalised or not).
+    optimal_accuracy : ndarray
+        ``accuracy`` of that least-squares state's read-out: 1 up to
+        ``D_phi``; past it argmax accuracy can stay high while the error
+        grows (it does not see the capacity limit).
     softmax_accuracy, softmax_mse : ndarray
         Softmax attention over the same pairs (the KV cache baseline).
     softmax_scale : float
@@ -97,6 +101,7 @@ class RecallCapacity:
     error_by_distance: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
     optimal_error_by_distance: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
     rule: Optional[str] = None
+    optimal_accuracy: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     def to_dict(self) -> dict:
         """Plain-Python dict (lists instead of arrays), for JSON."""
@@ -343,7 +348,7 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     edges = _distance_edges(distance_bins, int(ns.max()))
     d_phi = C.feature_dim(fmap, d)
 
-    metrics = np.zeros((5, ns.size, trials))
+    metrics = np.zeros((6, ns.size, trials))
     by_dist = np.zeros((2, ns.size, trials, len(edges) - 1))
     for a, n in enumerate(ns):
         n = int(n)
@@ -370,17 +375,18 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
                 float(np.sum(opt_res * opt_res) / np.sum(vals * vals)),
                 _nearest_accuracy(vs, vals),
                 _rel_err(vs, vals),
+                _nearest_accuracy(vals + opt_res, vals),
             )
             by_dist[0, a, t] = _binned_rel_err(vhat - vals, vals, dist, edges)
             by_dist[1, a, t] = _binned_rel_err(opt_res, vals, dist, edges)
-    acc, mse, opt, sacc, smse = metrics.mean(axis=-1)
+    acc, mse, opt, sacc, smse, opt_acc = metrics.mean(axis=-1)
     err_d, opt_d = by_dist.mean(axis=2)
     return RecallCapacity(
         feature_map=repr(fmap), d=d, d_phi=d_phi, value_dim=value_dim, key_scale=key_scale,
         trials=trials, n_pairs=ns, accuracy=acc, mse=mse, optimal_mse=opt,
         softmax_accuracy=sacc, softmax_mse=smse, softmax_scale=softmax_scale,
         decay=decay, beta=beta, normalize=normalize, orthogonal_keys=orthogonal_keys, distance_edges=edges, error_by_distance=err_d, optimal_error_by_distance=opt_d,
-        rule=None if dplr is None else dplr.name,
+        rule=None if dplr is None else dplr.name, optimal_accuracy=opt_acc,
     )
 
 

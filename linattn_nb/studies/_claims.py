@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ._study import fmt
 
-__all__ = ["Claim", "slope_claim", "compare_claim", "SUPPORTED", "NOT_SUPPORTED", "NOT_APPLICABLE"]
+__all__ = ["Claim", "slope_claim", "compare_claim", "capacity_claim", "SUPPORTED", "NOT_SUPPORTED", "NOT_APPLICABLE"]
 
 SUPPORTED = "supported"
 NOT_SUPPORTED = "not supported"
@@ -87,3 +87,47 @@ def compare_claim(a: str, a_mean: float, a_half: float, b: str, b_mean: float, b
     return Claim(NOT_SUPPORTED, f"no difference shown between {a} and {b} on {measure} (intervals overlap: "
                                 f"{nums})", rule)
 
+
+
+CAPACITY_RULE = ("a fall of the mean accuracy below {a} is the state's capacity only where the state is full: at "
+                 "n > D_φ (the least-squares floor is 0 up to D_φ); at n ≤ D_φ it is the estimator's variance "
+                 "when softmax, the kernel a random map estimates, reads ≥ {a} there, else the kernel")
+
+
+def capacity_claim(n, acc, half, floor, dphi, *, reference=None, estimator: str = "", threshold: float = 0.9) -> Claim:
+    """Whether the first fall of a map's accuracy below ``threshold`` is its state's capacity.
+
+    ``n``, ``acc``, ``half``, ``floor``: per number of pairs, the mean accuracy, its 95% half-width and the
+    mean least-squares floor; ``dphi``: the state's D_φ.  ``reference``: softmax's mean accuracy per n;
+    ``estimator``: "random" for a map whose features estimate softmax at random, "deterministic" for one
+    that approximates it, "" for neither.  Supported when the fall comes at n > D_φ; not supported when
+    it comes while the state has room (the text names the cause) or when the accuracy stays ≥ threshold
+    past D_φ (argmax accuracy then does not see the limit); not applicable when no n > D_φ was measured.
+    """
+    a = fmt(threshold)
+    rule = CAPACITY_RULE.format(a=a)
+    below = [j for j, x in enumerate(acc) if x < threshold]
+    if not below:
+        j = len(n) - 1
+        if n[j] <= dphi:
+            return Claim(NOT_APPLICABLE, f"accuracy ≥ {a} up to n = {int(n[j])} ≤ D_φ = {dphi}: no n past D_φ "
+                                         "measured", rule)
+        return Claim(NOT_SUPPORTED, f"accuracy {fmt(float(acc[j]))} ± {fmt(float(half[j]), 2)} (≥ {a}) at "
+                                    f"n = {int(n[j])} > D_φ = {dphi}, where the floor is {fmt(float(floor[j]))}: "
+                                    "argmax accuracy passes the capacity limit, so it does not measure it", rule)
+    j = below[0]
+    where = (f"accuracy {fmt(float(acc[j]))} ± {fmt(float(half[j]), 2)} at n = {int(n[j])}, first below {a}, "
+             f"D_φ = {dphi}, floor {fmt(float(floor[j]))}")
+    if n[j] > dphi:
+        return Claim(SUPPORTED, f"{where}: ≥ {a} while the state had room, below once it is full: consistent with "
+                                "the state's capacity", rule)
+    ref = None if reference is None else float(reference[j])
+    if ref is not None and ref >= threshold and estimator == "random":
+        cause = f"the estimator's variance (softmax, the kernel it estimates, reads {fmt(ref)} there)"
+    elif ref is not None and ref >= threshold and estimator:
+        cause = f"its approximation of softmax (which reads {fmt(ref)} there)"
+    elif ref is not None and estimator:
+        cause = f"the kernel it estimates (softmax too reads only {fmt(ref)})"
+    else:
+        cause = "the map's kernel (its weights do not single out the queried key)"
+    return Claim(NOT_SUPPORTED, f"{where}: the state has room, so not capacity but {cause}", rule)

@@ -1,18 +1,21 @@
 """Study: associative-recall capacity of the fixed-size state against n / D_φ.
 
 Accuracy and retrieval error of linear attention's read-out, the least-squares floor of a state of
-the same size and softmax attention, in two regimes (large and small logits).  The setting and why
-two regimes: docs/guide/studies.md.
+the same size and softmax attention, in three key regimes (the estimator's variance, small logits,
+orthonormal keys).  The setting and why these regimes: docs/guide/studies.md.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ._maps import build_map, is_random, map_label
+from ._claims import capacity_claim
 from ._study import CI_CAPTION, Rendered, Study, fmt, markdown_table, mean_ci, pm, register_study, split_failed
 
-#: The key scales of the two regimes: (name, scale as a function of d).
-REGIMES = (("variance", lambda d: 1.0), ("small logits", lambda d: float(d) ** -0.25))
+#: The key regimes: (name, key scale as a function of d, orthonormal keys).  Orthonormal keys have equal
+#: norms and zero cross logits; they exist only for n <= d.
+REGIMES = (("variance", lambda d: 1.0, False), ("small logits", lambda d: float(d) ** -0.25, False),
+           ("orthonormal keys", lambda d: float(d) ** 0.25, True))
 from .sweep import to_json
 
 
@@ -85,17 +88,22 @@ def points(ctx, *, dim=None, maps=None, m=None, n=None, seeds=None) -> list[dict
                                  f"choose from {', '.join(sorted(known))}")
             chosen.append((name, (128 if m is None else m) if is_random(name) else None, {}))
     return [dict(feature_map=name, num_features=nf, map_params=params, d=d, n_pairs=list(n_pairs), trials=1,
-                 seed=seed, regime=regime, key_scale=scale(d))
-            for regime, scale in REGIMES for seed in range(nseeds) for name, nf, params in chosen]
+                 seed=seed, regime=regime, key_scale=scale(d), **({"orthogonal_keys": True} if ortho else {}))
+            for regime, scale, ortho in REGIMES for seed in range(nseeds) for name, nf, params in chosen]
 
 
 def run(feature_map, num_features, map_params, d, n_pairs, trials, seed=0, regime="variance",
-        key_scale=1.0) -> dict:
+        key_scale=1.0, orthogonal_keys=False) -> dict:
+    """One map and seed over every n (orthonormal keys: the n <= d, else d alone)."""
     from ..analysis import recall_capacity
 
     fmap = build_map(feature_map, dim=d, num_features=num_features, seed=seed, **map_params)
-    res = to_json(recall_capacity(fmap, d, np.asarray(n_pairs), trials=trials, seed=seed, key_scale=key_scale))
+    kw = {"orthogonal_keys": True} if orthogonal_keys else {}
+    ns = ([x for x in n_pairs if x <= d] or [d]) if orthogonal_keys else n_pairs
+    res = to_json(recall_capacity(fmap, d, np.asarray(ns), trials=trials, seed=seed, key_scale=key_scale, **kw))
     res["d_phi"] = int(fmap.output_dim(d))
+    res["estimator"] = ("random" if is_random(feature_map) else "deterministic") if getattr(
+        fmap, "estimates_softmax", False) else ""
     return res
 
 
@@ -122,17 +130,18 @@ def render(records, ctx) -> Rendered:
         d = p0["d"]
         seeds = sorted({r["params"]["seed"] for r in ok})
         scales = {k[0]: groups[k][0]["params"].get("key_scale", 1.0) for k in groups}
-        md.append(f"Regime: keys i.i.d. s·N(0, 1) in R^{d} (d = {d}), one-hot values (M = n), n ∈ "
-                  f"{{{', '.join(map(str, ok[0]['result']['n_pairs']))}}} pairs stored and every key read back "
-                  "(non-causal, q = k); softmax baseline at temperature 1/√d; "
-                  f"{len(seeds)} seeds (a seed draws the keys and the random features), {p0['trials']} trial(s) "
-                  f"each; cells are {CI_CAPTION}.  Two key scales s: "
-                  + "; ".join(f"**{reg}**, s = {fmt(scales[reg])} (self-logit ‖k‖²/√d ≈ "
-                              f"{fmt(scales[reg] ** 2 * d / np.sqrt(d))})" for reg in regimes)
+        ortho = {k[0]: bool(groups[k][0]["params"].get("orthogonal_keys")) for k in groups}
+        grids = {k[0]: groups[k][0]["result"]["n_pairs"] for k in groups}
+        md.append(f"Regime: n key-value pairs in R^{d} (d = {d}), one-hot values (M = n), stored and every key read "
+                  "back (non-causal, q = k); softmax baseline at temperature 1/√d; random maps with the m in "
+                  f"their label; {len(seeds)} seeds (a seed draws the keys and the random features), "
+                  f"{p0['trials']} trial(s) each; cells are {CI_CAPTION}.  Three key regimes: "
+                  + "; ".join(_regime_text(reg, scales[reg], ortho[reg], d, grids[reg]) for reg in regimes)
                   + ".  The larger the self-logit, the larger the variance of a random-feature estimate of "
-                    "exp(q·k/√d).  Relative retrieval error ‖V̂ − V‖²/‖V‖² of linear attention's "
-                    "normalised read-out, of the best state of the same size (least squares; the capacity "
-                    "floor: 0 up to n = D_φ) and of softmax attention.")
+                    "exp(q·k/√d).  Orthonormal keys (at most d of them) have equal norms and zero cross logits, "
+                    "so softmax, and any kernel increasing in q·k, weighs each key's own pair most.  Relative "
+                    "retrieval error ‖V̂ − V‖²/‖V‖² of linear attention's normalised read-out, of the best state of "
+                    "the same size (least squares; the capacity floor: 0 up to n = D_φ) and of softmax attention.")
         agg = {}
         for reg in regimes:
             rows = []
@@ -142,10 +151,12 @@ def render(records, ctx) -> Rendered:
                 res0 = recs[0]["result"]
                 n = np.asarray(res0["n_pairs"], dtype=float)
                 dphi = res0["d_phi"]
+                fields = ("accuracy", "mse", "optimal_mse", "softmax_accuracy", "softmax_mse", "optimal_accuracy")
                 stack = {f: np.asarray([np.asarray(r["result"][f], dtype=float) for r in recs])
-                         for f in ("accuracy", "mse", "optimal_mse", "softmax_mse")}
+                         for f in fields if all(f in r["result"] for r in recs)}
+                stack["optimal_mse"][np.abs(stack["optimal_mse"]) < 1e-12] = 0.0  # round-off of an exact fit
                 stats = {f: mean_ci(x) for f, x in stack.items()}
-                agg[(reg, label)] = (n, dphi, stats)
+                agg[(reg, label)] = (n, dphi, stats, res0.get("estimator", ""))
                 at = int(np.argmin(np.abs(n - 2 * dphi)))
                 first = _first_below(n, stats["accuracy"][0])
                 rows.append([label, dphi, first, pm(stats["accuracy"][0][0], stats["accuracy"][1][0]), int(n[at])]
@@ -158,91 +169,80 @@ def render(records, ctx) -> Rendered:
                                    "softmax error"], rows)]
         md += ["", "What it shows (computed from the tables above):", ""] + _findings(agg, regimes)
         if ctx.plots:
-            fig, axes = ctx.figure(ncols=2 * len(regimes), width=4.0, height=3.6)
-            for r_i, reg in enumerate(regimes):
-                ax1, ax2 = axes[2 * r_i], axes[2 * r_i + 1]
-                items = [(label, v) for (reg2, label), v in agg.items() if reg2 == reg]
-                for i, (label, (n, dphi, stats)) in enumerate(items):
-                    sty = ctx.style(i)
-                    x = n / dphi
-                    for ax, f in ((ax1, "mse"), (ax2, "accuracy")):
-                        m, s = stats[f]
-                        ax.plot(x, m, ms=4, label=f"{label} (D_φ = {dphi})", **sty)
-                        hi = 1.0 if f == "accuracy" else np.inf  # bands clipped to the possible range
-                        ax.fill_between(x, np.clip(m - s, 0.0, hi), np.clip(m + s, 0.0, hi), color=sty["color"],
-                                        alpha=0.2, lw=0)
-                    m, s = stats["optimal_mse"]
-                    ax1.plot(x, m, "--", color=sty["color"], lw=1, label="_")
-                ax1.set(xlabel="n / D_φ", ylabel="relative retrieval error", title=f"{reg}: error (dashed: floor)")
-                ax2.axhline(ACCURACY, color="0.5", lw=0.8)
-                ax2.set(xlabel="n / D_φ", ylabel="argmax accuracy", title=f"{reg}: accuracy")
-                for ax in (ax1, ax2):
-                    ax.set_xscale("log")
-                    ax.grid(True, alpha=0.3)
-            ctx.legend_outside(fig, axes, title=f"mean, 95% CI over {len(seeds)} seeds")
-            md += ["", ctx.savefig(fig, "recall", "recall error and accuracy against n / D_phi in both regimes"),
-                   "", f"{CI_CAPTION}; dashed: the least-squares floor of each map's state."]
+            md += _plot(agg, regimes, seeds, ctx)
     md += failed_md
     return Rendered("\n".join(md), f"{len(groups)} feature maps and regimes", problems)
 
 
+def _regime_text(reg, s, ortho, d, grid) -> str:
+    keys = "the rows of a random orthogonal frame" if ortho else "i.i.d. N(0, 1) entries"
+    logit = f"= {fmt(s * s / np.sqrt(d))}" if ortho else f"≈ {fmt(s * s * np.sqrt(d))}"
+    return f"**{reg}**: keys {keys} times s = {fmt(s)}, self-logit ‖k‖²/√d {logit}, n ∈ {{{', '.join(map(str, grid))}}}"
+
+
+def _plot(agg, regimes, seeds, ctx) -> list:
+    fig, axes = ctx.figure(ncols=2 * len(regimes), width=4.0, height=3.6)
+    for r_i, reg in enumerate(regimes):
+        ax1, ax2 = axes[2 * r_i], axes[2 * r_i + 1]
+        items = [(label, v) for (reg2, label), v in agg.items() if reg2 == reg]
+        for i, (label, (n, dphi, stats, _)) in enumerate(items):
+            sty = ctx.style(i)
+            x = n / dphi
+            for ax, f in ((ax1, "mse"), (ax2, "accuracy")):
+                m, s = stats[f]
+                ax.plot(x, m, ms=4, label=f"{label} (D_φ = {dphi})", **sty)
+                hi = 1.0 if f == "accuracy" else np.inf  # bands clipped to the possible range
+                ax.fill_between(x, np.clip(m - s, 0.0, hi), np.clip(m + s, 0.0, hi), color=sty["color"],
+                                alpha=0.2, lw=0)
+            ax1.plot(x, stats["optimal_mse"][0], "--", color=sty["color"], lw=1, label="_")
+        ax1.set(xlabel="n / D_φ", ylabel="relative retrieval error", title=f"{reg}: error (dashed: floor)")
+        ax2.axhline(ACCURACY, color="0.5", lw=0.8)
+        ax2.set(xlabel="n / D_φ", ylabel="argmax accuracy", title=f"{reg}: accuracy")
+        for ax in (ax1, ax2):
+            ax.set_xscale("log")
+            ax.grid(True, alpha=0.3)
+    ctx.legend_outside(fig, axes, title=f"mean, 95% CI over {len(seeds)} seeds")
+    return ["", ctx.savefig(fig, "recall", "recall error and accuracy against n / D_phi in every regime"),
+            "", f"{CI_CAPTION}; dashed: the least-squares floor of each map's state."]
+
+
 def _findings(agg, regimes) -> list:
-    """Per map present in both regimes: where accuracy first falls below ACCURACY in each, said in words."""
-    out = []
-    if len(regimes) >= 2:
-        var, cap = regimes[0], regimes[1]
-        for (reg, label), (n, dphi, stats) in agg.items():
-            if reg != var or (cap, label) not in agg:
+    """Per map and regime, whether its first fall below ACCURACY is capacity (``capacity_claim``), then the
+    regimes in which capacity binds and the read-out's error against the floor."""
+    out, binds = [], {}
+    for reg in regimes:
+        for (reg2, label), (n, dphi, stats, est) in agg.items():
+            if reg2 != reg:
                 continue
-            nv, _, sv = agg[(var, label)]
-            nc, _, sc = agg[(cap, label)]
-            fv, fc = _first_below(nv, sv["accuracy"][0]), _first_below(nc, sc["accuracy"][0])
-            line = f"- {label} (D_φ = {dphi}): accuracy first < {ACCURACY} at n {fv} ({var}) and n {fc} ({cap})"
-            if fv.startswith("≤") and not fc.startswith("≤") and n[0] < dphi:
-                line += (f": with n = {int(n[0])} < D_φ pairs the state has room (floor 0), and the failure goes "
-                         "away with smaller logits: it is the estimator's variance, not capacity")
-            out.append(line + ".")
-    if len(regimes) >= 2:
-        out += _capacity_findings(agg, regimes[1])
+            c = capacity_claim(n, stats["accuracy"][0], stats["accuracy"][1], stats["optimal_mse"][0], dphi,
+                               reference=stats["softmax_accuracy"][0], estimator=est, threshold=ACCURACY)
+            if not out:
+                out.append(f"Rule: {c.rule}.")
+            out.append(f"- {label}, {reg} regime: capacity {c.verdict}: {c.text}.")
+            binds.setdefault(reg, []).extend([label] if c.supported else [])
+    for reg, labels in binds.items():
+        out.append(f"- {reg} regime: capacity binds for " + (", ".join(labels) if labels else "no map") + ".")
+    passes = []
+    for (reg, label), (n, dphi, stats, _) in agg.items():
+        ok = np.nonzero(stats["optimal_accuracy"][0] >= ACCURACY)[0] if "optimal_accuracy" in stats else []
+        if len(ok) and n[ok[-1]] > dphi:
+            passes.append(f"{label}, {reg}: n = {int(n[ok[-1]])} = {fmt(n[ok[-1]] / dphi)} D_φ")
+    if passes:
+        out.append(f"- The least-squares state itself, which stores up to D_φ pairs exactly, still reads ≥ {ACCURACY} "
+                   "past D_φ (largest such n): " + "; ".join(passes) + ".  Argmax accuracy does not see the state's "
+                   "capacity even for the best state of that size; the error does (the floor is 1 − D_φ/n past "
+                   "D_φ).")
     errs, floors = [], []
-    for (_, _), (n, dphi, stats) in agg.items():
+    for (n, dphi, stats, _) in agg.values():
         j = int(np.argmin(np.abs(n - dphi)))
         errs.append(float(stats["mse"][0][j]))
         floors.append(float(stats["optimal_mse"][0][j]))
     if errs:
-        out.append(f"- At n ≈ D_φ the normalised read-out's error is {fmt(min(errs))}–{fmt(max(errs))} across maps "
-                   f"and regimes while the floor is {fmt(max(floors))} at most: the read-out is a weighted average "
-                   "of the one-hot values, with error 1 − 2w_ii + Σ_j w_ij² per key, 0 only when the right pair "
-                   "takes all the weight.  The floor is reached by an unnormalised least-squares read-out, not by "
-                   "the normalised one of any map.")
-    return out
-
-
-def _capacity_findings(agg, regime) -> list:
-    """Per map in the small-logit regime: whether its failure can be the state's capacity.
-
-    A first fall below ACCURACY at n <= D_φ happens while the state has room (floor 0): the kernel or
-    estimator, not capacity; a first fall at n > D_φ is consistent with capacity.
-    """
-    out = []
-    for (reg, label), (n, dphi, stats) in agg.items():
-        if reg != regime:
-            continue
-        acc = stats["accuracy"][0]
-        below = np.nonzero(acc < ACCURACY)[0]
-        if not below.size:
-            out.append(f"- {label} ({regime}): accuracy ≥ {ACCURACY} up to the largest n = {int(n[-1])} "
-                       f"(n / D_φ = {fmt(n[-1] / dphi)}): no capacity limit reached in this range.")
-            continue
-        j = int(below[0])
-        nj, floor = int(n[j]), float(stats["optimal_mse"][0][j])
-        if nj <= dphi:
-            out.append(f"- {label} ({regime}): accuracy {fmt(acc[j])} at n = {nj} ≤ D_φ = {dphi}, where the floor "
-                       f"is {fmt(floor)}: its state has room, so this is the map's kernel (its weights do not single "
-                       "out the queried key), not capacity.")
-        else:
-            out.append(f"- {label} ({regime}): accuracy ≥ {ACCURACY} while n ≤ D_φ = {dphi}, first below at n = {nj} "
-                       f"(n / D_φ = {fmt(nj / dphi)}, floor {fmt(floor)}): consistent with the state's capacity.")
+        out.append(f"- At the n closest to D_φ the normalised read-out's error is {fmt(min(errs))}–{fmt(max(errs))} "
+                   f"across maps and regimes while the floor is {fmt(max(floors))} at most: the read-out is a "
+                   "weighted average of the one-hot values, with error 1 − 2w_ii + Σ_j w_ij² per key, 0 only when "
+                   "the right pair takes all the weight.  The floor is reached by an unnormalised least-squares "
+                   "read-out, not by the normalised one of any map.")
     return out
 
 

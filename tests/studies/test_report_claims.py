@@ -208,27 +208,62 @@ def test_throughput_headline_skips_a_point_at_half_its_neighbours_rate(tmp_path)
 # ---------------------------------------------------------------------------
 # Recall: capacity told apart from a map that fails while its state has room
 # ---------------------------------------------------------------------------
+def _recall_entry(n, acc, dphi=16, softmax=None, est="", opt_acc=None):
+    acc = np.asarray(acc, dtype=float)
+    floor = np.maximum(0.0, 1.0 - dphi / n)
+    stats = {"accuracy": (acc, 0 * acc), "optimal_mse": (floor, 0 * floor), "mse": (0 * acc + 0.9, 0 * acc),
+             "softmax_accuracy": (np.ones_like(acc) if softmax is None else np.asarray(softmax, float), 0 * acc)}
+    if opt_acc is not None:
+        stats["optimal_accuracy"] = (np.asarray(opt_acc, dtype=float), 0 * acc)
+    return n, dphi, stats, est
+
+
 def test_recall_findings_call_a_failure_capacity_only_past_d_phi():
-    from linattn_nb.studies.recall import ACCURACY, _capacity_findings
+    from linattn_nb.studies.recall import ACCURACY, _findings
 
     n = np.array([4.0, 8.0, 16.0, 32.0, 64.0])
-
-    def entry(acc, dphi=16):
-        acc = np.asarray(acc, dtype=float)
-        floor = np.maximum(0.0, 1.0 - dphi / n)
-        return n, dphi, {"accuracy": (acc, 0 * acc), "optimal_mse": (floor, 0 * floor)}
-
-    agg = {("small logits", "elu"): entry([0.5, 0.4, 0.3, 0.2, 0.1]),
-           ("small logits", "dpfp"): entry([1.0, 1.0, 1.0, 0.7, 0.4]),
-           ("small logits", "taylor2"): entry([1.0] * 5, dphi=273),
-           ("variance", "elu"): entry([0.1] * 5)}
-    lines = _capacity_findings(agg, "small logits")
-    assert len(lines) == 3  # one per map of that regime only
-    elu, dpfp, taylor = lines
-    assert "n = 4 ≤ D_φ = 16" in elu and "not capacity" in elu
-    assert f"accuracy ≥ {ACCURACY} while n ≤ D_φ = 16, first below at n = 32" in dpfp
+    agg = {("small logits", "elu"): _recall_entry(n, [0.5, 0.4, 0.3, 0.2, 0.1]),
+           ("small logits", "dpfp"): _recall_entry(n, [1.0, 1.0, 1.0, 0.7, 0.4]),
+           ("small logits", "taylor2"): _recall_entry(n, [1.0] * 5, dphi=273),
+           ("variance", "elu"): _recall_entry(n, [0.1] * 5)}
+    lines = _findings(agg, ["variance", "small logits"])
+    assert lines[0].startswith("Rule: ") and "n > D_φ" in lines[0]
+    var_elu, elu, dpfp, taylor = lines[1:5]  # one per map and regime, in the regimes' order
+    assert var_elu.startswith("- elu, variance regime: capacity not supported")
+    assert "at n = 4, first below 0.9, D_φ = 16" in elu and "not capacity" in elu and "the map's kernel" in elu
+    assert "capacity supported" in dpfp and f"at n = 32, first below {ACCURACY}, D_φ = 16" in dpfp
     assert "consistent with the state's capacity" in dpfp
-    assert "no capacity limit reached" in taylor and "n = 64" in taylor
+    assert "capacity not applicable" in taylor and "no n past D_φ measured" in taylor and "n = 64" in taylor
+    assert "- small logits regime: capacity binds for dpfp." in lines
+    assert "- variance regime: capacity binds for no map." in lines
     # a failure exactly at n = D_φ is not capacity: the floor is still 0 there
-    agg = {("small logits", "m"): entry([1.0, 1.0, 0.5, 0.2, 0.1])}
-    assert "not capacity" in _capacity_findings(agg, "small logits")[0]
+    agg = {("small logits", "m"): _recall_entry(n, [1.0, 1.0, 0.5, 0.2, 0.1])}
+    assert "not capacity" in _findings(agg, ["small logits"])[1]
+
+
+def test_capacity_claim_names_the_estimators_variance_only_where_softmax_reads():
+    from linattn_nb.studies._claims import capacity_claim
+
+    n = np.array([4.0, 8.0, 16.0, 32.0])
+    _, dphi, st, _ = _recall_entry(n, [1.0, 0.8, 0.5, 0.3], dphi=128)
+    args = (n, st["accuracy"][0], st["accuracy"][1], st["optimal_mse"][0], dphi)
+    c = capacity_claim(*args, reference=np.array([1.0, 0.95, 0.9, 0.9]), estimator="random")
+    assert c.verdict == NOT_SUPPORTED and "the estimator's variance" in c.text and "reads 0.95 there" in c.text
+    c = capacity_claim(*args, reference=np.array([1.0, 0.5, 0.4, 0.3]), estimator="random")
+    assert "the kernel it estimates (softmax too reads only 0.5)" in c.text and "variance" not in c.text
+    c = capacity_claim(*args, reference=np.array([1.0, 0.95, 0.9, 0.9]), estimator="deterministic")
+    assert "its approximation of softmax" in c.text and "variance" not in c.text
+    assert "the map's kernel" in capacity_claim(*args, reference=np.ones(4)).text
+    # accuracy >= threshold past D_φ: argmax accuracy does not measure capacity
+    c = capacity_claim(n, np.ones(4), 0 * n, np.maximum(0, 1 - 8 / n), 8)
+    assert c.verdict == NOT_SUPPORTED and "passes the capacity limit" in c.text and "floor is 0.75" in c.text
+
+
+def test_recall_findings_say_where_the_least_squares_state_reads_past_d_phi():
+    from linattn_nb.studies.recall import _findings
+
+    n = np.array([8.0, 16.0, 32.0, 64.0])
+    agg = {("variance", "elu"): _recall_entry(n, [0.5] * 4, opt_acc=[1.0, 1.0, 0.95, 0.6]),
+           ("variance", "dpfp"): _recall_entry(n, [0.5] * 4, dphi=32, opt_acc=[1.0, 1.0, 1.0, 0.5])}
+    line = [x for x in _findings(agg, ["variance"]) if "least-squares state itself" in x]
+    assert len(line) == 1 and "elu, variance: n = 32 = 2 D_φ" in line[0] and "dpfp" not in line[0]
