@@ -1,9 +1,7 @@
 """Feature maps phi for kernel-based linear attention, and their registry.
 
-A feature map turns queries and keys of shape ``(..., N, D)`` into features of
-shape ``(..., N, D_phi)`` so that ``phi(q) @ phi(k).T`` replaces the softmax
-kernel ``exp(q . k)``.  Linear attention then aggregates ``S = sum phi(k) v^T``
-and ``z = sum phi(k)`` and never forms the ``N x N`` matrix.
+A feature map turns queries and keys ``(..., N, D)`` into features ``(..., N, D_phi)`` so that
+``phi(q) @ phi(k).T`` replaces the softmax kernel ``exp(q . k)``.
 
 Built-in maps are looked up by name::
 
@@ -17,22 +15,9 @@ Built-in maps are looked up by name::
     >>> feature_maps.get("favor+", dim=64, num_features=256, orthogonal=True, seed=0).output_dim(64)
     256
 
-The built-in maps, the temperature convention, adding a map and the gradients of the maps:
-docs/guide/feature_maps.md; formulas and papers: docs/theory.md.
+The built-in maps, the temperature convention, adding a map, the gradients of the maps and the
+modules they live in: docs/guide/feature_maps.md; formulas and papers: docs/theory.md.
 """
-# The package, by kind of map (every name is re-exported here; the documented
-# path of each is ``linattn_nb.feature_maps.<name>``):
-#
-#   _base.py         FeatureMap (with _layout_free), helpers shared by the maps
-#   _elementwise.py  elu, relu, squared_relu, identity
-#   _polynomial.py   dpfp, taylor2
-#   _random.py       draw_projection, RandomFeatureMap, favor+, rff
-#   _positional.py   cosformer
-#   _learned.py      _AffineFeatureMap, hedgehog, t2r
-#   _normalized.py   l2, silu_l2
-#   _registry.py     register, get, resolve, available, factory, inline_maps,
-#                    KERNEL_CODES, the registration of the built-in maps
-
 from ..ops._codes import (KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_NONE, KERNEL_CODE_RELU, KERNEL_CODE_SILU_L2,
                           KERNEL_CODE_SQUARED_RELU)
 from ._base import FeatureMap

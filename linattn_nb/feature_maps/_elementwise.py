@@ -42,9 +42,8 @@ class ElementwiseFeatureMap(FeatureMap):
 class EluFeatureMap(ElementwiseFeatureMap):
     """ELU+1: ``phi(x) = elu(x) + 1`` (x + 1 for x >= 0, exp(x) otherwise).
 
-    Kernel: ``phi(q) . phi(k)``, a positive similarity used as a stand-in for
-    ``exp(q . k)`` (Katharopoulos et al. 2020, "Transformers are RNNs", Eq. 7).
-    Overflow-safe: ``exp`` only ever sees non-positive numbers.
+    A positive stand-in for ``exp(q . k)`` (Katharopoulos et al. 2020, Eq. 7); ``exp`` only ever
+    sees non-positive numbers.
     """
 
     name = "elu"
@@ -65,10 +64,8 @@ class EluFeatureMap(ElementwiseFeatureMap):
 class ReluFeatureMap(ElementwiseFeatureMap):
     """ReLU: ``phi(x) = max(x, 0)``.
 
-    Kernel ``relu(q) . relu(k)`` (used e.g. by cosFormer before its position
-    reweighting).  Non-negative, but a query and a key with disjoint supports
-    give a zero normaliser, which the ``eps`` floor of
-    :func:`linattn_nb.linear_attention` handles.  NaN propagates.
+    Non-negative, but disjoint supports give a zero normaliser (the ``eps`` floor of
+    :func:`linattn_nb.linear_attention` handles it).  NaN propagates.
     """
 
     name = "relu"
@@ -103,9 +100,8 @@ class SquaredReluFeatureMap(ElementwiseFeatureMap):
 class IdentityFeatureMap(ElementwiseFeatureMap):
     """Identity: ``phi(x) = x``.
 
-    Kernel ``q . k`` (unnormalised "linear" attention).  Features are signed,
-    so the normaliser ``phi(q) . z`` can be zero or negative: see the ``eps``
-    parameter of :func:`linattn_nb.linear_attention`.
+    Kernel ``q . k``.  Signed features: the normaliser can be zero or negative (see ``eps`` of
+    :func:`linattn_nb.linear_attention`).
     """
 
     name = "identity"

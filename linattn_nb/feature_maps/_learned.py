@@ -15,9 +15,8 @@ from ._base import (FeatureMap, cast_features, check_count, check_input, check_r
 class _AffineFeatureMap(FeatureMap):
     """Base of the maps built on a trainable affine projection ``u = W x + b`` (hedgehog, t2r).
 
-    Holds and checks ``W`` (``d_out x d``, default the identity) and ``b`` (``d_out``, default 0) and
-    carries the chain rule from ``dL/du`` to them.  A default (``None``) is not stored: the map skips the
-    product (or the sum), with the same result.  Subclasses build their features from :meth:`_affine`.
+    Holds and checks ``W`` (``d_out x d``, default the identity) and ``b`` (``d_out``, default 0; a
+    default is not stored, the product or sum is skipped) and carries the chain rule to them.
 
     Parameters
     ----------
@@ -81,15 +80,13 @@ class _AffineFeatureMap(FeatureMap):
     def materialize(self, d=None):
         """Store the defaults explicitly (``W = I_d``, ``b = 0``) so that :meth:`parameters` has both.
 
-        The features do not change.  ``d`` (the input dimension) is needed
-        only when neither ``W`` nor ``b`` is set; when given it must agree
-        with them.  Returns the map.
+        The features do not change; ``d`` (the input dimension) is needed only when neither ``W`` nor
+        ``b`` is set.  Returns the map.
 
         Raises
         ------
         ValueError
-            If ``d`` is needed and missing, or disagrees with the shape of
-            ``W`` or ``b``.
+            If ``d`` is needed and missing, or disagrees with the shape of ``W`` or ``b``.
 
         Examples
         --------
@@ -124,8 +121,8 @@ class HedgehogFeatureMap(_AffineFeatureMap):
     (:meth:`apply`) query features are divided by their own largest value (it cancels row by row); keys
     whose features overflow the dtype raise ValueError.
 
-    :meth:`vjp` always returns ``{"W": dL/dW, "b": dL/db}``, defaults included; :meth:`parameters` returns
-    the stored arrays only: call :meth:`materialize` to store the defaults before training them.
+    :meth:`vjp` always returns ``{"W": dL/dW, "b": dL/db}``; :meth:`parameters` only the stored arrays:
+    :meth:`materialize` stores the defaults before training.
 
     Parameters
     ----------
@@ -203,15 +200,12 @@ class HedgehogFeatureMap(_AffineFeatureMap):
 class T2RFeatureMap(_AffineFeatureMap):
     r"""T2R features ``phi(x) = relu(W x + b)`` (Kasai et al. 2021).
 
-    "Finetuning Pretrained Transformers into RNNs" (EMNLP 2021) finetunes ``W`` (``d_out x d``) and ``b``
-    (``d_out``) with the rest of the model; the defaults ``W = I``, ``b = 0`` give the ``"relu"`` map.
-    Output dimension ``d_out``.  Features are non-negative but can be exactly zero (a query whose features
-    are all 0 has a zero normaliser, which the ``eps`` floor handles); NaN propagates.  The same features
-    for queries and keys, no stabilising shift.
+    ``W`` (``d_out x d``) and ``b`` (``d_out``) are trained (:func:`linattn_nb.feature_maps.fit`); the
+    defaults ``W = I``, ``b = 0`` give the ``"relu"`` map.  Output dimension ``d_out``; features are
+    non-negative but can be exactly zero (the ``eps`` floor handles a zero normaliser).
 
-    :meth:`vjp` always returns ``{"W": dL/dW, "b": dL/db}``, defaults included, with derivative 0 at the
-    kink; :meth:`parameters` returns the stored arrays only: call :meth:`materialize` to store the
-    defaults before training them.
+    :meth:`vjp` always returns ``{"W": dL/dW, "b": dL/db}`` (derivative 0 at the kink); :meth:`parameters`
+    only the stored arrays: :meth:`materialize` stores the defaults before training.
 
     Parameters
     ----------
@@ -223,8 +217,7 @@ class T2RFeatureMap(_AffineFeatureMap):
     Raises
     ------
     ValueError
-        If ``W`` is not a non-empty, finite 2-D array, or ``b`` is not a
-        finite 1-D array of length ``d_out``.
+        If ``W`` is not a non-empty, finite 2-D array, or ``b`` not a finite 1-D array of length ``d_out``.
     TypeError
         If ``W`` or ``b`` holds anything but real numbers.
 

@@ -14,15 +14,10 @@ from ._base import FeatureMap, vjp_inputs
 class L2FeatureMap(FeatureMap):
     """L2 normalisation: ``phi(x) = x / ||x||`` per row, exactly (a zero row maps to zero).
 
-    DeltaNet's keys and queries (Yang et al., "Parallelizing Linear
-    Transformers with the Delta Rule over Sequence Length", NeurIPS 2024):
-    with unit keys and write strengths ``beta`` in [0, 2], ``I - beta k k^T``
-    is a contraction and the delta rule's state stays bounded.  There is no
-    epsilon inside the norm; the norm is taken in float64, so rows of
-    float32 or float16 inputs whose squares overflow are normalised
-    correctly.  Signed features: the normaliser ``phi(q) . z`` can be <= 0
-    (see ``eps`` of :func:`linattn_nb.linear_attention`).
-    Applied inside the kernels (``kernel_code``).
+    DeltaNet's keys and queries (Yang et al. 2024): with unit keys and ``beta`` in [0, 2] the delta
+    rule's state stays bounded.  No epsilon; the norm is taken in float64 (rows whose squares
+    overflow still normalise).  Signed features: the normaliser can be <= 0.  Applied inside the
+    kernels (``kernel_code``).
     """
 
     name = "l2"
@@ -63,9 +58,7 @@ class L2FeatureMap(FeatureMap):
 class SiluL2FeatureMap(L2FeatureMap):
     """SiLU, then L2 normalisation per row: ``phi(x) = s / ||s||``, ``s = x * sigmoid(x)`` (DeltaNet).
 
-    As :class:`L2FeatureMap` (exact, a zero row maps to zero), after the
-    elementwise SiLU of Yang et al. 2024's DeltaNet keys and queries.
-    Applied inside the kernels (``kernel_code``).
+    As :class:`L2FeatureMap`, after the elementwise SiLU; applied inside the kernels.
     """
 
     name = "silu_l2"

@@ -17,10 +17,8 @@ class DpfpFeatureMap(FeatureMap):
     """DPFP(nu): deterministic parameter-free projection (Schlag, Irie & Schmidhuber 2021, §5.4).
 
     ``r = relu([x, -x])`` in R^(2d); ``phi_{i,j}(x) = r_i * r_{(i + j) mod 2d}`` for
-    ``j = 1..nu``, concatenated over ``j``: output dimension ``2 d nu``.  The
-    features are non-negative and, for generic inputs, sparse (each is a
-    product of two rectified coordinates).  Kernel: ``phi(q) . phi(k)``, no
-    softmax target; its point is a large ``D_phi`` for capacity (§4.1).
+    ``j = 1..nu``, concatenated: output dimension ``2 d nu``, non-negative and sparse; no softmax
+    target, its point is a large ``D_phi`` for capacity (§4.1).
 
     Parameters
     ----------
@@ -74,14 +72,9 @@ class Taylor2FeatureMap(FeatureMap):
 
         phi(x) = [1, x', (x'_i^2 / sqrt(2))_i, (x'_i x'_j)_{i<j}]
 
-    in the symmetric form of output dimension ``1 + d + d(d+1)/2`` (153 at
-    d = 16), so that exactly
-
-    .. math:: \phi(q)\cdot\phi(k) = 1 + t + t^2/2,\quad t = \text{scale}\; q\cdot k,
-
-    the second-order Taylor polynomial of ``exp(t)``.  The kernel is at least
-    1/2 for every pair (``1 + t + t^2/2 = (1 + (1 + t)^2)/2``), so normalisers
-    are positive even though single features are signed.
+    of output dimension ``1 + d + d(d+1)/2``, so that exactly ``phi(q) . phi(k) = 1 + t + t^2/2``,
+    ``t = scale q . k``.  The kernel is at least 1/2, so normalisers are positive although single
+    features are signed.
 
     Parameters
     ----------

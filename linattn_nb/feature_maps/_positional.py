@@ -14,18 +14,11 @@ from ._base import FeatureMap, check_count, check_input, check_role, vjp_inputs
 class CosformerFeatureMap(FeatureMap):
     r"""cosFormer: ReLU features with cos/sin position reweighting (Qin et al., ICLR 2022, §3.3).
 
-    The kernel between a query at position ``i`` and a key at position ``j``
-    is ``relu(q) . relu(k) * cos(pi/2 * (i - j) / M)``.  Because
-    ``cos(a - b) = cos a cos b + sin a sin b`` it factorises into
-
-    .. math:: \phi(x_i) = [\,\mathrm{relu}(x_i)\cos\theta_i,\ \mathrm{relu}(x_i)\sin\theta_i\,],
-       \quad \theta_i = \frac{\pi}{2}\frac{i}{M},
-
-    output dimension ``2d``, so attention stays linear.  Positions run over ``0..M-1`` (token ``t`` of ``x``
-    at ``offset + t``, for queries and keys alike); every feature is non-negative.  ``M`` defaults to the
-    sequence length (``total_length``, else ``N``), the paper's choice; segment-wise processing
-    (``offset > 0``) needs ``max_length``, and a position ``>= M`` raises ValueError (the weight would turn
-    negative).  How positions enter causal and segment-wise attention: docs/guide/feature_maps.md.
+    The kernel between positions ``i`` and ``j`` is ``relu(q) . relu(k) * cos(pi/2 * (i - j) / M)``,
+    which factorises into ``phi(x_i) = [relu(x_i) cos(theta_i), relu(x_i) sin(theta_i)]``,
+    ``theta_i = pi/2 * i / M`` (output ``2d``, non-negative).  ``M`` defaults to the sequence length;
+    segment-wise processing (``offset > 0``) needs ``max_length``, and a position ``>= M`` raises
+    ValueError.  How positions enter attention: docs/guide/feature_maps.md.
 
     Parameters
     ----------

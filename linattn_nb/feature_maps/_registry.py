@@ -43,8 +43,7 @@ def register(name: str, factory: Factory, *, overwrite: bool = False) -> None:
     name : str
         Registry name (case-sensitive, non-empty).
     factory : callable
-        A :class:`FeatureMap` subclass or any callable that takes the map's
-        parameters as keyword arguments and returns a :class:`FeatureMap`.
+        A :class:`FeatureMap` subclass, or a callable of the map's keyword parameters returning one.
     overwrite : bool, default False
         Replace an existing registration of the same name.
 

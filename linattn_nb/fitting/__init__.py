@@ -34,14 +34,13 @@ class FitHistory(NamedTuple):
     step : ndarray of int
         ``0, 1, ..., steps_done``.
     train_loss : ndarray
-        The loss on the training queries and keys after each step.
+        The training loss after each step.
     val_loss : ndarray
-        The same loss on the validation set (NaN without ``validation``).
+        The validation loss (NaN without ``validation``).
     seconds : ndarray
-        Wall time since the start of the fit at each entry.
+        Wall time since the start of the fit.
     evaluations : int
-        Loss-and-gradient evaluations on the training set (L-BFGS's line
-        search may take several per step).
+        Loss-and-gradient evaluations on the training set (several per L-BFGS step).
     loss : str
     optimizer : str
     message : str
@@ -257,17 +256,15 @@ def objective(feature_map, q, k, *, causal=False, scale=None, loss="cross_entrop
     Parameters
     ----------
     feature_map, q, k, causal, scale, loss, values, floor, seed
-        As for :func:`fit` (``seed`` draws the values of ``loss="mse"`` when
-        none are given).
+        As for :func:`fit`.
 
     Returns
     -------
     loss : float
-        The mean loss over rows (``inf`` when a row's linear weights cannot
-        be normalised, or give 0 where softmax has mass and no floor is used).
+        The mean loss over rows (``inf`` where a row's linear weights cannot be normalised, or are
+        0 where softmax has mass without a floor).
     grads : dict
-        ``name -> dloss/dparameter`` for the arrays ``parameters()`` returns
-        (after ``materialize``, for maps that have it); zeros where the loss
+        ``name -> dloss/dparameter`` for the arrays ``parameters()`` returns; zeros where the loss
         is infinite.
 
     Examples
@@ -298,76 +295,58 @@ def fit(feature_map, q, k, *, causal=False, scale=None, loss="cross_entropy", st
         seed=0, validation=None, values=None, floor=None, learning_rate=0.01, tol=None, progress=True):
     """Fit the parameters of a feature map so that linear attention's weights match softmax's.
 
-    The map's parameters (:meth:`~linattn_nb.feature_maps.FeatureMap.parameters`; it needs a
-    :meth:`~linattn_nb.feature_maps.FeatureMap.vjp`) are trained on the given queries and keys, full
-    batch, with SciPy's L-BFGS-B or a small Adam loop on the package's own gradients, without holding an
-    ``N x N`` matrix.  One map is fitted to all batch entries (call ``fit`` per head to fit one per head).
-    float64 inputs are worked on in float64, float32 (or float16) ones in float32, about twice as fast
-    (losses summed, parameters and gradients held in float64).  Details: docs/guide/feature_maps.md.
+    The map's parameters (it needs :meth:`~linattn_nb.feature_maps.FeatureMap.parameters` and
+    :meth:`~linattn_nb.feature_maps.FeatureMap.vjp`) are trained full batch with SciPy's L-BFGS-B or
+    a small Adam loop, without holding an ``N x N`` matrix; one map for all batch entries.  The losses
+    and how a fit runs: docs/guide/feature_maps.md.
 
     Parameters
     ----------
     feature_map : str or FeatureMap
-        The map to start from: a registered name (its defaults: Hedgehog and
-        T2R start at ``W = I``, ``b = 0``, as in the Hedgehog paper) or a map
-        object, which is copied (never modified).  Maps with
-        ``materialize`` (Hedgehog, T2R) store their default parameters
-        explicitly first.
+        The map to start from: a registered name (Hedgehog and T2R start at ``W = I``, ``b = 0``) or
+        a map object, which is copied (never modified).
     q, k : array_like, shape (..., N, d)
-        Training queries and keys (floating point, finite, the same shape;
-        leading dimensions are independent sequences; their dtype sets the
-        working precision, see above).
+        Training queries and keys (finite, the same shape); float64 is fitted in float64, other
+        dtypes in float32.
     causal : bool, default False
-        Fit causal weights (row ``i`` sees keys ``j <= i``).
+        Fit causal weights.
     scale : float, optional
-        Softmax temperature, default ``1/sqrt(d)``: the target is
-        ``softmax(scale * q k^T)``.
+        Softmax temperature, default ``1/sqrt(d)``.
     loss : {"cross_entropy", "kl", "mse"}, default "cross_entropy"
-        A mean over query rows: Hedgehog's soft-label cross-entropy ``-sum_j P_ij log L_ij`` between the
-        softmax and linear weights, ``"kl"`` (the same minus the softmax entropy, 0 at a perfect fit), or
-        ``"mse"`` between the outputs of linear and softmax attention for ``values``.
+        Hedgehog's soft-label cross-entropy between the softmax and linear weights, ``"kl"`` (0 at a
+        perfect fit), or ``"mse"`` between the outputs for ``values``; a mean over query rows.
     steps : int, default 200
-        Optimiser iterations (0: evaluate only).  L-BFGS stops earlier when
-        it converges (``tol``) or its line search fails; ``history.message``
-        says why.
+        Optimiser iterations (0: evaluate only); ``history.message`` says why L-BFGS stopped.
     optimizer : {"lbfgs", "adam"}, default "lbfgs"
     seed : int, default 0
-        Seeds the values drawn for ``loss="mse"`` when none are given (N(0, 1),
-        ``d`` columns).
+        Seeds the values drawn for ``loss="mse"`` when none are given.
     validation : tuple, optional
-        ``(q_val, k_val)`` (and ``v_val`` for ``loss="mse"``; drawn with
-        ``seed + 1`` when left out): the same loss on held-out queries and
-        keys, recorded after every step.
+        ``(q_val, k_val)`` (and ``v_val`` for ``loss="mse"``): the same loss on held-out data,
+        recorded after every step.
     values : array_like, shape (..., N, M), optional
         Values for ``loss="mse"``.
     floor : float in [0, 1), optional
-        Floor of the linear weights in the cross-entropy and KL, ``(1 - floor) max(L_ij, 0) + floor / n_i``
-        (``n_i`` the keys row ``i`` sees): 0 for maps whose features are all positive
-        (``strictly_positive``), else ``config.FIT_FLOOR``.
+        Floor of the linear weights in the cross-entropy and KL: 0 for ``strictly_positive`` maps,
+        else ``config.FIT_FLOOR``.
     learning_rate : float, default 0.01
         Adam's step size.
     tol : float, optional
-        L-BFGS: its ``ftol`` and ``gtol`` (default SciPy's; 0 runs all
-        ``steps`` unless the line search fails); Adam: stop once the gradient's
-        max-norm is <= ``tol``.
+        L-BFGS: its ``ftol`` and ``gtol`` (default SciPy's); Adam: stop once the gradient's max-norm
+        is <= ``tol``.
     progress : bool, default True
         A progress bar (tqdm) with the current loss.
 
     Returns
     -------
     FitResult
-        ``(feature_map, history)``: the fitted map (a new object, with the parameters of the last step)
-        and a :class:`FitHistory`.  Interrupted with Ctrl-C, the fit returns what the last finished step
-        reached (``history.message`` says so); inside a :func:`linattn_nb.studies.sweep` point the
-        ``KeyboardInterrupt`` goes through instead.
+        ``(feature_map, history)``: the fitted map (a new object) and a :class:`FitHistory`.
+        Ctrl-C returns what the last finished step reached (not inside a sweep point).
 
     Raises
     ------
     ValueError, TypeError
-        Naming the argument: shapes, dtypes or non-finite inputs, an unknown
-        ``loss`` or ``optimizer``, a map without trainable parameters,
-        ``values`` with a weights loss, or a starting point whose loss is
-        infinite (a linear weight 0 where softmax has mass: pass ``floor``).
+        Naming the argument: bad inputs, ``loss`` or ``optimizer``, a map without trainable
+        parameters, ``values`` with a weights loss, or an infinite starting loss (pass ``floor``).
 
     Examples
     --------

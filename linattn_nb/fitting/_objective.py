@@ -31,11 +31,9 @@ class WeightsLoss:
         Softmax temperature.
     causal : bool
     floor : float
-        Floor of the linear weights (0: none), see
-        :func:`._kernels.cross_entropy_rows`.
+        Floor of the linear weights (0: none).
     kl : bool
-        Subtract the softmax rows' entropy (a constant): KL instead of the
-        cross-entropy.
+        Subtract the softmax rows' entropy: KL instead of the cross-entropy.
     """
 
     def __init__(self, q, k, *, scale, causal, floor, kl, block_bytes=None, cache_bytes=None):
@@ -76,9 +74,8 @@ class WeightsLoss:
     def __call__(self, fq, fk, want_grad=True):
         """``(loss, dfq, dfk)``: the mean loss over rows and its gradients (None without ``want_grad``).
 
-        ``fq``, ``fk``: features ``(B, N, F)`` in the dtype of the queries.  An infinite loss (a
-        row whose weights cannot be normalised, or a zero weight where
-        softmax has mass and no floor) comes with zero gradients.
+        ``fq``, ``fk``: features ``(B, N, F)`` in the dtype of the queries.  An infinite loss comes
+        with zero gradients.
         """
         b, n, _ = self.q.shape
         want_h = self.kl and self._entropy is None

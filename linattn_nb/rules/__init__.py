@@ -1,19 +1,9 @@
 """The update rules: one module per rule, and the registry that every other part asks.
 
-===============  ======================================================  =============================
-rule             recurrence                                              selected by
-===============  ======================================================  =============================
-``additive``     ``S_t = S_{t-1} + phi(k_t) v_t^T``                      no decay, no beta
-``decay``        ``S_t = a_t S_{t-1} + phi(k_t) v_t^T``                  a decay per sequence or token
-``gate``         ``S_t = diag(alpha_t) S_{t-1} + phi(k_t) v_t^T``        a decay per token and feature
-``delta``        ``S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T``  beta
-``gated_delta``  the delta rule after a scalar decay ``a_t``             beta and a decay
-===============  ======================================================  =============================
-
-(``k_t`` stands for ``phi(k_t)``.)  A call's ``decay``/``log_decay`` and
-``beta`` select the rule (:func:`rule_for`); each rule is an
-:class:`~linattn_nb.rules._base.UpdateRule` record in its own module
-(``linattn_nb/rules/<name>.py``), listed once in :data:`RULES` below.
+Each rule is an :class:`~linattn_nb.rules._base.UpdateRule` record in its own module
+(``linattn_nb/rules/<name>.py``), registered below; a call's ``decay``/``log_decay`` and ``beta``
+select the rule (:func:`rule_for`).  The rules and their recurrences: docs/guide/rules.md; adding
+one: docs/adding_an_update_rule.md.
 
 Examples
 --------
@@ -42,11 +32,9 @@ RULES: Dict[str, UpdateRule] = {}
 def register(rule: UpdateRule, *, overwrite: bool = False) -> UpdateRule:
     """Add ``rule`` to :data:`RULES`.
 
-    Its code and kernel inputs must be those of its entry in the kernels'
-    table (:data:`linattn_nb.ops._codes.RULES`): the kernels know a rule by
-    its code.  Raises ValueError otherwise, or when the name or the
-    combination of ``factor`` and ``beta`` is already taken (unless
-    ``overwrite``).
+    Its code and kernel inputs must be those of its entry in :data:`linattn_nb.ops._codes.RULES`.
+    Raises ValueError otherwise, or when the name or the combination of ``factor`` and ``beta`` is
+    already taken (unless ``overwrite``).
     """
     if not isinstance(rule, UpdateRule):
         raise TypeError(f"rule must be an UpdateRule, got {type(rule).__name__}")
@@ -97,8 +85,7 @@ def rule_for(*, factor: Optional[str], beta: bool) -> UpdateRule:
     Parameters
     ----------
     factor : {None, "scalar", "feature"}
-        The form of the ``decay``/``log_decay`` given: none, one factor per
-        sequence or per token, or one per token and feature.
+        The form of the ``decay``/``log_decay`` given (:attr:`UpdateRule.factor`).
     beta : bool
         Whether ``beta`` was given.
 

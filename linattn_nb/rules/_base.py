@@ -1,20 +1,8 @@
 """What an update rule is: :class:`UpdateRule`, the one record every part of the package asks.
 
-An update rule says how a token changes the state ``H = [S | z]`` (F x (M + 1),
-the normaliser ``z`` being the state of one more value column of ones).  Every
-rule of the package is one module of :mod:`linattn_nb.rules`, holding one
-:class:`UpdateRule`: its user-facing arguments (which of ``decay``/``log_decay``
-and ``beta`` it takes, in which form), the default of ``normalize``, its
-float64 reference recurrence (:meth:`UpdateRule.reference_step`), how a study
-draws its inputs, the name it has in state files, and which analyses apply
-to it.  The front ends, the state, the analyses, the studies and the torch
-adapter ask the record; none of them compares a rule's name.
-
-The kernels switch on the rule's integer :attr:`UpdateRule.code` (a
-compile-time constant for Numba): those switches are tabled in the kernel
-layer's per-rule hooks (:mod:`linattn_nb.ops._rules` on the CPU,
-:mod:`linattn_nb.ops._cuda_common` with CUDA), keyed by the codes of
-:data:`linattn_nb.ops._codes.RULES`.
+The front ends, the state, the analyses, the studies and the torch adapter ask the record; the
+kernels switch on its :attr:`UpdateRule.code`.  How a rule runs through the package:
+docs/adding_an_update_rule.md.
 """
 from __future__ import annotations
 
@@ -34,46 +22,34 @@ class UpdateRule:
     Attributes
     ----------
     name : str
-        The rule's name: ``LinearState.rule``, ``LinearAttentionState(rule=...)``
-        and the name written into state files.
+        The rule's name (``LinearState.rule``, state files).
     code : int
-        The integer the kernels' per-rule hooks branch on
-        (:data:`linattn_nb.ops._codes.RULES`).
+        The integer the kernels' per-rule hooks branch on (:data:`linattn_nb.ops._codes.RULES`).
     kernel_inputs : tuple of str
-        The names of the per-token arrays the launchers take as ``inputs=``
-        (``log_decay`` (B, N), ``log_gate`` (B, N, D_phi), ``beta`` (B, N)).
+        The per-token arrays the launchers take as ``inputs=`` (``log_decay`` (B, N),
+        ``log_gate`` (B, N, D_phi), ``beta`` (B, N)).
     factor : {None, "scalar", "feature"}
-        The form of ``decay``/``log_decay`` the rule takes: none, one factor
-        per sequence or per token, or one per token and feature.
+        The form of ``decay``/``log_decay``: none, one per sequence or token, one per token and feature.
     beta : bool
-        Whether the rule takes write strengths ``beta`` (one per sequence or
-        per token, in [0, 2]).
+        Whether the rule takes write strengths ``beta`` (in [0, 2]).
     normalize : bool
         Whether outputs are divided by the normaliser when ``normalize=None``.
     reads_state : bool
-        Whether a token's update reads the state (the delta rules: the state
-        moves through an (F, F) matrix).  Such a rule's span of tokens is not
-        a sum of independent contributions: the kernels never split its
-        sequences into pieces, and the analyses that need a scalar weight per
-        pair of tokens take its closed form instead.
+        Whether a token's update reads the state (the delta rules): its sequences are never split
+        into pieces, and the analyses take its closed-form weights.
     formula : str
         The recurrence, in one line.
     hint : str
         How to pass the arguments that select the rule (for error messages).
     reference_step : callable
-        ``reference_step(H, k, v1, log_factor, beta) -> H``: one token of the
-        recurrence in float64 NumPy, ``H`` (F, M + 1), ``k = phi(k_t)`` (F,),
-        ``v1 = [v_t, 1]`` (M + 1,), ``log_factor`` the token's log-factor (a
-        float, an (F,) array or None), ``beta`` a float or None.  It is the
-        definition that the kernels are tested against.
+        ``reference_step(H, k, v1, log_factor, beta) -> H``: one token in float64 NumPy, ``H``
+        (F, M + 1), ``k = phi(k_t)``, ``v1 = [v_t, 1]``, ``log_factor`` a float, an (F,) array or
+        None; the definition the kernels are tested against.
     sample : callable
-        ``sample(rng, b, n, f) -> dict``: random inputs of the rule for a
-        (b, n) batch as :func:`linattn_nb.linear_attention` keywords (a study's
-        and a test's draw): factors in [0.5, 1] with a reset at token n // 2,
-        write strengths in [0, 2].
+        ``sample(rng, b, n, f) -> dict``: random inputs for a (b, n) batch as
+        :func:`linattn_nb.linear_attention` keywords (factors in [0.5, 1] with a reset at n // 2).
     study_map : str
-        The feature map a study checks the rule with (the delta rules need
-        unit keys to stay bounded: ``"l2"``).
+        The feature map a study checks the rule with (``"l2"`` for the delta rules).
     """
 
     name: str
@@ -106,9 +82,7 @@ class UpdateRule:
     def kernel_arguments(self, log_factor, beta) -> Optional[dict]:
         """The launchers' ``inputs=``: the validated (B, N[, F]) ``log_factor`` and (B, N) ``beta`` by name.
 
-        ``log_factor`` goes under the rule's factor input (``log_decay`` or
-        ``log_gate``), ``beta`` under ``beta``; None for a rule without
-        inputs.
+        None for a rule without inputs.
         """
         if not self.kernel_inputs:
             return None
@@ -146,8 +120,7 @@ def reference(rule: UpdateRule, fq, fk, v, *, inputs=None, H0=None, normalize=No
     H0 : array_like, shape (B, F, M + 1), optional
         The initial state ``[S | z]`` (zeros by default).
     normalize : bool, optional
-        Divide by ``phi(q_t) . z_t`` (floored at ``eps`` unless None); the
-        rule's default when None.
+        Divide by ``phi(q_t) . z_t`` (floored at ``eps`` unless None); default the rule's.
     eps : float or None
 
     Returns

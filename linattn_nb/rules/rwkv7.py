@@ -1,15 +1,8 @@
-"""RWKV-7 "Goose" (Peng et al. 2025), in its own parameterisation.
+"""RWKV-7 "Goose" (Peng et al. 2025) as a DPLR rule: ``a = -kappa``, ``b = kappa * iclr``, decay ``w``.
 
-RWKV-7 keeps the state transposed, ``S'`` of shape (M, D_phi), and writes
-``S'_t = S'_{t-1} (diag(w_t) + alpha_t^T beta_t) + v_t^T k_t`` with row vectors
-``alpha_t = -kappa_t`` (the removal key, a unit vector in the model) and
-``beta_t = kappa_t * iclr_t`` (``iclr_t`` in [0, 1] per feature: the in-context learning rate),
-``w_t`` a per-feature decay; its read-out is ``S'_t r_t``.  This toolkit's state is ``S = S'^T``
-(D_phi x M), so the same step reads ``S_t = (diag(w_t) + beta_t^T alpha_t) S_{t-1} + k_t^T v_t``:
-a DPLR transition with ``a = alpha = -kappa``, ``b = beta = kappa * iclr``, and the query
-``phi(q_t)`` in the receptance's place.  The replacement key (RWKV-7's ``k`` after its own
-adjustment) is ``phi(k_t)``.
-Arguments: ``decay`` (w, in [0, 1]) or ``log_decay``, ``kappa`` and ``iclr``, each (..., N, D_phi).
+RWKV-7's transposed state and receptance map onto this toolkit's state and query as docs/dplr.md
+says (the model's replacement key is passed as ``k``).  Arguments: ``decay`` (w, in [0, 1]) or
+``log_decay``, ``kappa`` and ``iclr``, each (..., N, D_phi).
 """
 import numpy as np
 

@@ -42,9 +42,7 @@ def build_map(name: str, *, dim=None, num_features=None, seed=None, **params):
 def buildable_maps(*, positive_only: bool = False, defaults: bool = False) -> list[str]:
     """Registered maps that build with at most ``dim``/``num_features``/``seed`` given.
 
-    ``defaults``: only the maps a study sweeps when none are named, leaving
-    out those whose default features are another registered map's
-    (``FeatureMap.same_as``, e.g. t2r at ``W = I``, ``b = 0`` is relu).
+    ``defaults``: leave out the maps whose default features are another's (``FeatureMap.same_as``).
     """
     from .. import feature_maps as fm
 

@@ -2,11 +2,7 @@
 
 Hedgehog and T2R are fitted to softmax's weights on a training draw and measured, with ELU+1,
 Taylor-2, FAVOR+ and the maps' starting points, on a held-out draw, in three regimes
-(:data:`REGIMES`).  The maps, regimes and measures are described in docs/guide/studies.md.
-
-Sizes per profile (d, N = training and evaluation length, L-BFGS steps, seeds): tiny d = 8, N = 64,
-10 steps, 2 seeds; quick d = 16, N = 256, 30 steps, 5 seeds; full d = 16, N = 512, 50 steps,
-5 seeds.  Three regimes in every profile.
+(:data:`REGIMES`).  The maps, regimes, measures and sizes are described in docs/guide/studies.md.
 """
 from __future__ import annotations
 
@@ -114,12 +110,10 @@ def run(regime, input_scale, temperature, d, n, steps, seed, fit_dtype=FIT_DTYPE
     Returns
     -------
     dict
-        ``maps``: map key (see :data:`MAP_LABELS`) -> the ``approximation_error``
-        fields plus ``d_phi``; ``fits``: fitted map key -> ``train_start``,
-        ``train_end`` (the fit's loss on the training draw before the first
-        and after the last step), ``heldout_start``, ``heldout_end`` (the same
-        loss on the evaluation draw), ``steps_done``, ``seconds``, ``message``,
-        ``loss``.
+        ``maps``: map key (:data:`MAP_LABELS`) -> the ``approximation_error`` fields plus ``d_phi``;
+        ``fits``: fitted map key -> the loss before and after on the training draw (``train_start``,
+        ``train_end``) and the evaluation draw (``heldout_start``, ``heldout_end``), ``steps_done``,
+        ``seconds``, ``message``, ``loss``.
     """
     from .. import feature_maps as fm
     from .._blas import single_threaded_blas

@@ -96,11 +96,9 @@ def _unit_keys(rng, n, d):
 
 
 def _run_written(kind, beta, d, n_pairs, seed, passes) -> dict:
-    """The regimes written through a LinearAttentionState and read back with
-    :func:`linattn_nb.analysis.read_back`: repeated passes over the pairs
-    (``kind="passes"``), or every key written twice, first with an old value
-    and then with a new one (``kind="rewrite"``; the new value is the one to
-    read, chosen among all 2n stored values)."""
+    """The regimes written through a LinearAttentionState and read back with ``analysis.read_back``:
+    repeated passes over the pairs (``kind="passes"``), or every key written with an old, then a new
+    value (``kind="rewrite"``; the new one is to be read among all 2n)."""
     from .. import LinearAttentionState
     from ..analysis import read_back
 
