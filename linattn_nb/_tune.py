@@ -15,7 +15,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import threading
 import time
 
@@ -308,29 +307,19 @@ def load(path: str | None = None) -> dict | None:
 
 
 def save(cal: dict) -> str | None:
-    """Store ``cal`` atomically (a temporary file renamed over the old one) and use it in this process.
-
-    Returns the file written, or None when there is no cache folder or it
-    cannot be written (the calibration is then kept in memory for this
-    process only).
-    """
+    """Store ``cal`` atomically and use it in this process; the file written, or None when there is no
+    cache folder or it cannot be written (the calibration is then kept for this process only)."""
     global _current
     with _lock:
         _current = cal
     path = calibration_path()
     if path is None:
         return None
+    from .state.fileformat import atomic_write
+
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".auto-tune-", suffix=".tmp", dir=os.path.dirname(path))
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump(cal, fh, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        atomic_write(path, lambda fh: fh.write(json.dumps(cal, indent=1).encode("utf-8")))
     except OSError:
         return None
     return path

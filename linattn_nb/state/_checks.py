@@ -132,13 +132,8 @@ def _step_decay_form(name, x, batch_shape, t: int, f: int):
 
 
 def _step_beta_form(x, batch_shape, t: int):
-    """A step's ``beta`` (a host array) in the form of :func:`linattn_nb._validate.beta_inputs` with N = T.
-
-    A scalar or ``b`` dimensions broadcastable to the batch shape (one write
-    strength per sequence, the same at each of the T tokens); ``b + 1``
-    dimensions ``(*batch, T)`` or ``b + 2`` dimensions ``(*batch, T, 1)`` (the
-    step form of a per-token decay): one per token.
-    """
+    """A step's ``beta`` (a host array) in the form of :func:`linattn_nb._validate.beta_inputs` with N = T
+    (``(*batch, T, 1)``, the step form of a per-token value, loses its last axis)."""
     nb = len(tuple(batch_shape))
     if x.ndim == nb + 2:
         if x.shape[-2:] != (t, 1):
@@ -151,31 +146,12 @@ def _step_beta_form(x, batch_shape, t: int):
 
 
 def rule_inputs(decay, log_decay, beta, fmap, normalize, batch_shape, t: int, f: int, *, step: bool):
-    """The rule and kernel inputs of a step's (``step=True``) or a prefill's ``decay``/``log_decay`` and ``beta``.
+    """``(rule, inputs)`` of a step's (``step=True``) or a prefill's ``decay``/``log_decay`` and ``beta``.
 
-    A prefill takes the forms of :func:`linattn_nb.linear_attention` with
-    N = T.  A step's factors (``b`` the number of batch dimensions, T the
-    tokens of the call, D_phi the feature dimension):
-
-    * a scalar or ``b`` dimensions broadcastable to the batch shape: one factor
-      per sequence (head), the same at each of the T tokens (the decay rule);
-    * ``b + 1`` dimensions ``(*batch, D_phi)``: one gate per sequence and
-      feature, the same at each of the T tokens (the gate rule);
-    * ``b + 2`` dimensions ``(*batch, T, 1)``: one factor per token;
-      ``(*batch, T, D_phi)``: one gate per token and feature (a trailing 1
-      means one factor for every feature, also when D_phi = 1);
-
-    and its ``beta`` a scalar, one per sequence, or one per token
-    (``(*batch, T)`` or ``(*batch, T, 1)``).  For a decode step (T = 1) the
-    per-sequence forms are the token's own values.  GPU arrays are copied to
-    the host first; the rule, the values and the flattening are
-    :func:`linattn_nb._frontend.rule_arguments`' (errors name
-    ``decay``/``log_decay``/``beta``; a per-feature gate with ``beta`` raises
-    ValueError).
-
-    Returns
-    -------
-    (rule, inputs) : the rule's name and its kernel inputs (None without inputs)
+    A prefill takes the forms of :func:`linattn_nb.linear_attention` with N = T, a step those of
+    :meth:`LinearAttentionState.step` (mapped onto them by :func:`_step_decay_form` and
+    :func:`_step_beta_form`).  GPU arrays are copied to the host first; the rule, the values and the
+    flattening are :func:`linattn_nb._frontend.rule_arguments`' (``inputs`` None without inputs).
     """
     name, x = _factor_array(decay, log_decay)
     factor = {} if name is None else {name: _step_decay_form(name, x, batch_shape, t, f) if step else x}

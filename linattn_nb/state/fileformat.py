@@ -70,16 +70,10 @@ def probe_features(fmap, d: int) -> np.ndarray:
 
 
 def feature_map_spec(fmap, d: int):
-    """(params_json, arrays, rebuild_error): how to rebuild ``fmap`` through the registry.
-
-    Every constructor parameter is read from the attribute of the same name
-    (or with a leading underscore): numbers, strings, booleans and lists go
-    to the JSON, real arrays (a fitted map's ``W`` and ``b``, a trained
-    FAVOR+ ``projection``) to their own entries; a parameter that is None
-    with the default None is left out.  The map rebuilt from them must give
-    the same features on :func:`probe`, else the map is recorded as not
-    rebuildable (``rebuild_error``).
-    """
+    """(params_json, arrays, rebuild_error): how to rebuild ``fmap`` through the registry, from the
+    attributes named like its constructor's parameters (JSON values, or arrays in their own entries).
+    A map rebuilt from them that does not give the same features on :func:`probe` is recorded as not
+    rebuildable (``rebuild_error``)."""
     cls = type(fmap)
     name = getattr(fmap, "name", "")
     if not name:
@@ -135,15 +129,16 @@ def feature_map_spec(fmap, d: int):
 # ---------------------------------------------------------------------------
 # Writing
 # ---------------------------------------------------------------------------
-def atomic_savez(path, arrays: dict) -> None:
-    """``np.savez`` into a temporary file in the target's directory, then ``os.replace``."""
+def atomic_write(path, fill) -> None:
+    """``fill(f)`` writes a binary file into a temporary file in the target's directory, fsync'ed, then
+    ``os.replace``: an interrupted write never leaves a half-written file at ``path``."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     base = os.path.basename(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
+            fill(f)
             f.flush()
             os.fsync(f.fileno())
         try:
@@ -162,17 +157,9 @@ def atomic_savez(path, arrays: dict) -> None:
 
 def write(path, *, S, z, position, key_dim, value_dim, batch_shape, eps, feature_map, rule="additive",
           normalize=None) -> None:
-    """Write a state file (atomically); ``S``, ``z`` are host arrays in the canonical layout.
-
-    ``rule``: the state's update rule (None: not fixed yet); ``normalize``:
-    None, True or False.
-
-    Raises
-    ------
-    ValueError
-        The feature map fails on the probe input: a file without its probe
-        could never be loaded.
-    """
+    """Write a state file (atomically); ``S``, ``z`` are host arrays in the canonical layout, ``rule`` the
+    state's rule (None: not fixed yet).  ValueError when the feature map fails on the probe input (a
+    file without its probe could never be loaded)."""
     fmap = feature_map
     try:
         probe_f = probe_features(fmap, key_dim)
@@ -200,7 +187,7 @@ def write(path, *, S, z, position, key_dim, value_dim, batch_shape, eps, feature
     }
     for name, arr in parrays.items():
         arrays["feature_map_param__" + name] = arr
-    atomic_savez(path, arrays)
+    atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
 # ---------------------------------------------------------------------------
@@ -210,17 +197,10 @@ def read(path, *, feature_map=None, key_dim=None, value_dim=None, batch_shape=No
          rule=None) -> StateFile:
     """Read and validate a state file written by :func:`write`.
 
-    ``feature_map``: use this map instead of rebuilding the saved one (it must
-    reproduce the saved probe features).  ``key_dim``, ``value_dim``,
-    ``batch_shape``, ``dtype``, ``rule``: when given, the file must match them
-    (a file whose rule is not fixed matches any rule).
-
-    Raises
-    ------
-    StateFileError
-        Anything wrong with the file, or a mismatch with the expectations.
-    FileNotFoundError
-        No file at ``path``.
+    ``feature_map``: use this map instead of rebuilding the saved one (it must reproduce the saved
+    probe features).  ``key_dim``, ``value_dim``, ``batch_shape``, ``dtype``, ``rule``: when given,
+    the file must match them.  StateFileError for anything wrong with the file or a mismatch,
+    FileNotFoundError for no file.
     """
     path = os.fspath(path)
     if not os.path.exists(path):

@@ -78,13 +78,7 @@ class KVCache:
         check_device_arg(device)
         if device == "cuda":
             raise ValueError("KVCache has a CPU kernel only (like softmax_attention); use device='cpu'")
-        if scale is None:
-            scale = 1.0 / math.sqrt(self._d)
-        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
-            raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
-        if not math.isfinite(float(scale)):
-            raise ValueError(f"scale must be finite, got {scale}")
-        self._scale = float(scale)
+        self._scale = V.check_scale(scale, self._d)
         cap = config.KV_INITIAL_CAPACITY if capacity is None else capacity
         if isinstance(cap, (bool, np.bool_)) or not isinstance(cap, (int, np.integer)) or cap < 0:
             raise ValueError(f"capacity must be a non-negative integer, got {cap!r}")
@@ -152,11 +146,14 @@ class KVCache:
         Vb[:, :self._len] = self._V[:, :self._len]
         self._K, self._V = K, Vb
 
-    def _append(self, k3, v3):
-        T = k3.shape[1]
-        need = self._len + T
+    def _make_room(self, need):
+        """Grow the buffers geometrically when ``need`` tokens do not fit (amortised O(1) appends)."""
         if need > self.capacity:
             self._grow_to(max(need, int(math.ceil(self.capacity * max(config.KV_GROWTH, 1.0)))))
+
+    def _append(self, k3, v3):
+        need = self._len + k3.shape[1]
+        self._make_room(need)
         self._K[:, self._len:need] = k3
         self._V[:, self._len:need] = v3
         self._len = need
@@ -224,8 +221,7 @@ class KVCache:
             (q, k, v), T, dtype = self._prepare([("q", q, self._d), ("k", k, self._d), ("v", v, self._m)],
                                                 check_finite)
             res = dtype
-        if self._len + T > self.capacity:
-            self._grow_to(max(self._len + T, int(math.ceil(self.capacity * max(config.KV_GROWTH, 1.0)))))
+        self._make_room(self._len + T)
         out = np.empty((self._B, T, self._m), dtype=dt)
         if self._B:
             kern = _cpu.pick_kv_kernel(self._B, T, self._len + T, self._d, self._m)
