@@ -1,20 +1,9 @@
 """linattn_nb: Numba-accelerated kernel-based linear attention.
 
-Public API (stable names)::
-
-    linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto", device="auto", ...)
-    linear_attention_vjp(q, k, v, grad_out, *, ..., grad_state=None) -> VJP   # gradients
-    softmax_attention(q, k, v, *, causal=False, scale=None)
-    dplr_attention(q, k, v, *, rule=None, a=, b=, log_diag=, beta=, ...)   # diagonal-plus-low-rank rules
-    feature_maps            # FeatureMap base, registry: get / available / register; fit (to softmax)
-    rules                   # the update rules, one module each: get_rule / rule_for / rule_names / reference
-    fitting                 # fit / objective: learned maps (Hedgehog, T2R) fitted to softmax weights
-    LinearState             # (S, z, position) returned by linear_attention(return_state=True)
-    LinearAttentionState    # recurrent state for decoding: prefill / step / query / save / load
-    KVCache                 # the softmax baseline with the same prefill / step API
-
-Nothing is compiled at import; Numba compiles each kernel on first use and
-caches it on disk, outside the package (see ``linattn_nb._cache``).
+The functions ``linear_attention`` (and its gradients ``linear_attention_vjp``), ``softmax_attention``
+and ``dplr_attention``; the decoding objects ``LinearAttentionState``, ``KVCache`` and ``DPLRState``;
+the modules ``feature_maps``, ``rules``, ``fitting`` and ``config`` (guide: docs/guide/).  Nothing is
+compiled at import: each kernel compiles on first use and is cached on disk, outside the package.
 """
 from ._version import __version__  # noqa: E402
 

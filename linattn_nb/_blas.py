@@ -33,15 +33,9 @@ def _blas_controller():
 
 @contextlib.contextmanager
 def single_threaded_blas(when: bool = True):
-    """Context manager: the process's BLAS libraries run one thread inside it.
-
-    This changes a process-wide setting: NumPy matrix products run at the same
-    time in other Python threads are single-threaded while a kernel runs.
-    ``when=False`` makes it do nothing (a launcher that runs its serial
-    kernel on the calling thread, where BLAS's own threads may help, passes
-    ``kernel is parallel_kernel``).  Under Numba's ``workqueue`` layer it
-    also lets one Python thread at a time in (:func:`parallel_calls`).
-    """
+    """Context manager: the process's BLAS libraries run one thread inside it (a process-wide setting;
+    ``when=False``: nothing, for a serial kernel where BLAS's own threads may help).  It also enters
+    :func:`parallel_calls`."""
     if not when:
         yield
         return
@@ -71,14 +65,9 @@ def _pinned():
 
 
 def threading_layer() -> str:
-    """Numba's threading layer: ``"omp"``, ``"tbb"`` or ``"workqueue"``.
-
-    Numba chooses the layer when the first parallel kernel of the process
-    runs; before that, the layer it will choose (``NUMBA_THREADING_LAYER``
-    and the first of its priority list whose library loads), without
-    starting the thread pool (a pool started for nothing would make GNU
-    OpenMP refuse parallel kernels in forked children).
-    """
+    """Numba's threading layer: ``"omp"``, ``"tbb"`` or ``"workqueue"``; before the first parallel kernel,
+    the one Numba will choose, without starting the thread pool (a pool started for nothing would
+    make GNU OpenMP refuse parallel kernels in forked children)."""
     global _layer
     if _layer is None:
         import numba
@@ -110,17 +99,9 @@ def _predicted_layer(cfg) -> str:
 
 @contextlib.contextmanager
 def parallel_calls(when: bool = True):
-    """Context manager: one Python thread at a time inside it when Numba's layer is ``workqueue``.
-
-    Numba's ``workqueue`` layer (the default on macOS wheels, and wherever
-    neither TBB nor OpenMP is found) is not thread-safe: two Python threads
-    in parallel regions at once abort the process ("Concurrent access has
-    been detected").  Launchers of parallel kernels run inside this context
-    (:func:`single_threaded_blas` enters it, and so do the front ends around
-    every launcher), which takes a re-entrant process-wide lock under that
-    layer and does nothing under ``omp`` and ``tbb``, where concurrent
-    regions are safe.
-    """
+    """Context manager: one Python thread at a time inside it (a re-entrant process-wide lock) when Numba's
+    layer is ``workqueue``, which aborts the process when two threads enter parallel regions at once
+    (docs/threads.md); nothing under ``omp`` and ``tbb``."""
     if not when or threading_layer() != "workqueue":
         yield
         return

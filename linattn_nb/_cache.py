@@ -30,19 +30,8 @@ _origin: str = "not installed"
 
 
 def source_hash(package_dir: str = _PACKAGE_DIR) -> str:
-    """Hash (16 hex digits) of the names and contents of every ``.py`` file under ``package_dir``.
-
-    Parameters
-    ----------
-    package_dir : str
-        Folder of the package (default: the folder of this installed copy).
-
-    Returns
-    -------
-    str
-        The first 16 hex digits of a SHA-1 over the sorted relative paths and
-        the file contents (``__pycache__`` and hidden folders skipped).
-    """
+    """Hash (the first 16 hex digits of a SHA-1) of the sorted relative paths and contents of every ``.py``
+    file under ``package_dir`` (default: this installed copy; ``__pycache__`` and hidden folders skipped)."""
     root = os.path.abspath(package_dir)
     files = []
     stack = [root]
@@ -65,15 +54,8 @@ def source_hash(package_dir: str = _PACKAGE_DIR) -> str:
 
 
 def user_cache_root() -> str:
-    """The per-user root of linattn_nb's caches (before the ``<version>-<hash>`` folder).
-
-    Returns
-    -------
-    str
-        ``$XDG_CACHE_HOME/linattn_nb`` (``~/.cache/linattn_nb`` when unset) on
-        Linux and other POSIX systems, ``~/Library/Caches/linattn_nb`` on
-        macOS, ``%LOCALAPPDATA%\\linattn_nb\\Cache`` on Windows.
-    """
+    """The per-user root of linattn_nb's caches (before the ``<version>-<hash>`` folder): the platform's
+    user cache folder (docs/guide/configuration.md)."""
     if sys.platform == "win32":
         base = os.environ.get("LOCALAPPDATA") or os.path.join(os.path.expanduser("~"), "AppData", "Local")
         return os.path.join(base, "linattn_nb", "Cache")
@@ -86,37 +68,14 @@ def user_cache_root() -> str:
 
 
 def cache_folder() -> tuple[str | None, str]:
-    """The cache folder of linattn_nb's kernels in this process and where the setting came from.
-
-    Returns
-    -------
-    folder : str or None
-        None when caching is off.
-    origin : str
-        ``"LINATTN_CACHE_DIR"``, ``"NUMBA_CACHE_DIR"``, ``"default"``, or why caching is off.
-    """
+    """``(folder, origin)``: the cache folder of linattn_nb's kernels in this process (None when caching is
+    off) and where it came from (``"LINATTN_CACHE_DIR"``, ``"NUMBA_CACHE_DIR"``, ``"default"``, or why off)."""
     return _folder, _origin
 
 
 def prune(root: str, keep: str | None, max_age_days: float) -> list[str]:
-    """Remove ``<version>-<hash>`` folders under ``root`` unused for ``max_age_days`` days.
-
-    Parameters
-    ----------
-    root : str
-        Folder holding the keyed cache folders.
-    keep : str or None
-        Name of a folder never removed (the one in use).
-    max_age_days : float
-        Age of the folder's last-use marker (its own modification time when
-        it has none) from which it is removed; 0 removes every other folder.
-        Negative: nothing is removed.
-
-    Returns
-    -------
-    list of str
-        The folders removed.
-    """
+    """Remove the ``<version>-<hash>`` folders under ``root`` but ``keep`` whose last-use marker (else their
+    own modification time) is ``max_age_days`` old (0: all of them; negative: none); returns them."""
     if max_age_days < 0:
         return []
     removed = []
@@ -246,22 +205,10 @@ def _hook_cuda() -> None:
 def install(version: str) -> str | None:
     """Choose the cache folder of linattn_nb's kernels and make Numba use it.
 
-    Must run before any kernel module is imported.  Process-wide for
-    linattn_nb's own kernels only; ``numba.config.CACHE_DIR`` and the caching
-    of other code are left alone (``docs/design-cpu.md``).  Sets
-    ``config.CACHE_DIR`` (and ``config.CACHE = False`` when no folder can be
-    written).
-
-    Parameters
-    ----------
-    version : str
-        The package version, the first part of the folder's name.
-
-    Returns
-    -------
-    str or None
-        The folder; None when caching is off, or when the sources are not
-        plain files (then Numba's own locators apply).
+    Must run before any kernel module is imported; linattn_nb's own kernels only
+    (docs/design-cpu.md).  ``version`` is the first part of the folder's name.  Sets
+    ``config.CACHE_DIR`` (``config.CACHE = False`` when no folder can be written) and returns the
+    folder, or None when caching is off or the sources are not plain files.
     """
     global _folder, _origin
     if not config.CACHE:

@@ -33,14 +33,10 @@ _F64 = np.dtype(np.float64)
 class LinearState(NamedTuple):
     """Recurrent state of linear attention after a sequence (or a prefix): what a call returns.
 
-    An immutable record of plain arrays: what
-    :func:`linattn_nb.linear_attention` returns with ``return_state=True``
-    and takes back as ``initial_state`` to process a long sequence segment
-    by segment.  For token-by-token decoding use
-    :class:`linattn_nb.LinearAttentionState` instead: a mutable object on the
-    same numbers, with ``prefill`` / ``step`` / ``query`` / ``save`` /
-    ``load``; ``LinearAttentionState.from_linear_state`` and
-    ``LinearAttentionState.to_linear_state`` convert between the two.
+    An immutable record of plain arrays: what :func:`linattn_nb.linear_attention` returns with
+    ``return_state=True`` and takes back as ``initial_state`` to process a long sequence segment by
+    segment.  For token-by-token decoding, :class:`linattn_nb.LinearAttentionState` (its
+    ``from_linear_state`` and ``to_linear_state`` convert).
 
     Attributes
     ----------
@@ -52,9 +48,7 @@ class LinearState(NamedTuple):
         Number of tokens absorbed, i.e. the position of the next token
         (used by position-dependent feature maps).
     rule : str
-        The update rule that made the state (``"additive"``; ``"decay"`` for
-        a scalar decay per sequence or per token, ``"gate"`` for a
-        per-feature gate; ``"delta"`` and ``"gated_delta"`` with ``beta``).  A call with another rule refuses the state.
+        The update rule that made the state; a call with another rule refuses the state.
     """
 
     S: np.ndarray
@@ -227,18 +221,11 @@ def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, f: in
                    copy: bool = True):
     """``(rule, inputs, normalize)`` of a call's ``decay``, ``log_decay``, ``beta`` and ``normalize`` arguments.
 
-    The form of the decay (none, per sequence or token, per feature) and its
-    kernel inputs come from :func:`linattn_nb._validate.decay_inputs`,
-    ``beta`` from :func:`linattn_nb._validate.beta_inputs`; the rule is the
-    one these arguments select (:func:`linattn_nb.rules.rule_for`; a
-    per-feature gate with ``beta`` selects none and raises ValueError).
-    ``normalize=None`` takes the rule's convention
-    (:attr:`linattn_nb.rules.UpdateRule.normalize`).  A feature map whose
-    features carry per-row factors that cancel only in the normaliser
-    (``fmap.needs_normalizer``) raises ValueError with ``normalize=False``.
-    ``copy=False``: the kernel inputs may be the caller's own log-factor
-    array (for a call that only reads them before it returns; the gradient
-    front end keeps them for its backward pass, so it copies).
+    The rule is the one these arguments select (:func:`linattn_nb.rules.rule_for`; ValueError for a
+    per-feature gate with ``beta``), its inputs those of :func:`linattn_nb._validate.decay_inputs`
+    and ``beta_inputs``; ``normalize=None`` takes the rule's convention, and a map that
+    ``needs_normalizer`` refuses False.  ``copy=False``: the inputs may be the caller's own array
+    (for a call that only reads them before it returns).
     """
     rule, inputs = V.decay_inputs(decay, log_decay, batch_shape, n, f, causal=causal, copy=copy)
     if beta is not None:
@@ -334,11 +321,9 @@ def host_call(q, k, v, *, dev, fmap, eps, causal, method, decay, log_decay, beta
               check_qkv: bool, copy: bool, to_host: bool = False, extra_columns: int = 0) -> Call:
     """The validated request of a call on host arrays (:class:`Call`).
 
-    ``check_qkv``: scan q, k, v for non-finite values here (the kernels with
-    an inline map scan them while they read them).  ``copy``: the rule's
-    inputs are copies, never the caller's arrays (for a request that keeps
-    them).  ``to_host``: GPU arrays among q, k, v and the rule's arguments
-    are copied to the host first.
+    ``check_qkv``: scan q, k, v for non-finite values here (kernels with an inline map scan them as
+    they read).  ``copy``: the rule's inputs are copies (for a request that keeps them).
+    ``to_host``: GPU arrays among q, k, v and the rule's arguments are copied to the host first.
     """
     if to_host:
         q, k, v, decay, log_decay, beta = (

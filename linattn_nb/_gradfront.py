@@ -214,32 +214,29 @@ def _grad_state(grad_state, req: Request):
     if grad_state is None:
         return None
     dS, dz, _ = parse_state(grad_state, "grad_state")
-    dS, dz = host_array("grad_state.S", dS), host_array("grad_state.z", dz)
-    want_S, want_z = req.batch_shape + (req.f, req.m), req.batch_shape + (req.f,)
-    for name, x, want in (("grad_state.S", dS, want_S), ("grad_state.z", dz, want_z)):
-        if tuple(x.shape) != want:
-            raise ValueError(f"{name} must have the shape of the final state, {want}, got {tuple(x.shape)}")
-        if x.dtype.kind != "f":
-            raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
-        if req.check_finite:
-            V.check_finite(name, x)
+    dS = _checked_grad("grad_state.S", dS, req.batch_shape + (req.f, req.m), "the final state", req)
+    dz = _checked_grad("grad_state.z", dz, req.batch_shape + (req.f,), "the final state", req)
     dH = np.empty((req.b, req.f, req.m + 1))
     dH[:, :, : req.m] = dS.reshape(req.b, req.f, req.m)
     dH[:, :, req.m] = dz.reshape(req.b, req.f)
     return dH
 
 
-def _grad_out(grad_out, req: Request) -> np.ndarray:
-    g = host_array("grad_out", grad_out)
-    want = req.batch_shape + (req.n, req.m)
-    if tuple(g.shape) != want:
-        raise ValueError(f"grad_out must have the shape of the output, {want} (q {tuple(req.q.shape)}, "
-                         f"v (..., N, M={req.m})), got {tuple(g.shape)}")
-    if g.dtype.kind not in "f":
-        raise TypeError(f"grad_out must be floating point, got dtype {g.dtype}")
+def _checked_grad(name, x, want, of, req: Request) -> np.ndarray:
+    """``x`` as a host array, checked: the shape ``want`` (that of ``of``), floating, finite (``check_finite``)."""
+    x = host_array(name, x)
+    if tuple(x.shape) != want:
+        raise ValueError(f"{name} must have the shape of {of}, {want}, got {tuple(x.shape)}")
+    if x.dtype.kind != "f":
+        raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
     if req.check_finite:
-        V.check_finite("grad_out", g)
-    return g
+        V.check_finite(name, x)
+    return x
+
+
+def _grad_out(grad_out, req: Request) -> np.ndarray:
+    return _checked_grad("grad_out", grad_out, req.batch_shape + (req.n, req.m),
+                         f"the output (q {tuple(req.q.shape)}, v (..., N, M={req.m}))", req)
 
 
 def _unbroadcast(grad, given_shape, full_shape):

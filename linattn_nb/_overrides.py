@@ -87,13 +87,8 @@ def _names(name, x) -> list:
 def check_options(options: dict, *, where: str = "", section: str = "") -> dict:
     """``options`` with checked, normalised values (lists of ints for ``m``/``n``, ...).
 
-    ``where`` starts every message (e.g. the file); ``section`` prefixes the
-    option's name (``"--"`` on the command line, ``"error."`` in a file).
-
-    Raises
-    ------
-    OptionError
-        An unknown option or a bad value; the message names it.
+    ``where`` starts every message (e.g. the file); ``section`` prefixes the option's name (``"--"``
+    on the command line, ``"error."`` in a file).  OptionError names an unknown option or a bad value.
     """
     checked = {}
     for key, value in options.items():
@@ -127,27 +122,9 @@ def _expand(points, key, values) -> list:
 
 
 def apply_overrides(points: list, options: dict, *, study: str) -> list:
-    """The points of ``study`` changed by the problem ``options`` (see the module docstring).
-
-    Parameters
-    ----------
-    points : list of dict
-        The study's points for the chosen profile.
-    options : dict
-        Checked options (:func:`check_options`); absent keys leave the grid alone.
-    study : str
-        The study's name, for messages.
-
-    Returns
-    -------
-    list of dict
-        New points (the input is not modified), duplicates removed, in order.
-
-    Raises
-    ------
-    OptionError
-        An option the study's points have no key for, an unknown map name, or
-        ``m`` when none of the selected maps is random.
+    """The points of ``study`` changed by the checked problem ``options`` (:func:`check_options`): new
+    points, duplicates removed, in order.  OptionError for an option the points have no key for, an
+    unknown map name, or ``m`` when none of the selected maps is random.
 
     Examples
     --------
@@ -251,17 +228,9 @@ def load_config(path) -> dict:
         m = [64, 256]
         seeds = 5
 
-    Returns
-    -------
-    dict
-        ``{"profile", "device", "out", "studies", "workers", "scheduler"}``
-        (None where absent) and ``"options"``: study name -> checked options.
-
-    Raises
-    ------
-    OptionError
-        The file cannot be read or parsed, or a key or value is wrong; the
-        message names the file and the key.
+    Returns ``{"profile", "device", "out", "studies", "workers", "scheduler"}`` (None where absent)
+    and ``"options"`` (study name -> checked options).  OptionError, naming the file and the key,
+    when the file cannot be read or parsed or a key or value is wrong.
     """
     from .studies import PROFILES, get_study
 

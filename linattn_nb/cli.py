@@ -225,10 +225,9 @@ def cmd_demo(args) -> int:
     return 0
 
 
-#: What ``--quick`` costs, as measured on the 2-core development VM (AMD EPYC, load average 1-2): a first run,
-#: with a cold kernel cache (most of it compiling the kernels), 89 s with the self-check compiling in a
-#: background process beside the other studies (154 s one study after the other); notebook 01 quotes the
-#: same words (tests/test_cli.py).
+#: What ``--quick`` costs on the 2-core development VM (AMD EPYC): a first run with a cold kernel cache,
+#: most of it compiling the kernels, took 101 s at load 0.7-1.6 (docs/guide/studies.md); notebook 01 quotes
+#: the same words (tests/test_cli.py).
 QUICK_TIME = "about 1.5 minutes on 2 cores on a first run, most of it compiling the kernels"
 
 
