@@ -25,7 +25,7 @@ from ..ops._codes import KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_
 from ..ops._common import phi
 from ..rules import get_rule
 from . import _common as C
-from .spectral import rank_from_singular_values
+from .spectral import _svals, rank_from_singular_values
 
 __all__ = ["attention_rank", "semiseparable_rank", "state_rank_profile", "StateRankProfile"]
 
@@ -152,12 +152,6 @@ def _kernel_weights(fq, fk, *, causal, eps, rule, inputs, b, normalize):
     if w.size and not np.isfinite(w).all():
         raise ValueError("a normaliser is zero (signed feature map with eps=None?): pass eps > 0")
     return w
-
-
-def _svals(a):
-    if a.size == 0:
-        return np.zeros(min(a.shape))
-    return np.linalg.svd(a, compute_uv=False)
 
 
 # ---------------------------------------------------------------------------

@@ -424,12 +424,10 @@ def _decode_nonfinite(record: dict) -> dict:
         container = record
         path = mark[0]
         for depth, step in enumerate(path):
-            if isinstance(container, dict) and isinstance(step, str) and step in container:
-                pass
-            elif (isinstance(container, list) and isinstance(step, int) and not isinstance(step, bool)
-                  and 0 <= step < len(container)):
-                pass
-            else:
+            in_dict = isinstance(container, dict) and isinstance(step, str) and step in container
+            in_list = (isinstance(container, list) and isinstance(step, int) and not isinstance(step, bool)
+                       and 0 <= step < len(container))
+            if not (in_dict or in_list):
                 raise ValueError(f"its 'nonfinite' marker names {path!r}, which is not in the record")
             if depth == len(path) - 1:
                 if container[step] is not None:
@@ -790,14 +788,8 @@ class _RunState:
             return
         exc = _rebuilt_exception(payload.pop("exception", None))
         record = {"type": "result", "key": key, "params": params, **payload, "finished": _now()}
-        if payload["status"] == "ok":
-            self.rf.write(record)
-            self.rf.latest[key] = record
-            self.done.add(key)
-            if self.bar is not None:
-                self.bar.update(1)
-            return
-        if self.errors == "raise":
+        ok = payload["status"] == "ok"
+        if not ok and self.errors == "raise":
             raise SweepError(
                 f"point {params} failed: {payload['error']}\n\nTraceback where it ran "
                 f"(host {payload.get('host')}, pid {payload.get('pid')}):\n{payload.get('traceback', '')}",
@@ -805,6 +797,8 @@ class _RunState:
             ) from exc
         self.rf.write(record)
         self.rf.latest[key] = record
+        if ok:
+            self.done.add(key)
         if self.bar is not None:
             self.bar.update(1)
 
