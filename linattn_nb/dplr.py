@@ -72,7 +72,7 @@ def _general_check(inputs, lead, N, F, r, fast=False):
     if ld is None:
         out["log_diag"] = None
     else:
-        ld = D.token_or_feature("log_diag", ld, lead, N, F)
+        ld = D.token_or_feature("log_diag", ld, lead, N, F, copy=not fast)
         if np.isnan(ld).any() or (ld > 0).any():
             raise ValueError("log_diag must be <= 0 (-inf allowed: a reset), with no NaN")
         out["log_diag"] = ld
@@ -266,6 +266,8 @@ def _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize
         form = _general_build(fk, v64, checked)
     else:
         checked = spec.check(inputs, lead, N, F, r)
+        if work == np.float32:  # the rule's map to the general form in float32 too
+            checked = {n: x.astype(work) if getattr(x, "dtype", None) == np.float64 else x for n, x in checked.items()}
         form = spec.build(fk, v64, checked)
     form = tuple(np.ascontiguousarray(x, dtype=x.dtype if fast and x.dtype in (np.float32, np.float64) else np.float64)
                  for x in form)

@@ -108,9 +108,10 @@ def shaped(name: str, x, want: tuple, what: str) -> np.ndarray:
     return arr
 
 
-def token_or_feature(name: str, x, lead: tuple, N: int, F: int) -> np.ndarray:
-    """A per-token ``(..., N)`` or per-feature ``(..., N, F)`` array as (B, N, 1) or (B, N, F)."""
-    arr = real(name, x)
+def token_or_feature(name: str, x, lead: tuple, N: int, F: int, copy: bool = True) -> np.ndarray:
+    """A per-token ``(..., N)`` or per-feature ``(..., N, F)`` array as (B, N, 1) or (B, N, F) (``copy``: as
+    :func:`real`)."""
+    arr = real(name, x, copy)
     B = int(np.prod(lead, dtype=np.int64))
     if arr.shape == lead + (N,):
         return arr.reshape(B, N, 1)

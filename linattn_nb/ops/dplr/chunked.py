@@ -39,12 +39,12 @@ def elementwise_features(x, out, code):  # pragma: no cover - compiled
 def _emit(p, out, b, t, M, norm, eps):  # pragma: no cover - compiled
     """Write the read-out ``p`` (M + 1) of token t; False when an output is not finite."""
     den = max(p[M], eps) if norm == NORM_FLOOR else p[M]
-    ok = True
+    r = 1.0 / den if norm != NORM_NONE else 1.0
+    z = 0.0
     for m in range(M):
-        o = p[m] if norm == NORM_NONE else p[m] / den
-        out[b, t, m] = o
-        ok = ok and math.isfinite(out[b, t, m])  # as stored: past float32's range too
-    return ok
+        out[b, t, m] = p[m] * r
+        z += out[b, t, m] * 0.0  # NaN for a NaN or inf as stored (past float32's range too)
+    return z == 0.0 and math.isfinite(r)
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -127,11 +127,34 @@ def _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk
         if not _emit(Zh[S + i], out, b, t0 + i, M, norm, eps):
             ok = False
     gemm(1, 0, F, M1, S + P, 1.0, Ee, 0, F, V, 0, M1, 0.0, Hn, 0, M1)
+    z = 0.0
     for f in range(F):
         ge = gc[T - 1, f]
         for m in range(M1):
             h[f, m] = ge * h[f, m] + Hn[f, m]
-    return ok
+            z += Hn[f, m] * 0.0  # NaN for a NaN or inf
+    return ok and z == 0.0
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _scan_token(fq, ld, A, Bv, KW, VW, out, b, t, h, p, d, norm, eps):  # pragma: no cover - compiled
+    """Token t of sequence b by the scan on the float64 state h; False when an output is not finite."""
+    F, M1 = h.shape
+    M = M1 - 1
+    r = A.shape[2]
+    w = KW.shape[2]
+    for j in range(r):
+        factor_step(h, A[b, t, j], Bv[b, t, j], ld[b, t], j, ld.shape[2], p, d, F, M1)
+        if w == r or j == r - 1:
+            write_step(h, KW[b, t, j if w == r else 0], VW[b, t, j if w == r else 0], F, M)
+    for m in range(M1):
+        p[m] = 0.0
+    for i in range(F):
+        fi = fq[b, t, i]
+        if fi != 0.0:
+            for m in range(M1):
+                p[m] += fi * h[i, m]
+    return _emit(p, out, b, t, M, norm, eps)
 
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
@@ -147,6 +170,7 @@ def dplr_chunked_kernel(fq, ld, A, Bv, KW, VW, H, out, norm, eps, C, cut):  # pr
     Ct = max(1, C // r)
     S0, P0 = Ct * r, Ct * w
     dt = fq.dtype
+    f32 = fq.itemsize < 8
     bad = np.zeros(B, np.uint8)
     for b in prange(B):
         h = H[b]
@@ -163,6 +187,7 @@ def dplr_chunked_kernel(fq, ld, A, Bv, KW, VW, H, out, norm, eps, C, cut):  # pr
         Zk = np.empty((S0 + Ct, S0 + P0), dt)
         V = np.empty((S0 + P0, M1), dt)
         Hn = np.empty((F, M1), dt)
+        h0 = np.empty((F, M1))
         t0 = 0
         while t0 < N:
             # the chunk's tokens [t0, t0 + T): stop before a token that takes a feature below cut
@@ -177,27 +202,22 @@ def dplr_chunked_kernel(fq, ld, A, Bv, KW, VW, H, out, norm, eps, C, cut):  # pr
                     if low < cut:
                         break
                 T += 1
-            if T > 0:
-                if not _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk, V, Hn, norm, eps):
+            if T == 0:  # a reset (or a decay below cut in one token): the scan, one token
+                if not _scan_token(fq, ld, A, Bv, KW, VW, out, b, t0, h, p, d, norm, eps):
                     bad[b] = 1
-                t0 += T
+                t0 += 1
                 continue
-            # a reset (or a decay below cut in one token): the scan, one token
-            t = t0
-            for j in range(r):
-                factor_step(h, A[b, t, j], Bv[b, t, j], ld[b, t], j, W, p, d, F, M1)
-                if w == r or j == r - 1:
-                    write_step(h, KW[b, t, j if w == r else 0], VW[b, t, j if w == r else 0], F, M)
-            for m in range(M1):
-                p[m] = 0.0
-            for i in range(F):
-                fi = fq[b, t, i]
-                if fi != 0.0:
-                    for m in range(M1):
-                        p[m] += fi * h[i, m]
-            if not _emit(p, out, b, t, M, norm, eps):
-                bad[b] = 1
-            t0 += 1
+            if f32:
+                h0[:] = h
+            if not _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk, V, Hn, norm, eps):
+                if f32:  # float32 products out of range (a growing state): the chunk again by the scan
+                    h[:] = h0
+                    for t in range(t0, t0 + T):
+                        if not _scan_token(fq, ld, A, Bv, KW, VW, out, b, t, h, p, d, norm, eps):
+                            bad[b] = 1
+                else:
+                    bad[b] = 1
+            t0 += T
         for i in range(F):
             for m in range(M1):
                 if not math.isfinite(h[i, m]):
