@@ -1,52 +1,37 @@
 """Every tunable knob of linattn_nb in one place.
 
-Values can be overridden by environment variables (read once, at import of this
-module) or by assigning to the module attributes at run time, e.g.::
-
-    import linattn_nb.config as cfg
-    cfg.CPU_CHUNK_SIZE = 128
-
-Launchers read these attributes at call time, never at import, so run-time
-assignments take effect on the next call.  Nothing in this module compiles
-anything.
+Values can be overridden by environment variables (``LINATTN_*``, read at import of this module) or
+by assigning to the module attributes at run time (``config.CPU_CHUNK_SIZE = 128``): launchers read
+them at call time.  Guide: docs/guide/configuration.md.
 """
 from __future__ import annotations
 
 import os
 
 
-def _env_int(name: str, default: int) -> int:
+def _env(name: str, default, kind=int, what="an integer"):
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return int(raw)
+        return kind(raw)
     except ValueError as exc:  # pragma: no cover - misconfiguration
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from exc
+        raise ValueError(f"environment variable {name}={raw!r} is not {what}") from exc
+
+
+def _env_int(name: str, default: int) -> int:
+    return _env(name, default)
 
 
 def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError as exc:  # pragma: no cover - misconfiguration
-        raise ValueError(f"environment variable {name}={raw!r} is not a number") from exc
+    return _env(name, default, float, "a number")
 
 
 # --------------------------------------------------------------------------
 # Threads between kernels
 # --------------------------------------------------------------------------
-#: How idle OpenMP threads wait (``OMP_WAIT_POLICY``), set here before Numba
-#: starts its OpenMP thread pool, unless the environment already names one.
-#: GNU OpenMP's default is to spin for a while after every parallel region:
-#: Numba's threads then hold the cores between kernels, and whatever runs
-#: next (NumPy, PyTorch's own ops in a training loop, another process) waits
-#: for them.  Measured on a 2-core VM: a training step of
-#: ``notebooks/05_training.ipynb`` took 1.7 s with spinning threads and
-#: 0.3 s with passive ones; large kernels ran no slower.  Set
-#: ``OMP_WAIT_POLICY=ACTIVE`` in the environment to keep spinning.
+#: How idle OpenMP threads wait (``OMP_WAIT_POLICY``), set to passive here before Numba starts its
+#: thread pool unless the environment names one (why: docs/guide/configuration.md, docs/threads.md).
 OMP_WAIT_POLICY = os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
@@ -60,17 +45,12 @@ OMP_WAIT_POLICY = os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 #: multiply-adds; ``nsz`` and ``arcp`` are harmless for this arithmetic.
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
-#: ``cache=True`` for kernels that take plain arrays: Numba's on-disk cache,
-#: read when a kernel is decorated (at import of its module).  The cache lives
-#: outside the package, never in site-packages: see :mod:`linattn_nb._cache`
-#: (``LINATTN_CACHE_DIR``, ``NUMBA_CACHE_DIR``, else a per-user folder keyed on
-#: the version and a hash of the sources).  ``LINATTN_NO_CACHE=1`` disables it.
+#: ``cache=True`` for kernels that take plain arrays: Numba's on-disk cache, outside the package
+#: (:mod:`linattn_nb._cache`, docs/guide/configuration.md).  ``LINATTN_NO_CACHE=1`` disables it.
 CACHE = os.environ.get("LINATTN_NO_CACHE", "") not in ("1", "true", "yes")
 
-#: The folder linattn_nb's kernels are cached in, set at import of the package
-#: by :func:`linattn_nb._cache.install` (None when caching is off).  Read-only:
-#: assigning it moves nothing.  ``linattn info`` shows it; deleting the folder
-#: clears the cache.
+#: The folder linattn_nb's kernels are cached in, set at import by :func:`linattn_nb._cache.install`
+#: (None when caching is off).  Read-only: assigning it moves nothing.
 CACHE_DIR = None
 
 #: Cache folders of other versions or sources (``<version>-<hash>`` beside the
@@ -94,10 +74,8 @@ DEFAULT_EPS = _env_float("LINATTN_EPS", 1e-8)
 #: Chosen by measurement (figures: docs/measurements.md, "CPU_NONCAUSAL_BLOCK").
 CPU_NONCAUSAL_BLOCK = _env_int("LINATTN_CPU_NONCAUSAL_BLOCK", 128)
 
-#: Pin the BLAS that ``np.dot`` calls inside Numba kernels to one thread while
-#: a parallel CPU kernel runs (OpenBLAS otherwise multithreads GEMMs of about
-#: 64**3 and up from inside every Numba thread: oversubscription, many times
-#: slower; see linattn_nb/_blas.py).
+#: Pin the BLAS that ``np.dot`` calls inside Numba kernels to one thread while a parallel CPU kernel
+#: runs (why: docs/frontend.md, "BLAS inside parallel kernels").
 CPU_BLAS_SINGLE_THREAD = os.environ.get("LINATTN_BLAS_SINGLE_THREAD", "1") not in ("0", "false", "no")
 
 #: Chunk size C of ``method="chunked"`` (causal, CPU).  0 (default) picks it
@@ -114,12 +92,8 @@ CPU_CHUNK_TABLE = {
     "float64": [(256, 16, 16), (None, 32, 8)],
 }
 
-#: Row block of the intra-chunk products of ``method="chunked"``: the chunk's
-#: rows are taken ``block`` at a time, and rows [r, r + block) need the
-#: products with keys and values [0, r + block) only, so a chunk of C = 2 *
-#: block computes 3/4 of the full C x C triangle product.  0 (default) takes
-#: the third entry of the :data:`CPU_CHUNK_TABLE` row; values are clipped to
-#: [1, C].
+#: Row block of the intra-chunk products of ``method="chunked"`` (docs/design-cpu.md).  0 (default)
+#: takes the third entry of the :data:`CPU_CHUNK_TABLE` row; values are clipped to [1, C].
 CPU_CHUNK_BLOCK = _env_int("LINATTN_CPU_CHUNK_BLOCK", 0)
 
 #: Sequence parallelism of ``method="chunked"`` (batch*heads below the thread
@@ -156,20 +130,13 @@ def _chunk_row(f, m, dtype):
     return (None, 32, 16)
 
 
-#: Chunk size C of the CPU chunked backward (``linattn_nb.ops.grad.cpu.backward_chunked``):
-#: the GEMM-shaped chunks of the additive and gate rules.  0 (default)
-#: picks :func:`cpu_backward_chunk`.  The additive rule keeps no state per
-#: chunk; the gate rule keeps one float64 state per chunk (its factor
-#: gradient needs the state before each chunk), so larger chunks save memory
-#: there.  The decay rule and the delta rules run the delta rules' chunked
-#: backward, whose chunk is :data:`BACKWARD_DELTA_CHUNK`.
+#: Chunk size C of the CPU chunked backward of the additive and gate rules
+#: (``linattn_nb.ops.grad.cpu.backward_chunked``; docs/design-cpu.md).  0 (default) picks
+#: :func:`cpu_backward_chunk`.  The decay and delta rules use :data:`BACKWARD_DELTA_CHUNK`.
 BACKWARD_CHUNK = _env_int("LINATTN_BACKWARD_CHUNK", 0)
 
-#: Checkpoint interval (tokens) of the CPU scan backward
-#: (``linattn_nb.ops.grad.cpu.backward_scan``): the float64 state is stored every this many tokens and the
-#: states in between are recomputed in a (interval x F x (M + 1)) scratch per
-#: thread.  0 (default) picks :func:`cpu_backward_checkpoint`, the interval at
-#: which the checkpoints take about as many bytes as the values.
+#: Checkpoint interval (tokens) of the CPU scan backward (``linattn_nb.ops.grad.cpu.backward_scan``;
+#: docs/design-cpu.md).  0 (default) picks :func:`cpu_backward_checkpoint`.
 BACKWARD_CHECKPOINT = _env_int("LINATTN_BACKWARD_CHECKPOINT", 0)
 
 
@@ -180,13 +147,9 @@ def cpu_backward_chunk(n: int, f: int, m: int, dtype) -> int:
 
 
 def cpu_backward_checkpoint(n: int, f: int, m1: int, itemsize: int) -> int:
-    """Checkpoint interval of the CPU scan backward (``BACKWARD_CHECKPOINT`` if set).
-
-    Default: the interval ``L`` at which one float64 state of ``f x m1``
-    numbers costs about the bytes of ``L`` value rows of ``m1`` numbers of
-    ``itemsize`` bytes (``L = 8 f / itemsize``), clipped to [16, 256] and to
-    ``max(n, 1)``.
-    """
+    """Checkpoint interval of the CPU scan backward (``BACKWARD_CHECKPOINT`` if set): by default the
+    ``L = 8 f / itemsize`` at which a float64 state costs about the bytes of ``L`` value rows,
+    clipped to [16, 256] and to ``max(n, 1)``."""
     if BACKWARD_CHECKPOINT > 0:
         c = int(BACKWARD_CHECKPOINT)
     else:
@@ -227,14 +190,9 @@ QUADRATIC_MAX_ELEMENTS = _env_int("LINATTN_QUADRATIC_MAX_ELEMENTS", 1 << 26)
 # --------------------------------------------------------------------------
 # Feature maps and analysis
 # --------------------------------------------------------------------------
-#: FAVOR+ key features are shifted by ``max(0, max_i |w_i|^2/2 - headroom)``,
-#: a constant computed from the random matrix only (never from the data, so
-#: it is causal-safe and identical across segments).  Because
-#: ``w.x - |x|^2/2 <= |w|^2/2``, key features are then at most
-#: ``exp(headroom)``: 40 keeps them and their products with values far below
-#: the float32 maximum (exp(88.7)) while wasting as little of the float32
-#: range below as possible.  Read when a map is built (stored on the map, so
-#: that a carried state stays consistent).
+#: FAVOR+ key features are shifted by ``max(0, max_i |w_i|^2/2 - headroom)`` (from the random matrix
+#: only), so they are at most ``exp(headroom)``, far below the float32 maximum (derivation:
+#: docs/guide/configuration.md).  Read when a map is built.
 FAVOR_KEY_HEADROOM = _env_float("LINATTN_FAVOR_KEY_HEADROOM", 40.0)
 
 #: Query rows per task in the approximation-error kernels
@@ -265,30 +223,17 @@ AUTO_METHODS = {
 # --------------------------------------------------------------------------
 # CUDA kernels (linattn_nb/ops/cuda/).  Read at every launch.
 # --------------------------------------------------------------------------
-#: Value columns per block of the sequence kernel: one thread per column in
-#: the owner layout (D_phi <= 64, every rule but the delta rules; the
-#: normaliser split by rows across them); in the row-group layout a block
-#: also carries one column for the normaliser: G row groups x
-#: ceil((CUDA_VALUE_COLS + 1) / C) column groups of threads.
-#: Blocks over the value dimension M run side by side (grid axis y).
+#: Value columns per block of the sequence kernel (docs/cuda_kernels.md, "Thread layouts"); blocks
+#: over the value dimension M run side by side (grid axis y).
 CUDA_VALUE_COLS = _env_int("LINATTN_CUDA_VALUE_COLS", 64)
 #: Register tile of a thread in the row-group layout: CUDA_ROWS_PER_THREAD state rows x
-#: CUDA_COLS_PER_THREAD state columns (compile-time constants of the kernel).
-#: Per token a thread reads R + R + C values from shared memory for 2 R C
-#: fused multiply-adds, so C = 1 is bound by shared-memory loads at a quarter
-#: of the fp32 rate and larger tiles approach it.  Rows are doubled up to
-#: CUDA_MAX_ROWS_PER_THREAD when a block would exceed CUDA_MAX_THREADS
-#: threads.  PROVISIONAL (8 x 4 chosen by that count, not yet measured on a
-#: GPU): benchmarks/gpu_bench.py sweeps them.
+#: CUDA_COLS_PER_THREAD state columns; rows are doubled up to CUDA_MAX_ROWS_PER_THREAD when a block
+#: would exceed CUDA_MAX_THREADS threads.  PROVISIONAL (docs/guide/configuration.md).
 CUDA_ROWS_PER_THREAD = _env_int("LINATTN_CUDA_ROWS_PER_THREAD", 8)
 CUDA_COLS_PER_THREAD = _env_int("LINATTN_CUDA_COLS_PER_THREAD", 4)
 CUDA_MAX_ROWS_PER_THREAD = _env_int("LINATTN_CUDA_MAX_ROWS_PER_THREAD", 64)
-#: The register tile of the delta rules (row groups always): 16 rows x 2 columns.
-#: Their token loop also sums k^T H across the row groups of a column (xor
-#: shuffles when the groups are a power of two): at D_phi = M = 64 float32,
-#: 16 x 2 (4 groups, 132 threads) gives 96 FFMA of 152 SASS instructions
-#: (63 %), 8 x 4 (8 groups) 96 of 168 (57 %: three shuffle levels for four
-#: columns).  PROVISIONAL (static counts, benchmarks/gpu_static.py).
+#: The register tile of the delta rules (row groups always): 16 rows x 2 columns.  PROVISIONAL
+#: (static counts: docs/guide/configuration.md).
 CUDA_DELTA_ROWS_PER_THREAD = _env_int("LINATTN_CUDA_DELTA_ROWS_PER_THREAD", 16)
 CUDA_DELTA_COLS_PER_THREAD = _env_int("LINATTN_CUDA_DELTA_COLS_PER_THREAD", 2)
 #: Upper bound on threads per block of the sequence kernel (the kernels cap
@@ -298,14 +243,9 @@ CUDA_MAX_THREADS = _env_int("LINATTN_CUDA_MAX_THREADS", 1024)
 #: exceed CUDA_SHARED_BYTES; static shared memory is limited to 48 KiB).
 CUDA_TILE_TOKENS = _env_int("LINATTN_CUDA_TILE_TOKENS", 32)
 CUDA_SHARED_BYTES = _env_int("LINATTN_CUDA_SHARED_BYTES", 40960)
-#: Static shared memory per block the tile layout of the sequence kernel may
-#: take (linattn_nb.ops.cuda.plan.tiles_fits): its tile is D_phi / 4
-#: tokens whatever the budget, so the budget only decides where the layout
-#: applies, and its blocks (272 threads at D_phi = M = 64, 148-206 registers
-#: each) are held to one per multiprocessor by registers, so the default is
-#: the whole static limit, 48 KiB: the gate rule at D_phi = M = 64 in float32
-#: takes 46,524 bytes (its scaled copies of phi(q), phi(k) and its rows of
-#: products), the delta rules 38,032 (gated 38,212), the additive rule 31,568.
+#: Static shared memory per block the tile layout of the sequence kernel may take
+#: (linattn_nb.ops.cuda.plan.tiles_fits): it decides only where the layout applies; the default is
+#: the whole static limit, 48 KiB (docs/cuda_kernels.md).
 CUDA_TILES_SHARED_BYTES = _env_int("LINATTN_CUDA_TILES_SHARED_BYTES", 49152)
 #: Tokens per chunk of method="chunked" (causal) and of the non-causal
 #: aggregate phase: chunks are processed in parallel.
@@ -314,69 +254,36 @@ CUDA_CHUNK_SIZE = _env_int("LINATTN_CUDA_CHUNK_SIZE", 256)
 #: (state packing, prefix over chunks, finiteness check, copies).
 CUDA_THREADS_PER_BLOCK = _env_int("LINATTN_CUDA_THREADS_PER_BLOCK", 256)
 CUDA_MAX_HELPER_BLOCKS = _env_int("LINATTN_CUDA_MAX_HELPER_BLOCKS", 4096)
-#: Bytes of device memory the workspace pool (linattn_nb/ops/_cuda_pool.py)
-#: keeps between calls, per process: temporaries of a GPU call (the packed
-#: state, the per-chunk states, the finiteness counters) are taken from it and
-#: reused by the next call with the same shapes, dtype, CUDA context and
-#: thread, so that a call allocates nothing once its shapes have been seen.
-#: Least recently used buffers are freed first when it is exceeded; a single
-#: buffer larger than this is allocated per call and not kept; 0 turns the
-#: pool off (every call allocates).  1 GiB holds the per-chunk states of
-#: B = 8, H = 16, N = 16,384, D = M = 64 (136 MB) several times over.
+#: Bytes of device memory the workspace pool (linattn_nb/ops/_cuda_pool.py) keeps between calls, per
+#: process (least recently used buffers freed first; a larger buffer is not kept; 0 turns the pool
+#: off).  docs/cuda_kernels.md, "Workspaces and finiteness counters".
 CUDA_WORKSPACE_BYTES = _env_int("LINATTN_CUDA_WORKSPACE_BYTES", 1 << 30)
 #: Largest feature dimension D_phi the CUDA kernels accept (the value
 #: dimension M is not limited: blocks over M).  Beyond it, a ValueError
 #: suggests device="cpu".
 CUDA_MAX_FEATURES = _env_int("LINATTN_CUDA_MAX_FEATURES", 1024)
-#: method="auto" on CUDA, causal: "scan" when its owner-layout blocks (batch x
-#: column blocks, 2 warps each at D_phi = M = 64) fill the GPU, i.e. at least
-#: CUDA_AUTO_SCAN_BLOCKS_PER_SM blocks per multiprocessor; below that, "scan"
-#: in the row-group layout (more warps per sequence: 5 at D_phi = M = 64)
-#: when its warps reach CUDA_AUTO_SCAN_MIN_WARPS_PER_SM per multiprocessor
-#: (one pass over q, k, v: about half the traffic and 2/3 of the FLOPs of
-#: "chunked", which reads k and v twice); otherwise the AUTO_METHODS rows
-#: below by sequence length.  The same block count decides the layout of every
-#: sequence-kernel launch (linattn_nb.ops._cuda_launch.seq_layout).
-#: PROVISIONAL: chosen by reasoning from the static SASS and the traffic model
-#: (benchmarks/gpu_static.py), not yet measured on a GPU;
-#: benchmarks/gpu_bench.py times both methods and both layouts at the headline.
+#: method="auto" on CUDA, causal: "scan" when its owner-layout blocks reach
+#: CUDA_AUTO_SCAN_BLOCKS_PER_SM per multiprocessor, or its row-group warps
+#: CUDA_AUTO_SCAN_MIN_WARPS_PER_SM; otherwise the AUTO_METHODS rows below by sequence length.  The
+#: same block count decides the layout of every sequence-kernel launch.  PROVISIONAL
+#: (docs/guide/configuration.md).
 CUDA_AUTO_SCAN_BLOCKS_PER_SM = _env_int("LINATTN_CUDA_AUTO_SCAN_BLOCKS_PER_SM", 4)
 CUDA_AUTO_SCAN_MIN_WARPS_PER_SM = _env_int("LINATTN_CUDA_AUTO_SCAN_MIN_WARPS_PER_SM", 4)
-#: Compile the sequence kernel once per feature map (1, default), so that the
-#: map is a compile-time constant and the staging loop carries that map's
-#: instructions only, or once for every map (0: a branch over the six maps
-#: per staged element; fewer compilations).  At D_phi = M = 64 float32 (sm_90
-#: SASS, static): the ELU+1 kernel's q, k staging loops take 172-235
-#: instructions per two staged (q, k) pairs, against 259 per pair (32
-#: branches) in the kernel for every map; 5,568 instructions in all against
-#: 6,384; registers 129 against 130 (owner layout), 76 against 94 (row
-#: groups).  PROVISIONAL: static counts, not timed on a GPU.
+#: Compile the sequence kernel once per feature map (1, default: the map a compile-time constant),
+#: or once for every map (0: a branch over the maps per staged element; fewer compilations).
+#: PROVISIONAL (static counts: docs/guide/configuration.md).
 CUDA_SPECIALIZE_MAPS = _env_int("LINATTN_CUDA_SPECIALIZE_MAPS", 1)
-#: Thread layout of the sequence kernel: "auto" (the owner layout where it
-#: applies; when the owner layout's blocks would be fewer than
-#: CUDA_AUTO_SCAN_BLOCKS_PER_SM per multiprocessor, the tile layout where it
-#: applies (any rule), else row groups; the delta rules, which have no owner
-#: layout, likewise with row groups' blocks in its place: see
-#: linattn_nb.ops._cuda_launch.seq_layout), "owner" (where it applies),
-#: "rows" (always row groups) or "tiles" (the tile layout where it applies,
-#: else the owner layout's rule).  A device of one multiprocessor (the
-#: simulator) keeps the owner layout under "auto"; tests set the others.
-#: PROVISIONAL: the choice is argued from static SASS counts, not timed.
+#: Thread layout of the sequence kernel: "auto" (linattn_nb.ops._cuda_launch.seq_layout,
+#: docs/cuda_kernels.md, "Choosing the layout"), "owner" (where it applies), "rows" (always row
+#: groups) or "tiles" (where it applies, else the owner layout's rule).  PROVISIONAL: argued from
+#: static SASS counts, not timed.
 CUDA_SEQ_LAYOUT = os.environ.get("LINATTN_CUDA_SEQ_LAYOUT", "auto") or "auto"
-#: Element offsets within a sequence in the sequence kernel: 1 (default)
-#: takes the kernel with 32-bit offsets whenever every (N, F) sequence of q,
-#: k, v and out spans fewer than 2^31 elements (the batch entry's first
-#: element is addressed in 64 bits, once per block), and the 64-bit kernel
-#: otherwise; 0 always takes the 64-bit kernel (tests, or to rule the
-#: offsets out when a result looks wrong).  Per staged element the 32-bit
-#: kernel saves the 64-bit multiply-adds of the address (gpu_static.py).
+#: Element offsets within a sequence in the sequence kernel: 1 (default) takes the kernel with
+#: 32-bit offsets whenever every sequence spans fewer than 2^31 elements, the 64-bit kernel
+#: otherwise; 0 always takes the 64-bit kernel (docs/cuda_kernels.md, "Global addressing").
 CUDA_OFFSETS_32 = _env_int("LINATTN_CUDA_OFFSETS_32", 1)
-#: Vector loads in the sequence kernel's staging: 1 (default) reads four
-#: consecutive features of q and k (values of v) per load (LDG.E.128 for
-#: float32) wherever the layout allows it: unit last stride, sizes and
-#: strides in multiples of 4 elements, an aligned first element
-#: (linattn_nb.ops.cuda.views.vector_bits); other inputs are read one
-#: element at a time.  0: always one element at a time.
+#: Vector loads in the sequence kernel's staging: 1 (default) reads four consecutive elements per
+#: load wherever the layout allows it (linattn_nb.ops.cuda.views.vector_bits); 0: one at a time.
 CUDA_VECTOR_LOADS = _env_int("LINATTN_CUDA_VECTOR_LOADS", 1)
 AUTO_METHODS[("additive", True, "cuda")] = [(2 * 256, "scan"), (None, "chunked")]
 AUTO_METHODS[("additive", False, "cuda")] = [(None, "aggregate")]
@@ -424,11 +331,9 @@ PREFILL_BLOCK = _env_int("LINATTN_PREFILL_BLOCK", 256)
 #: scratch O(block) per thread).
 KV_BLOCK = _env_int("LINATTN_KV_BLOCK", 2048)
 
-#: The KV-cache step runs in parallel over the batch*heads from this many
-#: multiply-adds (``batch * tokens * context * (D + M)``) on; 2**24 is ~4 ms
-#: of serial work.  (A parallel region waits for all its threads: on a busy
-#: machine a late thread costs a scheduler time slice, so small steps stay
-#: serial; docs/measurements.md, "Serial or parallel".)
+#: The KV-cache step runs in parallel over the batch*heads from this many multiply-adds
+#: (``batch * tokens * context * (D + M)``; 2**24 is ~4 ms of serial work) on
+#: (docs/measurements.md, "Serial or parallel").
 KV_PARALLEL_MIN_WORK = _env_int("LINATTN_KV_PARALLEL_MIN_WORK", 1 << 24)
 
 #: Initial capacity (tokens) of a ``KVCache`` and its growth factor: when an
@@ -454,12 +359,9 @@ FIT_BLOCK_BYTES = _env_int("LINATTN_FIT_BLOCK_BYTES", 64 << 20)
 #: else recomputes them in every evaluation (one GEMM and one exp per entry).
 FIT_CACHE_BYTES = _env_int("LINATTN_FIT_CACHE_BYTES", 512 << 20)
 
-#: ``fit`` runs BLAS on one thread while one evaluation's products are
-#: smaller than this many multiply-adds (``B * N * N * D_phi``): the block
-#: GEMMs of small fits are far too short to share between threads (a
-#: 256 x 32 x 256 product took 25 ms instead of 0.1 ms with two BLAS threads
-#: on busy cores), while at N = 4096, D_phi = 128 (2**31) two threads gain
-#: about 20% on free cores.
+#: ``fit`` runs BLAS on one thread while one evaluation's products are smaller than this many
+#: multiply-adds (``B * N * N * D_phi``): small block GEMMs are too short to share between threads
+#: (docs/guide/configuration.md).
 FIT_SERIAL_BLAS_MAX_WORK = _env_int("LINATTN_FIT_SERIAL_BLAS_MAX_WORK", 1 << 27)
 
 #: Floor of the fitted linear weights in the cross-entropy and KL losses for
@@ -471,36 +373,22 @@ FIT_FLOOR = _env_float("LINATTN_FIT_FLOOR", 1e-6)
 
 # Reports (linattn_nb.studies.run_report)
 # --------------------------------------------------------------------------
-#: ``run_report`` runs the studies marked ``background`` (the correctness
-#: self-check, which on a cold kernel cache is almost all compiling) in a
-#: spawned process beside the untimed studies, so that a first report uses
-#: both cores of a laptop while Numba compiles on one.  ``LINATTN_REPORT_BACKGROUND=0``
-#: runs every study in the reporting process, one after the other.
+#: ``run_report`` runs the studies marked ``background`` (mostly compiling) in a spawned process beside
+#: the untimed studies; ``LINATTN_REPORT_BACKGROUND=0`` runs every study in the reporting process.
 REPORT_BACKGROUND = os.environ.get("LINATTN_REPORT_BACKGROUND", "1") not in ("0", "false", "no")
 
 # method="auto" calibrated on this machine (linattn_nb._tune, docs/tuning.md)
 # --------------------------------------------------------------------------
-#: Whether ``method="auto"`` on the CPU (causal) uses a calibration of this
-#: machine instead of the rows of :data:`AUTO_METHODS`: ``"off"`` (the rows
-#: only), ``"load"`` (default: a calibration stored by ``linattn tune`` for
-#: this CPU, BLAS and versions, read once per process; never measures) or
-#: ``"first-use"`` (the same, and when none is stored for the rule and dtype
-#: asked, time the scan against the chunked kernel then: a few seconds once,
-#: said on stderr, stored for later processes).  ``"load"`` is the default so
-#: that no call is slowed unannounced and results do not depend on timings
-#: taken behind the caller's back; the tests run with ``"off"``.
+#: Whether ``method="auto"`` on the CPU (causal) uses a calibration of this machine instead of the
+#: rows of :data:`AUTO_METHODS`: ``"off"``, ``"load"`` (default: one stored by ``linattn tune``,
+#: never measures) or ``"first-use"`` (also times a missing entry once).  docs/tuning.md.
 AUTO_TUNE = os.environ.get("LINATTN_AUTO_TUNE", "load") or "load"
 
 # Chunked backward of the delta rules (linattn_nb.ops.grad.cpu.backward_chunked)
 # --------------------------------------------------------------------------
 #: Chunk size C of the CPU chunked backward of the delta and gated delta rules
-#: (the WY/UT form differentiated chunk by chunk,
-#: :mod:`linattn_nb.ops.grad._cpu_chunked_delta`).  0 (default) picks
-#: :func:`cpu_backward_delta_chunk`: 32.  Its GEMMs are of two kinds, (C x C)
-#: by (C x D) per chunk (their work per token grows with C) and (C x D) by
-#: (D x D) (per token independent of C); at B*H = 16, N = 4096, D = M = 64,
-#: float32 (AMD EPYC, 2 threads, shared, 7 interleaved rounds) the gated delta
-#: rule's backward took 3.4x the forward at C = 32, 4.0x at 64 and 4.7x at 16.
+#: (:mod:`linattn_nb.ops.grad._cpu_chunked_delta`).  0 (default) picks
+#: :func:`cpu_backward_delta_chunk`: 32 (measured: docs/design-cpu.md).
 BACKWARD_DELTA_CHUNK = _env_int("LINATTN_BACKWARD_DELTA_CHUNK", 0)
 
 
