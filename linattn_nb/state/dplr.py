@@ -1,12 +1,8 @@
 """The decoding state of a diagonal-plus-low-rank rule: :class:`DPLRState`.
 
-The same ``prefill`` / ``step`` / ``query`` / ``save`` / ``load`` API as
-:class:`~linattn_nb.LinearAttentionState`, for the general form and the named
-rules of :func:`linattn_nb.dplr_attention` (``kda``, ``rwkv7``,
-``delta_product``, ``gated_delta_product``): each call runs the recurrence from
-the held state (``initial_state``) and keeps the state it returns, so any
-number of tokens per call gives the outputs of one call over the whole
-sequence.  The state is float64.
+The API of :class:`~linattn_nb.LinearAttentionState` for the rules of
+:func:`linattn_nb.dplr_attention`: each call runs the recurrence from the held (float64) state and
+keeps the state it returns (docs/dplr.md).
 """
 from __future__ import annotations
 
@@ -15,6 +11,7 @@ import numpy as np
 from .. import config
 from ..feature_maps import resolve as _resolve_map
 from . import fileformat
+from .linear import LinearAttentionState as _Linear
 
 _GENERAL = "dplr"
 
@@ -77,38 +74,18 @@ class DPLRState:
         """The rule's name (``"dplr"`` for the general form)."""
         return _GENERAL if self._spec is None else self._spec.name
 
-    @property
-    def key_dim(self) -> int:
-        return self._d
-
-    @property
-    def value_dim(self) -> int:
-        return self._m
-
-    @property
-    def feature_dim(self) -> int:
-        return self._f
-
-    @property
-    def batch_shape(self) -> tuple:
-        return self._bs
-
-    @property
-    def feature_map(self):
-        return self._fmap
+    # the getters of LinearAttentionState's fields, which this state keeps under the same names
+    key_dim = _Linear.key_dim
+    value_dim = _Linear.value_dim
+    feature_dim = _Linear.feature_dim
+    batch_shape = _Linear.batch_shape
+    feature_map = _Linear.feature_map
+    eps = _Linear.eps
+    position = _Linear.position
 
     @property
     def normalize(self) -> bool:
         return self._normalize
-
-    @property
-    def eps(self):
-        return self._eps
-
-    @property
-    def position(self) -> int:
-        """Tokens absorbed so far."""
-        return self._position
 
     @property
     def S(self) -> np.ndarray:

@@ -1,10 +1,7 @@
 """The linear-attention state: :class:`LinearAttentionState`.
 
-Its inputs go through the shared front end (:mod:`linattn_nb._frontend`:
-feature maps and their shape check, positions; :mod:`linattn_nb._cuda_dispatch`:
-GPU arrays), its kernels are the decode-step launchers of the method table
-(:mod:`linattn_nb.ops.step.launchers`) and its files the format of
-:mod:`linattn_nb.state.fileformat`.
+Inputs through the front end, kernels the decode-step launchers of the method table
+(docs/launchers.md), files the format of :mod:`linattn_nb.state.fileformat`.
 """
 from __future__ import annotations
 
@@ -111,22 +108,6 @@ class LinearAttentionState:
         the delta rules); False makes :meth:`step` and :meth:`query` return
         ``phi(q)^T S`` undivided.  Maps that need the normaliser (FAVOR+,
         Hedgehog) refuse False.
-
-    Attributes
-    ----------
-    S, z : ndarray
-        Read-only views of the state (device arrays on the GPU: the state's
-        current buffer, which a checked :meth:`step` or :meth:`prefill`
-        replaces by the other one; read them again after a call).
-    position : int
-        Tokens absorbed so far (the position of the next token; position-
-        dependent feature maps use it as the offset).
-    nbytes : int
-        Bytes of ``S`` and ``z``: constant in the context length.
-    rule : str or None
-        The update rule, None while it is not fixed.
-    normalize : bool
-        Whether outputs are divided by the normaliser.
 
     Notes
     -----
@@ -413,6 +394,7 @@ class LinearAttentionState:
 
     @property
     def position(self) -> int:
+        """Tokens absorbed so far: the position of the next token (the offset of position-dependent maps)."""
         return self._position
 
     @property
@@ -434,7 +416,8 @@ class LinearAttentionState:
 
     @property
     def S(self):
-        """``sum_j phi(k_j) v_j^T``, shape ``(*batch_shape, D_phi, M)`` (a read-only view on the host)."""
+        """``sum_j phi(k_j) v_j^T``, shape ``(*batch_shape, D_phi, M)``: a read-only view on the host; on the GPU
+        the current buffer, which a checked update replaces (read it again after a call)."""
         S = self._launch.view(self._S, self._z)[0].reshape(self._bs + (self._f, self._m))
         if isinstance(S, np.ndarray):
             S.flags.writeable = False
@@ -714,12 +697,8 @@ class LinearAttentionState:
         if inp.T == 0:  # nothing to absorb (the rule may still be open: no launcher to run)
             return self._deliver(self._finish(out, inp), given, inp)
         check = bool(check_finite and self._code is not None)
-        if inp.inputs is None and self._norm:
-            bad = self._launch(qf, kf, vf, self._S, self._z, out, self._scratch, code=self._c_code,
-                               eps=self._eps, check=check)
-        else:
-            bad = self._launch(qf, kf, vf, self._S, self._z, out, self._scratch, code=self._c_code,
-                               eps=self._eps, check=check, inputs=inp.inputs, normalize=self._norm)
+        bad = self._launch(qf, kf, vf, self._S, self._z, out, self._scratch, code=self._c_code, eps=self._eps,
+                           check=check, inputs=inp.inputs, normalize=self._norm)
         if bad:
             if fixed:
                 self._set_rule(None)
@@ -771,12 +750,8 @@ class LinearAttentionState:
         (qf,) = self._on_state_device(inp)
         out = self._new_out(inp.T, inp.work)
         check = bool(check_finite and self._code is not None)
-        if self._norm:
-            bad = self._launch.query(qf, self._S, self._z, out, self._scratch, code=self._c_code, eps=self._eps,
-                                     check=check)
-        else:
-            bad = self._launch.query(qf, self._S, self._z, out, self._scratch, code=self._c_code, eps=self._eps,
-                                     check=check, normalize=False)
+        bad = self._launch.query(qf, self._S, self._z, out, self._scratch, code=self._c_code, eps=self._eps,
+                                 check=check, normalize=self._norm)
         if bad:
             raise_nonfinite("q")
         return self._finish(out, inp)
@@ -822,11 +797,8 @@ class LinearAttentionState:
             return
         kf, vf = self._on_state_device(inp)
         check = bool(check_finite and self._code is not None)
-        if inp.inputs is None:
-            bad = self._launch.prefill(kf, vf, self._S, self._z, self._scratch, code=self._c_code, check=check)
-        else:
-            bad = self._launch.prefill(kf, vf, self._S, self._z, self._scratch, code=self._c_code, check=check,
-                                       inputs=inp.inputs)
+        bad = self._launch.prefill(kf, vf, self._S, self._z, self._scratch, code=self._c_code, check=check,
+                                   inputs=inp.inputs)
         if bad:
             if fixed:
                 self._set_rule(None)
