@@ -105,19 +105,9 @@ def multiprocessor_count() -> int:
 
 
 def select_auto_cuda(*, rule, causal, batch, n, f, m, dtype, sms=None) -> str:
-    """Resolve ``method="auto"`` on the GPU.
-
-    Causal: ``"scan"`` when the scan's blocks (``batch x column blocks``) in
-    the layout :func:`linattn_nb.ops._cuda_launch.seq_layout` gives it fill
-    the GPU (:func:`linattn_nb.ops._cuda_launch.scan_fills`): the owner layout at ``config.CUDA_AUTO_SCAN_BLOCKS_PER_SM``
-    blocks per multiprocessor or more, the tile or row-group layout when its warps
-    reach ``config.CUDA_AUTO_SCAN_MIN_WARPS_PER_SM`` per multiprocessor (one
-    pass over q, k, v, against the chunked method's two over k and v); else
-    the rows of ``config.AUTO_METHODS[(rule, True, "cuda")]`` by sequence
-    length.  Non-causal: ``config.AUTO_METHODS[(rule, False, "cuda")]``.
-    ``sms``: multiprocessors (default: the current GPU's,
-    :func:`multiprocessor_count`).
-    """
+    """Resolve ``method="auto"`` on the GPU: causal, ``"scan"`` when its blocks fill the GPU
+    (:func:`linattn_nb.ops._cuda_launch.scan_fills`, ``sms`` multiprocessors, default the current
+    GPU's), else the rows of ``config.AUTO_METHODS[(rule, causal, "cuda")]``."""
     if causal:
         sms = multiprocessor_count() if sms is None else int(sms)
         if _launch().scan_fills(batch, f, m, dtype, get_rule(rule).code, sms=sms):
@@ -142,11 +132,6 @@ def check_limits(f: int, m: int, dtype, rule: str = "additive") -> None:
     _launch().check_limits(f, m, dtype, get_rule(rule).code)
 
 
-def zeros(shape, dtype=np.float64):
-    """A new zero-filled device array, zeroed on the device (one kernel, no host copy)."""
-    return _launch().zeros(shape, dtype)
-
-
 #: dtypes of the rule inputs the kernels read in place (:func:`device_rule_inputs`).
 _IN_PLACE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -155,31 +140,16 @@ def device_rule_inputs(decay, log_decay, beta, batch_shape, n: int, f: int):
     """``(rule, plan)`` for GPU ``decay`` / ``log_decay`` / ``beta`` the kernels can use without the host,
     else None.
 
-    Every given argument must be a device array of floats (float16, 32 or
-    64, any non-negative strides) of one of the forms of
-    :func:`linattn_nb._validate.decay_inputs` / ``beta_inputs``: one value
-    per sequence (the batch dimensions, size-1 ones broadcast, or a 0-d
-    array), per token (one more axis, of length N) or, for ``decay`` /
-    ``log_decay`` without ``beta``, per token and feature (two more, (N,
-    D_phi)).  A float32 or float64 C-contiguous ``log_decay`` or ``beta``
-    per token (or per feature) is read in place, in its own dtype (the kernels
-    convert each value to their accumulation dtype as they stage it, so a
-    float32 array gives the same result as the float64 array of the same
-    values, without a converted copy: GLA's (B, N, D_phi) ``log_decay`` is
-    read twice, by the range count and by the kernels, instead of read,
-    written in float64 and read again); any other is converted on the
-    device into a pooled float64 workspace (``decay`` to its log).  Either way its values are checked on
-    the device by :func:`device_rule_values`, inside the call's try block,
-    and reported by the call's single read of the check counters.  Anything
-    else -- integers, both ``decay`` and ``log_decay``, a host array beside a
-    device one, a shape of no form, batch dimensions whose strides do not
-    merge, an empty batch or sequence -- returns None: the host path of
-    :func:`linattn_nb._validate.decay_inputs` and ``beta_inputs`` (which also
-    raises the shape errors).
-
-    ``plan`` maps the kernels' input names (``log_decay``, ``log_gate``,
-    ``beta``) to ``(argument name, array, in_place)``: a (B, N) / (B, N,
-    D_phi) float32 or float64 view read in place, or a 4-d view and the target shape.
+    Every given argument must be a device array of floats in one of the forms of
+    :func:`linattn_nb._validate.decay_inputs` / ``beta_inputs``.  A float32 or float64 C-contiguous
+    ``log_decay`` or ``beta`` per token (or per feature) is read in place in its own dtype; any
+    other is converted on the device into a pooled float64 workspace (``decay`` to its log); the
+    values are checked on the device by :func:`device_rule_values` (docs/cuda_kernels.md, "The
+    front end's CUDA side").  Anything else (integers, both ``decay`` and ``log_decay``, a host
+    array beside a device one, a shape of no form, batch strides that do not merge, an empty batch
+    or sequence) returns None: the host path, which also raises the shape errors.  ``plan`` maps
+    the kernels' input names to ``(argument name, array, in_place)``: a (B, N) / (B, N, D_phi)
+    view read in place, or a 4-d view and the target shape.
     """
     L = _launch()
     bs = tuple(int(s) for s in batch_shape)
@@ -256,11 +226,6 @@ def device_rule_values(plan, batch: int, n: int, f: int) -> dict:
     return out
 
 
-def fill(x, value=0):
-    """Set every entry of the C-contiguous device array ``x`` to ``value`` on the device (one kernel)."""
-    return _launch().fill(x, value)
-
-
 def zero_state(b, f, m):
     """The zero initial state ``H`` (b, f, m + 1) float64: a pooled workspace zeroed on the device.
 
@@ -294,14 +259,9 @@ def device_out(out, shape, dtype):
 
 
 def pack_state(S0, z0, position, batch_shape, b, f, m, *, check_finite):
-    """A float64 device ``H`` (B, F, M + 1) = [S | z] from device arrays S (..., F, M), z (..., F).
-
-    ``H`` is the pooled workspace of :func:`zero_state` (the caller's arrays
-    are only read; C-contiguous ones without a copy).  ``check_finite``: the
-    NaN/inf entries of S and z are counted on the device into the finiteness
-    counters (:mod:`linattn_nb.ops._cuda_pool`), read with those of q, k, v
-    by the launch (or :func:`finish_checks`).
-    """
+    """A float64 device ``H`` (B, F, M + 1) = [S | z] from device arrays S (..., F, M), z (..., F), in the
+    pooled workspace of :func:`zero_state`; ``check_finite`` counts the NaN/inf of S and z on the
+    device, read with those of q, k, v by the launch (or :func:`finish_checks`)."""
     S0 = wrap("initial_state.S", S0)
     z0 = wrap("initial_state.z", z0)
     V.check_state_arrays(S0, z0, position, batch_shape, f, m)
@@ -348,11 +308,8 @@ def run_device(impl, q4, k4, v4, H, dout, out_shape, *, code, eps, inputs=None, 
                check_finite=False, scratch=False):
     """Device inputs: launch on 4-d views; an ``out`` whose batch dims cannot be merged gets a copy.
 
-    ``check_finite`` goes to the launcher (which counts the NaN/inf entries of
-    q, k, v on the device and reads the counters once, with those of a packed
-    initial state); counts it left unread are read here.  ``scratch``: compute
-    into a workspace and copy into ``dout`` after the launch (an ``out`` that
-    shares memory with an input, :mod:`linattn_nb._overlap`).
+    ``check_finite`` goes to the launcher (counts it left unread are read here); ``scratch``:
+    compute into a workspace and copy into ``dout`` after the launch (an ``out`` that overlaps an input).
     """
     o4 = None if scratch else view4(dout)
     tmp = None if o4 is not None else _launch().workspace("linear.out", out_shape, dout.dtype)

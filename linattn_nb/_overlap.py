@@ -41,10 +41,7 @@ def _device_span(x):
     itemsize = np.dtype(cai["typestr"]).itemsize
     strides = cai.get("strides")
     if strides is None:  # C-contiguous
-        strides, step = [], itemsize
-        for s in reversed(shape):
-            strides.insert(0, step)
-            step *= s
+        strides = np.cumprod((itemsize,) + shape[:0:-1], dtype=np.int64)[::-1].tolist()
     ptr = int(cai["data"][0])
     lo = ptr + sum(st * (n - 1) for st, n in zip(strides, shape) if st < 0)
     hi = ptr + sum(st * (n - 1) for st, n in zip(strides, shape) if st > 0) + itemsize

@@ -52,35 +52,19 @@ check_finite = check_finite_values  # the name the callers use
 
 
 def check_qkv(q, k, v, *, names: Sequence[str] = ("q", "k", "v")):
-    """Validate the shapes of q, k, v and return the common batch shape etc.
-
-    Returns
-    -------
-    batch_shape : tuple
-    n, d, m : int
-    dtype : numpy.dtype
-        The promoted floating dtype.
-    """
+    """Validate the shapes and dtypes of q, k, v: ``(batch_shape, n, d, m, promoted dtype)``."""
     qn, kn, vn = names
     for name, x in zip(names, (q, k, v)):
         if x.ndim < 2:
             raise ValueError(f"{name} must have at least 2 dimensions (..., N, features), got shape {tuple(x.shape)}")
         check_float_dtype(name, x.dtype)
-    if not (q.ndim == k.ndim == v.ndim):
-        raise ValueError(
-            f"{qn}, {kn}, {vn} must have the same number of dimensions, got shapes "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if not (tuple(q.shape[:-2]) == tuple(k.shape[:-2]) == tuple(v.shape[:-2])):
-        raise ValueError(
-            f"{qn}, {kn}, {vn} must have equal leading batch dimensions, got shapes "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if not (q.shape[-2] == k.shape[-2] == v.shape[-2]):
-        raise ValueError(
-            f"{qn}, {kn}, {vn} must have the same sequence length N (axis -2), got shapes "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
+    for same, what in ((q.ndim == k.ndim == v.ndim, "the same number of dimensions"),
+                       (tuple(q.shape[:-2]) == tuple(k.shape[:-2]) == tuple(v.shape[:-2]),
+                        "equal leading batch dimensions"),
+                       (q.shape[-2] == k.shape[-2] == v.shape[-2], "the same sequence length N (axis -2)")):
+        if not same:
+            raise ValueError(f"{qn}, {kn}, {vn} must have {what}, got shapes "
+                             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(
             f"{qn} and {kn} must have the same feature dimension D (axis -1), got shapes "
@@ -187,14 +171,9 @@ def check_normalize(normalize, default: bool) -> bool:
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def factor_counts(x, lo, hi, reset):
-    """``(bad, resets)`` of a 1-D float64 array in one vectorised pass.
-
-    ``bad``: how many elements are NaN or outside [lo, hi]; ``resets``: how
-    many are at or below ``reset``.  For :func:`decay_inputs`: a per-feature
-    gate is as large as q and k, and NumPy took five passes over it (about as
-    long as the kernel itself).  The comparisons survive the fast-math flags
-    (no ``nnan``, :data:`linattn_nb.config.FASTMATH`); the counts are integers.
-    """
+    """``(bad, resets)`` of a 1-D float64 array in one pass: how many elements are NaN or outside
+    [lo, hi], and how many are at or below ``reset`` (NumPy took five passes over a per-feature gate,
+    as large as q and k).  The comparisons survive the fast-math flags (no ``nnan``)."""
     bad = 0
     resets = 0
     for i in range(x.shape[0]):
@@ -207,39 +186,13 @@ def factor_counts(x, lo, hi, reset):
 def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool, copy: bool = True):
     """The update rule and its kernel inputs for the ``decay``/``log_decay`` arguments.
 
-    Which form is meant follows from the number of dimensions (``b`` the
-    number of batch dimensions of q): a scalar or ``b`` dimensions
-    (broadcastable to the batch shape) is a constant per sequence (RetNet's
-    per-head gamma); ``b + 1`` (last axis N) one factor per token
-    (Mamba-2/SSD, simple GLA); ``b + 2`` (last axes N, D_phi) one per token
-    and feature (GLA).
-
-    Returns
-    -------
-    rule : str
-        The name of the rule without ``beta`` that the form selects
-        (:func:`linattn_nb.rules.rule_for`): the additive rule (neither
-        given), the decay rule (per sequence or per token) or the gate rule
-        (per feature).
-    inputs : dict or None
-        The rule's launcher inputs (:meth:`linattn_nb.rules.UpdateRule.kernel_arguments`):
-        ``{"log_decay": (B, N)}`` or ``{"log_gate": (B, N, F)}``, C-contiguous
-        float64 log-factors <= 0 flattened to the batch, values at or below
-        :data:`linattn_nb.ops._codes.LOG_RESET` (exp of them is 0 in float64)
-        set to ``-inf``.  With ``copy=False`` they may be the caller's
-        array itself (float64, C-contiguous, writeable and needing no
-        conversion): for a call that only reads them before it returns,
-        which saves a pass and an allocation as large as q.
-
-    Raises
-    ------
-    ValueError
-        Both given; ``causal=False``; NaN, a factor outside [0, 1] (a
-        log-factor > 0); a number of dimensions or a shape that fits none of
-        the three forms; a per-feature gate whose last axis is not D_phi.
-        Errors name the argument given.
-    TypeError
-        Non-real values (complex, boolean, object).
+    The form follows from the number of dimensions (those of :func:`linattn_nb.linear_attention`'s
+    ``decay``).  Returns ``(rule, inputs)``: the name of the rule without ``beta`` that the form
+    selects, and its launcher inputs (``{"log_decay": (B, N)}`` or ``{"log_gate": (B, N, F)}``,
+    C-contiguous float64 log-factors, those at or below ``LOG_RESET`` set to ``-inf``; None for the
+    additive rule).  With ``copy=False`` they may be the caller's array itself, for a call that only
+    reads them before it returns.  ValueError (naming the argument) for both given, ``causal=False``,
+    NaN, out of range or a shape of no form; TypeError for non-real values.
     """
     from .ops._codes import LOG_RESET
 
@@ -312,20 +265,9 @@ def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool,
 
 
 def beta_inputs(beta, batch_shape, n: int):
-    """The delta rule's write strengths ``beta`` as (B, N) C-contiguous float64, validated.
-
-    ``beta``: a float, an array broadcastable to the batch shape (one per
-    sequence) or with one more axis, of length N (one per token); values in
-    [0, 2] (``I - beta k k^T`` is a contraction for unit keys only there;
-    Schlag, Irie & Schmidhuber 2021; ``docs/theory.md``, "Delta rule").
-
-    Raises
-    ------
-    ValueError
-        NaN, values outside [0, 2], or a shape that fits neither form.
-    TypeError
-        Non-real values.
-    """
+    """The delta rule's write strengths ``beta`` (a float, one per sequence, or one per token) as
+    (B, N) C-contiguous float64 in [0, 2] (docs/theory.md, "Delta rule"); ValueError for NaN, out of
+    range or a shape of no form, TypeError for non-real values."""
     x = as_host_array("beta", beta)
     if x.dtype.kind not in "iuf":
         raise TypeError(f"beta must hold real numbers (floats), got dtype {x.dtype}")

@@ -16,25 +16,16 @@ _DLPACK_CUDA_MANAGED = 13
 
 
 def is_simulator_array(x) -> bool:
-    """True for a device array of the Numba CUDA simulator (``FakeCUDAArray``).
-
-    Its data is a NumPy array in host memory: ``device="auto"`` treats it as a
-    host array, ``device="cuda"`` as a device array (that is how the tests
-    reach the device path of the dispatcher without a GPU).
-    """
+    """True for a device array of the Numba CUDA simulator (``FakeCUDAArray``): host memory, so a host
+    array for ``device="auto"`` and a device array for ``device="cuda"``."""
     t = type(x)
     return t.__name__ == "FakeCUDAArray" and t.__module__.startswith("numba.cuda.simulator")
 
 
 def is_device_array(x) -> bool:
-    """True when ``x`` lives in GPU memory.
-
-    Anything whose ``__cuda_array_interface__`` can be read (Numba device
-    arrays, CuPy arrays, PyTorch CUDA tensors), or whose ``__dlpack_device__``
-    names a CUDA device (also a PyTorch CUDA tensor that requires grad, whose
-    array interface refuses access).  The simulator's arrays are not GPU
-    arrays (see :func:`is_simulator_array`).
-    """
+    """True when ``x`` lives in GPU memory: a readable ``__cuda_array_interface__`` (Numba, CuPy, PyTorch
+    CUDA tensors) or a ``__dlpack_device__`` naming a CUDA device (a CUDA tensor that requires grad);
+    never a simulator array."""
     if x is None or isinstance(x, np.ndarray) or is_simulator_array(x):
         return False
     if hasattr(type(x), "__cuda_array_interface__") or hasattr(x, "__cuda_array_interface__"):
@@ -74,19 +65,15 @@ def check_device_arg(device) -> str:
 def resolve_device(device: str, *arrays, names=None) -> str:
     """Return ``"cpu"`` or ``"cuda"`` for ``device`` and the given inputs.
 
-    ``None`` entries are ignored.  ``"auto"`` returns ``"cuda"`` when the
-    inputs live on a GPU and ``"cpu"`` otherwise (simulator arrays count as
-    host arrays: the simulator never counts as a GPU for ``"auto"``).
-    ``"cuda"`` requires a usable GPU or the simulator.
+    ``None`` entries are ignored.  ``"auto"`` returns ``"cuda"`` when the inputs live on a GPU (not the
+    simulator) and ``"cpu"`` otherwise; ``"cuda"`` requires a usable GPU or the simulator.
 
     Raises
     ------
     ValueError
-        When host and device inputs are mixed (naming the arguments on each
-        side), or when ``device="cpu"`` is given GPU inputs.
+        Host and device inputs mixed (naming them), or ``device="cpu"`` with GPU inputs.
     RuntimeError
-        When ``"cuda"`` is asked for (or GPU inputs are given) and neither a
-        GPU nor the simulator can run kernels.
+        ``"cuda"`` asked for (or GPU inputs given) and neither a GPU nor the simulator can run kernels.
     """
     check_device_arg(device)
     names = list(names) if names is not None else [f"argument {i}" for i in range(len(arrays))]
