@@ -25,7 +25,7 @@ from ..ops._codes import KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_
 from ..ops._common import phi
 from ..rules import get_rule
 from . import _common as C
-from .spectral import _svals, rank_from_singular_values
+from .spectral import rank_from_singular_values, singular_values
 
 __all__ = ["attention_rank", "semiseparable_rank", "state_rank_profile", "StateRankProfile"]
 
@@ -401,14 +401,14 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
         if use_factor:
             r_k, z = _stream_r(fk[i], code)
             r_q, _ = _stream_r(fq[i], code, z=z if normalize else None, eps=eps)
-            s = _svals(r_q @ r_k.T)[:nsv]
+            s = singular_values(r_q @ r_k.T, check_finite=False)[:nsv]
         else:
             if fmap is None:
                 w = C.softmax_weights(fq[i], fk[i], causal=causal, scale=scale)
             else:
                 w = _kernel_weights(fq[i], fk[i], causal=causal, eps=eps, rule=rule, inputs=inputs, b=i,
                                     normalize=normalize)
-            s = _svals(w)
+            s = singular_values(w, check_finite=False)
         spectra[i] = s
         ranks[i] = rank_from_singular_values(s, max(nq, nk), None if rtol is None else rtol[i])
     rank = int(ranks[0]) if batch_shape == () else ranks.reshape(batch_shape)
@@ -437,7 +437,7 @@ def _semiseparable_explicit(w, rtol):
         i = int(i)
         if min(i, n - i) < best:
             break
-        r = _block_rank(_svals(w[i:, :i]), n - i, i, rtol)
+        r = _block_rank(singular_values(w[i:, :i], check_finite=False), n - i, i, rtol)
         if r > best or (r == best and i < best_i):
             best, best_i = r, i
     return best, best_i
@@ -495,7 +495,7 @@ def _semiseparable_factor(pq, fk, rtol, budget):
             if bnd < best:
                 break
             i = int(i)
-            rk = _block_rank(_svals(r_s.pop(i) @ r_p.pop(i).T), n - i, i, rtol)
+            rk = _block_rank(singular_values(r_s.pop(i) @ r_p.pop(i).T, check_finite=False), n - i, i, rtol)
             if rk > best or (rk == best and i < best_i):
                 best, best_i = rk, i
     return best, best_i
@@ -758,7 +758,7 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
             elif t > at:
                 state = _absorb(state, fk[i, at:t], vf[i, at:t], None if lg is None else lg[i, at:t])
                 at = t
-            ranks[i, j] = _block_rank(_svals(state), f, m, rtol)
+            ranks[i, j] = _block_rank(singular_values(state, check_finite=False), f, m, rtol)
     return StateRankProfile(pos, ranks.reshape(batch_shape + (pos.size,)), int(min(f, m)))
 
 
@@ -806,5 +806,5 @@ def _dplr_rank_profile(k, v, fmap, positions, rtol, rule, args, initial_state, c
             at = t
         S = np.zeros((b, f, m)) if st is None else np.asarray(st.S, dtype=np.float64).reshape(b, f, m)
         for i in range(b):
-            ranks[i, j] = _block_rank(_svals(S[i]), f, m, rtol)
+            ranks[i, j] = _block_rank(singular_values(S[i], check_finite=False), f, m, rtol)
     return StateRankProfile(pos, ranks.reshape(batch + (pos.size,)), int(min(f, m)))
