@@ -1,8 +1,7 @@
 """Block helpers shared by the blocked CPU kernels (chunked causal, non-causal).
 
 Each works on rows ``[s0, s0 + n)`` of sequence ``b`` and writes the working
-dtype; LLVM inlines them into the kernels' loops.  Kernels cached on disk do not
-see edits made here: clear the ``__pycache__`` folders after changing it.
+dtype; LLVM inlines them into the kernels' loops.
 """
 from __future__ import annotations
 
@@ -21,9 +20,8 @@ def load_chunk(q, k, v, b, s0, n, fq, fk, R, row0, code, with_q):
 
     ``fq[t, :F] = phi(q[b, s0 + t])`` (when ``with_q``), ``fk[t] = phi(k[b, s0 + t])``
     and ``R[row0 + t, :M] = v[b, s0 + t]``.  Returns ``(v_finite, inputs_finite)``.
-    One pass over the three streams side by side is faster than one per input
-    (docs/measurements-cpu.md); the raw inputs are checked, not the features
-    (ELU+1 and ReLU map ``-inf`` to 0).
+    One pass over the three streams (docs/measurements-cpu.md); the raw inputs are checked, not the
+    features (ELU+1 and ReLU map ``-inf`` to 0).
     """
     F = k.shape[2]
     M = v.shape[2]
@@ -85,10 +83,8 @@ def features(src, b, s0, n, dst, code):
 def feature_row(src, b, t, dst, code):
     """dst[:] = phi(src[b, t]) in dst's dtype; returns whether every element read is finite.
 
-    A function of its own (not a loop inside a larger kernel) so that LLVM
-    takes the branch on ``code`` out of the loop and vectorises each map.
-    ``dst`` must be float64 for the row maps (L2), which are normalised in
-    place in it (the scan's feature rows are float64).
+    A function of its own so that LLVM hoists the branch on ``code`` and vectorises each map.
+    ``dst`` must be float64 for the row maps (L2), normalised in place in it.
     """
     if is_row_map(code):
         return l2_row(src, b, t, dst, code)

@@ -19,10 +19,8 @@ from ._rules import carry
 def segments(batch: int, units: int, *, threads=None, min_units: int = 1, split=None) -> int:
     """Segments per sequence for ``batch`` sequences of ``units`` units each.
 
-    With ``split`` None, sequences are split when the batch is smaller than
-    the thread count (``threads``, default Numba's): into ``ceil(threads /
-    batch)`` segments (at least 2 when ``split`` is True), but no more than
-    leaves every segment ``min_units`` units; 1 when that leaves fewer than 2.
+    ``ceil(threads / batch)`` segments when the batch is below the thread count (``split`` None;
+    at least 2 when True), at most as many as leave ``min_units`` units each; 1 below 2.
     """
     T = int(threads if threads is not None else numba.get_num_threads())
     if split is None:
@@ -37,11 +35,9 @@ def segments(batch: int, units: int, *, threads=None, min_units: int = 1, split=
 def plan(batch: int, n: int, *, chunk: int, threads=None, seq_parallel=None):
     """Segments per sequence ``P`` and pass-1 pieces per segment ``sub`` of a chunked causal call.
 
-    Sequence parallelism is used when the flattened batch is smaller than the
-    thread count (``seq_parallel=None``), and only when every segment gets at
-    least ``config.CPU_CHUNKED_MIN_SEGMENT_CHUNKS`` chunks.  The segments
-    before the last are summed in ``(P - 1) * sub`` pieces, enough to give
-    every thread one.
+    Sequences are split when the batch is below the thread count (``seq_parallel=None``) and every
+    segment keeps ``config.CPU_CHUNKED_MIN_SEGMENT_CHUNKS`` chunks; the segments before the last are
+    summed in ``(P - 1) * sub`` pieces, one per thread at least.
     """
     T = int(threads if threads is not None else numba.get_num_threads())
     nch = -(-n // chunk) if n > 0 else 0

@@ -96,9 +96,7 @@ def rule_name(rule) -> str:
 def check_rule_inputs(rule, inputs) -> int:
     """Check a launcher's ``rule`` code and ``inputs=``; return the code as an int.
 
-    ``inputs`` (a mapping of name to array, or None) must hold exactly the
-    per-token inputs the rule takes (:data:`RULES`); None and an empty
-    mapping both mean none.
+    ``inputs`` (name -> array, None or empty for none) must hold exactly the rule's (:data:`RULES`).
 
     Raises
     ------

@@ -2,8 +2,7 @@
 
 :func:`phi` is the map every CPU kernel applies to raw ``q`` and ``k`` (``code`` > 0), built from
 the vectorisable forms of :mod:`linattn_nb.ops._vec`; the row maps (``l2``, ``silu_l2``) are
-computed a row at a time by :func:`l2_row`.  Kernels cached on disk do not see edits made here:
-clear the ``__pycache__`` folders (or set ``LINATTN_NO_CACHE=1``) after changing this file.
+computed a row at a time by :func:`l2_row`.
 """
 from __future__ import annotations
 

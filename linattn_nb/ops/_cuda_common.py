@@ -73,12 +73,8 @@ else:
     def load4(typingctx, a, i):
         """``(a[i], a[i + 1], a[i + 2], a[i + 3])`` of a 1-d C-contiguous array in one vector load.
 
-        The caller guarantees the alignment the load declares
-        (:data:`VEC_ALIGN`: 16 bytes for float32 and float64, 8 for
-        float16) at ``a``'s data pointer plus ``i`` elements.  The
-        launchers check it before they choose a kernel that calls this
-        (:func:`linattn_nb.ops._cuda_launch.plan`); a misaligned address is
-        a launch failure on a GPU, not a wrong result.  No bounds check.
+        The caller guarantees the alignment the load declares (:data:`VEC_ALIGN`) at ``a + i``, as
+        :func:`linattn_nb.ops._cuda_launch.plan` checks (misaligned: a launch failure).  No bounds check.
         """
         if not (isinstance(a, _types.Array) and a.ndim == 1 and a.layout == "C"
                 and isinstance(i, _types.Integer)):

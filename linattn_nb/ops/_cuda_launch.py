@@ -173,10 +173,8 @@ def _placeholder(ndim):
 def rule_factors(rule: int, inputs, B: int, N: int, F: int):
     """The rule's per-token log-factors as a (B, N, W) float64 (or float32) device array.
 
-    ``W`` = :func:`linattn_nb.ops._cuda_common.rule_factor_rows` (1 decay, F gate,
-    2 delta rules, packed); a rule without factors gets a (1, 1, 1) placeholder.
-    Host inputs are copied as float64, device arrays viewed in place.  ``inputs``
-    must already hold exactly the rule's inputs.
+    ``W`` = :func:`linattn_nb.ops._cuda_common.rule_factor_rows` (a rule without factors: a (1, 1, 1)
+    placeholder).  Host inputs are copied as float64, device arrays viewed in place.
 
     Raises
     ------
@@ -430,9 +428,8 @@ def chunk_outputs(p: SeqPlan, Hs, *, code, eps, causal: bool, normalize=True) ->
 def pack_state(S, z, H=None, *, check_finite=False):
     """The launcher state ``H`` = ``[S | z]`` of device arrays ``S`` (B, F, M) and ``z`` (B, F).
 
-    Writes into ``H`` when given (a C-contiguous float64 (B, F, M + 1) device
-    array), else into a new one, and returns it.  ``check_finite``: the NaN/inf
-    entries of S and z are counted into the check counters.
+    Into ``H`` when given (C-contiguous float64 (B, F, M + 1)), else a new one; ``check_finite``
+    counts the NaN/inf entries of S and z.
 
     Raises
     ------

@@ -218,10 +218,8 @@ def zeros(shape, dtype=np.float64, tag=None):
 def counters():
     """The calling thread's int32 device array of :data:`CHECK_SLOTS` counters (zero between calls).
 
-    Slots 0, 1, 2 count q, k, v: a sequence kernel that fuses the check takes
-    this array as its counters (``cuda.atomic.add(counters, slot, n)``).
-
-    Marks a read as due for :func:`raise_if_nonfinite`: a kernel is about to count into it.
+    Slots 0, 1, 2 count q, k, v (a sequence kernel that fuses the check counts into it).  Marks a
+    read as due for :func:`raise_if_nonfinite`.
     """
     ctx = _context_key()
     arr = getattr(_LOCAL, "counters", {}).get(ctx)
@@ -274,10 +272,8 @@ def raise_if_nonfinite() -> None:
     Raises
     ------
     ValueError
-        ``"<name> contains <n> non-finite value(s) (NaN or inf); pass
-        check_finite=False to skip this check"`` for the first counter of
-        :data:`CHECK_SLOTS` that is not zero; the counters are zeroed on the
-        device first.
+        Naming the first counter of :data:`CHECK_SLOTS` that is not zero (the counters are zeroed
+        first).
     """
     if not getattr(_LOCAL, "due", False):
         return

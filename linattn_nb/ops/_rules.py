@@ -1,12 +1,9 @@
 """Per-rule hooks of the CPU kernels: the parts of a kernel that depend on the update rule.
 
 Every hook is a small ``@njit`` function taking the rule code (``RULE_*`` of
-:mod:`linattn_nb.ops._codes`) as its first argument, so the kernels are written
-once and stay cacheable on disk; the state of every rule is ``H = [S | z]``
-(F, M + 1) float64.  The hooks, the delta rules' WY/UT chunk form and how to add
-a rule: ``docs/adding_an_update_rule.md``, "CPU kernels".  Kernels cached on
-disk do not see edits made here: clear the ``__pycache__`` folders after
-changing this file.
+:mod:`linattn_nb.ops._codes`) first, so the kernels are written once; the state is
+``H = [S | z]`` (F, M + 1) float64.  The hooks, the delta rules' WY/UT chunk form and
+how to add a rule: ``docs/adding_an_update_rule.md``, "CPU kernels".
 """
 from __future__ import annotations
 
@@ -25,9 +22,7 @@ from ._vec import elu1
 def check_rule(rule, inputs) -> np.int64:
     """The kernels' ``rule`` argument (int64), after checking ``rule`` and the launcher's ``inputs=``.
 
-    Raises ValueError when ``rule`` is not a code of
-    :data:`linattn_nb.ops._codes.RULES` or ``inputs`` does not hold exactly
-    the per-token inputs the rule takes.
+    Raises ValueError for an unknown code or ``inputs`` other than the rule's.
     """
     return np.int64(check_rule_inputs(rule, inputs))
 

@@ -34,11 +34,8 @@ def serial_and_parallel(fn=None, **options):
 def pick(serial, parallel, *, items: int, work: int, limit: int, force=None):
     """The kernel of a twin pair to run: ``parallel`` only when it can pay for its region.
 
-    ``items``: independent work items the parallel kernel would share out;
-    ``work``: the call's work in the launcher's unit (multiply-adds, roughly);
-    ``limit``: the least ``work`` worth a parallel region (a threshold from
-    :mod:`linattn_nb.config`).  ``force`` True/False: always ``parallel``/``serial``;
-    None: ``parallel`` when ``items >= 2`` and ``work >= limit``.
+    ``parallel`` when ``items >= 2`` independent work items and ``work`` (multiply-adds, roughly)
+    ``>= limit`` (a threshold of :mod:`linattn_nb.config`); ``force`` True/False overrides.
     """
     if force is not None:
         return parallel if force else serial

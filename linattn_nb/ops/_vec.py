@@ -1,7 +1,6 @@
 """Vectorisable scalar helpers for the CPU kernels: float16 bits, fast exp, feature maps.
 
-Design: ``docs/design-cpu.md``, "Vectorisable scalar helpers".  Kernels cached on disk do not see
-edits made here: clear the ``__pycache__`` folders after changing this file.
+Design: ``docs/design-cpu.md``, "Vectorisable scalar helpers".
 """
 from __future__ import annotations
 

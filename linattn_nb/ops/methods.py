@@ -1,11 +1,8 @@
 """Registration of the built-in rules and implementations in the method table.
 
-Every rule of :data:`linattn_nb.ops._codes.RULES` is registered with every
-rule-generic causal launcher, bound to its code (``quadratic``; ``scan`` and
-``chunked`` on the CPU and with CUDA), so a new rule of the table needs no edit
-here; non-causal methods are the additive rule's only.  The decode-step launchers
-(:mod:`linattn_nb.ops.step.launchers`) register themselves when this module is imported, so the whole
-table is filled by this layer.  Importing compiles nothing.
+Every rule of :data:`linattn_nb.ops._codes.RULES` gets every rule-generic causal launcher bound to
+its code, so a new rule needs no edit here; non-causal methods are the additive rule's only; the
+decode-step launchers register themselves on import.  Importing compiles nothing.
 """
 from __future__ import annotations
 

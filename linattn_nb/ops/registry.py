@@ -16,11 +16,8 @@ METHOD_NAMES = ("auto", "quadratic", "scan", "chunked", "aggregate")
 
 @dataclass(frozen=True)
 class Rule:
-    """A state-update rule.
-
-    The built-in rules are registered by :mod:`linattn_nb.ops.methods` from
-    the one rule table, :data:`linattn_nb.ops._codes.RULES` (name, code and
-    inputs), with every rule-generic causal method.
+    """A state-update rule as the kernels know it (registered by :mod:`linattn_nb.ops.methods` from
+    :data:`linattn_nb.ops._codes.RULES`); everything else about it is :class:`linattn_nb.rules.UpdateRule`'s.
 
     Attributes
     ----------
@@ -29,12 +26,7 @@ class Rule:
     code : int
         The integer the kernels' per-rule hooks branch on (0 for additive).
     inputs : tuple of str
-        Extra per-token inputs the rule takes besides q, k, v (e.g. a decay);
-        the front end validates and flattens them and passes them to the
-        launcher as ``inputs``.
-
-    Whether outputs are divided by the normaliser by default is the rule module's
-    (:attr:`linattn_nb.rules.UpdateRule.normalize`), not the kernels'.
+        Per-token inputs besides q, k, v, passed to the launcher as ``inputs``.
     """
 
     name: str
@@ -62,8 +54,7 @@ class Method:
     inline_features : bool
         The launcher applies elementwise maps itself (``code`` > 0).
     native_dtypes : frozenset of numpy.dtype
-        Dtypes the launcher takes as they are; inputs of other supported
-        dtypes are computed in float32 and cast back.
+        Dtypes the launcher takes as they are (others are computed in float32 and cast back).
     kind : str
         ``"sequence"`` or ``"step"`` (decoding).
     """
@@ -161,12 +152,9 @@ def select_auto(*, causal: bool, device: str, batch: int, n: int, d: int, m: int
                 rule: str = "additive") -> str:
     """Resolve ``method="auto"`` from the measured table in :mod:`linattn_nb.config`.
 
-    ``config.AUTO_METHODS[(rule, causal, device)]`` is a list of ``(max_n,
-    method)`` rows; the first row with ``n <= max_n`` wins (``None`` = no
-    limit); rows naming a method that is not registered are skipped.  Causal
-    on the CPU, the rows of this machine's calibration replace them when
-    ``config.AUTO_TUNE`` allows it and one exists for the rule and dtype
-    (:func:`linattn_nb._tune.auto_rows`, ``docs/tuning.md``).
+    The first ``(max_n, method)`` row of ``config.AUTO_METHODS[(rule, causal, device)]`` with
+    ``n <= max_n`` (``None``: no limit) whose method is registered; causal on the CPU, this
+    machine's calibration replaces the rows when ``config.AUTO_TUNE`` allows it (``docs/tuning.md``).
     """
     table = None
     if causal and device == "cpu" and config.AUTO_TUNE != "off" and _calibration is not None:

@@ -208,27 +208,9 @@ def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=Fals
                    block=None, seq_parallel=None, rule=RULE_ADDITIVE):
     """Launcher of :func:`chunked_kernel` (the method table's forward contract, ``docs/launchers.md``).
 
-    Parameters
-    ----------
-    q, k, v, H, out, code, eps, inputs, check_finite, normalize
-        As the forward launcher contract: q, k (B, N, F), v, out (B, N, M) of one
-        dtype (or float32 features with float16 ``v``); H (B, F, M + 1) float64
-        overwritten with the final state.
-    chunk : int, optional
-        Chunk size; default from :func:`linattn_nb.config.cpu_chunk_size`.
-    block : int, optional
-        Row block of the intra-chunk products (clipped to [1, chunk]);
-        default from :func:`linattn_nb.config.cpu_chunk_block`.
-    seq_parallel : bool, optional
-        Force (True) or forbid (False) splitting sequences across threads;
-        default: split when B is below the thread count.  The delta rules
-        never split (``docs/design-cpu.md``).
-    rule : int, optional
-        Update-rule code (:mod:`linattn_nb.ops._codes`), default additive.
-
-    Returns
-    -------
-    out
+    ``chunk`` and ``block`` (the intra-chunk row block) default from :mod:`linattn_nb.config`;
+    ``seq_parallel`` forces (True) or forbids (False) splitting sequences across threads (default:
+    when B is below the thread count; never for the delta rules).  Returns ``out``.
     """
     B, N, F = q.shape
     M = v.shape[2]

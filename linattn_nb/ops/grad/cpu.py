@@ -86,21 +86,16 @@ def backward_scan(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADDITI
     Parameters
     ----------
     qf, kf, v1, H0, g1, dHN, inputs
-        As the backward launcher contract (``docs/launchers.md``): features,
-        values with the ones column and the output gradient in the working dtype,
-        ``H0`` and ``dHN`` (None: zero) float64.
+        As the backward launcher contract (``docs/launchers.md``).
     rule : int
         Update-rule code (:mod:`linattn_nb.ops._codes`).
     checkpoint : int, optional
-        Tokens between stored states; default
-        :func:`linattn_nb.config.cpu_backward_checkpoint`.
+        Tokens between stored states; default :func:`linattn_nb.config.cpu_backward_checkpoint`.
 
     Returns
     -------
     Grads
-        ``dq, dk``, ``dv`` in the working dtype; ``dH0``, ``dfactor`` and
-        ``dbeta`` (or None) float64.  Memory: ``ceil(N / L)`` float64 states per
-        sequence plus ``L + 1`` per thread (``docs/design-cpu.md``).
+        ``dq, dk``, ``dv`` in the working dtype; ``dH0``, ``dfactor`` and ``dbeta`` (or None) float64.
     """
     rule = check_rule(rule, inputs)
     qf, kf, v1, H0, g1, dHN = _check(qf, kf, v1, H0, g1, dHN)
@@ -132,12 +127,8 @@ def _run_scan(rule, qf, kf, v1, H0, g1, dHN, lg, L):
 def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADDITIVE, chunk=None):
     """Gradients of causal linear attention in GEMM-shaped chunks (every rule).
 
-    The parameters and results are those of :func:`backward_scan` (``chunk``
-    replaces ``checkpoint``: the chunk size, default
-    :func:`linattn_nb.config.cpu_backward_chunk`, and
-    :func:`linattn_nb.config.cpu_backward_delta_chunk` for the delta rules).
-    The additive and gate rules run :mod:`._cpu_chunked`; the decay and delta
-    rules the adjoint of the WY/UT chunk form, :mod:`._cpu_chunked_delta`
+    As :func:`backward_scan`, ``chunk`` (the chunk size; default from :mod:`linattn_nb.config`)
+    replacing ``checkpoint``.  The decay and delta rules run the adjoint of the WY/UT chunk form
     (``docs/design-cpu.md``, "Chunked backward").
     """
     rule = check_rule(rule, inputs)

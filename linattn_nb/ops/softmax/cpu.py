@@ -20,11 +20,9 @@ from .._vec import is_finite
 def _softmax_task(task, q, k, v, out, scale, causal, block_q, block_k, flags):
     """One task of :func:`_softmax`: query block ``task % nqb`` (interleaved) of sequence ``task // nqb``.
 
-    A function of its own, not the body of the ``prange`` loop: Numba
-    optimises a parallel loop body differently when it is compiled fresh
-    and when it is loaded from the disk cache (numba/numba#10617), which
-    changed float64 results in the last bit between the serial and the
-    parallel twin; a called function is the same machine code in both.
+    A function of its own, not the ``prange`` body: Numba compiles a parallel loop body differently
+    fresh and from the disk cache (numba/numba#10617), so the twins' float64 results differed in the
+    last bit; a called function is the same machine code in both.
     """
     B, N, D = q.shape
     M = v.shape[2]
