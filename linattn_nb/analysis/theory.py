@@ -65,11 +65,10 @@ def _pairs(x, y):
     return x, y
 
 
-def _check_m(num_features):
-    if isinstance(num_features, (bool, np.bool_)) or not isinstance(num_features, (int, np.integer)) \
-            or num_features < 1:
-        raise ValueError(f"num_features must be an integer >= 1, got {num_features!r}")
-    return int(num_features)
+def _check_count(name, x, minimum=1):
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {x!r}")
+    return int(x)
 
 
 def kernel_estimate_mse(feature_map, x, y, draws, *, target=None):
@@ -111,9 +110,7 @@ def kernel_estimate_mse(feature_map, x, y, draws, *, target=None):
     >>> bool(abs(r.mse - favor_mse(x, y, 4)) < 4 * r.stderr)
     True
     """
-    if isinstance(draws, (bool, np.bool_)) or not isinstance(draws, (int, np.integer)) or draws < 2:
-        raise ValueError(f"draws must be an integer >= 2, got {draws!r}")
-    draws = int(draws)
+    draws = _check_count("draws", draws, 2)
     fmap = copy.deepcopy(fm.resolve(feature_map))
     x, y = _pairs(x, y)
     shape = x.shape[:-1]
@@ -169,7 +166,7 @@ def favor_mse(x, y, num_features, kind="positive"):
     (0.0, 0.356)
     """
     x, y = _pairs(x, y)
-    m = _check_m(num_features)
+    m = _check_count("num_features", num_features)
     xy = np.sum(x * y, axis=-1)
     u2 = np.sum((x + y) ** 2, axis=-1)
     if kind == "positive" or kind == "hyperbolic":
@@ -216,7 +213,7 @@ def orthogonal_mse_bound(x, y, num_features):
     True
     """
     x, y = _pairs(x, y)
-    m = _check_m(num_features)
+    m = _check_count("num_features", num_features)
     d = x.shape[-1]
     if m > d:
         raise ValueError(f"orthogonal_mse_bound: Theorem 2 needs num_features <= d, got m={m} > d={d}")

@@ -58,21 +58,18 @@ def points(ctx, *, dim=None, scales=None, maps=None, m=None, n=None, seeds=None,
     dim : int, optional
         Head dimension d (default 16; 8 for the tiny profile).
     scales : float or list of float, optional
-        Input scales s, q, k ~ s·N(0, I), one regime each (default ``SCALES``);
-        the softmax temperature stays 1/√d, so the logits have standard
-        deviation s².
+        Input scales s, q, k ~ s·N(0, I), one regime each (default ``SCALES``; logit std s²).
     maps : list of str, optional
         Feature-map names (default: every registered map that builds from d alone).
     m : int or list of int, optional
-        Numbers of random features of the m sweep (at the middle N); the N
-        sweep uses the profile's m (64) or, if that is not in the list, the
-        first.
+        Random features of the m sweep (at the middle N); the N sweep uses the profile's m (64) if
+        listed, else the first.
     n : int or list of int, optional
         Sequence lengths of the N sweep.
     seeds : int, optional
-        Number of seeds (0, 1, ..., seeds - 1; default 5, 2 for tiny).
+        Number of seeds (default 5, 2 for tiny).
     causal : bool, optional
-        True adds a causal run at the middle N (default: in the full profile).
+        Add a causal run at the middle N (default: in the full profile).
     """
     d, ns, m_default, ms, nseeds, causal_mid = _sizes(ctx)
     if dim is not None:
@@ -132,14 +129,10 @@ def run(feature_map, num_features, n, d, causal, qk_scale=QK_SCALE, seed=0) -> d
 def signed_metrics(q, k, v, fmap, *, causal=False, eps=None) -> dict:
     """The measures that mean something for a map whose normaliser can cross zero.
 
-    * ``normalizer_le_eps_rate``: the fraction of rows whose normaliser
-      ``phi(q_i) . sum_j phi(k_j)`` is at or below ``eps`` (there the
-      normalised read-out divides by the floor ``eps``);
-    * ``unnormalized_rel_error``: ``min_c ||c phi(Q) phi(K)^T V - E V||_F / ||E V||_F``
-      with ``E = exp(Q K^T / sqrt(d))`` (masked when causal): how far the
-      unnormalised read-out is from softmax's numerator, up to one scale
-      (which an output projection absorbs).  In [0, 1]; 1 means nothing of
-      the numerator is captured.
+    * ``normalizer_le_eps_rate``: the fraction of rows whose normaliser is at or below ``eps``;
+    * ``unnormalized_rel_error``: ``min_c ||c phi(Q) phi(K)^T V - E V||_F / ||E V||_F`` with
+      ``E = exp(Q K^T / sqrt(d))`` (masked when causal): the unnormalised read-out against
+      softmax's numerator up to one scale, in [0, 1].
     """
     from .. import config
     from ..analysis import attention_weights
