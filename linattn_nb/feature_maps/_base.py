@@ -95,12 +95,9 @@ class FeatureMap:
               total_length: int | None = None) -> np.ndarray:
         """Features as the attention dispatcher asks for them.
 
-        ``role`` is ``"query"`` or ``"key"``; ``offset`` is the position of the
-        first token of ``x`` in the whole sequence (segment-wise processing);
-        ``total_length`` is the length of the whole sequence when known.  The
-        default ignores all of these and returns ``self(x)``; maps whose
-        features depend on the role (a stabilising shift) or on the position
-        (cosFormer) override it.
+        ``role``: ``"query"`` or ``"key"``; ``offset``: the position of ``x``'s first token in the
+        whole sequence; ``total_length``: its length when known.  The default returns ``self(x)``;
+        maps whose features depend on the role or the position override it.
 
         Raises
         ------

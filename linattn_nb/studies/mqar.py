@@ -70,8 +70,7 @@ def mqar(n, *, vocab, kv, length, power_a=0.01, seed=0):
     n : int
         Number of examples.
     vocab, kv, length : int
-        Vocabulary size, key-value pairs, sequence length; needs
-        ``kv <= vocab/2 - 1``, ``2 kv < vocab`` and ``kv <= (length - 2 kv) / 2``.
+        Vocabulary size, key-value pairs, sequence length (``kv <= vocab/2 - 1``, ``length >= 4 kv``).
     power_a : float, default 0.01
     seed : int or sequence of int
         For :func:`numpy.random.default_rng`.
