@@ -510,9 +510,8 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
     a, b : torch.Tensor or array_like, shape (..., N, D_phi) or (..., N, r, D_phi), optional
     log_diag : torch.Tensor or array_like, shape (..., N) or (..., N, D_phi), optional
     beta : torch.Tensor or array_like, shape (..., N) or (..., N, r), optional
-        As for :func:`linattn_nb.dplr_attention`; tensors receive gradients
-        in their own shape.  The gradient with respect to ``log_diag`` is 0
-        where it is ``-inf`` (a reset).
+        As for :func:`linattn_nb.dplr_attention`; tensors receive gradients in their own shape (0
+        for ``log_diag`` where it is ``-inf``, a reset).
     feature_map, method, normalize, eps
         As for :func:`linattn_nb.dplr_attention`.
     check_finite : bool, default True
@@ -523,28 +522,21 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
     return_state, feature_map_params
         As for :func:`linear_attention`.
     **rule_arguments : torch.Tensor or array_like
-        The named rule's arguments (``decay`` or ``log_decay``, ``kappa``,
-        ``iclr``; see :func:`linattn_nb.dplr_attention`).
+        The named rule's arguments (see :func:`linattn_nb.dplr_attention`).
 
     Returns
     -------
     out : torch.Tensor, shape (..., N, M)
         On the inputs' device.
     state : LinearState
-        Only with ``return_state=True``: float64 tensors ``S``, ``z``, the
-        position after the last token and the rule's name (``"dplr"`` for
+        Only with ``return_state=True``, as for :func:`linear_attention` (the rule ``"dplr"`` for
         the general form).
 
     Raises
     ------
-    TypeError
-        A non-tensor ``q``, ``k``, ``v`` (or state tensor, or parameter),
-        dtypes NumPy lacks (bfloat16), complex or boolean tensors, ``out=``
-        (not supported here), and what :func:`linattn_nb.dplr_attention`
-        refuses.
-    ValueError
-        Tensors on different devices, unknown parameter names, and
-        everything :func:`linattn_nb.dplr_attention` refuses (shapes, ranges).
+    TypeError, ValueError
+        As for :func:`linear_attention` (``out=`` is a TypeError here), and what
+        :func:`linattn_nb.dplr_attention` refuses.
 
     Examples
     --------
@@ -695,16 +687,11 @@ class LinearAttention(nn.Module):
         a per-feature gate ``logsigmoid(W x) / 16`` and ``beta = sigmoid(w^T x)``), run through
         :func:`dplr_attention` with ``decay=None`` and ``normalize`` False unless given.
     decay : {None, "head", "token", "gate"}, default None
-    method : str, default "auto"
-        Passed to :func:`linear_attention` (``"quadratic"`` for the float64
-        references).
-    normalize : bool, optional
-        None: the rule's convention (:attr:`linattn_nb.rules.UpdateRule.normalize`:
-        True without beta, False with).
-    eps : float, default 1e-8
+    method, normalize, eps
+        Passed to :func:`linear_attention` (``normalize=None``: the rule's convention).
     conv_size : int, optional
-        A causal depthwise convolution of this width on the projected
-        queries, keys and values (as in Zoology's and fla's recall models).
+        A causal depthwise convolution of this width on the projected queries, keys and values (as
+        in Zoology's and fla's recall models).
     learn_feature_map : bool, default False
         Make the map's parameters (``feature_map.parameters()``, materialised to their defaults
         first) :class:`torch.nn.Parameter` s of the module, which then owns the map.

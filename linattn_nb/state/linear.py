@@ -774,10 +774,6 @@ class LinearAttentionState:
         ValueError
             As :meth:`step`.
 
-        Returns
-        -------
-        None
-
         Examples
         --------
         >>> import numpy as np
