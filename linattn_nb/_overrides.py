@@ -97,9 +97,7 @@ def check_options(options: dict, *, where: str = "", section: str = "") -> dict:
             raise OptionError(f"{where}unknown key {section + key!r}; allowed: {', '.join(OPTION_KEYS)}")
         if value is None:
             continue
-        if key == "dim":
-            checked[key] = _int(name, value)
-        elif key == "seeds":
+        if key in ("dim", "seeds"):
             checked[key] = _int(name, value)
         elif key == "scale":
             checked[key] = _positive_float(name, value)
@@ -166,13 +164,10 @@ def apply_overrides(points: list, options: dict, *, study: str) -> list:
     if "seeds" in options:
         seeds = list(range(options["seeds"]))
         pts = [q for p in pts for q in (_expand([p], "seed", seeds) if "seed" in p else [p])]
-    seen, out = set(), []
+    unique = {}
     for p in pts:
-        key = point_key(p)
-        if key not in seen:
-            seen.add(key)
-            out.append(p)
-    return out
+        unique.setdefault(point_key(p), p)  # duplicates removed, the first kept, in order
+    return list(unique.values())
 
 
 def _select_maps(pts, names, *, study, buildable, is_random, m_default):

@@ -230,38 +230,46 @@ def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool,
         lg = x  # nothing to convert: the caller's array itself (read only by the kernels)
     batch_shape = tuple(int(s) for s in batch_shape)
     nb = len(batch_shape)
-    b = int(np.prod(batch_shape, dtype=np.int64))
     forms = (f"a scalar or {nb} dimension(s) broadcastable to the batch shape {batch_shape} (per sequence), "
              f"{nb + 1} with last axis N={n} (per token), or {nb + 2} with last axes (N, D_phi)=({n}, {f}) "
              "(per feature)")
-    if lg.ndim == 0 or lg.ndim == nb:
-        target, factor = batch_shape, "scalar"
-    elif lg.ndim == nb + 1:
-        if lg.shape[-1] != n:
-            raise ValueError(f"{name} of shape {lg.shape} has {lg.ndim} dimensions (one per token), so its last "
+    lg = _kernel_form(name, lg, batch_shape, n, forms, f)
+    rule = rule_for(factor="feature" if lg.ndim == 3 else "scalar", beta=False)
+    return rule.name, rule.kernel_arguments(lg, None)
+
+
+def _kernel_form(name, x, batch_shape: tuple, n: int, forms: str, f=None) -> np.ndarray:
+    """``x`` per sequence (a scalar or the batch dimensions), per token (one more axis, of length N) or,
+    with ``f``, per token and feature (two more, (N, f)) as writeable C-contiguous float64 (B, N) or
+    (B, N, f); ValueError naming ``name`` and the ``forms`` for any other shape."""
+    nb = len(batch_shape)
+    b = int(np.prod(batch_shape, dtype=np.int64))
+    if x.ndim == 0 or x.ndim == nb:
+        target = batch_shape
+    elif x.ndim == nb + 1:
+        if x.shape[-1] != n:
+            raise ValueError(f"{name} of shape {x.shape} has {x.ndim} dimensions (one per token), so its last "
                              f"axis must be N={n}; expected {forms}")
-        target, factor = batch_shape + (n,), "scalar"
-    elif lg.ndim == nb + 2:
-        if lg.shape[-2] != n or lg.shape[-1] != f:
-            raise ValueError(f"{name} of shape {lg.shape} has {lg.ndim} dimensions (a per-feature gate), so its "
+        target = batch_shape + (n,)
+    elif f is not None and x.ndim == nb + 2:
+        if x.shape[-2] != n or x.shape[-1] != f:
+            raise ValueError(f"{name} of shape {x.shape} has {x.ndim} dimensions (a per-feature gate), so its "
                              f"last axes must be (N, D_phi)=({n}, {f}) (D_phi: the feature map's output "
                              f"dimension); expected {forms}")
-        target, factor = batch_shape + (n, f), "feature"
+        target = batch_shape + (n, f)
     else:
-        raise ValueError(f"{name} of shape {lg.shape} has {lg.ndim} dimensions; expected {forms}")
-    if lg.shape != target:
+        raise ValueError(f"{name} of shape {x.shape} has {x.ndim} dimensions; expected {forms}")
+    if x.shape != target:
         try:
-            lg = np.broadcast_to(lg, target)
+            x = np.broadcast_to(x, target)
         except ValueError:
-            raise ValueError(f"{name} of shape {lg.shape} does not broadcast to {target}; expected {forms}") \
+            raise ValueError(f"{name} of shape {x.shape} does not broadcast to {target}; expected {forms}") \
                 from None
     # Writeable arrays, never read-only broadcast views: Numba compiles a kernel once more for a
     # read-only array argument, so a view here would double the causal kernels' compilations.
-    rule = rule_for(factor=factor, beta=False)
-    if len(target) == nb:  # per sequence: the same factor at every token
-        lg = np.broadcast_to(lg.reshape(b, 1), (b, n))
-    lg = np.require(lg.reshape((b, n, f) if factor == "feature" else (b, n)), np.float64, ("C", "W"))
-    return rule.name, rule.kernel_arguments(lg, None)
+    if len(target) == nb:  # per sequence: the same value at every token
+        x = np.broadcast_to(x.reshape(b, 1), (b, n))
+    return np.require(x.reshape((b, n, f) if len(target) == nb + 2 else (b, n)), np.float64, ("C", "W"))
 
 
 def beta_inputs(beta, batch_shape, n: int):
@@ -279,22 +287,6 @@ def beta_inputs(beta, batch_shape, n: int):
         raise ValueError(f"beta (the write strength) must lie in [0, 2], got {float(bad)!r}")
     batch_shape = tuple(int(s) for s in batch_shape)
     nb = len(batch_shape)
-    b = int(np.prod(batch_shape, dtype=np.int64))
     forms = (f"a scalar or {nb} dimension(s) broadcastable to the batch shape {batch_shape} (per sequence), "
              f"or {nb + 1} with last axis N={n} (per token)")
-    if x.ndim == 0 or x.ndim == nb:
-        target = batch_shape
-    elif x.ndim == nb + 1:
-        if x.shape[-1] != n:
-            raise ValueError(f"beta of shape {x.shape} has {x.ndim} dimensions (one per token), so its last axis "
-                             f"must be N={n}; expected {forms}")
-        target = batch_shape + (n,)
-    else:
-        raise ValueError(f"beta of shape {x.shape} has {x.ndim} dimensions; expected {forms}")
-    try:
-        x = np.broadcast_to(x, target)
-    except ValueError:
-        raise ValueError(f"beta of shape {x.shape} does not broadcast to {target}; expected {forms}") from None
-    if len(target) == nb:
-        x = np.broadcast_to(x.reshape(b, 1), (b, n))
-    return np.require(x.reshape(b, n), np.float64, ("C", "W"))  # writeable: see decay_inputs
+    return _kernel_form("beta", x, batch_shape, n, forms)
