@@ -185,9 +185,8 @@ def forced_kernel_warnings(libs=None, flags=None, env=None) -> list:
         out.append(f"OPENBLAS_CORETYPE={env['OPENBLAS_CORETYPE']} names kernels below the CPU's {level}")
     mkl = any(i.get("internal_api") == "mkl" for i in libs)
     instr = env.get("MKL_ENABLE_INSTRUCTIONS", "").upper()
-    if instr and level == "AVX-512" and not instr.startswith("AVX512"):
-        out.append(f"MKL_ENABLE_INSTRUCTIONS={instr} limits MKL below the CPU's {level}")
-    elif instr and level == "AVX2" and instr in ("AVX", "SSE4_2", "SSE4_1", "SSSE3", "SSE3", "SSE2"):
+    if instr and ((level == "AVX-512" and not instr.startswith("AVX512"))
+                  or (level == "AVX2" and instr in ("AVX", "SSE4_2", "SSE4_1", "SSSE3", "SSE3", "SSE2"))):
         out.append(f"MKL_ENABLE_INSTRUCTIONS={instr} limits MKL below the CPU's {level}")
     if mkl and "MKL_DEBUG_CPU_TYPE" in env:
         out.append(f"MKL_DEBUG_CPU_TYPE={env['MKL_DEBUG_CPU_TYPE']} forces MKL's code path")
