@@ -38,11 +38,8 @@ OMP_WAIT_POLICY = os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # --------------------------------------------------------------------------
 # Numba compilation flags
 # --------------------------------------------------------------------------
-#: The single fastmath flag set used by every CPU kernel.  It deliberately
-#: omits ``nnan`` and ``ninf`` so that NaN/Inf checks and propagation keep
-#: working (a NaN in the input must never silently become a finite output).
-#: ``reassoc`` and ``contract`` let LLVM vectorise reductions and fuse
-#: multiply-adds; ``nsz`` and ``arcp`` are harmless for this arithmetic.
+#: The single fastmath flag set used by every CPU kernel: without ``nnan`` and ``ninf``, so that NaN/Inf
+#: checks and propagation keep working (docs/guide/configuration.md).
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 #: ``cache=True`` for kernels that take plain arrays: Numba's on-disk cache, outside the package
@@ -82,11 +79,8 @@ CPU_BLAS_SINGLE_THREAD = os.environ.get("LINATTN_BLAS_SINGLE_THREAD", "1") not i
 #: from :data:`CPU_CHUNK_TABLE` through :func:`cpu_chunk_size`.
 CPU_CHUNK_SIZE = _env_int("LINATTN_CPU_CHUNK_SIZE", 0)
 
-#: Measured best (chunk size, row block) per working dtype: ``dtype name ->
-#: [(max F*M, C, block), ...]``, the first row whose bound admits F*M (None =
-#: any) wins.  From ``python benchmarks/causal_cpu.py --sweep-chunk`` (one
-#: thread, B*H = 16, N = 4096, combinations timed in interleaved rounds;
-#: figures: docs/measurements.md, "CPU_CHUNK_TABLE").
+#: Measured best (chunk size, row block) per working dtype: ``dtype name -> [(max F*M, C, block), ...]``,
+#: the first row whose bound admits F*M (None = any) wins (docs/measurements.md, "CPU_CHUNK_TABLE").
 CPU_CHUNK_TABLE = {
     "float32": [(256, 16, 16), (4096, 24, 8), (None, 32, 8)],
     "float64": [(256, 16, 16), (None, 32, 8)],
@@ -317,10 +311,8 @@ ANALYSIS_MEMORY_BUDGET = _env_int("LINATTN_ANALYSIS_MEMORY_BUDGET", 256 << 20)
 
 # Recurrent state and KV cache (linattn_nb.state, linattn_nb.ops.step)
 # --------------------------------------------------------------------------
-#: ``LinearAttentionState.step`` runs its Numba kernel in parallel over the
-#: batch*heads only when ``batch * tokens * D_phi * M`` reaches this many
-#: multiply-adds; below it the serial kernel wins (a parallel region costs
-#: microseconds to open, a whole decode step of H=16, D=M=64 is ~5 us).
+#: ``LinearAttentionState.step`` runs its kernel in parallel over the batch*heads from this many
+#: multiply-adds (``batch * tokens * D_phi * M``) on; below it the serial kernel wins.
 STEP_PARALLEL_MIN_WORK = _env_int("LINATTN_STEP_PARALLEL_MIN_WORK", 1 << 20)
 
 #: Tokens per block in ``LinearAttentionState.prefill`` (GEMM-shaped blocks
@@ -364,11 +356,8 @@ FIT_CACHE_BYTES = _env_int("LINATTN_FIT_CACHE_BYTES", 512 << 20)
 #: (docs/guide/configuration.md).
 FIT_SERIAL_BLAS_MAX_WORK = _env_int("LINATTN_FIT_SERIAL_BLAS_MAX_WORK", 1 << 27)
 
-#: Floor of the fitted linear weights in the cross-entropy and KL losses for
-#: maps whose weights can be exactly 0 (``strictly_positive`` False: relu,
-#: T2R): the loss uses ``(1 - floor) * max(L_ij, 0) + floor / n_i`` (a
-#: mixture with the uniform row over the ``n_i`` keys row i sees), finite
-#: and differentiable where ``L_ij = 0``.
+#: Floor of the fitted linear weights in the cross-entropy and KL losses for maps whose weights can be
+#: exactly 0 (relu, T2R): the loss uses ``(1 - floor) * max(L_ij, 0) + floor / n_i``.
 FIT_FLOOR = _env_float("LINATTN_FIT_FLOOR", 1e-6)
 
 # Reports (linattn_nb.studies.run_report)
