@@ -67,13 +67,13 @@ class Context:
         """The value for this context's profile."""
         return {"tiny": tiny, "quick": quick, "full": full}[self.profile]
 
-    def figure(self, *, ncols: int = 1, width: float = 5.2, height: float = 3.6):
-        """A matplotlib Figure with ``ncols`` axes, drawn off-screen (no pyplot: a notebook's backend stays)."""
+    def figure(self, *, ncols: int = 1, nrows: int = 1, width: float = 5.2, height: float = 3.6):
+        """A matplotlib Figure with ``nrows`` x ``ncols`` axes (a flat list, row by row), drawn off-screen
+        (no pyplot: a notebook's backend stays)."""
         from matplotlib.figure import Figure
 
-        fig = Figure(figsize=(width * ncols, height), layout="constrained")
-        axes = fig.subplots(1, ncols, squeeze=False)[0]
-        return fig, list(axes)
+        fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
+        return fig, list(fig.subplots(nrows, ncols, squeeze=False).ravel())
 
     @staticmethod
     def style(i: int) -> dict:

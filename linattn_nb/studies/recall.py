@@ -181,7 +181,7 @@ def _regime_text(reg, s, ortho, d, grid) -> str:
 
 
 def _plot(agg, regimes, seeds, ctx) -> list:
-    fig, axes = ctx.figure(ncols=2 * len(regimes), width=4.0, height=3.6)
+    fig, axes = ctx.figure(ncols=2, nrows=len(regimes), width=4.4, height=3.4)  # a row per regime
     for r_i, reg in enumerate(regimes):
         ax1, ax2 = axes[2 * r_i], axes[2 * r_i + 1]
         items = [(label, v) for (reg2, label), v in agg.items() if reg2 == reg]
