@@ -598,6 +598,17 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
 # ---------------------------------------------------------------------------
 #: The layer's ``decay`` options and the form of factor each gives (:data:`linattn_nb.rules.FACTOR_KINDS`).
 _DECAY_FACTOR = {None: None, "head": "scalar", "token": "scalar", "gate": "feature"}  # not a rule: the options
+#: The forms of a DPLR rule's arguments (:attr:`linattn_nb.rules.DPLRRule.layer`): form -> (per feature
+#: (else per token), per sub-step on a rule with sub-steps, the map of the projection ``W x + b``).
+_DPLR_FORMS = {
+    "feature_gate": (True, False, lambda a: nn.functional.logsigmoid(a) / 16.0),
+    "feature_unit": (True, False, torch.sigmoid),
+    "unit_key": (True, False, lambda a: nn.functional.normalize(a, dim=-1)),
+    "token_unit": (False, True, torch.sigmoid),
+    "token_decay": (False, False, lambda a: -nn.functional.softplus(a)),
+}
+#: ``token_decay``'s initial bias: ``exp(-softplus(b)) = 0.95``, as ``decay="token"``.
+_DECAY_BIAS = float(np.log(np.expm1(-np.log(0.95))))
 
 
 def _dplr_layer_rules() -> list:
@@ -615,6 +626,10 @@ def _dplr_layer_rule(rule, decay, causal):
     if not spec.layer:
         raise ValueError(f"rule {rule!r} has no layer form yet (its arguments are not made from the input); "
                          f"the layer takes {rules.rule_names() + _dplr_layer_rules()}")
+    unknown = {name: form for name, form in spec.layer.items() if form not in _DPLR_FORMS}
+    if unknown:
+        raise ValueError(f"rule {rule!r} asks for layer forms the layer does not know: {unknown}; it knows "
+                         f"{tuple(_DPLR_FORMS)}")
     if decay is not None:
         raise ValueError(f"rule {rule!r} makes its own {', '.join(spec.layer)} from the input: pass decay=None")
     if not causal:
@@ -683,10 +698,16 @@ class LinearAttention(nn.Module):
         Decay and the delta rule need True.
     rule : str, default "additive"
         A registered update rule (:func:`linattn_nb.rules.rule_names`), or a diagonal-plus-low-rank
-        rule whose module gives a layer form (:attr:`linattn_nb.rules.DPLRRule.layer`; ``"kda"``:
-        a per-feature gate ``logsigmoid(W x) / 16`` and ``beta = sigmoid(w^T x)``), run through
-        :func:`dplr_attention` with ``decay=None`` and ``normalize`` False unless given.
+        rule whose module gives a layer form (:attr:`linattn_nb.rules.DPLRRule.layer`: ``"kda"``,
+        ``"rwkv7"``, ``"delta_product"``, ``"gated_delta_product"``), run through :func:`dplr_attention`
+        with ``decay=None`` and ``normalize`` False unless given.  Its forms, per head and token:
+        ``"feature_gate"`` ``logsigmoid(W x) / 16`` and ``"feature_unit"`` ``sigmoid(W x)`` per
+        feature, ``"unit_key"`` ``W x / ||W x||``, ``"token_unit"`` ``sigmoid(w^T x)`` (per sub-step too
+        on a rule with sub-steps), ``"token_decay"`` ``-softplus(w^T x + b)``.
     decay : {None, "head", "token", "gate"}, default None
+    n_h : int, optional
+        Only for a rule with sub-steps (:attr:`linattn_nb.rules.DPLRRule.substeps`, DeltaProduct):
+        keys, values (and ``beta``) per token and head; default 2.
     method, normalize, eps
         Passed to :func:`linear_attention` (``normalize=None``: the rule's convention).
     conv_size : int, optional
@@ -727,10 +748,10 @@ class LinearAttention(nn.Module):
 
     def __init__(self, d_model: int, num_heads: int, *, head_dim: Optional[int] = None,
                  value_dim: Optional[int] = None, feature_map="elu", causal: bool = True, rule: str = "additive",
-                 decay: Optional[str] = None, method: str = "auto", normalize: Optional[bool] = None,
-                 eps: Optional[float] = _config.DEFAULT_EPS, conv_size: Optional[int] = None,
-                 learn_feature_map: bool = False, bias: bool = False, check_finite: bool = True,
-                 device=None, dtype=None):
+                 decay: Optional[str] = None, n_h: Optional[int] = None, method: str = "auto",
+                 normalize: Optional[bool] = None, eps: Optional[float] = _config.DEFAULT_EPS,
+                 conv_size: Optional[int] = None, learn_feature_map: bool = False, bias: bool = False,
+                 check_finite: bool = True, device=None, dtype=None):
         super().__init__()
         _check_positive_ints(d_model=d_model, num_heads=num_heads)
         if head_dim is None:
@@ -748,6 +769,12 @@ class LinearAttention(nn.Module):
             if not causal and (rules.get_rule(rule).has_inputs or decay is not None):
                 raise ValueError(f"decay={decay!r} and rule={rule!r}: a decay and the rules with inputs are "
                                  "recurrences, they need causal=True")
+        if n_h is not None:
+            _check_positive_ints(n_h=n_h)
+            if self.dplr is None or not self.dplr.substeps:
+                raise ValueError(f"n_h applies only to rules with sub-steps (DPLRRule.substeps); rule {rule!r} "
+                                 "has none")
+        self.n_h = (2 if n_h is None else n_h) if self.dplr is not None and self.dplr.substeps else None
         self.update_rule = rule if self.dplr is not None else _layer_rule(rule, decay).name
         if conv_size is not None and (isinstance(conv_size, bool) or not isinstance(conv_size, int)
                                       or conv_size < 1):
@@ -758,19 +785,22 @@ class LinearAttention(nn.Module):
         self.normalize, self.eps, self.check_finite, self.conv_size = normalize, eps, check_finite, conv_size
         self.feature_map = fm.resolve(feature_map)
         self.feature_dim = int(self.feature_map.output_dim(head_dim))
-        H = num_heads
+        H, n = num_heads, self.n_h or 1
         self.q_proj = nn.Linear(d_model, H * head_dim, bias=bias, **kw)
-        self.k_proj = nn.Linear(d_model, H * head_dim, bias=bias, **kw)
-        self.v_proj = nn.Linear(d_model, H * value_dim, bias=bias, **kw)
+        self.k_proj = nn.Linear(d_model, H * n * head_dim, bias=bias, **kw)
+        self.v_proj = nn.Linear(d_model, H * n * value_dim, bias=bias, **kw)
         self.out_proj = nn.Linear(H * value_dim, d_model, bias=bias, **kw)
         if conv_size is not None:
-            ch = H * (2 * head_dim + value_dim)
+            ch = H * (head_dim + n * (head_dim + value_dim))
             self.conv = nn.Conv1d(ch, ch, conv_size, groups=ch, padding=conv_size - 1, **kw)
         self.beta_proj = nn.Linear(d_model, H, **kw) if self.dplr is None and rules.get_rule(rule).beta else None
         # a diagonal-plus-low-rank rule: one projection per argument, of the form its rule module names
-        self.dplr_proj = nn.ModuleDict({
-            name: nn.Linear(d_model, H * (self.feature_dim if form == "feature_gate" else 1), **kw)
-            for name, form in (self.dplr.layer.items() if self.dplr is not None else ())})
+        self.dplr_proj = nn.ModuleDict({name: nn.Linear(d_model, H * self._dplr_width(form), **kw)
+                                        for name, form in (self.dplr.layer.items() if self.dplr is not None else ())})
+        for name, form in (self.dplr.layer.items() if self.dplr is not None else ()):
+            if form == "token_decay":
+                with torch.no_grad():
+                    self.dplr_proj[name].bias.fill_(_DECAY_BIAS)
         if decay == "head":
             gamma = 1.0 - 2.0 ** (-5.0 - torch.arange(H, dtype=torch.float64))
             self.decay_logit = nn.Parameter(torch.logit(gamma).to(device=device,
@@ -798,9 +828,14 @@ class LinearAttention(nn.Module):
                 f"value_dim={self.value_dim}, feature_map={self.feature_map.name!r}, causal={self.causal}, "
                 f"rule={self.rule!r}, decay={self.decay!r}, method={self.method!r}")
 
-    def _heads(self, t, d):
+    def _dplr_width(self, form) -> int:
+        """Projection outputs per head of a DPLR argument's form."""
+        per_feature, per_step, _ = _DPLR_FORMS[form]
+        return self.feature_dim if per_feature else (self.n_h or 1) if per_step else 1
+
+    def _heads(self, t, *d):
         B, N, _ = t.shape
-        return t.reshape(B, N, self.num_heads, d).transpose(1, 2)  # (B, H, N, d)
+        return t.reshape(B, N, self.num_heads, *d).transpose(1, 2)  # (B, H, N, *d)
 
     def forward(self, x, *, initial_state=None, return_state: bool = False):
         """Attend over ``x`` of shape (B, N, d_model).
@@ -832,8 +867,9 @@ class LinearAttention(nn.Module):
         if self.conv_size is not None:
             qkv = torch.cat([q, k, v], dim=-1).transpose(1, 2)  # (B, C, N)
             qkv = self.conv(qkv)[..., :N].transpose(1, 2)
-            q, k, v = qkv.split([H * D, H * D, H * M], dim=-1)
-        q, k, v = self._heads(q, D), self._heads(k, D), self._heads(v, M)
+            q, k, v = qkv.split([q.shape[-1], k.shape[-1], v.shape[-1]], dim=-1)
+        step = () if self.n_h is None else (self.n_h,)  # k, v (B, H, N, n_h, D) on a rule with sub-steps
+        q, k, v = self._heads(q, D), self._heads(k, *step, D), self._heads(v, *step, M)
         kw = dict(feature_map=self.feature_map, causal=self.causal, method=self.method, eps=self.eps,
                   check_finite=self.check_finite, normalize=self.normalize, initial_state=initial_state,
                   return_state=return_state)
@@ -850,12 +886,9 @@ class LinearAttention(nn.Module):
             kw["feature_map_params"] = dict(self.feature_map_params)
         if self.dplr is not None:
             for name, form in self.dplr.layer.items():
-                a = self.dplr_proj[name](x)
-                if form == "feature_gate":
-                    g = nn.functional.logsigmoid(a) / 16.0
-                    kw[name] = g.reshape(B, N, H, self.feature_dim).transpose(1, 2)  # (B, H, N, F)
-                else:
-                    kw[name] = torch.sigmoid(a).transpose(1, 2)  # (B, H, N)
+                per_feature, per_step, fn = _DPLR_FORMS[form]
+                a = fn(self._heads(self.dplr_proj[name](x), self._dplr_width(form)))
+                kw[name] = a if per_feature or (per_step and self.n_h) else a[..., 0]  # (B, H, N[, F or n_h])
             del kw["causal"]
             kw["normalize"] = bool(self.normalize)  # None: the family's convention, undivided
             res = dplr_attention(q, k, v, rule=self.rule, **kw)

@@ -10,6 +10,7 @@ when ``linattn_nb.ops.grad.cpu`` is importable.
 """
 from __future__ import annotations
 
+import dataclasses
 import doctest
 import importlib.util
 
@@ -421,7 +422,7 @@ def test_module_errors():
         layer(torch.randn(1, 3, 8), initial_state=(torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4)))
 
 
-def test_module_with_a_dplr_rule_makes_its_arguments_from_the_input():
+def test_module_with_a_dplr_rule_makes_its_arguments_from_the_input(monkeypatch):
     """rule="kda": the layer's gate and beta projections feed dplr_attention; gradients reach every parameter."""
     torch.manual_seed(0)
     layer = lt.LinearAttention(8, 2, head_dim=4, rule="kda", feature_map="l2", method="scan", dtype=torch.float64)
@@ -440,8 +441,10 @@ def test_module_with_a_dplr_rule_makes_its_arguments_from_the_input():
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())
     small = lt.LinearAttention(4, 1, rule="kda", feature_map="l2", method="scan", dtype=torch.float64)
     assert torch.autograd.gradcheck(small, (torch.randn(1, 4, 4, dtype=torch.float64, requires_grad=True),))
+    bare = dataclasses.replace(linattn_nb.rules.get_dplr_rule("rwkv7"), name="rwkv7_bare", layer={})
+    monkeypatch.setitem(linattn_nb.rules.DPLR_RULES, "rwkv7_bare", bare)
     with pytest.raises(ValueError, match="has no layer form"):
-        lt.LinearAttention(8, 2, rule="rwkv7")
+        lt.LinearAttention(8, 2, rule="rwkv7_bare")
     with pytest.raises(ValueError, match="pass decay=None"):
         lt.LinearAttention(8, 2, rule="kda", decay="token")
     with pytest.raises(ValueError, match="needs causal=True"):

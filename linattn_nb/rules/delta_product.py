@@ -66,4 +66,4 @@ RULE = D.DPLRRule(
     name="delta_product", arguments=("beta",), substeps=True,
     formula="S <- (I - beta_tj k_tj k_tj^T) S + beta_tj k_tj v_tj^T, j = 1 .. n_h",
     check=_check, build=_build, step=_step, sample=_sample,
-    pullback=_pullback)
+    pullback=_pullback, layer={"beta": "token_unit"})

@@ -45,4 +45,4 @@ RULE = D.DPLRRule(
     name="gated_delta_product", arguments=("decay", "log_decay", "beta"), substeps=True,
     formula="S <- a_t S; then S <- (I - beta_tj k_tj k_tj^T) S + beta_tj k_tj v_tj^T, j = 1 .. n_h",
     check=_check, build=_build, step=_step, sample=_sample,
-    pullback=_pullback)
+    pullback=_pullback, layer={"log_decay": "token_decay", "beta": "token_unit"})

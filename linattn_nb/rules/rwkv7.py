@@ -50,4 +50,4 @@ RULE = D.DPLRRule(
     name="rwkv7", arguments=("decay", "log_decay", "kappa", "iclr"), substeps=False,
     formula="S'_t = S'_{t-1} (diag(w_t) - kappa_t^T (kappa_t * iclr_t)) + v_t^T k_t  (S' = S^T)",
     check=_check, build=_build, step=_step, sample=_sample,
-    pullback=_pullback)
+    pullback=_pullback, layer={"log_decay": "feature_gate", "kappa": "unit_key", "iclr": "feature_unit"})
