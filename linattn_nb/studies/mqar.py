@@ -35,6 +35,10 @@ LAYERS = {  # not a rule: the study's layer keys (the rule is the rule= keyword)
     "delta": ("delta, SiLU+L2", dict(feature_map="silu_l2", rule="delta")),
     "gated-delta": ("gated delta, SiLU+L2", dict(feature_map="silu_l2", rule="gated_delta", decay="token")),
     "kda": ("KDA (gate per feature, delta), L2", dict(feature_map="l2", rule="kda")),
+    "rwkv7": ("RWKV-7 (gate per feature, unit removal key), L2", dict(feature_map="l2", rule="rwkv7")),
+    "delta-product": ("DeltaProduct (n_h = 2), SiLU+L2", dict(feature_map="silu_l2", rule="delta_product", n_h=2)),
+    "gated-delta-product": ("gated DeltaProduct (n_h = 2), SiLU+L2",
+                            dict(feature_map="silu_l2", rule="gated_delta_product", n_h=2)),
     "softmax": ("softmax attention", None),
 }
 #: Head dimensions d (= value dimension M) per layer key: the state sizes of the sweep.  Taylor-2's

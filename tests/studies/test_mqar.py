@@ -188,3 +188,13 @@ def test_the_report_runs_mqar_only_by_name():
 
     assert get_study("mqar").in_report is False
     assert [s.name for s in STUDIES if not s.in_report] == ["mqar"]
+
+
+@pytest.mark.parametrize("layer", ["rwkv7", "delta-product", "gated-delta-product"])
+def test_dplr_layers_are_in_the_whole_grid_only_and_train(layer, tmp_path):
+    pytest.importorskip("torch")
+    assert layer in {p["layer"] for p in mqar.points(Context(out=tmp_path, profile="tiny"), grid="all")}
+    for profile in ("tiny", "quick", "full"):
+        assert layer not in {p["layer"] for p in mqar.points(Context(out=tmp_path, profile=profile))}
+    res = mqar.run(layer, 8, kv=2, length=16, seed=0, steps=2, d_model=16, n_train=16, n_test=8, eval_every=1)
+    assert np.isfinite([c["loss"] for c in res["curve"]]).all() and res["state"] == 8 * 8
