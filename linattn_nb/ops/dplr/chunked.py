@@ -55,7 +55,7 @@ def _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk
     working dtype, row blocks as needed (S = T r steps, P = T w writes): hw (F, M + 1) = h,
     X (S + T, F) = [A^ ; Q^], E (S + P, F) = [B^ ; K^], Ee (S + P, F) the end state's rows,
     Zh (S + T, M + 1) = X h, Zk (S + T, LZ) = X E^T, V (S + P, M + 1) = [W ; U], Hn (F, M + 1).
-    Returns False when an output is not finite."""
+    Returns False, h unchanged, when an output or the state's update is not finite."""
     F, M1 = h.shape
     M = M1 - 1
     r = A.shape[2]
@@ -128,12 +128,15 @@ def _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk
             ok = False
     gemm(1, 0, F, M1, S + P, 1.0, Ee, 0, F, V, 0, M1, 0.0, Hn, 0, M1)
     z = 0.0
+    for x in Hn.reshape(-1):
+        z += x * 0.0  # NaN for a NaN or inf
+    if not (ok and z == 0.0):
+        return False  # h as it was
     for f in range(F):
         ge = gc[T - 1, f]
         for m in range(M1):
             h[f, m] = ge * h[f, m] + Hn[f, m]
-            z += Hn[f, m] * 0.0  # NaN for a NaN or inf
-    return ok and z == 0.0
+    return True
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -170,7 +173,6 @@ def dplr_chunked_kernel(fq, ld, A, Bv, KW, VW, H, out, norm, eps, C, cut):  # pr
     Ct = max(1, C // r)
     S0, P0 = Ct * r, Ct * w
     dt = fq.dtype
-    f32 = fq.itemsize < 8
     bad = np.zeros(B, np.uint8)
     for b in prange(B):
         h = H[b]
@@ -187,7 +189,6 @@ def dplr_chunked_kernel(fq, ld, A, Bv, KW, VW, H, out, norm, eps, C, cut):  # pr
         Zk = np.empty((S0 + Ct, S0 + P0), dt)
         V = np.empty((S0 + P0, M1), dt)
         Hn = np.empty((F, M1), dt)
-        h0 = np.empty((F, M1))
         t0 = 0
         while t0 < N:
             # the chunk's tokens [t0, t0 + T): stop before a token that takes a feature below cut
@@ -207,16 +208,11 @@ def dplr_chunked_kernel(fq, ld, A, Bv, KW, VW, H, out, norm, eps, C, cut):  # pr
                     bad[b] = 1
                 t0 += 1
                 continue
-            if f32:
-                h0[:] = h
             if not _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk, V, Hn, norm, eps):
-                if f32:  # float32 products out of range (a growing state): the chunk again by the scan
-                    h[:] = h0
-                    for t in range(t0, t0 + T):
-                        if not _scan_token(fq, ld, A, Bv, KW, VW, out, b, t, h, p, d, norm, eps):
-                            bad[b] = 1
-                else:
-                    bad[b] = 1
+                # not finite (in float32: products out of range, a growing state): again by the scan
+                for t in range(t0, t0 + T):
+                    if not _scan_token(fq, ld, A, Bv, KW, VW, out, b, t, h, p, d, norm, eps):
+                        bad[b] = 1
             t0 += T
         for i in range(F):
             for m in range(M1):
