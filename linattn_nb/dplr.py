@@ -73,7 +73,7 @@ def _general_check(inputs, lead, N, F, r, fast=False):
         out["log_diag"] = None
     else:
         ld = D.token_or_feature("log_diag", ld, lead, N, F, copy=not fast)
-        if np.isnan(ld).any() or (ld > 0).any():
+        if not (ld <= 0).all():  # NaN fails too
             raise ValueError("log_diag must be <= 0 (-inf allowed: a reset), with no NaN")
         out["log_diag"] = ld
     beta = inputs.get("beta")
@@ -172,15 +172,19 @@ def _row_map(fmap, x) -> bool:
 
 def _features(fmap, x, role, position, work=np.float64):
     """The features of ``x`` as a ``work`` array (float32 only on the chunked path: compiled maps)."""
-    if _row_map(fmap, x):
-        return np.asarray(_rowmaps.features(x, fmap.kernel_code, work if work == np.float32 else x.dtype)[0], work)
     code = getattr(fmap, "kernel_code", None)
     if work == np.float32 and code is not None and x.dtype in (np.float32, np.float64):
-        from .ops.dplr.chunked import elementwise_features
+        from .ops.dplr.chunked import elementwise_features, row_features
 
         out = np.empty(x.shape, work)
-        elementwise_features(np.ascontiguousarray(x).reshape(-1, x.shape[-1]), out.reshape(-1, x.shape[-1]), code)
+        x2, o2 = np.ascontiguousarray(x).reshape(-1, x.shape[-1]), out.reshape(-1, x.shape[-1])
+        if _row_map(fmap, x):
+            row_features(x2.reshape(x2.shape[0], 1, -1), o2, code)
+        else:
+            elementwise_features(x2, o2, code)
         return out
+    if _row_map(fmap, x):
+        return np.asarray(_rowmaps.features(x, fmap.kernel_code, x.dtype)[0], work)
     return np.asarray(fmap.apply(x, role=role, causal=True, offset=position), dtype=work)
 
 

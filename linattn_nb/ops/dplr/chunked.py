@@ -14,7 +14,7 @@ from numba import njit, prange
 from ... import config
 from ..._blas import single_threaded_blas
 from .._codes import NORM_FLOOR, NORM_NONE
-from .._common import phi
+from .._common import l2_row, phi
 from .._gemm import gemm
 from .._vec import elu1
 from .cpu import factor_step, write_step
@@ -33,6 +33,18 @@ def elementwise_features(x, out, code):  # pragma: no cover - compiled
     for i in prange(x.shape[0]):
         for j in range(x.shape[1]):
             out[i, j] = phi(wt(x[i, j]), code)
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def row_features(x, out, code):  # pragma: no cover - compiled
+    """out (R, D) <- the row map ``code`` (``l2``, ``silu_l2``; the kernels' form) of x (R, 1, D), in out's dtype."""
+    R, D = out.shape
+    for c in prange((R + 63) // 64):
+        row = np.empty(D)
+        for i in range(c * 64, min(R, c * 64 + 64)):
+            l2_row(x, i, 0, row, code)
+            for j in range(D):
+                out[i, j] = row[j]
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
