@@ -826,7 +826,8 @@ class LinearAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"value_dim={self.value_dim}, feature_map={self.feature_map.name!r}, causal={self.causal}, "
-                f"rule={self.rule!r}, decay={self.decay!r}, method={self.method!r}")
+                f"rule={self.rule!r}, decay={self.decay!r}, method={self.method!r}"
+                + (f", n_h={self.n_h}" if self.n_h else ""))
 
     def _dplr_width(self, form) -> int:
         """Projection outputs per head of a DPLR argument's form."""

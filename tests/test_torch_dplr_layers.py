@@ -38,6 +38,7 @@ def test_layer_equals_the_call_written_out(rule, n_h, widths):
     extra = {} if n_h is None or n_h == 2 else dict(n_h=n_h)  # 2: the default
     layer = lt.LinearAttention(H * D, H, rule=rule, feature_map="l2", method="scan", dtype=torch.float64, **extra)
     assert layer.n_h == n_h and {k: p.out_features for k, p in layer.dplr_proj.items()} == widths
+    assert ("n_h=" in repr(layer)) == (n_h is not None)
     x = torch.randn(B, N, H * D, dtype=torch.float64)
     y, st = layer(x, return_state=True)
     step = () if n_h is None else (n_h,)
