@@ -4,6 +4,7 @@ Run (the BLAS kernel as users get it: no forced OpenBLAS core type)::
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/dplr_cpu.py          # the headline
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/dplr_cpu.py --quick  # N = 1024
+    python benchmarks/dplr_cpu.py --accuracy  # KDA in float32 at N = 2^20 against the float64 scan
 
 At B*H = 16, N = 4096, D = M = 64, float32, ELU+1 features (``l2`` for the delta forms), timed in
 interleaved rounds (medians): ``linear_attention`` additive chunked and scan, the delta rule chunked
@@ -37,11 +38,29 @@ def blas_line() -> str:
         return f"unknown ({exc})"
 
 
+def accuracy(n=1 << 20) -> int:
+    """KDA, one sequence, D = M = 64, alpha in [0.9, 1), beta in (0, 1], l2 keys: float32 scan and chunked
+    against the float64 scan of the same inputs (relative Frobenius)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, n, 64)).astype(np.float32) for _ in range(3))
+    kw = dict(rule="kda", log_decay=np.log(rng.uniform(0.9, 1.0, (1, n, 64))), beta=1.0 - rng.uniform(0.0, 1.0, (1, n)),
+              feature_map="l2")
+    ref = la.dplr_attention(*(x.astype(np.float64) for x in (q, k, v)), method="scan", **kw)
+    for method in ("scan", "chunked"):
+        o = la.dplr_attention(q, k, v, method=method, **kw).astype(np.float64)
+        print(f"KDA float32, N = {n}, {method}: {np.linalg.norm(o - ref) / np.linalg.norm(ref):.3g} relative "
+              f"Frobenius against the float64 scan")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="N = 1024, 5 rounds")
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--accuracy", action="store_true", help="KDA float32 at N = 2^20 against the float64 scan")
     args = ap.parse_args(argv)
+    if args.accuracy:
+        return accuracy()
     BH, N, D, M = 16, (1024 if args.quick else 4096), 64, 64
     rounds = 5 if args.quick else args.rounds
     rng = np.random.default_rng(0)
