@@ -159,7 +159,7 @@ def log_factors(inputs: dict, lead: tuple, N: int, F: int, *, feature: bool, req
     pick = per_feature if feature else token_or_feature
     if lg is not None:
         x = pick(ln, lg, lead, N, F)
-        if np.isnan(x).any() or (x > 0).any():
+        if not (x <= 0).all():  # NaN fails too
             raise ValueError(f"{ln} must be <= 0 (-inf allowed: a reset), with no NaN")
         return x
     x = in_range(dn, pick(dn, d, lead, N, F), 0.0, 1.0)
