@@ -46,7 +46,7 @@ def _floating(name, x):
 
 def _general_check(inputs, lead, N, F, r, fast=False):
     """The general entry's own arguments: ``a``, ``b`` (required), ``log_diag``, ``beta`` (optional);
-    ``fast``: ``a`` and ``b`` as given (no float64 copy)."""
+    ``fast``: ``a`` and ``b`` as given (no float64 copy) and their finiteness left to :func:`_finite_ab`."""
     B = int(np.prod(lead, dtype=np.int64))
     out = {}
     for name in ("a", "b"):
@@ -63,9 +63,9 @@ def _general_check(inputs, lead, N, F, r, fast=False):
             want = f"(..., N, r, D_phi) = {lead + (N, r, F)}" if r else \
                 f"(..., N, D_phi) = {lead + (N, F)} or (..., N, r, D_phi)"
             raise ValueError(f"{name} must have shape {want}, got {x.shape}")
-        if not np.isfinite(x).all():
-            raise ValueError(f"{name} contains non-finite values (NaN or inf)")
         out[name] = x
+    if not fast:
+        _finite_ab(out)
     if out["a"].shape != out["b"].shape:
         raise ValueError(f"a and b must have the same shape, got {inputs['a'].shape} and {inputs['b'].shape}")
     ld = inputs.get("log_diag")
@@ -85,6 +85,14 @@ def _general_check(inputs, lead, N, F, r, fast=False):
             raise ValueError("beta contains non-finite values (NaN or inf)")
         out["beta"] = beta
     return out
+
+
+def _finite_ab(checked):
+    """ValueError unless the general form's ``a`` and ``b`` are finite (the chunked forward checks them
+    only when its kernel reports a non-finite row or result)."""
+    for name in ("a", "b"):
+        if not np.isfinite(checked[name]).all():
+            raise ValueError(f"{name} contains non-finite values (NaN or inf)")
 
 
 def _general_build(fk, v, inp):
@@ -399,6 +407,8 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
     chunked = fast and (method == "chunked" or N * A.shape[2] >= config.DPLR_AUTO_CHUNKED_MIN)
     if fast and not chunked:  # the scan reads float64
         fq, ld, A, Bv, KW, VW = (np.ascontiguousarray(x, dtype=np.float64) for x in (fq, ld, A, Bv, KW, VW))
+        if R.spec is None:
+            _finite_ab(R.checked)
     dev_out = None
     if out is not None and dev == "cuda" and _on_device(out):
         dev_out, out = out, None
@@ -434,6 +444,8 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
         res = o64.astype(dtype, copy=False)
     if check_finite and not bad and dtype.itemsize < o64.dtype.itemsize:
         bad = not np.isfinite(res).all()
+    if bad and fast and R.spec is None:
+        _finite_ab(R.checked)
     if bad and check_finite:
         raise NonFiniteResult(
             f"dplr_attention ({name}): the outputs or the state hold NaN or inf although the inputs are finite: "

@@ -87,3 +87,21 @@ def test_float32_state_past_float32_range(rng):
     ref = la.dplr_attention(q, k, v, a=ones, b=ones, method="quadratic", normalize=True)
     o = la.dplr_attention(q, k, v, a=ones, b=ones, method="chunked", normalize=True)
     assert np.isfinite(o).all() and _rel(o, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [3, 21])
+def test_non_finite_a_or_b_is_named(rng, monkeypatch, dtype, n):
+    """The chunked forward checks a and b when its kernel reports a non-finite row: a NaN in a whose b is
+    zero (no product carries it to the state) and an inf in b are still a ValueError naming the argument."""
+    monkeypatch.setattr(la.config, "DPLR_CHUNK", 8)
+    q, k, v = (rng.standard_normal((B, n, d)).astype(dtype) for d in (D, D, M))
+    a, b = rng.standard_normal((B, n, D)), np.zeros((B, n, D))
+    a[1, n - 2, 3] = np.nan
+    for method in ("auto", "chunked"):
+        with pytest.raises(ValueError, match="a contains non-finite"):
+            la.dplr_attention(q, k, v, a=a, b=b, method=method, check_finite=False)
+    a[1, n - 2, 3] = 0.0
+    b[0, 1, 2] = np.inf
+    with pytest.raises(ValueError, match="b contains non-finite"):
+        la.dplr_attention(q, k, v, a=a, b=b, method="chunked")

@@ -67,7 +67,7 @@ def _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk
     working dtype, row blocks as needed (S = T r steps, P = T w writes): hw (F, M + 1) = h,
     X (S + T, F) = [A^ ; Q^], E (S + P, F) = [B^ ; K^], Ee (S + P, F) the end state's rows,
     Zh (S + T, M + 1) = X h, Zk (S + T, LZ) = X E^T, V (S + P, M + 1) = [W ; U], Hn (F, M + 1).
-    Returns False, h unchanged, when an output or the state's update is not finite."""
+    Returns False, h unchanged, when an output, the state's update or a row of a, b is not finite."""
     F, M1 = h.shape
     M = M1 - 1
     r = A.shape[2]
@@ -83,6 +83,7 @@ def _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk
     for j in range(hf.shape[0]):
         hwf[j] = wt(hf[j])
     inv, ratio = gv[0], gv[1]
+    za = 0.0
     for i in range(T):
         t = t0 + i
         for f in range(F):
@@ -102,6 +103,7 @@ def _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk
             for f in range(F):
                 E[s, f] = wt(Bv[b, t, j, f] * inv[f])
                 Ee[s, f] = wt(Bv[b, t, j, f] * ratio[f])
+                za += A[b, t, j, f] * 0.0 + Bv[b, t, j, f] * 0.0  # NaN for a NaN or inf in a, b
         for jj in range(w):
             s = S + i * w + jj
             for f in range(F):
@@ -142,7 +144,7 @@ def _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk
     z = 0.0
     for x in Hn.reshape(-1):
         z += x * 0.0  # NaN for a NaN or inf
-    if not (ok and z == 0.0):
+    if not (ok and z == 0.0 and za == 0.0):
         return False  # h as it was
     for f in range(F):
         ge = gc[T - 1, f]
