@@ -46,7 +46,8 @@ def _floating(name, x):
 
 def _general_check(inputs, lead, N, F, r, fast=False):
     """The general entry's own arguments: ``a``, ``b`` (required), ``log_diag``, ``beta`` (optional);
-    ``fast``: ``a`` and ``b`` as given (no float64 copy) and their finiteness left to :func:`_finite_ab`."""
+    ``fast``: ``a``, ``b``, ``log_diag`` as given (no float64 copy), their values checked by the kernel
+    (:func:`_finite_ab`, :func:`_log_diag_range` when it reports one)."""
     B = int(np.prod(lead, dtype=np.int64))
     out = {}
     for name in ("a", "b"):
@@ -73,8 +74,8 @@ def _general_check(inputs, lead, N, F, r, fast=False):
         out["log_diag"] = None
     else:
         ld = D.token_or_feature("log_diag", ld, lead, N, F, copy=not fast)
-        if not (ld <= 0).all():  # NaN fails too
-            raise ValueError("log_diag must be <= 0 (-inf allowed: a reset), with no NaN")
+        if not fast:
+            _log_diag_range(ld)
         out["log_diag"] = ld
     beta = inputs.get("beta")
     if beta is None:
@@ -93,6 +94,11 @@ def _finite_ab(checked):
     for name in ("a", "b"):
         if not np.isfinite(checked[name]).all():
             raise ValueError(f"{name} contains non-finite values (NaN or inf)")
+
+
+def _log_diag_range(ld):
+    if ld is not None and not (ld <= 0).all():  # NaN fails too
+        raise ValueError("log_diag must be <= 0 (-inf allowed: a reset), with no NaN")
 
 
 def _general_build(fk, v, inp):
@@ -409,6 +415,7 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
         fq, ld, A, Bv, KW, VW = (np.ascontiguousarray(x, dtype=np.float64) for x in (fq, ld, A, Bv, KW, VW))
         if R.spec is None:
             _finite_ab(R.checked)
+            _log_diag_range(R.checked["log_diag"])
     dev_out = None
     if out is not None and dev == "cuda" and _on_device(out):
         dev_out, out = out, None
@@ -444,8 +451,9 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
         res = o64.astype(dtype, copy=False)
     if check_finite and not bad and dtype.itemsize < o64.dtype.itemsize:
         bad = not np.isfinite(res).all()
-    if bad and fast and R.spec is None:
+    if bad and fast and R.spec is None:  # the general form's a, b, log_diag: checked as the kernel read them
         _finite_ab(R.checked)
+        _log_diag_range(R.checked["log_diag"])
     if bad and check_finite:
         raise NonFiniteResult(
             f"dplr_attention ({name}): the outputs or the state hold NaN or inf although the inputs are finite: "

@@ -105,3 +105,17 @@ def test_non_finite_a_or_b_is_named(rng, monkeypatch, dtype, n):
     b[0, 1, 2] = np.inf
     with pytest.raises(ValueError, match="b contains non-finite"):
         la.dplr_attention(q, k, v, a=a, b=b, method="chunked")
+
+
+@pytest.mark.parametrize("bad", [0.5, np.nan])
+@pytest.mark.parametrize("n", [3, 21])
+def test_log_diag_out_of_range_is_named(rng, monkeypatch, bad, n):
+    """The chunked forward leaves log_diag's range to the kernel: a value > 0 or NaN is still a ValueError."""
+    monkeypatch.setattr(la.config, "DPLR_CHUNK", 8)
+    q, k, v = (rng.standard_normal((B, n, d)).astype(np.float32) for d in (D, D, M))
+    ld = _log(rng.uniform(0.5, 1, size=(B, n, D)))
+    ld[1, n - 1, 2] = bad
+    for method in ("auto", "chunked"):
+        with pytest.raises(ValueError, match="log_diag must be <= 0"):
+            la.dplr_attention(q, k, v, a=np.zeros((B, n, D)), b=np.zeros((B, n, D)), log_diag=ld, method=method,
+                              check_finite=False)

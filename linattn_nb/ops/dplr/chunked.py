@@ -210,11 +210,16 @@ def dplr_chunked_kernel(fq, ld, A, Bv, KW, VW, H, out, norm, eps, C, cut):  # pr
             while T < Ct and t0 + T < N:
                 if W > 0:
                     low = 0.0
+                    up = 0
                     for f in range(F):
-                        x = lg[T, f] + ld[b, t0 + T, f if W > 1 else 0]
+                        y = ld[b, t0 + T, f if W > 1 else 0]
+                        x = lg[T, f] + y
                         lg[T + 1, f] = x
-                        low = min(low, x)  # no NaN here (log_diag is checked): vectorises
-                    if low < cut:
+                        low = min(low, x)
+                        up += 1 if y > 0.0 else 0  # a log-diagonal > 0 (NaN fails the results)
+                    if up > 0:
+                        bad[b] |= 2
+                    if not low >= cut:
                         break
                 T += 1
             if T == 0:  # a reset (or a decay below cut in one token): the scan, one token
@@ -237,7 +242,7 @@ def dplr_chunked_kernel(fq, ld, A, Bv, KW, VW, H, out, norm, eps, C, cut):  # pr
 
 def dplr_chunked(fq, ld, A, Bv, KW, VW, H, out, norm, eps):
     """:func:`linattn_nb.ops.dplr.cpu.dplr_scan`'s arguments and result (a (B,) uint8 flag: 1 where a
-    sequence's outputs or state hold NaN or inf), in chunks of :data:`linattn_nb.config.DPLR_CHUNK`
+    sequence's outputs or state hold NaN or inf, | 2 where its ``ld`` holds a value > 0), in chunks of :data:`linattn_nb.config.DPLR_CHUNK`
     steps; the working dtype is ``fq``'s (float32 or float64; the other arrays are read in theirs),
     ``H`` (float64) is updated in place to the final states."""
     C = max(1, int(config.DPLR_CHUNK))
