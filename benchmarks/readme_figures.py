@@ -10,8 +10,8 @@ Sources (all in the repository):
 - ``benchmarks/results/causal_cpu.json`` (``python benchmarks/causal_cpu.py``): the CPU headline;
 - ``benchmarks/results/decode.json`` (``python benchmarks/decode.py``): the decode step;
 - the newest ``docs/logs/gpu_check_*.log`` (``bash benchmarks/gpu_check.sh`` on a GPU machine): the GPU line;
-- ``benchmarks/results/{horizon,rules}.jsonl`` (``linattn report``): the studies' figures
-  (:mod:`linattn_nb.studies.readme_figures`).
+- ``benchmarks/results/{horizon,rules}.jsonl`` (``linattn report``'s raw results): the memory-horizon and
+  update-rules studies' figures.
 
 ``tests/test_readme_figures_benchmarks.py`` checks that the README contains each sentence as printed and that
 ``docs/measured.md`` is the page the results files give.
@@ -22,6 +22,11 @@ import json
 import re
 import sys
 from pathlib import Path
+
+import numpy as np
+
+from linattn_nb.studies import load_results
+from linattn_nb.studies._study import fmt, mean_ci, pm
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -93,10 +98,73 @@ def gpu_figure(log: str, name: str) -> str:
             f"({best[4096][0]}) at N = 4,096 and {best[65536][1]:.0f} ms ({best[65536][0]}) at N = 65,536.")
 
 
+def _ok(records):
+    return [r for r in records if r.get("status") == "ok"]
+
+
+def _span(edges, b) -> str:
+    lo, hi = int(edges[b]), int(edges[b + 1]) - 1
+    return f"distance {lo}" if lo == hi else f"distances {lo}–{hi}"
+
+
+def horizon_figures(records, *, feature_map: str = "dpfp", gamma: float = 0.9) -> str:
+    """The horizon study's figure: ``gamma`` against the additive rule for one map, nearest and oldest pairs."""
+    recs = [r for r in _ok(records) if r["params"]["feature_map"] == feature_map]
+    by = {}
+    for r in recs:
+        by.setdefault(float(r["params"]["gamma"]), []).append(r)
+    if gamma not in by or 1.0 not in by:
+        raise ValueError(f"horizon results lack gamma {gamma} or the additive rule for {feature_map!r}")
+    res0 = by[gamma][0]["result"]
+    p0 = by[gamma][0]["params"]
+    edges = res0["distance_edges"]
+    err = {g: np.asarray([r["result"]["error_by_distance"][0] for r in rs], dtype=float) for g, rs in by.items()}
+    m_g, h_g = mean_ci(err[gamma])
+    m_a, h_a = mean_ci(err[1.0])
+    last = len(edges) - 2
+    params = ", ".join(f"{ {'nu': 'ν'}.get(k, k)} = {v}" for k, v in p0["map_params"].items())
+    name = {"dpfp": "DPFP"}.get(feature_map, feature_map)
+    return (f"at {name}{f' ({params})' if params else ''}, D_φ = {res0['d_phi']}, n = {p0['n']}, γ = {fmt(gamma)}: "
+            f"error {pm(m_g[0], h_g[0])} at {_span(edges, 0)} against {pm(m_a[0], h_a[0])} for the additive rule, "
+            f"{pm(m_g[last], h_g[last])} at {_span(edges, last)} against {pm(m_a[last], h_a[last])}; "
+            f"{len(err[gamma])} seeds, mean ± 95% Student-t half-width")
+
+
+def rules_figures(records) -> str:
+    """The rules study's figures: errors at n = D_φ, the accuracy reversal, repeated passes."""
+    ok = _ok(records)
+
+    def series(kind, rule):
+        rs = [r for r in ok if r["params"]["kind"] == kind and r["params"]["rule"] == rule]
+        if not rs:
+            raise ValueError(f"rules results lack {kind!r} / {rule!r}")
+        n = np.asarray(rs[0]["result"]["n_pairs"])
+        return (n, int(rs[0]["result"]["d_phi"]), np.asarray([r["result"]["mse"] for r in rs], dtype=float),
+                np.asarray([r["result"]["accuracy"] for r in rs], dtype=float))
+
+    n, dphi, e_add, a_add = series("gaussian", "additive")
+    _, _, e_d1, a_d1 = series("gaussian", "delta, β = 1")
+    j = int(np.argmin(np.abs(n - dphi)))
+    last = len(n) - 1
+    passes = [r["params"]["passes"] for r in ok if r["params"]["kind"] == "passes"]
+    text = (f"at n = D_φ = {dphi} the delta rule (β = 1) leaves an error of {pm(*mean_ci(e_d1[:, j]))} against the "
+            f"additive rule's {pm(*mean_ci(e_add[:, j]))}, but its argmax accuracy falls to "
+            f"{pm(*mean_ci(a_d1[:, last]))} at n = {int(n[last])} while the additive rule's is "
+            f"{pm(*mean_ci(a_add[:, last]))}")
+    if passes:
+        p = max(passes)
+        np_, _, e_p, _ = series("passes", f"delta, β = 1, {p} passes")
+        jp = int(np.argmin(np.abs(np_ - dphi)))
+        text += f"; {p} passes take the error at n = D_φ to {pm(*mean_ci(e_p[:, jp]))}"
+    return text + f" ({e_add.shape[0]} seeds, mean ± 95% Student-t half-width)"
+
+
+#: Study name -> the function that computes its README figures from the study's records.
+FIGURES = {"horizon": horizon_figures, "rules": rules_figures}
+
+
 def figures(root: Path = ROOT) -> dict:
     """{source: sentence} for every source present under ``root``."""
-    from linattn_nb.studies import readme_figures as studies
-
     res, out = root / "benchmarks" / "results", {}
     if (res / "causal_cpu.json").is_file():
         out["cpu"] = cpu_figure(json.loads((res / "causal_cpu.json").read_text()))
@@ -105,7 +173,9 @@ def figures(root: Path = ROOT) -> dict:
     logs = sorted((root / "docs" / "logs").glob("gpu_check_*.log"))
     if logs:
         out["gpu"] = gpu_figure(logs[-1].read_text(encoding="utf-8", errors="replace"), logs[-1].name)
-    out.update(studies.figures(res))
+    for name, render in FIGURES.items():
+        if (res / f"{name}.jsonl").is_file():
+            out[name] = render(load_results(res / f"{name}.jsonl"))
     return out
 
 
@@ -207,5 +277,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     raise SystemExit(main())

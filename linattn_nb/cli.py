@@ -226,7 +226,7 @@ def cmd_demo(args) -> int:
 
 
 #: What ``--quick`` costs on the 2-core development VM (AMD EPYC): a first run with a cold kernel cache,
-#: most of it compiling the kernels, took 101 s at load 0.7-1.6 (docs/guide/studies.md); notebook 01 quotes
+#: most of it compiling the kernels, took 97 s at load 1.9-2.1 (docs/guide/studies.md); notebook 01 quotes
 #: the same words (tests/test_cli.py).
 QUICK_TIME = "about 1.5 minutes on 2 cores on a first run, most of it compiling the kernels"
 
@@ -238,7 +238,7 @@ def _study_options(p, *, default_out: str) -> None:
     p.add_argument("--quick", action="store_true",
                    help=f"same as --profile quick (the whole report: {QUICK_TIME})")
     p.add_argument("--profile", choices=("tiny", "quick", "full"), default=None,
-                   help="problem sizes: full (default; about 8 min on 2 cores on a first run, which compiles the "
+                   help="problem sizes: full (default; about 6 min on 2 cores on a first run, which compiles the "
                         "kernels; report.md states the time each study took), quick, or tiny (a smoke test)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
                    help="auto (default): the CPU, plus the GPU when a real one is present; cpu; cuda (GPU only)")

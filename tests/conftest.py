@@ -105,7 +105,7 @@ def python_sigint_handler():
 SLOW_FILES = frozenset({
     "ops/test_cuda.py", "ops/test_cuda_launchable.py", "ops/test_cuda_transfers.py", "ops/test_decay_cuda.py",
     "ops/test_delta_cuda.py", "ops/test_grad_cuda.py", "ops/test_step_cuda.py",
-    "studies/test_readme_figures.py", "studies/test_report.py", "studies/test_report_background.py",
+    "studies/test_report.py", "studies/test_report_background.py",
     "studies/test_sweep.py", "studies/test_learned_study.py", "studies/test_mqar.py",
     "fitting/test_fitted_maps_paths.py", "fitting/test_fitting.py",
     "test_layouts.py", "test_notebooks.py", "test_readme.py", "test_docs.py", "test_doctests.py", "test_install.py",
