@@ -69,9 +69,11 @@ class DPLRRule:
         respect to the factor, not its log), shaped as :meth:`check` returns them.
     layer : dict
         How :class:`linattn_nb.torch.LinearAttention` makes the rule's arguments from its input ``x``:
-        argument name -> form, ``"feature_gate"`` (per token and feature, ``logsigmoid(W x) / 16``, a
-        log-decay) or ``"token_unit"`` (per token, ``sigmoid(w^T x)``).  Empty: the rule has no layer
-        form (the layer refuses it).
+        argument name -> form.  Per head, token and feature: ``"feature_gate"`` (``logsigmoid(W x) / 16``,
+        a log-decay), ``"feature_unit"`` (``sigmoid(W x)``), ``"unit_key"`` (``W x / ||W x||``).  Per head
+        and token: ``"token_unit"`` (``sigmoid(w^T x)``; per sub-step too on a rule with sub-steps),
+        ``"token_decay"`` (``-softplus(w^T x + b)``, a log-decay).  Empty: the rule has no layer form
+        (the layer refuses it).
     """
 
     name: str
