@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -79,10 +80,12 @@ def test_t2r_starts_at_plus_minus_identity_and_is_measured(low_entropy):
 
 
 def test_profiles_and_regimes(tmp_path):
-    """Three regimes, the benign one the error study's; >= 5 seeds in quick and full; sizes as documented."""
+    """Three regimes, the benign one the error study's; >= 5 seeds in quick and full; sizes as the studies
+    guide gives them."""
     assert learned.REGIMES[0] == ("benign", error_study.QK_SCALE, 1.0)
     assert [r[0] for r in learned.REGIMES] == ["benign", "gaussian", "low-entropy"]
-    doc = " ".join(learned.__doc__.split())
+    doc = " ".join((Path(__file__).resolve().parents[2] / "docs" / "guide" / "studies.md").read_text(
+        encoding="utf-8").split())
     for profile in ("tiny", "quick", "full"):
         pts = learned.points(Context(out=tmp_path, profile=profile))
         d, n, steps, seeds = learned._sizes(Context(out=tmp_path, profile=profile))
@@ -90,7 +93,7 @@ def test_profiles_and_regimes(tmp_path):
         assert len(pts) == 3 * seeds and {p["seed"] for p in pts} == set(range(seeds))
         assert all(p["d"] == d and p["n"] == n and p["steps"] == steps for p in pts)
         assert all(p["t2r"] == ("t2r" in fm.available()) for p in pts)
-        assert f"{profile} d = {d}, N = {n}, {steps} steps, {seeds} seeds" in doc
+        assert f"{profile} {d}, {n}, {steps}, {seeds}" in doc
         if profile != "tiny":
             assert seeds >= 5
     study = get_study("learned")
