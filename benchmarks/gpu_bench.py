@@ -241,10 +241,10 @@ def main(argv=None):
             t, reps = time_gpu(cuda, fn)
             name = method
             if method == "auto":
-                from linattn_nb._cuda_dispatch import select_method_cuda
+                from linattn_nb._cuda_dispatch import select_auto_cuda
 
-                name = "auto=" + select_method_cuda("auto", causal=True, batch=B * H, n=N, f=D, m=M,
-                                                    dtype=np.float32)
+                name = "auto=" + select_auto_cuda(rule="additive", causal=True, batch=B * H, n=N, f=D, m=M,
+                                                  dtype=np.float32)
             add({"name": f"linattn {name}", "N": N, "time_ms": t * 1e3, "reps": reps, "tflops": flops / t / 1e12,
                  "gbs": nbytes / t / 1e9, "roofline_ms": bound * 1e3})
         if N == args.target_n and deadline.left() > 5:

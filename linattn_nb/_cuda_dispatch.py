@@ -115,15 +115,6 @@ def select_auto_cuda(*, rule, causal, batch, n, f, m, dtype, sms=None) -> str:
     return select_auto(rule=rule, causal=causal, device="cuda", batch=batch, n=n, d=f, m=m, dtype=dtype)
 
 
-def select_method_cuda(method, *, causal, batch, n, f, m, dtype, rule="additive") -> str:
-    """``method`` for the CUDA launchers, with ``"auto"`` resolved by :func:`select_auto_cuda`."""
-    if not isinstance(method, str):
-        raise TypeError(f"method must be a string, got {type(method).__name__}")
-    if method != "auto":
-        return method
-    return select_auto_cuda(rule=rule, causal=causal, batch=batch, n=n, f=f, m=m, dtype=dtype)
-
-
 # ---------------------------------------------------------------------------
 # What the front end asks of the device
 # ---------------------------------------------------------------------------
@@ -138,18 +129,9 @@ _IN_PLACE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 def device_rule_inputs(decay, log_decay, beta, batch_shape, n: int, f: int):
     """``(rule, plan)`` for GPU ``decay`` / ``log_decay`` / ``beta`` the kernels can use without the host,
-    else None.
-
-    Every given argument must be a device array of floats in one of the forms of
-    :func:`linattn_nb._validate.decay_inputs` / ``beta_inputs``.  A float32 or float64 C-contiguous
-    ``log_decay`` or ``beta`` per token (or per feature) is read in place in its own dtype; any
-    other is converted on the device into a pooled float64 workspace (``decay`` to its log); the
-    values are checked on the device by :func:`device_rule_values` (docs/cuda_kernels.md, "The
-    front end's CUDA side").  Anything else (integers, both ``decay`` and ``log_decay``, a host
-    array beside a device one, a shape of no form, batch strides that do not merge, an empty batch
-    or sequence) returns None: the host path, which also raises the shape errors.  ``plan`` maps
-    the kernels' input names to ``(argument name, array, in_place)``: a (B, N) / (B, N, D_phi)
-    view read in place, or a 4-d view and the target shape.
+    else None (the host path, which also raises the shape errors).  ``plan`` maps the kernels' input
+    names to ``(argument name, array, in_place)``: a (B, N) / (B, N, D_phi) view read in place, or a
+    4-d view to convert.  Which forms qualify: docs/cuda_kernels.md, "The front end's CUDA side".
     """
     L = _launch()
     bs = tuple(int(s) for s in batch_shape)
@@ -227,11 +209,8 @@ def device_rule_values(plan, batch: int, n: int, f: int) -> dict:
 
 
 def zero_state(b, f, m):
-    """The zero initial state ``H`` (b, f, m + 1) float64: a pooled workspace zeroed on the device.
-
-    Valid until the next call of the same thread with the same shape: the
-    launchers update it in place and :func:`unpack_state` copies it out.
-    """
+    """The zero initial state ``H`` (b, f, m + 1) float64: a pooled workspace zeroed on the device,
+    valid until the thread's next call with the same shape."""
     return _launch().zeros((b, f, m + 1), np.float64, tag="linear.H")
 
 
@@ -288,11 +267,8 @@ def unpack_state(H, batch_shape, f, m):
 
 
 def run_host(impl, qf, kf, vf, H, result, *, code, eps, inputs=None, normalize=True):
-    """Host inputs on the GPU: copy (B, N, ·) inputs and ``H`` over, launch, copy result and ``H`` back.
-
-    ``inputs``: the rule's per-token inputs as host float64 arrays (the
-    launchers copy them to the device).
-    """
+    """Host inputs on the GPU: copy (B, N, ·) inputs and ``H`` over, launch, copy result and ``H`` back
+    (``inputs``: host float64 arrays, copied by the launchers)."""
     cuda = _cuda()
     b, n, _ = qf.shape
     m = vf.shape[2]
@@ -306,11 +282,8 @@ def run_host(impl, qf, kf, vf, H, result, *, code, eps, inputs=None, normalize=T
 
 def run_device(impl, q4, k4, v4, H, dout, out_shape, *, code, eps, inputs=None, normalize=True,
                check_finite=False, scratch=False):
-    """Device inputs: launch on 4-d views; an ``out`` whose batch dims cannot be merged gets a copy.
-
-    ``check_finite`` goes to the launcher (counts it left unread are read here); ``scratch``:
-    compute into a workspace and copy into ``dout`` after the launch (an ``out`` that overlaps an input).
-    """
+    """Device inputs: launch on 4-d views; an ``out`` whose batch dims cannot be merged, or that overlaps
+    an input (``scratch``), is computed into a workspace and copied in after the launch."""
     o4 = None if scratch else view4(dout)
     tmp = None if o4 is not None else _launch().workspace("linear.out", out_shape, dout.dtype)
     impl.forward(q4, k4, v4, H, o4 if tmp is None else view4(tmp), code=code, eps=eps, inputs=inputs,

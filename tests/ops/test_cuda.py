@@ -613,16 +613,15 @@ def test_auto_method_selection(monkeypatch):
     monkeypatch.setattr(config, "CUDA_DELTA_ROWS_PER_THREAD", 16)  # the defaults: 4 row groups x 33 column pairs, 5 warps
     monkeypatch.setattr(config, "CUDA_DELTA_COLS_PER_THREAD", 2)
     monkeypatch.setattr(D, "multiprocessor_count", lambda: 132)
-    kw = dict(causal=True, f=64, m=64, dtype=np.float32)
-    assert D.select_method_cuda("auto", batch=128, n=65536, **kw) == "scan"  # tiles: 128 x 9 warps >= 4 * 132
-    assert D.select_method_cuda("auto", batch=58, n=65536, **kw) == "chunked"  # 58 x 9 warps < 4 * 132
-    assert D.select_method_cuda("auto", batch=128, n=65536, rule="gate", **kw) == "scan"  # tiles too: 128 x 9
-    assert D.select_method_cuda("auto", batch=100, n=65536, rule="delta", **kw) == "scan"  # tiles: 100 x 9
-    assert D.select_method_cuda("auto", batch=58, n=65536, rule="delta", **kw) == "chunked"  # 58 x 9 < 4 x 132
-    assert D.select_method_cuda("auto", batch=1024, n=65536, **kw) == "scan"
-    assert D.select_method_cuda("auto", batch=8, n=100, **kw) == "scan"  # short: AUTO_METHODS row
-    assert D.select_method_cuda("auto", batch=8, n=100, causal=False, f=64, m=64, dtype=np.float32) == "aggregate"
-    assert D.select_method_cuda("scan", batch=8, n=10**6, **kw) == "scan"
+    kw = dict(causal=True, f=64, m=64, dtype=np.float32, rule="additive")
+    assert D.select_auto_cuda(batch=128, n=65536, **kw) == "scan"  # tiles: 128 x 9 warps >= 4 * 132
+    assert D.select_auto_cuda(batch=58, n=65536, **kw) == "chunked"  # 58 x 9 warps < 4 * 132
+    assert D.select_auto_cuda(batch=128, n=65536, **dict(kw, rule="gate")) == "scan"  # tiles too: 128 x 9
+    assert D.select_auto_cuda(batch=100, n=65536, **dict(kw, rule="delta")) == "scan"  # tiles: 100 x 9
+    assert D.select_auto_cuda(batch=58, n=65536, **dict(kw, rule="delta")) == "chunked"  # 58 x 9 < 4 x 132
+    assert D.select_auto_cuda(batch=1024, n=65536, **kw) == "scan"
+    assert D.select_auto_cuda(batch=8, n=100, **kw) == "scan"  # short: AUTO_METHODS row
+    assert D.select_auto_cuda(batch=8, n=100, **dict(kw, causal=False)) == "aggregate"
 
 
 def test_traffic_model_headline(monkeypatch):
