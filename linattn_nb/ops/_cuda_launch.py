@@ -49,17 +49,9 @@ def multiprocessor_count() -> int:
 
 
 def seq_layout(segments: int, F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE, sms=None) -> str:
-    """Thread layout ("owner", "rows" or "tiles") of a sequence-kernel launch over ``segments`` segments.
-
-    ``config.CUDA_SEQ_LAYOUT`` other than "auto" is taken as given; "auto" picks
-    by occupancy and rule (``docs/cuda_kernels.md``, "Choosing the layout").
-    ``sms``: multiprocessors (default: the current device's).
-
-    Raises
-    ------
-    ValueError
-        For a ``config.CUDA_SEQ_LAYOUT`` other than "auto", "owner", "rows", "tiles".
-    """
+    """Thread layout ("owner", "rows" or "tiles") of a sequence-kernel launch over ``segments`` segments:
+    ``config.CUDA_SEQ_LAYOUT`` as given, or for "auto" by occupancy on ``sms`` multiprocessors (default:
+    the current device's) and rule (``docs/cuda_kernels.md``, "Choosing the layout")."""
     setting = str(config.CUDA_SEQ_LAYOUT)
     if setting not in ("auto", "owner", "rows", "tiles"):
         raise ValueError(f"config.CUDA_SEQ_LAYOUT must be 'auto', 'owner', 'rows' or 'tiles', got {setting!r}")
@@ -171,17 +163,9 @@ def _placeholder(ndim):
 
 
 def rule_factors(rule: int, inputs, B: int, N: int, F: int):
-    """The rule's per-token log-factors as a (B, N, W) float64 (or float32) device array.
-
-    ``W`` = :func:`linattn_nb.ops._cuda_common.rule_factor_rows` (a rule without factors: a (1, 1, 1)
-    placeholder).  Host inputs are copied as float64, device arrays viewed in place.
-
-    Raises
-    ------
-    ValueError
-        When the input has another shape, negative strides, or (a device
-        array) a dtype other than float32 or float64.
-    """
+    """The rule's per-token log-factors as a (B, N, W) float64 (or float32) device array, W from
+    :func:`linattn_nb.ops._cuda_common.rule_factor_rows` (no factors: a (1, 1, 1) placeholder).  Host
+    inputs are copied as float64, device arrays viewed in place (checked by :func:`_checked_input`)."""
     W = rule_factor_rows(rule, F)
     if W == 0:
         return _placeholder(3)
@@ -189,8 +173,7 @@ def rule_factors(rule: int, inputs, B: int, N: int, F: int):
         return _delta_inputs(rule, inputs, B, N)
     name = RULES[rule_name(rule)][1][0]
     x = inputs[name]
-    want = (B, N) if rule == RULE_DECAY else (B, N, F)
-    dims = "(B, N)" if rule == RULE_DECAY else "(B, N, F)"
+    want, dims = ((B, N), "(B, N)") if rule == RULE_DECAY else ((B, N, F), "(B, N, F)")
     x = _checked_input(name, x, want, dims)
     if isinstance(x, np.ndarray):
         return cuda.to_device(np.ascontiguousarray(x, dtype=_F64).reshape(B, N, W))
@@ -201,13 +184,8 @@ def rule_factors(rule: int, inputs, B: int, N: int, F: int):
 
 
 def _checked_input(name, x, want, dims):
-    """The per-token input ``x`` checked for shape ``want``: a NumPy array as it is, else a device array.
-
-    Raises
-    ------
-    ValueError
-        For another shape, or (a device array) a dtype other than float32 or float64 or negative strides.
-    """
+    """The per-token input ``x`` checked for shape ``want``: a NumPy array as it is, else a device array
+    (ValueError for another shape, a dtype other than float32 or float64, or negative strides)."""
     shape = tuple(int(s) for s in x.shape)
     if shape != want:
         raise ValueError(f"inputs[{name!r}] must have shape {dims} = {want}, got {shape}")
@@ -243,17 +221,9 @@ def _delta_inputs(rule, inputs, B, N):
 
 
 def plan(q, k, v, H, out, *, rule=RULE_ADDITIVE, inputs=None, chunk=None, check_finite=False) -> SeqPlan:
-    """Check the launcher arguments and lay out the launch (a scan for ``chunk`` None).
-
-    Raises
-    ------
-    ValueError
-        For an unknown rule code or inputs other than the rule's, inputs of the
-        wrong shape, arrays whose leading dimensions cannot be viewed as 4-d, an
-        ``H`` of the wrong shape or layout, or an unsupported feature dimension.
-    TypeError
-        For an ``H`` that is not float64.
-    """
+    """Check the launcher arguments and lay out the launch (a scan for ``chunk`` None).  ValueError for
+    a bad rule or inputs, leading dimensions that cannot be viewed as 4-d, an ``H`` of the wrong shape or
+    layout, an unsupported feature dimension; TypeError for an ``H`` that is not float64."""
     rule = check_rule_inputs(rule, inputs)
     views = []
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
@@ -337,17 +307,15 @@ def _rows_instead(p: SeqPlan, exc: Exception):
     _REFUSED_TILES.add(key)
     cfg = seq_config(p.F, p.M, p.acc.itemsize, p.rule, "rows")
     MB = cfg[3]
+    refused = (f"the GPU refused the tile-layout kernel (rule {rule_name(p.rule)!r}, D_phi={p.F}, M={p.M}, "
+               f"{p.acc.name}): too many registers for its {p.threads} threads per block")
     if -(-p.M // MB) != p.col_blocks:
-        raise RuntimeError(f"the GPU refused the tile-layout kernel (rule {rule_name(p.rule)!r}, D_phi={p.F}, "
-                           f"M={p.M}, {p.acc.name}): too many registers for its {p.threads} threads per block; "
-                           f"later calls use row groups (or set linattn_nb.config.CUDA_SEQ_LAYOUT = 'rows')"
-                           ) from exc
+        raise RuntimeError(f"{refused}; later calls use row groups (or set linattn_nb.config.CUDA_SEQ_LAYOUT = "
+                           "'rows')") from exc
     vec = vector_bits(p.q, p.k, p.v, p.strides, p.F, p.M, MB) if config.CUDA_VECTOR_LOADS else 0
     if first:
-        warnings.warn(f"the GPU refused the tile-layout kernel (rule {rule_name(p.rule)!r}, D_phi={p.F}, M={p.M}, "
-                      f"{p.acc.name}): too many registers for its {p.threads} threads per block under this "
-                      f"toolkit; running it in row groups instead, here and in later calls", RuntimeWarning,
-                      stacklevel=4)
+        warnings.warn(f"{refused} under this toolkit; running it in row groups instead, here and in later calls",
+                      RuntimeWarning, stacklevel=4)
     return replace(p, kernel=seq_kernel(*cfg, p.acc.name, p.rule, None, p.off32, vec),
                    threads=threads_per_block(*cfg[:4], p.rule), cfg=tuple(int(x) for x in cfg), vec=vec)
 
@@ -426,16 +394,9 @@ def chunk_outputs(p: SeqPlan, Hs, *, code, eps, causal: bool, normalize=True) ->
 # (S, z) <-> H
 # ---------------------------------------------------------------------------
 def pack_state(S, z, H=None, *, check_finite=False):
-    """The launcher state ``H`` = ``[S | z]`` of device arrays ``S`` (B, F, M) and ``z`` (B, F).
-
-    Into ``H`` when given (C-contiguous float64 (B, F, M + 1)), else a new one; ``check_finite``
-    counts the NaN/inf entries of S and z.
-
-    Raises
-    ------
-    ValueError
-        When the shapes do not match.
-    """
+    """The launcher state ``H`` = ``[S | z]`` of device arrays ``S`` (B, F, M) and ``z`` (B, F), into ``H``
+    when given (C-contiguous float64 (B, F, M + 1)), else a new one; ``check_finite`` counts the NaN/inf
+    entries of S and z.  ValueError when the shapes do not match."""
     if len(S.shape) != 3 or tuple(z.shape) != tuple(S.shape[:2]):
         raise ValueError(f"S must be (B, F, M) and z (B, F), got {tuple(S.shape)} and {tuple(z.shape)}")
     B, F, M = (int(s) for s in S.shape)
@@ -453,13 +414,7 @@ def pack_state(S, z, H=None, *, check_finite=False):
 
 def unpack_state(H, S=None, z=None):
     """Split ``H`` (B, F, M + 1) into ``S`` (B, F, M) and ``z`` (B, F), written into the given device
-    arrays or new float64 ones; returns ``(S, z)``.
-
-    Raises
-    ------
-    ValueError
-        When the shapes do not match.
-    """
+    arrays or new float64 ones; returns ``(S, z)`` (ValueError when the shapes do not match)."""
     B, F, M1 = (int(s) for s in H.shape)
     if S is None:
         S = cuda.device_array((B, F, M1 - 1), dtype=_F64)
