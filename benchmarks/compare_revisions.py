@@ -35,7 +35,10 @@ non-causal kernel at N = 4096 (float32), a decode step of
 :class:`linattn_nb.LinearAttentionState` (H = 16, one token, float32); the
 forgetting rules at N = 4096, float32: the chunked kernel with a per-token
 decay and with a per-feature gate, and the gate's scan (log-factors drawn as
-``decay_cpu.py`` draws them).
+``decay_cpu.py`` draws them); and one training step of the training
+notebook's model through each checkout's torch adapter, with the delta rule
+and with the additive rule (needs torch; N = 128, batch 64, see
+``_train_step``).
 Results: a table on stdout and ``benchmarks/results/compare_revisions.json``.
 """
 from __future__ import annotations
@@ -67,14 +70,60 @@ CASES = {
     "decay chunked f32 N=4096": ("chunked/decay", 4096, "float32"),
     "gate chunked f32 N=4096": ("chunked/gate", 4096, "float32"),
     "gate scan f32 N=4096": ("scan/gate", 4096, "float32"),
+    "train step delta (nb05)": ("train/delta", 128, "float32"),
+    "train step additive (nb05)": ("train/additive", 128, "float32"),
 }
 
 
 # ---------------------------------------------------------------------------
 # worker side
 # ---------------------------------------------------------------------------
+def _train_step(rule: str, n: int):
+    """One AdamW step of the training notebook's MQAR model (two blocks of ``LinearAttention``, d = 64,
+    2 heads, short convolution 4, vocabulary 64, batch 64, length ``n``; torch on one thread, as the
+    notebook sets it), on a fixed random batch.  Built from the checkout's own ``linattn_nb.torch``."""
+    import torch
+    from torch import nn
+
+    from linattn_nb.torch import LinearAttention
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    attn = dict(feature_map="silu_l2", rule="delta") if rule == "delta" else dict(feature_map="elu")
+    V, d = 64, 64
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.attn = LinearAttention(d, 2, conv_size=4, **attn)
+            self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+        def forward(self, x):
+            x = x + self.attn(self.ln1(x))
+            return x + self.mlp(self.ln2(x))
+
+    emb, blocks, head = nn.Embedding(V, d), nn.ModuleList(Block() for _ in range(2)), nn.Linear(d, V)
+    model = nn.ModuleList([emb, blocks, head])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.98), weight_decay=0.1)
+    x = torch.randint(0, V, (64, n))
+    y = torch.where(torch.rand(64, n) < 0.1, torch.randint(0, V, (64, n)), torch.full((64, n), -100))
+
+    def step():
+        h = emb(x)
+        for b in blocks:
+            h = b(h)
+        loss = nn.functional.cross_entropy(head(h).reshape(-1, V), y.reshape(-1), ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return step
+
+
 def _make_case(la, np, name):
     kind, n, dtype = CASES[name]
+    if kind.startswith("train/"):
+        return _train_step(kind.split("/")[1], n)
     rng = np.random.default_rng(0)
     if kind == "step":
         st = la.LinearAttentionState(D, M, batch_shape=(BH,), dtype=dtype)
