@@ -58,11 +58,8 @@ def _limit() -> int:
 
 def workspace(tag, shape, dtype):
     """A C-contiguous device array of ``shape`` and ``dtype`` for a temporary of one call; contents undefined.
-
-    The same array comes back for the next request with the same ``tag`` (the
-    buffer's role; buffers alive at the same time need different tags), shape and
-    dtype from the same thread and CUDA context, while the pool holds it.
-    """
+    The same array comes back for the next request with the same ``tag`` (the buffer's role: buffers alive
+    at the same time need different tags), shape and dtype from the same thread and CUDA context."""
     shape = tuple(int(s) for s in shape)
     dt = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
@@ -152,12 +149,8 @@ def _count_range_py(x, lo, hi, counters, slot):
 
 def _rule_input_py(x, dst, mode, lo, hi, reset, counters, slot):
     """dst (C-contiguous 1-d float64) <- the 4-d array x (B1, B2, N, W), any strides (0 broadcasts), in
-    the working form of a rule input; counters[slot] += entries that are NaN or outside [lo, hi].
-
-    ``mode`` 1: linear factors, stored as their log (0 -> -inf); 0: log-factors; 2:
-    other values (``beta``).  A log-factor at or below ``reset`` is stored as -inf;
-    an entry out of range as NaN (the call raises after its one read of the counters).
-    """
+    the working form of a rule input (``mode`` as :data:`_RULE_INPUTS`; a log-factor at or below ``reset``
+    stored as -inf); an entry NaN or outside [lo, hi] is stored as NaN and counted in counters[slot]."""
     A, Bn, N, W = x.shape
     s0, s1, s2, s3 = x.strides
     total = A * Bn * N * W
@@ -205,28 +198,20 @@ def fill(x, value=0):
 
 
 def zeros(shape, dtype=np.float64, tag=None):
-    """A zero-filled device array, zeroed on the device (no host copy).
-
-    ``tag`` None: a new array (for results); otherwise :func:`workspace`'s
-    array for ``tag``, zeroed.
-    """
+    """A zero-filled device array, zeroed on the device: a new one (``tag`` None), else :func:`workspace`'s."""
     shape = tuple(int(s) for s in shape)
     x = cuda.device_array(shape, dtype=np.dtype(dtype)) if tag is None else workspace(tag, shape, dtype)
     return fill(x, 0)
 
 
 def counters():
-    """The calling thread's int32 device array of :data:`CHECK_SLOTS` counters (zero between calls).
-
-    Slots 0, 1, 2 count q, k, v (a sequence kernel that fuses the check counts into it).  Marks a
-    read as due for :func:`raise_if_nonfinite`.
-    """
+    """The calling thread's int32 device array of :data:`CHECK_SLOTS` counters (zero between calls); marks
+    a read as due for :func:`raise_if_nonfinite`."""
     ctx = _context_key()
-    arr = getattr(_LOCAL, "counters", {}).get(ctx)
+    per_context = _LOCAL.__dict__.setdefault("counters", {})
+    arr = per_context.get(ctx)
     if arr is None:
-        if not hasattr(_LOCAL, "counters"):
-            _LOCAL.counters = {}
-        arr = _LOCAL.counters[ctx] = zeros((len(CHECK_SLOTS),), np.int32)
+        arr = per_context[ctx] = zeros((len(CHECK_SLOTS),), np.int32)
     _LOCAL.due = True
     return arr
 
@@ -247,13 +232,10 @@ def count_out_of_range(name, x, lo, hi) -> None:
 
 
 def rule_input(name, x4, shape):
-    """A pooled C-contiguous float64 workspace of ``shape`` holding the rule input ``name`` read from
-    the 4-d device view ``x4`` (any float dtype and strides, stride 0 for broadcast axes; as many
-    elements as ``shape``), converted on the device (one kernel: ``decay`` to its log, ``log_decay``
-    and ``beta`` copied to float64; log-factors at or below
-    :data:`linattn_nb.ops._codes.LOG_RESET` to -inf), with its entries out of range (NaN; ``decay``
-    outside [0, 1], ``log_decay`` > 0, ``beta`` outside [0, 2]) counted into the counter ``name``
-    (read by :func:`raise_if_nonfinite`).  Valid until the next call of this thread with the same shape.
+    """A pooled C-contiguous float64 workspace of ``shape`` holding the rule input ``name`` read from the
+    4-d device view ``x4`` (any float dtype and strides, 0 for broadcast axes), converted on the device by
+    :func:`_rule_input_py` (``decay`` to its log, log-factors at or below ``_codes.LOG_RESET`` to -inf);
+    entries out of range go to the counter ``name``.  Valid until this thread's next call with that shape.
     """
     from ._codes import LOG_RESET
 
@@ -267,14 +249,8 @@ def rule_input(name, x4, shape):
 
 
 def raise_if_nonfinite() -> None:
-    """Read the counters once (when a kernel counted since the last read); ValueError naming the first.
-
-    Raises
-    ------
-    ValueError
-        Naming the first counter of :data:`CHECK_SLOTS` that is not zero (the counters are zeroed
-        first).
-    """
+    """Read the counters once (when a kernel counted since the last read); ValueError naming the first
+    non-zero counter of :data:`CHECK_SLOTS` (the counters are zeroed first)."""
     if not getattr(_LOCAL, "due", False):
         return
     _LOCAL.due = False
