@@ -9,22 +9,19 @@ from __future__ import annotations
 import os
 
 
-def _env(name: str, default, kind=int, what="an integer"):
+def _env_int(name: str, default, kind=int):
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
         return kind(raw)
     except ValueError as exc:  # pragma: no cover - misconfiguration
+        what = "an integer" if kind is int else "a number"
         raise ValueError(f"environment variable {name}={raw!r} is not {what}") from exc
 
 
-def _env_int(name: str, default: int) -> int:
-    return _env(name, default)
-
-
 def _env_float(name: str, default: float) -> float:
-    return _env(name, default, float, "a number")
+    return _env_int(name, default, float)
 
 
 # --------------------------------------------------------------------------
@@ -152,19 +149,12 @@ def cpu_backward_checkpoint(n: int, f: int, m1: int, itemsize: int) -> int:
 
 
 #: Chunk size (steps: tokens times sub-steps) of ``dplr_attention(method="chunked")`` on the CPU
-#: (:mod:`linattn_nb.ops.dplr.chunked`); a chunk holds ``max(1, DPLR_CHUNK // r)`` tokens.  16: the
-#: float32 kernel alone at B*H = 16, N = 4096, D_phi = M = 64 (float32 products, float64 state, one
-#: thread, CPU time, AMD EPYC, shared), KDA / general form, in ms: C = 8: 97 / 100, 16: 79 / 83,
-#: 24: 81 / 84, 32: 83 / 87, 48: 94 / 97.  The per-token work of the intra-chunk products grows with C
-#: and the per-chunk state passes shrink: flat from 16 to 32.
+#: (:mod:`linattn_nb.ops.dplr.chunked`); a chunk holds ``max(1, DPLR_CHUNK // r)`` tokens.  Measured:
+#: docs/guide/configuration.md.
 DPLR_CHUNK = _env_int("LINATTN_DPLR_CHUNK", 16)
 
 #: ``dplr_attention(method="auto")`` runs ``chunked`` (on the CPU) from this many steps
-#: (``N * r``) on, the scan below.  Measured with DPLR_CHUNK = 16, D_phi = M = 64, float32 (AMD EPYC, 2
-#: threads, whole calls, medians of 7 interleaved rounds, general form / KDA, chunked vs scan in ms):
-#: B*H = 1: N = 16: 0.18 vs 0.17 / 0.21 vs 0.21, N = 32: 0.20 vs 0.23 / 0.23 vs 0.26, N = 64: 0.24 vs
-#: 0.33 / 0.27 vs 0.37; B*H = 16: chunked ahead from N = 8 (0.36 vs 0.58), N = 1024: 21 vs 69 / 25 vs 63.
-#: DeltaProduct (r = 3, a write each sub-step) at B*H = 16, N = 256: 15.0 vs 29.5 ms.
+#: (``N * r``) on, the scan below (measured: docs/guide/configuration.md).
 DPLR_AUTO_CHUNKED_MIN = _env_int("LINATTN_DPLR_AUTO_CHUNKED_MIN", 32)
 
 #: Below this much work (B * N * N * (D + M), halved when causal) the CPU
