@@ -225,8 +225,18 @@ def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, f: in
     per-feature gate with ``beta``), its inputs those of :func:`linattn_nb._validate.decay_inputs`
     and ``beta_inputs``; ``normalize=None`` takes the rule's convention, and a map that
     ``needs_normalizer`` refuses False.  ``copy=False``: the inputs may be the caller's own array
-    (for a call that only reads them before it returns).
+    (for a call that only reads them before it returns).  ``fmap`` None (softmax weights) has no
+    rule: ``decay``/``log_decay``/``beta`` and ``normalize=False`` raise ValueError.
     """
+    if fmap is None:  # softmax weights (the analyses' feature_map="softmax"): no recurrence
+        for name, x in (("decay", decay), ("log_decay", log_decay), ("beta", beta)):
+            if x is not None:
+                raise ValueError(f"{name} applies to linear attention's recurrence; feature_map='softmax' has none "
+                                 "(pass a feature map)")
+        if V.check_normalize(normalize, True) is False:
+            raise ValueError("normalize=False does not apply to feature_map='softmax' (softmax weights are "
+                             "normalised by definition)")
+        return "additive", None, True
     rule, inputs = V.decay_inputs(decay, log_decay, batch_shape, n, f, causal=causal, copy=copy)
     if beta is not None:
         if not causal:
@@ -273,10 +283,10 @@ class Call(NamedTuple):
     """A validated request on host arrays (:func:`host_call`): what an entry point computes from its arguments."""
 
     dev: str
-    fmap: object
+    fmap: object  # None: softmax weights (an analysis)
     eps: object
     causal: bool
-    q: np.ndarray  # C-contiguous host arrays
+    q: np.ndarray  # C-contiguous host arrays (None where the entry takes no such array)
     k: np.ndarray
     v: np.ndarray
     batch_shape: tuple
@@ -289,7 +299,7 @@ class Call(NamedTuple):
     rule: str
     inputs: object  # the rule's launcher inputs (None for the additive rule)
     normalize: bool
-    impl: object  # the registered Method
+    impl: object  # the registered Method (None for an entry without one: the analyses)
 
 
 def resolve_call(device, arrays, names, feature_map, eps, causal, method):
@@ -307,30 +317,36 @@ def plan_call(method, rule, initial_state, *, dev, causal, batch_shape, n, f, m,
 
     ``initial_state`` must be of ``rule``; on CUDA the shape must fit the
     kernels' limits (with ``extra_columns`` more value columns: the
-    gradient's).  ``method="auto"`` is resolved.
+    gradient's).  ``method="auto"`` is resolved; ``method=None`` plans none (returns None).
     """
     if initial_state is not None:
         check_state_rule(initial_state, rule)
+    if method is None:
+        return None
     if dev == "cuda":
         CD.check_limits(f, m + extra_columns, dtype, rule)  # fail before any work
     b = int(np.prod(batch_shape, dtype=np.int64))
     return choose_method(method, rule=rule, causal=causal, device=dev, batch=b, n=n, f=f, m=m, dtype=dtype)
 
 
-def host_call(q, k, v, *, dev, fmap, eps, causal, method, decay, log_decay, beta, normalize, initial_state,
-              check_qkv: bool, copy: bool, to_host: bool = False, extra_columns: int = 0) -> Call:
-    """The validated request of a call on host arrays (:class:`Call`).
+def host_call(q, k, v, *, fmap, eps, causal, decay, log_decay, beta, normalize, check_qkv: bool, dev="cpu",
+              method=None, initial_state=None, copy: bool = True, to_host: bool = False, extra_columns: int = 0,
+              names=("q", "k", "v"), same_n: bool = True) -> Call:
+    """The validated request of a call on host arrays (:class:`Call`): every entry point's preparation.
 
     ``check_qkv``: scan q, k, v for non-finite values here (kernels with an inline map scan them as
     they read).  ``copy``: the rule's inputs are copies (for a request that keeps them).
     ``to_host``: GPU arrays among q, k, v and the rule's arguments are copied to the host first.
+    ``method=None``: no method is planned (``impl`` None; the analyses).  One of q, k, v may be
+    None (an analysis of two arrays, named ``names``); ``same_n=False`` lets q and k differ in N.
+    ``fmap`` None: softmax weights (``f = d``, the additive rule, no rule arguments).
     """
     if to_host:
         q, k, v, decay, log_decay, beta = (
             CD.to_host(nm, x) if on_device(x) else x
             for nm, x in (("q", q), ("k", k), ("v", v), ("decay", decay), ("log_decay", log_decay), ("beta", beta)))
-    q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_qkv)
-    f = feature_dim(fmap, d)
+    q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_qkv, names=names, same_n=same_n)
+    f = d if fmap is None else feature_dim(fmap, d)
     rule, inputs, normalize = rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, f, causal=causal,
                                              beta=beta, copy=copy)
     impl = plan_call(method, rule, initial_state, dev=dev, causal=causal, batch_shape=batch_shape, n=n, f=f, m=m,

@@ -51,46 +51,53 @@ def as_host_array(name: str, x) -> np.ndarray:
 check_finite = check_finite_values  # the name the callers use
 
 
-def check_qkv(q, k, v, *, names: Sequence[str] = ("q", "k", "v")):
-    """Validate the shapes and dtypes of q, k, v: ``(batch_shape, n, d, m, promoted dtype)``."""
-    qn, kn, vn = names
-    for name, x in zip(names, (q, k, v)):
+def check_qkv(q, k, v, *, names: Sequence[str] = ("q", "k", "v"), same_n: bool = True):
+    """Validate the shapes and dtypes of q, k, v: ``(batch_shape, n, d, m, promoted dtype)``.
+
+    Any one of them may be None (an analysis of two arrays: q and k, or k and v); ``same_n=False``
+    lets q and k differ in N (non-causal weights).  ``d`` is the first array's last dimension, ``m``
+    v's (0 without v); ``n`` the first array's N.
+    """
+    given = [(name, x) for name, x in zip(names, (q, k, v)) if x is not None]
+    for name, x in given:
         if x.ndim < 2:
             raise ValueError(f"{name} must have at least 2 dimensions (..., N, features), got shape {tuple(x.shape)}")
         check_float_dtype(name, x.dtype)
-    for same, what in ((q.ndim == k.ndim == v.ndim, "the same number of dimensions"),
-                       (tuple(q.shape[:-2]) == tuple(k.shape[:-2]) == tuple(v.shape[:-2]),
-                        "equal leading batch dimensions"),
-                       (q.shape[-2] == k.shape[-2] == v.shape[-2], "the same sequence length N (axis -2)")):
+    who = (", " if len(given) == 3 else " and ").join(name for name, _ in given)
+    shapes = ", ".join(str(tuple(x.shape)) for _, x in given)
+    xs = [x for _, x in given]
+    for same, what in ((len({x.ndim for x in xs}) == 1, "the same number of dimensions (equal leading batch "
+                        "dimensions)"),
+                       (len({tuple(x.shape[:-2]) for x in xs}) == 1, "equal leading batch dimensions"),
+                       (not same_n or len({x.shape[-2] for x in xs}) == 1, "the same sequence length N (axis -2)")):
         if not same:
-            raise ValueError(f"{qn}, {kn}, {vn} must have {what}, got shapes "
-                             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[-1] != k.shape[-1]:
+            raise ValueError(f"{who} must have {what}, got shapes {shapes}")
+    if q is not None and k is not None and q.shape[-1] != k.shape[-1]:
         raise ValueError(
-            f"{qn} and {kn} must have the same feature dimension D (axis -1), got shapes "
+            f"{names[0]} and {names[1]} must have the same feature dimension D (axis -1), got shapes "
             f"{tuple(q.shape)} and {tuple(k.shape)}"
         )
-    if q.shape[-1] == 0 or v.shape[-1] == 0:
-        raise ValueError(
-            f"feature dimensions must be at least 1, got D={q.shape[-1]} and M={v.shape[-1]}"
-        )
-    dtype = np.result_type(q.dtype, k.dtype, v.dtype)
-    return tuple(q.shape[:-2]), int(q.shape[-2]), int(q.shape[-1]), int(v.shape[-1]), np.dtype(dtype)
+    d, m = int(xs[0].shape[-1]), (0 if v is None else int(v.shape[-1]))
+    if d == 0 or (v is not None and m == 0):
+        raise ValueError(f"feature dimensions must be at least 1, got D={d} and M={m}")
+    dtype = np.result_type(*[x.dtype for x in xs])
+    return tuple(xs[0].shape[:-2]), int(xs[0].shape[-2]), d, m, np.dtype(dtype)
 
 
-def host_qkv(q, k, v, *, check_finite: bool):
-    """``as_host_array`` + :func:`check_qkv` + (optionally) :func:`check_finite` on q, k, v.
+def host_qkv(q, k, v, *, check_finite: bool, names: Sequence[str] = ("q", "k", "v"), same_n: bool = True):
+    """``as_host_array`` + :func:`check_qkv` + (optionally) :func:`check_finite` on q, k, v (None stays None).
 
     Returns ``(q, k, v, (batch_shape, n, d, m, dtype))``.
     """
-    q, k, v = as_host_array("q", q), as_host_array("k", k), as_host_array("v", v)
-    info = check_qkv(q, k, v)
+    q, k, v = (None if x is None else as_host_array(name, x) for name, x in zip(names, (q, k, v)))
+    info = check_qkv(q, k, v, names=names, same_n=same_n)
     # C-contiguous (a copy only of a view): whatever reads them next (a kernel, a feature map's
     # NumPy products) then gives, bit for bit, the result of a contiguous copy
-    q, k, v = (x if x.flags.c_contiguous else np.ascontiguousarray(x) for x in (q, k, v))
+    q, k, v = (x if x is None or x.flags.c_contiguous else np.ascontiguousarray(x) for x in (q, k, v))
     if check_finite:
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            check_finite_values(name, x)
+        for name, x in zip(names, (q, k, v)):
+            if x is not None:
+                check_finite_values(name, x)
     return q, k, v, info
 
 

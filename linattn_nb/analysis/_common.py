@@ -22,18 +22,18 @@ __all__ = [
     "SOFTMAX",
     "is_softmax",
     "resolve_map",
+    "warn_scale",
     "resolve_eps",
     "check_causal",
     "feature_dim",
     "features",
     "check_finite_features",
     "called_features",
-    "flatten64",
     "check_rtol",
     "check_scalar_rtol",
     "check_int",
     "check_positive_float",
-    "rule_arguments",
+    "prepare",
     "softmax_weights",
     "entry_weights",
     "normalise_rows",
@@ -88,17 +88,15 @@ def is_softmax(feature_map) -> bool:
     return isinstance(feature_map, str) and feature_map == SOFTMAX
 
 
-def resolve_map(feature_map, *, d=None, scale=None, stacklevel=3):
-    """``None`` for ``"softmax"``, else the :class:`~linattn_nb.feature_maps.FeatureMap`.
+def resolve_map(feature_map):
+    """``None`` for ``"softmax"``, else the :class:`~linattn_nb.feature_maps.FeatureMap`."""
+    return None if is_softmax(feature_map) else fm.resolve(feature_map)
 
-    With ``d`` and ``scale``, a map that estimates softmax at another temperature warns (``stacklevel``:
-    by default the caller of the public function).
-    """
-    if is_softmax(feature_map):
-        return None
-    fmap = fm.resolve(feature_map)
-    if d is not None and scale is not None and getattr(fmap, "estimates_softmax", False) \
-            and hasattr(fmap, "effective_scale"):
+
+def warn_scale(fmap, d: int, scale: float, stacklevel: int = 4) -> None:
+    """Warn when ``fmap`` estimates softmax at another temperature than ``scale`` (``stacklevel``: by
+    default the caller of the public function that called its own helper)."""
+    if fmap is not None and getattr(fmap, "estimates_softmax", False) and hasattr(fmap, "effective_scale"):
         s_map = float(fmap.effective_scale(d))
         if not math.isclose(s_map, scale, rel_tol=1e-12):
             warnings.warn(
@@ -106,7 +104,6 @@ def resolve_map(feature_map, *, d=None, scale=None, stacklevel=3):
                 "pass the same scale to both (feature_maps.get(..., scale=...))",
                 stacklevel=stacklevel,
             )
-    return fmap
 
 
 def resolve_eps(eps):
@@ -153,12 +150,6 @@ def called_features(fmap, x, *, name: str) -> np.ndarray:
             f"{tuple(x.shape)}; expected {want} (output_dim({x.shape[-1]}) = {f})"
         )
     return out
-
-
-def flatten64(x, batch_shape) -> np.ndarray:
-    """``(..., N, F)`` -> C-contiguous float64 ``(B, N, F)``; explicit B (``-1`` is ambiguous for empty arrays)."""
-    b = int(np.prod(batch_shape, dtype=np.int64))
-    return np.ascontiguousarray(x, dtype=np.float64).reshape((b,) + tuple(x.shape[-2:]))
 
 
 def check_rtol(rtol, batch_shape) -> np.ndarray:
@@ -210,23 +201,19 @@ def check_positive_float(name: str, x) -> float:
     return x
 
 
-def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, d: int, *, causal: bool, beta=None):
-    """``(rule, inputs, normalize)`` of an analysis call, parsed (and refused) as linear_attention does.
+def prepare(q, k, v, fmap, *, causal, eps, check_finite, decay=None, log_decay=None, beta=None, normalize=None,
+            initial_state=None, names=("q", "k", "v"), same_n=True):
+    """The request of an analysis call: :func:`linattn_nb._frontend.host_call` without a method or device.
 
     ``fmap`` None (softmax weights) has no update rule: ``decay``/``log_decay``/``beta`` and
-    ``normalize=False`` raise ValueError.
+    ``normalize=False`` raise ValueError.  Returns the :class:`~linattn_nb._frontend.Call` with
+    ``q``, ``k``, ``v`` flattened to C-contiguous float64 (B, N, .) (None stays None).
     """
-    if fmap is None:
-        for name, x in (("decay", decay), ("log_decay", log_decay), ("beta", beta)):
-            if x is not None:
-                raise ValueError(f"{name} applies to linear attention's recurrence; feature_map='softmax' has none "
-                                 "(pass a feature map)")
-        if V.check_normalize(normalize, True) is False:
-            raise ValueError("normalize=False does not apply to feature_map='softmax' (softmax weights are "
-                             "normalised by definition)")
-        return "additive", None, True
-    return FE.rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, feature_dim(fmap, d),
-                             causal=causal, beta=beta)
+    c = FE.host_call(q, k, v, fmap=fmap, eps=resolve_eps(eps), causal=check_causal(causal), decay=decay,
+                     log_decay=log_decay, beta=beta, normalize=normalize, check_qkv=check_finite,
+                     initial_state=initial_state, names=names, same_n=same_n)
+    arrays = {nm: getattr(c, nm) for nm in ("q", "k", "v")}
+    return c._replace(**{nm: V.flatten_batch(x, np.float64) for nm, x in arrays.items() if x is not None})
 
 
 def softmax_weights(q, k, *, causal: bool, scale: float) -> np.ndarray:

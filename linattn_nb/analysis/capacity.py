@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 
 from .. import config
+from .. import _frontend as FE
 from .. import _validate as V
 from ..attention import linear_attention, softmax_attention
 from ..rules import get_rule
@@ -328,6 +329,7 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     if orthogonal_keys and ns.max() > d:
         raise ValueError(f"orthogonal_keys needs every n <= d = {d} (at most d orthonormal keys), "
                          f"got n = {int(ns.max())}")
+    d_phi = C.feature_dim(fmap, d)
     dplr = None
     if rule is not None:
         from ..rules import get_dplr_rule
@@ -344,9 +346,8 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     elif rule_arguments is not None:
         raise TypeError("recall_capacity: rule_arguments needs rule= (a named DPLR rule)")
     else:
-        rule, _, normalize = C.rule_arguments(fmap, decay, None, normalize, (), 1, d, causal=True, beta=beta)
+        rule, _, normalize = FE.rule_arguments(fmap, decay, None, normalize, (), 1, d_phi, causal=True, beta=beta)
     edges = _distance_edges(distance_bins, int(ns.max()))
-    d_phi = C.feature_dim(fmap, d)
 
     metrics = np.zeros((6, ns.size, trials))
     by_dist = np.zeros((2, ns.size, trials, len(edges) - 1))

@@ -97,22 +97,6 @@ class ApproximationError:
 
 
 # ---------------------------------------------------------------------------
-# input handling
-# ---------------------------------------------------------------------------
-def _prepare(q, k, v, check_finite):
-    q = V.as_host_array("q", q)
-    k = V.as_host_array("k", k)
-    if v is None:
-        v = np.zeros(q.shape[:-1] + (1,), dtype=q.dtype) if getattr(q, "ndim", 0) >= 1 else q
-    v = V.as_host_array("v", v)
-    batch_shape, n, d, m, _ = V.check_qkv(q, k, v)
-    if check_finite:
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            V.check_finite(name, x)
-    return q, k, v, batch_shape, n, d
-
-
-# ---------------------------------------------------------------------------
 # public functions
 # ---------------------------------------------------------------------------
 def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAULT, check_finite=True,
@@ -183,27 +167,24 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
     >>> attention_weights(kk, kk, "l2", causal=True, beta=1.0)[2].round(12).tolist()
     [0.0, 0.0, 1.0]
     """
-    q, k, _, batch_shape, n, d = _prepare(q, k, None, check_finite)
+    fmap = C.resolve_map(feature_map)
+    c = C.prepare(q, k, None, fmap, causal=causal, eps=eps, check_finite=check_finite, decay=decay,
+                  log_decay=log_decay, beta=beta, normalize=normalize)
+    n, batch_shape = c.n, c.batch_shape
     if n * n > config.QUADRATIC_MAX_ELEMENTS:
         raise ValueError(
             f"attention_weights builds an N x N matrix per batch entry; N={n} exceeds "
             f"config.QUADRATIC_MAX_ELEMENTS={config.QUADRATIC_MAX_ELEMENTS} elements. "
             "Use approximation_error for statistics at long N."
         )
-    causal = C.check_causal(causal)
-    scale = V.check_scale(scale, d)
-    eps = C.resolve_eps(eps)
-    fmap = C.resolve_map(feature_map, d=d, scale=scale)
-    rule, inputs, normalize = C.rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, d, causal=causal,
-                                               beta=beta)
-    q64 = C.flatten64(q, batch_shape)
-    k64 = C.flatten64(k, batch_shape)
+    scale = V.check_scale(scale, c.d)
+    C.warn_scale(fmap, c.d, scale, stacklevel=3)
     if fmap is None:
-        w = C.softmax_weights(q64, k64, causal=causal, scale=scale)
+        w = C.softmax_weights(c.q, c.k, causal=c.causal, scale=scale)
     else:
-        fq = C.features(fmap, q64, role="query", causal=causal, name="q")
-        fk = C.features(fmap, k64, role="key", causal=causal, name="k")
-        w = C.explicit_rule_weights(rule, fq, fk, inputs, normalize=normalize, eps=eps, causal=causal)
+        fq = C.features(fmap, c.q, role="query", causal=c.causal, name="q")
+        fk = C.features(fmap, c.k, role="key", causal=c.causal, name="k")
+        w = C.explicit_rule_weights(c.rule, fq, fk, c.inputs, normalize=c.normalize, eps=c.eps, causal=c.causal)
     return w.reshape(batch_shape + (n, n))
 
 
@@ -302,14 +283,12 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
 
 def _setup(q, k, v, feature_map, causal, scale, eps, decay, log_decay, beta, check_finite):
     """The checked arguments of :func:`approximation_error` and its reference, inputs flattened to float64."""
-    q, k, v, batch_shape, n, d = _prepare(q, k, v, check_finite)
-    causal = C.check_causal(causal)
-    scale = V.check_scale(scale, d)
-    eps = C.resolve_eps(eps)
-    fmap = C.resolve_map(feature_map, d=d, scale=scale)
-    rule, inputs, _ = C.rule_arguments(fmap, decay, log_decay, None, batch_shape, n, d, causal=causal, beta=beta)
-    q64, k64, v64 = (C.flatten64(x, batch_shape) for x in (q, k, v))
-    return q64, k64, v64, n, causal, scale, eps, fmap, rule, inputs
+    fmap = C.resolve_map(feature_map)
+    c = C.prepare(q, k, v, fmap, causal=causal, eps=eps, check_finite=check_finite, decay=decay,
+                  log_decay=log_decay, beta=beta)
+    scale = V.check_scale(scale, c.d)
+    C.warn_scale(fmap, c.d, scale)
+    return c.q, c.k, c.v, c.n, c.causal, scale, c.eps, fmap, c.rule, c.inputs
 
 
 def _no_rows() -> ApproximationError:

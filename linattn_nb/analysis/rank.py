@@ -41,37 +41,6 @@ def _check_method(method, allowed):
     return method
 
 
-def _prepare_pair(q, k, names, *, same_n, check_finite, last_dims_equal=True):
-    """Validate two (..., N, X) arrays; return float64 copies, batch shape, sizes."""
-    qn, kn = names
-    q = V.as_host_array(qn, q)
-    k = V.as_host_array(kn, k)
-    for name, x in ((qn, q), (kn, k)):
-        V.check_float_dtype(name, x.dtype)
-        if x.ndim < 2:
-            raise ValueError(f"{name} must have at least 2 dimensions (..., N, D), got shape {tuple(x.shape)}")
-    if q.ndim != k.ndim or tuple(q.shape[:-2]) != tuple(k.shape[:-2]):
-        raise ValueError(
-            f"{qn} and {kn} must have equal leading batch dimensions, got shapes {tuple(q.shape)} and {tuple(k.shape)}"
-        )
-    if same_n and q.shape[-2] != k.shape[-2]:
-        raise ValueError(
-            f"{qn} and {kn} must have the same sequence length N (axis -2), got shapes "
-            f"{tuple(q.shape)} and {tuple(k.shape)}"
-        )
-    if last_dims_equal and q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"{qn} and {kn} must have the same feature dimension D (axis -1), got shapes "
-            f"{tuple(q.shape)} and {tuple(k.shape)}"
-        )
-    if q.shape[-1] == 0 or k.shape[-1] == 0:
-        raise ValueError(f"feature dimensions must be at least 1, got shapes {tuple(q.shape)} and {tuple(k.shape)}")
-    if check_finite:
-        V.check_finite(qn, q)
-        V.check_finite(kn, k)
-    return (np.asarray(q, dtype=np.float64), np.asarray(k, dtype=np.float64), tuple(q.shape[:-2]))
-
-
 #: Kernel codes of the maps that act element by element (``phi(x, code)``); the row-normalising codes
 #: (``"l2"``, ``"silu_l2"``) need each row's norm and take the ``FeatureMap.apply`` path.
 _ELEMENTWISE_CODES = (KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU)
@@ -94,7 +63,7 @@ def _features(fmap, x, *, role, causal, name, offset=0):
     code = _inline_code(fmap, d)
     if code is None:
         return C.features(fmap, x, role=role, causal=causal, name=name, check_finite=True, offset=offset)
-    x3 = C.flatten64(x, x.shape[:-2])
+    x3 = V.flatten_batch(x, np.float64)
     out = np.empty_like(x3)
     if x3.size:
         _feature_rows(x3.reshape((-1, d)), 0, code, np.zeros(d), 0.0, False, False, out.reshape((-1, d)))
@@ -361,14 +330,12 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
     True
     """
     fmap = C.resolve_map(feature_map)
-    eps = V.check_eps(eps)
-    causal = C.check_causal(causal)
     method = _check_method(method, ("auto", "factor", "explicit"))
-    q, k, batch_shape = _prepare_pair(q, k, ("q", "k"), same_n=causal, check_finite=check_finite)
-    nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    b = int(np.prod(batch_shape, dtype=np.int64))
-    rule, inputs, normalize = C.rule_arguments(fmap, decay, log_decay, normalize, batch_shape, nq, d, causal=causal,
-                                               beta=beta)
+    c = C.prepare(q, k, None, fmap, causal=causal, eps=eps, check_finite=check_finite, decay=decay,
+                  log_decay=log_decay, beta=beta, normalize=normalize, same_n=causal)
+    q, k, batch_shape, causal, eps, rule, inputs, normalize = (c.q, c.k, c.batch_shape, c.causal, c.eps, c.rule,
+                                                               c.inputs, c.normalize)
+    nq, nk, d, b = c.n, k.shape[-2], c.d, c.b
     if rtol is not None:
         rtol = np.broadcast_to(C.check_rtol(rtol, batch_shape), batch_shape).reshape(-1)
     factor_ok = fmap is not None and not causal
@@ -381,11 +348,11 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
     code = None if fmap is None else _inline_code(fmap, d)
     if fmap is None:
         scale = V.check_scale(scale, d)
-        fq, fk = C.flatten64(q, batch_shape), C.flatten64(k, batch_shape)
+        fq, fk = q, k
         f = None
     elif use_factor and code is not None:
         # elementwise map: the streamed QR applies it on the fly, features never stored
-        fq, fk = C.flatten64(q, batch_shape), C.flatten64(k, batch_shape)
+        fq, fk = q, k
         f = d
     else:
         fq = _features(fmap, q, role="query", causal=causal, name="q")
@@ -566,12 +533,11 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
     True
     """
     fmap = C.resolve_map(feature_map)
-    eps = V.check_eps(eps)
     method = _check_method(method, ("auto", "factor", "explicit"))
-    q, k, batch_shape = _prepare_pair(q, k, ("q", "k"), same_n=True, check_finite=check_finite)
-    n, d = q.shape[-2], q.shape[-1]
-    rule, inputs, normalize = C.rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, d, causal=True,
-                                               beta=beta)
+    c = C.prepare(q, k, None, fmap, causal=True, eps=eps, check_finite=check_finite, decay=decay,
+                  log_decay=log_decay, beta=beta, normalize=normalize)
+    q, k, batch_shape, n, d, eps, rule, inputs, normalize = (c.q, c.k, c.batch_shape, c.n, c.d, c.eps, c.rule,
+                                                             c.inputs, c.normalize)
     if get_rule(rule).has_inputs and method == "factor":
         raise ValueError(f"method='factor' ranks the additive rule's weights; the {rule!r} rule's weights "
                          "(decay/log_decay/beta given) are ranked with method='explicit'")
@@ -583,7 +549,7 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
         _check_explicit_n(n, "ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N", config.ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N)
     if fmap is None:
         scale = V.check_scale(scale, d)
-        fq, fk = C.flatten64(q, batch_shape), C.flatten64(k, batch_shape)
+        fq, fk = q, k
     else:
         fq = _features(fmap, q, role="query", causal=True, name="q")
         fk = _features(fmap, k, role="key", causal=True, name="k")
@@ -722,28 +688,20 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
                             "log_decay or beta")
         return _dplr_rank_profile(k, v, fmap, positions, rtol, rule, rule_arguments or {}, initial_state,
                                   check_finite)
-    k, v, batch_shape = _prepare_pair(k, v, ("k", "v"), same_n=True, check_finite=check_finite,
-                                      last_dims_equal=False)
-    n, m, d = k.shape[-2], v.shape[-1], k.shape[-1]
-    pos = _positions(positions, n)
     if rule_arguments is not None:
         raise TypeError("state_rank_profile: rule_arguments needs rule= (a named DPLR rule)")
-    rule, inputs, _ = C.rule_arguments(fmap, decay, log_decay, None, batch_shape, n, d, causal=True, beta=beta)
-    f = C.feature_dim(fmap, d)
-    b = int(np.prod(batch_shape, dtype=np.int64))
-    if initial_state is not None:
-        FE.check_state_rule(initial_state, rule)
-        H, position = FE.host_state(initial_state, batch_shape, f, m, check_finite=check_finite)
-        S0 = H[:, :, :m]
-    else:
-        S0, position = np.zeros((b, f, m)), 0
+    c = C.prepare(None, k, v, fmap, causal=True, eps=None, check_finite=check_finite, decay=decay,
+                  log_decay=log_decay, beta=beta, initial_state=initial_state)
+    k, vf, batch_shape, n, m, f, b, rule, inputs = c.k, c.v, c.batch_shape, c.n, c.m, c.f, c.b, c.rule, c.inputs
+    pos = _positions(positions, n)
+    H, position = FE.host_state(initial_state, batch_shape, f, m, check_finite=check_finite)
+    S0 = H[:, :, :m]
     r = get_rule(rule)
     bt = inputs["beta"] if r.beta else None
     lg = r.log_factor_of(inputs)
     if lg is not None and lg.ndim == 2 and not r.reads_state:
         lg = lg[:, :, None]  # per token: one factor for every row of the state
     fk = _features(fmap, k, role="key", causal=True, name="k", offset=position)
-    vf = C.flatten64(v, batch_shape)
     ranks = np.zeros((b, pos.size), dtype=np.int64)
     for i in range(b):
         state = S0[i].copy()
