@@ -108,13 +108,11 @@ def blas_libraries() -> list:
     """The BLAS libraries loaded (SciPy's, which the kernels' ``np.dot`` calls, and NumPy's).
 
     threadpoolctl's dicts (``internal_api``, ``architecture``: the kernels OpenBLAS chose, ``version``,
-    ``num_threads``, ``filepath``, ...); empty when threadpoolctl is missing.
+    ``num_threads``, ``filepath``, ...).
     """
-    try:
-        import scipy.linalg.cython_blas  # noqa: F401  (load the BLAS Numba's np.dot calls)
-        from threadpoolctl import threadpool_info
-    except ImportError:  # pragma: no cover - both are dependencies
-        return []
+    import scipy.linalg.cython_blas  # noqa: F401  (load the BLAS Numba's np.dot calls)
+    from threadpoolctl import threadpool_info
+
     libs = [dict(i) for i in threadpool_info() if i.get("user_api") == "blas"]
     return sorted(libs, key=lambda i: str(i.get("filepath", "")))
 

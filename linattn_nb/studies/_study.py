@@ -402,7 +402,6 @@ def fit_slope(x, ys, *, level: float = 0.95) -> dict | None:
     None when fewer than two seeds or two points are usable.
     """
     import numpy as np
-    from scipy import stats
 
     x = np.asarray(x, dtype=float)
     ys = np.atleast_2d(np.asarray(ys, dtype=float))
@@ -415,10 +414,8 @@ def fit_slope(x, ys, *, level: float = 0.95) -> dict | None:
             slopes.append(float(np.polyfit(lx, np.log(y), 1)[0]))
     if len(slopes) < 2:
         return None
-    s = np.asarray(slopes)
-    half = float(stats.t.ppf(0.5 + level / 2, len(s) - 1) * s.std(ddof=1) / math.sqrt(len(s)))
-    return {"slope": float(s.mean()), "lo": float(s.mean() - half), "hi": float(s.mean() + half),
-            "seeds": len(s), "level": level}
+    mean, half = (float(v) for v in mean_ci(slopes, level=level))
+    return {"slope": mean, "lo": mean - half, "hi": mean + half, "seeds": len(slopes), "level": level}
 
 
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence], *, align: str | None = None) -> str:

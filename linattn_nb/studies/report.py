@@ -123,18 +123,14 @@ def machine_info() -> list[tuple[str, str]]:
             cuda = gpu_name()
         except Exception:  # pragma: no cover
             pass
-    try:
-        import scipy
+    import scipy
 
-        scipy_v = scipy.__version__
-    except ImportError:  # pragma: no cover
-        scipy_v = "not installed"
     return [
         ("linattn_nb", linattn_nb.__version__),
         ("CPU", f"{cpu_model()}, {usable_cores()} usable cores"),
         ("platform", platform.platform()),
         ("Python", platform.python_version()),
-        ("NumPy / SciPy / Numba", f"{np.__version__} / {scipy_v} / {numba.__version__}"),
+        ("NumPy / SciPy / Numba", f"{np.__version__} / {scipy.__version__} / {numba.__version__}"),
         ("Numba threads", f"{numba.get_num_threads()} ({layer} threading layer)"),
         ("CUDA", cuda),
         # np.dot inside Numba's parallel kernels calls a BLAS that may start threads

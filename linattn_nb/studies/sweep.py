@@ -764,10 +764,8 @@ def sweep(
 def _progress_bar(progress: bool, *, total: int, initial: int, fn):
     if not progress:
         return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-        return None
+    from tqdm.auto import tqdm
+
     name = getattr(fn, "__name__", "sweep")
     # disable=None: tqdm shows the bar only when stderr is a terminal.
     return tqdm(total=total, initial=initial, desc=name, unit="pt", disable=None, file=sys.stderr,
