@@ -101,12 +101,9 @@ def cpu_launcher(rule: int) -> StepLauncher:
 
 
 # ---------------------------------------------------------------------------
-# CUDA: S in the canonical (B, F, M) layout (ops/step/cuda.py, imported on first use)
+# CUDA: S in the canonical (B, F, M) layout (ops/step/cuda.py, imported on first use; one kernel per
+# operation, no host round-trips: docs/cuda_kernels.md)
 # ---------------------------------------------------------------------------
-# No host round-trips: every operation is one kernel launch on the state's own buffers
-# and scratch (allocated once, in ``zeros``); the finiteness check is fused into that kernel and read
-# back (one device-to-host copy) only when ``check`` is true; a checked update writes the other buffer
-# of the double-buffered state and swaps when the inputs were finite (ops/step/cuda.py).
 def _kernels():
     from . import cuda as _scuda
 
