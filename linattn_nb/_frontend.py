@@ -139,19 +139,19 @@ def featurise(fmap, x, *, role: str, causal: bool, offset: int = 0, total_length
     return feats
 
 
-def _host_features(fmap, impl, q, k, v, work, causal, position, n):
-    """Flattened (B, N, ·) kernel inputs and the map code for a CPU or CUDA-host launcher."""
-    vf = V.flatten_batch(v, work)
-    if impl.inline_features and fmap.kernel_code is not None:
-        return V.flatten_batch(q, work), V.flatten_batch(k, work), vf, int(fmap.kernel_code)
-    # NumPy-side maps of float16 inputs run in float32 (no float16 overflow or
-    # rounding of the features); the kernels take float32 features next to
-    # float16 values.
-    feat = work_dtype(work)
+def host_features(fmap, inline: bool, q, k, v, work, *, causal: bool, position: int, n: int):
+    """Flattened (B, N, ·) kernel inputs of a CPU or CUDA-host launcher, or a decode step (None stays None).
+
+    ``inline``: the kernel applies the map itself (q and k as they are), else q and k become features.
+    """
+    # NumPy-side maps of float16 inputs run in float32 (no float16 overflow or rounding of the
+    # features); the kernels take float32 features next to float16 values.
+    feat = work if inline else work_dtype(work)
     kw = dict(causal=causal, offset=position, total_length=position + n, dtype=feat)
-    qf = V.flatten_batch(featurise(fmap, q, role="query", name="q", **kw), feat)
-    kf = V.flatten_batch(featurise(fmap, k, role="key", name="k", **kw), feat)
-    return qf, kf, vf, 0
+    if not inline:
+        q = None if q is None else featurise(fmap, q, role="query", name="q", **kw)
+        k = None if k is None else featurise(fmap, k, role="key", name="k", **kw)
+    return tuple(None if x is None else V.flatten_batch(x, w) for x, w in ((q, feat), (k, feat), (v, work)))
 
 
 # ---------------------------------------------------------------------------
@@ -391,7 +391,8 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
     work = dtype if dtype in impl.native_dtypes else _F32
     result = out if out is not None else np.empty(out_shape, dtype=dtype)
     if n > 0 and b > 0:
-        qf, kf, vf, code = _host_features(fmap, impl, q, k, v, work, causal, position, n)
+        qf, kf, vf = host_features(fmap, inline, q, k, v, work, causal=causal, position=position, n=n)
+        code = int(fmap.kernel_code) if inline else 0
         if dev == "cuda":
             CD.run_host(impl, qf, kf, vf, H, result, code=code, eps=eps, inputs=inputs, normalize=normalize)
         else:
@@ -438,7 +439,8 @@ def _recompute_float64(fmap, impl, q, k, v, initial_state, batch_shape, f, m, ca
     """``(H, out)`` of a CPU call recomputed in float64 (features included): the float32 result overflowed."""
     H, position = host_state(initial_state, batch_shape, f, m, check_finite=False)
     b, n = H.shape[0], int(q.shape[-2])
-    qf, kf, vf, code = _host_features(fmap, impl, q, k, v, _F64, causal, position, n)
+    qf, kf, vf = host_features(fmap, inline, q, k, v, _F64, causal=causal, position=position, n=n)
+    code = int(fmap.kernel_code) if inline else 0
     if not inline:
         _check_features(fmap, qf, kf, _F64)
     out64 = np.empty((b, n, m))

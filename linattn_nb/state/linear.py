@@ -446,7 +446,7 @@ class LinearAttentionState:
                 f"rule={self._rule!r}, position={self._position}, nbytes={self.nbytes})")
 
     # -- input handling ----------------------------------------------------------
-    def _prepare(self, pairs, check_finite, roles, factors=None):
+    def _prepare(self, pairs, check_finite, factors=None):
         """Validate and flatten inputs; return an _Inputs (host or device arrays of (B, T, *)).
 
         ``factors(T) -> (rule, inputs)``: the call's update rule and kernel
@@ -454,7 +454,7 @@ class LinearAttentionState:
         """
         names = [n for n, _, _ in pairs]
         dev = self._resolve([x for _, x, _ in pairs], names)
-        res = self._prepare_on(dev, pairs, names, check_finite, roles)
+        res = self._prepare_on(dev, pairs, names, check_finite)
         res.rule, res.inputs = (RULE, None) if factors is None else factors(res.T)
         if self._device is None:
             self._set_device(dev)
@@ -481,7 +481,7 @@ class LinearAttentionState:
             return True
         return False
 
-    def _prepare_on(self, dev, pairs, names, check_finite, roles):
+    def _prepare_on(self, dev, pairs, names, check_finite):
         res = _Inputs()
         if dev == "cuda" and any(on_device(x) for _, x, _ in pairs):
             if not all(on_device(x) for _, x, _ in pairs):
@@ -511,20 +511,13 @@ class LinearAttentionState:
             return res
         arrs, T, dtype = host_tokens(self._bs, pairs)
         work = work_dtype(dtype)
-        flat = []
-        if self._code is None:
-            # NumPy-side features: the raw inputs are checked here, the kernels see features.
-            if check_finite:
-                for n, a, _ in arrs:
-                    V.check_finite(n, a)
-            kw = dict(causal=True, offset=self._position, total_length=self._position + T, dtype=work)
-            for (n, a, last), role in zip(arrs, roles):
-                if role is not None:
-                    a = FE.featurise(self._fmap, a, role=role, name=n, **kw)
-                flat.append(V.flatten_batch(a, work))
-        else:
-            for n, a, last in arrs:
-                flat.append(V.flatten_batch(a, work))
+        if self._code is None and check_finite:
+            for n, a, _ in arrs:  # NumPy-side features: the raw inputs are checked here, the kernels see features
+                V.check_finite(n, a)
+        given = {n: a for n, a, _ in arrs}
+        flat = [x for x in FE.host_features(self._fmap, self._code is not None, given.get("q"), given.get("k"),
+                                            given.get("v"), work, causal=True, position=self._position, n=T)
+                if x is not None]
         res.arrays, res.T, res.dtype, res.work = flat, T, dtype, work
         res.device_inputs = False
         return res
@@ -688,7 +681,6 @@ class LinearAttentionState:
             if res is not None:
                 return res
         inp = self._prepare([("q", q, self._d), ("k", k, self._d), ("v", v, self._m)], check_finite,
-                            ("query", "key", None),
                             factors=self._factors(decay, log_decay, beta, step=True))
         given = out
         out = self._kernel_out(given, inp, call_reads(q, k, v, decay, log_decay, beta))
@@ -746,7 +738,7 @@ class LinearAttentionState:
         >>> st.query(np.zeros((1, 2))).tolist(), st.position
         ([[1.0, 2.0]], 1)
         """
-        inp = self._prepare([("q", q, self._d)], check_finite, ("query",))
+        inp = self._prepare([("q", q, self._d)], check_finite)
         (qf,) = self._on_state_device(inp)
         out = self._new_out(inp.T, inp.work)
         check = bool(check_finite and self._code is not None)
@@ -786,7 +778,7 @@ class LinearAttentionState:
         >>> bool(np.allclose(st.S, ref.S)), bool(np.allclose(st.z, ref.z)), st.position
         (True, True, 50)
         """
-        inp = self._prepare([("k", k, self._d), ("v", v, self._m)], check_finite, ("key", None),
+        inp = self._prepare([("k", k, self._d), ("v", v, self._m)], check_finite,
                             factors=self._factors(decay, log_decay, beta, step=False))
         fixed = self._absorb_rule(inp)
         if inp.T == 0:
