@@ -34,16 +34,10 @@ def source_hash(package_dir: str = _PACKAGE_DIR) -> str:
     file under ``package_dir`` (default: this installed copy; ``__pycache__`` and hidden folders skipped)."""
     root = os.path.abspath(package_dir)
     files = []
-    stack = [root]
-    while stack:
-        top = stack.pop()
-        with os.scandir(top) as it:
-            for entry in it:
-                if entry.is_dir(follow_symlinks=False):
-                    if entry.name != "__pycache__" and not entry.name.startswith("."):
-                        stack.append(entry.path)
-                elif entry.name.endswith(".py"):
-                    files.append(os.path.relpath(entry.path, root).replace(os.sep, "/"))
+    for top, dirs, names in os.walk(root, onerror=_raise):
+        dirs[:] = [d for d in dirs if d != "__pycache__" and not d.startswith(".")]
+        files += [os.path.relpath(os.path.join(top, n), root).replace(os.sep, "/")
+                  for n in names if n.endswith(".py")]
     digest = hashlib.sha1()
     for rel in sorted(files):
         with open(os.path.join(root, rel), "rb") as fh:
@@ -51,6 +45,10 @@ def source_hash(package_dir: str = _PACKAGE_DIR) -> str:
         digest.update(f"{rel}\0{len(data)}\0".encode())
         digest.update(data)
     return digest.hexdigest()[:16]
+
+
+def _raise(exc: OSError):
+    raise exc
 
 
 def user_cache_root() -> str:
