@@ -310,12 +310,12 @@ def _rows_instead(p: SeqPlan, exc: Exception):
     refused = (f"the GPU refused the tile-layout kernel (rule {rule_name(p.rule)!r}, D_phi={p.F}, M={p.M}, "
                f"{p.acc.name}): too many registers for its {p.threads} threads per block")
     if -(-p.M // MB) != p.col_blocks:
-        raise RuntimeError(f"{refused}; later calls use row groups (or set linattn_nb.config.CUDA_SEQ_LAYOUT = "
-                           "'rows')") from exc
+        raise RuntimeError(f"{refused}; later calls use row groups "
+                           "(or set linattn_nb.config.CUDA_SEQ_LAYOUT = 'rows')") from exc
     vec = vector_bits(p.q, p.k, p.v, p.strides, p.F, p.M, MB) if config.CUDA_VECTOR_LOADS else 0
     if first:
-        warnings.warn(f"{refused} under this toolkit; running it in row groups instead, here and in later calls",
-                      RuntimeWarning, stacklevel=4)
+        warnings.warn(f"{refused} under this toolkit; running it in row groups instead, here and in later "
+                      "calls", RuntimeWarning, stacklevel=4)
     return replace(p, kernel=seq_kernel(*cfg, p.acc.name, p.rule, None, p.off32, vec),
                    threads=threads_per_block(*cfg[:4], p.rule), cfg=tuple(int(x) for x in cfg), vec=vec)
 

@@ -13,6 +13,7 @@ from numba import cuda
 
 from .. import config
 from ._cuda_common import unravel4
+from .cuda.plan import helper_grid
 
 __all__ = ["workspace", "zeros", "fill", "counters", "count_nonfinite", "count_out_of_range", "rule_input",
            "raise_if_nonfinite", "discard_counts", "clear", "stats", "CHECK_SLOTS", "SLOT"]
@@ -184,21 +185,16 @@ def _kernels():
     return _KERNELS
 
 
-def _grid(total: int):
-    tpb = max(1, int(config.CUDA_THREADS_PER_BLOCK))
-    return max(1, min(int(config.CUDA_MAX_HELPER_BLOCKS), -(-int(total) // tpb))), tpb
-
-
 def fill(x, value=0):
     """Set every entry of the C-contiguous device array ``x`` to ``value`` (one kernel; returns ``x``)."""
     if x.size:
         flat = x.reshape(int(x.size))
-        _kernels()["fill"][_grid(x.size)](flat, np.dtype(x.dtype).type(value))
+        _kernels()["fill"][helper_grid(x.size)](flat, np.dtype(x.dtype).type(value))
     return x
 
 
 def zeros(shape, dtype=np.float64, tag=None):
-    """A zero-filled device array, zeroed on the device: a new one (``tag`` None), else :func:`workspace`'s."""
+    """A device array zeroed on the device: a new one (``tag`` None), else :func:`workspace`'s."""
     shape = tuple(int(s) for s in shape)
     x = cuda.device_array(shape, dtype=np.dtype(dtype)) if tag is None else workspace(tag, shape, dtype)
     return fill(x, 0)
@@ -220,7 +216,7 @@ def count_nonfinite(name, x4) -> None:
     """Add the NaN/inf entries of the 4-d device array ``x4`` to the counter ``name`` (one kernel, no read)."""
     c = counters()
     if x4.size:
-        _kernels()["count4"][_grid(x4.size)](x4, c, SLOT[name])
+        _kernels()["count4"][helper_grid(x4.size)](x4, c, SLOT[name])
 
 
 def count_out_of_range(name, x, lo, hi) -> None:
@@ -228,7 +224,8 @@ def count_out_of_range(name, x, lo, hi) -> None:
     [lo, hi] to the counter ``name`` (one kernel, no read: :func:`raise_if_nonfinite` reads it)."""
     c = counters()
     if x.size:
-        _kernels()["count_range"][_grid(x.size)](x.reshape(int(x.size)), float(lo), float(hi), c, SLOT[name])
+        _kernels()["count_range"][helper_grid(x.size)](x.reshape(int(x.size)), float(lo), float(hi), c,
+                                                       SLOT[name])
 
 
 def rule_input(name, x4, shape):
@@ -243,7 +240,7 @@ def rule_input(name, x4, shape):
     dst = workspace("rule_input." + name, shape, np.float64)
     c = counters()
     if dst.size:
-        _kernels()["rule_input"][_grid(dst.size)](x4, dst.reshape(int(dst.size)), np.int64(mode),
+        _kernels()["rule_input"][helper_grid(dst.size)](x4, dst.reshape(int(dst.size)), np.int64(mode),
                                                   float(lo), float(hi), float(LOG_RESET), c, SLOT[name])
     return dst
 
