@@ -243,10 +243,6 @@ def calibration_key() -> dict:
     return _key_memo
 
 
-def _key_hash(key: dict) -> str:
-    return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def calibration_folder() -> str | None:
     """The folder calibrations are stored in: the kernel cache folder (None when caching is off)."""
     from . import _cache
@@ -259,7 +255,8 @@ def calibration_path(key: dict | None = None) -> str | None:
     folder = calibration_folder()
     if folder is None:
         return None
-    return os.path.join(folder, f"{FILE_PREFIX}{_key_hash(calibration_key() if key is None else key)}.json")
+    digest = hashlib.sha1(json.dumps(calibration_key() if key is None else key, sort_keys=True).encode())
+    return os.path.join(folder, f"{FILE_PREFIX}{digest.hexdigest()[:16]}.json")
 
 
 def _valid_rows(rows) -> bool:

@@ -131,15 +131,6 @@ def _no_flags():
     return arr
 
 
-def finite_flags(check_finite: bool):
-    """The kernels' ``flags``: the thread's pooled int32 check counters for ``check_finite``, else a
-    never-written placeholder.
-    """
-    if not check_finite:
-        return _no_flags()
-    return P.counters()
-
-
 def raise_nonfinite(p) -> None:
     """After the launches of plan ``p``: read its finiteness counters once (only with a check) and raise
     ValueError naming the first of q, k, v that held NaN or inf.
@@ -265,7 +256,7 @@ def plan(q, k, v, H, out, *, rule=RULE_ADDITIVE, inputs=None, chunk=None, check_
     return SeqPlan(q4, k4, v4, o4, B, B2, N, F, M, acc,
                    seq_kernel(R, C, G, MB, T, acc.name, rule, None, off32, vec),
                    threads_per_block(R, C, G, MB, rule), -(-M // MB), L, nc, rule, lf,
-                   finite_flags(check_finite and B * N > 0), tuple(int(x) for x in cfg),
+                   P.counters() if check_finite and B * N > 0 else _no_flags(), tuple(int(x) for x in cfg),
                    tuple(f for f, _ in flat), strides, off32, vec)
 
 

@@ -53,10 +53,6 @@ def _context_key():
     return (int(ctx.device.id), hv)
 
 
-def _limit() -> int:
-    return max(0, int(config.CUDA_WORKSPACE_BYTES))
-
-
 def workspace(tag, shape, dtype):
     """A C-contiguous device array of ``shape`` and ``dtype`` for a temporary of one call; contents undefined.
     The same array comes back for the next request with the same ``tag`` (the buffer's role: buffers alive
@@ -64,7 +60,7 @@ def workspace(tag, shape, dtype):
     shape = tuple(int(s) for s in shape)
     dt = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-    limit = _limit()
+    limit = max(0, int(config.CUDA_WORKSPACE_BYTES))
     if nbytes > limit:  # too large to keep (or the pool is off): a plain allocation
         with _LOCK:
             _STATS["misses"] += 1
