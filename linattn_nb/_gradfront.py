@@ -19,7 +19,7 @@ from ._frontend import (LinearState, featurise, host_array, host_call, host_stat
 from .device import on_device
 from .ops import methods  # noqa: F401  (registers the built-in rules and methods)
 from .ops._vec import work_dtype
-from .ops.grad import _maps, _rowmaps
+from .ops.grad import _maps, _outgrad, _rowmaps
 from .rules import get_rule
 
 _F64 = np.dtype(np.float64)
@@ -152,8 +152,9 @@ def prepare(q, k, v, *, feature_map, causal, method, device, eps, check_finite, 
         feat_kw = dict(causal=causal, offset=position, total_length=position + n, dtype=work)
         qf = V.flatten_batch(featurise(fmap, q, role="query", name="q", **feat_kw), work)
         kf = V.flatten_batch(featurise(fmap, k, role="key", name="k", **feat_kw), work)
-    v1 = np.ones((b, n, m + 1), dtype=work)
+    v1 = np.empty((b, n, m + 1), dtype=work)
     v1[:, :, :m] = V.flatten_batch(v, work)
+    v1[:, :, m] = 1
     decay_arg = None
     if decay is not None:
         decay_arg = ("decay", _given_shape("decay", decay))
@@ -305,18 +306,26 @@ def _merge_params(a, b):
     return merged
 
 
-def _output_gradient(req: Request, nd, g):
-    """``g1 = dL/d[num | den]`` (B, N, M + 1) in the working dtype, from ``g = dL/dout``.
+def _output_gradient(req: Request, nd, g, overwrite_nd=False):
+    """``g1 = dL/d[num | den]`` (B, N, M + 1) in the working dtype, from ``g = dL/dout``; written over
+    ``nd`` when ``overwrite_nd`` (each row read before it is written).
 
     Built in place in the working dtype (no float64 copy of an (N, M) array):
-    ``g / den'`` and ``-(g . num) / den'^2`` (0 where the floor is active).
+    ``g / den'`` and ``-(g . num) / den'^2`` (0 where the floor is active), in one parallel pass
+    (:mod:`~linattn_nb.ops.grad._outgrad`) for float32 and float64 gradients.
     """
     b, n, m = req.b, req.n, req.m
     gw = g.reshape(b, n, m)
-    g1 = np.empty((b, n, m + 1), dtype=req.work)
+    fused = req.normalize and gw.dtype in _outgrad.DTYPES and nd.dtype in _outgrad.DTYPES
+    own = overwrite_nd and (fused or not req.normalize) and nd.dtype == req.work
+    g1 = nd if own else np.empty((b, n, m + 1), dtype=req.work)
     if not req.normalize:
         g1[:, :, :m] = gw
         g1[:, :, m] = 0
+        return g1
+    if fused:
+        rows = b * n
+        _outgrad.output_gradient(gw.reshape(rows, m), nd.reshape(rows, m + 1), req.eps, g1.reshape(rows, m + 1))
         return g1
     den, active = _floored(req, np.asarray(nd[:, :, m], np.float64))
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -328,12 +337,13 @@ def _output_gradient(req: Request, nd, g):
 
 
 @parallel_entry
-def backward(req: Request, nd, grad_out, grad_state=None) -> VJP:
-    """The gradients of a prepared request, given its forward's ``[num | den]`` (see :func:`forward`)."""
+def backward(req: Request, nd, grad_out, grad_state=None, overwrite_nd=False) -> VJP:
+    """The gradients of a prepared request, given its forward's ``[num | den]`` (see :func:`forward`);
+    ``overwrite_nd``: ``nd`` may hold the gradient of ``[num | den]`` afterwards (a single backward)."""
     g = _grad_out(grad_out, req)
     dHN = _grad_state(grad_state, req)
     b, n, m, f = req.b, req.n, req.m, req.f
-    g1 = _output_gradient(req, nd, g)
+    g1 = _output_gradient(req, nd, g, overwrite_nd)
     if n > 0 and b > 0:
         dqf, dkf, dv1, dH0, dfactor, dbeta = _run_backward(req, g1, dHN)
         del g1  # freed before the maps' products allocate: the peak memory of long sequences
@@ -348,9 +358,10 @@ def backward(req: Request, nd, grad_out, grad_state=None) -> VJP:
     fshape = req.batch_shape + (n, f)
     code, fast = req.fmap.kernel_code, _fast_map(req.fmap)
     if fast is not None:
-        dq, pq = fast.vjp(req.q, dqf, code, req.work), None
+        # over the launcher's own results: no fresh (B, N, F) arrays
+        dq, pq = fast.vjp(req.q, dqf, code, req.work, overwrite=True), None
         del dqf
-        dk, pk = fast.vjp(req.k, dkf, code, req.work), None
+        dk, pk = fast.vjp(req.k, dkf, code, req.work, overwrite=True), None
     else:
         dq, pq = req.fmap.vjp(req.q.astype(req.work, copy=False), np.asarray(dqf).reshape(fshape), role="query",
                               **kw)
@@ -386,14 +397,14 @@ def linear_attention_vjp(q, k, v, grad_out, *, feature_map, causal, method, devi
               beta=beta, normalize=normalize)
     req = prepare(q, k, v, **kw)
     _, nd, _ = forward(req, want_out=False)
-    res = backward(req, nd, grad_out, grad_state)
+    res = backward(req, nd, grad_out, grad_state, overwrite_nd=True)
     work = req.work
     del req, nd  # features and forward outputs freed before a float64 recomputation allocates its own
     if check_finite and work != _F64 and not _finite(res):
         # finite inputs, non-finite gradients: the working dtype overflowed; float64 throughout
         req = prepare(q, k, v, work=_F64, **kw)
         _, nd, _ = forward(req, want_out=False)
-        res64 = backward(req, nd, grad_out, grad_state)
+        res64 = backward(req, nd, grad_out, grad_state, overwrite_nd=True)
         res = res64._replace(**{nm: _cast(getattr(res64, nm), res.dq.dtype, nm) for nm in ("dq", "dk", "dv")})
     return res
 

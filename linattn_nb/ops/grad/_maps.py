@@ -54,6 +54,11 @@ def _vjp_kernel(x, g, out, code):
             out[r, i] = g[r, i] * _dphi(x[r, i], code)
 
 
+def _own(g, dtype):
+    """Whether ``g`` can take the results: a writeable C-contiguous ``dtype`` array (its reshape a view)."""
+    return isinstance(g, np.ndarray) and g.dtype == dtype and g.flags.c_contiguous and g.flags.writeable
+
+
 def _rows(x):
     return x.reshape((-1, x.shape[-1])) if x.size else x.reshape((0, x.shape[-1]))
 
@@ -69,11 +74,12 @@ def features(x, code, dtype):
     return out, bool(ok)
 
 
-def vjp(x, g, code, dtype):
-    """``g * phi'(x)`` (shape of ``x``) in ``dtype``."""
+def vjp(x, g, code, dtype, overwrite=False):
+    """``g * phi'(x)`` (shape of ``x``) in ``dtype``; written over ``g`` when ``overwrite`` and ``g`` is a
+    C-contiguous ``dtype`` array (each element reads only its own ``g``)."""
     xw = np.ascontiguousarray(x, dtype=dtype)
     gw = np.ascontiguousarray(g, dtype=dtype).reshape(xw.shape)
-    out = np.empty(xw.shape, dtype=dtype)
+    out = gw if overwrite and _own(g, dtype) else np.empty(xw.shape, dtype=dtype)
     if xw.size:
         _vjp_kernel(_rows(xw), _rows(gw), _rows(out), int(code))
     return out

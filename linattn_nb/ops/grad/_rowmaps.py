@@ -87,6 +87,11 @@ def _vjp_kernel(x, g, out, silu):
                 out[r, i] = (np.float64(g[r, i]) - s[i] / nrm * fg) / nrm * ds[i]
 
 
+def _own(g, dtype):
+    """Whether ``g`` can take the results: a writeable C-contiguous ``dtype`` array (its reshape a view)."""
+    return isinstance(g, np.ndarray) and g.dtype == dtype and g.flags.c_contiguous and g.flags.writeable
+
+
 def _rows(x):
     return x.reshape((-1, x.shape[-1])) if x.size else x.reshape((0, x.shape[-1]))
 
@@ -102,12 +107,14 @@ def features(x, code, dtype):
     return out, bool(ok)
 
 
-def vjp(x, g, code, dtype):
+def vjp(x, g, code, dtype, overwrite=False):
     """The gradient with respect to ``x`` (shape of ``x``, in ``dtype``) of the features' gradient ``g``:
-    ``(g - f (f . g)) / |s| * s'(x)`` per row, ``s`` the map before the norm and ``f = s / |s|``."""
+    ``(g - f (f . g)) / |s| * s'(x)`` per row, ``s`` the map before the norm and ``f = s / |s|``; written
+    over ``g`` when ``overwrite`` and ``g`` is a C-contiguous ``dtype`` array (a row reads all of its ``g``
+    before it writes)."""
     xw = np.ascontiguousarray(x, dtype=dtype)
     gw = np.ascontiguousarray(g).reshape(xw.shape)  # in its own dtype: a float64 gradient stays float64
-    out = np.empty(xw.shape, dtype=dtype)
+    out = gw if overwrite and _own(g, dtype) else np.empty(xw.shape, dtype=dtype)
     if xw.size:
         _vjp_kernel(_rows(xw), _rows(gw), _rows(out), code == KERNEL_CODE_SILU_L2)
     return out

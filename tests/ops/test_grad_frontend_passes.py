@@ -1,0 +1,96 @@
+"""The gradient front end's fused passes: the gradient of ``[num | den]`` in one parallel pass (over the
+forward's ``[num | den]`` when allowed) and the maps' VJP over the launcher's own results."""
+import numpy as np
+import pytest
+
+import linattn_nb as la
+from linattn_nb import _gradfront as GF
+from linattn_nb import feature_maps as fm
+from linattn_nb.ops.grad import _maps, _outgrad, _rowmaps
+
+
+def _reference(g, nd, eps):
+    """The NumPy formula in float64: ``g / den'``, ``-(g . num) / den'^2`` (0 where the floor is active)."""
+    g, nd = g.astype(np.float64), nd.astype(np.float64)
+    m = g.shape[-1]
+    den = nd[..., m]
+    active = np.ones(den.shape, bool) if eps is None else den > eps
+    den = np.where(active, den, eps if eps is not None else 1.0)
+    out = np.empty(nd.shape)
+    out[..., :m] = g / den[..., None]
+    out[..., m] = np.where(active, -np.einsum("rm,rm->r", g, nd[..., :m]) / den ** 2, 0.0)
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 131])
+@pytest.mark.parametrize("gdt, ndt", [(np.float32, np.float32), (np.float64, np.float64),
+                                      (np.float64, np.float32)])
+@pytest.mark.parametrize("eps", [None, 1e-3])
+def test_output_gradient_matches_the_float64_formula(rows, gdt, ndt, eps):
+    rng = np.random.default_rng(rows)
+    m = 5
+    g = rng.standard_normal((rows, m)).astype(gdt)
+    nd = rng.standard_normal((rows, m + 1)).astype(ndt)
+    nd[:, m] = rng.uniform(0.5, 2.0, rows)
+    if rows > 1:
+        nd[::2, m] = 1e-4  # below the floor: no gradient through the normaliser
+    want = _reference(g, nd, eps)
+    out = np.full((rows, m + 1), np.nan, ndt)
+    _outgrad.output_gradient(g, nd, eps, out)
+    tol = 1e-6 if ndt == np.float32 else 1e-14
+    np.testing.assert_allclose(out, want, rtol=tol, atol=tol * np.abs(want).max())
+    if eps is not None and rows > 1:
+        assert not out[::2, m].any()
+    # written over nd itself (each row read before it is written): the same numbers
+    own = nd.copy()
+    _outgrad.output_gradient(g, own, eps, own)
+    np.testing.assert_array_equal(own, out)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(1, 1, 3), (1, 5, 3), (3, 70, 4)])
+def test_front_end_output_gradient_over_nd_is_the_separate_one(normalize, dtype, shape):
+    """``backward(..., overwrite_nd=True)`` (the VJP's single backward) gives the gradients of a backward that
+    keeps ``nd`` (the torch adapter's, which may run twice); the kept ``nd`` is unchanged."""
+    rng = np.random.default_rng(1)
+    q, k, v, g = (rng.standard_normal(shape).astype(dtype) for _ in range(4))
+    kw = dict(feature_map="elu", causal=True, method="chunked", device="cpu", eps=1e-8, check_finite=True,
+              initial_state=None, normalize=normalize)
+    req = GF.prepare(q, k, v, **kw)
+    _, nd, _ = GF.forward(req, want_out=False)
+    kept = nd.copy()
+    a = GF.backward(req, nd, g)
+    np.testing.assert_array_equal(nd, kept)
+    b = GF.backward(req, nd, g, overwrite_nd=True)
+    for x, y in zip(a[:3], b[:3]):
+        np.testing.assert_array_equal(x, y)
+    c = la.linear_attention_vjp(q, k, v, g, causal=True, method="chunked", normalize=normalize)
+    for x, y in zip(a[:3], c[:3]):
+        np.testing.assert_array_equal(x, y)
+    ref = la.linear_attention_vjp(*(x.astype(np.float64) for x in (q, k, v, g)), causal=True, method="quadratic",
+                                  normalize=normalize)
+    for x, y in zip(c[:3], ref[:3]):
+        tol = 2e-4 if dtype == np.float32 else 1e-10
+        np.testing.assert_allclose(x, y, rtol=tol, atol=tol * (1 + np.abs(y).max()))  # dq, dk: 0 at N = 1
+
+
+@pytest.mark.parametrize("mod, name", [(_maps, "elu"), (_maps, "relu"), (_rowmaps, "l2"), (_rowmaps, "silu_l2")])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_map_vjp_over_its_gradient(mod, name, dtype):
+    rng = np.random.default_rng(2)
+    code = fm.get(name).kernel_code
+    x = rng.standard_normal((2, 9, 6)).astype(dtype)
+    g = rng.standard_normal(x.shape).astype(dtype)
+    want = mod.vjp(x, g, code, dtype)
+    own = g.copy()
+    got = mod.vjp(x, own, code, dtype, overwrite=True)
+    assert np.shares_memory(got, own)
+    np.testing.assert_array_equal(got, want)
+    # a gradient it may not take (another dtype, not contiguous): a fresh result, the gradient kept
+    for other in (g.astype(np.float64 if dtype == np.float32 else np.float32), np.asfortranarray(g)):
+        kept = other.copy()
+        got = mod.vjp(x, other, code, dtype, overwrite=True)
+        assert not np.shares_memory(got, other)
+        np.testing.assert_array_equal(other, kept)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
