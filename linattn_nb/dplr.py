@@ -176,6 +176,7 @@ class _Request(NamedTuple):
     position: int
     norm: int
     eps: float
+    keyed: bool = False
 
 
 def _row_map(fmap, x) -> bool:
@@ -213,7 +214,9 @@ def _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize
     """Check a call's arguments and build the general form (shared by the forward and the VJP).
 
     ``fast`` (a CPU forward that may run ``chunked``): features and values stay in the working dtype
-    (float32 for float16/float32 inputs) and the form's arrays in their own float dtypes."""
+    (float32 for float16/float32 inputs) and the form's arrays in their own float dtypes; a rule with
+    a keyed form (:class:`~linattn_nb.rules._dplr.KeyedForm`) gives that instead of the general form
+    (``keyed``: :func:`_general_arrays` makes the general form's arrays when the scan runs)."""
     if rule is None:
         name = _GENERAL
         inputs = {"a": a, "b": b, "log_diag": log_diag, "beta": beta}
@@ -279,9 +282,13 @@ def _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize
     fk = _features(fmap, k, "key", position, work).reshape((B, N, r, F) if sub else (B, N, F))
     v64 = np.asarray(v, dtype=work if fast else np.float64).reshape((B, N, r, M) if sub else (B, N, M))
 
+    keyed = False
     if spec is None:
         checked = _general_check(inputs, lead, N, F, r, fast)
         form = _general_build(fk, v64, checked)
+    elif fast and spec.keyed is not None:  # the chunked kernel makes a, b, kw from the keys
+        checked = spec.check(inputs, lead, N, F, r)
+        form, keyed = spec.keyed(fk, v64, checked), True
     else:
         checked = spec.check(inputs, lead, N, F, r)
         if work == np.float32:  # the rule's map to the general form in float32 too
@@ -291,7 +298,20 @@ def _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize
                  for x in form)
 
     return _Request(name, spec, fmap, q, k, lead, N, M, F, r, sub, dtype, fq, fk, v64, checked, inputs,
-                    form, H0, position, norm, eps_v)
+                    form, H0, position, norm, eps_v, keyed)
+
+
+def _general_arrays(R: _Request, chunked: bool):
+    """``(ld, A, Bv, KW, VW, scales)`` for the kernels: a keyed request's keys as ``A``, ``Bv``, ``KW``
+    with ``scales = (cb, cw)`` when ``chunked``, else its general form built by the rule (float64);
+    ``scales`` None for the general form."""
+    if not R.keyed:
+        return R.form + (None,)
+    if not chunked:
+        return tuple(np.ascontiguousarray(x, dtype=np.float64) for x in R.spec.build(R.fk, R.v64, R.checked)) + (None,)
+    ld, cb, cw, VW = R.form
+    K = np.ascontiguousarray(R.fk if R.sub else R.fk[:, :, None])
+    return ld, K, K, K, VW, (cb, cw)
 
 
 @parallel_entry
@@ -408,9 +428,10 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
                  initial_state, rule_arguments, fast)
     name, lead, N, M, F, dtype, position = R.name, R.lead, R.N, R.M, R.F, R.dtype, R.position
     B = int(np.prod(lead, dtype=np.int64))
-    ld, A, Bv, KW, VW = R.form
     fq, H0, norm, eps_v = R.fq, R.H0, R.norm, R.eps
-    chunked = fast and (method == "chunked" or N * A.shape[2] >= config.DPLR_AUTO_CHUNKED_MIN)
+    steps = R.form[1].shape[2]  # sub-steps per token: a's (B, N, r, F), or a keyed form's cb (B, N, r)
+    chunked = fast and (method == "chunked" or N * steps >= config.DPLR_AUTO_CHUNKED_MIN)
+    ld, A, Bv, KW, VW, scales = _general_arrays(R, chunked)
     if fast and not chunked:  # the scan reads float64
         fq, ld, A, Bv, KW, VW = (np.ascontiguousarray(x, dtype=np.float64) for x in (fq, ld, A, Bv, KW, VW))
         if R.spec is None:
@@ -441,7 +462,7 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
         from .ops.dplr.chunked import dplr_chunked
 
         H, o64 = H0, np.empty((B, N, M), fq.dtype)  # the working dtype: float32 for float32 calls
-        bad = bool(dplr_chunked(fq, ld, A, Bv, KW, VW, H, o64, norm, eps_v).any())
+        bad = bool(dplr_chunked(fq, ld, A, Bv, KW, VW, H, o64, norm, eps_v, *(scales or ())).any())
     else:
         from .ops.dplr.cpu import dplr_scan
 

@@ -34,6 +34,23 @@ class GeneralForm(NamedTuple):
     vw: np.ndarray
 
 
+class KeyedForm(NamedTuple):
+    """A general form whose vectors are per-token multiples of the keys ``k`` (the key features,
+    (B, N[, r], F)), one write per sub-step: ``a_tj = D_t^[j = 1] k_tj`` (the token's diagonal in its
+    first factor's ``a``, as the delta rules' ``(I - beta k k^T) D``), ``b_tj = cb_tj k_tj``,
+    ``kw_tj = cw_tj k_tj``.
+
+    ``ld`` (B, N, W) as in :class:`GeneralForm`; ``cb``, ``cw`` (B, N, r) (r = 1 without sub-steps);
+    ``vw`` (B, N, r, M).  The chunked kernel makes the rows from ``k`` as it reads a chunk, so the
+    form's (B, N, r, F) vectors are never built.
+    """
+
+    ld: np.ndarray
+    cb: np.ndarray
+    cw: np.ndarray
+    vw: np.ndarray
+
+
 @dataclass(frozen=True)
 class DPLRRule:
     """One named rule of the DPLR family.
@@ -74,6 +91,11 @@ class DPLRRule:
         and token: ``"token_unit"`` (``sigmoid(w^T x)``; per sub-step too on a rule with sub-steps),
         ``"token_decay"`` (``-softplus(w^T x + b)``, a log-decay).  Empty: the rule has no layer form
         (the layer refuses it).
+    keyed : callable or None
+        ``keyed(fk, v, inputs) -> KeyedForm``, for a rule whose :meth:`build` gives ``a = D k``,
+        ``b = cb k`` and ``kw = cw k`` with per-token ``cb``, ``cw`` (same arguments as :meth:`build`,
+        the same recurrence): the chunked forward runs it without building ``a``, ``b``, ``kw``.
+        None: the rule is run from :meth:`build`.
     """
 
     name: str
@@ -86,6 +108,7 @@ class DPLRRule:
     sample: Callable = field(repr=False, compare=False)
     pullback: Callable = field(repr=False, compare=False)
     layer: dict = field(default_factory=dict, repr=False, compare=False)
+    keyed: Callable = field(default=None, repr=False, compare=False)
 
 
 # ---------------------------------------------------------------------------

@@ -30,6 +30,14 @@ def householder_form(fk, v, beta, log_gate=None):
     return D.GeneralForm(ld, a, -bk, bk, v)
 
 
+def householder_keyed(fk, v, beta, log_gate=None):
+    """:func:`householder_form` as a :class:`~linattn_nb.rules._dplr.KeyedForm` (``a`` the keys, the gate
+    in the first factor's)."""
+    Bn, N = fk.shape[:2]
+    ld = np.zeros((Bn, N, 0)) if log_gate is None else log_gate.reshape(Bn, N, 1)
+    return D.KeyedForm(ld, -beta, beta, v)
+
+
 def householder_pullback(fk, v, beta, g, log_gate=None):
     """The gradient of :func:`householder_form`: ``(dfk, dv, d_beta, d_gate)`` (d_gate None without a gate)."""
     dA, dB, dK = g["a"], g["b"], g["kw"]
@@ -45,6 +53,10 @@ def householder_pullback(fk, v, beta, g, log_gate=None):
 
 def _build(fk, v, inp):
     return householder_form(fk, v, inp["beta"])
+
+
+def _keyed(fk, v, inp):
+    return householder_keyed(fk, v, inp["beta"])
 
 
 def _pullback(fk, v, inp, g):
@@ -66,4 +78,4 @@ RULE = D.DPLRRule(
     name="delta_product", arguments=("beta",), substeps=True,
     formula="S <- (I - beta_tj k_tj k_tj^T) S + beta_tj k_tj v_tj^T, j = 1 .. n_h",
     check=_check, build=_build, step=_step, sample=_sample,
-    pullback=_pullback, layer={"beta": "token_unit"})
+    pullback=_pullback, layer={"beta": "token_unit"}, keyed=_keyed)

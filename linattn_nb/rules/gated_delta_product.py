@@ -7,7 +7,7 @@ Arguments: ``decay`` (in [0, 1]) or ``log_decay`` (<= 0, -inf a reset), shape (.
 import numpy as np
 
 from . import _dplr as D
-from .delta_product import householder_form, householder_pullback
+from .delta_product import householder_form, householder_keyed, householder_pullback
 
 
 def _check(inputs, lead, N, F, r):
@@ -23,6 +23,10 @@ def _check(inputs, lead, N, F, r):
 
 def _build(fk, v, inp):
     return householder_form(fk, v, inp["beta"], inp["log_gate"])
+
+
+def _keyed(fk, v, inp):
+    return householder_keyed(fk, v, inp["beta"], inp["log_gate"])
 
 
 def _pullback(fk, v, inp, g):
@@ -45,4 +49,4 @@ RULE = D.DPLRRule(
     name="gated_delta_product", arguments=("decay", "log_decay", "beta"), substeps=True,
     formula="S <- a_t S; then S <- (I - beta_tj k_tj k_tj^T) S + beta_tj k_tj v_tj^T, j = 1 .. n_h",
     check=_check, build=_build, step=_step, sample=_sample,
-    pullback=_pullback, layer={"log_decay": "token_decay", "beta": "token_unit"})
+    pullback=_pullback, layer={"log_decay": "token_decay", "beta": "token_unit"}, keyed=_keyed)

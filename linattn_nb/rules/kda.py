@@ -24,6 +24,11 @@ def _build(fk, v, inp):
     return D.GeneralForm(g, (np.exp(g) * fk)[:, :, None], -bk[:, :, None], bk[:, :, None], v[:, :, None])
 
 
+def _keyed(fk, v, inp):
+    beta = inp["beta"][:, :, None]
+    return D.KeyedForm(inp["log_gate"], -beta, beta, v[:, :, None])
+
+
 def _step(H, k, v1, inp):
     H = np.exp(inp["log_gate"])[:, None] * H
     return H - inp["beta"] * np.outer(k, k @ H) + inp["beta"] * np.outer(k, v1)
@@ -43,4 +48,4 @@ RULE = D.DPLRRule(
     name="kda", arguments=("decay", "log_decay", "beta"), substeps=False,
     formula="S_t = (I - beta_t k_t k_t^T) diag(alpha_t) S_{t-1} + beta_t k_t v_t^T",
     check=_check, build=_build, step=_step, sample=_sample,
-    pullback=_pullback, layer={"log_decay": "feature_gate", "beta": "token_unit"})
+    pullback=_pullback, layer={"log_decay": "feature_gate", "beta": "token_unit"}, keyed=_keyed)

@@ -119,3 +119,70 @@ def test_log_diag_out_of_range_is_named(rng, monkeypatch, bad, n):
         with pytest.raises(ValueError, match="log_diag must be <= 0"):
             la.dplr_attention(q, k, v, a=np.zeros((B, n, D)), b=np.zeros((B, n, D)), log_diag=ld, method=method,
                               check_finite=False)
+
+
+def _keyed_args(rng, name, b, n, f):
+    """A keyed rule's arguments with resets (a zero decay) at token 0, inside the chunk and at a chunk's
+    first token (chunks of 8)."""
+    from linattn_nb.rules import get_dplr_rule
+
+    spec = get_dplr_rule(name)
+    args = spec.sample(rng, b, n, f, 2)
+    if "decay" in args:
+        args["decay"] = args["decay"].copy()
+        for t in (0, 5, 8):
+            if t < n:
+                args["decay"][:, t] = 0.0
+    return spec, args
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n, b", [(1, 1), (21, 1), (21, 2)])
+@pytest.mark.parametrize("name", ["kda", "delta_product", "gated_delta_product"])
+def test_keyed_rules_equal_the_reference(rng, monkeypatch, name, n, b, dtype):
+    """A rule with a keyed form runs the chunked kernel on its keys and per-token scalars (never a, b, kw):
+    N = 1, N = 21 over chunks of 8 with resets at the first token, inside a chunk and at a chunk's first
+    token, B = 1 and 2, float32 and float64, against the float64 reference."""
+    import linattn_nb.ops.dplr.chunked as CH
+
+    monkeypatch.setattr(la.config, "DPLR_CHUNK", 8)
+    spec, args = _keyed_args(rng, name, b, n, D)
+    shape = (b, n, 2) if spec.substeps else (b, n)
+    q = rng.standard_normal((b, n, D)).astype(dtype)
+    k, v = (rng.standard_normal(shape + (d,)).astype(dtype) for d in (D, M))
+    seen = []
+    real = CH.dplr_chunked
+    monkeypatch.setattr(CH, "dplr_chunked", lambda *a: seen.append(len(a)) or real(*a))
+    S0 = la.LinearState(np.full((b, D, M), 0.3), np.full((b, D), 0.5), 0, name)
+    kw = dict(rule=name, feature_map="l2", initial_state=S0, return_state=True, **args)
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    ref, st = la.dplr_attention(q64, k64, v64, method="quadratic", **kw)
+    o, st2 = la.dplr_attention(q, k, v, method="chunked", **kw)
+    assert seen == [12]  # the keyed call: cb and cw after the general arguments
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    assert o.dtype == dtype and _rel(o, ref) < tol
+    assert _rel(st2.S, st.S) < tol and _rel(st2.z, st.z) < tol
+    o2 = la.dplr_attention(q, k, v, method="auto", **kw)[0]  # N = 1 and 21 below the crossover: the scan
+    assert _rel(o2, ref) < tol
+
+
+@pytest.mark.parametrize("name", ["kda", "delta_product", "gated_delta_product"])
+def test_keyed_form_is_the_built_form(rng, name):
+    """A rule's keyed form declares the same a, b, kw and writes as its build (a = D k, b = cb k, kw = cw k)."""
+    spec, args = _keyed_args(rng, name, 2, 9, D)
+    r = 2 if spec.substeps else 0
+    fk = rng.standard_normal((2, 9, r, D) if r else (2, 9, D))
+    v = rng.standard_normal((2, 9, r, M) if r else (2, 9, M))
+    checked = spec.check(args, (2,), 9, D, r)
+    g = spec.build(fk, v, checked)
+    kf = spec.keyed(fk, v, checked)
+    K = fk if r else fk[:, :, None]
+    with np.errstate(divide="ignore"):
+        dg = np.exp(kf.ld)[:, :, None, :] if kf.ld.shape[2] else np.ones((2, 9, 1, 1))
+    a = K.copy()
+    a[:, :, :1] *= dg
+    np.testing.assert_array_equal(g.ld, kf.ld)
+    np.testing.assert_allclose(g.a, a, rtol=1e-15, atol=0)
+    np.testing.assert_allclose(g.b, kf.cb[..., None] * K, rtol=1e-15, atol=0)
+    np.testing.assert_allclose(g.kw, kf.cw[..., None] * K, rtol=1e-15, atol=0)
+    np.testing.assert_array_equal(g.vw, kf.vw)

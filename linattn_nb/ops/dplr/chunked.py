@@ -101,14 +101,16 @@ def _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk
                 for f in range(F):
                     X[s, f] = wt(A[b, t, j, f] * gc[i, f])
             for f in range(F):
-                E[s, f] = wt(Bv[b, t, j, f] * inv[f])
-                Ee[s, f] = wt(Bv[b, t, j, f] * ratio[f])
-                za += A[b, t, j, f] * 0.0 + Bv[b, t, j, f] * 0.0  # NaN for a NaN or inf in a, b
+                bf = Bv[b, t, j, f]
+                E[s, f] = wt(bf * inv[f])
+                Ee[s, f] = wt(bf * ratio[f])
+                za += A[b, t, j, f] * 0.0 + bf * 0.0  # NaN for a NaN or inf in a, b
         for jj in range(w):
             s = S + i * w + jj
             for f in range(F):
-                E[s, f] = wt(KW[b, t, jj, f] * inv[f])
-                Ee[s, f] = wt(KW[b, t, jj, f] * ratio[f])
+                kf = KW[b, t, jj, f]
+                E[s, f] = wt(kf * inv[f])
+                Ee[s, f] = wt(kf * ratio[f])
             for m in range(M):
                 V[s, m] = wt(VW[b, t, jj, m])
             V[s, M] = wt(1.0)
@@ -154,14 +156,101 @@ def _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _scan_token(fq, ld, A, Bv, KW, VW, out, b, t, h, p, d, norm, eps):  # pragma: no cover - compiled
-    """Token t of sequence b by the scan on the float64 state h; False when an output is not finite."""
+def _chunk_keyed(fq, K, cb, cw, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk, V, Hn, norm,
+                 eps):  # pragma: no cover - compiled
+    """:func:`_chunk` for the keyed form (``a = D k``, ``b = cb k``, ``kw = cw k``, a write per step):
+    the rows of B^ and K^ are one block K0 = k / gamma scaled by cb and cw, so one Gram block G = X K0^T
+    serves both, and the solve carries Y_s = cb_s W_s + cw_s U_s, what the read-outs and the state
+    update take: O = Q^ h + tril(G_q) Y, H_C = gamma_C h + (gamma_C / gamma_s k_s)^T Y, with
+    W_s = (A^ h)_s + sum_{s' < s} G_ss' Y_s'.  Scratch as :func:`_chunk` (E = K0, Ee its end-state rows,
+    V = Y, their first S rows)."""
+    F, M1 = h.shape
+    M = M1 - 1
+    r = K.shape[2]
+    S = T * r
+    LZ = Zk.shape[1]
+    wt = X.dtype.type
+    zero = wt(0.0)
+    for i in range(T):
+        for f in range(F):
+            gc[i, f] = elu1(lg[i + 1, f])
+    hf, hwf = h.reshape(-1), hw.reshape(-1)
+    for j in range(hf.shape[0]):
+        hwf[j] = wt(hf[j])
+    inv, ratio = gv[0], gv[1]
+    za = 0.0
+    for i in range(T):
+        t = t0 + i
+        for f in range(F):
+            inv[f] = 1.0 / gc[i, f]
+            ratio[f] = gc[T - 1, f] * inv[f]
+        for j in range(r):
+            s = i * r + j
+            za += cb[b, t, j] * 0.0 + cw[b, t, j] * 0.0
+            for f in range(F):
+                kf = K[b, t, j, f]
+                X[s, f] = wt(kf * gc[i, f])  # a^_s = D_t^[j = 0] k_s gamma_{s-1} = k_s gamma_t
+                E[s, f] = wt(kf * inv[f])
+                Ee[s, f] = wt(kf * ratio[f])
+                za += kf * 0.0
+        for f in range(F):
+            X[S + i, f] = wt(fq[b, t, f] * gc[i, f])
+    gemm(0, 0, S + T, M1, F, 1.0, X, 0, F, hw, 0, M1, 0.0, Zh, 0, M1)  # [A^ h ; Q^ h]
+    gemm(0, 1, S + T, S, F, 1.0, X, 0, F, E, 0, F, 0.0, Zk, 0, LZ)  # G = [A^ ; Q^] K0^T
+    for s in range(S):  # W_s, then Y_s in its place
+        i = s // r
+        j = s - i * r
+        for m in range(M1):
+            V[s, m] = Zh[s, m]
+        for s2 in range(s):
+            c = Zk[s, s2]
+            for m in range(M1):
+                V[s, m] += c * V[s2, m]
+        sb, sw = wt(cb[b, t0 + i, j]), wt(cw[b, t0 + i, j])
+        for m in range(M):
+            V[s, m] = sb * V[s, m] + sw * wt(VW[b, t0 + i, j, m])
+        V[s, M] = sb * V[s, M] + sw
+    for i in range(T):  # a read-out sees its token's own steps
+        for s in range((i + 1) * r, S):
+            Zk[S + i, s] = zero
+    gemm(0, 0, T, M1, S, 1.0, Zk, S * LZ, LZ, V, 0, M1, 1.0, Zh, S * M1, M1)
+    ok = True
+    for i in range(T):
+        if not _emit(Zh[S + i], out, b, t0 + i, M, norm, eps):
+            ok = False
+    gemm(1, 0, F, M1, S, 1.0, Ee, 0, F, V, 0, M1, 0.0, Hn, 0, M1)
+    z = 0.0
+    for x in Hn.reshape(-1):
+        z += x * 0.0
+    if not (ok and z == 0.0 and za == 0.0):
+        return False
+    for f in range(F):
+        ge = gc[T - 1, f]
+        for m in range(M1):
+            h[f, m] = ge * h[f, m] + Hn[f, m]
+    return True
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _scan_token(fq, ld, A, Bv, KW, VW, cb, cw, out, b, t, h, p, d, rows, norm, eps):  # pragma: no cover - compiled
+    """Token t of sequence b by the scan on the float64 state h; False when an output is not finite.
+    The keyed form's rows are made in ``rows`` (3, F)."""
     F, M1 = h.shape
     M = M1 - 1
     r = A.shape[2]
     w = KW.shape[2]
+    W = ld.shape[2]
     for j in range(r):
-        factor_step(h, A[b, t, j], Bv[b, t, j], ld[b, t], j, ld.shape[2], p, d, F, M1)
+        if cb.shape[0] > 0:  # keyed: a = D_t^[j = 0] k, b = cb k, kw = cw k
+            for f in range(F):
+                kf = float(A[b, t, j, f])
+                rows[0, f] = kf * math.exp(ld[b, t, f if W > 1 else 0]) if (j == 0 and W > 0) else kf
+                rows[1, f] = cb[b, t, j] * kf
+                rows[2, f] = cw[b, t, j] * kf
+            factor_step(h, rows[0], rows[1], ld[b, t], j, W, p, d, F, M1)
+            write_step(h, rows[2], VW[b, t, j], F, M)
+            continue
+        factor_step(h, A[b, t, j], Bv[b, t, j], ld[b, t], j, W, p, d, F, M1)
         if w == r or j == r - 1:
             write_step(h, KW[b, t, j if w == r else 0], VW[b, t, j if w == r else 0], F, M)
     for m in range(M1):
@@ -175,7 +264,7 @@ def _scan_token(fq, ld, A, Bv, KW, VW, out, b, t, h, p, d, norm, eps):  # pragma
 
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def dplr_chunked_kernel(fq, ld, A, Bv, KW, VW, H, out, norm, eps, C, cut):  # pragma: no cover - compiled
+def dplr_chunked_kernel(fq, ld, A, Bv, KW, VW, cb, cw, H, out, norm, eps, C, cut):  # pragma: no cover - compiled
     """As :func:`linattn_nb.ops.dplr.cpu.dplr_scan`, in chunks of ``C`` steps (``max(1, C // r)``
     tokens) in ``fq``'s dtype, each ending before a feature's cumulative log-diagonal passes ``cut``."""
     B, N, F = fq.shape
@@ -192,6 +281,7 @@ def dplr_chunked_kernel(fq, ld, A, Bv, KW, VW, H, out, norm, eps, C, cut):  # pr
         h = H[b]
         p = np.empty(M1)
         d = np.ones(F)
+        rows = np.empty((3, F))
         lg = np.zeros((Ct + 1, F))
         gc = np.empty((Ct, F))
         gv = np.empty((2, F))
@@ -223,14 +313,19 @@ def dplr_chunked_kernel(fq, ld, A, Bv, KW, VW, H, out, norm, eps, C, cut):  # pr
                         break
                 T += 1
             if T == 0:  # a reset (or a decay below cut in one token): the scan, one token
-                if not _scan_token(fq, ld, A, Bv, KW, VW, out, b, t0, h, p, d, norm, eps):
+                if not _scan_token(fq, ld, A, Bv, KW, VW, cb, cw, out, b, t0, h, p, d, rows, norm, eps):
                     bad[b] = 1
                 t0 += 1
                 continue
-            if not _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk, V, Hn, norm, eps):
+            if cb.shape[0] > 0:
+                ok = _chunk_keyed(fq, A, cb, cw, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk, V, Hn, norm,
+                                  eps)
+            else:
+                ok = _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk, V, Hn, norm, eps)
+            if not ok:
                 # not finite (in float32: products out of range, a growing state): again by the scan
                 for t in range(t0, t0 + T):
-                    if not _scan_token(fq, ld, A, Bv, KW, VW, out, b, t, h, p, d, norm, eps):
+                    if not _scan_token(fq, ld, A, Bv, KW, VW, cb, cw, out, b, t, h, p, d, rows, norm, eps):
                         bad[b] = 1
             t0 += T
         for i in range(F):
@@ -240,12 +335,22 @@ def dplr_chunked_kernel(fq, ld, A, Bv, KW, VW, H, out, norm, eps, C, cut):  # pr
     return bad
 
 
-def dplr_chunked(fq, ld, A, Bv, KW, VW, H, out, norm, eps):
+def dplr_chunked(fq, ld, A, Bv, KW, VW, H, out, norm, eps, cb=None, cw=None):
     """:func:`linattn_nb.ops.dplr.cpu.dplr_scan`'s arguments and result (a (B,) uint8 flag: 1 where a
-    sequence's outputs or state hold NaN or inf, | 2 where its ``ld`` holds a value > 0), in chunks of :data:`linattn_nb.config.DPLR_CHUNK`
-    steps; the working dtype is ``fq``'s (float32 or float64; the other arrays are read in theirs),
-    ``H`` (float64) is updated in place to the final states."""
+    sequence's outputs or state hold NaN or inf, | 2 where its ``ld`` holds a value > 0), in chunks of
+    :data:`linattn_nb.config.DPLR_CHUNK` steps; the working dtype is ``fq``'s (float32 or float64; the
+    other arrays are read in theirs), ``H`` (float64) is updated in place to the final states.
+
+    The keyed form (``cb``, ``cw`` given, (B, N, r)): ``A`` (= ``Bv`` = ``KW``) holds the keys ``k``
+    (B, N, r, F), one write per sub-step, and the rows are made from them as a chunk reads them:
+    ``a_tj = D_t^[j = 0] k_tj`` (the token's diagonal in its first sub-step's ``a``), ``b_tj = cb_tj
+    k_tj``, ``kw_tj = cw_tj k_tj``."""
     C = max(1, int(config.DPLR_CHUNK))
     cut = LOG_CUT if fq.dtype == np.float64 else LOG_CUT32
+    if cb is None:
+        cb = cw = np.empty((0, 0, 0))
+    else:
+        cb, cw = (np.ascontiguousarray(x, dtype=np.float64) for x in (cb, cw))
     with single_threaded_blas():  # BLAS inside prange: OpenBLAS off its own threads
-        return dplr_chunked_kernel(fq, ld, A, Bv, KW, VW, H, out, np.int64(norm), float(eps), np.int64(C), cut)
+        return dplr_chunked_kernel(fq, ld, A, Bv, KW, VW, cb, cw, H, out, np.int64(norm), float(eps), np.int64(C),
+                                   cut)
