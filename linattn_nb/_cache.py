@@ -102,8 +102,7 @@ def _prepare(folder: str) -> None:
     """Create ``folder`` and record its use; raises OSError when it cannot be written."""
     os.makedirs(folder, exist_ok=True)
     marker = os.path.join(folder, MARKER)
-    with open(marker, "a"):
-        pass
+    open(marker, "a").close()
     os.utime(marker)
 
 

@@ -68,13 +68,10 @@ _failed = set()
 # ---------------------------------------------------------------------------
 def _cpuinfo(*prefixes: str) -> str | None:
     """The value of the first ``/proc/cpuinfo`` line starting with one of ``prefixes`` (None: none)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith(prefixes):
-                    return line.split(":", 1)[1]
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as fh:
+        for line in fh:
+            if line.startswith(prefixes):
+                return line.split(":", 1)[1]
     return None
 
 

@@ -80,10 +80,8 @@ def _threading_layer() -> str:
     """
     import numba
 
-    try:
+    with contextlib.suppress(ValueError):  # raised before the first parallel kernel of this process
         return f"{numba.threading_layer()} layer"
-    except ValueError:  # no parallel kernel has run in this process
-        pass
     try:
         from linattn_nb import _blas
 

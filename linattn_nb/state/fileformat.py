@@ -5,6 +5,7 @@ An ``.npz`` (no pickles); its entries and versions: docs/frontend.md, "State fil
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -141,17 +142,12 @@ def atomic_write(path, fill) -> None:
             fill(f)
             f.flush()
             os.fsync(f.fileno())
-        try:
-            mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
-            os.chmod(tmp, mode)
-        except OSError:  # pragma: no cover - exotic file systems
-            pass
+        with contextlib.suppress(OSError):  # exotic file systems
+            os.chmod(tmp, os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644)
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
 
 

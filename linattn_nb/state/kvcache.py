@@ -1,10 +1,5 @@
-"""Softmax attention's decoding cache (:class:`KVCache`), the baseline of the linear state.
-
-Same ``prefill`` / ``step`` / ``query`` / ``nbytes`` API as
-:class:`linattn_nb.LinearAttentionState`, so that studies compare like with
-like (``benchmarks/decode.py``); a step costs ``O(L * (D + M))`` at context
-length L where the state's costs ``O(D_phi * M)``.
-"""
+"""Softmax attention's decoding cache (:class:`KVCache`), the baseline of the linear state
+(docs/guide/decoding.md)."""
 from __future__ import annotations
 
 import math

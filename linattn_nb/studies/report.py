@@ -4,6 +4,7 @@ cannot run here are listed under "Not run" with the reason.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import shlex
@@ -119,10 +120,8 @@ def machine_info() -> list[tuple[str, str]]:
     status = cuda_status()
     cuda = {"gpu": "GPU", "simulator": "CUDA simulator only (no GPU timings)", "none": "no GPU"}[status]
     if status == "gpu":
-        try:
+        with contextlib.suppress(Exception):
             cuda = gpu_name()
-        except Exception:  # pragma: no cover
-            pass
     import scipy
 
     return [
@@ -369,10 +368,8 @@ def _background_sweep(run, points, path, prepares=(), elapsed=None) -> None:
     if elapsed is not None:
         elapsed.value = time.perf_counter() - t0  # the study's own time, without the warm-ups after it
     for prepare, pts in prepares:
-        try:
+        with contextlib.suppress(Exception):  # only a warm-up: the timed study compiles what it needs itself
             prepare(pts)
-        except Exception:  # noqa: BLE001 - only a warm-up: the timed study compiles what it needs itself
-            pass
 
 
 def _start_background(study, opts, ctx, out, prepares=()):
@@ -402,10 +399,8 @@ def _prepares(runnable, study_options, ctx) -> list:
     found = []
     for _, study in runnable:
         if study.timing and study.prepare is not None and "cpu" in ctx.devices:
-            try:
+            with contextlib.suppress(Exception):  # the study reports its own failure in its turn
                 found.append((study.prepare, study.points(ctx, **study_options.get(study.name, {}))))
-            except Exception:  # noqa: BLE001 - the study reports its own failure in its turn
-                pass
     return found
 
 

@@ -7,6 +7,7 @@ point, a truncated last line dropped, strict JSON) are described in docs/guide/s
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import datetime as _dt
@@ -592,11 +593,9 @@ class _ResultsFile:
     def close(self):
         if self.fh.closed:
             return
-        try:
+        with contextlib.suppress(OSError):
             self.fh.flush()
             os.fsync(self.fh.fileno())
-        except OSError:  # pragma: no cover
-            pass
         self.fh.close()  # closing releases the flock
 
 
@@ -945,10 +944,8 @@ def _run_dask(fn, todo, state: _RunState, *, scheduler, workers, numba_threads):
     finally:
         pending = [f for f in futures if not f.done()]
         if pending:
-            try:
+            with contextlib.suppress(Exception):  # the cluster may be gone already
                 client.cancel(pending)
-            except Exception:  # pragma: no cover - cluster already gone
-                pass
         if own_client:
             client.close()
         if cluster is not None:
