@@ -57,12 +57,7 @@ def _int_list(name, x) -> list:
         x = [x]
     if not isinstance(x, (list, tuple)) or not x:
         raise OptionError(f"{name} must be an integer >= 1 or a non-empty list of them, got {x!r}")
-    out = []
-    for v in x:
-        v = _int(name, v)
-        if v not in out:
-            out.append(v)
-    return out
+    return list(dict.fromkeys(_int(name, v) for v in x))  # duplicates removed, in order
 
 
 def _positive_float(name, x) -> float:

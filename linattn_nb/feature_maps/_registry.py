@@ -1,10 +1,5 @@
-"""The registry of feature maps by name, and the registration of the built-in maps.
-
-:func:`register`, :func:`get`, :func:`factory`, :func:`available`, :func:`resolve` (the
-``feature_map`` argument of the public functions, with the once-per-process warning for
-random maps given by name) and :func:`inline_maps`; the built-in maps are registered at
-the end of this module, always in the same order.
-"""
+"""The registry of feature maps by name (:func:`register`, :func:`get`, :func:`resolve`, ...); the
+built-in maps are registered at the end of this module, always in the same order."""
 from __future__ import annotations
 
 import os
@@ -24,9 +19,7 @@ from ._polynomial import DpfpFeatureMap, Taylor2FeatureMap
 from ._positional import CosformerFeatureMap
 from ._random import FavorPlusFeatureMap, RandomFeatureMap, RandomFourierFeatureMap
 
-# KERNEL_CODE_*: the codes understood by the Numba kernels, defined once in
-# linattn_nb.ops._codes (applied by linattn_nb.ops._common.phi on the CPU).
-# 0 means "the inputs already are features": the kernel uses them as they are.
+#: The map codes the kernels apply inline (:mod:`linattn_nb.ops._codes`; 0: the inputs are the features).
 KERNEL_CODES = (KERNEL_CODE_NONE, KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU, KERNEL_CODE_L2,
                 KERNEL_CODE_SILU_L2)
 
@@ -143,11 +136,8 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.
 
 
 def _warned_by_name() -> set:
-    """Names of random maps whose by-name use has warned in this process (see :func:`resolve`).
-
-    The set is the package's ``linattn_nb.feature_maps._WARNED_BY_NAME``, looked up at every
-    call: rebinding it there (as a test does) starts afresh.
-    """
+    """The package's ``_WARNED_BY_NAME``: random maps whose by-name use has warned in this process, looked
+    up at every call (rebinding it there starts afresh)."""
     return sys.modules[__package__]._WARNED_BY_NAME
 
 
