@@ -64,20 +64,16 @@ def linear_attention(
         shape (:mod:`linattn_nb.config`, docs/tuning.md).  Non-causal attention runs the
         aggregate-then-query kernel whatever the method.
     device : {"auto", "cpu", "cuda"}
-        ``"auto"`` follows the data: GPU arrays (``__cuda_array_interface__`` or a CUDA
-        ``__dlpack__``) run on the GPU zero-copy, host arrays on the CPU; mixing them raises
-        ValueError.  ``"cuda"`` with NumPy inputs copies them over and the result back.  On the
-        GPU, ``method`` is ``"scan"``, ``"chunked"`` or ``"aggregate"``, and maps without an
-        inline form are refused for GPU inputs (docs/guide/gpu.md).
+        ``"auto"`` follows the data: GPU arrays run on the GPU zero-copy, host arrays on the CPU
+        (mixing them raises ValueError); ``"cuda"`` with NumPy inputs copies them over and the
+        result back (docs/guide/gpu.md).
     eps : float or None, default 1e-8
         Floor of the normaliser, ``den = max(phi(q)^T z, eps)``; ``eps=None`` divides by the raw
         normaliser (for signed maps; docs/guide/attention.md).
     check_finite : bool, default True
-        Raise ValueError when an input (q, k, v or ``initial_state``) holds NaN or inf, naming
-        it (checked by the kernels as they read; a caller's ``out`` then holds unspecified
-        values).  Also recompute in float64 when finite float16/float32 inputs overflow the
-        working dtype, raising ValueError when the result does not fit the input dtype.  With
-        False none of this is checked.
+        Raise ValueError naming an input (q, k, v or ``initial_state``) that holds NaN or inf, and
+        recompute in float64 when finite float16/float32 inputs overflow the working dtype
+        (docs/guide/attention.md).  With False none of this is checked.
     out : ndarray, optional
         Output buffer of shape (..., N, M) and the result dtype.
     initial_state : LinearState or tuple (S, z[, position]), optional
@@ -87,20 +83,15 @@ def linear_attention(
         Also return the final :class:`LinearState` (float64).
     decay : float or array_like, optional
         Forgetting factors in [0, 1] (causal only): ``S_t = a_t S_{t-1} + phi(k_t) v_t^T`` (and
-        ``z`` alike).  With ``b`` the number of batch dimensions: a scalar or ``b`` dimensions
-        broadcastable to the batch shape (one per sequence, RetNet's ``gamma``); ``b + 1``, last
-        axis N (one per token, Mamba-2); ``b + 2``, last axes (N, D_phi) (one per token and
-        feature, GLA's gate).  ``decay=0`` resets the state exactly at that token.  The rules:
-        docs/guide/rules.md.
+        ``z`` alike), one per sequence, per token (last axis N) or per token and feature (last axes
+        (N, D_phi)), broadcast over the batch; ``decay=0`` resets the state (docs/guide/rules.md).
     log_decay : float or array_like, optional
         The same factors as logs (<= 0; ``-inf`` is a reset).  At most one of ``decay`` and
         ``log_decay``.
     beta : float or array_like, optional
-        Write strengths in [0, 2] (causal only): the delta rule,
-        ``S_t = S_{t-1} + beta_t phi(k_t) (v_t - S_{t-1}^T phi(k_t))^T``; a scalar or an array
-        broadcastable to the batch shape, or with one more axis of length N (one per token).  With
-        a decay per sequence or per token, the gated delta rule; a per-feature gate with ``beta``
-        raises ValueError.  The state stays bounded for keys of unit norm ("l2", "silu_l2").
+        Write strengths in [0, 2] (causal only), per sequence or per token: the delta rule,
+        ``S_t = S_{t-1} + beta_t phi(k_t) (v_t - S_{t-1}^T phi(k_t))^T``; with a decay per sequence
+        or per token, the gated delta rule (docs/guide/rules.md).
     normalize : bool, optional
         Divide by the normaliser ``phi(q)^T z``.  None: True for the additive, decay and gate
         rules, False for the delta rules.  Maps that need the normaliser ("favor+", "hedgehog")
