@@ -1,10 +1,5 @@
-"""Device functions every thread layout of the sequence kernel calls (inlined into the kernels).
-
-A block finds its segment and views of its sequences (:func:`block_segment`),
-normalises the staged rows of the row feature maps
-(:func:`normalize_staged_rows`) and rescales the staged rows of a tile for the
-decay and gate rules (:func:`rescale_tile`).  See ``docs/cuda_kernels.md``.
-"""
+"""Device functions every thread layout of the sequence kernel calls, inlined into the kernels: the
+block's segment and views, the row maps' normalisation, the rescaled tiles (``docs/cuda_kernels.md``)."""
 from __future__ import annotations
 
 from numba import cuda, uint32

@@ -34,12 +34,12 @@ def seq_kernel(R: int, C: int, G: int, MB: int, T: int, acc: str, rule: int = RU
         if rule not in TILES_RULES or C != 4 or R % 4 or T != R // 4:
             raise ValueError(f"the tile layout (G = 0) is that of the rules of TILES_RULES, with C = 4, T = R / 4; "
                              f"got {key}")
-        kern = _SEQ_KERNELS[key] = tiles_kernel(R, MB, acc, key[7], key[8], key[9], rule)
-        return kern
-    if G == 1 and not is_delta_rule(rule):
-        kern = _SEQ_KERNELS[key] = owner_kernel(R, C, MB, T, acc, rule, key[7], key[8], key[9])
-        return kern
-    kern = _SEQ_KERNELS[key] = rows_kernel(R, C, G, MB, T, acc, rule, key[7], key[8], key[9])
+        kern = tiles_kernel(R, MB, acc, key[7], key[8], key[9], rule)
+    elif G == 1 and not is_delta_rule(rule):
+        kern = owner_kernel(R, C, MB, T, acc, rule, key[7], key[8], key[9])
+    else:
+        kern = rows_kernel(R, C, G, MB, T, acc, rule, key[7], key[8], key[9])
+    _SEQ_KERNELS[key] = kern
     return kern
 
 

@@ -1,10 +1,5 @@
-"""Device-array views for the kernels: strided and 4-d views without copies, and what they allow.
-
-:func:`as_4d` views a device array of shape (..., N, F) as (B1, B2, N, F),
-:func:`flat_view` as the 1-d view and element strides the sequence kernel
-takes, :func:`vector_bits` says which inputs it may stage with 16-byte
-vector loads (see ``docs/cuda_kernels.md``, "Global addressing").
-"""
+"""Device-array views for the kernels: strided, 4-d and flat views without copies, and the vector loads
+they allow (``docs/cuda_kernels.md``, "Global addressing")."""
 from __future__ import annotations
 
 import numpy as np
@@ -25,8 +20,7 @@ def strided_view(x, shape, strides):
     if is_sim_array(x):
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
-        base = x._ary
-        return FakeCUDAArray(np.lib.stride_tricks.as_strided(base, shape, strides))
+        return FakeCUDAArray(np.lib.stride_tricks.as_strided(x._ary, shape, strides))
     cai = x.__cuda_array_interface__
     desc = {
         "shape": shape,
@@ -39,16 +33,9 @@ def strided_view(x, shape, strides):
 
 
 def as_4d(x):
-    """View a device array of shape (..., N, F) as (B1, B2, N, F) without copying, or None.
-
-    The last leading dimension becomes B2 and the ones before it merge into B1, which
-    needs nested strides (any contiguous array, the usual transposes).
-
-    Raises
-    ------
-    ValueError
-        For negative strides.
-    """
+    """View a device array of shape (..., N, F) as (B1, B2, N, F) without copying, or None: the last
+    leading dimension becomes B2 and the ones before it merge into B1, which needs nested strides (any
+    contiguous array, the usual transposes).  ValueError for negative strides."""
     shape = tuple(int(s) for s in x.shape)
     strides = tuple(int(s) for s in x.strides)
     if any(s < 0 for s in strides):
@@ -78,14 +65,8 @@ def as_4d(x):
 
 def flat_view(x):
     """``(view, strides)`` of device array ``x`` for the sequence kernel: a 1-d view from its first
-    element over every element it addresses (no copy), and its strides in elements (0 for a
-    dimension of size 1).
-
-    Raises
-    ------
-    ValueError
-        For a negative stride or one that is not a multiple of the item size.
-    """
+    element over every element it addresses (no copy), and its strides in elements (0 for a dimension
+    of size 1).  ValueError for a negative stride or one that is not a multiple of the item size."""
     item = np.dtype(x.dtype).itemsize
     shape = tuple(int(d) for d in x.shape)
     strides = tuple(int(s) if d > 1 else 0 for d, s in zip(shape, x.strides))
@@ -106,12 +87,10 @@ def data_pointer(x) -> int:
 
 
 def vector_bits(q, k, v, strides, F: int, M: int, MB: int) -> int:
-    """The ``vec`` bits of :func:`seq_kernel` the 4-d views ``q, k, v`` allow (``strides``: theirs in
-    elements, :func:`flat_view`): ``VEC_QK`` when q and k have unit feature stride, ``F`` a multiple
-    of 4, every other stride a multiple of 4 elements and a first element aligned as
-    :func:`linattn_nb.ops._cuda_common.load4` declares, so that every group of four features the
-    kernel loads is aligned; ``VEC_V`` when v does with ``M`` and ``MB`` (a block's first column)
-    multiples of 4."""
+    """The ``vec`` bits of :func:`seq_kernel` the 4-d views ``q, k, v`` allow (``strides`` in elements):
+    ``VEC_QK`` when every group of four features of q and k is aligned as ``_cuda_common.load4``
+    declares (unit feature stride, ``F`` and the other strides multiples of 4, an aligned first
+    element), ``VEC_V`` when v's are, with ``M`` and ``MB`` multiples of 4."""
     from .._cuda_common import VEC_ALIGN
 
     def ok(x, es, width):
