@@ -1,10 +1,6 @@
-"""The base class :class:`FeatureMap` and the helpers the built-in maps share.
-
-:class:`FeatureMap` fixes what a map provides (``transform``, ``output_dim``, ``apply``,
-``vjp``, ``apply_with_vjp``, ``parameters``, ``kernel``); ``_layout_free`` makes every map,
-built-in or a user's subclass, read its input C-contiguous.  The helpers check inputs,
-roles, temperatures and counts, cast features back to the input dtype, and compute the
-pieces of the vector-Jacobian products that several maps share.
+"""The base class :class:`FeatureMap` and the helpers the built-in maps share (input, role and count
+checks, the cast back to the input dtype, pieces of the vector-Jacobian products); adding a map:
+docs/guide/feature_maps.md.
 """
 from __future__ import annotations
 

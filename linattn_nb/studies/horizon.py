@@ -1,8 +1,7 @@
 """Study: memory horizon -- retrieval error against the distance between write and read.
 
-Pairs are written with a constant decay γ and every key is read after the last write; each pair's
-error is binned by its age, for several γ and two feature maps.  The setting and what it shows:
-docs/guide/studies.md.
+Each pair's error, written with a constant decay γ and read after the last write, binned by its age
+(docs/guide/studies.md).
 """
 from __future__ import annotations
 

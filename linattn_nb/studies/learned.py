@@ -1,8 +1,7 @@
 """Study: learned feature maps against fixed ones -- how much of the gap to softmax does fitting close?
 
-Hedgehog and T2R are fitted to softmax's weights on a training draw and measured, with ELU+1,
-Taylor-2, FAVOR+ and the maps' starting points, on a held-out draw, in three regimes
-(:data:`REGIMES`).  The maps, regimes, measures and sizes are described in docs/guide/studies.md.
+Hedgehog and T2R are fitted on a training draw and measured beside fixed maps on a held-out draw, in
+three regimes; the maps, regimes, measures and sizes: docs/guide/studies.md.
 """
 from __future__ import annotations
 

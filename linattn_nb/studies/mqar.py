@@ -1,10 +1,8 @@
 """Study: trained MQAR accuracy against state size, per update rule and feature map (the recall frontier).
 
-After Zoology (Arora et al. 2023, figure 2): a small two-layer model (:class:`Model`) is trained on
-multi-query associative recall (:func:`mqar`) with each attention layer of :data:`LAYERS` and softmax
-attention, and its held-out accuracy is plotted against the size of the recurrent state.  The set-up is
-shared with ``notebooks/05_training.ipynb``; the design, grids and measured cost are in docs/mqar.md.
-torch (an optional extra) is imported inside the functions only.
+After Zoology (Arora et al. 2023, figure 2): a small model is trained on multi-query associative recall
+with each layer of :data:`LAYERS`; the design, grids and measured cost are in docs/mqar.md.  torch (an
+optional extra) is imported inside the functions only.
 """
 from __future__ import annotations
 

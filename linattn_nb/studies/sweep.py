@@ -1,9 +1,6 @@
-"""Parameter sweeps that stream results to an append-only JSON Lines file.
-
-:func:`sweep` runs ``fn(**point)`` for every point of a parameter grid and appends one JSON line per
-finished point to ``out``.  The file is the sweep's only state: rerunning the same call skips the
-points it already holds.  The file format and what the runner guarantees (one writer, a line per
-point, a truncated last line dropped, strict JSON) are described in docs/guide/studies.md.
+"""Parameter sweeps that stream results to an append-only JSON Lines file, the sweep's only state:
+rerunning the same call skips the points it already holds.  The file format and what the runner
+guarantees: docs/guide/studies.md.
 """
 from __future__ import annotations
 
