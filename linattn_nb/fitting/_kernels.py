@@ -88,9 +88,9 @@ def log_floored_weights(A, r0, causal, floor, T, den):
 def cross_entropy_rows(P, A, logT, den, r0, causal, floor, want_grad, loss):
     """Pass 2: the soft-label cross-entropy of each row; ``A`` becomes ``dloss_i/da_ij`` in place.
 
-    ``loss_i = -sum_j P_ij log T_ij`` (``logT`` from :func:`log_floored_weights`); the gradient and the
-    rows without weights (loss ``log(n_i / floor)``, or inf without a floor; zero gradient):
-    docs/design-cpu.md, "Fitting losses".
+    ``loss_i = -sum_j P_ij log T_ij`` (``logT`` from :func:`log_floored_weights`, ``floor > 0``: without
+    one, :func:`cross_entropy_rows_unfloored`); the gradient and the rows without weights (loss
+    ``log(n_i / floor)``, zero gradient): docs/design-cpu.md, "Fitting losses".
     """
     rows, nk = A.shape
     ty = A.dtype.type  # the weights' arithmetic in their own precision; the loss sums in float64
@@ -105,20 +105,15 @@ def cross_entropy_rows(P, A, logT, den, r0, causal, floor, want_grad, loss):
         if ok:
             inv = ty(1.0 / d)
             base = ty(floor / n_i)
-            misses = 0  # keys of positive softmax weight given a linear weight <= 0
             for j in range(n_i):  # one pass: the loss, w_ij (stored in A) and c_i
                 p = P[i, j]
-                a = A[i, j]
                 total -= p * logT[i, j] if p > 0.0 else 0.0  # 0 log 0 = 0 (P underflows in spiky rows)
-                misses += 1 if p > 0.0 and not a > 0.0 else 0
-                lw = a * inv
+                lw = A[i, j] * inv
                 w = p / (keep * lw + base) if lw >= zero else zero
                 c += w * lw
                 A[i, j] = w
-            if floor == 0.0 and misses > 0:  # without a floor: infinite loss
-                ok = False
         if not ok:
-            loss[i] = math.log(n_i / floor) if floor > 0.0 and not d > 0.0 else np.inf
+            loss[i] = math.log(n_i / floor)
             if want_grad:
                 for j in range(nk):
                     A[i, j] = zero
