@@ -134,9 +134,8 @@ BACKWARD_CHECKPOINT = _env_int("LINATTN_BACKWARD_CHECKPOINT", 0)
 def cpu_backward_chunk(n: int, f: int, m: int, dtype) -> int:
     """Chunk size of the CPU chunked backward (``BACKWARD_CHUNK`` if set, else 32), at most ``max(n, 1)``.
 
-    32 against 64 at B*H = 16, N = 4096, D = M = 64, float32 (AMD EPYC, 2 vCPUs): about a tenth less
-    time for the additive rule, a fifth less for the gate rule (its per-row loops grow with C),
-    a few percent less for the decay rule (docs/performance.md)."""
+    32 against 64 (measured: docs/design-cpu.md, "Chunked backward"): 12-14 % less launcher time for the
+    additive rule, 7-22 % for the gate rule (its per-row loops grow with C), 4-7 % for the decay rule."""
     c = BACKWARD_CHUNK if BACKWARD_CHUNK > 0 else 32
     return max(1, min(int(c), int(n)))
 
@@ -195,14 +194,11 @@ ANALYSIS_BLOCK_Q = _env_int("LINATTN_ANALYSIS_BLOCK_Q", 64)
 #: ``max_n`` (inclusive; None = unbounded) admits the sequence length wins.
 #: The rows must come from measurements (benchmarks/), not guesses.
 AUTO_METHODS = {
-    # causal CPU: benchmarks/causal_cpu.py --sweep-auto (figures:
-    # docs/measurements.md, "AUTO_METHODS"): the scan wins up to N = 2.
+    # causal CPU: the scan wins up to N = 2 (docs/measurements.md, "AUTO_METHODS")
     ("additive", True, "cpu"): [(2, "scan"), (None, "chunked")],
     ("additive", False, "cpu"): [(None, "aggregate")],
-    # decay and gate rules, causal CPU: scan against chunked at B*H = 16,
-    # D = M = 64, float32, N = 1 ... 1024 (docs/measurements.md, "AUTO_METHODS
-    # of the decay and gate rules"): the scan wins up to N = 2 and ties at 4;
-    # the chunked kernel wins by 0.7-0.95x from N = 8 on.
+    # decay and gate rules: the scan up to N = 4 (docs/measurements.md, "AUTO_METHODS of the decay and
+    # gate rules")
     ("decay", True, "cpu"): [(4, "scan"), (None, "chunked")],
     ("gate", True, "cpu"): [(4, "scan"), (None, "chunked")],
 }
