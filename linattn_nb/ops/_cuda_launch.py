@@ -15,7 +15,7 @@ from numba import cuda
 
 from .. import config
 from . import _cuda_pool as P
-# the pool's per-call services, re-exported for the front end (the module docstring's last paragraph)
+# the pool's per-call services, re-exported for the front end
 from ._cuda_pool import count_out_of_range, discard_counts, fill, raise_if_nonfinite, rule_input, workspace, zeros
 from .cuda import helpers as HK
 from .cuda.plan import (OFF32_LIMIT, SIM, acc_name, helper_grid, owner_fits, seq_config, threads_per_block,

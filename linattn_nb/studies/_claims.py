@@ -88,7 +88,6 @@ def compare_claim(a: str, a_mean: float, a_half: float, b: str, b_mean: float, b
                                 f"{nums})", rule)
 
 
-
 CAPACITY_RULE = ("a fall of the mean accuracy below {a} is the state's capacity only where the state is full: at "
                  "n > D_φ (the least-squares floor is 0 up to D_φ); at n ≤ D_φ it is the estimator's variance "
                  "when softmax, the kernel a random map estimates, reads ≥ {a} there, else the kernel")

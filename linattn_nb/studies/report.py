@@ -237,8 +237,7 @@ def run_report(
     if log is None:
         def log(line):
             print(line, file=sys.stderr, flush=True)
-    # Importing the built-in studies registers them.
-    from . import _builtin  # noqa: F401
+    from . import _builtin  # noqa: F401  (importing the built-in studies registers them)
 
     selected = [s for s in STUDIES if s.in_report] if studies is None else [get_study(s) for s in studies]
     study_options = _check_options(options)
