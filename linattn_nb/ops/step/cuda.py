@@ -258,8 +258,7 @@ _JIT = {}
 def kernels():
     """``cuda.jit`` kernels (compiled lazily per signature on first launch)."""
     if not _JIT:
-        for name, fn in PYTHON_KERNELS.items():
-            _JIT[name] = cuda.jit(fn)
+        _JIT.update({name: cuda.jit(fn) for name, fn in PYTHON_KERNELS.items()})
     return _JIT
 
 
@@ -328,12 +327,6 @@ def _eps(eps, dtype):
 def _consts(S):
     """The kernels' ``zero`` and ``one`` in the state dtype."""
     return S.dtype.type(0), S.dtype.type(1)
-
-
-def _prefill_grid(B, F, M):
-    """Launch configuration of the prefill kernels: one thread per (batch entry, feature, value column)."""
-    nt = min(_threads(), max(32, M))
-    return (B, F, (M + nt - 1) // nt), nt
 
 
 def _threads():
@@ -421,7 +414,8 @@ def prefill(k, v, S, z, scratch, *, code, rule=RULE_ADDITIVE, inputs=None, check
     F = S.cur.shape[1]
     lg = rule_factors(rule, flat_inputs(inputs, B, T, F), B, T, F)
     Si, zi, So, zo = _buffers(S, z, check)
-    grid, nt = _prefill_grid(B, F, Si.shape[2])
-    kernels()["prefill"][grid, nt](k, v, Si, zi, So, zo, lg, scratch.flag, bool(check), np.int64(code),
-                                   np.int64(rule), *_consts(Si))
+    M = Si.shape[2]
+    nt = min(_threads(), max(32, M))  # one thread per (batch entry, feature, value column)
+    kernels()["prefill"][(B, F, (M + nt - 1) // nt), nt](k, v, Si, zi, So, zo, lg, scratch.flag, bool(check),
+                                                         np.int64(code), np.int64(rule), *_consts(Si))
     return _finish(S, z, scratch, check, (BAD_K, BAD_V))
