@@ -110,11 +110,12 @@ def feature_dim(fmap, d: int) -> int:
     return int(f)
 
 
-def featurise(fmap, x, *, role: str, causal: bool, offset: int = 0, total_length=None,
+def featurise(fmap, x, *, role: str | None, causal: bool, offset: int = 0, total_length=None,
               dtype=None, name: str = "x") -> np.ndarray:
     """Features ``fmap.apply(x)`` of ``x`` (..., N, D), checked to have shape (..., N, output_dim(D)).
 
-    ``dtype``: the dtype ``x`` is cast to before the map (default: as it is).
+    ``dtype``: the dtype ``x`` is cast to before the map (default: as it is).  ``role`` None: the
+    plain call ``fmap(x)`` (no role, no position).
     A map that returns another shape (rows dropped or added, a batch entry
     missing, the wrong feature count) raises ValueError naming the map and
     both shapes before any kernel sees the array.
@@ -125,7 +126,8 @@ def featurise(fmap, x, *, role: str, causal: bool, offset: int = 0, total_length
     n = int(x.shape[-2])
     if total_length is None:
         total_length = offset + n
-    feats = np.asarray(fmap.apply(x, role=role, causal=causal, offset=offset, total_length=total_length))
+    feats = np.asarray(fmap(x) if role is None else
+                       fmap.apply(x, role=role, causal=causal, offset=offset, total_length=total_length))
     want = tuple(x.shape[:-1]) + (f,)
     if tuple(feats.shape) != want:
         raise ValueError(
@@ -231,8 +233,8 @@ def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, f: in
     if fmap is None:  # softmax weights (the analyses' feature_map="softmax"): no recurrence
         for name, x in (("decay", decay), ("log_decay", log_decay), ("beta", beta)):
             if x is not None:
-                raise ValueError(f"{name} applies to linear attention's recurrence; feature_map='softmax' has none "
-                                 "(pass a feature map)")
+                raise ValueError(f"{name} applies to linear attention's recurrence; feature_map='softmax' "
+                                 "has none (pass a feature map)")
         if V.check_normalize(normalize, True) is False:
             raise ValueError("normalize=False does not apply to feature_map='softmax' (softmax weights are "
                              "normalised by definition)")
@@ -259,6 +261,20 @@ def rule_normalize(fmap, rule: str, normalize) -> bool:
             "them. Use normalize=True, or a map without such factors (e.g. 'elu', 'relu', 'taylor')"
         )
     return normalize
+
+
+def read_state(fq, S, z, normalize: bool, eps) -> np.ndarray:
+    """Float64 read-out ``phi(q)^T S`` of features ``fq`` (..., T, F) from a state ``S`` (..., F, M), ``z``
+    (..., F), divided by ``max(phi(q)^T z, eps)`` (the raw normaliser for ``eps=None``) with ``normalize``."""
+    out = fq @ np.asarray(S, dtype=np.float64)
+    if not normalize:
+        return out
+    z = np.asarray(z, dtype=np.float64)
+    den = fq @ z if z.ndim == 1 else (fq @ z[..., None])[..., 0]
+    if eps is not None:
+        den = np.maximum(den, eps)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return out / den[..., None]
 
 
 # ---------------------------------------------------------------------------
@@ -330,8 +346,8 @@ def plan_call(method, rule, initial_state, *, dev, causal, batch_shape, n, f, m,
 
 
 def host_call(q, k, v, *, fmap, eps, causal, decay, log_decay, beta, normalize, check_qkv: bool, dev="cpu",
-              method=None, initial_state=None, copy: bool = True, to_host: bool = False, extra_columns: int = 0,
-              names=("q", "k", "v"), same_n: bool = True) -> Call:
+              method=None, initial_state=None, copy: bool = True, to_host: bool = False,
+              extra_columns: int = 0, names=("q", "k", "v"), same_n: bool = True) -> Call:
     """The validated request of a call on host arrays (:class:`Call`): every entry point's preparation.
 
     ``check_qkv``: scan q, k, v for non-finite values here (kernels with an inline map scan them as
@@ -345,7 +361,8 @@ def host_call(q, k, v, *, fmap, eps, causal, decay, log_decay, beta, normalize, 
         q, k, v, decay, log_decay, beta = (
             CD.to_host(nm, x) if on_device(x) else x
             for nm, x in (("q", q), ("k", k), ("v", v), ("decay", decay), ("log_decay", log_decay), ("beta", beta)))
-    q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_qkv, names=names, same_n=same_n)
+    q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_qkv, names=names,
+                                                        same_n=same_n)
     f = d if fmap is None else feature_dim(fmap, d)
     rule, inputs, normalize = rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, f, causal=causal,
                                              beta=beta, copy=copy)

@@ -69,7 +69,8 @@ def check_qkv(q, k, v, *, names: Sequence[str] = ("q", "k", "v"), same_n: bool =
     for same, what in ((len({x.ndim for x in xs}) == 1, "the same number of dimensions (equal leading batch "
                         "dimensions)"),
                        (len({tuple(x.shape[:-2]) for x in xs}) == 1, "equal leading batch dimensions"),
-                       (not same_n or len({x.shape[-2] for x in xs}) == 1, "the same sequence length N (axis -2)")):
+                       (not same_n or len({x.shape[-2] for x in xs}) == 1,
+                        "the same sequence length N (axis -2)")):
         if not same:
             raise ValueError(f"{who} must have {what}, got shapes {shapes}")
     if q is not None and k is not None and q.shape[-1] != k.shape[-1]:

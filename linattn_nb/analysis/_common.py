@@ -140,16 +140,7 @@ def check_finite_features(fmap, feats, name: str) -> None:
 
 def called_features(fmap, x, *, name: str) -> np.ndarray:
     """``fmap(x)`` (the plain call: no role, no position) for rows ``x`` (P, D) in float64, shape-checked."""
-    x = np.asarray(x, dtype=np.float64)
-    f = feature_dim(fmap, int(x.shape[-1]))
-    out = np.asarray(fmap(x), dtype=np.float64)
-    want = tuple(x.shape[:-1]) + (f,)
-    if tuple(out.shape) != want:
-        raise ValueError(
-            f"feature map {fmap.name!r} returned features of shape {tuple(out.shape)} for {name} of shape "
-            f"{tuple(x.shape)}; expected {want} (output_dim({x.shape[-1]}) = {f})"
-        )
-    return out
+    return np.asarray(FE.featurise(fmap, x, role=None, causal=False, dtype=np.float64, name=name), dtype=np.float64)
 
 
 def check_rtol(rtol, batch_shape) -> np.ndarray:
@@ -201,8 +192,8 @@ def check_positive_float(name: str, x) -> float:
     return x
 
 
-def prepare(q, k, v, fmap, *, causal, eps, check_finite, decay=None, log_decay=None, beta=None, normalize=None,
-            initial_state=None, names=("q", "k", "v"), same_n=True):
+def prepare(q, k, v, fmap, *, causal, eps, check_finite, decay=None, log_decay=None, beta=None,
+            normalize=None, initial_state=None, names=("q", "k", "v"), same_n=True):
     """The request of an analysis call: :func:`linattn_nb._frontend.host_call` without a method or device.
 
     ``fmap`` None (softmax weights) has no update rule: ``decay``/``log_decay``/``beta`` and

@@ -346,7 +346,8 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     elif rule_arguments is not None:
         raise TypeError("recall_capacity: rule_arguments needs rule= (a named DPLR rule)")
     else:
-        rule, _, normalize = FE.rule_arguments(fmap, decay, None, normalize, (), 1, d_phi, causal=True, beta=beta)
+        rule, _, normalize = FE.rule_arguments(fmap, decay, None, normalize, (), 1, d_phi, causal=True,
+                                               beta=beta)
     edges = _distance_edges(distance_bins, int(ns.max()))
 
     metrics = np.zeros((6, ns.size, trials))
@@ -391,18 +392,6 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     )
 
 
-def _read(q, S, z, normalize, eps):
-    """Read-out ``q S``, divided by ``max(q z, eps)`` (raw division for ``eps=None``) when ``normalize``."""
-    out = q @ np.asarray(S, dtype=np.float64)
-    if not normalize:
-        return out
-    den = q @ np.asarray(z, dtype=np.float64)
-    if eps is not None:
-        den = np.maximum(den, eps)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return out / den[:, None]
-
-
 def _dplr_readout(fmap, spec, keys, vals, args, normalize, eps):
     """Every key's read-out of the state a named DPLR rule leaves after writing the pairs in order.
 
@@ -431,7 +420,7 @@ def _dplr_readout(fmap, spec, keys, vals, args, normalize, eps):
     _, st = dplr_attention(keys, k, v, rule=spec.name, feature_map=fmap, normalize=normalize, eps=eps,
                            return_state=True, **full)
     q = C.features(fmap, keys, role="query", causal=True, name="keys")[0]
-    return _read(q, st.S, st.z, normalize, eps)
+    return FE.read_state(q, st.S, st.z, normalize, eps)
 
 
 def _delta_readout(fmap, keys, vals, beta, decay, normalize, eps, method):
@@ -439,13 +428,13 @@ def _delta_readout(fmap, keys, vals, beta, decay, normalize, eps, method):
     _, st = linear_attention(keys, keys, vals, feature_map=fmap, causal=True, eps=eps, beta=beta, decay=decay,
                              normalize=normalize, method=method, return_state=True)
     phi = C.features(fmap, keys, role="query", causal=True, name="keys")[0]
-    return _read(phi, st.S, st.z, normalize, eps)
+    return FE.read_state(phi, st.S, st.z, normalize, eps)
 
 
 def _decayed_readout(phi, vals, weights, eps, normalize=True):
     """Every key's read-out of the state ``S = sum_j w_j phi_j v_j^T``, ``z = sum_j w_j phi_j``."""
     wphi = phi * weights[:, None]
-    return _read(phi, wphi.T @ vals, wphi.sum(axis=0), normalize, eps)
+    return FE.read_state(phi, wphi.T @ vals, wphi.sum(axis=0), normalize, eps)
 
 
 # ---------------------------------------------------------------------------

@@ -167,9 +167,8 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
     >>> attention_weights(kk, kk, "l2", causal=True, beta=1.0)[2].round(12).tolist()
     [0.0, 0.0, 1.0]
     """
-    fmap = C.resolve_map(feature_map)
-    c = C.prepare(q, k, None, fmap, causal=causal, eps=eps, check_finite=check_finite, decay=decay,
-                  log_decay=log_decay, beta=beta, normalize=normalize)
+    c, fmap, scale, fq, fk = _setup(q, k, None, feature_map, causal, scale, eps, decay, log_decay, beta,
+                                    check_finite, normalize)
     n, batch_shape = c.n, c.batch_shape
     if n * n > config.QUADRATIC_MAX_ELEMENTS:
         raise ValueError(
@@ -177,14 +176,13 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
             f"config.QUADRATIC_MAX_ELEMENTS={config.QUADRATIC_MAX_ELEMENTS} elements. "
             "Use approximation_error for statistics at long N."
         )
-    scale = V.check_scale(scale, c.d)
-    C.warn_scale(fmap, c.d, scale, stacklevel=3)
-    if fmap is None:
+    if fq is None:
+        w = np.zeros((c.b, n, n))
+    elif fmap is None:
         w = C.softmax_weights(c.q, c.k, causal=c.causal, scale=scale)
     else:
-        fq = C.features(fmap, c.q, role="query", causal=c.causal, name="q")
-        fk = C.features(fmap, c.k, role="key", causal=c.causal, name="k")
-        w = C.explicit_rule_weights(c.rule, fq, fk, c.inputs, normalize=c.normalize, eps=c.eps, causal=c.causal)
+        w = C.explicit_rule_weights(c.rule, fq, fk, c.inputs, normalize=c.normalize, eps=c.eps,
+                                    causal=c.causal)
     return w.reshape(batch_shape + (n, n))
 
 
@@ -249,8 +247,9 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     >>> bool(e9.entropy_linear < e1.entropy_linear), e9.entropy_softmax == e1.entropy_softmax
     (True, True)
     """
-    q64, k64, v64, n, causal, scale, eps, fmap, rule, inputs = _setup(
-        q, k, v, feature_map, causal, scale, eps, decay, log_decay, beta, check_finite)
+    c, fmap, scale, fq, fk = _setup(q, k, v, feature_map, causal, scale, eps, decay, log_decay, beta,
+                                    check_finite)
+    q64, k64, v64, n, causal, eps, rule, inputs = c.q, c.k, c.v, c.n, c.causal, c.eps, c.rule, c.inputs
     if get_rule(rule).reads_state and n * n > config.QUADRATIC_MAX_ELEMENTS:
         raise ValueError(
             f"approximation_error forms the delta rule's N x N weights (no running-product form; beta given); "
@@ -259,15 +258,8 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     if block is not None and (isinstance(block, (bool, np.bool_)) or not isinstance(block, (int, np.integer))
                               or block < 1):
         raise ValueError(f"block must be an integer >= 1 or None, got {block!r}")
-    b = q64.shape[0]
-    rows = b * n
-    if rows == 0:
+    if fq is None:
         return _no_rows()
-    if fmap is None:
-        fq = fk = np.zeros((b, n, 0))
-    else:
-        fq = C.features(fmap, q64, role="query", causal=causal, name="q")
-        fk = C.features(fmap, k64, role="key", causal=causal, name="k")
     # the kernels call np.dot inside prange: one BLAS thread per call, or its threads compete with Numba's
     with single_threaded_blas():
         o_sm = softmax_attention(q64, k64, v64, causal=causal, scale=scale, check_finite=False)
@@ -278,17 +270,24 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
                                      check_finite=False, **_rule_call(rule, inputs, n))
         st = error_rows(q64, k64, fq, fk, scale=scale, causal=causal, softmax_mode=fmap is None, eps=eps,
                         block=block, rule=rule, inputs=inputs)
-    return _summarise(st, o_lin, o_sm, rows)
+    return _summarise(st, o_lin, o_sm, c.b * n)
 
 
-def _setup(q, k, v, feature_map, causal, scale, eps, decay, log_decay, beta, check_finite):
-    """The checked arguments of :func:`approximation_error` and its reference, inputs flattened to float64."""
+def _setup(q, k, v, feature_map, causal, scale, eps, decay, log_decay, beta, check_finite, normalize=None):
+    """``(call, fmap, scale, fq, fk)`` of the three public functions: the request (inputs flattened to
+    float64), the map (None: softmax), the softmax scale and the features (B, N, F) (no columns for
+    softmax; None when there are no rows)."""
     fmap = C.resolve_map(feature_map)
     c = C.prepare(q, k, v, fmap, causal=causal, eps=eps, check_finite=check_finite, decay=decay,
-                  log_decay=log_decay, beta=beta)
+                  log_decay=log_decay, beta=beta, normalize=normalize)
     scale = V.check_scale(scale, c.d)
     C.warn_scale(fmap, c.d, scale)
-    return c.q, c.k, c.v, c.n, c.causal, scale, c.eps, fmap, c.rule, c.inputs
+    if c.b * c.n == 0:
+        return c, fmap, scale, None, None
+    if fmap is None:
+        return c, fmap, scale, np.zeros((c.b, c.n, 0)), np.zeros((c.b, c.n, 0))
+    fq = C.features(fmap, c.q, role="query", causal=c.causal, name="q")
+    return c, fmap, scale, fq, C.features(fmap, c.k, role="key", causal=c.causal, name="k")
 
 
 def _no_rows() -> ApproximationError:
@@ -346,11 +345,10 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
     """
     from scipy.stats import rankdata
 
-    q64, k64, v64, n, causal, scale, eps, fmap, rule, inputs = _setup(
-        q, k, v, feature_map, causal, scale, eps, decay, log_decay, beta, True)
-    b = q64.shape[0]
-    rows = b * n
-    if rows == 0:
+    c, fmap, scale, fq, fk = _setup(q, k, v, feature_map, causal, scale, eps, decay, log_decay, beta, True)
+    q64, k64, v64, n, b, causal, eps = c.q, c.k, c.v, c.n, c.b, c.causal, c.eps
+    rule, inputs = c.rule, c.inputs
+    if fq is None:
         return _no_rows()
     p_all = C.softmax_weights(q64, k64, causal=causal, scale=scale)
     s_all = scale * np.einsum("bid,bjd->bij", q64, k64)
@@ -359,8 +357,6 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
         den_all = np.ones((b, n))
         a_all = p_all
     else:
-        fq = C.features(fmap, q64, role="query", causal=causal, name="q")
-        fk = C.features(fmap, k64, role="key", causal=causal, name="k")
         a_all = C.explicit_rule_weights(rule, fq, fk, inputs, normalize=False, eps=None, causal=causal)
         den_all = a_all.sum(axis=-1)
         w_all = C.normalise_rows(a_all, eps)
@@ -400,4 +396,4 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
                     st["rho"][bb, i] = np.corrcoef(rs, rw)[0, 1]
     o_sm = p_all @ v64
     o_lin = w_all @ v64
-    return _summarise(st, o_lin, o_sm, rows)
+    return _summarise(st, o_lin, o_sm, b * n)

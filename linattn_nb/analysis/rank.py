@@ -333,8 +333,8 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
     method = _check_method(method, ("auto", "factor", "explicit"))
     c = C.prepare(q, k, None, fmap, causal=causal, eps=eps, check_finite=check_finite, decay=decay,
                   log_decay=log_decay, beta=beta, normalize=normalize, same_n=causal)
-    q, k, batch_shape, causal, eps, rule, inputs, normalize = (c.q, c.k, c.batch_shape, c.causal, c.eps, c.rule,
-                                                               c.inputs, c.normalize)
+    q, k, batch_shape, causal, eps = c.q, c.k, c.batch_shape, c.causal, c.eps
+    rule, inputs, normalize = c.rule, c.inputs, c.normalize
     nq, nk, d, b = c.n, k.shape[-2], c.d, c.b
     if rtol is not None:
         rtol = np.broadcast_to(C.check_rtol(rtol, batch_shape), batch_shape).reshape(-1)
@@ -536,8 +536,8 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
     method = _check_method(method, ("auto", "factor", "explicit"))
     c = C.prepare(q, k, None, fmap, causal=True, eps=eps, check_finite=check_finite, decay=decay,
                   log_decay=log_decay, beta=beta, normalize=normalize)
-    q, k, batch_shape, n, d, eps, rule, inputs, normalize = (c.q, c.k, c.batch_shape, c.n, c.d, c.eps, c.rule,
-                                                             c.inputs, c.normalize)
+    q, k, batch_shape, n, d, eps = c.q, c.k, c.batch_shape, c.n, c.d, c.eps
+    rule, inputs, normalize = c.rule, c.inputs, c.normalize
     if get_rule(rule).has_inputs and method == "factor":
         raise ValueError(f"method='factor' ranks the additive rule's weights; the {rule!r} rule's weights "
                          "(decay/log_decay/beta given) are ranked with method='explicit'")
@@ -692,7 +692,8 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
         raise TypeError("state_rank_profile: rule_arguments needs rule= (a named DPLR rule)")
     c = C.prepare(None, k, v, fmap, causal=True, eps=None, check_finite=check_finite, decay=decay,
                   log_decay=log_decay, beta=beta, initial_state=initial_state)
-    k, vf, batch_shape, n, m, f, b, rule, inputs = c.k, c.v, c.batch_shape, c.n, c.m, c.f, c.b, c.rule, c.inputs
+    k, vf, batch_shape, n, m, f, b = c.k, c.v, c.batch_shape, c.n, c.m, c.f, c.b
+    rule, inputs = c.rule, c.inputs
     pos = _positions(positions, n)
     H, position = FE.host_state(initial_state, batch_shape, f, m, check_finite=check_finite)
     S0 = H[:, :, :m]

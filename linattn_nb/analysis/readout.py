@@ -93,7 +93,7 @@ def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps
     >>> r.accuracy, round(r.error, 12)
     (1.0, 0.0)
     """
-    from .._frontend import LinearState
+    from .._frontend import LinearState, read_state
     from ..state.linear import LinearAttentionState
 
     k = np.asarray(keys, dtype=np.float64)
@@ -123,9 +123,7 @@ def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps
             from ..rules import get_rule
 
             normalize = get_rule(state.rule).normalize
-        out = phi @ S
-        if normalize:
-            out = out / np.maximum(phi @ z, eps)[:, None]
+        out = read_state(phi, S, z, normalize, eps)
     else:
         raise TypeError(f"state must be a LinearAttentionState or a LinearState, got {type(state).__name__}")
     if values is None:

@@ -103,7 +103,7 @@ def _factor_array(decay, log_decay):
 
 def _step_decay_form(name, x, batch_shape, t: int, f: int):
     """A step's ``decay``/``log_decay`` array ``x`` in the form of :func:`linattn_nb.linear_attention`
-    with N = T (see :func:`rule_inputs`); errors name ``name``."""
+    with N = T (see :func:`call_forms`); errors name ``name``."""
     bs = tuple(batch_shape)
     nb = len(bs)
     forms = (f"a scalar or {nb} dimension(s) broadcastable to the batch shape {bs} (per sequence), "
@@ -145,20 +145,19 @@ def _step_beta_form(x, batch_shape, t: int):
     return x
 
 
-def rule_inputs(decay, log_decay, beta, fmap, normalize, batch_shape, t: int, f: int, *, step: bool):
-    """``(rule, inputs)`` of a step's (``step=True``) or a prefill's ``decay``/``log_decay`` and ``beta``.
+def call_forms(decay, log_decay, beta, batch_shape, t: int, f: int, *, step: bool) -> dict:
+    """A step's (``step=True``) or a prefill's ``decay``/``log_decay`` and ``beta`` in the forms of
+    :func:`linattn_nb.linear_attention` with N = T: the keywords ``decay``, ``log_decay``, ``beta``.
 
-    A prefill takes the forms of :func:`linattn_nb.linear_attention` with N = T, a step those of
-    :meth:`LinearAttentionState.step` (mapped onto them by :func:`_step_decay_form` and
-    :func:`_step_beta_form`).  GPU arrays are copied to the host first; the rule, the values and the
-    flattening are :func:`linattn_nb._frontend.rule_arguments`' (``inputs`` None without inputs).
+    A prefill takes those forms, a step those of :meth:`LinearAttentionState.step` (mapped onto them by
+    :func:`_step_decay_form` and :func:`_step_beta_form`).  GPU arrays are copied to the host; the front
+    end parses the result (:func:`linattn_nb._frontend.rule_arguments`).
     """
     name, x = _factor_array(decay, log_decay)
-    factor = {} if name is None else {name: _step_decay_form(name, x, batch_shape, t, f) if step else x}
+    forms = {"decay": None, "log_decay": None, "beta": None}
+    if name is not None:
+        forms[name] = _step_decay_form(name, x, batch_shape, t, f) if step else x
     if beta is not None:
         beta = FE.host_array("beta", beta)
-        if step:
-            beta = _step_beta_form(beta, batch_shape, t)
-    rule, inputs, _ = FE.rule_arguments(fmap, factor.get("decay"), factor.get("log_decay"), normalize,
-                                        tuple(batch_shape), t, f, causal=True, beta=beta)
-    return rule, inputs
+        forms["beta"] = _step_beta_form(beta, batch_shape, t) if step else beta
+    return forms

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import config
+from .._frontend import LinearState, read_state
 from ..feature_maps import resolve as _resolve_map
 from . import fileformat
 from .linear import LinearAttentionState as _Linear
@@ -150,14 +151,8 @@ class DPLRState:
         if check_finite and not np.isfinite(q).all():
             raise ValueError("q contains non-finite values (NaN or inf)")
         fq = np.asarray(self._fmap.apply(q, role="query", causal=True, offset=self._position), dtype=np.float64)
-        num = np.einsum("...tf,...fm->...tm", fq, self._S)
-        if self._normalize:
-            den = np.einsum("...tf,...f->...t", fq, self._z)
-            if self._eps is not None:
-                den = np.maximum(den, self._eps)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                num = num / den[..., None]
-        out = num.astype(np.result_type(q.dtype, np.float32) if q.dtype != np.float64 else np.float64)
+        out = read_state(fq, self._S, self._z, self._normalize, self._eps)
+        out = out.astype(np.result_type(q.dtype, np.float32) if q.dtype != np.float64 else np.float64)
         return out[(slice(None),) * len(self._bs) + (0,)] if one else out
 
     def reset(self) -> None:
@@ -175,8 +170,6 @@ class DPLRState:
     # -- conversion and files -------------------------------------------------------
     def to_linear_state(self):
         """The state as a :class:`~linattn_nb.LinearState` (copies; ``rule`` the rule's name)."""
-        from .._frontend import LinearState
-
         return LinearState(self._S.copy(), self._z.copy(), self._position, self.rule)
 
     def save(self, path) -> None:

@@ -24,7 +24,7 @@ from ..ops.step import cpu as _step_cpu
 from ..rules import get_rule, rule_for, rule_names
 from . import fileformat
 from ._checks import (F32, F64, STATE_DTYPES, check_batch_shape, check_dim, check_shapes, check_state_dtype,
-                      host_tokens, raise_nonfinite, rule_inputs)
+                      host_tokens, raise_nonfinite, call_forms)
 from .fileformat import StateFileError
 
 __all__ = ["LinearAttentionState", "StateFileError"]
@@ -446,32 +446,22 @@ class LinearAttentionState:
                 f"rule={self._rule!r}, position={self._position}, nbytes={self.nbytes})")
 
     # -- input handling ----------------------------------------------------------
-    def _prepare(self, pairs, check_finite, factors=None):
+    def _prepare(self, pairs, check_finite, decay=None, log_decay=None, beta=None, step=None):
         """Validate and flatten inputs; return an _Inputs (host or device arrays of (B, T, *)).
 
-        ``factors(T) -> (rule, inputs)``: the call's update rule and kernel
-        inputs, checked against the state's rule before the device is fixed.
+        ``step`` True or False: the rule arguments of a step or a prefill (:func:`._checks.call_forms`),
+        parsed by the front end and checked against the state's rule before the device is fixed.
         """
         names = [n for n, _, _ in pairs]
         dev = self._resolve([x for _, x, _ in pairs], names)
-        res = self._prepare_on(dev, pairs, names, check_finite)
-        res.rule, res.inputs = (RULE, None) if factors is None else factors(res.T)
+        res = self._prepare_on(dev, pairs, names, check_finite, (decay, log_decay, beta, step))
+        if step is not None:
+            given = [n for n, x in (("beta", beta), ("decay", decay), ("log_decay", log_decay)) if x is not None]
+            what = ("a step" if step else "a prefill") + " without decay/log_decay/beta"
+            self._check_rule(res.rule, " with ".join(given) if given else what)
         if self._device is None:
             self._set_device(dev)
         return res
-
-    def _factors(self, decay, log_decay, beta, step):
-        """A ``factors`` callable for :meth:`_prepare` (the forms of a step, or of a prefill)."""
-        what = "a step" if step else "a prefill"
-
-        def factors(T):
-            rule, inputs = rule_inputs(decay, log_decay, beta, self._fmap, self._normalize_arg, self._bs, T, self._f,
-                                       step=step)
-            given = [n for n, x in (("beta", beta), ("decay", decay), ("log_decay", log_decay)) if x is not None]
-            name = " with ".join(given) if given else f"{what} without decay/log_decay/beta"
-            self._check_rule(rule, name)
-            return rule, inputs
-        return factors
 
     def _absorb_rule(self, inp):
         """After a valid call: its tokens fix the rule of an unfixed state.  Returns whether it did
@@ -481,8 +471,9 @@ class LinearAttentionState:
             return True
         return False
 
-    def _prepare_on(self, dev, pairs, names, check_finite):
+    def _prepare_on(self, dev, pairs, names, check_finite, arguments):
         res = _Inputs()
+        decay, log_decay, beta, step = arguments
         if dev == "cuda" and any(on_device(x) for _, x, _ in pairs):
             if not all(on_device(x) for _, x, _ in pairs):
                 host = [n for n, x, _ in pairs if not on_device(x)]
@@ -502,6 +493,10 @@ class LinearAttentionState:
                 out.append(a.reshape((self._B, T, last)))
             res.arrays, res.T = out, T
             res.dtype = res.work = next(iter(dts))
+            forms = call_forms(decay, log_decay, beta, self._bs, T, self._f, step=bool(step))
+            res.rule, res.inputs, _ = FE.rule_arguments(self._fmap, forms["decay"], forms["log_decay"],
+                                                        self._normalize_arg, self._bs, T, self._f,
+                                                        causal=True, beta=forms["beta"])
             res.device_inputs = True
             if self._code is None:
                 raise ValueError(
@@ -509,15 +504,16 @@ class LinearAttentionState:
                     "kernels; pass host arrays, or compute the features and use feature_map=None"
                 )
             return res
-        arrs, T, dtype = host_tokens(self._bs, pairs)
+        arrs, T, dtype = host_tokens(self._bs, pairs)  # checked against the state's dimensions
         work = work_dtype(dtype)
-        if self._code is None and check_finite:
-            for n, a, _ in arrs:  # NumPy-side features: the raw inputs are checked here, the kernels see features
-                V.check_finite(n, a)
         given = {n: a for n, a, _ in arrs}
-        flat = [x for x in FE.host_features(self._fmap, self._code is not None, given.get("q"), given.get("k"),
-                                            given.get("v"), work, causal=True, position=self._position, n=T)
-                if x is not None]
+        # the request as linear_attention's (NumPy-side features: the raw inputs are scanned here)
+        c = FE.host_call(given.get("q"), given.get("k"), given.get("v"), fmap=self._fmap, eps=self._eps,
+                         causal=True, normalize=self._normalize_arg, check_qkv=check_finite and self._code is None,
+                         **call_forms(decay, log_decay, beta, self._bs, T, self._f, step=bool(step)))
+        res.rule, res.inputs = c.rule, c.inputs
+        flat = [x for x in FE.host_features(self._fmap, self._code is not None, c.q, c.k, c.v, work,
+                                            causal=True, position=self._position, n=T) if x is not None]
         res.arrays, res.T, res.dtype, res.work = flat, T, dtype, work
         res.device_inputs = False
         return res
@@ -680,8 +676,8 @@ class LinearAttentionState:
             res = self._rule_step_fast(q, k, v, check_finite)
             if res is not None:
                 return res
-        inp = self._prepare([("q", q, self._d), ("k", k, self._d), ("v", v, self._m)], check_finite,
-                            factors=self._factors(decay, log_decay, beta, step=True))
+        inp = self._prepare([("q", q, self._d), ("k", k, self._d), ("v", v, self._m)], check_finite, decay,
+                            log_decay, beta, step=True)
         given = out
         out = self._kernel_out(given, inp, call_reads(q, k, v, decay, log_decay, beta))
         fixed = self._absorb_rule(inp)
@@ -778,8 +774,8 @@ class LinearAttentionState:
         >>> bool(np.allclose(st.S, ref.S)), bool(np.allclose(st.z, ref.z)), st.position
         (True, True, 50)
         """
-        inp = self._prepare([("k", k, self._d), ("v", v, self._m)], check_finite,
-                            factors=self._factors(decay, log_decay, beta, step=False))
+        inp = self._prepare([("k", k, self._d), ("v", v, self._m)], check_finite, decay, log_decay, beta,
+                            step=False)
         fixed = self._absorb_rule(inp)
         if inp.T == 0:
             return
