@@ -154,7 +154,7 @@ def call_forms(decay, log_decay, beta, batch_shape, t: int, f: int, *, step: boo
     end parses the result (:func:`linattn_nb._frontend.rule_arguments`).
     """
     name, x = _factor_array(decay, log_decay)
-    forms = {"decay": None, "log_decay": None, "beta": None}
+    forms = {"decay": None, "log_decay": None, "beta": None}  # not a rule: the argument names
     if name is not None:
         forms[name] = _step_decay_form(name, x, batch_shape, t, f) if step else x
     if beta is not None:
