@@ -469,3 +469,25 @@ def test_summary_statistics_against_an_independent_numpy_reference(name, phi, ca
                 assert a == b or (math.isnan(a) and math.isnan(b)), (f, a, b)
             else:
                 assert math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15), (f, a, b)
+
+
+@pytest.mark.parametrize("case", [
+    dict(k_cols=2),                           # q and k of other feature dimensions
+    dict(decay=np.full((2, 5, 7), 0.9)),      # a per-feature gate of the wrong width
+    dict(log_decay=np.array([0.5, -1.0])),    # a log-factor > 0
+    dict(beta=3.0),                           # a write strength out of range
+    dict(decay=0.9, beta=np.full((2, 5), np.nan)),
+])
+def test_the_analyses_refuse_a_request_with_linear_attentions_own_messages(case, rng):
+    """The analyses prepare their request as linear_attention does (the front end's host_call): the same
+    argument raises the same error, word for word."""
+    case = dict(case)
+    q = rng.normal(size=(2, 5, 3))
+    k = q[..., : case.pop("k_cols", 3)]
+    with pytest.raises(ValueError) as want:
+        linear_attention(q, k, q, causal=True, **case)
+    for call in (lambda: attention_weights(q, k, "elu", causal=True, **case),
+                 lambda: approximation_error(q, k, q, "elu", causal=True, **case)):
+        with pytest.raises(ValueError) as got:
+            call()
+        assert str(got.value) == str(want.value)
