@@ -193,18 +193,13 @@ class RandomFeatureMap(FeatureMap):
         return xs, xs @ w.T
 
     def _vjp_project(self, x, grad_features, role):
-        """The start of a vjp: ``(W, g, out_dtype, root, xs, u)`` with ``root = sqrt(scale)``.
-
-        Draws ``W`` first if needed, as :meth:`apply` would.
-        """
+        """The start of a vjp: ``(W, g, out_dtype, root, xs, u)`` with ``root = sqrt(scale)`` (``W`` drawn
+        first if needed, as :meth:`apply` would)."""
         check_role(self.name, role)
-        x = check_input(self.name, x)
-        d = x.shape[-1]
-        w = self.weights(d)
+        self.weights(check_input(self.name, x).shape[-1])
         x, g, out_dtype = vjp_inputs(self, x, grad_features, role)
-        root = math.sqrt(self.effective_scale(d))
-        xs = np.asarray(x, dtype=np.float64) * root
-        return w, g, out_dtype, root, xs, xs @ w.T
+        xs, u = self._project(x)
+        return self.W, g, out_dtype, math.sqrt(self.effective_scale(x.shape[-1])), xs, u
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(dim={self.dim}, num_features={self.num_features}, "
