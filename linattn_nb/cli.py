@@ -96,12 +96,6 @@ def cmd_info(args) -> int:
     return 0
 
 
-def _rows_text(rows) -> str:
-    if len(rows) == 1:
-        return f"{rows[0][1]} at every N"
-    return f"{rows[0][1]} up to N = {rows[0][0]}, {rows[1][1]} above"
-
-
 def _print_calibration(cal) -> None:
     from linattn_nb._tune import crossover
 
@@ -115,9 +109,10 @@ def _print_calibration(cal) -> None:
             print(f"  {n:>6} {s:>10.3f} {c:>11.3f} {r:>13.2f}")
     print("method='auto' (causal, CPU) on this machine:")
     for name, e in sorted(cal["entries"].items()):
-        cross = crossover(e["rows"])
-        print(f"  {name:<22} {_rows_text(e['rows'])}"
-              f"{f'  (chunked from N = {cross})' if cross is not None else ''}")
+        rows, cross = e["rows"], crossover(e["rows"])
+        text = (f"{rows[0][1]} at every N" if len(rows) == 1
+                else f"{rows[0][1]} up to N = {rows[0][0]}, {rows[1][1]} above")
+        print(f"  {name:<22} {text}{f'  (chunked from N = {cross})' if cross is not None else ''}")
 
 
 def cmd_tune(args) -> int:
@@ -271,12 +266,6 @@ def _problem_options(p, study) -> None:
     g.add_argument("--seeds", metavar="K", default=None, help="run every point for seeds 0 .. K-1")
 
 
-def _options_of(args) -> dict:
-    from linattn_nb._overrides import OPTION_KEYS
-
-    return {key: getattr(args, key) for key in OPTION_KEYS if getattr(args, key, None) is not None}
-
-
 @contextlib.contextmanager
 def _studies_with_options(options):
     """Register, for the duration, each study of ``options`` with its points changed by its options."""
@@ -301,12 +290,6 @@ def _studies_with_options(options):
     finally:
         for study in originals:
             register_study(study, overwrite=True)
-
-
-def _os_error(exc: OSError) -> str:
-    """``exc`` in one line: the reason and the path it concerns."""
-    what = exc.strerror or str(exc) or type(exc).__name__
-    return f"{what}: {exc.filename!r}" if exc.filename else what
 
 
 def _first_missing(path: str) -> str | None:
@@ -340,7 +323,7 @@ def _unwritable(out: str) -> str | None:
 def _run_studies(args, names, argv) -> int:
     from pathlib import Path
 
-    from linattn_nb._overrides import OptionError, apply_overrides, check_options, load_config
+    from linattn_nb._overrides import OPTION_KEYS, OptionError, apply_overrides, check_options, load_config
     from linattn_nb.studies import Context, get_study, run_report
     from linattn_nb.studies.report import command_line
 
@@ -357,7 +340,8 @@ def _run_studies(args, names, argv) -> int:
             names = conf["studies"]
             options = conf["options"]
         elif names is not None:
-            opts = check_options(_options_of(args), section="--")
+            given = {key: getattr(args, key) for key in OPTION_KEYS if getattr(args, key, None) is not None}
+            opts = check_options(given, section="--")
             if opts:
                 options = {names[0]: opts}
         args.profile = args.profile or "full"
@@ -412,7 +396,9 @@ def _run_studies(args, names, argv) -> int:
     except (FileExistsError, NotADirectoryError, ValueError, RuntimeError) as exc:
         return usage_error(str(exc))
     except OSError as exc:
-        return usage_error(f"cannot write the report to {args.out!r}: {_os_error(exc)}")
+        what = exc.strerror or str(exc) or type(exc).__name__
+        return usage_error(f"cannot write the report to {args.out!r}: "
+                           + (f"{what}: {exc.filename!r}" if exc.filename else what))
     if names is not None and getattr(args, "config", None) is None:
         for name in names:
             section = res.sections.get(get_study(name).name)
