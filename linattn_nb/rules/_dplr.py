@@ -125,9 +125,10 @@ def real(name: str, x, copy: bool = True) -> np.ndarray:
     return np.array(arr, dtype=np.float64)
 
 
-def shaped(name: str, x, want: tuple, what: str) -> np.ndarray:
-    """``x`` checked to have shape ``want`` (``what`` names the axes in the message), as float64."""
-    arr = real(name, x)
+def shaped(name: str, x, want: tuple, what: str, copy: bool = True) -> np.ndarray:
+    """``x`` checked to have shape ``want`` (``what`` names the axes in the message), as float64 (``copy``:
+    as :func:`real`)."""
+    arr = real(name, x, copy)
     if arr.shape != tuple(want):
         raise ValueError(f"{name} must have shape {what} = {tuple(want)}, got {arr.shape}")
     return arr
@@ -146,10 +147,10 @@ def token_or_feature(name: str, x, lead: tuple, N: int, F: int, copy: bool = Tru
                      f"got {arr.shape}")
 
 
-def per_feature(name: str, x, lead: tuple, N: int, F: int) -> np.ndarray:
-    """A per-token-and-feature ``(..., N, F)`` array as (B, N, F)."""
+def per_feature(name: str, x, lead: tuple, N: int, F: int, copy: bool = True) -> np.ndarray:
+    """A per-token-and-feature ``(..., N, F)`` array as (B, N, F) (``copy``: as :func:`real`)."""
     B = int(np.prod(lead, dtype=np.int64))
-    return shaped(name, x, lead + (N, F), "(..., N, D_phi)").reshape(B, N, F)
+    return shaped(name, x, lead + (N, F), "(..., N, D_phi)", copy).reshape(B, N, F)
 
 
 def per_token(name: str, x, lead: tuple, N: int, r: int = 0) -> np.ndarray:
@@ -172,7 +173,8 @@ def in_range(name: str, x: np.ndarray, lo: float, hi: float) -> np.ndarray:
 def log_factors(inputs: dict, lead: tuple, N: int, F: int, *, feature: bool, required: bool = True,
                 names=("decay", "log_decay")) -> np.ndarray | None:
     """The log-factors from ``decay`` (in [0, 1]) or ``log_decay`` (<= 0, -inf a reset): (B, N, 1) or
-    (B, N, F) (``feature``: per feature only).  Exactly one of the two unless not ``required``."""
+    (B, N, F) (``feature``: per feature only), float64; a float64 ``log_decay`` as given (read, never
+    written).  Exactly one of the two unless not ``required``."""
     dn, ln = names
     d, lg = inputs.get(dn), inputs.get(ln)
     if d is not None and lg is not None:
@@ -183,7 +185,7 @@ def log_factors(inputs: dict, lead: tuple, N: int, F: int, *, feature: bool, req
         return None
     pick = per_feature if feature else token_or_feature
     if lg is not None:
-        x = pick(ln, lg, lead, N, F)
+        x = pick(ln, lg, lead, N, F, copy=getattr(lg, "dtype", None) != np.float64)
         if not (x <= 0).all():  # NaN fails too
             raise ValueError(f"{ln} must be <= 0 (-inf allowed: a reset), with no NaN")
         return x
