@@ -16,16 +16,6 @@ from ._checks import check_batch_shape, check_dim, check_state_dtype, host_token
 __all__ = ["KVCache"]
 
 
-# ---------------------------------------------------------------------------
-# The softmax baseline
-# ---------------------------------------------------------------------------
-def _kv_block() -> int:
-    block = int(config.KV_BLOCK)
-    if block < 1:
-        raise ValueError(f"config.KV_BLOCK must be >= 1, got {block}")
-    return block
-
-
 class KVCache:
     r"""Softmax attention's decoding cache: every key and value, grown geometrically.
 
@@ -216,13 +206,16 @@ class KVCache:
             (q, k, v), T, dtype = self._prepare([("q", q, self._d), ("k", k, self._d), ("v", v, self._m)],
                                                 check_finite)
             res = dtype
+        block = int(config.KV_BLOCK)
+        if block < 1:
+            raise ValueError(f"config.KV_BLOCK must be >= 1, got {block}")
         self._make_room(self._len + T)
         out = np.empty((self._B, T, self._m), dtype=dt)
         if self._B:
             kern = _cpu.pick_kv_kernel(self._B, T, self._len + T, self._d, self._m)
             with parallel_calls(kern is not _cpu.kv_step_serial):  # one thread at a time under workqueue
                 bad = kern(q, k, v, self._K, self._V, np.int64(self._len), out, self._scale,
-                           np.int64(_kv_block()), bool(check_finite and res is None))
+                           np.int64(block), bool(check_finite and res is None))
             if bad:
                 raise_nonfinite(("q", "k", "v")[bad - 1])
         self._len += T

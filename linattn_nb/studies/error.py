@@ -223,16 +223,9 @@ def _js_applicable(agg, key) -> bool:
     return bool(inf_rate.size and np.all(inf_rate == 0) and np.all(np.isfinite(js)))
 
 
-def _js_cell(agg, key):
-    if not _js_applicable(agg, key):
-        return "n/a"
-    m, s = agg.stat(key, "js_mean")
-    return pm(m, s)
-
-
 def _cell(agg, key, field):
     if field == "js_mean":
-        return _js_cell(agg, key)
+        return pm(*agg.stat(key, field)) if _js_applicable(agg, key) else "n/a"
     m, s = agg.stat(key, field)
     if field == "kl_infinite_rate" and math.isfinite(m):
         return pm(m, s) if m else "0"

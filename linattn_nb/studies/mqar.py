@@ -444,15 +444,6 @@ class _Agg:
         return dims, states, means, halves, [len(cell[h]) for h in dims]
 
 
-def _frontier(agg, kv, layer):
-    """(state, mean, half) at the smallest state whose mean accuracy reaches ACCURACY; None if none does."""
-    dims, states, m, h, _ = agg.series(kv, layer)
-    for j in range(len(dims)):
-        if m[j] >= ACCURACY:
-            return states[j], m[j], h[j], dims[j]
-    return None
-
-
 def findings(agg) -> list:
     """The three checks, each a :class:`Claim` computed from the aggregated accuracies."""
     out = []
@@ -557,10 +548,11 @@ def render(records, ctx) -> Rendered:
         for layer in agg.layers:
             row = [LAYERS[layer][0]]
             for kv in agg.kvs:
-                f = _frontier(agg, kv, layer)
-                dims, states = agg.series(kv, layer)[:2]
-                if f is not None:
-                    row.append(f"{int(f[0])} (d = {f[3]}: {pm(f[1], f[2])})")
+                dims, states, m, h, _ = agg.series(kv, layer)
+                # the smallest state whose mean accuracy reaches ACCURACY
+                j = next((j for j in range(len(dims)) if m[j] >= ACCURACY), None)
+                if j is not None:
+                    row.append(f"{int(states[j])} (d = {dims[j]}: {pm(m[j], h[j])})")
                 else:
                     row.append(f"> {int(states[-1])}" if len(dims) else "–")
             rows.append(row)

@@ -160,11 +160,6 @@ def _prepare_out(out: Path, *, force: bool, resume: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def _anchor(title: str) -> str:
-    keep = [c for c in title.lower() if c.isalnum() or c in " -_"]
-    return "".join(keep).replace(" ", "-")
-
-
 def run_report(
     out="report",
     *,
@@ -454,7 +449,8 @@ def _write_markdown(result: ReportResult, ctx: Context, selected, timings, comma
     for study in selected:
         if study.name in result.sections:
             r = result.sections[study.name]
-            lines.append(f"- [{study.title}](#{_anchor(study.title)})"
+            anchor = "".join(c for c in study.title.lower() if c.isalnum() or c in " -_").replace(" ", "-")
+            lines.append(f"- [{study.title}](#{anchor})"
                          + (f" -- {r.summary}" if r.summary else ""))
     for name, _ in result.skipped:
         lines.append(f"- {get_study(name).title}: not run (see [Not run](#not-run))")
