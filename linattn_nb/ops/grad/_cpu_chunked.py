@@ -104,6 +104,7 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
         Z = np.empty((Cf, F))
         acc = np.empty(F)
         hr = np.empty(F)
+        qr = np.empty(F)
         # ------------------------------------------------------------------
         # pass 1, chunks in order: H, dq, the intra-chunk parts of dk and dv
         # (and the factor gradient's two terms that need H but not R)
@@ -135,22 +136,26 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
             chunk_factors_rows(rule, lg, b, s0, n, fa, fb, fe, tot)
             # T = G H^T: the chunk-start state read by each gradient row
             gemm(0, 1, n, F, M1, 1.0, g1, vo, M1, Hw, 0, M1, 0.0, T, 0, F)
-            # rows in order, keys decayed in place: fk[s] = W_ts * k_s
+            # rows in order, keys decayed in place: fk[s] = W_ts * k_s (each key decayed as it is read)
             for t in range(n):
-                for s in range(t):
-                    for i in range(F):
-                        fk[s, i] *= fa[t, i]
                 for i in range(F):
                     fk[t, i] = kf[b, s0 + t, i]
-                for i in range(F):
                     acc[i] = fb[t, i] * T[t, i]
+                    qr[i] = qf[b, s0 + t, i]
                 for s in range(t + 1):
                     p = np.float64(Pm[t, s])
                     x = 0.0
-                    for i in range(F):
-                        y = fk[s, i]
-                        acc[i] += p * y
-                        x += np.float64(qf[b, s0 + t, i]) * y
+                    if s < t:
+                        for i in range(F):
+                            y = fk[s, i] * fa[t, i]
+                            fk[s, i] = y
+                            acc[i] += p * y
+                            x += qr[i] * y
+                    else:
+                        for i in range(F):
+                            y = fk[s, i]
+                            acc[i] += p * y
+                            x += qr[i] * y
                     Am[t, s] = x
                 for i in range(F):
                     dq[b, s0 + t, i] = acc[i]
@@ -200,17 +205,16 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
                         Z[u, i] = fa[t, i] * Z[u, i] + np.float64(kf[b, s0 + t, i]) * p
             # dk (intra) = sum_{u >= t} W_ut q_u P0_ut, queries decayed in place backwards
             for t in range(n - 1, -1, -1):
-                for u in range(t + 1, n):
-                    for i in range(F):
-                        fk[u, i] *= fa[t + 1, i]
+                p = np.float64(Pm[t, t])
                 for i in range(F):
                     fk[t, i] = qf[b, s0 + t, i]
-                for i in range(F):
-                    acc[i] = 0.0
-                for u in range(t, n):
+                    acc[i] = p * fk[t, i]
+                for u in range(t + 1, n):  # each query decayed as it is read
                     p = np.float64(Pm[u, t])
                     for i in range(F):
-                        acc[i] += p * fk[u, i]
+                        y = fk[u, i] * fa[t + 1, i]
+                        fk[u, i] = y
+                        acc[i] += p * y
                 for i in range(F):
                     dk[b, s0 + t, i] = acc[i]
             # dv (intra) = A^T G
