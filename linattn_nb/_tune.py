@@ -58,7 +58,6 @@ _busy = False
 #: The calibration of this process: None before the first look, False when none applies.
 _current = None
 _key_memo = None
-_blas_memo = None
 #: (rule, dtype) entries whose first-use timing raised: not tried again in this process.
 _failed = set()
 
@@ -122,16 +121,6 @@ def _owner(filepath: str) -> str:
         if part in ("site-packages", "lib", "lib64"):
             break
     return os.path.basename(str(filepath))
-
-
-def _blas_static() -> list:
-    """The parts of :func:`blas_libraries` that cannot change in a process (memoised)."""
-    global _blas_memo
-    if _blas_memo is None:
-        _blas_memo = [{"internal_api": str(i.get("internal_api")), "architecture": str(i.get("architecture")),
-                       "version": str(i.get("version")), "owner": _owner(i.get("filepath", ""))}
-                      for i in blas_libraries()]
-    return _blas_memo
 
 
 def blas_env() -> dict:
@@ -229,7 +218,8 @@ def calibration_key() -> dict:
 
         _key_memo = {
             "cpu": cpu_model(),
-            "blas": [{k: i[k] for k in ("internal_api", "architecture", "version")} for i in _blas_static()],
+            "blas": [{k: str(i.get(k)) for k in ("internal_api", "architecture", "version")}
+                     for i in blas_libraries()],
             "blas_env": blas_env(),
             "numba_threads": int(numba.config.NUMBA_NUM_THREADS),
             "linattn_nb": __version__,
@@ -353,11 +343,10 @@ def current() -> dict | None:
 
 def forget() -> None:
     """Drop what this process remembers (the calibration and the key); the next use reads the file again."""
-    global _current, _key_memo, _blas_memo
+    global _current, _key_memo
     with _lock:
         _current = None
         _key_memo = None
-        _blas_memo = None
         _failed.clear()
 
 

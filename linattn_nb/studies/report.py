@@ -57,16 +57,6 @@ class ReportResult:
     over_budget: list = field(default_factory=list)
 
 
-def _cached_kernels() -> int | None:
-    """Number of compiled kernels (``*.nbc`` files) in linattn_nb's cache folder; None when caching is off."""
-    from .. import _cache
-
-    folder = _cache.cache_folder()[0]
-    if folder is None:
-        return None
-    return sum(1 for _ in Path(folder).rglob("*.nbc"))
-
-
 def resolve_devices(device: str) -> tuple:
     """The devices the studies run on: "auto" adds the GPU when a real one is present.
 
@@ -255,7 +245,11 @@ def run_report(
         except ImportError as exc:
             raise ImportError("--scheduler needs dask.distributed: pip install 'linattn_nb[dask]'") from exc
         client = Client(scheduler, timeout="30s")
-    result = ReportResult(path=out / "report.md", cached_kernels=_cached_kernels())
+    from .. import _cache
+
+    folder = _cache.cache_folder()[0]  # compiled kernels in it: *.nbc files
+    result = ReportResult(path=out / "report.md",
+                          cached_kernels=None if folder is None else sum(1 for _ in Path(folder).rglob("*.nbc")))
     timings = {}
     n_sel = len(selected)
     runnable = []  # (index in the report, study), in the report's order
