@@ -58,14 +58,11 @@ class StateFile(NamedTuple):
 # ---------------------------------------------------------------------------
 # Feature-map description
 # ---------------------------------------------------------------------------
-def probe(d: int) -> np.ndarray:
-    """A fixed input on which a rebuilt feature map must reproduce the saved one."""
-    return np.linspace(-2.0, 2.0, PROBE_TOKENS * d).reshape(PROBE_TOKENS, d)
-
-
 def probe_features(fmap, d: int) -> np.ndarray:
-    """float64 features ``(3, output_dim(d))`` of :func:`probe` (keys, causal, from position 0)."""
-    feats = FE.featurise(fmap, probe(d), role="key", causal=True, offset=0, total_length=PROBE_TOKENS,
+    """float64 features ``(3, output_dim(d))`` (keys, causal, from position 0) of a fixed input on which a
+    rebuilt feature map must reproduce the saved one."""
+    x = np.linspace(-2.0, 2.0, PROBE_TOKENS * d).reshape(PROBE_TOKENS, d)
+    feats = FE.featurise(fmap, x, role="key", causal=True, offset=0, total_length=PROBE_TOKENS,
                          dtype=np.float64, name="the probe input")
     return np.asarray(feats, dtype=np.float64)
 
@@ -73,7 +70,7 @@ def probe_features(fmap, d: int) -> np.ndarray:
 def feature_map_spec(fmap, d: int):
     """(params_json, arrays, rebuild_error): how to rebuild ``fmap`` through the registry, from the
     attributes named like its constructor's parameters (JSON values, or arrays in their own entries).
-    A map rebuilt from them that does not give the same features on :func:`probe` is recorded as not
+    A map rebuilt from them that does not give the same features on the probe input is recorded as not
     rebuildable (``rebuild_error``)."""
     cls = type(fmap)
     name = getattr(fmap, "name", "")
