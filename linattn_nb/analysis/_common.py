@@ -17,29 +17,6 @@ from .. import config
 from .. import feature_maps as fm
 from ..rules import get_rule
 
-__all__ = [
-    "DEFAULT",
-    "SOFTMAX",
-    "is_softmax",
-    "resolve_map",
-    "warn_scale",
-    "resolve_eps",
-    "check_causal",
-    "feature_dim",
-    "features",
-    "check_finite_features",
-    "called_features",
-    "check_rtol",
-    "check_scalar_rtol",
-    "check_int",
-    "check_positive_float",
-    "prepare",
-    "softmax_weights",
-    "entry_weights",
-    "normalise_rows",
-    "explicit_rule_weights",
-    "plain_dict",
-]
 
 class _DefaultEps:
     """The default of an ``eps`` argument: ``config.DEFAULT_EPS``, read at call time.
@@ -66,6 +43,7 @@ class _DefaultEps:
 DEFAULT = _DefaultEps()
 #: The ``feature_map`` value that asks for softmax weights instead of a map.
 SOFTMAX = "softmax"
+
 
 def plain_dict(fields) -> dict:
     """``(name, value)`` pairs as a dict for :func:`json.dumps`: arrays as lists, NumPy scalars unboxed."""

@@ -96,12 +96,17 @@ def _causal_normalised_query_features(fq, fk, *, eps):
     out = np.empty_like(fq)
     bad = _causal_normalise_kernel(np.ascontiguousarray(fq), np.ascontiguousarray(fk),
                                    0.0 if eps is None else float(eps), eps is not None, out)
+    _check_normalisers(bad)
+    return out
+
+
+def _check_normalisers(bad):
+    """Raise ValueError when ``bad`` normalisers ``phi(q_i) . z_i`` were zero or not finite."""
     if bad:
         raise ValueError(
-            f"{bad} normaliser(s) phi(q_i) . z_i are zero (signed feature map with eps=None?): "
+            f"{int(bad)} normaliser(s) phi(q_i) . z_i are zero (signed feature map with eps=None?): "
             "the attention weights are undefined; pass eps > 0"
         )
-    return out
 
 
 def _check_explicit_n(n, limit_name, limit):
@@ -202,11 +207,7 @@ def _stream_r(X, code=0, z=None, eps=None, R=None):
             if not normalise:
                 colsum += blk.sum(axis=0)
             R = _qr_update(R, blk)
-    if bad:
-        raise ValueError(
-            f"{int(bad)} normaliser(s) phi(q_i) . z are zero (signed feature map with eps=None?): "
-            "the attention weights are undefined; pass eps > 0"
-        )
+    _check_normalisers(bad)
     return np.triu(R), colsum
 
 
@@ -410,6 +411,19 @@ def _semiseparable_explicit(w, rtol):
     return best, best_i
 
 
+def _sweep_r(x, splits, *, suffixes):
+    """``{i: R factor of x[:i]}`` (or of ``x[i:]`` with ``suffixes``) for the ascending ``splits``, one pass."""
+    r = np.zeros((x.shape[1], x.shape[1]))
+    at = x.shape[0] if suffixes else 0
+    out = {}
+    for i in (splits[::-1] if suffixes else splits):
+        i = int(i)
+        _append_rows(r, x[i:at] if suffixes else x[at:i])
+        at = i
+        out[i] = r.copy()
+    return out
+
+
 def _semiseparable_factor(pq, fk, rtol, budget):
     """Largest numerical rank of B_i = pq[i:] fk[:i]^T over the splits (and its smallest split), from factors.
 
@@ -439,24 +453,8 @@ def _semiseparable_factor(pq, fk, rtol, budget):
         gbound = bound[pos:pos + group_size]
         pos += len(group)
         todo = np.sort(group[gbound >= best])
-        # forward sweep: R factors of the key prefixes at the group's splits
-        r = np.zeros((f, f))
-        at = 0
-        r_p = {}
-        for i in todo:
-            i = int(i)
-            _append_rows(r, fk[at:i])
-            at = i
-            r_p[i] = r.copy()
-        # backward sweep: R factors of the query suffixes
-        r = np.zeros((f, f))
-        at = n
-        r_s = {}
-        for i in todo[::-1]:
-            i = int(i)
-            _append_rows(r, pq[i:at])
-            at = i
-            r_s[i] = r.copy()
+        r_p = _sweep_r(fk, todo, suffixes=False)  # R factors of the key prefixes at the group's splits
+        r_s = _sweep_r(pq, todo, suffixes=True)   # and of the query suffixes
         # core SVDs in decreasing order of the bound, while a bound can still reach the best rank
         for i, bnd in zip(group, gbound):
             if bnd < best:
