@@ -181,13 +181,16 @@ def test_render_states_each_check_with_its_verdict(tmp_path):
     assert len(claims) == 3 and all("(not supported;" in ln for ln in claims), claims
 
 
-def test_the_report_runs_mqar_only_by_name():
-    """Not in the default report (its training is not sized to the report's time); by name it is."""
+def test_the_report_runs_mqar_when_torch_imports_and_says_how_to_get_it_otherwise(monkeypatch):
+    """A section of the default report; without torch it is listed as not run, with the install command."""
     from linattn_nb.studies import _builtin  # noqa: F401
     from linattn_nb.studies._study import STUDIES, get_study
 
-    assert get_study("mqar").in_report is False
-    assert [s.name for s in STUDIES if not s.in_report] == ["mqar"]
+    study = get_study("mqar")
+    assert study.in_report and study in [s for s in STUDIES if s.in_report]
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    reason = study.requires()
+    assert reason is not None and "torch" in reason and "pip install 'linattn_nb[torch]'" in reason
 
 
 @pytest.mark.parametrize("layer", ["rwkv7", "delta-product", "gated-delta-product"])
