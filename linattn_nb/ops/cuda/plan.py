@@ -80,19 +80,10 @@ def _pad_rows(F: int, acc_itemsize: int) -> int:
 
 def seq_config(F: int, M: int, acc_itemsize: int, rule: int = RULE_ADDITIVE, layout: str = "owner"
                ) -> tuple[int, int, int, int, int]:
-    """Choose ``(R, C, G, MB, T)`` for feature dimension ``F``, value dimension ``M`` in ``layout``.
-
-    ``layout`` "owner" (falls back to row groups where it does not apply), "rows"
-    or "tiles" (where :func:`tiles_fits`, else the owner layout's rule).  The rules
-    of each layout: ``docs/cuda_kernels.md``, "Choosing the configuration".  Every
-    configuration has at most :data:`MAX_SEQ_THREADS` threads, so registers x
-    threads <= 65,536.
-
-    Raises
-    ------
-    ValueError
-        When ``F`` exceeds ``config.CUDA_MAX_FEATURES`` or no configuration fits.
-    """
+    """Choose ``(R, C, G, MB, T)`` for feature dimension ``F``, value dimension ``M`` in ``layout``: "owner"
+    (row groups where it does not apply), "rows" or "tiles" (where :func:`tiles_fits`, else as "owner");
+    at most :data:`MAX_SEQ_THREADS` threads (``docs/cuda_kernels.md``, "Choosing the configuration").
+    ValueError when ``F`` exceeds ``config.CUDA_MAX_FEATURES`` or no configuration fits."""
     F = int(F)
     M = int(M)
     item = int(acc_itemsize)
