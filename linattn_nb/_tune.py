@@ -143,11 +143,9 @@ def blas_line(libs=None) -> str:
 
 
 def forced_kernel_warnings(libs=None, flags=None, env=None) -> list:
-    """One sentence per BLAS setting below what the CPU supports (empty when none is seen).
-
-    ``libs``, ``flags``, ``env`` default to :func:`blas_libraries`, :func:`cpu_flags`, :func:`blas_env`.
-    Seen: an OpenBLAS running AVX2 or older kernels on an AVX-512 CPU (or pre-AVX2 ones on an AVX2
-    CPU), an ``MKL_ENABLE_INSTRUCTIONS`` below the CPU's level, an ``MKL_DEBUG_CPU_TYPE`` with MKL.
+    """One sentence per BLAS setting below what the CPU supports (``libs``, ``flags``, ``env``: default
+    :func:`blas_libraries`, :func:`cpu_flags`, :func:`blas_env`): OpenBLAS kernels older than the CPU's
+    vector level, an ``MKL_ENABLE_INSTRUCTIONS`` below it, an ``MKL_DEBUG_CPU_TYPE`` with MKL.
     """
     libs = blas_libraries() if libs is None else libs
     flags = cpu_flags() if flags is None else flags
@@ -461,12 +459,10 @@ def crossover(rows):
 
 
 def calibrate(rules=None, dtypes=DTYPES, *, quick=False, progress=None, seed=0) -> dict:
-    """Time the scan against the chunked kernel here, per rule (default :func:`tuned_rules`) and dtype.
-
-    Returns ``format``, ``key``, ``created``, ``setting`` (:data:`QUICK` or :data:`FULL`) and
-    ``entries``: ``"<rule>/<dtype>" -> {"n", "scan_ms", "chunked_ms", "ratio", "rows", "crossover"}``
-    (median times in ms, the median of the rounds' chunked / scan ratios, :func:`rows_from`'s rows).
-    :func:`save` stores it; ``progress(rule, dtype)`` is called before each pair is timed.
+    """Time the scan against the chunked kernel here, per rule (default :func:`tuned_rules`) and dtype;
+    ``progress(rule, dtype)`` is called before each pair.  Returns ``format``, ``key``, ``created``,
+    ``setting`` and ``entries``: ``"<rule>/<dtype>" -> {"n", "scan_ms", "chunked_ms", "ratio", "rows",
+    "crossover"}`` (median ms, the median of the rounds' chunked / scan ratios, :func:`rows_from`'s rows).
     """
     import numpy as np
 
