@@ -200,12 +200,9 @@ def _hook_cuda() -> None:
 
 
 def install(version: str) -> str | None:
-    """Choose the cache folder of linattn_nb's kernels and make Numba use it.
-
-    Must run before any kernel module is imported; linattn_nb's own kernels only
-    (docs/design-cpu.md).  ``version`` is the first part of the folder's name.  Sets
-    ``config.CACHE_DIR`` (``config.CACHE = False`` when no folder can be written) and returns the
-    folder, or None when caching is off or the sources are not plain files.
+    """Choose the cache folder of linattn_nb's kernels (``version``-<source hash>) and make Numba use it,
+    before any kernel module is imported.  Sets ``config.CACHE_DIR`` (``config.CACHE = False`` when no
+    folder can be written); returns the folder, or None when caching is off or the sources are not files.
     """
     global _folder, _origin
     if not config.CACHE:

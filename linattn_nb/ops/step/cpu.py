@@ -184,11 +184,8 @@ def _step_all(q, k, v, St, z, out, feat, code, eps, check, rule, lg, norm, read)
 
 def _step(q, k, v, St, z, out, feat, code, eps, check, rule, lg, norm, read):
     """T tokens of rule ``rule`` through the state of every batch entry: token t updates, then reads.
-
-    ``feat`` (2, B, F) scratch in the state dtype (phi(k), phi(q)); (3, B, F) for
-    the decay and gate rules (their factors).  ``lg`` (B, T, G) float64 from
-    :func:`linattn_nb.ops._rules.log_factors`; ``norm`` the output mode; ``read``
-    False absorbs the tokens without outputs (``q``, ``out`` untouched).  Returns
+    ``feat`` (2 or, with factors, 3, B, F) scratch in the state dtype; ``lg`` (B, T, G) float64 from
+    :func:`linattn_nb.ops._rules.log_factors`; ``read`` False absorbs the tokens without outputs.  Returns
     0, or 1/2/3 (nothing modified) when ``check`` finds q/k/v non-finite.
     """
     return _step_all(q, k, v, St, z, out, feat, code, eps, check, rule, lg, norm, read)
