@@ -232,7 +232,8 @@ def _study_options(p, *, default_out: str) -> None:
                    help=f"same as --profile quick (the whole report: {QUICK_TIME})")
     p.add_argument("--profile", choices=("tiny", "quick", "full"), default=None,
                    help="problem sizes: full (default; about 6 min on 2 cores on a first run, which compiles the "
-                        "kernels; report.md states the time each study took), quick, or tiny (a smoke test)")
+                        "kernels, and about 18 min more for the MQAR training study where torch is installed; "
+                        "report.md states the time each study took), quick, or tiny (a smoke test)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
                    help="auto (default): the CPU, plus the GPU when a real one is present; cpu; cuda (GPU only)")
     p.add_argument("--scheduler", metavar="ADDR", default=None,
@@ -447,8 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "report", help="run every built-in study; write DIR/report.md with tables, plots and raw JSONL",
         description="Run the built-in studies (correctness self-check, causal throughput against N, "
-                    "approximation error, rank limits, recall capacity; those whose analysis functions "
-                    "are not installed are listed as not run) and write DIR/report.md with tables and "
+                    "approximation error, rank limits, recall capacity, MQAR training, ...; those whose "
+                    "optional packages are not installed, e.g. torch for MQAR, are listed as not run) and write DIR/report.md with tables and "
                     "PNG plots beside the raw results (one JSON Lines file per study).")
     _study_options(p, default_out="report")
     p.add_argument("--config", metavar="FILE", default=None,
