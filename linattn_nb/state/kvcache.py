@@ -9,7 +9,7 @@ import numpy as np
 from .. import _validate as V
 from .._blas import parallel_calls
 from .. import config
-from ..device import check_device_arg, on_device, resolve_device
+from ..device import check_device_arg, on_device
 from ..ops.step import cpu as _cpu
 from ._checks import check_batch_shape, check_dim, check_state_dtype, host_tokens, raise_nonfinite
 
@@ -144,24 +144,15 @@ class KVCache:
         self._len = need
 
     def _prepare(self, pairs, check_finite):
-        names = [n for n, _, _ in pairs]
         if any(on_device(x) for _, x, _ in pairs):
             raise ValueError("KVCache has a CPU kernel only; copy the GPU inputs "
                              f"({', '.join(n for n, x, _ in pairs if on_device(x))}) to the host first")
-        resolve_device("cpu", *[x for _, x, _ in pairs], names=names)
         arrs, T, dtype = host_tokens(self._bs, pairs)
         if check_finite:
             for n, a, _ in arrs:
                 V.check_finite(n, a)
         flat = [V.flatten_batch(a, self._dtype) for _, a, _ in arrs]
         return flat, T, dtype
-
-    def _attend(self, q3, T, causal_new, dtype):
-        out = np.empty((self._B, T, self._m), dtype=self._dtype)
-        if T and self._B:
-            _cpu.kv_attend(q3, self._K, self._V, self._len, out, scale=self._scale, causal_new=causal_new)
-        out = out.reshape(self._bs + (T, self._m))
-        return out if out.dtype == dtype else out.astype(dtype)
 
     # -- the API --------------------------------------------------------------------
     def prefill(self, k, v, *, check_finite=True) -> None:
@@ -229,7 +220,11 @@ class KVCache:
         (q3,), T, dtype = self._prepare([("q", q, self._d)], check_finite)
         if self._len == 0:
             raise ValueError("the cache is empty: a softmax over no keys is undefined")
-        return self._attend(q3, T, False, dtype)
+        out = np.empty((self._B, T, self._m), dtype=self._dtype)
+        if T and self._B:
+            _cpu.kv_attend(q3, self._K, self._V, self._len, out, scale=self._scale, causal_new=False)
+        out = out.reshape(self._bs + (T, self._m))
+        return out if out.dtype == dtype else out.astype(dtype)
 
     def truncate(self, length) -> None:
         """Keep the first ``length`` tokens (e.g. to roll back rejected draft tokens); buffers kept."""

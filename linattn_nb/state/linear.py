@@ -111,13 +111,8 @@ class LinearAttentionState:
 
     Notes
     -----
-    Every method takes all batch entries and heads in one kernel call: the decode-step launcher
-    of the method table (docs/launchers.md, "Decode-step launchers"), looked up when the device
-    is fixed and again when the first tokens fix the rule.  On the GPU a call on device arrays is
-    one kernel launch on buffers allocated once, and a checked update writes the second of two
-    state buffers (``2 * nbytes``) so that a refused call leaves the state untouched
-    (docs/guide/gpu.md).  On the CPU ``S`` is stored transposed (docs/design-cpu.md,
-    "Decode-step kernels"); :attr:`S` shows the canonical ``(D_phi, M)`` view.
+    Every method takes all batch entries and heads in one kernel call (docs/launchers.md,
+    "Decode-step launchers"); a GPU state is double-buffered, ``2 * nbytes`` (docs/guide/gpu.md).
 
     Examples
     --------
@@ -342,19 +337,18 @@ class LinearAttentionState:
                 self._set_device(resolve_device("cuda"))
 
     def _resolve(self, arrays, names):
-        """The device these inputs run on (the state's, or for "auto" the data's); refuses
-        inputs from the other side.  Does not fix an undecided device: :meth:`_prepare`
-        does that once the inputs are valid."""
+        """The device these inputs run on (the state's, or for "auto" the data's); refuses inputs on two
+        devices or on the other side.  Does not fix an undecided device: :meth:`_prepare` does that."""
         gpu = [n for n, a in zip(names, arrays) if on_device(a)]
-        if self._device is None:
-            if gpu and len(gpu) != len(arrays):
-                host = [n for n in names if n not in gpu]
-                raise ValueError(f"inputs live on different devices: {', '.join(gpu)} on the GPU, "
-                                 f"{', '.join(host)} on the host; move them to one device first")
-            return resolve_device("cuda") if gpu else "cpu"
         if self._device == "cpu" and gpu:
             raise ValueError(f"this state lives on the host (device='cpu') but {', '.join(gpu)} live on "
                              "the GPU; copy them to the host first (or build the state with device='cuda')")
+        if gpu and len(gpu) != len(arrays):
+            host = [n for n in names if n not in gpu]
+            raise ValueError(f"inputs live on different devices: {', '.join(gpu)} on the GPU, "
+                             f"{', '.join(host)} on the host; move them to one device first")
+        if self._device is None:
+            return resolve_device("cuda") if gpu else "cpu"
         return self._device
 
     # -- properties -------------------------------------------------------------
@@ -454,7 +448,7 @@ class LinearAttentionState:
         """
         names = [n for n, _, _ in pairs]
         dev = self._resolve([x for _, x, _ in pairs], names)
-        res = self._prepare_on(dev, pairs, names, check_finite, (decay, log_decay, beta, step))
+        res = self._prepare_on(dev, pairs, check_finite, (decay, log_decay, beta, step))
         if step is not None:
             given = [n for n, x in (("beta", beta), ("decay", decay), ("log_decay", log_decay)) if x is not None]
             what = ("a step" if step else "a prefill") + " without decay/log_decay/beta"
@@ -471,13 +465,10 @@ class LinearAttentionState:
             return True
         return False
 
-    def _prepare_on(self, dev, pairs, names, check_finite, arguments):
+    def _prepare_on(self, dev, pairs, check_finite, arguments):
         res = _Inputs()
         decay, log_decay, beta, step = arguments
-        if dev == "cuda" and any(on_device(x) for _, x, _ in pairs):
-            if not all(on_device(x) for _, x, _ in pairs):
-                host = [n for n, x, _ in pairs if not on_device(x)]
-                raise ValueError(f"inputs live on different devices: {', '.join(host)} on the host")
+        if dev == "cuda" and any(on_device(x) for _, x, _ in pairs):  # all of them (:meth:`_resolve`)
             arrs = [(n, CD.wrap(n, x), last) for n, x, last in pairs]
             T = check_shapes(self._bs, arrs)
             dts = {np.dtype(a.dtype) for _, a, _ in arrs}
@@ -520,15 +511,10 @@ class LinearAttentionState:
 
     def _finish(self, out, inp):
         """Reshape (B, T, M) to the batch shape; cast float16 back; host copy for host inputs."""
-        shape = self._bs + (inp.T, self._m)
         if self._device == "cuda" and not inp.device_inputs:
             out = out.copy_to_host()
-        if inp.device_inputs:
-            return out.reshape(shape)
-        out = out.reshape(shape)
-        if out.dtype != inp.dtype:
-            out = out.astype(inp.dtype)
-        return out
+        out = out.reshape(self._bs + (inp.T, self._m))
+        return out if inp.device_inputs or out.dtype == inp.dtype else out.astype(inp.dtype)
 
     def _on_state_device(self, inp):
         """The flattened inputs where the state lives (host inputs copied to a GPU state)."""
