@@ -39,11 +39,7 @@ def single_threaded_blas(when: bool = True):
     if not when:
         yield
         return
-    if not config.CPU_BLAS_SINGLE_THREAD:
-        with parallel_calls():
-            yield
-        return
-    with parallel_calls(), _pinned():
+    with parallel_calls(), (_pinned() if config.CPU_BLAS_SINGLE_THREAD else contextlib.nullcontext()):
         yield
 
 

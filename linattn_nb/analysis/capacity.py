@@ -198,15 +198,10 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
                     normalize=None, orthogonal_keys=False, method="quadratic", rule=None, rule_arguments=None):
     r"""Training-free associative recall through linear attention's state.
 
-    For each ``n`` in ``n_pairs`` and each trial: draw ``n`` keys (``key_scale * N(0, I_d)``) and values
-    (one-hot, or Gaussian with ``value_dim``), write the pairs in order (pair ``j`` at token ``j``), and read
-    the state after the last write with every key (Schlag et al. 2021, §4.1, setting 1).  Reported per ``n``,
-    means over trials: ``accuracy`` and ``mse`` of linear attention's read-out, ``optimal_mse`` of the
-    least-squares best state of the same size (no update rule with this map does better; for one-hot values
-    ``1 - D_phi/n`` beyond ``D_phi``), and softmax attention over the same pairs.  Argmax accuracy can hide
-    the capacity limit: look at the errors too.  ``error_by_distance`` bins the per-pair error by the
-    distance ``n - 1 - j`` between write and read, which shows a decay's memory horizon.  The rules' state
-    equations and what the figures show: docs/guide/analysis.md.
+    For each ``n`` in ``n_pairs`` and each trial: draw ``n`` keys and values, write the pairs in order
+    (pair ``j`` at token ``j``) and read the state after the last write with every key (Schlag et al.
+    2021, §4.1, setting 1); compare with the least-squares state of the same size and with softmax.
+    The rules' state equations and what the figures show: docs/guide/analysis.md.
 
     Parameters
     ----------
@@ -387,7 +382,8 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
         feature_map=repr(fmap), d=d, d_phi=d_phi, value_dim=value_dim, key_scale=key_scale,
         trials=trials, n_pairs=ns, accuracy=acc, mse=mse, optimal_mse=opt,
         softmax_accuracy=sacc, softmax_mse=smse, softmax_scale=softmax_scale,
-        decay=decay, beta=beta, normalize=normalize, orthogonal_keys=orthogonal_keys, distance_edges=edges, error_by_distance=err_d, optimal_error_by_distance=opt_d,
+        decay=decay, beta=beta, normalize=normalize, orthogonal_keys=orthogonal_keys, distance_edges=edges,
+        error_by_distance=err_d, optimal_error_by_distance=opt_d,
         rule=None if dplr is None else dplr.name, optimal_accuracy=opt_acc,
     )
 
