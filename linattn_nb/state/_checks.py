@@ -91,16 +91,6 @@ def raise_nonfinite(name):
                      "Pass check_finite=False to skip this check")
 
 
-def _factor_array(decay, log_decay):
-    """(name, host array) of a call's decay or log_decay; (None, None) without them."""
-    if decay is None and log_decay is None:
-        return None, None
-    if decay is not None and log_decay is not None:
-        raise ValueError("pass at most one of decay and log_decay (the same factors, linear or as logs)")
-    name, x = ("decay", decay) if decay is not None else ("log_decay", log_decay)
-    return name, FE.host_array(name, x)
-
-
 def _step_decay_form(name, x, batch_shape, t: int, f: int):
     """A step's ``decay``/``log_decay`` array ``x`` in the form of :func:`linattn_nb.linear_attention`
     with N = T (see :func:`call_forms`); errors name ``name``."""
@@ -151,12 +141,13 @@ def call_forms(decay, log_decay, beta, batch_shape, t: int, f: int, *, step: boo
 
     A prefill takes those forms, a step those of :meth:`LinearAttentionState.step` (mapped onto them by
     :func:`_step_decay_form` and :func:`_step_beta_form`).  GPU arrays are copied to the host; the front
-    end parses the result (:func:`linattn_nb._frontend.rule_arguments`).
+    end parses the result (:func:`linattn_nb._frontend.rule_arguments`; it refuses decay with log_decay).
     """
-    name, x = _factor_array(decay, log_decay)
-    forms = {"decay": None, "log_decay": None, "beta": None}  # not a rule: the argument names
-    if name is not None:
-        forms[name] = _step_decay_form(name, x, batch_shape, t, f) if step else x
+    forms = {"decay": decay, "log_decay": log_decay, "beta": None}  # not a rule: the argument names
+    for name in ("decay", "log_decay"):
+        if forms[name] is not None:
+            x = FE.host_array(name, forms[name])
+            forms[name] = _step_decay_form(name, x, batch_shape, t, f) if step else x
     if beta is not None:
         beta = FE.host_array("beta", beta)
         forms["beta"] = _step_beta_form(beta, batch_shape, t) if step else beta
