@@ -116,11 +116,6 @@ def check_finite_features(fmap, feats, name: str) -> None:
         )
 
 
-def called_features(fmap, x, *, name: str) -> np.ndarray:
-    """``fmap(x)`` (the plain call: no role, no position) for rows ``x`` (P, D) in float64, shape-checked."""
-    return np.asarray(FE.featurise(fmap, x, role=None, causal=False, dtype=np.float64, name=name), dtype=np.float64)
-
-
 def check_rtol(rtol, batch_shape) -> np.ndarray:
     """A relative tolerance: a real number >= 0 or an array of them broadcasting to ``batch_shape``."""
     if isinstance(rtol, (bool, np.bool_)):

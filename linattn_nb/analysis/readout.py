@@ -134,9 +134,8 @@ def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps
     cand = v if candidates is None else np.asarray(candidates, dtype=np.float64)
     if cand.ndim != 2 or cand.shape[1] != v.shape[1]:
         raise ValueError(f"candidates must have shape (C, {v.shape[1]}), got {cand.shape}")
-    dist = ((out[:, None, :] - cand[None, :, :]) ** 2).sum(-1)  # (n, C)
     own = ((out - v) ** 2).sum(-1)
-    others = dist.copy()
+    others = ((out[:, None, :] - cand[None, :, :]) ** 2).sum(-1)  # (n, C) distances, own value masked below
     same = np.all(cand[None, :, :] == v[:, None, :], axis=-1)  # the candidate that is row i's own value
     if not np.all(same.any(axis=1)):
         raise ValueError("read_back: every row of values must be one of the candidates")

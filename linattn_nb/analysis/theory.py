@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import _frontend as FE
 from .. import feature_maps as fm
 from . import _common as C
 
@@ -130,7 +131,8 @@ def kernel_estimate_mse(feature_map, x, y, draws, *, target=None):
         elif r > 0:
             est[r] = est[0]
             continue
-        f = C.called_features(fmap, both, name="the stacked pairs [x; y]")
+        f = np.asarray(FE.featurise(fmap, both, role=None, causal=False, dtype=np.float64,
+                                    name="the stacked pairs [x; y]"), dtype=np.float64)  # the plain call fmap(x)
         est[r] = np.einsum("pf,pf->p", f[:p], f[p:])
     err2 = (est - tgt) ** 2
     mse = err2.mean(axis=0)
