@@ -492,9 +492,8 @@ def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initia
     if (on_device(decay) or on_device(log_decay) or on_device(beta)) and causal:
         in_place = CD.device_rule_inputs(decay, log_decay, beta, batch_shape, n, d)
     if in_place is None:
-        decay = CD.to_host("decay", decay) if on_device(decay) else decay
-        log_decay = CD.to_host("log_decay", log_decay) if on_device(log_decay) else log_decay
-        beta = CD.to_host("beta", beta) if on_device(beta) else beta
+        decay, log_decay, beta = (CD.to_host(nm, x) if on_device(x) else x
+                                  for nm, x in (("decay", decay), ("log_decay", log_decay), ("beta", beta)))
         rule, inputs, normalize = rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, d,
                                                  causal=causal, beta=beta, copy=False)
     else:  # read in place or converted on the device, checked there below

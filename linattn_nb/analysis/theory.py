@@ -132,7 +132,7 @@ def kernel_estimate_mse(feature_map, x, y, draws, *, target=None):
             est[r] = est[0]
             continue
         f = np.asarray(FE.featurise(fmap, both, role=None, causal=False, dtype=np.float64,
-                                    name="the stacked pairs [x; y]"), dtype=np.float64)  # the plain call fmap(x)
+                                    name="the stacked pairs [x; y]"), dtype=np.float64)
         est[r] = np.einsum("pf,pf->p", f[:p], f[p:])
     err2 = (est - tgt) ** 2
     mse = err2.mean(axis=0)

@@ -39,11 +39,9 @@ def _quadratic_launcher(reference, **rule_kw):
         if check_finite:  # the reference is the slow path: a NumPy scan costs nothing here
             for name, x in (("q", q), ("k", k), ("v", v)):
                 check_finite_values(name, x)
-        if rule_kw:
-            res, S_new, z_new = reference(q, k, v, eps=eps, S0=H[:, :, :M], z0=H[:, :, M], inputs=inputs,
-                                          normalize=normalize, **rule_kw)
-        else:  # the non-causal reference: the additive rule only
-            res, S_new, z_new = reference(q, k, v, eps=eps, S0=H[:, :, :M], z0=H[:, :, M], normalize=normalize)
+        kw = dict(rule_kw, inputs=inputs) if rule_kw else {}  # the non-causal reference: additive only
+        res, S_new, z_new = reference(q, k, v, eps=eps, S0=H[:, :, :M], z0=H[:, :, M], normalize=normalize,
+                                      **kw)
         with np.errstate(over="ignore", invalid="ignore"):
             out[...] = res
         H[:, :, :M] = S_new
