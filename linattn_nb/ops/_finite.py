@@ -1,9 +1,5 @@
-"""What the CPU launchers do with the finiteness flags their kernels raise.
-
-Every CPU kernel returns a ``flags`` array (items, 2) of uint8: column 0 an input read, column 1 a
-result written holding NaN or inf.  :func:`report` turns them into the launcher contract's errors
-(``docs/launchers.md``): a ValueError naming the first of q, k, v that holds one (counted again by
-NumPy, on the error path only), or :class:`NonFiniteResult` for finite inputs whose results are not.
+"""What the CPU launchers do with the finiteness flags their kernels raise: :func:`report` turns them
+into the launcher contract's errors (docs/launchers.md).
 """
 from __future__ import annotations
 
@@ -30,15 +26,16 @@ class NonFiniteResult(FloatingPointError):
 
 
 def new_flags(items: int) -> np.ndarray:
-    """The zeroed ``flags`` array (items, 2) uint8 a kernel fills."""
+    """The zeroed ``flags`` array (items, 2) uint8 a kernel fills: column 0 set where an input it read held
+    NaN or inf, column 1 where a result it wrote did."""
     return np.zeros((max(int(items), 0), 2), np.uint8)
 
 
 def report(flags: np.ndarray, inputs, *, check_finite: bool, what: str = "the result") -> None:
-    """Raise what ``flags`` says (nothing when ``check_finite`` is False).
-
-    ``inputs``: ``(name, array)`` pairs in the order to report them, the
-    arrays as the caller passed them (float16 as float16, not as bits).
+    """Raise what ``flags`` says (nothing when ``check_finite`` is False): a ValueError naming the first of
+    ``inputs`` that holds NaN or inf (counted by NumPy, on the error path only), or :class:`NonFiniteResult`
+    for finite inputs whose results are not.  ``inputs``: ``(name, array)`` pairs in the order to report
+    them, the arrays as the caller passed them (float16 as float16, not as bits).
     """
     if not check_finite or flags.size == 0:
         return

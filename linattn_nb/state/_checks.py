@@ -1,8 +1,5 @@
-"""Argument checks and buffers shared by the state objects and the state file format.
-
-A private module with public names: :mod:`linattn_nb.state.linear`,
-:mod:`linattn_nb.state.kvcache` and :mod:`linattn_nb.state.fileformat` import
-them from here.
+"""Argument checks shared by the state objects (:mod:`~linattn_nb.state.linear`,
+:mod:`~linattn_nb.state.kvcache`) and the state file format (:mod:`~linattn_nb.state.fileformat`).
 """
 from __future__ import annotations
 
