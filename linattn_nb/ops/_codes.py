@@ -79,13 +79,7 @@ def norm_mode(eps, normalize=True) -> int:
 
 
 def rule_name(rule) -> str:
-    """The registry name of rule code ``rule``.
-
-    Raises
-    ------
-    ValueError
-        When ``rule`` is not the code of a rule of :data:`RULES`.
-    """
+    """The registry name of rule code ``rule``; ValueError when it is no code of :data:`RULES`."""
     for name, (code, _) in RULES.items():
         if rule == code and not isinstance(rule, bool):
             return name
@@ -94,15 +88,8 @@ def rule_name(rule) -> str:
 
 
 def check_rule_inputs(rule, inputs) -> int:
-    """Check a launcher's ``rule`` code and ``inputs=``; return the code as an int.
-
-    ``inputs`` (name -> array, None or empty for none) must hold exactly the rule's (:data:`RULES`).
-
-    Raises
-    ------
-    ValueError
-        For an unknown rule code, or inputs other than the rule's.
-    """
+    """A launcher's ``rule`` code as an int, checked with its ``inputs=`` (name -> array, None or empty for
+    none), which must hold exactly the rule's (:data:`RULES`); ValueError otherwise."""
     name = rule_name(rule)
     want = tuple(sorted(RULES[name][1]))
     got = tuple(sorted(inputs)) if inputs else ()
