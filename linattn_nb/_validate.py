@@ -192,16 +192,11 @@ def factor_counts(x, lo, hi, reset):
 
 
 def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool, copy: bool = True):
-    """The update rule and its kernel inputs for the ``decay``/``log_decay`` arguments.
-
-    The form follows from the number of dimensions (those of :func:`linattn_nb.linear_attention`'s
-    ``decay``).  Returns ``(rule, inputs)``: the name of the rule without ``beta`` that the form
-    selects, and its launcher inputs (``{"log_decay": (B, N)}`` or ``{"log_gate": (B, N, F)}``,
-    C-contiguous float64 log-factors, those at or below ``LOG_RESET`` set to ``-inf``; None for the
-    additive rule).  With ``copy=False`` they may be the caller's array itself, for a call that only
-    reads them before it returns.  ValueError (naming the argument) for both given, ``causal=False``,
-    NaN, out of range or a shape of no form; TypeError for non-real values.
-    """
+    """``(rule, inputs)`` of the ``decay``/``log_decay`` arguments (forms of ``linear_attention``): the
+    rule without ``beta`` the form selects and its launcher inputs (``{"log_decay": (B, N)}`` or
+    ``{"log_gate": (B, N, F)}`` C-contiguous float64 log-factors, ``-inf`` at or below ``LOG_RESET``;
+    None: additive); ``copy=False``: maybe the caller's array.  ValueError (naming the argument) for
+    both given, ``causal=False``, NaN, out of range or a shape of no form; TypeError for non-real values."""
     from .ops._codes import LOG_RESET
 
     if decay is None and log_decay is None:
