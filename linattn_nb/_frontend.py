@@ -112,13 +112,9 @@ def feature_dim(fmap, d: int) -> int:
 
 def featurise(fmap, x, *, role: str | None, causal: bool, offset: int = 0, total_length=None,
               dtype=None, name: str = "x") -> np.ndarray:
-    """Features ``fmap.apply(x)`` of ``x`` (..., N, D), checked to have shape (..., N, output_dim(D)).
-
-    ``dtype``: the dtype ``x`` is cast to before the map (default: as it is).  ``role`` None: the
-    plain call ``fmap(x)`` (no role, no position).
-    A map that returns another shape (rows dropped or added, a batch entry
-    missing, the wrong feature count) raises ValueError naming the map and
-    both shapes before any kernel sees the array.
+    """Features ``fmap.apply(x)`` of ``x`` (..., N, D) (``role`` None: the plain call ``fmap(x)``), ``x`` cast
+    to ``dtype`` first if given.  Another shape than (..., N, output_dim(D)) raises ValueError naming the map
+    and both shapes, before any kernel sees the array; non-float features raise TypeError.
     """
     x = np.asarray(x) if dtype is None else np.asarray(x, dtype=dtype)
     d = int(x.shape[-1])
@@ -221,15 +217,11 @@ def state_from_H(H, batch_shape, f: int, m: int, position: int, rule: str = "add
 
 def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, f: int, *, causal: bool, beta=None,
                    copy: bool = True):
-    """``(rule, inputs, normalize)`` of a call's ``decay``, ``log_decay``, ``beta`` and ``normalize`` arguments.
-
-    The rule is the one these arguments select (:func:`linattn_nb.rules.rule_for`; ValueError for a
-    per-feature gate with ``beta``), its inputs those of :func:`linattn_nb._validate.decay_inputs`
-    and ``beta_inputs``; ``normalize=None`` takes the rule's convention, and a map that
-    ``needs_normalizer`` refuses False.  ``copy=False``: the inputs may be the caller's own array
-    (for a call that only reads them before it returns).  ``fmap`` None (softmax weights) has no
-    rule: ``decay``/``log_decay``/``beta`` and ``normalize=False`` raise ValueError.
-    """
+    """``(rule, inputs, normalize)`` of a call's ``decay``, ``log_decay``, ``beta``, ``normalize``: the rule
+    they select (:func:`linattn_nb.rules.rule_for`; ValueError for a per-feature gate with ``beta``), its
+    inputs (:func:`~linattn_nb._validate.decay_inputs`, ``beta_inputs``; ``copy=False``: maybe the caller's
+    array) and ``normalize`` (:func:`rule_normalize`).  ``fmap`` None (softmax weights) has no rule:
+    ``decay``/``log_decay``/``beta`` and ``normalize=False`` raise ValueError."""
     if fmap is None:  # softmax weights (the analyses' feature_map="softmax"): no recurrence
         for name, x in (("decay", decay), ("log_decay", log_decay), ("beta", beta)):
             if x is not None:
