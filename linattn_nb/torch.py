@@ -279,11 +279,7 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto",
     r"""Differentiable linear attention on torch tensors (the Numba kernels of :func:`linattn_nb.linear_attention`).
 
     Same computation, arguments and errors as :func:`linattn_nb.linear_attention`; gradients flow
-    to ``q``, ``k``, ``v``, to ``decay`` / ``log_decay`` / ``beta`` and the initial state when they
-    are tensors that require grad, and to the feature map's parameters in ``feature_map_params``.
-    The backward runs the method's backward launcher on what the forward kept, so the forward is
-    not recomputed.  The built-in elementwise maps are applied with torch ops on float32 and
-    float64 tensors, every other map through its :meth:`~linattn_nb.feature_maps.FeatureMap.vjp`.
+    to every tensor that requires grad.  See docs/guide/gradients.md.
 
     Parameters
     ----------
@@ -489,13 +485,8 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
     r"""Differentiable diagonal-plus-low-rank attention on torch tensors (:func:`linattn_nb.dplr_attention`).
 
     The general form (``a``, ``b``, ``log_diag``, ``beta``) or a named rule of the family
-    (:func:`linattn_nb.rules.dplr_rule_names`, its own arguments as keywords), with the
-    computation, arguments and errors of :func:`linattn_nb.dplr_attention`, which the forward
-    calls; the backward calls :func:`linattn_nb.dplr.dplr_attention_vjp`.  Gradients flow to
-    ``q``, ``k``, ``v``, to every array argument given as a tensor, to a tensor initial state and
-    to the map's parameters in ``feature_map_params``; arguments that are not tensors are
-    constants.  The feature map is the NumPy map, differentiated by its
-    :meth:`~linattn_nb.feature_maps.FeatureMap.vjp`.
+    (:func:`linattn_nb.rules.dplr_rule_names`); the backward calls
+    :func:`linattn_nb.dplr.dplr_attention_vjp`.  Arguments that are not tensors are constants.
 
     Parameters
     ----------
@@ -671,16 +662,9 @@ def _layer_rule(rule: str, decay):
 class LinearAttention(nn.Module):
     r"""Multi-head linear attention layer on the Numba kernels (``(B, N, d_model) -> (B, N, d_model)``).
 
-    ``x`` is projected to ``H`` heads of queries, keys (``head_dim``) and values (``value_dim``),
-    laid out ``(B, H, N, D)``, passed through :func:`linear_attention` and projected back.  The
-    update rule is the one that ``rule`` and ``decay`` select together
-    (:func:`linattn_nb.rules.rule_for`): ``"additive"`` (with a decay, the decay or gate rule) or
-    ``"delta"`` (``beta = sigmoid(W_beta x)`` per head and token; with a decay, the gated delta
-    rule), or a rule that forgets named directly with a ``decay`` of its form.  The forgetting
-    factors ``decay``: ``None``; ``"head"``, a learnable constant per head ``sigmoid(theta_h)``
-    initialised to RetNet's ``1 - 2^(-5-h)``; ``"token"``, ``log a_t = -softplus(W_a x + b_a)``
-    per head and token (Mamba-2); ``"gate"``, ``log alpha_t = logsigmoid(W_g x + b_g) / 16`` per
-    head, token and feature (GLA, Yang et al. 2024, §4.4), not with a rule that takes ``beta``.
+    ``x`` is projected to ``H`` heads of queries, keys and values (``(B, H, N, D)``), passed through
+    :func:`linear_attention` (or :func:`dplr_attention`) and projected back; ``rule`` and ``decay``
+    select the update rule (:func:`linattn_nb.rules.rule_for`).  See docs/guide/gradients.md.
 
     Parameters
     ----------
@@ -698,21 +682,18 @@ class LinearAttention(nn.Module):
         Decay and the delta rule need True.
     rule : str, default "additive"
         A registered update rule (:func:`linattn_nb.rules.rule_names`), or a diagonal-plus-low-rank
-        rule whose module gives a layer form (:attr:`linattn_nb.rules.DPLRRule.layer`: ``"kda"``,
-        ``"rwkv7"``, ``"delta_product"``, ``"gated_delta_product"``), run through :func:`dplr_attention`
-        with ``decay=None`` and ``normalize`` False unless given.  Its forms, per head and token:
-        ``"feature_gate"`` ``logsigmoid(W x) / 16`` and ``"feature_unit"`` ``sigmoid(W x)`` per
-        feature, ``"unit_key"`` ``W x / ||W x||``, ``"token_unit"`` ``sigmoid(w^T x)`` (per sub-step too
-        on a rule with sub-steps), ``"token_decay"`` ``-softplus(w^T x + b)``.
+        rule with a layer form (:attr:`linattn_nb.rules.DPLRRule.layer`: ``"kda"``, ``"rwkv7"``,
+        ``"delta_product"``, ``"gated_delta_product"``), run with ``decay=None``.
     decay : {None, "head", "token", "gate"}, default None
+        A forgetting factor per head, per head and token, or per head, token and feature (GLA's
+        gate; not with a rule that takes ``beta``).
     n_h : int, optional
         Only for a rule with sub-steps (:attr:`linattn_nb.rules.DPLRRule.substeps`, DeltaProduct):
         keys, values (and ``beta``) per token and head; default 2.
     method, normalize, eps
         Passed to :func:`linear_attention` (``normalize=None``: the rule's convention).
     conv_size : int, optional
-        A causal depthwise convolution of this width on the projected queries, keys and values (as
-        in Zoology's and fla's recall models).
+        Width of a causal depthwise convolution on the projected queries, keys and values.
     learn_feature_map : bool, default False
         Make the map's parameters (``feature_map.parameters()``, materialised to their defaults
         first) :class:`torch.nn.Parameter` s of the module, which then owns the map.
