@@ -66,6 +66,7 @@ CASES = {
     "noncausal f32 N=4096": ("noncausal", 4096, "float32"),
     "decode step f32 H=16": ("step", 1, "float32"),
     "vjp causal f32 N=1024": ("vjp", 1024, "float32"),
+    "vjp delta f32 N=4096": ("vjp/delta", 4096, "float32"),
     # the forgetting rules: a per-token decay and a per-feature gate, log-factors as decay_cpu.py draws them
     "decay chunked f32 N=4096": ("chunked/decay", 4096, "float32"),
     "gate chunked f32 N=4096": ("chunked/gate", 4096, "float32"),
@@ -132,9 +133,10 @@ def _make_case(la, np, name):
         return lambda: st.step(q, k, v, check_finite=False)
     q, k, v = (rng.standard_normal((BH, n, d)).astype(dtype) for d in (D, D, M))
     out = np.empty((BH, n, M), dtype)
-    if kind == "vjp":
+    if kind.startswith("vjp"):
         g = rng.standard_normal((BH, n, M)).astype(dtype)
-        return lambda: la.linear_attention_vjp(q, k, v, g, causal=True, check_finite=False)
+        kw = dict(beta=rng.uniform(0.0, 1.0, size=(BH, n))) if kind == "vjp/delta" else {}
+        return lambda: la.linear_attention_vjp(q, k, v, g, causal=True, check_finite=False, **kw)
     if kind == "noncausal":
         return lambda: la.linear_attention(q, k, v, causal=False, check_finite=False, out=out)
     if "/" in kind:
