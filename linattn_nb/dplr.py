@@ -1,17 +1,7 @@
-"""Diagonal-plus-low-rank (DPLR) linear attention: one recurrence that holds the newest update rules.
+"""Diagonal-plus-low-rank (DPLR) linear attention: :func:`dplr_attention` and its gradients.
 
-:func:`dplr_attention` runs, per token ``t`` (causal), on the state ``S`` (D_phi x M) and its
-normaliser ``z`` (D_phi)::
-
-    S_t = (D_t + b_t a_t^T) S_{t-1} + beta_t phi(k_t) v_t^T,      o_t = phi(q_t)^T S_t
-
-with ``D_t`` diagonal (``exp(log_diag)``: one value per token or one per token and feature) and
-``a_t``, ``b_t`` vectors in feature space, or with ``r`` factors per token applied in order (the
-diagonal in the first).  Every rule of :mod:`linattn_nb.rules` is a special case, and the named
-rules of this family (``kda``, ``rwkv7``, ``delta_product``, ``gated_delta_product``) are each one
-module that maps its own arguments to ``D``, ``a``, ``b`` and the writes
-(:class:`linattn_nb.rules._dplr.DPLRRule`).  Forms, sources and the stability caveat:
-``docs/dplr.md``.
+The recurrence, the named rules (:class:`linattn_nb.rules._dplr.DPLRRule`) and the stability
+caveat: docs/dplr.md.
 """
 from __future__ import annotations
 
@@ -45,9 +35,8 @@ def _floating(name, x):
 
 
 def _general_check(inputs, lead, N, F, r, fast=False):
-    """The general entry's own arguments: ``a``, ``b`` (required), ``log_diag``, ``beta`` (optional);
-    ``fast``: ``a``, ``b``, ``log_diag`` as given (no float64 copy), their values checked by the kernel
-    (:func:`_finite_ab`, :func:`_log_diag_range` when it reports one)."""
+    """Check and reshape the general form's ``a``, ``b``, ``log_diag``, ``beta``; ``fast``: no float64
+    copies, values checked only when the kernel reports a non-finite result."""
     B = int(np.prod(lead, dtype=np.int64))
     out = {}
     for name in ("a", "b"):
@@ -213,10 +202,8 @@ def _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize
              initial_state, rule_arguments, fast=False) -> _Request:
     """Check a call's arguments and build the general form (shared by the forward and the VJP).
 
-    ``fast`` (a CPU forward that may run ``chunked``): features and values stay in the working dtype
-    (float32 for float16/float32 inputs) and the form's arrays in their own float dtypes; a rule with
-    a keyed form (:class:`~linattn_nb.rules._dplr.KeyedForm`) gives that instead of the general form
-    (``keyed``: :func:`_general_arrays` makes the general form's arrays when the scan runs)."""
+    ``fast`` (a CPU forward that may run ``chunked``): arrays stay in the working dtype, and a rule
+    with a keyed form (:class:`~linattn_nb.rules._dplr.KeyedForm`) gives that instead (``keyed``)."""
     if rule is None:
         name = _GENERAL
         inputs = {"a": a, "b": b, "log_diag": log_diag, "beta": beta}
@@ -302,9 +289,8 @@ def _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize
 
 
 def _general_arrays(R: _Request, chunked: bool):
-    """``(ld, A, Bv, KW, VW, scales)`` for the kernels: a keyed request's keys as ``A``, ``Bv``, ``KW``
-    with ``scales = (cb, cw)`` when ``chunked``, else its general form built by the rule (float64);
-    ``scales`` None for the general form."""
+    """``(ld, A, Bv, KW, VW, scales)`` for the kernels; ``scales = (cb, cw)`` only for a keyed request
+    run ``chunked`` (its keys as ``A``, ``Bv``, ``KW``), else None."""
     if not R.keyed:
         return R.form + (None,)
     if not chunked:
@@ -320,16 +306,11 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
                    initial_state=None, return_state=False, device="auto", **rule_arguments):
     r"""Causal linear attention with a diagonal-plus-low-rank state transition.
 
-    Per token, on the state ``S`` (D_phi x M) and the normaliser ``z`` (D_phi; the state of one
-    more value column of ones)
-
     .. math:: S_t = (D_t + b_t a_t^\top) S_{t-1} + \beta_t \phi(k_t) v_t^\top, \qquad
               o_t = \phi(q_t)^\top S_t \; (/\ \phi(q_t)^\top z_t \text{ with } normalize)
 
-    Either give the general form's arrays (``a``, ``b``, ``log_diag``, ``beta``), or name a rule of
-    the family (``rule="kda"``, ``"rwkv7"``, ``"delta_product"``, ``"gated_delta_product"``) with
-    its own arguments as keywords (:func:`linattn_nb.rules.dplr_rule_names`;
-    ``docs/dplr.md`` gives each rule's form and arguments).
+    Give the general form's arrays (``a``, ``b``, ``log_diag``, ``beta``) or a named rule
+    (:func:`linattn_nb.rules.dplr_rule_names`) with its own arguments as keywords (docs/dplr.md).
 
     Parameters
     ----------
@@ -337,28 +318,22 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
     k : array_like, shape (..., N, D), or (..., N, r, D) for ``r`` writes per token
     v : array_like, shape (..., N, M), or (..., N, r, M) with k
         Equal leading batch dimensions; float16, float32 or float64 (outputs in the widest).
-        With a sub-step axis, token ``t`` applies ``r`` factors in order, each followed by its own
-        write ``beta_tj phi(k_tj) v_tj^T`` (DeltaProduct's form); queries read after the last.
+        With a sub-step axis each of the ``r`` factors has its own write (docs/dplr.md).
     rule : str, optional
         A named rule of the family; its arguments are passed as keywords.
     a, b : array_like, shape (..., N, D_phi) or (..., N, r, D_phi)
-        The low-rank vectors in feature space (``D_phi`` the map's output dimension): the feature
-        map applies to ``q`` and ``k`` only, never to ``a`` and ``b``.  With ``r`` factors per token
-        the first is ``D_t + b_t1 a_t1^T`` and the others ``I + b_tj a_tj^T``.
+        The low-rank vectors in feature space: the feature map applies to ``q`` and ``k`` only,
+        never to ``a`` and ``b``.
     log_diag : array_like, shape (..., N) or (..., N, D_phi), optional
         ``log`` of the diagonal (<= 0; ``-inf`` a reset); the identity when omitted.
     beta : array_like, shape (..., N) (or (..., N, r) with sub-steps), optional
         Write strengths (1 when omitted).
     feature_map : str, FeatureMap or None, default "elu"
     method : {"auto", "quadratic", "scan", "chunked"}
-        ``quadratic``: the float64 token loop (the reference, on the host); ``scan``: the compiled
-        scan, one float64 state per sequence, sequences in parallel (on the CPU, or with
-        ``device="cuda"`` the CUDA kernel: one block per sequence, one thread per state column);
-        ``chunked``: the chunkwise-parallel form on the CPU (matrix products over chunks of
-        :data:`linattn_nb.config.DPLR_CHUNK` steps, a triangular solve per chunk, the state in
-        float64; a reset token runs by the scan); with ``device="cuda"`` it runs the CUDA scan;
-        ``auto``: ``chunked`` on the CPU from ``N * r >=``
-        :data:`linattn_nb.config.DPLR_AUTO_CHUNKED_MIN` steps on, else ``scan``.
+        ``quadratic``: the float64 reference loop; ``scan``: the compiled scan; ``chunked``: the
+        chunkwise-parallel form (the scan with ``device="cuda"``); ``auto``: ``chunked`` on the CPU
+        from ``N * r >=`` :data:`linattn_nb.config.DPLR_AUTO_CHUNKED_MIN`, else ``scan``
+        (docs/dplr.md, "Methods").
     normalize : bool, default False
         Divide by ``phi(q_t)^T z_t`` (floored at ``eps`` unless None).  Off by default: a transition
         with a low-rank part moves ``z`` through the same factors, and it need not stay positive.
@@ -374,12 +349,9 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
         Also return the final state (a :class:`~linattn_nb.LinearState` whose ``rule`` is the rule's
         name, ``"dplr"`` for the general form).
     device : {"auto", "cpu", "cuda"}, default "auto"
-        Where ``scan`` runs: ``auto`` follows ``q`` (a GPU array: ``cuda``, else ``cpu``); ``cuda``
-        with NumPy inputs copies the general form's arrays to the GPU and the outputs and the state
-        back (also on the CUDA simulator).  Inputs on the GPU are read to the host (the feature map
-        and the rule's form are built there) and the outputs returned as a device array; the state
-        is returned on the host.  ``cuda`` without a usable GPU or the simulator is a
-        ``RuntimeError``.
+        Where ``scan`` runs: ``auto`` follows ``q``.  GPU inputs give device outputs and a host
+        state; ``cuda`` without a usable GPU or the simulator raises ``RuntimeError``
+        (docs/dplr.md, "Methods").
 
     Returns
     -------
@@ -395,16 +367,9 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
         Shapes that do not match (the message names the argument and the shape it expects), values
         out of range (``log_diag``/``log_decay`` > 0, ``decay`` outside [0, 1]), an unknown method.
     NonFiniteResult
-        The outputs or the state hold NaN or inf although the inputs are finite: the transition grew
-        (``||D_t + b_t a_t^T|| > 1`` over many tokens multiplies the state) past the float64 range, or
-        an output past its dtype's.  The state is kept in float64 on every method, so a float32 call
-        overflows only where its true outputs exceed float32.
-
-    Notes
-    -----
-    Stability is not automatic: with unit keys and ``beta`` in [0, 2] the delta-rule forms (delta,
-    gated delta, KDA, DeltaProduct) have ``||D + b a^T|| <= 1``; a general ``a``, ``b`` can grow the
-    state exponentially, which this function allows and reports only when it overflows.
+        The outputs or the state hold NaN or inf although the inputs are finite: a transition with
+        ``||D_t + b_t a_t^T|| > 1`` grew the (float64) state, or an output its dtype's range
+        (docs/dplr.md, "Stability").
 
     Examples
     --------
@@ -605,12 +570,7 @@ def dplr_attention_vjp(q, k, v, grad_out, *, rule=None, a=None, b=None, log_diag
 
     Notes
     -----
-    Every method's gradients come from the scan's backward (``method="chunked"`` included: the
-    chunked form has no backward of its own).  A reverse-time scan: the state every few tokens is
-    kept on the forward pass
-    (:func:`linattn_nb.config.cpu_backward_checkpoint`) and the tokens between two are run again, so
-    memory grows with ``N / C + C`` states, not ``N``.  ``method="quadratic"`` keeps every token's
-    state instead (one stretch).  Checked against central differences in float64 (relative 1e-6).
+    Every method runs the checkpointed scan backward on the CPU (docs/dplr.md, "Gradients").
 
     Examples
     --------
