@@ -26,9 +26,7 @@ __all__ = ["RecallCapacity", "recall_capacity", "MQAR", "mqar", "state_size"]
 
 @dataclass(frozen=True)
 class RecallCapacity:
-    """Result of :func:`recall_capacity`: one entry per number of stored pairs.
-
-    All metric arrays are means over the trials.
+    """Result of :func:`recall_capacity`: one entry per number of stored pairs, metrics averaged over trials.
 
     Attributes
     ----------
@@ -42,22 +40,14 @@ class RecallCapacity:
     trials : int
     n_pairs : ndarray of int64
     accuracy : ndarray
-        Fraction of queries whose linear-attention read-out is nearest (in
-        Euclidean distance) to the right stored value; for one-hot values,
-        the argmax of the read-out.
+        Fraction of queries whose read-out is nearest (Euclidean) to the right stored value.
     mse : ndarray
-        ``||V_hat - V||_F^2 / ||V||_F^2`` of linear attention's read-out
-        (normalised or not, see ``normalize``) of the state the update rule
-        wrote (additive, decayed or delta).
+        ``||V_hat - V||_F^2 / ||V||_F^2`` of the read-out of the state the update rule wrote.
     optimal_mse : ndarray
-        The same error for the best state of size ``D_phi x M``:
-        ``min_W ||phi(K) W - V||_F^2 / ||V||_F^2`` (least squares).  For one-hot
-        values it equals ``1 - rank(phi(K))/n``, the Eckart-Young floor of any
-        read-out of rank <= D_phi (normalised or not).
+        The same for the least-squares state of size ``D_phi x M`` (one-hot values:
+        ``1 - rank(phi(K))/n``; docs/guide/analysis.md).
     optimal_accuracy : ndarray
-        ``accuracy`` of that least-squares state's read-out: 1 up to
-        ``D_phi``; past it argmax accuracy can stay high while the error
-        grows (it does not see the capacity limit).
+        ``accuracy`` of that least-squares state's read-out.
     softmax_accuracy, softmax_mse : ndarray
         Softmax attention over the same pairs (the KV cache baseline).
     softmax_scale : float
@@ -70,15 +60,12 @@ class RecallCapacity:
     orthogonal_keys : bool
         Keys were orthonormal (times ``key_scale``) instead of Gaussian.
     distance_edges : ndarray of int64, shape (n_bins + 1,)
-        Bin edges of the distance ``n - 1 - j`` between the write of pair
-        ``j`` and the read (after the last write); bin ``b`` holds the
-        distances in ``[edges[b], edges[b + 1])``.
+        Bin edges of the write-read distance ``n - 1 - j`` of pair ``j``: bin ``b`` is
+        ``[edges[b], edges[b + 1])``.
     error_by_distance : ndarray, shape (len(n_pairs), n_bins)
-        ``sum ||v_hat_j - v_j||^2 / sum ||v_j||^2`` over the pairs of each
-        distance bin, mean over the trials (NaN for a bin no pair reaches).
+        ``sum ||v_hat_j - v_j||^2 / sum ||v_j||^2`` over each bin's pairs (NaN for an empty bin).
     optimal_error_by_distance : ndarray, shape (len(n_pairs), n_bins)
-        The same for the least-squares state of ``optimal_mse`` (which
-        weighs every pair alike, whatever its age).
+        The same for the least-squares state of ``optimal_mse``.
     """
 
     feature_map: str
@@ -212,50 +199,37 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     n_pairs : int or sequence of int
         Numbers of stored pairs (each >= 1).
     value_dim : int, optional
-        Gaussian values of this dimension; default one-hot values (memory
-        O(n^2) per trial: keep n <= a few thousand).
+        Gaussian values of this dimension; default one-hot values (memory O(n^2) per trial).
     key_scale : float, default 1.0
         Keys are ``key_scale * N(0, I_d)``; ``1/sqrt(d)`` gives keys of norm ~1.
     trials : int, default 8
-        Independent draws per ``n`` (each ``(seed, n, trial)`` has its own
-        random stream, so a result does not depend on the other ``n``).
+        Independent draws per ``n`` (each ``(seed, n, trial)`` has its own random stream).
     seed : int, default 0
     softmax_scale : float, optional
         Temperature of the softmax baseline, default ``1/sqrt(d)``.
     eps : float or None, default 1e-8
         Normaliser floor of the linear read-out (:func:`linattn_nb.linear_attention`).
     decay : float, optional
-        A constant decay ``gamma`` in [0, 1] of the state (default: none,
-        the additive rule).
+        A constant decay ``gamma`` in [0, 1] of the state (default: none, the additive rule).
     distance_bins : sequence of int, optional
-        Increasing bin edges of the write-read distance; default
-        ``0, 1, 2, 4, 8, ...`` up to the first power of 2 >= ``max(n_pairs)``.
+        Increasing bin edges of the write-read distance; default ``0, 1, 2, 4, ...`` up to the
+        first power of 2 >= ``max(n_pairs)``.
     beta : float, optional
-        The delta rule's write strength in [0, 2] (default: none).  With
-        ``decay``: the gated delta rule.
+        The delta rule's write strength in [0, 2] (default: none); with ``decay``, the gated delta rule.
     normalize : bool, optional
-        Divide the read-out by ``phi(k) . z`` (``eps`` floors it); default
-        the rule's convention (True for the additive and decay rules, False
-        with ``beta``).  Signed maps (``"l2"``) need False: their
-        normalisers can be <= 0.
+        Divide the read-out by ``phi(k) . z`` (``eps`` floors it); default True for the additive and
+        decay rules, False with ``beta``.  Signed maps (``"l2"``) need False.
     orthogonal_keys : bool, default False
-        Orthonormal keys (the rows of a random orthogonal frame, times
-        ``key_scale``) instead of Gaussian ones; needs every ``n <= d``.
+        Orthonormal keys (a random orthogonal frame, times ``key_scale``); needs every ``n <= d``.
     method : str, default "quadratic"
-        The ``linear_attention`` method that runs the delta rules' sequence
-        (the explicit float64 form by default; any causal method that
-        implements the rule).  Unused without ``beta``.
+        The causal ``linear_attention`` method that runs the delta rules (unused without ``beta``).
     rule : str, optional
-        A named rule of the diagonal-plus-low-rank family
-        (:func:`linattn_nb.rules.dplr_rule_names`) instead of ``decay``/``beta``:
-        the pairs are written by :func:`linattn_nb.dplr_attention` and read
-        from the state it returns (``normalize`` default False).
+        A named DPLR rule (:func:`linattn_nb.rules.dplr_rule_names`) instead of ``decay``/``beta``,
+        run by :func:`linattn_nb.dplr_attention` (``normalize`` default False).
     rule_arguments : dict, optional
-        The rule's arguments as constants repeated at every token: a scalar,
-        a (D_phi,) vector for a per-feature one, (n_h,) for the DeltaProduct
-        rules' ``beta`` (each pair is then written n_h times, as n_h sub-steps
-        of its token); the string ``"keys"`` stands for the unit key features
-        (RWKV-7's removal key ``kappa`` as the written key).
+        The rule's arguments as constants repeated at every token: a scalar, a (D_phi,) vector, (n_h,)
+        for the DeltaProduct rules' ``beta`` (n_h sub-steps per pair); ``"keys"`` stands for the unit
+        key features (RWKV-7's removal key ``kappa`` as the written key).
 
     Returns
     -------
@@ -264,14 +238,13 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     Raises
     ------
     ValueError
-        Non-positive sizes, ``key_scale`` or ``softmax_scale``; ``feature_map="softmax"``;
-        a feature map whose features do not have shape ``(n, output_dim(d))``;
-        ``decay`` outside [0, 1]; ``beta`` outside [0, 2]; ``distance_bins``
-        not increasing; ``orthogonal_keys`` with some ``n > d``;
+        Non-positive sizes, ``key_scale`` or ``softmax_scale``; ``feature_map="softmax"``; features
+        not of shape ``(n, output_dim(d))``; ``decay`` outside [0, 1]; ``beta`` outside [0, 2];
+        ``distance_bins`` not increasing; ``orthogonal_keys`` with some ``n > d``;
         ``normalize=False`` with a map that needs its normaliser (FAVOR+).
     TypeError
-        Non-integer sizes, a bad ``feature_map``, a non-real ``decay`` or
-        ``beta``, ``normalize`` or ``orthogonal_keys`` not a bool.
+        Non-integer sizes, a bad ``feature_map``, a non-real ``decay`` or ``beta``, ``normalize`` or
+        ``orthogonal_keys`` not a bool.
 
     Examples
     --------
@@ -445,8 +418,7 @@ class MQAR:
     inputs : ndarray of int64, shape (n_examples, seq_len)
         Token ids.
     labels : ndarray of int64, shape (n_examples, seq_len)
-        ``-100`` (ignored by cross-entropy) everywhere except at each query
-        position, where it is the value to predict as the next token.
+        The value to predict at each query position, ``-100`` (ignored by cross-entropy) elsewhere.
     keys, values : ndarray of int64, shape (n_examples, n_kv)
         The pairs, in the order they appear in the context.
     query_positions : ndarray of int64, shape (n_examples, n_kv)
@@ -490,14 +462,13 @@ def mqar(n_examples, seq_len, n_kv, *, vocab_size=8192, power_a=0.01, random_non
     Returns
     -------
     MQAR
-        ``inputs``, ``labels`` and, for convenience, ``keys``, ``values``,
-        ``query_positions``.
+        ``inputs``, ``labels`` and, for convenience, ``keys``, ``values``, ``query_positions``.
 
     Raises
     ------
     ValueError
-        When Zoology's constraints fail: ``seq_len`` odd, ``vocab_size <=
-        seq_len``, ``4 n_kv > seq_len``; non-positive sizes or ``power_a``.
+        When Zoology's constraints fail: ``seq_len`` odd, ``vocab_size <= seq_len``,
+        ``4 n_kv > seq_len``; non-positive sizes or ``power_a``.
 
     Examples
     --------

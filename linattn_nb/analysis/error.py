@@ -107,24 +107,21 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
     ----------
     q, k : array_like, shape (..., N, D)
     feature_map : "softmax", str, FeatureMap or None
-        ``"softmax"``: ``softmax_j(scale q_i . k_j)``; otherwise a feature map as for
-        :func:`linattn_nb.linear_attention`: ``w_ij = phi(q_i) . phi(k_j) / max(d_i, eps)``.
+        ``"softmax"``, or a feature map as for :func:`linattn_nb.linear_attention` (docs/guide/analysis.md).
     causal : bool, default False
     scale : float, optional
         Softmax temperature, default ``1/sqrt(D)``.
     eps : float or None, default ``config.DEFAULT_EPS``
-        Floor of the linear normaliser, as in ``linear_attention`` (``weights @ v`` equals its
-        output); None divides by the raw normaliser.
+        Floor of the linear normaliser, as in ``linear_attention``; None divides by the raw normaliser.
     check_finite : bool, default True
     decay, log_decay : float or array_like, optional
-        A decay or gate of the state, as in :func:`linattn_nb.linear_attention` (causal only): the
-        weight of token ``s`` in output ``t`` is multiplied by the factors of tokens ``s+1..t``.
+        A decay or gate, as in ``linear_attention`` (causal only): the weight of token ``s`` in
+        output ``t`` is multiplied by the factors of tokens ``s+1..t``.
     normalize : bool, optional
         As in ``linear_attention`` (default True, False for the delta rules).  Not for ``"softmax"``.
     beta : float or array_like, optional
-        The delta rule's write strength, as in ``linear_attention`` (causal only): the rule's
-        equivalent causal weight matrix ``tril(G * phi(Q) phi(K)^T) T`` (docs/theory.md, "Delta rule
-        and gated delta rule"); its entries and row sums can be negative.
+        The delta rule's write strength (causal only): its equivalent causal weight matrix
+        (docs/theory.md), whose entries and row sums can be negative.
 
     Returns
     -------
@@ -190,9 +187,8 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
                         check_finite=True, block=None, decay=None, log_decay=None, beta=None):
     r"""How far linear attention with ``feature_map`` is from softmax attention.
 
-    Row by row, the softmax weights against the weights :func:`linattn_nb.linear_attention` applies
-    (docs/guide/analysis.md), and the two outputs, by a Numba kernel over blocks of query rows:
-    memory O(block * N) per thread, never the whole ``N x N``.
+    Row by row, softmax's weights against linear attention's (docs/guide/analysis.md), and the
+    outputs; memory O(block * N) per thread, never the whole ``N x N``.
 
     Parameters
     ----------
@@ -210,8 +206,7 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     block : int, optional
         Query rows per task (default ``config.ANALYSIS_BLOCK_Q``).
     decay, log_decay : float or array_like, optional
-        A decay or gate of linear attention's state, as in :func:`attention_weights`, against plain
-        softmax: the decayed weights normalised by their row sums (running products, no ``N x N``).
+        A decay or gate of linear attention's state, as in :func:`attention_weights`, against plain softmax.
     beta : float or array_like, optional
         The delta rule's write strength: its weights are formed explicitly
         (``N * N <= config.QUADRATIC_MAX_ELEMENTS``); rows whose sum is <= 0 have ``kl = inf``.

@@ -4,9 +4,8 @@
 * :func:`semiseparable_rank` -- the largest rank over the strictly-lower blocks of causal weights;
 * :func:`state_rank_profile` -- the rank of the state ``S_t`` as ``t`` grows.
 
-Computed in float64 from the ``N x D_phi`` factors where the weights are low rank, with the tolerance
-conventions of :func:`numpy.linalg.matrix_rank`.  Bounds: docs/theory.md ("Rank, spectra and capacity");
-algorithms: docs/design-cpu.md ("Rank of the weights and the state").
+Computed in float64, from the ``N x D_phi`` factors where the weights are low rank, with
+:func:`numpy.linalg.matrix_rank`'s tolerances.  Bounds: docs/theory.md; algorithms: docs/design-cpu.md.
 """
 from __future__ import annotations
 
@@ -272,10 +271,8 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
                    log_decay=None, normalize=None, beta=None):
     r"""Numerical rank of attention weights, from the factors when they are low rank.
 
-    Non-causal kernel weights (rank at most ``D_phi``) are ranked from R factors of ``D^{-1} phi(Q)``
-    and ``phi(K)`` in O(N D_phi^2 + D_phi^3); causal kernel weights and softmax weights are formed
-    explicitly, for ``N <= config.ANALYSIS_EXPLICIT_MAX_N`` (docs/design-cpu.md, "Rank of the
-    weights and the state").
+    Non-causal kernel weights are ranked from R factors in O(N D_phi^2 + D_phi^3); causal and softmax
+    weights are formed explicitly, ``N <= config.ANALYSIS_EXPLICIT_MAX_N`` (docs/design-cpu.md).
 
     Parameters
     ----------
@@ -295,13 +292,11 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
         ``"factor"``: from the R factors (non-causal kernel weights only); ``"explicit"``: the SVD
         of the formed matrix (the reference); ``"auto"``: ``"factor"`` where it applies.
     return_spectrum : bool, default False
-        Also return the singular values, descending (``min(D_phi, Nq, Nk)`` of them for
-        ``"factor"``, ``min(Nq, Nk)`` for ``"explicit"``), for :func:`~linattn_nb.analysis.effective_rank`
-        etc. with ``spectrum=True``.
+        Also return the singular values, descending (``min(D_phi, Nq, Nk)`` of them for ``"factor"``,
+        ``min(Nq, Nk)`` for ``"explicit"``), for ``effective_rank`` etc. with ``spectrum=True``.
     check_finite : bool, default True
     decay, log_decay, beta : float or array_like, optional
-        As in :func:`linattn_nb.linear_attention` (causal only): the weights of
-        :func:`~linattn_nb.analysis.attention_weights`, formed explicitly.
+        As in :func:`linattn_nb.linear_attention` (causal only): ``attention_weights``' weights, explicitly.
     normalize : bool, optional
         False ranks the unnormalised weights; default the rule's (True; False for the delta rules).
 
@@ -471,10 +466,8 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
                        normalize=None, beta=None):
     r"""Largest rank of the strictly-lower blocks ``A[i:, :i]`` of causal attention weights.
 
-    For causal linear attention every such block has rank at most ``D_phi`` (the weights are
-    *semiseparable*; docs/theory.md), softmax weights have no such bound.  Kernel maps are ranked from
-    the factors, typically in O(N D_phi^2 + D_phi^3) (docs/design-cpu.md, "Rank of the weights and the
-    state"), equal to ``max_i matrix_rank(A[i:, :i])`` up to rounding at the tolerance.
+    At most ``D_phi`` for causal linear attention (docs/theory.md), unbounded for softmax.  Kernel
+    maps are ranked from the factors, typically in O(N D_phi^2 + D_phi^3) (docs/design-cpu.md).
 
     Parameters
     ----------
@@ -489,9 +482,9 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
     rtol : float, optional
         Relative tolerance; default ``max(N - i, i) * eps64`` for block ``i``.
     method : {"auto", "factor", "explicit"}
-        ``"explicit"`` forms the N x N weights (``N <= config.ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N``,
-        2048) and takes an SVD per split (worst case O(N^4)).  ``"auto"``: ``"factor"`` for kernel maps
-        without a decay or ``beta``, else ``"explicit"``.
+        ``"explicit"``: an SVD per split of the N x N weights (worst case O(N^4),
+        ``N <= config.ANALYSIS_SEMISEPARABLE_EXPLICIT_MAX_N``).  ``"auto"``: ``"factor"`` for kernel
+        maps without a decay or ``beta``, else ``"explicit"``.
     return_split : bool, default False
         Also return the smallest split ``i`` reaching the largest rank (0 when N < 2).
     check_finite : bool, default True
@@ -618,8 +611,7 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
                        log_decay=None, initial_state=None, beta=None, rule=None, rule_arguments=None):
     r"""Numerical rank of the linear-attention state ``S_t`` as the sequence grows.
 
-    ``S_t`` is the ``D_phi x M`` state after ``t`` tokens; its rank saturates at ``min(D_phi, M)``.
-    A decay lowers it only at a reset or on underflow; a delta-rule write can also remove a direction
+    ``S_t`` is the ``D_phi x M`` state after ``t`` tokens; its rank saturates at ``min(D_phi, M)``
     (docs/theory.md).
 
     Parameters
@@ -638,13 +630,11 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
     decay, log_decay, beta : float or array_like, optional
         As in :func:`linattn_nb.linear_attention`.
     rule : str, optional
-        A named DPLR rule (:func:`linattn_nb.rules.dplr_rule_names`), with its arguments in
-        ``rule_arguments`` (full arrays, as :func:`linattn_nb.dplr_attention` takes them).  Not with
-        ``decay``/``log_decay``/``beta``.
+        A named DPLR rule, not with ``decay``/``log_decay``/``beta``.
     rule_arguments : dict, optional
+        Its arguments, full arrays as :func:`linattn_nb.dplr_attention` takes them.
     initial_state : LinearState or tuple (S, z[, position]), optional
-        The state before token 0, as in ``linear_attention`` (``t = 0`` ranks it); one of another
-        update rule is refused.
+        The state before token 0, as in ``linear_attention`` (``t = 0`` ranks it).
 
     Returns
     -------
@@ -655,8 +645,7 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
     ------
     ValueError
         Shape mismatches, non-finite inputs, positions outside ``[0, N]``, ``feature_map="softmax"``;
-        rule arguments as ``linear_attention`` refuses them; an ``initial_state`` of the wrong shape
-        or of another update rule.
+        rule arguments as ``linear_attention`` refuses them; an ``initial_state`` of the wrong shape or rule.
     TypeError
         Non-floating inputs, non-integer positions.
 

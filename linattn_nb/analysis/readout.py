@@ -24,9 +24,8 @@ class Readout:
     values : ndarray, shape (n, M)
         The read-out ``V_hat``: row i is what the state returns for key i.
     accuracy : float or None
-        Fraction of keys whose read-out is strictly nearest (Euclidean) to their own stored value
-        among all the stored values; a tie (up to a relative ``TIE_RTOL``) counts as a miss.
-        None when no values were given.
+        Fraction of keys whose read-out is strictly nearest (Euclidean) to their own stored value; a
+        tie (up to a relative ``TIE_RTOL``) counts as a miss.  None when no values were given.
     error : float or None
         ``||V_hat - V||_F^2 / ||V||_F^2``; None when no values were given.
     """
@@ -51,9 +50,8 @@ def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps
     Parameters
     ----------
     state : LinearAttentionState or LinearState
-        An unbatched state (``S`` of shape ``(D_phi, M)``).  A :class:`linattn_nb.LinearAttentionState`
-        is read with its own :meth:`~linattn_nb.LinearAttentionState.query`; a
-        :class:`linattn_nb.LinearState` needs ``feature_map``.
+        An unbatched state (``S`` of shape ``(D_phi, M)``): a :class:`linattn_nb.LinearAttentionState`
+        is read with its own ``query``; a :class:`linattn_nb.LinearState` needs ``feature_map``.
     keys : array_like, shape (n, d)
         The keys to read (the queries).
     values : array_like, shape (n, M), optional

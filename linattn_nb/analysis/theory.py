@@ -29,11 +29,9 @@ class KernelEstimate:
     mse : ndarray
         Mean over draws of ``(phi(x) . phi(y) - target)^2``.
     stderr : ndarray
-        Standard error of ``mse`` (sample standard deviation of the squared
-        errors over ``sqrt(draws)``).
+        Standard error of ``mse`` (sample standard deviation of the squared errors over ``sqrt(draws)``).
     mean : ndarray
-        Mean estimate over draws (its distance to ``target`` is the bias,
-        within ``sqrt(mse / draws)``).
+        Mean estimate over draws (its distance to ``target`` is the bias).
     target : ndarray
         The kernel values estimated.
     draws : int
@@ -87,8 +85,7 @@ def kernel_estimate_mse(feature_map, x, y, draws, *, target=None):
     draws : int
         Number of independent draws (>= 2).
     target : array_like, optional
-        Values to estimate; default ``feature_map.kernel(x, y)`` (for the
-        softmax estimators ``exp(scale x . y)``).
+        Values to estimate; default ``feature_map.kernel(x, y)`` (softmax estimators: ``exp(scale x . y)``).
 
     Returns
     -------
@@ -144,9 +141,8 @@ def kernel_estimate_mse(feature_map, x, y, draws, *, target=None):
 def favor_mse(x, y, num_features, kind="positive"):
     r"""Closed-form MSE of Performer's estimators of ``SM(x, y) = exp(x . y)`` (Lemma 2).
 
-    With ``m`` i.i.d. ``N(0, I_d)`` projections (Choromanski et al., ICLR 2021, Lemma 2; the formulas:
-    docs/theory.md, "Feature maps").  ``m`` counts projections: the trigonometric and hyperbolic
-    estimators have ``2m`` features (as ``rff`` and ``favor+`` with ``kind="hyperbolic"``).
+    ``m`` i.i.d. ``N(0, I_d)`` projections; the trigonometric and hyperbolic estimators have ``2m``
+    features.  The formulas: docs/theory.md ("Feature maps").
 
     Parameters
     ----------
@@ -187,10 +183,7 @@ def orthogonal_mse_bound(x, y, num_features):
     r"""Performer's Theorem 2: MSE bound of the positive estimator with orthogonal projections.
 
     For ``m <= d`` orthogonal projections with rows marginally ``N(0, I_d)`` (``favor+`` with
-    ``orthogonal=True, row_norm="chi"``), Choromanski et al. (ICLR 2021, Theorem 2):
-
-    .. math:: \mathrm{MSE}_{ort} \le \mathrm{MSE}_{pos} - \frac{2(m-1)}{m(d+2)}
-       \left(SM(x, y) - e^{-(\|x\|^2 + \|y\|^2)/2}\right)^2
+    ``orthogonal=True, row_norm="chi"``); the bound: docs/theory.md ("Feature maps").
 
     Parameters
     ----------

@@ -261,11 +261,10 @@ def objective(feature_map, q, k, *, causal=False, scale=None, loss="cross_entrop
     Returns
     -------
     loss : float
-        The mean loss over rows (``inf`` where a row's linear weights cannot be normalised, or are
-        0 where softmax has mass without a floor).
+        The mean loss over rows (``inf`` where a row's linear weights cannot be normalised, or are 0
+        where softmax has mass without a floor).
     grads : dict
-        ``name -> dloss/dparameter`` for the arrays ``parameters()`` returns; zeros where the loss
-        is infinite.
+        ``name -> dloss/dparameter`` for the arrays ``parameters()`` returns; zeros where loss is inf.
 
     Examples
     --------
@@ -295,39 +294,33 @@ def fit(feature_map, q, k, *, causal=False, scale=None, loss="cross_entropy", st
         seed=0, validation=None, values=None, floor=None, learning_rate=0.01, tol=None, progress=True):
     """Fit the parameters of a feature map so that linear attention's weights match softmax's.
 
-    The map's parameters (it needs :meth:`~linattn_nb.feature_maps.FeatureMap.parameters` and
-    :meth:`~linattn_nb.feature_maps.FeatureMap.vjp`) are trained full batch with SciPy's L-BFGS-B or
-    a small Adam loop, without holding an ``N x N`` matrix; one map for all batch entries.  The losses
-    and how a fit runs: docs/guide/feature_maps.md.
+    Any map with ``parameters()`` and ``vjp``, trained full batch (L-BFGS-B or Adam), one map for all
+    batch entries.  The losses and how a fit runs: docs/guide/feature_maps.md.
 
     Parameters
     ----------
     feature_map : str or FeatureMap
-        The map to start from: a registered name (Hedgehog and T2R start at ``W = I``, ``b = 0``) or
-        a map object, which is copied (never modified).
+        The map to start from: a registered name or a map object, which is copied (never modified).
     q, k : array_like, shape (..., N, d)
-        Training queries and keys (finite, the same shape); float64 is fitted in float64, other
-        dtypes in float32.
+        Training queries and keys (finite, the same shape); float64 is fitted in float64, else float32.
     causal : bool, default False
         Fit causal weights.
     scale : float, optional
         Softmax temperature, default ``1/sqrt(d)``.
     loss : {"cross_entropy", "kl", "mse"}, default "cross_entropy"
-        Hedgehog's soft-label cross-entropy between the softmax and linear weights, ``"kl"`` (0 at a
-        perfect fit), or ``"mse"`` between the outputs for ``values``; a mean over query rows.
+        Between the softmax and linear weights, or (``"mse"``) the outputs for ``values``.
     steps : int, default 200
         Optimiser iterations (0: evaluate only); ``history.message`` says why L-BFGS stopped.
     optimizer : {"lbfgs", "adam"}, default "lbfgs"
     seed : int, default 0
         Seeds the values drawn for ``loss="mse"`` when none are given.
     validation : tuple, optional
-        ``(q_val, k_val)`` (and ``v_val`` for ``loss="mse"``): the same loss on held-out data,
-        recorded after every step.
+        ``(q_val, k_val)`` (and ``v_val`` for ``loss="mse"``): held-out data, its loss recorded per step.
     values : array_like, shape (..., N, M), optional
         Values for ``loss="mse"``.
     floor : float in [0, 1), optional
-        Floor of the linear weights in the cross-entropy and KL: 0 for ``strictly_positive`` maps,
-        else ``config.FIT_FLOOR``.
+        Floor of the linear weights in the cross-entropy and KL (default 0 for ``strictly_positive``
+        maps, else ``config.FIT_FLOOR``).
     learning_rate : float, default 0.01
         Adam's step size.
     tol : float, optional
@@ -339,14 +332,13 @@ def fit(feature_map, q, k, *, causal=False, scale=None, loss="cross_entropy", st
     Returns
     -------
     FitResult
-        ``(feature_map, history)``: the fitted map (a new object) and a :class:`FitHistory`.
-        Ctrl-C returns what the last finished step reached (not inside a sweep point).
+        ``(feature_map, history)``: the fitted map (a new object); Ctrl-C returns the last finished step.
 
     Raises
     ------
     ValueError, TypeError
-        Naming the argument: bad inputs, ``loss`` or ``optimizer``, a map without trainable
-        parameters, ``values`` with a weights loss, or an infinite starting loss (pass ``floor``).
+        Bad inputs, ``loss`` or ``optimizer``, a map without trainable parameters, ``values`` with a
+        weights loss, or an infinite starting loss (pass ``floor``).
 
     Examples
     --------
