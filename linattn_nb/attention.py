@@ -1,9 +1,4 @@
-"""Public attention functions: their documentation, then one call into the front end.
-
-Validation, batch flattening, featurisation, the initial state, the method
-choice and the device routing are in :mod:`linattn_nb._frontend`; the kernels
-in :mod:`linattn_nb.ops`.
-"""
+"""Public attention functions: their documentation, then one call into :mod:`linattn_nb._frontend`."""
 from __future__ import annotations
 
 from . import _frontend, _gradfront
@@ -40,10 +35,7 @@ def linear_attention(
     .. math:: o_i = \frac{\phi(q_i)^\top S}{\max(\phi(q_i)^\top z, \epsilon)},
        \quad S = \sum_j \phi(k_j) v_j^\top,\quad z = \sum_j \phi(k_j),
 
-    with the sums over all tokens (``causal=False``) or over ``j <= i``
-    (``causal=True``: the prefix states include token ``i``; Katharopoulos et
-    al. 2020, Eqs. 7 and 10-12).  The ``N x N`` matrix is never formed except
-    by ``method="quadratic"``.
+    with the sums over all tokens, or over ``j <= i`` with ``causal=True`` (docs/guide/attention.md).
 
     Parameters
     ----------
@@ -59,14 +51,11 @@ def linear_attention(
         compare calls or carry a state across segments.
     causal : bool, default False
     method : {"auto", "quadratic", "scan", "chunked", "aggregate"}
-        ``"quadratic"``: the naive N x N reference (float64 inside); ``"scan"``: the per-token
-        recurrence; ``"chunked"``: the chunkwise-parallel kernel; ``"auto"``: the fastest for the
-        shape (:mod:`linattn_nb.config`, docs/tuning.md).  Non-causal attention runs the
-        aggregate-then-query kernel whatever the method.
+        ``"quadratic"`` (the float64 N x N reference), ``"scan"``, ``"chunked"``, or ``"auto"`` (the
+        fastest for the shape, docs/tuning.md); non-causal calls always run ``"aggregate"``.
     device : {"auto", "cpu", "cuda"}
-        ``"auto"`` follows the data: GPU arrays run on the GPU zero-copy, host arrays on the CPU
-        (mixing them raises ValueError); ``"cuda"`` with NumPy inputs copies them over and the
-        result back (docs/guide/gpu.md).
+        ``"auto"`` follows the data (mixing GPU and host arrays raises ValueError); ``"cuda"`` with
+        NumPy inputs copies them over and the result back (docs/guide/gpu.md).
     eps : float or None, default 1e-8
         Floor of the normaliser, ``den = max(phi(q)^T z, eps)``; ``eps=None`` divides by the raw
         normaliser (for signed maps; docs/guide/attention.md).
@@ -77,8 +66,7 @@ def linear_attention(
     out : ndarray, optional
         Output buffer of shape (..., N, M) and the result dtype.
     initial_state : LinearState or tuple (S, z[, position]), optional
-        State to start from: context absorbed before token 0 (for
-        segment-wise processing).  Never modified.
+        Context absorbed before token 0 (segment-wise processing).  Never modified.
     return_state : bool, default False
         Also return the final :class:`LinearState` (float64).
     decay : float or array_like, optional
@@ -89,9 +77,8 @@ def linear_attention(
         The same factors as logs (<= 0; ``-inf`` is a reset).  At most one of ``decay`` and
         ``log_decay``.
     beta : float or array_like, optional
-        Write strengths in [0, 2] (causal only), per sequence or per token: the delta rule,
-        ``S_t = S_{t-1} + beta_t phi(k_t) (v_t - S_{t-1}^T phi(k_t))^T``; with a decay per sequence
-        or per token, the gated delta rule (docs/guide/rules.md).
+        Write strengths in [0, 2] (causal only), per sequence or per token: the delta rule; with a
+        decay per sequence or per token, the gated delta rule (docs/guide/rules.md).
     normalize : bool, optional
         Divide by the normaliser ``phi(q)^T z``.  None: True for the additive, decay and gate
         rules, False for the delta rules.  Maps that need the normaliser ("favor+", "hedgehog")
@@ -167,10 +154,8 @@ def linear_attention_vjp(
 ):
     r"""Gradients of :func:`linear_attention`: the vector-Jacobian product with ``grad_out``.
 
-    For a loss ``L`` of the output ``o = linear_attention(q, k, v, ...)`` (and of the final
-    state), given ``grad_out = dL/do``, returns ``dL/dq``, ``dL/dk``, ``dL/dv`` and the gradients
-    of every other differentiable input that was given, for every rule and method (the forward
-    is recomputed; docs/guide/gradients.md).
+    Returns ``dL/dq``, ``dL/dk``, ``dL/dv`` and the gradients of every other differentiable input
+    given, for every rule and method (docs/guide/gradients.md).
 
     Parameters
     ----------
@@ -235,9 +220,7 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, device="auto", check
 
     .. math:: o_i = \sum_j \operatorname{softmax}_j(\text{scale}\; q_i^\top k_j)\, v_j
 
-    over all ``j`` or, with ``causal=True``, over ``j <= i``.  The default ``method="blocked"``
-    streams over key blocks with a running maximum, never holding more than one block of scores
-    (docs/guide/attention.md).
+    over all ``j`` or, with ``causal=True``, over ``j <= i`` (docs/guide/attention.md).
 
     Parameters
     ----------
