@@ -66,14 +66,9 @@ class _Inputs:
 class LinearAttentionState:
     r"""The decoding object: recurrent state of causal linear attention, updated token by token.
 
-    A mutable object that absorbs tokens in place (:meth:`prefill`, :meth:`step`), answers
-    queries (:meth:`query`), and is saved and loaded (:meth:`save`, :meth:`load`), on the CPU or a
-    GPU; :meth:`from_linear_state` and :meth:`to_linear_state` convert from and to the immutable
-    :class:`linattn_nb.LinearState` that ``linear_attention(..., return_state=True)`` returns.
-    Holds ``S = sum_j phi(k_j) v_j^T`` (``(*batch_shape, D_phi, M)``), ``z = sum_j phi(k_j)``
-    (``(*batch_shape, D_phi)``) and the number of tokens absorbed (``position``), updated by the
-    state's rule (docs/guide/decoding.md): memory and time per token are constant in the context
-    length.
+    Absorbs tokens in place (:meth:`prefill`, :meth:`step`), answers queries (:meth:`query`), is
+    saved and loaded, on the CPU or a GPU; :meth:`from_linear_state` and :meth:`to_linear_state`
+    convert from and to :class:`linattn_nb.LinearState` (docs/guide/decoding.md).
 
     Parameters
     ----------
@@ -87,32 +82,18 @@ class LinearAttentionState:
         As in :func:`linattn_nb.linear_attention`; ``None`` when queries and
         keys already are features.
     dtype : {numpy.float64, numpy.float32}
-        Precision of the state and of the kernels' accumulation.  float64
-        reproduces :func:`linattn_nb.linear_attention` (whose state is
-        float64) to round-off; float32 halves memory and time.
+        Precision of the state and of the kernels' accumulation (float64 reproduces
+        :func:`linattn_nb.linear_attention` to round-off).
     device : {"auto", "cpu", "cuda"}
-        Where the state lives.  ``"auto"`` is decided by the first inputs
-        (:mod:`linattn_nb.device`): GPU arrays move the state to the GPU,
-        anything else keeps it on the host; it is then fixed.
+        Where the state lives; ``"auto"``: where the first inputs live, then fixed.
     eps : float or None, default 1e-8
         Floor of the normaliser, as in :func:`linattn_nb.linear_attention`.
     rule : {None, "additive", "decay", "gate", "delta", "gated_delta"}, default None
-        The update rule (:mod:`linattn_nb.rules`).  ``None`` leaves it to the first :meth:`step` or
-        :meth:`prefill` that absorbs a token: the rule of its ``decay``/``log_decay``/``beta``
-        (additive without them).  Once fixed it stays (also through :meth:`reset`, :meth:`copy`,
-        :meth:`save`, and the conversions); a call with another rule raises ValueError naming
-        ``decay``/``log_decay``/``beta``.
+        The update rule (:mod:`linattn_nb.rules`); ``None``: the first call that absorbs a token
+        fixes it.  A later call with another rule raises ValueError (docs/guide/decoding.md, "Rules").
     normalize : bool or None, default None
-        As in :func:`linattn_nb.linear_attention`: None takes the rule's
-        convention (True for the additive, decay and gate rules, False for
-        the delta rules); False makes :meth:`step` and :meth:`query` return
-        ``phi(q)^T S`` undivided.  Maps that need the normaliser (FAVOR+,
-        Hedgehog) refuse False.
-
-    Notes
-    -----
-    Every method takes all batch entries and heads in one kernel call (docs/launchers.md,
-    "Decode-step launchers"); a GPU state is double-buffered, ``2 * nbytes`` (docs/guide/gpu.md).
+        As in :func:`linattn_nb.linear_attention` (None: the rule's convention); False makes
+        :meth:`step` and :meth:`query` return ``phi(q)^T S`` undivided.
 
     Examples
     --------
@@ -189,11 +170,8 @@ class LinearAttentionState:
         self._norm = V.check_normalize(normalize, get_rule(rule or RULE).normalize)
 
     def _attach(self, dev):
-        """Look the step launcher for ``dev`` up in the method table and allocate a zero state there.
-
-        Runs once per device decision (construction, or the first inputs of
-        an "auto" state), never per token.
-        """
+        """Look the step launcher for ``dev`` up in the method table and allocate a zero state there
+        (once per device decision, never per token)."""
         rule = self._rule or RULE
         launch = get_method("step", causal=True, device=dev, rule=rule).forward
         S, z, scratch = launch.zeros(self._B, self._f, self._m, self._dtype)
@@ -681,8 +659,8 @@ class LinearAttentionState:
         return self._deliver(self._finish(out, inp), given, inp)
 
     def _entry_point(self, dt, arrays):
-        """The compiled single-token kernel for input dtype ``dt``, called without Numba's dispatch
-        (about 0.3 us of a ~10 us decode step); the fast path's checks fix every argument type."""
+        """The compiled single-token kernel for input dtype ``dt``, called without Numba's dispatch;
+        the fast path's checks fix every argument type."""
         from numba import typeof
 
         q, k, v, out = arrays
@@ -695,9 +673,7 @@ class LinearAttentionState:
     def query(self, q, *, check_finite=True):
         """Read the state for T queries without changing it.
 
-        Every query sees the same state (the tokens absorbed so far); for
-        position-dependent maps the queries take positions from
-        :attr:`position` on, like the next tokens would.
+        Position-dependent maps number the queries from :attr:`position` on, like the next tokens.
 
         Parameters
         ----------
@@ -868,9 +844,8 @@ class LinearAttentionState:
     def save(self, path) -> None:
         """Write the state to ``path`` (.npz, the format of :mod:`linattn_nb.state.fileformat`).
 
-        The file holds S and z bit for bit, the position, the dimensions, eps, the rule,
-        ``normalize`` and the feature map (docs/frontend.md, "State files"; a map that cannot be
-        rebuilt from the registry needs ``feature_map=`` to load).  The write is atomic.
+        Atomic; S and z bit for bit (docs/frontend.md, "State files").  A map that cannot be rebuilt
+        from the registry needs ``feature_map=`` to load.
 
         Examples
         --------
@@ -909,8 +884,7 @@ class LinearAttentionState:
         Returns
         -------
         LinearAttentionState
-            With the file's rule and ``normalize``; files written before
-            states recorded a rule (format version 1) are additive.
+            With the file's rule and ``normalize`` (format version 1 files: additive).
 
         Raises
         ------
