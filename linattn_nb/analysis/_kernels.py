@@ -127,13 +127,10 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
                       kl, tv, hp, hw, rho, den_out, js):
     """Per-row statistics of linear against softmax attention weights.
 
-    q, k (B, N, D) and fq, fk (B, N, F) float64 (the features are ignored when ``softmax_mode``, the
-    self-check).  Writes per row (B, N): ``kl`` (inf where the linear weights are no distribution where
-    softmax has mass), ``tv``, entropies ``hp``/``hw``, Spearman ``rho``, the raw normaliser ``den_out``
-    and ``js`` (NaN where undefined).  The linear weights are ``a_ij / max(den_i, eps)`` (``clip``) or
-    ``a_ij / den_i``.  ``mode``: ``_MODE_PLAIN``; ``_MODE_SCALAR`` / ``_MODE_FEATURE`` with ``fac``
-    (B, N, 1) / (B, N, F) the factors, multiplied in as running products; ``_MODE_EXPLICIT`` with ``fac``
-    (B, N, N) the unnormalised weights themselves (docs/design-cpu.md).
+    Writes per row (B, N) ``kl``, ``tv``, entropies ``hp``/``hw``, Spearman ``rho``, the raw normaliser
+    ``den_out`` and ``js``; linear weights ``a_ij / max(den_i, eps)`` with ``clip``, else ``a_ij / den_i``
+    (features ignored in ``softmax_mode``).  ``mode``/``fac``: plain, per-token factors (B, N, 1 or F)
+    as running products, or (B, N, N) explicit unnormalised weights (docs/design-cpu.md).
     """
     B, N, D = q.shape
     nb = (N + block - 1) // block

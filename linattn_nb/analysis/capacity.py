@@ -1,10 +1,7 @@
 """Associative-recall capacity of the fixed-size state, training-free.
 
-:func:`recall_capacity` stores ``n`` random key-value pairs in the state (additive, decayed, delta or a
-named DPLR rule), queries every key and compares the read-out with the least-squares floor of a state of
-the same size and with softmax attention; :func:`mqar` generates Zoology's multi-query associative recall
-sequences and :func:`state_size` counts the state as Zoology does.  The capacity bound: docs/theory.md;
-usage and measured figures: docs/guide/analysis.md.
+:func:`recall_capacity`, Zoology's MQAR sequences (:func:`mqar`) and state sizes (:func:`state_size`).
+The capacity bound: docs/theory.md; usage and measured figures: docs/guide/analysis.md.
 """
 from __future__ import annotations
 
@@ -185,10 +182,8 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
                     normalize=None, orthogonal_keys=False, method="quadratic", rule=None, rule_arguments=None):
     r"""Training-free associative recall through linear attention's state.
 
-    For each ``n`` in ``n_pairs`` and each trial: draw ``n`` keys and values, write the pairs in order
-    (pair ``j`` at token ``j``) and read the state after the last write with every key (Schlag et al.
-    2021, §4.1, setting 1); compare with the least-squares state of the same size and with softmax.
-    The rules' state equations and what the figures show: docs/guide/analysis.md.
+    Writes ``n`` random pairs in order and reads the state back with every key (Schlag et al. 2021,
+    §4.1, setting 1), against the least-squares state of the same size and softmax (docs/guide/analysis.md).
 
     Parameters
     ----------
@@ -439,12 +434,8 @@ class MQAR:
 def mqar(n_examples, seq_len, n_kv, *, vocab_size=8192, power_a=0.01, random_non_queries=True, seed=None):
     r"""Multi-query associative recall sequences (Zoology; Arora et al. 2023, §3 and App.).
 
-    Each example starts with ``n_kv`` key-value pairs ``k_1 v_1 ... k_n v_n`` (distinct keys from
-    ``[1, V/2)``, distinct values from ``[V/2, V)``); every key is queried once, at the first position of a
-    two-token slot drawn without replacement with the power law ``p(i) ∝ a i^(a-1)`` over the slot index;
-    the label there is the key's value, ``-100`` elsewhere.  Other positions hold random tokens
-    (``random_non_queries``) or 0.  Unlike Zoology's generator the filler never uses the example's own
-    keys, so a filler token cannot be mistaken for an unlabelled query.
+    ``n_kv`` key-value pairs, then every key queried once at a power-law position, labelled with its
+    value; the layout: docs/guide/analysis.md.
 
     Parameters
     ----------

@@ -1,11 +1,7 @@
 """How far linear attention is from softmax attention, at the attention level.
 
-* :func:`approximation_error` - output error and row-wise divergences of the weights, by Numba kernels
-  over blocks of query rows (:mod:`linattn_nb.analysis._kernels`), never the whole ``N x N`` at once;
-* :func:`attention_weights` - the explicit weight matrix (small N);
-* :func:`approximation_error_naive` - the same statistics from explicit matrices, the tests' reference.
-
-Everything is float64.  The weights compared and the conventions: docs/guide/analysis.md.
+:func:`approximation_error` (Numba kernels over row blocks), :func:`attention_weights` (explicit, small
+N) and :func:`approximation_error_naive` (the tests' reference), in float64: docs/guide/analysis.md.
 """
 from __future__ import annotations
 
@@ -147,8 +143,7 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
     >>> bool(np.allclose(attention_weights(q, k, "elu").sum(-1), 1))
     True
 
-    A constant decay ``gamma`` multiplies the unnormalised causal weights by
-    ``gamma^(t - s)`` (RetNet, Sun et al. 2023, §2.1):
+    A constant decay ``gamma`` multiplies the unnormalised causal weights by ``gamma^(t - s)``:
 
     >>> raw = attention_weights(q, k, "elu", causal=True, normalize=False)
     >>> ret = attention_weights(q, k, "elu", causal=True, decay=0.9, normalize=False)
@@ -156,9 +151,8 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
     >>> bool(np.allclose(ret, 0.9 ** np.maximum(t - s, 0) * raw))
     True
 
-    The delta rule's weights reproduce its output; with one key written
-    twice (unit keys, ``beta = 1``) the second write replaces the first
-    (Schlag et al. 2021, §4.2), so the last query reads only the last value:
+    With one key written twice (unit keys, ``beta = 1``) the delta rule's second write replaces the
+    first, so the last query reads only the last value:
 
     >>> kk = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
     >>> attention_weights(kk, kk, "l2", causal=True, beta=1.0)[2].round(12).tolist()

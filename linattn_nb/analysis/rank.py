@@ -1,11 +1,8 @@
 """Rank of attention weights and of the recurrent state, without forming N x N.
 
-* :func:`attention_rank` -- numerical rank (and spectrum) of the weights;
-* :func:`semiseparable_rank` -- the largest rank over the strictly-lower blocks of causal weights;
-* :func:`state_rank_profile` -- the rank of the state ``S_t`` as ``t`` grows.
-
-Computed in float64, from the ``N x D_phi`` factors where the weights are low rank, with
-:func:`numpy.linalg.matrix_rank`'s tolerances.  Bounds: docs/theory.md; algorithms: docs/design-cpu.md.
+:func:`attention_rank`, :func:`semiseparable_rank` and :func:`state_rank_profile`, in float64, from the
+``N x D_phi`` factors where the weights are low rank, with :func:`numpy.linalg.matrix_rank`'s tolerances.
+Bounds: docs/theory.md; algorithms: docs/design-cpu.md.
 """
 from __future__ import annotations
 

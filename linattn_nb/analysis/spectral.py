@@ -185,8 +185,7 @@ def numerical_rank(A, rtol=None, *, check_finite=True):
 def effective_rank(A, *, spectrum=False, check_finite=True):
     """Effective rank ``exp(H(p))``, ``p_i = sigma_i / sum_j sigma_j`` (Roy & Vetterli 2007).
 
-    Between 1 (one non-zero singular value) and the number of singular values (all equal); 0 for
-    an all-zero matrix.  Scale-invariant and finite for any finite input.
+    Between 1 and the number of singular values; 0 for an all-zero matrix (docs/guide/analysis.md).
 
     Parameters
     ----------
@@ -220,8 +219,7 @@ def effective_rank(A, *, spectrum=False, check_finite=True):
 def stable_rank(A, *, spectrum=False, check_finite=True):
     """Stable rank ``||A||_F^2 / ||A||_2^2 = sum sigma_i^2 / sigma_max^2``.
 
-    Between 1 and the rank, insensitive to tiny singular values; 0 for an all-zero matrix.
-    Scale-invariant and finite for any finite input.
+    Between 1 and the rank; 0 for an all-zero matrix (docs/guide/analysis.md).
 
     Parameters
     ----------
@@ -250,9 +248,8 @@ def stable_rank(A, *, spectrum=False, check_finite=True):
 def cumulative_spectrum(A, *, squared=False, spectrum=False, check_finite=True):
     """Normalised cumulative singular values (Linformer, Wang et al. 2020, Fig. 1).
 
-    ``c_k = (sigma_1 + ... + sigma_k) / sum_i sigma_i`` (descending values): the faster it rises to 1,
-    the closer to low rank.  ``squared=True`` accumulates ``sigma_i^2`` (the fraction of ``||A||_F^2``
-    the best rank-k approximation keeps).  Scale-invariant and finite for any finite input.
+    ``c_k = (sigma_1 + ... + sigma_k) / sum_i sigma_i`` (descending values); ``squared=True``
+    accumulates ``sigma_i^2`` (the fraction of ``||A||_F^2`` the best rank-k approximation keeps).
 
     Parameters
     ----------

@@ -33,16 +33,13 @@ class FitHistory(NamedTuple):
     ----------
     step : ndarray of int
         ``0, 1, ..., steps_done``.
-    train_loss : ndarray
-        The training loss after each step.
-    val_loss : ndarray
-        The validation loss (NaN without ``validation``).
+    train_loss, val_loss : ndarray
+        The training and validation loss after each step (``val_loss`` NaN without ``validation``).
     seconds : ndarray
         Wall time since the start of the fit.
     evaluations : int
         Loss-and-gradient evaluations on the training set (several per L-BFGS step).
-    loss : str
-    optimizer : str
+    loss, optimizer : str
     message : str
         Why the optimiser stopped.
     """

@@ -9,9 +9,8 @@ from ..attention import softmax_attention
 def weights_loss_naive(fq, fk, q, k, *, scale, causal, floor=0.0, kl=False):
     """Mean over rows of ``-sum_j P_ij log T_ij`` (minus the softmax entropy when ``kl``).
 
-    ``P`` = softmax weights of ``scale * q k^T``, ``L`` = linear weights
-    ``fq fk^T`` normalised by their row sums, ``T = (1 - floor) max(L, 0) +
-    floor / n_i``; causal rows see keys ``j <= i``.  Inputs ``(B, N, .)``.
+    ``P`` = softmax weights of ``scale * q k^T``, ``L`` = linear weights ``fq fk^T`` over their row sums,
+    ``T = (1 - floor) max(L, 0) + floor / n_i``; causal rows see keys ``j <= i``.  Inputs ``(B, N, .)``.
     """
     q, k, fq, fk = (np.asarray(x, dtype=np.float64) for x in (q, k, fq, fk))
     b, n, _ = q.shape
