@@ -1,9 +1,5 @@
-"""The decoding state of a diagonal-plus-low-rank rule: :class:`DPLRState`.
-
-The API of :class:`~linattn_nb.LinearAttentionState` for the rules of
-:func:`linattn_nb.dplr_attention`: each call runs the recurrence from the held (float64) state and
-keeps the state it returns (docs/dplr.md).
-"""
+"""The decoding state of a diagonal-plus-low-rank rule, :class:`DPLRState`: the API of
+:class:`~linattn_nb.LinearAttentionState` over :func:`linattn_nb.dplr_attention` (docs/dplr.md)."""
 from __future__ import annotations
 
 import numpy as np

@@ -19,11 +19,8 @@ __all__ = ["KVCache"]
 class KVCache:
     r"""Softmax attention's decoding cache: every key and value, grown geometrically.
 
-    The baseline :class:`LinearAttentionState` replaces: same ``prefill`` /
-    ``step`` / ``query`` / ``nbytes`` API; a step attends to the whole cache,
-    so its cost grows linearly with the context (Katharopoulos et al. 2020,
-    §3.4 and Fig. 1).  Appends are amortised O(1): when the buffers are full
-    they grow to ``max(needed, config.KV_GROWTH * capacity)``.
+    The baseline of :class:`LinearAttentionState`, with its API; a step's cost grows with the
+    context.  Full buffers grow to ``max(needed, config.KV_GROWTH * capacity)`` (docs/guide/decoding.md).
 
     Parameters
     ----------
