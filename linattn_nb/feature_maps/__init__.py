@@ -15,8 +15,7 @@ Built-in maps are looked up by name::
     >>> feature_maps.get("favor+", dim=64, num_features=256, orthogonal=True, seed=0).output_dim(64)
     256
 
-The built-in maps, the temperature convention, adding a map, the gradients of the maps and the
-modules they live in: docs/guide/feature_maps.md; formulas and papers: docs/theory.md.
+Guide: docs/guide/feature_maps.md; formulas and papers: docs/theory.md.
 """
 from ..ops._codes import (KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_NONE, KERNEL_CODE_RELU, KERNEL_CODE_SILU_L2,
                           KERNEL_CODE_SQUARED_RELU)

@@ -30,10 +30,8 @@ def _layout_free(method):
 class FeatureMap:
     """Base class of all feature maps.
 
-    Subclasses set :attr:`name`, implement :meth:`transform` (features of an ``(..., N, D)`` array)
-    and, when the output dimension differs from the input's, :meth:`output_dim`.  Gradients through
-    the map need :meth:`vjp` (and :meth:`parameters` for trainable parameters); every built-in map
-    has both.  Adding a map: docs/guide/feature_maps.md.
+    Subclasses set :attr:`name`, implement :meth:`transform` and, when ``D_phi != D``, :meth:`output_dim`;
+    gradients need :meth:`vjp` (and :meth:`parameters`).  Adding a map: docs/guide/feature_maps.md.
 
     Attributes
     ----------
@@ -114,11 +112,9 @@ class FeatureMap:
             total_length: int | None = None):
         """Vector-Jacobian product of :meth:`apply`: gradients through ``phi``.
 
-        Differentiates exactly what :meth:`apply` computes for the same arguments, stabilising shifts
-        included (a per-row maximum passes its gradient to the first entry that attains it); at kinks
-        (ReLU at 0) the zero side's derivative is used; computed in float64.  ``dx`` of a token depends
-        on that token's ``x`` and ``grad_features`` only.  A subclass that changes a built-in map's
-        function must override ``vjp`` too (or ``_df``, for an :class:`ElementwiseFeatureMap`).
+        Differentiates exactly what :meth:`apply` computes, in float64 (docs/guide/feature_maps.md).
+        A subclass that changes a built-in map's function must override ``vjp`` too (or ``_df``, for an
+        :class:`ElementwiseFeatureMap`).
 
         Parameters
         ----------
@@ -165,8 +161,8 @@ class FeatureMap:
                        total_length: int | None = None):
         """:meth:`apply` and its vector-Jacobian product in one call: ``(features, pullback)``.
 
-        ``pullback(grad_features)`` returns what :meth:`vjp` returns; hedgehog and t2r keep the
-        forward's projections for it (the fitting loop uses this).
+        ``pullback(grad_features)`` returns what :meth:`vjp` returns (hedgehog and t2r reuse the
+        forward's projections).
 
         Parameters
         ----------

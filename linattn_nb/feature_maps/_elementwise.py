@@ -1,7 +1,6 @@
 """The elementwise maps: ELU+1, ReLU, squared ReLU and the identity (``D_phi = D``).
 
-Each is a function of one coordinate (``_f``, with its derivative ``_df`` for the
-gradients) and carries a ``kernel_code``, so the Numba kernels apply it inline.
+Each is ``_f`` of one coordinate (``_df`` its derivative), applied inline by the Numba kernels.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """The maps with a trainable affine projection ``u = W x + b``: Hedgehog and T2R.
 
-``_AffineFeatureMap`` holds and checks ``W`` and ``b`` and carries the chain rule to
-them; Hedgehog (Zhang et al. 2024) takes ``exp(+-u)``, T2R (Kasai et al. 2021)
-``relu(u)``.  :func:`linattn_nb.fitting.fit` trains their parameters.
+:func:`linattn_nb.fitting.fit` trains their parameters (docs/guide/feature_maps.md).
 """
 from __future__ import annotations
 
@@ -13,15 +11,9 @@ from ._base import (FeatureMap, cast_features, check_count, check_input, check_r
 
 
 class _AffineFeatureMap(FeatureMap):
-    """Base of the maps built on a trainable affine projection ``u = W x + b`` (hedgehog, t2r).
+    """Base of hedgehog and t2r: holds and checks ``W`` (d_out, d) and ``b`` (d_out,), carries the chain rule.
 
-    Holds and checks ``W`` (``d_out x d``, default the identity) and ``b`` (``d_out``, default 0; a
-    default is not stored, the product or sum is skipped) and carries the chain rule to them.
-
-    Parameters
-    ----------
-    W : array_like, shape (d_out, d), optional
-    b : array_like, shape (d_out,), optional
+    A default (``W = I``, ``b = 0``) is not stored: the product or sum is skipped.
     """
 
     def __init__(self, W=None, b=None):
@@ -115,11 +107,9 @@ class _AffineFeatureMap(FeatureMap):
 class HedgehogFeatureMap(_AffineFeatureMap):
     r"""Hedgehog features ``phi(x) = [exp(W x + b), exp(-W x - b)]`` (Zhang et al., ICLR 2024, §4.1).
 
-    ``W`` (``d_out x d``) and ``b`` (``d_out``) are trained so that the linear weights match softmax's
-    (:func:`linattn_nb.feature_maps.fit`); the defaults ``W = I``, ``b = 0`` give ``phi(q) . phi(k) =
-    sum_i 2 cosh(q_i + k_i)``.  Output dimension ``2 d_out``; every feature is positive.  In attention
-    (:meth:`apply`) query features are divided by their own largest value (it cancels row by row); keys
-    whose features overflow the dtype raise ValueError.
+    ``W`` (``d_out x d``, default ``I``) and ``b`` (``d_out``, default 0) are trained by
+    :func:`linattn_nb.feature_maps.fit`.  Output dimension ``2 d_out``; every feature is positive.  In
+    attention, keys whose features overflow the dtype raise ValueError (docs/guide/feature_maps.md).
 
     :meth:`vjp` always returns ``{"W": dL/dW, "b": dL/db}``; :meth:`parameters` only the stored arrays:
     :meth:`materialize` stores the defaults before training.

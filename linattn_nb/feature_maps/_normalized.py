@@ -1,7 +1,6 @@
-"""The L2-normalised maps of DeltaNet: ``l2`` and ``silu_l2``.
+"""The L2-normalised maps of DeltaNet, applied inline by the Numba kernels: ``l2`` and ``silu_l2``.
 
-``l2`` divides each row by its norm (a zero row maps to zero); ``silu_l2`` applies
-SiLU first.  Both carry a ``kernel_code``, so the Numba kernels apply them inline.
+``l2`` divides each row by its norm (a zero row maps to zero); ``silu_l2`` applies SiLU first.
 """
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""The deterministic polynomial maps: DPFP and Taylor-2.
-
-DPFP (Schlag et al. 2021) multiplies pairs of rectified coordinates for a large
-``D_phi``; Taylor-2 (Based, Arora et al. 2024) gives exactly the second-order Taylor
-polynomial of the softmax kernel ``exp(scale q . k)``.
-"""
+"""The deterministic polynomial maps: DPFP and Taylor-2 (formulas and papers: docs/theory.md)."""
 from __future__ import annotations
 
 import math
@@ -68,13 +63,9 @@ class DpfpFeatureMap(FeatureMap):
 class Taylor2FeatureMap(FeatureMap):
     r"""Second-order Taylor features of ``exp(scale q . k)`` (Based; Arora et al. 2024, Eq. 4).
 
-    With ``x' = sqrt(scale) x`` (default ``scale = 1/sqrt(d)``)::
-
-        phi(x) = [1, x', (x'_i^2 / sqrt(2))_i, (x'_i x'_j)_{i<j}]
-
-    of output dimension ``1 + d + d(d+1)/2``, so that exactly ``phi(q) . phi(k) = 1 + t + t^2/2``,
-    ``t = scale q . k``.  The kernel is at least 1/2, so normalisers are positive although single
-    features are signed.
+    Output dimension ``1 + d + d(d+1)/2``; exactly ``phi(q) . phi(k) = 1 + t + t^2/2``,
+    ``t = scale q . k`` (at least 1/2: normalisers are positive although features are signed).
+    The features: docs/theory.md.
 
     Parameters
     ----------

@@ -1,9 +1,4 @@
-"""The position-dependent map: cosFormer (Qin et al. 2022).
-
-ReLU features reweighted by the cosine and sine of the token position, so that the
-kernel carries ``cos(pi/2 (i - j) / M)``; the dispatcher passes positions through
-``apply`` (``position_dependent = True``).
-"""
+"""The position-dependent map: cosFormer (Qin et al. 2022); docs/guide/feature_maps.md."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,10 +10,8 @@ class CosformerFeatureMap(FeatureMap):
     r"""cosFormer: ReLU features with cos/sin position reweighting (Qin et al., ICLR 2022, §3.3).
 
     The kernel between positions ``i`` and ``j`` is ``relu(q) . relu(k) * cos(pi/2 * (i - j) / M)``,
-    which factorises into ``phi(x_i) = [relu(x_i) cos(theta_i), relu(x_i) sin(theta_i)]``,
-    ``theta_i = pi/2 * i / M`` (output ``2d``, non-negative).  ``M`` defaults to the sequence length;
-    segment-wise processing (``offset > 0``) needs ``max_length``, and a position ``>= M`` raises
-    ValueError.  How positions enter attention: docs/guide/feature_maps.md.
+    (output ``2d``, non-negative).  ``M`` defaults to the sequence length; segment-wise processing
+    (``offset > 0``) needs ``max_length``; a position ``>= M`` raises ValueError.
 
     Parameters
     ----------

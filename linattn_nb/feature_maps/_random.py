@@ -1,9 +1,6 @@
-"""The random feature maps and the draw of their projection.
+"""The random feature maps (FAVOR+, random Fourier features) and the draw of their projection.
 
-:func:`draw_projection` draws ``W`` (i.i.d. or block-orthogonal rows);
-:class:`RandomFeatureMap` holds it, its seed and its temperature; FAVOR+ (positive
-random features, Choromanski et al. 2021) and trigonometric random Fourier features
-(Rahimi & Recht 2007; Performer; RFA) build on it.
+Formulas and papers: docs/theory.md; the FAVOR+ shifts: docs/guide/feature_maps.md.
 """
 from __future__ import annotations
 
@@ -68,9 +65,8 @@ def draw_projection(rng: np.random.Generator, num_features: int, dim: int, *,
 class RandomFeatureMap(FeatureMap):
     """Base of the maps built on a random projection ``W`` (``m x d``).
 
-    Inputs are scaled by ``sqrt(scale)`` (default ``1/sqrt(d)``, softmax's temperature), so that
-    ``phi(q) . phi(k)`` estimates a kernel of ``scale q . k``.  A map given *by name* is drawn anew
-    at every call: build one with a ``seed`` and pass the object (docs/guide/feature_maps.md).
+    ``phi(q) . phi(k)`` estimates a kernel of ``scale q . k``.  A map given *by name* is drawn anew at
+    every call: build one with a ``seed`` and pass the object (docs/guide/feature_maps.md).
 
     Parameters
     ----------
@@ -215,10 +211,8 @@ class FavorPlusFeatureMap(RandomFeatureMap):
     * ``kind="positive"``: ``phi(x) = exp(W x' - |x'|^2/2) / sqrt(m)``, output ``m``;
     * ``kind="hyperbolic"``: ``phi(x) = exp([W x', -W x'] - |x'|^2/2) / sqrt(2m)``, output ``2m``.
 
-    ``E[phi(x) . phi(y)] = exp(scale x . y)``; every feature is positive.  Calling the map returns
-    these features; :meth:`apply` (attention) shifts the logits by amounts that cancel in the
-    normaliser: each query by its own maximum, keys by :attr:`key_shift`, a constant of ``W`` alone
-    (docs/guide/feature_maps.md).  Share one map object between calls that must share ``W``.
+    ``E[phi(x) . phi(y)] = exp(scale x . y)``; every feature is positive.  :meth:`apply` shifts the
+    logits by amounts that cancel in the normaliser (docs/guide/feature_maps.md).
 
     Parameters
     ----------
