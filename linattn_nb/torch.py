@@ -27,9 +27,8 @@ __all__ = ["linear_attention", "dplr_attention", "LinearAttention", "LinearState
 
 _NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
 
-#: Built-in elementwise maps applied with torch ops (torch's autograd differentiates them; the kernels then
-#: get the features): the same functions as the NumPy maps, without a float64 pass over the inputs in the
-#: backward.  Exactly these classes (not subclasses), float32 and float64 tensors.
+#: Built-in elementwise maps applied with torch ops (differentiated by torch's autograd: no float64 pass
+#: over the inputs in the backward).  Exactly these classes (not subclasses), float32 and float64 tensors.
 _TORCH_MAPS = {
     fm.EluFeatureMap: lambda x: nn.functional.elu(x) + 1.0,
     fm.ReluFeatureMap: nn.functional.relu,
@@ -285,9 +284,8 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto",
     ----------
     q, k : torch.Tensor, shape (..., N, D)
     v : torch.Tensor, shape (..., N, M)
-        float16, float32 or float64 (promoted as by :func:`linattn_nb.linear_attention`; each
-        gradient has its input's dtype), all on the CPU (read in place) or all on one CUDA device
-        (through ``__cuda_array_interface__``; untested on a GPU so far).
+        float16, float32 or float64 (promoted as by :func:`linattn_nb.linear_attention`; each gradient
+        in its input's dtype), all on the CPU (read in place) or all on one CUDA device.
     feature_map, causal, method, eps, normalize
         As for :func:`linattn_nb.linear_attention` (the map needs a
         :meth:`~linattn_nb.feature_maps.FeatureMap.vjp`; ``"quadratic"`` runs the float64

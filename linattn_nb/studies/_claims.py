@@ -41,9 +41,7 @@ SLOPE_RULE = ("consistent with a slope of {e} where the 95% interval of the fitt
 def slope_claim(fit, errors, *, expected: float = -0.5, max_error: float = 1.0, what: str = "error") -> Claim:
     """Whether a fitted log-log slope (``fit_slope``'s dict, or None) is consistent with ``expected``.
 
-    ``errors``: the mean errors of the fit.  A Monte-Carlo rate describes a small (variance-dominated)
-    error, so an error at or above ``max_error`` (or not finite), or no fit, makes it not applicable;
-    supported when the interval contains ``expected`` but not 0.
+    ``errors``: the mean errors of the fit.  The rule: docs/guide/studies.md, "Approximation error".
     """
     rule = SLOPE_RULE.format(e=fmt(expected), cap=fmt(max_error))
     if fit is None:
@@ -99,9 +97,7 @@ def capacity_claim(n, acc, half, floor, dphi, *, reference=None, estimator: str 
     ``n``, ``acc``, ``half``, ``floor``: per number of pairs, the mean accuracy, its 95% half-width and the
     mean least-squares floor; ``dphi``: the state's D_φ.  ``reference``: softmax's mean accuracy per n;
     ``estimator``: "random" for a map whose features estimate softmax at random, "deterministic" for one
-    that approximates it, "" for neither.  Supported when the fall comes at n > D_φ; not supported when
-    it comes while the state has room (the text names the cause) or when the accuracy stays ≥ threshold
-    past D_φ (argmax accuracy then does not see the limit); not applicable when no n > D_φ was measured.
+    that approximates it, "" for neither.  The rule: docs/guide/studies.md, "Recall capacity".
     """
     a = fmt(threshold)
     rule = CAPACITY_RULE.format(a=a)

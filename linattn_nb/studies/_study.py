@@ -1,8 +1,6 @@
-"""The study abstraction: what a built-in study is (:class:`Study`), and the list they live in.
+"""The study abstraction (:class:`Study`), the list of studies, and shared rendering helpers.
 
-Adding a study is one module that builds a :class:`Study` and one call to :func:`register_study`;
-``linattn report`` runs every registered study in registration order and a ``linattn <command>``
-subcommand runs one.  Shared helpers for rendering (tables, intervals, plots) live here too.
+Adding a study: one module that builds a :class:`Study` and calls :func:`register_study`.
 """
 from __future__ import annotations
 
@@ -209,11 +207,9 @@ class Study:
     budget_s : dict, optional
         Seconds the study is sized to take per profile on 2 shared cores (:attr:`ReportResult.over_budget`).
     background : bool
-        An untimed, mostly compiling study: runs in a spawned process beside the other untimed
-        studies (:data:`linattn_nb.config.REPORT_BACKGROUND`).
+        Run in a spawned process beside the other untimed studies (docs/guide/studies.md).
     prepare : callable, optional
-        For a timed study: ``prepare(points)`` compiles the kernels its points will time, in the
-        background process (errors ignored).
+        A timed study's ``prepare(points)`` warm-up, run in the background process (errors ignored).
     in_report : bool
         Whether ``linattn report`` runs it by default; otherwise it runs only by name.
     """
@@ -340,9 +336,7 @@ CI_CAPTION = "mean ± half-width of the 95% Student-t interval over the seeds"
 def mean_ci(x, axis=0, *, level: float = 0.95):
     """Mean and half-width of the Student-t confidence interval of the mean along ``axis``, ignoring NaN.
 
-    The half-width is ``t_{(1+level)/2, S-1} sd / sqrt(S)`` over the ``S``
-    finite samples (``sd`` with ddof = 1); 0 for one sample (no interval).
-    Infinite values make the mean infinite (and the half-width NaN).
+    0 for one sample; an infinite value makes the mean infinite and the half-width NaN.
 
     Examples
     --------

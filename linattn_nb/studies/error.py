@@ -1,8 +1,7 @@
 """Study: approximation error of linear attention against softmax attention, in two input regimes.
 
-For every registered feature map, across N, m and seeds: the output error and the divergences of the
-attention weights, for positive maps (ranked, with a fitted slope against m) and for signed maps
-(their own table).  The regimes and the rules behind the conclusions: docs/guide/studies.md.
+Every registered feature map across N, m and seeds; the regimes and the rules behind the
+conclusions: docs/guide/studies.md.
 """
 from __future__ import annotations
 

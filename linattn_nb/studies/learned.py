@@ -1,7 +1,6 @@
 """Study: learned feature maps against fixed ones -- how much of the gap to softmax does fitting close?
 
-Hedgehog and T2R are fitted on a training draw and measured beside fixed maps on a held-out draw, in
-three regimes; the maps, regimes, measures and sizes: docs/guide/studies.md.
+The maps, regimes, measures and sizes: docs/guide/studies.md.
 """
 from __future__ import annotations
 

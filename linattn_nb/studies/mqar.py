@@ -1,8 +1,7 @@
 """Study: trained MQAR accuracy against state size, per update rule and feature map (the recall frontier).
 
-After Zoology (Arora et al. 2023, figure 2): a small model is trained on multi-query associative recall
-with each layer of :data:`LAYERS`; the design, grids and measured cost are in docs/mqar.md.  torch (an
-optional extra) is imported inside the functions only.
+The design, grids and measured cost: docs/mqar.md.  torch (an optional extra) is imported inside the
+functions only.
 """
 from __future__ import annotations
 
@@ -43,10 +42,8 @@ LAYERS = {  # not a rule: the study's layer keys (the rule is the rule= keyword)
 #: D_φ = 1 + d + d(d+1)/2 grows as d², so it takes smaller heads to overlap the others' states.
 HEAD_DIMS = {"additive-taylor2": (4, 8, 16, 32)}
 DEFAULT_HEAD_DIMS = (8, 16, 32, 64)
-#: Model width, heads, layers, vocabulary, convolution width and learning rate of every run.  A vocabulary
-#: of 80 holds 32 pairs (keys and values from halves of it) and leaves filler tokens; at 600 steps,
-#: lr 1e-2 let softmax attention reach 1.0 at kv = 4 and 16 and the delta rule 0.96-1.0 at kv = 4, where
-#: lr 3e-3 or a vocabulary of 128 left every layer far from trained (docs/mqar.md).
+#: Model width, heads, layers, vocabulary (80 holds 32 pairs and leaves filler tokens), convolution
+#: width and learning rate of every run; why these values: docs/mqar.md.
 D_MODEL, HEADS, LAYERS_N, VOCAB, CONV, LR = 64, 1, 2, 80, 4, 1e-2
 #: Accuracy threshold of the frontier table.
 ACCURACY = 0.9
@@ -255,8 +252,7 @@ def train(attn, *, steps, vocab, data, d=64, heads=2, layers=2, batch=64, seed=0
     eval_every : int, default 50
     lr, warmup, weight_decay : float, int, float
     threads : int or None, default 1
-        ``torch.set_num_threads`` for the run (None leaves it): torch's spinning OpenMP threads
-        would take the cores from the Numba kernels.
+        ``torch.set_num_threads`` for the run (None leaves it; docs/threads.md).
 
     Returns
     -------
@@ -330,9 +326,8 @@ def seq_length(kv: int) -> int:
     return max(64, 4 * kv)
 
 
-#: The grid of each profile: (layers, head-dimension indices into the layer's list, kv pairs, seeds, steps).
-#: ``full_grid`` (the whole grid) is reached through :func:`points` with ``grid="all"`` or the environment
-#: variable LINATTN_NB_MQAR_GRID=all.
+#: The grid of each profile: (layers, head-dimension indices into the layer's list, kv pairs, seeds, steps);
+#: ``grid="all"`` (or LINATTN_NB_MQAR_GRID=all) gives ``full_grid``, the whole grid.
 def _profile(ctx, grid=None):
     grid = grid or os.environ.get("LINATTN_NB_MQAR_GRID", "profile")
     if grid == "all":
@@ -357,10 +352,8 @@ def points(ctx, *, grid=None) -> list[dict]:
     ----------
     ctx : Context
     grid : {"profile", "all"}, optional
-        ``"all"``: every layer of :data:`LAYERS`, four head dimensions, kv
-        pairs 4, 8, 16, 32 and three seeds at 600 steps, whatever the
-        profile (default: the environment variable ``LINATTN_NB_MQAR_GRID``,
-        else ``"profile"``: the profile's subset).
+        ``"all"``: the whole grid of docs/mqar.md, whatever the profile; default: the
+        environment variable ``LINATTN_NB_MQAR_GRID``, else ``"profile"``.
     """
     p = _profile(ctx, grid)
     out = []
@@ -398,9 +391,8 @@ def run(layer, head_dim, kv, length, seed, steps, vocab=VOCAB, d_model=D_MODEL, 
 def recall_floor(layer: str, head_dim: int, kv: int, *, heads: int = HEADS, seed: int = 0) -> dict | None:
     """The least-squares recall floor of a state like this layer's, for ``kv`` pairs (None for softmax).
 
-    ``optimal_mse``: :func:`linattn_nb.analysis.recall_capacity`'s relative error of the best state of
-    this D_φ (0 up to ``kv = heads · D_φ``), an *error* floor, not an accuracy bound;
-    ``recall_floor_accuracy = 1 − optimal_mse``, the share of the values' energy that state returns.
+    Returns ``optimal_mse`` (:func:`linattn_nb.analysis.recall_capacity`) and
+    ``recall_floor_accuracy = 1 − optimal_mse``; an error floor, not an accuracy bound (docs/mqar.md).
     """
     attn = LAYERS[layer][1]
     if attn is None:

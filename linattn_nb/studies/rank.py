@@ -43,8 +43,8 @@ def points(ctx, *, dim=None, maps=None, m=None, n=None, seeds=None, value_dim=No
     seeds : int, optional
         Number of seeds 0..seeds-1 (default 5; 2 tiny); a seed draws q, k, v and the random features.
     value_dim : int, optional
-        Value dimension M of the state-rank profile; default the largest D_φ of the maps, so that every
-        map's state rank can saturate at its D_φ (rank S_t <= min(D_φ, M)).  Smaller values raise ValueError.
+        Value dimension M of the state-rank profile; default (and least value, else ValueError) the
+        largest D_φ of the maps.
     """
     d, ns, m_rand, explicit_max, nseeds = _sizes(ctx)
     if dim is not None:

@@ -1,8 +1,7 @@
 """Study: associative-recall capacity of the fixed-size state against n / D_φ.
 
-Accuracy and retrieval error of linear attention's read-out, the least-squares floor of a state of
-the same size and softmax attention, in three key regimes (the estimator's variance, small logits,
-orthonormal keys).  The setting and why these regimes: docs/guide/studies.md.
+Accuracy and retrieval error beside the least-squares floor and softmax, in three key regimes
+(docs/guide/studies.md).
 """
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""``linattn report``: run the registered studies through :func:`~linattn_nb.studies.sweep` (one JSON
-Lines file each in the report folder) and write ``report.md`` with their tables and plots; studies that
-cannot run here are listed under "Not run" with the reason.
+"""``linattn report``: run the registered studies through :func:`~linattn_nb.studies.sweep` and write
+``report.md`` with their tables and plots (docs/guide/studies.md).
 """
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ class ReportResult:
     timings : dict
         Study name -> seconds it took (what ``report.md`` shows).
     over_budget : list of (str, float, float)
-        ``(study name, seconds taken, budget)`` of the studies over their :attr:`Study.budget_s`
-        (a check for maintainers, not shown in ``report.md``).
+        ``(study name, seconds taken, budget)`` over :attr:`Study.budget_s` (not shown in ``report.md``).
     """
 
     path: Path
@@ -260,10 +258,8 @@ def run_report(
             log(f"[{i}/{n_sel}] {study.name}: not run: {reason}")
         else:
             runnable.append((i, study))
-    # Execution order: background studies start first in a spawned process,
-    # the untimed studies run here meanwhile, and the timed ones run last,
-    # once the background process has finished (timings taken beside a
-    # compiling process would mean nothing).  The report keeps its order.
+    # background studies start first in a spawned process, the untimed ones run here meanwhile and
+    # the timed ones last, once it has finished (docs/guide/studies.md); the report keeps its order
     background = {}  # study name -> (process, start time, points, elapsed)
     if config.REPORT_BACKGROUND and scheduler is None and not workers:
         if any(not s.timing and not s.background for _, s in runnable):

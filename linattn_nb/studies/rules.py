@@ -1,8 +1,6 @@
 """Study: update rules against the capacity floor -- retrieval error against n / D_φ.
 
-The additive, delta, gated delta, KDA and DeltaProduct rules write n key-value pairs into a state of
-the same size and are read with unit keys and an unnormalised read-out, beside the least-squares
-optimal state.  The rules and their settings: docs/guide/studies.md.
+The rules, their settings and the least-squares optimal state beside them: docs/guide/studies.md.
 """
 from __future__ import annotations
 

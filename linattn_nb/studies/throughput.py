@@ -1,7 +1,6 @@
 """Study: causal throughput against sequence length, linear against softmax attention.
 
-Every causal linear-attention method and softmax_attention's blocked kernel, on the CPU and a GPU when
-present, timed after a warm-up.  The timing rule and the FLOP count: docs/guide/studies.md.
+The methods, the timing rule and the FLOP count: docs/guide/studies.md.
 """
 from __future__ import annotations
 
@@ -110,9 +109,7 @@ def run(kind, device, method, n, batch, d, m, dtype, feature_map, min_time, seed
             sync()
         return time.perf_counter() - t0
 
-    # Warm-up on a sequence of up to WARMUP_N tokens: Numba compiles (or loads from its cache) per
-    # dtype signature, but softmax's blocked kernel takes a path at N > 64 that a 64-token warm-up
-    # never compiles (a cold first call at N = 256 took 30 s, timed as the point), so warm up past it.
+    # warm up on up to WARMUP_N tokens: past softmax's first block, so no compile is timed (guide)
     first = timed(*inputs(min(n, WARMUP_N)))
     q, k, v = inputs(n)
     before = machine_state()
