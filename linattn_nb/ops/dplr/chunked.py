@@ -59,7 +59,7 @@ def _emit(p, out, b, t, M, norm, eps):  # pragma: no cover - compiled
     return z == 0.0 and math.isfinite(r)
 
 
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")
 def _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk, V, Hn, norm,
            eps):  # pragma: no cover - compiled
     """Tokens [t0, t0 + T) of sequence b from the float64 state h (F, M + 1), updated in place; ``lg``
@@ -155,7 +155,7 @@ def _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk
     return True
 
 
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")
 def _chunk_keyed(fq, K, cb, cw, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk, V, Hn, norm,
                  eps):  # pragma: no cover - compiled
     """:func:`_chunk` for the keyed form (``a = D k``, ``b = cb k``, ``kw = cw k``, a write per step):
