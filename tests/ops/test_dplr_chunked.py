@@ -186,3 +186,30 @@ def test_keyed_form_is_the_built_form(rng, name):
     np.testing.assert_allclose(g.b, kf.cb[..., None] * K, rtol=1e-15, atol=0)
     np.testing.assert_allclose(g.kw, kf.cw[..., None] * K, rtol=1e-15, atol=0)
     np.testing.assert_array_equal(g.vw, kf.vw)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [8, 16, 24, 17])
+def test_state_after_whole_chunks_and_a_continuation(rng, monkeypatch, n, dtype):
+    """The state after an odd and an even number of whole chunks (and a last partial one) is the
+    reference's, and a second call from it continues the sequence: a chunk writes its new state to a
+    second buffer, which the kernel copies back when the state ends there."""
+    monkeypatch.setattr(la.config, "DPLR_CHUNK", 8)
+    ld = _log(rng.uniform(0.5, 1, size=(1, 2 * n, D)))
+    q, k, v, args = _case(rng, 2 * n, 0, 1, ld)
+    q, k, v = (x[:1].astype(dtype) for x in (q, k, v))
+    args = {key: x[:1] for key, x in args.items()}
+    S0 = la.LinearState(np.full((1, D, M), 0.3), np.full((1, D), 1.5), 0, "dplr")
+    ref, st = la.dplr_attention(q, k, v, method="quadratic", initial_state=S0, return_state=True, **args)
+    first = {key: x[:, :n] for key, x in args.items()}
+    second = {key: x[:, n:] for key, x in args.items()}
+    o1, s1 = la.dplr_attention(q[:, :n], k[:, :n], v[:, :n], method="chunked", initial_state=S0, return_state=True,
+                               **first)
+    ref1, st1 = la.dplr_attention(q[:, :n], k[:, :n], v[:, :n], method="quadratic", initial_state=S0,
+                                  return_state=True, **first)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    assert _rel(s1.S, st1.S) < tol and _rel(s1.z, st1.z) < tol and _rel(o1, ref1) < tol
+    o2, s2 = la.dplr_attention(q[:, n:], k[:, n:], v[:, n:], method="chunked", initial_state=s1, return_state=True,
+                               **second)
+    assert _rel(o2, ref[:, n:]) < tol
+    assert _rel(s2.S, st.S) < tol and _rel(s2.z, st.z) < tol

@@ -59,15 +59,35 @@ def _emit(p, out, b, t, M, norm, eps):  # pragma: no cover - compiled
     return z == 0.0 and math.isfinite(r)
 
 
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _update(h, hn, hw, Hn, ge):  # pragma: no cover - compiled
+    """hn <- ge h + Hn (float64) and hw <- hn in the working dtype, in one pass; False when Hn is not
+    finite (h untouched: the caller keeps h as the state)."""
+    F, M1 = h.shape
+    wt = hw.dtype.type
+    z = 0.0
+    for f in range(F):
+        g = ge[f]
+        for m in range(M1):
+            x = Hn[f, m]
+            z += x * 0.0  # NaN for a NaN or inf
+            y = g * h[f, m] + x
+            hn[f, m] = y
+            hw[f, m] = wt(y)
+    return z == 0.0
+
+
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")
-def _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk, V, Hn, norm,
+def _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, hn, fresh, lg, gc, gv, hw, X, E, Ee, Zh, Zk, V, Hn, norm,
            eps):  # pragma: no cover - compiled
-    """Tokens [t0, t0 + T) of sequence b from the float64 state h (F, M + 1), updated in place; ``lg``
-    (T + 1, F) their cumulative log-diagonals.  Scratch: gc (T, F) and gv (2, F) float64; in the
+    """Tokens [t0, t0 + T) of sequence b from the float64 state h (F, M + 1), the new state written to
+    hn (and to hw in the working dtype; ``fresh``: hw holds h already); ``lg`` (T + 1, F) their
+    cumulative log-diagonals.  Scratch: gc (T, F) and gv (2, F) float64; in the
     working dtype, row blocks as needed (S = T r steps, P = T w writes): hw (F, M + 1) = h,
     X (S + T, F) = [A^ ; Q^], E (S + P, F) = [B^ ; K^], Ee (S + P, F) the end state's rows,
     Zh (S + T, M + 1) = X h, Zk (S + T, LZ) = X E^T, V (S + P, M + 1) = [W ; U], Hn (F, M + 1).
-    Returns False, h unchanged, when an output, the state's update or a row of a, b is not finite."""
+    Returns False (h the state, not hn and hw) when an output, the state's update or a row of a, b is
+    not finite."""
     F, M1 = h.shape
     M = M1 - 1
     r = A.shape[2]
@@ -79,9 +99,10 @@ def _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk
     for i in range(T):  # gamma: exp of the cumulative log (>= exp(cut): no underflow)
         for f in range(F):
             gc[i, f] = elu1(lg[i + 1, f])
-    hf, hwf = h.reshape(-1), hw.reshape(-1)
-    for j in range(hf.shape[0]):
-        hwf[j] = wt(hf[j])
+    if not fresh:  # hw = h as the working dtype (else the last chunk's update wrote it)
+        hf, hwf = h.reshape(-1), hw.reshape(-1)
+        for j in range(hf.shape[0]):
+            hwf[j] = wt(hf[j])
     inv, ratio = gv[0], gv[1]
     za = 0.0
     for i in range(T):
@@ -143,21 +164,12 @@ def _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk
         if not _emit(Zh[S + i], out, b, t0 + i, M, norm, eps):
             ok = False
     gemm(1, 0, F, M1, S + P, 1.0, Ee, 0, F, V, 0, M1, 0.0, Hn, 0, M1)
-    z = 0.0
-    for x in Hn.reshape(-1):
-        z += x * 0.0  # NaN for a NaN or inf
-    if not (ok and z == 0.0 and za == 0.0):
-        return False  # h as it was
-    for f in range(F):
-        ge = gc[T - 1, f]
-        for m in range(M1):
-            h[f, m] = ge * h[f, m] + Hn[f, m]
-    return True
+    return _update(h, hn, hw, Hn, gc[T - 1]) and ok and za == 0.0
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")
-def _chunk_keyed(fq, K, cb, cw, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk, V, Hn, norm,
-                 eps):  # pragma: no cover - compiled
+def _chunk_keyed(fq, K, cb, cw, VW, out, b, t0, T, h, hn, fresh, lg, gc, gv, hw, X, E, Ee, Zh, Zk, V, Hn,
+                 norm, eps):  # pragma: no cover - compiled
     """:func:`_chunk` for the keyed form (``a = D k``, ``b = cb k``, ``kw = cw k``, a write per step):
     the rows of B^ and K^ are one block K0 = k / gamma scaled by cb and cw, so one Gram block G = X K0^T
     serves both, and the solve carries Y_s = cb_s W_s + cw_s U_s, what the read-outs and the state
@@ -174,9 +186,10 @@ def _chunk_keyed(fq, K, cb, cw, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, 
     for i in range(T):
         for f in range(F):
             gc[i, f] = elu1(lg[i + 1, f])
-    hf, hwf = h.reshape(-1), hw.reshape(-1)
-    for j in range(hf.shape[0]):
-        hwf[j] = wt(hf[j])
+    if not fresh:  # hw = h as the working dtype (else the last chunk's update wrote it)
+        hf, hwf = h.reshape(-1), hw.reshape(-1)
+        for j in range(hf.shape[0]):
+            hwf[j] = wt(hf[j])
     inv, ratio = gv[0], gv[1]
     za = 0.0
     for i in range(T):
@@ -219,16 +232,7 @@ def _chunk_keyed(fq, K, cb, cw, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, 
         if not _emit(Zh[S + i], out, b, t0 + i, M, norm, eps):
             ok = False
     gemm(1, 0, F, M1, S, 1.0, Ee, 0, F, V, 0, M1, 0.0, Hn, 0, M1)
-    z = 0.0
-    for x in Hn.reshape(-1):
-        z += x * 0.0
-    if not (ok and z == 0.0 and za == 0.0):
-        return False
-    for f in range(F):
-        ge = gc[T - 1, f]
-        for m in range(M1):
-            h[f, m] = ge * h[f, m] + Hn[f, m]
-    return True
+    return _update(h, hn, hw, Hn, gc[T - 1]) and ok and za == 0.0
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -279,6 +283,9 @@ def dplr_chunked_kernel(fq, ld, A, Bv, KW, VW, cb, cw, H, out, norm, eps, C, cut
     bad = np.zeros(B, np.uint8)
     for b in prange(B):
         h = H[b]
+        h2 = np.empty((F, M1))  # a chunk's new state; h and h2 swap on success
+        swaps = 0
+        fresh = False  # hw holds h in the working dtype
         p = np.empty(M1)
         d = np.ones(F)
         rows = np.empty((3, F))
@@ -315,19 +322,28 @@ def dplr_chunked_kernel(fq, ld, A, Bv, KW, VW, cb, cw, H, out, norm, eps, C, cut
             if T == 0:  # a reset (or a decay below cut in one token): the scan, one token
                 if not _scan_token(fq, ld, A, Bv, KW, VW, cb, cw, out, b, t0, h, p, d, rows, norm, eps):
                     bad[b] = 1
+                fresh = False
                 t0 += 1
                 continue
             if cb.shape[0] > 0:
-                ok = _chunk_keyed(fq, A, cb, cw, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk, V, Hn, norm,
-                                  eps)
+                ok = _chunk_keyed(fq, A, cb, cw, VW, out, b, t0, T, h, h2, fresh, lg, gc, gv, hw, X, E, Ee, Zh, Zk, V,
+                                  Hn, norm, eps)
             else:
-                ok = _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, lg, gc, gv, hw, X, E, Ee, Zh, Zk, V, Hn, norm, eps)
-            if not ok:
+                ok = _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, h2, fresh, lg, gc, gv, hw, X, E, Ee, Zh, Zk, V, Hn,
+                            norm, eps)
+            fresh = ok
+            if ok:
+                h, h2 = h2, h
+                swaps += 1
+            else:
                 # not finite (in float32: products out of range, a growing state): again by the scan
                 for t in range(t0, t0 + T):
                     if not _scan_token(fq, ld, A, Bv, KW, VW, cb, cw, out, b, t, h, p, d, rows, norm, eps):
                         bad[b] = 1
             t0 += T
+        if swaps % 2 == 1:  # the state is in the scratch: back into H[b]
+            h2[:, :] = h
+            h = h2
         for i in range(F):
             for m in range(M1):
                 if not math.isfinite(h[i, m]):
