@@ -177,13 +177,12 @@ def _span_item(it, q, k, v, Hst, out, wt, code, eps, norm, C, bs, rule, lg, flag
 def _chunked_pass(mode, q, k, v, Hst, Fp, out, proto, code, eps, norm, C, sub, bs, rule, lg, flags):
     """One pass of the chunked causal kernel over its work items (serial and parallel twins).
 
-    ``mode`` 0 (pass 1): ``Hst`` (B, (P-1)*sub, F, M+1) receives each piece of
-    segments 0..P-2 summed from a zero state, ``Fp`` its factor of the state before
-    it.  ``mode`` 1 (pass 2): ``Hst`` (B, P, F, M+1) holds each segment's start
-    state, advanced in place to its end (``Hst[:, P-1]`` ends as the final state);
-    outputs written; ``flags`` (B * P, 2) gets per segment whether an input read
-    (column 0) or a result (column 1) was NaN or inf.  q, k, v, out may be uint16
-    (float16 bits); ``proto`` an empty array of the working dtype.
+    ``mode`` 0 (pass 1): ``Hst`` (B, (P-1)*sub, F, M+1) receives each piece of segments 0..P-2 summed
+    from a zero state, ``Fp`` its factor of the state before it.  ``mode`` 1 (pass 2): ``Hst`` (B, P, F,
+    M+1) holds each segment's start state, advanced in place to its end (``Hst[:, P-1]`` ends as the
+    final state); outputs written; ``flags`` (B * P, 2) gets per segment whether an input read (column
+    0) or a result (column 1) was NaN or inf.  q, k, v, out may be uint16 (float16 bits); ``proto`` an
+    empty array of the working dtype.
     """
     B = q.shape[0]
     wt = proto.dtype

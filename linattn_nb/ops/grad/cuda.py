@@ -37,15 +37,8 @@ def _device(name, x):
 
 def _check(qf, kf, v1, H0, g1, dHN):
     """Check the arrays of the contract; return them as device arrays and ``(B, N, F, M', work dtype)``.
-
-    Raises
-    ------
-    TypeError
-        For a non-device array, a working dtype other than float32/float64,
-        mixed working dtypes, or a non-float64 ``H0`` / ``dHN``.
-    ValueError
-        For shapes that do not match or negative strides.
-    """
+    TypeError for a non-device array, a working dtype other than float32/float64, mixed working dtypes or
+    a non-float64 ``H0`` / ``dHN``; ValueError for shapes that do not match or negative strides."""
     qf, kf, v1, H0, g1 = (_device(n, x) for n, x in (("qf", qf), ("kf", kf), ("v1", v1), ("H0", H0), ("g1", g1)))
     if dHN is not None:
         dHN = _device("dHN", dHN)
