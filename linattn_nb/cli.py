@@ -449,8 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
         "report", help="run every built-in study; write DIR/report.md with tables, plots and raw JSONL",
         description="Run the built-in studies (correctness self-check, causal throughput against N, "
                     "approximation error, rank limits, recall capacity, MQAR training, ...; those whose "
-                    "optional packages are not installed, e.g. torch for MQAR, are listed as not run) and write DIR/report.md with tables and "
-                    "PNG plots beside the raw results (one JSON Lines file per study).")
+                    "optional packages are not installed, e.g. torch for MQAR, are listed as not run) and "
+                    "write DIR/report.md with tables and PNG plots beside the raw results (one JSON Lines "
+                    "file per study).")
     _study_options(p, default_out="report")
     p.add_argument("--config", metavar="FILE", default=None,
                    help="run the report a TOML (or .json) file describes: profile, device, out, studies, "
