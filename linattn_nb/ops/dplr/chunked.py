@@ -77,6 +77,20 @@ def _update(h, hn, hw, Hn, ge):  # pragma: no cover - compiled
     return z == 0.0
 
 
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _begin(T, lg, gc, h, hw, fresh):  # pragma: no cover - compiled
+    """A chunk's start: gc[:T] = gamma, the exp of the cumulative logs lg[1:T + 1] (>= exp(cut): no
+    underflow), and hw = h in the working dtype unless ``fresh`` (the last chunk's update wrote it)."""
+    wt = hw.dtype.type
+    for i in range(T):
+        for f in range(gc.shape[1]):
+            gc[i, f] = elu1(lg[i + 1, f])
+    if not fresh:
+        hf, hwf = h.reshape(-1), hw.reshape(-1)
+        for j in range(hf.shape[0]):
+            hwf[j] = wt(hf[j])
+
+
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")
 def _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, hn, fresh, lg, gc, gv, hw, X, E, Ee, Zh, Zk, V, Hn, norm,
            eps):  # pragma: no cover - compiled
@@ -96,13 +110,7 @@ def _chunk(fq, A, Bv, KW, VW, out, b, t0, T, h, hn, fresh, lg, gc, gv, hw, X, E,
     LZ = Zk.shape[1]
     wt = X.dtype.type
     zero = wt(0.0)
-    for i in range(T):  # gamma: exp of the cumulative log (>= exp(cut): no underflow)
-        for f in range(F):
-            gc[i, f] = elu1(lg[i + 1, f])
-    if not fresh:  # hw = h as the working dtype (else the last chunk's update wrote it)
-        hf, hwf = h.reshape(-1), hw.reshape(-1)
-        for j in range(hf.shape[0]):
-            hwf[j] = wt(hf[j])
+    _begin(T, lg, gc, h, hw, fresh)
     inv, ratio = gv[0], gv[1]
     za = 0.0
     for i in range(T):
@@ -183,13 +191,7 @@ def _chunk_keyed(fq, K, cb, cw, VW, out, b, t0, T, h, hn, fresh, lg, gc, gv, hw,
     LZ = Zk.shape[1]
     wt = X.dtype.type
     zero = wt(0.0)
-    for i in range(T):
-        for f in range(F):
-            gc[i, f] = elu1(lg[i + 1, f])
-    if not fresh:  # hw = h as the working dtype (else the last chunk's update wrote it)
-        hf, hwf = h.reshape(-1), hw.reshape(-1)
-        for j in range(hf.shape[0]):
-            hwf[j] = wt(hf[j])
+    _begin(T, lg, gc, h, hw, fresh)
     inv, ratio = gv[0], gv[1]
     za = 0.0
     for i in range(T):
