@@ -213,3 +213,35 @@ def test_state_after_whole_chunks_and_a_continuation(rng, monkeypatch, n, dtype)
                                **second)
     assert _rel(o2, ref[:, n:]) < tol
     assert _rel(s2.S, st.S) < tol and _rel(s2.z, st.z) < tol
+
+
+@pytest.mark.parametrize("code", [4, 5])  # l2, silu_l2 (linattn_nb.ops._codes)
+@pytest.mark.parametrize("src", [np.float32, np.float64])
+def test_row_features_edge_rows(rng, code, src):
+    """The chunked path's float32 row map against the float64 NumPy form, row by row: ordinary rows,
+    a zero row, rows with NaN and inf, float64 rows whose squares overflow or underflow (the scaled
+    form), one tiny entry beside ordinary ones, and rows of SiLU values below float32's exp."""
+    from linattn_nb.ops.dplr.chunked import row_features
+
+    x = rng.standard_normal((12, 7)) * 3
+    x[1] = 0.0
+    x[2, 3] = np.nan
+    x[3, 0] = np.inf
+    x[4, 5] = -np.inf
+    x[5] *= 1e200 if src == np.float64 else 1e30
+    x[6] *= 1e-200 if src == np.float64 else 1e-40
+    x[7, :] = [1e-30, 1, 2, 3, 4, 5, 6]
+    x[8] = -100.0 - rng.uniform(0, 5, 7)  # SiLU values ~ 1e-42: zero in float32's exp
+    x = x.astype(src)
+    with np.errstate(all="ignore"):
+        s = np.asarray(x, np.float64)
+        if code == 5:
+            s = s / (1.0 + np.exp(-s))
+        mx = np.abs(s).max(axis=1, keepdims=True)
+        y = s / np.where(mx > 0, mx, 1.0)  # scaled first: no overflow or underflow in the norm
+        ref = y / np.where(mx > 0, np.linalg.norm(y, axis=1, keepdims=True), 1.0)
+    ref[~np.isfinite(s).all(axis=1)] = np.nan  # a row with NaN or inf is NaN throughout
+    out = np.full(x.shape, -7.0, np.float32)
+    row_features(x.reshape(12, 1, 7), out, code)
+    np.testing.assert_allclose(out, ref.astype(np.float32), rtol=2e-6, atol=1e-37, equal_nan=True)
+    assert np.array_equal(np.isnan(out), np.isnan(ref))

@@ -13,7 +13,7 @@ from numba import njit, prange
 
 from ... import config
 from ..._blas import single_threaded_blas
-from .._codes import NORM_FLOOR, NORM_NONE
+from .._codes import KERNEL_CODE_L2, NORM_FLOOR, NORM_NONE
 from .._common import l2_row, phi
 from .._gemm import gemm
 from .._vec import elu1
@@ -39,12 +39,23 @@ def elementwise_features(x, out, code):  # pragma: no cover - compiled
 def row_features(x, out, code):  # pragma: no cover - compiled
     """out (R, D) <- the row map ``code`` (``l2``, ``silu_l2``; the kernels' form) of x (R, 1, D), in out's dtype."""
     R, D = out.shape
+    wt = out.dtype.type
     for c in prange((R + 63) // 64):
         row = np.empty(D)
         for i in range(c * 64, min(R, c * 64 + 64)):
-            l2_row(x, i, 0, row, code)
-            for j in range(D):
-                out[i, j] = row[j]
+            s = 0.0
+            if code == KERNEL_CODE_L2:  # the plain float64 sum of squares: one pass, no rescaling
+                for j in range(D):
+                    y = np.float64(x[i, 0, j])
+                    s += y * y
+            if 1e-290 < s < math.inf:  # in range (always for float32 rows that are finite and not zero)
+                r = 1.0 / math.sqrt(s)
+                for j in range(D):
+                    out[i, j] = wt(x[i, 0, j] * r)
+            else:  # silu_l2, or a zero, non-finite or extreme row: the scaled form
+                l2_row(x, i, 0, row, code)
+                for j in range(D):
+                    out[i, j] = row[j]
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
