@@ -262,6 +262,36 @@ class _LinearAttentionFunction(torch.autograd.Function):
                 conv(res.d_log_decay, 4), conv(res.d_beta, 5), dS0, dz0, *dparams)
 
 
+class _ShortConvFunction(torch.autograd.Function):
+    """The layer's causal depthwise convolution on CPU tensors by :mod:`linattn_nb.ops._shortconv`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        from .ops._shortconv import short_conv
+
+        w = weight.detach()[:, 0, :].numpy()
+        ctx.save_for_backward(x, weight)
+        y = short_conv(x.detach().numpy(), w, None if bias is None else bias.detach().numpy())
+        return torch.from_numpy(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        from .ops._shortconv import short_conv_vjp
+
+        x, weight = ctx.saved_tensors
+        dx, dw, db = short_conv_vjp(x.detach().numpy(), weight.detach()[:, 0, :].numpy(), g.detach().numpy())
+        db = torch.from_numpy(db).to(weight.dtype) if ctx.needs_input_grad[2] else None
+        return torch.from_numpy(dx), torch.from_numpy(dw[:, None, :]).to(weight.dtype), db
+
+
+def _short_conv(x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
+    """``conv`` (depthwise, padding K - 1) on ``x`` (B, N, C) as a causal convolution, (B, N, C): the
+    package's kernel for float32/float64 CPU tensors, torch's convolution otherwise."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and conv.weight.dtype == x.dtype:
+        return _ShortConvFunction.apply(x.contiguous(), conv.weight, conv.bias)
+    return conv(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
+
+
 def _tensor_or_value(name: str, x):
     """Split an optional rule input: ``(tensor, None)`` for a tensor, ``(None, value)`` otherwise."""
     if isinstance(x, torch.Tensor):
@@ -845,8 +875,7 @@ class LinearAttention(nn.Module):
         H, D, M = self.num_heads, self.head_dim, self.value_dim
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.conv_size is not None:
-            qkv = torch.cat([q, k, v], dim=-1).transpose(1, 2)  # (B, C, N)
-            qkv = self.conv(qkv)[..., :N].transpose(1, 2)
+            qkv = _short_conv(torch.cat([q, k, v], dim=-1), self.conv)  # (B, N, C)
             q, k, v = qkv.split([q.shape[-1], k.shape[-1], v.shape[-1]], dim=-1)
         step = () if self.n_h is None else (self.n_h,)  # k, v (B, H, N, n_h, D) on a rule with sub-steps
         q, k, v = self._heads(q, D), self._heads(k, *step, D), self._heads(v, *step, M)
