@@ -13,6 +13,7 @@ from numba import njit, prange
 
 from ... import config
 from .._codes import KERNEL_CODE_L2, KERNEL_CODE_SILU_L2
+from .._vec import elu1, is_finite
 
 #: Map codes whose features and VJP are computed here.
 ROW_CODES = (KERNEL_CODE_L2, KERNEL_CODE_SILU_L2)
@@ -21,16 +22,22 @@ ROW_CODES = (KERNEL_CODE_L2, KERNEL_CODE_SILU_L2)
 #: Rows per task of the parallel loops (each task holds one row's map values in a buffer).
 _ROWS = 64
 
+#: The kernels' flags: the row sums may be reassociated (so that they vectorise) and products fused into
+#: additions; no ``arcp`` (every ``s / |s|`` stays a division) and no ``nnan``/``ninf`` (non-finite inputs
+#: keep their results and the finite check is not folded away).
+_FLAGS = {"reassoc", "contract", "nsz"}
 
-@njit(fastmath=False, cache=config.CACHE, inline="always")
-def _pre(y, silu):
-    """``(s, ds/dy)`` in float64 for the map before the normalisation: ``s = y`` or SiLU(y), one exp.
+#: A SiLU row with an ``|y|`` above this takes the scalar path (:func:`_silu_scalar`): the branch-free exp
+#: flushes ``exp(-|y|)`` to 0 below -708.3 (where the scalar one is subnormal), and at +-inf its
+#: formulas give NaN where the limits are wanted.
+_BIG = 700.0
 
-    SiLU: ``s = y sigmoid(y)`` (-0 for very negative y), ``s' = sigmoid(y) (1 + y sigmoid(-y))`` with both
-    sigmoids from ``exp(-|y|)``, so neither loses digits at large ``|y|``; the limits 1 and 0 at +-inf.
-    """
-    if not silu:
-        return y, 1.0
+
+@njit(fastmath=False, cache=config.CACHE)
+def _silu_scalar(y):
+    """``(s, ds/dy)`` in float64 for SiLU, one exp: ``s = y sigmoid(y)`` (-0 for very negative y),
+    ``s' = sigmoid(y) (1 + y sigmoid(-y))`` with both sigmoids from ``exp(-|y|)``, so neither loses digits
+    at large ``|y|``; the limits 1 and 0 at +-inf."""
     if math.isinf(y):
         return (y, 1.0) if y > 0 else (-0.0, 0.0)
     e = math.exp(-abs(y))
@@ -41,7 +48,20 @@ def _pre(y, silu):
     return y * sig, sig * (1.0 + y * sig_neg)
 
 
-@njit(parallel=True, fastmath=False, cache=config.CACHE)
+@njit(fastmath={"contract"}, cache=config.CACHE, error_model="numpy")
+def _silu_fast(y):
+    """:func:`_silu_scalar` without branches (selects, the vectorisable exp, one division), for
+    ``|y| <= _BIG``; NaN propagates.  ``error_model="numpy"``: no zero check on the divisor."""
+    e = elu1(-abs(y))  # exp(-|y|) in (0, 1]
+    inv = 1.0 / (1.0 + e)
+    ep = e * inv
+    pos = y >= 0.0
+    sig = inv if pos else ep
+    sig_neg = ep if pos else inv
+    return y * sig, sig * (1.0 + y * sig_neg)
+
+
+@njit(parallel=True, fastmath=_FLAGS, cache=config.CACHE, error_model="numpy")
 def _features_kernel(x, out, silu):
     R, D = x.shape
     tasks = (R + _ROWS - 1) // _ROWS
@@ -51,30 +71,68 @@ def _features_kernel(x, out, silu):
         good = True
         for r in range(t * _ROWS, min(R, (t + 1) * _ROWS)):
             ss = 0.0
-            for i in range(D):
-                y = np.float64(x[r, i])
-                good &= (y - y) == 0  # finite: inf - inf and NaN - NaN are NaN
-                s[i] = _pre(y, silu)[0]
-                ss += s[i] * s[i]
+            if silu:
+                big = False
+                for i in range(D):
+                    y = np.float64(x[r, i])
+                    good &= is_finite(y)
+                    big |= abs(y) > _BIG
+                    v = _silu_fast(y)[0]
+                    s[i] = v
+                    ss += v * v
+                if big:
+                    ss = 0.0
+                    for i in range(D):
+                        v = _silu_scalar(np.float64(x[r, i]))[0]
+                        s[i] = v
+                        ss += v * v
+            else:
+                for i in range(D):
+                    y = np.float64(x[r, i])
+                    good &= is_finite(y)
+                    s[i] = y
+                    ss += y * y
             nrm = math.sqrt(ss)
-            for i in range(D):
-                out[r, i] = s[i] / nrm if nrm > 0 else 0.0
+            if nrm > 0:
+                for i in range(D):
+                    out[r, i] = s[i] / nrm
+            else:
+                for i in range(D):
+                    out[r, i] = 0.0
         ok[t] = good
     return ok.all()
 
 
-@njit(parallel=True, fastmath=False, cache=config.CACHE)
+@njit(parallel=True, fastmath=_FLAGS, cache=config.CACHE, error_model="numpy")
 def _vjp_kernel(x, g, out, silu):
     R, D = x.shape
     tasks = (R + _ROWS - 1) // _ROWS
     for t in prange(tasks):
-        s = np.empty(D)
+        f = np.empty(D)
         ds = np.empty(D)
         for r in range(t * _ROWS, min(R, (t + 1) * _ROWS)):
             ss = 0.0
-            for i in range(D):
-                s[i], ds[i] = _pre(np.float64(x[r, i]), silu)
-                ss += s[i] * s[i]
+            if silu:
+                big = False
+                for i in range(D):
+                    y = np.float64(x[r, i])
+                    big |= abs(y) > _BIG
+                    v, d = _silu_fast(y)
+                    f[i] = v
+                    ds[i] = d
+                    ss += v * v
+                if big:
+                    ss = 0.0
+                    for i in range(D):
+                        v, d = _silu_scalar(np.float64(x[r, i]))
+                        f[i] = v
+                        ds[i] = d
+                        ss += v * v
+            else:
+                for i in range(D):
+                    y = np.float64(x[r, i])
+                    f[i] = y
+                    ss += y * y
             nrm = math.sqrt(ss)
             if not nrm > 0:
                 for i in range(D):
@@ -82,9 +140,15 @@ def _vjp_kernel(x, g, out, silu):
                 continue
             fg = 0.0
             for i in range(D):
-                fg += s[i] / nrm * np.float64(g[r, i])
-            for i in range(D):
-                out[r, i] = (np.float64(g[r, i]) - s[i] / nrm * fg) / nrm * ds[i]
+                v = f[i] / nrm  # the features
+                f[i] = v
+                fg += v * np.float64(g[r, i])
+            if silu:
+                for i in range(D):
+                    out[r, i] = (np.float64(g[r, i]) - f[i] * fg) / nrm * ds[i]
+            else:
+                for i in range(D):
+                    out[r, i] = (np.float64(g[r, i]) - f[i] * fg) / nrm
 
 
 def _own(g, dtype):
