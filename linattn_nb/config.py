@@ -160,6 +160,12 @@ DPLR_CHUNK = _env_int("LINATTN_DPLR_CHUNK", 16)
 #: (``N * r``) on, the scan below (measured: docs/guide/configuration.md).
 DPLR_AUTO_CHUNKED_MIN = _env_int("LINATTN_DPLR_AUTO_CHUNKED_MIN", 32)
 
+#: The chunked DPLR path keeps the float32 features of q and k in work arrays of the calling thread,
+#: reused by its next call of the same shape, each up to this many bytes (larger ones are fresh per
+#: call; 0 turns reuse off).  Fresh pages per call cost a KDA call at the benchmark shape about 15%
+#: and most of its spread (docs/dplr.md, "Measured").
+DPLR_WORK_BYTES = _env_int("LINATTN_DPLR_WORK_BYTES", 64 << 20)
+
 #: Below this much work (B * N * N * (D + M), halved when causal) the CPU
 #: softmax kernel runs on the calling thread (see CPU_CHUNKED_SERIAL_MAX_WORK).
 SOFTMAX_SERIAL_MAX_WORK = _env_int("LINATTN_SOFTMAX_SERIAL_MAX_WORK", 1 << 21)

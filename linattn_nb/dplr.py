@@ -5,6 +5,7 @@ caveat: docs/dplr.md.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -174,13 +175,29 @@ def _row_map(fmap, x) -> bool:
     return getattr(fmap, "kernel_code", None) in _rowmaps.ROW_CODES and x.dtype in (np.float32, np.float64)
 
 
+_WORK = threading.local()
+
+
+def _work_array(role, shape, dtype):
+    """A work array of this thread for the chunked path's features (read by the kernel, never returned),
+    reused by the next call of the same shape up to :data:`linattn_nb.config.DPLR_WORK_BYTES`."""
+    if int(np.prod(shape)) * np.dtype(dtype).itemsize > config.DPLR_WORK_BYTES:
+        return np.empty(shape, dtype)
+    pool = _WORK.__dict__.setdefault("pool", {})
+    a = pool.get(role)
+    if a is None or a.shape != shape or a.dtype != dtype:
+        a = pool[role] = np.empty(shape, dtype)
+    return a
+
+
 def _features(fmap, x, role, position, work=np.float64):
-    """The features of ``x`` as a ``work`` array (float32 only on the chunked path: compiled maps)."""
+    """The features of ``x`` as a ``work`` array (float32 only on the chunked path: compiled maps, into
+    this thread's work arrays)."""
     code = getattr(fmap, "kernel_code", None)
     if work == np.float32 and code is not None and x.dtype in (np.float32, np.float64):
         from .ops.dplr.chunked import elementwise_features, row_features
 
-        out = np.empty(x.shape, work)
+        out = _work_array(role, x.shape, work)
         x2, o2 = np.ascontiguousarray(x).reshape(-1, x.shape[-1]), out.reshape(-1, x.shape[-1])
         if _row_map(fmap, x):
             row_features(x2.reshape(x2.shape[0], 1, -1), o2, code)
