@@ -19,59 +19,42 @@ _ROWS = 64
 
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def _forward(x, w, bias, y):  # pragma: no cover - compiled
-    B, N, C = x.shape
+def _pass(src, w, bias, dst, back, x, dwp, dbp):  # pragma: no cover - compiled
+    """dst (B, N, C) <- the convolution of src with taps w (K, C: every inner loop runs along C) plus bias,
+    forward in time; ``back``: src is the output gradient and dst the input's (the taps run backward in
+    time), and the per-task float64 partial sums of the weight's (tasks, K, C) and the bias's (tasks, C)
+    gradients (against ``x``) go into dwp and dbp."""
+    B, N, C = src.shape
     K = w.shape[0]
-    wt = y.dtype.type
+    wt = dst.dtype.type
     per = (N + _ROWS - 1) // _ROWS
     for task in prange(B * per):
         b = task // per
         t0 = (task - b * per) * _ROWS
         acc = np.empty(C)
+        if back:
+            dwp[task] = 0.0
+            dbp[task] = 0.0
         for t in range(t0, min(N, t0 + _ROWS)):
             for c in range(C):
                 acc[c] = bias[c]
             for j in range(K):
-                s = t - (K - 1) + j
-                if s >= 0:
+                # forward: y[t] reads x[t - (K - 1) + j]; backward: x[t] feeds y[t + (K - 1) - j]
+                s = t + (K - 1) - j if back else t - (K - 1) + j
+                if 0 <= s < N:
                     for c in range(C):
-                        acc[c] += w[j, c] * x[b, s, c]
+                        acc[c] += w[j, c] * src[b, s, c]
             for c in range(C):
-                y[b, t, c] = wt(acc[c])
-
-
-@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def _backward(x, w, g, dx, dwp, dbp):  # pragma: no cover - compiled
-    """dx (B, N, C); the per-task partial sums of the weight's (tasks, K, C) and the bias's (tasks, C)
-    gradients, float64.  ``w`` is (K, C) here (as in :func:`_forward`): every inner loop runs along C."""
-    B, N, C = x.shape
-    K = w.shape[0]
-    wt = dx.dtype.type
-    per = (N + _ROWS - 1) // _ROWS
-    for task in prange(B * per):
-        b = task // per
-        t0 = (task - b * per) * _ROWS
-        acc = np.empty(C)
-        dw = dwp[task]
-        db = dbp[task]
-        dw[:, :] = 0.0
-        db[:] = 0.0
-        for t in range(t0, min(N, t0 + _ROWS)):
-            for c in range(C):
-                acc[c] = 0.0
-                db[c] += g[b, t, c]
-            # y[t'] reads x[t] through tap j = t - t' + K - 1: t' = t + K - 1 - j
-            for j in range(K):
-                s = t + (K - 1) - j
-                if s < N:
-                    for c in range(C):
-                        acc[c] += w[j, c] * g[b, s, c]
-                s = t - (K - 1) + j  # the weight: y[t] against x[s]
-                if s >= 0:
-                    for c in range(C):
-                        dw[j, c] += g[b, t, c] * x[b, s, c]
-            for c in range(C):
-                dx[b, t, c] = wt(acc[c])
+                dst[b, t, c] = wt(acc[c])
+            if back:
+                dw = dwp[task]
+                for c in range(C):
+                    dbp[task, c] += src[b, t, c]
+                for j in range(K):
+                    s = t - (K - 1) + j
+                    if s >= 0:
+                        for c in range(C):
+                            dw[j, c] += src[b, t, c] * x[b, s, c]
 
 
 def _check(x, w):
@@ -90,7 +73,8 @@ def short_conv(x, w, bias=None):
     y = np.empty_like(x)
     b = np.zeros(x.shape[2]) if bias is None else np.asarray(bias, np.float64)
     if y.size:
-        _forward(x, np.ascontiguousarray(np.asarray(w, np.float64).T), b, y)
+        _pass(x, np.ascontiguousarray(np.asarray(w, np.float64).T), b, y, False, x, np.empty((0, 0, 0)),
+              np.empty((0, 0)))
     return y
 
 
@@ -108,5 +92,5 @@ def short_conv_vjp(x, w, g):
     dx = np.empty_like(x)
     dwp, dbp = np.empty((tasks, K, C)), np.empty((tasks, C))
     if x.size:
-        _backward(x, np.ascontiguousarray(np.asarray(w, np.float64).T), g, dx, dwp, dbp)
+        _pass(g, np.ascontiguousarray(np.asarray(w, np.float64).T), np.zeros(C), dx, True, x, dwp, dbp)
     return dx, dwp.sum(axis=0).T.copy(), dbp.sum(axis=0)
