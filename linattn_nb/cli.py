@@ -232,7 +232,7 @@ def _study_options(p, *, default_out: str) -> None:
                    help=f"same as --profile quick (the whole report: {QUICK_TIME})")
     p.add_argument("--profile", choices=("tiny", "quick", "full"), default=None,
                    help="problem sizes: full (default; about 6 min on 2 cores on a first run, which compiles the "
-                        "kernels, and about 18 min more for the MQAR training study where torch is installed; "
+                        "kernels, and about 16 min more for the MQAR training study where torch is installed; "
                         "report.md states the time each study took), quick, or tiny (a smoke test)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
                    help="auto (default): the CPU, plus the GPU when a real one is present; cpu; cuda (GPU only)")

@@ -605,6 +605,6 @@ STUDY = register_study(Study(
     render=render,
     requires=requires_modules("torch", install="pip install 'linattn_nb[torch]'"),
     budget_s={"tiny": 30, "quick": 180, "full": 1200},
-    # In the report when torch imports (its default profile trains 36 models, about 18 min on 2 cores);
+    # In the report when torch imports (its default profile trains 36 models, about 16 min on 2 cores);
     # without torch the report lists it as not run, with the install command (docs/mqar.md).
 ))
