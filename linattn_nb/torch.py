@@ -235,6 +235,7 @@ class _LinearAttentionFunction(torch.autograd.Function):
         return out_t, S.to(q.device), z.to(q.device)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_S=None, grad_z=None):
         ctx.saved_tensors  # noqa: B018  (raises if q, k or v were modified in place)
         spec, req = ctx.spec, ctx.req
@@ -275,6 +276,7 @@ class _ShortConvFunction(torch.autograd.Function):
         return torch.from_numpy(y)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, g):
         from .ops._shortconv import short_conv_vjp
 

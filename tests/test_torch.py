@@ -729,3 +729,14 @@ def test_dplr_gradcheck_hedgehog_parameters():
                                  feature_map_params=dict(zip(names, ps)))
 
     _gradcheck(fn, [q, k, v, a, b, *params.values()])
+
+
+def test_linear_attention_refuses_a_second_derivative_inside_a_larger_graph():
+    """The adapter's backward runs outside autograd: a second derivative through it raises even where other
+    parts of the graph are twice differentiable (without the guard they would silently drop its part)."""
+    q = torch.randn(1, 4, 3, dtype=torch.float64, requires_grad=True)
+    k, v = torch.randn(1, 4, 3, dtype=torch.float64), torch.randn(1, 4, 2, dtype=torch.float64)
+    y = lt.linear_attention(q, k, v, causal=True, method="quadratic").square().sum() + q.pow(3).sum()
+    (gq,) = torch.autograd.grad(y, q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|not differentiable|twice"):
+        gq.sum().backward()

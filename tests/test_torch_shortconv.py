@@ -67,3 +67,13 @@ def test_short_conv_kernel_rejects_bad_shapes():
         short_conv_vjp(np.zeros((1, 2, 3)), np.zeros((3, 2)), np.zeros((1, 3, 3)))
     with pytest.raises(TypeError, match="float32 or float64"):
         short_conv(np.zeros((1, 2, 3), np.int64), np.zeros((3, 2)))
+
+
+def test_short_conv_refuses_a_second_derivative():
+    """The backward runs outside autograd: differentiating it again raises instead of giving zeros."""
+    conv = torch.nn.Conv1d(2, 2, 2, groups=2, padding=1, dtype=torch.float64)
+    x = torch.randn(1, 3, 2, dtype=torch.float64, requires_grad=True)
+    (gx,) = torch.autograd.grad(lt._short_conv(x, conv).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|not differentiable|twice"):
+        gx.sum().backward()
+
