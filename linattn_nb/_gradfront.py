@@ -20,6 +20,7 @@ from .device import on_device
 from .ops import methods  # noqa: F401  (registers the built-in rules and methods)
 from .ops._vec import work_dtype
 from .ops.grad import _maps, _outgrad, _rowmaps
+from .ops.grad.cpu import delta_save_arrays, takes_saved
 from .rules import get_rule
 
 _F64 = np.dtype(np.float64)
@@ -90,6 +91,7 @@ class Request:
     v1: np.ndarray  # (B, N, M + 1) work
     decay_arg: Optional[tuple] = None  # ("decay" | "log_decay", given shape)
     beta_shape: Optional[tuple] = None
+    saved: Optional[tuple] = None  # what the forward kept for the backward launcher (see forward)
 
     @property
     def b(self) -> int:
@@ -177,18 +179,36 @@ def _floored(req: Request, den):
     return np.where(active, den, req.eps), active
 
 
+def _saves(req: Request) -> bool:
+    """Whether the forward keeps its chunk values for the backward: the CPU chunked method of the delta
+    rules, whose backward would otherwise run the forward's WY/UT transform again in a first pass."""
+    return (req.dev == "cpu" and req.causal and req.impl.name == "chunked"
+            and takes_saved(get_rule(req.rule).code))
+
+
 @parallel_entry
 def forward(req: Request, want_out: bool = True):
     """``(out, nd, HN)``: the output (batch_shape + (N, M), the input dtype; None when not ``want_out``),
-    ``[num | den]`` (B, N, M + 1) in the working dtype and the final state (B, F, M + 1) float64."""
+    ``[num | den]`` (B, N, M + 1) in the working dtype and the final state (B, F, M + 1) float64.
+
+    The delta rules' CPU chunked forward keeps each chunk's start state, residuals and ``K K^T`` in
+    ``req.saved`` (about three times the bytes of ``v``), which the backward reads instead of
+    computing them again.
+    """
     b, n, m = req.b, req.n, req.m
     nd = np.empty((b, n, m + 1), dtype=req.work)
     Hx = np.zeros((b, req.f, m + 2))  # the launcher's own column of ones rides along unused
     Hx[:, :, : m + 1] = req.H0
+    req.saved = None
     if n > 0 and b > 0:
         if req.dev == "cuda":
             CD.run_host(req.impl, req.qf, req.kf, req.v1, Hx, nd, code=0, eps=None, inputs=req.inputs,
                         normalize=False)
+        elif _saves(req):
+            saved = delta_save_arrays(b, n, req.f, m + 1, req.work)
+            req.impl.forward(req.qf, req.kf, req.v1, Hx, nd, code=0, eps=None, inputs=req.inputs,
+                             check_finite=False, normalize=False, chunk=saved[0], save=saved[1:])
+            req.saved = saved
         else:
             req.impl.forward(req.qf, req.kf, req.v1, Hx, nd, code=0, eps=None, inputs=req.inputs,
                              check_finite=False, normalize=False)
@@ -286,6 +306,8 @@ def _beta_grad(req: Request, dbeta):
 def _run_backward(req: Request, g1, dHN):
     """The method's backward launcher on the request's arrays (copies to and from the GPU for CUDA)."""
     if req.dev != "cuda":
+        if req.saved is not None:
+            return req.impl.backward(req.qf, req.kf, req.v1, req.H0, g1, dHN, inputs=req.inputs, saved=req.saved)
         return req.impl.backward(req.qf, req.kf, req.v1, req.H0, g1, dHN, inputs=req.inputs)
     cuda = CD._cuda()
     grads = req.impl.backward(cuda.to_device(req.qf), cuda.to_device(req.kf), cuda.to_device(req.v1),

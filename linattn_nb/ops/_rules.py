@@ -220,14 +220,17 @@ def step_row(rule, row, fa, fc, g, w, a, beta):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def chunk_values(rule, X, R, fk, o, n, F, fs, fw, w):
+def chunk_values(rule, X, R, fk, o, n, F, fs, fw, w, sY, sKK):
     """The delta rules: ``R``'s value rows ``[V_c 1]`` <- ``U'`` of the WY/UT transform; other rules: nothing.
 
     ``R`` ((F + C) x (M + 1)) = ``[H ; V_c 1]``; ``fk`` (C, F) = ``phi(K_c)``;
     ``X[:n, F:F + n]`` is scratch (``K K^T``) before :func:`intra_weights` fills it;
     ``o`` (C, M + 1) and ``w`` (C,) scratch; ``fs``, ``fw`` from :func:`chunk_factors`.
     The forward substitution only mixes earlier rows into later ones, so a NaN or
-    inf stays in its own and the later rows.
+    inf stays in its own and the later rows.  When ``sY`` (C, M') has rows, the
+    chunk's residuals ``Y`` (``U' = diag(beta) Y``, first M' columns) go there and
+    ``K K^T`` (strict lower triangle, zeros elsewhere) into ``sKK`` (C, C): what the
+    chunked backward's reverse pass reads (:mod:`linattn_nb.ops.grad._cpu_chunked_delta`).
     """
     if not (rule == RULE_DELTA or rule == RULE_GATED_DELTA) or n == 0:
         return
@@ -245,6 +248,15 @@ def chunk_values(rule, X, R, fk, o, n, F, fs, fw, w):
             for m in range(M1):
                 R[F + t, m] -= h * o[t, m]
     gemm(0, 1, n, n, F, 1.0, fk, 0, F, fk, 0, F, 0.0, X, F, LX)
+    save = sY.shape[0] > 0
+    Ms = sY.shape[1]
+    if save:
+        zero = sKK.dtype.type(0.0)
+        for t in range(n):
+            for j in range(t):
+                sKK[t, j] = X[t, F + j]
+            for j in range(t, sKK.shape[1]):
+                sKK[t, j] = zero
     for t in range(n):
         if rule == RULE_GATED_DELTA:
             a = fs[0, t, 0]
@@ -257,6 +269,9 @@ def chunk_values(rule, X, R, fk, o, n, F, fs, fw, w):
             c = X[t, F + j]
             for m in range(M1):
                 R[F + t, m] -= c * R[F + j, m]
+        if save:
+            for m in range(Ms):
+                sY[t, m] = R[F + t, m]
         bt = fw[t, 1]
         for m in range(M1):
             R[F + t, m] *= bt

@@ -88,11 +88,11 @@ def _gpu(rule, name, causal, forward, backward=None):
 # Backward launchers (contract: linattn_nb/ops/grad/__init__.py), imported on
 # first call like the CUDA forward launchers (nothing compiles at import).
 def _lazy_backward(module: str, attr: str, **rule_kw):
-    def backward(qf, kf, v1, H0, g1, dHN=None, *, inputs=None):
+    def backward(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, **kw):
         import importlib
 
         fn = getattr(importlib.import_module(module, __package__), attr)
-        return fn(qf, kf, v1, H0, g1, dHN, inputs=inputs, **rule_kw)
+        return fn(qf, kf, v1, H0, g1, dHN, inputs=inputs, **rule_kw, **kw)
 
     backward.__name__ = backward.__qualname__ = attr
     backward.__doc__ = f"{module}.{attr}, imported on first call (backward launcher contract)."

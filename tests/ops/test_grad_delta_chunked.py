@@ -135,3 +135,107 @@ def test_vjp_chunked_matches_scan(name, normalize):
         assert (a is None) == (r is None), field
         if r is not None:
             np.testing.assert_allclose(a, r, rtol=1e-10, atol=1e-11 * np.abs(r).max(), err_msg=field)
+
+
+def _saving_forward(arrays, inputs, code, chunk, nan_fill=True):
+    """The chunked forward on the backward's arrays (values with their ones column, as the gradient front
+    end runs it), saving its chunk values; ``(out, (C, ck, Ys, KKs))`` with NaN where nothing was saved."""
+    from linattn_nb.ops.causal.chunked import causal_chunked
+
+    qf, kf, v1, H0, g1, dHN = arrays
+    B, N, F = qf.shape
+    M1 = v1.shape[2]
+    saved = cpu.delta_save_arrays(B, N, F, M1, qf.dtype, chunk=chunk)
+    if nan_fill:
+        for x in saved[1:]:
+            x.fill(np.nan)
+    Hx = np.zeros((B, F, M1 + 1))
+    Hx[:, :, :M1] = H0
+    out = np.empty((B, N, M1), qf.dtype)
+    causal_chunked(qf, kf, v1, Hx, out, code=0, eps=None, inputs=inputs, normalize=False, chunk=saved[0],
+                   save=saved[1:], rule=code)
+    return out, saved, Hx
+
+
+@pytest.mark.parametrize("dtype, tol", [(np.float64, 1e-12), (np.float32, 2e-5)])
+@pytest.mark.parametrize("name", list(RULES))
+def test_backward_from_saved_forward(name, dtype, tol, nan_outputs):
+    """The backward's reverse pass alone, on what the forward saved (arrays NaN-filled first: every value
+    it reads was written), against the naive reference; the saving forward's outputs and final state are
+    those of the plain forward, bit for bit."""
+    from linattn_nb.ops.causal.chunked import causal_chunked
+
+    rng = np.random.default_rng(11 + RULES[name])
+    for shape in SHAPES:
+        *arrays, inputs = _problem(rng, name == "gated_delta", dtype, *shape)
+        ref = causal_backward_naive(*arrays, inputs=inputs, rule=RULES[name])
+        out, saved, Hx = _saving_forward(arrays, inputs, RULES[name], C)
+        qf, kf, v1, H0 = arrays[:4]
+        plain_H = np.zeros_like(Hx)
+        plain_H[:, :, : v1.shape[2]] = H0
+        plain = np.empty_like(out)
+        causal_chunked(qf, kf, v1, plain_H, plain, code=0, eps=None, inputs=inputs, normalize=False, chunk=C,
+                       rule=RULES[name])
+        np.testing.assert_array_equal(out, plain)
+        np.testing.assert_array_equal(Hx, plain_H)
+        got = cpu.backward_chunked(*arrays, inputs=inputs, rule=RULES[name], saved=saved)
+        _compare(got, ref, tol)
+
+
+def test_saved_checks(nan_outputs):
+    """Saved arrays of the wrong shape, dtype or chunk are refused with their name; a rule without a saving
+    forward refuses them."""
+    from linattn_nb.ops.causal.chunked import causal_chunked
+
+    rng = np.random.default_rng(5)
+    *arrays, inputs = _problem(rng, False, np.float64, 2, 20, 4, 3, True, False)
+    qf, kf, v1, H0, g1, dHN = arrays
+    C_, ck, Ys, KKs = cpu.delta_save_arrays(2, 20, 4, 3, np.float64, chunk=8)
+    with pytest.raises(ValueError, match="saved: Ys"):
+        cpu.backward_chunked(*arrays, inputs=inputs, rule=RULE_DELTA, saved=(C_, ck, Ys[:, :, :4], KKs))
+    with pytest.raises(ValueError, match="saved: ck"):
+        cpu.backward_chunked(*arrays, inputs=inputs, rule=RULE_DELTA, saved=(C_, np.zeros(ck.shape, np.float32), Ys, KKs))
+    with pytest.raises(ValueError, match="only the delta rules"):
+        cpu.backward_chunked(*arrays, inputs={"log_decay": np.zeros((2, 20))}, rule=RULE_DECAY,
+                             saved=(C_, ck, Ys, KKs))
+    Hx = np.zeros((2, 4, 4))
+    out = np.empty((2, 20, 3))
+    with pytest.raises(ValueError, match="save: ck .* shape \\(2, 5, 4, 3\\) \\(chunk 4\\)"):
+        causal_chunked(qf, kf, v1, Hx, out, code=0, eps=None, inputs=inputs, normalize=False, chunk=4,
+                       save=(ck, Ys, KKs), rule=RULE_DELTA)
+    with pytest.raises(ValueError, match="save: KKs"):
+        causal_chunked(qf, kf, v1, Hx, out, code=0, eps=None, inputs=inputs, normalize=False, chunk=8,
+                       save=(ck, Ys, np.ascontiguousarray(KKs[:, :, :, :7])), rule=RULE_DELTA)
+    assert cpu.takes_saved(RULE_DELTA) and cpu.takes_saved(RULE_GATED_DELTA) and not cpu.takes_saved(RULE_DECAY)
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_vjp_uses_saved_forward(name, monkeypatch):
+    """``linear_attention_vjp(method="chunked")`` of a delta rule skips the backward's first pass (the
+    forward saved its values), with the gradients of the backward that runs both passes."""
+    from linattn_nb import _gradfront as GF
+
+    rng = np.random.default_rng(13)
+    b, n, f, m = 3, 45, 4, 3
+    q, k = rng.random((b, n, f)) + 0.1, rng.random((b, n, f)) + 0.1
+    v, g = rng.standard_normal((b, n, m)), rng.standard_normal((b, n, m))
+    kw = dict(causal=True, feature_map="l2", method="chunked", beta=rng.random((b, n)))
+    if name == "gated_delta":
+        kw["log_decay"] = -0.3 * rng.random((b, n))
+    seen = []
+    real = cpu._run_chunked_delta
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("have", args[9] if len(args) > 9 else None) is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu, "_run_chunked_delta", spy)
+    got = linattn_nb.linear_attention_vjp(q, k, v, g, **kw)
+    monkeypatch.setattr(GF, "_saves", lambda req: False)
+    ref = linattn_nb.linear_attention_vjp(q, k, v, g, **kw)
+    assert seen == [True, False]
+    for field in ("dq", "dk", "dv", "d_log_decay", "d_beta"):
+        a, r = getattr(got, field), getattr(ref, field)
+        assert (a is None) == (r is None), field
+        if r is not None:
+            np.testing.assert_allclose(a, r, rtol=1e-12, atol=1e-13 * np.abs(r).max(), err_msg=field)

@@ -36,12 +36,16 @@ def _init_scratch(H, R):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, not an exception
-def _span(q, k, v, out, b, s_begin, s_end, H, code, eps, norm, bs, X, R, fk, o, part, rule, lg, fs, fw, tot, w):
+def _span(q, k, v, out, b, s_begin, s_end, H, code, eps, norm, bs, X, R, fk, o, part, rule, lg, fs, fw, tot, w,
+          sck, sY, sKK):
     """Chunked recurrence over tokens [s_begin, s_end) of sequence b from state H (F, M + 1), in place.
 
     Scratch (working dtype), C = fk.shape[0]: X (C, F + C) = [phi(Q_c) | A],
     R (F + C, M + 1) = [H ; V_c 1], fk (C, F) = phi(K_c), o (C, M + 1), part
     (F, M + 1); fs, fw, tot, w: the rule's factors (:func:`linattn_nb.ops._rules.chunk_factors`).
+    When ``sck`` (chunks, F, M') has columns (the delta rules, for their backward), chunk ``s0 // C``
+    leaves its start state (first M' columns, working dtype) in ``sck`` and its residuals and ``K K^T``
+    in ``sY``, ``sKK`` (:func:`linattn_nb.ops._rules.chunk_values`).
     Returns ``(inputs_finite, results_finite)``.
     """
     F = q.shape[2]
@@ -52,15 +56,22 @@ def _span(q, k, v, out, b, s_begin, s_end, H, code, eps, norm, bs, X, R, fk, o, 
     zero = X.dtype.type(0.0)
     inputs_ok = True
     results_ok = True  # outputs and normalisers
+    Ms = sck.shape[2]
+    save = Ms > 0
     _init_scratch(H, R)
     for s0 in range(s_begin, s_end, C):
         n = min(C, s_end - s0)
         finite, read_ok = load_chunk(q, k, v, b, s0, n, X, fk, R, F, code, True)
         inputs_ok &= read_ok
         chunk_factors(rule, lg, b, s0, n, fs, fw, tot)
+        c = s0 // C if save else 0
+        if save:
+            for i in range(F):
+                for m in range(Ms):
+                    sck[c, i, m] = R[i, m]
         if is_delta(rule):
             # the value rows become U' (a NaN/inf key too reaches them, below the diagonal only)
-            chunk_values(rule, X, R, fk, o, n, F, fs, fw, w)
+            chunk_values(rule, X, R, fk, o, n, F, fs, fw, w, sY[c], sKK[c])
             finite = read_ok
         # Row blocks of bs: block r needs A and V_c only up to its own last
         # row, so the upper triangle is computed for the diagonal blocks only.
@@ -150,10 +161,11 @@ def _sum_item(it, k, v, Hp, Fp, wt, code, C, P, sub, rule, lg):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _span_item(it, q, k, v, Hst, out, wt, code, eps, norm, C, bs, rule, lg, flags):
+def _span_item(it, q, k, v, Hst, out, wt, code, eps, norm, C, bs, rule, lg, flags, sck, sY, sKK):
     """Pass 2, work item ``it``: segment ``p`` of sequence ``b`` from state Hst[b, p].
 
-    ``flags[it]`` <- (an input read was NaN/inf, a result or the state is).
+    ``flags[it]`` <- (an input read was NaN/inf, a result or the state is); sck, sY, sKK
+    (B, chunks, ...) as :func:`_span`'s, or (1, 1, 0, 0) arrays when nothing is saved.
     """
     N, F = q.shape[1], q.shape[2]
     M = v.shape[2]
@@ -168,13 +180,14 @@ def _span_item(it, q, k, v, Hst, out, wt, code, eps, norm, C, bs, rule, lg, flag
     o = np.empty((C, M + 1), wt)
     part = np.empty((F, M + 1), wt)
     fs, fw, tot, w = _rule_scratch(lg, C, wt)
+    sb = b if sck.shape[3] > 0 else 0  # nothing saved: (1, 1, 0, 0) arrays
     inputs_ok, results_ok = _span(q, k, v, out, b, t0, t1, Hst[b, p], code, eps, norm, bs, X, R, fk, o, part,
-                                  rule, lg, fs, fw, tot, w)
+                                  rule, lg, fs, fw, tot, w, sck[sb], sY[sb], sKK[sb])
     flags[it, 0] = not inputs_ok
     flags[it, 1] = not results_ok
 
 
-def _chunked_pass(mode, q, k, v, Hst, Fp, out, proto, code, eps, norm, C, sub, bs, rule, lg, flags):
+def _chunked_pass(mode, q, k, v, Hst, Fp, out, proto, code, eps, norm, C, sub, bs, rule, lg, flags, sck, sY, sKK):
     """One pass of the chunked causal kernel over its work items (serial and parallel twins).
 
     ``mode`` 0 (pass 1): ``Hst`` (B, (P-1)*sub, F, M+1) receives each piece of segments 0..P-2 summed
@@ -182,7 +195,8 @@ def _chunked_pass(mode, q, k, v, Hst, Fp, out, proto, code, eps, norm, C, sub, b
     M+1) holds each segment's start state, advanced in place to its end (``Hst[:, P-1]`` ends as the
     final state); outputs written; ``flags`` (B * P, 2) gets per segment whether an input read (column
     0) or a result (column 1) was NaN or inf.  q, k, v, out may be uint16 (float16 bits); ``proto`` an
-    empty array of the working dtype.
+    empty array of the working dtype; sck, sY, sKK the saved chunk values of :func:`_span` (B, chunks,
+    ...), or (1, 1, 0, 0) arrays of the working dtype for none.
     """
     B = q.shape[0]
     wt = proto.dtype
@@ -193,7 +207,7 @@ def _chunked_pass(mode, q, k, v, Hst, Fp, out, proto, code, eps, norm, C, sub, b
         if mode == 0:
             _sum_item(np.int64(it), k, v, Hst, Fp, wt, code, C, Hst.shape[1] // sub + 1, sub, rule, lg)
         else:
-            _span_item(np.int64(it), q, k, v, Hst, out, wt, code, eps, norm, C, bs, rule, lg, flags)
+            _span_item(np.int64(it), q, k, v, Hst, out, wt, code, eps, norm, C, bs, rule, lg, flags, sck, sY, sKK)
 
 
 chunked_kernel_serial, chunked_kernel = serial_and_parallel(_chunked_pass, fastmath=config.FASTMATH,
@@ -203,13 +217,33 @@ chunked_kernel_serial, chunked_kernel = serial_and_parallel(_chunked_pass, fastm
 # ---------------------------------------------------------------------------
 # launcher
 # ---------------------------------------------------------------------------
+def _saved_arrays(save, B, N, F, M, C, wt):
+    """``save`` checked against the call (see :func:`causal_chunked`), or the kernel's empty stand-ins."""
+    if save is None:
+        return tuple(np.empty((1, 1, 0, 0), wt) for _ in range(3))
+    P = (N + C - 1) // C
+    ck, Ys, KKs = save
+    Ms = ck.shape[3] if getattr(ck, "ndim", 0) == 4 else -1
+    for name, x, shape in (("ck", ck, (B, P, F, Ms)), ("Ys", Ys, (B, P, C, Ms)), ("KKs", KKs, (B, P, C, C))):
+        if not (isinstance(x, np.ndarray) and x.shape == shape and x.dtype == wt and x.flags.c_contiguous):
+            raise ValueError(f"save: {name} must be a C-contiguous {wt} array of shape {shape} (chunk {C}), got "
+                             f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
+    if not 1 <= Ms <= M + 1:
+        raise ValueError(f"save: ck must keep between 1 and {M + 1} value columns, got {Ms}")
+    return ck, Ys, KKs
+
+
 def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, normalize=True, chunk=None,
-                   block=None, seq_parallel=None, rule=RULE_ADDITIVE):
+                   block=None, seq_parallel=None, rule=RULE_ADDITIVE, save=None):
     """Launcher of :func:`chunked_kernel` (the method table's forward contract, ``docs/launchers.md``).
 
     ``chunk`` and ``block`` (the intra-chunk row block) default from :mod:`linattn_nb.config`;
     ``seq_parallel`` forces (True) or forbids (False) splitting sequences across threads (default:
-    when B is below the thread count; never for the delta rules).  Returns ``out``.
+    when B is below the thread count; never for the delta rules).  ``save``: ``(ck, Ys, KKs)``, arrays
+    of the working dtype of shapes (B, P, F, M'), (B, P, C, M') and (B, P, C, C) with P = ceil(N / C)
+    and M' <= M + 1, which receive each chunk's start state, and for the delta rules its residuals and
+    ``K K^T`` (what :func:`linattn_nb.ops.grad.cpu.backward_chunked` would compute again in its first
+    pass).  Returns ``out``.
     """
     B, N, F = q.shape
     M = v.shape[2]
@@ -236,8 +270,9 @@ def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=Fals
     ok = as_kernel_array(out)
     proto = np.empty(0, wt)
     flags = new_flags(B * P)
+    saved = _saved_arrays(save, B, N, F, M, C, wt)
     args = (np.int64(code), float(eps if eps is not None else 0.0), np.int64(norm), np.int64(C), np.int64(sub),
-            np.int64(bs), rule, lg, flags)
+            np.int64(bs), rule, lg, flags) + saved
     # BLAS pinned to one thread inside the parallel kernel only: there, its own
     # threads would oversubscribe the cores; on the calling thread alone they
     # may help, and the pinning costs a tenth of a small call.

@@ -97,15 +97,17 @@ def chunk_wy(gated, kf, v1, lg, b, s0, n, Sw, fb, Gam, KS, Yt, KK, Am, U):
                 ur[m] = bt * yr[m]
 
 
-def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, dq, dk, dv, dH0, dfac, dbeta, proto):
+def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, have, dq, dk, dv, dH0, dfac, dbeta,
+                    proto):
     """Two passes over the chunks of each sequence of the flattened batch (``docs/design-cpu.md``).
 
     qf, kf (B, N, F), v1, g1 (B, N, M') of the working dtype; H0, dHN (B, F, M')
     float64; lg (B, N, 2) (log-decay, beta), (B, N, 1) for the decay rule, which runs
     with ``U = [V 1]`` and no transform (Ys, KKs then (B, P, 0, .)).  Pass 1 writes,
     pass 2 reads: ck (B, P, F, M') the chunk-start states in the working dtype, Ys
-    (B, P, C, M') and KKs (B, P, C, C) each chunk's residuals and ``K K^T``.  Every
-    element of dq, dk, dv, dH0, dfac and dbeta is written.
+    (B, P, C, M') and KKs (B, P, C, C) each chunk's residuals and ``K K^T``; ``have``:
+    the forward saved them already (:func:`linattn_nb.ops.causal.chunked.causal_chunked`),
+    so pass 1 is skipped.  Every element of dq, dk, dv, dH0, dfac and dbeta is written.
     """
     B, N, F = qf.shape
     M1 = v1.shape[2]
@@ -142,7 +144,7 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
         # ------------------------------------------------------------------
         # pass 1, chunks in order: the chunk-start states and each chunk's Yt, K K^T
         # ------------------------------------------------------------------
-        for c in range(nch):
+        for c in range(0 if have else nch):
             s0 = c * C
             n = min(C, N - s0)
             ko = (b * N + s0) * F

@@ -124,12 +124,15 @@ def _run_scan(rule, qf, kf, v1, H0, g1, dHN, lg, L):
     return _result(rule, *outs)
 
 
-def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADDITIVE, chunk=None):
+def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADDITIVE, chunk=None, saved=None):
     """Gradients of causal linear attention in GEMM-shaped chunks (every rule).
 
     As :func:`backward_scan`, ``chunk`` (the chunk size; default from :mod:`linattn_nb.config`)
     replacing ``checkpoint``.  The decay and delta rules run the adjoint of the WY/UT chunk form
-    (``docs/design-cpu.md``, "Chunked backward").
+    (``docs/design-cpu.md``, "Chunked backward").  ``saved`` (the delta rules): ``(C, ck, Ys, KKs)``
+    as a forward :func:`~linattn_nb.ops.causal.chunked.causal_chunked` with ``chunk=C`` saved them
+    on these features (:func:`delta_save_arrays`); the first pass, which would compute them again,
+    is skipped.
     """
     rule = check_rule(rule, inputs)
     qf, kf, v1, H0, g1, dHN = _check(qf, kf, v1, H0, g1, dHN)
@@ -139,6 +142,10 @@ def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADD
         return _empty_call(rule, qf, v1, H0, dHN)
     lg = log_factors(rule, inputs, B, N, F)
     delta = rule in (RULE_DELTA, RULE_GATED_DELTA)
+    if saved is not None:
+        if not delta:
+            raise ValueError("saved: only the delta rules' backward takes the forward's saved chunk values")
+        return _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, int(saved[0]), saved[1:])
     pick_chunk = config.cpu_backward_delta_chunk if delta else config.cpu_backward_chunk
     C = int(chunk if chunk is not None else pick_chunk(N, F, M1, qf.dtype))
     if C < 1:
@@ -159,7 +166,23 @@ def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADD
     return _result(rule, *outs)
 
 
-def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C):
+def takes_saved(rule) -> bool:
+    """Whether :func:`backward_chunked` of rule code ``rule`` takes a forward's saved chunk values."""
+    return int(rule) in (RULE_DELTA, RULE_GATED_DELTA)
+
+
+def delta_save_arrays(B, N, F, M1, dtype, chunk=None):
+    """``(C, ck, Ys, KKs)``: empty arrays for a delta-rule forward to save its chunk values into
+    (``save=`` of :func:`~linattn_nb.ops.causal.chunked.causal_chunked`, ``saved=`` of
+    :func:`backward_chunked`), at the backward's chunk size (``chunk`` or the config's)."""
+    C = int(chunk if chunk is not None else config.cpu_backward_delta_chunk(N, F, M1, dtype))
+    C = max(1, min(C, max(int(N), 1)))
+    P = -(-int(N) // C)
+    wt = np.dtype(dtype)
+    return C, np.empty((B, P, F, M1), wt), np.empty((B, P, C, M1), wt), np.empty((B, P, C, C), wt)
+
+
+def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, have=None):
     from ._cpu_chunked_delta import delta_backward_kernel, delta_backward_kernel_serial
 
     B, N, F = qf.shape
@@ -167,12 +190,19 @@ def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C):
     outs = _outputs(rule, B, N, F, M1, qf.dtype)
     P = -(-N // C)
     wt = qf.dtype
-    ck = np.empty((B, P, F, M1), wt)
     Cw = 0 if rule == RULE_DECAY else C  # the decay rule keeps no residuals or K K^T
-    Ys, KKs = np.empty((B, P, Cw, M1), wt), np.empty((B, P, Cw, Cw), wt)
+    if have is None:
+        ck = np.empty((B, P, F, M1), wt)
+        Ys, KKs = np.empty((B, P, Cw, M1), wt), np.empty((B, P, Cw, Cw), wt)
+    else:
+        ck, Ys, KKs = have
+        for name, x, shape in (("ck", ck, (B, P, F, M1)), ("Ys", Ys, (B, P, Cw, M1)), ("KKs", KKs, (B, P, Cw, Cw))):
+            if not (isinstance(x, np.ndarray) and x.shape == shape and x.dtype == wt and x.flags.c_contiguous):
+                raise ValueError(f"saved: {name} must be a C-contiguous {wt} array of shape {shape} (chunk {C}), "
+                                 f"got {getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
     kernel = pick(delta_backward_kernel_serial, delta_backward_kernel, items=B, work=B * N * F * M1,
                   limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
     with single_threaded_blas(kernel is delta_backward_kernel):
         kernel(qf, kf, v1, H0, g1, H0 if dHN is None else dHN, dHN is not None, rule, lg, np.int64(C), ck,
-               Ys, KKs, *outs, np.empty(0, wt))
+               Ys, KKs, have is not None, *outs, np.empty(0, wt))
     return _result(rule, *outs)
