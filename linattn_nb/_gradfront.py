@@ -134,14 +134,21 @@ def prepare(q, k, v, *, feature_map, causal, method, device, eps, check_finite, 
                   check_qkv=check_finite and not inline, copy=True, to_host=True, extra_columns=1)
     q, k, v, batch_shape, n, d, m, f, b, dtype = c.q, c.k, c.v, c.batch_shape, c.n, c.d, c.m, c.f, c.b, c.dtype
     rule, inputs, normalize, impl = c.rule, c.inputs, c.normalize, c.impl
-    if check_finite and inline:
-        V.check_finite("v", v)  # q and k: while their features are computed
     if impl.backward is None:
         raise ValueError(f"method {impl.name!r} (rule {rule!r}, causal={causal}, device {dev!r}) has no backward "
                          "launcher; choose another method")
     H0, position = host_state(initial_state, batch_shape, f, m, check_finite=check_finite)
     if work is None:
         work = work_dtype(dtype)
+    v1 = np.empty((b, n, m + 1), dtype=work)
+    v_ok = None
+    if v.dtype in _outgrad.DTYPES and v.flags.c_contiguous:
+        v_ok = _outgrad.values_with_ones(v.reshape(b * n, m), v1.reshape(b * n, m + 1))
+    else:
+        v1[:, :, :m] = V.flatten_batch(v, work)
+        v1[:, :, m] = 1
+    if check_finite and inline and not v_ok:
+        V.check_finite("v", v)  # raises for a v found not finite; q and k: while their features are computed
     if inline:
         feats = []
         for name, x in (("q", q), ("k", k)):
@@ -154,9 +161,6 @@ def prepare(q, k, v, *, feature_map, causal, method, device, eps, check_finite, 
         feat_kw = dict(causal=causal, offset=position, total_length=position + n, dtype=work)
         qf = V.flatten_batch(featurise(fmap, q, role="query", name="q", **feat_kw), work)
         kf = V.flatten_batch(featurise(fmap, k, role="key", name="k", **feat_kw), work)
-    v1 = np.empty((b, n, m + 1), dtype=work)
-    v1[:, :, :m] = V.flatten_batch(v, work)
-    v1[:, :, m] = 1
     decay_arg = None
     if decay is not None:
         decay_arg = ("decay", _given_shape("decay", decay))
@@ -243,21 +247,22 @@ def _grad_state(grad_state, req: Request):
     return dH
 
 
-def _checked_grad(name, x, want, of, req: Request) -> np.ndarray:
-    """``x`` as a host array, checked: the shape ``want`` (that of ``of``), floating, finite (``check_finite``)."""
+def _checked_grad(name, x, want, of, req: Request, finite: bool = True) -> np.ndarray:
+    """``x`` as a host array, checked: the shape ``want`` (that of ``of``), floating, finite (``check_finite``;
+    ``finite`` False: left to the caller)."""
     x = host_array(name, x)
     if tuple(x.shape) != want:
         raise ValueError(f"{name} must have the shape of {of}, {want}, got {tuple(x.shape)}")
     if x.dtype.kind != "f":
         raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
-    if req.check_finite:
+    if req.check_finite and finite:
         V.check_finite(name, x)
     return x
 
 
-def _grad_out(grad_out, req: Request) -> np.ndarray:
+def _grad_out(grad_out, req: Request, finite: bool = True) -> np.ndarray:
     return _checked_grad("grad_out", grad_out, req.batch_shape + (req.n, req.m),
-                         f"the output (q {tuple(req.q.shape)}, v (..., N, M={req.m}))", req)
+                         f"the output (q {tuple(req.q.shape)}, v (..., N, M={req.m}))", req, finite)
 
 
 def _unbroadcast(grad, given_shape, full_shape):
@@ -329,43 +334,49 @@ def _merge_params(a, b):
 
 
 def _output_gradient(req: Request, nd, g, overwrite_nd=False):
-    """``g1 = dL/d[num | den]`` (B, N, M + 1) in the working dtype, from ``g = dL/dout``; written over
-    ``nd`` when ``overwrite_nd`` (each row read before it is written).
+    """``(g1, g_finite)``: ``g1 = dL/d[num | den]`` (B, N, M + 1) in the working dtype, from ``g = dL/dout``,
+    written over ``nd`` when ``overwrite_nd`` (each row read before it is written); ``g_finite`` whether
+    every element of ``g`` is finite, or None where that was not looked at.
 
     Built in place in the working dtype (no float64 copy of an (N, M) array):
-    ``g / den'`` and ``-(g . num) / den'^2`` (0 where the floor is active), in one parallel pass
-    (:mod:`~linattn_nb.ops.grad._outgrad`) for float32 and float64 gradients.
+    ``g / den'`` and ``-(g . num) / den'^2`` (0 where the floor is active), or ``[g | 0]`` unnormalised,
+    in one parallel pass (:mod:`~linattn_nb.ops.grad._outgrad`) for float32 and float64 gradients.
     """
     b, n, m = req.b, req.n, req.m
     gw = g.reshape(b, n, m)
-    fused = req.normalize and gw.dtype in _outgrad.DTYPES and nd.dtype in _outgrad.DTYPES
+    fused = (gw.dtype in _outgrad.DTYPES and gw.flags.c_contiguous
+             and (nd.dtype in _outgrad.DTYPES or not req.normalize))
     own = overwrite_nd and (fused or not req.normalize) and nd.dtype == req.work
     g1 = nd if own else np.empty((b, n, m + 1), dtype=req.work)
+    if fused:
+        rows = b * n
+        ok = _outgrad.output_gradient(gw.reshape(rows, m), nd.reshape(rows, m + 1), req.eps,
+                                      g1.reshape(rows, m + 1), normalize=req.normalize)
+        return g1, ok
     if not req.normalize:
         g1[:, :, :m] = gw
         g1[:, :, m] = 0
-        return g1
-    if fused:
-        rows = b * n
-        _outgrad.output_gradient(gw.reshape(rows, m), nd.reshape(rows, m + 1), req.eps, g1.reshape(rows, m + 1))
-        return g1
+        return g1, None
     den, active = _floored(req, np.asarray(nd[:, :, m], np.float64))
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         inv = 1.0 / den  # (B, N) float64
         np.multiply(gw, inv[:, :, None].astype(req.work), out=g1[:, :, :m], casting="unsafe")
         dot = np.einsum("bnm,bnm->bn", gw, nd[:, :, :m])
         g1[:, :, m] = np.where(active, -dot * inv * inv, 0.0)
-    return g1
+    return g1, None
 
 
 @parallel_entry
-def backward(req: Request, nd, grad_out, grad_state=None, overwrite_nd=False) -> VJP:
+def backward(req: Request, nd, grad_out, grad_state=None, overwrite_nd=False, finite=None) -> VJP:
     """The gradients of a prepared request, given its forward's ``[num | den]`` (see :func:`forward`);
-    ``overwrite_nd``: ``nd`` may hold the gradient of ``[num | den]`` afterwards (a single backward)."""
-    g = _grad_out(grad_out, req)
+    ``overwrite_nd``: ``nd`` may hold the gradient of ``[num | den]`` afterwards (a single backward).
+    ``finite``: a set that receives the names of the results (``"dq"``, ``"dk"``) found finite on the way."""
+    g = _grad_out(grad_out, req, finite=False)
+    g1, g_ok = _output_gradient(req, nd, g, overwrite_nd)
+    if req.check_finite and not g_ok:
+        V.check_finite("grad_out", g)  # raises for a g found not finite; the full check where not looked at
     dHN = _grad_state(grad_state, req)
     b, n, m, f = req.b, req.n, req.m, req.f
-    g1 = _output_gradient(req, nd, g, overwrite_nd)
     if n > 0 and b > 0:
         dqf, dkf, dv1, dH0, dfactor, dbeta = _run_backward(req, g1, dHN)
         del g1  # freed before the maps' products allocate: the peak memory of long sequences
@@ -381,9 +392,11 @@ def backward(req: Request, nd, grad_out, grad_state=None, overwrite_nd=False) ->
     code, fast = req.fmap.kernel_code, _fast_map(req.fmap)
     if fast is not None:
         # over the launcher's own results: no fresh (B, N, F) arrays
-        dq, pq = fast.vjp(req.q, dqf, code, req.work, overwrite=True), None
+        (dq, q_ok), pq = fast.vjp_checked(req.q, dqf, code, req.work, overwrite=True), None
         del dqf
-        dk, pk = fast.vjp(req.k, dkf, code, req.work, overwrite=True), None
+        (dk, k_ok), pk = fast.vjp_checked(req.k, dkf, code, req.work, overwrite=True), None
+        if finite is not None and req.dtype == req.work:  # no cast below that could overflow
+            finite.update(name for name, ok in (("dq", q_ok), ("dk", k_ok)) if ok)
     else:
         dq, pq = req.fmap.vjp(req.q.astype(req.work, copy=False), np.asarray(dqf).reshape(fshape), role="query",
                               **kw)
@@ -401,8 +414,10 @@ def backward(req: Request, nd, grad_out, grad_state=None, overwrite_nd=False) ->
     return VJP(dq, dk, dv, d_state, d_decay, d_log_decay, d_beta, _merge_params(pq, pk))
 
 
-def _finite(vjp: VJP) -> bool:
-    parts = [vjp.dq, vjp.dk, vjp.dv, vjp.d_decay, vjp.d_log_decay, vjp.d_beta]
+def _finite(vjp: VJP, known=()) -> bool:
+    """Whether every gradient in ``vjp`` is finite (those named in ``known`` are, already)."""
+    parts = [getattr(vjp, name) for name in ("dq", "dk", "dv") if name not in known]
+    parts += [vjp.d_decay, vjp.d_log_decay, vjp.d_beta]
     if vjp.d_initial_state is not None:
         parts += [vjp.d_initial_state.S, vjp.d_initial_state.z]
     if vjp.d_params:
@@ -419,10 +434,11 @@ def linear_attention_vjp(q, k, v, grad_out, *, feature_map, causal, method, devi
               beta=beta, normalize=normalize)
     req = prepare(q, k, v, **kw)
     _, nd, _ = forward(req, want_out=False)
-    res = backward(req, nd, grad_out, grad_state, overwrite_nd=True)
+    known = set()
+    res = backward(req, nd, grad_out, grad_state, overwrite_nd=True, finite=known)
     work = req.work
     del req, nd  # features and forward outputs freed before a float64 recomputation allocates its own
-    if check_finite and work != _F64 and not _finite(res):
+    if check_finite and work != _F64 and not _finite(res, known):
         # finite inputs, non-finite gradients: the working dtype overflowed; float64 throughout
         req = prepare(q, k, v, work=_F64, **kw)
         _, nd, _ = forward(req, want_out=False)

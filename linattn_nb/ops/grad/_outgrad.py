@@ -1,9 +1,12 @@
-"""The gradient of ``[num | den]`` from that of the normalised output, in one parallel pass.
+"""The front end's (B, N, M + 1) arrays in one parallel pass each: ``[v | 1]`` and ``dL/d[num | den]``.
 
-For the gradient front end (:func:`linattn_nb._gradfront.backward`): per row, in float64,
-``g / den'`` and ``-(g . num) / den'^2`` (0 where the ``eps`` floor is active), written in the
-working dtype; NumPy's several passes and float64 temporaries over (B, N, M) arrays were a
-tenth of an additive-rule VJP.
+For the gradient front end (:func:`linattn_nb._gradfront.prepare` and
+:func:`linattn_nb._gradfront.backward`).  Per row, in float64, ``g / den'`` and
+``-(g . num) / den'^2`` (0 where the ``eps`` floor is active), or ``[g | 0]`` for
+unnormalised outputs, written in the working dtype; NumPy's several passes and float64
+temporaries over (B, N, M) arrays were a tenth of an additive-rule VJP.  Each pass also
+says whether what it read (``v``, ``g``) is finite, so that the front end's check of
+``check_finite=True`` costs no pass of its own over an array that is read anyway.
 """
 from __future__ import annotations
 
@@ -12,19 +15,28 @@ from numba import njit, prange
 
 from ... import config
 
-#: Rows per task of the parallel loop.
+#: Rows per task of the parallel loops.
 _ROWS = 64
 
-#: dtypes of ``g`` and ``nd`` the kernel takes (others: the caller's NumPy form).
+#: dtypes of ``g``, ``nd`` and ``v`` the kernels take (others: the caller's NumPy form).
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 @njit(parallel=True, fastmath=False, error_model="numpy", cache=config.CACHE)
-def _kernel(g, nd, g1, eps, floor):
+def _kernel(g, nd, g1, eps, floor, norm):
     R, M = g.shape
     tasks = (R + _ROWS - 1) // _ROWS
+    ok = np.ones(tasks, np.bool_)
     for t in prange(tasks):
+        good = True
         for r in range(t * _ROWS, min(R, (t + 1) * _ROWS)):
+            if not norm:
+                for i in range(M):
+                    x = g[r, i]
+                    good &= (x - x) == 0  # inf - inf and NaN - NaN are NaN
+                    g1[r, i] = x
+                g1[r, M] = 0.0
+                continue
             den = np.float64(nd[r, M])
             active = True
             if floor and not den > eps:
@@ -34,15 +46,44 @@ def _kernel(g, nd, g1, eps, floor):
             dot = 0.0
             for i in range(M):
                 x = np.float64(g[r, i])
+                good &= (x - x) == 0
                 dot += x * np.float64(nd[r, i])
                 g1[r, i] = x * inv
             g1[r, M] = -dot * inv * inv if active else 0.0
+        ok[t] = good
+    return ok.all()
 
 
-def output_gradient(g, nd, eps, out):
+@njit(parallel=True, fastmath=False, cache=config.CACHE)
+def _ones_kernel(v, v1):
+    R, M = v.shape
+    tasks = (R + _ROWS - 1) // _ROWS
+    ok = np.ones(tasks, np.bool_)
+    for t in prange(tasks):
+        good = True
+        for r in range(t * _ROWS, min(R, (t + 1) * _ROWS)):
+            for i in range(M):
+                x = v[r, i]
+                good &= (x - x) == 0
+                v1[r, i] = x
+            v1[r, M] = 1.0
+        ok[t] = good
+    return ok.all()
+
+
+def output_gradient(g, nd, eps, out, normalize=True):
     """Write ``dL/d[num | den]`` (R, M + 1) into ``out`` from ``g = dL/dout`` (R, M) and ``nd = [num | den]``
-    (R, M + 1); ``eps`` None: no floor.  ``g`` and ``nd`` float32 or float64 (see :data:`DTYPES`)."""
-    if g.shape[0]:
-        floor = eps is not None
-        _kernel(g, nd, out, float(eps) if floor else 0.0, floor)
-    return out
+    (R, M + 1); ``eps`` None: no floor; ``normalize`` False: ``[g | 0]`` (``nd`` unread).  ``g`` and ``nd``
+    float32 or float64 (see :data:`DTYPES`).  Returns whether every element of ``g`` is finite."""
+    if not g.shape[0]:
+        return True
+    floor = eps is not None
+    return bool(_kernel(g, nd, out, float(eps) if floor else 0.0, floor, bool(normalize)))
+
+
+def values_with_ones(v, out):
+    """Write ``[v | 1]`` (R, M + 1) into ``out`` (the working dtype) from ``v`` (R, M), float32 or float64;
+    returns whether every element of ``v`` is finite."""
+    if not v.shape[0]:
+        return True
+    return bool(_ones_kernel(v, out))

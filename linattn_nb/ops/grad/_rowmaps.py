@@ -107,9 +107,11 @@ def _features_kernel(x, out, silu):
 def _vjp_kernel(x, g, out, silu):
     R, D = x.shape
     tasks = (R + _ROWS - 1) // _ROWS
+    ok = np.ones(tasks, dtype=np.bool_)
     for t in prange(tasks):
         f = np.empty(D)
         ds = np.empty(D)
+        good = True
         for r in range(t * _ROWS, min(R, (t + 1) * _ROWS)):
             ss = 0.0
             if silu:
@@ -137,18 +139,26 @@ def _vjp_kernel(x, g, out, silu):
             if not nrm > 0:
                 for i in range(D):
                     out[r, i] = 0.0  # a zero row: zero features, zero gradient
+                good &= nrm == 0  # a NaN norm (a NaN input) gives zeros that are not the gradient
                 continue
             fg = 0.0
             for i in range(D):
                 v = f[i] / nrm  # the features
                 f[i] = v
                 fg += v * np.float64(g[r, i])
+            # into f first: written straight over g beside the finite flag, the loop lost its vector form
             if silu:
                 for i in range(D):
-                    out[r, i] = (np.float64(g[r, i]) - f[i] * fg) / nrm * ds[i]
+                    f[i] = (np.float64(g[r, i]) - f[i] * fg) / nrm * ds[i]
             else:
                 for i in range(D):
-                    out[r, i] = (np.float64(g[r, i]) - f[i] * fg) / nrm
+                    f[i] = (np.float64(g[r, i]) - f[i] * fg) / nrm
+            for i in range(D):
+                y = out.dtype.type(f[i])
+                out[r, i] = y
+                good &= is_finite(y)  # as stored: float64 results may overflow float32 only there
+        ok[t] = good
+    return ok.all()
 
 
 def _own(g, dtype):
@@ -176,9 +186,16 @@ def vjp(x, g, code, dtype, overwrite=False):
     ``(g - f (f . g)) / |s| * s'(x)`` per row, ``s`` the map before the norm and ``f = s / |s|``; written
     over ``g`` when ``overwrite`` and ``g`` is a C-contiguous ``dtype`` array (a row reads all of its ``g``
     before it writes)."""
+    return vjp_checked(x, g, code, dtype, overwrite)[0]
+
+
+def vjp_checked(x, g, code, dtype, overwrite=False):
+    """``(vjp(x, g, ...), finite)``: as :func:`vjp`, and whether every element of the result is finite
+    (False too for a row whose norm is NaN, whose zeros stand in for a gradient that is not defined)."""
     xw = np.ascontiguousarray(x, dtype=dtype)
     gw = np.ascontiguousarray(g).reshape(xw.shape)  # in its own dtype: a float64 gradient stays float64
     out = gw if overwrite and _own(g, dtype) else np.empty(xw.shape, dtype=dtype)
+    ok = True
     if xw.size:
-        _vjp_kernel(_rows(xw), _rows(gw), _rows(out), code == KERNEL_CODE_SILU_L2)
-    return out
+        ok = bool(_vjp_kernel(_rows(xw), _rows(gw), _rows(out), code == KERNEL_CODE_SILU_L2))
+    return out, ok
