@@ -392,9 +392,10 @@ def backward(req: Request, nd, grad_out, grad_state=None, overwrite_nd=False, fi
     code, fast = req.fmap.kernel_code, _fast_map(req.fmap)
     if fast is not None:
         # over the launcher's own results: no fresh (B, N, F) arrays
-        (dq, q_ok), pq = fast.vjp_checked(req.q, dqf, code, req.work, overwrite=True), None
+        chk = req.check_finite
+        (dq, q_ok), pq = fast.vjp_checked(req.q, dqf, code, req.work, overwrite=True, check=chk), None
         del dqf
-        (dk, k_ok), pk = fast.vjp_checked(req.k, dkf, code, req.work, overwrite=True), None
+        (dk, k_ok), pk = fast.vjp_checked(req.k, dkf, code, req.work, overwrite=True, check=chk), None
         if finite is not None and req.dtype == req.work:  # no cast below that could overflow
             finite.update(name for name, ok in (("dq", q_ok), ("dk", k_ok)) if ok)
     else:

@@ -189,9 +189,10 @@ def vjp(x, g, code, dtype, overwrite=False):
     return vjp_checked(x, g, code, dtype, overwrite)[0]
 
 
-def vjp_checked(x, g, code, dtype, overwrite=False):
+def vjp_checked(x, g, code, dtype, overwrite=False, check=True):
     """``(vjp(x, g, ...), finite)``: as :func:`vjp`, and whether every element of the result is finite
-    (False too for a row whose norm is NaN, whose zeros stand in for a gradient that is not defined)."""
+    (False too for a row whose norm is NaN, whose zeros stand in for a gradient that is not defined);
+    ``check`` is accepted for the elementwise maps' signature (the flag costs nothing here)."""
     xw = np.ascontiguousarray(x, dtype=dtype)
     gw = np.ascontiguousarray(g).reshape(xw.shape)  # in its own dtype: a float64 gradient stays float64
     out = gw if overwrite and _own(g, dtype) else np.empty(xw.shape, dtype=dtype)
