@@ -6,6 +6,7 @@ backward.  Design (the unnormalised problem, the normaliser's gradient): docs/fr
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from . import _cuda_dispatch as CD
 from . import _validate as V
+from . import config
 from ._blas import parallel_entry
 from ._frontend import (LinearState, featurise, host_array, host_call, host_state, parse_state, resolve_call,
                         state_from_H)
@@ -92,10 +94,32 @@ class Request:
     decay_arg: Optional[tuple] = None  # ("decay" | "log_decay", given shape)
     beta_shape: Optional[tuple] = None
     saved: Optional[tuple] = None  # what the forward kept for the backward launcher (see forward)
+    reuse: bool = False  # own arrays from this thread's work arrays (_buffer): a single backward follows
 
     @property
     def b(self) -> int:
         return int(np.prod(self.batch_shape, dtype=np.int64))
+
+
+# ---------------------------------------------------------------------------
+# work arrays
+# ---------------------------------------------------------------------------
+_WORK = threading.local()
+
+
+def _buffer(role, shape, dtype, reuse):
+    """An empty array for ``role``: with ``reuse``, this thread's work array of that role, kept for its next
+    call of the same shape up to :data:`linattn_nb.config.GRAD_WORK_BYTES` (never returned to the caller)."""
+    shape = tuple(int(s) for s in shape)
+    dtype = np.dtype(dtype)
+    if not reuse or int(np.prod(shape, dtype=np.int64)) * dtype.itemsize > config.GRAD_WORK_BYTES:
+        return np.empty(shape, dtype)
+    pool = _WORK.__dict__.setdefault("pool", {})
+    a = pool.get(role)
+    if a is None or a.shape != shape or a.dtype != dtype:
+        pool.pop(role, None)  # the old one freed before the new one is made
+        a = pool[role] = np.empty(shape, dtype)
+    return a
 
 
 # ---------------------------------------------------------------------------
@@ -118,12 +142,14 @@ def _given_shape(name, x):
 
 @parallel_entry
 def prepare(q, k, v, *, feature_map, causal, method, device, eps, check_finite, initial_state, decay=None,
-            log_decay=None, beta=None, normalize=None, work=None) -> Request:
+            log_decay=None, beta=None, normalize=None, work=None, reuse=False) -> Request:
     """Validate a gradient request and compute the features (arguments as :func:`linattn_nb.linear_attention`).
 
     GPU arrays are copied to the host (the backward launchers of the CUDA
     methods then run on copies made from the host: ``device="cuda"``).
-    ``work``: force a working dtype (the float64 recomputation).
+    ``work``: force a working dtype (the float64 recomputation).  ``reuse``: the request's own arrays
+    (features, ``[v | 1]``, the forward's) are this thread's work arrays (:func:`_buffer`), for a
+    caller that runs one backward before its next request (:func:`linear_attention_vjp`).
     """
     dev, fmap, eps, causal = resolve_call(device, (q, k, v), ("q", "k", "v"), feature_map, eps, causal, method)
     # one parallel pass for features and their vjp (elementwise maps, and DeltaNet's row maps)
@@ -140,7 +166,7 @@ def prepare(q, k, v, *, feature_map, causal, method, device, eps, check_finite, 
     H0, position = host_state(initial_state, batch_shape, f, m, check_finite=check_finite)
     if work is None:
         work = work_dtype(dtype)
-    v1 = np.empty((b, n, m + 1), dtype=work)
+    v1 = _buffer("v1", (b, n, m + 1), work, reuse)
     v_ok = None
     if v.dtype in _outgrad.DTYPES and v.flags.c_contiguous:
         v_ok = _outgrad.values_with_ones(v.reshape(b * n, m), v1.reshape(b * n, m + 1))
@@ -152,7 +178,7 @@ def prepare(q, k, v, *, feature_map, causal, method, device, eps, check_finite, 
     if inline:
         feats = []
         for name, x in (("q", q), ("k", k)):
-            xf, finite = fast.features(x, fmap.kernel_code, work)
+            xf, finite = fast.features(x, fmap.kernel_code, work, out=_buffer(name + "f", x.shape, work, reuse))
             if check_finite and not finite:
                 V.check_finite(name, x)  # raises, naming the input
             feats.append(V.flatten_batch(xf, work))
@@ -169,7 +195,7 @@ def prepare(q, k, v, *, feature_map, causal, method, device, eps, check_finite, 
     beta_shape = None if beta is None else _given_shape("beta", beta)
     return Request(fmap, q, k, causal, dev, impl, rule, inputs, normalize, eps, check_finite, tuple(batch_shape),
                    n, d, m, f, dtype, work, position, H0, initial_state is not None, qf, kf, v1, decay_arg,
-                   beta_shape)
+                   beta_shape, reuse=bool(reuse))
 
 
 # ---------------------------------------------------------------------------
@@ -200,7 +226,7 @@ def forward(req: Request, want_out: bool = True):
     computing them again.
     """
     b, n, m = req.b, req.n, req.m
-    nd = np.empty((b, n, m + 1), dtype=req.work)
+    nd = _buffer("nd", (b, n, m + 1), req.work, req.reuse and not want_out)  # an output comes from nd
     Hx = np.zeros((b, req.f, m + 2))  # the launcher's own column of ones rides along unused
     Hx[:, :, : m + 1] = req.H0
     req.saved = None
@@ -209,7 +235,8 @@ def forward(req: Request, want_out: bool = True):
             CD.run_host(req.impl, req.qf, req.kf, req.v1, Hx, nd, code=0, eps=None, inputs=req.inputs,
                         normalize=False)
         elif _saves(req):
-            saved = delta_save_arrays(b, n, req.f, m + 1, req.work)
+            saved = delta_save_arrays(b, n, req.f, m + 1, req.work,
+                                      empty=lambda name, shape, dtype: _buffer(name, shape, dtype, req.reuse))
             req.impl.forward(req.qf, req.kf, req.v1, Hx, nd, code=0, eps=None, inputs=req.inputs,
                              check_finite=False, normalize=False, chunk=saved[0], save=saved[1:])
             req.saved = saved
@@ -433,7 +460,7 @@ def linear_attention_vjp(q, k, v, grad_out, *, feature_map, causal, method, devi
     kw = dict(feature_map=feature_map, causal=causal, method=method, device=device, eps=eps,
               check_finite=check_finite, initial_state=initial_state, decay=decay, log_decay=log_decay,
               beta=beta, normalize=normalize)
-    req = prepare(q, k, v, **kw)
+    req = prepare(q, k, v, reuse=True, **kw)
     _, nd, _ = forward(req, want_out=False)
     known = set()
     res = backward(req, nd, grad_out, grad_state, overwrite_nd=True, finite=known)
@@ -441,7 +468,7 @@ def linear_attention_vjp(q, k, v, grad_out, *, feature_map, causal, method, devi
     del req, nd  # features and forward outputs freed before a float64 recomputation allocates its own
     if check_finite and work != _F64 and not _finite(res, known):
         # finite inputs, non-finite gradients: the working dtype overflowed; float64 throughout
-        req = prepare(q, k, v, work=_F64, **kw)
+        req = prepare(q, k, v, work=_F64, reuse=True, **kw)
         _, nd, _ = forward(req, want_out=False)
         res64 = backward(req, nd, grad_out, grad_state, overwrite_nd=True)
         res = res64._replace(**{nm: _cast(getattr(res64, nm), res.dq.dtype, nm) for nm in ("dq", "dk", "dv")})

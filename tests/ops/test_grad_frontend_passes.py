@@ -151,3 +151,67 @@ def test_map_vjp_finite_flag(mod, name, dtype):
         res, ok = mod.vjp_checked(x, g, code, dtype, check=False)
         assert ok is None
         np.testing.assert_array_equal(res, got)
+
+
+@pytest.mark.parametrize("name, kw", [("elu", {}), ("silu_l2", {"normalize": False, "beta": 0.5})])
+def test_vjp_work_arrays(name, kw, monkeypatch):
+    """``linear_attention_vjp`` takes its own arrays from the thread's work arrays: the gradients are those of
+    fresh arrays, bit for bit, in every call (another shape in between, a float64 call, a float32 overflow that
+    recomputes in float64), none of them is a work array, and threads and ``GRAD_WORK_BYTES = 0`` work alike."""
+    import threading
+
+    from linattn_nb import config
+
+    rng = np.random.default_rng(5)
+    shapes = [(3, 70, 6), (2, 33, 6), (3, 70, 6)]
+    data = [tuple(rng.standard_normal(s) for _ in range(4)) for s in shapes]
+    args = dict(feature_map=name, causal=True, method="chunked", **kw)
+
+    def run(q, k, v, g, dtype=np.float32):
+        return la.linear_attention_vjp(*(x.astype(dtype) for x in (q, k, v, g)), **args)
+
+    monkeypatch.setattr(config, "GRAD_WORK_BYTES", 0)
+    want = [run(*d) for d in data] + [run(*data[0], dtype=np.float64)]
+    GF._WORK.__dict__.pop("pool", None)
+    monkeypatch.setattr(config, "GRAD_WORK_BYTES", 64 << 20)
+    got = [run(*d) for d in data] + [run(*data[0], dtype=np.float64)]
+    pool = list(GF._WORK.pool.values())
+    assert pool  # the work arrays were used
+    for a, b in zip(got, want):
+        for field in ("dq", "dk", "dv", "d_beta"):
+            x, y = getattr(a, field), getattr(b, field)
+            if y is not None:
+                np.testing.assert_array_equal(x, y, err_msg=field)
+                assert not any(np.shares_memory(x, w) for w in pool if isinstance(x, np.ndarray)), field
+    # threads: each its own work arrays, the same numbers
+    results = [None] * 4
+
+    def work(i):
+        results[i] = run(*data[i % 2])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, r in enumerate(results):
+        np.testing.assert_array_equal(r.dq, want[i % 2].dq)
+        np.testing.assert_array_equal(r.dv, want[i % 2].dv)
+    # a float32 overflow: the float64 recomputation after the float32 call, with the work arrays in use
+    q, k, v, g = (x.astype(np.float32) for x in data[0])
+    big = la.linear_attention_vjp(q, k, v * np.float32(1e36), g * np.float32(1e10), **args)
+    monkeypatch.setattr(config, "GRAD_WORK_BYTES", 0)
+    ref = la.linear_attention_vjp(q, k, v * np.float32(1e36), g * np.float32(1e10), **args)
+    for field in ("dq", "dk", "dv"):
+        np.testing.assert_array_equal(getattr(big, field), getattr(ref, field), err_msg=field)
+
+
+def test_torch_requests_do_not_reuse():
+    """The adapter's requests live until their backward: their arrays are never work arrays."""
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal((2, 9, 4)).astype(np.float32) for _ in range(3))
+    req = GF.prepare(q, k, v, feature_map="elu", causal=True, method="chunked", device="cpu", eps=1e-6,
+                     check_finite=True, initial_state=None)
+    assert not req.reuse
+    assert GF._buffer("x", (3,), np.float32, False) is not GF._buffer("x", (3,), np.float32, False)
+    assert GF._buffer("x", (3,), np.float32, True) is GF._buffer("x", (3,), np.float32, True)

@@ -92,11 +92,12 @@ def _rows(x):
     return x.reshape((-1, x.shape[-1])) if x.size else x.reshape((0, x.shape[-1]))
 
 
-def features(x, code, dtype):
+def features(x, code, dtype, out=None):
     """``(phi(x), finite)``: features of ``x`` (..., N, D) as a C-contiguous ``dtype`` array, and whether
-    every element of ``x`` is finite."""
+    every element of ``x`` is finite; written into ``out`` when it is such an array."""
     xw = np.ascontiguousarray(x, dtype=dtype)
-    out = np.empty(xw.shape, dtype=dtype)
+    if out is None or out.shape != xw.shape or out.dtype != dtype or not out.flags.c_contiguous:
+        out = np.empty(xw.shape, dtype=dtype)
     if xw.size == 0:
         return out, True
     ok = _features_kernel(_rows(xw), _rows(out), int(code))

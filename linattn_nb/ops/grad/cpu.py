@@ -171,15 +171,19 @@ def takes_saved(rule) -> bool:
     return int(rule) in (RULE_DELTA, RULE_GATED_DELTA)
 
 
-def delta_save_arrays(B, N, F, M1, dtype, chunk=None):
+def delta_save_arrays(B, N, F, M1, dtype, chunk=None, empty=None):
     """``(C, ck, Ys, KKs)``: empty arrays for a delta-rule forward to save its chunk values into
     (``save=`` of :func:`~linattn_nb.ops.causal.chunked.causal_chunked`, ``saved=`` of
-    :func:`backward_chunked`), at the backward's chunk size (``chunk`` or the config's)."""
+    :func:`backward_chunked`), at the backward's chunk size (``chunk`` or the config's);
+    ``empty(name, shape, dtype)`` makes them (default ``np.empty``)."""
     C = int(chunk if chunk is not None else config.cpu_backward_delta_chunk(N, F, M1, dtype))
     C = max(1, min(C, max(int(N), 1)))
     P = -(-int(N) // C)
     wt = np.dtype(dtype)
-    return C, np.empty((B, P, F, M1), wt), np.empty((B, P, C, M1), wt), np.empty((B, P, C, C), wt)
+    if empty is None:
+        def empty(name, shape, dtype):
+            return np.empty(shape, dtype)
+    return C, empty("ck", (B, P, F, M1), wt), empty("Ys", (B, P, C, M1), wt), empty("KKs", (B, P, C, C), wt)
 
 
 def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, have=None):
