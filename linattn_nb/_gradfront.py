@@ -223,7 +223,8 @@ def forward(req: Request, want_out: bool = True):
 
     The delta rules' CPU chunked forward keeps each chunk's start state, residuals and ``K K^T`` in
     ``req.saved`` (about three times the bytes of ``v``), which the backward reads instead of
-    computing them again.
+    computing them again; unnormalised and without ``want_out`` it computes nothing else (``nd`` is
+    then left unwritten: the backward's gradient of the outputs does not read it).
     """
     b, n, m = req.b, req.n, req.m
     nd = _buffer("nd", (b, n, m + 1), req.work, req.reuse and not want_out)  # an output comes from nd
@@ -237,7 +238,9 @@ def forward(req: Request, want_out: bool = True):
         elif _saves(req):
             saved = delta_save_arrays(b, n, req.f, m + 1, req.work,
                                       empty=lambda name, shape, dtype: _buffer(name, shape, dtype, req.reuse))
-            req.impl.forward(req.qf, req.kf, req.v1, Hx, nd, code=0, eps=None, inputs=req.inputs,
+            # unnormalised and not returned, the outputs are never read: the forward's first pass alone
+            skip = not want_out and not req.normalize
+            req.impl.forward(req.qf, req.kf, req.v1, Hx, None if skip else nd, code=0, eps=None, inputs=req.inputs,
                              check_finite=False, normalize=False, chunk=saved[0], save=saved[1:])
             req.saved = saved
         else:

@@ -553,3 +553,36 @@ def test_scan_takes_float16(rng):
     assert o.dtype == np.float16
     ref, _, _ = _reference(q, k, v, "elu")
     _assert_close(o, ref, np.float16, "scan float16")
+
+
+@pytest.mark.parametrize("rule_name", ["additive", "decay", "gate"])
+def test_state_without_outputs(rule_name):
+    """``out=None`` with ``save=``: the final state and the saved chunk-start states of the call with outputs
+    (bit for bit where the key decay is the same product; the gate rule's keys are decayed in another order
+    without the intra weights: to rounding), for sequence-parallel pieces as well."""
+    from linattn_nb.ops._codes import RULES as CODES
+    from linattn_nb.ops.causal.chunked import causal_chunked
+    from linattn_nb.ops.grad import cpu
+
+    code, _ = CODES[rule_name]
+    rng = np.random.default_rng(21)
+    B, N, F, M = 1, 77, 5, 3
+    q, k = rng.random((B, N, F)), rng.random((B, N, F))
+    v = rng.standard_normal((B, N, M))
+    inputs = {"additive": None, "decay": {"log_decay": -0.2 * rng.random((B, N))},
+              "gate": {"log_gate": -0.2 * rng.random((B, N, F))}}[rule_name]
+    res = []
+    for want in (True, False):
+        _, ck, Ys, KKs = cpu.delta_save_arrays(B, N, F, M + 1, np.float64, chunk=8)
+        H = np.zeros((B, F, M + 1))
+        out = np.empty((B, N, M)) if want else None
+        causal_chunked(q, k, v, H, out, code=0, eps=None, inputs=inputs, chunk=8, seq_parallel=True,
+                       save=(ck, Ys, KKs), rule=code)
+        res.append((H, ck))
+    (Ha, cka), (Hb, ckb) = res
+    if rule_name == "gate":
+        np.testing.assert_allclose(Hb, Ha, rtol=1e-13)
+        np.testing.assert_allclose(ckb, cka, rtol=1e-13)
+    else:
+        np.testing.assert_array_equal(Hb, Ha)
+        np.testing.assert_array_equal(ckb, cka)

@@ -180,6 +180,18 @@ def test_backward_from_saved_forward(name, dtype, tol, nan_outputs):
         np.testing.assert_array_equal(Hx, plain_H)
         got = cpu.backward_chunked(*arrays, inputs=inputs, rule=RULES[name], saved=saved)
         _compare(got, ref, tol)
+        # no outputs asked for (out=None): the same state and saved values, nothing else computed
+        C_, ck, Ys, KKs = cpu.delta_save_arrays(*qf.shape, v1.shape[2], qf.dtype, chunk=C)
+        H2 = np.zeros_like(Hx)
+        H2[:, :, : v1.shape[2]] = H0
+        assert causal_chunked(qf, kf, v1, H2, None, code=0, eps=None, inputs=inputs, normalize=False, chunk=C,
+                              save=(ck, Ys, KKs), rule=RULES[name]).shape == (qf.shape[0], 0, v1.shape[2])
+        np.testing.assert_array_equal(H2, Hx)
+        n = qf.shape[1]
+        for x, y in ((ck, saved[1]), (Ys, saved[2]), (KKs, saved[3])):
+            for c in range(x.shape[1]):  # the last chunk's rows past the sequence are never written
+                rows = min(C, n - c * C) if x.ndim == 4 and x is not ck else None
+                np.testing.assert_array_equal(x[:, c, :rows], y[:, c, :rows])
 
 
 def test_saved_checks(nan_outputs):
@@ -206,6 +218,9 @@ def test_saved_checks(nan_outputs):
     with pytest.raises(ValueError, match="save: KKs"):
         causal_chunked(qf, kf, v1, Hx, out, code=0, eps=None, inputs=inputs, normalize=False, chunk=8,
                        save=(ck, Ys, np.ascontiguousarray(KKs[:, :, :, :7])), rule=RULE_DELTA)
+    with pytest.raises(ValueError, match="out: None"):
+        causal_chunked(qf, kf, v1, Hx, None, code=0, eps=None, inputs=inputs, normalize=False, chunk=8,
+                       rule=RULE_DELTA)
     assert cpu.takes_saved(RULE_DELTA) and cpu.takes_saved(RULE_GATED_DELTA) and not cpu.takes_saved(RULE_DECAY)
 
 

@@ -45,7 +45,8 @@ def _span(q, k, v, out, b, s_begin, s_end, H, code, eps, norm, bs, X, R, fk, o, 
     (F, M + 1); fs, fw, tot, w: the rule's factors (:func:`linattn_nb.ops._rules.chunk_factors`).
     When ``sck`` (chunks, F, M') has columns (the delta rules, for their backward), chunk ``s0 // C``
     leaves its start state (first M' columns, working dtype) in ``sck`` and its residuals and ``K K^T``
-    in ``sY``, ``sKK`` (:func:`linattn_nb.ops._rules.chunk_values`).
+    in ``sY``, ``sKK`` (:func:`linattn_nb.ops._rules.chunk_values`).  An ``out`` with no tokens
+    asks for no outputs: the chunks' intra weights and output products are skipped.
     Returns ``(inputs_finite, results_finite)``.
     """
     F = q.shape[2]
@@ -58,6 +59,7 @@ def _span(q, k, v, out, b, s_begin, s_end, H, code, eps, norm, bs, X, R, fk, o, 
     results_ok = True  # outputs and normalisers
     Ms = sck.shape[2]
     save = Ms > 0
+    outputs = out.shape[1] > 0  # none (a (B, 0, M) out): the state and the saved values only
     _init_scratch(H, R)
     for s0 in range(s_begin, s_end, C):
         n = min(C, s_end - s0)
@@ -73,37 +75,38 @@ def _span(q, k, v, out, b, s_begin, s_end, H, code, eps, norm, bs, X, R, fk, o, 
             # the value rows become U' (a NaN/inf key too reaches them, below the diagonal only)
             chunk_values(rule, X, R, fk, o, n, F, fs, fw, w, sY[c], sKK[c])
             finite = read_ok
-        # Row blocks of bs: block r needs A and V_c only up to its own last
-        # row, so the upper triangle is computed for the diagonal blocks only.
-        for r0 in range(0, n, bs):
-            ce = min(r0 + bs, n)
-            intra_weights(rule, X, fk, r0, ce, F, fs, fw, w)
-            if finite:
-                # [phi(Q) | A] [H ; V 1]: numerators and normalisers at once
-                gemm(0, 0, ce - r0, M1, F + ce, 1.0, X, r0 * LX, LX, R, 0, M1, 0.0, o, r0 * M1, M1)
-        if not finite:
-            # a NaN/inf value must not reach earlier rows through 0 * NaN in the
-            # masked upper triangle: sum over j <= t only (check_finite=False)
+        if outputs:
+            # Row blocks of bs: block r needs A and V_c only up to its own last
+            # row, so the upper triangle is computed for the diagonal blocks only.
+            for r0 in range(0, n, bs):
+                ce = min(r0 + bs, n)
+                intra_weights(rule, X, fk, r0, ce, F, fs, fw, w)
+                if finite:
+                    # [phi(Q) | A] [H ; V 1]: numerators and normalisers at once
+                    gemm(0, 0, ce - r0, M1, F + ce, 1.0, X, r0 * LX, LX, R, 0, M1, 0.0, o, r0 * M1, M1)
+            if not finite:
+                # a NaN/inf value must not reach earlier rows through 0 * NaN in the
+                # masked upper triangle: sum over j <= t only (check_finite=False)
+                for t in range(n):
+                    for m in range(M1):
+                        acc = zero
+                        for i in range(F):
+                            acc += X[t, i] * R[i, m]
+                        for j in range(t + 1):
+                            acc += X[t, F + j] * R[F + j, m]
+                        o[t, m] = acc
             for t in range(n):
-                for m in range(M1):
-                    acc = zero
-                    for i in range(F):
-                        acc += X[t, i] * R[i, m]
-                    for j in range(t + 1):
-                        acc += X[t, F + j] * R[F + j, m]
-                    o[t, m] = acc
-        for t in range(n):
-            den = o[t, M]
-            if norm == NORM_NONE:
-                den = 1.0
-            elif norm == NORM_FLOOR and den < eps:
-                den = eps
-            # an inf normaliser over finite numerators would give finite zeros
-            results_ok &= is_finite(den)
-            r = 1.0 / den
-            for m in range(M):
-                results_ok &= is_finite(store3(out, b, s0 + t, m, o[t, m] * r))
-        chunk_transition(rule, H, R, fk, part, n, fs, tot, True)
+                den = o[t, M]
+                if norm == NORM_NONE:
+                    den = 1.0
+                elif norm == NORM_FLOOR and den < eps:
+                    den = eps
+                # an inf normaliser over finite numerators would give finite zeros
+                results_ok &= is_finite(den)
+                r = 1.0 / den
+                for m in range(M):
+                    results_ok &= is_finite(store3(out, b, s0 + t, m, o[t, m] * r))
+        chunk_transition(rule, H, R, fk, part, n, fs, tot, outputs)
     return inputs_ok, results_ok and state_finite(H)
 
 
@@ -243,7 +246,8 @@ def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=Fals
     of the working dtype of shapes (B, P, F, M'), (B, P, C, M') and (B, P, C, C) with P = ceil(N / C)
     and M' <= M + 1, which receive each chunk's start state, and for the delta rules its residuals and
     ``K K^T`` (what :func:`linattn_nb.ops.grad.cpu.backward_chunked` would compute again in its first
-    pass).  Returns ``out``.
+    pass).  ``out`` None (with ``save`` only): no outputs, the state and the saved values alone (a
+    gradient request whose outputs are not needed).  Returns ``out``.
     """
     B, N, F = q.shape
     M = v.shape[2]
@@ -267,6 +271,10 @@ def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=Fals
     wt = work_dtype(q.dtype)
     norm = norm_mode(eps, normalize)
     qk, kk, vk = (as_kernel_array(np.ascontiguousarray(x)) for x in (q, k, v))
+    if out is None:
+        if save is None:
+            raise ValueError("out: None (no outputs) only with save=")
+        out = np.empty((B, 0, M), wt)
     ok = as_kernel_array(out)
     proto = np.empty(0, wt)
     flags = new_flags(B * P)
