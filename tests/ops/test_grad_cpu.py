@@ -218,3 +218,17 @@ def test_vjp_front_end(name, method, identity_vjp):
         assert (a is None) == (r is None), field
         if r is not None:
             np.testing.assert_allclose(a, r, rtol=1e-12, atol=1e-12 * np.abs(r).max(), err_msg=field)
+
+
+def test_backward_chunk_defaults(monkeypatch):
+    """32 tokens a chunk; 16 for a per-feature factor (the gate rule) up to D_phi = 96; the override wins;
+    never more than the sequence."""
+    from linattn_nb import config as cfg
+
+    assert cfg.cpu_backward_chunk(4096, 64, 65, np.float32) == 32
+    assert cfg.cpu_backward_chunk(4096, 64, 65, np.float32, per_feature=True) == 16
+    assert cfg.cpu_backward_chunk(4096, 96, 65, np.float64, per_feature=True) == 16
+    assert cfg.cpu_backward_chunk(4096, 128, 65, np.float32, per_feature=True) == 32
+    assert cfg.cpu_backward_chunk(5, 64, 65, np.float32, per_feature=True) == 5
+    monkeypatch.setattr(cfg, "BACKWARD_CHUNK", 24)
+    assert cfg.cpu_backward_chunk(4096, 64, 65, np.float32, per_feature=True) == 24

@@ -146,8 +146,10 @@ def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADD
         if not delta:
             raise ValueError("saved: only the delta rules' backward takes the forward's saved chunk values")
         return _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, int(saved[0]), saved[1:])
-    pick_chunk = config.cpu_backward_delta_chunk if delta else config.cpu_backward_chunk
-    C = int(chunk if chunk is not None else pick_chunk(N, F, M1, qf.dtype))
+    if chunk is None:
+        chunk = (config.cpu_backward_delta_chunk(N, F, M1, qf.dtype) if delta else
+                 config.cpu_backward_chunk(N, F, M1, qf.dtype, per_feature=rule == RULE_GATE))
+    C = int(chunk)
     if C < 1:
         raise ValueError(f"chunk must be >= 1, got {C}")
     C = min(C, N)
