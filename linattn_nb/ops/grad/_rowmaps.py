@@ -109,8 +109,12 @@ def _vjp_kernel(x, g, out, silu):
     tasks = (R + _ROWS - 1) // _ROWS
     ok = np.ones(tasks, dtype=np.bool_)
     for t in prange(tasks):
-        f = np.empty(D)
-        ds = np.empty(D)
+        # one allocation for both rows: their distance, which the vectorised loops check at run time, is
+        # then always D (two allocations a few bytes apart took the scalar path on some calls and not on
+        # others, and float64 sums came out different in the last bit from call to call)
+        buf = np.empty((2, D))
+        f = buf[0]
+        ds = buf[1]
         good = True
         for r in range(t * _ROWS, min(R, (t + 1) * _ROWS)):
             ss = 0.0
