@@ -213,3 +213,21 @@ def test_torch_requests_do_not_reuse():
     assert not req.reuse
     assert GF._buffer("x", (3,), np.float32, False) is not GF._buffer("x", (3,), np.float32, False)
     assert GF._buffer("x", (3,), np.float32, True) is GF._buffer("x", (3,), np.float32, True)
+
+
+@pytest.mark.parametrize("name, kw", [("elu", {}), ("silu_l2", {"normalize": False, "beta": 0.5}),
+                                      ("elu", {"normalize": False})])
+def test_fused_checks_name_the_input(name, kw):
+    """The checks folded into the passes over ``v`` and ``grad_out`` still name the input (its first bad
+    element in the last row of a task, or its last); ``check_finite=False`` lets the values through."""
+    rng = np.random.default_rng(7)
+    q, k, v, g = (rng.standard_normal((2, 70, 4)).astype(np.float32) for _ in range(4))
+    args = dict(feature_map=name, causal=True, method="chunked", **kw)
+    for arr, label in ((v, "v"), (g, "grad_out")):
+        for idx, bad in (((0, 63, 1), np.nan), ((1, 69, 3), np.inf)):
+            x = arr.copy()
+            x[idx] = bad
+            call = (q, k, x, g) if label == "v" else (q, k, v, x)
+            with pytest.raises(ValueError, match=rf"^{label} contains 1 non-finite"):
+                la.linear_attention_vjp(*call, **args)
+            la.linear_attention_vjp(*call, check_finite=False, **args)
