@@ -224,13 +224,18 @@ def forward(req: Request, want_out: bool = True):
     The delta rules' CPU chunked forward keeps each chunk's start state, residuals and ``K K^T`` in
     ``req.saved`` (about three times the bytes of ``v``), which the backward reads instead of
     computing them again; unnormalised and without ``want_out`` it computes nothing else (``nd`` is
-    then left unwritten: the backward's gradient of the outputs does not read it).
+    then left unwritten: the backward's gradient of the outputs does not read it).  The other rules'
+    forward, unnormalised and without ``want_out``, is not run at all (their backward launchers read
+    nothing of it): ``nd`` is left unwritten and ``HN`` is None.
     """
     b, n, m = req.b, req.n, req.m
     nd = _buffer("nd", (b, n, m + 1), req.work, req.reuse and not want_out)  # an output comes from nd
     Hx = np.zeros((b, req.f, m + 2))  # the launcher's own column of ones rides along unused
     Hx[:, :, : m + 1] = req.H0
     req.saved = None
+    unread = not want_out and not req.normalize  # neither the outputs nor the normaliser are read
+    if unread and not _saves(req):
+        return None, nd, None
     if n > 0 and b > 0:
         if req.dev == "cuda":
             CD.run_host(req.impl, req.qf, req.kf, req.v1, Hx, nd, code=0, eps=None, inputs=req.inputs,
@@ -238,9 +243,8 @@ def forward(req: Request, want_out: bool = True):
         elif _saves(req):
             saved = delta_save_arrays(b, n, req.f, m + 1, req.work,
                                       empty=lambda name, shape, dtype: _buffer(name, shape, dtype, req.reuse))
-            # unnormalised and not returned, the outputs are never read: the forward's first pass alone
-            skip = not want_out and not req.normalize
-            req.impl.forward(req.qf, req.kf, req.v1, Hx, None if skip else nd, code=0, eps=None, inputs=req.inputs,
+            # out None where the outputs are not read: the backward's former first pass alone
+            req.impl.forward(req.qf, req.kf, req.v1, Hx, None if unread else nd, code=0, eps=None, inputs=req.inputs,
                              check_finite=False, normalize=False, chunk=saved[0], save=saved[1:])
             req.saved = saved
         else:

@@ -231,3 +231,24 @@ def test_fused_checks_name_the_input(name, kw):
             with pytest.raises(ValueError, match=rf"^{label} contains 1 non-finite"):
                 la.linear_attention_vjp(*call, **args)
             la.linear_attention_vjp(*call, check_finite=False, **args)
+
+
+@pytest.mark.parametrize("rule_kw", [{}, {"decay": 0.9}, {"log_decay": np.full((2, 45, 4), -0.1)}])
+def test_unnormalised_vjp_runs_no_forward(rule_kw):
+    """An unnormalised ``linear_attention_vjp`` of the additive, decay and gate rules reads nothing of the
+    forward, so it runs none (the normalised one does); the gradients are those of the quadratic reference."""
+    rng = np.random.default_rng(8)
+    q, k, v, g = (rng.standard_normal((2, 45, 4)) for _ in range(4))
+    kw = dict(feature_map="elu", causal=True, **rule_kw)
+    got = la.linear_attention_vjp(q, k, v, g, method="chunked", normalize=False, **kw)
+    ref = la.linear_attention_vjp(q, k, v, g, method="quadratic", normalize=False, **kw)
+    for field in ("dq", "dk", "dv", "d_decay", "d_log_decay"):
+        a, r = getattr(got, field), getattr(ref, field)
+        assert (a is None) == (r is None), field
+        if r is not None:
+            np.testing.assert_allclose(a, r, rtol=1e-10, atol=1e-12 * np.max(np.abs(r)), err_msg=field)
+    base = dict(method="chunked", device="cpu", check_finite=True, initial_state=None, **kw)
+    out, nd, HN = GF.forward(GF.prepare(q, k, v, eps=None, normalize=False, **base), want_out=False)
+    assert out is None and HN is None
+    assert GF.forward(GF.prepare(q, k, v, eps=1e-6, normalize=True, **base), want_out=False)[2] is not None
+    assert GF.forward(GF.prepare(q, k, v, eps=None, normalize=False, **base))[0] is not None
