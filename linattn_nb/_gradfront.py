@@ -16,6 +16,7 @@ from . import _cuda_dispatch as CD
 from . import _validate as V
 from . import config
 from ._blas import parallel_entry
+from ._workarrays import thread_array
 from ._frontend import (LinearState, featurise, host_array, host_call, host_state, parse_state, resolve_call,
                         state_from_H)
 from .device import on_device
@@ -110,16 +111,9 @@ _WORK = threading.local()
 def _buffer(role, shape, dtype, reuse):
     """An empty array for ``role``: with ``reuse``, this thread's work array of that role, kept for its next
     call of the same shape up to :data:`linattn_nb.config.GRAD_WORK_BYTES` (never returned to the caller)."""
-    shape = tuple(int(s) for s in shape)
-    dtype = np.dtype(dtype)
-    if not reuse or int(np.prod(shape, dtype=np.int64)) * dtype.itemsize > config.GRAD_WORK_BYTES:
-        return np.empty(shape, dtype)
-    pool = _WORK.__dict__.setdefault("pool", {})
-    a = pool.get(role)
-    if a is None or a.shape != shape or a.dtype != dtype:
-        pool.pop(role, None)  # the old one freed before the new one is made
-        a = pool[role] = np.empty(shape, dtype)
-    return a
+    if not reuse:
+        return np.empty(tuple(int(s) for s in shape), dtype)
+    return thread_array(_WORK, role, shape, dtype, config.GRAD_WORK_BYTES)
 
 
 # ---------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from .ops.grad import _rowmaps
 from .rules import _dplr as D
 from .rules import get_dplr_rule
 from ._blas import parallel_entry
+from ._workarrays import thread_array
 
 __all__ = ["dplr_attention", "dplr_attention_vjp", "DPLRVJP", "DPLR_METHODS"]
 
@@ -181,13 +182,7 @@ _WORK = threading.local()
 def _work_array(role, shape, dtype):
     """A work array of this thread for the chunked path's features (read by the kernel, never returned),
     reused by the next call of the same shape up to :data:`linattn_nb.config.DPLR_WORK_BYTES`."""
-    if int(np.prod(shape)) * np.dtype(dtype).itemsize > config.DPLR_WORK_BYTES:
-        return np.empty(shape, dtype)
-    pool = _WORK.__dict__.setdefault("pool", {})
-    a = pool.get(role)
-    if a is None or a.shape != shape or a.dtype != dtype:
-        a = pool[role] = np.empty(shape, dtype)
-    return a
+    return thread_array(_WORK, role, shape, dtype, config.DPLR_WORK_BYTES)
 
 
 def _features(fmap, x, role, position, work=np.float64):

@@ -16,6 +16,15 @@ from .. import config
 from ._rules import carry
 
 
+def check_chunk_arrays(label: str, arrays, dtype, chunk: int) -> None:
+    """Raise ValueError unless each ``(name, array, shape)`` of ``arrays`` is a C-contiguous ``dtype`` array of
+    that shape (per-chunk values a forward saves for its backward; ``label`` the argument's name)."""
+    for name, x, shape in arrays:
+        if not (isinstance(x, np.ndarray) and x.shape == shape and x.dtype == dtype and x.flags.c_contiguous):
+            raise ValueError(f"{label}: {name} must be a C-contiguous {dtype} array of shape {shape} (chunk {chunk}), "
+                             f"got {getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
+
+
 def segments(batch: int, units: int, *, threads=None, min_units: int = 1, split=None) -> int:
     """Segments per sequence for ``batch`` sequences of ``units`` units each.
 

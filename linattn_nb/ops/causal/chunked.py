@@ -10,7 +10,7 @@ from numba import njit, prange
 from ... import config
 from ..._blas import single_threaded_blas
 from .._blocks import load_chunk, state_finite
-from .._chunks import part_range, plan, segment_states, token_range
+from .._chunks import check_chunk_arrays, part_range, plan, segment_states, token_range
 from .._codes import NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, norm_mode
 from .._finite import new_flags, report
 from .._gemm import gemm
@@ -227,10 +227,8 @@ def _saved_arrays(save, B, N, F, M, C, wt):
     P = (N + C - 1) // C
     ck, Ys, KKs = save
     Ms = ck.shape[3] if getattr(ck, "ndim", 0) == 4 else -1
-    for name, x, shape in (("ck", ck, (B, P, F, Ms)), ("Ys", Ys, (B, P, C, Ms)), ("KKs", KKs, (B, P, C, C))):
-        if not (isinstance(x, np.ndarray) and x.shape == shape and x.dtype == wt and x.flags.c_contiguous):
-            raise ValueError(f"save: {name} must be a C-contiguous {wt} array of shape {shape} (chunk {C}), got "
-                             f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
+    check_chunk_arrays("save", (("ck", ck, (B, P, F, Ms)), ("Ys", Ys, (B, P, C, Ms)), ("KKs", KKs, (B, P, C, C))),
+                       wt, C)
     if not 1 <= Ms <= M + 1:
         raise ValueError(f"save: ck must keep between 1 and {M + 1} value columns, got {Ms}")
     return ck, Ys, KKs

@@ -8,6 +8,7 @@ import numpy as np
 
 from ... import config
 from ..._blas import single_threaded_blas
+from .._chunks import check_chunk_arrays
 from .._codes import RULE_ADDITIVE, RULE_DECAY, RULE_DELTA, RULE_GATE, RULE_GATED_DELTA
 from .._rules import check_rule, log_factors
 from .._twins import pick
@@ -202,10 +203,8 @@ def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, have=None):
         Ys, KKs = np.empty((B, P, Cw, M1), wt), np.empty((B, P, Cw, Cw), wt)
     else:
         ck, Ys, KKs = have
-        for name, x, shape in (("ck", ck, (B, P, F, M1)), ("Ys", Ys, (B, P, Cw, M1)), ("KKs", KKs, (B, P, Cw, Cw))):
-            if not (isinstance(x, np.ndarray) and x.shape == shape and x.dtype == wt and x.flags.c_contiguous):
-                raise ValueError(f"saved: {name} must be a C-contiguous {wt} array of shape {shape} (chunk {C}), "
-                                 f"got {getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
+        check_chunk_arrays("saved", (("ck", ck, (B, P, F, M1)), ("Ys", Ys, (B, P, Cw, M1)),
+                                     ("KKs", KKs, (B, P, Cw, Cw))), wt, C)
     kernel = pick(delta_backward_kernel_serial, delta_backward_kernel, items=B, work=B * N * F * M1,
                   limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
     with single_threaded_blas(kernel is delta_backward_kernel):
