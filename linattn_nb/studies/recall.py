@@ -11,10 +11,13 @@ from ._maps import build_map, is_random, map_label
 from ._claims import capacity_claim
 from ._study import CI_CAPTION, Rendered, Study, fmt, markdown_table, mean_ci, pm, register_study, split_failed
 
-#: The key regimes: (name, key scale as a function of d, orthonormal keys).  Orthonormal keys have equal
-#: norms and zero cross logits; they exist only for n <= d.
-REGIMES = (("variance", lambda d: 1.0, False), ("small logits", lambda d: float(d) ** -0.25, False),
-           ("orthonormal keys", lambda d: float(d) ** 0.25, True))
+#: The regimes: (name, key scale as a function of d, orthonormal keys, value width as a function of d or
+#: None for one-hot values).  Orthonormal keys have equal norms and zero cross logits; they exist only for
+#: n <= d.  One-hot values have M = n, so the state (D_φ × n) grows with n; Gaussian values of a fixed
+#: width M keep it at D_φ × M, the regime in which the state's size binds.
+REGIMES = (("variance", lambda d: 1.0, False, None), ("small logits", lambda d: float(d) ** -0.25, False, None),
+           ("orthonormal keys", lambda d: float(d) ** 0.25, True, None),
+           ("fixed state", lambda d: float(d) ** -0.25, False, lambda d: d))
 from .sweep import to_json
 
 
@@ -87,17 +90,21 @@ def points(ctx, *, dim=None, maps=None, m=None, n=None, seeds=None) -> list[dict
                                  f"choose from {', '.join(sorted(known))}")
             chosen.append((name, (128 if m is None else m) if is_random(name) else None, {}))
     return [dict(feature_map=name, num_features=nf, map_params=params, d=d, n_pairs=list(n_pairs), trials=1,
-                 seed=seed, regime=regime, key_scale=scale(d), **({"orthogonal_keys": True} if ortho else {}))
-            for regime, scale, ortho in REGIMES for seed in range(nseeds) for name, nf, params in chosen]
+                 seed=seed, regime=regime, key_scale=scale(d), **({"orthogonal_keys": True} if ortho else {}),
+                 **({} if width is None else {"value_dim": int(width(d))}))
+            for regime, scale, ortho, width in REGIMES for seed in range(nseeds) for name, nf, params in chosen]
 
 
 def run(feature_map, num_features, map_params, d, n_pairs, trials, seed=0, regime="variance",
-        key_scale=1.0, orthogonal_keys=False) -> dict:
-    """One map and seed over every n (orthonormal keys: the n <= d, else d alone)."""
+        key_scale=1.0, orthogonal_keys=False, value_dim=None) -> dict:
+    """One map and seed over every n (orthonormal keys: the n <= d, else d alone); one-hot values, or
+    Gaussian values of width ``value_dim``."""
     from ..analysis import recall_capacity
 
     fmap = build_map(feature_map, dim=d, num_features=num_features, seed=seed, **map_params)
     kw = {"orthogonal_keys": True} if orthogonal_keys else {}
+    if value_dim is not None:
+        kw["value_dim"] = value_dim
     ns = ([x for x in n_pairs if x <= d] or [d]) if orthogonal_keys else n_pairs
     res = to_json(recall_capacity(fmap, d, np.asarray(ns), trials=trials, seed=seed, key_scale=key_scale, **kw))
     res["d_phi"] = int(fmap.output_dim(d))
@@ -131,16 +138,20 @@ def render(records, ctx) -> Rendered:
         scales = {k[0]: groups[k][0]["params"].get("key_scale", 1.0) for k in groups}
         ortho = {k[0]: bool(groups[k][0]["params"].get("orthogonal_keys")) for k in groups}
         grids = {k[0]: groups[k][0]["result"]["n_pairs"] for k in groups}
-        md.append(f"Regime: n key-value pairs in R^{d} (d = {d}), one-hot values (M = n), stored and every key read "
-                  "back (non-causal, q = k); softmax baseline at temperature 1/√d; random maps with the m in "
-                  f"their label; {len(seeds)} seeds (a seed draws the keys and the random features), "
-                  f"{p0['trials']} trial(s) each; cells are {CI_CAPTION}.  Three key regimes: "
-                  + "; ".join(_regime_text(reg, scales[reg], ortho[reg], d, grids[reg]) for reg in regimes)
+        widths = {k[0]: groups[k][0]["params"].get("value_dim") for k in groups}
+        md.append(f"Regime: n key-value pairs in R^{d} (d = {d}) stored and every key read back (non-causal, q = k); "
+                  "a read-out is right when it is nearest (Euclidean) to its own stored value; softmax baseline at "
+                  f"temperature 1/√d; random maps with the m in their label; {len(seeds)} seeds (a seed draws the "
+                  f"keys, values and random features), {p0['trials']} trial(s) each; cells are {CI_CAPTION}.  "
+                  f"{len(regimes)} regimes: "
+                  + "; ".join(_regime_text(reg, scales[reg], ortho[reg], d, grids[reg], widths[reg]) for reg in regimes)
                   + ".  The larger the self-logit, the larger the variance of a random-feature estimate of "
                     "exp(q·k/√d).  Orthonormal keys (at most d of them) have equal norms and zero cross logits, "
-                    "so softmax, and any kernel increasing in q·k, weighs each key's own pair most.  Relative "
-                    "retrieval error ‖V̂ − V‖²/‖V‖² of linear attention's normalised read-out, of the best state of "
-                    "the same size (least squares; the capacity floor: 0 up to n = D_φ) and of softmax attention.")
+                    "so softmax, and any kernel increasing in q·k, weighs each key's own pair most.  One-hot values "
+                    "have width M = n, so the state (D_φ × M numbers) grows with n; Gaussian values of a fixed width "
+                    "keep it at D_φ × M, and only there can n outgrow it.  Relative retrieval error "
+                    "‖V̂ − V‖²/‖V‖² of linear attention's normalised read-out, of the best state of the same size "
+                    "(least squares; the capacity floor: 0 up to n = D_φ) and of softmax attention.")
         agg = {}
         for reg in regimes:
             rows = []
@@ -158,25 +169,34 @@ def render(records, ctx) -> Rendered:
                 agg[(reg, label)] = (n, dphi, stats, res0.get("estimator", ""))
                 at = int(np.argmin(np.abs(n - 2 * dphi)))
                 first = _first_below(n, stats["accuracy"][0])
-                rows.append([label, dphi, first, pm(stats["accuracy"][0][0], stats["accuracy"][1][0]), int(n[at])]
+                first_opt = _first_below(n, stats["optimal_accuracy"][0]) if "optimal_accuracy" in stats else "–"
+                rows.append([label, dphi, first, first_opt, pm(stats["accuracy"][0][0], stats["accuracy"][1][0]),
+                             int(n[at])]
                             + [pm(stats[f][0][at], stats[f][1][at]) for f in ("mse", "optimal_mse", "softmax_mse")])
-            md += ["", f"**{reg} regime** (s = {fmt(scales[reg])}): accuracy at the smallest n ({int(n[0])}); "
-                       f"the first n whose mean accuracy is below {ACCURACY} (\"≤ n\" when already the smallest "
-                       "n is); errors at the measured n closest to 2·D_φ:", "",
+            md += ["", f"**{reg} regime** (s = {fmt(scales[reg])}, {_values_text(widths[reg])}): accuracy at the "
+                       f"smallest n ({int(n[0])}); the first n whose mean accuracy is below {ACCURACY} (\"≤ n\" when "
+                       "already the smallest n is), of the map's read-out and of the least-squares state of its "
+                       "size; errors at the measured n closest to 2·D_φ:", "",
                    markdown_table(["feature map", "D_φ", f"first n with accuracy < {ACCURACY}",
-                                   f"accuracy at n = {int(n[0])}", "n", "error", "optimal error (floor)",
-                                   "softmax error"], rows)]
-        md += ["", "What it shows (computed from the tables above):", ""] + _findings(agg, regimes)
+                                   "the same, least-squares state", f"accuracy at n = {int(n[0])}", "n", "error",
+                                   "optimal error (floor)", "softmax error"], rows)]
+        fixed = {reg for reg in regimes if widths[reg] is not None}
+        md += ["", "What it shows (computed from the tables above):", ""] + _findings(agg, regimes, fixed=fixed)
         if ctx.plots:
             md += _plot(agg, regimes, seeds, ctx)
     md += failed_md
     return Rendered("\n".join(md), f"{len(groups)} feature maps and regimes", problems)
 
 
-def _regime_text(reg, s, ortho, d, grid) -> str:
+def _values_text(width) -> str:
+    return "one-hot values, M = n" if width is None else f"Gaussian values of fixed width M = {width}"
+
+
+def _regime_text(reg, s, ortho, d, grid, width=None) -> str:
     keys = "the rows of a random orthogonal frame" if ortho else "i.i.d. N(0, 1) entries"
     logit = f"= {fmt(s * s / np.sqrt(d))}" if ortho else f"≈ {fmt(s * s * np.sqrt(d))}"
-    return f"**{reg}**: keys {keys} times s = {fmt(s)}, self-logit ‖k‖²/√d {logit}, n ∈ {{{', '.join(map(str, grid))}}}"
+    return (f"**{reg}**: keys {keys} times s = {fmt(s)}, self-logit ‖k‖²/√d {logit}, {_values_text(width)}, "
+            f"n ∈ {{{', '.join(map(str, grid))}}}")
 
 
 def _plot(agg, regimes, seeds, ctx) -> list:
@@ -194,21 +214,25 @@ def _plot(agg, regimes, seeds, ctx) -> list:
                 ax.fill_between(x, np.clip(m - s, 0.0, hi), np.clip(m + s, 0.0, hi), color=sty["color"],
                                 alpha=0.2, lw=0)
             ax1.plot(x, stats["optimal_mse"][0], "--", color=sty["color"], lw=1, label="_")
+            if "optimal_accuracy" in stats:
+                ax2.plot(x, stats["optimal_accuracy"][0], "--", color=sty["color"], lw=1, label="_")
         ax1.set(xlabel="n / D_φ", ylabel="relative retrieval error", title=f"{reg}: error (dashed: floor)")
         ax2.axhline(ACCURACY, color="0.5", lw=0.8)
-        ax2.set(xlabel="n / D_φ", ylabel="argmax accuracy", title=f"{reg}: accuracy")
+        ax2.set(xlabel="n / D_φ", ylabel="nearest-value accuracy", title=f"{reg}: accuracy (dashed: least squares)")
         for ax in (ax1, ax2):
             ax.set_xscale("log")
             ax.grid(True, alpha=0.3)
     ctx.legend_outside(fig, axes, title=f"mean, 95% CI over {len(seeds)} seeds")
     return ["", ctx.savefig(fig, "recall", "recall error and accuracy against n / D_phi in every regime"),
-            "", f"{CI_CAPTION}; dashed: the least-squares floor of each map's state."]
+            "", f"{CI_CAPTION}; dashed: the least-squares state of each map's size (its error is the floor)."]
 
 
-def _findings(agg, regimes) -> list:
+def _findings(agg, regimes, fixed=()) -> list:
     """Per map and regime, whether its first fall below ACCURACY is capacity (``capacity_claim``), then the
-    regimes in which capacity binds and the read-out's error against the floor."""
-    out, binds = [], {}
+    regimes in which capacity binds, for the map's read-out and for the least-squares state, and the
+    read-out's error against the floor.  ``fixed``: the regimes whose values have a fixed width (the others
+    have one-hot values, M = n)."""
+    out, binds, ls_binds = [], {}, {}
     for reg in regimes:
         for (reg2, label), (n, dphi, stats, est) in agg.items():
             if reg2 != reg:
@@ -221,24 +245,42 @@ def _findings(agg, regimes) -> list:
             binds.setdefault(reg, []).extend([label] if c.supported else [])
     for reg, labels in binds.items():
         out.append(f"- {reg} regime: capacity binds for " + (", ".join(labels) if labels else "no map") + ".")
+    for (reg, label), (n, dphi, stats, _) in agg.items():
+        if reg in fixed and "optimal_accuracy" in stats:
+            acc = stats["optimal_accuracy"][0]
+            c = capacity_claim(n, acc, stats["optimal_accuracy"][1], stats["optimal_mse"][0], dphi, threshold=ACCURACY)
+            where = (f"{label} (D_φ = {dphi}, first below at n = {_first_below(n, acc)})" if c.supported
+                     else f"{label} ({c.verdict}: {c.text})")
+            ls_binds.setdefault(reg, ([], []))[0 if c.supported else 1].append(where)
+    for reg, (yes, no) in ls_binds.items():
+        early = [label for (reg2, label), (n, dphi, stats, _) in agg.items() if reg2 == reg
+                 and any(n[j] <= dphi and a < ACCURACY for j, a in enumerate(stats["accuracy"][0]))]
+        out.append(f"- {reg} regime, the least-squares state of each map's size (the best state any rule could write "
+                   f"into D_φ × M numbers): capacity binds for " + ("; ".join(yes) if yes else "no map")
+                   + (f"; not for {'; '.join(no)}" if no else "") + ".  With values of a fixed width the state's size "
+                   f"is what limits the best state: ≥ {ACCURACY} while n ≤ D_φ, below once n passes D_φ."
+                   + (f"  The normalised read-out of {', '.join(early)} falls before its state is full: crosstalk "
+                      "between the keys in its sum, not the state's size, limits it." if early else ""))
     passes = []
     for (reg, label), (n, dphi, stats, _) in agg.items():
         ok = np.nonzero(stats["optimal_accuracy"][0] >= ACCURACY)[0] if "optimal_accuracy" in stats else []
-        if len(ok) and n[ok[-1]] > dphi:
+        if reg not in fixed and len(ok) and n[ok[-1]] > dphi:
             passes.append(f"{label}, {reg}: n = {int(n[ok[-1]])} = {fmt(n[ok[-1]] / dphi)} D_φ")
     if passes:
-        out.append(f"- The least-squares state itself, which stores up to D_φ pairs exactly, still reads ≥ {ACCURACY} "
-                   "past D_φ (largest such n): " + "; ".join(passes) + ".  Argmax accuracy does not see the state's "
-                   "capacity even for the best state of that size; the error does (the floor is 1 − D_φ/n past "
-                   "D_φ).")
+        out.append(f"- With one-hot values the least-squares state, which stores up to D_φ pairs exactly, still reads "
+                   f"≥ {ACCURACY} past D_φ (largest such n): " + "; ".join(passes) + ".  One-hot values have width "
+                   "M = n, so the state (D_φ × n) grows with the pairs it holds; argmax accuracy there does not see "
+                   "the capacity limit even for the best state, the error does (the floor is 1 − D_φ/n past D_φ).")
     errs, floors = [], []
-    for (n, dphi, stats, _) in agg.values():
+    for (reg, _), (n, dphi, stats, _) in agg.items():
+        if reg in fixed:
+            continue
         j = int(np.argmin(np.abs(n - dphi)))
         errs.append(float(stats["mse"][0][j]))
         floors.append(float(stats["optimal_mse"][0][j]))
     if errs:
-        out.append(f"- At the n closest to D_φ the normalised read-out's error is {fmt(min(errs))}–{fmt(max(errs))} "
-                   f"across maps and regimes while the floor is {fmt(max(floors))} at most: the read-out is a "
+        out.append(f"- One-hot values: at the n closest to D_φ the normalised read-out's error is "
+                   f"{fmt(min(errs))}–{fmt(max(errs))} across maps and regimes while the floor is {fmt(max(floors))} at most: the read-out is a "
                    "weighted average of the one-hot values, with error 1 − 2w_ii + Σ_j w_ij² per key, 0 only when "
                    "the right pair takes all the weight.  The floor is reached by an unnormalised least-squares "
                    "read-out, not by the normalised one of any map.")

@@ -5,17 +5,20 @@ from __future__ import annotations
 import numpy as np
 
 
-def test_recall_points_have_three_regimes_and_orthonormal_keys_read_at_most_d_pairs(monkeypatch, tmp_path):
+def test_recall_points_have_four_regimes_and_orthonormal_keys_read_at_most_d_pairs(monkeypatch, tmp_path):
     import linattn_nb.analysis as analysis
     from linattn_nb.studies import Context, recall
 
     pts = recall.points(Context(out=tmp_path, profile="tiny", plots=False))
-    assert [r for r, _, _ in recall.REGIMES] == list(dict.fromkeys(p["regime"] for p in pts))
+    assert [r[0] for r in recall.REGIMES] == list(dict.fromkeys(p["regime"] for p in pts))
     assert {p["regime"] for p in pts if p.get("orthogonal_keys")} == {"orthonormal keys"}
+    # only the fixed-state regime has values of a fixed width (d); the others are one-hot (M = n)
+    assert {p["regime"]: p.get("value_dim") for p in pts}["fixed state"] == pts[0]["d"]
+    assert {p["regime"] for p in pts if "value_dim" in p} == {"fixed state"}
     seen = []
 
     def fake(fmap, d, n_pairs, **kw):
-        seen.append((list(n_pairs), kw.get("orthogonal_keys", False)))
+        seen.append((list(n_pairs), kw.get("orthogonal_keys", False), kw.get("value_dim")))
         return {"n_pairs": list(n_pairs)}
 
     monkeypatch.setattr(analysis, "recall_capacity", fake)
@@ -23,7 +26,8 @@ def test_recall_points_have_three_regimes_and_orthonormal_keys_read_at_most_d_pa
     recall.run(n_pairs=[4, 8, 32], orthogonal_keys=True, **run)
     recall.run(n_pairs=[32, 64], orthogonal_keys=True, **run)
     res = recall.run(n_pairs=[4, 8, 32], **run)
-    assert seen == [([4, 8], True), ([8], True), ([4, 8, 32], False)]
+    recall.run(n_pairs=[4, 8, 32], value_dim=8, **run)
+    assert seen == [([4, 8], True, None), ([8], True, None), ([4, 8, 32], False, None), ([4, 8, 32], False, 8)]
     assert res["d_phi"] == 8 and res["estimator"] == ""
 
 
@@ -34,3 +38,17 @@ def test_least_squares_accuracy_is_exact_up_to_d_phi():
     assert res.optimal_accuracy.shape == (3,)
     np.testing.assert_array_equal(res.optimal_accuracy[:2], 1.0)
     assert 0.0 < res.optimal_accuracy[2] <= 1.0 and res.optimal_mse[2] > 0.8
+
+
+def test_fixed_width_values_make_the_least_squares_state_fall_just_past_d_phi():
+    """With Gaussian values of a fixed width the state is D_phi x M whatever n is: the best state of that size
+    reads every key right while n <= D_phi and falls once n passes it (the regime where capacity binds);
+    with one-hot values (M = n) it still reads most keys right far past D_phi."""
+    from linattn_nb.analysis import recall_capacity
+
+    n = [8, 16, 64]
+    fixed = recall_capacity("elu", 16, n, value_dim=16, key_scale=0.5, trials=2)
+    np.testing.assert_array_equal(fixed.optimal_accuracy[:2], 1.0)
+    assert fixed.optimal_accuracy[2] < 0.5
+    onehot = recall_capacity("elu", 16, n, key_scale=0.5, trials=2)
+    assert onehot.optimal_accuracy[2] >= 0.9

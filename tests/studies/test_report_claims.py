@@ -241,6 +241,25 @@ def test_recall_findings_call_a_failure_capacity_only_past_d_phi():
     assert "not capacity" in _findings(agg, ["small logits"])[1]
 
 
+def test_recall_findings_in_the_fixed_state_regime_judge_the_least_squares_state():
+    from linattn_nb.studies.recall import _findings
+
+    n = np.array([4.0, 8.0, 16.0, 32.0, 64.0])
+    agg = {("fixed state", "elu"): _recall_entry(n, [0.3, 0.1, 0.1, 0.05, 0.0], opt_acc=[1, 1, 1, 0.6, 0.1]),
+           ("fixed state", "dpfp"): _recall_entry(n, [1.0, 0.8, 0.5, 0.2, 0.1], dphi=32, opt_acc=[1, 1, 1, 1, 0.5]),
+           ("fixed state", "wide"): _recall_entry(n, [1.0] * 5, dphi=128, opt_acc=[1.0] * 5),
+           ("variance", "elu"): _recall_entry(n, [0.1] * 5, opt_acc=[1, 1, 1, 1, 0.95])}
+    lines = _findings(agg, ["variance", "fixed state"], fixed={"fixed state"})
+    ls = [x for x in lines if "least-squares state of each map's size" in x]
+    assert len(ls) == 1 and ls[0].startswith("- fixed state regime")  # judged only where the width is fixed
+    assert "binds for elu (D_φ = 16, first below at n = 32); dpfp (D_φ = 32, first below at n = 64)" in ls[0]
+    assert "not for wide (not applicable" in ls[0]
+    assert "The normalised read-out of elu, dpfp falls before its state is full" in ls[0]
+    # the one-hot regime keeps its own account: the best state passes D_φ there because M = n
+    passes = [x for x in lines if x.startswith("- With one-hot values")]
+    assert len(passes) == 1 and "elu, variance: n = 64 = 4 D_φ" in passes[0] and "fixed state" not in passes[0]
+
+
 def test_capacity_claim_names_the_estimators_variance_only_where_softmax_reads():
     from linattn_nb.studies._claims import capacity_claim
 
@@ -265,5 +284,6 @@ def test_recall_findings_say_where_the_least_squares_state_reads_past_d_phi():
     n = np.array([8.0, 16.0, 32.0, 64.0])
     agg = {("variance", "elu"): _recall_entry(n, [0.5] * 4, opt_acc=[1.0, 1.0, 0.95, 0.6]),
            ("variance", "dpfp"): _recall_entry(n, [0.5] * 4, dphi=32, opt_acc=[1.0, 1.0, 1.0, 0.5])}
-    line = [x for x in _findings(agg, ["variance"]) if "least-squares state itself" in x]
+    line = [x for x in _findings(agg, ["variance"]) if x.startswith("- With one-hot values the least-squares state")]
     assert len(line) == 1 and "elu, variance: n = 32 = 2 D_φ" in line[0] and "dpfp" not in line[0]
+    assert "M = n, so the state (D_φ × n) grows" in line[0]
