@@ -249,16 +249,25 @@ def _findings(agg, regimes, fixed=()) -> list:
         if reg in fixed and "optimal_accuracy" in stats:
             acc = stats["optimal_accuracy"][0]
             c = capacity_claim(n, acc, stats["optimal_accuracy"][1], stats["optimal_mse"][0], dphi, threshold=ACCURACY)
-            where = (f"{label} (D_φ = {dphi}, first below at n = {_first_below(n, acc)})" if c.supported
-                     else f"{label} ({c.verdict}: {c.text})")
-            ls_binds.setdefault(reg, ([], []))[0 if c.supported else 1].append(where)
-    for reg, (yes, no) in ls_binds.items():
+            first = n[np.nonzero(acc < ACCURACY)[0][0]] if c.supported else None
+            where = (f"{label} (D_φ = {dphi}, first below at n = {int(first)} = {fmt(first / dphi)} D_φ)"
+                     if c.supported else f"{label} ({c.verdict}: {c.text})")
+            ls_binds.setdefault(reg, ([], [], []))[0 if c.supported else 1].append(where)
+            if c.supported:
+                ls_binds[reg][2].append((dphi, first))
+    for reg, (yes, no, points) in ls_binds.items():
         early = [label for (reg2, label), (n, dphi, stats, _) in agg.items() if reg2 == reg
                  and any(n[j] <= dphi and a < ACCURACY for j, a in enumerate(stats["accuracy"][0]))]
+        points.sort()
+        moves = ""
+        if len({dp for dp, _ in points}) > 1:
+            later = all(f1 <= f2 for (_, f1), (_, f2) in zip(points, points[1:]))
+            moves = ("  Across these maps a larger D_φ never brings the fall earlier: the state's size sets it."
+                     if later else "  Across these maps the fall does not move monotonically with D_φ.")
         out.append(f"- {reg} regime, the least-squares state of each map's size (the best state any rule could write "
                    f"into D_φ × M numbers): capacity binds for " + ("; ".join(yes) if yes else "no map")
-                   + (f"; not for {'; '.join(no)}" if no else "") + ".  With values of a fixed width the state's size "
-                   f"is what limits the best state: ≥ {ACCURACY} while n ≤ D_φ, below once n passes D_φ."
+                   + (f"; not for {'; '.join(no)}" if no else "") + ".  With values of a fixed width that state is "
+                   f"exact while n ≤ D_φ and falls below {ACCURACY} only past D_φ, at the n given." + moves
                    + (f"  The normalised read-out of {', '.join(early)} falls before its state is full: crosstalk "
                       "between the keys in its sum, not the state's size, limits it." if early else ""))
     passes = []

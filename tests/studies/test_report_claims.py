@@ -252,7 +252,9 @@ def test_recall_findings_in_the_fixed_state_regime_judge_the_least_squares_state
     lines = _findings(agg, ["variance", "fixed state"], fixed={"fixed state"})
     ls = [x for x in lines if "least-squares state of each map's size" in x]
     assert len(ls) == 1 and ls[0].startswith("- fixed state regime")  # judged only where the width is fixed
-    assert "binds for elu (D_φ = 16, first below at n = 32); dpfp (D_φ = 32, first below at n = 64)" in ls[0]
+    assert ("binds for elu (D_φ = 16, first below at n = 32 = 2 D_φ); dpfp (D_φ = 32, first below at n = 64 = 2 D_φ)"
+            in ls[0])
+    assert "a larger D_φ never brings the fall earlier" in ls[0]
     assert "not for wide (not applicable" in ls[0]
     assert "The normalised read-out of elu, dpfp falls before its state is full" in ls[0]
     # the one-hot regime keeps its own account: the best state passes D_φ there because M = n
