@@ -226,9 +226,12 @@ def _decode(d: dict) -> list:
 def _backward(d: dict) -> list:
     m, sh = d["machine"], d["shape"]
     return _head("Gradients on the CPU", "python benchmarks/backward_cpu.py", m, m["date"], m["load_avg_1m"]) + [
-        f"B·H = {sh['BH']}, N = {sh['N']}, D = M = {sh['D']}, {sh['dtype']}, map `{sh['feature_map']}`, chunked; "
-        f"medians of {d['rounds']} interleaved rounds; the range is the per-round ratio's.", ""] + _md(d["speed"], [
-            ("rule", lambda r: r["rule"]), ("forward", lambda r: f"{1e3 * r['forward_s']:.1f} ms"),
+        f"B·H = {sh['BH']}, N = {sh['N']}, D = M = {sh['D']}, {sh['dtype']}, chunked; "
+        + (f"map `{sh['feature_map']}`; " if "feature_map" not in d["speed"][0] else
+           "each rule with its map (the delta rules' state overflows float32 with ELU+1 features); ")
+        + f"medians of {d['rounds']} interleaved rounds; the range is the per-round ratio's.", ""] + _md(d["speed"], [
+            ("rule", lambda r: r["rule"]), ("map", lambda r: f"`{r.get('feature_map', sh['feature_map'])}`"),
+            ("forward", lambda r: f"{1e3 * r['forward_s']:.1f} ms"),
             ("backward launcher", lambda r: f"{1e3 * r['backward_s']:.1f} ms"), ("launcher / forward",
                                                                                  lambda r: f"{r['ratio']:.2f}"),
             ("linear_attention_vjp", lambda r: f"{1e3 * r['vjp_s']:.1f} ms"),
