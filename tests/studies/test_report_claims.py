@@ -136,7 +136,7 @@ def test_rules_findings_state_the_reversal_and_where_the_delta_rule_wins():
 # ---------------------------------------------------------------------------
 # The error study's render on synthetic records: signed maps apart, claims from the data
 # ---------------------------------------------------------------------------
-def _error_records():
+def _error_records(rate=0.5):
     recs = []
     ms = [16, 64, 256]
     for seed in range(4):
@@ -153,7 +153,8 @@ def _error_records():
             for m in ms:
                 if n != 128 and m != 64:
                     continue
-                res = dict(output_rel_error=3.0 / math.sqrt(m) * noise, tv_mean=0.1, js_mean=0.01, kl_mean=0.02,
+                err = 3.0 / math.sqrt(m) if rate == 0.5 else 0.75 * (m / 16) ** -rate
+                res = dict(output_rel_error=err * noise, tv_mean=0.1, js_mean=0.01, kl_mean=0.02,
                            kl_infinite_rate=0.0, entropy_softmax=4.0, entropy_linear=4.0, monotonicity=0.5,
                            nonpositive_normalizer_rate=0.0, d_phi=m, is_positive=True)
                 recs.append(dict(status="ok", result=res, params=dict(
@@ -171,6 +172,17 @@ def test_error_render_keeps_signed_maps_out_of_the_ranking_and_computes_the_slop
     assert "| identity |" in signed and "0.5 / 0.9" in signed and "elu" not in signed
     assert "- favor+, s = 0.5: supported: slope -0.50" in md
     assert CI_CAPTION in md and "standard deviation over" not in md
+    assert "O(1/m) bias" not in md  # a supported rate needs no account
+
+
+def test_error_render_says_why_a_positive_map_falls_more_slowly_than_one_over_root_m(tmp_path):
+    from linattn_nb.studies import Context, error
+
+    md = error.render(_error_records(rate=0.3), Context(out=tmp_path, profile="tiny", plots=False)).markdown
+    line = [x for x in md.splitlines() if x.startswith("- favor+, s = 0.5")][0]
+    assert "not supported: slope -0.30" in line and "shallower than m^-0.5" in line
+    assert "falls more slowly than 1/√m over the whole grid, and still over m ≥ 64" in line
+    assert "Not the ratio's O(1/m) bias, which would make the slope steeper" in line
 
 
 # ---------------------------------------------------------------------------
