@@ -88,7 +88,7 @@ def render(records, ctx) -> Rendered:
             f"n − 1 − j); D_φ ({dphis}).  The state decays by a constant γ per token "
             "(S = Σ_j γ^(n−1−j) φ(k_j) v_jᵀ, z likewise; normalised read-out φ(k)ᵀS / φ(k)ᵀz).  Error: "
             f"‖v̂ − v‖²/‖v‖² over the pairs of each distance bin; {CI_CAPTION} ("
-            f"{nseeds} seeds ({p0['trials']} trial(s) each; a seed draws the keys and values).  The optimal floor "
+            f"{nseeds} seeds, {p0['trials']} trial(s) each; a seed draws the keys and values).  The optimal floor "
             "is the least-squares state of the same size (D_φ × M), which weighs every pair alike: a forgetting "
             "state can beat it on recent pairs by giving up the old ones, whose error then exceeds 1 (the "
             "read-out is a mix of other values).")
