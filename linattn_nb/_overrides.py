@@ -142,7 +142,12 @@ def apply_overrides(points: list, options: dict, *, study: str) -> list:
         pts = _select_maps(pts, options["maps"], study=study, buildable=buildable_maps(), is_random=is_random,
                            m_default=(options.get("m") or [None])[0])
     if "dim" in options:
-        pts = [dict(p, d=options["dim"]) if "d" in p else p for p in pts]
+        if study == "recall":  # its key scales and value widths are functions of d
+            from .studies.recall import with_dim
+
+            pts = [with_dim(p, options["dim"]) for p in pts]
+        else:
+            pts = [dict(p, d=options["dim"]) if "d" in p else p for p in pts]
     if "scale" in options:
         pts = [dict(p, qk_scale=options["scale"]) if "qk_scale" in p else p for p in pts]
     if "m" in options:

@@ -219,9 +219,9 @@ def cmd_demo(args) -> int:
 
 
 #: What ``--quick`` costs on the 2-core development VM (AMD EPYC): a first run with a cold kernel cache,
-#: most of it compiling the kernels, took 97 s at load 1.9-2.1 (docs/guide/studies.md); notebook 01 quotes
-#: the same words (tests/test_cli.py).
-QUICK_TIME = "about 1.5 minutes on 2 cores on a first run, most of it compiling the kernels"
+#: most of it compiling the kernels, took 140 s at load 1.4-1.6, 30 s of it the MQAR section that runs
+#: where torch is installed (docs/guide/studies.md); notebook 01 quotes the same words (tests/test_cli.py).
+QUICK_TIME = "about 2.5 minutes on 2 cores on a first run, most of it compiling the kernels"
 
 
 def _study_options(p, *, default_out: str) -> None:

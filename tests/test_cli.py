@@ -262,10 +262,21 @@ def test_overrides_recall_n_is_the_pair_grid_and_maps_can_be_added():
                           study="recall")
     seeds = sorted({p["seed"] for p in _points("recall")})  # the profile's seeds are kept
     regimes = sorted({p["regime"] for p in _points("recall")}, key=[p["regime"] for p in _points("recall")].index)
-    assert len(regimes) == 3  # the variance, small-logit and orthonormal-key regimes, for every map and seed
+    assert len(regimes) == 4  # the variance, small-logit, orthonormal-key and fixed-state regimes, every map and seed
     assert [(p["feature_map"], p["num_features"], p["regime"], p["seed"]) for p in pts] == (
         [("favor+", 16, r, s) for r in regimes for s in seeds] + [("relu", None, r, s) for r in regimes for s in seeds])
     assert all(p["n_pairs"] == [8, 32] and p["map_params"] == {} for p in pts)
+
+
+def test_overrides_recall_dim_moves_the_key_scales_and_the_value_width():
+    from linattn_nb._overrides import apply_overrides, check_options
+
+    pts = apply_overrides(_points("recall"), check_options({"dim": 64}), study="recall")
+    by = {p["regime"]: p for p in pts}
+    assert all(p["d"] == 64 for p in pts)
+    assert by["variance"]["key_scale"] == 1.0 and by["small logits"]["key_scale"] == 64 ** -0.25
+    assert by["orthonormal keys"]["key_scale"] == 64 ** 0.25
+    assert by["fixed state"]["value_dim"] == 64 and "value_dim" not in by["variance"]
 
 
 def test_overrides_refuse_what_a_study_cannot_take():

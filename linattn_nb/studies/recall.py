@@ -95,6 +95,18 @@ def points(ctx, *, dim=None, maps=None, m=None, n=None, seeds=None) -> list[dict
             for regime, scale, ortho, width in REGIMES for seed in range(nseeds) for name, nf, params in chosen]
 
 
+def with_dim(point: dict, d: int) -> dict:
+    """``point`` at key dimension ``d``: its regime's key scale and value width follow ``d`` (the
+    ``--dim`` option)."""
+    p = dict(point, d=d)
+    for name, scale, _, width in REGIMES:
+        if p.get("regime") == name:
+            p["key_scale"] = scale(d)
+            if width is not None:
+                p["value_dim"] = int(width(d))
+    return p
+
+
 def run(feature_map, num_features, map_params, d, n_pairs, trials, seed=0, regime="variance",
         key_scale=1.0, orthogonal_keys=False, value_dim=None) -> dict:
     """One map and seed over every n (orthonormal keys: the n <= d, else d alone); one-hot values, or
