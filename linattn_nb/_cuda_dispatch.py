@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _validate as V
+from . import config
 from .device import cuda_status, is_device_array, is_simulator_array, on_device
 from .rules import get_rule, rule_for
 from .ops.registry import select_auto
@@ -106,11 +107,17 @@ def multiprocessor_count() -> int:
 
 def select_auto_cuda(*, rule, causal, batch, n, f, m, dtype, sms=None) -> str:
     """Resolve ``method="auto"`` on the GPU: causal, ``"scan"`` when its blocks fill the GPU
-    (:func:`linattn_nb.ops._cuda_launch.scan_fills`, ``sms`` multiprocessors, default the current
-    GPU's), else the rows of ``config.AUTO_METHODS[(rule, causal, "cuda")]``."""
+    (:func:`linattn_nb.ops._cuda_launch.scan_fill`, ``sms`` multiprocessors, default the current
+    GPU's), else the rows of ``config.AUTO_METHODS[(rule, causal, "cuda")]``.  A scan that fills the GPU
+    only through its tile or row-group warps gives way to those rows from
+    ``config.CUDA_AUTO_TILES_CHUNKED_MIN_N`` tokens on, for the rules that have them (the chunked
+    kernels were faster there on an H200: docs/guide/configuration.md)."""
     if causal:
         sms = multiprocessor_count() if sms is None else int(sms)
-        if _launch().scan_fills(batch, f, m, dtype, get_rule(rule).code, sms=sms):
+        how = _launch().scan_fill(batch, f, m, dtype, get_rule(rule).code, sms=sms)
+        long_tiles = (how == "warps" and n >= int(config.CUDA_AUTO_TILES_CHUNKED_MIN_N)
+                      and (rule, True, "cuda") in config.AUTO_METHODS)
+        if how and not long_tiles:
             return "scan"
     return select_auto(rule=rule, causal=causal, device="cuda", batch=batch, n=n, d=f, m=m, dtype=dtype)
 

@@ -270,6 +270,11 @@ CUDA_MAX_FEATURES = _env_int("LINATTN_CUDA_MAX_FEATURES", 1024)
 #: (docs/guide/configuration.md).
 CUDA_AUTO_SCAN_BLOCKS_PER_SM = _env_int("LINATTN_CUDA_AUTO_SCAN_BLOCKS_PER_SM", 4)
 CUDA_AUTO_SCAN_MIN_WARPS_PER_SM = _env_int("LINATTN_CUDA_AUTO_SCAN_MIN_WARPS_PER_SM", 4)
+#: ... except that a scan filling the GPU only through its tile or row-group warps gives way to the
+#: AUTO_METHODS rows (the chunked method) from this many tokens on, for the rules that have such rows
+#: (additive, decay, gate).  Measured on an NVIDIA H200 (132 SMs), B*H = 128, D = M = 64, float32:
+#: chunked / scan 1.02 at N = 4096, 0.88 at 8192, 0.94 at 16384, 0.88 at 32768, 0.87 at 65536.
+CUDA_AUTO_TILES_CHUNKED_MIN_N = _env_int("LINATTN_CUDA_AUTO_TILES_CHUNKED_MIN_N", 8192)
 #: Compile the sequence kernel once per feature map (1, default: the map a compile-time constant),
 #: or once for every map (0: a branch over the maps per staged element; fewer compilations).
 #: PROVISIONAL (static counts: docs/guide/configuration.md).

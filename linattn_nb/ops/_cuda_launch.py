@@ -457,16 +457,21 @@ def check_limits(f: int, m: int, dtype, rule: int = RULE_ADDITIVE) -> None:
     seq_config(f, m, np.dtype(acc_name(dtype)).itemsize, rule)
 
 
-def scan_fills(batch: int, f: int, m: int, dtype, rule: int = RULE_ADDITIVE, *, sms: int) -> bool:
-    """Whether the scan's blocks (``batch`` x column blocks), in the layout :func:`seq_layout` gives it,
-    fill ``sms`` multiprocessors: the owner layout at ``config.CUDA_AUTO_SCAN_BLOCKS_PER_SM`` blocks per
-    multiprocessor or more, the tile or row-group layout at ``config.CUDA_AUTO_SCAN_MIN_WARPS_PER_SM``
-    warps per multiprocessor or more."""
+def scan_fill(batch: int, f: int, m: int, dtype, rule: int = RULE_ADDITIVE, *, sms: int) -> str:
+    """How the scan's blocks (``batch`` x column blocks), in the layout :func:`seq_layout` gives it,
+    fill ``sms`` multiprocessors: ``"owner"`` for the owner layout at ``config.CUDA_AUTO_SCAN_BLOCKS_PER_SM``
+    blocks per multiprocessor or more, ``"warps"`` for the tile or row-group layout at
+    ``config.CUDA_AUTO_SCAN_MIN_WARPS_PER_SM`` warps per multiprocessor or more, ``""`` when they do not."""
     item = np.dtype(acc_name(dtype)).itemsize
     layout = seq_layout(batch, f, m, item, rule, sms=sms)
     R, C, G, MB, T = seq_config(f, m, item, rule, layout)
     blocks = batch * -(-m // MB)
     if layout == "owner" and owner_fits(f, m, item, rule):
-        return blocks >= int(config.CUDA_AUTO_SCAN_BLOCKS_PER_SM) * sms
+        return "owner" if blocks >= int(config.CUDA_AUTO_SCAN_BLOCKS_PER_SM) * sms else ""
     warps = blocks * -(-threads_per_block(R, C, G, MB, rule) // 32)
-    return warps >= int(config.CUDA_AUTO_SCAN_MIN_WARPS_PER_SM) * sms
+    return "warps" if warps >= int(config.CUDA_AUTO_SCAN_MIN_WARPS_PER_SM) * sms else ""
+
+
+def scan_fills(batch: int, f: int, m: int, dtype, rule: int = RULE_ADDITIVE, *, sms: int) -> bool:
+    """Whether the scan's blocks fill ``sms`` multiprocessors (:func:`scan_fill`)."""
+    return bool(scan_fill(batch, f, m, dtype, rule, sms=sms))

@@ -614,9 +614,17 @@ def test_auto_method_selection(monkeypatch):
     monkeypatch.setattr(config, "CUDA_DELTA_COLS_PER_THREAD", 2)
     monkeypatch.setattr(D, "multiprocessor_count", lambda: 132)
     kw = dict(causal=True, f=64, m=64, dtype=np.float32, rule="additive")
-    assert D.select_auto_cuda(batch=128, n=65536, **kw) == "scan"  # tiles: 128 x 9 warps >= 4 * 132
+    assert D.select_auto_cuda(batch=128, n=4096, **kw) == "scan"  # tiles: 128 x 9 warps >= 4 * 132
+    # ... but from CUDA_AUTO_TILES_CHUNKED_MIN_N tokens on, chunked (faster there on an H200)
+    assert D.select_auto_cuda(batch=128, n=8191, **kw) == "scan"
+    assert D.select_auto_cuda(batch=128, n=8192, **kw) == "chunked"
+    assert D.select_auto_cuda(batch=128, n=65536, **kw) == "chunked"
     assert D.select_auto_cuda(batch=58, n=65536, **kw) == "chunked"  # 58 x 9 warps < 4 * 132
-    assert D.select_auto_cuda(batch=128, n=65536, **dict(kw, rule="gate")) == "scan"  # tiles too: 128 x 9
+    assert D.select_auto_cuda(batch=128, n=4096, **dict(kw, rule="gate")) == "scan"  # tiles too: 128 x 9
+    assert D.select_auto_cuda(batch=128, n=65536, **dict(kw, rule="gate")) == "chunked"
+    monkeypatch.setattr(config, "CUDA_AUTO_TILES_CHUNKED_MIN_N", 10**9)
+    assert D.select_auto_cuda(batch=128, n=65536, **kw) == "scan"
+    monkeypatch.setattr(config, "CUDA_AUTO_TILES_CHUNKED_MIN_N", 8192)
     assert D.select_auto_cuda(batch=100, n=65536, **dict(kw, rule="delta")) == "scan"  # tiles: 100 x 9
     assert D.select_auto_cuda(batch=58, n=65536, **dict(kw, rule="delta")) == "chunked"  # 58 x 9 < 4 x 132
     assert D.select_auto_cuda(batch=1024, n=65536, **kw) == "scan"
@@ -727,7 +735,7 @@ def test_sequence_layout_choice(monkeypatch):
     with pytest.raises(ValueError, match="layout"):
         KP.seq_config(64, 64, 4, 0, "wide")
     monkeypatch.setattr(config, "CUDA_SEQ_LAYOUT", "auto")
-    kw = dict(rule="additive", causal=True, n=16384, f=64, m=64, dtype=np.float32, sms=132)
+    kw = dict(rule="additive", causal=True, n=4096, f=64, m=64, dtype=np.float32, sms=132)
     assert D.select_auto_cuda(batch=128, **kw) == "scan"  # 128 x 9 warps >= 4 per SM
     assert D.select_auto_cuda(batch=58, **kw) == "chunked"  # 58 x 9 = 522 warps < 4 x 132
     assert D.select_auto_cuda(batch=59, **kw) == "scan"
@@ -737,6 +745,10 @@ def test_sequence_layout_choice(monkeypatch):
     assert D.select_auto_cuda(batch=59, **dict(kw, rule="gated_delta")) == "scan"  # (was row groups: from 106)
     assert D.select_auto_cuda(batch=600, **kw) == "scan"  # owner blocks fill the GPU
     assert D.select_auto_cuda(batch=128, **dict(kw, rule="gate")) == "scan"
+    # long sequences: the owner layout keeps the scan; the delta rules (no AUTO_METHODS rows on CUDA,
+    # their chunked kernel not timed on a GPU) keep it in tiles too
+    assert D.select_auto_cuda(batch=600, **dict(kw, n=65536)) == "scan"
+    assert D.select_auto_cuda(batch=128, **dict(kw, n=65536, rule="delta")) == "scan"
 
 
 @pytest.mark.parametrize("code", [0, 1, 2, 3, 4, 5])
