@@ -234,7 +234,8 @@ def main(argv=None):
           f"{rounds} interleaved rounds")
     print(table(rows, ["rule", "feature_map", "finite_outputs", "forward_s", "backward_s", "ratio", "vjp_s",
                        "vjp_ratio", "vjp_ratio_range", "scan_backward_s"],
-                {"finite_outputs": "{:.3f}", "forward_s": "{:.4f}", "backward_s": "{:.4f}", "ratio": "{:.2f}", "vjp_s": "{:.4f}",
+                {"finite_outputs": "{:.3f}", "forward_s": "{:.4f}", "backward_s": "{:.4f}", "ratio": "{:.2f}",
+                 "vjp_s": "{:.4f}",
                  "vjp_ratio": "{:.2f}", "scan_backward_s": "{:.4f}"}))
     result = {"machine": machine(), "shape": {"BH": 16, "N": 4096, "D": 64, "M": 64, "dtype": "float32",
                                               "feature_map": args.feature_map or "per rule"}, "rounds": rounds,

@@ -301,7 +301,8 @@ def _findings(agg, regimes, fixed=()) -> list:
         floors.append(float(stats["optimal_mse"][0][j]))
     if errs:
         out.append(f"- One-hot values: at the n closest to D_φ the normalised read-out's error is "
-                   f"{fmt(min(errs))}–{fmt(max(errs))} across maps and regimes while the floor is {fmt(max(floors))} at most: the read-out is a "
+                   f"{fmt(min(errs))}–{fmt(max(errs))} across maps and regimes while the floor is {fmt(max(floors))} "
+                   "at most: the read-out is a "
                    "weighted average of the one-hot values, with error 1 − 2w_ii + Σ_j w_ij² per key, 0 only when "
                    "the right pair takes all the weight.  The floor is reached by an unnormalised least-squares "
                    "read-out, not by the normalised one of any map.")
