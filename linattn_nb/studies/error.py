@@ -416,10 +416,13 @@ def _m_sweep_md(agg, n_mid) -> list:
         if claim.verdict == NOT_SUPPORTED and upper_claim is not None:
             line += (f"  Over m ≥ {xs[-2]} alone: {upper_claim.verdict}: {upper_claim.text}.")
             if "shallower" in claim.text and agg.positive((name, xs[0])):
-                line += ("  The error falls more slowly than 1/√m at small m and at that rate at large m."
-                         if upper_claim.verdict == SUPPORTED else
-                         f"  The error falls more slowly than 1/√m over the whole grid, and still over "
-                         f"m ≥ {xs[-2]}.")
+                if upper_claim.verdict == SUPPORTED:
+                    line += "  The error falls more slowly than 1/√m at small m and at that rate at large m."
+                elif "shallower" in upper_claim.text:
+                    line += (f"  The error falls more slowly than 1/√m over the whole grid, and still over "
+                             f"m ≥ {xs[-2]}.")
+                else:
+                    line += "  The error falls more slowly than 1/√m over the whole grid."
                 line += ("  Not the ratio's O(1/m) bias, which would make the slope steeper: the positive features "
                          "exp(w·x − ‖x‖²/2) are heavy-tailed, so at small m a typical draw misses the rare "
                          "large features and its error is below the 1/√m law of the mean square, and the "
