@@ -231,7 +231,7 @@ def _study_options(p, *, default_out: str) -> None:
     p.add_argument("--quick", action="store_true",
                    help=f"same as --profile quick (the whole report: {QUICK_TIME})")
     p.add_argument("--profile", choices=("tiny", "quick", "full"), default=None,
-                   help="problem sizes: full (default; about 6 min on 2 cores on a first run, which compiles the "
+                   help="problem sizes: full (default; about 5 min on 2 cores on a first run, which compiles the "
                         "kernels, and about 16 min more for the MQAR training study where torch is installed; "
                         "report.md states the time each study took), quick, or tiny (a smoke test)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
