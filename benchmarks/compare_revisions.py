@@ -67,6 +67,7 @@ CASES = {
     "decode step f32 H=16": ("step", 1, "float32"),
     "vjp causal f32 N=1024": ("vjp", 1024, "float32"),
     "vjp delta f32 N=4096": ("vjp/delta", 4096, "float32"),
+    "vjp gate f32 N=4096": ("vjp/gate", 4096, "float32"),
     # the forgetting rules: a per-token decay and a per-feature gate, log-factors as decay_cpu.py draws them
     "decay chunked f32 N=4096": ("chunked/decay", 4096, "float32"),
     "gate chunked f32 N=4096": ("chunked/gate", 4096, "float32"),
@@ -135,7 +136,11 @@ def _make_case(la, np, name):
     out = np.empty((BH, n, M), dtype)
     if kind.startswith("vjp"):
         g = rng.standard_normal((BH, n, M)).astype(dtype)
-        kw = dict(beta=rng.uniform(0.0, 1.0, size=(BH, n))) if kind == "vjp/delta" else {}
+        kw = {}
+        if kind == "vjp/delta":  # SiLU+L2 (DeltaNet's): with ELU+1 features the delta state overflows
+            kw = dict(beta=rng.uniform(0.0, 1.0, size=(BH, n)), feature_map="silu_l2")
+        elif kind == "vjp/gate":
+            kw = dict(log_decay=rng.uniform(-0.5, -0.001, size=(BH, n, D)), method="chunked")
         return lambda: la.linear_attention_vjp(q, k, v, g, causal=True, check_finite=False, **kw)
     if kind == "noncausal":
         return lambda: la.linear_attention(q, k, v, causal=False, check_finite=False, out=out)

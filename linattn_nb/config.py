@@ -131,17 +131,14 @@ BACKWARD_CHUNK = _env_int("LINATTN_BACKWARD_CHUNK", 0)
 BACKWARD_CHECKPOINT = _env_int("LINATTN_BACKWARD_CHECKPOINT", 0)
 
 
-def cpu_backward_chunk(n: int, f: int, m: int, dtype, per_feature: bool = False) -> int:
-    """Chunk size of the CPU chunked backward (``BACKWARD_CHUNK`` if set, else 32; 16 for a per-feature
-    factor with ``f <= 96``), at most ``max(n, 1)``.
+def cpu_backward_chunk(n: int, f: int, m: int, dtype) -> int:
+    """Chunk size of the CPU chunked backward of the additive and gate rules (``BACKWARD_CHUNK`` if set,
+    else 32), at most ``max(n, 1)``.
 
     32 against 64 (measured: docs/design-cpu.md, "Chunked backward"): 12-14 % less launcher time for the
-    additive rule, 7-22 % for the gate rule (its per-row loops grow with C), 4-7 % for the decay rule.
-    16 against 32 for the gate rule: 0.77-0.94x the launcher's time at f = 32 to 96, 1.16x at f = 128."""
-    if BACKWARD_CHUNK > 0:
-        c = BACKWARD_CHUNK
-    else:
-        c = 16 if per_feature and f <= 96 else 32
+    additive rule.  The gate rule, whose chunks run as GEMMs on ``Q * b`` and ``K / b``: 32 and 64 within
+    3 % of each other, 16 slower (1.07-1.2x at f = 64 to 128)."""
+    c = BACKWARD_CHUNK if BACKWARD_CHUNK > 0 else 32
     return max(1, min(int(c), int(n)))
 
 

@@ -100,6 +100,33 @@ def test_matches_naive(name, method, dtype, nan_outputs):
         assert all(np.array_equal(inputs[k], before[-1][k]) for k in inputs)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_gate_chunks_by_gemms_and_by_loops(dtype, nan_outputs):
+    """The gate rule's pass 1 runs a chunk as GEMMs on Q * b and K / b while the running gate products b
+    stay in [e^-40, e^40] (float32; e^-300 in float64), and by its loops past that: mild chunks, chunks
+    with strong gates on every feature or on some, both in one sequence, against the naive reference."""
+    rng = np.random.default_rng(23)
+    qf, kf, v1, H0, g1, dHN, inputs = _problem(rng, "gate", dtype, 2, 5 * C + 3, 5, 4, True, True, ())
+    lg = inputs["log_gate"]
+    cut = 40.0 if dtype == np.float32 else 300.0
+    lg[:, C + 1:C + 3] = -0.6 * cut  # two tokens of a chunk: past the cut on every feature
+    lg[:, 3 * C + 2, :2] = -1.5 * cut  # one token, two features
+    lg[:, 4 * C + 1] = -0.4 * cut  # inside the cut: GEMMs on products down to e^-(0.4 cut)
+    ref = causal_backward_naive(qf, kf, v1, H0, g1, dHN, inputs=inputs, rule=CODES["gate"])
+    got = cpu.backward_chunked(qf, kf, v1, H0, g1, dHN, inputs=inputs, rule=CODES["gate"], chunk=C)
+    _compare(got, ref, TOL[dtype])
+    # the two forms of one chunk agree: a reset at its first token sends only that chunk to the loops
+    mild = {"log_gate": -0.3 * rng.random(lg.shape)}
+    reset = {"log_gate": mild["log_gate"].copy()}
+    reset["log_gate"][:, 2 * C] = -np.inf
+    a = cpu.backward_chunked(qf, kf, v1, H0, g1, dHN, inputs=mild, rule=CODES["gate"], chunk=C)
+    r = causal_backward_naive(qf, kf, v1, H0, g1, dHN, inputs=mild, rule=CODES["gate"])
+    _compare(a, r, TOL[dtype])
+    r2 = causal_backward_naive(qf, kf, v1, H0, g1, dHN, inputs=reset, rule=CODES["gate"])
+    _compare(cpu.backward_chunked(qf, kf, v1, H0, g1, dHN, inputs=reset, rule=CODES["gate"], chunk=C), r2,
+             TOL[dtype])
+
+
 @pytest.mark.parametrize("method", ["scan", "chunked"])
 def test_default_sizes(method, nan_outputs):
     """Default chunk / checkpoint (one span covers a short sequence) and a sequence over several."""
@@ -221,14 +248,12 @@ def test_vjp_front_end(name, method, identity_vjp):
 
 
 def test_backward_chunk_defaults(monkeypatch):
-    """32 tokens a chunk; 16 for a per-feature factor (the gate rule) up to D_phi = 96; the override wins;
-    never more than the sequence."""
+    """32 tokens a chunk (the gate rule too, since its chunks run as GEMMs); the override wins; never more
+    than the sequence."""
     from linattn_nb import config as cfg
 
     assert cfg.cpu_backward_chunk(4096, 64, 65, np.float32) == 32
-    assert cfg.cpu_backward_chunk(4096, 64, 65, np.float32, per_feature=True) == 16
-    assert cfg.cpu_backward_chunk(4096, 96, 65, np.float64, per_feature=True) == 16
-    assert cfg.cpu_backward_chunk(4096, 128, 65, np.float32, per_feature=True) == 32
-    assert cfg.cpu_backward_chunk(5, 64, 65, np.float32, per_feature=True) == 5
+    assert cfg.cpu_backward_chunk(4096, 128, 65, np.float64) == 32
+    assert cfg.cpu_backward_chunk(5, 64, 65, np.float32) == 5
     monkeypatch.setattr(cfg, "BACKWARD_CHUNK", 24)
-    assert cfg.cpu_backward_chunk(4096, 64, 65, np.float32, per_feature=True) == 24
+    assert cfg.cpu_backward_chunk(4096, 64, 65, np.float32) == 24

@@ -72,6 +72,77 @@ def _mask_upper(X, n):
             X[t, j] = z
 
 
+#: The smallest running product ``b`` of a chunk's gates (per feature, from the chunk's start) for which
+#: the gate rule's pass 1 runs its intra-chunk sums as float64 GEMMs on ``Q * b`` and ``K / b`` (``1 / b``
+#: at most ``e^300``).  A chunk with a smaller product (a reset, strong gates) takes the loops that decay
+#: each key as they read it.
+LOG_SPACE_MIN = math.exp(-300.0)
+#: The smallest gate of a float32 chunk for which the factor gradient's pair sum comes from the same GEMMs
+#: (a difference of two running sums, whose float64 round-off is divided by the gate: at most
+#: ``n^2 2^-53 / GATE_PAIRS_MIN`` relative); below it, and always in float64, its loop.
+GATE_PAIRS_MIN = math.exp(-10.0)
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def within(x, n, lo):
+    """Whether every element of ``x[:n]`` lies in ``[lo, 1 / lo]`` (False for a NaN)."""
+    hi = 1.0 / lo
+    for t in range(n):
+        for i in range(x.shape[1]):
+            y = x[t, i]
+            if not (y >= lo and y <= hi):
+                return False
+    return True
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _factor_pairs(qf, kf, Pm, fa, Z, acc, dfac, b, s0, n, F, Gd):
+    """The gate rule's factor gradient sum_{s < t <= u} W_{t-1,s} W_ut k_s q_u P0_us by loops, added to
+    ``dfac``, through Z_t[u]."""
+    for u in range(n):
+        for i in range(F):
+            Z[u, i] = 0.0
+    for t in range(n):
+        if t > 0:
+            for i in range(F):
+                acc[i] = 1.0  # W_ut, u = t
+            x = 0.0
+            for u in range(t, n):
+                if u > t:
+                    for i in range(F):
+                        acc[i] *= fa[u, i]
+                for i in range(F):
+                    y = acc[i] * np.float64(qf[b, s0 + u, i]) * Z[u, i]
+                    x += y
+                    if Gd != 1:
+                        dfac[b, s0 + t, i] += y
+            if Gd == 1:
+                dfac[b, s0 + t, 0] += x
+        for u in range(t + 1, n):
+            p = np.float64(Pm[u, t])
+            for i in range(F):
+                Z[u, i] = fa[t, i] * Z[u, i] + np.float64(kf[b, s0 + t, i]) * p
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _dk_loops(qf, Pm, fa, acc, fk, dk, b, s0, n, F):
+    """The intra-chunk part of the gate rule's ``dk``, sum_{u >= t} W_ut q_u P0_ut, by loops: the queries
+    decayed in place backwards."""
+    for t in range(n - 1, -1, -1):
+        p = np.float64(Pm[t, t])
+        for i in range(F):
+            fk[t, i] = qf[b, s0 + t, i]
+            acc[i] = p * fk[t, i]
+        for u in range(t + 1, n):  # each query decayed as it is read
+            p = np.float64(Pm[u, t])
+            for i in range(F):
+                y = fk[u, i] * fa[t + 1, i]
+                fk[u, i] = y
+                acc[i] += p * y
+        for i in range(F):
+            dk[b, s0 + t, i] = acc[i]
+
+
 def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk, dv, dH0, dfac, proto):
     """Two passes over the chunks of each sequence of the flattened batch (``docs/design-cpu.md``).
 
@@ -105,6 +176,14 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
         acc = np.empty(F)
         hr = np.empty(F)
         qr = np.empty(F)
+        Cq = C if fac else 1  # the gate rule's GEMM form, float64
+        Qd = np.empty((Cq, F))
+        Kd = np.empty((Cq, F))
+        Pd = np.empty((Cq, Cq))
+        Ad = np.empty((Cq, Cq))
+        X1 = np.empty((Cq, F))
+        X2 = np.empty((Cq, F))
+        pairs_by_gemm = qf.itemsize == 4
         # ------------------------------------------------------------------
         # pass 1, chunks in order: H, dq, the intra-chunk parts of dk and dv
         # (and the factor gradient's two terms that need H but not R)
@@ -136,29 +215,52 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
             chunk_factors_rows(rule, lg, b, s0, n, fa, fb, fe, tot)
             # T = G H^T: the chunk-start state read by each gradient row
             gemm(0, 1, n, F, M1, 1.0, g1, vo, M1, Hw, 0, M1, 0.0, T, 0, F)
-            # rows in order, keys decayed in place: fk[s] = W_ts * k_s (each key decayed as it is read)
-            for t in range(n):
-                for i in range(F):
-                    fk[t, i] = kf[b, s0 + t, i]
-                    acc[i] = fb[t, i] * T[t, i]
-                    qr[i] = qf[b, s0 + t, i]
-                for s in range(t + 1):
-                    p = np.float64(Pm[t, s])
-                    x = 0.0
-                    if s < t:
-                        for i in range(F):
-                            y = fk[s, i] * fa[t, i]
-                            fk[s, i] = y
-                            acc[i] += p * y
-                            x += qr[i] * y
-                    else:
-                        for i in range(F):
-                            y = fk[s, i]
-                            acc[i] += p * y
-                            x += qr[i] * y
-                    Am[t, s] = x
-                for i in range(F):
-                    dq[b, s0 + t, i] = acc[i]
+            gemms = within(fb, n, LOG_SPACE_MIN)
+            if gemms:
+                # W_ts = b_t / b_s (b the running products from the chunk's start): with Qd = Q * b and
+                # Kd = K / b, A = tril(Qd Kd^T), dq = b * (G H^T + tril(P) Kd) and the intra part of
+                # dk = (tril(P)^T Qd) / b, float64 GEMMs
+                for t in range(n):
+                    for i in range(F):
+                        h = fb[t, i]
+                        Qd[t, i] = np.float64(qf[b, s0 + t, i]) * h
+                        Kd[t, i] = np.float64(kf[b, s0 + t, i]) / h
+                    for s in range(n):
+                        Pd[t, s] = np.float64(Pm[t, s]) if s <= t else 0.0
+                gemm(0, 1, n, n, F, 1.0, Qd, 0, F, Kd, 0, F, 0.0, Ad, 0, Cq)
+                gemm(0, 0, n, F, n, 1.0, Pd, 0, Cq, Kd, 0, F, 0.0, X1, 0, F)
+                gemm(1, 0, n, F, n, 1.0, Pd, 0, Cq, Qd, 0, F, 0.0, X2, 0, F)
+                for t in range(n):
+                    for s in range(t + 1):
+                        Am[t, s] = Ad[t, s]
+                    for i in range(F):
+                        h = fb[t, i]
+                        dq[b, s0 + t, i] = h * (np.float64(T[t, i]) + X1[t, i])
+                        dk[b, s0 + t, i] = X2[t, i] / h
+            else:
+                # rows in order, keys decayed in place: fk[s] = W_ts * k_s (each key decayed as it is read)
+                for t in range(n):
+                    for i in range(F):
+                        fk[t, i] = kf[b, s0 + t, i]
+                        acc[i] = fb[t, i] * T[t, i]
+                        qr[i] = qf[b, s0 + t, i]
+                    for s in range(t + 1):
+                        p = np.float64(Pm[t, s])
+                        x = 0.0
+                        if s < t:
+                            for i in range(F):
+                                y = fk[s, i] * fa[t, i]
+                                fk[s, i] = y
+                                acc[i] += p * y
+                                x += qr[i] * y
+                        else:
+                            for i in range(F):
+                                y = fk[s, i]
+                                acc[i] += p * y
+                                x += qr[i] * y
+                        Am[t, s] = x
+                    for i in range(F):
+                        dq[b, s0 + t, i] = acc[i]
             _mask_upper(Am, n)
             # factor gradient, b_{t-1} sum_{u >= t} W_ut q_u (G H^T)_u: a reverse running sum
             for i in range(F):
@@ -179,44 +281,27 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
                 else:
                     for i in range(F):
                         dfac[b, s0 + t, i] = Z[t, i]
-            # factor gradient, sum_{s < t <= u} W_{t-1,s} W_ut k_s q_u P0_us through Z_t[u]
-            for u in range(n):
+            if gemms and pairs_by_gemm and within(fa, n, GATE_PAIRS_MIN):
+                # factor gradient, sum_{s < t <= u} W_{t-1,s} W_ut k_s q_u P0_us = (1 / a_t) sum_{s < t <= u} E_us,
+                # E_us = P0_us Qd_u Kd_s: the pairs with u >= t less those with s >= t, i.e. a reverse running
+                # sum of D_u = Qd_u (tril(P) Kd)_u - Kd_u (tril(P)^T Qd)_u (the diagonal E_uu cancels)
                 for i in range(F):
-                    Z[u, i] = 0.0
-            for t in range(n):
-                if t > 0:
-                    for i in range(F):
-                        acc[i] = 1.0  # W_ut, u = t
+                    acc[i] = 0.0
+                for t in range(n - 1, 0, -1):
                     x = 0.0
-                    for u in range(t, n):
-                        if u > t:
-                            for i in range(F):
-                                acc[i] *= fa[u, i]
-                        for i in range(F):
-                            y = acc[i] * np.float64(qf[b, s0 + u, i]) * Z[u, i]
+                    for i in range(F):
+                        acc[i] += Qd[t, i] * X1[t, i] - Kd[t, i] * X2[t, i]
+                        y = acc[i] / fa[t, i]
+                        if Gd == 1:
                             x += y
-                            if Gd != 1:
-                                dfac[b, s0 + t, i] += y
+                        else:
+                            dfac[b, s0 + t, i] += y
                     if Gd == 1:
                         dfac[b, s0 + t, 0] += x
-                for u in range(t + 1, n):
-                    p = np.float64(Pm[u, t])
-                    for i in range(F):
-                        Z[u, i] = fa[t, i] * Z[u, i] + np.float64(kf[b, s0 + t, i]) * p
-            # dk (intra) = sum_{u >= t} W_ut q_u P0_ut, queries decayed in place backwards
-            for t in range(n - 1, -1, -1):
-                p = np.float64(Pm[t, t])
-                for i in range(F):
-                    fk[t, i] = qf[b, s0 + t, i]
-                    acc[i] = p * fk[t, i]
-                for u in range(t + 1, n):  # each query decayed as it is read
-                    p = np.float64(Pm[u, t])
-                    for i in range(F):
-                        y = fk[u, i] * fa[t + 1, i]
-                        fk[u, i] = y
-                        acc[i] += p * y
-                for i in range(F):
-                    dk[b, s0 + t, i] = acc[i]
+            else:
+                _factor_pairs(qf, kf, Pm, fa, Z, acc, dfac, b, s0, n, F, Gd)
+            if not gemms:
+                _dk_loops(qf, Pm, fa, acc, fk, dk, b, s0, n, F)
             # dv (intra) = A^T G
             gemm(1, 0, n, M1, n, 1.0, Am, 0, C, g1, vo, M1, 0.0, dv, vo, M1)
             # H <- tot * H + (e * K)^T V

@@ -149,7 +149,7 @@ def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADD
         return _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, int(saved[0]), saved[1:])
     if chunk is None:
         chunk = (config.cpu_backward_delta_chunk(N, F, M1, qf.dtype) if delta else
-                 config.cpu_backward_chunk(N, F, M1, qf.dtype, per_feature=rule == RULE_GATE))
+                 config.cpu_backward_chunk(N, F, M1, qf.dtype))
     C = int(chunk)
     if C < 1:
         raise ValueError(f"chunk must be >= 1, got {C}")
