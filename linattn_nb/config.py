@@ -137,7 +137,7 @@ def cpu_backward_chunk(n: int, f: int, m: int, dtype) -> int:
 
     32 against 64 (measured: docs/design-cpu.md, "Chunked backward"): 12-14 % less launcher time for the
     additive rule.  The gate rule, whose chunks run as GEMMs on ``Q * b`` and ``K / b``: 32 and 64 within
-    3 % of each other, 16 slower (1.07-1.2x at f = 64 to 128)."""
+    3 % of each other, 16 slower (1.03-1.2x at f = 64 to 128)."""
     c = BACKWARD_CHUNK if BACKWARD_CHUNK > 0 else 32
     return max(1, min(int(c), int(n)))
 
