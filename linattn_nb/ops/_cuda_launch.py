@@ -470,8 +470,3 @@ def scan_fill(batch: int, f: int, m: int, dtype, rule: int = RULE_ADDITIVE, *, s
         return "owner" if blocks >= int(config.CUDA_AUTO_SCAN_BLOCKS_PER_SM) * sms else ""
     warps = blocks * -(-threads_per_block(R, C, G, MB, rule) // 32)
     return "warps" if warps >= int(config.CUDA_AUTO_SCAN_MIN_WARPS_PER_SM) * sms else ""
-
-
-def scan_fills(batch: int, f: int, m: int, dtype, rule: int = RULE_ADDITIVE, *, sms: int) -> bool:
-    """Whether the scan's blocks fill ``sms`` multiprocessors (:func:`scan_fill`)."""
-    return bool(scan_fill(batch, f, m, dtype, rule, sms=sms))
