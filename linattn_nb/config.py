@@ -158,6 +158,16 @@ def cpu_backward_checkpoint(n: int, f: int, m1: int, itemsize: int) -> int:
 #: docs/guide/configuration.md.
 DPLR_CHUNK = _env_int("LINATTN_DPLR_CHUNK", 16)
 
+#: Chunk size (steps) of the chunked DPLR backward on the CPU (:mod:`linattn_nb.ops.dplr.chunked_grad`),
+#: float64 GEMMs per chunk.  Measured: docs/guide/configuration.md.
+DPLR_BACKWARD_CHUNK = _env_int("LINATTN_DPLR_BACKWARD_CHUNK", 16)
+
+#: ``dplr_attention_vjp(method="auto")`` runs the chunked backward where the forward would run
+#: ``chunked`` (from :data:`DPLR_AUTO_CHUNKED_MIN` steps) and the state has at least this many features
+#: (``D_phi``); the scan backward below, where a chunk's small GEMMs cost more than the scan's loops
+#: (measured: docs/guide/configuration.md).
+DPLR_BACKWARD_CHUNKED_MIN_FEATURES = _env_int("LINATTN_DPLR_BACKWARD_CHUNKED_MIN_FEATURES", 16)
+
 #: ``dplr_attention(method="auto")`` runs ``chunked`` (on the CPU) from this many steps
 #: (``N * r``) on, the scan below (measured: docs/guide/configuration.md).
 DPLR_AUTO_CHUNKED_MIN = _env_int("LINATTN_DPLR_AUTO_CHUNKED_MIN", 32)

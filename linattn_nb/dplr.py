@@ -582,7 +582,12 @@ def dplr_attention_vjp(q, k, v, grad_out, *, rule=None, a=None, b=None, log_diag
 
     Notes
     -----
-    Every method runs the checkpointed scan backward on the CPU (docs/dplr.md, "Gradients").
+    The gradients are computed on the CPU in float64.  ``method="chunked"``, and ``"auto"`` where the
+    forward would run ``chunked`` and ``D_phi >=``
+    :data:`linattn_nb.config.DPLR_BACKWARD_CHUNKED_MIN_FEATURES`, runs the chunk form in reverse (GEMMs
+    per chunk of :data:`linattn_nb.config.DPLR_BACKWARD_CHUNK` steps; tokens with a strong decay or a
+    reset by the scan); ``"scan"`` and ``"quadratic"`` run the checkpointed scan backward (docs/dplr.md,
+    "Gradients").
 
     Examples
     --------
@@ -603,12 +608,19 @@ def dplr_attention_vjp(q, k, v, grad_out, *, rule=None, a=None, b=None, log_diag
     if check_finite and not np.isfinite(dout).all():
         raise ValueError("grad_out contains non-finite values (NaN or inf)")
     dH = _state_grad(grad_state, lead, F, M)
-    from .ops.dplr.cpu import dplr_scan_backward
-
-    C = max(N, 1) if method == "quadratic" else config.cpu_backward_checkpoint(N, F, M + 1, 8)
     ld, A, Bv, KW, VW = R.form
-    dfq, ddiag, dA, dBv, dKW, dVW, dH0 = dplr_scan_backward(np.ascontiguousarray(R.fq), ld, A, Bv, KW, VW,
-                                                            R.H0.copy(), dout, dH, R.norm, R.eps, C)
+    fq = np.ascontiguousarray(R.fq)
+    if method == "chunked" or (method == "auto" and N * A.shape[2] >= config.DPLR_AUTO_CHUNKED_MIN
+                               and F >= config.DPLR_BACKWARD_CHUNKED_MIN_FEATURES):
+        from .ops.dplr.chunked_grad import dplr_chunked_backward
+
+        grads = dplr_chunked_backward(fq, ld, A, Bv, KW, VW, R.H0.copy(), dout, dH, R.norm, R.eps)
+    else:
+        from .ops.dplr.cpu import dplr_scan_backward
+
+        C = max(N, 1) if method == "quadratic" else config.cpu_backward_checkpoint(N, F, M + 1, 8)
+        grads = dplr_scan_backward(fq, ld, A, Bv, KW, VW, R.H0.copy(), dout, dH, R.norm, R.eps, C)
+    dfq, ddiag, dA, dBv, dKW, dVW, dH0 = grads
     g = {"diag": ddiag, "a": dA, "b": dBv, "kw": dKW, "vw": dVW}
     if R.spec is None:
         dfk, dv, dinp = _general_pullback(R, g)

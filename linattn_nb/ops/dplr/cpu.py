@@ -133,81 +133,8 @@ def dplr_scan_backward(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C):  # pr
                         write_step(h, KW[b, t, j if w == r else 0], VW[b, t, j if w == r else 0], F, M)
                 seg[t - t0, r] = h
             for t in range(t1 - 1, t0 - 1, -1):
-                hp = seg[t - t0, r]
-                # the read-out o_t = phi(q_t)^T H_t (/ den)
-                if norm == NORM_NONE:
-                    for i in range(F):
-                        acc = 0.0
-                        for m in range(M):
-                            G[i, m] += fq[b, t, i] * dout[b, t, m]
-                            acc += hp[i, m] * dout[b, t, m]
-                        dfq[b, t, i] = acc
-                else:
-                    den = 0.0
-                    for i in range(F):
-                        den += fq[b, t, i] * hp[i, M]
-                    floored = norm == NORM_FLOOR and den < eps
-                    dd = max(den, eps) if norm == NORM_FLOOR else den
-                    dden = 0.0
-                    for m in range(M):
-                        num = 0.0
-                        for i in range(F):
-                            num += fq[b, t, i] * hp[i, m]
-                        dden -= dout[b, t, m] * num / (dd * dd)
-                    if floored:
-                        dden = 0.0
-                    for i in range(F):
-                        acc = hp[i, M] * dden
-                        for m in range(M):
-                            g = dout[b, t, m] / dd
-                            G[i, m] += fq[b, t, i] * g
-                            acc += hp[i, m] * g
-                        G[i, M] += fq[b, t, i] * dden
-                        dfq[b, t, i] = acc
-                for j in range(r - 1, -1, -1):
-                    hin = seg[t - t0, j]
-                    if w == r or j == r - 1:
-                        jj = j if w == r else 0
-                        for i in range(F):
-                            acc = G[i, M]
-                            for m in range(M):
-                                acc += G[i, m] * VW[b, t, jj, m]
-                            dKW[b, t, jj, i] = acc
-                        for m in range(M):
-                            acc = 0.0
-                            for i in range(F):
-                                acc += G[i, m] * KW[b, t, jj, i]
-                            dVW[b, t, jj, m] = acc
-                    # p = a^T hin; H1 = d * hin + b p^T
-                    for m in range(M1):
-                        acc = 0.0
-                        for i in range(F):
-                            acc += A[b, t, j, i] * hin[i, m]
-                        p[m] = acc
-                    for m in range(M1):
-                        dp[m] = 0.0
-                    for i in range(F):
-                        bi = Bv[b, t, j, i]
-                        accb = 0.0
-                        for m in range(M1):
-                            accb += G[i, m] * p[m]
-                            dp[m] += bi * G[i, m]
-                        dBv[b, t, j, i] = accb
-                    if j == 0 and W > 0:
-                        for i in range(F):
-                            di = math.exp(ld[b, t, i if W > 1 else 0])
-                            acc = 0.0
-                            for m in range(M1):
-                                acc += G[i, m] * hin[i, m]
-                                G[i, m] *= di
-                            ddiag[b, t, i if W > 1 else 0] += acc
-                    for i in range(F):
-                        ai = A[b, t, j, i]
-                        acc = 0.0
-                        for m in range(M1):
-                            acc += hin[i, m] * dp[m]
-                            G[i, m] += ai * dp[m]
-                        dA[b, t, j, i] = acc
+                token_backward(fq, A, Bv, KW, VW, ld, dout, b, t, seg[t - t0], G, p, dp, dfq, ddiag, dA, dBv,
+                               dKW, dVW, norm, eps)
         dH0[b] = G
     return dfq, ddiag, dA, dBv, dKW, dVW, dH0
 
@@ -236,3 +163,92 @@ def write_step(h, kw, vw, F, M):  # pragma: no cover - compiled
             for m in range(M):
                 h[i, m] += ki * vw[m]
             h[i, M] += ki
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, inline="always")
+def token_backward(fq, A, Bv, KW, VW, ld, dout, b, t, st, G, p, dp, dfq, ddiag, dA, dBv, dKW, dVW, norm,
+                   eps):  # pragma: no cover - compiled
+    """Token t of sequence b in reverse: ``st`` (r + 1, F, M + 1) the states before each of its factors
+    and after it, ``G`` (F, M + 1) the adjoint of the state after it, updated in place to the adjoint of
+    the state before it; its gradients are written (``ddiag`` added to) at t.  Scratch: p, dp (M + 1)."""
+    F = fq.shape[2]
+    M = VW.shape[3]
+    M1 = M + 1
+    r = A.shape[2]
+    W = ld.shape[2]
+    w = KW.shape[2]
+    hp = st[r]
+    # the read-out o_t = phi(q_t)^T H_t (/ den)
+    if norm == NORM_NONE:
+        for i in range(F):
+            acc = 0.0
+            for m in range(M):
+                G[i, m] += fq[b, t, i] * dout[b, t, m]
+                acc += hp[i, m] * dout[b, t, m]
+            dfq[b, t, i] = acc
+    else:
+        den = 0.0
+        for i in range(F):
+            den += fq[b, t, i] * hp[i, M]
+        floored = norm == NORM_FLOOR and den < eps
+        dd = max(den, eps) if norm == NORM_FLOOR else den
+        dden = 0.0
+        for m in range(M):
+            num = 0.0
+            for i in range(F):
+                num += fq[b, t, i] * hp[i, m]
+            dden -= dout[b, t, m] * num / (dd * dd)
+        if floored:
+            dden = 0.0
+        for i in range(F):
+            acc = hp[i, M] * dden
+            for m in range(M):
+                g = dout[b, t, m] / dd
+                G[i, m] += fq[b, t, i] * g
+                acc += hp[i, m] * g
+            G[i, M] += fq[b, t, i] * dden
+            dfq[b, t, i] = acc
+    for j in range(r - 1, -1, -1):
+        hin = st[j]
+        if w == r or j == r - 1:
+            jj = j if w == r else 0
+            for i in range(F):
+                acc = G[i, M]
+                for m in range(M):
+                    acc += G[i, m] * VW[b, t, jj, m]
+                dKW[b, t, jj, i] = acc
+            for m in range(M):
+                acc = 0.0
+                for i in range(F):
+                    acc += G[i, m] * KW[b, t, jj, i]
+                dVW[b, t, jj, m] = acc
+        # p = a^T hin; H1 = d * hin + b p^T
+        for m in range(M1):
+            acc = 0.0
+            for i in range(F):
+                acc += A[b, t, j, i] * hin[i, m]
+            p[m] = acc
+        for m in range(M1):
+            dp[m] = 0.0
+        for i in range(F):
+            bi = Bv[b, t, j, i]
+            accb = 0.0
+            for m in range(M1):
+                accb += G[i, m] * p[m]
+                dp[m] += bi * G[i, m]
+            dBv[b, t, j, i] = accb
+        if j == 0 and W > 0:
+            for i in range(F):
+                di = math.exp(ld[b, t, i if W > 1 else 0])
+                acc = 0.0
+                for m in range(M1):
+                    acc += G[i, m] * hin[i, m]
+                    G[i, m] *= di
+                ddiag[b, t, i if W > 1 else 0] += acc
+        for i in range(F):
+            ai = A[b, t, j, i]
+            acc = 0.0
+            for m in range(M1):
+                acc += hin[i, m] * dp[m]
+                G[i, m] += ai * dp[m]
+            dA[b, t, j, i] = acc
