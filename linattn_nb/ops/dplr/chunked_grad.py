@@ -14,6 +14,7 @@ from ... import config
 from ..._blas import single_threaded_blas
 from .._codes import NORM_FLOOR, NORM_NONE
 from .._gemm import gemm
+from .._vec import elu1
 from .chunked import LOG_CUT
 from .cpu import dplr_scan_backward, factor_step, token_backward, write_step
 
@@ -27,11 +28,12 @@ LOG_STRONG = -4.0
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")
-def _forward(fq, A, Bv, KW, VW, b, t0, T, h, lg, gc, X, E, Zh, Zk, V):  # pragma: no cover - compiled
+def _forward(fq, A, Bv, KW, VW, b, t0, T, h, lg, gc, X, E, Zh, Zk, V, reads):  # pragma: no cover - compiled
     """One chunk's forward quantities in float64 from its start state ``h`` (F, M + 1) and cumulative
     log-diagonals ``lg`` (T + 1, F): gc (T, F) = exp(lg[1:]); X = [A^ ; Q^] (S + T rows); E = [B^ ; K^]
     (S + P rows); Zk = X E^T with what a row does not see zeroed; V = [W ; U] (W solved); Zh = [R ; O]
-    with R = A^ h + Zk_AK U (the solve's right side) and O the read-outs' [numerator | normaliser]."""
+    with R = A^ h + Zk_AK U (the solve's right side) and O the read-outs' [numerator | normaliser].
+    Without ``reads`` only the first S rows (what the end state needs)."""
     F, M1 = h.shape
     M = M1 - 1
     r = A.shape[2]
@@ -40,7 +42,7 @@ def _forward(fq, A, Bv, KW, VW, b, t0, T, h, lg, gc, X, E, Zh, Zk, V):  # pragma
     LZ = Zk.shape[1]
     for i in range(T):
         for f in range(F):
-            gc[i, f] = math.exp(lg[i + 1, f])
+            gc[i, f] = elu1(lg[i + 1, f])  # exp (lg <= 0), vectorised
     for i in range(T):
         t = t0 + i
         for j in range(r):
@@ -58,9 +60,10 @@ def _forward(fq, A, Bv, KW, VW, b, t0, T, h, lg, gc, X, E, Zh, Zk, V):  # pragma
             V[s, M] = 1.0
         for f in range(F):
             X[S + i, f] = fq[b, t, f] * gc[i, f]
-    gemm(0, 0, S + T, M1, F, 1.0, X, 0, F, h, 0, M1, 0.0, Zh, 0, M1)
-    gemm(0, 1, S + T, S + P, F, 1.0, X, 0, F, E, 0, F, 0.0, Zk, 0, LZ)
-    _mask(Zk, T, r, w)
+    R = S + T if reads else S
+    gemm(0, 0, R, M1, F, 1.0, X, 0, F, h, 0, M1, 0.0, Zh, 0, M1)
+    gemm(0, 1, R, S + P, F, 1.0, X, 0, F, E, 0, F, 0.0, Zk, 0, LZ)
+    _mask(Zk, T, r, w, reads)
     gemm(0, 0, S, M1, P, 1.0, Zk, S, LZ, V, S * M1, M1, 1.0, Zh, 0, M1)
     for s in range(S):  # W_s = R_s + sum_{s' < s} (a^_s . b^_s') W_s'
         for m in range(M1):
@@ -69,11 +72,12 @@ def _forward(fq, A, Bv, KW, VW, b, t0, T, h, lg, gc, X, E, Zh, Zk, V):  # pragma
             c = Zk[s, s2]
             for m in range(M1):
                 V[s, m] += c * V[s2, m]
-    gemm(0, 0, T, M1, S + P, 1.0, Zk, S * LZ, LZ, V, 0, M1, 1.0, Zh, S * M1, M1)
+    if reads:
+        gemm(0, 0, T, M1, S + P, 1.0, Zk, S * LZ, LZ, V, 0, M1, 1.0, Zh, S * M1, M1)
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _mask(Z, T, r, w):  # pragma: no cover - compiled
+def _mask(Z, T, r, w, reads):  # pragma: no cover - compiled
     """Zero what each row of Z (S + T, S + P) does not see: a step s sees the steps before it and the
     writes made before it (after each step when w = r, after each token's last step when w = 1); a
     token's read-out sees its own steps and writes."""
@@ -83,7 +87,7 @@ def _mask(Z, T, r, w):  # pragma: no cover - compiled
             Z[s, s2] = 0.0
         for q in range(s if w == r else s // r, P):
             Z[s, S + q] = 0.0
-    for i in range(T):
+    for i in range(T if reads else 0):
         for s in range((i + 1) * r, S):
             Z[S + i, s] = 0.0
         for q in range((i + 1) * w, P):
@@ -97,7 +101,7 @@ def _advance_chunk(fq, A, Bv, KW, VW, b, t0, T, h, lg, gc, X, E, Zh, Zk, V, Hn):
     r = A.shape[2]
     w = KW.shape[2]
     S, P = T * r, T * w
-    _forward(fq, A, Bv, KW, VW, b, t0, T, h, lg, gc, X, E, Zh, Zk, V)
+    _forward(fq, A, Bv, KW, VW, b, t0, T, h, lg, gc, X, E, Zh, Zk, V, False)
     gemm(1, 0, F, M1, S + P, 1.0, E, 0, F, V, 0, M1, 0.0, Hn, 0, M1)
     for f in range(F):
         g = gc[T - 1, f]
@@ -143,7 +147,7 @@ def _reverse_chunk(fq, ld, A, Bv, KW, VW, dout, b, t0, T, h, hend, G, lg, gc, dl
     W = ld.shape[2]
     S, P = T * r, T * w
     LZ = Zk.shape[1]
-    _forward(fq, A, Bv, KW, VW, b, t0, T, h, lg, gc, X, E, Zh, Zk, V)
+    _forward(fq, A, Bv, KW, VW, b, t0, T, h, lg, gc, X, E, Zh, Zk, V, True)
     for i in range(T):  # the read-outs' adjoints [d numerator | d normaliser]
         t = t0 + i
         if norm == NORM_NONE:
@@ -179,7 +183,7 @@ def _reverse_chunk(fq, ld, A, Bv, KW, VW, dout, b, t0, T, h, hend, G, lg, gc, dl
                 Dm[s, m] += c * Dm[s2, m]
     gemm(1, 0, P, M1, S, 1.0, Zk, S, LZ, Dm, 0, M1, 1.0, DV, S * M1, M1)  # dU += Zk_AK^T dR
     gemm(0, 1, S + T, S + P, M1, 1.0, Dm, 0, M1, V, 0, M1, 0.0, dZ, 0, LZ)
-    _mask(dZ, T, r, w)
+    _mask(dZ, T, r, w, True)
     gemm(0, 0, S + T, F, S + P, 1.0, dZ, 0, LZ, E, 0, F, 0.0, dX, 0, F)
     gemm(0, 1, S + T, F, M1, 1.0, Dm, 0, M1, h, 0, M1, 1.0, dX, 0, F)
     gemm(1, 0, S + P, F, S + T, 1.0, dZ, 0, LZ, X, 0, F, 0.0, dE, 0, F)
@@ -218,12 +222,12 @@ def _reverse_chunk(fq, ld, A, Bv, KW, VW, dout, b, t0, T, h, hend, G, lg, gc, dl
             t = t0 + i
             if W > 1:
                 for f in range(F):
-                    ddiag[b, t, f] += dlg[i + 1, f] / math.exp(ld[b, t, f])
+                    ddiag[b, t, f] += dlg[i + 1, f] / elu1(ld[b, t, f])
             else:
                 acc = 0.0
                 for f in range(F):
                     acc += dlg[i + 1, f]
-                ddiag[b, t, 0] += acc / math.exp(ld[b, t, 0])
+                ddiag[b, t, 0] += acc / elu1(ld[b, t, 0])
 
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
