@@ -5,6 +5,7 @@ Run (the BLAS kernel as users get it: no forced OpenBLAS core type)::
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/dplr_cpu.py          # the headline
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/dplr_cpu.py --quick  # N = 1024
     python benchmarks/dplr_cpu.py --accuracy  # KDA in float32 at N = 2^20 against the float64 scan
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/dplr_cpu.py --vjp    # gradients / forward
     git archive <commit> | tar -x -C /tmp/old && env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE \
         python benchmarks/dplr_cpu.py --against /tmp/old      # that checkout and this one, side by side
 
@@ -93,6 +94,27 @@ def _cases(N, names=None):
     return cases if names is None else {n: cases[n] for n in names}
 
 
+def _vjp_cases(N):
+    """The forwards of KDA and the general form (chunked) and their ``dplr_attention_vjp`` with the
+    chunked and the scan backward, at the shape of :func:`_cases`."""
+    BH, D, M = 16, 64, 64
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((BH, N, d)).astype(np.float32) for d in (D, D, M))
+    g = rng.standard_normal((BH, N, M)).astype(np.float32)
+    fk = la.feature_maps.get("elu")(k).astype(np.float64)
+    kda = dict(rule="kda", log_decay=np.log(rng.uniform(0.9, 1.0, size=(BH, N, D))),
+               beta=rng.uniform(0.0, 1.0, size=(BH, N)), feature_map="l2", check_finite=False)
+    gen = dict(a=rng.standard_normal((BH, N, D)) * 0.02, b=-fk * 0.01,
+               log_diag=np.log(rng.uniform(0.9, 1.0, size=(BH, N, D))), check_finite=False)
+    cases = {}
+    for name, kw in (("kda", kda), ("general", gen)):
+        cases[f"dplr {name} forward"] = lambda kw=kw: la.dplr_attention(q, k, v, method="chunked", **kw)
+        for m in ("chunked", "scan"):
+            cases[f"dplr {name} vjp, {m} backward"] = lambda kw=kw, m=m: la.dplr_attention_vjp(q, k, v, g, method=m,
+                                                                                                   **kw)
+    return cases
+
+
 AGAINST = ("additive chunked", "dplr general chunked", "dplr kda chunked", "dplr general scan", "dplr kda scan")
 
 
@@ -147,12 +169,32 @@ def against(other, N, rounds) -> int:
     return 0
 
 
+def vjp(N, rounds) -> int:
+    """The gradients' time against the forward (:func:`_vjp_cases`), interleaved rounds."""
+    med, per = interleaved_medians(_vjp_cases(N), rounds)
+    rows = []
+    for name, t in med.items():
+        fwd = "dplr " + name.split()[1] + " forward"
+        ratios = [a / b for a, b in zip(per[name], per[fwd])]
+        rows.append({"case": name, "ms": t * 1e3, "x forward": t / med[fwd],
+                     "per-round range": f"{min(ratios):.2f}-{max(ratios):.2f}"})
+    info = machine()
+    print_machine("# ")
+    print(f"# {info['date']} CPU {cpu_model()} ({info['logical_cpus']} logical, numba threads "
+          f"{info['numba_threads']}, load {info.get('load_avg_1m', float('nan')):.2f}); BLAS {blas_line()}")
+    print(f"# B*H = 16, N = {N}, D = M = 64, float32 inputs; medians of {rounds} interleaved rounds")
+    print(table(rows, ["case", "ms", "x forward", "per-round range"], {"ms": "{:.1f}", "x forward": "{:.2f}"}))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="N = 1024, 5 rounds")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--accuracy", action="store_true", help="KDA float32 at N = 2^20 against the float64 scan")
     ap.add_argument("--against", metavar="DIR", help="a checkout of linattn_nb to time side by side with this one")
+    ap.add_argument("--vjp", action="store_true", help="dplr_attention_vjp (chunked and scan backward) against "
+                    "the forward, KDA and the general form")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.accuracy:
@@ -163,6 +205,8 @@ def main(argv=None) -> int:
     rounds = 5 if args.quick else args.rounds
     if args.against:
         return against(args.against, N, rounds)
+    if args.vjp:
+        return vjp(N, rounds)
     cases = _cases(N)
     med, _ = interleaved_medians(cases, rounds)
     base = med["additive chunked"]
