@@ -110,8 +110,8 @@ def _vjp_cases(N):
     for name, kw in (("kda", kda), ("general", gen)):
         cases[f"dplr {name} forward"] = lambda kw=kw: la.dplr_attention(q, k, v, method="chunked", **kw)
         for m in ("chunked", "scan"):
-            cases[f"dplr {name} vjp, {m} backward"] = lambda kw=kw, m=m: la.dplr_attention_vjp(q, k, v, g, method=m,
-                                                                                                   **kw)
+            cases[f"dplr {name} vjp, {m} backward"] = (
+                lambda kw=kw, m=m: la.dplr_attention_vjp(q, k, v, g, method=m, **kw))
     return cases
 
 

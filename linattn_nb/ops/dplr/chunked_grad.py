@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -231,13 +232,13 @@ def _reverse_chunk(fq, ld, A, Bv, KW, VW, dout, b, t0, T, h, hend, G, lg, gc, dl
 
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def dplr_chunked_backward_kernel(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C, K, cut):  # pragma: no cover
+def dplr_chunked_backward_kernel(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C, K, cut, P):  # pragma: no cover
     """:func:`linattn_nb.ops.dplr.cpu.dplr_scan_backward` in chunks of ``C`` steps, plus a (B,) uint8
     flag: 1 where a sequence was not done (a state not finite), for the caller to run by the scan.
     Segments are chunks, ending before a feature's cumulative log-diagonal passes ``cut``, and runs of
     up to a chunk's tokens by the scan (a token whose log-diagonal is below :data:`LOG_STRONG`, a
     reset among them).  ``K`` segments share a stored state; each group is run again from it in
-    reverse."""
+    reverse.  ``P`` workers, each with its own work arrays, take every P-th sequence."""
     B, N, F = fq.shape
     M = VW.shape[3]
     M1 = M + 1
@@ -255,7 +256,7 @@ def dplr_chunked_backward_kernel(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps,
     dH0 = np.zeros((B, F, M1))
     todo = np.zeros(B, np.uint8)
     ncap = N // K + 2
-    for b in prange(B):
+    for c in prange(P):
         seg0 = np.empty(N + 1, np.int64)
         segT = np.empty(N + 1, np.int64)
         kind = np.empty(N + 1, np.uint8)
@@ -281,91 +282,92 @@ def dplr_chunked_backward_kernel(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps,
         p = np.empty(M1)
         dp = np.empty(M1)
         d = np.ones(F)
-        h = H0[b].copy()
-        # forward: the segments, each group's first state in ck, the last group's states in buf
-        n = 0
-        t0 = 0
-        while t0 < N:
-            T = 0
-            while T < Ct and t0 + T < N:
-                if W > 0:
-                    low = 0.0
-                    strong = False
-                    for f in range(F):
-                        y = ld[b, t0 + T, f if W > 1 else 0]
-                        x = lg[T, f] + y
-                        lg[T + 1, f] = x
-                        low = min(low, x)
-                        strong = strong or not y >= LOG_STRONG
-                    if strong or not low >= cut:
-                        break
-                T += 1
-            if T == 0:  # a scan token: joins the run before it while that holds fewer than Ct tokens
-                if n > 0 and kind[n - 1] == _RUN and segT[n - 1] < Ct:
-                    segT[n - 1] += 1
-                else:
-                    if n >= ncap * K - K:
-                        break
-                    seg0[n], segT[n], kind[n] = t0, 1, _RUN
-                    if n % K == 0:
-                        ck[n // K] = h
-                    buf[n % K] = h
-                    n += 1
-                _advance_token(ld, A, Bv, KW, VW, b, t0, h, p, d)
-                t0 += 1
-                continue
-            if n >= ncap * K - K:
-                break
-            seg0[n], segT[n], kind[n] = t0, T, _CHUNK
-            if n % K == 0:
-                ck[n // K] = h
-            buf[n % K] = h
-            n += 1
-            _advance_chunk(fq, A, Bv, KW, VW, b, t0, T, h, lg, gc, X, E, Zh, Zk, V, Hn)
-            t0 += T
-        finite = t0 >= N
-        for f in range(F):
-            for m in range(M1):
-                finite = finite and math.isfinite(h[f, m])
-        if not finite:
-            todo[b] = 1
-            continue
-        groups = (n + K - 1) // K
-        ck[groups] = h
-        G = dH[b].copy()
-        for gi in range(groups - 1, -1, -1):
-            lo = gi * K
-            hi = min(n, lo + K)
-            if gi < groups - 1:  # the group's states again, from its stored first one
-                h[:, :] = ck[gi]
-                for s in range(lo, hi):
-                    buf[s - lo] = h
-                    if kind[s] == _RUN:
-                        for t in range(seg0[s], seg0[s] + segT[s]):
-                            _advance_token(ld, A, Bv, KW, VW, b, t, h, p, d)
+        for b in range(c, B, P):
+            h = H0[b].copy()
+            # forward: the segments, each group's first state in ck, the last group's states in buf
+            n = 0
+            t0 = 0
+            while t0 < N:
+                T = 0
+                while T < Ct and t0 + T < N:
+                    if W > 0:
+                        low = 0.0
+                        strong = False
+                        for f in range(F):
+                            y = ld[b, t0 + T, f if W > 1 else 0]
+                            x = lg[T, f] + y
+                            lg[T + 1, f] = x
+                            low = min(low, x)
+                            strong = strong or not y >= LOG_STRONG
+                        if strong or not low >= cut:
+                            break
+                    T += 1
+                if T == 0:  # a scan token: joins the run before it while that holds fewer than Ct tokens
+                    if n > 0 and kind[n - 1] == _RUN and segT[n - 1] < Ct:
+                        segT[n - 1] += 1
                     else:
-                        _lg(ld, b, seg0[s], segT[s], lg)
-                        _advance_chunk(fq, A, Bv, KW, VW, b, seg0[s], segT[s], h, lg, gc, X, E, Zh, Zk, V, Hn)
-            for s in range(hi - 1, lo - 1, -1):
-                hend = buf[s + 1 - lo] if s + 1 < hi else ck[gi + 1]
-                a0, T = seg0[s], segT[s]
-                if kind[s] == _CHUNK:
-                    _lg(ld, b, a0, T, lg)
-                    _reverse_chunk(fq, ld, A, Bv, KW, VW, dout, b, a0, T, buf[s - lo], hend, G, lg, gc, dlg, X, E, Zh,
-                                   Zk, V, Dm, DV, dZ, dX, dE, dHt, dh, dfq, ddiag, dA, dBv, dKW, dVW, norm, eps)
-                else:
-                    h[:, :] = buf[s - lo]
-                    for t in range(a0, a0 + T):
-                        for j in range(r):
-                            run[t - a0, j] = h
-                            factor_step(h, A[b, t, j], Bv[b, t, j], ld[b, t], j, W, p, d, F, M1)
-                            if w == r or j == r - 1:
-                                write_step(h, KW[b, t, j if w == r else 0], VW[b, t, j if w == r else 0], F, M)
-                        run[t - a0, r] = h
-                    for t in range(a0 + T - 1, a0 - 1, -1):
-                        token_backward(fq, A, Bv, KW, VW, ld, dout, b, t, run[t - a0], G, p, dp, dfq, ddiag, dA, dBv,
-                                       dKW, dVW, norm, eps)
-        dH0[b] = G
+                        if n >= ncap * K - K:
+                            break
+                        seg0[n], segT[n], kind[n] = t0, 1, _RUN
+                        if n % K == 0:
+                            ck[n // K] = h
+                        buf[n % K] = h
+                        n += 1
+                    _advance_token(ld, A, Bv, KW, VW, b, t0, h, p, d)
+                    t0 += 1
+                    continue
+                if n >= ncap * K - K:
+                    break
+                seg0[n], segT[n], kind[n] = t0, T, _CHUNK
+                if n % K == 0:
+                    ck[n // K] = h
+                buf[n % K] = h
+                n += 1
+                _advance_chunk(fq, A, Bv, KW, VW, b, t0, T, h, lg, gc, X, E, Zh, Zk, V, Hn)
+                t0 += T
+            finite = t0 >= N
+            for f in range(F):
+                for m in range(M1):
+                    finite = finite and math.isfinite(h[f, m])
+            if not finite:
+                todo[b] = 1
+                continue
+            groups = (n + K - 1) // K
+            ck[groups] = h
+            G = dH[b].copy()
+            for gi in range(groups - 1, -1, -1):
+                lo = gi * K
+                hi = min(n, lo + K)
+                if gi < groups - 1:  # the group's states again, from its stored first one
+                    h[:, :] = ck[gi]
+                    for s in range(lo, hi):
+                        buf[s - lo] = h
+                        if kind[s] == _RUN:
+                            for t in range(seg0[s], seg0[s] + segT[s]):
+                                _advance_token(ld, A, Bv, KW, VW, b, t, h, p, d)
+                        else:
+                            _lg(ld, b, seg0[s], segT[s], lg)
+                            _advance_chunk(fq, A, Bv, KW, VW, b, seg0[s], segT[s], h, lg, gc, X, E, Zh, Zk, V, Hn)
+                for s in range(hi - 1, lo - 1, -1):
+                    hend = buf[s + 1 - lo] if s + 1 < hi else ck[gi + 1]
+                    a0, T = seg0[s], segT[s]
+                    if kind[s] == _CHUNK:
+                        _lg(ld, b, a0, T, lg)
+                        _reverse_chunk(fq, ld, A, Bv, KW, VW, dout, b, a0, T, buf[s - lo], hend, G, lg, gc, dlg, X, E,
+                                       Zh, Zk, V, Dm, DV, dZ, dX, dE, dHt, dh, dfq, ddiag, dA, dBv, dKW, dVW, norm, eps)
+                    else:
+                        h[:, :] = buf[s - lo]
+                        for t in range(a0, a0 + T):
+                            for j in range(r):
+                                run[t - a0, j] = h
+                                factor_step(h, A[b, t, j], Bv[b, t, j], ld[b, t], j, W, p, d, F, M1)
+                                if w == r or j == r - 1:
+                                    write_step(h, KW[b, t, j if w == r else 0], VW[b, t, j if w == r else 0], F, M)
+                            run[t - a0, r] = h
+                        for t in range(a0 + T - 1, a0 - 1, -1):
+                            token_backward(fq, A, Bv, KW, VW, ld, dout, b, t, run[t - a0], G, p, dp, dfq, ddiag, dA,
+                                           dBv, dKW, dVW, norm, eps)
+            dH0[b] = G
     return dfq, ddiag, dA, dBv, dKW, dVW, dH0, todo
 
 
@@ -386,7 +388,8 @@ def dplr_chunked_backward(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C=None
     K = max(1, min(int(K), max(N, 1)))
     with single_threaded_blas():
         *res, todo = dplr_chunked_backward_kernel(fq, ld, A, Bv, KW, VW, H0, dout, dH, np.int64(norm), float(eps),
-                                                  np.int64(C), np.int64(K), LOG_CUT)
+                                                  np.int64(C), np.int64(K), LOG_CUT,
+                                                  np.int64(max(1, min(B, numba.get_num_threads()))))
     rows = np.flatnonzero(todo)
     if rows.size:
         Cs = config.cpu_backward_checkpoint(N, F, M1, 8)
