@@ -231,6 +231,119 @@ def _reverse_chunk(fq, ld, A, Bv, KW, VW, dout, b, t0, T, h, hend, G, lg, gc, dl
                 ddiag[b, t, 0] += acc / elu1(ld[b, t, 0])
 
 
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _sequence(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, cut, b, dfq, ddiag, dA, dBv, dKW, dVW, dH0, seg0, segT,
+              kind, ck, buf, run, lg, gc, dlg, X, E, Zh, Zk, V, Dm, DV, dZ, dX, dE, dHt, dh, Hn, p, dp,
+              d):  # pragma: no cover - compiled
+    """Sequence b's gradients (see :func:`dplr_chunked_backward_kernel`) with the work arrays given;
+    False (its gradients not all written) where its state is not finite."""
+    N, F = fq.shape[1], fq.shape[2]
+    M = VW.shape[3]
+    M1 = M + 1
+    Ct = run.shape[0]
+    K = buf.shape[0]
+    ncap = ck.shape[0]
+    W = ld.shape[2]
+    h = H0[b].copy()
+    # forward: the segments, each group's first state in ck, the last group's states in buf
+    n = 0
+    t0 = 0
+    while t0 < N:
+        T = 0
+        while T < Ct and t0 + T < N:
+            if W > 0:
+                low = 0.0
+                strong = False
+                for f in range(F):
+                    y = ld[b, t0 + T, f if W > 1 else 0]
+                    x = lg[T, f] + y
+                    lg[T + 1, f] = x
+                    low = min(low, x)
+                    strong = strong or not y >= LOG_STRONG
+                if strong or not low >= cut:
+                    break
+            T += 1
+        if T == 0:  # a scan token: joins the run before it while that holds fewer than Ct tokens
+            if n > 0 and kind[n - 1] == _RUN and segT[n - 1] < Ct:
+                segT[n - 1] += 1
+            else:
+                if n >= ncap * K - K:
+                    break
+                seg0[n], segT[n], kind[n] = t0, 1, _RUN
+                if n % K == 0:
+                    ck[n // K] = h
+                buf[n % K] = h
+                n += 1
+            _advance_token(ld, A, Bv, KW, VW, b, t0, h, p, d)
+            t0 += 1
+            continue
+        if n >= ncap * K - K:
+            break
+        seg0[n], segT[n], kind[n] = t0, T, _CHUNK
+        if n % K == 0:
+            ck[n // K] = h
+        buf[n % K] = h
+        n += 1
+        _advance_chunk(fq, A, Bv, KW, VW, b, t0, T, h, lg, gc, X, E, Zh, Zk, V, Hn)
+        t0 += T
+    finite = t0 >= N
+    for f in range(F):
+        for m in range(M1):
+            finite = finite and math.isfinite(h[f, m])
+    if not finite:
+        return False
+    groups = (n + K - 1) // K
+    ck[groups] = h
+    G = dH[b].copy()
+    for gi in range(groups - 1, -1, -1):
+        lo = gi * K
+        hi = min(n, lo + K)
+        if gi < groups - 1:  # the group's states again, from its stored first one
+            h[:, :] = ck[gi]
+            for s in range(lo, hi):
+                buf[s - lo] = h
+                if kind[s] == _RUN:
+                    for t in range(seg0[s], seg0[s] + segT[s]):
+                        _advance_token(ld, A, Bv, KW, VW, b, t, h, p, d)
+                else:
+                    _lg(ld, b, seg0[s], segT[s], lg)
+                    _advance_chunk(fq, A, Bv, KW, VW, b, seg0[s], segT[s], h, lg, gc, X, E, Zh, Zk, V, Hn)
+        for s in range(hi - 1, lo - 1, -1):
+            hend = buf[s + 1 - lo] if s + 1 < hi else ck[gi + 1]
+            a0, T = seg0[s], segT[s]
+            if kind[s] == _CHUNK:
+                _lg(ld, b, a0, T, lg)
+                _reverse_chunk(fq, ld, A, Bv, KW, VW, dout, b, a0, T, buf[s - lo], hend, G, lg, gc, dlg, X, E,
+                               Zh, Zk, V, Dm, DV, dZ, dX, dE, dHt, dh, dfq, ddiag, dA, dBv, dKW, dVW, norm, eps)
+            else:
+                _reverse_run(fq, ld, A, Bv, KW, VW, dout, b, a0, T, buf[s - lo], h, G, run, p, dp, d, dfq, ddiag, dA,
+                             dBv, dKW, dVW, norm, eps)
+    dH0[b] = G
+    return True
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _reverse_run(fq, ld, A, Bv, KW, VW, dout, b, a0, T, hstart, h, G, run, p, dp, d, dfq, ddiag, dA, dBv, dKW, dVW,
+                 norm, eps):  # pragma: no cover - compiled
+    """Tokens [a0, a0 + T) by the scan in reverse from the state ``hstart`` before them (``h`` scratch)."""
+    F, M1 = h.shape
+    M = M1 - 1
+    r = A.shape[2]
+    W = ld.shape[2]
+    w = KW.shape[2]
+    h[:, :] = hstart
+    for t in range(a0, a0 + T):
+        for j in range(r):
+            run[t - a0, j] = h
+            factor_step(h, A[b, t, j], Bv[b, t, j], ld[b, t], j, W, p, d, F, M1)
+            if w == r or j == r - 1:
+                write_step(h, KW[b, t, j if w == r else 0], VW[b, t, j if w == r else 0], F, M)
+        run[t - a0, r] = h
+    for t in range(a0 + T - 1, a0 - 1, -1):
+        token_backward(fq, A, Bv, KW, VW, ld, dout, b, t, run[t - a0], G, p, dp, dfq, ddiag, dA, dBv, dKW, dVW, norm,
+                       eps)
+
+
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
 def dplr_chunked_backward_kernel(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C, K, cut, P):  # pragma: no cover
     """:func:`linattn_nb.ops.dplr.cpu.dplr_scan_backward` in chunks of ``C`` steps, plus a (B,) uint8
@@ -283,91 +396,10 @@ def dplr_chunked_backward_kernel(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps,
         dp = np.empty(M1)
         d = np.ones(F)
         for b in range(c, B, P):
-            h = H0[b].copy()
-            # forward: the segments, each group's first state in ck, the last group's states in buf
-            n = 0
-            t0 = 0
-            while t0 < N:
-                T = 0
-                while T < Ct and t0 + T < N:
-                    if W > 0:
-                        low = 0.0
-                        strong = False
-                        for f in range(F):
-                            y = ld[b, t0 + T, f if W > 1 else 0]
-                            x = lg[T, f] + y
-                            lg[T + 1, f] = x
-                            low = min(low, x)
-                            strong = strong or not y >= LOG_STRONG
-                        if strong or not low >= cut:
-                            break
-                    T += 1
-                if T == 0:  # a scan token: joins the run before it while that holds fewer than Ct tokens
-                    if n > 0 and kind[n - 1] == _RUN and segT[n - 1] < Ct:
-                        segT[n - 1] += 1
-                    else:
-                        if n >= ncap * K - K:
-                            break
-                        seg0[n], segT[n], kind[n] = t0, 1, _RUN
-                        if n % K == 0:
-                            ck[n // K] = h
-                        buf[n % K] = h
-                        n += 1
-                    _advance_token(ld, A, Bv, KW, VW, b, t0, h, p, d)
-                    t0 += 1
-                    continue
-                if n >= ncap * K - K:
-                    break
-                seg0[n], segT[n], kind[n] = t0, T, _CHUNK
-                if n % K == 0:
-                    ck[n // K] = h
-                buf[n % K] = h
-                n += 1
-                _advance_chunk(fq, A, Bv, KW, VW, b, t0, T, h, lg, gc, X, E, Zh, Zk, V, Hn)
-                t0 += T
-            finite = t0 >= N
-            for f in range(F):
-                for m in range(M1):
-                    finite = finite and math.isfinite(h[f, m])
-            if not finite:
+            if not _sequence(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, cut, b, dfq, ddiag, dA, dBv, dKW, dVW,
+                             dH0, seg0, segT, kind, ck, buf, run, lg, gc, dlg, X, E, Zh, Zk, V, Dm, DV, dZ, dX, dE, dHt,
+                             dh, Hn, p, dp, d):
                 todo[b] = 1
-                continue
-            groups = (n + K - 1) // K
-            ck[groups] = h
-            G = dH[b].copy()
-            for gi in range(groups - 1, -1, -1):
-                lo = gi * K
-                hi = min(n, lo + K)
-                if gi < groups - 1:  # the group's states again, from its stored first one
-                    h[:, :] = ck[gi]
-                    for s in range(lo, hi):
-                        buf[s - lo] = h
-                        if kind[s] == _RUN:
-                            for t in range(seg0[s], seg0[s] + segT[s]):
-                                _advance_token(ld, A, Bv, KW, VW, b, t, h, p, d)
-                        else:
-                            _lg(ld, b, seg0[s], segT[s], lg)
-                            _advance_chunk(fq, A, Bv, KW, VW, b, seg0[s], segT[s], h, lg, gc, X, E, Zh, Zk, V, Hn)
-                for s in range(hi - 1, lo - 1, -1):
-                    hend = buf[s + 1 - lo] if s + 1 < hi else ck[gi + 1]
-                    a0, T = seg0[s], segT[s]
-                    if kind[s] == _CHUNK:
-                        _lg(ld, b, a0, T, lg)
-                        _reverse_chunk(fq, ld, A, Bv, KW, VW, dout, b, a0, T, buf[s - lo], hend, G, lg, gc, dlg, X, E,
-                                       Zh, Zk, V, Dm, DV, dZ, dX, dE, dHt, dh, dfq, ddiag, dA, dBv, dKW, dVW, norm, eps)
-                    else:
-                        h[:, :] = buf[s - lo]
-                        for t in range(a0, a0 + T):
-                            for j in range(r):
-                                run[t - a0, j] = h
-                                factor_step(h, A[b, t, j], Bv[b, t, j], ld[b, t], j, W, p, d, F, M1)
-                                if w == r or j == r - 1:
-                                    write_step(h, KW[b, t, j if w == r else 0], VW[b, t, j if w == r else 0], F, M)
-                            run[t - a0, r] = h
-                        for t in range(a0 + T - 1, a0 - 1, -1):
-                            token_backward(fq, A, Bv, KW, VW, ld, dout, b, t, run[t - a0], G, p, dp, dfq, ddiag, dA,
-                                           dBv, dKW, dVW, norm, eps)
-            dH0[b] = G
     return dfq, ddiag, dA, dBv, dKW, dVW, dH0, todo
 
 
