@@ -204,9 +204,13 @@ def _features(fmap, x, role, position, work=np.float64):
     return np.asarray(fmap.apply(x, role=role, causal=True, offset=position), dtype=work)
 
 
-def _features_vjp(fmap, x, g, role, position):
+def _features_vjp(fmap, x, g, role, position, dtype):
+    """The gradient with respect to ``x`` of the features' gradient ``g`` (and the map's parameters'); a
+    row map's is computed in float64 and rounded once to ``dtype`` (float32 or float64) as it is stored,
+    which spares a float64 array the size of ``x`` (fresh pages on every call) and its copy."""
     if _row_map(fmap, x):
-        return _rowmaps.vjp(x, g, fmap.kernel_code, np.float64), None  # x read in float64
+        out = dtype if dtype in (np.float32, np.float64) else np.float64
+        return _rowmaps.vjp(x, g, fmap.kernel_code, out), None  # x read in float64
     return fmap.vjp(x, g, role=role, causal=True, offset=position)
 
 
@@ -634,8 +638,8 @@ def dplr_attention_vjp(q, k, v, grad_out, *, rule=None, a=None, b=None, log_diag
         else:
             d_inputs[key] = np.reshape(val, np.shape(R.given[key]))
     fmap = R.fmap
-    dq, pq = _features_vjp(fmap, R.q, dfq.reshape(lead + (N, F)), "query", R.position)
-    dk, pk = _features_vjp(fmap, R.k, dfk.reshape(R.k.shape[:-1] + (F,)), "key", R.position)
+    dq, pq = _features_vjp(fmap, R.q, dfq.reshape(lead + (N, F)), "query", R.position, R.dtype)
+    dk, pk = _features_vjp(fmap, R.k, dfk.reshape(R.k.shape[:-1] + (F,)), "key", R.position, R.dtype)
     params = None
     if pq or pk:
         params = {n: (pq or {}).get(n, 0.0) + (pk or {}).get(n, 0.0) for n in set(pq or {}) | set(pk or {})}
