@@ -99,6 +99,18 @@ class Taylor2FeatureMap(FeatureMap):
 
     def transform(self, x):
         d = x.shape[-1]
+        if x.dtype in (np.float32, np.float64) and x.size:
+            from ._polynomial_kernels import taylor2_rows
+
+            out = np.empty(x.shape[:-1] + (self.output_dim(d),), dtype=x.dtype)
+            taylor2_rows(np.ascontiguousarray(x).reshape(-1, d), math.sqrt(self.effective_scale(d)),
+                         out.reshape(-1, out.shape[-1]))
+            return out
+        return self._transform_numpy(x)
+
+    def _transform_numpy(self, x):
+        """The NumPy form of :meth:`transform` (the compiled rows' reference; float16 inputs)."""
+        d = x.shape[-1]
         xs = np.asarray(x, dtype=np.float64) * math.sqrt(self.effective_scale(d))
         i, j = np.triu_indices(d)
         w = np.where(i == j, 1.0 / math.sqrt(2.0), 1.0)
@@ -107,9 +119,21 @@ class Taylor2FeatureMap(FeatureMap):
         return np.concatenate([ones, xs, quad], axis=-1).astype(x.dtype, copy=False)
 
     def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
-        x, g, out_dtype = vjp_inputs(self, x, grad_features, role)
+        x, g, out_dtype = vjp_inputs(self, x, grad_features, role, cast=False)
         d = x.shape[-1]
         root = math.sqrt(self.effective_scale(d))
+        if x.dtype in (np.float32, np.float64) and g.dtype in (np.float32, np.float64) and x.size:
+            from ._polynomial_kernels import taylor2_vjp_rows
+
+            out = np.empty(x.shape, dtype=out_dtype)
+            taylor2_vjp_rows(np.ascontiguousarray(x).reshape(-1, d), np.ascontiguousarray(g).reshape(-1, g.shape[-1]),
+                             root, out.reshape(-1, d))
+            return out, None
+        return self._vjp_numpy(x, np.asarray(g, dtype=np.float64), out_dtype, root)
+
+    def _vjp_numpy(self, x, g, out_dtype, root):
+        """The NumPy form of :meth:`vjp` (the compiled rows' reference; float16 and integer inputs)."""
+        d = x.shape[-1]
         xs = np.asarray(x, dtype=np.float64) * root
         dxs = g[..., 1:1 + d].copy()
         gq = g[..., 1 + d:]
