@@ -36,15 +36,37 @@ class DpfpFeatureMap(FeatureMap):
         d = x.shape[-1]
         if self.nu >= 2 * d:
             raise ValueError(f"dpfp: nu={self.nu} must be smaller than 2*D={2 * d}")
+        if x.dtype in (np.float32, np.float64) and x.size:
+            from ._polynomial_kernels import dpfp_rows
+
+            out = np.empty(x.shape[:-1] + (self.output_dim(d),), dtype=x.dtype)
+            dpfp_rows(np.ascontiguousarray(x).reshape(-1, d), self.nu, out.reshape(-1, out.shape[-1]))
+            return out
+        return self._transform_numpy(x)
+
+    def _transform_numpy(self, x):
+        """The NumPy form of :meth:`transform` (the compiled rows' reference; float16 inputs)."""
         r = np.maximum(np.concatenate([x, -x], axis=-1), 0)
         parts = [r * np.roll(r, -j, axis=-1) for j in range(1, self.nu + 1)]
         return np.concatenate(parts, axis=-1).astype(x.dtype, copy=False)
 
     def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
-        x, g, out_dtype = vjp_inputs(self, x, grad_features, role)
+        x, g, out_dtype = vjp_inputs(self, x, grad_features, role, cast=False)
         d = x.shape[-1]
         if self.nu >= 2 * d:
             raise ValueError(f"dpfp: nu={self.nu} must be smaller than 2*D={2 * d}")
+        if x.dtype in (np.float32, np.float64) and g.dtype in (np.float32, np.float64) and x.size:
+            from ._polynomial_kernels import dpfp_vjp_rows
+
+            out = np.empty(x.shape, dtype=out_dtype)
+            dpfp_vjp_rows(np.ascontiguousarray(x).reshape(-1, d), np.ascontiguousarray(g).reshape(-1, g.shape[-1]),
+                          self.nu, out.reshape(-1, d))
+            return out, None
+        return self._vjp_numpy(x, np.asarray(g, dtype=np.float64), out_dtype)
+
+    def _vjp_numpy(self, x, g, out_dtype):
+        """The NumPy form of :meth:`vjp` (the compiled rows' reference; float16 and integer inputs)."""
+        d = x.shape[-1]
         y = np.asarray(x, dtype=np.float64)
         s = np.concatenate([y, -y], axis=-1)
         r = np.maximum(s, 0.0)
