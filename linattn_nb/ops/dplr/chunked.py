@@ -249,6 +249,32 @@ def _chunk_keyed(fq, K, cb, cw, VW, out, b, t0, T, h, hn, fresh, lg, gc, gv, hw,
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def chunk_extent(ld, b, t0, Ct, lg, cut, strong):  # pragma: no cover - compiled
+    """``(T, up)``: the next chunk of sequence b takes tokens [t0, t0 + T), T <= Ct, stopping before a
+    token that takes a feature's cumulative log-diagonal below ``cut`` or has one below ``strong``;
+    ``lg[1:]`` holds the cumulative log-diagonals of the tokens read (the first one not taken
+    included), ``up`` counts their log-diagonals > 0 (an error of the caller's; NaN fails the results)."""
+    N, W = ld.shape[1], ld.shape[2]
+    T = 0
+    up = 0
+    while T < Ct and t0 + T < N:
+        if W > 0:
+            low = 0.0
+            weak = True
+            for f in range(lg.shape[1]):
+                y = ld[b, t0 + T, f if W > 1 else 0]
+                x = lg[T, f] + y
+                lg[T + 1, f] = x
+                low = min(low, x)
+                up += 1 if y > 0.0 else 0
+                weak = weak and not y < strong
+            if not (weak and low >= cut):
+                break
+        T += 1
+    return T, up
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def _scan_token(fq, ld, A, Bv, KW, VW, cb, cw, out, b, t, h, p, d, rows, norm, eps):  # pragma: no cover - compiled
     """Token t of sequence b by the scan on the float64 state h; False when an output is not finite.
     The keyed form's rows are made in ``rows`` (3, F)."""
@@ -288,7 +314,6 @@ def dplr_chunked_kernel(fq, ld, A, Bv, KW, VW, cb, cw, H, out, norm, eps, C, cut
     M = VW.shape[3]
     M1 = M + 1
     r = A.shape[2]
-    W = ld.shape[2]
     w = KW.shape[2]
     Ct = max(1, C // r)
     S0, P0 = Ct * r, Ct * w
@@ -316,22 +341,9 @@ def dplr_chunked_kernel(fq, ld, A, Bv, KW, VW, cb, cw, H, out, norm, eps, C, cut
         t0 = 0
         while t0 < N:
             # the chunk's tokens [t0, t0 + T): stop before a token that takes a feature below cut
-            T = 0
-            while T < Ct and t0 + T < N:
-                if W > 0:
-                    low = 0.0
-                    up = 0
-                    for f in range(F):
-                        y = ld[b, t0 + T, f if W > 1 else 0]
-                        x = lg[T, f] + y
-                        lg[T + 1, f] = x
-                        low = min(low, x)
-                        up += 1 if y > 0.0 else 0  # a log-diagonal > 0 (NaN fails the results)
-                    if up > 0:
-                        bad[b] |= 2
-                    if not low >= cut:
-                        break
-                T += 1
+            T, up = chunk_extent(ld, b, t0, Ct, lg, cut, -math.inf)
+            if up > 0:
+                bad[b] |= 2
             if T == 0:  # a reset (or a decay below cut in one token): the scan, one token
                 if not _scan_token(fq, ld, A, Bv, KW, VW, cb, cw, out, b, t0, h, p, d, rows, norm, eps):
                     bad[b] = 1

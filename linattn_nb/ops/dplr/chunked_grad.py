@@ -16,8 +16,8 @@ from ..._blas import single_threaded_blas
 from .._codes import NORM_FLOOR, NORM_NONE
 from .._gemm import gemm
 from .._vec import elu1
-from .chunked import LOG_CUT
-from .cpu import dplr_scan_backward, factor_step, token_backward, write_step
+from .chunked import LOG_CUT, chunk_extent
+from .cpu import dplr_scan_backward, factor_step, grad_arrays, reverse_tokens, write_step
 
 _CHUNK, _RUN = 0, 1  # segment kinds: a chunk of GEMMs, a run of scan tokens
 
@@ -244,26 +244,12 @@ def _sequence(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, cut, b, dfq, ddiag
     Ct = run.shape[0]
     K = buf.shape[0]
     ncap = ck.shape[0]
-    W = ld.shape[2]
     h = H0[b].copy()
     # forward: the segments, each group's first state in ck, the last group's states in buf
     n = 0
     t0 = 0
     while t0 < N:
-        T = 0
-        while T < Ct and t0 + T < N:
-            if W > 0:
-                low = 0.0
-                strong = False
-                for f in range(F):
-                    y = ld[b, t0 + T, f if W > 1 else 0]
-                    x = lg[T, f] + y
-                    lg[T + 1, f] = x
-                    low = min(low, x)
-                    strong = strong or not y >= LOG_STRONG
-                if strong or not low >= cut:
-                    break
-            T += 1
+        T = chunk_extent(ld, b, t0, Ct, lg, cut, LOG_STRONG)[0]
         if T == 0:  # a scan token: joins the run before it while that holds fewer than Ct tokens
             if n > 0 and kind[n - 1] == _RUN and segT[n - 1] < Ct:
                 segT[n - 1] += 1
@@ -317,32 +303,10 @@ def _sequence(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, cut, b, dfq, ddiag
                 _reverse_chunk(fq, ld, A, Bv, KW, VW, dout, b, a0, T, buf[s - lo], hend, G, lg, gc, dlg, X, E,
                                Zh, Zk, V, Dm, DV, dZ, dX, dE, dHt, dh, dfq, ddiag, dA, dBv, dKW, dVW, norm, eps)
             else:
-                _reverse_run(fq, ld, A, Bv, KW, VW, dout, b, a0, T, buf[s - lo], h, G, run, p, dp, d, dfq, ddiag, dA,
+                reverse_tokens(fq, ld, A, Bv, KW, VW, dout, b, a0, T, buf[s - lo], h, G, run, p, dp, d, dfq, ddiag, dA,
                              dBv, dKW, dVW, norm, eps)
     dH0[b] = G
     return True
-
-
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _reverse_run(fq, ld, A, Bv, KW, VW, dout, b, a0, T, hstart, h, G, run, p, dp, d, dfq, ddiag, dA, dBv, dKW, dVW,
-                 norm, eps):  # pragma: no cover - compiled
-    """Tokens [a0, a0 + T) by the scan in reverse from the state ``hstart`` before them (``h`` scratch)."""
-    F, M1 = h.shape
-    M = M1 - 1
-    r = A.shape[2]
-    W = ld.shape[2]
-    w = KW.shape[2]
-    h[:, :] = hstart
-    for t in range(a0, a0 + T):
-        for j in range(r):
-            run[t - a0, j] = h
-            factor_step(h, A[b, t, j], Bv[b, t, j], ld[b, t], j, W, p, d, F, M1)
-            if w == r or j == r - 1:
-                write_step(h, KW[b, t, j if w == r else 0], VW[b, t, j if w == r else 0], F, M)
-        run[t - a0, r] = h
-    for t in range(a0 + T - 1, a0 - 1, -1):
-        token_backward(fq, A, Bv, KW, VW, ld, dout, b, t, run[t - a0], G, p, dp, dfq, ddiag, dA, dBv, dKW, dVW, norm,
-                       eps)
 
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
@@ -357,17 +321,10 @@ def dplr_chunked_backward_kernel(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps,
     M = VW.shape[3]
     M1 = M + 1
     r = A.shape[2]
-    W = ld.shape[2]
     w = KW.shape[2]
     Ct = max(1, C // r)
     S0, P0 = Ct * r, Ct * w
-    dfq = np.zeros((B, N, F))
-    ddiag = np.zeros((B, N, W))
-    dA = np.zeros(A.shape)
-    dBv = np.zeros(Bv.shape)
-    dKW = np.zeros(KW.shape)
-    dVW = np.zeros(VW.shape)
-    dH0 = np.zeros((B, F, M1))
+    dfq, ddiag, dA, dBv, dKW, dVW, dH0 = grad_arrays(fq, ld, A, Bv, KW, VW)
     todo = np.zeros(B, np.uint8)
     ncap = N // K + 2
     for c in prange(P):

@@ -96,13 +96,7 @@ def dplr_scan_backward(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C):  # pr
     W = ld.shape[2]
     w = KW.shape[2]
     M1 = M + 1
-    dfq = np.zeros((B, N, F))
-    ddiag = np.zeros((B, N, W))
-    dA = np.zeros(A.shape)
-    dBv = np.zeros(Bv.shape)
-    dKW = np.zeros(KW.shape)
-    dVW = np.zeros(VW.shape)
-    dH0 = np.zeros((B, F, M1))
+    dfq, ddiag, dA, dBv, dKW, dVW, dH0 = grad_arrays(fq, ld, A, Bv, KW, VW)
     nck = (N + C - 1) // C if N > 0 else 0
     for b in prange(B):
         ck = np.empty((nck + 1, F, M1))
@@ -124,19 +118,41 @@ def dplr_scan_backward(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C):  # pr
         for s in range(nck - 1, -1, -1):
             t0 = s * C
             t1 = min(N, t0 + C)
-            h[:, :] = ck[s]
-            for t in range(t0, t1):
-                for j in range(r):
-                    seg[t - t0, j] = h
-                    factor_step(h, A[b, t, j], Bv[b, t, j], ld[b, t], j, W, p, d, F, M1)
-                    if w == r or j == r - 1:
-                        write_step(h, KW[b, t, j if w == r else 0], VW[b, t, j if w == r else 0], F, M)
-                seg[t - t0, r] = h
-            for t in range(t1 - 1, t0 - 1, -1):
-                token_backward(fq, A, Bv, KW, VW, ld, dout, b, t, seg[t - t0], G, p, dp, dfq, ddiag, dA, dBv,
-                               dKW, dVW, norm, eps)
+            reverse_tokens(fq, ld, A, Bv, KW, VW, dout, b, t0, t1 - t0, ck[s], h, G, seg, p, dp, d, dfq, ddiag, dA,
+                           dBv, dKW, dVW, norm, eps)
         dH0[b] = G
     return dfq, ddiag, dA, dBv, dKW, dVW, dH0
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def reverse_tokens(fq, ld, A, Bv, KW, VW, dout, b, a0, T, hstart, h, G, run, p, dp, d, dfq, ddiag, dA, dBv, dKW, dVW,
+                 norm, eps):  # pragma: no cover - compiled
+    """Tokens [a0, a0 + T) of sequence b in reverse, from the state ``hstart`` before them: their states
+    again into ``run`` (T, r + 1, F, M + 1; ``h`` scratch), then :func:`token_backward` from the last."""
+    F, M1 = h.shape
+    M = M1 - 1
+    r = A.shape[2]
+    W = ld.shape[2]
+    w = KW.shape[2]
+    h[:, :] = hstart
+    for t in range(a0, a0 + T):
+        for j in range(r):
+            run[t - a0, j] = h
+            factor_step(h, A[b, t, j], Bv[b, t, j], ld[b, t], j, W, p, d, F, M1)
+            if w == r or j == r - 1:
+                write_step(h, KW[b, t, j if w == r else 0], VW[b, t, j if w == r else 0], F, M)
+        run[t - a0, r] = h
+    for t in range(a0 + T - 1, a0 - 1, -1):
+        token_backward(fq, A, Bv, KW, VW, ld, dout, b, t, run[t - a0], G, p, dp, dfq, ddiag, dA, dBv, dKW, dVW, norm,
+                       eps)
+
+
+@njit(cache=config.CACHE)
+def grad_arrays(fq, ld, A, Bv, KW, VW):  # pragma: no cover - compiled
+    """The backward kernels' results, zeros: ``(dfq, ddiag, dA, dBv, dKW, dVW, dH0)`` float64."""
+    B, N, F = fq.shape
+    return (np.zeros((B, N, F)), np.zeros((B, N, ld.shape[2])), np.zeros(A.shape), np.zeros(Bv.shape),
+            np.zeros(KW.shape), np.zeros(VW.shape), np.zeros((B, F, VW.shape[3] + 1)))
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, inline="always")
