@@ -14,8 +14,9 @@ class L2FeatureMap(FeatureMap):
     """L2 normalisation: ``phi(x) = x / ||x||`` per row, exactly (a zero row maps to zero).
 
     DeltaNet's keys and queries (Yang et al. 2024): with unit keys and ``beta`` in [0, 2] the delta
-    rule's state stays bounded.  No epsilon; the norm is taken in float64 (rows whose squares
-    overflow still normalise).  Signed features: the normaliser can be <= 0.  Applied inside the
+    rule's state stays bounded.  No epsilon; the norm is taken in float64, with the row scaled by a
+    power of two (exact) so that no square overflows or underflows: every finite non-zero row maps to
+    its unit direction, however large or small.  Signed features: the normaliser can be <= 0.  Applied inside the
     kernels (``kernel_code``).
     """
 
@@ -26,8 +27,17 @@ class L2FeatureMap(FeatureMap):
     def _pre(self, x):
         return np.asarray(x, dtype=np.float64)
 
+    @staticmethod
+    def _scaled(y):
+        """``(y', e)``: the rows of ``y`` scaled by powers of two, ``y' = y 2^-e`` (exact), so that each row's
+        largest magnitude is in [0.5, 1) and its squares neither overflow nor underflow; ``e = 0`` for zero
+        and non-finite rows.  ``y' / |y'|`` is ``y / |y|``."""
+        mx = np.max(np.abs(y), axis=-1, keepdims=True, initial=0.0)
+        e = np.where(np.isfinite(mx), np.frexp(mx)[1], 0)
+        return np.ldexp(y, -e), e
+
     def transform(self, x):
-        y = self._pre(x)
+        y, _ = self._scaled(self._pre(x))
         nrm = np.linalg.norm(y, axis=-1, keepdims=True)
         with np.errstate(invalid="ignore", divide="ignore"):
             out = np.where(nrm > 0, y / np.where(nrm > 0, nrm, 1.0), 0.0)
@@ -44,12 +54,13 @@ class L2FeatureMap(FeatureMap):
         zero features and gets a zero gradient.
         """
         x, g, out_dtype = vjp_inputs(self, x, grad_features, role)
-        s = self._pre(x)
+        s, e = self._scaled(self._pre(x))  # |s| of the unscaled row is |s'| 2^e
         nrm = np.linalg.norm(s, axis=-1, keepdims=True)
         safe = np.where(nrm > 0, nrm, 1.0)
-        with np.errstate(invalid="ignore", divide="ignore"):
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
             f = s / safe
-            ds = np.where(nrm > 0, (g - f * np.einsum("...i,...i->...", f, g)[..., None]) / safe, 0.0)
+            ds = np.where(nrm > 0, np.ldexp((g - f * np.einsum("...i,...i->...", f, g)[..., None]) / safe, -e),
+                          0.0)
         dx = ds * self._dpre(np.asarray(x, dtype=np.float64))
         return dx.astype(out_dtype, copy=False), None
 

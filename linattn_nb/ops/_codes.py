@@ -97,3 +97,8 @@ def check_rule_inputs(rule, inputs) -> int:
         takes = f"takes the inputs {list(want)}" if want else "takes no extra inputs"
         raise ValueError(f"inputs: the {name} rule {takes}, got {list(got)}")
     return int(RULES[name][0])
+
+#: The L2 row maps: a row's float64 sum of squares below this, or an infinite one, is summed again with the
+#: row scaled by a power of two (exact; :func:`linattn_nb.ops._common.scale_exponent`): above it, a square
+#: lost to underflow changes the sum by at most 2^-63 of its last bit; a finite sum had no square overflow.
+SS_TINY = 2.0 ** -960

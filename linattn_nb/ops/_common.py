@@ -6,12 +6,15 @@ computed a row at a time by :func:`l2_row`.
 """
 from __future__ import annotations
 
+import math
+
 from numba import njit
 
 from .. import config
 import numpy as np
 
-from ._codes import KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_RELU, KERNEL_CODE_SILU_L2, KERNEL_CODE_SQUARED_RELU
+from ._codes import (KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_RELU, KERNEL_CODE_SILU_L2, KERNEL_CODE_SQUARED_RELU,
+                     SS_TINY)
 from ._vec import elu1, is_finite, relu, relu2, silu, to_work
 
 
@@ -35,6 +38,22 @@ def phi(x, code):
 def is_row_map(code):
     """Whether feature map ``code`` works on whole rows (the L2 maps), not element by element."""
     return code == KERNEL_CODE_L2 or code == KERNEL_CODE_SILU_L2
+
+
+@njit(cache=config.CACHE)
+def rescale_needed(ss):
+    """Whether a row's float64 sum of squares ``ss`` overflowed or may have lost squares to underflow
+    (below :data:`~linattn_nb.ops._codes.SS_TINY`; False for NaN, which propagates)."""
+    return ss < SS_TINY or ss > 1.7976931348623157e308
+
+
+@njit(cache=config.CACHE)
+def scale_exponent(mx):
+    """``e`` with ``mx`` (a row's largest magnitude) in ``[2^(e-1), 2^e)``, so that ``ldexp(y, -e)`` is exact
+    for every element ``y`` and the row's largest is in [0.5, 1); 0 where ``mx`` is 0, inf or NaN."""
+    if mx > 0.0 and mx <= 1.7976931348623157e308:
+        return math.frexp(mx)[1]
+    return 0
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -71,6 +90,12 @@ def l2_row(src, b, t, dst, code):
         mx = 0.0
         for i in range(F):
             mx = max(mx, abs(dst[i]))
+    if 0.0 < mx < SS_TINY:
+        # a row of subnormals (float64): 1 / mx would overflow, so the row is scaled by a power of two first
+        e = scale_exponent(mx)
+        for i in range(F):
+            dst[i] = math.ldexp(dst[i], -e)
+        mx = math.ldexp(mx, -e)
     inv = 1.0 / mx if mx > 0.0 else 0.0
     s = 0.0
     for i in range(F):

@@ -12,7 +12,9 @@ from numba import cuda, float64, uint32
 
 from ._codes import (KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_RELU, KERNEL_CODE_SILU_L2,
                      KERNEL_CODE_SQUARED_RELU, RULE_ADDITIVE, RULE_DECAY, RULE_DELTA, RULE_GATE,
-                     RULE_GATED_DELTA)
+                     RULE_GATED_DELTA, SS_TINY)
+
+_DBL_MAX = 1.7976931348623157e308
 
 
 def _simulated_shfl_xor_sync(self, mask, value, lane_mask):
@@ -157,13 +159,30 @@ def l2_normalize_row(a, t, n):
     """Divide ``a[t, :n]`` by its Euclidean norm in place (the L2 half of codes 4 and 5).
 
     No epsilon; the sum of squares, root and division run in float64 and the quotient
-    is rounded once, so a float32 row whose squares overflow is still normalised.  A
+    is rounded once, so a float32 row whose squares overflow is still normalised; a float64
+    row whose squares overflow or underflow is scaled by a power of two first.  A
     zero row stays zero; a NaN row becomes NaN (the NumPy map gives 0).
     """
     ss = 0.0
     for i in range(n):
         x = float64(a[t, i])
         ss += x * x
+    if ss < SS_TINY or ss > _DBL_MAX:
+        # squares that underflowed or overflowed (a float64 row beyond 1e+-154): the row is scaled by a
+        # power of two first (exact), as on the CPU; a zero or non-finite row is left to the plain path
+        mx = 0.0
+        for i in range(n):
+            mx = max(mx, abs(float64(a[t, i])))
+        if mx > 0.0 and mx <= _DBL_MAX:
+            e = math.frexp(mx)[1]
+            ss = 0.0
+            for i in range(n):
+                x = math.ldexp(float64(a[t, i]), -e)
+                ss += x * x
+            nrm = math.sqrt(ss)
+            for i in range(n):
+                a[t, i] = math.ldexp(float64(a[t, i]), -e) / nrm
+            return
     if ss != 0.0:
         nrm = math.sqrt(ss)
         for i in range(n):

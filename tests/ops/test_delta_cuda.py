@@ -387,3 +387,21 @@ def test_delta_kernels_compile_to_ptx():
     assert len(res) == 4
     for key, val in res.items():
         assert val == {"target": True, "entry": True, "local": False}, (key, val)
+
+
+@pytest.mark.parametrize("k_pow", [-1068, -600, 600])
+def test_row_maps_float64_rows_at_the_ends_of_the_range(k_pow):
+    """A float64 key and query row scaled by 2^k_pow (squares that overflow or underflow, subnormals):
+    'l2' in the kernel still gives the row's direction, so the output is the unscaled inputs' (the CPU
+    kernels do the same: tests/feature_maps/test_l2_extreme_rows.py)."""
+    rng = np.random.default_rng(2)
+    q = rng.integers(-4, 5, (1, 4, F)).astype(np.float64)
+    k = rng.integers(-4, 5, (1, 4, F)).astype(np.float64)
+    q[0, 0] = k[0, 0] = 1.0
+    v = rng.normal(size=(1, 4, M))
+    q2, k2 = q.copy(), k.copy()
+    k2[0, 1] = np.ldexp(k[0, 1], k_pow)
+    q2[0, 2] = np.ldexp(q[0, 2], k_pow)
+    kw = dict(causal=True, device="cuda", method="scan", feature_map="l2", beta=np.full((1, 4), 0.5))
+    np.testing.assert_allclose(la.linear_attention(q2, k2, v, **kw), la.linear_attention(q, k, v, **kw),
+                               rtol=0, atol=1e-15)

@@ -57,12 +57,17 @@ def _reference(x, g, silu):
         else:
             s, ds = y, np.ones_like(y)
             ds_terms = ds
+        # each finite row scaled by a power of two (exact) so that no square overflows or underflows: a row
+        # of 1e-300 or of SiLU(-710) (subnormal) still has its unit direction; |s| is |s'| 2^e
+        mx = np.max(np.abs(s), axis=-1, keepdims=True)
+        e = np.where(np.isfinite(mx), np.frexp(mx)[1], 0)
+        s = np.ldexp(s, -e)
         nrm = np.sqrt(np.sum(s * s, axis=-1, keepdims=True))
         live = nrm > 0  # NaN rows and zero rows: zero features, zero gradient
         f = np.where(live, s / np.where(live, nrm, 1), 0.0)
         fg = np.sum(f * g, axis=-1, keepdims=True)
-        dx = np.where(live, (g - f * fg) / np.where(live, nrm, 1) * ds, 0.0)
-        scale = np.where(live, (np.abs(g) + np.abs(f * fg)) / np.where(live, nrm, 1) * ds_terms, 0.0)
+        dx = np.where(live, np.ldexp((g - f * fg) / np.where(live, nrm, 1), -e) * ds, 0.0)
+        scale = np.where(live, np.ldexp((np.abs(g) + np.abs(f * fg)) / np.where(live, nrm, 1), -e) * ds_terms, 0.0)
     return f, dx, scale  # scale: the size of the terms of dx, for its rounding error
 
 

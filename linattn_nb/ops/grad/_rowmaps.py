@@ -13,6 +13,7 @@ from numba import njit, prange
 
 from ... import config
 from .._codes import KERNEL_CODE_L2, KERNEL_CODE_SILU_L2
+from .._common import rescale_needed, scale_exponent
 from .._vec import elu1, is_finite
 
 #: Map codes whose features and VJP are computed here.
@@ -61,6 +62,36 @@ def _silu_fast(y):
     return y * sig, sig * (1.0 + y * sig_neg)
 
 
+@njit(cache=config.CACHE)
+def _row_exponent(s):
+    """:func:`~linattn_nb.ops._common.scale_exponent` of the row ``s``'s largest magnitude."""
+    mx = 0.0
+    for i in range(s.shape[0]):
+        a = abs(s[i])
+        if a > mx:  # NaN skipped
+            mx = a
+    return scale_exponent(mx)
+
+
+@njit(cache=config.CACHE)
+def _rescale(s, ss):
+    """Scale the row ``s`` in place by the power of two of :func:`_row_exponent` (exact); return its new
+    sum of squares and the exponent ``e`` (``(ss, 0)`` back, unscaled, for a zero or non-finite row).
+
+    For a row whose float64 sum of squares overflowed or lost squares to underflow (``rescale_needed``):
+    ``s / |s|`` is the same for the scaled row ``s'``, and the VJP's ``1 / |s|`` is ``ldexp(1 / |s'|, -e)``.
+    """
+    e = _row_exponent(s)
+    if e == 0:
+        return ss, 0
+    ss = 0.0
+    for i in range(s.shape[0]):
+        y = math.ldexp(s[i], -e)
+        s[i] = y
+        ss += y * y
+    return ss, e
+
+
 @njit(parallel=True, fastmath=_FLAGS, cache=config.CACHE, error_model="numpy")
 def _features_kernel(x, out, silu):
     R, D = x.shape
@@ -92,6 +123,8 @@ def _features_kernel(x, out, silu):
                     good &= is_finite(y)
                     s[i] = y
                     ss += y * y
+            if rescale_needed(ss):
+                ss = _rescale(s, ss)[0]
             nrm = math.sqrt(ss)
             if nrm > 0:
                 for i in range(D):
@@ -139,6 +172,9 @@ def _vjp_kernel(x, g, out, silu):
                     y = np.float64(x[r, i])
                     f[i] = y
                     ss += y * y
+            e = 0
+            if rescale_needed(ss):
+                ss, e = _rescale(f, ss)
             nrm = math.sqrt(ss)
             if not nrm > 0:
                 for i in range(D):
@@ -157,6 +193,9 @@ def _vjp_kernel(x, g, out, silu):
             else:
                 for i in range(D):
                     f[i] = (np.float64(g[r, i]) - f[i] * fg) / nrm
+            if e != 0:
+                for i in range(D):
+                    f[i] = math.ldexp(f[i], -e)  # 1 / |s| of the unscaled row
             for i in range(D):
                 y = out.dtype.type(f[i])
                 out[r, i] = y

@@ -13,7 +13,7 @@ from numba import njit, prange
 from ... import config
 from .._codes import (KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_SILU_L2, NORM_FLOOR, NORM_NONE, RULE_ADDITIVE,
                       RULE_DECAY, RULE_GATED_DELTA, norm_mode)
-from .._common import phi
+from .._common import phi, rescale_needed, scale_exponent
 from .._rules import is_delta, log_factors, step_inputs, step_normaliser, step_row
 from .._twins import pick, serial_and_parallel
 from ..._blas import parallel_entry
@@ -33,13 +33,29 @@ def _pre_l2(x, code):
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def _l2_row(x, out, code):
-    """out[:] = s / ||s|| with s = x (``l2``) or SiLU(x) (``silu_l2``); the norm in float64, no epsilon,
-    a zero row maps to zero (:class:`linattn_nb.feature_maps.L2FeatureMap`)."""
+    """out[:] = s / ||s|| with s = x (``l2``) or SiLU(x) (``silu_l2``); the norm in float64 (the row scaled
+    by a power of two where its squares overflow or underflow), no epsilon, a zero row maps to zero
+    (:class:`linattn_nb.feature_maps.L2FeatureMap`)."""
     nrm = 0.0
     for i in range(x.shape[0]):
         y = _pre_l2(x[i], code)
         nrm += y * y
+    e = 0
+    if rescale_needed(nrm):  # squares that overflowed or underflowed: the row scaled by a power of two
+        mx = 0.0
+        for i in range(x.shape[0]):
+            mx = max(mx, abs(_pre_l2(x[i], code)))
+        e = scale_exponent(mx)
+        if e != 0:
+            nrm = 0.0
+            for i in range(x.shape[0]):
+                y = math.ldexp(_pre_l2(x[i], code), -e)
+                nrm += y * y
     nrm = math.sqrt(nrm)
+    if e != 0:
+        for i in range(x.shape[0]):
+            out[i] = math.ldexp(_pre_l2(x[i], code), -e) / nrm
+        return
     for i in range(x.shape[0]):
         out[i] = _pre_l2(x[i], code) / nrm if nrm > 0.0 else 0.0
 
