@@ -76,8 +76,9 @@ class SiluL2FeatureMap(L2FeatureMap):
 
     def _pre(self, x):
         y = np.asarray(x, dtype=np.float64)
-        with np.errstate(over="ignore"):
-            return y / (1.0 + np.exp(-y))  # exp overflow -> inf -> y / inf = -0 for very negative y
+        with np.errstate(over="ignore", invalid="ignore"):
+            s = y / (1.0 + np.exp(-y))  # exp overflow -> inf -> y / inf = -0 for very negative y
+        return np.where(y == -np.inf, -0.0, s)  # the limit at -inf (-inf / inf is NaN), as the kernels give
 
     def _dpre(self, y):
         # silu'(y) = sigmoid(y) (1 + y (1 - sigmoid(y))); 1 - sigmoid(y) = sigmoid(-y), kept exact for large y

@@ -138,3 +138,16 @@ def test_dplr_attention_and_gradients_do_not_depend_on_a_row_scale(method, k):
     got, want = dplr_attention_vjp(q2, k2, v, g, **kw), dplr_attention_vjp(q, k_, v, g, **kw)
     np.testing.assert_allclose(got.dv, want.dv, rtol=1e-14, atol=1e-15)
     np.testing.assert_allclose(np.ldexp(got.dk[2], k), want.dk[2], rtol=1e-13, atol=1e-14)
+
+
+def test_silu_l2_numpy_map_at_minus_infinity():
+    """SiLU(-inf) is -0 (its limit), as in the kernels: a row with one -inf entry keeps the direction of
+    the others, with no NaN (the map gave NaN there)."""
+    x = np.array([[-np.inf, 3.0, -1.0, 2.0]])
+    fmap = fm.get("silu_l2")
+    got = fmap.transform(x)
+    rest = fmap.transform(np.array([[-800.0, 3.0, -1.0, 2.0]]))  # SiLU(-800) = -0 as well
+    np.testing.assert_array_equal(got, rest)
+    feats, finite = _rowmaps.features(x, fmap.kernel_code, np.float64)
+    assert not finite
+    np.testing.assert_allclose(feats, got, rtol=0, atol=4e-16)
