@@ -69,9 +69,9 @@ def child(args) -> list:
         q, k, v = (rng.standard_normal((bh, n, DIM), dtype=np.float32) for _ in range(3))
         cases = {m: (lambda m=m: linear_attention(q, k, v, causal=True, method=m)) for m in ("scan", "chunked", "auto")}
         med, _ = interleaved_medians(cases, args.rounds, inner=args.inner)
-        pick = select_auto(causal=True, device="cpu", batch=bh, n=n, d=DIM, m=DIM, dtype=np.float32)
+        pick = select_auto(causal=True, device="cpu", n=n, dtype=np.float32)
         cfg.AUTO_TUNE = "off"
-        const = select_auto(causal=True, device="cpu", batch=bh, n=n, d=DIM, m=DIM, dtype=np.float32)
+        const = select_auto(causal=True, device="cpu", n=n, dtype=np.float32)
         cfg.AUTO_TUNE = "load"
         best = min(med["scan"], med["chunked"])
         rows.append({"B*H": bh, "N": n, "scan ms": med["scan"] * 1e3, "chunked ms": med["chunked"] * 1e3,

@@ -119,7 +119,7 @@ def select_auto_cuda(*, rule, causal, batch, n, f, m, dtype, sms=None) -> str:
                       and (rule, True, "cuda") in config.AUTO_METHODS)
         if how and not long_tiles:
             return "scan"
-    return select_auto(rule=rule, causal=causal, device="cuda", batch=batch, n=n, d=f, m=m, dtype=dtype)
+    return select_auto(rule=rule, causal=causal, device="cuda", n=n, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------

@@ -280,7 +280,7 @@ def choose_method(method: str, *, rule: str, causal: bool, device: str, batch: i
         if device == "cuda":
             name = CD.select_auto_cuda(rule=rule, causal=causal, batch=batch, n=n, f=f, m=m, dtype=dtype)
         else:
-            name = select_auto(rule=rule, causal=causal, device=device, batch=batch, n=n, d=f, m=m, dtype=dtype)
+            name = select_auto(rule=rule, causal=causal, device=device, n=n, dtype=dtype)
     return get_method(name, causal=causal, device=device, rule=rule)
 
 

@@ -148,13 +148,14 @@ def set_calibration(lookup) -> None:
     _calibration = lookup
 
 
-def select_auto(*, causal: bool, device: str, batch: int, n: int, d: int, m: int, dtype,
-                rule: str = "additive") -> str:
+def select_auto(*, causal: bool, device: str, n: int, dtype, rule: str = "additive") -> str:
     """Resolve ``method="auto"`` from the measured table in :mod:`linattn_nb.config`.
 
     The first ``(max_n, method)`` row of ``config.AUTO_METHODS[(rule, causal, device)]`` with
     ``n <= max_n`` (``None``: no limit) whose method is registered; causal on the CPU, this
     machine's calibration replaces the rows when ``config.AUTO_TUNE`` allows it (``docs/tuning.md``).
+    The batch and the feature and value widths do not enter the choice (the tables and the calibration
+    are measured at D = M = 64), so they are not arguments.
     """
     table = None
     if causal and device == "cpu" and config.AUTO_TUNE != "off" and _calibration is not None:
