@@ -361,3 +361,28 @@ def test_cuda_initial_state_nonfinite_is_named(which):
     with pytest.raises(ValueError, match=rf"initial_state\.{which} contains 1 non-finite"):
         la.linear_attention(*dev, causal=True, device="cuda",
                             initial_state=(cuda.to_device(S0), cuda.to_device(z0)))
+
+
+def test_every_planted_bug_still_applies():
+    """Each mutation of tools/mutate.py names a snippet found exactly once in its file and test targets
+    that exist: a stale snippet (the code moved or was re-indented) would plant nothing, and its last
+    recorded "caught" would go on standing for a check that no longer runs."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("_mutate", root / "tools" / "mutate.py")
+    mutate = importlib.util.module_from_spec(spec)
+    sys.modules["_mutate"] = mutate  # its dataclass looks its module up there
+    try:
+        spec.loader.exec_module(mutate)
+    finally:
+        del sys.modules["_mutate"]
+    stale = []
+    for m in mutate.MUTATIONS:
+        count = (root / "linattn_nb" / m.file).read_text().count(m.old)
+        if count != 1:
+            stale.append(f"{m.name}: snippet found {count} times in {m.file}")
+        stale += [f"{m.name}: no test file {t}" for t in m.targets if not (root / t.split("::")[0]).exists()]
+    assert not stale, stale
