@@ -47,6 +47,10 @@ DEFAULT_HEAD_DIMS = (8, 16, 32, 64)
 D_MODEL, HEADS, LAYERS_N, VOCAB, CONV, LR = 64, 1, 2, 80, 4, 1e-2
 #: Accuracy threshold of the frontier table.
 ACCURACY = 0.9
+#: A run whose final accuracy is more than this below the best seed of its point is named in the report as
+#: a run whose training stalled (MQAR training sometimes plateaus for one seed of a setting the others
+#: solve): a wide interval or a dip along the state axis is then the optimiser's, not the layer's.
+STALL_GAP = 0.3
 
 
 def _torch():
@@ -416,10 +420,12 @@ class _Agg:
     def __init__(self, ok):
         self.by: dict = {}
         self.params: dict = {}
+        self.seeds_of: dict = {}  # {(kv, layer, head_dim): [seed of each result in self.by's list]}
         for r in ok:
             p = r["params"]
             self.by.setdefault((p["kv"], p["layer"]), {}).setdefault(p["head_dim"], []).append(r["result"])
             self.params[(p["kv"], p["layer"], p["head_dim"])] = p
+            self.seeds_of.setdefault((p["kv"], p["layer"], p["head_dim"]), []).append(p["seed"])
         self.kvs = sorted({k[0] for k in self.by})
         order = list(LAYERS)
         self.layers = sorted({k[1] for k in self.by}, key=order.index)
@@ -434,6 +440,22 @@ class _Agg:
         means = np.asarray([float(s[0]) for s in stats])
         halves = np.asarray([float(s[1]) for s in stats])
         return dims, states, means, halves, [len(cell[h]) for h in dims]
+
+
+def stalled_runs(agg, gap=STALL_GAP) -> list:
+    """``(kv, layer, head_dim, seed, final accuracy, best seed's)`` of every run more than ``gap`` below the
+    best seed of its point (points with two or more seeds), in grid order."""
+    out = []
+    order = list(LAYERS)
+    for (kv, layer), cell in sorted(agg.by.items(), key=lambda kl: (kl[0][0], order.index(kl[0][1]))):
+        for dim in sorted(cell):
+            accs = [r["final_accuracy"] for r in cell[dim]]
+            if len(accs) < 2:
+                continue
+            best = max(accs)
+            out += [(kv, layer, dim, seed, a, best) for seed, a in zip(agg.seeds_of[(kv, layer, dim)], accs)
+                    if a < best - gap]
+    return out
 
 
 def findings(agg) -> list:
@@ -568,6 +590,15 @@ def render(records, ctx) -> Rendered:
         claims = findings(agg)
         md += ["", "What it shows (computed from the tables above):", ""]
         md += [f"- {c.text} ({c.verdict}; rule: {c.rule})." for c in claims]
+        stalls = stalled_runs(agg)
+        if stalls:
+            listed = "; ".join(f"{LAYERS[layer][0]} at kv = {kv}, d = {dim}, seed {seed}: {fmt(a)} against "
+                               f"{fmt(best)}" for kv, layer, dim, seed, a, best in stalls[:10])
+            more = f"; and {len(stalls) - 10} more (the table lists every point)" if len(stalls) > 10 else ""
+            md += ["", f"{len(stalls)} of {len(ok)} runs ended more than {STALL_GAP} below the best seed of their "
+                       f"point. The layer reached the higher accuracy with another seed at the same state, so the "
+                       f"shortfall is that run's training, not the layer's capacity; the means and intervals above "
+                       f"include these runs, which widens their points' intervals: {listed}{more}."]
         if ctx.plots:
             fig, axes = ctx.figure(ncols=len(agg.kvs), width=3.8, height=3.4)
             for ax, kv in zip(axes, agg.kvs):

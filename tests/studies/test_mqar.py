@@ -181,6 +181,21 @@ def test_render_states_each_check_with_its_verdict(tmp_path):
     assert len(claims) == 3 and all("(not supported;" in ln for ln in claims), claims
 
 
+def test_render_names_the_runs_far_below_their_points_best_seed(tmp_path):
+    """A seed more than STALL_GAP below the best of its point is named with both accuracies; a spread within
+    the gap names none."""
+    ctx = Context(out=tmp_path, profile="full", plots=False)
+    recs = [_record("delta", 16, 8, seed, acc) for seed, acc in enumerate((0.97, 0.36, 0.95))]
+    recs += [_record("additive-elu", 16, 8, seed, acc) for seed, acc in enumerate((0.6, 0.4, 0.5))]
+    text = mqar.render(recs, ctx).markdown
+    line = next(ln for ln in text.splitlines() if "below the best seed" in ln)
+    assert line.startswith("1 of 6 runs ended more than 0.3 below")
+    assert "delta, SiLU+L2 at kv = 8, d = 16, seed 1: 0.36 against 0.97" in line
+    assert mqar.stalled_runs(mqar._Agg(recs)) == [(8, "delta", 16, 1, 0.36, 0.97)]
+    text = mqar.render(recs[3:], ctx).markdown
+    assert "below the best seed" not in text
+
+
 def test_the_report_runs_mqar_when_torch_imports_and_says_how_to_get_it_otherwise(monkeypatch):
     """A section of the default report; without torch it is listed as not run, with the install command."""
     from linattn_nb.studies import _builtin  # noqa: F401
