@@ -306,3 +306,27 @@ def test_cuda_delta_float32_silu_l2_normalize_and_row_maps(threads):
     ga = LinearAttentionState(2, 3, batch_shape=(2,), feature_map="l2", device="cuda", eps=None)
     ga.prefill(k[:, :1], v[:, :1])
     assert_close(ga.step(q[:, 1:], k[:, 1:], v[:, 1:]), add[:, 1:], np.float32)
+
+
+@pytest.mark.parametrize("scale_pow", [-120, 70])
+def test_cuda_step_row_maps_at_the_ends_of_float32(scale_pow, threads):
+    """float32 rows whose squares underflow (2^-120) or overflow (2^70, about 1.2e21) float32: the step,
+    the prefill and the query take them as the row's direction, as the CPU state does (the step's norm
+    was taken in the state dtype and gave zero features)."""
+    rng = np.random.default_rng(4)
+    q = rng.integers(-4, 5, (2, 3, 3)).astype(np.float32)
+    k = rng.integers(-4, 5, (2, 3, 3)).astype(np.float32)
+    q[:, :, 0] = k[:, :, 0] = 1.0  # no zero rows
+    v = rng.standard_normal((2, 3, 2)).astype(np.float32)
+    q2, k2 = q.copy(), k.copy()
+    q2[0, 2] = np.ldexp(q[0, 2], scale_pow)
+    k2[1, 1] = np.ldexp(k[1, 1], scale_pow)
+    k2[0, 0] = np.ldexp(k[0, 0], scale_pow)
+    outs = []
+    for qq, kk in ((q2, k2), (q, k)):
+        g = LinearAttentionState(3, 2, batch_shape=(2,), feature_map="l2", dtype=np.float32, device="cuda", eps=None)
+        g.prefill(kk[:, :1], v[:, :1])
+        outs.append((g.step(qq[:, 1:], kk[:, 1:], v[:, 1:]), g.query(qq)))
+    assert np.isfinite(outs[0][0]).all()
+    assert_close(outs[0][0], outs[1][0], np.float32)
+    assert_close(outs[0][1], outs[1][1], np.float32)

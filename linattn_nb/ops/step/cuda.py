@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda
+from numba import cuda, int32
 
 from ... import config
 from .._codes import (KERNEL_CODE_L2, KERNEL_CODE_SILU_L2, NORM_FLOOR, NORM_NONE, RULE_ADDITIVE, RULE_DELTA,
@@ -23,6 +23,9 @@ from .cpu import flat_inputs
 # that needs a feature of the row computes the norm itself (``row_norm``, a
 # loop over the row, like the normaliser's sum every thread does), so the
 # kernels need no extra barrier.
+
+#: A row's sum of squares (state dtype) below this is summed again scaled (:func:`row_norm`).
+_SS_TINY_STEP = 2.0 ** -90
 
 #: Bits of the finiteness flag: the input that held NaN or inf.
 BAD_Q, BAD_K, BAD_V = 1, 2, 4
@@ -47,24 +50,45 @@ def pre_l2(x, code, one):
 
 @cuda.jit(device=True, inline=True)
 def row_norm(x, b, t, code, zero, one):
-    """The L2 norm of row ``x[b, t]`` (after SiLU for ``silu_l2``) for the row maps, in the state dtype;
-    1 for the others."""
+    """``(nrm, e)`` for the row maps: the L2 norm of row ``x[b, t]`` (after SiLU for ``silu_l2``) in the
+    state dtype, of the row scaled by ``2^-e``; ``(1, 0)`` for the others.
+
+    ``e`` is 0 unless the squares overflow the state dtype or their sum falls below 2^-90 (squares that
+    underflow float32 could matter there): then the row is scaled by the power of two that puts its
+    largest entry in [0.5, 1) (exact, so ``x / |x|`` keeps its rounding), as the CPU kernels do, and a
+    float32 row beyond 1.8e19 still normalises."""
+    e = int32(0)
     if code != KERNEL_CODE_L2 and code != KERNEL_CODE_SILU_L2:
-        return one
+        return one, e
     acc = zero
     for i in range(x.shape[2]):
         y = pre_l2(x[b, t, i], code, one)
         acc += y * y
-    return math.sqrt(acc)
+    if acc < _SS_TINY_STEP or acc * zero != zero:  # also NaN: the scaled sum is NaN again
+        mx = zero
+        for i in range(x.shape[2]):
+            mx = max(mx, abs(pre_l2(x[b, t, i], code, one)))
+        if mx > zero and mx * zero == zero:
+            e = math.frexp(mx)[1]
+            acc = zero
+            for i in range(x.shape[2]):
+                y = math.ldexp(pre_l2(x[b, t, i], code, one), -e)
+                acc += y * y
+    return math.sqrt(acc), e
 
 
 @cuda.jit(device=True, inline=True)
-def feature(x, b, t, i, code, nrm, zero, one):
+def feature(x, b, t, i, code, nr, zero, one):
     """Feature i of row ``x[b, t]`` in the state dtype: the elementwise map, or for the row maps the
-    element over ``nrm`` (:func:`row_norm`; a zero row maps to zero, exactly as the NumPy maps)."""
+    element over the norm (``nr``, :func:`row_norm`'s pair; a zero row maps to zero, exactly as the
+    NumPy maps)."""
     if code == KERNEL_CODE_L2 or code == KERNEL_CODE_SILU_L2:
+        nrm, e = nr
         if nrm > zero:
-            return pre_l2(x[b, t, i], code, one) / nrm
+            y = pre_l2(x[b, t, i], code, one)
+            if e != 0:
+                y = math.ldexp(y, -e)
+            return y / nrm
         return zero
     return phi(zero + x[b, t, i], code, zero, one)
 
@@ -129,7 +153,7 @@ def step_py(q, k, v, S, z, S2, z2, out, feat, lg, flag, check, code, eps, norm, 
             Sr = S
             zr = z
         nk = row_norm(k, b, t, code, zero, one)
-        nq = row_norm(q, b, t, code, zero, one) if read else one
+        nq = row_norm(q, b, t, code, zero, one) if read else (one, int32(0))
         if delta and tid == 0:
             feat[b, 3, 0], feat[b, 3, 1] = step_scalars(rule, lg, b, t)
         for i in range(tid, F, nt):
