@@ -38,6 +38,15 @@ LAYERS = {  # not a rule: the study's layer keys (the rule is the rule= keyword)
                             dict(feature_map="silu_l2", rule="gated_delta_product", n_h=2)),
     "softmax": ("softmax attention", None),
 }
+#: Rows of the figure when more layers ran than one panel shows clearly (:data:`FIGURE_ROW_MAX`): the
+#: additive rule's maps, the rules that forget, the rules that write with beta; softmax attention (and,
+#: where it ran, additive ELU+1 as the common baseline) is drawn in every row for reference.
+FIGURE_GROUPS = (
+    ("additive, by map", ("additive-elu", "additive-dpfp", "additive-taylor2", "additive-hedgehog")),
+    ("decay and gating", ("additive-elu", "decay", "gate")),
+    ("delta family", ("delta", "gated-delta", "kda", "rwkv7", "delta-product", "gated-delta-product")),
+)
+FIGURE_ROW_MAX = 6
 #: Head dimensions d (= value dimension M) per layer key: the state sizes of the sweep.  Taylor-2's
 #: D_φ = 1 + d + d(d+1)/2 grows as d², so it takes smaller heads to overlap the others' states.
 HEAD_DIMS = {"additive-taylor2": (4, 8, 16, 32)}
@@ -537,6 +546,57 @@ def findings(agg) -> list:
     return out
 
 
+def _figure(agg, ctx, heads) -> str:
+    """The accuracy-against-state figure: one column per number of pairs; one row, or one row per group of
+    :data:`FIGURE_GROUPS` when more than :data:`FIGURE_ROW_MAX` layers ran (softmax in each row)."""
+    if len(agg.layers) <= FIGURE_ROW_MAX:
+        rows = [("", list(agg.layers))]
+    else:
+        rows = []
+        for title, members in FIGURE_GROUPS:
+            lay = [x for x in members if x in agg.layers]
+            if lay:
+                rows.append((title, lay + (["softmax"] if "softmax" in agg.layers else [])))
+        grouped = {x for _, lay in rows for x in lay}
+        rest = [x for x in agg.layers if x not in grouped]
+        if rest:
+            rows.append(("other layers", rest))
+    fig, axes = ctx.figure(ncols=len(agg.kvs), nrows=len(rows), width=3.6, height=3.0)
+    colour = {layer: i for i, layer in enumerate(agg.layers)}  # one style per layer in every row
+    states_all = [st for kv in agg.kvs for layer in agg.layers for st in agg.series(kv, layer)[1]]
+    xlim = (min(states_all) / 1.3, max(states_all) * 1.3)  # one state axis for every panel
+    for r, (title, layers) in enumerate(rows):
+        for c, kv in enumerate(agg.kvs):
+            ax = axes[r * len(agg.kvs) + c]
+            for layer in layers:
+                dims, states, m, h, _ = agg.series(kv, layer)
+                if not len(dims):
+                    continue
+                sty = ctx.style(colour[layer])
+                ax.plot(states, m, ms=4, label=LAYERS[layer][0], **sty)
+                ax.fill_between(states, np.clip(m - h, 0, 1), np.clip(m + h, 0, 1), color=sty["color"],
+                                alpha=0.15, lw=0)
+                fl = [recall_floor(layer, dim, kv, heads=heads) for dim in dims]
+                if fl[0] is not None:
+                    ax.plot(states, [f["recall_floor_accuracy"] for f in fl], ":", color=sty["color"], lw=1,
+                            label="_")
+            ax.axhline(ACCURACY, color="0.5", lw=0.8)
+            ax.set(xscale="log", xlim=xlim, ylim=(-0.02, 1.02))
+            if r == 0:
+                ax.set_title(f"kv = {kv}")
+            if r == len(rows) - 1:
+                ax.set_xlabel("state (numbers per head, layer)", fontsize="small")
+            if c == 0:
+                ax.set_ylabel(f"{title}\naccuracy" if title else "accuracy")
+            ax.grid(True, alpha=0.3)
+    ctx.legend_outside(fig, axes, title=f"mean, 95% CI over {len(agg.seeds)} seeds")
+    return "\n".join([
+        ctx.savefig(fig, "mqar", "MQAR accuracy against state size, one panel per number of pairs"), "",
+        f"{CI_CAPTION}; dotted: 1 − the least-squares error floor of the layer's state (the share of the values' "
+        "energy the best state of that D_φ returns), not an accuracy bound."
+        + (" One row per group of layers; softmax attention is drawn in each." if len(rows) > 1 else "")])
+
+
 def render(records, ctx) -> Rendered:
     ok, failed, problems, failed_md = split_failed("mqar", records)
     md = []
@@ -600,28 +660,7 @@ def render(records, ctx) -> Rendered:
                        f"shortfall is that run's training, not the layer's capacity; the means and intervals above "
                        f"include these runs, which widens their points' intervals: {listed}{more}."]
         if ctx.plots:
-            fig, axes = ctx.figure(ncols=len(agg.kvs), width=3.8, height=3.4)
-            for ax, kv in zip(axes, agg.kvs):
-                for i, layer in enumerate(agg.layers):
-                    dims, states, m, h, _ = agg.series(kv, layer)
-                    if not len(dims):
-                        continue
-                    sty = ctx.style(i)
-                    ax.plot(states, m, ms=4, label=LAYERS[layer][0], **sty)
-                    ax.fill_between(states, np.clip(m - h, 0, 1), np.clip(m + h, 0, 1), color=sty["color"],
-                                    alpha=0.2, lw=0)
-                    fl = [recall_floor(layer, dim, kv, heads=p0["heads"]) for dim in dims]
-                    if fl[0] is not None:
-                        ax.plot(states, [f["recall_floor_accuracy"] for f in fl], ":", color=sty["color"], lw=1,
-                                label="_")
-                ax.axhline(ACCURACY, color="0.5", lw=0.8)
-                ax.set(xscale="log", xlabel="state (numbers per head and layer)", ylabel="accuracy",
-                       title=f"kv = {kv}", ylim=(-0.02, 1.02))
-                ax.grid(True, alpha=0.3)
-            ctx.legend_outside(fig, axes, title=f"mean, 95% CI over {len(agg.seeds)} seeds")
-            md += ["", ctx.savefig(fig, "mqar", "MQAR accuracy against state size, one panel per number of pairs"),
-                   "", f"{CI_CAPTION}; dotted: 1 − the least-squares error floor of the layer's state (the share of "
-                       "the values' energy the best state of that D_φ returns), not an accuracy bound."]
+            md += ["", _figure(agg, ctx, p0["heads"])]
     md += failed_md
     return Rendered("\n".join(md), f"{len(agg.layers)} layers, kv {agg.kvs}", problems)
 

@@ -196,6 +196,30 @@ def test_render_names_the_runs_far_below_their_points_best_seed(tmp_path):
     assert "below the best seed" not in text
 
 
+def test_render_draws_one_row_per_group_of_layers_when_many_ran(tmp_path):
+    """Every layer of the whole grid: one figure row per group of FIGURE_GROUPS (softmax in each), every
+    layer in some row; few layers: one row."""
+    pytest.importorskip("matplotlib")
+    recs = [_record(layer, d, kv, seed, 0.5 + 0.1 * seed) for layer in mqar.LAYERS for kv in (4, 8)
+            for d in (8, 16) for seed in range(2)]
+    ctx = Context(out=tmp_path, profile="full")
+    shapes = []
+    figure = ctx.figure
+
+    def recording(**kw):
+        shapes.append((kw.get("nrows", 1), kw.get("ncols", 1)))
+        return figure(**kw)
+
+    ctx.figure = recording
+    text = mqar.render(recs, ctx).markdown
+    assert "One row per group of layers" in text
+    assert (tmp_path / "mqar.png").read_bytes()[:8] == PNG_MAGIC
+    assert shapes == [(len(mqar.FIGURE_GROUPS), 2)]
+    assert {x for _, members in mqar.FIGURE_GROUPS for x in members} | {"softmax"} == set(mqar.LAYERS)
+    text = mqar.render([r for r in recs if r["params"]["layer"] in ("delta", "softmax")], ctx).markdown
+    assert "One row per group" not in text and shapes[-1] == (1, 2)
+
+
 def test_the_report_runs_mqar_when_torch_imports_and_says_how_to_get_it_otherwise(monkeypatch):
     """A section of the default report; without torch it is listed as not run, with the install command."""
     from linattn_nb.studies import _builtin  # noqa: F401
