@@ -16,8 +16,8 @@ class L2FeatureMap(FeatureMap):
     DeltaNet's keys and queries (Yang et al. 2024): with unit keys and ``beta`` in [0, 2] the delta
     rule's state stays bounded.  No epsilon; the norm is taken in float64, with the row scaled by a
     power of two (exact) so that no square overflows or underflows: every finite non-zero row maps to
-    its unit direction, however large or small.  Signed features: the normaliser can be <= 0.  Applied inside the
-    kernels (``kernel_code``).
+    its unit direction, however large or small.  Signed features: the normaliser can be <= 0.
+    Applied inside the kernels (``kernel_code``).
     """
 
     name = "l2"

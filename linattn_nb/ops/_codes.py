@@ -98,6 +98,7 @@ def check_rule_inputs(rule, inputs) -> int:
         raise ValueError(f"inputs: the {name} rule {takes}, got {list(got)}")
     return int(RULES[name][0])
 
+
 #: The L2 row maps: a row's float64 sum of squares below this, or an infinite one, is summed again with the
 #: row scaled by a power of two (exact; :func:`linattn_nb.ops._common.scale_exponent`): above it, a square
 #: lost to underflow changes the sum by at most 2^-63 of its last bit; a finite sum had no square overflow.

@@ -62,8 +62,9 @@ def l2_row(src, b, t, dst, code):
 
     The SiLU in the working dtype of ``src`` (again in float64 when every value is
     below 1e-30 in magnitude); no epsilon: the row is scaled by its largest magnitude
-    before the squares are summed in float64, so overflowing rows still normalise; a
-    zero row gives zeros, NaN propagates.  Returns whether every element read is finite.
+    before the squares are summed in float64 (a row of subnormals by a power of two
+    first), so overflowing and underflowing rows still normalise; a zero row gives
+    zeros, NaN propagates.  Returns whether every element read is finite.
     """
     F = dst.shape[0]
     ok = True
