@@ -39,8 +39,8 @@ LAYERS = {  # not a rule: the study's layer keys (the rule is the rule= keyword)
     "softmax": ("softmax attention", None),
 }
 #: Rows of the figure when more layers ran than one panel shows clearly (:data:`FIGURE_ROW_MAX`): the
-#: additive rule's maps, the rules that forget, the rules that write with beta; softmax attention (and,
-#: where it ran, additive ELU+1 as the common baseline) is drawn in every row for reference.
+#: additive rule's maps, the rules that forget (beside additive ELU+1, their baseline), the rules that
+#: write with beta; softmax attention is drawn in every row for reference.
 FIGURE_GROUPS = (
     ("additive, by map", ("additive-elu", "additive-dpfp", "additive-taylor2", "additive-hedgehog")),
     ("decay and gating", ("additive-elu", "decay", "gate")),
@@ -585,7 +585,7 @@ def _figure(agg, ctx, heads) -> str:
             if r == 0:
                 ax.set_title(f"kv = {kv}")
             if r == len(rows) - 1:
-                ax.set_xlabel("state (numbers per head, layer)", fontsize="small")
+                ax.set_xlabel("state (numbers per head and layer)", fontsize="small")
             if c == 0:
                 ax.set_ylabel(f"{title}\naccuracy" if title else "accuracy")
             ax.grid(True, alpha=0.3)
