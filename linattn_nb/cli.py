@@ -293,6 +293,24 @@ def _studies_with_options(options):
             register_study(study, overwrite=True)
 
 
+@contextlib.contextmanager
+def _mqar_grid(grid):
+    """``linattn mqar --grid``: for the duration, the mqar study's points on that grid (None: as registered)."""
+    if grid is None:
+        yield
+        return
+    from dataclasses import replace
+
+    from linattn_nb.studies import get_study, register_study
+
+    study = get_study("mqar")
+    register_study(replace(study, points=lambda ctx, _p=study.points: _p(ctx, grid=grid)), overwrite=True)
+    try:
+        yield
+    finally:
+        register_study(study, overwrite=True)
+
+
 def _first_missing(path: str) -> str | None:
     """The outermost folder that creating ``path`` would make (None when ``path`` exists)."""
     top, p = None, os.path.abspath(path)
@@ -385,7 +403,7 @@ def _run_studies(args, names, argv) -> int:
         return 2
 
     try:
-        with _studies_with_options(options):
+        with _studies_with_options(options), _mqar_grid(getattr(args, "grid", None)):
             res = run_report(args.out, profile=args.profile, device=args.device, scheduler=args.scheduler,
                              workers=args.workers, force=args.force, resume=args.resume, studies=names,
                              progress=args.progress, command=command_line(argv))
@@ -471,6 +489,13 @@ def build_parser() -> argparse.ArgumentParser:
         _study_options(p, default_out=f"report-{study.command}")
         if study.name in PROBLEM_STUDIES:
             _problem_options(p, study)
+        if study.name == "mqar":
+            from linattn_nb.studies.mqar import WHOLE_GRID_TIME
+
+            p.add_argument("--grid", choices=("profile", "all"), default=None,
+                           help="profile (default, or LINATTN_NB_MQAR_GRID): the profile's grid; all: the "
+                                "whole grid, every layer at four head dimensions, kv 4, 8, 16, 32, three "
+                                f"seeds ({WHOLE_GRID_TIME}); --resume continues it")
         p.set_defaults(func=lambda args, argv, _n=study.name: _run_studies(args, [_n], argv), wants_argv=True)
     return parser
 

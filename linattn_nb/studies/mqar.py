@@ -54,6 +54,11 @@ DEFAULT_HEAD_DIMS = (8, 16, 32, 64)
 #: Model width, heads, layers, vocabulary (80 holds 32 pairs and leaves filler tokens), convolution
 #: width and learning rate of every run; why these values: docs/mqar.md.
 D_MODEL, HEADS, LAYERS_N, VOCAB, CONV, LR = 64, 1, 2, 80, 4, 1e-2
+#: The whole grid's cost, for ``linattn mqar --grid all``'s help and docs/mqar.md: from its points timed
+#: by benchmarks/mqar_grid_time.py on a local Dask cluster of 2 single-threaded workers (2-vCPU AMD EPYC).
+WHOLE_GRID_TIME = ("624 runs of 600 steps: about 12.7 h of runs, so 6.4 h on 2 worker processes "
+                   "(--workers 2) or on a Dask cluster of 2 single-threaded workers, about 12.7/N h on N "
+                   "(measured on a 2-vCPU AMD EPYC; docs/mqar.md)")
 #: Accuracy threshold of the frontier table.
 ACCURACY = 0.9
 #: A run whose final accuracy is more than this below the best seed of its point is named in the report as
@@ -340,7 +345,7 @@ def seq_length(kv: int) -> int:
 
 
 #: The grid of each profile: (layers, head-dimension indices into the layer's list, kv pairs, seeds, steps);
-#: ``grid="all"`` (or LINATTN_NB_MQAR_GRID=all) gives ``full_grid``, the whole grid.
+#: ``grid="all"`` (``linattn mqar --grid all``, or LINATTN_NB_MQAR_GRID=all) gives the whole grid.
 def _profile(ctx, grid=None):
     grid = grid or os.environ.get("LINATTN_NB_MQAR_GRID", "profile")
     if grid == "all":

@@ -96,6 +96,33 @@ def test_generator_stores_every_queried_pair_and_fills_with_other_tokens():
         mqar.mqar(2, vocab=16, kv=8, length=64)
 
 
+def test_the_command_takes_the_whole_grid_and_states_its_time(tmp_path, monkeypatch, capsys):
+    """`linattn mqar --grid all` hands the report the whole grid's points, the study is as registered
+    afterwards, and the option's help states the grid's time."""
+    pytest.importorskip("torch")
+    import linattn_nb.studies as studies
+    from linattn_nb import cli
+
+    monkeypatch.delenv("LINATTN_NB_MQAR_GRID", raising=False)
+    seen = []
+
+    def report(out, *, profile, **kw):
+        seen.append(len(get_study("mqar").points(Context(out=tmp_path, profile=profile))))
+        raise KeyboardInterrupt  # nothing trained: the CLI's own stop
+
+    monkeypatch.setattr(studies, "run_report", report)
+    for extra in (["--grid", "all"], []):
+        assert cli.main(["mqar", "--profile", "tiny", "--no-progress", "--out", str(tmp_path / "r")] + extra) == 130
+    tiny = len(mqar.points(Context(out=tmp_path, profile="tiny")))
+    assert seen == [len(mqar.LAYERS) * 4 * 4 * 3, tiny] and tiny < seen[0]
+    assert len(get_study("mqar").points(Context(out=tmp_path, profile="tiny"))) == tiny
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli.main(["mqar", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--grid {profile,all}" in text and " ".join(mqar.WHOLE_GRID_TIME.split()) in text
+
+
 def test_tiny_sweep_resumes_without_loss_or_rerun_and_writes_the_figure(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("matplotlib")
