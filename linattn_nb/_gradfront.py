@@ -254,9 +254,32 @@ def forward(req: Request, want_out: bool = True):
             out = num / den[:, :, None]
     else:
         out = num
-    with np.errstate(over="ignore", invalid="ignore"):
-        out = np.asarray(out).astype(req.dtype, copy=False).reshape(req.batch_shape + (n, m))
+    out = _narrow(np.asarray(out), req.dtype, "the result").reshape(req.batch_shape + (n, m))
     return out, nd, HN
+
+
+def _narrow(x, dtype, what):
+    """``x`` cast to ``dtype``; ValueError where a finite value of ``x`` overflows it (``what`` names ``x``)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = x.astype(dtype, copy=False)
+    if y is not x and x.dtype.itemsize > y.dtype.itemsize and (np.isfinite(x) & ~np.isfinite(y)).any():
+        raise ValueError(f"{what} overflows {np.dtype(dtype).name} (it is finite in float64); pass float64 inputs "
+                         "or rescale them")
+    return y
+
+
+def overflowed(req: Request, nd, HN, want_out: bool) -> bool:
+    """Whether :func:`forward` of a request with finite inputs (``check_finite``) overflowed its working dtype
+    (below float64): a non-finite final state, or ``[num | den]`` where it was written.  The caller then
+    prepares the request again with ``work=float64``, as :func:`linattn_nb.linear_attention` recomputes an
+    overflowed float32 result in float64 (the float32 values would be silently wrong: 0 or NaN outputs
+    where a normaliser overflowed)."""
+    if req.work == _F64 or not req.check_finite or HN is None:
+        return False
+    if not np.isfinite(HN).all():
+        return True
+    written = want_out or req.normalize or not _saves(req)  # see forward: the saving forward may skip nd
+    return bool(written and not np.isfinite(nd).all())
 
 
 # ---------------------------------------------------------------------------
@@ -395,10 +418,12 @@ def _output_gradient(req: Request, nd, g, overwrite_nd=False):
 
 
 @parallel_entry
-def backward(req: Request, nd, grad_out, grad_state=None, overwrite_nd=False, finite=None) -> VJP:
+def backward(req: Request, nd, grad_out, grad_state=None, overwrite_nd=False, finite=None, out_dtype=None) -> VJP:
     """The gradients of a prepared request, given its forward's ``[num | den]`` (see :func:`forward`);
     ``overwrite_nd``: ``nd`` may hold the gradient of ``[num | den]`` afterwards (a single backward).
-    ``finite``: a set that receives the names of the results (``"dq"``, ``"dk"``) found finite on the way."""
+    ``finite``: a set that receives the names of the results (``"dq"``, ``"dk"``) found finite on the way.
+    ``out_dtype``: the dtype of ``dq``, ``dk``, ``dv`` (default the inputs'; the float64 recomputation keeps
+    float64 so that its caller can tell a cast that overflows)."""
     g = _grad_out(grad_out, req, finite=False)
     g1, g_ok = _output_gradient(req, nd, g, overwrite_nd)
     if req.check_finite and not g_ok:
@@ -438,8 +463,8 @@ def backward(req: Request, nd, grad_out, grad_state=None, overwrite_nd=False, fi
         d_state = state_from_H(np.asarray(dH0, np.float64), req.batch_shape, f, m, req.position, req.rule)
     d_decay, d_log_decay = _factor_grads(req, dfactor)
     d_beta = _beta_grad(req, dbeta)
-    with np.errstate(over="ignore", invalid="ignore"):
-        dq, dk, dv = (np.asarray(x).astype(req.dtype, copy=False) for x in (dq, dk, dv))
+    dq, dk, dv = (_narrow(np.asarray(x), out_dtype or req.dtype, f"the gradient {nm}")
+                  for nm, x in (("dq", dq), ("dk", dk), ("dv", dv)))
     return VJP(dq, dk, dv, d_state, d_decay, d_log_decay, d_beta, _merge_params(pq, pk))
 
 
@@ -462,23 +487,24 @@ def linear_attention_vjp(q, k, v, grad_out, *, feature_map, causal, method, devi
               check_finite=check_finite, initial_state=initial_state, decay=decay, log_decay=log_decay,
               beta=beta, normalize=normalize)
     req = prepare(q, k, v, reuse=True, **kw)
-    _, nd, _ = forward(req, want_out=False)
+    _, nd, HN = forward(req, want_out=False)
+    if overflowed(req, nd, HN, want_out=False):
+        del req, nd, HN  # freed before the float64 recomputation allocates its own
+        return _vjp_float64(q, k, v, grad_out, grad_state, kw)
     known = set()
     res = backward(req, nd, grad_out, grad_state, overwrite_nd=True, finite=known)
     work = req.work
-    del req, nd  # features and forward outputs freed before a float64 recomputation allocates its own
+    del req, nd, HN
     if check_finite and work != _F64 and not _finite(res, known):
         # finite inputs, non-finite gradients: the working dtype overflowed; float64 throughout
-        req = prepare(q, k, v, work=_F64, reuse=True, **kw)
-        _, nd, _ = forward(req, want_out=False)
-        res64 = backward(req, nd, grad_out, grad_state, overwrite_nd=True)
-        res = res64._replace(**{nm: _cast(getattr(res64, nm), res.dq.dtype, nm) for nm in ("dq", "dk", "dv")})
+        return _vjp_float64(q, k, v, grad_out, grad_state, kw)
     return res
 
 
-def _cast(x, dtype, name):
-    with np.errstate(over="ignore", invalid="ignore"):
-        y = x.astype(dtype)
-    if (np.isfinite(x) & ~np.isfinite(y)).any():
-        raise ValueError(f"the gradient {name} overflows {dtype} (it is finite in float64); pass float64 inputs")
-    return y
+def _vjp_float64(q, k, v, grad_out, grad_state, kw):
+    """:func:`linear_attention_vjp` in float64 throughout, ``dq``, ``dk``, ``dv`` cast to the inputs' dtype
+    (ValueError naming the gradient where a finite float64 value overflows it)."""
+    req = prepare(q, k, v, work=_F64, reuse=True, **kw)
+    _, nd, _ = forward(req, want_out=False)
+    res = backward(req, nd, grad_out, grad_state, overwrite_nd=True, out_dtype=_F64)
+    return res._replace(**{nm: _narrow(getattr(res, nm), req.dtype, f"the gradient {nm}") for nm in ("dq", "dk", "dv")})

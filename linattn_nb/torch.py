@@ -211,13 +211,19 @@ class _LinearAttentionFunction(torch.autograd.Function):
                 initial_state = (_host(S0), _host(z0), spec.position)
             else:
                 initial_state = LinearState(_host(S0), _host(z0), spec.position, spec.state_rule)
-        req = _gradfront.prepare(
-            _host(q), _host(k), _host(v), feature_map=fmap, causal=spec.causal, method=spec.method,
-            device=spec.device, eps=spec.eps, check_finite=spec.check_finite, initial_state=initial_state,
-            decay=_host(decay) if decay is not None else spec.decay,
-            log_decay=_host(log_decay) if log_decay is not None else spec.log_decay,
-            beta=_host(beta) if beta is not None else spec.beta, normalize=spec.normalize)
+        qkv = (_host(q), _host(k), _host(v))
+        kw = dict(feature_map=fmap, causal=spec.causal, method=spec.method, device=spec.device, eps=spec.eps,
+                  check_finite=spec.check_finite, initial_state=initial_state,
+                  decay=_host(decay) if decay is not None else spec.decay,
+                  log_decay=_host(log_decay) if log_decay is not None else spec.log_decay,
+                  beta=_host(beta) if beta is not None else spec.beta, normalize=spec.normalize)
+        req = _gradfront.prepare(*qkv, **kw)
         out, nd, HN = _gradfront.forward(req)
+        if _gradfront.overflowed(req, nd, HN, want_out=True):
+            # finite inputs whose float32 sums overflowed: the forward, and so the backward, in float64 (as
+            # linattn_nb.linear_attention recomputes such a result), outputs cast back to the inputs' dtype
+            req = _gradfront.prepare(*qkv, work=np.float64, **kw)
+            out, nd, HN = _gradfront.forward(req)
         spec.rule = req.rule
         ctx.spec, ctx.req, ctx.nd = spec, req, nd
         ctx.meta = [None if t is None else (t.dtype, t.device, tuple(t.shape))
