@@ -263,8 +263,8 @@ def _narrow(x, dtype, what):
     with np.errstate(over="ignore", invalid="ignore"):
         y = x.astype(dtype, copy=False)
     if y is not x and x.dtype.itemsize > y.dtype.itemsize and (np.isfinite(x) & ~np.isfinite(y)).any():
-        raise ValueError(f"{what} overflows {np.dtype(dtype).name} (it is finite in float64); pass float64 inputs "
-                         "or rescale them")
+        raise ValueError(f"{what} overflows {np.dtype(dtype).name} (it is finite in {x.dtype.name}); pass float64 "
+                         "inputs or rescale them")
     return y
 
 
@@ -507,4 +507,5 @@ def _vjp_float64(q, k, v, grad_out, grad_state, kw):
     req = prepare(q, k, v, work=_F64, reuse=True, **kw)
     _, nd, _ = forward(req, want_out=False)
     res = backward(req, nd, grad_out, grad_state, overwrite_nd=True, out_dtype=_F64)
-    return res._replace(**{nm: _narrow(getattr(res, nm), req.dtype, f"the gradient {nm}") for nm in ("dq", "dk", "dv")})
+    return res._replace(**{nm: _narrow(getattr(res, nm), req.dtype, f"the gradient {nm}")
+                           for nm in ("dq", "dk", "dv")})

@@ -195,13 +195,23 @@ def test_vjp_work_arrays(name, kw, monkeypatch):
     for i, r in enumerate(results):
         np.testing.assert_array_equal(r.dq, want[i % 2].dq)
         np.testing.assert_array_equal(r.dv, want[i % 2].dv)
-    # a float32 overflow: the float64 recomputation after the float32 call, with the work arrays in use
+    # a float32 overflow: the float64 recomputation after the float32 call, with the work arrays in use (values
+    # up to 3.3e38 overflow the float32 sums of the forward; the gradients, with g scaled by 1e-30, are finite
+    # in float32)
     q, k, v, g = (x.astype(np.float32) for x in data[0])
-    big = la.linear_attention_vjp(q, k, v * np.float32(1e36), g * np.float32(1e10), **args)
+    req = GF.prepare(q, k, v * np.float32(1e38), device="cpu", eps=1e-8, check_finite=True, initial_state=None,
+                     **args)
+    assert GF.overflowed(req, *GF.forward(req, want_out=False)[1:], want_out=False)
+    del req
+    big = la.linear_attention_vjp(q, k, v * np.float32(1e38), g * np.float32(1e-30), **args)
     monkeypatch.setattr(config, "GRAD_WORK_BYTES", 0)
-    ref = la.linear_attention_vjp(q, k, v * np.float32(1e36), g * np.float32(1e10), **args)
+    ref = la.linear_attention_vjp(q, k, v * np.float32(1e38), g * np.float32(1e-30), **args)
     for field in ("dq", "dk", "dv"):
+        assert np.isfinite(getattr(big, field)).all(), field
         np.testing.assert_array_equal(getattr(big, field), getattr(ref, field), err_msg=field)
+    # gradients finite in float64 only (g scaled by 1e10): named, not returned as inf
+    with pytest.raises(ValueError, match="the gradient d[qkv] overflows float32"):
+        la.linear_attention_vjp(q, k, v * np.float32(1e36), g * np.float32(1e10), **args)
 
 
 def test_torch_requests_do_not_reuse():
