@@ -19,6 +19,7 @@ from ._blas import parallel_entry
 from . import feature_maps as fm
 from .device import on_device, resolve_device
 from .ops import methods  # noqa: F401  (registers the built-in rules and methods)
+from .feature_maps._base import FeatureOverflow
 from .ops._finite import NonFiniteResult
 from .ops._vec import work_dtype
 from .ops.registry import get_method, select_auto
@@ -400,7 +401,12 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
     work = dtype if dtype in impl.native_dtypes else _F32
     result = out if out is not None else np.empty(out_shape, dtype=dtype)
     if n > 0 and b > 0:
-        qf, kf, vf = host_features(fmap, inline, q, k, v, work, causal=causal, position=position, n=n)
+        try:
+            qf, kf, vf = host_features(fmap, inline, q, k, v, work, causal=causal, position=position, n=n)
+        except FeatureOverflow as e:
+            if dev == "cuda" or e.dtype == _F64:
+                raise
+            qf = kf = vf = None  # the map's features of finite q or k overflowed float32: float64 below
         code = int(fmap.kernel_code) if inline else 0
         if dev == "cuda":
             CD.run_host(impl, qf, kf, vf, H, result, code=code, eps=eps, inputs=inputs, normalize=normalize)
@@ -410,6 +416,8 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
                       and not out_overlaps(out, reads + (q, k, v) + tuple((inputs or {}).values())))
             target = result.reshape((b, n, m)) if direct else np.empty((b, n, m), dtype=work)
             try:
+                if qf is None:
+                    raise NonFiniteResult(f"feature map {fmap.name!r} overflowed {work}")
                 if check_finite and not inline:
                     _check_features(fmap, qf, kf, work)  # finite q, k (scanned above): the map overflowed?
                 # check_finite: the kernel raises ValueError naming a non-finite input, and

@@ -20,6 +20,7 @@ from ._workarrays import thread_array
 from ._frontend import (LinearState, featurise, host_array, host_call, host_state, parse_state, resolve_call,
                         state_from_H)
 from .device import on_device
+from .feature_maps._base import FeatureOverflow
 from .ops import methods  # noqa: F401  (registers the built-in rules and methods)
 from .ops._vec import work_dtype
 from .ops.grad import _maps, _outgrad, _rowmaps
@@ -486,7 +487,12 @@ def linear_attention_vjp(q, k, v, grad_out, *, feature_map, causal, method, devi
     kw = dict(feature_map=feature_map, causal=causal, method=method, device=device, eps=eps,
               check_finite=check_finite, initial_state=initial_state, decay=decay, log_decay=log_decay,
               beta=beta, normalize=normalize)
-    req = prepare(q, k, v, reuse=True, **kw)
+    try:
+        req = prepare(q, k, v, reuse=True, **kw)
+    except FeatureOverflow as e:
+        if e.dtype == _F64:
+            raise
+        return _vjp_float64(q, k, v, grad_out, grad_state, kw)  # the map's features overflowed float32
     _, nd, HN = forward(req, want_out=False)
     if overflowed(req, nd, HN, want_out=False):
         del req, nd, HN  # freed before the float64 recomputation allocates its own

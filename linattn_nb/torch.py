@@ -22,6 +22,7 @@ from . import config as _config
 from . import feature_maps as fm
 from . import rules
 from ._frontend import LinearState
+from .feature_maps._base import FeatureOverflow
 
 __all__ = ["linear_attention", "dplr_attention", "LinearAttention", "LinearState"]
 
@@ -217,11 +218,18 @@ class _LinearAttentionFunction(torch.autograd.Function):
                   decay=_host(decay) if decay is not None else spec.decay,
                   log_decay=_host(log_decay) if log_decay is not None else spec.log_decay,
                   beta=_host(beta) if beta is not None else spec.beta, normalize=spec.normalize)
-        req = _gradfront.prepare(*qkv, **kw)
-        out, nd, HN = _gradfront.forward(req)
-        if _gradfront.overflowed(req, nd, HN, want_out=True):
-            # finite inputs whose float32 sums overflowed: the forward, and so the backward, in float64 (as
-            # linattn_nb.linear_attention recomputes such a result), outputs cast back to the inputs' dtype
+        try:
+            req = _gradfront.prepare(*qkv, **kw)
+            out, nd, HN = _gradfront.forward(req)
+            redo = _gradfront.overflowed(req, nd, HN, want_out=True)
+        except FeatureOverflow as e:
+            if e.dtype == np.float64:
+                raise
+            redo = True  # the map's features of finite q or k overflowed float32
+        if redo:
+            # finite inputs whose float32 features or sums overflowed: the forward, and so the backward, in
+            # float64 (as linattn_nb.linear_attention recomputes such a result), outputs cast back to the
+            # inputs' dtype
             req = _gradfront.prepare(*qkv, work=np.float64, **kw)
             out, nd, HN = _gradfront.forward(req)
         spec.rule = req.rule

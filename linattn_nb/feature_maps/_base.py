@@ -297,17 +297,30 @@ def check_count(what: str, value, *, allow_none: bool = True):
     return int(value)
 
 
+class FeatureOverflow(ValueError):
+    """Features of finite inputs overflow the inputs' dtype (``dtype``: that dtype).
+
+    A ValueError for a direct call of a map.  The attention front ends (:func:`linattn_nb.linear_attention`,
+    :func:`linattn_nb.linear_attention_vjp`, the torch adapter) catch it below float64 and run the call
+    again in float64, as they do when the float32 sums overflow: the normalised outputs stay representable.
+    """
+
+    def __init__(self, message: str, dtype):
+        super().__init__(message)
+        self.dtype = np.dtype(dtype)
+
+
 def cast_features(name: str, feats: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """Cast float64 features to the input dtype; raise if finite inputs overflow it."""
+    """Cast float64 features to the input dtype; :class:`FeatureOverflow` if finite inputs overflow it."""
     with np.errstate(over="ignore"):
         out = feats.astype(x.dtype, copy=False)
     bad = ~np.isfinite(out)
     if bad.any():
         finite_rows = np.isfinite(x).all(axis=-1)
         if (bad & finite_rows[..., None]).any():
-            raise ValueError(
+            raise FeatureOverflow(
                 f"feature map {name!r}: features of finite inputs overflow {x.dtype} "
-                f"(input shape {x.shape}); use float64 inputs or smaller inputs"
+                f"(input shape {x.shape}); use float64 inputs or smaller inputs", x.dtype
             )
     return out
 
