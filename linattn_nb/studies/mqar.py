@@ -523,12 +523,13 @@ def findings(agg) -> list:
     rule3 = ("at some kv and head dimension where both ran with the same D_φ·M, delta's interval lies above the "
              "additive rule's (ELU+1: D_φ = d for both maps), and nowhere below")
     if "delta" in agg.layers and "additive-elu" in agg.layers:  # not a rule: layer keys of LAYERS
-        wins, losses = [], []
+        wins, losses, shared = [], [], 0
         for kv in agg.kvs:
             dd, sd, md, hd, _ = agg.series(kv, "delta")
             da, sa, ma, ha, _ = agg.series(kv, "additive-elu")
             for j, dim in enumerate(dd):
                 if dim in da:
+                    shared += 1
                     i = da.index(dim)
                     cell = (kv, dim, pm(md[j], hd[j]), pm(ma[i], ha[i]))
                     if md[j] - hd[j] > ma[i] + ha[i]:
@@ -536,13 +537,16 @@ def findings(agg) -> list:
                     elif md[j] + hd[j] < ma[i] - ha[i]:
                         losses.append(cell)
         def _cells(cs):
-            return "; ".join(f"kv = {kv}, d = {dim}: {a} against {b}" for kv, dim, a, b in cs[:4])
+            more = f"; and {len(cs) - 4} more" if len(cs) > 4 else ""
+            return "; ".join(f"kv = {kv}, d = {dim}: {a} against {b}" for kv, dim, a, b in cs[:4]) + more
         if wins and not losses:
-            out.append(Claim(SUPPORTED, f"delta holds more pairs than additive (ELU+1) at the same state: "
-                                        f"{_cells(wins)}", rule3))
+            out.append(Claim(SUPPORTED, f"delta holds more pairs than additive (ELU+1) at the same state: above at "
+                                        f"{len(wins)} of {shared} shared points, below at none: {_cells(wins)}",
+                             rule3))
         elif losses:
             out.append(Claim(NOT_SUPPORTED, f"delta holds more pairs than additive at the same state: "
-                                            f"additive is higher at {_cells(losses)}", rule3))
+                                            f"additive is higher at {len(losses)} of {shared} shared points: "
+                                            f"{_cells(losses)}", rule3))
         else:
             out.append(Claim(NOT_SUPPORTED, "delta holds more pairs than additive at the same state: no difference "
                                             "shown at any shared state (intervals overlap)", rule3))

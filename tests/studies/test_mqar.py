@@ -203,6 +203,8 @@ def test_render_states_each_check_with_its_verdict(tmp_path):
     claims = [ln for ln in text.splitlines() if ln.startswith("- ")]
     assert len(claims) == 3 and all("(supported;" in ln for ln in claims), claims
     assert "| 16 | additive, ELU+1 | 8 | 64 |" in text and "| 0.5 |" in text  # the floor at kv = 2 D_φ
+    # the delta check counts its points: above only at kv = 16, d = 8 (additive 0.3, delta 1.0)
+    assert "above at 1 of 6 shared points, below at none: kv = 16, d = 8:" in claims[2], claims[2]
     text = mqar.render(records(False), ctx).markdown
     claims = [ln for ln in text.splitlines() if ln.startswith("- ")]
     assert len(claims) == 3 and all("(not supported;" in ln for ln in claims), claims
