@@ -24,7 +24,7 @@ from .feature_maps._base import FeatureOverflow
 from .ops import methods  # noqa: F401  (registers the built-in rules and methods)
 from .ops._vec import work_dtype
 from .ops.grad import _maps, _outgrad, _rowmaps
-from .ops.grad.cpu import delta_save_arrays, takes_saved
+from .ops.grad.cpu import backward_chunked_normalized, delta_save_arrays, fuses_normalized, takes_saved
 from .rules import get_rule
 
 _F64 = np.dtype(np.float64)
@@ -432,8 +432,20 @@ def backward(req: Request, nd, grad_out, grad_state=None, overwrite_nd=False, fi
     dHN = _grad_state(grad_state, req)
     b, n, m, f = req.b, req.n, req.m, req.f
     if n > 0 and b > 0:
-        dqf, dkf, dv1, dH0, dfactor, dbeta = _run_backward(req, g1, dHN)
+        grads = _run_backward(req, g1, dHN)
         del g1  # freed before the maps' products allocate: the peak memory of long sequences
+        return _finish(req, grads, finite, out_dtype)
+    return _finish(req, None, finite, out_dtype, dHN)
+
+
+def _finish(req: Request, grads, finite=None, out_dtype=None, dHN=None) -> VJP:
+    """The :class:`VJP` from a backward launcher's :class:`~linattn_nb.ops.grad.Grads` (None: no token, then
+    ``dHN`` is the final state's gradient): the maps' vjps, the factor and ``beta`` gradients summed back to
+    their arguments' shapes, ``dq``, ``dk``, ``dv`` cast (arguments as :func:`backward`)."""
+    b, n, m, f = req.b, req.n, req.m, req.f
+    if grads is not None:
+        dqf, dkf, dv1, dH0, dfactor, dbeta = grads
+        del grads
     else:
         dqf = np.zeros((b, n, f))
         dkf = np.zeros((b, n, f))
@@ -469,6 +481,38 @@ def backward(req: Request, nd, grad_out, grad_state=None, overwrite_nd=False, fi
     return VJP(dq, dk, dv, d_state, d_decay, d_log_decay, d_beta, _merge_params(pq, pk))
 
 
+def _normalized_fused(req: Request, grad_out) -> bool:
+    """Whether :func:`backward_normalized` takes the request: the additive rule's normalised causal outputs by
+    the CPU chunked method, with a gradient whose dtype the working one holds exactly."""
+    if not (req.dev == "cpu" and req.causal and req.normalize and req.impl.name == "chunked"
+            and fuses_normalized(get_rule(req.rule).code) and req.b > 0 and req.n > 0):
+        return False
+    dt = getattr(grad_out, "dtype", None)
+    return dt is not None and np.dtype(dt).kind == "f" and np.dtype(dt).itemsize <= req.work.itemsize
+
+
+@parallel_entry
+def backward_normalized(req: Request, grad_out, grad_state=None, finite=None, out_dtype=None):
+    """The gradients of a prepared request (:func:`_normalized_fused`) with no forward run before: the backward
+    kernel computes the normalisers and ``g . num`` from its own products
+    (:func:`~linattn_nb.ops.grad.cpu.backward_chunked_normalized`).  Returns the :class:`VJP`, or None where
+    the working dtype (below float64) overflowed on finite inputs (``check_finite``): the caller recomputes
+    in float64.  Arguments as :func:`backward`."""
+    g = _grad_out(grad_out, req, finite=False)
+    b, n, m = req.b, req.n, req.m
+    gw = np.ascontiguousarray(g.reshape(b, n, m), dtype=req.work)
+    dHN = _grad_state(grad_state, req)
+    g1 = _buffer("nd", (b, n, m + 1), req.work, req.reuse)
+    grads, g_ok, res_ok = backward_chunked_normalized(req.qf, req.kf, req.v1, req.H0, gw, dHN, eps=req.eps,
+                                                      g1=g1)
+    del g1, gw
+    if req.check_finite and not g_ok:
+        V.check_finite("grad_out", g)  # raises, naming it
+    if req.check_finite and req.work != _F64 and not res_ok:
+        return None
+    return _finish(req, grads, finite, out_dtype)
+
+
 def _finite(vjp: VJP, known=()) -> bool:
     """Whether every gradient in ``vjp`` is finite (those named in ``known`` are, already)."""
     parts = [getattr(vjp, name) for name in ("dq", "dk", "dv") if name not in known]
@@ -493,14 +537,20 @@ def linear_attention_vjp(q, k, v, grad_out, *, feature_map, causal, method, devi
         if e.dtype == _F64:
             raise
         return _vjp_float64(q, k, v, grad_out, grad_state, kw)  # the map's features overflowed float32
-    _, nd, HN = forward(req, want_out=False)
-    if overflowed(req, nd, HN, want_out=False):
-        del req, nd, HN  # freed before the float64 recomputation allocates its own
-        return _vjp_float64(q, k, v, grad_out, grad_state, kw)
     known = set()
-    res = backward(req, nd, grad_out, grad_state, overwrite_nd=True, finite=known)
     work = req.work
-    del req, nd, HN
+    if _normalized_fused(req, grad_out):
+        res = backward_normalized(req, grad_out, grad_state, finite=known)
+        del req
+        if res is None:  # the working dtype overflowed
+            return _vjp_float64(q, k, v, grad_out, grad_state, kw)
+    else:
+        _, nd, HN = forward(req, want_out=False)
+        if overflowed(req, nd, HN, want_out=False):
+            del req, nd, HN  # freed before the float64 recomputation allocates its own
+            return _vjp_float64(q, k, v, grad_out, grad_state, kw)
+        res = backward(req, nd, grad_out, grad_state, overwrite_nd=True, finite=known)
+        del req, nd, HN
     if check_finite and work != _F64 and not _finite(res, known):
         # finite inputs, non-finite gradients: the working dtype overflowed; float64 throughout
         return _vjp_float64(q, k, v, grad_out, grad_state, kw)
@@ -511,7 +561,10 @@ def _vjp_float64(q, k, v, grad_out, grad_state, kw):
     """:func:`linear_attention_vjp` in float64 throughout, ``dq``, ``dk``, ``dv`` cast to the inputs' dtype
     (ValueError naming the gradient where a finite float64 value overflows it)."""
     req = prepare(q, k, v, work=_F64, reuse=True, **kw)
-    _, nd, _ = forward(req, want_out=False)
-    res = backward(req, nd, grad_out, grad_state, overwrite_nd=True, out_dtype=_F64)
+    if _normalized_fused(req, grad_out):
+        res = backward_normalized(req, grad_out, grad_state, out_dtype=_F64)  # never None in float64
+    else:
+        _, nd, _ = forward(req, want_out=False)
+        res = backward(req, nd, grad_out, grad_state, overwrite_nd=True, out_dtype=_F64)
     return res._replace(**{nm: _narrow(getattr(res, nm), req.dtype, f"the gradient {nm}")
                            for nm in ("dq", "dk", "dv")})

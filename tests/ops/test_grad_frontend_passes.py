@@ -67,7 +67,11 @@ def test_front_end_output_gradient_over_nd_is_the_separate_one(normalize, dtype,
         np.testing.assert_array_equal(x, y)
     c = la.linear_attention_vjp(q, k, v, g, causal=True, method="chunked", normalize=normalize)
     for x, y in zip(a[:3], c[:3]):
-        np.testing.assert_array_equal(x, y)
+        if normalize:  # the VJP's fused kernel (no forward run) sums in another order
+            tol = 1e-5 if dtype == np.float32 else 1e-12
+            np.testing.assert_allclose(y, x, rtol=tol, atol=tol * (1 + np.abs(x).max()))
+        else:
+            np.testing.assert_array_equal(x, y)
     ref = la.linear_attention_vjp(*(x.astype(np.float64) for x in (q, k, v, g)), causal=True, method="quadratic",
                                   normalize=normalize)
     for x, y in zip(c[:3], ref[:3]):

@@ -174,6 +174,11 @@ def takes_saved(rule) -> bool:
     return int(rule) in (RULE_DELTA, RULE_GATED_DELTA)
 
 
+def fuses_normalized(rule) -> bool:
+    """Whether rule code ``rule`` has :func:`backward_chunked_normalized` (the additive rule)."""
+    return int(rule) == RULE_ADDITIVE
+
+
 def delta_save_arrays(B, N, F, M1, dtype, chunk=None, empty=None):
     """``(C, ck, Ys, KKs)``: empty arrays for a delta-rule forward to save its chunk values into
     (``save=`` of :func:`~linattn_nb.ops.causal.chunked.causal_chunked`, ``saved=`` of
@@ -211,3 +216,69 @@ def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, have=None):
         kernel(qf, kf, v1, H0, g1, H0 if dHN is None else dHN, dHN is not None, rule, lg, np.int64(C), ck,
                Ys, KKs, have is not None, *outs, np.empty(0, wt))
     return _result(rule, *outs)
+
+
+def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=None, block=None, g1=None):
+    """Gradients of the additive rule's normalised causal attention from ``g = dL/dout``, no forward run.
+
+    Where :func:`backward_chunked` takes ``g1 = dL/d[num | den]``, which needs the forward's outputs
+    and normalisers, this kernel computes each row's normaliser ``den = A 1 + φ(q) z`` and
+    ``g . num = Σ A ⊙ (G Vᵀ) + Σ φ(Q) ⊙ (G Sᵀ)`` from products its own first pass needs anyway
+    (``docs/design-cpu.md``, "Chunked backward of normalised outputs").
+
+    Parameters
+    ----------
+    qf, kf, v1, H0, dHN
+        As the backward launcher contract (``docs/launchers.md``).
+    g : ndarray
+        (B, N, M) gradient of the normalised outputs, in the working dtype.
+    eps : float, optional
+        The normaliser's floor (``den' = den`` where ``den > eps``, else ``eps`` with no gradient to
+        ``den``); None: no floor.
+    chunk, block : int, optional
+        Chunk size and the row block of its intra-chunk products (default from :mod:`linattn_nb.config`).
+    g1 : ndarray, optional
+        (B, N, M + 1) array of the working dtype that receives ``dL/d[num | den]`` (default a new one).
+
+    Returns
+    -------
+    (Grads, g_finite, results_finite)
+        The additive rule's :class:`~linattn_nb.ops.grad.Grads`; whether every element of ``g`` is
+        finite; whether every normaliser, ``g . num`` and the final state is (False: the working dtype
+        overflowed, or an input was not finite).
+    """
+    qf, kf, v1, H0, _, dHN = _check(qf, kf, v1, H0, v1, dHN)
+    B, N, F = qf.shape
+    M1 = v1.shape[2]
+    wt = qf.dtype
+    if not isinstance(g, np.ndarray) or g.shape != (B, N, M1 - 1):
+        raise ValueError(f"g must have shape {(B, N, M1 - 1)}, got {getattr(g, 'shape', type(g).__name__)}")
+    if g.dtype != wt:
+        raise ValueError(f"g must have the working dtype {wt} (that of qf), got {g.dtype}")
+    g = np.ascontiguousarray(g)
+    if g1 is None:
+        g1 = np.empty((B, N, M1), wt)
+    elif g1.shape != (B, N, M1) or g1.dtype != wt or not g1.flags.c_contiguous:
+        raise ValueError(f"g1 must be a C-contiguous {wt} array of shape {(B, N, M1)}")
+    if N == 0 or B == 0:
+        return _empty_call(RULE_ADDITIVE, qf, v1, H0, dHN), True, True
+    C = int(chunk if chunk is not None else config.cpu_backward_norm_chunk(N, F, M1, wt))
+    if C < 1:
+        raise ValueError(f"chunk must be >= 1, got {C}")
+    C = min(C, N)
+    bs = int(block if block is not None else config.cpu_backward_norm_block(C, F, M1, wt))
+    if bs < 1:
+        raise ValueError(f"block must be >= 1, got {bs}")
+    bs = min(bs, C)
+    from ._cpu_chunked_norm import normalized_backward_kernel, normalized_backward_kernel_serial
+
+    dq, dk, dv, dH0, dfac, dbeta = _outputs(RULE_ADDITIVE, B, N, F, M1, wt)
+    flags = np.zeros((B, 2), np.bool_)
+    floor = eps is not None
+    kernel = pick(normalized_backward_kernel_serial, normalized_backward_kernel, items=B, work=B * N * F * M1,
+                  limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
+    with single_threaded_blas(kernel is normalized_backward_kernel):
+        kernel(qf, kf, v1, g, H0, H0 if dHN is None else dHN, dHN is not None, float(eps) if floor else 0.0,
+               floor, np.int64(C), np.int64(bs), g1, dq, dk, dv, dH0, flags, np.empty(0, wt))
+    grads = _result(RULE_ADDITIVE, dq, dk, dv, dH0, dfac, dbeta)
+    return grads, not flags[:, 0].any(), not flags[:, 1].any()

@@ -1,0 +1,144 @@
+"""The normalised additive rule's CPU backward with no forward before it (kernel of
+:func:`linattn_nb.ops.grad.cpu.backward_chunked_normalized`).
+
+Design: ``docs/design-cpu.md``, "Chunked backward of normalised outputs".
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ... import config
+from .._gemm import gemm
+from .._twins import serial_and_parallel
+from .._vec import is_finite
+from ._cpu_chunked import copy_state, start_adjoint
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, as the forward
+def _rows(qf, g, H, T, Am, Pm, g1, dq, b, s0, r0, ce, eps, floor):
+    """Rows [r0, ce) of the chunk at ``s0``: each row's normaliser and ``g . num`` from the products the
+    gradient needs anyway, then ``g1 = [g / den | -(g . num) / den^2]``, ``Pm`` (``G V^T``) -> ``dA``
+    (masked) and ``dq``'s inter-chunk part ``T / den + c z``.  Returns ``(g_finite, results_finite)``."""
+    F = qf.shape[2]
+    M = g.shape[2]
+    wt = Pm.dtype.type
+    wz = wt(0.0)
+    g_ok = True
+    res_ok = True
+    for t in range(r0, ce):
+        den = 0.0
+        gn = 0.0
+        for s in range(t + 1):
+            a = np.float64(Am[t, s])
+            den += a
+            gn += a * np.float64(Pm[t, s])
+        for i in range(F):
+            x = np.float64(qf[b, s0 + t, i])
+            den += x * H[i, M]
+            gn += x * np.float64(T[t, i])
+        res_ok &= is_finite(wt(den)) and is_finite(wt(gn))
+        active = True
+        if floor and not den > eps:
+            active = False
+            den = eps
+        r = 1.0 / den
+        c = -gn * r * r if active else 0.0
+        for m in range(M):
+            x = g[b, s0 + t, m]
+            g_ok &= (x - x) == 0  # inf - inf and NaN - NaN are NaN
+            g1[b, s0 + t, m] = np.float64(x) * r
+        g1[b, s0 + t, M] = c
+        for s in range(t + 1):
+            Pm[t, s] = r * np.float64(Pm[t, s]) + c
+        for s in range(t + 1, ce):
+            Pm[t, s] = wz
+            Am[t, s] = wz
+        for i in range(F):
+            dq[b, s0 + t, i] = r * np.float64(T[t, i]) + c * H[i, M]
+    return g_ok, res_ok
+
+
+def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1, dq, dk, dv, dH0, flags, proto):
+    """Two passes over the chunks of each sequence (``docs/design-cpu.md``).
+
+    qf, kf (B, N, F), v1 (B, N, M + 1), g (B, N, M) of the working dtype; H0, dHN (B, F, M + 1) float64;
+    C the chunk size, bs the row block of its intra-chunk products.  Writes every element of g1 (the
+    gradient of ``[num | den]``, (B, N, M + 1)), dq, dk, dv (B, N, M + 1) and dH0; ``flags[b]`` gets
+    whether a ``g`` element read was NaN or inf (column 0) and whether a normaliser, ``g . num`` or the
+    final state was (column 1).
+    """
+    B, N, F = qf.shape
+    M1 = v1.shape[2]
+    M = M1 - 1
+    wt = proto.dtype
+    nch = (N + C - 1) // C
+    for b in prange(B):
+        H = np.empty((F, M1))
+        H[:, :] = H0[b]
+        Hw = np.empty((F, M1), wt)
+        part = np.empty((F, M1), wt)
+        Pm = np.empty((C, C), wt)
+        Am = np.empty((C, C), wt)
+        T = np.empty((C, F), wt)
+        g_ok = True
+        res_ok = True
+        # pass 1, chunks in order: H; the normalisers and g1; dq; the intra-chunk parts of dk and dv
+        for c in range(nch):
+            s0 = c * C
+            n = min(C, N - s0)
+            qo = (b * N + s0) * F
+            vo = (b * N + s0) * M1
+            go = (b * N + s0) * M
+            copy_state(H, Hw)
+            # T = G S^T: the chunk-start state read by each gradient row
+            gemm(0, 1, n, F, M, 1.0, g, go, M, Hw, 0, M1, 0.0, T, 0, F)
+            for r0 in range(0, n, bs):
+                ce = min(r0 + bs, n)
+                # rows [r0, ce) of A = Q K^T and P0 = G V^T, columns up to ce only
+                gemm(0, 1, ce - r0, ce, F, 1.0, qf, qo + r0 * F, F, kf, qo, F, 0.0, Am, r0 * C, C)
+                gemm(0, 1, ce - r0, ce, M, 1.0, g, go + r0 * M, M, v1, vo, M1, 0.0, Pm, r0 * C, C)
+                ok_g, ok_r = _rows(qf, g, H, T, Am, Pm, g1, dq, b, s0, r0, ce, eps, floor)
+                g_ok &= ok_g
+                res_ok &= ok_r
+                # dq += dA K
+                gemm(0, 0, ce - r0, F, ce, 1.0, Pm, r0 * C, C, kf, qo, F, 1.0, dq, qo + r0 * F, F)
+            # column blocks: dk = dA^T Q and dv = A^T g1 over the rows at or below each block
+            for j0 in range(0, n, bs):
+                je = min(j0 + bs, n)
+                gemm(1, 0, je - j0, F, n - j0, 1.0, Pm, j0 * C + j0, C, qf, qo + j0 * F, F, 0.0, dk, qo + j0 * F, F)
+                gemm(1, 0, je - j0, M1, n - j0, 1.0, Am, j0 * C + j0, C, g1, vo + j0 * M1, M1, 0.0, dv,
+                     vo + j0 * M1, M1)
+            # H += K^T [V 1]
+            gemm(1, 0, F, M1, n, 1.0, kf, qo, F, v1, vo, M1, 0.0, part, 0, M1)
+            for i in range(F):
+                for m in range(M1):
+                    H[i, m] += part[i, m]
+        for i in range(F):
+            for m in range(M1):
+                res_ok &= is_finite(H[i, m])
+        # pass 2, chunks in reverse: R, the inter-chunk parts of dk and dv
+        R = H
+        start_adjoint(R, dHN, b, has_dHN)
+        for c in range(nch - 1, -1, -1):
+            s0 = c * C
+            n = min(C, N - s0)
+            qo = (b * N + s0) * F
+            vo = (b * N + s0) * M1
+            copy_state(R, Hw)
+            # dk += [V 1] R^T; dv += K R; R += Q^T g1
+            gemm(0, 1, n, F, M1, 1.0, v1, vo, M1, Hw, 0, M1, 1.0, dk, qo, F)
+            gemm(0, 0, n, M1, F, 1.0, kf, qo, F, Hw, 0, M1, 1.0, dv, vo, M1)
+            gemm(1, 0, F, M1, n, 1.0, qf, qo, F, g1, vo, M1, 0.0, part, 0, M1)
+            for i in range(F):
+                for m in range(M1):
+                    R[i, m] += part[i, m]
+        for i in range(F):
+            for m in range(M1):
+                dH0[b, i, m] = R[i, m]
+        flags[b, 0] = not g_ok
+        flags[b, 1] = not res_ok
+
+
+normalized_backward_kernel_serial, normalized_backward_kernel = serial_and_parallel(
+    _normalized_backward, fastmath=config.FASTMATH, cache=config.CACHE)

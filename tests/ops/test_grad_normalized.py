@@ -1,0 +1,140 @@
+"""The normalised additive rule's fused CPU backward (``backward_chunked_normalized``): no forward before it,
+the normalisers and ``g . num`` from its own products.  Checked against a float64 reference built from the
+naive forward, the normalised output's gradient written out in NumPy and the naive backward."""
+import numpy as np
+import pytest
+
+import linattn_nb as la
+from linattn_nb import _gradfront as GF
+from linattn_nb.ops.grad import cpu
+from linattn_nb.ops.grad.naive import causal_backward_naive
+
+
+@pytest.fixture
+def nan_outputs(monkeypatch):
+    """Output buffers filled with NaN: every element must be written."""
+    monkeypatch.setattr(cpu, "_alloc", lambda shape, dtype: np.full(shape, np.nan, dtype))
+
+
+def _inputs(B, N, F, M, dtype, seed=0, scale=1.0, state=False, grad_state=False):
+    rng = np.random.default_rng(seed)
+    qf, kf = (scale * rng.uniform(0.05, 1.5, (B, N, F)).astype(dtype) for _ in range(2))
+    v = rng.standard_normal((B, N, M)).astype(dtype)
+    g = rng.standard_normal((B, N, M)).astype(dtype)
+    v1 = np.concatenate([v, np.ones((B, N, 1), dtype)], axis=2)
+    H0 = np.zeros((B, F, M + 1))
+    if state:
+        H0[:, :, :M] = rng.standard_normal((B, F, M))
+        H0[:, :, M] = rng.uniform(0.1, 1.0, (B, F))
+    dHN = rng.standard_normal((B, F, M + 1)) if grad_state else None
+    return qf, kf, v1, H0, g, dHN
+
+
+def _reference(qf, kf, v1, H0, g, dHN, eps):
+    """float64: o = num / den' (den' = den, or eps where den <= eps with no gradient to den)."""
+    qf, kf, v1, g = (x.astype(np.float64) for x in (qf, kf, v1, g))
+    B, N, F = qf.shape
+    M = g.shape[2]
+    H = H0[:, None] + np.cumsum(np.einsum("bnf,bnm->bnfm", kf, v1), axis=1)
+    nd = np.einsum("bnf,bnfm->bnm", qf, H)
+    num, den = nd[..., :M], nd[..., M]
+    active = np.ones(den.shape, bool) if eps is None else den > eps
+    d = np.where(active, den, eps if eps is not None else 0.0)
+    g1 = np.empty((B, N, M + 1))
+    g1[..., :M] = g / d[..., None]
+    g1[..., M] = np.where(active, -(g * num).sum(-1) / d ** 2, 0.0)
+    return causal_backward_naive(qf, kf, v1, H0, g1, dHN), g1
+
+
+def _close(got, want, dtype, what):
+    tol = 2e-5 if dtype == np.float32 else 1e-11
+    got = np.asarray(got, np.float64)
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * (1 + np.abs(want).max()), err_msg=what)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("N,chunk,block", [(1, None, None), (2, 1, 1), (7, 3, 2), (49, None, None), (49, 48, 8),
+                                           (50, 16, 16), (97, 5, 3), (130, 64, 7)])
+@pytest.mark.parametrize("state", [False, True])
+def test_matches_reference(dtype, N, chunk, block, state, nan_outputs):
+    qf, kf, v1, H0, g, dHN = _inputs(2, N, 5, 3, dtype, seed=N, state=state, grad_state=state)
+    ref, g1_ref = _reference(qf, kf, v1, H0, g, dHN, None)
+    grads, g_ok, res_ok = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, dHN, chunk=chunk, block=block)
+    assert g_ok and res_ok
+    for name in ("dq", "dk", "dv", "dH0"):  # dv with the ones column's, as backward_chunked's
+        _close(getattr(grads, name), getattr(ref, name), dtype, name)
+    assert grads.dfactor is None and grads.dbeta is None
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_floor_of_the_normaliser(dtype, nan_outputs):
+    """Rows whose normaliser is at or below eps divide by eps and pass no gradient to it."""
+    qf, kf, v1, H0, g, dHN = _inputs(1, 40, 4, 3, dtype, seed=3)
+    qf[:, ::3] *= 1e-6  # a third of the rows below the floor
+    eps = 1e-3
+    ref, g1_ref = _reference(qf, kf, v1, H0, g, dHN, eps)
+    assert (g1_ref[0, :, 3] == 0).sum() >= 10  # the floor is active somewhere
+    g1 = np.full((1, 40, 4), np.nan, dtype)
+    grads, _, _ = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, eps=eps, chunk=16, block=4, g1=g1)
+    _close(g1, g1_ref, dtype, "g1")
+    for name in ("dq", "dk", "dH0"):
+        _close(getattr(grads, name), getattr(ref, name), dtype, name)
+
+
+def test_flags_a_gradient_not_finite_and_an_overflow():
+    qf, kf, v1, H0, g, _ = _inputs(2, 20, 4, 3, np.float32)
+    g[1, 5, 2] = np.nan
+    _, g_ok, _ = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, chunk=8)
+    assert not g_ok  # (its NaN reaches g . num: the results' flag may be down too)
+    g[1, 5, 2] = 0.0
+    kf[0, :, 0] = 3e37  # finite features whose float32 normaliser overflows
+    _, g_ok, res_ok = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, chunk=8)
+    assert g_ok and not res_ok
+
+
+def test_bad_arguments_name_themselves():
+    qf, kf, v1, H0, g, _ = _inputs(1, 8, 4, 3, np.float32)
+    with pytest.raises(ValueError, match="g must have shape"):
+        cpu.backward_chunked_normalized(qf, kf, v1, H0, g[:, :, :2])
+    with pytest.raises(ValueError, match="g must have the working dtype"):
+        cpu.backward_chunked_normalized(qf, kf, v1, H0, g.astype(np.float64))
+    with pytest.raises(ValueError, match="g1 must be"):
+        cpu.backward_chunked_normalized(qf, kf, v1, H0, g, g1=np.empty((1, 8, 3), np.float32))
+    with pytest.raises(ValueError, match="chunk must be >= 1"):
+        cpu.backward_chunked_normalized(qf, kf, v1, H0, g, chunk=0)
+    with pytest.raises(ValueError, match="block must be >= 1"):
+        cpu.backward_chunked_normalized(qf, kf, v1, H0, g, block=0)
+
+
+def test_vjp_takes_it_and_agrees_with_the_forward_path(monkeypatch):
+    """``linear_attention_vjp`` of the additive rule's normalised outputs (chunked, CPU) runs this kernel and
+    no forward; its gradients are those of the path through the forward (float32, within rounding)."""
+    rng = np.random.default_rng(5)
+    q, k, v, g = (rng.standard_normal((2, 3, 70, 8)).astype(np.float32) for _ in range(4))
+    calls = []
+    real = GF.backward_chunked_normalized
+    monkeypatch.setattr(GF, "backward_chunked_normalized", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(GF, "forward", lambda *a, **kw: pytest.fail("the forward ran"))
+    got = la.linear_attention_vjp(q, k, v, g, causal=True, method="chunked")
+    assert calls
+    monkeypatch.undo()
+    req = GF.prepare(q, k, v, feature_map="elu", causal=True, method="chunked", device="cpu", eps=None,
+                     check_finite=True, initial_state=None)
+    _, nd, _ = GF.forward(req, want_out=False)
+    want = GF.backward(req, nd, g)
+    for name in ("dq", "dk", "dv"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == np.float32
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(), err_msg=name)
+
+
+def test_vjp_of_a_wider_gradient_takes_the_forward_path(monkeypatch):
+    """A float64 ``grad_out`` of float32 inputs is not cast to float32 first: the path through the forward."""
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal((1, 30, 4)).astype(np.float32) for _ in range(3))
+    g = rng.standard_normal((1, 30, 4))
+    monkeypatch.setattr(GF, "backward_chunked_normalized", lambda *a, **kw: pytest.fail("fused path taken"))
+    got = la.linear_attention_vjp(q, k, v, g, causal=True, method="chunked")
+    monkeypatch.undo()
+    want = la.linear_attention_vjp(*(x.astype(np.float64) for x in (q, k, v)), g, causal=True, method="chunked")
+    np.testing.assert_allclose(got.dq, want.dq, rtol=1e-4, atol=1e-5)
