@@ -66,6 +66,7 @@ CASES = {
     "noncausal f32 N=4096": ("noncausal", 4096, "float32"),
     "decode step f32 H=16": ("step", 1, "float32"),
     "vjp causal f32 N=1024": ("vjp", 1024, "float32"),
+    "vjp causal f32 N=4096": ("vjp", 4096, "float32"),
     "vjp delta f32 N=4096": ("vjp/delta", 4096, "float32"),
     "vjp gate f32 N=4096": ("vjp/gate", 4096, "float32"),
     # the forgetting rules: a per-token decay and a per-feature gate, log-factors as decay_cpu.py draws them

@@ -16,27 +16,38 @@ from ._cpu_chunked import copy_state, start_adjoint
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, as the forward
-def _rows(qf, g, H, T, Am, Pm, g1, dq, b, s0, r0, ce, eps, floor):
+def _rows(qf, g, z, T, Am, Pm, g1, dq, b, s0, r0, ce, eps, floor):
     """Rows [r0, ce) of the chunk at ``s0``: each row's normaliser and ``g . num`` from the products the
     gradient needs anyway, then ``g1 = [g / den | -(g . num) / den^2]``, ``Pm`` (``G V^T``) -> ``dA``
-    (masked) and ``dq``'s inter-chunk part ``T / den + c z``.  Returns ``(g_finite, results_finite)``."""
+    (masked) and ``dq``'s inter-chunk part ``T / den + c z`` (``z`` the normaliser sum before the chunk,
+    float64).  Returns ``(g_finite, results_finite)``."""
     F = qf.shape[2]
     M = g.shape[2]
     wt = Pm.dtype.type
     wz = wt(0.0)
-    g_ok = True
+    # a sum of x * 0: 0 while every x is finite (inf * 0 is NaN).  The kernels' "reassoc" flag may sum the x
+    # first, so a large finite g can read as not finite: the front end then checks g itself (no false pass);
+    # x - x would not do, the flags fold it to 0
+    g_chk = wz
     res_ok = True
     for t in range(r0, ce):
+        qr = qf[b, s0 + t]
+        gr = g[b, s0 + t]
+        ar = Am[t]
+        pr = Pm[t]
+        tr = T[t]
         den = 0.0
         gn = 0.0
         for s in range(t + 1):
-            a = np.float64(Am[t, s])
+            a = np.float64(ar[s])
             den += a
-            gn += a * np.float64(Pm[t, s])
+            gn += a * np.float64(pr[s])
         for i in range(F):
-            x = np.float64(qf[b, s0 + t, i])
-            den += x * H[i, M]
-            gn += x * np.float64(T[t, i])
+            x = np.float64(qr[i])
+            den += x * z[i]
+            gn += x * np.float64(tr[i])
+        # in the working dtype, as the forward would hold them: a float32 normaliser or g . num beyond float32
+        # asks for the float64 recomputation, as an overflowed forward does
         res_ok &= is_finite(wt(den)) and is_finite(wt(gn))
         active = True
         if floor and not den > eps:
@@ -44,19 +55,23 @@ def _rows(qf, g, H, T, Am, Pm, g1, dq, b, s0, r0, ce, eps, floor):
             den = eps
         r = 1.0 / den
         c = -gn * r * r if active else 0.0
+        rw = wt(r)
+        g1r = g1[b, s0 + t]
         for m in range(M):
-            x = g[b, s0 + t, m]
-            g_ok &= (x - x) == 0  # inf - inf and NaN - NaN are NaN
-            g1[b, s0 + t, m] = np.float64(x) * r
-        g1[b, s0 + t, M] = c
+            x = gr[m]
+            g_chk += x * wz
+            g1r[m] = x * rw
+        g1r[M] = c
+        cw = wt(c)
         for s in range(t + 1):
-            Pm[t, s] = r * np.float64(Pm[t, s]) + c
+            pr[s] = rw * pr[s] + cw
         for s in range(t + 1, ce):
-            Pm[t, s] = wz
-            Am[t, s] = wz
+            pr[s] = wz
+            ar[s] = wz
+        dqr = dq[b, s0 + t]
         for i in range(F):
-            dq[b, s0 + t, i] = r * np.float64(T[t, i]) + c * H[i, M]
-    return g_ok, res_ok
+            dqr[i] = rw * tr[i] + c * z[i]
+    return g_chk == wz, res_ok
 
 
 def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1, dq, dk, dv, dH0, flags, proto):
@@ -81,6 +96,7 @@ def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1,
         Pm = np.empty((C, C), wt)
         Am = np.empty((C, C), wt)
         T = np.empty((C, F), wt)
+        z = np.empty(F)
         g_ok = True
         res_ok = True
         # pass 1, chunks in order: H; the normalisers and g1; dq; the intra-chunk parts of dk and dv
@@ -91,6 +107,8 @@ def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1,
             vo = (b * N + s0) * M1
             go = (b * N + s0) * M
             copy_state(H, Hw)
+            for i in range(F):
+                z[i] = H[i, M]
             # T = G S^T: the chunk-start state read by each gradient row
             gemm(0, 1, n, F, M, 1.0, g, go, M, Hw, 0, M1, 0.0, T, 0, F)
             for r0 in range(0, n, bs):
@@ -98,7 +116,7 @@ def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1,
                 # rows [r0, ce) of A = Q K^T and P0 = G V^T, columns up to ce only
                 gemm(0, 1, ce - r0, ce, F, 1.0, qf, qo + r0 * F, F, kf, qo, F, 0.0, Am, r0 * C, C)
                 gemm(0, 1, ce - r0, ce, M, 1.0, g, go + r0 * M, M, v1, vo, M1, 0.0, Pm, r0 * C, C)
-                ok_g, ok_r = _rows(qf, g, H, T, Am, Pm, g1, dq, b, s0, r0, ce, eps, floor)
+                ok_g, ok_r = _rows(qf, g, z, T, Am, Pm, g1, dq, b, s0, r0, ce, eps, floor)
                 g_ok &= ok_g
                 res_ok &= ok_r
                 # dq += dA K

@@ -244,8 +244,10 @@ def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=
     -------
     (Grads, g_finite, results_finite)
         The additive rule's :class:`~linattn_nb.ops.grad.Grads`; whether every element of ``g`` is
-        finite; whether every normaliser, ``g . num`` and the final state is (False: the working dtype
-        overflowed, or an input was not finite).
+        finite (False for a NaN or inf, and possibly where a sum of large finite elements overflows:
+        check ``g`` itself before reporting it); whether every normaliser, ``g . num`` and the final
+        state is, in the working dtype (False: the working dtype overflowed, or an input was not
+        finite).
     """
     qf, kf, v1, H0, _, dHN = _check(qf, kf, v1, H0, v1, dHN)
     B, N, F = qf.shape
