@@ -482,8 +482,8 @@ def _finish(req: Request, grads, finite=None, out_dtype=None, dHN=None) -> VJP:
 
 
 def _normalized_fused(req: Request, grad_out) -> bool:
-    """Whether :func:`backward_normalized` takes the request: the additive rule's normalised causal outputs by
-    the CPU chunked method, with a gradient whose dtype the working one holds exactly."""
+    """Whether :func:`backward_normalized` takes the request: the additive or decay rule's normalised causal
+    outputs by the CPU chunked method, with a gradient whose dtype the working one holds exactly."""
     if not (req.dev == "cpu" and req.causal and req.normalize and req.impl.name == "chunked"
             and fuses_normalized(get_rule(req.rule).code) and req.b > 0 and req.n > 0):
         return False
@@ -504,7 +504,7 @@ def backward_normalized(req: Request, grad_out, grad_state=None, finite=None, ou
     dHN = _grad_state(grad_state, req)
     g1 = _buffer("nd", (b, n, m + 1), req.work, req.reuse)
     grads, g_ok, res_ok = backward_chunked_normalized(req.qf, req.kf, req.v1, req.H0, gw, dHN, eps=req.eps,
-                                                      g1=g1)
+                                                      g1=g1, rule=get_rule(req.rule).code, inputs=req.inputs)
     del g1, gw
     if req.check_finite and not g_ok:
         V.check_finite("grad_out", g)  # raises, naming it

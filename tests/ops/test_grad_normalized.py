@@ -7,6 +7,7 @@ import pytest
 import linattn_nb as la
 from linattn_nb import _gradfront as GF
 from linattn_nb.ops.grad import cpu
+from linattn_nb.ops._codes import RULE_ADDITIVE, RULE_DECAY
 from linattn_nb.ops.grad.naive import causal_backward_naive
 
 
@@ -30,20 +31,34 @@ def _inputs(B, N, F, M, dtype, seed=0, scale=1.0, state=False, grad_state=False)
     return qf, kf, v1, H0, g, dHN
 
 
-def _reference(qf, kf, v1, H0, g, dHN, eps):
-    """float64: o = num / den' (den' = den, or eps where den <= eps with no gradient to den)."""
+def _reference(qf, kf, v1, H0, g, dHN, eps, inputs=None):
+    """float64: o = num / den' (den' = den, or eps where den <= eps with no gradient to den); ``inputs`` the
+    decay rule's (``log_decay`` (B, N)), None for the additive rule."""
     qf, kf, v1, g = (x.astype(np.float64) for x in (qf, kf, v1, g))
     B, N, F = qf.shape
     M = g.shape[2]
-    H = H0[:, None] + np.cumsum(np.einsum("bnf,bnm->bnfm", kf, v1), axis=1)
-    nd = np.einsum("bnf,bnfm->bnm", qf, H)
+    a = np.ones((B, N)) if inputs is None else np.exp(inputs["log_decay"])
+    nd = np.empty((B, N, M + 1))
+    H = H0.copy()
+    for t in range(N):
+        H = a[:, t, None, None] * H + np.einsum("bf,bm->bfm", kf[:, t], v1[:, t])
+        nd[:, t] = np.einsum("bf,bfm->bm", qf[:, t], H)
     num, den = nd[..., :M], nd[..., M]
     active = np.ones(den.shape, bool) if eps is None else den > eps
     d = np.where(active, den, eps if eps is not None else 0.0)
     g1 = np.empty((B, N, M + 1))
     g1[..., :M] = g / d[..., None]
     g1[..., M] = np.where(active, -(g * num).sum(-1) / d ** 2, 0.0)
-    return causal_backward_naive(qf, kf, v1, H0, g1, dHN), g1
+    if inputs is None:
+        return causal_backward_naive(qf, kf, v1, H0, g1, dHN), g1
+    return causal_backward_naive(qf, kf, v1, H0, g1, dHN, inputs=inputs, rule=RULE_DECAY), g1
+
+
+def _decay(B, N, seed):
+    rng = np.random.default_rng(seed + 100)
+    lg = rng.uniform(-0.3, -0.001, (B, N))
+    lg[0, N // 2] = -np.inf  # a reset
+    return {"log_decay": lg}
 
 
 def _close(got, want, dtype, what):
@@ -56,39 +71,55 @@ def _close(got, want, dtype, what):
 @pytest.mark.parametrize("N,chunk,block", [(1, None, None), (2, 1, 1), (7, 3, 2), (49, None, None), (49, 48, 8),
                                            (50, 16, 16), (97, 5, 3), (130, 64, 7)])
 @pytest.mark.parametrize("state", [False, True])
-def test_matches_reference(dtype, N, chunk, block, state, nan_outputs):
+@pytest.mark.parametrize("rule", [RULE_ADDITIVE, RULE_DECAY])
+def test_matches_reference(dtype, N, chunk, block, state, rule, nan_outputs):
     qf, kf, v1, H0, g, dHN = _inputs(2, N, 5, 3, dtype, seed=N, state=state, grad_state=state)
-    ref, g1_ref = _reference(qf, kf, v1, H0, g, dHN, None)
-    grads, g_ok, res_ok = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, dHN, chunk=chunk, block=block)
+    inputs = _decay(2, N, N) if rule == RULE_DECAY else None
+    ref, g1_ref = _reference(qf, kf, v1, H0, g, dHN, None, inputs)
+    g1 = np.full((2, N, 4), np.nan, dtype)
+    grads, g_ok, res_ok = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, dHN, chunk=chunk, block=block, g1=g1,
+                                                          rule=rule, inputs=inputs)
     assert g_ok and res_ok
+    _close(g1, g1_ref, dtype, "g1")
     for name in ("dq", "dk", "dv", "dH0"):  # dv with the ones column's, as backward_chunked's
         _close(getattr(grads, name), getattr(ref, name), dtype, name)
-    assert grads.dfactor is None and grads.dbeta is None
+    if rule == RULE_DECAY:
+        _close(grads.dfactor, ref.dfactor, dtype, "dfactor")
+    else:
+        assert grads.dfactor is None
+    assert grads.dbeta is None
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_floor_of_the_normaliser(dtype, nan_outputs):
+@pytest.mark.parametrize("rule", [RULE_ADDITIVE, RULE_DECAY])
+def test_floor_of_the_normaliser(dtype, rule, nan_outputs):
     """Rows whose normaliser is at or below eps divide by eps and pass no gradient to it."""
     qf, kf, v1, H0, g, dHN = _inputs(1, 40, 4, 3, dtype, seed=3)
     qf[:, ::3] *= 1e-6  # a third of the rows below the floor
     eps = 1e-3
-    ref, g1_ref = _reference(qf, kf, v1, H0, g, dHN, eps)
+    inputs = _decay(1, 40, 3) if rule == RULE_DECAY else None
+    ref, g1_ref = _reference(qf, kf, v1, H0, g, dHN, eps, inputs)
     assert (g1_ref[0, :, 3] == 0).sum() >= 10  # the floor is active somewhere
     g1 = np.full((1, 40, 4), np.nan, dtype)
-    grads, _, _ = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, eps=eps, chunk=16, block=4, g1=g1)
+    grads, _, _ = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, eps=eps, chunk=16, block=4, g1=g1, rule=rule,
+                                                  inputs=inputs)
     _close(g1, g1_ref, dtype, "g1")
     for name in ("dq", "dk", "dH0"):
         _close(getattr(grads, name), getattr(ref, name), dtype, name)
 
 
-def test_flags_a_gradient_not_finite_and_an_overflow():
+@pytest.mark.parametrize("rule", [RULE_ADDITIVE, RULE_DECAY])
+def test_flags_a_gradient_not_finite_and_an_overflow(rule):
     qf, kf, v1, H0, g, _ = _inputs(2, 20, 4, 3, np.float32)
+    kw = dict(chunk=8, rule=rule, inputs={"log_decay": np.full((2, 20), -1e-3)} if rule == RULE_DECAY else None)
     g[1, 5, 2] = np.nan
-    _, g_ok, _ = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, chunk=8)
+    _, g_ok, _ = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, **kw)
     assert not g_ok  # (its NaN reaches g . num: the results' flag may be down too)
     g[1, 5, 2] = 0.0
+    _, g_ok, res_ok = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, **kw)
+    assert g_ok and res_ok
     kf[0, :, 0] = 3e37  # finite features whose float32 normaliser overflows
-    _, g_ok, res_ok = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, chunk=8)
+    _, g_ok, res_ok = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, **kw)
     assert g_ok and not res_ok
 
 
@@ -104,28 +135,34 @@ def test_bad_arguments_name_themselves():
         cpu.backward_chunked_normalized(qf, kf, v1, H0, g, chunk=0)
     with pytest.raises(ValueError, match="block must be >= 1"):
         cpu.backward_chunked_normalized(qf, kf, v1, H0, g, block=0)
+    with pytest.raises(ValueError, match="rule: the fused normalised backward takes"):
+        cpu.backward_chunked_normalized(qf, kf, v1, H0, g, rule=3, inputs={"beta": np.ones((1, 8))})
 
 
-def test_vjp_takes_it_and_agrees_with_the_forward_path(monkeypatch):
-    """``linear_attention_vjp`` of the additive rule's normalised outputs (chunked, CPU) runs this kernel and
-    no forward; its gradients are those of the path through the forward (float32, within rounding)."""
+@pytest.mark.parametrize("decay", [False, True])
+def test_vjp_takes_it_and_agrees_with_the_forward_path(decay, monkeypatch):
+    """``linear_attention_vjp`` of the additive and decay rules' normalised outputs (chunked, CPU) runs this
+    kernel and no forward; its gradients are those of the path through the forward (float32, within
+    rounding), the decay's included."""
     rng = np.random.default_rng(5)
     q, k, v, g = (rng.standard_normal((2, 3, 70, 8)).astype(np.float32) for _ in range(4))
+    kw = dict(log_decay=rng.uniform(-0.2, -0.01, (2, 3, 70))) if decay else {}
     calls = []
     real = GF.backward_chunked_normalized
-    monkeypatch.setattr(GF, "backward_chunked_normalized", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(GF, "forward", lambda *a, **kw: pytest.fail("the forward ran"))
-    got = la.linear_attention_vjp(q, k, v, g, causal=True, method="chunked")
+    monkeypatch.setattr(GF, "backward_chunked_normalized", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(GF, "forward", lambda *a, **k: pytest.fail("the forward ran"))
+    got = la.linear_attention_vjp(q, k, v, g, causal=True, method="chunked", **kw)
     assert calls
     monkeypatch.undo()
     req = GF.prepare(q, k, v, feature_map="elu", causal=True, method="chunked", device="cpu", eps=None,
-                     check_finite=True, initial_state=None)
+                     check_finite=True, initial_state=None, **kw)
     _, nd, _ = GF.forward(req, want_out=False)
     want = GF.backward(req, nd, g)
-    for name in ("dq", "dk", "dv"):
+    names = ("dq", "dk", "dv") + (("d_log_decay",) if decay else ())
+    for name in names:
         a, b = getattr(got, name), getattr(want, name)
-        assert a.dtype == np.float32
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(), err_msg=name)
+    assert got.dq.dtype == np.float32
 
 
 def test_vjp_of_a_wider_gradient_takes_the_forward_path(monkeypatch):

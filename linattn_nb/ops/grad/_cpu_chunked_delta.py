@@ -13,6 +13,7 @@ from ... import config
 from .._codes import RULE_DECAY, RULE_DELTA
 from .._gemm import gemm
 from .._twins import serial_and_parallel
+from .._vec import is_finite
 from ._cpu_chunked import copy_state, start_adjoint
 
 
@@ -43,6 +44,61 @@ def _rows(v1, b, s0, n, U):
     for t in range(n):
         for m in range(v1.shape[2]):
             U[t, m] = v1[b, s0 + t, m]
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, as the forward
+def _norm_rows(qf, g, z, T, QK, GU, g1, dq, Gam, fb, b, s0, n, eps, floor):
+    """The decay rule's normalised outputs, rows of one chunk: from ``QK = Q K^T``, ``GU = G V^T`` and
+    ``T = G S^T`` (undecayed, ``S``, ``z`` the chunk-start state and normaliser sum), each row's
+    ``den = b_t q_t . z + sum_s Gam_ts QK_ts`` and ``g . num`` (the same with ``T``, ``GU``); writes
+    ``g1``'s rows, ``GU <- r GU + c`` (what ``g1 [V 1]^T`` gives) and ``dq <- r T + c z`` (``g1 S^T``, before
+    the decay).  Returns ``(g_finite, results_finite)`` as the additive rule's
+    (:func:`linattn_nb.ops.grad._cpu_chunked_norm._rows`)."""
+    F = qf.shape[2]
+    M = g.shape[2]
+    wt = GU.dtype.type
+    wz = wt(0.0)
+    g_chk = wz  # a sum of x * 0 (see the additive rule's kernel)
+    res_ok = True
+    for t in range(n):
+        qr = qf[b, s0 + t]
+        tr = T[t]
+        den = 0.0
+        gn = 0.0
+        for s in range(t + 1):
+            a = Gam[t, s] * np.float64(QK[t, s])
+            den += a
+            gn += a * np.float64(GU[t, s])
+        d2 = 0.0
+        g2 = 0.0
+        for i in range(F):
+            x = np.float64(qr[i])
+            d2 += x * z[i]
+            g2 += x * np.float64(tr[i])
+        den += fb[t] * d2
+        gn += fb[t] * g2
+        res_ok &= is_finite(wt(den)) and is_finite(wt(gn))
+        active = True
+        if floor and not den > eps:
+            active = False
+            den = eps
+        r = 1.0 / den
+        c = -gn * r * r if active else 0.0
+        rw = wt(r)
+        cw = wt(c)
+        gr = g[b, s0 + t]
+        g1r = g1[b, s0 + t]
+        for m in range(M):
+            x = gr[m]
+            g_chk += x * wz
+            g1r[m] = x * rw
+        g1r[M] = c
+        for s in range(t + 1):
+            GU[t, s] = rw * GU[t, s] + cw
+        dqr = dq[b, s0 + t]
+        for i in range(F):
+            dqr[i] = rw * tr[i] + c * z[i]
+    return g_chk == wz, res_ok
 
 
 #: Row block of the triangular solves: the rows of a block see the earlier blocks through one GEMM,
@@ -98,7 +154,7 @@ def chunk_wy(gated, kf, v1, lg, b, s0, n, Sw, fb, Gam, KS, Yt, KK, Am, U):
 
 
 def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, have, dq, dk, dv, dH0, dfac, dbeta,
-                    proto):
+                    proto, g, eps, floor, flags):
     """Two passes over the chunks of each sequence of the flattened batch (``docs/design-cpu.md``).
 
     qf, kf (B, N, F), v1, g1 (B, N, M') of the working dtype; H0, dHN (B, F, M')
@@ -108,6 +164,12 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
     (B, P, C, M') and KKs (B, P, C, C) each chunk's residuals and ``K K^T``; ``have``:
     the forward saved them already (:func:`linattn_nb.ops.causal.chunked.causal_chunked`),
     so pass 1 is skipped.  Every element of dq, dk, dv, dH0, dfac and dbeta is written.
+
+    Normalised outputs (the decay rule only): ``g`` (B, N, M) the gradient of the outputs instead of a
+    given ``g1``, which pass 2 then writes chunk by chunk before it reads it (``g1 = [g / den | -(g . num)
+    / den^2]``, each row's normaliser and ``g . num`` from the chunk's own products; ``eps`` the floor
+    where ``floor``; ``flags[b]`` as :func:`linattn_nb.ops.grad._cpu_chunked_norm._normalized_backward`'s).
+    ``g`` of shape (1, 0, 0): ``g1`` is given.
     """
     B, N, F = qf.shape
     M1 = v1.shape[2]
@@ -141,6 +203,11 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
         fe = np.ones(C)
         db = np.zeros(C)
         pv = np.zeros(C)
+        norm = g.shape[1] > 0
+        Tn = np.empty((C if norm else 0, F), wt)
+        z = np.empty(F)
+        g_ok = True
+        res_ok = True
         # ------------------------------------------------------------------
         # pass 1, chunks in order: the chunk-start states and each chunk's Yt, K K^T
         # ------------------------------------------------------------------
@@ -206,7 +273,18 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
                 Am = KK  # the delta rule: its strict lower triangle is all the solves read
             # QK -> tril(Gam * Q K^T) (the outputs' intra weights), GU -> tril(Gam * G U^T)
             gemm(0, 1, n, n, F, 1.0, qf, qo, F, kf, qo, F, 0.0, QK, 0, C)
-            gemm(0, 1, n, n, M1, 1.0, g1, vo, M1, U, 0, M1, 0.0, GU, 0, C)
+            if norm:
+                # the chunk's rows of g1 from g: T = G S^T and GU = G V^T first (M columns), then per row
+                go = (b * N + s0) * (M1 - 1)
+                gemm(0, 1, n, F, M1 - 1, 1.0, g, go, M1 - 1, Sw, 0, M1, 0.0, Tn, 0, F)
+                gemm(0, 1, n, n, M1 - 1, 1.0, g, go, M1 - 1, v1, vo, M1, 0.0, GU, 0, C)
+                for i in range(F):
+                    z[i] = Sw[i, M1 - 1]
+                ok_g, ok_r = _norm_rows(qf, g, z, Tn, QK, GU, g1, dq, Gam, fb, b, s0, n, eps, floor)
+                g_ok &= ok_g
+                res_ok &= ok_r
+            else:
+                gemm(0, 1, n, n, M1, 1.0, g1, vo, M1, U, 0, M1, 0.0, GU, 0, C)
             for t in range(n):
                 if gated:
                     for s in range(t + 1):
@@ -217,8 +295,9 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
                 for s in range(t + 1, n):
                     QK[t, s] = 0.0
                     GU[t, s] = 0.0
-            # dq = diag(b) G S^T + tril(Gam * G U^T) K
-            gemm(0, 1, n, F, M1, 1.0, g1, vo, M1, Sw, 0, M1, 0.0, dq, qo, F)
+            # dq = diag(b) G S^T + tril(Gam * G U^T) K (normalised: G S^T written by _norm_rows)
+            if not norm:
+                gemm(0, 1, n, F, M1, 1.0, g1, vo, M1, Sw, 0, M1, 0.0, dq, qo, F)
             if gated:
                 for t in range(n):
                     x = 0.0
@@ -348,6 +427,9 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
         for i in range(F):
             for m in range(M1):
                 dH0[b, i, m] = R[i, m]
+        if norm:
+            flags[b, 0] = not g_ok
+            flags[b, 1] = not res_ok
 
 
 delta_backward_kernel_serial, delta_backward_kernel = serial_and_parallel(

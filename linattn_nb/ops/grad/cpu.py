@@ -175,8 +175,8 @@ def takes_saved(rule) -> bool:
 
 
 def fuses_normalized(rule) -> bool:
-    """Whether rule code ``rule`` has :func:`backward_chunked_normalized` (the additive rule)."""
-    return int(rule) == RULE_ADDITIVE
+    """Whether rule code ``rule`` has :func:`backward_chunked_normalized` (the additive and decay rules)."""
+    return int(rule) in (RULE_ADDITIVE, RULE_DECAY)
 
 
 def delta_save_arrays(B, N, F, M1, dtype, chunk=None, empty=None):
@@ -194,11 +194,16 @@ def delta_save_arrays(B, N, F, M1, dtype, chunk=None, empty=None):
     return C, empty("ck", (B, P, F, M1), wt), empty("Ys", (B, P, C, M1), wt), empty("KKs", (B, P, C, C), wt)
 
 
-def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, have=None):
+def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, have=None, norm=None):
+    """``norm``: ``(g, eps, flags)`` for the decay rule's normalised outputs (``g1`` then receives
+    ``dL/d[num | den]``; see :func:`backward_chunked_normalized`)."""
     from ._cpu_chunked_delta import delta_backward_kernel, delta_backward_kernel_serial
 
     B, N, F = qf.shape
     M1 = v1.shape[2]
+    if norm is None:
+        norm = (np.empty((1, 0, 0), qf.dtype), None, np.zeros((1, 2), np.bool_))
+    g, eps, flags = norm
     outs = _outputs(rule, B, N, F, M1, qf.dtype)
     P = -(-N // C)
     wt = qf.dtype
@@ -214,12 +219,15 @@ def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, have=None):
                   limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
     with single_threaded_blas(kernel is delta_backward_kernel):
         kernel(qf, kf, v1, H0, g1, H0 if dHN is None else dHN, dHN is not None, rule, lg, np.int64(C), ck,
-               Ys, KKs, have is not None, *outs, np.empty(0, wt))
+               Ys, KKs, have is not None, *outs, np.empty(0, wt), g, float(eps if eps is not None else 0.0),
+               eps is not None, flags)
     return _result(rule, *outs)
 
 
-def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=None, block=None, g1=None):
-    """Gradients of the additive rule's normalised causal attention from ``g = dL/dout``, no forward run.
+def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=None, block=None, g1=None,
+                                rule=RULE_ADDITIVE, inputs=None):
+    """Gradients of normalised causal attention (the additive and decay rules) from ``g = dL/dout``, no
+    forward run.
 
     Where :func:`backward_chunked` takes ``g1 = dL/d[num | den]``, which needs the forward's outputs
     and normalisers, this kernel computes each row's normaliser ``den = A 1 + φ(q) z`` and
@@ -236,19 +244,27 @@ def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=
         The normaliser's floor (``den' = den`` where ``den > eps``, else ``eps`` with no gradient to
         ``den``); None: no floor.
     chunk, block : int, optional
-        Chunk size and the row block of its intra-chunk products (default from :mod:`linattn_nb.config`).
+        Chunk size and the row block of its intra-chunk products (default from :mod:`linattn_nb.config`;
+        the decay rule: its chunk of :func:`backward_chunked`, no row blocks).
     g1 : ndarray, optional
         (B, N, M + 1) array of the working dtype that receives ``dL/d[num | den]`` (default a new one).
+    rule, inputs
+        :data:`~linattn_nb.ops._codes.RULE_ADDITIVE` or ``RULE_DECAY`` (its ``inputs`` as
+        :func:`backward_chunked`'s); the decay rule runs the kernel of :func:`backward_chunked` with its
+        reverse pass writing ``g1`` chunk by chunk.
 
     Returns
     -------
     (Grads, g_finite, results_finite)
-        The additive rule's :class:`~linattn_nb.ops.grad.Grads`; whether every element of ``g`` is
+        The rule's :class:`~linattn_nb.ops.grad.Grads`; whether every element of ``g`` is
         finite (False for a NaN or inf, and possibly where a sum of large finite elements overflows:
         check ``g`` itself before reporting it); whether every normaliser, ``g . num`` and the final
         state is, in the working dtype (False: the working dtype overflowed, or an input was not
         finite).
     """
+    if not fuses_normalized(rule):
+        raise ValueError(f"rule: the fused normalised backward takes the additive and decay rules, got code {rule}")
+    rule = check_rule(rule, inputs)
     qf, kf, v1, H0, _, dHN = _check(qf, kf, v1, H0, v1, dHN)
     B, N, F = qf.shape
     M1 = v1.shape[2]
@@ -263,7 +279,16 @@ def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=
     elif g1.shape != (B, N, M1) or g1.dtype != wt or not g1.flags.c_contiguous:
         raise ValueError(f"g1 must be a C-contiguous {wt} array of shape {(B, N, M1)}")
     if N == 0 or B == 0:
-        return _empty_call(RULE_ADDITIVE, qf, v1, H0, dHN), True, True
+        return _empty_call(rule, qf, v1, H0, dHN), True, True
+    floor = eps is not None
+    if rule == RULE_DECAY:
+        lg = log_factors(rule, inputs, B, N, F)
+        C = int(chunk if chunk is not None else config.cpu_backward_chunk(N, F, M1, wt))
+        if C < 1:
+            raise ValueError(f"chunk must be >= 1, got {C}")
+        flags = np.zeros((B, 2), np.bool_)
+        grads = _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, min(C, N), norm=(g, eps, flags))
+        return grads, not flags[:, 0].any(), not flags[:, 1].any()
     C = int(chunk if chunk is not None else config.cpu_backward_norm_chunk(N, F, M1, wt))
     if C < 1:
         raise ValueError(f"chunk must be >= 1, got {C}")
@@ -276,7 +301,6 @@ def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=
 
     dq, dk, dv, dH0, dfac, dbeta = _outputs(RULE_ADDITIVE, B, N, F, M1, wt)
     flags = np.zeros((B, 2), np.bool_)
-    floor = eps is not None
     kernel = pick(normalized_backward_kernel_serial, normalized_backward_kernel, items=B, work=B * N * F * M1,
                   limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
     with single_threaded_blas(kernel is normalized_backward_kernel):
