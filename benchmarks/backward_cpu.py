@@ -31,7 +31,8 @@ chunked, ELU+1, float32) at B*H = 1, N = 2**20, D = M = 64 in a fresh
 subprocess, inputs made inside the measurement: the peak of NumPy's
 allocations (``tracemalloc``; the kernels' per-thread scratch is not
 counted, it is O(C^2 + C (F + M) + F M)) and the rise of the peak resident
-set (``ru_maxrss``) over the resident set just before the inputs are made,
+set (``VmHWM``; ``ru_maxrss`` would carry over the parent's, 7 GiB after the accuracy
+rows, as Linux keeps it across ``exec``) over the resident set just before the inputs are made,
 against the bytes of q, k, v, o, grad_out, dq, dk, dv together (target <=
 2x).
 
@@ -185,7 +186,8 @@ o = linattn_nb.linear_attention(q, k, v, **kw)
 res = linattn_nb.linear_attention_vjp(q, k, v, g, **kw)
 traced = tracemalloc.get_traced_memory()[1]
 tracemalloc.stop()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+with open("/proc/self/status") as fh:  # this process's own high-water mark: ru_maxrss keeps the parent's across exec
+    peak = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
 arrays = (q, k, v, o, g, res.dq, res.dk, res.dv)
 del res, o
 largs = bc._launcher_args(q, k, v, g, np.float32)
