@@ -38,7 +38,8 @@ decay and with a per-feature gate, and the gate's scan (log-factors drawn as
 ``decay_cpu.py`` draws them); and one training step of the training
 notebook's model through each checkout's torch adapter, with the delta rule
 and with the additive rule (needs torch; N = 128, batch 64, see
-``_train_step``).
+``_train_step``); ``linear_attention_vjp`` at N = 1024 and 4096 (additive), and at
+N = 4096 with a per-token decay, a per-feature gate and the delta rule (SiLU+L2).
 Results: a table on stdout and ``benchmarks/results/compare_revisions.json``.
 """
 from __future__ import annotations
@@ -69,6 +70,7 @@ CASES = {
     "vjp causal f32 N=4096": ("vjp", 4096, "float32"),
     "vjp delta f32 N=4096": ("vjp/delta", 4096, "float32"),
     "vjp gate f32 N=4096": ("vjp/gate", 4096, "float32"),
+    "vjp decay f32 N=4096": ("vjp/decay", 4096, "float32"),
     # the forgetting rules: a per-token decay and a per-feature gate, log-factors as decay_cpu.py draws them
     "decay chunked f32 N=4096": ("chunked/decay", 4096, "float32"),
     "gate chunked f32 N=4096": ("chunked/gate", 4096, "float32"),
@@ -142,6 +144,8 @@ def _make_case(la, np, name):
             kw = dict(beta=rng.uniform(0.0, 1.0, size=(BH, n)), feature_map="silu_l2")
         elif kind == "vjp/gate":
             kw = dict(log_decay=rng.uniform(-0.5, -0.001, size=(BH, n, D)), method="chunked")
+        elif kind == "vjp/decay":  # a per-token decay, drawn as backward_cpu.py draws it
+            kw = dict(log_decay=rng.uniform(-0.1, -0.001, size=(BH, n)), method="chunked")
         return lambda: la.linear_attention_vjp(q, k, v, g, causal=True, check_finite=False, **kw)
     if kind == "noncausal":
         return lambda: la.linear_attention(q, k, v, causal=False, check_finite=False, out=out)
