@@ -482,8 +482,8 @@ def _finish(req: Request, grads, finite=None, out_dtype=None, dHN=None) -> VJP:
 
 
 def _normalized_fused(req: Request, grad_out) -> bool:
-    """Whether :func:`backward_normalized` takes the request: the additive or decay rule's normalised causal
-    outputs by the CPU chunked method, with a gradient whose dtype the working one holds exactly."""
+    """Whether :func:`backward_normalized` takes the request: the additive, decay or gate rule's normalised
+    causal outputs by the CPU chunked method, with a gradient whose dtype the working one holds exactly."""
     if not (req.dev == "cpu" and req.causal and req.normalize and req.impl.name == "chunked"
             and fuses_normalized(get_rule(req.rule).code) and req.b > 0 and req.n > 0):
         return False

@@ -7,7 +7,7 @@ import pytest
 import linattn_nb as la
 from linattn_nb import _gradfront as GF
 from linattn_nb.ops.grad import cpu
-from linattn_nb.ops._codes import RULE_ADDITIVE, RULE_DECAY
+from linattn_nb.ops._codes import RULE_ADDITIVE, RULE_DECAY, RULE_DELTA, RULE_GATE
 from linattn_nb.ops.grad.naive import causal_backward_naive
 
 
@@ -37,11 +37,16 @@ def _reference(qf, kf, v1, H0, g, dHN, eps, inputs=None):
     qf, kf, v1, g = (x.astype(np.float64) for x in (qf, kf, v1, g))
     B, N, F = qf.shape
     M = g.shape[2]
-    a = np.ones((B, N)) if inputs is None else np.exp(inputs["log_decay"])
+    if inputs is None:
+        a = np.ones((B, N, 1))
+    elif "log_gate" in inputs:
+        a = np.exp(inputs["log_gate"])
+    else:
+        a = np.exp(inputs["log_decay"])[:, :, None]
     nd = np.empty((B, N, M + 1))
     H = H0.copy()
     for t in range(N):
-        H = a[:, t, None, None] * H + np.einsum("bf,bm->bfm", kf[:, t], v1[:, t])
+        H = a[:, t, :, None] * H + np.einsum("bf,bm->bfm", kf[:, t], v1[:, t])
         nd[:, t] = np.einsum("bf,bfm->bm", qf[:, t], H)
     num, den = nd[..., :M], nd[..., M]
     active = np.ones(den.shape, bool) if eps is None else den > eps
@@ -51,7 +56,8 @@ def _reference(qf, kf, v1, H0, g, dHN, eps, inputs=None):
     g1[..., M] = np.where(active, -(g * num).sum(-1) / d ** 2, 0.0)
     if inputs is None:
         return causal_backward_naive(qf, kf, v1, H0, g1, dHN), g1
-    return causal_backward_naive(qf, kf, v1, H0, g1, dHN, inputs=inputs, rule=RULE_DECAY), g1
+    rule = RULE_GATE if "log_gate" in inputs else RULE_DECAY
+    return causal_backward_naive(qf, kf, v1, H0, g1, dHN, inputs=inputs, rule=rule), g1
 
 
 def _decay(B, N, seed):
@@ -59,6 +65,26 @@ def _decay(B, N, seed):
     lg = rng.uniform(-0.3, -0.001, (B, N))
     lg[0, N // 2] = -np.inf  # a reset
     return {"log_decay": lg}
+
+
+def _gate(B, N, F, seed):
+    """Per-feature log-gates; sequence 0 has a reset (its chunk takes the loops, not the GEMMs on Q * b and
+    K / b), sequence 1 none."""
+    rng = np.random.default_rng(seed + 200)
+    lg = rng.uniform(-0.5, -0.001, (B, N, F))
+    lg[0, N // 2, 1] = -np.inf
+    return {"log_gate": lg}
+
+
+def _rule_inputs(rule, B, N, F, seed):
+    if rule == RULE_DECAY:
+        return _decay(B, N, seed)
+    if rule == RULE_GATE:
+        return _gate(B, N, F, seed)
+    return None
+
+
+RULES = [RULE_ADDITIVE, RULE_DECAY, RULE_GATE]
 
 
 def _close(got, want, dtype, what):
@@ -71,10 +97,10 @@ def _close(got, want, dtype, what):
 @pytest.mark.parametrize("N,chunk,block", [(1, None, None), (2, 1, 1), (7, 3, 2), (49, None, None), (49, 48, 8),
                                            (50, 16, 16), (97, 5, 3), (130, 64, 7)])
 @pytest.mark.parametrize("state", [False, True])
-@pytest.mark.parametrize("rule", [RULE_ADDITIVE, RULE_DECAY])
+@pytest.mark.parametrize("rule", RULES)
 def test_matches_reference(dtype, N, chunk, block, state, rule, nan_outputs):
     qf, kf, v1, H0, g, dHN = _inputs(2, N, 5, 3, dtype, seed=N, state=state, grad_state=state)
-    inputs = _decay(2, N, N) if rule == RULE_DECAY else None
+    inputs = _rule_inputs(rule, 2, N, 5, N)
     ref, g1_ref = _reference(qf, kf, v1, H0, g, dHN, None, inputs)
     g1 = np.full((2, N, 4), np.nan, dtype)
     grads, g_ok, res_ok = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, dHN, chunk=chunk, block=block, g1=g1,
@@ -83,21 +109,21 @@ def test_matches_reference(dtype, N, chunk, block, state, rule, nan_outputs):
     _close(g1, g1_ref, dtype, "g1")
     for name in ("dq", "dk", "dv", "dH0"):  # dv with the ones column's, as backward_chunked's
         _close(getattr(grads, name), getattr(ref, name), dtype, name)
-    if rule == RULE_DECAY:
-        _close(grads.dfactor, ref.dfactor, dtype, "dfactor")
-    else:
+    if rule == RULE_ADDITIVE:
         assert grads.dfactor is None
+    else:
+        _close(grads.dfactor, ref.dfactor, dtype, "dfactor")
     assert grads.dbeta is None
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("rule", [RULE_ADDITIVE, RULE_DECAY])
+@pytest.mark.parametrize("rule", RULES)
 def test_floor_of_the_normaliser(dtype, rule, nan_outputs):
     """Rows whose normaliser is at or below eps divide by eps and pass no gradient to it."""
     qf, kf, v1, H0, g, dHN = _inputs(1, 40, 4, 3, dtype, seed=3)
     qf[:, ::3] *= 1e-6  # a third of the rows below the floor
     eps = 1e-3
-    inputs = _decay(1, 40, 3) if rule == RULE_DECAY else None
+    inputs = _rule_inputs(rule, 1, 40, 4, 3)
     ref, g1_ref = _reference(qf, kf, v1, H0, g, dHN, eps, inputs)
     assert (g1_ref[0, :, 3] == 0).sum() >= 10  # the floor is active somewhere
     g1 = np.full((1, 40, 4), np.nan, dtype)
@@ -108,10 +134,12 @@ def test_floor_of_the_normaliser(dtype, rule, nan_outputs):
         _close(getattr(grads, name), getattr(ref, name), dtype, name)
 
 
-@pytest.mark.parametrize("rule", [RULE_ADDITIVE, RULE_DECAY])
+@pytest.mark.parametrize("rule", RULES)
 def test_flags_a_gradient_not_finite_and_an_overflow(rule):
     qf, kf, v1, H0, g, _ = _inputs(2, 20, 4, 3, np.float32)
-    kw = dict(chunk=8, rule=rule, inputs={"log_decay": np.full((2, 20), -1e-3)} if rule == RULE_DECAY else None)
+    inputs = {RULE_ADDITIVE: None, RULE_DECAY: {"log_decay": np.full((2, 20), -1e-3)},
+              RULE_GATE: {"log_gate": np.full((2, 20, 4), -1e-3)}}[rule]
+    kw = dict(chunk=8, rule=rule, inputs=inputs)
     g[1, 5, 2] = np.nan
     _, g_ok, _ = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, **kw)
     assert not g_ok  # (its NaN reaches g . num: the results' flag may be down too)
@@ -136,17 +164,19 @@ def test_bad_arguments_name_themselves():
     with pytest.raises(ValueError, match="block must be >= 1"):
         cpu.backward_chunked_normalized(qf, kf, v1, H0, g, block=0)
     with pytest.raises(ValueError, match="rule: the fused normalised backward takes"):
-        cpu.backward_chunked_normalized(qf, kf, v1, H0, g, rule=3, inputs={"beta": np.ones((1, 8))})
+        cpu.backward_chunked_normalized(qf, kf, v1, H0, g, rule=RULE_DELTA, inputs={"beta": np.ones((1, 8))})
 
 
-@pytest.mark.parametrize("decay", [False, True])
+@pytest.mark.parametrize("decay", [None, "token", "feature"])
 def test_vjp_takes_it_and_agrees_with_the_forward_path(decay, monkeypatch):
-    """``linear_attention_vjp`` of the additive and decay rules' normalised outputs (chunked, CPU) runs this
-    kernel and no forward; its gradients are those of the path through the forward (float32, within
-    rounding), the decay's included."""
+    """``linear_attention_vjp`` of the additive, decay and gate rules' normalised outputs (chunked, CPU) runs
+    this kernel and no forward; its gradients are those of the path through the forward (float32, within
+    rounding), the decay's or gate's included."""
     rng = np.random.default_rng(5)
     q, k, v, g = (rng.standard_normal((2, 3, 70, 8)).astype(np.float32) for _ in range(4))
-    kw = dict(log_decay=rng.uniform(-0.2, -0.01, (2, 3, 70))) if decay else {}
+    kw = {}
+    if decay:
+        kw["log_decay"] = rng.uniform(-0.2, -0.01, (2, 3, 70) if decay == "token" else (2, 3, 70, 8))
     calls = []
     real = GF.backward_chunked_normalized
     monkeypatch.setattr(GF, "backward_chunked_normalized", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -13,7 +13,7 @@ from ... import config
 from .._codes import RULE_ADDITIVE, RULE_DECAY
 from .._gemm import gemm
 from .._twins import serial_and_parallel
-from .._vec import elu1
+from .._vec import elu1, is_finite
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -144,13 +144,85 @@ def _dk_loops(qf, Pm, fa, acc, fk, dk, b, s0, n, F):
             dk[b, s0 + t, i] = acc[i]
 
 
-def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk, dv, dH0, dfac, proto):
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _gate_weights(qf, kf, fa, fk, qr, Ad, b, s0, n, F):
+    """``Ad[t, s] = sum_i W_ts[i] q_t[i] k_s[i]`` (s <= t) by the loops of pass 1 (keys decayed in place)."""
+    for t in range(n):
+        for i in range(F):
+            fk[t, i] = kf[b, s0 + t, i]
+            qr[i] = qf[b, s0 + t, i]
+        for s in range(t + 1):
+            x = 0.0
+            if s < t:
+                for i in range(F):
+                    y = fk[s, i] * fa[t, i]
+                    fk[s, i] = y
+                    x += qr[i] * y
+            else:
+                for i in range(F):
+                    x += qr[i] * fk[s, i]
+            Ad[t, s] = x
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, as the forward
+def _gate_norm_rows(qf, g, z, T, Ad, Pm, g1, fb, b, s0, n, eps, floor):
+    """The gate rule's normalised outputs, rows of one chunk: from ``Ad`` (float64, the weighted ``A``,
+    ``s <= t`` read), ``Pm = G V^T`` and ``T = G S^T`` (``S``, ``z`` the chunk-start state and normaliser
+    sum), each row's ``den = (b_t * q_t) . z + sum_s A_ts`` and ``g . num`` (the same with ``T``, ``Pm``);
+    writes ``g1``'s rows, ``Pm <- r Pm + c`` (what ``g1 [V 1]^T`` gives) and ``T <- r T + c z`` (``g1
+    H^T``).  Returns ``(g_finite, results_finite)`` as the additive rule's
+    (:func:`linattn_nb.ops.grad._cpu_chunked_norm._rows`)."""
+    F = qf.shape[2]
+    M = g.shape[2]
+    wt = Pm.dtype.type
+    wz = wt(0.0)
+    g_chk = wz  # a sum of x * 0 (see the additive rule's kernel)
+    res_ok = True
+    for t in range(n):
+        den = 0.0
+        gn = 0.0
+        for s in range(t + 1):
+            a = Ad[t, s]
+            den += a
+            gn += a * np.float64(Pm[t, s])
+        for i in range(F):
+            x = np.float64(qf[b, s0 + t, i]) * fb[t, i]
+            den += x * z[i]
+            gn += x * np.float64(T[t, i])
+        res_ok &= is_finite(wt(den)) and is_finite(wt(gn))
+        active = True
+        if floor and not den > eps:
+            active = False
+            den = eps
+        r = 1.0 / den
+        c = -gn * r * r if active else 0.0
+        rw = wt(r)
+        cw = wt(c)
+        for m in range(M):
+            x = g[b, s0 + t, m]
+            g_chk += x * wz
+            g1[b, s0 + t, m] = x * rw
+        g1[b, s0 + t, M] = c
+        for s in range(t + 1):
+            Pm[t, s] = rw * Pm[t, s] + cw
+        for i in range(F):
+            T[t, i] = rw * T[t, i] + c * z[i]
+    return g_chk == wz, res_ok
+
+
+def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk, dv, dH0, dfac, proto, gout,
+                      eps, floor, flags):
     """Two passes over the chunks of each sequence of the flattened batch (``docs/design-cpu.md``).
 
     qf, kf (B, N, F), v1, g1 (B, N, M') of the working dtype; H0, dHN (B, F, M')
     float64; rule the additive, decay or gate code; C the chunk size; ck (B, ceil(N /
     C), F, M') float64 checkpoints ((B, 0, F, M') for the additive rule).  Every
     element of dq, dk, dv, dH0 and dfac (B, N, G') is written.
+
+    Normalised outputs (the gate rule only): ``gout`` (B, N, M) the gradient of the outputs, from which pass 1
+    writes ``g1`` chunk by chunk before it reads it (``eps``, ``floor``, ``flags`` as
+    :func:`linattn_nb.ops.grad._cpu_chunked_norm._normalized_backward`'s); ``gout`` of shape (1, 0, 0):
+    ``g1`` is given.
     """
     B, N, F = qf.shape
     M1 = v1.shape[2]
@@ -185,6 +257,11 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
         X1 = np.empty((Cq, F))
         X2 = np.empty((Cq, F))
         pairs_by_gemm = qf.itemsize == 4
+        norm = gout.shape[1] > 0
+        M = M1 - 1
+        z = np.empty(F)
+        g_ok = True
+        res_ok = True
         # ------------------------------------------------------------------
         # pass 1, chunks in order: H, dq, the intra-chunk parts of dk and dv
         # (and the factor gradient's two terms that need H but not R)
@@ -195,8 +272,12 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
             qo = (b * N + s0) * F
             vo = (b * N + s0) * M1
             copy_state(H, Hw)
-            # P0 = G V^T (n x n)
-            gemm(0, 1, n, n, M1, 1.0, g1, vo, M1, v1, vo, M1, 0.0, Pm, 0, C)
+            # P0 = G V^T (n x n); normalised: of g itself (M columns), g1's rows come below
+            go = (b * N + s0) * M
+            if norm:
+                gemm(0, 1, n, n, M, 1.0, gout, go, M, v1, vo, M1, 0.0, Pm, 0, C)
+            else:
+                gemm(0, 1, n, n, M1, 1.0, g1, vo, M1, v1, vo, M1, 0.0, Pm, 0, C)
             if not fac:
                 _mask_upper(Pm, n)
                 gemm(0, 1, n, n, F, 1.0, qf, qo, F, kf, qo, F, 0.0, Am, 0, C)
@@ -215,7 +296,12 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
             ck[b, c] = H
             chunk_factors_rows(rule, lg, b, s0, n, fa, fb, fe, tot)
             # T = G H^T: the chunk-start state read by each gradient row
-            gemm(0, 1, n, F, M1, 1.0, g1, vo, M1, Hw, 0, M1, 0.0, T, 0, F)
+            if norm:
+                gemm(0, 1, n, F, M, 1.0, gout, go, M, Hw, 0, M1, 0.0, T, 0, F)
+                for i in range(F):
+                    z[i] = H[i, M]
+            else:
+                gemm(0, 1, n, F, M1, 1.0, g1, vo, M1, Hw, 0, M1, 0.0, T, 0, F)
             gemms = within(fb, n, LOG_SPACE_MIN)
             if gemms:
                 # W_ts = b_t / b_s (b the running products from the chunk's start): with Qd = Q * b and
@@ -226,9 +312,14 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
                         h = fb[t, i]
                         Qd[t, i] = np.float64(qf[b, s0 + t, i]) * h
                         Kd[t, i] = np.float64(kf[b, s0 + t, i]) / h
+                gemm(0, 1, n, n, F, 1.0, Qd, 0, F, Kd, 0, F, 0.0, Ad, 0, Cq)
+                if norm:
+                    ok_g, ok_r = _gate_norm_rows(qf, gout, z, T, Ad, Pm, g1, fb, b, s0, n, eps, floor)
+                    g_ok &= ok_g
+                    res_ok &= ok_r
+                for t in range(n):
                     for s in range(n):
                         Pd[t, s] = np.float64(Pm[t, s]) if s <= t else 0.0
-                gemm(0, 1, n, n, F, 1.0, Qd, 0, F, Kd, 0, F, 0.0, Ad, 0, Cq)
                 gemm(0, 0, n, F, n, 1.0, Pd, 0, Cq, Kd, 0, F, 0.0, X1, 0, F)
                 gemm(1, 0, n, F, n, 1.0, Pd, 0, Cq, Qd, 0, F, 0.0, X2, 0, F)
                 for t in range(n):
@@ -239,6 +330,12 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
                         dq[b, s0 + t, i] = h * (np.float64(T[t, i]) + X1[t, i])
                         dk[b, s0 + t, i] = X2[t, i] / h
             else:
+                if norm:
+                    # the weighted A first (the loop below forms it with dq, which needs g1's rows)
+                    _gate_weights(qf, kf, fa, fk, qr, Ad, b, s0, n, F)
+                    ok_g, ok_r = _gate_norm_rows(qf, gout, z, T, Ad, Pm, g1, fb, b, s0, n, eps, floor)
+                    g_ok &= ok_g
+                    res_ok &= ok_r
                 # rows in order, keys decayed in place: fk[s] = W_ts * k_s (each key decayed as it is read)
                 for t in range(n):
                     for i in range(F):
@@ -317,6 +414,10 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
         # ------------------------------------------------------------------
         # pass 2, chunks in reverse: R, the inter-chunk parts of dk and dv
         # ------------------------------------------------------------------
+        if norm:
+            for i in range(F):
+                for m in range(M1):
+                    res_ok &= is_finite(H[i, m])
         R = H  # the forward state is no longer needed: reuse its storage
         start_adjoint(R, dHN, b, has_dHN)
         for c in range(nch - 1, -1, -1):
@@ -374,6 +475,9 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
         for i in range(F):
             for m in range(M1):
                 dH0[b, i, m] = R[i, m]
+        if norm:
+            flags[b, 0] = not g_ok
+            flags[b, 1] = not res_ok
 
 
 chunked_backward_kernel_serial, chunked_backward_kernel = serial_and_parallel(

@@ -165,8 +165,33 @@ def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADD
                   limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
     with single_threaded_blas(kernel is chunked_backward_kernel):
         kernel(qf, kf, v1, H0, g1, H0 if dHN is None else dHN, dHN is not None, rule, lg, np.int64(C), ck,
-               dq, dk, dv, dH0, dfac, np.empty(0, qf.dtype))
+               dq, dk, dv, dH0, dfac, np.empty(0, qf.dtype), *_no_norm(qf.dtype))
     return _result(rule, *outs)
+
+
+def _no_norm(wt):
+    """The kernels' normalised-mode arguments ``(g, eps, floor, flags)`` for a call that gives ``g1``."""
+    return np.empty((1, 0, 0), wt), 0.0, False, np.zeros((1, 2), np.bool_)
+
+
+def _run_chunked_gate_norm(qf, kf, v1, H0, g, g1, dHN, lg, C, eps):
+    """The gate rule's normalised outputs through :func:`backward_chunked`'s kernel, its first pass writing
+    ``g1`` (see :func:`backward_chunked_normalized`).  Returns ``(Grads, g_finite, results_finite)``."""
+    from ._cpu_chunked import chunked_backward_kernel, chunked_backward_kernel_serial
+
+    B, N, F = qf.shape
+    M1 = v1.shape[2]
+    outs = _outputs(RULE_GATE, B, N, F, M1, qf.dtype)
+    dq, dk, dv, dH0, dfac, _ = outs
+    ck = np.empty((B, -(-N // C), F, M1))
+    flags = np.zeros((B, 2), np.bool_)
+    kernel = pick(chunked_backward_kernel_serial, chunked_backward_kernel, items=B, work=B * N * F * M1,
+                  limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
+    with single_threaded_blas(kernel is chunked_backward_kernel):
+        kernel(qf, kf, v1, H0, g1, H0 if dHN is None else dHN, dHN is not None, RULE_GATE, lg, np.int64(C), ck,
+               dq, dk, dv, dH0, dfac, np.empty(0, qf.dtype), g, float(eps if eps is not None else 0.0),
+               eps is not None, flags)
+    return _result(RULE_GATE, *outs), not flags[:, 0].any(), not flags[:, 1].any()
 
 
 def takes_saved(rule) -> bool:
@@ -175,8 +200,9 @@ def takes_saved(rule) -> bool:
 
 
 def fuses_normalized(rule) -> bool:
-    """Whether rule code ``rule`` has :func:`backward_chunked_normalized` (the additive and decay rules)."""
-    return int(rule) in (RULE_ADDITIVE, RULE_DECAY)
+    """Whether rule code ``rule`` has :func:`backward_chunked_normalized` (the additive, decay and gate
+    rules)."""
+    return int(rule) in (RULE_ADDITIVE, RULE_DECAY, RULE_GATE)
 
 
 def delta_save_arrays(B, N, F, M1, dtype, chunk=None, empty=None):
@@ -263,7 +289,8 @@ def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=
         finite).
     """
     if not fuses_normalized(rule):
-        raise ValueError(f"rule: the fused normalised backward takes the additive and decay rules, got code {rule}")
+        raise ValueError(f"rule: the fused normalised backward takes the additive, decay and gate rules, got code "
+                         f"{rule}")
     rule = check_rule(rule, inputs)
     qf, kf, v1, H0, _, dHN = _check(qf, kf, v1, H0, v1, dHN)
     B, N, F = qf.shape
@@ -281,6 +308,12 @@ def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=
     if N == 0 or B == 0:
         return _empty_call(rule, qf, v1, H0, dHN), True, True
     floor = eps is not None
+    if rule == RULE_GATE:
+        lg = log_factors(rule, inputs, B, N, F)
+        C = int(chunk if chunk is not None else config.cpu_backward_chunk(N, F, M1, wt))
+        if C < 1:
+            raise ValueError(f"chunk must be >= 1, got {C}")
+        return _run_chunked_gate_norm(qf, kf, v1, H0, g, g1, dHN, lg, min(C, N), eps)
     if rule == RULE_DECAY:
         lg = log_factors(rule, inputs, B, N, F)
         C = int(chunk if chunk is not None else config.cpu_backward_chunk(N, F, M1, wt))
