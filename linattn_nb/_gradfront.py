@@ -430,8 +430,7 @@ def backward(req: Request, nd, grad_out, grad_state=None, overwrite_nd=False, fi
     if req.check_finite and not g_ok:
         V.check_finite("grad_out", g)  # raises for a g found not finite; the full check where not looked at
     dHN = _grad_state(grad_state, req)
-    b, n, m, f = req.b, req.n, req.m, req.f
-    if n > 0 and b > 0:
+    if req.n > 0 and req.b > 0:
         grads = _run_backward(req, g1, dHN)
         del g1  # freed before the maps' products allocate: the peak memory of long sequences
         return _finish(req, grads, finite, out_dtype)

@@ -144,6 +144,37 @@ def _dk_loops(qf, Pm, fa, acc, fk, dk, b, s0, n, F):
             dk[b, s0 + t, i] = acc[i]
 
 
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, as the forward
+def normalise_row(den, gn, eps, floor, gr, g1r):
+    """One row of ``g1 = [g / den' | -(g . num) / den'^2]`` from the row's normaliser ``den`` and
+    ``gn = g . num`` (float64); ``den' = eps`` where ``floor`` and ``den <= eps`` (the second part then 0).
+
+    Returns ``(r, c, fits, chk)``: ``r = 1 / den'``, ``c`` the second part, whether ``den`` and ``gn`` lie
+    within the working dtype (as the forward would hold them: beyond it, the caller recomputes in float64)
+    and the sum of ``g * 0`` over the row (0 while it is finite; the kernels' "reassoc" flag may sum the
+    ``g`` first, so a large finite row can read as not finite, and the front end then checks ``g`` itself;
+    ``x - x`` would not do, the flags fold it to 0).  For the fused normalised backwards.
+    """
+    wt = g1r.dtype.type
+    wz = wt(0.0)
+    fits = is_finite(wt(den)) and is_finite(wt(gn))
+    active = True
+    if floor and not den > eps:
+        active = False
+        den = eps
+    r = 1.0 / den
+    c = -gn * r * r if active else 0.0
+    rw = wt(r)
+    chk = wz
+    M = gr.shape[0]
+    for m in range(M):
+        x = gr[m]
+        chk += x * wz
+        g1r[m] = x * rw
+    g1r[M] = c
+    return r, c, fits, chk
+
+
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def _gate_weights(qf, kf, fa, fk, qr, Ad, b, s0, n, F):
     """``Ad[t, s] = sum_i W_ts[i] q_t[i] k_s[i]`` (s <= t) by the loops of pass 1 (keys decayed in place)."""
@@ -173,10 +204,9 @@ def _gate_norm_rows(qf, g, z, T, Ad, Pm, g1, fb, b, s0, n, eps, floor):
     H^T``).  Returns ``(g_finite, results_finite)`` as the additive rule's
     (:func:`linattn_nb.ops.grad._cpu_chunked_norm._rows`)."""
     F = qf.shape[2]
-    M = g.shape[2]
     wt = Pm.dtype.type
     wz = wt(0.0)
-    g_chk = wz  # a sum of x * 0 (see the additive rule's kernel)
+    g_chk = wz  # sums of g * 0 (normalise_row)
     res_ok = True
     for t in range(n):
         den = 0.0
@@ -189,20 +219,11 @@ def _gate_norm_rows(qf, g, z, T, Ad, Pm, g1, fb, b, s0, n, eps, floor):
             x = np.float64(qf[b, s0 + t, i]) * fb[t, i]
             den += x * z[i]
             gn += x * np.float64(T[t, i])
-        res_ok &= is_finite(wt(den)) and is_finite(wt(gn))
-        active = True
-        if floor and not den > eps:
-            active = False
-            den = eps
-        r = 1.0 / den
-        c = -gn * r * r if active else 0.0
+        r, c, fits, chk = normalise_row(den, gn, eps, floor, g[b, s0 + t], g1[b, s0 + t])
+        res_ok &= fits
+        g_chk += chk
         rw = wt(r)
         cw = wt(c)
-        for m in range(M):
-            x = g[b, s0 + t, m]
-            g_chk += x * wz
-            g1[b, s0 + t, m] = x * rw
-        g1[b, s0 + t, M] = c
         for s in range(t + 1):
             Pm[t, s] = rw * Pm[t, s] + cw
         for i in range(F):

@@ -13,8 +13,7 @@ from ... import config
 from .._codes import RULE_DECAY, RULE_DELTA
 from .._gemm import gemm
 from .._twins import serial_and_parallel
-from .._vec import is_finite
-from ._cpu_chunked import copy_state, start_adjoint
+from ._cpu_chunked import copy_state, normalise_row, start_adjoint
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -55,10 +54,9 @@ def _norm_rows(qf, g, z, T, QK, GU, g1, dq, Gam, fb, b, s0, n, eps, floor):
     the decay).  Returns ``(g_finite, results_finite)`` as the additive rule's
     (:func:`linattn_nb.ops.grad._cpu_chunked_norm._rows`)."""
     F = qf.shape[2]
-    M = g.shape[2]
     wt = GU.dtype.type
     wz = wt(0.0)
-    g_chk = wz  # a sum of x * 0 (see the additive rule's kernel)
+    g_chk = wz  # sums of g * 0 (normalise_row)
     res_ok = True
     for t in range(n):
         qr = qf[b, s0 + t]
@@ -77,22 +75,11 @@ def _norm_rows(qf, g, z, T, QK, GU, g1, dq, Gam, fb, b, s0, n, eps, floor):
             g2 += x * np.float64(tr[i])
         den += fb[t] * d2
         gn += fb[t] * g2
-        res_ok &= is_finite(wt(den)) and is_finite(wt(gn))
-        active = True
-        if floor and not den > eps:
-            active = False
-            den = eps
-        r = 1.0 / den
-        c = -gn * r * r if active else 0.0
+        r, c, fits, chk = normalise_row(den, gn, eps, floor, g[b, s0 + t], g1[b, s0 + t])
+        res_ok &= fits
+        g_chk += chk
         rw = wt(r)
         cw = wt(c)
-        gr = g[b, s0 + t]
-        g1r = g1[b, s0 + t]
-        for m in range(M):
-            x = gr[m]
-            g_chk += x * wz
-            g1r[m] = x * rw
-        g1r[M] = c
         for s in range(t + 1):
             GU[t, s] = rw * GU[t, s] + cw
         dqr = dq[b, s0 + t]

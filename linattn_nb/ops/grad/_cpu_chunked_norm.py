@@ -12,7 +12,7 @@ from ... import config
 from .._gemm import gemm
 from .._twins import serial_and_parallel
 from .._vec import is_finite
-from ._cpu_chunked import copy_state, start_adjoint
+from ._cpu_chunked import copy_state, normalise_row, start_adjoint
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, as the forward
@@ -22,13 +22,9 @@ def _rows(qf, g, z, T, Am, Pm, g1, dq, b, s0, r0, ce, eps, floor):
     (masked) and ``dq``'s inter-chunk part ``T / den + c z`` (``z`` the normaliser sum before the chunk,
     float64).  Returns ``(g_finite, results_finite)``."""
     F = qf.shape[2]
-    M = g.shape[2]
     wt = Pm.dtype.type
     wz = wt(0.0)
-    # a sum of x * 0: 0 while every x is finite (inf * 0 is NaN).  The kernels' "reassoc" flag may sum the x
-    # first, so a large finite g can read as not finite: the front end then checks g itself (no false pass);
-    # x - x would not do, the flags fold it to 0
-    g_chk = wz
+    g_chk = wz  # sums of g * 0 (normalise_row)
     res_ok = True
     for t in range(r0, ce):
         qr = qf[b, s0 + t]
@@ -46,22 +42,12 @@ def _rows(qf, g, z, T, Am, Pm, g1, dq, b, s0, r0, ce, eps, floor):
             x = np.float64(qr[i])
             den += x * z[i]
             gn += x * np.float64(tr[i])
-        # in the working dtype, as the forward would hold them: a float32 normaliser or g . num beyond float32
-        # asks for the float64 recomputation, as an overflowed forward does
-        res_ok &= is_finite(wt(den)) and is_finite(wt(gn))
-        active = True
-        if floor and not den > eps:
-            active = False
-            den = eps
-        r = 1.0 / den
-        c = -gn * r * r if active else 0.0
+        # a float32 normaliser or g . num beyond float32 asks for the float64 recomputation, as an overflowed
+        # forward does (normalise_row)
+        r, c, fits, chk = normalise_row(den, gn, eps, floor, gr, g1[b, s0 + t])
+        res_ok &= fits
+        g_chk += chk
         rw = wt(r)
-        g1r = g1[b, s0 + t]
-        for m in range(M):
-            x = gr[m]
-            g_chk += x * wz
-            g1r[m] = x * rw
-        g1r[M] = c
         cw = wt(c)
         for s in range(t + 1):
             pr[s] = rw * pr[s] + cw
