@@ -55,6 +55,27 @@ def copy_state(H, Hw):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def add_into(X, part):
+    """``X`` (float64) ``+= part`` (the working dtype), elementwise: a state advanced by a chunk's product."""
+    for i in range(X.shape[0]):
+        for m in range(X.shape[1]):
+            X[i, m] += part[i, m]
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def additive_reverse_chunk(qf, kf, v1, g1, R, Rw, part, dk, dv, qo, vo, n):
+    """One chunk of the additive rule's reverse pass (tokens at flat offsets ``qo``, ``vo``, ``n`` of them):
+    ``dk += [V 1] R^T``, ``dv += K R`` (through ``Rw``, R's working-dtype copy), then ``R += Q^T g1``."""
+    F = qf.shape[2]
+    M1 = v1.shape[2]
+    copy_state(R, Rw)
+    gemm(0, 1, n, F, M1, 1.0, v1, vo, M1, Rw, 0, M1, 1.0, dk, qo, F)
+    gemm(0, 0, n, M1, F, 1.0, kf, qo, F, Rw, 0, M1, 1.0, dv, vo, M1)
+    gemm(1, 0, F, M1, n, 1.0, qf, qo, F, g1, vo, M1, 0.0, part, 0, M1)
+    add_into(R, part)
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def start_adjoint(R, dHN, b, has_dHN):
     """The adjoint of sequence b's final state: dHN[b] when given, else zero (the reverse passes' start)."""
     if has_dHN:
@@ -310,9 +331,7 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
                 gemm(1, 0, n, M1, n, 1.0, Am, 0, C, g1, vo, M1, 0.0, dv, vo, M1)
                 # H += K^T V
                 gemm(1, 0, F, M1, n, 1.0, kf, qo, F, v1, vo, M1, 0.0, part, 0, M1)
-                for i in range(F):
-                    for m in range(M1):
-                        H[i, m] += part[i, m]
+                add_into(H, part)
                 continue
             ck[b, c] = H
             chunk_factors_rows(rule, lg, b, s0, n, fa, fb, fe, tot)
@@ -446,16 +465,10 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
             n = min(C, N - s0)
             qo = (b * N + s0) * F
             vo = (b * N + s0) * M1
-            copy_state(R, Hw)
             if not fac:
-                # dk += V R^T; dv += K R; R += Q^T G
-                gemm(0, 1, n, F, M1, 1.0, v1, vo, M1, Hw, 0, M1, 1.0, dk, qo, F)
-                gemm(0, 0, n, M1, F, 1.0, kf, qo, F, Hw, 0, M1, 1.0, dv, vo, M1)
-                gemm(1, 0, F, M1, n, 1.0, qf, qo, F, g1, vo, M1, 0.0, part, 0, M1)
-                for i in range(F):
-                    for m in range(M1):
-                        R[i, m] += part[i, m]
+                additive_reverse_chunk(qf, kf, v1, g1, R, Hw, part, dk, dv, qo, vo, n)
                 continue
+            copy_state(R, Hw)
             chunk_factors_rows(rule, lg, b, s0, n, fa, fb, fe, tot)
             # T = V R^T (the adjoint after the chunk read by each key row)
             gemm(0, 1, n, F, M1, 1.0, v1, vo, M1, Hw, 0, M1, 0.0, T, 0, F)

@@ -12,7 +12,7 @@ from ... import config
 from .._gemm import gemm
 from .._twins import serial_and_parallel
 from .._vec import is_finite
-from ._cpu_chunked import copy_state, normalise_row, start_adjoint
+from ._cpu_chunked import add_into, additive_reverse_chunk, copy_state, normalise_row, start_adjoint
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, as the forward
@@ -115,9 +115,7 @@ def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1,
                      vo + j0 * M1, M1)
             # H += K^T [V 1]
             gemm(1, 0, F, M1, n, 1.0, kf, qo, F, v1, vo, M1, 0.0, part, 0, M1)
-            for i in range(F):
-                for m in range(M1):
-                    H[i, m] += part[i, m]
+            add_into(H, part)
         for i in range(F):
             for m in range(M1):
                 res_ok &= is_finite(H[i, m])
@@ -127,16 +125,7 @@ def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1,
         for c in range(nch - 1, -1, -1):
             s0 = c * C
             n = min(C, N - s0)
-            qo = (b * N + s0) * F
-            vo = (b * N + s0) * M1
-            copy_state(R, Hw)
-            # dk += [V 1] R^T; dv += K R; R += Q^T g1
-            gemm(0, 1, n, F, M1, 1.0, v1, vo, M1, Hw, 0, M1, 1.0, dk, qo, F)
-            gemm(0, 0, n, M1, F, 1.0, kf, qo, F, Hw, 0, M1, 1.0, dv, vo, M1)
-            gemm(1, 0, F, M1, n, 1.0, qf, qo, F, g1, vo, M1, 0.0, part, 0, M1)
-            for i in range(F):
-                for m in range(M1):
-                    R[i, m] += part[i, m]
+            additive_reverse_chunk(qf, kf, v1, g1, R, Hw, part, dk, dv, (b * N + s0) * F, (b * N + s0) * M1, n)
         for i in range(F):
             for m in range(M1):
                 dH0[b, i, m] = R[i, m]
