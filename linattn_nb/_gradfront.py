@@ -22,6 +22,7 @@ from ._frontend import (LinearState, featurise, host_array, host_call, host_stat
 from .device import on_device
 from .feature_maps._base import FeatureOverflow
 from .ops import methods  # noqa: F401  (registers the built-in rules and methods)
+from .ops._finite import all_finite
 from .ops._vec import work_dtype
 from .ops.grad import _maps, _outgrad, _rowmaps
 from .ops.grad.cpu import backward_chunked_normalized, delta_save_arrays, fuses_normalized, takes_saved
@@ -277,10 +278,10 @@ def overflowed(req: Request, nd, HN, want_out: bool) -> bool:
     where a normaliser overflowed)."""
     if req.work == _F64 or not req.check_finite or HN is None:
         return False
-    if not np.isfinite(HN).all():
+    if not all_finite(HN):
         return True
     written = want_out or req.normalize or not _saves(req)  # see forward: the saving forward may skip nd
-    return bool(written and not np.isfinite(nd).all())
+    return bool(written and not all_finite(nd))
 
 
 # ---------------------------------------------------------------------------
@@ -520,7 +521,7 @@ def _finite(vjp: VJP, known=()) -> bool:
         parts += [vjp.d_initial_state.S, vjp.d_initial_state.z]
     if vjp.d_params:
         parts += list(vjp.d_params.values())
-    return all(np.isfinite(x).all() for x in parts if x is not None)
+    return all(all_finite(x) for x in parts if x is not None)
 
 
 @parallel_entry

