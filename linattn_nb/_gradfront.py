@@ -151,9 +151,11 @@ def prepare(q, k, v, *, feature_map, causal, method, device, eps, check_finite, 
     # one parallel pass for features and their vjp (elementwise maps, and DeltaNet's row maps)
     fast = _fast_map(fmap)
     inline = fast is not None
+    # a request used once (reuse) reads the caller's log-factors where they need no conversion: no copy of a
+    # per-feature gate, as large as q and k; the torch adapter keeps its request until its backward
     c = host_call(q, k, v, dev=dev, fmap=fmap, eps=eps, causal=causal, method=method, decay=decay,
                   log_decay=log_decay, beta=beta, normalize=normalize, initial_state=initial_state,
-                  check_qkv=check_finite and not inline, copy=True, to_host=True, extra_columns=1)
+                  check_qkv=check_finite and not inline, copy=not reuse, to_host=True, extra_columns=1)
     q, k, v, batch_shape, n, d, m, f, b, dtype = c.q, c.k, c.v, c.batch_shape, c.n, c.d, c.m, c.f, c.b, c.dtype
     rule, inputs, normalize, impl = c.rule, c.inputs, c.normalize, c.impl
     if impl.backward is None:
@@ -340,8 +342,10 @@ def _factor_grads(req: Request, dfactor):
     full = req.batch_shape + lg.shape[1:]
     g = np.asarray(dfactor, np.float64)
     if name == "log_decay":
-        with np.errstate(under="ignore"):
-            g = g * np.exp(lg)  # d/d log a = a d/da: 0 at a reset
+        # d/d log a = a d/da: 0 at a reset; over the launcher's own result where it can take it
+        own = g is dfactor and g.flags.c_contiguous and g.flags.writeable and lg.flags.c_contiguous
+        g = _outgrad.times_factor(g if own else np.array(g, dtype=np.float64, order="C"),
+                                  np.ascontiguousarray(lg))
     g = g.reshape(full)
     if lg.ndim == 2 and len(given) in (0, len(req.batch_shape)):
         g = g.sum(axis=-1)  # a constant per sequence: summed over the tokens

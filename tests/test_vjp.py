@@ -339,3 +339,20 @@ def test_inline_map_kernels_match_the_numpy_maps(name, dtype):
     assert not _maps.features(x, fmap.kernel_code, work)[1]
     with pytest.raises(ValueError, match="k contains"):
         la.linear_attention_vjp(clean, x, g, g, feature_map=name, causal=True)
+
+
+@pytest.mark.parametrize("method", ["chunked", "scan"])
+def test_caller_log_gate_is_read_not_copied_nor_written(method):
+    """A one-shot VJP reads the caller's float64 log-gate in place (no copy of an array as large as q): it
+    leaves it bit-for-bit as given, and its gradient is that of a copy."""
+    rng = np.random.default_rng(5)
+    q, k, v, g = (rng.standard_normal((2, 37, 4)) for _ in range(4))
+    lg = -rng.uniform(0.001, 0.5, (2, 37, 4))
+    lg[0, 5, 1] = -np.inf  # a reset
+    keep = lg.copy()
+    kw = dict(feature_map="elu", causal=True, method=method)
+    got = la.linear_attention_vjp(q, k, v, g, log_decay=lg, **kw)
+    assert np.array_equal(lg, keep)
+    want = la.linear_attention_vjp(q, k, v, g, log_decay=keep.copy(), **kw)
+    np.testing.assert_array_equal(got.d_log_decay, want.d_log_decay)
+    assert np.isfinite(got.d_log_decay).all() and got.d_log_decay[0, 5, 1] == 0.0

@@ -1,4 +1,5 @@
-"""The front end's (B, N, M + 1) arrays in one parallel pass each: ``[v | 1]`` and ``dL/d[num | den]``.
+"""The front end's (B, N, M + 1) arrays in one parallel pass each: ``[v | 1]`` and ``dL/d[num | den]``; and
+the gradient of the log-factors from that of the factors.
 
 For the gradient front end (:func:`linattn_nb._gradfront.prepare` and
 :func:`linattn_nb._gradfront.backward`).  Per row, in float64, ``g / den'`` and
@@ -14,6 +15,7 @@ import numpy as np
 from numba import njit, prange
 
 from ... import config
+from .._vec import elu1
 
 #: Rows per task of the parallel loops.
 _ROWS = 64
@@ -87,3 +89,42 @@ def values_with_ones(v, out):
     if not v.shape[0]:
         return True
     return bool(_ones_kernel(v, out))
+
+
+#: Elements per task of :func:`_times_factor_kernel`.
+_ELEMS = 1 << 14
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _times_factor_span(g, lg):
+    for i in range(g.shape[0]):
+        g[i] = g[i] * elu1(lg[i])  # exp(lg) for lg <= 0, in vector form
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def _times_factor_kernel(g, lg):
+    n = g.shape[0]
+    tasks = (n + _ELEMS - 1) // _ELEMS
+    for t in prange(tasks):
+        lo = t * _ELEMS
+        hi = min(n, lo + _ELEMS)
+        # a span of its own: written in place in the prange body, the loop lost its vector form (8.0 against
+        # 1.25 ms for 4M elements, measured)
+        _times_factor_span(g[lo:hi], lg[lo:hi])
+
+
+def times_factor(g, lg):
+    """``g * exp(lg)``, written over ``g``: the gradient of the log-factors ``lg`` (all <= 0, ``-inf`` at a
+    reset) from ``g``, that of the factors (``d/d log a = a d/da``).  ``g`` and ``lg`` C-contiguous float64
+    of one shape.  One parallel pass: 1.25 ms over a per-feature gate at B*H = 16, N = 4096, F = 64, where
+    NumPy's ``g * np.exp(lg)`` took 6.5-7.3 ms (2 cores, AMD EPYC).  ``exp`` is the kernels' own
+    (:func:`~linattn_nb.ops._vec.elu1` below 0: within 2 ulp of NumPy's), 0 below about -708.3, where NumPy's
+    is subnormal."""
+    if g.shape != lg.shape or g.dtype != np.float64 or lg.dtype != np.float64:
+        raise ValueError(f"g and lg must be float64 arrays of one shape, got {g.dtype} {g.shape} and "
+                         f"{lg.dtype} {lg.shape}")
+    if not (g.flags.c_contiguous and lg.flags.c_contiguous and g.flags.writeable):
+        raise ValueError("g must be a writeable C-contiguous array and lg a C-contiguous one")
+    if g.size:
+        _times_factor_kernel(g.reshape(-1), lg.reshape(-1))
+    return g

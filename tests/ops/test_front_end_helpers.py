@@ -1,0 +1,72 @@
+"""The gradient front end's parallel helpers against NumPy: the finiteness check and the log-factor gradient."""
+import numpy as np
+import pytest
+
+from linattn_nb.ops._finite import all_finite
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(0, 3), (5,), (1, 1), (3, 300, 7), (2, 257, 65)])
+@pytest.mark.parametrize("bad", [None, np.nan, np.inf, -np.inf])
+def test_matches_numpy(dtype, shape, bad):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(shape).astype(dtype)
+    if x.size:
+        x.flat[-1] = np.finfo(dtype).max  # large finite values are finite
+        x.flat[0] = -np.finfo(dtype).max
+    if bad is not None and x.size:
+        x.flat[x.size // 2] = bad
+    assert all_finite(x) == bool(np.isfinite(x).all())
+
+
+@pytest.mark.parametrize("col", [0, 63, 64])
+def test_strided_column_slice(col):
+    """A column slice reads only its own columns (the VJP's dv is one)."""
+    a = np.ones((2, 300, 65), np.float32)
+    a[1, 299, col] = np.nan
+    view = a[:, :, :64]
+    assert all_finite(view) == (col >= 64)
+    assert all_finite(view) == bool(np.isfinite(view).all())
+
+
+# --------------------------------------------------------------------------
+# the log-factor gradient from the factor gradient (_outgrad.times_factor)
+# --------------------------------------------------------------------------
+from linattn_nb.ops.grad._outgrad import times_factor  # noqa: E402
+
+
+@pytest.mark.parametrize("shape", [(0,), (1,), (3, 5), (2, 40000), (2, 7, 3)])
+def test_times_factor_is_g_exp_lg(shape):
+    rng = np.random.default_rng(2)
+    lg = -rng.exponential(2.0, shape)
+    g = rng.standard_normal(shape)
+    if lg.size > 4:
+        lg.flat[0] = 0.0
+        lg.flat[1] = -np.inf  # a reset: 0
+        lg.flat[2] = -800.0  # below the float64 range: 0
+        lg.flat[3] = -700.0
+    want = g * np.exp(lg)
+    got = times_factor(g.copy(), lg)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=4 * np.finfo(np.float64).eps, atol=1e-300)
+
+
+def test_times_factor_writes_over_g_and_keeps_nan():
+    g = np.array([1.0, np.nan, 2.0])
+    lg = np.array([0.0, -1.0, -np.inf])
+    out = times_factor(g, lg)
+    assert out is g
+    assert out[0] == 1.0 and np.isnan(out[1]) and out[2] == 0.0
+
+
+@pytest.mark.parametrize("bad", ["dtype", "shape", "order"])
+def test_times_factor_errors(bad):
+    g, lg = np.ones((3, 4)), np.zeros((3, 4))
+    if bad == "dtype":
+        g = g.astype(np.float32)
+    elif bad == "shape":
+        lg = np.zeros((4, 3))
+    else:
+        g = np.ones((4, 3)).T
+    with pytest.raises(ValueError, match="g"):
+        times_factor(g, lg)
