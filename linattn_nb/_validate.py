@@ -10,7 +10,7 @@ import numbers
 from typing import Sequence
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from . import config
 from .ops._finite import check_finite_values  # the kernel layer's check, shared with the front end
@@ -178,10 +178,7 @@ def check_normalize(normalize, default: bool) -> bool:
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def factor_counts(x, lo, hi, reset):
-    """``(bad, resets)`` of a 1-D float64 array in one pass: how many elements are NaN or outside
-    [lo, hi], and how many are at or below ``reset`` (NumPy took five passes over a per-feature gate,
-    as large as q and k).  The comparisons survive the fast-math flags (no ``nnan``)."""
+def _factor_counts_span(x, lo, hi, reset):
     bad = 0
     resets = 0
     for i in range(x.shape[0]):
@@ -189,6 +186,26 @@ def factor_counts(x, lo, hi, reset):
         bad += (v != v) | (v < lo) | (v > hi)
         resets += v <= reset
     return bad, resets
+
+
+#: Elements per task of :func:`factor_counts`.
+_FACTOR_SPAN = 1 << 15
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def factor_counts(x, lo, hi, reset):
+    """``(bad, resets)`` of a 1-D float64 array in one parallel pass: how many elements are NaN or outside
+    [lo, hi], and how many are at or below ``reset`` (NumPy took five passes over a per-feature gate,
+    as large as q and k; one serial pass 1.1 ms at B*H = 16, N = 4096, F = 64).  The comparisons survive
+    the fast-math flags (no ``nnan``)."""
+    n = x.shape[0]
+    tasks = (n + _FACTOR_SPAN - 1) // _FACTOR_SPAN
+    bad = np.zeros(tasks, np.int64)
+    resets = np.zeros(tasks, np.int64)
+    for t in prange(tasks):
+        lo_i = t * _FACTOR_SPAN
+        bad[t], resets[t] = _factor_counts_span(x[lo_i:min(n, lo_i + _FACTOR_SPAN)], lo, hi, reset)
+    return bad.sum(), resets.sum()
 
 
 def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool, copy: bool = True):

@@ -70,3 +70,17 @@ def test_times_factor_errors(bad):
         g = np.ones((4, 3)).T
     with pytest.raises(ValueError, match="g"):
         times_factor(g, lg)
+
+
+def test_factor_counts_across_spans():
+    """The parallel count of bad and reset log-factors against NumPy's, with hits in several spans."""
+    from linattn_nb._validate import factor_counts
+
+    rng = np.random.default_rng(3)
+    x = -rng.exponential(1.0, 3 * (1 << 15) + 17)
+    x[[0, 40000, len(x) - 1]] = [np.nan, 0.5, -1e300]
+    x[70000] = -np.inf
+    lo, hi, reset = -np.inf, 0.0, -1e30
+    bad = int(np.isnan(x).sum() + ((x < lo) | (x > hi)).sum())
+    assert factor_counts(x, lo, hi, reset) == (bad, int((x <= reset).sum()))
+    assert factor_counts(x[:0], lo, hi, reset) == (0, 0)
