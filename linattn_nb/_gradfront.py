@@ -442,10 +442,12 @@ def backward(req: Request, nd, grad_out, grad_state=None, overwrite_nd=False, fi
     return _finish(req, None, finite, out_dtype, dHN)
 
 
-def _finish(req: Request, grads, finite=None, out_dtype=None, dHN=None) -> VJP:
+def _finish(req: Request, grads, finite=None, out_dtype=None, dHN=None, mapped=None) -> VJP:
     """The :class:`VJP` from a backward launcher's :class:`~linattn_nb.ops.grad.Grads` (None: no token, then
     ``dHN`` is the final state's gradient): the maps' vjps, the factor and ``beta`` gradients summed back to
-    their arguments' shapes, ``dq``, ``dk``, ``dv`` cast (arguments as :func:`backward`)."""
+    their arguments' shapes, ``dq``, ``dk``, ``dv`` cast (arguments as :func:`backward`).  ``mapped``: the
+    launcher ran the map's VJP already (its ``dq``, ``dk`` are those of ``q``, ``k``) and found every
+    element of ``dq``, ``dk``, ``dv`` finite (True) or not (False); None: it did not."""
     b, n, m, f = req.b, req.n, req.m, req.f
     if grads is not None:
         dqf, dkf, dv1, dH0, dfactor, dbeta = grads
@@ -460,7 +462,13 @@ def _finish(req: Request, grads, finite=None, out_dtype=None, dHN=None) -> VJP:
     kw = dict(causal=req.causal, offset=req.position, total_length=req.position + n)
     fshape = req.batch_shape + (n, f)
     code, fast = req.fmap.kernel_code, _fast_map(req.fmap)
-    if fast is not None:
+    if mapped is not None:
+        dq, pq = np.asarray(dqf).reshape(fshape), None
+        dk, pk = np.asarray(dkf).reshape(fshape), None
+        del dqf
+        if finite is not None and req.dtype == req.work and mapped:
+            finite.update(("dq", "dk", "dv"))
+    elif fast is not None:
         # over the launcher's own results: no fresh (B, N, F) arrays
         chk = req.check_finite
         (dq, q_ok), pq = fast.vjp_checked(req.q, dqf, code, req.work, overwrite=True, check=chk), None
@@ -507,14 +515,22 @@ def backward_normalized(req: Request, grad_out, grad_state=None, finite=None, ou
     gw = np.ascontiguousarray(g.reshape(b, n, m), dtype=req.work)
     dHN = _grad_state(grad_state, req)
     g1 = _buffer("nd", (b, n, m + 1), req.work, req.reuse)
+    maps = None
+    if _fast_map(req.fmap) is _maps:  # the map's VJP in the kernel, on each chunk's complete rows
+        if req.fmap.kernel_code in _maps.FROM_FEATURES:  # a derivative from the features: no pass over q, k
+            maps = (req.qf, req.kf, req.fmap.kernel_code)
+        else:
+            maps = tuple(np.ascontiguousarray(x, dtype=req.work).reshape(b, n, req.f) for x in (req.q, req.k))
+            maps += (req.fmap.kernel_code,)
     grads, g_ok, res_ok = backward_chunked_normalized(req.qf, req.kf, req.v1, req.H0, gw, dHN, eps=req.eps,
-                                                      g1=g1, rule=get_rule(req.rule).code, inputs=req.inputs)
+                                                      g1=g1, rule=get_rule(req.rule).code, inputs=req.inputs,
+                                                      maps=maps)
     del g1, gw
     if req.check_finite and not g_ok:
         V.check_finite("grad_out", g)  # raises, naming it
     if req.check_finite and req.work != _F64 and not res_ok:
         return None
-    return _finish(req, grads, finite, out_dtype)
+    return _finish(req, grads, finite, out_dtype, mapped=None if maps is None else bool(res_ok))
 
 
 def _finite(vjp: VJP, known=()) -> bool:

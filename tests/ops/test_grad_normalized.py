@@ -205,3 +205,121 @@ def test_vjp_of_a_wider_gradient_takes_the_forward_path(monkeypatch):
     monkeypatch.undo()
     want = la.linear_attention_vjp(*(x.astype(np.float64) for x in (q, k, v)), g, causal=True, method="chunked")
     np.testing.assert_allclose(got.dq, want.dq, rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------
+# the map's VJP inside the kernels (maps=(xq, xk, code))
+# --------------------------------------------------------------------------
+from linattn_nb.ops._codes import KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU  # noqa: E402
+from linattn_nb.ops.grad import _maps  # noqa: E402
+
+MAP_CODES = [KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU]
+
+
+def _map_inputs(B, N, F, dtype, seed):
+    """Raw inputs with the values where a map's derivative turns: 0, -0, tiny negatives whose exp rounds
+    to 1, and large ones."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, B, N, F)).astype(dtype)
+    special = np.array([0.0, -0.0, -1e-9, -3e-8, 1e-9, -20.0, 4.0, -1e-30], dtype)
+    x.reshape(-1)[: special.size] = special
+    x.reshape(-1)[-special.size:] = special
+    return x[0], x[1]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("code", MAP_CODES)
+@pytest.mark.parametrize("rule", RULES)
+def test_maps_in_the_kernel_are_the_maps_vjp_bit_for_bit(dtype, code, rule, nan_outputs):
+    """With ``maps``, dq and dk are those of the map's own pass over the kernel's feature gradients, bit
+    for bit, and dv, dH0, g1 are unchanged."""
+    B, N, F, M = 2, 61, 5, 3
+    xq, xk = _map_inputs(B, N, F, dtype, seed=code)
+    qf, kf = (_maps.features(x, code, dtype)[0] for x in (xq, xk))
+    _, _, v1, H0, g, _ = _inputs(B, N, F, M, dtype, seed=7)
+    inputs = _rule_inputs(rule, B, N, F, 3)
+    kw = dict(chunk=16, block=4, rule=rule, inputs=inputs, eps=1e-6)  # the floor: a ReLU's zero rows
+    g1a, g1b = (np.full((B, N, M + 1), np.nan, dtype) for _ in range(2))
+    plain, g_ok, res_ok = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, g1=g1a, **kw)
+    fused, g_ok2, res_ok2 = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, g1=g1b, maps=(xq, xk, code), **kw)
+    assert g_ok and res_ok and g_ok2 and res_ok2
+    np.testing.assert_array_equal(fused.dq, _maps.vjp(xq, plain.dq, code, dtype))
+    np.testing.assert_array_equal(fused.dk, _maps.vjp(xk, plain.dk, code, dtype))
+    for name in ("dv", "dH0"):
+        np.testing.assert_array_equal(getattr(fused, name), getattr(plain, name))
+    np.testing.assert_array_equal(g1b, g1a)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("code", [KERNEL_CODE_ELU, KERNEL_CODE_RELU])
+def test_derivative_from_the_features_is_the_maps_own(dtype, code):
+    """ELU+1's and ReLU's derivative taken from the feature (map_rows) is _dphi's at every value, over a
+    dense sweep around 0 and out to where exp underflows."""
+    from linattn_nb.ops.grad._cpu_chunked import map_rows
+
+    x = np.concatenate([np.linspace(-1e-6, 1e-6, 20001), np.linspace(-120, 5, 20001), [0.0, -0.0]])
+    x = x.astype(dtype).reshape(1, -1, 1)
+    f = _maps.features(x, code, dtype)[0]
+    d = np.ones_like(x)
+    assert map_rows(x * np.nan, f, d, code, 0, 0, x.shape[1])  # x unread for these maps
+    np.testing.assert_array_equal(d, _maps.vjp(x, np.ones_like(x), code, dtype))
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_maps_flag_a_gradient_that_overflows(rule):
+    """With ``maps``, a stored gradient element beyond float32 reads in the results' flag (the front end then
+    recomputes in float64), where without them the front end looked at the arrays itself.  Here the
+    gradients overflow and the normalisers do not: v = 0 makes ``g . num`` 0, and tiny features a tiny
+    normaliser, so ``g / den`` is beyond float32 while ``den`` and ``g . num`` fit."""
+    B, N, F, M = 1, 20, 4, 3
+    xq = np.full((B, N, F), -12.0, np.float32)
+    xk = xq.copy()
+    qf, kf = (_maps.features(x, KERNEL_CODE_ELU, np.float32)[0] for x in (xq, xk))
+    v1 = np.zeros((B, N, M + 1), np.float32)
+    v1[..., M] = 1.0
+    H0 = np.zeros((B, F, M + 1))
+    g = np.full((B, N, M), 1e30, np.float32)
+    inputs = _rule_inputs(rule, B, N, F, 3)
+    kw = dict(chunk=8, rule=rule, inputs=inputs)
+    plain, g_ok, res_ok = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, **kw)
+    assert g_ok and res_ok  # the normalisers and g . num fit
+    assert not np.isfinite(plain.dv[..., :M]).all()
+    _, g_ok, res_ok = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, maps=(xq, xk, KERNEL_CODE_ELU), **kw)
+    assert g_ok and not res_ok
+
+
+def test_maps_argument_errors():
+    qf, kf, v1, H0, g, _ = _inputs(1, 8, 4, 3, np.float32)
+    with pytest.raises(ValueError, match="maps must be a tuple"):
+        cpu.backward_chunked_normalized(qf, kf, v1, H0, g, maps=[qf, kf, KERNEL_CODE_ELU])
+    with pytest.raises(ValueError, match="maps: code must be one of"):
+        cpu.backward_chunked_normalized(qf, kf, v1, H0, g, maps=(qf, kf, 99))
+    with pytest.raises(ValueError, match="maps: xk must be a float32 array of shape"):
+        cpu.backward_chunked_normalized(qf, kf, v1, H0, g, maps=(qf, kf[:, :4], KERNEL_CODE_ELU))
+    with pytest.raises(ValueError, match="maps: xq must be a float32 array"):
+        cpu.backward_chunked_normalized(qf, kf, v1, H0, g, maps=(qf.astype(np.float64), kf, KERNEL_CODE_ELU))
+
+
+@pytest.mark.parametrize("name", ["elu", "relu", "squared_relu"])
+@pytest.mark.parametrize("rule_kw", [{}, {"log_decay": -0.05}, {"log_decay": "gate"}])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_front_end_maps_in_the_kernel_match_the_quadratic_form(name, rule_kw, dtype):
+    """``linear_attention_vjp`` of the fused path, the map's VJP in the kernel (float16 inputs: converted for
+    the squared ReLU, which reads them), against the quadratic form's gradients in float64."""
+    rng = np.random.default_rng(11)
+    q, k, v, g = (rng.standard_normal((2, 3, 37, 4)) for _ in range(4))
+    q += 0.3  # fewer all-zero ReLU rows
+    k += 0.3
+    if rule_kw.get("log_decay") == "gate":
+        rule_kw = {"log_decay": -rng.uniform(0.01, 0.3, (2, 3, 37, 4))}
+    kw = dict(feature_map=name, causal=True, eps=1e-3, **rule_kw)
+    got = la.linear_attention_vjp(*(x.astype(dtype) for x in (q, k, v, g)), method="chunked", **kw)
+    ref = la.linear_attention_vjp(*(x.astype(dtype).astype(np.float64) for x in (q, k, v, g)),
+                                  method="quadratic", **kw)
+    tol = {np.float16: 2e-2, np.float32: 2e-5, np.float64: 1e-10}[dtype]
+    for field in ("dq", "dk", "dv", "d_log_decay"):
+        a, r = getattr(got, field), getattr(ref, field)
+        assert (a is None) == (r is None), field
+        if r is not None:
+            a = np.asarray(a, np.float64)
+            np.testing.assert_allclose(a, r, rtol=tol, atol=tol * np.max(np.abs(r)), err_msg=field)

@@ -10,10 +10,11 @@ import numpy as np
 from numba import njit, prange
 
 from ... import config
-from .._codes import RULE_ADDITIVE, RULE_DECAY
+from .._codes import KERNEL_CODE_ELU, KERNEL_CODE_RELU, RULE_ADDITIVE, RULE_DECAY
 from .._gemm import gemm
 from .._twins import serial_and_parallel
 from .._vec import elu1, is_finite
+from ._maps import _dphi
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -73,6 +74,49 @@ def additive_reverse_chunk(qf, kf, v1, g1, R, Rw, part, dk, dv, qo, vo, n):
     gemm(0, 0, n, M1, F, 1.0, kf, qo, F, Rw, 0, M1, 1.0, dv, vo, M1)
     gemm(1, 0, F, M1, n, 1.0, qf, qo, F, g1, vo, M1, 0.0, part, 0, M1)
     add_into(R, part)
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def map_rows(x, f, d, code, b, s0, n):
+    """The feature map's VJP over rows ``[s0, s0 + n)`` of sequence ``b``, written over ``d``: ``d <- d *
+    phi'(x)``, ``f = phi(x)`` the features, map ``code`` of :mod:`linattn_nb.ops.grad._maps`.  The factors
+    are those of :func:`linattn_nb.ops.grad._maps._dphi`, bit for bit: ELU+1's is ``f`` below 1, else 1
+    (``f = exp(x)`` for ``x < 0``, at most 1, and ``x + 1 >= 1`` above), ReLU's 1 where ``f > 0``, else
+    ``f - f`` (0, NaN for NaN); only the squared ReLU reads ``x`` (``2 x``).  Both from ``f``, in the
+    cache, cost no ``exp`` (0.5 ns an element with it, measured).  Returns whether every result, as
+    stored, is finite.  For the fused normalised backwards, on rows whose gradient is complete."""
+    F = d.shape[2]
+    one = d.dtype.type(1.0)
+    bad = np.uint8(0)
+    for t in range(n):
+        dr = d[b, s0 + t]
+        fr = f[b, s0 + t]
+        if code == KERNEL_CODE_ELU:
+            for i in range(F):
+                y = fr[i]
+                dr[i] = dr[i] * (one if y >= one else y)
+        elif code == KERNEL_CODE_RELU:
+            for i in range(F):
+                y = fr[i]
+                dr[i] = dr[i] * (one if y > 0 else y - y)
+        else:
+            xr = x[b, s0 + t]
+            for i in range(F):
+                dr[i] = dr[i] * _dphi(xr[i], code)
+        for i in range(F):
+            bad |= np.uint8(not is_finite(dr[i]))
+    return bad == 0
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def rows_finite(d, b, s0, n, M):
+    """Whether the first ``M`` columns of rows ``[s0, s0 + n)`` of sequence ``b`` of ``d`` are finite."""
+    bad = np.uint8(0)
+    for t in range(n):
+        dr = d[b, s0 + t]
+        for m in range(M):
+            bad |= np.uint8(not is_finite(dr[m]))
+    return bad == 0
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -253,7 +297,7 @@ def _gate_norm_rows(qf, g, z, T, Ad, Pm, g1, fb, b, s0, n, eps, floor):
 
 
 def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk, dv, dH0, dfac, proto, gout,
-                      eps, floor, flags):
+                      eps, floor, flags, xq, xk, mcode):
     """Two passes over the chunks of each sequence of the flattened batch (``docs/design-cpu.md``).
 
     qf, kf (B, N, F), v1, g1 (B, N, M') of the working dtype; H0, dHN (B, F, M')
@@ -264,13 +308,16 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
     Normalised outputs (the gate rule only): ``gout`` (B, N, M) the gradient of the outputs, from which pass 1
     writes ``g1`` chunk by chunk before it reads it (``eps``, ``floor``, ``flags`` as
     :func:`linattn_nb.ops.grad._cpu_chunked_norm._normalized_backward`'s); ``gout`` of shape (1, 0, 0):
-    ``g1`` is given.
+    ``g1`` is given.  ``xq``, ``xk``, ``mcode``: the map's VJP on each chunk's complete rows of ``dq`` and
+    ``dk`` and its flag, as :func:`linattn_nb.ops.grad._cpu_chunked_norm._normalized_backward`'s (normalised
+    outputs only).
     """
     B, N, F = qf.shape
     M1 = v1.shape[2]
     wt = proto.dtype
     nch = (N + C - 1) // C
     fac = rule != RULE_ADDITIVE
+    maps = xq.shape[1] > 0
     Gd = dfac.shape[2]
     for b in prange(B):
         H = np.empty((F, M1))
@@ -332,6 +379,8 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
                 # H += K^T V
                 gemm(1, 0, F, M1, n, 1.0, kf, qo, F, v1, vo, M1, 0.0, part, 0, M1)
                 add_into(H, part)
+                if maps:  # dq's rows are complete
+                    res_ok &= map_rows(xq, qf, dq, mcode, b, s0, n)
                 continue
             ck[b, c] = H
             chunk_factors_rows(rule, lg, b, s0, n, fa, fb, fe, tot)
@@ -451,6 +500,8 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
                 g = tot[i]
                 for m in range(M1):
                     H[i, m] = g * H[i, m] + part[i, m]
+            if maps:  # dq's rows are complete
+                res_ok &= map_rows(xq, qf, dq, mcode, b, s0, n)
         # ------------------------------------------------------------------
         # pass 2, chunks in reverse: R, the inter-chunk parts of dk and dv
         # ------------------------------------------------------------------
@@ -467,6 +518,8 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
             vo = (b * N + s0) * M1
             if not fac:
                 additive_reverse_chunk(qf, kf, v1, g1, R, Hw, part, dk, dv, qo, vo, n)
+                if maps:  # dk's and dv's rows are complete
+                    res_ok &= map_rows(xk, kf, dk, mcode, b, s0, n) & rows_finite(dv, b, s0, n, M1 - 1)
                 continue
             copy_state(R, Hw)
             chunk_factors_rows(rule, lg, b, s0, n, fa, fb, fe, tot)
@@ -506,10 +559,12 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
                 g = tot[i]
                 for m in range(M1):
                     R[i, m] = g * R[i, m] + part[i, m]
+            if maps:  # dk's and dv's rows are complete
+                res_ok &= map_rows(xk, kf, dk, mcode, b, s0, n) & rows_finite(dv, b, s0, n, M1 - 1)
         for i in range(F):
             for m in range(M1):
                 dH0[b, i, m] = R[i, m]
-        if norm:
+        if norm or maps:
             flags[b, 0] = not g_ok
             flags[b, 1] = not res_ok
 

@@ -13,7 +13,7 @@ from ... import config
 from .._codes import RULE_DECAY, RULE_DELTA
 from .._gemm import gemm
 from .._twins import serial_and_parallel
-from ._cpu_chunked import copy_state, normalise_row, start_adjoint
+from ._cpu_chunked import copy_state, map_rows, normalise_row, rows_finite, start_adjoint
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -141,7 +141,7 @@ def chunk_wy(gated, kf, v1, lg, b, s0, n, Sw, fb, Gam, KS, Yt, KK, Am, U):
 
 
 def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, have, dq, dk, dv, dH0, dfac, dbeta,
-                    proto, g, eps, floor, flags):
+                    proto, g, eps, floor, flags, xq, xk, mcode):
     """Two passes over the chunks of each sequence of the flattened batch (``docs/design-cpu.md``).
 
     qf, kf (B, N, F), v1, g1 (B, N, M') of the working dtype; H0, dHN (B, F, M')
@@ -156,7 +156,9 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
     given ``g1``, which pass 2 then writes chunk by chunk before it reads it (``g1 = [g / den | -(g . num)
     / den^2]``, each row's normaliser and ``g . num`` from the chunk's own products; ``eps`` the floor
     where ``floor``; ``flags[b]`` as :func:`linattn_nb.ops.grad._cpu_chunked_norm._normalized_backward`'s).
-    ``g`` of shape (1, 0, 0): ``g1`` is given.
+    ``g`` of shape (1, 0, 0): ``g1`` is given.  ``xq``, ``xk``, ``mcode``: the map's VJP on each chunk's
+    complete rows of ``dq`` and ``dk`` and its flag, as
+    :func:`linattn_nb.ops.grad._cpu_chunked_norm._normalized_backward`'s (normalised outputs only).
     """
     B, N, F = qf.shape
     M1 = v1.shape[2]
@@ -164,6 +166,7 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
     nch = (N + C - 1) // C
     gated = rule != RULE_DELTA  # decays: the gated delta and decay rules
     wy = rule != RULE_DECAY  # the WY/UT transform: the delta rules
+    maps = xq.shape[1] > 0
     for b in prange(B):
         H = np.empty((F, M1))
         for i in range(F):
@@ -411,10 +414,13 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
                 for i in range(F):
                     for m in range(M1):
                         R[i, m] += part[i, m]
+            if maps:  # the chunk's rows of dq, dk and dv are complete
+                res_ok &= map_rows(xq, qf, dq, mcode, b, s0, n) & map_rows(xk, kf, dk, mcode, b, s0, n)
+                res_ok &= rows_finite(dv, b, s0, n, M1 - 1)
         for i in range(F):
             for m in range(M1):
                 dH0[b, i, m] = R[i, m]
-        if norm:
+        if norm or maps:
             flags[b, 0] = not g_ok
             flags[b, 1] = not res_ok
 

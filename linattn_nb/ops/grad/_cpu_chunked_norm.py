@@ -12,7 +12,8 @@ from ... import config
 from .._gemm import gemm
 from .._twins import serial_and_parallel
 from .._vec import is_finite
-from ._cpu_chunked import add_into, additive_reverse_chunk, copy_state, normalise_row, start_adjoint
+from ._cpu_chunked import (add_into, additive_reverse_chunk, copy_state, map_rows, normalise_row, rows_finite,
+                           start_adjoint)
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, as the forward
@@ -60,7 +61,8 @@ def _rows(qf, g, z, T, Am, Pm, g1, dq, b, s0, r0, ce, eps, floor):
     return g_chk == wz, res_ok
 
 
-def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1, dq, dk, dv, dH0, flags, proto):
+def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1, dq, dk, dv, dH0, flags, xq, xk,
+                         mcode, proto):
     """Two passes over the chunks of each sequence (``docs/design-cpu.md``).
 
     qf, kf (B, N, F), v1 (B, N, M + 1), g (B, N, M) of the working dtype; H0, dHN (B, F, M + 1) float64;
@@ -68,12 +70,18 @@ def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1,
     gradient of ``[num | den]``, (B, N, M + 1)), dq, dk, dv (B, N, M + 1) and dH0; ``flags[b]`` gets
     whether a ``g`` element read was NaN or inf (column 0) and whether a normaliser, ``g . num`` or the
     final state was (column 1).
+
+    ``xq``, ``xk`` (B, N, F) the inputs of an elementwise map ``mcode`` (:func:`map_rows`), or of shape
+    (1, 0, 0): with them, ``dq`` and ``dk`` are the gradients of those inputs, each chunk's rows passed
+    through the map's VJP once complete, and column 1 of ``flags`` also says whether a stored ``dq``,
+    ``dk`` or ``dv[..., :M]`` element is NaN or inf (the pass over them that the caller would run).
     """
     B, N, F = qf.shape
     M1 = v1.shape[2]
     M = M1 - 1
     wt = proto.dtype
     nch = (N + C - 1) // C
+    maps = xq.shape[1] > 0
     for b in prange(B):
         H = np.empty((F, M1))
         H[:, :] = H0[b]
@@ -113,6 +121,8 @@ def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1,
                 gemm(1, 0, je - j0, F, n - j0, 1.0, Pm, j0 * C + j0, C, qf, qo + j0 * F, F, 0.0, dk, qo + j0 * F, F)
                 gemm(1, 0, je - j0, M1, n - j0, 1.0, Am, j0 * C + j0, C, g1, vo + j0 * M1, M1, 0.0, dv,
                      vo + j0 * M1, M1)
+            if maps:  # dq's rows are complete
+                res_ok &= map_rows(xq, qf, dq, mcode, b, s0, n)
             # H += K^T [V 1]
             gemm(1, 0, F, M1, n, 1.0, kf, qo, F, v1, vo, M1, 0.0, part, 0, M1)
             add_into(H, part)
@@ -126,6 +136,9 @@ def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1,
             s0 = c * C
             n = min(C, N - s0)
             additive_reverse_chunk(qf, kf, v1, g1, R, Hw, part, dk, dv, (b * N + s0) * F, (b * N + s0) * M1, n)
+            if maps:  # dk's and dv's rows are complete
+                res_ok &= map_rows(xk, kf, dk, mcode, b, s0, n)
+                res_ok &= rows_finite(dv, b, s0, n, M)
         for i in range(F):
             for m in range(M1):
                 dH0[b, i, m] = R[i, m]

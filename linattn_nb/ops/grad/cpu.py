@@ -165,7 +165,7 @@ def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADD
                   limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
     with single_threaded_blas(kernel is chunked_backward_kernel):
         kernel(qf, kf, v1, H0, g1, H0 if dHN is None else dHN, dHN is not None, rule, lg, np.int64(C), ck,
-               dq, dk, dv, dH0, dfac, np.empty(0, qf.dtype), *_no_norm(qf.dtype))
+               dq, dk, dv, dH0, dfac, np.empty(0, qf.dtype), *_no_norm(qf.dtype), *_no_maps(qf.dtype))
     return _result(rule, *outs)
 
 
@@ -174,7 +174,30 @@ def _no_norm(wt):
     return np.empty((1, 0, 0), wt), 0.0, False, np.zeros((1, 2), np.bool_)
 
 
-def _run_chunked_gate_norm(qf, kf, v1, H0, g, g1, dHN, lg, C, eps):
+def _no_maps(wt):
+    """The kernels' map arguments ``(xq, xk, code)`` for a call whose ``dq``, ``dk`` are those of the features."""
+    return np.empty((1, 0, 0), wt), np.empty((1, 0, 0), wt), np.int64(0)
+
+
+def _map_args(maps, B, N, F, wt):
+    """``maps`` of :func:`backward_chunked_normalized` as the kernels' ``(xq, xk, code)``, checked."""
+    if maps is None:
+        return _no_maps(wt)
+    from ._maps import ELEMENTWISE_CODES
+
+    if not isinstance(maps, tuple) or len(maps) != 3:
+        raise ValueError("maps must be a tuple (xq, xk, code)")
+    xq, xk, code = maps
+    if int(code) not in ELEMENTWISE_CODES:
+        raise ValueError(f"maps: code must be one of the elementwise map codes {ELEMENTWISE_CODES}, got {code}")
+    for name, x in (("xq", xq), ("xk", xk)):
+        if not isinstance(x, np.ndarray) or x.shape != (B, N, F) or x.dtype != wt:
+            desc = f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}"
+            raise ValueError(f"maps: {name} must be a {wt} array of shape {(B, N, F)}, got {desc}")
+    return np.ascontiguousarray(xq), np.ascontiguousarray(xk), np.int64(code)
+
+
+def _run_chunked_gate_norm(qf, kf, v1, H0, g, g1, dHN, lg, C, eps, maps):
     """The gate rule's normalised outputs through :func:`backward_chunked`'s kernel, its first pass writing
     ``g1`` (see :func:`backward_chunked_normalized`).  Returns ``(Grads, g_finite, results_finite)``."""
     from ._cpu_chunked import chunked_backward_kernel, chunked_backward_kernel_serial
@@ -190,7 +213,7 @@ def _run_chunked_gate_norm(qf, kf, v1, H0, g, g1, dHN, lg, C, eps):
     with single_threaded_blas(kernel is chunked_backward_kernel):
         kernel(qf, kf, v1, H0, g1, H0 if dHN is None else dHN, dHN is not None, RULE_GATE, lg, np.int64(C), ck,
                dq, dk, dv, dH0, dfac, np.empty(0, qf.dtype), g, float(eps if eps is not None else 0.0),
-               eps is not None, flags)
+               eps is not None, flags, *maps)
     return _result(RULE_GATE, *outs), not flags[:, 0].any(), not flags[:, 1].any()
 
 
@@ -220,9 +243,10 @@ def delta_save_arrays(B, N, F, M1, dtype, chunk=None, empty=None):
     return C, empty("ck", (B, P, F, M1), wt), empty("Ys", (B, P, C, M1), wt), empty("KKs", (B, P, C, C), wt)
 
 
-def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, have=None, norm=None):
+def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, have=None, norm=None, maps=None):
     """``norm``: ``(g, eps, flags)`` for the decay rule's normalised outputs (``g1`` then receives
-    ``dL/d[num | den]``; see :func:`backward_chunked_normalized`)."""
+    ``dL/d[num | den]``; see :func:`backward_chunked_normalized`); ``maps`` the kernels' ``(xq, xk, code)``
+    (:func:`_map_args`, normalised outputs only)."""
     from ._cpu_chunked_delta import delta_backward_kernel, delta_backward_kernel_serial
 
     B, N, F = qf.shape
@@ -246,12 +270,12 @@ def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, have=None, norm=Non
     with single_threaded_blas(kernel is delta_backward_kernel):
         kernel(qf, kf, v1, H0, g1, H0 if dHN is None else dHN, dHN is not None, rule, lg, np.int64(C), ck,
                Ys, KKs, have is not None, *outs, np.empty(0, wt), g, float(eps if eps is not None else 0.0),
-               eps is not None, flags)
+               eps is not None, flags, *(maps if maps is not None else _no_maps(wt)))
     return _result(rule, *outs)
 
 
 def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=None, block=None, g1=None,
-                                rule=RULE_ADDITIVE, inputs=None):
+                                rule=RULE_ADDITIVE, inputs=None, maps=None):
     """Gradients of normalised causal attention (the additive and decay rules) from ``g = dL/dout``, no
     forward run.
 
@@ -278,6 +302,14 @@ def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=
         :data:`~linattn_nb.ops._codes.RULE_ADDITIVE` or ``RULE_DECAY`` (its ``inputs`` as
         :func:`backward_chunked`'s); the decay rule runs the kernel of :func:`backward_chunked` with its
         reverse pass writing ``g1`` chunk by chunk.
+    maps : tuple, optional
+        ``(xq, xk, code)``: the inputs (B, N, F) of the working dtype of an elementwise feature map ``code``
+        (:data:`linattn_nb.ops.grad._maps.ELEMENTWISE_CODES`) whose outputs are ``qf``, ``kf``; read only
+        for a map not in :data:`~linattn_nb.ops.grad._maps.FROM_FEATURES` (others: any such arrays).  The kernel
+        then passes each chunk's complete rows of ``dq`` and ``dk`` through the map's VJP (the per-element
+        product of :func:`linattn_nb.ops.grad._maps.vjp`, the same results) and the returned ``dq``, ``dk``
+        are the gradients of ``xq``, ``xk``; ``results_finite`` then also says whether every stored
+        ``dq``, ``dk`` and ``dv[..., :M]`` element is finite.  No pass over them of their own.
 
     Returns
     -------
@@ -305,6 +337,7 @@ def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=
         g1 = np.empty((B, N, M1), wt)
     elif g1.shape != (B, N, M1) or g1.dtype != wt or not g1.flags.c_contiguous:
         raise ValueError(f"g1 must be a C-contiguous {wt} array of shape {(B, N, M1)}")
+    margs = _map_args(maps, B, N, F, wt)
     if N == 0 or B == 0:
         return _empty_call(rule, qf, v1, H0, dHN), True, True
     floor = eps is not None
@@ -313,14 +346,14 @@ def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=
         C = int(chunk if chunk is not None else config.cpu_backward_chunk(N, F, M1, wt))
         if C < 1:
             raise ValueError(f"chunk must be >= 1, got {C}")
-        return _run_chunked_gate_norm(qf, kf, v1, H0, g, g1, dHN, lg, min(C, N), eps)
+        return _run_chunked_gate_norm(qf, kf, v1, H0, g, g1, dHN, lg, min(C, N), eps, margs)
     if rule == RULE_DECAY:
         lg = log_factors(rule, inputs, B, N, F)
         C = int(chunk if chunk is not None else config.cpu_backward_chunk(N, F, M1, wt))
         if C < 1:
             raise ValueError(f"chunk must be >= 1, got {C}")
         flags = np.zeros((B, 2), np.bool_)
-        grads = _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, min(C, N), norm=(g, eps, flags))
+        grads = _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, min(C, N), norm=(g, eps, flags), maps=margs)
         return grads, not flags[:, 0].any(), not flags[:, 1].any()
     C = int(chunk if chunk is not None else config.cpu_backward_norm_chunk(N, F, M1, wt))
     if C < 1:
@@ -338,6 +371,6 @@ def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=
                   limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
     with single_threaded_blas(kernel is normalized_backward_kernel):
         kernel(qf, kf, v1, g, H0, H0 if dHN is None else dHN, dHN is not None, float(eps) if floor else 0.0,
-               floor, np.int64(C), np.int64(bs), g1, dq, dk, dv, dH0, flags, np.empty(0, wt))
+               floor, np.int64(C), np.int64(bs), g1, dq, dk, dv, dH0, flags, *margs, np.empty(0, wt))
     grads = _result(RULE_ADDITIVE, dq, dk, dv, dH0, dfac, dbeta)
     return grads, not flags[:, 0].any(), not flags[:, 1].any()
