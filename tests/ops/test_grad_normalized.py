@@ -253,7 +253,7 @@ def test_maps_in_the_kernel_are_the_maps_vjp_bit_for_bit(dtype, code, rule, nan_
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("code", [KERNEL_CODE_ELU, KERNEL_CODE_RELU])
 def test_derivative_from_the_features_is_the_maps_own(dtype, code):
-    """ELU+1's and ReLU's derivative taken from the feature (map_rows) is _dphi's at every value, over a
+    """ELU+1's and ReLU's derivative taken from the feature (map_rows) is the map's own (dphi) at every value, over a
     dense sweep around 0 and out to where exp underflows."""
     from linattn_nb.ops.grad._cpu_chunked import map_rows
 

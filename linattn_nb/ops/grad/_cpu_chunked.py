@@ -14,7 +14,7 @@ from .._codes import KERNEL_CODE_ELU, KERNEL_CODE_RELU, RULE_ADDITIVE, RULE_DECA
 from .._gemm import gemm
 from .._twins import serial_and_parallel
 from .._vec import elu1, is_finite
-from ._maps import _dphi
+from ._maps import dphi
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -80,7 +80,7 @@ def additive_reverse_chunk(qf, kf, v1, g1, R, Rw, part, dk, dv, qo, vo, n):
 def map_rows(x, f, d, code, b, s0, n):
     """The feature map's VJP over rows ``[s0, s0 + n)`` of sequence ``b``, written over ``d``: ``d <- d *
     phi'(x)``, ``f = phi(x)`` the features, map ``code`` of :mod:`linattn_nb.ops.grad._maps`.  The factors
-    are those of :func:`linattn_nb.ops.grad._maps._dphi`, bit for bit: ELU+1's is ``f`` below 1, else 1
+    are those of :func:`linattn_nb.ops.grad._maps.dphi`, bit for bit: ELU+1's is ``f`` below 1, else 1
     (``f = exp(x)`` for ``x < 0``, at most 1, and ``x + 1 >= 1`` above), ReLU's 1 where ``f > 0``, else
     ``f - f`` (0, NaN for NaN); only the squared ReLU reads ``x`` (``2 x``).  Both from ``f``, in the
     cache, cost no ``exp`` (0.5 ns an element with it, measured).  Returns whether every result, as
@@ -102,7 +102,7 @@ def map_rows(x, f, d, code, b, s0, n):
         else:
             xr = x[b, s0 + t]
             for i in range(F):
-                dr[i] = dr[i] * _dphi(xr[i], code)
+                dr[i] = dr[i] * dphi(xr[i], code)
         for i in range(F):
             bad |= np.uint8(not is_finite(dr[i]))
     return bad == 0

@@ -24,7 +24,7 @@ FROM_FEATURES = (KERNEL_CODE_ELU, KERNEL_CODE_RELU)
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _dphi(x, code):
+def dphi(x, code):
     """Derivative of map ``code`` at ``x`` (the conventions of the NumPy ``_df``: the slope of the side
     where the map is constant at a kink, 1 for ELU+1 at 0); NaN propagates."""
     if code == KERNEL_CODE_ELU:
@@ -56,7 +56,7 @@ def _vjp_kernel(x, g, out, code):
     R, D = x.shape
     for r in prange(R):
         for i in range(D):
-            out[r, i] = g[r, i] * _dphi(x[r, i], code)
+            out[r, i] = g[r, i] * dphi(x[r, i], code)
 
 
 #: Rows per task of :func:`_vjp_checked_kernel`.
@@ -77,7 +77,7 @@ def _vjp_checked_kernel(x, g, out, code):
         good = True
         for r in range(t * _ROWS, min(R, (t + 1) * _ROWS)):
             for i in range(D):
-                buf[i] = g[r, i] * _dphi(x[r, i], code)
+                buf[i] = g[r, i] * dphi(x[r, i], code)
             for i in range(D):
                 y = buf[i]
                 out[r, i] = y
