@@ -12,7 +12,7 @@ from ... import config
 from .._gemm import gemm
 from .._twins import serial_and_parallel
 from .._vec import is_finite
-from ._cpu_chunked import (add_into, additive_reverse_chunk, copy_state, map_rows, normalise_row, rows_finite,
+from ._cpu_chunked import (add_into, additive_reverse_chunk, copy_state, flat, map_span, normalise_row, rows_finite,
                            start_adjoint)
 
 
@@ -71,8 +71,8 @@ def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1,
     whether a ``g`` element read was NaN or inf (column 0) and whether a normaliser, ``g . num`` or the
     final state was (column 1).
 
-    ``xq``, ``xk`` (B, N, F) the inputs of an elementwise map ``mcode`` (:func:`map_rows`), or of shape
-    (1, 0, 0): with them, ``dq`` and ``dk`` are the gradients of those inputs, each chunk's rows passed
+    ``xq``, ``xk`` (B, N, F) the inputs of an elementwise map ``mcode``
+    (:func:`~linattn_nb.ops.grad._cpu_chunked.map_span`), or of shape (1, 0, 0): with them, ``dq`` and ``dk`` are the gradients of those inputs, each chunk's rows passed
     through the map's VJP once complete, and column 1 of ``flags`` also says whether a stored ``dq``,
     ``dk`` or ``dv[..., :M]`` element is NaN or inf (the pass over them that the caller would run).
     """
@@ -82,6 +82,7 @@ def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1,
     wt = proto.dtype
     nch = (N + C - 1) // C
     maps = xq.shape[1] > 0
+    xq1, xk1, qf1, kf1, dq1, dk1 = flat(xq), flat(xk), flat(qf), flat(kf), flat(dq), flat(dk)
     for b in prange(B):
         H = np.empty((F, M1))
         H[:, :] = H0[b]
@@ -122,7 +123,7 @@ def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1,
                 gemm(1, 0, je - j0, M1, n - j0, 1.0, Am, j0 * C + j0, C, g1, vo + j0 * M1, M1, 0.0, dv,
                      vo + j0 * M1, M1)
             if maps:  # dq's rows are complete
-                res_ok &= map_rows(xq, qf, dq, mcode, b, s0, n)
+                res_ok &= map_span(xq1[qo:qo + n * F], qf1[qo:qo + n * F], dq1[qo:qo + n * F], mcode)
             # H += K^T [V 1]
             gemm(1, 0, F, M1, n, 1.0, kf, qo, F, v1, vo, M1, 0.0, part, 0, M1)
             add_into(H, part)
@@ -135,9 +136,10 @@ def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1,
         for c in range(nch - 1, -1, -1):
             s0 = c * C
             n = min(C, N - s0)
-            additive_reverse_chunk(qf, kf, v1, g1, R, Hw, part, dk, dv, (b * N + s0) * F, (b * N + s0) * M1, n)
+            qo = (b * N + s0) * F
+            additive_reverse_chunk(qf, kf, v1, g1, R, Hw, part, dk, dv, qo, (b * N + s0) * M1, n)
             if maps:  # dk's and dv's rows are complete
-                res_ok &= map_rows(xk, kf, dk, mcode, b, s0, n)
+                res_ok &= map_span(xk1[qo:qo + n * F], kf1[qo:qo + n * F], dk1[qo:qo + n * F], mcode)
                 res_ok &= rows_finite(dv, b, s0, n, M)
         for i in range(F):
             for m in range(M1):

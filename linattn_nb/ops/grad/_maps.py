@@ -19,7 +19,7 @@ from .._vec import is_finite
 #: Map codes with a per-element derivative here.
 ELEMENTWISE_CODES = (KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU)
 #: Those whose derivative the fused backwards take from the features alone
-#: (:func:`linattn_nb.ops.grad._cpu_chunked.map_rows`).
+#: (:func:`linattn_nb.ops.grad._cpu_chunked.map_span`).
 FROM_FEATURES = (KERNEL_CODE_ELU, KERNEL_CODE_RELU)
 
 
