@@ -72,9 +72,10 @@ def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1,
     final state was (column 1).
 
     ``xq``, ``xk`` (B, N, F) the inputs of an elementwise map ``mcode``
-    (:func:`~linattn_nb.ops.grad._cpu_chunked.map_span`), or of shape (1, 0, 0): with them, ``dq`` and ``dk`` are the gradients of those inputs, each chunk's rows passed
-    through the map's VJP once complete, and column 1 of ``flags`` also says whether a stored ``dq``,
-    ``dk`` or ``dv[..., :M]`` element is NaN or inf (the pass over them that the caller would run).
+    (:func:`~linattn_nb.ops.grad._cpu_chunked.map_span`), or of shape (1, 0, 0): with them, ``dq`` and
+    ``dk`` are the gradients of those inputs, each chunk's rows passed through the map's VJP once
+    complete, and column 1 of ``flags`` also says whether a stored ``dq``, ``dk`` or ``dv[..., :M]``
+    element is NaN or inf (the pass over them that the caller would run).
     """
     B, N, F = qf.shape
     M1 = v1.shape[2]
