@@ -109,9 +109,13 @@ def map_span(x, f, d, code):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def flat(a):
-    """A C-contiguous array as a 1-D view (for :func:`map_span`'s slices)."""
-    return a.reshape(a.size)
+def map_chunk(x, f, d, code, b, s0, n):
+    """:func:`map_span` on rows ``[s0, s0 + n)`` of sequence ``b`` of the C-contiguous (B, N, F) arrays
+    ``x`` (of shape (1, 0, 0) where unread: an empty slice), ``f`` and ``d``, as 1-D slices."""
+    F = d.shape[2]
+    o = (b * d.shape[1] + s0) * F
+    e = o + n * F
+    return map_span(x.reshape(x.size)[o:e], f.reshape(f.size)[o:e], d.reshape(d.size)[o:e], code)
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -324,7 +328,6 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
     nch = (N + C - 1) // C
     fac = rule != RULE_ADDITIVE
     maps = xq.shape[1] > 0
-    xq1, xk1, qf1, kf1, dq1, dk1 = flat(xq), flat(xk), flat(qf), flat(kf), flat(dq), flat(dk)
     Gd = dfac.shape[2]
     for b in prange(B):
         H = np.empty((F, M1))
@@ -387,7 +390,7 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
                 gemm(1, 0, F, M1, n, 1.0, kf, qo, F, v1, vo, M1, 0.0, part, 0, M1)
                 add_into(H, part)
                 if maps:  # dq's rows are complete
-                    res_ok &= map_span(xq1[qo:qo + n * F], qf1[qo:qo + n * F], dq1[qo:qo + n * F], mcode)
+                    res_ok &= map_chunk(xq, qf, dq, mcode, b, s0, n)
                 continue
             ck[b, c] = H
             chunk_factors_rows(rule, lg, b, s0, n, fa, fb, fe, tot)
@@ -508,7 +511,7 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
                 for m in range(M1):
                     H[i, m] = g * H[i, m] + part[i, m]
             if maps:  # dq's rows are complete
-                res_ok &= map_span(xq1[qo:qo + n * F], qf1[qo:qo + n * F], dq1[qo:qo + n * F], mcode)
+                res_ok &= map_chunk(xq, qf, dq, mcode, b, s0, n)
         # ------------------------------------------------------------------
         # pass 2, chunks in reverse: R, the inter-chunk parts of dk and dv
         # ------------------------------------------------------------------
@@ -526,7 +529,7 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
             if not fac:
                 additive_reverse_chunk(qf, kf, v1, g1, R, Hw, part, dk, dv, qo, vo, n)
                 if maps:  # dk's and dv's rows are complete
-                    res_ok &= map_span(xk1[qo:qo + n * F], kf1[qo:qo + n * F], dk1[qo:qo + n * F], mcode)
+                    res_ok &= map_chunk(xk, kf, dk, mcode, b, s0, n)
                     res_ok &= rows_finite(dv, b, s0, n, M1 - 1)
                 continue
             copy_state(R, Hw)
@@ -568,7 +571,7 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
                 for m in range(M1):
                     R[i, m] = g * R[i, m] + part[i, m]
             if maps:  # dk's and dv's rows are complete
-                res_ok &= map_span(xk1[qo:qo + n * F], kf1[qo:qo + n * F], dk1[qo:qo + n * F], mcode)
+                res_ok &= map_chunk(xk, kf, dk, mcode, b, s0, n)
                 res_ok &= rows_finite(dv, b, s0, n, M1 - 1)
         for i in range(F):
             for m in range(M1):

@@ -13,7 +13,7 @@ from ... import config
 from .._codes import RULE_DECAY, RULE_DELTA
 from .._gemm import gemm
 from .._twins import serial_and_parallel
-from ._cpu_chunked import copy_state, flat, map_span, normalise_row, rows_finite, start_adjoint
+from ._cpu_chunked import copy_state, map_chunk, normalise_row, rows_finite, start_adjoint
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -167,7 +167,6 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
     gated = rule != RULE_DELTA  # decays: the gated delta and decay rules
     wy = rule != RULE_DECAY  # the WY/UT transform: the delta rules
     maps = xq.shape[1] > 0
-    xq1, xk1, qf1, kf1, dq1, dk1 = flat(xq), flat(xk), flat(qf), flat(kf), flat(dq), flat(dk)
     for b in prange(B):
         H = np.empty((F, M1))
         for i in range(F):
@@ -416,8 +415,8 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
                     for m in range(M1):
                         R[i, m] += part[i, m]
             if maps:  # the chunk's rows of dq, dk and dv are complete
-                res_ok &= map_span(xq1[qo:qo + n * F], qf1[qo:qo + n * F], dq1[qo:qo + n * F], mcode)
-                res_ok &= map_span(xk1[qo:qo + n * F], kf1[qo:qo + n * F], dk1[qo:qo + n * F], mcode)
+                res_ok &= map_chunk(xq, qf, dq, mcode, b, s0, n)
+                res_ok &= map_chunk(xk, kf, dk, mcode, b, s0, n)
                 res_ok &= rows_finite(dv, b, s0, n, M1 - 1)
         for i in range(F):
             for m in range(M1):

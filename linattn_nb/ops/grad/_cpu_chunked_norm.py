@@ -12,7 +12,7 @@ from ... import config
 from .._gemm import gemm
 from .._twins import serial_and_parallel
 from .._vec import is_finite
-from ._cpu_chunked import (add_into, additive_reverse_chunk, copy_state, flat, map_span, normalise_row, rows_finite,
+from ._cpu_chunked import (add_into, additive_reverse_chunk, copy_state, map_chunk, normalise_row, rows_finite,
                            start_adjoint)
 
 
@@ -83,7 +83,6 @@ def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1,
     wt = proto.dtype
     nch = (N + C - 1) // C
     maps = xq.shape[1] > 0
-    xq1, xk1, qf1, kf1, dq1, dk1 = flat(xq), flat(xk), flat(qf), flat(kf), flat(dq), flat(dk)
     for b in prange(B):
         H = np.empty((F, M1))
         H[:, :] = H0[b]
@@ -124,7 +123,7 @@ def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1,
                 gemm(1, 0, je - j0, M1, n - j0, 1.0, Am, j0 * C + j0, C, g1, vo + j0 * M1, M1, 0.0, dv,
                      vo + j0 * M1, M1)
             if maps:  # dq's rows are complete
-                res_ok &= map_span(xq1[qo:qo + n * F], qf1[qo:qo + n * F], dq1[qo:qo + n * F], mcode)
+                res_ok &= map_chunk(xq, qf, dq, mcode, b, s0, n)
             # H += K^T [V 1]
             gemm(1, 0, F, M1, n, 1.0, kf, qo, F, v1, vo, M1, 0.0, part, 0, M1)
             add_into(H, part)
@@ -140,7 +139,7 @@ def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1,
             qo = (b * N + s0) * F
             additive_reverse_chunk(qf, kf, v1, g1, R, Hw, part, dk, dv, qo, (b * N + s0) * M1, n)
             if maps:  # dk's and dv's rows are complete
-                res_ok &= map_span(xk1[qo:qo + n * F], kf1[qo:qo + n * F], dk1[qo:qo + n * F], mcode)
+                res_ok &= map_chunk(xk, kf, dk, mcode, b, s0, n)
                 res_ok &= rows_finite(dv, b, s0, n, M)
         for i in range(F):
             for m in range(M1):
