@@ -312,7 +312,7 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
 
     qf, kf (B, N, F), v1, g1 (B, N, M') of the working dtype; H0, dHN (B, F, M')
     float64; rule the additive, decay or gate code; C the chunk size; ck (B, ceil(N /
-    C), F, M') float64 checkpoints ((B, 0, F, M') for the additive rule).  Every
+    C), F, M') checkpoints of the working dtype ((B, 0, F, M') for the additive rule).  Every
     element of dq, dk, dv, dH0 and dfac (B, N, G') is written.
 
     Normalised outputs (the gate rule only): ``gout`` (B, N, M) the gradient of the outputs, from which pass 1
@@ -392,7 +392,7 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
                 if maps:  # dq's rows are complete
                     res_ok &= map_chunk(xq, qf, dq, mcode, b, s0, n)
                 continue
-            ck[b, c] = H
+            ck[b, c] = Hw  # the chunk-start state as the GEMMs read it (working dtype)
             chunk_factors_rows(rule, lg, b, s0, n, fa, fb, fe, tot)
             # T = G H^T: the chunk-start state read by each gradient row
             if norm:
@@ -539,7 +539,7 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
             for i in range(F):
                 x = 0.0
                 for m in range(M1):
-                    x += ck[b, c, i, m] * R[i, m]
+                    x += np.float64(ck[b, c, i, m]) * R[i, m]
                 hr[i] = x
                 acc[i] = 0.0  # S3: sum_{s < t} W_{t-1,s} k_s (V R^T)_s
             for t in range(n):

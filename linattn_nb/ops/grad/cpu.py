@@ -160,7 +160,7 @@ def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADD
 
     outs = _outputs(rule, B, N, F, M1, qf.dtype)
     dq, dk, dv, dH0, dfac, _ = outs
-    ck = np.empty((B, -(-N // C) if rule != RULE_ADDITIVE else 0, F, M1))
+    ck = np.empty((B, -(-N // C) if rule != RULE_ADDITIVE else 0, F, M1), qf.dtype)
     kernel = pick(chunked_backward_kernel_serial, chunked_backward_kernel, items=B, work=B * N * F * M1,
                   limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
     with single_threaded_blas(kernel is chunked_backward_kernel):
@@ -206,7 +206,7 @@ def _run_chunked_gate_norm(qf, kf, v1, H0, g, g1, dHN, lg, C, eps, maps):
     M1 = v1.shape[2]
     outs = _outputs(RULE_GATE, B, N, F, M1, qf.dtype)
     dq, dk, dv, dH0, dfac, _ = outs
-    ck = np.empty((B, -(-N // C), F, M1))
+    ck = np.empty((B, -(-N // C), F, M1), qf.dtype)
     flags = np.zeros((B, 2), np.bool_)
     kernel = pick(chunked_backward_kernel_serial, chunked_backward_kernel, items=B, work=B * N * F * M1,
                   limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
