@@ -13,7 +13,7 @@ from ... import config
 from .._codes import RULE_DECAY, RULE_DELTA
 from .._gemm import gemm
 from .._twins import serial_and_parallel
-from ._cpu_chunked import copy_state, map_chunk, normalise_row, rows_finite, start_adjoint
+from ._cpu_chunked import copy_state, copy_state_t, map_chunk, normalise_row, rows_finite, start_adjoint
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -173,6 +173,8 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
             for m in range(M1):
                 H[i, m] = H0[b, i, m]
         Rw = np.empty((F, M1), wt)
+        Rt = np.empty((M1, F), wt)  # R and S transposed: products with R^T, S^T on the right as BLAS's NN form
+        St = np.empty((M1, F), wt)
         part = np.empty((F, M1), wt)
         Am = np.zeros((C, C), wt)
         QK = np.zeros((C, C), wt)
@@ -242,6 +244,8 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
             vo = (b * N + s0) * M1
             Sw = ck[b, c]
             copy_state(R, Rw)
+            copy_state_t(R, Rt)
+            copy_state_t(Sw, St)
             Yt = Ys[b, c]
             KK = KKs[b, c]
             if wy:
@@ -266,7 +270,7 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
             if norm:
                 # the chunk's rows of g1 from g: T = G S^T and GU = G V^T first (M columns), then per row
                 go = (b * N + s0) * (M1 - 1)
-                gemm(0, 1, n, F, M1 - 1, 1.0, g, go, M1 - 1, Sw, 0, M1, 0.0, Tn, 0, F)
+                gemm(0, 0, n, F, M1 - 1, 1.0, g, go, M1 - 1, St, 0, F, 0.0, Tn, 0, F)
                 gemm(0, 1, n, n, M1 - 1, 1.0, g, go, M1 - 1, v1, vo, M1, 0.0, GU, 0, C)
                 for i in range(F):
                     z[i] = Sw[i, M1 - 1]
@@ -287,7 +291,7 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
                     GU[t, s] = 0.0
             # dq = diag(b) G S^T + tril(Gam * G U^T) K (normalised: G S^T written by _norm_rows)
             if not norm:
-                gemm(0, 1, n, F, M1, 1.0, g1, vo, M1, Sw, 0, M1, 0.0, dq, qo, F)
+                gemm(0, 0, n, F, M1, 1.0, g1, vo, M1, St, 0, F, 0.0, dq, qo, F)
             if gated:
                 for t in range(n):
                     x = 0.0
@@ -312,9 +316,9 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
                         W1[s, m] = h * U[s, m]
                     if s < n - 1:
                         dG[n - 1, s] += x  # e_s = Gam[n - 1, s]
-                gemm(0, 1, n, F, M1, 1.0, W1, 0, M1, Rw, 0, M1, 1.0, dk, qo, F)
+                gemm(0, 0, n, F, M1, 1.0, W1, 0, M1, Rt, 0, F, 1.0, dk, qo, F)
             else:
-                gemm(0, 1, n, F, M1, 1.0, U, 0, M1, Rw, 0, M1, 1.0, dk, qo, F)
+                gemm(0, 0, n, F, M1, 1.0, U, 0, M1, Rt, 0, F, 1.0, dk, qo, F)
             gemm(1, 0, n, M1, n, 1.0, QK, 0, C, g1, vo, M1, 1.0, dU, 0, M1)
             if wy:
                 # back substitution L^T dY = diag(beta) dU in row blocks, last first;
@@ -367,7 +371,7 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
             # through Y = [V 1] - diag(b) K S: dk -= diag(b) dY S^T, db -= k . (dY S^T); R update below
             if gated:
                 if wy:
-                    gemm(0, 1, n, F, M1, 1.0, dY, 0, M1, Sw, 0, M1, 0.0, Kw, 0, F)
+                    gemm(0, 0, n, F, M1, 1.0, dY, 0, M1, St, 0, F, 0.0, Kw, 0, F)
                     for t in range(n):
                         h = fb[t]
                         x = 0.0
@@ -407,7 +411,7 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
                     for t in range(j + 1, n):
                         pv[t] = aj * pv[t] + dG[t, j]
             else:
-                gemm(0, 1, n, F, M1, -1.0, dY, 0, M1, Sw, 0, M1, 1.0, dk, qo, F)
+                gemm(0, 0, n, F, M1, -1.0, dY, 0, M1, St, 0, F, 1.0, dk, qo, F)
                 # R <- R + Q^T G - K^T dY
                 gemm(1, 0, F, M1, n, 1.0, qf, qo, F, g1, vo, M1, 0.0, part, 0, M1)
                 gemm(1, 0, F, M1, n, -1.0, kf, qo, F, dY, 0, M1, 1.0, part, 0, M1)

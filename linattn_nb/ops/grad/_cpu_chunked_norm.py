@@ -12,8 +12,8 @@ from ... import config
 from .._gemm import gemm
 from .._twins import serial_and_parallel
 from .._vec import is_finite
-from ._cpu_chunked import (add_into, additive_reverse_chunk, copy_state, map_chunk, normalise_row, rows_finite,
-                           start_adjoint)
+from ._cpu_chunked import (add_into, additive_reverse_chunk, copy_state, copy_state_t, map_chunk, normalise_row,
+                           rows_finite, start_adjoint)
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, as the forward
@@ -87,6 +87,7 @@ def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1,
         H = np.empty((F, M1))
         H[:, :] = H0[b]
         Hw = np.empty((F, M1), wt)
+        Ht = np.empty((M1, F), wt)
         part = np.empty((F, M1), wt)
         Pm = np.empty((C, C), wt)
         Am = np.empty((C, C), wt)
@@ -101,11 +102,11 @@ def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1,
             qo = (b * N + s0) * F
             vo = (b * N + s0) * M1
             go = (b * N + s0) * M
-            copy_state(H, Hw)
+            copy_state_t(H, Ht)
             for i in range(F):
                 z[i] = H[i, M]
             # T = G S^T: the chunk-start state read by each gradient row
-            gemm(0, 1, n, F, M, 1.0, g, go, M, Hw, 0, M1, 0.0, T, 0, F)
+            gemm(0, 0, n, F, M, 1.0, g, go, M, Ht, 0, F, 0.0, T, 0, F)
             for r0 in range(0, n, bs):
                 ce = min(r0 + bs, n)
                 # rows [r0, ce) of A = Q K^T and P0 = G V^T, columns up to ce only
@@ -137,7 +138,7 @@ def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1,
             s0 = c * C
             n = min(C, N - s0)
             qo = (b * N + s0) * F
-            additive_reverse_chunk(qf, kf, v1, g1, R, Hw, part, dk, dv, qo, (b * N + s0) * M1, n)
+            additive_reverse_chunk(qf, kf, v1, g1, R, Hw, Ht, part, dk, dv, qo, (b * N + s0) * M1, n)
             if maps:  # dk's and dv's rows are complete
                 res_ok &= map_chunk(xk, kf, dk, mcode, b, s0, n)
                 res_ok &= rows_finite(dv, b, s0, n, M)
