@@ -17,7 +17,8 @@ method="chunked")`` (features, forward, backward, the map's vjp), for the
 additive, decay, gate, delta and gated delta rules, each against its own
 chunked forward (``--rules`` picks some).  ``vjp_ratio_range`` is the
 spread of the per-round ratio vjp / forward (the two timed side by side in
-each round).  Targets on AMD EPYC: the whole vjp <= 2.5x the forward for
+each round); ``forward_faults`` and ``vjp_faults`` the minor page faults of
+one call of each after the rounds (fresh pages the system had to clear).  Targets on AMD EPYC: the whole vjp <= 2.5x the forward for
 the additive, decay and gate rules, <= 3.5x for the delta rules.  The
 additive and delta rows also time the checkpointed token recurrence
 (``backward_scan``).
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import subprocess
 import sys
 
@@ -100,6 +102,15 @@ def _spread(times, num, den):
     return min(r), max(r)
 
 
+def _page_faults(fn):
+    """Minor page faults of this process during one call of ``fn`` (after the timed rounds): pages the
+    kernel had to find and clear, mostly those of the arrays a call returns once the allocator has given
+    the previous call's back to the system (docs/performance.md, "Fresh pages")."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    fn()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
 RULE_NAMES = ("additive", "decay", "gate", "delta", "gated_delta")
 
 #: The map of each rule's standard row: ELU+1 for the rules that add to their state; SiLU+L2
@@ -145,10 +156,12 @@ def speed(rounds, rules=RULE_NAMES, feature_map=None):
                 qf, kf, v1, H0, g1, inputs=inputs, rule=code)
         med, times = interleaved_medians(cases, rounds)
         lo, hi = _spread(times, "vjp", "forward")
+        faults = {name: _page_faults(cases[name]) for name in ("forward", "vjp")}
         row = {"rule": name, "feature_map": fmap, "finite_outputs": finite, "forward_s": med["forward"],
                "backward_s": med["backward"],
                "ratio": med["backward"] / med["forward"], "vjp_s": med["vjp"],
-               "vjp_ratio": med["vjp"] / med["forward"], "vjp_ratio_range": f"{lo:.2f}-{hi:.2f}"}
+               "vjp_ratio": med["vjp"] / med["forward"], "vjp_ratio_range": f"{lo:.2f}-{hi:.2f}",
+               "forward_faults": faults["forward"], "vjp_faults": faults["vjp"]}
         if "backward_scan" in med:
             row["scan_backward_s"] = med["backward_scan"]
         rows.append(row)
@@ -235,7 +248,7 @@ def main(argv=None):
     print(f"\nSpeed: B*H = 16, N = 4096, D = M = 64, float32, map {args.feature_map or 'per rule'}, median of "
           f"{rounds} interleaved rounds")
     print(table(rows, ["rule", "feature_map", "finite_outputs", "forward_s", "backward_s", "ratio", "vjp_s",
-                       "vjp_ratio", "vjp_ratio_range", "scan_backward_s"],
+                       "vjp_ratio", "vjp_ratio_range", "forward_faults", "vjp_faults", "scan_backward_s"],
                 {"finite_outputs": "{:.3f}", "forward_s": "{:.4f}", "backward_s": "{:.4f}", "ratio": "{:.2f}",
                  "vjp_s": "{:.4f}",
                  "vjp_ratio": "{:.2f}", "scan_backward_s": "{:.4f}"}))
