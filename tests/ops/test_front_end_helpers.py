@@ -84,3 +84,19 @@ def test_factor_counts_across_spans():
     bad = int(np.isnan(x).sum() + ((x < lo) | (x > hi)).sum())
     assert factor_counts(x, lo, hi, reset) == (bad, int((x <= reset).sum()))
     assert factor_counts(x[:0], lo, hi, reset) == (0, 0)
+
+
+from linattn_nb.ops.grad._cpu_chunked import copy_state_t  # noqa: E402
+
+
+@pytest.mark.parametrize("src, dst", [(np.float64, np.float32), (np.float64, np.float64), (np.float32, np.float32)])
+@pytest.mark.parametrize("shape", [(64, 65), (3, 7), (1, 1), (5, 1)])
+def test_copy_state_t_is_the_rounded_transpose(src, dst, shape):
+    # the chunked backwards' products with S^T, R^T read this copy: it must be H.T rounded as astype rounds,
+    # every element written (a stale element would survive from the previous chunk)
+    rng = np.random.default_rng(3)
+    H = (rng.standard_normal(shape) * 1e3).astype(src)
+    H[0, -1] = np.nextafter(1.0, 2.0)  # not a float32: rounds
+    Ht = np.full(shape[::-1], np.nan, dst)
+    copy_state_t(H, Ht)
+    np.testing.assert_array_equal(Ht, H.T.astype(dst))
