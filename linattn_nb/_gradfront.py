@@ -333,15 +333,22 @@ def _unbroadcast(grad, given_shape, full_shape):
     return float(grad) if grad.ndim == 0 else grad
 
 
-def _factor_grads(req: Request, dfactor):
-    """``(d_decay, d_log_decay)`` summed back to the shape of the argument given."""
+def _wants_log_grad(req: Request) -> bool:
+    """Whether the request's factor argument is given as log-factors (its gradient is ``a dL/da``)."""
+    return req.decay_arg is not None and req.decay_arg[0] == "log_decay"
+
+
+def _factor_grads(req: Request, dfactor, is_log=False):
+    """``(d_decay, d_log_decay)`` summed back to the shape of the argument given; ``is_log``: ``dfactor`` is
+    the launcher's gradient of the log-factors already (``log_grad`` of
+    :func:`~linattn_nb.ops.grad.cpu.backward_chunked_normalized`)."""
     if req.decay_arg is None or dfactor is None:
         return None, None
     name, given = req.decay_arg
     lg = get_rule(req.rule).log_factor_of(req.inputs)  # (B, N) per token, (B, N, F) per feature
     full = req.batch_shape + lg.shape[1:]
     g = np.asarray(dfactor, np.float64)
-    if name == "log_decay":
+    if name == "log_decay" and not is_log:
         # d/d log a = a d/da: 0 at a reset; over the launcher's own result where it can take it
         own = g is dfactor and g.flags.c_contiguous and g.flags.writeable and lg.flags.c_contiguous
         g = _outgrad.times_factor(g if own else np.array(g, dtype=np.float64, order="C"),
@@ -442,13 +449,15 @@ def backward(req: Request, nd, grad_out, grad_state=None, overwrite_nd=False, fi
     return _finish(req, None, finite, out_dtype, dHN)
 
 
-def _finish(req: Request, grads, finite=None, out_dtype=None, dHN=None, mapped=None) -> VJP:
+def _finish(req: Request, grads, finite=None, out_dtype=None, dHN=None, mapped=None, log_grad=False) -> VJP:
     """The :class:`VJP` from a backward launcher's :class:`~linattn_nb.ops.grad.Grads` (None: no token, then
     ``dHN`` is the final state's gradient): the maps' vjps, the factor and ``beta`` gradients summed back to
     their arguments' shapes, ``dq``, ``dk``, ``dv`` cast (arguments as :func:`backward`).  ``mapped``: the
     launcher ran the map's VJP already (its ``dq``, ``dk`` are those of ``q``, ``k``) and found every
-    element of ``dq``, ``dk``, ``dv`` finite (True) or not (False); None: it did not."""
+    element of ``dq``, ``dk``, ``dv`` finite (True) or not (False); None: it did not.  ``log_grad``: the
+    launcher's factor gradient is that of the log-factors already."""
     b, n, m, f = req.b, req.n, req.m, req.f
+    log_grad = log_grad and grads is not None  # no token: the zeros below
     if grads is not None:
         dqf, dkf, dv1, dH0, dfactor, dbeta = grads
         del grads
@@ -486,7 +495,7 @@ def _finish(req: Request, grads, finite=None, out_dtype=None, dHN=None, mapped=N
     d_state = None
     if req.has_state:
         d_state = state_from_H(np.asarray(dH0, np.float64), req.batch_shape, f, m, req.position, req.rule)
-    d_decay, d_log_decay = _factor_grads(req, dfactor)
+    d_decay, d_log_decay = _factor_grads(req, dfactor, is_log=log_grad)
     d_beta = _beta_grad(req, dbeta)
     dq, dk, dv = (_narrow(np.asarray(x), out_dtype or req.dtype, f"the gradient {nm}")
                   for nm, x in (("dq", dq), ("dk", dk), ("dv", dv)))
@@ -522,15 +531,16 @@ def backward_normalized(req: Request, grad_out, grad_state=None, finite=None, ou
         else:
             maps = tuple(np.ascontiguousarray(x, dtype=req.work).reshape(b, n, req.f) for x in (req.q, req.k))
             maps += (req.fmap.kernel_code,)
+    log_grad = _wants_log_grad(req)
     grads, g_ok, res_ok = backward_chunked_normalized(req.qf, req.kf, req.v1, req.H0, gw, dHN, eps=req.eps,
                                                       g1=g1, rule=get_rule(req.rule).code, inputs=req.inputs,
-                                                      maps=maps)
+                                                      maps=maps, log_grad=log_grad)
     del g1, gw
     if req.check_finite and not g_ok:
         V.check_finite("grad_out", g)  # raises, naming it
     if req.check_finite and req.work != _F64 and not res_ok:
         return None
-    return _finish(req, grads, finite, out_dtype, mapped=None if maps is None else bool(res_ok))
+    return _finish(req, grads, finite, out_dtype, mapped=None if maps is None else bool(res_ok), log_grad=log_grad)
 
 
 def _finite(vjp: VJP, known=()) -> bool:

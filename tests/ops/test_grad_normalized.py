@@ -324,3 +324,41 @@ def test_front_end_maps_in_the_kernel_match_the_quadratic_form(name, rule_kw, dt
         if r is not None:
             a = np.asarray(a, np.float64)
             np.testing.assert_allclose(a, r, rtol=tol, atol=tol * np.max(np.abs(r)), err_msg=field)
+
+
+from linattn_nb.ops.grad._outgrad import times_factor  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("N,chunk", [(1, None), (7, 3), (50, 16), (97, None)])
+@pytest.mark.parametrize("rule", [RULE_DECAY, RULE_GATE])
+def test_log_grad_is_the_factor_gradient_times_the_factors(dtype, N, chunk, rule):
+    # log_grad: the kernel (gate) or the launcher (decay) multiplies by the factors; the same values as the
+    # front end's pass over the factor gradient, bit for bit, and 0 at the reset of sequence 0
+    B, F, M = 2, 5, 3
+    qf, kf, v1, H0, g, dHN = _inputs(B, N, F, M, dtype, seed=11, state=True, grad_state=True)
+    inputs = _rule_inputs(rule, B, N, F, seed=11)
+    kw = dict(eps=1e-6, chunk=chunk, rule=rule, inputs=inputs)
+    plain, _, _ = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, dHN, **kw)
+    logd, _, _ = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, dHN, log_grad=True, **kw)
+    lg = np.ascontiguousarray(inputs["log_gate" if rule == RULE_GATE else "log_decay"], np.float64)
+    want = times_factor(np.array(plain.dfactor, np.float64, order="C"), lg)
+    np.testing.assert_array_equal(logd.dfactor, want)
+    for name in ("dq", "dk", "dv", "dH0"):  # nothing else changes
+        np.testing.assert_array_equal(getattr(logd, name), getattr(plain, name))
+    if N > 1:
+        reset = (0, N // 2, 1) if rule == RULE_GATE else (0, N // 2)
+        assert logd.dfactor[reset] == 0.0
+        assert np.abs(want).max() > 0
+
+
+def test_vjp_log_decay_gradient_unchanged_by_the_fused_product():
+    # the front end asks the launcher for log_grad and skips its own pass: the gradients a caller gets are
+    # those of d/dlog a = a dL/da, against the quadratic reference (decay= keeps dL/da)
+    rng = np.random.default_rng(5)
+    q, k, v, g = (rng.standard_normal((2, 3, 40, 4)) for _ in range(4))
+    lg = rng.uniform(-0.4, -0.01, (2, 3, 40, 4))
+    kw = dict(causal=True, method="chunked", feature_map="elu")
+    got = la.linear_attention_vjp(q, k, v, g, log_decay=lg, **kw)
+    ref = la.linear_attention_vjp(q, k, v, g, decay=np.exp(lg), **kw)
+    np.testing.assert_allclose(got.d_log_decay, ref.d_decay * np.exp(lg), rtol=1e-10, atol=1e-12)

@@ -67,6 +67,17 @@ def copy_state_t(H, Ht):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def times_rows(D, fa, n):
+    """``D[:n] *= fa[:n]`` (rows of one chunk's factor gradient times its factors), row slices from 0 so
+    that the loop keeps its vector form."""
+    for t in range(n):
+        dr = D[t]
+        fr = fa[t]
+        for i in range(dr.shape[0]):
+            dr[i] = dr[i] * fr[i]
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def add_into(X, part):
     """``X`` (float64) ``+= part`` (the working dtype), elementwise: a state advanced by a chunk's product."""
     for i in range(X.shape[0]):
@@ -320,7 +331,7 @@ def _gate_norm_rows(qf, g, z, T, Ad, Pm, g1, fb, b, s0, n, eps, floor):
 
 
 def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk, dv, dH0, dfac, proto, gout,
-                      eps, floor, flags, xq, xk, mcode):
+                      eps, floor, flags, xq, xk, mcode, logfac):
     """Two passes over the chunks of each sequence of the flattened batch (``docs/design-cpu.md``).
 
     qf, kf (B, N, F), v1, g1 (B, N, M') of the working dtype; H0, dHN (B, F, M')
@@ -333,7 +344,8 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
     :func:`linattn_nb.ops.grad._cpu_chunked_norm._normalized_backward`'s); ``gout`` of shape (1, 0, 0):
     ``g1`` is given.  ``xq``, ``xk``, ``mcode``: the map's VJP on each chunk's complete rows of ``dq`` and
     ``dk`` and its flag, as :func:`linattn_nb.ops.grad._cpu_chunked_norm._normalized_backward`'s (normalised
-    outputs only).
+    outputs only).  ``logfac``: ``dfac`` receives the gradient of the log-factors, ``a dL/da`` (each chunk's
+    rows times its factors once complete, in pass 2), instead of that of the factors.
     """
     B, N, F = qf.shape
     M1 = v1.shape[2]
@@ -572,6 +584,8 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
                     acc[i] = fa[t, i] * acc[i] + np.float64(kf[b, s0 + t, i]) * r
                 if Gd == 1:
                     dfac[b, s0 + t, 0] += x
+            if logfac:  # the chunk's rows of dfac are complete: d/d log a = a dL/da
+                times_rows(dfac[b, s0:s0 + n], fa, n)
             # dv += (e * K) R
             for t in range(n):
                 for i in range(F):

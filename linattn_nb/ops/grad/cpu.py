@@ -13,6 +13,7 @@ from .._codes import RULE_ADDITIVE, RULE_DECAY, RULE_DELTA, RULE_GATE, RULE_GATE
 from .._rules import check_rule, log_factors
 from .._twins import pick
 from . import Grads
+from ._outgrad import times_factor
 
 _WORK = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -165,7 +166,7 @@ def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADD
                   limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
     with single_threaded_blas(kernel is chunked_backward_kernel):
         kernel(qf, kf, v1, H0, g1, H0 if dHN is None else dHN, dHN is not None, rule, lg, np.int64(C), ck,
-               dq, dk, dv, dH0, dfac, np.empty(0, qf.dtype), *_no_norm(qf.dtype), *_no_maps(qf.dtype))
+               dq, dk, dv, dH0, dfac, np.empty(0, qf.dtype), *_no_norm(qf.dtype), *_no_maps(qf.dtype), False)
     return _result(rule, *outs)
 
 
@@ -197,7 +198,7 @@ def _map_args(maps, B, N, F, wt):
     return np.ascontiguousarray(xq), np.ascontiguousarray(xk), np.int64(code)
 
 
-def _run_chunked_gate_norm(qf, kf, v1, H0, g, g1, dHN, lg, C, eps, maps):
+def _run_chunked_gate_norm(qf, kf, v1, H0, g, g1, dHN, lg, C, eps, maps, log_grad):
     """The gate rule's normalised outputs through :func:`backward_chunked`'s kernel, its first pass writing
     ``g1`` (see :func:`backward_chunked_normalized`).  Returns ``(Grads, g_finite, results_finite)``."""
     from ._cpu_chunked import chunked_backward_kernel, chunked_backward_kernel_serial
@@ -213,7 +214,7 @@ def _run_chunked_gate_norm(qf, kf, v1, H0, g, g1, dHN, lg, C, eps, maps):
     with single_threaded_blas(kernel is chunked_backward_kernel):
         kernel(qf, kf, v1, H0, g1, H0 if dHN is None else dHN, dHN is not None, RULE_GATE, lg, np.int64(C), ck,
                dq, dk, dv, dH0, dfac, np.empty(0, qf.dtype), g, float(eps if eps is not None else 0.0),
-               eps is not None, flags, *maps)
+               eps is not None, flags, *maps, bool(log_grad))
     return _result(RULE_GATE, *outs), not flags[:, 0].any(), not flags[:, 1].any()
 
 
@@ -275,7 +276,7 @@ def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, have=None, norm=Non
 
 
 def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=None, block=None, g1=None,
-                                rule=RULE_ADDITIVE, inputs=None, maps=None):
+                                rule=RULE_ADDITIVE, inputs=None, maps=None, log_grad=False):
     """Gradients of normalised causal attention (the additive and decay rules) from ``g = dL/dout``, no
     forward run.
 
@@ -310,6 +311,11 @@ def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=
         product of :func:`linattn_nb.ops.grad._maps.vjp`, the same results) and the returned ``dq``, ``dk``
         are the gradients of ``xq``, ``xk``; ``results_finite`` then also says whether every stored
         ``dq``, ``dk`` and ``dv[..., :M]`` element is finite.  No pass over them of their own.
+    log_grad : bool, optional
+        The decay and gate rules: the returned factor gradient is that of the log-factors,
+        ``d/d log a = a dL/da`` (0 at a reset), instead of the factors'.  The gate rule's kernel multiplies
+        each chunk's rows once complete, while its factors are at hand (the same values as
+        :func:`~linattn_nb.ops.grad._outgrad.times_factor` on the result, without its pass over it).
 
     Returns
     -------
@@ -346,7 +352,7 @@ def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=
         C = int(chunk if chunk is not None else config.cpu_backward_chunk(N, F, M1, wt))
         if C < 1:
             raise ValueError(f"chunk must be >= 1, got {C}")
-        return _run_chunked_gate_norm(qf, kf, v1, H0, g, g1, dHN, lg, min(C, N), eps, margs)
+        return _run_chunked_gate_norm(qf, kf, v1, H0, g, g1, dHN, lg, min(C, N), eps, margs, log_grad)
     if rule == RULE_DECAY:
         lg = log_factors(rule, inputs, B, N, F)
         C = int(chunk if chunk is not None else config.cpu_backward_chunk(N, F, M1, wt))
@@ -354,6 +360,8 @@ def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=
             raise ValueError(f"chunk must be >= 1, got {C}")
         flags = np.zeros((B, 2), np.bool_)
         grads = _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, min(C, N), norm=(g, eps, flags), maps=margs)
+        if log_grad:  # one factor a token: a pass of its own costs little
+            times_factor(grads.dfactor, lg[:, :, 0])
         return grads, not flags[:, 0].any(), not flags[:, 1].any()
     C = int(chunk if chunk is not None else config.cpu_backward_norm_chunk(N, F, M1, wt))
     if C < 1:
