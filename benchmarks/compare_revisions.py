@@ -75,6 +75,10 @@ CASES = {
     "decay chunked f32 N=4096": ("chunked/decay", 4096, "float32"),
     "gate chunked f32 N=4096": ("chunked/gate", 4096, "float32"),
     "gate scan f32 N=4096": ("scan/gate", 4096, "float32"),
+    # the torch adapter's forward and backward (one thread of torch's own), as a training step runs them
+    "adapter causal f32 N=4096": ("adapter/additive", 4096, "float32"),
+    "adapter gate f32 N=4096": ("adapter/gate", 4096, "float32"),
+    "adapter decay unnormalised f32 N=4096": ("adapter/decay", 4096, "float32"),
     "train step delta (nb05)": ("train/delta", 128, "float32"),
     "train step additive (nb05)": ("train/additive", 128, "float32"),
 }
@@ -125,10 +129,37 @@ def _train_step(rule: str, n: int):
     return step
 
 
+def _adapter_step(np, rule: str, n: int, dtype):
+    """Forward and backward of the checkout's ``linattn_nb.torch.linear_attention`` (causal, chunked, ELU+1) at
+    B*H = 16, D = M = 64; the decay rule unnormalised (RetNet's form), the gate per feature."""
+    import torch
+
+    from linattn_nb.torch import linear_attention
+
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    q, k, v = (torch.from_numpy(rng.standard_normal((BH, n, d)).astype(dtype)).requires_grad_() for d in (D, D, M))
+    g = torch.from_numpy(rng.standard_normal((BH, n, M)).astype(dtype))
+    kw = dict(causal=True, method="chunked")
+    if rule == "decay":
+        kw.update(log_decay=torch.from_numpy(rng.uniform(-0.1, -0.001, size=(BH, n))), normalize=False)
+    elif rule == "gate":
+        kw.update(log_decay=torch.from_numpy(rng.uniform(-0.5, -0.001, size=(BH, n, D))))
+
+    def step():
+        for x in (q, k, v):
+            x.grad = None
+        linear_attention(q, k, v, **kw).backward(g)
+
+    return step
+
+
 def _make_case(la, np, name):
     kind, n, dtype = CASES[name]
     if kind.startswith("train/"):
         return _train_step(kind.split("/")[1], n)
+    if kind.startswith("adapter/"):
+        return _adapter_step(np, kind.split("/")[1], n, dtype)
     rng = np.random.default_rng(0)
     if kind == "step":
         st = la.LinearAttentionState(D, M, batch_shape=(BH,), dtype=dtype)

@@ -233,11 +233,13 @@ class _LinearAttentionFunction(torch.autograd.Function):
             req = _gradfront.prepare(*qkv, work=np.float64, **kw)
             out, nd, HN = _gradfront.forward(req)
         spec.rule = req.rule
-        ctx.spec, ctx.req, ctx.nd = spec, req, nd
+        # the fused backward reads nothing of the forward: [num | den] is not kept for it
+        ctx.spec, ctx.req, ctx.nd = spec, req, None if _gradfront.fuses_after_forward(req) else nd
+        ctx.kw = kw
         ctx.meta = [None if t is None else (t.dtype, t.device, tuple(t.shape))
                     for t in (q, k, v, decay, log_decay, beta, S0, z0) + tuple(params)]
-        # saved only so that autograd refuses a backward after an in-place change of an input (the
-        # request holds views of q and k)
+        # saved so that autograd refuses a backward after an in-place change of an input (the request holds
+        # views of q and k), and for the float64 recomputation of a backward that overflows float32
         ctx.save_for_backward(q, k, v)
         ctx.set_materialize_grads(False)
         out_t = torch.from_numpy(np.ascontiguousarray(out)).to(q.device)
@@ -251,7 +253,6 @@ class _LinearAttentionFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_S=None, grad_z=None):
-        ctx.saved_tensors  # noqa: B018  (raises if q, k or v were modified in place)
         spec, req = ctx.spec, ctx.req
         meta = ctx.meta
         if grad_out is None:
@@ -261,7 +262,9 @@ class _LinearAttentionFunction(torch.autograd.Function):
             gS = np.zeros(req.batch_shape + (req.f, req.m)) if grad_S is None else _host(grad_S)
             gz = np.zeros(req.batch_shape + (req.f,)) if grad_z is None else _host(grad_z)
             grad_state = (gS, gz)
-        res = _gradfront.backward(req, ctx.nd, _host(grad_out), grad_state)
+        q, k, v = ctx.saved_tensors
+        res = _gradfront.backward_after_forward(req, ctx.nd, _host(grad_out), grad_state,
+                                                (_host(q), _host(k), _host(v)), ctx.kw)
 
         def conv(a, i):
             if a is None or meta[i] is None or not ctx.needs_input_grad[i + 1]:

@@ -740,3 +740,45 @@ def test_linear_attention_refuses_a_second_derivative_inside_a_larger_graph():
     (gq,) = torch.autograd.grad(y, q, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|not differentiable|twice"):
         gq.sum().backward()
+
+
+@pytest.mark.parametrize("rule", ["additive", "decay", "gate"])
+def test_normalised_backward_is_the_vjps_fused_kernel(rule, monkeypatch):
+    """The adapter's backward of the additive, decay and gate rules' normalised outputs (CPU, chunked) runs the
+    fused kernel of ``linear_attention_vjp`` (no ``[num | den]`` kept from the forward) and gives its
+    gradients; unnormalised outputs take the backward from the forward's values."""
+    rng = np.random.default_rng(4)
+    q, k, v, g = (rng.standard_normal((2, 3, 21, 4)).astype(np.float32) for _ in range(4))
+    extra = {"additive": {}, "decay": {"decay": np.float32(0.9)},
+             "gate": {"log_decay": (-0.2 * rng.random((2, 3, 21, 4))).astype(np.float32)}}[rule]
+    seen = []
+    real = _gradfront.backward_normalized
+
+    def spy(*args, **kwargs):
+        seen.append(True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_gradfront, "backward_normalized", spy)
+    for normalize in (None, False):
+        seen.clear()
+        qt, kt, vt = (torch.from_numpy(x.copy()).requires_grad_() for x in (q, k, v))
+        kw = dict(causal=True, method="chunked", normalize=normalize)
+        out = lt.linear_attention(qt, kt, vt, **kw, **{n: torch.from_numpy(np.asarray(x)) for n, x in extra.items()})
+        out.backward(torch.from_numpy(g))
+        assert seen == ([True] if normalize is None else [])
+        want = linattn_nb.linear_attention_vjp(q, k, v, g, **kw, **extra)
+        for t, w in ((qt, want.dq), (kt, want.dk), (vt, want.dv)):
+            # the map's VJP of the adapter's map object and the unnormalised VJP's sums (no forward run) round
+            # in another order
+            np.testing.assert_allclose(t.grad.numpy(), w, rtol=1e-5, atol=1e-6 * np.abs(w).max())
+
+
+def test_fused_backward_that_overflows_float32_is_recomputed_and_named():
+    """Output gradients of 3e38 (finite float32): the fused backward overflows float32 and is recomputed in
+    float64, as ``linear_attention_vjp`` does, whose gradients overflow float32: ValueError naming one."""
+    rng = np.random.default_rng(2)
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, 8, 4)).astype(np.float32)).requires_grad_()
+               for _ in range(3))
+    out = lt.linear_attention(q, k, v, causal=True, method="chunked")
+    with pytest.raises(ValueError, match="the gradient d[qkv] overflows float32"):
+        out.backward(torch.full(out.shape, 3e38))

@@ -15,12 +15,14 @@ import pytest
 
 import linattn_nb
 from linattn_nb import config
-from linattn_nb.ops._codes import RULE_DECAY, RULE_DELTA, RULE_GATED_DELTA
+from linattn_nb.ops._codes import RULE_ADDITIVE, RULE_DECAY, RULE_DELTA, RULE_GATE, RULE_GATED_DELTA
 from linattn_nb.ops.grad import cpu
 from linattn_nb.ops.grad.naive import causal_backward_naive
 
 C = 8
 RULES = {"delta": RULE_DELTA, "gated_delta": RULE_GATED_DELTA}
+#: the rules whose forward saves its chunk values for the backward (the decay rule: the chunk-start states)
+SAVING = {**RULES, "decay": RULE_DECAY}
 # (B, N, F, M', H0, dHN)
 SHAPES = [
     (1, 1, 3, 4, False, False),
@@ -145,7 +147,7 @@ def _saving_forward(arrays, inputs, code, chunk, nan_fill=True):
     qf, kf, v1, H0, g1, dHN = arrays
     B, N, F = qf.shape
     M1 = v1.shape[2]
-    saved = cpu.delta_save_arrays(B, N, F, M1, qf.dtype, chunk=chunk)
+    saved = cpu.save_arrays(code, B, N, F, M1, qf.dtype, chunk=chunk)
     if nan_fill:
         for x in saved[1:]:
             x.fill(np.nan)
@@ -157,35 +159,44 @@ def _saving_forward(arrays, inputs, code, chunk, nan_fill=True):
     return out, saved, Hx
 
 
+def _saving_problem(rng, name, dtype, shape):
+    """:func:`_problem` for a saving rule: the decay rule takes the gated delta rule's log-decay (resets
+    included) and no beta."""
+    *arrays, inputs = _problem(rng, name != "delta", dtype, *shape)
+    if name == "decay":
+        inputs = {"log_decay": inputs["log_decay"]}
+    return arrays, inputs
+
+
 @pytest.mark.parametrize("dtype, tol", [(np.float64, 1e-12), (np.float32, 2e-5)])
-@pytest.mark.parametrize("name", list(RULES))
+@pytest.mark.parametrize("name", list(SAVING))
 def test_backward_from_saved_forward(name, dtype, tol, nan_outputs):
     """The backward's reverse pass alone, on what the forward saved (arrays NaN-filled first: every value
     it reads was written), against the naive reference; the saving forward's outputs and final state are
     those of the plain forward, bit for bit."""
     from linattn_nb.ops.causal.chunked import causal_chunked
 
-    rng = np.random.default_rng(11 + RULES[name])
+    rng = np.random.default_rng(11 + SAVING[name])
     for shape in SHAPES:
-        *arrays, inputs = _problem(rng, name == "gated_delta", dtype, *shape)
-        ref = causal_backward_naive(*arrays, inputs=inputs, rule=RULES[name])
-        out, saved, Hx = _saving_forward(arrays, inputs, RULES[name], C)
+        arrays, inputs = _saving_problem(rng, name, dtype, shape)
+        ref = causal_backward_naive(*arrays, inputs=inputs, rule=SAVING[name])
+        out, saved, Hx = _saving_forward(arrays, inputs, SAVING[name], C)
         qf, kf, v1, H0 = arrays[:4]
         plain_H = np.zeros_like(Hx)
         plain_H[:, :, : v1.shape[2]] = H0
         plain = np.empty_like(out)
         causal_chunked(qf, kf, v1, plain_H, plain, code=0, eps=None, inputs=inputs, normalize=False, chunk=C,
-                       rule=RULES[name])
+                       rule=SAVING[name])
         np.testing.assert_array_equal(out, plain)
         np.testing.assert_array_equal(Hx, plain_H)
-        got = cpu.backward_chunked(*arrays, inputs=inputs, rule=RULES[name], saved=saved)
+        got = cpu.backward_chunked(*arrays, inputs=inputs, rule=SAVING[name], saved=saved)
         _compare(got, ref, tol)
         # no outputs asked for (out=None): the same state and saved values, nothing else computed
-        C_, ck, Ys, KKs = cpu.delta_save_arrays(*qf.shape, v1.shape[2], qf.dtype, chunk=C)
+        C_, ck, Ys, KKs = cpu.save_arrays(SAVING[name], *qf.shape, v1.shape[2], qf.dtype, chunk=C)
         H2 = np.zeros_like(Hx)
         H2[:, :, : v1.shape[2]] = H0
         assert causal_chunked(qf, kf, v1, H2, None, code=0, eps=None, inputs=inputs, normalize=False, chunk=C,
-                              save=(ck, Ys, KKs), rule=RULES[name]).shape == (qf.shape[0], 0, v1.shape[2])
+                              save=(ck, Ys, KKs), rule=SAVING[name]).shape == (qf.shape[0], 0, v1.shape[2])
         np.testing.assert_array_equal(H2, Hx)
         n = qf.shape[1]
         for x, y in ((ck, saved[1]), (Ys, saved[2]), (KKs, saved[3])):
@@ -202,14 +213,22 @@ def test_saved_checks(nan_outputs):
     rng = np.random.default_rng(5)
     *arrays, inputs = _problem(rng, False, np.float64, 2, 20, 4, 3, True, False)
     qf, kf, v1, H0, g1, dHN = arrays
-    C_, ck, Ys, KKs = cpu.delta_save_arrays(2, 20, 4, 3, np.float64, chunk=8)
+    C_, ck, Ys, KKs = cpu.save_arrays(RULE_DELTA, 2, 20, 4, 3, np.float64, chunk=8)
     with pytest.raises(ValueError, match="saved: Ys"):
         cpu.backward_chunked(*arrays, inputs=inputs, rule=RULE_DELTA, saved=(C_, ck, Ys[:, :, :4], KKs))
     with pytest.raises(ValueError, match="saved: ck"):
         cpu.backward_chunked(*arrays, inputs=inputs, rule=RULE_DELTA, saved=(C_, np.zeros(ck.shape, np.float32), Ys, KKs))
-    with pytest.raises(ValueError, match="only the delta rules"):
+    with pytest.raises(ValueError, match="only the decay and delta rules"):
+        cpu.backward_chunked(*arrays, rule=RULE_ADDITIVE, saved=(C_, ck, Ys, KKs))
+    with pytest.raises(ValueError, match="saved: Ys"):  # the decay rule saves no residuals
         cpu.backward_chunked(*arrays, inputs={"log_decay": np.zeros((2, 20))}, rule=RULE_DECAY,
                              saved=(C_, ck, Ys, KKs))
+    with pytest.raises(ValueError, match="save: Ys"):
+        causal_chunked(qf, kf, v1, np.zeros((2, 4, 4)), np.empty((2, 20, 3)), code=0, eps=None,
+                       inputs={"log_decay": np.zeros((2, 20))}, normalize=False, chunk=8, save=(ck, Ys, KKs),
+                       rule=RULE_DECAY)
+    with pytest.raises(ValueError, match="rule: code .* no saved chunk values"):
+        cpu.save_arrays(RULE_GATE, 2, 20, 4, 3, np.float64)
     Hx = np.zeros((2, 4, 4))
     out = np.empty((2, 20, 3))
     with pytest.raises(ValueError, match="save: ck .* shape \\(2, 5, 4, 3\\) \\(chunk 4\\)"):
@@ -221,7 +240,11 @@ def test_saved_checks(nan_outputs):
     with pytest.raises(ValueError, match="out: None"):
         causal_chunked(qf, kf, v1, Hx, None, code=0, eps=None, inputs=inputs, normalize=False, chunk=8,
                        rule=RULE_DELTA)
-    assert cpu.takes_saved(RULE_DELTA) and cpu.takes_saved(RULE_GATED_DELTA) and not cpu.takes_saved(RULE_DECAY)
+    assert [cpu.takes_saved(r) for r in (RULE_ADDITIVE, RULE_DECAY, RULE_GATE, RULE_DELTA, RULE_GATED_DELTA)] == [
+        False, True, False, True, True]
+    _, ck, Ys, KKs = cpu.save_arrays(RULE_DECAY, 2, 20, 4, 3, np.float32)  # the backward's chunk, no residuals
+    C = config.cpu_backward_chunk(20, 4, 3, np.float32)
+    assert ck.shape == (2, -(-20 // C), 4, 3) and Ys.shape[2] == 0 and KKs.shape[2:] == (0, 0)
 
 
 @pytest.mark.parametrize("name", list(RULES))
@@ -246,7 +269,7 @@ def test_vjp_uses_saved_forward(name, monkeypatch):
 
     monkeypatch.setattr(cpu, "_run_chunked_delta", spy)
     got = linattn_nb.linear_attention_vjp(q, k, v, g, **kw)
-    monkeypatch.setattr(GF, "_saves", lambda req: False)
+    monkeypatch.setattr(GF, "_saves", lambda req, unread=False: False)
     ref = linattn_nb.linear_attention_vjp(q, k, v, g, **kw)
     assert seen == [True, False]
     for field in ("dq", "dk", "dv", "d_log_decay", "d_beta"):
@@ -254,3 +277,41 @@ def test_vjp_uses_saved_forward(name, monkeypatch):
         assert (a is None) == (r is None), field
         if r is not None:
             np.testing.assert_allclose(a, r, rtol=1e-12, atol=1e-13 * np.abs(r).max(), err_msg=field)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_decay_forward_saves_for_its_backward_where_it_runs(normalize, monkeypatch):
+    """The decay rule's front-end forward with outputs (the PyTorch adapter's) saves its chunk-start states for
+    unnormalised outputs only, and the backward then skips its first pass with the same gradients; the
+    normalised outputs go to the fused backward and save nothing."""
+    from linattn_nb import _gradfront as GF
+
+    rng = np.random.default_rng(17)
+    b, n, f, m = 3, 45, 4, 3
+    q, k = rng.random((b, n, f)) + 0.1, rng.random((b, n, f)) + 0.1
+    v, g = rng.standard_normal((b, n, m)), rng.standard_normal((b, n, m))
+    ld = -0.3 * rng.random((b, n))
+    ld[:, 9] = -np.inf  # a reset
+    kw = dict(feature_map="elu", causal=True, method="chunked", device="cpu", eps=1e-8, check_finite=True,
+              initial_state=None, log_decay=ld, normalize=normalize)
+    seen = []
+    real = cpu._run_chunked_delta
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("have", args[9] if len(args) > 9 else None) is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu, "_run_chunked_delta", spy)
+    req = GF.prepare(q, k, v, **kw)
+    out, nd, _ = GF.forward(req)
+    assert (req.saved is not None) == (not normalize)
+    got = GF.backward(req, nd, g)
+    monkeypatch.setattr(GF, "_saves", lambda req, unread=False: False)
+    req = GF.prepare(q, k, v, **kw)
+    out2, nd2, _ = GF.forward(req)
+    ref = GF.backward(req, nd2, g)
+    assert seen == [not normalize, False]
+    np.testing.assert_allclose(out, out2, rtol=1e-13)
+    for field in ("dq", "dk", "dv", "d_log_decay"):
+        a, r = getattr(got, field), getattr(ref, field)
+        np.testing.assert_allclose(a, r, rtol=1e-12, atol=1e-13 * np.abs(r).max(), err_msg=field)

@@ -47,6 +47,67 @@ def test_output_gradient_matches_the_float64_formula(rows, gdt, ndt, eps):
     np.testing.assert_array_equal(own, out)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 64, 131])
+@pytest.mark.parametrize("ndt, odt", [(np.float32, np.float32), (np.float64, np.float64),
+                                      (np.float64, np.float32)])
+@pytest.mark.parametrize("eps", [None, 1e-3])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_outputs_from_nd_are_numpys_quotients_bit_for_bit(rows, ndt, odt, eps, normalize):
+    """``outputs_from``: NumPy's float64 ``num / den'`` cast to the output dtype, the same bits, with NaN, inf,
+    a zero and a negative normaliser, normalisers under the floor, and its overflow flag where a quotient
+    finite in float64 overflows float32."""
+    rng = np.random.default_rng(rows)
+    m = 5
+    nd = rng.standard_normal((rows, m + 1)).astype(ndt)
+    nd[:, m] = rng.uniform(0.5, 2.0, rows)
+    if rows > 1:
+        nd[::2, m] = 1e-4  # below the floor where there is one
+    if rows > 6:
+        nd[1, m], nd[3, m] = 0.0, -1.5
+        nd[4, 0], nd[5, 1] = np.inf, np.nan
+    den = nd[:, m].astype(np.float64)
+    if normalize and eps is not None:
+        den = np.where(den > eps, den, eps)
+    with np.errstate(all="ignore"):
+        wide = nd[:, :m] / den[:, None] if normalize else nd[:, :m].astype(np.float64)
+        want = wide.astype(odt)
+    out = np.full((rows, m), 7.0, odt)
+    ok = _outgrad.outputs_from(nd, eps, out, normalize=normalize)
+    np.testing.assert_array_equal(out, want)
+    assert ok == (not (np.isfinite(wide) & ~np.isfinite(want)).any())
+    if ndt == np.float64 and odt == np.float32 and normalize:
+        big = nd.copy()
+        big[0, 0], big[0, m] = 1e30, 1e-20  # 1e50: finite in float64, not in float32
+        assert not _outgrad.outputs_from(big, None, out, normalize=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_front_end_forward_outputs_are_linear_attentions(dtype, normalize):
+    """The front end's forward (the PyTorch adapter's) gives the outputs of ``linear_attention`` with the same
+    method, in the inputs' dtype, for the fast pass (float32, float64) and NumPy's (float16)."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((2, 37, 4)).astype(dtype) for _ in range(3))
+    kw = dict(feature_map="elu", causal=True, method="chunked", device="cpu", eps=1e-8, check_finite=True,
+              initial_state=None, normalize=normalize)
+    out, nd, _ = GF.forward(GF.prepare(q, k, v, **kw))
+    want = la.linear_attention(q, k, v, causal=True, method="chunked", normalize=normalize)
+    assert out.dtype == dtype and out.shape == want.shape
+    tol = {np.float16: 2e-3, np.float32: 1e-5, np.float64: 1e-12}[dtype]
+    np.testing.assert_allclose(out.astype(np.float64), want.astype(np.float64), rtol=tol, atol=tol)
+
+
+def test_front_end_forward_names_an_output_overflow():
+    """float32 inputs whose quotients overflow float32 (finite in float64, the float64 recomputation's):
+    ValueError naming the result, as before the fused pass."""
+    req = GF.prepare(*(np.ones((1, 3, 2), np.float32) for _ in range(3)), feature_map="elu", causal=True,
+                     method="chunked", device="cpu", eps=None, check_finite=True, initial_state=None,
+                     work=np.float64)
+    nd = np.array([[[1e30, 1.0, 1e-20]] * 3])
+    with pytest.raises(ValueError, match="the result overflows float32"):
+        GF._outputs_of(req, nd)
+
+
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("shape", [(1, 1, 3), (1, 5, 3), (3, 70, 4)])

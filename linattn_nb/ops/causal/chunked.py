@@ -220,14 +220,15 @@ chunked_kernel_serial, chunked_kernel = serial_and_parallel(_chunked_pass, fastm
 # ---------------------------------------------------------------------------
 # launcher
 # ---------------------------------------------------------------------------
-def _saved_arrays(save, B, N, F, M, C, wt):
+def _saved_arrays(save, B, N, F, M, C, wt, rule):
     """``save`` checked against the call (see :func:`causal_chunked`), or the kernel's empty stand-ins."""
     if save is None:
         return tuple(np.empty((1, 1, 0, 0), wt) for _ in range(3))
     P = (N + C - 1) // C
     ck, Ys, KKs = save
     Ms = ck.shape[3] if getattr(ck, "ndim", 0) == 4 else -1
-    check_chunk_arrays("save", (("ck", ck, (B, P, F, Ms)), ("Ys", Ys, (B, P, C, Ms)), ("KKs", KKs, (B, P, C, C))),
+    Cw = C if is_delta(rule) else 0  # residuals and K K^T: the delta rules only
+    check_chunk_arrays("save", (("ck", ck, (B, P, F, Ms)), ("Ys", Ys, (B, P, Cw, Ms)), ("KKs", KKs, (B, P, Cw, Cw))),
                        wt, C)
     if not 1 <= Ms <= M + 1:
         raise ValueError(f"save: ck must keep between 1 and {M + 1} value columns, got {Ms}")
@@ -241,10 +242,10 @@ def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=Fals
     ``chunk`` and ``block`` (the intra-chunk row block) default from :mod:`linattn_nb.config`;
     ``seq_parallel`` forces (True) or forbids (False) splitting sequences across threads (default:
     when B is below the thread count; never for the delta rules).  ``save``: ``(ck, Ys, KKs)``, arrays
-    of the working dtype of shapes (B, P, F, M'), (B, P, C, M') and (B, P, C, C) with P = ceil(N / C)
-    and M' <= M + 1, which receive each chunk's start state, and for the delta rules its residuals and
-    ``K K^T`` (what :func:`linattn_nb.ops.grad.cpu.backward_chunked` would compute again in its first
-    pass).  ``out`` None (with ``save`` only): no outputs, the state and the saved values alone (a
+    of the working dtype of shapes (B, P, F, M'), (B, P, C', M') and (B, P, C', C') with P = ceil(N / C),
+    M' <= M + 1 and C' = C for the delta rules, 0 for the others, which receive each chunk's start state,
+    and for the delta rules its residuals and ``K K^T`` (what
+    :func:`linattn_nb.ops.grad.cpu.backward_chunked` would compute again in its first pass).  ``out`` None (with ``save`` only): no outputs, the state and the saved values alone (a
     gradient request whose outputs are not needed).  Returns ``out``.
     """
     B, N, F = q.shape
@@ -276,7 +277,7 @@ def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=Fals
     ok = as_kernel_array(out)
     proto = np.empty(0, wt)
     flags = new_flags(B * P)
-    saved = _saved_arrays(save, B, N, F, M, C, wt)
+    saved = _saved_arrays(save, B, N, F, M, C, wt, rule)
     args = (np.int64(code), float(eps if eps is not None else 0.0), np.int64(norm), np.int64(C), np.int64(sub),
             np.int64(bs), rule, lg, flags) + saved
     # BLAS pinned to one thread inside the parallel kernel only: there, its own

@@ -1,5 +1,5 @@
-"""The front end's (B, N, M + 1) arrays in one parallel pass each: ``[v | 1]`` and ``dL/d[num | den]``; and
-the gradient of the log-factors from that of the factors.
+"""The front end's (B, N, M + 1) arrays in one parallel pass each: ``[v | 1]``, ``dL/d[num | den]`` and the
+outputs from ``[num | den]``; and the gradient of the log-factors from that of the factors.
 
 For the gradient front end (:func:`linattn_nb._gradfront.prepare` and
 :func:`linattn_nb._gradfront.backward`).  Per row, in float64, ``g / den'`` and
@@ -71,6 +71,43 @@ def _ones_kernel(v, v1):
             v1[r, M] = 1.0
         ok[t] = good
     return ok.all()
+
+
+@njit(parallel=True, fastmath=False, error_model="numpy", cache=config.CACHE)
+def _outputs_kernel(nd, out, eps, floor, norm):
+    R, M = out.shape
+    tasks = (R + _ROWS - 1) // _ROWS
+    ok = np.ones(tasks, np.bool_)
+    for t in prange(tasks):
+        good = True
+        for r in range(t * _ROWS, min(R, (t + 1) * _ROWS)):
+            den = 1.0
+            if norm:
+                den = np.float64(nd[r, M])
+                if floor and not den > eps:
+                    den = eps
+            for i in range(M):
+                x = np.float64(nd[r, i]) / den
+                out[r, i] = x
+                y = out[r, i]
+                # finite in float64, not in the output's dtype: an overflow of the narrowing cast
+                good &= not ((x - x) == 0 and not (y - y) == 0)
+        ok[t] = good
+    return ok.all()
+
+
+def outputs_from(nd, eps, out, normalize=True):
+    """Write the outputs ``num / den'`` (R, M) into ``out`` from ``nd = [num | den]`` (R, M + 1), each quotient
+    in float64 and then cast to ``out``'s dtype, as NumPy's ``(num / den'[:, None]).astype(out.dtype)`` with
+    a float64 ``den'`` gives; ``den' = den`` where ``den > eps``, else ``eps`` (``eps`` None: no floor);
+    ``normalize`` False: ``num`` itself.  ``nd`` and ``out`` float32 or float64 (see :data:`DTYPES`).  Returns
+    False where a quotient finite in float64 overflowed ``out``'s dtype.  One parallel pass with no float64
+    temporary: NumPy's division and cast took 18 ms of the 38 ms a forward of the PyTorch adapter took at
+    B*H = 16, N = 4096, D = M = 64 (2 cores, Intel Xeon, 2026-12-06)."""
+    if not out.shape[0]:
+        return True
+    floor = eps is not None
+    return bool(_outputs_kernel(nd, out, float(eps) if floor else 0.0, floor, bool(normalize)))
 
 
 def output_gradient(g, nd, eps, out, normalize=True):

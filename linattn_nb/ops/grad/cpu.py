@@ -131,10 +131,10 @@ def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADD
 
     As :func:`backward_scan`, ``chunk`` (the chunk size; default from :mod:`linattn_nb.config`)
     replacing ``checkpoint``.  The decay and delta rules run the adjoint of the WY/UT chunk form
-    (``docs/design-cpu.md``, "Chunked backward").  ``saved`` (the delta rules): ``(C, ck, Ys, KKs)``
-    as a forward :func:`~linattn_nb.ops.causal.chunked.causal_chunked` with ``chunk=C`` saved them
-    on these features (:func:`delta_save_arrays`); the first pass, which would compute them again,
-    is skipped.
+    (``docs/design-cpu.md``, "Chunked backward").  ``saved`` (the decay and delta rules: :func:`takes_saved`):
+    ``(C, ck, Ys, KKs)`` as a forward :func:`~linattn_nb.ops.causal.chunked.causal_chunked` with ``chunk=C``
+    saved them on these features (:func:`save_arrays`); the first pass, which would compute them again, is
+    skipped.
     """
     rule = check_rule(rule, inputs)
     qf, kf, v1, H0, g1, dHN = _check(qf, kf, v1, H0, g1, dHN)
@@ -145,8 +145,8 @@ def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADD
     lg = log_factors(rule, inputs, B, N, F)
     delta = rule in (RULE_DELTA, RULE_GATED_DELTA)
     if saved is not None:
-        if not delta:
-            raise ValueError("saved: only the delta rules' backward takes the forward's saved chunk values")
+        if not takes_saved(rule):
+            raise ValueError("saved: only the decay and delta rules' backward takes the forward's saved chunk values")
         return _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, int(saved[0]), saved[1:])
     if chunk is None:
         chunk = (config.cpu_backward_delta_chunk(N, F, M1, qf.dtype) if delta else
@@ -219,7 +219,14 @@ def _run_chunked_gate_norm(qf, kf, v1, H0, g, g1, dHN, lg, C, eps, maps, log_gra
 
 
 def takes_saved(rule) -> bool:
-    """Whether :func:`backward_chunked` of rule code ``rule`` takes a forward's saved chunk values."""
+    """Whether :func:`backward_chunked` of rule code ``rule`` takes a forward's saved chunk values: the decay
+    and delta rules, whose kernel starts with a pass that computes them (the additive rule's kernel sums its
+    states in the pass that also needs them; the gate rule's keeps checkpoints of its own)."""
+    return int(rule) in (RULE_DECAY, RULE_DELTA, RULE_GATED_DELTA)
+
+
+def _keeps_values(rule) -> bool:
+    """Whether the saved chunk values of rule code ``rule`` include residuals and ``K K^T`` (the delta rules)."""
     return int(rule) in (RULE_DELTA, RULE_GATED_DELTA)
 
 
@@ -229,19 +236,25 @@ def fuses_normalized(rule) -> bool:
     return int(rule) in (RULE_ADDITIVE, RULE_DECAY, RULE_GATE)
 
 
-def delta_save_arrays(B, N, F, M1, dtype, chunk=None, empty=None):
-    """``(C, ck, Ys, KKs)``: empty arrays for a delta-rule forward to save its chunk values into
-    (``save=`` of :func:`~linattn_nb.ops.causal.chunked.causal_chunked`, ``saved=`` of
-    :func:`backward_chunked`), at the backward's chunk size (``chunk`` or the config's);
-    ``empty(name, shape, dtype)`` makes them (default ``np.empty``)."""
-    C = int(chunk if chunk is not None else config.cpu_backward_delta_chunk(N, F, M1, dtype))
+def save_arrays(rule, B, N, F, M1, dtype, chunk=None, empty=None):
+    """``(C, ck, Ys, KKs)``: empty arrays for a forward of rule code ``rule`` (:func:`takes_saved`) to save its
+    chunk values into (``save=`` of :func:`~linattn_nb.ops.causal.chunked.causal_chunked`, ``saved=`` of
+    :func:`backward_chunked`), at the backward's chunk size (``chunk`` or the config's): the chunk-start
+    states, and for the delta rules each chunk's residuals and ``K K^T`` (the decay rule: ``Ys``, ``KKs``
+    with no rows); ``empty(name, shape, dtype)`` makes them (default ``np.empty``)."""
+    if not takes_saved(rule):
+        raise ValueError(f"rule: code {rule} has no saved chunk values (takes_saved)")
+    delta = _keeps_values(rule)
+    C = int(chunk if chunk is not None else (config.cpu_backward_delta_chunk(N, F, M1, dtype) if delta
+                                             else config.cpu_backward_chunk(N, F, M1, dtype)))
     C = max(1, min(C, max(int(N), 1)))
     P = -(-int(N) // C)
+    Cw = C if delta else 0
     wt = np.dtype(dtype)
     if empty is None:
         def empty(name, shape, dtype):
             return np.empty(shape, dtype)
-    return C, empty("ck", (B, P, F, M1), wt), empty("Ys", (B, P, C, M1), wt), empty("KKs", (B, P, C, C), wt)
+    return C, empty("ck", (B, P, F, M1), wt), empty("Ys", (B, P, Cw, M1), wt), empty("KKs", (B, P, Cw, Cw), wt)
 
 
 def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, have=None, norm=None, maps=None):
@@ -258,7 +271,7 @@ def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, have=None, norm=Non
     outs = _outputs(rule, B, N, F, M1, qf.dtype)
     P = -(-N // C)
     wt = qf.dtype
-    Cw = 0 if rule == RULE_DECAY else C  # the decay rule keeps no residuals or K K^T
+    Cw = C if _keeps_values(rule) else 0  # the decay rule keeps no residuals or K K^T
     if have is None:
         ck = np.empty((B, P, F, M1), wt)
         Ys, KKs = np.empty((B, P, Cw, M1), wt), np.empty((B, P, Cw, Cw), wt)
