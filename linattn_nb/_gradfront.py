@@ -536,7 +536,7 @@ def _normalized_fused(req: Request, grad_out) -> bool:
             and fuses_normalized(get_rule(req.rule).code) and req.b > 0 and req.n > 0):
         return False
     dt = getattr(grad_out, "dtype", None)
-    return dt is not None and np.dtype(dt).kind == "f" and np.dtype(dt).itemsize <= req.work.itemsize
+    return dt is not None and np.dtype(dt).kind == "f" and np.dtype(dt).itemsize <= np.dtype(req.work).itemsize
 
 
 @parallel_entry
