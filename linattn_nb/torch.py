@@ -41,6 +41,10 @@ _TORCH_MAPS = {
 class _Precomputed(fm.IdentityFeatureMap):
     """Queries and keys that already are features (mapped by torch): the feature gradients pass through."""
 
+    #: read by the gradient front end: the fused backward then checks dq, dk, dv in its kernel, with no pass
+    #: of its own (the class that defines ``vjp`` must set it)
+    vjp_passes_through = True
+
     def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
         return np.asarray(grad_features), None
 

@@ -782,3 +782,32 @@ def test_fused_backward_that_overflows_float32_is_recomputed_and_named():
     out = lt.linear_attention(q, k, v, causal=True, method="chunked")
     with pytest.raises(ValueError, match="the gradient d[qkv] overflows float32"):
         out.backward(torch.full(out.shape, 3e38))
+
+
+def test_adapter_features_pass_their_gradients_through_the_kernels_check(monkeypatch):
+    """The adapter's torch-mapped features (``_Precomputed``) go to the fused kernel as given features, which
+    checks dq, dk, dv itself; the claim is not inherited by a subclass with a ``vjp`` of its own, nor made
+    by the identity map (its VJP is the elementwise maps')."""
+    from linattn_nb.ops._codes import KERNEL_CODE_NONE
+
+    assert _gradfront._passes_through(lt._PRECOMPUTED)
+    assert not _gradfront._passes_through(fm.IdentityFeatureMap())
+
+    class Own(lt._Precomputed):
+        def vjp(self, x, grad_features, **kw):
+            return 2 * np.asarray(grad_features), None
+
+    assert not _gradfront._passes_through(Own())
+    seen = []
+    real = _gradfront.backward_chunked_normalized
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("maps"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_gradfront, "backward_chunked_normalized", spy)
+    rng = np.random.default_rng(6)
+    q, k, v = (torch.from_numpy(rng.standard_normal((2, 19, 4)).astype(np.float32)).requires_grad_()
+               for _ in range(3))
+    lt.linear_attention(q, k, v, causal=True, method="chunked").sum().backward()
+    assert len(seen) == 1 and seen[0][2] == KERNEL_CODE_NONE

@@ -210,7 +210,7 @@ def test_vjp_of_a_wider_gradient_takes_the_forward_path(monkeypatch):
 # --------------------------------------------------------------------------
 # the map's VJP inside the kernels (maps=(xq, xk, code))
 # --------------------------------------------------------------------------
-from linattn_nb.ops._codes import KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU  # noqa: E402
+from linattn_nb.ops._codes import KERNEL_CODE_ELU, KERNEL_CODE_NONE, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU  # noqa: E402,E501
 from linattn_nb.ops.grad import _maps  # noqa: E402
 
 MAP_CODES = [KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU]
@@ -267,7 +267,8 @@ def test_derivative_from_the_features_is_the_maps_own(dtype, code):
 
 
 @pytest.mark.parametrize("rule", RULES)
-def test_maps_flag_a_gradient_that_overflows(rule):
+@pytest.mark.parametrize("code", [KERNEL_CODE_ELU, KERNEL_CODE_NONE])
+def test_maps_flag_a_gradient_that_overflows(rule, code):
     """With ``maps``, a stored gradient element beyond float32 reads in the results' flag (the front end then
     recomputes in float64), where without them the front end looked at the arrays itself.  Here the
     gradients overflow and the normalisers do not: v = 0 makes ``g . num`` 0, and tiny features a tiny
@@ -285,8 +286,34 @@ def test_maps_flag_a_gradient_that_overflows(rule):
     plain, g_ok, res_ok = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, **kw)
     assert g_ok and res_ok  # the normalisers and g . num fit
     assert not np.isfinite(plain.dv[..., :M]).all()
-    _, g_ok, res_ok = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, maps=(xq, xk, KERNEL_CODE_ELU), **kw)
+    maps = (xq, xk, code) if code != KERNEL_CODE_NONE else (qf, kf, code)  # given features: x is unread
+    _, g_ok, res_ok = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, maps=maps, **kw)
     assert g_ok and not res_ok
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rule", RULES)
+def test_given_features_pass_their_gradients_through(dtype, rule, nan_outputs):
+    """``maps`` with ``KERNEL_CODE_NONE`` (features given as they are: the PyTorch adapter's): every result
+    bit for bit that of the call without maps, and the results found finite."""
+    B, N, F, M = 2, 37, 4, 3
+    qf, kf, v1, H0, g, _ = _inputs(B, N, F, M, dtype, seed=9)
+    kw = dict(chunk=16, block=4, rule=rule, inputs=_rule_inputs(rule, B, N, F, 5), eps=1e-6)
+    plain, g_ok, res_ok = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, **kw)
+    given, g_ok2, res_ok2 = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, maps=(qf, kf, KERNEL_CODE_NONE),
+                                                            **kw)
+    assert g_ok and res_ok and g_ok2 and res_ok2
+    for name in ("dq", "dk", "dv", "dH0", "dfactor"):
+        a, b = getattr(plain, name), getattr(given, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            np.testing.assert_array_equal(b, a, err_msg=name)
+    from linattn_nb.ops.grad._cpu_chunked import map_span
+
+    d = np.array([1.5, -2.0, np.inf], dtype)
+    assert not map_span(np.empty(0, dtype), d.copy(), d, KERNEL_CODE_NONE)
+    np.testing.assert_array_equal(d, np.array([1.5, -2.0, np.inf], dtype))  # unchanged
+    assert map_span(np.empty(0, dtype), d[:2].copy(), d[:2], KERNEL_CODE_NONE)
 
 
 def test_maps_argument_errors():

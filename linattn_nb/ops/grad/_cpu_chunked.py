@@ -10,7 +10,7 @@ import numpy as np
 from numba import njit, prange
 
 from ... import config
-from .._codes import KERNEL_CODE_ELU, KERNEL_CODE_RELU, RULE_ADDITIVE, RULE_DECAY
+from .._codes import KERNEL_CODE_ELU, KERNEL_CODE_NONE, KERNEL_CODE_RELU, RULE_ADDITIVE, RULE_DECAY
 from .._gemm import gemm
 from .._twins import serial_and_parallel
 from .._vec import elu1, is_finite
@@ -107,7 +107,8 @@ def map_span(x, f, d, code):
     rows).  The factors are those of :func:`linattn_nb.ops.grad._maps.dphi`, bit for bit: ELU+1's is
     ``f`` below 1, else 1 (``f = exp(x)`` for ``x < 0``, at most 1, and ``x + 1 >= 1`` above), ReLU's 1
     where ``f > 0``, else ``f - f`` (0, NaN for NaN); only the squared ReLU reads ``x`` (``2 x``; for the
-    others ``x`` may be empty).  From ``f``, in the cache, they cost no ``exp`` (0.5 ns an element with
+    others ``x`` may be empty).  Code ``KERNEL_CODE_NONE``: features given as they are, ``d`` unchanged
+    (the check alone).  From ``f``, in the cache, they cost no ``exp`` (0.5 ns an element with
     it, measured).  Returns whether every result, as stored, is finite.  For the fused normalised
     backwards, on a chunk's rows once their gradient is complete.
 
@@ -115,7 +116,9 @@ def map_span(x, f, d, code):
     row by row twice as much, after a GEMM had written the rows (measured)."""
     one = d.dtype.type(1.0)
     n = d.shape[0]
-    if code == KERNEL_CODE_ELU:
+    if code == KERNEL_CODE_NONE:
+        pass  # features given as they are (the PyTorch adapter's, mapped by torch): the check alone
+    elif code == KERNEL_CODE_ELU:
         for i in range(n):
             y = f[i]
             d[i] = d[i] * (one if y >= one else y)

@@ -9,7 +9,7 @@ import numpy as np
 from ... import config
 from ..._blas import single_threaded_blas
 from .._chunks import check_chunk_arrays
-from .._codes import RULE_ADDITIVE, RULE_DECAY, RULE_DELTA, RULE_GATE, RULE_GATED_DELTA
+from .._codes import KERNEL_CODE_NONE, RULE_ADDITIVE, RULE_DECAY, RULE_DELTA, RULE_GATE, RULE_GATED_DELTA
 from .._rules import check_rule, log_factors
 from .._twins import pick
 from . import Grads
@@ -189,8 +189,9 @@ def _map_args(maps, B, N, F, wt):
     if not isinstance(maps, tuple) or len(maps) != 3:
         raise ValueError("maps must be a tuple (xq, xk, code)")
     xq, xk, code = maps
-    if int(code) not in ELEMENTWISE_CODES:
-        raise ValueError(f"maps: code must be one of the elementwise map codes {ELEMENTWISE_CODES}, got {code}")
+    codes = ELEMENTWISE_CODES + (KERNEL_CODE_NONE,)
+    if int(code) not in codes:
+        raise ValueError(f"maps: code must be one of the elementwise map codes {codes}, got {code}")
     for name, x in (("xq", xq), ("xk", xk)):
         if not isinstance(x, np.ndarray) or x.shape != (B, N, F) or x.dtype != wt:
             desc = f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}"
@@ -323,7 +324,8 @@ def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=
         then passes each chunk's complete rows of ``dq`` and ``dk`` through the map's VJP (the per-element
         product of :func:`linattn_nb.ops.grad._maps.vjp`, the same results) and the returned ``dq``, ``dk``
         are the gradients of ``xq``, ``xk``; ``results_finite`` then also says whether every stored
-        ``dq``, ``dk`` and ``dv[..., :M]`` element is finite.  No pass over them of their own.
+        ``dq``, ``dk`` and ``dv[..., :M]`` element is finite.  No pass over them of their own.  Code
+        ``KERNEL_CODE_NONE`` (0): features given as they are, whose gradients pass through (the check alone).
     log_grad : bool, optional
         The decay and gate rules: the returned factor gradient is that of the log-factors,
         ``d/d log a = a dL/da`` (0 at a reset), instead of the factors'.  The gate rule's kernel multiplies
