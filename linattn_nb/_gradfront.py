@@ -22,11 +22,11 @@ from ._frontend import (LinearState, featurise, host_array, host_call, host_stat
 from .device import on_device
 from .feature_maps._base import FeatureOverflow
 from .ops import methods  # noqa: F401  (registers the built-in rules and methods)
-from .ops._codes import KERNEL_CODE_NONE, RULE_DELTA, RULE_GATED_DELTA
 from .ops._finite import all_finite
 from .ops._vec import work_dtype
 from .ops.grad import _maps, _outgrad, _rowmaps
-from .ops.grad.cpu import backward_chunked_normalized, fuses_normalized, save_arrays, takes_saved
+from .ops.grad.cpu import (GIVEN_FEATURES, backward_chunked_normalized, fuses_normalized, keeps_values, save_arrays,
+                           takes_saved)
 from .rules import get_rule
 
 _F64 = np.dtype(np.float64)
@@ -217,7 +217,7 @@ def _saves(req: Request, unread: bool = False) -> bool:
     code = get_rule(req.rule).code
     if not (req.dev == "cpu" and req.causal and req.impl.name == "chunked" and takes_saved(code)):
         return False
-    return code in (RULE_DELTA, RULE_GATED_DELTA) or not (unread or req.normalize)
+    return keeps_values(code) or not (unread or req.normalize)
 
 
 @parallel_entry
@@ -559,7 +559,7 @@ def backward_normalized(req: Request, grad_out, grad_state=None, finite=None, ou
             maps = tuple(np.ascontiguousarray(x, dtype=req.work).reshape(b, n, req.f) for x in (req.q, req.k))
             maps += (req.fmap.kernel_code,)
     elif _passes_through(req.fmap):  # features given (the PyTorch adapter's): the kernel checks dq, dk, dv
-        maps = (req.qf, req.kf, KERNEL_CODE_NONE)
+        maps = (req.qf, req.kf, GIVEN_FEATURES)
     log_grad = _wants_log_grad(req)
     grads, g_ok, res_ok = backward_chunked_normalized(req.qf, req.kf, req.v1, req.H0, gw, dHN, eps=req.eps,
                                                       g1=g1, rule=get_rule(req.rule).code, inputs=req.inputs,

@@ -210,7 +210,8 @@ def test_vjp_of_a_wider_gradient_takes_the_forward_path(monkeypatch):
 # --------------------------------------------------------------------------
 # the map's VJP inside the kernels (maps=(xq, xk, code))
 # --------------------------------------------------------------------------
-from linattn_nb.ops._codes import KERNEL_CODE_ELU, KERNEL_CODE_NONE, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU  # noqa: E402,E501
+from linattn_nb.ops._codes import (KERNEL_CODE_ELU, KERNEL_CODE_NONE, KERNEL_CODE_RELU,  # noqa: E402
+                                    KERNEL_CODE_SQUARED_RELU)
 from linattn_nb.ops.grad import _maps  # noqa: E402
 
 MAP_CODES = [KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_SQUARED_RELU]

@@ -245,8 +245,9 @@ def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=Fals
     of the working dtype of shapes (B, P, F, M'), (B, P, C', M') and (B, P, C', C') with P = ceil(N / C),
     M' <= M + 1 and C' = C for the delta rules, 0 for the others, which receive each chunk's start state,
     and for the delta rules its residuals and ``K K^T`` (what
-    :func:`linattn_nb.ops.grad.cpu.backward_chunked` would compute again in its first pass).  ``out`` None (with ``save`` only): no outputs, the state and the saved values alone (a
-    gradient request whose outputs are not needed).  Returns ``out``.
+    :func:`linattn_nb.ops.grad.cpu.backward_chunked` would compute again in its first pass).  ``out``
+    None (with ``save`` only): no outputs, the state and the saved values alone (a gradient request whose
+    outputs are not needed).  Returns ``out``.
     """
     B, N, F = q.shape
     M = v.shape[2]

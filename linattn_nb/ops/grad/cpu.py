@@ -219,6 +219,11 @@ def _run_chunked_gate_norm(qf, kf, v1, H0, g, g1, dHN, lg, C, eps, maps, log_gra
     return _result(RULE_GATE, *outs), not flags[:, 0].any(), not flags[:, 1].any()
 
 
+#: The ``maps`` code of :func:`backward_chunked_normalized` for features given as they are (their gradients
+#: pass through; the kernel checks them).
+GIVEN_FEATURES = KERNEL_CODE_NONE
+
+
 def takes_saved(rule) -> bool:
     """Whether :func:`backward_chunked` of rule code ``rule`` takes a forward's saved chunk values: the decay
     and delta rules, whose kernel starts with a pass that computes them (the additive rule's kernel sums its
@@ -226,7 +231,7 @@ def takes_saved(rule) -> bool:
     return int(rule) in (RULE_DECAY, RULE_DELTA, RULE_GATED_DELTA)
 
 
-def _keeps_values(rule) -> bool:
+def keeps_values(rule) -> bool:
     """Whether the saved chunk values of rule code ``rule`` include residuals and ``K K^T`` (the delta rules)."""
     return int(rule) in (RULE_DELTA, RULE_GATED_DELTA)
 
@@ -245,7 +250,7 @@ def save_arrays(rule, B, N, F, M1, dtype, chunk=None, empty=None):
     with no rows); ``empty(name, shape, dtype)`` makes them (default ``np.empty``)."""
     if not takes_saved(rule):
         raise ValueError(f"rule: code {rule} has no saved chunk values (takes_saved)")
-    delta = _keeps_values(rule)
+    delta = keeps_values(rule)
     C = int(chunk if chunk is not None else (config.cpu_backward_delta_chunk(N, F, M1, dtype) if delta
                                              else config.cpu_backward_chunk(N, F, M1, dtype)))
     C = max(1, min(C, max(int(N), 1)))
@@ -272,7 +277,7 @@ def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, have=None, norm=Non
     outs = _outputs(rule, B, N, F, M1, qf.dtype)
     P = -(-N // C)
     wt = qf.dtype
-    Cw = C if _keeps_values(rule) else 0  # the decay rule keeps no residuals or K K^T
+    Cw = C if keeps_values(rule) else 0  # the decay rule keeps no residuals or K K^T
     if have is None:
         ck = np.empty((B, P, F, M1), wt)
         Ys, KKs = np.empty((B, P, Cw, M1), wt), np.empty((B, P, Cw, Cw), wt)
