@@ -247,6 +247,20 @@ def test_saved_checks(nan_outputs):
     assert ck.shape == (2, -(-20 // C), 4, 3) and Ys.shape[2] == 0 and KKs.shape[2:] == (0, 0)
 
 
+def _spy_saved(monkeypatch):
+    """A list that receives, per call of the chunked delta/decay kernel's launcher, whether it was given the
+    forward's saved chunk values."""
+    seen = []
+    real = cpu._run_chunked_delta
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("have", args[9] if len(args) > 9 else None) is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu, "_run_chunked_delta", spy)
+    return seen
+
+
 @pytest.mark.parametrize("name", list(RULES))
 def test_vjp_uses_saved_forward(name, monkeypatch):
     """``linear_attention_vjp(method="chunked")`` of a delta rule skips the backward's first pass (the
@@ -260,14 +274,7 @@ def test_vjp_uses_saved_forward(name, monkeypatch):
     kw = dict(causal=True, feature_map="l2", method="chunked", beta=rng.random((b, n)))
     if name == "gated_delta":
         kw["log_decay"] = -0.3 * rng.random((b, n))
-    seen = []
-    real = cpu._run_chunked_delta
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("have", args[9] if len(args) > 9 else None) is not None)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(cpu, "_run_chunked_delta", spy)
+    seen = _spy_saved(monkeypatch)
     got = linattn_nb.linear_attention_vjp(q, k, v, g, **kw)
     monkeypatch.setattr(GF, "_saves", lambda req, unread=False: False)
     ref = linattn_nb.linear_attention_vjp(q, k, v, g, **kw)
@@ -294,14 +301,7 @@ def test_decay_forward_saves_for_its_backward_where_it_runs(normalize, monkeypat
     ld[:, 9] = -np.inf  # a reset
     kw = dict(feature_map="elu", causal=True, method="chunked", device="cpu", eps=1e-8, check_finite=True,
               initial_state=None, log_decay=ld, normalize=normalize)
-    seen = []
-    real = cpu._run_chunked_delta
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("have", args[9] if len(args) > 9 else None) is not None)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(cpu, "_run_chunked_delta", spy)
+    seen = _spy_saved(monkeypatch)
     req = GF.prepare(q, k, v, **kw)
     out, nd, _ = GF.forward(req)
     assert (req.saved is not None) == (not normalize)
