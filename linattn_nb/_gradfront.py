@@ -227,10 +227,10 @@ def forward(req: Request, want_out: bool = True):
 
     The delta rules' CPU chunked forward keeps each chunk's start state, residuals and ``K K^T`` in
     ``req.saved`` (about three times the bytes of ``v``), which the backward reads instead of
-    computing them again; that of the decay rule's unnormalised outputs each chunk's start state (at the
-    backward's chunk size).  The
-    delta rules' forward, unnormalised and without ``want_out``, computes nothing else (``nd`` is
-    then left unwritten: the backward's gradient of the outputs does not read it).  The other rules'
+    computing them again; that of the decay rule's unnormalised outputs keeps each chunk's start state
+    (at the backward's chunk size: about twice the bytes of ``v`` at D = M = 64).  The delta rules'
+    forward, unnormalised and without ``want_out``, computes nothing else (``nd`` is then left
+    unwritten: the backward's gradient of the outputs does not read it).  The other rules'
     forward, unnormalised and without ``want_out``, is not run at all (their backward launchers read
     nothing of it): ``nd`` is left unwritten and ``HN`` is None.
     """
