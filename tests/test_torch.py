@@ -811,3 +811,18 @@ def test_adapter_features_pass_their_gradients_through_the_kernels_check(monkeyp
                for _ in range(3))
     lt.linear_attention(q, k, v, causal=True, method="chunked").sum().backward()
     assert len(seen) == 1 and seen[0][2] == KERNEL_CODE_NONE
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_elu_map_adds_one_in_place_with_the_same_values_and_gradients(dtype):
+    """The adapter's ELU+1 adds 1 in place on ELU's output (no second tensor): values and input gradients are
+    those of ``elu(x) + 1.0`` bit for bit, through autograd (ELU's backward reads its input)."""
+    x = torch.linspace(-30, 5, 1001, dtype=dtype).reshape(7, 143).requires_grad_()
+    g = torch.from_numpy(np.random.default_rng(0).standard_normal((7, 143))).to(dtype)
+    y = lt._TORCH_MAPS[fm.EluFeatureMap](x)
+    y.backward(g)
+    got = x.grad.clone()
+    x.grad = None
+    want = torch.nn.functional.elu(x) + 1.0
+    want.backward(g)
+    assert torch.equal(y, want) and torch.equal(got, x.grad)
