@@ -327,3 +327,21 @@ def test_unnormalised_vjp_runs_no_forward(rule_kw):
     assert out is None and HN is None
     assert GF.forward(GF.prepare(q, k, v, eps=1e-6, normalize=True, **base), want_out=False)[2] is not None
     assert GF.forward(GF.prepare(q, k, v, eps=None, normalize=False, **base))[0] is not None
+
+
+def test_backward_after_forward_without_nd_computes_it_for_a_wider_gradient():
+    """``backward_after_forward`` with ``nd`` None (the adapter keeps none for the fused kernel) and a gradient
+    wider than the working dtype, which the fused kernel does not take: the forward's ``[num | den]`` is
+    computed again and the gradients are those of the backward from the kept one."""
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((2, 29, 4)).astype(np.float32) for _ in range(3))
+    g = rng.standard_normal((2, 29, 4))  # float64
+    kw = dict(feature_map="elu", causal=True, method="chunked", device="cpu", eps=1e-8, check_finite=True,
+              initial_state=None)
+    req = GF.prepare(q, k, v, **kw)
+    _, nd, _ = GF.forward(req)
+    assert GF.fuses_after_forward(req) and not GF._normalized_fused(req, g)
+    want = GF.backward(req, nd, g)
+    got = GF.backward_after_forward(req, None, g, None, (q, k, v), kw)
+    for name in ("dq", "dk", "dv"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
