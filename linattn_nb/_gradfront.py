@@ -25,7 +25,7 @@ from .ops import methods  # noqa: F401  (registers the built-in rules and method
 from .ops._finite import all_finite
 from .ops._vec import work_dtype
 from .ops.grad import _maps, _outgrad, _rowmaps
-from .ops.grad.cpu import (GIVEN_FEATURES, backward_chunked_normalized, fuses_normalized, keeps_values, save_arrays,
+from .ops.grad.cpu import (backward_chunked_normalized, fuses_normalized, keeps_values, save_arrays,
                            takes_saved)
 from .rules import get_rule
 
@@ -562,8 +562,6 @@ def backward_normalized(req: Request, grad_out, grad_state=None, finite=None, ou
         else:
             maps = tuple(np.ascontiguousarray(x, dtype=req.work).reshape(b, n, req.f) for x in (req.q, req.k))
             maps += (req.fmap.kernel_code,)
-    elif _passes_through(req.fmap):  # features given (the PyTorch adapter's): the kernel checks dq, dk, dv
-        maps = (req.qf, req.kf, GIVEN_FEATURES)
     log_grad = _wants_log_grad(req)
     grads, g_ok, res_ok = backward_chunked_normalized(req.qf, req.kf, req.v1, req.H0, gw, dHN, eps=req.eps,
                                                       g1=g1, rule=get_rule(req.rule).code, inputs=req.inputs,
@@ -574,16 +572,6 @@ def backward_normalized(req: Request, grad_out, grad_state=None, finite=None, ou
     if req.check_finite and req.work != _F64 and not res_ok:
         return None
     return _finish(req, grads, finite, out_dtype, mapped=None if maps is None else bool(res_ok), log_grad=log_grad)
-
-
-def _passes_through(fmap) -> bool:
-    """Whether ``fmap``'s VJP returns the feature gradients as they are: the class that defines its ``vjp``
-    says so (``vjp_passes_through = True``; the PyTorch adapter's features mapped by torch), so that a
-    subclass with a ``vjp`` of its own does not inherit the claim."""
-    for cls in type(fmap).__mro__:
-        if "vjp" in vars(cls):
-            return bool(vars(cls).get("vjp_passes_through", False))
-    return False
 
 
 def _finite(vjp: VJP, known=()) -> bool:

@@ -28,8 +28,12 @@ __all__ = ["linear_attention", "dplr_attention", "LinearAttention", "LinearState
 
 _NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
 
-#: Built-in elementwise maps applied with torch ops (differentiated by torch's autograd: no float64 pass
-#: over the inputs in the backward).  Exactly these classes (not subclasses), float32 and float64 tensors.
+#: Built-in elementwise maps applied with torch ops to CUDA tensors (float32 and float64; exactly these
+#: classes, not subclasses).  CPU tensors keep the library's map: the gradient front end computes the
+#: features in one parallel pass, keeps them for the backward and runs the map's VJP in the fused backward
+#: kernel or a parallel pass of its own, which was faster than torch's ops and autograd in every case
+#: measured (the adapter's step at B*H = 16, N = 4096, D = M = 64, float32, one torch thread, 2-vCPU Intel
+#: Xeon: 0.68-0.95 of the time, docs/frontend.md, "Gradients").
 _TORCH_MAPS = {
     # + 1 in place: ELU's backward reads its input, not its output, and "elu(x) + 1.0" made a second fresh
     # (B, N, D) tensor (6.6 against 17.9 ms at 16 x 4096 x 64 float32, one thread, Intel Xeon)
@@ -42,10 +46,6 @@ _TORCH_MAPS = {
 
 class _Precomputed(fm.IdentityFeatureMap):
     """Queries and keys that already are features (mapped by torch): the feature gradients pass through."""
-
-    #: read by the gradient front end: the fused backward then checks dq, dk, dv in its kernel, with no pass
-    #: of its own (the class that defines ``vjp`` must set it)
-    vjp_passes_through = True
 
     def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
         return np.asarray(grad_features), None
@@ -425,7 +425,7 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto",
     # expanded tensors: contiguous q, k (a differentiable no-op when they already are) make the result
     # and the gradients those of contiguous copies, bit for bit
     q, k = q.contiguous(), k.contiguous()
-    if torch_map is not None and q.dtype != torch.float16 and k.dtype != torch.float16:
+    if torch_map is not None and device == "cuda" and q.dtype != torch.float16 and k.dtype != torch.float16:
         q, k, fmap = torch_map(q), torch_map(k), _PRECOMPUTED
     spec = _Spec(fmap, causal, method, device, eps, check_finite, normalize, bool(return_state), decay_val,
                  log_decay_val, beta_val, position, state_rule, names)

@@ -784,20 +784,13 @@ def test_fused_backward_that_overflows_float32_is_recomputed_and_named():
         out.backward(torch.full(out.shape, 3e38))
 
 
-def test_adapter_features_pass_their_gradients_through_the_kernels_check(monkeypatch):
-    """The adapter's torch-mapped features (``_Precomputed``) go to the fused kernel as given features, which
-    checks dq, dk, dv itself; the claim is not inherited by a subclass with a ``vjp`` of its own, nor made
-    by the identity map (its VJP is the elementwise maps')."""
-    from linattn_nb.ops._codes import KERNEL_CODE_NONE
+@pytest.mark.parametrize("name,code", [("elu", "KERNEL_CODE_ELU"), ("relu", "KERNEL_CODE_RELU")])
+def test_cpu_adapter_keeps_the_librarys_map_and_matches_the_vjp_bit_for_bit(monkeypatch, name, code):
+    """On CPU tensors the adapter hands the library's map to the front end (not torch-mapped features): the
+    fused kernel runs the map's VJP on each chunk's rows, and the outputs and gradients are those of
+    ``linear_attention`` and ``linear_attention_vjp``, bit for bit."""
+    from linattn_nb.ops import _codes
 
-    assert _gradfront._passes_through(lt._PRECOMPUTED)
-    assert not _gradfront._passes_through(fm.IdentityFeatureMap())
-
-    class Own(lt._Precomputed):
-        def vjp(self, x, grad_features, **kw):
-            return 2 * np.asarray(grad_features), None
-
-    assert not _gradfront._passes_through(Own())
     seen = []
     real = _gradfront.backward_chunked_normalized
 
@@ -807,10 +800,34 @@ def test_adapter_features_pass_their_gradients_through_the_kernels_check(monkeyp
 
     monkeypatch.setattr(_gradfront, "backward_chunked_normalized", spy)
     rng = np.random.default_rng(6)
-    q, k, v = (torch.from_numpy(rng.standard_normal((2, 19, 4)).astype(np.float32)).requires_grad_()
-               for _ in range(3))
-    lt.linear_attention(q, k, v, causal=True, method="chunked").sum().backward()
-    assert len(seen) == 1 and seen[0][2] == KERNEL_CODE_NONE
+    q, k, v, g = (rng.standard_normal((2, 3, 53, 4)).astype(np.float32) for _ in range(4))
+    qt, kt, vt = (torch.from_numpy(x.copy()).requires_grad_() for x in (q, k, v))
+    kw = dict(causal=True, method="chunked", feature_map=name)
+    out = lt.linear_attention(qt, kt, vt, **kw)
+    out.backward(torch.from_numpy(g))
+    assert len(seen) == 1 and seen[0][2] == getattr(_codes, code)
+    assert np.array_equal(out.detach().numpy(), linattn_nb.linear_attention(q, k, v, **kw))
+    want = linattn_nb.linear_attention_vjp(q, k, v, g, **kw)
+    for t, w in ((qt, want.dq), (kt, want.dk), (vt, want.dv)):
+        assert np.array_equal(t.grad.numpy(), w)
+
+
+def test_torch_maps_are_for_cuda_tensors_only(monkeypatch):
+    """The built-in maps applied with torch ops (then handed over as given features, whose gradients pass
+    through) are those of CUDA tensors: a CPU call of every rule's form never calls them."""
+    def refuse(x):
+        raise AssertionError("torch map applied to a CPU tensor")
+
+    monkeypatch.setattr(lt, "_TORCH_MAPS", {cls: refuse for cls in lt._TORCH_MAPS})
+    rng = np.random.default_rng(1)
+    q, k, v = (torch.from_numpy(rng.standard_normal((2, 9, 4))).requires_grad_() for _ in range(3))
+    cases = [dict(causal=True, feature_map=name) for name in ("elu", "relu", "squared_relu", "identity")]
+    cases += [dict(causal=False), dict(causal=True, normalize=False), dict(causal=True, log_decay=-0.1),
+              dict(causal=True, beta=0.5, feature_map="relu")]
+    for kw in cases:
+        lt.linear_attention(q, k, v, **kw).sum().backward()
+    x = np.arange(6.0).reshape(2, 3)
+    np.testing.assert_array_equal(lt._PRECOMPUTED.vjp(None, x, role="query")[0], x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

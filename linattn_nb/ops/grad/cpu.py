@@ -219,11 +219,6 @@ def _run_chunked_gate_norm(qf, kf, v1, H0, g, g1, dHN, lg, C, eps, maps, log_gra
     return _result(RULE_GATE, *outs), not flags[:, 0].any(), not flags[:, 1].any()
 
 
-#: The ``maps`` code of :func:`backward_chunked_normalized` for features given as they are (their gradients
-#: pass through; the kernel checks them).
-GIVEN_FEATURES = KERNEL_CODE_NONE
-
-
 def takes_saved(rule) -> bool:
     """Whether :func:`backward_chunked` of rule code ``rule`` takes a forward's saved chunk values: the decay
     and delta rules, whose kernel starts with a pass that computes them (the additive rule's kernel sums its
