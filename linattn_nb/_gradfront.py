@@ -119,6 +119,11 @@ def _buffer(role, shape, dtype, reuse):
     return thread_array(_WORK, role, shape, dtype, config.GRAD_WORK_BYTES)
 
 
+def _maker(req):
+    """``empty(name, shape, dtype)`` for a launcher's own arrays of request ``req`` (:func:`_buffer`)."""
+    return lambda name, shape, dtype: _buffer(name, shape, dtype, req.reuse)
+
+
 # ---------------------------------------------------------------------------
 # prepare
 # ---------------------------------------------------------------------------
@@ -248,8 +253,7 @@ def forward(req: Request, want_out: bool = True):
             CD.run_host(req.impl, req.qf, req.kf, req.v1, Hx, nd, code=0, eps=None, inputs=req.inputs,
                         normalize=False)
         elif saves:
-            saved = save_arrays(get_rule(req.rule).code, b, n, req.f, m + 1, req.work,
-                                empty=lambda name, shape, dtype: _buffer(name, shape, dtype, req.reuse))
+            saved = save_arrays(get_rule(req.rule).code, b, n, req.f, m + 1, req.work, empty=_maker(req))
             # out None where the outputs are not read: the backward's former first pass alone
             req.impl.forward(req.qf, req.kf, req.v1, Hx, None if unread else nd, code=0, eps=None, inputs=req.inputs,
                              check_finite=False, normalize=False, chunk=saved[0], save=saved[1:])
@@ -565,7 +569,7 @@ def backward_normalized(req: Request, grad_out, grad_state=None, finite=None, ou
     log_grad = _wants_log_grad(req)
     grads, g_ok, res_ok = backward_chunked_normalized(req.qf, req.kf, req.v1, req.H0, gw, dHN, eps=req.eps,
                                                       g1=g1, rule=get_rule(req.rule).code, inputs=req.inputs,
-                                                      maps=maps, log_grad=log_grad)
+                                                      maps=maps, log_grad=log_grad, empty=_maker(req))
     del g1, gw
     if req.check_finite and not g_ok:
         V.check_finite("grad_out", g)  # raises, naming it

@@ -203,7 +203,8 @@ DPLR_AUTO_CHUNKED_MIN = _env_int("LINATTN_DPLR_AUTO_CHUNKED_MIN", 32)
 DPLR_WORK_BYTES = _env_int("LINATTN_DPLR_WORK_BYTES", 64 << 20)
 
 #: ``linear_attention_vjp`` keeps its own arrays (the features of q and k, ``[v | 1]``, the forward's
-#: ``[num | den]`` and what the delta rules' forward saves for the backward) in work arrays of the calling
+#: ``[num | den]``, what the delta rules' forward saves for the backward and the chunk-start states of the
+#: decay and gate rules' fused backward) in work arrays of the calling
 #: thread, reused by its next call of the same shape, each up to this many bytes (larger ones are fresh
 #: per call; 0 turns reuse off).  The gradients it returns are always fresh arrays.  Fresh pages cost a
 #: delta-rule VJP at the benchmark shape about a sixth of its time (docs/performance.md).

@@ -216,7 +216,8 @@ def test_map_vjp_finite_flag(mod, name, dtype):
         np.testing.assert_array_equal(res, got)
 
 
-@pytest.mark.parametrize("name, kw", [("elu", {}), ("silu_l2", {"normalize": False, "beta": 0.5})])
+@pytest.mark.parametrize("name, kw", [("elu", {}), ("silu_l2", {"normalize": False, "beta": 0.5}),
+                                      ("elu", {"log_decay": -0.1})])
 def test_vjp_work_arrays(name, kw, monkeypatch):
     """``linear_attention_vjp`` takes its own arrays from the thread's work arrays: the gradients are those of
     fresh arrays, bit for bit, in every call (another shape in between, a float64 call, a float32 overflow that
@@ -240,6 +241,8 @@ def test_vjp_work_arrays(name, kw, monkeypatch):
     got = [run(*d) for d in data] + [run(*data[0], dtype=np.float64)]
     pool = list(GF._WORK.pool.values())
     assert pool  # the work arrays were used
+    if "log_decay" in kw:  # the decay rule's fused backward: its chunk-start states too
+        assert "ck" in GF._WORK.pool
     for a, b in zip(got, want):
         for field in ("dq", "dk", "dv", "d_beta"):
             x, y = getattr(a, field), getattr(b, field)

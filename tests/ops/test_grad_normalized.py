@@ -151,6 +151,31 @@ def test_flags_a_gradient_not_finite_and_an_overflow(rule):
     assert g_ok and not res_ok
 
 
+@pytest.mark.parametrize("rule", [RULE_DECAY, RULE_GATE])
+def test_chunk_states_from_the_callers_empty(rule):
+    """``empty``: the decay and gate rules' chunk-start states come from the caller's maker (a work array it
+    keeps, NaN-filled here: every element the kernel reads it writes first), the same gradients bit for bit
+    as with a fresh array, called again on the same array."""
+    qf, kf, v1, H0, g, dHN = _inputs(2, 45, 5, 3, np.float32, seed=4, state=True, grad_state=True)
+    inputs = {RULE_DECAY: {"log_decay": np.full((2, 45), -0.05)},
+              RULE_GATE: {"log_gate": np.full((2, 45, 5), -0.05)}}[rule]
+    kw = dict(chunk=8, rule=rule, inputs=inputs, eps=1e-6)
+    want, _, _ = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, dHN, **kw)
+    made = {}
+
+    def empty(name, shape, dtype):
+        if name not in made:
+            made[name] = np.full(shape, np.nan, dtype)
+        return made[name]
+
+    for _ in range(2):
+        got, g_ok, res_ok = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, dHN, empty=empty, **kw)
+        assert g_ok and res_ok
+        for name in ("dq", "dk", "dv", "dH0", "dfactor"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    assert made["ck"].shape == (2, 6, 5, 4) and made["ck"].dtype == np.float32
+
+
 def test_bad_arguments_name_themselves():
     qf, kf, v1, H0, g, _ = _inputs(1, 8, 4, 3, np.float32)
     with pytest.raises(ValueError, match="g must have shape"):

@@ -199,16 +199,17 @@ def _map_args(maps, B, N, F, wt):
     return np.ascontiguousarray(xq), np.ascontiguousarray(xk), np.int64(code)
 
 
-def _run_chunked_gate_norm(qf, kf, v1, H0, g, g1, dHN, lg, C, eps, maps, log_grad):
+def _run_chunked_gate_norm(qf, kf, v1, H0, g, g1, dHN, lg, C, eps, maps, log_grad, empty=None):
     """The gate rule's normalised outputs through :func:`backward_chunked`'s kernel, its first pass writing
-    ``g1`` (see :func:`backward_chunked_normalized`).  Returns ``(Grads, g_finite, results_finite)``."""
+    ``g1`` (see :func:`backward_chunked_normalized`; ``empty`` as there).  Returns ``(Grads, g_finite,
+    results_finite)``."""
     from ._cpu_chunked import chunked_backward_kernel, chunked_backward_kernel_serial
 
     B, N, F = qf.shape
     M1 = v1.shape[2]
     outs = _outputs(RULE_GATE, B, N, F, M1, qf.dtype)
     dq, dk, dv, dH0, dfac, _ = outs
-    ck = np.empty((B, -(-N // C), F, M1), qf.dtype)
+    ck = _empty(empty)("ck", (B, -(-N // C), F, M1), qf.dtype)
     flags = np.zeros((B, 2), np.bool_)
     kernel = pick(chunked_backward_kernel_serial, chunked_backward_kernel, items=B, work=B * N * F * M1,
                   limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
@@ -237,6 +238,15 @@ def fuses_normalized(rule) -> bool:
     return int(rule) in (RULE_ADDITIVE, RULE_DECAY, RULE_GATE)
 
 
+def _fresh(name, shape, dtype):
+    return np.empty(shape, dtype)
+
+
+def _empty(empty):
+    """``empty(name, shape, dtype)`` of a caller that keeps its own work arrays, else fresh ones."""
+    return _fresh if empty is None else empty
+
+
 def save_arrays(rule, B, N, F, M1, dtype, chunk=None, empty=None):
     """``(C, ck, Ys, KKs)``: empty arrays for a forward of rule code ``rule`` (:func:`takes_saved`) to save its
     chunk values into (``save=`` of :func:`~linattn_nb.ops.causal.chunked.causal_chunked`, ``saved=`` of
@@ -252,16 +262,15 @@ def save_arrays(rule, B, N, F, M1, dtype, chunk=None, empty=None):
     P = -(-int(N) // C)
     Cw = C if delta else 0
     wt = np.dtype(dtype)
-    if empty is None:
-        def empty(name, shape, dtype):
-            return np.empty(shape, dtype)
+    empty = _empty(empty)
     return C, empty("ck", (B, P, F, M1), wt), empty("Ys", (B, P, Cw, M1), wt), empty("KKs", (B, P, Cw, Cw), wt)
 
 
-def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, have=None, norm=None, maps=None):
+def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, have=None, norm=None, maps=None, empty=None):
     """``norm``: ``(g, eps, flags)`` for the decay rule's normalised outputs (``g1`` then receives
     ``dL/d[num | den]``; see :func:`backward_chunked_normalized`); ``maps`` the kernels' ``(xq, xk, code)``
-    (:func:`_map_args`, normalised outputs only)."""
+    (:func:`_map_args`, normalised outputs only); ``empty`` makes the chunk values' arrays where ``have`` is
+    None (as :func:`save_arrays`'s)."""
     from ._cpu_chunked_delta import delta_backward_kernel, delta_backward_kernel_serial
 
     B, N, F = qf.shape
@@ -274,8 +283,8 @@ def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, have=None, norm=Non
     wt = qf.dtype
     Cw = C if keeps_values(rule) else 0  # the decay rule keeps no residuals or K K^T
     if have is None:
-        ck = np.empty((B, P, F, M1), wt)
-        Ys, KKs = np.empty((B, P, Cw, M1), wt), np.empty((B, P, Cw, Cw), wt)
+        make = _empty(empty)
+        ck, Ys, KKs = make("ck", (B, P, F, M1), wt), make("Ys", (B, P, Cw, M1), wt), make("KKs", (B, P, Cw, Cw), wt)
     else:
         ck, Ys, KKs = have
         check_chunk_arrays("saved", (("ck", ck, (B, P, F, M1)), ("Ys", Ys, (B, P, Cw, M1)),
@@ -290,7 +299,7 @@ def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, have=None, norm=Non
 
 
 def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=None, block=None, g1=None,
-                                rule=RULE_ADDITIVE, inputs=None, maps=None, log_grad=False):
+                                rule=RULE_ADDITIVE, inputs=None, maps=None, log_grad=False, empty=None):
     """Gradients of normalised causal attention (the additive and decay rules) from ``g = dL/dout``, no
     forward run.
 
@@ -331,6 +340,10 @@ def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=
         ``d/d log a = a dL/da`` (0 at a reset), instead of the factors'.  The gate rule's kernel multiplies
         each chunk's rows once complete, while its factors are at hand (the same values as
         :func:`~linattn_nb.ops.grad._outgrad.times_factor` on the result, without its pass over it).
+    empty : callable, optional
+        The decay and gate rules: ``empty(name, shape, dtype)`` makes the kernel's array of chunk-start
+        states (``name`` "ck", never returned; as :func:`save_arrays`'s), e.g. from a caller's per-thread work
+        arrays, whose pages are then not new on every call (default: a fresh array).
 
     Returns
     -------
@@ -367,14 +380,15 @@ def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=
         C = int(chunk if chunk is not None else config.cpu_backward_chunk(N, F, M1, wt))
         if C < 1:
             raise ValueError(f"chunk must be >= 1, got {C}")
-        return _run_chunked_gate_norm(qf, kf, v1, H0, g, g1, dHN, lg, min(C, N), eps, margs, log_grad)
+        return _run_chunked_gate_norm(qf, kf, v1, H0, g, g1, dHN, lg, min(C, N), eps, margs, log_grad, empty)
     if rule == RULE_DECAY:
         lg = log_factors(rule, inputs, B, N, F)
         C = int(chunk if chunk is not None else config.cpu_backward_chunk(N, F, M1, wt))
         if C < 1:
             raise ValueError(f"chunk must be >= 1, got {C}")
         flags = np.zeros((B, 2), np.bool_)
-        grads = _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, min(C, N), norm=(g, eps, flags), maps=margs)
+        grads = _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, min(C, N), norm=(g, eps, flags), maps=margs,
+                                   empty=empty)
         if log_grad:  # one factor a token: a pass of its own costs little
             times_factor(grads.dfactor, lg[:, :, 0])
         return grads, not flags[:, 0].any(), not flags[:, 1].any()
