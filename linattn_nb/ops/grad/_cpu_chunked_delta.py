@@ -190,6 +190,9 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
         Kw = np.empty((C, F), wt)
         Gam = np.ones((C, C))
         dG = np.zeros((C, C))
+        GamT = np.zeros((C, C))  # Gam and dG transposed for the factor gradient's loops (contiguous rows)
+        dGT = np.zeros((C, C))
+        dv2 = dv.reshape((B * N, M1))
         fa = np.ones(C)
         fb = np.ones(C)
         fe = np.ones(C)
@@ -214,14 +217,15 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
                 chunk_decays(lg, b, s0, n, fa, fb, fe, Gam)
                 if wy:
                     chunk_wy(True, kf, v1, lg, b, s0, n, Sw, fb, Gam, KS, Ys[b, c], KK, Am, U)
-                else:
-                    _rows(v1, b, s0, n, U)  # the decay rule writes its values
-                # H <- b_{n-1} H + (e * K)^T U
+                # H <- b_{n-1} H + (e * K)^T U (the decay rule: U = [V 1], read in place)
                 for t in range(n):
                     h = fe[t]
                     for i in range(F):
                         Kw[t, i] = h * kf[b, s0 + t, i]
-                gemm(1, 0, F, M1, n, 1.0, Kw, 0, F, U, 0, M1, 0.0, part, 0, M1)
+                if wy:
+                    gemm(1, 0, F, M1, n, 1.0, Kw, 0, F, U, 0, M1, 0.0, part, 0, M1)
+                else:
+                    gemm(1, 0, F, M1, n, 1.0, Kw, 0, F, v1, (b * N + s0) * M1, M1, 0.0, part, 0, M1)
                 tot = fb[n - 1]
                 for i in range(F):
                     for m in range(M1):
@@ -304,22 +308,27 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
             gemm(0, 0, n, F, n, 1.0, GU, 0, C, kf, qo, F, 1.0, dq, qo, F)
             # dk = tril(Gam * G U^T)^T Q + diag(e) U R^T (+ the two terms below)
             gemm(1, 0, n, F, n, 1.0, GU, 0, C, qf, qo, F, 0.0, dk, qo, F)
-            # dU = diag(e) K R + tril(Gam * Q K^T)^T G
-            gemm(0, 0, n, M1, F, 1.0, kf, qo, F, Rw, 0, M1, 0.0, dU, 0, M1)
+            # dU = diag(e) K R + tril(Gam * Q K^T)^T G (the decay rule: dv = dU, written in dv's rows)
+            Du = dU if wy else dv2
+            du0 = 0 if wy else b * N + s0
+            gemm(0, 0, n, M1, F, 1.0, kf, qo, F, Rw, 0, M1, 0.0, Du, du0 * M1, M1)
             if gated:
                 for s in range(n):
                     x = 0.0
                     h = fe[s]
+                    dr = Du[du0 + s]
+                    ur = U[s]
+                    wr = W1[s]
                     for m in range(M1):
-                        x += np.float64(dU[s, m]) * np.float64(U[s, m])
-                        dU[s, m] = h * dU[s, m]
-                        W1[s, m] = h * U[s, m]
+                        x += np.float64(dr[m]) * np.float64(ur[m])
+                        dr[m] = h * dr[m]
+                        wr[m] = h * ur[m]
                     if s < n - 1:
                         dG[n - 1, s] += x  # e_s = Gam[n - 1, s]
                 gemm(0, 0, n, F, M1, 1.0, W1, 0, M1, Rt, 0, F, 1.0, dk, qo, F)
             else:
                 gemm(0, 0, n, F, M1, 1.0, U, 0, M1, Rt, 0, F, 1.0, dk, qo, F)
-            gemm(1, 0, n, M1, n, 1.0, QK, 0, C, g1, vo, M1, 1.0, dU, 0, M1)
+            gemm(1, 0, n, M1, n, 1.0, QK, 0, C, g1, vo, M1, 1.0, Du, du0 * M1, M1)
             if wy:
                 # back substitution L^T dY = diag(beta) dU in row blocks, last first;
                 # X_t = sum_{j > t} Am[j, t] dY_j (later blocks by one GEMM, the block's own rows by vector loops)
@@ -364,10 +373,6 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
                         Da[s, t] = d
                     Da[t, t] = 0.0
                 gemm(0, 0, n, F, n, 1.0, Da, 0, C, kf, qo, F, 1.0, dk, qo, F)
-            else:
-                for t in range(n):  # the decay rule: dv = dU
-                    for m in range(M1):
-                        dv[b, s0 + t, m] = dU[t, m]
             # through Y = [V 1] - diag(b) K S: dk -= diag(b) dY S^T, db -= k . (dY S^T); R update below
             if gated:
                 if wy:
@@ -402,14 +407,19 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
                 # dL/da_j = sum_{s < j <= t} dG[t, s] Gam[j - 1, s] Gam[t, j], s = -1 the chunk start
                 for t in range(n):
                     pv[t] = db[t]
+                    for s in range(t + 1):
+                        GamT[s, t] = Gam[t, s]
+                        dGT[s, t] = dG[t, s]
                 for j in range(n):
                     x = 0.0
+                    gr = GamT[j]
                     for t in range(j, n):
-                        x += Gam[t, j] * pv[t]
+                        x += gr[t] * pv[t]
                     dfac[b, s0 + j, 0] = x
                     aj = fa[j]
+                    dr = dGT[j]
                     for t in range(j + 1, n):
-                        pv[t] = aj * pv[t] + dG[t, j]
+                        pv[t] = aj * pv[t] + dr[t]
             else:
                 gemm(0, 0, n, F, M1, -1.0, dY, 0, M1, St, 0, F, 1.0, dk, qo, F)
                 # R <- R + Q^T G - K^T dY
