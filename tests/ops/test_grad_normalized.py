@@ -320,7 +320,7 @@ def test_maps_flag_a_gradient_that_overflows(rule, code):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("rule", RULES)
 def test_given_features_pass_their_gradients_through(dtype, rule, nan_outputs):
-    """``maps`` with ``KERNEL_CODE_NONE`` (features given as they are: the PyTorch adapter's): every result
+    """``maps`` with ``KERNEL_CODE_NONE`` (features given as they are, whose gradients pass through): every result
     bit for bit that of the call without maps, and the results found finite."""
     B, N, F, M = 2, 37, 4, 3
     qf, kf, v1, H0, g, _ = _inputs(B, N, F, M, dtype, seed=9)

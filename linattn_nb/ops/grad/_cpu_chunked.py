@@ -117,7 +117,7 @@ def map_span(x, f, d, code):
     one = d.dtype.type(1.0)
     n = d.shape[0]
     if code == KERNEL_CODE_NONE:
-        pass  # features given as they are (the PyTorch adapter's, mapped by torch): the check alone
+        pass  # features given as they are (a map whose VJP passes the gradients through): the check alone
     elif code == KERNEL_CODE_ELU:
         for i in range(n):
             y = f[i]
