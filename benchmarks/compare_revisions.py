@@ -71,6 +71,9 @@ CASES = {
     "vjp delta f32 N=4096": ("vjp/delta", 4096, "float32"),
     "vjp gate f32 N=4096": ("vjp/gate", 4096, "float32"),
     "vjp decay f32 N=4096": ("vjp/decay", 4096, "float32"),
+    # unnormalised (RetNet's form: no normaliser), the decay and gate rules
+    "vjp decay unnormalised f32 N=4096": ("vjp/decay-unnormalised", 4096, "float32"),
+    "vjp gate unnormalised f32 N=4096": ("vjp/gate-unnormalised", 4096, "float32"),
     # the forgetting rules: a per-token decay and a per-feature gate, log-factors as decay_cpu.py draws them
     "decay chunked f32 N=4096": ("chunked/decay", 4096, "float32"),
     "gate chunked f32 N=4096": ("chunked/gate", 4096, "float32"),
@@ -177,6 +180,10 @@ def _make_case(la, np, name):
             kw = dict(log_decay=rng.uniform(-0.5, -0.001, size=(BH, n, D)), method="chunked")
         elif kind == "vjp/decay":  # a per-token decay, drawn as backward_cpu.py draws it
             kw = dict(log_decay=rng.uniform(-0.1, -0.001, size=(BH, n)), method="chunked")
+        elif kind == "vjp/decay-unnormalised":
+            kw = dict(log_decay=rng.uniform(-0.1, -0.001, size=(BH, n)), method="chunked", normalize=False)
+        elif kind == "vjp/gate-unnormalised":
+            kw = dict(log_decay=rng.uniform(-0.5, -0.001, size=(BH, n, D)), method="chunked", normalize=False)
         return lambda: la.linear_attention_vjp(q, k, v, g, causal=True, check_finite=False, **kw)
     if kind == "noncausal":
         return lambda: la.linear_attention(q, k, v, causal=False, check_finite=False, out=out)
