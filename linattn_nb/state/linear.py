@@ -17,10 +17,13 @@ from .. import feature_maps as fm
 from .._frontend import LinearState
 from .._overlap import call_reads, out_overlaps
 from ..device import check_device_arg, on_device, resolve_device
+from ..feature_maps._base import FeatureOverflow
 from ..ops._codes import LOG_RESET, norm_mode
+from ..ops._finite import NonFiniteResult
 from ..ops._vec import work_dtype
 from ..ops.registry import get_method
 from ..ops.step import cpu as _step_cpu
+from ..ops.step.cpu import RESULT_NOT_FINITE
 from ..rules import get_rule, rule_for, rule_names
 from . import fileformat
 from ._checks import (F32, F64, STATE_DTYPES, check_batch_shape, check_dim, check_shapes, check_state_dtype,
@@ -267,6 +270,8 @@ class LinearAttentionState:
 
             ep = self._rentry[dt] = self._rkern.compile(tuple(typeof(a) for a in args))
         bad = ep(*args)
+        if bad == RESULT_NOT_FINITE:
+            self._result_error(1, dt)
         if bad:
             raise_nonfinite(("q", "k", "v")[bad - 1])
         self._position += 1
@@ -481,18 +486,98 @@ class LinearAttentionState:
                          causal=True, normalize=self._normalize_arg, check_qkv=check_finite and self._code is None,
                          **call_forms(decay, log_decay, beta, self._bs, T, self._f, step=bool(step)))
         res.rule, res.inputs = c.rule, c.inputs
-        flat = [x for x in FE.host_features(self._fmap, self._code is not None, c.q, c.k, c.v, work,
-                                            causal=True, position=self._position, n=T) if x is not None]
+        flat, work = self._host_features(c, work, T, check_finite)
         res.arrays, res.T, res.dtype, res.work = flat, T, dtype, work
         res.device_inputs = False
         return res
 
-    def _finish(self, out, inp):
-        """Reshape (B, T, M) to the batch shape; cast float16 back; host copy for host inputs."""
+    def _host_features(self, c, work, T, check_finite):
+        """``(arrays, work)``: the flattened kernel inputs of host call ``c`` in ``work``, or in float64 where a
+        NumPy-side map's features of finite q or k overflow ``work`` (as :func:`linattn_nb.linear_attention`
+        recomputes such a call in float64).  Runs before the kernel, so that the state never absorbs overflowed
+        features; the outputs come back in the inputs' dtype (:meth:`_finish`).  ``check_finite``: q and k were
+        scanned (:func:`linattn_nb._frontend.host_call`), so non-finite features are an overflow; without it
+        only the maps that raise :class:`~linattn_nb.feature_maps.FeatureOverflow` themselves are caught."""
+        inline = self._code is not None
+
+        def make(w):
+            return FE.host_features(self._fmap, inline, c.q, c.k, c.v, w, causal=True, position=self._position,
+                                    n=T)
+
+        def finite(feats):
+            return [(n, x is None or bool(np.isfinite(x).all())) for n, x in zip("qk", feats[:2])]
+
+        def flat(feats):
+            return [x for x in feats if x is not None]
+
+        if inline:  # the kernel maps q and k itself
+            return flat(make(work)), work
+
+        def check(feats):
+            for name, ok in finite(feats):
+                if not ok:
+                    raise ValueError(f"feature map {self._fmap.name!r} returns non-finite features for the finite "
+                                     f"{name}, even in float64: {name} is too large for this map")
+
+        try:
+            feats = make(work)
+            if not check_finite or all(ok for _, ok in finite(feats)):
+                return flat(feats), work
+            if work == F64:
+                check(feats)
+        except FeatureOverflow as e:
+            if e.dtype == F64:
+                raise
+        if self._dtype != F64:
+            raise ValueError(f"feature map {self._fmap.name!r} overflows {work} on these finite inputs, and so would "
+                             f"the {self._dtype} state that sums them: use a float64 state "
+                             f"(LinearAttentionState(..., dtype=np.float64)) or smaller inputs")
+        feats = make(F64)
+        if check_finite:
+            check(feats)
+        return flat(feats), F64
+
+    def _finish(self, out, inp, check_finite=False):
+        """Reshape (B, T, M) to the batch shape; cast to the inputs' dtype (float16, or float32 inputs whose
+        features were computed in float64); host copy for host inputs.  ``check_finite``: an output that the
+        cast overflows raises :class:`~linattn_nb.ops._finite.NonFiniteResult` (after the tokens were absorbed)."""
         if self._device == "cuda" and not inp.device_inputs:
             out = out.copy_to_host()
         out = out.reshape(self._bs + (inp.T, self._m))
-        return out if inp.device_inputs or out.dtype == inp.dtype else out.astype(inp.dtype)
+        if inp.device_inputs or out.dtype == inp.dtype:
+            return out
+        with np.errstate(over="ignore"):
+            res = out.astype(inp.dtype)
+        if check_finite and not np.isfinite(res).all() and np.isfinite(out).all():
+            raise NonFiniteResult(f"the outputs of these finite inputs overflow {inp.dtype} (they are finite in "
+                                  f"{out.dtype}): pass {out.dtype} inputs to read them; {self._absorbed(inp.T)}")
+        return res
+
+    def _absorbed(self, T):
+        """The part of an error message after a call whose tokens the state absorbed."""
+        return f"the state absorbed the {T} token(s) (position {self._position})"
+
+    def _state_error(self, T):
+        """:class:`~linattn_nb.ops._finite.NonFiniteResult` for a host state that holds inf or NaN after absorbing T tokens, else None."""
+        S, z = self._launch.view(self._S, self._z)
+        if not isinstance(S, np.ndarray) or (np.isfinite(S).all() and np.isfinite(z).all()):
+            return None
+        return NonFiniteResult(f"the {self._dtype} state overflowed on these finite inputs: {self._absorbed(T)} and "
+                               "now holds inf or NaN; reset() it or load a saved copy, and use a float64 state or "
+                               "smaller inputs")
+
+    def _result_error(self, T, out_dtype):
+        """After a step kernel's :data:`~linattn_nb.ops.step.cpu.RESULT_NOT_FINITE`: the tokens were absorbed
+        (the position follows); raise :class:`~linattn_nb.ops._finite.NonFiniteResult` saying whether the state overflowed."""
+        self._position += T
+        if self._device is None:
+            self._device = "cpu"
+        err = self._state_error(T)
+        if err is not None:
+            raise err
+        raise NonFiniteResult(f"the outputs of these finite inputs are not finite in {out_dtype}: they overflow it "
+                              f"(pass float64 inputs to read them), or a normaliser is 0 with eps=None; "
+                              f"{self._absorbed(T)}")
 
     def _on_state_device(self, inp):
         """The flattened inputs where the state lives (host inputs copied to a GPU state)."""
@@ -562,7 +647,8 @@ class LinearAttentionState:
         check_finite : bool, default True
             Raise ValueError, leaving the state untouched, when an input holds NaN or inf (checked
             inside the kernel; on the GPU the flag is read back after the launch, so False lets
-            a GPU step return without waiting).
+            a GPU step return without waiting), and :class:`~linattn_nb.ops._finite.NonFiniteResult` when finite inputs
+            give a non-finite output or state (below).
         out : array, optional
             Where to write the outputs, shape ``(*batch_shape, T, value_dim)``, returned in place
             of a new array: for GPU inputs a C-contiguous device array of the inputs' dtype (the
@@ -579,9 +665,15 @@ class LinearAttentionState:
         ValueError
             Shapes that do not match the state, non-finite inputs, inputs on another device than
             the state; ``decay``/``log_decay``/``beta`` out of range, of no form above, or of
-            another rule than the state's.
+            another rule than the state's; features of finite inputs that overflow a float32 state
+            (nothing changed).
         TypeError
             Non-floating inputs.
+        NonFiniteResult
+            With ``check_finite``, on the CPU: an output of finite inputs that is not finite (it
+            overflows the outputs' dtype, or a normaliser is 0 with ``eps=None``), or a state that
+            overflowed its dtype.  The tokens were absorbed (the position follows them); the message
+            says whether the state now holds inf or NaN (docs/guide/decoding.md, "Overflow").
 
         Examples
         --------
@@ -625,6 +717,10 @@ class LinearAttentionState:
                 else:
                     T = -1
                 if T >= 0:
+                    if bad == RESULT_NOT_FINITE:
+                        if T and self._rule is None:
+                            self._rule = RULE
+                        self._result_error(T, dt)
                     if bad:
                         raise_nonfinite(("q", "k", "v")[bad - 1])
                     self._position += T
@@ -648,15 +744,19 @@ class LinearAttentionState:
         qf, kf, vf = self._on_state_device(inp)
         if inp.T == 0:  # nothing to absorb (the rule may still be open: no launcher to run)
             return self._deliver(self._finish(out, inp), given, inp)
-        check = bool(check_finite and self._code is not None)
+        # check_finite on the CPU: the kernel checks the features of NumPy-side maps too (finite here:
+        # _host_features), and the outputs; the GPU kernels check the raw inputs of the inline maps only
+        check = bool(check_finite and (self._device != "cuda" or self._code is not None))
         bad = self._launch(qf, kf, vf, self._S, self._z, out, self._scratch, code=self._c_code, eps=self._eps,
                            check=check, inputs=inp.inputs, normalize=self._norm)
+        if bad == RESULT_NOT_FINITE:
+            self._result_error(inp.T, inp.work)
         if bad:
             if fixed:
                 self._set_rule(None)
             raise_nonfinite(("q", "k", "v")[bad - 1])
         self._position += inp.T
-        return self._deliver(self._finish(out, inp), given, inp)
+        return self._deliver(self._finish(out, inp, check_finite), given, inp)
 
     def _entry_point(self, dt, arrays):
         """The compiled single-token kernel for input dtype ``dt``, called without Numba's dispatch;
@@ -679,6 +779,8 @@ class LinearAttentionState:
         ----------
         q : array_like, shape ``(*batch_shape, T, key_dim)``
         check_finite : bool, default True
+            Raise ValueError on NaN or inf in ``q``, and :class:`~linattn_nb.ops._finite.NonFiniteResult` when a host result
+            of finite queries is not finite (the state is unchanged either way).
 
         Returns
         -------
@@ -686,6 +788,12 @@ class LinearAttentionState:
             ``phi(q)^T S / max(phi(q)^T z, eps)`` in the input dtype
             (``phi(q)^T S`` with ``normalize=False``).  No decay applies: the
             queries read the state as the last absorbed token left it.
+
+        Raises
+        ------
+        NonFiniteResult
+            An output that overflows the queries' dtype (pass float64 queries to read it), a
+            normaliser of 0 with ``eps=None``, or a state that holds inf or NaN.
 
         Examples
         --------
@@ -704,7 +812,12 @@ class LinearAttentionState:
                                  check=check, normalize=self._norm)
         if bad:
             raise_nonfinite("q")
-        return self._finish(out, inp)
+        res = self._finish(out, inp, check_finite)
+        if check_finite and isinstance(res, np.ndarray) and not np.isfinite(res).all():
+            raise NonFiniteResult(f"the outputs of these finite queries are not finite in {res.dtype}: they overflow "
+                                  "it (pass float64 queries to read them), or a normaliser is 0 with eps=None, or the "
+                                  "state holds inf or NaN; the state is unchanged")
+        return res
 
     def prefill(self, k, v, *, decay=None, log_decay=None, beta=None, check_finite=True):
         """Absorb a prompt: afterwards the state equals the causal kernels' final state.
@@ -717,12 +830,15 @@ class LinearAttentionState:
             The forms of :func:`linattn_nb.linear_attention` with N = T (per head, per token, or
             per feature for a decay).  None of them: the additive rule.
         check_finite : bool, default True
-            Raise ValueError (state untouched) on NaN or inf.
+            Raise ValueError (state untouched) on NaN or inf, and :class:`~linattn_nb.ops._finite.NonFiniteResult` (the
+            tokens absorbed) when a host state overflows its dtype on finite inputs.
 
         Raises
         ------
         ValueError
             As :meth:`step`.
+        NonFiniteResult
+            As :meth:`step`: a state that overflowed.
 
         Examples
         --------
@@ -750,6 +866,9 @@ class LinearAttentionState:
                 self._set_rule(None)
             raise_nonfinite(("k", "v")[bad - 1])
         self._position += inp.T
+        err = self._state_error(inp.T) if check_finite else None
+        if err is not None:
+            raise err
 
     def reset(self) -> None:
         """Back to the zero state at position 0 (device, buffers and the rule kept)."""

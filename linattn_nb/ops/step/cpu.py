@@ -16,6 +16,7 @@ from .._codes import (KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_SILU_L2, NORM
 from .._common import phi, rescale_needed, scale_exponent
 from .._rules import is_delta, log_factors, step_inputs, step_normaliser, step_row
 from .._twins import pick, serial_and_parallel
+from .._vec import is_finite
 from ..._blas import parallel_entry
 
 
@@ -93,6 +94,25 @@ def _finite3(x):
             for i in range(x.shape[2]):
                 acc += x[b, t, i] * 0.0
     return acc == 0.0
+
+
+#: A step kernel's return value when its finite inputs gave a non-finite output (the outputs' dtype or the
+#: state's overflowed, or a normaliser of 0 with no floor); the tokens were absorbed.
+RESULT_NOT_FINITE = 4
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def outputs_finite(out):
+    """Whether the 3-D ``out`` holds no NaN or inf, as stored (a flag per element: a sum of ``x * 0`` may be
+    reassociated into ``(sum x) * 0``, which overflows for large finite outputs), or-ed as an integer so that
+    the loop keeps its vector form (as :func:`linattn_nb.ops._finite._all_finite_rows`)."""
+    bad = np.uint8(0)
+    for b in range(out.shape[0]):
+        for t in range(out.shape[1]):
+            row = out[b, t]
+            for m in range(row.shape[0]):
+                bad |= np.uint8(not is_finite(row[m]))
+    return bad == 0
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
@@ -195,6 +215,8 @@ def _step_all(q, k, v, St, z, out, feat, code, eps, check, rule, lg, norm, read)
         # np.int64(b): prange's index is unsigned in the parallel twin; without the cast the helper
         # compiles a second time, for uint64, besides the serial twin's int64
         _tokens(q, k, v, St, z, out, feat, code, eps, rule, lg, norm, read, np.int64(b))
+    if check and read and not outputs_finite(out):
+        return RESULT_NOT_FINITE
     return 0
 
 
@@ -202,7 +224,8 @@ def _step(q, k, v, St, z, out, feat, code, eps, check, rule, lg, norm, read):
     """T tokens of rule ``rule`` through the state of every batch entry: token t updates, then reads.
     ``feat`` (2 or, with factors, 3, B, F) scratch in the state dtype; ``lg`` (B, T, G) float64 from
     :func:`linattn_nb.ops._rules.log_factors`; ``read`` False absorbs the tokens without outputs.  Returns
-    0, or 1/2/3 (nothing modified) when ``check`` finds q/k/v non-finite.
+    0, or 1/2/3 (nothing modified) when ``check`` finds q/k/v non-finite, or :data:`RESULT_NOT_FINITE` when
+    ``check`` finds an output that is not (the tokens absorbed).
     """
     return _step_all(q, k, v, St, z, out, feat, code, eps, check, rule, lg, norm, read)
 
@@ -237,6 +260,8 @@ def _additive_step(q, k, v, St, z, out, feat, code, eps, check):
             phi_rows(xs, fc, code, F)
         for b in prange(B):
             _advance(v, St, z, out, feat[0, b], feat[1, b], np.int64(b), t, eps)  # one helper type (_step_all)
+    if check and not outputs_finite(out):
+        return RESULT_NOT_FINITE
     return 0
 
 
@@ -313,7 +338,8 @@ def step(q, k, v, St, z, out, feat, *, code, eps, check, rule=RULE_ADDITIVE, inp
 
     q, k (B, T, D); v, out (B, T, M) of one float32/float64 dtype; St (B, M, F),
     z (B, F), feat (2 or 3, B, F) scratch in the state dtype.  Returns 0, or 1/2/3
-    when q/k/v is not finite (nothing modified).
+    when q/k/v is not finite (nothing modified), or :data:`RESULT_NOT_FINITE` when an output of finite inputs
+    is not (the tokens absorbed).
     """
     B, T, M, F = q.shape[0], q.shape[1], St.shape[1], St.shape[2]
     args = (q, k, v, St, z, out, feat, np.int64(code), eps_arg(eps), bool(check))
