@@ -12,8 +12,10 @@ import numpy as np
 
 from . import config
 from .feature_maps import resolve as _resolve_map
-from .ops._codes import NORM_FLOOR, NORM_NONE, NORM_RAW
-from .ops._finite import NonFiniteResult, check_finite_values
+from .ops._codes import (KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_RELU, KERNEL_CODE_SILU_L2, NORM_FLOOR, NORM_NONE,
+                         NORM_RAW)
+from .feature_maps._base import FeatureOverflow
+from .ops._finite import NonFiniteResult, all_finite, check_finite_values
 from .ops.grad import _rowmaps
 from .rules import _dplr as D
 from .rules import get_dplr_rule
@@ -204,6 +206,38 @@ def _features(fmap, x, role, position, work=np.float64):
     return np.asarray(fmap.apply(x, role=role, causal=True, offset=position), dtype=work)
 
 
+#: Compiled maps whose features of finite inputs are finite in any dtype (ELU+1 and ReLU: at most ``x + 1``;
+#: the L2 maps: unit rows), so that their features need no scan; the squared ReLU overflows float32 from
+#: about 1.8e19.
+_BOUNDED_MAPS = (KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_L2, KERNEL_CODE_SILU_L2)
+
+
+def _query_key_features(fmap, q, k, position, work, check_finite):
+    """``(fq, fk, work)``: the features of q and k as :func:`_features` makes them, or in float64 from float64
+    inputs where those of the finite q or k are not finite (a map computed in float32, or float32 features,
+    overflowed; the map may say so itself with :class:`~linattn_nb.feature_maps._base.FeatureOverflow`), as
+    :func:`linattn_nb.linear_attention` recomputes such a call in float64.  The call then runs in float64:
+    its state is float64 anyway, and its outputs are checked as they are cast to the inputs' dtype.
+    ``check_finite``: q and k were scanned, so non-finite features are an overflow; without it only a map's
+    own ``FeatureOverflow`` is caught."""
+    if (work == np.float64 and q.dtype == np.float64 and k.dtype == np.float64) or \
+            getattr(fmap, "kernel_code", None) in _BOUNDED_MAPS:
+        return _features(fmap, q, "query", position, work), _features(fmap, k, "key", position, work), work
+    try:
+        with np.errstate(over="ignore"):  # an overflow is found below, and the call runs in float64
+            fq = _features(fmap, q, "query", position, work)
+            fk = _features(fmap, k, "key", position, work)
+        if not check_finite or (all_finite(fq) and all_finite(fk)):
+            return fq, fk, work
+    except FeatureOverflow as e:
+        if e.dtype == np.float64:
+            raise
+    q64, k64 = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    with np.errstate(over="ignore"):
+        return (_features(fmap, q64, "query", position, np.float64), _features(fmap, k64, "key", position, np.float64),
+                np.float64)
+
+
 def _features_vjp(fmap, x, g, role, position, dtype):
     """The gradient with respect to ``x`` of the features' gradient ``g`` (and the map's parameters'); a
     row map's is computed in float64 and rounded once to ``dtype`` (float32 or float64) as it is stored,
@@ -281,8 +315,9 @@ def _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize
         raise ValueError(f"feature map {fmap.name!r} depends on the position: it is not defined for keys "
                          "with a sub-step axis")
     work = np.float32 if fast and dtype.itemsize <= 4 else np.float64
-    fq = _features(fmap, q, "query", position, work).reshape(B, N, F)
-    fk = _features(fmap, k, "key", position, work).reshape((B, N, r, F) if sub else (B, N, F))
+    fq, fk, work = _query_key_features(fmap, q, k, position, work, check_finite)
+    fq = fq.reshape(B, N, F)
+    fk = fk.reshape((B, N, r, F) if sub else (B, N, F))
     v64 = np.asarray(v, dtype=work if fast else np.float64).reshape((B, N, r, M) if sub else (B, N, M))
 
     keyed = False

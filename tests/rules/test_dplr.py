@@ -15,6 +15,7 @@ import pytest
 import linattn_nb as la
 from linattn_nb import rules
 from linattn_nb.feature_maps import get as get_map
+from linattn_nb.feature_maps._base import FeatureOverflow
 from linattn_nb.ops._finite import NonFiniteResult
 
 METHODS = ("quadratic", "scan", "chunked")
@@ -325,6 +326,54 @@ def test_growth_is_an_error_not_a_silent_inf(rng):
         la.dplr_attention(q, k, v, a=ones, b=ones)
     o = la.dplr_attention(q.astype(np.float64), k, v, a=ones, b=ones)
     assert np.isfinite(o).all() and np.abs(o).max() > np.finfo(np.float32).max
+
+
+# maps whose float32 features of finite inputs overflow: taylor2 and dpfp (computed in float32: inf), squared
+# ReLU (the chunked path's compiled float32 map, and NumPy's), rff (raises FeatureOverflow: its keys'
+# exp(|x|^2 / 2) factor at |x| ~ 20); normalised, so that the float64 outputs of the positive maps fit in
+# float32 (rff's features take both signs: its outputs need not)
+OVERFLOWING = [("taylor2", {}, 1e20), ("dpfp", {}, 1e20), ("squared_relu", {}, 1e20), ("rff", {"dim": D, "seed": 0}, 12.0)]
+
+
+@pytest.mark.parametrize("name, params, scale", OVERFLOWING, ids=[c[0] for c in OVERFLOWING])
+@pytest.mark.parametrize("method", METHODS)
+def test_features_that_overflow_float32_run_the_call_in_float64(name, params, scale, method, rng):
+    fmap = get_map(name, **params)
+    F = fmap.output_dim(D)
+    q = (rng.standard_normal((1, N, D)) * scale).astype(np.float32)
+    k, v = q[:, ::-1].copy(), rng.standard_normal((1, N, M)).astype(np.float32)
+    try:
+        with np.errstate(over="ignore"):
+            assert not np.isfinite(fmap.apply(k, role="key", causal=True)).all()  # the case under test
+    except FeatureOverflow:
+        pass
+    a, b = np.zeros((1, N, F), np.float32), np.full((1, N, F), -0.01, np.float32)
+    kw = dict(a=a, b=b, feature_map=fmap, normalize=True, return_state=True)
+    ref, st64 = la.dplr_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), method="scan",
+                                  **kw)
+    assert np.isfinite(ref).all()
+    if np.abs(ref).max() > np.finfo(np.float32).max:  # rff: features of both signs, so normalised outputs too
+        with pytest.raises(NonFiniteResult, match="float32"):
+            la.dplr_attention(q, k, v, method=method, **kw)
+        return
+    out, st = la.dplr_attention(q, k, v, method=method, **kw)
+    assert out.dtype == np.float32 and np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref.astype(np.float32), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(st.S, st64.S, rtol=1e-9)
+    np.testing.assert_allclose(st.z, st64.z, rtol=1e-9)
+    # the state object runs dplr_attention
+    dst = la.DPLRState(D, M, feature_map=fmap, normalize=True)
+    np.testing.assert_allclose(dst.step(q[0], k[0], v[0], a=a[0], b=b[0]), ref[0].astype(np.float32), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_unnormalised_outputs_of_overflowing_features_still_raise(rng):
+    # taylor2's features of 1e20 are ~1e40: in float64 the unnormalised outputs exceed float32's range
+    q = (rng.standard_normal((1, N, D)) * 1e20).astype(np.float32)
+    F = get_map("taylor2").output_dim(D)
+    zeros = np.zeros((1, N, F), np.float32)
+    with pytest.raises(NonFiniteResult, match="float32"):
+        la.dplr_attention(q, q, q, a=zeros, b=zeros, feature_map="taylor2")
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [
