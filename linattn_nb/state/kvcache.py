@@ -10,6 +10,7 @@ from .. import _validate as V
 from .._blas import parallel_calls
 from .. import config
 from ..device import check_device_arg, on_device
+from ..ops._finite import NonFiniteResult
 from ..ops.step import cpu as _cpu
 from ._checks import check_batch_shape, check_dim, check_state_dtype, host_tokens, raise_nonfinite
 
@@ -140,6 +141,22 @@ class KVCache:
         self._V[:, self._len:need] = v3
         self._len = need
 
+    def _float64_outputs(self, q, length, causal_new, dtype):
+        """The outputs of the queries ``q`` (B, T, D) against the first ``length`` cached tokens, recomputed in
+        float64: finite inputs whose scores overflow the cache's dtype (``q . k`` beyond float32's range) gave
+        NaN there.  A softmax average of the values fits their dtype; NonFiniteResult if even float64 fails."""
+        K = np.ascontiguousarray(self._K[:, :length], dtype=np.float64)
+        Vc = np.ascontiguousarray(self._V[:, :length], dtype=np.float64)
+        out = np.empty(q.shape[:2] + (self._m,))
+        _cpu.kv_attend(np.ascontiguousarray(q, dtype=np.float64), K, Vc, length, out, scale=self._scale,
+                       causal_new=causal_new)
+        res = out.astype(dtype)
+        if not np.isfinite(res).all():
+            raise NonFiniteResult(f"KVCache: the outputs of these finite inputs are not finite even in float64 "
+                                  f"(their scores q . k exceed its range); the tokens are in the cache "
+                                  f"(length {length})")
+        return res
+
     def _prepare(self, pairs, check_finite):
         if any(on_device(x) for _, x, _ in pairs):
             raise ValueError("KVCache has a CPU kernel only; copy the GPU inputs "
@@ -175,6 +192,9 @@ class KVCache:
         q, k : array_like, shape ``(*batch_shape, T, key_dim)``
         v : array_like, shape ``(*batch_shape, T, value_dim)``
         check_finite : bool, default True
+            Raise ValueError (nothing appended) on NaN or inf; outputs of finite inputs that are not
+            finite in the cache's dtype (scores ``q . k`` beyond float32's range) are recomputed in
+            float64 from the cached tokens.
 
         Returns
         -------
@@ -203,8 +223,10 @@ class KVCache:
             kern = _cpu.pick_kv_kernel(self._B, T, self._len + T, self._d, self._m)
             with parallel_calls(kern is not _cpu.kv_step_serial):  # one thread at a time under workqueue
                 bad = kern(q, k, v, self._K, self._V, np.int64(self._len), out, self._scale,
-                           np.int64(block), bool(check_finite and res is None))
-            if bad:
+                           np.int64(block), bool(check_finite and res is None), bool(check_finite))
+            if bad == _cpu.RESULT_NOT_FINITE:  # the tokens were appended
+                out[...] = self._float64_outputs(q, self._len + T, True, out.dtype)
+            elif bad:
                 raise_nonfinite(("q", "k", "v")[bad - 1])
         self._len += T
         out = out.reshape(self._bs + (T, self._m))
@@ -220,6 +242,8 @@ class KVCache:
         out = np.empty((self._B, T, self._m), dtype=self._dtype)
         if T and self._B:
             _cpu.kv_attend(q3, self._K, self._V, self._len, out, scale=self._scale, causal_new=False)
+            if check_finite and not np.isfinite(out).all():
+                out[...] = self._float64_outputs(q3, self._len, False, out.dtype)
         out = out.reshape(self._bs + (T, self._m))
         return out if out.dtype == dtype else out.astype(dtype)
 

@@ -193,3 +193,32 @@ def test_large_finite_outputs_are_not_flagged():
     x = np.full((1, 1, 64), 0.1, np.float32)
     out = st.step(x, x, v)
     assert np.isfinite(out).all() and out.max() == np.float32(3e38)
+
+
+# KVCache: scores q . k beyond float32's range (|q|, |k| ~ 1e20) gave NaN outputs in a float32 cache
+@pytest.mark.parametrize("block", [2, 256])  # plain loops, and BLAS from 128 keys a block
+def test_kv_cache_scores_beyond_float32_are_recomputed_in_float64(block, monkeypatch):
+    from linattn_nb import config
+
+    monkeypatch.setattr(config, "KV_BLOCK", block)
+    rng = np.random.default_rng(3)
+    n = 200
+    q, k = ((rng.standard_normal((2, n, D)) * 1e20).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((2, n, D)).astype(np.float32)
+    ref = la.softmax_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), causal=True)
+    assert np.isfinite(ref).all()
+    cache = la.KVCache(D, D, batch_shape=(2,), dtype=np.float32)
+    cache.prefill(k[:, :150], v[:, :150])
+    outs = [cache.step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1]) for t in range(150, 190)]  # fast path
+    outs.append(cache.step(q[:, 190:], k[:, 190:], v[:, 190:]))  # several tokens
+    got = np.concatenate(outs, axis=1)
+    assert got.dtype == np.float32 and np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref[:, 150:].astype(np.float32), rtol=1e-5, atol=1e-6)
+    assert cache.length == n
+    # a query reads the whole cache
+    got = cache.query(q[:, -3:])
+    s = np.einsum("btd,bnd->btn", q[:, -3:].astype(np.float64), k.astype(np.float64)) / np.sqrt(D)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    full = (p / p.sum(axis=-1, keepdims=True)) @ v.astype(np.float64)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, full.astype(np.float32), rtol=1e-5, atol=1e-6)

@@ -598,9 +598,10 @@ def _kv_append(k, v, K, V, length):
                 V[b, length + t, m] = v[b, t, m]
 
 
-def _kv_step(q, k, v, K, V, length, out, scale, block, check):
+def _kv_step(q, k, v, K, V, length, out, scale, block, check, check_out):
     """Check, append the T new tokens at ``length``, attend (the cache has room).  Returns 0, or 1/2/3
-    (nothing appended) when ``check`` finds q/k/v non-finite.
+    (nothing appended) when ``check`` finds q/k/v non-finite, or :data:`RESULT_NOT_FINITE` (the tokens
+    appended) when ``check_out`` finds an output that is not finite (scores beyond the cache's dtype).
     """
     if check:
         bad = first_nonfinite(q, k, v)
@@ -610,6 +611,8 @@ def _kv_step(q, k, v, K, V, length, out, scale, block, check):
     n = length + q.shape[1]
     for b in prange(q.shape[0]):
         _kv_one(q, K, V, n, True, out, scale, block, np.int64(b))  # one helper type (see _step_all)
+    if check_out and not outputs_finite(out):
+        return RESULT_NOT_FINITE
     return 0
 
 
