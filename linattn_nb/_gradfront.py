@@ -99,6 +99,7 @@ class Request:
     beta_shape: Optional[tuple] = None
     saved: Optional[tuple] = None  # what the forward kept for the backward launcher (see forward)
     reuse: bool = False  # own arrays from this thread's work arrays (_buffer): a single backward follows
+    nd_finite: Optional[bool] = None  # whether forward's [num | den] is finite, where its outputs pass read it
 
     @property
     def b(self) -> int:
@@ -274,8 +275,9 @@ def _outputs_of(req: Request, nd):
     if np.dtype(req.dtype) in _outgrad.DTYPES and nd.dtype in _outgrad.DTYPES:
         # one parallel pass, the same values as NumPy's below without its float64 temporary
         out = np.empty((b, n, m), req.dtype)
-        if not _outgrad.outputs_from(nd.reshape(b * n, m + 1), req.eps if req.normalize else None,
-                                     out.reshape(b * n, m), normalize=req.normalize):
+        ok, req.nd_finite = _outgrad.outputs_from(nd.reshape(b * n, m + 1), req.eps if req.normalize else None,
+                                                  out.reshape(b * n, m), normalize=req.normalize, nd_finite=True)
+        if not ok:
             _overflow("the result", np.float64, req.dtype)
         return out.reshape(req.batch_shape + (n, m))
     num = nd[:, :, :m]
@@ -314,6 +316,8 @@ def overflowed(req: Request, nd, HN, want_out: bool) -> bool:
     if not all_finite(HN):
         return True
     written = want_out or req.normalize or not _saves(req, unread=True)  # see forward: a saving forward may skip nd
+    if written and want_out and req.nd_finite is not None:  # read by the outputs' pass (_outputs_of)
+        return not req.nd_finite
     return bool(written and not all_finite(nd))
 
 

@@ -79,6 +79,17 @@ def test_outputs_from_nd_are_numpys_quotients_bit_for_bit(rows, ndt, odt, eps, n
         big = nd.copy()
         big[0, 0], big[0, m] = 1e30, 1e-20  # 1e50: finite in float64, not in float32
         assert not _outgrad.outputs_from(big, None, out, normalize=True)
+    # nd_finite: the same outputs and flag, and whether every element of nd (the normaliser column too, read
+    # or not) is finite
+    out2 = np.full((rows, m), 7.0, odt)
+    assert _outgrad.outputs_from(nd, eps, out2, normalize=normalize, nd_finite=True) == (ok, bool(np.isfinite(nd).all()))
+    np.testing.assert_array_equal(out2, want)
+    for col in (0, m):
+        bad = np.abs(np.nan_to_num(nd, nan=1.0, posinf=1.0, neginf=1.0))  # finite everywhere, then one NaN or inf
+        bad[rows - 1, col] = np.inf if col else np.nan
+        assert _outgrad.outputs_from(bad, eps, out2, normalize=normalize, nd_finite=True)[1] is False
+        bad[rows - 1, col] = 1.0
+        assert _outgrad.outputs_from(bad, eps, out2, normalize=normalize, nd_finite=True)[1] is True
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
