@@ -12,9 +12,9 @@ import numpy as np
 
 from . import config
 from .feature_maps import resolve as _resolve_map
+from .feature_maps._base import FeatureOverflow
 from .ops._codes import (KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_RELU, KERNEL_CODE_SILU_L2, NORM_FLOOR, NORM_NONE,
                          NORM_RAW)
-from .feature_maps._base import FeatureOverflow
 from .ops._finite import NonFiniteResult, all_finite, check_finite_values
 from .ops.grad import _rowmaps
 from .rules import _dplr as D

@@ -497,7 +497,7 @@ class LinearAttentionState:
         recomputes such a call in float64).  Runs before the kernel, so that the state never absorbs overflowed
         features; the outputs come back in the inputs' dtype (:meth:`_finish`).  ``check_finite``: q and k were
         scanned (:func:`linattn_nb._frontend.host_call`), so non-finite features are an overflow; without it
-        only the maps that raise :class:`~linattn_nb.feature_maps.FeatureOverflow` themselves are caught."""
+        only the maps that raise :class:`~linattn_nb.feature_maps._base.FeatureOverflow` themselves are caught."""
         inline = self._code is not None
 
         def make(w):
@@ -558,7 +558,8 @@ class LinearAttentionState:
         return f"the state absorbed the {T} token(s) (position {self._position})"
 
     def _state_error(self, T):
-        """:class:`~linattn_nb.ops._finite.NonFiniteResult` for a host state that holds inf or NaN after absorbing T tokens, else None."""
+        """:class:`~linattn_nb.ops._finite.NonFiniteResult` for a host state that holds inf or NaN after absorbing
+        T tokens, else None."""
         S, z = self._launch.view(self._S, self._z)
         if not isinstance(S, np.ndarray) or (np.isfinite(S).all() and np.isfinite(z).all()):
             return None
@@ -568,7 +569,8 @@ class LinearAttentionState:
 
     def _result_error(self, T, out_dtype):
         """After a step kernel's :data:`~linattn_nb.ops.step.cpu.RESULT_NOT_FINITE`: the tokens were absorbed
-        (the position follows); raise :class:`~linattn_nb.ops._finite.NonFiniteResult` saying whether the state overflowed."""
+        (the position follows); raise :class:`~linattn_nb.ops._finite.NonFiniteResult` saying whether the
+        state overflowed."""
         self._position += T
         if self._device is None:
             self._device = "cpu"
@@ -647,8 +649,9 @@ class LinearAttentionState:
         check_finite : bool, default True
             Raise ValueError, leaving the state untouched, when an input holds NaN or inf (checked
             inside the kernel; on the GPU the flag is read back after the launch, so False lets
-            a GPU step return without waiting), and :class:`~linattn_nb.ops._finite.NonFiniteResult` when finite inputs
-            give a non-finite output or state (below).
+            a GPU step return without waiting), and
+            :class:`~linattn_nb.ops._finite.NonFiniteResult` when finite inputs give a non-finite
+            output or state (below).
         out : array, optional
             Where to write the outputs, shape ``(*batch_shape, T, value_dim)``, returned in place
             of a new array: for GPU inputs a C-contiguous device array of the inputs' dtype (the
@@ -779,8 +782,9 @@ class LinearAttentionState:
         ----------
         q : array_like, shape ``(*batch_shape, T, key_dim)``
         check_finite : bool, default True
-            Raise ValueError on NaN or inf in ``q``, and :class:`~linattn_nb.ops._finite.NonFiniteResult` when a host result
-            of finite queries is not finite (the state is unchanged either way).
+            Raise ValueError on NaN or inf in ``q``, and
+            :class:`~linattn_nb.ops._finite.NonFiniteResult` when a host result of finite queries is
+            not finite (the state is unchanged either way).
 
         Returns
         -------
@@ -830,8 +834,9 @@ class LinearAttentionState:
             The forms of :func:`linattn_nb.linear_attention` with N = T (per head, per token, or
             per feature for a decay).  None of them: the additive rule.
         check_finite : bool, default True
-            Raise ValueError (state untouched) on NaN or inf, and :class:`~linattn_nb.ops._finite.NonFiniteResult` (the
-            tokens absorbed) when a host state overflows its dtype on finite inputs.
+            Raise ValueError (state untouched) on NaN or inf, and
+            :class:`~linattn_nb.ops._finite.NonFiniteResult` (the tokens absorbed) when a host state
+            overflows its dtype on finite inputs.
 
         Raises
         ------

@@ -82,7 +82,8 @@ def test_outputs_from_nd_are_numpys_quotients_bit_for_bit(rows, ndt, odt, eps, n
     # nd_finite: the same outputs and flag, and whether every element of nd (the normaliser column too, read
     # or not) is finite
     out2 = np.full((rows, m), 7.0, odt)
-    assert _outgrad.outputs_from(nd, eps, out2, normalize=normalize, nd_finite=True) == (ok, bool(np.isfinite(nd).all()))
+    got = _outgrad.outputs_from(nd, eps, out2, normalize=normalize, nd_finite=True)
+    assert got == (ok, bool(np.isfinite(nd).all()))
     np.testing.assert_array_equal(out2, want)
     for col in (0, m):
         bad = np.abs(np.nan_to_num(nd, nan=1.0, posinf=1.0, neginf=1.0))  # finite everywhere, then one NaN or inf

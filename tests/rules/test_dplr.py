@@ -332,7 +332,8 @@ def test_growth_is_an_error_not_a_silent_inf(rng):
 # ReLU (the chunked path's compiled float32 map, and NumPy's), rff (raises FeatureOverflow: its keys'
 # exp(|x|^2 / 2) factor at |x| ~ 20); normalised, so that the float64 outputs of the positive maps fit in
 # float32 (rff's features take both signs: its outputs need not)
-OVERFLOWING = [("taylor2", {}, 1e20), ("dpfp", {}, 1e20), ("squared_relu", {}, 1e20), ("rff", {"dim": D, "seed": 0}, 12.0)]
+OVERFLOWING = [("taylor2", {}, 1e20), ("dpfp", {}, 1e20), ("squared_relu", {}, 1e20),
+               ("rff", {"dim": D, "seed": 0}, 12.0)]
 
 
 @pytest.mark.parametrize("name, params, scale", OVERFLOWING, ids=[c[0] for c in OVERFLOWING])
