@@ -222,3 +222,16 @@ def test_kv_cache_scores_beyond_float32_are_recomputed_in_float64(block, monkeyp
     full = (p / p.sum(axis=-1, keepdims=True)) @ v.astype(np.float64)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, full.astype(np.float32), rtol=1e-5, atol=1e-6)
+
+
+def test_float16_outputs_that_overflow_in_the_cast_raise_and_the_state_absorbed_them():
+    # float16 inputs run in float32; outputs of 30 * 30 * 8 * 1000 = 7.2e6 exceed float16's 65504
+    q = np.full((1, 3, 8), 30, np.float16)
+    v = np.full((1, 3, 8), 1000, np.float16)
+    st = la.LinearAttentionState(8, 8, normalize=False)
+    with pytest.raises(NonFiniteResult, match=r"overflow float16 \(they are finite in float32\).*position 3"):
+        st.step(q[0], q[0], v[0])
+    assert st.position == 3 and np.isfinite(st.S).all()
+    st = la.LinearAttentionState(8, 8)  # normalised: the values' average fits
+    out = st.step(q[0], q[0], v[0])
+    assert out.dtype == np.float16 and np.isfinite(out).all()
