@@ -2,7 +2,8 @@
 
 The functions ``linear_attention`` (and its gradients ``linear_attention_vjp``), ``softmax_attention``
 and ``dplr_attention``; the decoding objects ``LinearAttentionState``, ``KVCache`` and ``DPLRState``;
-the modules ``feature_maps``, ``rules``, ``fitting`` and ``config`` (guide: docs/guide/).  Nothing is
+the modules ``feature_maps``, ``rules``, ``fitting`` and ``config`` (guide: docs/guide/); the error
+``NonFiniteResult`` (finite inputs whose results overflow a dtype).  Nothing is
 compiled at import: each kernel compiles on first use and is cached on disk, outside the package.
 """
 from ._version import __version__  # noqa: E402
@@ -17,6 +18,7 @@ from .attention import VJP, LinearState, linear_attention, linear_attention_vjp,
 from .state import DPLRState, KVCache, LinearAttentionState  # noqa: E402
 from .dplr import dplr_attention, dplr_attention_vjp  # noqa: E402
 from . import fitting  # noqa: E402
+from .ops._finite import NonFiniteResult  # noqa: E402
 
 # ``feature_maps.fit`` is the documented entry point for fitting maps to
 # softmax.  The fitting code builds on the feature maps and on the front end,
@@ -42,4 +44,5 @@ __all__ = [
     "LinearAttentionState",
     "KVCache",
     "DPLRState",
+    "NonFiniteResult",
 ]

@@ -19,7 +19,7 @@ Guide: docs/guide/feature_maps.md; formulas and papers: docs/theory.md.
 """
 from ..ops._codes import (KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_NONE, KERNEL_CODE_RELU, KERNEL_CODE_SILU_L2,
                           KERNEL_CODE_SQUARED_RELU)
-from ._base import FeatureMap
+from ._base import FeatureMap, FeatureOverflow
 from ._elementwise import (ElementwiseFeatureMap, EluFeatureMap, IdentityFeatureMap, ReluFeatureMap,
                            SquaredReluFeatureMap)
 from ._learned import HedgehogFeatureMap, T2RFeatureMap
@@ -39,6 +39,7 @@ __all__ = [
     "FitResult",
     "FitHistory",
     "FeatureMap",
+    "FeatureOverflow",
     "ElementwiseFeatureMap",
     "EluFeatureMap",
     "ReluFeatureMap",

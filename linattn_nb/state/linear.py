@@ -540,7 +540,7 @@ class LinearAttentionState:
     def _finish(self, out, inp, check_finite=False):
         """Reshape (B, T, M) to the batch shape; cast to the inputs' dtype (float16, or float32 inputs whose
         features were computed in float64); host copy for host inputs.  ``check_finite``: an output that the
-        cast overflows raises :class:`~linattn_nb.ops._finite.NonFiniteResult` (after the tokens were absorbed)."""
+        cast overflows raises :class:`~linattn_nb.NonFiniteResult` (after the tokens were absorbed)."""
         if self._device == "cuda" and not inp.device_inputs:
             out = out.copy_to_host()
         out = out.reshape(self._bs + (inp.T, self._m))
@@ -558,7 +558,7 @@ class LinearAttentionState:
         return f"the state absorbed the {T} token(s) (position {self._position})"
 
     def _state_error(self, T):
-        """:class:`~linattn_nb.ops._finite.NonFiniteResult` for a host state that holds inf or NaN after absorbing
+        """:class:`~linattn_nb.NonFiniteResult` for a host state that holds inf or NaN after absorbing
         T tokens, else None."""
         S, z = self._launch.view(self._S, self._z)
         if not isinstance(S, np.ndarray) or (np.isfinite(S).all() and np.isfinite(z).all()):
@@ -569,7 +569,7 @@ class LinearAttentionState:
 
     def _result_error(self, T, out_dtype):
         """After a step kernel's :data:`~linattn_nb.ops.step.cpu.RESULT_NOT_FINITE`: the tokens were absorbed
-        (the position follows); raise :class:`~linattn_nb.ops._finite.NonFiniteResult` saying whether the
+        (the position follows); raise :class:`~linattn_nb.NonFiniteResult` saying whether the
         state overflowed."""
         self._position += T
         if self._device is None:
@@ -650,7 +650,7 @@ class LinearAttentionState:
             Raise ValueError, leaving the state untouched, when an input holds NaN or inf (checked
             inside the kernel; on the GPU the flag is read back after the launch, so False lets
             a GPU step return without waiting), and
-            :class:`~linattn_nb.ops._finite.NonFiniteResult` when finite inputs give a non-finite
+            :class:`~linattn_nb.NonFiniteResult` when finite inputs give a non-finite
             output or state (below).
         out : array, optional
             Where to write the outputs, shape ``(*batch_shape, T, value_dim)``, returned in place
@@ -783,7 +783,7 @@ class LinearAttentionState:
         q : array_like, shape ``(*batch_shape, T, key_dim)``
         check_finite : bool, default True
             Raise ValueError on NaN or inf in ``q``, and
-            :class:`~linattn_nb.ops._finite.NonFiniteResult` when a host result of finite queries is
+            :class:`~linattn_nb.NonFiniteResult` when a host result of finite queries is
             not finite (the state is unchanged either way).
 
         Returns
@@ -835,7 +835,7 @@ class LinearAttentionState:
             per feature for a decay).  None of them: the additive rule.
         check_finite : bool, default True
             Raise ValueError (state untouched) on NaN or inf, and
-            :class:`~linattn_nb.ops._finite.NonFiniteResult` (the tokens absorbed) when a host state
+            :class:`~linattn_nb.NonFiniteResult` (the tokens absorbed) when a host state
             overflows its dtype on finite inputs.
 
         Raises
