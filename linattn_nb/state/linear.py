@@ -567,6 +567,13 @@ class LinearAttentionState:
                                "now holds inf or NaN; reset() it or load a saved copy, and use a float64 state or "
                                "smaller inputs")
 
+    def _unchanged_error(self, what):
+        """:class:`~linattn_nb.NonFiniteResult` of a GPU call whose kernel found a result of finite inputs that is
+        not finite (``what``: the outputs' dtype and the state's): its state buffers were not swapped."""
+        return NonFiniteResult(f"an output or a new state element of these finite inputs is not finite in {what}: "
+                               "it overflows the dtype (pass float64 inputs, or use a float64 state), or a "
+                               "normaliser is 0 with eps=None; the state is unchanged")
+
     def _result_error(self, T, out_dtype):
         """After a step kernel's :data:`~linattn_nb.ops.step.cpu.RESULT_NOT_FINITE`: the tokens were absorbed
         (the position follows); raise :class:`~linattn_nb.NonFiniteResult` saying whether the
@@ -673,10 +680,11 @@ class LinearAttentionState:
         TypeError
             Non-floating inputs.
         NonFiniteResult
-            With ``check_finite``, on the CPU: an output of finite inputs that is not finite (it
-            overflows the outputs' dtype, or a normaliser is 0 with ``eps=None``), or a state that
-            overflowed its dtype.  The tokens were absorbed (the position follows them); the message
-            says whether the state now holds inf or NaN (docs/guide/decoding.md, "Overflow").
+            With ``check_finite``: an output of finite inputs that is not finite (it overflows the
+            outputs' dtype, or a normaliser is 0 with ``eps=None``), or a state that overflowed its
+            dtype.  On the CPU the tokens were absorbed (the position follows them) and the message
+            says whether the state now holds inf or NaN; a GPU state is unchanged
+            (docs/guide/decoding.md, "Overflow").
 
         Examples
         --------
@@ -752,11 +760,13 @@ class LinearAttentionState:
         check = bool(check_finite and (self._device != "cuda" or self._code is not None))
         bad = self._launch(qf, kf, vf, self._S, self._z, out, self._scratch, code=self._c_code, eps=self._eps,
                            check=check, inputs=inp.inputs, normalize=self._norm)
-        if bad == RESULT_NOT_FINITE:
+        if bad == RESULT_NOT_FINITE and self._device != "cuda":  # the CPU kernels updated the state in place
             self._result_error(inp.T, inp.work)
         if bad:
             if fixed:
                 self._set_rule(None)
+            if bad == RESULT_NOT_FINITE:  # the GPU state's buffers were not swapped
+                raise self._unchanged_error(f"{inp.work} (state {self._dtype})")
             raise_nonfinite(("q", "k", "v")[bad - 1])
         self._position += inp.T
         return self._deliver(self._finish(out, inp, check_finite), given, inp)
@@ -814,6 +824,8 @@ class LinearAttentionState:
         check = bool(check_finite and self._code is not None)
         bad = self._launch.query(qf, self._S, self._z, out, self._scratch, code=self._c_code, eps=self._eps,
                                  check=check, normalize=self._norm)
+        if bad == RESULT_NOT_FINITE:  # a GPU query's own check
+            raise self._unchanged_error(f"{inp.work} (state {self._dtype})")
         if bad:
             raise_nonfinite("q")
         res = self._finish(out, inp, check_finite)
@@ -869,6 +881,8 @@ class LinearAttentionState:
         if bad:
             if fixed:
                 self._set_rule(None)
+            if bad == RESULT_NOT_FINITE:  # the GPU state's buffers were not swapped
+                raise self._unchanged_error(f"the state's {self._dtype}")
             raise_nonfinite(("k", "v")[bad - 1])
         self._position += inp.T
         err = self._state_error(inp.T) if check_finite else None

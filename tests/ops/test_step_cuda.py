@@ -107,6 +107,36 @@ def test_cuda_device_inputs_stay_on_the_device(threads):
     assert isinstance(again, np.ndarray) and twin.position == 12 and twin.device == "cuda"
 
 
+def test_cuda_results_that_overflow_raise_and_leave_the_state(threads):
+    """Finite inputs whose outputs or new state elements are not finite in their dtype: the GPU kernels set the
+    flag's result bit, the state buffers are not swapped, NonFiniteResult says the state is unchanged (the CPU
+    kernels, in place, absorb the tokens first: tests/state/test_state_overflow.py)."""
+    small = np.full((1, 1, 2), 0.5, np.float32)
+    big_q = np.full((1, 1, 2), 1e5, np.float32)
+    big_v = np.full((1, 1, 3), 3e37, np.float32)
+    # a float32 state that would overflow: step, prefill
+    g = LinearAttentionState(2, 3, batch_shape=(1,), dtype=np.float32, device="cuda")
+    g.step(small, small, np.ones((1, 1, 3), np.float32))
+    S0 = host(g.S).copy()
+    with pytest.raises(la.NonFiniteResult, match="state is unchanged"):
+        g.step(big_q, big_q, big_v)
+    with pytest.raises(la.NonFiniteResult, match="state is unchanged"):
+        g.prefill(big_q, big_v)
+    assert np.array_equal(host(g.S), S0) and g.position == 1
+    # float32 outputs of a float64 state that overflow: step, then query of a state that holds them
+    g = LinearAttentionState(2, 3, batch_shape=(1,), device="cuda", normalize=False)
+    with pytest.raises(la.NonFiniteResult, match="state is unchanged"):
+        g.step(big_q, big_q, big_v)
+    assert g.position == 0 and not host(g.S).any()
+    g.prefill(big_q, big_v)  # the float64 state holds it
+    with pytest.raises(la.NonFiniteResult):
+        g.query(big_q)
+    assert np.isfinite(g.query(big_q.astype(np.float64))).all()
+    # check_finite=False: the kernels' values as computed
+    out = g.step(big_q, big_q, big_v, check_finite=False)
+    assert not np.isfinite(out).all() and g.position == 2
+
+
 def test_cuda_state_save_load_and_reset(tmp_path, threads):
     rng = np.random.default_rng(3)
     q, k, v = qkv(rng, (2,), 3, 4, 2, np.float64)

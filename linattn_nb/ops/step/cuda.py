@@ -14,7 +14,7 @@ from .._codes import (KERNEL_CODE_L2, KERNEL_CODE_SILU_L2, NORM_FLOOR, NORM_NONE
                       RULE_GATED_DELTA, norm_mode)
 from .._cuda_common import is_delta_rule, phi, step_element, step_factor, step_scalars, step_z
 from .._cuda_launch import rule_factors
-from .cpu import flat_inputs
+from .cpu import RESULT_NOT_FINITE, flat_inputs
 
 
 # The elementwise map: linattn_nb.ops._cuda_common.phi (inlined device
@@ -27,8 +27,10 @@ from .cpu import flat_inputs
 #: A row's sum of squares (state dtype) below this is summed again scaled (:func:`row_norm`).
 _SS_TINY_STEP = 2.0 ** -90
 
-#: Bits of the finiteness flag: the input that held NaN or inf.
-BAD_Q, BAD_K, BAD_V = 1, 2, 4
+#: Bits of the finiteness flag: the input that held NaN or inf; ``BAD_RESULT``: a new state element or an
+#: output that is not (finite inputs whose results overflow the dtype; the state buffers are then not
+#: swapped, so the state is unchanged).
+BAD_Q, BAD_K, BAD_V, BAD_RESULT = 1, 2, 4, 8
 
 
 @cuda.jit(device=True, inline=True)
@@ -170,6 +172,8 @@ def step_py(q, k, v, S, z, S2, z2, out, feat, lg, flag, check, code, eps, norm, 
             else:
                 feat[b, 3, i] = step_factor(rule, lg, b, t, i)  # rounded to the state dtype once
                 zi = step_z(rule, zr[b, i], fk, feat[b, 3, i])
+                if check:
+                    bad |= bad_bit(zi, BAD_RESULT)
                 z2[b, i] = zi
                 feat[b, 2, i] = feat[b, 1, i] * zi
         cuda.syncthreads()
@@ -182,6 +186,8 @@ def step_py(q, k, v, S, z, S2, z2, out, feat, lg, flag, check, code, eps, norm, 
             cuda.syncthreads()  # row 2 is read by every thread before it is rewritten
             for i in range(tid, F, nt):
                 zi = step_element(rule, zr[b, i], feat[b, 0, i], one, one, a, rz)
+                if check:
+                    bad |= bad_bit(zi, BAD_RESULT)
                 z2[b, i] = zi
                 feat[b, 2, i] = feat[b, 1, i] * zi
             cuda.syncthreads()
@@ -197,12 +203,18 @@ def step_py(q, k, v, S, z, S2, z2, out, feat, lg, flag, check, code, eps, norm, 
                     d += feat[b, 0, i] * Sr[b, i, m]
                 r = bt * (w - a * d)
             acc = zero
+            chk = zero  # sum of s * 0: NaN exactly when a new state element is NaN or inf (no fastmath here)
             for i in range(F):
                 s = step_element(rule, Sr[b, i, m], feat[b, 0, i], feat[b, 3, i], w, a, r)
                 S2[b, i, m] = s
                 acc += feat[b, 1, i] * s
+                chk += s * zero
+            if check:
+                bad |= bad_bit(chk, BAD_RESULT)
             if read:
                 put_out(out, b, t, m, acc, den, norm)
+                if check:
+                    bad |= bad_bit(zero + out[b, t, m], BAD_RESULT)  # as stored: the output's dtype
         cuda.syncthreads()
     raise_flag(flag, bad)
 
@@ -232,6 +244,8 @@ def prefill_py(k, v, S, z, S2, z2, lg, flag, check, code, rule, zero, one):
             else:
                 s = step_element(rule, s, a, step_factor(rule, lg, b, t, i), w, one, zero)
         S2[b, i, m] = S[b, i, m] + acc if summed else s
+        if check:
+            bad |= bad_bit(S2[b, i, m], BAD_RESULT)
     if m == 0:
         zs = z[b, i]
         zf = 1.0 * z[b, i]
@@ -244,6 +258,8 @@ def prefill_py(k, v, S, z, S2, z2, lg, flag, check, code, rule, zero, one):
             else:
                 zf = step_z(rule, zf, a, step_factor(rule, lg, b, t, i))
         z2[b, i] = zs if summed else zf
+        if check:
+            bad |= bad_bit(z2[b, i], BAD_RESULT)
     raise_flag(flag, bad)
 
 
@@ -271,6 +287,8 @@ def state_query_py(q, S, z, out, feat, flag, check, code, eps, norm, zero, one):
             for i in range(F):
                 acc += feat[b, 1, i] * S[b, i, m]
             put_out(out, b, t, m, acc, den, norm)
+            if check:
+                bad |= bad_bit(zero + out[b, t, m], BAD_RESULT)  # as stored
         cuda.syncthreads()
     raise_flag(flag, bad)
 
@@ -361,11 +379,13 @@ def _threads():
 
 
 def _first_bad(bits, order):
-    """The 1-based position in ``order`` (flag bits) of the first input whose bit is set, else 0."""
+    """The 1-based position in ``order`` (flag bits) of the first input whose bit is set, else
+    :data:`~linattn_nb.ops.step.cpu.RESULT_NOT_FINITE` for :data:`BAD_RESULT` alone (finite inputs, a result
+    that is not: the state unchanged, as for a bad input), else 0."""
     for j, bit in enumerate(order):
         if bits & bit:
             return j + 1
-    return 0
+    return RESULT_NOT_FINITE if bits & BAD_RESULT else 0
 
 
 def _buffers(S, z, check):
@@ -404,7 +424,8 @@ def step(q, k, v, S, z, out, scratch, *, code, eps, rule=RULE_ADDITIVE, inputs=N
     rule's per-token inputs (host or device arrays, :data:`linattn_nb.ops._codes.RULES`).
 
     Returns 0, or with ``check`` 1, 2 or 3 when q, k or v holds NaN or inf (the first; the state is
-    then unchanged and ``out`` undefined).
+    then unchanged and ``out`` undefined), or :data:`~linattn_nb.ops.step.cpu.RESULT_NOT_FINITE` when finite
+    inputs gave a non-finite output or state element (the state unchanged too: its buffers not swapped).
     """
     if q.shape[0] == 0 or q.shape[1] == 0:
         return 0
@@ -414,7 +435,9 @@ def step(q, k, v, S, z, out, scratch, *, code, eps, rule=RULE_ADDITIVE, inputs=N
 
 def state_query(q, S, z, out, scratch, *, code, eps, normalize=True, check=False) -> int:
     """Launch the query kernel: one block per batch entry, the state unchanged (any rule's state;
-    ``normalize=False``: numerators).  Returns 1 when ``check`` finds q not finite, else 0."""
+    ``normalize=False``: numerators).  Returns 1 when ``check`` finds q not finite,
+    :data:`~linattn_nb.ops.step.cpu.RESULT_NOT_FINITE` when it finds an output of a finite q that is not,
+    else 0."""
     B = q.shape[0]
     if B == 0 or q.shape[1] == 0:
         return 0
@@ -428,7 +451,8 @@ def state_query(q, S, z, out, scratch, *, code, eps, normalize=True, check=False
 def prefill(k, v, S, z, scratch, *, code, rule=RULE_ADDITIVE, inputs=None, check=False) -> int:
     """Launch the prefill kernel (one thread per batch entry, feature and value column), or for the delta
     rules the step kernel without outputs.  Returns 0, or with ``check`` 1 or 2 when k or v holds NaN or
-    inf (the state unchanged)."""
+    inf, or :data:`~linattn_nb.ops.step.cpu.RESULT_NOT_FINITE` when a new state element of finite inputs is
+    not finite (the state unchanged either way)."""
     B, T, _ = k.shape
     if B == 0 or T == 0:
         return 0
