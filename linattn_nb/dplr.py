@@ -12,10 +12,10 @@ import numpy as np
 
 from . import config
 from .feature_maps import resolve as _resolve_map
-from .feature_maps._base import FeatureOverflow
+from .feature_maps._base import features_or_float64
 from .ops._codes import (KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_RELU, KERNEL_CODE_SILU_L2, NORM_FLOOR, NORM_NONE,
                          NORM_RAW)
-from .ops._finite import NonFiniteResult, all_finite, check_finite_values
+from .ops._finite import NonFiniteResult, check_finite_values
 from .ops.grad import _rowmaps
 from .rules import _dplr as D
 from .rules import get_dplr_rule
@@ -214,28 +214,18 @@ _BOUNDED_MAPS = (KERNEL_CODE_ELU, KERNEL_CODE_RELU, KERNEL_CODE_L2, KERNEL_CODE_
 
 def _query_key_features(fmap, q, k, position, work, check_finite):
     """``(fq, fk, work)``: the features of q and k as :func:`_features` makes them, or in float64 from float64
-    inputs where those of the finite q or k are not finite (a map computed in float32, or float32 features,
-    overflowed; the map may say so itself with :class:`~linattn_nb.feature_maps._base.FeatureOverflow`), as
-    :func:`linattn_nb.linear_attention` recomputes such a call in float64.  The call then runs in float64:
-    its state is float64 anyway, and its outputs are checked as they are cast to the inputs' dtype.
-    ``check_finite``: q and k were scanned, so non-finite features are an overflow; without it only a map's
-    own ``FeatureOverflow`` is caught."""
-    if (work == np.float64 and q.dtype == np.float64 and k.dtype == np.float64) or \
-            getattr(fmap, "kernel_code", None) in _BOUNDED_MAPS:
+    inputs where those of the finite q or k overflow (a map computed in float32, or float32 features;
+    :func:`~linattn_nb.feature_maps._base.features_or_float64`).  The call then runs in float64: its state is
+    float64 anyway, and its outputs are checked as they are cast to the inputs' dtype."""
+    if getattr(fmap, "kernel_code", None) in _BOUNDED_MAPS:
         return _features(fmap, q, "query", position, work), _features(fmap, k, "key", position, work), work
-    try:
-        with np.errstate(over="ignore"):  # an overflow is found below, and the call runs in float64
-            fq = _features(fmap, q, "query", position, work)
-            fk = _features(fmap, k, "key", position, work)
-        if not check_finite or (all_finite(fq) and all_finite(fk)):
-            return fq, fk, work
-    except FeatureOverflow as e:
-        if e.dtype == np.float64:
-            raise
-    q64, k64 = np.asarray(q, np.float64), np.asarray(k, np.float64)
-    with np.errstate(over="ignore"):
-        return (_features(fmap, q64, "query", position, np.float64), _features(fmap, k64, "key", position, np.float64),
-                np.float64)
+
+    def make(w):
+        xq, xk = (q, k) if w is work else (np.asarray(q, w), np.asarray(k, w))  # the retry: float64 inputs
+        return _features(fmap, xq, "query", position, w), _features(fmap, xk, "key", position, w)
+
+    (fq, fk), work = features_or_float64(fmap, make, work, check_finite)
+    return fq, fk, work
 
 
 def _features_vjp(fmap, x, g, role, position, dtype):

@@ -325,6 +325,45 @@ def cast_features(name: str, feats: np.ndarray, x: np.ndarray) -> np.ndarray:
     return out
 
 
+def features_or_float64(fmap, make, work, check_finite, names=("q", "k"), before_float64=None):
+    """``(features, dtype)``: ``make(work)``, a tuple of feature arrays (None where there is none), or
+    ``make(float64)`` where those of finite inputs overflow ``work`` -- features that are not finite
+    (``check_finite``: the caller scanned the inputs, so that is an overflow) or the map's own
+    :class:`FeatureOverflow` -- as :func:`linattn_nb.linear_attention` recomputes such a call in float64.
+
+    ``make(float64)`` is tried even when ``work`` is float64 (a caller may compute a float32 input's map in
+    float32 and cast: its retry reads the input in float64).  ``before_float64()`` runs first when ``work``
+    is narrower (a caller that cannot take float64 features raises there).  With ``check_finite``, float64
+    features that are still not finite raise ValueError naming the map and the input (``names``, in the
+    order of ``make``'s arrays)."""
+    wide = np.dtype(np.float64)
+
+    def not_finite(feats):
+        return [n for n, x in zip(names, feats) if x is not None and not np.isfinite(x).all()]
+
+    def refuse(bad):
+        raise ValueError(f"feature map {fmap.name!r} returns non-finite features for the finite {bad[0]}, even in "
+                         f"float64: {bad[0]} is too large for this map")
+
+    try:
+        with np.errstate(over="ignore"):  # an overflow is found below
+            feats = make(work)
+    except FeatureOverflow as e:
+        if e.dtype == wide:
+            raise
+    else:
+        if not (check_finite and not_finite(feats)):
+            return feats, work
+    if before_float64 is not None and np.dtype(work) != wide:
+        before_float64()
+    with np.errstate(over="ignore"):
+        feats = make(wide)
+    bad = not_finite(feats) if check_finite else []
+    if bad:
+        refuse(bad)
+    return feats, wide
+
+
 def real_array(name: str, what: str, value) -> np.ndarray:
     """``value`` as a float64 array (a copy); complex and non-numeric data raise TypeError."""
     a = np.asarray(value)

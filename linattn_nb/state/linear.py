@@ -17,7 +17,7 @@ from .. import feature_maps as fm
 from .._frontend import LinearState
 from .._overlap import call_reads, out_overlaps
 from ..device import check_device_arg, on_device, resolve_device
-from ..feature_maps._base import FeatureOverflow
+from ..feature_maps._base import features_or_float64
 from ..ops._codes import LOG_RESET, norm_mode
 from ..ops._finite import NonFiniteResult
 from ..ops._vec import work_dtype
@@ -493,49 +493,28 @@ class LinearAttentionState:
 
     def _host_features(self, c, work, T, check_finite):
         """``(arrays, work)``: the flattened kernel inputs of host call ``c`` in ``work``, or in float64 where a
-        NumPy-side map's features of finite q or k overflow ``work`` (as :func:`linattn_nb.linear_attention`
-        recomputes such a call in float64).  Runs before the kernel, so that the state never absorbs overflowed
-        features; the outputs come back in the inputs' dtype (:meth:`_finish`).  ``check_finite``: q and k were
-        scanned (:func:`linattn_nb._frontend.host_call`), so non-finite features are an overflow; without it
-        only the maps that raise :class:`~linattn_nb.feature_maps._base.FeatureOverflow` themselves are caught."""
+        NumPy-side map's features of finite q or k overflow ``work``
+        (:func:`~linattn_nb.feature_maps._base.features_or_float64`).  Runs before the kernel, so that the state
+        never absorbs overflowed features; the outputs come back in the inputs' dtype (:meth:`_finish`).  A
+        float32 state, which could not sum such features, refuses the call."""
         inline = self._code is not None
 
         def make(w):
             return FE.host_features(self._fmap, inline, c.q, c.k, c.v, w, causal=True, position=self._position,
                                     n=T)
 
-        def finite(feats):
-            return [(n, x is None or bool(np.isfinite(x).all())) for n, x in zip("qk", feats[:2])]
-
-        def flat(feats):
-            return [x for x in feats if x is not None]
+        def refuse_float32_state():
+            if self._dtype != F64:
+                raise ValueError(f"feature map {self._fmap.name!r} overflows {work} on these finite inputs, and so "
+                                 f"would the {self._dtype} state that sums them: use a float64 state "
+                                 f"(LinearAttentionState(..., dtype=np.float64)) or smaller inputs")
 
         if inline:  # the kernel maps q and k itself
-            return flat(make(work)), work
-
-        def check(feats):
-            for name, ok in finite(feats):
-                if not ok:
-                    raise ValueError(f"feature map {self._fmap.name!r} returns non-finite features for the finite "
-                                     f"{name}, even in float64: {name} is too large for this map")
-
-        try:
             feats = make(work)
-            if not check_finite or all(ok for _, ok in finite(feats)):
-                return flat(feats), work
-            if work == F64:
-                check(feats)
-        except FeatureOverflow as e:
-            if e.dtype == F64:
-                raise
-        if self._dtype != F64:
-            raise ValueError(f"feature map {self._fmap.name!r} overflows {work} on these finite inputs, and so would "
-                             f"the {self._dtype} state that sums them: use a float64 state "
-                             f"(LinearAttentionState(..., dtype=np.float64)) or smaller inputs")
-        feats = make(F64)
-        if check_finite:
-            check(feats)
-        return flat(feats), F64
+        else:  # q and k were scanned with check_finite (host_call)
+            feats, work = features_or_float64(self._fmap, make, work, check_finite,
+                                              before_float64=refuse_float32_state)
+        return [x for x in feats if x is not None], work
 
     def _finish(self, out, inp, check_finite=False):
         """Reshape (B, T, M) to the batch shape; cast to the inputs' dtype (float16, or float32 inputs whose

@@ -235,3 +235,15 @@ def test_float16_outputs_that_overflow_in_the_cast_raise_and_the_state_absorbed_
     st = la.LinearAttentionState(8, 8)  # normalised: the values' average fits
     out = st.step(q[0], q[0], v[0])
     assert out.dtype == np.float16 and np.isfinite(out).all()
+
+
+def test_features_not_finite_even_in_float64_are_refused_by_name():
+    q = np.full((1, 1, D), 1e200)  # taylor2's squares: 1e400, beyond float64
+    st = la.LinearAttentionState(D, D, feature_map="taylor2", batch_shape=(1,))
+    with pytest.raises(ValueError, match=r"'taylor2' returns non-finite features for the finite q, even in float64"):
+        st.step(q, np.ones_like(q), np.ones((1, 1, D)))
+    assert st.position == 0 and not st.S.any()
+    F = fm.get("taylor2").output_dim(D)
+    with pytest.raises(ValueError, match="even in float64"):
+        la.dplr_attention(q, np.ones_like(q), np.ones((1, 1, D)), a=np.zeros((1, 1, F)), b=np.zeros((1, 1, F)),
+                          feature_map="taylor2", method="scan")
