@@ -142,6 +142,20 @@ def cpu_backward_chunk(n: int, f: int, m: int, dtype) -> int:
     return max(1, min(int(c), int(n)))
 
 
+#: The decay rule's normalised CPU backward runs with no chunk states kept between its passes
+#: (``linattn_nb.ops.grad._cpu_chunked_decay``; docs/design-cpu.md) where every chunk of every sequence
+#: decays by at least this factor (the product of its decays); elsewhere the kernel that keeps them (a
+#: value above 1: always).  Its chunk-spanning term is a difference of pair sums, divided by a factor of
+#: the chunk for ``dL/da``: this floor bounds how much that division can magnify its rounding.
+BACKWARD_DECAY_CARRY_MIN = _env_float("LINATTN_BACKWARD_DECAY_CARRY_MIN", 2.0 ** -10)
+
+
+#: That backward keeps the state before every this-many-th chunk (an anchor): there the chunk-spanning
+#: term is computed from the state itself, and the carried sums' rounding (a random walk over the chunks
+#: since the last anchor) starts again.  1 keeps every chunk's state.
+BACKWARD_DECAY_ANCHOR = _env_int("LINATTN_BACKWARD_DECAY_ANCHOR", 4)
+
+
 #: Chunk size and row block of the normalised additive rule's fused CPU backward
 #: (``linattn_nb.ops.grad.cpu.backward_chunked_normalized``; docs/design-cpu.md).  0 (default) picks
 #: :func:`cpu_backward_norm_chunk` and :func:`cpu_backward_norm_block`.

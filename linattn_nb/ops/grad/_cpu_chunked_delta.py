@@ -46,7 +46,7 @@ def _rows(v1, b, s0, n, U):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, as the forward
-def _norm_rows(qf, g, z, T, QK, GU, g1, dq, Gam, fb, b, s0, n, eps, floor):
+def decay_norm_rows(qf, g, z, T, QK, GU, g1, dq, Gam, fb, b, s0, n, eps, floor):
     """The decay rule's normalised outputs, rows of one chunk: from ``QK = Q K^T``, ``GU = G V^T`` and
     ``T = G S^T`` (undecayed, ``S``, ``z`` the chunk-start state and normaliser sum), each row's
     ``den = b_t q_t . z + sum_s Gam_ts QK_ts`` and ``g . num`` (the same with ``T``, ``GU``); writes
@@ -278,7 +278,7 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
                 gemm(0, 1, n, n, M1 - 1, 1.0, g, go, M1 - 1, v1, vo, M1, 0.0, GU, 0, C)
                 for i in range(F):
                     z[i] = Sw[i, M1 - 1]
-                ok_g, ok_r = _norm_rows(qf, g, z, Tn, QK, GU, g1, dq, Gam, fb, b, s0, n, eps, floor)
+                ok_g, ok_r = decay_norm_rows(qf, g, z, Tn, QK, GU, g1, dq, Gam, fb, b, s0, n, eps, floor)
                 g_ok &= ok_g
                 res_ok &= ok_r
             else:
@@ -293,7 +293,7 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
                 for s in range(t + 1, n):
                     QK[t, s] = 0.0
                     GU[t, s] = 0.0
-            # dq = diag(b) G S^T + tril(Gam * G U^T) K (normalised: G S^T written by _norm_rows)
+            # dq = diag(b) G S^T + tril(Gam * G U^T) K (normalised: G S^T written by decay_norm_rows)
             if not norm:
                 gemm(0, 0, n, F, M1, 1.0, g1, vo, M1, St, 0, F, 0.0, dq, qo, F)
             if gated:

@@ -12,7 +12,7 @@ from ... import config
 from .._gemm import gemm
 from .._twins import serial_and_parallel
 from .._vec import is_finite
-from ._cpu_chunked import (add_into, additive_reverse_chunk, copy_state, copy_state_t, map_chunk, normalise_row,
+from ._cpu_chunked import (add_into, additive_reverse_chunk, copy_state_t, map_chunk, normalise_row,
                            rows_finite, start_adjoint)
 
 

@@ -298,6 +298,44 @@ def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, have=None, norm=Non
     return _result(rule, *outs)
 
 
+def decay_carries(lg, C) -> bool:
+    """Whether the decay rule's normalised backward on log-decays ``lg`` (B, N, 1) in chunks of ``C`` runs
+    the kernel that keeps no chunk states (:mod:`linattn_nb.ops.grad._cpu_chunked_decay`): every chunk's
+    product of decays at least :data:`linattn_nb.config.BACKWARD_DECAY_CARRY_MIN` (False for a NaN, or a
+    reset within a chunk)."""
+    floor = float(config.BACKWARD_DECAY_CARRY_MIN)
+    if not 0.0 < floor <= 1.0:
+        return False
+    N = lg.shape[1]
+    if N == 0:
+        return True
+    with np.errstate(invalid="ignore"):  # -inf + inf cannot occur (log-decays are <= 0); NaN compares False
+        sums = np.add.reduceat(lg[:, :, 0], np.arange(0, N, C), axis=1)
+    return bool((sums >= np.log(floor)).all())
+
+
+def _run_decay_carry(qf, kf, v1, H0, g, g1, dHN, lg, C, eps, flags, maps, empty):
+    """The decay rule's normalised backward that keeps the state of every
+    :data:`~linattn_nb.config.BACKWARD_DECAY_ANCHOR`-th chunk only (arguments as
+    :func:`backward_chunked_normalized`'s, checked; ``maps`` from :func:`_map_args`)."""
+    from ._cpu_chunked_decay import decay_backward_kernel, decay_backward_kernel_serial
+
+    B, N, F = qf.shape
+    M1 = v1.shape[2]
+    wt = qf.dtype
+    K = max(1, int(config.BACKWARD_DECAY_ANCHOR))
+    P = -(-N // C)
+    anchors = _empty(empty)("anchors", (B, -(-P // K), F, M1), wt)  # the states before chunks 0, K, 2K, ...
+    dq, dk, dv, dH0, dfac, dbeta = _outputs(RULE_DECAY, B, N, F, M1, wt)
+    kernel = pick(decay_backward_kernel_serial, decay_backward_kernel, items=B, work=B * N * F * M1,
+                  limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
+    with single_threaded_blas(kernel is decay_backward_kernel):
+        kernel(qf, kf, v1, g, H0, H0 if dHN is None else dHN, dHN is not None, lg, np.int64(C), anchors, np.int64(K),
+               float(eps) if eps is not None else 0.0, eps is not None, g1, dq, dk, dv, dH0, dfac, flags, *maps,
+               np.empty(0, wt))
+    return _result(RULE_DECAY, dq, dk, dv, dH0, dfac, dbeta)
+
+
 def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=None, block=None, g1=None,
                                 rule=RULE_ADDITIVE, inputs=None, maps=None, log_grad=False, empty=None):
     """Gradients of normalised causal attention (the additive and decay rules) from ``g = dL/dout``, no
@@ -386,9 +424,13 @@ def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=
         C = int(chunk if chunk is not None else config.cpu_backward_chunk(N, F, M1, wt))
         if C < 1:
             raise ValueError(f"chunk must be >= 1, got {C}")
+        C = min(C, N)
         flags = np.zeros((B, 2), np.bool_)
-        grads = _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, min(C, N), norm=(g, eps, flags), maps=margs,
-                                   empty=empty)
+        if decay_carries(lg, C):
+            grads = _run_decay_carry(qf, kf, v1, H0, g, g1, dHN, lg, C, eps, flags, margs, empty)
+        else:
+            grads = _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, norm=(g, eps, flags), maps=margs,
+                                       empty=empty)
         if log_grad:  # one factor a token: a pass of its own costs little
             times_factor(grads.dfactor, lg[:, :, 0])
         return grads, not flags[:, 0].any(), not flags[:, 1].any()

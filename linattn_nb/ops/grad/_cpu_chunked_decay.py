@@ -1,0 +1,241 @@
+"""The normalised decay rule's CPU backward in two passes, with no chunk states kept between them (kernel of
+:func:`linattn_nb.ops.grad.cpu.backward_chunked_normalized` for the decay rule where every chunk's decay is
+at least :data:`linattn_nb.config.BACKWARD_DECAY_CARRY_MIN`).
+
+Design: ``docs/design-cpu.md``, "Chunked backward of normalised outputs" ("The decay rule").
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ... import config
+from .._gemm import gemm
+from .._twins import serial_and_parallel
+from .._vec import is_finite
+from ._cpu_chunked import copy_state, copy_state_t, map_chunk, rows_finite, start_adjoint
+from ._cpu_chunked_delta import chunk_decays, decay_norm_rows
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _pair_factors(dG, db, Gam, fa, GamT, dGT, pv, dfac, b, s0, n):
+    """``dfac[b, s0 + j, 0] = dL/da_j`` from one chunk's weights: ``dG[t, s] = dL/dGam_ts`` (s <= t, the
+    intra-chunk pairs) and ``db[t] = dL/db_t`` (the chunk-start state's weight on row t), with
+    ``dGam_ts/da_j = Gam_{t,j} Gam_{j-1,s}`` for ``s < j <= t`` (``s = -1``: ``b``).  No division: a
+    factor of 0 gives its exact gradient."""
+    for t in range(n):
+        pv[t] = db[t]
+        for s in range(t + 1):
+            GamT[s, t] = Gam[t, s]
+            dGT[s, t] = dG[t, s]
+    for j in range(n):
+        x = 0.0
+        gr = GamT[j]
+        for t in range(j, n):
+            x += gr[t] * pv[t]
+        dfac[b, s0 + j, 0] = x
+        aj = fa[j]
+        dr = dGT[j]
+        for t in range(j + 1, n):
+            pv[t] = aj * pv[t] + dr[t]
+
+
+def _decay_backward(qf, kf, v1, g, H0, dHN, has_dHN, lg, C, anchors, K, eps, floor, g1, dq, dk, dv, dH0, dfac, flags,
+                    xq, xk, mcode, proto):
+    """Two passes over the chunks of each sequence, as the additive rule's fused kernel
+    (:func:`linattn_nb.ops.grad._cpu_chunked_norm._normalized_backward`), with the decays.
+
+    The first pass (chunks in order, with the state ``S_c`` before each) writes ``g1``'s rows, ``dq``, the
+    intra-chunk parts of ``dk`` and ``dv`` and each factor's gradient from the pairs within its chunk and
+    from ``S_c``; the reverse pass (with the adjoint ``R_{c+1}`` after each chunk) adds the parts through
+    ``R_{c+1}``.  One term pairs the two: ``tau_c = tot_c <R_{c+1}, S_c>``, the gradient of the log of the
+    chunk's total decay ``tot_c`` along the state, which every factor of the chunk receives (``tau_c / a_j``
+    for ``dL/da_j``).  Rather than keep each ``S_c`` for it, the reverse pass carries ``U_c``, the
+    weighted sum of the query-key pairs whose key comes before chunk c and whose query comes at or after
+    it: ``U_{c+1} = tau_c + B_c`` and ``U_c = tau_c + A_c``, where ``A_c = sum_t b_t q_t . S_c g1_t`` (the
+    pairs that reach the chunk's rows through ``S_c``, first pass) and ``B_c = sum_s e_s k_s . R_{c+1}
+    v1_s`` (the pairs that leave its keys through ``R_{c+1}``, reverse pass), from ``U_N = <dH_N, S_N>``.
+    The subtraction ``tau_c = U_{c+1} - B_c`` costs about eps |B_c| (pairs between neighbouring chunks,
+    of the size of the factor gradients themselves); the launcher runs this kernel only where every
+    chunk's ``tot_c`` is at least :data:`linattn_nb.config.BACKWARD_DECAY_CARRY_MIN`, so that dividing
+    by a factor of the chunk cannot magnify it much.
+
+    Arguments as the additive kernel's, with ``lg`` (B, N, 1) the log-decays and ``dfac`` (B, N, 1)
+    float64 receiving ``dL/da``.
+    """
+    B, N, F = qf.shape
+    M1 = v1.shape[2]
+    M = M1 - 1
+    wt = proto.dtype
+    nch = (N + C - 1) // C
+    maps = xq.shape[1] > 0
+    for b in prange(B):
+        H = np.empty((F, M1))
+        H[:, :] = H0[b]
+        Hw = np.empty((F, M1), wt)
+        Ht = np.empty((M1, F), wt)  # S^T in the first pass, R^T in the second: products as BLAS's NN form
+        part = np.empty((F, M1), wt)
+        QK = np.zeros((C, C), wt)
+        GU = np.zeros((C, C), wt)
+        T = np.empty((C, F), wt)
+        X = np.empty((C, M1), wt)
+        Kw = np.empty((C, F), wt)
+        Vw = np.empty((C, M1), wt)
+        Gam = np.ones((C, C))
+        dG = np.zeros((C, C))
+        GamT = np.zeros((C, C))
+        dGT = np.zeros((C, C))
+        fa = np.ones(C)
+        fb = np.ones(C)
+        fe = np.ones(C)
+        db = np.zeros(C)
+        pv = np.zeros(C)
+        z = np.empty(F)
+        Ac = np.empty(nch)
+        g_ok = True
+        res_ok = True
+        # ------------------------------------------------------------------
+        # pass 1, chunks in order: g1, dq, the intra-chunk parts of dk and dv, the factors' own pairs
+        # ------------------------------------------------------------------
+        for c in range(nch):
+            s0 = c * C
+            n = min(C, N - s0)
+            qo = (b * N + s0) * F
+            vo = (b * N + s0) * M1
+            go = (b * N + s0) * M
+            chunk_decays(lg, b, s0, n, fa, fb, fe, Gam)
+            copy_state_t(H, Ht)
+            if c % K == 0:  # an anchor: tau_c exactly in the reverse pass
+                copy_state(H, anchors[b, c // K])
+            for i in range(F):
+                z[i] = H[i, M]
+            gemm(0, 1, n, n, F, 1.0, qf, qo, F, kf, qo, F, 0.0, QK, 0, C)
+            gemm(0, 0, n, F, M, 1.0, g, go, M, Ht, 0, F, 0.0, T, 0, F)
+            gemm(0, 1, n, n, M, 1.0, g, go, M, v1, vo, M1, 0.0, GU, 0, C)
+            ok_g, ok_r = decay_norm_rows(qf, g, z, T, QK, GU, g1, dq, Gam, fb, b, s0, n, eps, floor)
+            g_ok &= ok_g
+            res_ok &= ok_r
+            # dG = dL/dGam (GU = g1 V1^T now); QK, GU -> their decayed lower triangles
+            for t in range(n):
+                for s in range(t + 1):
+                    dG[t, s] = np.float64(GU[t, s]) * np.float64(QK[t, s])
+                    h = Gam[t, s]
+                    QK[t, s] = QK[t, s] * h
+                    GU[t, s] = GU[t, s] * h
+                for s in range(t + 1, n):
+                    QK[t, s] = 0.0
+                    GU[t, s] = 0.0
+            # dq's rows hold S g1 (decay_norm_rows): db = dL/db_t = q_t . S g1_t, then dq = b_t S g1_t
+            A = 0.0
+            for t in range(n):
+                x = 0.0
+                h = fb[t]
+                for i in range(F):
+                    y = dq[b, s0 + t, i]
+                    x += np.float64(qf[b, s0 + t, i]) * y
+                    dq[b, s0 + t, i] = h * y
+                db[t] = x
+                A += h * x
+            Ac[c] = A
+            # dq += tril(Gam * g1 V1^T) K; dk = (..)^T Q; dv = tril(Gam * Q K^T)^T g1
+            gemm(0, 0, n, F, n, 1.0, GU, 0, C, kf, qo, F, 1.0, dq, qo, F)
+            gemm(1, 0, n, F, n, 1.0, GU, 0, C, qf, qo, F, 0.0, dk, qo, F)
+            gemm(1, 0, n, M1, n, 1.0, QK, 0, C, g1, vo, M1, 0.0, dv, vo, M1)
+            _pair_factors(dG, db, Gam, fa, GamT, dGT, pv, dfac, b, s0, n)
+            if maps:  # dq's rows are complete
+                res_ok &= map_chunk(xq, qf, dq, mcode, b, s0, n)
+            # S <- tot S + (e * K)^T V1
+            for t in range(n):
+                h = fe[t]
+                for i in range(F):
+                    Kw[t, i] = h * kf[b, s0 + t, i]
+            gemm(1, 0, F, M1, n, 1.0, Kw, 0, F, v1, vo, M1, 0.0, part, 0, M1)
+            tot = fb[n - 1]
+            for i in range(F):
+                for m in range(M1):
+                    H[i, m] = tot * H[i, m] + part[i, m]
+        for i in range(F):
+            for m in range(M1):
+                res_ok &= is_finite(H[i, m])
+        # ------------------------------------------------------------------
+        # pass 2, chunks in reverse: R, the inter-chunk parts of dk and dv and of the factor gradient
+        # ------------------------------------------------------------------
+        U = 0.0  # <dH_N, S_N>: the final state's pairs
+        if has_dHN:
+            for i in range(F):
+                for m in range(M1):
+                    U += dHN[b, i, m] * H[i, m]
+        R = H  # the final state is no longer needed: its storage holds the adjoint
+        start_adjoint(R, dHN, b, has_dHN)
+        for c in range(nch - 1, -1, -1):
+            s0 = c * C
+            n = min(C, N - s0)
+            qo = (b * N + s0) * F
+            vo = (b * N + s0) * M1
+            chunk_decays(lg, b, s0, n, fa, fb, fe, Gam)
+            copy_state(R, Hw)
+            copy_state_t(R, Ht)
+            # X = K R: dv += e * X; pv[s] = k_s . R v1_s = dL/de_s
+            gemm(0, 0, n, M1, F, 1.0, kf, qo, F, Hw, 0, M1, 0.0, X, 0, M1)
+            Bc = 0.0
+            for s in range(n):
+                x = 0.0
+                h = fe[s]
+                xr = X[s]
+                dr = dv[b, s0 + s]
+                ur = v1[b, s0 + s]
+                wr = Vw[s]
+                for m in range(M1):
+                    y = xr[m]
+                    u = ur[m]
+                    x += np.float64(y) * np.float64(u)
+                    dr[m] += h * y
+                    wr[m] = h * u
+                pv[s] = x
+                Bc += h * x
+            # dk += (e * V1) R^T
+            gemm(0, 0, n, F, M1, 1.0, Vw, 0, M1, Ht, 0, F, 1.0, dk, qo, F)
+            tot = fb[n - 1]
+            # tau = tot <R, S_c>: from the carried pair sums, or at an anchor from S_c itself (where the
+            # carried sum's rounding, a random walk over the chunks since the last anchor, starts again)
+            if c % K == 0:
+                Sa = anchors[b, c // K]
+                x = 0.0
+                for i in range(F):
+                    for m in range(M1):
+                        x += R[i, m] * np.float64(Sa[i, m])
+                tau = tot * x
+            elif tot > 0.0:
+                tau = U - Bc
+            else:
+                tau = 0.0
+            U = tau + Ac[c]
+            # dL/da_j += Gam_{n-1,j} sum_{s<j} Gam_{j-1,s} dL/de_s + tau / a_j
+            y = 0.0
+            for j in range(n):
+                d = Gam[n - 1, j] * y
+                if tot > 0.0:
+                    d += tau / fa[j]
+                dfac[b, s0 + j, 0] += d
+                y = fa[j] * y + pv[j]
+            # R <- tot R + Q^T (b * g1)
+            for t in range(n):
+                h = fb[t]
+                for m in range(M1):
+                    Vw[t, m] = h * g1[b, s0 + t, m]
+            gemm(1, 0, F, M1, n, 1.0, qf, qo, F, Vw, 0, M1, 0.0, part, 0, M1)
+            for i in range(F):
+                for m in range(M1):
+                    R[i, m] = tot * R[i, m] + part[i, m]
+            if maps:  # dk's and dv's rows are complete
+                res_ok &= map_chunk(xk, kf, dk, mcode, b, s0, n)
+                res_ok &= rows_finite(dv, b, s0, n, M)
+        for i in range(F):
+            for m in range(M1):
+                dH0[b, i, m] = R[i, m]
+        flags[b, 0] = not g_ok
+        flags[b, 1] = not res_ok
+
+
+decay_backward_kernel_serial, decay_backward_kernel = serial_and_parallel(
+    _decay_backward, fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")
