@@ -142,10 +142,10 @@ def cpu_backward_chunk(n: int, f: int, m: int, dtype) -> int:
     return max(1, min(int(c), int(n)))
 
 
-#: The decay rule's normalised CPU backward runs with no chunk states kept between its passes
-#: (``linattn_nb.ops.grad._cpu_chunked_decay``; docs/design-cpu.md) where every chunk of every sequence
-#: decays by at least this factor (the product of its decays); elsewhere the kernel that keeps them (a
-#: value above 1: always).  Its chunk-spanning term is a difference of pair sums, divided by a factor of
+#: The decay rule's normalised CPU backward runs the kernel that keeps the state of every
+#: :data:`BACKWARD_DECAY_ANCHOR`-th chunk only (``linattn_nb.ops.grad._cpu_chunked_decay``;
+#: docs/design-cpu.md) where every chunk of every sequence decays by at least this factor (the product of
+#: its decays); elsewhere the kernel that keeps every chunk's state (a value above 1: always).  Its chunk-spanning term is a difference of pair sums, divided by a factor of
 #: the chunk for ``dL/da``: this floor bounds how much that division can magnify its rounding.
 BACKWARD_DECAY_CARRY_MIN = _env_float("LINATTN_BACKWARD_DECAY_CARRY_MIN", 2.0 ** -10)
 

@@ -1,6 +1,6 @@
-"""The normalised decay rule's CPU backward in two passes, with no chunk states kept between them (kernel of
-:func:`linattn_nb.ops.grad.cpu.backward_chunked_normalized` for the decay rule where every chunk's decay is
-at least :data:`linattn_nb.config.BACKWARD_DECAY_CARRY_MIN`).
+"""The normalised decay rule's CPU backward in two passes that keep the state of every few chunks only (kernel
+of :func:`linattn_nb.ops.grad.cpu.backward_chunked_normalized` for the decay rule where every chunk's decay
+is at least :data:`linattn_nb.config.BACKWARD_DECAY_CARRY_MIN`).
 
 Design: ``docs/design-cpu.md``, "Chunked backward of normalised outputs" ("The decay rule").
 """
@@ -50,17 +50,19 @@ def _decay_backward(qf, kf, v1, g, H0, dHN, has_dHN, lg, C, anchors, K, eps, flo
     from ``S_c``; the reverse pass (with the adjoint ``R_{c+1}`` after each chunk) adds the parts through
     ``R_{c+1}``.  One term pairs the two: ``tau_c = tot_c <R_{c+1}, S_c>``, the gradient of the log of the
     chunk's total decay ``tot_c`` along the state, which every factor of the chunk receives (``tau_c / a_j``
-    for ``dL/da_j``).  Rather than keep each ``S_c`` for it, the reverse pass carries ``U_c``, the
+    for ``dL/da_j``).  Rather than keep every ``S_c`` for it, the reverse pass carries ``U_c``, the
     weighted sum of the query-key pairs whose key comes before chunk c and whose query comes at or after
     it: ``U_{c+1} = tau_c + B_c`` and ``U_c = tau_c + A_c``, where ``A_c = sum_t b_t q_t . S_c g1_t`` (the
     pairs that reach the chunk's rows through ``S_c``, first pass) and ``B_c = sum_s e_s k_s . R_{c+1}
     v1_s`` (the pairs that leave its keys through ``R_{c+1}``, reverse pass), from ``U_N = <dH_N, S_N>``.
-    The subtraction ``tau_c = U_{c+1} - B_c`` costs about eps |B_c| (pairs between neighbouring chunks,
-    of the size of the factor gradients themselves); the launcher runs this kernel only where every
-    chunk's ``tot_c`` is at least :data:`linattn_nb.config.BACKWARD_DECAY_CARRY_MIN`, so that dividing
-    by a factor of the chunk cannot magnify it much.
+    Each subtraction ``tau_c = U_{c+1} - B_c`` costs about eps (|A|, |B|) of a chunk, and those errors add
+    up as a random walk; so every ``K``-th chunk (``c % K == 0``) keeps its ``S_c`` in ``anchors[b, c // K]``
+    (working dtype, (B, ceil(chunks / K), F, M + 1)), where ``tau_c`` is computed from it and the walk
+    starts again.  The launcher runs this kernel only where every chunk's ``tot_c`` is at least
+    :data:`linattn_nb.config.BACKWARD_DECAY_CARRY_MIN`, so that dividing by a factor of the chunk cannot
+    magnify the rounding much.
 
-    Arguments as the additive kernel's, with ``lg`` (B, N, 1) the log-decays and ``dfac`` (B, N, 1)
+    Other arguments as the additive kernel's, with ``lg`` (B, N, 1) the log-decays and ``dfac`` (B, N, 1)
     float64 receiving ``dL/da``.
     """
     B, N, F = qf.shape

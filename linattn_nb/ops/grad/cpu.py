@@ -300,17 +300,16 @@ def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, have=None, norm=Non
 
 def decay_carries(lg, C) -> bool:
     """Whether the decay rule's normalised backward on log-decays ``lg`` (B, N, 1) in chunks of ``C`` runs
-    the kernel that keeps no chunk states (:mod:`linattn_nb.ops.grad._cpu_chunked_decay`): every chunk's
-    product of decays at least :data:`linattn_nb.config.BACKWARD_DECAY_CARRY_MIN` (False for a NaN, or a
-    reset within a chunk)."""
+    the kernel that keeps the state of every few chunks only (:mod:`linattn_nb.ops.grad._cpu_chunked_decay`):
+    every chunk's product of decays at least :data:`linattn_nb.config.BACKWARD_DECAY_CARRY_MIN` (False for
+    a NaN, or a reset within a chunk)."""
     floor = float(config.BACKWARD_DECAY_CARRY_MIN)
     if not 0.0 < floor <= 1.0:
         return False
     N = lg.shape[1]
     if N == 0:
         return True
-    with np.errstate(invalid="ignore"):  # -inf + inf cannot occur (log-decays are <= 0); NaN compares False
-        sums = np.add.reduceat(lg[:, :, 0], np.arange(0, N, C), axis=1)
+    sums = np.add.reduceat(lg[:, :, 0], np.arange(0, N, C), axis=1)  # a NaN's sum compares False
     return bool((sums >= np.log(floor)).all())
 
 
