@@ -142,18 +142,18 @@ def cpu_backward_chunk(n: int, f: int, m: int, dtype) -> int:
     return max(1, min(int(c), int(n)))
 
 
-#: The decay rule's normalised CPU backward runs the kernel that keeps the state of every
-#: :data:`BACKWARD_DECAY_ANCHOR`-th chunk only (``linattn_nb.ops.grad._cpu_chunked_decay``;
-#: docs/design-cpu.md) where every chunk of every sequence decays by at least this factor (the product of
-#: its decays); elsewhere the kernel that keeps every chunk's state (a value above 1: always).  Its chunk-spanning term is a difference of pair sums, divided by a factor of
-#: the chunk for ``dL/da``: this floor bounds how much that division can magnify its rounding.
-BACKWARD_DECAY_CARRY_MIN = _env_float("LINATTN_BACKWARD_DECAY_CARRY_MIN", 2.0 ** -10)
-
-
-#: That backward keeps the state before every this-many-th chunk (an anchor): there the chunk-spanning
-#: term is computed from the state itself, and the carried sums' rounding (a random walk over the chunks
-#: since the last anchor) starts again.  1 keeps every chunk's state.
+#: The decay rule's normalised CPU backward keeps the state before every this-many-th chunk only (an
+#: anchor; ``linattn_nb.ops.grad._cpu_chunked_decay``, docs/design-cpu.md) and carries the gradient that
+#: crosses the other chunks as sums of pairs; at an anchor that gradient comes from the state itself, and
+#: the carried sums' rounding (a random walk over the chunks since the last anchor) starts again.  1 keeps
+#: every chunk's state in that kernel; 0 runs the kernel before it, which keeps every chunk's state and does
+#: all but the states in its reverse pass.
 BACKWARD_DECAY_ANCHOR = _env_int("LINATTN_BACKWARD_DECAY_ANCHOR", 4)
+
+#: A chunk whose product of decays is below this is an anchor too: between anchors that gradient is
+#: divided by a factor of the chunk, and this floor bounds how much the division can magnify the carried
+#: rounding.  A value above 1 makes every chunk an anchor.
+BACKWARD_DECAY_CARRY_MIN = _env_float("LINATTN_BACKWARD_DECAY_CARRY_MIN", 2.0 ** -10)
 
 
 #: Chunk size and row block of the normalised additive rule's fused CPU backward

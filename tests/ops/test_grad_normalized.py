@@ -151,15 +151,18 @@ def test_flags_a_gradient_not_finite_and_an_overflow(rule):
     assert g_ok and not res_ok
 
 
-# (rule, log-factor, the array the kernel keeps, its shape): the decay rule keeps every fourth chunk's state
-# (config.BACKWARD_DECAY_ANCHOR) where each chunk decays by at least 2^-10, every chunk's state below that
-@pytest.mark.parametrize("rule, lf, kept, shape", [(RULE_DECAY, -0.05, "anchors", (2, 2, 5, 4)),
-                                                   (RULE_DECAY, -0.9, "ck", (2, 6, 5, 4)),
-                                                   (RULE_GATE, -0.05, "ck", (2, 6, 5, 4))])
-def test_chunk_states_from_the_callers_empty(rule, lf, kept, shape):
+# (rule, log-factor, config.BACKWARD_DECAY_ANCHOR, the array the kernel keeps, its shape): the decay rule keeps
+# every fourth chunk's state, and that of every chunk that decays by more than 2^-10 (-0.9 * 8 tokens; not the
+# last chunk's 5 tokens); with anchors 0, the kernel that keeps every chunk's state
+@pytest.mark.parametrize("rule, lf, anchor, kept, shape", [(RULE_DECAY, -0.05, 4, "anchors", (2, 2, 5, 4)),
+                                                           (RULE_DECAY, -0.9, 4, "anchors", (2, 5, 5, 4)),
+                                                           (RULE_DECAY, -0.05, 0, "ck", (2, 6, 5, 4)),
+                                                           (RULE_GATE, -0.05, 4, "ck", (2, 6, 5, 4))])
+def test_chunk_states_from_the_callers_empty(rule, lf, anchor, kept, shape, monkeypatch):
     """``empty``: the decay and gate rules' chunk-start states come from the caller's maker (a work array it
     keeps, NaN-filled here: every element the kernel reads it writes first), the same gradients bit for bit
     as with a fresh array, called again on the same array."""
+    monkeypatch.setattr(la.config, "BACKWARD_DECAY_ANCHOR", anchor)
     qf, kf, v1, H0, g, dHN = _inputs(2, 45, 5, 3, np.float32, seed=4, state=True, grad_state=True)
     inputs = {RULE_DECAY: {"log_decay": np.full((2, 45), lf)},
               RULE_GATE: {"log_gate": np.full((2, 45, 5), lf)}}[rule]
@@ -423,13 +426,20 @@ def test_vjp_log_decay_gradient_unchanged_by_the_fused_product():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the decay rule's kernel that keeps no state of every chunk (ops/grad/_cpu_chunked_decay.py): it runs where each
-# chunk decays by at least config.BACKWARD_DECAY_CARRY_MIN, and carries the chunk-spanning term of the factor
-# gradient as sums of pairs between the anchors (every BACKWARD_DECAY_ANCHOR-th chunk's state)
+# the decay rule's kernel that keeps the states of a few chunks only (ops/grad/_cpu_chunked_decay.py): every
+# BACKWARD_DECAY_ANCHOR-th chunk's and those of the chunks that decay by more than BACKWARD_DECAY_CARRY_MIN; it
+# carries the chunk-spanning term of the factor gradient as sums of pairs between them
 # ---------------------------------------------------------------------------------------------------------------
-def _mild(B, N, seed, lo=-0.03):
-    """Log-decays whose chunks (up to 64 tokens) decay by at least 2^-10: the carrying kernel's inputs."""
-    return {"log_decay": np.random.default_rng(seed + 300).uniform(lo, -0.0005, (B, N))}
+def _decays(kind, B, N, seed):
+    """Log-decays: "mild" (every chunk of up to 64 tokens decays by at least 2^-10: anchors by spacing only),
+    "mixed" (strong stretches and a reset in sequence 0: anchors by strength too)."""
+    rng = np.random.default_rng(seed + 300)
+    lg = rng.uniform(-0.03, -0.0005, (B, N))
+    if kind == "mixed":
+        lg[0, N // 3:N // 2] = rng.uniform(-2.0, -0.5, N // 2 - N // 3)
+        lg[0, (2 * N) // 3] = -np.inf
+        lg[-1, -5:] = -3.0
+    return {"log_decay": lg}
 
 
 def _kept(qf, kf, v1, H0, g, dHN, **kw):
@@ -448,20 +458,21 @@ def _kept(qf, kf, v1, H0, g, dHN, **kw):
 @pytest.mark.parametrize("N,chunk", [(1, None), (2, 1), (7, 3), (32, None), (33, None), (45, 8), (97, 5),
                                      (130, 64)])
 @pytest.mark.parametrize("anchor", [1, 2, 4, 1000])
+@pytest.mark.parametrize("kind", ["mild", "mixed"])
 @pytest.mark.parametrize("state", [False, True])
-def test_decay_without_kept_states_matches_reference(dtype, N, chunk, anchor, state, nan_outputs, monkeypatch):
+def test_decay_with_anchors_matches_reference(dtype, N, chunk, anchor, kind, state, nan_outputs, monkeypatch):
     """Every output against the float64 reference, at edge lengths (one token, one chunk, one more, chunks
-    that are not a multiple of the anchors' spacing), with and without an initial state and ``dH_N``, with
-    the normaliser's floor active on some rows."""
+    that are not a multiple of the anchors' spacing), with strong decays and a reset or not, with and without
+    an initial state and ``dH_N``, with the normaliser's floor active on some rows."""
     monkeypatch.setattr(la.config, "BACKWARD_DECAY_ANCHOR", anchor)
     qf, kf, v1, H0, g, dHN = _inputs(2, N, 5, 3, dtype, seed=N + anchor, state=state, grad_state=state)
     qf[:, ::4] *= 1e-6  # rows below the floor
-    inputs = _mild(2, N, N)
+    inputs = _decays(kind, 2, N, N)
     ref, g1_ref = _reference(qf, kf, v1, H0, g, dHN, 1e-3, inputs)
     g1 = np.full((2, N, 4), np.nan, dtype)
     (grads, g_ok, res_ok), made = _kept(qf, kf, v1, H0, g, dHN, chunk=chunk, g1=g1, rule=RULE_DECAY, inputs=inputs,
                                         eps=1e-3)
-    assert made == {"anchors"}  # the carrying kernel ran
+    assert made == {"anchors"}  # this kernel ran
     assert g_ok and res_ok
     _close(g1, g1_ref, dtype, "g1")
     for name in ("dq", "dk", "dv", "dH0", "dfactor"):
@@ -470,17 +481,19 @@ def test_decay_without_kept_states_matches_reference(dtype, N, chunk, anchor, st
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("code", MAP_CODES)
-def test_decay_without_kept_states_agrees_with_the_kernel_that_keeps_them(dtype, code, monkeypatch):
+@pytest.mark.parametrize("kind", ["mild", "mixed"])
+def test_decay_with_anchors_agrees_with_the_kernel_that_keeps_every_state(dtype, code, kind, monkeypatch):
     """The two decay kernels on the same call, with the map's VJP in the kernel, ``log_grad`` and ``dH_N``:
-    the same gradients (to rounding: float64 1e-12, float32 at its own precision)."""
+    the same gradients (to rounding: float64 1e-12, float32 at its own precision), 0 at the reset."""
     B, N, F, M = 3, 150, 6, 4
     xq, xk = _map_inputs(B, N, F, dtype, seed=code + 20)
     qf, kf = (_maps.features(x, code, dtype)[0] for x in (xq, xk))
     _, _, v1, H0, g, dHN = _inputs(B, N, F, M, dtype, seed=21, state=True, grad_state=True)
-    kw = dict(chunk=16, rule=RULE_DECAY, inputs=_mild(B, N, 22), eps=1e-6, maps=(xq, xk, code), log_grad=True)
+    inputs = _decays(kind, B, N, 22)
+    kw = dict(chunk=16, rule=RULE_DECAY, inputs=inputs, eps=1e-6, maps=(xq, xk, code), log_grad=True)
     runs = []
-    for floor, kept in ((2.0 ** -10, {"anchors"}), (2.0, {"ck", "Ys", "KKs"})):
-        monkeypatch.setattr(la.config, "BACKWARD_DECAY_CARRY_MIN", floor)
+    for anchor, kept in ((4, {"anchors"}), (0, {"ck", "Ys", "KKs"})):
+        monkeypatch.setattr(la.config, "BACKWARD_DECAY_ANCHOR", anchor)
         g1 = np.full((B, N, M + 1), np.nan, dtype)
         (grads, g_ok, res_ok), made = _kept(qf, kf, v1, H0, g, dHN, g1=g1, **kw)
         assert made == kept and g_ok and res_ok
@@ -491,33 +504,42 @@ def test_decay_without_kept_states_agrees_with_the_kernel_that_keeps_them(dtype,
                                             for n in ("dq", "dk", "dv", "dH0", "dfactor")]:
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max(), err_msg=name)
+    if kind == "mixed":
+        assert new.dfactor[0, (2 * N) // 3] == 0.0  # d/dlog a at a reset
 
 
-def test_decay_kernel_choice():
-    """decay_carries: every chunk's product of decays at least BACKWARD_DECAY_CARRY_MIN; a reset, a NaN, a chunk
-    that decays more, or the knob above 1 take the kernel that keeps every chunk's state."""
-    lg = np.full((2, 100, 1), -0.05)  # -log of a chunk's decay, at most log(2^10) = 6.93: 1.6 in chunks of 32
-    assert cpu.decay_carries(lg, 32)
-    assert cpu.decay_carries(lg, 150)  # one chunk of all 100 tokens: 5.0
-    assert not cpu.decay_carries(np.full((2, 100, 1), -0.08), 100)  # 8.0
-    strong = lg.copy()
-    strong[1, 32:64] = -0.25  # chunk 1 of sequence 1: 8.0
-    assert not cpu.decay_carries(strong, 32)
-    assert cpu.decay_carries(strong, 8)  # chunks of 8: 2.0
-    for bad in (-np.inf, np.nan):
-        x = lg.copy()
-        x[0, 50] = bad
-        assert not cpu.decay_carries(x, 32)
-    assert cpu.decay_carries(np.empty((2, 0, 1)), 32)
-    old = la.config.BACKWARD_DECAY_CARRY_MIN
-    try:
-        la.config.BACKWARD_DECAY_CARRY_MIN = 2.0
-        assert not cpu.decay_carries(lg, 32)
-    finally:
-        la.config.BACKWARD_DECAY_CARRY_MIN = old
+def test_decay_anchor_choice(monkeypatch):
+    """decay_anchors: every BACKWARD_DECAY_ANCHOR-th chunk from the first, and every chunk that decays by more
+    than BACKWARD_DECAY_CARRY_MIN (2^-10: -log 6.93), a reset included, numbered in order; None for a NaN or
+    with anchors 0."""
+    lg = np.full((2, 100, 1), -0.05)  # chunks of 10: 0.5
+    lg[1, 40:50] = -0.8  # chunk 4 of sequence 1: 8.0
+    lg[1, 95] = -np.inf  # chunk 9 of sequence 1: a reset
+    slot, count = cpu.decay_anchors(lg, 10)
+    np.testing.assert_array_equal(slot, [[0, -1, -1, -1, 1, -1, -1, -1, 2, -1],
+                                         [0, -1, -1, -1, 1, -1, -1, -1, 2, 3]])
+    assert count == 4 and slot.dtype == np.int64
+    lg[1, 40:50] = -0.9
+    lg[1, 95] = -0.05
+    slot, count = cpu.decay_anchors(lg, 8)  # chunks of 8, the last of 4 tokens; chunk 5 (40-47): 7.2
+    np.testing.assert_array_equal(slot[1], [0, -1, -1, -1, 1, 2, -1, -1, 3, -1, -1, -1, 4])
+    assert count == 5 and slot[0].max() == 3
+    monkeypatch.setattr(la.config, "BACKWARD_DECAY_CARRY_MIN", 2.0)  # above 1: every chunk
+    assert (cpu.decay_anchors(lg, 8)[0] == np.arange(13)).all()
+    monkeypatch.setattr(la.config, "BACKWARD_DECAY_CARRY_MIN", 0.0)  # no floor; a reset is still kept
+    lg[0, 3] = -np.inf
+    np.testing.assert_array_equal(cpu.decay_anchors(lg, 8)[0][0], [0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3])
+    monkeypatch.setattr(la.config, "BACKWARD_DECAY_CARRY_MIN", 2.0 ** -10)
+    slot, count = cpu.decay_anchors(np.empty((2, 0, 1)), 8)
+    assert slot.shape == (2, 0) and count == 0
+    nan = lg.copy()
+    nan[0, 7] = np.nan
+    assert cpu.decay_anchors(nan, 8) is None
+    monkeypatch.setattr(la.config, "BACKWARD_DECAY_ANCHOR", 0)
+    assert cpu.decay_anchors(lg, 8) is None
 
 
-def test_decay_factor_gradient_in_float32_as_close_as_with_kept_states(monkeypatch):
+def test_decay_factor_gradient_in_float32_as_close_as_with_every_state(monkeypatch):
     """The carried sums' rounding, a random walk over the chunks between anchors, keeps the float32 factor
     gradient of a long sequence within 1.5x the per-element error of the kernel that keeps every state
     (measured 1.25x at anchors of 4; with no anchors it grows as the square root of the chunk count, 7x at
@@ -533,8 +555,8 @@ def test_decay_factor_gradient_in_float32_as_close_as_with_kept_states(monkeypat
     ref = cpu.backward_chunked_normalized(q, k, v1, H0, g, rule=RULE_DECAY, inputs=inputs, eps=1e-8)[0].dfactor
     f32 = [x.astype(np.float32) for x in (q, k, v1)] + [H0, g.astype(np.float32)]
     err = {}
-    for floor in (2.0 ** -10, 2.0):
-        monkeypatch.setattr(la.config, "BACKWARD_DECAY_CARRY_MIN", floor)
+    for anchor in (4, 0):
+        monkeypatch.setattr(la.config, "BACKWARD_DECAY_ANCHOR", anchor)
         got = cpu.backward_chunked_normalized(*f32, rule=RULE_DECAY, inputs=inputs, eps=1e-8)[0].dfactor
-        err[floor] = np.median(np.abs(got - ref) / np.abs(ref))
-    assert err[2.0 ** -10] <= 1.5 * err[2.0], err
+        err[anchor] = np.median(np.abs(got - ref) / np.abs(ref))
+    assert err[4] <= 1.5 * err[0], err

@@ -40,8 +40,8 @@ def _pair_factors(dG, db, Gam, fa, GamT, dGT, pv, dfac, b, s0, n):
             pv[t] = aj * pv[t] + dr[t]
 
 
-def _decay_backward(qf, kf, v1, g, H0, dHN, has_dHN, lg, C, anchors, K, eps, floor, g1, dq, dk, dv, dH0, dfac, flags,
-                    xq, xk, mcode, proto):
+def _decay_backward(qf, kf, v1, g, H0, dHN, has_dHN, lg, C, anchors, slot, eps, floor, g1, dq, dk, dv, dH0, dfac,
+                    flags, xq, xk, mcode, proto):
     """Two passes over the chunks of each sequence, as the additive rule's fused kernel
     (:func:`linattn_nb.ops.grad._cpu_chunked_norm._normalized_backward`), with the decays.
 
@@ -56,11 +56,12 @@ def _decay_backward(qf, kf, v1, g, H0, dHN, has_dHN, lg, C, anchors, K, eps, flo
     pairs that reach the chunk's rows through ``S_c``, first pass) and ``B_c = sum_s e_s k_s . R_{c+1}
     v1_s`` (the pairs that leave its keys through ``R_{c+1}``, reverse pass), from ``U_N = <dH_N, S_N>``.
     Each subtraction ``tau_c = U_{c+1} - B_c`` costs about eps (|A|, |B|) of a chunk, and those errors add
-    up as a random walk; so every ``K``-th chunk (``c % K == 0``) keeps its ``S_c`` in ``anchors[b, c // K]``
-    (working dtype, (B, ceil(chunks / K), F, M + 1)), where ``tau_c`` is computed from it and the walk
-    starts again.  The launcher runs this kernel only where every chunk's ``tot_c`` is at least
-    :data:`linattn_nb.config.BACKWARD_DECAY_CARRY_MIN`, so that dividing by a factor of the chunk cannot
-    magnify the rounding much.
+    up as a random walk; so some chunks (anchors: ``slot[b, c] >= 0``) keep their ``S_c`` in
+    ``anchors[b, slot[b, c]]`` (working dtype), where ``<R_{c+1}, S_c>`` is computed from it, and the walk
+    starts again.  The launcher makes an anchor of every few chunks and of every chunk whose ``tot_c`` is
+    below :data:`linattn_nb.config.BACKWARD_DECAY_CARRY_MIN`, so that ``tau_c / a_j`` never divides the
+    carried rounding by a small factor (an anchor's term needs no division: a factor of 0 gets its exact
+    gradient).
 
     Other arguments as the additive kernel's, with ``lg`` (B, N, 1) the log-decays and ``dfac`` (B, N, 1)
     float64 receiving ``dL/da``.
@@ -107,8 +108,8 @@ def _decay_backward(qf, kf, v1, g, H0, dHN, has_dHN, lg, C, anchors, K, eps, flo
             go = (b * N + s0) * M
             chunk_decays(lg, b, s0, n, fa, fb, fe, Gam)
             copy_state_t(H, Ht)
-            if c % K == 0:  # an anchor: tau_c exactly in the reverse pass
-                copy_state(H, anchors[b, c // K])
+            if slot[b, c] >= 0:  # an anchor: <R_{c+1}, S_c> from S_c itself in the reverse pass
+                copy_state(H, anchors[b, slot[b, c]])
             for i in range(F):
                 z[i] = H[i, M]
             gemm(0, 1, n, n, F, 1.0, qf, qo, F, kf, qo, F, 0.0, QK, 0, C)
@@ -198,26 +199,27 @@ def _decay_backward(qf, kf, v1, g, H0, dHN, has_dHN, lg, C, anchors, K, eps, flo
             # dk += (e * V1) R^T
             gemm(0, 0, n, F, M1, 1.0, Vw, 0, M1, Ht, 0, F, 1.0, dk, qo, F)
             tot = fb[n - 1]
-            # tau = tot <R, S_c>: from the carried pair sums, or at an anchor from S_c itself (where the
-            # carried sum's rounding, a random walk over the chunks since the last anchor, starts again)
-            if c % K == 0:
-                Sa = anchors[b, c // K]
-                x = 0.0
+            # tau = tot <R, S_c>: at an anchor from S_c itself (where the carried sums' rounding, a random
+            # walk over the chunks since the last anchor, starts again), else from the carried pair sums
+            anchor = slot[b, c] >= 0
+            x = 0.0
+            if anchor:
+                Sa = anchors[b, slot[b, c]]
                 for i in range(F):
                     for m in range(M1):
                         x += R[i, m] * np.float64(Sa[i, m])
                 tau = tot * x
-            elif tot > 0.0:
-                tau = U - Bc
             else:
-                tau = 0.0
+                tau = U - Bc
             U = tau + Ac[c]
-            # dL/da_j += Gam_{n-1,j} sum_{s<j} Gam_{j-1,s} dL/de_s + tau / a_j
+            # dL/da_j += Gam_{n-1,j} (sum_{s<j} Gam_{j-1,s} dL/de_s + b_{j-1} <R, S_c>), the last term
+            # tau / a_j where carried (the launcher's floor on tot keeps a_j away from 0)
             y = 0.0
             for j in range(n):
-                d = Gam[n - 1, j] * y
-                if tot > 0.0:
-                    d += tau / fa[j]
+                if anchor:
+                    d = Gam[n - 1, j] * (y + (fb[j - 1] if j > 0 else 1.0) * x)
+                else:
+                    d = Gam[n - 1, j] * y + tau / fa[j]
                 dfac[b, s0 + j, 0] += d
                 y = fa[j] * y + pv[j]
             # R <- tot R + Q^T (b * g1)

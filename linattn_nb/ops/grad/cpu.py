@@ -298,38 +298,47 @@ def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, have=None, norm=Non
     return _result(rule, *outs)
 
 
-def decay_carries(lg, C) -> bool:
-    """Whether the decay rule's normalised backward on log-decays ``lg`` (B, N, 1) in chunks of ``C`` runs
-    the kernel that keeps the state of every few chunks only (:mod:`linattn_nb.ops.grad._cpu_chunked_decay`):
-    every chunk's product of decays at least :data:`linattn_nb.config.BACKWARD_DECAY_CARRY_MIN` (False for
-    a NaN, or a reset within a chunk)."""
-    floor = float(config.BACKWARD_DECAY_CARRY_MIN)
-    if not 0.0 < floor <= 1.0:
-        return False
-    N = lg.shape[1]
-    if N == 0:
-        return True
-    sums = np.add.reduceat(lg[:, :, 0], np.arange(0, N, C), axis=1)  # a NaN's sum compares False
-    return bool((sums >= np.log(floor)).all())
+def decay_anchors(lg, C):
+    """The chunks whose start state the decay rule's normalised backward keeps
+    (:mod:`linattn_nb.ops.grad._cpu_chunked_decay`), for log-decays ``lg`` (B, N, 1) in chunks of ``C``:
+    ``(slot, count)``, ``slot`` (B, ceil(N / C)) int64 the chunk's place in the kept states or -1, ``count``
+    the most any sequence keeps.  Kept: every :data:`linattn_nb.config.BACKWARD_DECAY_ANCHOR`-th chunk from
+    the first, and every chunk whose product of decays is below
+    :data:`linattn_nb.config.BACKWARD_DECAY_CARRY_MIN` (a reset included).  None where that kernel does not
+    run: ``BACKWARD_DECAY_ANCHOR`` 0, or a NaN log-decay (the kernel that keeps every chunk's state takes
+    it)."""
+    K = int(config.BACKWARD_DECAY_ANCHOR)
+    B, N = lg.shape[:2]
+    if K < 1 or np.isnan(lg).any():
+        return None
+    P = -(-N // C)
+    keep = np.zeros((B, P), bool)
+    keep[:, ::K] = True
+    if N:
+        sums = np.add.reduceat(lg[:, :, 0], np.arange(0, N, C), axis=1)
+        floor = max(float(config.BACKWARD_DECAY_CARRY_MIN), np.finfo(np.float64).tiny)  # a reset: always kept
+        keep |= ~(sums >= np.log(floor))
+    slot = np.cumsum(keep, axis=1, dtype=np.int64) - 1
+    slot[~keep] = -1
+    return slot, int(keep.sum(axis=1).max(initial=0))
 
 
-def _run_decay_carry(qf, kf, v1, H0, g, g1, dHN, lg, C, eps, flags, maps, empty):
-    """The decay rule's normalised backward that keeps the state of every
-    :data:`~linattn_nb.config.BACKWARD_DECAY_ANCHOR`-th chunk only (arguments as
-    :func:`backward_chunked_normalized`'s, checked; ``maps`` from :func:`_map_args`)."""
+def _run_decay_carry(qf, kf, v1, H0, g, g1, dHN, lg, C, eps, flags, maps, empty, anchors):
+    """The decay rule's normalised backward that keeps the states of the chunks :func:`decay_anchors` names
+    (``anchors`` its result; other arguments as :func:`backward_chunked_normalized`'s, checked; ``maps`` from
+    :func:`_map_args`)."""
     from ._cpu_chunked_decay import decay_backward_kernel, decay_backward_kernel_serial
 
     B, N, F = qf.shape
     M1 = v1.shape[2]
     wt = qf.dtype
-    K = max(1, int(config.BACKWARD_DECAY_ANCHOR))
-    P = -(-N // C)
-    anchors = _empty(empty)("anchors", (B, -(-P // K), F, M1), wt)  # the states before chunks 0, K, 2K, ...
+    slot, count = anchors
+    kept = _empty(empty)("anchors", (B, count, F, M1), wt)
     dq, dk, dv, dH0, dfac, dbeta = _outputs(RULE_DECAY, B, N, F, M1, wt)
     kernel = pick(decay_backward_kernel_serial, decay_backward_kernel, items=B, work=B * N * F * M1,
                   limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
     with single_threaded_blas(kernel is decay_backward_kernel):
-        kernel(qf, kf, v1, g, H0, H0 if dHN is None else dHN, dHN is not None, lg, np.int64(C), anchors, np.int64(K),
+        kernel(qf, kf, v1, g, H0, H0 if dHN is None else dHN, dHN is not None, lg, np.int64(C), kept, slot,
                float(eps) if eps is not None else 0.0, eps is not None, g1, dq, dk, dv, dH0, dfac, flags, *maps,
                np.empty(0, wt))
     return _result(RULE_DECAY, dq, dk, dv, dH0, dfac, dbeta)
@@ -425,8 +434,9 @@ def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=
             raise ValueError(f"chunk must be >= 1, got {C}")
         C = min(C, N)
         flags = np.zeros((B, 2), np.bool_)
-        if decay_carries(lg, C):
-            grads = _run_decay_carry(qf, kf, v1, H0, g, g1, dHN, lg, C, eps, flags, margs, empty)
+        anchors = decay_anchors(lg, C)
+        if anchors is not None:
+            grads = _run_decay_carry(qf, kf, v1, H0, g, g1, dHN, lg, C, eps, flags, margs, empty, anchors)
         else:
             grads = _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, norm=(g, eps, flags), maps=margs,
                                        empty=empty)
