@@ -1,6 +1,6 @@
-"""The normalised decay rule's CPU backward in two passes that keep the state of every few chunks only (kernel
-of :func:`linattn_nb.ops.grad.cpu.backward_chunked_normalized` for the decay rule where every chunk's decay
-is at least :data:`linattn_nb.config.BACKWARD_DECAY_CARRY_MIN`).
+"""The normalised decay rule's CPU backward in two passes that keep the states of a few chunks only (kernel
+of :func:`linattn_nb.ops.grad.cpu.backward_chunked_normalized` for the decay rule; the chunks: see
+:func:`linattn_nb.ops.grad.cpu.decay_anchors`).
 
 Design: ``docs/design-cpu.md``, "Chunked backward of normalised outputs" ("The decay rule").
 """
