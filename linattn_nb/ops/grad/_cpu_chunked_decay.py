@@ -7,37 +7,14 @@ Design: ``docs/design-cpu.md``, "Chunked backward of normalised outputs" ("The d
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from ... import config
 from .._gemm import gemm
 from .._twins import serial_and_parallel
 from .._vec import is_finite
 from ._cpu_chunked import copy_state, copy_state_t, map_chunk, rows_finite, start_adjoint
-from ._cpu_chunked_delta import chunk_decays, decay_norm_rows
-
-
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _pair_factors(dG, db, Gam, fa, GamT, dGT, pv, dfac, b, s0, n):
-    """``dfac[b, s0 + j, 0] = dL/da_j`` from one chunk's weights: ``dG[t, s] = dL/dGam_ts`` (s <= t, the
-    intra-chunk pairs) and ``db[t] = dL/db_t`` (the chunk-start state's weight on row t), with
-    ``dGam_ts/da_j = Gam_{t,j} Gam_{j-1,s}`` for ``s < j <= t`` (``s = -1``: ``b``).  No division: a
-    factor of 0 gives its exact gradient."""
-    for t in range(n):
-        pv[t] = db[t]
-        for s in range(t + 1):
-            GamT[s, t] = Gam[t, s]
-            dGT[s, t] = dG[t, s]
-    for j in range(n):
-        x = 0.0
-        gr = GamT[j]
-        for t in range(j, n):
-            x += gr[t] * pv[t]
-        dfac[b, s0 + j, 0] = x
-        aj = fa[j]
-        dr = dGT[j]
-        for t in range(j + 1, n):
-            pv[t] = aj * pv[t] + dr[t]
+from ._cpu_chunked_delta import chunk_decays, decay_norm_rows, pair_factors
 
 
 def _decay_backward(qf, kf, v1, g, H0, dHN, has_dHN, lg, C, anchors, slot, eps, floor, g1, dq, dk, dv, dH0, dfac,
@@ -144,7 +121,7 @@ def _decay_backward(qf, kf, v1, g, H0, dHN, has_dHN, lg, C, anchors, slot, eps, 
             gemm(0, 0, n, F, n, 1.0, GU, 0, C, kf, qo, F, 1.0, dq, qo, F)
             gemm(1, 0, n, F, n, 1.0, GU, 0, C, qf, qo, F, 0.0, dk, qo, F)
             gemm(1, 0, n, M1, n, 1.0, QK, 0, C, g1, vo, M1, 0.0, dv, vo, M1)
-            _pair_factors(dG, db, Gam, fa, GamT, dGT, pv, dfac, b, s0, n)
+            pair_factors(dG, db, Gam, fa, GamT, dGT, pv, dfac, b, s0, n)
             if maps:  # dq's rows are complete
                 res_ok &= map_chunk(xq, qf, dq, mcode, b, s0, n)
             # S <- tot S + (e * K)^T V1

@@ -88,6 +88,29 @@ def decay_norm_rows(qf, g, z, T, QK, GU, g1, dq, Gam, fb, b, s0, n, eps, floor):
     return g_chk == wz, res_ok
 
 
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def pair_factors(dG, db, Gam, fa, GamT, dGT, pv, dfac, b, s0, n):
+    """``dfac[b, s0 + j, 0] = dL/da_j`` from one chunk's weights: ``dG[t, s] = dL/dGam_ts`` (s <= t, the
+    intra-chunk pairs) and ``db[t] = dL/db_t`` (the chunk-start state's weight on row t), with
+    ``dGam_ts/da_j = Gam_{t,j} Gam_{j-1,s}`` for ``s < j <= t`` (``s = -1``: ``b``).  No division: a
+    factor of 0 gives its exact gradient."""
+    for t in range(n):
+        pv[t] = db[t]
+        for s in range(t + 1):
+            GamT[s, t] = Gam[t, s]
+            dGT[s, t] = dG[t, s]
+    for j in range(n):
+        x = 0.0
+        gr = GamT[j]
+        for t in range(j, n):
+            x += gr[t] * pv[t]
+        dfac[b, s0 + j, 0] = x
+        aj = fa[j]
+        dr = dGT[j]
+        for t in range(j + 1, n):
+            pv[t] = aj * pv[t] + dr[t]
+
+
 #: Row block of the triangular solves: the rows of a block see the earlier blocks through one GEMM,
 #: each other within the block through short vector loops.
 SOLVE_BLOCK = 16
@@ -404,22 +427,7 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
                 for i in range(F):
                     for m in range(M1):
                         R[i, m] = tot * R[i, m] + part[i, m]
-                # dL/da_j = sum_{s < j <= t} dG[t, s] Gam[j - 1, s] Gam[t, j], s = -1 the chunk start
-                for t in range(n):
-                    pv[t] = db[t]
-                    for s in range(t + 1):
-                        GamT[s, t] = Gam[t, s]
-                        dGT[s, t] = dG[t, s]
-                for j in range(n):
-                    x = 0.0
-                    gr = GamT[j]
-                    for t in range(j, n):
-                        x += gr[t] * pv[t]
-                    dfac[b, s0 + j, 0] = x
-                    aj = fa[j]
-                    dr = dGT[j]
-                    for t in range(j + 1, n):
-                        pv[t] = aj * pv[t] + dr[t]
+                pair_factors(dG, db, Gam, fa, GamT, dGT, pv, dfac, b, s0, n)
             else:
                 gemm(0, 0, n, F, M1, -1.0, dY, 0, M1, St, 0, F, 1.0, dk, qo, F)
                 # R <- R + Q^T G - K^T dY
