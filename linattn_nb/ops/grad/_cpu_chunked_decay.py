@@ -14,7 +14,7 @@ from .._gemm import gemm
 from .._twins import serial_and_parallel
 from .._vec import is_finite
 from ._cpu_chunked import copy_state, copy_state_t, map_chunk, rows_finite, start_adjoint
-from ._cpu_chunked_delta import chunk_decays, decay_norm_rows, pair_factors
+from ._cpu_chunked_delta import chunk_decays, decay_dq_rows, decay_norm_rows, decayed_triangles, pair_factors
 
 
 def _decay_backward(qf, kf, v1, g, H0, dHN, has_dHN, lg, C, anchors, slot, eps, floor, g1, dq, dk, dv, dH0, dfac,
@@ -96,27 +96,9 @@ def _decay_backward(qf, kf, v1, g, H0, dHN, has_dHN, lg, C, anchors, slot, eps, 
             g_ok &= ok_g
             res_ok &= ok_r
             # dG = dL/dGam (GU = g1 V1^T now); QK, GU -> their decayed lower triangles
-            for t in range(n):
-                for s in range(t + 1):
-                    dG[t, s] = np.float64(GU[t, s]) * np.float64(QK[t, s])
-                    h = Gam[t, s]
-                    QK[t, s] = QK[t, s] * h
-                    GU[t, s] = GU[t, s] * h
-                for s in range(t + 1, n):
-                    QK[t, s] = 0.0
-                    GU[t, s] = 0.0
+            decayed_triangles(QK, GU, Gam, dG, n, True)
             # dq's rows hold S g1 (decay_norm_rows): db = dL/db_t = q_t . S g1_t, then dq = b_t S g1_t
-            A = 0.0
-            for t in range(n):
-                x = 0.0
-                h = fb[t]
-                for i in range(F):
-                    y = dq[b, s0 + t, i]
-                    x += np.float64(qf[b, s0 + t, i]) * y
-                    dq[b, s0 + t, i] = h * y
-                db[t] = x
-                A += h * x
-            Ac[c] = A
+            Ac[c] = decay_dq_rows(qf, dq, fb, db, b, s0, n)
             # dq += tril(Gam * g1 V1^T) K; dk = (..)^T Q; dv = tril(Gam * Q K^T)^T g1
             gemm(0, 0, n, F, n, 1.0, GU, 0, C, kf, qo, F, 1.0, dq, qo, F)
             gemm(1, 0, n, F, n, 1.0, GU, 0, C, qf, qo, F, 0.0, dk, qo, F)

@@ -89,6 +89,41 @@ def decay_norm_rows(qf, g, z, T, QK, GU, g1, dq, Gam, fb, b, s0, n, eps, floor):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def decay_dq_rows(qf, dq, fb, db, b, s0, n):
+    """Rows [s0, s0 + n) of sequence ``b`` of ``dq``, holding ``S g1_t`` (the chunk-start state's read,
+    undecayed): ``db[t] = q_t . S g1_t`` (``dL/db_t``, float64), then ``dq_t <- b_t S g1_t``.  Returns
+    ``sum_t b_t db[t]``, the pairs that reach the chunk's rows through ``S``."""
+    A = 0.0
+    for t in range(n):
+        x = 0.0
+        h = fb[t]
+        for i in range(qf.shape[2]):
+            y = dq[b, s0 + t, i]
+            x += np.float64(qf[b, s0 + t, i]) * y
+            dq[b, s0 + t, i] = h * y
+        db[t] = x
+        A += h * x
+    return A
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def decayed_triangles(QK, GU, Gam, dG, n, gated):
+    """``QK`` and ``GU`` (rows and columns [0, n)) <- their lower triangles, times ``Gam`` where ``gated``,
+    which then first writes ``dG[t, s] = GU_ts QK_ts`` (float64; ``dL/dGam_ts`` where ``GU`` holds
+    ``g1 U^T``)."""
+    for t in range(n):
+        if gated:
+            for s in range(t + 1):
+                dG[t, s] = np.float64(GU[t, s]) * np.float64(QK[t, s])
+                h = Gam[t, s]
+                QK[t, s] = QK[t, s] * h
+                GU[t, s] = GU[t, s] * h
+        for s in range(t + 1, n):
+            QK[t, s] = 0.0
+            GU[t, s] = 0.0
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def pair_factors(dG, db, Gam, fa, GamT, dGT, pv, dfac, b, s0, n):
     """``dfac[b, s0 + j, 0] = dL/da_j`` from one chunk's weights: ``dG[t, s] = dL/dGam_ts`` (s <= t, the
     intra-chunk pairs) and ``db[t] = dL/db_t`` (the chunk-start state's weight on row t), with
@@ -306,28 +341,12 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
                 res_ok &= ok_r
             else:
                 gemm(0, 1, n, n, M1, 1.0, g1, vo, M1, U, 0, M1, 0.0, GU, 0, C)
-            for t in range(n):
-                if gated:
-                    for s in range(t + 1):
-                        dG[t, s] = np.float64(GU[t, s]) * np.float64(QK[t, s])
-                        h = Gam[t, s]
-                        QK[t, s] = QK[t, s] * h
-                        GU[t, s] = GU[t, s] * h
-                for s in range(t + 1, n):
-                    QK[t, s] = 0.0
-                    GU[t, s] = 0.0
+            decayed_triangles(QK, GU, Gam, dG, n, gated)
             # dq = diag(b) G S^T + tril(Gam * G U^T) K (normalised: G S^T written by decay_norm_rows)
             if not norm:
                 gemm(0, 0, n, F, M1, 1.0, g1, vo, M1, St, 0, F, 0.0, dq, qo, F)
             if gated:
-                for t in range(n):
-                    x = 0.0
-                    h = fb[t]
-                    for i in range(F):
-                        y = dq[b, s0 + t, i]
-                        x += np.float64(qf[b, s0 + t, i]) * y
-                        dq[b, s0 + t, i] = h * y
-                    db[t] = x
+                decay_dq_rows(qf, dq, fb, db, b, s0, n)
             gemm(0, 0, n, F, n, 1.0, GU, 0, C, kf, qo, F, 1.0, dq, qo, F)
             # dk = tril(Gam * G U^T)^T Q + diag(e) U R^T (+ the two terms below)
             gemm(1, 0, n, F, n, 1.0, GU, 0, C, qf, qo, F, 0.0, dk, qo, F)
