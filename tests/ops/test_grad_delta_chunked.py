@@ -248,16 +248,22 @@ def test_saved_checks(nan_outputs):
 
 
 def _spy_saved(monkeypatch):
-    """A list that receives, per call of the chunked delta/decay kernel's launcher, whether it was given the
-    forward's saved chunk values."""
+    """A list that receives, per call of the chunked delta/decay kernels' launchers, whether it was given the
+    forward's saved chunk values (the decay rule's kernel with anchors never is: it keeps its own)."""
     seen = []
     real = cpu._run_chunked_delta
+    real_anchors = cpu._run_decay_carry
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("have", args[9] if len(args) > 9 else None) is not None)
         return real(*args, **kwargs)
 
+    def spy_anchors(*args, **kwargs):
+        seen.append(False)
+        return real_anchors(*args, **kwargs)
+
     monkeypatch.setattr(cpu, "_run_chunked_delta", spy)
+    monkeypatch.setattr(cpu, "_run_decay_carry", spy_anchors)
     return seen
 
 

@@ -560,3 +560,33 @@ def test_decay_factor_gradient_in_float32_as_close_as_with_every_state(monkeypat
         got = cpu.backward_chunked_normalized(*f32, rule=RULE_DECAY, inputs=inputs, eps=1e-8)[0].dfactor
         err[anchor] = np.median(np.abs(got - ref) / np.abs(ref))
     assert err[4] <= 1.5 * err[0], err
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("N,chunk", [(1, None), (7, 3), (33, None), (97, 5), (130, 64)])
+@pytest.mark.parametrize("kind", ["mild", "mixed"])
+@pytest.mark.parametrize("state", [False, True])
+def test_decay_with_anchors_takes_a_given_g1(dtype, N, chunk, kind, state, nan_outputs, monkeypatch):
+    """backward_chunked (a given ``g1 = dL/d[num | den]``: unnormalised outputs) runs the kernel with anchors
+    too: against the naive float64 backward, and the same as the kernel that keeps every state."""
+    qf, kf, v1, H0, g, dHN = _inputs(2, N, 5, 3, dtype, seed=N + 7, state=state, grad_state=state)
+    g1 = np.concatenate([g, np.random.default_rng(N).standard_normal((2, N, 1)).astype(dtype)], axis=2)
+    inputs = _decays(kind, 2, N, N + 1)
+    ref = causal_backward_naive(*(x.astype(np.float64) for x in (qf, kf, v1)), H0, g1.astype(np.float64), dHN,
+                                inputs=inputs, rule=RULE_DECAY)
+    ran = []
+    for kernel in ("_run_decay_carry", "_run_chunked_delta"):
+        monkeypatch.setattr(cpu, kernel, lambda *a, _f=getattr(cpu, kernel), _k=kernel, **kw: (ran.append(_k),
+                                                                                             _f(*a, **kw))[1])
+    got = {}
+    for anchor in (4, 0):
+        monkeypatch.setattr(la.config, "BACKWARD_DECAY_ANCHOR", anchor)
+        g1_before = g1.copy()
+        got[anchor] = cpu.backward_chunked(qf, kf, v1, H0, g1, dHN, chunk=chunk, rule=RULE_DECAY, inputs=inputs)
+        np.testing.assert_array_equal(g1, g1_before)  # read only
+    assert ran == ["_run_decay_carry", "_run_chunked_delta"]
+    for name in ("dq", "dk", "dv", "dH0", "dfactor"):
+        _close(getattr(got[4], name), getattr(ref, name), dtype, name)
+        a, b = (np.asarray(getattr(got[k], name), np.float64) for k in (4, 0))
+        tol = 1e-12 if dtype == np.float64 else 2e-6
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max(), err_msg=name)

@@ -41,7 +41,8 @@ def _decay_backward(qf, kf, v1, g, H0, dHN, has_dHN, lg, C, anchors, slot, eps, 
     gradient).
 
     Other arguments as the additive kernel's, with ``lg`` (B, N, 1) the log-decays and ``dfac`` (B, N, 1)
-    float64 receiving ``dL/da``.
+    float64 receiving ``dL/da``; ``g`` of shape (1, 0, 0): ``g1`` is given (unnormalised outputs, or a
+    caller that has ``dL/d[num | den]``), and ``flags`` stay as they are.
     """
     B, N, F = qf.shape
     M1 = v1.shape[2]
@@ -49,6 +50,7 @@ def _decay_backward(qf, kf, v1, g, H0, dHN, has_dHN, lg, C, anchors, slot, eps, 
     wt = proto.dtype
     nch = (N + C - 1) // C
     maps = xq.shape[1] > 0
+    norm = g.shape[1] > 0
     for b in prange(B):
         H = np.empty((F, M1))
         H[:, :] = H0[b]
@@ -87,14 +89,19 @@ def _decay_backward(qf, kf, v1, g, H0, dHN, has_dHN, lg, C, anchors, slot, eps, 
             copy_state_t(H, Ht)
             if slot[b, c] >= 0:  # an anchor: <R_{c+1}, S_c> from S_c itself in the reverse pass
                 copy_state(H, anchors[b, slot[b, c]])
-            for i in range(F):
-                z[i] = H[i, M]
             gemm(0, 1, n, n, F, 1.0, qf, qo, F, kf, qo, F, 0.0, QK, 0, C)
-            gemm(0, 0, n, F, M, 1.0, g, go, M, Ht, 0, F, 0.0, T, 0, F)
-            gemm(0, 1, n, n, M, 1.0, g, go, M, v1, vo, M1, 0.0, GU, 0, C)
-            ok_g, ok_r = decay_norm_rows(qf, g, z, T, QK, GU, g1, dq, Gam, fb, b, s0, n, eps, floor)
-            g_ok &= ok_g
-            res_ok &= ok_r
+            if norm:
+                # g1's rows from g: T = G S^T and GU = G V^T first (M columns), then per row
+                for i in range(F):
+                    z[i] = H[i, M]
+                gemm(0, 0, n, F, M, 1.0, g, go, M, Ht, 0, F, 0.0, T, 0, F)
+                gemm(0, 1, n, n, M, 1.0, g, go, M, v1, vo, M1, 0.0, GU, 0, C)
+                ok_g, ok_r = decay_norm_rows(qf, g, z, T, QK, GU, g1, dq, Gam, fb, b, s0, n, eps, floor)
+                g_ok &= ok_g
+                res_ok &= ok_r
+            else:  # g1 given: GU = g1 V1^T, dq = g1 S^T
+                gemm(0, 1, n, n, M1, 1.0, g1, vo, M1, v1, vo, M1, 0.0, GU, 0, C)
+                gemm(0, 0, n, F, M1, 1.0, g1, vo, M1, Ht, 0, F, 0.0, dq, qo, F)
             # dG = dL/dGam (GU = g1 V1^T now); QK, GU -> their decayed lower triangles
             decayed_triangles(QK, GU, Gam, dG, n, True)
             # dq's rows hold S g1 (decay_norm_rows): db = dL/db_t = q_t . S g1_t, then dq = b_t S g1_t
@@ -196,8 +203,9 @@ def _decay_backward(qf, kf, v1, g, H0, dHN, has_dHN, lg, C, anchors, slot, eps, 
         for i in range(F):
             for m in range(M1):
                 dH0[b, i, m] = R[i, m]
-        flags[b, 0] = not g_ok
-        flags[b, 1] = not res_ok
+        if norm or maps:
+            flags[b, 0] = not g_ok
+            flags[b, 1] = not res_ok
 
 
 decay_backward_kernel_serial, decay_backward_kernel = serial_and_parallel(

@@ -155,7 +155,13 @@ def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADD
     if C < 1:
         raise ValueError(f"chunk must be >= 1, got {C}")
     C = min(C, N)
-    if delta or rule == RULE_DECAY:  # the decay rule: the same kernel without the WY/UT transform
+    if rule == RULE_DECAY:
+        anchors = decay_anchors(lg, C)
+        if anchors is not None:
+            g, _, _, flags = _no_norm(qf.dtype)
+            return _run_decay_carry(qf, kf, v1, H0, g, g1, dHN, lg, C, None, flags, _no_maps(qf.dtype), None,
+                                    anchors)
+    if delta or rule == RULE_DECAY:  # the decay rule (a NaN log-decay, or no anchors): without the WY/UT transform
         return _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C)
     from ._cpu_chunked import chunked_backward_kernel, chunked_backward_kernel_serial
 
