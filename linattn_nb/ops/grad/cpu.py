@@ -130,8 +130,9 @@ def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADD
     """Gradients of causal linear attention in GEMM-shaped chunks (every rule).
 
     As :func:`backward_scan`, ``chunk`` (the chunk size; default from :mod:`linattn_nb.config`)
-    replacing ``checkpoint``.  The decay and delta rules run the adjoint of the WY/UT chunk form
-    (``docs/design-cpu.md``, "Chunked backward").  ``saved`` (the decay and delta rules: :func:`takes_saved`):
+    replacing ``checkpoint``.  The delta rules run the adjoint of the WY/UT chunk form
+    (``docs/design-cpu.md``, "Chunked backward"); the decay rule the kernel that keeps a few chunks' states
+    (:func:`decay_anchors`), or with ``saved`` (or NaN log-decays) that form without the transform.  ``saved`` (the decay and delta rules: :func:`takes_saved`):
     ``(C, ck, Ys, KKs)`` as a forward :func:`~linattn_nb.ops.causal.chunked.causal_chunked` with ``chunk=C``
     saved them on these features (:func:`save_arrays`); the first pass, which would compute them again, is
     skipped.
@@ -352,7 +353,7 @@ def _run_decay_carry(qf, kf, v1, H0, g, g1, dHN, lg, C, eps, flags, maps, empty,
 
 def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=None, block=None, g1=None,
                                 rule=RULE_ADDITIVE, inputs=None, maps=None, log_grad=False, empty=None):
-    """Gradients of normalised causal attention (the additive and decay rules) from ``g = dL/dout``, no
+    """Gradients of normalised causal attention (the additive, decay and gate rules) from ``g = dL/dout``, no
     forward run.
 
     Where :func:`backward_chunked` takes ``g1 = dL/d[num | den]``, which needs the forward's outputs
@@ -375,9 +376,10 @@ def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=
     g1 : ndarray, optional
         (B, N, M + 1) array of the working dtype that receives ``dL/d[num | den]`` (default a new one).
     rule, inputs
-        :data:`~linattn_nb.ops._codes.RULE_ADDITIVE` or ``RULE_DECAY`` (its ``inputs`` as
-        :func:`backward_chunked`'s); the decay rule runs the kernel of :func:`backward_chunked` with its
-        reverse pass writing ``g1`` chunk by chunk.
+        :data:`~linattn_nb.ops._codes.RULE_ADDITIVE`, ``RULE_DECAY`` or ``RULE_GATE`` (their ``inputs`` as
+        :func:`backward_chunked`'s); the decay rule runs the kernel that keeps a few chunks' states
+        (:func:`decay_anchors`; NaN log-decays: the one that keeps every chunk's state and writes ``g1`` in
+        its reverse pass).
     maps : tuple, optional
         ``(xq, xk, code)``: the inputs (B, N, F) of the working dtype of an elementwise feature map ``code``
         (:data:`linattn_nb.ops.grad._maps.ELEMENTWISE_CODES`) whose outputs are ``qf``, ``kf``; read only
