@@ -104,7 +104,7 @@ def _decay_backward(qf, kf, v1, g, H0, dHN, has_dHN, lg, C, anchors, slot, eps, 
                 gemm(0, 0, n, F, M1, 1.0, g1, vo, M1, Ht, 0, F, 0.0, dq, qo, F)
             # dG = dL/dGam (GU = g1 V1^T now); QK, GU -> their decayed lower triangles
             decayed_triangles(QK, GU, Gam, dG, n, True)
-            # dq's rows hold S g1 (decay_norm_rows): db = dL/db_t = q_t . S g1_t, then dq = b_t S g1_t
+            # dq's rows hold S g1 (either branch): db = dL/db_t = q_t . S g1_t, then dq = b_t S g1_t
             Ac[c] = decay_dq_rows(qf, dq, fb, db, b, s0, n)
             # dq += tril(Gam * g1 V1^T) K; dk = (..)^T Q; dv = tril(Gam * Q K^T)^T g1
             gemm(0, 0, n, F, n, 1.0, GU, 0, C, kf, qo, F, 1.0, dq, qo, F)
