@@ -156,7 +156,7 @@ BACKWARD_DECAY_ANCHOR = _env_int("LINATTN_BACKWARD_DECAY_ANCHOR", 4)
 BACKWARD_DECAY_CARRY_MIN = _env_float("LINATTN_BACKWARD_DECAY_CARRY_MIN", 2.0 ** -10)
 
 
-#: Chunk size and row block of the normalised additive rule's fused CPU backward
+#: Chunk size and row block of the fused CPU backward of the normalised additive and decay rules
 #: (``linattn_nb.ops.grad.cpu.backward_chunked_normalized``; docs/design-cpu.md).  0 (default) picks
 #: :func:`cpu_backward_norm_chunk` and :func:`cpu_backward_norm_block`.
 BACKWARD_NORM_CHUNK = _env_int("LINATTN_BACKWARD_NORM_CHUNK", 0)
@@ -164,8 +164,8 @@ BACKWARD_NORM_BLOCK = _env_int("LINATTN_BACKWARD_NORM_BLOCK", 0)
 
 
 def cpu_backward_norm_chunk(n: int, f: int, m1: int, dtype) -> int:
-    """Chunk size of the normalised additive rule's fused CPU backward (``BACKWARD_NORM_CHUNK`` if set,
-    else 48), at most ``max(n, 1)``.
+    """Chunk size of the fused CPU backward of the normalised additive and decay rules (``BACKWARD_NORM_CHUNK``
+    if set, else 48), at most ``max(n, 1)``.
 
     48 with row blocks of 8 (docs/design-cpu.md, "Chunked backward of normalised outputs"): at f = m = 64,
     float32, one core, 2.68x the forward's CPU time against 2.81x at 32, 2.75x at 64 and 2.95x for whole

@@ -590,3 +590,34 @@ def test_decay_with_anchors_takes_a_given_g1(dtype, N, chunk, kind, state, nan_o
         a, b = (np.asarray(getattr(got[k], name), np.float64) for k in (4, 0))
         tol = 1e-12 if dtype == np.float64 else 2e-6
         np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("N,chunk,block", [(50, 16, 1), (50, 16, 3), (50, 16, 16), (97, 48, 7), (97, 48, 48),
+                                           (40, 5, 64)])
+@pytest.mark.parametrize("given_g1", [False, True])
+def test_decay_with_anchors_in_row_blocks(dtype, N, chunk, block, given_g1, nan_outputs, monkeypatch):
+    """The decay kernel's intra-chunk products in row blocks (the upper triangle of the diagonal blocks only):
+    blocks of one row, blocks that do not divide the chunk, one block a chunk, a block wider than the chunk;
+    the normalised launcher (``block=``) and ``backward_chunked`` with a given ``g1`` (the config's block)."""
+    qf, kf, v1, H0, g, dHN = _inputs(2, N, 5, 3, dtype, seed=N + block, state=True, grad_state=True)
+    inputs = _decays("mixed", 2, N, N + block)
+    ran = []
+    monkeypatch.setattr(cpu, "_run_decay_carry", lambda *a, _f=cpu._run_decay_carry, **kw: (ran.append(1),
+                                                                                            _f(*a, **kw))[1])
+    if given_g1:
+        monkeypatch.setattr(la.config, "BACKWARD_NORM_BLOCK", block)
+        g1 = np.concatenate([g, np.random.default_rng(N).standard_normal((2, N, 1)).astype(dtype)], axis=2)
+        ref = causal_backward_naive(*(x.astype(np.float64) for x in (qf, kf, v1)), H0, g1.astype(np.float64),
+                                    dHN, inputs=inputs, rule=RULE_DECAY)
+        grads = cpu.backward_chunked(qf, kf, v1, H0, g1, dHN, chunk=chunk, rule=RULE_DECAY, inputs=inputs)
+    else:
+        ref, g1_ref = _reference(qf, kf, v1, H0, g, dHN, 1e-3, inputs)
+        g1 = np.full((2, N, 4), np.nan, dtype)
+        grads, g_ok, res_ok = cpu.backward_chunked_normalized(qf, kf, v1, H0, g, dHN, chunk=chunk, block=block,
+                                                              g1=g1, rule=RULE_DECAY, inputs=inputs, eps=1e-3)
+        assert g_ok and res_ok
+        _close(g1, g1_ref, dtype, "g1")
+    assert ran == [1]  # the kernel with anchors ran
+    for name in ("dq", "dk", "dv", "dH0", "dfactor"):
+        _close(getattr(grads, name), getattr(ref, name), dtype, name)

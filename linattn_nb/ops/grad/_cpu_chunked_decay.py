@@ -17,7 +17,7 @@ from ._cpu_chunked import copy_state, copy_state_t, map_chunk, rows_finite, star
 from ._cpu_chunked_delta import chunk_decays, decay_dq_rows, decay_norm_rows, decayed_triangles, pair_factors
 
 
-def _decay_backward(qf, kf, v1, g, H0, dHN, has_dHN, lg, C, anchors, slot, eps, floor, g1, dq, dk, dv, dH0, dfac,
+def _decay_backward(qf, kf, v1, g, H0, dHN, has_dHN, lg, C, bs, anchors, slot, eps, floor, g1, dq, dk, dv, dH0, dfac,
                     flags, xq, xk, mcode, proto):
     """Two passes over the chunks of each sequence, as the additive rule's fused kernel
     (:func:`linattn_nb.ops.grad._cpu_chunked_norm._normalized_backward`), with the decays.
@@ -89,27 +89,40 @@ def _decay_backward(qf, kf, v1, g, H0, dHN, has_dHN, lg, C, anchors, slot, eps, 
             copy_state_t(H, Ht)
             if slot[b, c] >= 0:  # an anchor: <R_{c+1}, S_c> from S_c itself in the reverse pass
                 copy_state(H, anchors[b, slot[b, c]])
-            gemm(0, 1, n, n, F, 1.0, qf, qo, F, kf, qo, F, 0.0, QK, 0, C)
             if norm:
-                # g1's rows from g: T = G S^T and GU = G V^T first (M columns), then per row
                 for i in range(F):
                     z[i] = H[i, M]
+                # T = G S^T: the chunk-start state read by each gradient row
                 gemm(0, 0, n, F, M, 1.0, g, go, M, Ht, 0, F, 0.0, T, 0, F)
-                gemm(0, 1, n, n, M, 1.0, g, go, M, v1, vo, M1, 0.0, GU, 0, C)
-                ok_g, ok_r = decay_norm_rows(qf, g, z, T, QK, GU, g1, dq, Gam, fb, b, s0, n, eps, floor)
-                g_ok &= ok_g
-                res_ok &= ok_r
-            else:  # g1 given: GU = g1 V1^T, dq = g1 S^T
-                gemm(0, 1, n, n, M1, 1.0, g1, vo, M1, v1, vo, M1, 0.0, GU, 0, C)
+            else:  # g1 given: dq = g1 S^T
                 gemm(0, 0, n, F, M1, 1.0, g1, vo, M1, Ht, 0, F, 0.0, dq, qo, F)
-            # dG = dL/dGam (GU = g1 V1^T now); QK, GU -> their decayed lower triangles
-            decayed_triangles(QK, GU, Gam, dG, n, True)
-            # dq's rows hold S g1 (either branch): db = dL/db_t = q_t . S g1_t, then dq = b_t S g1_t
-            Ac[c] = decay_dq_rows(qf, dq, fb, db, b, s0, n)
-            # dq += tril(Gam * g1 V1^T) K; dk = (..)^T Q; dv = tril(Gam * Q K^T)^T g1
-            gemm(0, 0, n, F, n, 1.0, GU, 0, C, kf, qo, F, 1.0, dq, qo, F)
-            gemm(1, 0, n, F, n, 1.0, GU, 0, C, qf, qo, F, 0.0, dk, qo, F)
-            gemm(1, 0, n, M1, n, 1.0, QK, 0, C, g1, vo, M1, 0.0, dv, vo, M1)
+            # Row blocks of bs: block [r0, ce) needs QK and GU up to its own last column only, so the upper
+            # triangle is computed for the diagonal blocks only (as the additive rule's kernel)
+            Ac[c] = 0.0
+            for r0 in range(0, n, bs):
+                ce = min(r0 + bs, n)
+                gemm(0, 1, ce - r0, ce, F, 1.0, qf, qo + r0 * F, F, kf, qo, F, 0.0, QK, r0 * C, C)
+                if norm:
+                    # g1's rows from g: GU = G V^T (M columns) and T, then per row
+                    gemm(0, 1, ce - r0, ce, M, 1.0, g, go + r0 * M, M, v1, vo, M1, 0.0, GU, r0 * C, C)
+                    ok_g, ok_r = decay_norm_rows(qf, g, z, T, QK, GU, g1, dq, Gam, fb, b, s0, r0, ce, eps, floor)
+                    g_ok &= ok_g
+                    res_ok &= ok_r
+                else:  # GU = g1 V1^T
+                    gemm(0, 1, ce - r0, ce, M1, 1.0, g1, vo + r0 * M1, M1, v1, vo, M1, 0.0, GU, r0 * C, C)
+                # dG = dL/dGam (GU = g1 V1^T now); QK, GU -> their decayed lower triangles
+                decayed_triangles(QK, GU, Gam, dG, r0, ce, True)
+                # dq's rows hold S g1 (either branch): db = dL/db_t = q_t . S g1_t, then dq = b_t S g1_t
+                Ac[c] += decay_dq_rows(qf, dq, fb, db, b, s0, r0, ce)
+                # dq += tril(Gam * g1 V1^T) K
+                gemm(0, 0, ce - r0, F, ce, 1.0, GU, r0 * C, C, kf, qo, F, 1.0, dq, qo + r0 * F, F)
+            # column blocks: dk = tril(Gam * g1 V1^T)^T Q and dv = tril(Gam * Q K^T)^T g1 over the rows at or
+            # below each block
+            for j0 in range(0, n, bs):
+                je = min(j0 + bs, n)
+                gemm(1, 0, je - j0, F, n - j0, 1.0, GU, j0 * C + j0, C, qf, qo + j0 * F, F, 0.0, dk, qo + j0 * F, F)
+                gemm(1, 0, je - j0, M1, n - j0, 1.0, QK, j0 * C + j0, C, g1, vo + j0 * M1, M1, 0.0, dv,
+                     vo + j0 * M1, M1)
             pair_factors(dG, db, Gam, fa, GamT, dGT, pv, dfac, b, s0, n)
             if maps:  # dq's rows are complete
                 res_ok &= map_chunk(xq, qf, dq, mcode, b, s0, n)

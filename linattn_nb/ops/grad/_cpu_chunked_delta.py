@@ -46,8 +46,8 @@ def _rows(v1, b, s0, n, U):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, as the forward
-def decay_norm_rows(qf, g, z, T, QK, GU, g1, dq, Gam, fb, b, s0, n, eps, floor):
-    """The decay rule's normalised outputs, rows of one chunk: from ``QK = Q K^T``, ``GU = G V^T`` and
+def decay_norm_rows(qf, g, z, T, QK, GU, g1, dq, Gam, fb, b, s0, r0, n, eps, floor):
+    """The decay rule's normalised outputs, rows ``[r0, n)`` of one chunk (``s <= t`` read of ``QK``, ``GU``): from ``QK = Q K^T``, ``GU = G V^T`` and
     ``T = G S^T`` (undecayed, ``S``, ``z`` the chunk-start state and normaliser sum), each row's
     ``den = b_t q_t . z + sum_s Gam_ts QK_ts`` and ``g . num`` (the same with ``T``, ``GU``); writes
     ``g1``'s rows, ``GU <- r GU + c`` (what ``g1 [V 1]^T`` gives) and ``dq <- r T + c z`` (``g1 S^T``, before
@@ -58,7 +58,7 @@ def decay_norm_rows(qf, g, z, T, QK, GU, g1, dq, Gam, fb, b, s0, n, eps, floor):
     wz = wt(0.0)
     g_chk = wz  # sums of g * 0 (normalise_row)
     res_ok = True
-    for t in range(n):
+    for t in range(r0, n):
         qr = qf[b, s0 + t]
         tr = T[t]
         den = 0.0
@@ -89,12 +89,12 @@ def decay_norm_rows(qf, g, z, T, QK, GU, g1, dq, Gam, fb, b, s0, n, eps, floor):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def decay_dq_rows(qf, dq, fb, db, b, s0, n):
-    """Rows [s0, s0 + n) of sequence ``b`` of ``dq``, holding ``S g1_t`` (the chunk-start state's read,
+def decay_dq_rows(qf, dq, fb, db, b, s0, r0, n):
+    """Rows [s0 + r0, s0 + n) of sequence ``b`` of ``dq``, holding ``S g1_t`` (the chunk-start state's read,
     undecayed): ``db[t] = q_t . S g1_t`` (``dL/db_t``, float64), then ``dq_t <- b_t S g1_t``.  Returns
     ``sum_t b_t db[t]``, the pairs that reach the chunk's rows through ``S``."""
     A = 0.0
-    for t in range(n):
+    for t in range(r0, n):
         x = 0.0
         h = fb[t]
         for i in range(qf.shape[2]):
@@ -107,11 +107,11 @@ def decay_dq_rows(qf, dq, fb, db, b, s0, n):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def decayed_triangles(QK, GU, Gam, dG, n, gated):
-    """``QK`` and ``GU`` (rows and columns [0, n)) <- their lower triangles, times ``Gam`` where ``gated``,
-    which then first writes ``dG[t, s] = GU_ts QK_ts`` (float64; ``dL/dGam_ts`` where ``GU`` holds
+def decayed_triangles(QK, GU, Gam, dG, r0, n, gated):
+    """Rows ``[r0, n)`` of ``QK`` and ``GU`` (columns [0, n)) <- their lower triangles, times ``Gam`` where
+    ``gated``, which then first writes ``dG[t, s] = GU_ts QK_ts`` (float64; ``dL/dGam_ts`` where ``GU`` holds
     ``g1 U^T``)."""
-    for t in range(n):
+    for t in range(r0, n):
         if gated:
             for s in range(t + 1):
                 dG[t, s] = np.float64(GU[t, s]) * np.float64(QK[t, s])
@@ -336,17 +336,17 @@ def _delta_backward(qf, kf, v1, H0, g1, dHN, has_dHN, rule, lg, C, ck, Ys, KKs, 
                 gemm(0, 1, n, n, M1 - 1, 1.0, g, go, M1 - 1, v1, vo, M1, 0.0, GU, 0, C)
                 for i in range(F):
                     z[i] = Sw[i, M1 - 1]
-                ok_g, ok_r = decay_norm_rows(qf, g, z, Tn, QK, GU, g1, dq, Gam, fb, b, s0, n, eps, floor)
+                ok_g, ok_r = decay_norm_rows(qf, g, z, Tn, QK, GU, g1, dq, Gam, fb, b, s0, 0, n, eps, floor)
                 g_ok &= ok_g
                 res_ok &= ok_r
             else:
                 gemm(0, 1, n, n, M1, 1.0, g1, vo, M1, U, 0, M1, 0.0, GU, 0, C)
-            decayed_triangles(QK, GU, Gam, dG, n, gated)
+            decayed_triangles(QK, GU, Gam, dG, 0, n, gated)
             # dq = diag(b) G S^T + tril(Gam * G U^T) K (normalised: G S^T written by decay_norm_rows)
             if not norm:
                 gemm(0, 0, n, F, M1, 1.0, g1, vo, M1, St, 0, F, 0.0, dq, qo, F)
             if gated:
-                decay_dq_rows(qf, dq, fb, db, b, s0, n)
+                decay_dq_rows(qf, dq, fb, db, b, s0, 0, n)
             gemm(0, 0, n, F, n, 1.0, GU, 0, C, kf, qo, F, 1.0, dq, qo, F)
             # dk = tril(Gam * G U^T)^T Q + diag(e) U R^T (+ the two terms below)
             gemm(1, 0, n, F, n, 1.0, GU, 0, C, qf, qo, F, 0.0, dk, qo, F)

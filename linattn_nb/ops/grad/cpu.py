@@ -160,7 +160,8 @@ def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADD
         anchors = decay_anchors(lg, C)
         if anchors is not None:
             g, _, _, flags = _no_norm(qf.dtype)
-            return _run_decay_carry(qf, kf, v1, H0, g, g1, dHN, lg, C, None, flags, _no_maps(qf.dtype), None,
+            bs = config.cpu_backward_norm_block(C, F, M1, qf.dtype)
+            return _run_decay_carry(qf, kf, v1, H0, g, g1, dHN, lg, C, bs, None, flags, _no_maps(qf.dtype), None,
                                     anchors)
     if delta or rule == RULE_DECAY:  # the decay rule (a NaN log-decay, or no anchors): without the WY/UT transform
         return _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C)
@@ -330,7 +331,23 @@ def decay_anchors(lg, C):
     return slot, int(keep.sum(axis=1).max(initial=0))
 
 
-def _run_decay_carry(qf, kf, v1, H0, g, g1, dHN, lg, C, eps, flags, maps, empty, anchors):
+def _norm_chunk(chunk, N, F, M1, wt):
+    """The chunk size of the fused normalised kernels (``chunk`` or the config's), checked, at most ``N``."""
+    C = int(chunk if chunk is not None else config.cpu_backward_norm_chunk(N, F, M1, wt))
+    if C < 1:
+        raise ValueError(f"chunk must be >= 1, got {C}")
+    return min(C, N)
+
+
+def _norm_block(block, C, F, M1, wt):
+    """The row block of their intra-chunk products (``block`` or the config's), checked, at most ``C``."""
+    bs = int(block if block is not None else config.cpu_backward_norm_block(C, F, M1, wt))
+    if bs < 1:
+        raise ValueError(f"block must be >= 1, got {bs}")
+    return min(bs, C)
+
+
+def _run_decay_carry(qf, kf, v1, H0, g, g1, dHN, lg, C, bs, eps, flags, maps, empty, anchors):
     """The decay rule's normalised backward that keeps the states of the chunks :func:`decay_anchors` names
     (``anchors`` its result; other arguments as :func:`backward_chunked_normalized`'s, checked; ``maps`` from
     :func:`_map_args`)."""
@@ -345,7 +362,8 @@ def _run_decay_carry(qf, kf, v1, H0, g, g1, dHN, lg, C, eps, flags, maps, empty,
     kernel = pick(decay_backward_kernel_serial, decay_backward_kernel, items=B, work=B * N * F * M1,
                   limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
     with single_threaded_blas(kernel is decay_backward_kernel):
-        kernel(qf, kf, v1, g, H0, H0 if dHN is None else dHN, dHN is not None, lg, np.int64(C), kept, slot,
+        kernel(qf, kf, v1, g, H0, H0 if dHN is None else dHN, dHN is not None, lg, np.int64(C), np.int64(bs),
+               kept, slot,
                float(eps) if eps is not None else 0.0, eps is not None, g1, dq, dk, dv, dH0, dfac, flags, *maps,
                np.empty(0, wt))
     return _result(RULE_DECAY, dq, dk, dv, dH0, dfac, dbeta)
@@ -371,8 +389,9 @@ def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=
         The normaliser's floor (``den' = den`` where ``den > eps``, else ``eps`` with no gradient to
         ``den``); None: no floor.
     chunk, block : int, optional
-        Chunk size and the row block of its intra-chunk products (default from :mod:`linattn_nb.config`;
-        the decay rule: its chunk of :func:`backward_chunked`, no row blocks).
+        Chunk size and the row block of its intra-chunk products (default from :mod:`linattn_nb.config`,
+        the same for the additive and decay rules; the gate rule: its chunk of :func:`backward_chunked`, no
+        row blocks; the decay rule's kernel that keeps every state: that chunk too).
     g1 : ndarray, optional
         (B, N, M + 1) array of the working dtype that receives ``dL/d[num | den]`` (default a new one).
     rule, inputs
@@ -437,28 +456,23 @@ def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=
         return _run_chunked_gate_norm(qf, kf, v1, H0, g, g1, dHN, lg, min(C, N), eps, margs, log_grad, empty)
     if rule == RULE_DECAY:
         lg = log_factors(rule, inputs, B, N, F)
-        C = int(chunk if chunk is not None else config.cpu_backward_chunk(N, F, M1, wt))
-        if C < 1:
-            raise ValueError(f"chunk must be >= 1, got {C}")
-        C = min(C, N)
+        # the kernel that carries the pairs: the additive kernel's chunk and row block (its intra-chunk
+        # products are the same); the one that keeps every state: backward_chunked's chunk
+        C = _norm_chunk(chunk, N, F, M1, wt)
+        bs = _norm_block(block, C, F, M1, wt)
         flags = np.zeros((B, 2), np.bool_)
         anchors = decay_anchors(lg, C)
         if anchors is not None:
-            grads = _run_decay_carry(qf, kf, v1, H0, g, g1, dHN, lg, C, eps, flags, margs, empty, anchors)
+            grads = _run_decay_carry(qf, kf, v1, H0, g, g1, dHN, lg, C, bs, eps, flags, margs, empty, anchors)
         else:
+            C = min(int(chunk if chunk is not None else config.cpu_backward_chunk(N, F, M1, wt)), N)
             grads = _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, norm=(g, eps, flags), maps=margs,
                                        empty=empty)
         if log_grad:  # one factor a token: a pass of its own costs little
             times_factor(grads.dfactor, lg[:, :, 0])
         return grads, not flags[:, 0].any(), not flags[:, 1].any()
-    C = int(chunk if chunk is not None else config.cpu_backward_norm_chunk(N, F, M1, wt))
-    if C < 1:
-        raise ValueError(f"chunk must be >= 1, got {C}")
-    C = min(C, N)
-    bs = int(block if block is not None else config.cpu_backward_norm_block(C, F, M1, wt))
-    if bs < 1:
-        raise ValueError(f"block must be >= 1, got {bs}")
-    bs = min(bs, C)
+    C = _norm_chunk(chunk, N, F, M1, wt)
+    bs = _norm_block(block, C, F, M1, wt)
     from ._cpu_chunked_norm import normalized_backward_kernel, normalized_backward_kernel_serial
 
     dq, dk, dv, dH0, dfac, dbeta = _outputs(RULE_ADDITIVE, B, N, F, M1, wt)
