@@ -101,6 +101,21 @@ def additive_reverse_chunk(qf, kf, v1, g1, R, Rw, Rt, part, dk, dv, qo, vo, n):
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def intra_columns(P, A, qf, g1, dk, dv, qo, vo, n, bs):
+    """The intra-chunk parts ``dk = P^T Q`` and ``dv = A^T g1`` of one chunk (tokens at flat offsets ``qo``,
+    ``vo``, ``n`` of them; ``P``, ``A`` (C, C) lower triangular in their first ``n`` rows and columns, as
+    row blocks of ``bs`` leave them: zero above the diagonal within each diagonal block), in column blocks
+    of ``bs`` over the rows at or below each block: the zero blocks above the diagonal are not read."""
+    C = P.shape[1]
+    F = qf.shape[2]
+    M1 = g1.shape[2]
+    for j0 in range(0, n, bs):
+        je = min(j0 + bs, n)
+        gemm(1, 0, je - j0, F, n - j0, 1.0, P, j0 * C + j0, C, qf, qo + j0 * F, F, 0.0, dk, qo + j0 * F, F)
+        gemm(1, 0, je - j0, M1, n - j0, 1.0, A, j0 * C + j0, C, g1, vo + j0 * M1, M1, 0.0, dv, vo + j0 * M1, M1)
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def map_span(x, f, d, code):
     """The feature map's VJP over a span of rows, written over ``d``: ``d <- d * phi'(x)``, ``f = phi(x)``
     the features, map ``code`` of :mod:`linattn_nb.ops.grad._maps` (1-D slices of one length: a chunk's

@@ -13,7 +13,7 @@ from ... import config
 from .._gemm import gemm
 from .._twins import serial_and_parallel
 from .._vec import is_finite
-from ._cpu_chunked import copy_state, copy_state_t, map_chunk, rows_finite, start_adjoint
+from ._cpu_chunked import copy_state, copy_state_t, intra_columns, map_chunk, rows_finite, start_adjoint
 from ._cpu_chunked_delta import chunk_decays, decay_dq_rows, decay_norm_rows, decayed_triangles, pair_factors
 
 
@@ -118,11 +118,7 @@ def _decay_backward(qf, kf, v1, g, H0, dHN, has_dHN, lg, C, bs, anchors, slot, e
                 gemm(0, 0, ce - r0, F, ce, 1.0, GU, r0 * C, C, kf, qo, F, 1.0, dq, qo + r0 * F, F)
             # column blocks: dk = tril(Gam * g1 V1^T)^T Q and dv = tril(Gam * Q K^T)^T g1 over the rows at or
             # below each block
-            for j0 in range(0, n, bs):
-                je = min(j0 + bs, n)
-                gemm(1, 0, je - j0, F, n - j0, 1.0, GU, j0 * C + j0, C, qf, qo + j0 * F, F, 0.0, dk, qo + j0 * F, F)
-                gemm(1, 0, je - j0, M1, n - j0, 1.0, QK, j0 * C + j0, C, g1, vo + j0 * M1, M1, 0.0, dv,
-                     vo + j0 * M1, M1)
+            intra_columns(GU, QK, qf, g1, dk, dv, qo, vo, n, bs)
             pair_factors(dG, db, Gam, fa, GamT, dGT, pv, dfac, b, s0, n)
             if maps:  # dq's rows are complete
                 res_ok &= map_chunk(xq, qf, dq, mcode, b, s0, n)

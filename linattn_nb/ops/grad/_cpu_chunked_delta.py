@@ -47,8 +47,9 @@ def _rows(v1, b, s0, n, U):
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, as the forward
 def decay_norm_rows(qf, g, z, T, QK, GU, g1, dq, Gam, fb, b, s0, r0, n, eps, floor):
-    """The decay rule's normalised outputs, rows ``[r0, n)`` of one chunk (``s <= t`` read of ``QK``, ``GU``): from ``QK = Q K^T``, ``GU = G V^T`` and
-    ``T = G S^T`` (undecayed, ``S``, ``z`` the chunk-start state and normaliser sum), each row's
+    """The decay rule's normalised outputs, rows ``[r0, n)`` of one chunk: from ``QK = Q K^T``, ``GU = G V^T``
+    (their columns ``s <= t`` read) and ``T = G S^T`` (undecayed, ``S``, ``z`` the chunk-start state and
+    normaliser sum), each row's
     ``den = b_t q_t . z + sum_s Gam_ts QK_ts`` and ``g . num`` (the same with ``T``, ``GU``); writes
     ``g1``'s rows, ``GU <- r GU + c`` (what ``g1 [V 1]^T`` gives) and ``dq <- r T + c z`` (``g1 S^T``, before
     the decay).  Returns ``(g_finite, results_finite)`` as the additive rule's

@@ -12,7 +12,7 @@ from ... import config
 from .._gemm import gemm
 from .._twins import serial_and_parallel
 from .._vec import is_finite
-from ._cpu_chunked import (add_into, additive_reverse_chunk, copy_state_t, map_chunk, normalise_row,
+from ._cpu_chunked import (add_into, additive_reverse_chunk, copy_state_t, intra_columns, map_chunk, normalise_row,
                            rows_finite, start_adjoint)
 
 
@@ -118,11 +118,7 @@ def _normalized_backward(qf, kf, v1, g, H0, dHN, has_dHN, eps, floor, C, bs, g1,
                 # dq += dA K
                 gemm(0, 0, ce - r0, F, ce, 1.0, Pm, r0 * C, C, kf, qo, F, 1.0, dq, qo + r0 * F, F)
             # column blocks: dk = dA^T Q and dv = A^T g1 over the rows at or below each block
-            for j0 in range(0, n, bs):
-                je = min(j0 + bs, n)
-                gemm(1, 0, je - j0, F, n - j0, 1.0, Pm, j0 * C + j0, C, qf, qo + j0 * F, F, 0.0, dk, qo + j0 * F, F)
-                gemm(1, 0, je - j0, M1, n - j0, 1.0, Am, j0 * C + j0, C, g1, vo + j0 * M1, M1, 0.0, dv,
-                     vo + j0 * M1, M1)
+            intra_columns(Pm, Am, qf, g1, dk, dv, qo, vo, n, bs)
             if maps:  # dq's rows are complete
                 res_ok &= map_chunk(xq, qf, dq, mcode, b, s0, n)
             # H += K^T [V 1]
