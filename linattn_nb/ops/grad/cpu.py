@@ -363,9 +363,8 @@ def _run_decay_carry(qf, kf, v1, H0, g, g1, dHN, lg, C, bs, eps, flags, maps, em
                   limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
     with single_threaded_blas(kernel is decay_backward_kernel):
         kernel(qf, kf, v1, g, H0, H0 if dHN is None else dHN, dHN is not None, lg, np.int64(C), np.int64(bs),
-               kept, slot,
-               float(eps) if eps is not None else 0.0, eps is not None, g1, dq, dk, dv, dH0, dfac, flags, *maps,
-               np.empty(0, wt))
+               kept, slot, float(eps) if eps is not None else 0.0, eps is not None, g1, dq, dk, dv, dH0, dfac,
+               flags, *maps, np.empty(0, wt))
     return _result(RULE_DECAY, dq, dk, dv, dH0, dfac, dbeta)
 
 
