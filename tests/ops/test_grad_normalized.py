@@ -542,9 +542,10 @@ def test_decay_anchor_choice(monkeypatch):
 def test_decay_factor_gradient_in_float32_as_close_as_with_every_state(monkeypatch):
     """The carried sums' rounding, a random walk over the chunks between anchors, keeps the float32 factor
     gradient of a long sequence within 1.5x the per-element error of the kernel that keeps every state
-    (measured 1.25x at anchors of 4; with no anchors it grows as the square root of the chunk count, 7x at
-    128 chunks)."""
-    B, N, F, M = 4, 4096, 16, 16
+    (measured 1.36x at anchors of 4 over 192 chunks of 32; with no anchors it grows as the square root of
+    the chunk count: 4.2x here).  One sequence, so that the serial kernels run: the parallel twins compile
+    in the full suite's tests."""
+    B, N, F, M = 1, 6144, 16, 16
     rng = np.random.default_rng(3)
     q, k = (np.exp(rng.standard_normal((B, N, F)) * 0.3) for _ in range(2))
     v1 = np.ones((B, N, M + 1))
@@ -552,12 +553,13 @@ def test_decay_factor_gradient_in_float32_as_close_as_with_every_state(monkeypat
     g = rng.standard_normal((B, N, M))
     H0 = np.abs(rng.standard_normal((B, F, M + 1)))
     inputs = {"log_decay": np.log(rng.uniform(0.9, 1.0, (B, N)))}
-    ref = cpu.backward_chunked_normalized(q, k, v1, H0, g, rule=RULE_DECAY, inputs=inputs, eps=1e-8)[0].dfactor
+    ref = cpu.backward_chunked_normalized(q, k, v1, H0, g, rule=RULE_DECAY, inputs=inputs, eps=1e-8,
+                                          chunk=32)[0].dfactor
     f32 = [x.astype(np.float32) for x in (q, k, v1)] + [H0, g.astype(np.float32)]
     err = {}
     for anchor in (4, 0):
         monkeypatch.setattr(la.config, "BACKWARD_DECAY_ANCHOR", anchor)
-        got = cpu.backward_chunked_normalized(*f32, rule=RULE_DECAY, inputs=inputs, eps=1e-8)[0].dfactor
+        got = cpu.backward_chunked_normalized(*f32, rule=RULE_DECAY, inputs=inputs, eps=1e-8, chunk=32)[0].dfactor
         err[anchor] = np.median(np.abs(got - ref) / np.abs(ref))
     assert err[4] <= 1.5 * err[0], err
 
