@@ -17,7 +17,8 @@ from .._codes import KERNEL_CODE_L2, NORM_FLOOR, NORM_NONE
 from .._common import l2_row, phi
 from .._gemm import gemm
 from .._vec import elu1
-from .cpu import factor_step, write_step
+from .._twins import serial_and_parallel
+from .cpu import factor_step, pick_kernel, write_step
 
 #: The lowest cumulative log-diagonal (per feature) a chunk spans, by working dtype: ``1 / gamma``
 #: (``e^600``, ``e^40``) stays far inside float64's (float32's) range.  A token whose own
@@ -306,8 +307,7 @@ def _scan_token(fq, ld, A, Bv, KW, VW, cb, cw, out, b, t, h, p, d, rows, norm, e
     return _emit(p, out, b, t, M, norm, eps)
 
 
-@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def dplr_chunked_kernel(fq, ld, A, Bv, KW, VW, cb, cw, H, out, norm, eps, C, cut):  # pragma: no cover - compiled
+def _dplr_chunked(fq, ld, A, Bv, KW, VW, cb, cw, H, out, norm, eps, C, cut):  # pragma: no cover - compiled
     """As :func:`linattn_nb.ops.dplr.cpu.dplr_scan`, in chunks of ``C`` steps (``max(1, C // r)``
     tokens) in ``fq``'s dtype, each ending before a feature's cumulative log-diagonal passes ``cut``."""
     B, N, F = fq.shape
@@ -376,6 +376,10 @@ def dplr_chunked_kernel(fq, ld, A, Bv, KW, VW, cb, cw, H, out, norm, eps, C, cut
     return bad
 
 
+dplr_chunked_serial, dplr_chunked_parallel = serial_and_parallel(_dplr_chunked, fastmath=config.FASTMATH,
+                                                                 cache=config.CACHE)
+
+
 def dplr_chunked(fq, ld, A, Bv, KW, VW, H, out, norm, eps, cb=None, cw=None):
     """:func:`linattn_nb.ops.dplr.cpu.dplr_scan`'s arguments and result (a (B,) uint8 flag: 1 where a
     sequence's outputs or state hold NaN or inf, | 2 where its ``ld`` holds a value > 0), in chunks of
@@ -393,5 +397,6 @@ def dplr_chunked(fq, ld, A, Bv, KW, VW, H, out, norm, eps, cb=None, cw=None):
     else:
         cb, cw = (np.ascontiguousarray(x, dtype=np.float64) for x in (cb, cw))
     with single_threaded_blas():  # BLAS inside prange: OpenBLAS off its own threads
-        return dplr_chunked_kernel(fq, ld, A, Bv, KW, VW, cb, cw, H, out, np.int64(norm), float(eps), np.int64(C),
+        kernel = pick_kernel(dplr_chunked_serial, dplr_chunked_parallel, fq, A, VW)
+        return kernel(fq, ld, A, Bv, KW, VW, cb, cw, H, out, np.int64(norm), float(eps), np.int64(C),
                                    cut)

@@ -17,7 +17,8 @@ from .._codes import NORM_FLOOR, NORM_NONE
 from .._gemm import gemm
 from .._vec import elu1
 from .chunked import LOG_CUT, chunk_extent
-from .cpu import dplr_scan_backward, factor_step, reverse_tokens, write_step
+from .._twins import serial_and_parallel
+from .cpu import dplr_scan_backward, factor_step, pick_kernel, reverse_tokens, write_step
 
 _CHUNK, _RUN = 0, 1  # segment kinds: a chunk of GEMMs, a run of scan tokens
 
@@ -236,7 +237,7 @@ def _reverse_chunk(fq, ld, A, Bv, KW, VW, dout, b, t0, T, h, hend, G, lg, gc, dl
 def _sequence(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, cut, b, dfq, ddiag, dA, dBv, dKW, dVW, dH0, seg0, segT,
               kind, ck, buf, run, lg, gc, dlg, X, E, Zh, Zk, V, Dm, DV, dZ, dX, dE, dHt, dh, Hn, p, dp,
               d):  # pragma: no cover - compiled
-    """Sequence b's gradients (see :func:`dplr_chunked_backward_kernel`) with the work arrays given;
+    """Sequence b's gradients (see :func:`_dplr_chunked_backward`) with the work arrays given;
     False (its gradients not all written) where its state is not finite."""
     N, F = fq.shape[1], fq.shape[2]
     M = VW.shape[3]
@@ -309,8 +310,7 @@ def _sequence(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, cut, b, dfq, ddiag
     return True
 
 
-@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def dplr_chunked_backward_kernel(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C, K, cut, P):  # pragma: no cover
+def _dplr_chunked_backward(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C, K, cut, P):  # pragma: no cover
     """:func:`linattn_nb.ops.dplr.cpu.dplr_scan_backward` in chunks of ``C`` steps, plus a (B,) uint8
     flag: 1 where a sequence was not done (a state not finite), for the caller to run by the scan.
     Segments are chunks, ending before a feature's cumulative log-diagonal passes ``cut``, and runs of
@@ -369,6 +369,10 @@ def dplr_chunked_backward_kernel(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps,
     return dfq, ddiag, dA, dBv, dKW, dVW, dH0, todo
 
 
+dplr_chunked_backward_serial, dplr_chunked_backward_parallel = serial_and_parallel(
+    _dplr_chunked_backward, fastmath=config.FASTMATH, cache=config.CACHE)
+
+
 def dplr_chunked_backward(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C=None, K=None):
     """:func:`linattn_nb.ops.dplr.cpu.dplr_scan_backward`'s arguments (but ``C``: chunk steps, default
     :data:`linattn_nb.config.DPLR_BACKWARD_CHUNK`) and results, in float64 chunks.  A sequence whose
@@ -384,10 +388,11 @@ def dplr_chunked_backward(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C=None
         plain = 2 * (-(-N // max(1, C // A.shape[2]))) + 2
         K = min(plain, max(math.isqrt(max(N, 1)), int(config.DPLR_WORK_BYTES) // (F * M1 * 8)))
     K = max(1, min(int(K), max(N, 1)))
+    kernel = pick_kernel(dplr_chunked_backward_serial, dplr_chunked_backward_parallel, fq, A, VW)
+    P = max(1, min(B, numba.get_num_threads())) if kernel is dplr_chunked_backward_parallel else 1
     with single_threaded_blas():
-        *res, todo = dplr_chunked_backward_kernel(fq, ld, A, Bv, KW, VW, H0, dout, dH, np.int64(norm), float(eps),
-                                                  np.int64(C), np.int64(K), LOG_CUT,
-                                                  np.int64(max(1, min(B, numba.get_num_threads()))))
+        *res, todo = kernel(fq, ld, A, Bv, KW, VW, H0, dout, dH, np.int64(norm), float(eps), np.int64(C), np.int64(K),
+                            LOG_CUT, np.int64(P))
     rows = np.flatnonzero(todo)
     if rows.size:
         Cs = config.cpu_backward_checkpoint(N, F, M1, 8)

@@ -11,10 +11,10 @@ from numba import njit, prange
 
 from ... import config
 from .._codes import NORM_FLOOR, NORM_NONE
+from .._twins import pick, serial_and_parallel
 
 
-@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def dplr_scan(fq, ld, A, Bv, KW, VW, H, out, norm, eps):  # pragma: no cover - compiled
+def _dplr_scan(fq, ld, A, Bv, KW, VW, H, out, norm, eps):  # pragma: no cover - compiled
     """Run every sequence from its state ``H[b]`` (float64, updated in place to the final state),
     writing ``out`` (B, N, M) in its own dtype.  Returns a (B,) uint8 flag: 1 where the sequence's
     outputs or state hold NaN or inf."""
@@ -82,8 +82,27 @@ def dplr_scan(fq, ld, A, Bv, KW, VW, H, out, norm, eps):  # pragma: no cover - c
     return bad
 
 
-@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def dplr_scan_backward(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C):  # pragma: no cover - compiled
+dplr_scan_serial, dplr_scan_parallel = serial_and_parallel(_dplr_scan, fastmath=config.FASTMATH, cache=config.CACHE)
+
+
+def pick_kernel(serial, parallel, fq, A, VW):
+    """The serial or the batch-parallel twin of a DPLR kernel for features ``fq`` (B, N, F), rows ``A``
+    (B, N, r, F) and values ``VW`` (B, N, ., M): the parallel one from
+    :data:`linattn_nb.config.CPU_CHUNKED_SERIAL_MAX_WORK` multiply-adds (``B N r F (M + 1)``) and two
+    sequences on, where a parallel region pays for itself.  Small calls (and the tests' short
+    sequences) then never compile the parallel kernels, about twice the serial one's compile time."""
+    B, N, F = fq.shape
+    work = B * N * max(1, A.shape[2]) * F * (VW.shape[3] + 1)
+    return pick(serial, parallel, items=B, work=work, limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
+
+
+def dplr_scan(fq, ld, A, Bv, KW, VW, H, out, norm, eps):
+    """:func:`_dplr_scan` (arguments and result as there) by its serial or batch-parallel kernel
+    (:func:`pick_kernel`)."""
+    return pick_kernel(dplr_scan_serial, dplr_scan_parallel, fq, A, VW)(fq, ld, A, Bv, KW, VW, H, out, norm, eps)
+
+
+def _dplr_scan_backward(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C):  # pragma: no cover - compiled
     """Gradients of the scan in reverse time, from a state kept every ``C`` tokens (each stretch run again).
 
     ``dout`` (B, N, M) the outputs' adjoint, ``dH`` (B, F, M + 1) the final state's; returns
@@ -130,6 +149,17 @@ def dplr_scan_backward(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C):  # pr
                            dBv, dKW, dVW, norm, eps)
         dH0[b] = G
     return dfq, ddiag, dA, dBv, dKW, dVW, dH0
+
+
+dplr_scan_backward_serial, dplr_scan_backward_parallel = serial_and_parallel(
+    _dplr_scan_backward, fastmath=config.FASTMATH, cache=config.CACHE)
+
+
+def dplr_scan_backward(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C):
+    """:func:`_dplr_scan_backward` (arguments and results as there) by its serial or batch-parallel kernel
+    (:func:`pick_kernel`)."""
+    kernel = pick_kernel(dplr_scan_backward_serial, dplr_scan_backward_parallel, fq, A, VW)
+    return kernel(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C)
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
