@@ -50,9 +50,8 @@ def test_parallel_twins_give_the_serial_results(rng, monkeypatch):
             return bad, H, out
         return call
 
-    for kernel, dtype in ((cpu.dplr_scan, np.float64), (chunked.dplr_chunked, np.float64),
-                          (chunked.dplr_chunked, np.float32)):
-        serial, parallel = _both(monkeypatch, forward(kernel, dtype))
+    for kernel in (cpu.dplr_scan, chunked.dplr_chunked):  # float64: a race would show in any dtype
+        serial, parallel = _both(monkeypatch, forward(kernel, np.float64))
         assert not serial[0].any()
         _same(serial, parallel)
     serial, parallel = _both(monkeypatch, lambda: cpu.dplr_scan_backward(fq, ld, A, Bv, KW, VW, H0, dout, dH,
