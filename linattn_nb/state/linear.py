@@ -734,9 +734,9 @@ class LinearAttentionState:
         qf, kf, vf = self._on_state_device(inp)
         if inp.T == 0:  # nothing to absorb (the rule may still be open: no launcher to run)
             return self._deliver(self._finish(out, inp), given, inp)
-        # check_finite on the CPU: the kernel checks the features of NumPy-side maps too (finite here:
-        # _host_features), and the outputs; the GPU kernels check the raw inputs of the inline maps only
-        check = bool(check_finite and (self._device != "cuda" or self._code is not None))
+        # check_finite: the kernels check the inputs (for NumPy-side maps their features, finite here:
+        # _host_features), the outputs and, on a GPU, the new state, whose buffers are then not swapped
+        check = bool(check_finite)
         bad = self._launch(qf, kf, vf, self._S, self._z, out, self._scratch, code=self._c_code, eps=self._eps,
                            check=check, inputs=inp.inputs, normalize=self._norm)
         if bad == RESULT_NOT_FINITE and self._device != "cuda":  # the CPU kernels updated the state in place
@@ -854,7 +854,7 @@ class LinearAttentionState:
         if inp.T == 0:
             return
         kf, vf = self._on_state_device(inp)
-        check = bool(check_finite and self._code is not None)
+        check = bool(check_finite)  # as step's (a NumPy-side map's features are finite here)
         bad = self._launch.prefill(kf, vf, self._S, self._z, self._scratch, code=self._c_code, check=check,
                                    inputs=inp.inputs)
         if bad:

@@ -247,3 +247,38 @@ def test_features_not_finite_even_in_float64_are_refused_by_name():
     with pytest.raises(ValueError, match="even in float64"):
         la.dplr_attention(q, np.ones_like(q), np.ones((1, 1, D)), a=np.zeros((1, 1, F)), b=np.zeros((1, 1, F)),
                           feature_map="taylor2", method="scan")
+
+
+# A GPU state (the CUDA simulator where there is no GPU) with a NumPy-side map: the features come from the
+# host, finite, and the step and prefill kernels check the outputs and the new state as for the inline maps,
+# so a result that overflows leaves the state as it was (its buffers are not swapped) and raises.
+_HAVE_CUDA = __import__("linattn_nb.device", fromlist=["cuda_status"]).cuda_status() != "none"
+
+
+def _host(x):
+    return x.copy_to_host() if hasattr(x, "copy_to_host") else np.asarray(x)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _HAVE_CUDA, reason="no CUDA and no simulator")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the simulator's NumPy scalars warn on the overflow
+@pytest.mark.parametrize("call", ["step", "prefill"])
+def test_a_gpu_state_with_a_numpy_side_map_keeps_its_state_when_it_would_overflow(call):
+    fmap = fm.get("taylor2")  # features 1, x, x x^T / sqrt(2): finite in float32 for |x| = 3e4
+    big = np.full((1, 1, D), 3e4, np.float32)
+    assert np.isfinite(fmap(big)).all()  # no float64 recomputation: the features reach the kernel
+    st = la.LinearAttentionState(D, D, feature_map=fmap, batch_shape=(1,), dtype=np.float32, device="cuda")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 2, D)).astype(np.float32)
+    st.prefill(x, x)
+    S0, z0 = _host(st.S).copy(), _host(st.z).copy()
+    with pytest.raises(NonFiniteResult, match="state is unchanged"):
+        if call == "step":
+            st.step(big, big, BIG_V)
+        else:
+            st.prefill(big, BIG_V)
+    np.testing.assert_array_equal(_host(st.S), S0)
+    np.testing.assert_array_equal(_host(st.z), z0)
+    assert st.position == 2
+    out = st.step(x[:, :1], x[:, :1], x[:, :1])  # the state still works
+    assert np.isfinite(out).all() and st.position == 3
