@@ -210,6 +210,14 @@ DPLR_BACKWARD_CHUNKED_MIN_FEATURES = _env_int("LINATTN_DPLR_BACKWARD_CHUNKED_MIN
 #: (``N * r``) on, the scan below (measured: docs/guide/configuration.md).
 DPLR_AUTO_CHUNKED_MIN = _env_int("LINATTN_DPLR_AUTO_CHUNKED_MIN", 32)
 
+#: The DPLR kernels run on the calling thread below :data:`CPU_CHUNKED_SERIAL_MAX_WORK` multiply-adds
+#: (``B N r D_phi (M + 1)``), the scan's counted this many times and its backward's
+#: :data:`DPLR_SCAN_BACKWARD_WORK_WEIGHT` times: their per-token loops cost more per multiply-add than
+#: the chunks' GEMMs, so their parallel kernels pay for themselves at a fraction of the chunked form's
+#: work (measured: docs/guide/configuration.md).
+DPLR_SCAN_WORK_WEIGHT = _env_int("LINATTN_DPLR_SCAN_WORK_WEIGHT", 4)
+DPLR_SCAN_BACKWARD_WORK_WEIGHT = _env_int("LINATTN_DPLR_SCAN_BACKWARD_WORK_WEIGHT", 6)
+
 #: The chunked DPLR path keeps the float32 features of q and k in work arrays of the calling thread,
 #: reused by its next call of the same shape, each up to this many bytes (larger ones are fresh per
 #: call; 0 turns reuse off).  Fresh pages per call cost a KDA call at the benchmark shape about 15%

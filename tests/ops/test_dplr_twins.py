@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from linattn_nb import config
-from linattn_nb.ops._codes import NORM_FLOOR, NORM_RAW
+from linattn_nb.ops._codes import NORM_FLOOR, NORM_NONE, NORM_RAW
 from linattn_nb.ops.dplr import chunked, chunked_grad, cpu
 
 
@@ -69,11 +69,28 @@ def test_the_choice_between_the_twins(monkeypatch):
     """Parallel from the work limit (B N r F (M + 1) multiply-adds) with two sequences or more, else serial."""
     monkeypatch.setattr(config, "CPU_CHUNKED_SERIAL_MAX_WORK", 2 * 10 * 3 * 4 * 6)
 
-    def pick(B, N=10, r=3, F=4, M=5):
+    def pick(B, N=10, r=3, F=4, M=5, weight=1):
         return cpu.pick_kernel("serial", "parallel", np.empty((B, N, F)), np.empty((B, N, r, F)),
-                               np.empty((B, N, 1, M)))
+                               np.empty((B, N, 1, M)), weight)
 
     assert pick(2) == "parallel"
     assert pick(2, N=9) == "serial"  # one token short of the limit
     assert pick(1, N=20) == "serial"  # one sequence: nothing to share out
     assert pick(4, r=1) == "serial" and pick(6, r=1) == "parallel"
+    assert pick(2, N=3, weight=3) == "serial" and pick(2, N=3, weight=4) == "parallel"  # the scans' weights
+
+
+def test_the_scans_count_their_work_by_their_weights(monkeypatch):
+    """The scan kernels' picks use config.DPLR_SCAN_WORK_WEIGHT and DPLR_SCAN_BACKWARD_WORK_WEIGHT."""
+    seen = []
+    monkeypatch.setattr(cpu, "pick_kernel", lambda s, p, fq, A, VW, weight=1: seen.append(weight) or s)
+    monkeypatch.setattr(config, "DPLR_SCAN_WORK_WEIGHT", 5)
+    monkeypatch.setattr(config, "DPLR_SCAN_BACKWARD_WORK_WEIGHT", 7)
+    B, N, F, M = 1, 2, 3, 2
+    fq, ld = np.ones((B, N, F)), np.zeros((B, N, F))
+    A = np.zeros((B, N, 1, F))
+    VW = np.ones((B, N, 1, M))
+    cpu.dplr_scan(fq, ld, A, A, A, VW, np.zeros((B, F, M + 1)), np.empty((B, N, M)), NORM_NONE, 0.0)
+    cpu.dplr_scan_backward(fq, ld, A, A, A, VW, np.zeros((B, F, M + 1)), np.ones((B, N, M)),
+                           np.zeros((B, F, M + 1)), NORM_NONE, 0.0, 2)
+    assert seen == [5, 7]

@@ -85,21 +85,24 @@ def _dplr_scan(fq, ld, A, Bv, KW, VW, H, out, norm, eps):  # pragma: no cover - 
 dplr_scan_serial, dplr_scan_parallel = serial_and_parallel(_dplr_scan, fastmath=config.FASTMATH, cache=config.CACHE)
 
 
-def pick_kernel(serial, parallel, fq, A, VW):
+def pick_kernel(serial, parallel, fq, A, VW, weight=1):
     """The serial or the batch-parallel twin of a DPLR kernel for features ``fq`` (B, N, F), rows ``A``
     (B, N, r, F) and values ``VW`` (B, N, ., M): the parallel one from
-    :data:`linattn_nb.config.CPU_CHUNKED_SERIAL_MAX_WORK` multiply-adds (``B N r F (M + 1)``) and two
-    sequences on, where a parallel region pays for itself.  Small calls (and the tests' short
-    sequences) then never compile the parallel kernels, about twice the serial one's compile time."""
+    :data:`linattn_nb.config.CPU_CHUNKED_SERIAL_MAX_WORK` multiply-adds (``B N r F (M + 1)``, times
+    ``weight``: the scan kernels' :data:`~linattn_nb.config.DPLR_SCAN_WORK_WEIGHT` and
+    :data:`~linattn_nb.config.DPLR_SCAN_BACKWARD_WORK_WEIGHT`) and two sequences on,
+    where a parallel region pays for itself.  Small calls (and the tests' short sequences) then never
+    compile the parallel kernels, about twice the serial one's compile time."""
     B, N, F = fq.shape
-    work = B * N * max(1, A.shape[2]) * F * (VW.shape[3] + 1)
+    work = B * N * max(1, A.shape[2]) * F * (VW.shape[3] + 1) * weight
     return pick(serial, parallel, items=B, work=work, limit=config.CPU_CHUNKED_SERIAL_MAX_WORK)
 
 
 def dplr_scan(fq, ld, A, Bv, KW, VW, H, out, norm, eps):
     """:func:`_dplr_scan` (arguments and result as there) by its serial or batch-parallel kernel
     (:func:`pick_kernel`)."""
-    return pick_kernel(dplr_scan_serial, dplr_scan_parallel, fq, A, VW)(fq, ld, A, Bv, KW, VW, H, out, norm, eps)
+    kernel = pick_kernel(dplr_scan_serial, dplr_scan_parallel, fq, A, VW, config.DPLR_SCAN_WORK_WEIGHT)
+    return kernel(fq, ld, A, Bv, KW, VW, H, out, norm, eps)
 
 
 def _dplr_scan_backward(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C):  # pragma: no cover - compiled
@@ -158,7 +161,8 @@ dplr_scan_backward_serial, dplr_scan_backward_parallel = serial_and_parallel(
 def dplr_scan_backward(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C):
     """:func:`_dplr_scan_backward` (arguments and results as there) by its serial or batch-parallel kernel
     (:func:`pick_kernel`)."""
-    kernel = pick_kernel(dplr_scan_backward_serial, dplr_scan_backward_parallel, fq, A, VW)
+    kernel = pick_kernel(dplr_scan_backward_serial, dplr_scan_backward_parallel, fq, A, VW,
+                         config.DPLR_SCAN_BACKWARD_WORK_WEIGHT)
     return kernel(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C)
 
 
