@@ -404,35 +404,44 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
         try:
             qf, kf, vf = host_features(fmap, inline, q, k, v, work, causal=causal, position=position, n=n)
         except FeatureOverflow as e:
-            if dev == "cuda" or e.dtype == _F64:
+            if e.dtype == _F64:
                 raise
             qf = kf = vf = None  # the map's features of finite q or k overflowed float32: float64 below
         code = int(fmap.kernel_code) if inline else 0
         if dev == "cuda":
-            CD.run_host(impl, qf, kf, vf, H, result, code=code, eps=eps, inputs=inputs, normalize=normalize)
+            def run(qf, kf, vf, H, target):  # the GPU kernels; the result checked on the host, as it arrives
+                CD.run_host(impl, qf, kf, vf, H, target, code=code, eps=eps, inputs=inputs, normalize=normalize)
+                if check_finite and not (np.isfinite(target).all() and np.isfinite(H).all()):
+                    raise NonFiniteResult("finite inputs gave an output or a state that is not finite")
+
+            direct, target, run64 = True, result, run  # run_host copies into any out=
         else:
-            # an out= that overlaps anything the call reads is written last, from a scratch result
-            direct = (result.dtype == work and result.flags.c_contiguous and result.flags.writeable
-                      and not out_overlaps(out, reads + (q, k, v) + tuple((inputs or {}).values())))
-            target = result.reshape((b, n, m)) if direct else np.empty((b, n, m), dtype=work)
-            try:
-                if qf is None:
-                    raise NonFiniteResult(f"feature map {fmap.name!r} overflowed {work}")
-                if check_finite and not inline:
-                    _check_features(fmap, qf, kf, work)  # finite q, k (scanned above): the map overflowed?
+            def run(qf, kf, vf, H, target):
                 # check_finite: the kernel raises ValueError naming a non-finite input, and
                 # NonFiniteResult when finite inputs gave a non-finite output or state
                 impl.forward(qf, kf, vf, H, target, code=code, eps=eps, inputs=inputs, check_finite=check_finite,
                              normalize=normalize)
-            except NonFiniteResult:
-                if work != _F64:
-                    H, out64 = _recompute_float64(fmap, impl, q, k, v, initial_state, batch_shape, f, m, causal,
-                                                  eps, inline, inputs, normalize)
-                    result[...] = _cast_result(out64, dtype, q, k, v).reshape(out_shape)
-                    direct = True  # result written
-                # float64 work: the result is what float64 gives (e.g. 0 / 0 with eps=None): kept
-            if not direct:
-                result[...] = target.reshape(out_shape)
+
+            # an out= that overlaps anything the call reads is written last, from a scratch result
+            direct = (result.dtype == work and result.flags.c_contiguous and result.flags.writeable
+                      and not out_overlaps(out, reads + (q, k, v) + tuple((inputs or {}).values())))
+            target = result.reshape((b, n, m)) if direct else np.empty((b, n, m), dtype=work)
+            run64 = None
+        try:
+            if qf is None:
+                raise NonFiniteResult(f"feature map {fmap.name!r} overflowed {work}")
+            if check_finite and not inline:
+                _check_features(fmap, qf, kf, work)  # finite q, k (scanned above): the map overflowed?
+            run(qf, kf, vf, H, target)
+        except NonFiniteResult:
+            if work != _F64:  # float64 throughout, on the same device
+                H, out64 = _recompute_float64(fmap, impl, q, k, v, initial_state, batch_shape, f, m, causal, eps,
+                                              inline, inputs, normalize, run=run64)
+                result[...] = _cast_result(out64, dtype, q, k, v).reshape(out_shape)
+                direct = True  # result written
+            # float64 work: the result is what float64 gives (e.g. 0 / 0 with eps=None): kept
+        if not direct:
+            result[...] = target.reshape(out_shape)
     if not return_state:
         return result
     return result, state_from_H(H, batch_shape, f, m, position + n, rule)
@@ -452,8 +461,10 @@ def _check_features(fmap, qf, kf, work):
 
 
 def _recompute_float64(fmap, impl, q, k, v, initial_state, batch_shape, f, m, causal, eps, inline, inputs,
-                       normalize):
-    """``(H, out)`` of a CPU call recomputed in float64 (features included): the float32 result overflowed."""
+                       normalize, run=None):
+    """``(H, out)`` of a call recomputed in float64 (features included): the float32 result overflowed.
+    ``run(qf, kf, vf, H, out)``: the kernels (raising NonFiniteResult for a result that is not finite);
+    default: ``impl.forward`` on the CPU."""
     H, position = host_state(initial_state, batch_shape, f, m, check_finite=False)
     b, n = H.shape[0], int(q.shape[-2])
     qf, kf, vf = host_features(fmap, inline, q, k, v, _F64, causal=causal, position=position, n=n)
@@ -461,10 +472,12 @@ def _recompute_float64(fmap, impl, q, k, v, initial_state, batch_shape, f, m, ca
     if not inline:
         _check_features(fmap, qf, kf, _F64)
     out64 = np.empty((b, n, m))
+    if run is None:
+        def run(qf, kf, vf, H, out64):
+            impl.forward(qf, kf, vf, H, out64, code=code, eps=eps, inputs=inputs, check_finite=True,
+                         normalize=normalize)
     try:
-        # still checked: a map's features may have overflowed before the kernel saw v
-        impl.forward(qf, kf, vf, H, out64, code=code, eps=eps, inputs=inputs, check_finite=True,
-                     normalize=normalize)
+        run(qf, kf, vf, H, out64)  # still checked: a map's features may have overflowed before the kernel saw v
     except NonFiniteResult:
         pass  # non-finite in float64 too (e.g. 0 / 0 with eps=None): the reference's own result
     return H, out64

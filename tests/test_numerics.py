@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import linattn_nb as la
+from linattn_nb.feature_maps._base import FeatureOverflow
 from linattn_nb import config
 from linattn_nb.ops._finite import NonFiniteResult
 from linattn_nb.ops.causal.chunked import causal_chunked
@@ -285,6 +286,61 @@ def test_large_inputs_linear(small_blocks, kind, which, dtype, fmap):
         for got, want in ((state.S, ref_state.S), (state.z, ref_state.z)):
             assert np.isfinite(got).all()
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(want))))
+
+
+def _need_cuda():
+    from linattn_nb.device import cuda_status
+
+    if cuda_status() == "none":
+        pytest.skip("neither a CUDA GPU nor the simulator is available")
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the simulator's NumPy scalars warn on the overflow
+@pytest.mark.parametrize("kind", [(True, "chunked"), (True, "scan"), (False, "aggregate")])
+def test_large_host_inputs_on_the_gpu_are_the_float64_result(kind):
+    """Host arrays run on the GPU (``device="cuda"``): finite float32 inputs whose float32 result or state
+    overflows give the float64 result, as on the CPU (they came back inf or NaN in silence), a result beyond
+    float32 raises ValueError, and ``check_finite=False`` returns the values as computed."""
+    _need_cuda()
+    causal, method = kind
+    rng = np.random.default_rng(6)
+    args = _large(rng, (1, 2), 12, 4, 3, np.float32, 1e19, "qk")
+    ref, ref_state = _reference(args, causal, "elu")
+    out, state = la.linear_attention(*args, causal=causal, method=method, device="cuda", return_state=True)
+    assert np.isfinite(ref).all()  # the case under test
+    _assert_close(out, ref, np.float32, float(np.max(np.abs(args[2]))))
+    np.testing.assert_allclose(state.S, ref_state.S, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(ref_state.S))))
+    unchecked = la.linear_attention(*args, causal=causal, method=method, device="cuda", check_finite=False)
+    assert not np.isfinite(unchecked).all()
+    q = np.array([[1e10, 0.0]], np.float32)  # signed features, a floored normaliser: beyond float32
+    with pytest.raises(ValueError, match="too large for float32"):
+        la.linear_attention(q, -q, np.array([[1e20]], np.float32), causal=causal, method=method,
+                            feature_map="identity", device="cuda")
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("fmap", ["taylor2", "rff"])
+def test_numpy_side_map_overflow_on_the_gpu_is_the_float64_result(fmap):
+    """A NumPy-side map whose float32 features of finite inputs overflow (taylor2: inf features; rff: it
+    raises FeatureOverflow): the GPU call runs in float64, as the CPU call does (it returned NaN, or raised
+    FeatureOverflow)."""
+    _need_cuda()
+    rng = np.random.default_rng(10)
+    q, k, v = _inputs(rng, (2,), 10, 4, 3, np.float32)
+    if fmap == "taylor2":
+        q *= np.float32(1e20)
+    else:
+        q[...] = k[...] = 15.0  # rff's exp(|x|^2 / 2) factor: beyond float32, not float64
+    m = la.feature_maps.get(fmap, dim=4, seed=0) if fmap == "rff" else la.feature_maps.get(fmap)
+    with np.errstate(over="ignore"):
+        try:
+            assert not np.isfinite(m(q if fmap == "taylor2" else k)).all()  # the case under test
+        except FeatureOverflow:
+            pass
+        want = la.linear_attention(q, k, v, causal=True, feature_map=m)
+        got = la.linear_attention(q, k, v, causal=True, feature_map=m, device="cuda")
+    assert np.isfinite(want).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
