@@ -16,8 +16,8 @@ from ..._blas import single_threaded_blas
 from .._codes import KERNEL_CODE_L2, NORM_FLOOR, NORM_NONE
 from .._common import l2_row, phi
 from .._gemm import gemm
-from .._vec import elu1
 from .._twins import serial_and_parallel
+from .._vec import elu1
 from .cpu import factor_step, pick_kernel, write_step
 
 #: The lowest cumulative log-diagonal (per feature) a chunk spans, by working dtype: ``1 / gamma``
@@ -398,5 +398,4 @@ def dplr_chunked(fq, ld, A, Bv, KW, VW, H, out, norm, eps, cb=None, cw=None):
         cb, cw = (np.ascontiguousarray(x, dtype=np.float64) for x in (cb, cw))
     with single_threaded_blas():  # BLAS inside prange: OpenBLAS off its own threads
         kernel = pick_kernel(dplr_chunked_serial, dplr_chunked_parallel, fq, A, VW)
-        return kernel(fq, ld, A, Bv, KW, VW, cb, cw, H, out, np.int64(norm), float(eps), np.int64(C),
-                                   cut)
+        return kernel(fq, ld, A, Bv, KW, VW, cb, cw, H, out, np.int64(norm), float(eps), np.int64(C), cut)

@@ -15,9 +15,9 @@ from ... import config
 from ..._blas import single_threaded_blas
 from .._codes import NORM_FLOOR, NORM_NONE
 from .._gemm import gemm
+from .._twins import serial_and_parallel
 from .._vec import elu1
 from .chunked import LOG_CUT, chunk_extent
-from .._twins import serial_and_parallel
 from .cpu import dplr_scan_backward, factor_step, pick_kernel, reverse_tokens, write_step
 
 _CHUNK, _RUN = 0, 1  # segment kinds: a chunk of GEMMs, a run of scan tokens
