@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from ._study import fmt
 
-__all__ = ["Claim", "slope_claim", "compare_claim", "capacity_claim", "SUPPORTED", "NOT_SUPPORTED", "NOT_APPLICABLE"]
+__all__ = ["Claim", "slope_claim", "compare_claim", "capacity_claim", "state_full", "SUPPORTED", "NOT_SUPPORTED",
+           "NOT_APPLICABLE"]
 
 SUPPORTED = "supported"
 NOT_SUPPORTED = "not supported"
@@ -87,8 +88,19 @@ def compare_claim(a: str, a_mean: float, a_half: float, b: str, b_mean: float, b
 
 
 CAPACITY_RULE = ("a fall of the mean accuracy below {a} is the state's capacity only where the state is full: at "
-                 "n > D_φ (the least-squares floor is 0 up to D_φ); at n ≤ D_φ it is the estimator's variance "
-                 "when softmax, the kernel a random map estimates, reads ≥ {a} there, else the kernel")
+                 "n > D_φ, or where the least-squares floor is above 0 (the map's features of the n keys then "
+                 "have rank below n); where the floor is 0 it is the estimator's variance when softmax, the "
+                 "kernel a random map estimates, reads ≥ {a} there, else the kernel")
+
+#: A mean least-squares floor above this is a state that cannot store the n pairs exactly (full-rank
+#: features give a floor of rounding size, about 1e-30 relative).
+FLOOR_ZERO = 1e-9
+
+
+def state_full(n, floor, dphi) -> bool:
+    """Whether a state of D_φ = ``dphi`` features is full at ``n`` pairs: n > D_φ, or a least-squares floor
+    above 0 (features of rank below n, as DPFP's of few random keys can be)."""
+    return n > dphi or floor > FLOOR_ZERO
 
 
 def capacity_claim(n, acc, half, floor, dphi, *, reference=None, estimator: str = "", threshold: float = 0.9) -> Claim:
@@ -116,6 +128,10 @@ def capacity_claim(n, acc, half, floor, dphi, *, reference=None, estimator: str 
     if n[j] > dphi:
         return Claim(SUPPORTED, f"{where}: ≥ {a} while the state had room, below once it is full: consistent with "
                                 "the state's capacity", rule)
+    if floor[j] > FLOOR_ZERO:
+        return Claim(SUPPORTED, f"{where}: n ≤ D_φ, but the floor is above 0 (the map's features of the keys "
+                                "have rank below n in some draws), so the state is full: consistent with the state's "
+                                "capacity", rule)
     ref = None if reference is None else float(reference[j])
     if ref is not None and ref >= threshold and estimator == "random":
         cause = f"the estimator's variance (softmax, the kernel it estimates, reads {fmt(ref)} there)"

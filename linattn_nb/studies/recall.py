@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._maps import build_map, is_random, map_label
-from ._claims import capacity_claim
+from ._claims import FLOOR_ZERO, capacity_claim, state_full
 from ._study import CI_CAPTION, Rendered, Study, fmt, markdown_table, mean_ci, pm, register_study, split_failed
 
 #: The regimes: (name, key scale as a function of d, orthonormal keys, value width as a function of d or
@@ -269,7 +269,10 @@ def _findings(agg, regimes, fixed=()) -> list:
                 ls_binds[reg][2].append((dphi, first))
     for reg, (yes, no, points) in ls_binds.items():
         early = [label for (reg2, label), (n, dphi, stats, _) in agg.items() if reg2 == reg
-                 and any(n[j] <= dphi and a < ACCURACY for j, a in enumerate(stats["accuracy"][0]))]
+                 and any(a < ACCURACY and not state_full(n[j], stats["optimal_mse"][0][j], dphi)
+                         for j, a in enumerate(stats["accuracy"][0]))]
+        rank_short = [label for (reg2, label), (n, dphi, stats, _) in agg.items() if reg2 == reg
+                      and any(n[j] <= dphi and f > FLOOR_ZERO for j, f in enumerate(stats["optimal_mse"][0]))]
         points.sort()
         moves = ""
         if len({dp for dp, _ in points}) > 1:
@@ -279,7 +282,10 @@ def _findings(agg, regimes, fixed=()) -> list:
         out.append(f"- {reg} regime, the least-squares state of each map's size (the best state any rule could write "
                    f"into D_φ × M numbers): capacity binds for " + ("; ".join(yes) if yes else "no map")
                    + (f"; not for {'; '.join(no)}" if no else "") + ".  With values of a fixed width that state is "
-                   f"exact while n ≤ D_φ and falls below {ACCURACY} only past D_φ, at the n given." + moves
+                   "exact while the map's features of the n keys have rank n (up to n = D_φ for features of full "
+                   f"rank) and falls below {ACCURACY} only once its floor is above 0, at the n given." + moves
+                   + (f"  For {', '.join(rank_short)} the floor is above 0 already at some n ≤ D_φ: the map's "
+                      "features of these random keys have rank below n there." if rank_short else "")
                    + (f"  The normalised read-out of {', '.join(early)} falls before its state is full: crosstalk "
                       "between the keys in its sum, not the state's size, limits it." if early else ""))
     passes = []
@@ -288,7 +294,7 @@ def _findings(agg, regimes, fixed=()) -> list:
         if reg not in fixed and len(ok) and n[ok[-1]] > dphi:
             passes.append(f"{label}, {reg}: n = {int(n[ok[-1]])} = {fmt(n[ok[-1]] / dphi)} D_φ")
     if passes:
-        out.append(f"- With one-hot values the least-squares state, which stores up to D_φ pairs exactly, still reads "
+        out.append(f"- With one-hot values the least-squares state, which stores as many pairs exactly as its features' rank (up to D_φ), still reads "
                    f"≥ {ACCURACY} past D_φ (largest such n): " + "; ".join(passes) + ".  One-hot values have width "
                    "M = n, so the state (D_φ × n) grows with the pairs it holds; argmax accuracy there does not see "
                    "the capacity limit even for the best state, the error does (the floor is 1 − D_φ/n past D_φ).")

@@ -292,6 +292,30 @@ def test_capacity_claim_names_the_estimators_variance_only_where_softmax_reads()
     assert c.verdict == NOT_SUPPORTED and "passes the capacity limit" in c.text and "floor is 0.75" in c.text
 
 
+def test_recall_findings_call_a_fall_capacity_where_the_floor_is_above_0_before_d_phi():
+    """Features of rank below n (DPFP's of a few random keys in a small d) fill the state before D_φ: the least-squares
+    floor is above 0 there, and the report must not say the state has room."""
+    from linattn_nb.studies._claims import capacity_claim
+    from linattn_nb.studies.recall import _findings
+
+    n = np.array([3.0, 4.0, 6.0, 8.0, 16.0])
+    n_, dphi, st, est = _recall_entry(n, [1.0, 0.8, 0.6, 0.5, 0.3], dphi=8, opt_acc=[1.0, 0.95, 0.85, 0.8, 0.5])
+    st["optimal_mse"] = (np.array([0.0, 0.02, 0.15, 0.2, 0.53]), 0 * n)  # rank-deficient from n = 4
+    c = capacity_claim(n, st["accuracy"][0], st["accuracy"][1], st["optimal_mse"][0], dphi)
+    assert c.supported and "at n = 4, first below 0.9" in c.text and "rank below n" in c.text
+    assert "has room" not in c.text and "least-squares floor is above 0" in c.rule
+    lines = _findings({("fixed state", "dpfp"): (n_, dphi, st, est)}, ["fixed state"], fixed={"fixed state"})
+    assert "capacity binds for dpfp." in " ".join(lines)
+    ls = [x for x in lines if "least-squares state of each map's size" in x][0]
+    assert "binds for dpfp (D_φ = 8, first below at n = 6" in ls
+    assert "For dpfp the floor is above 0 already at some n ≤ D_φ" in ls
+    assert "exact while n ≤ D_φ" not in ls and "falls before its state is full" not in ls
+    # a floor of rounding size is 0: the state still has room there
+    st["optimal_mse"] = (np.array([0.0, 1e-16, 1e-14, 0.0, 0.5]), 0 * n)
+    c = capacity_claim(n, st["accuracy"][0], st["accuracy"][1], st["optimal_mse"][0], dphi)
+    assert not c.supported and "has room" in c.text
+
+
 def test_recall_findings_say_where_the_least_squares_state_reads_past_d_phi():
     from linattn_nb.studies.recall import _findings
 
