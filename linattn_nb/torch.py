@@ -246,7 +246,9 @@ class _LinearAttentionFunction(torch.autograd.Function):
                     for t in (q, k, v, decay, log_decay, beta, S0, z0) + tuple(params)]
         # saved so that autograd refuses a backward after an in-place change of an input (the request holds
         # views of q and k), and for the float64 recomputation of a backward that overflows float32
-        ctx.save_for_backward(q, k, v)
+        # and the map's parameters, written back into the map for the backward: another forward through the
+        # same map object (two layers sharing it) writes its own in between
+        ctx.save_for_backward(q, k, v, *params)
         ctx.set_materialize_grads(False)
         out_t = torch.from_numpy(np.ascontiguousarray(out)).to(q.device)
         if not spec.return_state:
@@ -268,7 +270,9 @@ class _LinearAttentionFunction(torch.autograd.Function):
             gS = np.zeros(req.batch_shape + (req.f, req.m)) if grad_S is None else _host(grad_S)
             gz = np.zeros(req.batch_shape + (req.f,)) if grad_z is None else _host(grad_z)
             grad_state = (gS, gz)
-        q, k, v = ctx.saved_tensors
+        q, k, v, *params = ctx.saved_tensors
+        if params:
+            _write_map_params(spec.fmap, spec.param_names, params, _host_array)
         res = _gradfront.backward_after_forward(req, ctx.nd, _host(grad_out), grad_state,
                                                 (_host(q), _host(k), _host(v)), ctx.kw)
 

@@ -189,6 +189,24 @@ def test_gradcheck_hedgehog_parameters(name, causal):
     np.testing.assert_array_equal(fmap.parameters()["W"], W.detach().numpy())  # the map took the values
 
 
+@needs_fm_vjp
+@pytest.mark.parametrize("method", ["quadratic", "chunked"])
+def test_a_shared_map_object_takes_each_calls_own_parameters_in_its_backward(method):
+    """Two calls through one map object (two layers sharing it) with other parameters: the first call's
+    backward uses its own parameters, not the ones the second forward wrote into the map."""
+    fmap = fm.get("hedgehog")
+    fmap.materialize(D)
+    q, k, v = _qkv(seed=12, positive=False, shape=(1, 1, 6))
+    P1 = {n: torch.tensor(a, dtype=torch.float64, requires_grad=True) for n, a in fmap.parameters().items()}
+    P2 = {n: 1.5 * t.detach() + 0.1 for n, t in P1.items()}
+    o1 = lt.linear_attention(q, k, v, causal=True, feature_map=fmap, method=method, feature_map_params=P1)
+    ref = torch.autograd.grad(o1.square().sum(), [q, k, P1["W"], P1["b"]], retain_graph=True)
+    lt.linear_attention(q, k, v, causal=True, feature_map=fmap, method=method, feature_map_params=P2)
+    got = torch.autograd.grad(o1.square().sum(), [q, k, P1["W"], P1["b"]])
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", ["elu", "relu", "squared_relu", "identity"])
 def test_maps_applied_by_torch_equal_the_numpy_maps(name):
     """The built-in elementwise maps run as torch ops; a subclass takes the NumPy map and its vjp: same numbers."""
