@@ -18,7 +18,7 @@ from .ops._codes import (KERNEL_CODE_ELU, KERNEL_CODE_L2, KERNEL_CODE_RELU, KERN
 from .ops._finite import NonFiniteResult, check_finite_values
 from .ops.grad import _rowmaps
 from .rules import _dplr as D
-from .rules import get_dplr_rule
+from .rules import BUILTIN_DPLR_RULES, get_dplr_rule
 from ._blas import parallel_entry
 from ._workarrays import thread_array
 
@@ -315,18 +315,81 @@ def _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize
         checked = _general_check(inputs, lead, N, F, r, fast)
         form = _general_build(fk, v64, checked)
     elif fast and spec.keyed is not None:  # the chunked kernel makes a, b, kw from the keys
-        checked = spec.check(inputs, lead, N, F, r)
-        form, keyed = spec.keyed(fk, v64, checked), True
+        checked = _rule_checked(spec, inputs, lead, N, F, r)
+        form, keyed = _rule_form(spec, spec.keyed(fk, v64, checked), B, N, F, M, keyed=True), True
     else:
-        checked = spec.check(inputs, lead, N, F, r)
+        checked = _rule_checked(spec, inputs, lead, N, F, r)
         if work == np.float32:  # the rule's map to the general form in float32 too
             checked = {n: x.astype(work) if getattr(x, "dtype", None) == np.float64 else x for n, x in checked.items()}
-        form = spec.build(fk, v64, checked)
+        form = _rule_form(spec, spec.build(fk, v64, checked), B, N, F, M)
     form = tuple(np.ascontiguousarray(x, dtype=x.dtype if fast and x.dtype in (np.float32, np.float64) else np.float64)
                  for x in form)
 
     return _Request(name, spec, fmap, q, k, lead, N, M, F, r, sub, dtype, fq, fk, v64, checked, inputs,
                     form, H0, position, norm, eps_v, keyed)
+
+
+def check_pullback(spec) -> None:
+    """ValueError naming the rule when it has no ``pullback``: its gradients cannot be computed."""
+    if not callable(spec.pullback):
+        raise ValueError(f"rule {spec.name!r} has no pullback (the gradient of its build, docs/dplr.md, \"A rule "
+                         "of your own\"): dplr_attention_vjp and the torch adapter's backward need one; its "
+                         "forward runs without")
+
+
+def _user_rule(spec) -> bool:
+    """Whether ``spec`` is a rule from outside this package (its check and build are then checked)."""
+    return not any(spec is rule for rule in BUILTIN_DPLR_RULES)
+
+
+def _rule_checked(spec, inputs, lead, N, F, r) -> dict:
+    """A named rule's :meth:`check`; TypeError naming the rule when a researcher's check returns no dict."""
+    checked = spec.check(inputs, lead, N, F, r)
+    if not isinstance(checked, dict):
+        raise TypeError(f"rule {spec.name!r}: check must return a dict of the checked arguments, got "
+                        f"{type(checked).__name__}")
+    return checked
+
+
+def _rule_form(spec, form, B, N, F, M, keyed=False):
+    """A researcher's rule's general (or keyed) form, checked: ValueError naming the rule, the field and the
+    shape it must have, or the values it holds (a log-diagonal above 0 or NaN, non-finite vectors), before a
+    kernel reads it.  The package's own rules are returned as they are."""
+    if not _user_rule(spec):
+        return form
+    kind = D.KeyedForm if keyed else D.GeneralForm
+    what = f"rule {spec.name!r}: {'keyed' if keyed else 'build'}"
+    if not isinstance(form, tuple) or len(form) != len(kind._fields):
+        raise TypeError(f"{what} must return a {kind.__name__} ({', '.join(kind._fields)}), got "
+                        f"{type(form).__name__}")
+    form = kind(*(np.asarray(x) for x in form))
+    for name, x in zip(kind._fields, form):
+        if x.dtype.kind != "f":
+            raise TypeError(f"{what}: {name} must be a floating-point array, got dtype {x.dtype}")
+    ld = form.ld
+    if ld.ndim != 3 or ld.shape[:2] != (B, N) or ld.shape[2] not in (0, 1, F):
+        raise ValueError(f"{what}: ld must have shape (B, N, W) = ({B}, {N}, W) with W = 0, 1 or D_phi = {F}, "
+                         f"got {ld.shape}")
+    if keyed:
+        r = form.cb.shape[2] if form.cb.ndim == 3 else -1
+        want = {"cb": (B, N, r), "cw": (B, N, r), "vw": (B, N, r, M)}
+    else:
+        r = form.a.shape[2] if form.a.ndim == 4 else -1
+        w = form.kw.shape[2] if form.kw.ndim == 4 and form.kw.shape[2] in (1, r) else r
+        want = {"a": (B, N, r, F), "b": (B, N, r, F), "kw": (B, N, w, F), "vw": (B, N, w, M)}
+    axes = "(B, N, r)" if keyed else "(B, N, r, D_phi)"
+    for name, shape in want.items():
+        x = getattr(form, name)
+        if r < 1 or x.shape != shape:
+            raise ValueError(f"{what}: {name} must have shape {shape if r >= 1 else axes} (B = {B}, N = {N}, "
+                             f"D_phi = {F}, M = {M}; the writes kw, vw: r of them or one), got {x.shape}")
+    if np.isnan(ld).any() or (ld > 0).any():
+        raise ValueError(f"{what}: ld, the log-diagonal, must be <= 0 (-inf resets), got values "
+                         f"{'NaN' if np.isnan(ld).any() else 'above 0'}")
+    for name in want:
+        if not np.isfinite(getattr(form, name)).all():
+            raise ValueError(f"{what}: {name} holds non-finite values (NaN or inf) although the inputs are finite")
+    return form
 
 
 def _general_arrays(R: _Request, chunked: bool):
@@ -335,7 +398,8 @@ def _general_arrays(R: _Request, chunked: bool):
     if not R.keyed:
         return R.form + (None,)
     if not chunked:
-        return tuple(np.ascontiguousarray(x, dtype=np.float64) for x in R.spec.build(R.fk, R.v64, R.checked)) + (None,)
+        form = _rule_form(R.spec, R.spec.build(R.fk, R.v64, R.checked), *R.fk.shape[:2], R.F, R.M)
+        return tuple(np.ascontiguousarray(x, dtype=np.float64) for x in form) + (None,)
     ld, cb, cw, VW = R.form
     K = np.ascontiguousarray(R.fk if R.sub else R.fk[:, :, None])
     return ld, K, K, K, VW, (cb, cw)
@@ -629,6 +693,8 @@ def dplr_attention_vjp(q, k, v, grad_out, *, rule=None, a=None, b=None, log_diag
     >>> g.dq.shape, sorted(g.d_inputs)
     ((8, 4), ['beta', 'decay'])
     """
+    if rule is not None:
+        check_pullback(get_dplr_rule(rule))
     R = _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize, eps, check_finite,
                  initial_state, rule_arguments)
     lead, N, M, F = R.lead, R.N, R.M, R.F

@@ -633,6 +633,10 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
     named = [("q", q), ("k", k), ("v", v), ("initial_state.S", S0), ("initial_state.z", z0), *zip(names, tensors)]
     named += [(f"feature_map_params[{n!r}]", t) for n, t in zip(param_names, params)]
     _check_one_device(named)
+    if rule is not None and torch.is_grad_enabled() and any(t is not None and t.requires_grad for _, t in named):
+        from .dplr import check_pullback
+
+        check_pullback(rules.get_dplr_rule(rule))  # refused now, not at the backward
     spec = _DPLRSpec(values, tuple(names), param_names, fmap, state, bool(return_state))
     res = _DPLRFunction.apply(spec, q, k, v, S0, z0, *tensors, *params)
     if not return_state:

@@ -125,6 +125,10 @@ for _module in (kda, rwkv7, delta_product, gated_delta_product):
     register_dplr(_module.RULE)
 del _module
 
+#: The package's own DPLR rules, as registered at import (a researcher's rules, and a rule registered over one
+#: of these names, have what their check and build return checked at each call).
+BUILTIN_DPLR_RULES = tuple(DPLR_RULES.values())
+
 
 def dplr_rule_names() -> Tuple[str, ...]:
     """The named DPLR rules' names."""
@@ -144,5 +148,5 @@ def get_dplr_rule(rule) -> DPLRRule:
         raise ValueError(f"unknown DPLR rule {rule!r}; registered: {', '.join(map(repr, DPLR_RULES))}") from None
 
 
-__all__ = ["DPLR_RULES", "DPLRRule", "FACTOR_KINDS", "RULES", "UpdateRule", "dplr_rule_names", "get_dplr_rule",
-           "get_rule", "reference", "register", "register_dplr", "rule_for", "rule_names"]
+__all__ = ["BUILTIN_DPLR_RULES", "DPLR_RULES", "DPLRRule", "FACTOR_KINDS", "RULES", "UpdateRule", "dplr_rule_names",
+           "get_dplr_rule", "get_rule", "reference", "register", "register_dplr", "rule_for", "rule_names"]

@@ -1,0 +1,113 @@
+"""A researcher's own DPLR rule (docs/dplr.md, "A rule of your own"): what its check and build return is checked
+before a kernel reads it, on every method, and a rule without a pullback is refused where gradients are asked."""
+import numpy as np
+import pytest
+
+import linattn_nb as la
+from linattn_nb import rules
+from linattn_nb.rules import _dplr as D
+
+F = 8  # l2 features of keys of dimension 8
+
+
+def _check(inputs, lead, N, F, r):
+    return {"beta": D.per_feature("beta", inputs["beta"], lead, N, F)}
+
+
+def _good(fk, v, i):
+    return D.GeneralForm(np.zeros(fk.shape[:2] + (0,)), (i["beta"] * fk)[:, :, None], -fk[:, :, None],
+                         (i["beta"] * fk)[:, :, None], v[:, :, None])
+
+
+@pytest.fixture
+def register():
+    """Registers rules for one test and removes them after."""
+    added = []
+
+    def reg(name, build=_good, check=_check, pullback=None):
+        rule = D.DPLRRule(name=name, arguments=("beta",), substeps=False, formula="", check=check, build=build,
+                          step=lambda H, k, v1, inp: H, sample=None, pullback=pullback)
+        rules.register_dplr(rule)
+        added.append(name)
+        return name
+
+    yield reg
+    for name in added:
+        rules.DPLR_RULES.pop(name, None)
+
+
+def _inputs():
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((3, 2, 16, F))
+    return q, k, v, rng.uniform(0, 1, (2, 16, F))
+
+
+def _with(form, **fields):
+    return lambda fk, v, i: form(fk, v, i)._replace(**{n: f(fk, v, i) for n, f in fields.items()})
+
+
+BAD = {
+    "ld of width 3": (_with(_good, ld=lambda fk, v, i: np.zeros(fk.shape[:2] + (3,))),
+                      ValueError, r"ld must have shape \(B, N, W\) = \(2, 16, W\) with W = 0, 1 or D_phi = 8, "
+                                  r"got \(2, 16, 3\)"),
+    "ld above 0": (_with(_good, ld=lambda fk, v, i: np.full(fk.shape[:2] + (1,), 0.5)),
+                   ValueError, r"ld, the log-diagonal, must be <= 0 .*above 0"),
+    "ld NaN": (_with(_good, ld=lambda fk, v, i: np.full(fk.shape[:2] + (1,), np.nan)),
+               ValueError, r"ld, the log-diagonal, must be <= 0 .*NaN"),
+    "vectors without r": (lambda fk, v, i: D.GeneralForm(np.zeros(fk.shape[:2] + (0,)), i["beta"] * fk, -fk,
+                                                         i["beta"] * fk, v),
+                          ValueError, r"a must have shape \(B, N, r, D_phi\).*got \(2, 16, 8\)"),
+    "b of other r": (_with(_good, b=lambda fk, v, i: np.stack([fk, fk], axis=2)),
+                     ValueError, r"b must have shape \(2, 16, 1, 8\)"),
+    "vw of other width": (_with(_good, vw=lambda fk, v, i: v[:, :, None, :3]),
+                          ValueError, r"vw must have shape \(2, 16, 1, 8\).*got \(2, 16, 1, 3\)"),
+    "a NaN": (_with(_good, a=lambda fk, v, i: np.full(fk.shape[:2] + (1, F), np.nan)),
+              ValueError, r"a holds non-finite values"),
+    "not a form": (lambda fk, v, i: (fk, v), TypeError, r"must return a GeneralForm \(ld, a, b, kw, vw\), got tuple"),
+    "integer kw": (_with(_good, kw=lambda fk, v, i: np.ones(fk.shape[:2] + (1, F), dtype=np.int64)),
+                   TypeError, r"kw must be a floating-point array"),
+}
+
+
+@pytest.mark.parametrize("method", ["quadratic", "scan", "chunked"])
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_rules_bad_build_is_refused_naming_the_rule_and_the_field(register, case, method):
+    build, err, msg = BAD[case]
+    name = register("user_" + case.replace(" ", "_"), build=build)
+    q, k, v, beta = _inputs()
+    with pytest.raises(err, match=rf"rule {name!r}: build.*{msg}"):
+        la.dplr_attention(q, k, v, rule=name, beta=beta, feature_map="l2", method=method)
+
+
+def test_a_good_rule_of_ones_own_runs_on_every_method(register):
+    """The control: the same rule well built gives one result on every method (the checks refuse only the bad)."""
+    name = register("user_good")
+    q, k, v, beta = _inputs()
+    outs = [la.dplr_attention(q, k, v, rule=name, beta=beta, feature_map="l2", method=m)
+            for m in ("quadratic", "scan", "chunked")]
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(outs[2], outs[0], rtol=1e-10, atol=1e-12)
+
+
+def test_a_check_that_returns_no_dict_is_refused(register):
+    name = register("user_nocheck", check=lambda inputs, lead, N, F, r: None)
+    q, k, v, beta = _inputs()
+    with pytest.raises(TypeError, match=r"rule 'user_nocheck': check must return a dict .*got NoneType"):
+        la.dplr_attention(q, k, v, rule=name, beta=beta, feature_map="l2")
+
+
+def test_a_rule_without_pullback_runs_forward_and_refuses_gradients(register):
+    name = register("user_nopullback")
+    q, k, v, beta = _inputs()
+    la.dplr_attention(q, k, v, rule=name, beta=beta, feature_map="l2")
+    with pytest.raises(ValueError, match=r"rule 'user_nopullback' has no pullback"):
+        la.dplr_attention_vjp(q, k, v, np.ones_like(v), rule=name, beta=beta, feature_map="l2")
+    torch = pytest.importorskip("torch")
+    import linattn_nb.torch as lt
+
+    qt = torch.tensor(q, requires_grad=True)
+    kt, vt = torch.tensor(k), torch.tensor(v)
+    with pytest.raises(ValueError, match=r"rule 'user_nopullback' has no pullback"):
+        lt.dplr_attention(qt, kt, vt, rule=name, beta=beta, feature_map="l2")  # at the forward, not the backward
+    with torch.no_grad():
+        lt.dplr_attention(qt, kt, vt, rule=name, beta=beta, feature_map="l2")  # no gradient asked: runs
