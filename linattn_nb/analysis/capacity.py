@@ -213,7 +213,8 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
         The delta rule's write strength in [0, 2] (default: none); with ``decay``, the gated delta rule.
     normalize : bool, optional
         Divide the read-out by ``phi(k) . z`` (``eps`` floors it); default True for the additive and
-        decay rules, False with ``beta``.  Signed maps (``"l2"``) need False.
+        decay rules, False with ``beta``.  Signed maps (``"l2"``) need False: where one
+        gives a key a normaliser at or below ``eps``, True raises ValueError.
     orthogonal_keys : bool, default False
         Orthonormal keys (a random orthogonal frame, times ``key_scale``); needs every ``n <= d``.
     method : str, default "quadratic"
@@ -236,7 +237,9 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
         Non-positive sizes, ``key_scale`` or ``softmax_scale``; ``feature_map="softmax"``; features
         not of shape ``(n, output_dim(d))``; ``decay`` outside [0, 1]; ``beta`` outside [0, 2];
         ``distance_bins`` not increasing; ``orthogonal_keys`` with some ``n > d``;
-        ``normalize=False`` with a map that needs its normaliser (FAVOR+).
+        ``normalize=False`` with a map that needs its normaliser (FAVOR+); ``normalize=True`` with a
+        map of signed features (``"l2"``) whose normaliser ``phi(k) . z`` is at or below ``eps`` for
+        some key.
     TypeError
         Non-integer sizes, a bad ``feature_map``, a non-real ``decay`` or ``beta``, ``normalize`` or
         ``orthogonal_keys`` not a bool.
@@ -328,9 +331,12 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
             elif get_rule(rule).reads_state:
                 vhat = _delta_readout(fmap, keys, vals, beta, decay, normalize, eps, method)
             elif decay is None and normalize:
+                _check_signed_normaliser(fmap, phi, np.ones(n), eps)
                 vhat = linear_attention(keys, keys, vals, feature_map=fmap, causal=False, eps=eps)
             else:
                 w = np.ones(n) if decay is None else decay ** dist.astype(np.float64)
+                if normalize:
+                    _check_signed_normaliser(fmap, phi, w, eps)
                 vhat = _decayed_readout(phi, vals, w, eps, normalize=normalize)
             vs = softmax_attention(keys, keys, vals, scale=softmax_scale)
             opt_res = _optimal_residual(phi, vals)
@@ -393,6 +399,22 @@ def _delta_readout(fmap, keys, vals, beta, decay, normalize, eps, method):
                              normalize=normalize, method=method, return_state=True)
     phi = C.features(fmap, keys, role="query", causal=True, name="keys")[0]
     return FE.read_state(phi, st.S, st.z, normalize, eps)
+
+
+def _check_signed_normaliser(fmap, phi, weights, eps) -> None:
+    """ValueError when a map with signed features (``l2``, ``identity``, ...) gives some key a normaliser
+    ``phi(k) . z`` at or below the floor: the normalised read-out then divides by the floor (or by a
+    number of either sign) and its error measures that, not the map.  A map with non-negative features
+    keeps its floored rows: a key whose features are all 0 reads 0, a defined result."""
+    if getattr(fmap, "is_positive", False):
+        return
+    den = phi @ (phi * weights[:, None]).sum(axis=0)
+    low = np.count_nonzero(~(den > (0.0 if eps is None else eps)))
+    if low:
+        raise ValueError(f"recall_capacity: feature map {fmap.name!r} has signed features, and the normaliser "
+                         f"phi(k) . z of {low} of the {den.size} keys is <= {0.0 if eps is None else eps}: the "
+                         "normalised read-out would divide by the floor; pass normalize=False (the read-out "
+                         "phi(k)^T S)")
 
 
 def _decayed_readout(phi, vals, weights, eps, normalize=True):

@@ -40,9 +40,11 @@ def test_sum_rule_never_below_floor_and_softmax_wins(fmap):
     has rank <= D_phi), and at n >> D_phi softmax over the same pairs (a KV cache, which grows with n)
     errs less than every linear feature map (Eckart-Young; Schlag et al. 2021, §4.1)."""
     d = 8
-    f = feature_maps.get(fmap).output_dim(d)
+    m = feature_maps.get(fmap)
+    f = m.output_dim(d)
     n_big = 8 * f
-    res = recall_capacity(fmap, d, [f // 2, f, n_big], trials=2, seed=1)
+    # signed features: the unnormalised read-out (a normaliser at the floor is refused, tested below)
+    res = recall_capacity(fmap, d, [f // 2, f, n_big], trials=2, seed=1, normalize=None if m.is_positive else False)
     assert np.all(res.mse >= res.optimal_mse - 1e-12)
     assert res.optimal_mse[-1] == pytest.approx(1 - f / n_big, abs=1e-9)
     assert res.softmax_mse[-1] < res.mse[-1]
@@ -271,3 +273,16 @@ def test_recall_capacity_of_dplr_rules():
         recall_capacity("l2", 16, 4, rule_arguments={})
     with pytest.raises(ValueError, match="shape \\(n_h,\\)"):
         recall_capacity("l2", 16, 4, rule="delta_product", rule_arguments={"beta": 1.0})
+
+
+@pytest.mark.parametrize("decay", [None, 0.9])
+def test_a_signed_map_whose_normaliser_falls_to_the_floor_is_refused_not_read(decay):
+    """l2 features of random keys give some key phi(k) . z <= eps: the normalised read-out would divide by the
+    floor (errors of 1e15).  Refused, naming normalize; with normalize=False the read-out is the plain one."""
+    with pytest.raises(ValueError, match=r"'l2' has signed features.*<= 1e-08.*pass normalize=False"):
+        recall_capacity("l2", 4, [2, 4, 8], trials=4, decay=decay)
+    res = recall_capacity("l2", 4, [2, 4, 8], trials=4, decay=decay, normalize=False)
+    assert np.all(np.isfinite(res.mse)) and res.mse.max() < 10
+    # maps whose kernel keeps the normaliser positive still read normalised: taylor2 (signed features), relu
+    for name in ("taylor2", "relu"):
+        assert np.all(recall_capacity(name, 4, [2, 4, 8], trials=4, decay=decay).mse < 2)
