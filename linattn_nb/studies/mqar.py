@@ -423,7 +423,10 @@ def recall_floor(layer: str, head_dim: int, kv: int, *, heads: int = HEADS, seed
         mse = 0.0
     else:
         fmap = fm.get(attn["feature_map"])
-        res = recall_capacity(fmap, head_dim, [kv], trials=2, seed=seed)
+        # only the least-squares floor is read: signed maps (whose normaliser may fall to the floor, which
+        # recall_capacity refuses) take the unnormalised read-out
+        res = recall_capacity(fmap, head_dim, [kv], trials=2, seed=seed,
+                              normalize=None if fmap.is_positive else False)
         mse = float(np.asarray(res.optimal_mse, dtype=float)[0]) if heads == 1 else max(0.0, 1 - heads * dphi / kv)
     return dict(optimal_mse=mse, recall_floor_accuracy=1.0 - mse)
 

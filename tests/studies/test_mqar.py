@@ -167,6 +167,10 @@ def test_recall_floor_is_the_least_squares_error_of_the_state():
     assert floor["optimal_mse"] == pytest.approx(0.75, abs=1e-9)
     assert floor["recall_floor_accuracy"] == pytest.approx(0.25, abs=1e-9)
     assert mqar.recall_floor("softmax", 8, 32) is None
+    # one head: the floor from recall_capacity itself, for maps of signed features too (silu_l2, l2)
+    for layer in ("delta", "kda", "additive-hedgehog"):
+        dphi = mqar.feature_dim(layer, 8)
+        assert mqar.recall_floor(layer, 8, 64, heads=1)["optimal_mse"] == pytest.approx(1 - dphi / 64, abs=1e-9)
 
 
 def _record(layer, d, kv, seed, acc):
