@@ -62,6 +62,15 @@ def draw_projection(rng: np.random.Generator, num_features: int, dim: int, *,
     return w
 
 
+
+def _generator(seed):
+    """``numpy.random.default_rng(seed)``; an error naming ``seed`` for a value it refuses."""
+    try:
+        return np.random.default_rng(seed)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"seed must be None, a non-negative integer, a sequence of them or a "
+                        f"numpy.random.Generator, got {seed!r}") from None
+
 class RandomFeatureMap(FeatureMap):
     """Base of the maps built on a random projection ``W`` (``m x d``).
 
@@ -107,7 +116,7 @@ class RandomFeatureMap(FeatureMap):
         self.row_norm = row_norm
         self.scale = check_scale(scale)
         self.seed = seed
-        self._rng = np.random.default_rng(seed)
+        self._rng = _generator(seed)
         self.W = None
         if self.dim is not None:
             self._draw(self.dim)
@@ -143,8 +152,8 @@ class RandomFeatureMap(FeatureMap):
         Before ``W`` was ever drawn (``dim`` unknown) the next call draws it.
         """
         if seed is not None:
+            self._rng = _generator(seed)
             self.seed = seed
-            self._rng = np.random.default_rng(seed)
         if self.dim is not None:
             self._draw(self.dim)
 

@@ -2,6 +2,7 @@
 built-in maps are registered at the end of this module, always in the same order."""
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import warnings
@@ -81,6 +82,22 @@ def factory(name: str) -> Factory:
         raise KeyError(f"unknown feature map {name!r}; available: {', '.join(available())}") from None
 
 
+def _check_parameters(name: str, make, params: dict) -> None:
+    """TypeError naming the map and the parameters it takes when ``params`` holds one it does not (a
+    factory taking ``**kwargs``, or one whose signature cannot be read, is called as it is)."""
+    try:
+        sig = inspect.signature(make)
+    except (TypeError, ValueError):
+        return
+    takes = [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return
+    unknown = sorted(set(params) - set(takes))
+    if unknown:
+        raise TypeError(f"feature map {name!r} takes no parameter(s) {unknown}; its parameters: "
+                        f"{', '.join(takes) if takes else 'none'}")
+
+
 def get(name: str, **params) -> FeatureMap:
     """Build the registered feature map ``name`` with ``params``.
 
@@ -93,7 +110,9 @@ def get(name: str, **params) -> FeatureMap:
         if params:
             raise TypeError("parameters given together with a FeatureMap instance")
         return name
-    fmap = factory(name)(**params)
+    make = factory(name)
+    _check_parameters(name, make, params)
+    fmap = make(**params)
     if not isinstance(fmap, FeatureMap):
         raise TypeError(f"factory of feature map {name!r} returned {type(fmap).__name__}, not a FeatureMap")
     return fmap

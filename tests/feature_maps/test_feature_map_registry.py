@@ -123,3 +123,25 @@ def test_dpfp_parameter_errors():
         fm.get("dpfp", nu=0)
     with pytest.raises(ValueError, match="nu=8 must be smaller than 2\\*D=8"):
         fm.get("dpfp", nu=8)(np.ones((2, 4)))
+
+
+def test_a_parameter_the_map_does_not_take_is_named_with_those_it_does():
+    """Not a private class's constructor error: the map's name, the bad parameter, the parameters it takes."""
+    with pytest.raises(TypeError, match=r"'hedgehog' takes no parameter\(s\) \['dim'\]; its parameters: W, b"):
+        fm.get("hedgehog", dim=4)
+    with pytest.raises(TypeError, match=r"map 'elu' takes no parameter\(s\) \['bogus'\]; its parameters: none"):
+        fm.get("elu", bogus=1)
+    with pytest.raises(TypeError, match=r"'favor\+' takes no parameter\(s\) \['nu'\]; its parameters: dim, "):
+        fm.get("favor+", dim=4, nu=2)
+    assert fm.get("dpfp", nu=2).nu == 2  # the parameters a map takes still pass
+
+
+@pytest.mark.parametrize("name", ["favor+", "rff"])
+@pytest.mark.parametrize("seed, err", [(-1, ValueError), (1.5, TypeError), ("a", TypeError)])
+def test_a_bad_seed_is_named(name, seed, err):
+    with pytest.raises(err, match=r"seed must be None, a non-negative integer.*got"):
+        fm.get(name, dim=4, num_features=4, seed=seed)
+    fmap = fm.get(name, dim=4, num_features=4, seed=3)
+    with pytest.raises(err, match=r"seed must be None"):
+        fmap.redraw(seed=seed)
+    assert fmap.seed == 3  # a refused redraw leaves the map as it was
