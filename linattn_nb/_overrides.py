@@ -71,6 +71,19 @@ def _positive_float(name, x) -> float:
     return float(x)
 
 
+def _positive_float_list(name, x) -> list:
+    if isinstance(x, str):
+        parts = [p for p in x.replace(" ", "").split(",") if p]
+        if not parts:
+            raise OptionError(f"{name} must list positive numbers (e.g. 0.5,1), got {x!r}")
+        x = parts
+    elif not isinstance(x, (list, tuple)):
+        x = [x]
+    if not x:
+        raise OptionError(f"{name} must be a positive number or a non-empty list of them, got {x!r}")
+    return list(dict.fromkeys(_positive_float(name, v) for v in x))  # duplicates removed, in order
+
+
 def _names(name, x) -> list:
     if isinstance(x, str):
         x = [p for p in x.replace(" ", "").split(",") if p]
@@ -95,7 +108,7 @@ def check_options(options: dict, *, where: str = "", section: str = "") -> dict:
         if key in ("dim", "seeds"):
             checked[key] = _int(name, value)
         elif key == "scale":
-            checked[key] = _positive_float(name, value)
+            checked[key] = _positive_float_list(name, value)
         elif key == "maps":
             checked[key] = _names(name, value)
         else:
@@ -148,8 +161,9 @@ def apply_overrides(points: list, options: dict, *, study: str) -> list:
             pts = [with_dim(p, options["dim"]) for p in pts]
         else:
             pts = [dict(p, d=options["dim"]) if "d" in p else p for p in pts]
-    if "scale" in options:
-        pts = [dict(p, qk_scale=options["scale"]) if "qk_scale" in p else p for p in pts]
+    if "scale" in options:  # one regime per scale, in place of the profile's
+        pts = [q for p in pts for q in ([dict(p, qk_scale=s) for s in options["scale"]] if "qk_scale" in p
+                                        else [p])]
     if "m" in options:
         if not any(p.get("num_features") is not None for p in pts):
             raise OptionError(f"m: none of the {study} study's selected maps is random "

@@ -119,6 +119,13 @@ def cmd_tune(args) -> int:
     """Time the scan against the chunked kernel here and store the rows ``method="auto"`` uses."""
     from linattn_nb import _tune
 
+    if args.show or args.clear:
+        ignored = [f for f, given in (("--quick", args.quick), ("--rules", args.rules is not None),
+                                      ("--dtypes", args.dtypes is not None)) if given]
+        if ignored:
+            print(f"linattn tune: {', '.join(ignored)} cannot be combined with {'--show' if args.show else '--clear'} "
+                  "(they choose what to time)", file=sys.stderr)
+            return 2
     print(f"machine: {_tune.machine_line()}")
     for w in _tune.forced_kernel_warnings():
         print(f"WARNING: {w}")
@@ -255,9 +262,11 @@ def _problem_options(p, study) -> None:
                                                 "comma-separated list where several are allowed)")
     g.add_argument("--dim", metavar="D", default=None, help="key dimension d of q and k")
     g.add_argument("--scale", metavar="S", default=None,
-                   help="q, k ~ S·N(0, I) (logits q·k/√d of standard deviation S²); the profile's value is 0.5"
+                   help="q, k ~ S·N(0, I) (logits q·k/√d of standard deviation S²), one regime per value, "
+                        "e.g. 0.5,1,2 (the profiles run 0.5 and 1)"
                    if study.name == "error" else
-                   f"input scale: refused, the {study.name} study's inputs are N(0, I) (its points have no scale)")
+                   f"input scale: refused, the {study.name} study sets its own inputs' scales (its points have no "
+                   "qk_scale)")
     g.add_argument("--maps", metavar="NAMES", default=None,
                    help="feature maps to run, e.g. elu,favor+,taylor2 (default: the study's)")
     g.add_argument("--m", metavar="M", default=None, help="random maps' number of features, e.g. 64,256,1024")

@@ -255,6 +255,21 @@ def test_overrides_set_dim_scale_maps_m_n_seeds():
     assert len(pts) == (1 + 2) * 2 * 3 * len({p["causal"] for p in pts})
 
 
+def test_overrides_scale_takes_a_list_one_regime_each():
+    """--scale 0.5,1,2: the profile's two regimes replaced by three (--help: "one regime per value")."""
+    from linattn_nb._overrides import apply_overrides, check_options
+
+    base = _points("error")
+    assert {p["qk_scale"] for p in base} == {0.5, 1.0}  # what the help says the profiles run
+    pts = apply_overrides(base, check_options({"scale": "0.5,1,2", "maps": "elu"}), study="error")
+    assert sorted({p["qk_scale"] for p in pts}) == [0.5, 1.0, 2.0]
+    per_scale = {s: sorted((p["n"], p["seed"], p["causal"]) for p in pts if p["qk_scale"] == s)
+                 for s in (0.5, 1.0, 2.0)}
+    assert per_scale[0.5] == per_scale[1.0] == per_scale[2.0] and len(per_scale[2.0]) > 0  # each point once per scale
+    assert len(pts) == len({(p["qk_scale"], p["n"], p["seed"], p["causal"]) for p in pts})
+    assert check_options({"scale": [1, 1.0, 2]})["scale"] == [1.0, 2.0]
+
+
 def test_overrides_recall_n_is_the_pair_grid_and_maps_can_be_added():
     from linattn_nb._overrides import apply_overrides, check_options
 

@@ -271,3 +271,12 @@ def test_tune_command(tmp_path, folder, capsys):
     assert "no calibration stored" in tune("--show")
     capsys.readouterr()
     assert cli.main(["tune", "--rules", "nonexistent"]) == 2
+
+
+@pytest.mark.parametrize("args", [["--show", "--quick"], ["--clear", "--rules", "additive"],
+                                  ["--show", "--dtypes", "float32"]])
+def test_tune_show_and_clear_refuse_the_timing_options(args, capsys):
+    """--quick, --rules, --dtypes choose what to time: with --show or --clear they were silently ignored."""
+    assert cli.main(["tune", *args]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be combined with " + args[0] in err and args[1] in err
