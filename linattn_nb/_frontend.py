@@ -34,7 +34,8 @@ _F64 = np.dtype(np.float64)
 class LinearState(NamedTuple):
     """Recurrent state of linear attention after a sequence (or a prefix): what a call returns.
 
-    An immutable record of plain arrays: what :func:`linattn_nb.linear_attention` returns with
+    A named tuple of plain arrays (the tuple cannot be changed; its arrays are the caller's own, new
+    for each call, and writable): what :func:`linattn_nb.linear_attention` returns with
     ``return_state=True`` and takes back as ``initial_state`` to process a long sequence segment by
     segment.  For token-by-token decoding, :class:`linattn_nb.LinearAttentionState` (its
     ``from_linear_state`` and ``to_linear_state`` convert).
@@ -456,7 +457,7 @@ def _check_features(fmap, qf, kf, work):
                 raise NonFiniteResult(f"feature map {fmap.name!r} overflowed {work} on {name}")
             raise ValueError(
                 f"feature map {fmap.name!r} returns non-finite features for the finite {name}, even in float64: "
-                f"{name} is too large for this map"
+                f"{name} is too large for this map, or the map gives NaN or inf for finite inputs"
             )
 
 

@@ -37,15 +37,21 @@ def check_batch_shape(batch_shape) -> tuple:
     return tuple(int(x) for x in bs)
 
 
-def check_state_dtype(dtype) -> np.dtype:
-    """float32 or float64 (the state's accumulation precision)."""
+def check_state_dtype(dtype, what: str = "the state's accumulation precision") -> np.dtype:
+    """float32 or float64 (``what``: what the dtype is, for the message)."""
     try:
         dt = np.dtype(dtype)
     except TypeError:
         raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
     if dt not in STATE_DTYPES:
-        raise TypeError(f"dtype must be float32 or float64 (the state's accumulation precision), got {dt}")
+        raise TypeError(f"dtype must be float32 or float64 ({what}), got {dt}")
     return dt
+
+
+def _shape_text(shape) -> str:
+    """A shape with symbolic axes, unquoted: ``(2, T, 8)``."""
+    items = [str(x) for x in shape]
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
 
 
 def check_shapes(batch_shape, pairs) -> int:
@@ -57,7 +63,7 @@ def check_shapes(batch_shape, pairs) -> int:
         if len(shp) != nb + 2 or shp[:nb] != batch_shape or shp[-1] != last:
             label = "value_dim" if name == "v" else "key_dim"
             raise ValueError(
-                f"{name} must have shape {batch_shape + ('T', last)} (batch_shape {batch_shape}, "
+                f"{name} must have shape {_shape_text(batch_shape + ('T', last))} (batch_shape {batch_shape}, "
                 f"T tokens, {label} {last}), got {shp}"
             )
         if T is None:

@@ -57,7 +57,7 @@ class KVCache:
         self._bs = check_batch_shape(batch_shape)
         self._nb = len(self._bs)
         self._B = int(np.prod(self._bs, dtype=np.int64))
-        self._dtype = check_state_dtype(dtype)
+        self._dtype = check_state_dtype(dtype, "the cache's keys and values")
         check_device_arg(device)
         if device == "cuda":
             raise ValueError("KVCache has a CPU kernel only (like softmax_attention); use device='cpu'")

@@ -416,9 +416,9 @@ def test_shape_and_type_errors():
     st_ = LinearAttentionState(4, 3, batch_shape=(2,))
     x = np.zeros((2, 1, 4))
     y = np.zeros((2, 1, 3))
-    with pytest.raises(ValueError, match=r"q must have shape \(2, 'T', 4\).*got \(3, 1, 4\)"):
+    with pytest.raises(ValueError, match=r"q must have shape \(2, T, 4\).*got \(3, 1, 4\)"):
         st_.step(np.zeros((3, 1, 4)), x, y)
-    with pytest.raises(ValueError, match=r"v must have shape \(2, 'T', 3\).*value_dim 3.*got \(2, 1, 4\)"):
+    with pytest.raises(ValueError, match=r"v must have shape \(2, T, 3\).*value_dim 3.*got \(2, 1, 4\)"):
         st_.step(x, x, x)
     with pytest.raises(ValueError, match="same number of tokens"):
         st_.step(x, np.zeros((2, 2, 4)), y)
@@ -795,3 +795,8 @@ def test_state_with_random_positional_learned_and_polynomial_maps(name, tmp_path
     np.testing.assert_allclose(st_.z, z_ref, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(st_.S, st_kernel.S, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(st_.z, st_kernel.z, rtol=1e-12, atol=1e-12)
+
+
+def test_kv_cache_dtype_error_speaks_of_the_cache():
+    with pytest.raises(TypeError, match=r"float32 or float64 \(the cache's keys and values\), got float16"):
+        la.KVCache(4, 4, dtype=np.float16)
