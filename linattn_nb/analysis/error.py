@@ -114,7 +114,8 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
         A decay or gate, as in ``linear_attention`` (causal only): the weight of token ``s`` in
         output ``t`` is multiplied by the factors of tokens ``s+1..t``.
     normalize : bool, optional
-        As in ``linear_attention`` (default True, False for the delta rules).  Not for ``"softmax"``.
+        As in ``linear_attention`` (default True, False for the delta rules).  Softmax weights are
+        normalised by definition: ``"softmax"`` takes None or True and refuses False.
     beta : float or array_like, optional
         The delta rule's write strength (causal only): its equivalent causal weight matrix
         (docs/theory.md), whose entries and row sums can be negative.
