@@ -282,3 +282,14 @@ def test_a_gpu_state_with_a_numpy_side_map_keeps_its_state_when_it_would_overflo
     assert st.position == 2
     out = st.step(x[:, :1], x[:, :1], x[:, :1])  # the state still works
     assert np.isfinite(out).all() and st.position == 3
+
+
+@pytest.mark.parametrize("kw", [{}, {"dtype": np.float32}, {"batch_shape": (1,)}, {"decay": 0.9}, {"beta": 0.5}])
+def test_a_zero_normaliser_without_floor_raises_nonfiniteresult_not_zerodivisionerror(kw):
+    """relu features of -q are all 0: with eps=None the step's normaliser is 0, which the docs answer with
+    NonFiniteResult; the decode kernels divided with Python's error model and raised ZeroDivisionError."""
+    rule = {k: kw.pop(k) for k in ("decay", "beta") if k in kw}
+    st = la.LinearAttentionState(4, 4, feature_map="relu", eps=None, normalize=True, **kw)
+    k = np.array([[1.0, 2, 3, 4]]).reshape(kw.get("batch_shape", ()) + (1, 4))
+    with pytest.raises(NonFiniteResult, match="normaliser is 0 with eps=None"):
+        st.step(-k, k, np.ones_like(k), **rule)

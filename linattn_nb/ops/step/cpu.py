@@ -127,7 +127,7 @@ def first_nonfinite(q, k, v):
     return 0
 
 
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf: RESULT_NOT_FINITE
 def _advance(v, St, z, out, fa, fc, b, t, eps):
     """Token t of batch entry b of the additive rule, features fa = phi(k_t), fc = phi(q_t) given: update,
     then read (divided by the normaliser); two rows of ``St[b]`` per pass.
@@ -370,7 +370,7 @@ def floored(den, eps, norm):
     return den
 
 
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+@njit(fastmath=config.FASTMATH, cache=config.CACHE, error_model="numpy")  # 1/0 -> inf, not an exception
 def output(acc, den, norm):
     """An output of mode ``norm``: the numerator ``acc`` (NORM_NONE) or ``acc / den``."""
     return acc if norm == NORM_NONE else acc / den
