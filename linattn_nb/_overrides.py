@@ -47,17 +47,22 @@ def _int(name, x, *, minimum=1) -> int:
     return x
 
 
-def _int_list(name, x) -> list:
+def _values(name, x, one, *, what, example) -> list:
+    """A comma-separated string, one value or a list or tuple of them, each checked by ``one(name, value)``:
+    duplicates removed, in order."""
     if isinstance(x, str):
-        parts = [p for p in x.replace(" ", "").split(",") if p]
-        if not parts:
-            raise OptionError(f"{name} must list integers >= 1 (e.g. 64,256), got {x!r}")
-        x = parts
-    elif _is_int(x):
+        x = [p for p in x.replace(" ", "").split(",") if p]
+        if not x:
+            raise OptionError(f"{name} must list {what} (e.g. {example}), got an empty string")
+    elif not isinstance(x, (list, tuple)):
         x = [x]
-    if not isinstance(x, (list, tuple)) or not x:
-        raise OptionError(f"{name} must be an integer >= 1 or a non-empty list of them, got {x!r}")
-    return list(dict.fromkeys(_int(name, v) for v in x))  # duplicates removed, in order
+    if not x:
+        raise OptionError(f"{name} must list {what} (e.g. {example}), got an empty list")
+    return list(dict.fromkeys(one(name, v) for v in x))
+
+
+def _int_list(name, x) -> list:
+    return _values(name, x, _int, what="integers >= 1", example="64,256")
 
 
 def _positive_float(name, x) -> float:
@@ -72,16 +77,7 @@ def _positive_float(name, x) -> float:
 
 
 def _positive_float_list(name, x) -> list:
-    if isinstance(x, str):
-        parts = [p for p in x.replace(" ", "").split(",") if p]
-        if not parts:
-            raise OptionError(f"{name} must list positive numbers (e.g. 0.5,1), got {x!r}")
-        x = parts
-    elif not isinstance(x, (list, tuple)):
-        x = [x]
-    if not x:
-        raise OptionError(f"{name} must be a positive number or a non-empty list of them, got {x!r}")
-    return list(dict.fromkeys(_positive_float(name, v) for v in x))  # duplicates removed, in order
+    return _values(name, x, _positive_float, what="positive numbers", example="0.5,1")
 
 
 def _names(name, x) -> list:
