@@ -591,6 +591,9 @@ class LinearAttentionState:
                              f"{getattr(given, 'dtype', None)}")
         if given is None or not inp.device_inputs:
             return self._new_out(inp.T, inp.work)
+        if isinstance(given, np.ndarray):
+            raise ValueError(f"inputs live on different devices: q, k, v on the GPU, out on the host (a NumPy "
+                             f"array); pass a GPU array of shape {shape} and dtype {inp.work}, or no out")
         dout = CD.device_out(given, shape, inp.work)
         if out_overlaps(given, reads + (self._S, self._z)):
             return self._new_out(inp.T, inp.work)  # written into ``given`` once the kernel has read everything

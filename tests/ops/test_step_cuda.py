@@ -100,6 +100,10 @@ def test_cuda_device_inputs_stay_on_the_device(threads):
     assert np.array_equal(host(g.S), S0) and g.position == 4
     with pytest.raises(TypeError, match="one dtype"):
         g.step(cuda.to_device(q.astype(np.float64)), dk, dv)
+    # GPU inputs with a host out: the devices named (it was a false "out lives in GPU memory" error)
+    with pytest.raises(ValueError, match=r"q, k, v on the GPU, out on the host"):
+        g.step(dq, dk, dv, out=np.empty((3, 4, 3), np.float32))
+    assert np.array_equal(host(g.S), S0) and g.position == 4
     twin = g.copy()
     twin.step(dq, dk, dv)
     assert np.array_equal(host(g.S), S0) and twin.position == 8
