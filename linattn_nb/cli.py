@@ -123,8 +123,9 @@ def cmd_tune(args) -> int:
         ignored = [f for f, given in (("--quick", args.quick), ("--rules", args.rules is not None),
                                       ("--dtypes", args.dtypes is not None)) if given]
         if ignored:
-            print(f"linattn tune: {', '.join(ignored)} cannot be combined with {'--show' if args.show else '--clear'} "
-                  "(they choose what to time)", file=sys.stderr)
+            which = "--show" if args.show else "--clear"
+            print(f"linattn tune: {', '.join(ignored)} cannot be combined with {which} (they choose what to time)",
+                  file=sys.stderr)
             return 2
     print(f"machine: {_tune.machine_line()}")
     for w in _tune.forced_kernel_warnings():

@@ -62,7 +62,6 @@ def draw_projection(rng: np.random.Generator, num_features: int, dim: int, *,
     return w
 
 
-
 def _generator(seed):
     """``numpy.random.default_rng(seed)``; an error naming ``seed`` for a value it refuses."""
     try:
@@ -70,6 +69,7 @@ def _generator(seed):
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"seed must be None, a non-negative integer, a sequence of them or a "
                         f"numpy.random.Generator, got {seed!r}") from None
+
 
 class RandomFeatureMap(FeatureMap):
     """Base of the maps built on a random projection ``W`` (``m x d``).

@@ -294,7 +294,8 @@ def _findings(agg, regimes, fixed=()) -> list:
         if reg not in fixed and len(ok) and n[ok[-1]] > dphi:
             passes.append(f"{label}, {reg}: n = {int(n[ok[-1]])} = {fmt(n[ok[-1]] / dphi)} D_φ")
     if passes:
-        out.append(f"- With one-hot values the least-squares state, which stores as many pairs exactly as its features' rank (up to D_φ), still reads "
+        out.append("- With one-hot values the least-squares state, which stores as many pairs exactly as its "
+                   "features' rank (up to D_φ), still reads "
                    f"≥ {ACCURACY} past D_φ (largest such n): " + "; ".join(passes) + ".  One-hot values have width "
                    "M = n, so the state (D_φ × n) grows with the pairs it holds; argmax accuracy there does not see "
                    "the capacity limit even for the best state, the error does (the floor is 1 − D_φ/n past D_φ).")
