@@ -108,6 +108,11 @@ def _step_decay_form(name, x, batch_shape, t: int, f: int):
         if x.shape[-1] != f:
             raise ValueError(f"{name} of shape {x.shape} has {x.ndim} dimensions (a per-feature gate of a step), "
                              f"so its last axis must be D_phi={f}; expected {forms}")
+        if t == f and t > 1:  # linear_attention and prefill read (..., N) as one factor per token
+            raise ValueError(f"{name} of shape {x.shape} is ambiguous in a step of T = D_phi = {t} tokens: a step "
+                             "reads (*batch_shape, D_phi) as a per-feature gate for every token, linear_attention "
+                             "and prefill read (*batch_shape, N) as one factor per token; pass (*batch_shape, T, 1) "
+                             "for one factor per token, or (*batch_shape, T, D_phi) for a gate")
         try:
             x = np.broadcast_to(x[..., None, :], bs + (t, f))
         except ValueError:

@@ -630,7 +630,9 @@ class LinearAttentionState:
             resets); at most one.  A scalar or an array broadcastable to the batch shape (one per
             sequence: the ``"decay"`` rule) or ``(*batch_shape, D_phi)`` (the ``"gate"`` rule)
             apply to every token; ``(*batch_shape, T, 1)`` or ``(*batch_shape, T, D_phi)`` give
-            each token its own.  Neither: the additive rule.
+            each token its own.  ``(*batch_shape, D_phi)`` with T = D_phi > 1 is refused as ambiguous
+            (``prefill`` and ``linear_attention`` read ``(*batch_shape, N)`` as one factor per token).
+            Neither: the additive rule.
         beta : float or array_like, optional
             The delta rule's write strengths in [0, 2]: a scalar or an array broadcastable to the
             batch shape (every token), or ``(*batch_shape, T)`` or ``(*batch_shape, T, 1)`` (one

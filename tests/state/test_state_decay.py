@@ -486,3 +486,29 @@ def test_rule_step_launchers_are_registered():
         launchers.CPU_STEP(np.zeros((1, 1, 3)), np.zeros((1, 1, 3)), np.zeros((1, 1, 2)), S, z,
                            np.zeros((1, 1, 2)), scratch, code=1, eps=1e-8, check=False,
                            inputs={"log_decay": np.zeros((1, 1))})
+
+
+@pytest.mark.parametrize("arg", ["decay", "log_decay"])
+def test_a_step_decay_of_shape_batch_by_t_is_refused_when_t_equals_d_phi(arg):
+    """(*batch_shape, T) is one factor per token for linear_attention and prefill, but (*batch_shape, D_phi) a
+    gate for every token in a step: with T = D_phi a step read per-token factors as a gate, silently."""
+    rng = np.random.default_rng(0)
+    D = T = 4
+    q, k, v = (rng.standard_normal((2, T, D)) for _ in range(3))
+    fac = rng.uniform(0.5, 1.0, (2, T))
+    x = fac if arg == "decay" else np.log(fac)
+    st = LinearAttentionState(D, D, batch_shape=(2,))
+    with pytest.raises(ValueError, match=rf"{arg} of shape \(2, 4\) is ambiguous in a step of T = D_phi = 4"):
+        st.step(q, k, v, **{arg: x})
+    assert st.position == 0 and st.rule is None
+    # the unambiguous forms: one factor per token, as linear_attention reads (..., N)
+    out = st.step(q, k, v, **{arg: x[..., None]})
+    np.testing.assert_allclose(out, la.linear_attention(q, k, v, causal=True, **{arg: x}), rtol=1e-12, atol=1e-12)
+    # a gate for every token (T = 1 steps, or the same row repeated per token)
+    st2 = LinearAttentionState(D, D, batch_shape=(2,))
+    gate = np.broadcast_to(x[:, None, :], (2, T, D))
+    out2 = st2.step(q, k, v, **{arg: gate})
+    np.testing.assert_allclose(out2, la.linear_attention(q, k, v, causal=True, **{arg: gate}), rtol=1e-12,
+                               atol=1e-12)
+    one = LinearAttentionState(D, D, batch_shape=(2,))
+    assert one.step(q[:, :1], k[:, :1], v[:, :1], **{arg: x}).shape == (2, 1, D)  # T = 1: a gate, no ambiguity
