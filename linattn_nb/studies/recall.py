@@ -30,6 +30,9 @@ def _sizes(ctx):
     )
 
 
+#: The label suffix of a map read out unnormalised (signed features: its normaliser can be 0 or negative).
+UNNORMALISED = " [unnormalised read-out]"
+
 #: Accuracy threshold of the capacity column.
 ACCURACY = 0.9
 
@@ -118,7 +121,12 @@ def run(feature_map, num_features, map_params, d, n_pairs, trials, seed=0, regim
     if value_dim is not None:
         kw["value_dim"] = value_dim
     ns = ([x for x in n_pairs if x <= d] or [d]) if orthogonal_keys else n_pairs
-    res = to_json(recall_capacity(fmap, d, np.asarray(ns), trials=trials, seed=seed, key_scale=key_scale, **kw))
+    # a map of signed features (l2, rff, identity) can give a key a normaliser at or below eps, and then
+    # recall_capacity refuses the normalised read-out: such maps read phi(k)^T S, as the MQAR study does
+    normalize = None if getattr(fmap, "is_positive", False) else False
+    res = to_json(recall_capacity(fmap, d, np.asarray(ns), trials=trials, seed=seed, key_scale=key_scale,
+                                  normalize=normalize, **kw))
+    res["readout"] = "unnormalised" if normalize is False else "normalised"
     res["d_phi"] = int(fmap.output_dim(d))
     res["estimator"] = ("random" if is_random(feature_map) else "deterministic") if getattr(
         fmap, "estimates_softmax", False) else ""
@@ -140,8 +148,10 @@ def render(records, ctx) -> Rendered:
     groups: dict = {}
     for r in ok:
         p = r["params"]
-        key = (p.get("regime", "variance"), map_label(p["feature_map"], p["num_features"], p["map_params"]))
-        groups.setdefault(key, []).append(r)
+        label = map_label(p["feature_map"], p["num_features"], p["map_params"])
+        if r["result"].get("readout") == "unnormalised":
+            label += UNNORMALISED
+        groups.setdefault((p.get("regime", "variance"), label), []).append(r)
     regimes = list(dict.fromkeys(k[0] for k in groups))
     if ok:
         p0 = ok[0]["params"]
@@ -162,7 +172,8 @@ def render(records, ctx) -> Rendered:
                     "so softmax, and any kernel increasing in q·k, weighs each key's own pair most.  One-hot values "
                     "have width M = n, so the state (D_φ × M numbers) grows with n; Gaussian values of a fixed width "
                     "keep it at D_φ × M, and only there can n outgrow it.  Relative retrieval error "
-                    "‖V̂ − V‖²/‖V‖² of linear attention's normalised read-out, of the best state of the same size "
+                    "‖V̂ − V‖²/‖V‖² of linear attention's normalised read-out (the unnormalised φ(k)ᵀS for maps of "
+                    f"signed features, marked \"{UNNORMALISED.strip()}\"), of the best state of the same size "
                     "(least squares; the capacity floor: 0 up to n = D_φ) and of softmax attention.")
         agg = {}
         for reg in regimes:
@@ -286,7 +297,7 @@ def _findings(agg, regimes, fixed=()) -> list:
                    f"rank) and falls below {ACCURACY} only once its floor is above 0, at the n given." + moves
                    + (f"  For {', '.join(rank_short)} the floor is above 0 already at some n ≤ D_φ: the map's "
                       "features of these random keys have rank below n there." if rank_short else "")
-                   + (f"  The normalised read-out of {', '.join(early)} falls before its state is full: crosstalk "
+                   + (f"  The read-out of {', '.join(early)} falls before its state is full: crosstalk "
                       "between the keys in its sum, not the state's size, limits it." if early else ""))
     passes = []
     for (reg, label), (n, dphi, stats, _) in agg.items():
@@ -300,8 +311,8 @@ def _findings(agg, regimes, fixed=()) -> list:
                    "M = n, so the state (D_φ × n) grows with the pairs it holds; argmax accuracy there does not see "
                    "the capacity limit even for the best state, the error does (the floor is 1 − D_φ/n past D_φ).")
     errs, floors = [], []
-    for (reg, _), (n, dphi, stats, _) in agg.items():
-        if reg in fixed:
+    for (reg, label), (n, dphi, stats, _) in agg.items():
+        if reg in fixed or label.endswith(UNNORMALISED):  # only a normalised read-out is a weighted average
             continue
         j = int(np.argmin(np.abs(n - dphi)))
         errs.append(float(stats["mse"][0][j]))

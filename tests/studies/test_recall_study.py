@@ -52,3 +52,21 @@ def test_fixed_width_values_make_the_least_squares_state_fall_just_past_d_phi():
     assert fixed.optimal_accuracy[2] < 0.5
     onehot = recall_capacity("elu", 16, n, key_scale=0.5, trials=2)
     assert onehot.optimal_accuracy[2] >= 0.9
+
+
+def test_a_map_of_signed_features_reads_unnormalised_and_is_marked_in_the_table(tmp_path):
+    """l2's features are signed: a key's normaliser phi(k) . z can be <= eps, and recall_capacity refuses the
+    normalised read-out there.  The study reads such maps unnormalised (phi(k)^T S) and says so in its tables
+    instead of recording the point as failed; a map of non-negative features keeps the normalised read-out."""
+    from linattn_nb.studies import Context, recall
+
+    run = dict(num_features=None, map_params={}, d=4, n_pairs=[2, 4, 16], trials=1, seed=0, key_scale=1.0)
+    signed = recall.run(feature_map="l2", **run)
+    positive = recall.run(feature_map="elu", **run)
+    assert signed["readout"] == "unnormalised" and signed["normalize"] is False
+    assert positive["readout"] == "normalised" and positive["normalize"] is True
+    records = [{"params": dict(run, feature_map=name, regime="variance"), "result": res, "status": "ok"}
+               for name, res in (("l2", signed), ("elu", positive))]
+    md = recall.render(records, Context(out=tmp_path, profile="tiny", plots=False)).markdown
+    rows = [line for line in md.splitlines() if line.startswith("| l2") or line.startswith("| elu")]
+    assert sorted(line.split(" | ")[0] for line in rows) == ["| elu", f"| l2{recall.UNNORMALISED}"]
