@@ -64,6 +64,9 @@ CASES = {
     "chunked f32 N=64": ("chunked", 64, "float32"),
     "chunked f64 N=4096": ("chunked", 4096, "float64"),
     "scan f32 N=4096": ("scan", 4096, "float32"),
+    # maps without a kernel code: features computed outside, the kernel reads them as they are
+    "chunked identity f32 N=4096": ("chunked-map/identity", 4096, "float32"),
+    "chunked dpfp f32 N=4096": ("chunked-map/dpfp", 4096, "float32"),
     "noncausal f32 N=4096": ("noncausal", 4096, "float32"),
     "decode step f32 H=16": ("step", 1, "float32"),
     "vjp causal f32 N=1024": ("vjp", 1024, "float32"),
@@ -187,6 +190,10 @@ def _make_case(la, np, name):
         return lambda: la.linear_attention_vjp(q, k, v, g, causal=True, check_finite=False, **kw)
     if kind == "noncausal":
         return lambda: la.linear_attention(q, k, v, causal=False, check_finite=False, out=out)
+    if kind.startswith("chunked-map/"):
+        fmap = kind.split("/")[1]
+        return lambda: la.linear_attention(q, k, v, causal=True, method="chunked", feature_map=fmap,
+                                           check_finite=False, out=out)
     if "/" in kind:
         kind, rule = kind.split("/")
         if rule == "decay":

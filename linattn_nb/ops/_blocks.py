@@ -10,6 +10,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from .. import config
+from ._codes import KERNEL_CODE_NONE
 from ._common import is_row_map, l2_row, phi
 from ._vec import f16_to_f32, is_finite, to_work
 
@@ -42,6 +43,20 @@ def load_chunk(q, k, v, b, s0, n, fq, fk, R, row0, code, with_q):
                 R[row0 + t, m] = x
                 vok &= is_finite(x)
         return vok, vok and qkok
+    if code == KERNEL_CODE_NONE:
+        # features computed outside (every map without a kernel code): the constant lets LLVM compile
+        # a plain copy, which it vectorised at twice the speed of the identity's branch of the general loop
+        return _read_tokens(q, k, v, b, s0, n, fq, fk, R, row0, KERNEL_CODE_NONE, with_q)
+    return _read_tokens(q, k, v, b, s0, n, fq, fk, R, row0, code, with_q)
+
+
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _read_tokens(q, k, v, b, s0, n, fq, fk, R, row0, code, with_q):
+    """:func:`load_chunk` of an element-wise map ``code``."""
+    F = k.shape[2]
+    M = v.shape[2]
+    vok = True
+    qkok = True
     for t in range(n):
         if with_q:
             for i in range(F):
