@@ -17,6 +17,7 @@ from .. import _validate as V
 from ..attention import linear_attention, softmax_attention
 from ..rules import get_rule
 from . import _common as C
+from .readout import TIE_RTOL
 
 __all__ = ["RecallCapacity", "recall_capacity", "MQAR", "mqar", "state_size"]
 
@@ -37,7 +38,9 @@ class RecallCapacity:
     trials : int
     n_pairs : ndarray of int64
     accuracy : ndarray
-        Fraction of queries whose read-out is nearest (Euclidean) to the right stored value.
+        Fraction of queries whose read-out is strictly nearest (Euclidean) to the right stored value; a tie
+        (up to a relative :data:`~linattn_nb.analysis.readout.TIE_RTOL`, e.g. a read-out of 0 among one-hot
+        values) counts as a miss, as in :func:`~linattn_nb.analysis.read_back`.
     mse : ndarray
         ``||V_hat - V||_F^2 / ||V||_F^2`` of the read-out of the state the update rule wrote.
     optimal_mse : ndarray
@@ -111,10 +114,19 @@ class RecallCapacity:
 
 
 def _nearest_accuracy(vhat, v):
-    """Fraction of rows i of vhat whose nearest row of v (Euclidean) is row i."""
-    # ||vhat_i - v_j||^2 = ||vhat_i||^2 - 2 vhat_i . v_j + ||v_j||^2: argmin over j
-    score = 2.0 * (vhat @ v.T) - np.einsum("jm,jm->j", v, v)[None, :]
-    return float(np.mean(np.argmax(score, axis=1) == np.arange(v.shape[0])))
+    """Fraction of rows i of vhat strictly nearest (Euclidean) to row i of v; a tie (up to a relative
+    ``TIE_RTOL``) is a miss, as in :func:`linattn_nb.analysis.read_back` (a read-out of 0 is as near to
+    every one-hot value, and argmax would give it to the first)."""
+    n = v.shape[0]
+    # ||vhat_i - v_j||^2 = ||vhat_i||^2 - 2 vhat_i . v_j + ||v_j||^2, without an (n, n, M) temporary
+    dist = np.einsum("im,im->i", vhat, vhat)[:, None] - 2.0 * (vhat @ v.T) + np.einsum("jm,jm->j", v, v)[None, :]
+    diag = np.arange(n)
+    own = dist[diag, diag].copy()
+    if n == 1:
+        return float(np.isfinite(own[0]))
+    dist[diag, diag] = np.inf
+    other = dist.min(axis=1)
+    return float(np.mean(own < other - TIE_RTOL * np.maximum(np.abs(own), other)))
 
 
 def _rel_err(vhat, v):

@@ -139,7 +139,10 @@ def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps
         raise ValueError("read_back: every row of values must be one of the candidates")
     others[same] = np.inf
     nearest_other = others.min(axis=1) if cand.shape[0] > 1 else np.full(len(v), np.inf)
-    hit = own < nearest_other - TIE_RTOL * np.maximum(own, nearest_other)
+    # with no other candidate (nearest_other inf) a finite read-out is a hit: inf - TIE_RTOL * inf is NaN
+    alone = np.isinf(nearest_other) & np.isfinite(own)
+    with np.errstate(invalid="ignore"):
+        hit = alone | (own < nearest_other - TIE_RTOL * np.maximum(own, nearest_other))
     denom = float((v ** 2).sum())
     err = float(((out - v) ** 2).sum() / denom) if denom > 0 else float("nan")
     return Readout(out, float(hit.mean()), err)

@@ -286,3 +286,16 @@ def test_a_signed_map_whose_normaliser_falls_to_the_floor_is_refused_not_read(de
     # maps whose kernel keeps the normaliser positive still read normalised: taylor2 (signed features), relu
     for name in ("taylor2", "relu"):
         assert np.all(recall_capacity(name, 4, [2, 4, 8], trials=4, decay=decay).mse < 2)
+
+
+def test_a_tied_read_out_is_a_miss_as_in_read_back():
+    """ReLU features of a negative key are all 0: the read-out is 0, equally far from every one-hot value.
+    argmax gave such rows to the first pair; a tie is not 'nearest', and read_back counts it a miss."""
+    from linattn_nb.analysis.capacity import _nearest_accuracy
+
+    v = np.eye(4)
+    vhat = v.copy()
+    vhat[2] = 0.0  # tied with every value
+    vhat[0] = 0.0  # tied too, and argmax would give it to row 0
+    assert _nearest_accuracy(vhat, v) == 0.5
+    assert _nearest_accuracy(v[:1] * 0.5, v[:1]) == 1.0  # no other value to be nearer

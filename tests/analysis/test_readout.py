@@ -84,3 +84,17 @@ def test_read_back_refuses_bad_input():
         read_back(LinearAttentionState(3, 2, batch_shape=(2,)), np.zeros((2, 3)))
     with pytest.raises(ValueError, match="one of the candidates"):
         read_back(st, np.zeros((2, 3)), np.eye(2), candidates=np.zeros((2, 2)))
+
+
+def test_an_exact_read_out_with_no_other_candidate_is_a_hit():
+    """One pair, or every candidate equal to the row's own value: no other value is nearer, so an exact
+    read-out is strictly nearest (it was scored a miss through inf - TIE_RTOL * inf = NaN)."""
+    keys, vals = np.eye(4)[:1], np.eye(3)[:1]
+    st = LinearAttentionState(4, 3, feature_map="l2", rule="delta")
+    st.prefill(keys, vals, beta=1.0)
+    res = read_back(st, keys, vals)
+    assert res.accuracy == 1.0 and res.error == 0.0
+    keys2 = np.eye(4)[:2]
+    st2 = LinearAttentionState(4, 3, feature_map="l2", rule="delta")
+    st2.prefill(keys2, np.stack([vals[0], vals[0]]), beta=1.0)
+    assert read_back(st2, keys2, np.stack([vals[0], vals[0]])).accuracy == 1.0
