@@ -40,7 +40,8 @@ class L2FeatureMap(FeatureMap):
         y, _ = self._scaled(self._pre(x))
         nrm = np.linalg.norm(y, axis=-1, keepdims=True)
         with np.errstate(invalid="ignore", divide="ignore"):
-            out = np.where(nrm > 0, y / np.where(nrm > 0, nrm, 1.0), 0.0)
+            # a zero row has zero features; a NaN row stays NaN, as in the compiled kernels
+            out = np.where(nrm == 0, 0.0, y / np.where(nrm == 0, 1.0, nrm))
         return out.astype(x.dtype, copy=False)
 
     def _dpre(self, y):
@@ -56,11 +57,11 @@ class L2FeatureMap(FeatureMap):
         x, g, out_dtype = vjp_inputs(self, x, grad_features, role)
         s, e = self._scaled(self._pre(x))  # |s| of the unscaled row is |s'| 2^e
         nrm = np.linalg.norm(s, axis=-1, keepdims=True)
-        safe = np.where(nrm > 0, nrm, 1.0)
+        safe = np.where(nrm == 0, 1.0, nrm)
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
             f = s / safe
-            ds = np.where(nrm > 0, np.ldexp((g - f * np.einsum("...i,...i->...", f, g)[..., None]) / safe, -e),
-                          0.0)
+            ds = np.where(nrm == 0, 0.0,
+                          np.ldexp((g - f * np.einsum("...i,...i->...", f, g)[..., None]) / safe, -e))
         dx = ds * self._dpre(np.asarray(x, dtype=np.float64))
         return dx.astype(out_dtype, copy=False), None
 

@@ -151,3 +151,18 @@ def test_silu_l2_numpy_map_at_minus_infinity():
     feats, finite = _rowmaps.features(x, fmap.kernel_code, np.float64)
     assert not finite
     np.testing.assert_allclose(feats, got, rtol=0, atol=4e-16)
+
+
+@pytest.mark.parametrize("name", ["l2", "silu_l2"])
+def test_a_nan_row_gives_nan_features_and_gradient_as_the_kernels_do(name):
+    """A NaN norm is not a zero norm: the row's features and gradient stay NaN (they were 0), as the
+    compiled kernels' outputs are; a zero row still has zero features and a zero gradient."""
+    fmap = fm.get(name)
+    x = np.array([[np.nan, 1.0, 2.0], [0.1, 0.2, 0.3], [0.0, 0.0, 0.0]])
+    f = fmap(x)
+    assert np.isnan(f[0]).all() and np.isfinite(f[1]).all() and np.array_equal(f[2], np.zeros(3))
+    dx = fmap.vjp(x, np.ones((3, 3)), role="key")[0]
+    assert np.isnan(dx[0]).all() and np.isfinite(dx[1]).all() and np.array_equal(dx[2], np.zeros(3))
+    out = la.linear_attention(x[None], x[None], np.ones((1, 3, 2)), feature_map=name, causal=True, check_finite=False,
+                           method="scan")
+    assert np.isnan(out[0, 0]).all()
