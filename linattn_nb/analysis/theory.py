@@ -74,7 +74,8 @@ def kernel_estimate_mse(feature_map, x, y, draws, *, target=None):
     r"""Monte-Carlo MSE of the kernel estimate ``phi(x) . phi(y)``.
 
     A copy of the map is redrawn before every draw (reproducible for a seeded map); deterministic
-    maps give their squared bias with a zero standard error.
+    maps give their squared bias with a zero standard error.  A position-dependent map (cosFormer) sees
+    ``x[i]`` and ``y[i]`` at the same position ``i``, so its estimate is its kernel at distance 0.
 
     Parameters
     ----------
@@ -118,8 +119,11 @@ def kernel_estimate_mse(feature_map, x, y, draws, *, target=None):
         tgt = np.asarray(fmap.kernel(xf, yf), dtype=np.float64)
     else:
         tgt = np.broadcast_to(np.asarray(target, dtype=np.float64), shape).reshape(-1)
-    both = np.concatenate([xf, yf], axis=0)
     p = xf.shape[0]
+    # one sequence [x; y] for one feature pass; a position-dependent map would put y_i p positions after
+    # x_i and weigh the pair by its kernel at that distance, so it gets x and y as two sequences
+    apart = bool(getattr(fmap, "position_dependent", False))
+    both = (xf, yf) if apart else (np.concatenate([xf, yf], axis=0),)
     redraw = getattr(fmap, "redraw", None)
     est = np.empty((draws, p))
     for r in range(draws):
@@ -128,8 +132,9 @@ def kernel_estimate_mse(feature_map, x, y, draws, *, target=None):
         elif r > 0:
             est[r] = est[0]
             continue
-        f = np.asarray(FE.featurise(fmap, both, role=None, causal=False, dtype=np.float64,
-                                    name="the stacked pairs [x; y]"), dtype=np.float64)
+        f = np.concatenate([np.asarray(FE.featurise(fmap, z, role=None, causal=False, dtype=np.float64,
+                                                    name="the stacked pairs [x; y]"), dtype=np.float64)
+                            for z in both], axis=0)
         est[r] = np.einsum("pf,pf->p", f[:p], f[p:])
     err2 = (est - tgt) ** 2
     mse = err2.mean(axis=0)

@@ -189,3 +189,14 @@ def test_orthogonal_mse_bound_is_theorem_2_written_out(d, m, rng):
     assert np.all(correction > 0.005 * mse_pos)
     np.testing.assert_allclose(favor_mse(x, y, m), mse_pos, rtol=1e-12)
     np.testing.assert_allclose(orthogonal_mse_bound(x, y, m), want, rtol=1e-12)
+
+
+def test_a_position_dependent_map_is_estimated_at_distance_0():
+    """cosFormer's features depend on the position: x[i] and y[i] share position i, so the estimate is
+    relu(x) . relu(y), its own kernel, with no bias (the stacked sequence [x; y] put y[i] p positions later
+    and weighed the pair by cos(pi/4))."""
+    x = np.array([[0.5, 0.2], [0.3, 0.4]])
+    y = np.array([[0.1, 0.7], [0.6, 0.2]])
+    res = kernel_estimate_mse("cosformer", x, y, draws=2)
+    np.testing.assert_allclose(res.mean, [0.19, 0.26], rtol=1e-14)
+    np.testing.assert_allclose(res.mse, 0.0, atol=1e-30)
