@@ -155,6 +155,13 @@ def check_int(name: str, x, minimum: int) -> int:
     return int(x)
 
 
+def check_bool(name: str, x) -> bool:
+    """``x`` as a bool: True, False or a NumPy bool; anything else (a truthy string) is a TypeError."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {x!r}")
+    return bool(x)
+
+
 def check_positive_float(name: str, x) -> float:
     """A finite real number > 0 (not a bool)."""
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):

@@ -14,6 +14,7 @@ import numpy as np
 from .. import config
 from .. import _frontend as FE
 from .. import _validate as V
+from .._seeds import generator
 from ..attention import linear_attention, softmax_attention
 from ..rules import get_rule
 from . import _common as C
@@ -504,6 +505,7 @@ def mqar(n_examples, seq_len, n_kv, *, vocab_size=8192, power_a=0.01, random_non
     >>> bool(((batch.labels == -100).sum(axis=1) == 14).all())
     True
     """
+    random_non_queries = C.check_bool("random_non_queries", random_non_queries)
     n_examples = C.check_int("n_examples", n_examples, 0)
     seq_len = C.check_int("seq_len", seq_len, 2)
     n_kv = C.check_int("n_kv", n_kv, 1)
@@ -515,7 +517,7 @@ def mqar(n_examples, seq_len, n_kv, *, vocab_size=8192, power_a=0.01, random_non
         raise ValueError(f"vocab_size must be larger than seq_len, got vocab_size={vocab_size}, seq_len={seq_len}")
     if 4 * n_kv > seq_len:
         raise ValueError(f"4 * n_kv must be <= seq_len, got n_kv={n_kv}, seq_len={seq_len}")
-    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    rng = generator(seed)
 
     half = vocab_size // 2
     context = 2 * n_kv

@@ -159,6 +159,7 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
     >>> attention_weights(kk, kk, "l2", causal=True, beta=1.0)[2].round(12).tolist()
     [0.0, 0.0, 1.0]
     """
+    check_finite = C.check_bool("check_finite", check_finite)
     c, fmap, scale, fq, fk = _setup(q, k, None, feature_map, causal, scale, eps, decay, log_decay, beta,
                                     check_finite, normalize)
     n, batch_shape = c.n, c.batch_shape
@@ -237,6 +238,7 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     >>> bool(e9.entropy_linear < e1.entropy_linear), e9.entropy_softmax == e1.entropy_softmax
     (True, True)
     """
+    check_finite = C.check_bool("check_finite", check_finite)
     c, fmap, scale, fq, fk = _setup(q, k, v, feature_map, causal, scale, eps, decay, log_decay, beta,
                                     check_finite)
     q64, k64, v64, n, causal, eps, rule, inputs = c.q, c.k, c.v, c.n, c.causal, c.eps, c.rule, c.inputs

@@ -322,6 +322,8 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=con
     >>> attention_rank(q[:512], k[:512], "softmax", scale=2.0) > 16
     True
     """
+    return_spectrum = C.check_bool("return_spectrum", return_spectrum)
+    check_finite = C.check_bool("check_finite", check_finite)
     fmap = C.resolve_map(feature_map)
     method = _check_method(method, ("auto", "factor", "explicit"))
     c = C.prepare(q, k, None, fmap, causal=causal, eps=eps, check_finite=check_finite, decay=decay,
@@ -520,6 +522,8 @@ def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAUL
     >>> semiseparable_rank(q[:200], k[:200], "l2", beta=0.5) <= 8    # the delta rule: D_phi = 8
     True
     """
+    return_split = C.check_bool("return_split", return_split)
+    check_finite = C.check_bool("check_finite", check_finite)
     fmap = C.resolve_map(feature_map)
     method = _check_method(method, ("auto", "factor", "explicit"))
     c = C.prepare(q, k, None, fmap, causal=True, eps=eps, check_finite=check_finite, decay=decay,
@@ -662,6 +666,7 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
     >>> state_rank_profile(k, v, "elu", decay=gamma, positions=[8, 20, 21, 24, 40]).rank.tolist()
     [8, 8, 1, 4, 8]
     """
+    check_finite = C.check_bool("check_finite", check_finite)
     if C.is_softmax(feature_map):
         raise ValueError("feature_map='softmax' has no fixed-size state (its KV cache grows with N)")
     fmap = C.resolve_map(feature_map)
@@ -710,6 +715,8 @@ def _positions(positions, n):
     if positions is None:
         return np.arange(1, n + 1, dtype=np.int64)
     raw = np.asarray(positions)
+    if raw.size == 0 and raw.ndim == 1:  # [] reads as float64: an empty profile
+        raw = raw.astype(np.int64)
     if raw.dtype.kind not in "iu" or raw.ndim > 1:
         raise TypeError(f"positions must be a 1-D sequence of integers, got dtype {raw.dtype} and shape {raw.shape}")
     pos = np.unique(raw.astype(np.int64))

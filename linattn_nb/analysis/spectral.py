@@ -135,6 +135,7 @@ def singular_values(A, *, check_finite=True):
     >>> singular_values(np.zeros((5, 2, 3))).shape
     (5, 2)
     """
+    check_finite = C.check_bool("check_finite", check_finite)
     return _svals(_as_matrices("A", A, check_finite))
 
 
@@ -174,6 +175,7 @@ def numerical_rank(A, rtol=None, *, check_finite=True):
     >>> numerical_rank(np.stack([np.eye(4), np.zeros((4, 4))])).tolist()
     [4, 0]
     """
+    check_finite = C.check_bool("check_finite", check_finite)
     A = _as_matrices("A", A, check_finite)
     if rtol is not None:
         rtol = C.check_rtol(rtol, A.shape[:-2])
@@ -207,6 +209,8 @@ def effective_rank(A, *, spectrum=False, check_finite=True):
     >>> round(effective_rank(np.array([3.0, 0.0, 0.0]), spectrum=True), 12)
     1.0
     """
+    spectrum = C.check_bool("spectrum", spectrum)
+    check_finite = C.check_bool("check_finite", check_finite)
     s = _spectrum(A, spectrum, check_finite)
     total = s.sum(axis=-1, keepdims=True)
     p = _ratio(s, total)
@@ -239,6 +243,8 @@ def stable_rank(A, *, spectrum=False, check_finite=True):
     >>> stable_rank(np.diag([2.0, 1.0, 1.0]))
     1.5
     """
+    spectrum = C.check_bool("spectrum", spectrum)
+    check_finite = C.check_bool("check_finite", check_finite)
     s = _spectrum(A, spectrum, check_finite)
     smax = s.max(axis=-1, initial=0.0)
     out = _ratio((s * s).sum(axis=-1), smax * smax)
@@ -273,6 +279,9 @@ def cumulative_spectrum(A, *, squared=False, spectrum=False, check_finite=True):
     >>> cumulative_spectrum(np.diag([3.0, 1.0]), squared=True).tolist()
     [0.9, 1.0]
     """
+    squared = C.check_bool("squared", squared)
+    spectrum = C.check_bool("spectrum", spectrum)
+    check_finite = C.check_bool("check_finite", check_finite)
     s = _spectrum(A, spectrum, check_finite)
     if squared:
         s = s * s

@@ -320,7 +320,9 @@ def cast_features(name: str, feats: np.ndarray, x: np.ndarray) -> np.ndarray:
         if (bad & finite_rows[..., None]).any():
             raise FeatureOverflow(
                 f"feature map {name!r}: features of finite inputs overflow {x.dtype} "
-                f"(input shape {x.shape}); use float64 inputs or smaller inputs", x.dtype
+                f"(input shape {x.shape}); "
+                + ("use smaller inputs" if x.dtype == np.float64 else "use float64 inputs or smaller inputs"),
+                x.dtype
             )
     return out
 

@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from .._seeds import generator
 from ._base import (FeatureMap, cast_features, check_count, check_input, check_role, check_scale,
                     max_shift_vjp, outer_sum, real_array, vjp_inputs)
 
@@ -42,6 +43,10 @@ def draw_projection(rng: np.random.Generator, num_features: int, dim: int, *,
     d = check_count("dim", dim, allow_none=False)
     if row_norm not in ("chi", "fixed"):
         raise ValueError(f"row_norm must be 'chi' or 'fixed', got {row_norm!r}")
+    if not isinstance(orthogonal, (bool, np.bool_)):
+        raise TypeError(f"orthogonal must be a bool, got {type(orthogonal).__name__}")
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
     if orthogonal:
         blocks = []
         left = m
@@ -60,15 +65,6 @@ def draw_projection(rng: np.random.Generator, num_features: int, dim: int, *,
     if row_norm == "fixed":
         w *= math.sqrt(d) / np.linalg.norm(w, axis=1, keepdims=True)
     return w
-
-
-def _generator(seed):
-    """``numpy.random.default_rng(seed)``; an error naming ``seed`` for a value it refuses."""
-    try:
-        return np.random.default_rng(seed)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"seed must be None, a non-negative integer, a sequence of them or a "
-                        f"numpy.random.Generator, got {seed!r}") from None
 
 
 class RandomFeatureMap(FeatureMap):
@@ -116,7 +112,7 @@ class RandomFeatureMap(FeatureMap):
         self.row_norm = row_norm
         self.scale = check_scale(scale)
         self.seed = seed
-        self._rng = _generator(seed)
+        self._rng = generator(seed)
         self.W = None
         if self.dim is not None:
             self._draw(self.dim)
@@ -152,7 +148,7 @@ class RandomFeatureMap(FeatureMap):
         Before ``W`` was ever drawn (``dim`` unknown) the next call draws it.
         """
         if seed is not None:
-            self._rng = _generator(seed)
+            self._rng = generator(seed)
             self.seed = seed
         if self.dim is not None:
             self._draw(self.dim)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import time
 import warnings
 from typing import NamedTuple
@@ -17,6 +18,7 @@ import numpy as np
 from .. import config
 from .. import feature_maps as fm
 from .._blas import single_threaded_blas
+from .._seeds import generator
 from .._interrupt import active as interrupt_active, check as check_interrupt, interrupts
 from ..attention import linear_attention, linear_attention_vjp, softmax_attention
 from ._objective import LOSSES, WeightsLoss
@@ -234,10 +236,15 @@ def _prepare(feature_map, q, k, *, causal, scale, loss, values, floor, seed):
     if floor is None:
         floor = 0.0 if getattr(fmap, "strictly_positive", False) else config.FIT_FLOOR
     floor = _check_float("floor", floor, low=0.0, high=1.0)
+    if seed is not None:
+        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"fit: seed must be None or a non-negative integer, got {seed!r}")
+        if seed < 0:
+            raise ValueError(f"fit: seed must be None or a non-negative integer, got {seed!r}")
     v64 = None
     if loss == "mse":
         if values is None:
-            v64 = np.random.default_rng(seed).standard_normal(q64.shape).astype(q64.dtype)
+            v64 = generator(seed).standard_normal(q64.shape).astype(q64.dtype)
         else:
             v64 = _check_values("values", values, np.shape(q))
     elif values is not None:
@@ -309,8 +316,9 @@ def fit(feature_map, q, k, *, causal=False, scale=None, loss="cross_entropy", st
     steps : int, default 200
         Optimiser iterations (0: evaluate only); ``history.message`` says why L-BFGS stopped.
     optimizer : {"lbfgs", "adam"}, default "lbfgs"
-    seed : int, default 0
-        Seeds the values drawn for ``loss="mse"`` when none are given.
+    seed : int or None, default 0
+        Seeds the values drawn for ``loss="mse"`` when none are given (``seed + 1`` those of a validation
+        set); None draws fresh ones.
     validation : tuple, optional
         ``(q_val, k_val)`` (and ``v_val`` for ``loss="mse"``): held-out data, its loss recorded per step.
     values : array_like, shape (..., N, M), optional
@@ -371,7 +379,7 @@ def fit(feature_map, q, k, *, causal=False, scale=None, loss="cross_entropy", st
         if kw["loss"] == "mse":
             vv = (_check_values("validation v_val", validation[2], np.shape(validation[0]))
                   if len(validation) == 3
-                  else np.random.default_rng(seed + 1).standard_normal(qv.shape).astype(qv.dtype))
+                  else generator(None if seed is None else seed + 1).standard_normal(qv.shape).astype(qv.dtype))
         elif len(validation) == 3:
             raise ValueError(f"fit: a validation v_val is used by loss='mse' only (loss={kw['loss']!r})")
         val = _Objective(fmap, params, qv, kv, vv, **kw)
@@ -437,9 +445,13 @@ def fit(feature_map, q, k, *, causal=False, scale=None, loss="cross_entropy", st
                     m = b1 * m + (1 - b1) * g
                     s = b2 * s + (1 - b2) * g * g
                     x = x - learning_rate * (m / (1 - b1 ** t)) / (np.sqrt(s / (1 - b2 ** t)) + eps)
-                    fx, g = train(x)
+                    try:
+                        fx, g = train(x)
+                    except (ValueError, FloatingPointError):  # the features overflow there, as L-BFGS's rejects
+                        fx = float("inf")
                     if not math.isfinite(fx):
-                        message = f"the loss became infinite at step {t}; stopped at step {t - 1}"
+                        message = (f"the loss (or the features) became infinite at step {t}; stopped at step "
+                                   f"{t - 1}")
                         break
                     advance(fx)
                     record(x, fx)

@@ -397,3 +397,13 @@ def test_state_rank_profile_of_dplr_rules():
         state_rank_profile(k, v, "l2", rule_arguments={})
     with pytest.raises(ValueError, match="unknown DPLR rule"):
         state_rank_profile(k, v, "l2", rule="nope")
+
+
+def test_rank_flags_take_bools_and_an_empty_profile_is_empty():
+    k = np.random.default_rng(0).normal(size=(8, 4))
+    with pytest.raises(TypeError, match="check_finite must be True or False"):
+        attention_rank(k, k, check_finite="no")
+    with pytest.raises(TypeError, match="return_spectrum must be True or False"):
+        attention_rank(k, k, return_spectrum="no")
+    prof = state_rank_profile(k, k, positions=[])
+    assert prof.positions.shape == (0,) and prof.rank.shape == (0,)

@@ -215,3 +215,14 @@ def test_scale_invariance_on_general_matrices(rng):
     s = np.array([1e308, 1e308, 1e300])
     assert stable_rank(s, spectrum=True) == pytest.approx(2.0)
     np.testing.assert_allclose(cumulative_spectrum(s, spectrum=True), [0.5, 1.0, 1.0], rtol=1e-7)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: effective_rank(np.eye(3), spectrum="yes"),
+    lambda: stable_rank(np.eye(3), check_finite="no"),
+    lambda: cumulative_spectrum(np.eye(3), squared=1),
+])
+def test_flags_take_bools_only(call):
+    """A truthy string was read as True ('yes' made a matrix three spectra); now a TypeError naming it."""
+    with pytest.raises(TypeError, match="must be True or False"):
+        call()

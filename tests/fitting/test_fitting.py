@@ -420,3 +420,33 @@ def test_ctrl_c_in_a_fit_inside_a_sweep_stops_the_sweep(tmp_path, python_sigint_
     with pytest.raises(KeyboardInterrupt):
         sweep(_fit_point, [{"seed": 0}, {"seed": 1}], out=path, progress=False)
     assert load_results(path) == []
+
+
+def test_adam_stops_at_the_last_finite_step_when_the_features_overflow():
+    """A step that makes the features overflow raised FeatureOverflow out of fit and lost every step taken;
+    L-BFGS rejected such a trial point.  Adam now stops there and returns the step before it."""
+    from linattn_nb.feature_maps import fit
+
+    rng = np.random.default_rng(10)
+    q, k = rng.normal(size=(2, 8, 2)) * 3, rng.normal(size=(2, 8, 2)) * 3
+    res = fit("hedgehog", q, k, steps=30, optimizer="adam", learning_rate=50.0, progress=False)
+    t = len(res.history.step)
+    assert 1 <= t < 31 and "became infinite" in res.history.message
+    assert np.isfinite(res.history.train_loss).all()
+
+
+@pytest.mark.parametrize("seed, err", [("abc", TypeError), (1.5, TypeError), (-1, ValueError)])
+def test_fit_names_a_bad_seed(seed, err):
+    from linattn_nb.feature_maps import fit
+
+    q = np.random.default_rng(0).normal(size=(8, 2))
+    with pytest.raises(err, match="seed must be None or a non-negative integer"):
+        fit("hedgehog", q, q, steps=1, loss="mse", seed=seed, validation=(q, q), progress=False)
+
+
+def test_fit_with_seed_none_draws_validation_values_too():
+    from linattn_nb.feature_maps import fit
+
+    q = np.random.default_rng(0).normal(size=(8, 2))
+    res = fit("hedgehog", q, q, steps=1, loss="mse", seed=None, validation=(q, q), progress=False)
+    assert np.isfinite(res.history.val_loss).all()
