@@ -519,6 +519,33 @@ def rows(records: Iterable[dict]) -> list[dict]:
     return out
 
 
+#: How every results file starts: its header line (``_ResultsFile`` writes it first, in one write).
+_HEADER_START = b'{"type":"header"'
+
+
+def _check_is_results_file(data: bytes, path) -> None:
+    """ValueError unless ``data`` (a file's bytes) is empty or a sweep's results: its first line is the
+    sweep header, or the torn start of one (a sweep interrupted while writing it).  Nothing else is
+    repaired or appended to: a file with other content is left untouched."""
+    first = data.lstrip()
+    if not first:
+        return
+    nl = first.find(b"\n")
+    line = (first if nl < 0 else first[:nl]).strip()
+    if nl < 0 and (line.startswith(_HEADER_START) or _HEADER_START.startswith(line)):
+        return  # a header cut off by a crash: dropped below as a damaged last line
+    try:
+        rec = json.loads(line.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        rec = None
+    if isinstance(rec, dict) and rec.get("type") == "header":
+        return
+    raise ValueError(
+        f"out={str(path)!r} is not a sweep results file (its first line is not a sweep header); "
+        "it was left untouched: give a new file, or one an earlier sweep wrote"
+    )
+
+
 class _ResultsFile:
     """The append-only JSONL file, locked, repaired, written by this process only."""
 
@@ -531,6 +558,7 @@ class _ResultsFile:
             self._lock()
             self.fh.seek(0)
             data = self.fh.read()
+            _check_is_results_file(data, path)
             if data and not resume:
                 raise FileExistsError(
                     f"{path} already holds results; pass resume=True to continue that sweep, "

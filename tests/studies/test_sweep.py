@@ -235,6 +235,26 @@ def test_damaged_middle_line_is_an_error(tmp_path):
         sweep(H.square, {"x": [1, 2]}, out=out, progress=False)
 
 
+@pytest.mark.parametrize("content", [b"my important notes\n", b"my important notes", b'{"a": 1}\n',
+                                     b"\n".join([b'{"type": "result", "key": "k"}'] * 2) + b"\n"])
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_file_without_a_sweep_header_is_refused_untouched(tmp_path, content, resume):
+    """Notes, another program's JSON Lines: not a damaged results file to repair and append to."""
+    out = tmp_path / "notes.txt"
+    out.write_bytes(content)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "damaged last line" repair either
+        with pytest.raises(ValueError, match=r"out='.*notes\.txt' is not a sweep results file.*left untouched"):
+            sweep(H.square, {"x": [1]}, out=out, resume=resume, progress=False)
+    assert out.read_bytes() == content
+    # The one headerless first line still repaired: a header torn by a crash while it was written.
+    torn = tmp_path / "r.jsonl"
+    sweep(H.square, {"x": [1]}, out=torn, progress=False)
+    torn.write_bytes(torn.read_bytes()[:30])
+    with pytest.warns(RuntimeWarning, match="will run again"):
+        assert rows(sweep(H.square, {"x": [1]}, out=torn, progress=False)) == [{"x": 1, "y": 1}]
+
+
 def test_errors_raise_keeps_finished_points_and_resumes(tmp_path):
     out = tmp_path / "r.jsonl"
     fail = {"on": True}
