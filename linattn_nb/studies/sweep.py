@@ -41,6 +41,8 @@ __all__ = [
 FORMAT_VERSION = 1
 BACKENDS = ("local", "dask")
 ERROR_MODES = ("raise", "record")
+#: The statuses of a result record.
+_STATUSES = ("ok", "error")
 
 
 class SweepError(RuntimeError):
@@ -469,7 +471,7 @@ def load_results(path, *, status: str | None = None) -> list[dict]:
     ------
     FileNotFoundError
     ValueError
-        A damaged line before the last one.
+        A damaged line before the last one, or an unknown ``status``.
 
     Examples
     --------
@@ -481,6 +483,8 @@ def load_results(path, *, status: str | None = None) -> list[dict]:
     >>> [(r["params"]["x"], r["result"]["y"]) for r in load_results(path)]
     [(1, 1), (2, 4), (3, 9)]
     """
+    if status is not None and status not in _STATUSES:
+        raise ValueError(f"status must be None or one of {', '.join(map(repr, _STATUSES))}, got {status!r}")
     path = Path(path)
     data = path.read_bytes()
     records, _, problem = _parse_lines(data, path)

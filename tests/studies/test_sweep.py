@@ -494,6 +494,14 @@ def test_a_later_error_never_replaces_an_ok_record(tmp_path):
     assert len(out.read_text().splitlines()) == len(lines) + 1
 
 
+@pytest.mark.parametrize("status", ["okay", "OK", "failed", 1])
+def test_load_results_refuses_an_unknown_status(tmp_path, status):
+    out = tmp_path / "r.jsonl"
+    sweep(H.square, {"x": [1]}, out=out, progress=False)
+    with pytest.raises(ValueError, match=r"status must be None or one of 'ok', 'error', got "):
+        load_results(out, status=status)
+
+
 def test_one_writer_per_file(tmp_path):
     out = tmp_path / "r.jsonl"
 
