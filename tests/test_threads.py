@@ -39,21 +39,25 @@ _SCRIPT = textwrap.dedent("""
         return cache.step(q[:, 200:201], k[:, 200:201], v[:, 200:201]), cache.query(q[:, 201:203])
 
     ref_kv = kv_calls()
+    shared = linattn_nb.LinearAttentionState(16, 16, batch_shape=(8,), dtype=np.float32)
+    shared.prefill(k[:, :64], v[:, :64])
+    ref_query = [shared.query(q[:, :32] * (i + 1)) for i in range(3)]
     print("layer", numba.threading_layer(), flush=True)
     bad = []
 
-    def run():
+    def run(i):
         try:
             for _ in range(40):
                 ok = np.array_equal(linattn_nb.linear_attention(q, k, v, causal=True), ref)
                 ok &= np.array_equal(linattn_nb.linear_attention_vjp(q, k, v, g, causal=True).dq, ref_dq)
                 ok &= all(np.array_equal(a, b) for a, b in zip(kv_calls(), ref_kv))
+                ok &= np.array_equal(shared.query(q[:, :32] * (i + 1)), ref_query[i])
                 if not ok:
                     bad.append("result differs")
         except Exception as exc:
             bad.append(repr(exc))
 
-    threads = [threading.Thread(target=run) for _ in range(3)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
     for t in threads:
@@ -99,3 +103,26 @@ def test_torch_spin_detection():
     assert not spins(first, {"PATH", "GOMP_SPINCOUNT"}, omp)
     assert not spins(first, None, omp)  # initial environment unknown: no claim
     assert not spins(first, {"PATH"}, "ATen parallel backend: native thread pool")
+
+
+def test_threads_may_query_one_decode_state_at_once():
+    """query reads the state only: it wrote each token's features into the state's own scratch row, so
+    threads querying one shared state (under omp, where parallel regions may overlap) read each other's
+    features, 0.1-0.6 off in a probe."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import linattn_nb
+
+    rng = np.random.default_rng(0)
+    k, v = rng.normal(size=(2, 2, 64, 16))
+    st = linattn_nb.LinearAttentionState(16, 16, batch_shape=(2,))
+    st.prefill(k, v)
+    qs = [rng.normal(size=(2, 256, 16)) * (i + 1) for i in range(4)]
+    expected = [st.query(x) for x in qs]
+
+    def worst(i):
+        return max(float(np.abs(st.query(qs[i]) - expected[i]).max()) for _ in range(150))
+
+    with ThreadPoolExecutor(4) as ex:
+        assert max(ex.map(worst, range(4))) == 0.0
+

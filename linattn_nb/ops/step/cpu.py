@@ -377,9 +377,10 @@ def output(acc, den, norm):
 
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
-def state_query_kernel(q, St, z, out, feat, code, eps, norm):
+def state_query_kernel(q, St, z, out, code, eps, norm):
     """out[b, t] = phi(q_t)^T S_b / max(phi(q_t)^T z_b, eps) (``NORM_NONE``: the numerators); the state is
-    read only (any rule's).
+    read only (any rule's), and nothing of it is written: the feature row is the call's own, so that
+    threads may query one state at the same time.
     """
     B, T, _ = q.shape
     M = St.shape[1]
@@ -387,7 +388,7 @@ def state_query_kernel(q, St, z, out, feat, code, eps, norm):
     for b in prange(B):
         Sb = St[b]
         zb = z[b]
-        fc = feat[1, b]
+        fc = np.empty(F, St.dtype)
         for t in range(T):
             phi_row(q[b, t], fc, code)
             den = 0.0
@@ -402,8 +403,9 @@ def state_query_kernel(q, St, z, out, feat, code, eps, norm):
                 out[b, t, m] = output(acc, den, norm)
 
 
-def state_query(q, St, z, out, feat, *, code, eps, normalize=True):
-    state_query_kernel(q, St, z, out, feat, np.int64(code), eps_arg(eps), np.int64(norm_mode(eps, normalize)))
+@parallel_entry
+def state_query(q, St, z, out, *, code, eps, normalize=True):
+    state_query_kernel(q, St, z, out, np.int64(code), eps_arg(eps), np.int64(norm_mode(eps, normalize)))
     return out
 
 

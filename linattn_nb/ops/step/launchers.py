@@ -59,7 +59,7 @@ def _cpu_zeros(B, F, M, dtype):
 def _cpu_query(q, S, z, out, scratch, *, code, eps, check, normalize=True):
     if check and q.size and not np.isfinite(q).all():
         return 1
-    _cpu.state_query(q, S, z, out, scratch[0], code=code, eps=eps, normalize=normalize)
+    _cpu.state_query(q, S, z, out, code=code, eps=eps, normalize=normalize)
     return 0
 
 
