@@ -933,10 +933,13 @@ def _run_dask(fn, todo, state: _RunState, *, scheduler, workers, numba_threads):
         threads = numba_threads or max(1, usable_cores() // n)
         import logging
 
+        # Not env={"NUMBA_NUM_THREADS": ...}: a spawned worker imports the caller's __main__ (and so
+        # Numba, at its default pool size) before that environment applies, and Numba then refuses
+        # the first compile ("Cannot set NUMBA_NUM_THREADS ... once the threads have been launched").
+        # Each point sets its threads with numba.set_num_threads instead (_run_point).
         cluster = LocalCluster(
             n_workers=n, threads_per_worker=1, processes=True, host="127.0.0.1",
             dashboard_address=None, silence_logs=logging.ERROR,
-            env={"NUMBA_NUM_THREADS": str(threads)},
         )
         client = Client(cluster)
         per_worker = threads

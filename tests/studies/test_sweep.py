@@ -604,10 +604,50 @@ def test_dask_embedded_cluster_gives_identical_results(tmp_path, reference_resul
     assert _numbers(recs) == _numbers(ref)
     pids = {r["pid"] for r in recs}
     assert os.getpid() not in pids and len(pids) <= 2
-    # Numba threads per worker: the cores shared by the two workers, in the
-    # workers' environment (their thread pools) and for each point.
-    per = str(max(1, len(os.sched_getaffinity(0)) // 2))
-    assert {(r["result"]["threads"], r["result"]["env"]) for r in recs} == {(int(per), per)}
+    # Numba threads per worker: the cores shared by the two workers, set for each point with
+    # numba.set_num_threads; the workers' environment is this process's (see the test below).
+    per = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert {(r["result"]["threads"], r["result"]["env"]) for r in recs} == {(per, os.environ.get("NUMBA_NUM_THREADS"))}
+
+
+_MAIN_IMPORTS_NUMBA = """\
+import sys
+import numba  # at the top, as a script importing linattn_nb does: Dask's spawned workers import it too
+from linattn_nb.studies import sweep
+
+
+def point(x):
+    f = numba.njit(lambda y: y + 1)  # compiled in the worker: Numba reloads its config from the environment
+    return {"y": f(x), "threads": numba.get_num_threads()}
+
+
+if __name__ == "__main__":
+    recs = sweep(point, {"x": [1, 2]}, out=sys.argv[1], backend="dask", workers=1, numba_threads=1,
+                 errors="record", progress=False)
+    print([(r["status"], r.get("error"), r.get("result")) for r in recs])
+"""
+
+
+@pytest.mark.slow
+def test_dask_embedded_cluster_compiles_when_main_imports_numba(tmp_path):
+    """A script whose __main__ imports Numba at the top (re-imported by every spawned Dask worker
+    before a LocalCluster's env= applies) compiles kernels in the workers: the thread count is set
+    there with numba.set_num_threads, never through NUMBA_NUM_THREADS."""
+    pytest.importorskip("distributed")
+    import subprocess
+
+    import numba
+
+    if numba.config.NUMBA_DEFAULT_NUM_THREADS < 2:
+        pytest.skip("one CPU: numba_threads=1 is Numba's default, the worker's pool size cannot differ")
+    script = tmp_path / "main_imports_numba.py"
+    script.write_text(_MAIN_IMPORTS_NUMBA)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_NUM_THREADS"}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "r.jsonl")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == str([("ok", None, {"y": 2, "threads": 1}), ("ok", None, {"y": 3, "threads": 1})])
 
 
 @pytest.fixture(scope="module")
