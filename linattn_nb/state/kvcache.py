@@ -259,6 +259,10 @@ class KVCache:
         """Forget every token (buffers kept)."""
         self._len = 0
 
+    def __copy__(self) -> "KVCache":
+        # a shallow copy would share the key and value buffers that step appends to in place
+        return self.copy()
+
     def copy(self) -> "KVCache":
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)

@@ -890,6 +890,17 @@ class LinearAttentionState:
         new._launch.put(new._S, new._z, S, z)
         return new
 
+    def __copy__(self) -> "LinearAttentionState":
+        # a shallow copy would share the buffers the step kernels write in place
+        return self.copy()
+
+    def __reduce__(self):
+        # the launcher is a closure, which pickle cannot write: the state travels as its host arrays and
+        # fields, as save() writes them, and is rebuilt on the same kind of device (needs a GPU for "cuda")
+        S, z = self._host_arrays()
+        return (_rebuild_state, (type(self), self._d, self._m, self._bs, self._fmap, self._dtype, self._eps,
+                                 self._rule, self._normalize_arg, S, z, self._position, self._device or "auto"))
+
     def to_linear_state(self) -> LinearState:
         """The state as a float64 host :class:`~linattn_nb.LinearState` (for ``initial_state=``).
 
@@ -1029,3 +1040,15 @@ class LinearAttentionState:
         new._position = sf.position
         new._place(device)
         return new
+
+
+def _rebuild_state(cls, d, m, bs, fmap, dtype, eps, rule, normalize, S, z, position, device):
+    """A pickled :class:`LinearAttentionState` (its ``__reduce__``)."""
+    new = cls(d, m, batch_shape=bs, feature_map=fmap, dtype=dtype, device="cpu", eps=eps, rule=rule,
+              normalize=normalize)
+    S = np.asarray(S).reshape((new._B, new._f, new._m))
+    new._launch.put(new._S, new._z, S, np.asarray(z).reshape((new._B, new._f)))
+    new._position = position
+    new._place(device)
+    return new
+

@@ -800,3 +800,43 @@ def test_state_with_random_positional_learned_and_polynomial_maps(name, tmp_path
 def test_kv_cache_dtype_error_speaks_of_the_cache():
     with pytest.raises(TypeError, match=r"float32 or float64 \(the cache's keys and values\), got float16"):
         la.KVCache(4, 4, dtype=np.float16)
+
+
+@pytest.mark.parametrize("kw", [{}, {"rule": "delta", "feature_map": "l2"}, {"dtype": np.float32}])
+def test_copy_copy_and_pickle_give_independent_states(kw):
+    """copy.copy shared the buffers the step kernels write in place (the original then held the copy's
+    tokens at its own position), and pickle failed on the launcher closure; both now give an independent
+    state with the same S, z, position, rule, dtype and map, which continues as the original does."""
+    import copy
+    import pickle
+
+    rng = np.random.default_rng(0)
+    q, k, v = rng.normal(size=(3, 2, 8, 4))
+    beta = (lambda n: {"beta": np.full((2, n), 0.5)}) if "rule" in kw else (lambda n: {})
+    st = LinearAttentionState(4, 4, batch_shape=(2,), **kw)
+    st.prefill(k[:, :5], v[:, :5], **beta(5))
+    S0 = st.S.copy()
+    shallow = copy.copy(st)
+    shallow.step(q[:, 5:7], k[:, 5:7], v[:, 5:7], **beta(2))
+    assert st.position == 5 and np.array_equal(st.S, S0)
+    back = pickle.loads(pickle.dumps(st))
+    assert (back.position, back.rule, back.dtype, back.feature_map.name) == (5, st.rule, st.dtype,
+                                                                            st.feature_map.name)
+    assert np.array_equal(back.S, st.S) and np.array_equal(back.z, st.z)
+    np.testing.assert_array_equal(back.step(q[:, 7:], k[:, 7:], v[:, 7:], **beta(1)),
+                                  st.step(q[:, 7:], k[:, 7:], v[:, 7:], **beta(1)))
+
+
+def test_copy_copy_of_a_kv_cache_keeps_its_own_tokens():
+    import copy
+
+    from linattn_nb import KVCache
+
+    rng = np.random.default_rng(0)
+    q, k, v = rng.normal(size=(3, 2, 8, 4))
+    cache = KVCache(4, 4, batch_shape=(2,))
+    cache.prefill(k[:, :5], v[:, :5])
+    other = copy.copy(cache)
+    other.step(q[:, 5:6], k[:, 5:6], v[:, 5:6])
+    cache.step(q[:, 6:7], k[:, 6:7] + 3.0, v[:, 6:7])
+    np.testing.assert_array_equal(other.keys[:, 5], k[:, 5])
