@@ -212,6 +212,10 @@ class Study:
         A timed study's ``prepare(points)`` warm-up, run in the background process (errors ignored).
     in_report : bool
         Whether ``linattn report`` runs it by default; otherwise it runs only by name.
+    figures : tuple of str
+        The names (without ``.png``) of the plots ``render`` saves with :meth:`Context.savefig`: the
+        files, besides ``<name>.jsonl`` and ``report.md``, that ``--force`` deletes before the study
+        runs again (nothing else in the folder is touched).
     """
 
     name: str
@@ -227,10 +231,17 @@ class Study:
     background: bool = False
     prepare: Callable | None = None
     in_report: bool = True
+    figures: tuple = ()
 
     def __post_init__(self):
         if self.requires is None:
             object.__setattr__(self, "requires", _always_available)
+        figures = (self.figures,) if isinstance(self.figures, str) else tuple(self.figures)
+        for name in figures:
+            if not isinstance(name, str) or not name or name != Path(name).name or name.endswith(".png"):
+                raise ValueError(f"study {self.name!r}: figures must be plot names such as 'rank' (no folder, "
+                                 f"no .png), got {name!r}")
+        object.__setattr__(self, "figures", figures)
 
     def __repr__(self) -> str:
         # the names, not the functions' reprs (addresses that change every run)

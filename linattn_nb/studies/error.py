@@ -608,5 +608,6 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
+    figures=("error_n", "error_m", "error_divergence", "error_signed"),
     budget_s={"tiny": 60, "quick": 50, "full": 180},
 ))

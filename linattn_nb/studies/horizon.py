@@ -141,5 +141,6 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
+    figures=("horizon",),
     budget_s={"tiny": 30, "quick": 10, "full": 30},
 ))

@@ -402,5 +402,6 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
+    figures=("learned",),
     budget_s={"tiny": 15, "quick": 10, "full": 60},
 ))

@@ -685,6 +685,7 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
+    figures=("mqar",),
     requires=requires_modules("torch", install="pip install 'linattn_nb[torch]'"),
     budget_s={"tiny": 30, "quick": 180, "full": 1200},
     # In the report when torch imports (its default profile trains 36 models, about 16 min on 2 cores);

@@ -227,5 +227,6 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
+    figures=("rank",),
     budget_s={"tiny": 30, "quick": 15, "full": 60},
 ))

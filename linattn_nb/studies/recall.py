@@ -335,5 +335,6 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
+    figures=("recall",),
     budget_s={"tiny": 30, "quick": 10, "full": 60},
 ))

@@ -127,7 +127,17 @@ def machine_info() -> list[tuple[str, str]]:
     ]
 
 
-def _prepare_out(out: Path, *, force: bool, resume: bool) -> None:
+def report_files(out: Path, studies) -> list:
+    """The files a report of ``studies`` writes in ``out``: ``report.md`` (and its temporary file),
+    each study's ``<name>.jsonl`` and the plots it declares (:attr:`Study.figures`)."""
+    files = [out / "report.md", out / "report.md.tmp"]
+    for s in studies:
+        files.append(out / f"{s.name}.jsonl")
+        files += [out / f"{name}.png" for name in s.figures]
+    return files
+
+
+def _prepare_out(out: Path, *, force: bool, resume: bool, studies=()) -> None:
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"--out {str(out)!r} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()):
@@ -137,12 +147,9 @@ def _prepare_out(out: Path, *, force: bool, resume: bool) -> None:
                 "there, --resume to continue an interrupted report, or choose another --out"
             )
         if force:
-            # Remove only what a report writes; anything else in the folder stays.
-            owned = [out / "report.md"]
-            for s in STUDIES:
-                owned.append(out / f"{s.name}.jsonl")
-                owned += list(out.glob(f"{s.name}*.png"))
-            for p in owned:
+            # Remove only the files this report writes (by their exact names): other files, and other
+            # studies' results, stay.
+            for p in report_files(out, studies):
                 if p.is_file():
                     p.unlink()
     out.mkdir(parents=True, exist_ok=True)
@@ -226,7 +233,7 @@ def run_report(
     study_options = _check_options(options)
     devices = resolve_devices(device)
     out = Path(out)
-    _prepare_out(out, force=force, resume=resume)
+    _prepare_out(out, force=force, resume=resume, studies=selected)
     try:
         import matplotlib  # noqa: F401
 

@@ -334,5 +334,6 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
+    figures=("rules",),
     budget_s={"tiny": 30, "quick": 5, "full": 15},
 ))

@@ -330,6 +330,7 @@ STUDY = register_study(Study(
     points=points,
     run=run,
     render=render,
+    figures=("throughput",),
     timing=True,
     budget_s={"tiny": 30, "quick": 25, "full": 90},
     prepare=prepare,

@@ -656,3 +656,47 @@ def test_a_plug_in_study_through_register_study_and_run_report(tmp_path):
     assert "## Plug-in X" in text and "| 1 | 2 | 0.5 |" in text and "planted problem at x = 2" in text
     assert "**Absent** (`linattn plugin-absent`)" in text
     assert [r["result"]["y"] for r in load_results(tmp_path / "r" / "plugin_x.jsonl")] == [2, 4]
+
+
+def test_force_deletes_only_the_files_the_report_writes_for_its_studies(tmp_path):
+    """--force removes report.md and, of the studies being run only, <name>.jsonl and the exact plots
+    they declare: never a user's PNG whose name starts like a study's, nor another study's results."""
+    from linattn_nb.studies import Study
+
+    study = Study(name="plugin_f", title="Plug-in F", command="plugin-f", help="a test study",
+                  points=_plugin_points, run=_plugin_run, render=_plugin_render, figures=("plugin_f_plot",))
+    out = tmp_path / "f1"
+    out.mkdir()
+    mine = {"ranking_for_paper.png": b"mine", "error_bars_mine.png": b"mine", "recall.jsonl": b'{"mine":1}\n',
+            "plugin_f_for_paper.png": b"mine", "notes.txt": b"mine"}
+    for name, data in mine.items():
+        (out / name).write_bytes(data)
+    (out / "plugin_f_plot.png").write_bytes(b"stale")
+    (out / "report.md").write_text("stale")
+    (out / "plugin_f.jsonl").write_text("stale, not even a results file\n")
+    saved = list(STUDIES)
+    try:
+        register_study(study)
+        run_report(out, profile="tiny", studies=["plugin_f"], force=True, progress=False, log=lambda line: None)
+    finally:
+        STUDIES[:] = saved
+    assert {name: (out / name).read_bytes() for name in mine} == mine
+    assert not (out / "plugin_f_plot.png").exists()  # declared, and not written again by this render
+    assert "## Plug-in F" in (out / "report.md").read_text()
+    assert [r["result"]["y"] for r in load_results(out / "plugin_f.jsonl")] == [2, 4]
+
+
+def test_every_built_in_study_declares_the_plots_it_saves():
+    """Study.figures is what --force deletes: it must list exactly the names each render saves."""
+    import importlib
+    import inspect
+    import re
+
+    for study in STUDIES:
+        module = importlib.import_module(study.render.__module__)
+        saved = set(re.findall(r"savefig\(\s*\w+\s*,\s*[\"']([^\"']+)[\"']", inspect.getsource(module)))
+        assert not re.search(r"savefig\(\s*\w+\s*,\s*(?![\s\"'])", inspect.getsource(module)), \
+            f"{module.__name__}: a plot name that is not a literal cannot be checked here"
+        assert set(study.figures) == saved, study.name
+    with pytest.raises(ValueError, match="figures must be plot names"):
+        dataclasses.replace(get_study("rank"), figures=("../rank.png",))
