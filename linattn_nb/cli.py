@@ -382,8 +382,12 @@ def _run_studies(args, names, argv) -> int:
     except OptionError as exc:
         print(f"linattn {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    if args.workers is not None and args.workers < 1:
-        print(f"linattn {args.command}: error: --workers must be >= 1, got {args.workers}", file=sys.stderr)
+    from linattn_nb.studies.report import check_workers
+
+    try:
+        check_workers(args.workers, name="--workers")  # run_report's own check, before --out is made
+    except (TypeError, ValueError) as exc:
+        print(f"linattn {args.command}: error: {exc}", file=sys.stderr)
         return 2
     if names is not None:
         study = get_study(names[0])

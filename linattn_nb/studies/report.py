@@ -188,8 +188,9 @@ def run_report(
         Replace the report in a non-empty ``out`` (its report files are deleted, others kept).
     resume : bool
         Continue an interrupted report in ``out``: finished points are kept.
-    studies : list of str, optional
-        Names (or commands) of the studies to run; default every study with ``in_report``.
+    studies : list of str, or str, optional
+        Names (or commands) of the studies to run, in report order; a single name (a str) is one
+        study.  Default: every study with ``in_report``.
     progress : bool
         Progress bars on a terminal.
     log : callable, optional
@@ -198,7 +199,8 @@ def run_report(
         The command line to quote in the report.
     options : dict, optional
         Study name (or command) -> keyword arguments of its ``points`` function, overriding the
-        profile's grid, e.g. ``{"error": {"dim": 32, "scales": [1.0], "seeds": 5}}``.
+        profile's grid, e.g. ``{"error": {"dim": 32, "scales": [1.0], "seeds": 5}}``; only for
+        studies being run.  Checked by building each such study's points before anything runs.
 
     Returns
     -------
@@ -209,7 +211,13 @@ def run_report(
     FileExistsError
         ``out`` is not empty and neither ``force`` nor ``resume`` is set.
     ValueError
-        Bad ``profile``, ``device`` or study name, or ``force`` with ``resume``.
+        Bad ``profile``, ``device``, study name (or no study), ``workers`` < 1, options a study's
+        ``points`` refuses or for a study not being run, or ``force`` with ``resume``.  Raised, like
+        the TypeErrors, before anything is run or written.
+    TypeError
+        ``studies``, ``workers`` or ``options`` of the wrong type.
+    ConnectionError
+        The ``scheduler`` address cannot be reached.
 
     Examples
     --------
@@ -224,15 +232,17 @@ def run_report(
         raise ValueError(f"profile must be one of {', '.join(map(repr, PROFILES))}, got {profile!r}")
     if force and resume:
         raise ValueError("force (start afresh) and resume (continue) exclude each other")
+    workers = check_workers(workers)
     if log is None:
         def log(line):
             print(line, file=sys.stderr, flush=True)
     from . import _builtin  # noqa: F401  (importing the built-in studies registers them)
 
-    selected = [s for s in STUDIES if s.in_report] if studies is None else [get_study(s) for s in studies]
-    study_options = _check_options(options)
+    selected = _check_studies(studies)
+    study_options = _check_options(options, selected)
     devices = resolve_devices(device)
     out = Path(out)
+    _check_points(selected, study_options, Context(out=out, profile=profile, devices=devices))
     _prepare_out(out, force=force, resume=resume, studies=selected)
     try:
         import matplotlib  # noqa: F401
@@ -395,22 +405,72 @@ def _prepares(runnable, study_options, ctx) -> list:
     return found
 
 
-def _check_options(options) -> dict:
-    """``options`` keyed by study name, each a dict of keywords its ``points`` accepts (ValueError otherwise)."""
+def check_workers(workers, *, name: str = "workers"):
+    """``workers`` as an int >= 1, or None (TypeError, ValueError naming ``name``; the CLI's check too)."""
+    from .sweep import _check_int
+
+    return _check_int(name, workers, minimum=1)
+
+
+def _check_studies(studies) -> list:
+    """The studies ``run_report(studies=...)`` names, in order, each once (TypeError, ValueError)."""
+    if studies is None:
+        return [s for s in STUDIES if s.in_report]
+    if isinstance(studies, str):
+        studies = [studies]  # one study, not its letters
+    if not isinstance(studies, (list, tuple)):
+        raise TypeError(f"studies must be a list of study names (or one name), got {type(studies).__name__}")
+    if not studies:
+        raise ValueError("studies is empty: name at least one study, or pass None for the report's studies")
+    selected = []
+    for name in studies:
+        if not isinstance(name, str):
+            raise TypeError(f"studies must hold study names (str), got {name!r}")
+        try:
+            study = get_study(name)
+        except KeyError as exc:
+            raise ValueError(f"studies: {exc.args[0]}") from None
+        if study not in selected:
+            selected.append(study)
+    return selected
+
+
+def _check_points(selected, study_options, ctx) -> None:
+    """Build the points of each study given options (that can run here): what its ``points`` refuses
+    (a bad value, an unknown map) is a ValueError or TypeError naming the study's options now, not a
+    failed section of the report."""
+    for study in selected:
+        opts = study_options.get(study.name)
+        if not opts or study.requires():
+            continue
+        try:
+            study.points(ctx, **opts)
+        except TypeError as exc:
+            raise TypeError(f"options[{study.name!r}]: {exc}") from exc
+        except ValueError as exc:
+            raise ValueError(f"options[{study.name!r}]: {exc}") from exc
+
+
+def _check_options(options, selected=None) -> dict:
+    """``options`` keyed by study name, each a dict of keywords its ``points`` accepts, for a study
+    of ``selected`` (TypeError, ValueError otherwise)."""
     import inspect
 
     if options is None:
         return {}
     if not isinstance(options, dict):
-        raise ValueError(f"options must be a dict of study name -> dict of keywords, got {type(options).__name__}")
+        raise TypeError(f"options must be a dict of study name -> dict of keywords, got {type(options).__name__}")
     out = {}
     for name, kw in options.items():
         try:
             study = get_study(name)
         except KeyError as exc:
             raise ValueError(f"options: {exc.args[0]}") from None
+        if selected is not None and study not in selected:
+            raise ValueError(f"options[{name!r}] sets options of the {study.name} study, which is not being run "
+                             f"(studies: {', '.join(s.name for s in selected)})")
         if not isinstance(kw, dict):
-            raise ValueError(f"options[{name!r}] must be a dict of keywords, got {type(kw).__name__}")
+            raise TypeError(f"options[{name!r}] must be a dict of keywords, got {type(kw).__name__}")
         params = inspect.signature(study.points).parameters
         accepted = [p for p, v in params.items() if v.kind == v.KEYWORD_ONLY]
         for key in kw:

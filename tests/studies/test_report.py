@@ -184,7 +184,7 @@ def test_bad_arguments(tmp_path, capsys):
     assert not (tmp_path / "never").exists()
     with pytest.raises(ValueError, match="profile must be one of"):
         run_report(tmp_path / "x", profile="huge")
-    with pytest.raises(KeyError, match="no study 'nope'"):
+    with pytest.raises(ValueError, match="studies: no study 'nope'"):
         run_report(tmp_path / "y", studies=["nope"], profile="tiny")
 
 
@@ -700,3 +700,37 @@ def test_every_built_in_study_declares_the_plots_it_saves():
         assert set(study.figures) == saved, study.name
     with pytest.raises(ValueError, match="figures must be plot names"):
         dataclasses.replace(get_study("rank"), figures=("../rank.png",))
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(studies=["rank"], options={"rank": {"seeds": 0}}), ValueError,
+     r"options\['rank'\]: rank study: seeds must be an integer >= 1, got 0"),
+    (dict(studies=["rank"], options={"rank": {"maps": ["nope"]}}), ValueError,
+     r"options\['rank'\]: .*unknown or unbuildable feature map 'nope'"),
+    (dict(studies=["check"], options={"rank": {"seeds": 2}}), ValueError,
+     r"options\['rank'\] sets options of the rank study, which is not being run \(studies: correctness\)"),
+    (dict(studies=["check"], options=[("rank", {})]), TypeError, "options must be a dict"),
+    (dict(studies=["check"], workers=-1), ValueError, "workers must be >= 1, got -1"),
+    (dict(studies=["check"], workers=0), ValueError, "workers must be >= 1, got 0"),
+    (dict(studies=["check"], workers=1.5), TypeError, "workers must be an integer or None"),
+    (dict(studies=[]), ValueError, "studies is empty"),
+    (dict(studies=["nope"]), ValueError, "studies: no study 'nope'"),
+    (dict(studies=[3]), TypeError, r"studies must hold study names \(str\), got 3"),
+    (dict(studies={"rank"}), TypeError, "studies must be a list of study names"),
+])
+def test_run_report_checks_its_arguments_before_anything_runs(tmp_path, kwargs, exc, match):
+    """A bad argument is an exception naming it, raised before the folder is made or a study runs,
+    not a report with a failed section (or an empty one)."""
+    out = tmp_path / "r"
+    with pytest.raises(exc, match=match):
+        run_report(out, profile="tiny", progress=False, log=lambda line: None, **kwargs)
+    assert not out.exists()
+
+
+def test_run_report_takes_one_study_name_as_a_string(tmp_path, monkeypatch):
+    """studies="rank" is the rank study (not the studies 'r', 'a', 'n', 'k')."""
+    from linattn_nb.studies import report
+
+    monkeypatch.setattr(report, "sweep", lambda *a, **k: [])  # nothing runs: only the selection matters
+    res = run_report(tmp_path / "r", profile="tiny", studies="rank", progress=False, log=lambda line: None)
+    assert list(res.sections) == ["rank"]
