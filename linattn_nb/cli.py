@@ -3,7 +3,7 @@
 
 Exit status: 0 success; 1 a check failed or a study raised (the report is still written); 2 usage
 errors (bad arguments, a non-empty --out without --force, an --out that cannot be created or
-written); 3 the study cannot run in this installation; 130 interrupted (Ctrl-C): the finished points
+written, a --scheduler that cannot be reached); 3 the study cannot run in this installation; 130 interrupted (Ctrl-C): the finished points
 stay in the report folder and the same command with ``--resume`` continues.
 """
 from __future__ import annotations
@@ -427,6 +427,8 @@ def _run_studies(args, names, argv) -> int:
               f"`linattn {shlex.join(again)}` continues", file=sys.stderr)
         return 130
     except (FileExistsError, NotADirectoryError, ValueError, RuntimeError) as exc:
+        return usage_error(str(exc))
+    except ConnectionError as exc:  # run_report could not reach --scheduler: not a folder problem
         return usage_error(str(exc))
     except OSError as exc:
         what = exc.strerror or str(exc) or type(exc).__name__

@@ -123,6 +123,35 @@ def test_report_out_unwritable_subprocess(tmp_path):
     assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr, res.stderr
 
 
+def test_unreachable_scheduler_is_named_not_a_folder_error(tmp_path, capsys, monkeypatch):
+    """--scheduler that cannot be reached: exit 2 with a message naming the scheduler's address (not
+    "cannot write the report to DIR"), before the folder is touched.  distributed.Client is a stand-in
+    that fails at once as the real one does after its timeout (an OSError)."""
+    import types
+
+    calls = []
+
+    def client(address, timeout=None):
+        calls.append((address, timeout))
+        raise OSError(f"Timed out trying to connect to {address} after 30 s")
+
+    monkeypatch.setitem(sys.modules, "distributed", types.SimpleNamespace(Client=client))
+    out = tmp_path / "s1"
+    out.mkdir()
+    (out / "rank.jsonl").write_text("kept\n")
+    argv = ["rank", "--profile", "tiny", "--no-progress", "--scheduler", "tcp://127.0.0.1:1", "--out", str(out)]
+    assert cli.main(argv + ["--force"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot reach the Dask scheduler at 'tcp://127.0.0.1:1'" in err and "Timed out" in err, err
+    assert "cannot write the report" not in err and len(err.strip().splitlines()) == 1, err
+    assert calls == [("tcp://127.0.0.1:1", "30s")]
+    assert sorted(p.name for p in out.iterdir()) == ["rank.jsonl"]  # --force deleted nothing
+    new = tmp_path / "new" / "s2"
+    assert cli.main(argv[:-1] + [str(new)]) == 2
+    assert "cannot reach the Dask scheduler" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()  # the folders the command made are removed again
+
+
 def test_report_ctrl_c_in_process(tmp_path, capsys, monkeypatch):
     """KeyboardInterrupt during the report: one line naming --resume, exit status 130."""
     import linattn_nb.studies as studies

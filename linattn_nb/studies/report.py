@@ -243,7 +243,13 @@ def run_report(
     devices = resolve_devices(device)
     out = Path(out)
     _check_points(selected, study_options, Context(out=out, profile=profile, devices=devices))
-    _prepare_out(out, force=force, resume=resume, studies=selected)
+    client = _connect(scheduler)  # before the folder is touched: an unreachable scheduler changes nothing
+    try:
+        _prepare_out(out, force=force, resume=resume, studies=selected)
+    except BaseException:
+        if client is not None:
+            client.close()
+        raise
     try:
         import matplotlib  # noqa: F401
 
@@ -253,13 +259,6 @@ def run_report(
         log("matplotlib is not installed: the report has tables but no plots (pip install 'linattn_nb[plot]')")
     ctx = Context(out=out, profile=profile, devices=devices, plots=plots)
 
-    client = None
-    if scheduler is not None and isinstance(scheduler, str):
-        try:
-            from distributed import Client
-        except ImportError as exc:
-            raise ImportError("--scheduler needs dask.distributed: pip install 'linattn_nb[dask]'") from exc
-        client = Client(scheduler, timeout="30s")
     from .. import _cache
 
     folder = _cache.cache_folder()[0]  # compiled kernels in it: *.nbc files
@@ -355,6 +354,26 @@ def run_report(
     _write_markdown(result, ctx, selected, timings, command)
     log(f"wrote {result.path} ({result.elapsed_s:.1f} s)")
     return result
+
+
+#: How long :func:`run_report` tries to reach a ``scheduler`` address.
+SCHEDULER_TIMEOUT = "30s"
+
+
+def _connect(scheduler):
+    """A distributed.Client of the ``scheduler`` address (None for no address, or a Client or cluster
+    given as it is); ConnectionError naming the address when it cannot be reached."""
+    if scheduler is None or not isinstance(scheduler, str):
+        return None
+    try:
+        from distributed import Client
+    except ImportError as exc:
+        raise ImportError("--scheduler needs dask.distributed: pip install 'linattn_nb[dask]'") from exc
+    try:
+        return Client(scheduler, timeout=SCHEDULER_TIMEOUT)
+    except OSError as exc:  # distributed's "Timed out trying to connect", a refused connection, ...
+        raise ConnectionError(f"cannot reach the Dask scheduler at {scheduler!r} (tried for {SCHEDULER_TIMEOUT}): "
+                              f"{exc}") from exc
 
 
 def _background_sweep(run, points, path, prepares=(), elapsed=None) -> None:
