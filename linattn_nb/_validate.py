@@ -34,9 +34,18 @@ def check_float_dtype(name: str, dtype) -> np.dtype:
 
 
 def as_host_array(name: str, x) -> np.ndarray:
-    """``np.asarray`` with a clear error for things that are not arrays."""
+    """``np.asarray`` with a clear error for things that are not arrays.
+
+    Subclasses (``np.matrix``) are read as plain arrays, whose reshapes the kernels rely on; masked arrays
+    are refused (their mask would be lost); a float array of the other byte order is read in the native one.
+    """
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a masked array, whose mask linear attention cannot honour; pass "
+                        f"{name}.filled(...) or {name}.data explicitly")
     if isinstance(x, np.ndarray):
-        return x
+        if type(x) is not np.ndarray:
+            x = np.asarray(x)
+        return _native(x)
     if x is None:
         raise TypeError(f"{name} must be an array, got None")
     try:
@@ -45,7 +54,15 @@ def as_host_array(name: str, x) -> np.ndarray:
         raise TypeError(f"{name} could not be converted to an array: {exc}") from exc
     if arr.dtype == object:
         raise TypeError(f"{name} must be a numeric array, got an object array (ragged or non-numeric input?)")
-    return arr
+    return _native(arr)
+
+
+def _native(x: np.ndarray) -> np.ndarray:
+    """A floating array of the non-native byte order (``>f8`` on x86, from FITS or network-order files)
+    as a native copy; anything else unchanged."""
+    if x.dtype.kind == "f" and not x.dtype.isnative:
+        return x.astype(x.dtype.newbyteorder("="))
+    return x
 
 
 check_finite = check_finite_values  # the name the callers use
@@ -104,12 +121,13 @@ def host_qkv(q, k, v, *, check_finite: bool, names: Sequence[str] = ("q", "k", "
 
 def check_out(out, shape, dtype) -> np.ndarray:
     """Validate a user-supplied output buffer."""
-    if not isinstance(out, np.ndarray):
+    if not isinstance(out, np.ndarray) or isinstance(out, (np.matrix, np.ma.MaskedArray)):
         raise TypeError(f"out must be a numpy.ndarray for CPU inputs, got {type(out).__name__}")
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
     if out.dtype != dtype:
-        raise TypeError(f"out must have dtype {dtype}, got {out.dtype}")
+        order = "; its byte order is not the machine's" if out.dtype.newbyteorder("=") == dtype else ""
+        raise TypeError(f"out must have dtype {dtype}, got {out.dtype}{order}")
     if not out.flags.writeable:
         raise ValueError("out is read-only")
     return out

@@ -169,3 +169,23 @@ def test_out_overlapping_the_values(rng):
     ref = la.linear_attention(q, k, v.copy(), causal=True)
     la.linear_attention(q, k, v, causal=True, out=v)
     np.testing.assert_allclose(v, ref, rtol=1e-13, atol=1e-13)
+
+
+def test_array_subclasses_and_byte_orders(rng):
+    """A big-endian float64 array is float64 (it was refused as '>f8'); np.matrix inputs read as plain
+    arrays (a matrix grad_out was told it had the wrong shape, under the name g); masked arrays are refused
+    by name, since their mask cannot be honoured; a matrix or masked out= raises TypeError, not a Numba
+    typing error after a compile; a KV cache answers zero queries with an empty array, even when empty."""
+    x = rng.standard_normal((5, 4))
+    ref = la.linear_attention(x, x, x)
+    np.testing.assert_array_equal(la.linear_attention(x.astype(">f8"), x, x), ref)
+    ref_dq = la.linear_attention_vjp(x, x, x, x, causal=True).dq
+    np.testing.assert_allclose(la.linear_attention_vjp(x, x, x, np.matrix(x), causal=True).dq, ref_dq)
+    with pytest.raises(TypeError, match="q is a masked array"):
+        la.linear_attention(np.ma.masked_array(x, mask=x > 1), x, x)
+    for out in (np.matrix(np.zeros((5, 4))), np.ma.zeros((5, 4))):
+        with pytest.raises(TypeError, match="out must be a numpy.ndarray"):
+            la.linear_attention(x, x, x, out=out)
+    with pytest.raises(TypeError, match="byte order"):
+        la.linear_attention(x, x, x, out=np.zeros((5, 4), ">f8"))
+    assert la.KVCache(4, 4).query(np.zeros((0, 4))).shape == (0, 4)

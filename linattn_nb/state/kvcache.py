@@ -237,7 +237,7 @@ class KVCache:
     def query(self, q, *, check_finite=True):
         """Attend T queries to every cached token without appending anything."""
         (q3,), T, dtype = self._prepare([("q", q, self._d)], check_finite)
-        if self._len == 0:
+        if self._len == 0 and T > 0:  # no queries: an empty result, as step and softmax_attention give
             raise ValueError("the cache is empty: a softmax over no keys is undefined")
         out = np.empty((self._B, T, self._m), dtype=self._dtype)
         if T and self._B:
