@@ -37,15 +37,28 @@ def _sizes(ctx):
     )
 
 
-def _check_list(name, values, kind, minimum):
+def _check_list(name, values, kind, minimum, *, positive=False):
+    """``values`` (one or a list) as a list, each a ``kind`` >= ``minimum`` (> 0 with ``positive``), finite."""
     values = list(values) if isinstance(values, (list, tuple)) else [values]
+    what = "positive finite numbers" if positive else f"integers >= {minimum}" if kind is int else \
+        f"numbers >= {minimum}"
     if not values:
-        raise ValueError(f"error study: {name} must not be empty")
+        raise ValueError(f"error study: {name} must hold {what}, got an empty list")
     for x in values:
-        if isinstance(x, bool) or not isinstance(x, kind) or x < minimum or (isinstance(x, float)
-                                                                               and not math.isfinite(x)):
-            raise ValueError(f"error study: {name} must hold numbers >= {minimum}, got {x!r}")
+        if (isinstance(x, bool) or not isinstance(x, kind) or (isinstance(x, float) and not math.isfinite(x))
+                or x < minimum or (positive and x <= 0)):
+            raise ValueError(f"error study: {name} must hold {what}, got {x!r}")
     return values
+
+
+def _check_one(name, value, meaning):
+    """``value``: one integer >= 1 (a list is refused: the study takes one value, ``meaning``)."""
+    if isinstance(value, (list, tuple)):
+        raise ValueError(f"error study: {name} takes one integer >= 1 ({meaning}), got {value!r}; "
+                         "run the study once per value for several")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"error study: {name} must be an integer >= 1 ({meaning}), got {value!r}")
+    return value
 
 
 def points(ctx, *, dim=None, scales=None, maps=None, m=None, n=None, seeds=None, causal=None) -> list[dict]:
@@ -55,9 +68,9 @@ def points(ctx, *, dim=None, scales=None, maps=None, m=None, n=None, seeds=None,
     ----------
     ctx : Context
     dim : int, optional
-        Head dimension d (default 16; 8 for the tiny profile).
+        Head dimension d (default 16; 8 for the tiny profile); one value (a list is a ValueError).
     scales : float or list of float, optional
-        Input scales s, q, k ~ s·N(0, I), one regime each (default ``SCALES``; logit std s²).
+        Input scales s > 0, q, k ~ s·N(0, I), one regime each (default ``SCALES``; logit std s²).
     maps : list of str, optional
         Feature-map names (default: every registered map that builds from d alone).
     m : int or list of int, optional
@@ -66,14 +79,15 @@ def points(ctx, *, dim=None, scales=None, maps=None, m=None, n=None, seeds=None,
     n : int or list of int, optional
         Sequence lengths of the N sweep.
     seeds : int, optional
-        Number of seeds (default 5, 2 for tiny).
+        Number of seeds K, run as seeds 0 .. K-1 (default 5, 2 for tiny); one value (a list is a
+        ValueError).
     causal : bool, optional
         Add a causal run at the middle N (default: in the full profile).
     """
     d, ns, m_default, ms, nseeds, causal_mid = _sizes(ctx)
     if dim is not None:
-        d = _check_list("dim", dim, int, 1)[0]
-    scales = _check_list("scales", SCALES if scales is None else scales, (int, float), 0)
+        d = _check_one("dim", dim, "the head dimension d")
+    scales = _check_list("scales", SCALES if scales is None else scales, (int, float), 0, positive=True)
     scales = [float(s) for s in scales]
     if n is not None:
         ns = sorted(_check_list("n", n, int, 1))
@@ -82,8 +96,10 @@ def points(ctx, *, dim=None, scales=None, maps=None, m=None, n=None, seeds=None,
         if m_default not in ms:
             m_default = ms[0]
     if seeds is not None:
-        nseeds = _check_list("seeds", seeds, int, 1)[0]
+        nseeds = _check_one("seeds", seeds, "the number of seeds K: seeds 0 .. K-1")
     if causal is not None:
+        if not isinstance(causal, (bool, np.bool_)):
+            raise ValueError(f"error study: causal must be True or False, got {causal!r}")
         causal_mid = bool(causal)
     names = buildable_maps(defaults=True) if maps is None else list(maps)
     known = set(buildable_maps())

@@ -511,7 +511,7 @@ def test_error_points_take_the_cli_keywords(tmp_path):
     assert any(p["causal"] for p in pts)
     with pytest.raises(ValueError, match="unknown or unbuildable feature map 'nope' in maps"):
         error.points(ctx, maps=["nope"])
-    with pytest.raises(ValueError, match="seeds must hold numbers >= 1"):
+    with pytest.raises(ValueError, match=r"seeds must be an integer >= 1 \(the number of seeds K"):
         error.points(ctx, seeds=0)
     with pytest.raises(ValueError, match="takes no option 'bogus'"):
         run_report(tmp_path / "r", profile="tiny", studies=["error"], options={"error": {"bogus": 1}},
@@ -734,3 +734,23 @@ def test_run_report_takes_one_study_name_as_a_string(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "sweep", lambda *a, **k: [])  # nothing runs: only the selection matters
     res = run_report(tmp_path / "r", profile="tiny", studies="rank", progress=False, log=lambda line: None)
     assert list(res.sections) == ["rank"]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(dim=[8, 16]), r"dim takes one integer >= 1 \(the head dimension d\), got \[8, 16\]"),
+    (dict(dim=[8]), r"dim takes one integer >= 1"),
+    (dict(seeds=[3, 5]), r"seeds takes one integer >= 1 \(the number of seeds K: seeds 0 .. K-1\), got \[3, 5\]"),
+    (dict(scales=[0]), r"scales must hold positive finite numbers, got 0"),
+    (dict(scales=0.0), r"scales must hold positive finite numbers, got 0.0"),
+    (dict(scales=[1.0, -0.5]), r"scales must hold positive finite numbers, got -0.5"),
+    (dict(scales=[float("inf")]), r"scales must hold positive finite numbers, got inf"),
+    (dict(scales=[float("nan")]), r"scales must hold positive finite numbers, got nan"),
+    (dict(causal="no"), r"causal must be True or False"),
+])
+def test_error_points_refuse_what_they_would_not_run(tmp_path, kwargs, match):
+    """A list where the study takes one value (it ran the first, or seeds 0 .. 2 for seeds=[3, 5]) and a
+    scale the CLI refuses (--scale 0) are ValueErrors, in error.points and so in run_report(options=...)."""
+    from linattn_nb.studies import Context, error
+
+    with pytest.raises(ValueError, match=match):
+        error.points(Context(out=tmp_path, profile="tiny"), **kwargs)
