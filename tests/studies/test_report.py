@@ -361,7 +361,7 @@ def _fake_analysis():
                                 max_rank=min(fk.shape[1], v.shape[1]))
 
     def recall_capacity(feature_map, d, n_pairs, *, trials=1, seed=0, key_scale=1.0, orthogonal_keys=False,
-                       value_dim=None):
+                       value_dim=None, normalize=None):
         n = np.asarray(n_pairs, dtype=float)
         dphi = feature_map.output_dim(d)
         opt = np.clip(1 - dphi / n, 0, None)
