@@ -3,8 +3,9 @@
 
 Exit status: 0 success; 1 a check failed or a study raised (the report is still written); 2 usage
 errors (bad arguments, a non-empty --out without --force, an --out that cannot be created or
-written, a --scheduler that cannot be reached); 3 the study cannot run in this installation; 130 interrupted (Ctrl-C): the finished points
-stay in the report folder and the same command with ``--resume`` continues.
+written, a --scheduler that cannot be reached); 3 the study cannot run in this installation; 130
+interrupted (Ctrl-C): the finished points stay in the report folder and the same command with
+``--resume`` continues.
 """
 from __future__ import annotations
 
