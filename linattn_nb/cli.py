@@ -514,6 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "whole grid, every layer at four head dimensions, kv 4, 8, 16, 32, three "
                                 f"seeds ({WHOLE_GRID_TIME}); --resume continues it")
         p.set_defaults(func=lambda args, argv, _n=study.name: _run_studies(args, [_n], argv), wants_argv=True)
+    for sp in sub.choices.values():  # errors found after parsing are the subcommand's: its usage line
+        sp.set_defaults(subparser=sp)
     return parser
 
 
@@ -524,15 +526,17 @@ def main(argv=None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
+    # checks argparse cannot make: reported by the subcommand's parser ("usage: linattn demo ...")
+    subparser = args.subparser
     if args.command == "demo":
         for name in ("batch", "heads", "length", "dim"):
             if getattr(args, name) < 1:
-                parser.error(f"--{name} must be >= 1")
+                subparser.error(f"--{name} must be >= 1")
     if getattr(args, "wants_argv", False):
         # Checked here, not by an argparse group: argparse does not see
         # "--quick --profile full" as a conflict when "full" is the default.
         if args.quick and args.profile not in (None, "quick"):
-            parser.error(f"--quick and --profile {args.profile} contradict each other")
+            subparser.error(f"--quick and --profile {args.profile} contradict each other")
         args.profile = "quick" if args.quick else args.profile  # None: the --config file's, else full
     try:
         return int((args.func(args, argv) if getattr(args, "wants_argv", False) else args.func(args)) or 0)

@@ -441,3 +441,17 @@ def test_quick_time_is_quoted_the_same_in_help_and_notebook(capsys):
     nb = json.loads((ROOT / "notebooks" / "01_quickstart.ipynb").read_text(encoding="utf-8"))
     text = " ".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
     assert cli.QUICK_TIME in " ".join(text.split())
+
+
+@pytest.mark.parametrize("argv, command, match", [
+    (["demo", "--length", "0"], "demo", "--length must be >= 1"),
+    (["error", "--quick", "--profile", "full"], "error", "--quick and --profile full contradict each other"),
+])
+def test_errors_after_parsing_show_the_subcommand_usage(argv, command, match, tmp_path, capsys):
+    """A check made after parsing is reported by the subcommand's parser: its usage line, its name."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv + (["--out", str(tmp_path / "r")] if command != "demo" else []))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"usage: linattn {command} " in err and f"linattn {command}: error: {match}" in err, err
+    assert not (tmp_path / "r").exists()
