@@ -417,11 +417,18 @@ def _run_studies(args, names, argv) -> int:
             path = os.path.dirname(path)
         return 2
 
+    # The error study builds its grid from the options itself (its points' keywords): the generic
+    # override would expand every point of its m sweep to every N of --n, the N sweep to every m of --m.
+    from linattn_nb.studies.error import OPTION_KEYWORDS
+
+    own = {name: {OPTION_KEYWORDS[k]: v for k, v in opts.items()} for name, opts in options.items()
+           if name == "error" and opts}
+    options = {name: opts for name, opts in options.items() if name not in own}
     try:
         with _studies_with_options(options), _mqar_grid(getattr(args, "grid", None)):
             res = run_report(args.out, profile=args.profile, device=args.device, scheduler=args.scheduler,
                              workers=args.workers, force=args.force, resume=args.resume, studies=names,
-                             progress=args.progress, command=command_line(argv))
+                             progress=args.progress, command=command_line(argv), options=own or None)
     except KeyboardInterrupt:
         again = [a for a in argv if a != "--force"] + ([] if args.resume else ["--resume"])
         print(f"linattn {args.command}: interrupted; the finished points are kept in {args.out!r}: "

@@ -369,6 +369,19 @@ def test_error_command_runs_the_changed_grid(tmp_path, capsys):
     assert "| elu |" in capsys.readouterr().out
 
 
+def test_error_n_keeps_the_n_sweep_at_one_m(tmp_path, capsys):
+    """--n changes the N sweep; the m sweep stays at one N (the middle one), not at every N."""
+    from linattn_nb.studies import load_results
+
+    out = tmp_path / "r"
+    argv = ["error", "--profile", "tiny", "--no-progress", "--out", str(out),
+            "--maps", "favor+", "--dim", "4", "--scale", "1", "--n", "4,8", "--seeds", "2"]
+    assert cli.main(argv) == 0
+    grid = {(r["params"]["num_features"], r["params"]["n"]) for r in load_results(out / "error.jsonl")}
+    assert grid == {(16, 4), (16, 8), (8, 8), (32, 8)}  # tiny: m = 16 across N, m = 8, 16, 32 at N = 8
+    assert "random maps use m = 16 features in the N sweep and m ∈ {8, 16, 32} at N = 8" in capsys.readouterr().out
+
+
 def _write(path, text):
     path.write_text(text)
     return str(path)

@@ -37,6 +37,12 @@ def _sizes(ctx):
     )
 
 
+#: The problem options of ``linattn error`` and ``[error]`` in ``linattn report --config`` (checked by
+#: linattn_nb._overrides.check_options) and the keywords of :func:`points` they are passed as: the study
+#: builds its own grid from them, so that the N sweep keeps one m and the m sweep its one N.
+OPTION_KEYWORDS = {"dim": "dim", "scale": "scales", "maps": "maps", "m": "m", "n": "n", "seeds": "seeds"}
+
+
 def _check_list(name, values, kind, minimum, *, positive=False):
     """``values`` (one or a list) as a list, each a ``kind`` >= ``minimum`` (> 0 with ``positive``), finite."""
     values = list(values) if isinstance(values, (list, tuple)) else [values]
@@ -318,8 +324,8 @@ def render(records, ctx) -> Rendered:
         f"N ∈ {{{', '.join(map(str, ns))}}}, non-causal"
         + (f" (and causal at N = {n_mid})" if any(k[1] for k in agg.by) else "")
         + f"; {len(agg.seeds)} seeds (a seed draws q, k, v and the random features)"
-        + (f"; random maps use m = {_n_sweep_m(agg)} features in the N sweep and m ∈ "
-           f"{{{', '.join(map(str, ms_all))}}} at N = {n_mid}" if ms_all else "")
+        + (f"; random maps use {_m_text(_n_sweep_m(agg))} and m ∈ {{{', '.join(map(str, ms_all))}}} "
+           f"at N = {n_mid}" if ms_all else "")
         + f".  Output error: ‖o_linear − o_softmax‖_F / ‖o_softmax‖_F; cells are {CI_CAPTION}.  Positive maps "
           "(normaliser > 0 always) are ranked by it; signed maps, whose normaliser can cross zero, have their "
           "own table below and are not ranked beside them.")
@@ -391,11 +397,17 @@ def _signed_md(agg, ns, n_top) -> list:
                             f"normalised error at N = {n_top}"], rows)]
 
 
-def _n_sweep_m(agg):
-    ns = agg.ns(False)
-    ms = {k[3] for k in agg.by if k[3] is not None and not k[1]
-          and all((k[0], False, k[2], k[3], n) in agg.by for n in ns)}
-    return min(ms) if ms else None
+def _n_sweep_m(agg) -> list:
+    """The m of the random maps' series in the N sweep (those at every N, as the tables show them), sorted."""
+    return sorted({mk[1] for s in agg.scales for mk in agg.n_series(s) if mk[1] is not None})
+
+
+def _m_text(ms) -> str:
+    """How many features the random maps use in the N sweep, from its records (one table row per m)."""
+    if not ms:
+        return "no m at every N (they are not in the N sweep)"
+    one = f"m = {ms[0]}" if len(ms) == 1 else f"m ∈ {{{', '.join(map(str, ms))}}}"
+    return f"{one} features in the N sweep"
 
 
 def _m_sweep_md(agg, n_mid) -> list:
