@@ -9,13 +9,14 @@ import platform
 import shlex
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import config
 from .._interrupt import check as check_interrupt, interrupts
 from ._study import PROFILES, STUDIES, Context, Rendered, get_study, markdown_table
-from .sweep import sweep, usable_cores
+from .sweep import load_results, sweep, usable_cores
 
 __all__ = ["run_report", "ReportResult", "resolve_devices", "machine_info"]
 
@@ -43,6 +44,10 @@ class ReportResult:
         Study name -> seconds it took (what ``report.md`` shows).
     over_budget : list of (str, float, float)
         ``(study name, seconds taken, budget)`` over :attr:`Study.budget_s` (not shown in ``report.md``).
+    reused : dict
+        Study name -> ``(new, reused)``: of its points, how many ran now and how many finished in an
+        earlier run whose results were in the folder (``resume``); only studies with reused points.
+        ``report.md`` gives both beside the time, which counts the new points alone.
     """
 
     path: Path
@@ -53,6 +58,7 @@ class ReportResult:
     cached_kernels: int | None = None
     timings: dict = field(default_factory=dict)
     over_budget: list = field(default_factory=list)
+    reused: dict = field(default_factory=dict)
 
 
 def resolve_devices(device: str) -> tuple:
@@ -274,6 +280,8 @@ def run_report(
             log(f"[{i}/{n_sel}] {study.name}: not run: {reason}")
         else:
             runnable.append((i, study))
+    # the points each study's results file already holds (--resume): they are not run, nor timed, again
+    finished_before = {study.name: _finished_keys(out / f"{study.name}.jsonl") for _, study in runnable}
     # background studies start first in a spawned process, the untimed ones run here meanwhile and
     # the timed ones last, once it has finished (docs/guide/studies.md); the report keeps its order
     background = {}  # study name -> (process, start time, points, elapsed)
@@ -319,6 +327,10 @@ def run_report(
                     f"{' (timed, one at a time)' if study.timing else ''}")
             records = sweep(study.run, pts, out=out / f"{study.name}.jsonl", resume=True,
                             errors="record", progress=progress and study.name not in background, **kw)
+            reused = sum(1 for r in records if r.get("key") in finished_before[study.name])
+            if reused:
+                result.reused[study.name] = (len(records) - reused, reused)
+                note += f"; {_points_text(*result.reused[study.name])}"
             rendered = study.render(records, ctx)
         except Exception as exc:  # noqa: BLE001 - the report goes on; the failure is shown
             import traceback
@@ -504,6 +516,24 @@ def _budget(study, profile):
     return (study.budget_s or {}).get(profile)
 
 
+def _finished_keys(path: Path) -> frozenset:
+    """The keys of the points finished (status ok) in the results file ``path`` (none when it is absent or
+    unreadable: the sweep then says why)."""
+    if not path.is_file():
+        return frozenset()
+    try:
+        with warnings.catch_warnings():  # a damaged last line: the sweep warns about it
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return frozenset(r.get("key") for r in load_results(path, status="ok"))
+    except (OSError, ValueError):
+        return frozenset()
+
+
+def _points_text(new: int, reused: int) -> str:
+    """"12 new points; 100 reused from an earlier run": what a resumed study's time counts."""
+    return (f"{new} new point{'s' if new != 1 else ''}; {reused} reused from an earlier run")
+
+
 def _write_markdown(result: ReportResult, ctx: Context, selected, timings, command) -> None:
     import datetime as dt
 
@@ -535,15 +565,21 @@ def _write_markdown(result: ReportResult, ctx: Context, selected, timings, comma
     if ran:
         lines += ["Time each study took (wall clock on this machine; a cold kernel cache compiles every kernel "
                   "first, and other work on the machine slows every study): "
-                  + ", ".join(f"{s.name} {timings.get(s.name, 0):.0f} s" for s in ran) + ".", ""]
+                  + ", ".join(f"{s.name} {timings.get(s.name, 0):.0f} s"
+                              + (f" ({_points_text(*result.reused[s.name])})" if s.name in result.reused else "")
+                              for s in ran) + ".", ""]
     for study in selected:
         r = result.sections.get(study.name)
         if r is None:
             continue
         raw = f"{study.name}.jsonl"
         took = timings.get(study.name, 0)
+        took_text = f"{took:.1f} s"
+        if study.name in result.reused:
+            new, reused = result.reused[study.name]
+            took_text += f" for {new} new point{'s' if new != 1 else ''} ({reused} reused from an earlier run)"
         lines += [f"## {study.title}", "", r.markdown.strip(), "",
-                  f"Raw results: [{raw}]({raw}); took {took:.1f} s; "
+                  f"Raw results: [{raw}]({raw}); took {took_text}; "
                   f"rerun alone with `linattn {study.command}`.", ""]
     if result.skipped:
         lines += ["## Not run", ""]

@@ -754,3 +754,29 @@ def test_error_points_refuse_what_they_would_not_run(tmp_path, kwargs, match):
 
     with pytest.raises(ValueError, match=match):
         error.points(Context(out=tmp_path, profile="tiny"), **kwargs)
+
+
+
+def test_resumed_report_says_how_many_points_it_reused(tmp_path):
+    """After --resume the time counts the new points only: report.md says how many came from the earlier run."""
+    from linattn_nb.studies import Rendered, Study
+
+    def points(ctx, *, n=2):
+        return [{"x": x} for x in range(1, n + 1)]
+
+    study = Study(name="plugin_resumed", title="Resumed", command="plugin-resumed", help="resumed",
+                  points=points, run=_plugin_run, render=lambda records, ctx: Rendered("ok", "ok"))
+    saved = list(STUDIES)
+    kw = dict(profile="tiny", studies=["plugin_resumed"], progress=False, log=lambda line: None)
+    try:
+        register_study(study)
+        first = run_report(tmp_path / "r", **kw)
+        first_text = first.path.read_text()
+        again = run_report(tmp_path / "r", resume=True, options={"plugin_resumed": {"n": 5}}, **kw)
+    finally:
+        STUDIES[:] = saved
+    assert first.reused == {} and again.reused == {"plugin_resumed": (3, 2)}
+    text = again.path.read_text()
+    assert "plugin_resumed 0 s (3 new points; 2 reused from an earlier run)" in text
+    assert " s for 3 new points (2 reused from an earlier run); rerun alone" in text
+    assert "reused" not in first_text
