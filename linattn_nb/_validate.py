@@ -13,6 +13,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import config
+from ._defaults import DEFAULT_EPS
 from .ops._finite import check_finite_values  # the kernel layer's check, shared with the front end
 from .rules import rule_for
 
@@ -157,7 +158,14 @@ def check_scale(scale, d: int) -> float:
 
 
 def check_eps(eps):
-    """The normaliser floor: None (raw division) or a finite number >= 0."""
+    """The normaliser floor: None (raw division) or a finite number >= 0; the default marker
+    (:data:`linattn_nb._defaults.DEFAULT_EPS`) reads ``config.DEFAULT_EPS`` now."""
+    if eps is DEFAULT_EPS:
+        value = config.DEFAULT_EPS
+        if value is not None and not (_is_real(value) and 0.0 <= float(value) < math.inf):
+            raise ValueError(f"config.DEFAULT_EPS (set by the environment variable LINATTN_EPS or by assignment) "
+                             f"must be a finite non-negative float or None, got {value!r}")
+        eps = value
     if eps is None:
         return None
     if not _is_real(eps):

@@ -5,6 +5,7 @@ from . import _frontend, _gradfront
 from . import config
 from ._frontend import LinearState
 from ._gradfront import VJP
+from ._defaults import DEFAULT_EPS
 
 __all__ = ["linear_attention", "linear_attention_vjp", "softmax_attention", "LinearState", "VJP"]
 
@@ -18,7 +19,7 @@ def linear_attention(
     causal=False,
     method="auto",
     device="auto",
-    eps=config.DEFAULT_EPS,
+    eps=DEFAULT_EPS,
     check_finite=True,
     out=None,
     initial_state=None,
@@ -143,7 +144,7 @@ def linear_attention_vjp(
     causal=False,
     method="auto",
     device="auto",
-    eps=config.DEFAULT_EPS,
+    eps=DEFAULT_EPS,
     check_finite=True,
     initial_state=None,
     decay=None,

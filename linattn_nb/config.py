@@ -20,8 +20,27 @@ def _env_int(name: str, default, kind=int):
         raise ValueError(f"environment variable {name}={raw!r} is not {what}") from exc
 
 
-def _env_float(name: str, default: float) -> float:
-    return _env_int(name, default, float)
+def _env_float(name: str, default: float, low: float | None = None) -> float:
+    value = _env_int(name, default, float)
+    if value != value or (low is not None and value < low):  # NaN, or below the range
+        raise ValueError(f"environment variable {name}={os.environ.get(name)!r} must be a number"
+                         + (f" >= {low:g}" if low is not None else ""))
+    return value
+
+
+_YES = ("1", "true", "yes", "on")
+_NO = ("0", "false", "no", "off")
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    """An on/off variable: 1/true/yes/on or 0/false/no/off in any case; unset or empty: ``default``."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in _YES or raw in _NO:
+        return raw in _YES
+    raise ValueError(f"environment variable {name}={os.environ[name]!r} must be one of "
+                     f"{'/'.join(_YES)} or {'/'.join(_NO)}")
 
 
 # --------------------------------------------------------------------------
@@ -41,7 +60,7 @@ FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 #: ``cache=True`` for kernels that take plain arrays: Numba's on-disk cache, outside the package
 #: (:mod:`linattn_nb._cache`, docs/guide/configuration.md).  ``LINATTN_NO_CACHE=1`` disables it.
-CACHE = os.environ.get("LINATTN_NO_CACHE", "") not in ("1", "true", "yes")
+CACHE = not _env_flag("LINATTN_NO_CACHE", False)
 
 #: The folder linattn_nb's kernels are cached in, set at import by :func:`linattn_nb._cache.install`
 #: (None when caching is off).  Read-only: assigning it moves nothing.
@@ -58,7 +77,7 @@ CACHE_PRUNE_DAYS = _env_float("LINATTN_CACHE_PRUNE_DAYS", 14.0)
 #: Default floor of the normaliser phi(q)^T z (``clip(1e-8)`` of the NumPy
 #: reference the package started from).
 #: ``linear_attention(eps=None)`` disables the floor (raw signed division).
-DEFAULT_EPS = _env_float("LINATTN_EPS", 1e-8)
+DEFAULT_EPS = _env_float("LINATTN_EPS", 1e-8, low=0.0)
 
 # --------------------------------------------------------------------------
 # CPU kernels
@@ -70,7 +89,7 @@ CPU_NONCAUSAL_BLOCK = _env_int("LINATTN_CPU_NONCAUSAL_BLOCK", 128)
 
 #: Pin the BLAS that ``np.dot`` calls inside Numba kernels to one thread while a parallel CPU kernel
 #: runs (why: docs/frontend.md, "BLAS inside parallel kernels").
-CPU_BLAS_SINGLE_THREAD = os.environ.get("LINATTN_BLAS_SINGLE_THREAD", "1") not in ("0", "false", "no")
+CPU_BLAS_SINGLE_THREAD = _env_flag("LINATTN_BLAS_SINGLE_THREAD", True)
 
 #: Chunk size C of ``method="chunked"`` (causal, CPU).  0 (default) picks it
 #: from :data:`CPU_CHUNK_TABLE` through :func:`cpu_chunk_size`.
@@ -153,7 +172,7 @@ BACKWARD_DECAY_ANCHOR = _env_int("LINATTN_BACKWARD_DECAY_ANCHOR", 4)
 #: A chunk whose product of decays is below this is an anchor too: between anchors that gradient is
 #: divided by a factor of the chunk, and this floor bounds how much the division can magnify the carried
 #: rounding.  A value above 1 makes every chunk an anchor.
-BACKWARD_DECAY_CARRY_MIN = _env_float("LINATTN_BACKWARD_DECAY_CARRY_MIN", 2.0 ** -10)
+BACKWARD_DECAY_CARRY_MIN = _env_float("LINATTN_BACKWARD_DECAY_CARRY_MIN", 2.0 ** -10, low=0.0)
 
 
 #: Chunk size and row block of the fused CPU backward of the normalised additive and decay rules
@@ -251,7 +270,7 @@ QUADRATIC_MAX_ELEMENTS = _env_int("LINATTN_QUADRATIC_MAX_ELEMENTS", 1 << 26)
 #: FAVOR+ key features are shifted by ``max(0, max_i |w_i|^2/2 - headroom)`` (from the random matrix
 #: only), so they are at most ``exp(headroom)``, far below the float32 maximum (derivation:
 #: docs/guide/configuration.md).  Read when a map is built.
-FAVOR_KEY_HEADROOM = _env_float("LINATTN_FAVOR_KEY_HEADROOM", 40.0)
+FAVOR_KEY_HEADROOM = _env_float("LINATTN_FAVOR_KEY_HEADROOM", 40.0, low=0.0)
 
 #: Query rows per task in the approximation-error kernels
 #: (:mod:`linattn_nb.analysis.error`).  Memory per task is about
@@ -430,7 +449,7 @@ FIT_FLOOR = _env_float("LINATTN_FIT_FLOOR", 1e-6)
 # --------------------------------------------------------------------------
 #: ``run_report`` runs the studies marked ``background`` (mostly compiling) in a spawned process beside
 #: the untimed studies; ``LINATTN_REPORT_BACKGROUND=0`` runs every study in the reporting process.
-REPORT_BACKGROUND = os.environ.get("LINATTN_REPORT_BACKGROUND", "1") not in ("0", "false", "no")
+REPORT_BACKGROUND = _env_flag("LINATTN_REPORT_BACKGROUND", True)
 
 # method="auto" calibrated on this machine (linattn_nb._tune, docs/tuning.md)
 # --------------------------------------------------------------------------

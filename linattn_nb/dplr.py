@@ -21,6 +21,8 @@ from .rules import _dplr as D
 from .rules import BUILTIN_DPLR_RULES, get_dplr_rule
 from ._blas import parallel_entry
 from ._workarrays import thread_array
+from ._defaults import DEFAULT_EPS
+from ._validate import check_eps
 
 __all__ = ["dplr_attention", "dplr_attention_vjp", "DPLRVJP", "DPLR_METHODS"]
 
@@ -113,6 +115,8 @@ def _norm(normalize, eps):
         raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
     if not normalize:
         return NORM_NONE, 0.0
+    if eps is DEFAULT_EPS:
+        eps = check_eps(eps)
     if eps is None:
         return NORM_RAW, 0.0
     eps = float(eps)
@@ -407,7 +411,7 @@ def _general_arrays(R: _Request, chunked: bool):
 
 @parallel_entry
 def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=None, feature_map="elu",
-                   method="auto", normalize=False, eps=config.DEFAULT_EPS, check_finite=True, out=None,
+                   method="auto", normalize=False, eps=DEFAULT_EPS, check_finite=True, out=None,
                    initial_state=None, return_state=False, device="auto", **rule_arguments):
     r"""Causal linear attention with a diagonal-plus-low-rank state transition.
 
@@ -658,7 +662,7 @@ def _state_grad(grad_state, lead, F, M):
 
 @parallel_entry
 def dplr_attention_vjp(q, k, v, grad_out, *, rule=None, a=None, b=None, log_diag=None, beta=None,
-                       feature_map="elu", method="auto", normalize=False, eps=config.DEFAULT_EPS,
+                       feature_map="elu", method="auto", normalize=False, eps=DEFAULT_EPS,
                        check_finite=True, initial_state=None, grad_state=None, **rule_arguments):
     """Gradients of :func:`dplr_attention` (arguments as there) for the output adjoint ``grad_out``.
 

@@ -23,6 +23,7 @@ from . import feature_maps as fm
 from . import rules
 from ._frontend import LinearState
 from .feature_maps._base import FeatureOverflow
+from ._defaults import DEFAULT_EPS
 
 __all__ = ["linear_attention", "dplr_attention", "LinearAttention", "LinearState"]
 
@@ -331,7 +332,7 @@ def _tensor_or_value(name: str, x):
     return None, x
 
 
-def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto", eps=_config.DEFAULT_EPS,
+def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto", eps=DEFAULT_EPS,
                      check_finite=True, initial_state=None, return_state=False, decay=None, log_decay=None,
                      beta=None, normalize=None, feature_map_params=None):
     r"""Differentiable linear attention on torch tensors (the Numba kernels of :func:`linattn_nb.linear_attention`).
@@ -537,7 +538,7 @@ class _DPLRFunction(torch.autograd.Function):
 
 
 def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=None, feature_map="elu",
-                   method="auto", normalize=False, eps=_config.DEFAULT_EPS, check_finite=True, initial_state=None,
+                   method="auto", normalize=False, eps=DEFAULT_EPS, check_finite=True, initial_state=None,
                    return_state=False, feature_map_params=None, **rule_arguments):
     r"""Differentiable diagonal-plus-low-rank attention on torch tensors (:func:`linattn_nb.dplr_attention`).
 
@@ -791,7 +792,7 @@ class LinearAttention(nn.Module):
     def __init__(self, d_model: int, num_heads: int, *, head_dim: Optional[int] = None,
                  value_dim: Optional[int] = None, feature_map="elu", causal: bool = True, rule: str = "additive",
                  decay: Optional[str] = None, n_h: Optional[int] = None, method: str = "auto",
-                 normalize: Optional[bool] = None, eps: Optional[float] = _config.DEFAULT_EPS,
+                 normalize: Optional[bool] = None, eps: Optional[float] = DEFAULT_EPS,
                  conv_size: Optional[int] = None, learn_feature_map: bool = False, bias: bool = False,
                  check_finite: bool = True, device=None, dtype=None):
         super().__init__()

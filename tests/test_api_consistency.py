@@ -118,3 +118,41 @@ def test_num_features_is_the_effective_m():
     phi(np.zeros((3, 5)))
     assert phi.num_features == phi.W.shape[0] == int(5 * np.log(5))
     assert phi.output_dim(5) == 2 * phi.num_features
+
+
+def test_assigning_config_default_eps_changes_the_calls_that_follow(monkeypatch):
+    """The eps defaults were bound at import, so config.DEFAULT_EPS = ... changed nothing although the
+    configuration guide says every knob is read at call time; a decode state reads it when built."""
+    from linattn_nb import config
+
+    rng = np.random.default_rng(0)
+    q, k, v = rng.normal(size=(3, 6, 4))
+    before = la.linear_attention(q, k, v, causal=True)
+    st_before = la.LinearAttentionState(4, 4)
+    monkeypatch.setattr(config, "DEFAULT_EPS", 1e6)
+    np.testing.assert_allclose(la.linear_attention(q, k, v, causal=True),
+                               la.linear_attention(q, k, v, causal=True, eps=1e6), rtol=0, atol=0)
+    assert not np.allclose(la.linear_attention(q, k, v, causal=True), before)
+    assert la.LinearAttentionState(4, 4).eps == 1e6 and st_before.eps == 1e-8
+    monkeypatch.setattr(config, "DEFAULT_EPS", float("nan"))
+    with pytest.raises(ValueError, match="config.DEFAULT_EPS"):
+        la.linear_attention(q, k, v)
+
+
+@pytest.mark.parametrize("env, expr, want", [
+    ({"LINATTN_NO_CACHE": "TRUE"}, "config.CACHE", "False"),
+    ({"LINATTN_BLAS_SINGLE_THREAD": "Off"}, "config.CPU_BLAS_SINGLE_THREAD", "False"),
+    ({"LINATTN_EPS": "nan"}, "config.DEFAULT_EPS", "LINATTN_EPS='nan' must be a number >= 0"),
+    ({"LINATTN_FAVOR_KEY_HEADROOM": "-1"}, "config.FAVOR_KEY_HEADROOM", "must be a number >= 0"),
+    ({"LINATTN_REPORT_BACKGROUND": "maybe"}, "config.REPORT_BACKGROUND", "must be one of"),
+])
+def test_environment_variables_are_read_in_any_case_or_refused_by_name(env, expr, want):
+    """'TRUE' or 'Off' were silently ignored (exact lower-case matches), a NaN or negative eps or FAVOR+
+    headroom was taken as given (a negative headroom zeroed every FAVOR+ output)."""
+    import os
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", f"from linattn_nb import config; print({expr})"],
+                         capture_output=True, text=True, env=dict(os.environ, **env), timeout=120)
+    assert want in res.stdout + res.stderr

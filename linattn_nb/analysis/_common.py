@@ -13,34 +13,14 @@ import numpy as np
 
 from .. import _frontend as FE
 from .. import _validate as V
+from .._defaults import DEFAULT_EPS
 from .. import config
 from .. import feature_maps as fm
 from ..rules import get_rule
 
 
-class _DefaultEps:
-    """The default of an ``eps`` argument: ``config.DEFAULT_EPS``, read at call time.
-
-    A singleton whose repr makes signatures read ``eps=config.DEFAULT_EPS``; copy and pickle keep it.
-    """
-
-    __slots__ = ()
-    _instance = None
-
-    def __new__(cls):
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "config.DEFAULT_EPS"
-
-    def __reduce__(self):
-        return "DEFAULT"  # the module-level name: copies and unpickled values are the same object
-
-
 #: Default marker of an ``eps`` argument: ``config.DEFAULT_EPS`` read at call time.
-DEFAULT = _DefaultEps()
+DEFAULT = DEFAULT_EPS
 #: The ``feature_map`` value that asks for softmax weights instead of a map.
 SOFTMAX = "softmax"
 
@@ -86,8 +66,6 @@ def warn_scale(fmap, d: int, scale: float, stacklevel: int = 4) -> None:
 
 def resolve_eps(eps):
     """The normaliser floor: ``config.DEFAULT_EPS`` for :data:`DEFAULT`, else checked as in linear_attention."""
-    if eps is DEFAULT:
-        return config.DEFAULT_EPS
     return V.check_eps(eps)
 
 

@@ -19,6 +19,7 @@ from ..attention import linear_attention, softmax_attention
 from ..rules import get_rule
 from . import _common as C
 from .readout import TIE_RTOL
+from .._defaults import DEFAULT_EPS
 
 __all__ = ["RecallCapacity", "recall_capacity", "MQAR", "mqar", "state_size"]
 
@@ -191,7 +192,7 @@ def _distance_edges(distance_bins, n_max):
 
 
 def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, trials=8, seed=0,
-                    softmax_scale=None, eps=config.DEFAULT_EPS, decay=None, distance_bins=None, beta=None,
+                    softmax_scale=None, eps=DEFAULT_EPS, decay=None, distance_bins=None, beta=None,
                     normalize=None, orthogonal_keys=False, method="quadratic", rule=None, rule_arguments=None):
     r"""Training-free associative recall through linear attention's state.
 

@@ -22,6 +22,7 @@ from ..ops._common import phi
 from ..rules import get_rule
 from . import _common as C
 from .spectral import rank_from_singular_values, singular_values
+from .._defaults import DEFAULT_EPS
 
 __all__ = ["attention_rank", "semiseparable_rank", "state_rank_profile", "StateRankProfile"]
 
@@ -263,7 +264,7 @@ def _span_changes(X, tau, block=1024):
 # ---------------------------------------------------------------------------
 # attention_rank
 # ---------------------------------------------------------------------------
-def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=config.DEFAULT_EPS,
+def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=DEFAULT_EPS,
                    rtol=None, method="auto", return_spectrum=False, check_finite=True, decay=None,
                    log_decay=None, normalize=None, beta=None):
     r"""Numerical rank of attention weights, from the factors when they are low rank.
@@ -460,7 +461,7 @@ def _semiseparable_factor(pq, fk, rtol, budget):
     return best, best_i
 
 
-def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=config.DEFAULT_EPS, rtol=None,
+def semiseparable_rank(q, k, feature_map="elu", *, scale=None, eps=DEFAULT_EPS, rtol=None,
                        method="auto", return_split=False, check_finite=True, decay=None, log_decay=None,
                        normalize=None, beta=None):
     r"""Largest rank of the strictly-lower blocks ``A[i:, :i]`` of causal attention weights.

@@ -274,6 +274,8 @@ class FavorPlusFeatureMap(RandomFeatureMap):
         from .. import config
 
         self.key_headroom = float(config.FAVOR_KEY_HEADROOM)
+        if not self.key_headroom >= 0.0:  # negative: the shift would zero every key feature; NaN: no shift
+            raise ValueError(f"config.FAVOR_KEY_HEADROOM must be a number >= 0, got {config.FAVOR_KEY_HEADROOM!r}")
         if projection is None:
             self._keep_projection = False
             super().__init__(dim, num_features, orthogonal=orthogonal, row_norm=row_norm, seed=seed, scale=scale)

@@ -9,6 +9,8 @@ from .._frontend import LinearState, read_state
 from ..feature_maps import resolve as _resolve_map
 from . import fileformat
 from .linear import LinearAttentionState as _Linear
+from .._defaults import DEFAULT_EPS
+from .._validate import check_eps
 
 _GENERAL = "dplr"
 
@@ -47,7 +49,7 @@ class DPLRState:
     """
 
     def __init__(self, key_dim, value_dim, *, rule=None, batch_shape=(), feature_map="elu", normalize=False,
-                 eps=config.DEFAULT_EPS):
+                 eps=DEFAULT_EPS):
         from ..rules import get_dplr_rule
 
         for name, x in (("key_dim", key_dim), ("value_dim", value_dim)):
@@ -62,7 +64,7 @@ class DPLRState:
         self._d, self._m, self._bs = int(key_dim), int(value_dim), tuple(int(s) for s in bs)
         self._fmap = _resolve_map(feature_map)
         self._f = int(self._fmap.output_dim(self._d))
-        self._normalize, self._eps = bool(normalize), eps
+        self._normalize, self._eps = bool(normalize), (check_eps(eps) if eps is DEFAULT_EPS else eps)
         self.reset()
 
     # -- properties -----------------------------------------------------------------

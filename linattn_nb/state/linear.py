@@ -29,6 +29,7 @@ from . import fileformat
 from ._checks import (F32, F64, STATE_DTYPES, check_batch_shape, check_dim, check_shapes, check_state_dtype,
                       host_tokens, raise_nonfinite, call_forms)
 from .fileformat import StateFileError
+from .._defaults import DEFAULT_EPS
 
 __all__ = ["LinearAttentionState", "StateFileError"]
 
@@ -134,7 +135,7 @@ class LinearAttentionState:
     """
 
     def __init__(self, key_dim, value_dim, *, batch_shape=(), feature_map="elu", dtype=np.float64,
-                 device="auto", eps=config.DEFAULT_EPS, rule=None, normalize=None):
+                 device="auto", eps=DEFAULT_EPS, rule=None, normalize=None):
         d = check_dim("key_dim", key_dim)
         m = check_dim("value_dim", value_dim)
         bs = check_batch_shape(batch_shape)
@@ -912,7 +913,7 @@ class LinearAttentionState:
 
     @classmethod
     def from_linear_state(cls, state, key_dim, *, feature_map="elu", dtype=np.float64, device="auto",
-                          eps=config.DEFAULT_EPS, rule=None, normalize=None) -> "LinearAttentionState":
+                          eps=DEFAULT_EPS, rule=None, normalize=None) -> "LinearAttentionState":
         """Build a state from ``linear_attention(..., return_state=True)``'s result.
 
         The batch shape and value dimension come from ``state.S``; the feature
