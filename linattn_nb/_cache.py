@@ -21,7 +21,8 @@ _PACKAGE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
 #: Name of the file whose modification time records the last use of a cache folder.
 MARKER = ".last_used"
 
-_KEYED_NAME = re.compile(r"^[^\s/\\]+-[0-9a-f]{16}$")
+#: ``<version>-<hash>``: a version starts with a digit (``0.1.0``, ``1.2.dev3``).
+_KEYED_NAME = re.compile(r"^[0-9][^\s/\\]*-[0-9a-f]{16}$")
 
 #: The cache folder of linattn_nb's kernels in this process (None before
 #: :func:`install` or when caching is off) and where it came from.
@@ -72,8 +73,11 @@ def cache_folder() -> tuple[str | None, str]:
 
 
 def prune(root: str, keep: str | None, max_age_days: float) -> list[str]:
-    """Remove the ``<version>-<hash>`` folders under ``root`` but ``keep`` whose last-use marker (else their
-    own modification time) is ``max_age_days`` old (0: all of them; negative: none); returns them."""
+    """Remove the ``<version>-<hash>`` folders under ``root`` but ``keep`` whose last-use marker is
+    ``max_age_days`` old (0: all of them; negative: none); returns them.
+
+    Only folders with the marker this module writes are ours: ``LINATTN_CACHE_DIR`` may name a folder shared
+    with other programs, whose folders of a similar name (``mydata-0123456789abcdef``) are never touched."""
     if max_age_days < 0:
         return []
     removed = []
@@ -87,11 +91,8 @@ def prune(root: str, keep: str | None, max_age_days: float) -> list[str]:
             continue
         try:
             used = os.stat(os.path.join(entry.path, MARKER)).st_mtime
-        except OSError:
-            try:
-                used = entry.stat(follow_symlinks=False).st_mtime
-            except OSError:
-                continue
+        except OSError:  # no marker: not a folder of ours
+            continue
         if used <= cutoff:
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.path)

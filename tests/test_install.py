@@ -268,17 +268,24 @@ def test_prune(tmp_path):
     from linattn_nb._cache import MARKER, prune
 
     old = time.time() - 30 * 86400
-    names = ["0.1.0-0123456789abcdef", "0.0.9-fedcba9876543210", "0.1.0-aaaaaaaaaaaaaaaa", "keepme", "0.1.0-short"]
+    names = ["0.1.0-0123456789abcdef", "0.0.9-fedcba9876543210", "0.1.0-aaaaaaaaaaaaaaaa", "keepme", "0.1.0-short",
+             "mydata-0123456789abcdef", "0.0.8-bbbbbbbbbbbbbbbb"]
     for n in names:
         (tmp_path / n).mkdir()
+        if n not in ("mydata-0123456789abcdef", "0.0.8-bbbbbbbbbbbbbbbb"):  # a user's folders have no marker
+            (tmp_path / n / MARKER).touch()
+            os.utime(tmp_path / n / MARKER, (old, old))
         os.utime(tmp_path / n, (old, old))
-    (tmp_path / "0.1.0-aaaaaaaaaaaaaaaa" / MARKER).touch()  # used just now
+    (tmp_path / "mydata-0123456789abcdef" / "results.csv").write_text("1\n")
+    os.utime(tmp_path / "0.1.0-aaaaaaaaaaaaaaaa" / MARKER)  # used just now
     removed = prune(str(tmp_path), keep="0.1.0-0123456789abcdef", max_age_days=14)
     assert [Path(p).name for p in removed] == ["0.0.9-fedcba9876543210"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(set(names) - {"0.0.9-fedcba9876543210"})
     assert prune(str(tmp_path), keep=None, max_age_days=-1) == []
     prune(str(tmp_path), keep="0.1.0-0123456789abcdef", max_age_days=0)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["0.1.0-0123456789abcdef", "0.1.0-short", "keepme"]
+    # folders without the marker, or not named <version>-<hash>, are never ours to remove
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0.0.8-bbbbbbbbbbbbbbbb", "0.1.0-0123456789abcdef",
+                                                          "0.1.0-short", "keepme", "mydata-0123456789abcdef"]
 
 
 def _major(version: str) -> str:
