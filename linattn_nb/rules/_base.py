@@ -111,7 +111,8 @@ def reference(rule: UpdateRule, fq, fk, v, *, inputs=None, H0=None, normalize=No
 
     Parameters
     ----------
-    rule : UpdateRule
+    rule : UpdateRule or str
+        The rule, or its registered name (as :func:`linattn_nb.rules.get_rule` takes).
     fq, fk : array_like, shape (B, N, F)
         Features of the queries and keys.
     v : array_like, shape (B, N, M)
@@ -129,6 +130,10 @@ def reference(rule: UpdateRule, fq, fk, v, *, inputs=None, H0=None, normalize=No
     H : ndarray, shape (B, F, M + 1)
         The final state.
     """
+    if not isinstance(rule, UpdateRule):
+        from . import get_rule  # the registry imports this module: looked up at call time
+
+        rule = get_rule(rule)
     fq, fk, v = (np.asarray(x, dtype=np.float64) for x in (fq, fk, v))
     B, N, F = fk.shape
     M = v.shape[2]

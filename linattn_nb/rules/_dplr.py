@@ -165,7 +165,7 @@ def in_range(name: str, x: np.ndarray, lo: float, hi: float) -> np.ndarray:
     """Raise ValueError naming ``name`` unless every element is in [lo, hi] (NaN fails)."""
     ok = (x >= lo) & (x <= hi)
     if not ok.all():
-        bad = x[~ok].ravel()[0]
+        bad = x[~ok].ravel()[0].item()  # a Python number: its repr is 2.5, not np.float64(2.5)
         raise ValueError(f"{name} must lie in [{lo:g}, {hi:g}]; got {bad!r} ({int((~ok).sum())} value(s) outside)")
     return x
 

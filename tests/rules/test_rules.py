@@ -90,3 +90,20 @@ def test_reference_normalize_flag_and_initial_state():
                               method="scan", decay=np.full((1, 4), 0.5), initial_state=(H0[:, :, :2], H0[:, :, 2]),
                               normalize=False)
     np.testing.assert_allclose(got, num, rtol=1e-12, atol=1e-12)
+
+
+def test_reference_takes_a_rule_name_as_get_rule_does():
+    """rules.reference('delta', ...) failed with "'str' object has no attribute 'normalize'"."""
+    fq = fk = np.ones((1, 2, 3))
+    v = np.ones((1, 2, 2))
+    by_name = rules.reference("delta", fq, fk, v, inputs={"beta": np.ones((1, 2))})
+    by_rule = rules.reference(rules.get_rule("delta"), fq, fk, v, inputs={"beta": np.ones((1, 2))})
+    for a, b in zip(by_name, by_rule):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_dplr_range_errors_print_plain_numbers():
+    q = np.random.default_rng(0).normal(size=(2, 4, 3))
+    with pytest.raises(ValueError, match=r"got 2\.5 \(8 value"):
+        la.dplr_attention(q, q, q, rule="kda", log_decay=np.zeros((2, 4, 3)), beta=np.full((2, 4), 2.5),
+                          feature_map="l2")
