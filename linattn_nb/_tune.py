@@ -255,34 +255,85 @@ def _valid_rows(rows) -> bool:
         if max_n is None:
             if i != len(rows) - 1:
                 return False
-        elif not isinstance(max_n, int) or isinstance(max_n, bool) or max_n <= last:
+        elif not _is_int(max_n) or max_n <= last:
             return False
         else:
             last = max_n
     return rows[-1][0] is None
 
 
-def _valid(cal, key) -> bool:
-    if not isinstance(cal, dict) or cal.get("format") != FORMAT or cal.get("key") != key:
-        return False
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _invalid(cal, key) -> str | None:
+    """Why ``cal`` is not a usable calibration for ``key`` (None: it is).
+
+    Checks every field a reader uses (:func:`auto_rows`, :func:`status_line`, ``linattn tune --show``),
+    types and shapes, so that a damaged file is no calibration rather than an error in a reader.
+    """
+    if not isinstance(cal, dict):
+        return "not a JSON object"
+    if cal.get("format") != FORMAT:
+        return f"format {cal.get('format')!r}, not {FORMAT}"
+    if cal.get("key") != key:
+        return "made for another CPU, BLAS, thread count or version"
+    if not isinstance(cal.get("created"), str):
+        return "no 'created' date"
+    st = cal.get("setting")
+    if not isinstance(st, dict) or not isinstance(st.get("quick"), bool) \
+            or not all(_is_int(st.get(k)) and st[k] > 0 for k in ("batch", "dim", "rounds")):
+        return "no valid 'setting' (batch, dim, rounds, quick)"
     entries = cal.get("entries")
-    if not isinstance(entries, dict):
-        return False
-    return all(isinstance(e, dict) and _valid_rows(e.get("rows")) for e in entries.values())
+    if not isinstance(entries, dict) or not entries:
+        return "no 'entries'"
+    for name, e in entries.items():
+        rule, _, dtype = name.partition("/")
+        if not rule or dtype not in DTYPES:
+            return f"entry {name!r}: not '<rule>/<dtype>'"
+        if not isinstance(e, dict) or not _valid_rows(e.get("rows")):
+            return f"entry {name!r}: no valid 'rows'"
+        n = e.get("n")
+        if not isinstance(n, list) or not n or not all(_is_int(x) and x > 0 for x in n):
+            return f"entry {name!r}: no valid 'n'"
+        for field in ("scan_ms", "chunked_ms", "ratio"):
+            col = e.get(field)
+            if not isinstance(col, list) or len(col) != len(n) or not all(_is_num(x) for x in col):
+                return f"entry {name!r}: no valid {field!r}"
+    return None
+
+
+def _valid(cal, key) -> bool:
+    return _invalid(cal, key) is None
+
+
+def read(path: str | None = None) -> tuple:
+    """``(calibration, problem)`` for the file at ``path`` (default: this machine's): the calibration or
+    None, and None or why a file that exists there is ignored (it cannot be read, is not JSON, or is not
+    a valid calibration for this machine)."""
+    path = calibration_path() if path is None else path
+    if path is None or not os.path.lexists(path):
+        return None, None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            cal = json.load(fh)
+    except OSError as exc:
+        return None, f"cannot be read ({exc.strerror or exc})"
+    except ValueError:
+        return None, "is not valid JSON"
+    problem = _invalid(cal, calibration_key())
+    return (None, f"is not a valid calibration ({problem})") if problem else (cal, None)
 
 
 def load(path: str | None = None) -> dict | None:
     """The stored calibration for this machine, or None (no file, a file of another machine,
-    CPU, BLAS or version, or a file that cannot be read or parsed: all ignored, never an error)."""
-    path = calibration_path() if path is None else path
-    if path is None:
-        return None
-    try:
-        with open(path, encoding="utf-8") as fh:
-            cal = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    return cal if _valid(cal, calibration_key()) else None
+    CPU, BLAS or version, or a file that cannot be read, parsed or validated: all ignored, never an
+    error; :func:`read` says why)."""
+    return read(path)[0]
 
 
 def save(cal: dict) -> str | None:
@@ -588,12 +639,15 @@ def status_line() -> str:
         m = mode()
     except ValueError as exc:
         return str(exc)
-    cal = load()
+    cal, problem = read()
+    if problem:
+        return (f"the stored file {calibration_path()} {problem}: ignored (the next `linattn tune` replaces it); "
+                f"constants (config.AUTO_METHODS), AUTO_TUNE={m}")
     if cal is None:
         return f"none stored for this machine; constants (config.AUTO_METHODS), AUTO_TUNE={m}"
-    cross = ", ".join(f"{k} {e['crossover'] if e['crossover'] is not None else 'never'}"
-                      for k, e in sorted(cal["entries"].items()))
-    if cal.get("setting", {}).get("quick"):
+    cross = ", ".join(f"{k} {c if c is not None else 'never'}"
+                      for k, c in ((k, crossover(e["rows"])) for k, e in sorted(cal["entries"].items())))
+    if cal["setting"]["quick"]:
         use = "a --quick smoke test, not used"
     else:
         use = "used" if m != "off" else "not used: AUTO_TUNE=off"

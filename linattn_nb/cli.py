@@ -137,8 +137,11 @@ def cmd_tune(args) -> int:
         print(f"removed {removed}" if removed else f"no calibration stored for this machine ({path or 'no cache folder'})")
         return 0
     if args.show:
-        cal = _tune.load()
-        if cal is None:
+        cal, problem = _tune.read()
+        if problem:
+            print(f"the stored file {path} {problem}: ignored, method='auto' uses config.AUTO_METHODS "
+                  "(the next `linattn tune` replaces it)")
+        elif cal is None:
             print(f"no calibration stored for this machine ({path or 'no cache folder'}); "
                   "method='auto' uses config.AUTO_METHODS")
         else:

@@ -280,3 +280,53 @@ def test_tune_show_and_clear_refuse_the_timing_options(args, capsys):
     assert cli.main(["tune", *args]) == 2
     err = capsys.readouterr().err
     assert "cannot be combined with " + args[0] in err and args[1] in err
+
+
+def _drop(*fields):
+    def f(cal):
+        for field in fields:
+            cal["entries"]["additive/float32"].pop(field)
+    return f
+
+
+DAMAGE = {
+    "setting is a list": lambda cal: cal.__setitem__("setting", [1]),
+    "setting is null": lambda cal: cal.__setitem__("setting", None),
+    "quick is a string": lambda cal: cal["setting"].__setitem__("quick", "false"),
+    "no created": lambda cal: cal.pop("created"),
+    "no n, scan_ms": _drop("n", "scan_ms"),
+    "short ratio": lambda cal: cal["entries"]["additive/float32"].__setitem__("ratio", [1.0]),
+    "no entries": lambda cal: cal.__setitem__("entries", {}),
+    "extra entry of rows only": lambda cal: cal["entries"].__setitem__("additive/float64", {"rows": [[None, "scan"]]}),
+    "bad entry name": lambda cal: cal["entries"].__setitem__("additive", cal["entries"]["additive/float32"]),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_damaged_file_is_no_calibration_and_is_named(folder, monkeypatch, capsys, damage):
+    """A file of this machine's key with a field missing or of the wrong type: auto uses the constants, and
+    info and --show say the file is ignored (they raised AttributeError or KeyError, or said "none stored")."""
+    monkeypatch.setattr(config, "AUTO_TUNE", "load")
+    cal = fake([(None, "scan")])
+    DAMAGE[damage](cal)
+    path = _tune.save(cal)
+    _tune.forget()
+    assert _tune.load() is None
+    assert select_auto(n=4096, dtype=np.float32, **KW) == "chunked"  # the constants, not the file's scan
+    line = _tune.status_line()
+    assert path in line and "ignored" in line and "none stored" not in line
+    assert cli.main(["tune", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert path in out and "ignored" in out and "no calibration stored" not in out
+
+
+def test_info_derives_the_crossover_from_the_rows(folder, monkeypatch):
+    """info printed the file's 'crossover' field (a KeyError without it) while --show recomputed it from the rows."""
+    monkeypatch.setattr(config, "AUTO_TUNE", "load")
+    cal = fake([(100, "scan"), (None, "chunked")])
+    cal["entries"]["additive/float32"]["crossover"] = 7
+    _tune.save(cal)
+    assert _tune.status_line().endswith("chunked from N = additive/float32 101")
+    del cal["entries"]["additive/float32"]["crossover"]
+    _tune.save(cal)
+    assert _tune.status_line().endswith("chunked from N = additive/float32 101")
