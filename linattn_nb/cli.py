@@ -151,30 +151,45 @@ def cmd_tune(args) -> int:
         if others:
             print(f"{len(others)} other calibration file(s) in the folder (other CPU, BLAS, threads or versions)")
         return 0
+    try:
+        mode = _tune.mode()  # before any timing: a bad LINATTN_AUTO_TUNE is a usage error, not a late traceback
+    except ValueError as exc:
+        print(f"linattn tune: error: {exc}", file=sys.stderr)
+        return 2
     avail = _tune.tuned_rules()
     rules = avail if args.rules is None else [r.strip() for r in args.rules.split(",") if r.strip()]
+    if not rules:
+        print(f"linattn tune: error: --rules names no rule (choose from {', '.join(avail)})", file=sys.stderr)
+        return 2
     bad = [r for r in rules if r not in avail]
     if bad:
         print(f"linattn tune: error: no rule with both a scan and a chunked CPU kernel: {', '.join(bad)} "
               f"(choose from {', '.join(avail)})", file=sys.stderr)
         return 2
     dtypes = _tune.DTYPES if args.dtypes is None else [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    if any(d not in _tune.DTYPES for d in dtypes):
+    if not dtypes or any(d not in _tune.DTYPES for d in dtypes):
         print(f"linattn tune: error: --dtypes takes {', '.join(_tune.DTYPES)}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     cal = _tune.calibrate(rules, dtypes, quick=args.quick,
                           progress=lambda r, d: print(f"timing {r}, {d} ...", flush=True))
-    cal = _tune.merge(_tune.load(), cal)
-    stored = _tune.save(cal)
+    old = _tune.load()
+    # a smoke test never replaces a full calibration: auto would ignore it and the full one would be lost
+    keep = args.quick and old is not None and not old["setting"]["quick"]
+    if not keep:
+        cal = _tune.merge(old, cal)
+        stored = _tune.save(cal)
     print(f"calibrated in {time.perf_counter() - t0:.1f} s"
           + (f"; load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""))
     _print_calibration(cal)
-    if stored:
+    if keep:
+        print(f"not stored: the full calibration of {old['created']} in {path} is kept (a --quick smoke test "
+              "never replaces a full calibration; `linattn tune --clear` removes it)")
+    elif stored:
         print(f"stored in {stored}")
     else:
         print("not stored: no writable cache folder (LINATTN_NO_CACHE, or the folder cannot be written)")
-    if _tune.mode() == "off":
+    if mode == "off":
         print("note: config.AUTO_TUNE is 'off' (LINATTN_AUTO_TUNE): method='auto' ignores it until that changes")
     return 0
 
@@ -480,7 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rules", default=None, metavar="NAMES", help="comma-separated rules (default: all that have both)")
     p.add_argument("--dtypes", default=None, metavar="NAMES", help="float32,float64 (default: both)")
     p.add_argument("--quick", action="store_true",
-                   help="a smoke test at tiny sizes (seconds); stored, but marked so that method='auto' ignores it")
+                   help="a smoke test at tiny sizes (seconds); stored, but marked so that method='auto' ignores it, "
+                        "and never over a full calibration (which is kept)")
     p.set_defaults(func=cmd_tune)
     p = sub.add_parser("demo", help="run every CPU method on a small problem against the reference")
     p.add_argument("--batch", type=int, default=2, help="batch size (default 2)")

@@ -282,6 +282,29 @@ def test_tune_show_and_clear_refuse_the_timing_options(args, capsys):
     assert "cannot be combined with " + args[0] in err and args[1] in err
 
 
+def _quick_calibrate(rules, dtypes, *, quick=False, **kw):
+    """Stands in for _tune.calibrate in the CLI tests: no timing, a quick or full calibration of the additive rule."""
+    return fake([(None, "scan")], quick=quick)
+
+
+def test_quick_never_replaces_a_full_calibration(folder, monkeypatch, capsys):
+    """`linattn tune --quick` over a full calibration replaced it with a smoke test that auto ignores."""
+    monkeypatch.setattr(_tune, "calibrate", _quick_calibrate)
+    full = fake()
+    _tune.save(full)
+    assert cli.main(["tune", "--quick", "--rules", "additive", "--dtypes", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "not stored: the full calibration" in out and "is kept" in out and "stored in " not in out
+    _tune.forget()
+    assert _tune.load() == full
+    # a quick run over a quick one, and a full run over a quick one, are stored
+    _tune.save(fake(quick=True))
+    assert cli.main(["tune", "--quick", "--rules", "additive", "--dtypes", "float32"]) == 0
+    assert _tune.load()["entries"]["additive/float32"]["rows"] == [[None, "scan"]]
+    assert cli.main(["tune", "--rules", "additive", "--dtypes", "float32"]) == 0
+    assert _tune.load()["setting"]["quick"] is False
+
+
 def _drop(*fields):
     def f(cal):
         for field in fields:
@@ -330,3 +353,21 @@ def test_info_derives_the_crossover_from_the_rows(folder, monkeypatch):
     del cal["entries"]["additive/float32"]["crossover"]
     _tune.save(cal)
     assert _tune.status_line().endswith("chunked from N = additive/float32 101")
+
+
+@pytest.mark.parametrize("args", [["--rules", ""], ["--rules", " , "], ["--dtypes", ""]])
+def test_tune_refuses_an_empty_list(folder, monkeypatch, capsys, args):
+    """`--rules ""` calibrated nothing, stored a file without entries and exited 0."""
+    monkeypatch.setattr(_tune, "calibrate", lambda *a, **k: pytest.fail("timed with nothing to time"))
+    assert cli.main(["tune", "--quick", *args]) == 2
+    assert f"{args[0]}" in capsys.readouterr().err and not list(folder.iterdir())
+
+
+def test_tune_checks_auto_tune_before_timing(folder, monkeypatch, capsys):
+    """A bad LINATTN_AUTO_TUNE was found after the timing and storing, as a traceback."""
+    monkeypatch.setattr(config, "AUTO_TUNE", "bogus")
+    monkeypatch.setattr(_tune, "calibrate", lambda *a, **k: pytest.fail("timed before checking AUTO_TUNE"))
+    assert cli.main(["tune", "--quick", "--rules", "additive", "--dtypes", "float32"]) == 2
+    err = capsys.readouterr().err
+    assert "linattn tune: error: config.AUTO_TUNE (LINATTN_AUTO_TUNE) is 'bogus'" in err
+    assert not list(folder.iterdir())
