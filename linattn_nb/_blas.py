@@ -75,21 +75,35 @@ def threading_layer() -> str:
     return _layer
 
 
-def _predicted_layer(cfg) -> str:
+def layer_problem(layer: str) -> str | None:
+    """Why Numba cannot load the threading ``layer`` (``"tbb"``, ``"omp"``, ``"workqueue"``), or None.
+
+    Imports the layer's module as Numba does at the first parallel kernel (for TBB, with Numba's check of
+    the TBB version), without starting a thread pool.
+    """
     import importlib
 
+    try:
+        if layer == "tbb":
+            from numba.np.ufunc import parallel
+
+            check = getattr(parallel, "_check_tbb_version_compatible", None)
+            if check is not None:
+                check()
+        importlib.import_module("numba.np.ufunc." + ("workqueue" if layer == "workqueue" else layer + "pool"))
+    except Exception as exc:  # ImportError, OSError: the library is missing or too old
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _predicted_layer(cfg) -> str:
     name = str(cfg.THREADING_LAYER).lower()
     if name in ("tbb", "omp", "workqueue"):
-        return name
+        return name  # named: Numba loads it or fails (layer_problem says which)
     allowed = {"safe": ("tbb",), "threadsafe": ("tbb", "omp")}.get(name, ("tbb", "omp", "workqueue"))
     for layer in cfg.THREADING_LAYER_PRIORITY:
-        if layer not in allowed:
-            continue
-        try:
-            importlib.import_module("numba.np.ufunc." + ("workqueue" if layer == "workqueue" else layer + "pool"))
+        if layer in allowed and layer_problem(layer) is None:
             return layer
-        except ImportError:
-            continue
     return "workqueue"
 
 

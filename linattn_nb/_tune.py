@@ -145,7 +145,7 @@ def blas_line(libs=None) -> str:
 def forced_kernel_warnings(libs=None, flags=None, env=None) -> list:
     """One sentence per BLAS setting below what the CPU supports (``libs``, ``flags``, ``env``: default
     :func:`blas_libraries`, :func:`cpu_flags`, :func:`blas_env`): OpenBLAS kernels older than the CPU's
-    vector level, an ``MKL_ENABLE_INSTRUCTIONS`` below it, an ``MKL_DEBUG_CPU_TYPE`` with MKL.
+    vector level, an ``MKL_ENABLE_INSTRUCTIONS`` below it or an ``MKL_DEBUG_CPU_TYPE`` (both only with MKL loaded).
     """
     libs = blas_libraries() if libs is None else libs
     flags = cpu_flags() if flags is None else flags
@@ -167,7 +167,7 @@ def forced_kernel_warnings(libs=None, flags=None, env=None) -> list:
         out.append(f"OPENBLAS_CORETYPE={env['OPENBLAS_CORETYPE']} names kernels below the CPU's {level}")
     mkl = any(i.get("internal_api") == "mkl" for i in libs)
     instr = env.get("MKL_ENABLE_INSTRUCTIONS", "").upper()
-    if instr and ((level == "AVX-512" and not instr.startswith("AVX512"))
+    if mkl and instr and ((level == "AVX-512" and not instr.startswith("AVX512"))
                   or (level == "AVX2" and instr in ("AVX", "SSE4_2", "SSE4_1", "SSSE3", "SSE3", "SSE2"))):
         out.append(f"MKL_ENABLE_INSTRUCTIONS={instr} limits MKL below the CPU's {level}")
     if mkl and "MKL_DEBUG_CPU_TYPE" in env:

@@ -86,7 +86,13 @@ def _threading_layer() -> str:
     try:
         from linattn_nb import _blas
 
-        return f"{_blas.threading_layer()} layer (predicted: Numba picks it at the first parallel kernel)"
+        layer = _blas.threading_layer()
+        name = str(numba.config.THREADING_LAYER).lower()
+        problem = _blas.layer_problem(layer) if name == layer else None
+        if problem:  # NUMBA_THREADING_LAYER names a layer that cannot be loaded
+            return (f"{layer} layer requested (NUMBA_THREADING_LAYER={numba.config.THREADING_LAYER}) but it cannot "
+                    f"be loaded ({problem}): the first parallel kernel will fail")
+        return f"{layer} layer (predicted: Numba picks it at the first parallel kernel)"
     except Exception as exc:  # pragma: no cover - no usable layer
         return f"no usable layer ({exc})"
 

@@ -468,3 +468,20 @@ def test_errors_after_parsing_show_the_subcommand_usage(argv, command, match, tm
     err = capsys.readouterr().err
     assert f"usage: linattn {command} " in err and f"linattn {command}: error: {match}" in err, err
     assert not (tmp_path / "r").exists()
+
+
+def test_info_says_a_requested_threading_layer_cannot_be_loaded(monkeypatch):
+    """NUMBA_THREADING_LAYER=tbb without TBB: info predicted "tbb layer" although the first parallel kernel fails."""
+    import numba
+
+    from linattn_nb import _blas
+
+    def not_started():
+        raise ValueError("not started")
+
+    monkeypatch.setattr(numba, "threading_layer", not_started)
+    monkeypatch.setattr(_blas, "_layer", None)
+    monkeypatch.setattr(numba.config, "THREADING_LAYER", "tbb")
+    monkeypatch.setitem(sys.modules, "numba.np.ufunc.tbbpool", None)  # importing it raises ImportError
+    line = cli._threading_layer()
+    assert "cannot be loaded" in line and "will fail" in line and "predicted" not in line

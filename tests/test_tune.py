@@ -203,8 +203,9 @@ def test_forced_kernel_warnings():
     (w,) = _tune.forced_kernel_warnings([haswell], avx512, {"OPENBLAS_CORETYPE": "Haswell"})
     assert "Haswell" in w and "AVX-512" in w and "OPENBLAS_CORETYPE=Haswell" in w and "scipy" in w
     assert _tune.forced_kernel_warnings([dict(lib, architecture="Sandybridge")], avx2, {})
-    assert _tune.forced_kernel_warnings([skx], avx512, {"MKL_ENABLE_INSTRUCTIONS": "AVX2"})
-    assert not _tune.forced_kernel_warnings([skx], avx512, {"MKL_ENABLE_INSTRUCTIONS": "AVX512"})
+    mkl = {"internal_api": "mkl", "version": "2024.0", "num_threads": 2, "filepath": "/x/lib/libmkl_rt.so.2"}
+    assert _tune.forced_kernel_warnings([skx, mkl], avx512, {"MKL_ENABLE_INSTRUCTIONS": "AVX2"})
+    assert not _tune.forced_kernel_warnings([skx, mkl], avx512, {"MKL_ENABLE_INSTRUCTIONS": "AVX512"})
     assert "scipy" in _tune.blas_line([haswell]) and "Haswell" in _tune.blas_line([haswell])
 
 
@@ -280,6 +281,14 @@ def test_tune_show_and_clear_refuse_the_timing_options(args, capsys):
     assert cli.main(["tune", *args]) == 2
     err = capsys.readouterr().err
     assert "cannot be combined with " + args[0] in err and args[1] in err
+
+
+def test_mkl_variables_warn_only_with_mkl_loaded():
+    """MKL_ENABLE_INSTRUCTIONS limits nothing when only OpenBLAS is loaded: no WARNING then."""
+    lib = {"internal_api": "openblas", "version": "0.3.30", "num_threads": 2, "architecture": "SkylakeX",
+           "filepath": "/x/site-packages/scipy.libs/libscipy_openblas.so"}
+    avx512 = {"sse2", "avx", "avx2", "avx512f"}
+    assert _tune.forced_kernel_warnings([lib], avx512, {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}) == []
 
 
 def _quick_calibrate(rules, dtypes, *, quick=False, **kw):
