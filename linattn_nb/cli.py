@@ -564,6 +564,15 @@ def main(argv=None) -> int:
         for name in ("batch", "heads", "length", "dim"):
             if getattr(args, name) < 1:
                 subparser.error(f"--{name} must be >= 1")
+        import math
+
+        from linattn_nb import config
+
+        limit = config.QUADRATIC_MAX_ELEMENTS  # the float64 reference is method='quadratic': N x N
+        if args.length * args.length > limit:
+            subparser.error(f"--length {args.length} is too long for the float64 reference (method='quadratic', an "
+                            f"N x N matrix): the largest length allowed is {math.isqrt(limit)} "
+                            f"(config.QUADRATIC_MAX_ELEMENTS = {limit}, LINATTN_QUADRATIC_MAX_ELEMENTS)")
     if getattr(args, "wants_argv", False):
         # Checked here, not by an argparse group: argparse does not see
         # "--quick --profile full" as a conflict when "full" is the default.

@@ -470,6 +470,18 @@ def test_errors_after_parsing_show_the_subcommand_usage(argv, command, match, tm
     assert not (tmp_path / "r").exists()
 
 
+def test_demo_refuses_a_length_the_reference_cannot_take(monkeypatch, capsys):
+    """The float64 reference is method='quadratic': a longer --length ended in its ValueError's traceback."""
+    from linattn_nb import config
+
+    monkeypatch.setattr(config, "QUADRATIC_MAX_ELEMENTS", 100)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--length", "11", "--batch", "1", "--heads", "1", "--dim", "4"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: linattn demo " in err and "the largest length allowed is 10" in err
+
+
 def test_info_says_a_requested_threading_layer_cannot_be_loaded(monkeypatch):
     """NUMBA_THREADING_LAYER=tbb without TBB: info predicted "tbb layer" although the first parallel kernel fails."""
     import numba
