@@ -22,7 +22,8 @@ from typing import Dict, Optional, Tuple
 from ..ops._codes import RULES as _KERNEL_RULES
 from . import additive, decay, delta, gate, gated_delta
 from . import delta_product, gated_delta_product, kda, rwkv7
-from ._base import FACTOR_KINDS, UpdateRule, reference
+from ._base import FACTOR_KINDS, UpdateRule
+from ._base import reference as _reference_loop
 from ._dplr import DPLRRule
 
 #: Every update rule by name, in the order the documentation lists them.
@@ -77,6 +78,13 @@ def get_rule(rule) -> UpdateRule:
         return RULES[rule]
     except KeyError:
         raise ValueError(f"unknown rule {rule!r}; registered: {', '.join(map(repr, RULES))}") from None
+
+
+def reference(rule, fq, fk, v, *, inputs=None, H0=None, normalize=None, eps=None):
+    return _reference_loop(get_rule(rule), fq, fk, v, inputs=inputs, H0=H0, normalize=normalize, eps=eps)
+
+
+reference.__doc__ = _reference_loop.__doc__
 
 
 def rule_for(*, factor: Optional[str], beta: bool) -> UpdateRule:

@@ -130,10 +130,6 @@ def reference(rule: UpdateRule, fq, fk, v, *, inputs=None, H0=None, normalize=No
     H : ndarray, shape (B, F, M + 1)
         The final state.
     """
-    if not isinstance(rule, UpdateRule):
-        from . import get_rule  # the registry imports this module: looked up at call time
-
-        rule = get_rule(rule)
     fq, fk, v = (np.asarray(x, dtype=np.float64) for x in (fq, fk, v))
     B, N, F = fk.shape
     M = v.shape[2]

@@ -438,9 +438,9 @@ def _prepares(runnable, study_options, ctx) -> list:
 
 def check_workers(workers, *, name: str = "workers"):
     """``workers`` as an int >= 1, or None (TypeError, ValueError naming ``name``; the CLI's check too)."""
-    from .sweep import _check_int
+    from .sweep import check_int
 
-    return _check_int(name, workers, minimum=1)
+    return check_int(name, workers, minimum=1)
 
 
 def _check_studies(studies) -> list:

@@ -639,7 +639,7 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _check_int(name, value, *, minimum, allow_none=True):
+def check_int(name, value, *, minimum, allow_none=True):
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -740,9 +740,9 @@ def sweep(
                          "scheduler= brings its own workers: pass one or the other")
     if out is None or not isinstance(out, (str, os.PathLike)):
         raise TypeError(f"out must be a path (str or os.PathLike), got {type(out).__name__}")
-    workers = _check_int("workers", workers, minimum=1)
-    numba_threads = _check_int("numba_threads", numba_threads, minimum=1)
-    max_retries = _check_int("max_retries", max_retries, minimum=0, allow_none=False)
+    workers = check_int("workers", workers, minimum=1)
+    numba_threads = check_int("numba_threads", numba_threads, minimum=1)
+    max_retries = check_int("max_retries", max_retries, minimum=0, allow_none=False)
     for flag_name, flag in (("resume", resume), ("progress", progress), ("fsync", fsync)):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{flag_name} must be a bool, got {flag!r}")

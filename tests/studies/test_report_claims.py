@@ -268,7 +268,7 @@ def test_recall_findings_in_the_fixed_state_regime_judge_the_least_squares_state
             in ls[0])
     assert "a larger D_φ never brings the fall earlier" in ls[0]
     assert "not for wide (not applicable" in ls[0]
-    assert "The normalised read-out of elu, dpfp falls before its state is full" in ls[0]
+    assert "The read-out of elu, dpfp falls before its state is full" in ls[0]
     # the one-hot regime keeps its own account: the best state passes D_φ there because M = n
     passes = [x for x in lines if x.startswith("- With one-hot values")]
     assert len(passes) == 1 and "elu, variance: n = 64 = 4 D_φ" in passes[0] and "fixed state" not in passes[0]
