@@ -117,16 +117,29 @@ CPU_CHUNKED_MIN_SEGMENT_CHUNKS = _env_int("LINATTN_CPU_CHUNKED_MIN_SEGMENT_CHUNK
 CPU_CHUNKED_SERIAL_MAX_WORK = _env_int("LINATTN_CPU_CHUNKED_SERIAL_MAX_WORK", 1 << 21)
 
 
+def knob_int(name: str) -> int:
+    """``config.<name>`` as an int, for the size knobs assigned at run time: a float, string, bool or None
+    raises TypeError naming the knob (``int()`` would truncate 2.5 to 2, and a string fail in a comparison)."""
+    import numbers
+
+    x = globals()[name]
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"config.{name} must be an integer, got {x!r}")
+    return int(x)
+
+
 def cpu_chunk_size(n: int, f: int, m: int, dtype) -> int:
     """Chunk size for ``method="chunked"`` on the CPU (``CPU_CHUNK_SIZE`` if set, else the table)."""
-    if CPU_CHUNK_SIZE > 0:
-        return int(CPU_CHUNK_SIZE)
+    size = knob_int("CPU_CHUNK_SIZE")
+    if size > 0:
+        return size
     return int(_chunk_row(f, m, dtype)[1])
 
 
 def cpu_chunk_block(c: int, f: int, m: int, dtype) -> int:
     """Row block for a chunk of ``c`` tokens (``CPU_CHUNK_BLOCK`` if set, else the table), in [1, c]."""
-    blk = CPU_CHUNK_BLOCK if CPU_CHUNK_BLOCK > 0 else _chunk_row(f, m, dtype)[2]
+    blk = knob_int("CPU_CHUNK_BLOCK")
+    blk = blk if blk > 0 else _chunk_row(f, m, dtype)[2]
     return max(1, min(int(c), int(blk)))
 
 
@@ -157,7 +170,8 @@ def cpu_backward_chunk(n: int, f: int, m: int, dtype) -> int:
     32 against 64 (measured: docs/design-cpu.md, "Chunked backward"): 12-14 % less launcher time for the
     additive rule.  The gate rule, whose chunks run as GEMMs on ``Q * b`` and ``K / b``: 32 and 64 within
     3 % of each other, 16 slower (1.03-1.2x at f = 64 to 128)."""
-    c = BACKWARD_CHUNK if BACKWARD_CHUNK > 0 else 32
+    c = knob_int("BACKWARD_CHUNK")
+    c = c if c > 0 else 32
     return max(1, min(int(c), int(n)))
 
 
@@ -189,13 +203,15 @@ def cpu_backward_norm_chunk(n: int, f: int, m1: int, dtype) -> int:
     48 with row blocks of 8 (docs/design-cpu.md, "Chunked backward of normalised outputs"): at f = m = 64,
     float32, one core, 2.68x the forward's CPU time against 2.81x at 32, 2.75x at 64 and 2.95x for whole
     (unblocked) chunks of 32 or 48."""
-    c = BACKWARD_NORM_CHUNK if BACKWARD_NORM_CHUNK > 0 else 48
+    c = knob_int("BACKWARD_NORM_CHUNK")
+    c = c if c > 0 else 48
     return max(1, min(int(c), int(n)))
 
 
 def cpu_backward_norm_block(c: int, f: int, m1: int, dtype) -> int:
     """Row block of that backward's intra-chunk products (``BACKWARD_NORM_BLOCK`` if set, else 8), in [1, c]."""
-    blk = BACKWARD_NORM_BLOCK if BACKWARD_NORM_BLOCK > 0 else 8
+    blk = knob_int("BACKWARD_NORM_BLOCK")
+    blk = blk if blk > 0 else 8
     return max(1, min(int(c), int(blk)))
 
 

@@ -156,3 +156,22 @@ def test_environment_variables_are_read_in_any_case_or_refused_by_name(env, expr
     res = subprocess.run([sys.executable, "-c", f"from linattn_nb import config; print({expr})"],
                          capture_output=True, text=True, env=dict(os.environ, **env), timeout=120)
     assert want in res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("name, value", [("CPU_CHUNK_SIZE", 2.5), ("CPU_CHUNK_SIZE", "32"),
+                                         ("CPU_NONCAUSAL_BLOCK", None), ("SOFTMAX_BLOCK_Q", 3.0)])
+def test_a_size_knob_assigned_a_non_integer_is_refused_by_name(monkeypatch, name, value):
+    """config.CPU_CHUNK_SIZE = 2.5 ran chunks of 2 (int() truncated it), "32" failed in a comparison and
+    None in int(); each now raises TypeError naming the knob.  NumPy integers are integers."""
+    from linattn_nb import config
+
+    x = np.random.default_rng(0).normal(size=(1, 12, 4))
+    monkeypatch.setattr(config, name, value)
+    with pytest.raises(TypeError, match=f"config.{name} must be an integer"):
+        if name.startswith("SOFTMAX"):
+            la.softmax_attention(x, x, x)
+        else:
+            la.linear_attention(x, x, x, causal=name == "CPU_CHUNK_SIZE",
+                                method="chunked" if name == "CPU_CHUNK_SIZE" else "auto")
+    monkeypatch.setattr(config, name, np.int64(5))
+    assert la.linear_attention(x, x, x, causal=True, method="chunked").shape == (1, 12, 4)

@@ -214,7 +214,7 @@ class KVCache:
             (q, k, v), T, dtype = self._prepare([("q", q, self._d), ("k", k, self._d), ("v", v, self._m)],
                                                 check_finite)
             res = dtype
-        block = int(config.KV_BLOCK)
+        block = config.knob_int("KV_BLOCK")
         if block < 1:
             raise ValueError(f"config.KV_BLOCK must be >= 1, got {block}")
         self._make_room(self._len + T)

@@ -390,7 +390,7 @@ def dplr_chunked(fq, ld, A, Bv, KW, VW, H, out, norm, eps, cb=None, cw=None):
     (B, N, r, F), one write per sub-step, and the rows are made from them as a chunk reads them:
     ``a_tj = D_t^[j = 0] k_tj`` (the token's diagonal in its first sub-step's ``a``), ``b_tj = cb_tj
     k_tj``, ``kw_tj = cw_tj k_tj``."""
-    C = max(1, int(config.DPLR_CHUNK))
+    C = max(1, config.knob_int("DPLR_CHUNK"))
     cut = LOG_CUT if fq.dtype == np.float64 else LOG_CUT32
     if cb is None:
         cb = cw = np.empty((0, 0, 0))

@@ -383,7 +383,7 @@ def dplr_chunked_backward(fq, ld, A, Bv, KW, VW, H0, dout, dH, norm, eps, C=None
     sequence keeps ``N / K + K`` states."""
     B, N, F = fq.shape
     M1 = VW.shape[3] + 1
-    C = max(1, int(config.DPLR_BACKWARD_CHUNK if C is None else C))
+    C = max(1, config.knob_int("DPLR_BACKWARD_CHUNK") if C is None else int(C))
     if K is None:
         plain = 2 * (-(-N // max(1, C // A.shape[2]))) + 2
         K = min(plain, max(math.isqrt(max(N, 1)), int(config.DPLR_WORK_BYTES) // (F * M1 * 8)))

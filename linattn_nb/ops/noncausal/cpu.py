@@ -123,7 +123,7 @@ def noncausal_aggregate(q, k, v, H, out, *, code, eps, inputs=None, check_finite
     rule = check_rule(rule, inputs)
     if rule != RULE_ADDITIVE:  # pragma: no cover - no other rule is registered yet
         raise ValueError(f"the non-causal kernel implements the additive rule only, got rule={rule}")
-    block = int(config.CPU_NONCAUSAL_BLOCK if block is None else block)
+    block = config.knob_int("CPU_NONCAUSAL_BLOCK") if block is None else int(block)
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     if N == 0 or B == 0:

@@ -116,8 +116,8 @@ def softmax_blocked(q, k, v, out, *, causal, scale, block_q=None, block_k=None, 
     :class:`~linattn_nb.ops._finite.NonFiniteResult` for finite inputs whose outputs
     are not; raised after the kernel ran (``out`` then unspecified).
     """
-    block_q = int(config.SOFTMAX_BLOCK_Q if block_q is None else block_q)
-    block_k = int(config.SOFTMAX_BLOCK_K if block_k is None else block_k)
+    block_q = config.knob_int("SOFTMAX_BLOCK_Q") if block_q is None else int(block_q)
+    block_k = config.knob_int("SOFTMAX_BLOCK_K") if block_k is None else int(block_k)
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block sizes must be >= 1, got block_q={block_q}, block_k={block_k}")
     B, N, D = q.shape

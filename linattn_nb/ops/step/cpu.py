@@ -630,7 +630,7 @@ def pick_kv_kernel(b, t, length, d, m):
 @parallel_entry
 def kv_attend(q, K, V, length, out, *, scale, causal_new, block=None):
     """Launcher: the parallel kernel from ``config.KV_PARALLEL_MIN_WORK`` multiply-adds on."""
-    block = int(config.KV_BLOCK if block is None else block)
+    block = config.knob_int("KV_BLOCK") if block is None else int(block)
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     B, T, D = q.shape
