@@ -18,7 +18,7 @@ from .._seeds import generator
 from ..attention import linear_attention, softmax_attention
 from ..rules import get_rule
 from . import _common as C
-from .readout import TIE_RTOL
+from .readout import strictly_nearest
 from .._defaults import DEFAULT_EPS
 
 __all__ = ["RecallCapacity", "recall_capacity", "MQAR", "mqar", "state_size"]
@@ -116,19 +116,16 @@ class RecallCapacity:
 
 
 def _nearest_accuracy(vhat, v):
-    """Fraction of rows i of vhat strictly nearest (Euclidean) to row i of v; a tie (up to a relative
-    ``TIE_RTOL``) is a miss, as in :func:`linattn_nb.analysis.read_back` (a read-out of 0 is as near to
-    every one-hot value, and argmax would give it to the first)."""
+    """Fraction of rows i of vhat strictly nearest (Euclidean) to row i of v (:func:`strictly_nearest`, as
+    :func:`linattn_nb.analysis.read_back` scores: a read-out of 0 is as near to every one-hot value, and
+    argmax gave it to the first)."""
     n = v.shape[0]
     # ||vhat_i - v_j||^2 = ||vhat_i||^2 - 2 vhat_i . v_j + ||v_j||^2, without an (n, n, M) temporary
     dist = np.einsum("im,im->i", vhat, vhat)[:, None] - 2.0 * (vhat @ v.T) + np.einsum("jm,jm->j", v, v)[None, :]
     diag = np.arange(n)
     own = dist[diag, diag].copy()
-    if n == 1:
-        return float(np.isfinite(own[0]))
-    dist[diag, diag] = np.inf
-    other = dist.min(axis=1)
-    return float(np.mean(own < other - TIE_RTOL * np.maximum(np.abs(own), other)))
+    dist[diag, diag] = np.inf  # one pair: no other value, and other is inf
+    return float(np.mean(strictly_nearest(own, dist.min(axis=1))))
 
 
 def _rel_err(vhat, v):

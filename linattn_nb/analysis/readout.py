@@ -15,6 +15,16 @@ __all__ = ["Readout", "read_back"]
 TIE_RTOL = 1e-9
 
 
+def strictly_nearest(own, other) -> np.ndarray:
+    """Per row, whether its squared distance to its own value, ``own``, is below that to the nearest other
+    candidate, ``other``, by more than a relative ``TIE_RTOL``: a tie is a miss.  With no other candidate
+    (``other`` inf) a finite ``own`` is a hit (``inf - TIE_RTOL * inf`` would be NaN, a miss)."""
+    own, other = np.asarray(own), np.asarray(other)
+    alone = np.isinf(other) & np.isfinite(own)
+    with np.errstate(invalid="ignore"):
+        return alone | (own < other - TIE_RTOL * np.maximum(np.abs(own), other))
+
+
 @dataclass(frozen=True)
 class Readout:
     """Result of :func:`read_back`.
@@ -139,10 +149,7 @@ def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps
         raise ValueError("read_back: every row of values must be one of the candidates")
     others[same] = np.inf
     nearest_other = others.min(axis=1) if cand.shape[0] > 1 else np.full(len(v), np.inf)
-    # with no other candidate (nearest_other inf) a finite read-out is a hit: inf - TIE_RTOL * inf is NaN
-    alone = np.isinf(nearest_other) & np.isfinite(own)
-    with np.errstate(invalid="ignore"):
-        hit = alone | (own < nearest_other - TIE_RTOL * np.maximum(own, nearest_other))
+    hit = strictly_nearest(own, nearest_other)
     denom = float((v ** 2).sum())
     err = float(((out - v) ** 2).sum() / denom) if denom > 0 else float("nan")
     return Readout(out, float(hit.mean()), err)
