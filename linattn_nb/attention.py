@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from . import _frontend, _gradfront
-from . import config
 from ._frontend import LinearState
 from ._gradfront import VJP
 from ._defaults import DEFAULT_EPS

@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from . import _gradfront
-from . import config as _config
 from . import feature_maps as fm
 from . import rules
 from ._frontend import LinearState

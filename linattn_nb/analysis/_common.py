@@ -14,7 +14,6 @@ import numpy as np
 from .. import _frontend as FE
 from .. import _validate as V
 from .._defaults import DEFAULT_EPS
-from .. import config
 from .. import feature_maps as fm
 from ..rules import get_rule
 

@@ -11,7 +11,6 @@ from typing import Optional
 
 import numpy as np
 
-from .. import config
 from .. import _frontend as FE
 from .. import _validate as V
 from .._seeds import generator

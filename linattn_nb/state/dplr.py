@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import config
 from .._frontend import LinearState, read_state
 from ..feature_maps import resolve as _resolve_map
 from . import fileformat

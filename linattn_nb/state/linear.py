@@ -12,7 +12,6 @@ import numpy as np
 from .. import _cuda_dispatch as CD
 from .. import _frontend as FE
 from .. import _validate as V
-from .. import config
 from .. import feature_maps as fm
 from .._frontend import LinearState
 from .._overlap import call_reads, out_overlaps
