@@ -861,3 +861,19 @@ def test_elu_map_adds_one_in_place_with_the_same_values_and_gradients(dtype):
     want = torch.nn.functional.elu(x) + 1.0
     want.backward(g)
     assert torch.equal(y, want) and torch.equal(got, x.grad)
+
+
+def test_torchscript_trace_works_and_script_fails_as_documented():
+    """docs/guide/gradients.md: ``torch.jit.trace`` of the layer gives its results on new inputs of the traced
+    shape; ``torch.jit.script`` fails (keyword-only arguments with defaults)."""
+    import warnings
+
+    torch.manual_seed(0)
+    layer = lt.LinearAttention(8, 2)
+    x, x2 = torch.randn(2, 6, 8), torch.randn(2, 6, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(layer, (x,), check_trace=False)
+    torch.testing.assert_close(traced(x2), layer(x2), rtol=0, atol=0)
+    with pytest.raises(Exception, match="keyword-only arguments"):
+        torch.jit.script(layer)
