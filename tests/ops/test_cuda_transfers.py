@@ -27,6 +27,14 @@ pytestmark = pytest.mark.skipif(cuda_status() != "simulator", reason="counts the
 _ALLOC = ("device_array", "device_array_like", "pinned_array", "mapped_array", "managed_array")
 
 
+@pytest.fixture(autouse=True)
+def _small_helper_blocks(monkeypatch):
+    """The simulator runs a Python thread per simulated thread: the grid-stride helper kernels (fills,
+    casts, packs, the checks' counts) in blocks of 8 threads, not 256 (the counts of transfers,
+    allocations and launches do not depend on it; the strides then cover several elements a thread)."""
+    monkeypatch.setattr(config, "CUDA_THREADS_PER_BLOCK", 8)
+
+
 @pytest.fixture
 def counts(monkeypatch):
     """A Counter of transfers, allocations and launches, switched on by ``counts["on"] = 1``."""
@@ -75,11 +83,13 @@ def _measure(counts, fn):
 def test_linear_attention_second_call_copies_and_allocates_nothing(counts, monkeypatch, causal, method, dtype):
     from numba import cuda
 
-    monkeypatch.setattr(config, "CUDA_CHUNK_SIZE", 4)  # 3 chunks: the chunk passes and their workspaces
+    # 2 chunks of 4 (one whole, one part): the chunk passes and their workspaces; one sequence (the
+    # simulator's time goes with the blocks: sequences x chunks)
+    monkeypatch.setattr(config, "CUDA_CHUNK_SIZE", 4)
     rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((2, 10, d)).astype(dtype) for d in (3, 3, 2))
+    q, k, v = (rng.standard_normal((1, 5, d)).astype(dtype) for d in (3, 3, 2))
     dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
-    out = cuda.device_array((2, 10, 2), dtype=dtype)
+    out = cuda.device_array((1, 5, 2), dtype=dtype)
     ref = la.linear_attention(q, k, v, causal=causal)
     tol = 1e-5 if dtype == np.float32 else 1e-12
     for check in (False, True):
@@ -102,7 +112,7 @@ def test_linear_attention_second_call_copies_and_allocates_nothing(counts, monke
     resume()
     (_, st2), n = _measure(counts, resume)
     assert n["h2d"] == 0 and n["d2h"] == 1 and n["alloc"] == 2, n
-    assert st2.position == 20
+    assert st2.position == 10
 
 
 def test_linear_attention_check_reads_once_and_names_the_input(counts):
@@ -135,12 +145,14 @@ def test_device_log_decay_is_read_in_place(counts, monkeypatch, form, method):
     raises naming log_decay, and the next call is clean."""
     from numba import cuda
 
-    monkeypatch.setattr(config, "CUDA_CHUNK_SIZE", 4)
+    monkeypatch.setattr(config, "CUDA_CHUNK_SIZE", 2)
     rng = np.random.default_rng(6)
-    batch, N, D, M = (2, 2), 6, 3, 2  # chunks of 4: one whole, one part (the simulator's time)
+    # two batch dims; chunks of 2: one whole, one part (the simulator's time goes with the blocks:
+    # sequences x chunks)
+    batch, N, D, M = (1, 2), 3, 3, 2
     q, k, v = (rng.standard_normal(batch + (N, d)).astype(np.float32) for d in (D, D, M))
     lg = -rng.uniform(0.0, 0.5, size=batch + ((N,) if form == "per_token" else (N, D)))
-    lg[0, 1, 4] = -np.inf  # a reset
+    lg[0, 1, 2] = -np.inf  # a reset (in the part chunk)
     dq, dk, dv, dlg = (cuda.to_device(x) for x in (q, k, v, lg))
     out = cuda.device_array(batch + (N, M), dtype=np.float32)
     ref = la.linear_attention(q, k, v, causal=True, log_decay=lg, method="quadratic")
@@ -149,12 +161,16 @@ def test_device_log_decay_is_read_in_place(counts, monkeypatch, form, method):
     monkeypatch.setattr(P, "rule_input", lambda *a, **kw: converted.append(a[0]))
     dlg32 = cuda.to_device(lg.astype(np.float32))
     ref32 = la.linear_attention(q, k, v, causal=True, log_decay=lg.astype(np.float32), method="quadratic")
+    # a call with and one without the check fill the pool; then no call copies or allocates, the
+    # float32 gates' first calls included
+    for check in (False, True):
+        la.linear_attention(dq, dk, dv, causal=True, log_decay=dlg, method=method, device="cuda", out=out,
+                            check_finite=check)
     for arr, want in ((dlg, ref), (dlg32, ref32)):
         for check in (False, True):
             def call():
                 return la.linear_attention(dq, dk, dv, causal=True, log_decay=arr, method=method, device="cuda",
                                            out=out, check_finite=check)
-            call()
             res, n = _measure(counts, call)
             assert res is out
             np.testing.assert_allclose(out.copy_to_host(), want, rtol=2e-5, atol=2e-6)
@@ -168,7 +184,7 @@ def test_device_log_decay_is_read_in_place(counts, monkeypatch, form, method):
         a, b = (la.linear_attention(*dx, causal=True, log_decay=g, method=method, device="cuda").copy_to_host()
                 for g in (dlg32, same))
         np.testing.assert_array_equal(a, b)
-    for bad, where in ((0.25, (1, 0, 3)), (np.nan, (0, 0, N - 1))):
+    for bad, where in ((0.25, (0, 1, 1)), (np.nan, (0, 0, N - 1))):
         x = lg.copy()
         x[where + (1,) * (x.ndim - 3)] = bad  # one entry
         with pytest.raises(ValueError, match=r"log_decay must be <= 0 .*1 value\(s\)"):
@@ -186,9 +202,11 @@ def test_device_decay_factors_are_converted_on_the_device(counts, monkeypatch, f
     factor outside [0, 1] or NaN raises naming decay, and the next call is clean."""
     from numba import cuda
 
-    monkeypatch.setattr(config, "CUDA_CHUNK_SIZE", 4)
+    monkeypatch.setattr(config, "CUDA_CHUNK_SIZE", 2)
     rng = np.random.default_rng(8)
-    batch, N, D, M = (2, 2), 6, 3, 2  # chunks of 4: one whole, one part (the simulator's time)
+    # chunks of 2: one whole, one part; a batch dim and a head dim, the batch of 2 where a per-head
+    # factor is broadcast over it (the simulator's time goes with the blocks: sequences x chunks)
+    batch, N, D, M = (2 if form == "per_head" else 1, 2), 3, 3, 2
     q, k, v = (rng.standard_normal(batch + (N, d)).astype(np.float32) for d in (D, D, M))
     if form == "per_sequence":
         a = rng.uniform(0.5, 1.0, size=batch).astype(np.float32)
@@ -198,12 +216,12 @@ def test_device_decay_factors_are_converted_on_the_device(counts, monkeypatch, f
         da = cuda.to_device(a)
     elif form == "per_token_strided":
         full = rng.uniform(0.5, 1.0, size=batch + (2 * N,)).astype(np.float32)
-        full[0, 1, 8] = 0.0  # a reset (token 4 of the view)
+        full[0, 1, 4] = 0.0  # a reset (token 2 of the view, in the part chunk)
         a = full[..., ::2]
         da = cuda.to_device(full)[..., ::2]
     else:
         a = rng.uniform(0.5, 1.0, size=batch + (N, D)).astype(np.float32)
-        a[1, 1, 5] = 0.0  # a reset of every feature row
+        a[0, 1, 2] = 0.0  # a reset of every feature row (in the part chunk)
         da = cuda.to_device(a)
     dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
     out = cuda.device_array(batch + (N, M), dtype=np.float32)
@@ -235,7 +253,7 @@ def test_device_beta_is_read_in_place(counts, rule):
     from numba import cuda
 
     rng = np.random.default_rng(7)
-    batch, N, D, M = (3,), 6, 3, 2
+    batch, N, D, M = (2,), 4, 3, 2  # a scan: one block a sequence (the simulator's time)
     q, k, v = (rng.standard_normal(batch + (N, d)).astype(np.float32) for d in (D, D, M))
     beta = rng.uniform(0.0, 2.0, size=batch + (N,))
     kw = {"beta": beta}
@@ -268,7 +286,7 @@ def test_device_beta_is_read_in_place(counts, rule):
     res, n = _measure(counts, lambda: call(beta=db1))
     np.testing.assert_allclose(res.copy_to_host(), ref1, rtol=2e-5, atol=2e-6)
     assert n["h2d"] == 0 and n["alloc"] == 0 and n["d2h"] == 1, n
-    b1[2] = 3.0
+    b1[1] = 3.0
     with pytest.raises(ValueError, match=r"beta \(the write strength\) must lie in \[0, 2\].* 1 value"):
         call(beta=cuda.to_device(b1))
     # a float32 beta per token (and log_decay) read in place: the float64 arrays' result of its values
@@ -361,11 +379,12 @@ def test_backward_temporaries_come_from_the_pool(counts, method):
 
 
 @pytest.mark.parametrize("rule", ["additive", "decay", "delta"])
-def test_reset_zeroes_the_state_on_the_device(counts, rule):
+def test_reset_zeroes_the_state_on_the_device(counts, monkeypatch, rule):
     """reset() of a GPU state: one kernel per array, no host copy, no allocation; then it decodes
     as a fresh state does."""
     from numba import cuda
 
+    monkeypatch.setattr(config, "CUDA_STEP_THREADS", 4)  # not 128 simulated threads a block
     rng = np.random.default_rng(4)
     q, k, v = (rng.standard_normal((2, 3, d)).astype(np.float32) for d in (2, 2, 3))
     kw = {"decay": dict(decay=0.9), "delta": dict(beta=0.5)}.get(rule, {})
