@@ -103,11 +103,26 @@ def inputs(n, seed=0):
     return q, k, r.standard_normal(BATCH + (n, M))
 
 
+@pytest.fixture(autouse=True)
+def few_simulator_threads(monkeypatch):
+    """On the simulator (each CUDA thread a Python thread), launch the decode-step kernels with 2 threads
+    per block instead of 128 and the helper kernels (zero fills, the chunk-state scan) with 2 blocks of 8:
+    the results do not depend on it (the kernels loop over their rows and columns by the block or grid size:
+    with 2 threads the step kernel's loops over features and the M = 3 value columns take several turns,
+    and the prefill grid has two blocks of columns, the second partial), and the state cases cost a fifth.
+    A GPU keeps the default launch configuration."""
+    if cuda_status() == "simulator":
+        monkeypatch.setattr(config, "CUDA_STEP_THREADS", 2)
+        monkeypatch.setattr(config, "CUDA_THREADS_PER_BLOCK", 8)
+        monkeypatch.setattr(config, "CUDA_MAX_HELPER_BLOCKS", 2)
+
+
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Chunks of 4 tokens on the CPU and 3 on CUDA, so that N = 11 ends in a partial chunk."""
+    """Chunks of 4 tokens on the CPU and 2 on CUDA, so that N = 11 on the CPU and N = 5 on CUDA end in a
+    partial chunk, after two whole ones."""
     monkeypatch.setattr(config, "CPU_CHUNK_SIZE", 4)
-    monkeypatch.setattr(config, "CUDA_CHUNK_SIZE", 3)
+    monkeypatch.setattr(config, "CUDA_CHUNK_SIZE", 2)
 
 
 def test_maps_are_fitted_and_references_independent():
@@ -163,10 +178,14 @@ def test_cpu_segments_match_naive(name, method, small_chunks):
 # CUDA with host inputs (the simulator without a GPU)
 # ---------------------------------------------------------------------------
 @needs_cuda
-@pytest.mark.parametrize("n", [1, 11])
+# N = 5 in chunks of 2 (small_chunks): three chunks, the last partial, as N = 11 in chunks of 4 on the CPU;
+# the simulator runs a block per batch entry and chunk, its time grows with N
+@pytest.mark.parametrize("n", [1, 5])
 @pytest.mark.parametrize("causal, method", [(True, "scan"), (True, "chunked"), (False, "aggregate")])
 @pytest.mark.parametrize("name", MAPS)
 def test_cuda_host_inputs_match_naive(name, causal, method, n, small_chunks):
+    if n > 1:  # three chunks of the CUDA chunk size, the last partial
+        assert -(-n // config.CUDA_CHUNK_SIZE) == 3 and n % config.CUDA_CHUNK_SIZE
     fmap = fitted_map(name)
     q, k, v = inputs(n, seed=1)
     want, S, z = reference(name, fmap, q, k, v, causal=causal)

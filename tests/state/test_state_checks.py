@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import linattn_nb as la
+from linattn_nb import config
 from linattn_nb import feature_maps as fm
 from linattn_nb.device import cuda_status
 from linattn_nb.ops import registry
@@ -30,6 +31,20 @@ HAVE_CUDA = cuda_status() != "none"
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.skipif(not HAVE_CUDA, reason="no CUDA and no simulator"),
                                               pytest.mark.slow])]
 TOL = {np.float64: 1e-11, np.float32: 3e-5}
+
+
+@pytest.fixture(autouse=True)
+def few_simulator_threads(monkeypatch):
+    """On the simulator (each CUDA thread a Python thread), launch the decode-step kernels with 3 threads
+    per block instead of 128 and the helper kernels (the zero fills) with 2 blocks of 8: the results do not
+    depend on it (every kernel loops over its rows and columns by the block or grid size: with 3 threads the
+    step and query kernels' loops over features and the M = 4 value columns take several turns, and the
+    prefill grid has two blocks of columns, the second partial), and the CUDA cases cost a fifth.  A GPU
+    keeps the default launch configuration."""
+    if cuda_status() == "simulator":
+        monkeypatch.setattr(config, "CUDA_STEP_THREADS", 3)
+        monkeypatch.setattr(config, "CUDA_THREADS_PER_BLOCK", 8)
+        monkeypatch.setattr(config, "CUDA_MAX_HELPER_BLOCKS", 2)
 
 
 def assert_close(actual, expected, dtype=np.float64):
