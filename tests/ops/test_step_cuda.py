@@ -22,6 +22,17 @@ from _ptx import run_ptx_script
 
 pytestmark = pytest.mark.skipif(cuda_status() == "none", reason="no CUDA GPU and the simulator is off")
 
+
+@pytest.fixture(autouse=True)
+def small_helper_blocks(monkeypatch):
+    """32 threads per block and at most 2 blocks for the grid-stride helper kernels (filling the flags
+    and states, cast and 4-d copies; as tests/ops/test_cuda.py): the default 256 simulated threads a
+    launch were most of this file's simulator time.  The step kernels' own threads are
+    config.CUDA_STEP_THREADS (``threads``)."""
+    monkeypatch.setattr(config, "CUDA_THREADS_PER_BLOCK", 32)
+    monkeypatch.setattr(config, "CUDA_MAX_HELPER_BLOCKS", 2)
+
+
 TOL = {np.float64: 1e-11, np.float32: 3e-5}
 
 
@@ -63,20 +74,25 @@ def test_cuda_state_matches_cpu_state(dtype, feature_map, threads):
     assert g.device == "cuda"
     for st in (g, c):
         st.prefill(k[..., :2, :], v[..., :2, :])
+    outs = []
     for a, b in ((2, 3), (3, 7)):
         og = g.step(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :])
         oc = c.step(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :])
         assert isinstance(og, np.ndarray) and og.dtype == dtype and og.shape == (2, 1, b - a, 4)
         assert_close(og, oc, dtype)
+        outs.append(og)
     assert_close(g.query(q[..., :3, :]), c.query(q[..., :3, :]), dtype)
     assert_close(host(g.S), c.S, dtype)
     assert_close(host(g.z), c.z, dtype)
     assert g.position == c.position == 7 and g.nbytes == c.nbytes
     ref = la.linear_attention(q, k, v, causal=True, feature_map=feature_map, eps=eps)
-    c2 = LinearAttentionState(5, 4, batch_shape=(2, 1), feature_map=feature_map, dtype=np.float64,
-                              device="cuda", eps=eps)
-    c2.prefill(k[..., :2, :], v[..., :2, :])
-    assert_close(c2.step(q[..., 2:, :], k[..., 2:, :], v[..., 2:, :]), ref[..., 2:, :], dtype)
+    if dtype == np.float64:  # g is already a float64 GPU state prefilled with 2 tokens: its steps' outputs
+        assert_close(np.concatenate(outs, axis=-2), ref[..., 2:, :], dtype)
+    else:  # a float64 GPU state with these float32 inputs
+        c2 = LinearAttentionState(5, 4, batch_shape=(2, 1), feature_map=feature_map, dtype=np.float64,
+                                  device="cuda", eps=eps)
+        c2.prefill(k[..., :2, :], v[..., :2, :])
+        assert_close(c2.step(q[..., 2:, :], k[..., 2:, :], v[..., 2:, :]), ref[..., 2:, :], dtype)
 
 
 def test_cuda_device_inputs_stay_on_the_device(threads):
