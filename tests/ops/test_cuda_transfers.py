@@ -382,8 +382,6 @@ def test_backward_temporaries_come_from_the_pool(counts, method):
 def test_reset_zeroes_the_state_on_the_device(counts, monkeypatch, rule):
     """reset() of a GPU state: one kernel per array, no host copy, no allocation; then it decodes
     as a fresh state does."""
-    from numba import cuda
-
     monkeypatch.setattr(config, "CUDA_STEP_THREADS", 4)  # not 128 simulated threads a block
     rng = np.random.default_rng(4)
     q, k, v = (rng.standard_normal((2, 3, d)).astype(np.float32) for d in (2, 2, 3))
