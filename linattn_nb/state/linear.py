@@ -564,8 +564,14 @@ class LinearAttentionState:
         if err is not None:
             raise err
         raise NonFiniteResult(f"the outputs of these finite inputs are not finite in {out_dtype}: they overflow it "
-                              f"(pass float64 inputs to read them), or a normaliser is 0 with eps=None; "
-                              f"{self._absorbed(T)}")
+                              f"or the {self._dtype} state's sums ({self._wider_hint('inputs')}), or a normaliser is "
+                              f"0 with eps=None; {self._absorbed(T)}")
+
+    def _wider_hint(self, what):
+        """How to read outputs that overflowed: a float64 state where this one is narrower, else float64 inputs."""
+        if np.dtype(self._dtype) != np.float64:
+            return "use a float64 state, dtype=np.float64, to read them"
+        return f"pass float64 {what} to read them"
 
     def _on_state_device(self, inp):
         """The flattened inputs where the state lives (host inputs copied to a GPU state)."""
@@ -815,8 +821,8 @@ class LinearAttentionState:
         res = self._finish(out, inp, check_finite)
         if check_finite and isinstance(res, np.ndarray) and not np.isfinite(res).all():
             raise NonFiniteResult(f"the outputs of these finite queries are not finite in {res.dtype}: they overflow "
-                                  "it (pass float64 queries to read them), or a normaliser is 0 with eps=None, or the "
-                                  "state holds inf or NaN; the state is unchanged")
+                                  f"it or the {self._dtype} state's sums ({self._wider_hint('queries')}), or a "
+                                  "normaliser is 0 with eps=None, or the state holds inf or NaN; the state is unchanged")
         return res
 
     def prefill(self, k, v, *, decay=None, log_decay=None, beta=None, check_finite=True):

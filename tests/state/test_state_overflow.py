@@ -293,3 +293,19 @@ def test_a_zero_normaliser_without_floor_raises_nonfiniteresult_not_zerodivision
     k = np.array([[1.0, 2, 3, 4]]).reshape(kw.get("batch_shape", ()) + (1, 4))
     with pytest.raises(NonFiniteResult, match="normaliser is 0 with eps=None"):
         st.step(-k, k, np.ones_like(k), **rule)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_float32_states_normaliser_that_overflows_is_reported_not_read_as_a_zero_output(path):
+    """float64 inputs of 2e19 through a float32 state: phi(q) . z (about 1.6e39) overflows the state's float32 sums
+    while the numerators, summed from the float64 values, do not; ``num / inf`` was a silent 0 (the right answer
+    is ``v`` itself).  It raises NonFiniteResult and names the float64 state; the query does too."""
+    x = np.full((1, 1, D), 2e19)
+    v = np.arange(1.0, D + 1.0).reshape(1, 1, D)
+    st = la.LinearAttentionState(D, D, batch_shape=(1,), dtype=np.float32)
+    with pytest.raises(NonFiniteResult, match=r"float32 state's sums \(use a float64 state"):
+        st.step(x, x, v, **PATHS[path])
+    with pytest.raises(NonFiniteResult, match=r"float32 state's sums \(use a float64 state"):
+        st.query(x)
+    wide = la.LinearAttentionState(D, D, batch_shape=(1,), dtype=np.float64)
+    np.testing.assert_allclose(wide.step(x, x, v, **PATHS[path]), v, rtol=1e-12)

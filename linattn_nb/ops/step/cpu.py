@@ -142,7 +142,9 @@ def _advance(v, St, z, out, fa, fc, b, t, eps):
         zi = zb[i] + fa[i]
         zb[i] = zi
         den += fc[i] * zi
-    if den < eps:  # eps < 0 when there is no floor
+    if not is_finite(den):  # overflowed the state's dtype: NaN outputs, which the check reports (floored)
+        den = math.nan
+    elif den < eps:  # eps < 0 when there is no floor
         den = eps
     M2 = M - M % 2
     for m in range(0, M2, 2):
@@ -364,7 +366,12 @@ def block_arg(block):
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
 def floored(den, eps, norm):
-    """The normaliser ``den``, floored at ``eps`` when ``norm`` is NORM_FLOOR."""
+    """The normaliser ``den``, floored at ``eps`` when ``norm`` is NORM_FLOOR; NaN where it is not finite (a sum
+    that overflowed the state's dtype), so that the outputs divided by it are not finite either and the
+    check reports them (``acc / inf`` would be a silent 0 where ``acc`` was summed wider, from float64
+    values)."""
+    if not is_finite(den):
+        return math.nan
     if norm == NORM_FLOOR and den < eps:
         return eps
     return den

@@ -109,6 +109,8 @@ def normaliser(feat, b, F, eps, norm, zero):
     """``phi(q)^T z`` from its terms in row 2 of ``feat[b]``, floored at ``eps`` (state dtype) when ``norm``
     is NORM_FLOOR."""
     den = row_sum(feat, b, 2, F, zero)
+    if math.isinf(den):  # overflowed the state dtype: NaN outputs, which the check reports (as the CPU's floored)
+        den = den - den
     if norm == NORM_FLOOR and den < eps:
         den = eps
     return den
