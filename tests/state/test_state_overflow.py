@@ -309,3 +309,18 @@ def test_a_float32_states_normaliser_that_overflows_is_reported_not_read_as_a_ze
         st.query(x)
     wide = la.LinearAttentionState(D, D, batch_shape=(1,), dtype=np.float64)
     np.testing.assert_allclose(wide.step(x, x, v, **PATHS[path]), v, rtol=1e-12)
+
+
+@pytest.mark.parametrize("call", ["prefill", "step"])
+def test_a_float32_kv_cache_refuses_finite_tokens_beyond_float32_and_appends_nothing(call):
+    """float64 keys or values of 1e39 were cast to inf in a float32 cache (a NumPy warning only), appended,
+    and every later query failed, blaming float64 scores; now a ValueError names the input, nothing appended."""
+    c = la.KVCache(D, D, dtype=np.float32)
+    big, one = np.full((1, D), 1e39), np.ones((1, D))
+    with pytest.raises(ValueError, match=r"^k has 4 finite value\(s\) beyond the range of the float32 cache"):
+        c.prefill(big, one) if call == "prefill" else c.step(one, big, one)
+    with pytest.raises(ValueError, match=r"^v has 4 finite value\(s\) beyond the range of the float32 cache"):
+        c.prefill(one, big) if call == "prefill" else c.step(one, one, big)
+    assert c.length == 0
+    c.prefill(one, one)
+    np.testing.assert_allclose(c.query(one), one)
