@@ -54,6 +54,8 @@ def _general_check(inputs, lead, N, F, r, fast=False):
         if x.shape == lead + (N, F) and not r:
             x = x.reshape(B, N, 1, F)
         elif x.ndim == len(lead) + 3 and x.shape[:-2] == lead + (N,) and x.shape[-1] == F and (not r or x.shape[-2] == r):
+            if not x.shape[-2]:  # no rank-one term: the scan would drop every write, the chunked form divide by 0
+                raise ValueError(f"{name}'s factor axis (r, the second to last) must be >= 1, got shape {x.shape}")
             x = x.reshape(B, N, x.shape[-2], F)
         else:
             want = f"(..., N, r, D_phi) = {lead + (N, r, F)}" if r else \
@@ -201,7 +203,7 @@ def _features(fmap, x, role, position, work=np.float64):
         out = _work_array(role, x.shape, work)
         x2, o2 = np.ascontiguousarray(x).reshape(-1, x.shape[-1]), out.reshape(-1, x.shape[-1])
         if _row_map(fmap, x):
-            row_features(x2.reshape(x2.shape[0], 1, -1), o2, code)
+            row_features(x2.reshape(x2.shape[0], 1, x2.shape[1]), o2, code)  # -1 is ambiguous for 0 rows
         else:
             elementwise_features(x2, o2, code)
         return out

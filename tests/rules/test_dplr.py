@@ -294,6 +294,28 @@ def test_empty_sequence(rng):
     assert o.shape == (B, 0, M) and st.S.shape == (B, D, M) and not st.S.any()
 
 
+@pytest.mark.parametrize("fmap", ["l2", "silu_l2"])
+def test_empty_float32_calls_with_a_row_map_on_the_default_method(fmap):
+    """N = 0 or an empty batch in float32 with a row map: the float32 features' reshape (-1 over 0 rows) raised
+    "cannot reshape array of size 0"; now an empty output, as float64 and the scan gave."""
+    for shape in ((0, D), (0, 3, D)):
+        z = np.zeros(shape, np.float32)
+        out = la.dplr_attention(z, z, z, a=z, b=z, feature_map=fmap)
+        assert out.shape == shape and out.dtype == np.float32
+        kda = la.dplr_attention(z, z, z, rule="kda", decay=z, beta=z[..., 0], feature_map=fmap)
+        assert kda.shape == shape
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_factor_axis_of_zero_is_refused(rng, method):
+    """a, b of shape (..., N, 0, D_phi): the scan gave zeros (every write dropped), the chunked form a
+    ZeroDivisionError; now a ValueError naming a."""
+    q, k, v = _qkv(rng)
+    z = np.zeros((B, N, 0, D))
+    with pytest.raises(ValueError, match=r"^a's factor axis \(r, the second to last\) must be >= 1"):
+        la.dplr_attention(q, k, v, a=z, b=z, method=method)
+
+
 def test_inputs_are_not_modified(rng):
     q, k, v = _qkv(rng)
     args = {"a": rng.standard_normal((B, N, D)), "b": rng.standard_normal((B, N, D)) * 0.1,
