@@ -10,14 +10,12 @@ from .. import config
 from ._vec import is_finite
 
 
-def check_finite_values(name: str, x: np.ndarray) -> None:
-    """Raise ValueError if ``x`` holds NaN or infinity (the count in the message, naming ``name``)."""
+def check_finite_values(name: str, x: np.ndarray, hint: str = "pass check_finite=False to skip this check") -> None:
+    """Raise ValueError if ``x`` holds NaN or infinity (the count in the message, naming ``name``, then
+    ``hint``: what to do, for a caller that has no ``check_finite`` switch)."""
     if x.size and not np.isfinite(x).all():
         bad = int(x.size - np.count_nonzero(np.isfinite(x)))
-        raise ValueError(
-            f"{name} contains {bad} non-finite value(s) (NaN or inf); "
-            "pass check_finite=False to skip this check"
-        )
+        raise ValueError(f"{name} contains {bad} non-finite value(s) (NaN or inf); {hint}")
 
 
 #: Rows per task of :func:`_all_finite_rows`.

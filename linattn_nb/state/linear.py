@@ -972,8 +972,8 @@ class LinearAttentionState:
                              f"{self._fmap.name!r}, D_phi={self._f}), got {tuple(S.shape)} and {tuple(z.shape)}")
         V.check_float_dtype(f"{what}.S", S.dtype)
         V.check_float_dtype(f"{what}.z", z.dtype)
-        V.check_finite(f"{what}.S", S)
-        V.check_finite(f"{what}.z", z)
+        for name, x in (("S", S), ("z", z)):  # a state that holds inf or NaN decodes nothing: no switch to skip it
+            V.check_finite(f"{what}.{name}", x, "a state is loaded only when every value is finite")
         position = FE.check_position(position, f"{what}.position")
         self._launch.put(self._S, self._z, np.asarray(S).reshape((self._B, self._f, self._m)),
                          np.asarray(z).reshape((self._B, self._f)))

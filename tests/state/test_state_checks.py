@@ -166,6 +166,18 @@ def test_from_linear_state_accepts_integral_positions_and_checks_its_arguments()
         LinearAttentionState.from_linear_state((S, z), 4, device="tpu")
 
 
+def test_from_linear_state_refuses_a_state_that_is_not_finite_without_a_switch_it_lacks():
+    """The message suggested check_finite=False, which from_linear_state does not take (TypeError)."""
+    S, z = np.ones((2, 4, 3)), np.ones((2, 4))
+    S[1, 2, 0] = np.nan
+    with pytest.raises(ValueError, match=r"^state\.S contains 1 non-finite value\(s\) \(NaN or inf\); a state is "
+                                         r"loaded only when every value is finite$"):
+        LinearAttentionState.from_linear_state((S, z), 4)
+    z[0, 1] = z[1, 3] = np.inf
+    with pytest.raises(ValueError, match=r"^state\.z contains 2 non-finite"):
+        LinearAttentionState.from_linear_state((np.ones((2, 4, 3)), z), 4)
+
+
 def test_load_refuses_positions_that_are_not_integers(tmp_path):
     st = LinearAttentionState(3, 2)
     st.prefill(np.ones((4, 3)), np.ones((4, 2)))
