@@ -117,7 +117,19 @@ class KVCache:
 
     # -- buffers -----------------------------------------------------------------------
     def reserve(self, tokens) -> None:
-        """Make room for ``tokens`` cached tokens in total (no growth until then)."""
+        """Make room for ``tokens`` cached tokens in total (no growth until then).
+
+        Raises
+        ------
+        TypeError
+            ``tokens`` is not an integer (a float, a string, None, a bool).
+        ValueError
+            ``tokens`` is negative.
+        """
+        if isinstance(tokens, (bool, np.bool_)) or not isinstance(tokens, (int, np.integer)):
+            raise TypeError(f"tokens must be an integer, got {type(tokens).__name__}")
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {tokens}")
         tokens = int(tokens)
         if tokens > self.capacity:
             self._grow_to(tokens)

@@ -692,6 +692,11 @@ def test_kv_cache_grows_geometrically_and_reports_memory():
     assert cache.nbytes == 4 * 64 * (2 + 3) * 4
     cache.reserve(1000)
     assert cache.capacity == 1000 and cache.length == 40
+    for bad, exc in (("x", TypeError), (None, TypeError), (2000.7, TypeError), (True, TypeError), (-1, ValueError)):
+        with pytest.raises(exc, match=r"^tokens must be"):  # named, nothing grown (2000.7 was cut to 2000)
+            cache.reserve(bad)
+    cache.reserve(np.int64(10))  # fits already
+    assert cache.capacity == 1000
     assert np.array_equal(cache.values[:, :, 0], np.ones((4, 40)))
     twin = cache.copy()
     twin.step(np.zeros((4, 1, 2)), np.zeros((4, 1, 2)), np.ones((4, 1, 3)))
