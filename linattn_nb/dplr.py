@@ -732,7 +732,7 @@ def dplr_attention_vjp(q, k, v, grad_out, *, rule=None, a=None, b=None, log_diag
         if key == "decay" and R.given.get("log_decay") is not None:  # not a rule: the argument given
             given = np.asarray(R.given["log_decay"], dtype=np.float64)
             d_inputs["log_decay"] = np.reshape(val, given.shape) * np.exp(given)
-        else:
+        elif R.given.get(key) is not None:  # a gradient for an optional argument the call did not pass: dropped
             d_inputs[key] = np.reshape(val, np.shape(R.given[key]))
     fmap = R.fmap
     dq, pq = _features_vjp(fmap, R.q, dfq.reshape(lead + (N, F)), "query", R.position, R.dtype)

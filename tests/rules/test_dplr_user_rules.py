@@ -111,3 +111,25 @@ def test_a_rule_without_pullback_runs_forward_and_refuses_gradients(register):
         lt.dplr_attention(qt, kt, vt, rule=name, beta=beta, feature_map="l2")  # at the forward, not the backward
     with torch.no_grad():
         lt.dplr_attention(qt, kt, vt, rule=name, beta=beta, feature_map="l2")  # no gradient asked: runs
+
+
+def test_a_pullback_gradient_of_an_optional_argument_not_passed_is_dropped(register):
+    """A rule whose beta is optional (ones when omitted) and whose pullback always returns its gradient: a KeyError
+    where the call did not pass beta; now no d_inputs entry for it, and the other gradients as with beta = 1."""
+    from linattn_nb.dplr import dplr_attention_vjp
+
+    def check(inputs, lead, N, F, r):
+        b = inputs.get("beta")
+        return {"beta": np.ones((int(np.prod(lead)), N, F)) if b is None else D.per_feature("beta", b, lead, N, F)}
+
+    def pullback(fk, v, inp, g):
+        dA, dB, dK = g["a"][:, :, 0], g["b"][:, :, 0], g["kw"][:, :, 0]
+        return dA * inp["beta"] + dK * inp["beta"] - dB, g["vw"][:, :, 0], {"beta": (dA + dK) * fk}
+
+    name = register("optional_beta_test", check=check, pullback=pullback)
+    q, k, v, _ = _inputs()
+    without = dplr_attention_vjp(q, k, v, v, rule=name, feature_map="l2")
+    ones = dplr_attention_vjp(q, k, v, v, rule=name, feature_map="l2", beta=np.ones((2, 16, F)))
+    assert "beta" not in without.d_inputs and ones.d_inputs["beta"].shape == (2, 16, F)
+    for a, b in ((without.dq, ones.dq), (without.dk, ones.dk), (without.dv, ones.dv)):
+        np.testing.assert_array_equal(a, b)
