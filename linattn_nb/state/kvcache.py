@@ -180,8 +180,8 @@ class KVCache:
         with np.errstate(over="ignore"):
             flat = [V.flatten_batch(a, self._dtype) for _, a, _ in arrs]
         if check_finite:
-            for (n, a, _), x in zip(arrs, flat):
-                if np.dtype(a.dtype).itemsize > np.dtype(self._dtype).itemsize and not np.isfinite(x).all():  # finite, but beyond the cache's dtype: refused, nothing appended
+            for (n, a, _), x in zip(arrs, flat):  # finite, beyond a narrower cache's range: refused, none appended
+                if np.dtype(a.dtype).itemsize > np.dtype(self._dtype).itemsize and not np.isfinite(x).all():
                     raise ValueError(f"{n} has {int(np.size(x) - np.isfinite(x).sum())} finite value(s) beyond the "
                                      f"range of the {self._dtype} cache (largest magnitude "
                                      f"{float(np.max(np.abs(a))):.3g}); use a float64 cache (dtype=np.float64) or "

@@ -822,7 +822,8 @@ class LinearAttentionState:
         if check_finite and isinstance(res, np.ndarray) and not np.isfinite(res).all():
             raise NonFiniteResult(f"the outputs of these finite queries are not finite in {res.dtype}: they overflow "
                                   f"it or the {self._dtype} state's sums ({self._wider_hint('queries')}), or a "
-                                  "normaliser is 0 with eps=None, or the state holds inf or NaN; the state is unchanged")
+                                  "normaliser is 0 with eps=None, or the state holds inf or NaN; the state is "
+                                  "unchanged")
         return res
 
     def prefill(self, k, v, *, decay=None, log_decay=None, beta=None, check_finite=True):
