@@ -374,6 +374,7 @@ def host_call(q, k, v, *, fmap, eps, causal, decay, log_decay, beta, normalize, 
 def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check_finite, out, initial_state,
                      return_state, decay=None, log_decay=None, beta=None, normalize=None):
     """The request path of :func:`linattn_nb.linear_attention` (arguments and results as there)."""
+    check_finite, return_state = V.check_bool("check_finite", check_finite), V.check_bool("return_state", return_state)
     dev, fmap, eps, causal = resolve_call(device, (q, k, v, out), ("q", "k", "v", "out"), feature_map, eps, causal,
                                           method)
     # everything the call reads, as the caller passed it: an out= overlapping any of it is written last
@@ -564,6 +565,7 @@ def _linear_device(q, k, v, fmap, causal, method, eps, check_finite, out, initia
 @parallel_entry
 def softmax_attention(q, k, v, *, causal, scale, device, check_finite, method):
     """The request path of :func:`linattn_nb.softmax_attention` (arguments and results as there)."""
+    check_finite = V.check_bool("check_finite", check_finite)
     dev = resolve_device(device if device != "cuda" else "auto", q, k, v, names=("q", "k", "v"))
     if device == "cuda" or dev == "cuda":
         raise ValueError(

@@ -597,6 +597,7 @@ def _finite(vjp: VJP, known=()) -> bool:
 def linear_attention_vjp(q, k, v, grad_out, *, feature_map, causal, method, device, eps, check_finite,
                          initial_state, decay=None, log_decay=None, beta=None, normalize=None, grad_state=None):
     """The request path of :func:`linattn_nb.linear_attention_vjp` (arguments and results as there)."""
+    check_finite = V.check_bool("check_finite", check_finite)
     kw = dict(feature_map=feature_map, causal=causal, method=method, device=device, eps=eps,
               check_finite=check_finite, initial_state=initial_state, decay=decay, log_decay=log_decay,
               beta=beta, normalize=normalize)

@@ -69,6 +69,14 @@ def _native(x: np.ndarray) -> np.ndarray:
 check_finite = check_finite_values  # the name the callers use
 
 
+def check_bool(name: str, x) -> bool:
+    """``x`` as a bool: True, False or a NumPy bool; anything else (a truthy string such as ``"False"``) is a
+    TypeError naming ``name``."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {x!r}")
+    return bool(x)
+
+
 def check_qkv(q, k, v, *, names: Sequence[str] = ("q", "k", "v"), same_n: bool = True):
     """Validate the shapes and dtypes of q, k, v: ``(batch_shape, n, d, m, promoted dtype)``.
 

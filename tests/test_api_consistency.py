@@ -175,3 +175,16 @@ def test_a_size_knob_assigned_a_non_integer_is_refused_by_name(monkeypatch, name
                                 method="chunked" if name == "CPU_CHUNK_SIZE" else "auto")
     monkeypatch.setattr(config, name, np.int64(5))
     assert la.linear_attention(x, x, x, causal=True, method="chunked").shape == (1, 12, 4)
+
+
+def test_the_attention_functions_refuse_a_flag_that_is_not_a_bool():
+    """``return_state='False'`` returned a state and ``check_finite='False'`` still checked: a truthy string read
+    as True.  TypeError naming the flag, as ``causal`` had; NumPy bools are bools."""
+    x = np.ones((3, 2))
+    for fn, flag in ((la.linear_attention, "return_state"), (la.linear_attention, "check_finite"),
+                     (la.softmax_attention, "check_finite")):
+        with pytest.raises(TypeError, match=rf"^{flag} must be True or False, got 'False'$"):
+            fn(x, x, x, **{flag: "False"})
+        fn(x, x, x, **{flag: np.bool_(False)})
+    with pytest.raises(TypeError, match=r"^check_finite must be True or False, got 1$"):
+        la.linear_attention_vjp(x, x, x, x, causal=True, check_finite=1)

@@ -132,11 +132,7 @@ def check_int(name: str, x, minimum: int) -> int:
     return int(x)
 
 
-def check_bool(name: str, x) -> bool:
-    """``x`` as a bool: True, False or a NumPy bool; anything else (a truthy string) is a TypeError."""
-    if not isinstance(x, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {x!r}")
-    return bool(x)
+check_bool = V.check_bool  # the flags of the analysis functions, as those of the attention functions
 
 
 def check_positive_float(name: str, x) -> float:
