@@ -35,11 +35,15 @@ KERNEL_FILES = {owner.__file__, rows.__file__, tiles.__file__}
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """Bytes of shared memory per call site of the kernels launched while the test runs."""
+    """Bytes of shared memory per call site of the kernels launched while the test runs (each array made under
+    a lock, as tests/conftest.py makes the simulator's: its threads may otherwise each make their own)."""
+    import threading
+
     from numba.cuda.simulator import kernelapi
 
     sites = {}
     real = kernelapi.FakeCUDAShared.array
+    lock = threading.Lock()
 
     def array(self, shape, dtype, alignment=None):
         if shape == 0:  # dynamic shared memory (the sequence kernel has none)
@@ -50,10 +54,11 @@ def recorded(monkeypatch):
             dtype = numpy_support.as_dtype(dtype)
         frame = sys._getframe(1)
         site = (frame.f_code.co_filename, frame.f_lineno)
-        res = self._allocations.get(site)  # one array per call site and block, as the simulator keys them
-        if res is None:
-            res = self._allocations[site] = np.empty(shape, dtype)
-        sites[site] = res.nbytes
+        with lock:
+            res = self._allocations.get(site)  # one array per call site and block, as the simulator keys them
+            if res is None:
+                res = self._allocations[site] = np.empty(shape, dtype)
+            sites[site] = res.nbytes
         return res
 
     monkeypatch.setattr(kernelapi.FakeCUDAShared, "array", array)
