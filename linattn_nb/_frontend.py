@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 from typing import NamedTuple
 
 import numpy as np
 
 from . import _cuda_dispatch as CD
+from . import config
 from . import _validate as V
 from ._overlap import call_reads, out_overlaps
 from ._blas import parallel_entry
+from ._workarrays import thread_array
 from . import feature_maps as fm
 from .device import on_device, resolve_device
 from .ops import methods  # noqa: F401  (registers the built-in rules and methods)
@@ -218,11 +221,11 @@ def state_from_H(H, batch_shape, f: int, m: int, position: int, rule: str = "add
 
 
 def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, f: int, *, causal: bool, beta=None,
-                   copy: bool = True):
+                   copy: bool = True, work=None):
     """``(rule, inputs, normalize)`` of a call's ``decay``, ``log_decay``, ``beta``, ``normalize``: the rule
     they select (:func:`linattn_nb.rules.rule_for`; ValueError for a per-feature gate with ``beta``), its
     inputs (:func:`~linattn_nb._validate.decay_inputs`, ``beta_inputs``; ``copy=False``: maybe the caller's
-    array) and ``normalize`` (:func:`rule_normalize`).  ``fmap`` None (softmax weights) has no rule:
+    array; ``work``: as there) and ``normalize`` (:func:`rule_normalize`).  ``fmap`` None (softmax weights) has no rule:
     ``decay``/``log_decay``/``beta`` and ``normalize=False`` raise ValueError."""
     if fmap is None:  # softmax weights (the analyses' feature_map="softmax"): no recurrence
         for name, x in (("decay", decay), ("log_decay", log_decay), ("beta", beta)):
@@ -233,7 +236,7 @@ def rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n: int, f: in
             raise ValueError("normalize=False does not apply to feature_map='softmax' (softmax weights are "
                              "normalised by definition)")
         return "additive", None, True
-    rule, inputs = V.decay_inputs(decay, log_decay, batch_shape, n, f, causal=causal, copy=copy)
+    rule, inputs = V.decay_inputs(decay, log_decay, batch_shape, n, f, causal=causal, copy=copy, work=work)
     if beta is not None:
         if not causal:
             raise ValueError("beta (the delta rule's write strength) applies to causal attention; it needs "
@@ -341,11 +344,12 @@ def plan_call(method, rule, initial_state, *, dev, causal, batch_shape, n, f, m,
 
 def host_call(q, k, v, *, fmap, eps, causal, decay, log_decay, beta, normalize, check_qkv: bool, dev="cpu",
               method=None, initial_state=None, copy: bool = True, to_host: bool = False,
-              extra_columns: int = 0, names=("q", "k", "v"), same_n: bool = True) -> Call:
+              extra_columns: int = 0, names=("q", "k", "v"), same_n: bool = True, work=None) -> Call:
     """The validated request of a call on host arrays (:class:`Call`): every entry point's preparation.
 
     ``check_qkv``: scan q, k, v for non-finite values here (kernels with an inline map scan them as
-    they read).  ``copy``: the rule's inputs are copies (for a request that keeps them).
+    they read).  ``copy``: the rule's inputs are copies (for a request that keeps them); ``work``: where
+    converted ones may go (:func:`~linattn_nb._validate.decay_inputs`).
     ``to_host``: GPU arrays among q, k, v and the rule's arguments are copied to the host first.
     ``method=None``: no method is planned (``impl`` None; the analyses).  One of q, k, v may be
     None (an analysis of two arrays, named ``names``); ``same_n=False`` lets q and k differ in N.
@@ -359,7 +363,7 @@ def host_call(q, k, v, *, fmap, eps, causal, decay, log_decay, beta, normalize, 
                                                         same_n=same_n)
     f = d if fmap is None else feature_dim(fmap, d)
     rule, inputs, normalize = rule_arguments(fmap, decay, log_decay, normalize, batch_shape, n, f, causal=causal,
-                                             beta=beta, copy=copy)
+                                             beta=beta, copy=copy, work=work)
     impl = plan_call(method, rule, initial_state, dev=dev, causal=causal, batch_shape=batch_shape, n=n, f=f, m=m,
                      dtype=dtype, extra_columns=extra_columns)
     b = int(np.prod(batch_shape, dtype=np.int64))
@@ -370,6 +374,15 @@ def host_call(q, k, v, *, fmap, eps, causal, decay, log_decay, beta, normalize, 
 # ---------------------------------------------------------------------------
 # linear attention
 # ---------------------------------------------------------------------------
+_WORK = threading.local()
+
+
+def _factor_work(role, shape, dtype):
+    """This thread's work array for ``role`` (float32 log-factors converted to float64), reused by its next
+    call of the same shape up to :data:`linattn_nb.config.FACTOR_WORK_BYTES`."""
+    return thread_array(_WORK, role, shape, dtype, config.FACTOR_WORK_BYTES)
+
+
 @parallel_entry
 def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check_finite, out, initial_state,
                      return_state, decay=None, log_decay=None, beta=None, normalize=None):
@@ -388,7 +401,8 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
     # other paths scan them here (NumPy), as the CUDA path always did
     c = host_call(q, k, v, dev=dev, fmap=fmap, eps=eps, causal=causal, method=method, decay=decay,
                   log_decay=log_decay, beta=beta, normalize=normalize, initial_state=initial_state,
-                  check_qkv=check_finite and dev == "cuda", copy=False)
+                  check_qkv=check_finite and dev == "cuda", copy=False,
+                  work=_factor_work if dev == "cpu" else None)  # the CPU kernels keep nothing after the call
     q, k, v, batch_shape, n, m, f, b, dtype = c.q, c.k, c.v, c.batch_shape, c.n, c.m, c.f, c.b, c.dtype
     rule, inputs, normalize, impl = c.rule, c.inputs, c.normalize, c.impl
     out_shape = batch_shape + (n, m)

@@ -162,7 +162,8 @@ def prepare(q, k, v, *, feature_map, causal, method, device, eps, check_finite, 
     # per-feature gate, as large as q and k; the torch adapter keeps its request until its backward
     c = host_call(q, k, v, dev=dev, fmap=fmap, eps=eps, causal=causal, method=method, decay=decay,
                   log_decay=log_decay, beta=beta, normalize=normalize, initial_state=initial_state,
-                  check_qkv=check_finite and not inline, copy=not reuse, to_host=True, extra_columns=1)
+                  check_qkv=check_finite and not inline, copy=not reuse, to_host=True, extra_columns=1,
+                  work=(lambda role, shape, dtype: _buffer(role, shape, dtype, True)) if reuse else None)
     q, k, v, batch_shape, n, d, m, f, b, dtype = c.q, c.k, c.v, c.batch_shape, c.n, c.d, c.m, c.f, c.b, c.dtype
     rule, inputs, normalize, impl = c.rule, c.inputs, c.normalize, c.impl
     if impl.backward is None:

@@ -242,12 +242,57 @@ def factor_counts(x, lo, hi, reset):
     return bad.sum(), resets.sum()
 
 
-def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool, copy: bool = True):
+@njit(fastmath=config.FASTMATH, cache=config.CACHE)
+def _log_factors_span(x, out, reset):
+    bad = 0
+    resets = 0
+    ninf = -np.inf
+    for i in range(x.shape[0]):
+        v = np.float64(x[i])  # exact: every float32 is a float64
+        bad += (v != v) | (v > 0.0)
+        r = v <= reset
+        resets += r
+        out[i] = ninf if r else v
+    return bad, resets
+
+
+@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def log_factors_into(x, out, reset):
+    """``out`` (float64) <- the 1-D float32 log-factors ``x``, ``-inf`` at or below ``reset``, in one parallel
+    pass that also counts them as :func:`factor_counts` does: returns ``(bad, resets)`` (NaN or above 0;
+    at or below ``reset``).  A per-feature gate is as large as q and k: NumPy's conversion to a fresh
+    float64 array, the count and the copy took three passes (12.1 ms at B*H = 16, N = 4096, F = 64,
+    Intel Xeon, 2 threads; docs/performance.md, "The gate's log-factors")."""
+    n = x.shape[0]
+    tasks = (n + _FACTOR_SPAN - 1) // _FACTOR_SPAN
+    bad = np.zeros(tasks, np.int64)
+    resets = np.zeros(tasks, np.int64)
+    for t in prange(tasks):
+        lo_i = t * _FACTOR_SPAN
+        hi_i = min(n, lo_i + _FACTOR_SPAN)
+        bad[t], resets[t] = _log_factors_span(x[lo_i:hi_i], out[lo_i:hi_i], reset)
+    return bad.sum(), resets.sum()
+
+
+def _refuse_factors(name: str, x, lo: float, hi: float):
+    """ValueError naming ``name`` for the first NaN or out-of-range factor of ``x`` (some element is)."""
+    if np.isnan(x).any():
+        raise ValueError(f"{name} contains NaN")
+    first = x[(x < lo) | (x > hi)].ravel()[0]
+    if name == "decay":
+        raise ValueError(f"decay factors must lie in [0, 1] (0 resets the state), got {float(first)!r}")
+    raise ValueError(f"log_decay must be <= 0 (-inf resets the state), got {float(first)!r}")
+
+
+def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool, copy: bool = True,
+                 work=None):
     """``(rule, inputs)`` of the ``decay``/``log_decay`` arguments (forms of ``linear_attention``): the
     rule without ``beta`` the form selects and its launcher inputs (``{"log_decay": (B, N)}`` or
     ``{"log_gate": (B, N, F)}`` C-contiguous float64 log-factors, ``-inf`` at or below ``LOG_RESET``;
-    None: additive); ``copy=False``: maybe the caller's array.  ValueError (naming the argument) for
-    both given, ``causal=False``, NaN, out of range or a shape of no form; TypeError for non-real values."""
+    None: additive); ``copy=False``: maybe the caller's array.  ``work(role, shape, dtype)``: an empty array
+    for float32 log-factors converted to float64, from a caller that keeps none of the inputs after its call
+    (its per-thread work arrays); None: a fresh one.  ValueError (naming the argument) for both given,
+    ``causal=False``, NaN, out of range or a shape of no form; TypeError for non-real values."""
     from .ops._codes import LOG_RESET
 
     if decay is None and log_decay is None:
@@ -260,18 +305,21 @@ def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool,
     x = as_host_array(name, x)
     if x.dtype.kind not in "iuf":
         raise TypeError(f"{name} must hold real numbers (floats), got dtype {x.dtype}")
-    x = np.asarray(x, dtype=np.float64)  # no copy of a float64 array
     linear = name == "decay"  # not a rule: the argument decay (linear factors)
     lo, hi = (0.0, 1.0) if linear else (-np.inf, 0.0)
+    if not linear and x.dtype == np.float32:
+        # float32 log-factors: converted, checked and reset in one compiled pass, into an array of the
+        # caller's work arrays (``work``) or a fresh one, which is never the caller's array
+        lg = np.empty(x.shape, np.float64) if work is None else work("log_factors", x.shape, np.float64)
+        bad, _ = log_factors_into(np.ascontiguousarray(x).reshape(-1), lg.reshape(-1), LOG_RESET)
+        if bad:
+            _refuse_factors(name, x, lo, hi)
+        return _rule_inputs(name, lg, batch_shape, n, f)
+    x = np.asarray(x, dtype=np.float64)  # no copy of a float64 array
     # one compiled pass (a per-feature gate is as large as q and k): NaN, out of range, resets
     bad, resets = factor_counts(np.ascontiguousarray(x).reshape(-1), lo, hi, LOG_RESET)
     if bad:
-        if np.isnan(x).any():
-            raise ValueError(f"{name} contains NaN")
-        first = x[(x < lo) | (x > hi)].ravel()[0]
-        if linear:
-            raise ValueError(f"decay factors must lie in [0, 1] (0 resets the state), got {float(first)!r}")
-        raise ValueError(f"log_decay must be <= 0 (-inf resets the state), got {float(first)!r}")
+        _refuse_factors(name, x, lo, hi)
     if linear:
         with np.errstate(divide="ignore"):
             lg = np.log(x)
@@ -282,6 +330,11 @@ def decay_inputs(decay, log_decay, batch_shape, n: int, f: int, *, causal: bool,
         lg = x.copy()
     else:
         lg = x  # nothing to convert: the caller's array itself (read only by the kernels)
+    return _rule_inputs(name, lg, batch_shape, n, f)
+
+
+def _rule_inputs(name: str, lg, batch_shape, n: int, f: int):
+    """``(rule, inputs)`` of :func:`decay_inputs` from its checked float64 log-factors ``lg``."""
     batch_shape = tuple(int(s) for s in batch_shape)
     nb = len(batch_shape)
     forms = (f"a scalar or {nb} dimension(s) broadcastable to the batch shape {batch_shape} (per sequence), "

@@ -121,3 +121,61 @@ def test_within_is_the_range_test_of_the_first_rows(n, bad):
     assert bool(within(x, n, lo)) == want
     if bad in ("nan", "low", "high") and n:
         assert not want
+
+
+def test_float32_log_factors_in_one_pass_across_spans():
+    """float32 log-factors: converted (exactly), reset at LOG_RESET and counted in one parallel pass, against
+    NumPy's float64 conversion, ``np.where`` and counts, with hits in several spans."""
+    from linattn_nb._validate import log_factors_into
+    from linattn_nb.ops._codes import LOG_RESET
+
+    rng = np.random.default_rng(4)
+    x = (-rng.exponential(1.0, 3 * (1 << 15) + 17)).astype(np.float32)
+    x[[0, 40000, len(x) - 1]] = [np.nan, 0.5, -1e30]
+    x[[70000, 70001, 70002]] = [-np.inf, np.float32(LOG_RESET), np.nextafter(np.float32(LOG_RESET), 0)]
+    x[5] = -0.0
+    out = np.full(x.shape, 7.0)
+    x64 = x.astype(np.float64)
+    bad = int(np.isnan(x64).sum() + (x64 > 0).sum())
+    assert log_factors_into(x, out, LOG_RESET) == (bad, int((x64 <= LOG_RESET).sum()))
+    want = np.where(x64 <= LOG_RESET, -np.inf, x64)
+    np.testing.assert_array_equal(out, want)
+    assert out[70002] == x64[70002] > LOG_RESET  # the float32 just above the reset is kept, exactly
+    assert log_factors_into(x[:0], out[:0], LOG_RESET) == (0, 0)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 9, 4), (2, 3, 9), (2, 3), ()])
+def test_float32_log_decay_inputs_are_those_of_float64(shape):
+    """``decay_inputs`` of float32 ``log_decay`` (the one-pass conversion) gives the float64 path's inputs
+    bit for bit, in a fresh array or in the ``work`` array given, never the caller's; NaN and positive
+    values are refused, naming ``log_decay``."""
+    from linattn_nb._validate import decay_inputs
+
+    rng = np.random.default_rng(6)
+    x = np.asarray(-rng.exponential(1.0, shape), np.float32)
+    if x.ndim:
+        x.flat[0] = -np.inf
+        x.flat[-1] = -800.0  # below LOG_RESET: a reset
+    made = []
+
+    def work(role, shp, dtype):
+        made.append(np.full(shp, 3.0, dtype))
+        return made[-1]
+
+    want = decay_inputs(None, x.astype(np.float64), (2, 3), 9, 4, causal=True)
+    for kw in ({}, {"work": work}):
+        for copy in (True, False):
+            got = decay_inputs(None, x, (2, 3), 9, 4, causal=True, copy=copy, **kw)
+            assert got[0] == want[0]
+            (key, a), = got[1].items()
+            np.testing.assert_array_equal(a, want[1][key])
+            assert a.dtype == np.float64 and a.flags.c_contiguous and a.flags.writeable
+            assert not np.shares_memory(a, x)
+    assert len(made) == 2
+    if shape == (2, 3, 9, 4):  # the full-size gate is the work array itself
+        assert got[1]["log_gate"] is made[-1] or np.shares_memory(got[1]["log_gate"], made[-1])
+    for badv, msg in ((np.nan, "log_decay contains NaN"), (0.25, "log_decay must be <= 0")):
+        y = x.copy()
+        y.reshape(-1)[-1] = badv
+        with pytest.raises(ValueError, match=msg):
+            decay_inputs(None, y, (2, 3), 9, 4, causal=True)

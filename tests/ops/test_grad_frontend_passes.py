@@ -360,3 +360,39 @@ def test_backward_after_forward_without_nd_computes_it_for_a_wider_gradient():
     got = GF.backward_after_forward(req, None, g, None, (q, k, v), kw)
     for name in ("dq", "dk", "dv"):
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+
+
+def test_float32_gate_work_arrays(monkeypatch):
+    """A float32 per-feature gate's float64 copy goes into the thread's work arrays (``linear_attention``:
+    ``FACTOR_WORK_BYTES``; ``linear_attention_vjp``: ``GRAD_WORK_BYTES``): outputs and gradients are those of
+    the same gate passed as float64, bit for bit, in every call (another shape in between, a reset), the
+    caller's gate is left as it was, and nothing returned is a work array."""
+    from linattn_nb import _frontend as FE
+    from linattn_nb import config
+
+    rng = np.random.default_rng(8)
+    data = []
+    for shape in ((2, 40, 5), (3, 17, 5), (2, 40, 5)):
+        q, k, v, g = (rng.standard_normal(shape).astype(np.float32) for _ in range(4))
+        lg = np.log(rng.uniform(0.5, 1.0, shape)).astype(np.float32)
+        lg[0, 3, 1] = -np.inf  # a reset
+        data.append((q, k, v, g, lg))
+    kw = dict(feature_map="relu", causal=True, method="chunked")
+    for work_bytes in (64 << 20, 0):
+        monkeypatch.setattr(config, "FACTOR_WORK_BYTES", work_bytes)
+        monkeypatch.setattr(config, "GRAD_WORK_BYTES", work_bytes)
+        for q, k, v, g, lg in data:
+            kept = lg.copy()
+            out = la.linear_attention(q, k, v, log_decay=lg, **kw)
+            want = la.linear_attention(q, k, v, log_decay=lg.astype(np.float64), **kw)
+            np.testing.assert_array_equal(out, want)
+            res = la.linear_attention_vjp(q, k, v, g, log_decay=lg, **kw)
+            ref = la.linear_attention_vjp(q, k, v, g, log_decay=lg.astype(np.float64), **kw)
+            for field in ("dq", "dk", "dv", "d_log_decay"):
+                np.testing.assert_array_equal(getattr(res, field), getattr(ref, field), err_msg=field)
+            np.testing.assert_array_equal(lg, kept)
+            pools = [w for loc in (FE._WORK, GF._WORK) for w in loc.__dict__.get("pool", {}).values()]
+            for x in (out, res.dq, res.dk, res.dv, res.d_log_decay):
+                assert not any(np.shares_memory(x, w) for w in pools)
+        if work_bytes:  # both front ends took the work arrays
+            assert "log_factors" in FE._WORK.pool and "log_factors" in GF._WORK.pool
