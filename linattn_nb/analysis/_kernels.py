@@ -284,8 +284,13 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
                 rho[b, i] = np.nan
             else:
                 _average_ranks(s[t], L, vals, keys, keys2, idx, idx2, counts, rs)
-                _average_ranks(w, L, vals, keys, keys2, idx, idx2, counts, rw)
-                rho[b, i] = _pearson_ranks(rs, rw, L)
+                if softmax_mode:
+                    # exp is increasing: softmax's ranks are the scores' (the float64 weights would tie
+                    # every score whose exp underflows to 0)
+                    rho[b, i] = _pearson_ranks(rs, rs, L)
+                else:
+                    _average_ranks(w, L, vals, keys, keys2, idx, idx2, counts, rw)
+                    rho[b, i] = _pearson_ranks(rs, rw, L)
 
 
 def error_rows(q, k, fq, fk, *, scale, causal, softmax_mode, eps, rule, inputs, block=None):

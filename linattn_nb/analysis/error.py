@@ -47,7 +47,8 @@ class ApproximationError:
         The same for the linear weights, over the rows where they form a distribution (else NaN).
     monotonicity : float
         Mean row Spearman correlation between ``q_i . k_j`` and ``w_ij`` (rows with fewer than two
-        keys or constant values left out; NaN if none is left).  Softmax weights score 1.
+        keys or constant values left out; NaN if none is left).  Softmax weights score 1: their ranks are
+        taken as those of the scores, which exp keeps, also where the float64 weights underflow to 0.
     nonpositive_normalizer_rate : float
         Fraction of rows with ``sum_j phi(q_i) . phi(k_j) <= 0`` (before the ``eps`` floor).
     kl_infinite_rate : float
@@ -383,7 +384,8 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
             else:
                 st["kl"][bb, i] = np.inf
             if L >= 2:
-                rs, rw = rankdata(s), rankdata(w)
+                rs = rankdata(s)
+                rw = rs if fmap is None else rankdata(w)  # softmax: exp keeps the scores' order (see the kernel)
                 if np.ptp(rs) > 0 and np.ptp(rw) > 0:
                     st["rho"][bb, i] = np.corrcoef(rs, rw)[0, 1]
     o_sm = p_all @ v64

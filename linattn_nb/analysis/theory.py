@@ -118,7 +118,12 @@ def kernel_estimate_mse(feature_map, x, y, draws, *, target=None):
     if target is None:
         tgt = np.asarray(fmap.kernel(xf, yf), dtype=np.float64)
     else:
-        tgt = np.broadcast_to(np.asarray(target, dtype=np.float64), shape).reshape(-1)
+        t = np.asarray(target, dtype=np.float64)
+        try:
+            tgt = np.broadcast_to(t, shape).reshape(-1)
+        except ValueError:
+            raise ValueError(f"target of shape {t.shape} does not broadcast to the pairs' shape {shape} (x and y "
+                             "without their last axis)") from None
     p = xf.shape[0]
     # one sequence [x; y] for one feature pass; a position-dependent map would put y_i p positions after
     # x_i and weigh the pair by its kernel at that distance, so it gets x and y as two sequences

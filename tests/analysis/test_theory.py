@@ -133,6 +133,8 @@ def test_input_checks():
         favor_mse(x, np.ones((2, 4)), 2)
     with pytest.raises(ValueError, match="num_features <= d"):
         orthogonal_mse_bound(x, x, 4)
+    with pytest.raises(ValueError, match=r"target of shape \(4,\) does not broadcast to the pairs' shape \(5,\)"):
+        kernel_estimate_mse("elu", np.ones((5, 3)), np.ones((5, 3)), 3, target=np.ones(4))
     with pytest.raises(ValueError, match="draws"):
         kernel_estimate_mse("elu", x, x, draws=1)
     with pytest.raises(ValueError, match="finite"):
