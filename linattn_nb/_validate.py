@@ -279,7 +279,7 @@ def _refuse_factors(name: str, x, lo: float, hi: float):
     if np.isnan(x).any():
         raise ValueError(f"{name} contains NaN")
     first = x[(x < lo) | (x > hi)].ravel()[0]
-    if name == "decay":
+    if name == "decay":  # not a rule: the argument decay (linear factors)
         raise ValueError(f"decay factors must lie in [0, 1] (0 resets the state), got {float(first)!r}")
     raise ValueError(f"log_decay must be <= 0 (-inf resets the state), got {float(first)!r}")
 
