@@ -455,12 +455,25 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
                                               inline, inputs, normalize, run=run64)
                 result[...] = _cast_result(out64, dtype, q, k, v).reshape(out_shape)
                 direct = True  # result written
-            # float64 work: the result is what float64 gives (e.g. 0 / 0 with eps=None): kept
+            elif eps is not None or not normalize:
+                # no normaliser of 0 here (eps=None's documented NaN): float64 itself overflowed
+                raise float64_overflow("an output or the state", fmap, q, k, v) from None
+            # eps=None: the result is what float64 gives (0 / 0 where a normaliser is 0): kept
         if not direct:
             result[...] = target.reshape(out_shape)
     if not return_state:
         return result
     return result, state_from_H(H, batch_shape, f, m, position + n, rule)
+
+
+def float64_overflow(what: str, fmap, q, k, v) -> NonFiniteResult:
+    """The error for finite inputs whose results (``what``) are not finite even in float64, with the
+    largest magnitudes of q, k and v (host arrays)."""
+    sizes = ", ".join(f"{nm} {float(np.max(np.abs(x), initial=0.0)):.3g}" for nm, x in (("q", q), ("k", k), ("v", v)))
+    return NonFiniteResult(
+        f"finite inputs gave {what} that is not finite even in float64: float64 overflowed in the features of "
+        f"feature map {fmap.name!r} or in the products and sums (largest magnitudes: {sizes}); scale the inputs "
+        "down, or pass check_finite=False to get the non-finite values")
 
 
 def _check_features(fmap, qf, kf, work):

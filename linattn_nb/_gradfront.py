@@ -17,8 +17,8 @@ from . import _validate as V
 from . import config
 from ._blas import parallel_entry
 from ._workarrays import thread_array
-from ._frontend import (LinearState, featurise, host_array, host_call, host_state, parse_state, resolve_call,
-                        state_from_H)
+from ._frontend import (LinearState, featurise, float64_overflow, host_array, host_call, host_state, parse_state,
+                        resolve_call, state_from_H)
 from .device import on_device
 from .feature_maps._base import FeatureOverflow
 from .ops import methods  # noqa: F401  (registers the built-in rules and methods)
@@ -304,6 +304,17 @@ def _overflow(what, wide, dtype):
     """The ValueError of a finite ``wide`` value (``what``) that overflows ``dtype``."""
     raise ValueError(f"{what} overflows {np.dtype(dtype).name} (it is finite in {np.dtype(wide).name}); pass "
                      "float64 inputs or rescale them")
+
+
+def check_float64(req: Request, arrays, what: str, qkv) -> None:
+    """:func:`~linattn_nb._frontend.float64_overflow` raised where a float64 request with finite inputs
+    (``check_finite``) gave ``arrays`` (``what``) that are not all finite, unless a normaliser of 0 can have
+    made them so (``eps=None``, whose NaN is documented).  ``qkv``: the host inputs, for the message."""
+    if not (req.check_finite and req.work == _F64 and (req.eps is not None or not req.normalize)):
+        return
+    if all(x is None or all_finite(x) for x in arrays):
+        return
+    raise float64_overflow(what, req.fmap, *qkv)
 
 
 def overflowed(req: Request, nd, HN, want_out: bool) -> bool:
@@ -610,6 +621,8 @@ def linear_attention_vjp(q, k, v, grad_out, *, feature_map, causal, method, devi
         return _vjp_float64(q, k, v, grad_out, grad_state, kw)  # the map's features overflowed float32
     known = set()
     work = req.work
+    floored = req.eps is not None or not req.normalize  # no normaliser of 0 (eps=None's documented NaN)
+    fmap = req.fmap
     if _normalized_fused(req, grad_out):
         res = backward_normalized(req, grad_out, grad_state, finite=known)
         del req
@@ -625,6 +638,8 @@ def linear_attention_vjp(q, k, v, grad_out, *, feature_map, causal, method, devi
     if check_finite and work != _F64 and not _finite(res, known):
         # finite inputs, non-finite gradients: the working dtype overflowed; float64 throughout
         return _vjp_float64(q, k, v, grad_out, grad_state, kw)
+    if check_finite and work == _F64 and floored and not _finite(res, known):
+        raise float64_overflow("a gradient", fmap, *(host_array(nm, x) for nm, x in (("q", q), ("k", k), ("v", v))))
     return res
 
 
@@ -648,10 +663,15 @@ def backward_after_forward(req: Request, nd, grad_out, grad_state, qkv, kw) -> V
         res = backward_normalized(req, grad_out, grad_state, finite=known)
         if res is None or (req.check_finite and req.work != _F64 and not _finite(res, known)):
             return _vjp_float64(*qkv, grad_out, grad_state, kw)
-        return res
-    if nd is None:
-        _, nd, _ = forward(req, want_out=False)
-    return backward(req, nd, grad_out, grad_state)
+    else:
+        if nd is None:
+            _, nd, _ = forward(req, want_out=False)
+        res = backward(req, nd, grad_out, grad_state)
+        known = set()
+    if req.check_finite and req.work == _F64 and (req.eps is not None or not req.normalize) \
+            and not _finite(res, known):
+        raise float64_overflow("a gradient", req.fmap, *qkv)
+    return res
 
 
 def _vjp_float64(q, k, v, grad_out, grad_state, kw):

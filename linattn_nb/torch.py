@@ -238,6 +238,7 @@ class _LinearAttentionFunction(torch.autograd.Function):
             # inputs' dtype
             req = _gradfront.prepare(*qkv, work=np.float64, **kw)
             out, nd, HN = _gradfront.forward(req)
+        _gradfront.check_float64(req, (out, HN), "an output or the state", qkv)
         spec.rule = req.rule
         # the fused backward reads nothing of the forward: [num | den] is not kept for it
         ctx.spec, ctx.req, ctx.nd = spec, req, None if _gradfront.fuses_after_forward(req) else nd
