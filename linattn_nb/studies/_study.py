@@ -376,14 +376,16 @@ def num(x) -> float:
 
 
 def seed_stat(x) -> tuple:
-    """(mean, 95% Student-t half-width) of per-seed values; (inf, nan) if any is inf, (nan, nan) if none."""
+    """(mean, 95% Student-t half-width) of per-seed values; (inf, nan) if any is inf (-inf if those are all
+    -inf; nan for both signs), (nan, nan) if none."""
     import numpy as np
 
     x = np.asarray(x, dtype=float)
     if x.size == 0:
         return float("nan"), float("nan")
-    if np.any(np.isinf(x)):
-        return float("inf"), float("nan")
+    inf = x[np.isinf(x)]
+    if inf.size:
+        return (float(inf[0]) if (inf == inf[0]).all() else float("nan")), float("nan")
     m, h = mean_ci(x)
     return float(m), float(h)
 

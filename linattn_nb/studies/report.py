@@ -16,7 +16,7 @@ from pathlib import Path
 from .. import config
 from .._interrupt import check as check_interrupt, interrupts
 from ._study import PROFILES, STUDIES, Context, Rendered, get_study, markdown_table
-from .sweep import load_results, sweep, usable_cores
+from .sweep import grid_points, load_results, sweep, usable_cores
 
 __all__ = ["run_report", "ReportResult", "resolve_devices", "machine_info"]
 
@@ -467,15 +467,15 @@ def _check_studies(studies) -> list:
 
 
 def _check_points(selected, study_options, ctx) -> None:
-    """Build the points of each study given options (that can run here): what its ``points`` refuses
-    (a bad value, an unknown map) is a ValueError or TypeError naming the study's options now, not a
-    failed section of the report."""
+    """Build the points of each study given options (that can run here): what its ``points`` or the sweep
+    refuses (a bad value, an unknown map, a value given twice) is a ValueError or TypeError naming the study's
+    options now, not a failed section of the report."""
     for study in selected:
         opts = study_options.get(study.name)
         if not opts or study.requires():
             continue
         try:
-            study.points(ctx, **opts)
+            grid_points(study.points(ctx, **opts))  # a duplicated point too (a value given twice)
         except TypeError as exc:
             raise TypeError(f"options[{study.name!r}]: {exc}") from exc
         except ValueError as exc:

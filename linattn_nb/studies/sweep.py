@@ -154,7 +154,9 @@ def grid_points(grid) -> list[dict]:
         ``grid`` is neither a dict nor a list, a dict value is not a list, a point is not a dict,
         or a parameter is not a JSON value.
     ValueError
-        An empty grid or list of values, a non-finite float, or two equal points.
+        An empty grid or list of values, a non-finite float, or two equal points.  Points are equal when
+        their canonical JSON is (:func:`point_key`): ``1`` and ``1.0`` are different points, as ``fn``
+        receives different values (an ``int`` and a ``float``), and a results file keeps them apart.
 
     Examples
     --------

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from linattn_nb.studies._study import CI_CAPTION, mean_ci, pm
+from linattn_nb.studies._study import CI_CAPTION, mean_ci, pm, seed_stat
 
 
 def _records(ranks):
@@ -22,3 +23,13 @@ def test_rank_cells_follow_the_seed_interval_convention(tmp_path):
     assert f"| {cell} / 4 |" in md and "±" in cell and "6–8" not in md
     # seeds that agree: the rank itself, no interval
     assert "| 7 / 4 |" in rank.render(_records([7, 7, 7]), ctx).markdown
+
+
+def test_seed_stat_keeps_the_sign_of_infinite_samples():
+    """An infinite per-seed value makes the mean infinite with its own sign (NaN where both signs come);
+    the half-width is then undefined.  -inf used to come back as +inf."""
+    nan = float("nan")
+    for x, want in (([-np.inf, 1.0], -np.inf), ([np.inf, 1.0, np.inf], np.inf), ([np.inf, -np.inf], nan)):
+        m, h = seed_stat(x)
+        assert (m == want or (np.isnan(m) and np.isnan(want))) and np.isnan(h), x
+    assert seed_stat([1.0, 2.0, 3.0])[0] == 2.0 and seed_stat([]) == pytest.approx((nan, nan), nan_ok=True)

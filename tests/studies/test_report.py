@@ -516,6 +516,12 @@ def test_error_points_take_the_cli_keywords(tmp_path):
     with pytest.raises(ValueError, match="takes no option 'bogus'"):
         run_report(tmp_path / "r", profile="tiny", studies=["error"], options={"error": {"bogus": 1}},
                    progress=False, log=lambda line: None)
+    # a value given twice: the sweep's duplicate points, refused before anything runs or is written
+    with pytest.raises(ValueError, match=r"options\['rank'\]: grid has duplicate points"):
+        run_report(tmp_path / "dup", profile="tiny", studies=["rank"],
+                   options={"rank": {"n": [16, 16], "seeds": 2, "maps": ["elu"]}}, progress=False,
+                   log=lambda line: None)
+    assert not (tmp_path / "dup").exists()
 
 
 def test_fit_slope_recovers_inverse_sqrt_m_with_an_interval():
