@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import contextlib
 import os
 import sys
+import threading
 import warnings
 
 import numpy as np
@@ -158,6 +160,17 @@ def _write_map_params(fmap, names, params, host) -> None:
             dst[...] = src  # the map computes with the tensor's current values
 
 
+#: Held while a call that writes ``feature_map_params`` into its map computes with them (forward or backward):
+#: the values live in the map object, so two threads sharing one map with different parameters would each
+#: compute with whichever the other wrote last (docs/threads.md).  Calls without parameters never take it.
+_PARAMS_LOCK = threading.RLock()
+
+
+def _params_held(params):
+    """:data:`_PARAMS_LOCK` where the call writes map parameters (``params`` not empty), else no lock."""
+    return _PARAMS_LOCK if params else contextlib.nullcontext()
+
+
 def _map_parameters(fmap) -> dict:
     get = getattr(fmap, "parameters", None)
     return dict(get()) if callable(get) else {}
@@ -209,6 +222,11 @@ class _LinearAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, spec: _Spec, q, k, v, decay, log_decay, beta, S0, z0, *params):
+        with _params_held(params):
+            return _LinearAttentionFunction._forward(ctx, spec, q, k, v, decay, log_decay, beta, S0, z0, *params)
+
+    @staticmethod
+    def _forward(ctx, spec: _Spec, q, k, v, decay, log_decay, beta, S0, z0, *params):
         fmap = spec.fmap
         if params:
             _write_map_params(fmap, spec.param_names, params, _host_array)
@@ -262,6 +280,11 @@ class _LinearAttentionFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_S=None, grad_z=None):
+        with _params_held(ctx.spec.param_names):
+            return _LinearAttentionFunction._backward(ctx, grad_out, grad_S, grad_z)
+
+    @staticmethod
+    def _backward(ctx, grad_out, grad_S=None, grad_z=None):
         spec, req = ctx.spec, ctx.req
         meta = ctx.meta
         if grad_out is None:
@@ -487,6 +510,11 @@ class _DPLRFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, spec: _DPLRSpec, q, k, v, S0, z0, *rest):
+        with _params_held(spec.param_names):
+            return _DPLRFunction._forward(ctx, spec, q, k, v, S0, z0, *rest)
+
+    @staticmethod
+    def _forward(ctx, spec: _DPLRSpec, q, k, v, S0, z0, *rest):
         from . import dplr as _dplr
 
         qkv, kw = _dplr_arguments(spec, q, k, v, S0, z0, rest)
@@ -507,6 +535,11 @@ class _DPLRFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_S=None, grad_z=None):
+        with _params_held(ctx.spec.param_names):
+            return _DPLRFunction._backward(ctx, grad_out, grad_S, grad_z)
+
+    @staticmethod
+    def _backward(ctx, grad_out, grad_S=None, grad_z=None):
         from . import dplr as _dplr
 
         spec = ctx.spec

@@ -877,3 +877,50 @@ def test_torchscript_trace_works_and_script_fails_as_documented():
     torch.testing.assert_close(traced(x2), layer(x2), rtol=0, atol=0)
     with pytest.raises(Exception, match="keyword-only arguments"):
         torch.jit.script(layer)
+
+
+@pytest.mark.parametrize("dplr", [False, True])
+def test_threads_sharing_a_map_with_their_own_parameters(dplr):
+    """Two threads, one Hedgehog map object, each call with its own ``feature_map_params``: the parameters
+    are written into the map before it computes, so without the adapter's lock one thread computed with the
+    other's (outputs off by up to 2.5, gradients by 1e3, silently).  Outputs and gradients equal the serial
+    calls', bit for bit, over repeated races."""
+    import threading
+
+    fmap = fm.get("hedgehog")
+    fmap.materialize(8)
+    gen = torch.Generator().manual_seed(0)
+    args = []
+    for i in range(2):
+        q, k, v = (torch.randn(2, 2, 256, 8, dtype=torch.float64, generator=gen) for _ in range(3))
+        W = (torch.eye(8, dtype=torch.float64) * (1 + i)).requires_grad_()
+        b = torch.full((8,), 0.1 * i, dtype=torch.float64).requires_grad_()
+        args.append((q.requires_grad_(), k, v, W, b))
+
+    def call(i, res):
+        q, k, v, W, b = args[i]
+        for x in (q, W, b):
+            x.grad = None
+        if dplr:
+            F = fmap.output_dim(8)
+            ab = torch.full((2, 2, 256, F), 0.01, dtype=torch.float64)
+            out = lt.dplr_attention(q, k, v, a=ab, b=ab, feature_map=fmap, normalize=True,
+                                    feature_map_params={"W": W, "b": b})
+        else:
+            out = lt.linear_attention(q, k, v, causal=True, feature_map=fmap, feature_map_params={"W": W, "b": b})
+        out.square().sum().backward()
+        res[i] = (out.detach(), q.grad.clone(), W.grad.clone(), b.grad.clone())
+
+    serial = [None, None]
+    for i in range(2):
+        call(i, serial)
+    for _ in range(8):
+        par = [None, None]
+        threads = [threading.Thread(target=call, args=(i, par)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i in range(2):
+            for got, want in zip(par[i], serial[i]):
+                assert torch.equal(got, want)
