@@ -85,7 +85,7 @@ class FeatureMap:
     def __call__(self, x) -> np.ndarray:
         return self.transform(check_input(self.name, x))
 
-    def apply(self, x: np.ndarray, *, role: str, causal: bool, offset: int = 0,
+    def apply(self, x: np.ndarray, *, role: str, causal: bool = False, offset: int = 0,
               total_length: int | None = None) -> np.ndarray:
         """Features as the attention dispatcher asks for them.
 

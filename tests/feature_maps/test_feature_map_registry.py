@@ -145,3 +145,18 @@ def test_a_bad_seed_is_named(name, seed, err):
     with pytest.raises(err, match=r"seed must be None"):
         fmap.redraw(seed=seed)
     assert fmap.seed == 3  # a refused redraw leaves the map as it was
+
+
+def test_apply_takes_the_same_keywords_for_every_map():
+    """``apply(x, role=...)`` works for every registered map (``causal`` defaults to False everywhere, as the
+    maps that override ``apply`` already had it); the base class required it."""
+    import inspect
+
+    x = np.random.default_rng(0).standard_normal((2, 5, 4))
+    for name in fm.available():
+        m = fm.get(name, dim=4, seed=0) if "dim" in inspect.signature(type(fm.get(name)).__init__).parameters \
+            else fm.get(name)
+        sig = inspect.signature(m.apply)
+        assert sig.parameters["causal"].default is False, name
+        np.testing.assert_array_equal(m.apply(x, role="query"), m.apply(x, role="query", causal=False),
+                                      err_msg=name)
