@@ -61,8 +61,9 @@ def linear_attention(
         normaliser (for signed maps; docs/guide/attention.md).
     check_finite : bool, default True
         Raise ValueError naming an input (q, k, v or ``initial_state``) that holds NaN or inf, and
-        recompute in float64 when finite float16/float32 inputs overflow the working dtype
-        (docs/guide/attention.md).  With False none of this is checked.
+        recompute in float64 when finite float16/float32 inputs overflow the working dtype; finite
+        results that overflow float64 itself raise NonFiniteResult (except with ``eps=None``, whose
+        zero normalisers give NaN) (docs/guide/attention.md).  With False none of this is checked.
     out : ndarray, optional
         Output buffer of shape (..., N, M) and the result dtype.
     initial_state : LinearState or tuple (S, z[, position]), optional
@@ -101,6 +102,8 @@ def linear_attention(
         one of another rule); rule inputs with ``causal=False``, out of range or of no form above.
     TypeError
         Non-floating inputs, a bad ``feature_map`` or ``out`` dtype.
+    linattn_nb.NonFiniteResult
+        Finite inputs whose results are not finite even in float64 (``check_finite``, ``eps`` not None).
 
     Examples
     --------

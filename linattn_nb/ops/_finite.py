@@ -55,7 +55,10 @@ class NonFiniteResult(FloatingPointError):
 
     Raised (with ``check_finite=True``) after ``out`` and ``H`` were written:
     the working dtype overflowed -- e.g. float32 products of inputs of
-    magnitude 1e19 -- or, with ``eps=None``, a normaliser is exactly 0.
+    magnitude 1e19 -- or, with ``eps=None``, a normaliser is exactly 0.  The
+    front ends recompute a float32 overflow in float64; what they raise to
+    the caller is a float64 result that is not finite (inputs of magnitude
+    1e200, or a map whose features overflow float64).
     """
 
 
