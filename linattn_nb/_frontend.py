@@ -468,12 +468,13 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
 
 def float64_overflow(what: str, fmap, q, k, v) -> NonFiniteResult:
     """The error for finite inputs whose results (``what``) are not finite even in float64, with the
-    largest magnitudes of q, k and v (host arrays)."""
+    largest magnitudes of q, k and v (host arrays); ``fmap`` None: softmax attention's."""
     sizes = ", ".join(f"{nm} {float(np.max(np.abs(x), initial=0.0)):.3g}" for nm, x in (("q", q), ("k", k), ("v", v)))
+    where = ("in the scores scale * q . k or the weighted sums" if fmap is None else
+             f"in the features of feature map {fmap.name!r} or in the products and sums")
     return NonFiniteResult(
-        f"finite inputs gave {what} that is not finite even in float64: float64 overflowed in the features of "
-        f"feature map {fmap.name!r} or in the products and sums (largest magnitudes: {sizes}); scale the inputs "
-        "down, or pass check_finite=False to get the non-finite values")
+        f"finite inputs gave {what} that is not finite even in float64: float64 overflowed {where} (largest "
+        f"magnitudes: {sizes}); scale the inputs down, or pass check_finite=False to get the non-finite values")
 
 
 def _check_features(fmap, qf, kf, work):
@@ -615,6 +616,8 @@ def softmax_attention(q, k, v, *, causal, scale, device, check_finite, method):
     if method == "quadratic":
         res = softmax_attention_quadratic(qf, kf, vf, causal=causal, scale=scale)
         result[...] = res.reshape(out_shape)
+        if check_finite and not np.isfinite(res).all():  # float64 inside: its scores overflowed
+            raise float64_overflow("an output", None, q, k, v)
         return result
     direct = work == dtype
     target = result.reshape((b, n, m)) if direct else np.empty((b, n, m), dtype=work)
@@ -626,6 +629,10 @@ def softmax_attention(q, k, v, *, causal, scale, device, check_finite, method):
             softmax_blocked(*(V.flatten_batch(x, _F64) for x in (q, k, v)), out64, causal=causal, scale=scale)
             result[...] = _cast_result(out64, dtype, q, k, v).reshape(out_shape)
             return result
+        if check_finite:  # softmax has no normaliser of 0: float64 itself overflowed
+            if not direct:
+                result[...] = target.reshape(out_shape)
+            raise float64_overflow("an output", None, q, k, v) from None
     if not direct:
         result[...] = target.reshape(out_shape)
     return result

@@ -238,7 +238,8 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, device="auto", check
         Only a CPU kernel exists; GPU inputs raise ValueError.
     check_finite : bool, default True
         Raise ValueError when q, k or v holds NaN or inf, and recompute in float64 when finite
-        float16/float32 inputs overflow the working dtype.  With False neither is checked.
+        float16/float32 inputs overflow the working dtype; finite inputs whose scores overflow float64
+        itself raise NonFiniteResult.  With False none of this is checked.
     method : {"blocked", "quadratic"}
         ``"quadratic"`` is the naive float64 reference (explicit N x N).
 

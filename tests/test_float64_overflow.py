@@ -66,3 +66,15 @@ def test_torch_adapter_refuses_float64_overflow():
     out = lt.linear_attention(qs, k / 1e200, v, causal=True, method="scan")  # the unfused backward too
     with pytest.raises(NonFiniteResult, match="a gradient that is " + _MSG):
         out.backward(torch.full_like(out, 1e308))
+
+
+@pytest.mark.parametrize("method", ["blocked", "quadratic"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_softmax_refuses_scores_that_overflow_float64(method, causal):
+    q, k, v = _big()
+    with pytest.raises(NonFiniteResult, match="an output that is " + _MSG + r".* in the scores"):
+        la.softmax_attention(q, k, v, causal=causal, method=method)
+    out = la.softmax_attention(q, k, v, causal=causal, method=method, check_finite=False)
+    assert np.isnan(out).any()
+    ok = la.softmax_attention(q / 1e200, k / 1e200, v, causal=causal, method=method)
+    assert np.isfinite(ok).all()
