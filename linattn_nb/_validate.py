@@ -212,66 +212,58 @@ def check_normalize(normalize, default: bool) -> bool:
 
 
 @njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _factor_counts_span(x, lo, hi, reset):
+def _factor_span(x, out, lo, hi, reset):
+    """One task of :func:`_factor_pass` (``out`` empty: the counts only)."""
     bad = 0
     resets = 0
+    write = out.shape[0] > 0
+    ninf = -np.inf
     for i in range(x.shape[0]):
-        v = x[i]
+        v = np.float64(x[i])  # exact: every float32 is a float64
         bad += (v != v) | (v < lo) | (v > hi)
-        resets += v <= reset
+        r = v <= reset
+        resets += r
+        if write:
+            out[i] = ninf if r else v
     return bad, resets
 
 
-#: Elements per task of :func:`factor_counts`.
+#: Elements per task of :func:`factor_counts` and :func:`log_factors_into`.
 _FACTOR_SPAN = 1 << 15
 
 
 @njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
+def _factor_pass(x, out, lo, hi, reset):
+    n = x.shape[0]
+    tasks = (n + _FACTOR_SPAN - 1) // _FACTOR_SPAN
+    bad = np.zeros(tasks, np.int64)
+    resets = np.zeros(tasks, np.int64)
+    write = out.shape[0] > 0
+    for t in prange(tasks):
+        lo_i = t * _FACTOR_SPAN
+        hi_i = min(n, lo_i + _FACTOR_SPAN)
+        bad[t], resets[t] = _factor_span(x[lo_i:hi_i], out[lo_i:hi_i] if write else out, lo, hi, reset)
+    return bad.sum(), resets.sum()
+
+
+_NO_OUT = np.empty(0)
+
+
 def factor_counts(x, lo, hi, reset):
     """``(bad, resets)`` of a 1-D float64 array in one parallel pass: how many elements are NaN or outside
     [lo, hi], and how many are at or below ``reset`` (NumPy took five passes over a per-feature gate,
     as large as q and k; one serial pass 1.1 ms at B*H = 16, N = 4096, F = 64).  The comparisons survive
     the fast-math flags (no ``nnan``)."""
-    n = x.shape[0]
-    tasks = (n + _FACTOR_SPAN - 1) // _FACTOR_SPAN
-    bad = np.zeros(tasks, np.int64)
-    resets = np.zeros(tasks, np.int64)
-    for t in prange(tasks):
-        lo_i = t * _FACTOR_SPAN
-        bad[t], resets[t] = _factor_counts_span(x[lo_i:min(n, lo_i + _FACTOR_SPAN)], lo, hi, reset)
-    return bad.sum(), resets.sum()
+    return _factor_pass(x, _NO_OUT, float(lo), float(hi), float(reset))
 
 
-@njit(fastmath=config.FASTMATH, cache=config.CACHE)
-def _log_factors_span(x, out, reset):
-    bad = 0
-    resets = 0
-    ninf = -np.inf
-    for i in range(x.shape[0]):
-        v = np.float64(x[i])  # exact: every float32 is a float64
-        bad += (v != v) | (v > 0.0)
-        r = v <= reset
-        resets += r
-        out[i] = ninf if r else v
-    return bad, resets
-
-
-@njit(parallel=True, fastmath=config.FASTMATH, cache=config.CACHE)
 def log_factors_into(x, out, reset):
-    """``out`` (float64) <- the 1-D float32 log-factors ``x``, ``-inf`` at or below ``reset``, in one parallel
-    pass that also counts them as :func:`factor_counts` does: returns ``(bad, resets)`` (NaN or above 0;
+    """``out`` (float64) <- the 1-D float32 log-factors ``x``, ``-inf`` at or below ``reset``, in the same
+    parallel pass that counts them as :func:`factor_counts` does: returns ``(bad, resets)`` (NaN or above 0;
     at or below ``reset``).  A per-feature gate is as large as q and k: NumPy's conversion to a fresh
     float64 array, the count and the copy took three passes (12.1 ms at B*H = 16, N = 4096, F = 64,
     Intel Xeon, 2 threads; docs/performance.md, "The gate's log-factors")."""
-    n = x.shape[0]
-    tasks = (n + _FACTOR_SPAN - 1) // _FACTOR_SPAN
-    bad = np.zeros(tasks, np.int64)
-    resets = np.zeros(tasks, np.int64)
-    for t in prange(tasks):
-        lo_i = t * _FACTOR_SPAN
-        hi_i = min(n, lo_i + _FACTOR_SPAN)
-        bad[t], resets[t] = _log_factors_span(x[lo_i:hi_i], out[lo_i:hi_i], reset)
-    return bad.sum(), resets.sum()
+    return _factor_pass(x, out, -np.inf, 0.0, float(reset))
 
 
 def _refuse_factors(name: str, x, lo: float, hi: float):
