@@ -205,6 +205,10 @@ def machine_line() -> str:
 # ---------------------------------------------------------------------------
 # The calibration file
 # ---------------------------------------------------------------------------
+#: ``LINATTN_*`` variables that leave the timed kernels as they are (so not in :func:`calibration_key`).
+_NOT_KNOBS = frozenset({"LINATTN_CACHE_DIR", "LINATTN_NO_CACHE", "LINATTN_AUTO_TUNE"})
+
+
 def calibration_key() -> dict:
     """What a calibration is valid for: CPU, BLAS, BLAS overrides, threads and versions (memoised)."""
     global _key_memo
@@ -220,6 +224,10 @@ def calibration_key() -> dict:
                      for i in blas_libraries()],
             "blas_env": blas_env(),
             "numba_threads": int(numba.config.NUMBA_NUM_THREADS),
+            # the library's own knobs set in the environment (a chunk size, BLAS threads inside the kernels,
+            # ...) change what is timed; where the calibration is kept, and whether it is read, do not
+            "knobs": {k: os.environ[k] for k in sorted(os.environ)
+                      if k.startswith("LINATTN_") and k not in _NOT_KNOBS},
             "linattn_nb": __version__,
             "numba": numba.__version__,
             "numpy": np.__version__,
@@ -323,7 +331,7 @@ def read(path: str | None = None) -> tuple:
             cal = json.load(fh)
     except OSError as exc:
         return None, f"cannot be read ({exc.strerror or exc})"
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than the parser's stack
         return None, "is not valid JSON"
     problem = _invalid(cal, calibration_key())
     return (None, f"is not a valid calibration ({problem})") if problem else (cal, None)
@@ -369,16 +377,19 @@ def other_files() -> list:
 
 
 def clear() -> str | None:
-    """Remove this machine's stored calibration (and forget it in this process); the file removed, or None."""
+    """Remove this machine's stored calibration (and forget it in this process); the file removed, or None
+    where there was none.  OSError (naming the file) where it is there and cannot be removed."""
     global _current
     with _lock:
         _current = False
     path = calibration_path()
-    if path is not None and os.path.exists(path):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-            return path
-    return None
+    if path is None or not os.path.lexists(path):
+        return None
+    try:
+        os.unlink(path)
+    except FileNotFoundError:  # removed by another process meanwhile
+        return None
+    return path
 
 
 def current() -> dict | None:
@@ -624,8 +635,9 @@ def _first_use(rule, name, entry_key):
             print(f"linattn_nb: the timing failed ({type(exc).__name__}: {exc}); method='auto' uses "
                   "config.AUTO_METHODS", file=sys.stderr, flush=True)
             return None
+        stored = load()  # the file as it is now: another process may have stored rules since this one read it
         with _lock:
-            cal = merge(_current or None, new)
+            cal = merge(stored or _current or None, new)
         save(cal)
         return [tuple(r) for r in cal["entries"][entry_key]["rows"]]
     finally:

@@ -139,7 +139,11 @@ def cmd_tune(args) -> int:
         print(f"WARNING: {w}")
     path = _tune.calibration_path()
     if args.clear:
-        removed = _tune.clear()
+        try:
+            removed = _tune.clear()
+        except OSError as exc:
+            print(f"linattn tune: cannot remove {path}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
         print(f"removed {removed}" if removed else f"no calibration stored for this machine ({path or 'no cache folder'})")
         return 0
     if args.show:

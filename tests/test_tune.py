@@ -85,7 +85,7 @@ def test_other_machine_blas_or_version_is_ignored(folder, monkeypatch, what):
     assert select_auto(n=100, dtype=np.float32, **KW) == ("scan" if constant_edge() >= 100 else "chunked")
 
 
-@pytest.mark.parametrize("text", ["{not json", "", "[]", "null",
+@pytest.mark.parametrize("text", ["{not json", "", "[]", "null", "[" * 100000,
                                   '{"format": 1, "key": "KEY", "entries": {"additive/float32": {"rows": [[4, "x"]]}}}',
                                   '{"format": 1, "key": "KEY", "entries": {"additive/float32": {"rows": [[4, "scan"]]}}}',
                                   '{"format": 1, "key": "KEY", "entries": {"additive/float32": '
@@ -380,3 +380,54 @@ def test_tune_checks_auto_tune_before_timing(folder, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "linattn tune: error: config.AUTO_TUNE (LINATTN_AUTO_TUNE) is 'bogus'" in err
     assert not list(folder.iterdir())
+
+
+def test_first_use_keeps_what_another_process_stored_meanwhile(folder, monkeypatch):
+    """A first-use timing merges into the file as it is when it stores, not as this process read it: an
+    entry that another process (``linattn tune --rules decay``) stored in between stays."""
+    monkeypatch.setattr(config, "AUTO_TUNE", "first-use")
+
+    def calibrate(rules, dtypes, **kw):
+        cal = fake([(5000, "scan"), (None, "chunked")])
+        cal["entries"] = {f"{rules[0]}/{dtypes[0]}": cal["entries"]["additive/float32"]}
+        return cal
+
+    monkeypatch.setattr(_tune, "calibrate", calibrate)
+    assert select_auto(n=4096, dtype=np.float32, **KW) == "scan"  # times additive/float32, stores it
+    other = json.loads(Path(_tune.calibration_path()).read_text())  # another process adds decay/float32
+    other["entries"]["decay/float32"] = other["entries"]["additive/float32"]
+    Path(_tune.calibration_path()).write_text(json.dumps(other))
+    assert select_auto(n=4096, dtype=np.float64, **KW) == "scan"  # times additive/float64 here
+    stored = json.loads(Path(_tune.calibration_path()).read_text())["entries"]
+    assert set(stored) == {"additive/float32", "additive/float64", "decay/float32"}
+
+
+def test_clear_that_cannot_remove_the_file_says_so(folder, monkeypatch, capsys):
+    """``linattn tune --clear`` where the file cannot be removed: an error naming it and exit 1 (it said
+    "no calibration stored" and exited 0, and the file went on being used)."""
+    path = _tune.save(fake())
+
+    def unlink(p):
+        raise PermissionError(13, "Permission denied", p)
+
+    monkeypatch.setattr(_tune.os, "unlink", unlink)
+    with pytest.raises(PermissionError):
+        _tune.clear()
+    assert cli.main(["tune", "--clear"]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot remove {path}: Permission denied" in err and os.path.exists(path)
+
+
+def test_the_librarys_knobs_key_the_calibration(monkeypatch):
+    """A chunk size or another ``LINATTN_*`` knob set in the environment changes what is timed, so it keys
+    its own calibration file; the cache folder and the tuning mode do not."""
+    _tune.forget()
+    base = _tune.calibration_key()
+    for name, value, same in (("LINATTN_CPU_CHUNK_SIZE", "8", False), ("LINATTN_BLAS_SINGLE_THREAD", "0", False),
+                              ("LINATTN_AUTO_TUNE", "off", True), ("LINATTN_CACHE_DIR", "/tmp/x", True)):
+        monkeypatch.setenv(name, value)
+        _tune.forget()
+        assert (_tune.calibration_key() == base) == same, name
+        monkeypatch.delenv(name)
+    _tune.forget()
+    assert _tune.calibration_key() == base
