@@ -357,6 +357,35 @@ def _rule_checked(spec, inputs, lead, N, F, r) -> dict:
     return checked
 
 
+def _rule_pullback(spec, R, g):
+    """A named rule's :meth:`pullback` of the request ``R``; for a researcher's rule its result checked:
+    ValueError naming the rule and what is wrong (not a ``(dfk, dv, dinputs)`` triple, a shape other than
+    ``fk``'s or ``v``'s, an unknown argument, or no gradient for an argument the call passed)."""
+    out = spec.pullback(R.fk, R.v64, R.checked, g)
+    if not _user_rule(spec):
+        return out
+    where = f"rule {spec.name!r}: pullback(fk, v, inputs, g) must return (dfk, dv, dinputs)"
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        raise ValueError(f"{where}, got {type(out).__name__}"
+                         + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
+    dfk, dv, dinp = out
+    for name, x, ref in (("dfk", dfk, R.fk), ("dv", dv, R.v64)):
+        if np.shape(x) != np.shape(ref):
+            raise ValueError(f"{where}: {name} has shape {np.shape(x)}, expected {np.shape(ref)} (that of "
+                             f"{'fk' if name == 'dfk' else 'v'})")
+    if not isinstance(dinp, dict):
+        raise ValueError(f"{where}: dinputs must be a dict by argument name, got {type(dinp).__name__}")
+    known = set(spec.arguments) | {"decay"}
+    unknown = sorted(set(dinp) - known)
+    if unknown:
+        raise ValueError(f"{where}: dinputs names {unknown}, which the rule does not take ({sorted(spec.arguments)})")
+    for key, given in R.given.items():
+        want = "decay" if key in ("decay", "log_decay") else key  # not a rule: the arguments decay, log_decay
+        if given is not None and key in spec.arguments and want not in dinp:
+            raise ValueError(f"{where}: dinputs has no gradient for {want!r}, which the call passed")
+    return out
+
+
 def _rule_form(spec, form, B, N, F, M, keyed=False):
     """A researcher's rule's general (or keyed) form, checked: ValueError naming the rule, the field and the
     shape it must have, or the values it holds (a log-diagonal above 0 or NaN, non-finite vectors), before a
@@ -726,7 +755,7 @@ def dplr_attention_vjp(q, k, v, grad_out, *, rule=None, a=None, b=None, log_diag
     if R.spec is None:
         dfk, dv, dinp = _general_pullback(R, g)
     else:
-        dfk, dv, dinp = R.spec.pullback(R.fk, R.v64, R.checked, g)
+        dfk, dv, dinp = _rule_pullback(R.spec, R, g)
     d_inputs = {}
     for key, val in dinp.items():
         if key == "decay" and R.given.get("log_decay") is not None:  # not a rule: the argument given

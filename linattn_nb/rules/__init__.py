@@ -115,17 +115,42 @@ def rule_for(*, factor: Optional[str], beta: bool) -> UpdateRule:
 DPLR_RULES: Dict[str, DPLRRule] = {}
 
 
+#: Keywords of ``dplr_attention``, its VJP and the torch adapter's, which a rule's own arguments cannot take
+#: (``beta`` is the one a rule may take: those functions pass it on to the rule).
+RESERVED_ARGUMENTS = frozenset({"q", "k", "v", "rule", "a", "b", "log_diag", "feature_map", "method", "normalize",
+                                "eps", "check_finite", "out", "initial_state", "return_state", "device", "grad_out",
+                                "grad_state", "feature_map_params"})
+
+
 def register_dplr(rule: DPLRRule, *, overwrite: bool = False) -> DPLRRule:
     """Add a named DPLR rule to :data:`DPLR_RULES` (a researcher's own rule too: see ``docs/dplr.md``).
 
-    Raises TypeError for anything but a :class:`DPLRRule`, ValueError when its name is taken (by a
-    rule of either registry) unless ``overwrite``.
+    Raises TypeError for anything but a :class:`DPLRRule`, a name that is not a string or ``arguments``
+    that are not a tuple of strings; ValueError for an empty name, an argument name that
+    ``dplr_attention`` takes itself (:data:`RESERVED_ARGUMENTS`), and a name that is taken: by a DPLR rule
+    unless ``overwrite``, by a rule of the other registry (or ``"dplr"``, the general form) always.
     """
     if not isinstance(rule, DPLRRule):
         raise TypeError(f"rule must be a DPLRRule, got {type(rule).__name__}")
-    if not overwrite and (rule.name in DPLR_RULES or rule.name in RULES or rule.name == "dplr"):
-        raise ValueError(f"rule {rule.name!r} already registered")
-    DPLR_RULES[rule.name] = rule
+    name = rule.name
+    if not isinstance(name, str):
+        raise TypeError(f"rule.name must be a string, got {type(name).__name__} {name!r}")
+    if not name:
+        raise ValueError("rule.name must not be empty")
+    args = rule.arguments
+    if not isinstance(args, tuple) or not all(isinstance(a, str) and a for a in args):
+        raise TypeError(f"rule {name!r}: arguments must be a tuple of non-empty strings (the keyword names it "
+                        f"takes), got {args!r}")
+    clash = sorted(set(args) & RESERVED_ARGUMENTS)
+    if clash:
+        raise ValueError(f"rule {name!r}: argument(s) {clash} are keywords of dplr_attention itself; name them "
+                         "otherwise")
+    if name in RULES or name == "dplr":
+        raise ValueError(f"rule {name!r} is a name of the built-in rules (linear_attention's) or of the general "
+                         "form; overwrite replaces DPLR rules only: choose another name")
+    if not overwrite and name in DPLR_RULES:
+        raise ValueError(f"rule {name!r} already registered")
+    DPLR_RULES[name] = rule
     return rule
 
 
@@ -156,5 +181,6 @@ def get_dplr_rule(rule) -> DPLRRule:
         raise ValueError(f"unknown DPLR rule {rule!r}; registered: {', '.join(map(repr, DPLR_RULES))}") from None
 
 
-__all__ = ["BUILTIN_DPLR_RULES", "DPLR_RULES", "DPLRRule", "FACTOR_KINDS", "RULES", "UpdateRule", "dplr_rule_names",
-           "get_dplr_rule", "get_rule", "reference", "register", "register_dplr", "rule_for", "rule_names"]
+__all__ = ["BUILTIN_DPLR_RULES", "DPLR_RULES", "DPLRRule", "FACTOR_KINDS", "RESERVED_ARGUMENTS", "RULES", "UpdateRule",
+           "dplr_rule_names", "get_dplr_rule", "get_rule", "reference", "register", "register_dplr", "rule_for",
+           "rule_names"]

@@ -30,8 +30,12 @@ REQUIRED_KEYS = ("format", "version", "S", "z", "position", "key_dim", "value_di
                  "feature_map_probe")
 #: Entries added by each version after the first.
 VERSION_KEYS = {2: ("rule", "normalize")}
-#: The rules a file may name: the registered rules by name ("": not fixed yet).
-FILE_RULES = ("",) + rule_names() + ("dplr",) + dplr_rule_names()  # DPLR states: state/dplr.py
+def file_rules() -> tuple:
+    """The rules a file may name: the rules registered now, by name ("": not fixed yet; "dplr" and the DPLR
+    rules: state/dplr.py), so that a rule a researcher registered after import loads too."""
+    return ("",) + rule_names() + ("dplr",) + dplr_rule_names()
+
+
 PROBE_TOKENS = 3
 
 
@@ -263,8 +267,11 @@ def parse(path, data, *, feature_map, expect) -> StateFile:
     rule, normalize = "additive", None
     if version >= 2:
         r = data["rule"]
-        if r.dtype.kind != "U" or r.shape != () or str(r) not in FILE_RULES:
-            raise bad(f"entry 'rule' must be one of {FILE_RULES}, got {r!r}")
+        known = file_rules()
+        if r.dtype.kind != "U" or r.shape != () or str(r) not in known:
+            got = repr(str(r)) if r.dtype.kind == "U" and r.shape == () else repr(r)
+            raise bad(f"entry 'rule' must be a registered rule, one of {known}, got {got} (a rule of your own: "
+                      "register it before loading)")
         rule = str(r) or None
         nz = scalar("normalize", "iu")
         if nz not in (-1, 0, 1):

@@ -133,3 +133,76 @@ def test_a_pullback_gradient_of_an_optional_argument_not_passed_is_dropped(regis
     assert "beta" not in without.d_inputs and ones.d_inputs["beta"].shape == (2, 16, F)
     for a, b in ((without.dq, ones.dq), (without.dk, ones.dk), (without.dv, ones.dv)):
         np.testing.assert_array_equal(a, b)
+
+
+def _pullback(fk, v, inp, g):
+    dA, dB, dK = g["a"][:, :, 0], g["b"][:, :, 0], g["kw"][:, :, 0]
+    return dA * inp["beta"] + dK * inp["beta"] - dB, g["vw"][:, :, 0], {"beta": (dA + dK) * fk}
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda out: out[:2], r"must return \(dfk, dv, dinputs\), got tuple of length 2"),
+    (lambda out: (out[0][..., 0], out[1], out[2]), r"dfk has shape \(2, 16\), expected \(2, 16, 8\)"),
+    (lambda out: (out[0], out[1][:, :1], out[2]), r"dv has shape \(2, 1, 8\), expected \(2, 16, 8\)"),
+    (lambda out: (out[0], out[1], []), r"dinputs must be a dict by argument name, got list"),
+    (lambda out: (out[0], out[1], {"gamma": out[2]["beta"]}), r"dinputs names \['gamma'\]"),
+    (lambda out: (out[0], out[1], {}), r"dinputs has no gradient for 'beta', which the call passed"),
+])
+def test_a_pullback_that_returns_the_wrong_thing_is_named(register, bad, match):
+    """A researcher's pullback is checked as their check and build are: what is wrong, naming the rule (it
+    gave NumPy's unpacking or reshape errors, and an empty dinputs returned no gradient for beta)."""
+    name = register("user_badpullback", pullback=lambda fk, v, inp, g: bad(_pullback(fk, v, inp, g)))
+    q, k, v, beta = _inputs()
+    with pytest.raises(ValueError, match=r"rule 'user_badpullback': pullback\(fk, v, inputs, g\).*" + match):
+        la.dplr_attention_vjp(q, k, v, np.ones_like(v), rule=name, beta=beta, feature_map="l2")
+    rules.DPLR_RULES[name] = rules.DPLR_RULES[name].__class__(
+        **{**{f: getattr(rules.DPLR_RULES[name], f) for f in rules.DPLR_RULES[name].__dataclass_fields__},
+           "pullback": _pullback})
+    assert la.dplr_attention_vjp(q, k, v, np.ones_like(v), rule=name, beta=beta, feature_map="l2").dq.shape == q.shape
+
+
+def test_registration_refuses_bad_names_and_arguments_and_the_linear_rules_names(register):
+    """A name that is not a non-empty string, arguments that are not a tuple of names or that take one of
+    dplr_attention's own keywords, and a linear rule's name even with overwrite=True (it took over the torch
+    layer's rule='delta'): refused, naming what is wrong.  Overwriting a DPLR rule stays allowed."""
+    import dataclasses
+
+    base = D.DPLRRule(name="x", arguments=("beta",), substeps=False, formula="", check=_check, build=_good,
+                      step=lambda H, k, v1, inp: H, sample=None, pullback=None)
+    for kw, err, match in (({"name": None}, TypeError, "rule.name must be a string, got NoneType"),
+                           ({"name": 3}, TypeError, "rule.name must be a string, got int"),
+                           ({"name": ""}, ValueError, "rule.name must not be empty"),
+                           ({"arguments": "beta"}, TypeError, "arguments must be a tuple of non-empty strings"),
+                           ({"arguments": ("beta", "eps")}, ValueError, r"argument\(s\) \['eps'\] are keywords"),
+                           ({"name": "delta"}, ValueError, "'delta' is a name of the built-in rules"),
+                           ({"name": "dplr"}, ValueError, "'dplr' is a name of the built-in rules")):
+        with pytest.raises(err, match=match):
+            rules.register_dplr(dataclasses.replace(base, **kw), overwrite=True)
+    assert "delta" not in rules.DPLR_RULES and "x" not in rules.DPLR_RULES
+    name = register("user_twice")
+    with pytest.raises(ValueError, match="already registered"):
+        rules.register_dplr(dataclasses.replace(base, name=name))
+    rules.register_dplr(dataclasses.replace(base, name=name), overwrite=True)  # a DPLR rule: replaced
+    from linattn_nb import dplr
+
+    import inspect
+    taken = {p for f in (dplr.dplr_attention, dplr.dplr_attention_vjp) for p in inspect.signature(f).parameters}
+    assert taken - {"beta", "rule_arguments"} <= rules.RESERVED_ARGUMENTS
+
+
+def test_a_saved_state_of_ones_own_rule_loads(register, tmp_path):
+    """DPLRState.save of a rule registered after import wrote a file that load refused (the file format's list
+    of rules was made at import); it now loads with the same state, and an unregistered rule is named."""
+    from linattn_nb.state.dplr import DPLRState
+
+    name = register("user_saved")
+    rng = np.random.default_rng(0)
+    k, v = rng.standard_normal((2, 4, F))
+    st = DPLRState(F, F, rule=name, feature_map="l2")
+    st.prefill(k, v, beta=rng.uniform(0, 1, (4, F)))
+    st.save(tmp_path / "s.npz")
+    back = DPLRState.load(tmp_path / "s.npz")
+    assert back.rule == name and np.array_equal(back.S, st.S) and np.array_equal(back.z, st.z)
+    rules.DPLR_RULES.pop(name)
+    with pytest.raises(ValueError, match=r"must be a registered rule, .* got 'user_saved' \(a rule of your own"):
+        DPLRState.load(tmp_path / "s.npz")
