@@ -40,7 +40,8 @@ class ApproximationError:
         Over rows, ``KL(softmax || linear)``; ``inf`` where a row's linear weights put zero or
         negative mass where softmax has mass, or have a normaliser <= 0.
     tv_mean, tv_max : float
-        Row total variation ``1/2 sum_j |p_ij - w_ij|``.
+        Row total variation ``1/2 sum_j |p_ij - w_ij|``; ``inf`` for a row whose normaliser is exactly 0
+        with ``eps=None`` (its linear weights are undefined), which then makes both infinite.
     entropy_softmax : float
         Mean row entropy of the softmax weights (nats).
     entropy_linear : float
