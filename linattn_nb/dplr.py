@@ -553,6 +553,8 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
             raise TypeError(f"out must be a NumPy array, got {type(out).__name__}")
         if out.shape != lead + (N, M) or out.dtype != dtype:
             raise ValueError(f"out must have shape {lead + (N, M)} and dtype {dtype}, got {out.shape} {out.dtype}")
+        if not out.flags.writeable:
+            raise ValueError("out is read-only")  # before the call's work, not after it
     if method == "quadratic":
         from .ops.dplr.naive import dplr_reference
 

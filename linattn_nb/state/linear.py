@@ -595,6 +595,9 @@ class LinearAttentionState:
             raise ValueError(f"out must be a NumPy array of shape {shape} and dtype {inp.dtype} for host inputs, "
                              f"got {type(given).__name__} {getattr(given, 'shape', None)} "
                              f"{getattr(given, 'dtype', None)}")
+        if isinstance(given, np.ndarray) and not given.flags.writeable:
+            # refused before the kernel advances the state (a retry would absorb the tokens twice)
+            raise ValueError("out is read-only")
         if given is None or not inp.device_inputs:
             return self._new_out(inp.T, inp.work)
         if isinstance(given, np.ndarray):

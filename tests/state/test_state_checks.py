@@ -359,3 +359,25 @@ def test_numpy_side_maps_decode_like_the_causal_kernel(name, device):
     assert st.position == n
     np.testing.assert_allclose(host(st.S), ref_state.S, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(host(st.z), ref_state.z, rtol=1e-12, atol=1e-12)
+
+
+def test_a_read_only_out_is_refused_before_the_state_moves():
+    """``step(out=<read-only array>)`` raised NumPy's "assignment destination is read-only" after the kernel
+    had absorbed the tokens: a retry with a writable out absorbed them twice.  Now it is refused first, and
+    ``dplr_attention(out=...)`` refuses it before its work too."""
+    import linattn_nb as la
+
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((3, 2, 5, 4))
+    st = la.LinearAttentionState(4, 4, batch_shape=(2,))
+    S0 = st.S.copy()
+    ro = np.zeros((2, 5, 4))
+    ro.setflags(write=False)
+    with pytest.raises(ValueError, match="out is read-only"):
+        st.step(q, k, v, out=ro)
+    assert st.position == 0 and np.array_equal(st.S, S0)
+    good = np.zeros((2, 5, 4))
+    assert st.step(q, k, v, out=good) is good
+    np.testing.assert_array_equal(good, la.LinearAttentionState(4, 4, batch_shape=(2,)).step(q, k, v))
+    with pytest.raises(ValueError, match="out is read-only"):
+        la.dplr_attention(q, k, v, a=np.zeros((2, 5, 4)), b=np.zeros((2, 5, 4)), feature_map="l2", out=ro)
