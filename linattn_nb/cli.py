@@ -458,7 +458,9 @@ def _run_studies(args, names, argv) -> int:
                              workers=args.workers, force=args.force, resume=args.resume, studies=names,
                              progress=args.progress, command=command_line(argv), options=own or None)
     except KeyboardInterrupt:
-        again = [a for a in argv if a != "--force"] + ([] if args.resume else ["--resume"])
+        # --force, as spelt (argparse takes an unambiguous prefix such as --forc), contradicts --resume
+        again = [a for a in argv if not (len(a) > 2 and "--force".startswith(a))] + ([] if args.resume
+                                                                                     else ["--resume"])
         print(f"linattn {args.command}: interrupted; the finished points are kept in {args.out!r}: "
               f"`linattn {shlex.join(again)}` continues", file=sys.stderr)
         return 130
@@ -568,6 +570,8 @@ def main(argv=None) -> int:
         for name in ("batch", "heads", "length", "dim"):
             if getattr(args, name) < 1:
                 subparser.error(f"--{name} must be >= 1")
+        if args.seed < 0:
+            subparser.error("--seed must be >= 0")
         import math
 
         from linattn_nb import config
@@ -583,6 +587,11 @@ def main(argv=None) -> int:
         if args.quick and args.profile not in (None, "quick"):
             subparser.error(f"--quick and --profile {args.profile} contradict each other")
         args.profile = "quick" if args.quick else args.profile  # None: the --config file's, else full
+        if getattr(args, "out", None) == "":
+            subparser.error("--out is empty: give a folder (or leave it out for the default)")
+        if getattr(args, "scheduler", None) is not None and getattr(args, "workers", None) is not None:
+            subparser.error("--workers sizes the local worker processes; --scheduler brings its own workers: "
+                            "pass one or the other")
     try:
         return int((args.func(args, argv) if getattr(args, "wants_argv", False) else args.func(args)) or 0)
     except KeyboardInterrupt:

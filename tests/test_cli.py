@@ -177,6 +177,26 @@ def test_report_ctrl_c_in_process(tmp_path, capsys, monkeypatch):
     assert main(["check", "--profile", "tiny", "--no-progress", "--resume", "--out", str(out)]) == 130
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].count("--resume") == 1
+    # --force as abbreviated (argparse takes --forc): dropped too, or the printed command is refused
+    assert main(["report", "--profile", "tiny", "--no-progress", "--forc", "--out", str(out)]) == 130
+    line = capsys.readouterr().err.strip()
+    assert "--forc" not in line and "--resume" in line
+
+
+def test_argument_checks_argparse_cannot_make(tmp_path, capsys, monkeypatch):
+    """A negative demo seed (NumPy's traceback, exit 1), an empty --out (the default folder used instead,
+    exit 0) and --workers with --scheduler (--workers silently ignored): exit 2, one line naming the option."""
+    monkeypatch.chdir(tmp_path)  # where the default folder would go
+    for argv, msg in ((["demo", "--seed", "-1"], "--seed must be >= 0"),
+                      (["rank", "--profile", "tiny", "--no-progress", "--out", ""], "--out is empty"),
+                      (["rank", "--profile", "tiny", "--no-progress", "--out", str(tmp_path / "w"), "--workers", "2",
+                        "--scheduler", "tcp://127.0.0.1:1"], "--workers sizes the local worker processes")):
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv)
+        assert info.value.code == 2, argv
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err, err
+    assert not (tmp_path / "w").exists() and not (tmp_path / "report-rank").exists()
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process is POSIX")

@@ -108,9 +108,9 @@ def machine_info() -> list[tuple[str, str]]:
     from ..device import cuda_status
 
     try:
-        layer = numba.threading_layer()
-    except ValueError:
-        layer = "not started"
+        layer = f"{numba.threading_layer()} threading layer"
+    except ValueError:  # no parallel kernel ran in this process (a report whose points were all reused)
+        layer = "threading layer not started"
     status = cuda_status()
     cuda = {"gpu": "GPU", "simulator": "CUDA simulator only (no GPU timings)", "none": "no GPU"}[status]
     if status == "gpu":
@@ -124,7 +124,7 @@ def machine_info() -> list[tuple[str, str]]:
         ("platform", platform.platform()),
         ("Python", platform.python_version()),
         ("NumPy / SciPy / Numba", f"{np.__version__} / {scipy.__version__} / {numba.__version__}"),
-        ("Numba threads", f"{numba.get_num_threads()} ({layer} threading layer)"),
+        ("Numba threads", f"{numba.get_num_threads()} ({layer})"),
         ("CUDA", cuda),
         # np.dot inside Numba's parallel kernels calls a BLAS that may start threads
         # of its own: the settings that decide it belong beside the timings.
