@@ -23,6 +23,7 @@ from . import _gradfront
 from . import feature_maps as fm
 from . import rules
 from ._frontend import LinearState
+from ._validate import check_bool
 from .feature_maps._base import FeatureOverflow
 from ._defaults import DEFAULT_EPS
 
@@ -425,6 +426,7 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto",
     >>> q.grad.shape == q.shape
     True
     """
+    check_finite, return_state = check_bool("check_finite", check_finite), check_bool("return_state", return_state)
     q, k, v = (_check_tensor(nm, x) for nm, x in (("q", q), ("k", k), ("v", v)))
     _warn_if_torch_spins()
     fmap = fm.resolve(feature_map)
@@ -637,6 +639,7 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
     >>> decay.grad.shape, beta.grad.shape
     (torch.Size([2, 16, 8]), torch.Size([2, 16]))
     """
+    check_finite, return_state = check_bool("check_finite", check_finite), check_bool("return_state", return_state)
     q, k, v = (_check_tensor(nm, x) for nm, x in (("q", q), ("k", k), ("v", v)))
     if "out" in rule_arguments:
         raise TypeError("out= is not supported for torch tensors: use the returned tensor")

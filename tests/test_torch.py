@@ -924,3 +924,18 @@ def test_threads_sharing_a_map_with_their_own_parameters(dplr):
         for i in range(2):
             for got, want in zip(par[i], serial[i]):
                 assert torch.equal(got, want)
+
+
+def test_flags_must_be_bools():
+    """``check_finite='False'`` was read as True (a truthy string) by the adapter, which does not go through
+    linear_attention's front end; ``return_state='False'`` returned a state.  Both are refused, naming the flag,
+    as linear_attention refuses them."""
+    q = torch.randn(1, 4, 3)
+    ab = torch.zeros(1, 4, 3)
+    for flag in ("check_finite", "return_state"):
+        with pytest.raises(TypeError, match=f"{flag} must be True or False, got 'False'"):
+            lt.linear_attention(q, q, q, **{flag: "False"})
+        with pytest.raises(TypeError, match=f"{flag} must be True or False, got 'False'"):
+            lt.dplr_attention(q, q, q, a=ab, b=ab, **{flag: "False"})
+    out, st = lt.linear_attention(q, q, q, causal=True, return_state=np.bool_(True))  # a NumPy bool is a bool
+    assert st.S.dtype == torch.float64 and out.shape == q.shape
