@@ -148,7 +148,7 @@ def test_state_file_unknown_rule_is_refused(tmp_path):
     _, good = _state_file(tmp_path)
     bad = tmp_path / "bad.npz"
     rewrite_state_file(good, bad, rule=np.array("no_such_rule"))
-    with pytest.raises(StateFileError, match="entry 'rule' must be one of"):
+    with pytest.raises(StateFileError, match="entry 'rule' must be a registered rule, one of"):
         LinearAttentionState.load(bad)
 
 

@@ -236,7 +236,7 @@ MUTATIONS: list[Mutation] = [
       ("tests/state/test_state_decay.py", "tests/test_mutation_catches.py::test_state_file_keeps_normalize"),
       "save drops the normalize setting"),
     M("file_rule_unchecked", "state/fileformat.py",
-      " or str(r) not in FILE_RULES:",
+      " or str(r) not in known:",
       ":",
       ("tests/state/test_state.py::test_bad_files_rejected_with_clear_errors", "tests/test_mutation_catches.py::test_state_file_unknown_rule_is_refused"),
       "an unknown update rule in a file is accepted"),

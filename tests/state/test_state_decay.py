@@ -438,7 +438,7 @@ def test_state_files_store_the_rule(tmp_path):
     assert LinearAttentionState.load(p2).rule is None
     assert LinearAttentionState.load(p2, rule="decay").rule == "decay"
     # Bad entries.
-    for change, msg in ((dict(rule=np.array("deltanet")), "entry 'rule' must be one of"),
+    for change, msg in ((dict(rule=np.array("deltanet")), "entry 'rule' must be a registered rule, one of"),
                         (dict(normalize=np.array(7)), "entry 'normalize'"),
                         (dict(rule=None), "missing entries \\['rule'\\]")):
         p = tmp_path / "bad.npz"
