@@ -306,11 +306,16 @@ def _overflow(what, wide, dtype):
                      "float64 inputs or rescale them")
 
 
+def _checks_float64(req: Request) -> bool:
+    """Whether a non-finite result of ``req`` is an error: a float64 request with finite inputs
+    (``check_finite``) and no normaliser that can be 0 (``eps=None``'s NaN is documented)."""
+    return req.check_finite and req.work == _F64 and (req.eps is not None or not req.normalize)
+
+
 def check_float64(req: Request, arrays, what: str, qkv) -> None:
-    """:func:`~linattn_nb._frontend.float64_overflow` raised where a float64 request with finite inputs
-    (``check_finite``) gave ``arrays`` (``what``) that are not all finite, unless a normaliser of 0 can have
-    made them so (``eps=None``, whose NaN is documented).  ``qkv``: the host inputs, for the message."""
-    if not (req.check_finite and req.work == _F64 and (req.eps is not None or not req.normalize)):
+    """:func:`~linattn_nb._frontend.float64_overflow` raised where ``arrays`` (``what``) of a request that
+    :func:`_checks_float64` are not all finite.  ``qkv``: the host inputs, for the message."""
+    if not _checks_float64(req):
         return
     if all(x is None or all_finite(x) for x in arrays):
         return
@@ -621,8 +626,7 @@ def linear_attention_vjp(q, k, v, grad_out, *, feature_map, causal, method, devi
         return _vjp_float64(q, k, v, grad_out, grad_state, kw)  # the map's features overflowed float32
     known = set()
     work = req.work
-    floored = req.eps is not None or not req.normalize  # no normaliser of 0 (eps=None's documented NaN)
-    fmap = req.fmap
+    checks64, fmap = _checks_float64(req), req.fmap  # read before the request is freed
     if _normalized_fused(req, grad_out):
         res = backward_normalized(req, grad_out, grad_state, finite=known)
         del req
@@ -638,7 +642,7 @@ def linear_attention_vjp(q, k, v, grad_out, *, feature_map, causal, method, devi
     if check_finite and work != _F64 and not _finite(res, known):
         # finite inputs, non-finite gradients: the working dtype overflowed; float64 throughout
         return _vjp_float64(q, k, v, grad_out, grad_state, kw)
-    if check_finite and work == _F64 and floored and not _finite(res, known):
+    if checks64 and not _finite(res, known):
         raise float64_overflow("a gradient", fmap, *(host_array(nm, x) for nm, x in (("q", q), ("k", k), ("v", v))))
     return res
 
@@ -668,8 +672,7 @@ def backward_after_forward(req: Request, nd, grad_out, grad_state, qkv, kw) -> V
             _, nd, _ = forward(req, want_out=False)
         res = backward(req, nd, grad_out, grad_state)
         known = set()
-    if req.check_finite and req.work == _F64 and (req.eps is not None or not req.normalize) \
-            and not _finite(res, known):
+    if _checks_float64(req) and not _finite(res, known):
         raise float64_overflow("a gradient", req.fmap, *qkv)
     return res
 
