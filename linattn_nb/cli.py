@@ -459,8 +459,9 @@ def _run_studies(args, names, argv) -> int:
                              progress=args.progress, command=command_line(argv), options=own or None)
     except KeyboardInterrupt:
         # --force, as spelt (argparse takes an unambiguous prefix such as --forc), contradicts --resume
-        again = [a for a in argv if not (len(a) > 2 and "--force".startswith(a))] + ([] if args.resume
-                                                                                     else ["--resume"])
+        again = [a for a in argv if not (len(a) > 2 and "--force".startswith(a))]
+        if not args.resume:
+            again.append("--resume")
         print(f"linattn {args.command}: interrupted; the finished points are kept in {args.out!r}: "
               f"`linattn {shlex.join(again)}` continues", file=sys.stderr)
         return 130
