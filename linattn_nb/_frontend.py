@@ -6,6 +6,8 @@ the analysis functions share with them.  Design: docs/frontend.md, "The request 
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import numbers
 import threading
@@ -25,7 +27,7 @@ from .ops import methods  # noqa: F401  (registers the built-in rules and method
 from .feature_maps._base import FeatureOverflow
 from .ops._finite import NonFiniteResult
 from .ops._vec import work_dtype
-from .ops.registry import get_method, select_auto
+from .ops.registry import chunk_pair, get_method, select_auto
 from .ops.softmax.cpu import softmax_blocked
 from .ops.softmax.naive import softmax_attention_quadratic
 from .rules import get_rule as get_update_rule, rule_for, rule_names
@@ -281,12 +283,19 @@ def choose_method(method: str, *, rule: str, causal: bool, device: str, batch: i
                   dtype):
     """The registered :class:`~linattn_nb.ops.registry.Method` for a request (``"auto"`` resolved)."""
     name = check_method_name(method)
-    if name == "auto":
+    auto = name == "auto"
+    if auto:
         if device == "cuda":
             name = CD.select_auto_cuda(rule=rule, causal=causal, batch=batch, n=n, f=f, m=m, dtype=dtype)
         else:
             name = select_auto(rule=rule, causal=causal, device=device, n=n, dtype=dtype)
-    return get_method(name, causal=causal, device=device, rule=rule)
+    impl = get_method(name, causal=causal, device=device, rule=rule)
+    if device == "cpu" and causal and impl.name == "chunked":
+        # auto runs the chunk size and row block this machine's calibration chose (docs/tuning.md)
+        pair = chunk_pair(rule, dtype, f, m, auto=auto)
+        if pair is not None:
+            impl = dataclasses.replace(impl, forward=functools.partial(impl.forward, chunk=pair[0], block=pair[1]))
+    return impl
 
 
 # ---------------------------------------------------------------------------

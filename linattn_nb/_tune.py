@@ -39,11 +39,21 @@ BLAS_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "MKL_ENABLE_INSTRUCTIONS", 
             "MKL_CBWR")
 
 #: Sizes of a full calibration: ``batch`` sequences (B*H) of each length N in
-#: ``sizes``, D = M = ``dim``, ``rounds`` interleaved rounds per length.
-FULL = {"batch": 16, "dim": 64, "rounds": 7,
+#: ``sizes``, D = M = ``dim``, ``rounds`` interleaved rounds per length; the chunked
+#: kernel's (chunk, row block) pair is chosen first, at N = ``chunk_n``.
+FULL = {"batch": 16, "dim": 64, "rounds": 7, "chunk_n": 1024,
         "sizes": (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)}
 #: A smoke-test calibration (``linattn tune --quick``): seconds, not meant to be kept.
-QUICK = {"batch": 2, "dim": 16, "rounds": 3, "sizes": (1, 4, 16, 64)}
+QUICK = {"batch": 2, "dim": 16, "rounds": 3, "chunk_n": 32, "sizes": (1, 4, 16, 64)}
+
+#: The (chunk, row block) pairs timed for the chunked kernel (with the pair of ``config.CPU_CHUNK_TABLE``).
+#: Row blocks of 8 suit OpenBLAS's AVX-512 small-matrix kernels; its AVX2 kernels run whole chunks of 48
+#: about 1.45x faster than (32, 8) (docs/tuning.md, "The chunk size").
+CHUNK_CANDIDATES = ((16, 16), (24, 8), (32, 8), (32, 16), (32, 32), (48, 16), (48, 48), (64, 32), (64, 64))
+
+#: A pair replaces the table's only where its median time is below this fraction of the table pair's (a pair
+#: within noise of the constants leaves them).
+CHUNK_MARGIN = 0.97
 
 MODES = ("off", "load", "first-use")
 
@@ -60,6 +70,8 @@ _current = None
 _key_memo = None
 #: (rule, dtype) entries whose first-use timing raised: not tried again in this process.
 _failed = set()
+#: ``pair``: the (chunk, row block) every CPU chunked call of this thread runs while the calibration times it.
+_trial = threading.local()
 
 
 # ---------------------------------------------------------------------------
@@ -312,7 +324,18 @@ def _invalid(cal, key) -> str | None:
             col = e.get(field)
             if not isinstance(col, list) or len(col) != len(n) or not all(_is_num(x) for x in col):
                 return f"entry {name!r}: no valid {field!r}"
+        if "chunk" in e and not _valid_pair(e["chunk"]):
+            return f"entry {name!r}: 'chunk' is not [chunk, row block] with 1 <= row block <= chunk"
+        timed = e.get("chunk_ms", [])
+        if not isinstance(timed, list) or not all(
+                isinstance(x, list) and len(x) == 3 and _valid_pair(x[:2]) and _is_num(x[2]) for x in timed):
+            return f"entry {name!r}: 'chunk_ms' is not a list of [chunk, row block, ms]"
     return None
+
+
+def _valid_pair(pair) -> bool:
+    """``[chunk, row block]`` of positive ints, the block at most the chunk."""
+    return isinstance(pair, list) and len(pair) == 2 and all(_is_int(x) for x in pair) and 1 <= pair[1] <= pair[0]
 
 
 def _valid(cal, key) -> bool:
@@ -450,7 +473,8 @@ _runner = None
 
 
 def install(run) -> None:
-    """Make ``method="auto"`` consult this module's calibration, and time ``run`` (``linear_attention``) for it.
+    """Make ``method="auto"`` consult this module's calibration (its rows, and the chunked kernel's (chunk, row
+    block) pair), and time ``run`` (``linear_attention``) for it.
 
     Called once by :mod:`linattn_nb.attention` at import, so that neither the kernel layer (which asks
     :func:`auto_rows` through a hook) nor this module imports the front end.
@@ -459,7 +483,7 @@ def install(run) -> None:
     from .ops import registry
 
     _runner = run
-    registry.set_calibration(auto_rows)
+    registry.set_calibration(auto_rows, chunk_choice)
 
 
 def _time_pair(rule, dtype, batch, n, dim, rounds, rng):
@@ -489,6 +513,83 @@ def _time_pair(rule, dtype, batch, n, dim, rounds, rng):
             times[method].append((time.perf_counter() - t) / inner)
     ratio = statistics.median(c / s for s, c in zip(times["scan"], times["chunked"]))
     return statistics.median(times["scan"]), statistics.median(times["chunked"]), ratio
+
+
+def chunk_knobs_set() -> bool:
+    """Whether ``config.CPU_CHUNK_SIZE`` or ``config.CPU_CHUNK_BLOCK`` is set (they then fix the pair; nothing is
+    timed or replaced)."""
+    return config.knob_int("CPU_CHUNK_SIZE") > 0 or config.knob_int("CPU_CHUNK_BLOCK") > 0
+
+
+@contextlib.contextmanager
+def _trying(pair):
+    """Every CPU chunked call of this thread runs ``pair`` (chunk, row block) inside (None: as outside)."""
+    was = getattr(_trial, "pair", None)
+    _trial.pair = None if pair is None else (int(pair[0]), int(pair[1]))
+    try:
+        yield
+    finally:
+        _trial.pair = was
+
+
+def chunk_choice(rule: str, dtype, f: int, m: int, *, auto: bool):
+    """The ``(chunk, row block)`` a causal CPU chunked call runs, or None for ``config``'s
+    (``CPU_CHUNK_SIZE``, ``CPU_CHUNK_BLOCK``, ``CPU_CHUNK_TABLE``).
+
+    With ``auto`` (the call asked for ``method="auto"``), the pair of this machine's calibration entry for
+    ``rule`` and ``dtype`` where there is one, where neither knob is set and where ``f`` features by ``m`` value
+    columns fall in the same row of ``CPU_CHUNK_TABLE`` as the calibration's D = M.  An explicit
+    ``method="chunked"`` keeps the constants, so that its result does not depend on a timing (a chunk size
+    moves the last bits of a float32 output).  While :func:`calibrate` times a pair, that pair, on its thread.
+    """
+    pair = getattr(_trial, "pair", None)
+    if pair is not None:
+        return pair
+    if not auto or chunk_knobs_set():
+        return None
+    name = "float64" if str(getattr(dtype, "name", dtype)) == "float64" else "float32"
+    with _lock:
+        cal = _current
+    if not cal or cal["setting"].get("quick") or mode() == "off":
+        return None
+    entry = cal["entries"].get(f"{rule}/{name}")
+    if not entry or "chunk" not in entry:
+        return None
+    dim = cal["setting"]["dim"]
+    if config.chunk_table_row(f, m, name) != config.chunk_table_row(dim, dim, name):
+        return None
+    return tuple(entry["chunk"])
+
+
+def _time_chunks(rule, dtype, batch, n, dim, rounds, rng):
+    """``(pair, rows)``: the (chunk, row block) pair the chunked kernel runs here, as a list, and each timed
+    pair's median time ``[chunk, block, ms]``.  The table's pair unless another is faster than
+    :data:`CHUNK_MARGIN` times it; every pair of :data:`CHUNK_CANDIDATES` up to ``n`` tokens a chunk, timed in
+    interleaved rounds (alternating the order)."""
+    linear_attention = _runner
+    if linear_attention is None:
+        raise RuntimeError("linattn_nb._tune.install was not called (import linattn_nb first)")
+    q, k, v, kw = _problem(rule, dtype, batch, n, dim, rng)
+    c0 = config.cpu_chunk_size(n, dim, dim, dtype)
+    table = (c0, config.cpu_chunk_block(c0, dim, dim, dtype))
+    pairs = [table] + [p for p in CHUNK_CANDIDATES if p != table and p[0] <= n]
+
+    def call(pair):
+        with _trying(pair):
+            linear_attention(q, k, v, method="chunked", **kw)
+
+    for pair in pairs:  # compile or load once (the pair is a run-time argument), page in
+        call(pair)
+    times = {pair: [] for pair in pairs}
+    for r in range(rounds):
+        for pair in (pairs if r % 2 == 0 else pairs[::-1]):
+            t = time.perf_counter()
+            call(pair)
+            times[pair].append(time.perf_counter() - t)
+    med = {pair: statistics.median(ts) for pair, ts in times.items()}
+    best = min(pairs, key=med.__getitem__)
+    pick = best if med[best] < CHUNK_MARGIN * med[table] else table
+    return list(pick), [[c, b, med[(c, b)] * 1e3] for c, b in pairs]
 
 
 def rows_from(sizes, ratios) -> list:
@@ -540,18 +641,25 @@ def calibrate(rules=None, dtypes=DTYPES, *, quick=False, progress=None, seed=0) 
             for dtype in dtypes:
                 if progress is not None:
                     progress(rule, dtype)
+                pair, timed = None, None
+                if not chunk_knobs_set():
+                    pair, timed = _time_chunks(rule, np.dtype(dtype), setting["batch"], setting["chunk_n"],
+                                               setting["dim"], setting["rounds"], rng)
                 scan, chunked, ratio = [], [], []
-                for n in setting["sizes"]:
-                    s, c, r = _time_pair(rule, np.dtype(dtype), setting["batch"], n, setting["dim"],
-                                         setting["rounds"], rng)
-                    scan.append(s * 1e3)
-                    chunked.append(c * 1e3)
-                    ratio.append(r)
+                with _trying(pair):  # the chunked kernel as auto will run it
+                    for n in setting["sizes"]:
+                        s, c, r = _time_pair(rule, np.dtype(dtype), setting["batch"], n, setting["dim"],
+                                             setting["rounds"], rng)
+                        scan.append(s * 1e3)
+                        chunked.append(c * 1e3)
+                        ratio.append(r)
                 sizes = list(setting["sizes"])
                 rows = rows_from(sizes, ratio)
-                entries[f"{rule}/{np.dtype(dtype).name}"] = {
-                    "n": sizes, "scan_ms": scan, "chunked_ms": chunked, "ratio": ratio,
-                    "rows": rows, "crossover": crossover(rows)}
+                entry = {"n": sizes, "scan_ms": scan, "chunked_ms": chunked, "ratio": ratio,
+                         "rows": rows, "crossover": crossover(rows)}
+                if pair is not None:
+                    entry.update(chunk=pair, chunk_ms=timed)
+                entries[f"{rule}/{np.dtype(dtype).name}"] = entry
     finally:
         with _lock:
             _busy = was

@@ -114,12 +114,16 @@ def _print_calibration(cal) -> None:
         print(f"  {'N':>6} {'scan ms':>10} {'chunked ms':>11} {'chunked/scan':>13}")
         for n, s, c, r in zip(e["n"], e["scan_ms"], e["chunked_ms"], e.get("ratio", e["chunked_ms"])):
             print(f"  {n:>6} {s:>10.3f} {c:>11.3f} {r:>13.2f}")
+        if e.get("chunk_ms"):
+            timed = ", ".join(f"({c}, {b}) {ms:.3f}" for c, b, ms in e["chunk_ms"])
+            print(f"  chunked kernel, ms by (chunk, row block) at N = {st.get('chunk_n')}, the table's first: {timed}")
     print("method='auto' (causal, CPU) on this machine:")
     for name, e in sorted(cal["entries"].items()):
         rows, cross = e["rows"], crossover(e["rows"])
         text = (f"{rows[0][1]} at every N" if len(rows) == 1
                 else f"{rows[0][1]} up to N = {rows[0][0]}, {rows[1][1]} above")
-        print(f"  {name:<22} {text}{f'  (chunked from N = {cross})' if cross is not None else ''}")
+        pair = f"; chunks of {e['chunk'][0]} in row blocks of {e['chunk'][1]}" if "chunk" in e else ""
+        print(f"  {name:<22} {text}{f'  (chunked from N = {cross})' if cross is not None else ''}{pair}")
 
 
 def cmd_tune(args) -> int:

@@ -133,17 +133,19 @@ def cpu_chunk_size(n: int, f: int, m: int, dtype) -> int:
     size = knob_int("CPU_CHUNK_SIZE")
     if size > 0:
         return size
-    return int(_chunk_row(f, m, dtype)[1])
+    return int(chunk_table_row(f, m, dtype)[1])
 
 
 def cpu_chunk_block(c: int, f: int, m: int, dtype) -> int:
     """Row block for a chunk of ``c`` tokens (``CPU_CHUNK_BLOCK`` if set, else the table), in [1, c]."""
     blk = knob_int("CPU_CHUNK_BLOCK")
-    blk = blk if blk > 0 else _chunk_row(f, m, dtype)[2]
+    blk = blk if blk > 0 else chunk_table_row(f, m, dtype)[2]
     return max(1, min(int(c), int(blk)))
 
 
-def _chunk_row(f, m, dtype):
+def chunk_table_row(f: int, m: int, dtype) -> tuple:
+    """The row ``(max F*M, C, block)`` of :data:`CPU_CHUNK_TABLE` for ``f`` features by ``m`` value columns of
+    the working ``dtype`` (float32 for any dtype but float64)."""
     import numpy as np
 
     name = "float64" if np.dtype(dtype) == np.float64 else "float32"

@@ -431,3 +431,114 @@ def test_the_librarys_knobs_key_the_calibration(monkeypatch):
         monkeypatch.delenv(name)
     _tune.forget()
     assert _tune.calibration_key() == base
+
+
+# ---------------------------------------------------------------------------
+# The chunked kernel's (chunk, row block) pair
+# ---------------------------------------------------------------------------
+def _with_pair(pair, *, quick=False):
+    cal = fake([(None, "chunked")], quick=quick)
+    cal["entries"]["additive/float32"]["chunk"] = list(pair)
+    return cal
+
+
+def _qkv(d=64, n=200, dtype=np.float32):
+    rng = np.random.default_rng(3)
+    return [rng.standard_normal((2, n, d)).astype(dtype) for _ in range(3)]
+
+
+def _chunked_with(monkeypatch, q, k, v, pair):
+    import linattn_nb as la
+
+    with monkeypatch.context() as m:
+        m.setattr(config, "CPU_CHUNK_SIZE", pair[0])
+        m.setattr(config, "CPU_CHUNK_BLOCK", pair[1])
+        return la.linear_attention(q, k, v, causal=True, method="chunked")
+
+
+def test_auto_runs_the_calibrated_chunk_pair(folder, monkeypatch):
+    """An entry's "chunk" is the pair method="auto" runs; an explicit method="chunked" keeps the table's."""
+    import linattn_nb as la
+
+    monkeypatch.setattr(config, "AUTO_TUNE", "load")
+    q, k, v = _qkv()
+    table = la.linear_attention(q, k, v, causal=True, method="chunked")
+    _tune.save(_with_pair([5, 5]))
+    _tune.forget()  # read from the file
+    auto = la.linear_attention(q, k, v, causal=True)
+    assert np.array_equal(auto, _chunked_with(monkeypatch, q, k, v, (5, 5)))
+    assert not np.array_equal(auto, table)  # the pair changes the float32 rounding: the test can tell
+    assert np.array_equal(la.linear_attention(q, k, v, causal=True, method="chunked"), table)
+    # the torch-free gradient entry point runs its forward with the pair too, and stays right
+    g = np.random.default_rng(4).standard_normal(v.shape).astype(np.float32)
+    grads = la.linear_attention_vjp(q, k, v, g, causal=True)
+    monkeypatch.setattr(config, "AUTO_TUNE", "off")
+    want = la.linear_attention_vjp(q, k, v, g, causal=True)
+    for a, b in zip(grads, want):
+        if b is not None:
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("case", ["off", "quick", "knob", "small heads", "float64", "other rule"])
+def test_calibrated_pair_is_not_used(folder, monkeypatch, case):
+    """The table's pair where tuning is off, for a smoke test, under a chunk knob, for heads in another row
+    of CPU_CHUNK_TABLE than the calibration's D = M, and for an entry without a pair."""
+    import linattn_nb as la
+
+    monkeypatch.setattr(config, "AUTO_TUNE", "off" if case == "off" else "load")
+    d = 8 if case == "small heads" else 64
+    q, k, v = _qkv(d, dtype=np.float64 if case == "float64" else np.float32)
+    kw = {}
+    if case == "other rule":
+        kw["log_decay"] = np.full(q.shape[:2], -0.01)
+    table = la.linear_attention(q, k, v, causal=True, method="chunked", **kw)
+    if case == "knob":
+        monkeypatch.setattr(config, "CPU_CHUNK_SIZE", 7)
+        table = la.linear_attention(q, k, v, causal=True, method="chunked", **kw)
+    cal = _with_pair([5, 5], quick=case == "quick")
+    cal["entries"]["additive/float64"] = dict(cal["entries"]["additive/float32"])
+    del cal["entries"]["additive/float64"]["chunk"]
+    _tune.use(cal)
+    assert np.array_equal(la.linear_attention(q, k, v, causal=True, **kw), table)
+
+
+def test_calibrate_times_the_pairs(folder, monkeypatch):
+    """A (quick) calibration stores the pair chosen from the timed ones, and no pair under a chunk knob;
+    the pair timed last does not stay behind on the thread."""
+    for margin in (2.0, 0.01):  # any other pair within 2x of the table's is taken; none is 100x faster
+        monkeypatch.setattr(_tune, "CHUNK_MARGIN", margin)
+        cal = _tune.calibrate(["additive"], ["float32"], quick=True)
+        e = cal["entries"]["additive/float32"]
+        ms = {tuple(x[:2]): x[2] for x in e["chunk_ms"]}
+        c0 = config.cpu_chunk_size(32, 16, 16, np.float32)
+        table = (c0, config.cpu_chunk_block(c0, 16, 16, np.float32))
+        assert list(ms)[0] == table and len(ms) > 1 and all(c <= _tune.QUICK["chunk_n"] for c, _ in ms)
+        best = min(ms, key=ms.get)
+        assert tuple(e["chunk"]) == (best if ms[best] < margin * ms[table] else table)
+        assert margin < 1 or tuple(e["chunk"]) == best
+        assert margin > 1 or tuple(e["chunk"]) == table
+    assert _tune._invalid(cal, _tune.calibration_key()) is None
+    assert _tune.chunk_choice("additive", np.float32, 64, 64, auto=False) is None
+    monkeypatch.setattr(config, "CPU_CHUNK_BLOCK", 4)
+    cal = _tune.calibrate(["additive"], ["float32"], quick=True)
+    assert "chunk" not in cal["entries"]["additive/float32"]
+    assert "chunk_ms" not in cal["entries"]["additive/float32"]
+
+
+@pytest.mark.parametrize("pair", [[8, 16], [0, 1], [8], "8,8", [8.0, 8], [True, 1]])
+def test_bad_chunk_pair_is_no_calibration(folder, pair):
+    cal = _with_pair([8, 8])
+    cal["entries"]["additive/float32"]["chunk"] = pair
+    assert "'chunk'" in _tune._invalid(cal, _tune.calibration_key())
+    cal = _with_pair([8, 8])
+    cal["entries"]["additive/float32"]["chunk_ms"] = [pair + [1.0] if isinstance(pair, list) else pair]
+    assert "'chunk_ms'" in _tune._invalid(cal, _tune.calibration_key())
+
+
+def test_tune_show_prints_the_pair(folder, capsys):
+    cal = _with_pair([48, 48])
+    cal["entries"]["additive/float32"]["chunk_ms"] = [[32, 8, 13.6], [48, 48, 9.4]]
+    _tune.save(cal)
+    assert cli.main(["tune", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert "(32, 8) 13.600, (48, 48) 9.400" in out and "chunks of 48 in row blocks of 48" in out

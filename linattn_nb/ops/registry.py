@@ -142,10 +142,23 @@ def get_method(name: str, *, causal: bool, device: str, rule: str = "additive") 
 _calibration = None
 
 
-def set_calibration(lookup) -> None:
-    """Install the calibration lookup :func:`select_auto` consults (None removes it)."""
-    global _calibration
+def set_calibration(lookup, pairs=None) -> None:
+    """Install the calibration lookup :func:`select_auto` consults and the one :func:`chunk_pair` does
+    (None removes them)."""
+    global _calibration, _pairs
     _calibration = lookup
+    _pairs = pairs
+
+
+#: ``(rule, dtype, f, m, auto) -> (chunk, row block) or None``: the pair a causal CPU chunked call runs
+#: (:func:`linattn_nb._tune.chunk_choice`), installed with :data:`_calibration`.
+_pairs = None
+
+
+def chunk_pair(rule: str, dtype, f: int, m: int, *, auto: bool):
+    """The ``(chunk, row block)`` a causal CPU chunked call of ``rule`` runs, from this machine's calibration
+    (``auto``: the call asked for ``method="auto"``), or None for ``config``'s (``docs/tuning.md``)."""
+    return None if _pairs is None else _pairs(rule, dtype, f, m, auto=auto)
 
 
 def select_auto(*, causal: bool, device: str, n: int, dtype, rule: str = "additive") -> str:
