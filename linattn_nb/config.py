@@ -97,6 +97,8 @@ CPU_CHUNK_SIZE = _env_int("LINATTN_CPU_CHUNK_SIZE", 0)
 
 #: Measured best (chunk size, row block) per working dtype: ``dtype name -> [(max F*M, C, block), ...]``,
 #: the first row whose bound admits F*M (None = any) wins (docs/measurements.md, "CPU_CHUNK_TABLE").
+#: ``method="auto"`` runs this machine's calibrated pair instead where ``linattn tune`` stored one
+#: (docs/tuning.md, "The chunk size").
 CPU_CHUNK_TABLE = {
     "float32": [(256, 16, 16), (1024, 24, 8), (None, 32, 8)],
     "float64": [(256, 16, 16), (None, 32, 8)],
