@@ -287,7 +287,12 @@ def _is_int(x) -> bool:
 
 
 def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond a float's range (a JSON integer of hundreds of digits)
+        return False
 
 
 def _invalid(cal, key) -> str | None:

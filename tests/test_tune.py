@@ -331,6 +331,10 @@ DAMAGE = {
     "no entries": lambda cal: cal.__setitem__("entries", {}),
     "extra entry of rows only": lambda cal: cal["entries"].__setitem__("additive/float64", {"rows": [[None, "scan"]]}),
     "bad entry name": lambda cal: cal["entries"].__setitem__("additive", cal["entries"]["additive/float32"]),
+    # a JSON integer beyond a float's range: math.isfinite raised OverflowError in every reader and in auto
+    "huge integer time": lambda cal: cal["entries"]["additive/float32"]["scan_ms"].__setitem__(0, 10**400),
+    "huge integer chunk time": lambda cal: cal["entries"]["additive/float32"].update(chunk=[48, 48],
+                                                                                    chunk_ms=[[48, 48, 10**400]]),
 }
 
 
