@@ -63,7 +63,7 @@ class DPLRState:
         self._d, self._m, self._bs = int(key_dim), int(value_dim), tuple(int(s) for s in bs)
         self._fmap = _resolve_map(feature_map)
         self._f = int(self._fmap.output_dim(self._d))
-        self._normalize, self._eps = bool(normalize), (check_eps(eps) if eps is DEFAULT_EPS else eps)
+        self._normalize, self._eps = bool(normalize), check_eps(eps)
         self.reset()
 
     # -- properties -----------------------------------------------------------------

@@ -90,3 +90,13 @@ def test_bad_arguments(rng):
     with pytest.raises(TypeError, match="missing argument: beta"):
         st.step(np.ones(BS + (D,)), np.ones(BS + (D,)), np.ones(BS + (M,)), decay=np.ones(BS + (D,)))
     assert st.position == 0  # a refused call leaves the state
+
+
+@pytest.mark.parametrize("eps, error", [(-1.0, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
+                                        ("abc", TypeError)])
+def test_bad_eps_is_refused_at_construction(eps, error):
+    """DPLRState checked only the default eps: -1, NaN or "abc" were kept and failed at the first step (the string
+    with NumPy's message, not naming eps), where LinearAttentionState refuses them when built."""
+    with pytest.raises(error, match="eps must be"):
+        DPLRState(D, M, rule="kda", eps=eps)
+    assert DPLRState(D, M, rule="kda", eps=0).eps == 0.0 and DPLRState(D, M, rule="kda", eps=None).eps is None
