@@ -770,8 +770,9 @@ def status_line() -> str:
                 f"constants (config.AUTO_METHODS), AUTO_TUNE={m}")
     if cal is None:
         return f"none stored for this machine; constants (config.AUTO_METHODS), AUTO_TUNE={m}"
-    cross = ", ".join(f"{k} {c if c is not None else 'never'}"
-                      for k, c in ((k, crossover(e["rows"])) for k, e in sorted(cal["entries"].items())))
+    cross = ", ".join(f"{k} {crossover(e['rows']) or 'never'}"
+                      + (f" (chunks of {e['chunk'][0]}, row blocks of {e['chunk'][1]})" if "chunk" in e else "")
+                      for k, e in sorted(cal["entries"].items()))
     if cal["setting"]["quick"]:
         use = "a --quick smoke test, not used"
     else:

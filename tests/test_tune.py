@@ -546,3 +546,5 @@ def test_tune_show_prints_the_pair(folder, capsys):
     assert cli.main(["tune", "--show"]) == 0
     out = capsys.readouterr().out
     assert "(32, 8) 13.600, (48, 48) 9.400" in out and "chunks of 48 in row blocks of 48" in out
+    # and `linattn info`'s line names the pair auto runs
+    assert _tune.status_line().endswith("additive/float32 1 (chunks of 48, row blocks of 48)")
