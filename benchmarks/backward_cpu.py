@@ -17,7 +17,10 @@ method="chunked")`` (features, forward, backward, the map's vjp), for the
 additive, decay, gate, delta and gated delta rules, each against its own
 chunked forward (``--rules`` picks some).  ``vjp_ratio_range`` is the
 spread of the per-round ratio vjp / forward (the two timed side by side in
-each round); ``forward_faults`` and ``vjp_faults`` the minor page faults of
+each round); ``forward_default_s`` the same forward with the default
+``method="auto"``, which follows this machine's calibration (``linattn tune``:
+on an AVX2 host its chunk pair made the forward 0.69x the time), and
+``vjp_x_default`` the vjp against it; ``forward_faults`` and ``vjp_faults`` the minor page faults of
 one call of each after the rounds (fresh pages the system had to clear).  Targets on AMD EPYC: the whole vjp <= 2.5x the forward for
 the additive, decay and gate rules, <= 3.5x for the delta rules.  The
 additive and delta rows also time the checkpointed token recurrence
@@ -150,6 +153,9 @@ def speed(rounds, rules=RULE_NAMES, feature_map=None):
             "backward": lambda code=code, inputs=inputs: gcpu.backward_chunked(qf, kf, v1, H0, g1, inputs=inputs,
                                                                                rule=code),
             "vjp": lambda fkw=fkw: linattn_nb.linear_attention_vjp(q, k, v, g, **common, **fkw),
+            # the default call (method="auto"), which runs this machine's calibrated chunk pair where one is stored
+            "forward_default": lambda fkw=fkw: linattn_nb.linear_attention(q, k, v, **{**common, "method": "auto"},
+                                                                           **fkw),
         }
         if name in ("additive", "delta"):
             cases["backward_scan"] = lambda code=code, inputs=inputs: gcpu.backward_scan(
@@ -161,6 +167,7 @@ def speed(rounds, rules=RULE_NAMES, feature_map=None):
                "backward_s": med["backward"],
                "ratio": med["backward"] / med["forward"], "vjp_s": med["vjp"],
                "vjp_ratio": med["vjp"] / med["forward"], "vjp_ratio_range": f"{lo:.2f}-{hi:.2f}",
+               "forward_default_s": med["forward_default"], "vjp_x_default": med["vjp"] / med["forward_default"],
                "forward_faults": faults["forward"], "vjp_faults": faults["vjp"]}
         if "backward_scan" in med:
             row["scan_backward_s"] = med["backward_scan"]
@@ -242,16 +249,21 @@ def main(argv=None):
 
     print(f"CPU: {cpu_model()}; Numba threads: {numba.get_num_threads()}")
     print_machine()
+    from linattn_nb import _tune
+
+    print(f"method='auto' (forward_default): calibration {_tune.status_line()}")
     rounds = args.rounds or (3 if args.quick else 7)
     rules = tuple(r for r in args.rules.split(",") if r)
     rows = speed(rounds, rules, args.feature_map)
     print(f"\nSpeed: B*H = 16, N = 4096, D = M = 64, float32, map {args.feature_map or 'per rule'}, median of "
           f"{rounds} interleaved rounds")
     print(table(rows, ["rule", "feature_map", "finite_outputs", "forward_s", "backward_s", "ratio", "vjp_s",
-                       "vjp_ratio", "vjp_ratio_range", "forward_faults", "vjp_faults", "scan_backward_s"],
+                       "vjp_ratio", "vjp_ratio_range", "forward_default_s", "vjp_x_default", "forward_faults",
+                       "vjp_faults", "scan_backward_s"],
                 {"finite_outputs": "{:.3f}", "forward_s": "{:.4f}", "backward_s": "{:.4f}", "ratio": "{:.2f}",
                  "vjp_s": "{:.4f}",
-                 "vjp_ratio": "{:.2f}", "scan_backward_s": "{:.4f}"}))
+                 "vjp_ratio": "{:.2f}", "forward_default_s": "{:.4f}", "vjp_x_default": "{:.2f}",
+                 "scan_backward_s": "{:.4f}"}))
     result = {"machine": machine(), "shape": {"BH": 16, "N": 4096, "D": 64, "M": 64, "dtype": "float32",
                                               "feature_map": args.feature_map or "per rule"}, "rounds": rounds,
               "speed": rows}
