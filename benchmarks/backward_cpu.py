@@ -20,7 +20,10 @@ spread of the per-round ratio vjp / forward (the two timed side by side in
 each round); ``forward_default_s`` the same forward with the default
 ``method="auto"``, which follows this machine's calibration (``linattn tune``:
 on an AVX2 host its chunk pair made the forward 0.69x the time), and
-``vjp_x_default`` the vjp against it; ``forward_faults`` and ``vjp_faults`` the minor page faults of
+``vjp_x_default`` the vjp against it; ``vjp_default_s`` the vjp with ``method="auto"``, whose fused
+normalised backward also runs the calibrated pair (additive and decay rules), and ``default_ratio``
+with its ``default_range`` that vjp against the default forward: the ratio a user of a calibrated
+machine meets; ``forward_faults`` and ``vjp_faults`` the minor page faults of
 one call of each after the rounds (fresh pages the system had to clear).  Targets on AMD EPYC: the whole vjp <= 2.5x the forward for
 the additive, decay and gate rules, <= 3.5x for the delta rules.  The
 additive and delta rows also time the checkpointed token recurrence
@@ -156,18 +159,23 @@ def speed(rounds, rules=RULE_NAMES, feature_map=None):
             # the default call (method="auto"), which runs this machine's calibrated chunk pair where one is stored
             "forward_default": lambda fkw=fkw: linattn_nb.linear_attention(q, k, v, **{**common, "method": "auto"},
                                                                            **fkw),
+            "vjp_default": lambda fkw=fkw: linattn_nb.linear_attention_vjp(q, k, v, g, **{**common, "method": "auto"},
+                                                                           **fkw),
         }
         if name in ("additive", "delta"):
             cases["backward_scan"] = lambda code=code, inputs=inputs: gcpu.backward_scan(
                 qf, kf, v1, H0, g1, inputs=inputs, rule=code)
         med, times = interleaved_medians(cases, rounds)
         lo, hi = _spread(times, "vjp", "forward")
+        dlo, dhi = _spread(times, "vjp_default", "forward_default")
         faults = {name: _page_faults(cases[name]) for name in ("forward", "vjp")}
         row = {"rule": name, "feature_map": fmap, "finite_outputs": finite, "forward_s": med["forward"],
                "backward_s": med["backward"],
                "ratio": med["backward"] / med["forward"], "vjp_s": med["vjp"],
                "vjp_ratio": med["vjp"] / med["forward"], "vjp_ratio_range": f"{lo:.2f}-{hi:.2f}",
                "forward_default_s": med["forward_default"], "vjp_x_default": med["vjp"] / med["forward_default"],
+               "vjp_default_s": med["vjp_default"], "default_ratio": med["vjp_default"] / med["forward_default"],
+               "default_range": f"{dlo:.2f}-{dhi:.2f}",
                "forward_faults": faults["forward"], "vjp_faults": faults["vjp"]}
         if "backward_scan" in med:
             row["scan_backward_s"] = med["backward_scan"]
@@ -258,11 +266,12 @@ def main(argv=None):
     print(f"\nSpeed: B*H = 16, N = 4096, D = M = 64, float32, map {args.feature_map or 'per rule'}, median of "
           f"{rounds} interleaved rounds")
     print(table(rows, ["rule", "feature_map", "finite_outputs", "forward_s", "backward_s", "ratio", "vjp_s",
-                       "vjp_ratio", "vjp_ratio_range", "forward_default_s", "vjp_x_default", "forward_faults",
-                       "vjp_faults", "scan_backward_s"],
+                       "vjp_ratio", "vjp_ratio_range", "forward_default_s", "vjp_x_default", "vjp_default_s",
+                       "default_ratio", "default_range", "forward_faults", "vjp_faults", "scan_backward_s"],
                 {"finite_outputs": "{:.3f}", "forward_s": "{:.4f}", "backward_s": "{:.4f}", "ratio": "{:.2f}",
                  "vjp_s": "{:.4f}",
                  "vjp_ratio": "{:.2f}", "forward_default_s": "{:.4f}", "vjp_x_default": "{:.2f}",
+                 "vjp_default_s": "{:.4f}", "default_ratio": "{:.2f}",
                  "scan_backward_s": "{:.4f}"}))
     result = {"machine": machine(), "shape": {"BH": 16, "N": 4096, "D": 64, "M": 64, "dtype": "float32",
                                               "feature_map": args.feature_map or "per rule"}, "rounds": rounds,

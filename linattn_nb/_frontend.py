@@ -27,7 +27,7 @@ from .ops import methods  # noqa: F401  (registers the built-in rules and method
 from .feature_maps._base import FeatureOverflow
 from .ops._finite import NonFiniteResult
 from .ops._vec import work_dtype
-from .ops.registry import chunk_pair, get_method, select_auto
+from .ops.registry import chunk_pair, get_method, grad_pair, select_auto
 from .ops.softmax.cpu import softmax_blocked
 from .ops.softmax.naive import softmax_attention_quadratic
 from .rules import get_rule as get_update_rule, rule_for, rule_names
@@ -295,6 +295,10 @@ def choose_method(method: str, *, rule: str, causal: bool, device: str, batch: i
         pair = chunk_pair(rule, dtype, f, m, auto=auto)
         if pair is not None:
             impl = dataclasses.replace(impl, forward=functools.partial(impl.forward, chunk=pair[0], block=pair[1]))
+        # and its gradient the pair calibrated for the fused normalised backward
+        gpair = grad_pair(rule, dtype, f, m, auto=auto)
+        if gpair is not None:
+            impl = dataclasses.replace(impl, grad_pair=tuple(gpair))
     return impl
 
 

@@ -588,9 +588,12 @@ def backward_normalized(req: Request, grad_out, grad_state=None, finite=None, ou
             maps = tuple(np.ascontiguousarray(x, dtype=req.work).reshape(b, n, req.f) for x in (req.q, req.k))
             maps += (req.fmap.kernel_code,)
     log_grad = _wants_log_grad(req)
+    # the (chunk, row block) this machine's calibration chose for method="auto" (None: config's)
+    chunk, block = req.impl.grad_pair or (None, None)
     grads, g_ok, res_ok = backward_chunked_normalized(req.qf, req.kf, req.v1, req.H0, gw, dHN, eps=req.eps,
                                                       g1=g1, rule=get_rule(req.rule).code, inputs=req.inputs,
-                                                      maps=maps, log_grad=log_grad, empty=_maker(req))
+                                                      maps=maps, log_grad=log_grad, empty=_maker(req),
+                                                      chunk=chunk, block=block)
     del g1, gw
     if req.check_finite and not g_ok:
         V.check_finite("grad_out", g)  # raises, naming it

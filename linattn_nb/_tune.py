@@ -51,6 +51,11 @@ QUICK = {"batch": 2, "dim": 16, "rounds": 3, "chunk_n": 32, "sizes": (1, 4, 16, 
 #: about 1.45x faster than (32, 8) (docs/tuning.md, "The chunk size").
 CHUNK_CANDIDATES = ((16, 16), (24, 8), (32, 8), (32, 16), (32, 32), (48, 16), (48, 48), (64, 32), (64, 64))
 
+#: The (chunk, row block) pairs timed for the fused normalised backward (with ``config``'s pair, 48 and 8), for the
+#: rules whose gradient runs it with row blocks (:func:`grad_tuned`).  On the AVX2 host whole chunks of 48 ran
+#: ``linear_attention_vjp`` 1.15-1.3x faster than (48, 8) (docs/tuning.md, "The backward's chunk size").
+GRAD_CANDIDATES = ((32, 8), (32, 16), (32, 32), (48, 16), (48, 48), (64, 16), (64, 64))
+
 #: A pair replaces the table's only where its median time is below this fraction of the table pair's (a pair
 #: within noise of the constants leaves them).
 CHUNK_MARGIN = 0.97
@@ -70,7 +75,8 @@ _current = None
 _key_memo = None
 #: (rule, dtype) entries whose first-use timing raised: not tried again in this process.
 _failed = set()
-#: ``pair``: the (chunk, row block) every CPU chunked call of this thread runs while the calibration times it.
+#: ``pair``: the (chunk, row block) every CPU chunked call of this thread runs while the calibration times it;
+#: ``grad``: the same for the fused normalised backward.
 _trial = threading.local()
 
 
@@ -329,12 +335,13 @@ def _invalid(cal, key) -> str | None:
             col = e.get(field)
             if not isinstance(col, list) or len(col) != len(n) or not all(_is_num(x) for x in col):
                 return f"entry {name!r}: no valid {field!r}"
-        if "chunk" in e and not _valid_pair(e["chunk"]):
-            return f"entry {name!r}: 'chunk' is not [chunk, row block] with 1 <= row block <= chunk"
-        timed = e.get("chunk_ms", [])
-        if not isinstance(timed, list) or not all(
-                isinstance(x, list) and len(x) == 3 and _valid_pair(x[:2]) and _is_num(x[2]) for x in timed):
-            return f"entry {name!r}: 'chunk_ms' is not a list of [chunk, row block, ms]"
+        for field in ("chunk", "grad_chunk"):
+            if field in e and not _valid_pair(e[field]):
+                return f"entry {name!r}: {field!r} is not [chunk, row block] with 1 <= row block <= chunk"
+            timed = e.get(f"{field}_ms", [])
+            if not isinstance(timed, list) or not all(
+                    isinstance(x, list) and len(x) == 3 and _valid_pair(x[:2]) and _is_num(x[2]) for x in timed):
+                return f"entry {name!r}: '{field}_ms' is not a list of [chunk, row block, ms]"
     return None
 
 
@@ -475,20 +482,24 @@ def _problem(rule, dtype, batch, n, dim, rng):
 #: The function timed: :func:`linattn_nb.linear_attention`, handed over by :func:`install` when the front end
 #: is imported (the kernel layer asks this module for rows; this module never imports the front end).
 _runner = None
+#: :func:`linattn_nb.linear_attention_vjp`, handed over the same way.
+_vjp_runner = None
 
 
-def install(run) -> None:
-    """Make ``method="auto"`` consult this module's calibration (its rows, and the chunked kernel's (chunk, row
-    block) pair), and time ``run`` (``linear_attention``) for it.
+def install(run, vjp=None) -> None:
+    """Make ``method="auto"`` consult this module's calibration (its rows, the chunked kernel's (chunk, row
+    block) pair and that of the fused normalised backward), and time ``run`` (``linear_attention``) and ``vjp``
+    (``linear_attention_vjp``) for it.
 
     Called once by :mod:`linattn_nb.attention` at import, so that neither the kernel layer (which asks
     :func:`auto_rows` through a hook) nor this module imports the front end.
     """
-    global _runner
+    global _runner, _vjp_runner
     from .ops import registry
 
     _runner = run
-    registry.set_calibration(auto_rows, chunk_choice)
+    _vjp_runner = vjp
+    registry.set_calibration(auto_rows, chunk_choice, grad_choice)
 
 
 def _time_pair(rule, dtype, batch, n, dim, rounds, rng):
@@ -526,15 +537,40 @@ def chunk_knobs_set() -> bool:
     return config.knob_int("CPU_CHUNK_SIZE") > 0 or config.knob_int("CPU_CHUNK_BLOCK") > 0
 
 
+def grad_knobs_set() -> bool:
+    """Whether ``config.BACKWARD_NORM_CHUNK`` or ``config.BACKWARD_NORM_BLOCK`` is set (they then fix the fused
+    normalised backward's pair)."""
+    return config.knob_int("BACKWARD_NORM_CHUNK") > 0 or config.knob_int("BACKWARD_NORM_BLOCK") > 0
+
+
 @contextlib.contextmanager
-def _trying(pair):
-    """Every CPU chunked call of this thread runs ``pair`` (chunk, row block) inside (None: as outside)."""
-    was = getattr(_trial, "pair", None)
-    _trial.pair = None if pair is None else (int(pair[0]), int(pair[1]))
+def _trying(pair, slot="pair"):
+    """Every CPU chunked call of this thread runs ``pair`` (chunk, row block) inside (None: as outside);
+    ``slot`` ``"grad"``: the fused normalised backward of every gradient request prepared inside."""
+    was = getattr(_trial, slot, None)
+    setattr(_trial, slot, None if pair is None else (int(pair[0]), int(pair[1])))
     try:
         yield
     finally:
-        _trial.pair = was
+        setattr(_trial, slot, was)
+
+
+def _stored_pair(field, rule, dtype, f, m):
+    """The ``field`` (``"chunk"``, ``"grad_chunk"``) pair of this machine's calibration entry for ``rule`` and
+    ``dtype``, where one is stored and used and ``f`` by ``m`` falls in the calibration's row of
+    ``config.CPU_CHUNK_TABLE``; else None."""
+    name = "float64" if str(getattr(dtype, "name", dtype)) == "float64" else "float32"
+    with _lock:
+        cal = _current
+    if not cal or cal["setting"].get("quick") or mode() == "off":
+        return None
+    entry = cal["entries"].get(f"{rule}/{name}")
+    if not entry or field not in entry:
+        return None
+    dim = cal["setting"]["dim"]
+    if config.chunk_table_row(f, m, name) != config.chunk_table_row(dim, dim, name):
+        return None
+    return tuple(entry[field])
 
 
 def chunk_choice(rule: str, dtype, f: int, m: int, *, auto: bool):
@@ -552,18 +588,70 @@ def chunk_choice(rule: str, dtype, f: int, m: int, *, auto: bool):
         return pair
     if not auto or chunk_knobs_set():
         return None
-    name = "float64" if str(getattr(dtype, "name", dtype)) == "float64" else "float32"
-    with _lock:
-        cal = _current
-    if not cal or cal["setting"].get("quick") or mode() == "off":
+    return _stored_pair("chunk", rule, dtype, f, m)
+
+
+def grad_choice(rule: str, dtype, f: int, m: int, *, auto: bool):
+    """The ``(chunk, row block)`` the fused normalised CPU backward of a causal chunked request runs
+    (:func:`linattn_nb.ops.grad.cpu.backward_chunked_normalized`), or None for ``config``'s
+    (``BACKWARD_NORM_CHUNK``, ``BACKWARD_NORM_BLOCK``).
+
+    As :func:`chunk_choice`: with ``auto``, the calibration entry's ``"grad_chunk"`` where one is stored, neither
+    knob is set and ``f`` by ``m`` falls in the calibration's table row; while :func:`calibrate` times a pair,
+    that pair, on its thread.
+    """
+    pair = getattr(_trial, "grad", None)
+    if pair is not None:
+        return pair
+    if not auto or grad_knobs_set():
         return None
-    entry = cal["entries"].get(f"{rule}/{name}")
-    if not entry or "chunk" not in entry:
-        return None
-    dim = cal["setting"]["dim"]
-    if config.chunk_table_row(f, m, name) != config.chunk_table_row(dim, dim, name):
-        return None
-    return tuple(entry["chunk"])
+    return _stored_pair("grad_chunk", rule, dtype, f, m)
+
+
+def grad_tuned(rule: str) -> bool:
+    """Whether the calibration times the fused normalised backward's pair for ``rule``: the rules whose
+    normalised gradient runs it in row blocks (the additive and decay rules; the gate rule's has none)."""
+    from .ops.grad.cpu import norm_row_blocks
+    from .rules import get_rule
+
+    return norm_row_blocks(get_rule(rule).code)
+
+
+def _best_pair(call, pairs, rounds):
+    """``(pick, rows)``: ``pairs[0]`` (the constants' pair) unless another pair's median time of ``call(pair)``
+    is below :data:`CHUNK_MARGIN` times its, and each pair's ``[chunk, block, ms]``; interleaved rounds,
+    alternating the order, after one call of each (compile or load, page in)."""
+    for pair in pairs:
+        call(pair)
+    times = {pair: [] for pair in pairs}
+    for r in range(rounds):
+        for pair in (pairs if r % 2 == 0 else pairs[::-1]):
+            t = time.perf_counter()
+            call(pair)
+            times[pair].append(time.perf_counter() - t)
+    med = {pair: statistics.median(ts) for pair, ts in times.items()}
+    best = min(pairs, key=med.__getitem__)
+    pick = best if med[best] < CHUNK_MARGIN * med[pairs[0]] else pairs[0]
+    return list(pick), [[c, b, med[(c, b)] * 1e3] for c, b in pairs]
+
+
+def _time_grad_chunks(rule, dtype, batch, n, dim, rounds, rng):
+    """As :func:`_time_chunks`, for the fused normalised backward: ``linear_attention_vjp`` timed with each pair
+    of :data:`GRAD_CANDIDATES` up to ``n`` tokens a chunk and ``config``'s pair."""
+    vjp = _vjp_runner
+    if vjp is None:
+        raise RuntimeError("linattn_nb._tune.install was not called (import linattn_nb first)")
+    q, k, v, kw = _problem(rule, dtype, batch, n, dim, rng)
+    g = rng.standard_normal(q.shape).astype(dtype)
+    c0 = config.cpu_backward_norm_chunk(n, dim, dim + 1, dtype)
+    table = (c0, config.cpu_backward_norm_block(c0, dim, dim + 1, dtype))
+    pairs = [table] + [p for p in GRAD_CANDIDATES if p != table and p[0] <= n]
+
+    def call(pair):
+        with _trying(pair, "grad"):
+            vjp(q, k, v, g, method="chunked", **kw)
+
+    return _best_pair(call, pairs, rounds)
 
 
 def _time_chunks(rule, dtype, batch, n, dim, rounds, rng):
@@ -583,18 +671,7 @@ def _time_chunks(rule, dtype, batch, n, dim, rounds, rng):
         with _trying(pair):
             linear_attention(q, k, v, method="chunked", **kw)
 
-    for pair in pairs:  # compile or load once (the pair is a run-time argument), page in
-        call(pair)
-    times = {pair: [] for pair in pairs}
-    for r in range(rounds):
-        for pair in (pairs if r % 2 == 0 else pairs[::-1]):
-            t = time.perf_counter()
-            call(pair)
-            times[pair].append(time.perf_counter() - t)
-    med = {pair: statistics.median(ts) for pair, ts in times.items()}
-    best = min(pairs, key=med.__getitem__)
-    pick = best if med[best] < CHUNK_MARGIN * med[table] else table
-    return list(pick), [[c, b, med[(c, b)] * 1e3] for c, b in pairs]
+    return _best_pair(call, pairs, rounds)  # the pair is a run-time argument: one compilation
 
 
 def rows_from(sizes, ratios) -> list:
@@ -630,7 +707,9 @@ def calibrate(rules=None, dtypes=DTYPES, *, quick=False, progress=None, seed=0) 
     """Time the scan against the chunked kernel here, per rule (default :func:`tuned_rules`) and dtype;
     ``progress(rule, dtype)`` is called before each pair.  Returns ``format``, ``key``, ``created``,
     ``setting`` and ``entries``: ``"<rule>/<dtype>" -> {"n", "scan_ms", "chunked_ms", "ratio", "rows",
-    "crossover"}`` (median ms, the median of the rounds' chunked / scan ratios, :func:`rows_from`'s rows).
+    "crossover"}`` (median ms, the median of the rounds' chunked / scan ratios, :func:`rows_from`'s rows),
+    and where no knob fixes them, ``"chunk"`` with ``"chunk_ms"`` (:func:`_time_chunks`) and, for the rules of
+    :func:`grad_tuned`, ``"grad_chunk"`` with ``"grad_chunk_ms"`` (:func:`_time_grad_chunks`).
     """
     import numpy as np
 
@@ -650,6 +729,10 @@ def calibrate(rules=None, dtypes=DTYPES, *, quick=False, progress=None, seed=0) 
                 if not chunk_knobs_set():
                     pair, timed = _time_chunks(rule, np.dtype(dtype), setting["batch"], setting["chunk_n"],
                                                setting["dim"], setting["rounds"], rng)
+                gpair, gtimed = None, None
+                if not grad_knobs_set() and grad_tuned(rule) and _vjp_runner is not None:
+                    gpair, gtimed = _time_grad_chunks(rule, np.dtype(dtype), setting["batch"], setting["chunk_n"],
+                                                      setting["dim"], setting["rounds"], rng)
                 scan, chunked, ratio = [], [], []
                 with _trying(pair):  # the chunked kernel as auto will run it
                     for n in setting["sizes"]:
@@ -664,6 +747,8 @@ def calibrate(rules=None, dtypes=DTYPES, *, quick=False, progress=None, seed=0) 
                          "rows": rows, "crossover": crossover(rows)}
                 if pair is not None:
                     entry.update(chunk=pair, chunk_ms=timed)
+                if gpair is not None:
+                    entry.update(grad_chunk=gpair, grad_chunk_ms=gtimed)
                 entries[f"{rule}/{np.dtype(dtype).name}"] = entry
     finally:
         with _lock:
@@ -758,6 +843,13 @@ def _first_use(rule, name, entry_key):
             _busy = False
 
 
+def _pairs_text(e) -> str:
+    """`` (chunks of C, row blocks of b; gradient: chunks of C', row blocks of b')`` for an entry's stored pairs."""
+    parts = [f"{what}chunks of {e[field][0]}, row blocks of {e[field][1]}"
+             for field, what in (("chunk", ""), ("grad_chunk", "gradient: ")) if field in e]
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def status_line() -> str:
     """The calibration ``method="auto"`` uses here, in one line (for ``linattn info``)."""
     try:
@@ -770,8 +862,7 @@ def status_line() -> str:
                 f"constants (config.AUTO_METHODS), AUTO_TUNE={m}")
     if cal is None:
         return f"none stored for this machine; constants (config.AUTO_METHODS), AUTO_TUNE={m}"
-    cross = ", ".join(f"{k} {crossover(e['rows']) or 'never'}"
-                      + (f" (chunks of {e['chunk'][0]}, row blocks of {e['chunk'][1]})" if "chunk" in e else "")
+    cross = ", ".join(f"{k} {crossover(e['rows']) or 'never'}{_pairs_text(e)}"
                       for k, e in sorted(cal["entries"].items()))
     if cal["setting"]["quick"]:
         use = "a --quick smoke test, not used"

@@ -264,4 +264,4 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, device="auto", check
 # method="auto" on the CPU follows this machine's calibration when one is stored (docs/tuning.md)
 from . import _tune  # noqa: E402
 
-_tune.install(linear_attention)
+_tune.install(linear_attention, linear_attention_vjp)

@@ -117,12 +117,18 @@ def _print_calibration(cal) -> None:
         if e.get("chunk_ms"):
             timed = ", ".join(f"({c}, {b}) {ms:.3f}" for c, b, ms in e["chunk_ms"])
             print(f"  chunked kernel, ms by (chunk, row block) at N = {st.get('chunk_n')}, the table's first: {timed}")
+        if e.get("grad_chunk_ms"):
+            timed = ", ".join(f"({c}, {b}) {ms:.3f}" for c, b, ms in e["grad_chunk_ms"])
+            print(f"  linear_attention_vjp, ms by the backward's (chunk, row block) at N = {st.get('chunk_n')}, "
+                  f"config's first: {timed}")
     print("method='auto' (causal, CPU) on this machine:")
     for name, e in sorted(cal["entries"].items()):
         rows, cross = e["rows"], crossover(e["rows"])
         text = (f"{rows[0][1]} at every N" if len(rows) == 1
                 else f"{rows[0][1]} up to N = {rows[0][0]}, {rows[1][1]} above")
         pair = f"; chunks of {e['chunk'][0]} in row blocks of {e['chunk'][1]}" if "chunk" in e else ""
+        if "grad_chunk" in e:
+            pair += f"; its gradient's chunks of {e['grad_chunk'][0]} in row blocks of {e['grad_chunk'][1]}"
         print(f"  {name:<22} {text}{f'  (chunked from N = {cross})' if cross is not None else ''}{pair}")
 
 

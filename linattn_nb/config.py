@@ -195,7 +195,9 @@ BACKWARD_DECAY_CARRY_MIN = _env_float("LINATTN_BACKWARD_DECAY_CARRY_MIN", 2.0 **
 
 #: Chunk size and row block of the fused CPU backward of the normalised additive and decay rules
 #: (``linattn_nb.ops.grad.cpu.backward_chunked_normalized``; docs/design-cpu.md).  0 (default) picks
-#: :func:`cpu_backward_norm_chunk` and :func:`cpu_backward_norm_block`.
+#: :func:`cpu_backward_norm_chunk` and :func:`cpu_backward_norm_block`, or for a gradient of
+#: ``method="auto"`` the pair this machine's calibration stored (``linattn tune``; docs/tuning.md, "The
+#: backward's chunk size"); either knob set fixes the pair and the calibration does not time it.
 BACKWARD_NORM_CHUNK = _env_int("LINATTN_BACKWARD_NORM_CHUNK", 0)
 BACKWARD_NORM_BLOCK = _env_int("LINATTN_BACKWARD_NORM_BLOCK", 0)
 

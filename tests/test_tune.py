@@ -335,6 +335,8 @@ DAMAGE = {
     "huge integer time": lambda cal: cal["entries"]["additive/float32"]["scan_ms"].__setitem__(0, 10**400),
     "huge integer chunk time": lambda cal: cal["entries"]["additive/float32"].update(chunk=[48, 48],
                                                                                     chunk_ms=[[48, 48, 10**400]]),
+    "huge integer gradient pair time": lambda cal: cal["entries"]["additive/float32"].update(
+        grad_chunk=[48, 48], grad_chunk_ms=[[48, 48, 10**400]]),
 }
 
 
@@ -548,3 +550,111 @@ def test_tune_show_prints_the_pair(folder, capsys):
     assert "(32, 8) 13.600, (48, 48) 9.400" in out and "chunks of 48 in row blocks of 48" in out
     # and `linattn info`'s line names the pair auto runs
     assert _tune.status_line().endswith("additive/float32 1 (chunks of 48, row blocks of 48)")
+
+
+# ---------------------------------------------------------------------------
+# The fused normalised backward's (chunk, row block) pair
+# ---------------------------------------------------------------------------
+def _with_grad_pair(pair, *, quick=False, rule="additive"):
+    cal = fake([(None, "chunked")], quick=quick)
+    e = cal["entries"].pop("additive/float32")
+    e["grad_chunk"] = list(pair)
+    cal["entries"][f"{rule}/float32"] = e
+    return cal
+
+
+def _vjp_with(monkeypatch, args, pair, **kw):
+    import linattn_nb as la
+
+    with monkeypatch.context() as m:
+        m.setattr(config, "BACKWARD_NORM_CHUNK", pair[0])
+        m.setattr(config, "BACKWARD_NORM_BLOCK", pair[1])
+        return la.linear_attention_vjp(*args, causal=True, method="chunked", **kw)
+
+
+def _grads_equal(a, b) -> bool:
+    return all((x is None and y is None) or np.array_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("rule", ["additive", "decay"])
+def test_auto_vjp_runs_the_calibrated_grad_pair(folder, monkeypatch, rule):
+    """An entry's "grad_chunk" is the pair the gradient of method="auto" runs in the fused normalised backward;
+    an explicit method="chunked" keeps config's."""
+    import linattn_nb as la
+
+    monkeypatch.setattr(config, "AUTO_TUNE", "load")
+    q, k, v = _qkv()
+    g = np.random.default_rng(4).standard_normal(v.shape).astype(np.float32)
+    kw = {"log_decay": np.full(q.shape[:2], -0.05, np.float32)} if rule == "decay" else {}
+    table = la.linear_attention_vjp(q, k, v, g, causal=True, method="chunked", **kw)
+    _tune.save(_with_grad_pair([5, 3], rule=rule))
+    _tune.forget()  # read from the file
+    auto = la.linear_attention_vjp(q, k, v, g, causal=True, **kw)
+    assert _grads_equal(auto, _vjp_with(monkeypatch, (q, k, v, g), (5, 3), **kw))
+    assert not _grads_equal(auto, table)  # the pair changes the float32 rounding: the test can tell
+    assert _grads_equal(la.linear_attention_vjp(q, k, v, g, causal=True, method="chunked", **kw), table)
+    for a, b in zip(auto, table):
+        if b is not None:
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("case", ["off", "quick", "knob", "small heads", "other rule"])
+def test_calibrated_grad_pair_is_not_used(folder, monkeypatch, case):
+    """config's pair where tuning is off, for a smoke test, under a backward knob, for heads in another row of
+    CPU_CHUNK_TABLE than the calibration's D = M, and for an entry of another rule."""
+    import linattn_nb as la
+
+    monkeypatch.setattr(config, "AUTO_TUNE", "off" if case == "off" else "load")
+    q, k, v = _qkv(8 if case == "small heads" else 64)
+    g = np.random.default_rng(4).standard_normal(v.shape).astype(np.float32)
+    if case == "knob":
+        monkeypatch.setattr(config, "BACKWARD_NORM_BLOCK", 4)
+    table = la.linear_attention_vjp(q, k, v, g, causal=True, method="chunked")
+    _tune.use(_with_grad_pair([5, 3], quick=case == "quick", rule="decay" if case == "other rule" else "additive"))
+    # the constants choose the chunked method too, where the calibration's rows are not used
+    rows = {**config.AUTO_METHODS, ("additive", True, "cpu"): ((None, "chunked"),)}
+    monkeypatch.setattr(config, "AUTO_METHODS", rows)
+    assert select_auto(n=q.shape[1], dtype=np.float32, **KW) == "chunked"
+    assert _grads_equal(la.linear_attention_vjp(q, k, v, g, causal=True), table)
+
+
+def test_calibrate_times_the_grad_pairs(folder, monkeypatch):
+    """A (quick) calibration stores the backward's pair for the additive and decay rules and not for the gate
+    rule (no row blocks), nor under a backward knob; the pair timed last does not stay behind on the thread."""
+    monkeypatch.setattr(_tune, "CHUNK_MARGIN", 2.0)  # any pair within 2x of config's is taken
+    cal = _tune.calibrate(["additive", "gate"], ["float32"], quick=True)
+    e = cal["entries"]["additive/float32"]
+    ms = {tuple(x[:2]): x[2] for x in e["grad_chunk_ms"]}
+    c0 = config.cpu_backward_norm_chunk(32, 16, 17, np.float32)
+    table = (c0, config.cpu_backward_norm_block(c0, 16, 17, np.float32))
+    assert list(ms)[0] == table and len(ms) > 1 and all(c <= _tune.QUICK["chunk_n"] for c, _ in ms)
+    assert tuple(e["grad_chunk"]) == min(ms, key=ms.get)
+    assert "grad_chunk" not in cal["entries"]["gate/float32"]
+    assert _tune._invalid(cal, _tune.calibration_key()) is None
+    assert _tune.grad_choice("additive", np.float32, 64, 64, auto=False) is None
+    monkeypatch.setattr(config, "BACKWARD_NORM_CHUNK", 16)
+    cal = _tune.calibrate(["additive"], ["float32"], quick=True)
+    assert "grad_chunk" not in cal["entries"]["additive/float32"]
+    assert "grad_chunk_ms" not in cal["entries"]["additive/float32"]
+
+
+@pytest.mark.parametrize("pair", [[8, 16], [0, 1], [8], "8,8", [8.0, 8], [True, 1]])
+def test_bad_grad_pair_is_no_calibration(folder, pair):
+    cal = _with_grad_pair([8, 8])
+    cal["entries"]["additive/float32"]["grad_chunk"] = pair
+    assert "'grad_chunk'" in _tune._invalid(cal, _tune.calibration_key())
+    cal = _with_grad_pair([8, 8])
+    cal["entries"]["additive/float32"]["grad_chunk_ms"] = [pair + [1.0] if isinstance(pair, list) else pair]
+    assert "'grad_chunk_ms'" in _tune._invalid(cal, _tune.calibration_key())
+
+
+def test_tune_show_prints_the_grad_pair(folder, capsys):
+    cal = _with_pair([48, 48])
+    cal["entries"]["additive/float32"].update(grad_chunk=[48, 16], grad_chunk_ms=[[48, 8, 20.5], [48, 16, 17.25]])
+    _tune.save(cal)
+    assert cli.main(["tune", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert "config's first: (48, 8) 20.500, (48, 16) 17.250" in out
+    assert "its gradient's chunks of 48 in row blocks of 16" in out
+    assert _tune.status_line().endswith(
+        "additive/float32 1 (chunks of 48, row blocks of 48; gradient: chunks of 48, row blocks of 16)")

@@ -57,6 +57,10 @@ class Method:
         Dtypes the launcher takes as they are (others are computed in float32 and cast back).
     kind : str
         ``"sequence"`` or ``"step"`` (decoding).
+    grad_pair : tuple of int or None
+        ``(chunk, row block)`` of the fused normalised CPU backward a gradient of this method runs
+        (:func:`linattn_nb.ops.grad.cpu.backward_chunked_normalized`), where this machine's calibration set
+        one (:func:`grad_pair`); None: ``config``'s.
     """
 
     rule: str
@@ -70,6 +74,7 @@ class Method:
         default_factory=lambda: frozenset({np.dtype(np.float32), np.dtype(np.float64)})
     )
     kind: str = "sequence"
+    grad_pair: Optional[Tuple[int, int]] = None
 
     @property
     def key(self) -> tuple:
@@ -142,12 +147,13 @@ def get_method(name: str, *, causal: bool, device: str, rule: str = "additive") 
 _calibration = None
 
 
-def set_calibration(lookup, pairs=None) -> None:
-    """Install the calibration lookup :func:`select_auto` consults and the one :func:`chunk_pair` does
+def set_calibration(lookup, pairs=None, grad_pairs=None) -> None:
+    """Install the calibration lookups :func:`select_auto`, :func:`chunk_pair` and :func:`grad_pair` consult
     (None removes them)."""
-    global _calibration, _pairs
+    global _calibration, _pairs, _grad_pairs
     _calibration = lookup
     _pairs = pairs
+    _grad_pairs = grad_pairs
 
 
 #: ``(rule, dtype, f, m, auto) -> (chunk, row block) or None``: the pair a causal CPU chunked call runs
@@ -159,6 +165,18 @@ def chunk_pair(rule: str, dtype, f: int, m: int, *, auto: bool):
     """The ``(chunk, row block)`` a causal CPU chunked call of ``rule`` runs, from this machine's calibration
     (``auto``: the call asked for ``method="auto"``), or None for ``config``'s (``docs/tuning.md``)."""
     return None if _pairs is None else _pairs(rule, dtype, f, m, auto=auto)
+
+
+#: ``(rule, dtype, f, m, auto) -> (chunk, row block) or None``: the pair the fused normalised CPU backward runs
+#: (:func:`linattn_nb._tune.grad_choice`), installed with :data:`_calibration`.
+_grad_pairs = None
+
+
+def grad_pair(rule: str, dtype, f: int, m: int, *, auto: bool):
+    """The ``(chunk, row block)`` the fused normalised CPU backward of a causal chunked ``rule`` runs, from this
+    machine's calibration (``auto``: the call asked for ``method="auto"``), or None for ``config``'s
+    (``docs/tuning.md``)."""
+    return None if _grad_pairs is None else _grad_pairs(rule, dtype, f, m, auto=auto)
 
 
 def select_auto(*, causal: bool, device: str, n: int, dtype, rule: str = "additive") -> str:

@@ -246,6 +246,12 @@ def fuses_normalized(rule) -> bool:
     return int(rule) in (RULE_ADDITIVE, RULE_DECAY, RULE_GATE)
 
 
+def norm_row_blocks(rule) -> bool:
+    """Whether :func:`backward_chunked_normalized` of rule code ``rule`` runs its chunks in row blocks, i.e. takes
+    both ``chunk`` and ``block`` (the additive and decay rules; the gate rule's takes the chunk only)."""
+    return int(rule) in (RULE_ADDITIVE, RULE_DECAY)
+
+
 def _fresh(name, shape, dtype):
     return np.empty(shape, dtype)
 
