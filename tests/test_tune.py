@@ -523,22 +523,30 @@ def test_calibrate_times_the_pairs(folder, monkeypatch):
         assert tuple(e["chunk"]) == (best if ms[best] < margin * ms[table] else table)
         assert margin < 1 or tuple(e["chunk"]) == best
         assert margin > 1 or tuple(e["chunk"]) == table
+    _valid_and_no_pair_under_a_knob(monkeypatch, cal, _tune.chunk_choice, "CPU_CHUNK_BLOCK", 4, "chunk")
+
+
+def _valid_and_no_pair_under_a_knob(monkeypatch, cal, choice, knob, value, field):
+    """``cal`` is valid, the trial pair did not stay on the thread, and with ``knob`` set a calibration times no
+    ``field`` pair."""
     assert _tune._invalid(cal, _tune.calibration_key()) is None
-    assert _tune.chunk_choice("additive", np.float32, 64, 64, auto=False) is None
-    monkeypatch.setattr(config, "CPU_CHUNK_BLOCK", 4)
+    assert choice("additive", np.float32, 64, 64, auto=False) is None
+    monkeypatch.setattr(config, knob, value)
     cal = _tune.calibrate(["additive"], ["float32"], quick=True)
-    assert "chunk" not in cal["entries"]["additive/float32"]
-    assert "chunk_ms" not in cal["entries"]["additive/float32"]
+    assert field not in cal["entries"]["additive/float32"]
+    assert f"{field}_ms" not in cal["entries"]["additive/float32"]
 
 
+@pytest.mark.parametrize("field", ["chunk", "grad_chunk"])
 @pytest.mark.parametrize("pair", [[8, 16], [0, 1], [8], "8,8", [8.0, 8], [True, 1]])
-def test_bad_chunk_pair_is_no_calibration(folder, pair):
+def test_bad_chunk_pair_is_no_calibration(folder, pair, field):
+    """The forward's pair and the backward's: each field and its timings checked."""
     cal = _with_pair([8, 8])
-    cal["entries"]["additive/float32"]["chunk"] = pair
-    assert "'chunk'" in _tune._invalid(cal, _tune.calibration_key())
+    cal["entries"]["additive/float32"][field] = pair
+    assert f"'{field}'" in _tune._invalid(cal, _tune.calibration_key())
     cal = _with_pair([8, 8])
-    cal["entries"]["additive/float32"]["chunk_ms"] = [pair + [1.0] if isinstance(pair, list) else pair]
-    assert "'chunk_ms'" in _tune._invalid(cal, _tune.calibration_key())
+    cal["entries"]["additive/float32"][f"{field}_ms"] = [pair + [1.0] if isinstance(pair, list) else pair]
+    assert f"'{field}_ms'" in _tune._invalid(cal, _tune.calibration_key())
 
 
 def test_tune_show_prints_the_pair(folder, capsys):
@@ -630,22 +638,7 @@ def test_calibrate_times_the_grad_pairs(folder, monkeypatch):
     assert list(ms)[0] == table and len(ms) > 1 and all(c <= _tune.QUICK["chunk_n"] for c, _ in ms)
     assert tuple(e["grad_chunk"]) == min(ms, key=ms.get)
     assert "grad_chunk" not in cal["entries"]["gate/float32"]
-    assert _tune._invalid(cal, _tune.calibration_key()) is None
-    assert _tune.grad_choice("additive", np.float32, 64, 64, auto=False) is None
-    monkeypatch.setattr(config, "BACKWARD_NORM_CHUNK", 16)
-    cal = _tune.calibrate(["additive"], ["float32"], quick=True)
-    assert "grad_chunk" not in cal["entries"]["additive/float32"]
-    assert "grad_chunk_ms" not in cal["entries"]["additive/float32"]
-
-
-@pytest.mark.parametrize("pair", [[8, 16], [0, 1], [8], "8,8", [8.0, 8], [True, 1]])
-def test_bad_grad_pair_is_no_calibration(folder, pair):
-    cal = _with_grad_pair([8, 8])
-    cal["entries"]["additive/float32"]["grad_chunk"] = pair
-    assert "'grad_chunk'" in _tune._invalid(cal, _tune.calibration_key())
-    cal = _with_grad_pair([8, 8])
-    cal["entries"]["additive/float32"]["grad_chunk_ms"] = [pair + [1.0] if isinstance(pair, list) else pair]
-    assert "'grad_chunk_ms'" in _tune._invalid(cal, _tune.calibration_key())
+    _valid_and_no_pair_under_a_knob(monkeypatch, cal, _tune.grad_choice, "BACKWARD_NORM_CHUNK", 16, "grad_chunk")
 
 
 def test_tune_show_prints_the_grad_pair(folder, capsys):
