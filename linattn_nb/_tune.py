@@ -69,7 +69,9 @@ _OPENBLAS_OLD = {"sandybridge", "nehalem", "core2", "penryn", "dunnington", "pre
                  "bulldozer", "piledriver", "steamroller", "nano", "generic"}
 
 _lock = threading.RLock()
-_busy = False
+#: How many calibrations run in this process now (a count, not a flag: two overlapping ones from two threads
+#: each end by taking one off, whichever ends first).  While any runs, ``method="auto"`` times nothing more.
+_busy = 0
 #: The calibration of this process: None before the first look, False when none applies.
 _current = None
 _key_memo = None
@@ -719,7 +721,7 @@ def calibrate(rules=None, dtypes=DTYPES, *, quick=False, progress=None, seed=0) 
     rng = np.random.default_rng(seed)
     entries = {}
     with _lock:
-        was, _busy = _busy, True
+        _busy += 1
     try:
         for rule in rules:
             for dtype in dtypes:
@@ -752,7 +754,7 @@ def calibrate(rules=None, dtypes=DTYPES, *, quick=False, progress=None, seed=0) 
                 entries[f"{rule}/{np.dtype(dtype).name}"] = entry
     finally:
         with _lock:
-            _busy = was
+            _busy -= 1
     return {"format": FORMAT, "key": calibration_key(),
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "setting": {**{k: list(v) if isinstance(v, tuple) else v for k, v in setting.items()},
@@ -819,7 +821,7 @@ def _first_use(rule, name, entry_key):
     with _lock:
         if _busy:
             return None
-        _busy = True
+        _busy += 1
     try:
         if rule not in tuned_rules():
             return None
@@ -840,7 +842,7 @@ def _first_use(rule, name, entry_key):
         return [tuple(r) for r in cal["entries"][entry_key]["rows"]]
     finally:
         with _lock:
-            _busy = False
+            _busy -= 1
 
 
 def _pairs_text(e) -> str:

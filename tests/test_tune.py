@@ -651,3 +651,29 @@ def test_tune_show_prints_the_grad_pair(folder, capsys):
     assert "its gradient's chunks of 48 in row blocks of 16" in out
     assert _tune.status_line().endswith(
         "additive/float32 1 (chunks of 48, row blocks of 48; gradient: chunks of 48, row blocks of 16)")
+
+
+def test_overlapping_calibrations_leave_first_use_working(folder):
+    """Two calibrations from two threads, the first ending while the second runs: the second restored the
+    busy flag it had saved (set), so first-use timing stayed off for the rest of the process."""
+    import threading
+
+    first_in, second_in, first_done = threading.Event(), threading.Event(), threading.Event()
+
+    def first():
+        _tune.calibrate(["additive"], ["float32"], quick=True,
+                        progress=lambda r, d: (first_in.set(), second_in.wait(60)))
+        first_done.set()
+
+    def second():
+        first_in.wait(60)
+        _tune.calibrate(["additive"], ["float32"], quick=True,
+                        progress=lambda r, d: (second_in.set(), first_done.wait(60)))
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert first_done.is_set()
+    assert not _tune._busy  # method="auto" under AUTO_TUNE="first-use" times missing entries again
