@@ -416,8 +416,14 @@ def _run_studies(args, names, argv) -> int:
         args.device = args.device or "auto"
         args.out = args.out or args.default_out
         for name, opts in options.items():  # refuse options a study cannot take before anything runs
-            apply_overrides(get_study(name).points(Context(out=Path(args.out), profile=args.profile)), opts,
-                            study=name)
+            try:
+                apply_overrides(get_study(name).points(Context(out=Path(args.out), profile=args.profile)), opts,
+                                study=name)
+            except OptionError as exc:
+                if getattr(args, "config", None) is None:
+                    raise
+                # name the file and the study's table, as load_config's own messages do
+                raise OptionError(f"--config {os.fspath(args.config)!r}: [{name}] {exc}") from None
     except OptionError as exc:
         print(f"linattn {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -441,6 +441,9 @@ dim = 4
     ('profile = ', "toml", "cannot be parsed"),
     ('{"recall": {"seeds": 0}}', "json", "recall.seeds must be an integer >= 1"),
     ('[1, 2]', "json", "must hold a table"),
+    # refused when applied to the study's points: the file and the table named too
+    ('[error]\nmaps = ["nope"]', "toml", "[error] maps: 'nope' is not registered"),
+    ('[error]\nmaps = ["elu"]\nm = [8]', "toml", "[error] m: none of the error study's selected maps is random"),
 ])
 def test_report_config_errors_name_the_key(text, suffix, match, tmp_path, capsys):
     conf = _write(tmp_path / f"c.{suffix}", text)
