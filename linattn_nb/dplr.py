@@ -22,7 +22,7 @@ from .rules import BUILTIN_DPLR_RULES, get_dplr_rule
 from ._blas import parallel_entry
 from ._workarrays import thread_array
 from ._defaults import DEFAULT_EPS
-from ._validate import check_eps
+from ._validate import check_eps, check_out
 
 __all__ = ["dplr_attention", "dplr_attention_vjp", "DPLRVJP", "DPLR_METHODS"]
 
@@ -545,16 +545,13 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
     dev_out = None
     if out is not None and dev == "cuda" and _on_device(out):
         dev_out, out = out, None
-        if tuple(dev_out.shape) != lead + (N, M) or np.dtype(dev_out.dtype) != dtype:
-            raise ValueError(f"out must have shape {lead + (N, M)} and dtype {dtype}, got "
-                             f"{tuple(dev_out.shape)} {np.dtype(dev_out.dtype)}")
+        # as every entry point: a wrong shape is a ValueError, a wrong dtype a TypeError
+        if tuple(dev_out.shape) != lead + (N, M):
+            raise ValueError(f"out must have shape {lead + (N, M)}, got {tuple(dev_out.shape)}")
+        if np.dtype(dev_out.dtype) != dtype:
+            raise TypeError(f"out must have dtype {dtype}, got {np.dtype(dev_out.dtype)}")
     if out is not None:
-        if not isinstance(out, np.ndarray):
-            raise TypeError(f"out must be a NumPy array, got {type(out).__name__}")
-        if out.shape != lead + (N, M) or out.dtype != dtype:
-            raise ValueError(f"out must have shape {lead + (N, M)} and dtype {dtype}, got {out.shape} {out.dtype}")
-        if not out.flags.writeable:
-            raise ValueError("out is read-only")  # before the call's work, not after it
+        check_out(out, lead + (N, M), dtype)  # read-only refused too, before the call's work
     if method == "quadratic":
         from .ops.dplr.naive import dplr_reference
 

@@ -590,11 +590,9 @@ class LinearAttentionState:
         and viewed as (B, T, M), no allocation), else a new array (copied into ``given`` by
         :meth:`_deliver`)."""
         shape = self._bs + (inp.T, self._m)
-        if given is not None and not inp.device_inputs and (
-                not isinstance(given, np.ndarray) or given.shape != shape or given.dtype != inp.dtype):
-            raise ValueError(f"out must be a NumPy array of shape {shape} and dtype {inp.dtype} for host inputs, "
-                             f"got {type(given).__name__} {getattr(given, 'shape', None)} "
-                             f"{getattr(given, 'dtype', None)}")
+        if given is not None and not inp.device_inputs:
+            # as every entry point: not an array or a wrong dtype a TypeError, a wrong shape a ValueError
+            V.check_out(given, shape, inp.dtype)
         if isinstance(given, np.ndarray) and not given.flags.writeable:
             # refused before the kernel advances the state (a retry would absorb the tokens twice)
             raise ValueError("out is read-only")

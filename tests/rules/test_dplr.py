@@ -447,8 +447,11 @@ def test_bad_arrays_name_the_argument(rng):
     with pytest.raises(ValueError, match=r"initial_state.S must have shape"):
         la.dplr_attention(q, k, v, initial_state=la.LinearState(np.zeros((B, D, M + 1)), np.zeros((B, D)), 0, "dplr"),
                           **ab)
-    with pytest.raises(ValueError, match="out must have shape"):
+    # as linear_attention's out: a wrong dtype a TypeError, a wrong shape a ValueError
+    with pytest.raises(TypeError, match="out must have dtype float64"):
         la.dplr_attention(q, k, v, out=np.empty((B, N, M), np.float32), **ab)
+    with pytest.raises(ValueError, match="out must have shape"):
+        la.dplr_attention(q, k, v, out=np.empty((B, N + 1, M)), **ab)
 
 
 def test_registry():

@@ -115,6 +115,11 @@ def test_device_inputs_give_a_device_result(rng):
         _close(la.dplr_attention(dq, dk, dv, normalize=True, **dargs), ref)
     with pytest.raises(ValueError, match="different devices"):
         la.dplr_attention(dq, k, v, device="cuda", **args)
+    # a device out as a host one: a wrong shape a ValueError, a wrong dtype a TypeError
+    with pytest.raises(ValueError, match="out must have shape"):
+        la.dplr_attention(dq, dk, dv, device="cuda", out=cuda.device_array((B, N + 1, M)), **dargs)
+    with pytest.raises(TypeError, match="out must have dtype"):
+        la.dplr_attention(dq, dk, dv, device="cuda", out=cuda.device_array((B, N, M), np.float32), **dargs)
 
 
 def test_launcher_updates_a_device_state(rng, threads):

@@ -743,8 +743,12 @@ def test_step_out_argument_on_the_host():
         res = a.step(q[:, sl], k[:, sl], v[:, sl], out=out)
         assert res is out
         np.testing.assert_array_equal(out, b.step(q[:, sl], k[:, sl], v[:, sl]))
-    with pytest.raises(ValueError, match="out must be"):
+    with pytest.raises(TypeError, match="out must have dtype float64"):  # as linear_attention's out
         a.step(q[:, :1], k[:, :1], v[:, :1], out=np.empty((2, 1, 3), np.float32))
+    with pytest.raises(ValueError, match=r"out must have shape \(2, 1, 3\)"):
+        a.step(q[:, :1], k[:, :1], v[:, :1], out=np.empty((2, 2, 3)))
+    with pytest.raises(TypeError, match="out must be a numpy.ndarray"):
+        a.step(q[:, :1], k[:, :1], v[:, :1], out=[[0.0] * 3] * 2)
     assert a.position == 4
     c = LinearAttentionState(3, 3, batch_shape=(2,))
     d = LinearAttentionState(3, 3, batch_shape=(2,))
