@@ -738,10 +738,16 @@ class LinearAttentionState:
             res = self._rule_step_fast(q, k, v, check_finite)
             if res is not None:
                 return res
+        unfixed = self._device is None
         inp = self._prepare([("q", q, self._d), ("k", k, self._d), ("v", v, self._m)], check_finite, decay,
                             log_decay, beta, step=True)
         given = out
-        out = self._kernel_out(given, inp, call_reads(q, k, v, decay, log_decay, beta))
+        try:
+            out = self._kernel_out(given, inp, call_reads(q, k, v, decay, log_decay, beta))
+        except (TypeError, ValueError):
+            if unfixed:  # a refused out leaves the state as it was: its device open too (the next call fixes it)
+                self._device = None
+            raise
         fixed = self._absorb_rule(inp)
         qf, kf, vf = self._on_state_device(inp)
         if inp.T == 0:  # nothing to absorb (the rule may still be open: no launcher to run)

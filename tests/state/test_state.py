@@ -749,6 +749,11 @@ def test_step_out_argument_on_the_host():
         a.step(q[:, :1], k[:, :1], v[:, :1], out=np.empty((2, 2, 3)))
     with pytest.raises(TypeError, match="out must be a numpy.ndarray"):
         a.step(q[:, :1], k[:, :1], v[:, :1], out=[[0.0] * 3] * 2)
+    # a new state's first call refused for its out: nothing fixed, its device included (it became "cpu")
+    fresh = LinearAttentionState(3, 3, batch_shape=(2,))
+    with pytest.raises(TypeError, match="out must have dtype"):
+        fresh.step(q[:, :2], k[:, :2], v[:, :2], out=np.empty((2, 2, 3), np.float32))
+    assert fresh.device == "auto" and fresh.position == 0
     assert a.position == 4
     c = LinearAttentionState(3, 3, batch_shape=(2,))
     d = LinearAttentionState(3, 3, batch_shape=(2,))
