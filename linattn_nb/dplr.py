@@ -632,7 +632,11 @@ def _to_device(res, dev_out):
         return cuda.to_device(np.ascontiguousarray(res))
     from . import _cuda_dispatch as CD
 
-    CD.wrap("out", dev_out).copy_to_device(np.ascontiguousarray(res))
+    dout = CD.wrap("out", dev_out)
+    if dout.is_c_contiguous():
+        dout.copy_to_device(np.ascontiguousarray(res))
+    else:  # a strided view: one copy can fill contiguous memory only, so Numba's element-wise assignment
+        dout[...] = cuda.to_device(np.ascontiguousarray(res))
     return dev_out
 
 

@@ -111,6 +111,11 @@ def test_device_inputs_give_a_device_result(rng):
     res = la.dplr_attention(dq, dk, dv, device="cuda", normalize=True, out=out, **dargs)
     assert res is out
     _close(out, ref)
+    # a strided device view as out (a raw Numba error after the whole computation before)
+    wide = cuda.device_array((B, N, 2 * M))
+    view = wide[:, :, ::2]
+    assert la.dplr_attention(dq, dk, dv, device="cuda", normalize=True, out=view, **dargs) is view
+    _close(view, ref)
     if cuda_status() == "simulator":
         _close(la.dplr_attention(dq, dk, dv, normalize=True, **dargs), ref)
     with pytest.raises(ValueError, match="different devices"):
