@@ -30,7 +30,9 @@ Configurations (``--configs``, comma-separated ``key=value``):
   (``LINATTN_BLAS_SINGLE_THREAD``);
 * ``chunk``: ``numba.set_parallel_chunksize`` (0: Numba's static split);
 * ``match``: ``1`` / ``0``, ``config.TORCH_MATCH_THREADS`` (the adapter runs the kernels on
-  ``min(Numba's, torch's)`` threads).
+  ``min(Numba's, torch's)`` threads);
+* ``tune``: ``off`` / ``load``, ``LINATTN_AUTO_TUNE`` (``off``: the constants' chunk pairs; ``load``:
+  this machine's calibration, ``linattn tune``), e.g. ``--busy 0 --configs tune=off tune=load``.
 
 Cases (``--cases``):
 
@@ -180,6 +182,8 @@ def _env(spec: dict) -> dict:
         env["OMP_WAIT_POLICY"] = spec["wait"]
     if "blas" in spec:
         env["LINATTN_BLAS_SINGLE_THREAD"] = spec["blas"]
+    if "tune" in spec:
+        env["LINATTN_AUTO_TUNE"] = spec["tune"]
     if "blocktime" in spec:
         env["KMP_BLOCKTIME"] = spec["blocktime"]
     return env

@@ -337,13 +337,30 @@ def _invalid(cal, key) -> str | None:
             col = e.get(field)
             if not isinstance(col, list) or len(col) != len(n) or not all(_is_num(x) for x in col):
                 return f"entry {name!r}: no valid {field!r}"
-        for field in ("chunk", "grad_chunk"):
-            if field in e and not _valid_pair(e[field]):
-                return f"entry {name!r}: {field!r} is not [chunk, row block] with 1 <= row block <= chunk"
-            timed = e.get(f"{field}_ms", [])
-            if not isinstance(timed, list) or not all(
-                    isinstance(x, list) and len(x) == 3 and _valid_pair(x[:2]) and _is_num(x[2]) for x in timed):
-                return f"entry {name!r}: '{field}_ms' is not a list of [chunk, row block, ms]"
+        problem = _invalid_pairs(e)
+        if problem:
+            return f"entry {name!r}: {problem}"
+        heads = e.get("heads", [])
+        if not isinstance(heads, list):
+            return f"entry {name!r}: 'heads' is not a list"
+        for h in heads:
+            if not isinstance(h, dict) or not _is_int(h.get("dim")) or h["dim"] < 1:
+                return f"entry {name!r}: a 'heads' item without a valid 'dim'"
+            problem = _invalid_pairs(h)
+            if problem:
+                return f"entry {name!r}, heads of D = {h['dim']}: {problem}"
+    return None
+
+
+def _invalid_pairs(e) -> str | None:
+    """Why the pair fields of an entry, or of one of its ``"heads"`` items, are not usable (None: they are)."""
+    for field in ("chunk", "grad_chunk"):
+        if field in e and not _valid_pair(e[field]):
+            return f"{field!r} is not [chunk, row block] with 1 <= row block <= chunk"
+        timed = e.get(f"{field}_ms", [])
+        if not isinstance(timed, list) or not all(
+                isinstance(x, list) and len(x) == 3 and _valid_pair(x[:2]) and _is_num(x[2]) for x in timed):
+            return f"'{field}_ms' is not a list of [chunk, row block, ms]"
     return None
 
 
@@ -559,20 +576,39 @@ def _trying(pair, slot="pair"):
 
 def _stored_pair(field, rule, dtype, f, m):
     """The ``field`` (``"chunk"``, ``"grad_chunk"``) pair of this machine's calibration entry for ``rule`` and
-    ``dtype``, where one is stored and used and ``f`` by ``m`` falls in the calibration's row of
-    ``config.CPU_CHUNK_TABLE``; else None."""
+    ``dtype``, where one is stored and used, timed at a D = M whose row of ``config.CPU_CHUNK_TABLE`` is that of
+    ``f`` by ``m``: the entry's own (the calibration's D) or one of its ``"heads"`` items; else None."""
     name = "float64" if str(getattr(dtype, "name", dtype)) == "float64" else "float32"
     with _lock:
         cal = _current
     if not cal or cal["setting"].get("quick") or mode() == "off":
         return None
     entry = cal["entries"].get(f"{rule}/{name}")
-    if not entry or field not in entry:
+    if not entry:
         return None
+    row = config.chunk_table_row(f, m, name)
     dim = cal["setting"]["dim"]
-    if config.chunk_table_row(f, m, name) != config.chunk_table_row(dim, dim, name):
-        return None
-    return tuple(entry[field])
+    for e, d in [(entry, dim)] + [(h, h["dim"]) for h in entry.get("heads", ())]:
+        if config.chunk_table_row(d, d, name) == row:
+            return tuple(e[field]) if field in e else None
+    return None
+
+
+def head_dims(dtype, dim: int) -> list:
+    """The D = M at which a calibration also times the pairs, besides its own ``dim``: one per other row of
+    ``config.CPU_CHUNK_TABLE`` for ``dtype``, the largest square D * D within the row's bound (the last row:
+    ``FULL``'s D), so that heads of every row run a pair timed in their own row."""
+    import numpy as np
+
+    name = "float64" if np.dtype(dtype) == np.float64 else "float32"
+    own = config.chunk_table_row(dim, dim, name)
+    dims = []
+    for row in config.CPU_CHUNK_TABLE.get(name, ()):
+        d = FULL["dim"] if row[0] is None else math.isqrt(int(row[0]))
+        r = config.chunk_table_row(d, d, name)
+        if d >= 1 and r == row and r != own and d not in dims:
+            dims.append(d)
+    return dims
 
 
 def chunk_choice(rule: str, dtype, f: int, m: int, *, auto: bool):
@@ -580,8 +616,8 @@ def chunk_choice(rule: str, dtype, f: int, m: int, *, auto: bool):
     (``CPU_CHUNK_SIZE``, ``CPU_CHUNK_BLOCK``, ``CPU_CHUNK_TABLE``).
 
     With ``auto`` (the call asked for ``method="auto"``), the pair of this machine's calibration entry for
-    ``rule`` and ``dtype`` where there is one, where neither knob is set and where ``f`` features by ``m`` value
-    columns fall in the same row of ``CPU_CHUNK_TABLE`` as the calibration's D = M.  An explicit
+    ``rule`` and ``dtype`` where there is one and neither knob is set, timed at a D = M in the same row of
+    ``CPU_CHUNK_TABLE`` as ``f`` features by ``m`` value columns (:func:`_stored_pair`).  An explicit
     ``method="chunked"`` keeps the constants, so that its result does not depend on a timing (a chunk size
     moves the last bits of a float32 output).  While :func:`calibrate` times a pair, that pair, on its thread.
     """
@@ -599,7 +635,7 @@ def grad_choice(rule: str, dtype, f: int, m: int, *, auto: bool):
     (``BACKWARD_NORM_CHUNK``, ``BACKWARD_NORM_BLOCK``).
 
     As :func:`chunk_choice`: with ``auto``, the calibration entry's ``"grad_chunk"`` where one is stored, neither
-    knob is set and ``f`` by ``m`` falls in the calibration's table row; while :func:`calibrate` times a pair,
+    knob is set and it was timed at a D = M in the table row of ``f`` by ``m``; while :func:`calibrate` times a pair,
     that pair, on its thread.
     """
     pair = getattr(_trial, "grad", None)
@@ -676,6 +712,21 @@ def _time_chunks(rule, dtype, batch, n, dim, rounds, rng):
     return _best_pair(call, pairs, rounds)  # the pair is a run-time argument: one compilation
 
 
+def _pairs_at(rule, dtype, setting, dim, rng) -> dict:
+    """The pair fields of a calibration entry timed at D = M = ``dim``: ``"chunk"`` and ``"chunk_ms"``
+    (:func:`_time_chunks`) unless a chunk knob is set, ``"grad_chunk"`` and ``"grad_chunk_ms"``
+    (:func:`_time_grad_chunks`) for the rules of :func:`grad_tuned` unless a backward knob is set."""
+    out = {}
+    if not chunk_knobs_set():
+        pair, timed = _time_chunks(rule, dtype, setting["batch"], setting["chunk_n"], dim, setting["rounds"], rng)
+        out.update(chunk=pair, chunk_ms=timed)
+    if not grad_knobs_set() and grad_tuned(rule) and _vjp_runner is not None:
+        pair, timed = _time_grad_chunks(rule, dtype, setting["batch"], setting["chunk_n"], dim, setting["rounds"],
+                                        rng)
+        out.update(grad_chunk=pair, grad_chunk_ms=timed)
+    return out
+
+
 def rows_from(sizes, ratios) -> list:
     """The ``[max_n, method]`` rows of ``config.AUTO_METHODS`` that follow from measured ratios.
 
@@ -711,7 +762,9 @@ def calibrate(rules=None, dtypes=DTYPES, *, quick=False, progress=None, seed=0) 
     ``setting`` and ``entries``: ``"<rule>/<dtype>" -> {"n", "scan_ms", "chunked_ms", "ratio", "rows",
     "crossover"}`` (median ms, the median of the rounds' chunked / scan ratios, :func:`rows_from`'s rows),
     and where no knob fixes them, ``"chunk"`` with ``"chunk_ms"`` (:func:`_time_chunks`) and, for the rules of
-    :func:`grad_tuned`, ``"grad_chunk"`` with ``"grad_chunk_ms"`` (:func:`_time_grad_chunks`).
+    :func:`grad_tuned`, ``"grad_chunk"`` with ``"grad_chunk_ms"`` (:func:`_time_grad_chunks`); ``"heads"``, the
+    same pair fields with their ``"dim"`` timed at each D of :func:`head_dims` (heads of other rows of
+    ``config.CPU_CHUNK_TABLE``).
     """
     import numpy as np
 
@@ -727,16 +780,12 @@ def calibrate(rules=None, dtypes=DTYPES, *, quick=False, progress=None, seed=0) 
             for dtype in dtypes:
                 if progress is not None:
                     progress(rule, dtype)
-                pair, timed = None, None
-                if not chunk_knobs_set():
-                    pair, timed = _time_chunks(rule, np.dtype(dtype), setting["batch"], setting["chunk_n"],
-                                               setting["dim"], setting["rounds"], rng)
-                gpair, gtimed = None, None
-                if not grad_knobs_set() and grad_tuned(rule) and _vjp_runner is not None:
-                    gpair, gtimed = _time_grad_chunks(rule, np.dtype(dtype), setting["batch"], setting["chunk_n"],
-                                                      setting["dim"], setting["rounds"], rng)
+                pairs = _pairs_at(rule, np.dtype(dtype), setting, setting["dim"], rng)
+                heads = [{"dim": d, **_pairs_at(rule, np.dtype(dtype), setting, d, rng)}
+                         for d in head_dims(dtype, setting["dim"])]
+                heads = [h for h in heads if len(h) > 1]
                 scan, chunked, ratio = [], [], []
-                with _trying(pair):  # the chunked kernel as auto will run it
+                with _trying(pairs.get("chunk")):  # the chunked kernel as auto will run it
                     for n in setting["sizes"]:
                         s, c, r = _time_pair(rule, np.dtype(dtype), setting["batch"], n, setting["dim"],
                                              setting["rounds"], rng)
@@ -747,10 +796,9 @@ def calibrate(rules=None, dtypes=DTYPES, *, quick=False, progress=None, seed=0) 
                 rows = rows_from(sizes, ratio)
                 entry = {"n": sizes, "scan_ms": scan, "chunked_ms": chunked, "ratio": ratio,
                          "rows": rows, "crossover": crossover(rows)}
-                if pair is not None:
-                    entry.update(chunk=pair, chunk_ms=timed)
-                if gpair is not None:
-                    entry.update(grad_chunk=gpair, grad_chunk_ms=gtimed)
+                entry.update(pairs)
+                if heads:
+                    entry["heads"] = heads
                 entries[f"{rule}/{np.dtype(dtype).name}"] = entry
     finally:
         with _lock:
@@ -846,10 +894,14 @@ def _first_use(rule, name, entry_key):
 
 
 def _pairs_text(e) -> str:
-    """`` (chunks of C, row blocks of b; gradient: chunks of C', row blocks of b')`` for an entry's stored pairs."""
-    parts = [f"{what}chunks of {e[field][0]}, row blocks of {e[field][1]}"
-             for field, what in (("chunk", ""), ("grad_chunk", "gradient: ")) if field in e]
-    return f" ({'; '.join(parts)})" if parts else ""
+    """`` (chunks of C, row blocks of b; gradient: chunks of C', row blocks of b'; D = 32: ...)`` for an entry's
+    stored pairs and those of its heads."""
+    def parts(x):
+        return [f"{what}chunks of {x[field][0]}, row blocks of {x[field][1]}"
+                for field, what in (("chunk", ""), ("grad_chunk", "gradient: ")) if field in x]
+
+    text = parts(e) + [f"D = {h['dim']}: {', '.join(parts(h))}" for h in e.get("heads", ()) if parts(h)]
+    return f" ({'; '.join(text)})" if text else ""
 
 
 def status_line() -> str:

@@ -114,13 +114,15 @@ def _print_calibration(cal) -> None:
         print(f"  {'N':>6} {'scan ms':>10} {'chunked ms':>11} {'chunked/scan':>13}")
         for n, s, c, r in zip(e["n"], e["scan_ms"], e["chunked_ms"], e.get("ratio", e["chunked_ms"])):
             print(f"  {n:>6} {s:>10.3f} {c:>11.3f} {r:>13.2f}")
-        if e.get("chunk_ms"):
-            timed = ", ".join(f"({c}, {b}) {ms:.3f}" for c, b, ms in e["chunk_ms"])
-            print(f"  chunked kernel, ms by (chunk, row block) at N = {st.get('chunk_n')}, the table's first: {timed}")
-        if e.get("grad_chunk_ms"):
-            timed = ", ".join(f"({c}, {b}) {ms:.3f}" for c, b, ms in e["grad_chunk_ms"])
-            print(f"  linear_attention_vjp, ms by the backward's (chunk, row block) at N = {st.get('chunk_n')}, "
-                  f"config's first: {timed}")
+        for x, at in [(e, "")] + [(h, f", D = M = {h['dim']}") for h in e.get("heads", ())]:
+            if x.get("chunk_ms"):
+                timed = ", ".join(f"({c}, {b}) {ms:.3f}" for c, b, ms in x["chunk_ms"])
+                print(f"  chunked kernel, ms by (chunk, row block) at N = {st.get('chunk_n')}{at}, "
+                      f"the table's first: {timed}")
+            if x.get("grad_chunk_ms"):
+                timed = ", ".join(f"({c}, {b}) {ms:.3f}" for c, b, ms in x["grad_chunk_ms"])
+                print(f"  linear_attention_vjp, ms by the backward's (chunk, row block) at N = {st.get('chunk_n')}"
+                      f"{at}, config's first: {timed}")
     print("method='auto' (causal, CPU) on this machine:")
     for name, e in sorted(cal["entries"].items()):
         rows, cross = e["rows"], crossover(e["rows"])
@@ -129,6 +131,12 @@ def _print_calibration(cal) -> None:
         pair = f"; chunks of {e['chunk'][0]} in row blocks of {e['chunk'][1]}" if "chunk" in e else ""
         if "grad_chunk" in e:
             pair += f"; its gradient's chunks of {e['grad_chunk'][0]} in row blocks of {e['grad_chunk'][1]}"
+        for h in e.get("heads", ()):
+            hp = [f"chunks of {h['chunk'][0]} in row blocks of {h['chunk'][1]}"] if "chunk" in h else []
+            if "grad_chunk" in h:
+                hp.append(f"its gradient's chunks of {h['grad_chunk'][0]} in row blocks of {h['grad_chunk'][1]}")
+            if hp:
+                pair += f"; heads in the table row of D = M = {h['dim']}: {', '.join(hp)}"
         print(f"  {name:<22} {text}{f'  (chunked from N = {cross})' if cross is not None else ''}{pair}")
 
 

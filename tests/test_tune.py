@@ -677,3 +677,97 @@ def test_overlapping_calibrations_leave_first_use_working(folder):
         t.join()
     assert first_done.is_set()
     assert not _tune._busy  # method="auto" under AUTO_TUNE="first-use" times missing entries again
+
+
+# ---------------------------------------------------------------------------
+# Pairs timed for the heads of the other rows of CPU_CHUNK_TABLE
+# ---------------------------------------------------------------------------
+def _with_heads(heads, *, own=(7, 7), own_grad=(7, 4), rule="additive"):
+    cal = _with_grad_pair(own_grad, rule=rule)
+    e = cal["entries"][f"{rule}/float32"]
+    e["chunk"] = list(own)
+    e["heads"] = heads
+    return cal
+
+
+def test_head_dims_cover_every_other_row_of_the_table():
+    for dtype in (np.float32, np.float64):
+        name = np.dtype(dtype).name
+        rows = config.CPU_CHUNK_TABLE[name]
+        for dim in (16, 32, 64):
+            dims = _tune.head_dims(dtype, dim)
+            got = [config.chunk_table_row(d, d, name) for d in dims]
+            own = config.chunk_table_row(dim, dim, name)
+            assert sorted(got + [own], key=rows.index) == list(rows), (name, dim, dims)
+
+
+@pytest.mark.parametrize("d, want", [(32, "head"), (64, "own"), (8, "table")])
+def test_auto_runs_the_pair_timed_for_its_heads(folder, monkeypatch, d, want):
+    """Heads in the table row of a "heads" item run its pairs, forward and gradient; heads in the calibration's own
+    row the entry's pairs; heads of a row timed by neither, config's.  An explicit method="chunked" keeps config's."""
+    import linattn_nb as la
+
+    monkeypatch.setattr(config, "AUTO_TUNE", "load")
+    _tune.save(_with_heads([{"dim": 32, "chunk": [5, 5], "grad_chunk": [5, 3]}]))
+    _tune.forget()  # read from the file
+    q, k, v = _qkv(d)
+    g = np.random.default_rng(4).standard_normal(v.shape).astype(np.float32)
+    fwd = {"head": (5, 5), "own": (7, 7), "table": None}[want]
+    bwd = {"head": (5, 3), "own": (7, 4), "table": None}[want]
+    auto = la.linear_attention(q, k, v, causal=True)
+    table = la.linear_attention(q, k, v, causal=True, method="chunked")
+    assert np.array_equal(auto, table if fwd is None else _chunked_with(monkeypatch, q, k, v, fwd))
+    if fwd is not None:
+        assert not np.array_equal(auto, table)  # the pair changes the float32 rounding: the test can tell
+    grads = la.linear_attention_vjp(q, k, v, g, causal=True)
+    gtable = la.linear_attention_vjp(q, k, v, g, causal=True, method="chunked")
+    assert _grads_equal(grads, gtable if bwd is None else _vjp_with(monkeypatch, (q, k, v, g), bwd))
+    if bwd is not None:
+        assert not _grads_equal(grads, gtable)
+
+
+@pytest.mark.parametrize("heads, says", [
+    ({"dim": 32}, "'heads' is not a list"),
+    ([[32, 5, 5]], "a 'heads' item without a valid 'dim'"),
+    ([{"dim": "32", "chunk": [5, 5]}], "a 'heads' item without a valid 'dim'"),
+    ([{"dim": 0, "chunk": [5, 5]}], "a 'heads' item without a valid 'dim'"),
+    ([{"dim": 32, "chunk": [5, 6]}], "heads of D = 32: 'chunk' is not"),
+    ([{"dim": 32, "grad_chunk_ms": [[5, 5]]}], "heads of D = 32: 'grad_chunk_ms' is not"),
+])
+def test_bad_heads_are_no_calibration(folder, heads, says):
+    assert says in _tune._invalid(_with_heads(heads), _tune.calibration_key())
+
+
+def test_calibrate_times_the_pairs_of_other_heads(folder, monkeypatch):
+    """A (quick) calibration times both pairs again at each D of head_dims and stores them as "heads"; under
+    the knobs it times none of them."""
+    monkeypatch.setattr(_tune, "CHUNK_MARGIN", 2.0)  # any pair within 2x of config's is taken
+    cal = _tune.calibrate(["additive"], ["float32"], quick=True)
+    assert _tune._invalid(cal, _tune.calibration_key()) is None
+    heads = cal["entries"]["additive/float32"]["heads"]
+    assert [h["dim"] for h in heads] == _tune.head_dims(np.float32, _tune.QUICK["dim"])
+    for h in heads:
+        d = h["dim"]
+        ms = {tuple(x[:2]): x[2] for x in h["chunk_ms"]}
+        c0 = config.cpu_chunk_size(32, d, d, np.float32)
+        assert list(ms)[0] == (c0, config.cpu_chunk_block(c0, d, d, np.float32)) and len(ms) > 1
+        assert tuple(h["chunk"]) == min(ms, key=ms.get)
+        gms = {tuple(x[:2]): x[2] for x in h["grad_chunk_ms"]}
+        assert tuple(h["grad_chunk"]) == min(gms, key=gms.get)
+    monkeypatch.setattr(config, "CPU_CHUNK_SIZE", 16)
+    monkeypatch.setattr(config, "BACKWARD_NORM_CHUNK", 16)
+    cal = _tune.calibrate(["additive"], ["float32"], quick=True)
+    assert "heads" not in cal["entries"]["additive/float32"]
+
+
+def test_tune_show_prints_the_heads_pairs(folder, capsys):
+    _tune.save(_with_heads([{"dim": 32, "chunk": [48, 48], "chunk_ms": [[24, 8, 3.5], [48, 48, 2.75]],
+                             "grad_chunk": [64, 64]}]))
+    assert cli.main(["tune", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert "at N = 1024, D = M = 32, the table's first: (24, 8) 3.500, (48, 48) 2.750" in out
+    assert ("heads in the table row of D = M = 32: chunks of 48 in row blocks of 48, its gradient's chunks of 64 "
+            "in row blocks of 64") in out
+    assert _tune.status_line().endswith(
+        "additive/float32 1 (chunks of 7, row blocks of 7; gradient: chunks of 7, row blocks of 4; D = 32: chunks of "
+        "48, row blocks of 48, gradient: chunks of 64, row blocks of 64)")
