@@ -123,10 +123,11 @@ def _expand(points, key, values) -> list:
     return [dict(p, **{key: v}) for p in points for v in values] if values else points
 
 
-def apply_overrides(points: list, options: dict, *, study: str) -> list:
+def apply_overrides(points: list, options: dict, *, study: str, section: str = "") -> list:
     """The points of ``study`` changed by the checked problem ``options`` (:func:`check_options`): new
     points, duplicates removed, in order.  OptionError for an option the points have no key for, an
-    unknown map name, or ``m`` when none of the selected maps is random.
+    unknown map name, or ``m`` when none of the selected maps is random; ``section`` prefixes the option's
+    name in it, as :func:`check_options`'s (``"--"`` on the command line).
 
     Examples
     --------
@@ -145,11 +146,11 @@ def apply_overrides(points: list, options: dict, *, study: str) -> list:
     for key, value in options.items():
         keys = OPTION_KEYS[key]
         if value is not None and not any(_has(pts, k) for k in keys):
-            raise OptionError(f"the {study} study does not take {key!r}: its points have no "
+            raise OptionError(f"the {study} study does not take {section + key!r}: its points have no "
                               f"{' or '.join(repr(k) for k in keys)}")
     if "maps" in options:
         pts = _select_maps(pts, options["maps"], study=study, buildable=buildable_maps(), is_random=is_random,
-                           m_default=(options.get("m") or [None])[0])
+                           m_default=(options.get("m") or [None])[0], section=section)
     if "dim" in options:
         if study == "recall":  # its key scales and value widths are functions of d
             from .studies.recall import with_dim
@@ -162,7 +163,7 @@ def apply_overrides(points: list, options: dict, *, study: str) -> list:
                                         else [p])]
     if "m" in options:
         if not any(p.get("num_features") is not None for p in pts):
-            raise OptionError(f"m: none of the {study} study's selected maps is random "
+            raise OptionError(f"{section}m: none of the {study} study's selected maps is random "
                               "(m is the number of random features, e.g. of favor+ or rff)")
         pts = [q for p in pts for q in ([dict(p, num_features=m) for m in options["m"]]
                                         if p.get("num_features") is not None else [p])]
@@ -180,7 +181,7 @@ def apply_overrides(points: list, options: dict, *, study: str) -> list:
     return list(unique.values())
 
 
-def _select_maps(pts, names, *, study, buildable, is_random, m_default):
+def _select_maps(pts, names, *, study, buildable, is_random, m_default, section=""):
     present = list(dict.fromkeys(p["feature_map"] for p in pts if "feature_map" in p))
     out = [p for p in pts if p.get("feature_map") in names]
     for name in names:
@@ -192,13 +193,14 @@ def _select_maps(pts, names, *, study, buildable, is_random, m_default):
             why = ("is not registered" if name not in fm.available() and name != "softmax" else
                    "is not part of this study" if name == "softmax" else
                    "needs parameters the study cannot choose")
-            raise OptionError(f"maps: {name!r} {why}; the {study} study has: {', '.join(present)}")
+            raise OptionError(f"{section}maps: {name!r} {why}; the {study} study has: {', '.join(present)}")
         rand = is_random(name)
         same = [t for t in present if t in buildable and is_random(t) == rand]
         plain = [t for t in same if all(not p.get("map_params") for p in pts if p.get("feature_map") == t)]
         template = (plain or same or [t for t in present if t in buildable] or [None])[0]
         if template is None:
-            raise OptionError(f"maps: the {study} study has no feature map to model {name!r}'s points on")
+            raise OptionError(f"{section}maps: the {study} study has no feature map to model {name!r}'s points "
+                              "on")
         for p in pts:
             if p.get("feature_map") != template:
                 continue

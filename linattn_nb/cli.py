@@ -426,7 +426,7 @@ def _run_studies(args, names, argv) -> int:
         for name, opts in options.items():  # refuse options a study cannot take before anything runs
             try:
                 apply_overrides(get_study(name).points(Context(out=Path(args.out), profile=args.profile)), opts,
-                                study=name)
+                                study=name, section="" if getattr(args, "config", None) is not None else "--")
             except OptionError as exc:
                 if getattr(args, "config", None) is None:
                     raise

@@ -360,8 +360,9 @@ def test_overrides_refuse_what_a_study_cannot_take():
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["rank", "--scale", "2"], "the rank study does not take 'scale'"),
-    (["error", "--maps", "elu,nope"], "maps: 'nope' is not registered"),
+    (["rank", "--scale", "2"], "the rank study does not take '--scale'"),
+    (["error", "--maps", "elu,nope"], "error: --maps: 'nope' is not registered"),
+    (["rank", "--maps", "elu", "--m", "8"], "error: --m: none of the rank study's selected maps is random"),
     (["recall", "--n", "0"], "--n must be an integer >= 1"),
     (["error", "--seeds", "two"], "--seeds must be an integer >= 1"),
 ])
