@@ -15,7 +15,7 @@ from .. import _validate as V
 from .. import feature_maps as fm
 from .._frontend import LinearState
 from .._overlap import call_reads, out_overlaps
-from ..device import check_device_arg, on_device, resolve_device
+from ..device import check_device_arg, is_device_array, on_device, resolve_device
 from ..feature_maps._base import features_or_float64
 from ..ops._codes import LOG_RESET, norm_mode
 from ..ops._finite import NonFiniteResult
@@ -591,6 +591,11 @@ class LinearAttentionState:
         :meth:`_deliver`)."""
         shape = self._bs + (inp.T, self._m)
         if given is not None and not inp.device_inputs:
+            if is_device_array(given) or (self._device == "cuda" and on_device(given)):
+                # as linear_attention(..., device="cuda") says it (host inputs run on a GPU state, but their
+                # outputs come back to the host)
+                raise ValueError("inputs live on different devices: out on the GPU, q, k, v on the host; move them "
+                                 "to one device first")
             # as every entry point: not an array or a wrong dtype a TypeError, a wrong shape a ValueError
             V.check_out(given, shape, inp.dtype)
         if isinstance(given, np.ndarray) and not given.flags.writeable:
@@ -598,9 +603,10 @@ class LinearAttentionState:
             raise ValueError("out is read-only")
         if given is None or not inp.device_inputs:
             return self._new_out(inp.T, inp.work)
-        if isinstance(given, np.ndarray):
-            raise ValueError(f"inputs live on different devices: q, k, v on the GPU, out on the host (a NumPy "
-                             f"array); pass a GPU array of shape {shape} and dtype {inp.work}, or no out")
+        if not on_device(given):
+            what = "a NumPy array" if isinstance(given, np.ndarray) else f"a {type(given).__name__}"
+            raise ValueError(f"inputs live on different devices: q, k, v on the GPU, out on the host ({what}); "
+                             f"pass a GPU array of shape {shape} and dtype {inp.work}, or no out")
         dout = CD.device_out(given, shape, inp.work)
         if out_overlaps(given, reads + (self._S, self._z)):
             return self._new_out(inp.T, inp.work)  # written into ``given`` once the kernel has read everything

@@ -119,6 +119,16 @@ def test_cuda_device_inputs_stay_on_the_device(threads):
     # GPU inputs with a host out: the devices named (it was a false "out lives in GPU memory" error)
     with pytest.raises(ValueError, match=r"q, k, v on the GPU, out on the host"):
         g.step(dq, dk, dv, out=np.empty((3, 4, 3), np.float32))
+    # ... and a list: the same (it was the simulator's "out lives in GPU memory", on a GPU "cannot read this GPU
+    # array (builtins.list)")
+    with pytest.raises(ValueError, match=r"q, k, v on the GPU, out on the host \(a list\)"):
+        g.step(dq, dk, dv, out=np.empty((3, 4, 3), np.float32).tolist())
+    # host inputs with a GPU out: the devices named, as linear_attention(..., device="cuda") does (it was "out
+    # must be a numpy.ndarray for CPU inputs")
+    with pytest.raises(ValueError, match=r"out on the GPU, q, k, v on the host"):
+        g.step(q, k, v, out=cuda.device_array((3, 4, 3), np.float32))
+    with pytest.raises(ValueError, match=r"out on the GPU, q, k, v on the host"):
+        la.linear_attention(q, k, v, causal=True, device="cuda", out=cuda.device_array((3, 4, 3), np.float32))
     assert np.array_equal(host(g.S), S0) and g.position == 4
     twin = g.copy()
     twin.step(dq, dk, dv)
