@@ -343,9 +343,11 @@ def _invalid(cal, key) -> str | None:
         heads = e.get("heads", [])
         if not isinstance(heads, list):
             return f"entry {name!r}: 'heads' is not a list"
-        for h in heads:
-            if not isinstance(h, dict) or not _is_int(h.get("dim")) or h["dim"] < 1:
-                return f"entry {name!r}: a 'heads' item without a valid 'dim'"
+        for i, h in enumerate(heads):
+            if not isinstance(h, dict):
+                return f"entry {name!r}: 'heads' item {i} is not an object"
+            if not _is_int(h.get("dim")) or h["dim"] < 1:
+                return f"entry {name!r}: 'heads' item {i}: 'dim' must be a positive integer, got {h.get('dim')!r}"
             problem = _invalid_pairs(h)
             if problem:
                 return f"entry {name!r}, heads of D = {h['dim']}: {problem}"
@@ -587,11 +589,25 @@ def _stored_pair(field, rule, dtype, f, m):
     if not entry:
         return None
     row = config.chunk_table_row(f, m, name)
-    dim = cal["setting"]["dim"]
-    for e, d in [(entry, dim)] + [(h, h["dim"]) for h in entry.get("heads", ())]:
+    for e, d in [(entry, cal["setting"]["dim"])] + [(h, h["dim"]) for h in used_heads(entry, name, cal)]:
         if config.chunk_table_row(d, d, name) == row:
             return tuple(e[field]) if field in e else None
     return None
+
+
+def used_heads(entry, dtype, cal) -> list:
+    """The ``"heads"`` items of ``entry`` (of calibration ``cal``) that a call can run: each the first of its row
+    of ``config.CPU_CHUNK_TABLE`` for ``dtype``, and not in the row of the calibration's own D (whose pairs are
+    the entry's).  A hand-edited file, or a table changed since the calibration, can hold others; they are
+    neither run nor shown as run."""
+    rows = [config.chunk_table_row(cal["setting"]["dim"], cal["setting"]["dim"], dtype)]
+    out = []
+    for h in entry.get("heads", ()):
+        row = config.chunk_table_row(h["dim"], h["dim"], dtype)
+        if row not in rows:
+            rows.append(row)
+            out.append(h)
+    return out
 
 
 def head_dims(dtype, dim: int) -> list:
@@ -893,14 +909,14 @@ def _first_use(rule, name, entry_key):
             _busy -= 1
 
 
-def _pairs_text(e) -> str:
+def _pairs_text(e, dtype, cal) -> str:
     """`` (chunks of C, row blocks of b; gradient: chunks of C', row blocks of b'; D = 32: ...)`` for an entry's
-    stored pairs and those of its heads."""
+    stored pairs and those of its heads that calls run (:func:`used_heads`)."""
     def parts(x):
         return [f"{what}chunks of {x[field][0]}, row blocks of {x[field][1]}"
                 for field, what in (("chunk", ""), ("grad_chunk", "gradient: ")) if field in x]
 
-    text = parts(e) + [f"D = {h['dim']}: {', '.join(parts(h))}" for h in e.get("heads", ()) if parts(h)]
+    text = parts(e) + [f"D = {h['dim']}: {', '.join(parts(h))}" for h in used_heads(e, dtype, cal) if parts(h)]
     return f" ({'; '.join(text)})" if text else ""
 
 
@@ -916,7 +932,7 @@ def status_line() -> str:
                 f"constants (config.AUTO_METHODS), AUTO_TUNE={m}")
     if cal is None:
         return f"none stored for this machine; constants (config.AUTO_METHODS), AUTO_TUNE={m}"
-    cross = ", ".join(f"{k} {crossover(e['rows']) or 'never'}{_pairs_text(e)}"
+    cross = ", ".join(f"{k} {crossover(e['rows']) or 'never'}{_pairs_text(e, k.partition('/')[2], cal)}"
                       for k, e in sorted(cal["entries"].items()))
     if cal["setting"]["quick"]:
         use = "a --quick smoke test, not used"

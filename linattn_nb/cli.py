@@ -104,7 +104,7 @@ def cmd_info(args) -> int:
 
 
 def _print_calibration(cal) -> None:
-    from linattn_nb._tune import crossover
+    from linattn_nb._tune import crossover, used_heads
 
     st = cal.get("setting", {})
     print(f"B*H = {st.get('batch')}, D = M = {st.get('dim')}, medians of {st.get('rounds')} interleaved rounds "
@@ -131,7 +131,7 @@ def _print_calibration(cal) -> None:
         pair = f"; chunks of {e['chunk'][0]} in row blocks of {e['chunk'][1]}" if "chunk" in e else ""
         if "grad_chunk" in e:
             pair += f"; its gradient's chunks of {e['grad_chunk'][0]} in row blocks of {e['grad_chunk'][1]}"
-        for h in e.get("heads", ()):
+        for h in used_heads(e, name.partition("/")[2], cal):
             hp = [f"chunks of {h['chunk'][0]} in row blocks of {h['chunk'][1]}"] if "chunk" in h else []
             if "grad_chunk" in h:
                 hp.append(f"its gradient's chunks of {h['grad_chunk'][0]} in row blocks of {h['grad_chunk'][1]}")

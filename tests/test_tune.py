@@ -728,9 +728,10 @@ def test_auto_runs_the_pair_timed_for_its_heads(folder, monkeypatch, d, want):
 
 @pytest.mark.parametrize("heads, says", [
     ({"dim": 32}, "'heads' is not a list"),
-    ([[32, 5, 5]], "a 'heads' item without a valid 'dim'"),
-    ([{"dim": "32", "chunk": [5, 5]}], "a 'heads' item without a valid 'dim'"),
-    ([{"dim": 0, "chunk": [5, 5]}], "a 'heads' item without a valid 'dim'"),
+    ([[32, 5, 5]], "'heads' item 0 is not an object"),
+    ([{"dim": 16}, {"dim": "32", "chunk": [5, 5]}], "'heads' item 1: 'dim' must be a positive integer, got '32'"),
+    ([{"dim": 0, "chunk": [5, 5]}], "'heads' item 0: 'dim' must be a positive integer, got 0"),
+    ([{"chunk": [5, 5]}], "'heads' item 0: 'dim' must be a positive integer, got None"),
     ([{"dim": 32, "chunk": [5, 6]}], "heads of D = 32: 'chunk' is not"),
     ([{"dim": 32, "grad_chunk_ms": [[5, 5]]}], "heads of D = 32: 'grad_chunk_ms' is not"),
 ])
@@ -771,3 +772,24 @@ def test_tune_show_prints_the_heads_pairs(folder, capsys):
     assert _tune.status_line().endswith(
         "additive/float32 1 (chunks of 7, row blocks of 7; gradient: chunks of 7, row blocks of 4; D = 32: chunks of "
         "48, row blocks of 48, gradient: chunks of 64, row blocks of 64)")
+
+
+def test_heads_items_no_call_reaches_are_neither_run_nor_shown(folder, monkeypatch, capsys):
+    """An item in the calibration's own row (D = 40 with D = 64 in float32) and a second item of one row (a hand-edited
+    file, or a table changed since): calls run the entry's pair and the first item's, and info and --show list only
+    those (they listed all three as the pairs auto runs)."""
+    import linattn_nb as la
+
+    monkeypatch.setattr(config, "AUTO_TUNE", "load")
+    assert config.chunk_table_row(40, 40, "float32") == config.chunk_table_row(64, 64, "float32")
+    _tune.save(_with_heads([{"dim": 40, "chunk": [9, 9]}, {"dim": 16, "chunk": [5, 5]}, {"dim": 16, "chunk": [6, 6]}]))
+    _tune.forget()
+    for d, pair in ((40, (7, 7)), (16, (5, 5))):
+        q, k, v = _qkv(d)
+        assert np.array_equal(la.linear_attention(q, k, v, causal=True), _chunked_with(monkeypatch, q, k, v, pair))
+    line = _tune.status_line()
+    assert "D = 16: chunks of 5, row blocks of 5)" in line and "D = 40" not in line and "chunks of 6" not in line
+    assert cli.main(["tune", "--show"]) == 0
+    picks = capsys.readouterr().out.split("method='auto' (causal, CPU) on this machine:")[1]
+    assert "D = M = 16: chunks of 5 in row blocks of 5" in picks
+    assert "D = M = 40" not in picks and "chunks of 6" not in picks and "chunks of 9" not in picks
