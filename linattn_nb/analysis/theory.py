@@ -49,6 +49,9 @@ class KernelEstimate:
 
 
 def _pairs(x, y):
+    for name, a in (("x", x), ("y", y)):
+        if np.iscomplexobj(a):  # asarray(..., float64) would drop the imaginary part with a warning only
+            raise TypeError(f"{name} must be real, got a complex array")
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
     if x.ndim < 1 or y.ndim < 1:
@@ -62,6 +65,28 @@ def _pairs(x, y):
     if not (np.isfinite(x).all() and np.isfinite(y).all()):
         raise ValueError("x and y must be finite")
     return x, y
+
+
+def _log_expm1(u):
+    """``log(expm1(u))`` for ``u >= 0`` without overflow (``-inf`` at 0)."""
+    u = np.asarray(u, dtype=np.float64)
+    with np.errstate(divide="ignore", over="ignore"):
+        return np.where(u > 1.0, u + np.log1p(-np.exp(-np.maximum(u, 1.0))), np.log(np.expm1(np.minimum(u, 1.0))))
+
+
+def _exp_sum(*logs):
+    """``exp(sum(logs))``: the product of factors given by their logs, so that a huge factor times a tiny one
+    gives their finite product (or 0, or inf) rather than ``0 * inf = NaN``; a ``-inf`` log (a zero factor) gives 0."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = sum(logs)
+        # -inf + inf (a zero factor times an overflowing one) is 0: a zero factor wins
+        zero = np.logical_or.reduce([np.isneginf(x) for x in np.broadcast_arrays(*logs)])
+        return np.where(zero, 0.0, np.exp(np.where(zero, 0.0, total)))
+
+
+def _scalar(r):
+    """A 0-d result as a NumPy scalar, as the elementwise formulas give for one pair."""
+    return r[()] if isinstance(r, np.ndarray) and r.ndim == 0 else r
 
 
 def _check_count(name, x, minimum=1):
@@ -177,15 +202,19 @@ def favor_mse(x, y, num_features, kind="positive"):
     m = _check_count("num_features", num_features)
     xy = np.sum(x * y, axis=-1)
     u2 = np.sum((x + y) ** 2, axis=-1)
+    # each formula is a product of factors that can overflow and underflow at once (exp(2 x.y) and
+    # expm1(|x + y|^2)): taken as a sum of logs, so a finite MSE is not 0 * inf = NaN
     if kind == "positive" or kind == "hyperbolic":
-        pos = np.exp(2.0 * xy) * np.expm1(u2) / m
-        if kind == "positive":
-            return pos
-        return -0.5 * np.expm1(-u2) * pos
+        logs = [2.0 * xy, _log_expm1(u2), np.full_like(xy, -math.log(m))]
+        if kind == "hyperbolic":
+            with np.errstate(divide="ignore"):
+                logs.append(np.log(-0.5 * np.expm1(-u2)))
+        return _scalar(_exp_sum(*logs))
     if kind == "trig":
         v2 = np.sum((x - y) ** 2, axis=-1)
         nx2 = np.sum(x * x, axis=-1) + np.sum(y * y, axis=-1)
-        return np.exp(nx2) * np.expm1(-v2) ** 2 / (2.0 * m)
+        with np.errstate(divide="ignore"):
+            return _scalar(_exp_sum(nx2, 2.0 * np.log(-np.expm1(-v2)), np.full_like(xy, -math.log(2.0 * m))))
     raise ValueError(f"kind must be 'positive', 'trig' or 'hyperbolic', got {kind!r}")
 
 
@@ -222,6 +251,17 @@ def orthogonal_mse_bound(x, y, num_features):
     d = x.shape[-1]
     if m > d:
         raise ValueError(f"orthogonal_mse_bound: Theorem 2 needs num_features <= d, got m={m} > d={d}")
-    sm = np.exp(np.sum(x * y, axis=-1))
-    gap = sm - np.exp(-0.5 * (np.sum(x * x, axis=-1) + np.sum(y * y, axis=-1)))
-    return favor_mse(x, y, m, "positive") - 2.0 * (m - 1) / (m * (d + 2.0)) * gap ** 2
+    # favor_mse - c (SM - exp(-(|x|^2 + |y|^2) / 2))^2 = exp(2 x.y) (expm1(u) / m - c expm1(-u / 2)^2),
+    # u = |x + y|^2: the bracket in logs where expm1(u) would overflow, so that neither inf - inf nor 0 * inf
+    # appears
+    c = 2.0 * (m - 1) / (m * (d + 2.0))
+    xy = np.sum(x * y, axis=-1)
+    u = np.sum((x + y) ** 2, axis=-1)
+    lead = _log_expm1(u) - math.log(m)  # log(expm1(u) / m)
+    t2 = c * np.expm1(-0.5 * u) ** 2  # in [0, c]
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        big = lead > 600.0
+        small = np.exp(np.minimum(lead, 600.0)) - t2
+        log_b = np.where(big, lead + np.log1p(-t2 * np.exp(-np.maximum(lead, 600.0))), np.log(np.abs(small)))
+        sign = np.where(big, 1.0, np.sign(small))
+    return _scalar(sign * _exp_sum(2.0 * xy, log_b))

@@ -202,3 +202,47 @@ def test_a_position_dependent_map_is_estimated_at_distance_0():
     res = kernel_estimate_mse("cosformer", x, y, draws=2)
     np.testing.assert_allclose(res.mean, [0.19, 0.26], rtol=1e-14)
     np.testing.assert_allclose(res.mse, 0.0, atol=1e-30)
+
+
+def _closed_forms_exact(x, y, m, d):
+    """The MSEs and the bound for one pair, term by term in 60-digit decimal arithmetic (whose exponents do not
+    overflow), rounded to float64 at the end: positive, trig, hyperbolic, orthogonal bound."""
+    from decimal import Decimal, localcontext
+
+    with localcontext() as ctx:
+        ctx.prec = 60
+        X, Y = [Decimal(a) for a in x], [Decimal(b) for b in y]
+        xy = sum(a * b for a, b in zip(X, Y))
+        u = sum((a + b) ** 2 for a, b in zip(X, Y))
+        v = sum((a - b) ** 2 for a, b in zip(X, Y))
+        n2 = sum(a * a for a in X) + sum(b * b for b in Y)
+        one, m_ = Decimal(1), Decimal(m)
+        pos = (2 * xy).exp() * ((u).exp() - one) / m_
+        trig = n2.exp() * ((-v).exp() - one) ** 2 / (2 * m_)
+        hyp = (one - (-u).exp()) / 2 * pos
+        c = Decimal(2) * (m_ - one) / (m_ * (Decimal(d) + 2))
+        gap = xy.exp() - (-n2 / 2).exp()
+        return [float(t) for t in (pos, trig, hyp, pos - c * gap * gap)]  # float() of a huge Decimal: inf
+
+
+@pytest.mark.parametrize("x, y", [([40.0], [-13.0]), ([30.0], [30.0]), ([20.0, -20.0], [-19.0, 19.5]),
+                                  ([-26.0, 0.0], [25.0, 0.0])])
+def test_closed_forms_where_a_factor_overflows(x, y):
+    """exp(2 x.y) underflows or overflows while expm1(|x + y|^2) does the other, yet the MSE is a float64 number
+    (finite, exactly 0, or inf where it overflows): the formulas gave NaN from 0 * inf or inf - inf."""
+    want = _closed_forms_exact(x, y, 2, len(x))
+    got = (favor_mse(x, y, 2), favor_mse(x, y, 2, "trig"), favor_mse(x, y, 2, "hyperbolic"),
+           orthogonal_mse_bound(x, y, min(2, len(x))) if len(x) >= 2 else None)
+    for g, w in zip(got, want):
+        if g is None:
+            continue
+        assert g == w if np.isinf(w) else np.isclose(g, w, rtol=1e-9, atol=0.0), (g, w)
+
+
+def test_closed_forms_that_overflow_are_inf_and_complex_inputs_are_refused():
+    x = np.full(4, 10.0)
+    assert orthogonal_mse_bound(x, x, 2) == np.inf and favor_mse(x, x, 2) == np.inf
+    with pytest.raises(TypeError, match="x must be real"):
+        favor_mse([1 + 5j], [1.0], 1)
+    with pytest.raises(TypeError, match="y must be real"):
+        orthogonal_mse_bound([1.0, 0.0], np.array([1.0, 1j]), 1)
