@@ -146,13 +146,17 @@ def check_positive_float(name: str, x) -> float:
 
 
 def prepare(q, k, v, fmap, *, causal, eps, check_finite, decay=None, log_decay=None, beta=None,
-            normalize=None, initial_state=None, names=("q", "k", "v"), same_n=True):
+            normalize=None, initial_state=None, names=("q", "k", "v"), same_n=True, required=("q", "k")):
     """The request of an analysis call: :func:`linattn_nb._frontend.host_call` without a method or device.
 
     ``fmap`` None (softmax weights) has no update rule: ``decay``/``log_decay``/``beta`` and
-    ``normalize=False`` raise ValueError.  Returns the :class:`~linattn_nb._frontend.Call` with
-    ``q``, ``k``, ``v`` flattened to C-contiguous float64 (B, N, .) (None stays None).
+    ``normalize=False`` raise ValueError.  ``required``: the names of ``names`` a user must give (TypeError
+    for None).  Returns the :class:`~linattn_nb._frontend.Call` with ``q``, ``k``, ``v`` flattened to
+    C-contiguous float64 (B, N, .) (None stays None).
     """
+    for name, x in zip(names, (q, k, v)):
+        if x is None and name in required:
+            raise TypeError(f"{name} must be an array of shape (..., N, {'M' if name == 'v' else 'D'}), got None")
     c = FE.host_call(q, k, v, fmap=fmap, eps=resolve_eps(eps), causal=check_causal(causal), decay=decay,
                      log_decay=log_decay, beta=beta, normalize=normalize, check_qkv=check_finite,
                      initial_state=initial_state, names=names, same_n=same_n)
@@ -160,12 +164,51 @@ def prepare(q, k, v, fmap, *, causal, eps, check_finite, decay=None, log_decay=N
     return c._replace(**{nm: V.flatten_batch(x, np.float64) for nm, x in arrays.items() if x is not None})
 
 
+def _refuse_overflowed(s, causal, offset=0, entry=None) -> None:
+    """ValueError where a score of ``s`` (..., rows, Nk) that a row reads (``causal``: ``j <= i``, the rows being
+    queries ``offset ...``) is not finite: ``scale * q . k`` overflowed float64, and the softmax weights of that
+    row are not defined (``s - max`` would be ``inf - inf``: NaN weights).  ``entry``: the batch entry of a
+    2-D ``s``."""
+    bad = ~np.isfinite(s)
+    if causal:
+        rows, cols = s.shape[-2:]
+        bad &= np.arange(cols)[None, :] <= offset + np.arange(rows)[:, None]
+    if bad.any():
+        where = [int(x) for x in np.argwhere(bad)[0]]
+        if entry is None and len(where) > 2:
+            entry = where[0] if len(where) == 3 else tuple(where[:-2])
+        of = "" if entry is None else f" of batch entry {entry}"
+        raise ValueError(f"the softmax scores scale * q . k overflow float64 (query {offset + where[-2]}, key "
+                         f"{where[-1]}{of}): the softmax weights are not defined there; pass a smaller scale or "
+                         "scale q and k down")
+
+
+def check_scores(q, k, *, causal: bool, scale: float) -> None:
+    """:func:`_refuse_overflowed` on every score of (B, N, D) float64 ``q`` and ``k``, for a kernel that forms
+    them one row at a time: none is formed where ``scale * max|q_i| * max|k_j|`` (Cauchy-Schwarz) is far from
+    float64's range, else the scores in blocks of rows."""
+    if q.size == 0 or k.size == 0:
+        return
+    with np.errstate(over="ignore", invalid="ignore"):
+        nq = np.sqrt(np.einsum("bnd,bnd->bn", q, q)).max()
+        nk = np.sqrt(np.einsum("bnd,bnd->bn", k, k)).max()
+        if scale * nq * nk < 1e300:  # False for inf and NaN too
+            return
+        rows = max(1, (1 << 22) // max(1, k.shape[1]))
+        for b in range(q.shape[0]):
+            for r0 in range(0, q.shape[1], rows):
+                _refuse_overflowed(scale * (q[b, r0:r0 + rows] @ k[b].T), causal, r0,
+                                   entry=b if q.shape[0] > 1 else None)
+
+
 def softmax_weights(q, k, *, causal: bool, scale: float) -> np.ndarray:
     """Softmax weights ``softmax_j(scale q_i . k_j)`` of (..., Nq, D) and (..., Nk, D), float64.
 
     ``causal``: the weights of ``j > i`` are 0.
     """
-    s = scale * (np.asarray(q, dtype=np.float64) @ np.swapaxes(np.asarray(k, dtype=np.float64), -1, -2))
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused by name below
+        s = scale * (np.asarray(q, dtype=np.float64) @ np.swapaxes(np.asarray(k, dtype=np.float64), -1, -2))
+    _refuse_overflowed(s, causal)
     if causal:
         s = np.where(np.tril(np.ones(s.shape[-2:], dtype=bool)), s, -np.inf)
     if s.shape[-1]:

@@ -163,7 +163,7 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
     """
     check_finite = C.check_bool("check_finite", check_finite)
     c, fmap, scale, fq, fk = _setup(q, k, None, feature_map, causal, scale, eps, decay, log_decay, beta,
-                                    check_finite, normalize)
+                                    check_finite, normalize, required=("q", "k"))
     n, batch_shape = c.n, c.batch_shape
     if n * n > config.QUADRATIC_MAX_ELEMENTS:
         raise ValueError(
@@ -254,6 +254,7 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
         raise ValueError(f"block must be an integer >= 1 or None, got {block!r}")
     if fq is None:
         return _no_rows()
+    C.check_scores(q64, k64, causal=causal, scale=scale)
     # the kernels call np.dot inside prange: one BLAS thread per call, or its threads compete with Numba's
     with single_threaded_blas():
         o_sm = softmax_attention(q64, k64, v64, causal=causal, scale=scale, check_finite=False)
@@ -267,13 +268,14 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     return _summarise(st, o_lin, o_sm, c.b * n)
 
 
-def _setup(q, k, v, feature_map, causal, scale, eps, decay, log_decay, beta, check_finite, normalize=None):
+def _setup(q, k, v, feature_map, causal, scale, eps, decay, log_decay, beta, check_finite, normalize=None,
+           required=("q", "k", "v")):
     """``(call, fmap, scale, fq, fk)`` of the three public functions: the request (inputs flattened to
     float64), the map (None: softmax), the softmax scale and the features (B, N, F) (no columns for
     softmax; None when there are no rows)."""
     fmap = C.resolve_map(feature_map)
     c = C.prepare(q, k, v, fmap, causal=causal, eps=eps, check_finite=check_finite, decay=decay,
-                  log_decay=log_decay, beta=beta, normalize=normalize)
+                  log_decay=log_decay, beta=beta, normalize=normalize, required=required)
     scale = V.check_scale(scale, c.d)
     C.warn_scale(fmap, c.d, scale)
     if c.b * c.n == 0:
@@ -345,7 +347,8 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
     if fq is None:
         return _no_rows()
     p_all = C.softmax_weights(q64, k64, causal=causal, scale=scale)
-    s_all = scale * np.einsum("bid,bjd->bij", q64, k64)
+    with np.errstate(over="ignore"):  # a read score that overflows was refused above; the masked ones are unread
+        s_all = scale * np.einsum("bid,bjd->bij", q64, k64)
     if fmap is None:
         w_all = p_all
         den_all = np.ones((b, n))

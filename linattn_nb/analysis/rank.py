@@ -681,7 +681,7 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
     if rule_arguments is not None:
         raise TypeError("state_rank_profile: rule_arguments needs rule= (a named DPLR rule)")
     c = C.prepare(None, k, v, fmap, causal=True, eps=None, check_finite=check_finite, decay=decay,
-                  log_decay=log_decay, beta=beta, initial_state=initial_state)
+                  log_decay=log_decay, beta=beta, initial_state=initial_state, required=("k", "v"))
     k, vf, batch_shape, n, m, f, b = c.k, c.v, c.batch_shape, c.n, c.m, c.f, c.b
     rule, inputs = c.rule, c.inputs
     pos = _positions(positions, n)

@@ -504,3 +504,49 @@ def test_the_analyses_refuse_a_request_with_linear_attentions_own_messages(case,
         with pytest.raises(ValueError) as got:
             call()
         assert str(got.value) == str(want.value)
+
+
+def test_softmax_scores_that_overflow_are_refused_by_name():
+    """scale * q . k beyond float64 made the softmax weights NaN (inf - inf): attention_weights gave NaN rows,
+    approximation_error a KL of 0 and NaN totals, the rank functions LAPACK's "SVD did not converge".  A score
+    no row reads (causal, a later key) is not refused, and the kernel still agrees with the reference."""
+    from linattn_nb.analysis import attention_rank, semiseparable_rank
+
+    rng = np.random.default_rng(1)
+    q, k, v = rng.standard_normal((3, 12, 4)) * 10
+    calls = [lambda: attention_weights(q, k, "softmax", scale=1e308),
+             lambda: approximation_error(q, k, v, "softmax", scale=1e308),
+             lambda: approximation_error(q, k, v, "elu", scale=1e308, causal=True),
+             lambda: approximation_error_naive(q, k, v, "elu", scale=1e308),
+             lambda: attention_rank(q, k, "softmax", scale=1e308),
+             lambda: semiseparable_rank(q, k, "softmax", scale=1e308)]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"softmax scores scale \* q \. k overflow float64 \(query \d+, key \d+"):
+            call()
+    with pytest.raises(ValueError, match=r"query 2, key 2 of batch entry 1\)"):
+        big = np.ones((2, 3, 1))
+        big[1, 2] = 1e300
+        approximation_error(big, big, big, "elu", scale=1.0)
+    q2 = np.array([[[1.0], [1.0], [0.0]]])
+    k2 = np.array([[[1.0], [1.0], [1e300]]])
+    a = approximation_error(q2, k2, np.ones((1, 3, 1)), "elu", scale=1e10, causal=True)
+    b = approximation_error_naive(q2, k2, np.ones((1, 3, 1)), "elu", scale=1e10, causal=True)
+    assert np.isfinite(a.kl_mean) and np.isclose(a.kl_mean, b.kl_mean) and np.isclose(a.tv_mean, b.tv_mean)
+
+
+def test_a_missing_array_is_named():
+    """None for q, k or v failed inside the code (IndexError, AttributeError, "'NoneType' object is not
+    subscriptable")."""
+    from linattn_nb.analysis import attention_rank, semiseparable_rank, state_rank_profile
+
+    x = np.ones((4, 2))
+    calls = {"q": [lambda: approximation_error(None, x, x, "elu"), lambda: attention_weights(None, x, "elu"),
+                   lambda: attention_rank(None, x), lambda: semiseparable_rank(None, x)],
+             "k": [lambda: attention_rank(x, None), lambda: approximation_error_naive(x, None, x, "elu"),
+                   lambda: state_rank_profile(None, x)],
+             "v": [lambda: approximation_error(x, x, None, "elu"), lambda: approximation_error_naive(x, x, None, "elu"),
+                   lambda: state_rank_profile(x, None)]}
+    for name, group in calls.items():
+        for call in group:
+            with pytest.raises(TypeError, match=rf"^{name} must be an array of shape \(\.\.\., N, [DM]\), got None"):
+                call()
