@@ -7,6 +7,9 @@ import numpy as np
 def generator(seed, name: str = "seed") -> np.random.Generator:
     """``numpy.random.default_rng(seed)`` (a Generator passes through); an error naming ``name`` for a value
     NumPy refuses, instead of NumPy's own message, which names no argument."""
+    if isinstance(seed, (bool, np.bool_)):  # NumPy takes True as 1
+        raise TypeError(f"{name} must be None, a non-negative integer, a sequence of them or a "
+                        f"numpy.random.Generator, got {seed!r}")
     try:
         return np.random.default_rng(seed)
     except (TypeError, ValueError) as exc:

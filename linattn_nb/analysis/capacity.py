@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import _frontend as FE
 from .. import _validate as V
+from .. import config
 from .._seeds import generator
 from ..attention import linear_attention, softmax_attention
 from ..rules import get_rule
@@ -290,6 +291,11 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     if ns.size == 0 or ns.min() < 1:
         raise ValueError(f"n_pairs must be non-empty and every entry >= 1, got {n_pairs!r}")
     ns = ns.astype(np.int64)
+    if int(ns.max()) ** 2 > config.QUADRATIC_MAX_ELEMENTS:
+        # each trial forms n x n matrices (the one-hot values, the nearest-value distances)
+        raise ValueError(f"n_pairs: n = {int(ns.max())} forms n x n matrices per trial, more than "
+                         f"config.QUADRATIC_MAX_ELEMENTS = {config.QUADRATIC_MAX_ELEMENTS} elements; raise it to run "
+                         "larger n")
     if value_dim is not None:
         value_dim = C.check_int("value_dim", value_dim, 1)
     key_scale = C.check_positive_float("key_scale", key_scale)
@@ -520,8 +526,13 @@ def mqar(n_examples, seq_len, n_kv, *, vocab_size=8192, power_a=0.01, random_non
     context = 2 * n_kv
     slots = (seq_len - context) // 2
     idx = np.arange(1, slots + 1, dtype=np.float64)
-    p = power_a * idx ** (power_a - 1.0)
-    p /= p.sum()
+    with np.errstate(over="ignore", invalid="ignore"):
+        p = power_a * idx ** (power_a - 1.0)
+        p /= p.sum()
+    if not np.isfinite(p).all():  # a large exponent overflows idx ** (a - 1): the same law from its logs
+        logp = (power_a - 1.0) * np.log(idx)
+        p = np.exp(logp - logp.max())
+        p /= p.sum()
 
     inputs = np.zeros((n_examples, seq_len), dtype=np.int64)
     labels = np.full((n_examples, seq_len), -100, dtype=np.int64)
@@ -572,7 +583,7 @@ def state_size(feature_map, d, value_dim, heads=1, *, dtype=np.float64, seq_len=
     dtype : numpy dtype, default float64
         The dtype the state is held in (:class:`linattn_nb.LinearState` is float64).
     seq_len : int, optional
-        Required for ``"softmax"``.
+        Required for ``"softmax"``; not used by a feature map's fixed-size state (checked all the same).
 
     Returns
     -------
@@ -590,11 +601,18 @@ def state_size(feature_map, d, value_dim, heads=1, *, dtype=np.float64, seq_len=
     d = C.check_int("d", d, 1)
     value_dim = C.check_int("value_dim", value_dim, 1)
     heads = C.check_int("heads", heads, 1)
-    itemsize = np.dtype(dtype).itemsize
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.kind != "f":
+        raise TypeError(f"dtype must be a floating dtype (float16, float32, float64), got {dtype!r}")
+    itemsize = dt.itemsize
+    if seq_len is not None:
+        seq_len = C.check_int("seq_len", seq_len, 0)
     if C.is_softmax(feature_map):
         if seq_len is None:
             raise ValueError("feature_map='softmax': the KV cache grows with the sequence; pass seq_len")
-        seq_len = C.check_int("seq_len", seq_len, 0)
         return heads * seq_len * (d + value_dim) * itemsize
     d_phi = C.feature_dim(C.resolve_map(feature_map), d)
     return heads * (value_dim * d_phi + d_phi) * itemsize

@@ -299,3 +299,25 @@ def test_a_tied_read_out_is_a_miss_as_in_read_back():
     vhat[0] = 0.0  # tied too, and argmax would give it to row 0
     assert _nearest_accuracy(vhat, v) == 0.5
     assert _nearest_accuracy(v[:1] * 0.5, v[:1]) == 1.0  # no other value to be nearer
+
+
+def test_mqar_steep_power_law_and_odd_arguments():
+    """power_a = 140 overflowed idx ** (a - 1) and failed in NumPy ("Probabilities contain NaN"); a seed of True
+    was taken as 1; state_size gave 0 bytes for dtype=str and took seq_len=-5; recall_capacity of n = 10**7
+    failed in np.eye with NumPy's MemoryError for 728 TiB."""
+    from linattn_nb.analysis import mqar, recall_capacity, state_size
+
+    steep = mqar(3, 400, 4, vocab_size=512, power_a=140.0, seed=0)
+    # the law favours the last slots that overwhelmingly: every query sits in the last 20 of 196
+    assert (steep.query_positions >= 400 - 40).all()
+    assert mqar(3, 400, 4, vocab_size=512, power_a=100.0, seed=0).query_positions.shape == (3, 4)
+    with pytest.raises(TypeError, match="seed must be None, a non-negative integer"):
+        mqar(1, 16, 2, vocab_size=32, seed=True)
+    for bad in (str, object, "int32", "not a dtype"):
+        with pytest.raises(TypeError, match="dtype must be a floating dtype"):
+            state_size("elu", 4, 4, dtype=bad)
+    with pytest.raises(ValueError, match="seq_len"):
+        state_size("elu", 4, 4, seq_len=-5)
+    assert state_size("elu", 4, 4, dtype="float16", seq_len=7) == (4 * 4 + 4) * 2
+    with pytest.raises(ValueError, match=r"n_pairs: n = 10000000 .* config\.QUADRATIC_MAX_ELEMENTS"):
+        recall_capacity("elu", 4, [8, 10 ** 7])
