@@ -768,6 +768,8 @@ class LinearAttentionState:
         if bad:
             if fixed:
                 self._set_rule(None)
+            if unfixed:  # nothing absorbed: the device stays open too, as for a refused out
+                self._device = None
             if bad == RESULT_NOT_FINITE:  # the GPU state's buffers were not swapped
                 raise self._unchanged_error(f"{inp.work} (state {self._dtype})")
             raise_nonfinite(("q", "k", "v")[bad - 1])
@@ -873,6 +875,7 @@ class LinearAttentionState:
         >>> bool(np.allclose(st.S, ref.S)), bool(np.allclose(st.z, ref.z)), st.position
         (True, True, 50)
         """
+        unfixed = self._device is None
         inp = self._prepare([("k", k, self._d), ("v", v, self._m)], check_finite, decay, log_decay, beta,
                             step=False)
         fixed = self._absorb_rule(inp)
@@ -885,6 +888,8 @@ class LinearAttentionState:
         if bad:
             if fixed:
                 self._set_rule(None)
+            if unfixed:  # nothing absorbed: the device stays open too
+                self._device = None
             if bad == RESULT_NOT_FINITE:  # the GPU state's buffers were not swapped
                 raise self._unchanged_error(f"the state's {self._dtype}")
             raise_nonfinite(("k", "v")[bad - 1])

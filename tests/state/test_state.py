@@ -854,3 +854,21 @@ def test_copy_copy_of_a_kv_cache_keeps_its_own_tokens():
     other.step(q[:, 5:6], k[:, 5:6], v[:, 5:6])
     cache.step(q[:, 6:7], k[:, 6:7] + 3.0, v[:, 6:7])
     np.testing.assert_array_equal(other.keys[:, 5], k[:, 5])
+
+
+@pytest.mark.parametrize("rule", [{}, {"decay": 0.9}, {"beta": 0.5}, "prefill"])
+def test_a_refused_first_call_leaves_the_device_open(rule):
+    """A new state's first step (or prefill) refused for a NaN input fixed its device to "cpu" (every path but
+    the additive single-token one), so it then refused GPU inputs, though its message says nothing changed."""
+    q = np.ones((2, 4))
+    v = np.ones((2, 3))
+    bad = q.copy()
+    bad[1, 0] = np.nan
+    st = LinearAttentionState(4, 3)
+    with pytest.raises(ValueError, match="contains non-finite values"):
+        if rule == "prefill":
+            st.prefill(bad, v)
+        else:
+            st.step(bad, q, v, **rule)
+    assert st.device == "auto" and st.position == 0 and st.rule is None
+    assert not np.any(st.S) and not np.any(st.z)
