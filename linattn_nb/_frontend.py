@@ -85,6 +85,9 @@ def check_method_name(method) -> str:
     return method
 
 
+_MAX_POSITION = (1 << 63) - 1
+
+
 def check_position(position, name: str = "initial_state.position") -> int:
     """A token position: a non-negative integer (an integral float is accepted)."""
     if isinstance(position, (bool, np.bool_)) or position is None:
@@ -100,6 +103,8 @@ def check_position(position, name: str = "initial_state.position") -> int:
         raise TypeError(f"{name} must be a non-negative integer, got {type(position).__name__} {position!r}")
     if position < 0:
         raise ValueError(f"{name} must be >= 0, got {position}")
+    if position > _MAX_POSITION:  # an int64 in the kernels and the state files
+        raise ValueError(f"{name} must be at most 2**63 - 1, got {position}")
     return position
 
 

@@ -131,11 +131,29 @@ def feature_map_spec(fmap, d: int):
 # ---------------------------------------------------------------------------
 # Writing
 # ---------------------------------------------------------------------------
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (``os.umask`` sets it while it
+    reads it, which another thread creating a file at that moment would see)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path, fill) -> None:
     """``fill(f)`` writes a binary file into a temporary file in the target's directory, fsync'ed, then
-    ``os.replace``: an interrupted write never leaves a half-written file at ``path``."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
+    ``os.replace``: an interrupted write never leaves a half-written file at ``path``.
+
+    A symbolic link at ``path`` is followed (its target is replaced, the link kept); the file gets the mode of
+    the file it replaces, or a new file's (``0o666`` less the umask)."""
+    path = os.path.realpath(os.fspath(path))
+    directory = os.path.dirname(path)
     base = os.path.basename(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
     try:
@@ -144,12 +162,18 @@ def atomic_write(path, fill) -> None:
             f.flush()
             os.fsync(f.fileno())
         with contextlib.suppress(OSError):  # exotic file systems
-            os.chmod(tmp, os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644)
+            os.chmod(tmp, os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _int64_position(position) -> int:
+    if not 0 <= position <= (1 << 63) - 1:
+        raise ValueError(f"cannot save the state: its position {position} does not fit the file's int64")
+    return position
 
 
 def write(path, *, S, z, position, key_dim, value_dim, batch_shape, eps, feature_map, rule="additive",
@@ -169,7 +193,7 @@ def write(path, *, S, z, position, key_dim, value_dim, batch_shape, eps, feature
         "version": np.array(FORMAT_VERSION, dtype=np.int64),
         "S": S,
         "z": z,
-        "position": np.array(position, dtype=np.int64),
+        "position": np.array(_int64_position(position), dtype=np.int64),
         "key_dim": np.array(key_dim, dtype=np.int64),
         "value_dim": np.array(value_dim, dtype=np.int64),
         "batch_shape": np.array(batch_shape, dtype=np.int64).reshape(-1),
@@ -202,8 +226,14 @@ def read(path, *, feature_map=None, key_dim=None, value_dim=None, batch_shape=No
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no state file at {path!r}")
+    if os.path.isdir(path):
+        raise StateFileError(f"{path}: is a folder, not a state file")
     try:
-        with np.load(path, allow_pickle=False) as npz:
+        loaded = np.load(path, allow_pickle=False)
+        if not hasattr(loaded, "files"):  # np.load of a .npy file gives its array
+            raise StateFileError(f"{path}: not a LinearAttentionState file (one NumPy array, .npy; a state "
+                                 "file is an .npz archive written by save)")
+        with loaded as npz:
             keys = set(npz.files)
             if "format" not in keys or "version" not in keys:
                 raise StateFileError(f"{path}: not a LinearAttentionState file (no format/version entries; "
@@ -259,7 +289,7 @@ def parse(path, data, *, feature_map, expect) -> StateFile:
     if bs_arr.ndim != 1 or bs_arr.dtype.kind not in "iu" or (bs_arr < 0).any():
         raise bad(f"entry 'batch_shape' must be a 1-d array of non-negative integers, got {bs_arr!r}")
     bs = tuple(int(x) for x in bs_arr)
-    if d < 1 or m < 1 or position < 0:
+    if d < 1 or m < 1 or position < 0 or position > (1 << 63) - 1:
         raise bad(f"invalid dimensions key_dim={d}, value_dim={m}, position={position}")
     if not (math.isnan(eps) or (eps >= 0 and math.isfinite(eps))):
         raise bad(f"invalid eps {eps}")

@@ -547,6 +547,54 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     assert LinearAttentionState.load(path).position == 4
 
 
+def test_save_keeps_the_umask_and_follows_a_link(tmp_path):
+    """A new file had mode 0o644 whatever the umask (readable by everyone under 077); saving to a symbolic link
+    replaced the link with a file and left its target stale."""
+    st_ = LinearAttentionState(3, 2)
+    st_.prefill(np.ones((4, 3)), np.ones((4, 2)))
+    old = os.umask(0o077)
+    try:
+        st_.save(tmp_path / "private.npz")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "private.npz").stat().st_mode & 0o777 == 0o600
+    real, link = tmp_path / "real.npz", tmp_path / "latest.npz"
+    LinearAttentionState(3, 2).save(real)
+    os.chmod(real, 0o640)
+    link.symlink_to(real.name)
+    st_.save(link)
+    assert link.is_symlink() and LinearAttentionState.load(real).position == 4
+    assert real.stat().st_mode & 0o777 == 0o640  # the replaced file's mode kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.npz", "private.npz", "real.npz"]
+
+
+def test_positions_past_int64_and_files_that_are_not_archives(tmp_path):
+    """from_linear_state took a position of 2**70, a file's uint64 2**64 - 1 loaded, and save failed with a bare
+    OverflowError; a folder read as "corrupted or truncated (IsADirectoryError ...)" and a .npy file as a
+    TypeError about the context manager protocol."""
+    S, z = np.zeros((4, 3)), np.zeros(4)
+    with pytest.raises(ValueError, match=r"state\.position must be at most 2\*\*63 - 1"):
+        LinearAttentionState.from_linear_state((S, z, 2 ** 70), 4)
+    st_ = LinearAttentionState.from_linear_state((S, z, 2 ** 63 - 1), 4)
+    st_.step(np.ones((1, 4)), np.ones((1, 4)), np.ones((1, 3)))
+    with pytest.raises(ValueError, match="does not fit the file's int64"):
+        st_.save(tmp_path / "past.npz")
+    assert not (tmp_path / "past.npz").exists()
+    good = tmp_path / "good.npz"
+    LinearAttentionState(4, 3).save(good)
+    with np.load(good) as npz:
+        data = dict(npz)
+    data["position"] = np.array(2 ** 64 - 1, dtype=np.uint64)
+    np.savez(tmp_path / "huge.npz", **data)
+    with pytest.raises(StateFileError, match="position=18446744073709551615"):
+        LinearAttentionState.load(tmp_path / "huge.npz")
+    with pytest.raises(StateFileError, match="is a folder, not a state file"):
+        LinearAttentionState.load(tmp_path)
+    np.save(tmp_path / "a.npy", np.ones(3))
+    with pytest.raises(StateFileError, match=r"one NumPy array, \.npy"):
+        LinearAttentionState.load(tmp_path / "a.npy")
+
+
 def test_bad_files_rejected_with_clear_errors(tmp_path):
     st_ = LinearAttentionState(3, 2, batch_shape=(2,))
     st_.prefill(np.ones((2, 4, 3)), np.ones((2, 4, 2)))
