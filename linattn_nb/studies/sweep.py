@@ -347,9 +347,11 @@ def _run_point(fn, params: dict, threads=None, *, keep_exception: bool = False) 
 # ---------------------------------------------------------------------------
 # The results file
 # ---------------------------------------------------------------------------
-def _parse_lines(data: bytes, path) -> tuple[list[dict], int, str | None]:
-    """The records, the byte length of the valid prefix, and why a damaged tail was dropped (or None)."""
+def _parse_lines(data: bytes, path) -> tuple[list[dict], list[int], int, str | None]:
+    """The records, their line numbers (from 1), the byte length of the valid prefix, and why a damaged
+    tail was dropped (or None)."""
     records: list[dict] = []
+    linenos: list[int] = []
     pos = 0
     n = len(data)
     lineno = 0
@@ -357,7 +359,7 @@ def _parse_lines(data: bytes, path) -> tuple[list[dict], int, str | None]:
         nl = data.find(b"\n", pos)
         lineno += 1
         if nl < 0:
-            return records, pos, (
+            return records, linenos, pos, (
                 f"{path}: the last line ({n - pos} bytes, line {lineno}) has no newline: "
                 "a write was interrupted; it is ignored and its point will run again"
             )
@@ -373,7 +375,7 @@ def _parse_lines(data: bytes, path) -> tuple[list[dict], int, str | None]:
             except (ValueError, UnicodeDecodeError) as exc:
                 # Only whitespace after it (blank lines added after a crash): still the last record.
                 if not data[nl + 1:].strip():
-                    return records, pos, (
+                    return records, linenos, pos, (
                         f"{path}: the last line (line {lineno}) {what} ({exc}); "
                         "it is ignored (with any blank lines after it) and its point will run again"
                     )
@@ -383,8 +385,9 @@ def _parse_lines(data: bytes, path) -> tuple[list[dict], int, str | None]:
                     "remove that line (or use a new results file)."
                 ) from None
             records.append(rec)
+            linenos.append(lineno)
         pos = nl + 1
-    return records, pos, None
+    return records, linenos, pos, None
 
 
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -440,24 +443,63 @@ def _decode_nonfinite(record: dict) -> dict:
     return record
 
 
-def _latest(records: Iterable[dict]) -> dict[str, dict]:
-    """The last record per key, an ``ok`` record never replaced by a later error."""
+def _untrusted(rec: dict) -> str | None:
+    """Why a result record cannot be used (None when it can): a missing or wrong key, bad params, an
+    unknown status, an ok record without its result or an error record without its error."""
+    key = rec.get("key")
+    if not isinstance(key, str):
+        return "has no 'key'" if key is None else f"has a 'key' that is not a string ({key!r})"
+    params = rec.get("params")
+    try:
+        expected = point_key(params)
+    except (TypeError, ValueError) as exc:
+        return f"has no valid 'params' ({exc})"
+    if expected != key:
+        return (f"has params {params} whose key is {expected}, not its stored key {key}: the line was "
+                "changed after the sweep wrote it")
+    status = rec.get("status")
+    if status not in _STATUSES:
+        return f"has status {status!r}, not one of {', '.join(map(repr, _STATUSES))}"
+    if status == "ok" and "result" not in rec:
+        return "has status 'ok' but no 'result'"
+    if status == "error" and "error" not in rec:
+        return "has status 'error' but no 'error'"
+    return None
+
+
+def _latest(records: Iterable[dict], linenos: Iterable[int] | None = None,
+            path=None) -> tuple[dict[str, dict], list[str]]:
+    """The last record per key, an ``ok`` record never replaced by a later error, and one message per
+    result record left out as untrusted (:func:`_untrusted`), naming ``path`` and the record's line."""
     latest: dict[str, dict] = {}
-    for rec in records:
-        if rec.get("type") != "result" or "key" not in rec:
+    problems: list[str] = []
+    records = list(records)
+    linenos = list(linenos) if linenos is not None else [None] * len(records)
+    for rec, lineno in zip(records, linenos):
+        if rec.get("type") != "result":
+            continue
+        why = _untrusted(rec)
+        if why is not None:
+            where = f"{path}: " if path is not None else ""
+            where += f"line {lineno}: " if lineno is not None else ""
+            problems.append(f"{where}the result record {why}; it is ignored, and its point runs again unless "
+                            "another line of the file records it")
             continue
         prev = latest.get(rec["key"])
         if prev is not None and prev.get("status") == "ok" and rec.get("status") != "ok":
             continue
         latest[rec["key"]] = rec
-    return latest
+    return latest, problems
 
 
 def load_results(path, *, status: str | None = None) -> list[dict]:
     """Read the records of a sweep file (one per point, in file order).
 
-    A damaged last line is ignored (with a warning); of a point recorded more than once, the
-    successful record wins, else the latest.
+    A damaged last line is ignored (with a warning), and so is a result record that cannot be
+    trusted (with a warning naming its line): one whose ``key`` is not :func:`point_key` of its
+    ``params``, with an unknown ``status``, an ``ok`` record without its ``result`` or an ``error``
+    record without its ``error`` (a sweep resumed on the file runs such a point again).  Of a point
+    recorded more than once, the successful record wins, else the latest.
 
     Parameters
     ----------
@@ -489,10 +531,13 @@ def load_results(path, *, status: str | None = None) -> list[dict]:
         raise ValueError(f"status must be None or one of {', '.join(map(repr, _STATUSES))}, got {status!r}")
     path = Path(path)
     data = path.read_bytes()
-    records, _, problem = _parse_lines(data, path)
+    records, linenos, _, problem = _parse_lines(data, path)
     if problem:
         warnings.warn(problem, RuntimeWarning, stacklevel=2)
-    out = list(_latest(records).values())
+    latest, untrusted = _latest(records, linenos, path)
+    for message in untrusted:
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    out = list(latest.values())
     if status is not None:
         out = [r for r in out if r.get("status") == status]
     return out
@@ -570,7 +615,7 @@ class _ResultsFile:
                     f"{path} already holds results; pass resume=True to continue that sweep, "
                     "or choose another file (nothing was changed)"
                 )
-            records, valid, problem = _parse_lines(data, path)
+            records, linenos, valid, problem = _parse_lines(data, path)
             if problem:
                 warnings.warn(problem, RuntimeWarning, stacklevel=3)
                 self.fh.truncate(valid)
@@ -585,7 +630,9 @@ class _ResultsFile:
                 raise ValueError(
                     f"{path} has format {header.get('format')!r}; this version reads format {FORMAT_VERSION}"
                 )
-            self.latest = _latest(records)
+            self.latest, untrusted = _latest(records, linenos, path)
+            for message in untrusted:
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
             if header is None:
                 from .. import __version__
 

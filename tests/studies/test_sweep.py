@@ -807,3 +807,54 @@ def test_ctrl_c_inside_llvmlite_is_raised_after_it(python_sigint_handler):
             time.sleep(5)
             finished.append("late")
     assert finished == ["done"]
+
+
+def _edit_record(path, x, edit):
+    """Apply ``edit`` to the result record of point ``x`` in the file; return its line number (from 1)."""
+    lines = path.read_text().splitlines(True)
+    for i, line in enumerate(lines):
+        rec = json.loads(line)
+        if rec.get("type") == "result" and rec["params"] == {"x": x}:
+            edit(rec)
+            lines[i] = json.dumps(rec) + "\n"
+            path.write_text("".join(lines))
+            return i + 1
+    raise AssertionError(f"no record of x = {x}")
+
+
+def test_a_record_whose_params_do_not_match_its_key_is_not_trusted(tmp_path):
+    """A line whose params were changed after the sweep wrote it: its key is that of the real point.  It is
+    never read as data, a warning names the file and line, and a resumed sweep runs the real point again."""
+    out = tmp_path / "r.jsonl"
+    sweep(H.square, {"x": [1, 2, 3]}, out=out, progress=False)
+    lineno = _edit_record(out, 2, lambda rec: rec["params"].update(x=9999))
+    where = rf"r\.jsonl: line {lineno}: the result record has params \{{'x': 9999\}} whose key is"
+    with pytest.warns(RuntimeWarning, match=where):
+        assert rows(load_results(out)) == [{"x": 1, "y": 1}, {"x": 3, "y": 9}]
+    with pytest.warns(RuntimeWarning, match=where):
+        recs = sweep(H.square, {"x": [1, 2, 3]}, out=out, progress=False)
+    assert rows(recs) == [{"x": 1, "y": 1}, {"x": 2, "y": 4}, {"x": 3, "y": 9}]
+    assert [r["params"]["x"] for r in _lines(out)] == [1, 9999, 3, 2]  # the real point ran again, once
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda rec: rec.pop("result"), "has status 'ok' but no 'result'"),
+    (lambda rec: rec.update(status="error"), "has status 'error' but no 'error'"),
+    (lambda rec: rec.update(status="done"), "has status 'done', not one of 'ok', 'error'"),
+    (lambda rec: rec.pop("key"), "has no 'key'"),
+    (lambda rec: rec.update(params=[2]), "has no valid 'params'"),
+])
+def test_a_record_missing_what_its_status_needs_is_run_again(tmp_path, edit, why):
+    """An ok record without its result (the report's render then failed with a bare KeyError), an error
+    record without its error, an unknown status, no key: a warning naming file and line, the point runs
+    again, the other points are kept."""
+    out = tmp_path / "r.jsonl"
+    sweep(H.square, {"x": [1, 2, 3]}, out=out, progress=False)
+    lineno = _edit_record(out, 2, edit)
+    match = rf"r\.jsonl: line {lineno}: the result record {why}.*its point runs again"
+    with pytest.warns(RuntimeWarning, match=match):
+        assert rows(load_results(out)) == [{"x": 1, "y": 1}, {"x": 3, "y": 9}]
+    with pytest.warns(RuntimeWarning, match=match):
+        recs = sweep(H.square, {"x": [1, 2, 3]}, out=out, progress=False)
+    assert [(r["status"], r["result"]) for r in recs] == [("ok", {"y": 1}), ("ok", {"y": 4}), ("ok", {"y": 9})]
+    assert len(_lines(out)) == 4  # only point 2 ran again
