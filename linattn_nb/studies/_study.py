@@ -185,7 +185,8 @@ class Study:
     Attributes
     ----------
     name : str
-        Identifier; the results file is ``<name>.jsonl`` in the report folder.
+        Identifier; the results file is ``<name>.jsonl`` in the report folder, so a plain file name:
+        non-empty, without a path separator, NUL or leading dot (ValueError otherwise).
     title : str
         Section heading.
     command : str
@@ -195,7 +196,8 @@ class Study:
     points : callable
         ``points(ctx) -> list[dict]``: the sweep grid for ``ctx.profile`` and ``ctx.devices``.
     run : callable
-        ``run(**point) -> dict``: one point; module-level, so that worker processes can import it.
+        ``run(**point) -> dict``: one point; module-level, so that worker processes can import it.  A
+        point whose ``run`` returns anything else is recorded as failed (a TypeError naming the study).
     render : callable
         ``render(records, ctx) -> Rendered``: markdown (plots saved with :meth:`Context.savefig`)
         from the sweep's records, plus the problems the results show.
@@ -234,6 +236,7 @@ class Study:
     figures: tuple = ()
 
     def __post_init__(self):
+        _check_name(self.name)
         if self.requires is None:
             object.__setattr__(self, "requires", _always_available)
         figures = (self.figures,) if isinstance(self.figures, str) else tuple(self.figures)
@@ -248,6 +251,19 @@ class Study:
         budget = "" if self.budget_s is None else f", budget_s={self.budget_s!r}"
         return (f"Study(name={self.name!r}, command={self.command!r}, title={self.title!r}, "
                 f"timing={self.timing!r}{budget}, points={_qualname(self.points)}, run={_qualname(self.run)})")
+
+
+def _check_name(name) -> None:
+    """TypeError or ValueError unless ``name`` can name a study's files (``<name>.jsonl`` in the report
+    folder): a non-empty string with no path separator, NUL or leading dot (so not "." or "..")."""
+    if not isinstance(name, str):
+        raise TypeError(f"Study(name=...) must be a string, got {type(name).__name__} {name!r}")
+    bad = next((c for c in ("/", "\\", "\0") if c in name), None)
+    if not name or name.startswith(".") or bad is not None:
+        why = "is empty" if not name else f"contains {bad!r}" if bad is not None else "starts with a dot"
+        raise ValueError(f"Study(name={name!r}): the name {why}; it is the file name of the study's results "
+                         "(<name>.jsonl in the report folder), so it must be a plain file name such as 'rank' "
+                         "(no folder, no leading dot)")
 
 
 def _qualname(fn) -> str:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import platform
 import shlex
@@ -12,6 +13,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 from .. import config
 from .._interrupt import check as check_interrupt, interrupts
@@ -325,7 +327,7 @@ def run_report(
             if study.name not in background:
                 log(f"[{done[0] + 1}/{len(runnable)}] {study.name}: {len(pts)} points"
                     f"{' (timed, one at a time)' if study.timing else ''}")
-            records = sweep(study.run, pts, out=out / f"{study.name}.jsonl", resume=True,
+            records = sweep(_DictRun(study), pts, out=out / f"{study.name}.jsonl", resume=True,
                             errors="record", progress=progress and study.name not in background, **kw)
             reused = sum(1 for r in records if r.get("key") in finished_before[study.name])
             if reused:
@@ -366,6 +368,28 @@ def run_report(
     _write_markdown(result, ctx, selected, timings, command)
     log(f"wrote {result.path} ({result.elapsed_s:.1f} s)")
     return result
+
+
+class _DictRun:
+    """A study's ``run`` that must return a dict (:attr:`Study.run`): anything else is a TypeError naming the
+    study and the type, which the sweep records as the point's error.  It carries the name, module and
+    qualified name of ``run`` (a results file's header names the function that wrote it) and pickles
+    when ``run`` does (worker processes, Dask)."""
+
+    def __init__(self, study):
+        self.study = study.name
+        self.run = study.run
+        for attr in ("__module__", "__name__", "__qualname__"):
+            if hasattr(study.run, attr):
+                setattr(self, attr, getattr(study.run, attr))
+
+    def __call__(self, **point):
+        result = self.run(**point)
+        if not isinstance(result, Mapping) and not (dataclasses.is_dataclass(result)
+                                                    and not isinstance(result, type)):
+            raise TypeError(f"the {self.study} study's run returned {type(result).__name__}, not a dict: "
+                            "Study.run(**point) must return a dict of results")
+        return result
 
 
 #: How long :func:`run_report` tries to reach a ``scheduler`` address.
@@ -418,7 +442,7 @@ def _start_background(study, opts, ctx, out, prepares=()):
         pts = study.points(ctx, **opts)
         elapsed = mp.Value("d", -1.0, lock=False)
         proc = mp.Process(target=_background_sweep,
-                          args=(study.run, pts, str(out / f"{study.name}.jsonl"), list(prepares), elapsed),
+                          args=(_DictRun(study), pts, str(out / f"{study.name}.jsonl"), list(prepares), elapsed),
                           name=f"linattn-{study.name}", daemon=True)
         proc.start()
     except Exception:  # noqa: BLE001 - the study runs in the foreground instead, and fails there if it must

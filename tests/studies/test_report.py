@@ -786,3 +786,80 @@ def test_resumed_report_says_how_many_points_it_reused(tmp_path):
     assert "plugin_resumed 0 s (3 new points; 2 reused from an earlier run)" in text
     assert " s for 3 new points (2 reused from an earlier run); rerun alone" in text
     assert "reused" not in first_text
+
+
+@pytest.mark.parametrize("name, why", [
+    ("../victim", "contains '/'"), ("a/b", "contains '/'"), ("a\\b", r"contains '\\\\'"), ("..", "starts with a dot"),
+    (".", "starts with a dot"), (".hidden", "starts with a dot"), ("", "is empty"), ("a\0b", r"contains '\\x00'"),
+])
+def test_a_study_name_must_be_a_plain_file_name(tmp_path, name, why):
+    """The name is the file name of the study's results: "../victim" made --force delete ../victim.jsonl."""
+    from linattn_nb.studies import Study
+
+    victim = tmp_path / "victim.jsonl"
+    victim.write_text("precious\n")
+    with pytest.raises(ValueError, match=rf"Study\(name=.*\): the name {why}; it is the file name"):
+        Study(name=name, title="T", command="plugin-t", help="h", points=_plugin_points, run=_plugin_run,
+              render=_plugin_render)
+    with pytest.raises(TypeError, match=r"Study\(name=...\) must be a string, got int 3"):
+        Study(name=3, title="T", command="plugin-t", help="h", points=_plugin_points, run=_plugin_run,
+              render=_plugin_render)
+    assert victim.read_text() == "precious\n"
+    for study in STUDIES:  # the built-in names pass
+        assert dataclasses.replace(study).name == study.name
+
+
+def _run_list(x):
+    return [x] if x == 2 else {"y": 2 * x, "half": x / 2}
+
+
+def _run_none(x):
+    return None if x == 2 else {"y": 2 * x, "half": x / 2}
+
+
+@pytest.mark.parametrize("run, what", [(_run_list, "list"), (_run_none, "NoneType")])
+def test_a_run_that_returns_no_dict_fails_its_point(tmp_path, run, what):
+    """Study.run(**point) -> dict: a list or None was recorded as a successful point."""
+    from linattn_nb.studies import Study
+
+    study = Study(name="plugin_nodict", title="No dict", command="plugin-nodict", help="h",
+                  points=_plugin_points, run=run, render=_plugin_render)
+    saved = list(STUDIES)
+    try:
+        register_study(study)
+        res = run_report(tmp_path / "r", profile="tiny", studies=["plugin_nodict"], progress=False,
+                         log=lambda line: None)
+    finally:
+        STUDIES[:] = saved
+    recs = {r["params"]["x"]: r for r in load_results(tmp_path / "r" / "plugin_nodict.jsonl")}
+    assert recs[1]["status"] == "ok" and recs[1]["result"]["y"] == 2  # the other point goes on
+    assert recs[2]["status"] == "error"
+    assert recs[2]["error"] == (f"TypeError: the plugin_nodict study's run returned {what}, not a dict: "
+                                "Study.run(**point) must return a dict of results")
+    assert res.sections["plugin_nodict"].summary == "1 points"  # rendered from the ok point alone
+
+
+def test_a_report_reruns_an_ok_record_without_its_result(tmp_path):
+    """An ok record whose result was removed from the results file failed the section with a bare KeyError."""
+    from linattn_nb.studies import Study
+
+    study = Study(name="plugin_noresult", title="No result", command="plugin-noresult", help="h",
+                  points=_plugin_points, run=_plugin_run, render=_plugin_render)
+    path = tmp_path / "r" / "plugin_noresult.jsonl"
+    kw = dict(profile="tiny", studies=["plugin_noresult"], progress=False, log=lambda line: None)
+    saved = list(STUDIES)
+    try:
+        register_study(study)
+        run_report(tmp_path / "r", **kw)
+        lines = path.read_text().splitlines(True)
+        rec = json.loads(lines[1])
+        del rec["result"]
+        lines[1] = json.dumps(rec) + "\n"
+        path.write_text("".join(lines))
+        with pytest.warns(RuntimeWarning, match=r"plugin_noresult\.jsonl: line 2: the result record has status "
+                                                r"'ok' but no 'result'"):
+            res = run_report(tmp_path / "r", resume=True, **kw)
+    finally:
+        STUDIES[:] = saved
+    assert res.sections["plugin_noresult"].summary == "2 points"
+    assert res.problems == ["planted problem at x = 2"] and res.reused == {"plugin_noresult": (1, 1)}
