@@ -181,6 +181,50 @@ def apply_overrides(points: list, options: dict, *, study: str, section: str = "
     return list(unique.values())
 
 
+#: The options whose list is one value of the study's ``points`` keyword (the maps to run); the others list
+#: values the grid is expanded over, each passed to ``points`` alone by :func:`check_study_values`.
+WHOLE_LIST_OPTIONS = ("maps",)
+
+
+def check_study_values(study, options: dict, ctx, *, section: str = "") -> None:
+    """Refuse what ``study``'s own ``points`` refuses among the checked ``options`` (:func:`check_options`).
+
+    Each option that is a keyword of ``study.points`` is passed to it as ``run_report(options=...)``
+    passes it, one value at a time (``maps`` as its whole list), so that the command line refuses what
+    the study refuses through the library (such as the rank study's N >= 2).
+
+    Parameters
+    ----------
+    study : Study
+        The study whose ``points`` checks the values.
+    options : dict
+        Checked problem options.
+    ctx : Context
+        The context the points are built for.
+    section : str, default ""
+        Prefixes the option's name in the message (``"--"`` on the command line).
+
+    Raises
+    ------
+    OptionError
+        Naming the option and the value, with the study's own reason.
+    """
+    import inspect
+
+    params = inspect.signature(study.points).parameters
+    accepted = [name for name, p in params.items() if p.kind == p.KEYWORD_ONLY]
+    for key, value in options.items():
+        if key not in accepted or value is None:
+            continue
+        values = [value] if key in WHOLE_LIST_OPTIONS or not isinstance(value, (list, tuple)) else value
+        for one in values:
+            try:
+                study.points(ctx, **{key: one})
+            except (TypeError, ValueError) as exc:
+                shown = ",".join(map(str, one)) if isinstance(one, (list, tuple)) else one
+                raise OptionError(f"{section}{key} {shown}: {exc}") from None
+
+
 def _select_maps(pts, names, *, study, buildable, is_random, m_default, section=""):
     present = list(dict.fromkeys(p["feature_map"] for p in pts if "feature_map" in p))
     out = [p for p in pts if p.get("feature_map") in names]

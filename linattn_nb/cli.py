@@ -396,10 +396,25 @@ def _unwritable(out: str) -> str | None:
     return None
 
 
+#: Why --scheduler and --workers exclude each other (main() and a --config file's values).
+SCHEDULER_AND_WORKERS = ("--workers sizes the local worker processes; --scheduler brings its own workers: "
+                         "pass one or the other")
+
+
+def _scheduler_and_workers(config: str, from_file: set) -> str:
+    """The refusal of a scheduler with workers when one or both come from the ``--config`` file."""
+    if {"scheduler", "workers"} <= from_file:
+        return (f"--config {config!r}: sets both scheduler and workers; workers sizes the local worker "
+                "processes, scheduler brings its own workers: set one or the other")
+    flag, key = ("--workers", "scheduler") if "scheduler" in from_file else ("--scheduler", "workers")
+    return f"{SCHEDULER_AND_WORKERS} ({flag} given here, {key} set by --config {config!r})"
+
+
 def _run_studies(args, names, argv) -> int:
     from pathlib import Path
 
-    from linattn_nb._overrides import OPTION_KEYS, OptionError, apply_overrides, check_options, load_config
+    from linattn_nb._overrides import (OPTION_KEYS, OptionError, apply_overrides, check_options,
+                                       check_study_values, load_config)
     from linattn_nb.studies import Context, get_study, run_report
     from linattn_nb.studies.report import command_line
 
@@ -408,9 +423,14 @@ def _run_studies(args, names, argv) -> int:
         if getattr(args, "config", None) is not None:
             conf = load_config(args.config)
             # the command line wins over the description
+            from_file = set()
             for key in ("out", "device", "scheduler", "workers"):
                 if getattr(args, key) is None:
                     setattr(args, key, conf[key])
+                    if conf[key] is not None:
+                        from_file.add(key)
+            if args.scheduler is not None and args.workers is not None:  # as main() refuses the two flags
+                raise OptionError(_scheduler_and_workers(os.fspath(args.config), from_file))
             if args.profile is None:
                 args.profile = conf["profile"]
             names = conf["studies"]
@@ -424,9 +444,11 @@ def _run_studies(args, names, argv) -> int:
         args.device = args.device or "auto"
         args.out = args.out or args.default_out
         for name, opts in options.items():  # refuse options a study cannot take before anything runs
+            section = "" if getattr(args, "config", None) is not None else "--"
+            ctx = Context(out=Path(args.out), profile=args.profile)
             try:
-                apply_overrides(get_study(name).points(Context(out=Path(args.out), profile=args.profile)), opts,
-                                study=name, section="" if getattr(args, "config", None) is not None else "--")
+                apply_overrides(get_study(name).points(ctx), opts, study=name, section=section)
+                check_study_values(get_study(name), opts, ctx, section=section)
             except OptionError as exc:
                 if getattr(args, "config", None) is None:
                     raise
@@ -615,8 +637,7 @@ def main(argv=None) -> int:
         if getattr(args, "out", None) == "":
             subparser.error("--out is empty: give a folder (or leave it out for the default)")
         if getattr(args, "scheduler", None) is not None and getattr(args, "workers", None) is not None:
-            subparser.error("--workers sizes the local worker processes; --scheduler brings its own workers: "
-                            "pass one or the other")
+            subparser.error(SCHEDULER_AND_WORKERS)
     try:
         return int((args.func(args, argv) if getattr(args, "wants_argv", False) else args.func(args)) or 0)
     except KeyboardInterrupt:

@@ -365,6 +365,9 @@ def test_overrides_refuse_what_a_study_cannot_take():
     (["rank", "--maps", "elu", "--m", "8"], "error: --m: none of the rank study's selected maps is random"),
     (["recall", "--n", "0"], "--n must be an integer >= 1"),
     (["error", "--seeds", "two"], "--seeds must be an integer >= 1"),
+    # refused by the study's own points, as run_report(options={"rank": {"n": [1]}}) refuses it
+    (["rank", "--n", "1"], "error: --n 1: rank study: n must hold integers >= 2, got 1"),
+    (["rank", "--n", "16,1"], "error: --n 1: rank study: n must hold integers >= 2, got 1"),
 ])
 def test_problem_option_errors_exit_2_before_running(argv, match, tmp_path, capsys):
     out = tmp_path / "r"
@@ -445,6 +448,7 @@ dim = 4
     # refused when applied to the study's points: the file and the table named too
     ('[error]\nmaps = ["nope"]', "toml", "[error] maps: 'nope' is not registered"),
     ('[error]\nmaps = ["elu"]\nm = [8]', "toml", "[error] m: none of the error study's selected maps is random"),
+    ('studies = ["rank"]\n[rank]\nn = [1]', "toml", "[rank] n 1: rank study: n must hold integers >= 2, got 1"),
 ])
 def test_report_config_errors_name_the_key(text, suffix, match, tmp_path, capsys):
     conf = _write(tmp_path / f"c.{suffix}", text)
@@ -521,3 +525,29 @@ def test_info_says_a_requested_threading_layer_cannot_be_loaded(monkeypatch):
     monkeypatch.setitem(sys.modules, "numba.np.ufunc.tbbpool", None)  # importing it raises ImportError
     line = cli._threading_layer()
     assert "cannot be loaded" in line and "will fail" in line and "predicted" not in line
+
+
+@pytest.mark.parametrize("text, flags, match", [
+    ('scheduler = "tcp://127.0.0.1:1"\nworkers = 2', [],
+     "--config {conf!r}: sets both scheduler and workers; workers sizes the local worker processes, scheduler "
+     "brings its own workers: set one or the other"),
+    ('scheduler = "tcp://127.0.0.1:1"', ["--workers", "2"],
+     "--workers sizes the local worker processes; --scheduler brings its own workers: pass one or the other "
+     "(--workers given here, scheduler set by --config {conf!r})"),
+    ("workers = 2", ["--scheduler", "tcp://127.0.0.1:1"],
+     "--workers sizes the local worker processes; --scheduler brings its own workers: pass one or the other "
+     "(--scheduler given here, workers set by --config {conf!r})"),
+])
+def test_report_config_scheduler_with_workers_is_refused_before_connecting(text, flags, match, tmp_path, capsys,
+                                                                            monkeypatch):
+    """As --scheduler with --workers on the command line: exit 2 naming the file, no connection tried."""
+    import types
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "distributed", types.SimpleNamespace(Client=lambda *a, **k: calls.append(a)))
+    conf = _write(tmp_path / "c.toml", f'profile = "tiny"\nstudies = ["rank"]\n{text}\n')
+    out = tmp_path / "r"
+    assert cli.main(["report", "--config", conf, "--no-progress", "--out", str(out)] + flags) == 2
+    err = capsys.readouterr().err
+    assert err == f"linattn report: error: {match.format(conf=conf)}\n", err
+    assert calls == [] and not out.exists()
