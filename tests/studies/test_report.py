@@ -457,18 +457,22 @@ def test_every_study_states_its_regime_and_the_time_it_took(tiny_report):
             assert "; took " in section, study.name
 
 
+def _report_of(study, out):
+    """``run_report`` of ``study`` alone (tiny profile, quiet), registered for the call only."""
+    saved = list(STUDIES)
+    try:
+        register_study(study)
+        return run_report(out, profile="tiny", studies=[study.name], progress=False, log=lambda line: None)
+    finally:
+        STUDIES[:] = saved
+
+
 def test_over_budget_is_a_result_attribute_for_maintainers(tmp_path):
     from linattn_nb.studies import Study
 
     slow = Study(name="plugin_slow", title="Slow", command="plugin-slow", help="over its budget",
                  points=_plugin_points, run=_plugin_run, render=_plugin_render, budget_s={"tiny": -1.0, "full": 9})
-    saved = list(STUDIES)
-    try:
-        register_study(slow)
-        res = run_report(tmp_path / "r", profile="tiny", studies=["plugin_slow"], progress=False,
-                         log=lambda line: None)
-    finally:
-        STUDIES[:] = saved
+    res = _report_of(slow, tmp_path / "r")
     assert [name for name, _, _ in res.over_budget] == ["plugin_slow"] and res.over_budget[0][2] == -1.0
     assert set(res.timings) == {"plugin_slow"}
     assert "budget" not in res.path.read_text().lower()
@@ -824,13 +828,7 @@ def test_a_run_that_returns_no_dict_fails_its_point(tmp_path, run, what):
 
     study = Study(name="plugin_nodict", title="No dict", command="plugin-nodict", help="h",
                   points=_plugin_points, run=run, render=_plugin_render)
-    saved = list(STUDIES)
-    try:
-        register_study(study)
-        res = run_report(tmp_path / "r", profile="tiny", studies=["plugin_nodict"], progress=False,
-                         log=lambda line: None)
-    finally:
-        STUDIES[:] = saved
+    res = _report_of(study, tmp_path / "r")
     recs = {r["params"]["x"]: r for r in load_results(tmp_path / "r" / "plugin_nodict.jsonl")}
     assert recs[1]["status"] == "ok" and recs[1]["result"]["y"] == 2  # the other point goes on
     assert recs[2]["status"] == "error"
