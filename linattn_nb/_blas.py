@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 
 from . import config
@@ -111,12 +112,32 @@ def _predicted_layer(cfg) -> str:
 def parallel_calls(when: bool = True):
     """Context manager: one Python thread at a time inside it (a re-entrant process-wide lock) when Numba's
     layer is ``workqueue``, which aborts the process when two threads enter parallel regions at once
-    (docs/threads.md); nothing under ``omp`` and ``tbb``."""
-    if not when or threading_layer() != "workqueue":
+    (docs/threads.md); nothing under ``omp`` and ``tbb``.  Also :func:`keep_torch_threads` until Numba's
+    pool has started."""
+    with keep_torch_threads():
+        if not when or threading_layer() != "workqueue":
+            yield
+            return
+        with _layer_lock:
+            yield
+
+
+@contextlib.contextmanager
+def keep_torch_threads():
+    """Context manager: torch's thread count (where torch is imported) as it was before, if the first parallel
+    kernel started Numba's pool inside.  Numba's ``omp`` layer sets the OpenMP thread count of the thread that
+    starts it to its own (``omp_set_num_threads``), which is also the count torch reads and runs its ops
+    with: a script's ``torch.set_num_threads(1)`` was undone by its first call.  Nothing once the pool runs."""
+    torch = sys.modules.get("torch")
+    if torch is None or _layer is not None or not hasattr(torch, "get_num_threads"):
         yield
         return
-    with _layer_lock:
+    before = torch.get_num_threads()
+    try:
         yield
+    finally:
+        if threading_layer() and _layer is not None and torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def parallel_entry(fn):

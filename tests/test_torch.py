@@ -526,6 +526,30 @@ def test_core_never_imports_torch():
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.slow  # two fresh processes that may compile
+@pytest.mark.parametrize("entry", ["adapter", "numpy"])
+def test_the_first_call_keeps_torchs_thread_count(entry):
+    """The first parallel kernel starts Numba's omp pool, which set the starting thread's OpenMP count to
+    Numba's: a script's torch.set_num_threads(1), the remedy docs/threads.md gives for torch's spinning pool,
+    became 2 after the adapter's first call (a fresh process: the pool starts once per process).  A first
+    NumPy call is checked too."""
+    import os
+    import subprocess
+    import sys
+
+    call = ("lt.linear_attention(q, q, q, causal=True)" if entry == "adapter" else
+            "la.linear_attention(q.numpy(), q.numpy(), q.numpy(), causal=True, method='chunked')")
+    code = ("import torch; torch.set_num_threads(1)\n"
+            "import numba, linattn_nb as la, linattn_nb.torch as lt\n"
+            "q = torch.randn(16, 512, 64)\n"
+            f"{call}\n"
+            "print(torch.get_num_threads(), numba.threading_layer(), numba.get_num_threads())")
+    env = dict(os.environ, NUMBA_NUM_THREADS="2", LINATTN_CPU_CHUNKED_SERIAL_MAX_WORK="0")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    torch_threads, layer, numba_threads = out.stdout.split()
+    assert torch_threads == "1" and numba_threads == "2", out.stdout
+
+
 # ---------------------------------------------------------------------------
 # dplr_attention
 # ---------------------------------------------------------------------------
