@@ -85,7 +85,8 @@ def check_method_name(method) -> str:
     return method
 
 
-_MAX_POSITION = (1 << 63) - 1
+#: The largest token position: an int64 in the kernels and the state files.
+MAX_POSITION = (1 << 63) - 1
 
 
 def check_position(position, name: str = "initial_state.position") -> int:
@@ -103,7 +104,7 @@ def check_position(position, name: str = "initial_state.position") -> int:
         raise TypeError(f"{name} must be a non-negative integer, got {type(position).__name__} {position!r}")
     if position < 0:
         raise ValueError(f"{name} must be >= 0, got {position}")
-    if position > _MAX_POSITION:  # an int64 in the kernels and the state files
+    if position > MAX_POSITION:
         raise ValueError(f"{name} must be at most 2**63 - 1, got {position}")
     return position
 

@@ -171,7 +171,7 @@ def atomic_write(path, fill) -> None:
 
 
 def _int64_position(position) -> int:
-    if not 0 <= position <= (1 << 63) - 1:
+    if not 0 <= position <= FE.MAX_POSITION:
         raise ValueError(f"cannot save the state: its position {position} does not fit the file's int64")
     return position
 
@@ -289,7 +289,7 @@ def parse(path, data, *, feature_map, expect) -> StateFile:
     if bs_arr.ndim != 1 or bs_arr.dtype.kind not in "iu" or (bs_arr < 0).any():
         raise bad(f"entry 'batch_shape' must be a 1-d array of non-negative integers, got {bs_arr!r}")
     bs = tuple(int(x) for x in bs_arr)
-    if d < 1 or m < 1 or position < 0 or position > (1 << 63) - 1:
+    if d < 1 or m < 1 or position < 0 or position > FE.MAX_POSITION:
         raise bad(f"invalid dimensions key_dim={d}, value_dim={m}, position={position}")
     if not (math.isnan(eps) or (eps >= 0 and math.isfinite(eps))):
         raise bad(f"invalid eps {eps}")
