@@ -241,6 +241,9 @@ def run_report(
     if force and resume:
         raise ValueError("force (start afresh) and resume (continue) exclude each other")
     workers = check_workers(workers)
+    if scheduler is not None and workers is not None:
+        raise ValueError("workers= sizes the local worker processes and scheduler= brings its own workers: "
+                         "pass one or the other")
     if log is None:
         def log(line):
             print(line, file=sys.stderr, flush=True)

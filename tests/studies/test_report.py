@@ -723,6 +723,8 @@ def test_every_built_in_study_declares_the_plots_it_saves():
     (dict(studies=["check"], workers=-1), ValueError, "workers must be >= 1, got -1"),
     (dict(studies=["check"], workers=0), ValueError, "workers must be >= 1, got 0"),
     (dict(studies=["check"], workers=1.5), TypeError, "workers must be an integer or None"),
+    (dict(studies=["check"], workers=2, scheduler="tcp://127.0.0.1:1"), ValueError,
+     "workers= sizes the local worker processes and scheduler= brings its own workers"),
     (dict(studies=[]), ValueError, "studies is empty"),
     (dict(studies=["nope"]), ValueError, "studies: no study 'nope'"),
     (dict(studies=[3]), TypeError, r"studies must hold study names \(str\), got 3"),
