@@ -219,9 +219,9 @@ def run_report(
     FileExistsError
         ``out`` is not empty and neither ``force`` nor ``resume`` is set.
     ValueError
-        Bad ``profile``, ``device``, study name (or no study), ``workers`` < 1, options a study's
-        ``points`` refuses or for a study not being run, or ``force`` with ``resume``.  Raised, like
-        the TypeErrors, before anything is run or written.
+        Bad ``profile``, ``device``, study name (or no study), ``workers`` < 1 or given with
+        ``scheduler``, options a study's ``points`` refuses or for a study not being run, or ``force``
+        with ``resume``.  Raised, like the TypeErrors, before anything is run or written.
     TypeError
         ``studies``, ``workers`` or ``options`` of the wrong type.
     ConnectionError
