@@ -30,7 +30,7 @@ from .ops._vec import work_dtype
 from .ops.registry import chunk_pair, get_method, grad_pair, select_auto
 from .ops.softmax.cpu import softmax_blocked
 from .ops.softmax.naive import softmax_attention_quadratic
-from .rules import get_rule as get_update_rule, rule_for, rule_names
+from .rules import dplr_rule_names, get_rule as get_update_rule, rule_for, rule_names
 
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
@@ -195,9 +195,14 @@ def check_state_rule(state, rule: str, name: str = "initial_state") -> None:
     """
     got = getattr(state, "rule", None)
     if got is not None and got != rule:
-        hint = get_update_rule(got).hint if got in rule_names() else ""
+        if got in rule_names():
+            hint = f" ({get_update_rule(got).hint})"
+        elif got in dplr_rule_names():
+            hint = f" (a diagonal-plus-low-rank rule: dplr_attention(rule={got!r}) continues it)"
+        else:
+            hint = ""
         raise ValueError(f"{name} is a state of the {got!r} update rule, but this call runs the {rule!r} rule; "
-                         f"a state continues only the rule that made it ({hint})")
+                         f"a state continues only the rule that made it{hint}")
 
 
 def host_state(initial_state, batch_shape, f: int, m: int, *, check_finite: bool):

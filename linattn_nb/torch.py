@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import contextlib
+import copy
 import os
 import sys
 import threading
@@ -726,6 +727,17 @@ def _dplr_layer_rule(rule, decay, causal):
     return spec
 
 
+def _layer_map(feature_map):
+    """The layer's map (:func:`linattn_nb.feature_maps.resolve`), built without the warning on a random map
+    given by name: the layer keeps one map and fixes its ``W``."""
+    if isinstance(feature_map, str):
+        try:
+            feature_map = fm.get(feature_map)
+        except KeyError as exc:
+            raise ValueError(f"feature_map: {exc.args[0]}") from None
+    return fm.resolve(feature_map)
+
+
 def _check_positive_ints(**values) -> None:
     for name, val in values.items():
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
@@ -807,8 +819,19 @@ class LinearAttention(nn.Module):
         The map instance used by every call.
     feature_map_params : torch.nn.ParameterDict
         The map's parameters (empty unless ``learn_feature_map``).
+    feature_map_projection : torch.Tensor or None
+        A random map's projection ``W`` (``"favor+"``, ``"rff"``; shape ``(m, head_dim)``, in the layer's
+        dtype): a persistent buffer, drawn at construction (a map given by name from torch's generator,
+        so ``torch.manual_seed`` fixes it; a map instance from its own ``seed``, or its given ``W``), that
+        ``state_dict``, ``.to()`` and ``copy.deepcopy`` carry and every call computes with.  None for the
+        other maps and for a projection learned through ``learn_feature_map``.
     update_rule : str
         The name of the rule that ``rule`` and ``decay`` select.
+
+    Raises
+    ------
+    TypeError
+        ``causal``, ``learn_feature_map``, ``bias`` or ``check_finite`` not a bool.
 
     Examples
     --------
@@ -832,6 +855,8 @@ class LinearAttention(nn.Module):
                  conv_size: Optional[int] = None, learn_feature_map: bool = False, bias: bool = False,
                  check_finite: bool = True, device=None, dtype=None):
         super().__init__()
+        causal, learn_feature_map = check_bool("causal", causal), check_bool("learn_feature_map", learn_feature_map)
+        bias, check_finite = check_bool("bias", bias), check_bool("check_finite", check_finite)
         _check_positive_ints(d_model=d_model, num_heads=num_heads)
         if head_dim is None:
             if d_model % num_heads:
@@ -860,9 +885,9 @@ class LinearAttention(nn.Module):
             raise ValueError(f"conv_size must be a positive int or None, got {conv_size!r}")
         kw = dict(device=device, dtype=dtype)
         self.d_model, self.num_heads, self.head_dim, self.value_dim = d_model, num_heads, head_dim, value_dim
-        self.causal, self.rule, self.decay, self.method = bool(causal), rule, decay, method
+        self.causal, self.rule, self.decay, self.method = causal, rule, decay, method
         self.normalize, self.eps, self.check_finite, self.conv_size = normalize, eps, check_finite, conv_size
-        self.feature_map = fm.resolve(feature_map)
+        self.feature_map = _layer_map(feature_map)
         self.feature_dim = int(self.feature_map.output_dim(head_dim))
         H, n = num_heads, self.n_h or 1
         self.q_proj = nn.Linear(d_model, H * head_dim, bias=bias, **kw)
@@ -901,6 +926,17 @@ class LinearAttention(nn.Module):
             for name, arr in stored.items():
                 self.feature_map_params[name] = nn.Parameter(
                     torch.tensor(np.asarray(arr), dtype=dtype or torch.get_default_dtype(), device=device))
+        # a random map's W: a buffer (not drawn anew by each layer call, saved with the layer); drawn last, so
+        # that the projections' initial values do not depend on the map
+        projection = None
+        if isinstance(self.feature_map, fm.RandomFeatureMap) and "projection" not in self.feature_map_params:
+            if isinstance(feature_map, str):  # the layer's own map: its W from torch's generator
+                self.feature_map.redraw(int(torch.randint(0, 2 ** 62, ())))
+            self.feature_map.materialize(head_dim)
+            projection = torch.tensor(self.feature_map.W, dtype=dtype or torch.get_default_dtype())
+            self.feature_map.W = projection.to(torch.float64).numpy().copy()  # the values the buffer holds
+            projection = projection.to(device)
+        self.register_buffer("feature_map_projection", projection)  # None: no state_dict entry
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
@@ -912,6 +948,19 @@ class LinearAttention(nn.Module):
         """Projection outputs per head of a DPLR argument's form."""
         per_feature, per_step, _ = _DPLR_FORMS[form]
         return self.feature_dim if per_feature else (self.n_h or 1) if per_step else 1
+
+    def _map(self):
+        """The map of this call: :attr:`feature_map`, with a random map's ``W`` the buffer's current values
+        (a changed buffer replaces :attr:`feature_map` by a copy: a map shared with others is not written)."""
+        fmap, w = self.feature_map, self.feature_map_projection
+        if w is None:
+            return fmap
+        w = w.detach().to(device="cpu", dtype=torch.float64).numpy()
+        if fmap.W is None or fmap.W.shape != w.shape or not np.array_equal(fmap.W, w):
+            fmap = copy.copy(fmap)
+            fmap.W, fmap.dim = w.copy(), int(w.shape[1])
+            self.feature_map = fmap
+        return fmap
 
     def _heads(self, t, *d):
         B, N, _ = t.shape
@@ -949,7 +998,7 @@ class LinearAttention(nn.Module):
             q, k, v = qkv.split([q.shape[-1], k.shape[-1], v.shape[-1]], dim=-1)
         step = () if self.n_h is None else (self.n_h,)  # k, v (B, H, N, n_h, D) on a rule with sub-steps
         q, k, v = self._heads(q, D), self._heads(k, *step, D), self._heads(v, *step, M)
-        kw = dict(feature_map=self.feature_map, causal=self.causal, method=self.method, eps=self.eps,
+        kw = dict(feature_map=self._map(), causal=self.causal, method=self.method, eps=self.eps,
                   check_finite=self.check_finite, normalize=self.normalize, initial_state=initial_state,
                   return_state=return_state)
         if self.beta_proj is not None:

@@ -225,6 +225,18 @@ def test_decay_needs_causal_and_real_values():
         linear_attention(q, k, v, causal=True, decay=True)
 
 
+def test_a_state_of_another_family_or_an_unknown_rule_reads_cleanly():
+    """The hint after "a state continues only the rule that made it" was "()" for a state of a rule without a
+    linear form (a DPLR rule's, e.g. 'kda'): now it names dplr_attention, and an unknown rule gets none."""
+    q, k, v = _qkv()
+    S, z = np.zeros(q.shape[:-2] + (4, 3)), np.zeros(q.shape[:-2] + (4,))
+    with pytest.raises(ValueError, match=r"state of the 'kda' update rule.*'additive' rule; a state continues only the "
+                                         r"rule that made it \(a diagonal-plus-low-rank rule: "
+                                         r"dplr_attention\(rule='kda'\) continues it\)$"):
+        linear_attention(q, k, v, causal=True, initial_state=LinearState(S, z, 0, "kda"))
+    with pytest.raises(ValueError, match="the rule that made it$"):
+        linear_attention(q, k, v, causal=True, initial_state=LinearState(S, z, 0, "no_such_rule"))
+
 def test_segments_carry_the_rule_and_refuse_another():
     q, k, v = _qkv()
     decay = RNG.uniform(0.5, 1.0, size=q.shape[:-1])

@@ -440,6 +440,66 @@ def test_module_errors():
         layer(torch.randn(1, 3, 8), initial_state=(torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4)))
 
 
+@pytest.mark.parametrize("name", ["favor+", "rff"])
+def test_module_random_map_projection_is_a_buffer(name, monkeypatch):
+    """A random map's W is the layer's persistent buffer, drawn at construction from torch's generator: a
+    fresh layer given the state_dict computes the same outputs (it drew another W before the fix: |dy| 0.35
+    for favor+), and no warning says that each call draws another W."""
+    import copy
+    import warnings
+
+    monkeypatch.setattr(fm, "_WARNED_BY_NAME", set())  # the by-name warning shows once per process
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(0)
+        layer = lt.LinearAttention(4, 2, feature_map=name, method="quadratic", dtype=torch.float64)
+    assert not [w for w in caught if "random projection W" in str(w.message)]
+    W = layer.feature_map_projection
+    assert W.dtype == torch.float64 and W.shape == (layer.feature_map.num_features, 2)
+    assert "feature_map_projection" in layer.state_dict()
+    torch.manual_seed(0)  # torch's seed fixes a map given by name
+    assert torch.equal(lt.LinearAttention(4, 2, feature_map=name, dtype=torch.float64).feature_map_projection, W)
+    x = torch.randn(1, 5, 4, dtype=torch.float64)
+    y = layer(x)
+    torch.manual_seed(1)
+    fresh = lt.LinearAttention(4, 2, feature_map=name, method="quadratic", dtype=torch.float64)
+    assert not torch.equal(fresh.feature_map_projection, W)
+    fresh.load_state_dict(layer.state_dict())
+    assert torch.equal(fresh(x), y) and torch.equal(copy.deepcopy(layer)(x), y)
+    # a map instance keeps its own W; a layer whose buffer changes computes with a copy, the shared map unchanged
+    shared = fm.get(name, seed=5)
+    a, b = (lt.LinearAttention(4, 2, feature_map=shared, method="quadratic", dtype=torch.float64) for _ in range(2))
+    W0 = shared.W.copy()
+    np.testing.assert_array_equal(a.feature_map_projection.numpy(), W0)
+    with torch.no_grad():
+        b.feature_map_projection.mul_(0.5)
+    b(x)
+    np.testing.assert_array_equal(shared.W, W0)
+    np.testing.assert_array_equal(b.feature_map.W, 0.5 * W0)
+    # maps without a random projection: no buffer, no new state_dict key
+    plain = lt.LinearAttention(4, 2)
+    assert plain.feature_map_projection is None and "feature_map_projection" not in plain.state_dict()
+
+
+@pytest.mark.parametrize("flag", ["causal", "learn_feature_map", "bias", "check_finite"])
+@pytest.mark.parametrize("value", ["False", None, 1])
+def test_module_flags_must_be_bools(flag, value):
+    """causal="False" built a causal layer (bool("False")) and causal=None a non-causal one: now a TypeError."""
+    with pytest.raises(TypeError, match=f"{flag} must be True or False, got {value!r}"):
+        lt.LinearAttention(8, 2, **{flag: value})
+
+
+def test_module_state_of_a_dplr_rule_names_it():
+    """A kda layer's state given to a delta layer: the message names the state's rule, with no empty "()"."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 4, dtype=torch.float64)
+    _, st = lt.LinearAttention(4, 1, rule="kda", feature_map="l2", dtype=torch.float64)(x, return_state=True)
+    delta = lt.LinearAttention(4, 1, rule="delta", feature_map="l2", dtype=torch.float64)
+    with pytest.raises(ValueError, match="'kda' update rule") as err:
+        delta(x, initial_state=st)
+    assert "()" not in str(err.value) and "dplr_attention(rule='kda')" in str(err.value)
+
+
 def test_module_with_a_dplr_rule_makes_its_arguments_from_the_input(monkeypatch):
     """rule="kda": the layer's gate and beta projections feed dplr_attention; gradients reach every parameter."""
     torch.manual_seed(0)
