@@ -221,12 +221,20 @@ _ROLES = ("query", "key")
 
 
 def check_input(name: str, x) -> np.ndarray:
-    """The checks of :meth:`FeatureMap.__call__`, for :meth:`FeatureMap.apply` overrides."""
+    """The checks of :meth:`FeatureMap.__call__`, for :meth:`FeatureMap.apply` overrides.
+
+    ``x`` must be a floating-point array with at least 1 dimension and a last (feature) dimension
+    ``D >= 1``, as :func:`linattn_nb.linear_attention` requires; ``N = 0`` rows (or an empty batch)
+    are fine.
+    """
     x = np.asarray(x)
     if x.ndim < 1:
         raise ValueError(f"feature map {name!r}: input must have at least 1 dimension, got shape {x.shape}")
     if not np.issubdtype(x.dtype, np.floating):
         raise TypeError(f"feature map {name!r}: input must be floating point, got dtype {x.dtype}")
+    if x.shape[-1] < 1:
+        raise ValueError(f"feature map {name!r}: input feature dimensions must be at least 1, got D={x.shape[-1]} "
+                         f"(input shape {x.shape})")
     return x
 
 
@@ -294,6 +302,23 @@ def check_count(what: str, value, *, allow_none: bool = True):
         return None
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{what} must be an integer >= 1{' or None' if allow_none else ''}, got {value!r}")
+    return int(value)
+
+
+def check_index(what: str, value, *, minimum: int = 0) -> int:
+    """An integer (a Python or NumPy integer, not a bool) ``>= minimum``: a token position or a length.
+
+    Raises
+    ------
+    TypeError
+        If ``value`` is a bool, a float, a string or anything else that is not an integer.
+    ValueError
+        If ``value < minimum``.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what} must be an integer, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value}")
     return int(value)
 
 

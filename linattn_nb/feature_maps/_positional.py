@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._base import FeatureMap, check_count, check_input, check_role, vjp_inputs
+from ._base import FeatureMap, check_count, check_index, check_input, check_role, vjp_inputs
 
 
 class CosformerFeatureMap(FeatureMap):
@@ -17,6 +17,15 @@ class CosformerFeatureMap(FeatureMap):
     ----------
     max_length : int, optional
         ``M``; at least the length of the whole sequence.
+
+    Raises
+    ------
+    TypeError
+        From :meth:`apply` and :meth:`vjp`, if ``offset`` or ``total_length`` is not an integer (a
+        Python or NumPy integer; bools, floats and strings are refused).
+    ValueError
+        From :meth:`apply` and :meth:`vjp`, if ``offset`` or ``total_length`` is negative, or a
+        position is ``>= M``.
 
     Examples
     --------
@@ -41,9 +50,9 @@ class CosformerFeatureMap(FeatureMap):
         return 2 * int(d)
 
     def _length(self, offset: int, n: int, total_length) -> int:
-        offset = int(offset)
-        if offset < 0:
-            raise ValueError(f"cosformer: offset must be >= 0, got {offset}")
+        offset = check_index("cosformer: offset", offset)
+        if total_length is not None:
+            total_length = check_index("cosformer: total_length", total_length)
         big_m = self.max_length
         if big_m is None:
             if offset > 0:
@@ -52,7 +61,7 @@ class CosformerFeatureMap(FeatureMap):
                     "the same in every segment; build the map with "
                     "feature_maps.get('cosformer', max_length=...)"
                 )
-            big_m = int(total_length) if total_length is not None else n
+            big_m = total_length if total_length is not None else n
         if offset + n > big_m:
             raise ValueError(
                 f"cosformer: positions {offset}..{offset + n - 1} exceed max_length M={big_m}; "

@@ -36,7 +36,8 @@ class FitHistory(NamedTuple):
     step : ndarray of int
         ``0, 1, ..., steps_done``.
     train_loss, val_loss : ndarray
-        The training and validation loss after each step (``val_loss`` NaN without ``validation``).
+        The training and validation loss after each step (``val_loss`` NaN without ``validation``;
+        ``inf`` at a step where the validation features overflow, the fit going on).
     seconds : ndarray
         Wall time since the start of the fit.
     evaluations : int
@@ -320,7 +321,9 @@ def fit(feature_map, q, k, *, causal=False, scale=None, loss="cross_entropy", st
         Seeds the values drawn for ``loss="mse"`` when none are given (``seed + 1`` those of a validation
         set); None draws fresh ones.
     validation : tuple, optional
-        ``(q_val, k_val)`` (and ``v_val`` for ``loss="mse"``): held-out data, its loss recorded per step.
+        ``(q_val, k_val)`` (and ``v_val`` for ``loss="mse"``): held-out data, its loss recorded per step
+        (``inf`` at a step whose parameters make the validation features overflow, as the training loss
+        of such a point is; the fit goes on, the validation set never stops it).
     values : array_like, shape (..., N, M), optional
         Values for ``loss="mse"``.
     floor : float in [0, 1), optional
@@ -395,7 +398,10 @@ def fit(feature_map, q, k, *, causal=False, scale=None, loss="cross_entropy", st
 
     def record(x, fx):
         if val is not None:
-            vloss, _ = val(x, want_grad=False)
+            try:
+                vloss, _ = val(x, want_grad=False)
+            except (ValueError, FloatingPointError):  # the validation features overflow (FeatureOverflow)
+                vloss = float("inf")
             rec["val"].append(vloss)
         rec["t"].append(time.perf_counter() - t0)
         rec["x"] = np.array(x, copy=True)

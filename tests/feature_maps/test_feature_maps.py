@@ -95,6 +95,32 @@ def test_input_checks():
         fm.get("rff", orthogonal="yes")
 
 
+@pytest.mark.parametrize("name", ALL_MAPS + ("l2", "silu_l2"))
+def test_zero_feature_dimension_refused_by_every_map(name):
+    # D = 0 is refused, by the call, apply and vjp of every map, as linear_attention refuses it (not a
+    # ZeroDivisionError, a NumPy reduction error or a reshape error); N = 0 and B = 0 still work
+    phi = _build(name)
+    x0 = np.zeros((1, 3, 0))
+    match = "feature dimensions must be at least 1, got D=0"
+    with pytest.raises(ValueError, match=match):
+        phi(x0)
+    for role in ("query", "key"):
+        with pytest.raises(ValueError, match=match):
+            phi.apply(x0, role=role)
+        with pytest.raises(ValueError, match=match):
+            phi.vjp(x0, np.zeros((1, 3, 0)), role=role)
+        with pytest.raises(ValueError, match=match):
+            phi.apply_with_vjp(x0, role=role)
+    for shape in ((2, 0, 3), (0, 4, 3)):
+        phi = _build(name, d=3)
+        x = np.zeros(shape)
+        for role in ("query", "key"):
+            f = phi.apply(x, role=role)
+            assert f.shape == shape[:-1] + (phi.output_dim(3),)
+            dx, _ = phi.vjp(x, np.zeros(f.shape), role=role)
+            assert dx.shape == shape
+
+
 # ---------------------------------------------------------------------------
 # elementwise maps and DPFP
 # ---------------------------------------------------------------------------
@@ -437,6 +463,26 @@ def test_cosformer_position_errors(rng):
         fm.get("cosformer").apply(x, role="key", causal=False, total_length=4)
     with pytest.raises(ValueError, match="max_length"):
         fm.get("cosformer", max_length=0)
+    # offset and total_length: integers (NumPy's too), never a bool, a float or a string cast by int()
+    phi, g = fm.get("cosformer", max_length=8), np.ones((5, 4))
+    for bad in (1.7, True, np.bool_(True), "2", np.float64(1.0), None):
+        with pytest.raises(TypeError, match="offset must be an integer"):
+            phi.apply(x, role="key", offset=bad)
+        with pytest.raises(TypeError, match="offset must be an integer"):
+            phi.vjp(x, g, role="key", offset=bad)
+    for bad in (5.9, 7.0, True, "6"):
+        for m in (fm.get("cosformer"), phi):
+            with pytest.raises(TypeError, match="total_length must be an integer"):
+                m.apply(x, role="key", total_length=bad)
+            with pytest.raises(TypeError, match="total_length must be an integer"):
+                m.vjp(x, g, role="key", total_length=bad)
+    with pytest.raises(ValueError, match="offset must be >= 0"):
+        phi.apply(x, role="key", offset=-1)
+    with pytest.raises(ValueError, match="total_length must be >= 0"):
+        fm.get("cosformer").apply(x, role="key", total_length=-5)
+    np.testing.assert_array_equal(phi.apply(x, role="key", offset=np.int64(2)), phi.apply(x, role="key", offset=2))
+    np.testing.assert_array_equal(fm.get("cosformer").apply(x, role="key", total_length=np.int32(7)),
+                                  fm.get("cosformer").apply(x, role="key", total_length=7))
     # a carried state without max_length is refused by the dispatcher too
     v = rng.normal(size=(5, 1))
     _, st = linear_attention(x, x, v, feature_map="cosformer", causal=True, return_state=True)

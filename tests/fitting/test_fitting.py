@@ -450,3 +450,42 @@ def test_fit_with_seed_none_draws_validation_values_too():
     q = np.random.default_rng(0).normal(size=(8, 2))
     res = fit("hedgehog", q, q, steps=1, loss="mse", seed=None, validation=(q, q), progress=False)
     assert np.isfinite(res.history.val_loss).all()
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "lbfgs"])
+def test_validation_overflow_is_recorded_as_inf_and_the_fit_goes_on(optimizer):
+    """A step whose parameters made the validation features overflow (FeatureOverflow) raised out of fit
+    and lost the whole fit; the validation loss of that step is now inf, and the fit is the one without
+    validation data."""
+    from linattn_nb.feature_maps import fit
+
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(1, 32, 4)).astype(np.float32) * 20
+    k = rng.normal(size=(1, 32, 4)).astype(np.float32) * 20
+    kv = k.copy()
+    kv[0, 0] = [85, 0, 0, 0]  # e^85 < float32's max e^88.7: finite at W = I, overflows as W[0, 0] grows
+    kw = dict(steps=20, optimizer=optimizer, learning_rate=0.05, scale=0.05, progress=False)
+    res = fit("hedgehog", q, k, validation=(q, kv), **kw)
+    ref = fit("hedgehog", q, k, **kw)
+    val = res.history.val_loss
+    assert len(val) == len(res.history.step) == len(ref.history.step)
+    assert np.isfinite(val[0]) and np.isposinf(val).any() and np.isfinite(val[-1])
+    assert not np.isnan(val).any()
+    np.testing.assert_array_equal(res.history.train_loss, ref.history.train_loss)
+    np.testing.assert_array_equal(res.feature_map.W, ref.feature_map.W)
+
+
+def test_declared_scipy_floor_has_the_callback_fit_uses():
+    """fit's L-BFGS callback takes ``callback(intermediate_result)``, which SciPy passes an OptimizeResult
+    only from 1.11 (1.10 passes the parameter array: AttributeError 'fun'); pyproject.toml allowed 1.10."""
+    import re
+    from pathlib import Path
+
+    import scipy
+
+    text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    floors = re.findall(r'"scipy>=(\d+)\.(\d+)', text)
+    assert floors, "no scipy>= requirement in pyproject.toml"
+    assert all((int(a), int(b)) >= (1, 11) for a, b in floors), floors
+    installed = tuple(int(p) for p in re.findall(r"\d+", scipy.__version__)[:2])
+    assert installed >= (1, 11)
