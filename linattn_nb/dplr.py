@@ -22,7 +22,7 @@ from .rules import BUILTIN_DPLR_RULES, get_dplr_rule
 from ._blas import parallel_entry
 from ._workarrays import thread_array
 from ._defaults import DEFAULT_EPS
-from ._validate import check_eps, check_out
+from ._validate import check_bool, check_eps, check_out
 
 __all__ = ["dplr_attention", "dplr_attention_vjp", "DPLRVJP", "DPLR_METHODS"]
 
@@ -53,7 +53,8 @@ def _general_check(inputs, lead, N, F, r, fast=False):
         x = D.real(name, x, copy=not fast)
         if x.shape == lead + (N, F) and not r:
             x = x.reshape(B, N, 1, F)
-        elif x.ndim == len(lead) + 3 and x.shape[:-2] == lead + (N,) and x.shape[-1] == F and (not r or x.shape[-2] == r):
+        elif (x.ndim == len(lead) + 3 and x.shape[:-2] == lead + (N,) and x.shape[-1] == F
+              and (not r or x.shape[-2] == r)):
             if not x.shape[-2]:  # no rank-one term: the scan would drop every write, the chunked form divide by 0
                 raise ValueError(f"{name}'s factor axis (r, the second to last) must be >= 1, got shape {x.shape}")
             x = x.reshape(B, N, x.shape[-2], F)
@@ -113,22 +114,23 @@ def _general_build(fk, v, inp):
 
 
 def _norm(normalize, eps):
+    """``(norm code, eps)``; ``eps`` checked as linear_attention checks it (:func:`~linattn_nb._validate.check_eps`,
+    with normalize off too): TypeError for a non-number (a bool too), ValueError for a negative or non-finite one."""
     if not isinstance(normalize, (bool, np.bool_)):
         raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
+    eps = check_eps(eps)
     if not normalize:
         return NORM_NONE, 0.0
-    if eps is DEFAULT_EPS:
-        eps = check_eps(eps)
     if eps is None:
         return NORM_RAW, 0.0
-    eps = float(eps)
-    if not np.isfinite(eps) or eps < 0:
-        raise ValueError(f"eps must be a finite number >= 0 or None, got {eps!r}")
     return NORM_FLOOR, eps
 
 
 def _initial(initial_state, name, lead, F, M):
-    """(H0 (B, F, M + 1) float64, position) from ``initial_state`` (a LinearState of this rule, or None)."""
+    """(H0 (B, F, M + 1) float64, position) from ``initial_state`` (a LinearState of this rule, or None); the
+    position checked as linear_attention checks it (:func:`~linattn_nb._frontend.check_position`)."""
+    from ._frontend import check_position
+
     B = int(np.prod(lead, dtype=np.int64))
     if initial_state is None:
         return np.zeros((B, F, M + 1)), 0
@@ -140,6 +142,7 @@ def _initial(initial_state, name, lead, F, M):
     rule = getattr(initial_state, "rule", name)
     if rule != name:
         raise ValueError(f"initial_state was made by rule {rule!r}; this call runs {name!r}")
+    position = check_position(getattr(initial_state, "position", 0))
     S = D.shaped("initial_state.S", S, lead + (F, M), "(..., D_phi, M)")
     z = D.shaped("initial_state.z", z, lead + (F,), "(..., D_phi)")
     if not (np.isfinite(S).all() and np.isfinite(z).all()):
@@ -147,7 +150,7 @@ def _initial(initial_state, name, lead, F, M):
     H = np.empty((B, F, M + 1))
     H[:, :, :M] = S.reshape(B, F, M)
     H[:, :, M] = z.reshape(B, F)
-    return H, int(getattr(initial_state, "position", 0))
+    return H, position
 
 
 class _Request(NamedTuple):
@@ -360,7 +363,8 @@ def _rule_checked(spec, inputs, lead, N, F, r) -> dict:
 def _rule_pullback(spec, R, g):
     """A named rule's :meth:`pullback` of the request ``R``; for a researcher's rule its result checked:
     ValueError naming the rule and what is wrong (not a ``(dfk, dv, dinputs)`` triple, a shape other than
-    ``fk``'s or ``v``'s, an unknown argument, or no gradient for an argument the call passed)."""
+    ``fk``'s or ``v``'s, an unknown argument, no gradient for an argument the call passed, or one whose size
+    is not that argument's)."""
     out = spec.pullback(R.fk, R.v64, R.checked, g)
     if not _user_rule(spec):
         return out
@@ -383,6 +387,12 @@ def _rule_pullback(spec, R, g):
         want = "decay" if key in ("decay", "log_decay") else key  # not a rule: the arguments decay, log_decay
         if given is not None and key in spec.arguments and want not in dinp:
             raise ValueError(f"{where}: dinputs has no gradient for {want!r}, which the call passed")
+        if given is not None and want in dinp and np.size(dinp[want]) != np.size(given):
+            ref = R.checked.get(want)
+            shape = np.shape(ref) if ref is not None and np.size(ref) == np.size(given) else np.shape(given)
+            raise ValueError(f"{where}: dinputs[{want!r}] has shape {np.shape(dinp[want])}, expected {shape} "
+                             f"(that of {want!r} as check returns it; the call passed {key} of shape "
+                             f"{np.shape(given)})")
     return out
 
 
@@ -478,13 +488,16 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
         Divide by ``phi(q_t)^T z_t`` (floored at ``eps`` unless None).  Off by default: a transition
         with a low-rank part moves ``z`` through the same factors, and it need not stay positive.
     eps : float or None
+        The floor of the normaliser (a finite number >= 0; None: raw division), checked as
+        :func:`linattn_nb.linear_attention` checks it, with ``normalize=False`` too.
     check_finite : bool, default True
         Refuse NaN/inf in q, k, v; raise :class:`~linattn_nb.ops._finite.NonFiniteResult` when the
         outputs or the state overflow.
     out : ndarray, shape (..., N, M), optional
         Written in place (its dtype must be the outputs').
     initial_state : LinearState, optional
-        The state a previous call of the same rule returned.
+        The state a previous call of the same rule returned (its ``position`` a non-negative integer, at
+        most ``2**63 - 1``).
     return_state : bool, default False
         Also return the final state (a :class:`~linattn_nb.LinearState` whose ``rule`` is the rule's
         name, ``"dplr"`` for the general form).
@@ -502,10 +515,14 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
     Raises
     ------
     TypeError
-        Non-floating inputs, a missing or unknown argument.
+        Non-floating inputs, a missing or unknown argument; ``return_state`` or ``check_finite`` not a
+        bool, ``eps`` not a number or None (a bool too), ``initial_state.position`` not an integer (a bool,
+        a string), as :func:`linattn_nb.linear_attention`.
     ValueError
         Shapes that do not match (the message names the argument and the shape it expects), values
-        out of range (``log_diag``/``log_decay`` > 0, ``decay`` outside [0, 1]), an unknown method.
+        out of range (``log_diag``/``log_decay`` > 0, ``decay`` outside [0, 1]), an unknown method; a
+        negative or non-finite ``eps``; an ``initial_state.position`` below 0, above ``2**63 - 1`` or
+        not integral (2.7).
     NonFiniteResult
         The outputs or the state hold NaN or inf although the inputs are finite: a transition with
         ``||D_t + b_t a_t^T|| > 1`` grew the (float64) state, or an output its dtype's range
@@ -526,6 +543,7 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
     >>> bool(np.allclose(o, ref, atol=1e-12))
     True
     """
+    check_finite, return_state = check_bool("check_finite", check_finite), check_bool("return_state", return_state)
     dev, q_dev, (q, k, v, a, b, log_diag, beta), rule_arguments = _route(
         device, (q, k, v, a, b, log_diag, beta), ("q", "k", "v", "a", "b", "log_diag", "beta"), rule_arguments, out)
     fast = dev != "cuda" and method in ("auto", "chunked")
@@ -679,7 +697,9 @@ def _general_pullback(R: _Request, g):
     return dfk, (g["vw"] if R.sub else g["vw"][:, :, 0]), out
 
 
-def _state_grad(grad_state, lead, F, M):
+def _state_grad(grad_state, lead, F, M, check_finite):
+    """``dL/d`` of the final state as (B, F, M + 1) float64 (zeros for None); with ``check_finite`` its ``S`` and
+    ``z`` refused when they hold NaN or inf, as linear_attention_vjp refuses them."""
     B = int(np.prod(lead, dtype=np.int64))
     dH = np.zeros((B, F, M + 1))
     if grad_state is None:
@@ -688,9 +708,15 @@ def _state_grad(grad_state, lead, F, M):
     z = getattr(grad_state, "z", None)
     if S is None:
         raise TypeError(f"grad_state must be a LinearState (S, z), got {type(grad_state).__name__}")
-    dH[:, :, :M] = D.shaped("grad_state.S", S, lead + (F, M), "(..., D_phi, M)").reshape(B, F, M)
+    S = D.shaped("grad_state.S", S, lead + (F, M), "(..., D_phi, M)")
+    if check_finite:
+        check_finite_values("grad_state.S", S)
+    dH[:, :, :M] = S.reshape(B, F, M)
     if z is not None:
-        dH[:, :, M] = D.shaped("grad_state.z", z, lead + (F,), "(..., D_phi)").reshape(B, F)
+        z = D.shaped("grad_state.z", z, lead + (F,), "(..., D_phi)")
+        if check_finite:
+            check_finite_values("grad_state.z", z)
+        dH[:, :, M] = z.reshape(B, F)
     return dH
 
 
@@ -710,6 +736,15 @@ def dplr_attention_vjp(q, k, v, grad_out, *, rule=None, a=None, b=None, log_diag
     Returns
     -------
     DPLRVJP
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`dplr_attention` for its arguments; a ``grad_out`` or ``grad_state`` of the wrong shape.
+        With ``check_finite``, a ``grad_out``, ``grad_state.S`` or ``grad_state.z`` holding NaN or inf
+        (ValueError naming it, as :func:`linattn_nb.linear_attention_vjp`).  A rule of one's own without a
+        ``pullback``, or one whose result is not what it must be (the rule named, the field and the shape
+        expected).
 
     Notes
     -----
@@ -731,6 +766,7 @@ def dplr_attention_vjp(q, k, v, grad_out, *, rule=None, a=None, b=None, log_diag
     >>> g.dq.shape, sorted(g.d_inputs)
     ((8, 4), ['beta', 'decay'])
     """
+    check_finite = check_bool("check_finite", check_finite)
     if rule is not None:
         check_pullback(get_dplr_rule(rule))
     R = _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize, eps, check_finite,
@@ -740,7 +776,7 @@ def dplr_attention_vjp(q, k, v, grad_out, *, rule=None, a=None, b=None, log_diag
     dout = D.shaped("grad_out", grad_out, lead + (N, M), "(..., N, M)").reshape(B, N, M)
     if check_finite and not np.isfinite(dout).all():
         raise ValueError("grad_out contains non-finite values (NaN or inf)")
-    dH = _state_grad(grad_state, lead, F, M)
+    dH = _state_grad(grad_state, lead, F, M, check_finite)
     ld, A, Bv, KW, VW = R.form
     fq = np.ascontiguousarray(R.fq)
     if method == "chunked" or (method == "auto" and N * A.shape[2] >= config.DPLR_AUTO_CHUNKED_MIN

@@ -122,13 +122,20 @@ RESERVED_ARGUMENTS = frozenset({"q", "k", "v", "rule", "a", "b", "log_diag", "fe
                                 "grad_state", "feature_map_params"})
 
 
+#: The fields of a :class:`DPLRRule` that may be None: the paper's step and the random draw (for tests),
+#: ``pullback`` (gradients only) and ``keyed``; ``check`` and ``build`` run at every call.
+_OPTIONAL_DPLR_FIELDS = frozenset({"step", "sample", "pullback", "keyed"})
+
+
 def register_dplr(rule: DPLRRule, *, overwrite: bool = False) -> DPLRRule:
     """Add a named DPLR rule to :data:`DPLR_RULES` (a researcher's own rule too: see ``docs/dplr.md``).
 
-    Raises TypeError for anything but a :class:`DPLRRule`, a name that is not a string or ``arguments``
-    that are not a tuple of strings; ValueError for an empty name, an argument name that
-    ``dplr_attention`` takes itself (:data:`RESERVED_ARGUMENTS`), and a name that is taken: by a DPLR rule
-    unless ``overwrite``, by a rule of the other registry (or ``"dplr"``, the general form) always.
+    Raises TypeError for anything but a :class:`DPLRRule`, a name that is not a string, ``arguments``
+    that are not a tuple of strings, a ``check`` or ``build`` that is not callable, or a ``step``,
+    ``sample``, ``pullback`` or ``keyed`` that is neither callable nor None (naming the rule and the
+    field); ValueError for an empty name, an argument name that ``dplr_attention`` takes itself
+    (:data:`RESERVED_ARGUMENTS`), and a name that is taken: by a DPLR rule unless ``overwrite``, by a
+    rule of the other registry (or ``"dplr"``, the general form) always.
     """
     if not isinstance(rule, DPLRRule):
         raise TypeError(f"rule must be a DPLRRule, got {type(rule).__name__}")
@@ -141,6 +148,11 @@ def register_dplr(rule: DPLRRule, *, overwrite: bool = False) -> DPLRRule:
     if not isinstance(args, tuple) or not all(isinstance(a, str) and a for a in args):
         raise TypeError(f"rule {name!r}: arguments must be a tuple of non-empty strings (the keyword names it "
                         f"takes), got {args!r}")
+    for field in ("check", "build", "step", "sample", "pullback", "keyed"):
+        fn = getattr(rule, field)
+        if not callable(fn) and not (fn is None and field in _OPTIONAL_DPLR_FIELDS):
+            may = " or None" if field in _OPTIONAL_DPLR_FIELDS else ""
+            raise TypeError(f"rule {name!r}: {field} must be a callable{may}, got {type(fn).__name__}")
     clash = sorted(set(args) & RESERVED_ARGUMENTS)
     if clash:
         raise ValueError(f"rule {name!r}: argument(s) {clash} are keywords of dplr_attention itself; name them "

@@ -454,6 +454,69 @@ def test_bad_arrays_name_the_argument(rng):
         la.dplr_attention(q, k, v, out=np.empty((B, N + 1, M)), **ab)
 
 
+def _kda_args(rng):
+    return {"rule": "kda", "decay": rng.uniform(0.5, 1, (B, N, D)), "beta": rng.uniform(0, 1, (B, N)),
+            "feature_map": "l2"}
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    ({"return_state": "no"}, TypeError, "return_state must be True or False, got 'no'"),
+    ({"return_state": 1}, TypeError, "return_state must be True or False, got 1"),
+    ({"check_finite": "no"}, TypeError, "check_finite must be True or False, got 'no'"),
+    ({"normalize": True, "eps": "x"}, TypeError, "eps must be a non-negative float or None, got str"),
+    ({"normalize": True, "eps": True}, TypeError, "eps must be a non-negative float or None, got bool"),
+    ({"normalize": False, "eps": "x"}, TypeError, "eps must be a non-negative float or None, got str"),
+    ({"normalize": True, "eps": -1.0}, ValueError, "eps must be a finite non-negative float or None"),
+])
+def test_flags_and_eps_are_checked_as_linear_attention_checks_them(rng, kwargs, exc, match):
+    """return_state and check_finite were truth-tested (return_state="no" returned a tuple) and eps read by
+    float() (eps="x" a bare ValueError, eps=True a floor of 1): now linear_attention's checks and messages."""
+    q, k, v = _qkv(rng)
+    with pytest.raises(exc, match=match):
+        la.linear_attention(q, k, v, causal=True, **kwargs)
+    with pytest.raises(exc, match=match):
+        la.dplr_attention(q, k, v, **_kda_args(rng), **kwargs)
+    if "return_state" not in kwargs:
+        with pytest.raises(exc, match=match):
+            la.dplr_attention_vjp(q, k, v, np.ones((B, N, M)), **_kda_args(rng), **kwargs)
+
+
+@pytest.mark.parametrize("position,exc,match", [
+    (-5, ValueError, "initial_state.position must be >= 0, got -5"),
+    (2.7, ValueError, "initial_state.position must be a non-negative integer, got 2.7"),
+    (True, TypeError, "initial_state.position must be a non-negative integer, got True"),
+    ("3", TypeError, "initial_state.position must be a non-negative integer"),
+    (1 << 63, ValueError, "initial_state.position must be at most 2"),
+])
+def test_initial_state_position_is_checked_as_linear_attention_checks_it(rng, position, exc, match):
+    """initial_state.position was read by int(): -5 accepted (the state returned at position 4), 2.7 cut to 2."""
+    q, k, v = _qkv(rng)
+    args = _kda_args(rng)
+    _, st = la.dplr_attention(q, k, v, return_state=True, **args)
+    bad = la.LinearState(S=st.S, z=st.z, position=position, rule="kda")
+    with pytest.raises(exc, match=match):
+        la.dplr_attention(q, k, v, initial_state=bad, **args)
+    with pytest.raises(exc, match=match):
+        la.dplr_attention_vjp(q, k, v, np.ones((B, N, M)), initial_state=bad, **args)
+    ok = la.LinearState(S=st.S, z=st.z, position=np.int64(N), rule="kda")
+    assert la.dplr_attention(q, k, v, initial_state=ok, return_state=True, **args)[1].position == 2 * N
+
+
+@pytest.mark.parametrize("field", ["S", "z"])
+def test_a_non_finite_grad_state_is_refused(rng, field):
+    """dplr_attention_vjp checked grad_state's shape only: a NaN in it gave NaN gradients; now the ValueError
+    naming grad_state.S or .z that linear_attention_vjp raises, and check_finite=False lets it through."""
+    q, k, v = _qkv(rng)
+    args = _kda_args(rng)
+    _, st = la.dplr_attention(q, k, v, return_state=True, **args)
+    bad = st._replace(**{field: np.full_like(getattr(st, field), np.nan)})
+    g = np.ones((B, N, M))
+    with pytest.raises(ValueError, match=rf"grad_state.{field} contains \d+ non-finite value\(s\)"):
+        la.dplr_attention_vjp(q, k, v, g, grad_state=bad, **args)
+    res = la.dplr_attention_vjp(q, k, v, g, grad_state=bad, check_finite=False, **args)
+    assert not np.isfinite(res.d_inputs["decay"]).all()
+
+
 def test_registry():
     assert rules.dplr_rule_names() == ("kda", "rwkv7", "delta_product", "gated_delta_product")
     assert rules.get_dplr_rule("kda") is rules.DPLR_RULES["kda"]

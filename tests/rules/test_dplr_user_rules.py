@@ -147,6 +147,8 @@ def _pullback(fk, v, inp, g):
     (lambda out: (out[0], out[1], []), r"dinputs must be a dict by argument name, got list"),
     (lambda out: (out[0], out[1], {"gamma": out[2]["beta"]}), r"dinputs names \['gamma'\]"),
     (lambda out: (out[0], out[1], {}), r"dinputs has no gradient for 'beta', which the call passed"),
+    (lambda out: (out[0], out[1], {"beta": out[2]["beta"][:, :3]}),
+     r"dinputs\['beta'\] has shape \(2, 3, 8\), expected \(2, 16, 8\)"),
 ])
 def test_a_pullback_that_returns_the_wrong_thing_is_named(register, bad, match):
     """A researcher's pullback is checked as their check and build are: what is wrong, naming the rule (it
@@ -188,6 +190,29 @@ def test_registration_refuses_bad_names_and_arguments_and_the_linear_rules_names
     import inspect
     taken = {p for f in (dplr.dplr_attention, dplr.dplr_attention_vjp) for p in inspect.signature(f).parameters}
     assert taken - {"beta", "rule_arguments"} <= rules.RESERVED_ARGUMENTS
+
+
+@pytest.mark.parametrize("field", ["check", "build", "step", "sample", "pullback", "keyed"])
+def test_registration_refuses_fields_that_are_not_callables(field):
+    """A rule with build=None (or check=None) registered, and its first call failed with "'NoneType' object is
+    not callable": now a TypeError at registration naming the rule and the field.  step, sample, pullback and
+    keyed may be None (docs/dplr.md); check and build run at every call."""
+    import dataclasses
+
+    base = D.DPLRRule(name="user_fields", arguments=("beta",), substeps=False, formula="", check=_check,
+                      build=_good, step=lambda H, k, v1, inp: H, sample=None, pullback=None)
+    with pytest.raises(TypeError, match=rf"rule 'user_fields': {field} must be a callable.*, got int"):
+        rules.register_dplr(dataclasses.replace(base, **{field: 3}))
+    optional = field in ("step", "sample", "pullback", "keyed")
+    try:
+        if optional:
+            rules.register_dplr(dataclasses.replace(base, **{field: None}))
+        else:
+            with pytest.raises(TypeError, match=rf"rule 'user_fields': {field} must be a callable, got NoneType"):
+                rules.register_dplr(dataclasses.replace(base, **{field: None}))
+        assert ("user_fields" in rules.DPLR_RULES) == optional
+    finally:
+        rules.DPLR_RULES.pop("user_fields", None)
 
 
 def test_a_saved_state_of_ones_own_rule_loads(register, tmp_path):
