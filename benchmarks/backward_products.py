@@ -39,77 +39,51 @@ from numba import njit  # noqa: E402
 from linattn_nb._blas import single_threaded_blas  # noqa: E402
 from linattn_nb.ops._gemm import gemm  # noqa: E402
 
-# (name, pass, flops as a function of C, F, M1)
-PRODUCTS = (
-    ("fwd A = Q K^T", "forward", lambda C, F, M1: C * C * F),
-    ("fwd [Q | A] [H ; V 1]", "forward", lambda C, F, M1: C * M1 * (F + C)),
-    ("fwd K^T [V 1]", "forward", lambda C, F, M1: F * M1 * C),
-    ("T = G S^T", "backward", lambda C, F, M1: C * F * (M1 - 1)),
-    ("A = Q K^T", "backward", lambda C, F, M1: C * C * F),
-    ("P0 = G V^T", "backward", lambda C, F, M1: C * C * (M1 - 1)),
-    ("dq += dA K", "backward", lambda C, F, M1: C * F * C),
-    ("dk = dA^T Q", "backward", lambda C, F, M1: C * F * C),
-    ("dv = A^T g1", "backward", lambda C, F, M1: C * M1 * C),
-    ("K^T [V 1]", "backward", lambda C, F, M1: F * M1 * C),
-    ("dk += [V 1] R^T", "backward", lambda C, F, M1: C * F * M1),
-    ("dv += K R", "backward", lambda C, F, M1: C * M1 * F),
-    ("R += Q^T g1", "backward", lambda C, F, M1: F * M1 * C),
-)
-
-
 @njit
-def _run(which, reps, Q, K, V1, G1, Ht, Hw, X, R, P, A, outF, outC, outM, part):
-    C, F = Q.shape
-    M1 = V1.shape[1]
-    M = M1 - 1
-    LX = F + C
+def _run(reps, ta, tb, m, n, k, A, lda, B, ldb, beta, out, ldc):
+    """``reps`` calls of ``out = op(A) op(B) + beta out`` through the kernels' ``gemm``."""
     for _ in range(reps):
-        if which == 0:
-            gemm(0, 1, C, C, F, 1.0, Q, 0, F, K, 0, F, 0.0, X, F, LX)
-        elif which == 1:
-            gemm(0, 0, C, M1, F + C, 1.0, X, 0, LX, R, 0, M1, 0.0, outM, 0, M1)
-        elif which == 2 or which == 9:
-            gemm(1, 0, F, M1, C, 1.0, K, 0, F, V1, 0, M1, 0.0, part, 0, M1)
-        elif which == 3:
-            gemm(0, 0, C, F, M, 1.0, G1, 0, M1, Ht, 0, F, 0.0, outF, 0, F)
-        elif which == 4:
-            gemm(0, 1, C, C, F, 1.0, Q, 0, F, K, 0, F, 0.0, outC, 0, C)
-        elif which == 5:
-            gemm(0, 1, C, C, M, 1.0, G1, 0, M1, V1, 0, M1, 0.0, outC, 0, C)
-        elif which == 6:
-            gemm(0, 0, C, F, C, 1.0, P, 0, C, K, 0, F, 1.0, outF, 0, F)
-        elif which == 7:
-            gemm(1, 0, C, F, C, 1.0, P, 0, C, Q, 0, F, 0.0, outF, 0, F)
-        elif which == 8:
-            gemm(1, 0, C, M1, C, 1.0, A, 0, C, G1, 0, M1, 0.0, outM, 0, M1)
-        elif which == 10:
-            gemm(0, 0, C, F, M1, 1.0, V1, 0, M1, Ht, 0, F, 1.0, outF, 0, F)
-        elif which == 11:
-            gemm(0, 0, C, M1, F, 1.0, K, 0, F, Hw, 0, M1, 1.0, outM, 0, M1)
-        else:
-            gemm(1, 0, F, M1, C, 1.0, Q, 0, F, G1, 0, M1, 0.0, part, 0, M1)
+        gemm(ta, tb, m, n, k, 1.0, A, 0, lda, B, 0, ldb, beta, out, 0, ldc)
 
 
-def measure(C, D, rounds, reps=2000):
-    """Rows of the table: each product's median time (s) and GFLOP/s, float32, C tokens, D = M."""
-    F, M1 = D, D + 1
-    rng = np.random.default_rng(0)
+def products(C, F, M1, rng):
+    """``(name, pass, flops, gemm arguments)`` of each product of one chunk, float32 operands."""
+    M = M1 - 1
 
     def mat(*shape):
         return rng.random(shape).astype(np.float32)
 
-    arrays = (mat(C, F), mat(C, F), mat(C, M1), mat(C, M1), mat(M1, F), mat(F, M1), mat(C, F + C),
-              mat(F + C, M1), mat(C, C), mat(C, C), np.zeros((C, F), np.float32), np.zeros((C, C), np.float32),
-              np.zeros((C, M1), np.float32), np.zeros((F, M1), np.float32))
-    for i in range(len(PRODUCTS)):
-        _run(i, 2, *arrays)  # compile and warm
-    cases = {name: (lambda i=i: _run(i, reps, *arrays)) for i, (name, _, _) in enumerate(PRODUCTS)}
+    Q, K, V1, G1 = mat(C, F), mat(C, F), mat(C, M1), mat(C, M1)
+    Ht, Hw, X, R, P, A = mat(M1, F), mat(F, M1), mat(C, F + C), mat(F + C, M1), mat(C, C), mat(C, C)
+    outF, outC, outM, part = (np.zeros(s, np.float32) for s in ((C, F), (C, C), (C, M1), (F, M1)))
+    # gemm arguments: (ta, tb, m, n, k, A, lda, B, ldb, beta, out, ldc), row-major as the kernels call it
+    return (
+        ("fwd A = Q K^T", "forward", C * C * F, (0, 1, C, C, F, Q, F, K, F, 0.0, outC, C)),
+        ("fwd [Q | A] [H ; V 1]", "forward", C * M1 * (F + C), (0, 0, C, M1, F + C, X, F + C, R, M1, 0.0, outM, M1)),
+        ("fwd K^T [V 1]", "forward", F * M1 * C, (1, 0, F, M1, C, K, F, V1, M1, 0.0, part, M1)),
+        ("T = G S^T", "backward", C * F * M, (0, 0, C, F, M, G1, M1, Ht, F, 0.0, outF, F)),
+        ("A = Q K^T", "backward", C * C * F, (0, 1, C, C, F, Q, F, K, F, 0.0, outC, C)),
+        ("P0 = G V^T", "backward", C * C * M, (0, 1, C, C, M, G1, M1, V1, M1, 0.0, outC, C)),
+        ("dq += dA K", "backward", C * F * C, (0, 0, C, F, C, P, C, K, F, 1.0, outF, F)),
+        ("dk = dA^T Q", "backward", C * F * C, (1, 0, C, F, C, P, C, Q, F, 0.0, outF, F)),
+        ("dv = A^T g1", "backward", C * M1 * C, (1, 0, C, M1, C, A, C, G1, M1, 0.0, outM, M1)),
+        ("K^T [V 1]", "backward", F * M1 * C, (1, 0, F, M1, C, K, F, V1, M1, 0.0, part, M1)),
+        ("dk += [V 1] R^T", "backward", C * F * M1, (0, 0, C, F, M1, V1, M1, Ht, F, 1.0, outF, F)),
+        ("dv += K R", "backward", C * M1 * F, (0, 0, C, M1, F, K, F, Hw, M1, 1.0, outM, M1)),
+        ("R += Q^T g1", "backward", F * M1 * C, (1, 0, F, M1, C, Q, F, G1, M1, 0.0, part, M1)),
+    )
+
+
+def measure(C, D, rounds, reps=2000):
+    """Rows of the table: each product's median time (s) and GFLOP/s, float32, C tokens, D = M."""
+    table_ = products(C, D, D + 1, np.random.default_rng(0))
+    cases = {name: (lambda a=args: _run(reps, *a)) for name, _, _, args in table_}
     with single_threaded_blas(True):
-        med, _ = interleaved_medians(cases, rounds)
+        med, _ = interleaved_medians(cases, rounds)  # calls each case twice first: compiled and warm
     rows = []
-    for name, which, flops in PRODUCTS:
+    for name, which, flops, _ in table_:
         t = med[name] / reps
-        rows.append({"product": name, "pass": which, "us": t * 1e6, "gflops": 2.0 * flops(C, F, M1) / t / 1e9})
+        rows.append({"product": name, "pass": which, "us": t * 1e6, "gflops": 2.0 * flops / t / 1e9})
     return rows
 
 
