@@ -158,17 +158,17 @@ def device_rule_inputs(decay, log_decay, beta, batch_shape, n: int, f: int):
         if np.dtype(x.dtype).kind != "f" or any(s < 0 for s in strides):
             return None
         if len(shape) in (0, nb):  # per sequence
-            lead, lead_s, w = shape, strides, 1
+            lead, lead_s, per_feature = shape, strides, False
             tail, tail_s = (n, 1), (0, 0)
         elif len(shape) == nb + 1 and shape[-1] == n:  # per token
-            lead, lead_s, w = shape[:-1], strides[:-1], 1
+            lead, lead_s, per_feature = shape[:-1], strides[:-1], False
             tail, tail_s = (n, 1), (strides[-1], 0)
         elif features_ok and len(shape) == nb + 2 and shape[-2:] == (n, f):  # per token and feature
-            lead, lead_s, w = shape[:-2], strides[:-2], f
+            lead, lead_s, per_feature = shape[:-2], strides[:-2], True
             tail, tail_s = (n, f), strides[-2:]
         else:
             return None
-        kshape = (b, n) if w == 1 else (b, n, f)
+        kshape = (b, n, f) if per_feature else (b, n)  # a gate of one feature (f = 1) too: the host's rule
         if (name != "decay" and np.dtype(x.dtype) in _IN_PLACE_DTYPES and x.is_c_contiguous() and len(shape) > nb  # not a rule
                 and shape == bs + kshape[1:]):
             return kshape, (name, x.reshape(kshape), True)

@@ -335,6 +335,25 @@ def test_rule_inputs_checked_and_device_inputs_read_in_place():
                 run(method, q, k, v, S0, z0, rule=rule, inputs=inputs)
 
 
+
+def test_gate_of_one_feature_on_device_arrays_is_the_gate_rule():
+    """A per-feature log-gate of shape (B, N, 1) (one feature: D = 1, ELU+1) held on the device is the gate
+    rule, as the same NumPy array is: the state records "gate" and continues on the host, with the host's
+    results (it was taken for the decay rule, whose state the host call then refused)."""
+    rng = np.random.default_rng(11)
+    q, k = rng.normal(size=(2, 1, 5, 1))
+    v = rng.normal(size=(1, 5, 2))
+    g = -rng.uniform(0.1, 0.5, size=(1, 5, 1))
+    d = cuda.to_device
+    o, st = la.linear_attention(d(q), d(k), d(v), causal=True, log_decay=d(g), device="cuda", return_state=True)
+    r, rst = la.linear_attention(q, k, v, causal=True, log_decay=g, device="cpu", method="quadratic",
+                                 return_state=True)
+    assert st.rule == rst.rule == "gate"
+    assert_close(o.copy_to_host() if hasattr(o, "copy_to_host") else o, r, np.float64)
+    o2 = la.linear_attention(q, k, v, causal=True, log_decay=g, device="cpu", initial_state=st)
+    r2 = la.linear_attention(q, k, v, causal=True, log_decay=g, device="cpu", initial_state=rst)
+    assert_close(o2, r2, np.float64)
+
 # the decay rule's default kernel (the owner layout) in float32, the gate rule's in float64, and the
 # gate rule's tile kernel (the decay rule's tile code: the gated delta rule's, test_delta_cuda.py)
 _PTX_SCRIPT = seq_kernel_ptx_script((("float32", RULE_DECAY, "default"), ("float64", RULE_GATE, "default"),
