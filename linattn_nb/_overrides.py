@@ -6,6 +6,7 @@ point keys they set: docs/frontend.md, "Problem-size options of the studies".
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -190,8 +191,12 @@ def check_study_values(study, options: dict, ctx, *, section: str = "") -> None:
     """Refuse what ``study``'s own ``points`` refuses among the checked ``options`` (:func:`check_options`).
 
     Each option that is a keyword of ``study.points`` is passed to it as ``run_report(options=...)``
-    passes it, one value at a time (``maps`` as its whole list), so that the command line refuses what
-    the study refuses through the library (such as the rank study's N >= 2).
+    passes it, one value at a time (``maps`` as its whole list, and given with each other value), so that
+    the command line refuses what the study refuses through the library (such as the rank study's
+    N >= 2); then, with two or more besides ``maps``, all together (``maps`` and ``n`` as whole lists, the
+    others one value at a time), so that options that fit alone but make a point too large together
+    (``dim`` with ``n``: the studies' own size checks against ``config.QUADRATIC_MAX_ELEMENTS``) are
+    refused before anything runs.
 
     Parameters
     ----------
@@ -213,16 +218,34 @@ def check_study_values(study, options: dict, ctx, *, section: str = "") -> None:
 
     params = inspect.signature(study.points).parameters
     accepted = [name for name, p in params.items() if p.kind == p.KEYWORD_ONLY]
-    for key, value in options.items():
-        if key not in accepted or value is None:
-            continue
+    given = {key: value for key, value in options.items() if key in accepted and value is not None}
+    # the maps to run first (alone), then each other value with them: a dim that fits the maps
+    # chosen is not refused for a default map left out (the size checks of the recall and rank studies)
+    chosen = {key: value for key, value in given.items() if key in WHOLE_LIST_OPTIONS}
+    for key in list(chosen) + [key for key in given if key not in chosen]:
+        value = given[key]
         values = [value] if key in WHOLE_LIST_OPTIONS or not isinstance(value, (list, tuple)) else value
         for one in values:
             try:
-                study.points(ctx, **{key: one})
+                study.points(ctx, **({key: one} if key in chosen else dict(chosen, **{key: one})))
             except (TypeError, ValueError) as exc:
                 shown = ",".join(map(str, one)) if isinstance(one, (list, tuple)) else one
                 raise OptionError(f"{section}{key} {shown}: {exc}") from None
+    # then together (each alone may fit, e.g. dim and n, where the point they make together is too
+    # large): maps and n as whole lists (as points takes them), the others one value at a time
+    if len(given) - len(chosen) < 2:
+        return
+    whole = WHOLE_LIST_OPTIONS + ("n",)
+    fixed = {key: value for key, value in given.items() if key in whole or not isinstance(value, (list, tuple))}
+    varied = [key for key in given if key not in fixed]
+    for combo in itertools.product(*(given[key] for key in varied)):
+        kw = dict(fixed, **dict(zip(varied, combo)))
+        try:
+            study.points(ctx, **kw)
+        except (TypeError, ValueError) as exc:
+            shown = ", ".join(f"{section}{key} " + (",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v))
+                              for key, v in kw.items() if key not in chosen)
+            raise OptionError(f"{shown}: {exc}") from None
 
 
 def _select_maps(pts, names, *, study, buildable, is_random, m_default, section=""):

@@ -504,8 +504,8 @@ def _run_studies(args, names, argv) -> int:
                              workers=args.workers, force=args.force, resume=args.resume, studies=names,
                              progress=args.progress, command=command_line(argv), options=own or None)
     except KeyboardInterrupt:
-        # --force, as spelt (argparse takes an unambiguous prefix such as --forc), contradicts --resume
-        again = [a for a in argv if not (len(a) > 2 and "--force".startswith(a))]
+        # --force contradicts --resume (the parsers take no abbreviation: --force is spelt out)
+        again = [a for a in argv if a != "--force"]
         if not args.resume:
             again.append("--resume")
         print(f"linattn {args.command}: interrupted; the finished points are kept in {args.out!r}: "
@@ -535,13 +535,17 @@ def _run_studies(args, names, argv) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from linattn_nb import __version__
 
-    parser = argparse.ArgumentParser(prog="linattn", description="linattn_nb: Numba-accelerated linear attention")
+    # allow_abbrev=False on every parser: a prefix such as --n must not be read as --no-progress
+    parser = argparse.ArgumentParser(prog="linattn", description="linattn_nb: Numba-accelerated linear attention",
+                                     allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"linattn_nb {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("info", help="versions, threading layer, CPU and BLAS kernels, CUDA status, cache directory")
+    p = sub.add_parser("info", allow_abbrev=False,
+                       help="versions, threading layer, CPU and BLAS kernels, CUDA status, cache directory")
     p.set_defaults(func=cmd_info)
     p = sub.add_parser(
-        "tune", help="time scan against chunked on this CPU and BLAS; method='auto' then follows the result",
+        "tune", allow_abbrev=False,
+        help="time scan against chunked on this CPU and BLAS; method='auto' then follows the result",
         description="Time the causal CPU methods (scan against chunked) for every update rule that has both, "
                     "in float32 and float64, at B*H = 16, D = M = 64, N = 1 ... 4096 (tens of seconds on 2 cores once "
                     "the kernels are compiled; a first run compiles them), and "
@@ -557,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a smoke test at tiny sizes (seconds); stored, but marked so that method='auto' ignores it, "
                         "and never over a full calibration (which is kept)")
     p.set_defaults(func=cmd_tune)
-    p = sub.add_parser("demo", help="run every CPU method on a small problem against the reference")
+    p = sub.add_parser("demo", allow_abbrev=False, help="run every CPU method on a small problem against the reference")
     p.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
     p.add_argument("--heads", type=int, default=4, help="heads (default 4)")
     p.add_argument("--length", type=int, default=1024, help="sequence length N (default 1024)")
@@ -566,7 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser(
-        "report", help="run every built-in study; write DIR/report.md with tables, plots and raw JSONL",
+        "report", allow_abbrev=False,
+        help="run every built-in study; write DIR/report.md with tables, plots and raw JSONL",
         description="Run the built-in studies (correctness self-check, causal throughput against N, "
                     "approximation error, rank limits, recall capacity, MQAR training, ...; those whose "
                     "optional packages are not installed, e.g. torch for MQAR, are listed as not run) and "
@@ -585,7 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
     from linattn_nb._overrides import PROBLEM_STUDIES
 
     for study in STUDIES:
-        p = sub.add_parser(study.command, help=study.help,
+        p = sub.add_parser(study.command, help=study.help, allow_abbrev=False,
                            description=f"{study.help[:1].upper()}{study.help[1:]}. Writes DIR/report.md with "
                                        "this study alone and prints its tables.")
         _study_options(p, default_out=f"report-{study.command}")
@@ -607,7 +612,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the subcommand's parser where there is one: its usage line, its name
+        (getattr(args, "subparser", None) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

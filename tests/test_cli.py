@@ -177,10 +177,11 @@ def test_report_ctrl_c_in_process(tmp_path, capsys, monkeypatch):
     assert main(["check", "--profile", "tiny", "--no-progress", "--resume", "--out", str(out)]) == 130
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].count("--resume") == 1
-    # --force as abbreviated (argparse takes --forc): dropped too, or the printed command is refused
-    assert main(["report", "--profile", "tiny", "--no-progress", "--forc", "--out", str(out)]) == 130
-    line = capsys.readouterr().err.strip()
-    assert "--forc" not in line and "--resume" in line
+    # an abbreviation such as --forc is no option (allow_abbrev=False): refused before the report starts
+    with pytest.raises(SystemExit) as exc:
+        main(["report", "--profile", "tiny", "--no-progress", "--forc", "--out", str(out)])
+    assert exc.value.code == 2
+    assert "linattn report: error: unrecognized arguments: --forc" in capsys.readouterr().err
 
 
 def test_argument_checks_argparse_cannot_make(tmp_path, capsys, monkeypatch):
@@ -551,3 +552,70 @@ def test_report_config_scheduler_with_workers_is_refused_before_connecting(text,
     err = capsys.readouterr().err
     assert err == f"linattn report: error: {match.format(conf=conf)}\n", err
     assert calls == [] and not out.exists()
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["recall", "--dim", "100000000"], "--dim 100000000: recall study: dim = 100000000"),
+    (["recall", "--n", "100000000"], "--n 100000000: recall study: dim = 4, n = 100000000"),
+    (["rank", "--dim", "100000000"], "--dim 100000000: rank study: dim = 100000000"),
+    (["rank", "--n", "100000000"], "--n 100000000: rank study: dim = 4, n = 100000000"),
+    (["recall", "--m", "100000000"], "--m 100000000: recall study:"),
+    # each fits alone, not together
+    (["rank", "--maps", "elu", "--dim", "4000", "--n", "20000"], "--dim 4000, --n 20000: rank study:"),
+])
+def test_study_sizes_too_large_for_memory_are_refused_in_one_line(argv, match, tmp_path, capsys, monkeypatch):
+    """linattn recall|rank --dim 100000000 (or --n) failed point by point or ran out of memory: the
+    study's points refuse a point whose largest array exceeds config.QUADRATIC_MAX_ELEMENTS, and the
+    command line says so in one line, exit 2, before anything runs."""
+    import linattn_nb.studies as studies
+
+    def never(*args, **kwargs):
+        pytest.fail("the report ran")
+
+    monkeypatch.setattr(studies, "run_report", never)
+    out = tmp_path / "r"
+    assert cli.main(argv + ["--profile", "tiny", "--no-progress", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"linattn {argv[0]}: error: {match}"), err
+    assert "config.QUADRATIC_MAX_ELEMENTS = " in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_a_dim_that_fits_the_chosen_maps_is_not_refused_for_a_default_map(tmp_path, capsys, monkeypatch):
+    """--dim is checked with the --maps given: Taylor-2 (D_φ ~ d²/2, a default map) does not refuse elu."""
+    import linattn_nb.studies as studies
+
+    ran = []
+
+    def stop(*args, **kwargs):  # the options passed every check: stop here (reported as an interruption)
+        ran.append(kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(studies, "run_report", stop)
+    assert cli.main(["recall", "--maps", "elu", "--dim", "2000", "--n", "8", "--profile", "tiny", "--no-progress",
+                     "--out", str(tmp_path / "r")]) == 130
+    assert ran and "interrupted" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, command", [
+    (["mqar", "--n", "4"], "mqar"),  # was taken as --no-progress, then "unrecognized arguments: 4"
+    (["horizon", "--n", "4"], "horizon"),
+    (["recall", "--no-prog"], "recall"),
+    (["rank", "--di", "8"], "rank"),
+])
+def test_no_option_is_taken_by_a_prefix(argv, command, tmp_path, capsys, monkeypatch):
+    """argparse's abbreviations read `linattn mqar --n 4` as --no-progress and printed the top-level
+    usage with "unrecognized arguments: 4": every parser has allow_abbrev=False, and an unknown option is
+    reported by the subcommand's parser, naming it."""
+    import linattn_nb.studies as studies
+
+    monkeypatch.setattr(studies, "run_report", lambda *a, **k: pytest.fail("the report ran"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv + ["--profile", "tiny", "--out", str(tmp_path / "r")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"usage: linattn {command} " in err, err
+    assert f"linattn {command}: error: unrecognized arguments: {' '.join(argv[1:])}" in err, err
+    parser = cli.build_parser()
+    assert parser.allow_abbrev is False
+    assert all(sp.allow_abbrev is False for sp in parser._subparsers._group_actions[0].choices.values())

@@ -132,6 +132,17 @@ def check_int(name: str, x, minimum: int) -> int:
     return int(x)
 
 
+def map_arrays(fmap, d: int) -> list:
+    """The ``(what, rows, cols)`` arrays a random map not yet drawn will form at input dimension ``d``: its
+    ``m x d`` projection and, when orthogonal, ``d x d`` blocks (none for other maps, or one already drawn)."""
+    if getattr(fmap, "W", None) is not None or not hasattr(fmap, "num_projections"):
+        return []
+    arrays = [("m x d random projection", int(fmap.num_projections(d)), d)]
+    if getattr(fmap, "orthogonal", False):
+        arrays.append(("d x d orthogonal block", d, d))
+    return arrays
+
+
 check_bool = V.check_bool  # the flags of the analysis functions, as those of the attention functions
 
 

@@ -172,6 +172,24 @@ def _draw_keys(rng, n, d, key_scale, orthogonal):
     return key_scale * (qmat * np.where(np.diag(r) < 0, -1.0, 1.0)).T
 
 
+def _check_trial_size(fmap, d, d_phi, n, value_dim) -> None:
+    """ValueError naming ``d`` or ``value_dim`` when a trial of ``n`` pairs would form an array of more than
+    ``config.QUADRATIC_MAX_ELEMENTS`` numbers (n x d keys, n x D_phi features, n x M values, the D_phi x M
+    state, a random map's projection), before any is made (the n x n arrays: the n_pairs check)."""
+    width = n if value_dim is None else value_dim
+    arrays = [(("d", d), "n x d keys", n, d), (("d", d), "n x D_phi features", n, d_phi)]
+    arrays += [(("d", d), what, rows, cols) for what, rows, cols in C.map_arrays(fmap, d)]
+    if value_dim is not None:
+        arrays.append((("value_dim", value_dim), "n x M values", n, width))
+    arrays.append((("d", d) if value_dim is None else ("value_dim", value_dim), "D_phi x M state", d_phi, width))
+    limit = config.QUADRATIC_MAX_ELEMENTS
+    for (name, value), what, rows, cols in arrays:
+        if rows * cols > limit:
+            raise ValueError(f"{name} = {value}: a trial of n = {n} pairs forms the {what} = {rows} x {cols} array "
+                             f"(D_phi = {d_phi}), more than config.QUADRATIC_MAX_ELEMENTS = {limit} elements; raise it "
+                             f"to run larger sizes")
+
+
 def _distance_edges(distance_bins, n_max):
     """Bin edges of the write-read distance: default 0, 1, 2, 4, ... up to the first power of 2 >= n_max."""
     if distance_bins is None:
@@ -245,7 +263,11 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     Raises
     ------
     ValueError
-        Non-positive sizes, ``key_scale`` or ``softmax_scale``; ``feature_map="softmax"``; features
+        Non-positive sizes, ``key_scale`` or ``softmax_scale``; an empty ``n_pairs``; an ``n_pairs``,
+        ``d`` or ``value_dim`` whose trial would form an array of more than
+        ``config.QUADRATIC_MAX_ELEMENTS`` elements (the n x n one-hot values and distances, n x d keys,
+        n x D_phi features, n x M values, the D_phi x M state, a random map's projection), before any is
+        made; ``feature_map="softmax"``; features
         not of shape ``(n, output_dim(d))``; ``decay`` outside [0, 1]; ``beta`` outside [0, 2];
         ``distance_bins`` not increasing; ``orthogonal_keys`` with some ``n > d``;
         ``normalize=False`` with a map that needs its normaliser (FAVOR+); ``normalize=True`` with a
@@ -286,9 +308,11 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     fmap = C.resolve_map(feature_map)
     d = C.check_int("d", d, 1)
     ns = np.atleast_1d(np.asarray(n_pairs))
+    if ns.ndim == 1 and ns.size == 0:  # np.asarray([]) is float: refused as empty, not as non-integer
+        raise ValueError(f"n_pairs must be non-empty and every entry >= 1, got {n_pairs!r}")
     if ns.ndim != 1 or ns.dtype.kind not in "iu":
         raise TypeError(f"n_pairs must be an integer or a 1-D sequence of integers, got {n_pairs!r}")
-    if ns.size == 0 or ns.min() < 1:
+    if ns.min() < 1:
         raise ValueError(f"n_pairs must be non-empty and every entry >= 1, got {n_pairs!r}")
     ns = ns.astype(np.int64)
     if int(ns.max()) ** 2 > config.QUADRATIC_MAX_ELEMENTS:
@@ -312,6 +336,7 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
         raise ValueError(f"orthogonal_keys needs every n <= d = {d} (at most d orthonormal keys), "
                          f"got n = {int(ns.max())}")
     d_phi = C.feature_dim(fmap, d)
+    _check_trial_size(fmap, d, d_phi, int(ns.max()), value_dim)
     dplr = None
     if rule is not None:
         from ..rules import get_dplr_rule
@@ -484,7 +509,10 @@ def mqar(n_examples, seq_len, n_kv, *, vocab_size=8192, power_a=0.01, random_non
         Key-value pairs per example (>= 1).
     vocab_size : int, default 8192
     power_a : float, default 0.01
-        Exponent ``a`` of the query-position power law (0 < a).
+        Exponent ``a`` of the query-position power law (0 < a, finite): the queries' slots after the
+        pairs are drawn without replacement with ``p_i ∝ a i^(a-1)``.  Where a large ``a`` leaves fewer
+        than ``n_kv`` slots of non-zero ``p_i`` in float64, the same law is drawn from its logarithms
+        (Gumbel top-k, equal in law to the successive draws), all but certainly the ``n_kv`` last slots.
     random_non_queries : bool, default True
     seed : int or numpy.random.Generator, optional
 
@@ -497,7 +525,7 @@ def mqar(n_examples, seq_len, n_kv, *, vocab_size=8192, power_a=0.01, random_non
     ------
     ValueError
         When Zoology's constraints fail: ``seq_len`` odd, ``vocab_size <= seq_len``,
-        ``4 n_kv > seq_len``; non-positive sizes or ``power_a``.
+        ``4 n_kv > seq_len``; non-positive sizes; ``power_a`` not finite and > 0.
 
     Examples
     --------
@@ -530,9 +558,19 @@ def mqar(n_examples, seq_len, n_kv, *, vocab_size=8192, power_a=0.01, random_non
         p = power_a * idx ** (power_a - 1.0)
         p /= p.sum()
     if not np.isfinite(p).all():  # a large exponent overflows idx ** (a - 1): the same law from its logs
-        logp = (power_a - 1.0) * np.log(idx)
-        p = np.exp(logp - logp.max())
-        p /= p.sum()
+        with np.errstate(over="ignore", invalid="ignore"):
+            logp = (power_a - 1.0) * np.log(idx)
+            p = np.exp(logp - logp.max())
+            p /= p.sum()
+    # a larger one (a > 1 only: |a - 1| log(slots) > ~745) underflows all but the last slots' p to 0,
+    # fewer than n_kv, which rng.choice refuses (or overflows the logs, a > ~1e307): then the same law
+    # drawn from its logs (<= 0, shifted so that they cannot overflow), the Gumbel top-k trick, equal in
+    # law to rng.choice's successive draws without replacement: for such an a all but certainly the n_kv
+    # last slots (ties: the later slot)
+    gumbel = not np.isfinite(p).all() or np.count_nonzero(p) < n_kv
+    if gumbel:
+        with np.errstate(over="ignore"):
+            logp = (power_a - 1.0) * (np.log(idx) - math.log(slots))
 
     inputs = np.zeros((n_examples, seq_len), dtype=np.int64)
     labels = np.full((n_examples, seq_len), -100, dtype=np.int64)
@@ -542,7 +580,10 @@ def mqar(n_examples, seq_len, n_kv, *, vocab_size=8192, power_a=0.01, random_non
     for e in range(n_examples):
         ks = rng.choice(np.arange(1, half), size=n_kv, replace=False)
         vs = rng.choice(np.arange(half, vocab_size), size=n_kv, replace=False)
-        chosen = rng.choice(slots, size=n_kv, replace=False, p=p)
+        if gumbel:
+            chosen = np.lexsort((-idx, -(logp + rng.gumbel(size=slots))))[:n_kv]
+        else:
+            chosen = rng.choice(slots, size=n_kv, replace=False, p=p)
         pos = context + 2 * chosen
         row = inputs[e]
         row[0:context:2] = ks

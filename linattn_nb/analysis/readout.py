@@ -63,7 +63,7 @@ def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps
         An unbatched state (``S`` of shape ``(D_phi, M)``): a :class:`linattn_nb.LinearAttentionState`
         is read with its own ``query``; a :class:`linattn_nb.LinearState` needs ``feature_map``.
     keys : array_like, shape (n, d)
-        The keys to read (the queries).
+        The keys to read (the queries): n >= 1, finite.
     values : array_like, shape (n, M), optional
         The values stored under ``keys``; without them only the read-out is returned.
     feature_map : str or FeatureMap, optional
@@ -86,7 +86,8 @@ def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps
     TypeError
         ``state`` is neither kind of state, or ``feature_map``/``normalize`` given where not allowed.
     ValueError
-        Shapes that do not match the state, or a batched state.
+        Shapes that do not match the state, or a batched state; ``keys`` with no row (n = 0: no accuracy
+        to report) or with inf or NaN.
 
     Examples
     --------
@@ -107,6 +108,10 @@ def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps
     k = np.asarray(keys, dtype=np.float64)
     if k.ndim != 2:
         raise ValueError(f"keys must have shape (n, d), got shape {k.shape}")
+    if k.shape[0] == 0:  # no read-out to score: the accuracy of no keys is not a number
+        raise ValueError(f"keys must hold at least one key (shape (n, d) with n >= 1), got shape {k.shape}")
+    if not np.isfinite(k).all():
+        raise ValueError("read_back: keys contain non-finite values (inf or NaN)")
     if isinstance(state, LinearAttentionState):
         if feature_map is not None or normalize is not None:
             raise TypeError("read_back: feature_map and normalize are for a LinearState; a LinearAttentionState "

@@ -64,3 +64,15 @@ def map_label(name: str, num_features=None, params=None) -> str:
     extra = [f"m={num_features}"] if num_features is not None else []
     extra += [f"{k}={v}" for k, v in (params or {}).items()]
     return f"{name} ({', '.join(extra)})" if extra else name
+
+
+def map_arrays(name: str, d: int, *, num_features=None, **params) -> tuple:
+    """``(D_φ, arrays)`` of map ``name`` at key dimension ``d``, found without drawing its random matrix.
+
+    ``arrays``: the ``(what, rows, cols)`` the map itself forms at ``d`` (a random map's ``m x d``
+    projection and, when orthogonal, its ``d x d`` blocks), for :func:`._study.check_point_size`.
+    """
+    from ..analysis._common import map_arrays as own
+
+    fmap = build_map(name, num_features=num_features, seed=0, **params)  # no dim: nothing drawn yet
+    return int(fmap.output_dim(d)), own(fmap, d)

@@ -303,6 +303,39 @@ def get_study(name: str) -> Study:
     raise KeyError(f"no study {name!r}; registered: {', '.join(s.name for s in STUDIES)}")
 
 
+def check_point_size(study: str, points) -> None:
+    """Refuse points whose largest array would hold more than ``config.QUADRATIC_MAX_ELEMENTS`` numbers.
+
+    A study's ``points`` calls it before any array is made, so that a ``dim`` or ``n`` too large for
+    memory is refused up front (by ``run_report(options=...)`` and by the command line's problem options)
+    instead of failing, or exhausting the memory, point by point.
+
+    Parameters
+    ----------
+    study : str
+        The study's name (starts the message).
+    points : iterable of (str, list of (str, int, int))
+        ``(setting, arrays)`` per kind of point: its options and values (e.g. ``"dim = 64, n = 600, map
+        taylor2 (D_φ = 2145)"``) and the ``(what, rows, cols)`` of each array it forms.
+
+    Raises
+    ------
+    ValueError
+        Naming the setting of the point with the largest array, that array and the limit.
+    """
+    from .. import config
+
+    limit = config.QUADRATIC_MAX_ELEMENTS
+    sized = [(rows * cols, setting, what, rows, cols) for setting, arrays in points for what, rows, cols in arrays]
+    if not sized:
+        return
+    _, setting, what, rows, cols = max(sized, key=lambda a: a[0])
+    if rows * cols > limit:
+        raise ValueError(f"{study} study: {setting}: a point forms the {what} = {rows} x {cols} array, more than "
+                         f"config.QUADRATIC_MAX_ELEMENTS = {limit} numbers (LINATTN_QUADRATIC_MAX_ELEMENTS); "
+                         "lower the dimension or the sizes")
+
+
 # ---------------------------------------------------------------------------
 # Formatting helpers
 # ---------------------------------------------------------------------------

@@ -89,6 +89,7 @@ def mqar(n, *, vocab, kv, length, power_a=0.01, seed=0):
     vocab, kv, length : int
         Vocabulary size, key-value pairs, sequence length (``kv <= vocab/2 - 1``, ``length >= 4 kv``).
     power_a : float, default 0.01
+        Exponent ``a`` of the power law (finite, > 0).
     seed : int or sequence of int
         For :func:`numpy.random.default_rng`.
 
@@ -98,7 +99,24 @@ def mqar(n, *, vocab, kv, length, power_a=0.01, seed=0):
         Input tokens.
     y : torch.Tensor, shape (n, length), int64
         The value that follows at each query position, -100 (ignored) elsewhere.
+
+    Raises
+    ------
+    TypeError
+        ``n``, ``vocab``, ``kv`` or ``length`` not an integer (a bool is not one), ``power_a`` not a real
+        number.
+    ValueError
+        ``n < 0``, ``kv < 1``, ``vocab < 4``, ``length < 1``, ``power_a`` not finite and > 0 (the checks
+        of :func:`linattn_nb.analysis.mqar`); ``kv`` pairs that do not fit the vocabulary or leave no room
+        for a query per key.
     """
+    from ..analysis import _common as C
+
+    n = C.check_int("n", n, 0)
+    vocab = C.check_int("vocab", vocab, 4)
+    kv = C.check_int("kv", kv, 1)
+    length = C.check_int("length", length, 1)
+    power_a = C.check_positive_float("power_a", power_a)
     torch = _torch()
     if kv > vocab // 2 - 1 or 2 * kv >= vocab:
         raise ValueError(f"mqar: {kv} pairs do not fit a vocabulary of {vocab} (needs kv <= vocab/2 - 1)")
@@ -110,7 +128,12 @@ def mqar(n, *, vocab, kv, length, power_a=0.01, seed=0):
     rng = np.random.default_rng(seed)
     keys = np.argsort(rng.random((n, vocab // 2 - 1)), axis=1)[:, :kv] + 1
     vals = np.argsort(rng.random((n, vocab // 2)), axis=1)[:, :kv] + vocab // 2
-    logp = np.log(power_a * np.arange(1, space + 1) ** (power_a - 1))
+    idx = np.arange(1, space + 1)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        logp = np.log(power_a * idx ** (power_a - 1))
+    if not np.isfinite(logp).all():  # a's power over- or underflows: the law's logs, shifted to <= 0 for a > 1
+        with np.errstate(over="ignore"):
+            logp = (power_a - 1) * (np.log(idx) - math.log(space))
     gaps = np.argsort(-(logp + rng.gumbel(size=(n, space))), axis=1)[:, :kv]
     used = np.zeros((n, vocab), bool)  # filler: tokens that are no key or value here
     np.put_along_axis(used, keys, True, 1)
@@ -218,8 +241,23 @@ def Model(vocab, d=64, heads=2, layers=2, **attn):
     **attn
         ``attention="softmax"``, ``conv_size``, ``head_dim`` and the
         ``LinearAttention`` keywords.
+
+    Raises
+    ------
+    TypeError
+        ``vocab``, ``d``, ``heads`` or ``layers`` not an integer.
+    ValueError
+        One of them < 1.
     """
+    _check_model(vocab, d, heads, layers)
     return _modules()["Model"](vocab, d, heads, layers, **attn)
+
+
+def _check_model(vocab, d, heads, layers) -> tuple:
+    from ..analysis import _common as C
+
+    return tuple(C.check_int(name, x, 1) for name, x in (("vocab", vocab), ("d", d), ("heads", heads),
+                                                         ("layers", layers)))
 
 
 def Block(d, heads, **attn):
@@ -233,7 +271,33 @@ def SoftmaxAttention(d_model, num_heads, **kw):
 
 
 def accuracy(model, x, y, batch=256):
-    """Recall accuracy: the fraction of query positions (``y != -100``) whose argmax is the label."""
+    """Recall accuracy: the fraction of query positions (``y != -100``) whose argmax is the label.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A :func:`Model`.
+    x, y : torch.Tensor, shape (n, length)
+        Inputs and labels from :func:`mqar`.
+    batch : int, default 256
+        Examples per forward pass (>= 1).
+
+    Returns
+    -------
+    float
+
+    Raises
+    ------
+    TypeError
+        ``batch`` not an integer.
+    ValueError
+        ``batch < 1``; ``x`` and ``y`` of different shapes; ``y`` with no query position (every label
+        -100, e.g. no example): no accuracy to report.
+    """
+    from ..analysis import _common as C
+
+    batch = C.check_int("batch", batch, 1)
+    _check_examples("x", x, "y", y)
     torch = _torch()
     model.eval()
     hits = total = 0
@@ -245,6 +309,27 @@ def accuracy(model, x, y, batch=256):
             total += mask.sum().item()
     model.train()
     return hits / total
+
+
+def _check_examples(xname, x, yname, y) -> None:
+    """``x``, ``y`` of one shape (n, length) and at least one query position (a label other than -100)."""
+    shape_x, shape_y = tuple(getattr(x, "shape", ())), tuple(getattr(y, "shape", ()))
+    if len(shape_x) != 2 or shape_x != shape_y:
+        raise ValueError(f"{xname} and {yname} must be tensors of one shape (n, length), got shapes "
+                         f"{shape_x} and {shape_y}")
+    if not bool((y != -100).any()):
+        raise ValueError(f"{yname} has no query position (every label is -100, or no example): no accuracy "
+                         "to measure")
+
+
+def _check_weight_decay(x) -> float:
+    import numbers
+
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(f"weight_decay must be a real number >= 0, got {type(x).__name__}")
+    if not (0 <= float(x) < math.inf):
+        raise ValueError(f"weight_decay must be finite and >= 0, got {x}")
+    return float(x)
 
 
 def train(attn, *, steps, vocab, data, d=64, heads=2, layers=2, batch=64, seed=0, eval_every=50, lr=3e-3,
@@ -259,16 +344,20 @@ def train(attn, *, steps, vocab, data, d=64, heads=2, layers=2, batch=64, seed=0
     attn : dict
         The attention layer's keywords (see :func:`Model`).
     steps : int
+        Training steps (>= 1: the final accuracy is measured after the last step).
     vocab : int
     data : tuple
         ``(x_train, y_train, x_test, y_test)`` from :func:`mqar`.
     d, heads, layers : int
         The model's width, heads and blocks.
     batch : int, default 64
+        Examples per step (>= 1).
     seed : int, default 0
         Seeds the initial weights and the order of the batches.
     eval_every : int, default 50
+        Steps between evaluations (>= 1); the last step is always evaluated.
     lr, warmup, weight_decay : float, int, float
+        Learning rate (> 0), warm-up steps (>= 0), weight decay (>= 0).
     threads : int or None, default 1
         ``torch.set_num_threads`` for the run (None leaves it; docs/threads.md).
 
@@ -277,12 +366,44 @@ def train(attn, *, steps, vocab, data, d=64, heads=2, layers=2, batch=64, seed=0
     dict
         ``final_accuracy``, ``best_accuracy`` (of the evaluations), ``steps``, ``seconds``,
         ``curve`` (per evaluation: ``step``, ``loss``, ``acc``, ``seconds``), ``parameters``.
+
+    Raises
+    ------
+    TypeError
+        An integer argument not an integer (a bool is not one), ``lr`` or ``weight_decay`` not a real
+        number, ``data`` not a tuple of four.
+    ValueError
+        ``steps``, ``batch``, ``eval_every``, ``threads``, ``vocab``, ``d``, ``heads`` or ``layers`` < 1;
+        ``seed`` or ``warmup`` < 0; ``lr`` not finite and > 0; ``weight_decay`` not finite and >= 0; no
+        training example, a test set with no query position, or tokens or labels outside ``[0, vocab)``.
     """
+    from ..analysis import _common as C
+
+    steps = C.check_int("steps", steps, 1)
+    batch = C.check_int("batch", batch, 1)
+    seed = C.check_int("seed", seed, 0)
+    eval_every = C.check_int("eval_every", eval_every, 1)
+    warmup = C.check_int("warmup", warmup, 0)
+    lr = C.check_positive_float("lr", lr)
+    weight_decay = _check_weight_decay(weight_decay)
+    if threads is not None:
+        threads = C.check_int("threads", threads, 1)
+    vocab = _check_model(vocab, d, heads, layers)[0]
+    if not isinstance(data, (tuple, list)) or len(data) != 4:
+        raise TypeError("data must be a tuple (x_train, y_train, x_test, y_test) from mqar")
+    x_train, y_train, x_test, y_test = data
+    _check_examples("x_train", x_train, "y_train", y_train)
+    _check_examples("x_test", x_test, "y_test", y_test)
+    for name, t, low in (("x_train", x_train, 0), ("x_test", x_test, 0), ("y_train", y_train, -100),
+                         ("y_test", y_test, -100)):
+        bad = (t < 0) & (t != low) | (t >= vocab)
+        if bool(bad.any()):
+            raise ValueError(f"{name} holds tokens outside [0, vocab) = [0, {vocab}) (labels may be -100), "
+                             f"e.g. {int(t[bad][0])}: data made for another vocabulary?")
     torch = _torch()
     F = torch.nn.functional
     if threads is not None:
-        torch.set_num_threads(int(threads))
-    x_train, y_train, x_test, y_test = data
+        torch.set_num_threads(threads)
     torch.manual_seed(seed)
     model = Model(vocab, d=d, heads=heads, layers=layers, **attn)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=weight_decay)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._maps import build_map, buildable_maps, is_random, map_label
-from ._study import CI_CAPTION, Rendered, Study, fmt, markdown_table, mean_ci, pm, register_study, split_failed
+from ._maps import build_map, buildable_maps, is_random, map_arrays, map_label
+from ._study import (CI_CAPTION, Rendered, Study, check_point_size, fmt, markdown_table, mean_ci, pm,
+                     register_study, split_failed)
 
 SOFTMAX = "softmax"
 
@@ -23,7 +24,8 @@ def _sizes(ctx):
 
 
 def _dphi(name, d, m_rand) -> int:
-    return int(build_map(name, dim=d, num_features=m_rand if is_random(name) else None, seed=0).output_dim(d))
+    # built without dim: a random map draws nothing until it sees the inputs (D_φ is m, or 2m, whatever d)
+    return map_arrays(name, d, num_features=m_rand if is_random(name) else None)[0]
 
 
 def points(ctx, *, dim=None, maps=None, m=None, n=None, seeds=None, value_dim=None) -> list[dict]:
@@ -45,6 +47,13 @@ def points(ctx, *, dim=None, maps=None, m=None, n=None, seeds=None, value_dim=No
     value_dim : int, optional
         Value dimension M of the state-rank profile; default (and least value, else ValueError) the
         largest D_φ of the maps.
+
+    Raises
+    ------
+    ValueError
+        A value below its least, an unknown map, or a ``dim``, ``n``, ``m`` or ``value_dim`` whose point
+        would form an array of more than ``config.QUADRATIC_MAX_ELEMENTS`` numbers (n x d inputs, n x M
+        values, n x D_φ features, the D_φ x M state, a random map's m x d projection).
     """
     d, ns, m_rand, explicit_max, nseeds = _sizes(ctx)
     if dim is not None:
@@ -73,6 +82,15 @@ def points(ctx, *, dim=None, maps=None, m=None, n=None, seeds=None, value_dim=No
     mv = max_dphi if value_dim is None else value_dim
     if isinstance(mv, bool) or not isinstance(mv, int) or mv < max_dphi:
         raise ValueError(f"rank study: value_dim must be an integer >= the largest D_φ ({max_dphi}), got {mv!r}")
+    nmax, sized = max(ns), []
+    for name in names:
+        # q, k (n x d), v (n x M), the n x D_φ features, their D_φ x D_φ R factors, the D_φ x M state
+        # (M >= D_φ); softmax's n x n weights only up to the profile's small explicit_max
+        dphi, arrays = map_arrays(name, d, num_features=m_rand if is_random(name) else None)
+        arrays += [("n x d queries", nmax, d), ("n x M values", nmax, mv), ("n x D_φ features", nmax, dphi),
+                   ("D_φ x M state", dphi, mv)]
+        sized.append((f"dim = {d}, n = {nmax}, value_dim = {mv}, map {name} (D_φ = {dphi})", arrays))
+    check_point_size("rank", sized)
     pts = []
     for seed in range(nseeds):
         for name in names + [SOFTMAX]:

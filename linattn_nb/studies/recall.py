@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._maps import build_map, is_random, map_label
+from ._maps import build_map, is_random, map_arrays, map_label
 from ._claims import FLOOR_ZERO, capacity_claim, state_full
-from ._study import CI_CAPTION, Rendered, Study, fmt, markdown_table, mean_ci, pm, register_study, split_failed
+from ._study import (CI_CAPTION, Rendered, Study, check_point_size, fmt, markdown_table, mean_ci, pm,
+                     register_study, split_failed)
 
 #: The regimes: (name, key scale as a function of d, orthonormal keys, value width as a function of d or
 #: None for one-hot values).  Orthonormal keys have equal norms and zero cross logits; they exist only for
@@ -64,6 +65,13 @@ def points(ctx, *, dim=None, maps=None, m=None, n=None, seeds=None) -> list[dict
         Numbers of stored pairs.
     seeds : int, optional
         Number of seeds 0..seeds-1 (default 5; 2 tiny); a seed draws the keys and the random features.
+
+    Raises
+    ------
+    ValueError
+        A value below its least, an unknown map, or a ``dim``, ``n`` or ``m`` whose point would form an
+        array of more than ``config.QUADRATIC_MAX_ELEMENTS`` numbers (n x n one-hot values, n x d keys,
+        n x D_φ features, the D_φ x M state, a random map's m x d projection).
     """
     d, n_pairs, nseeds = _sizes(ctx)
     if dim is not None:
@@ -92,10 +100,25 @@ def points(ctx, *, dim=None, maps=None, m=None, n=None, seeds=None) -> list[dict
                 raise ValueError(f"recall study: unknown or unbuildable feature map {name!r} in maps; "
                                  f"choose from {', '.join(sorted(known))}")
             chosen.append((name, (128 if m is None else m) if is_random(name) else None, {}))
+    _check_sizes(chosen, d, max(n_pairs))
     return [dict(feature_map=name, num_features=nf, map_params=params, d=d, n_pairs=list(n_pairs), trials=1,
                  seed=seed, regime=regime, key_scale=scale(d), **({"orthogonal_keys": True} if ortho else {}),
                  **({} if width is None else {"value_dim": int(width(d))}))
             for regime, scale, ortho, width in REGIMES for seed in range(nseeds) for name, nf, params in chosen]
+
+
+def _check_sizes(chosen, d, n) -> None:
+    """ValueError when a point of ``chosen`` maps at key dimension ``d`` and up to ``n`` pairs would form an
+    array of more than ``config.QUADRATIC_MAX_ELEMENTS`` numbers (:func:`recall_capacity`'s n x n one-hot
+    values and softmax weights, n x d keys, n x D_φ features, the D_φ x M state), before any is made."""
+    widths = sorted({n if width is None else int(width(d)) for _, _, _, width in REGIMES})
+    sized = []
+    for name, nf, params in chosen:
+        dphi, arrays = map_arrays(name, d, num_features=nf, **params)
+        arrays += [("n x n one-hot values", n, n), ("n x d keys", n, d), ("n x D_φ features", n, dphi)]
+        arrays += [("n x M values", n, w) for w in widths] + [("D_φ x M state", dphi, w) for w in widths]
+        sized.append((f"dim = {d}, n = {n}, map {map_label(name, nf, params)} (D_φ = {dphi})", arrays))
+    check_point_size("recall", sized)
 
 
 def with_dim(point: dict, d: int) -> dict:

@@ -321,3 +321,42 @@ def test_mqar_steep_power_law_and_odd_arguments():
     assert state_size("elu", 4, 4, dtype="float16", seq_len=7) == (4 * 4 + 4) * 2
     with pytest.raises(ValueError, match=r"n_pairs: n = 10000000 .* config\.QUADRATIC_MAX_ELEMENTS"):
         recall_capacity("elu", 4, [8, 10 ** 7])
+
+
+def test_mqar_power_law_that_underflows_still_draws_the_law():
+    """power_a = 1e4 underflowed the log-space law to fewer non-zero slots than n_kv and failed in NumPy
+    ("Fewer non-zero entries in p than size"): the same law drawn from its logs puts every query in the
+    n_kv last slots, as it does (to float precision) for any a that large."""
+    n_kv, seq_len = 8, 64
+    for a in (1e4, 1e300, 1.7e308):
+        b = mqar(20, seq_len, n_kv, vocab_size=128, power_a=a, seed=0)
+        last = set(range(seq_len - 2 * n_kv, seq_len, 2))
+        for e in range(20):
+            assert set(b.query_positions[e].tolist()) == last
+            np.testing.assert_array_equal(b.inputs[e, b.query_positions[e]], b.keys[e])
+            np.testing.assert_array_equal(b.labels[e, b.query_positions[e]], b.values[e])
+            assert np.count_nonzero(b.labels[e] != -100) == n_kv
+
+
+def test_recall_capacity_refuses_an_empty_n_pairs_and_sizes_too_large_before_making_them(monkeypatch):
+    """n_pairs=[] was a TypeError (np.asarray([]) is float) though the docstring says ValueError; a d (or
+    value_dim) whose arrays exceed config.QUADRATIC_MAX_ELEMENTS ran out of memory in the trial."""
+    from linattn_nb import config
+
+    with pytest.raises(ValueError, match="n_pairs must be non-empty"):
+        recall_capacity("elu", 4, [])
+    with pytest.raises(ValueError, match="n_pairs must be non-empty"):
+        recall_capacity("elu", 4, np.array([], dtype=np.int64))
+    monkeypatch.setattr(config, "QUADRATIC_MAX_ELEMENTS", 1000)
+    with pytest.raises(ValueError, match=r"d = 600: .* n x d keys = 2 x 600 .*QUADRATIC_MAX_ELEMENTS = 1000"):
+        recall_capacity("elu", 600, 2, trials=1)
+    with pytest.raises(ValueError, match=r"d = 31: .* n x D_phi features = 2 x 528 "):
+        recall_capacity("taylor2", 31, 2, trials=1)  # D_phi = 1 + d + d(d+1)/2
+    with pytest.raises(ValueError, match=r"d = 40: .* d x d orthogonal block = 40 x 40 "):
+        recall_capacity(feature_maps.get("favor+", num_features=4, seed=0), 40, 2, trials=1)
+    with pytest.raises(ValueError, match=r"value_dim = 600: .* n x M values = 2 x 600 "):
+        recall_capacity("elu", 4, 2, trials=1, value_dim=600)
+    assert recall_capacity("elu", 4, 2, trials=1).n_pairs.tolist() == [2]
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"d = 1000000000: .*QUADRATIC_MAX_ELEMENTS"):
+        recall_capacity("elu", 10 ** 9, 2)

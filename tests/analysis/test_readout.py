@@ -98,3 +98,22 @@ def test_an_exact_read_out_with_no_other_candidate_is_a_hit():
     st2 = LinearAttentionState(4, 3, feature_map="l2", rule="delta")
     st2.prefill(keys2, np.stack([vals[0], vals[0]]), beta=1.0)
     assert read_back(st2, keys2, np.stack([vals[0], vals[0]])).accuracy == 1.0
+
+
+def test_read_back_names_keys_and_refuses_no_keys():
+    """NaN keys were reported as "q contains non-finite values" (the state's query); no keys gave an
+    accuracy of NaN with NumPy's "Mean of empty slice" warning, where the docstring promises a float."""
+    keys, vals = np.eye(4)[:3], np.eye(3)
+    st = LinearAttentionState(4, 3, feature_map="l2", rule="delta")
+    st.prefill(keys, vals, beta=1.0)
+    for bad in (np.nan, np.inf):
+        k = keys.copy()
+        k[1, 2] = bad
+        with pytest.raises(ValueError, match="keys contain non-finite values"):
+            read_back(st, k, vals)
+        with pytest.raises(ValueError, match="keys contain non-finite values"):
+            read_back(LinearState(np.zeros((4, 3)), np.zeros(4)), k, feature_map="l2")
+    with pytest.raises(ValueError, match=r"keys must hold at least one key .* got shape \(0, 4\)"):
+        read_back(st, keys[:0], vals[:0])
+    with pytest.raises(ValueError, match="keys must hold at least one key"):
+        read_back(st, keys[:0])

@@ -273,3 +273,59 @@ def test_dplr_layers_are_in_the_whole_grid_only_and_train(layer, tmp_path):
         assert layer not in {p["layer"] for p in mqar.points(Context(out=tmp_path, profile=profile))}
     res = mqar.run(layer, 8, kv=2, length=16, seed=0, steps=2, d_model=16, n_train=16, n_test=8, eval_every=1)
     assert np.isfinite([c["loss"] for c in res["curve"]]).all() and res["state"] == 8 * 8
+
+
+def test_the_training_set_up_checks_its_arguments_before_making_anything():
+    """mqar, Model, accuracy and train checked almost nothing: kv=0 made examples with no query, then
+    accuracy divided by zero; kv=-1 an IndexError; kv=True or 2.5 NumPy's TypeErrors; power_a=nan sorted
+    NaNs; train(steps=0) an IndexError (curve[-1]); eval_every=0 a ZeroDivisionError; batch=0 torch's."""
+    torch = pytest.importorskip("torch")
+    for kw, exc, match in [(dict(kv=0), ValueError, "kv must be >= 1"),
+                           (dict(kv=-1), ValueError, "kv must be >= 1"),
+                           (dict(kv=True), TypeError, "kv must be an integer"),
+                           (dict(kv=2.5), TypeError, "kv must be an integer"),
+                           (dict(n=-1), ValueError, "n must be >= 0"),
+                           (dict(vocab=80.0), TypeError, "vocab must be an integer"),
+                           (dict(length=True), TypeError, "length must be an integer"),
+                           (dict(power_a=0), ValueError, "power_a must be finite and > 0"),
+                           (dict(power_a=float("nan")), ValueError, "power_a must be finite and > 0"),
+                           (dict(power_a="1"), TypeError, "power_a must be a positive real number")]:
+        args = dict(dict(n=2, vocab=80, kv=4, length=64), **kw)
+        with pytest.raises(exc, match=match):
+            mqar.mqar(args.pop("n"), **args)
+    x, y = mqar.mqar(2, vocab=80, kv=4, length=64, power_a=1e4, seed=0)  # a steep law: the last slots
+    assert sorted((y[0] != -100).nonzero().ravel().tolist()) == [56, 58, 60, 62]
+    for kw, match in [(dict(d=0), "d must be >= 1"), (dict(heads=0), "heads must be >= 1"),
+                      (dict(layers=0), "layers must be >= 1")]:
+        with pytest.raises(ValueError, match=match):
+            mqar.Model(80, **kw)
+    with pytest.raises(TypeError, match="vocab must be an integer"):
+        mqar.Model(True)
+    data = (*mqar.mqar(8, vocab=80, kv=4, length=64, seed=[0, 1]),
+            *mqar.mqar(4, vocab=80, kv=4, length=64, seed=[0, 2]))
+    model = mqar.Model(80, d=16, heads=1, layers=1, attention="softmax", head_dim=8)
+    with pytest.raises(ValueError, match="y has no query position"):
+        mqar.accuracy(model, data[2], torch.full_like(data[3], -100))
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        mqar.accuracy(model, data[2], data[3], batch=0)
+    with pytest.raises(ValueError, match="one shape"):
+        mqar.accuracy(model, data[2], data[3][:2])
+    attn = dict(attention="softmax", head_dim=8)
+    small = dict(vocab=80, data=data, d=16, heads=1, layers=1, batch=4)
+    for kw, exc, match in [(dict(steps=0), ValueError, "steps must be >= 1"),
+                           (dict(steps=-1), ValueError, "steps must be >= 1"),
+                           (dict(steps=2, eval_every=0), ValueError, "eval_every must be >= 1"),
+                           (dict(steps=2, batch=0), ValueError, "batch must be >= 1"),
+                           (dict(steps=2.0), TypeError, "steps must be an integer"),
+                           (dict(steps=2, lr=0.0), ValueError, "lr must be finite and > 0"),
+                           (dict(steps=2, warmup=-1), ValueError, "warmup must be >= 0"),
+                           (dict(steps=2, weight_decay=float("inf")), ValueError, "weight_decay must be finite"),
+                           (dict(steps=2, threads=0), ValueError, "threads must be >= 1"),
+                           (dict(steps=2, vocab=40), ValueError, r"outside \[0, vocab\) = \[0, 40\)"),
+                           (dict(steps=2, data=data[:3]), TypeError, "data must be a tuple"),
+                           (dict(steps=2, data=(data[0][:0], data[1][:0], *data[2:])), ValueError,
+                            "y_train has no query position")]:
+        with pytest.raises(exc, match=match):
+            mqar.train(attn, **dict(small, **kw))
+    res = mqar.train(attn, steps=1, **small)
+    assert res["steps"] == 1 and [c["step"] for c in res["curve"]] == [1]

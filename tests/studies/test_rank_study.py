@@ -33,3 +33,28 @@ def test_seed_stat_keeps_the_sign_of_infinite_samples():
         m, h = seed_stat(x)
         assert (m == want or (np.isnan(m) and np.isnan(want))) and np.isnan(h), x
     assert seed_stat([1.0, 2.0, 3.0])[0] == 2.0 and seed_stat([]) == pytest.approx((nan, nan), nan_ok=True)
+
+
+def test_points_refuse_a_dim_n_or_m_whose_arrays_exceed_the_limit(monkeypatch, tmp_path):
+    """points checked only lower bounds (and drew each random map at d to learn its D_φ): linattn rank
+    --dim 100000000 (or --n) failed point by point or ran out of memory.  A point whose largest array
+    exceeds config.QUADRATIC_MAX_ELEMENTS is refused, naming the setting, the array and the limit."""
+    from linattn_nb import config
+    from linattn_nb.studies import Context, rank
+
+    ctx = Context(out=tmp_path, profile="tiny", plots=False)
+    monkeypatch.setattr(config, "QUADRATIC_MAX_ELEMENTS", 1000)
+    assert rank.points(ctx, maps=["elu"], dim=4, n=[16, 250])  # 250 x 4 <= 1000
+    with pytest.raises(ValueError, match=r"rank study: dim = 4, n = 251, .* n x d queries = 251 x 4 array, "
+                                         r"more than config\.QUADRATIC_MAX_ELEMENTS = 1000"):
+        rank.points(ctx, maps=["elu"], n=[16, 251])
+    with pytest.raises(ValueError, match=r"dim = 40, .* D_φ x M state = 40 x 40 "):
+        rank.points(ctx, maps=["elu"], dim=40, n=[2])
+    with pytest.raises(ValueError, match=r"map favor\+ \(D_φ = 8\).* d x d orthogonal block = 40 x 40 "):
+        rank.points(ctx, maps=["favor+"], dim=40, n=[2], value_dim=8)
+    with pytest.raises(ValueError, match=r"value_dim = 600, .* n x M values = 16 x 600 "):
+        rank.points(ctx, maps=["elu"], value_dim=600, n=[16])
+    monkeypatch.undo()
+    for kw in ({"dim": 10 ** 8}, {"n": 10 ** 8}, {"m": 10 ** 8}):
+        with pytest.raises(ValueError, match="QUADRATIC_MAX_ELEMENTS"):
+            rank.points(ctx, **kw)

@@ -70,3 +70,30 @@ def test_a_map_of_signed_features_reads_unnormalised_and_is_marked_in_the_table(
     md = recall.render(records, Context(out=tmp_path, profile="tiny", plots=False)).markdown
     rows = [line for line in md.splitlines() if line.startswith("| l2") or line.startswith("| elu")]
     assert sorted(line.split(" | ")[0] for line in rows) == ["| elu", f"| l2{recall.UNNORMALISED}"]
+
+
+def test_points_refuse_a_dim_n_or_m_whose_arrays_exceed_the_limit(monkeypatch, tmp_path):
+    """points checked only lower bounds: linattn recall --dim 100000000 (or --n) failed point by point or
+    ran out of memory.  A point whose largest array exceeds config.QUADRATIC_MAX_ELEMENTS is refused by
+    points, naming the setting, the array and the limit, before any array is made."""
+    import pytest
+
+    from linattn_nb import config
+    from linattn_nb.studies import Context, recall
+
+    ctx = Context(out=tmp_path, profile="tiny", plots=False)
+    monkeypatch.setattr(config, "QUADRATIC_MAX_ELEMENTS", 1000)
+    assert recall.points(ctx, maps=["elu"], dim=16, n=[8, 31])  # 31 x 31 <= 1000
+    with pytest.raises(ValueError, match=r"recall study: dim = 4, n = 32, .* n x n one-hot values = 32 x 32 "
+                                         r"array, .*QUADRATIC_MAX_ELEMENTS = 1000"):
+        recall.points(ctx, maps=["elu"], n=[8, 32])
+    with pytest.raises(ValueError, match=r"dim = 40, .* map elu .* D_φ x M state = 40 x 40 "):
+        recall.points(ctx, maps=["elu"], dim=40)  # the fixed-state regime: M = d
+    with pytest.raises(ValueError, match=r"map taylor2 \(D_φ = 153\): .* n x D_φ features = 16 x 153 "):
+        recall.points(ctx, maps=["taylor2"], dim=16)
+    with pytest.raises(ValueError, match=r"map favor\+ \(m=200\) .* m x d random projection = 200 x 16 "):
+        recall.points(ctx, maps=["favor+"], m=200, dim=16, n=[2])
+    monkeypatch.undo()
+    for kw in ({"dim": 10 ** 8}, {"n": 10 ** 8}, {"m": 10 ** 8}):
+        with pytest.raises(ValueError, match="QUADRATIC_MAX_ELEMENTS"):
+            recall.points(ctx, **kw)
