@@ -65,15 +65,22 @@ def _bits_f32(typingctx, x):
 
 
 @intrinsic
-def _bits_f64(typingctx, x):
-    """float64 holding an integer value < 2**63 -> the float64 with those bits."""
-    if x != types.float64:
+def _pow2_f64(typingctx, k):
+    """``2**k`` for a float64 ``k`` holding an integer in [-1022, 1023]: the exponent bits by integer
+    operations, ``((bits(k + 1.5 * 2**52) + 1023) << 52)``, whose low 12 bits of the sum are ``k + 1023``.
+    No float64 -> int64 conversion, as ``_bits_f32`` has for float32: AVX2 has no packed form of that
+    (AVX-512DQ has), so the float64 ELU+1 with one ran scalar there (the chunked float64 call at
+    N = 4096 took 1.75x as long, AMD EPYC, AVX2; docs/design-cpu.md)."""
+    if k != types.float64:
         return None
 
     def codegen(context, builder, sig, args):
-        return builder.bitcast(builder.fptosi(args[0], ir.IntType(64)), ir.DoubleType())
+        i64 = ir.IntType(64)
+        y = builder.fadd(args[0], ir.Constant(ir.DoubleType(), _MAGIC_F64))  # exact: no fast-math flags
+        e = builder.add(builder.bitcast(y, i64), ir.Constant(i64, 1023))
+        return builder.bitcast(builder.shl(e, ir.Constant(i64, 52)), ir.DoubleType())
 
-    return types.float64(x), codegen
+    return types.float64(k), codegen
 
 
 # ---------------------------------------------------------------------------
@@ -131,7 +138,7 @@ def _elu1_f64(x):
     p = p * r + 0.5
     p = p * r + 1.0
     p = p * r + 1.0
-    p = p * _bits_f64(kf * 4503599627370496.0 + 1023.0 * 4503599627370496.0)
+    p = p * _pow2_f64(kf)  # kf in [-1022, 0]: the clamp above
     p = p if not (x < -708.3) else 0.0  # (nearly) subnormal range: flushed to 0
     return p if x < 0.0 else x + 1.0
 

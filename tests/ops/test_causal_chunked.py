@@ -161,6 +161,27 @@ def test_elu1_accuracy_and_specials(dtype, ulps):
     assert o[4] == 1 and o[5] == 1
 
 
+def test_elu1_float64_power_of_two_at_every_exponent():
+    """float64 ELU+1 builds ``2**k`` from integer operations (no float64 -> int64 conversion, which AVX2 cannot
+    vectorise): within 2 ulp of the exact ``exp`` on both sides of every switch of ``k`` in [-1022, 0] and up
+    to the flush at -708.3, below which it gives 0."""
+    mids = (np.arange(-1022, 1) + 0.5) * np.log(2.0)
+    mids = mids[mids > -708.3]
+    steps = np.arange(-8, 9, dtype=np.float64)
+    x = np.concatenate([(mids[:, None] + steps * np.spacing(np.abs(mids))[:, None]).ravel(),
+                        np.arange(-1022, 1) * np.log(2.0), np.linspace(-708.3, -708.0, 3001)])
+    x = x[(x >= -708.3) & (x <= 0)]
+    out = np.empty_like(x)
+    _elu_array(x, out)
+    ref = np.exp(x.astype(np.longdouble))
+    ulps = np.abs((out - ref) / np.spacing(ref.astype(np.float64))).astype(np.float64)
+    assert ulps.max() <= 2.0, f"{ulps.max():.3f} ulp at x = {x[ulps.argmax()]!r}"
+    below = np.array([np.nextafter(-708.3, -np.inf), -708.4, -745.2, -1e300], np.float64)
+    o = np.empty_like(below)
+    _elu_array(below, o)
+    assert np.array_equal(o, np.zeros(4))
+
+
 _EXP_LIM_F32 = np.float32(-87.3)  # below it ELU+1's exp flushes to 0
 
 
