@@ -116,13 +116,16 @@ def cpu_model() -> str:
     return machine()["cpu"]
 
 
-def interleaved_medians(cases, rounds, inner=1):
+def interleaved_medians(cases, rounds, inner=1, clock="wall"):
     """Time the callables of ``cases`` (name -> function) side by side.
 
     Every case is called twice untimed (compilation, warm-up); then each of
     ``rounds`` rounds times every case once, as the median of ``inner`` calls
     back to back, so that a change of load on a shared machine falls on all
-    cases alike.
+    cases alike.  ``clock="cpu"`` times the process's CPU seconds (every thread's,
+    :func:`time.process_time`) instead of wall time: on a shared machine time spent
+    preempted does not count, so ratios are steadier; with more than one thread it
+    also counts threads that spin while they wait.
 
     Returns
     -------
@@ -134,14 +137,17 @@ def interleaved_medians(cases, rounds, inner=1):
     for fn in cases.values():
         fn()
         fn()
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
+    now = time.process_time if clock == "cpu" else time.perf_counter
     times = {name: [] for name in cases}
     for _ in range(rounds):
         for name, fn in cases.items():
             calls = []
             for _ in range(inner):
-                t = time.perf_counter()
+                t = now()
                 fn()
-                calls.append(time.perf_counter() - t)
+                calls.append(now() - t)
             times[name].append(statistics.median(calls))
     return {name: statistics.median(ts) for name, ts in times.items()}, times
 

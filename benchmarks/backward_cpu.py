@@ -5,6 +5,7 @@ Run::
     python benchmarks/backward_cpu.py              # everything; accuracy and memory at N = 2**20
     python benchmarks/backward_cpu.py --quick      # fewer rounds, accuracy and memory at N = 2**16
     python benchmarks/backward_cpu.py --skip-long  # speed rows only
+    NUMBA_NUM_THREADS=1 python benchmarks/backward_cpu.py --skip-long --clock cpu  # CPU seconds, one thread
 
 Speed (B*H = 16, N = 4096, D = M = 64, float32; ELU+1 for the additive, decay
 and gate rules, SiLU+L2 for the delta rules: ``STANDARD_MAPS``), timed side by side
@@ -127,7 +128,7 @@ RULE_NAMES = ("additive", "decay", "gate", "delta", "gated_delta")
 STANDARD_MAPS = {"additive": "elu", "decay": "elu", "gate": "elu", "delta": "silu_l2", "gated_delta": "silu_l2"}
 
 
-def speed(rounds, rules=RULE_NAMES, feature_map=None):
+def speed(rounds, rules=RULE_NAMES, feature_map=None, clock="wall"):
     """The speed rows; ``feature_map`` None: each rule's map of :data:`STANDARD_MAPS`."""
     bh, n, d = 16, 4096, 64
     q, k, v, g = _data(bh, n, d, np.float32)
@@ -165,7 +166,7 @@ def speed(rounds, rules=RULE_NAMES, feature_map=None):
         if name in ("additive", "delta"):
             cases["backward_scan"] = lambda code=code, inputs=inputs: gcpu.backward_scan(
                 qf, kf, v1, H0, g1, inputs=inputs, rule=code)
-        med, times = interleaved_medians(cases, rounds)
+        med, times = interleaved_medians(cases, rounds, clock=clock)
         lo, hi = _spread(times, "vjp", "forward")
         dlo, dhi = _spread(times, "vjp_default", "forward_default")
         faults = {name: _page_faults(cases[name]) for name in ("forward", "vjp")}
@@ -248,6 +249,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer rounds; accuracy and memory at N = 2**16")
     ap.add_argument("--skip-long", action="store_true", help="speed rows only")
     ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="time the speed rows in wall or CPU seconds (cpu: steadier on a shared machine; "
+                         "run with NUMBA_NUM_THREADS=1 so that no thread spins while it waits)")
     ap.add_argument("--rules", default=",".join(RULE_NAMES), help="comma-separated rules of the speed rows")
     ap.add_argument("--feature-map", default=None, help="one map for every speed row (default: ELU+1 for the "
                     "additive, decay and gate rules, SiLU+L2 for the delta rules, whose state overflows with ELU+1)")
@@ -262,9 +266,9 @@ def main(argv=None):
     print(f"method='auto' (forward_default): calibration {_tune.status_line()}")
     rounds = args.rounds or (3 if args.quick else 7)
     rules = tuple(r for r in args.rules.split(",") if r)
-    rows = speed(rounds, rules, args.feature_map)
+    rows = speed(rounds, rules, args.feature_map, args.clock)
     print(f"\nSpeed: B*H = 16, N = 4096, D = M = 64, float32, map {args.feature_map or 'per rule'}, median of "
-          f"{rounds} interleaved rounds")
+          f"{rounds} interleaved rounds, {args.clock} time")
     print(table(rows, ["rule", "feature_map", "finite_outputs", "forward_s", "backward_s", "ratio", "vjp_s",
                        "vjp_ratio", "vjp_ratio_range", "forward_default_s", "vjp_x_default", "vjp_default_s",
                        "default_ratio", "default_range", "forward_faults", "vjp_faults", "scan_backward_s"],
@@ -275,7 +279,7 @@ def main(argv=None):
                  "scan_backward_s": "{:.4f}"}))
     result = {"machine": machine(), "shape": {"BH": 16, "N": 4096, "D": 64, "M": 64, "dtype": "float32",
                                               "feature_map": args.feature_map or "per rule"}, "rounds": rounds,
-              "speed": rows}
+              "clock": args.clock, "speed": rows}
     if args.out is None and (rules != tuple(RULE_NAMES) or args.feature_map is not None):
         # the committed results file holds the standard rows (docs/measured.md is built from it)
         print("# not written: other rules or map than the standard rows; pass --out PATH to keep them")
