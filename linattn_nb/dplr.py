@@ -126,9 +126,11 @@ def _norm(normalize, eps):
     return NORM_FLOOR, eps
 
 
-def _initial(initial_state, name, lead, F, M):
+def _initial(initial_state, name, lead, F, M, check_finite):
     """(H0 (B, F, M + 1) float64, position) from ``initial_state`` (a LinearState of this rule, or None); the
-    position checked as linear_attention checks it (:func:`~linattn_nb._frontend.check_position`)."""
+    position checked as linear_attention checks it (:func:`~linattn_nb._frontend.check_position`), and with
+    ``check_finite`` its ``S`` and ``z`` refused when they hold NaN or inf (ValueError naming each, with the
+    count), as linear_attention refuses them; without, they are taken as they are."""
     from ._frontend import check_position
 
     B = int(np.prod(lead, dtype=np.int64))
@@ -145,8 +147,9 @@ def _initial(initial_state, name, lead, F, M):
     position = check_position(getattr(initial_state, "position", 0))
     S = D.shaped("initial_state.S", S, lead + (F, M), "(..., D_phi, M)")
     z = D.shaped("initial_state.z", z, lead + (F,), "(..., D_phi)")
-    if not (np.isfinite(S).all() and np.isfinite(z).all()):
-        raise ValueError("initial_state contains non-finite values (NaN or inf)")
+    if check_finite:
+        check_finite_values("initial_state.S", S)
+        check_finite_values("initial_state.z", z)
     H = np.empty((B, F, M + 1))
     H[:, :, :M] = S.reshape(B, F, M)
     H[:, :, M] = z.reshape(B, F)
@@ -309,7 +312,7 @@ def _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize
                          "factors that cancel only in the ratio): pass normalize=True")
     B = int(np.prod(lead, dtype=np.int64))
     F = int(fmap.output_dim(Dq))
-    H0, position = _initial(initial_state, name, lead, F, M)
+    H0, position = _initial(initial_state, name, lead, F, M, check_finite)
     if sub and getattr(fmap, "position_dependent", False):
         raise ValueError(f"feature map {fmap.name!r} depends on the position: it is not defined for keys "
                          "with a sub-step axis")
@@ -491,13 +494,15 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
         The floor of the normaliser (a finite number >= 0; None: raw division), checked as
         :func:`linattn_nb.linear_attention` checks it, with ``normalize=False`` too.
     check_finite : bool, default True
-        Refuse NaN/inf in q, k, v; raise :class:`~linattn_nb.ops._finite.NonFiniteResult` when the
-        outputs or the state overflow.
+        Refuse NaN/inf in q, k, v and ``initial_state`` (ValueError naming the argument and counting the
+        values, as :func:`linattn_nb.linear_attention`); raise
+        :class:`~linattn_nb.ops._finite.NonFiniteResult` when the outputs or the state overflow.  False
+        takes them as they are (NaN outputs, no error).
     out : ndarray, shape (..., N, M), optional
         Written in place (its dtype must be the outputs').
     initial_state : LinearState, optional
         The state a previous call of the same rule returned (its ``position`` a non-negative integer, at
-        most ``2**63 - 1``).
+        most ``2**63 - 1``; its ``S`` and ``z`` finite with ``check_finite``).
     return_state : bool, default False
         Also return the final state (a :class:`~linattn_nb.LinearState` whose ``rule`` is the rule's
         name, ``"dplr"`` for the general form).
@@ -522,7 +527,8 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
         Shapes that do not match (the message names the argument and the shape it expects), values
         out of range (``log_diag``/``log_decay`` > 0, ``decay`` outside [0, 1]), an unknown method; a
         negative or non-finite ``eps``; an ``initial_state.position`` below 0, above ``2**63 - 1`` or
-        not integral (2.7).
+        not integral (2.7); with ``check_finite``, NaN or inf in q, k, v, ``initial_state.S`` or
+        ``initial_state.z`` (the message names it and counts them).
     NonFiniteResult
         The outputs or the state hold NaN or inf although the inputs are finite: a transition with
         ``||D_t + b_t a_t^T|| > 1`` grew the (float64) state, or an output its dtype's range
@@ -698,25 +704,28 @@ def _general_pullback(R: _Request, g):
 
 
 def _state_grad(grad_state, lead, F, M, check_finite):
-    """``dL/d`` of the final state as (B, F, M + 1) float64 (zeros for None); with ``check_finite`` its ``S`` and
-    ``z`` refused when they hold NaN or inf, as linear_attention_vjp refuses them."""
+    """``dL/d`` of the final state as (B, F, M + 1) float64 (zeros for None), read as linear_attention_vjp reads
+    it (:func:`~linattn_nb._frontend.parse_state`): a LinearState or a tuple ``(S, z[, position])``, both
+    arrays required (TypeError naming ``grad_state.z`` for a None, as there: the state's ``z`` is part of it
+    with ``normalize=False`` too), its ``position`` a non-negative integer (not compared with the call's, as
+    there); with ``check_finite`` its ``S`` and ``z`` refused when they hold NaN or inf."""
+    from ._frontend import host_array, parse_state
+
     B = int(np.prod(lead, dtype=np.int64))
     dH = np.zeros((B, F, M + 1))
     if grad_state is None:
         return dH
-    S = getattr(grad_state, "S", None)
-    z = getattr(grad_state, "z", None)
-    if S is None:
-        raise TypeError(f"grad_state must be a LinearState (S, z), got {type(grad_state).__name__}")
-    S = D.shaped("grad_state.S", S, lead + (F, M), "(..., D_phi, M)")
-    if check_finite:
-        check_finite_values("grad_state.S", S)
-    dH[:, :, :M] = S.reshape(B, F, M)
-    if z is not None:
-        z = D.shaped("grad_state.z", z, lead + (F,), "(..., D_phi)")
+    S, z, _ = parse_state(grad_state, "grad_state")
+    checked = []
+    for name, x, want, what in (("grad_state.S", S, lead + (F, M), "(..., D_phi, M)"),
+                                ("grad_state.z", z, lead + (F,), "(..., D_phi)")):
+        x = D.shaped(name, host_array(name, x), want, what)
         if check_finite:
-            check_finite_values("grad_state.z", z)
-        dH[:, :, M] = z.reshape(B, F)
+            check_finite_values(name, x)
+        checked.append(x)
+    S, z = checked
+    dH[:, :, :M] = S.reshape(B, F, M)
+    dH[:, :, M] = z.reshape(B, F)
     return dH
 
 
@@ -730,8 +739,11 @@ def dplr_attention_vjp(q, k, v, grad_out, *, rule=None, a=None, b=None, log_diag
     ----------
     grad_out : array_like, shape (..., N, M)
         ``dL/d out``.
-    grad_state : LinearState, optional
-        ``dL/d`` of the final state (its ``S`` and ``z``), for a loss that reads it.
+    grad_state : LinearState or tuple (S, z[, position]), optional
+        ``dL/d`` of the final state, ``S`` (..., D_phi, M) and ``z`` (..., D_phi), for a loss that reads
+        it; taken as :func:`linattn_nb.linear_attention_vjp` takes it: both arrays are required (zeros
+        for a part the loss does not read; ``z`` is part of the state with ``normalize=False`` too), and
+        ``position`` is checked as ``initial_state.position`` is, not compared with the call's.
 
     Returns
     -------
@@ -740,9 +752,11 @@ def dplr_attention_vjp(q, k, v, grad_out, *, rule=None, a=None, b=None, log_diag
     Raises
     ------
     TypeError, ValueError
-        As :func:`dplr_attention` for its arguments; a ``grad_out`` or ``grad_state`` of the wrong shape.
-        With ``check_finite``, a ``grad_out``, ``grad_state.S`` or ``grad_state.z`` holding NaN or inf
-        (ValueError naming it, as :func:`linattn_nb.linear_attention_vjp`).  A rule of one's own without a
+        As :func:`dplr_attention` for its arguments; a ``grad_out`` or ``grad_state`` of the wrong shape
+        (ValueError); a ``grad_state`` that is no state or whose ``z`` is None (TypeError), or whose
+        ``position`` is not a non-negative integer (as ``initial_state.position``).  With ``check_finite``,
+        a ``grad_out``, ``grad_state.S`` or ``grad_state.z`` holding NaN or inf (ValueError naming it and
+        counting the values, as :func:`linattn_nb.linear_attention_vjp`).  A rule of one's own without a
         ``pullback``, or one whose result is not what it must be (the rule named, the field and the shape
         expected).
 
@@ -774,8 +788,8 @@ def dplr_attention_vjp(q, k, v, grad_out, *, rule=None, a=None, b=None, log_diag
     lead, N, M, F = R.lead, R.N, R.M, R.F
     B = int(np.prod(lead, dtype=np.int64))
     dout = D.shaped("grad_out", grad_out, lead + (N, M), "(..., N, M)").reshape(B, N, M)
-    if check_finite and not np.isfinite(dout).all():
-        raise ValueError("grad_out contains non-finite values (NaN or inf)")
+    if check_finite:
+        check_finite_values("grad_out", dout)  # the count in the message, as linear_attention_vjp's
     dH = _state_grad(grad_state, lead, F, M, check_finite)
     ld, A, Bv, KW, VW = R.form
     fq = np.ascontiguousarray(R.fq)

@@ -517,6 +517,78 @@ def test_a_non_finite_grad_state_is_refused(rng, field):
     assert not np.isfinite(res.d_inputs["decay"]).all()
 
 
+def test_a_non_finite_grad_out_is_counted_as_linear_attention_vjp_counts_it(rng):
+    """dplr_attention_vjp said "grad_out contains non-finite values (NaN or inf)" with no count; now the message
+    of linear_attention_vjp (the same helper), and check_finite=False lets the values through."""
+    q, k, v = _qkv(rng)
+    args = _kda_args(rng)
+    g = np.ones((B, N, M))
+    g[0, 1, 2], g[1, 3, 0] = np.nan, np.inf
+    with pytest.raises(ValueError) as dplr:
+        la.dplr_attention_vjp(q, k, v, g, **args)
+    assert str(dplr.value) == ("grad_out contains 2 non-finite value(s) (NaN or inf); pass check_finite=False to "
+                               "skip this check")
+    with pytest.raises(ValueError) as linear:
+        la.linear_attention_vjp(q, k, v, g, causal=True, method="quadratic")
+    assert str(linear.value) == str(dplr.value)
+    with np.errstate(invalid="ignore"):  # inf times 0 in the gradients
+        res = la.dplr_attention_vjp(q, k, v, g, check_finite=False, **args)
+    assert not np.isfinite(res.dv).all()
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    ({"z": None}, TypeError, r"^grad_state\.z must be an array, got None$"),
+    ({"position": -1}, ValueError, r"^grad_state\.position must be >= 0, got -1$"),
+    ({"position": 2.7}, ValueError, r"^grad_state\.position must be a non-negative integer, got 2\.7$"),
+    ({"position": True}, TypeError, r"^grad_state\.position must be a non-negative integer, got True$"),
+])
+def test_grad_state_is_read_as_linear_attention_vjp_reads_it(rng, change, exc, match):
+    """dplr_attention_vjp took a grad_state whose z was None as zeros and never looked at its position; now both
+    as linear_attention_vjp (parse_state): z is required (the state's z is part of it with normalize=False too),
+    the position a non-negative integer, not compared with the call's; a tuple (S, z) is a grad_state too."""
+    q, k, v = _qkv(rng)
+    args = _kda_args(rng)
+    g = np.ones((B, N, M))
+    _, st = la.dplr_attention(q, k, v, return_state=True, **args)
+    with pytest.raises(exc, match=match):
+        la.dplr_attention_vjp(q, k, v, g, grad_state=st._replace(**change), **args)
+    ref = la.dplr_attention_vjp(q, k, v, g, grad_state=st, **args)
+    for other in ((st.S, st.z), st._replace(position=0), st._replace(position=np.int64(3 * N))):
+        got = la.dplr_attention_vjp(q, k, v, g, grad_state=other, **args)
+        np.testing.assert_array_equal(got.dq, ref.dq)
+        np.testing.assert_array_equal(got.d_inputs["decay"], ref.d_inputs["decay"])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_non_finite_initial_state_is_taken_with_check_finite_off(rng, method):
+    """dplr_attention refused a non-finite initial_state with check_finite=False too, where linear_attention takes
+    it; now as there: refused with check_finite (the message names initial_state.S or .z and counts the values),
+    taken as it is without (NaN in the outputs of the sequence that holds it, the other one unchanged)."""
+    q, k, v = _qkv(rng)
+    args = {"a": np.zeros((B, N, D)), "b": np.zeros((B, N, D)), "method": method}
+    _, st = la.dplr_attention(q, k, v, return_state=True, **args)
+    S0 = st.S.copy()
+    S0[0, 1, 2] = np.nan
+    bad = st._replace(S=S0)
+    want = r"^initial_state\.S contains 1 non-finite value\(s\) \(NaN or inf\); pass check_finite=False"
+    with pytest.raises(ValueError, match=want):
+        la.dplr_attention(q, k, v, initial_state=bad, **args)
+    with pytest.raises(ValueError, match=want):
+        la.dplr_attention_vjp(q, k, v, np.ones((B, N, M)), initial_state=bad, **args)
+    z0 = st.z.copy()
+    z0[1, 0] = np.inf
+    with pytest.raises(ValueError, match=r"^initial_state\.z contains 1 non-finite"):
+        la.dplr_attention(q, k, v, initial_state=st._replace(z=z0), **args)
+    lin = la.linear_attention(q, k, v, causal=True, method="quadratic", normalize=False, check_finite=False,
+                              initial_state=la.LinearState(S0, st.z, st.position, "additive"))
+    out = la.dplr_attention(q, k, v, initial_state=bad, check_finite=False, **args)
+    good = la.dplr_attention(q, k, v, initial_state=st, **args)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(lin))
+    assert np.isnan(out[0]).any() and np.array_equal(out[1], good[1])
+    res = la.dplr_attention_vjp(q, k, v, np.ones((B, N, M)), initial_state=bad, check_finite=False, **args)
+    assert np.isfinite(res.dq[1]).all() and res.d_initial_state is not None
+
+
 def test_registry():
     assert rules.dplr_rule_names() == ("kda", "rwkv7", "delta_product", "gated_delta_product")
     assert rules.get_dplr_rule("kda") is rules.DPLR_RULES["kda"]
