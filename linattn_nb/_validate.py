@@ -77,6 +77,17 @@ def check_bool(name: str, x) -> bool:
     return bool(x)
 
 
+def check_int(name: str, x, minimum: int = 0) -> int:
+    """``x`` as an int: a Python or NumPy integer (not a bool) ``>= minimum``, e.g. a token position, a
+    length or a count.  TypeError naming ``name`` for anything else (a float such as 1.7, a string, a bool),
+    ValueError below ``minimum``."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {type(x).__name__} {x!r}")
+    if x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return int(x)
+
+
 def check_qkv(q, k, v, *, names: Sequence[str] = ("q", "k", "v"), same_n: bool = True):
     """Validate the shapes and dtypes of q, k, v: ``(batch_shape, n, d, m, promoted dtype)``.
 

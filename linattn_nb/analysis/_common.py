@@ -123,13 +123,7 @@ def check_scalar_rtol(rtol, func: str):
     return float(r)
 
 
-def check_int(name: str, x, minimum: int) -> int:
-    """An integer (not a bool) >= ``minimum``."""
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {type(x).__name__}")
-    if x < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {x}")
-    return int(x)
+check_int = V.check_int  # counts, sizes and seeds, checked as the attention functions check theirs
 
 
 def map_arrays(fmap, d: int) -> list:

@@ -305,23 +305,6 @@ def check_count(what: str, value, *, allow_none: bool = True):
     return int(value)
 
 
-def check_index(what: str, value, *, minimum: int = 0) -> int:
-    """An integer (a Python or NumPy integer, not a bool) ``>= minimum``: a token position or a length.
-
-    Raises
-    ------
-    TypeError
-        If ``value`` is a bool, a float, a string or anything else that is not an integer.
-    ValueError
-        If ``value < minimum``.
-    """
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{what} must be an integer, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value}")
-    return int(value)
-
-
 class FeatureOverflow(ValueError):
     """Features of finite inputs overflow the inputs' dtype (``dtype``: that dtype).
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._base import FeatureMap, check_count, check_index, check_input, check_role, vjp_inputs
+from .._validate import check_int
+from ._base import FeatureMap, check_count, check_input, check_role, vjp_inputs
 
 
 class CosformerFeatureMap(FeatureMap):
@@ -50,9 +51,9 @@ class CosformerFeatureMap(FeatureMap):
         return 2 * int(d)
 
     def _length(self, offset: int, n: int, total_length) -> int:
-        offset = check_index("cosformer: offset", offset)
+        offset = check_int("cosformer: offset", offset)
         if total_length is not None:
-            total_length = check_index("cosformer: total_length", total_length)
+            total_length = check_int("cosformer: total_length", total_length)
         big_m = self.max_length
         if big_m is None:
             if offset > 0:
