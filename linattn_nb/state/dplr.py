@@ -9,7 +9,9 @@ from ..feature_maps import resolve as _resolve_map
 from . import fileformat
 from .linear import LinearAttentionState as _Linear
 from .._defaults import DEFAULT_EPS
-from .._validate import check_eps
+from .._validate import check_bool, check_eps
+from ..ops._finite import NonFiniteResult
+from ._checks import check_batch_shape
 
 _GENERAL = "dplr"
 
@@ -24,7 +26,9 @@ class DPLRState:
     rule : str, optional
         A named DPLR rule (:func:`linattn_nb.rules.dplr_rule_names`); the general form when omitted
         (its ``a``, ``b``, ``log_diag``, ``beta`` passed to every call).
-    batch_shape : tuple of int, default ()
+    batch_shape : int or tuple of int, default ()
+        Leading dimensions of every input (an int ``n`` is ``(n,)``), as for
+        :class:`~linattn_nb.LinearAttentionState`.
     feature_map : str or FeatureMap, default "elu"
     normalize : bool, default False
     eps : float or None
@@ -54,13 +58,11 @@ class DPLRState:
         for name, x in (("key_dim", key_dim), ("value_dim", value_dim)):
             if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < 1:
                 raise ValueError(f"{name} must be a positive integer, got {x!r}")
-        bs = tuple(batch_shape)
-        if any(isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)) or s < 0 for s in bs):
-            raise ValueError(f"batch_shape must be a tuple of non-negative integers, got {batch_shape!r}")
+        bs = check_batch_shape(batch_shape)
         if not isinstance(normalize, (bool, np.bool_)):
             raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
         self._spec = None if rule in (None, _GENERAL) else get_dplr_rule(rule)
-        self._d, self._m, self._bs = int(key_dim), int(value_dim), tuple(int(s) for s in bs)
+        self._d, self._m, self._bs = int(key_dim), int(value_dim), bs
         self._fmap = _resolve_map(feature_map)
         self._f = int(self._fmap.output_dim(self._d))
         self._normalize, self._eps = bool(normalize), check_eps(eps)
@@ -120,11 +122,18 @@ class DPLRState:
         ``beta`` batch-shaped, a per-feature ``decay`` batch + (D_phi,), DeltaProduct's ``k``
         batch + (n_h, D)); batch + (T, D) is T tokens, with the arguments of
         :func:`linattn_nb.dplr_attention`.  Returns batch + (M,) or batch + (T, M).
+        An argument without the batch axes (a scalar ``beta`` of a batched state) is refused
+        with :func:`~linattn_nb.dplr_attention`'s ValueError naming it.
         """
         if self._one_token(q):
             ax = len(self._bs)
-            out = self._run(*(np.expand_dims(np.asarray(x), ax) for x in (q, k, v)),
-                            {n: np.expand_dims(np.asarray(x), ax) for n, x in arguments.items()}, check_finite)
+
+            def token_axis(x):  # fewer axes than the batch: passed as it is, for dplr_attention to refuse by name
+                x = np.asarray(x)
+                return np.expand_dims(x, ax) if x.ndim >= ax else x
+
+            out = self._run(*(token_axis(x) for x in (q, k, v)),
+                            {n: token_axis(x) for n, x in arguments.items()}, check_finite)
             return out[(slice(None),) * ax + (0,)]
         return self._run(q, k, v, arguments, check_finite)
 
@@ -136,7 +145,13 @@ class DPLRState:
         self._run(q, k, v, arguments, check_finite)
 
     def query(self, q, *, check_finite=True):
-        """The outputs of queries (batch + (T, D) or batch + (D,)) against the state, which stays as it is."""
+        """The outputs of queries (batch + (T, D) or batch + (D,)) against the state, which stays as it is.
+
+        Returned in the queries' dtype, as :meth:`step`'s outputs (with ``check_finite``, an output beyond that
+        dtype's range raises :class:`~linattn_nb.NonFiniteResult`; pass float64 queries to read it);
+        ``check_finite`` must be True or False (TypeError otherwise).
+        """
+        check_finite = check_bool("check_finite", check_finite)
         q = np.asarray(q)
         one = self._one_token(q)
         if one:
@@ -149,7 +164,12 @@ class DPLRState:
             raise ValueError("q contains non-finite values (NaN or inf)")
         fq = np.asarray(self._fmap.apply(q, role="query", causal=True, offset=self._position), dtype=np.float64)
         out = read_state(fq, self._S, self._z, self._normalize, self._eps)
-        out = out.astype(np.result_type(q.dtype, np.float32) if q.dtype != np.float64 else np.float64)
+        with np.errstate(over="ignore"):
+            res = out.astype(q.dtype)
+        if check_finite and not np.isfinite(res).all() and np.isfinite(out).all():
+            raise NonFiniteResult(f"the outputs of these finite queries overflow {q.dtype} (they are finite in "
+                                  "float64): pass float64 queries to read them; the state is unchanged")
+        out = res
         return out[(slice(None),) * len(self._bs) + (0,)] if one else out
 
     def reset(self) -> None:

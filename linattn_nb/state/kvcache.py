@@ -164,6 +164,11 @@ class KVCache:
                        causal_new=causal_new)
         res = out.astype(dtype)
         if not np.isfinite(res).all():
+            held = [n for n, x in (("keys", K), ("values", Vc)) if not np.isfinite(x).all()]
+            if held:  # appended with check_finite=False: not an overflow of finite scores
+                raise NonFiniteResult(f"KVCache: the outputs are not finite because the cached {' and '.join(held)} "
+                                      "hold NaN or inf (appended with check_finite=False); reset() or truncate() "
+                                      f"the cache (length {length})")
             raise NonFiniteResult(f"KVCache: the outputs of these finite inputs are not finite even in float64 "
                                   f"(their scores q . k exceed its range); the tokens are in the cache "
                                   f"(length {length})")
@@ -197,7 +202,9 @@ class KVCache:
         k : array_like, shape ``(*batch_shape, T, key_dim)``
         v : array_like, shape ``(*batch_shape, T, value_dim)``
         check_finite : bool, default True
+            Raise ValueError (nothing appended) on NaN or inf; TypeError when not True or False.
         """
+        check_finite = V.check_bool("check_finite", check_finite)
         (k3, v3), _, _ = self._prepare([("k", k, self._d), ("v", v, self._m)], check_finite)
         self._append(k3, v3)
 
@@ -214,12 +221,14 @@ class KVCache:
         check_finite : bool, default True
             Raise ValueError (nothing appended) on NaN or inf; outputs of finite inputs that are not
             finite in the cache's dtype (scores ``q . k`` beyond float32's range) are recomputed in
-            float64 from the cached tokens.
+            float64 from the cached tokens.  TypeError when not True or False.
 
         Returns
         -------
         ndarray, shape ``(*batch_shape, T, value_dim)``, in the promoted input dtype.
         """
+        if check_finite is not True:  # one identity test on the decode loop's path
+            check_finite = V.check_bool("check_finite", check_finite)
         dt = self._dtype
         if (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray and q.dtype is dt
                 and k.dtype is dt and v.dtype is dt and q.shape == self._q1 and k.shape == self._q1
@@ -255,7 +264,8 @@ class KVCache:
         return out
 
     def query(self, q, *, check_finite=True):
-        """Attend T queries to every cached token without appending anything."""
+        """Attend T queries to every cached token without appending anything (``check_finite`` as :meth:`step`'s)."""
+        check_finite = V.check_bool("check_finite", check_finite)
         (q3,), T, dtype = self._prepare([("q", q, self._d)], check_finite)
         if self._len == 0 and T > 0:  # no queries: an empty result, as step and softmax_attention give
             raise ValueError("the cache is empty: a softmax over no keys is undefined")

@@ -498,16 +498,28 @@ class LinearAttentionState:
         never absorbs overflowed features; the outputs come back in the inputs' dtype (:meth:`_finish`).  A
         float32 state, which could not sum such features, refuses the call."""
         inline = self._code is not None
+        made = []
 
         def make(w):
-            return FE.host_features(self._fmap, inline, c.q, c.k, c.v, w, causal=True, position=self._position,
-                                    n=T)
+            made[:] = [FE.host_features(self._fmap, inline, c.q, c.k, c.v, w, causal=True, position=self._position,
+                                        n=T)]
+            return made[0]
 
         def refuse_float32_state():
-            if self._dtype != F64:
-                raise ValueError(f"feature map {self._fmap.name!r} overflows {work} on these finite inputs, and so "
-                                 f"would the {self._dtype} state that sums them: use a float64 state "
-                                 f"(LinearAttentionState(..., dtype=np.float64)) or smaller inputs")
+            if self._dtype == F64:
+                return
+            hint = "use a float64 state (LinearAttentionState(..., dtype=np.float64)) or smaller inputs"
+            # which features overflowed (the map's own FeatureOverflow leaves none to look at): the state sums
+            # the keys' only
+            bad = [n for n, x in zip(("q", "k"), made[0][:2] if made else ()) if x is not None and
+                   not np.isfinite(x).all()]
+            if "k" in bad or not bad:
+                raise ValueError(f"feature map {self._fmap.name!r} overflows {work} on these finite inputs "
+                                 f"({'the keys k' if bad else 'q or k'}), and so would the {self._dtype} state "
+                                 f"that sums the keys' features: {hint}")
+            raise ValueError(f"feature map {self._fmap.name!r} overflows {work} on the finite queries q (their "
+                             f"features: the state sums only the keys', but a {self._dtype} state refuses a call "
+                             f"whose features overflow {work}): {hint}")
 
         if inline:  # the kernel maps q and k itself
             feats = make(work)
@@ -675,7 +687,7 @@ class LinearAttentionState:
             another rule than the state's; features of finite inputs that overflow a float32 state
             (nothing changed).
         TypeError
-            Non-floating inputs.
+            Non-floating inputs; ``check_finite`` not True or False (a string such as ``"False"``, None, 0).
         NonFiniteResult
             With ``check_finite``: an output of finite inputs that is not finite (it overflows the
             outputs' dtype, or a normaliser is 0 with ``eps=None``), or a state that overflowed its
@@ -692,6 +704,8 @@ class LinearAttentionState:
         >>> st.step(x, x, np.ones((1, 3), dtype=np.float32)).tolist()
         [[1.0, 1.0, 1.0]]
         """
+        if check_finite is not True:  # one identity test on the decode loop's path
+            check_finite = V.check_bool("check_finite", check_finite)
         # Fast path (the additive decode loop): host NumPy arrays of one native dtype, C-contiguous,
         # an elementwise map, a host state.  A few tuple compares, one allocation, one call.
         if (self._fast and out is None and decay is None and log_decay is None and beta is None
@@ -810,6 +824,8 @@ class LinearAttentionState:
 
         Raises
         ------
+        TypeError
+            ``check_finite`` not True or False.
         NonFiniteResult
             An output that overflows the queries' dtype (pass float64 queries to read it), a
             normaliser of 0 with ``eps=None``, or a state that holds inf or NaN.
@@ -823,6 +839,7 @@ class LinearAttentionState:
         >>> st.query(np.zeros((1, 2))).tolist(), st.position
         ([[1.0, 2.0]], 1)
         """
+        check_finite = V.check_bool("check_finite", check_finite)
         inp = self._prepare([("q", q, self._d)], check_finite)
         (qf,) = self._on_state_device(inp)
         out = self._new_out(inp.T, inp.work)
@@ -860,6 +877,8 @@ class LinearAttentionState:
         ------
         ValueError
             As :meth:`step`.
+        TypeError
+            As :meth:`step`.
         NonFiniteResult
             As :meth:`step`: a state that overflowed.
 
@@ -875,6 +894,7 @@ class LinearAttentionState:
         >>> bool(np.allclose(st.S, ref.S)), bool(np.allclose(st.z, ref.z)), st.position
         (True, True, 50)
         """
+        check_finite = V.check_bool("check_finite", check_finite)
         unfixed = self._device is None
         inp = self._prepare([("k", k, self._d), ("v", v, self._m)], check_finite, decay, log_decay, beta,
                             step=False)
@@ -963,8 +983,9 @@ class LinearAttentionState:
             ``state`` is not a state, or its position is not an integer
             (None, a string).
         ValueError
-            Shapes that do not fit the feature map, non-finite values, a
-            negative, NaN or non-integral position.
+            Shapes that do not fit the feature map, non-finite values (values
+            beyond the range of a float32 ``dtype`` among them), a negative,
+            NaN or non-integral position.
         """
         check_device_arg(device)
         S, z, position = FE.parse_state(state, "state")
@@ -993,9 +1014,20 @@ class LinearAttentionState:
         V.check_float_dtype(f"{what}.z", z.dtype)
         for name, x in (("S", S), ("z", z)):  # a state that holds inf or NaN decodes nothing: no switch to skip it
             V.check_finite(f"{what}.{name}", x, "a state is loaded only when every value is finite")
+        cast = []
+        for name, x in (("S", S), ("z", z)):  # finite float64 values beyond a float32 state's range: no inf stored
+            with np.errstate(over="ignore"):
+                c = np.asarray(x, dtype=self._dtype)
+            if np.dtype(x.dtype).itemsize > self._dtype.itemsize and not np.isfinite(c).all():
+                big = float(np.max(np.abs(x)))
+                raise ValueError(f"{what}.{name} has {int(c.size - np.isfinite(c).sum())} finite value(s) beyond the "
+                                 f"range of the {self._dtype} state (largest magnitude {big:.3g}): it does not fit "
+                                 "the chosen dtype, and a state is loaded only when every value is finite in it; use "
+                                 "a float64 state (dtype=np.float64)")
+            cast.append(c)
         position = FE.check_position(position, f"{what}.position")
-        self._launch.put(self._S, self._z, np.asarray(S).reshape((self._B, self._f, self._m)),
-                         np.asarray(z).reshape((self._B, self._f)))
+        self._launch.put(self._S, self._z, cast[0].reshape((self._B, self._f, self._m)),
+                         cast[1].reshape((self._B, self._f)))
         self._position = position
 
     # -- files ---------------------------------------------------------------------------

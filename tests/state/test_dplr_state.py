@@ -100,3 +100,24 @@ def test_bad_eps_is_refused_at_construction(eps, error):
     with pytest.raises(error, match="eps must be"):
         DPLRState(D, M, rule="kda", eps=eps)
     assert DPLRState(D, M, rule="kda", eps=0).eps == 0.0 and DPLRState(D, M, rule="kda", eps=None).eps is None
+
+
+def test_a_one_token_step_refuses_an_argument_without_the_batch_axes_by_name():
+    """A 0-d beta or decay of a batched state's one-token step crashed in np.expand_dims with NumPy's AxisError;
+    now dplr_attention's ValueError names it."""
+    q = np.ones(BS + (D,))
+    st = DPLRState(D, M, rule="kda", feature_map="l2", batch_shape=BS)
+    for kw in ({"decay": np.full(BS + (D,), 0.9), "beta": 0.5}, {"decay": np.array(0.9), "beta": np.full(BS, 0.5)}):
+        name = "beta" if np.ndim(kw["beta"]) == 0 else "decay"
+        with pytest.raises(ValueError, match=f"^{name} must have shape"):
+            st.step(q, q, q[..., :M], **kw)
+    assert st.position == 0
+
+
+def test_query_returns_the_queries_dtype_and_an_int_batch_shape_is_accepted():
+    """query returned float32 for float16 queries (step returns float16); batch_shape=2 was a bare TypeError."""
+    st = DPLRState(D, M, rule="kda", feature_map="l2", batch_shape=2)
+    assert st.batch_shape == (2,)
+    q = np.ones((2, 1, D), np.float16)
+    assert st.query(q).dtype == np.float16 and st.query(q[:, 0]).dtype == np.float16
+    assert st.query(q.astype(np.float32)).dtype == np.float32

@@ -178,6 +178,38 @@ def test_from_linear_state_refuses_a_state_that_is_not_finite_without_a_switch_i
         LinearAttentionState.from_linear_state((np.ones((2, 4, 3)), z), 4)
 
 
+def test_from_linear_state_refuses_values_beyond_a_float32_state():
+    """A finite float64 state of 1e300 was cast to inf in a float32 state (the finiteness check ran before the
+    cast); the next step then raised NonFiniteResult and absorbed its token.  Now the load is refused."""
+    S, z = np.full((4, 3), 1e300), np.ones(4)
+    with pytest.raises(ValueError, match=r"^state\.S has 12 finite value\(s\) beyond the range of the float32 "
+                                         r"state .*does not fit the chosen dtype"):
+        LinearAttentionState.from_linear_state((S, z, 5), 4, dtype=np.float32)
+    with pytest.raises(ValueError, match=r"^state\.z has 1 finite value"):
+        LinearAttentionState.from_linear_state((np.ones((4, 3)), np.array([1.0, 1.0, 1e300, 1.0])), 4,
+                                               dtype=np.float32)
+    assert LinearAttentionState.from_linear_state((S, z, 5), 4).position == 5  # float64 holds them
+
+
+@pytest.mark.parametrize("bad", ["False", None, 0])
+def test_check_finite_must_be_true_or_false(bad):
+    """step, prefill and query (of LinearAttentionState, KVCache, and DPLRState.query) read check_finite by its
+    truthiness: "False" kept the check, None or 0 switched it off; linear_attention's TypeError now."""
+    from linattn_nb.state.dplr import DPLRState
+
+    x = np.ones((1, 4))
+    st, cache = LinearAttentionState(4, 4), la.KVCache(4, 4)
+    calls = [lambda: st.step(x, x, x, check_finite=bad), lambda: st.prefill(x, x, check_finite=bad),
+             lambda: st.query(x, check_finite=bad), lambda: cache.step(x, x, x, check_finite=bad),
+             lambda: cache.prefill(x, x, check_finite=bad), lambda: cache.query(x, check_finite=bad),
+             lambda: DPLRState(4, 4, rule="kda", feature_map="l2").query(x[0], check_finite=bad)]
+    for call in calls:
+        with pytest.raises(TypeError, match=f"^check_finite must be True or False, got {re.escape(repr(bad))}$"):
+            call()
+    assert st.position == 0 and cache.length == 0
+    assert st.step(x, x, x, check_finite=np.bool_(False)).shape == (1, 4)  # a NumPy bool is a bool
+
+
 def test_load_refuses_positions_that_are_not_integers(tmp_path):
     st = LinearAttentionState(3, 2)
     st.prefill(np.ones((4, 3)), np.ones((4, 2)))

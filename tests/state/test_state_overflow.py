@@ -324,3 +324,29 @@ def test_a_float32_kv_cache_refuses_finite_tokens_beyond_float32_and_appends_not
     assert c.length == 0
     c.prefill(one, one)
     np.testing.assert_allclose(c.query(one), one)
+
+
+def test_a_float32_state_says_it_is_the_queries_features_that_overflow():
+    """The refusal said "and so would the float32 state that sums them" of query features, which the state
+    does not sum; the message now names the queries (the keys' features keep the old reason)."""
+    one, big = np.ones((1, D), np.float32), np.full((1, D), 1e20, np.float32)
+    st = la.LinearAttentionState(D, D, feature_map="taylor2", dtype=np.float32)
+    st.prefill(one, one)
+    with pytest.raises(ValueError, match=r"overflows float32 on the finite queries q \(their features: the state "
+                                         r"sums only the keys'.*float64 state"):
+        st.query(big)
+    with pytest.raises(ValueError, match=r"overflows float32 on these finite inputs \(the keys k\), and so would "
+                                         r"the float32 state that sums the keys' features"):
+        st.prefill(big, one)
+    assert st.position == 1
+
+
+def test_a_kv_cache_holding_nan_says_so_not_that_scores_overflow():
+    """NaN keys appended with check_finite=False made later calls blame scores q . k beyond float64's range."""
+    c = la.KVCache(D, D)
+    nan = np.full((1, D), np.nan)
+    c.prefill(nan, np.ones((1, D)), check_finite=False)
+    for call in (lambda: c.query(np.ones((1, D))), lambda: c.step(*(np.ones((1, D)),) * 3)):
+        with pytest.raises(NonFiniteResult, match=r"^KVCache: the outputs are not finite because the cached keys "
+                                                  r"hold NaN or inf \(appended with check_finite=False\)"):
+            call()
