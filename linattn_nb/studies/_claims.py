@@ -66,11 +66,29 @@ def slope_claim(fit, errors, *, expected: float = -0.5, max_error: float = 1.0, 
                                 f"{what} ∝ m^{fmt(expected)} not supported", rule)
 
 
+#: What a claim says where one seed gives a mean but no interval (``mean_ci``'s half-width is NaN).
+ONE_SEED = "one seed gives no 95% interval"
+
+
+def _with_ci(mean, half) -> str:
+    """``"0.5 ± 0.02"``, or ``"0.5 (one seed gives no 95% interval)"`` where the half-width is NaN."""
+    mean, half = float(mean), float(half)
+    if math.isfinite(mean) and math.isnan(half):
+        return f"{fmt(mean)} ({ONE_SEED})"
+    return f"{fmt(mean)} ± {fmt(half, 2)}"
+
+
 def compare_claim(a: str, a_mean: float, a_half: float, b: str, b_mean: float, b_half: float, *,
                   higher_is_better: bool, measure: str) -> Claim:
     """Whether ``a`` beats ``b``: their 95% intervals (mean ± half-width) do not overlap and ``a``'s mean
-    is the better.  Overlapping intervals, or ``b`` winning, are "not supported" (the text says which)."""
+    is the better.  Overlapping intervals, or ``b`` winning, are "not supported" (the text says which); a NaN
+    half-width (one seed) is "not applicable": no interval, so no difference is tested."""
     rule = f"one {measure} beats another when their 95% intervals do not overlap"
+    if (math.isfinite(float(a_mean)) and math.isfinite(float(b_mean))
+            and (math.isnan(float(a_half)) or math.isnan(float(b_half)))):
+        return Claim(NOT_APPLICABLE, f"{a} against {b} on {measure}: {ONE_SEED}, so no difference is tested "
+                                     f"({_with_ci(a_mean, a_half)} against {_with_ci(b_mean, b_half)}; "
+                                     "run two or more seeds)", rule)
     vals = [a_mean, a_half, b_mean, b_half]
     if not all(math.isfinite(float(x)) for x in vals):
         return Claim(NOT_APPLICABLE, f"{a} against {b}: {measure} not finite", rule)
@@ -106,8 +124,9 @@ def state_full(n, floor, dphi) -> bool:
 def capacity_claim(n, acc, half, floor, dphi, *, reference=None, estimator: str = "", threshold: float = 0.9) -> Claim:
     """Whether the first fall of a map's accuracy below ``threshold`` is its state's capacity.
 
-    ``n``, ``acc``, ``half``, ``floor``: per number of pairs, the mean accuracy, its 95% half-width and the
-    mean least-squares floor; ``dphi``: the state's D_φ.  ``reference``: softmax's mean accuracy per n;
+    ``n``, ``acc``, ``half``, ``floor``: per number of pairs, the mean accuracy, its 95% half-width (NaN for one
+    seed: the text then says there is no interval; the verdict reads the means only) and the mean least-squares
+    floor; ``dphi``: the state's D_φ.  ``reference``: softmax's mean accuracy per n;
     ``estimator``: "random" for a map whose features estimate softmax at random, "deterministic" for one
     that approximates it, "" for neither.  The rule: docs/guide/studies.md, "Recall capacity".
     """
@@ -119,11 +138,11 @@ def capacity_claim(n, acc, half, floor, dphi, *, reference=None, estimator: str 
         if n[j] <= dphi:
             return Claim(NOT_APPLICABLE, f"accuracy ≥ {a} up to n = {int(n[j])} ≤ D_φ = {dphi}: no n past D_φ "
                                          "measured", rule)
-        return Claim(NOT_SUPPORTED, f"accuracy {fmt(float(acc[j]))} ± {fmt(float(half[j]), 2)} (≥ {a}) at "
+        return Claim(NOT_SUPPORTED, f"accuracy {_with_ci(acc[j], half[j])} (≥ {a}) at "
                                     f"n = {int(n[j])} > D_φ = {dphi}, where the floor is {fmt(float(floor[j]))}: "
                                     "argmax accuracy passes the capacity limit, so it does not measure it", rule)
     j = below[0]
-    where = (f"accuracy {fmt(float(acc[j]))} ± {fmt(float(half[j]), 2)} at n = {int(n[j])}, first below {a}, "
+    where = (f"accuracy {_with_ci(acc[j], half[j])} at n = {int(n[j])}, first below {a}, "
              f"D_φ = {dphi}, floor {fmt(float(floor[j]))}")
     if n[j] > dphi:
         return Claim(SUPPORTED, f"{where}: ≥ {a} while the state had room, below once it is full: consistent with "

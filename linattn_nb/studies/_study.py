@@ -396,13 +396,17 @@ CI_CAPTION = "mean ± half-width of the 95% Student-t interval over the seeds"
 def mean_ci(x, axis=0, *, level: float = 0.95):
     """Mean and half-width of the Student-t confidence interval of the mean along ``axis``, ignoring NaN.
 
-    0 for one sample; an infinite value makes the mean infinite and the half-width NaN.
+    The half-width is NaN for fewer than two samples (one seed gives no interval, not one of width 0: :func:`pm`
+    shows it as "n/a"); an infinite value makes the mean infinite and the half-width NaN.
 
     Examples
     --------
     >>> m, h = mean_ci([1.0, 2.0, 3.0])
     >>> float(m), round(float(h), 3)      # t_{0.975, 2} = 4.303, sd = 1
     (2.0, 2.484)
+    >>> m, h = mean_ci([3.0])
+    >>> float(m), float(h)                # one sample: no interval
+    (3.0, nan)
     """
     import warnings
 
@@ -415,7 +419,7 @@ def mean_ci(x, axis=0, *, level: float = 0.95):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         t = stats.t.ppf(0.5 + level / 2, np.maximum(count - 1, 1))
-        half = np.where(count > 1, t * std / np.sqrt(np.maximum(count, 1)), 0.0)
+        half = np.where(count > 1, t * std / np.sqrt(np.maximum(count, 1)), np.nan)
     return mean, half
 
 
@@ -440,11 +444,19 @@ def seed_stat(x) -> tuple:
 
 
 def pm(mean, std, digits: int = 3) -> str:
-    """``"mean ± spread"`` for a table cell (only the mean when the spread is 0, round-off or undefined).
+    """``"mean ± spread"`` for a table cell: only the mean when the spread is 0 or round-off, or when the mean is
+    not finite; ``"mean ± n/a"`` for a finite mean whose spread is NaN (:func:`mean_ci` of one seed: no interval).
 
     The studies pass the half-width of :func:`mean_ci` as the spread.
+
+    Examples
+    --------
+    >>> pm(0.5, 0.0123), pm(0.5, 0.0), pm(0.5, float("nan")), pm(float("inf"), float("nan"))
+    ('0.5 ± 0.012', '0.5', '0.5 ± n/a', 'inf')
     """
     mean, std = float(mean), float(std)
+    if math.isfinite(mean) and math.isnan(std):
+        return f"{fmt(mean, digits)} ± n/a"
     if not math.isfinite(mean) or not math.isfinite(std) or std <= 1e-9 * abs(mean):
         return fmt(mean, digits)
     return f"{fmt(mean, digits)} ± {fmt(std, 2)}"

@@ -71,7 +71,9 @@ def _aggregate(ok):
 
 
 def _pm(mean, std) -> str:
-    return f"{fmt(float(mean))} ± {fmt(float(std), 2)}"
+    """``"mean ± half-width"``, always with its ±: ``"± n/a"`` where one seed gives no interval."""
+    std = float(std)
+    return f"{fmt(float(mean))} ± {'n/a' if np.isnan(std) and np.isfinite(float(mean)) else fmt(std, 2)}"
 
 
 def render(records, ctx) -> Rendered:

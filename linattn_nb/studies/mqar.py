@@ -15,7 +15,7 @@ import numpy as np
 from .._tune import cpu_model
 from ._study import (CI_CAPTION, Rendered, Study, fmt, markdown_table, mean_ci, pm, register_study,
                      requires_modules, split_failed)
-from ._claims import NOT_APPLICABLE, NOT_SUPPORTED, SUPPORTED, Claim
+from ._claims import NOT_APPLICABLE, NOT_SUPPORTED, ONE_SEED, SUPPORTED, Claim
 
 __all__ = ["mqar", "Model", "Block", "SoftmaxAttention", "accuracy", "train", "LAYERS", "state_numbers",
            "points", "run", "render"]
@@ -597,18 +597,25 @@ def stalled_runs(agg, gap=STALL_GAP) -> list:
 
 
 def findings(agg) -> list:
-    """The three checks, each a :class:`Claim` computed from the aggregated accuracies."""
+    """The three checks, each a :class:`Claim` computed from the aggregated accuracies and their intervals (not
+    applicable where a point it reads has one seed, which gives no interval)."""
     out = []
     # 1. softmax solves MQAR at every size
     rule = f"mean accuracy − half-width ≥ {ACCURACY} at every head dimension and kv pairs run"
     if "softmax" in agg.layers:
-        worst = None
+        worst, single = None, []
         for kv in agg.kvs:
             dims, states, m, h, _ = agg.series(kv, "softmax")
             for j in range(len(dims)):
+                if math.isnan(h[j]):
+                    single.append(f"kv = {kv}, d = {dims[j]}")
+                    continue
                 if worst is None or m[j] - h[j] < worst[0] - worst[1]:
                     worst = (m[j], h[j], kv, dims[j])
-        if worst is None:
+        if single:
+            out.append(Claim(NOT_APPLICABLE, f"softmax attention solves MQAR at every size: not tested, {ONE_SEED} "
+                                             f"at {'; '.join(single)} (run two or more seeds)", rule))
+        elif worst is None:
             out.append(Claim(NOT_APPLICABLE, "softmax attention: no runs", rule))
         elif worst[0] - worst[1] >= ACCURACY:
             out.append(Claim(SUPPORTED, f"softmax attention solves MQAR at every size run: the lowest accuracy is "
@@ -633,6 +640,11 @@ def findings(agg) -> list:
         d_hi, s_hi, m_hi, h_hi, _ = agg.series(hi_kv, add)
         if not len(d_lo) or not len(d_hi) or len(d_hi) < 2:
             out.append(Claim(NOT_APPLICABLE, f"{LAYERS[add][0]}: needs two state sizes at kv = {hi_kv}", rule2))
+        elif any(math.isnan(x) for x in (h_lo[0], h_hi[0], h_hi[-1])):
+            out.append(Claim(NOT_APPLICABLE, f"{LAYERS[add][0]}: {ONE_SEED} at the smallest or the largest state, so "
+                                             f"neither a fall nor a gain is tested (accuracy {pm(m_lo[0], h_lo[0])} "
+                                             f"at kv = {lo_kv}, {pm(m_hi[0], h_hi[0])} and {pm(m_hi[-1], h_hi[-1])} "
+                                             f"at kv = {hi_kv}; run two or more seeds)", rule2))
         else:
             falls = m_hi[0] + h_hi[0] < m_lo[0] - h_lo[0]
             moves = m_hi[-1] - h_hi[-1] > m_hi[0] + h_hi[0]
@@ -647,7 +659,7 @@ def findings(agg) -> list:
     rule3 = ("at some kv and head dimension where both ran with the same D_φ·M, delta's interval lies above the "
              "additive rule's (ELU+1: D_φ = d for both maps), and nowhere below")
     if "delta" in agg.layers and "additive-elu" in agg.layers:  # not a rule: layer keys of LAYERS
-        wins, losses, shared = [], [], 0
+        wins, losses, shared, single = [], [], 0, 0
         for kv in agg.kvs:
             dd, sd, md, hd, _ = agg.series(kv, "delta")
             da, sa, ma, ha, _ = agg.series(kv, "additive-elu")
@@ -656,24 +668,31 @@ def findings(agg) -> list:
                     shared += 1
                     i = da.index(dim)
                     cell = (kv, dim, pm(md[j], hd[j]), pm(ma[i], ha[i]))
-                    if md[j] - hd[j] > ma[i] + ha[i]:
+                    if math.isnan(hd[j]) or math.isnan(ha[i]):
+                        single += 1
+                    elif md[j] - hd[j] > ma[i] + ha[i]:
                         wins.append(cell)
                     elif md[j] + hd[j] < ma[i] - ha[i]:
                         losses.append(cell)
         def _cells(cs):
             more = f"; and {len(cs) - 4} more" if len(cs) > 4 else ""
             return "; ".join(f"kv = {kv}, d = {dim}: {a} against {b}" for kv, dim, a, b in cs[:4]) + more
-        if wins and not losses:
+        untested = f" ({single} of them not tested: {ONE_SEED})" if single else ""
+        if shared and single == shared:
+            out.append(Claim(NOT_APPLICABLE, f"delta holds more pairs than additive at the same state: not tested, "
+                                             f"{ONE_SEED} at any of the {shared} shared points (run two or more "
+                                             "seeds)", rule3))
+        elif wins and not losses:
             out.append(Claim(SUPPORTED, f"delta holds more pairs than additive (ELU+1) at the same state: above at "
-                                        f"{len(wins)} of {shared} shared points, below at none: {_cells(wins)}",
-                             rule3))
+                                        f"{len(wins)} of {shared} shared points{untested}, below at none: "
+                                        f"{_cells(wins)}", rule3))
         elif losses:
             out.append(Claim(NOT_SUPPORTED, f"delta holds more pairs than additive at the same state: "
-                                            f"additive is higher at {len(losses)} of {shared} shared points: "
-                                            f"{_cells(losses)}", rule3))
+                                            f"additive is higher at {len(losses)} of {shared} shared "
+                                            f"points{untested}: {_cells(losses)}", rule3))
         else:
             out.append(Claim(NOT_SUPPORTED, "delta holds more pairs than additive at the same state: no difference "
-                                            "shown at any shared state (intervals overlap)", rule3))
+                                            f"shown at any shared state (intervals overlap){untested}", rule3))
     else:
         out.append(Claim(NOT_APPLICABLE, "delta against additive: both need runs", rule3))
     return out

@@ -18,7 +18,7 @@ from typing import Mapping
 from .. import config
 from .._interrupt import check as check_interrupt, interrupts
 from ._study import PROFILES, STUDIES, Context, Rendered, get_study, markdown_table
-from .sweep import grid_points, load_results, sweep, usable_cores
+from .sweep import grid_points, load_results, read_header, sweep, usable_cores, version_problem
 
 __all__ = ["run_report", "ReportResult", "resolve_devices", "machine_info"]
 
@@ -160,7 +160,21 @@ def _prepare_out(out: Path, *, force: bool, resume: bool, studies=()) -> None:
             for p in report_files(out, studies):
                 if p.is_file():
                     p.unlink()
+        else:
+            _check_versions(out, studies)
     out.mkdir(parents=True, exist_ok=True)
+
+
+def _check_versions(out: Path, studies) -> None:
+    """ValueError, before anything runs, when a results file of ``studies`` in ``out`` was written by another
+    linattn_nb version (a resumed report would reuse its points)."""
+    for s in studies:
+        path = out / f"{s.name}.jsonl"
+        header = read_header(path) if path.is_file() else None
+        problem = version_problem(header, path) if header is not None else None
+        if problem:
+            raise ValueError(f"{problem}; pass --force to run the report's studies again from the start (it deletes "
+                             "their results files), or choose another --out")
 
 
 def run_report(
@@ -220,8 +234,9 @@ def run_report(
         ``out`` is not empty and neither ``force`` nor ``resume`` is set.
     ValueError
         Bad ``profile``, ``device``, study name (or no study), ``workers`` < 1 or given with
-        ``scheduler``, options a study's ``points`` refuses or for a study not being run, or ``force``
-        with ``resume``.  Raised, like the TypeErrors, before anything is run or written.
+        ``scheduler``, options a study's ``points`` refuses or for a study not being run, ``force``
+        with ``resume``, or ``resume`` on a results file of a study being run that another linattn_nb
+        version wrote.  Raised, like the TypeErrors, before anything is run or written.
     TypeError
         ``studies``, ``workers`` or ``options`` of the wrong type.
     ConnectionError

@@ -128,7 +128,7 @@ def _run_written(kind, beta, d, n_pairs, seed, passes) -> dict:
 
 
 def _pm(mean, half) -> str:
-    if abs(float(mean)) < 1e-12 and float(half) < 1e-12:
+    if abs(float(mean)) < 1e-12 and not float(half) >= 1e-12:  # NaN (one seed): no interval either
         return "< 1e-12"
     return pm(float(mean), float(half))
 

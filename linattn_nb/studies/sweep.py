@@ -597,6 +597,38 @@ def _check_is_results_file(data: bytes, path) -> None:
     )
 
 
+def version_problem(header: Mapping, path) -> str | None:
+    """Why the results file ``path``, whose header is ``header``, cannot be resumed by this linattn_nb (None when
+    it can): its ``"linattn_nb"`` field names another version, whose results may differ from what this one
+    computes.  A header without that field (written by hand: every sweep records its version) is accepted.
+
+    The message names the file and both versions; the caller adds what to do (a sweep's options, or the
+    command line's).
+    """
+    from .. import __version__
+
+    written = header.get("linattn_nb")
+    if written is None or written == __version__:
+        return None
+    return (f"{path} was written by linattn_nb {written}, not by the installed linattn_nb {__version__}; its "
+            "points are not reused by another version, whose results may differ")
+
+
+def read_header(path) -> dict | None:
+    """The header of the results file ``path``: its first line as a dict, or None when the file is absent,
+    empty, or does not start with a header line (the sweep itself then says why)."""
+    try:
+        with open(path, "rb") as fh:
+            line = fh.readline()
+    except OSError:
+        return None
+    try:
+        rec = json.loads(line.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return rec if isinstance(rec, dict) and rec.get("type") == "header" else None
+
+
 class _ResultsFile:
     """The append-only JSONL file, locked, repaired, written by this process only."""
 
@@ -630,6 +662,11 @@ class _ResultsFile:
                 raise ValueError(
                     f"{path} has format {header.get('format')!r}; this version reads format {FORMAT_VERSION}"
                 )
+            if header is not None:
+                problem = version_problem(header, path)
+                if problem:
+                    raise ValueError(f"{problem}: give a new results file (out=...), or delete this one to run "
+                                     "the sweep again from the start (resume=False refuses a file that holds results)")
             self.latest, untrusted = _latest(records, linenos, path)
             for message in untrusted:
                 warnings.warn(message, RuntimeWarning, stacklevel=3)
@@ -756,6 +793,9 @@ def sweep(
     ------
     TypeError, ValueError
         Bad grid (see :func:`grid_points`) or arguments.
+    ValueError
+        ``out`` holds results of another function, another file format or another linattn_nb version
+        (never reused: give a new ``out``, or delete that file to start again).
     FileExistsError
         ``resume=False`` and ``out`` already holds results.
     RuntimeError

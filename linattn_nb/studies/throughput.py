@@ -23,11 +23,16 @@ def _sizes(ctx):
 
 
 def points(ctx) -> list[dict]:
+    """The grid for ``ctx``: every point carries this process's Numba thread count (``numba_threads``), so that
+    a resumed report reuses only the times measured with the same count."""
+    import numba
+
     from ..ops import methods as _methods  # noqa: F401 - registers the built-in methods
     from ..ops.registry import available_methods
 
     bh, d, ns, softmax_max, min_time = _sizes(ctx)
-    common = dict(batch=bh, d=d, m=d, dtype="float32", feature_map="elu", min_time=min_time)
+    common = dict(batch=bh, d=d, m=d, dtype="float32", feature_map="elu", min_time=min_time,
+                  numba_threads=int(numba.get_num_threads()))
     pts = []
     for device in ctx.devices:
         for method in available_methods(causal=True, device=device):
@@ -83,12 +88,32 @@ def _forward(kind, method, feature_map, device, q, k, v) -> None:
         softmax_attention(q, k, v, causal=True, method=method)
 
 
-def run(kind, device, method, n, batch, d, m, dtype, feature_map, min_time, seed=0) -> dict:
-    """Time one causal forward; returns the median and derived rates."""
+def run(kind, device, method, n, batch, d, m, dtype, feature_map, min_time, seed=0, numba_threads=None) -> dict:
+    """Time one causal forward; returns the median and derived rates.
+
+    ``numba_threads``: the Numba thread count the point is measured with (None: this thread's); a count this
+    process cannot run (above ``NUMBA_NUM_THREADS``) is a ValueError.
+    """
     import numba
 
     if kind not in ("linear", "softmax"):
         raise ValueError(f"unknown kind {kind!r}")
+    if numba_threads is None:
+        return _run(kind, device, method, n, batch, d, m, dtype, feature_map, min_time, seed)
+    if not 1 <= numba_threads <= numba.config.NUMBA_NUM_THREADS:
+        raise ValueError(f"numba_threads = {numba_threads}: this process runs 1 to NUMBA_NUM_THREADS = "
+                         f"{numba.config.NUMBA_NUM_THREADS} Numba threads")
+    before = numba.get_num_threads()
+    numba.set_num_threads(numba_threads)
+    try:
+        return _run(kind, device, method, n, batch, d, m, dtype, feature_map, min_time, seed)
+    finally:
+        numba.set_num_threads(before)
+
+
+def _run(kind, device, method, n, batch, d, m, dtype, feature_map, min_time, seed) -> dict:
+    import numba
+
     rng = np.random.default_rng(seed)
     sync = None
     if device == "cuda":
@@ -231,12 +256,12 @@ def render(records, ctx) -> Rendered:
     md = []
     if ok:
         p0 = ok[0]["params"]
-        threads = ok[0]["result"].get("numba_threads")
+        threads = _threads_text(ok)
         md.append(
             f"Regime: causal forward, q, k, v ~ N(0, I) (seed {p0.get('seed', 0)}; timing does not depend on the "
             f"values), B·H = {p0['batch']}, D = M = {p0['d']}, {p0['dtype']}, feature map `{p0['feature_map']}`, "
             f"N ∈ {{{', '.join(map(str, ns))}}}; median of >= 3 timed calls (one for calls over 2 s; more while the "
-            f"total stays under {p0['min_time']} s) after a short warm-up call; Numba threads: {threads}. "
+            f"total stays under {p0['min_time']} s) after a short warm-up call; {threads}. "
             "Times in milliseconds; the last column is softmax time over the fastest linear method."
         )
         md += ["", markdown_table(["N", *[f"{lab} [ms]" for lab in labels], "linear speed-up"], rows)]
@@ -285,6 +310,19 @@ def render(records, ctx) -> Rendered:
     if nflag:
         summary += f"{'; ' if summary else ''}{nflag} noisy point(s)"
     return Rendered("\n".join(md), summary, problems)
+
+
+def _threads_text(ok) -> str:
+    """"Numba threads: 2", the count every point was measured with; when the points differ (records that
+    did not come from one grid), the count of each point, so that no row is read under another's."""
+    by: dict = {}
+    for r in ok:
+        t = r["result"].get("numba_threads", r["params"].get("numba_threads"))
+        by.setdefault(t, []).append(f"{_label(r['params'])} at N = {r['params']['n']}")
+    if len(by) == 1:
+        return f"Numba threads: {fmt(next(iter(by)))}"
+    return ("Numba threads differ between the points, so their times are not comparable: "
+            + "; ".join(f"{fmt(t)} for {', '.join(where)}" for t, where in by.items()))
 
 
 def _load_md(series, ns, noisy) -> list:

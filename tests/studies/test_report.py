@@ -168,6 +168,69 @@ def test_resume_keeps_finished_points(tmp_path):
     assert "## Correctness self-check" in (out / "report.md").read_text()
 
 
+def test_resume_refuses_results_written_by_another_version(tmp_path, capsys):
+    """`linattn bench --resume` on a results file of another linattn_nb version: exit 2 with one line naming the
+    file, both versions, --force and --out, before anything runs (the file is left as it was)."""
+    from linattn_nb import __version__
+
+    out = tmp_path / "r"
+    out.mkdir()
+    path = out / "throughput.jsonl"
+    path.write_text(json.dumps({"type": "header", "format": 1, "fn": "linattn_nb.studies.throughput:run",
+                                "linattn_nb": "0.0.1-old"}) + "\n")
+    before = path.read_bytes()
+    rc = cli.main(["bench", "--profile", "tiny", "--out", str(out), "--no-progress", "--resume"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert str(path) in err and "linattn_nb 0.0.1-old" in err and f"linattn_nb {__version__}" in err
+    assert "--force" in err and "--out" in err
+    assert path.read_bytes() == before and sorted(p.name for p in out.iterdir()) == ["throughput.jsonl"]
+
+
+def test_bench_resume_reruns_points_timed_with_another_thread_count(tmp_path, monkeypatch):
+    """A point's Numba thread count is one of its parameters: a resumed bench whose count differs from the
+    first run's times every point again (none reused) and states the count they were measured with; a
+    render of records measured with different counts says so, row by row, instead of stating one."""
+    import numba
+
+    from linattn_nb.studies import Context, throughput
+
+    monkeypatch.setattr(throughput, "time", _CountingClock())
+    monkeypatch.setattr(throughput, "machine_state", lambda: {"load1": 0.0, "sgemm_gflops": 1.0})
+    monkeypatch.setattr(throughput, "_forward", lambda *args: None)  # no kernel: only the bookkeeping is tested
+    now = numba.get_num_threads()
+    kw = dict(profile="tiny", device="cpu", studies=["throughput"], progress=False, log=lambda line: None)
+    out = tmp_path / "r"
+    with pytest.MonkeyPatch.context() as mp:  # the first run "with one thread more"
+        mp.setattr(numba, "get_num_threads", lambda: now + 1)
+        mp.setattr(numba, "set_num_threads", lambda n: None)
+        mp.setattr(numba.config, "NUMBA_NUM_THREADS", max(now + 1, numba.config.NUMBA_NUM_THREADS))
+        run_report(out, **kw)
+    path = out / "throughput.jsonl"
+    lines = path.read_text().splitlines()
+    assert len(lines) > 3
+    path.write_text("\n".join(lines[:-1]) + "\n")  # interrupted before its last point
+    again = run_report(out, resume=True, **kw)
+    assert again.reused == {}
+    section = _section(out, "Causal throughput against N")
+    assert f"Numba threads: {now}." in section and f"Numba threads: {now + 1}" not in section
+    recs = load_results(path)
+    assert {r["params"]["numba_threads"] for r in recs} == {now, now + 1}
+    assert all(p.get("numba_threads") == now for p in throughput.points(Context(out=tmp_path, profile="tiny")))
+    # records of two thread counts (a render called on them directly): each count is named with its rows
+    mixed = []
+    for n, threads in ((64, 1), (256, 2)):
+        params = dict(kind="linear", device="cpu", method="scan", n=n, batch=1, d=4, m=4, dtype="float32",
+                      feature_map="elu", min_time=0.0)
+        mixed.append(dict(status="ok", params=params, result=dict(median_s=1e-3, tokens_per_s=1e6, gflops=1.0,
+                                                                  numba_threads=threads)))
+    md = throughput.render(mixed, Context(out=tmp_path, profile="tiny", plots=False)).markdown
+    assert "Numba threads: " not in md
+    assert "Numba threads differ" in md and "1 for linear scan (cpu) at N = 64" in md
+    assert "2 for linear scan (cpu) at N = 256" in md
+
+
 def test_bad_arguments(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     assert cli.main(["bench", "--out", str(tmp_path / "file"), "--profile", "tiny"]) == 2

@@ -7,6 +7,7 @@ synthetic records, so that a table and the sentence under it cannot disagree.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -25,11 +26,63 @@ def test_mean_ci_is_the_student_t_interval_over_the_seeds():
     m, h = mean_ci(x)
     np.testing.assert_allclose(m, x.mean(0))
     np.testing.assert_allclose(h, stats.t.ppf(0.975, 3) * x.std(0, ddof=1) / 2.0)
-    m1, h1 = mean_ci([3.0])  # one seed: no interval
-    assert float(m1) == 3.0 and float(h1) == 0.0
+    m1, h1 = mean_ci([3.0])  # one seed: no interval (NaN, not a width of 0)
+    assert float(m1) == 3.0 and math.isnan(float(h1))
     m2, h2 = mean_ci([1.0, np.nan, 3.0])  # NaN left out: two samples
     assert float(m2) == 2.0 and float(h2) == pytest.approx(stats.t.ppf(0.975, 1) * math.sqrt(2) / math.sqrt(2))
     assert "95% Student-t" in CI_CAPTION
+
+
+def _one_seed_recall_records(accuracy=0.5):
+    """Records of the recall study with one seed: one map, one regime, n = 2 and 8 pairs."""
+    params = dict(feature_map="elu", num_features=None, map_params=None, regime="variance", d=4, seed=0, trials=1,
+                  key_scale=1.0, orthogonal_keys=False, value_dim=None)
+    result = dict(n_pairs=[2, 8], accuracy=[accuracy, 0.25], mse=[0.5, 0.8], optimal_mse=[0.0, 0.5],
+                  softmax_accuracy=[1.0, 0.5], softmax_mse=[0.1, 0.6], optimal_accuracy=[1.0, 0.5], d_phi=4,
+                  estimator="", readout="normalised")
+    return [dict(type="result", key="k", params=params, status="ok", result=result)]
+
+
+def test_one_seed_gives_no_interval_and_no_conclusion_from_one(tmp_path):
+    """With one seed the spread is "n/a", never "± 0"; a claim that compares intervals is not applicable, and
+    a claim that quotes an accuracy says that one seed gives no interval."""
+    from linattn_nb.studies import Context, recall
+    from linattn_nb.studies._claims import capacity_claim
+    from linattn_nb.studies._study import pm
+
+    m, h = mean_ci(np.array([[0.5, 0.25]]))  # one seed, two n
+    assert np.all(np.isnan(h)) and pm(m[0], h[0]) == "0.5 ± n/a"
+    c = compare_claim("additive", 1.0, float("nan"), "delta", 0.3, float("nan"), higher_is_better=True,
+                      measure="accuracy")
+    assert c.verdict == NOT_APPLICABLE and "one seed gives no 95% interval" in c.text and "± 0" not in c.text
+    c = capacity_claim(np.array([2.0, 8.0]), m, h, np.array([0.0, 0.5]), 4)
+    assert "accuracy 0.5 (one seed gives no 95% interval) at n = 2" in c.text and "±" not in c.text
+    md = recall.render(_one_seed_recall_records(), Context(out=tmp_path, profile="tiny", plots=False)).markdown
+    assert not re.search(r"± 0(?![.\d])", md)  # no interval of width 0
+    assert "0.5 ± n/a" in md and "accuracy 0.5 (one seed gives no 95% interval) at n = 2" in md
+
+
+def test_mqar_checks_are_not_applicable_with_one_seed():
+    """The MQAR checks compare intervals: with one seed each says it is not tested rather than concluding."""
+    from linattn_nb.studies import mqar
+
+    recs = []
+    for kv in (4, 16):
+        for d in (8, 16, 32):
+            for layer, acc in (("softmax", 0.99), ("additive-elu", 1.0 if kv <= d else 0.3),
+                               ("delta", 1.0 if kv <= 2 * d else 0.6)):
+                length = mqar.seq_length(kv)
+                params = dict(layer=layer, head_dim=d, kv=kv, length=length, seed=0, steps=600, vocab=mqar.VOCAB,
+                              d_model=mqar.D_MODEL, heads=mqar.HEADS, n_train=100, n_test=10, eval_every=100,
+                              lr=mqar.LR)
+                result = dict(final_accuracy=acc, best_accuracy=acc, steps=600, seconds=1.0,
+                              curve=[dict(step=600, loss=1.0, acc=acc, seconds=1.0)], parameters=1,
+                              d_phi=mqar.feature_dim(layer, d), state=mqar.state_numbers(layer, d, length=length),
+                              machine="cpu", threads=1)
+                recs.append(dict(type="result", key=f"{layer}{d}{kv}", params=params, status="ok", result=result))
+    claims = mqar.findings(mqar._Agg(recs))
+    assert [c.verdict for c in claims] == [NOT_APPLICABLE] * 3, [c.text for c in claims]
+    assert all("one seed gives no 95% interval" in c.text for c in claims)
 
 
 # ---------------------------------------------------------------------------

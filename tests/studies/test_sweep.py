@@ -201,6 +201,43 @@ def test_another_function_cannot_append_to_the_file(tmp_path):
         sweep(H.kill_always, {"x": [1]}, out=out, progress=False)
 
 
+@pytest.mark.parametrize("written", ["0.0.1-old", 1, None])
+def test_a_file_written_by_another_version_is_not_resumed(tmp_path, written):
+    """A results file of another linattn_nb version is refused, untouched: its points are never reused, and the
+    message names the file, both versions and what to do.  A header without a version (written by hand) is
+    resumed."""
+    from linattn_nb import __version__
+
+    out = tmp_path / "r.jsonl"
+    sweep(H.square, {"x": [1, 2]}, out=out, progress=False)
+    lines = out.read_text().splitlines()
+    header = json.loads(lines[0])
+    if written is None:
+        del header["linattn_nb"]
+    else:
+        header["linattn_nb"] = written
+    out.write_text("\n".join([json.dumps(header)] + lines[1:]) + "\n")
+    before = out.read_bytes()
+    calls = []
+
+    def fn(x):
+        calls.append(x)
+        return {"y": x * x}
+
+    fn.__module__, fn.__qualname__ = H.square.__module__, H.square.__qualname__  # the file's function
+    if written is None:
+        assert [r["result"]["y"] for r in sweep(fn, {"x": [1, 2, 3]}, out=out, progress=False)] == [1, 4, 9]
+        assert calls == [3]
+        return
+    with pytest.raises(ValueError) as info:
+        sweep(fn, {"x": [1, 2, 3]}, out=out, progress=False)
+    message = str(info.value)
+    assert str(out) in message and f"the installed linattn_nb {__version__}" in message
+    assert f"written by linattn_nb {written}," in message
+    assert "new results file" in message and "delete this one" in message
+    assert calls == [] and out.read_bytes() == before
+
+
 @pytest.mark.parametrize("damage", ["cut", "cut_at_newline", "garbage_line"])
 def test_truncated_last_line_is_ignored_and_not_duplicated(tmp_path, damage):
     out = tmp_path / "r.jsonl"
