@@ -443,6 +443,11 @@ def seed_stat(x) -> tuple:
     return float(m), float(h)
 
 
+def seeds_text(n: int) -> str:
+    """``"1 seed"``, ``"3 seeds"``: the number of seeds a table or plot averages over."""
+    return f"{n} seed" if n == 1 else f"{n} seeds"
+
+
 def pm(mean, std, digits: int = 3) -> str:
     """``"mean ± spread"`` for a table cell: only the mean when the spread is 0 or round-off, or when the mean is
     not finite; ``"mean ± n/a"`` for a finite mean whose spread is NaN (:func:`mean_ci` of one seed: no interval).

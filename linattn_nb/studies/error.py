@@ -12,7 +12,7 @@ import numpy as np
 from ._maps import build_map, buildable_maps, is_random, map_label
 from ._claims import NOT_SUPPORTED, SUPPORTED, slope_claim
 from ._study import (CI_CAPTION, Rendered, Study, fit_slope, fmt, markdown_table, mean_ci, num, pm,
-                     register_study, seed_stat, split_failed)
+                     register_study, seed_stat, seeds_text, split_failed)
 from .sweep import to_json
 
 #: The default input scales s (q, k ~ s·N(0, I)): the benign regime (logit standard deviation
@@ -323,7 +323,7 @@ def render(records, ctx) -> Rendered:
         f"the logits q·k/√d have standard deviation s²; s ∈ {{{', '.join(fmt(s) for s in agg.scales)}}}.  "
         f"N ∈ {{{', '.join(map(str, ns))}}}, non-causal"
         + (f" (and causal at N = {n_mid})" if any(k[1] for k in agg.by) else "")
-        + f"; {len(agg.seeds)} seeds (a seed draws q, k, v and the random features)"
+        + f"; {seeds_text(len(agg.seeds))} (a seed draws q, k, v and the random features)"
         + (f"; random maps use {_m_text(_n_sweep_m(agg))} and m ∈ {{{', '.join(map(str, ms_all))}}} "
            f"at N = {n_mid}" if ms_all else "")
         + f".  Output error: ‖o_linear − o_softmax‖_F / ‖o_softmax‖_F; cells are {CI_CAPTION}.  Positive maps "
@@ -371,7 +371,8 @@ def render(records, ctx) -> Rendered:
     if ctx.plots:
         md += _plots(agg, ctx, ns, n_top, n_mid)
     md += failed_md
-    return Rendered("\n".join(md), f"{len(agg.scales)} regimes, {len(agg.seeds)} seeds, {len(ok)} points", problems)
+    return Rendered("\n".join(md), f"{len(agg.scales)} regimes, {seeds_text(len(agg.seeds))}, {len(ok)} points",
+                    problems)
 
 
 def _signed_md(agg, ns, n_top) -> list:
@@ -496,7 +497,7 @@ def _plots(agg, ctx, ns, n_top, n_mid) -> list:
         ax.grid(True, which="both", alpha=0.3)
     for ax in axes:
         ax.set_ylim(min(lo, 1.0) / 2, PLOT_MAX_ERROR)
-    axes[0].set_ylabel(f"output relative error (mean, 95% CI, {len(agg.seeds)} seeds)")
+    axes[0].set_ylabel(f"output relative error (mean, 95% CI, {seeds_text(len(agg.seeds))})")
     ctx.legend_outside(fig, axes, title="positive feature map")
     md += ["", ctx.savefig(fig, "error_n", "output error of the positive maps against N in each regime"),
            "", f"Positive maps; {CI_CAPTION}."]

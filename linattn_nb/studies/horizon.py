@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from ._maps import build_map, map_label
-from ._study import CI_CAPTION, Rendered, Study, fmt, markdown_table, mean_ci, register_study, split_failed
+from ._study import (CI_CAPTION, Rendered, Study, fmt, markdown_table, mean_ci, register_study, seeds_text,
+                     split_failed)
 from .sweep import to_json
 
 #: The decays compared; 1 is the additive rule (run with ``decay=None``).
@@ -90,10 +91,10 @@ def render(records, ctx) -> Rendered:
             f"n − 1 − j); D_φ ({dphis}).  The state decays by a constant γ per token "
             "(S = Σ_j γ^(n−1−j) φ(k_j) v_jᵀ, z likewise; normalised read-out φ(k)ᵀS / φ(k)ᵀz).  Error: "
             f"‖v̂ − v‖²/‖v‖² over the pairs of each distance bin; {CI_CAPTION} ("
-            f"{nseeds} seeds, {p0['trials']} trial(s) each; a seed draws the keys and values).  The optimal floor "
-            "is the least-squares state of the same size (D_φ × M), which weighs every pair alike: a forgetting "
-            "state can beat it on recent pairs by giving up the old ones, whose error then exceeds 1 (the "
-            "read-out is a mix of other values).")
+            f"{seeds_text(nseeds)}, {p0['trials']} trial(s) each; a seed draws the keys and values).  "
+            "The optimal floor is the least-squares state of the same size (D_φ × M), which weighs every pair "
+            "alike: a forgetting state can beat it on recent pairs by giving up the old ones, whose error then "
+            "exceeds 1 (the read-out is a mix of other values).")
         for name, per in agg.items():
             first = next(iter(per.values()))
             edges = first["edges"]
@@ -129,7 +130,7 @@ def render(records, ctx) -> Rendered:
                 ax.set(xlabel="distance between write and read (tokens)", ylabel="relative retrieval error",
                        title=f"{name}, D_φ = {first['d_phi']}, n = {p0['n']}")
                 ax.grid(True, alpha=0.3)
-            ctx.legend_outside(fig, axes, title=f"state (mean, 95% CI, {nseeds} seeds)")
+            ctx.legend_outside(fig, axes, title=f"state (mean, 95% CI, {seeds_text(nseeds)})")
             md += ["", ctx.savefig(fig, "horizon", "retrieval error against write-read distance for several decays")]
     md += failed_md
     return Rendered("\n".join(md), f"γ ∈ {{{', '.join(f'{g:g}' for g in GAMMAS)}}}, {len(SEEDS)} seeds", problems)

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from ._study import (CI_CAPTION, Rendered, Study, fmt, markdown_table, num, pm, register_study, seed_stat,
-                     split_failed)
+                     seeds_text, split_failed)
 from .error import QK_SCALE
 from .sweep import to_json
 
@@ -201,7 +201,7 @@ def _regime_line(agg) -> str:
     p = agg.params[agg.regimes[0]]
     return (f"Regime: {len(parts)} input regimes, " + "; ".join(parts) + f".  In each: d = {p['d']}, N = {p['n']} "
             f"(training and evaluation draws of the same size, v ~ N(0, I) in R^{p['d']}), non-causal, one head; "
-            f"{len(agg.seeds)} seeds "
+            f"{seeds_text(len(agg.seeds))} "
             "(a seed draws the training set, the fresh evaluation set and FAVOR+'s features; the same seed draws "
             f"the same standard-normal q, k, v in every regime).  Fits: `feature_maps.fit(..., loss="
             f"'cross_entropy', optimizer='lbfgs', steps={p['steps']})` on {p['fit_dtype']} copies of the training "

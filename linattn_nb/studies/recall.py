@@ -10,7 +10,7 @@ import numpy as np
 from ._maps import build_map, is_random, map_arrays, map_label
 from ._claims import FLOOR_ZERO, capacity_claim, state_full
 from ._study import (CI_CAPTION, Rendered, Study, check_point_size, fmt, markdown_table, mean_ci, pm,
-                     register_study, split_failed)
+                     register_study, seeds_text, split_failed)
 
 #: The regimes: (name, key scale as a function of d, orthonormal keys, value width as a function of d or
 #: None for one-hot values).  Orthonormal keys have equal norms and zero cross logits; they exist only for
@@ -186,8 +186,9 @@ def render(records, ctx) -> Rendered:
         widths = {k[0]: groups[k][0]["params"].get("value_dim") for k in groups}
         md.append(f"Regime: n key-value pairs in R^{d} (d = {d}) stored and every key read back (non-causal, q = k); "
                   "a read-out is right when it is nearest (Euclidean) to its own stored value; softmax baseline at "
-                  f"temperature 1/√d; random maps with the m in their label; {len(seeds)} seeds (a seed draws the "
-                  f"keys, values and random features), {p0['trials']} trial(s) each; cells are {CI_CAPTION}.  "
+                  f"temperature 1/√d; random maps with the m in their label; {seeds_text(len(seeds))} "
+                  f"(a seed draws the keys, values and random features), {p0['trials']} trial(s) each; "
+                  f"cells are {CI_CAPTION}.  "
                   f"{len(regimes)} regimes: "
                   + "; ".join(_regime_text(reg, scales[reg], ortho[reg], d, grids[reg], widths[reg]) for reg in regimes)
                   + ".  The larger the self-logit, the larger the variance of a random-feature estimate of "
@@ -268,7 +269,7 @@ def _plot(agg, regimes, seeds, ctx) -> list:
         for ax in (ax1, ax2):
             ax.set_xscale("log")
             ax.grid(True, alpha=0.3)
-    ctx.legend_outside(fig, axes, title=f"mean, 95% CI over {len(seeds)} seeds")
+    ctx.legend_outside(fig, axes, title=f"mean, 95% CI over {seeds_text(len(seeds))}")
     return ["", ctx.savefig(fig, "recall", "recall error and accuracy against n / D_phi in every regime"),
             "", f"{CI_CAPTION}; dashed: the least-squares state of each map's size (its error is the floor)."]
 

@@ -60,6 +60,13 @@ def test_one_seed_gives_no_interval_and_no_conclusion_from_one(tmp_path):
     md = recall.render(_one_seed_recall_records(), Context(out=tmp_path, profile="tiny", plots=False)).markdown
     assert not re.search(r"± 0(?![.\d])", md)  # no interval of width 0
     assert "0.5 ± n/a" in md and "accuracy 0.5 (one seed gives no 95% interval) at n = 2" in md
+    assert "1 seed (a seed draws" in md and "1 seeds" not in md  # the regime line counted "1 seeds"
+
+
+def test_seeds_text_counts_one_seed_and_many():
+    from linattn_nb.studies._study import seeds_text
+
+    assert [seeds_text(n) for n in (1, 2, 5)] == ["1 seed", "2 seeds", "5 seeds"]
 
 
 def test_mqar_checks_are_not_applicable_with_one_seed():
