@@ -169,51 +169,96 @@ def prepare(q, k, v, fmap, *, causal, eps, check_finite, decay=None, log_decay=N
     return c._replace(**{nm: V.flatten_batch(x, np.float64) for nm, x in arrays.items() if x is not None})
 
 
-def _refuse_overflowed(s, causal, offset=0, entry=None) -> None:
+def _entry_text(entry) -> str:
+    """`` of batch entry ...`` for the messages, empty for None."""
+    return "" if entry is None else f" of batch entry {entry}"
+
+
+def _batch_entry(idx, batch_shape):
+    """The batch entry of a flat index ``idx`` of a (B, ...) array in the user's ``batch_shape``: None without
+    a batch (``()``), an int for one batch dimension, else a tuple."""
+    if not batch_shape:
+        return None
+    where = np.unravel_index(int(idx), tuple(batch_shape))
+    return int(where[0]) if len(where) == 1 else tuple(int(x) for x in where)
+
+
+def _refuse_overflowed(s, causal, offset=0, entry=None, q=None, k=None, batch_shape=None) -> None:
     """ValueError where a score of ``s`` (..., rows, Nk) that a row reads (``causal``: ``j <= i``, the rows being
-    queries ``offset ...``) is not finite: ``scale * q . k`` overflowed float64, and the softmax weights of that
-    row are not defined (``s - max`` would be ``inf - inf``: NaN weights).  ``entry``: the batch entry of a
-    2-D ``s``."""
+    queries ``offset ...``) is not finite: the softmax weights of that row are not defined (``s - max`` would be
+    ``inf - inf``: NaN weights).  With the rows ``q`` (..., rows, D) and the keys ``k`` (..., Nk, D) of ``s``, a
+    score whose query or key holds inf or NaN (inputs not checked, ``check_finite=False``) is named as such;
+    else ``scale * q . k`` overflowed float64.  ``entry``: the batch entry of a 2-D ``s``; ``batch_shape``:
+    the batch shape of the user's input, of which the leading dimension of a 3-D ``s`` is the flattened form
+    (``()``: no batch, no entry named)."""
     bad = ~np.isfinite(s)
     if causal:
         rows, cols = s.shape[-2:]
         bad &= np.arange(cols)[None, :] <= offset + np.arange(rows)[:, None]
-    if bad.any():
-        where = [int(x) for x in np.argwhere(bad)[0]]
-        if entry is None and len(where) > 2:
+    if not bad.any():
+        return
+    where = [int(x) for x in np.argwhere(bad)[0]]
+    if entry is None and len(where) > 2:
+        if batch_shape is not None and len(where) == 3:
+            entry = _batch_entry(where[0], batch_shape)
+        else:
             entry = where[0] if len(where) == 3 else tuple(where[:-2])
-        of = "" if entry is None else f" of batch entry {entry}"
-        raise ValueError(f"the softmax scores scale * q . k overflow float64 (query {offset + where[-2]}, key "
-                         f"{where[-1]}{of}): the softmax weights are not defined there; pass a smaller scale or "
-                         "scale q and k down")
+    at = f"query {offset + where[-2]}, key {where[-1]}{_entry_text(entry)}"
+    if q is not None and k is not None:
+        lead = tuple(where[:-2])
+        names = [nm for nm, row in (("q", q[lead + (where[-2],)]), ("k", k[lead + (where[-1],)]))
+                 if not np.isfinite(row).all()]
+        if names:
+            what = "NaN" if np.isnan(s[tuple(where)]) else "inf"
+            raise ValueError(f"the softmax scores scale * q . k hold {what} ({at}): {' and '.join(names)} "
+                             f"{'hold' if len(names) > 1 else 'holds'} inf or NaN there (inputs not checked with "
+                             "check_finite=False); the softmax weights are not defined there")
+    raise ValueError(f"the softmax scores scale * q . k overflow float64 ({at}): the softmax weights are not "
+                     "defined there; pass a smaller scale or scale q and k down")
 
 
-def check_scores(q, k, *, causal: bool, scale: float) -> None:
+def scores(q, k, scale: float) -> np.ndarray:
+    """The softmax scores ``(scale q) . k`` of (..., Nq, D) and (..., Nk, D), float64: ``q`` scaled first, as
+    the softmax kernels do, so that a representable score is not lost to an overflow of ``q . k`` (inputs
+    near 1e160 with ``scale = 1e-300``).  Overflows give inf or NaN, without a warning."""
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return (scale * q) @ np.swapaxes(k, -1, -2)
+
+
+def check_scores(q, k, *, causal: bool, scale: float, batch_shape=None) -> None:
     """:func:`_refuse_overflowed` on every score of (B, N, D) float64 ``q`` and ``k``, for a kernel that forms
     them one row at a time: none is formed where ``scale * max|q_i| * max|k_j|`` (Cauchy-Schwarz) is far from
-    float64's range, else the scores in blocks of rows."""
+    float64's range, else the scores in blocks of rows.  ``batch_shape``: the user's (unflattened) batch shape,
+    for the entry a message names (None: the flat index where ``B > 1``)."""
     if q.size == 0 or k.size == 0:
         return
     with np.errstate(over="ignore", invalid="ignore"):
         nq = np.sqrt(np.einsum("bnd,bnd->bn", q, q)).max()
         nk = np.sqrt(np.einsum("bnd,bnd->bn", k, k)).max()
-        if scale * nq * nk < 1e300:  # False for inf and NaN too
+        if abs(scale) * nq * nk < 1e300:  # False for inf and NaN too
             return
-        rows = max(1, (1 << 22) // max(1, k.shape[1]))
-        for b in range(q.shape[0]):
-            for r0 in range(0, q.shape[1], rows):
-                _refuse_overflowed(scale * (q[b, r0:r0 + rows] @ k[b].T), causal, r0,
-                                   entry=b if q.shape[0] > 1 else None)
+    rows = max(1, (1 << 22) // max(1, k.shape[1]))
+    for b in range(q.shape[0]):
+        entry = b if q.shape[0] > 1 else None
+        if batch_shape is not None:
+            entry = _batch_entry(b, batch_shape)
+        for r0 in range(0, q.shape[1], rows):
+            qb = q[b, r0:r0 + rows]
+            _refuse_overflowed(scores(qb, k[b], scale), causal, r0, entry=entry, q=qb, k=k[b])
 
 
-def softmax_weights(q, k, *, causal: bool, scale: float) -> np.ndarray:
+def softmax_weights(q, k, *, causal: bool, scale: float, batch_shape=None) -> np.ndarray:
     """Softmax weights ``softmax_j(scale q_i . k_j)`` of (..., Nq, D) and (..., Nk, D), float64.
 
-    ``causal``: the weights of ``j > i`` are 0.
+    ``causal``: the weights of ``j > i`` are 0.  The scores are those of :func:`scores`; one that a row reads
+    and that is not finite raises ValueError (:func:`_refuse_overflowed`, ``batch_shape`` as there).
     """
-    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused by name below
-        s = scale * (np.asarray(q, dtype=np.float64) @ np.swapaxes(np.asarray(k, dtype=np.float64), -1, -2))
-    _refuse_overflowed(s, causal)
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    s = scores(q, k, scale)
+    _refuse_overflowed(s, causal, q=q, k=k, batch_shape=batch_shape)
     if causal:
         s = np.where(np.tril(np.ones(s.shape[-2:], dtype=bool)), s, -np.inf)
     if s.shape[-1]:
@@ -221,6 +266,20 @@ def softmax_weights(q, k, *, causal: bool, scale: float) -> np.ndarray:
     w = np.exp(s)
     w /= w.sum(axis=-1, keepdims=True)
     return w
+
+
+def check_linear_weights(fmap, den, batch_shape) -> None:
+    """ValueError, naming the map, where a row sum ``den`` (B, N) of the linear weights
+    ``phi(q_i) . phi(k_j)`` is not finite: a product (or their sum) overflowed float64, and the weights of that
+    row are NaN or inf.  ``batch_shape``: the user's batch shape, for the entry the message names."""
+    bad = ~np.isfinite(den)
+    if bad.any():
+        b, i = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(
+            f"feature map {fmap.name!r}: the linear weights phi(q) . phi(k) of query {i}"
+            f"{_entry_text(_batch_entry(b, batch_shape))} overflow float64 (their row sum is {den[b, i]}); "
+            "rescale the inputs"
+        )
 
 
 def entry_weights(rule, fq, fk, inputs, b: int = 0, *, causal: bool = True) -> np.ndarray:

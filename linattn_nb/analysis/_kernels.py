@@ -146,7 +146,10 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
         i0 = qb * block
         i1 = min(N, i0 + block)
         kend = i1 if causal else N
-        s = np.dot(q[b, i0:i1], k[b, :kend].T)
+        if scale == 0.0:
+            s = np.dot(q[b, i0:i1], k[b, :kend].T)  # q . k for the ranks; every softmax score is 0
+        else:
+            s = np.dot(q[b, i0:i1] * scale, k[b, :kend].T)  # q scaled first, as softmax's kernels do
         if softmax_mode:
             a = s
         elif mode == _MODE_EXPLICIT:
@@ -183,6 +186,7 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
         idx2 = np.empty(kend, dtype=np.int64)
         counts = np.empty((_RADIX_PASSES, _RADIX_SIZE), dtype=np.int64)
         rs = np.empty(kend)
+        rq = np.empty(kend)
         rw = np.empty(kend)
         for t in range(i1 - i0):
             i = i0 + t
@@ -190,20 +194,21 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
             # softmax weights of row i
             mx = -np.inf
             for j in range(L):
-                sj = s[t, j] * scale
-                s[t, j] = sj
+                sj = s[t, j] if scale != 0.0 else 0.0
                 if sj > mx:
                     mx = sj
             z = 0.0
             for j in range(L):
-                e = math.exp(s[t, j] - mx)
+                sj = s[t, j] if scale != 0.0 else 0.0
+                e = math.exp(sj - mx)
                 p[j] = e
                 z += e
             logz = math.log(z)
             inv = 1.0 / z
             h = 0.0
             for j in range(L):
-                lpj = s[t, j] - mx - logz
+                sj = s[t, j] if scale != 0.0 else 0.0
+                lpj = sj - mx - logz
                 lp[j] = lpj
                 pj = p[j] * inv
                 p[j] = pj
@@ -249,7 +254,8 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
                     w[j] = wj
                     tv_i += abs(p[j] - wj)
                 tv[b, i] = 0.5 * tv_i
-                if den > 0.0 and amin >= 0.0:
+                # a distribution: no negative weight, and a normaliser > 0 that the floor leaves alone
+                if den > 0.0 and amin >= 0.0 and not (clip and den < eps):
                     kl_i = 0.0
                     hw_i = 0.0
                     js_i = 0.0
@@ -275,22 +281,40 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
                     kl[b, i] = kl_i
                     hw[b, i] = hw_i
                     js[b, i] = js_i
+                elif den > 0.0 and amin >= 0.0:
+                    # floored (den < eps): the weights sum to den / eps < 1, no distribution, but the KL
+                    # of the weights linear attention applies is still defined
+                    kl_i = 0.0
+                    for j in range(L):
+                        pj = p[j]
+                        if pj > 0.0:
+                            if w[j] > 0.0:
+                                kl_i += pj * (lp[j] - math.log(w[j]))
+                            else:
+                                kl_i = np.inf
+                    kl[b, i] = kl_i if kl_i > 0.0 else 0.0
+                    hw[b, i] = np.nan
+                    js[b, i] = np.nan
                 else:
                     kl[b, i] = np.inf
                     hw[b, i] = np.nan
                     js[b, i] = np.nan
-            # Spearman correlation between scores and linear weights
+            # Spearman correlation between q . k (unscaled) and the weights
             if L < 2:
                 rho[b, i] = np.nan
             else:
+                # ranks of s: those of q . k for scale > 0 (and scale == 0, where s is q . k), reversed for
+                # scale < 0 (average ranks of -x are L - 1 minus those of x)
                 _average_ranks(s[t], L, vals, keys, keys2, idx, idx2, counts, rs)
+                for j in range(L):
+                    rq[j] = rs[j] if scale >= 0.0 else (L - 1) - rs[j]
                 if softmax_mode:
-                    # exp is increasing: softmax's ranks are the scores' (the float64 weights would tie
-                    # every score whose exp underflows to 0)
-                    rho[b, i] = _pearson_ranks(rs, rs, L)
+                    # exp is increasing: softmax's ranks are the scaled scores' (the float64 weights would
+                    # tie every score whose exp underflows to 0); scale == 0: equal weights, no correlation
+                    rho[b, i] = np.nan if scale == 0.0 else _pearson_ranks(rq, rs, L)
                 else:
                     _average_ranks(w, L, vals, keys, keys2, idx, idx2, counts, rw)
-                    rho[b, i] = _pearson_ranks(rs, rw, L)
+                    rho[b, i] = _pearson_ranks(rq, rw, L)
 
 
 def error_rows(q, k, fq, fk, *, scale, causal, softmax_mode, eps, rule, inputs, block=None):
@@ -298,7 +322,9 @@ def error_rows(q, k, fq, fk, *, scale, causal, softmax_mode, eps, rule, inputs, 
 
     ``q, k`` (B, N, D) and ``fq, fk`` (B, N, F) C-contiguous float64 (``(B, N, 0)`` dummies in softmax
     mode); ``rule`` and ``inputs`` as the front end gives them (causal only).  The delta rules' weights are
-    formed explicitly, one ``N x N`` matrix per batch entry at a time, the kernel run on each in turn.
+    formed explicitly, one ``N x N`` matrix per batch entry at a time, the kernel run on each in turn.  A row
+    whose normaliser is not finite (a product ``phi(q) . phi(k)`` overflowed: NaN or inf weights) has every
+    statistic but ``hp`` and ``den`` NaN.
     """
     block = int(config.ANALYSIS_BLOCK_Q if block is None else block)
     if block < 1:
@@ -331,4 +357,10 @@ def error_rows(q, k, fq, fk, *, scale, causal, softmax_mode, eps, rule, inputs, 
                                       np.ascontiguousarray(w[None], dtype=np.float64), *(o[b:b + 1] for o in outs))
             else:
                 error_rows_kernel(q, k, fq, fk, *args, np.ascontiguousarray(fac, dtype=np.float64), *outs)
-    return dict(zip(("kl", "tv", "hp", "hw", "rho", "den", "js"), outs))
+    st = dict(zip(("kl", "tv", "hp", "hw", "rho", "den", "js"), outs))
+    if not softmax_mode:
+        undefined = ~np.isfinite(st["den"])  # a product overflowed: NaN or inf weights, every statistic NaN
+        if undefined.any():
+            for key in ("kl", "tv", "hw", "rho", "js"):
+                st[key][undefined] = np.nan
+    return st

@@ -45,18 +45,20 @@ class ApproximationError:
     entropy_softmax : float
         Mean row entropy of the softmax weights (nats).
     entropy_linear : float
-        The same for the linear weights, over the rows where they form a distribution (else NaN).
+        The same for the linear weights, over the rows where they form a distribution (else NaN): no
+        negative weight and a normaliser ``>= eps`` (a row floored at ``eps`` sums to ``d_i / eps < 1``).
     monotonicity : float
-        Mean row Spearman correlation between ``q_i . k_j`` and ``w_ij`` (rows with fewer than two
-        keys or constant values left out; NaN if none is left).  Softmax weights score 1: their ranks are
-        taken as those of the scores, which exp keeps, also where the float64 weights underflow to 0.
+        Mean row Spearman correlation between ``q_i . k_j`` (unscaled: whatever the sign of ``scale``)
+        and ``w_ij`` (rows with fewer than two keys or constant values left out; NaN if none is left).
+        Softmax weights score 1 for ``scale > 0`` and -1 for ``scale < 0``: their ranks are taken as
+        those of the scores, which exp keeps, also where the float64 weights underflow to 0.
     nonpositive_normalizer_rate : float
         Fraction of rows with ``sum_j phi(q_i) . phi(k_j) <= 0`` (before the ``eps`` floor).
     kl_infinite_rate : float
         Fraction of rows whose KL is infinite.
     js_mean : float
         Mean row Jensen-Shannon divergence (nats, at most ``ln 2``), over the rows where the linear
-        weights form a distribution; NaN if none does (a signed map).
+        weights form a distribution (as for ``entropy_linear``); NaN if none does (a signed map).
     n_rows : int
         Number of rows (query positions times batch entries).
     """
@@ -112,6 +114,9 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
     eps : float or None, default ``config.DEFAULT_EPS``
         Floor of the linear normaliser, as in ``linear_attention``; None divides by the raw normaliser.
     check_finite : bool, default True
+        Refuse inf and NaN in the inputs, in the features and in the linear weights (a product
+        ``phi(q) . phi(k)`` that overflows float64).  False checks none of them: such weights come back
+        NaN or inf (softmax scores that are not finite are refused whatever its value).
     decay, log_decay : float or array_like, optional
         A decay or gate, as in ``linear_attention`` (causal only): the weight of token ``s`` in
         output ``t`` is multiplied by the factors of tokens ``s+1..t``.
@@ -130,7 +135,9 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
     ------
     ValueError
         Bad shapes, non-finite inputs, ``N * N`` above ``config.QUADRATIC_MAX_ELEMENTS``; rule
-        arguments as ``linear_attention`` refuses them, or given with ``"softmax"``.
+        arguments as ``linear_attention`` refuses them, or given with ``"softmax"``; a softmax score
+        ``(scale q) . k`` that is not finite; with ``check_finite``, features or linear weights that
+        overflow float64.
     TypeError
         Non-floating inputs, ``causal`` not a bool.
 
@@ -174,10 +181,13 @@ def attention_weights(q, k, feature_map, *, causal=False, scale=None, eps=_DEFAU
     if fq is None:
         w = np.zeros((c.b, n, n))
     elif fmap is None:
-        w = C.softmax_weights(c.q, c.k, causal=c.causal, scale=scale)
+        w = C.softmax_weights(c.q, c.k, causal=c.causal, scale=scale, batch_shape=batch_shape)
     else:
-        w = C.explicit_rule_weights(c.rule, fq, fk, c.inputs, normalize=c.normalize, eps=c.eps,
-                                    causal=c.causal)
+        w = C.explicit_rule_weights(c.rule, fq, fk, c.inputs, normalize=False, eps=None, causal=c.causal)
+        if check_finite:
+            C.check_linear_weights(fmap, w.sum(axis=-1), batch_shape)
+        if c.normalize:
+            w = C.normalise_rows(w, c.eps)
     return w.reshape(batch_shape + (n, n))
 
 
@@ -201,6 +211,10 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     eps : float or None, default ``config.DEFAULT_EPS``
         Floor of the linear normaliser, as in ``linear_attention``.
     check_finite : bool, default True
+        Refuse inf and NaN in the inputs, in the features and in the linear weights (a product
+        ``phi(q) . phi(k)`` that overflows float64), as ValueError naming the map.  False checks none of
+        them: a row whose normaliser is not finite has NaN statistics (softmax scores that are not finite
+        are refused whatever its value).
     block : int, optional
         Query rows per task (default ``config.ANALYSIS_BLOCK_Q``).
     decay, log_decay : float or array_like, optional
@@ -218,7 +232,9 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
     ------
     ValueError, TypeError
         As :func:`linattn_nb.linear_attention` for bad inputs and rule arguments; rule arguments with
-        ``"softmax"``; ``beta`` with ``N * N`` above ``config.QUADRATIC_MAX_ELEMENTS``.
+        ``"softmax"``; ``beta`` with ``N * N`` above ``config.QUADRATIC_MAX_ELEMENTS``; ValueError for a
+        softmax score ``(scale q) . k`` that a row reads and that is not finite, and with ``check_finite``
+        for features or linear weights that overflow float64.
 
     Examples
     --------
@@ -254,17 +270,19 @@ def approximation_error(q, k, v, feature_map, *, causal=False, scale=None, eps=_
         raise ValueError(f"block must be an integer >= 1 or None, got {block!r}")
     if fq is None:
         return _no_rows()
-    C.check_scores(q64, k64, causal=causal, scale=scale)
+    C.check_scores(q64, k64, causal=causal, scale=scale, batch_shape=c.batch_shape)
     # the kernels call np.dot inside prange: one BLAS thread per call, or its threads compete with Numba's
     with single_threaded_blas():
+        st = error_rows(q64, k64, fq, fk, scale=scale, causal=causal, softmax_mode=fmap is None, eps=eps,
+                        block=block, rule=rule, inputs=inputs)
+        if check_finite and fmap is not None:
+            C.check_linear_weights(fmap, st["den"], c.batch_shape)
         o_sm = softmax_attention(q64, k64, v64, causal=causal, scale=scale, check_finite=False)
         if fmap is None:
             o_lin = o_sm
         else:
             o_lin = linear_attention(q64, k64, v64, feature_map=fmap, causal=causal, eps=eps,
                                      check_finite=False, **_rule_call(rule, inputs, n))
-        st = error_rows(q64, k64, fq, fk, scale=scale, causal=causal, softmax_mode=fmap is None, eps=eps,
-                        block=block, rule=rule, inputs=inputs)
     return _summarise(st, o_lin, o_sm, c.b * n)
 
 
@@ -282,8 +300,9 @@ def _setup(q, k, v, feature_map, causal, scale, eps, decay, log_decay, beta, che
         return c, fmap, scale, None, None
     if fmap is None:
         return c, fmap, scale, np.zeros((c.b, c.n, 0)), np.zeros((c.b, c.n, 0))
-    fq = C.features(fmap, c.q, role="query", causal=c.causal, name="q")
-    return c, fmap, scale, fq, C.features(fmap, c.k, role="key", causal=c.causal, name="k")
+    fq = C.features(fmap, c.q, role="query", causal=c.causal, name="q", check_finite=check_finite)
+    fk = C.features(fmap, c.k, role="key", causal=c.causal, name="k", check_finite=check_finite)
+    return c, fmap, scale, fq, fk
 
 
 def _no_rows() -> ApproximationError:
@@ -346,9 +365,10 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
     rule, inputs = c.rule, c.inputs
     if fq is None:
         return _no_rows()
-    p_all = C.softmax_weights(q64, k64, causal=causal, scale=scale)
-    with np.errstate(over="ignore"):  # a read score that overflows was refused above; the masked ones are unread
-        s_all = scale * np.einsum("bid,bjd->bij", q64, k64)
+    p_all = C.softmax_weights(q64, k64, causal=causal, scale=scale, batch_shape=c.batch_shape)
+    s_all = C.scores(q64, k64, scale)  # a read score that overflows was refused above; the masked ones are unread
+    with np.errstate(over="ignore", invalid="ignore"):
+        qk_all = np.einsum("bid,bjd->bij", q64, k64)  # monotonicity ranks q . k itself, whatever the sign of scale
     if fmap is None:
         w_all = p_all
         den_all = np.ones((b, n))
@@ -356,6 +376,7 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
     else:
         a_all = C.explicit_rule_weights(rule, fq, fk, inputs, normalize=False, eps=None, causal=causal)
         den_all = a_all.sum(axis=-1)
+        C.check_linear_weights(fmap, den_all, c.batch_shape)
         w_all = C.normalise_rows(a_all, eps)
     st = {key: np.full((b, n), np.nan) for key in ("kl", "tv", "hp", "hw", "rho", "den", "js")}
     for bb in range(b):
@@ -363,6 +384,7 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
             L = i + 1 if causal else n
             p = p_all[bb, i, :L]
             s = s_all[bb, i, :L]
+            qk = qk_all[bb, i, :L]
             w = w_all[bb, i, :L]
             a = a_all[bb, i, :L]
             den = den_all[bb, i]
@@ -374,7 +396,7 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
                 st["tv"][bb, i] = np.inf
                 continue
             st["tv"][bb, i] = 0.5 * np.abs(p - w).sum()
-            is_dist = den > 0 and (a >= 0).all()
+            is_dist = den > 0 and (a >= 0).all() and (eps is None or den >= eps)  # floored: sums to den / eps < 1
             if is_dist:
                 pos = p > 0
                 if np.any(w[pos] <= 0):
@@ -385,11 +407,15 @@ def approximation_error_naive(q, k, v, feature_map, *, causal=False, scale=None,
                 mix = 0.5 * (p + w)
                 st["js"][bb, i] = 0.5 * sum(float(np.sum(x[x > 0] * (np.log(x[x > 0]) - np.log(mix[x > 0]))))
                                             for x in (p, w))
+            elif den > 0 and (a >= 0).all():  # floored: the KL of the weights applied, no entropy or JS
+                pos = p > 0
+                st["kl"][bb, i] = (np.inf if np.any(w[pos] <= 0) else
+                                   max(0.0, float(np.sum(p[pos] * (np.log(p[pos]) - np.log(w[pos]))))))
             else:
                 st["kl"][bb, i] = np.inf
             if L >= 2:
-                rs = rankdata(s)
-                rw = rs if fmap is None else rankdata(w)  # softmax: exp keeps the scores' order (see the kernel)
+                rs = rankdata(qk)
+                rw = rankdata(s) if fmap is None else rankdata(w)  # softmax: exp keeps the scores' order (kernel)
                 if np.ptp(rs) > 0 and np.ptp(rw) > 0:
                     st["rho"][bb, i] = np.corrcoef(rs, rw)[0, 1]
     o_sm = p_all @ v64

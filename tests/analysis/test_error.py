@@ -423,10 +423,12 @@ def _independent_statistics(q, k, v, phi, *, causal, eps):
             hp.append(-np.sum(pi * np.log(pi)))
             if den[bb, i] > 0 and np.all(ai >= 0):
                 kl.append(np.inf if np.any(wi <= 0) else max(0.0, np.sum(pi * np.log(pi / wi))))
-                pos = wi > 0
-                hw.append(-np.sum(wi[pos] * np.log(wi[pos])))
-                mix = 0.5 * (pi + wi)
-                js.append(0.5 * np.sum(pi * np.log(pi / mix)) + 0.5 * np.sum(wi[pos] * np.log(wi[pos] / mix[pos])))
+                if den[bb, i] >= eps:  # else floored: the weights sum to den / eps < 1, no distribution
+                    pos = wi > 0
+                    hw.append(-np.sum(wi[pos] * np.log(wi[pos])))
+                    mix = 0.5 * (pi + wi)
+                    js.append(0.5 * np.sum(pi * np.log(pi / mix))
+                              + 0.5 * np.sum(wi[pos] * np.log(wi[pos] / mix[pos])))
             else:
                 kl.append(np.inf)
             if m.sum() >= 2 and np.ptp(si) > 0 and np.ptp(wi) > 0:
