@@ -628,7 +628,7 @@ def softmax_attention(q, k, v, *, causal, scale, device, check_finite, method):
     # the blocked kernel checks q, k, v itself (while it reads them); the reference is scanned here
     q, k, v, (batch_shape, n, d, m, dtype) = V.host_qkv(q, k, v, check_finite=check_finite and method != "blocked")
     scale = V.check_scale(scale, d)
-    if method not in ("blocked", "quadratic"):
+    if check_method_name(method) not in ("blocked", "quadratic"):
         raise ValueError(f"unknown method {method!r} for softmax_attention; choose 'blocked' or 'quadratic'")
     out_shape = batch_shape + (n, m)
     result = np.empty(out_shape, dtype=dtype)
@@ -650,7 +650,11 @@ def softmax_attention(q, k, v, *, causal, scale, device, check_finite, method):
     except NonFiniteResult:
         if work != _F64:  # the working dtype overflowed (e.g. float32 scores of inputs of 1e19): float64
             out64 = np.empty((b, n, m))
-            softmax_blocked(*(V.flatten_batch(x, _F64) for x in (q, k, v)), out64, causal=causal, scale=scale)
+            try:  # checked again: scores that overflow float64 itself raise as for float64 inputs
+                softmax_blocked(*(V.flatten_batch(x, _F64) for x in (q, k, v)), out64, causal=causal, scale=scale,
+                                check_finite=True)
+            except NonFiniteResult:
+                raise float64_overflow("an output", None, q, k, v) from None
             result[...] = _cast_result(out64, dtype, q, k, v).reshape(out_shape)
             return result
         if check_finite:  # softmax has no normaliser of 0: float64 itself overflowed

@@ -164,13 +164,24 @@ def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
+def _as_float(name: str, x, what: str) -> float:
+    """``float(x)`` of a real number ``x``; ValueError naming ``name`` (``"{name} must be {what}"``) where it
+    is too large for a float (``float(10**400)`` raises OverflowError)."""
+    try:
+        return float(x)
+    except OverflowError:
+        raise ValueError(f"{name} must be {what}, got a value of type {type(x).__name__} too large "
+                         "for a float") from None
+
+
 def check_scale(scale, d: int) -> float:
-    """The softmax temperature: ``1/sqrt(d)`` for None, else a finite real number."""
+    """The softmax temperature: ``1/sqrt(d)`` for None, else a finite real number (ValueError for one
+    too large for a float, such as ``10**400``)."""
     if scale is None:
         return 1.0 / math.sqrt(d)
     if not _is_real(scale):
         raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
-    scale = float(scale)
+    scale = _as_float("scale", scale, "finite")
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     return scale
@@ -189,7 +200,7 @@ def check_eps(eps):
         return None
     if not _is_real(eps):
         raise TypeError(f"eps must be a non-negative float or None, got {type(eps).__name__}")
-    eps = float(eps)
+    eps = _as_float("eps", eps, "a finite non-negative float or None")
     if not (eps >= 0.0) or math.isinf(eps):
         raise ValueError(f"eps must be a finite non-negative float or None, got {eps}")
     return eps

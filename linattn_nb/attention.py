@@ -241,11 +241,23 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, device="auto", check
         float16/float32 inputs overflow the working dtype; finite inputs whose scores overflow float64
         itself raise NonFiniteResult.  With False none of this is checked.
     method : {"blocked", "quadratic"}
-        ``"quadratic"`` is the naive float64 reference (explicit N x N).
+        ``"quadratic"`` is the naive float64 reference (explicit N x N).  Both form the scores as
+        ``(scale q) . k``.
 
     Returns
     -------
     ndarray, shape (..., N, M), in the input dtype.
+
+    Raises
+    ------
+    TypeError
+        A ``method`` that is not a string (as :func:`linear_attention`), a ``scale`` that is not a real
+        number, non-floating inputs.
+    ValueError
+        An unknown ``method``; a ``scale`` that is not finite or too large for a float; shapes that do not
+        match; with ``check_finite``, NaN or inf in q, k or v.
+    NonFiniteResult
+        With ``check_finite``, finite inputs whose scores overflow float64 (every input dtype).
 
     Examples
     --------

@@ -292,6 +292,13 @@ def test_method_device_feature_map_eps_errors():
         la.linear_attention(x, x, x, eps="small")
 
 
+def test_eps_too_large_for_a_float():
+    """eps=10**400 raised a bare OverflowError from float(); now the ValueError naming eps."""
+    x = np.ones((4, 3))
+    with pytest.raises(ValueError, match="eps must be a finite non-negative float or None, got .*too large"):
+        la.linear_attention(x, x, x, eps=10**400)
+
+
 def test_out_buffer_errors_and_use():
     x = np.ones((2, 4, 3))
     with pytest.raises(ValueError, match=r"out must have shape \(2, 4, 3\)"):

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import linattn_nb as la
+from linattn_nb.ops._finite import NonFiniteResult
 from linattn_nb.ops.softmax.cpu import softmax_blocked
 
 
@@ -87,3 +88,47 @@ def test_empty_and_errors():
         la.softmax_attention(x, x, bad)
     with pytest.raises(ValueError, match="block sizes"):
         softmax_blocked(x[None], x[None], x[None], np.empty((1, 4, 3)), causal=False, scale=1.0, block_q=0)
+
+
+@pytest.mark.parametrize("method", ["blocked", "quadratic"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+def test_scores_overflowing_float64_raise_for_every_dtype(method, dtype, rng):
+    """Scores beyond float64 (scale=1e308, |q|, |k| ~ 10): float32/float16 inputs with the blocked kernel
+    returned all NaN (the float64 retry was not checked); every dtype and method raises NonFiniteResult."""
+    q, k, v = (rng.standard_normal((8, 4)) for _ in range(3))
+    with pytest.raises(NonFiniteResult, match="not finite even in float64"):
+        la.softmax_attention((10 * q).astype(dtype), (10 * k).astype(dtype), v.astype(dtype), scale=1e308,
+                             method=method)
+    out = la.softmax_attention((10 * q).astype(dtype), (10 * k).astype(dtype), v.astype(dtype), scale=1e308,
+                               method=method, check_finite=False)
+    assert out.dtype == dtype and out.shape == (8, 4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_quadratic_scales_q_before_the_product(causal, rng):
+    """q, k ~ 1e160 with scale=1e-300: the scores (~1e20) are representable but q . k is not; the quadratic
+    reference formed q . k first and raised NonFiniteResult, while the blocked kernel scales q first."""
+    q, k, v = (rng.standard_normal((6, 2)) for _ in range(3))
+    Q, K, scale = q * 1e160, k * 1e160, 1e-300
+    ref = direct_softmax(scale * Q, K, v, causal, scale=1.0)
+    assert np.isfinite(ref).all()
+    for method in ("blocked", "quadratic"):
+        np.testing.assert_allclose(la.softmax_attention(Q, K, v, causal=causal, scale=scale, method=method), ref,
+                                   rtol=1e-12, atol=1e-12)
+
+
+def test_scale_too_large_for_a_float():
+    """scale=10**400 raised a bare OverflowError from float(); now the ValueError naming scale."""
+    x = np.ones((4, 3))
+    with pytest.raises(ValueError, match="scale must be finite, got .*too large for a float"):
+        la.softmax_attention(x, x, x, scale=10**400)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        la.softmax_attention(x, x, x, scale=-10**400)
+
+
+def test_method_type_error_as_linear_attention():
+    """method=None raised ValueError in softmax_attention, TypeError in linear_attention: both TypeError."""
+    x = np.ones((4, 3))
+    for f in (la.softmax_attention, la.linear_attention):
+        with pytest.raises(TypeError, match="method must be a string, got NoneType"):
+            f(x, x, x, method=None)
