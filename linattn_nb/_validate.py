@@ -77,12 +77,14 @@ def check_bool(name: str, x) -> bool:
     return bool(x)
 
 
-def check_int(name: str, x, minimum: int = 0) -> int:
+def check_int(name: str, x, minimum: int = 0, *, allow_none: bool = False):
     """``x`` as an int: a Python or NumPy integer (not a bool) ``>= minimum``, e.g. a token position, a
-    length or a count.  TypeError naming ``name`` for anything else (a float such as 1.7, a string, a bool),
-    ValueError below ``minimum``."""
+    length or a count (``None`` returned as it is with ``allow_none``).  TypeError naming ``name`` for
+    anything else (a float such as 1.7, a string, a bool), ValueError below ``minimum``."""
+    if x is None and allow_none:
+        return None
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {type(x).__name__} {x!r}")
+        raise TypeError(f"{name} must be an integer{' or None' if allow_none else ''}, got {type(x).__name__} {x!r}")
     if x < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {x}")
     return int(x)

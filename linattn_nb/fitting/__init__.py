@@ -20,6 +20,7 @@ from .. import feature_maps as fm
 from .._blas import single_threaded_blas
 from .._seeds import generator
 from .._interrupt import active as interrupt_active, check as check_interrupt, interrupts
+from .._validate import check_int
 from ..attention import linear_attention, linear_attention_vjp, softmax_attention
 from ._objective import LOSSES, WeightsLoss
 
@@ -110,12 +111,6 @@ def _check_choice(name, value, options):
     if not isinstance(value, str) or value not in options:
         raise ValueError(f"fit: {name} must be one of {', '.join(map(repr, options))}, got {value!r}")
     return value
-
-
-def _check_int(name, value, minimum):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"fit: {name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def _check_float(name, value, *, low, high=None, low_open=False):
@@ -361,7 +356,7 @@ def fit(feature_map, q, k, *, causal=False, scale=None, loss="cross_entropy", st
     from tqdm.auto import tqdm
 
     optimizer = _check_choice("optimizer", optimizer, OPTIMIZERS)
-    steps = _check_int("steps", steps, 0)
+    steps = check_int("fit: steps", steps, 0)
     learning_rate = _check_float("learning_rate", learning_rate, low=0.0, low_open=True)
     if tol is not None:
         tol = _check_float("tol", tol, low=0.0)

@@ -293,8 +293,8 @@ def test_fit_floor_for_maps_with_zero_weights():
 @pytest.mark.parametrize("kwargs,exc,match", [
     (dict(loss="l2"), ValueError, "loss must be one of"),
     (dict(optimizer="sgd"), ValueError, "optimizer must be one of"),
-    (dict(steps=-1), ValueError, "steps must be an integer"),
-    (dict(steps=2.5), ValueError, "steps must be an integer"),
+    (dict(steps=-1), ValueError, "steps must be >= 0"),
+    (dict(steps=2.5), TypeError, "steps must be an integer"),
     (dict(causal=1), TypeError, "causal must be a bool"),
     (dict(scale=0.0), ValueError, "scale must be in"),
     (dict(floor=1.0), ValueError, "floor must be in"),
