@@ -17,8 +17,10 @@ from typing import Mapping
 
 from .. import config
 from .._interrupt import check as check_interrupt, interrupts
+from .._validate import check_int
 from ._study import PROFILES, STUDIES, Context, Rendered, get_study, markdown_table
-from .sweep import grid_points, load_results, read_header, sweep, usable_cores, version_problem
+from .sweep import (function_name, grid_points, header_problem, load_results, read_header, sweep, usable_cores,
+                    version_problem)
 
 __all__ = ["run_report", "ReportResult", "resolve_devices", "machine_info"]
 
@@ -161,17 +163,20 @@ def _prepare_out(out: Path, *, force: bool, resume: bool, studies=()) -> None:
                 if p.is_file():
                     p.unlink()
         else:
-            _check_versions(out, studies)
+            _check_resumable(out, studies)
     out.mkdir(parents=True, exist_ok=True)
 
 
-def _check_versions(out: Path, studies) -> None:
-    """ValueError, before anything runs, when a results file of ``studies`` in ``out`` was written by another
-    linattn_nb version (a resumed report would reuse its points)."""
+def _check_resumable(out: Path, studies) -> None:
+    """ValueError, before anything runs, when a results file of ``studies`` in ``out`` cannot be resumed: it
+    holds another function's results or another format, or another linattn_nb version wrote it (a resumed
+    report would reuse its points)."""
     for s in studies:
         path = out / f"{s.name}.jsonl"
         header = read_header(path) if path.is_file() else None
-        problem = version_problem(header, path) if header is not None else None
+        if header is None:
+            continue
+        problem = header_problem(header, path, function_name(_DictRun(s))) or version_problem(header, path)
         if problem:
             raise ValueError(f"{problem}; pass --force to run the report's studies again from the start (it deletes "
                              "their results files), or choose another --out")
@@ -480,9 +485,7 @@ def _prepares(runnable, study_options, ctx) -> list:
 
 def check_workers(workers, *, name: str = "workers"):
     """``workers`` as an int >= 1, or None (TypeError, ValueError naming ``name``; the CLI's check too)."""
-    from .sweep import check_int
-
-    return check_int(name, workers, minimum=1)
+    return check_int(name, workers, 1, allow_none=True)
 
 
 def _check_studies(studies) -> list:

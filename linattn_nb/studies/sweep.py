@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from .._interrupt import check as check_interrupt, interrupts
+from .._validate import check_int
 
 __all__ = [
     "sweep",
@@ -259,10 +260,10 @@ def to_json(obj, where: str = "result"):
     raise TypeError(f"{where} has type {type(obj).__name__}, which cannot be stored as JSON")
 
 
-def _fn_name(fn) -> str:
+def function_name(fn) -> str:
     inner = getattr(fn, "func", None)  # functools.partial
     if inner is not None and not hasattr(fn, "__qualname__"):
-        return f"partial({_fn_name(inner)})"
+        return f"partial({function_name(inner)})"
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
@@ -614,6 +615,18 @@ def version_problem(header: Mapping, path) -> str | None:
             "points are not reused by another version, whose results may differ")
 
 
+def header_problem(header: Mapping, path, fn_name: str) -> str | None:
+    """Why a sweep of the function named ``fn_name`` cannot resume the results file ``path``, whose header is
+    ``header`` (None when it can, the version aside: :func:`version_problem`): it holds another function's
+    results, or a format this version does not read."""
+    if header.get("fn") != fn_name:
+        return (f"{path} holds results of {header.get('fn')!r}, not of {fn_name!r}; use another results file for "
+                "another function")
+    if header.get("format") != FORMAT_VERSION:
+        return f"{path} has format {header.get('format')!r}; this version reads format {FORMAT_VERSION}"
+    return None
+
+
 def read_header(path) -> dict | None:
     """The header of the results file ``path``: its first line as a dict, or None when the file is absent,
     empty, or does not start with a header line (the sweep itself then says why)."""
@@ -653,16 +666,10 @@ class _ResultsFile:
                 self.fh.truncate(valid)
                 self.fh.flush()
             header = next((r for r in records if r.get("type") == "header"), None)
-            if header is not None and header.get("fn") != fn_name:
-                raise ValueError(
-                    f"{path} holds results of {header.get('fn')!r}, not of {fn_name!r}; "
-                    "use another results file for another function"
-                )
-            if header is not None and header.get("format") != FORMAT_VERSION:
-                raise ValueError(
-                    f"{path} has format {header.get('format')!r}; this version reads format {FORMAT_VERSION}"
-                )
             if header is not None:
+                problem = header_problem(header, path, fn_name)
+                if problem:
+                    raise ValueError(problem)
                 problem = version_problem(header, path)
                 if problem:
                     raise ValueError(f"{problem}: give a new results file (out=...), or delete this one to run "
@@ -723,16 +730,6 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - macOS, Windows
         return os.cpu_count() or 1
-
-
-def check_int(name, value, *, minimum, allow_none=True):
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer{' or None' if allow_none else ''}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 def sweep(
@@ -829,9 +826,9 @@ def sweep(
                          "scheduler= brings its own workers: pass one or the other")
     if out is None or not isinstance(out, (str, os.PathLike)):
         raise TypeError(f"out must be a path (str or os.PathLike), got {type(out).__name__}")
-    workers = check_int("workers", workers, minimum=1)
-    numba_threads = check_int("numba_threads", numba_threads, minimum=1)
-    max_retries = check_int("max_retries", max_retries, minimum=0, allow_none=False)
+    workers = check_int("workers", workers, 1, allow_none=True)
+    numba_threads = check_int("numba_threads", numba_threads, 1, allow_none=True)
+    max_retries = check_int("max_retries", max_retries, 0)
     for flag_name, flag in (("resume", resume), ("progress", progress), ("fsync", fsync)):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{flag_name} must be a bool, got {flag!r}")
@@ -845,11 +842,11 @@ def sweep(
             pickle.dumps(fn)
         except Exception as exc:
             raise TypeError(
-                f"fn {_fn_name(fn)} cannot be sent to worker processes ({exc}); define it at module "
+                f"fn {function_name(fn)} cannot be sent to worker processes ({exc}); define it at module "
                 "level in an importable module, or run with workers=None (in this process)"
             ) from None
 
-    rf = _ResultsFile(path, _fn_name(fn), resume=bool(resume), fsync=bool(fsync))
+    rf = _ResultsFile(path, function_name(fn), resume=bool(resume), fsync=bool(fsync))
     try:
         done = {k for k, r in rf.latest.items() if r.get("status") == "ok"}
         todo = [(k, p) for k, p in zip(keys, points) if k not in done]

@@ -188,6 +188,28 @@ def test_resume_refuses_results_written_by_another_version(tmp_path, capsys):
     assert path.read_bytes() == before and sorted(p.name for p in out.iterdir()) == ["throughput.jsonl"]
 
 
+@pytest.mark.parametrize("field, value, words", [("fn", "mymodule:other_run", "holds results of 'mymodule:other_run'"),
+                                                  ("format", 99, "has format 99")])
+def test_resume_refuses_results_of_another_function_or_format(tmp_path, capsys, field, value, words):
+    """As for another version: a results file of another function, or of a format this version does not read,
+    is refused before anything runs (exit 2, one line naming the file and --force), not failed as the study."""
+    from linattn_nb import __version__
+
+    out = tmp_path / "r"
+    out.mkdir()
+    path = out / "throughput.jsonl"
+    header = {"type": "header", "format": 1, "fn": "linattn_nb.studies.throughput:run", "linattn_nb": __version__}
+    header[field] = value
+    path.write_text(json.dumps(header) + "\n")
+    before = path.read_bytes()
+    rc = cli.main(["bench", "--profile", "tiny", "--out", str(out), "--no-progress", "--resume"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert str(path) in err and words in err and "--force" in err
+    assert path.read_bytes() == before and sorted(p.name for p in out.iterdir()) == ["throughput.jsonl"]
+
+
 def test_bench_resume_reruns_points_timed_with_another_thread_count(tmp_path, monkeypatch):
     """A point's Numba thread count is one of its parameters: a resumed bench whose count differs from the
     first run's times every point again (none reused) and states the count they were measured with; a
