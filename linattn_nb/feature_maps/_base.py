@@ -343,7 +343,8 @@ def features_or_float64(fmap, make, work, check_finite, names=("q", "k"), before
 
     ``make(float64)`` is tried even when ``work`` is float64 (a caller may compute a float32 input's map in
     float32 and cast: its retry reads the input in float64).  ``before_float64()`` runs first when ``work``
-    is narrower (a caller that cannot take float64 features raises there).  With ``check_finite``, float64
+    is narrower (a caller that cannot take float64 features raises there), given the names of the inputs whose
+    features were not finite (none where the map raised :class:`FeatureOverflow`).  With ``check_finite``, float64
     features that are still not finite raise ValueError naming the map and the input (``names``, in the
     order of ``make``'s arrays)."""
     wide = np.dtype(np.float64)
@@ -355,6 +356,7 @@ def features_or_float64(fmap, make, work, check_finite, names=("q", "k"), before
         raise ValueError(f"feature map {fmap.name!r} returns non-finite features for the finite {bad[0]}, even in "
                          f"float64: {bad[0]} is too large for this map")
 
+    overflowed = []
     try:
         with np.errstate(over="ignore"):  # an overflow is found below
             feats = make(work)
@@ -362,10 +364,11 @@ def features_or_float64(fmap, make, work, check_finite, names=("q", "k"), before
         if e.dtype == wide:
             raise
     else:
-        if not (check_finite and not_finite(feats)):
+        overflowed = not_finite(feats) if check_finite else []
+        if not overflowed:
             return feats, work
     if before_float64 is not None and np.dtype(work) != wide:
-        before_float64()
+        before_float64(overflowed)
     with np.errstate(over="ignore"):
         feats = make(wide)
     bad = not_finite(feats) if check_finite else []

@@ -498,21 +498,16 @@ class LinearAttentionState:
         never absorbs overflowed features; the outputs come back in the inputs' dtype (:meth:`_finish`).  A
         float32 state, which could not sum such features, refuses the call."""
         inline = self._code is not None
-        made = []
 
         def make(w):
-            made[:] = [FE.host_features(self._fmap, inline, c.q, c.k, c.v, w, causal=True, position=self._position,
-                                        n=T)]
-            return made[0]
+            return FE.host_features(self._fmap, inline, c.q, c.k, c.v, w, causal=True, position=self._position, n=T)
 
-        def refuse_float32_state():
+        def refuse_float32_state(bad):
+            """``bad``: which features overflowed (none named: the map's own FeatureOverflow); the state sums
+            the keys' only."""
             if self._dtype == F64:
                 return
             hint = "use a float64 state (LinearAttentionState(..., dtype=np.float64)) or smaller inputs"
-            # which features overflowed (the map's own FeatureOverflow leaves none to look at): the state sums
-            # the keys' only
-            bad = [n for n, x in zip(("q", "k"), made[0][:2] if made else ()) if x is not None and
-                   not np.isfinite(x).all()]
             if "k" in bad or not bad:
                 raise ValueError(f"feature map {self._fmap.name!r} overflows {work} on these finite inputs "
                                  f"({'the keys k' if bad else 'q or k'}), and so would the {self._dtype} state "
