@@ -188,18 +188,19 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
         rs = np.empty(kend)
         rq = np.empty(kend)
         rw = np.empty(kend)
+        scored = scale != 0.0  # else s holds q . k for the ranks only: every softmax score is 0
         for t in range(i1 - i0):
             i = i0 + t
             L = i + 1 if causal else N
             # softmax weights of row i
             mx = -np.inf
             for j in range(L):
-                sj = s[t, j] if scale != 0.0 else 0.0
+                sj = s[t, j] if scored else 0.0
                 if sj > mx:
                     mx = sj
             z = 0.0
             for j in range(L):
-                sj = s[t, j] if scale != 0.0 else 0.0
+                sj = s[t, j] if scored else 0.0
                 e = math.exp(sj - mx)
                 p[j] = e
                 z += e
@@ -207,7 +208,7 @@ def error_rows_kernel(q, k, fq, fk, scale, causal, softmax_mode, eps, clip, bloc
             inv = 1.0 / z
             h = 0.0
             for j in range(L):
-                sj = s[t, j] if scale != 0.0 else 0.0
+                sj = s[t, j] if scored else 0.0
                 lpj = sj - mx - logz
                 lp[j] = lpj
                 pj = p[j] * inv
