@@ -94,7 +94,11 @@ def check_finite_features(fmap, feats, name: str) -> None:
 
 
 def check_rtol(rtol, batch_shape) -> np.ndarray:
-    """A relative tolerance: a real number >= 0 or an array of them broadcasting to ``batch_shape``."""
+    """A relative tolerance: a real number >= 0 or an array of them broadcasting to ``batch_shape``.
+
+    To it, not only with it: the result has one tolerance per matrix of the batch, so an array that would
+    grow the batch (``[1e-12]`` for a single matrix, batch shape ``()``) raises ValueError naming rtol.
+    ``batch_shape`` None: any shape (the caller checks it)."""
     if isinstance(rtol, (bool, np.bool_)):
         raise TypeError("rtol must be a non-negative real number (or an array of them), got a bool")
     try:
@@ -103,13 +107,16 @@ def check_rtol(rtol, batch_shape) -> np.ndarray:
         raise TypeError(f"rtol must be a non-negative real number (or an array of them), got {rtol!r}") from None
     if r.size and (not np.all(np.isfinite(r)) or np.any(r < 0)):
         raise ValueError(f"rtol must be finite and >= 0, got {rtol!r}")
-    if r.ndim:
+    if r.ndim and batch_shape is not None:
         try:
-            np.broadcast_shapes(r.shape, tuple(batch_shape))
+            fits = np.broadcast_shapes(r.shape, tuple(batch_shape)) == tuple(batch_shape)
         except ValueError:
+            fits = False
+        if not fits:
             raise ValueError(
                 f"rtol of shape {r.shape} does not broadcast to the batch shape {tuple(batch_shape)}"
-            ) from None
+                + ("" if batch_shape else " (a single matrix: pass a scalar rtol)")
+            )
     return r
 
 
@@ -117,7 +124,7 @@ def check_scalar_rtol(rtol, func: str):
     """A scalar relative tolerance (:func:`check_rtol`) as a float, or None; an array raises ValueError naming ``func``."""
     if rtol is None:
         return None
-    r = check_rtol(rtol, ())
+    r = check_rtol(rtol, None)
     if r.ndim:
         raise ValueError(f"rtol of {func} must be a scalar")
     return float(r)

@@ -63,7 +63,8 @@ class RecallCapacity:
         Keys were orthonormal (times ``key_scale``) instead of Gaussian.
     distance_edges : ndarray of int64, shape (n_bins + 1,)
         Bin edges of the write-read distance ``n - 1 - j`` of pair ``j``: bin ``b`` is
-        ``[edges[b], edges[b + 1])``.
+        ``[edges[b], edges[b + 1])``; a pair whose distance is below ``edges[0]`` or at or past
+        ``edges[-1]`` falls in no bin.
     error_by_distance : ndarray, shape (len(n_pairs), n_bins)
         ``sum ||v_hat_j - v_j||^2 / sum ||v_j||^2`` over each bin's pairs (NaN for an empty bin).
     optimal_error_by_distance : ndarray, shape (len(n_pairs), n_bins)
@@ -143,11 +144,16 @@ def _optimal_residual(phi, v):
 
 
 def _binned_rel_err(res, v, dist, edges):
-    """``sum ||res_j||^2 / sum ||v_j||^2`` over the rows whose ``dist`` falls in each bin (NaN: empty bin)."""
+    """``sum ||res_j||^2 / sum ||v_j||^2`` over the rows whose ``dist`` falls in each bin (NaN: empty bin).
+
+    Rows whose ``dist`` lies outside ``[edges[0], edges[-1])`` (below the first edge or at and past the last)
+    fall in no bin and are left out."""
     idx = np.searchsorted(edges, dist, side="right") - 1
     nb = len(edges) - 1
-    num = np.bincount(idx, weights=np.einsum("jm,jm->j", res, res), minlength=nb)[:nb]
-    den = np.bincount(idx, weights=np.einsum("jm,jm->j", v, v), minlength=nb)[:nb]
+    keep = (idx >= 0) & (idx < nb)
+    idx = idx[keep]
+    num = np.bincount(idx, weights=np.einsum("jm,jm->j", res[keep], res[keep]), minlength=nb)
+    den = np.bincount(idx, weights=np.einsum("jm,jm->j", v[keep], v[keep]), minlength=nb)
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
 
@@ -232,18 +238,24 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     softmax_scale : float, optional
         Temperature of the softmax baseline, default ``1/sqrt(d)``.
     eps : float or None, default 1e-8
-        Normaliser floor of the linear read-out (:func:`linattn_nb.linear_attention`).
+        Normaliser floor of the linear read-out (:func:`linattn_nb.linear_attention`).  ``None`` divides
+        by the raw normaliser ``phi(k) . z``: where that is 0 for some key (a map whose features can all
+        vanish, ``"relu"``), the read-out 0/0 is not defined and ``normalize=True`` raises ValueError, as
+        :func:`~linattn_nb.analysis.attention_rank` does for a zero normaliser with ``eps=None``.
     decay : float, optional
         A constant decay ``gamma`` in [0, 1] of the state (default: none, the additive rule).
     distance_bins : sequence of int, optional
-        Increasing bin edges of the write-read distance; default ``0, 1, 2, 4, ...`` up to the
-        first power of 2 >= ``max(n_pairs)``.
+        Increasing bin edges (>= 0) of the write-read distance; default ``0, 1, 2, 4, ...`` up to the
+        first power of 2 >= ``max(n_pairs)``.  The pairs whose distance lies outside
+        ``[distance_bins[0], distance_bins[-1])`` are left out of ``error_by_distance`` (e.g. ``[1, 2, 4]``
+        leaves out the last pair, read at distance 0, and those at distance 4 or more).
     beta : float, optional
         The delta rule's write strength in [0, 2] (default: none); with ``decay``, the gated delta rule.
     normalize : bool, optional
         Divide the read-out by ``phi(k) . z`` (``eps`` floors it); default True for the additive and
-        decay rules, False with ``beta``.  Signed maps (``"l2"``) need False: where one
-        gives a key a normaliser at or below ``eps``, True raises ValueError.
+        decay rules, False with ``beta`` and ``rule``.  Signed maps (``"l2"``) need False: where one
+        gives a key a normaliser at or below ``eps`` (any update rule: additive, ``decay``, ``beta``,
+        ``rule``), True raises ValueError.
     orthogonal_keys : bool, default False
         Orthonormal keys (a random orthogonal frame, times ``key_scale``); needs every ``n <= d``.
     method : str, default "quadratic"
@@ -272,7 +284,8 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
         ``distance_bins`` not increasing; ``orthogonal_keys`` with some ``n > d``;
         ``normalize=False`` with a map that needs its normaliser (FAVOR+); ``normalize=True`` with a
         map of signed features (``"l2"``) whose normaliser ``phi(k) . z`` is at or below ``eps`` for
-        some key.
+        some key (with every update rule), or with ``eps=None`` and a normaliser of 0 for some key
+        (any map).
     TypeError
         Non-integer sizes, a bad ``feature_map``, a non-real ``decay`` or ``beta``, ``normalize`` or
         ``orthogonal_keys`` not a bool.
@@ -372,12 +385,12 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
             elif get_rule(rule).reads_state:
                 vhat = _delta_readout(fmap, keys, vals, beta, decay, normalize, eps, method)
             elif decay is None and normalize:
-                _check_signed_normaliser(fmap, phi, np.ones(n), eps)
+                _check_normaliser(fmap, phi, phi.sum(axis=0), eps)
                 vhat = linear_attention(keys, keys, vals, feature_map=fmap, causal=False, eps=eps)
             else:
                 w = np.ones(n) if decay is None else decay ** dist.astype(np.float64)
                 if normalize:
-                    _check_signed_normaliser(fmap, phi, w, eps)
+                    _check_normaliser(fmap, phi, (phi * w[:, None]).sum(axis=0), eps)
                 vhat = _decayed_readout(phi, vals, w, eps, normalize=normalize)
             vs = softmax_attention(keys, keys, vals, scale=softmax_scale)
             opt_res = _optimal_residual(phi, vals)
@@ -431,6 +444,8 @@ def _dplr_readout(fmap, spec, keys, vals, args, normalize, eps):
     _, st = dplr_attention(keys, k, v, rule=spec.name, feature_map=fmap, normalize=normalize, eps=eps,
                            return_state=True, **full)
     q = C.features(fmap, keys, role="query", causal=True, name="keys")[0]
+    if normalize:
+        _check_normaliser(fmap, q, st.z, eps)
     return FE.read_state(q, st.S, st.z, normalize, eps)
 
 
@@ -439,17 +454,28 @@ def _delta_readout(fmap, keys, vals, beta, decay, normalize, eps, method):
     _, st = linear_attention(keys, keys, vals, feature_map=fmap, causal=True, eps=eps, beta=beta, decay=decay,
                              normalize=normalize, method=method, return_state=True)
     phi = C.features(fmap, keys, role="query", causal=True, name="keys")[0]
+    if normalize:
+        _check_normaliser(fmap, phi, st.z, eps)
     return FE.read_state(phi, st.S, st.z, normalize, eps)
 
 
-def _check_signed_normaliser(fmap, phi, weights, eps) -> None:
-    """ValueError when a map with signed features (``l2``, ``identity``, ...) gives some key a normaliser
-    ``phi(k) . z`` at or below the floor: the normalised read-out then divides by the floor (or by a
-    number of either sign) and its error measures that, not the map.  A map with non-negative features
-    keeps its floored rows: a key whose features are all 0 reads 0, a defined result."""
+def _check_normaliser(fmap, phi, z, eps) -> None:
+    """ValueError when the normaliser ``phi(k) . z`` of the normalised read-out (features ``phi`` (n, F) of
+    the keys, the state's ``z`` (F,)) is not defined for some key, whatever update rule wrote ``z``.
+
+    A map with signed features (``l2``, ``identity``, ...) that gives some key a normaliser at or below the
+    floor: the read-out then divides by the floor (or by a number of either sign) and its error measures
+    that, not the map.  A map with non-negative features keeps its floored rows (a key whose features are
+    all 0 reads 0, a defined result); with ``eps=None`` a normaliser of 0 gives 0/0, refused as
+    :func:`~linattn_nb.analysis.attention_rank` refuses it."""
+    den = phi @ np.asarray(z, dtype=np.float64)
     if getattr(fmap, "is_positive", False):
+        bad = 0 if eps is not None else np.count_nonzero(~(den > 0.0))
+        if bad:
+            raise ValueError(f"recall_capacity: {bad} of the {den.size} keys have a zero normaliser phi(k) . z "
+                             f"(feature map {fmap.name!r} with eps=None): the normalised read-out 0/0 is not "
+                             "defined; pass eps > 0")
         return
-    den = phi @ (phi * weights[:, None]).sum(axis=0)
     low = np.count_nonzero(~(den > (0.0 if eps is None else eps)))
     if low:
         raise ValueError(f"recall_capacity: feature map {fmap.name!r} has signed features, and the normaliser "

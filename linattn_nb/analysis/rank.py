@@ -285,7 +285,9 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=DEF
     eps : float or None, default 1e-8
         Floor of the normaliser, exactly as in :func:`linattn_nb.linear_attention`.
     rtol : float or array_like, optional
-        Relative tolerance; default ``max(Nq, Nk) * eps64`` (as :func:`numpy.linalg.matrix_rank`).
+        Relative tolerance: a number, or an array that broadcasts to the batch shape ``(...)`` (one per
+        batch entry; one that would grow it, such as ``[1e-12]`` for unbatched q and k, raises ValueError);
+        default ``max(Nq, Nk) * eps64`` (as :func:`numpy.linalg.matrix_rank`).
     method : {"auto", "factor", "explicit"}
         ``"factor"``: from the R factors (non-causal kernel weights only); ``"explicit"``: the SVD
         of the formed matrix (the reference); ``"auto"``: ``"factor"`` where it applies.
@@ -308,7 +310,8 @@ def attention_rank(q, k, feature_map="elu", *, causal=False, scale=None, eps=DEF
     ------
     ValueError
         Shape mismatches, non-finite inputs or features, a zero normaliser with ``eps=None``, N above
-        the explicit limit, ``method="factor"`` where there are no low-rank factors.
+        the explicit limit, ``method="factor"`` where there are no low-rank factors, an ``rtol`` that is
+        negative or does not broadcast to the batch shape.
     TypeError
         Non-floating inputs, a bad ``feature_map``, ``causal`` not a bool.
 
@@ -636,7 +639,8 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
     rule_arguments : dict, optional
         Its arguments, full arrays as :func:`linattn_nb.dplr_attention` takes them.
     initial_state : LinearState or tuple (S, z[, position]), optional
-        The state before token 0, as in ``linear_attention`` (``t = 0`` ranks it).
+        The state before token 0, as in ``linear_attention`` (``t = 0`` ranks it); with ``rule`` a
+        ``LinearState`` of that rule or a tuple, handed to :func:`linattn_nb.dplr_attention` as a state of it.
 
     Returns
     -------
@@ -646,8 +650,9 @@ def state_rank_profile(k, v, feature_map="elu", *, positions=None, rtol=None, ch
     Raises
     ------
     ValueError
-        Shape mismatches, non-finite inputs, positions outside ``[0, N]``, ``feature_map="softmax"``;
-        rule arguments as ``linear_attention`` refuses them; an ``initial_state`` of the wrong shape or rule.
+        Shape mismatches, non-finite inputs (``k``, ``v`` checked and named before any token is written,
+        with ``rule`` too), positions outside ``[0, N]``, ``feature_map="softmax"``; rule arguments as
+        ``linear_attention`` refuses them; an ``initial_state`` of the wrong shape or rule.
     TypeError
         Non-floating inputs, non-integer positions.
 
@@ -732,19 +737,31 @@ def _dplr_rank_profile(k, v, fmap, positions, rtol, rule, args, initial_state, c
     from ..rules import get_dplr_rule
 
     spec = get_dplr_rule(rule)
-    k, v = np.asarray(k), np.asarray(v)
     if not isinstance(args, dict):
         raise TypeError(f"rule_arguments must be a dict, got {type(args).__name__}")
+    for name, x in (("k", k), ("v", v)):
+        if x is None:
+            raise TypeError(f"{name} must be an array of shape (..., N, {'M' if name == 'v' else 'D'}), got None")
+    if spec.substeps:  # (..., N, r, D) and (..., N, r, M): the sub-step axis r where check_qkv reads N
+        k, v = V.as_host_array("k", k), V.as_host_array("v", v)
+        if k.ndim < 3 or v.ndim < 3 or k.shape[:-1] != v.shape[:-1]:
+            raise ValueError(f"k and v must have shapes (..., N, r, D) and (..., N, r, M) with the same "
+                             f"(..., N, r) for rule {spec.name!r}, got shapes {k.shape}, {v.shape}")
+    # shapes, dtypes and (check_finite) values of k and v checked up front and named, as on the additive path
+    _, k, v, _ = V.host_qkv(None, k, v, check_finite=check_finite)
     nb = v.ndim - 2 - (1 if spec.substeps else 0)  # batch dimensions
-    if nb < 0:
-        raise ValueError(f"v must have shape (..., N{', r' if spec.substeps else ''}, M) for rule {spec.name!r}, "
-                         f"got {v.shape}")
     n, m = v.shape[nb], v.shape[-1]
     pos = _positions(positions, n)
     f = C.feature_dim(fmap, k.shape[-1])
     batch = v.shape[:nb]
     b = int(np.prod(batch, dtype=np.int64))
-    st, at = initial_state, 0
+    st, at = None, 0
+    if initial_state is not None:
+        # a LinearState of this rule or a tuple (S, z[, position]), checked as the additive path checks it, and
+        # handed to dplr_attention as a LinearState of this rule
+        FE.check_state_rule(initial_state, spec.name)
+        H, position = FE.host_state(initial_state, batch, f, m, check_finite=check_finite)
+        st = FE.state_from_H(H, batch, f, m, position, rule=spec.name)
     ranks = np.zeros((b, pos.size), dtype=np.int64)
     for j, t in enumerate(pos):
         t = int(t)

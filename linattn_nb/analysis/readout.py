@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import _validate as V
+
 __all__ = ["Readout", "read_back"]
 
 #: Two distances closer than this (relative to the larger) count as a tie.
@@ -71,8 +73,9 @@ def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps
     normalize : bool, optional
         For a ``LinearState``: divide by ``max(phi(k) . z, eps)`` (default: the state's rule's
         convention, as :func:`linattn_nb.linear_attention`).  Not for a ``LinearAttentionState``.
-    eps : float, default 1e-8
-        Floor of the normaliser (``LinearState`` only).
+    eps : float or None, default 1e-8
+        Floor of the normaliser (``LinearState`` only; checked for either kind of state), a finite
+        number >= 0 as in :func:`linattn_nb.linear_attention`; None divides by the raw normaliser.
     candidates : array_like, shape (C, M), optional
         The stored values the accuracy chooses among (default ``values``), e.g. old and new values
         of keys written twice; row i of ``values`` must be one of them.
@@ -84,10 +87,11 @@ def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps
     Raises
     ------
     TypeError
-        ``state`` is neither kind of state, or ``feature_map``/``normalize`` given where not allowed.
+        ``state`` is neither kind of state, or ``feature_map``/``normalize`` given where not allowed;
+        ``normalize`` not None, True or False; ``eps`` not a real number or None.
     ValueError
         Shapes that do not match the state, or a batched state; ``keys`` with no row (n = 0: no accuracy
-        to report) or with inf or NaN.
+        to report) or with inf or NaN; ``eps`` negative or not finite.
 
     Examples
     --------
@@ -105,6 +109,7 @@ def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps
     from .._frontend import LinearState, read_state
     from ..state.linear import LinearAttentionState
 
+    eps = V.check_eps(eps)
     k = np.asarray(keys, dtype=np.float64)
     if k.ndim != 2:
         raise ValueError(f"keys must have shape (n, d), got shape {k.shape}")
@@ -136,6 +141,8 @@ def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps
             from ..rules import get_rule
 
             normalize = get_rule(state.rule).normalize
+        else:  # True or False, checked as linear_attention checks it (a truthy "no" is a TypeError)
+            normalize = V.check_normalize(normalize, False)
         out = read_state(phi, S, z, normalize, eps)
     else:
         raise TypeError(f"state must be a LinearAttentionState or a LinearState, got {type(state).__name__}")

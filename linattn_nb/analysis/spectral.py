@@ -148,8 +148,9 @@ def numerical_rank(A, rtol=None, *, check_finite=True):
     ----------
     A : array_like, shape (..., m, n)
     rtol : float or array_like, optional
-        Relative tolerance (broadcast against the batch shape); default ``max(m, n) * eps`` of the
-        working dtype.
+        Relative tolerance: a number, or an array that broadcasts to the batch shape ``(...)`` (one
+        tolerance per matrix; one that would grow it, such as ``[1e-12]`` for a single matrix, raises
+        ValueError); default ``max(m, n) * eps`` of the working dtype.
     check_finite : bool, default True
 
     Returns
@@ -160,7 +161,8 @@ def numerical_rank(A, rtol=None, *, check_finite=True):
     Raises
     ------
     ValueError
-        Fewer than 2 dimensions, non-finite entries, a negative ``rtol``.
+        Fewer than 2 dimensions, non-finite entries, a negative ``rtol`` or one that does not broadcast
+        to the batch shape.
     TypeError
         A non-floating dtype.
 

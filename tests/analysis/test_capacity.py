@@ -288,6 +288,40 @@ def test_a_signed_map_whose_normaliser_falls_to_the_floor_is_refused_not_read(de
         assert np.all(recall_capacity(name, 4, [2, 4, 8], trials=4, decay=decay).mse < 2)
 
 
+@pytest.mark.parametrize("kw", [{"beta": 1.0}, {"beta": 0.5, "decay": 0.9},
+                                {"rule": "kda", "rule_arguments": {"decay": np.ones(2), "beta": 1.0}}])
+def test_the_signed_normaliser_check_holds_for_the_delta_and_dplr_rules(kw):
+    """The delta rule (beta=) and a named DPLR rule (rule=) with normalize=True and l2 features: a key whose
+    normaliser phi(k) . z is <= eps is refused as on the additive path, not read as an error of 1e15."""
+    with pytest.raises(ValueError, match=r"'l2' has signed features.*<= 1e-08.*pass normalize=False"):
+        recall_capacity("l2", 2, 4, trials=1, seed=1, normalize=True, **kw)
+    res = recall_capacity("l2", 2, 4, trials=1, seed=1, normalize=False, **kw)
+    assert np.all(np.isfinite(res.mse)) and res.mse.max() < 10
+
+
+def test_distances_below_the_first_edge_are_left_out_as_those_past_the_last():
+    """distance_bins = [1, 2, 4]: the last pair (distance 0) falls in no bin, as distances >= 4 do; the bins
+    are those of [0, 1, 2, 4] without the first."""
+    part = recall_capacity("elu", 3, 8, trials=2, distance_bins=[1, 2, 4])
+    full = recall_capacity("elu", 3, 8, trials=2, distance_bins=[0, 1, 2, 4])
+    assert part.error_by_distance.shape == (1, 2)
+    np.testing.assert_allclose(part.error_by_distance, full.error_by_distance[:, 1:], rtol=1e-12)
+    np.testing.assert_allclose(part.optimal_error_by_distance, full.optimal_error_by_distance[:, 1:], rtol=1e-12)
+    # no distance in any bin: NaN, not an error
+    assert np.isnan(recall_capacity("elu", 3, 2, trials=1, distance_bins=[5, 6]).error_by_distance).all()
+
+
+def test_a_zero_normaliser_with_eps_none_is_refused_as_attention_rank_refuses_it():
+    """ReLU features of a negative key are all 0: with eps=None its read-out is 0/0.  Refused (ValueError
+    naming eps) on every path instead of a NaN mse next to a finite accuracy; with the floor it reads 0."""
+    for kw in ({}, {"decay": 0.9}, {"beta": 1.0, "normalize": True}):
+        with pytest.raises(ValueError, match=r"zero normaliser.*'relu' with eps=None.*pass eps > 0"):
+            recall_capacity("relu", 1, 4, trials=2, eps=None, **kw)
+        assert np.all(np.isfinite(recall_capacity("relu", 1, 4, trials=2, **kw).mse))
+    # without the normaliser there is nothing to divide by
+    assert np.all(np.isfinite(recall_capacity("relu", 1, 4, trials=2, eps=None, normalize=False).mse))
+
+
 def test_a_tied_read_out_is_a_miss_as_in_read_back():
     """ReLU features of a negative key are all 0: the read-out is 0, equally far from every one-hot value.
     argmax gave such rows to the first pair; a tie is not 'nearest', and read_back counts it a miss."""

@@ -399,6 +399,76 @@ def test_state_rank_profile_of_dplr_rules():
         state_rank_profile(k, v, "l2", rule="nope")
 
 
+def test_state_rank_profile_of_a_dplr_rule_takes_a_tuple_initial_state():
+    """The documented tuple (S, z[, position]) form of initial_state with rule=: as the LinearState that
+    dplr_attention returns (it raised AttributeError at t = 0, TypeError past it); checked up front."""
+    import linattn_nb as la
+
+    rng = np.random.default_rng(5)
+    k, v = rng.normal(size=(10, 4)), rng.normal(size=(10, 3))
+    args = {"decay": rng.uniform(0.5, 1.0, size=(10, 4)), "beta": rng.uniform(0.2, 1.0, size=10)}
+    _, st4 = la.dplr_attention(k[:4], k[:4], v[:4], rule="kda", feature_map="l2", return_state=True,
+                               **{n: x[:4] for n, x in args.items()})
+    rest = {n: x[4:] for n, x in args.items()}
+    pos = [0, 1, 3, 6]
+    want = state_rank_profile(k[4:], v[4:], "l2", positions=pos, rule="kda", rule_arguments=rest,
+                              initial_state=st4).rank.tolist()
+    assert want[0] == np.linalg.matrix_rank(st4.S)
+    for init in ((st4.S, st4.z, st4.position), (st4.S, st4.z)):
+        got = state_rank_profile(k[4:], v[4:], "l2", positions=pos, rule="kda", rule_arguments=rest,
+                                 initial_state=init)
+        assert got.rank.tolist() == want
+    s0 = rng.normal(size=(4, 3))
+    assert state_rank_profile(k, v, "l2", positions=[0], rule="kda", rule_arguments=args,
+                              initial_state=(s0, np.zeros(4))).rank.tolist() == [3]
+    with pytest.raises(ValueError, match=r"initial_state must have S of shape \(4, 3\)"):
+        state_rank_profile(k, v, "l2", positions=[0], rule="kda", rule_arguments=args,
+                           initial_state=(s0[:2], np.zeros(4)))
+    _, other = linear_attention(k, k, v, feature_map="l2", causal=True, return_state=True)
+    with pytest.raises(ValueError, match="initial_state is a state of the 'additive' update rule"):
+        state_rank_profile(k, v, "l2", positions=[0], rule="kda", rule_arguments=args, initial_state=other)
+
+
+def test_state_rank_profile_of_a_dplr_rule_names_k_and_v_up_front():
+    """With rule=, NaN keys were reported as "q contains ..." and k shorter than v as a v shape error after the
+    first tokens were written: both are checked before any token and named as on the additive path."""
+    rng = np.random.default_rng(6)
+    k, v = rng.normal(size=(6, 3)), rng.normal(size=(6, 2))
+    vbad = v.copy()
+    vbad[0, 0] = np.inf
+    args = {"beta": np.full(6, 0.5), "decay": np.full((6, 3), 0.9)}
+    for rule, kw in ((None, {}), ("kda", {"rule_arguments": args})):
+        with pytest.raises(ValueError, match=r"^k contains 18 non-finite"):
+            state_rank_profile(np.full_like(k, np.nan), v, "l2", rule=rule, **kw)
+        with pytest.raises(ValueError, match=r"^v contains 1 non-finite"):
+            state_rank_profile(k, vbad, "l2", rule=rule, **kw)
+        with pytest.raises(ValueError, match=r"k and v must have the same sequence length N .* \(3, 3\), \(6, 2\)"):
+            state_rank_profile(k[:3], v, "l2", rule=rule, positions=[2, 3], **kw)
+        with pytest.raises(TypeError, match="k must have dtype float16, float32 or float64"):
+            state_rank_profile(k.astype(np.int64), v, "l2", rule=rule, **kw)
+    kk, vv = rng.normal(size=(2, 5, 2, 3))
+    kbad = kk.copy()
+    kbad[1, 0, 2] = np.nan
+    with pytest.raises(ValueError, match=r"same \(\.\.\., N, r\) for rule 'delta_product'"):
+        state_rank_profile(kk, vv[:3], "l2", rule="delta_product", rule_arguments={"beta": np.ones((5, 2))})
+    with pytest.raises(ValueError, match=r"^k contains 1 non-finite"):
+        state_rank_profile(kbad, vv, "l2", rule="delta_product", rule_arguments={"beta": np.ones((5, 2))})
+
+
+def test_attention_rank_refuses_an_rtol_that_does_not_broadcast_to_the_batch_shape():
+    """rtol=[1e-12] for unbatched q, k passed the check, then np.broadcast_to failed with NumPy's message;
+    an rtol must broadcast to the batch shape (one per entry), else ValueError naming rtol."""
+    rng = np.random.default_rng(0)
+    q, k = rng.normal(size=(2, 6, 3))
+    with pytest.raises(ValueError, match=r"rtol of shape \(1,\) does not broadcast to the batch shape \(\)"):
+        attention_rank(q, k, "elu", rtol=[1e-12])
+    qb, kb = rng.normal(size=(2, 3, 6, 3))
+    with pytest.raises(ValueError, match=r"rtol of shape \(2, 3\) does not broadcast to the batch shape \(3,\)"):
+        attention_rank(qb, kb, "elu", rtol=np.full((2, 3), 1e-12))
+    assert attention_rank(q, k, "elu", rtol=np.array(1e-12)) == attention_rank(q, k, "elu", rtol=1e-12) == 3
+    np.testing.assert_array_equal(attention_rank(qb, kb, "elu", rtol=[1e-12]), [3, 3, 3])
+
+
 def test_rank_flags_take_bools_and_an_empty_profile_is_empty():
     k = np.random.default_rng(0).normal(size=(8, 4))
     with pytest.raises(TypeError, match="check_finite must be True or False"):

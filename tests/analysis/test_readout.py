@@ -117,3 +117,28 @@ def test_read_back_names_keys_and_refuses_no_keys():
         read_back(st, keys[:0], vals[:0])
     with pytest.raises(ValueError, match="keys must hold at least one key"):
         read_back(st, keys[:0])
+
+
+def test_read_back_checks_eps_and_normalize_as_linear_attention_does():
+    """eps=nan read out NaN and eps=-1 was taken; normalize="no" (truthy) normalised.  Both are checked as
+    linear_attention checks them, naming the argument; None, True, False and a NumPy bool still work."""
+    rng = np.random.default_rng(0)
+    keys, vals = rng.normal(size=(5, 3)), rng.normal(size=(5, 2))
+    _, st = linear_attention(keys, keys, vals, feature_map="elu", causal=True, return_state=True)
+    for eps in (np.nan, -1.0, np.inf):
+        with pytest.raises(ValueError, match="eps must be a finite non-negative float or None"):
+            read_back(st, keys, vals, feature_map="elu", eps=eps)
+    for eps in ("1e-8", True):
+        with pytest.raises(TypeError, match="eps must be"):
+            read_back(st, keys, vals, feature_map="elu", eps=eps)
+    for normalize in ("no", 1, 0.0):
+        with pytest.raises(TypeError, match="normalize must be None, True or False"):
+            read_back(st, keys, vals, feature_map="elu", normalize=normalize)
+    phi = np.where(keys > 0, keys + 1.0, np.exp(keys))  # elu + 1
+    np.testing.assert_allclose(read_back(st, keys, feature_map="elu", normalize=np.bool_(False)).values,
+                               phi @ st.S, rtol=1e-12)
+    np.testing.assert_allclose(read_back(st, keys, feature_map="elu", eps=None).values,
+                               (phi @ st.S) / (phi @ st.z)[:, None], rtol=1e-12)
+    # an eps for a LinearAttentionState (which reads with its own) is checked all the same
+    with pytest.raises(ValueError, match="eps must be"):
+        read_back(LinearAttentionState(3, 2), keys, eps=-1.0)

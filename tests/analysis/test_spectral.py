@@ -91,6 +91,19 @@ def test_numerical_rank_rtol(rng):
         numerical_rank(a, True)
 
 
+def test_numerical_rank_rtol_must_broadcast_to_the_batch_shape():
+    """A single matrix with rtol=[1e-12] returned array([3]) where a Python int is documented: an rtol that
+    would grow the batch shape raises ValueError naming rtol; a 0-d one gives the int."""
+    a = np.eye(3)
+    with pytest.raises(ValueError, match=r"rtol of shape \(1,\) does not broadcast to the batch shape \(\)"):
+        numerical_rank(a, rtol=[1e-12])
+    with pytest.raises(ValueError, match=r"rtol of shape \(2, 2\) does not broadcast to the batch shape \(2,\)"):
+        numerical_rank(np.stack([a, a]), np.ones((2, 2)))
+    r = numerical_rank(a, rtol=np.array(1e-12))
+    assert r == 3 and type(r) is int
+    np.testing.assert_array_equal(numerical_rank(np.stack([a, a]), [1e-12]), [3, 3])
+
+
 def test_numerical_rank_edges():
     assert numerical_rank(np.zeros((4, 4))) == 0
     assert numerical_rank(np.zeros((0, 3))) == 0
