@@ -127,7 +127,8 @@ def _norm(normalize, eps):
 
 
 def _initial(initial_state, name, lead, F, M, check_finite):
-    """(H0 (B, F, M + 1) float64, position) from ``initial_state`` (a LinearState of this rule, or None); the
+    """(H0 (B, F, M + 1) float64, position) from ``initial_state`` (a LinearState of this rule or of no recorded
+    rule, as linear_attention takes one, or None); the
     position checked as linear_attention checks it (:func:`~linattn_nb._frontend.check_position`), and with
     ``check_finite`` its ``S`` and ``z`` refused when they hold NaN or inf (ValueError naming each, with the
     count), as linear_attention refuses them; without, they are taken as they are."""
@@ -141,8 +142,8 @@ def _initial(initial_state, name, lead, F, M, check_finite):
     if S is None or z is None:
         raise TypeError(f"initial_state must be a LinearState (from return_state=True), got "
                         f"{type(initial_state).__name__}")
-    rule = getattr(initial_state, "rule", name)
-    if rule != name:
+    rule = getattr(initial_state, "rule", None)
+    if rule is not None and rule != name:  # no rule recorded (a state made by hand): this call's own
         raise ValueError(f"initial_state was made by rule {rule!r}; this call runs {name!r}")
     position = check_position(getattr(initial_state, "position", 0))
     S = D.shaped("initial_state.S", S, lead + (F, M), "(..., D_phi, M)")
@@ -328,7 +329,8 @@ def _prepare(q, k, v, rule, a, b, log_diag, beta, feature_map, method, normalize
         form = _general_build(fk, v64, checked)
     elif fast and spec.keyed is not None:  # the chunked kernel makes a, b, kw from the keys
         checked = _rule_checked(spec, inputs, lead, N, F, r)
-        form, keyed = _rule_form(spec, spec.keyed(fk, v64, checked), B, N, F, M, keyed=True), True
+        form, keyed = _rule_form(spec, spec.keyed(fk, v64, checked), B, N, F, M, keyed=True,
+                                  steps=r if sub else 1), True
     else:
         checked = _rule_checked(spec, inputs, lead, N, F, r)
         if work == np.float32:  # the rule's map to the general form in float32 too
@@ -399,10 +401,12 @@ def _rule_pullback(spec, R, g):
     return out
 
 
-def _rule_form(spec, form, B, N, F, M, keyed=False):
+def _rule_form(spec, form, B, N, F, M, keyed=False, steps=1):
     """A researcher's rule's general (or keyed) form, checked: ValueError naming the rule, the field and the
     shape it must have, or the values it holds (a log-diagonal above 0 or NaN, non-finite vectors), before a
-    kernel reads it.  The package's own rules are returned as they are."""
+    kernel reads it.  ``steps``: the keys' sub-steps (1 without), which a keyed form's r must equal (the
+    chunked kernel reads one ``cb``, ``cw``, ``vw`` per key).  The package's own rules are returned as they
+    are."""
     if not _user_rule(spec):
         return form
     kind = D.KeyedForm if keyed else D.GeneralForm
@@ -419,7 +423,7 @@ def _rule_form(spec, form, B, N, F, M, keyed=False):
         raise ValueError(f"{what}: ld must have shape (B, N, W) = ({B}, {N}, W) with W = 0, 1 or D_phi = {F}, "
                          f"got {ld.shape}")
     if keyed:
-        r = form.cb.shape[2] if form.cb.ndim == 3 else -1
+        r = steps
         want = {"cb": (B, N, r), "cw": (B, N, r), "vw": (B, N, r, M)}
     else:
         r = form.a.shape[2] if form.a.ndim == 4 else -1
@@ -429,8 +433,9 @@ def _rule_form(spec, form, B, N, F, M, keyed=False):
     for name, shape in want.items():
         x = getattr(form, name)
         if r < 1 or x.shape != shape:
+            how = "r: the keys' sub-steps, 1 without" if keyed else "the writes kw, vw: r of them or one"
             raise ValueError(f"{what}: {name} must have shape {shape if r >= 1 else axes} (B = {B}, N = {N}, "
-                             f"D_phi = {F}, M = {M}; the writes kw, vw: r of them or one), got {x.shape}")
+                             f"D_phi = {F}, M = {M}; {how}), got {x.shape}")
     if np.isnan(ld).any() or (ld > 0).any():
         raise ValueError(f"{what}: ld, the log-diagonal, must be <= 0 (-inf resets), got values "
                          f"{'NaN' if np.isnan(ld).any() else 'above 0'}")
@@ -502,7 +507,8 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
         Written in place (its dtype must be the outputs').
     initial_state : LinearState, optional
         The state a previous call of the same rule returned (its ``position`` a non-negative integer, at
-        most ``2**63 - 1``; its ``S`` and ``z`` finite with ``check_finite``).
+        most ``2**63 - 1``; its ``S`` and ``z`` finite with ``check_finite``), or one whose ``rule`` is None
+        (made by hand), taken as this rule's; a state of another rule raises ValueError.
     return_state : bool, default False
         Also return the final state (a :class:`~linattn_nb.LinearState` whose ``rule`` is the rule's
         name, ``"dplr"`` for the general form).
@@ -719,7 +725,10 @@ def _state_grad(grad_state, lead, F, M, check_finite):
     checked = []
     for name, x, want, what in (("grad_state.S", S, lead + (F, M), "(..., D_phi, M)"),
                                 ("grad_state.z", z, lead + (F,), "(..., D_phi)")):
-        x = D.shaped(name, host_array(name, x), want, what)
+        x = host_array(name, x)
+        if x.dtype.kind != "f":  # a gradient, as linear_attention_vjp reads it (not a rule's argument)
+            raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
+        x = D.shaped(name, x, want, what)
         if check_finite:
             check_finite_values(name, x)
         checked.append(x)
@@ -753,8 +762,9 @@ def dplr_attention_vjp(q, k, v, grad_out, *, rule=None, a=None, b=None, log_diag
     ------
     TypeError, ValueError
         As :func:`dplr_attention` for its arguments; a ``grad_out`` or ``grad_state`` of the wrong shape
-        (ValueError); a ``grad_state`` that is no state or whose ``z`` is None (TypeError), or whose
-        ``position`` is not a non-negative integer (as ``initial_state.position``).  With ``check_finite``,
+        (ValueError); a ``grad_state`` that is no state, whose ``z`` is None or whose ``S`` or ``z`` is not
+        floating point (TypeError), or whose ``position`` is not a non-negative integer (as
+        ``initial_state.position``).  With ``check_finite``,
         a ``grad_out``, ``grad_state.S`` or ``grad_state.z`` holding NaN or inf (ValueError naming it and
         counting the values, as :func:`linattn_nb.linear_attention_vjp`).  A rule of one's own without a
         ``pullback``, or one whose result is not what it must be (the rule named, the field and the shape

@@ -447,6 +447,11 @@ def test_bad_arrays_name_the_argument(rng):
     with pytest.raises(ValueError, match=r"initial_state.S must have shape"):
         la.dplr_attention(q, k, v, initial_state=la.LinearState(np.zeros((B, D, M + 1)), np.zeros((B, D)), 0, "dplr"),
                           **ab)
+    # a state that records no rule (made by hand) is taken as this call's own, as linear_attention and the torch
+    # adapter take it
+    S0, z0 = rng.standard_normal((B, D, M)), rng.random((B, D))
+    np.testing.assert_array_equal(la.dplr_attention(q, k, v, initial_state=la.LinearState(S0, z0, 0, None), **ab),
+                                  la.dplr_attention(q, k, v, initial_state=la.LinearState(S0, z0, 0, "dplr"), **ab))
     # as linear_attention's out: a wrong dtype a TypeError, a wrong shape a ValueError
     with pytest.raises(TypeError, match="out must have dtype float64"):
         la.dplr_attention(q, k, v, out=np.empty((B, N, M), np.float32), **ab)
@@ -541,11 +546,14 @@ def test_a_non_finite_grad_out_is_counted_as_linear_attention_vjp_counts_it(rng)
     ({"position": -1}, ValueError, r"^grad_state\.position must be >= 0, got -1$"),
     ({"position": 2.7}, ValueError, r"^grad_state\.position must be a non-negative integer, got 2\.7$"),
     ({"position": True}, TypeError, r"^grad_state\.position must be a non-negative integer, got True$"),
+    ({"S": np.ones((B, D, M), dtype=np.int64)}, TypeError, r"^grad_state\.S must be floating point, got dtype int64$"),
+    ({"z": np.ones((B, D), dtype=np.int32)}, TypeError, r"^grad_state\.z must be floating point, got dtype int32$"),
 ])
 def test_grad_state_is_read_as_linear_attention_vjp_reads_it(rng, change, exc, match):
     """dplr_attention_vjp took a grad_state whose z was None as zeros and never looked at its position; now both
     as linear_attention_vjp (parse_state): z is required (the state's z is part of it with normalize=False too),
-    the position a non-negative integer, not compared with the call's; a tuple (S, z) is a grad_state too."""
+    the position a non-negative integer, not compared with the call's; a tuple (S, z) is a grad_state too; an
+    integer S or z a TypeError (it was taken as float64)."""
     q, k, v = _qkv(rng)
     args = _kda_args(rng)
     g = np.ones((B, N, M))

@@ -231,3 +231,43 @@ def test_a_saved_state_of_ones_own_rule_loads(register, tmp_path):
     rules.DPLR_RULES.pop(name)
     with pytest.raises(ValueError, match=r"must be a registered rule, .* got 'user_saved' \(a rule of your own"):
         DPLRState.load(tmp_path / "s.npz")
+
+
+def _check_token(inputs, lead, N, F, r):
+    return {"beta": D.per_token("beta", inputs["beta"], lead, N)}
+
+
+def _delta_build(fk, v, i):
+    bk = i["beta"][..., None] * fk
+    return D.GeneralForm(np.zeros(fk.shape[:2] + (0,)), fk[:, :, None], -bk[:, :, None], bk[:, :, None],
+                         v[:, :, None])
+
+
+def _delta_keyed(steps):
+    def keyed(fk, v, i):
+        bt = np.repeat(i["beta"][:, :, None], steps, axis=2)
+        return D.KeyedForm(np.zeros(fk.shape[:2] + (0,)), -bt, bt, np.repeat(v[:, :, None], steps, axis=2))
+    return keyed
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_a_keyed_form_has_one_step_per_key(steps):
+    """The chunked kernel reads one ``cb``, ``cw``, ``vw`` per key (one without sub-steps): a keyed form with
+    another count is refused naming ``cb`` (it ran, with a step ignored or read past the form); one of the
+    keys' count agrees with the scan, which runs the build."""
+    name = f"user_keyed_{steps}"
+    rules.register_dplr(D.DPLRRule(name=name, arguments=("beta",), substeps=False, formula="", check=_check_token,
+                                   build=_delta_build, step=None, sample=None, pullback=None,
+                                   keyed=_delta_keyed(steps)))
+    try:
+        q, k, v, _ = _inputs()
+        beta = np.random.default_rng(1).uniform(0, 1, (2, 16))
+        kw = dict(rule=name, beta=beta, feature_map="l2")
+        if steps == 1:
+            np.testing.assert_allclose(la.dplr_attention(q, k, v, method="chunked", **kw),
+                                       la.dplr_attention(q, k, v, method="scan", **kw), rtol=1e-10, atol=1e-12)
+        else:
+            with pytest.raises(ValueError, match=rf"rule {name!r}: keyed: cb must have shape \(2, 16, 1\)"):
+                la.dplr_attention(q, k, v, method="chunked", **kw)
+    finally:
+        rules.DPLR_RULES.pop(name, None)
