@@ -48,7 +48,8 @@ def kill_always(x):
 def numba_threads(x):
     import numba
 
-    return {"threads": numba.get_num_threads(), "env": os.environ.get("NUMBA_NUM_THREADS")}
+    return {"threads": numba.get_num_threads(), "env": os.environ.get("NUMBA_NUM_THREADS"),
+            "pool": int(numba.config.NUMBA_NUM_THREADS)}
 
 
 def slow(x, delay):
