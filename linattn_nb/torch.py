@@ -122,6 +122,8 @@ def _check_tensor(name: str, x, *, floating: bool = True) -> torch.Tensor:
         raise TypeError(f"{name} must be float16, float32 or float64, got dtype {x.dtype}{hint}")
     if x.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name} is on device {x.device}; only CPU and CUDA tensors are supported")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout} (call .to_dense())")
     return x
 
 
@@ -178,9 +180,10 @@ def _map_parameters(fmap) -> dict:
     return dict(get()) if callable(get) else {}
 
 
-def _map_param_tensors(fmap, feature_map_params):
+def _map_param_tensors(fmap, feature_map_params, check_finite):
     """``(names, tensors)`` of ``feature_map_params``, checked against the map's own parameters (names and
-    shapes); ``((), ())`` when none are given."""
+    shapes) and, with ``check_finite``, refused when they hold NaN or inf (before any is written into the
+    map); ``((), ())`` when none are given."""
     if not feature_map_params:
         return (), ()
     stored = _map_parameters(fmap)
@@ -195,6 +198,11 @@ def _map_param_tensors(fmap, feature_map_params):
         if tuple(t.shape) != tuple(np.shape(stored[n])):
             raise ValueError(f"feature_map_params[{n!r}] has shape {tuple(t.shape)}, the map's {n} has "
                              f"shape {tuple(np.shape(stored[n]))}")
+        if check_finite:  # as q, k, v: a NaN parameter would be blamed on the inputs' features
+            bad = int(t.numel() - torch.isfinite(t.detach()).sum().item())
+            if bad:
+                raise ValueError(f"feature_map_params[{n!r}] contains {bad} non-finite value(s) (NaN or inf); "
+                                 "pass check_finite=False to skip this check")
     return names, params
 
 
@@ -403,10 +411,12 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto",
     ------
     TypeError
         A non-tensor ``q``, ``k``, ``v`` (or state, or parameter); dtypes
-        NumPy lacks (bfloat16), integer, boolean or complex tensors.
+        NumPy lacks (bfloat16), integer, boolean or complex tensors; sparse
+        tensors.
     ValueError
-        Tensors on different devices, unknown parameter names, and
-        everything :func:`linattn_nb.linear_attention` refuses.
+        Tensors on different devices, unknown parameter names, parameters
+        holding NaN or inf (with ``check_finite``), and everything
+        :func:`linattn_nb.linear_attention` refuses.
 
     Warns
     -----
@@ -442,7 +452,7 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, method="auto",
         S0, z0, position = parse_state(initial_state)
         S0, z0 = _check_tensor("initial_state.S", S0), _check_tensor("initial_state.z", z0)
         state_rule = getattr(initial_state, "rule", None)
-    names, params = _map_param_tensors(fmap, feature_map_params)
+    names, params = _map_param_tensors(fmap, feature_map_params, check_finite)
     named = [("q", q), ("k", k), ("v", v), ("decay", decay_t), ("log_decay", log_decay_t), ("beta", beta_t),
              ("initial_state.S", S0), ("initial_state.z", z0)]
     named += [(f"feature_map_params[{n!r}]", t) for n, t in zip(names, params)]
@@ -667,7 +677,7 @@ def dplr_attention(q, k, v, *, rule=None, a=None, b=None, log_diag=None, beta=No
             state = (int(getattr(initial_state, "position", 0)), made_by)
         else:
             values["initial_state"] = initial_state  # NumPy arrays (constants) or something NumPy refuses
-    param_names, params = _map_param_tensors(fmap, feature_map_params)
+    param_names, params = _map_param_tensors(fmap, feature_map_params, check_finite)
     named = [("q", q), ("k", k), ("v", v), ("initial_state.S", S0), ("initial_state.z", z0), *zip(names, tensors)]
     named += [(f"feature_map_params[{n!r}]", t) for n, t in zip(param_names, params)]
     _check_one_device(named)

@@ -350,6 +350,30 @@ def test_errors():
         lt.linear_attention(q, k, v, feature_map_params={"W": torch.eye(D)})
 
 
+def test_sparse_tensors_and_non_finite_map_parameters_are_refused_by_name():
+    """A sparse tensor failed inside torch (``.contiguous()``, ``.numpy()``) without naming the argument; a
+    NaN map parameter passed check_finite, was written into the caller's map and was blamed on the inputs'
+    features.  Both are now refused naming the argument, and the map keeps its parameters."""
+    q, k, v = _qkv(seed=25)
+    with pytest.raises(TypeError, match=r"^q must be a dense \(strided\) tensor, got layout torch.sparse_coo"):
+        lt.linear_attention(q.detach().to_sparse(), k, v)
+    with pytest.raises(TypeError, match=r"^decay must be a dense"):
+        lt.linear_attention(q, k, v, causal=True, decay=torch.full((B, H, N), 0.9, dtype=torch.float64).to_sparse())
+    with pytest.raises(TypeError, match=r"^v must be a dense"):
+        lt.dplr_attention(q, k, v.detach().to_sparse(), rule="kda", decay=0.9, beta=0.5)
+    fmap = fm.get("hedgehog")
+    fmap.materialize(D)
+    W0 = np.array(fmap.parameters()["W"])
+    W = torch.tensor(W0)
+    W[0, 0] = float("nan")
+    for call in (lambda: lt.linear_attention(q, k, v, causal=True, feature_map=fmap, feature_map_params={"W": W}),
+                 lambda: lt.dplr_attention(q, k, v, rule="kda", decay=0.9, beta=0.5, feature_map=fmap,
+                                           feature_map_params={"W": W})):
+        with pytest.raises(ValueError, match=r"^feature_map_params\['W'\] contains 1 non-finite value\(s\)"):
+            call()
+        np.testing.assert_array_equal(fmap.parameters()["W"], W0)
+
+
 def test_in_place_change_after_forward_is_refused():
     q, k, v = _qkv(seed=24)
     qq = q * 1.0
