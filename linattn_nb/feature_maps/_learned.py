@@ -78,7 +78,8 @@ class _AffineFeatureMap(FeatureMap):
         Raises
         ------
         ValueError
-            If ``d`` is needed and missing, or disagrees with the shape of ``W`` or ``b``.
+            If ``d`` is needed and missing, is not an integer >= 1, or disagrees with the shape of ``W``
+            or ``b``.
 
         Examples
         --------
@@ -86,14 +87,16 @@ class _AffineFeatureMap(FeatureMap):
         >>> sorted(feature_maps.get("hedgehog").materialize(4).parameters())
         ['W', 'b']
         """
+        if d is not None:  # checked whether or not it is needed (2.7 is no dimension)
+            d = check_count("d", d, allow_none=False)
         if self.W is None:
             if self.b is not None:
-                if d is not None and int(d) != self.b.shape[0]:
+                if d is not None and d != self.b.shape[0]:
                     raise ValueError(f"{self.name}: d={d} but b has shape {self.b.shape}")
                 d = self.b.shape[0]
             d = check_count("d", d, allow_none=False)
             self.W = np.eye(d)
-        elif d is not None and int(d) != self.W.shape[1]:
+        elif d is not None and d != self.W.shape[1]:
             raise ValueError(f"{self.name}: d={d} but W has shape {self.W.shape}")
         if self.b is None:
             self.b = np.zeros(self.W.shape[0])

@@ -126,7 +126,10 @@ def _check_float(name, value, *, low, high=None, low_open=False):
 
 def _resolve_map(feature_map, d):
     if isinstance(feature_map, str):
-        fmap = fm.get(feature_map)
+        try:
+            fmap = fm.get(feature_map)
+        except KeyError as exc:  # a ValueError, as linear_attention's feature_map argument
+            raise ValueError(f"fit: feature_map: {exc.args[0]}") from None
     elif isinstance(feature_map, fm.FeatureMap):
         fmap = copy.deepcopy(feature_map)
     else:

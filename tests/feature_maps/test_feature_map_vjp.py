@@ -211,6 +211,10 @@ def test_affine_materialize(name):
     assert only_w.W.shape == (5, 4) and np.array_equal(only_w.b, np.zeros(5))
     with pytest.raises(ValueError, match=rf"{name}: d=3 but W has shape \(5, 4\)"):
         fm.get(name, W=np.ones((5, 4))).materialize(3)
+    # d is checked whether or not it is needed: with W or b set, 2.7 or "4" passed int(d)
+    for d, given in ((2.7, dict(W=np.ones((5, 4)))), ("4", dict(W=np.ones((5, 4)))), (3.9, dict(b=np.zeros(3)))):
+        with pytest.raises(ValueError, match="d must be an integer >= 1"):
+            fm.get(name, **given).materialize(d)
 
 
 @pytest.mark.parametrize("headroom", [None, 0.0], ids=["shift-off", "shift-on"])

@@ -314,6 +314,8 @@ def test_fit_input_errors():
     q, k = _data((10, 4), seed=0)
     with pytest.raises(ValueError, match="same shape"):
         fit("hedgehog", q, k[:5], progress=False)
+    with pytest.raises(ValueError, match="fit: feature_map: .*hedgehg"):  # was a bare KeyError
+        fit("hedgehg", q, k, progress=False)
     with pytest.raises(TypeError, match="floating point"):
         fit("hedgehog", q.astype(int), k, progress=False)
     bad = q.copy()
