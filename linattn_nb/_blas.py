@@ -97,11 +97,29 @@ def layer_problem(layer: str) -> str | None:
     return None
 
 
+def _gnu_openmp() -> bool:
+    """Whether Numba's ``omp`` layer is GNU OpenMP on Linux (not fork-safe: Numba's ``forksafe`` leaves it out)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        from numba.np.ufunc import omppool
+
+        return str(getattr(omppool, "openmp_vendor", "GNU")) == "GNU"
+    except Exception:  # noqa: BLE001 - no omp layer: it is not chosen anyway
+        return True
+
+
 def _predicted_layer(cfg) -> str:
+    """The layer Numba's own choice gives for ``cfg.THREADING_LAYER``: a named one as it is; ``safe`` is TBB
+    only (named in effect: Numba fails without it); ``threadsafe`` TBB or OpenMP; ``forksafe`` TBB,
+    OpenMP unless it is GNU OpenMP on Linux, or workqueue; ``default`` any, in the priority order."""
     name = str(cfg.THREADING_LAYER).lower()
     if name in ("tbb", "omp", "workqueue"):
         return name  # named: Numba loads it or fails (layer_problem says which)
-    allowed = {"safe": ("tbb",), "threadsafe": ("tbb", "omp")}.get(name, ("tbb", "omp", "workqueue"))
+    if name == "safe":
+        return "tbb"  # the only layer both thread- and fork-safe: loaded or Numba fails
+    forksafe = ("tbb",) + (() if _gnu_openmp() else ("omp",)) + ("workqueue",)
+    allowed = {"threadsafe": ("tbb", "omp"), "forksafe": forksafe}.get(name, ("tbb", "omp", "workqueue"))
     for layer in cfg.THREADING_LAYER_PRIORITY:
         if layer in allowed and layer_problem(layer) is None:
             return layer

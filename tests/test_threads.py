@@ -126,3 +126,33 @@ def test_threads_may_query_one_decode_state_at_once():
     with ThreadPoolExecutor(4) as ex:
         assert max(ex.map(worst, range(4))) == 0.0
 
+
+
+_LAYER_SCRIPT = textwrap.dedent("""
+    import numba
+    import numpy as np
+    from linattn_nb import _blas
+    predicted = _blas.threading_layer()
+
+    @numba.njit(parallel=True, cache=False)
+    def total(x):
+        s = 0.0
+        for i in numba.prange(x.size):
+            s += x[i]
+        return s
+
+    total(np.ones(8))
+    print(predicted, numba.threading_layer())
+""")
+
+
+@pytest.mark.parametrize("layer", ["forksafe", "threadsafe", "default"])
+def test_the_predicted_layer_is_the_one_numba_starts(layer):
+    """Before the first parallel kernel, threading_layer() (what `linattn info` shows, and what decides whether
+    parallel calls from Python threads are serialised) names the layer Numba then starts.  ``forksafe`` was
+    predicted as GNU OpenMP, which Numba leaves out there on Linux: it starts workqueue."""
+    env = dict(os.environ, NUMBA_THREADING_LAYER=layer)
+    proc = subprocess.run([sys.executable, "-c", _LAYER_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    predicted, started = proc.stdout.split()[-2:]
+    assert predicted == started, (layer, predicted, started)
