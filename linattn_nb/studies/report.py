@@ -164,6 +164,11 @@ def _prepare_out(out: Path, *, force: bool, resume: bool, studies=()) -> None:
                     p.unlink()
         else:
             _check_resumable(out, studies)
+            if (out / "report.md").exists() and not any((out / f"{s.name}.jsonl").is_file() for s in studies):
+                raise FileExistsError(
+                    f"--resume: the report folder {str(out)!r} holds a report.md but no results of this report's "
+                    "studies to continue; pass --force to replace that report.md, or choose another --out"
+                )
     out.mkdir(parents=True, exist_ok=True)
 
 

@@ -210,6 +210,19 @@ def test_resume_refuses_results_of_another_function_or_format(tmp_path, capsys, 
     assert path.read_bytes() == before and sorted(p.name for p in out.iterdir()) == ["throughput.jsonl"]
 
 
+def test_resume_with_nothing_of_this_report_to_continue_keeps_a_report_md(tmp_path, capsys):
+    """--resume into a folder whose report.md belongs to no results of these studies (a user's file, another
+    study's report) replaced it without --force; it is refused (exit 2, one line) and the file kept."""
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "report.md").write_text("# my notes\n")
+    rc = cli.main(["bench", "--profile", "tiny", "--out", str(out), "--no-progress", "--resume"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert len(err.strip().splitlines()) == 1 and "--force" in err, err
+    assert (out / "report.md").read_text() == "# my notes\n" and sorted(p.name for p in out.iterdir()) == ["report.md"]
+
+
 def test_bench_resume_reruns_points_timed_with_another_thread_count(tmp_path, monkeypatch):
     """A point's Numba thread count is one of its parameters: a resumed bench whose count differs from the
     first run's times every point again (none reused) and states the count they were measured with; a
