@@ -63,6 +63,7 @@ CHUNK_MARGIN = 0.97
 MODES = ("off", "load", "first-use")
 
 # OpenBLAS core names (lower case) by the widest vector extension their kernels use.
+_OPENBLAS_AVX512 = {"skylakex", "cooperlake", "sapphirerapids"}
 _OPENBLAS_AVX2 = {"haswell", "zen", "skylake", "excavator"}
 _OPENBLAS_OLD = {"sandybridge", "nehalem", "core2", "penryn", "dunnington", "prescott", "atom", "katmai",
                  "coppermine", "northwood", "banias", "opteron", "opteron_sse3", "barcelona", "bobcat",
@@ -165,7 +166,9 @@ def blas_line(libs=None) -> str:
 def forced_kernel_warnings(libs=None, flags=None, env=None) -> list:
     """One sentence per BLAS setting below what the CPU supports (``libs``, ``flags``, ``env``: default
     :func:`blas_libraries`, :func:`cpu_flags`, :func:`blas_env`): OpenBLAS kernels older than the CPU's
-    vector level, an ``MKL_ENABLE_INSTRUCTIONS`` below it or an ``MKL_DEBUG_CPU_TYPE`` (both only with MKL loaded).
+    vector level, an ``MKL_ENABLE_INSTRUCTIONS`` below it or an ``MKL_DEBUG_CPU_TYPE`` (both only with MKL loaded);
+    also OpenBLAS kernels above it (``OPENBLAS_CORETYPE=SkylakeX`` on an AVX2 CPU), whose first call stops the
+    process with an illegal instruction.
     """
     libs = blas_libraries() if libs is None else libs
     flags = cpu_flags() if flags is None else flags
@@ -179,9 +182,14 @@ def forced_kernel_warnings(libs=None, flags=None, env=None) -> list:
         arch = str(i["architecture"]).lower()
         low = (level == "AVX-512" and (arch in _OPENBLAS_AVX2 or arch in _OPENBLAS_OLD)) or \
               (level == "AVX2" and arch in _OPENBLAS_OLD)
+        high = (level in ("AVX2", "AVX", "SSE") and arch in _OPENBLAS_AVX512) or \
+               (level in ("AVX", "SSE") and arch in _OPENBLAS_AVX2)
         if low:
             out.append(f"{_owner(i.get('filepath', ''))}'s OpenBLAS runs {i['architecture']} kernels on a CPU "
                        f"with {level}{why}: BLAS-heavy methods (chunked) run slower than they could")
+        elif high:
+            out.append(f"{_owner(i.get('filepath', ''))}'s OpenBLAS runs {i['architecture']} kernels on a CPU "
+                       f"with only {level}{why}: its first BLAS call will stop the process (illegal instruction)")
     if not out and "OPENBLAS_CORETYPE" in env and level == "AVX-512" and \
             env["OPENBLAS_CORETYPE"].lower() in (_OPENBLAS_AVX2 | _OPENBLAS_OLD):
         out.append(f"OPENBLAS_CORETYPE={env['OPENBLAS_CORETYPE']} names kernels below the CPU's {level}")

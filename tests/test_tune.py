@@ -203,6 +203,10 @@ def test_forced_kernel_warnings():
     (w,) = _tune.forced_kernel_warnings([haswell], avx512, {"OPENBLAS_CORETYPE": "Haswell"})
     assert "Haswell" in w and "AVX-512" in w and "OPENBLAS_CORETYPE=Haswell" in w and "scipy" in w
     assert _tune.forced_kernel_warnings([dict(lib, architecture="Sandybridge")], avx2, {})
+    # kernels above the CPU (OPENBLAS_CORETYPE=SkylakeX on an AVX2 CPU): every BLAS call dies of SIGILL
+    (w,) = _tune.forced_kernel_warnings([skx], avx2, {"OPENBLAS_CORETYPE": "SkylakeX"})
+    assert "SkylakeX" in w and "only AVX2" in w and "illegal instruction" in w
+    assert _tune.forced_kernel_warnings([haswell], {"sse2", "avx"}, {})
     mkl = {"internal_api": "mkl", "version": "2024.0", "num_threads": 2, "filepath": "/x/lib/libmkl_rt.so.2"}
     assert _tune.forced_kernel_warnings([skx, mkl], avx512, {"MKL_ENABLE_INSTRUCTIONS": "AVX2"})
     assert not _tune.forced_kernel_warnings([skx, mkl], avx512, {"MKL_ENABLE_INSTRUCTIONS": "AVX512"})
