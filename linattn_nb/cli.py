@@ -231,9 +231,14 @@ def cmd_demo(args) -> int:
     """Every CPU method (and softmax) in float32 against a float64 reference; 1 if any check fails."""
     import numpy as np
 
-    from linattn_nb import linear_attention, softmax_attention
+    from linattn_nb import _tune, linear_attention, softmax_attention
     from linattn_nb.ops.registry import available_methods
 
+    try:
+        _tune.mode()  # method="auto" reads it: a bad LINATTN_AUTO_TUNE is a usage error, not a traceback mid-table
+    except ValueError as exc:
+        print(f"linattn demo: error: {exc}", file=sys.stderr)
+        return 2
     rng = np.random.default_rng(args.seed)
     shape = (args.batch, args.heads, args.length, args.dim)
     print(f"demo: q, k, v of shape {shape}, float32, feature map 'elu'; check: relative error <= {DEMO_RTOL:g}")

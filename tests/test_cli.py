@@ -30,6 +30,17 @@ def test_demo_small(capsys):
     assert "FAIL" not in out and "demo: all checks passed" in out
 
 
+def test_demo_refuses_a_bad_auto_tune_before_its_table(capsys, monkeypatch):
+    """A bad LINATTN_AUTO_TUNE printed part of the demo's table, then a traceback (exit 1), where `linattn tune`
+    gives one line and exit 2; now the demo does the same before it runs anything."""
+    from linattn_nb import config
+
+    monkeypatch.setattr(config, "AUTO_TUNE", "bogus")
+    assert cli.main(["demo", "--batch", "1", "--heads", "1", "--length", "8", "--dim", "4"]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and len(cap.err.strip().splitlines()) == 1 and "LINATTN_AUTO_TUNE" in cap.err, cap
+
+
 @pytest.mark.parametrize("broken", ["scan", "softmax"])
 def test_demo_exits_1_when_a_check_fails(broken, capsys, monkeypatch):
     """``linattn demo`` returns 1 (not 0) when a method is off, and names it."""
