@@ -469,6 +469,12 @@ def _run_studies(args, names, argv) -> int:
     except (TypeError, ValueError) as exc:
         print(f"linattn {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    env_grid = os.environ.get("LINATTN_NB_MQAR_GRID")
+    if (names is None or "mqar" in names) and getattr(args, "grid", None) is None and env_grid \
+            and env_grid not in ("profile", "all"):  # what --grid takes, refused as --grid refuses it
+        print(f"linattn {args.command}: error: LINATTN_NB_MQAR_GRID must be 'profile' or 'all' (as --grid), got "
+              f"{env_grid!r}", file=sys.stderr)
+        return 2
     if names is not None:
         study = get_study(names[0])
         reason = study.requires()

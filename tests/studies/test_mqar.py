@@ -96,6 +96,20 @@ def test_generator_stores_every_queried_pair_and_fills_with_other_tokens():
         mqar.mqar(2, vocab=16, kv=8, length=64)
 
 
+def test_a_bad_grid_in_the_environment_is_refused_as_the_option_is(tmp_path, monkeypatch, capsys):
+    """LINATTN_NB_MQAR_GRID=bogus made --out, wrote a report.md holding the traceback and exited 1, where
+    --grid bogus exits 2 and writes nothing; now the same (a --grid given wins over the variable)."""
+    pytest.importorskip("torch")
+    from linattn_nb import cli
+
+    monkeypatch.setenv("LINATTN_NB_MQAR_GRID", "bogus")
+    out = tmp_path / "r"
+    assert cli.main(["mqar", "--profile", "tiny", "--no-progress", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "LINATTN_NB_MQAR_GRID must be 'profile' or 'all'" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
 def test_the_command_takes_the_whole_grid_and_states_its_time(tmp_path, monkeypatch, capsys):
     """`linattn mqar --grid all` hands the report the whole grid's points, the study is as registered
     afterwards, and the option's help states the grid's time."""
