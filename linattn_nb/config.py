@@ -28,6 +28,14 @@ def _env_float(name: str, default: float, low: float | None = None) -> float:
     return value
 
 
+def _env_bit(name: str, default: int) -> int:
+    """A switch documented as the integers 0 or 1 (any other integer, e.g. 7, is refused, not taken as on)."""
+    value = _env_int(name, default)
+    if value not in (0, 1):
+        raise ValueError(f"environment variable {name}={os.environ.get(name)!r} must be 0 or 1")
+    return value
+
+
 _YES = ("1", "true", "yes", "on")
 _NO = ("0", "false", "no", "off")
 
@@ -380,7 +388,7 @@ CUDA_AUTO_TILES_CHUNKED_MIN_N = _env_int("LINATTN_CUDA_AUTO_TILES_CHUNKED_MIN_N"
 #: Compile the sequence kernel once per feature map (1, default: the map a compile-time constant),
 #: or once for every map (0: a branch over the maps per staged element; fewer compilations).
 #: PROVISIONAL (static counts: docs/guide/configuration.md).
-CUDA_SPECIALIZE_MAPS = _env_int("LINATTN_CUDA_SPECIALIZE_MAPS", 1)
+CUDA_SPECIALIZE_MAPS = _env_bit("LINATTN_CUDA_SPECIALIZE_MAPS", 1)
 #: Thread layout of the sequence kernel: "auto" (linattn_nb.ops._cuda_launch.seq_layout,
 #: docs/cuda_kernels.md, "Choosing the layout"), "owner" (where it applies), "rows" (always row
 #: groups) or "tiles" (where it applies, else the owner layout's rule).  PROVISIONAL: argued from
@@ -389,10 +397,10 @@ CUDA_SEQ_LAYOUT = os.environ.get("LINATTN_CUDA_SEQ_LAYOUT", "auto") or "auto"
 #: Element offsets within a sequence in the sequence kernel: 1 (default) takes the kernel with
 #: 32-bit offsets whenever every sequence spans fewer than 2^31 elements, the 64-bit kernel
 #: otherwise; 0 always takes the 64-bit kernel (docs/cuda_kernels.md, "Global addressing").
-CUDA_OFFSETS_32 = _env_int("LINATTN_CUDA_OFFSETS_32", 1)
+CUDA_OFFSETS_32 = _env_bit("LINATTN_CUDA_OFFSETS_32", 1)
 #: Vector loads in the sequence kernel's staging: 1 (default) reads four consecutive elements per
 #: load wherever the layout allows it (linattn_nb.ops.cuda.views.vector_bits); 0: one at a time.
-CUDA_VECTOR_LOADS = _env_int("LINATTN_CUDA_VECTOR_LOADS", 1)
+CUDA_VECTOR_LOADS = _env_bit("LINATTN_CUDA_VECTOR_LOADS", 1)
 AUTO_METHODS[("additive", True, "cuda")] = [(2 * 256, "scan"), (None, "chunked")]
 AUTO_METHODS[("additive", False, "cuda")] = [(None, "aggregate")]
 # PROVISIONAL for the forgetting rules on CUDA: the additive rows (their kernels

@@ -145,6 +145,8 @@ def test_assigning_config_default_eps_changes_the_calls_that_follow(monkeypatch)
     ({"LINATTN_EPS": "nan"}, "config.DEFAULT_EPS", "LINATTN_EPS='nan' must be a number >= 0"),
     ({"LINATTN_FAVOR_KEY_HEADROOM": "-1"}, "config.FAVOR_KEY_HEADROOM", "must be a number >= 0"),
     ({"LINATTN_REPORT_BACKGROUND": "maybe"}, "config.REPORT_BACKGROUND", "must be one of"),
+    ({"LINATTN_CUDA_OFFSETS_32": "7"}, "config.CUDA_OFFSETS_32", "LINATTN_CUDA_OFFSETS_32='7' must be 0 or 1"),
+    ({"LINATTN_CUDA_VECTOR_LOADS": "0"}, "config.CUDA_VECTOR_LOADS", "0"),
 ])
 def test_environment_variables_are_read_in_any_case_or_refused_by_name(env, expr, want):
     """'TRUE' or 'Off' were silently ignored (exact lower-case matches), a NaN or negative eps or FAVOR+
