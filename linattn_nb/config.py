@@ -14,10 +14,13 @@ def _env_int(name: str, default, kind=int):
     if raw is None or raw == "":
         return default
     try:
-        return kind(raw)
+        value = kind(raw)
     except ValueError as exc:  # pragma: no cover - misconfiguration
         what = "an integer" if kind is int else "a number"
         raise ValueError(f"environment variable {name}={raw!r} is not {what}") from exc
+    if kind is int and value < 0:  # every integer knob is a size, a count or a switch
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer >= 0")
+    return value
 
 
 def _env_float(name: str, default: float, low: float | None = None) -> float:

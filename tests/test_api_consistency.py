@@ -147,6 +147,7 @@ def test_assigning_config_default_eps_changes_the_calls_that_follow(monkeypatch)
     ({"LINATTN_REPORT_BACKGROUND": "maybe"}, "config.REPORT_BACKGROUND", "must be one of"),
     ({"LINATTN_CUDA_OFFSETS_32": "7"}, "config.CUDA_OFFSETS_32", "LINATTN_CUDA_OFFSETS_32='7' must be 0 or 1"),
     ({"LINATTN_CUDA_VECTOR_LOADS": "0"}, "config.CUDA_VECTOR_LOADS", "0"),
+    ({"LINATTN_CPU_CHUNK_SIZE": "-1"}, "config.CPU_CHUNK_SIZE", "LINATTN_CPU_CHUNK_SIZE='-1' must be an integer >= 0"),
 ])
 def test_environment_variables_are_read_in_any_case_or_refused_by_name(env, expr, want):
     """'TRUE' or 'Off' were silently ignored (exact lower-case matches), a NaN or negative eps or FAVOR+
