@@ -6,7 +6,9 @@ read-only array and a zero-stride broadcast view; the result must equal, bit
 for bit, the result of the same call on C-contiguous copies of the same
 values.  No compiled code may read an array against its layout (a kernel
 compiled for C-contiguous arrays and handed a view reads the wrong elements,
-or past the end of the buffer).
+or past the end of the buffer).  A read-only argument reaches the kernels as
+a writeable view of its memory (``_validate.kernel_view``): it must keep its
+values, compile no kernel again, and no result may be a writeable view of it.
 
 Overlap: ``out=`` laid over each input in turn (offsets 0, +1, -1 and half an
 array, in the units of the output's elements) gives what a fresh call gives.
@@ -17,11 +19,14 @@ method; the cases below list what is covered, argument by argument.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numba import types as nbtypes
+from numba.core.dispatcher import Dispatcher
 
 import linattn_nb as la
 from linattn_nb import analysis as A
@@ -357,6 +362,21 @@ CASES = {
 }
 
 
+def readonly_specialisations() -> set:
+    """``(kernel, signature)`` of every compiled specialisation of the package's module-level Numba kernels
+    that takes a read-only array (Numba types it apart from a writeable one: a compilation of its own)."""
+    found = set()
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not (mod_name == "linattn_nb" or mod_name.startswith("linattn_nb.")):
+            continue
+        for obj in list(vars(mod).values()):
+            if isinstance(obj, Dispatcher):
+                for sig in obj.signatures:
+                    if any(isinstance(t, nbtypes.Array) and not t.mutable for t in sig):
+                        found.add((f"{mod_name}.{obj.py_func.__name__}", sig))
+    return found
+
+
 def _call(call, arrays):
     if "A" in arrays:
         return call(arrays["A"])
@@ -377,11 +397,21 @@ def test_every_array_argument_read_by_its_layout(case, kind, data):
     name = data.draw(st.sampled_from(present), label="argument")
     view, values = as_view(arrays[name], kind)
     want = _call(call, {**{nm: np.ascontiguousarray(a) for nm, a in arrays.items()}, name: values})
+    before = readonly_specialisations() if kind == "readonly" else set()
     got = _call(call, {**{nm: np.ascontiguousarray(a) for nm, a in arrays.items()}, name: view})
+    if kind == "readonly":
+        # no kernel compiles again for a read-only argument (it would take one more compilation of each)
+        assert readonly_specialisations() <= before, f"{case}: {name} read-only compiled " \
+            f"{sorted(k for k, _ in readonly_specialisations() - before)} again"
     assert_same(got, want, f"{case}: {name} as a {kind} view", RTOL.get(case, 0.0))
-    if kind in ("strided", "reversed", "fortran"):
-        # nothing the caller passed is modified
+    if kind in ("strided", "reversed", "fortran", "readonly"):
+        # nothing the caller passed is modified (a read-only input reaches the kernels as a writeable view of
+        # its memory, _validate.kernel_view: no kernel may write it)
         np.testing.assert_array_equal(view, values)
+    if kind == "readonly":
+        for i, part in enumerate(flat_result(got)):
+            assert not (part.flags.writeable and np.shares_memory(part, view)), \
+                f"{case}: part {i} of the result is a writeable view of the read-only {name}"
 
 
 @pytest.mark.parametrize("kind", ("strided", "reversed", "fortran"))

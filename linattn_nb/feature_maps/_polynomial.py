@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 
+from .._validate import kernel_view
 from ._base import FeatureMap, check_scale, vjp_inputs
 
 
@@ -40,7 +41,7 @@ class DpfpFeatureMap(FeatureMap):
             from ._polynomial_kernels import dpfp_rows
 
             out = np.empty(x.shape[:-1] + (self.output_dim(d),), dtype=x.dtype)
-            dpfp_rows(np.ascontiguousarray(x).reshape(-1, d), self.nu, out.reshape(-1, out.shape[-1]))
+            dpfp_rows(kernel_view(np.ascontiguousarray(x)).reshape(-1, d), self.nu, out.reshape(-1, out.shape[-1]))
             return out
         return self._transform_numpy(x)
 
@@ -125,7 +126,7 @@ class Taylor2FeatureMap(FeatureMap):
             from ._polynomial_kernels import taylor2_rows
 
             out = np.empty(x.shape[:-1] + (self.output_dim(d),), dtype=x.dtype)
-            taylor2_rows(np.ascontiguousarray(x).reshape(-1, d), math.sqrt(self.effective_scale(d)),
+            taylor2_rows(kernel_view(np.ascontiguousarray(x)).reshape(-1, d), math.sqrt(self.effective_scale(d)),
                          out.reshape(-1, out.shape[-1]))
             return out
         return self._transform_numpy(x)

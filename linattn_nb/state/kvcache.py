@@ -232,9 +232,10 @@ class KVCache:
         dt = self._dtype
         if (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray and q.dtype is dt
                 and k.dtype is dt and v.dtype is dt and q.shape == self._q1 and k.shape == self._q1
-                and v.shape == self._v1 and q.flags.c_contiguous and k.flags.c_contiguous
-                and v.flags.c_contiguous):
-            # Fast path (the decode loop), as lean as LinearAttentionState.step's.
+                and v.shape == self._v1 and q.flags.carray and k.flags.carray and v.flags.carray):
+            # Fast path (the decode loop), as lean as LinearAttentionState.step's.  ``carray``: C-contiguous,
+            # aligned and writeable, as one flag; a read-only token (another Numba type, every kernel compiled
+            # once more) takes the general path, which hands the kernels a writeable view of it.
             if self._nb != 1:
                 q, k, v = q.reshape(self._qk3), k.reshape(self._qk3), v.reshape(self._o1)
             T = 1

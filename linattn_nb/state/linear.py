@@ -254,8 +254,8 @@ class LinearAttentionState:
         or dtypes are not those of the fast path."""
         dt = q.dtype
         if not (k.dtype is dt and v.dtype is dt and (dt is F32 or dt is F64) and q.shape == self._q1
-                and k.shape == self._q1 and v.shape == self._v1 and q.flags.c_contiguous
-                and k.flags.c_contiguous and v.flags.c_contiguous):
+                and k.shape == self._q1 and v.shape == self._v1 and q.flags.carray
+                and k.flags.carray and v.flags.carray):  # carray: C-contiguous, aligned and writeable (step's)
             return None
         res = out = np.empty(self._o1, dt)
         if self._nb != 1:
@@ -709,7 +709,10 @@ class LinearAttentionState:
             dt = q.dtype
             shp = q.shape
             if (k.dtype is dt and v.dtype is dt and (dt is F32 or dt is F64) and k.shape == shp
-                    and q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous):
+                    and q.flags.carray and k.flags.carray and v.flags.carray):
+                # carray: C-contiguous, aligned and writeable as one flag, at the cost of c_contiguous.  A
+                # read-only token is another Numba type (every kernel compiled once more): it takes the
+                # general path, which hands the kernels a writeable view of it (_validate.kernel_view).
                 if shp == self._q1 and v.shape == self._v1:
                     T = 1
                     res = out = np.empty(self._o1, dt)
