@@ -33,7 +33,8 @@ class KVCache:
         Score scale, default ``1 / sqrt(key_dim)`` (as
         :func:`linattn_nb.softmax_attention`).
     capacity : int, optional
-        Tokens to allocate up front (default ``config.KV_INITIAL_CAPACITY``).
+        Tokens to allocate up front (default ``config.KV_INITIAL_CAPACITY``); TypeError when not an
+        integer, ValueError when negative.
     device : {"auto", "cpu"}
         A CPU kernel only; GPU inputs raise ValueError.
 
@@ -62,9 +63,7 @@ class KVCache:
         if device == "cuda":
             raise ValueError("KVCache has a CPU kernel only (like softmax_attention); use device='cpu'")
         self._scale = V.check_scale(scale, self._d)
-        cap = config.KV_INITIAL_CAPACITY if capacity is None else capacity
-        if isinstance(cap, (bool, np.bool_)) or not isinstance(cap, (int, np.integer)) or cap < 0:
-            raise ValueError(f"capacity must be a non-negative integer, got {cap!r}")
+        cap = V.check_int("capacity", config.KV_INITIAL_CAPACITY if capacity is None else capacity)
         self._len = 0
         self._K = np.empty((self._B, int(cap), self._d), dtype=self._dtype)
         self._V = np.empty((self._B, int(cap), self._m), dtype=self._dtype)

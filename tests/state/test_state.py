@@ -771,6 +771,9 @@ def test_kv_cache_errors():
         KVCache(3, 2, scale=np.inf)
     with pytest.raises(ValueError, match="capacity"):
         KVCache(3, 2, capacity=-1)
+    for wrong in (2.0, "8", True):  # not an integer: a TypeError, as reserve() and truncate() raise
+        with pytest.raises(TypeError, match="capacity"):
+            KVCache(3, 2, capacity=wrong)
     assert cache.length == 0
     custom = KVCache(3, 2, scale=0.5)
     x = np.arange(6.0).reshape(2, 3)
