@@ -46,9 +46,11 @@ def register(name: str, factory: Factory, *, overwrite: bool = False) -> None:
     ValueError
         If ``name`` is empty or already registered and ``overwrite`` is False.
     TypeError
-        If ``factory`` is not callable.
+        If ``name`` is not a string, or ``factory`` is not callable.
     """
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a non-empty string, got {type(name).__name__} {name!r}")
+    if not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     if isinstance(factory, FeatureMap):
         raise TypeError(

@@ -42,6 +42,8 @@ def test_register_user_map_and_overwrite():
         fm._REGISTRY.pop("cube_test", None)
     with pytest.raises(ValueError, match="non-empty"):
         fm.register("", Cube)
+    with pytest.raises(TypeError, match="name must be a non-empty string, got int 3"):
+        fm.register(3, Cube)
     with pytest.raises(TypeError, match="callable"):
         fm.register("x_test", 3)
     fm.register("bad_factory_test", lambda: 3)
