@@ -8,6 +8,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime as _dt
+import functools
 import hashlib
 import itertools
 import json
@@ -18,6 +19,7 @@ import socket
 import sys
 import time
 import traceback
+import types
 import uuid
 import warnings
 from pathlib import Path
@@ -177,6 +179,15 @@ def grid_points(grid) -> list[dict]:
                 vals = vals.tolist()
             if isinstance(vals, range):
                 vals = list(vals)
+            if isinstance(vals, (set, frozenset)):
+                try:
+                    shown = sorted(vals)
+                except TypeError:  # values that do not compare
+                    shown = list(vals)
+                raise TypeError(
+                    f"grid[{name!r}] must be a list of values, got {type(vals).__name__} {vals!r}, whose order "
+                    f"is not fixed; write the list {shown!r} (the values in the order to run them)"
+                )
             if not isinstance(vals, (list, tuple)):
                 raise TypeError(
                     f"grid[{name!r}] must be a list of values, got {type(vals).__name__} {vals!r}; "
@@ -260,11 +271,44 @@ def to_json(obj, where: str = "result"):
     raise TypeError(f"{where} has type {type(obj).__name__}, which cannot be stored as JSON")
 
 
+#: Bound arguments of a ``functools.partial`` whose text is longer are named by a hash of that text.
+_BOUND_TEXT_MAX = 80
+
+
+def _bound_text(value) -> str:
+    """A stable text for an argument bound by a ``functools.partial``: its JSON (:func:`to_json`, so an array is
+    written in full, not summarised as its repr is) when it has one, else its ``repr``; a text longer than
+    ``_BOUND_TEXT_MAX`` is replaced by its type and a hash of it."""
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type, functools.partial)):
+        return function_name(value)  # not its repr, which holds its address
+    try:
+        text = json.dumps(to_json(value), sort_keys=True, separators=(",", ":"), allow_nan=True)
+    except (TypeError, ValueError):
+        text = repr(value)
+    if len(text) > _BOUND_TEXT_MAX and not unstable_name(text):
+        text = f"<{type(value).__name__} sha256:{hashlib.sha256(text.encode('utf-8', 'replace')).hexdigest()[:16]}>"
+    return text
+
+
 def function_name(fn) -> str:
+    """The name of ``fn`` a results file's header records (``"fn"``), which a resumed sweep must match.
+
+    ``module:qualname`` for a function, ``module:ClassName`` for a callable instance; a
+    ``functools.partial`` adds its bound arguments, ``partial(module:f, 2, p=3)`` (see :func:`_bound_text`).
+    The state of a closure or of a callable instance is not part of the name.
+    """
     inner = getattr(fn, "func", None)  # functools.partial
     if inner is not None and not hasattr(fn, "__qualname__"):
-        return f"partial({function_name(inner)})"
+        bound = [_bound_text(a) for a in getattr(fn, "args", ())]
+        bound += [f"{k}={_bound_text(v)}" for k, v in sorted((getattr(fn, "keywords", None) or {}).items())]
+        return f"partial({', '.join([function_name(inner), *bound])})"
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def unstable_name(fn_name: str) -> bool:
+    """Whether the recorded name ``fn_name`` (:func:`function_name`) holds the repr of an object with no stable
+    text (a memory address, ``" at 0x"``): another run of the same sweep names it differently."""
+    return " at 0x" in fn_name
 
 
 def _now() -> str:
@@ -655,25 +699,32 @@ class _ResultsFile:
             self.fh.seek(0)
             data = self.fh.read()
             _check_is_results_file(data, path)
-            if data and not resume:
-                raise FileExistsError(
-                    f"{path} already holds results; pass resume=True to continue that sweep, "
-                    "or choose another file (nothing was changed)"
-                )
             records, linenos, valid, problem = _parse_lines(data, path)
+            # every refusal before the file is changed (the damaged last line is cut off only from a file used)
+            header = next((r for r in records if r.get("type") == "header"), None)
+            if header is not None:
+                refusal = header_problem(header, path, fn_name)
+                if refusal:
+                    raise ValueError(refusal)
+                refusal = version_problem(header, path)
+                if refusal:
+                    raise ValueError(f"{refusal}: give a new results file (out=...), or delete this one to run "
+                                     "the sweep again from the start (resume=False refuses a file that holds results)")
+                if unstable_name(fn_name):
+                    raise ValueError(
+                        f"{path} cannot be resumed by {fn_name}: a bound argument has no stable text (its repr "
+                        "holds a memory address), so the file cannot be told to hold this function's results; "
+                        "give a new results file (out=...), or bind arguments with a stable repr")
+            held = sum(1 for r in records if r.get("type") == "result")
+            if held and not resume:
+                raise FileExistsError(
+                    f"{path} already holds {held} result record{'' if held == 1 else 's'}; pass resume=True to "
+                    "continue that sweep, or choose another file (nothing was changed)"
+                )
             if problem:
                 warnings.warn(problem, RuntimeWarning, stacklevel=3)
                 self.fh.truncate(valid)
                 self.fh.flush()
-            header = next((r for r in records if r.get("type") == "header"), None)
-            if header is not None:
-                problem = header_problem(header, path, fn_name)
-                if problem:
-                    raise ValueError(problem)
-                problem = version_problem(header, path)
-                if problem:
-                    raise ValueError(f"{problem}: give a new results file (out=...), or delete this one to run "
-                                     "the sweep again from the start (resume=False refuses a file that holds results)")
             self.latest, untrusted = _latest(records, linenos, path)
             for message in untrusted:
                 warnings.warn(message, RuntimeWarning, stacklevel=3)
@@ -753,7 +804,11 @@ def sweep(
     ----------
     fn : callable
         Called as ``fn(**point)``; returns what :func:`to_json` stores.  With worker processes it
-        must be importable by them (Dask also ships lambdas and closures).
+        must be importable by them (Dask also ships lambdas and closures).  The results file records
+        its name (:func:`function_name`): ``module:qualname``, and for a ``functools.partial`` its bound
+        arguments too, so that a partial with other bound arguments does not resume the file.  The state
+        of a closure or of a callable instance is not part of the name: give each variant its own
+        ``out``.  A partial binding an object whose repr holds a memory address cannot resume a file.
     grid : dict of lists or list of dicts
         See :func:`grid_points`.
     out : str or Path
@@ -765,7 +820,8 @@ def sweep(
         With ``backend="dask"``: an address, a Client or a cluster; None starts a LocalCluster of
         ``workers`` processes (default 2) on loopback.
     resume : bool, default True
-        Skip points already finished in ``out``; with False a non-empty ``out`` is an error.
+        Skip points already finished in ``out``; with False an ``out`` holding a result record is an
+        error (one holding only its header, as after a first point that failed, is used).
     progress : bool, default True
         A tqdm progress bar on stderr when it is a terminal.
     workers : int, optional
@@ -792,9 +848,10 @@ def sweep(
         Bad grid (see :func:`grid_points`) or arguments.
     ValueError
         ``out`` holds results of another function, another file format or another linattn_nb version
-        (never reused: give a new ``out``, or delete that file to start again).
+        (never reused: give a new ``out``, or delete that file to start again), or ``fn`` is a partial
+        that cannot be identified (above) and ``out`` exists.  A refused file is left untouched.
     FileExistsError
-        ``resume=False`` and ``out`` already holds results.
+        ``resume=False`` and ``out`` already holds a result record.
     RuntimeError
         ``out`` is being written by another sweep.
     SweepError

@@ -63,6 +63,7 @@ def test_grid_product_order_and_list_of_dicts():
     ([{"n": 1}, {"n": 1}], ValueError, "duplicate points: #0 and #1"),
     ({"n": [1], "x": [np.zeros(3)]}, TypeError, r"grid\['x'\]\[0\].*ndarray.*JSON"),
     ({"n": [{1, 2}]}, TypeError, "set"),
+    ({"n": {2, 1}}, TypeError, r"whose order is not fixed; write the list \[1, 2\]"),
     ({"n": [object()]}, TypeError, "object"),
     ({"n": [float("nan")]}, ValueError, "finite"),
     ([{"n": 1}, 5], TypeError, r"grid\[1\] must be a dict"),
@@ -199,6 +200,90 @@ def test_another_function_cannot_append_to_the_file(tmp_path):
     sweep(H.square, {"x": [1]}, out=out, progress=False)
     with pytest.raises(ValueError, match="holds results of '_sweep_helpers:square'"):
         sweep(H.kill_always, {"x": [1]}, out=out, progress=False)
+
+
+def _power(x, p, scale=1):
+    return {"y": scale * x ** p}
+
+
+def test_a_partial_with_other_bound_arguments_is_another_function(tmp_path):
+    """A functools.partial is named with its bound arguments: the file of partial(f, p=2) is not resumed by
+    partial(f, p=3) (its results were returned as p=3's), and the same partial resumes it."""
+    import functools
+
+    out = tmp_path / "r.jsonl"
+    assert [r["result"]["y"] for r in sweep(functools.partial(_power, p=2), {"x": [2, 3]}, out=out,
+                                            progress=False)] == [4, 9]
+    with pytest.raises(ValueError, match=r"holds results of 'partial\(.*:_power, p=2\)', not of .*p=3"):
+        sweep(functools.partial(_power, p=3), {"x": [2, 3]}, out=out, progress=False)
+    with pytest.raises(ValueError, match="holds results of"):
+        sweep(functools.partial(_power, 2), {"p": [2]}, out=out, progress=False)
+    assert [r["result"]["y"] for r in sweep(functools.partial(_power, p=2), {"x": [2, 3, 4]}, out=out,
+                                            progress=False)] == [4, 9, 16]
+    # arrays by their values (not a summarised repr), callables by their names
+    from linattn_nb.studies.sweep import function_name
+
+    big = np.arange(2000.0)
+    other = big.copy()
+    other[1000] = -1.0
+    assert function_name(functools.partial(_power, scale=big)) != function_name(functools.partial(_power,
+                                                                                                  scale=other))
+    assert "0x" not in function_name(functools.partial(_power, scale=H.square))
+
+
+def test_a_partial_binding_an_object_without_a_stable_repr_is_not_resumed(tmp_path):
+    """A bound argument whose repr holds a memory address cannot identify the function: a new file is written,
+    an existing one is refused (ValueError naming the file and why), untouched."""
+    import functools
+
+    class Scale:
+        def __mul__(self, other):
+            return 2 * other
+
+    out = tmp_path / "r.jsonl"
+    fn = functools.partial(_power, p=1, scale=Scale())
+    assert [r["result"]["y"] for r in sweep(fn, {"x": [2]}, out=out, progress=False)] == [4]
+    before = out.read_bytes()
+    with pytest.raises(ValueError, match="no stable text .* new results file"):
+        sweep(fn, {"x": [2, 3]}, out=out, progress=False)
+    assert out.read_bytes() == before
+
+
+@pytest.mark.parametrize("damage", ["another function", "another version"])
+def test_a_refused_file_with_a_torn_last_line_is_left_untouched(tmp_path, damage):
+    """The torn last line of a file that is refused (another function's, another version's) stays: only a file
+    the sweep goes on with is repaired."""
+    out = tmp_path / "r.jsonl"
+    sweep(H.square, {"x": [1, 2]}, out=out, progress=False)
+    if damage == "another version":
+        out.write_text(out.read_text().replace('"linattn_nb":"', '"linattn_nb":"0.0.1-old', 1))
+    with open(out, "ab") as fh:
+        fh.write(b'{"type":"result","key":"ab')
+    before = out.read_bytes()
+    fn = H.kill_always if damage == "another function" else H.square
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match="holds results of|written by linattn_nb 0.0.1-old"):
+            sweep(fn, {"x": [1]}, out=out, progress=False)
+    assert out.read_bytes() == before
+
+
+def test_resume_false_on_a_file_with_no_result_runs_and_says_what_a_file_holds(tmp_path):
+    """A file holding only its header (the first point failed) is no reason to refuse resume=False; a file with
+    results is refused with their number."""
+    out = tmp_path / "r.jsonl"
+
+    def fail(x):
+        raise ValueError("a bug")
+
+    fail.__module__, fail.__qualname__ = H.square.__module__, H.square.__qualname__
+    with pytest.raises(SweepError):
+        sweep(fail, {"x": [1, 2]}, out=out, progress=False)
+    assert len(out.read_text().splitlines()) == 1
+    assert [r["result"]["y"] for r in sweep(H.square, {"x": [1, 2]}, out=out, resume=False,
+                                            progress=False)] == [1, 4]
+    with pytest.raises(FileExistsError, match="already holds 2 result records; pass resume=True"):
+        sweep(H.square, {"x": [1, 2]}, out=out, resume=False, progress=False)
 
 
 @pytest.mark.parametrize("written", ["0.0.1-old", 1, None])
