@@ -48,10 +48,20 @@ def _int(name, x, *, minimum=1) -> int:
     return x
 
 
+def _no_empty_item(name, text: str, example: str) -> None:
+    """OptionError when the comma-separated ``text`` has an empty item (``"16,,32"``, ``"16,"``): a value
+    left out by mistake is not skipped silently."""
+    parts = text.replace(" ", "").split(",")
+    if text.strip() and any(not p for p in parts):
+        raise OptionError(f"{name} has an empty item in {text!r}: separate the values by single commas "
+                          f"(e.g. {example})")
+
+
 def _values(name, x, one, *, what, example) -> list:
     """A comma-separated string, one value or a list or tuple of them, each checked by ``one(name, value)``:
     duplicates removed, in order."""
     if isinstance(x, str):
+        _no_empty_item(name, x, example)
         x = [p for p in x.replace(" ", "").split(",") if p]
         if not x:
             raise OptionError(f"{name} must list {what} (e.g. {example}), got an empty string")
@@ -83,6 +93,7 @@ def _positive_float_list(name, x) -> list:
 
 def _names(name, x) -> list:
     if isinstance(x, str):
+        _no_empty_item(name, x, "elu,favor+")
         x = [p for p in x.replace(" ", "").split(",") if p]
     if not isinstance(x, (list, tuple)) or not x or not all(isinstance(v, str) and v for v in x):
         raise OptionError(f"{name} must be a non-empty list of feature map names, got {x!r}")

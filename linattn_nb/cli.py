@@ -502,12 +502,14 @@ def _run_studies(args, names, argv) -> int:
             path = os.path.dirname(path)
         return 2
 
-    # The error study builds its grid from the options itself (its points' keywords): the generic
-    # override would expand every point of its m sweep to every N of --n, the N sweep to every m of --m.
+    # The error and rank studies build their grids from the options themselves (their points' keywords), as
+    # run_report(options=...) does: the generic override would expand every point of the error study's m sweep
+    # to every N of --n, and would keep the rank study's value width M (the largest D_φ) and drop its softmax.
     from linattn_nb.studies.error import OPTION_KEYWORDS
 
-    own = {name: {OPTION_KEYWORDS[k]: v for k, v in opts.items()} for name, opts in options.items()
-           if name == "error" and opts}
+    keywords = {"error": OPTION_KEYWORDS, "rank": {k: k for k in ("dim", "maps", "m", "n", "seeds")}}
+    own = {name: {keywords[name][k]: v for k, v in opts.items()} for name, opts in options.items()
+           if name in keywords and opts}
     options = {name: opts for name, opts in options.items() if name not in own}
     try:
         with _studies_with_options(options), _mqar_grid(getattr(args, "grid", None)):

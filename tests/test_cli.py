@@ -380,6 +380,10 @@ def test_overrides_refuse_what_a_study_cannot_take():
     # refused by the study's own points, as run_report(options={"rank": {"n": [1]}}) refuses it
     (["rank", "--n", "1"], "error: --n 1: rank study: n must hold integers >= 2, got 1"),
     (["rank", "--n", "16,1"], "error: --n 1: rank study: n must hold integers >= 2, got 1"),
+    # an empty item is a value left out, not skipped
+    (["rank", "--n", "16,,32"], "error: --n has an empty item in '16,,32'"),
+    (["recall", "--n", "16,"], "error: --n has an empty item in '16,'"),
+    (["error", "--maps", "elu,,favor+"], "error: --maps has an empty item"),
 ])
 def test_problem_option_errors_exit_2_before_running(argv, match, tmp_path, capsys):
     out = tmp_path / "r"
@@ -403,6 +407,40 @@ def test_error_command_runs_the_changed_grid(tmp_path, capsys):
     assert "s ∈ {1}" in report and "d = 4" in report  # the regime is stated
     assert "--dim 4" in report                                # and the command that made it
     assert "| elu |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("how", ["flags", "config"])
+def test_rank_options_give_the_grid_of_the_studys_points(how, tmp_path, monkeypatch):
+    """linattn rank --dim/--maps/--m (and a --config [rank] table) build the grid rank.points builds for the same
+    options: M the largest D_φ of the maps chosen (not the profile's), softmax added, one series per m."""
+    import types
+
+    import linattn_nb.studies as studies
+    from linattn_nb.studies import Context, get_study
+    from linattn_nb.studies.rank import points
+
+    seen = {}
+
+    def fake_run_report(out, *, profile, options=None, studies=None, **kw):  # the grid the report would run
+        ctx = Context(out=Path(out), profile=profile)
+        seen["points"] = get_study("rank").points(ctx, **(options or {}).get("rank", {}))
+        return types.SimpleNamespace(sections={}, problems=[])
+
+    monkeypatch.setattr(studies, "run_report", fake_run_report)
+    out = tmp_path / "r"
+    if how == "flags":
+        argv = ["rank", "--profile", "tiny", "--no-progress", "--out", str(out), "--dim", "8",
+                "--maps", "taylor2,elu,favor+", "--m", "4,8", "--seeds", "1"]
+    else:
+        conf = _write(tmp_path / "c.toml", 'profile = "tiny"\nstudies = ["rank"]\n[rank]\ndim = 8\n'
+                                           'maps = ["taylor2", "elu", "favor+"]\nm = [4, 8]\nseeds = 1\n')
+        argv = ["report", "--config", conf, "--no-progress", "--out", str(out)]
+    assert cli.main(argv) == 0
+    expected = points(Context(out=out, profile="tiny"), dim=8, maps=["taylor2", "elu", "favor+"], m=[4, 8],
+                      seeds=1)
+    assert seen["points"] == expected
+    assert {p["m"] for p in expected} == {45} and "softmax" in {p["feature_map"] for p in expected}
+    assert {p["num_features"] for p in expected if p["feature_map"] == "favor+"} == {4, 8}
 
 
 def test_error_n_keeps_the_n_sweep_at_one_m(tmp_path, capsys):

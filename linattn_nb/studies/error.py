@@ -107,6 +107,9 @@ def points(ctx, *, dim=None, scales=None, maps=None, m=None, n=None, seeds=None,
         if not isinstance(causal, (bool, np.bool_)):
             raise ValueError(f"error study: causal must be True or False, got {causal!r}")
         causal_mid = bool(causal)
+    if isinstance(maps, str):
+        raise TypeError(f"error study: maps must be a list of feature map names, got the string {maps!r} "
+                        f"(for one map: [{maps!r}])")
     names = buildable_maps(defaults=True) if maps is None else list(maps)
     known = set(buildable_maps())
     for name in names:

@@ -9,7 +9,7 @@ import numpy as np
 
 from ._maps import build_map, buildable_maps, is_random, map_arrays, map_label
 from ._study import (CI_CAPTION, Rendered, Study, check_point_size, fmt, markdown_table, mean_ci, pm,
-                     register_study, split_failed)
+                     register_study, seeds_text, split_failed)
 
 SOFTMAX = "softmax"
 
@@ -38,8 +38,8 @@ def points(ctx, *, dim=None, maps=None, m=None, n=None, seeds=None, value_dim=No
         Head dimension d of q, k (default 16; 8 quick, 4 tiny).
     maps : list of str, optional
         Feature maps (default every registered map that builds from d alone); softmax is always added.
-    m : int, optional
-        Random features of the random maps (default 32; 16 quick, 8 tiny).
+    m : int or list of int, optional
+        Random features of the random maps, one series per value (default 32; 16 quick, 8 tiny).
     n : int or list of int, optional
         Sequence lengths.
     seeds : int, optional
@@ -60,10 +60,11 @@ def points(ctx, *, dim=None, maps=None, m=None, n=None, seeds=None, value_dim=No
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
             raise ValueError(f"rank study: dim must be an integer >= 1, got {dim!r}")
         d = dim
+    ms = [m_rand]
     if m is not None:
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ValueError(f"rank study: m must be an integer >= 1, got {m!r}")
-        m_rand = m
+        ms = list(dict.fromkeys(m)) if isinstance(m, (list, tuple)) else [m]
+        if not ms or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in ms):
+            raise ValueError(f"rank study: m must be an integer >= 1 or a list of them, got {m!r}")
     if n is not None:
         ns = sorted(n if isinstance(n, (list, tuple)) else [n])
         if not ns or any(isinstance(x, bool) or not isinstance(x, int) or x < 2 for x in ns):
@@ -72,29 +73,33 @@ def points(ctx, *, dim=None, maps=None, m=None, n=None, seeds=None, value_dim=No
         if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
             raise ValueError(f"rank study: seeds must be an integer >= 1, got {seeds!r}")
         nseeds = seeds
+    if isinstance(maps, str):
+        raise TypeError(f"rank study: maps must be a list of feature map names, got the string {maps!r} "
+                        f"(for one map: [{maps!r}])")
     known = buildable_maps()
     names = buildable_maps(defaults=True) if maps is None else [x for x in maps if x != SOFTMAX]
     for name in names:
         if name not in known:
             raise ValueError(f"rank study: unknown or unbuildable feature map {name!r} in maps; "
                              f"choose from {', '.join(sorted(known))}")
-    max_dphi = max((_dphi(name, d, m_rand) for name in names), default=d)
+    # (map, its number of random features): one series per m for a random map
+    series = [(name, nf) for name in names for nf in (ms if is_random(name) else [None])]
+    max_dphi = max((_dphi(name, d, nf) for name, nf in series), default=d)
     mv = max_dphi if value_dim is None else value_dim
     if isinstance(mv, bool) or not isinstance(mv, int) or mv < max_dphi:
         raise ValueError(f"rank study: value_dim must be an integer >= the largest D_φ ({max_dphi}), got {mv!r}")
     nmax, sized = max(ns), []
-    for name in names:
+    for name, nf in series:
         # q, k (n x d), v (n x M), the n x D_φ features, their D_φ x D_φ R factors, the D_φ x M state
         # (M >= D_φ); softmax's n x n weights only up to the profile's small explicit_max
-        dphi, arrays = map_arrays(name, d, num_features=m_rand if is_random(name) else None)
+        dphi, arrays = map_arrays(name, d, num_features=nf)
         arrays += [("n x d queries", nmax, d), ("n x M values", nmax, mv), ("n x D_φ features", nmax, dphi),
                    ("D_φ x M state", dphi, mv)]
         sized.append((f"dim = {d}, n = {nmax}, value_dim = {mv}, map {name} (D_φ = {dphi})", arrays))
     check_point_size("rank", sized)
     pts = []
     for seed in range(nseeds):
-        for name in names + [SOFTMAX]:
-            nf = m_rand if name != SOFTMAX and is_random(name) else None
+        for name, nf in series + [(SOFTMAX, None)]:
             for nn in ns:
                 # softmax: explicit N x N weights, full rank for inputs in general position whatever the
                 # draw (its semiseparable rank costs O(N^3)): small N and one seed
@@ -153,7 +158,7 @@ def render(records, ctx) -> Rendered:
         p0 = ok[0]["params"]
         md.append(f"Regime: q, k ~ N(0, I) in R^{p0['d']} (one head; softmax temperature 1/√d), v ~ N(0, I) in "
                   f"R^{p0['m']} (M = {p0['m']}, the largest D_φ, so that every map's state rank can reach its D_φ); "
-                  f"N ∈ {{{', '.join(map(str, ns))}}}; {len(seeds)} seeds (a seed draws q, k, v and the random "
+                  f"N ∈ {{{', '.join(map(str, ns))}}}; {seeds_text(len(seeds))} (a seed draws q, k, v and the random "
                   f"features; softmax: seed 0 and N ≤ {explicit}, its explicit weights full-rank for any draw).  "
                   f"A cell is an integer when every seed gives that rank, else the {CI_CAPTION}.  Attention rank: "
                   "non-causal weights; semiseparable rank: largest rank of a strictly-lower block of "
@@ -181,7 +186,7 @@ def render(records, ctx) -> Rendered:
         if ctx.plots:
             md += _plots(series, ns, p0, ctx)
     md += failed_md
-    return Rendered("\n".join(md), f"{len(series)} maps, {len(seeds)} seeds, {len(ok)} points", problems)
+    return Rendered("\n".join(md), f"{len(series)} maps, {seeds_text(len(seeds))}, {len(ok)} points", problems)
 
 
 def _group(curves):

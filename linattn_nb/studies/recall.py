@@ -84,10 +84,17 @@ def points(ctx, *, dim=None, maps=None, m=None, n=None, seeds=None) -> list[dict
         n_pairs = sorted(n if isinstance(n, (list, tuple)) else [n])
         if not n_pairs or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in n_pairs):
             raise ValueError(f"recall study: n must hold integers >= 1, got {n!r}")
+        twice = sorted({x for x in n_pairs if n_pairs.count(x) > 1})
+        if twice:  # one column of the tables each: a value given twice is refused, as a grid refuses it
+            raise ValueError(f"recall study: n holds {', '.join(map(str, twice))} more than once, got {n!r}; "
+                             "give each number of pairs once")
     if seeds is not None:
         if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
             raise ValueError(f"recall study: seeds must be an integer >= 1, got {seeds!r}")
         nseeds = seeds
+    if isinstance(maps, str):
+        raise TypeError(f"recall study: maps must be a list of feature map names, got the string {maps!r} "
+                        f"(for one map: [{maps!r}])")
     if maps is None:
         chosen = _maps(128 if m is None else m)
     else:

@@ -169,7 +169,26 @@ def _prepare_out(out: Path, *, force: bool, resume: bool, studies=()) -> None:
                     f"--resume: the report folder {str(out)!r} holds a report.md but no results of this report's "
                     "studies to continue; pass --force to replace that report.md, or choose another --out"
                 )
+            others = _other_studies(out, studies)
+            if (out / "report.md").exists() and others:
+                names = [s.name for s in studies] + others
+                raise ValueError(
+                    f"--resume: the report folder {str(out)!r} also holds results of the "
+                    f"{', '.join(others)} {'study' if len(others) == 1 else 'studies'} "
+                    f"({', '.join(name + '.jsonl' for name in others)}), which this report does not run: its "
+                    f"report.md would be rewritten without {'it' if len(others) == 1 else 'them'}; resume the "
+                    f"report of all of them (linattn report --config FILE with studies = {names!r}, or "
+                    f"run_report(..., studies={names!r})), or choose another --out"
+                )
     out.mkdir(parents=True, exist_ok=True)
+
+
+def _other_studies(out: Path, studies) -> list:
+    """The registered studies, not among ``studies``, whose results file (``<name>.jsonl``, a sweep's: it starts
+    with a header) is in the report folder ``out``: the studies its report.md holds besides ``studies``."""
+    chosen = {s.name for s in studies}
+    return [s.name for s in STUDIES if s.name not in chosen and (out / f"{s.name}.jsonl").is_file()
+            and read_header(out / f"{s.name}.jsonl") is not None]
 
 
 def _check_resumable(out: Path, studies) -> None:
@@ -245,8 +264,10 @@ def run_report(
     ValueError
         Bad ``profile``, ``device``, study name (or no study), ``workers`` < 1 or given with
         ``scheduler``, options a study's ``points`` refuses or for a study not being run, ``force``
-        with ``resume``, or ``resume`` on a results file of a study being run that another linattn_nb
-        version wrote.  Raised, like the TypeErrors, before anything is run or written.
+        with ``resume``, ``resume`` on a results file of a study being run that another linattn_nb
+        version wrote, or ``resume`` on a folder whose report.md also holds studies not being run (their
+        results files are there: rewriting report.md would drop them).  Raised, like the TypeErrors,
+        before anything is run or written.
     TypeError
         ``studies``, ``workers`` or ``options`` of the wrong type.
     ConnectionError

@@ -58,3 +58,11 @@ def test_points_refuse_a_dim_n_or_m_whose_arrays_exceed_the_limit(monkeypatch, t
     for kw in ({"dim": 10 ** 8}, {"n": 10 ** 8}, {"m": 10 ** 8}):
         with pytest.raises(ValueError, match="QUADRATIC_MAX_ELEMENTS"):
             rank.points(ctx, **kw)
+
+
+def test_rank_report_says_1_seed_not_1_seeds(tmp_path):
+    from linattn_nb.studies import Context, rank
+
+    res = rank.render(_records([6]), Context(out=tmp_path, profile="tiny", plots=False))
+    assert "1 seed (" in res.markdown and "1 seeds" not in res.markdown
+    assert "1 seed," in res.summary and "1 seeds" not in res.summary

@@ -223,6 +223,60 @@ def test_resume_with_nothing_of_this_report_to_continue_keeps_a_report_md(tmp_pa
     assert (out / "report.md").read_text() == "# my notes\n" and sorted(p.name for p in out.iterdir()) == ["report.md"]
 
 
+def test_resume_of_one_study_keeps_a_report_md_of_others(tmp_path, capsys):
+    """A report of two studies, resumed with one of them (`linattn rank --resume`), rewrote report.md with that
+    one alone; it is refused (exit 2, one line naming the other study), nothing changed, and so by the
+    library (ValueError)."""
+    from linattn_nb import __version__
+
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "report.md").write_text("# report\n## Rank\n## Memory horizon\n")
+    for name in ("rank", "horizon"):
+        header = {"type": "header", "format": 1, "fn": f"linattn_nb.studies.{name}:run", "linattn_nb": __version__}
+        (out / f"{name}.jsonl").write_text(json.dumps(header) + "\n")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    rc = cli.main(["rank", "--profile", "tiny", "--out", str(out), "--no-progress", "--resume"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "horizon" in err and "horizon.jsonl" in err and "'rank', 'horizon'" in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    with pytest.raises(ValueError, match="also holds results of the horizon study"):
+        run_report(out, profile="tiny", studies=["rank"], resume=True, progress=False, log=lambda line: None)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+@pytest.mark.parametrize("study", ["error", "rank", "recall"])
+def test_maps_given_as_one_string_is_refused_naming_maps(study, tmp_path):
+    """options={"rank": {"maps": "elu"}} iterated the string ("unknown feature map 'e'"): a TypeError naming
+    maps and how to write one map, before anything runs."""
+    out = tmp_path / "r"
+    with pytest.raises(TypeError, match=r"maps must be a list of feature map names, got the string 'elu' "
+                                        r"\(for one map: \['elu'\]\)"):
+        run_report(out, profile="tiny", studies=[study], options={study: {"maps": "elu"}}, progress=False,
+                   log=lambda line: None)
+    assert not out.exists()
+
+
+def test_recall_refuses_a_number_of_pairs_given_twice(tmp_path):
+    """options={"recall": {"n": [4, 4]}} ran the column twice; refused as a grid refuses a point given twice."""
+    with pytest.raises(ValueError, match="n holds 4 more than once"):
+        run_report(tmp_path / "r", profile="tiny", studies=["recall"], options={"recall": {"n": [4, 4]}},
+                   progress=False, log=lambda line: None)
+
+
+def test_horizon_summary_counts_the_seeds_run(tmp_path):
+    """The summary quoted the constant horizon.SEEDS, not the seeds whose points ran."""
+    from linattn_nb.studies import Context, horizon, sweep
+
+    ctx = Context(out=tmp_path, profile="tiny", plots=False)
+    pts = [p for p in horizon.points(ctx) if p["seed"] == 0 and p["feature_map"] == "elu"]
+    records = sweep(horizon.run, pts, out=tmp_path / "h.jsonl", progress=False)
+    res = horizon.render(records, ctx)
+    assert res.summary.endswith("1 seed") and "1 seed," in res.markdown, res.summary
+
+
 def test_bench_resume_reruns_points_timed_with_another_thread_count(tmp_path, monkeypatch):
     """A point's Numba thread count is one of its parameters: a resumed bench whose count differs from the
     first run's times every point again (none reused) and states the count they were measured with; a
