@@ -481,7 +481,8 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
                 direct = True  # result written
             elif eps is not None or not normalize:
                 # no normaliser of 0 here (eps=None's documented NaN): float64 itself overflowed
-                raise float64_overflow("an output or the state", fmap, q, k, v) from None
+                raise float64_overflow("an output or the state", fmap, q, k, v,
+                                       zero_floor=bool(normalize) and eps == 0) from None
             # eps=None: the result is what float64 gives (0 / 0 where a normaliser is 0): kept
         if not direct:
             result[...] = target.reshape(out_shape)
@@ -490,12 +491,19 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
     return result, state_from_H(H, batch_shape, f, m, position + n, rule)
 
 
-def float64_overflow(what: str, fmap, q, k, v) -> NonFiniteResult:
+def float64_overflow(what: str, fmap, q, k, v, *, zero_floor: bool = False) -> NonFiniteResult:
     """The error for finite inputs whose results (``what``) are not finite even in float64, with the
-    largest magnitudes of q, k and v (host arrays); ``fmap`` None: softmax attention's."""
+    largest magnitudes of q, k and v (host arrays); ``fmap`` None: softmax attention's.  ``zero_floor``: a
+    normalised call with ``eps=0``, whose floor lets a normaliser of 0 divide by 0 (0 / 0, not an overflow)."""
     sizes = ", ".join(f"{nm} {float(np.max(np.abs(x), initial=0.0)):.3g}" for nm, x in (("q", q), ("k", k), ("v", v)))
     where = ("in the scores scale * q . k or the weighted sums" if fmap is None else
              f"in the features of feature map {fmap.name!r} or in the products and sums")
+    if zero_floor:
+        return NonFiniteResult(
+            f"finite inputs gave {what} that is not finite in float64: with eps=0 a normaliser of 0 (a query "
+            "whose features meet no key's, e.g. 'relu' features that are all 0) is divided by, or float64 "
+            f"overflowed {where} (largest magnitudes: {sizes}); pass eps > 0 for a floor, eps=None to get NaN "
+            "where a normaliser is 0, or check_finite=False to get the non-finite values")
     return NonFiniteResult(
         f"finite inputs gave {what} that is not finite even in float64: float64 overflowed {where} (largest "
         f"magnitudes: {sizes}); scale the inputs down, or pass check_finite=False to get the non-finite values")

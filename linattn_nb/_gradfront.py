@@ -319,7 +319,7 @@ def check_float64(req: Request, arrays, what: str, qkv) -> None:
         return
     if all(x is None or all_finite(x) for x in arrays):
         return
-    raise float64_overflow(what, req.fmap, *qkv)
+    raise float64_overflow(what, req.fmap, *qkv, zero_floor=bool(req.normalize) and req.eps == 0)
 
 
 def overflowed(req: Request, nd, HN, want_out: bool) -> bool:
@@ -630,6 +630,7 @@ def linear_attention_vjp(q, k, v, grad_out, *, feature_map, causal, method, devi
     known = set()
     work = req.work
     checks64, fmap = _checks_float64(req), req.fmap  # read before the request is freed
+    zero_floor = bool(req.normalize) and req.eps == 0
     if _normalized_fused(req, grad_out):
         res = backward_normalized(req, grad_out, grad_state, finite=known)
         del req
@@ -646,7 +647,8 @@ def linear_attention_vjp(q, k, v, grad_out, *, feature_map, causal, method, devi
         # finite inputs, non-finite gradients: the working dtype overflowed; float64 throughout
         return _vjp_float64(q, k, v, grad_out, grad_state, kw)
     if checks64 and not _finite(res, known):
-        raise float64_overflow("a gradient", fmap, *(host_array(nm, x) for nm, x in (("q", q), ("k", k), ("v", v))))
+        raise float64_overflow("a gradient", fmap, *(host_array(nm, x) for nm, x in (("q", q), ("k", k), ("v", v))),
+                               zero_floor=zero_floor)
     return res
 
 
@@ -676,7 +678,7 @@ def backward_after_forward(req: Request, nd, grad_out, grad_state, qkv, kw) -> V
         res = backward(req, nd, grad_out, grad_state)
         known = set()
     if _checks_float64(req) and not _finite(res, known):
-        raise float64_overflow("a gradient", req.fmap, *qkv)
+        raise float64_overflow("a gradient", req.fmap, *qkv, zero_floor=bool(req.normalize) and req.eps == 0)
     return res
 
 

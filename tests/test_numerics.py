@@ -400,3 +400,19 @@ def test_vec_kernels_follow_no_cache():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.stdout.split() == ["NullCache", "NullCache"], proc.stdout
+
+
+@pytest.mark.parametrize("method", ["scan", "quadratic"])
+def test_a_zero_floor_over_a_zero_normaliser_is_not_called_an_overflow(method):
+    """eps=0 is a floor of 0: a normaliser of 0 (a 'relu' query with no positive entry) divides by 0.  The error
+    says so, and does not tell the caller to scale inputs of size 2 down as a float64 overflow would."""
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((3, 8, 4))
+    q[3] = -np.abs(q[3])  # relu(q_3) = 0: the normaliser of token 3 is 0
+    kw = dict(causal=True, feature_map="relu", method=method)
+    for call in (lambda: la.linear_attention(q, k, v, eps=0.0, **kw),
+                 lambda: la.linear_attention_vjp(q, k, v, np.ones((8, 4)), eps=0.0, **kw)):
+        with pytest.raises(NonFiniteResult, match="with eps=0 a normaliser of 0") as err:
+            call()
+        assert "scale the inputs down" not in str(err.value)
+    assert np.isnan(la.linear_attention(q, k, v, eps=None, **kw)[3]).all()  # eps=None: the documented NaN row
