@@ -477,7 +477,7 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
             if work != _F64:  # float64 throughout, on the same device
                 H, out64 = _recompute_float64(fmap, impl, q, k, v, initial_state, batch_shape, f, m, causal, eps,
                                               inline, inputs, normalize, run=run64)
-                result[...] = _cast_result(out64, dtype, q, k, v).reshape(out_shape)
+                result[...] = _cast_result(out64, dtype, q, k, v, eps if normalize else None).reshape(out_shape)
                 direct = True  # result written
             elif eps is not None or not normalize:
                 # no normaliser of 0 here (eps=None's documented NaN): float64 itself overflowed
@@ -545,15 +545,20 @@ def _recompute_float64(fmap, impl, q, k, v, initial_state, batch_shape, f, m, ca
     return H, out64
 
 
-def _cast_result(res64, dtype, q, k, v):
-    """A float64 result cast to ``dtype``; ValueError where a finite value overflows ``dtype``."""
+def _cast_result(res64, dtype, q, k, v, eps=None):
+    """A float64 result cast to ``dtype``; ValueError where a finite value overflows ``dtype``.  ``eps``: the
+    floor of a normalised call (None: no floor), which the message names as the other cause (a signed map's
+    normaliser at or below it divides a numerator by ``eps``, whatever the inputs' scale)."""
     with np.errstate(over="ignore", invalid="ignore"):
         res = res64.astype(dtype)
     if dtype != _F64 and (np.isfinite(res64) & ~np.isfinite(res)).any():
         sizes = ", ".join(f"|{nm}| <= {float(np.max(np.abs(x))):.3g}" for nm, x in (("q", q), ("k", k), ("v", v)))
+        floor = ("" if eps is None else
+                 f", or a normaliser at or below the floor eps = {eps:g} divided a numerator by it (signed maps "
+                 "such as 'identity' or 'l2': rescaling does not help; pass eps=None or a larger eps)")
         raise ValueError(
             f"the result overflows {dtype} (it is finite in float64): q, k or v is too large for {dtype} "
-            f"({sizes}); pass float64 inputs or rescale them"
+            f"({sizes}){floor}; pass float64 inputs or rescale them"
         )
     return res
 

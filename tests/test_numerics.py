@@ -416,3 +416,12 @@ def test_a_zero_floor_over_a_zero_normaliser_is_not_called_an_overflow(method):
             call()
         assert "scale the inputs down" not in str(err.value)
     assert np.isnan(la.linear_attention(q, k, v, eps=None, **kw)[3]).all()  # eps=None: the documented NaN row
+
+
+def test_a_float16_overflow_from_the_floor_names_the_floor():
+    """float16 outputs beyond its range because a signed map's normaliser at or below eps divides a numerator by
+    eps: the ValueError names the floor, which rescaling q and k cannot help, beside the inputs' sizes."""
+    rng = np.random.default_rng(1)
+    q, k, v = rng.standard_normal((3, 20, 3)).astype(np.float16)
+    with pytest.raises(ValueError, match="overflows float16.*at or below the floor eps = 1e-08"):
+        la.linear_attention(q, k, v, causal=True, feature_map="identity", method="scan")
