@@ -444,8 +444,8 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
         try:
             qf, kf, vf = host_features(fmap, inline, q, k, v, work, causal=causal, position=position, n=n)
         except FeatureOverflow as e:
-            if e.dtype == _F64:
-                raise
+            if e.dtype == _F64:  # also the NonFiniteResult that results beyond float64 raise
+                raise feature_overflow64(e, q, k, v) from None
             qf = kf = vf = None  # the map's features of finite q or k overflowed float32: float64 below
         code = int(fmap.kernel_code) if inline else 0
         if dev == "cuda":
@@ -491,11 +491,27 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
     return result, state_from_H(H, batch_shape, f, m, position + n, rule)
 
 
+class Float64FeatureOverflow(FeatureOverflow, NonFiniteResult):
+    """A map's features of finite inputs overflow float64 inside an attention call: the map's own
+    :class:`~linattn_nb.feature_maps.FeatureOverflow` (a ValueError, as a direct call of the map raises) and
+    the attention functions' :class:`~linattn_nb.NonFiniteResult` for finite inputs whose results are not
+    finite even in float64, with the inputs' largest magnitudes added to the map's message."""
+
+
+def _magnitudes(q, k, v) -> str:
+    return ", ".join(f"{nm} {float(np.max(np.abs(x), initial=0.0)):.3g}" for nm, x in (("q", q), ("k", k), ("v", v)))
+
+
+def feature_overflow64(err: FeatureOverflow, q, k, v) -> Float64FeatureOverflow:
+    """:class:`Float64FeatureOverflow` of the map's float64 ``err`` (host q, k, v: their magnitudes)."""
+    return Float64FeatureOverflow(f"{err} (largest magnitudes: {_magnitudes(q, k, v)})", _F64)
+
+
 def float64_overflow(what: str, fmap, q, k, v, *, zero_floor: bool = False) -> NonFiniteResult:
     """The error for finite inputs whose results (``what``) are not finite even in float64, with the
     largest magnitudes of q, k and v (host arrays); ``fmap`` None: softmax attention's.  ``zero_floor``: a
     normalised call with ``eps=0``, whose floor lets a normaliser of 0 divide by 0 (0 / 0, not an overflow)."""
-    sizes = ", ".join(f"{nm} {float(np.max(np.abs(x), initial=0.0)):.3g}" for nm, x in (("q", q), ("k", k), ("v", v)))
+    sizes = _magnitudes(q, k, v)
     where = ("in the scores scale * q . k or the weighted sums" if fmap is None else
              f"in the features of feature map {fmap.name!r} or in the products and sums")
     if zero_floor:

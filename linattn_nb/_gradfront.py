@@ -17,8 +17,8 @@ from . import _validate as V
 from . import config
 from ._blas import parallel_entry
 from ._workarrays import thread_array
-from ._frontend import (LinearState, featurise, float64_overflow, host_array, host_call, host_state, parse_state,
-                        resolve_call, state_from_H)
+from ._frontend import (LinearState, feature_overflow64, featurise, float64_overflow, host_array, host_call,
+                        host_state, parse_state, resolve_call, state_from_H)
 from .device import on_device
 from .feature_maps._base import FeatureOverflow
 from .ops import methods  # noqa: F401  (registers the built-in rules and methods)
@@ -624,8 +624,8 @@ def linear_attention_vjp(q, k, v, grad_out, *, feature_map, causal, method, devi
     try:
         req = prepare(q, k, v, reuse=True, **kw)
     except FeatureOverflow as e:
-        if e.dtype == _F64:
-            raise
+        if e.dtype == _F64:  # as linear_attention raises it
+            raise feature_overflow64(e, *(host_array(nm, x) for nm, x in (("q", q), ("k", k), ("v", v)))) from None
         return _vjp_float64(q, k, v, grad_out, grad_state, kw)  # the map's features overflowed float32
     known = set()
     work = req.work

@@ -23,7 +23,7 @@ from torch import nn
 from . import _gradfront
 from . import feature_maps as fm
 from . import rules
-from ._frontend import LinearState
+from ._frontend import LinearState, feature_overflow64
 from ._validate import check_bool
 from .feature_maps._base import FeatureOverflow
 from ._defaults import DEFAULT_EPS
@@ -258,6 +258,8 @@ class _LinearAttentionFunction(torch.autograd.Function):
             redo = _gradfront.overflowed(req, nd, HN, want_out=True)
         except FeatureOverflow as e:
             if e.dtype == np.float64:
+                if all(isinstance(x, np.ndarray) for x in qkv):  # host inputs: their magnitudes in the message
+                    raise feature_overflow64(e, *qkv) from None  # as linear_attention raises it
                 raise
             redo = True  # the map's features of finite q or k overflowed float32
         if redo:

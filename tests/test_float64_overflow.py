@@ -78,3 +78,18 @@ def test_softmax_refuses_scores_that_overflow_float64(method, causal):
     assert np.isnan(out).any()
     ok = la.softmax_attention(q / 1e200, k / 1e200, v, causal=causal, method=method)
     assert np.isfinite(ok).all()
+
+
+@pytest.mark.parametrize("fmap, scale", [("hedgehog", 400.0), ("rff", 60.0)])
+def test_features_beyond_float64_raise_the_documented_nonfiniteresult(fmap, scale):
+    """A map computed in NumPy whose features of finite float64 inputs overflow float64 (hedgehog's exp, rff's
+    exp(|x|^2 / 2) factor): the NonFiniteResult that linear_attention documents, with the inputs' largest
+    magnitudes, which is also the map's own FeatureOverflow (a ValueError) as before."""
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((3, 6, 4))
+    m = la.feature_maps.get(fmap, dim=4, num_features=8, seed=0) if fmap == "rff" else fmap
+    for call in (lambda: la.linear_attention(q * scale, k * scale, v, causal=True, feature_map=m, method="scan"),
+                 lambda: la.linear_attention_vjp(q * scale, k * scale, v, v, causal=True, feature_map=m)):
+        with pytest.raises(NonFiniteResult, match=r"overflow float64.*largest magnitudes: q \d") as err:
+            call()
+        assert isinstance(err.value, la.feature_maps.FeatureOverflow)
