@@ -217,7 +217,9 @@ class FavorPlusFeatureMap(RandomFeatureMap):
     * ``kind="hyperbolic"``: ``phi(x) = exp([W x', -W x'] - |x'|^2/2) / sqrt(2m)``, output ``2m``.
 
     ``E[phi(x) . phi(y)] = exp(scale x . y)``; every feature is positive.  :meth:`apply` shifts the
-    logits by amounts that cancel in the normaliser (docs/guide/feature_maps.md).
+    logits by amounts that cancel in the normaliser (docs/guide/feature_maps.md) but not in an ``eps``
+    floor: with inputs of large norm (q, k ~ 3 N(0, I) at d = 16) the default floor of
+    :func:`linattn_nb.linear_attention` changes the outputs; pass ``eps=None`` (docs/guide/attention.md).
 
     Parameters
     ----------
