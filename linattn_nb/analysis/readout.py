@@ -50,10 +50,18 @@ class Readout:
 def _features(feature_map, keys):
     from .. import feature_maps as fm
 
-    fmap = fm.get(feature_map) if isinstance(feature_map, str) else feature_map
+    fmap = fm.resolve(feature_map) if isinstance(feature_map, str) else feature_map  # unknown: ValueError
     if not hasattr(fmap, "apply"):
         raise TypeError(f"feature_map must be a registered name or a FeatureMap, got {type(feature_map).__name__}")
     return np.asarray(fmap.apply(keys[None], role="query", causal=False), dtype=np.float64)[0]
+
+
+def _real(name: str, x) -> np.ndarray:
+    """``x`` as float64 after the package's checks (TypeError naming ``name`` for complex, integer, boolean,
+    long-double, masked and object inputs, as :func:`linattn_nb.linear_attention` refuses them)."""
+    x = V.as_host_array(name, x)
+    V.check_float_dtype(name, x.dtype)
+    return x.astype(np.float64, copy=False)
 
 
 def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps=1e-8, candidates=None) -> Readout:
@@ -88,10 +96,13 @@ def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps
     ------
     TypeError
         ``state`` is neither kind of state, or ``feature_map``/``normalize`` given where not allowed;
-        ``normalize`` not None, True or False; ``eps`` not a real number or None.
+        ``normalize`` not None, True or False; ``eps`` not a real number or None; ``keys``, ``values``,
+        ``candidates`` or the state's ``S``/``z`` not float16/32/64 arrays (complex, integer, boolean,
+        long-double, masked), as :func:`linattn_nb.linear_attention` refuses them.
     ValueError
-        Shapes that do not match the state, or a batched state; ``keys`` with no row (n = 0: no accuracy
-        to report) or with inf or NaN; ``eps`` negative or not finite.
+        Shapes that do not match the state (``z`` included), or a batched state; ``keys`` with no row
+        (n = 0: no accuracy to report); inf or NaN in ``keys``, ``values``, ``candidates`` or the state;
+        ``eps`` negative or not finite; an unknown ``feature_map`` name.
 
     Examples
     --------
@@ -110,7 +121,7 @@ def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps
     from ..state.linear import LinearAttentionState
 
     eps = V.check_eps(eps)
-    k = np.asarray(keys, dtype=np.float64)
+    k = _real("keys", keys)
     if k.ndim != 2:
         raise ValueError(f"keys must have shape (n, d), got shape {k.shape}")
     if k.shape[0] == 0:  # no read-out to score: the accuracy of no keys is not a number
@@ -129,10 +140,14 @@ def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps
     elif isinstance(state, LinearState):
         if feature_map is None:
             raise TypeError("read_back: a LinearState needs feature_map (the map the state was written with)")
-        S = np.asarray(state.S, dtype=np.float64)
-        z = np.asarray(state.z, dtype=np.float64)
+        S = _real("state.S", state.S)
+        z = _real("state.z", state.z)
         if S.ndim != 2:
             raise ValueError(f"read_back takes an unbatched state, got S of shape {S.shape}")
+        if z.shape != S.shape[:1]:
+            raise ValueError(f"state.z must have shape ({S.shape[0]},) (D_phi of S, shape {S.shape}), got {z.shape}")
+        if not (np.isfinite(S).all() and np.isfinite(z).all()):
+            raise ValueError("read_back: the state's S or z holds non-finite values (inf or NaN)")
         phi = _features(feature_map, k)
         if phi.shape[1] != S.shape[0]:
             raise ValueError(f"the feature map gives {phi.shape[1]} features for keys of shape {k.shape}, the "
@@ -148,12 +163,15 @@ def read_back(state, keys, values=None, *, feature_map=None, normalize=None, eps
         raise TypeError(f"state must be a LinearAttentionState or a LinearState, got {type(state).__name__}")
     if values is None:
         return Readout(out)
-    v = np.asarray(values, dtype=np.float64)
+    v = _real("values", values)
     if v.shape != out.shape:
         raise ValueError(f"values must have shape {out.shape} (keys x value_dim), got {v.shape}")
-    cand = v if candidates is None else np.asarray(candidates, dtype=np.float64)
+    cand = v if candidates is None else _real("candidates", candidates)
     if cand.ndim != 2 or cand.shape[1] != v.shape[1]:
         raise ValueError(f"candidates must have shape (C, {v.shape[1]}), got {cand.shape}")
+    for name, x in (("values", v), ("candidates", cand)):
+        if not np.isfinite(x).all():
+            raise ValueError(f"read_back: {name} contain non-finite values (inf or NaN)")
     own = ((out - v) ** 2).sum(-1)
     others = ((out[:, None, :] - cand[None, :, :]) ** 2).sum(-1)  # (n, C) distances, own value masked below
     same = np.all(cand[None, :, :] == v[:, None, :], axis=-1)  # the candidate that is row i's own value

@@ -86,6 +86,31 @@ def test_read_back_refuses_bad_input():
         read_back(st, np.zeros((2, 3)), np.eye(2), candidates=np.zeros((2, 2)))
 
 
+def test_read_back_refuses_what_linear_attention_refuses():
+    """Complex keys, values or S (their imaginary parts were dropped with a ComplexWarning), integer, long-double,
+    masked and None keys, NaN values, an unknown map name (a KeyError) and a z of another shape than S's D_phi
+    (a batched z gave values of another shape with no error) are refused, naming the argument."""
+    st = LinearAttentionState(3, 2)
+    lin = LinearState(np.eye(3, 2), np.ones(3))
+    keys = np.eye(3)[:2]
+    for bad in (keys + 1j, keys.astype(np.int64), keys.astype(np.longdouble), np.ma.masked_array(keys)):
+        with pytest.raises(TypeError, match="keys"):
+            read_back(st, bad)
+    with pytest.raises(TypeError, match="keys must be an array, got None"):
+        read_back(st, None)
+    with pytest.raises(TypeError, match="values"):
+        read_back(st, keys, np.zeros((2, 2)) + 1j)
+    with pytest.raises(ValueError, match="values contain non-finite"):
+        read_back(st, keys, np.full((2, 2), np.nan))
+    with pytest.raises(TypeError, match="state.S"):
+        read_back(LinearState(np.eye(3, 2) + 1j, np.ones(3)), keys, feature_map="elu")
+    with pytest.raises(ValueError, match="unknown feature map 'bogus'"):
+        read_back(lin, keys, feature_map="bogus")
+    for z in (np.ones(4), np.ones((3, 3))):
+        with pytest.raises(ValueError, match=r"state.z must have shape \(3,\)"):
+            read_back(LinearState(np.eye(3, 2), z), keys, feature_map="elu")
+
+
 def test_an_exact_read_out_with_no_other_candidate_is_a_hit():
     """One pair, or every candidate equal to the row's own value: no other value is nearer, so an exact
     read-out is strictly nearest (it was scored a miss through inf - TIE_RTOL * inf = NaN)."""
