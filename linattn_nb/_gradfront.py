@@ -360,8 +360,7 @@ def _checked_grad(name, x, want, of, req: Request, finite: bool = True) -> np.nd
     x = host_array(name, x)
     if tuple(x.shape) != want:
         raise ValueError(f"{name} must have the shape of {of}, {want}, got {tuple(x.shape)}")
-    if x.dtype.kind != "f":
-        raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
+    V.check_float_dtype(name, x.dtype)  # float16, float32 or float64, as q, k, v
     if req.check_finite and finite:
         V.check_finite(name, x)
     return x
@@ -557,7 +556,8 @@ def _finish(req: Request, grads, finite=None, out_dtype=None, dHN=None, mapped=N
 def _normalized_fused(req: Request, grad_out) -> bool:
     """Whether :func:`backward_normalized` takes the request: the additive, decay or gate rule's normalised
     causal outputs by the CPU chunked method, with a gradient whose dtype the working one holds exactly."""
-    return _fused_for(req, getattr(grad_out, "dtype", None))
+    # another array type (a torch tensor, whose dtype NumPy cannot read; a list) is converted by _grad_out
+    return _fused_for(req, grad_out.dtype if isinstance(grad_out, np.ndarray) else None)
 
 
 def _fused_for(req: Request, dt) -> bool:

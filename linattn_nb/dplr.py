@@ -22,7 +22,7 @@ from .rules import BUILTIN_DPLR_RULES, get_dplr_rule
 from ._blas import parallel_entry
 from ._workarrays import thread_array
 from ._defaults import DEFAULT_EPS
-from ._validate import check_bool, check_eps, check_out
+from ._validate import as_host_array, check_bool, check_eps, check_float_dtype, check_out
 
 __all__ = ["dplr_attention", "dplr_attention_vjp", "DPLRVJP", "DPLR_METHODS"]
 
@@ -34,9 +34,10 @@ _GENERAL = "dplr"
 
 
 def _floating(name, x):
-    arr = np.asarray(x)
-    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.floating):
-        raise TypeError(f"{name} must be a floating-point array (float16, float32 or float64), got dtype {arr.dtype}")
+    """``x`` read as every entry point reads an input (:func:`~linattn_nb._validate.as_host_array`: masked,
+    object, ragged and None refused, naming ``name``), of dtype float16, float32 or float64 (TypeError)."""
+    arr = as_host_array(name, x)
+    check_float_dtype(name, arr.dtype)
     return arr
 
 
@@ -726,8 +727,7 @@ def _state_grad(grad_state, lead, F, M, check_finite):
     for name, x, want, what in (("grad_state.S", S, lead + (F, M), "(..., D_phi, M)"),
                                 ("grad_state.z", z, lead + (F,), "(..., D_phi)")):
         x = host_array(name, x)
-        if x.dtype.kind != "f":  # a gradient, as linear_attention_vjp reads it (not a rule's argument)
-            raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
+        check_float_dtype(name, x.dtype)  # a gradient, as linear_attention_vjp reads it (not a rule's argument)
         x = D.shaped(name, x, want, what)
         if check_finite:
             check_finite_values(name, x)

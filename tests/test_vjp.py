@@ -356,3 +356,22 @@ def test_caller_log_gate_is_read_not_copied_nor_written(method):
     want = la.linear_attention_vjp(q, k, v, g, log_decay=keep.copy(), **kw)
     np.testing.assert_array_equal(got.d_log_decay, want.d_log_decay)
     assert np.isfinite(got.d_log_decay).all() and got.d_log_decay[0, 5, 1] == 0.0
+
+
+def test_grad_out_and_grad_state_are_read_as_q_k_v_are():
+    """A long-double grad_out or grad_state is refused as a long-double q is (it was taken as float64), and a
+    torch CPU tensor as grad_out is read as q, k and v are (NumPy could not read its dtype: a TypeError that
+    named nothing)."""
+    torch = pytest.importorskip("torch")
+    q, k, v, g = _inputs()
+    kw = dict(causal=True, method="chunked")  # the fused normalised path reads grad_out's dtype first
+    want = la.linear_attention_vjp(q, k, v, g, **kw)
+    got = la.linear_attention_vjp(q, k, v, torch.from_numpy(g), **kw)  # the forward-then-backward path
+    for x, y in zip(got[:3], want[:3]):
+        np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-14)
+    with pytest.raises(TypeError, match="grad_out must have dtype float16, float32 or float64, got float128"):
+        la.linear_attention_vjp(q, k, v, g.astype(np.longdouble), **kw)
+    f = fm.get("elu").output_dim(q.shape[-1])
+    S, z = np.zeros(q.shape[:-2] + (f, v.shape[-1]), np.longdouble), np.zeros(q.shape[:-2] + (f,))
+    with pytest.raises(TypeError, match="grad_state.S must have dtype float16, float32 or float64, got float128"):
+        la.linear_attention_vjp(q, k, v, g, grad_state=(S, z), **kw)

@@ -117,8 +117,10 @@ class DPLRRule:
 def real(name: str, x, copy: bool = True) -> np.ndarray:
     """``x`` as a float64 array (a new array: the caller's is never modified; with ``copy=False`` a
     float32/float64 array as it is); TypeError naming ``name`` for a non-numeric, boolean or complex input."""
-    arr = np.asarray(x)
-    if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+    from .._validate import SUPPORTED_DTYPES, as_host_array  # (the validators import the rules)
+
+    arr = as_host_array(name, x)  # masked, object, ragged and None refused, naming it
+    if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer) or arr.dtype in SUPPORTED_DTYPES):
         raise TypeError(f"{name} must be a real floating-point array, got dtype {arr.dtype}")
     if not copy and arr.dtype in (np.float32, np.float64):
         return arr

@@ -431,8 +431,20 @@ def test_bad_input_names_the_argument(rng, kwargs, exc, match):
 def test_bad_arrays_name_the_argument(rng):
     q, k, v = _qkv(rng)
     ab = {"a": np.zeros((B, N, D)), "b": np.zeros((B, N, D))}
-    with pytest.raises(TypeError, match="q must be a floating-point"):
+    with pytest.raises(TypeError, match="q must have dtype float16, float32 or float64, got int64"):
         la.dplr_attention(q.astype(int), k, v, **ab)
+    # read as linear_attention reads them: long double (it came back as float128), masked (the mask was dropped),
+    # ragged (NumPy's error, no name)
+    with pytest.raises(TypeError, match="q must have dtype float16, float32 or float64, got float128"):
+        la.dplr_attention(q.astype(np.longdouble), k, v, **ab)
+    with pytest.raises(TypeError, match="q is a masked array"):
+        la.dplr_attention(np.ma.masked_array(q), k, v, **ab)
+    with pytest.raises(TypeError, match="a is a masked array"):
+        la.dplr_attention(q, k, v, a=np.ma.masked_array(ab["a"]), b=ab["b"])
+    with pytest.raises(TypeError, match="a must be a real floating-point array, got dtype float128"):
+        la.dplr_attention(q, k, v, a=ab["a"].astype(np.longdouble), b=ab["b"])
+    with pytest.raises(TypeError, match="q could not be converted to an array"):
+        la.dplr_attention([[0.0, 1.0], [1.0]], k, v, **ab)
     with pytest.raises(ValueError, match="v must have shape"):
         la.dplr_attention(q, k, v[:, :-1], **ab)
     with pytest.raises(ValueError, match="k must have shape"):
@@ -546,8 +558,10 @@ def test_a_non_finite_grad_out_is_counted_as_linear_attention_vjp_counts_it(rng)
     ({"position": -1}, ValueError, r"^grad_state\.position must be >= 0, got -1$"),
     ({"position": 2.7}, ValueError, r"^grad_state\.position must be a non-negative integer, got 2\.7$"),
     ({"position": True}, TypeError, r"^grad_state\.position must be a non-negative integer, got True$"),
-    ({"S": np.ones((B, D, M), dtype=np.int64)}, TypeError, r"^grad_state\.S must be floating point, got dtype int64$"),
-    ({"z": np.ones((B, D), dtype=np.int32)}, TypeError, r"^grad_state\.z must be floating point, got dtype int32$"),
+    ({"S": np.ones((B, D, M), dtype=np.int64)}, TypeError,
+     r"^grad_state\.S must have dtype float16, float32 or float64, got int64"),
+    ({"z": np.ones((B, D), dtype=np.int32)}, TypeError,
+     r"^grad_state\.z must have dtype float16, float32 or float64, got int32"),
 ])
 def test_grad_state_is_read_as_linear_attention_vjp_reads_it(rng, change, exc, match):
     """dplr_attention_vjp took a grad_state whose z was None as zeros and never looked at its position; now both
