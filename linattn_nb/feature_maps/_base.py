@@ -223,15 +223,19 @@ _ROLES = ("query", "key")
 def check_input(name: str, x) -> np.ndarray:
     """The checks of :meth:`FeatureMap.__call__`, for :meth:`FeatureMap.apply` overrides.
 
-    ``x`` must be a floating-point array with at least 1 dimension and a last (feature) dimension
-    ``D >= 1``, as :func:`linattn_nb.linear_attention` requires; ``N = 0`` rows (or an empty batch)
-    are fine.
+    ``x`` must be a float16, float32 or float64 array (not masked) with at least 1 dimension and a last
+    (feature) dimension ``D >= 1``, as :func:`linattn_nb.linear_attention` requires; ``N = 0`` rows (or an
+    empty batch) are fine.
     """
+    if isinstance(x, np.ma.MaskedArray):  # its mask would be dropped, as linear_attention refuses it
+        raise TypeError(f"feature map {name!r}: input is a masked array, whose mask a feature map cannot honour; "
+                        "pass x.filled(...) or x.data explicitly")
     x = np.asarray(x)
     if x.ndim < 1:
         raise ValueError(f"feature map {name!r}: input must have at least 1 dimension, got shape {x.shape}")
-    if not np.issubdtype(x.dtype, np.floating):
-        raise TypeError(f"feature map {name!r}: input must be floating point, got dtype {x.dtype}")
+    if not np.issubdtype(x.dtype, np.floating) or x.dtype.itemsize > 8:  # long double: refused as everywhere
+        raise TypeError(f"feature map {name!r}: input must be floating point (float16, float32 or float64), got "
+                        f"dtype {x.dtype}")
     if x.shape[-1] < 1:
         raise ValueError(f"feature map {name!r}: input feature dimensions must be at least 1, got D={x.shape[-1]} "
                          f"(input shape {x.shape})")

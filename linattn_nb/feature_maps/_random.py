@@ -456,7 +456,7 @@ class RandomFourierFeatureMap(RandomFeatureMap):
             with np.errstate(over="ignore"):
                 e = np.exp(0.5 * np.einsum("...i,...i->...", xs, xs))[..., None]
                 feats = np.concatenate([sin, cos], axis=-1) * (e / math.sqrt(m))
-            cast_features(self.name, feats, x)  # raises where apply raises (features overflow the dtype)
+            cast_features(self.name, feats, check_input(self.name, x))  # raises where apply raises (overflow)
             du = (gs * cos - gc * sin) * (e / math.sqrt(m))
             dxs = du @ w + np.einsum("...i,...i->...", g, feats)[..., None] * xs
         else:

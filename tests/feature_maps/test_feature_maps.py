@@ -85,6 +85,20 @@ def test_input_checks():
         fm.get("taylor2")(np.ones((2, 3), dtype=np.int64))
     with pytest.raises(TypeError, match="floating"):
         _build("favor+").apply(np.ones((2, 3), dtype=np.int64), role="key", causal=False)
+    # long double (float128 features came back) and masked inputs (the mask was dropped), as linear_attention
+    # refuses them; rff's key vjp read a list's dtype (AttributeError)
+    x = np.ones((2, 3))
+    for name in fm.available():
+        m = _build(name)
+        with pytest.raises(TypeError, match=r"floating point \(float16, float32 or float64\), got dtype float128"):
+            m.apply(x.astype(np.longdouble), role="key", causal=False)
+        with pytest.raises(TypeError, match="masked array"):
+            m.apply(np.ma.masked_array(x), role="query", causal=False)
+        with pytest.raises(TypeError, match="masked array"):
+            m.vjp(np.ma.masked_array(x), np.ones_like(m.apply(x, role="key")), role="key")
+    rff = _build("rff")
+    np.testing.assert_array_equal(rff.vjp(x.tolist(), np.ones_like(rff.apply(x, role="key")), role="key")[0],
+                                  rff.vjp(x, np.ones_like(rff.apply(x, role="key")), role="key")[0])
     for bad in (dict(num_features=0), dict(num_features=2.5), dict(dim=0), dict(scale=-1.0),
                 dict(scale=float("inf")), dict(row_norm="unit"), dict(kind="relu")):
         with pytest.raises((ValueError, TypeError)):
