@@ -7,7 +7,7 @@ for bit, the result of the same call on C-contiguous copies of the same
 values.  No compiled code may read an array against its layout (a kernel
 compiled for C-contiguous arrays and handed a view reads the wrong elements,
 or past the end of the buffer).  A read-only argument reaches the kernels as
-a writeable view of its memory (``_validate.kernel_view``): it must keep its
+a writeable view of its memory (``_arrays.kernel_view``): it must keep its
 values, compile no kernel again, and no result may be a writeable view of it.
 
 Overlap: ``out=`` laid over each input in turn (offsets 0, +1, -1 and half an
@@ -406,7 +406,7 @@ def test_every_array_argument_read_by_its_layout(case, kind, data):
     assert_same(got, want, f"{case}: {name} as a {kind} view", RTOL.get(case, 0.0))
     if kind in ("strided", "reversed", "fortran", "readonly"):
         # nothing the caller passed is modified (a read-only input reaches the kernels as a writeable view of
-        # its memory, _validate.kernel_view: no kernel may write it)
+        # its memory, _arrays.kernel_view: no kernel may write it)
         np.testing.assert_array_equal(view, values)
     if kind == "readonly":
         for i, part in enumerate(flat_result(got)):

@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from .._validate import kernel_view
+from .._arrays import kernel_view
 from ._base import FeatureMap, check_scale, vjp_inputs
 
 

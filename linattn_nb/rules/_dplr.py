@@ -18,6 +18,8 @@ from typing import Callable, NamedTuple, Tuple
 
 import numpy as np
 
+from .._arrays import as_host_array
+
 
 class GeneralForm(NamedTuple):
     """The general recurrence's arrays for a batch of B sequences (float64 unless stated).
@@ -117,10 +119,9 @@ class DPLRRule:
 def real(name: str, x, copy: bool = True) -> np.ndarray:
     """``x`` as a float64 array (a new array: the caller's is never modified; with ``copy=False`` a
     float32/float64 array as it is); TypeError naming ``name`` for a non-numeric, boolean or complex input."""
-    from .._validate import SUPPORTED_DTYPES, as_host_array  # (the validators import the rules)
-
     arr = as_host_array(name, x)  # masked, object, ragged and None refused, naming it
-    if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer) or arr.dtype in SUPPORTED_DTYPES):
+    if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer)
+                                 or (np.issubdtype(arr.dtype, np.floating) and arr.dtype.itemsize <= 8)):
         raise TypeError(f"{name} must be a real floating-point array, got dtype {arr.dtype}")
     if not copy and arr.dtype in (np.float32, np.float64):
         return arr

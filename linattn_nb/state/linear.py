@@ -712,7 +712,7 @@ class LinearAttentionState:
                     and q.flags.carray and k.flags.carray and v.flags.carray):
                 # carray: C-contiguous, aligned and writeable as one flag, at the cost of c_contiguous.  A
                 # read-only token is another Numba type (every kernel compiled once more): it takes the
-                # general path, which hands the kernels a writeable view of it (_validate.kernel_view).
+                # general path, which hands the kernels a writeable view of it (_arrays.kernel_view).
                 if shp == self._q1 and v.shape == self._v1:
                     T = 1
                     res = out = np.empty(self._o1, dt)
