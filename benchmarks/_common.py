@@ -19,6 +19,51 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
 
+def _bounded(kind, low: float, inclusive: bool, what: str):
+    """An ``argparse`` ``type=``: ``kind(text)`` (``int`` or ``float``, finite) at or above ``low``
+    (``inclusive``) or above it; anything else is refused by argparse (exit 2, naming the option)."""
+
+    def convert(text: str):
+        import argparse
+        import math
+
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not (math.isfinite(value) and (value >= low if inclusive else value > low)):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+
+    convert.__name__ = what.replace(" ", "_").replace("-", "_")
+    return convert
+
+
+#: ``argparse`` ``type=``s: a count or a size (>= 1); an option where 0 means something, e.g. a default
+#: (>= 0); a time budget (> 0); a pause (>= 0).
+positive_int = _bounded(int, 1, True, "a positive integer")
+nonnegative_int = _bounded(int, 0, True, "a non-negative integer")
+positive_float = _bounded(float, 0.0, False, "a positive number")
+nonnegative_float = _bounded(float, 0.0, True, "a non-negative number")
+
+
+def positive_int_list(text: str) -> list:
+    """An ``argparse`` ``type=``: comma-separated integers >= 1 (e.g. ``--ns 512,4096``)."""
+    import argparse
+
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return [positive_int(p) for p in parts]
+
+
+def partial_run_note(what: str, name: str) -> None:
+    """Print the one line a partial run without ``--out`` prints instead of overwriting
+    ``benchmarks/results/<name>.json`` (``what``: the options that make it partial)."""
+    print(f"not written: {what} is a partial run and does not replace benchmarks/results/{name}.json; "
+          f"pass --out FILE to keep its results", flush=True)
+
+
 def median_time(fn, *, repeats=5, budget_s=3.0, min_repeats=3, warmup=True, clock=time.perf_counter):
     """Median time of ``fn()`` over ``repeats`` calls (fewer, but at least
     ``min_repeats``, when the calls exceed ``budget_s`` seconds of wall time).
@@ -176,17 +221,19 @@ def scan_accuracy(run, q, k, v, **columns):
 
 def rule_bench_args(doc, name, argv=None):
     """The command line of the per-rule CPU benchmarks (speed in interleaved
-    rounds, accuracy at a long sequence); results go to ``results/<name>.json``."""
+    rounds, accuracy at a long sequence); results go to ``--out`` or, for a full run
+    (no ``--quick``, no ``--no-accuracy``), to ``results/<name>.json``."""
     import argparse
 
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="5 rounds, accuracy at N = 2**16")
-    ap.add_argument("--bh", type=int, default=16)
-    ap.add_argument("--n", type=int, default=4096)
-    ap.add_argument("--d", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 9; --quick 5)")
-    ap.add_argument("--inner", type=int, default=3, help="calls per measurement (their median counts)")
-    ap.add_argument("--acc-n", type=int, default=None, help="accuracy sequence length (default 2**20; --quick 2**16)")
+    ap.add_argument("--bh", type=positive_int, default=16)
+    ap.add_argument("--n", type=positive_int, default=4096)
+    ap.add_argument("--d", type=positive_int, default=64)
+    ap.add_argument("--rounds", type=positive_int, default=None, help="interleaved rounds (default 9; --quick 5)")
+    ap.add_argument("--inner", type=positive_int, default=3, help="calls per measurement (their median counts)")
+    ap.add_argument("--acc-n", type=positive_int, default=None,
+                    help="accuracy sequence length (default 2**20; --quick 2**16)")
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--out", default=None, help=f"JSON path (default benchmarks/results/{name}.json)")
     args = ap.parse_args(argv)
@@ -204,7 +251,8 @@ def run_rule_bench(name, args, speed, accuracy, *, setting, columns, accuracy_se
     decimals), the targets (description -> met) and every round's times in ms;
     ``accuracy(args)`` the rows of :func:`scan_accuracy`.  ``setting`` and
     ``accuracy_setting`` describe the two measurements in the printed headers.
-    Everything goes to ``results/<name>.json`` (or ``args.out``)."""
+    Everything goes to ``args.out``, or by default to ``results/<name>.json`` when the run is
+    a full one (a ``--quick`` or ``--no-accuracy`` run without ``--out`` writes nothing)."""
     import numba
 
     print(f"CPU: {cpu_model()}, {numba.get_num_threads()} Numba threads")
@@ -220,6 +268,10 @@ def run_rule_bench(name, args, speed, accuracy, *, setting, columns, accuracy_se
         print(f"accuracy: {accuracy_setting}")
         print(table(acc, ["float32 method", "N", "rel. error vs float64 scan", "nonfinite"],
                     {"rel. error vs float64 scan": "{:.2e}"}))
+    partial = [o for o, on in (("--quick", args.quick), ("--no-accuracy", args.no_accuracy)) if on]
+    if args.out is None and partial:
+        partial_run_note(" ".join(partial), name)
+        return
     path = write_json(name, {"machine": machine(), "cpu_model": cpu_model(), "args": vars(args),
                              "speed": rows, "targets": targets, "speed_ms_all": all_ms, "accuracy": acc},
                       args.out)

@@ -34,11 +34,13 @@ def _median_time(fn, repeat):
 
 
 def main(argv=None):
+    from _common import positive_int
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
-    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--n", type=positive_int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    ap.add_argument("--d", type=positive_int, default=64)
     ap.add_argument("--maps", nargs="+", default=["elu", "dpfp"])
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=positive_int, default=3)
     args = ap.parse_args(argv)
 
     rng = np.random.default_rng(0)

@@ -31,7 +31,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cpu_model, interleaved_medians, machine, print_machine, table, write_json  # noqa: E402
+from _common import (cpu_model, interleaved_medians, machine, positive_int, print_machine, table,  # noqa: E402
+                     write_json)
 
 #: (B*H, N) of the check.
 SHAPES = ((16, 512), (16, 4096), (2, 65536))
@@ -85,8 +86,9 @@ def child(args) -> list:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=9, help="interleaved rounds (default 9)")
-    ap.add_argument("--inner", type=int, default=3, help="calls per measurement (their median counts; default 3)")
+    ap.add_argument("--rounds", type=positive_int, default=9, help="interleaved rounds (default 9)")
+    ap.add_argument("--inner", type=positive_int, default=3,
+                    help="calls per measurement (their median counts; default 3)")
     ap.add_argument("--no-calibrate", action="store_true", help="use the stored calibrations")
     ap.add_argument("--store", action="store_true",
                     help="store the calibrations (kernel cache folder), as `linattn tune` does; default: "

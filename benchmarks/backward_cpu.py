@@ -7,6 +7,10 @@ Run::
     python benchmarks/backward_cpu.py --skip-long  # speed rows only
     NUMBA_NUM_THREADS=1 python benchmarks/backward_cpu.py --skip-long --clock cpu  # CPU seconds, one thread
 
+Only the full run (no ``--quick``, ``--skip-long``, ``--rules`` subset or ``--feature-map``)
+writes benchmarks/results/backward_cpu.json by default (docs/measured.md is built from it); a
+partial run writes its results only to ``--out FILE`` and otherwise says it wrote nothing.
+
 Speed (B*H = 16, N = 4096, D = M = 64, float32; ELU+1 for the additive, decay
 and gate rules, SiLU+L2 for the delta rules: ``STANDARD_MAPS``), timed side by side
 in interleaved rounds (:func:`_common.interleaved_medians`): the forward
@@ -57,7 +61,8 @@ import sys
 
 import numpy as np
 
-from _common import cpu_model, interleaved_medians, machine, print_machine, rel_error, table, write_json
+from _common import (cpu_model, interleaved_medians, machine, partial_run_note, positive_int, print_machine,
+                     rel_error, table, write_json)
 
 import linattn_nb  # noqa: E402
 from linattn_nb.ops._codes import RULES  # noqa: E402
@@ -244,15 +249,28 @@ def memory(n):
     return row
 
 
+def _rules(text):
+    """The rules of ``--rules`` (comma-separated), each one of :data:`RULE_NAMES`."""
+    if isinstance(text, tuple):
+        return text
+    rules = tuple(r.strip() for r in text.split(",") if r.strip())
+    bad = [r for r in rules if r not in RULE_NAMES]
+    if bad or not rules:
+        raise argparse.ArgumentTypeError(f"unknown rule(s) {', '.join(bad) or repr(text)}; "
+                                         f"choose from {', '.join(RULE_NAMES)}")
+    return rules
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds; accuracy and memory at N = 2**16")
     ap.add_argument("--skip-long", action="store_true", help="speed rows only")
-    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--rounds", type=positive_int, default=None, help="interleaved rounds (default 7; --quick 3)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="time the speed rows in wall or CPU seconds (cpu: steadier on a shared machine; "
                          "run with NUMBA_NUM_THREADS=1 so that no thread spins while it waits)")
-    ap.add_argument("--rules", default=",".join(RULE_NAMES), help="comma-separated rules of the speed rows")
+    ap.add_argument("--rules", type=_rules, default=",".join(RULE_NAMES),
+                    help=f"comma-separated rules of the speed rows (of {', '.join(RULE_NAMES)}; default all)")
     ap.add_argument("--feature-map", default=None, help="one map for every speed row (default: ELU+1 for the "
                     "additive, decay and gate rules, SiLU+L2 for the delta rules, whose state overflows with ELU+1)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/backward_cpu.json)")
@@ -264,8 +282,8 @@ def main(argv=None):
     from linattn_nb import _tune
 
     print(f"method='auto' (forward_default): calibration {_tune.status_line()}")
-    rounds = args.rounds or (3 if args.quick else 7)
-    rules = tuple(r for r in args.rules.split(",") if r)
+    rounds = args.rounds if args.rounds is not None else (3 if args.quick else 7)
+    rules = _rules(args.rules)
     rows = speed(rounds, rules, args.feature_map, args.clock)
     print(f"\nSpeed: B*H = 16, N = 4096, D = M = 64, float32, map {args.feature_map or 'per rule'}, median of "
           f"{rounds} interleaved rounds, {args.clock} time")
@@ -280,9 +298,12 @@ def main(argv=None):
     result = {"machine": machine(), "shape": {"BH": 16, "N": 4096, "D": 64, "M": 64, "dtype": "float32",
                                               "feature_map": args.feature_map or "per rule"}, "rounds": rounds,
               "clock": args.clock, "speed": rows}
-    if args.out is None and (rules != tuple(RULE_NAMES) or args.feature_map is not None):
-        # the committed results file holds the standard rows (docs/measured.md is built from it)
-        print("# not written: other rules or map than the standard rows; pass --out PATH to keep them")
+    partial = [o for o, on in (("--quick", args.quick), ("--skip-long", args.skip_long),
+                               ("--rules", rules != tuple(RULE_NAMES)),
+                               ("--feature-map", args.feature_map is not None)) if on]
+    if args.out is None and partial:
+        # the committed results file holds the full run's rows (docs/measured.md is built from it)
+        partial_run_note(" ".join(partial), "backward_cpu")
         args.out = False
     if args.skip_long:
         if args.out is not False:

@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from _common import interleaved_medians, machine, print_machine, table, write_json
+from _common import interleaved_medians, machine, positive_int, print_machine, table, write_json
 
 from numba import njit  # noqa: E402
 
@@ -89,9 +89,9 @@ def measure(C, D, rounds, reps=2000):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--chunk", type=int, default=48, help="tokens a chunk (default 48)")
-    ap.add_argument("--dim", type=int, default=64, help="D = M (default 64)")
-    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
+    ap.add_argument("--chunk", type=positive_int, default=48, help="tokens a chunk (default 48)")
+    ap.add_argument("--dim", type=positive_int, default=64, help="D = M (default 64)")
+    ap.add_argument("--rounds", type=positive_int, default=7, help="interleaved rounds (default 7)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/backward_products.json)")
     args = ap.parse_args(argv)
     for name, value in (("--chunk", args.chunk), ("--dim", args.dim), ("--rounds", args.rounds)):

@@ -5,10 +5,12 @@ Usage::
     python benchmarks/bench_approximation_error.py                 # N = 16384, D = 64, favor+ and elu
     python benchmarks/bench_approximation_error.py --n 4096 8192 --maps elu --repeat 3
 
-Prints a table (wall and process CPU seconds, median over ``--repeat``; the
-first call compiles and is not timed) and writes JSON to
-benchmarks/results/approximation_error.json.  Process CPU time counts every
-thread, so it is a fairer figure than wall time on a shared machine.
+Prints a table (wall and process CPU seconds, median over ``--repeat``; every
+cell first makes one untimed call with the same inputs, which compiles whatever
+path that N takes) and writes JSON to ``--json``/``--out`` FILE (default
+benchmarks/results/approximation_error.json).  Process CPU time counts every
+thread, so it is a fairer figure than wall time on a shared machine.  Sizes and
+counts (``--n``, ``--d``, ``--batch``, ``--repeat``) must be positive integers.
 """
 from __future__ import annotations
 
@@ -34,14 +36,18 @@ def build(name, d):
 
 
 def main(argv=None):
+    from _common import positive_int
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, nargs="+", default=[16384])
-    ap.add_argument("--d", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=1, help="batch * heads")
+    ap.add_argument("--n", type=positive_int, nargs="+", default=[16384])
+    ap.add_argument("--d", type=positive_int, default=64)
+    ap.add_argument("--batch", type=positive_int, default=1, help="batch * heads")
     ap.add_argument("--maps", nargs="+", default=["favor+", "elu"])
     ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
-    ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "approximation_error.json"))
+    ap.add_argument("--repeat", type=positive_int, default=1, help="timed calls per cell (their median counts)")
+    ap.add_argument("--json", "--out", dest="json", metavar="FILE",
+                    default=str(Path(__file__).parent / "results" / "approximation_error.json"),
+                    help="JSON path (default benchmarks/results/approximation_error.json)")
     args = ap.parse_args(argv)
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     rng = np.random.default_rng(0)
@@ -57,7 +63,8 @@ def main(argv=None):
         for name in args.maps:
             fmap = build(name, args.d)
             for causal in causals:
-                approximation_error(q[:, :64], k[:, :64], v[:, :64], fmap, causal=causal)  # compile
+                # untimed: compiles the path this N takes (a shorter warm-up may take another one)
+                approximation_error(q, k, v, fmap, causal=causal)
                 walls, cpus = [], []
                 for _ in range(args.repeat):
                     t0, c0 = time.perf_counter(), time.process_time()

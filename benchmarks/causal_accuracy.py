@@ -12,7 +12,8 @@ it too.  Reported: relative Frobenius error ||o - o_ref||_F / ||o_ref||_F over
 the whole output and over the last 4096 rows, for float32 "chunked" (targets:
 <= 5e-7 and <= 1e-6), float32 "scan", and float16 "chunked" (inputs rounded to
 float16, against the float64 result of those rounded inputs).  Results:
-benchmarks/results/causal_accuracy.json.
+benchmarks/results/causal_accuracy.json.  The sizes (``--n``, ``--b``, ``--d``,
+``--m``) must be positive integers, ``--seed`` a non-negative one.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import argparse
 
 import numpy as np
 
-from _common import machine, print_machine, table, write_json
+from _common import machine, nonnegative_int, positive_int, print_machine, table, write_json
 
 from linattn_nb import linear_attention  # noqa: E402
 
@@ -35,11 +36,11 @@ def rel(o, ref, rows=None):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=2**20)
-    ap.add_argument("--b", type=int, default=1)
-    ap.add_argument("--d", type=int, default=64)
-    ap.add_argument("--m", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--n", type=positive_int, default=2**20)
+    ap.add_argument("--b", type=positive_int, default=1)
+    ap.add_argument("--d", type=positive_int, default=64)
+    ap.add_argument("--m", type=positive_int, default=64)
+    ap.add_argument("--seed", type=nonnegative_int, default=0)
     ap.add_argument("--no-float16", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

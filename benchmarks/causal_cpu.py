@@ -25,7 +25,12 @@ The target ratios (chunked vs sgemm, scan and torch SDPA at N = 4096;
 time(65,536) / time(4096)) are then measured once more in interleaved rounds
 (``--headline-rounds``, default 9): each call in turn, round after round,
 ratios of medians -- on a shared machine the load changes under all of them
-alike.  Results: a table on stdout and benchmarks/results/causal_cpu.json.
+alike.  Results: a table on stdout and benchmarks/results/causal_cpu.json (or ``--out FILE``).
+A partial run of the table (``--quick``, ``--headline-only``, ``--ns``, ``--dtypes``, a lower
+``--*-max-n``) writes only to ``--out FILE``: without it, it says so and leaves the committed
+file alone.  ``--sweep-chunk``, ``--sweep-auto`` and ``--check-cost`` write their own files
+(``causal_cpu_chunk_sweep.json``, ``causal_cpu_auto_sweep.json``, ``causal_cpu_check_cost.json``
+in benchmarks/results/) or ``--out FILE``; ``--sweep-chunk --quick`` only to ``--out FILE``.
 
 ``--check-cost`` measures what the default ``check_finite=True`` costs: the
 headline call (B*H = 16, N = 4096, D = M = 64, float32, ELU+1, chunked) with
@@ -47,7 +52,9 @@ import time
 
 import numpy as np
 
-from _common import cpu_model, machine, median_time, print_machine, sgemm_gflops, table, write_json
+from _common import (cpu_model, machine, median_time, nonnegative_float, nonnegative_int, partial_run_note,
+                     positive_float, positive_int, positive_int_list, print_machine, sgemm_gflops, table,
+                     write_json)
 
 import linattn_nb  # noqa: E402  (path set by _common)
 from linattn_nb import linear_attention, softmax_attention  # noqa: E402
@@ -111,7 +118,7 @@ def _inputs(n, dtype, seed=0):
 def run_table(args):
     info = machine()
     info["torch"] = torch_version()
-    ns = [int(x) for x in args.ns.split(",") if x]
+    ns = list(args.ns)
     dtypes = [np.dtype(x) for x in args.dtypes.split(",") if x]
     print_machine("# ")
     print(f"# causal forward, B*H={BH}, D=M={D}, feature map elu -- {info['date']}, {info['cpu']}, "
@@ -196,6 +203,9 @@ def run_table(args):
         if isinstance(val, dict):
             continue
         print(f"  {key:30s} {'-' if val is None else f'{val:.3f}':>10s}   {targets.get(key, '')}")
+    if args.out is None and args.partial:
+        partial_run_note(" ".join(args.partial), "causal_cpu")
+        return
     path = write_json("causal_cpu", {"machine": info, "sgemm_gflops_start": sg0, "sgemm_gflops_end": sg1,
                                      "shape": {"BH": BH, "D": D, "M": M, "feature_map": "elu"},
                                      "rows": rows, "summary": summary}, args.out)
@@ -339,7 +349,7 @@ def run_sweep_chunk(args):
     print(f"# chunk / row-block sweep, B*H={BH} -- {info['date']}, sgemm {sg:.1f} GFLOP/s, "
           f"numba threads {info['numba_threads']}")
     rows = []
-    dims = [int(x) for x in args.dims.split(",")]
+    dims = list(args.dims)
     for dtype, dim, n in [(np.dtype(t), dm, n) for t in args.dtypes.split(",") for dm in dims
                           for n in ((4096, 65536) if not args.quick else (4096,))]:
         D = M = dim
@@ -370,6 +380,9 @@ def run_sweep_chunk(args):
                     {"median_ms": "{:.2f}", "gflops": "{:.1f}", "x_best": "{:.3f}"}))
         sys.stdout.flush()
     D = M = 64
+    if args.out is None and args.quick:
+        partial_run_note("--quick", "causal_cpu_chunk_sweep")
+        return
     path = write_json("causal_cpu_chunk_sweep", {"machine": info, "sgemm_gflops": sg, "rows": rows}, args.out)
     print(f"wrote {path}")
 
@@ -391,37 +404,56 @@ def run_sweep_auto(args):
         print(table([r for r in rows if r["dtype"] == dtype.name],
                     ["dtype", "N", "scan_us", "chunked_us", "scan_over_chunked"],
                     {"scan_us": "{:.1f}", "chunked_us": "{:.1f}", "scan_over_chunked": "{:.2f}"}))
-    path = write_json("causal_cpu_auto_sweep", {"machine": info, "rows": rows})
+    path = write_json("causal_cpu_auto_sweep", {"machine": info, "rows": rows}, args.out)
     print(f"wrote {path}")
+
+
+def _dtypes(text):
+    """``--dtypes``: comma-separated, each float32 or float64 (returned as given)."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in names if x not in ("float32", "float64")]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown dtype(s) {', '.join(bad) or repr(text)}; "
+                                         "choose from float32, float64")
+    return ",".join(names)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="N = 512 and 4096 only (float32 only with sweeps)")
-    ap.add_argument("--ns", default=None, help="comma-separated sequence lengths")
-    ap.add_argument("--dtypes", default="float32,float64")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--budget", type=float, default=4.0, help="seconds per cell before repeats are cut to 3")
-    ap.add_argument("--scan-max-n", type=int, default=65536)
-    ap.add_argument("--quadratic-max-n", type=int, default=2048)
-    ap.add_argument("--softmax-max-n", type=int, default=8192)
-    ap.add_argument("--torch-max-n", type=int, default=8192)
-    ap.add_argument("--headline-rounds", type=int, default=9,
+    ap.add_argument("--ns", type=positive_int_list, default=None, help="comma-separated sequence lengths")
+    ap.add_argument("--dtypes", type=_dtypes, default="float32,float64", help="comma-separated, of float32, float64")
+    ap.add_argument("--repeats", type=positive_int, default=5)
+    ap.add_argument("--budget", type=positive_float, default=4.0,
+                    help="seconds per cell before repeats are cut to 3")
+    ap.add_argument("--scan-max-n", type=nonnegative_int, default=65536)
+    ap.add_argument("--quadratic-max-n", type=nonnegative_int, default=2048)
+    ap.add_argument("--softmax-max-n", type=nonnegative_int, default=8192)
+    ap.add_argument("--torch-max-n", type=nonnegative_int, default=8192)
+    ap.add_argument("--headline-rounds", type=nonnegative_int, default=9,
                     help="interleaved rounds for the target ratios (0: take them from the table)")
-    ap.add_argument("--pause", type=float, default=0.5,
+    ap.add_argument("--pause", type=nonnegative_float, default=0.5,
                     help="seconds of rest after sgemm in each interleaved round (OpenBLAS threads spin-wait)")
     ap.add_argument("--headline-only", action="store_true", help="only the interleaved target ratios")
     ap.add_argument("--sweep-chunk", action="store_true")
-    ap.add_argument("--dims", default="64", help="D = M values of the chunk sweep, comma-separated")
+    ap.add_argument("--dims", type=positive_int_list, default=[64],
+                    help="D = M values of the chunk sweep, comma-separated (default 64)")
     ap.add_argument("--sweep-auto", action="store_true")
     ap.add_argument("--check-cost", action="store_true",
                     help="check_finite=True vs False on the headline call, interleaved rounds")
     ap.add_argument("--check-cost-all", action="store_true",
                     help="with --check-cost: also the scan, the non-causal kernel and softmax_attention")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/causal_cpu.json)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/causal_cpu.json; "
+                    "a partial run of the table writes only to --out)")
     args = ap.parse_args(argv)
+    args.partial = [o for o, on in (("--quick", args.quick), ("--headline-only", args.headline_only),
+                                    ("--ns", args.ns is not None),
+                                    ("--dtypes", args.dtypes != ap.get_default("dtypes")),
+                                    *((f"--{k.replace('_', '-')}", getattr(args, k) < ap.get_default(k))
+                                      for k in ("scan_max_n", "quadratic_max_n", "softmax_max_n", "torch_max_n")))
+                    if on]
     if args.ns is None:
-        args.ns = "512,4096" if args.quick else ",".join(str(2**p) for p in range(9, 17))
+        args.ns = [512, 4096] if args.quick else [2**p for p in range(9, 17)]
     if args.sweep_chunk:
         return run_sweep_chunk(args)
     if args.sweep_auto:
@@ -429,7 +461,7 @@ def main(argv=None):
     if args.check_cost or args.check_cost_all:
         return run_check_cost(args)
     if args.headline_only:
-        args.ns = ""
+        args.ns = []
         args.dtypes = ""
     return run_table(args)
 

@@ -21,7 +21,7 @@ import json
 import subprocess
 import sys
 
-from _common import ROOT, machine, print_machine, table, write_json
+from _common import ROOT, machine, positive_int, print_machine, table, write_json
 
 CHILD = r"""
 import json, os, resource, sys
@@ -82,10 +82,10 @@ def measure(method, B, N, D, M, dtype):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=2**20)
-    ap.add_argument("--b", type=int, default=1)
-    ap.add_argument("--d", type=int, default=64)
-    ap.add_argument("--m", type=int, default=64)
+    ap.add_argument("--n", type=positive_int, default=2**20)
+    ap.add_argument("--b", type=positive_int, default=1)
+    ap.add_argument("--d", type=positive_int, default=64)
+    ap.add_argument("--m", type=positive_int, default=64)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--methods", default="chunked")
     ap.add_argument("--out", default=None)

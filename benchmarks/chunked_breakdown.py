@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numba
 import numpy as np
-from _common import ROOT, machine, print_machine, table, write_json
+from _common import ROOT, machine, positive_int, print_machine, table, write_json
 from numba import njit
 
 if "--worker" in sys.argv:  # --against: this process times the steps of the checkout named after --worker
@@ -235,8 +235,8 @@ def _against(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--n", type=int, default=4096, help="tokens per sequence")
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--n", type=positive_int, default=4096, help="tokens per sequence")
+    ap.add_argument("--rounds", type=positive_int, default=15)
     ap.add_argument("--against", metavar="DIR", help="another checkout (the 'old' one): both timed side by side, "
                     "interleaved, each in its own process (e.g. git worktree add /tmp/old <rev>)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)

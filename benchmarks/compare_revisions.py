@@ -425,15 +425,30 @@ def bench(old: Worker, new: Worker, cases, rounds: int, inner: int, clock: str =
     return rows, times
 
 
+def _count(text):
+    """``type=`` of the count options: :func:`_common.positive_int`, imported only when an option is given
+    (a worker process must not import ``_common`` before it sets up its own environment)."""
+    from _common import positive_int
+
+    return positive_int(text)
+
+
+def _count0(text):
+    """``type=`` of the options where 0 means something: :func:`_common.nonnegative_int`, imported lazily."""
+    from _common import nonnegative_int
+
+    return nonnegative_int(text)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--against", help="root of the other checkout (the 'old' one)")
     ap.add_argument("--new", default=str(HERE.parent), help="root of the 'new' checkout (default: this one)")
     ap.add_argument("--check", action="store_true", help="compare outputs instead of timing")
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--inner", type=int, default=3, help="calls per measurement (their median counts)")
-    ap.add_argument("--threads", type=int, default=0, help="NUMBA_NUM_THREADS of the workers (0: Numba's default)")
+    ap.add_argument("--rounds", type=_count, default=9)
+    ap.add_argument("--inner", type=_count, default=3, help="calls per measurement (their median counts)")
+    ap.add_argument("--threads", type=_count0, default=0, help="NUMBA_NUM_THREADS of the workers (0: Numba's default)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="wall time, or the worker's CPU time (all its threads; steadier on a shared machine)")
     ap.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES), metavar="CASE")

@@ -49,7 +49,9 @@ Cases (``--cases``):
 The table gives the median ms per case and configuration, and each one's
 ratio to the best configuration of its case in the same run.  Printed with
 it: the CPU model, the BLAS (threadpoolctl), the load averages before and
-after.  Results: benchmarks/results/contention.json.
+after.  Results: ``--out FILE`` or, for a run of every default configuration and case,
+benchmarks/results/contention.json (a ``--cases`` or ``--configs`` run without ``--out``
+writes nothing and says so).
 """
 from __future__ import annotations
 
@@ -204,20 +206,35 @@ def _blas_line() -> str:
                      for i in threadpool_info() if i.get("user_api") == "blas")
 
 
+def _count(text):
+    """``type=`` of the count options: :func:`_common.positive_int`, imported only when an option is given
+    (a worker process must not import ``_common`` before it sets up its own environment)."""
+    from _common import positive_int
+
+    return positive_int(text)
+
+
+def _count0(text):
+    """``type=`` of the options where 0 means something: :func:`_common.nonnegative_int`, imported lazily."""
+    from _common import nonnegative_int
+
+    return nonnegative_int(text)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS)
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
-    ap.add_argument("--busy", type=int, default=1, help="busy processes running beside (default 1)")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--inner", type=int, default=3, help="calls per measurement (their median counts)")
+    ap.add_argument("--busy", type=_count0, default=1, help="busy processes running beside (default 1)")
+    ap.add_argument("--rounds", type=_count, default=7)
+    ap.add_argument("--inner", type=_count, default=3, help="calls per measurement (their median counts)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/contention.json)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker is not None:
         return _worker(json.loads(args.worker))
 
-    from _common import cpu_model, machine, write_json
+    from _common import cpu_model, machine, partial_run_note, write_json
 
     specs = [_parse(c) for c in args.configs]
     workers = []
@@ -281,6 +298,11 @@ def main(argv=None):
             row[case + "_all_ms"] = [t * 1e3 for t in times[case, i]]
         rows.append(row)
         print(f"{cfg:<{width}s} {infos[i]['layer']:>9s} " + " ".join(cells))
+    partial = [o for o, on in (("--cases", set(args.cases) != set(CASES)),
+                               ("--configs", set(args.configs) != set(DEFAULT_CONFIGS))) if on]
+    if args.out is None and partial:
+        partial_run_note(" ".join(partial), "contention")
+        return rows
     path = write_json("contention", {"machine": machine(), "cpu_model": cpu_model(), "blas": _blas_line(),
                                      "busy": args.busy, "load_before": load0, "load_after": load1,
                                      "args": vars(args), "rows": rows}, args.out)

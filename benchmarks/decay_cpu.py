@@ -23,8 +23,11 @@ per feature in [-0.5, -0.001]), float64, as models produce them.
 Accuracy: float32 q, k, v (B*H = 1, D = M = 64, ELU+1) at N = 2**20 with a
 constant gamma = 0.999 (per head, broadcast per token): relative Frobenius
 error of the float32 chunked and scan outputs against the float64 scan of the
-same float32 inputs (target: chunked <= 5e-7).  Results:
-benchmarks/results/decay_cpu.json.
+same float32 inputs (target: chunked <= 5e-7).
+
+Results: ``--out FILE``, or by default benchmarks/results/decay_cpu.json for a full run (a
+``--quick`` or ``--no-accuracy`` run without ``--out`` writes nothing and says so).  Counts and
+sizes (``--rounds``, ``--inner``, ``--n``, ...) must be positive integers.
 """
 from __future__ import annotations
 

@@ -29,7 +29,10 @@ Usage::
     python benchmarks/decode.py --quick          # up to 16k, fewer steps
     python benchmarks/decode.py --contexts 1024 65536 --steps 5000
 
-Prints a table and writes JSON to benchmarks/results/decode.json.  Timings are
+Prints a table and writes JSON to ``--out FILE`` or, for a full run, to
+benchmarks/results/decode.json (a partial run -- ``--quick``, ``--contexts``,
+``--rounds 0``, ``--no-kernel-compare`` -- without ``--out`` writes nothing and
+says so).  Counts and sizes must be positive (``--rounds`` may be 0).  Timings are
 medians over many steps; on a shared machine, run it when it is quiet and
 compare numbers from one run only.
 """
@@ -175,22 +178,28 @@ def kernel_only(st, tokens, steps, warmup):
 
 
 def main(argv=None):
+    from _common import nonnegative_int, partial_run_note, positive_float, positive_int
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--contexts", type=int, nargs="+",
+    p.add_argument("--contexts", type=positive_int, nargs="+",
                    default=[1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144])
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--dim", type=int, default=64, help="D = M")
+    p.add_argument("--heads", type=positive_int, default=16)
+    p.add_argument("--dim", type=positive_int, default=64, help="D = M")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    p.add_argument("--steps", type=int, default=5000, help="timed state steps per context")
-    p.add_argument("--kv-budget", type=float, default=3.0, help="seconds of timed KV steps per context")
+    p.add_argument("--steps", type=positive_int, default=5000, help="timed state steps per context")
+    p.add_argument("--kv-budget", type=positive_float, default=3.0, help="seconds of timed KV steps per context")
     p.add_argument("--quick", action="store_true", help="contexts up to 16k, 1000 steps")
-    p.add_argument("--out", default=os.path.join(RESULTS, "decode.json"))
-    p.add_argument("--rounds", type=int, default=15,
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode.json; a partial run "
+                   "-- --quick, --contexts, --rounds 0, --no-kernel-compare -- writes only to --out)")
+    p.add_argument("--rounds", type=nonnegative_int, default=15,
                    help="interleaved rounds of the flatness check (0: skip it)")
-    p.add_argument("--round-steps", type=int, default=400, help="state steps per context per round")
+    p.add_argument("--round-steps", type=positive_int, default=400, help="state steps per context per round")
     p.add_argument("--no-kernel-compare", action="store_true",
                    help="skip the serial/parallel kernel comparison")
     args = p.parse_args(argv)
+    partial = [o for o, on in (("--quick", args.quick), ("--contexts", args.contexts != p.get_default("contexts")),
+                               ("--rounds 0", args.rounds == 0), ("--no-kernel-compare", args.no_kernel_compare))
+               if on]
     if args.quick:
         args.contexts = [c for c in args.contexts if c <= 16384] or args.contexts
         args.steps = min(args.steps, 1000)
@@ -317,6 +326,11 @@ def main(argv=None):
     except OSError:
         pass
     print("# summary:", json.dumps(summary, indent=None, default=float))
+    if args.out is None and partial:
+        partial_run_note(" ".join(partial), "decode")
+        return rows, summary
+    if args.out is None:
+        args.out = os.path.join(RESULTS, "decode.json")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"date": _dt.datetime.now().isoformat(timespec="seconds"), "machine": info,

@@ -24,7 +24,11 @@ range), the gated rule's log-decays per token in [-0.1, -0.001].
 Accuracy: float32 q, k, v (B*H = 1, D = M = 64, silu_l2, beta per token)
 at N = 2**20: relative Frobenius error of the float32 chunked and scan
 outputs of the delta rule against the float64 scan of the same float32
-inputs (target: chunked <= 1e-6).  Results: benchmarks/results/delta_cpu.json.
+inputs (target: chunked <= 1e-6).
+
+Results: ``--out FILE``, or by default benchmarks/results/delta_cpu.json for a full run (a
+``--quick`` or ``--no-accuracy`` run without ``--out`` writes nothing and says so).  Counts and
+sizes (``--rounds``, ``--inner``, ``--n``, ...) must be positive integers.
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import cpu_model, interleaved_medians, machine, print_machine, table  # noqa: E402
+from _common import cpu_model, interleaved_medians, machine, positive_int, print_machine, table  # noqa: E402
 
 import linattn_nb as la  # noqa: E402
 
@@ -190,12 +190,12 @@ def vjp(N, rounds) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="N = 1024, 5 rounds")
-    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--rounds", type=positive_int, default=9)
     ap.add_argument("--accuracy", action="store_true", help="KDA float32 at N = 2^20 against the float64 scan")
     ap.add_argument("--against", metavar="DIR", help="a checkout of linattn_nb to time side by side with this one")
     ap.add_argument("--vjp", action="store_true", help="dplr_attention_vjp (chunked and scan backward) against "
                     "the forward, KDA and the general form")
-    ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", type=positive_int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.accuracy:
         return accuracy()

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import interleaved_medians, print_machine, table  # noqa: E402
+from _common import interleaved_medians, positive_int, print_machine, table  # noqa: E402
 
 from linattn_nb import config  # noqa: E402
 from linattn_nb.ops.dplr import chunked, chunked_grad, cpu  # noqa: E402
@@ -66,7 +66,7 @@ def _with_limit(fn, limit):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=positive_int, default=7)
     args = ap.parse_args(argv)
     print_machine()
     rng = np.random.default_rng(0)

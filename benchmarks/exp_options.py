@@ -38,7 +38,7 @@ import argparse
 import time
 
 import numpy as np
-from _common import machine, print_machine, table, write_json
+from _common import machine, positive_int, print_machine, table, write_json
 from numba import njit
 
 from linattn_nb.ops import _vec as V
@@ -168,8 +168,8 @@ def _accuracy(fn):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--n", type=int, default=1 << 20, help="arguments per call")
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--n", type=positive_int, default=1 << 20, help="arguments per call")
+    ap.add_argument("--rounds", type=positive_int, default=15)
     args = ap.parse_args(argv)
     import numba
 

@@ -6,6 +6,9 @@ Run::
     python benchmarks/fit_cpu.py --quick      # 1 round of 20 iterations, memory at N = 4096
     python benchmarks/fit_cpu.py --rounds 5 --skip-memory --cases float32
 
+Only a full run (no ``--quick``, ``--skip-memory`` or ``--cases`` subset) writes
+benchmarks/results/fit_cpu.json by default; a partial run writes only to ``--out FILE``.
+
 Speed: ``feature_maps.fit("hedgehog", q, k, steps=200,
 tol=0)`` (``tol=0``: no early stop, all 200 iterations run unless the line
 search fails; the table says how many ran) on one sequence, q, k ~ N(0, I),
@@ -36,7 +39,8 @@ import time
 
 import numpy as np
 
-from _common import cpu_model, machine, print_machine, sgemm_gflops, table, write_json
+from _common import (cpu_model, machine, partial_run_note, positive_int, print_machine, sgemm_gflops, table,
+                     write_json)
 
 MEMORY_CODE = r"""
 import json, resource, sys, tracemalloc
@@ -79,19 +83,20 @@ def memory(n, d):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="1 round of 20 iterations, memory at N = 4096")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; --quick 1)")
-    p.add_argument("--steps", type=int, default=None, help="L-BFGS iterations (default 200; --quick 20)")
-    p.add_argument("--n", type=int, default=4096)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--memory-n", type=int, default=None, help="N of the memory check (default 16384)")
+    p.add_argument("--rounds", type=positive_int, default=None, help="interleaved rounds (default 3; --quick 1)")
+    p.add_argument("--steps", type=positive_int, default=None, help="L-BFGS iterations (default 200; --quick 20)")
+    p.add_argument("--n", type=positive_int, default=4096)
+    p.add_argument("--dim", type=positive_int, default=64)
+    p.add_argument("--memory-n", type=positive_int, default=None,
+                   help="N of the memory check (default 16384; --quick 4096)")
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--cases", default=None,
                    help="comma-separated subset of: float32, float32+validation, float64, float64+validation")
     p.add_argument("--out", default=None, help="JSON results file (default benchmarks/results/fit_cpu.json)")
     args = p.parse_args(argv)
-    rounds = args.rounds or (1 if args.quick else 3)
-    steps = args.steps or (20 if args.quick else 200)
-    mem_n = args.memory_n or (4096 if args.quick else 16384)
+    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
+    steps = args.steps if args.steps is not None else (20 if args.quick else 200)
+    mem_n = args.memory_n if args.memory_n is not None else (4096 if args.quick else 16384)
 
     info = machine()
     print_machine()
@@ -157,6 +162,11 @@ def main(argv=None):
               f"{mem['tracemalloc_peak_bytes'] / 2**20:.0f} MiB, peak RSS rise {mem['rss_rise_bytes'] / 2**20:.0f} MiB, "
               f"peak RSS {mem['peak_rss_bytes'] / 2**20:.0f} MiB (the N x N float64 matrix: {nn / 2**20:.0f} MiB); "
               f"{mem['seconds']:.1f} s")
+    partial = [o for o, on in (("--quick", args.quick), ("--skip-memory", args.skip_memory),
+                               ("--cases", len(cases) < 4)) if on]
+    if args.out is None and partial:
+        partial_run_note(" ".join(partial), "fit_cpu")
+        return
     path = write_json("fit_cpu", {"machine": info, "cpu_model": cpu_model(), "args": vars(args),
                                   "load_before": load0, "load_after": load1, "sgemm_before": gemm0,
                                   "sgemm_after": gemm1, "rows": rows, "times": times, "target": target,

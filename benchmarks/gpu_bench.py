@@ -155,16 +155,18 @@ def roofline(B, H, N, D, M, bw_tbs, peak_tflops, itemsize=4):
 
 
 def main(argv=None):
+    from _common import nonnegative_int, positive_float, positive_int
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--B", type=int, default=8)
-    ap.add_argument("--H", type=int, default=16)
-    ap.add_argument("--D", type=int, default=64)
-    ap.add_argument("--M", type=int, default=64)
-    ap.add_argument("--N", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
-    ap.add_argument("--target-n", type=int, default=16384,
+    ap.add_argument("--B", type=positive_int, default=8)
+    ap.add_argument("--H", type=positive_int, default=16)
+    ap.add_argument("--D", type=positive_int, default=64)
+    ap.add_argument("--M", type=positive_int, default=64)
+    ap.add_argument("--N", type=positive_int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
+    ap.add_argument("--target-n", type=positive_int, default=16384,
                     help="N of the target row and of the check_finite overhead row")
-    ap.add_argument("--cpu-max-n", type=int, default=4096, help="largest N timed on the CPU path")
-    ap.add_argument("--budget-s", type=float, default=170.0, help="stop starting new measurements after this")
+    ap.add_argument("--cpu-max-n", type=nonnegative_int, default=4096, help="largest N timed on the CPU path")
+    ap.add_argument("--budget-s", type=positive_float, default=170.0, help="stop starting new measurements after this")
     ap.add_argument("--no-sweep", action="store_true", help="skip the crossover and launch-config sweeps")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode-step timing")
     ap.add_argument("--rule-layouts", action="store_true",

@@ -53,7 +53,7 @@ import time
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # this process never launches; subprocesses compile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import ROOT, cpu_model, print_machine, table, write_json  # noqa: E402
+from _common import ROOT, cpu_model, positive_int, print_machine, table, write_json  # noqa: E402
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -292,7 +292,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="results (default benchmarks/results/gpu_static.json)")
     ap.add_argument("--no-sass", action="store_true", help="skip the disassembly and the loop tables")
     ap.add_argument("--all-loops", action="store_true", help="every innermost loop (default: 3 per kernel)")
-    ap.add_argument("--jobs", type=int, default=None, help="compiling subprocesses (default: CPUs)")
+    ap.add_argument("--jobs", type=positive_int, default=None, help="compiling subprocesses (default: CPUs)")
     args = ap.parse_args(argv)
 
     import numba

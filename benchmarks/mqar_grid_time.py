@@ -27,7 +27,7 @@ import argparse
 import json
 import time
 
-from _common import machine, print_machine
+from _common import machine, nonnegative_int, positive_int, print_machine
 
 
 def _point_time(layer, head_dim, kv, warm, steps):
@@ -81,10 +81,10 @@ class _Ctx:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", type=positive_int, default=2)
     ap.add_argument("--layers", default=None, help="comma-separated layer keys (default: every layer)")
-    ap.add_argument("--warm", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warm", type=nonnegative_int, default=3)
+    ap.add_argument("--steps", type=positive_int, default=8)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from linattn_nb.studies import mqar as S

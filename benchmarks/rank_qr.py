@@ -189,10 +189,12 @@ def cpu_model():
 
 
 def main(argv=None):
+    from _common import positive_int
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=1_000_000)
-    ap.add_argument("--d", type=int, nargs="+", default=[16, 64, 256])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--n", type=positive_int, default=1_000_000)
+    ap.add_argument("--d", type=positive_int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--rounds", type=positive_int, default=3)
     ap.add_argument("--ways", nargs="+", default=["hand", "tpqrt", "qr"], choices=["hand", "tpqrt", "qr"])
     args = ap.parse_args(argv)
 

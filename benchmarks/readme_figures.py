@@ -13,14 +13,16 @@ Sources (all in the repository):
 - ``benchmarks/results/{horizon,rules}.jsonl`` (``linattn report``'s raw results): the memory-horizon and
   update-rules studies' figures.
 
-``tests/test_readme_figures_benchmarks.py`` checks that the README contains each sentence as printed and that
+``--help`` lists the options; an unknown option is refused (exit 2) and writes nothing.
+
+``tests/test_readme_figures.py`` checks that the README contains each sentence as printed and that
 ``docs/measured.md`` is the page the results files give.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -269,8 +271,12 @@ def page(root: Path = ROOT) -> str:
 
 
 def main(argv=None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if "--page" in args:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    ap.add_argument("--page", action="store_true",
+                    help="rewrite docs/measured.md (the tables of every results file) instead of printing "
+                         "the README's sentences")
+    args = ap.parse_args(argv)
+    if args.page:
         PAGE.write_text(page(), encoding="utf-8")
         print(f"wrote {PAGE}")
         return 0

@@ -22,10 +22,12 @@ from linattn_nb.feature_maps import DpfpFeatureMap, EluFeatureMap
 
 
 def main(argv=None):
+    from _common import positive_int
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--d", type=int, default=64)
-    ap.add_argument("--n", type=int, nargs="+", default=[20, 60, 128, 256, 384, 600])
-    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--d", type=positive_int, default=64)
+    ap.add_argument("--n", type=positive_int, nargs="+", default=[20, 60, 128, 256, 384, 600])
+    ap.add_argument("--trials", type=positive_int, default=3)
     args = ap.parse_args(argv)
     maps = [EluFeatureMap(), DpfpFeatureMap(1), DpfpFeatureMap(2), DpfpFeatureMap(3)]
     from _common import print_machine

@@ -9,7 +9,8 @@ Cold: ``NUMBA_CACHE_DIR`` points at an empty temporary folder, so every kernel
 the call needs is compiled.  The child runs
 ``linear_attention(q, k, v, causal=True)`` at shape (1, 1, 128, 64) float32.
 Reported: median wall time of the whole ``python -c`` (target warm <= 2 s)
-and the cold time.  Results: benchmarks/results/startup.json.
+and the cold time.  Results: benchmarks/results/startup.json (or ``--out FILE``).
+``--repeats`` must be a positive integer.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from _common import ROOT, machine, print_machine, table, write_json
+from _common import ROOT, machine, positive_int, print_machine, table, write_json
 
 CHILD = (
     "import sys; sys.path.insert(0, {root!r}); import numpy as np, linattn_nb; "
@@ -42,8 +43,8 @@ def run_once(env=None):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--repeats", type=positive_int, default=5, help="warm runs (default 5)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/startup.json)")
     args = ap.parse_args(argv)
     info = machine()
     run_once()  # fill the cache

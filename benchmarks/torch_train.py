@@ -28,14 +28,15 @@ chunked`` and >= 3x faster than ``torch SDPA``.  The outputs and gradients
 of the adapter and of ``torch chunked`` are compared once (relative
 Frobenius error) so the two compute the same thing.  Thread counts are the
 libraries' defaults (all cores for torch and for Numba); they are printed.
-Results: benchmarks/results/torch_train.json.
+Results: benchmarks/results/torch_train.json.  Counts and sizes (``--rounds``,
+``--inner``, ``--n``, ``--chunk``, ...) must be positive integers.
 """
 from __future__ import annotations
 
 import argparse
 
 import numpy as np
-from _common import cpu_model, interleaved_medians, machine, print_machine, table, write_json
+from _common import cpu_model, interleaved_medians, machine, positive_int, print_machine, table, write_json
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -81,14 +82,14 @@ def _rel(a, b):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="3 rounds")
-    ap.add_argument("--bh", type=int, default=16, help="B*H (as B=1, H=bh)")
-    ap.add_argument("--n", type=int, default=4096)
-    ap.add_argument("--d", type=int, default=64, help="D = M")
-    ap.add_argument("--chunk", type=int, default=64, help="chunk size of the torch chunked reference")
+    ap.add_argument("--bh", type=positive_int, default=16, help="B*H (as B=1, H=bh)")
+    ap.add_argument("--n", type=positive_int, default=4096)
+    ap.add_argument("--d", type=positive_int, default=64, help="D = M")
+    ap.add_argument("--chunk", type=positive_int, default=64, help="chunk size of the torch chunked reference")
     ap.add_argument("--method", default="auto", help="the adapter's method (default auto)")
-    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7; --quick 3)")
-    ap.add_argument("--inner", type=int, default=1, help="calls per measurement (their median counts)")
-    ap.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--rounds", type=positive_int, default=None, help="interleaved rounds (default 7; --quick 3)")
+    ap.add_argument("--inner", type=positive_int, default=1, help="calls per measurement (their median counts)")
+    ap.add_argument("--torch-threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/torch_train.json)")
     args = ap.parse_args(argv)
     if args.rounds is None:
