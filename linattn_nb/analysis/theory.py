@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import _frontend as FE
+from .. import _validate as V
 from .. import feature_maps as fm
 from . import _common as C
 
@@ -52,8 +53,11 @@ def _pairs(x, y):
     for name, a in (("x", x), ("y", y)):
         if np.iscomplexobj(a):  # asarray(..., float64) would drop the imaginary part with a warning only
             raise TypeError(f"{name} must be real, got a complex array")
-    x = np.asarray(x, dtype=np.float64)
-    y = np.asarray(y, dtype=np.float64)
+    try:
+        x = np.asarray(x, dtype=np.float64)
+        y = np.asarray(y, dtype=np.float64)
+    except (TypeError, ValueError) as exc:  # strings, ragged lists: NumPy's message names neither
+        raise TypeError(f"x and y must be real arrays (..., d): {exc}") from None
     if x.ndim < 1 or y.ndim < 1:
         raise ValueError(f"x and y must have at least 1 dimension (..., d), got shapes {x.shape} and {y.shape}")
     if x.shape[-1] != y.shape[-1]:
@@ -90,9 +94,7 @@ def _scalar(r):
 
 
 def _check_count(name, x, minimum=1):
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {x!r}")
-    return int(x)
+    return V.check_int(name, x, minimum)  # TypeError for a float or a string, ValueError below minimum
 
 
 def kernel_estimate_mse(feature_map, x, y, draws, *, target=None):
@@ -122,6 +124,8 @@ def kernel_estimate_mse(feature_map, x, y, draws, *, target=None):
     ------
     ValueError
         Mismatched shapes, non-finite pairs, ``draws < 2``.
+    TypeError
+        ``draws`` not an integer; ``x`` or ``y`` not real arrays.
 
     Examples
     --------
@@ -198,6 +202,8 @@ def favor_mse(x, y, num_features, kind="positive"):
     >>> float(favor_mse(x, y, 10)), round(float(favor_mse(x, y, 10, "trig")), 4)
     (0.0, 0.356)
     """
+    if not isinstance(kind, str):
+        raise TypeError(f"kind must be 'positive', 'trig' or 'hyperbolic', got {type(kind).__name__} {kind!r}")
     x, y = _pairs(x, y)
     m = _check_count("num_features", num_features)
     xy = np.sum(x * y, axis=-1)
@@ -238,6 +244,8 @@ def orthogonal_mse_bound(x, y, num_features):
     ------
     ValueError
         If ``m > d`` (the theorem covers one orthogonal block).
+    TypeError
+        ``num_features`` not an integer; ``x`` or ``y`` not real arrays.
 
     Examples
     --------

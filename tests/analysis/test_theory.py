@@ -139,6 +139,15 @@ def test_input_checks():
         kernel_estimate_mse("elu", x, x, draws=1)
     with pytest.raises(ValueError, match="finite"):
         favor_mse(np.array([np.nan, 1.0]), np.ones(2), 2)
+    # the wrong type is a TypeError naming the argument (a count given as "4" or 2.5 was a ValueError; a string
+    # x NumPy's "could not convert string to float", naming nothing)
+    for bad in ("4", 2.5):
+        with pytest.raises(TypeError, match="num_features must be an integer"):
+            favor_mse(x, x, bad)
+    with pytest.raises(TypeError, match="kind must be"):
+        favor_mse(x, x, 2, kind=3)
+    with pytest.raises(TypeError, match="x and y must be real arrays"):
+        orthogonal_mse_bound(["ab", "cd"], x[0, :2], 1)
 
 
 def test_closed_forms_special_values():
