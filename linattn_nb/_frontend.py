@@ -482,7 +482,7 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
             elif eps is not None or not normalize:
                 # no normaliser of 0 here (eps=None's documented NaN): float64 itself overflowed
                 raise float64_overflow("an output or the state", fmap, q, k, v,
-                                       zero_floor=bool(normalize) and eps == 0) from None
+                                       zero_floor=floor_is_zero(normalize, eps)) from None
             # eps=None: the result is what float64 gives (0 / 0 where a normaliser is 0): kept
         if not direct:
             result[...] = target.reshape(out_shape)
@@ -505,6 +505,12 @@ def _magnitudes(q, k, v) -> str:
 def feature_overflow64(err: FeatureOverflow, q, k, v) -> Float64FeatureOverflow:
     """:class:`Float64FeatureOverflow` of the map's float64 ``err`` (host q, k, v: their magnitudes)."""
     return Float64FeatureOverflow(f"{err} (largest magnitudes: {_magnitudes(q, k, v)})", _F64)
+
+
+def floor_is_zero(normalize, eps) -> bool:
+    """Whether a call's floor is 0 (``eps=0`` on normalised outputs): a normaliser of 0 then divides by 0, which
+    :func:`float64_overflow` names instead of an overflow."""
+    return bool(normalize) and eps is not None and eps == 0
 
 
 def float64_overflow(what: str, fmap, q, k, v, *, zero_floor: bool = False) -> NonFiniteResult:

@@ -18,7 +18,7 @@ from . import config
 from ._blas import parallel_entry
 from ._workarrays import thread_array
 from ._frontend import (LinearState, feature_overflow64, featurise, float64_overflow, host_array, host_call,
-                        host_state, parse_state, resolve_call, state_from_H)
+                        host_state, parse_state, resolve_call, state_from_H, floor_is_zero)
 from .device import on_device
 from .feature_maps._base import FeatureOverflow
 from .ops import methods  # noqa: F401  (registers the built-in rules and methods)
@@ -319,7 +319,7 @@ def check_float64(req: Request, arrays, what: str, qkv) -> None:
         return
     if all(x is None or all_finite(x) for x in arrays):
         return
-    raise float64_overflow(what, req.fmap, *qkv, zero_floor=bool(req.normalize) and req.eps == 0)
+    raise float64_overflow(what, req.fmap, *qkv, zero_floor=floor_is_zero(req.normalize, req.eps))
 
 
 def overflowed(req: Request, nd, HN, want_out: bool) -> bool:
@@ -352,6 +352,11 @@ def _grad_state(grad_state, req: Request):
     dH[:, :, : req.m] = dS.reshape(req.b, req.f, req.m)
     dH[:, :, req.m] = dz.reshape(req.b, req.f)
     return dH
+
+
+def _host_qkv(q, k, v):
+    """q, k, v as host arrays (for the magnitudes an overflow error quotes)."""
+    return tuple(host_array(nm, x) for nm, x in (("q", q), ("k", k), ("v", v)))
 
 
 def _checked_grad(name, x, want, of, req: Request, finite: bool = True) -> np.ndarray:
@@ -625,12 +630,12 @@ def linear_attention_vjp(q, k, v, grad_out, *, feature_map, causal, method, devi
         req = prepare(q, k, v, reuse=True, **kw)
     except FeatureOverflow as e:
         if e.dtype == _F64:  # as linear_attention raises it
-            raise feature_overflow64(e, *(host_array(nm, x) for nm, x in (("q", q), ("k", k), ("v", v)))) from None
+            raise feature_overflow64(e, *_host_qkv(q, k, v)) from None
         return _vjp_float64(q, k, v, grad_out, grad_state, kw)  # the map's features overflowed float32
     known = set()
     work = req.work
     checks64, fmap = _checks_float64(req), req.fmap  # read before the request is freed
-    zero_floor = bool(req.normalize) and req.eps == 0
+    floor0 = floor_is_zero(req.normalize, req.eps)
     if _normalized_fused(req, grad_out):
         res = backward_normalized(req, grad_out, grad_state, finite=known)
         del req
@@ -647,8 +652,7 @@ def linear_attention_vjp(q, k, v, grad_out, *, feature_map, causal, method, devi
         # finite inputs, non-finite gradients: the working dtype overflowed; float64 throughout
         return _vjp_float64(q, k, v, grad_out, grad_state, kw)
     if checks64 and not _finite(res, known):
-        raise float64_overflow("a gradient", fmap, *(host_array(nm, x) for nm, x in (("q", q), ("k", k), ("v", v))),
-                               zero_floor=zero_floor)
+        raise float64_overflow("a gradient", fmap, *_host_qkv(q, k, v), zero_floor=floor0)
     return res
 
 
@@ -678,7 +682,7 @@ def backward_after_forward(req: Request, nd, grad_out, grad_state, qkv, kw) -> V
         res = backward(req, nd, grad_out, grad_state)
         known = set()
     if _checks_float64(req) and not _finite(res, known):
-        raise float64_overflow("a gradient", req.fmap, *qkv, zero_floor=bool(req.normalize) and req.eps == 0)
+        raise float64_overflow("a gradient", req.fmap, *qkv, zero_floor=floor_is_zero(req.normalize, req.eps))
     return res
 
 

@@ -34,7 +34,7 @@ _GENERAL = "dplr"
 
 
 def _floating(name, x):
-    """``x`` read as every entry point reads an input (:func:`~linattn_nb._validate.as_host_array`: masked,
+    """``x`` read as every entry point reads an input (:func:`~linattn_nb._arrays.as_host_array`: masked,
     object, ragged and None refused, naming ``name``), of dtype float16, float32 or float64 (TypeError)."""
     arr = as_host_array(name, x)
     check_float_dtype(name, arr.dtype)
