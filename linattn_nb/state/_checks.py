@@ -48,7 +48,7 @@ def check_state_dtype(dtype, what: str = "the state's accumulation precision") -
     return dt
 
 
-def _shape_text(shape) -> str:
+def shape_text(shape) -> str:
     """A shape with symbolic axes, unquoted: ``(2, T, 8)``."""
     items = [str(x) for x in shape]
     return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
@@ -63,7 +63,7 @@ def check_shapes(batch_shape, pairs) -> int:
         if len(shp) != nb + 2 or shp[:nb] != batch_shape or shp[-1] != last:
             label = "value_dim" if name == "v" else "key_dim"
             raise ValueError(
-                f"{name} must have shape {_shape_text(batch_shape + ('T', last))} (batch_shape {batch_shape}, "
+                f"{name} must have shape {shape_text(batch_shape + ('T', last))} (batch_shape {batch_shape}, "
                 f"T tokens, {label} {last}), got {shp}"
             )
         if T is None:

@@ -11,7 +11,7 @@ from .linear import LinearAttentionState as _Linear
 from .._defaults import DEFAULT_EPS
 from .._validate import check_bool, check_eps
 from ..ops._finite import NonFiniteResult
-from ._checks import check_batch_shape
+from ._checks import shape_text, check_batch_shape
 
 _GENERAL = "dplr"
 
@@ -115,6 +115,30 @@ class DPLRState:
     def _one_token(self, x) -> bool:
         return np.ndim(x) == len(self._bs) + 1
 
+    def _check_tokens(self, q, k, v, one: bool) -> None:
+        """``q``, ``k``, ``v`` against this state's batch shape, ``key_dim`` and ``value_dim`` (ValueError naming
+        the argument, in the shapes the caller passed); :func:`~linattn_nb.dplr_attention` checks the rest (dtypes,
+        values, the rule's arguments).  Shapes that NumPy cannot read (ragged lists) are left to it as well."""
+        named = [(n, x) for n, x in (("q", q), ("k", k), ("v", v)) if x is not None]  # prefill: no q
+        try:
+            shapes = {n: tuple(np.shape(x)) for n, x in named}
+        except ValueError:
+            return
+        bs = self._bs
+        tok = () if one else ("T",)
+        # DeltaProduct's keys and values carry n_h writes a token: batch + (T, n_h, D)
+        sub = len(shapes["k"]) == len(bs) + len(tok) + 2 and (self._spec is None or bool(self._spec.substeps))
+        what = "one token" if one else "T tokens"
+        for name, shp in shapes.items():
+            last, label = (self._m, "value_dim") if name == "v" else (self._d, "key_dim")
+            want = bs + tok + (("n_h",) if name != "q" and sub else ()) + (last,)
+            if len(shp) != len(want) or shp[:len(bs)] != bs or shp[-1] != last:
+                raise ValueError(f"{name} must have shape {shape_text(want)} (batch_shape {bs}, {what}, {label} "
+                                 f"{last}), got {shp}")
+        if not one and len({s[len(bs)] for s in shapes.values()}) > 1:
+            raise ValueError(f"{', '.join(shapes)} must have the same number of tokens T (axis {len(bs)}), got "
+                             f"shapes {', '.join(str(s) for s in shapes.values())}")
+
     def step(self, q, k, v, *, check_finite=True, **arguments):
         """Absorb tokens and return their outputs.
 
@@ -125,7 +149,9 @@ class DPLRState:
         An argument without the batch axes (a scalar ``beta`` of a batched state) is refused
         with :func:`~linattn_nb.dplr_attention`'s ValueError naming it.
         """
-        if self._one_token(q):
+        one = self._one_token(q)
+        self._check_tokens(q, k, v, one)
+        if one:
             ax = len(self._bs)
 
             def token_axis(x):  # fewer axes than the batch: passed as it is, for dplr_attention to refuse by name
@@ -140,6 +166,7 @@ class DPLRState:
     def prefill(self, k, v, *, check_finite=True, **arguments) -> None:
         """Absorb a prompt (batch + (T, D) keys; DeltaProduct's batch + (T, n_h, D)) without outputs."""
         k = np.asarray(k)
+        self._check_tokens(None, k, v, False)
         q = k[..., 0, :] if (self._spec is not None and self._spec.substeps) or \
             (self._spec is None and k.ndim == len(self._bs) + 3) else k
         self._run(q, k, v, arguments, check_finite)

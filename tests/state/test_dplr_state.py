@@ -92,6 +92,49 @@ def test_bad_arguments(rng):
     assert st.position == 0  # a refused call leaves the state
 
 
+@pytest.mark.parametrize("call, match", [
+    ("step1 q", r"q must have shape \(2, 4\) \(batch_shape \(2,\), one token, key_dim 4\), got \(2, 3\)"),
+    ("step1 v", r"v must have shape \(2, 3\) \(batch_shape \(2,\), one token, value_dim 3\), got \(2, 4\)"),
+    ("step1 batch", r"q must have shape \(2, 4\) .*got \(3, 4\)"),
+    ("stepT k", r"k must have shape \(2, T, 4\) \(batch_shape \(2,\), T tokens, key_dim 4\), got \(2, 5, 3\)"),
+    ("stepT lengths", r"q, k, v must have the same number of tokens T \(axis 1\)"),
+    ("prefill k", r"k must have shape \(2, T, 4\) .*got \(2, 5, 3\)"),
+    ("prefill v", r"v must have shape \(2, T, 3\) .*got \(2, 5, 2\)"),
+])
+def test_tokens_of_the_wrong_shape_are_named(call, match):
+    """q, k or v of another key_dim, value_dim or batch shape than the state's were reported as a wrong
+    ``initial_state.S`` (the held state, which the caller never passed), e.g. ``initial_state.S must have shape
+    (..., D_phi, M) = (3, 3), got (4, 3)`` for one query of D = 3; LinearAttentionState names the argument."""
+    st = DPLRState(D, M, rule="kda", batch_shape=BS, feature_map="l2")
+    one = dict(decay=np.full(BS + (D,), 0.5), beta=np.full(BS, 0.5))
+    many = dict(decay=np.full(BS + (5, D), 0.5), beta=np.full(BS + (5,), 0.5))
+    x, y = np.ones(BS + (D,)), np.ones(BS + (M,))
+    calls = {
+        "step1 q": lambda: st.step(np.ones(BS + (3,)), x, y, **one),
+        "step1 v": lambda: st.step(x, x, np.ones(BS + (M + 1,)), **one),
+        "step1 batch": lambda: st.step(np.ones((3, D)), np.ones((3, D)), np.ones((3, M)), **one),
+        "stepT k": lambda: st.step(np.ones(BS + (5, D)), np.ones(BS + (5, 3)), np.ones(BS + (5, M)), **many),
+        "stepT lengths": lambda: st.step(np.ones(BS + (5, D)), np.ones(BS + (4, D)), np.ones(BS + (5, M)), **many),
+        "prefill k": lambda: st.prefill(np.ones(BS + (5, 3)), np.ones(BS + (5, M)), **many),
+        "prefill v": lambda: st.prefill(np.ones(BS + (5, D)), np.ones(BS + (5, 2)), **many),
+    }
+    with pytest.raises(ValueError, match=match):
+        calls[call]()
+    assert st.position == 0
+
+
+def test_delta_product_keys_keep_their_writes_axis(rng):
+    """DeltaProduct's keys and values, batch + (T, n_h, D) (batch + (n_h, D) for one token), pass the shape
+    check."""
+    q, k, v, args = _data(rng, "delta_product")
+    st = DPLRState(D, M, rule="delta_product", batch_shape=BS, feature_map="l2")
+    st.prefill(k[:, :3], v[:, :3], **{n: a[:, :3] for n, a in args.items()})
+    st.step(q[:, 3], k[:, 3], v[:, 3], **{n: a[:, 3] for n, a in args.items()})
+    assert st.position == 4
+    with pytest.raises(ValueError, match=r"k must have shape \(2, T, n_h, 4\)"):
+        st.prefill(k[:, :3, :, :3], v[:, :3], **{n: a[:, :3] for n, a in args.items()})
+
+
 @pytest.mark.parametrize("eps, error", [(-1.0, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
                                         ("abc", TypeError)])
 def test_bad_eps_is_refused_at_construction(eps, error):
