@@ -30,7 +30,21 @@ def _launch():
 # Device arrays
 # ---------------------------------------------------------------------------
 def wrap(name, x):
-    """A Numba device array (or simulator array) viewing ``x``'s GPU memory."""
+    """A Numba device array (or simulator array) viewing ``x``'s GPU memory; ValueError naming ``name`` for a
+    reversed view (a negative stride), which the kernels cannot read or write in place."""
+    return _forward_strides(name, _wrap(name, x))
+
+
+def _forward_strides(name, x):
+    strides = tuple(int(s) for s in x.strides)
+    if any(s < 0 for s in strides):
+        raise ValueError(f"{name} is a GPU array with negative strides {strides} (a reversed view, such as x[:, ::-1] "
+                         "or cupy.flip(x)), which the CUDA kernels cannot read or write in place: pass a contiguous "
+                         "copy (cupy.ascontiguousarray(x), tensor.contiguous())")
+    return x
+
+
+def _wrap(name, x):
     if is_simulator_array(x):
         return x
     if cuda_status() == "simulator":

@@ -1024,6 +1024,18 @@ def test_vector_loads_agree_with_scalar_loads(monkeypatch, layout):
                                    rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("which", ["q", "v", "out"])
+def test_reversed_device_arrays_are_refused_by_name(rng, which):
+    """A reversed GPU view (negative strides: ``x[:, ::-1]``, ``cupy.flip``) was refused with "device arrays with
+    negative strides are not supported", naming no argument; the kernels read and write in place, so the message
+    now names it and says how to pass it."""
+    q, k, v = (cuda.to_device(rng.normal(size=(1, 6, 3))) for _ in range(3))
+    args = dict(q=q, k=k, v=v, out=cuda.device_array((1, 6, 3)))
+    args[which] = args[which][:, ::-1]
+    with pytest.raises(ValueError, match=rf"^{which} is a GPU array with negative strides .*a contiguous copy"):
+        la.linear_attention(args["q"], k, args["v"], causal=True, device="cuda", out=args["out"])
+
+
 def test_vector_bits_need_aligned_unit_stride_inputs():
     """Vector loads only where every group of four is aligned: unit feature stride, sizes and
     strides in multiples of 4, an aligned first element; else one element per load."""
