@@ -643,7 +643,7 @@ def main(argv=None) -> int:
 
         from linattn_nb import config
 
-        limit = config.QUADRATIC_MAX_ELEMENTS  # the float64 reference is method='quadratic': N x N
+        limit = config.knob_int("QUADRATIC_MAX_ELEMENTS")  # the float64 reference is method='quadratic': N x N
         if args.length * args.length > limit:
             subparser.error(f"--length {args.length} is too long for the float64 reference (method='quadratic', an "
                             f"N x N matrix): the largest length allowed is {math.isqrt(limit)} "

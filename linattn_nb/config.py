@@ -132,12 +132,15 @@ CPU_CHUNKED_SERIAL_MAX_WORK = _env_int("LINATTN_CPU_CHUNKED_SERIAL_MAX_WORK", 1 
 
 def knob_int(name: str) -> int:
     """``config.<name>`` as an int, for the size knobs assigned at run time: a float, string, bool or None
-    raises TypeError naming the knob (``int()`` would truncate 2.5 to 2, and a string fail in a comparison)."""
+    raises TypeError naming the knob (``int()`` would truncate 2.5 to 2, and a string fail in a comparison), a
+    negative value ValueError (the environment variable refuses it too; -5 read as "unset" would be silent)."""
     import numbers
 
     x = globals()[name]
     if isinstance(x, bool) or not isinstance(x, numbers.Integral):
         raise TypeError(f"config.{name} must be an integer, got {x!r}")
+    if x < 0:  # as its environment variable: 0 is "the default" where a knob has one
+        raise ValueError(f"config.{name} must be >= 0, got {x}")
     return int(x)
 
 
@@ -236,9 +239,8 @@ def cpu_backward_checkpoint(n: int, f: int, m1: int, itemsize: int) -> int:
     """Checkpoint interval of the CPU scan backward (``BACKWARD_CHECKPOINT`` if set): by default the
     ``L = 8 f / itemsize`` at which a float64 state costs about the bytes of ``L`` value rows,
     clipped to [16, 256] and to ``max(n, 1)``."""
-    if BACKWARD_CHECKPOINT > 0:
-        c = int(BACKWARD_CHECKPOINT)
-    else:
+    c = knob_int("BACKWARD_CHECKPOINT")
+    if c <= 0:
         c = min(256, max(16, (8 * int(f)) // max(1, int(itemsize))))
     return max(1, min(c, int(n)))
 
@@ -508,7 +510,8 @@ BACKWARD_DELTA_CHUNK = _env_int("LINATTN_BACKWARD_DELTA_CHUNK", 0)
 
 def cpu_backward_delta_chunk(n: int, f: int, m: int, dtype) -> int:
     """Chunk size of the delta rules' chunked backward (``BACKWARD_DELTA_CHUNK`` if set, else 32), at most n."""
-    c = BACKWARD_DELTA_CHUNK if BACKWARD_DELTA_CHUNK > 0 else 32
+    c = knob_int("BACKWARD_DELTA_CHUNK")
+    c = c if c > 0 else 32
     return max(1, min(int(c), int(n)))
 
 

@@ -180,6 +180,42 @@ def test_a_size_knob_assigned_a_non_integer_is_refused_by_name(monkeypatch, name
     assert la.linear_attention(x, x, x, causal=True, method="chunked").shape == (1, 12, 4)
 
 
+def _knob_call(name):
+    x = np.random.default_rng(0).normal(size=(1, 12, 4))
+    return {
+        "BACKWARD_CHECKPOINT": lambda: la.linear_attention_vjp(x, x, x, x, causal=True, method="scan"),
+        "BACKWARD_DELTA_CHUNK": lambda: la.linear_attention_vjp(x, x, x, x, causal=True, method="chunked",
+                                                                feature_map="l2", beta=np.full((1, 12), 0.5)),
+        "CPU_CHUNKED_SERIAL_MAX_WORK": lambda: la.linear_attention(x, x, x, causal=True, method="chunked"),
+        "QUADRATIC_MAX_ELEMENTS": lambda: la.linear_attention(x, x, x, causal=True, method="quadratic"),
+        "CPU_CHUNK_SIZE": lambda: la.linear_attention(x, x, x, causal=True, method="chunked"),
+    }[name]
+
+
+@pytest.mark.parametrize("name", ["BACKWARD_CHECKPOINT", "BACKWARD_DELTA_CHUNK", "CPU_CHUNKED_SERIAL_MAX_WORK",
+                                  "QUADRATIC_MAX_ELEMENTS"])
+@pytest.mark.parametrize("value", [2.5, "16"])
+def test_every_size_knob_read_by_a_call_refuses_a_non_integer_by_name(monkeypatch, name, value):
+    """These four knobs were read raw: 2.5 was truncated (or compared as a float) and "16" failed in a comparison
+    with Python's message, naming nothing, where the configuration guide promises a TypeError naming the knob."""
+    from linattn_nb import config
+
+    monkeypatch.setattr(config, name, value)
+    with pytest.raises(TypeError, match=f"config.{name} must be an integer"):
+        _knob_call(name)()
+
+
+@pytest.mark.parametrize("name", ["CPU_CHUNK_SIZE", "BACKWARD_CHECKPOINT"])
+def test_a_size_knob_assigned_a_negative_value_is_refused(monkeypatch, name):
+    """config.CPU_CHUNK_SIZE = -5 ran the table's chunk size, as if unset, silently; its environment variable
+    refuses negatives."""
+    from linattn_nb import config
+
+    monkeypatch.setattr(config, name, -5)
+    with pytest.raises(ValueError, match=f"config.{name} must be >= 0, got -5"):
+        _knob_call(name)()
+
+
 def test_the_attention_functions_refuse_a_flag_that_is_not_a_bool():
     """``return_state='False'`` returned a state and ``check_finite='False'`` still checked: a truthy string read
     as True.  TypeError naming the flag, as ``causal`` had; NumPy bools are bools."""

@@ -29,10 +29,11 @@ CAUSAL_METHODS = {"cpu": ("quadratic", "scan", "chunked"), "cuda": ("scan", "chu
 def _quadratic_launcher(reference, **rule_kw):
     def forward(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, normalize=True):
         B, N, _ = q.shape
-        if N * N > config.QUADRATIC_MAX_ELEMENTS:
+        limit = config.knob_int("QUADRATIC_MAX_ELEMENTS")
+        if N * N > limit:
             raise ValueError(
                 f"method='quadratic' builds an N x N matrix per batch entry; N={N} exceeds "
-                f"config.QUADRATIC_MAX_ELEMENTS={config.QUADRATIC_MAX_ELEMENTS} elements. "
+                f"config.QUADRATIC_MAX_ELEMENTS={limit} elements. "
                 "Use method='auto' (or raise the limit in linattn_nb.config)."
             )
         M = v.shape[2]

@@ -325,7 +325,7 @@ def check_point_size(study: str, points) -> None:
     """
     from .. import config
 
-    limit = config.QUADRATIC_MAX_ELEMENTS
+    limit = config.knob_int("QUADRATIC_MAX_ELEMENTS")
     sized = [(rows * cols, setting, what, rows, cols) for setting, arrays in points for what, rows, cols in arrays]
     if not sized:
         return
