@@ -227,6 +227,47 @@ class _Spec:
     rule: str = field(default="additive")  # set by the forward
 
 
+_SECOND_ORDER = ("linattn_nb.torch: the backward passes of linear attention, dplr attention and the short "
+                 "convolution are not differentiable, so a second derivative through them (a gradient penalty, "
+                 "double backward, Hessian-vector products) is not available")
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """The gradients a backward returns under ``create_graph=True``, unchanged: differentiating them raises."""
+
+    @staticmethod
+    def forward(ctx, *grads):
+        return tuple(g.clone() for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(_SECOND_ORDER)
+
+
+def _first_order_only(backward):
+    """A backward run outside autograd (as ``once_differentiable``) whose gradients, under ``create_graph=True``,
+    raise RuntimeError when differentiated.  ``once_differentiable`` guards them only when an incoming gradient
+    requires grad: a gradient penalty on a loss linear in the outputs, ``grad((o * w).sum(), q,
+    create_graph=True)``, got gradients detached from ``q``, and the penalty's second-order term was dropped
+    without an error.  The error is raised only where a second derivative is asked for."""
+
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            res = backward(ctx, *grads)
+        if not torch.is_grad_enabled():  # a plain backward (create_graph=False)
+            return res
+        outs = list(res) if isinstance(res, tuple) else [res]
+        idx = [i for i, g in enumerate(outs) if isinstance(g, torch.Tensor) and g.is_floating_point()]
+        if idx:
+            guarded = _NoSecondDerivative.apply(*[outs[i].detach().requires_grad_() for i in idx])
+            for i, g in zip(idx, guarded):
+                outs[i] = g
+        return tuple(outs) if isinstance(res, tuple) else outs[0]
+
+    wrapper.__doc__, wrapper.__name__ = backward.__doc__, backward.__name__
+    return wrapper
+
+
 class _LinearAttentionFunction(torch.autograd.Function):
     """Forward and backward through :mod:`linattn_nb._gradfront` (see :func:`linear_attention`)."""
 
@@ -290,7 +331,7 @@ class _LinearAttentionFunction(torch.autograd.Function):
         return out_t, S.to(q.device), z.to(q.device)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_first_order_only
     def backward(ctx, grad_out, grad_S=None, grad_z=None):
         with _params_held(ctx.spec.param_names):
             return _LinearAttentionFunction._backward(ctx, grad_out, grad_S, grad_z)
@@ -339,7 +380,7 @@ class _ShortConvFunction(torch.autograd.Function):
         return torch.from_numpy(y)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_first_order_only
     def backward(ctx, g):
         from .ops._shortconv import short_conv_vjp
 
@@ -548,7 +589,7 @@ class _DPLRFunction(torch.autograd.Function):
         return out_t, S, z
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_first_order_only
     def backward(ctx, grad_out, grad_S=None, grad_z=None):
         with _params_held(ctx.spec.param_names):
             return _DPLRFunction._backward(ctx, grad_out, grad_S, grad_z)

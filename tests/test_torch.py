@@ -868,6 +868,30 @@ def test_linear_attention_refuses_a_second_derivative_inside_a_larger_graph():
         gq.sum().backward()
 
 
+@pytest.mark.parametrize("fn", ["linear", "dplr", "conv"])
+def test_a_gradient_penalty_on_a_loss_linear_in_the_outputs_raises(fn):
+    """``grad((o * w).sum(), q, create_graph=True)`` sends the backward an incoming gradient that does not require
+    grad; ``once_differentiable`` then returned gradients detached from q, and the penalty's second-order term was
+    dropped from ``q.grad`` without an error.  Now differentiating those gradients raises; a ``create_graph=True``
+    whose gradients are not differentiated again still works."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 3, dtype=torch.float64, requires_grad=True)
+    k, v, w = (torch.randn(1, 4, 3, dtype=torch.float64) for _ in range(3))
+    if fn == "linear":
+        o = lt.linear_attention(q, k, v, causal=True)
+    elif fn == "dplr":
+        o = lt.dplr_attention(q, k, v, rule="kda", feature_map="l2", decay=torch.full((1, 4, 3), 0.5, dtype=q.dtype),
+                              beta=torch.full((1, 4), 0.5, dtype=q.dtype))
+    else:
+        conv = torch.nn.Conv1d(3, 3, 2, groups=3, padding=1, dtype=torch.float64)
+        o = lt._short_conv(q, conv)
+    loss = (o * w).sum()
+    (gq,) = torch.autograd.grad(loss, q, create_graph=True, retain_graph=True)
+    np.testing.assert_array_equal(gq.detach().numpy(), torch.autograd.grad(loss, q, retain_graph=True)[0].numpy())
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        (loss + gq.square().sum()).backward()
+
+
 @pytest.mark.parametrize("rule", ["additive", "decay", "gate"])
 def test_normalised_backward_is_the_vjps_fused_kernel(rule, monkeypatch):
     """The adapter's backward of the additive, decay and gate rules' normalised outputs (CPU, chunked) runs the
