@@ -941,6 +941,11 @@ class LinearAttention(nn.Module):
         self.causal, self.rule, self.decay, self.method = causal, rule, decay, method
         self.normalize, self.eps, self.check_finite, self.conv_size = normalize, eps, check_finite, conv_size
         self.feature_map = _layer_map(feature_map)
+        if not isinstance(feature_map, str) and (learn_feature_map
+                                                 or isinstance(self.feature_map, fm.RandomFeatureMap)):
+            # the layer fixes a random map's W (rounded to its dtype) and materialises a learnable map's
+            # parameters: on its own copy, so that the caller's instance gives the results it gave before
+            self.feature_map = copy.deepcopy(self.feature_map)
         self.feature_dim = int(self.feature_map.output_dim(head_dim))
         H, n = num_heads, self.n_h or 1
         self.q_proj = nn.Linear(d_model, H * head_dim, bias=bias, **kw)

@@ -492,8 +492,9 @@ def test_module_random_map_projection_is_a_buffer(name, monkeypatch):
     assert torch.equal(fresh(x), y) and torch.equal(copy.deepcopy(layer)(x), y)
     # a map instance keeps its own W; a layer whose buffer changes computes with a copy, the shared map unchanged
     shared = fm.get(name, seed=5)
-    a, b = (lt.LinearAttention(4, 2, feature_map=shared, method="quadratic", dtype=torch.float64) for _ in range(2))
+    shared.materialize(2)
     W0 = shared.W.copy()
+    a, b = (lt.LinearAttention(4, 2, feature_map=shared, method="quadratic", dtype=torch.float64) for _ in range(2))
     np.testing.assert_array_equal(a.feature_map_projection.numpy(), W0)
     with torch.no_grad():
         b.feature_map_projection.mul_(0.5)
@@ -1071,3 +1072,18 @@ def test_flags_must_be_bools():
             lt.dplr_attention(q, q, q, a=ab, b=ab, **{flag: "False"})
     out, st = lt.linear_attention(q, q, q, causal=True, return_state=np.bool_(True))  # a NumPy bool is a bool
     assert st.S.dtype == torch.float64 and out.shape == q.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_layer_leaves_the_callers_random_map_instance_as_it_was(dtype):
+    """Building a layer wrote its dtype-rounded W into the caller's favor+ instance (max |dW| 7e-8 for float32,
+    8e-4 for float16), so the same instance then gave other NumPy results; the layer now works on its own copy."""
+    m = fm.get("favor+", seed=3)
+    m.materialize(4)
+    w0 = m.W.copy()
+    x = np.random.default_rng(0).standard_normal((3, 2, 6, 4))
+    before = linattn_nb.linear_attention(*x, feature_map=m)
+    layer = lt.LinearAttention(8, 2, feature_map=m, dtype=dtype)
+    np.testing.assert_array_equal(m.W, w0)
+    np.testing.assert_array_equal(linattn_nb.linear_attention(*x, feature_map=m), before)
+    np.testing.assert_array_equal(layer.feature_map.W, layer.feature_map_projection.double().numpy())
