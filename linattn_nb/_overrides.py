@@ -100,6 +100,10 @@ def _names(name, x) -> list:
     return list(dict.fromkeys(x))
 
 
+#: The largest ``seeds`` count an option may ask for: every seed is a point of every setting.
+MAX_SEEDS = 100_000
+
+
 def check_options(options: dict, *, where: str = "", section: str = "") -> dict:
     """``options`` with checked, normalised values (lists of ints for ``m``/``n``, ...).
 
@@ -115,6 +119,9 @@ def check_options(options: dict, *, where: str = "", section: str = "") -> dict:
             continue
         if key in ("dim", "seeds"):
             checked[key] = _int(name, value)
+            if key == "seeds" and checked[key] > MAX_SEEDS:  # range(10**23) overflowed; 10**9 ran out of memory
+                raise OptionError(f"{name} must be at most {MAX_SEEDS} (each seed is a point of every setting), "
+                                  f"got {checked[key]}")
         elif key == "scale":
             checked[key] = _positive_float_list(name, value)
         elif key == "maps":

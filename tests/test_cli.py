@@ -377,6 +377,9 @@ def test_overrides_refuse_what_a_study_cannot_take():
     (["rank", "--maps", "elu", "--m", "8"], "error: --m: none of the rank study's selected maps is random"),
     (["recall", "--n", "0"], "--n must be an integer >= 1"),
     (["error", "--seeds", "two"], "--seeds must be an integer >= 1"),
+    # range(10**23) overflowed (a traceback, exit 1); 10**9 seeds ran out of memory building the points
+    (["rank", "--seeds", "99999999999999999999999"], "--seeds must be at most 100000"),
+    (["recall", "--seeds", "1000000000"], "--seeds must be at most 100000"),
     # refused by the study's own points, as run_report(options={"rank": {"n": [1]}}) refuses it
     (["rank", "--n", "1"], "error: --n 1: rank study: n must hold integers >= 2, got 1"),
     (["rank", "--n", "16,1"], "error: --n 1: rank study: n must hold integers >= 2, got 1"),
