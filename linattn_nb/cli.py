@@ -185,6 +185,12 @@ def cmd_tune(args) -> int:
         print(f"linattn tune: error: {exc}", file=sys.stderr)
         return 2
     avail = _tune.tuned_rules()
+    for opt, text in (("--rules", args.rules), ("--dtypes", args.dtypes)):
+        items = [] if text is None else [x.strip() for x in text.split(",")]
+        if any(items) and not all(items):  # "float32,," or "additive,,decay": a value left out, not skipped
+            print(f"linattn tune: error: {opt} has an empty item in {text!r}; separate the values by single "
+                  "commas", file=sys.stderr)
+            return 2
     rules = avail if args.rules is None else [r.strip() for r in args.rules.split(",") if r.strip()]
     if not rules:
         print(f"linattn tune: error: --rules names no rule (choose from {', '.join(avail)})", file=sys.stderr)

@@ -287,6 +287,14 @@ def test_tune_show_and_clear_refuse_the_timing_options(args, capsys):
     assert "cannot be combined with " + args[0] in err and args[1] in err
 
 
+@pytest.mark.parametrize("args", [["--rules", "additive,,decay"], ["--dtypes", "float32,,"]])
+def test_tune_refuses_an_empty_item(args, capsys, monkeypatch):
+    """"additive,,decay" and "float32,," dropped the blank item and started timing; the study options refuse it."""
+    monkeypatch.setattr(_tune, "calibrate", lambda *a, **k: pytest.fail("timed despite the empty item"))
+    assert cli.main(["tune", *args]) == 2
+    assert f"{args[0]} has an empty item" in capsys.readouterr().err
+
+
 def test_mkl_variables_warn_only_with_mkl_loaded():
     """MKL_ENABLE_INSTRUCTIONS limits nothing when only OpenBLAS is loaded: no WARNING then."""
     lib = {"internal_api": "openblas", "version": "0.3.30", "num_threads": 2, "architecture": "SkylakeX",
