@@ -24,7 +24,7 @@ from . import _gradfront
 from . import feature_maps as fm
 from . import rules
 from ._frontend import LinearState, feature_overflow64
-from ._validate import check_bool
+from ._validate import check_bool, check_eps
 from .feature_maps._base import FeatureOverflow
 from ._defaults import DEFAULT_EPS
 
@@ -932,6 +932,20 @@ class LinearAttention(nn.Module):
                 raise ValueError(f"n_h applies only to rules with sub-steps (DPLRRule.substeps); rule {rule!r} "
                                  "has none")
         self.n_h = (2 if n_h is None else n_h) if self.dplr is not None and self.dplr.substeps else None
+        # checked here as the first call would check them: a misconfigured layer is refused when built
+        from .dplr import DPLR_METHODS
+        from .ops.registry import METHOD_NAMES
+
+        methods = DPLR_METHODS if self.dplr is not None else METHOD_NAMES
+        if not isinstance(method, str):
+            raise TypeError(f"method must be a string, got {type(method).__name__}")
+        if method not in methods:
+            raise ValueError(f"method must be one of {methods}, got {method!r}")
+        if normalize is not None:
+            normalize = check_bool("normalize", normalize)
+        check_eps(eps)  # not kept: the default marker reads config.DEFAULT_EPS at each call
+        if dtype is not None and dtype not in (torch.float16, torch.float32, torch.float64):
+            raise TypeError(f"dtype must be torch.float16, torch.float32 or torch.float64 (or None), got {dtype}")
         self.update_rule = rule if self.dplr is not None else _layer_rule(rule, decay).name
         if conv_size is not None and (isinstance(conv_size, bool) or not isinstance(conv_size, int)
                                       or conv_size < 1):

@@ -1087,3 +1087,19 @@ def test_a_layer_leaves_the_callers_random_map_instance_as_it_was(dtype):
     np.testing.assert_array_equal(m.W, w0)
     np.testing.assert_array_equal(linattn_nb.linear_attention(*x, feature_map=m), before)
     np.testing.assert_array_equal(layer.feature_map.W, layer.feature_map_projection.double().numpy())
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(method="nope"), ValueError, "method must be one of"),
+    (dict(method=3), TypeError, "method must be a string"),
+    (dict(rule="kda", feature_map="l2", method="aggregate"), ValueError, "method must be one of"),
+    (dict(normalize="yes"), TypeError, "normalize must be True or False"),
+    (dict(eps=-1.0), ValueError, "eps must be"),
+    (dict(dtype=torch.bfloat16), TypeError, "dtype must be torch.float16, torch.float32 or torch.float64"),
+])
+def test_a_layer_with_a_bad_option_is_refused_when_built(kw, error, match):
+    """method="nope", normalize="yes", eps=-1 and dtype=torch.bfloat16 built a layer that failed only at its first
+    forward (bfloat16 with a message about the input x)."""
+    with pytest.raises(error, match=match):
+        lt.LinearAttention(8, 2, **kw)
+    assert lt.LinearAttention(8, 2, normalize=None, eps=None, method="chunked").method == "chunked"
