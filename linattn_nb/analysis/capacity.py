@@ -289,6 +289,8 @@ def recall_capacity(feature_map, d, n_pairs, *, value_dim=None, key_scale=1.0, t
     TypeError
         Non-integer sizes, a bad ``feature_map``, a non-real ``decay`` or ``beta``, ``normalize`` or
         ``orthogonal_keys`` not a bool.
+    linattn_nb.NonFiniteResult
+        Keys so large (``key_scale`` of about 1e200 with ELU+1) that the state overflows even in float64.
 
     Examples
     --------
@@ -468,7 +470,8 @@ def _check_normaliser(fmap, phi, z, eps) -> None:
     that, not the map.  A map with non-negative features keeps its floored rows (a key whose features are
     all 0 reads 0, a defined result); with ``eps=None`` a normaliser of 0 gives 0/0, refused as
     :func:`~linattn_nb.analysis.attention_rank` refuses it."""
-    den = phi @ np.asarray(z, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflowed state is the read-out's NonFiniteResult
+        den = phi @ np.asarray(z, dtype=np.float64)
     if getattr(fmap, "is_positive", False):
         bad = 0 if eps is not None else np.count_nonzero(~(den > 0.0))
         if bad:

@@ -394,3 +394,16 @@ def test_recall_capacity_refuses_an_empty_n_pairs_and_sizes_too_large_before_mak
     monkeypatch.undo()
     with pytest.raises(ValueError, match=r"d = 1000000000: .*QUADRATIC_MAX_ELEMENTS"):
         recall_capacity("elu", 10 ** 9, 2)
+
+
+def test_keys_that_overflow_the_state_raise_the_documented_error_without_a_numpy_warning():
+    """key_scale=1e200: the read-out's normaliser check printed NumPy's overflow warning (an error under
+    ``-W error``) before linear_attention's NonFiniteResult, which the docstring did not list."""
+    import warnings
+
+    from linattn_nb import NonFiniteResult
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(NonFiniteResult):
+            recall_capacity("elu", 4, [3], key_scale=1e200, trials=1)
