@@ -612,6 +612,10 @@ def test_report_config_scheduler_with_workers_is_refused_before_connecting(text,
     (["rank", "--dim", "100000000"], "--dim 100000000: rank study: dim = 100000000"),
     (["rank", "--n", "100000000"], "--n 100000000: rank study: dim = 4, n = 100000000"),
     (["recall", "--m", "100000000"], "--m 100000000: recall study:"),
+    # the error study ran each point into NumPy's "Maximum allowed dimension exceeded" (exit 1)
+    (["error", "--n", "99999999999999999999999"], "--n 99999999999999999999999: error study: dim = 8"),
+    (["error", "--dim", "100000000"], "--dim 100000000: error study: dim = 100000000"),
+    (["error", "--maps", "rff", "--m", "100000000"], "--m 100000000: error study:"),
     # each fits alone, not together
     (["rank", "--maps", "elu", "--dim", "4000", "--n", "20000"], "--dim 4000, --n 20000: rank study:"),
 ])

@@ -9,10 +9,10 @@ import math
 
 import numpy as np
 
-from ._maps import build_map, buildable_maps, is_random, map_label
+from ._maps import build_map, buildable_maps, is_random, map_arrays, map_label
 from ._claims import NOT_SUPPORTED, SUPPORTED, slope_claim
-from ._study import (CI_CAPTION, Rendered, Study, fit_slope, fmt, markdown_table, mean_ci, num, pm,
-                     register_study, seed_stat, seeds_text, split_failed)
+from ._study import (CI_CAPTION, Rendered, Study, check_point_size, fit_slope, fmt, markdown_table, mean_ci, num,
+                     pm, register_study, seed_stat, seeds_text, split_failed)
 from .sweep import to_json
 
 #: The default input scales s (q, k ~ s·N(0, I)): the benign regime (logit standard deviation
@@ -117,6 +117,18 @@ def points(ctx, *, dim=None, scales=None, maps=None, m=None, n=None, seeds=None,
             raise ValueError(f"error study: unknown or unbuildable feature map {name!r} in maps; "
                              f"choose from {', '.join(sorted(known))}")
     n_mid = ns[len(ns) // 2]
+    # refused up front, as the rank and recall studies refuse them: q, k, v (n x d), the features (n x D_φ),
+    # the map's own arrays, and a signed map's n x n weights (signed_metrics)
+    sized = []
+    for name in names:
+        for nf, nn in ([(m_default, ns[-1])] + [(mm, n_mid) for mm in ms]) if is_random(name) else [(None, ns[-1])]:
+            dphi, arrays = map_arrays(name, d, num_features=nf)
+            arrays += [("n x d inputs", nn, d), ("n x D_φ features", nn, dphi)]
+            if not getattr(build_map(name, num_features=nf, seed=0), "is_positive", False):
+                arrays.append(("n x n weights of a signed map", nn, nn))
+            label = f", m = {nf}" if nf is not None else ""
+            sized.append((f"dim = {d}, n = {nn}{label}, map {name} (D_φ = {dphi})", arrays))
+    check_point_size("error", sized)
     pts = []
     for s in scales:
         for seed in range(nseeds):
