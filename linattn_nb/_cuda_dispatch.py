@@ -8,7 +8,7 @@ import numpy as np
 
 from . import _validate as V
 from . import config
-from .device import cuda_status, is_device_array, is_simulator_array, on_device
+from .device import cuda_status, is_device_array, is_simulator_array, on_device, require_cuda
 from .rules import get_rule, rule_for
 from .ops.registry import select_auto
 
@@ -52,6 +52,7 @@ def _wrap(name, x):
             f"{name} lives in GPU memory but NUMBA_ENABLE_CUDASIM=1 is set: the simulator cannot "
             "read GPU memory; unset it, or pass host arrays"
         )
+    require_cuda()  # no usable GPU: the documented error, not a DLPack fallback's message
     cuda = _cuda()
     if type(x).__module__.startswith("numba.cuda") and hasattr(x, "__cuda_array_interface__"):
         return x

@@ -108,3 +108,40 @@ def test_simulator_arrays(monkeypatch):
 
 def test_cuda_status_values():
     assert device.cuda_status() in ("gpu", "simulator", "none")
+
+
+def test_a_gpu_initial_state_without_a_gpu_gets_the_documented_error():
+    """With no usable GPU (and no simulator), a GPU ``initial_state`` beside host q, k, v reached the DLPack fallback
+    and its message ("from_dlpack received an invalid capsule ..."), where every other GPU input gets the
+    documented RuntimeError.  Run in a subprocess: the suite itself runs with the simulator switched on."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import numpy as np
+        import linattn_nb as la
+        from linattn_nb.device import cuda_status
+        if cuda_status() != "none":
+            print("SKIP"); raise SystemExit
+        class GpuLike:  # an array interface another library could hand over
+            def __init__(self, a):
+                self.a, self.shape, self.dtype, self.ndim = a, a.shape, a.dtype, a.ndim
+            @property
+            def __cuda_array_interface__(self):
+                return {"shape": self.a.shape, "typestr": self.a.dtype.str, "data": (self.a.ctypes.data, False),
+                        "version": 3, "strides": None}
+        x = np.ones((1, 5, 3))
+        try:
+            la.linear_attention(x, x, x, causal=True, initial_state=(GpuLike(np.zeros((1, 3, 3))),
+                                                                      GpuLike(np.zeros((1, 3)))))
+        except RuntimeError as exc:
+            print(exc)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr
+    if res.stdout.strip() == "SKIP":
+        pytest.skip("a CUDA GPU is present")
+    assert "the CUDA kernels need a usable CUDA GPU" in res.stdout
