@@ -28,6 +28,11 @@ def as_host_array(name: str, x) -> np.ndarray:
     except Exception as exc:  # pragma: no cover - exotic inputs
         raise TypeError(f"{name} could not be converted to an array: {exc}") from exc
     if arr.dtype == object:
+        big = [e for e in arr.ravel() if isinstance(e, int) and not isinstance(e, bool)]
+        if big and len(big) == arr.size:  # Python ints beyond 64 bits, e.g. decay=2**64: a value, not a type
+            bits = max(abs(e).bit_length() for e in big)
+            raise ValueError(f"{name} holds an integer of {bits} bits, more than the 64-bit integers of an array "
+                             "hold")
         raise TypeError(f"{name} must be a numeric array, got an object array (ragged or non-numeric input?)")
     return kernel_view(_native(arr))
 

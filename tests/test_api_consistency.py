@@ -227,3 +227,16 @@ def test_the_attention_functions_refuse_a_flag_that_is_not_a_bool():
         fn(x, x, x, **{flag: np.bool_(False)})
     with pytest.raises(TypeError, match=r"^check_finite must be True or False, got 1$"):
         la.linear_attention_vjp(x, x, x, x, causal=True, check_finite=1)
+
+
+@pytest.mark.parametrize("kw", [dict(decay=10 ** 400), dict(decay=2 ** 64), dict(beta=2 ** 64),
+                                dict(log_decay=-(2 ** 64))])
+def test_an_integer_beyond_64_bits_is_a_value_error_naming_the_argument(kw):
+    """decay=2**64 (NumPy makes an object array of it) was a TypeError "got an object array (ragged or
+    non-numeric input?)", while 2**62 is the range's ValueError: a number out of range, not a bad type."""
+    x = np.ones((1, 4, 2))
+    (name,) = kw
+    with pytest.raises(ValueError, match=f"^{name} holds an integer of [0-9]+ bits"):
+        la.linear_attention(x, x, x, causal=True, **kw)
+    with pytest.raises(TypeError, match="object"):  # non-numeric input stays a TypeError
+        la.linear_attention(x, x, x, causal=True, **{name: np.array([0.5, "a"], dtype=object)})
