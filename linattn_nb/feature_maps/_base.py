@@ -322,14 +322,23 @@ class FeatureOverflow(ValueError):
         self.dtype = np.dtype(dtype)
 
 
-def cast_features(name: str, feats: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """Cast float64 features to the input dtype; :class:`FeatureOverflow` if finite inputs overflow it."""
+def cast_features(fmap, feats: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Cast float64 features to the input dtype; :class:`FeatureOverflow` if finite inputs overflow it.
+
+    ``fmap``: the map (or its name).  Where the map's own parameters hold NaN or inf (an in-place update
+    ``p -= lr * g`` that diverged), non-finite features of finite inputs are a ValueError naming the parameter,
+    not an overflow: smaller inputs would not help."""
+    name = fmap if isinstance(fmap, str) else fmap.name
     with np.errstate(over="ignore"):
         out = feats.astype(x.dtype, copy=False)
     bad = ~np.isfinite(out)
     if bad.any():
         finite_rows = np.isfinite(x).all(axis=-1)
         if (bad & finite_rows[..., None]).any():
+            for pname, arr in ({} if isinstance(fmap, str) else fmap.parameters()).items():
+                if not np.isfinite(arr).all():
+                    raise ValueError(f"feature map {name!r}: its parameter {pname} holds NaN or inf (an update "
+                                     "that diverged?), so its features of finite inputs are not finite")
             raise FeatureOverflow(
                 f"feature map {name!r}: features of finite inputs overflow {x.dtype} "
                 f"(input shape {x.shape}); "

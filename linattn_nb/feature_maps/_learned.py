@@ -140,7 +140,7 @@ class HedgehogFeatureMap(_AffineFeatureMap):
     def transform(self, x):
         with np.errstate(over="ignore"):  # overflow is reported by cast_features
             feats = np.exp(self._logits(x))
-        return cast_features(self.name, feats, x)
+        return cast_features(self, feats, x)
 
     def apply(self, x, *, role, causal=False, offset=0, total_length=None):
         check_role(self.name, role)
@@ -148,7 +148,7 @@ class HedgehogFeatureMap(_AffineFeatureMap):
         if role == "key":
             return self.transform(x)
         u = self._logits(x)
-        return cast_features(self.name, np.exp(u - np.max(u, axis=-1, keepdims=True)), x)
+        return cast_features(self, np.exp(u - np.max(u, axis=-1, keepdims=True)), x)
 
     def _forward(self, x, role):
         """``(logits, float64 features)`` of :meth:`apply` (the key's unshifted, the query's max-shifted)."""
@@ -175,7 +175,7 @@ class HedgehogFeatureMap(_AffineFeatureMap):
         x = check_input(self.name, x)
         logits, feats = self._forward(x, role)
         if role == "key":
-            cast_features(self.name, feats, x)  # raises where apply raises (features overflow the dtype)
+            cast_features(self, feats, x)  # raises where apply raises (features overflow the dtype)
         return self._pull(x, logits, feats, grad_features, role)
 
     def apply_with_vjp(self, x, *, role, causal=False, offset=0, total_length=None):
@@ -186,7 +186,7 @@ class HedgehogFeatureMap(_AffineFeatureMap):
         check_role(self.name, role)
         x = check_input(self.name, x)
         logits, feats = self._forward(x, role)
-        out = cast_features(self.name, feats, x)
+        out = cast_features(self, feats, x)
         return out, lambda grad_features: self._pull(x, logits, feats, grad_features, role)
 
 
@@ -242,7 +242,7 @@ class T2RFeatureMap(_AffineFeatureMap):
         return self._d_out(d)
 
     def transform(self, x):
-        return cast_features(self.name, np.maximum(self._affine(x), 0.0), x)  # np.maximum keeps NaN
+        return cast_features(self, np.maximum(self._affine(x), 0.0), x)  # np.maximum keeps NaN
 
     def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
         """Vector-Jacobian product of :meth:`apply` (see :meth:`FeatureMap.vjp`).
@@ -253,7 +253,7 @@ class T2RFeatureMap(_AffineFeatureMap):
         check_role(self.name, role)
         x = check_input(self.name, x)
         u = self._affine(x)  # checks W and b against the input dimension
-        cast_features(self.name, np.maximum(u, 0.0), x)  # raises where apply raises (features overflow the dtype)
+        cast_features(self, np.maximum(u, 0.0), x)  # raises where apply raises (features overflow the dtype)
         return self._pull(x, u, grad_features, role)
 
     def _pull(self, x, u, grad_features, role):
@@ -269,5 +269,5 @@ class T2RFeatureMap(_AffineFeatureMap):
         check_role(self.name, role)
         x = check_input(self.name, x)
         u = self._affine(x)
-        out = cast_features(self.name, np.maximum(u, 0.0), x)
+        out = cast_features(self, np.maximum(u, 0.0), x)
         return out, lambda grad_features: self._pull(x, u, grad_features, role)

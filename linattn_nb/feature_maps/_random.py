@@ -327,7 +327,7 @@ class FavorPlusFeatureMap(RandomFeatureMap):
         u, half_sq = self._logits(x)
         with np.errstate(over="ignore"):  # overflow is reported by cast_features
             feats = np.exp(u - half_sq[..., None]) / math.sqrt(u.shape[-1])
-        return cast_features(self.name, feats, x)
+        return cast_features(self, feats, x)
 
     def apply(self, x, *, role, causal=False, offset=0, total_length=None):
         check_role(self.name, role)
@@ -337,7 +337,7 @@ class FavorPlusFeatureMap(RandomFeatureMap):
             u = u - np.max(u, axis=-1, keepdims=True)
         else:
             u = u - (half_sq[..., None] + self.key_shift)
-        return cast_features(self.name, np.exp(u) / math.sqrt(u.shape[-1]), x)
+        return cast_features(self, np.exp(u) / math.sqrt(u.shape[-1]), x)
 
     def parameters(self) -> dict:
         """``{"projection": W}`` with ``learn_projection=True`` once ``W`` is drawn, else ``{}``."""
@@ -437,14 +437,14 @@ class RandomFourierFeatureMap(RandomFeatureMap):
         if self.target == "softmax":
             with np.errstate(over="ignore"):  # overflow is reported by cast_features
                 feats = feats * np.exp(0.5 * np.einsum("...i,...i->...", xs, xs))[..., None]
-        return cast_features(self.name, feats, x)
+        return cast_features(self, feats, x)
 
     def apply(self, x, *, role, causal=False, offset=0, total_length=None):
         check_role(self.name, role)
         x = check_input(self.name, x)
         if role == "key":
             return self.transform(x)
-        return cast_features(self.name, self._trig(x)[1], x)
+        return cast_features(self, self._trig(x)[1], x)
 
     def vjp(self, x, grad_features, *, role, causal=False, offset=0, total_length=None):
         w, g, out_dtype, root, xs, u = self._vjp_project(x, grad_features, role)
@@ -456,7 +456,7 @@ class RandomFourierFeatureMap(RandomFeatureMap):
             with np.errstate(over="ignore"):
                 e = np.exp(0.5 * np.einsum("...i,...i->...", xs, xs))[..., None]
                 feats = np.concatenate([sin, cos], axis=-1) * (e / math.sqrt(m))
-            cast_features(self.name, feats, check_input(self.name, x))  # raises where apply raises (overflow)
+            cast_features(self, feats, check_input(self.name, x))  # raises where apply raises (overflow)
             du = (gs * cos - gc * sin) * (e / math.sqrt(m))
             dxs = du @ w + np.einsum("...i,...i->...", g, feats)[..., None] * xs
         else:

@@ -616,3 +616,29 @@ def test_softmax_estimators_share_the_temperature(rng):
     o = linear_attention(q, k, v, feature_map=fm.get("favor+", num_features=20000, seed=0))
     ref = softmax_attention(q, k, v)
     assert np.linalg.norm(o - ref) / np.linalg.norm(ref) < 0.05
+
+
+@pytest.mark.parametrize("make", [lambda d: fm.get("hedgehog").materialize(d), lambda d: fm.get("t2r").materialize(d),
+                                  lambda d: fm.get("favor+", dim=d, num_features=4, seed=0, learn_projection=True)])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_parameter_is_named_not_reported_as_an_overflow(make, bad):
+    """A parameter made NaN or inf through the documented in-place route (``parameters()``, a diverged update)
+    was reported as features of finite inputs overflowing float64, "use smaller inputs"; the cause is named now,
+    for a direct call and for linear_attention."""
+    import warnings
+
+    import linattn_nb as la
+
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((2, 5, 4))
+    phi = make(4)
+    params = phi.parameters()
+    name = next(iter(params))
+    params[name][0, 0] = bad
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # NumPy's, on the way to the non-finite features
+        with pytest.raises(ValueError, match=f"its parameter {name} holds NaN or inf") as direct:
+            phi.apply(q, role="key")
+        with pytest.raises(ValueError, match=f"its parameter {name} holds NaN or inf") as call:
+            la.linear_attention(q, k, rng.standard_normal((5, 2)), feature_map=phi)
+    assert not isinstance(direct.value, fm.FeatureOverflow) and not isinstance(call.value, fm.FeatureOverflow)
