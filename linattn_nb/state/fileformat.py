@@ -19,7 +19,7 @@ import numpy as np
 from .. import _frontend as FE
 from .. import feature_maps as fm
 from ..rules import dplr_rule_names, rule_names
-from ._checks import STATE_DTYPES, check_batch_shape, check_state_dtype
+from ._checks import STATE_DTYPES, check_batch_shape, check_dim, check_state_dtype
 
 __all__ = ["StateFileError", "FORMAT_NAME", "FORMAT_VERSION", "write", "read"]
 
@@ -152,8 +152,14 @@ def atomic_write(path, fill) -> None:
 
     A symbolic link at ``path`` is followed (its target is replaced, the link kept); the file gets the mode of
     the file it replaces, or a new file's (``0o666`` less the umask)."""
-    path = os.path.realpath(os.fspath(path))
+    given = os.fsdecode(os.fspath(path))  # bytes paths too, as load() reads them
+    if not given or given.endswith(os.sep) or (os.altsep and given.endswith(os.altsep)) \
+            or os.path.isdir(given):  # realpath would drop a trailing "/" and write another file than load reads
+        raise IsADirectoryError(f"cannot write {given!r}: the path names a folder, not a file")
+    path = os.path.realpath(given)
     directory = os.path.dirname(path)
+    if not os.path.isdir(directory):  # named here: mkstemp's error names its temporary file
+        raise FileNotFoundError(f"cannot write {given!r}: the folder {directory!r} does not exist")
     base = os.path.basename(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
     try:
@@ -357,7 +363,7 @@ def parse(path, data, *, feature_map, expect) -> StateFile:
         raise bad("S or z holds non-finite values")
     # The caller's expectations.
     for key, got in (("key_dim", d), ("value_dim", m)):
-        if expect[key] is not None and int(expect[key]) != got:
+        if expect[key] is not None and check_dim(key, expect[key]) != got:
             raise bad(f"{key} is {got}, expected {expect[key]}")
     if expect["batch_shape"] is not None and check_batch_shape(expect["batch_shape"]) != bs:
         raise bad(f"batch_shape is {bs}, expected {check_batch_shape(expect['batch_shape'])}")

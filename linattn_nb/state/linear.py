@@ -1089,8 +1089,11 @@ class LinearAttentionState:
         if sf.rule and sf.rule not in rule_names():
             raise fileformat.StateFileError(f"{path}: the state runs the {sf.rule!r} rule of the diagonal-plus-low-rank "
                                             "family: load it with DPLRState.load")
-        new = cls(sf.key_dim, sf.value_dim, batch_shape=sf.batch_shape, feature_map=sf.feature_map,
-                  dtype=sf.S.dtype, device="cpu", eps=sf.eps, rule=sf.rule or rule, normalize=sf.normalize)
+        try:
+            new = cls(sf.key_dim, sf.value_dim, batch_shape=sf.batch_shape, feature_map=sf.feature_map,
+                      dtype=sf.S.dtype, device="cpu", eps=sf.eps, rule=sf.rule or rule, normalize=sf.normalize)
+        except ValueError as exc:  # entries each valid, not together (favor+ with normalize off, ...)
+            raise fileformat.StateFileError(f"{path}: inconsistent entries: {exc}") from exc
         new._launch.put(new._S, new._z, sf.S.reshape((new._B, new._f, new._m)), sf.z.reshape((new._B, new._f)))
         new._position = sf.position
         new._place(device)

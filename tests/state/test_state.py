@@ -923,3 +923,41 @@ def test_a_refused_first_call_leaves_the_device_open(rule):
             st.step(bad, q, v, **rule)
     assert st.device == "auto" and st.position == 0 and st.rule is None
     assert not np.any(st.S) and not np.any(st.z)
+
+
+def test_save_paths_that_name_a_folder_or_a_missing_one_and_bytes_paths(tmp_path):
+    """``save("x.npz/")`` wrote ``x.npz`` (realpath drops the slash) and ``load`` of the same path failed; a missing
+    folder's error named the temporary file; a bytes path could not be saved though load reads it."""
+    st = la.LinearAttentionState(4, 3)
+    st.prefill(np.ones((2, 4)), np.ones((2, 3)))
+    for bad in (str(tmp_path / "s.npz") + "/", str(tmp_path), ""):
+        with pytest.raises(IsADirectoryError, match="names a folder"):
+            st.save(bad)
+    assert list(tmp_path.iterdir()) == []
+    missing = tmp_path / "nofolder" / "s.npz"
+    with pytest.raises(FileNotFoundError, match=r"cannot write '.*nofolder/s\.npz': the folder .* does not exist"):
+        st.save(missing)
+    st.save(os.fsencode(tmp_path / "b.npz"))
+    assert la.LinearAttentionState.load(os.fsencode(tmp_path / "b.npz")).position == 2
+
+
+@pytest.mark.parametrize("value, error", [(4.9, TypeError), ("four", TypeError), ([3], TypeError), (True, TypeError),
+                                          (0, ValueError)])
+def test_load_checks_the_expected_dimensions_as_the_constructor_does(tmp_path, value, error):
+    """``load(key_dim=4.9)`` loaded a key_dim-4 state (int() truncated it); "four" and [3] gave int()'s message,
+    naming nothing."""
+    la.LinearAttentionState(4, 3).save(tmp_path / "s.npz")
+    with pytest.raises(error, match="key_dim must be"):
+        la.LinearAttentionState.load(tmp_path / "s.npz", key_dim=value)
+
+
+def test_entries_valid_alone_but_not_together_are_a_state_file_error(tmp_path):
+    """A favor+ state saved with normalize off (a hand-edited file) raised the constructor's plain ValueError,
+    naming no file, where load documents StateFileError for inconsistent entries."""
+    st = la.LinearAttentionState(4, 3, feature_map=fm.get("favor+", num_features=5, seed=1))
+    st.save(tmp_path / "f.npz")
+    entries = dict(np.load(tmp_path / "f.npz"))
+    entries["normalize"] = np.array(0)
+    np.savez(tmp_path / "e.npz", **entries)
+    with pytest.raises(state_mod.StateFileError, match=r"e\.npz: inconsistent entries: .*normalize"):
+        la.LinearAttentionState.load(tmp_path / "e.npz")
