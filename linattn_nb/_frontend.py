@@ -475,8 +475,11 @@ def linear_attention(q, k, v, *, feature_map, causal, method, device, eps, check
             run(qf, kf, vf, H, target)
         except NonFiniteResult:
             if work != _F64:  # float64 throughout, on the same device
-                H, out64 = _recompute_float64(fmap, impl, q, k, v, initial_state, batch_shape, f, m, causal, eps,
-                                              inline, inputs, normalize, run=run64)
+                H, out64, finite64 = _recompute_float64(fmap, impl, q, k, v, initial_state, batch_shape, f, m,
+                                                        causal, eps, inline, inputs, normalize, run=run64)
+                if not finite64 and (eps is not None or not normalize):  # as float64 inputs raise (eps=0's 0 / 0)
+                    raise float64_overflow("an output or the state", fmap, q, k, v,
+                                           zero_floor=floor_is_zero(normalize, eps)) from None
                 result[...] = _cast_result(out64, dtype, q, k, v, eps if normalize else None).reshape(out_shape)
                 direct = True  # result written
             elif eps is not None or not normalize:
@@ -546,7 +549,8 @@ def _check_features(fmap, qf, kf, work):
 
 def _recompute_float64(fmap, impl, q, k, v, initial_state, batch_shape, f, m, causal, eps, inline, inputs,
                        normalize, run=None):
-    """``(H, out)`` of a call recomputed in float64 (features included): the float32 result overflowed.
+    """``(H, out, finite)`` of a call recomputed in float64 (features included): the float32 result overflowed;
+    ``finite``: whether float64's own result and state are finite.
     ``run(qf, kf, vf, H, out)``: the kernels (raising NonFiniteResult for a result that is not finite);
     default: ``impl.forward`` on the CPU."""
     H, position = host_state(initial_state, batch_shape, f, m, check_finite=False)
@@ -563,8 +567,8 @@ def _recompute_float64(fmap, impl, q, k, v, initial_state, batch_shape, f, m, ca
     try:
         run(qf, kf, vf, H, out64)  # still checked: a map's features may have overflowed before the kernel saw v
     except NonFiniteResult:
-        pass  # non-finite in float64 too (e.g. 0 / 0 with eps=None): the reference's own result
-    return H, out64
+        return H, out64, False  # non-finite in float64 too: the caller decides (eps=None's 0 / 0 is kept)
+    return H, out64, True
 
 
 def _cast_result(res64, dtype, q, k, v, eps=None):

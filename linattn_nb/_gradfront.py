@@ -695,5 +695,8 @@ def _vjp_float64(q, k, v, grad_out, grad_state, kw):
     else:
         _, nd, _ = forward(req, want_out=False)
         res = backward(req, nd, grad_out, grad_state, overwrite_nd=True, out_dtype=_F64)
+    if _checks_float64(req) and not _finite(res):  # as float64 inputs raise (eps=0's 0 / 0), not NaN returned
+        raise float64_overflow("a gradient", req.fmap, *_host_qkv(q, k, v),
+                               zero_floor=floor_is_zero(req.normalize, req.eps))
     return res._replace(**{nm: _narrow(getattr(res, nm), req.dtype, f"the gradient {nm}")
                            for nm in ("dq", "dk", "dv")})

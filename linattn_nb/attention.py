@@ -52,7 +52,8 @@ def linear_attention(
     causal : bool, default False
     method : {"auto", "quadratic", "scan", "chunked", "aggregate"}
         ``"quadratic"`` (the float64 N x N reference), ``"scan"``, ``"chunked"``, or ``"auto"`` (the
-        fastest for the shape, docs/tuning.md); non-causal calls always run ``"aggregate"``.
+        fastest for the shape, docs/tuning.md); non-causal calls run ``"aggregate"`` for every method but
+        ``"quadratic"``, which builds the N x N reference there too.
     device : {"auto", "cpu", "cuda"}
         ``"auto"`` follows the data (mixing GPU and host arrays raises ValueError); ``"cuda"`` with
         NumPy inputs copies them over and the result back (docs/guide/gpu.md).

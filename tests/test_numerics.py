@@ -418,6 +418,24 @@ def test_a_zero_floor_over_a_zero_normaliser_is_not_called_an_overflow(method):
     assert np.isnan(la.linear_attention(q, k, v, eps=None, **kw)[3]).all()  # eps=None: the documented NaN row
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_zero_floor_over_a_zero_normaliser_raises_in_every_dtype(dtype, causal):
+    """float32 and float16 inputs returned NaN rows (and filled a caller's out= with them) where float64 inputs
+    raise NonFiniteResult: the float64 recomputation's own error was dropped.  Same for linear_attention_vjp."""
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((3, 8, 4))
+    q[3] = -np.abs(q[3])  # relu(q_3) = 0: the normaliser of token 3 is 0
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    kw = dict(causal=causal, feature_map="relu", eps=0.0)
+    out = np.full((8, 4), 5.0, dtype)
+    with pytest.raises(NonFiniteResult, match="with eps=0 a normaliser of 0"):
+        la.linear_attention(q, k, v, out=out, **kw)
+    with pytest.raises(NonFiniteResult, match="with eps=0 a normaliser of 0"):
+        la.linear_attention_vjp(q, k, v, np.ones((8, 4), dtype), **kw)
+    assert np.isnan(la.linear_attention(q, k, v, causal=causal, feature_map="relu", eps=None)[3]).all()
+
+
 def test_a_float16_overflow_from_the_floor_names_the_floor():
     """float16 outputs beyond its range because a signed map's normaliser at or below eps divides a numerator by
     eps: the ValueError names the floor, which rescaling q and k cannot help, beside the inputs' sizes."""
