@@ -137,6 +137,8 @@ def knob_int(name: str) -> int:
     import numbers
 
     x = globals()[name]
+    if type(x) is int and x >= 0:  # the usual case, first: pick() reads a threshold on every decode step
+        return x
     if isinstance(x, bool) or not isinstance(x, numbers.Integral):
         raise TypeError(f"config.{name} must be an integer, got {x!r}")
     if x < 0:  # as its environment variable: 0 is "the default" where a knob has one

@@ -189,7 +189,19 @@ def _knob_call(name):
         "CPU_CHUNKED_SERIAL_MAX_WORK": lambda: la.linear_attention(x, x, x, causal=True, method="chunked"),
         "QUADRATIC_MAX_ELEMENTS": lambda: la.linear_attention(x, x, x, causal=True, method="quadratic"),
         "CPU_CHUNK_SIZE": lambda: la.linear_attention(x, x, x, causal=True, method="chunked"),
+        "SOFTMAX_SERIAL_MAX_WORK": lambda: la.softmax_attention(x, x, x),
     }[name]
+
+
+@pytest.mark.parametrize("value", [2.5, "16", -1])
+def test_a_parallel_threshold_is_checked_where_the_kernels_are_picked(monkeypatch, value):
+    """Every twin pair's threshold is read by ``pick`` through knob_int (SOFTMAX_SERIAL_MAX_WORK was compared
+    raw: "16" failed with Python's comparison error)."""
+    from linattn_nb import config
+
+    monkeypatch.setattr(config, "SOFTMAX_SERIAL_MAX_WORK", value)
+    with pytest.raises(TypeError if value != -1 else ValueError, match="config.SOFTMAX_SERIAL_MAX_WORK must be"):
+        _knob_call("SOFTMAX_SERIAL_MAX_WORK")()
 
 
 @pytest.mark.parametrize("name", ["BACKWARD_CHECKPOINT", "BACKWARD_DELTA_CHUNK", "CPU_CHUNKED_SERIAL_MAX_WORK",

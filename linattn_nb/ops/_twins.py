@@ -8,6 +8,8 @@ import types
 
 from numba import njit
 
+from .. import config
+
 
 def _copy(fn, suffix: str):
     g = types.FunctionType(fn.__code__, fn.__globals__, f"{fn.__name__}_{suffix}", fn.__defaults__,
@@ -31,12 +33,15 @@ def serial_and_parallel(fn=None, **options):
     return njit(**options)(_copy(fn, "serial")), njit(parallel=True, **options)(_copy(fn, "parallel"))
 
 
-def pick(serial, parallel, *, items: int, work: int, limit: int, force=None):
+def pick(serial, parallel, *, items: int, work: int, limit, force=None):
     """The kernel of a twin pair to run: ``parallel`` only when it can pay for its region.
 
     ``parallel`` when ``items >= 2`` independent work items and ``work`` (multiply-adds, roughly)
-    ``>= limit`` (a threshold of :mod:`linattn_nb.config`); ``force`` True/False overrides.
+    ``>= limit``: a number, or the name of a threshold of :mod:`linattn_nb.config`, read when the call is
+    made (:func:`linattn_nb.config.knob_int`: TypeError or ValueError naming it); ``force`` True/False overrides.
     """
     if force is not None:
         return parallel if force else serial
+    if isinstance(limit, str):
+        limit = config.knob_int(limit)
     return parallel if items > 1 and work >= limit else serial

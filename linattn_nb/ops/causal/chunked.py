@@ -267,7 +267,7 @@ def causal_chunked(q, k, v, H, out, *, code, eps, inputs=None, check_finite=Fals
     else:
         P, sub = plan(B, N, chunk=C, seq_parallel=seq_parallel)
     kernel = pick(chunked_kernel_serial, chunked_kernel, items=B * P, work=B * N * F * M,
-                  limit=config.knob_int("CPU_CHUNKED_SERIAL_MAX_WORK"), force=True if seq_parallel is True else None)
+                  limit="CPU_CHUNKED_SERIAL_MAX_WORK", force=True if seq_parallel is True else None)
     wt = work_dtype(q.dtype)
     norm = norm_mode(eps, normalize)
     qk, kk, vk = (as_kernel_array(np.ascontiguousarray(x)) for x in (q, k, v))

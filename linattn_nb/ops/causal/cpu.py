@@ -104,7 +104,7 @@ def causal_scan(q, k, v, H, out, *, code, eps, inputs=None, check_finite=False, 
     norm = norm_mode(eps, normalize)
     qk, kk, vk, o = (as_kernel_array(x) for x in (q, k, v, out))  # float16: uint16 bits, converted per element
     kernel = pick(causal_scan_kernel_serial, causal_scan_kernel, items=B, work=B * N * F * M,
-                  limit=config.knob_int("CPU_CHUNKED_SERIAL_MAX_WORK"))
+                  limit="CPU_CHUNKED_SERIAL_MAX_WORK")
     flags = new_flags(B)
     kernel(qk, kk, vk, H, o, np.int64(code), float(eps if eps is not None else 0.0), np.int64(norm), rule,
            lg, flags)

@@ -95,7 +95,7 @@ def pick_kernel(serial, parallel, fq, A, VW, weight=1):
     compile the parallel kernels, about twice the serial one's compile time."""
     B, N, F = fq.shape
     work = B * N * max(1, A.shape[2]) * F * (VW.shape[3] + 1) * weight
-    return pick(serial, parallel, items=B, work=work, limit=config.knob_int("CPU_CHUNKED_SERIAL_MAX_WORK"))
+    return pick(serial, parallel, items=B, work=work, limit="CPU_CHUNKED_SERIAL_MAX_WORK")
 
 
 def dplr_scan(fq, ld, A, Bv, KW, VW, H, out, norm, eps):

@@ -121,7 +121,7 @@ def _run_scan(rule, qf, kf, v1, H0, g1, dHN, lg, L):
     outs = _outputs(rule, B, N, F, M1, qf.dtype)
     ck = np.empty((B, -(-N // L), F, M1))
     kernel = pick(scan_backward_kernel_serial, scan_backward_kernel, items=B, work=B * N * F * M1,
-                  limit=config.knob_int("CPU_CHUNKED_SERIAL_MAX_WORK"))
+                  limit="CPU_CHUNKED_SERIAL_MAX_WORK")
     kernel(qf, kf, v1, H0, g1, H0 if dHN is None else dHN, dHN is not None, rule, lg, np.int64(L), ck, *outs)
     return _result(rule, *outs)
 
@@ -171,7 +171,7 @@ def backward_chunked(qf, kf, v1, H0, g1, dHN=None, *, inputs=None, rule=RULE_ADD
     dq, dk, dv, dH0, dfac, _ = outs
     ck = np.empty((B, -(-N // C) if rule != RULE_ADDITIVE else 0, F, M1), qf.dtype)
     kernel = pick(chunked_backward_kernel_serial, chunked_backward_kernel, items=B, work=B * N * F * M1,
-                  limit=config.knob_int("CPU_CHUNKED_SERIAL_MAX_WORK"))
+                  limit="CPU_CHUNKED_SERIAL_MAX_WORK")
     with single_threaded_blas(kernel is chunked_backward_kernel):
         kernel(qf, kf, v1, H0, g1, H0 if dHN is None else dHN, dHN is not None, rule, lg, np.int64(C), ck,
                dq, dk, dv, dH0, dfac, np.empty(0, qf.dtype), *_no_norm(qf.dtype), *_no_maps(qf.dtype), False)
@@ -220,7 +220,7 @@ def _run_chunked_gate_norm(qf, kf, v1, H0, g, g1, dHN, lg, C, eps, maps, log_gra
     ck = _empty(empty)("ck", (B, -(-N // C), F, M1), qf.dtype)
     flags = np.zeros((B, 2), np.bool_)
     kernel = pick(chunked_backward_kernel_serial, chunked_backward_kernel, items=B, work=B * N * F * M1,
-                  limit=config.knob_int("CPU_CHUNKED_SERIAL_MAX_WORK"))
+                  limit="CPU_CHUNKED_SERIAL_MAX_WORK")
     with single_threaded_blas(kernel is chunked_backward_kernel):
         kernel(qf, kf, v1, H0, g1, H0 if dHN is None else dHN, dHN is not None, RULE_GATE, lg, np.int64(C), ck,
                dq, dk, dv, dH0, dfac, np.empty(0, qf.dtype), g, float(eps if eps is not None else 0.0),
@@ -304,7 +304,7 @@ def _run_chunked_delta(rule, qf, kf, v1, H0, g1, dHN, lg, C, have=None, norm=Non
         check_chunk_arrays("saved", (("ck", ck, (B, P, F, M1)), ("Ys", Ys, (B, P, Cw, M1)),
                                      ("KKs", KKs, (B, P, Cw, Cw))), wt, C)
     kernel = pick(delta_backward_kernel_serial, delta_backward_kernel, items=B, work=B * N * F * M1,
-                  limit=config.knob_int("CPU_CHUNKED_SERIAL_MAX_WORK"))
+                  limit="CPU_CHUNKED_SERIAL_MAX_WORK")
     with single_threaded_blas(kernel is delta_backward_kernel):
         kernel(qf, kf, v1, H0, g1, H0 if dHN is None else dHN, dHN is not None, rule, lg, np.int64(C), ck,
                Ys, KKs, have is not None, *outs, np.empty(0, wt), g, float(eps if eps is not None else 0.0),
@@ -366,7 +366,7 @@ def _run_decay_carry(qf, kf, v1, H0, g, g1, dHN, lg, C, bs, eps, flags, maps, em
     kept = _empty(empty)("anchors", (B, count, F, M1), wt)
     dq, dk, dv, dH0, dfac, dbeta = _outputs(RULE_DECAY, B, N, F, M1, wt)
     kernel = pick(decay_backward_kernel_serial, decay_backward_kernel, items=B, work=B * N * F * M1,
-                  limit=config.knob_int("CPU_CHUNKED_SERIAL_MAX_WORK"))
+                  limit="CPU_CHUNKED_SERIAL_MAX_WORK")
     with single_threaded_blas(kernel is decay_backward_kernel):
         kernel(qf, kf, v1, g, H0, H0 if dHN is None else dHN, dHN is not None, lg, np.int64(C), np.int64(bs),
                kept, slot, float(eps) if eps is not None else 0.0, eps is not None, g1, dq, dk, dv, dH0, dfac,
@@ -483,7 +483,7 @@ def backward_chunked_normalized(qf, kf, v1, H0, g, dHN=None, *, eps=None, chunk=
     dq, dk, dv, dH0, dfac, dbeta = _outputs(RULE_ADDITIVE, B, N, F, M1, wt)
     flags = np.zeros((B, 2), np.bool_)
     kernel = pick(normalized_backward_kernel_serial, normalized_backward_kernel, items=B, work=B * N * F * M1,
-                  limit=config.knob_int("CPU_CHUNKED_SERIAL_MAX_WORK"))
+                  limit="CPU_CHUNKED_SERIAL_MAX_WORK")
     with single_threaded_blas(kernel is normalized_backward_kernel):
         kernel(qf, kf, v1, g, H0, H0 if dHN is None else dHN, dHN is not None, float(eps) if floor else 0.0,
                floor, np.int64(C), np.int64(bs), g1, dq, dk, dv, dH0, flags, *margs, np.empty(0, wt))

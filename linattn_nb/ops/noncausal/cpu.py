@@ -132,7 +132,7 @@ def noncausal_aggregate(q, k, v, H, out, *, code, eps, inputs=None, check_finite
         pieces = segments(B, -(-N // block), threads=numba.get_num_threads())
     pieces = int(pieces)
     kernel = pick(noncausal_kernel_serial, noncausal_kernel, items=B * pieces, work=B * N * F * M,
-                  limit=config.knob_int("CPU_CHUNKED_SERIAL_MAX_WORK"))
+                  limit="CPU_CHUNKED_SERIAL_MAX_WORK")
     wt = work_dtype(q.dtype)
     norm = norm_mode(eps, normalize)
     qk, kk, vk = (as_kernel_array(np.ascontiguousarray(x)) for x in (q, k, v))

@@ -123,7 +123,7 @@ def softmax_blocked(q, k, v, out, *, causal, scale, block_q=None, block_k=None, 
     B, N, D = q.shape
     work = B * N * N * (D + v.shape[2]) // (2 if causal else 1)
     kernel = pick(softmax_kernel_serial, softmax_kernel, items=B * -(-N // block_q), work=work,
-                  limit=config.SOFTMAX_SERIAL_MAX_WORK)
+                  limit="SOFTMAX_SERIAL_MAX_WORK")
     flags = new_flags(B * -(-N // block_q))
     with single_threaded_blas(kernel is softmax_kernel):  # np.dot inside prange: OpenBLAS off its own threads
         kernel(q, k, v, out, float(scale), bool(causal), np.int64(block_q), np.int64(block_k), flags)

@@ -274,7 +274,7 @@ additive_step_serial, additive_step_parallel = serial_and_parallel(_additive_ste
 
 def _pick_twin(serial, parallel, b, t, m, f):
     """``serial`` below ``config.STEP_PARALLEL_MIN_WORK`` multiply-adds (b t m f), else ``parallel``."""
-    return pick(serial, parallel, items=b, work=b * t * m * f, limit=config.STEP_PARALLEL_MIN_WORK)
+    return pick(serial, parallel, items=b, work=b * t * m * f, limit="STEP_PARALLEL_MIN_WORK")
 
 
 def pick_kernel(b, t, m, f):
@@ -631,7 +631,7 @@ kv_step_serial, kv_step_parallel = serial_and_parallel(_kv_step, fastmath=config
 def pick_kv_kernel(b, t, length, d, m):
     """Serial below ``config.KV_PARALLEL_MIN_WORK`` multiply-adds, else parallel."""
     return pick(kv_step_serial, kv_step_parallel, items=b, work=b * t * length * (d + m),
-                limit=config.KV_PARALLEL_MIN_WORK)
+                limit="KV_PARALLEL_MIN_WORK")
 
 
 @parallel_entry
@@ -642,6 +642,6 @@ def kv_attend(q, K, V, length, out, *, scale, causal_new, block=None):
         raise ValueError(f"block must be >= 1, got {block}")
     B, T, D = q.shape
     kern = pick(kv_attend_serial, kv_attend_parallel, items=B, work=B * T * int(length) * (D + V.shape[2]),
-                limit=config.KV_PARALLEL_MIN_WORK)
+                limit="KV_PARALLEL_MIN_WORK")
     kern(q, K, V, np.int64(length), bool(causal_new), out, float(scale), np.int64(block))
     return out
